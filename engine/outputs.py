@@ -1,0 +1,91 @@
+"""What the engine returns: vLLM's ``RequestOutput`` and ``CompletionOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token (natural log, from the model's raw
+    distribution before temperature, penalties and top-k/top-p).
+
+    ``rank`` is 1 for the most likely token. ``decoded_token`` is the token's
+    text (may be a partial UTF-8 sequence, rendered as-is)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str = ""
+
+
+# One generated (or prompt) position: {token_id: Logprob}; the sampled token is
+# always present, plus the top-k when requested.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    """One choice (``index``) of a request.
+
+    In delta mode (``AsyncEngine.generate``) ``text``, ``token_ids`` and
+    ``logprobs`` hold only what is new since the previous output for this
+    index; in final mode (``LLM.generate``) they are cumulative.
+
+    Attributes:
+        index: OpenAI choice index, 0..n-1.
+        text: decoded text (stop strings removed unless asked for).
+        token_ids: generated token ids.
+        logprobs: one entry per token in ``token_ids`` when requested, else None.
+        finish_reason: None while running, else "stop", "length" or "abort".
+        stop_reason: the stop string or stop token id that ended it, if any.
+        num_generated_tokens: total tokens generated so far for this index
+            (cumulative in both modes).
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_generated_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps, ``time.monotonic()`` seconds."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The engine's answer for one client request (all of its ``n`` choices).
+
+    Attributes:
+        request_id: the client's request id (the parent id when n > 1).
+        prompt: the prompt text when it was given as text.
+        prompt_token_ids: the prompt, tokens.
+        prompt_logprobs: per prompt position (None for the first) when requested.
+        outputs: the choices with news (delta mode) or all choices (final mode).
+        finished: True once every choice has finished.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        metrics: timestamps.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

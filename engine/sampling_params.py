@@ -1,0 +1,130 @@
+"""Sampling parameters, with vLLM's names, defaults and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completion(s).
+
+    Names and defaults follow vLLM's ``SamplingParams``. Every field is
+    validated in ``__post_init__``; a bad value raises ``ValueError`` whose
+    message starts with the parameter's name.
+
+    Attributes:
+        n: number of completions (choices) for the prompt, >= 1. Children share
+            the prompt's KV blocks (copy-on-write).
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_p: nucleus sampling mass in (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 disables.
+        min_p: drop tokens whose probability is below ``min_p`` times the top
+            token's probability; in [0, 1].
+        presence_penalty, frequency_penalty: OpenAI's additive penalties over
+            generated tokens, in [-2, 2].
+        repetition_penalty: multiplicative penalty (CTRL paper, Keskar et al.
+            2019) over prompt and generated tokens, > 0; 1 disables.
+        seed: seeds this request's own generator, so its output does not
+            depend on what it is batched with.
+        max_tokens: maximum new tokens per completion (None: up to
+            ``max_model_len``).
+        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many
+            tokens were generated.
+        stop: strings that end the completion; not included in the text unless
+            ``include_stop_str_in_output``.
+        stop_token_ids: token ids that end the completion (kept in token ids,
+            not in the text).
+        ignore_eos: keep generating past EOS.
+        logprobs: number of top log-probabilities per generated token (0-20;
+            the sampled token's is always returned when not None).
+        prompt_logprobs: number of top log-probabilities per prompt token.
+        skip_special_tokens: drop special tokens from the text.
+        spaces_between_special_tokens: kept for vLLM compatibility.
+
+    Raises:
+        ValueError: a parameter is out of range; the message names it.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+
+    def _verify(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {msg}")
+
+        check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
+              f"must be >= 0, got {self.temperature!r}")
+        check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+              f"must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
+        check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+              f"must be in [-2, 2], got {self.presence_penalty!r}")
+        check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+              f"must be in [-2, 2], got {self.frequency_penalty!r}")
+        check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+              f"must be > 0, got {self.repetition_penalty!r}")
+        check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+              f"must be at least 1, got {self.max_tokens!r}")
+        check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+              f"must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None:
+            check(self.min_tokens <= self.max_tokens, "min_tokens",
+                  f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "must be non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            check(v is None or (_is_int(v) and 0 <= v <= _MAX_LOGPROBS), name,
+                  f"must be an integer in [0, {_MAX_LOGPROBS}], got {v!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    @property
+    def max_stop_len(self) -> int:
+        """Length in characters of the longest stop string (0 when none)."""
+        return max((len(s) for s in self.stop), default=0)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -1,0 +1,64 @@
+"""What the scheduler hands the model runner for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The model runner computes the tokens
+    ``request.all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]``
+    at positions ``num_computed_tokens ...``, writes their keys and values to
+    the slots given by ``block_ids`` (the request's whole block table, already
+    long enough), and attends over the first ``num_computed_tokens +
+    num_new_tokens`` tokens. It samples a token for this request only when
+    ``sample`` is True (the chunk reaches the end of the known tokens).
+
+    Attributes:
+        request: the request (not mutated by the model runner).
+        num_computed_tokens: tokens already in the cache before this step.
+        num_new_tokens: tokens to compute this step (>= 1).
+        block_ids: the request's block table (physical block ids), in order.
+        sample: whether to sample a next token from the last position.
+    """
+
+    request: Request
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_ids: list[int]
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch, in batch order (running requests first).
+
+    Before the forward pass the model runner applies, in this order:
+    ``blocks_to_swap_out`` (device block -> CPU block), ``blocks_to_swap_in``
+    (CPU block -> device block), then ``blocks_to_copy`` (copy-on-write,
+    src device block -> dst device block).
+
+    Attributes:
+        scheduled: requests in this step with their token counts.
+        num_batched_tokens: sum of ``num_new_tokens``.
+        blocks_to_copy: (src, dst) device block pairs.
+        blocks_to_swap_out: (device block, cpu block) pairs.
+        blocks_to_swap_in: (cpu block, device block) pairs.
+        preempted: requests preempted in this step (for metrics).
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out
