@@ -1,0 +1,371 @@
+"""Batched token sampling: logits processors, the exponential race, logprobs.
+
+One call of ``Sampler.sample`` handles a whole step's batch in a single pass:
+
+1. ``raw_logprobs = log_softmax(logits)`` when some row asks for logprobs.
+   Logprobs are always taken from the model's RAW distribution, before
+   penalties, ``min_tokens``, temperature, top-k, top-p and min-p (vLLM v1's
+   default ``raw_logprobs`` mode). The sampled token's logprob therefore does
+   not depend on ``logprobs`` (k) nor on the sampling parameters.
+2. Penalties (rows that use them only, all rows incl. greedy ones, as vLLM):
+   repetition penalty over prompt + output tokens (CTRL, Keskar et al. 2019,
+   Hugging Face semantics: a positive logit is divided by it, a negative one
+   multiplied), then OpenAI's frequency and presence penalties over output
+   tokens (``logit -= count * frequency + (count > 0) * presence``).
+3. ``min_tokens``: while ``num_output_tokens < min_tokens`` the EOS token
+   (unless ``ignore_eos``) and ``stop_token_ids`` get ``-inf``.
+4. Greedy rows (temperature 0, or below 1e-5): argmax of the processed
+   logits (penalties and min_tokens apply to greedy rows too, as in vLLM).
+5. Random rows: divide by temperature, then top-k, top-p (nucleus, Holtzman
+   et al. 2019: keep the smallest set of most likely tokens whose mass
+   reaches top_p) and min-p (drop tokens with ``p < min_p * p_max``), then
+   sample by the exponential race: ``argmax(probs / E)`` with
+   ``E ~ Exponential(1)`` i.i.d. per token, which draws index i with
+   probability ``probs[i]`` (equivalent to the Gumbel-max trick).
+   A seeded request draws ``E`` from its own ``torch.Generator`` (seed
+   ``sampling_params.seed + request.index``), kept across steps until
+   ``free(request_id)``, so its tokens do not depend on its batch-mates;
+   unseeded rows share one draw from the sampler's generator.
+
+The only host synchronisation of a step is one ``.tolist()`` at the end
+(token ids and logprobs are packed into one float64 tensor first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import Logprob, PositionLogprobs
+from engine.request import Request
+
+_U64 = (1 << 64) - 1
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them
+# would overflow the logits.
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplerOutput:
+    """What one ``Sampler.sample`` call produced.
+
+    Attributes:
+        token_ids: one sampled token id per logits row.
+        logprobs: per row, ``{token_id: Logprob}`` (the sampled token first,
+            then the top ``sampling_params.logprobs`` tokens) when the row's
+            request asked for logprobs, else None. ``decoded_token`` is left
+            "" (the engine fills it, see ``engine.detokenizer.decode_token``).
+    """
+
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+
+
+class Sampler:
+    """Samples the next token of every row of a batch's logits.
+
+    Args:
+        vocab_size: the model's vocabulary size (logits' last dimension may
+            be padded larger; the logits' own width is what is used).
+        device: where logits live; per-request generators are created there.
+        seed: seed of the generator used for unseeded rows (None: torch's
+            default generator, e.g. seeded by ``torch.manual_seed``).
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device, seed: int | None = None):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._generator: torch.Generator | None = None
+        if seed is not None:
+            self._generator = torch.Generator(device=self.device)
+            self._generator.manual_seed(seed & _U64)
+        self._seeded: dict[str, torch.Generator] = {}
+
+    def free(self, request_id: str) -> None:
+        """Forget a finished (or aborted) request's generator; no-op if none."""
+        self._seeded.pop(request_id, None)
+
+    def _request_generator(self, request: Request) -> torch.Generator:
+        gen = self._seeded.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed((request.sampling_params.seed + request.index) & _U64)
+            self._seeded[request.request_id] = gen
+        return gen
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Sample one token per row.
+
+        Args:
+            logits: ``[num_rows, vocab]`` float32 (other float dtypes are
+                upcast), raw model output; not modified.
+            requests: ``requests[i]`` owns row ``i``; its ``prompt_token_ids``,
+                ``output_token_ids`` (tokens generated before this step),
+                ``eos_token_id`` and ``sampling_params`` are read.
+
+        Returns:
+            ``SamplerOutput`` with one token id per row (and logprobs where
+            asked).
+
+        Raises:
+            ValueError: ``logits`` is not 2-D or its row count differs from
+                ``len(requests)``.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(f"logits must be [num_rows={len(requests)}, vocab], got {tuple(logits.shape)}")
+        num_rows = len(requests)
+        if num_rows == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        device = logits.device
+        logits = logits.float()
+        params = [r.sampling_params for r in requests]
+
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = None
+        if lp_rows:
+            lp_logits = logits if len(lp_rows) == num_rows else logits[_to_device(lp_rows, torch.long, device)]
+            raw_logprobs = torch.log_softmax(lp_logits, dim=-1)
+
+        logits = _apply_penalties(logits, requests)
+        logits = _apply_min_tokens(logits, requests)
+
+        greedy = [p.temperature < _SAMPLING_EPS for p in params]
+        random_rows = [i for i, g in enumerate(greedy) if not g]
+        if not random_rows:
+            token_ids = logits.argmax(dim=-1)
+        elif len(random_rows) == num_rows:
+            token_ids = self._sample_random(logits, requests)
+        else:
+            idx = _to_device(random_rows, torch.long, device)
+            sampled = self._sample_random(logits[idx], [requests[i] for i in random_rows])
+            token_ids = logits.argmax(dim=-1).index_copy(0, idx, sampled)
+
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids=token_ids.tolist(), logprobs=[None] * num_rows)
+
+        k = min(max(params[i].logprobs for i in lp_rows), logits.shape[-1])
+        chosen = token_ids if len(lp_rows) == num_rows else token_ids[_to_device(lp_rows, torch.long, device)]
+        packed = _pack_logprobs(raw_logprobs, chosen, k)
+        flat = torch.cat([token_ids.double(), packed.flatten()]).tolist()  # the one host sync
+        ids = [int(t) for t in flat[:num_rows]]
+        rows = _unpack_logprobs(flat[num_rows:], len(lp_rows), k, [min(params[i].logprobs, k) for i in lp_rows])
+        logprobs: list[PositionLogprobs | None] = [None] * num_rows
+        for i, row in zip(lp_rows, rows):
+            logprobs[i] = row
+        return SamplerOutput(token_ids=ids, logprobs=logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p and the exponential race.
+
+        Args:
+            logits: ``[n, vocab]`` float32 (penalties already applied).
+            requests: the n rows' requests, all with temperature > 0.
+
+        Returns:
+            ``[n]`` int64 sampled token ids (on the logits' device).
+        """
+        device = logits.device
+        n, vocab = logits.shape
+        params = [r.sampling_params for r in requests]
+        x = logits / _to_device([p.temperature for p in params], torch.float32, device).unsqueeze(1)
+
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        if any(top_k) or any(p < 1.0 for p in top_p):
+            x = _apply_top_k_top_p(x, top_k, top_p)  # only these rows are sorted
+        probs = torch.softmax(x, dim=-1)
+        if any(min_p):
+            mp = _to_device(min_p, torch.float32, device).unsqueeze(1)
+            probs = probs.masked_fill(probs < mp * probs.amax(dim=-1, keepdim=True), 0.0)
+
+        # Exponential race: one Exponential(1) draw per (row, token).
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        # E = -log(U), U ~ Uniform[0, 1): several times faster than exponential_ on CPU.
+        # U = 0 gives E = inf, i.e. that token cannot win (probability 2^-24).
+        noise = torch.empty_like(probs)
+        if len(unseeded) == n:
+            noise.uniform_(generator=self._generator)
+        elif unseeded:
+            draw = torch.empty((len(unseeded), vocab), device=device).uniform_(generator=self._generator)
+            noise.index_copy_(0, _to_device(unseeded, torch.long, device), draw)
+        for i in seeded:
+            noise[i].uniform_(generator=self._request_generator(requests[i]))
+        noise.log_().neg_()
+        return (probs / noise).argmax(dim=-1)
+
+
+def prompt_logprobs(logits: torch.Tensor, target_ids: list[int], k: int) -> list[PositionLogprobs]:
+    """Logprobs of the prompt tokens (OpenAI's ``echo`` + logprobs, vLLM's
+    ``prompt_logprobs``), from the raw distribution.
+
+    Args:
+        logits: ``[num_positions, vocab]`` float32; row i is the model's
+            prediction for ``target_ids[i]`` (the token after position i).
+        target_ids: the actual next tokens, ``len == num_positions``.
+        k: number of top logprobs per position (0: only the target's).
+
+    Returns:
+        One ``{token_id: Logprob}`` per position: the target first (with its
+        rank), then the top-k.
+
+    Raises:
+        ValueError: shapes disagree.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(target_ids):
+        raise ValueError(f"logits must be [{len(target_ids)}, vocab], got {tuple(logits.shape)}")
+    if not target_ids:
+        return []
+    with torch.inference_mode():
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        targets = torch.tensor(target_ids, dtype=torch.long).to(logits.device)
+        k = min(k, raw.shape[-1])
+        flat = _pack_logprobs(raw, targets, k).flatten().tolist()
+    return _unpack_logprobs(flat, len(target_ids), k, [k] * len(target_ids))
+
+
+def _pack_logprobs(raw: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
+    """``[n, 3 + 2k]`` float64: chosen id, its logprob, its rank (1 = most
+    likely: 1 + number of tokens with a strictly larger logprob), then k top
+    ids and k top logprobs. Ids are exact in float64."""
+    chosen_lp = raw.gather(1, chosen.unsqueeze(1))
+    rank = (raw > chosen_lp).sum(dim=-1, keepdim=True) + 1
+    cols = [chosen.unsqueeze(1).double(), chosen_lp.double(), rank.double()]
+    if k > 0:
+        top = raw.topk(k, dim=-1)
+        cols += [top.indices.double(), top.values.double()]
+    return torch.cat(cols, dim=1)
+
+
+def _unpack_logprobs(flat: list[float], n: int, k: int, ks: list[int]) -> list[PositionLogprobs]:
+    width = 3 + 2 * k if k > 0 else 3
+    out: list[PositionLogprobs] = []
+    for r in range(n):
+        row = flat[r * width:(r + 1) * width]
+        entry: PositionLogprobs = {int(row[0]): Logprob(logprob=row[1], rank=int(row[2]))}
+        for j in range(ks[r]):
+            tid = int(row[3 + j])
+            if tid not in entry:
+                entry[tid] = Logprob(logprob=row[3 + k + j], rank=j + 1)
+        out.append(entry)
+    return out
+
+
+def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Repetition (over prompt + output), then frequency and presence (over
+    output) penalties, on the rows whose request uses any. Out of place."""
+    rows = [i for i, r in enumerate(requests) if _has_penalty(r)]
+    if not rows:
+        return logits
+    device = logits.device
+    vocab = logits.shape[-1]
+    reqs = [requests[i] for i in rows]
+    idx = _to_device(rows, torch.long, device)
+    x = logits[idx]
+
+    rep = [r.sampling_params.repetition_penalty for r in reqs]
+    if any(p != 1.0 for p in rep):
+        seen = _token_mask([r.all_token_ids for r in reqs], vocab, device)
+        rp = _to_device(rep, torch.float32, device).unsqueeze(1).expand_as(x)
+        penalised = torch.where(x > 0, x / rp, x * rp)
+        x = torch.where(seen, penalised, x)
+
+    freq = [r.sampling_params.frequency_penalty for r in reqs]
+    pres = [r.sampling_params.presence_penalty for r in reqs]
+    if any(freq) or any(pres):
+        counts = _token_counts([r.output_token_ids for r in reqs], vocab, device)
+        x = x - counts * _to_device(freq, torch.float32, device).unsqueeze(1)
+        x = x - (counts > 0).float() * _to_device(pres, torch.float32, device).unsqueeze(1)
+
+    return logits.index_copy(0, idx, x)
+
+
+def _has_penalty(r: Request) -> bool:
+    p = r.sampling_params
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """``-inf`` on EOS (unless ignore_eos) and stop_token_ids for rows with
+    fewer than ``min_tokens`` output tokens. Out of place."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vocab = logits.shape[-1]
+    for i, r in enumerate(requests):
+        p = r.sampling_params
+        if r.num_output_tokens >= p.min_tokens:
+            continue
+        banned = set(p.stop_token_ids)
+        if r.eos_token_id is not None and not p.ignore_eos:
+            banned.add(r.eos_token_id)
+        for t in sorted(banned):
+            if t < vocab:
+                rows.append(i)
+                cols.append(t)
+    if not rows:
+        return logits
+    device = logits.device
+    return logits.index_put((_to_device(rows, torch.long, device), _to_device(cols, torch.long, device)),
+                            torch.tensor(float("-inf"), device=device))
+
+
+def _apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (``-inf``) tokens outside each row's top-k (0 = off) and outside
+    its nucleus (top_p = 1: off). Out of place.
+
+    Only the rows that use either are touched. When each of them has a top-k,
+    the candidates come from one ``topk(max k)`` (cheap); otherwise from one
+    descending sort of those rows (a vocabulary-wide sort is the expensive
+    part of sampling on CPU)."""
+    device = x.device
+    vocab = x.shape[-1]
+    rows = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k or p < 1.0]
+    ks = [min(top_k[i], vocab) if top_k[i] else vocab for i in rows]
+    ps = [top_p[i] for i in rows]
+    all_rows = len(rows) == x.shape[0]
+    idx = None if all_rows else _to_device(rows, torch.long, device)
+    sub = x if all_rows else x[idx]
+    width = max(ks)
+    if width < vocab:
+        sorted_x, order = sub.topk(width, dim=-1)  # sorted, descending
+    else:
+        sorted_x, order = sub.sort(dim=-1, descending=True)
+    k = _to_device(ks, torch.long, device).unsqueeze(1)
+    mask = torch.arange(width, device=device).unsqueeze(0) >= k
+    if any(p < 1.0 for p in ps):
+        probs = torch.softmax(sorted_x.masked_fill(mask, float("-inf")), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        p = _to_device(ps, torch.float32, device).unsqueeze(1)
+        mask |= (mass_before >= p) & (p < 1.0)
+    mask[:, 0] = False  # the most likely token always survives
+    kept = torch.full_like(sub, float("-inf")).scatter(1, order, sorted_x.masked_fill(mask, float("-inf")))
+    return kept if all_rows else x.index_copy(0, idx, kept)
+
+
+def _token_mask(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[len(token_lists), vocab]`` bool: True where the token occurs."""
+    return _token_counts(token_lists, vocab, device) > 0
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[len(token_lists), vocab]`` float32 occurrence counts."""
+    width = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros((len(token_lists), vocab + 1), dtype=torch.float32, device=device)
+    if width == 0:
+        return counts[:, :vocab]
+    padded = [list(t) + [vocab] * (width - len(t)) for t in token_lists]
+    ids = _to_device(padded, torch.long, device).clamp_(0, vocab)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list to a tensor on ``device`` without a blocking copy (pinned
+    memory + non_blocking on CUDA)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
