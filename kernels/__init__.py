@@ -1,5 +1,16 @@
 """Attention kernels: Triton on CUDA, PyTorch on CPU.
 
+    backend = get_attention_backend("auto", device)   # "triton" on CUDA, "torch" elsewhere
+    backend.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    backend.paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
+
+Modules: torch_attention (CPU path), triton_attention (Triton kernels; on CPU
+only in Triton's interpreter, TRITON_INTERPRET=1 set before triton is
+imported), reference (float64 references for tests), bench (GPU check and
+benchmark), bench_cpu (CPU path vs the first per-sequence loop),
+compile_check (compile the Triton kernels for sm_90 without a GPU).
+triton is imported only when the "triton" backend is asked for.
+
 OpenMP's busy-wait policy must be set before torch is imported: on a 2-core
 machine an actively spinning OpenMP pool fights every other process and decode
 fell from 14 to 1.8 tok/s when anything else ran.
@@ -8,3 +19,63 @@ fell from 14 to 1.8 tok/s when anything else ran.
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from dataclasses import dataclass  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import torch  # noqa: E402
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The two attention kernels of one implementation.
+
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None
+    paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
+                    block_tables, scale, out=None) -> Tensor
+    Shapes and semantics: kernels/torch_attention.py.
+    """
+
+    name: str
+    reshape_and_cache: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+
+
+def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """Pick the attention kernels for ``device``.
+
+    Args:
+        name: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton".
+        device: where the caches and activations live.
+
+    Raises:
+        ValueError: unknown name.
+        RuntimeError: "triton" on a non-CUDA device without TRITON_INTERPRET=1
+            (Triton's interpreter), or Triton not installed.
+    """
+    device = torch.device(device)
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from kernels import torch_attention
+
+        return AttentionBackend("torch", torch_attention.reshape_and_cache, torch_attention.paged_attention)
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+        raise RuntimeError(
+            f"the 'triton' attention backend needs a CUDA device (got {device}); "
+            "set TRITON_INTERPRET=1 to run it in Triton's interpreter, or use 'torch'"
+        )
+    try:
+        from kernels import triton_attention
+    except ImportError as e:  # pragma: no cover - triton is a dependency on linux x86_64
+        raise RuntimeError(f"the 'triton' attention backend needs the triton package: {e}") from e
+    if device.type != "cuda" and not triton_attention.interpreter_active():
+        raise RuntimeError(
+            "the 'triton' attention backend on CPU needs Triton's interpreter, but triton was imported "
+            "before TRITON_INTERPRET=1 was set; set it before anything imports triton"
+        )
+    return AttentionBackend("triton", triton_attention.reshape_and_cache, triton_attention.paged_attention)

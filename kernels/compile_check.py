@@ -1,0 +1,103 @@
+"""Compile the Triton kernels for a CUDA target without a GPU.
+
+    python -m kernels.compile_check [--arch 90]
+
+Runs Triton's full compiler pipeline (TTIR, TTGIR, LLVM IR, PTX and, with the
+ptxas bundled in the triton wheel, a cubin) for the configurations the engine
+and kernels/bench.py launch, so that errors the interpreter cannot see (types
+of loop-carried variables, layouts, unsupported ops) show up on a CPU-only
+machine. Must run with TRITON_INTERPRET unset (before triton is imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+
+from kernels import triton_attention
+
+
+def _signature(fn, pointer_types: dict[str, str]) -> dict[str, str]:
+    """Triton signature: pointers as given, UPPERCASE arguments constexpr, other scalars i32/fp32."""
+    sig = {}
+    for name in inspect.signature(fn).parameters:
+        if name.isupper():
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = pointer_types[name]
+        elif name == "scale_log2":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def configurations():
+    """(kernel name, pointer types, constexprs) for each variant to compile."""
+    out = []
+    for dtype in ("bf16", "fp32"):  # fp16 takes the bf16 path
+        for heads, kv_heads, head_dim in ((32, 8, 128), (9, 3, 64)):
+            for splits in (1, 4):
+                group = heads // kv_heads
+                group_pad = 1 << (group - 1).bit_length()
+                block_m = max(16, group_pad)
+                ptrs = dict(
+                    q_ptr=f"*{dtype}",
+                    k_cache_ptr=f"*{dtype}",
+                    v_cache_ptr=f"*{dtype}",
+                    out_ptr=f"*{dtype}" if splits == 1 else "*fp32",
+                    lse_ptr="*fp32",
+                    block_tables_ptr="*i32",
+                    seq_lens_ptr="*i32",
+                    query_start_loc_ptr="*i32",
+                )
+                consts = dict(
+                    NUM_QUERIES_PER_KV=group,
+                    GROUP_PAD=group_pad,
+                    BLOCK_Q=block_m // group_pad,
+                    BLOCK_M=block_m,
+                    HEAD_DIM=head_dim,
+                    BLOCK_SIZE=16,
+                    TILE_N=triton_attention.DEFAULT_TILE_N,
+                    NUM_SPLITS=splits,
+                    DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+                )
+                out.append(("_unified_attention_kernel", ptrs, consts))
+        out.append((
+            "_merge_splits_kernel",
+            dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{dtype}"),
+            dict(NUM_SPLITS=4, HEAD_DIM=128, BLOCK_R=16),
+        ))
+        out.append((
+            "_reshape_and_cache_kernel",
+            dict(key_ptr=f"*{dtype}", value_ptr=f"*{dtype}", key_cache_ptr=f"*{dtype}", value_cache_ptr=f"*{dtype}",
+                 slot_mapping_ptr="*i64"),
+            dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_T=8, BLOCK_HD=1024),
+        ))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compile every configuration; print one line each; exit 1 on the first failure."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 80, 90")
+    args = p.parse_args(argv)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if triton_attention.interpreter_active():
+        print("TRITON_INTERPRET must be unset to compile", file=sys.stderr)
+        return 2
+    target = GPUTarget("cuda", args.arch, 32)
+    for name, ptrs, consts in configurations():
+        fn = triton_attention._jit(name, False)
+        src = ASTSource(fn=fn, signature=_signature(getattr(triton_attention, name), ptrs), constexprs=consts)
+        kernel = triton.compile(src, target=target)
+        print(f"{name} {next(iter(ptrs.values()))} {consts}: {', '.join(kernel.asm)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
