@@ -1,0 +1,107 @@
+"""Load a model, its tokenizer and its shape from a ``.gguf`` file or a HF directory."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from engine.model_config import ModelConfig
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": torch.bfloat16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """torch dtype for ``EngineArgs.dtype`` ("auto" = bfloat16).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    """torch device for ``EngineArgs.device`` ("auto" = cuda if available, else cpu).
+
+    Raises:
+        ValueError: "cuda" requested but CUDA is not available.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    return device
+
+
+def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
+    """Build the model described by ``args.model`` on ``args.device`` in ``args.dtype``.
+
+    ``args.model`` is a ``.gguf`` file (architectures llama, qwen2) or a HF
+    directory (config.json + *.safetensors + tokenizer.json; architectures
+    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM). Sets
+    ``torch.set_num_threads(args.num_threads)`` when given.
+
+    Returns:
+        (model in eval mode, tokenizer, model config).
+
+    Raises:
+        FileNotFoundError: the path or a needed file is missing.
+        ValueError: corrupt file, unsupported architecture or tensor type.
+        MemoryError: the weights do not fit on the device.
+    """
+    from engine.model_loader.gguf_loader import gguf_model_config, gguf_weights, open_gguf
+    from engine.model_loader.hf import hf_model_config, hf_weights
+    from engine.models.llama import LlamaForCausalLM
+
+    if getattr(args, "num_threads", None):
+        torch.set_num_threads(args.num_threads)
+    path = args.model
+    dtype = resolve_dtype(args.dtype)
+    device = resolve_device(args.device)
+    t0 = time.perf_counter()
+    if os.path.isdir(path):
+        config = hf_model_config(path)
+        weights = hf_weights(path)
+        tokenizer = Tokenizer.from_hf_dir(path)
+    elif os.path.isfile(path):
+        reader = open_gguf(path)
+        config = gguf_model_config(reader, path)
+        tokenizer = Tokenizer.from_gguf(path, reader=reader)
+        weights = gguf_weights(reader, config, path)
+        if not config.name:
+            config.name = os.path.basename(path).removesuffix(".gguf")
+    else:
+        raise FileNotFoundError(f"model {path!r}: no such file or directory")
+    if config.eos_token_id is None:
+        config.eos_token_id = tokenizer.eos_token_id
+    if config.bos_token_id is None:
+        config.bos_token_id = tokenizer.bos_token_id
+
+    from kernels import get_attention_backend
+
+    backend = get_attention_backend(getattr(args, "attention_backend", "auto"), device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend)
+    try:
+        model = model.to_empty(device=device).to(dtype)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        n = sum(p.numel() for p in model.parameters()) * torch.finfo(dtype).bits // 8
+        raise MemoryError(
+            f"the model's weights ({n / 2**30:.2f} GiB in {dtype}) do not fit on {device}: {e}; "
+            "use a smaller dtype (--dtype bfloat16) or another device"
+        ) from None
+    model.load_weights(weights)
+    model.build_rope_cache()
+    model.eval()
+    model.requires_grad_(False)
+    logger.info("loaded %s (%s, %d layers) on %s in %s in %.1f s", config.name, config.architecture,
+                config.num_hidden_layers, device, dtype, time.perf_counter() - t0)
+    return model, tokenizer, config

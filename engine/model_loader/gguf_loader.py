@@ -1,0 +1,160 @@
+"""Read a GGUF file (llama.cpp's format): model shape, dequantized weights, tokenizer.
+
+Spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md. Tensors are
+dequantized with the ``gguf`` package (Q4_0, Q4_1, Q8_0, F16, F32 and the
+other types it supports) and renamed to transformers' names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from engine.model_config import GGUF_ARCHITECTURES, ModelConfig
+
+_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def open_gguf(path: str):
+    """A ``gguf.GGUFReader`` for ``path``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a readable GGUF file (bad magic, truncated...).
+    """
+    import os
+
+    import gguf
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, IndexError, struct/numpy errors
+        raise ValueError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_model_config(reader, path: str) -> ModelConfig:
+    """ModelConfig from GGUF metadata (``{arch}.embedding_length``, ...).
+
+    Raises:
+        ValueError: unsupported ``general.architecture`` or missing keys.
+    """
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported architecture {arch!r} (supported: {sorted(GGUF_ARCHITECTURES)})")
+
+    def req(key):
+        v = _field(reader, f"{arch}.{key}")
+        if v is None:
+            raise ValueError(f"{path}: metadata key {arch}.{key} is missing")
+        return v
+
+    names = {t.name for t in reader.tensors}
+    heads = int(req("attention.head_count"))
+    hidden = int(req("embedding_length"))
+    kv = _field(reader, f"{arch}.attention.head_count_kv", heads)
+    if isinstance(kv, list):
+        raise ValueError(f"{path}: per-layer head_count_kv is not supported")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        raise ValueError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens is present")
+    rope_scaling = None
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(req("rope.scaling.factor"))}
+    elif kind not in (None, "none"):
+        raise ValueError(f"{path}: unsupported rope scaling {kind!r}")
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        hidden_size=hidden,
+        intermediate_size=int(req("feed_forward_length")),
+        num_hidden_layers=int(req("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv),
+        head_dim=head_dim,
+        vocab_size=int(vocab),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        name=str(_field(reader, "general.name", "") or ""),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's ``convert_hf_to_gguf.py`` ``permute`` of attn_q/attn_k rows.
+
+    llama.cpp stores each head's rows with the two rotary halves interleaved
+    (GPT-J order); HF keeps them as [first half; second half] (rotate-half
+    order). Works for weights [rows, cols] and biases [rows].
+    """
+    shape = w.shape
+    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def gguf_weights(reader, config: ModelConfig, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every tensor, dequantized and with
+    attn_q/attn_k un-permuted for the llama architecture. ``rope_freqs`` (Llama
+    3 frequency factors) is put into ``config.extra`` instead.
+
+    Raises:
+        ValueError: an unsupported quantization type or an unknown tensor name.
+    """
+    import gguf
+
+    permuted = config.architecture == "LlamaForCausalLM"
+    for t in reader.tensors:
+        qtype = t.tensor_type.name
+        if qtype not in _SUPPORTED_TYPES:
+            raise ValueError(f"{path}: tensor {t.name} has unsupported type {qtype}")
+        shape = tuple(int(x) for x in reversed(t.shape))
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        except Exception as e:
+            raise ValueError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from None
+        base, _, kind = t.name.rpartition(".")
+        if base == "rope_freqs":
+            config.extra["rope_freq_factors"] = torch.tensor(np.asarray(arr, dtype=np.float32))
+            continue
+        if base in _TOP_NAMES:
+            name = f"{_TOP_NAMES[base]}.{kind}"
+        else:
+            parts = base.split(".")
+            if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES:
+                raise ValueError(f"{path}: unexpected tensor {t.name}")
+            if permuted and parts[2] == "attn_q":
+                arr = unpermute_qk(arr, config.num_attention_heads)
+            elif permuted and parts[2] == "attn_k":
+                arr = unpermute_qk(arr, config.num_key_value_heads)
+            name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+        yield name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=not arr.flags.writeable, order="C"))

@@ -1,0 +1,258 @@
+"""Model runner: turns a SchedulerOutput into one forward pass over the paged KV cache.
+
+It owns the KV pool (vLLM's layout: per layer key and value caches
+[num_blocks, block_size, num_kv_heads, head_dim]; block 0 is the null block
+that pads block tables) and the CPU swap pool, builds the flat batch (input
+ids, positions, slot mapping, block tables, query start locations, sequence
+lengths) for a mixed batch of prefill chunks and decodes, and returns logits
+only for the rows that need them. Past tokens are never recomputed: each
+request feeds only ``all_token_ids[num_computed_tokens : +num_new_tokens]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.model_config import ModelConfig
+from engine.models.llama import AttentionMetadata
+from engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Logits of one step.
+
+    Attributes:
+        logits: [num_sample_rows, vocab_size] float32, one row per scheduled
+            entry with ``sample=True``, in batch order (the logits of its last
+            computed position).
+        sample_indices: for each logits row, the index into ``out.scheduled``.
+        prompt_logits: request_id -> [num_new_tokens, vocab_size] float32
+            logits of every position of this step's chunk (row j predicts the
+            token at position num_computed_tokens + j + 1), only for requests
+            whose ``sampling_params.prompt_logprobs`` is not None and whose
+            chunk starts inside the prompt.
+    """
+
+    logits: torch.Tensor
+    sample_indices: list[int] = field(default_factory=list)
+    prompt_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _available_host_memory() -> int:
+    """Bytes of host memory available now (Linux ``MemAvailable``, else free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class ModelRunner:
+    """Runs the model for one scheduler step.
+
+    Args:
+        args: EngineArgs (block_size, max_model_len, num_threads are read).
+        model: a ``LlamaForCausalLM`` on ``device`` in ``dtype``.
+        model_config: the model's shape.
+        device, dtype: where the KV pool lives, and its dtype (the model's).
+        num_blocks: device KV blocks including the null block 0.
+        num_cpu_blocks: CPU swap blocks (0 = no swapping).
+
+    Attributes:
+        kv_caches: per layer (key_cache, value_cache) views of one pool tensor
+            [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+    """
+
+    def __init__(self, args, model, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        if getattr(args, "num_threads", None):
+            torch.set_num_threads(args.num_threads)
+        self.model = model
+        self.config = model_config
+        max_len = getattr(args, "max_model_len", None)
+        if max_len and (model.rope_cos is None or model.rope_cos.shape[0] < max_len):
+            model.build_rope_cache(max(max_len, model_config.max_position_embeddings))
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = args.block_size
+        self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        c = model_config
+        shape = (c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_pool = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(c.num_hidden_layers)]
+        self.cpu_pool = None
+        if num_cpu_blocks > 0:
+            cpu_shape = shape[:2] + (num_cpu_blocks,) + shape[3:]
+            self.cpu_pool = torch.zeros(cpu_shape, dtype=dtype, device="cpu",
+                                        pin_memory=self.device.type == "cuda")
+
+    # --------------------------------------------------------------- memory
+    @staticmethod
+    def block_bytes(args, model_config: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes of one KV block across all layers (keys and values)."""
+        c = model_config
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * c.num_hidden_layers * args.block_size * c.num_key_value_heads * c.head_dim * elem
+
+    @staticmethod
+    def determine_num_blocks(args, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[int, int]:
+        """Size the KV pools: (device blocks incl. the null block, CPU swap blocks).
+
+        Device: ``num_gpu_blocks_override`` if set; on CPU ``kv_cache_memory``
+        bytes; on CUDA ``gpu_memory_utilization`` x total memory minus what is
+        already used (the weights). CPU swap: ``swap_space`` GiB. Logs the
+        number of blocks and the maximum concurrency at ``max_model_len``.
+
+        Raises:
+            MemoryError: the pool (or the swap space) does not fit; the message
+                gives the bytes asked, the bytes free and the setting to lower.
+            ValueError: fewer than 2 blocks (the null block plus one).
+        """
+        device = torch.device(device)
+        per_block = ModelRunner.block_bytes(args, model_config, dtype)
+        gib = 2**30
+        if args.num_gpu_blocks_override is not None:
+            num_blocks = int(args.num_gpu_blocks_override)
+            asked = num_blocks * per_block
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _available_host_memory()
+            if asked > free:
+                raise MemoryError(f"num_gpu_blocks_override={num_blocks} needs {asked / gib:.2f} GiB of KV cache "
+                                  f"but only {free / gib:.2f} GiB is free on {device}; lower num_gpu_blocks_override")
+        elif device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(total * args.gpu_memory_utilization) - (total - free)
+            num_blocks = max(budget, 0) // per_block
+            if num_blocks < 2:
+                raise MemoryError(
+                    f"no room for the KV cache on {device}: gpu_memory_utilization={args.gpu_memory_utilization} "
+                    f"allows {total * args.gpu_memory_utilization / gib:.2f} GiB, {(total - free) / gib:.2f} GiB is "
+                    f"already used (weights), {free / gib:.2f} GiB free; raise gpu_memory_utilization or use a "
+                    "smaller model/dtype")
+        else:
+            asked = int(args.kv_cache_memory)
+            free = _available_host_memory()
+            if asked > free:
+                raise MemoryError(f"kv_cache_memory asks for {asked / gib:.2f} GiB but only {free / gib:.2f} GiB of "
+                                  "host memory is available; lower kv_cache_memory")
+            num_blocks = asked // per_block
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache holds {num_blocks} block(s) of {per_block} bytes; at least 2 are needed "
+                             "(the null block plus one): raise kv_cache_memory")
+        num_cpu_blocks = 0
+        if args.swap_space > 0:
+            asked = int(args.swap_space * gib)
+            free = _available_host_memory() - (num_blocks * per_block if device.type == "cpu" else 0)
+            if asked > free:
+                raise MemoryError(f"swap_space={args.swap_space} GiB does not fit: {free / gib:.2f} GiB of host "
+                                  "memory is available after the KV cache; lower swap_space")
+            num_cpu_blocks = asked // per_block
+        max_len = args.max_model_len or model_config.max_position_embeddings
+        tokens = (num_blocks - 1) * args.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens) on %s, %d CPU swap blocks; "
+                    "maximum concurrency at max_model_len=%d: %.2fx", num_blocks, args.block_size,
+                    num_blocks * per_block / gib, tokens, device, num_cpu_blocks, max_len, tokens / max_len)
+        return num_blocks, num_cpu_blocks
+
+    # ---------------------------------------------------------------- blocks
+    def _apply_block_ops(self, out: SchedulerOutput) -> None:
+        """swap out (device -> CPU), swap in (CPU -> device), then copy-on-write."""
+        if out.blocks_to_swap_out:
+            if self.cpu_pool is None:
+                raise RuntimeError("blocks_to_swap_out given but the runner has no CPU swap pool (swap_space=0)")
+            src = torch.tensor([s for s, _ in out.blocks_to_swap_out], device=self.device)
+            dst = torch.tensor([d for _, d in out.blocks_to_swap_out])
+            self.cpu_pool[:, :, dst] = self.kv_pool[:, :, src].to("cpu")
+        if out.blocks_to_swap_in:
+            if self.cpu_pool is None:
+                raise RuntimeError("blocks_to_swap_in given but the runner has no CPU swap pool (swap_space=0)")
+            src = torch.tensor([s for s, _ in out.blocks_to_swap_in])
+            dst = torch.tensor([d for _, d in out.blocks_to_swap_in], device=self.device)
+            self.kv_pool[:, :, dst] = self.cpu_pool[:, :, src].to(self.device)
+        if out.blocks_to_copy:
+            src = torch.tensor([s for s, _ in out.blocks_to_copy], device=self.device)
+            dst = torch.tensor([d for _, d in out.blocks_to_copy], device=self.device)
+            self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
+
+    # ----------------------------------------------------------------- batch
+    def _prepare(self, out: SchedulerOutput):
+        """Flat inputs of the step: (input_ids, positions, AttentionMetadata, query_start_loc list)."""
+        bs = self.block_size
+        scheduled = out.scheduled
+        q_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
+        starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
+        seq_lens = starts + q_lens
+        qsl = np.zeros(len(scheduled) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        ids: list[int] = []
+        for s in scheduled:
+            tokens = s.request.all_token_ids
+            nc = s.num_computed_tokens
+            chunk = tokens[nc:nc + s.num_new_tokens]
+            if len(chunk) != s.num_new_tokens:
+                raise ValueError(f"request {s.request.request_id}: {s.num_new_tokens} new tokens scheduled from "
+                                 f"{nc} but it has only {len(tokens)} tokens")
+            ids.extend(chunk)
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        table = np.zeros((len(scheduled), max_blocks), dtype=np.int64)
+        for i, s in enumerate(scheduled):
+            table[i, :len(s.block_ids)] = s.block_ids
+            if len(s.block_ids) * bs < seq_lens[i]:
+                raise ValueError(f"request {s.request.request_id}: block table of {len(s.block_ids)} blocks is "
+                                 f"too short for {seq_lens[i]} tokens")
+        seq_idx = np.repeat(np.arange(len(scheduled)), q_lens)
+        positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)
+        slots = table[seq_idx, positions // bs] * bs + positions % bs
+        dev = self.device
+        md = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(table.astype(np.int32)).to(dev),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
+        return input_ids, torch.from_numpy(positions).to(dev), md, qsl.tolist()
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply the step's block operations, run the forward pass, return logits.
+
+        Raises:
+            ValueError: a scheduled entry asks for tokens the request does not
+                have, or its block table is too short.
+        """
+        self._apply_block_ops(out)
+        vocab = self.config.vocab_size
+        if not out.scheduled:
+            return ModelRunnerOutput(logits=torch.empty(0, vocab, dtype=torch.float32, device=self.device))
+        input_ids, positions, md, qsl = self._prepare(out)
+        hidden = self.model(input_ids, positions, md, self.kv_caches)
+        sample_indices = [i for i, s in enumerate(out.scheduled) if s.sample]
+        rows = [qsl[i + 1] - 1 for i in sample_indices]
+        prompt_spans: list[tuple[str, int, int]] = []
+        for i, s in enumerate(out.scheduled):
+            r = s.request
+            if r.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < r.num_prompt_tokens:
+                prompt_spans.append((r.request_id, len(rows), qsl[i + 1] - qsl[i]))
+                rows.extend(range(qsl[i], qsl[i + 1]))
+        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
+            selected = hidden
+        else:
+            selected = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]
+        logits = self.model.compute_logits(selected) if rows else hidden.new_empty(0, vocab, dtype=torch.float32)
+        n = len(sample_indices)
+        prompt_logits = {rid: logits[start:start + length] for rid, start, length in prompt_spans}
+        return ModelRunnerOutput(logits=logits[:n], sample_indices=sample_indices, prompt_logits=prompt_logits)

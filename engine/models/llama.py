@@ -1,0 +1,244 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+Architecture: Touvron et al. 2023, "LLaMA" (RMSNorm pre-norm, SwiGLU MLP,
+rotary position embeddings) with grouped-query attention (Ainslie et al. 2023)
+and optional q/k/v biases (Qwen2). Numerics follow transformers'
+``modeling_llama.py`` (RMSNorm in float32, RoPE cos/sin cast to the model's
+dtype, rotate-half RoPE on HF-ordered q/k rows) so float32 logits match it.
+
+Inputs are flat (vLLM style): ``input_ids``/``positions`` [num_tokens] for a
+mixed batch of prefill chunks and decodes, with an ``AttentionMetadata`` that
+tells the attention kernels where each sequence's tokens go (slot mapping)
+and which cache blocks it reads (block tables).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model_config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one step's tokens live in the paged KV cache.
+
+    Attributes:
+        slot_mapping: [num_tokens] int64, cache slot (block * block_size +
+            offset) of each token; -1 = padding, not written.
+        query_start_loc: [num_seqs + 1] int32, cumulative query lengths.
+        seq_lens: [num_seqs] int32, context length (cached + new) per sequence.
+        block_tables: [num_seqs, max_blocks] int32 physical block ids
+            (0 = the null block pads short rows).
+        max_query_len, max_seq_len: maxima of the above (tokens).
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, with ``rope_scaling``
+    applied: "linear" (position interpolation, Chen et al. 2023) divides them
+    by ``factor``; "llama3" follows Meta's Llama 3.1 reference (and HF's
+    ``_compute_llama3_parameters``)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = config.rope_scaling
+    kind = None if rs is None else rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / rs["factor"]
+    elif kind == "llama3":
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old_len = rs["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    freq_factors = config.extra.get("rope_freq_factors")  # GGUF rope_freqs.weight
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.as_tensor(freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 like HF Llama."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One pre-norm block: attention with fused q/k/v, SwiGLU with fused gate/up."""
+
+    def __init__(self, config: ModelConfig, backend) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.backend = backend
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.intermediate_size = c.intermediate_size
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        t = x.shape[0]
+        h = self.input_layernorm(x)
+        qk, v = self.qkv_proj(h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        self.backend.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
+        o = self.backend.paged_attention(q, key_cache, value_cache, md.query_start_loc, md.seq_lens,
+                                         md.block_tables, self.scale)
+        x = x + self.o_proj(o.reshape(t, self.q_size))
+        h = self.post_attention_layernorm(x)
+        gate, up = self.gate_up_proj(h).split(self.intermediate_size, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a paged KV cache.
+
+    Args:
+        config: the model's shape.
+        backend: attention kernels (``kernels.get_attention_backend``), with
+            ``reshape_and_cache`` and ``paged_attention``.
+    """
+
+    def __init__(self, config: ModelConfig, backend) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    def build_rope_cache(self, max_positions: int | None = None) -> None:
+        """Precompute cos/sin [max_positions, head_dim] (float32) on the model's device."""
+        n = max_positions or self.config.max_position_embeddings
+        device = self.embed_tokens.weight.device
+        inv_freq = rope_inv_freq(self.config).to(device)
+        freqs = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rope_cos, self.rope_sin = emb.cos(), emb.sin()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Run the decoder over a flat batch.
+
+        Args:
+            input_ids: [num_tokens] int64.
+            positions: [num_tokens] int64, each token's position in its sequence.
+            attn_metadata: slot mapping, query/sequence lengths, block tables.
+            kv_caches: per layer (key_cache, value_cache), each
+                [num_blocks, block_size, num_kv_heads, head_dim], model dtype;
+                the new tokens' keys and values are written into them.
+
+        Returns:
+            [num_tokens, hidden_size] final-normed hidden states, model dtype.
+        """
+        if self.rope_cos is None or self.rope_cos.device != input_ids.device:
+            self.build_rope_cache()
+        x = self.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, head_dim]
+        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, attn_metadata, kv)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight``...)
+        into the fused parameters, casting to each parameter's dtype.
+
+        Raises:
+            ValueError: an unexpected name or shape, or parameters left unloaded.
+        """
+        c = self.config
+        qs, kvs, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        # HF suffix -> (our suffix, row offset, rows)
+        fused = {
+            "self_attn.q_proj": ("qkv_proj", 0, qs),
+            "self_attn.k_proj": ("qkv_proj", qs, kvs),
+            "self_attn.v_proj": ("qkv_proj", qs + kvs, kvs),
+            "self_attn.o_proj": ("o_proj", 0, None),
+            "mlp.gate_proj": ("gate_up_proj", 0, inter),
+            "mlp.up_proj": ("gate_up_proj", inter, inter),
+            "mlp.down_proj": ("down_proj", 0, None),
+            "input_layernorm": ("input_layernorm", 0, None),
+            "post_attention_layernorm": ("post_attention_layernorm", 0, None),
+        }
+        params = dict(self.named_parameters())
+        loaded: dict[str, int] = {}
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            target, offset, rows = name, 0, None
+            if name.startswith("model.layers."):
+                _, _, idx, rest = name.split(".", 3)
+                module, kind = rest.rsplit(".", 1)
+                if module not in fused:
+                    raise ValueError(f"unexpected weight {name!r}")
+                ours, offset, rows = fused[module]
+                target = f"layers.{idx}.{ours}.{kind}"
+            elif name.startswith("model."):
+                target = name[len("model."):]
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"unexpected weight {name!r} for {c.architecture}")
+            dst = param.data if rows is None else param.data[offset:offset + rows]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded[target] = loaded.get(target, 0) + (tensor.shape[0] if rows is not None else param.shape[0])
+        missing = [n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]]
+        if missing:
+            raise ValueError(f"weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,231 @@
+"""Tokenizer: a `tokenizers` byte-level BPE built from a GGUF file or a HF
+``tokenizer.json``, plus the model's jinja2 chat template.
+
+GGUF files carry no ``tokenizer.json``: the vocabulary (``tokenizer.ggml.tokens``),
+merges (``tokenizer.ggml.merges``), token types and the name of llama.cpp's
+pre-tokenizer (``tokenizer.ggml.pre``) are metadata. We rebuild the same
+tokenizer transformers builds for such a file (token ids are checked against
+``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` in the tests).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+# llama.cpp pre-tokenizer names -> split regex (llama.cpp's llama-vocab.cpp and
+# the models' own tokenizer.json files).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+_CONTROL = 3  # llama.cpp token type of control tokens (<|im_start|>, <|endoftext|>...)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (Radford et al. 2019)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _pre_tokenizer(pre: str | None):
+    """The pre-tokenizer for llama.cpp's ``tokenizer.ggml.pre`` name.
+
+    Unknown names (and "smollm", "gpt2", "default") use GPT-2's regex inside
+    ByteLevel, which is what transformers does for them; SmolLM2's vocabulary
+    has no multi-digit tokens, so digits still come out one per token.
+    """
+    split = _SPLITS.get(pre or "")
+    if split is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template the way transformers does: a sandboxed,
+    immutable jinja2 environment with ``trim_blocks``/``lstrip_blocks``,
+    loop controls, ``tojson``, ``raise_exception`` and ``strftime_now``."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """Text <-> token ids, and chat-template rendering.
+
+    Attributes:
+        bos_token_id, eos_token_id: special ids (None when the model has none).
+        bos_token, eos_token: their strings ("" when absent), for templates.
+        vocab_size: number of token ids (including added tokens).
+        all_special_ids: ids of special (control) tokens, skipped by
+            ``decode(skip_special_tokens=True)``.
+        chat_template: jinja2 source, or None.
+        add_bos_token: whether ``encode(add_special_tokens=True)`` prepends BOS.
+    """
+
+    def __init__(self, tok: HFTokenizer, *, bos_token_id: int | None, eos_token_id: int | None,
+                 chat_template: str | None, add_bos_token: bool) -> None:
+        self._tok = tok
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.bos_token = tok.id_to_token(bos_token_id) if bos_token_id is not None else ""
+        self.eos_token = tok.id_to_token(eos_token_id) if eos_token_id is not None else ""
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.all_special_ids = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        self._template = _compile_template(chat_template) if chat_template else None
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def from_gguf(cls, path: str, reader=None) -> "Tokenizer":
+        """Build from a GGUF file's ``tokenizer.*`` metadata (byte-level BPE, "gpt2" model).
+
+        Raises:
+            ValueError: the file holds no tokenizer or a non-BPE one.
+        """
+        import gguf
+
+        if reader is None:
+            reader = gguf.GGUFReader(path)
+        fields = reader.fields
+
+        def get(key, default=None):
+            f = fields.get(key)
+            return f.contents() if f is not None else default
+
+        kind = get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"{path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported")
+        tokens = get("tokenizer.ggml.tokens")
+        merges = get("tokenizer.ggml.merges")
+        if not tokens or merges is None:
+            raise ValueError(f"{path}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
+        types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        alphabet = set(_bytes_to_unicode().values())
+        spelling = _bytes_to_unicode()
+        vocab = {}
+        for i, t in enumerate(tokens):
+            if not set(t) <= alphabet:
+                t = "".join(spelling[b] for b in t.encode("utf-8"))
+            vocab.setdefault(t, i)
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+        tok.pre_tokenizer = _pre_tokenizer(get("tokenizer.ggml.pre"))
+        tok.decoder = decoders.ByteLevel()
+        special = [AddedToken(t, normalized=False, special=True)
+                   for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alphabet]
+        tok.add_special_tokens(special)
+        bos = get("tokenizer.ggml.bos_token_id")
+        eos = get("tokenizer.ggml.eos_token_id")
+        add_bos = bool(get("tokenizer.ggml.add_bos_token", False))
+        if add_bos and bos is not None:
+            tok.post_processor = processors.TemplateProcessing(
+                single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+                special_tokens=[(tokens[bos], int(bos))])
+        return cls(tok, bos_token_id=None if bos is None else int(bos), eos_token_id=None if eos is None else int(eos),
+                   chat_template=get("tokenizer.chat_template"), add_bos_token=add_bos)
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> "Tokenizer":
+        """Build from a HF directory's ``tokenizer.json`` (+ ``tokenizer_config.json``
+        for the chat template and BOS/EOS, + ``chat_template.jinja`` if present).
+
+        Raises:
+            FileNotFoundError: no ``tokenizer.json``.
+        """
+        d = Path(path)
+        tj = d / "tokenizer.json"
+        if not tj.is_file():
+            raise FileNotFoundError(f"{tj}: no such file (a HF model directory needs tokenizer.json)")
+        tok = HFTokenizer.from_file(str(tj))
+        cfg = {}
+        if (d / "tokenizer_config.json").is_file():
+            cfg = json.loads((d / "tokenizer_config.json").read_text())
+        model_cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
+
+        def token_id(name: str) -> int | None:
+            t = cfg.get(name)
+            if isinstance(t, dict):
+                t = t.get("content")
+            if t is not None:
+                return tok.token_to_id(t)
+            v = model_cfg.get(f"{name}_id")
+            return v[0] if isinstance(v, list) and v else v
+
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text()
+        return cls(tok, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
+                   chat_template=template, add_bos_token=bool(cfg.get("add_bos_token", False)))
+
+    # -------------------------------------------------------------- encoding
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``. Special-token strings in the text (e.g.
+        ``<|im_start|>``) map to their ids. ``add_special_tokens`` adds BOS
+        when the model asks for it (``add_bos_token``)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; invalid UTF-8 (a split multi-byte char) becomes U+FFFD."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Vocabulary strings (byte-level spelling, e.g. "Ġthe") of ``ids``."""
+        return [self._tok.id_to_token(int(i)) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
+        """Render ``messages`` ([{"role", "content"}, ...]) with the model's
+        chat template, as transformers' ``apply_chat_template(tokenize=False)``.
+
+        Raises:
+            ValueError: the model has no chat template.
+            jinja2.TemplateError: the template rejected the conversation.
+        """
+        if self._template is None:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        context = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        context.update(kw)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)

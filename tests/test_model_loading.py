@@ -1,0 +1,175 @@
+"""Model loading: a GGUF written like llama.cpp's converter loads to the same
+model as its HF source, and broken inputs fail with clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineArgs, default_model_path
+from engine.model_loader import load_model, resolve_device, resolve_dtype
+from engine.model_loader.gguf_loader import unpermute_qk
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+
+def _hf_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py's LlamaModel.permute (HF -> GGUF row order)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
+    assert np.array_equal(unpermute_qk(_hf_permute(w, 8), 8), w)
+    assert not np.array_equal(_hf_permute(w, 8), w)
+
+
+def _tiny_llama(num_kv_heads=2):
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=num_kv_heads, rope_theta=10000.0,
+                                   max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(cfg).float().eval()
+
+
+def _write_gguf(path, model, arch="llama", qtype=gguf.GGMLQuantizationType.F16):
+    """Write ``model`` the way convert_hf_to_gguf.py does (permuted q/k; F16 or F32 2-D weights)."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    byte_chars = [chr(i) for i in range(ord("!"), ord("!") + 92)]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + byte_chars + ["ab"]
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(byte_chars) + 1))
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, t in model.state_dict().items():
+        a = t.float().numpy()
+        if name == "lm_head.weight":
+            continue  # tied: llama.cpp writes no output.weight
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            _, _, idx, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{idx}.{names[module]}.{kind}"
+            if module == "self_attn.q_proj":
+                a = _hf_permute(a, c.num_attention_heads)
+            elif module == "self_attn.k_proj":
+                a = _hf_permute(a, c.num_key_value_heads)
+        if a.ndim == 2 and qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(gname, a.astype(np.float16))
+        elif a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gname, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0"])
+def test_gguf_matches_dequantized_source(tmp_path, qtype):
+    qt = getattr(gguf.GGMLQuantizationType, qtype)
+    model = _tiny_llama()
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, model, qtype=qt)
+    # The reference sees the same (de)quantized weights.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2 and qtype != "F32":
+                a = p.numpy()
+                if qtype == "F16":
+                    a = a.astype(np.float16).astype(np.float32)
+                else:
+                    a = gguf.quants.dequantize(gguf.quants.quantize(a, qt), qt)
+                p.copy_(torch.from_numpy(np.array(a)))
+    args = EngineArgs(model=str(path), dtype="float32", device="cpu", block_size=16)
+    ours, tok, cfg = load_model(args)
+    assert (cfg.architecture, cfg.tie_word_embeddings, cfg.num_key_value_heads, cfg.name) == (
+        "LlamaForCausalLM", True, 2, "tiny")
+    assert tok.encode("<|im_start|>abc") == [1, 95, 69]
+    runner = ModelRunner(args, ours, cfg, torch.device("cpu"), torch.float32, num_blocks=4)
+    ids = [5, 17, 90, 33, 2, 8, 64]
+    r = Request("r", ids, SamplingParams(temperature=0.0))
+    out = runner.execute_model(SchedulerOutput([ScheduledRequest(r, 0, len(ids), [2, 1], True)], len(ids)))
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(out.logits[0], ref, atol=1e-4, rtol=0)
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        EngineArgs(model=str(tmp_path / "nope.gguf"))
+    args = EngineArgs(model=str(tmp_path), dtype="float32", device="cpu")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(args)
+    model = _tiny_llama()
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_model(args)
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel(vocab={"a": 0}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(args)
+
+
+def test_unknown_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 8}))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*config.json|config.json.*GPT2"):
+        load_model(EngineArgs(model=str(tmp_path), device="cpu"))
+    path = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(str(path), "falcon")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"falcon\.gguf: unsupported architecture 'falcon'"):
+        load_model(EngineArgs(model=str(path), device="cpu"))
+
+
+@pytest.mark.parametrize("keep", [3, 1000, 2_000_000, -100])
+def test_corrupt_gguf(tmp_path, keep):
+    src = default_model_path()
+    data = open(src, "rb").read(os.path.getsize(src) + keep if keep < 0 else keep)
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=r"broken\.gguf: (truncated or corrupt|not a GGUF)"):
+        load_model(EngineArgs(model=str(path), device="cpu"))
+
+
+def test_resolve():
+    assert resolve_dtype("auto") == torch.bfloat16 and resolve_dtype("float16") == torch.float16
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError):
+        resolve_dtype("int8")
