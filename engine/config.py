@@ -144,3 +144,39 @@ class EngineArgs:
                 raise ValueError(f"{name} {msg}")
         if not os.path.exists(self.model):
             raise FileNotFoundError(f"model {self.model!r}: no such file or directory")
+
+
+def add_engine_cli_args(parser) -> None:
+    """Add the engine's flags (vLLM's names) to an ``argparse`` parser."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="a .gguf file or HF directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache pool size on CPU, e.g. 2GiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse_bool(), default=True)
+    g.add_argument("--enable-chunked-prefill", action=argparse_bool(), default=True)
+    g.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU memory for swapping preempted requests")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+
+
+def engine_args_from_cli(args) -> EngineArgs:
+    """Build ``EngineArgs`` from a namespace parsed with ``add_engine_cli_args``."""
+    names = [f.name for f in EngineArgs.__dataclass_fields__.values() if f.name != "extra"]
+    return EngineArgs(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+
+def argparse_bool():
+    """``--flag`` / ``--no-flag`` boolean action (argparse.BooleanOptionalAction)."""
+    import argparse
+
+    return argparse.BooleanOptionalAction

@@ -1,0 +1,115 @@
+"""Offline API, as in vLLM: ``LLM(model=...).generate(prompts, SamplingParams)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from engine.config import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Batch inference over the continuous-batching engine.
+
+    Args:
+        model: a ``.gguf`` file or HF directory (None: embedded SmolLM2).
+        **engine_args: any ``EngineArgs`` field (``dtype``, ``block_size``,
+            ``kv_cache_memory``, ``enable_prefix_caching``, ...).
+
+    Example:
+        >>> llm = LLM(dtype="float32")
+        >>> llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+        ...          SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions for all prompts, submitted at once.
+
+        Args:
+            prompts: a text, a list of texts, one token-id list, or a list of them.
+            sampling_params: one for all prompts or one per prompt (default:
+                ``SamplingParams()``).
+            priority: per-prompt priority (``scheduling_policy="priority"``).
+
+        Returns:
+            One final ``RequestOutput`` per prompt, in input order, with
+            cumulative text and token ids per choice.
+
+        Raises:
+            ValueError: a prompt is invalid (nothing is left queued).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        try:
+            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+        except ValueError:
+            self.engine.abort_request(ids)
+            raise
+        finals: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                merge_delta(finals, delta)
+        return [finals[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of
+        them, then ``generate``."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.engine.tokenizer.encode(
+            self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
+            for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+
+def merge_delta(finals: dict[str, RequestOutput], delta: RequestOutput) -> None:
+    """Fold a delta ``RequestOutput`` into the cumulative one in ``finals``."""
+    final = finals.get(delta.request_id)
+    if final is None:
+        final = finals[delta.request_id] = RequestOutput(
+            request_id=delta.request_id, prompt=delta.prompt, prompt_token_ids=delta.prompt_token_ids, outputs=[])
+    by_index = {o.index: o for o in final.outputs}
+    for d in delta.outputs:
+        c = by_index.get(d.index)
+        if c is None:
+            c = by_index[d.index] = CompletionOutput(index=d.index, logprobs=None if d.logprobs is None else [])
+        c.text += d.text
+        c.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            c.logprobs = (c.logprobs or []) + d.logprobs
+        c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        c.num_generated_tokens = d.num_generated_tokens
+    final.outputs = [by_index[i] for i in sorted(by_index)]
+    final.finished = delta.finished
+    final.prompt_logprobs = delta.prompt_logprobs
+    final.num_cached_tokens = delta.num_cached_tokens
+    final.metrics = delta.metrics
