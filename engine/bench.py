@@ -1,0 +1,195 @@
+"""``tandem bench engine``: offline throughput in the style of vLLM's
+``benchmark_throughput.py``, with HF transformers measured in the same run as
+the baseline.
+
+Workloads:
+    mtbench: the 80 MT-Bench turn-1 prompts (chat template), 128 new tokens.
+    synthetic: random prompt token ids of ``--input-len``, ``--output-len``
+        new tokens (``--ignore-eos`` makes every request generate them all).
+
+Reports output tok/s, total tok/s, TTFT and TPOT percentiles, peak KV-cache
+usage and KV waste at peak (allocated-but-unused slots / allocated slots), and
+the ratio of Tandem's output tok/s to HF ``generate``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+from engine.config import engine_args_from_cli
+from engine.sampling_params import SamplingParams
+
+MT_BENCH = Path(__file__).resolve().parent.parent / "tests" / "data" / "mt_bench_questions.jsonl"
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``tandem bench engine``."""
+    parser.add_argument("--workload", choices=["mtbench", "synthetic"], default="synthetic")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=100, help="synthetic prompt length, tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="new tokens per request")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--hf-batch-size", type=int, default=8, help="batch size of the HF generate baseline")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the HF transformers baseline")
+    parser.add_argument("--output-json", default=None, help="write the results here")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, ``q`` in [0, 100] (numpy's default)."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def build_workload(args, tokenizer, vocab_size: int) -> list[list[int]]:
+    """Prompt token ids for the chosen workload."""
+    if args.workload == "mtbench":
+        questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
+        questions = questions[: args.num_prompts] if args.num_prompts < len(questions) else questions
+        return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}]),
+                                 add_special_tokens=False) for q in questions]
+    rng = random.Random(0)
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in range(vocab_size) if i not in special]
+    return [[rng.choice(ids) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+
+
+def kv_waste(engine) -> tuple[int, int]:
+    """(allocated slots, used slots) over the running requests right now."""
+    sched = engine.scheduler
+    block_size = engine.args.block_size
+    allocated = used = 0
+    for req in sched.running:
+        allocated += len(sched.kv_cache_manager.get_block_ids(req.request_id)) * block_size
+        used += req.num_computed_tokens
+    return allocated, used
+
+
+def bench_tandem(engine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Submit every prompt at once and step until done; returns the figures."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bench-{i}", p, params)
+    start = time.perf_counter()
+    first_token: dict[str, float] = {}
+    finished: dict[str, float] = {}
+    num_out: dict[str, int] = {}
+    peak_usage = 0.0
+    peak = (0, 0)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        usage = engine.scheduler.kv_cache_usage
+        if usage >= peak_usage:
+            peak_usage, peak = usage, kv_waste(engine)
+        for o in outs:
+            first_token.setdefault(o.request_id, now)
+            num_out[o.request_id] = sum(c.num_generated_tokens for c in o.outputs)
+            if o.finished:
+                finished[o.request_id] = now
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(num_out.values())
+    ttft = [first_token[r] - start for r in first_token]
+    tpot = [(finished[r] - first_token[r]) / (num_out[r] - 1) for r in finished if num_out[r] > 1]
+    allocated, used = peak
+    return {
+        "requests": len(prompts),
+        "elapsed_s": elapsed,
+        "output_tokens": out_tokens,
+        "output_tok_per_s": out_tokens / elapsed,
+        "total_tok_per_s": (out_tokens + sum(map(len, prompts))) / elapsed,
+        "ttft_s": {q: percentile(ttft, q) for q in (50, 90, 99)},
+        "tpot_s": {q: percentile(tpot, q) for q in (50, 90, 99)},
+        "peak_kv_usage": peak_usage,
+        "kv_waste_at_peak": (allocated - used) / allocated if allocated else 0.0,
+        "num_preemptions": engine.scheduler.num_preemptions,
+    }
+
+
+def bench_hf(model_path: str, dtype, prompts: list[list[int]], args, pad_id: int) -> dict:
+    """HF transformers ``generate`` in batches of ``--hf-batch-size``, left-padded."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if model_path.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
+                                                     dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model.eval()
+    out_tokens = 0
+    start = time.perf_counter()
+    for b in range(0, len(prompts), args.hf_batch_size):
+        batch = prompts[b:b + args.hf_batch_size]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.output_len,
+                                 min_new_tokens=args.output_len if args.ignore_eos else None,
+                                 do_sample=False, pad_token_id=pad_id)
+        new = gen[:, width:]
+        eos = model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        for row in new.tolist():
+            n = len(row)
+            if not args.ignore_eos:
+                for i, t in enumerate(row):
+                    if t in eos:
+                        n = i + 1
+                        break
+            out_tokens += n
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_tok_per_s": out_tokens / elapsed,
+            "batch_size": args.hf_batch_size}
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark and print a table with ratios to the HF baseline."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from engine.llm_engine import LLMEngine
+
+    logging.basicConfig(level=logging.WARNING)
+    engine = LLMEngine(engine_args_from_cli(args))
+    prompts = build_workload(args, engine.tokenizer, engine.model_config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.ignore_eos)
+    result = {"workload": args.workload, "dtype": str(engine.dtype), "tandem": bench_tandem(engine, prompts, params)}
+    if not args.no_baseline:
+        pad = engine.tokenizer.eos_token_id or 0
+        result["hf_transformers"] = bench_hf(engine.args.model, engine.dtype, prompts, args, pad)
+        result["ratio_output_tok_per_s"] = (result["tandem"]["output_tok_per_s"]
+                                            / result["hf_transformers"]["output_tok_per_s"])
+    t = result["tandem"]
+    table = Table(title=f"tandem bench engine: {args.workload}, {len(prompts)} prompts, {engine.dtype}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("output tok/s", f"{t['output_tok_per_s']:.1f}")
+    table.add_row("total tok/s", f"{t['total_tok_per_s']:.1f}")
+    for q in (50, 90, 99):
+        table.add_row(f"TTFT p{q} (s)", f"{t['ttft_s'][q]:.3f}")
+    for q in (50, 90, 99):
+        table.add_row(f"TPOT p{q} (ms)", f"{t['tpot_s'][q] * 1e3:.1f}")
+    table.add_row("peak KV usage", f"{t['peak_kv_usage']:.1%}")
+    table.add_row("KV waste at peak", f"{t['kv_waste_at_peak']:.2%}")
+    table.add_row("preemptions", str(t["num_preemptions"]))
+    if "hf_transformers" in result:
+        h = result["hf_transformers"]
+        table.add_row(f"HF generate output tok/s (batch {h['batch_size']})", f"{h['output_tok_per_s']:.1f}")
+        table.add_row("ratio tandem / HF", f"{result['ratio_output_tok_per_s']:.2f}x")
+    Console().print(table)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+

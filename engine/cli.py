@@ -1,0 +1,54 @@
+"""Engine sub-commands of ``tandem``: ``generate``, ``engine serve``, ``bench engine``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from engine.config import add_engine_cli_args, engine_args_from_cli
+
+
+def register(subparsers) -> None:
+    """Add ``generate``, ``engine serve`` and ``bench engine`` to the ``tandem`` CLI."""
+    gen = subparsers.add_parser("generate", help="generate a completion offline with the local engine")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    add_engine_cli_args(gen)
+    gen.set_defaults(func=_generate)
+
+    eng = subparsers.add_parser("engine", help="the engine alone")
+    eng_sub = eng.add_subparsers(dest="engine_command", required=True, metavar="COMMAND")
+    serve = eng_sub.add_parser("serve", help="serve the engine behind its own OpenAI-compatible server")
+    from engine.server import add_serve_args, run_server
+
+    add_serve_args(serve)
+    serve.set_defaults(func=run_server)
+
+    bench = subparsers.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
+    from engine.bench import add_bench_args, run_bench
+
+    be = bench_sub.add_parser("engine", help="offline engine throughput vs HF transformers (vLLM's benchmark_throughput style)")
+    add_bench_args(be)
+    add_engine_cli_args(be)
+    be.set_defaults(func=run_bench)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    logging.basicConfig(level=logging.WARNING)
+    engine_args = engine_args_from_cli(args)
+    llm = LLM(**{k: v for k, v in vars(engine_args).items() if k != "extra"})
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    if args.raw:
+        out = llm.generate(args.prompt, params)[0]
+    else:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    sys.stdout.write(out.outputs[0].text + "\n")
+    return 0

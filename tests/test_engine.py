@@ -1,0 +1,76 @@
+"""The offline engine on the real SmolLM2: prefix caching, bad input, CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", kv_cache_memory="128MiB")
+
+
+def test_prefix_cache_reports_shared_prefix(llm):
+    tok = llm.tokenizer
+    prefix = tok.encode("The quick brown fox jumps over the lazy dog. " * 20)[:48]
+    first = prefix + tok.encode(" Once upon a time")
+    second = prefix + tok.encode(" In a galaxy far away")
+    out1 = llm.generate(first, GREEDY)[0]
+    out2 = llm.generate(second, GREEDY)[0]
+    assert out1.num_cached_tokens == 0
+    assert out2.num_cached_tokens == 48
+    # The cached run equals a run without the cache.
+    fresh = LLM(dtype="float32", kv_cache_memory="128MiB", enable_prefix_caching=False)
+    assert fresh.generate(second, GREEDY)[0].outputs[0].token_ids == out2.outputs[0].token_ids
+
+
+def test_prompt_of_exactly_three_full_blocks(llm):
+    tok = llm.tokenizer
+    ids = tok.encode("Count with me: one, two, three, four, five, six, seven, eight, nine, ten, " * 6)[:48]
+    assert len(ids) == 48
+    cold = llm.generate(ids, GREEDY)[0]
+    warm = llm.generate(ids, GREEDY)[0]
+    assert warm.num_cached_tokens == 32  # the last token is always recomputed, so only 2 of 3 blocks
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert len(warm.outputs[0].token_ids) > 0
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ("", GREEDY, "prompt"),
+        ("hello " * 9000, GREEDY, "max_model_len"),
+        ("hello", SamplingParams(max_tokens=9000), "max_model_len"),
+        ([10**9], GREEDY, "token ids"),
+    ],
+)
+def test_bad_input_is_rejected_and_engine_keeps_serving(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, params)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate("Hello", GREEDY)[0].outputs[0].token_ids
+
+
+def test_max_tokens_below_one_is_a_value_error():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+
+
+def test_generate_cli_answers_capital_of_france():
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "generate", "--dtype", "float32", "--max-tokens", "16",
+         "--prompt", "What is the capital of France?"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "The capital of France is Paris." in out.stdout
