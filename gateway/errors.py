@@ -1,0 +1,68 @@
+"""OpenAI-format errors and the backend failure type."""
+
+from __future__ import annotations
+
+import msgspec
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          502: "upstream_error", 503: "service_unavailable", 504: "timeout_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
+               type_: str | None = None) -> bytes:
+    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}`` as bytes."""
+    return msgspec.json.encode({"error": {"message": message, "type": type_ or _TYPES.get(status, "server_error"),
+                                          "param": param, "code": code}})
+
+
+class ClientError(Exception):
+    """A request the gateway refuses; becomes an OpenAI error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+# Statuses worth another target (LiteLLM/OpenAI SDK practice); 4xx others are the client's fault.
+RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+
+
+class BackendError(Exception):
+    """One failed attempt at one backend.
+
+    Attributes:
+        kind: "connect" (refused/reset/DNS), "timeout" (connect/read/first
+            token), "http" (the backend answered with an error status),
+            "unavailable" (not started, key unset), "stream" (broken stream).
+        status: the HTTP status to report (the backend's for "http").
+        body: the backend's error body (OpenAI JSON), passed through for
+            non-retryable errors.
+        retry_after: the backend's Retry-After header, seconds, if any.
+    """
+
+    def __init__(self, kind: str, message: str, status: int = 502, body: bytes | None = None,
+                 retry_after: float | None = None, content_type: str = "application/json"):
+        super().__init__(message)
+        self.kind, self.message, self.status = kind, message, status
+        self.body, self.retry_after, self.content_type = body, retry_after, content_type
+
+    @property
+    def retryable(self) -> bool:
+        """True when another attempt (this or another target) may succeed."""
+        return self.kind != "http" or self.status in RETRYABLE_STATUS
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds (numeric form only; HTTP dates -> None)."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None

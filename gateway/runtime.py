@@ -1,0 +1,348 @@
+"""The running gateway: the current config snapshot, its backends, config
+versions (reload, weights, rollback, Redis propagation), file watching and
+drain. The request path (``gateway/pipeline.py``) reads ``gateway.snapshot``
+once per request, so a swap never affects requests already running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from gateway.config import Compiled, ConfigError, load_config_text
+from gateway.local import LocalBackend
+from gateway.upstream import UpstreamBackend
+from gateway.versions import ConfigState, MemoryLedger, RedisLedger
+from policies import Signals
+
+log = logging.getLogger("tandem.gateway")
+
+
+@dataclass
+class Snapshot:
+    """One immutable config generation as the hot path uses it."""
+
+    compiled: Compiled
+    backends: dict
+    version: int
+    source: str
+    needs_prompt_tokens: bool
+    max_body_size: int
+    local: LocalBackend | None = None
+    warnings: list[str] = field(default_factory=list)
+    needs_local_signals: bool = False
+
+    def signals(self) -> Signals:
+        """Live signals for the policy: local engine load (only when a rule
+        looks at it) and the backends that cannot be used now."""
+        unavailable = {n: b.unavailable_reason for n, b in self.backends.items() if not b.available}
+        if self.needs_local_signals and self.local is not None:
+            waiting, running, kv = self.local.stats()
+            return Signals(waiting, running, kv, unavailable)
+        return Signals(unavailable=unavailable)
+
+
+def _backend_key(b) -> tuple:
+    env = b.cfg.api_key_env if b.kind == "openai" else None
+    return (b.cfg, os.environ.get(env) if env else None)
+
+
+class Gateway:
+    """Owns config generations and backends.
+
+    Args:
+        config_path: the YAML file (reloads read it again); None = text only.
+        initial: the validated config to start with.
+        start_engine: start the local engine (tests without one pass False).
+    """
+
+    def __init__(self, config_path: str | None, initial: Compiled, start_engine: bool = True):
+        self.config_path = config_path
+        self.start_engine = start_engine
+        self.snapshot: Snapshot | None = None
+        self.in_flight = 0
+        self.draining = False
+        self.on_drained = None           # callback set by the server: exit the process
+        self.retired: list = []          # (time retired, backend) of older generations, closed when idle
+        self.redis_degraded = False
+        self._unpublished = False        # a change made while Redis was down, to share when it returns
+        self._initial = initial
+        self._lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task] = []
+        self._mtime = self._stat()
+        cfg = initial.config
+        if cfg.state.redis_url:
+            self.ledger = RedisLedger(cfg.state.redis_url, cfg.state.key_prefix, cfg.reload.keep_versions,
+                                      cfg.state.socket_timeout_s)
+        else:
+            self.ledger = MemoryLedger(cfg.reload.keep_versions)
+
+    # ----- lifecycle -------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Apply the initial config (or the shared head when it is the same
+        file), start the engine, the file watcher and the Redis sync loop."""
+        state = ConfigState(self._initial.text, {}, "file")
+        try:
+            head = await self.ledger.head()
+            if head is not None and head.text == state.text:
+                state = head            # same file: adopt the shared weights overrides too
+                log.info("adopting shared config version %d (%s)", head.version, head.source)
+            else:
+                await self.ledger.push(state)
+        except Exception as e:  # noqa: BLE001 -- Redis down: serve on the file
+            self._redis_failed(e)
+            self._unpublished = True
+        self._apply(state, compiled=self._initial if state.text == self._initial.text and not state.overrides else None)
+        if self.snapshot.local is not None and self.start_engine:
+            self._tasks.append(asyncio.create_task(self.snapshot.local.start()))
+        elif self.snapshot.local is not None:
+            self.snapshot.local.unavailable_reason = "engine not started"
+        cfg = self.snapshot.compiled.config
+        self._tasks.append(asyncio.create_task(self._watch_loop()))
+        if self.ledger.shared:
+            self._tasks.append(asyncio.create_task(self._sync_loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        self._tasks.clear()
+        backends = list(self.snapshot.backends.values()) if self.snapshot else []
+        for b in backends + [b for _, b in self.retired]:
+            try:
+                await b.aclose()
+            except Exception as e:  # noqa: BLE001
+                log.warning("closing backend %s: %s", b.name, e)
+        await self.ledger.aclose()
+
+    @property
+    def ready(self) -> bool:
+        """Config valid, not draining, and the local engine (if any) loaded."""
+        s = self.snapshot
+        if s is None or self.draining:
+            return False
+        return s.local is None or s.local.available or not self.start_engine
+
+    # ----- config generations ----------------------------------------------------------------------------------
+    def _build_backends(self, compiled: Compiled) -> tuple[dict, LocalBackend | None]:
+        old = self.snapshot.backends if self.snapshot else {}
+        backends: dict = {}
+        local = None
+        for name, cfg in compiled.config.backends.items():
+            prev = old.get(name)
+            if cfg.type == "local":
+                if prev is not None and prev.kind == "local":
+                    if prev.cfg != cfg:
+                        compiled.warnings.append(f"backends.{name}: engine settings changed; restart to apply them")
+                    backends[name] = prev       # the engine is never reloaded in place
+                else:
+                    backends[name] = LocalBackend(name, cfg)
+                local = backends[name]
+                continue
+            key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+            if prev is not None and prev.kind == "openai" and _backend_key(prev) == (cfg, key):
+                backends[name] = prev
+            else:
+                backends[name] = UpstreamBackend(name, cfg)
+                if not backends[name].available:
+                    compiled.warnings.append(f"backend {name} unavailable: {backends[name].unavailable_reason}")
+        now = time.monotonic()
+        for name, b in old.items():
+            if backends.get(name) is not b:
+                self.retired.append((now, b))
+        return backends, local
+
+    def _apply(self, state: ConfigState, compiled: Compiled | None = None) -> Snapshot:
+        """Validate ``state`` and swap it in. Raises ConfigError (nothing changes)."""
+        if compiled is None:
+            compiled = load_config_text(state.text, state.overrides)
+        backends, local = self._build_backends(compiled)
+        policy_fields = compiled.policy.fields()
+        snap = Snapshot(compiled, backends, state.version, state.source, "prompt_tokens" in policy_fields,
+                        compiled.config.server.max_body_size, local, list(compiled.warnings),
+                        any(f.startswith("local.") for f in policy_fields))
+        self.snapshot = snap            # the atomic swap: one reference assignment
+        log.info("config version %d applied (%s)", state.version, state.source)
+        for w in snap.warnings:
+            log.warning("%s", w)
+        return snap
+
+    async def _commit(self, state: ConfigState) -> dict:
+        """Validate, push to the ledger, apply. Raises ConfigError."""
+        async with self._lock:
+            compiled = load_config_text(state.text, state.overrides)   # validate first
+            propagated = True
+            try:
+                await self.ledger.push(state)
+            except Exception as e:  # noqa: BLE001 -- applied here; shared when Redis returns
+                self._redis_failed(e)
+                propagated = False
+                state.version = self.snapshot.version
+                self._unpublished = True
+            snap = self._apply(state, compiled)
+            return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
+                    "propagated": propagated and self.ledger.shared}
+
+    async def reload(self, source: str = "reload") -> dict:
+        """Re-read the config file; weights overrides are reset to the file's.
+
+        Raises:
+            ConfigError: the file is invalid (the running config stays)."""
+        if not self.config_path:
+            raise ConfigError([("", "no config file to reload")])
+        try:
+            with open(self.config_path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError([("", f"cannot read {self.config_path}: {e.strerror}")]) from None
+        self._mtime = self._stat()
+        try:
+            return await self._commit(ConfigState(text, {}, source))
+        except ConfigError as e:
+            log.error("config reload (%s) refused, keeping version %d: %s", source, self.snapshot.version, e)
+            raise
+
+    async def set_weights(self, route: str, weights: dict[str, float]) -> dict:
+        """Override ``route``'s target weights (target id or backend -> weight).
+
+        Raises:
+            ConfigError: unknown route/target or negative weight."""
+        cur = self.snapshot
+        overrides = {r: dict(w) for r, w in cur.compiled.overrides.items()}
+        overrides.setdefault(route, {}).update({k: float(v) for k, v in weights.items()})
+        return await self._commit(ConfigState(cur.compiled.text, overrides, "weights"))
+
+    async def rollback(self) -> dict:
+        """Return to the previous version (all replicas follow).
+
+        Raises:
+            LookupError: no previous version."""
+        async with self._lock:
+            state = await self.ledger.rollback()
+            snap = self._apply(state)
+            return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
+                    "propagated": self.ledger.shared}
+
+    async def describe(self) -> dict:
+        """The running config for GET /admin/config."""
+        s = self.snapshot
+        try:
+            history = [h.summary() for h in await self.ledger.history()]
+        except Exception as e:  # noqa: BLE001
+            self._redis_failed(e)
+            history = []
+        return {
+            "version": s.version, "source": s.source, "overrides": s.compiled.overrides,
+            "public_models": s.compiled.public_models,
+            "routes": {n: {"select": r.select, "targets": [{"id": t.id, "backend": t.backend, "weight": t.weight}
+                                                           for t in r.targets],
+                           "fallbacks": [t.id for t in r.fallbacks]} for n, r in s.compiled.policy.routes.items()},
+            "backends": {n: {"type": b.kind, "available": b.available, "reason": b.unavailable_reason}
+                         for n, b in s.backends.items()},
+            "history": history, "warnings": s.warnings, "redis_degraded": self.redis_degraded,
+            "draining": self.draining, "in_flight": self.in_flight, "text": s.compiled.text,
+        }
+
+    # ----- background loops ------------------------------------------------------------------------------------
+    def _stat(self) -> tuple | None:
+        if not self.config_path:
+            return None
+        try:
+            st = os.stat(self.config_path)
+            return (st.st_mtime_ns, st.st_size)
+        except OSError:
+            return None
+
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.snapshot.compiled.config.reload.poll_interval_s)
+            self._close_idle_retired()
+            if not self.snapshot.compiled.config.reload.watch:
+                continue
+            m = self._stat()
+            if m is not None and m != self._mtime:
+                self._mtime = m
+                try:
+                    await self.reload("file")
+                except ConfigError:
+                    pass                 # logged by reload(); the running config stays
+                except Exception:  # noqa: BLE001
+                    log.exception("reload on file change failed")
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.snapshot.compiled.config.state.sync_interval_s)
+            try:
+                v = await self.ledger.version()
+                if self.redis_degraded:
+                    log.info("redis reachable again; config sync resumed")
+                    self.redis_degraded = False
+                if v < self.snapshot.version or (self._unpublished and v == self.snapshot.version):
+                    # Redis lost its data (restarted without persistence), or we changed the config while
+                    # it was unreachable and nobody else did: share ours. (When another replica changed
+                    # it meanwhile, v is larger and the shared version wins below.)
+                    async with self._lock:
+                        cur = self.snapshot
+                        state = ConfigState(cur.compiled.text, cur.compiled.overrides, "reseed")
+                        await self.ledger.push(state)
+                        cur.version = state.version
+                        self._unpublished = False
+                        log.warning("shared config re-seeded from this replica as version %d", state.version)
+                elif v > self.snapshot.version:
+                    async with self._lock:
+                        head = await self.ledger.head()
+                        if head is not None and head.version > self.snapshot.version:
+                            self._unpublished = False
+                            try:
+                                self._apply(head)
+                            except ConfigError as e:
+                                log.error("shared config version %d is invalid here, keeping %d: %s",
+                                          head.version, self.snapshot.version, e)
+            except Exception as e:  # noqa: BLE001
+                self._redis_failed(e)
+
+    def _redis_failed(self, e: Exception) -> None:
+        if not self.redis_degraded:
+            log.warning("redis unavailable (%s: %s); serving on local config state", type(e).__name__, e)
+        self.redis_degraded = True
+
+    def _close_idle_retired(self) -> None:
+        """Close backends no generation uses once idle and retired for longer
+        than the drain timeout (a request may still fall back onto them)."""
+        live = self.snapshot.backends.values()
+        grace = self.snapshot.compiled.config.server.drain_timeout_s
+        now = time.monotonic()
+        keep = []
+        for since, b in self.retired:
+            if any(b is x for x in live):
+                continue
+            if b.active == 0 and now - since > grace:
+                asyncio.get_running_loop().create_task(b.aclose())
+            else:
+                keep.append((since, b))
+        self.retired = keep
+
+    # ----- drain -----------------------------------------------------------------------------------------------
+    async def drain(self, timeout: float | None = None) -> int:
+        """Stop accepting (new requests get 503, /health/ready says not
+        ready), wait until in-flight requests and streams finish or the
+        deadline passes, then call ``on_drained``. Returns requests still in
+        flight at the end (0 = clean)."""
+        self.draining = True
+        deadline = timeout if timeout is not None else self.snapshot.compiled.config.server.drain_timeout_s
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline
+        while self.in_flight > 0 and loop.time() < end:
+            await asyncio.sleep(0.05)
+        left = self.in_flight
+        log.info("drained (%d request(s) still in flight)", left)
+        if self.on_drained is not None:
+            self.on_drained()
+        return left

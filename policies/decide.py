@@ -1,0 +1,140 @@
+"""The policy: ordered rules -> a route -> ordered attempts, explained."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from policies.features import RequestFeatures, Signals
+from policies.routes import Pick, Route, Target, pick_target
+from policies.rules import Match, match
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``when match: use route``. A rule with an empty match always matches."""
+
+    name: str
+    route: str
+    match: Match = Match()
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Rules in order (first match wins), the routes they name, the
+    ``default_route`` when none matches, and where the canary key comes from
+    (``canary_key``: ``user``, ``header:<name>`` or ``request_id``; the
+    request id is always the last resort)."""
+
+    rules: tuple[Rule, ...]
+    routes: dict[str, Route]
+    default_route: str
+    canary_key: str = "user"
+
+    def __post_init__(self) -> None:
+        for r in self.rules:
+            if r.route not in self.routes:
+                raise ValueError(f"rule {r.name!r} names unknown route {r.route!r}")
+        if self.default_route not in self.routes:
+            raise ValueError(f"default_route names unknown route {self.default_route!r}")
+        if not (self.canary_key in ("user", "request_id") or self.canary_key.startswith("header:")):
+            raise ValueError(f"canary_key must be user, request_id or header:<name>, got {self.canary_key!r}")
+
+    def fields(self) -> set[str]:
+        """Every feature any rule looks at (the gateway computes the costly
+        ones, like ``prompt_tokens``, only when listed here)."""
+        out: set[str] = set()
+        for r in self.rules:
+            out |= r.match.fields()
+        return out
+
+
+@dataclass
+class Decision:
+    """Where a request goes, and why.
+
+    Attributes:
+        rule: the matched rule's name ("default" when none matched).
+        route: the route's name.
+        attempts: targets to try in order (the pick, then fallbacks),
+            unavailable ones already removed.
+        canary_key: the string hashed for the canary arm.
+        pick: the canary/cheapest pick with scores and skipped targets.
+        trace: one line per rule evaluated.
+    """
+
+    rule: str
+    route: str
+    attempts: list[Target]
+    canary_key: str
+    pick: Pick
+    trace: list[str] = field(default_factory=list)
+
+    def explain(self) -> str:
+        """A human-readable multi-line explanation."""
+        lines = ["rules:"] + [f"  {t}" for t in self.trace]
+        lines.append(f"matched rule: {self.rule} -> route {self.route}")
+        lines.append(f"canary key: {self.canary_key!r}")
+        for tid, why in self.pick.skipped.items():
+            lines.append(f"skipped {tid}: {why}")
+        if self.pick.scores:
+            lines.append("scores: " + ", ".join(f"{k}={v:.4f}" for k, v in self.pick.scores.items()))
+        lines.append(f"chosen: {self.pick.target.id if self.pick.target else None} ({self.pick.reason})")
+        lines.append("attempts: " + (" -> ".join(t.id for t in self.attempts) or "(none available)"))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "rule": self.rule, "route": self.route, "canary_key": self.canary_key,
+            "chosen": self.pick.target.id if self.pick.target else None, "reason": self.pick.reason,
+            "scores": self.pick.scores, "skipped": self.pick.skipped,
+            "attempts": [{"id": t.id, "backend": t.backend, "model": t.model} for t in self.attempts],
+            "trace": self.trace,
+        }
+
+
+def canary_key(policy: Policy, f: RequestFeatures) -> str:
+    """The string that decides the canary arm (stable per user)."""
+    if policy.canary_key == "user" and f.user:
+        return f"user:{f.user}"
+    if policy.canary_key.startswith("header:"):
+        v = f.headers.get(policy.canary_key[7:].lower())
+        if v:
+            return f"header:{v}"
+    return f"request:{f.request_id}"
+
+
+def decide(policy: Policy, f: RequestFeatures, s: Signals, explain: bool = False) -> Decision:
+    """Evaluate ``policy`` for one request. Pure: no I/O, no clock.
+
+    First matching rule wins (else ``default_route``). The route's first
+    choice comes from ``pick_target``; only the route's explicit
+    ``fallbacks`` follow it (the other weighted targets are not implied),
+    minus unavailable backends and duplicates."""
+    trace: list[str] | None = [] if explain else None
+    chosen_rule = None
+    for rule in policy.rules:
+        why: list[str] | None = [] if explain else None
+        ok = match(rule.match, f, s, why)
+        if trace is not None:
+            trace.append(f"{rule.name}: {'MATCH' if ok else 'no'}" + (f" [{'; '.join(why)}]" if why else ""))
+        if ok:
+            chosen_rule = rule
+            break
+    route_name = chosen_rule.route if chosen_rule else policy.default_route
+    route = policy.routes[route_name]
+    key = canary_key(policy, f)
+    pick = pick_target(route, key, s.unavailable)
+    attempts: list[Target] = []
+    seen: set[str] = set()
+    if pick.target is not None:
+        attempts.append(pick.target)
+        seen.add(pick.target.id)
+    for t in route.fallbacks:
+        if t.id in seen:
+            continue
+        if t.backend in s.unavailable:
+            pick.skipped.setdefault(t.id, s.unavailable[t.backend])
+            continue
+        seen.add(t.id)
+        attempts.append(t)
+    return Decision(chosen_rule.name if chosen_rule else "default", route_name, attempts, key, pick, trace or [])

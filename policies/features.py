@@ -1,0 +1,87 @@
+"""What a policy decides on: a request's features and the live signals.
+
+Both are plain frozen-ish dataclasses built by the gateway per request; the
+policy code only reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Priority names -> integers, vLLM's convention: a smaller value is served
+# first, 0 is the default.
+PRIORITY_NAMES = {"high": -1, "normal": 0, "low": 1}
+
+
+def parse_priority(value: object) -> int:
+    """Map a priority (``"high"``/``"normal"``/``"low"``, an int, or an int in
+    a string) to an int (vLLM's convention: smaller = more urgent).
+
+    Raises:
+        ValueError: anything else; the message names ``priority``.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"priority must be high, normal, low or an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name in PRIORITY_NAMES:
+            return PRIORITY_NAMES[name]
+        try:
+            return int(name)
+        except ValueError:
+            pass
+    raise ValueError(f"priority must be high, normal, low or an integer, got {value!r}")
+
+
+@dataclass
+class RequestFeatures:
+    """One request as a policy sees it.
+
+    Attributes:
+        model: the canonical public model name (aliases already resolved).
+        priority: int, smaller = more urgent (see ``PRIORITY_NAMES``).
+        prompt_tokens: estimated prompt length, tokens (None when no rule
+            needs it and the gateway did not compute it).
+        tenant: the virtual key's tenant ("" when anonymous).
+        has_tools: the body carries ``tools``/``functions``/``tool_choice``.
+        has_response_format: the body carries ``response_format``.
+        headers: request headers, lower-case names.
+        metadata: the body's ``metadata`` object (str -> str).
+        user: the body's ``user`` field ("" when absent).
+        request_id: the gateway's request id (canary key of last resort).
+        stream: the client asked for SSE.
+        max_tokens: requested completion limit, tokens (None = unset).
+    """
+
+    model: str
+    priority: int = 0
+    prompt_tokens: int | None = None
+    tenant: str = ""
+    has_tools: bool = False
+    has_response_format: bool = False
+    headers: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, object] = field(default_factory=dict)
+    user: str = ""
+    request_id: str = ""
+    stream: bool = False
+    max_tokens: int | None = None
+
+
+@dataclass
+class Signals:
+    """Live state the policy may react to.
+
+    Attributes:
+        local_waiting: requests waiting in the local engine's queue.
+        local_running: requests running in the local engine.
+        local_kv_usage: local KV-cache usage, percent (0..100).
+        unavailable: backend names that must not be chosen (unset API key,
+            open circuit breaker, engine not loaded, ...), with the reason.
+    """
+
+    local_waiting: int = 0
+    local_running: int = 0
+    local_kv_usage: float = 0.0
+    unavailable: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,129 @@
+"""Routes: ordered, weighted targets plus fallbacks, and the canary pick.
+
+The canary arm is chosen by weighted rendezvous hashing (highest random
+weight; Thaler & Ravishankar 1998, weighted form: Schindelhauer & Schomaker,
+"Weighted distributed hash tables", SPAA 2005): for a key k and each target i
+with weight w_i > 0, u_i = sha256(k, target id) mapped to (0, 1) and
+score_i = w_i / -ln(u_i); the highest score wins. Target i wins with
+probability w_i / sum(w). Raising one target's weight while the others keep
+theirs only raises its score, so users move only onto the grown target. With
+two arms (a canary) any shift moves users in one direction only: 5 -> 25 ->
+100 % only moves users forward, and back again only when it shrinks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+SELECT_MODES = ("weighted", "cheapest")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One place a request can go.
+
+    Attributes:
+        backend: the backend's name in the config.
+        model: the upstream model name ("" = the backend's mapping decides).
+        weight: relative weight (percent by convention), >= 0.
+        input_price, output_price: USD per million tokens (for ``cheapest``).
+        id: stable identifier used for hashing, weights overrides and CLI
+            (default ``backend`` or ``backend/model``).
+    """
+
+    backend: str
+    model: str = ""
+    weight: float = 100.0
+    input_price: float = 0.0
+    output_price: float = 0.0
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.weight < 0 or not math.isfinite(self.weight):
+            raise ValueError(f"weight must be a finite number >= 0, got {self.weight!r}")
+        if not self.id:
+            object.__setattr__(self, "id", f"{self.backend}/{self.model}" if self.model else self.backend)
+
+
+@dataclass(frozen=True)
+class Route:
+    """A named route: ``targets`` (weighted, first choice) then ``fallbacks``
+    (tried in order when the chosen target fails). ``select`` is
+    ``weighted`` (canary by stable hash) or ``cheapest`` (lowest input +
+    output price among available targets)."""
+
+    name: str
+    targets: tuple[Target, ...]
+    fallbacks: tuple[Target, ...] = ()
+    select: str = "weighted"
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            raise ValueError(f"route {self.name!r} needs at least one target")
+        if self.select not in SELECT_MODES:
+            raise ValueError(f"select must be one of {', '.join(SELECT_MODES)}, got {self.select!r}")
+        ids = [t.id for t in self.targets]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"route {self.name!r} has duplicate target ids {ids}; give them distinct `id`s")
+
+
+def hash_unit(key: str, target_id: str) -> float:
+    """sha256(key, target_id) as a float in (0, 1) (53 bits, never 0 or 1)."""
+    digest = hashlib.sha256(f"{key}\x00{target_id}".encode()).digest()
+    return (int.from_bytes(digest[:8], "big") >> 11 | 1) / float(1 << 53)
+
+
+@dataclass
+class Pick:
+    """The outcome of choosing among a route's targets, with its reasons."""
+
+    target: Target | None
+    scores: dict[str, float] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    reason: str = ""
+
+
+def pick_target(route: Route, key: str, unavailable: dict[str, str]) -> Pick:
+    """Choose the first-choice target of ``route`` for canary key ``key``,
+    skipping targets whose backend is in ``unavailable``.
+
+    Returns a Pick whose ``target`` is None when no target is available."""
+    skipped = {t.id: unavailable[t.backend] for t in route.targets if t.backend in unavailable}
+    live = [t for t in route.targets if t.backend not in unavailable and t.weight > 0]
+    if not live:
+        return Pick(None, skipped=skipped, reason="no available target with weight > 0")
+    if route.select == "cheapest":
+        best = min(live, key=lambda t: (t.input_price + t.output_price, route.targets.index(t)))
+        return Pick(best, skipped=skipped,
+                    reason=f"cheapest available: {best.id} at {best.input_price}+{best.output_price} USD/M tokens")
+    if len(live) == 1:
+        return Pick(live[0], skipped=skipped, reason=f"only available target {live[0].id}")
+    scores = {t.id: t.weight / -math.log(hash_unit(key, t.id)) for t in live}
+    best = max(live, key=lambda t: scores[t.id])
+    total = sum(t.weight for t in live)
+    return Pick(best, scores=scores, skipped=skipped,
+                reason=f"canary by rendezvous hash of {key!r}: {best.id} "
+                       f"(weight {best.weight:g} of {total:g})")
+
+
+def with_weights(route: Route, weights: dict[str, float]) -> Route:
+    """A copy of ``route`` with target weights replaced by ``weights``
+    (target id or backend name -> weight).
+
+    Raises:
+        ValueError: a key names no target of the route, or a weight < 0.
+    """
+    by_key = {}
+    for t in route.targets:
+        by_key[t.id] = t
+        by_key.setdefault(t.backend, t)
+    unknown = [k for k in weights if k not in by_key]
+    if unknown:
+        raise ValueError(f"route {route.name!r} has no target {', '.join(map(repr, unknown))}; "
+                         f"targets: {', '.join(t.id for t in route.targets)}")
+    new_w = {by_key[k].id: float(w) for k, w in weights.items()}
+    targets = tuple(Target(t.backend, t.model, new_w.get(t.id, t.weight), t.input_price, t.output_price, t.id)
+                    for t in route.targets)
+    return Route(route.name, targets, route.fallbacks, route.select)
