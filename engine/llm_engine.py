@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineArgs
+from engine.config import DEFAULT_MODEL, EngineArgs, default_model_path
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
@@ -127,7 +127,8 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype)
         model, self.tokenizer, self.model_config = load_model(args)
-        self.served_model_name = args.served_model_name or self.model_config.name
+        self.served_model_name = args.served_model_name or (
+            DEFAULT_MODEL if args.model == default_model_path() else self.model_config.name)
         num_blocks, num_cpu_blocks = ModelRunner.determine_num_blocks(
             args, self.model_config, self.device, self.dtype
         )

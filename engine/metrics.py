@@ -1,0 +1,152 @@
+"""Prometheus metrics of the engine, with vLLM's names (so vLLM dashboards work).
+
+Gauges and the scheduler's cumulative counters are read from
+``AsyncEngine.get_stats()`` at scrape time; per-request counters and
+histograms are fed by an output listener that runs in the engine thread.
+Everything lives in the ``CollectorRegistry`` given to ``EngineMetrics``
+(one per app; no global registry).
+
+Names (all with label ``model_name``), as in vLLM ``v1/metrics/loggers.py``:
+``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc`` (0..1), ``vllm:prefix_cache_queries_total`` and
+``vllm:prefix_cache_hits_total`` (tokens), ``vllm:num_preemptions_total``,
+``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
+``vllm:request_success_total`` (+ ``finished_reason``),
+``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
+``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
+``vllm:cache_config_info``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.outputs import RequestOutput
+
+# vLLM's bucket boundaries, seconds.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class _LiveCollector:
+    """Scrape-time gauges and cumulative scheduler counters from ``engine.get_stats()``."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def describe(self):
+        return []  # collected lazily: the engine may not be started at registration
+
+    def collect(self):
+        labels = [self.model_name]
+        try:
+            stats = self.engine.get_stats()
+        except Exception:  # noqa: BLE001 - not started yet
+            stats = None
+        families = [
+            (GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in model execution batches.",
+             "num_running"),
+            (GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+             "num_waiting"),
+            (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+             "kv_cache_usage"),
+            (CounterMetricFamily, "vllm:prefix_cache_queries",
+             "Prefix cache queries, in terms of number of queried tokens.", "prefix_cache_queries"),
+            (CounterMetricFamily, "vllm:prefix_cache_hits",
+             "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
+            (CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
+        ]
+        for cls, name, doc, attr in families:
+            fam = cls(name, doc, labels=["model_name"])
+            fam.add_metric(labels, float(getattr(stats, attr)) if stats is not None else 0.0)
+            yield fam
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
+                                 labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching",
+                                         "cache_dtype", "swap_space_bytes"])
+        args = self.engine.args
+        inner = getattr(self.engine, "engine", None)
+        info.add_metric([self.model_name, str(args.block_size), str(getattr(inner, "num_blocks", 0)),
+                         str(args.enable_prefix_caching), str(args.dtype),
+                         str(int(args.swap_space * 2**30))], 1.0)
+        yield info
+
+
+class EngineMetrics:
+    """vLLM-named metrics of one ``AsyncEngine``, in ``registry``.
+
+    Args:
+        registry: this app's registry (``generate_latest(registry)`` serves it).
+        engine: the ``AsyncEngine`` (started or not).
+        model_name: value of the ``model_name`` label.
+
+    ``record(outputs, now)`` must be registered as the engine's output
+    listener (``attach()`` does it); it runs in the engine thread.
+    """
+
+    def __init__(self, registry: CollectorRegistry, engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        registry.register(_LiveCollector(engine, model_name))
+        label = ["model_name"]
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", label,
+                                     registry=registry).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                         label, registry=registry).labels(model_name)
+        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                       ["model_name", "finished_reason"], registry=registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              label, buckets=TTFT_BUCKETS, registry=registry).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             label, buckets=ITL_BUCKETS, registry=registry).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             label, buckets=REQUEST_LATENCY_BUCKETS, registry=registry).labels(model_name)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", label,
+                                    buckets=REQUEST_LATENCY_BUCKETS, registry=registry).labels(model_name)
+        # Engine-thread state: requests that produced a token; request id -> {index: last token time}.
+        self._first_seen: set[str] = set()
+        self._last_token: dict[str, dict[int, float]] = {}
+
+    def attach(self) -> "EngineMetrics":
+        """Register ``record`` as the engine's output listener."""
+        self.engine.add_output_listener(self.record)
+        return self
+
+    def record(self, outputs: list[RequestOutput], now: float) -> None:
+        """Update counters and histograms from one step's delta outputs
+        (``now``: ``time.monotonic()`` seconds)."""
+        for out in outputs:
+            rid = out.request_id
+            m = out.metrics
+            has_tokens = any(c.token_ids for c in out.outputs)
+            if has_tokens and rid not in self._first_seen:
+                self._first_seen.add(rid)
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                if m is not None:
+                    first = m.first_token_time or now
+                    self.ttft.observe(max(first - m.arrival_time, 0.0))
+                    if m.first_scheduled_time is not None:
+                        self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+            for c in out.outputs:
+                if c.token_ids:
+                    self.generation_tokens.inc(len(c.token_ids))
+                    t = m.last_token_time if m is not None and m.last_token_time else now
+                    last = self._last_token.setdefault(rid, {})
+                    prev = last.get(c.index)
+                    if prev is not None:
+                        self.itl.observe(max(t - prev, 0.0) / len(c.token_ids))
+                    last[c.index] = t
+                if c.finish_reason is not None:
+                    self.request_success.labels(self.model_name, c.finish_reason).inc()
+            if out.finished:
+                if m is not None and rid in self._first_seen:
+                    end = m.finished_time or now
+                    self.e2e.observe(max(end - m.arrival_time, 0.0))
+                self._first_seen.discard(rid)
+                self._last_token.pop(rid, None)

@@ -1,0 +1,146 @@
+"""Request schemas of the OpenAI-compatible API (text generation), with
+vLLM's extra sampling fields.
+
+The schemas are ``msgspec.Struct``s: ``parse_request(body, ChatCompletionRequest)``
+converts a decoded JSON object, checks every field's type and returns an
+error naming the field (``$.temperature`` -> ``temperature``). Value ranges
+are checked later by ``SamplingParams`` (its messages also start with the
+parameter's name). Unknown fields are ignored, as OpenAI and vLLM do.
+
+Sources: OpenAI API reference (``/v1/chat/completions``, ``/v1/completions``);
+vLLM ``entrypoints/openai/protocol.py`` for the extra fields' names and defaults.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+import msgspec
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """``stream_options``: ``include_usage`` adds a final chunk with ``usage``
+    and ``choices: []``; vLLM's ``continuous_usage_stats`` also puts the
+    running usage on every chunk (only together with ``include_usage``)."""
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and completions (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    n: int | None = 1
+    best_of: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    use_beam_search: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    priority: int | None = None
+    request_id: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """Body of ``POST /v1/chat/completions``.
+
+    ``messages`` items are ``{"role", "content"}`` where content is a string
+    or a list of ``{"type": "text", "text"}`` parts. ``logprobs`` is a bool
+    with ``top_logprobs`` (0-20) alternatives per token. ``max_completion_tokens``
+    is OpenAI's newer name of ``max_tokens``; without either the completion
+    may use the whole context (``max_model_len - prompt_tokens``).
+    """
+
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM extras
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """Body of ``POST /v1/completions``.
+
+    ``prompt`` is a string, a list of strings, a list of token ids or a list
+    of token-id lists (one request per prompt; choice ``index`` is
+    ``prompt_index * n + i``). ``logprobs`` is an int (0-20). ``max_tokens``
+    defaults to 16 (OpenAI's default); an explicit null means "up to
+    ``max_model_len``".
+    """
+
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    # vLLM extras
+    add_special_tokens: bool = True
+
+
+T = TypeVar("T")
+
+_PATH_RE = re.compile(r"at `\$\.?([A-Za-z_][A-Za-z0-9_]*)")
+
+
+class RequestValidationError(ValueError):
+    """A request body does not match its schema.
+
+    Attributes:
+        param: the top-level field at fault (None when the body itself is).
+    """
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def parse_request(body: Any, schema: type[T]) -> T:
+    """Check ``body`` (a decoded JSON object) against ``schema``.
+
+    Raises:
+        RequestValidationError: the body is not an object, a required field
+            is missing or a field has the wrong type; ``param`` names it and
+            the message starts with it.
+    """
+    if not isinstance(body, dict):
+        raise RequestValidationError("the request body must be a JSON object", None)
+    try:
+        return msgspec.convert(body, schema)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PATH_RE.search(text)
+        param = match.group(1) if match else None
+        missing = re.search(r"missing required field `([^`]+)`", text)
+        if param is None and missing:
+            param = missing.group(1)
+        message = f"{param}: {text}" if param else text
+        raise RequestValidationError(message, param) from None

@@ -1,0 +1,437 @@
+"""The engine's OpenAI-compatible server, end to end through the official
+``openai`` client against a live server on 127.0.0.1 (SmolLM2, float32).
+
+One in-process server per module (``server``: uvicorn in a thread, chunked
+prefill with a 512-token budget, max_model_len 2048); the real ``tandem engine
+serve`` CLI in a subprocess (unchunked) only for the chunked-prefill
+comparison and the SIGTERM drain. Every successful response is re-validated against the SDK's
+pydantic types (``ChatCompletion``, ``ChatCompletionChunk``, ``Completion``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineArgs
+from engine.server import build_app
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 2048
+ALPHABET_PROMPT = "The alphabet: ABCDEFGHIJKLMNOPQRSTUVWXYZ. Again:"
+CODE_PROMPT = "def setup():\n    a = 1\n\n    b = 2\n\n    c = 3\n\n    d"  # "\n\n    " is one token
+EMOJI_HANGUL_PROMPT = " ".join(["안녕 🎉"] * 10) + " 안녕"
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    client: openai.OpenAI
+    model: str
+    engine: AsyncEngine
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=120)
+
+
+def start_server(**engine_kwargs) -> LiveServer:
+    """``tandem engine serve`` in a thread: build_app + uvicorn on a free port."""
+    engine = AsyncEngine(EngineArgs(**engine_kwargs))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 300
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the engine server did not start")
+        time.sleep(0.05)
+    base = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    return LiveServer(base, client, engine.served_model_name, engine, server, thread)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = start_server(dtype="float32", kv_cache_memory="160MiB", max_model_len=MAX_MODEL_LEN,
+                     enable_chunked_prefill=True, max_num_batched_tokens=512)
+    yield s
+    s.stop()
+
+
+# ----------------------------------------------------------------- helpers
+def chat(s: LiveServer, **kw) -> ChatCompletion:
+    raw = s.client.chat.completions.with_raw_response.create(model=s.model, **kw)
+    return ChatCompletion.model_validate_json(raw.http_response.text)
+
+
+def complete(s: LiveServer, **kw) -> Completion:
+    raw = s.client.completions.with_raw_response.create(model=s.model, **kw)
+    return Completion.model_validate_json(raw.http_response.text)
+
+
+def chat_stream(s: LiveServer, **kw) -> list[ChatCompletionChunk]:
+    chunks = []
+    for chunk in s.client.chat.completions.create(model=s.model, stream=True, **kw):
+        chunks.append(ChatCompletionChunk.model_validate(chunk.to_dict()))
+    return chunks
+
+
+def complete_stream(s: LiveServer, **kw) -> list[Completion]:
+    """Streamed completions; chunks that finish a choice (and the usage
+    chunk) are validated as ``Completion`` (the SDK type requires a
+    ``finish_reason``, which OpenAI's own stream leaves null until the end)."""
+    chunks = []
+    for chunk in s.client.completions.create(model=s.model, stream=True, **kw):
+        if all(c.finish_reason is not None for c in chunk.choices):
+            Completion.model_validate(chunk.to_dict())
+        chunks.append(chunk)
+    return chunks
+
+
+def stream_text(chunks, index: int = 0) -> str:
+    return "".join(c.text for ch in chunks for c in ch.choices if c.index == index)
+
+
+def scrape(s: LiveServer) -> dict[str, float]:
+    """``/metrics`` as {sample name (+ finished_reason): value}."""
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{s.base_url}/metrics").text):
+        for sample in fam.samples:
+            assert sample.labels.get("model_name") == s.model
+            key = sample.name
+            if "finished_reason" in sample.labels:
+                key += f"{{{sample.labels['finished_reason']}}}"
+            if "le" not in sample.labels:
+                out[key] = sample.value
+    return out
+
+
+def wait_until(predicate, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def counting_prompt(tokenizer, min_tokens: int) -> tuple[str, int]:
+    """"0, 1, 2, ..." with at least ``min_tokens`` tokens; returns (prompt, next number)."""
+    parts = []
+    i = 0
+    while len(tokenizer.encode(", ".join(parts), add_special_tokens=True)) < min_tokens:
+        parts.append(str(i))
+        i += 1
+    return ", ".join(parts), i
+
+
+# ------------------------------------------------------------------- tests
+def test_models_health_and_plain_chat(server):
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == [server.model]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    r = chat(server, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, temperature=0)
+    assert r.object == "chat.completion" and r.model == server.model
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6
+
+
+def test_stop_string_is_never_streamed(server):
+    free = complete(server, prompt=ALPHABET_PROMPT, max_tokens=12, temperature=0).choices[0].text
+    assert "DEFGHIJ" in free, free  # precondition: the model continues the alphabet
+    full = complete(server, prompt=ALPHABET_PROMPT, max_tokens=12, temperature=0, stop=["DEFGHIJ"])
+    choice = full.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == "DEFGHIJ"
+    assert free.startswith(choice.text + "DEFGHIJ")
+    chunks = complete_stream(server, prompt=ALPHABET_PROMPT, max_tokens=12, temperature=0, stop=["DEFGHIJ"])
+    deltas = [c.text for ch in chunks for c in ch.choices]
+    assert "".join(deltas) == choice.text
+    assert not set("DEFGHIJ") & set("".join(deltas))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_stop_string_fused_into_a_larger_token(server):
+    free = complete(server, prompt=CODE_PROMPT, max_tokens=10, temperature=0, logprobs=0).choices[0]
+    assert "\n\n" in free.text, free.text
+    fused = [t for t in free.logprobs.tokens if "\n\n" in t and len(t) > 2]
+    assert fused, (free.logprobs.tokens, free.text)  # precondition: "\n\n" sits inside a larger token
+    full = complete(server, prompt=CODE_PROMPT, max_tokens=10, temperature=0, stop="\n\n").choices[0]
+    assert full.finish_reason == "stop"
+    assert full.text == free.text[: free.text.index("\n\n")] and full.text
+    chunks = complete_stream(server, prompt=CODE_PROMPT, max_tokens=10, temperature=0, stop="\n\n")
+    assert stream_text(chunks) == full.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_emoji_and_hangul_stream_without_replacement_chars(server):
+    chunks = complete_stream(server, prompt=EMOJI_HANGUL_PROMPT, max_tokens=27, temperature=0)
+    deltas = [c.text for ch in chunks for c in ch.choices]
+    assert all("\ufffd" not in d for d in deltas), deltas
+    text = "".join(deltas)
+    assert "🎉" in text and "안녕" in text, text
+    assert text == complete(server, prompt=EMOJI_HANGUL_PROMPT, max_tokens=27, temperature=0).choices[0].text
+
+
+def test_n3_choices_have_indices_and_finish_reasons(server):
+    msgs = [{"role": "user", "content": "Name a color."}]
+    r = chat(server, messages=msgs, n=3, temperature=1.0, seed=7, max_tokens=8)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert all(c.finish_reason in ("stop", "length") for c in r.choices)
+    assert len({c.message.content for c in r.choices}) > 1  # the children differ
+    assert 3 <= r.usage.completion_tokens <= 3 * 8
+    chunks = chat_stream(server, messages=msgs, n=3, temperature=1.0, seed=11, max_tokens=8)
+    finishes: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    for ch in chunks:
+        assert len(ch.choices) == 1
+        c = ch.choices[0]
+        assert c.index in finishes
+        if c.finish_reason is not None:
+            finishes[c.index].append(c.finish_reason)
+    assert all(len(v) == 1 for v in finishes.values()), finishes
+    # Every index got its role chunk and some content.
+    for i in range(3):
+        assert any(c.delta.role == "assistant" for ch in chunks for c in ch.choices if c.index == i)
+        assert "".join(c.delta.content or "" for ch in chunks for c in ch.choices if c.index == i)
+
+
+def test_seeded_request_is_independent_of_batching(server):
+    seeded = dict(prompt="Once upon a time", max_tokens=8, temperature=0.8, seed=42)
+    alone = complete(server, **seeded).choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        for _ in range(4):
+            f_seeded = pool.submit(complete, server, **seeded)
+            f_other = pool.submit(complete, server, prompt="The weather today is", max_tokens=10, temperature=1.0)
+            assert f_seeded.result().choices[0].text == alone
+            f_other.result()
+
+
+def test_stream_usage_only_in_the_final_chunk(server):
+    msgs = [{"role": "user", "content": "Count to ten."}]
+    chunks = chat_stream(server, messages=msgs, n=2, max_tokens=8, temperature=0, stream_options={"include_usage": True},
+                         extra_body={"ignore_eos": True})
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 16
+    assert all(ch.usage is None for ch in chunks[:-1])
+    assert {c.index for ch in chunks for c in ch.choices} == {0, 1}
+    plain = chat_stream(server, messages=msgs, n=2, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert all(ch.usage is None for ch in plain) and all(ch.choices for ch in plain)
+    # Completions: same rule.
+    comp = complete_stream(server, prompt="Hello", max_tokens=4, temperature=0, stream_options={"include_usage": True},
+                           extra_body={"ignore_eos": True})
+    assert comp[-1].choices == [] and comp[-1].usage.completion_tokens == 4
+    assert all(ch.usage is None for ch in comp[:-1])
+
+
+def test_chat_without_max_tokens_fills_the_context(server):
+    prompt, _ = counting_prompt(server.engine.tokenizer, MAX_MODEL_LEN - 48)  # + ~30 template tokens
+    r = chat(server, messages=[{"role": "user", "content": prompt}], temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == MAX_MODEL_LEN
+    assert r.usage.completion_tokens > 0
+
+
+def test_logprobs_follow_openai_format(server):
+    r = chat(server, messages=[{"role": "user", "content": "Say yes."}], max_tokens=4, temperature=0,
+             logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.bytes is not None and entry.logprob <= 0
+        # Greedy: the sampled token is the most likely one.
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    assert bytes(b for e in content for b in e.bytes).decode("utf-8") == r.choices[0].message.content
+    c = complete(server, prompt="1, 2, 3, 4,", max_tokens=5, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == c.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs)
+    # echo + logprobs: the first prompt token has no logprob: null, as OpenAI and vLLM send it (the SDK's
+    # type says float, so this one response is checked as JSON).
+    raw = server.client.completions.with_raw_response.create(model=server.model, prompt="1, 2, 3, 4,", max_tokens=2,
+                                                             temperature=0, logprobs=1, echo=True)
+    echo = raw.http_response.json()["choices"][0]
+    assert echo["text"].startswith("1, 2, 3, 4,") and echo["logprobs"]["token_logprobs"][0] is None
+    assert "".join(echo["logprobs"]["tokens"]) == echo["text"]
+    assert all(lp <= 0 for lp in echo["logprobs"]["token_logprobs"][1:])
+
+
+@contextlib.contextmanager
+def cli_server(*flags: str):
+    """The real ``tandem engine serve`` in a subprocess; yields (process, base URL)."""
+    port = free_port()
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "engine", "serve", "--port", str(port),
+                             "--uvicorn-log-level", "warning", *flags],
+                            cwd=Path(__file__).resolve().parent.parent, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"tandem engine serve exited: {log.read().decode()[-3000:]}")
+            try:
+                return httpx.get(f"{base}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(up, timeout=300)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_chunked_prefill_matches_unchunked_cli_server(server):
+    prompt, next_number = counting_prompt(server.engine.tokenizer, 1100)
+    assert len(server.engine.tokenizer.encode(prompt, add_special_tokens=True)) > 2 * 512
+    chunked = complete(server, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    with cli_server("--dtype", "float32", "--kv-cache-memory", "96MiB", "--max-model-len", str(MAX_MODEL_LEN),
+                    "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
+                    "--served-model-name", "unchunked") as (proc, base):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+        raw = client.completions.with_raw_response.create(model="unchunked", prompt=prompt, max_tokens=8,
+                                                          temperature=0)
+        unchunked = Completion.model_validate_json(raw.http_response.text).choices[0].text
+        # SIGTERM drains: a running stream still gets all its tokens, then the server exits.
+        body = {"model": "unchunked", "prompt": "Once", "max_tokens": 12, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+            lines = (line for line in r.iter_lines() if line)
+            first = next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert first.startswith("data: {") and rest[-1] == "data: [DONE]"
+        usage = json.loads(rest[-2][len("data: "):])["usage"]
+        assert usage["completion_tokens"] == 12
+        # uvicorn re-raises the captured SIGTERM after its graceful shutdown.
+        assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
+    assert chunked == unchunked
+    assert str(next_number) in chunked  # it keeps counting
+
+
+def test_abort_mid_stream_frees_the_request(server):
+    assert wait_until(lambda: scrape(server)["vllm:num_requests_running"] == 0)
+    idle_kv = scrape(server)["vllm:kv_cache_usage_perc"]
+    aborted_before = scrape(server).get("vllm:request_success_total{abort}", 0.0)
+    stream = server.client.completions.create(model=server.model, prompt="Tell me a long story.", max_tokens=1000,
+                                              temperature=0, stream=True, extra_body={"ignore_eos": True})
+    received = 0
+    for chunk in stream:
+        received += len(chunk.choices[0].text)
+        if received > 10:
+            break
+    metrics = scrape(server)
+    assert metrics["vllm:num_requests_running"] == 1
+    assert metrics["vllm:kv_cache_usage_perc"] > idle_kv
+    stream.close()  # the client goes away
+    assert wait_until(lambda: scrape(server)["vllm:num_requests_running"] == 0)
+    assert wait_until(lambda: scrape(server)["vllm:kv_cache_usage_perc"] == idle_kv)
+    assert scrape(server)["vllm:num_requests_waiting"] == 0
+    assert server.engine.get_stats().tokens_in_flight == 0
+    # A non-streamed request whose client gives up is aborted too.
+    body = {"model": server.model, "prompt": "Tell me a long story.", "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=3.0)
+    assert wait_until(lambda: scrape(server)["vllm:num_requests_running"] == 0)
+    assert wait_until(lambda: scrape(server)["vllm:kv_cache_usage_perc"] == idle_kv)
+    assert scrape(server)["vllm:request_success_total{abort}"] == aborted_before + 2
+
+
+def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
+    url = f"{server.base_url}/v1/chat/completions"
+    r = httpx.post(url, content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as exc:
+        server.client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    assert exc.value.status_code == 404 and "no-such-model" in exc.value.message
+    too_long, _ = counting_prompt(server.engine.tokenizer, MAX_MODEL_LEN + 10)
+    with pytest.raises(openai.BadRequestError) as exc:
+        server.client.completions.create(model=server.model, prompt=too_long, max_tokens=4)
+    assert str(MAX_MODEL_LEN) in exc.value.message
+    for params, name in [({"temperature": -1}, "temperature"), ({"top_p": 2}, "top_p"), ({"n": 0}, "n"),
+                         ({"max_tokens": 0}, "max_tokens"), ({"logprobs": 99}, "logprobs"),
+                         ({"max_tokens": "ten"}, "max_tokens"), ({"stop": [3]}, "stop")]:
+        with pytest.raises(openai.BadRequestError) as exc:
+            server.client.completions.create(model=server.model, prompt="hi", **params)
+        assert exc.value.body["param"] == name, (params, exc.value.body)
+        assert name in exc.value.message
+    with pytest.raises(openai.BadRequestError) as exc:
+        server.client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                              logprobs=True, top_logprobs=30)
+    assert exc.value.body["param"] == "top_logprobs"
+    r = httpx.post(url, json={"model": server.model, "messages": "not a list"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert httpx.get(f"{server.base_url}/v1/nothing-here").status_code == 404
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    ok = chat(server, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens == 3
+
+
+def test_raw_sse_format(server):
+    body = {"model": server.model, "prompt": "Hi", "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 2
+
+
+def test_metrics_use_vllm_names(server):
+    stopped = complete(server, prompt=ALPHABET_PROMPT, max_tokens=4, temperature=0, stop=["B"]).choices[0]
+    assert stopped.finish_reason == "stop"
+    complete(server, prompt=ALPHABET_PROMPT, max_tokens=2, temperature=0)
+    m = scrape(server)
+    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+                 "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_queue_time_seconds_count", "vllm:cache_config_info"]:
+        assert name in m, name
+    assert m["vllm:prompt_tokens_total"] > 0 and m["vllm:generation_tokens_total"] > 0
+    assert m["vllm:request_success_total{length}"] > 0 and m["vllm:request_success_total{stop}"] > 0
+    assert m["vllm:time_to_first_token_seconds_count"] > 0 and m["vllm:prefix_cache_hits_total"] > 0
+
+
+def test_prompt_logprobs_and_multiple_prompts(server):
+    c = complete(server, prompt=["1, 2, 3", "A, B, C"], max_tokens=3, temperature=0, n=2,
+                 extra_body={"prompt_logprobs": 1})
+    assert sorted(ch.index for ch in c.choices) == [0, 1, 2, 3]
+    by_index = {ch.index: ch for ch in c.choices}
+    assert by_index[0].text == by_index[1].text and by_index[2].text == by_index[3].text  # greedy
+    assert by_index[0].text != by_index[2].text
+    assert c.usage.completion_tokens == 12
+    plp = by_index[0].model_extra["prompt_logprobs"]
+    ids = server.engine.tokenizer.encode("1, 2, 3", add_special_tokens=True)
+    assert len(plp) == len(ids) and plp[0] is None
+    assert all(str(t) in pos and pos[str(t)]["logprob"] <= 0 for t, pos in zip(ids[1:], plp[1:]))

@@ -1,0 +1,119 @@
+"""Request schemas and serving helpers that need no model (fast)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.protocol import ChatCompletionRequest, CompletionRequest, RequestValidationError, parse_request
+from engine.serving import ServingError, _byte_decoder, _cut_after_final_message, _merge, _normalize_messages
+
+
+def test_chat_request_defaults_and_vllm_extras():
+    req = parse_request({"messages": [{"role": "user", "content": "hi"}], "top_k": 5, "ignore_eos": True,
+                         "stream_options": {"include_usage": True}, "unknown_field": 1}, ChatCompletionRequest)
+    assert req.max_tokens is None and req.n == 1 and req.logprobs is False and req.top_k == 5
+    assert req.ignore_eos and req.stream_options.include_usage and req.add_generation_prompt
+
+
+def test_completion_request_defaults():
+    req = parse_request({"prompt": "hi"}, CompletionRequest)
+    assert req.max_tokens == 16 and req.echo is False and req.logprobs is None and req.add_special_tokens
+    assert parse_request({"prompt": [1, 2, 3], "max_tokens": None}, CompletionRequest).max_tokens is None
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [], "temperature": "hot"}, "temperature"),
+    ({"messages": [], "max_tokens": 1.5}, "max_tokens"),
+    ({"messages": [], "stop": [1]}, "stop"),
+    ({"messages": [], "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ({"messages": "hi"}, "messages"),
+    ({"temperature": 1}, "messages"),
+    ({"messages": [], "logprobs": 3}, "logprobs"),
+])
+def test_type_errors_name_the_field(body, param):
+    with pytest.raises(RequestValidationError) as exc:
+        parse_request(body, ChatCompletionRequest)
+    assert exc.value.param == param
+    assert str(exc.value).startswith(param)
+
+
+def test_body_must_be_an_object():
+    with pytest.raises(RequestValidationError) as exc:
+        parse_request([1, 2], CompletionRequest)
+    assert exc.value.param is None
+
+
+def test_serving_error_is_openai_shaped():
+    err = ServingError(404, "no such model", param="model", code="model_not_found")
+    assert err.to_dict() == {"error": {"message": "no such model", "type": "invalid_request_error",
+                                       "param": "model", "code": "model_not_found"}}
+
+
+def test_messages_are_normalized_for_templates():
+    msgs = _normalize_messages([
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None},
+    ])
+    assert msgs == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
+                    {"role": "assistant", "content": ""}]
+    for bad in ([], [{"content": "x"}], [{"role": "user", "content": [{"type": "image_url"}]}],
+                [{"role": "user", "content": 3}]):
+        with pytest.raises(ServingError) as exc:
+            _normalize_messages(bad)
+        assert exc.value.status_code == 400 and exc.value.param == "messages"
+
+
+def test_continue_final_message_cuts_after_its_content():
+    text = "<s>user: hi</s><s>assistant: Once upon</s>\n"
+    assert _cut_after_final_message(text, [{"role": "assistant", "content": "Once upon"}]) == \
+        "<s>user: hi</s><s>assistant: Once upon"
+
+
+def test_byte_decoder_covers_every_byte_once():
+    dec = _byte_decoder()
+    assert sorted(dec.values()) == list(range(256))
+    assert dec["Ġ"] == ord(" ") and dec["Ċ"] == ord("\n") and dec["A"] == ord("A")
+
+
+async def test_merge_interleaves_and_closes_every_stream():
+    closed = []
+
+    async def stream(name, n, delay):
+        try:
+            for i in range(n):
+                await asyncio.sleep(delay)
+                yield f"{name}{i}"
+        finally:
+            closed.append(name)
+
+    items = [item async for item in _merge([stream("a", 3, 0.001), stream("b", 2, 0.002)])]
+    assert sorted(items) == [(0, "a0"), (0, "a1"), (0, "a2"), (1, "b0"), (1, "b1")]
+    assert sorted(closed) == ["a", "b"]
+    closed.clear()
+    merged = _merge([stream("a", 100, 0.001), stream("b", 100, 0.001)])
+    async for _ in merged:
+        break
+    await merged.aclose()  # the consumer went away: both streams are closed
+    assert sorted(closed) == ["a", "b"]
+
+
+def test_serve_args_use_vllm_flag_names():
+    import argparse
+
+    from engine.config import default_model_path, engine_args_from_cli
+    from engine.server import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--model", default_model_path(), "--port", "8123", "--host", "0.0.0.0",
+                              "--max-num-batched-tokens", "512", "--no-enable-prefix-caching",
+                              "--no-enable-chunked-prefill", "--kv-cache-memory", "256MiB", "--max-num-seqs", "4",
+                              "--served-model-name", "smol", "--scheduling-policy", "priority"])
+    assert (args.port, args.host) == (8123, "0.0.0.0")
+    ea = engine_args_from_cli(args)
+    assert ea.max_num_batched_tokens == 512 and not ea.enable_prefix_caching and not ea.enable_chunked_prefill
+    assert ea.kv_cache_memory == 256 * 2**20 and ea.max_num_seqs == 4 and ea.served_model_name == "smol"
+    assert ea.scheduling_policy == "priority"
