@@ -87,6 +87,13 @@ def resolve_dtype(name: str) -> torch.dtype:
             "float16": torch.float16}[name]
 
 
+def _is_default_model(path: str) -> bool:
+    try:
+        return path == default_model_path()
+    except FileNotFoundError:
+        return False
+
+
 def _resolve_max_model_len(requested: int | None, model_max: int, kv_capacity: int) -> int:
     """The context limit, tokens: the model's, capped by what the KV pool holds.
 
@@ -128,7 +135,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype)
         model, self.tokenizer, self.model_config = load_model(args)
         self.served_model_name = args.served_model_name or (
-            DEFAULT_MODEL if args.model == default_model_path() else self.model_config.name)
+            DEFAULT_MODEL if _is_default_model(args.model) else self.model_config.name)
         num_blocks, num_cpu_blocks = ModelRunner.determine_num_blocks(
             args, self.model_config, self.device, self.dtype
         )
