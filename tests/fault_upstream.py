@@ -1,0 +1,296 @@
+"""A small OpenAI-compatible fault injector for resilience tests (aiohttp server in a background thread).
+
+It answers ``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not) and ``GET /v1/models``.
+What each request gets is a *fault* dict, taken (in this order) from the ``x-fault`` request header (JSON),
+the queue filled by ``push()`` / ``POST /_fault/push`` (one fault per request), or the default set by
+``set_default()`` / ``POST /_fault/default``. ``{}`` is a healthy answer. Keys (all optional):
+
+    delay: float           seconds before the response headers
+    status: int            answer this HTTP status with an OpenAI error body (429, 500, 503, 400, 404, ...)
+    retry_after: str|num   Retry-After header for that status
+    error_code: str        error.code in that body (e.g. "context_length_exceeded"); message: str
+    reset: bool            reset the TCP connection (RST) instead of answering
+    hang: bool             accept the request and never answer
+    malformed: bool        invalid JSON body (non-streaming) or a first SSE event that is not JSON
+    chunks: int            content chunks of a stream (default 3)
+    chunk_delay: float     seconds between chunks
+    stall_first: float     seconds between the 200 headers and the first chunk
+    stall_after: int, stall_s: float   after that many content chunks, stall that long
+    cut_after: int         after that many content chunks, close the connection mid-body (no [DONE])
+    end_after: int         after that many content chunks, end the body cleanly without [DONE]
+    error_first: bool      the first SSE event is an error event (then the stream ends)
+    error_after: int       after that many content chunks, send an error event and end
+
+Counters: ``calls`` (chat/completions requests received), ``calls_by_path``, ``disconnects`` (times a client
+went away before the response finished) with ``disconnect_times`` (``time.monotonic()``), ``requests``
+(path, headers, JSON body of each call). ``GET /_fault/stats`` returns them as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import threading
+import time
+from collections import deque
+
+from aiohttp import web
+
+from tests.conftest import free_port
+
+
+class FaultUpstream:
+    """The fault-injecting upstream. ``start()`` returns self; ``base_url`` ends in ``/v1``."""
+
+    def __init__(self, name: str = "fault", model: str = "fault-model", port: int | None = None):
+        self.name, self.model = name, model
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self._lock = threading.Lock()
+        self._queue: deque[dict] = deque()
+        self._default: dict = {}
+        self.calls = 0
+        self.calls_by_path: dict[str, int] = {}
+        self.disconnects = 0
+        self.disconnect_times: list[float] = []
+        self.requests: list[tuple[str, dict, dict | None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+
+    # -- control (thread-safe) ------------------------------------------------------------------------------
+    def push(self, *faults: dict) -> "FaultUpstream":
+        """Queue faults: the next requests get them one each, in order."""
+        with self._lock:
+            self._queue.extend(dict(f) for f in faults)
+        return self
+
+    def set_default(self, fault: dict | None) -> "FaultUpstream":
+        """The fault for requests when the queue is empty (``{}`` or None: healthy)."""
+        with self._lock:
+            self._default = dict(fault or {})
+        return self
+
+    def reset(self) -> None:
+        """Clear faults and counters."""
+        with self._lock:
+            self._queue.clear()
+            self._default = {}
+            self.calls, self.disconnects = 0, 0
+            self.calls_by_path, self.disconnect_times, self.requests = {}, [], []
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"calls": self.calls, "calls_by_path": dict(self.calls_by_path), "disconnects": self.disconnects,
+                    "queued": len(self._queue)}
+
+    def _take(self, request: web.Request) -> dict:
+        hdr = request.headers.get("x-fault")
+        if hdr:
+            return json.loads(hdr)
+        with self._lock:
+            return self._queue.popleft() if self._queue else dict(self._default)
+
+    def _disconnected(self) -> None:
+        with self._lock:
+            self.disconnects += 1
+            self.disconnect_times.append(time.monotonic())
+
+    # -- server ---------------------------------------------------------------------------------------------
+    def start(self) -> "FaultUpstream":
+        ready = threading.Event()
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            app = web.Application()
+            app.router.add_post("/v1/chat/completions", self._completion)
+            app.router.add_post("/v1/completions", self._completion)
+            app.router.add_get("/v1/models", self._models)
+            app.router.add_post("/_fault/push", self._admin_push)
+            app.router.add_post("/_fault/default", self._admin_default)
+            app.router.add_get("/_fault/stats", self._admin_stats)
+            self._runner = web.AppRunner(app, access_log=None)
+            self._loop.run_until_complete(self._runner.setup())
+            self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+            ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name=f"fault-upstream-{self.name}", daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("fault upstream did not start")
+        return self
+
+    def stop(self) -> None:
+        if self._loop is None:
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+        try:
+            fut.result(timeout=5)
+        except Exception:
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop = None
+
+    def __enter__(self) -> "FaultUpstream":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- handlers -------------------------------------------------------------------------------------------
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model",
+                                                              "owned_by": self.name}]})
+
+    async def _admin_push(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.push(*(body if isinstance(body, list) else [body]))
+        return web.json_response(self.stats())
+
+    async def _admin_default(self, request: web.Request) -> web.Response:
+        self.set_default(await request.json())
+        return web.json_response(self.stats())
+
+    async def _admin_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats())
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        with self._lock:
+            self.calls += 1
+            self.calls_by_path[request.path] = self.calls_by_path.get(request.path, 0) + 1
+            self.requests.append((request.path, dict(request.headers), body))
+        fault = self._take(request)
+        chat = request.path.endswith("chat/completions")
+        if fault.get("delay"):
+            await asyncio.sleep(float(fault["delay"]))
+        if fault.get("hang"):
+            await self._wait_for_disconnect(request, forever=True)
+            return web.Response(status=499)  # never reaches the (gone) client
+        if fault.get("reset"):
+            _reset(request)
+            return web.Response()  # never sent
+        if fault.get("status"):
+            status = int(fault["status"])
+            headers = {}
+            if fault.get("retry_after") is not None:
+                headers["Retry-After"] = str(fault["retry_after"])
+            err = {"error": {"message": fault.get("message", f"injected {status} from {self.name}"),
+                             "type": "invalid_request_error" if status < 500 else "server_error",
+                             "param": None, "code": fault.get("error_code")}}
+            return web.json_response(err, status=status, headers=headers)
+        stream = bool((body or {}).get("stream"))
+        if not stream:
+            if fault.get("malformed"):
+                return web.Response(text='{"id": "x", "choices": [', content_type="application/json")
+            return web.json_response(self._full(chat, body or {}))
+        return await self._stream(request, fault, chat, body or {})
+
+    def _full(self, chat: bool, body: dict) -> dict:
+        text = f"hello from {self.name}"
+        usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+        if chat:
+            return {"id": "chatcmpl-fault", "object": "chat.completion", "created": int(time.time()),
+                    "model": body.get("model", self.model),
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "finish_reason": "stop"}], "usage": usage}
+        return {"id": "cmpl-fault", "object": "text_completion", "created": int(time.time()),
+                "model": body.get("model", self.model),
+                "choices": [{"index": 0, "text": text, "finish_reason": "stop"}], "usage": usage}
+
+    def _chunk(self, chat: bool, body: dict, i: int | None, finish: str | None = None) -> bytes:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if i is None else ({} if finish else {"content": f"tok{i} "})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            obj = {"id": "chatcmpl-fault", "object": "chat.completion.chunk", "created": 0,
+                   "model": body.get("model", self.model), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": "" if i is None or finish else f"tok{i} ", "finish_reason": finish}
+            obj = {"id": "cmpl-fault", "object": "text_completion", "created": 0,
+                   "model": body.get("model", self.model), "choices": [choice]}
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    async def _stream(self, request: web.Request, fault: dict, chat: bool, body: dict) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                        "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            if fault.get("stall_first"):
+                if await self._wait_for_disconnect(request, seconds=float(fault["stall_first"])):
+                    return resp
+            if fault.get("error_first"):
+                err = {"error": {"message": f"injected error event from {self.name}", "type": "server_error",
+                                 "param": None, "code": None}}
+                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                await resp.write_eof()
+                return resp
+            if fault.get("malformed"):
+                await resp.write(b"data: {not json\n\n")
+                await resp.write_eof()
+                return resp
+            if chat:
+                await resp.write(self._chunk(chat, body, None))
+            n = int(fault.get("chunks", 3))
+            for i in range(n):
+                if i and fault.get("chunk_delay"):
+                    if await self._wait_for_disconnect(request, seconds=float(fault["chunk_delay"])):
+                        return resp
+                if fault.get("stall_after") is not None and i == int(fault["stall_after"]):
+                    if await self._wait_for_disconnect(request, seconds=float(fault.get("stall_s", 3600))):
+                        return resp
+                if fault.get("cut_after") is not None and i == int(fault["cut_after"]):
+                    request.transport.close()  # FIN mid-body: what was sent arrives, then the body is incomplete
+                    return resp
+                if fault.get("end_after") is not None and i == int(fault["end_after"]):
+                    await resp.write_eof()
+                    return resp
+                if fault.get("error_after") is not None and i == int(fault["error_after"]):
+                    err = {"error": {"message": "injected mid-stream error", "type": "server_error"}}
+                    await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                    await resp.write_eof()
+                    return resp
+                await resp.write(self._chunk(chat, body, i))
+            await resp.write(self._chunk(chat, body, n, finish="stop"))
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+                await resp.write(b"data: " + json.dumps({"id": "chatcmpl-fault", "object": "chat.completion.chunk",
+                                                         "choices": [], "usage": usage}).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, ConnectionError, asyncio.CancelledError) as exc:
+            self._disconnected()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        return resp
+
+    async def _wait_for_disconnect(self, request: web.Request, seconds: float = 0.0, forever: bool = False) -> bool:
+        """Sleep ``seconds`` (or forever) in 20 ms steps; True (and counted) as soon as the client disconnects."""
+        end = time.monotonic() + seconds
+        while forever or time.monotonic() < end:
+            if request.transport is None or request.transport.is_closing():
+                self._disconnected()
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+
+def _reset(request: web.Request) -> None:
+    """Abort the connection with a TCP RST (SO_LINGER 0), like a crashed upstream."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    transport.abort()
