@@ -5,7 +5,8 @@ the request path is ``gateway/pipeline.py``, config state is
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
 GET /health/live, GET /health/ready; admin (bearer token from the env var
 named by ``admin.token_env``): POST /admin/reload, POST /admin/rollback,
-POST /admin/weights, POST /admin/drain, GET /admin/config.
+POST /admin/weights, POST /admin/drain, GET /admin/config; from
+``gateway/telemetry.py``: GET /metrics (Prometheus), GET /admin/usage.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def create_app(gw: Gateway) -> Litestar:
                           headers={"retry-after": "1", "connection": "close"})
         headers = request.headers
         request_id = f"gw-{secrets.token_hex(12)}"    # ours: unique even when clients reuse theirs
+        rec = gw.obs.begin(request_id, endpoint, headers)   # span, trace context (gateway/telemetry.py)
         gw.in_flight += 1
         streaming = False
         try:
@@ -127,14 +129,17 @@ def create_app(gw: Gateway) -> Litestar:
             if out.stream is not None:
                 streaming = True
                 resp_headers["cache-control"] = "no-cache"
-                return Stream(_tracked(out.stream), status_code=200, media_type="text/event-stream",
-                              headers=resp_headers)
-            return Response(out.content, status_code=out.status, media_type=out.content_type, headers=resp_headers)
+                return Stream(gw.obs.stream(rec, h, _tracked(out.stream)), status_code=200,
+                              media_type="text/event-stream", headers=resp_headers)
+            content = await gw.obs.finish(rec, h, out.status, out.content)   # metrics, cost, log; secrets redacted
+            return Response(content, status_code=out.status, media_type=out.content_type, headers=resp_headers)
         except ClientError as e:
+            await gw.obs.reject(rec, e, headers)
             return _client_error(e)
         finally:
             if not streaming:
                 gw.in_flight -= 1
+                gw.obs.abandon(rec)          # 499 / unexpected error: still metered and logged
 
     @post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -162,7 +167,7 @@ def create_app(gw: Gateway) -> Litestar:
     async def ready() -> Response:
         snap = gw.snapshot
         body = {"ready": gw.ready, "draining": gw.draining, "config_version": snap.version if snap else None,
-                "redis_degraded": gw.redis_degraded,
+                "redis_degraded": gw.redis_degraded or gw.resilience.degraded,
                 "backends": {n: {"available": b.available, "reason": b.unavailable_reason}
                              for n, b in (snap.backends.items() if snap else ())}}
         return Response(_encode(body), status_code=200 if gw.ready else 503, media_type=_JSON)
@@ -230,8 +235,8 @@ def create_app(gw: Gateway) -> Litestar:
 
     return Litestar(
         route_handlers=[chat_completions, completions, models, live, ready, admin_reload, admin_rollback,
-                        admin_weights, admin_drain, admin_config],
-        on_startup=[gw.start], on_shutdown=[gw.stop],
+                        admin_weights, admin_drain, admin_config, *gw.obs.routes()],
+        on_startup=[gw.start, gw.obs.start], on_shutdown=[gw.obs.stop, gw.stop],
         exception_handlers={HTTPException: on_http_error, Exception: on_http_error},
         openapi_config=None, request_max_body_size=None, logging_config=None,
     )

@@ -1,5 +1,6 @@
-"""The gateway's ``tandem`` sub-commands: ``serve``, ``route explain`` and
-``ctl`` (reload, rollback, weights, drain, config via the admin API)."""
+"""The gateway's ``tandem`` sub-commands: ``serve``, ``route explain``,
+``ctl`` (reload, rollback, weights, drain, config via the admin API), and
+``usage`` / ``cost estimate`` (from ``gateway/usage.py``)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ def register(subparsers) -> None:
     w.add_argument("route")
     w.add_argument("weights", nargs="+", metavar="TARGET=PCT")
     w.set_defaults(func=_ctl, path="/admin/weights")
+
+    from gateway.usage import register as register_usage   # `tandem usage`, `tandem cost estimate`
+    register_usage(subparsers)
 
 
 def _serve(args) -> int:

@@ -101,6 +101,7 @@ class BreakerSettings(_Strict):
     half_open_probes: int | None = Field(None, ge=1)
     success_to_close: int | None = Field(None, ge=1)
     probe_timeout_s: float | None = Field(None, gt=0)
+    cache_s: float | None = Field(None, ge=0)
 
 
 class HealthSettings(_Strict):
@@ -261,6 +262,36 @@ class PolicyConfig(_Strict):
     rules: list[RuleConfig] = []
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry traces and GenAI metrics (``gateway/telemetry.py``); fixed until restart."""
+
+    exporter: Literal["none", "console", "otlp"] = "none"
+    endpoint: str | None = None            # OTLP/HTTP collector, e.g. http://127.0.0.1:4318
+    service_name: str = "tandem-gateway"
+    sample_ratio: float = Field(1.0, ge=0, le=1)
+
+
+class LogsConfig(_Strict):
+    requests: bool = True                  # one JSON line per request (logger tandem.requests)
+    destination: str = "stderr"            # stderr | stdout | a file path
+    include_prompts: bool = False          # add prompts and completions to the line
+
+
+class ObservabilityConfig(_Strict):
+    tracing: TracingConfig = TracingConfig()
+    logs: LogsConfig = LogsConfig()
+
+
+class TenantBudget(_Strict):
+    usd: float = Field(ge=0)               # USD per period
+    period: Literal["day", "month"] = "month"   # UTC calendar day / month
+
+
+class BudgetsConfig(_Strict):
+    reservation_ttl_s: float = Field(600.0, gt=0)   # an unsettled reservation lapses after this long
+    tenants: dict[str, TenantBudget] = {}
+
+
 class GatewayConfig(_Strict):
     server: ServerConfig = ServerConfig()
     admin: AdminConfig = AdminConfig()
@@ -269,6 +300,8 @@ class GatewayConfig(_Strict):
     auth: AuthConfig = AuthConfig()
     limits: LimitsConfig = LimitsConfig()
     resilience: ResilienceConfig = ResilienceConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
+    budgets: BudgetsConfig = BudgetsConfig()
     models: list[ModelConfig] = Field(min_length=1)
     backends: dict[str, Backend] = Field(min_length=1)
     routes: dict[str, RouteConfig] = Field(min_length=1)

@@ -2,8 +2,9 @@
 decide (policy) -> forward (attempt loop). HTTP glue lives in
 ``gateway/app.py``; this module knows nothing about Litestar.
 
-Rate limiting and budgets (resilience, cost) hook in after ``authenticate``;
-metrics and traces wrap ``handle``.
+Rate limits (RPM/TPM per virtual key and tenant, ``gateway/resilience.py``)
+are checked once the model is known, before any backend is called; metrics
+and traces wrap ``handle``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gateway.auth import authenticate
+from gateway.auth import authenticate, bearer
 from gateway.errors import ClientError
 from gateway.proxy import Call, Outcome, forward
 from gateway.validate import check_request, estimate_prompt_tokens, parse_json
@@ -40,7 +41,8 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         request_id: the gateway's id for this request.
 
     Raises:
-        ClientError: 400/401/404 before any backend is called.
+        ClientError: 400/401/404, or 429 (503 fail-closed) from the rate
+            limits, before any backend is called.
     """
     snap = gw.snapshot
     compiled = snap.compiled
@@ -69,6 +71,17 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
             raise ClientError(400, f"'{p.local_unsupported}' is not supported by the local engine and no routing "
                               f"rule sends such requests to an upstream", param=p.local_unsupported,
                               code="unsupported_parameter")
-    call = Call(endpoint, body, public, request_id, p.priority, p.stream, p.local_unsupported)
-    outcome = await forward(decision.attempts, snap.backends, call)
+    res = gw.resilience
+    estimated = prompt_tokens if prompt_tokens is not None else estimate_prompt_tokens(body)
+    tokens = res.estimate_tokens(estimated, p.max_tokens)
+    # Rate limits first: a request they reject must not hold a budget reservation.
+    admission = await res.admit(tenant, bearer(headers.get("authorization")), tokens, request_id)
+    if not admission.allowed:
+        err = admission.error_body()["error"]
+        raise ClientError(admission.status, err["message"], code=err["code"], headers=admission.headers())
+    hook = await gw.obs.admit(request_id, tenant, public, p, decision, estimated)   # budget (429), trace facts
+    call = Call(endpoint, body, public, request_id, p.priority, p.stream, p.local_unsupported, estimated, tokens)
+    call.attempt_hook = hook
+    outcome = await forward(decision.attempts, snap.backends, call, res, admission.reservation)
+    outcome.headers.update(admission.headers())
     return Handled(outcome, decision, tenant, public)

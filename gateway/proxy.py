@@ -1,28 +1,23 @@
-"""The attempt loop: try a decision's targets in order until one answers.
-
-This is the one place that calls backends, so retries, circuit breakers and
-per-attempt tracing plug in here (``forward`` is swapped as a whole by the
-resilience layer). Current behaviour: ordered fallback on connection errors,
-timeouts, 408/409/429/5xx and an empty stream; any other error status
-(400, 401, 403, 404, 422, ...) is passed through after one call.
-
-Streaming: a target counts as answering once its first chunk has arrived
-(within the backend's first-token timeout), so failures before any content
-move on to the next target and the client never gets a 200 followed by
-nothing. A failure after content ends the stream with a
-``data: {"error": ...}`` event and no ``[DONE]``.
+"""Calling backends: a decision's targets go through the resilience layer's
+attempt loop (``gateway/retry.py``: retries, fallback, circuit breakers,
+per-backend limits, streaming failures); this module adapts the backends
+(local engine, OpenAI-compatible upstreams) to it. This is the one place
+that calls backends.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
-from gateway.errors import BackendError, error_body
+from gateway.errors import BackendError
+from gateway.ratelimit import Reservation
+from gateway.resilience import Resilience, backend_error_to_response, stream_response
+from gateway.retry import Candidate, Result, UpstreamResponse
 from policies import Target
 
 log = logging.getLogger("tandem.gateway.proxy")
@@ -44,6 +39,9 @@ class Call:
     priority: int = 0
     stream: bool = False
     local_unsupported: str | None = None
+    prompt_tokens: int | None = None  # estimated; targets with a smaller max_model_len are skipped
+    reserved_tokens: int = 0          # prompt + max_tokens estimate, for per-backend TPM limits
+    attempt_hook: Any = None          # wraps the attempt function (per-call spans/metrics, gateway/telemetry.py)
 
 
 @dataclass
@@ -83,77 +81,56 @@ async def _attempt(backend, target: Target, call: Call):
     return await backend.send(call.endpoint, payload)
 
 
-async def _first_chunk(stream: AsyncIterator[bytes], timeout: float | None, name: str) -> bytes:
+async def _one_attempt(backends: dict, call: Call, c: Candidate) -> UpstreamResponse:
+    """One call of ``c``'s backend in the attempt loop's terms (an HTTP answer, or a raised transport error)."""
+    backend = backends[c.target.backend]
     try:
-        return await asyncio.wait_for(stream.__anext__(), timeout)
-    except asyncio.TimeoutError:
-        await stream.aclose()
-        raise BackendError("timeout", f"{name}: no first token within {timeout:g} s", 504) from None
-    except StopAsyncIteration:
-        raise BackendError("stream", f"{name}: empty stream", 502) from None
-
-
-async def _chain(first: bytes, rest: AsyncIterator[bytes], name: str) -> AsyncIterator[bytes]:
-    try:
-        yield first
-        async for chunk in rest:
-            yield chunk
+        result = await _attempt(backend, c.target, call)
     except BackendError as e:
-        log.warning("stream from %s failed after content: %s", name, e.message)
-        yield b"data: " + error_body(502, f"upstream stream failed: {e.message}", code="stream_error") + b"\n\n"
-    finally:
-        await rest.aclose()
+        return backend_error_to_response(e)
+    if call.stream:
+        return stream_response(result, BackendError)
+    return UpstreamResponse(result.status, {"content-type": result.content_type}, body=result.content)
 
 
-def _failure(errors: list[BackendError], messages: list[str], attempts: int) -> Outcome:
-    text = "; ".join(messages) or "no target available"
-    if not errors:
-        return Outcome(503, error_body(503, f"no backend available for this request: {text}",
-                                       code="no_backend_available"), attempts=attempts, errors=messages)
-    if all(e.kind == "http" and e.status == 429 for e in errors):
-        waits = [e.retry_after for e in errors if e.retry_after is not None]
-        headers = {"retry-after": str(int(min(waits) + 0.999))} if waits else {}
-        return Outcome(429, error_body(429, f"all targets are rate limited: {text}", code="upstream_rate_limited"),
-                       attempts=attempts, errors=messages, headers=headers)
-    status = 504 if errors[-1].kind == "timeout" else 503 if all(e.kind == "unavailable" for e in errors) else 502
-    return Outcome(status, error_body(status, f"all targets failed: {text}", code="upstream_failed"),
-                   attempts=attempts, errors=messages)
-
-
-async def forward(attempts: list[Target], backends: dict, call: Call) -> Outcome:
-    """Try ``attempts`` in order; the first success (or non-retryable
-    error) is the outcome. Never raises for backend failures.
+async def forward(attempts: list[Target], backends: dict, call: Call, resilience: Resilience,
+                  reservation: Reservation | None = None) -> Outcome:
+    """Serve ``call`` from ``attempts`` (route order) through the resilience
+    layer; never raises for backend failures.
 
     Returns an Outcome with status 200 and content/stream, the passed-through
-    error of a non-retryable failure, or 429/502/503/504 when every target
-    failed (503 when none could even be tried)."""
-    errors: list[BackendError] = []
-    messages: list[str] = []
-    calls = 0
+    error of a non-retryable failure, or 400/429/502/503/504 when no target
+    could answer (see ``gateway/retry.py``). ``reservation`` (the request's
+    key/tenant token reservation) is settled with the real usage when known.
+    """
+    skipped: list[str] = []
+    candidates = []
     for target in attempts:
         backend = backends.get(target.backend)
         if backend is None or not backend.available:
-            messages.append(f"{target.id}: {backend.unavailable_reason if backend else 'unknown backend'}")
-            continue
-        if backend.kind == "local" and call.local_unsupported:
-            messages.append(f"{target.id}: local engine does not support {call.local_unsupported}")
-            continue
-        calls += 1
-        try:
-            result = await _attempt(backend, target, call)
-            if call.stream:
-                timeout = backend.cfg.timeouts.first_token_s if backend.kind == "openai" else None
-                first = await _first_chunk(result, timeout, backend.name)
-                return Outcome(200, stream=_chain(first, result, backend.name), content_type="text/event-stream",
-                               target=target, backend=backend.name, attempts=calls, errors=messages)
-            return Outcome(result.status, result.content, content_type=result.content_type, target=target,
-                           backend=backend.name, attempts=calls, errors=messages)
-        except BackendError as e:
-            messages.append(f"{target.id}: {e.message}")
-            if not e.retryable:
-                body = e.body or error_body(e.status, e.message)
-                return Outcome(e.status, body, content_type=e.content_type, target=target, backend=backend.name,
-                               attempts=calls, errors=messages)
-            errors.append(e)
-            log.info("attempt %d at %s failed (%s); trying the next target", calls, target.id, e.message)
-    return _failure(errors, messages, calls)
+            skipped.append(f"{target.id}: {backend.unavailable_reason if backend else 'unknown backend'}")
+        elif backend.kind == "local" and call.local_unsupported:
+            skipped.append(f"{target.id}: local engine does not support {call.local_unsupported}")
+        else:
+            candidates.append(resilience.candidate(target, backend))
+
+    async def settle(res: Result) -> None:
+        await resilience.settle(reservation, res.usage)
+        await resilience.settle(res.backend_reservation, res.usage)
+
+    attempt = lambda c: _one_attempt(backends, call, c)  # noqa: E731
+    if call.attempt_hook is not None:
+        attempt = call.attempt_hook(attempt)
+    res = await resilience.forward(candidates, attempt, stream=call.stream,
+                                   required_len=call.prompt_tokens, request_id=call.request_id,
+                                   tokens=call.reserved_tokens, on_finish=settle)
+    if res.stream is None:
+        await settle(res)
+    target = res.candidate.target if res.candidate is not None else None
+    errors = skipped + [f"{a.target}: {a.outcome}" for a in res.attempts if a.outcome != "ok"]
+    if errors:
+        log.info("request %s: %s", call.request_id, "; ".join(errors))
+    headers = {k: v for k, v in res.headers.items() if k != "content-type"}
+    return Outcome(res.status, res.body or b"", res.stream, res.headers.get("content-type", "application/json"),
+                   target=target, backend=target.backend if target is not None else "", attempts=res.num_calls,
+                   errors=errors, headers=headers)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from gateway.config import Compiled, ConfigError, load_config_text
 from gateway.local import LocalBackend
+from gateway.resilience import Resilience
+from gateway.telemetry import Observability
 from gateway.upstream import UpstreamBackend
 from gateway.versions import ConfigState, MemoryLedger, RedisLedger
 from policies import Signals
@@ -74,6 +76,8 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
         self._mtime = self._stat()
         cfg = initial.config
+        self.resilience = Resilience(cfg)   # limits, breakers, health: shared state lives as long as the process
+        self.obs = Observability(self, cfg)  # metrics, traces, request logs, usage and budgets
         if cfg.state.redis_url:
             self.ledger = RedisLedger(cfg.state.redis_url, cfg.state.key_prefix, cfg.reload.keep_versions,
                                       cfg.state.socket_timeout_s)
@@ -101,6 +105,7 @@ class Gateway:
         elif self.snapshot.local is not None:
             self.snapshot.local.unavailable_reason = "engine not started"
         cfg = self.snapshot.compiled.config
+        self.resilience.start(lambda: self.snapshot.backends)
         self._tasks.append(asyncio.create_task(self._watch_loop()))
         if self.ledger.shared:
             self._tasks.append(asyncio.create_task(self._sync_loop()))
@@ -114,6 +119,7 @@ class Gateway:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
                 pass
         self._tasks.clear()
+        await self.resilience.stop()
         backends = list(self.snapshot.backends.values()) if self.snapshot else []
         for b in backends + [b for _, b in self.retired]:
             try:
@@ -168,6 +174,7 @@ class Gateway:
         snap = Snapshot(compiled, backends, state.version, state.source, "prompt_tokens" in policy_fields,
                         compiled.config.server.max_body_size, local, list(compiled.warnings),
                         any(f.startswith("local.") for f in policy_fields))
+        self.resilience.configure(compiled.config)
         self.snapshot = snap            # the atomic swap: one reference assignment
         log.info("config version %d applied (%s)", state.version, state.source)
         for w in snap.warnings:

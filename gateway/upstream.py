@@ -22,6 +22,7 @@ from httpx_aiohttp import AiohttpTransport
 
 from gateway.config import OpenAIBackend
 from gateway.errors import BackendError, parse_retry_after
+from gateway.telemetry import current_traceparent
 
 log = logging.getLogger("tandem.gateway.upstream")
 logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request is hot-path cost
@@ -41,6 +42,14 @@ def make_client(base_url: str, max_connections: int, connect_s: float, read_s: f
     timeout = httpx.Timeout(connect=connect_s, read=read_s, write=read_s, pool=connect_s)
     return httpx.AsyncClient(base_url=base_url, transport=transport, timeout=timeout, headers=headers or {},
                              follow_redirects=False)
+
+
+def _traced(request: httpx.Request) -> httpx.Request:
+    """``request`` with the W3C ``traceparent`` of the current request/attempt (gateway/telemetry.py)."""
+    tp = current_traceparent()
+    if tp is not None:
+        request.headers["traceparent"] = tp
+    return request
 
 
 @dataclass
@@ -98,8 +107,8 @@ class UpstreamBackend:
             BackendError: connection failure, timeout, or an error status."""
         self.active += 1
         try:
-            request = httpx.Request("POST", self._urls[endpoint], headers=self._headers, content=payload,
-                                    extensions=self._ext)
+            request = _traced(httpx.Request("POST", self._urls[endpoint], headers=self._headers, content=payload,
+                                            extensions=self._ext))
             try:
                 r = await self._transport.handle_async_request(request)
                 try:
@@ -127,8 +136,8 @@ class UpstreamBackend:
                 error status)."""
         self.active += 1
         try:
-            request = httpx.Request("POST", self._urls[endpoint], headers=self._sse_headers, content=payload,
-                                    extensions=self._ext)
+            request = _traced(httpx.Request("POST", self._urls[endpoint], headers=self._sse_headers, content=payload,
+                                            extensions=self._ext))
             try:
                 r = await self._transport.handle_async_request(request)
             except httpx.TimeoutException as e:

@@ -1,0 +1,180 @@
+"""Structured request logs and secret redaction.
+
+``RequestLog`` writes one JSON object per finished request (one line) to its
+own logger ``tandem.requests`` (not propagated, so the line stays pure JSON):
+``ts``, ``request_id``, ``trace_id``, ``tenant``, ``model``, ``route``,
+``rule``, ``backend``, ``status``, ``attempts``, ``stream``,
+``prompt_tokens``, ``completion_tokens``, ``cached_tokens``,
+``usage_estimated``, ``ttft_s``, ``latency_s``, ``cost_usd``, ``error``
+and, only with ``observability.logs.include_prompts``, ``prompt`` and
+``completion``.
+
+``Redactor`` removes secrets from text and bytes: the exact values of every
+secret the config names (upstream API keys, virtual keys given by env var,
+the admin token) and, by pattern, anything after ``Bearer`` and
+``sk-``-style keys. ``RedactingFilter`` applies it to every record of the
+process's log handlers, so a secret echoed back by an upstream never reaches a
+log line; the request path applies it to error bodies before they reach a
+client.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Iterable
+
+import msgspec
+
+MASK = "[REDACTED]"
+_PATTERNS = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]{4,}|\bsk-[A-Za-z0-9_-]{8,}")
+_PATTERNS_B = re.compile(rb"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]{4,}|\bsk-[A-Za-z0-9_-]{8,}")
+
+
+def _sub(m: re.Match) -> str:
+    return (m.group(1) or "") + MASK
+
+
+def _sub_b(m: re.Match) -> bytes:
+    return (m.group(1) or b"") + MASK.encode()
+
+
+class Redactor:
+    """Replaces known secret values (and bearer / ``sk-`` patterns) with ``[REDACTED]``.
+
+    Args:
+        secrets: exact secret strings; values shorter than 4 characters are
+            ignored (they would mask ordinary text).
+    """
+
+    def __init__(self, secrets: Iterable[str] = ()):
+        self.secrets = sorted({s for s in secrets if s and len(s) >= 4}, key=len, reverse=True)
+        self._secrets_b = [s.encode() for s in self.secrets]
+
+    def text(self, s: str, extra: Iterable[str] = ()) -> str:
+        """``s`` without secrets (``extra``: per-request secrets, e.g. the client's key)."""
+        for secret in (*self.secrets, *extra):
+            if secret and len(secret) >= 4 and secret in s:
+                s = s.replace(secret, MASK)
+        low = s.lower()
+        if "bearer" not in low and "sk-" not in low:      # the regex costs ~15 us on a log line; this ~1 us
+            return s
+        return _PATTERNS.sub(_sub, s)
+
+    def bytes(self, b: bytes, extra: Iterable[str] = ()) -> bytes:
+        """``b`` without secrets (same rules as ``text``)."""
+        for secret in (*self._secrets_b, *(e.encode() for e in extra if e)):
+            if len(secret) >= 4 and secret in b:
+                b = b.replace(secret, MASK.encode())
+        low = b.lower()
+        if b"bearer" not in low and b"sk-" not in low:
+            return b
+        return _PATTERNS_B.sub(_sub_b, b)
+
+
+def config_secrets(config, environ=None) -> list[str]:
+    """The secret values a gateway config refers to (by environment variable):
+    upstream API keys, virtual keys given by ``env``, the admin token."""
+    env = os.environ if environ is None else environ
+    names = [config.admin.token_env]
+    names += [b.api_key_env for b in config.backends.values() if getattr(b, "api_key_env", None)]
+    names += [k.env for k in config.auth.keys if k.env]
+    return [env[n] for n in names if env.get(n)]
+
+
+class RedactingFilter(logging.Filter):
+    """A handler filter that redacts every record's formatted message (and
+    exception text) with ``redactor_fn()`` (a callable: the config can change)."""
+
+    def __init__(self, redactor_fn):
+        super().__init__("tandem-redact")
+        self.redactor_fn = redactor_fn
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        red = self.redactor_fn()
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 -- a bad format string: leave it to the formatter
+            return True
+        clean = red.text(msg)
+        if clean != msg:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = red.text(record.exc_text)
+        return True
+
+
+def install_redaction(redactor_fn, logger: logging.Logger | None = None) -> list:
+    """Add a ``RedactingFilter`` to the handlers of ``logger`` (default: the
+    root logger). Returns what to pass to ``remove_redaction``."""
+    logger = logger or logging.getLogger()
+    added = []
+    for h in logger.handlers:
+        if not any(isinstance(f, RedactingFilter) for f in h.filters):
+            f = RedactingFilter(redactor_fn)
+            h.addFilter(f)
+            added.append((h, f))
+    return added
+
+
+def remove_redaction(added: list[tuple[logging.Handler, logging.Filter]]) -> None:
+    for h, f in added:
+        h.removeFilter(f)
+
+
+class RequestLog:
+    """One JSON line per request on logger ``tandem.requests``.
+
+    Args:
+        destination: "stderr", "stdout" or a file path (appended).
+        enabled: False = write nothing.
+    """
+
+    def __init__(self, destination: str = "stderr", enabled: bool = True):
+        self.enabled = enabled
+        self.destination = destination
+        self.logger = logging.getLogger("tandem.requests")
+        self._handler: logging.Handler | None = None
+        self._encode = msgspec.json.Encoder().encode
+
+    @property
+    def active(self) -> bool:
+        """True once opened (and enabled): ``write`` writes."""
+        return self._handler is not None
+
+    def open(self) -> None:
+        """Attach this log's handler (the app's startup; ``close`` detaches it)."""
+        if not self.enabled or self._handler is not None:
+            return
+        self.logger.propagate = False
+        self.logger.setLevel(logging.INFO)
+        if self.destination == "stdout":
+            h: logging.Handler = logging.StreamHandler(sys.stdout)
+        elif self.destination == "stderr":
+            h = logging.StreamHandler(sys.stderr)
+        else:
+            h = logging.FileHandler(self.destination, encoding="utf-8")
+        h.setFormatter(logging.Formatter("%(message)s"))
+        self.logger.addHandler(h)
+        self._handler = h
+
+    def write(self, fields: dict, redactor: Redactor, extra_secrets: Iterable[str] = ()) -> str | None:
+        """Log ``fields`` (plus ``ts``, epoch seconds) as one JSON line,
+        redacted; returns the line (None when disabled)."""
+        if self._handler is None:
+            return None
+        line = self._encode({"ts": round(time.time(), 6), **fields}).decode()
+        line = redactor.text(line, extra_secrets)
+        self.logger.info(line)
+        return line
+
+    def close(self) -> None:
+        if self._handler is not None:
+            self.logger.removeHandler(self._handler)
+            self._handler.close()
+            self._handler = None
