@@ -1,0 +1,1 @@
+"""The six benchmark scenarios, one module and one command each."""

@@ -1,0 +1,108 @@
+"""Scenario 4: failover under load.
+
+Two upstreams (``primary`` and ``fallback``) behind ``tandem serve``: one
+route with primary as its only target and fallback as its fallback.
+Non-streaming closed-loop load runs for ``--duration`` seconds; at
+``--kill-at`` seconds the primary is SIGKILLed. Reported (from each
+response's ``x-tandem-backend``):
+
+* failed requests (target: zero);
+* the share served by the fallback, overall and after the kill;
+* p99 end-to-end latency before the kill (the baseline) and in the failover
+  window (requests sent in ``[kill, kill + --window]`` seconds), and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+from loadtests.report import write_report
+from loadtests.runner import LoadConfig, run_async, run_load
+from loadtests.scenarios.common import (fmt, gateway_config, md_table, small_workload, start_gateway,
+                                        start_upstream, summary, upstream_backend)
+from loadtests.stats import percentiles, ratio
+
+MODEL = "bench"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("failover", help="scenario 4: kill the primary upstream under load",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=15.0, help="seconds of load")
+    p.add_argument("--kill-at", type=float, default=5.0, help="seconds into the load when the primary is killed")
+    p.add_argument("--window", type=float, default=2.0, help="failover window after the kill, seconds")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--out", default="loadtest-results/failover")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def analyse(results, t_kill: float, window: float) -> dict:
+    """Counts, fallback shares and p99s around the kill (perf_counter ``t_kill``)."""
+    before = [r for r in results if r.start + r.e2e <= t_kill]
+    after = [r for r in results if r.start >= t_kill]
+    in_window = [r for r in results if t_kill <= r.start <= t_kill + window]
+    ok = [r for r in results if r.ok]
+
+    def share(rs) -> float | None:
+        rs = [r for r in rs if r.ok]
+        return 100.0 * sum(r.backend == "fallback" for r in rs) / len(rs) if rs else None
+
+    p99_before = (percentiles(r.e2e for r in before if r.ok) or {}).get("p99")
+    p99_window = (percentiles(r.e2e for r in in_window if r.ok) or {}).get("p99")
+    return {
+        "requests": len(results), "failed": len(results) - len(ok),
+        "fallback_share_pct": share(results), "fallback_share_after_kill_pct": share(after),
+        "requests_before_kill": len(before), "requests_in_window": len(in_window),
+        "p99_before_ms": None if p99_before is None else p99_before * 1e3,
+        "p99_window_ms": None if p99_window is None else p99_window * 1e3,
+        "p99_window_ratio": ratio(p99_window, p99_before),
+    }
+
+
+async def _load_and_kill(cfg: LoadConfig, workload, primary, kill_at: float):
+    load = asyncio.ensure_future(run_load(cfg, workload))
+    await asyncio.sleep(kill_at)
+    t_kill = time.perf_counter()
+    await asyncio.to_thread(primary.kill)
+    return await load, t_kill
+
+
+def run(args: argparse.Namespace) -> int:
+    logs = Path(tempfile.mkdtemp(prefix="lt-failover-"))
+    primary = start_upstream("primary", logs)
+    fallback = start_upstream("fallback", logs)
+    try:
+        ports = {n: int(s.base_url.rsplit(":", 1)[1]) for n, s in (("primary", primary), ("fallback", fallback))}
+        cfg_path = gateway_config(logs / "gateway.yaml", {n: upstream_backend(p, MODEL) for n, p in ports.items()},
+                                  {"main": {"targets": [{"backend": "primary", "weight": 100}],
+                                            "fallbacks": [{"backend": "fallback"}]}}, "main", MODEL)
+        gw, _ = start_gateway(cfg_path, logs)
+        try:
+            cfg = LoadConfig(gw.base_url + "/v1", MODEL, "chat", False, args.concurrency, duration=args.duration,
+                             progress=not args.no_progress, label="failover load")
+            run_, t_kill = run_async(_load_and_kill(cfg, small_workload(), primary, args.kill_at))
+        finally:
+            gw.stop()
+    finally:
+        primary.stop()
+        fallback.stop()
+    f = analyse(run_.results, t_kill, args.window)
+    s = summary(run_)
+    f["errors_by_kind"] = s["errors_by_kind"]
+    passed = f["failed"] == 0
+    table = md_table(["requests", "failed", "fallback share %", "fallback share after kill %", "p99 before kill ms",
+                      f"p99 in {args.window:g} s window ms", "window/before"],
+                     [[f["requests"], f["failed"], fmt(f["fallback_share_pct"], ".1f"),
+                       fmt(f["fallback_share_after_kill_pct"], ".1f"), fmt(f["p99_before_ms"], ".2f"),
+                       fmt(f["p99_window_ms"], ".2f"), fmt(f["p99_window_ratio"], ".2f", "x")]])
+    verdict = f"{'PASS' if passed else 'FAIL'}: {f['failed']} failed non-streaming requests {s['errors_by_kind'] or ''}"
+    write_report(Path(args.out), "Scenario 4: failover under load", [run_], {"figures": f, "passed": passed},
+                 table + "\n\n" + verdict)
+    print(table)
+    print(f"\n{verdict}\nfiles: {Path(args.out) / 'results.json'}, {Path(args.out) / 'summary.md'}")
+    return 0 if passed else 1

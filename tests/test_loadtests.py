@@ -1,0 +1,372 @@
+"""Load-test tool: workloads, stats, the runner against loadtests' own upstream,
+reports, parity, and each scenario in a tiny configuration (no timing thresholds)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from loadtests import cli
+from loadtests.client import RequestResult, check_loopback
+from loadtests.procs import Server, cpu_seconds, free_port, upstream_cmd
+from loadtests.runner import LoadConfig, run_load_sync
+from loadtests.scenarios.canary import split_by_phase
+from loadtests.scenarios.failover import analyse
+from loadtests.scenarios.parity import Answer, compare, cosine
+from loadtests.stats import percentiles, summarize
+from loadtests.workloads import LengthDist, build_workload, load_mt_bench, mt_bench_turn1, mt_bench_turn2, synthetic
+
+ORDER = ("min", "p50", "p90", "p95", "p99", "max")
+
+
+def assert_ordered(p: dict | None) -> None:
+    assert p is not None
+    vals = [p[k] for k in ORDER]
+    assert vals == sorted(vals), p
+
+
+def start_upstream(tmp_path, name: str = "upstream", *extra: str) -> Server:
+    port = free_port()
+    return Server(upstream_cmd(port, name, *extra), f"http://127.0.0.1:{port}/health",
+                  f"http://127.0.0.1:{port}", log_dir=tmp_path, name=name).wait_ready(30)
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory):
+    srv = start_upstream(tmp_path_factory.mktemp("up"))
+    yield srv
+    srv.stop()
+
+
+# --- workloads ---------------------------------------------------------------
+def test_mt_bench_turn2_extends_turn1():
+    qs = load_mt_bench()
+    assert len(qs) == 80
+    t1, t2 = mt_bench_turn1(16), mt_bench_turn2(16, answers={81: "An answer."})
+    assert len(t1) == len(t2) == 80
+    for a, b in zip(t1, t2):
+        assert b.messages[:1] == a.messages and len(b.messages) == 3
+        assert b.prompt.startswith(a.prompt[: -len("\nAssistant:")])
+    assert t2[0].messages[1]["content"] == "An answer."
+
+
+@pytest.mark.parametrize("spec, lo, hi", [("fixed:7", 7, 7), ("12", 12, 12), ("uniform:3,9", 3, 9),
+                                          ("normal:50,10", 1, 10**6), ("exponential:20", 1, 10**6)])
+def test_length_distributions(spec, lo, hi):
+    d = LengthDist.parse(spec)
+    rng = random.Random(0)
+    xs = [d.sample(rng) for _ in range(500)]
+    assert min(xs) >= lo and max(xs) <= hi
+    if d.kind == "uniform":
+        assert set(xs) == set(range(3, 10))
+
+
+@pytest.mark.parametrize("spec", ["uniform:9,3", "poisson:4", "fixed:0", "normal:5", "uniform:a,b"])
+def test_bad_length_distribution(spec):
+    with pytest.raises(ValueError):
+        LengthDist.parse(spec)
+
+
+def test_synthetic_is_deterministic_and_sized():
+    a = synthetic(20, LengthDist.parse("uniform:5,40"), LengthDist.parse("fixed:9"), seed=3)
+    b = synthetic(20, LengthDist.parse("uniform:5,40"), LengthDist.parse("fixed:9"), seed=3)
+    assert [s.prompt for s in a] == [s.prompt for s in b]
+    assert all(5 <= len(s.prompt.split()) <= 40 and s.max_tokens == 9 for s in a)
+    assert len({s.prompt.split()[0] for s in a}) == 20  # no shared first word
+    body = build_workload("synthetic", num_prompts=2, max_tokens=4, ignore_eos=True)[0].body("completions", "m", True)
+    assert body["prompt"] and body["ignore_eos"] and body["stream_options"] == {"include_usage": True}
+    with pytest.raises(ValueError):
+        build_workload("nope", num_prompts=1)
+
+
+# --- client / stats ----------------------------------------------------------
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000/v1", "http://localhost:1", "http://[::1]:80", "http://127.3.4.5"])
+def test_loopback_allowed(url):
+    check_loopback(url)
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "https://api.deepseek.com/v1", "http://0.0.0.0:80", "ftp://127.0.0.1"])
+def test_non_loopback_refused(url):
+    with pytest.raises(ValueError):
+        check_loopback(url)
+    if url.startswith("http"):
+        check_loopback(url, allow_remote=True)
+
+
+def test_cli_refuses_remote_target(capsys):
+    assert cli.main(["run", "--url", "http://192.0.2.1:8000/v1", "--model", "m", "--num-requests", "1"]) == 2
+    assert "non-loopback" in capsys.readouterr().err
+
+
+def test_percentiles_and_summary_counts():
+    rng = random.Random(1)
+    assert percentiles([]) is None
+    p = percentiles([rng.expovariate(1) for _ in range(1000)])
+    assert_ordered(p)
+    results = [RequestResult(ok=True, start=i, e2e=0.5 + i / 100, ttft=0.1, itls=[0.01] * 3, output_tokens=4,
+                             prompt_tokens=10, backend="a" if i % 4 else "b") for i in range(20)]
+    results += [RequestResult(ok=False, start=0, error="http_503"), RequestResult(ok=False, start=0, error="timeout")]
+    s = summarize(results, 0.0, 10.0)
+    assert (s["num_requests"], s["num_ok"], s["num_errors"]) == (22, 20, 2)
+    assert s["errors_by_kind"] == {"http_503": 1, "timeout": 1}
+    assert s["output_tokens"] == 80 and s["requests_per_s"] == pytest.approx(2.0)
+    assert s["itl_s"]["count"] == 60 and s["tpot_s"]["p50"] == pytest.approx((0.5 + 0.095 - 0.1) / 3, rel=0.2)
+    assert s["backends"] == {"a": 15, "b": 5}
+    for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert_ordered(s[k])
+
+
+# --- the runner against the upstream ------------------------------------------
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_closed_loop_streaming_counts_add_up(upstream, endpoint):
+    wl = build_workload("synthetic", num_prompts=10, max_tokens=5, input_len="uniform:3,30")
+    cfg = LoadConfig(upstream.base_url + "/v1", "m", endpoint, stream=True, concurrency=4, num_requests=37,
+                     progress=False)
+    run = run_load_sync(cfg, wl)
+    s = summarize(run.results, run.t_start, run.t_end)
+    assert (s["num_requests"], s["num_ok"], s["num_errors"]) == (37, 37, 0)
+    assert s["output_tokens"] == 37 * 5
+    assert s["itl_s"]["count"] == 37 * 4 and s["ttft_s"]["count"] == 37
+    assert sorted(r.index for r in run.results) == list(range(37))
+    for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert_ordered(s[k])
+    assert all(r.ttft <= r.e2e for r in run.results)
+
+
+def test_open_loop_bounded_by_count_and_duration(upstream):
+    wl = build_workload("mtbench", num_prompts=5, max_tokens=3)
+    run = run_load_sync(LoadConfig(upstream.base_url, "m", rate=200.0, concurrency=8, num_requests=30,
+                                   progress=False), wl)
+    assert len(run.results) == 30 and all(r.ok and r.output_tokens == 3 for r in run.results)
+    run = run_load_sync(LoadConfig(upstream.base_url, "m", rate=50.0, concurrency=8, duration=0.5,
+                                   progress=False), wl)
+    assert 1 <= len(run.results) < 200 and all(r.ok for r in run.results)
+    assert max(r.start for r in run.results) - run.t_start < 0.5
+
+
+def test_errors_are_counted_by_kind(upstream):
+    wl = build_workload("mtbench", num_prompts=2, max_tokens=-1)  # the upstream answers 400
+    run = run_load_sync(LoadConfig(upstream.base_url, "m", num_requests=3, progress=False), wl)
+    assert summarize(run.results, run.t_start, run.t_end)["errors_by_kind"] == {"http_400": 3}
+    dead = f"http://127.0.0.1:{free_port()}"
+    run = run_load_sync(LoadConfig(dead, "m", num_requests=2, progress=False), wl)
+    assert [r.error for r in run.results] == ["connect", "connect"]
+
+
+def test_cli_run_sweep_writes_files(upstream, tmp_path, capsys):
+    out = tmp_path / "res"
+    rc = cli.main(["run", "--url", upstream.base_url + "/v1", "--model", "m", "--workload", "synthetic",
+                   "--num-prompts", "8", "--max-tokens", "4", "--concurrency", "1,4", "--num-requests", "12",
+                   "--stream", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    assert [r["summary"]["num_ok"] for r in data["runs"]] == [12, 12]
+    for name in ("summary.md", "latency_cdf.png", "concurrency_sweep.png"):
+        assert (out / name).stat().st_size > 0
+    assert (out / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| c=4 | 12 | 12 | 0 |" in capsys.readouterr().out
+
+
+def test_module_entry_point_and_cpu_time(upstream):
+    out = subprocess.run([sys.executable, "-m", "loadtests", "--help"], capture_output=True, text=True, check=True)
+    assert "parity" in out.stdout and "overhead" in out.stdout
+    assert cpu_seconds(upstream.pid) > 0
+
+
+# --- scenario pieces that need no server ---------------------------------------
+def test_parity_compare_and_cosine():
+    assert cosine({"a": -0.1, "b": -2.0}, {"a": -0.1, "b": -2.0}) == pytest.approx(1.0)
+    assert cosine({"a": 0.0}, {"b": 0.0}) == 0.0
+    a = Answer(["x", "y", "z"], [{"x": -0.1}, {"y": -0.2}, {"z": -0.3}], "xyz")
+    b = Answer(["x", "y", "w"], [{"x": -0.1}, {"y": -0.2}, {"w": -0.1, "z": -0.5}], "xyw")
+    c = compare(a, b)
+    assert c["first_divergence"] == 2 and not c["exact_match"] and len(c["cosines"]) == 3
+    assert compare(a, a)["first_divergence"] is None
+    assert compare(a, Answer(["x", "y"], a.top[:2], "xy"))["first_divergence"] == 2
+
+
+def test_canary_phase_split_and_failover_analysis():
+    rs = [RequestResult(ok=True, start=0.1 * i, e2e=0.01, backend="canary" if i % 10 == 0 else "stable")
+          for i in range(100)]
+    rows, unassigned = split_by_phase(rs, [(10.0, 0.0, 5.0), (100.0, 5.05, 20.0)])
+    assert rows[0]["requests"] + rows[1]["requests"] + unassigned == 100
+    assert rows[0]["observed_pct"] == pytest.approx(10.0)
+    f = analyse([RequestResult(ok=True, start=t, e2e=0.01, backend="primary" if t < 1 else "fallback")
+                 for t in (0.1, 0.5, 1.2, 1.5, 3.0)], 1.0, 1.0)
+    assert f["failed"] == 0 and f["fallback_share_after_kill_pct"] == 100.0 and f["requests_in_window"] == 2
+
+
+# --- scenario 6 against two upstreams ------------------------------------------
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_parity_same_target_passes(upstream, tmp_path, endpoint):
+    rc = cli.main(["parity", "--a", upstream.base_url + "/v1", "--b", upstream.base_url, "--model", "m",
+                   "--num-prompts", "3", "--max-tokens", "6", "--endpoint", endpoint, "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert rc == 0 and res["summary"]["passed"]
+    assert res["summary"]["exact_match_rate"] == 1.0 and res["summary"]["num_positions"] == 18
+    assert res["summary"]["mean_cosine"] == pytest.approx(1.0)
+
+
+def test_parity_divergent_target_fails(upstream, tmp_path):
+    other = start_upstream(tmp_path, "other", "--diverge-at", "4", "--logprob-shift", "0.5")
+    try:
+        rc = cli.main(["parity", "--a", upstream.base_url, "--b", other.base_url, "--model", "m",
+                       "--num-prompts", "2", "--max-tokens", "8", "--out", str(tmp_path / "p")])
+    finally:
+        other.stop()
+    res = json.loads((tmp_path / "p" / "results.json").read_text())
+    assert rc == 1 and not res["summary"]["passed"] and res["summary"]["exact_match_rate"] == 0.0
+    assert [p["first_divergence"] for p in res["prompts"]] == [4, 4]
+    assert all(len(p["cosines"]) == 5 for p in res["prompts"])
+    assert res["summary"]["mean_cosine"] < 0.9985
+
+
+# --- scenarios 1, 3, 4: the gateway in front of loadtests' upstreams -------------
+def _results(path) -> dict:
+    return json.loads((path / "results.json").read_text())
+
+
+def _files_written(path, *names) -> None:
+    for name in ("results.json", "summary.md", *names):
+        assert (path / name).stat().st_size > 0, name
+
+
+def test_scenario_overhead_tiny(tmp_path, capsys):
+    rc = cli.main(["overhead", "--requests-c1", "30", "--requests-c32", "150", "--concurrency", "8",
+                   "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    res = _results(tmp_path)
+    assert set(res["figures"]) == {"non-stream", "stream"}
+    for mode, f in res["figures"].items():
+        assert f["errors"] == {"direct": 0, "gateway": 0}
+        assert f["gateway_cpu_ms_per_request"] > 0 and f["direct_rps"] > 0 and f["gateway_rps"] > 0
+    assert len(res["runs"]) == 8
+    for run in res["runs"]:
+        s = run["summary"]
+        assert s["num_ok"] == s["num_requests"] == (30 if run["label"].endswith("c=1") else 150)
+        assert s["output_tokens"] == 16 * s["num_ok"]
+        assert_ordered(s["e2e_s"])
+        if "gateway" in run["label"]:
+            assert s["backends"] == {"upstream": s["num_ok"]}
+    _files_written(tmp_path, "latency_cdf.png")
+    assert "added p50 ms" in capsys.readouterr().out
+
+
+def test_scenario_canary_tiny(tmp_path):
+    rc = cli.main(["canary", "--phases", "0,25,100", "--phase-duration", "1.5", "--concurrency", "4",
+                   "--tolerance-pp", "100", "--out", str(tmp_path), "--no-progress"])
+    res = _results(tmp_path)
+    assert rc == 0 and res["passed"]
+    (p0, p25, p100) = res["phases"]
+    assert p0["canary"] == 0 and p0["stable"] > 0
+    assert p100["stable"] == 0 and p100["canary"] > 0
+    assert 0 < p25["canary"] < p25["requests"]
+    total = res["runs"][0]["summary"]["num_requests"]
+    assert sum(p["requests"] for p in res["phases"]) + res["unassigned"] == total
+    assert res["runs"][0]["summary"]["num_errors"] == 0
+
+
+def test_scenario_failover_tiny(tmp_path):
+    rc = cli.main(["failover", "--duration", "3", "--kill-at", "1", "--window", "1", "--concurrency", "4",
+                   "--out", str(tmp_path), "--no-progress"])
+    res = _results(tmp_path)
+    f = res["figures"]
+    assert rc == 0 and res["passed"] and f["failed"] == 0
+    assert f["fallback_share_after_kill_pct"] == 100.0
+    assert 0 < f["fallback_share_pct"] < 100.0
+    assert f["requests"] == res["runs"][0]["summary"]["num_requests"] > f["requests_before_kill"] > 0
+    assert f["p99_window_ms"] is not None
+
+
+# --- scenarios 2, 5, 6 against `tandem engine serve` with a tiny random Llama ------
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A 2-layer random Llama with a byte-level tokenizer and a chat template (HF directory); its
+    greedy output is printable ASCII, one character per token."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    path = tmp_path_factory.mktemp("tiny")
+    vocab = {"<s>": 0, "</s>": 1}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(path / "tokenizer.json"))
+    template = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                            "chat_template": template}))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                   bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # only printable ASCII can win greedy: one token = one streamed character
+        printable = torch.tensor([chr(33) <= t <= chr(126) for t in sorted(vocab, key=vocab.get)])
+        model.lm_head.weight[~printable] = 0.0
+        model.lm_head.weight[printable] *= 4.0
+    model.save_pretrained(path)
+    return str(path)
+
+
+ENGINE_ARGS = ["--engine-arg=--kv-cache-memory=64MiB", "--engine-arg=--uvicorn-log-level=warning"]
+
+
+@pytest.mark.slow
+def test_scenario_engine_tiny(tiny_model, tmp_path):
+    rc = cli.main(["engine", "--model", tiny_model, "--dtype", "float32", "--concurrency", "1,3",
+                   "--num-prompts", "4", "--max-tokens", "5", *ENGINE_ARGS, "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    res = _results(tmp_path)
+    for run in res["runs"]:
+        s = run["summary"]
+        assert s["num_ok"] == s["num_requests"] == 4 and s["output_tokens"] == 20
+        assert s["ttft_s"]["count"] == 4 and s["itl_s"]["count"] == 4 * 4
+        assert_ordered(s["ttft_s"])
+    for c in ("1", "3"):
+        assert res["hf"][c]["output_tokens"] == 20 and res["hf"][c]["batch_size"] == int(c)
+        f = res["figures"][c]
+        assert f["tok_per_s_ratio"] == pytest.approx(f["tandem_output_tokens_per_s"] / f["hf_output_tokens_per_s"])
+        assert f["tandem_ttft_p50_s"] <= f["tandem_ttft_p99_s"]
+    _files_written(tmp_path, "latency_cdf.png", "concurrency_sweep.png")
+
+
+@pytest.mark.slow
+def test_scenario_prefix_tiny(tiny_model, tmp_path):
+    rc = cli.main(["prefix", "--model", tiny_model, "--dtype", "float32", "--num-prompts", "3", "--turn1-tokens", "8",
+                   "--turn2-tokens", "3", *ENGINE_ARGS, "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    res = _results(tmp_path)
+    f = res["figures"]
+    assert f["errors"] == {"on": 0, "off": 0}
+    assert f["prefix_cache"]["on"]["hits"] > 0 and f["prefix_cache"]["off"]["hits"] == 0
+    for run in res["runs"]:
+        assert run["summary"]["num_ok"] == 3 and run["summary"]["output_tokens"] == 9
+        assert_ordered(run["summary"]["ttft_s"])
+    assert f["ttft_p50_speedup"] == pytest.approx(f["ttft_p50_off_s"] / f["ttft_p50_on_s"])
+
+
+@pytest.mark.slow
+def test_parity_engine_against_itself(tiny_model, tmp_path):
+    from loadtests.scenarios.common import start_engine_server
+
+    srv = start_engine_server(tmp_path, ["--model", tiny_model, "--served-model-name", "bench", "--dtype", "float32",
+                                         "--kv-cache-memory", "64MiB", "--uvicorn-log-level", "warning"])
+    try:
+        for endpoint in ("completions", "chat"):
+            out = tmp_path / endpoint
+            rc = cli.main(["parity", "--a", srv.base_url + "/v1", "--b", srv.base_url + "/v1", "--model", "bench",
+                           "--num-prompts", "3", "--max-tokens", "6", "--endpoint", endpoint, "--out", str(out)])
+            s = _results(out)["summary"]
+            assert rc == 0 and s["passed"] and s["num_failed_prompts"] == 0
+            assert s["num_positions"] >= 3 and s["mean_cosine"] > 0.9985
+    finally:
+        srv.stop()
