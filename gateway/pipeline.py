@@ -74,12 +74,13 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     res = gw.resilience
     estimated = prompt_tokens if prompt_tokens is not None else estimate_prompt_tokens(body)
     tokens = res.estimate_tokens(estimated, p.max_tokens)
-    # Rate limits first: a request they reject must not hold a budget reservation.
+    gw.obs.note(request_id, tenant, public, p, decision, estimated)   # labels and trace facts
+    # Rate limits before the budget: a request they reject must not hold a budget reservation.
     admission = await res.admit(tenant, bearer(headers.get("authorization")), tokens, request_id)
     if not admission.allowed:
         err = admission.error_body()["error"]
         raise ClientError(admission.status, err["message"], code=err["code"], headers=admission.headers())
-    hook = await gw.obs.admit(request_id, tenant, public, p, decision, estimated)   # budget (429), trace facts
+    hook = await gw.obs.admit(request_id, tenant, p, decision, estimated)   # budget (429)
     call = Call(endpoint, body, public, request_id, p.priority, p.stream, p.local_unsupported, estimated, tokens)
     call.attempt_hook = hook
     outcome = await forward(decision.attempts, snap.backends, call, res, admission.reservation)

@@ -354,19 +354,13 @@ class Observability:
         self._active[request_id] = rec
         return rec
 
-    async def admit(self, request_id: str, tenant: str, public_model: str, parsed, decision,
-                    prompt_tokens: int | None = None):
-        """The request is routed: note its facts, and reserve its estimated
-        cost in its tenant's budget. Returns the attempt hook for
-        ``proxy.Call.attempt_hook`` (None when the request is unknown).
-
-        Raises:
-            ClientError: 429 ``budget_exceeded`` when the estimate does not fit
-                in the tenant's remaining budget of the period.
-        """
+    def note(self, request_id: str, tenant: str, public_model: str, parsed, decision,
+             prompt_tokens: int | None = None) -> None:
+        """The request is routed: note its facts (labels, span attributes),
+        before any admission check can reject it."""
         rec = self._active.get(request_id)
         if rec is None:
-            return None
+            return
         body = parsed.body
         rec.tenant, rec.model, rec.request_model = tenant, public_model, parsed.model
         rec.route, rec.rule, rec.stream, rec.max_tokens, rec.body = (decision.route, decision.rule, parsed.stream,
@@ -383,6 +377,20 @@ class Observability:
             if isinstance(temp, (int, float)) and not isinstance(temp, bool):
                 attrs["gen_ai.request.temperature"] = float(temp)
             rec.span.set_attributes(attrs)
+
+    async def admit(self, request_id: str, tenant: str, parsed, decision, prompt_tokens: int | None = None):
+        """Reserve the request's estimated cost in its tenant's budget (after
+        ``note`` and the rate limits). Returns the attempt hook for
+        ``proxy.Call.attempt_hook`` (None when the request is unknown).
+
+        Raises:
+            ClientError: 429 ``budget_exceeded`` when the estimate does not fit
+                in the tenant's remaining budget of the period.
+        """
+        rec = self._active.get(request_id)
+        if rec is None:
+            return None
+        body = parsed.body
         cfg = self.gw.snapshot.compiled.config
         budgets = getattr(cfg, "budgets", None)
         bcfg = budgets.tenants.get(tenant_label(tenant)) if budgets is not None else None
