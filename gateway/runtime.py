@@ -95,7 +95,7 @@ class Gateway:
                 state = head            # same file: adopt the shared weights overrides too
                 log.info("adopting shared config version %d (%s)", head.version, head.source)
             else:
-                await self.ledger.push(state)
+                state.version = await self.ledger.push(state)
         except Exception as e:  # noqa: BLE001 -- Redis down: serve on the file
             self._redis_failed(e)
             self._unpublished = True
@@ -187,7 +187,8 @@ class Gateway:
             compiled = load_config_text(state.text, state.overrides)   # validate first
             propagated = True
             try:
-                await self.ledger.push(state)
+                # A state equal to the ledger's head keeps the head's version.
+                state.version = await self.ledger.push(state)
             except Exception as e:  # noqa: BLE001 -- applied here; shared when Redis returns
                 self._redis_failed(e)
                 propagated = False
@@ -298,7 +299,7 @@ class Gateway:
                     async with self._lock:
                         cur = self.snapshot
                         state = ConfigState(cur.compiled.text, cur.compiled.overrides, "reseed")
-                        await self.ledger.push(state)
+                        state.version = await self.ledger.push(state)
                         cur.version = state.version
                         self._unpublished = False
                         log.warning("shared config re-seeded from this replica as version %d", state.version)

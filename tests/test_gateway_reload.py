@@ -101,6 +101,28 @@ def test_sighup_reloads(upstreams, tmp_path):
         g.stop()
 
 
+def test_unchanged_reload_keeps_the_version(upstreams, tmp_path):
+    """Reloading an unchanged file (after a weights change and a rollback) keeps
+    the head's version: versions never go backwards."""
+    a, b = upstreams
+    path = tmp_path / "config.yaml"
+    path.write_text(upstream_config({"a": a, "b": b}, ROUTES).replace("watch: true", "watch: false"))
+    g = GatewayProcess(path, env=ENV).start()
+    try:
+        first = admin_config(g)["version"]
+        r = httpx.post(g.url + "/admin/weights", headers=ADMIN, json={"route": "main", "weights": {"b": 5}})
+        assert r.status_code == 200 and r.json()["version"] > first
+        r = httpx.post(g.url + "/admin/rollback", headers=ADMIN)
+        assert r.status_code == 200
+        rolled = r.json()["version"]
+        assert rolled > first
+        r = httpx.post(g.url + "/admin/reload", headers=ADMIN)
+        assert r.status_code == 200 and r.json()["version"] == rolled
+        assert admin_config(g)["version"] == rolled
+    finally:
+        g.stop()
+
+
 def test_two_replicas_share_config_through_redis(upstreams, tmp_path, redis_url):
     a, b = upstreams
     prefix = f"t{uuid.uuid4().hex[:8]}"
