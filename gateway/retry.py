@@ -620,9 +620,9 @@ class _Run:
             return res
         if not called and self.skips and all(why == "too_small" for why, _ in self.skips.values()):
             res.status = 400
-            res.body = error_body(f"The prompt needs {self.required_len} tokens; no target of this route has a "
-                                  f"context that large.", "invalid_request_error", "context_length_exceeded",
-                                  "messages")
+            res.body = error_body(f"The request needs {self.required_len} tokens (prompt + max_tokens); no "
+                                  f"available target of this route has a context that large (max_model_len).",
+                                  "invalid_request_error", "context_length_exceeded", None)
             return res
         if (isinstance(last, _NoCandidate) and not last.round_over) or not called:
             why = [w for w, _ in self.skips.values()]

@@ -48,6 +48,9 @@ class Parsed:
     local_unsupported: str | None
 
 
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
 def _type_name(types: tuple) -> str:
     names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
     if types == _NUM:
@@ -109,6 +112,9 @@ def check_request(body: dict, endpoint: str, x_priority: str | None) -> Parsed:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ClientError(400, f"'messages[{i}]' must be an object with a string 'role'",
                                   param=f"messages[{i}].role", code="invalid_type")
+            if m["role"] not in _ROLES:
+                raise ClientError(400, f"'messages[{i}].role' must be one of {', '.join(sorted(_ROLES))}, "
+                                  f"got {m['role']!r}", param=f"messages[{i}].role", code="invalid_value")
         types = _CHAT
     else:
         prompt = body.get("prompt")

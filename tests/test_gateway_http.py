@@ -126,6 +126,8 @@ def test_models_lists_public_names(gateway):
     (json.dumps({"model": "m1"}).encode(), 400, "messages"),
     (json.dumps({"model": "m1", "messages": "hi"}).encode(), 400, "messages"),
     (json.dumps({"model": "m1", "messages": [{"content": "x"}]}).encode(), 400, "messages[0].role"),
+    (json.dumps({"model": "m1", "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400,
+     "messages[0].role"),
     (json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}).encode(),
      400, "max_tokens"),
     (json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(),
