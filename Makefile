@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= config.example.yaml
+# Extra flags of `tandem serve`, e.g. make serve SERVE_ARGS="--port 8080".
+SERVE_ARGS ?=
 # Install stamps: reinstall only when pyproject.toml changes.
 STAMP := $(VENV)/.installed
 
@@ -22,7 +24,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 serve: install
-	$(BIN)/tandem serve --config $(CONFIG)
+	$(BIN)/tandem serve --config $(CONFIG) $(SERVE_ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider
