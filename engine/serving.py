@@ -34,6 +34,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingErro
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.protocol import ChatCompletionRequest, CompletionRequest, RequestValidationError, parse_request
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import bytes_to_unicode
 
 logger = logging.getLogger("tandem.serving")
 
@@ -76,17 +77,8 @@ def _clamp(lp: float) -> float:
 
 
 def _byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's byte-to-unicode table (byte-level BPE spelling ->
-    byte), from Radford et al. 2019's ``encoder.py``."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    """Byte-level BPE spelling -> byte (the inverse of GPT-2's table)."""
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 class _TokenTexts:

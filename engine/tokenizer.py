@@ -38,7 +38,7 @@ _SPLITS = {
 _CONTROL = 3  # llama.cpp token type of control tokens (<|im_start|>, <|endoftext|>...)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table (Radford et al. 2019)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -142,8 +142,8 @@ class Tokenizer:
         if not tokens or merges is None:
             raise ValueError(f"{path}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
         types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        alphabet = set(_bytes_to_unicode().values())
-        spelling = _bytes_to_unicode()
+        alphabet = set(bytes_to_unicode().values())
+        spelling = bytes_to_unicode()
         vocab = {}
         for i, t in enumerate(tokens):
             if not set(t) <= alphabet:

@@ -5,7 +5,6 @@ tiny random Llama. Official ``openai`` client, sync, async and streaming."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ import time
 import httpx
 import openai
 import pytest
+
+from tests.tiny_models import save_byte_level_llama
 
 from tests.test_gateway_support import ROOT, GatewayProcess, free_port
 
@@ -22,29 +23,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A 2-layer random Llama, byte-level tokenizer (one character = one token), chat template."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    path = tmp_path_factory.mktemp("tiny")
-    vocab = {"<s>": 0, "</s>": 1}
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>"])
-    tok.save(str(path / "tokenizer.json"))
-    template = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-                "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
-                                                            "chat_template": template}))
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                                   bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(cfg).float().eval().save_pretrained(path)
-    return str(path)
+    return save_byte_level_llama(tmp_path_factory.mktemp("tiny"), max_position_embeddings=8192)
 
 
 @pytest.fixture(scope="module")

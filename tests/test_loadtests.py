@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests.tiny_models import save_byte_level_llama
+
 from loadtests import cli
 from loadtests.client import RequestResult, check_loopback
 from loadtests.procs import Server, cpu_seconds, free_port, upstream_cmd
@@ -285,36 +287,8 @@ def test_scenario_failover_tiny(tmp_path):
 # --- scenarios 2, 5, 6 against `tandem engine serve` with a tiny random Llama ------
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    """A 2-layer random Llama with a byte-level tokenizer and a chat template (HF directory); its
-    greedy output is printable ASCII, one character per token."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    path = tmp_path_factory.mktemp("tiny")
-    vocab = {"<s>": 0, "</s>": 1}
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>"])
-    tok.save(str(path / "tokenizer.json"))
-    template = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-                "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
-                                                            "chat_template": template}))
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                                   bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # only printable ASCII can win greedy: one token = one streamed character
-        printable = torch.tensor([chr(33) <= t <= chr(126) for t in sorted(vocab, key=vocab.get)])
-        model.lm_head.weight[~printable] = 0.0
-        model.lm_head.weight[printable] *= 4.0
-    model.save_pretrained(path)
-    return str(path)
+    """A 2-layer random Llama, byte-level tokenizer (one character = one token), chat template."""
+    return save_byte_level_llama(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096, printable_only=True)
 
 
 ENGINE_ARGS = ["--engine-arg=--kv-cache-memory=64MiB", "--engine-arg=--uvicorn-log-level=warning"]
