@@ -12,7 +12,6 @@ POST /admin/weights, POST /admin/drain, GET /admin/config; from
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -22,6 +21,7 @@ import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
+from litestar.response.streaming import ASGIStreamingResponse
 
 from gateway.auth import authenticate, check_admin
 from gateway.config import ConfigError
@@ -69,32 +69,94 @@ async def read_body(request: Request, limit: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass
+
+
+class _DisconnectWatch:
+    """Cancels the current task when the client disconnects (``receive`` ends), until ``stop``: one task
+    awaiting ``receive``, the watched work runs on in the current task. ``gone``: the client left."""
+
+    __slots__ = ("task", "active", "gone", "watcher")
+
+    def __init__(self, receive):
+        self.task = asyncio.current_task()
+        self.active, self.gone = True, False
+        self.watcher = asyncio.ensure_future(_until_disconnect(receive))
+        self.watcher.add_done_callback(self._done)
+
+    def _done(self, fut: asyncio.Future) -> None:
+        if fut.cancelled():
+            return
+        fut.exception()                  # retrieved: a failing receive counts as a disconnect
+        if self.active:
+            self.gone = True
+            self.task.cancel()
+
+    def stop(self) -> None:
+        self.active = False
+        self.watcher.cancel()
+
+    def consumed(self) -> bool:
+        """While handling a CancelledError (or after a swallowed one): True when it was this watch's."""
+        return self.gone and self.task.uncancel() == 0
 
 
 async def _unless_disconnected(request: Request, coro):
     """Await ``coro`` (the body is already read) unless the client disconnects
     first: then cancel it -- which closes the upstream connection or aborts
     the local engine request -- and return None. (Once a stream is
-    committed, Litestar's ``Stream`` does the same.)"""
-    task = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(_until_disconnect(request))
+    committed, ``_ASGIEventStream`` does the same.)"""
+    watch = _DisconnectWatch(request.receive)
     try:
-        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        watcher.cancel()
+        result = await coro
+    except asyncio.CancelledError:
+        watch.stop()
+        if watch.consumed():
+            log.info("client disconnected; upstream request cancelled")
+            return None
         raise
-    watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    log.info("client disconnected; upstream request cancelled")
-    return None
+    except BaseException:
+        watch.stop()
+        raise
+    watch.stop()
+    if watch.gone:                       # cancelled on the client's behalf, but the work finished anyway
+        watch.consumed()
+        log.info("client disconnected; upstream request cancelled")
+        return None
+    return result
+
+
+class _ASGIEventStream(ASGIStreamingResponse):
+    """Litestar's streaming response with a lighter watch for the client's disconnect: one task awaiting
+    ``receive`` whose completion cancels the streaming task (the iterator's ``finally`` then closes the upstream),
+    instead of an anyio task group per response. Otherwise the same ASGI events."""
+
+    __slots__ = ()
+
+    async def send_body(self, send, receive) -> None:
+        watch = _DisconnectWatch(receive)
+        try:
+            await self._stream(send)
+        except asyncio.CancelledError:
+            watch.stop()
+            if watch.consumed():
+                return               # the client left: the stream was cancelled on its behalf
+            raise
+        finally:
+            watch.stop()
+
+
+class _EventStream(Stream):
+    """``Stream`` answered by ``_ASGIEventStream``."""
+
+    __slots__ = ()
+
+    def to_asgi_response(self, *args, **kwargs) -> ASGIStreamingResponse:
+        resp = super().to_asgi_response(*args, **kwargs)
+        resp.__class__ = _ASGIEventStream
+        return resp
 
 
 def create_app(gw: Gateway) -> Litestar:
@@ -129,8 +191,8 @@ def create_app(gw: Gateway) -> Litestar:
             if out.stream is not None:
                 streaming = True
                 resp_headers["cache-control"] = "no-cache"
-                return Stream(gw.obs.stream(rec, h, _tracked(out.stream)), status_code=200,
-                              media_type="text/event-stream", headers=resp_headers)
+                return _EventStream(gw.obs.stream(rec, h, _tracked(out.stream)), status_code=200,
+                                    media_type="text/event-stream", headers=resp_headers)
             content = await gw.obs.finish(rec, h, out.status, out.content)   # metrics, cost, log; secrets redacted
             return Response(content, status_code=out.status, media_type=out.content_type, headers=resp_headers)
         except ClientError as e:

@@ -149,7 +149,7 @@ class Resilience:
         return await call_with_fallback(candidates, attempt, stream=stream, policy=self.policy,
                                         breakers=self.breakers, health=self.health, limiter=self.limiter,
                                         required_len=required_len, request_id=request_id, tokens=tokens,
-                                        on_finish=on_finish)
+                                        on_finish=on_finish, batch_events=True)
 
 
 def backend_error_to_response(e: Any) -> UpstreamResponse:

@@ -24,6 +24,9 @@ upstream call:
   are transparent retries. After it, a failure (cut, malformed event, error event, no event within
   ``inter_chunk_timeout_s``) ends the stream with one ``data: {"error": ...}`` event and no ``[DONE]``.
   Closing the returned iterator (client disconnect) closes the upstream response at once.
+  Hot path: events are split from the raw bytes once per read and relayed as the upstream's own bytes (typed
+  msgspec decoding to classify them), the inter-chunk deadline is one re-armed ``loop.call_at`` handle per
+  stream, and with ``batch_events`` every event already read goes downstream as one chunk (nothing waits).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
+import msgspec
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
 from gateway.ratelimit import Limit, Reservation, retry_after_header
@@ -218,26 +222,163 @@ def _classify_exception(exc: BaseException) -> _Failure:
     return _Failure("error", f"upstream call failed ({name})")
 
 
-async def _sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    """Split raw SSE bytes into the data payloads of events (multi-line data joined by newlines; comments dropped).
+class _Events:
+    """Raw SSE bytes (any split) -> events, each with the bytes to relay for it.
 
+    An event's relay bytes are ``data: <payload>\\n\\n`` with its data lines joined by newlines (comments and
+    other fields dropped, CRLF read as LF); for the usual single-line ``data: {...}`` event they are the
+    upstream's own bytes. The buffer is split once per read, not once per event.
     Spec: https://html.spec.whatwg.org/multipage/server-sent-events.html
     """
-    buf = b""
-    async for chunk in chunks:
-        buf = (buf + chunk).replace(b"\r\n", b"\n")  # on the joined buffer: a CRLF may be split
-        while True:
-            i = buf.find(b"\n\n")
-            if i < 0:
-                break
-            block, buf = buf[:i], buf[i + 2:]
-            data = [ln[5:].lstrip(b" ") if ln.startswith(b"data:") else None for ln in block.split(b"\n")]
-            data = [d for d in data if d is not None]
+
+    __slots__ = ("chunks", "buf", "eof", "ready")
+
+    def __init__(self, chunks: AsyncIterator[bytes]):
+        self.chunks = chunks
+        self.buf = b""
+        self.eof = False
+        self.ready: list[tuple[bytes, bytes]] = []   # complete events not yet popped, last first
+
+    async def fill(self) -> bool:
+        """Read the next chunk of bytes into the buffer; False at the end of the stream (transport errors raise)."""
+        if self.eof:
+            return False
+        try:
+            chunk = await self.chunks.__anext__()
+        except StopAsyncIteration:
+            self.eof = True
+            return False
+        buf = self.buf + chunk if self.buf else chunk
+        if b"\r" in buf:  # on the joined buffer: a CRLF may be split
+            buf = buf.replace(b"\r\n", b"\n")
+        self.buf = buf
+        return True
+
+    def pop(self) -> tuple[bytes, bytes] | None:
+        """The next complete event as (relay bytes, data payload); None: none complete yet."""
+        ready = self.ready
+        if ready:
+            return ready.pop()
+        blocks = self.buf.split(b"\n\n")
+        if len(blocks) == 1:
+            return None
+        self.buf = blocks.pop()
+        for block in reversed(blocks):
+            if block.startswith(b"data: ") and block[6:7] != b" " and b"\n" not in block:
+                ready.append((block + b"\n\n", block[6:]))    # one canonical data line: relayed as is
+                continue
+            data = [ln[5:].lstrip(b" ") for ln in block.split(b"\n") if ln.startswith(b"data:")]
             if data:
-                yield b"\n".join(data).decode("utf-8", "replace")
-    if buf.strip().startswith(b"data:"):
-        # a final event without its blank line: the stream was cut mid-event; hand it on, the caller decides
-        yield buf.strip()[5:].lstrip().decode("utf-8", "replace")
+                payload = b"\n".join(data)
+                ready.append((b"data: " + payload + b"\n\n", payload))
+        return ready.pop() if ready else None
+
+    def tail(self) -> tuple[bytes, bytes] | None:
+        """At the end of the stream: a final event without its blank line (the stream was cut mid-event), once."""
+        rest, self.buf = self.buf.strip(), b""
+        if not rest.startswith(b"data:"):
+            return None
+        payload = rest[5:].lstrip()
+        return b"data: " + payload + b"\n\n", payload
+
+
+async def _sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The data payloads of the events of raw SSE bytes (multi-line data joined by newlines; comments dropped)."""
+    events = _Events(chunks)
+    while True:
+        item = events.pop()
+        if item is None:
+            if await events.fill():
+                continue
+            item = events.tail()
+            if item is not None:
+                yield item[1].decode("utf-8", "replace")
+            return
+        yield item[1].decode("utf-8", "replace")
+
+
+class _EvDelta(msgspec.Struct):
+    content: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+    reasoning_content: Any = None
+    refusal: Any = None
+
+
+class _EvChoice(msgspec.Struct):
+    text: Any = None
+    finish_reason: Any = None
+    delta: _EvDelta | None = None
+
+
+class _Ev(msgspec.Struct):
+    """The fields of a streamed event that the loop reads (others are skipped by the decoder)."""
+
+    error: Any = None
+    usage: Any = None
+    choices: list[_EvChoice] | None = None
+
+
+_decode_event = msgspec.json.Decoder(_Ev).decode
+_DONE = b"data: [DONE]\n\n"
+
+
+def _kind_of(obj: Any) -> str:
+    if not isinstance(obj, dict):
+        return "malformed"
+    if obj.get("error"):
+        return "error"
+    for ch in obj.get("choices") or []:
+        if not isinstance(ch, dict):
+            continue
+        d = ch.get("delta") or {}
+        if ch.get("text") or ch.get("finish_reason") or (isinstance(d, dict) and (
+                d.get("content") or d.get("tool_calls") or d.get("function_call") or d.get("reasoning_content")
+                or d.get("refusal"))):
+            return "content"
+    return "meta"
+
+
+def _classify(data: bytes) -> tuple[str, Any, Any, bytes | None]:
+    """An event's data payload: (kind, its ``usage``, its ``error``, replacement payload).
+
+    kind: ``done`` | ``error`` | ``content`` (a delta with content, or a finish) | ``meta`` | ``malformed``.
+    The replacement payload is None unless the payload is JSON only once invalid UTF-8 is replaced (U+FFFD):
+    then it is relayed in that form. Typed decoding (C, unknown fields skipped) for the usual shapes; any other
+    JSON goes the generic way with the same rules."""
+    if data[:1] != b"{":
+        if data.strip() == b"[DONE]":
+            return "done", None, None, None
+    else:
+        try:
+            ev = _decode_event(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+        else:
+            if ev.error:
+                return "error", ev.usage, ev.error, None
+            for ch in ev.choices or ():
+                d = ch.delta
+                if ch.text or ch.finish_reason or (d is not None and (
+                        d.content or d.tool_calls or d.function_call or d.reasoning_content or d.refusal)):
+                    return "content", ev.usage, None, None
+            return "meta", ev.usage, None, None
+    fixed = None
+    try:
+        obj = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        text = data.decode("utf-8", "replace")
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return "malformed", None, None, None
+        fixed = text.encode()
+        if fixed == data:
+            fixed = None
+    kind = _kind_of(obj)
+    if kind == "malformed":
+        return kind, None, None, None
+    return kind, obj.get("usage"), obj.get("error"), fixed
 
 
 def _event_kind(data: str) -> tuple[str, dict | None]:
@@ -248,25 +389,58 @@ def _event_kind(data: str) -> tuple[str, dict | None]:
         obj = json.loads(data)
     except ValueError:
         return "malformed", None
-    if not isinstance(obj, dict):
-        return "malformed", None
-    if obj.get("error"):
-        return "error", obj
-    for ch in obj.get("choices") or []:
-        if not isinstance(ch, dict):
-            continue
-        d = ch.get("delta") or {}
-        if ch.get("text") or ch.get("finish_reason") or (isinstance(d, dict) and (
-                d.get("content") or d.get("tool_calls") or d.get("function_call") or d.get("reasoning_content")
-                or d.get("refusal"))):
-            return "content", obj
-    return "meta", obj
+    kind = _kind_of(obj)
+    return kind, (obj if kind != "malformed" else None)
 
 
-async def _next(it: AsyncIterator[str], timeout: float) -> str:
-    """``anext(it)`` within ``timeout`` seconds (TimeoutError otherwise; StopAsyncIteration at the end)."""
-    async with asyncio.timeout(max(0.0, timeout)):
-        return await it.__anext__()
+class _Watchdog:
+    """The inter-chunk timeout of a committed stream without a timer per chunk: ``arm`` sets a deadline
+    (``timeout_s`` from now, event-loop time) that ``disarm`` clears; one ``loop.call_at`` handle, re-armed only
+    when it fires before the current deadline, cancels the waiting task once a deadline passes (``fired``)."""
+
+    __slots__ = ("loop", "timeout_s", "deadline", "handle", "task", "fired")
+
+    def __init__(self, timeout_s: float):
+        self.loop = asyncio.get_running_loop()
+        self.timeout_s = max(0.0, timeout_s)
+        self.deadline: float | None = None
+        self.handle: asyncio.TimerHandle | None = None
+        self.task: asyncio.Task | None = None
+        self.fired = False
+
+    def arm(self) -> None:
+        self.deadline = self.loop.time() + self.timeout_s
+        self.task = asyncio.current_task()
+        if self.handle is None:
+            self.handle = self.loop.call_at(self.deadline, self._check)
+
+    def disarm(self) -> None:
+        self.deadline = None
+
+    def _check(self) -> None:
+        self.handle = None
+        if self.deadline is None or self.task is None:
+            return
+        if self.loop.time() >= self.deadline - 1e-3:   # the loop may run a timer up to its clock resolution early
+            self.deadline = None
+            self.fired = True
+            self.task.cancel()
+        else:
+            self.handle = self.loop.call_at(self.deadline, self._check)
+
+    def expired(self) -> bool:
+        """After a CancelledError while armed: True when it was this deadline's (the cancel is then consumed)."""
+        if not self.fired:
+            return False
+        self.fired = False
+        task = self.task
+        return task is not None and task.uncancel() == 0
+
+    def close(self) -> None:
+        self.deadline = None
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
 
 
 async def _close(resp: UpstreamResponse | None) -> None:
@@ -281,7 +455,7 @@ class _Run:
     """State of one request's attempt loop (see the module docstring)."""
 
     def __init__(self, candidates, attempt, stream, policy, breakers, health, limiter, required_len, request_id,
-                 tokens, on_finish):
+                 tokens, on_finish, batch_events=False):
         self.candidates: list[Candidate] = list(candidates)
         self.attempt_fn = attempt
         self.stream = stream
@@ -289,6 +463,7 @@ class _Run:
         self.breakers, self.health, self.limiter = breakers, health, limiter
         self.required_len, self.request_id, self.tokens = required_len, request_id, tokens
         self.on_finish = on_finish
+        self.batch = batch_events
         self.start = time.monotonic()
         self.deadline = self.start + policy.deadline_s
         self.attempts: list[Attempt] = []
@@ -459,70 +634,118 @@ class _Run:
 
     async def _peek_stream(self, c: Candidate, resp: UpstreamResponse, t0: float) -> Result:
         """Read events until the first content; hold them back. Raises _Failure on anything before content."""
-        events = _sse_events(resp.chunks)
-        held: list[str] = []
+        events = _Events(resp.chunks)
+        held: list[bytes] = []
         while True:
-            try:
-                data = await events.__anext__()
-            except StopAsyncIteration:
-                raise _Failure("stream_cut", "upstream stream ended before any content", status=502)
-            kind, obj = _event_kind(data)
+            item = events.pop()
+            if item is None:
+                if await events.fill():
+                    continue
+                item = events.tail()
+                if item is None:
+                    raise _Failure("stream_cut", "upstream stream ended before any content", status=502)
+            raw, data = item
+            kind, usage, error, fixed = _classify(data)
             if kind == "malformed":
                 raise _Failure("malformed", "upstream sent a malformed event", status=502)
             if kind == "error":
-                st = (obj.get("error") or {}).get("code") if isinstance(obj.get("error"), dict) else None
+                st = error.get("code") if isinstance(error, dict) else None
                 raise _Failure("error_event", "upstream sent an error event before content",
                                status=st if isinstance(st, int) else 502)
-            held.append(data)
+            held.append(raw if fixed is None else b"data: " + fixed + b"\n\n")
             if kind in ("content", "done"):
                 res = Result(200, {"content-type": "text/event-stream"}, ttft_s=time.monotonic() - t0)
                 res.stream = _Held(held, events, resp, kind == "done")  # type: ignore[assignment]
-                if obj and obj.get("usage"):
-                    res.usage = obj["usage"]
+                if usage:
+                    res.usage = usage
                 return res
 
     async def _relay(self, res: Result, held: "_Held", c: Candidate, probe: bool, t0: float) -> AsyncIterator[bytes]:
-        """The committed stream: held events, then the rest; a failure after content ends with an error event."""
+        """The committed stream: held events, then the rest; a failure after content ends with an error event.
+
+        Every complete event already read is relayed in one chunk with the events before it (the bytes of an
+        event unchanged), so a read of several events costs one write downstream; nothing waits for more."""
         inter = c.inter_chunk_timeout_s or self.policy.inter_chunk_timeout_s
         ok, err = False, None
+        events, out = held.rest, held.events
+        batch = self.batch
+        watchdog: _Watchdog | None = None
         try:
-            for data in held.events:
-                yield f"data: {data}\n\n".encode()
+            if not batch:
+                for ev in out:
+                    yield ev
+                out = []
+            elif held.done:
+                yield b"".join(out)
             if held.done:
                 ok = True
                 return
+            at_end = False
             while True:
-                try:
-                    data = await _next(held.rest, inter)
-                except StopAsyncIteration:
-                    err = "upstream stream ended without [DONE]"
-                    break
-                except (TimeoutError, asyncio.TimeoutError):
-                    err = f"upstream sent nothing for {inter:.0f}s"
-                    break
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    err = f"upstream connection failed ({type(exc).__name__})"
-                    break
-                kind, obj = _event_kind(data)
+                item = events.pop()
+                if item is None:
+                    if at_end:
+                        err = "upstream stream ended without [DONE]"
+                        break
+                    if out:                          # (the watchdog is disarmed: an event arrived)
+                        yield out[0] if len(out) == 1 else b"".join(out)
+                        out = []
+                    if watchdog is None:
+                        watchdog = _Watchdog(inter)
+                    if watchdog.deadline is None:    # one deadline per event awaited, not per read
+                        watchdog.arm()
+                    try:
+                        more = await events.fill()
+                    except asyncio.CancelledError:
+                        if watchdog.expired():
+                            err = f"upstream sent nothing for {inter:.0f}s"
+                            break
+                        raise
+                    except (TimeoutError, asyncio.TimeoutError):
+                        err = f"upstream sent nothing for {inter:.0f}s"
+                        break
+                    except Exception as exc:
+                        err = f"upstream connection failed ({type(exc).__name__})"
+                        break
+                    if not more:
+                        at_end = True
+                        item = events.tail()
+                        if item is None:
+                            continue
+                    else:
+                        continue
+                if watchdog is not None:
+                    watchdog.disarm()                # the event awaited arrived
+                raw, data = item
+                kind, usage, _, fixed = _classify(data)
                 if kind == "done":
-                    yield b"data: [DONE]\n\n"
+                    out.append(_DONE)
                     ok = True
+                    yield b"".join(out)
                     return
                 if kind == "malformed":
                     err = "upstream sent a malformed event"
                     break
-                if obj and obj.get("usage"):
-                    res.usage = obj["usage"]
-                yield f"data: {data}\n\n".encode()
+                if usage:
+                    res.usage = usage
+                out.append(raw if fixed is None else b"data: " + fixed + b"\n\n")
                 if kind == "error":  # relayed as the final event, no [DONE]
                     res.error = "upstream sent an error event"
+                    yield b"".join(out)
                     return
+                if not batch:
+                    yield out[0]
+                    out = []
             res.error = err
-            yield ("data: " + json.dumps({"error": {"message": f"stream interrupted: {err}", "type": "upstream_error",
-                                                     "param": None, "code": "stream_interrupted"}}) + "\n\n").encode()
+            if watchdog is not None:
+                watchdog.disarm()
+            out.append(("data: " + json.dumps({"error": {"message": f"stream interrupted: {err}",
+                                                          "type": "upstream_error", "param": None,
+                                                          "code": "stream_interrupted"}}) + "\n\n").encode())
+            yield b"".join(out)
         finally:
+            if watchdog is not None:
+                watchdog.close()
             await asyncio.shield(self._end_stream(res, c, probe, t0, ok, held))
 
     async def _end_stream(self, res: Result, c: Candidate, probe: bool, t0: float, ok: bool, held: "_Held") -> None:
@@ -658,8 +881,8 @@ class _Run:
 class _Held:
     """Events read before the commit, the live event iterator, and the upstream response to close."""
 
-    events: list[str]
-    rest: AsyncIterator[str]
+    events: list[bytes]      # the relay bytes of the held events
+    rest: _Events
     resp: UpstreamResponse
     done: bool
 
@@ -668,7 +891,8 @@ async def call_with_fallback(candidates: list[Candidate],
                              attempt: Callable[[Candidate], Awaitable[UpstreamResponse]], *,
                              stream: bool = False, policy: RetryPolicy | None = None, breakers=None, health=None,
                              limiter=None, required_len: int | None = None, request_id: str = "", tokens: int = 0,
-                             on_finish: Callable[[Result], Any] | None = None) -> Result:
+                             on_finish: Callable[[Result], Any] | None = None,
+                             batch_events: bool = False) -> Result:
     """Run one request across ``candidates`` (route order) and return what the client should get.
 
     attempt(candidate) performs one upstream call and returns an ``UpstreamResponse`` for ANY status (raising only
@@ -677,8 +901,10 @@ async def call_with_fallback(candidates: list[Candidate],
     limiter: ``gateway.ratelimit.RateLimiter`` for ``Candidate.limits`` (tokens reserved: ``tokens``).
     required_len: prompt tokens + max_tokens, to skip candidates with a smaller ``max_model_len``.
     on_finish(result): called once a committed stream has ended (cleanly, with an error, or by a disconnect).
+    batch_events: a committed stream yields every complete event read so far as one item (one write downstream
+    per upstream read) instead of one item per event; the bytes are the same.
     Never raises for upstream failures; a cancelled caller cancels the upstream call.
     """
     run = _Run(candidates, attempt, stream, policy or RetryPolicy(), breakers, health, limiter, required_len,
-               request_id, tokens, on_finish)
+               request_id, tokens, on_finish, batch_events)
     return await run.execute()

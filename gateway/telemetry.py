@@ -535,6 +535,7 @@ class Observability:
 
     async def _relay(self, rec: RequestRecord, it):
         status = 200
+        exhausted = False
         try:
             async for chunk in it:
                 if rec.ttft_s is None:
@@ -543,11 +544,12 @@ class Observability:
                 if b'"error"' in chunk:
                     chunk = self.redactor().bytes(chunk, [rec.client_token] if rec.client_token else [])
                 yield chunk
+            exhausted = True             # the inner iterator has finished (and cleaned up) on its own
         except (asyncio.CancelledError, GeneratorExit):
             status = 499
             raise
         finally:
-            aclose = getattr(it, "aclose", None)
+            aclose = None if exhausted else getattr(it, "aclose", None)
             try:
                 if aclose is not None:
                     await asyncio.shield(aclose())

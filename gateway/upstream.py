@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import httpx
 from httpx_aiohttp import AiohttpTransport
+from httpx_aiohttp.transport import map_aiohttp_exceptions
 
 from gateway.config import OpenAIBackend
 from gateway.errors import BackendError, parse_retry_after
@@ -159,10 +160,18 @@ class UpstreamBackend:
         return self._relay(r)
 
     async def _relay(self, r: httpx.Response) -> AsyncIterator[bytes]:
+        # aiohttp underneath: whatever has arrived, straight from its reader (httpx's raw iterator adds two
+        # generator layers and a chunker per read); aiohttp's errors mapped to httpx's as the transport does.
+        content = getattr(getattr(r.stream, "_aiohttp_response", None), "content", None)
         try:
-            async for chunk in r.aiter_raw():
-                if chunk:
-                    yield chunk
+            if content is not None:
+                with map_aiohttp_exceptions():
+                    while chunk := await content.readany():
+                        yield chunk
+            else:
+                async for chunk in r.aiter_raw():
+                    if chunk:
+                        yield chunk
         except httpx.TimeoutException:
             raise BackendError("timeout", f"{self.name}: stream stalled", 504) from None
         except (httpx.HTTPError, OSError) as e:
