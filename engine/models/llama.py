@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model_config import ModelConfig
+from kernels import torch_attention
 
 
 @dataclass
@@ -37,6 +38,9 @@ class AttentionMetadata:
         block_tables: [num_seqs, max_blocks] int32 physical block ids
             (0 = the null block pads short rows).
         max_query_len, max_seq_len: maxima of the above (tokens).
+        attn_plan: the CPU attention path's per-step index work
+            (``kernels.torch_attention.plan_attention``), built once by the
+            model's forward and shared by its layers; None otherwise.
     """
 
     slot_mapping: torch.Tensor
@@ -45,6 +49,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    attn_plan: object | None = None
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -89,6 +94,56 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a bfloat16 [out, in] CPU weight, or None.
+
+    ``torch.ops.mkldnn._linear_pointwise`` on the packed copy computes exactly
+    ``F.linear`` (same bits) but skips oneDNN's per-call weight reorder:
+    10-20 % faster at decode and prefill sizes (and ~2x at batch 1) on an
+    AVX512-BF16 CPU. float32 stays on ``F.linear`` (MKL): oneDNN's float32
+    results differ in the last bits. The copy doubles the linear weights'
+    memory.
+    """
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class _PackedWeights:
+    """Lazily packed copies of a module's bfloat16 linear weights
+    (:func:`_pack_for_cpu`), redone when a weight is replaced or changed in
+    place (its version counter moves)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
+
+    def get(self, name: str, weight: torch.Tensor) -> torch.Tensor | None:
+        """The packed copy of ``weight`` (packing it now if needed), or None."""
+        entry = self._entries.get(name)
+        if entry is None or entry[0] is not weight or entry[1] != weight._version:
+            entry = (weight, weight._version, _pack_for_cpu(weight))
+            self._entries[name] = entry
+        return entry[2]
+
+    def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` (plus ``residual`` when given) through
+        the packed copy when there is one; oneDNN then adds the residual to the
+        float32 accumulator before rounding."""
+        packed = None
+        if weight.dtype == torch.bfloat16 and x.device.type == "cpu":
+            packed = self.get(name, weight)
+        if packed is None:
+            y = F.linear(x, weight, bias)
+            return y if residual is None else residual + y
+        if residual is None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -112,24 +167,30 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.intermediate_size = c.intermediate_size
+        self.packed = _PackedWeights()
+
+    def _proj(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        lin = getattr(self, name)
+        return self.packed.linear(name, x, lin.weight, lin.bias, residual)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
         h = self.input_layernorm(x)
-        qk, v = self.qkv_proj(h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk, v = self._proj("qkv_proj", h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         self.backend.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
+        extra = {} if md.attn_plan is None else {"plan": md.attn_plan}
         o = self.backend.paged_attention(q, key_cache, value_cache, md.query_start_loc, md.seq_lens,
-                                         md.block_tables, self.scale)
-        x = x + self.o_proj(o.reshape(t, self.q_size))
+                                         md.block_tables, self.scale, **extra)
+        x = self._proj("o_proj", o.reshape(t, self.q_size), residual=x)
         h = self.post_attention_layernorm(x)
-        gate, up = self.gate_up_proj(h).split(self.intermediate_size, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        gate, up = self._proj("gate_up_proj", h).split(self.intermediate_size, dim=-1)
+        return self._proj("down_proj", F.silu(gate) * up, residual=x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -144,6 +205,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend) -> None:
         super().__init__()
         self.config = config
+        self.backend = backend
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -153,6 +215,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        self.packed = _PackedWeights()
 
     def build_rope_cache(self, max_positions: int | None = None) -> None:
         """Precompute cos/sin [max_positions, head_dim] (float32) on the model's device."""
@@ -180,6 +243,10 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.rope_cos is None or self.rope_cos.device != input_ids.device:
             self.build_rope_cache()
+        if attn_metadata.attn_plan is None and self.backend.paged_attention is torch_attention.paged_attention:
+            attn_metadata.attn_plan = torch_attention.plan_attention(
+                kv_caches[0][0], self.config.num_attention_heads, attn_metadata.query_start_loc,
+                attn_metadata.seq_lens, attn_metadata.block_tables)
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, head_dim]
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
@@ -187,10 +254,20 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, attn_metadata, kv)
         return self.norm(x)
 
+    @torch.no_grad()
+    def prepack_weights(self) -> None:
+        """Pack the bfloat16 CPU linear weights now (:func:`_pack_for_cpu`)
+        rather than in the first forward pass; a no-op for other dtypes and
+        devices. Weights loaded or changed later are repacked when used."""
+        for layer in self.layers:
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                layer.packed.get(name, getattr(layer, name).weight)
+        self.packed.get("lm_head", self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 logits."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.packed.linear("lm_head", hidden, weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
