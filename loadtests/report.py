@@ -77,12 +77,7 @@ def plot_latency_cdf(runs: list[RunResult], path: str | Path) -> Path:
     ax.set_title("Latency CDF")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_sweep(series: dict[str, list[tuple[int, dict]]], path: str | Path,
@@ -113,12 +108,7 @@ def plot_sweep(series: dict[str, list[tuple[int, dict]]], path: str | Path,
         ax.set_xscale("log", base=2)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_report(out_dir: str | Path, title: str, runs: list[RunResult], extra: dict | None = None,
@@ -145,3 +135,15 @@ def write_report(out_dir: str | Path, title: str, runs: list[RunResult], extra: 
     if sweep:
         files["sweep"] = plot_sweep(sweep, out / "concurrency_sweep.png", sweep_key)
     return files
+
+
+def _save(fig, path: str | Path) -> Path:
+    """Write a matplotlib figure as PNG (creating folders) and release it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
