@@ -82,7 +82,7 @@ class AsyncEngine:
         self._listeners: list[OutputListener] = []
         self._thread: threading.Thread | None = None
         self._accepting = True
-        self._dead: BaseException | None = None
+        self._dead: EngineDeadError | None = None
         self._stats = None
 
     # --------------------------------------------------------------- lifecycle
@@ -291,8 +291,7 @@ class AsyncEngine:
                 waiter.set_result(None)
         finally:
             self._dead = self._dead or EngineDeadError("the engine was shut down")
-            self._fail_all(self._dead if isinstance(self._dead, EngineDeadError)
-                           else EngineDeadError("the engine was shut down"))
+            self._fail_all(self._dead)
             # Nobody will process what is left: release every waiter.
             for cmd in self._take_commands(block=False):
                 future = cmd[-1] if cmd[0] in ("abort", "drain", "stop") else None

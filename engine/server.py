@@ -88,10 +88,16 @@ def _respond(result: dict | AsyncIterator[bytes]) -> Response:
                   background=BackgroundTask(result.aclose))
 
 
-async def _generate(request: Request, kind: str) -> Response:
+def _serving(request: Request) -> OpenAIServing:
+    """The app's ``OpenAIServing`` (503 until startup created it)."""
     serving: OpenAIServing | None = request.app.state.get("serving")
     if serving is None:
         raise ServingError(503, "the engine is not ready", type="server_error", code="engine_not_ready")
+    return serving
+
+
+async def _generate(request: Request, kind: str) -> Response:
+    serving = _serving(request)
     body = await _json_body(request)
     if kind == "chat":
         call = serving.create_chat_completion(body, request_id=f"chatcmpl-{uuid.uuid4().hex}")
@@ -120,10 +126,7 @@ async def completions(request: Request) -> Response:
 @get("/v1/models")
 async def models(request: Request) -> Response:
     """The served model."""
-    serving: OpenAIServing | None = request.app.state.get("serving")
-    if serving is None:
-        raise ServingError(503, "the engine is not ready", type="server_error", code="engine_not_ready")
-    return Response(content=serving.models(), media_type="application/json")
+    return Response(content=_serving(request).models(), media_type="application/json")
 
 
 @get("/health")

@@ -25,7 +25,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -104,18 +104,6 @@ class _TokenTexts:
             raw = list(text.encode("utf-8"))
         self._cache[token_id] = (text, raw)
         return text, raw
-
-
-@dataclass
-class _Choice:
-    """Cumulative state of one choice while collecting a non-streamed response."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_generated_tokens: int = 0
 
 
 @dataclass
@@ -207,9 +195,7 @@ class OpenAIServing:
         prio = req.priority if req.priority is not None else priority
         top = req.top_logprobs or 0
         if req.stream:
-            opts = req.stream_options
-            include_usage = bool(opts and opts.include_usage)
-            continuous = include_usage and bool(opts.continuous_usage_stats)
+            include_usage, continuous = _usage_options(req)
             return self._chat_stream(request_id, prompt, prio, bool(req.logprobs), top, echo,
                                      include_usage, continuous)
         return await self._chat_full(request_id, prompt, prio, bool(req.logprobs), top, echo)
@@ -249,11 +235,7 @@ class OpenAIServing:
         cached = 0
 
         def chunk(choices: list, usage: dict | None = None) -> bytes:
-            obj = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                   "model": self.served_model_name, "choices": choices}
-            if usage is not None:
-                obj["usage"] = usage
-            return _sse(obj)
+            return self._chunk(request_id, "chat.completion.chunk", created, choices, usage)
 
         def running_usage() -> dict | None:
             return _usage(num_prompt, sum(generated), cached) if continuous else None
@@ -282,8 +264,6 @@ class OpenAIServing:
                         yield chunk([choice], running_usage())
             if include_usage:
                 yield chunk([], _usage(num_prompt, sum(generated), cached))
-        except ServingError as exc:
-            yield _sse(exc.to_dict())
         except Exception as exc:  # noqa: BLE001 - reported to the client, never a traceback
             yield _sse(_error_from_engine(exc).to_dict())
         yield _DONE
@@ -322,9 +302,7 @@ class OpenAIServing:
             prompts.append(_Prompt(ids, text, params))
         prio = req.priority if req.priority is not None else priority
         if req.stream:
-            opts = req.stream_options
-            include_usage = bool(opts and opts.include_usage)
-            continuous = include_usage and bool(opts.continuous_usage_stats)
+            include_usage, continuous = _usage_options(req)
             return self._completion_stream(request_id, prompts, prio, req.logprobs, echo, include_usage, continuous)
         return await self._completion_full(request_id, prompts, prio, req.logprobs, echo)
 
@@ -385,13 +363,12 @@ class OpenAIServing:
                 if prompt.params.prompt_logprobs is not None and not echo:  # vLLM: per choice
                     choice["prompt_logprobs"] = self._prompt_logprobs_vllm(prompt.token_ids, prompt_lps[p_idx])
                 out_choices.append(choice)
-        response = {
+        return {
             "id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": self.served_model_name, "choices": out_choices,
             "usage": _usage(num_prompt, completion_tokens, sum(cached)),
             "system_fingerprint": None,
         }
-        return response
 
     async def _completion_stream(self, request_id: str, prompts: list[_Prompt], priority: int,
                                  logprobs: int | None, echo: bool, include_usage: bool,
@@ -404,11 +381,7 @@ class OpenAIServing:
         echoed: set[tuple[int, int]] = set()
 
         def chunk(choices: list, usage: dict | None = None) -> bytes:
-            obj = {"id": request_id, "object": "text_completion", "created": created,
-                   "model": self.served_model_name, "choices": choices}
-            if usage is not None:
-                obj["usage"] = usage
-            return _sse(obj)
+            return self._chunk(request_id, "text_completion", created, choices, usage)
 
         def running_usage() -> dict | None:
             return _usage(num_prompt, sum(generated.values()), sum(cached)) if continuous else None
@@ -448,13 +421,19 @@ class OpenAIServing:
                         yield chunk([choice], running_usage())
             if include_usage:
                 yield chunk([], _usage(num_prompt, sum(generated.values()), sum(cached)))
-        except ServingError as exc:
-            yield _sse(exc.to_dict())
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - reported to the client, never a traceback
             yield _sse(_error_from_engine(exc).to_dict())
         yield _DONE
 
     # ---------------------------------------------------------------- helpers
+    def _chunk(self, request_id: str, obj_type: str, created: int, choices: list, usage: dict | None) -> bytes:
+        """One SSE event of a streamed response (``usage`` only when given)."""
+        obj = {"id": request_id, "object": obj_type, "created": created,
+               "model": self.served_model_name, "choices": choices}
+        if usage is not None:
+            obj["usage"] = usage
+        return _sse(obj)
+
     def _parse(self, body: Any, schema):
         try:
             return parse_request(body, schema)
@@ -523,9 +502,9 @@ class OpenAIServing:
         return params
 
     async def _collect(self, request_id: str, prompts: list[_Prompt], priority: int):
-        """Run every prompt to completion; per prompt: {index: _Choice},
-        cached prompt tokens and prompt logprobs."""
-        choices: list[dict[int, _Choice]] = [{} for _ in prompts]
+        """Run every prompt to completion; per prompt: {index: cumulative
+        CompletionOutput}, cached prompt tokens and prompt logprobs."""
+        choices: list[dict[int, CompletionOutput]] = [{} for _ in prompts]
         cached = [0] * len(prompts)
         prompt_lps: list[list] = [[] for _ in prompts]
         streams = [self.engine.generate(p.token_ids, p.params, _engine_id(request_id, i, len(prompts)), priority)
@@ -537,10 +516,10 @@ class OpenAIServing:
                     if out.prompt_logprobs is not None:
                         prompt_lps[p_idx] = out.prompt_logprobs
                     for c in out.outputs:
-                        ch = choices[p_idx].setdefault(c.index, _Choice())
+                        ch = choices[p_idx].get(c.index)
+                        if ch is None:
+                            choices[p_idx][c.index] = ch = CompletionOutput(c.index)
                         _merge_choice(ch, c)
-        except ServingError:
-            raise
         except Exception as exc:
             raise _error_from_engine(exc) from None
         return choices, cached, prompt_lps
@@ -609,12 +588,13 @@ class OpenAIServing:
     def _prompt_logprobs_vllm(self, token_ids: list[int], positions: list) -> list:
         """vLLM's ``prompt_logprobs`` field: per prompt position None or
         {token_id: {"logprob", "rank", "decoded_token"}}."""
+        texts = self._token_texts()
         out = []
         for i in range(len(token_ids)):
             pos = positions[i] if i < len(positions) else None
             out.append(None if pos is None else {
                 str(t): {"logprob": _clamp(l.logprob), "rank": l.rank,
-                         "decoded_token": self._token_texts().get(t, l.decoded_token)[0]} for t, l in pos.items()})
+                         "decoded_token": texts.get(t, l.decoded_token)[0]} for t, l in pos.items()})
         return out
 
 
@@ -629,15 +609,26 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def _usage_options(req) -> tuple[bool, bool]:
+    """``stream_options`` as (include_usage, continuous_usage_stats); the
+    latter only counts together with the former."""
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    return include_usage, include_usage and bool(opts.continuous_usage_stats)
+
+
 def _empty_completion_logprobs() -> dict:
     return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
-def _merge_choice(ch: _Choice, delta: CompletionOutput) -> None:
+def _merge_choice(ch: CompletionOutput, delta: CompletionOutput) -> None:
+    """Fold a delta into the cumulative output of its choice."""
     ch.text += delta.text
     ch.token_ids.extend(delta.token_ids)
     if delta.logprobs is not None:
-        ch.logprobs = (ch.logprobs or []) + list(delta.logprobs)
+        if ch.logprobs is None:
+            ch.logprobs = []
+        ch.logprobs.extend(delta.logprobs)
     if delta.finish_reason is not None:
         ch.finish_reason, ch.stop_reason = delta.finish_reason, delta.stop_reason
     ch.num_generated_tokens = max(ch.num_generated_tokens, delta.num_generated_tokens)
@@ -656,8 +647,7 @@ def _error_from_engine(exc: BaseException) -> ServingError:
     if isinstance(exc, (EngineDrainingError, EngineDeadError)):
         return ServingError(503, str(exc), type="server_error", code="engine_unavailable")
     if isinstance(exc, ValueError):
-        message = str(exc)
-        return ServingError(400, message, param=None)
+        return ServingError(400, str(exc))
     logger.error("request failed in the engine", exc_info=exc)
     return ServingError(500, f"internal engine error ({type(exc).__name__})", type="server_error")
 

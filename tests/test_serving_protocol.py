@@ -7,7 +7,9 @@ import asyncio
 import pytest
 
 from engine.protocol import ChatCompletionRequest, CompletionRequest, RequestValidationError, parse_request
-from engine.serving import ServingError, _byte_decoder, _cut_after_final_message, _merge, _normalize_messages
+from engine.outputs import CompletionOutput, Logprob
+from engine.serving import (ServingError, _byte_decoder, _cut_after_final_message, _merge, _merge_choice,
+                            _normalize_messages)
 
 
 def test_chat_request_defaults_and_vllm_extras():
@@ -70,6 +72,22 @@ def test_continue_final_message_cuts_after_its_content():
     text = "<s>user: hi</s><s>assistant: Once upon</s>\n"
     assert _cut_after_final_message(text, [{"role": "assistant", "content": "Once upon"}]) == \
         "<s>user: hi</s><s>assistant: Once upon"
+
+
+def test_merge_choice_accumulates_deltas():
+    lp = [{7: Logprob(-0.5, 1)}, {8: Logprob(-1.0, 2)}, {9: Logprob(-2.0, 1)}]
+    deltas = [CompletionOutput(0, "a", [7], lp[:1], num_generated_tokens=1),
+              CompletionOutput(0, "bc", [8, 9], lp[1:], num_generated_tokens=3),
+              CompletionOutput(0, "", [], None, finish_reason="stop", stop_reason="x", num_generated_tokens=3)]
+    ch = CompletionOutput(0)
+    for d in deltas:
+        _merge_choice(ch, d)
+    assert (ch.text, ch.token_ids, ch.logprobs) == ("abc", [7, 8, 9], lp)
+    assert (ch.finish_reason, ch.stop_reason, ch.num_generated_tokens) == ("stop", "x", 3)
+    assert deltas[0].logprobs == lp[:1] and deltas[0].token_ids == [7]  # the deltas are not mutated
+    plain = CompletionOutput(0)
+    _merge_choice(plain, CompletionOutput(0, "a", [7], num_generated_tokens=1))
+    assert plain.logprobs is None
 
 
 def test_byte_decoder_covers_every_byte_once():
