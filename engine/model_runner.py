@@ -62,7 +62,8 @@ class ModelRunner:
     """Runs the model for one scheduler step.
 
     Args:
-        args: EngineArgs (block_size, max_model_len, num_threads are read).
+        args: EngineArgs (block_size, max_model_len are read; load_model
+            applies num_threads).
         model: a ``LlamaForCausalLM`` on ``device`` in ``dtype``.
         model_config: the model's shape.
         device, dtype: where the KV pool lives, and its dtype (the model's).
@@ -76,12 +77,9 @@ class ModelRunner:
 
     def __init__(self, args, model, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        if getattr(args, "num_threads", None):
-            torch.set_num_threads(args.num_threads)
         self.model = model
         self.config = model_config
-        if hasattr(model, "prepack_weights"):
-            model.prepack_weights()  # bf16 on CPU: oneDNN's blocked weights, packed before the first step
+        model.prepack_weights()  # bf16 on CPU: oneDNN's blocked weights, packed before the first step
         max_len = getattr(args, "max_model_len", None)
         if max_len and (model.rope_cos is None or model.rope_cos.shape[0] < max_len):
             model.build_rope_cache(max(max_len, model_config.max_position_embeddings))
@@ -222,8 +220,6 @@ class ModelRunner:
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
             block_tables=torch.from_numpy(table.astype(np.int32)).to(dev),
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
         )
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
         return input_ids, torch.from_numpy(positions).to(dev), md, qsl.tolist()

@@ -142,8 +142,8 @@ class Tokenizer:
         if not tokens or merges is None:
             raise ValueError(f"{path}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
         types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        alphabet = set(bytes_to_unicode().values())
         spelling = bytes_to_unicode()
+        alphabet = set(spelling.values())
         vocab = {}
         for i, t in enumerate(tokens):
             if not set(t) <= alphabet:

@@ -434,6 +434,7 @@ def paged_attention(
     if num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    scale_log2 = scale * 1.4426950408889634  # log2(e): the kernel uses exp2
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     kernel = _kernel("_unified_attention_kernel", device)
     common = dict(
@@ -457,7 +458,7 @@ def paged_attention(
     )
     if num_splits == 1:
         kernel[grid](
-            query, key_cache, value_cache, out, out, block_tables, lens, qsl, scale * 1.4426950408889634,
+            query, key_cache, value_cache, out, out, block_tables, lens, qsl, scale_log2,
             num_seqs, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             *cache_strides, block_tables.stride(0), **common,
         )
@@ -465,7 +466,7 @@ def paged_attention(
     partial = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
     lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=device)
     kernel[grid](
-        query, key_cache, value_cache, partial, lse, block_tables, lens, qsl, scale * 1.4426950408889634,
+        query, key_cache, value_cache, partial, lse, block_tables, lens, qsl, scale_log2,
         num_seqs, query.stride(0), query.stride(1), num_heads, 1,
         *cache_strides, block_tables.stride(0), **common,
     )

@@ -37,7 +37,6 @@ class AttentionMetadata:
         seq_lens: [num_seqs] int32, context length (cached + new) per sequence.
         block_tables: [num_seqs, max_blocks] int32 physical block ids
             (0 = the null block pads short rows).
-        max_query_len, max_seq_len: maxima of the above (tokens).
         attn_plan: the CPU attention path's per-step index work
             (``kernels.torch_attention.plan_attention``), built once by the
             model's forward and shared by its layers; None otherwise.
@@ -47,8 +46,6 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
-    max_query_len: int
-    max_seq_len: int
     attn_plan: object | None = None
 
 
