@@ -350,17 +350,6 @@ class Breakers:
         waits = [(await self.get(t, now)).retry_after_s for t in targets]
         return min(waits) if waits else 0.0
 
-    async def reset(self, target: str) -> None:
-        """Close ``target``'s breaker and forget its history (admin action, tests)."""
-        key = self._key(target)
-        self._local.pop(key, None)
-        self._cache.pop(target, None)
-
-        async def delete(r) -> int:
-            return await r.delete(key)
-
-        await self.state.call(delete, lambda: 0)
-
     async def _push_local_cooldowns(self) -> None:
         """On rejoin: cooldowns opened in process during the outage move Redis's ``open_until`` later, never earlier."""
         self._cache.clear()

@@ -60,15 +60,12 @@ def _serve(args) -> int:
 
 
 def _explain(args) -> int:
-    from gateway.config import ConfigError, load_config_file
+    from gateway.config import load_config_or_report
     from gateway.validate import check_request, estimate_prompt_tokens
     from gateway.errors import ClientError
     from policies import RequestFeatures, Signals, decide
 
-    try:
-        compiled = load_config_file(args.config)
-    except ConfigError as e:
-        print(f"{args.config}: {e}", file=sys.stderr)
+    if (compiled := load_config_or_report(args.config)) is None:
         return 2
     with open(args.request, encoding="utf-8") as f:
         body = json.load(f)

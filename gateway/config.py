@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
 
@@ -502,3 +503,12 @@ def load_config_file(path: str, overrides: dict[str, dict[str, float]] | None = 
     except OSError as e:
         raise ConfigError([("", f"cannot read {path}: {e.strerror}")]) from None
     return load_config_text(text, overrides)
+
+
+def load_config_or_report(path: str, prefix: str = "") -> Compiled | None:
+    """``load_config_file`` for the CLI: on ConfigError prints ``{prefix}{path}: {error}`` to stderr and returns None."""
+    try:
+        return load_config_file(path)
+    except ConfigError as e:
+        print(f"{prefix}{path}: {e}", file=sys.stderr)
+        return None

@@ -30,10 +30,6 @@ class ClientError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
-# Statuses worth another target (LiteLLM/OpenAI SDK practice); 4xx others are the client's fault.
-RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
-
-
 class BackendError(Exception):
     """One failed attempt at one backend.
 
@@ -52,18 +48,3 @@ class BackendError(Exception):
         super().__init__(message)
         self.kind, self.message, self.status = kind, message, status
         self.body, self.retry_after, self.content_type = body, retry_after, content_type
-
-    @property
-    def retryable(self) -> bool:
-        """True when another attempt (this or another target) may succeed."""
-        return self.kind != "http" or self.status in RETRYABLE_STATUS
-
-
-def parse_retry_after(value: str | None) -> float | None:
-    """Retry-After in seconds (numeric form only; HTTP dates -> None)."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None

@@ -109,12 +109,12 @@ class Resilience:
     async def admit(self, tenant: str, token: str | None, tokens: int, request_id: str) -> RateLimitResult:
         """Check and record the RPM/TPM limits of the request's virtual key and tenant."""
         limits = []
-        if token:
+        if token and self.key_limits:       # hash the key only when some key has limits
             lim = self.key_limits.get(hashlib.sha256(token.encode()).hexdigest())
             if lim is not None:
                 limits.append(lim)
-        if tenant in self.tenant_limits:
-            limits.append(self.tenant_limits[tenant])
+        if (lim := self.tenant_limits.get(tenant)) is not None:
+            limits.append(lim)
         return await self.limiter.acquire(limits, tokens, request_id)
 
     async def settle(self, reservation: Reservation | None, usage: dict | None) -> None:

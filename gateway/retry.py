@@ -381,18 +381,6 @@ def _classify(data: bytes) -> tuple[str, Any, Any, bytes | None]:
     return kind, obj.get("usage"), obj.get("error"), fixed
 
 
-def _event_kind(data: str) -> tuple[str, dict | None]:
-    """``done`` | ``error`` | ``content`` (a delta with content, or a finish) | ``meta`` | ``malformed``."""
-    if data.strip() == "[DONE]":
-        return "done", None
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        return "malformed", None
-    kind = _kind_of(obj)
-    return kind, (obj if kind != "malformed" else None)
-
-
 class _Watchdog:
     """The inter-chunk timeout of a committed stream without a timer per chunk: ``arm`` sets a deadline
     (``timeout_s`` from now, event-loop time) that ``disarm`` clears; one ``loop.call_at`` handle, re-armed only

@@ -104,7 +104,6 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self.snapshot.local.start()))
         elif self.snapshot.local is not None:
             self.snapshot.local.unavailable_reason = "engine not started"
-        cfg = self.snapshot.compiled.config
         self.resilience.start(lambda: self.snapshot.backends)
         self._tasks.append(asyncio.create_task(self._watch_loop()))
         if self.ledger.shared:

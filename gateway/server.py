@@ -16,7 +16,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.auth import is_loopback
-from gateway.config import ConfigError, load_config_file
+from gateway.config import ConfigError, load_config_or_report
 from gateway.runtime import Gateway
 
 log = logging.getLogger("tandem.gateway")
@@ -63,10 +63,7 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
     """Run the gateway until stopped. Returns the process exit status
     (2 = invalid config or refused bind)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        compiled = load_config_file(config_path)
-    except ConfigError as e:
-        print(f"tandem serve: {config_path}: {e}", file=sys.stderr)
+    if (compiled := load_config_or_report(config_path, "tandem serve: ")) is None:
         return 2
     cfg = compiled.config
     host = host or cfg.server.host

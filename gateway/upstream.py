@@ -22,7 +22,8 @@ from httpx_aiohttp import AiohttpTransport
 from httpx_aiohttp.transport import map_aiohttp_exceptions
 
 from gateway.config import OpenAIBackend
-from gateway.errors import BackendError, parse_retry_after
+from gateway.errors import BackendError
+from gateway.retry import parse_retry_after
 from gateway.telemetry import current_traceparent
 
 log = logging.getLogger("tandem.gateway.upstream")
@@ -108,22 +109,9 @@ class UpstreamBackend:
             BackendError: connection failure, timeout, or an error status."""
         self.active += 1
         try:
-            request = _traced(httpx.Request("POST", self._urls[endpoint], headers=self._headers, content=payload,
-                                            extensions=self._ext))
-            try:
-                r = await self._transport.handle_async_request(request)
-                try:
-                    await r.aread()
-                finally:
-                    await r.aclose()
-            except httpx.TimeoutException as e:
-                raise BackendError("timeout", f"{self.name}: timed out ({type(e).__name__})", 504) from None
-            except (httpx.HTTPError, OSError) as e:
-                raise BackendError("connect", f"{self.name}: {type(e).__name__}", 502) from None
+            r = await self._post(endpoint, self._headers, payload, read=True)
             if r.status_code >= 400:
-                raise BackendError("http", f"{self.name}: HTTP {r.status_code}", r.status_code, r.content,
-                                   parse_retry_after(r.headers.get("retry-after")),
-                                   r.headers.get("content-type", "application/json"))
+                raise self._http_error(r, r.content)
             return Reply(r.status_code, r.content, r.headers.get("content-type", "application/json"))
         finally:
             self.active -= 1
@@ -137,27 +125,43 @@ class UpstreamBackend:
                 error status)."""
         self.active += 1
         try:
-            request = _traced(httpx.Request("POST", self._urls[endpoint], headers=self._sse_headers, content=payload,
-                                            extensions=self._ext))
-            try:
-                r = await self._transport.handle_async_request(request)
-            except httpx.TimeoutException as e:
-                raise BackendError("timeout", f"{self.name}: timed out ({type(e).__name__})", 504) from None
-            except (httpx.HTTPError, OSError) as e:
-                raise BackendError("connect", f"{self.name}: {type(e).__name__}", 502) from None
+            r = await self._post(endpoint, self._sse_headers, payload, read=False)
             if r.status_code >= 400:
                 try:
                     body = await r.aread()
                 except httpx.HTTPError:
                     body = b""
                 await r.aclose()
-                raise BackendError("http", f"{self.name}: HTTP {r.status_code}", r.status_code, body,
-                                   parse_retry_after(r.headers.get("retry-after")),
-                                   r.headers.get("content-type", "application/json"))
+                raise self._http_error(r, body)
         except BaseException:
             self.active -= 1
             raise
         return self._relay(r)
+
+    async def _post(self, endpoint: str, headers, payload: bytes, read: bool) -> httpx.Response:
+        """Send the POST (``read``: the whole body, then release the connection).
+
+        Raises:
+            BackendError: connection failure or timeout."""
+        request = _traced(httpx.Request("POST", self._urls[endpoint], headers=headers, content=payload,
+                                        extensions=self._ext))
+        try:
+            r = await self._transport.handle_async_request(request)
+            if read:
+                try:
+                    await r.aread()
+                finally:
+                    await r.aclose()
+            return r
+        except httpx.TimeoutException as e:
+            raise BackendError("timeout", f"{self.name}: timed out ({type(e).__name__})", 504) from None
+        except (httpx.HTTPError, OSError) as e:
+            raise BackendError("connect", f"{self.name}: {type(e).__name__}", 502) from None
+
+    def _http_error(self, r: httpx.Response, body: bytes) -> BackendError:
+        return BackendError("http", f"{self.name}: HTTP {r.status_code}", r.status_code, body,
+                            parse_retry_after(r.headers),
+                            r.headers.get("content-type", "application/json"))
 
     async def _relay(self, r: httpx.Response) -> AsyncIterator[bytes]:
         # aiohttp underneath: whatever has arrived, straight from its reader (httpx's raw iterator adds two

@@ -204,6 +204,18 @@ redis.call('EXPIRE', KEYS[2], ARGV[5])
 return {1, spent, reserved}
 """
 
+def _drop_reservation_lua(budget: str, zset: str, rid: str) -> str:
+    """Lua that drops reservation ``rid`` (if still held) from ``budget``'s reserved total and ``zset``."""
+    return f"""
+local a = redis.call('HGET', {budget}, 'r:' .. {rid})
+if a then
+  redis.call('HINCRBY', {budget}, 'reserved', '-' .. a)
+  redis.call('HDEL', {budget}, 'r:' .. {rid})
+  redis.call('ZREM', {zset}, {rid})
+end
+"""
+
+
 # KEYS: usage day hash, tenants set, budget hash ('' slot unused when no budget), reservations zset.
 # ARGV: backend, requests, in, out, cached, nusd, usage ttl s, tenant, request id ('' = no reservation),
 #       budget key ttl s ('0' = no budget).
@@ -219,12 +231,7 @@ redis.call('SADD', KEYS[2], ARGV[8])
 redis.call('EXPIRE', KEYS[2], ARGV[7])
 if ARGV[10] ~= '0' then
   if ARGV[9] ~= '' then
-    local a = redis.call('HGET', KEYS[3], 'r:' .. ARGV[9])
-    if a then
-      redis.call('HINCRBY', KEYS[3], 'reserved', '-' .. a)
-      redis.call('HDEL', KEYS[3], 'r:' .. ARGV[9])
-      redis.call('ZREM', KEYS[4], ARGV[9])
-    end
+""" + _drop_reservation_lua("KEYS[3]", "KEYS[4]", "ARGV[9]") + """
   end
   redis.call('HINCRBY', KEYS[3], 'spent', ARGV[6])
   redis.call('EXPIRE', KEYS[3], ARGV[10])
@@ -234,15 +241,7 @@ return 1
 """
 
 # KEYS: budget hash, reservations zset. ARGV: request id.  Drops a reservation (request refused before any call).
-_RELEASE_LUA = """
-local a = redis.call('HGET', KEYS[1], 'r:' .. ARGV[1])
-if a then
-  redis.call('HINCRBY', KEYS[1], 'reserved', '-' .. a)
-  redis.call('HDEL', KEYS[1], 'r:' .. ARGV[1])
-  redis.call('ZREM', KEYS[2], ARGV[1])
-end
-return 1
-"""
+_RELEASE_LUA = _drop_reservation_lua("KEYS[1]", "KEYS[2]", "ARGV[1]") + "return 1\n"
 
 
 @dataclass
@@ -514,12 +513,9 @@ def _cost_estimate_command(args) -> int:
     import json
     import sys
 
-    from gateway.config import ConfigError, load_config_file
+    from gateway.config import load_config_or_report
 
-    try:
-        compiled = load_config_file(args.config)
-    except ConfigError as e:
-        print(f"{args.config}: {e}", file=sys.stderr)
+    if (compiled := load_config_or_report(args.config)) is None:
         return 2
     if not 0.0 <= args.input_share <= 1.0 or args.tokens_per_month < 0:
         print("tandem cost estimate: --input-share must be within [0, 1] and --tokens-per-month >= 0", file=sys.stderr)

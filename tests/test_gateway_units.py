@@ -8,7 +8,7 @@ import hashlib
 import pytest
 
 from gateway.auth import authenticate, bearer, check_admin, is_loopback
-from gateway.errors import BackendError, ClientError
+from gateway.errors import ClientError
 from gateway.validate import check_request, estimate_prompt_tokens, parse_json
 
 
@@ -70,8 +70,3 @@ def test_authenticate_and_admin():
         check_admin("Bearer s4", "s3", "ENV")
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1")
-
-
-def test_backend_error_retryable():
-    # the statuses after exhausted fallbacks are tested with the attempt loop (tests/test_resilience_retry.py)
-    assert BackendError("http", "", 400).retryable is False and BackendError("http", "", 503).retryable
