@@ -44,7 +44,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     engine_args = engine_args_from_cli(args)
-    llm = LLM(**{k: v for k, v in vars(engine_args).items() if k != "extra"})
+    llm = LLM(**vars(engine_args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
     if args.raw:
         out = llm.generate(args.prompt, params)[0]

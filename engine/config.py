@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -111,7 +112,6 @@ class EngineArgs:
     num_threads: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -160,8 +160,8 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache pool size on CPU, e.g. 2GiB")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse_bool(), default=True)
-    g.add_argument("--enable-chunked-prefill", action=argparse_bool(), default=True)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU memory for swapping preempted requests")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
@@ -171,12 +171,4 @@ def add_engine_cli_args(parser) -> None:
 
 def engine_args_from_cli(args) -> EngineArgs:
     """Build ``EngineArgs`` from a namespace parsed with ``add_engine_cli_args``."""
-    names = [f.name for f in EngineArgs.__dataclass_fields__.values() if f.name != "extra"]
-    return EngineArgs(**{n: getattr(args, n) for n in names if hasattr(args, n)})
-
-
-def argparse_bool():
-    """``--flag`` / ``--no-flag`` boolean action (argparse.BooleanOptionalAction)."""
-    import argparse
-
-    return argparse.BooleanOptionalAction
+    return EngineArgs(**{f.name: getattr(args, f.name) for f in fields(EngineArgs) if hasattr(args, f.name)})

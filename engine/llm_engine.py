@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import DEFAULT_MODEL, EngineArgs, default_model_path
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, fill_decoded_tokens
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -267,7 +267,6 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        now = time.monotonic()
         runner_out = self.model_runner.execute_model(sched)
         rows = [sched.scheduled[i].request for i in runner_out.sample_indices]
         sampled: dict[str, int] = {}
@@ -280,8 +279,6 @@ class LLMEngine:
                     row_logprobs[req.request_id] = self._decode_logprobs(lp)
         for entry in sched.scheduled:
             req = entry.request
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
             if entry.num_computed_tokens < req.num_prompt_tokens:
                 self._prompt_tokens_total += min(
                     entry.num_new_tokens, req.num_prompt_tokens - entry.num_computed_tokens
@@ -292,15 +289,11 @@ class LLMEngine:
         done_time = time.monotonic()
 
         deltas: dict[str, list[CompletionOutput]] = {}
-        finished_ids = {r.request_id for r in finished}
         for req_id, tok in sampled.items():
-            req = self._find(req_id)
-            if req is None:
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
                 continue
-            if req.first_token_time is None:
-                req.first_token_time = done_time
-            req.last_token_time = done_time
-            tracked = self._tracked[req_id]
+            req = tracked.request
             # A stop token id (or EOS) that ended the request stays out of the text.
             text, stop = tracked.detokenizer.update(
                 [tok], stop_terminated=req.status == RequestStatus.FINISHED_STOPPED)
@@ -309,7 +302,6 @@ class LLMEngine:
                     req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
                 else:
                     self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop)
-                finished_ids.add(req_id)
             elif req.is_finished:
                 text += tracked.detokenizer.flush()
             out = CompletionOutput(
@@ -360,18 +352,12 @@ class LLMEngine:
         return outputs
 
     # ---------------------------------------------------------------- helpers
-    def _find(self, seq_id: str) -> Request | None:
-        tracked = self._tracked.get(seq_id)
-        return None if tracked is None else tracked.request
-
     def _forget(self, seq: Request) -> None:
         self._tracked.pop(seq.request_id, None)
         self.sampler.free(seq.request_id)
 
     def _decode_logprobs(self, position: dict[int, Logprob]) -> dict[int, Logprob]:
-        for token_id, lp in position.items():
-            if not lp.decoded_token:
-                lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        fill_decoded_tokens(self.tokenizer, position)
         return position
 
     def _collect_prompt_logprobs(self, sched, prompt_logits: dict) -> None:

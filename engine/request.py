@@ -52,10 +52,6 @@ class ForkGroup:
     members: list["Request"] = field(default_factory=list)
     forked: bool = False
 
-    @property
-    def leader(self) -> "Request":
-        return self.members[0]
-
 
 @dataclass(eq=False)
 class Request:

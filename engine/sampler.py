@@ -125,8 +125,8 @@ class Sampler:
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = None
         if lp_rows:
-            lp_logits = logits if len(lp_rows) == num_rows else logits[_to_device(lp_rows, torch.long, device)]
-            raw_logprobs = torch.log_softmax(lp_logits, dim=-1)
+            lp_idx = None if len(lp_rows) == num_rows else _to_device(lp_rows, torch.long, device)
+            raw_logprobs = torch.log_softmax(logits if lp_idx is None else logits[lp_idx], dim=-1)
 
         logits = _apply_penalties(logits, requests)
         logits = _apply_min_tokens(logits, requests)
@@ -146,7 +146,7 @@ class Sampler:
             return SamplerOutput(token_ids=token_ids.tolist(), logprobs=[None] * num_rows)
 
         k = min(max(params[i].logprobs for i in lp_rows), logits.shape[-1])
-        chosen = token_ids if len(lp_rows) == num_rows else token_ids[_to_device(lp_rows, torch.long, device)]
+        chosen = token_ids if lp_idx is None else token_ids[lp_idx]
         packed = _pack_logprobs(raw_logprobs, chosen, k)
         flat = torch.cat([token_ids.double(), packed.flatten()]).tolist()  # the one host sync
         ids = [int(t) for t in flat[:num_rows]]
@@ -221,7 +221,7 @@ def prompt_logprobs(logits: torch.Tensor, target_ids: list[int], k: int) -> list
         return []
     with torch.inference_mode():
         raw = torch.log_softmax(logits.float(), dim=-1)
-        targets = torch.tensor(target_ids, dtype=torch.long).to(logits.device)
+        targets = _to_device(target_ids, torch.long, logits.device)
         k = min(k, raw.shape[-1])
         flat = _pack_logprobs(raw, targets, k).flatten().tolist()
     return _unpack_logprobs(flat, len(target_ids), k, [k] * len(target_ids))

@@ -244,10 +244,6 @@ class _Encoder:
 def real_tok(request):
     if request.param == "transformers":
         return _hf_tokenizer()
-    try:
-        import engine.tokenizer  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"engine.tokenizer not importable: {e}")
     return _engine_tokenizer()
 
 

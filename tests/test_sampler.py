@@ -160,30 +160,22 @@ def test_plain_sampling_matches_softmax_distribution():
     assert torch.allclose(freq, sharp, atol=0.015), freq
 
 
-def test_top_p_masks_tail():
-    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+@pytest.mark.parametrize("params, kept, token, expected", [
     # top_p 0.7: {0.5, 0.25} reaches 0.75 >= 0.7 -> keep two tokens
-    freq = _frequencies(probs.log(), 20000, top_p=0.7)
-    assert freq[2:].sum() == 0
-    assert abs(freq[0] - 0.5 / 0.75) < 0.02, freq
+    (dict(top_p=0.7), 2, 0, 0.5 / 0.75),
     # top_p 0.8: three tokens (0.9)
-    freq = _frequencies(probs.log(), 20000, top_p=0.8)
-    assert freq[3:].sum() == 0 and freq[2] > 0
-    assert abs(freq[2] - 0.15 / 0.9) < 0.02, freq
-
-
-def test_top_k_and_min_p_mask_tail():
-    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
-    freq = _frequencies(probs.log(), 20000, top_k=3)
-    assert freq[3:].sum() == 0
-    assert abs(freq[2] - 0.15 / 0.9) < 0.02, freq
+    (dict(top_p=0.8), 3, 2, 0.15 / 0.9),
+    (dict(top_k=3), 3, 2, 0.15 / 0.9),
     # min_p 0.2: threshold 0.1 -> keep 0.5, 0.25, 0.15
-    freq = _frequencies(probs.log(), 20000, min_p=0.2)
-    assert freq[3:].sum() == 0 and freq[2] > 0
-    assert abs(freq[0] - 0.5 / 0.9) < 0.02, freq
+    (dict(min_p=0.2), 3, 0, 0.5 / 0.9),
     # min_p 0.4: threshold 0.2 -> keep two
-    freq = _frequencies(probs.log(), 20000, min_p=0.4)
-    assert freq[2:].sum() == 0
+    (dict(min_p=0.4), 2, 0, 0.5 / 0.75),
+])
+def test_filters_mask_tail_and_renormalise(params, kept, token, expected):
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    freq = _frequencies(probs.log(), 20000, **params)
+    assert freq[kept:].sum() == 0 and freq[kept - 1] > 0, freq
+    assert abs(freq[token] - expected) < 0.02, freq
 
 
 def test_mixed_batch_each_row_gets_its_own_filter():

@@ -312,14 +312,19 @@ def test_swap_out_and_back_in():
     reqs = [make_req(f"r{i}", range(10 * i + 2, 10 * i + 12), max_tokens=12, arrival=float(i)) for i in range(3)]
     for q in reqs:
         s.add_request(q)
-    outs, fin = run_until_idle(s, r)
+    outs = []
+    while not any(o.blocks_to_swap_out for o in outs):
+        assert s.has_unfinished_requests(), "no swap-out happened"
+        outs.append(step(s, r)[0])
+    # Swapped requests count as waiting while out.
+    assert outs[-1].preempted[0].status == RequestStatus.SWAPPED
+    assert s.num_swapped >= 1 and s.num_waiting == len(s.waiting) + s.num_swapped
+    outs += run_until_idle(s, r)[0]
     swapped_out = [p for o in outs for p in o.blocks_to_swap_out]
     swapped_in = [p for o in outs for p in o.blocks_to_swap_in]
     assert swapped_out and swapped_in and len(swapped_out) == len(swapped_in)
     assert all(q.num_output_tokens == 12 and q.output_token_ids == [1000 + k for k in range(12)] for q in reqs)
     assert s.kv_cache_manager.num_free_cpu_blocks == 16
-    # Swapped requests count as waiting while out.
-    assert any(o.preempted and o.preempted[0].status == RequestStatus.SWAPPED for o in outs) or s.num_swapped == 0
 
 
 def test_swap_falls_back_to_recompute_when_cpu_is_full():
