@@ -80,6 +80,7 @@ class ModelRunner:
         self.model = model
         self.config = model_config
         model.prepack_weights()  # bf16 on CPU: oneDNN's blocked weights, packed before the first step
+        model.set_batch_invariant(getattr(args, "batch_invariant", True))
         max_len = getattr(args, "max_model_len", None)
         if max_len and (model.rope_cos is None or model.rope_cos.shape[0] < max_len):
             model.build_rope_cache(max(max_len, model_config.max_position_embeddings))

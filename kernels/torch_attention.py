@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 def reshape_and_cache(
@@ -39,23 +38,32 @@ def reshape_and_cache(
     flat_v.index_copy_(0, slot_mapping, value)
 
 
-# Decode batches are processed in chunks of sequences whose gathered keys and
-# values take about this many bytes: they stay in the CPU's cache between the
-# gather and the attention.
-DECODE_CHUNK_BYTES = 4 << 20
+# Sequences are processed in chunks whose gathered keys and values take about
+# this many bytes: they stay in the CPU's cache between the gather and the
+# attention.
+CHUNK_BYTES = 4 << 20
+# A prefill chunk's queries are attended in tiles of this many rows, which
+# bounds the float32 score buffer to QUERY_TILE * num_heads * context.
+QUERY_TILE = 128
+# Every gathered context is padded to a multiple of KV_PAD tokens, and
+# probabilities @ values runs over KV_TILE tokens at a time, the tiles'
+# bfloat16 results summed in float32 in order. oneDNN's bfloat16 matmul gives
+# each output element the same bits for every row count and every reduction
+# length that is a multiple of 64 up to 512, but not for other lengths (48) or
+# longer ones (it splits K), so these two fix every reduction's shape.
+KV_PAD = 64
+KV_TILE = 512
 
 
 @dataclass
 class _Prefill:
-    """``num_seqs`` sequences with the same ``q_len`` > 1 and ``seq_len`` whose
-    queries are consecutive rows from ``start`` (usually one sequence)."""
+    """One sequence with ``q_len`` > 1 queries, consecutive rows from ``start``."""
 
     start: int  # first query row
-    num_seqs: int
     q_len: int
     seq_len: int
-    blocks: torch.Tensor  # [num_seqs * ceil(seq_len / block_size)] int64
-    mask: torch.Tensor | None  # [q_len, seq_len] bool (True = attend); None = plain causal (q_len == seq_len)
+    num_blocks: int
+    blocks: torch.Tensor  # [num_blocks] int64
 
 
 @dataclass
@@ -75,14 +83,14 @@ class AttentionPlan:
     shared by every layer (all layers use the same block tables).
 
     Built by :func:`plan_attention`; holds the gather indices, length masks
-    and the scratch buffers of the decode path.
+    and the scratch buffers.
     """
 
     prefills: list[_Prefill]
     decode_chunks: list[_DecodeChunk]
     k_buf: torch.Tensor | None = None  # [chunk * max_blocks, block_size, num_kv_heads, head_dim]
     v_buf: torch.Tensor | None = None
-    q_buf: torch.Tensor | None = None  # [chunk, num_kv_heads, group, num_kv_heads, head_dim], zero off the diagonal
+    q_buf: torch.Tensor | None = None  # [rows, num_kv_heads, group, num_kv_heads, head_dim], zero off the diagonal
 
 
 def plan_attention(
@@ -107,54 +115,63 @@ def plan_attention(
     device, dtype = key_cache.device, key_cache.dtype
     qsl = query_start_loc.tolist() if isinstance(query_start_loc, torch.Tensor) else list(query_start_loc)
     lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
-    decodes, prefills = [], []
+    bt = block_tables.to(device, torch.int64)
+    plan = AttentionPlan([], [])
+    decodes = []
     for i, seq_len in enumerate(lens):
         q_len = qsl[i + 1] - qsl[i]
         if q_len == 1:
             decodes.append(i)
         elif q_len > 1:
-            last = prefills[-1] if prefills else None
-            if last and (last[2], last[3]) == (q_len, seq_len) and last[0] + last[1] * q_len == qsl[i]:
-                last[1] += 1  # same shape, next rows: one SDPA call for both
-                last[4].append(i)
-            else:
-                prefills.append([qsl[i], 1, q_len, seq_len, [i]])
-    plan = AttentionPlan([], [])
-    for start, num_seqs, q_len, seq_len, seqs in prefills:
-        nb = (seq_len + block_size - 1) // block_size
-        blocks = block_tables[seqs, :nb].to(device, torch.int64).reshape(-1)
-        mask = None
-        if q_len != seq_len:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-        plan.prefills.append(_Prefill(start, num_seqs, q_len, seq_len, blocks, mask))
+            nb = _padded_blocks(seq_len, block_size)
+            blocks = bt[i, :nb]
+            if blocks.numel() < nb:
+                blocks = torch.cat([blocks, blocks.new_zeros(nb - blocks.numel())])
+            # Entries past the sequence's last block may be anything (padding): read block 0 there.
+            pos = torch.arange(nb, device=device) * block_size
+            plan.prefills.append(_Prefill(qsl[i], q_len, seq_len, nb, torch.where(pos < seq_len, blocks, 0)))
+    group = num_heads // num_kv_heads
+    max_prefill_blocks = max((p.num_blocks for p in plan.prefills), default=0)
+    max_blocks = max_prefill_blocks
+    q_rows = min(QUERY_TILE, max((p.q_len for p in plan.prefills), default=0))
+    per_block_bytes = 2 * block_size * num_kv_heads * head_dim * key_cache.element_size()
+    chunk = 0
+    if decodes:
+        decodes.sort(key=lambda i: lens[i])
+        decode_blocks = _padded_blocks(lens[decodes[-1]], block_size)
+        chunk = max(1, min(len(decodes), CHUNK_BYTES // (decode_blocks * per_block_bytes)))
+        max_blocks = max(max_blocks, chunk * decode_blocks)
+        q_rows = max(q_rows, chunk)
+    plan.k_buf = torch.empty((max_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    plan.v_buf = torch.empty_like(plan.k_buf)
+    plan.q_buf = torch.zeros((q_rows, num_kv_heads, group, num_kv_heads, head_dim), dtype=dtype, device=device)
     if not decodes:
         return plan
-    decodes.sort(key=lambda i: lens[i])
-    max_blocks = (lens[decodes[-1]] + block_size - 1) // block_size
-    per_seq_bytes = 2 * max_blocks * block_size * num_kv_heads * head_dim * key_cache.element_size()
-    chunk = max(1, min(len(decodes), DECODE_CHUNK_BYTES // per_seq_bytes))
-    group = num_heads // num_kv_heads
-    plan.k_buf = torch.empty((chunk * max_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
-    plan.v_buf = torch.empty_like(plan.k_buf)
-    plan.q_buf = torch.zeros((chunk, num_kv_heads, group, num_kv_heads, head_dim), dtype=dtype, device=device)
-    pos = torch.arange(max_blocks * block_size, device=device)
-    bt = block_tables.to(device, torch.int64)
+    pos = torch.arange(decode_blocks * block_size, device=device)
     for c in range(0, len(decodes), chunk):
         seqs = decodes[c : c + chunk]
         n = len(seqs)
-        nb = (lens[seqs[-1]] + block_size - 1) // block_size  # the longest in the chunk: sorted
+        nb = _padded_blocks(lens[seqs[-1]], block_size)  # the longest in the chunk: sorted
         rows_list = [qsl[i] for i in seqs]
         consecutive = rows_list == list(range(rows_list[0], rows_list[0] + n))
         rows = rows_list[0] if consecutive else torch.tensor(rows_list, device=device)
         seq_len = torch.tensor([lens[i] for i in seqs], device=device)
         # Table entries past a sequence's last block may be anything (padding): read block 0 there.
         blocks = bt[torch.tensor(seqs, device=device), :nb]
+        if blocks.shape[1] < nb:
+            blocks = torch.cat([blocks, blocks.new_zeros(n, nb - blocks.shape[1])], dim=1)
         blocks = torch.where(pos[None, :nb] * block_size < seq_len[:, None], blocks, 0).reshape(-1)
         mask = torch.zeros((n, 1, nb * block_size), dtype=torch.float32, device=device)
         mask.masked_fill_(pos[None, None, : nb * block_size] >= seq_len[:, None, None], float("-inf"))
         plan.decode_chunks.append(_DecodeChunk(rows, n, nb, blocks, mask))
     return plan
+
+
+def _padded_blocks(seq_len: int, block_size: int) -> int:
+    """Blocks gathered for a context of ``seq_len`` tokens: whole blocks covering
+    at least a multiple of ``KV_PAD`` tokens."""
+    tokens = (seq_len + KV_PAD - 1) // KV_PAD * KV_PAD
+    return (tokens + block_size - 1) // block_size
 
 
 def paged_attention(
@@ -176,21 +193,25 @@ def paged_attention(
     Grouped-query attention: query head ``h`` reads KV head
     ``h // (num_heads // num_kv_heads)``.
 
-    Sequences with one query token (decodes) are sorted by length and run in
-    chunks: their key and value blocks are gathered into one padded
-    [chunk, ctx, num_kv_heads * head_dim] buffer and attended with two
-    batched matmuls, an additive length mask and a float32 softmax. The KV
-    heads are not split apart: the query is laid out block-diagonally,
-    [chunk, num_heads, num_kv_heads * head_dim] with query head ``h``'s
-    vector in KV head ``h // group``'s columns and zeros elsewhere, so one
-    matmul against the gathered keys gives every head's scores, and the
-    diagonal blocks of probabilities @ values are the outputs. This does
-    ``num_kv_heads`` times the (small) arithmetic but no copy of the keys,
-    and is several times faster than SDPA's CPU kernel at decode sizes. In
-    16-bit dtypes the scores are rounded to the dtype before the softmax (as
-    transformers' eager attention does). Other sequences (prefill chunks) run
-    one SDPA call each (one for a run of consecutive sequences of the same
-    shape), the KV heads broadcast over their query-head group.
+    Batch-invariant: a query's output depends only on the query and its own
+    context, never on how many rows share the step, whether they are
+    prefill or decode rows, or how much of the context was cached. Every row
+    runs the same arithmetic: a sequence's key and value blocks are gathered
+    into one [ctx, num_kv_heads * head_dim] buffer (ctx padded to whole
+    blocks), the query is laid out block-diagonally, [num_heads,
+    num_kv_heads * head_dim] with query head ``h``'s vector in KV head
+    ``h // group``'s columns and zeros elsewhere, so one matmul against the
+    gathered keys gives every head's scores; positions past the query's own
+    (causal) end get -inf, a float32 softmax over the padded row follows,
+    and the diagonal blocks of probabilities @ values, computed over
+    ``KV_TILE``-token tiles summed in order, are the outputs. The padding
+    (to ``KV_PAD`` tokens) only appends exact zeros to each reduction, and
+    with these shapes oneDNN's bfloat16 matmul gives each output element the
+    same bits whatever the number of rows (tests/test_batch_invariance.py). Decodes are
+    sorted by length and attended in chunks; a prefill chunk's queries in
+    tiles of ``QUERY_TILE`` rows. This does ``num_kv_heads`` times the
+    (small) arithmetic of a per-head layout but no copy of the keys, and is
+    several times faster than SDPA's CPU kernel at decode sizes.
 
     Args:
         query: [num_query_tokens, num_heads, head_dim].
@@ -211,34 +232,60 @@ def paged_attention(
     if plan is None:
         plan = plan_attention(key_cache, query.shape[1], query_start_loc, seq_lens, block_tables)
     for p in plan.prefills:
-        _prefill_one(query, key_cache, value_cache, p, scale, out)
+        _prefill_one(query, key_cache, value_cache, p, plan, scale, out)
     for chunk in plan.decode_chunks:
         _decode_chunk(query, key_cache, value_cache, chunk, plan, scale, out)
     return out
 
 
-def _prefill_one(query, key_cache, value_cache, p: _Prefill, scale, out) -> None:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, q_buf: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """The arithmetic every query row goes through.
+
+    Args:
+        q: [b, r, num_heads, head_dim] queries (r rows per batch entry).
+        k, v: [b, ctx, num_kv_heads * head_dim] gathered keys and values.
+        mask: float32, broadcastable to [b, r, num_heads, ctx]: 0 = attend, -inf = not.
+        q_buf: [>= b * r, kvh, group, kvh, head_dim] scratch, zero off the diagonal.
+
+    Returns:
+        [b * r, group, head_dim, num_kv_heads] outputs (a strided view).
+    """
+    b, r, num_heads, head_dim = q.shape
+    num_kv_heads = q_buf.shape[1]
+    group, width, ctx = num_heads // num_kv_heads, k.shape[-1], k.shape[1]
+    qb = q_buf[: b * r]
+    torch.diagonal(qb, dim1=1, dim2=3).copy_(q.reshape(b * r, num_kv_heads, group, head_dim).permute(0, 2, 3, 1))
+    scores = torch.bmm(qb.view(b, r * num_heads, width), k.transpose(1, 2))  # [b, r * H, ctx]
+    scores = torch.add(mask, scores.view(b, r, num_heads, ctx), alpha=scale)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, r * num_heads, ctx)
+    if ctx <= KV_TILE:
+        o = torch.bmm(probs, v)
+    else:  # the same bits as one tile when the later tiles' probabilities are all zero
+        o = torch.zeros((b, r * num_heads, width), dtype=torch.float32, device=v.device)
+        for t in range(0, ctx, KV_TILE):
+            o += torch.bmm(probs[:, :, t:t + KV_TILE].contiguous(), v[:, t:t + KV_TILE])
+        o = o.to(v.dtype)
+    o = o.view(b * r, num_kv_heads, group, num_kv_heads, head_dim)
+    return torch.diagonal(o, dim1=1, dim2=3)  # [b * r, G, D, kvh]
+
+
+def _prefill_one(query, key_cache, value_cache, p: _Prefill, plan: AttentionPlan, scale, out) -> None:
     _, block_size, num_kv_heads, head_dim = key_cache.shape
-    group = query.shape[1] // num_kv_heads
-    g, q_len, seq_len = p.num_seqs, p.q_len, p.seq_len
-    ctx = p.blocks.numel() // g * block_size
-    # Keys and values [g * kvh, 1, seq_len, D], broadcast over the query heads of each KV
-    # head (SDPA's enable_gqa falls back to the slow math kernel on CPU).
-    k = key_cache.index_select(0, p.blocks).view(g, ctx, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2)
-    v = value_cache.index_select(0, p.blocks).view(g, ctx, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2)
-    shape = (g * num_kv_heads, group, seq_len, head_dim)
-    k = k.reshape(g * num_kv_heads, 1, seq_len, head_dim).expand(shape)
-    v = v.reshape(g * num_kv_heads, 1, seq_len, head_dim).expand(shape)
-    rows = slice(p.start, p.start + g * q_len)
-    # [g, q_len, kvh, G, D] -> [g * kvh, G, q_len, D]
-    q = query[rows].view(g, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    q = q.reshape(g * num_kv_heads, group, q_len, head_dim)
-    if p.mask is None:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    else:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scale)
-    out[rows].view(g, q_len, num_kv_heads, group, head_dim).copy_(
-        o.view(g, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4))
+    num_heads = query.shape[1]
+    ctx, width = p.num_blocks * block_size, num_kv_heads * head_dim
+    k = torch.index_select(key_cache, 0, p.blocks, out=plan.k_buf[: p.num_blocks]).view(1, ctx, width)
+    v = torch.index_select(value_cache, 0, p.blocks, out=plan.v_buf[: p.num_blocks]).view(1, ctx, width)
+    pos = torch.arange(ctx, device=query.device)
+    first = p.seq_len - p.q_len  # position of the first query
+    for r0 in range(0, p.q_len, QUERY_TILE):
+        r = min(QUERY_TILE, p.q_len - r0)
+        q_pos = torch.arange(first + r0, first + r0 + r, device=query.device)
+        mask = torch.zeros((r, 1, ctx), dtype=torch.float32, device=query.device)
+        mask.masked_fill_(pos[None, None, :] > q_pos[:, None, None], float("-inf"))
+        rows = slice(p.start + r0, p.start + r0 + r)
+        o = _attend(query[rows].unsqueeze(0), k, v, mask.unsqueeze(0), plan.q_buf, scale)
+        out[rows].view(r, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(0, 2, 3, 1).copy_(o)
 
 
 def _decode_chunk(query, key_cache, value_cache, c: _DecodeChunk, plan: AttentionPlan, scale, out) -> None:
@@ -252,12 +299,7 @@ def _decode_chunk(query, key_cache, value_cache, c: _DecodeChunk, plan: Attentio
         q = query[c.rows : c.rows + n]
     else:
         q = query.index_select(0, c.rows)
-    qb = plan.q_buf[:n]  # [n, kvh, G, kvh, D]: head h's query in KV head h // G's columns
-    torch.diagonal(qb, dim1=1, dim2=3).copy_(q.view(n, num_kv_heads, group, head_dim).permute(0, 2, 3, 1))
-    scores = torch.bmm(qb.view(n, num_heads, width), k.transpose(1, 2))  # [n, H, ctx]
-    probs = torch.softmax(torch.add(c.mask, scores, alpha=scale), dim=-1).to(v.dtype)
-    o = torch.bmm(probs, v).view(n, num_kv_heads, group, num_kv_heads, head_dim)
-    o = torch.diagonal(o, dim1=1, dim2=3)  # [n, G, D, kvh]
+    o = _attend(q.unsqueeze(1), k, v, c.mask.unsqueeze(1), plan.q_buf, scale)  # [n, G, D, kvh]
     if isinstance(c.rows, int):
         out[c.rows : c.rows + n].view(n, num_kv_heads, group, head_dim).permute(0, 2, 3, 1).copy_(o)
     else:

@@ -109,13 +109,70 @@ def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+# Rows per matmul call in batch-invariant mode. oneDNN picks its bfloat16
+# GEMM kernel (and its K blocking) from the number of rows M: on an
+# AMX/AVX512-BF16 CPU every M <= 32 gives each row the same bits, larger M
+# switches kernels. Feeding every linear layer tiles of at most this many
+# rows makes a row's result independent of the batch it is in.
+ROW_TILE = 32
+
+
+def check_row_invariance(weight: torch.Tensor, packed: torch.Tensor | None, with_residual: bool,
+                         tile: int = ROW_TILE) -> bool:
+    """Whether ``x @ weight.T`` (plus a residual when ``with_residual``)
+    through the path :class:`_PackedWeights` uses gives every row the same
+    bits for every row count 1..``tile`` (random inputs).
+
+    Args:
+        weight: [out, in] linear weight (bfloat16 or float32, CPU).
+        packed: its oneDNN-packed copy, or None for ``F.linear``.
+        with_residual: check the fused residual-add call instead of the plain one.
+        tile: the largest row count to check.
+
+    Returns:
+        True when every row of an M-row call equals the same row computed
+        alone, for M = 2..tile. Cost: about 2 * ``tile`` small matmuls.
+    """
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tile, weight.shape[1], generator=gen).to(weight.dtype)
+    res = torch.randn(tile, weight.shape[0], generator=gen).to(weight.dtype) if with_residual else None
+
+    def call(lo: int, hi: int) -> torch.Tensor:
+        return _linear_call(x[lo:hi], weight, packed, None, None if res is None else res[lo:hi])
+
+    alone = torch.cat([call(i, i + 1) for i in range(tile)])
+    return all(torch.equal(call(0, m), alone[:m]) for m in range(2, tile + 1))
+
+
+def _linear_call(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None,
+                 residual: torch.Tensor | None) -> torch.Tensor:
+    """One matmul call: ``x @ weight.T + bias (+ residual)``, through the packed copy when there is one."""
+    if packed is None:
+        y = F.linear(x, weight, bias)
+        return y if residual is None else residual + y
+    if residual is None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+
+
 class _PackedWeights:
     """Lazily packed copies of a module's bfloat16 linear weights
     (:func:`_pack_for_cpu`), redone when a weight is replaced or changed in
-    place (its version counter moves)."""
+    place (its version counter moves).
 
-    def __init__(self) -> None:
+    Attributes:
+        batch_invariant: run CPU linears in tiles of at most ``ROW_TILE``
+            rows, so that a row's output bits do not depend on how many rows
+            share the call. A weight whose matmul fails
+            :func:`check_row_invariance` (checked once per shape, dtype and
+            call kind, in ``row_checks``) gets full, zero-padded tiles instead.
+    """
+
+    def __init__(self, row_checks: dict | None = None) -> None:
         self._entries: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
+        self.batch_invariant = False
+        # (shape, dtype, packed?, residual?) -> needs padded tiles; shared by a model's layers
+        self._row_checks = {} if row_checks is None else row_checks
 
     def get(self, name: str, weight: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of ``weight`` (packing it now if needed), or None."""
@@ -125,20 +182,45 @@ class _PackedWeights:
             self._entries[name] = entry
         return entry[2]
 
+    def _needs_padding(self, weight: torch.Tensor, packed: torch.Tensor | None, with_residual: bool) -> bool:
+        key = (tuple(weight.shape), weight.dtype, packed is not None, with_residual)
+        if key not in self._row_checks:
+            self._row_checks[key] = not check_row_invariance(weight, packed, with_residual)
+        return self._row_checks[key]
+
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` (plus ``residual`` when given) through
         the packed copy when there is one; oneDNN then adds the residual to the
-        float32 accumulator before rounding."""
-        packed = None
-        if weight.dtype == torch.bfloat16 and x.device.type == "cpu":
-            packed = self.get(name, weight)
-        if packed is None:
+        float32 accumulator before rounding. In batch-invariant mode on CPU
+        the rows go in tiles of ``ROW_TILE``.
+
+        Args:
+            x: [num_rows, in_features]; residual: [num_rows, out_features] or None.
+
+        Returns:
+            [num_rows, out_features], x's dtype.
+        """
+        if x.device.type != "cpu":
             y = F.linear(x, weight, bias)
             return y if residual is None else residual + y
-        if residual is None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+        packed = self.get(name, weight) if weight.dtype == torch.bfloat16 else None
+        if not self.batch_invariant:
+            return _linear_call(x, weight, packed, bias, residual)
+        pad = self._needs_padding(weight, packed, residual is not None)
+        rows = x.shape[0]
+        if rows <= ROW_TILE and not pad:
+            return _linear_call(x, weight, packed, bias, residual)
+        out = x.new_empty(rows, weight.shape[0])
+        for i in range(0, rows, ROW_TILE):
+            xi = x[i:i + ROW_TILE]
+            ri = None if residual is None else residual[i:i + ROW_TILE]
+            m = xi.shape[0]
+            if pad and m < ROW_TILE:  # full tiles only: this weight's kernel depends on M
+                xi = torch.cat([xi, xi.new_zeros(ROW_TILE - m, xi.shape[1])])
+                ri = None if ri is None else torch.cat([ri, ri.new_zeros(ROW_TILE - m, ri.shape[1])])
+            out[i:i + m] = _linear_call(xi, weight, packed, bias, ri)[:m]
+        return out
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +231,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm block: attention with fused q/k/v, SwiGLU with fused gate/up."""
 
-    def __init__(self, config: ModelConfig, backend) -> None:
+    def __init__(self, config: ModelConfig, backend, row_checks: dict | None = None) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -164,7 +246,7 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.intermediate_size = c.intermediate_size
-        self.packed = _PackedWeights()
+        self.packed = _PackedWeights(row_checks)
 
     def _proj(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         lin = getattr(self, name)
@@ -204,7 +286,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.backend = backend
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self._row_checks: dict = {}  # shared by the layers' _PackedWeights: one check per weight shape
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, self._row_checks)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -212,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
-        self.packed = _PackedWeights()
+        self.packed = _PackedWeights(self._row_checks)
 
     def build_rope_cache(self, max_positions: int | None = None) -> None:
         """Precompute cos/sin [max_positions, head_dim] (float32) on the model's device."""
@@ -250,6 +334,12 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, attn_metadata, kv)
         return self.norm(x)
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """Run the CPU linear layers in fixed row tiles (:class:`_PackedWeights`)
+        so that each row's logits do not depend on the rest of the batch."""
+        for packed in [self.packed] + [layer.packed for layer in self.layers]:
+            packed.batch_invariant = enabled
 
     @torch.no_grad()
     def prepack_weights(self) -> None:
