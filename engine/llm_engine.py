@@ -361,18 +361,26 @@ class LLMEngine:
         return position
 
     def _collect_prompt_logprobs(self, sched, prompt_logits: dict) -> None:
-        """Append this chunk's prompt logprobs: logits at position p score token p+1."""
+        """Store this chunk's prompt logprobs at their positions: the logits at
+        position p score token p+1. Positions already stored (a chunk
+        recomputed after preemption) keep their first value."""
         for entry in sched.scheduled:
             req = entry.request
             logits = prompt_logits.get(req.request_id)
-            if logits is None or req.index != 0 or req.parent_id not in self._prompt_logprobs:
+            collected = self._prompt_logprobs.get(req.parent_id)
+            if logits is None or req.index != 0 or collected is None:
                 continue
             start = entry.num_computed_tokens
             end = min(start + entry.num_new_tokens, req.num_prompt_tokens)
             targets = req.prompt_token_ids[start + 1:end + 1]
-            if targets:
-                positions = prompt_logprobs(logits[: len(targets)], targets, req.sampling_params.prompt_logprobs)
-                self._prompt_logprobs[req.parent_id].extend(self._decode_logprobs(p) for p in positions)
+            if start + 1 > len(collected):
+                raise RuntimeError(f"request {req.parent_id}: prompt logprobs missing before position {start + 1} "
+                                   "(a cached prefix was read)")
+            new = targets[len(collected) - start - 1:]
+            if new:
+                positions = prompt_logprobs(logits[len(targets) - len(new):len(targets)], new,
+                                            req.sampling_params.prompt_logprobs)
+                collected.extend(self._decode_logprobs(p) for p in positions)
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
