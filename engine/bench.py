@@ -37,6 +37,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=8, help="batch size of the HF generate baseline")
     parser.add_argument("--no-baseline", action="store_true", help="skip the HF transformers baseline")
     parser.add_argument("--output-json", default=None, help="write the results here")
+    parser.add_argument("--compare-batch-invariant", type=int, default=0, metavar="ROUNDS",
+                        help="also run the workload ROUNDS times each with batch-invariant linears on and off, "
+                             "interleaved, and print the throughput ratio (default: 0, skip)")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -153,6 +156,26 @@ def bench_hf(model_path: str, dtype, prompts: list[list[int]], args, pad_id: int
             "batch_size": args.hf_batch_size}
 
 
+def compare_batch_invariant(engine, prompts: list[list[int]], params: SamplingParams, rounds: int) -> dict:
+    """Output tok/s with the batch-invariant linear tiling on and off, runs
+    interleaved (on, off, on, off...) on one engine. Each run's prompts start
+    with a different token so that no run reads another's prefix cache.
+
+    Returns:
+        {"on": [tok/s per run], "off": [...], "ratio_on_off": median(on) / median(off)}.
+    """
+    model = engine.model_runner.model
+    runs: dict[str, list[float]] = {"on": [], "off": []}
+    for r in range(rounds):
+        for label, flag in (("on", True), ("off", False)):
+            salt = 2 * r + (label == "off")
+            model.set_batch_invariant(flag)
+            salted = [[(p[0] + 1 + salt) % engine.model_config.vocab_size] + p[1:] for p in prompts]
+            runs[label].append(bench_tandem(engine, salted, params)["output_tok_per_s"])
+    model.set_batch_invariant(engine.args.batch_invariant)
+    return {**runs, "ratio_on_off": percentile(runs["on"], 50) / percentile(runs["off"], 50)}
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark and print a table with ratios to the HF baseline."""
     from rich.console import Console
@@ -170,6 +193,8 @@ def run_bench(args: argparse.Namespace) -> int:
         result["hf_transformers"] = bench_hf(engine.args.model, engine.dtype, prompts, args, pad)
         result["ratio_output_tok_per_s"] = (result["tandem"]["output_tok_per_s"]
                                             / result["hf_transformers"]["output_tok_per_s"])
+    if args.compare_batch_invariant:
+        result["batch_invariant_ab"] = compare_batch_invariant(engine, prompts, params, args.compare_batch_invariant)
     t = result["tandem"]
     table = Table(title=f"tandem bench engine: {args.workload}, {len(prompts)} prompts, {engine.dtype}")
     table.add_column("metric")
@@ -187,6 +212,11 @@ def run_bench(args: argparse.Namespace) -> int:
         h = result["hf_transformers"]
         table.add_row(f"HF generate output tok/s (batch {h['batch_size']})", f"{h['output_tok_per_s']:.1f}")
         table.add_row("ratio tandem / HF", f"{result['ratio_output_tok_per_s']:.2f}x")
+    if "batch_invariant_ab" in result:
+        ab = result["batch_invariant_ab"]
+        table.add_row("batch-invariant on, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["on"]))
+        table.add_row("batch-invariant off, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["off"]))
+        table.add_row("ratio invariant on / off (medians)", f"{ab['ratio_on_off']:.3f}x")
     Console().print(table)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2, default=str))

@@ -20,6 +20,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import functools  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -43,12 +44,15 @@ class AttentionBackend:
     paged_attention: Callable[..., torch.Tensor]
 
 
-def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+def get_attention_backend(name: str, device: torch.device | str, batch_invariant: bool = False) -> AttentionBackend:
     """Pick the attention kernels for ``device``.
 
     Args:
         name: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton".
         device: where the caches and activations live.
+        batch_invariant: each query's output must not depend on the batch.
+            The PyTorch path always is; the Triton path then never splits
+            the keys (split-KV is chosen from the batch's shape).
 
     Raises:
         ValueError: unknown name.
@@ -78,4 +82,7 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
             "the 'triton' attention backend on CPU needs Triton's interpreter, but triton was imported "
             "before TRITON_INTERPRET=1 was set; set it before anything imports triton"
         )
-    return AttentionBackend("triton", triton_attention.reshape_and_cache, triton_attention.paged_attention)
+    attention = triton_attention.paged_attention
+    if batch_invariant:
+        attention = functools.partial(attention, num_splits=1)
+    return AttentionBackend("triton", triton_attention.reshape_and_cache, attention)

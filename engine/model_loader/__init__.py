@@ -87,7 +87,8 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
 
     from kernels import get_attention_backend
 
-    backend = get_attention_backend(getattr(args, "attention_backend", "auto"), device)
+    backend = get_attention_backend(getattr(args, "attention_backend", "auto"), device,
+                                    batch_invariant=getattr(args, "batch_invariant", True))
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend)
     try:

@@ -1,0 +1,79 @@
+"""Batch invariance of the attention kernels and the linear layers, without a
+model: one query's output has the same bits alone, among other decodes of
+other lengths, as the last row of a prefill chunk, and inside a full prefill;
+a linear layer's row has the same bits whatever the row count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.llama import ROW_TILE, _PackedWeights
+from kernels import get_attention_backend
+
+BLOCK = 16
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's attention shape
+
+
+def _caches(num_blocks: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+def _run(backend, q_rows: list[torch.Tensor], seq_lens: list[int], tables: list[list[int]], kc, vc, width: int):
+    """Attention for sequences given by their query rows, lengths and block ids."""
+    qsl = [0]
+    for q in q_rows:
+        qsl.append(qsl[-1] + q.shape[0])
+    table = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    return backend.paged_attention(torch.cat(q_rows), kc, vc, torch.tensor(qsl, dtype=torch.int32),
+                                   torch.tensor(seq_lens, dtype=torch.int32), table, HEAD_DIM ** -0.5)
+
+
+@pytest.mark.parametrize("name, dtype, long_len", [("torch", torch.bfloat16, 700),
+                                                   ("triton", torch.float32, 300)])
+def test_a_query_has_the_same_output_in_every_kind_of_batch(name, dtype, long_len):
+    if name == "triton":
+        pytest.importorskip("triton")
+    backend = get_attention_backend(name, "cpu", batch_invariant=True)
+    kc, vc = _caches(120, dtype)
+    g = torch.Generator().manual_seed(1)
+    target_len = 100
+    target_blocks = list(range(1, 8))  # 7 blocks hold 100 tokens
+    queries = torch.randn(target_len, HEADS, HEAD_DIM, generator=g).to(dtype)
+    other_blocks = list(range(8, 8 + (long_len + BLOCK - 1) // BLOCK))
+    other_q = torch.randn(1, HEADS, HEAD_DIM, generator=g).to(dtype)
+    width = 128  # 2048 tokens of block table: the Triton path would split the keys of a small decode batch
+    last = queries[-1:]
+
+    alone = _run(backend, [last], [target_len], [target_blocks], kc, vc, width)[0]
+    among_decodes = _run(backend, [other_q, last, other_q], [long_len, target_len, 37],
+                         [other_blocks, target_blocks, [9, 10, 11]], kc, vc, width)[1]
+    chunk_tail = _run(backend, [queries[-30:], other_q], [target_len, long_len],
+                      [target_blocks, other_blocks], kc, vc, width)[29]
+    full_prefill = _run(backend, [queries, other_q], [target_len, long_len],
+                        [target_blocks, other_blocks], kc, vc, width)[target_len - 1]
+    for label, got in [("among decodes", among_decodes), ("last row of a chunk", chunk_tail),
+                       ("row of a full prefill", full_prefill)]:
+        assert torch.equal(got, alone), f"{label}: max diff {(got.float() - alone.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (49152, 576)])
+def test_linear_rows_do_not_depend_on_the_row_count(dtype, shape):
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(shape, generator=g) * 0.05).to(dtype)
+    x = torch.randn(3 * ROW_TILE + 5, shape[1], generator=g).to(dtype)
+    residual = torch.randn(x.shape[0], shape[0], generator=g).to(dtype)
+    packed = _PackedWeights()
+    packed.batch_invariant = True
+    for res in (None, residual):
+        alone = torch.cat([packed.linear("w", x[i:i + 1], weight, None, None if res is None else res[i:i + 1])
+                           for i in (0, 7, ROW_TILE + 3, x.shape[0] - 1)])
+        for rows in (8, ROW_TILE + 4, x.shape[0]):
+            got = packed.linear("w", x[:rows], weight, None, None if res is None else res[:rows])
+            expect = [i for i in (0, 7, ROW_TILE + 3, x.shape[0] - 1) if i < rows]
+            assert torch.equal(got[expect], alone[:len(expect)]), (rows, res is None)
