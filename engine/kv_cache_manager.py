@@ -112,14 +112,23 @@ class KVCacheManager:
         return len(self.req_to_blocks.get(request_id, ()))
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
-        """The request's block-hash chain, extended to ``num_full_blocks``."""
+        """The request's block-hash chain, extended to ``num_full_blocks``.
+
+        A block holding generated positions (the request's own output) gets
+        the number of its prompt positions as extra key: the model computes
+        prompt and generated positions with different matmul tiles
+        (batch-invariant mode), so such a block's keys and values differ in
+        the last bits from the same tokens computed as a later prompt, and
+        a later prompt must not read it."""
         hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
         tokens = request.all_token_ids
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
+            prompt_positions = request.num_prompt_tokens - i * bs
+            extra = None if prompt_positions >= bs else ("prompt_positions", max(prompt_positions, 0))
+            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra))
         return hashes
 
     # -- prefix cache -------------------------------------------------------

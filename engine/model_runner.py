@@ -58,6 +58,18 @@ def _available_host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def prompt_first(scheduled: list) -> tuple[list[int], int]:
+    """The order of a step's entries in the flat batch: entries whose new
+    tokens are all prompt positions first (stable), then the others.
+
+    Returns:
+        (indices into ``scheduled`` in batch order, number of prompt entries).
+    """
+    is_prompt = [s.num_computed_tokens + s.num_new_tokens <= s.request.num_prompt_tokens for s in scheduled]
+    prompt = [i for i, p in enumerate(is_prompt) if p]
+    return prompt + [i for i, p in enumerate(is_prompt) if not p], len(prompt)
+
+
 class ModelRunner:
     """Runs the model for one scheduler step.
 
@@ -188,16 +200,25 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- batch
     def _prepare(self, out: SchedulerOutput):
-        """Flat inputs of the step: (input_ids, positions, AttentionMetadata, query_start_loc list)."""
+        """Flat inputs of the step: (input_ids, positions, AttentionMetadata,
+        query start of each scheduled entry, query end of each entry).
+
+        Entries whose rows are all prompt positions come first (their count
+        is ``AttentionMetadata.num_prompt_rows``): the model runs them with
+        the prompt matmul tiles (batch invariance); the returned starts and
+        ends are indexed like ``out.scheduled``.
+        """
         bs = self.block_size
         scheduled = out.scheduled
-        q_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
-        starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
+        order, num_prompt_entries = prompt_first(scheduled)
+        ordered = [scheduled[i] for i in order]
+        q_lens = np.fromiter((s.num_new_tokens for s in ordered), dtype=np.int64, count=len(ordered))
+        starts = np.fromiter((s.num_computed_tokens for s in ordered), dtype=np.int64, count=len(ordered))
         seq_lens = starts + q_lens
-        qsl = np.zeros(len(scheduled) + 1, dtype=np.int64)
+        qsl = np.zeros(len(ordered) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         ids: list[int] = []
-        for s in scheduled:
+        for s in ordered:
             tokens = s.request.all_token_ids
             nc = s.num_computed_tokens
             chunk = tokens[nc:nc + s.num_new_tokens]
@@ -205,14 +226,14 @@ class ModelRunner:
                 raise ValueError(f"request {s.request.request_id}: {s.num_new_tokens} new tokens scheduled from "
                                  f"{nc} but it has only {len(tokens)} tokens")
             ids.extend(chunk)
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        table = np.zeros((len(scheduled), max_blocks), dtype=np.int64)
-        for i, s in enumerate(scheduled):
+        max_blocks = max(len(s.block_ids) for s in ordered)
+        table = np.zeros((len(ordered), max_blocks), dtype=np.int64)
+        for i, s in enumerate(ordered):
             table[i, :len(s.block_ids)] = s.block_ids
             if len(s.block_ids) * bs < seq_lens[i]:
                 raise ValueError(f"request {s.request.request_id}: block table of {len(s.block_ids)} blocks is "
                                  f"too short for {seq_lens[i]} tokens")
-        seq_idx = np.repeat(np.arange(len(scheduled)), q_lens)
+        seq_idx = np.repeat(np.arange(len(ordered)), q_lens)
         positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)
         slots = table[seq_idx, positions // bs] * bs + positions % bs
         dev = self.device
@@ -221,9 +242,14 @@ class ModelRunner:
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
             block_tables=torch.from_numpy(table.astype(np.int32)).to(dev),
+            num_prompt_rows=int(qsl[num_prompt_entries]),
         )
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
-        return input_ids, torch.from_numpy(positions).to(dev), md, qsl.tolist()
+        entry_start = [0] * len(scheduled)
+        entry_end = [0] * len(scheduled)
+        for k, i in enumerate(order):
+            entry_start[i], entry_end[i] = int(qsl[k]), int(qsl[k + 1])
+        return input_ids, torch.from_numpy(positions).to(dev), md, entry_start, entry_end
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -237,16 +263,16 @@ class ModelRunner:
         vocab = self.config.vocab_size
         if not out.scheduled:
             return ModelRunnerOutput(logits=torch.empty(0, vocab, dtype=torch.float32, device=self.device))
-        input_ids, positions, md, qsl = self._prepare(out)
+        input_ids, positions, md, entry_start, entry_end = self._prepare(out)
         hidden = self.model(input_ids, positions, md, self.kv_caches)
         sample_indices = [i for i, s in enumerate(out.scheduled) if s.sample]
-        rows = [qsl[i + 1] - 1 for i in sample_indices]
+        rows = [entry_end[i] - 1 for i in sample_indices]
         prompt_spans: list[tuple[str, int, int]] = []
         for i, s in enumerate(out.scheduled):
             r = s.request
             if r.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < r.num_prompt_tokens:
-                prompt_spans.append((r.request_id, len(rows), qsl[i + 1] - qsl[i]))
-                rows.extend(range(qsl[i], qsl[i + 1]))
+                prompt_spans.append((r.request_id, len(rows), entry_end[i] - entry_start[i]))
+                rows.extend(range(entry_start[i], entry_end[i]))
         if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
             selected = hidden
         else:

@@ -215,6 +215,18 @@ class Scheduler:
             return req.num_prompt_tokens - 1
         return req.num_tokens
 
+    def _step_end(self, req: Request, computed: int) -> int:
+        """Where this step's chunk of ``req`` may end, from ``computed``
+        tokens: its target, but never across the prompt's end. Prompt and
+        generated positions run different matmul tiles in batch-invariant
+        mode (``engine.models.llama``), so a request recomputed after
+        preemption computes its prompt, then its generated tokens, in
+        separate chunks."""
+        end = self._target_len(req)
+        if computed < req.num_prompt_tokens < end:
+            return req.num_prompt_tokens
+        return end
+
     def _seats_needed(self, req: Request) -> int:
         """max_num_seqs seats taken by the request (an unforked leader holds
         one for each unfinished member of its group)."""
@@ -294,7 +306,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._chunk(self._target_len(req) - req.num_computed_tokens, budget)
+            num_new = self._chunk(self._step_end(req, req.num_computed_tokens) - req.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -318,7 +330,7 @@ class Scheduler:
                 req = self.swapped[0]
                 if seats + self._seats_needed(req) > self.max_num_seqs:
                     break
-                num_new = self._chunk(self._target_len(req) - req.num_computed_tokens, budget)
+                num_new = self._chunk(self._step_end(req, req.num_computed_tokens) - req.num_computed_tokens, budget)
                 if num_new <= 0 or not kv.can_swap_in(req, num_new):
                     break
                 out.blocks_to_swap_in.extend(kv.swap_in(req))
@@ -346,7 +358,7 @@ class Scheduler:
                 if seats + need_seats > self.max_num_seqs:
                     break
                 computed_blocks, num_hit = kv.get_computed_blocks(req)
-                num_new = self._chunk(self._target_len(req) - num_hit, budget)
+                num_new = self._chunk(self._step_end(req, num_hit) - num_hit, budget)
                 fork_now = self._unforked(req) and num_hit == self._target_len(req)
                 if num_new <= 0 and not fork_now:
                     break

@@ -95,6 +95,19 @@ def test_prefix_cache_hit_equals_miss(reference):
     _assert_same(reference, llm, [_key(o) for o in again])
 
 
+def test_follow_up_prompt_holding_earlier_output_equals_cold(reference):
+    """Generated positions are cached apart from prompt ones: a follow-up
+    prompt that repeats an answer reads the earlier prompt's blocks only."""
+    llm = LLM(**BASE)
+    prompt = reference[1][0]
+    answer = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
+    follow_up = prompt + answer.outputs[0].token_ids + reference[1][1][-20:]
+    warm = llm.generate(follow_up, GREEDY)[0]
+    cold = LLM(**BASE, enable_prefix_caching=False).generate(follow_up, GREEDY)[0]
+    assert 0 < warm.num_cached_tokens <= len(prompt)
+    assert _key(warm) == _key(cold)
+
+
 def test_mixed_prefill_and_decode_steps_equal_alone(reference):
     """Requests arrive while others decode: steps mix prefill chunks and decodes."""
     llm = LLM(**BASE, enable_prefix_caching=False, max_num_batched_tokens=40)
