@@ -12,6 +12,7 @@ background thread; the offline ``LLM`` API drives it in a loop.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -166,6 +167,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(self.model_config.vocab_size, self.device, seed=args.seed)
         self._structured_outputs: StructuredOutputManager | None = None  # built on first use
+        self._structured_outputs_lock = threading.Lock()
         self.num_blocks = num_blocks
         self._tracked: dict[str, _Tracked] = {}  # sequence id -> bookkeeping
         self._groups: dict[str, list[Request]] = {}  # client request id -> its sequences
@@ -373,9 +375,19 @@ class LLMEngine:
     def structured_outputs(self) -> StructuredOutputManager:
         """Grammar compiler and matchers (built on first use: importing
         xgrammar takes seconds)."""
-        if self._structured_outputs is None:
-            self._structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
+        with self._structured_outputs_lock:
+            if self._structured_outputs is None:
+                self._structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
         return self._structured_outputs
+
+    def compile_grammar(self, params) -> None:
+        """Compile (and cache) a ``StructuredOutputsParams`` grammar; safe
+        from any thread.
+
+        Raises:
+            ValueError: the spec is invalid or unsupported (names the part).
+        """
+        self.structured_outputs.compile(params)
 
     def _stop_finished_grammars(self, request_ids: list[str], finished: list[Request]) -> None:
         """Finish ("stop") sequences whose grammar terminated but that are

@@ -85,6 +85,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # {"json" | "regex" | "choice": ...}
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
