@@ -103,7 +103,7 @@ def plan_chat(req, messages: list[dict], template: str | None) -> ChatPlan:
     tools = _check_tools(req.tools) if req.tools else []
     choice = _tool_choice(req.tool_choice, tools)
     fmt = _response_format(req.response_format)
-    extra = _structured_outputs_extra(getattr(req, "structured_outputs", None))
+    extra = structured_outputs_extra(req.structured_outputs)
     if sum(x is not None for x in (fmt, extra)) + (choice != "none") > 1:
         raise _fail("response_format", "response_format: cannot be combined with structured_outputs or with "
                                        "tools (unless tool_choice is \"none\")")
@@ -191,8 +191,14 @@ def _response_format(fmt: dict | None) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json=schema)
 
 
-def _structured_outputs_extra(extra: dict | None) -> StructuredOutputsParams | None:
-    """vLLM's ``structured_outputs`` body field: {"json"|"regex"|"choice": ...}."""
+def structured_outputs_extra(extra: dict | None) -> StructuredOutputsParams | None:
+    """vLLM's ``structured_outputs`` body field (chat and completions):
+    ``{"json" | "regex" | "choice": ...}``, or None when absent.
+
+    Raises:
+        RequestValidationError: malformed, or an invalid/unsupported schema
+            (``param`` = "structured_outputs").
+    """
     if extra is None:
         return None
     if not isinstance(extra, dict):

@@ -58,6 +58,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None
     priority: int | None = None
     request_id: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM: {"json" | "regex" | "choice": ...}
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -85,7 +86,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None  # {"json" | "regex" | "choice": ...}
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError
-from engine.chat_structured import ChatPlan, ToolCallParser, parse_tool_calls, plan_chat
+from engine.chat_structured import ChatPlan, ToolCallParser, parse_tool_calls, plan_chat, structured_outputs_extra
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.protocol import ChatCompletionRequest, CompletionRequest, RequestValidationError, parse_request
 from engine.sampling_params import SamplingParams
@@ -324,10 +324,17 @@ class OpenAIServing:
         prompt_logprobs = req.prompt_logprobs
         if echo and req.logprobs is not None:
             prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+        try:
+            plan = ChatPlan(structured_outputs=structured_outputs_extra(req.structured_outputs),
+                            param="structured_outputs")
+        except RequestValidationError as exc:
+            raise ServingError(400, str(exc), param=exc.param) from None
+        await self._compile_grammar(plan)
         prompts = []
         for text, ids in texts_and_ids:
             params = self._sampling_params(req, len(ids), max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                           prompt_logprobs=prompt_logprobs, prompt_field="prompt")
+                                           prompt_logprobs=prompt_logprobs, prompt_field="prompt",
+                                           structured_outputs=plan.structured_outputs)
             prompts.append(_Prompt(ids, text, params))
         prio = req.priority if req.priority is not None else priority
         if req.stream:

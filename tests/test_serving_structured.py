@@ -115,6 +115,9 @@ def test_json_object_and_vllm_choice_and_regex(server):
     reply = chat(server, messages=[{"role": "user", "content": "A phone number?"}], max_tokens=12,
                  extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
     assert len(reply.choices[0].message.content) == 8 and reply.choices[0].message.content[3] == "-"
+    done = server.client.completions.create(model=server.model, prompt="The capital of France is", max_tokens=6,
+                                            extra_body={"structured_outputs": {"choice": [" Paris", " Lyon"]}})
+    assert done.choices[0].text in (" Paris", " Lyon")
 
 
 @pytest.mark.slow
