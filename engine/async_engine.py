@@ -143,6 +143,15 @@ class AsyncEngine:
         self._listeners.append(listener)
 
     # ---------------------------------------------------------------- requests
+    async def compile_grammar(self, params) -> None:
+        """Compile a structured-output grammar (``StructuredOutputsParams``)
+        in a worker thread, so that the engine thread finds it in its cache.
+
+        Raises:
+            ValueError: the spec is invalid or unsupported (names the part).
+        """
+        await asyncio.to_thread(self.engine.compile_grammar, params)
+
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its DELTA outputs until it finishes.

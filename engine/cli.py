@@ -1,4 +1,4 @@
-"""Engine sub-commands of ``tandem``: ``generate``, ``engine serve``, ``bench engine``."""
+"""Engine sub-commands of ``tandem``: ``generate``, ``engine serve``, ``bench engine``, ``bench structured``."""
 
 from __future__ import annotations
 
@@ -36,6 +36,14 @@ def register(subparsers) -> None:
     add_bench_args(be)
     add_engine_cli_args(be)
     be.set_defaults(func=run_bench)
+
+    from engine.bench_structured import add_structured_bench_args, run_structured_bench
+
+    bs = bench_sub.add_parser("structured", help="json_schema-constrained vs unconstrained output tok/s, "
+                                                 "grammar compile time")
+    add_structured_bench_args(bs)
+    add_engine_cli_args(bs)
+    bs.set_defaults(func=run_structured_bench)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ background thread; the offline ``LLM`` API drives it in a loop.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from engine.request import ForkGroup, Request, RequestStatus
 from engine.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_outputs import StructuredOutputManager
 
 logger = logging.getLogger("tandem.engine")
 
@@ -164,6 +166,8 @@ class LLMEngine:
             num_cpu_blocks=num_cpu_blocks,
         )
         self.sampler = Sampler(self.model_config.vocab_size, self.device, seed=args.seed)
+        self._structured_outputs: StructuredOutputManager | None = None  # built on first use
+        self._structured_outputs_lock = threading.Lock()
         self.num_blocks = num_blocks
         self._tracked: dict[str, _Tracked] = {}  # sequence id -> bookkeeping
         self._groups: dict[str, list[Request]] = {}  # client request id -> its sequences
@@ -236,6 +240,9 @@ class LLMEngine:
             if group is not None:
                 group.members.append(req)
             seqs.append(req)
+        if params.structured_outputs is not None:
+            for req in seqs:  # compiles (or finds in the cache) before anything is queued
+                self.structured_outputs.add(req.request_id, params.structured_outputs)
         for req in seqs:
             self.scheduler.add_request(req)
             self._tracked[req.request_id] = _Tracked(
@@ -271,12 +278,17 @@ class LLMEngine:
         rows = [sched.scheduled[i].request for i in runner_out.sample_indices]
         sampled: dict[str, int] = {}
         row_logprobs = {}
+        grammar_done: list[str] = []
         if rows:
-            sampler_out = self.sampler.sample(runner_out.logits, rows)
+            so = self._structured_outputs
+            bitmask = so.grammar_bitmask([r.request_id for r in rows]) if so is not None else None
+            sampler_out = self.sampler.sample(runner_out.logits, rows, grammar_bitmask=bitmask)
             for req, tok, lp in zip(rows, sampler_out.token_ids, sampler_out.logprobs):
                 sampled[req.request_id] = tok
                 if lp is not None:
                     row_logprobs[req.request_id] = self._decode_logprobs(lp)
+                if bitmask is not None and so.accept(req.request_id, tok):
+                    grammar_done.append(req.request_id)
         for entry in sched.scheduled:
             req = entry.request
             if entry.num_computed_tokens < req.num_prompt_tokens:
@@ -285,6 +297,7 @@ class LLMEngine:
                 )
         self._collect_prompt_logprobs(sched, runner_out.prompt_logits)
         finished = self.scheduler.update_from_output(sched, sampled)
+        self._stop_finished_grammars(grammar_done, finished)
         self._generation_tokens_total += len(sampled)
         done_time = time.monotonic()
 
@@ -355,6 +368,36 @@ class LLMEngine:
     def _forget(self, seq: Request) -> None:
         self._tracked.pop(seq.request_id, None)
         self.sampler.free(seq.request_id)
+        if self._structured_outputs is not None:
+            self._structured_outputs.free(seq.request_id)
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """Grammar compiler and matchers (built on first use: importing
+        xgrammar takes seconds)."""
+        with self._structured_outputs_lock:
+            if self._structured_outputs is None:
+                self._structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
+        return self._structured_outputs
+
+    def compile_grammar(self, params) -> None:
+        """Compile (and cache) a ``StructuredOutputsParams`` grammar; safe
+        from any thread.
+
+        Raises:
+            ValueError: the spec is invalid or unsupported (names the part).
+        """
+        self.structured_outputs.compile(params)
+
+    def _stop_finished_grammars(self, request_ids: list[str], finished: list[Request]) -> None:
+        """Finish ("stop") sequences whose grammar terminated but that are
+        still running (e.g. ``ignore_eos``, or a grammar stop token that is
+        not EOS)."""
+        for rid in request_ids:
+            tracked = self._tracked.get(rid)
+            if tracked is not None and not tracked.request.is_finished:
+                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
+                finished.append(tracked.request)
 
     def _decode_logprobs(self, position: dict[int, Logprob]) -> dict[int, Logprob]:
         fill_decoded_tokens(self.tokenizer, position)

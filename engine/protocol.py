@@ -58,6 +58,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None
     priority: int | None = None
     request_id: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM: {"json" | "regex" | "choice": ...}
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):

@@ -13,7 +13,9 @@ One call of ``Sampler.sample`` handles a whole step's batch in a single pass:
    multiplied), then OpenAI's frequency and presence penalties over output
    tokens (``logit -= count * frequency + (count > 0) * presence``).
 3. ``min_tokens``: while ``num_output_tokens < min_tokens`` the EOS token
-   (unless ``ignore_eos``) and ``stop_token_ids`` get ``-inf``.
+   (unless ``ignore_eos``) and ``stop_token_ids`` get ``-inf``. Then the
+   grammar bitmask of constrained rows (structured outputs, when given):
+   forbidden tokens get ``-inf``; other rows are not touched.
 4. Greedy rows (temperature 0, or below 1e-5): argmax of the processed
    logits (penalties and min_tokens apply to greedy rows too, as in vLLM).
 5. Random rows: divide by temperature, then top-k, top-p (nucleus, Holtzman
@@ -39,6 +41,7 @@ import torch
 
 from engine.outputs import Logprob, PositionLogprobs
 from engine.request import Request
+from engine.structured_outputs import GrammarBitmask, apply_token_bitmask
 
 _U64 = (1 << 64) - 1
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them
@@ -95,7 +98,8 @@ class Sampler:
         return gen
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               grammar_bitmask: GrammarBitmask | None = None) -> SamplerOutput:
         """Sample one token per row.
 
         Args:
@@ -104,6 +108,8 @@ class Sampler:
             requests: ``requests[i]`` owns row ``i``; its ``prompt_token_ids``,
                 ``output_token_ids`` (tokens generated before this step),
                 ``eos_token_id`` and ``sampling_params`` are read.
+            grammar_bitmask: allowed tokens of the constrained rows
+                (structured outputs), or None.
 
         Returns:
             ``SamplerOutput`` with one token id per row (and logprobs where
@@ -130,6 +136,8 @@ class Sampler:
 
         logits = _apply_penalties(logits, requests)
         logits = _apply_min_tokens(logits, requests)
+        if grammar_bitmask is not None:
+            logits = apply_token_bitmask(logits, grammar_bitmask)
 
         greedy = [p.temperature < _SAMPLING_EPS for p in params]
         random_rows = [i for i, g in enumerate(greedy) if not g]

@@ -2,9 +2,64 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A grammar the completion must follow (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one of the fields is set.
+
+    Attributes:
+        json: a JSON schema (a dict or its JSON text): the output is one JSON
+            value valid under it.
+        json_object: the output is one JSON object (OpenAI's ``json_object``).
+        regex: the output matches this regular expression.
+        choice: the output is exactly one of these strings.
+        structural_tag: xgrammar's structural-tag JSON (used for tool calls:
+            free text, then tagged JSON arguments).
+
+    Raises:
+        ValueError: none or several fields set, or a field of the wrong type.
+    """
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        set_fields = [f for f in ("json", "regex", "choice", "structural_tag") if getattr(self, f) is not None]
+        if self.json_object:
+            set_fields.append("json_object")
+        if len(set_fields) != 1:
+            raise ValueError(f"structured_outputs: exactly one of json, json_object, regex, choice, structural_tag "
+                             f"must be set, got {set_fields or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice: must be a non-empty list of strings")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured_outputs.regex: must be a string")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set ("json", "json_object", "regex", ...)."""
+        if self.json_object:
+            return "json_object"
+        return next(f for f in ("json", "regex", "choice", "structural_tag") if getattr(self, f) is not None)
+
+    def key(self) -> str:
+        """Canonical text of the spec: the grammar cache's key."""
+        value = self.json if self.kind == "json" else getattr(self, self.kind)
+        if isinstance(value, (dict, tuple)):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return f"{self.kind}:{value}"
 
 
 @dataclass
@@ -43,6 +98,8 @@ class SamplingParams:
         prompt_logprobs: number of top log-probabilities per prompt token.
         skip_special_tokens: drop special tokens from the text.
         spaces_between_special_tokens: kept for vLLM compatibility.
+        structured_outputs: a grammar the completion must follow
+            (engine/structured_outputs.py), or None.
 
     Raises:
         ValueError: a parameter is out of range; the message names it.
@@ -67,6 +124,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError
+from engine.chat_structured import ChatPlan, ToolCallParser, parse_tool_calls, plan_chat, structured_outputs_extra
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.protocol import ChatCompletionRequest, CompletionRequest, RequestValidationError, parse_request
 from engine.sampling_params import SamplingParams
@@ -158,12 +159,6 @@ class OpenAIServing:
         """
         req = self._parse(body, ChatCompletionRequest)
         self._check_common(req)
-        if req.tools and req.tool_choice != "none":
-            raise ServingError(400, "tools: tool calling is not supported by this server", param="tools")
-        fmt = (req.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise ServingError(400, f"response_format: type {fmt!r} is not supported (only 'text')",
-                               param="response_format")
         if req.continue_final_message and req.add_generation_prompt:
             raise ServingError(400, "continue_final_message: cannot be used with add_generation_prompt=true",
                                param="continue_final_message")
@@ -177,8 +172,13 @@ class OpenAIServing:
         messages = _normalize_messages(req.messages)
         tokenizer = self.engine.tokenizer
         try:
+            plan = plan_chat(req, messages, tokenizer.chat_template)
+        except RequestValidationError as exc:
+            raise ServingError(400, str(exc), param=exc.param) from None
+        messages = plan.messages
+        try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                 **(req.chat_template_kwargs or {}))
+                                                 **plan.template_kwargs, **(req.chat_template_kwargs or {}))
         except Exception as exc:  # jinja2.TemplateError, ValueError (no template)
             raise ServingError(400, f"messages: the chat template failed: {exc}", param="messages") from None
         if req.continue_final_message:
@@ -187,7 +187,9 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, len(token_ids), max_tokens=max_tokens, logprobs=logprobs,
-                                       prompt_logprobs=req.prompt_logprobs, prompt_field="messages")
+                                       prompt_logprobs=req.prompt_logprobs, prompt_field="messages",
+                                       structured_outputs=plan.structured_outputs)
+        await self._compile_grammar(plan)
         echo = ""
         if req.echo and messages and messages[-1].get("role") == "assistant":
             echo = messages[-1].get("content") or ""
@@ -197,23 +199,44 @@ class OpenAIServing:
         if req.stream:
             include_usage, continuous = _usage_options(req)
             return self._chat_stream(request_id, prompt, prio, bool(req.logprobs), top, echo,
-                                     include_usage, continuous)
-        return await self._chat_full(request_id, prompt, prio, bool(req.logprobs), top, echo)
+                                     include_usage, continuous, plan.parse_tool_calls)
+        return await self._chat_full(request_id, prompt, prio, bool(req.logprobs), top, echo, plan.parse_tool_calls)
+
+    async def _compile_grammar(self, plan: ChatPlan) -> None:
+        """Compile the request's grammar in a worker thread (the engine thread
+        then finds it in the cache).
+
+        Raises:
+            ServingError: 400 when xgrammar refuses the spec.
+        """
+        if plan.structured_outputs is None:
+            return
+        try:
+            await self.engine.compile_grammar(plan.structured_outputs)
+        except ValueError as exc:
+            raise ServingError(400, f"{plan.param}: {exc}", param=plan.param) from None
 
     async def _chat_full(self, request_id: str, prompt: _Prompt, priority: int, want_logprobs: bool,
-                         top: int, echo: str) -> dict:
+                         top: int, echo: str, tool_calls: bool = False) -> dict:
         choices, cached, prompt_lps = await self._collect(request_id, [prompt], priority)
         out_choices = []
         completion_tokens = 0
         for index, ch in sorted(choices[0].items()):
             _reject_abort(ch.finish_reason)
             completion_tokens += ch.num_generated_tokens
+            message = {"role": "assistant", "content": echo + ch.text, "refusal": None}
+            finish_reason = ch.finish_reason
+            if tool_calls:
+                message["content"], calls = parse_tool_calls(ch.text)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish_reason = _tool_finish_reason(finish_reason)
             out_choices.append({
                 "index": index,
-                "message": {"role": "assistant", "content": echo + ch.text, "refusal": None},
+                "message": message,
                 "logprobs": {"content": self._chat_logprobs(ch.token_ids, ch.logprobs or [], top),
                              "refusal": None} if want_logprobs else None,
-                "finish_reason": ch.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": ch.stop_reason,
             })
         response = {
@@ -227,9 +250,11 @@ class OpenAIServing:
         return response
 
     async def _chat_stream(self, request_id: str, prompt: _Prompt, priority: int, want_logprobs: bool,
-                           top: int, echo: str, include_usage: bool, continuous: bool) -> AsyncIterator[bytes]:
+                           top: int, echo: str, include_usage: bool, continuous: bool,
+                           tool_calls: bool = False) -> AsyncIterator[bytes]:
         created = int(time.time())
         n = prompt.params.n
+        parsers = [ToolCallParser() for _ in range(n)] if tool_calls else None
         num_prompt = len(prompt.token_ids)
         generated = [0] * n
         cached = 0
@@ -255,13 +280,17 @@ class OpenAIServing:
                         if want_logprobs and c.token_ids:
                             lps = {"content": self._chat_logprobs(c.token_ids, c.logprobs or [], top),
                                    "refusal": None}
-                        if not c.text and c.finish_reason is None and lps is None:
+                        deltas, finish_reason = _stream_deltas(parsers, c)
+                        if not deltas and finish_reason is None and lps is None:
                             continue
-                        choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
-                                  "logprobs": lps, "finish_reason": c.finish_reason}
-                        if c.finish_reason is not None:
-                            choice["stop_reason"] = c.stop_reason
-                        yield chunk([choice], running_usage())
+                        deltas = deltas or [{}]
+                        for k, delta in enumerate(deltas):
+                            last = k == len(deltas) - 1
+                            choice = {"index": c.index, "delta": delta, "logprobs": lps if k == 0 else None,
+                                      "finish_reason": finish_reason if last else None}
+                            if last and finish_reason is not None:
+                                choice["stop_reason"] = c.stop_reason
+                            yield chunk([choice], running_usage())
             if include_usage:
                 yield chunk([], _usage(num_prompt, sum(generated), cached))
         except Exception as exc:  # noqa: BLE001 - reported to the client, never a traceback
@@ -295,10 +324,17 @@ class OpenAIServing:
         prompt_logprobs = req.prompt_logprobs
         if echo and req.logprobs is not None:
             prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+        try:
+            plan = ChatPlan(structured_outputs=structured_outputs_extra(req.structured_outputs),
+                            param="structured_outputs")
+        except RequestValidationError as exc:
+            raise ServingError(400, str(exc), param=exc.param) from None
+        await self._compile_grammar(plan)
         prompts = []
         for text, ids in texts_and_ids:
             params = self._sampling_params(req, len(ids), max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                           prompt_logprobs=prompt_logprobs, prompt_field="prompt")
+                                           prompt_logprobs=prompt_logprobs, prompt_field="prompt",
+                                           structured_outputs=plan.structured_outputs)
             prompts.append(_Prompt(ids, text, params))
         prio = req.priority if req.priority is not None else priority
         if req.stream:
@@ -456,7 +492,8 @@ class OpenAIServing:
             raise ServingError(400, "logit_bias: is not supported", param="logit_bias")
 
     def _sampling_params(self, req, num_prompt_tokens: int, *, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None, prompt_field: str) -> SamplingParams:
+                         prompt_logprobs: int | None, prompt_field: str,
+                         structured_outputs=None) -> SamplingParams:
         """Map a request onto ``SamplingParams`` and check the context limit.
 
         Raises:
@@ -478,6 +515,7 @@ class OpenAIServing:
             ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
+            structured_outputs=structured_outputs,
         )
         try:
             params = SamplingParams(**kwargs)
@@ -632,6 +670,20 @@ def _merge_choice(ch: CompletionOutput, delta: CompletionOutput) -> None:
     if delta.finish_reason is not None:
         ch.finish_reason, ch.stop_reason = delta.finish_reason, delta.stop_reason
     ch.num_generated_tokens = max(ch.num_generated_tokens, delta.num_generated_tokens)
+
+
+def _tool_finish_reason(finish_reason: str | None) -> str | None:
+    """OpenAI's "tool_calls" for an output that ended with tool calls."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def _stream_deltas(parsers: list[ToolCallParser] | None, c: CompletionOutput) -> tuple[list[dict], str | None]:
+    """A choice's streamed delta messages for this output and its finish reason."""
+    if parsers is None:
+        return ([{"content": c.text}] if c.text else []), c.finish_reason
+    parser = parsers[c.index]
+    deltas = parser.feed(c.text) + (parser.finish() if c.finish_reason is not None else [])
+    return deltas, _tool_finish_reason(c.finish_reason) if parser.calls else c.finish_reason
 
 
 def _reject_abort(finish_reason: str | None) -> None:

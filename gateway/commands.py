@@ -75,7 +75,7 @@ def _explain(args) -> int:
         headers[name.strip().lower()] = value.strip()
     endpoint = "chat/completions" if "messages" in body else "completions"
     try:
-        p = check_request(body, endpoint, headers.get("x-priority"))
+        p = check_request(body, endpoint, headers.get("x-priority"), compiled.local_serves)
     except ClientError as e:
         print(f"request rejected: {e.status} {e.message}", file=sys.stderr)
         return 1
@@ -90,7 +90,8 @@ def _explain(args) -> int:
     features = RequestFeatures(
         model=public, priority=p.priority, prompt_tokens=estimate_prompt_tokens(body), tenant=args.tenant,
         has_tools=p.has_tools, has_response_format=p.has_response_format, headers=headers, metadata=p.metadata,
-        user=p.user, request_id=args.request_id, stream=p.stream, max_tokens=p.max_tokens)
+        user=p.user, request_id=args.request_id, stream=p.stream, max_tokens=p.max_tokens,
+        local_serves=p.local_unsupported is None)
     decision = decide(compiled.policy, features, Signals(args.waiting, args.running, args.kv_usage, unavailable),
                       explain=True)
     if args.json:
@@ -101,6 +102,9 @@ def _explain(args) -> int:
         print(decision.explain())
         if p.local_unsupported:
             print(f"note: '{p.local_unsupported}' is not served by the local engine: a local first target -> 400")
+        elif p.has_tools or p.has_response_format:
+            print(f"note: the local engine serves {', '.join(sorted(compiled.local_serves))} "
+                  "(grammar-constrained decoding); local.serves = true")
     return 0
 
 

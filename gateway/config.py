@@ -208,6 +208,9 @@ class LocalBackend(_Strict):
 
     type: Literal["local"]
     engine: EngineConfig = EngineConfig()
+    # Structured features the engine serves (grammar-constrained decoding);
+    # a request using one left out here cannot be served locally.
+    structured_outputs: list[Literal["response_format", "tools"]] = ["response_format", "tools"]
     prices: Prices = Prices()
     rpm: int | None = Field(None, ge=1)
     tpm: int | None = Field(None, ge=1)
@@ -334,6 +337,12 @@ class Compiled:
     @property
     def public_models(self) -> list[str]:
         return [m.name for m in self.config.models]
+
+    @property
+    def local_serves(self) -> frozenset[str]:
+        """Structured features the local backend serves (empty without one)."""
+        return frozenset(f for b in self.config.backends.values() if b.type == "local"
+                         for f in b.structured_outputs)
 
 
 def _loc(loc: tuple) -> str:

@@ -48,7 +48,7 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     compiled = snap.compiled
     tenant = authenticate(headers.get("authorization"), compiled.key_hashes)
     body = parse_json(raw)
-    p = check_request(body, endpoint, headers.get("x-priority"))
+    p = check_request(body, endpoint, headers.get("x-priority"), compiled.local_serves)
     public = compiled.model_names.get(p.model)
     if public is None:
         raise ClientError(404, f"The model '{p.model}' does not exist; available: "
@@ -63,7 +63,7 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     features = RequestFeatures(
         model=public, priority=p.priority, prompt_tokens=prompt_tokens, tenant=tenant, has_tools=p.has_tools,
         has_response_format=p.has_response_format, headers=headers, metadata=p.metadata, user=p.user,
-        request_id=request_id, stream=p.stream, max_tokens=p.max_tokens)
+        request_id=request_id, stream=p.stream, max_tokens=p.max_tokens, local_serves=p.local_unsupported is None)
     decision = decide(compiled.policy, features, snap.signals())
     if p.local_unsupported and decision.attempts:
         first = snap.backends.get(decision.attempts[0].backend)

@@ -25,11 +25,15 @@ _CHAT = {**_COMMON, "max_completion_tokens": (int,), "logprobs": (bool,), "top_l
 _COMPLETION = {**_COMMON, "logprobs": (int,), "echo": (bool,), "suffix": (str,), "best_of": (int,)}
 
 # Fields the local engine cannot serve: a request carrying one must be routed
-# upstream by a rule, or it gets a 400 naming the field.
+# upstream by a rule, or it gets a 400 naming the field. The structured
+# features a local backend is configured to serve (``structured_outputs``:
+# response_format, tools) are taken out of this list per request.
 LOCAL_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
                      "parallel_tool_calls", "logit_bias", "audio", "modalities", "prediction",
                      "web_search_options")
 _TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call")
+_SERVED_BY = {"tools": "tools", "tool_choice": "tools", "parallel_tool_calls": "tools",
+              "response_format": "response_format"}
 
 
 @dataclass
@@ -80,10 +84,10 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def _unsupported(body: dict) -> str | None:
+def _unsupported(body: dict, local_serves: frozenset[str]) -> str | None:
     for name in LOCAL_UNSUPPORTED:
         v = body.get(name)
-        if v is None or v is False or v == [] or v == {}:
+        if v is None or v is False or v == [] or v == {} or _SERVED_BY.get(name) in local_serves:
             continue
         if name == "response_format" and isinstance(v, dict) and v.get("type") == "text":
             continue
@@ -91,8 +95,12 @@ def _unsupported(body: dict) -> str | None:
     return None
 
 
-def check_request(body: dict, endpoint: str, x_priority: str | None) -> Parsed:
+def check_request(body: dict, endpoint: str, x_priority: str | None,
+                  local_serves: frozenset[str] = frozenset()) -> Parsed:
     """Check a chat (``endpoint == "chat/completions"``) or completion body.
+
+    ``local_serves``: the structured features (``response_format``,
+    ``tools``) the local engine serves; the others make ``local_unsupported``.
 
     Raises:
         ClientError: 400 naming the missing or wrongly typed parameter."""
@@ -137,13 +145,13 @@ def check_request(body: dict, endpoint: str, x_priority: str | None) -> Parsed:
     except ValueError as e:
         raise ClientError(400, str(e), param="priority", code="invalid_value") from None
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    unsupported = _unsupported(body)
+    unsupported = _unsupported(body, local_serves)
     rf = body.get("response_format")
     return Parsed(
         body=body, model=model, stream=bool(body.get("stream")), priority=priority,
         user=body.get("user") or "", metadata=body.get("metadata") or {}, max_tokens=max_tokens,
         has_tools=any(body.get(k) for k in _TOOL_FIELDS),
-        has_response_format=unsupported == "response_format" or (isinstance(rf, dict) and rf.get("type") != "text"),
+        has_response_format=rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"),
         local_unsupported=unsupported,
     )
 

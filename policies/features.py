@@ -53,6 +53,9 @@ class RequestFeatures:
         request_id: the gateway's request id (canary key of last resort).
         stream: the client asked for SSE.
         max_tokens: requested completion limit, tokens (None = unset).
+        local_serves: the local engine serves every field of the request
+            (False e.g. for ``tools`` when the local backend's
+            ``structured_outputs`` leaves them out).
     """
 
     model: str
@@ -67,6 +70,7 @@ class RequestFeatures:
     request_id: str = ""
     stream: bool = False
     max_tokens: int | None = None
+    local_serves: bool = True
 
 
 @dataclass

@@ -5,6 +5,7 @@ Fields a condition may name:
   ``model``, ``priority``, ``prompt_tokens``, ``tenant``, ``tools``,
   ``response_format``, ``stream``, ``max_tokens``, ``user``,
   ``local.waiting``, ``local.running``, ``local.kv_usage`` (percent),
+  ``local.serves`` (the local engine serves every field of the request),
   ``header.<name>`` (lower-cased), ``metadata.<key>``.
 Operators: ``eq``, ``in``, ``gt``, ``gte``, ``lt``, ``lte`` (plus ``ne``,
 ``not_in`` and ``exists`` for convenience).
@@ -18,7 +19,8 @@ from policies.features import RequestFeatures, Signals, parse_priority
 
 OPERATORS = ("eq", "ne", "in", "not_in", "gt", "gte", "lt", "lte", "exists")
 SIMPLE_FIELDS = ("model", "priority", "prompt_tokens", "tenant", "tools", "response_format",
-                 "stream", "max_tokens", "user", "local.waiting", "local.running", "local.kv_usage")
+                 "stream", "max_tokens", "user", "local.waiting", "local.running", "local.kv_usage",
+                 "local.serves")
 PREFIX_FIELDS = ("header.", "metadata.")
 
 
@@ -102,6 +104,8 @@ def feature_value(name: str, f: RequestFeatures, s: Signals) -> object:
         return f.max_tokens
     if name == "user":
         return f.user
+    if name == "local.serves":
+        return f.local_serves
     if name == "local.waiting":
         return s.local_waiting
     if name == "local.running":

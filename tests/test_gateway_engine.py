@@ -5,6 +5,7 @@ tiny random Llama. Official ``openai`` client, sync, async and streaming."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -150,19 +151,31 @@ def test_long_prompt_goes_to_the_aggregator(gateway):
     assert raw.headers["x-tandem-rule"] == "long" and raw.headers["x-tandem-backend"] == "agg"
 
 
-def test_response_format_routed_upstream_tools_refused_locally(gateway):
-    # The rule sends it to the aggregator, whose own 400 (it has no JSON mode either) is passed through
-    # after one attempt: a 4xx never falls back to the local engine.
+def test_response_format_routed_upstream_tools_served_locally(gateway):
+    # The rule sends it to the aggregator (another tandem engine, tiny random model), which constrains it too.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     r = httpx.post(gateway.url + "/v1/chat/completions", timeout=60, json={
-        "model": "smollm2", "messages": MSG, "max_tokens": 2, "response_format": {"type": "json_object"}})
+        "model": "smollm2", "messages": MSG, "max_tokens": 32, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "ok", "schema": schema}}})
     assert r.headers["x-tandem-backend"] == "agg" and r.headers["x-tandem-rule"] == "structured"
+    assert r.status_code == 200 and r.headers["x-tandem-attempts"] == "1"
+    assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"])["ok"], bool)
+    # Its own 400 for a bad schema is passed through after one attempt: a 4xx never falls back.
+    r = httpx.post(gateway.url + "/v1/chat/completions", timeout=60, json={
+        "model": "smollm2", "messages": MSG, "max_tokens": 2, "response_format": {"type": "yaml"}})
     assert r.status_code == 400 and r.headers["x-tandem-attempts"] == "1"
-    assert "response_format" in r.json()["error"]["message"]
-    with pytest.raises(openai.BadRequestError) as e:
-        client(gateway).chat.completions.create(
-            model="smollm2", messages=MSG, max_tokens=2,
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
-    assert e.value.body["param"] == "tools"
+    assert r.json()["error"]["param"] == "response_format"
+    # No rule sends tools upstream and the local backend serves them (structured_outputs defaults to
+    # [response_format, tools]): a schema-valid call from the local engine.
+    raw = client(gateway).chat.completions.with_raw_response.create(
+        model="smollm2", messages=MSG, max_tokens=64, temperature=0, tool_choice="required",
+        parallel_tool_calls=False,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}, "required": ["city"]}}}])
+    assert raw.headers["x-tandem-backend"] == "local"
+    reply = raw.parse()
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert json.loads(reply.choices[0].message.tool_calls[0].function.arguments)["city"] in ("Paris", "Lyon")
 
 
 def test_engine_validation_errors_pass_through(gateway):

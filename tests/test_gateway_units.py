@@ -23,6 +23,14 @@ def test_local_unsupported_fields_are_named():
     assert p.local_unsupported == "tools" and p.has_tools
     assert check_request({**base, "logit_bias": {"1": 2}}, "chat/completions", None).local_unsupported == "logit_bias"
     assert check_request({**base, "tools": []}, "chat/completions", None).local_unsupported is None
+    # A local backend configured to serve structured outputs takes them off the list, one by one.
+    tools = {**base, "tools": [{"type": "function"}], "tool_choice": "required", "response_format": {"type": "json_object"}}
+    assert check_request(tools, "chat/completions", None, frozenset({"tools"})).local_unsupported == "response_format"
+    assert check_request(tools, "chat/completions", None, frozenset({"response_format"})).local_unsupported == "tools"
+    p = check_request(tools, "chat/completions", None, frozenset({"tools", "response_format"}))
+    assert p.local_unsupported is None and p.has_tools and p.has_response_format
+    assert check_request({**base, "functions": [{}]}, "chat/completions", None,
+                         frozenset({"tools"})).local_unsupported == "functions"  # legacy functions: never local
 
 
 def test_priority_from_body_then_header():

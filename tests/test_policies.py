@@ -46,6 +46,8 @@ def route_of(p: Policy, f: RequestFeatures, s: Signals | None = None) -> str:
     ("tools", "eq", True, dict(has_tools=True), {}, True),
     ("tools", "eq", True, dict(has_tools=False), {}, False),
     ("response_format", "eq", True, dict(has_response_format=True), {}, True),
+    ("local.serves", "eq", False, dict(local_serves=False), {}, True),
+    ("local.serves", "eq", False, dict(local_serves=True), {}, False),
     ("local.waiting", "gt", 32, {}, dict(local_waiting=33), True),
     ("local.waiting", "gt", 32, {}, dict(local_waiting=32), False),
     ("local.running", "gte", 8, {}, dict(local_running=8), True),
@@ -257,7 +259,10 @@ def test_example_config_is_valid_and_routes_as_documented():
     assert decide(p, RequestFeatures("smollm2", prompt_tokens=5000), up).route == "aggregator"
     assert decide(p, RequestFeatures("smollm2", prompt_tokens=10), Signals(local_waiting=50)).route == "aggregator"
     assert decide(p, RequestFeatures("smollm2", prompt_tokens=10), Signals(local_kv_usage=95)).route == "aggregator"
-    assert decide(p, RequestFeatures("smollm2", has_tools=True), up).route == "aggregator"
+    # Tools stay local while the local engine serves them; a field it does not serve goes upstream.
+    tools = decide(p, RequestFeatures("smollm2", prompt_tokens=10, has_tools=True, user="u1"), up)
+    assert tools.route == "local-first" and [t.backend for t in tools.attempts][-2:] == ["deepseek", "holysheep"]
+    assert decide(p, RequestFeatures("smollm2", has_tools=True, local_serves=False), up).route == "aggregator"
     d = decide(p, RequestFeatures("smollm2", prompt_tokens=10), up)
     assert d.route == "local-first"
     canary = sum(decide(p, RequestFeatures("smollm2", prompt_tokens=10, user=f"u{i}"), up).attempts[0].backend

@@ -1,0 +1,391 @@
+"""Structured outputs and tool calls of ``/v1/chat/completions``, independent of HTTP.
+
+``plan_chat(req, tokenizer)`` reads ``response_format``, ``tools``,
+``tool_choice``, ``parallel_tool_calls`` and vLLM's ``structured_outputs``
+extra, checks them (``RequestValidationError`` naming the field at fault)
+and returns a ``ChatPlan``: the grammar for the engine, the messages and
+template arguments to render, and whether the output holds tool calls.
+
+Tool calls use one wire format, Hermes-style (Qwen2.5, Hermes 2/3)::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+- ``tool_choice: "required"``: the grammar admits only such calls (one or
+  more, separated by newlines; one when ``parallel_tool_calls`` is false);
+- ``{"type": "function", "function": {"name": X}}``: exactly one call of X;
+- ``"auto"``: free text, and once the model writes ``<tool_call>`` the grammar
+  forces a well-formed call of a known tool with arguments valid under its
+  ``parameters`` schema (xgrammar's triggered structural tags);
+- ``"none"``: no tool is offered and nothing is constrained.
+
+Templates that know tools (their source mentions ``tools``) get
+``tools=[...]`` and the messages as they are (tool-call arguments as objects,
+as transformers passes them). Other templates (SmolLM2's) get the generic
+tool prompt: ``GENERIC_TOOL_PROMPT`` appended to the system message, an
+assistant's ``tool_calls`` rendered as the ``<tool_call>`` blocks above, and a
+``role: tool`` message rendered as a user message
+``<tool_response>\\n...\\n</tool_response>``.
+
+``ToolCallParser`` turns the generated text into OpenAI's ``tool_calls``,
+incrementally (streamed ``delta.tool_calls``: id, type and name first, then
+argument fragments) or at once (the non-streamed message is the same parser
+fed the whole text, so both agree by construction).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.protocol import RequestValidationError
+from engine.sampling_params import StructuredOutputsParams
+from engine.structured_outputs import check_json_schema
+
+CALL_BEGIN = "<tool_call>"
+_NAME_PREFIX = '<tool_call>\n{"name": "'
+_ARGS_PREFIX = '", "arguments": '
+_CALL_END = "}\n</tool_call>"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+GENERIC_TOOL_PROMPT = (
+    "You can call functions. The available functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
+    "To call a function, answer with one block per call:\n"
+    '<tool_call>\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n</tool_call>'
+)
+
+
+@dataclass
+class ChatPlan:
+    """What a chat request needs beyond plain generation.
+
+    Attributes:
+        structured_outputs: the grammar, or None (unconstrained).
+        messages: the messages to render (rewritten for the generic tool
+            prompt when the template does not know tools).
+        template_kwargs: extra chat-template variables (``tools``).
+        parse_tool_calls: parse ``<tool_call>`` blocks out of the output.
+        param: the request field the grammar comes from (for errors).
+    """
+
+    structured_outputs: StructuredOutputsParams | None = None
+    messages: list[dict] = field(default_factory=list)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    parse_tool_calls: bool = False
+    param: str = "response_format"
+
+
+def _fail(param: str, message: str) -> RequestValidationError:
+    return RequestValidationError(message, param)
+
+
+def plan_chat(req, messages: list[dict], template: str | None) -> ChatPlan:
+    """Check the structured-output fields of a chat request and plan it.
+
+    Args:
+        req: the parsed ``ChatCompletionRequest``.
+        messages: its normalized messages (string contents).
+        template: the model's chat template source (None: none).
+
+    Returns:
+        The ``ChatPlan``.
+
+    Raises:
+        RequestValidationError: a field is malformed, a schema is invalid or
+            uses an unsupported feature; the message starts with the path at
+            fault and ``param`` is its top-level field.
+    """
+    tools = _check_tools(req.tools) if req.tools else []
+    choice = _tool_choice(req.tool_choice, tools)
+    fmt = _response_format(req.response_format)
+    extra = structured_outputs_extra(req.structured_outputs)
+    if sum(x is not None for x in (fmt, extra)) + (choice != "none") > 1:
+        raise _fail("response_format", "response_format: cannot be combined with structured_outputs or with "
+                                       "tools (unless tool_choice is \"none\")")
+    plan = ChatPlan(structured_outputs=fmt or extra, messages=messages,
+                    param="structured_outputs" if extra is not None else "response_format")
+    knows_tools = bool(template) and "tools" in template
+    if choice != "none":
+        plan.structured_outputs = StructuredOutputsParams(
+            structural_tag=_tool_grammar(tools, choice, req.parallel_tool_calls is not False))
+        plan.parse_tool_calls = True
+        plan.param = "tools"
+    if knows_tools:
+        plan.messages = [_arguments_as_objects(m) for m in messages]
+        if choice != "none":
+            plan.template_kwargs["tools"] = tools
+    elif choice != "none" or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+        plan.messages = _generic_tool_messages(messages, tools if choice != "none" else [])
+    return plan
+
+
+def _check_tools(tools: list) -> list[dict]:
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise _fail("tools", f"{where}.type: must be \"function\"")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise _fail("tools", f"{where}.function: must be an object")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise _fail("tools", f"{where}.function.name: must be 1-64 letters, digits, '_' or '-', got {name!r}")
+        params = fn.get("parameters", _EMPTY_PARAMETERS)
+        try:
+            check_json_schema(params, where=f"{where}.function.parameters")
+        except ValueError as exc:
+            raise _fail("tools", str(exc)) from None
+        out.append({"type": "function", "function": {**fn, "parameters": params}})
+    names = [t["function"]["name"] for t in out]
+    if len(set(names)) != len(names):
+        raise _fail("tools", "tools: function names must be unique")
+    return out
+
+
+def _tool_choice(choice: Any, tools: list[dict]) -> str:
+    """"none", "auto", "required" or the forced function's name."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if not tools and choice != "none":
+        raise _fail("tool_choice", "tool_choice: is only allowed when tools are given")
+    if choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name in {t["function"]["name"] for t in tools}:
+            return name
+        raise _fail("tool_choice", f"tool_choice.function.name: {name!r} is not one of the tools")
+    raise _fail("tool_choice", 'tool_choice: must be "none", "auto", "required" or '
+                               '{"type": "function", "function": {"name": ...}}')
+
+
+def _response_format(fmt: dict | None) -> StructuredOutputsParams | None:
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise _fail("response_format", f"response_format.type: must be text, json_object or json_schema, "
+                                       f"got {kind!r}")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _fail("response_format", "response_format.json_schema: must be an object with name and schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise _fail("response_format", f"response_format.json_schema.name: must be 1-64 letters, digits, '_' or "
+                                       f"'-', got {name!r}")
+    schema = spec.get("schema", {"type": "object"})
+    try:
+        check_json_schema(schema, where="response_format.json_schema.schema")
+    except ValueError as exc:
+        raise _fail("response_format", str(exc)) from None
+    return StructuredOutputsParams(json=schema)
+
+
+def structured_outputs_extra(extra: dict | None) -> StructuredOutputsParams | None:
+    """vLLM's ``structured_outputs`` body field (chat and completions):
+    ``{"json" | "regex" | "choice": ...}``, or None when absent.
+
+    Raises:
+        RequestValidationError: malformed, or an invalid/unsupported schema
+            (``param`` = "structured_outputs").
+    """
+    if extra is None:
+        return None
+    if not isinstance(extra, dict):
+        raise _fail("structured_outputs", "structured_outputs: must be an object")
+    known = {k: v for k, v in extra.items() if k in ("json", "regex", "choice") and v is not None}
+    if len(known) != 1 or len(known) != len([v for v in extra.values() if v is not None]):
+        raise _fail("structured_outputs", "structured_outputs: exactly one of json, regex, choice is supported")
+    try:
+        if "json" in known:
+            check_json_schema(known["json"], where="structured_outputs.json")
+        return StructuredOutputsParams(**known)
+    except ValueError as exc:
+        raise _fail("structured_outputs", str(exc)) from None
+
+
+def _tool_tag(tool: dict) -> dict:
+    fn = tool["function"]
+    return {"type": "tag", "begin": f'{_NAME_PREFIX}{fn["name"]}{_ARGS_PREFIX}',
+            "content": {"type": "json_schema", "json_schema": fn["parameters"], "max_whitespace_cnt": 1},
+            "end": _CALL_END}
+
+
+def _tool_grammar(tools: list[dict], choice: str, parallel: bool) -> str:
+    """xgrammar structural-tag JSON for the tool choice."""
+    tags = [_tool_tag(t) for t in tools]
+    if choice == "auto":
+        fmt = {"type": "triggered_tags", "triggers": [CALL_BEGIN], "tags": tags, "at_least_one": False,
+               "stop_after_first": not parallel}
+    elif choice == "required":
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+               "stop_after_first": not parallel}
+    else:
+        fmt = next(tag for tag, t in zip(tags, tools) if t["function"]["name"] == choice)
+    return json.dumps({"type": "structural_tag", "format": fmt})
+
+
+def _arguments_as_objects(message: dict) -> dict:
+    """Tool-call arguments as objects (what tool-aware templates expect)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = []
+    for call in calls:
+        fn = dict(call.get("function") or {})
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except json.JSONDecodeError:
+                pass
+        out.append({**call, "function": fn})
+    return {**message, "tool_calls": out}
+
+
+def render_tool_call(name: str, arguments: Any) -> str:
+    """One call in the wire format (``arguments``: object or JSON text)."""
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return f"{_NAME_PREFIX}{name}{_ARGS_PREFIX}{args}{_CALL_END}"
+
+
+def _generic_tool_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """Messages for a template without tool support (see the module doc)."""
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise _fail("messages", f"messages[{i}].tool_call_id: required for a tool message")
+            out.append({"role": "user", "content": f"<tool_response>\n{m.get('content', '')}\n</tool_response>"})
+        elif role == "assistant" and m.get("tool_calls"):
+            blocks = [render_tool_call((c.get("function") or {}).get("name", ""),
+                                       (c.get("function") or {}).get("arguments", "{}")) for c in m["tool_calls"]]
+            text = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
+            out.append({"role": "assistant", "content": text})
+        else:
+            out.append({"role": role, "content": m.get("content", "")})
+    if tools:
+        prompt = GENERIC_TOOL_PROMPT.format(tools="\n".join(json.dumps(t["function"]) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}".strip()}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+class ToolCallParser:
+    """Splits generated text into content and OpenAI tool calls, incrementally.
+
+    ``feed(text)`` returns the delta messages the new text completes (each
+    ``{"content": str}`` or ``{"tool_calls": [{"index", ...}]}``); ``finish()``
+    returns the rest. Content is the text outside calls with leading and
+    trailing whitespace removed; a call whose output was cut (``length``)
+    keeps the arguments generated so far.
+    """
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._mode = "text"  # "text" | "name" | "args"
+        self._pending_ws = ""
+        self._started = False
+        self.calls: list[dict] = []
+
+    def feed(self, text: str) -> list[dict]:
+        """Deltas completed by ``text`` (may be empty)."""
+        self._buf += text
+        out: list[dict] = []
+        while True:
+            if self._mode == "text":
+                at = self._buf.find(CALL_BEGIN)
+                if at < 0:
+                    keep = _partial_suffix(self._buf, CALL_BEGIN)
+                    self._content(self._buf[: len(self._buf) - keep], out)
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return out
+                self._content(self._buf[:at], out)
+                self._buf = self._buf[at:]
+                self._mode = "name"
+            elif self._mode == "name":
+                end = self._buf.find(_ARGS_PREFIX)
+                if not (_NAME_PREFIX.startswith(self._buf) if len(self._buf) < len(_NAME_PREFIX)
+                        else self._buf.startswith(_NAME_PREFIX)):
+                    self._mode = "text"  # not our format after all: plain text
+                    self._content(self._buf[: len(CALL_BEGIN)], out)
+                    self._buf = self._buf[len(CALL_BEGIN):]
+                    continue
+                if end < 0:
+                    return out
+                name = self._buf[len(_NAME_PREFIX):end]
+                call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                        "function": {"name": name, "arguments": ""}}
+                self.calls.append(call)
+                out.append({"tool_calls": [{"index": len(self.calls) - 1, "id": call["id"], "type": "function",
+                                            "function": {"name": name, "arguments": ""}}]})
+                self._buf = self._buf[end + len(_ARGS_PREFIX):]
+                self._mode = "args"
+            else:
+                end = self._buf.find(_CALL_END)
+                upto = end if end >= 0 else len(self._buf) - _partial_suffix(self._buf, _CALL_END)
+                self._args(self._buf[:upto], out)
+                if end < 0:
+                    self._buf = self._buf[upto:]
+                    return out
+                self._buf = self._buf[end + len(_CALL_END):]
+                self._mode = "text"
+
+    def finish(self) -> list[dict]:
+        """Deltas for the text held back at the end of the output."""
+        out: list[dict] = []
+        if self._mode == "args":
+            self._args(self._buf, out)
+        elif self._buf:
+            self._content(self._buf, out)
+        self._buf = ""
+        return out
+
+    def _content(self, text: str, out: list[dict]) -> None:
+        if not text:
+            return
+        stripped = text.rstrip()
+        if not stripped:
+            if self._started:
+                self._pending_ws += text
+            return
+        if not self._started:
+            stripped = stripped.lstrip()
+            self._started = True
+            out.append({"content": stripped})
+        else:
+            out.append({"content": self._pending_ws + stripped})
+        self._pending_ws = text[len(text.rstrip()):]
+
+    def _args(self, text: str, out: list[dict]) -> None:
+        if text:
+            self.calls[-1]["function"]["arguments"] += text
+            out.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": text}}]})
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """The whole output as (content or None, tool calls)."""
+    parser = ToolCallParser()
+    deltas = parser.feed(text) + parser.finish()
+    content = "".join(d["content"] for d in deltas if "content" in d)
+    return content or None, parser.calls
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0

@@ -1,0 +1,230 @@
+"""Structured outputs and tool calls on ``tandem engine serve``, end to end
+through the official ``openai`` client against a live server (SmolLM2).
+
+The 20 schemas of ``tests/data/json_schemas.json`` are real shapes (nested
+objects, arrays with min/max items, enums, required/optional fields, bounded
+numbers, patterned strings, ``$ref``, ``anyOf``, nullable, a top-level array);
+each one is asked greedy and sampled, streamed and not, all at once (the
+engine batches them), and every output must parse and validate with
+``jsonschema``. Every response is re-validated against the SDK's types.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from engine.chat_structured import GENERIC_TOOL_PROMPT, plan_chat
+from engine.protocol import ChatCompletionRequest, parse_request
+from engine.tokenizer import _compile_template
+from tests.test_serving import LiveServer, start_server
+
+SCHEMAS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+                   "required": ["zone"]}}}
+TOOLS = [WEATHER_TOOL, TIME_TOOL]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    # Without prefix caching a repeated greedy request recomputes the same way (streamed == non-streamed).
+    s = start_server(dtype="bfloat16", kv_cache_memory="256MiB", max_model_len=2048, enable_prefix_caching=False)
+    yield s
+    s.stop()
+
+
+def chat(s: LiveServer, **kw) -> ChatCompletion:
+    raw = s.client.chat.completions.with_raw_response.create(model=s.model, **kw)
+    return ChatCompletion.model_validate_json(raw.http_response.text)
+
+
+def chat_stream(s: LiveServer, **kw) -> list[ChatCompletionChunk]:
+    return [ChatCompletionChunk.model_validate(c.to_dict())
+            for c in s.client.chat.completions.create(model=s.model, stream=True, **kw)]
+
+
+def reassemble(chunks: list[ChatCompletionChunk]) -> tuple[str | None, list[dict], str | None]:
+    """(content, tool calls, finish_reason) of choice 0 from streamed deltas,
+    checking OpenAI's delta shape: a call's first delta carries its id, type
+    and name, the later ones only argument fragments."""
+    content, calls, finish = "", [], None
+    for chunk in chunks:
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                if tc.index == len(calls):
+                    assert tc.id and tc.type == "function" and tc.function.name
+                    calls.append({"name": tc.function.name, "arguments": tc.function.arguments or ""})
+                else:
+                    assert tc.index == len(calls) - 1 and tc.id is None and tc.function.name is None
+                    calls[-1]["arguments"] += tc.function.arguments
+            finish = ch.finish_reason or finish
+    return content or None, calls, finish
+
+
+def ask_schema(s: LiveServer, name: str, schema: dict, *, stream: bool, temperature: float) -> tuple[str, str]:
+    kw = dict(messages=[{"role": "user", "content": f"Give an example of a {name.replace('_', ' ')} as JSON."}],
+              max_tokens=200, temperature=temperature, seed=1234,
+              response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}})
+    if stream:
+        content, calls, finish = reassemble(chat_stream(s, **kw))
+        assert not calls
+        return content or "", finish
+    reply = chat(s, **kw)
+    return reply.choices[0].message.content, reply.choices[0].finish_reason
+
+
+@pytest.mark.slow
+def test_twenty_schemas_greedy_and_sampled_streamed_and_not_all_validate(server):
+    jobs = []
+    for i, (name, schema) in enumerate(SCHEMAS.items()):
+        jobs.append((name, schema, i % 2 == 0, 0.0))  # greedy: streamed for even schemas, not for odd ones
+        jobs.append((name, schema, i % 2 == 1, 0.8))  # sampled: the other way round
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda j: ask_schema(server, j[0], j[1], stream=j[2], temperature=j[3]), jobs))
+    for (name, schema, stream, temperature), (text, finish) in zip(jobs, results):
+        assert finish == "stop", (name, stream, temperature, text)
+        jsonschema.validate(json.loads(text), schema)
+    assert len(SCHEMAS) == 20
+
+
+@pytest.mark.slow
+def test_json_object_and_vllm_choice_and_regex(server):
+    reply = chat(server, messages=[{"role": "user", "content": 'Return a JSON object with the key "capital" for France.'}],
+                 max_tokens=48, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    reply = chat(server, messages=[{"role": "user", "content": "Is Paris in France?"}], max_tokens=4,
+                 extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert reply.choices[0].message.content in ("yes", "no")
+    reply = chat(server, messages=[{"role": "user", "content": "A phone number?"}], max_tokens=12,
+                 extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    assert len(reply.choices[0].message.content) == 8 and reply.choices[0].message.content[3] == "-"
+    done = server.client.completions.create(model=server.model, prompt="The capital of France is", max_tokens=6,
+                                            extra_body={"structured_outputs": {"choice": [" Paris", " Lyon"]}})
+    assert done.choices[0].text in (" Paris", " Lyon")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("body, param, needle", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"age": {"type": "integer", "maximum": "old"}}}}}},
+     "response_format", "response_format.json_schema.schema.properties.age.maximum: invalid JSON schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}},
+     "response_format", "response_format.json_schema.schema.properties.tags: unsupported schema feature 'uniqueItems'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+     "response_format", "response_format.json_schema.name"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"if": {"type": "string"}}}}}}]}, "tools", "tools[0].function.parameters.properties.a: unsupported"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "'nope' is not one of the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "only allowed when tools are given"),
+    ({"extra": {"structured_outputs": {"regex": "(("}}}, "structured_outputs", "regex"),
+])
+def test_bad_structured_requests_get_400_naming_the_part(server, body, param, needle):
+    body = {"model": server.model, "messages": ASK_WEATHER, "max_tokens": 4, **body}
+    body.update(body.pop("extra", {}))
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"], err
+    assert err["type"] == "invalid_request_error"
+
+
+def _check_call(call: dict) -> None:
+    jsonschema.validate(json.loads(call["arguments"]), PARAMETERS[call["name"]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_required_and_named_tool_choice_yield_valid_calls_streamed_like_non_streamed(server, tool_choice):
+    kw = dict(messages=ASK_WEATHER, tools=TOOLS, tool_choice=tool_choice, max_tokens=96, temperature=0)
+    reply = chat(server, **kw)
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "tool_calls" and message.tool_calls
+    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls]
+    for call, raw in zip(calls, message.tool_calls):
+        _check_call(call)
+        assert raw.type == "function" and raw.id.startswith("call_")
+    if isinstance(tool_choice, dict):
+        assert [c["name"] for c in calls] == ["get_time"]
+    content, streamed, finish = reassemble(chat_stream(server, **kw))
+    assert (content, streamed, finish) == (message.content, calls, "tool_calls")
+
+    sampled = chat(server, **{**kw, "temperature": 0.9, "seed": 7, "n": 3})
+    for choice in sampled.choices:
+        assert choice.finish_reason == "tool_calls"
+        for c in choice.message.tool_calls:
+            _check_call({"name": c.function.name, "arguments": c.function.arguments})
+
+
+@pytest.mark.slow
+def test_auto_tool_choice_yields_text_or_a_valid_call(server):
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda ts: chat(server, messages=ASK_WEATHER, tools=TOOLS, max_tokens=64,
+                                                temperature=ts[0], seed=ts[1]), ((0.0, None), (1.0, 3), (1.0, 4))))
+    for reply in replies:
+        choice = reply.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            for c in choice.message.tool_calls:
+                _check_call({"name": c.function.name, "arguments": c.function.arguments})
+        else:
+            assert choice.finish_reason in ("stop", "length") and choice.message.content
+
+
+@pytest.mark.slow
+def test_tool_result_round_trip(server):
+    history = ASK_WEATHER + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 degrees, sunny"},
+    ]
+    reply = chat(server, messages=history, tools=TOOLS, tool_choice="none", max_tokens=16, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="tool_call_id"):
+        chat(server, messages=history[:2] + [{"role": "tool", "content": "x"}], tools=TOOLS, max_tokens=4)
+
+
+def test_generic_tool_prompt_renders_calls_and_results():
+    """A template without tool support (ChatML, like SmolLM2's) gets the
+    documented generic prompt, calls as <tool_call> blocks, results as
+    <tool_response> user turns."""
+    chatml = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    messages = ASK_WEATHER + [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 degrees"},
+    ]
+    req = parse_request({"messages": messages, "tools": TOOLS}, ChatCompletionRequest)
+    plan = plan_chat(req, messages, chatml)
+    text = _compile_template(chatml).render(messages=plan.messages, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n" + GENERIC_TOOL_PROMPT.split("{tools}")[0])
+    assert '"name": "get_time"' in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris", "unit": "celsius"}}\n</tool_call><|im_end|>') in text
+    assert "<|im_start|>user\n<tool_response>\n22 degrees\n</tool_response><|im_end|>" in text
+    assert plan.parse_tool_calls and plan.structured_outputs.structural_tag
+    # a template that knows tools gets them as a variable, and the messages as they are
+    aware = "{{ tools | length }}" + chatml
+    plan = plan_chat(req, messages, aware)
+    assert plan.template_kwargs["tools"] == TOOLS and plan.messages[2]["role"] == "tool"
+    assert plan.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "celsius"}

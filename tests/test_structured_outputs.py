@@ -1,0 +1,138 @@
+"""Grammar-constrained decoding in the engine (engine/structured_outputs.py,
+the sampler's bitmask hook, the engine's matcher bookkeeping).
+
+The bitmask and schema checks are unit tests; the rest runs the real
+SmolLM2 model offline (``LLM``), where output validity is what matters.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.structured_outputs import GrammarBitmask, apply_token_bitmask, check_json_schema
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 2},
+    },
+    "required": ["name", "age", "hobbies"],
+}
+PHONE = r"\d{3}-\d{4}"
+ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+CAPITAL = [{"role": "user", "content": 'Return a JSON object with the key "capital" for France.'}]
+PLAIN = [[{"role": "user", "content": "What is the capital of France?"}],
+         [{"role": "user", "content": "Name three colours."}]]
+
+
+def _bits(vocab: int, allowed: list[int]) -> torch.Tensor:
+    words = torch.zeros((vocab + 31) // 32, dtype=torch.int64)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return words.to(torch.int32).unsqueeze(0)  # bit 31 wraps to a negative int32, as xgrammar's
+
+
+def test_apply_token_bitmask_touches_only_constrained_rows():
+    logits = torch.randn(3, 70)
+    mask = GrammarBitmask(rows=[1], bitmask=_bits(70, [2, 31, 69]))
+    out = apply_token_bitmask(logits, mask)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    finite = torch.isfinite(out[1]).nonzero().flatten().tolist()
+    assert finite == [2, 31, 69]
+    assert torch.equal(out[1, finite], logits[1, finite])
+    assert torch.isfinite(logits).all()  # not modified in place
+
+
+def test_check_json_schema_names_the_offending_part():
+    bad_type = {"type": "object", "properties": {"age": {"type": "integer", "minimum": "zero"}}}
+    with pytest.raises(ValueError, match=r"^schema\.properties\.age\.minimum: invalid JSON schema"):
+        check_json_schema(bad_type)
+    with pytest.raises(ValueError, match=r"schema\.properties\.tags: unsupported schema feature 'uniqueItems'"):
+        check_json_schema({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}})
+    with pytest.raises(ValueError, match=r"schema\.anyOf\[1\]: unsupported schema feature 'not'"):
+        check_json_schema({"anyOf": [{"type": "string"}, {"not": {"type": "null"}}]})
+    with pytest.raises(ValueError, match="remote reference"):
+        check_json_schema({"properties": {"a": {"$ref": "https://example.com/s.json"}}})
+    check_json_schema(PERSON)  # a supported schema passes
+    check_json_schema({"type": "object", "properties": {"enum": {"enum": [{"not": 1}]}}})  # values are not schemas
+
+
+def test_structured_outputs_params_need_exactly_one_spec():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    a = StructuredOutputsParams(json={"type": "object", "required": ["a"]})
+    b = StructuredOutputsParams(json={"required": ["a"], "type": "object"})
+    assert a.key() == b.key() and a.kind == "json"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from engine.llm import LLM
+
+    return LLM(dtype="float32", kv_cache_memory="128MiB")
+
+
+def _params(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 64), **kw)  # PERSON needs at most ~50 tokens
+
+
+@pytest.mark.slow
+def test_constrained_rows_follow_their_grammar_and_leave_unconstrained_rows_unchanged(llm):
+    plain = [_params(temperature=0, max_tokens=24), _params(temperature=0.8, seed=7, max_tokens=24)]
+    alone = [o.outputs[0].token_ids for o in llm.chat(PLAIN, plain)]
+
+    constrained = [
+        _params(temperature=0, structured_outputs=StructuredOutputsParams(json=PERSON)),
+        _params(temperature=0.8, seed=3, structured_outputs=StructuredOutputsParams(json=PERSON)),
+        _params(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=PHONE)),
+        _params(temperature=0.9, seed=5, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+        _params(temperature=0.7, seed=1, n=2, max_tokens=48, structured_outputs=StructuredOutputsParams(json_object=True)),
+    ]
+    outs = llm.chat([PLAIN[0], ASK, ASK, PLAIN[1], ASK, ASK, CAPITAL],
+                    [plain[0], *constrained[:2], plain[1], *constrained[2:]])
+    assert [outs[0].outputs[0].token_ids, outs[3].outputs[0].token_ids] == alone
+    for out in (outs[1], outs[2]):
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+    assert re.fullmatch(PHONE, outs[4].outputs[0].text)
+    assert outs[5].outputs[0].text in ("yes", "no")
+    for choice in outs[6].outputs:
+        assert choice.finish_reason == "stop" and isinstance(json.loads(choice.text), dict)
+    assert not llm.engine.structured_outputs._matchers  # every matcher freed with its request
+
+
+@pytest.mark.slow
+def test_preempted_constrained_requests_resume_their_grammar():
+    from engine.llm import LLM
+
+    small = LLM(dtype="float32", kv_cache_memory="8MiB", max_num_seqs=8)  # ~11 blocks of 16 tokens
+    params = [_params(temperature=0, structured_outputs=StructuredOutputsParams(json=PERSON)),
+              _params(temperature=0.8, seed=11, structured_outputs=StructuredOutputsParams(json=PERSON))] * 2
+    outs = small.chat([ASK] * 4, params)
+    assert small.engine.get_stats().num_preemptions > 0
+    for out in outs:
+        jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+    assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids  # greedy: same with or without preemption
+    assert outs[1].outputs[0].token_ids == outs[3].outputs[0].token_ids  # same seed, same draws
+
+
+@pytest.mark.slow
+def test_invalid_schema_is_refused_before_anything_is_queued(llm):
+    bad = _params(structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"a": {"not": {}}}}))
+    with pytest.raises(ValueError, match="unsupported schema feature 'not'"):
+        llm.chat(ASK, bad)
+    with pytest.raises(ValueError, match="regex"):
+        llm.chat(ASK, _params(structured_outputs=StructuredOutputsParams(regex="((")))
+    assert not llm.engine.has_unfinished_requests()
