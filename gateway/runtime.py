@@ -1,6 +1,6 @@
 """The running gateway: the current config snapshot, its backends, config
 versions (reload, weights, rollback, Redis propagation), file watching and
-drain. The request path (``gateway/pipeline.py``) reads ``gateway.snapshot``
+drain. The request path (``gateway/request/pipeline.py``) reads ``gateway.snapshot``
 once per request, so a swap never affects requests already running.
 """
 
@@ -12,12 +12,12 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from gateway.config import Compiled, ConfigError, load_config_text
-from gateway.local import LocalBackend
-from gateway.resilience import Resilience
-from gateway.telemetry import Observability
-from gateway.upstream import UpstreamBackend
-from gateway.versions import ConfigState, MemoryLedger, RedisLedger
+from gateway.config.schema import Compiled, ConfigError, load_config_text
+from gateway.backends.local import LocalBackend
+from gateway.resilience.layer import Resilience
+from gateway.observability.telemetry import Observability
+from gateway.backends.upstream import UpstreamBackend
+from gateway.config.versions import ConfigState, MemoryLedger, RedisLedger
 from policies import Signals
 
 log = logging.getLogger("tandem.gateway")

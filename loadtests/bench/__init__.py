@@ -1,0 +1,1 @@
+"""Benchmarks of the gateway (run with ``python -m loadtests.bench.NAME``)."""
