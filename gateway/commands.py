@@ -1,6 +1,6 @@
 """The gateway's ``tandem`` sub-commands: ``serve``, ``route explain``,
 ``ctl`` (reload, rollback, weights, drain, config via the admin API), and
-``usage`` / ``cost estimate`` (from ``gateway/billing/usage.py``)."""
+``usage`` / ``cost estimate`` (from ``gateway/billing/commands.py``)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def register(subparsers) -> None:
     w.add_argument("weights", nargs="+", metavar="TARGET=PCT")
     w.set_defaults(func=_ctl, path="/admin/weights")
 
-    from gateway.billing.usage import register as register_usage   # `tandem usage`, `tandem cost estimate`
+    from gateway.billing.commands import register as register_usage   # `tandem usage`, `tandem cost estimate`
     register_usage(subparsers)
 
 
@@ -60,7 +60,7 @@ def _serve(args) -> int:
 
 
 def _explain(args) -> int:
-    from gateway.config.schema import load_config_or_report
+    from gateway.config.compile import load_config_or_report
     from gateway.request.validate import check_request, estimate_prompt_tokens
     from gateway.errors import ClientError
     from policies import RequestFeatures, Signals, decide

@@ -12,7 +12,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from gateway.config.schema import Compiled, ConfigError, load_config_text
+from gateway.config.compile import Compiled, load_config_text
+from gateway.config.schema import ConfigError
 from gateway.backends.local import LocalBackend
 from gateway.resilience.layer import Resilience
 from gateway.observability.telemetry import Observability

@@ -16,7 +16,8 @@ import uvicorn
 
 from gateway.http.app import create_app
 from gateway.request.auth import is_loopback
-from gateway.config.schema import ConfigError, load_config_or_report
+from gateway.config.compile import load_config_or_report
+from gateway.config.schema import ConfigError
 from gateway.runtime import Gateway
 
 log = logging.getLogger("tandem.gateway")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config.schema import ConfigError, load_config_text
+from gateway.config.compile import load_config_text
+from gateway.config.schema import ConfigError
 from policies import (Condition, Match, Policy, RequestFeatures, Route, Rule, Signals, Target, decide, hash_unit,
                       parse_priority, pick_target, with_weights)
 from policies.rules import evaluate

@@ -19,7 +19,7 @@ async def test_colocated_engine_metrics_and_spans(tiny_model):  # noqa: F811
     from opentelemetry.trace import SpanKind
 
     from gateway.http.app import create_app
-    from gateway.config.schema import load_config_text
+    from gateway.config.compile import load_config_text
     from gateway.runtime import Gateway
     from gateway.observability.telemetry import Tracing
 

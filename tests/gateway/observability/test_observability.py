@@ -265,7 +265,7 @@ async def test_genai_spans_and_metrics(ups, monkeypatch):
     from opentelemetry.trace import SpanKind
 
     from gateway.http.app import create_app
-    from gateway.config.schema import load_config_text
+    from gateway.config.compile import load_config_text
     from gateway.runtime import Gateway
     from gateway.observability.telemetry import Tracing
 
