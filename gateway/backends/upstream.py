@@ -24,7 +24,7 @@ from httpx_aiohttp.transport import map_aiohttp_exceptions
 from gateway.config.schema import OpenAIBackendConfig
 from gateway.errors import BackendError
 from gateway.resilience.attempts import parse_retry_after
-from gateway.observability.telemetry import current_traceparent
+from gateway.observability.tracing import current_traceparent
 
 log = logging.getLogger("tandem.gateway.upstream")
 logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request is hot-path cost

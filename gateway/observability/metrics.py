@@ -32,8 +32,13 @@ With the local engine co-located, the engine's ``vllm:*`` metrics
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
+
+from engine.metrics import EngineMetrics
 
 # Seconds. End-to-end and upstream latency of LLM calls span milliseconds to minutes.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -42,33 +47,40 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 1
 BREAKER_VALUES = {"closed": 0, "half_open": 1, "half-open": 1, "open": 2}
 
 
-class _Live:
-    """Scrape-time gauges: read from the gateway, and from ``cache`` (breaker
-    states and budgets, refreshed asynchronously just before each scrape)."""
+@dataclass(frozen=True)
+class LiveGauges:
+    """The gateway's state read at scrape time: requests in flight, Redis degraded, the active config version."""
 
-    def __init__(self, gw, cache: dict):
-        self.gw = gw
+    in_flight: int = 0
+    redis_degraded: bool = False
+    config_version: int | None = None
+    config_source: str = ""
+
+
+class _Live:
+    """Scrape-time gauges: ``live()`` (read at each scrape) and ``cache`` (breaker states and budgets, refreshed
+    asynchronously just before each scrape)."""
+
+    def __init__(self, live: Callable[[], LiveGauges], cache: dict):
+        self.live = live
         self.cache = cache
 
     def describe(self):
         return []
 
     def collect(self):
-        gw = self.gw
+        now = self.live()
         g = GaugeMetricFamily("tandem_requests_in_flight", "Requests being served (streams until their end).")
-        g.add_metric([], float(getattr(gw, "in_flight", 0)))
+        g.add_metric([], float(now.in_flight))
         yield g
-        res = getattr(gw, "resilience", None)
-        degraded = bool(getattr(gw, "redis_degraded", False)) or bool(getattr(res, "degraded", False))
         g = GaugeMetricFamily("tandem_redis_degraded", "1 while Redis is configured but unreachable "
                                                        "(serving on in-process state).")
-        g.add_metric([], 1.0 if degraded else 0.0)
+        g.add_metric([], 1.0 if now.redis_degraded else 0.0)
         yield g
-        snap = getattr(gw, "snapshot", None)
         g = GaugeMetricFamily("tandem_config_info", "The active config version (value 1).",
                               labels=["version", "source"])
-        if snap is not None:
-            g.add_metric([str(snap.version), str(snap.source)], 1.0)
+        if now.config_version is not None:
+            g.add_metric([str(now.config_version), str(now.config_source)], 1.0)
         yield g
         g = GaugeMetricFamily("tandem_breaker_state", "Circuit breaker per target: 0 closed, 1 half-open, 2 open.",
                               labels=["backend", "target"])
@@ -90,13 +102,13 @@ class GatewayMetrics:
 
     Args:
         registry: this app's ``CollectorRegistry``.
-        gw: the ``gateway.runtime.Gateway`` (read at scrape time).
+        live: returns the gateway's ``LiveGauges`` (called at scrape time).
     """
 
-    def __init__(self, registry: CollectorRegistry, gw) -> None:
+    def __init__(self, registry: CollectorRegistry, live: Callable[[], LiveGauges] = LiveGauges) -> None:
         self.registry = registry
         self.cache: dict = {"breakers": {}, "budgets": {}}
-        registry.register(_Live(gw, self.cache))
+        registry.register(_Live(live, self.cache))
         r = registry
         self.requests = Counter("tandem_requests", "Finished requests.",
                                 ["model", "route", "backend", "status", "attempt"], registry=r)
@@ -140,8 +152,6 @@ class GatewayMetrics:
             return
         if self._engine_obj is not None:      # a new engine (restart): its metrics cannot be re-registered
             return
-        from engine.metrics import EngineMetrics
-
         self._engine_obj = engine
         self.engine = EngineMetrics(self.registry, engine, local.served_model_name or engine.served_model_name)
         self.engine.attach()

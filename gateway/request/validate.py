@@ -3,7 +3,8 @@ or wrongly typed parameters become 400 errors naming the parameter."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -32,10 +33,20 @@ LOCAL_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "resp
 _TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call")
 
 
-@dataclass
-class Parsed:
-    """The checked body plus what routing needs from it."""
+@dataclass(frozen=True, slots=True)
+class GatewayRequest:
+    """One request, built once by validation and read (never re-parsed) by every later step: routing features,
+    admission, dispatch, observability.
 
+    endpoint: "chat/completions" | "completions". body: the client's parsed JSON (not mutated). model: the model
+    as the client wrote it; public_model: its canonical public name. priority: smaller = more urgent.
+    max_tokens: ``max_completion_tokens`` when set, else ``max_tokens`` (None: unset), the engine's rule.
+    prompt_tokens: the prompt's length in tokens, counted once (the local engine's tokenizer with the chat
+    template, else ``estimate_prompt_tokens``). local_unsupported: a field the local engine cannot serve.
+    headers: lower-case names -> values.
+    """
+
+    endpoint: str
     body: dict
     model: str
     stream: bool
@@ -46,6 +57,11 @@ class Parsed:
     has_tools: bool
     has_response_format: bool
     local_unsupported: str | None
+    public_model: str = ""
+    tenant: str = ""
+    request_id: str = ""
+    prompt_tokens: int | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -91,8 +107,9 @@ def _unsupported(body: dict) -> str | None:
     return None
 
 
-def check_request(body: dict, endpoint: str, x_priority: str | None) -> Parsed:
-    """Check a chat (``endpoint == "chat/completions"``) or completion body.
+def check_request(body: dict, endpoint: str, x_priority: str | None, **identity) -> GatewayRequest:
+    """Check a chat (``endpoint == "chat/completions"``) or completion body; the request value with
+    ``identity`` (``public_model``, ``tenant``, ``request_id``, ``prompt_tokens``, ``headers``).
 
     Raises:
         ClientError: 400 naming the missing or wrongly typed parameter."""
@@ -136,16 +153,17 @@ def check_request(body: dict, endpoint: str, x_priority: str | None) -> Parsed:
         priority = 0 if raw_priority is None else parse_priority(raw_priority)
     except ValueError as e:
         raise ClientError(400, str(e), param="priority", code="invalid_value") from None
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
     unsupported = _unsupported(body)
     rf = body.get("response_format")
-    return Parsed(
-        body=body, model=model, stream=bool(body.get("stream")), priority=priority,
+    return GatewayRequest(
+        endpoint=endpoint, body=body, model=model, stream=bool(body.get("stream")), priority=priority,
         user=body.get("user") or "", metadata=body.get("metadata") or {}, max_tokens=max_tokens,
         has_tools=any(body.get(k) for k in _TOOL_FIELDS),
         has_response_format=unsupported == "response_format" or (isinstance(rf, dict) and rf.get("type") != "text"),
-        local_unsupported=unsupported,
-    )
+        local_unsupported=unsupported, **identity)
 
 
 def estimate_prompt_tokens(body: dict) -> int:

@@ -42,7 +42,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
-from gateway.errors import error_body
+from gateway.errors import error_body, transport_error_kind
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
 from gateway.sse import DONE, EventReader, classify, error_event, event
 
@@ -203,18 +203,14 @@ def _is_context_length_error(status: int, body: bytes) -> bool:
     return err.get("code") == "context_length_exceeded" or bool(_CONTEXT_RE.search(str(err.get("message", ""))))
 
 
-def _classify_exception(exc: BaseException) -> _Failure:
-    """Map a transport exception of httpx, aiohttp or asyncio to a transient failure."""
-    import httpx
+_FAILURE_MESSAGES = {"timeout": "upstream timed out", "connect_error": "cannot connect to upstream",
+                     "connection_error": "upstream connection failed", "error": "upstream call failed"}
 
-    name = type(exc).__name__
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError, httpx.TimeoutException)) or "Timeout" in name:
-        return _Failure("timeout", f"upstream timed out ({name})")
-    if isinstance(exc, (httpx.ConnectError, ConnectionRefusedError)) or "Connector" in name:
-        return _Failure("connect_error", f"cannot connect to upstream ({name})")
-    if isinstance(exc, (httpx.TransportError, ConnectionError, OSError)) or name.startswith(("Client", "Server")):
-        return _Failure("connection_error", f"upstream connection failed ({name})")
-    return _Failure("error", f"upstream call failed ({name})")
+
+def _classify_exception(exc: BaseException) -> _Failure:
+    """A transport exception as a transient failure (``gateway.errors.transport_error_kind``)."""
+    kind = transport_error_kind(exc)
+    return _Failure(kind, f"{_FAILURE_MESSAGES[kind]} ({type(exc).__name__})")
 
 
 

@@ -21,7 +21,7 @@ honoured there within ``cache_s``), "open" until its ``open_until``; half-open i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gateway.state import SharedState, now_ms
 

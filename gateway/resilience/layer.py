@@ -17,7 +17,7 @@ from typing import Any, Callable
 from gateway.resilience.breaker import BreakerConfig, Breakers
 from gateway.resilience.health import ActiveProber, HealthConfig, HealthTracker
 from gateway.resilience.ratelimit import Limit, RateLimiter, RateLimitResult, RateReservation
-from gateway.resilience.attempts import Candidate, Result, RetryPolicy, UpstreamResponse, call_with_fallback
+from gateway.resilience.attempts import Candidate, Result, RetryPolicy, call_with_fallback
 from gateway.state import SharedState, StateConfig
 
 log = logging.getLogger("tandem.gateway.resilience")
@@ -150,49 +150,6 @@ class Resilience:
                                         breakers=self.breakers, health=self.health, limiter=self.limiter,
                                         required_len=required_len, request_id=request_id, tokens=tokens,
                                         on_finish=on_finish, batch_events=True)
-
-
-def backend_error_to_response(e: Any) -> UpstreamResponse:
-    """``gateway.errors.BackendError`` -> the loop's terms: an HTTP answer, or a raised transport error."""
-    if e.kind == "http":
-        headers = {"content-type": getattr(e, "content_type", "application/json")}
-        if e.retry_after is not None:
-            headers["retry-after"] = str(e.retry_after)
-        return UpstreamResponse(e.status, headers, body=e.body or b"")
-    if e.kind == "timeout":
-        raise TimeoutError(e.message)
-    if e.kind == "connect":
-        raise ConnectionRefusedError(e.message)
-    raise ConnectionError(e.message)
-
-
-def stream_response(it, backend_error: type) -> UpstreamResponse:
-    """A backend's SSE byte iterator as a streaming 200 for the loop; closing it closes the backend's iterator
-    even when it was never started."""
-    chunks = translate_stream(it, backend_error)
-
-    async def aclose() -> None:
-        await chunks.aclose()
-        inner = getattr(it, "aclose", None)
-        if inner is not None:
-            await inner()
-
-    return UpstreamResponse(200, {"content-type": "text/event-stream"}, chunks=chunks, aclose=aclose)
-
-
-async def translate_stream(it, backend_error: type):
-    """Re-raise a backend's stream errors as transport errors the loop classifies (timeout / connection)."""
-    try:
-        async for chunk in it:
-            yield chunk
-    except backend_error as e:
-        if e.kind == "timeout":
-            raise TimeoutError(e.message) from None
-        raise ConnectionError(e.message) from None
-    finally:
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:
-            await aclose()
 
 
 def _probe_for(backend: Any):

@@ -20,6 +20,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from gateway.errors import ClientError
 from gateway.state import SharedState, now_ms
 
 
@@ -84,13 +85,12 @@ class RateLimitResult:
             h["retry-after"] = str(retry_after_header(self.retry_after_s))
         return h
 
-    def error_body(self) -> dict:
-        """OpenAI error JSON for a rejection."""
+    def error(self) -> ClientError:
+        """The rejection as the client's OpenAI error (429, or 503 fail-closed), with these headers."""
         if self.status == 503:
-            return {"error": {"message": self.message or "rate limiter unavailable", "type": "service_unavailable",
-                              "param": None, "code": "rate_limiter_unavailable"}}
-        return {"error": {"message": self.message, "type": "rate_limit_error", "param": None,
-                          "code": "rate_limit_exceeded"}}
+            return ClientError(503, self.message or "rate limiter unavailable", code="rate_limiter_unavailable",
+                               headers=self.headers())
+        return ClientError(429, self.message, code="rate_limit_exceeded", headers=self.headers())
 
 
 def format_duration(seconds: float) -> str:

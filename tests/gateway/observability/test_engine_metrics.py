@@ -21,7 +21,7 @@ async def test_colocated_engine_metrics_and_spans(tiny_model):  # noqa: F811
     from gateway.http.app import create_app
     from gateway.config.compile import load_config_text
     from gateway.runtime import Gateway
-    from gateway.observability.telemetry import Tracing
+    from gateway.observability.tracing import Tracing
 
     cfg = ("reload: {watch: false}\nresilience:\n  health: {interval_s: 0}\n"
            "observability:\n  logs: {requests: false}\n"

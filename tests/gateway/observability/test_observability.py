@@ -26,7 +26,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics, LiveGauges
 from gateway.billing.usage import Budget, Price, UsageLedger, cost_nusd, cost_usd, monthly_cost_usd
 from tests.gateway.support import ROOT, FaultInjectorUpstream, GatewayProcess, free_port
 
@@ -267,7 +267,7 @@ async def test_genai_spans_and_metrics(ups, monkeypatch):
     from gateway.http.app import create_app
     from gateway.config.compile import load_config_text
     from gateway.runtime import Gateway
-    from gateway.observability.telemetry import Tracing
+    from gateway.observability.tracing import Tracing
 
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
@@ -471,8 +471,7 @@ def _exported_names() -> set[str]:
     from engine.metrics import EngineMetrics
 
     reg = CollectorRegistry()
-    gw = SimpleNamespace(in_flight=0, redis_degraded=False, snapshot=None)
-    m = GatewayMetrics(reg, gw)
+    m = GatewayMetrics(reg)
     m.cache["breakers"] = {("a", "a"): 0}
     m.cache["budgets"] = {("t", "day"): (0.0, 1.0)}
     engine = SimpleNamespace(args=SimpleNamespace(block_size=16, enable_prefix_caching=True, dtype="float32",
@@ -542,9 +541,8 @@ def test_client_disconnect_is_metered_and_logged(gw):
 def test_scrape_time_gauges_follow_the_gateway():
     """Redis degraded, in-flight, config info and breaker states are read at scrape time."""
     reg = CollectorRegistry()
-    gw = SimpleNamespace(in_flight=3, redis_degraded=False, resilience=SimpleNamespace(degraded=True),
-                         snapshot=SimpleNamespace(version=7, source="weights"))
-    m = GatewayMetrics(reg, gw)
+    gw = SimpleNamespace(in_flight=3, redis_degraded=True, version=7, source="weights")
+    m = GatewayMetrics(reg, lambda: LiveGauges(gw.in_flight, gw.redis_degraded, gw.version, gw.source))
     m.cache["breakers"] = {("deepseek", "deepseek/deepseek-chat"): 2}
     from prometheus_client import generate_latest
 
@@ -552,7 +550,7 @@ def test_scrape_time_gauges_follow_the_gateway():
     assert value(fams, "tandem_redis_degraded") == 1 and value(fams, "tandem_requests_in_flight") == 3
     assert value(fams, "tandem_config_info", version=7, source="weights") == 1
     assert value(fams, "tandem_breaker_state", backend="deepseek", target="deepseek/deepseek-chat") == 2
-    gw.resilience.degraded, gw.in_flight = False, 0
+    gw.redis_degraded, gw.in_flight = False, 0
     fams = families(generate_latest(reg).decode())
     assert value(fams, "tandem_redis_degraded") == 0 and value(fams, "tandem_requests_in_flight") == 0
 
