@@ -61,42 +61,44 @@ class StateSettings(_Strict):
 
 
 class RetrySettings(_Strict):
-    """``gateway.resilience.attempts.RetryPolicy`` (seconds); unset = its defaults."""
+    """The attempt loop's limits (``gateway/resilience/attempts.py``), seconds. ``deadline_s`` bounds everything
+    before the response is committed."""
 
-    max_attempts: int | None = Field(None, ge=1)
-    deadline_s: float | None = Field(None, gt=0)
-    backoff_initial_s: float | None = Field(None, ge=0)
-    backoff_max_s: float | None = Field(None, ge=0)
-    jitter_s: float | None = Field(None, ge=0)
-    max_retry_after_s: float | None = Field(None, ge=0)
-    first_token_timeout_s: float | None = Field(None, gt=0)
-    inter_chunk_timeout_s: float | None = Field(None, gt=0)
+    max_attempts: int = Field(4, ge=1)
+    deadline_s: float = Field(60.0, gt=0)
+    backoff_initial_s: float = Field(0.2, ge=0)
+    backoff_max_s: float = Field(5.0, ge=0)
+    jitter_s: float = Field(0.2, ge=0)
+    max_retry_after_s: float = Field(10.0, ge=0)
+    first_token_timeout_s: float = Field(30.0, gt=0)
+    inter_chunk_timeout_s: float = Field(60.0, gt=0)
 
 
 class BreakerSettings(_Strict):
-    """``gateway.resilience.breaker.BreakerConfig`` (seconds); unset = its defaults."""
+    """Circuit-breaker thresholds (``gateway/resilience/breaker.py``), seconds."""
 
-    failure_rate: float | None = Field(None, gt=0, le=1)
-    min_requests: int | None = Field(None, ge=1)
-    consecutive_failures: int | None = Field(None, ge=1)
-    window_s: float | None = Field(None, gt=0)
-    buckets: int | None = Field(None, ge=1)
-    open_s: float | None = Field(None, gt=0)
-    rate_limit_cooldown_s: float | None = Field(None, gt=0)
-    max_cooldown_s: float | None = Field(None, gt=0)
-    half_open_probes: int | None = Field(None, ge=1)
-    success_to_close: int | None = Field(None, ge=1)
-    probe_timeout_s: float | None = Field(None, gt=0)
-    cache_s: float | None = Field(None, ge=0)
+    failure_rate: float = Field(0.5, gt=0, le=1)
+    min_requests: int = Field(10, ge=1)
+    consecutive_failures: int = Field(5, ge=1)
+    window_s: float = Field(30.0, gt=0)
+    buckets: int = Field(10, ge=1)
+    open_s: float = Field(30.0, gt=0)
+    rate_limit_cooldown_s: float = Field(60.0, gt=0)
+    max_cooldown_s: float = Field(3600.0, gt=0)
+    half_open_probes: int = Field(1, ge=1)
+    success_to_close: int = Field(1, ge=1)
+    probe_timeout_s: float = Field(30.0, gt=0)
+    cache_s: float = Field(0.25, ge=0)   # a replica trusts a "closed" answer from Redis this long
 
 
 class HealthSettings(_Strict):
-    """``gateway.resilience.health.HealthConfig`` (seconds); unset = its defaults."""
+    """Health tracking (``gateway/resilience/health.py``): ``interval_s`` active probe period (0 disables
+    probing), ``timeout_s`` one probe's limit; seconds."""
 
-    interval_s: float | None = Field(None, ge=0)
-    timeout_s: float | None = Field(None, gt=0)
-    min_requests: int | None = Field(None, ge=1)
-    max_error_rate: float | None = Field(None, gt=0, le=1)
+    interval_s: float = Field(10.0, ge=0)
+    timeout_s: float = Field(5.0, gt=0)
+    min_requests: int = Field(5, ge=1)
+    max_error_rate: float = Field(0.5, gt=0, le=1)
 
 
 class ResilienceConfig(_Strict):

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -25,93 +23,17 @@ from prometheus_client import CollectorRegistry
 from gateway.billing.usage import NANO, Budget, Price, UsageLedger, cost_nusd, tenant_label, usage_tokens
 from gateway.errors import ClientError, transport_error_kind
 from gateway.observability.metrics import BREAKER_VALUES, GatewayMetrics, LiveGauges
+from gateway.observability.records import (AttemptRecord, RequestRecord, decode_answer, include_prompts,
+                                           provider)
 from gateway.observability.request_log import (Redactor, RequestLog, config_secrets, install_redaction,
                                                remove_redaction)
-from gateway.observability.tracing import (OPERATIONS, Tracing, mark_error, reset_traceparent, set_traceparent,
-                                           traceparent, untraced_context)
+from gateway.observability.tracing import (OPERATIONS, Tracing, attempt_span, end_request_trace, mark_error,
+                                           reset_traceparent, set_traceparent, span_answer, traceparent,
+                                           untraced_context)
 from gateway.request.auth import authenticate
 from gateway.request.validate import estimate_prompt_tokens
-from gateway.sse import EventReader
 
 log = logging.getLogger("tandem.gateway.telemetry")
-
-
-class _Choice(msgspec.Struct):
-    finish_reason: str | None = None
-    text: str | None = None
-    delta: dict | None = None
-    message: dict | None = None
-
-
-class _Answer(msgspec.Struct):
-    """The fields of a completion / chunk that observability reads (others are skipped)."""
-
-    model: str | None = None
-    choices: list[_Choice] = []
-    usage: dict | None = None
-
-
-_decode_answer = msgspec.json.Decoder(_Answer).decode
-
-
-@dataclass
-class AttemptRecord:
-    """One upstream call: backend, target (breaker name), kind, outcome, HTTP status, seconds."""
-
-    backend: str
-    target: str
-    kind: str
-    outcome: str
-    status: int | None
-    duration_s: float
-
-
-@dataclass
-class RequestRecord:
-    """What observability knows about one request while it runs."""
-
-    request_id: str
-    endpoint: str
-    t0: float                              # time.perf_counter() at arrival
-    snap: Any = None                       # the config generation current at arrival (gateway.runtime.Snapshot)
-    trace_id: str = ""
-    traceparent: str | None = None
-    span: Any = None                       # the SERVER span (None: tracing off)
-    client_token: str | None = None        # only to redact it
-    tenant: str = ""
-    model: str = ""                        # public model
-    request_model: str = ""                # as the client wrote it
-    route: str = ""
-    rule: str = ""
-    stream: bool = False
-    max_tokens: int | None = None
-    body: dict | None = None
-    prompt_estimate: int | None = None
-    reservation: Any = None
-    budget: Budget | None = None
-    attempts: list[AttemptRecord] = field(default_factory=list)
-    backend: str = ""
-    ttft_s: float | None = None
-    usage: dict | None = None
-    response_model: str | None = None
-    finish_reasons: list[str] = field(default_factory=list)
-    content_events: int = 0
-    completion_text: list[str] | None = None
-    error: str | None = None
-    finished: bool = False
-    events: EventReader = field(default_factory=EventReader)   # the committed stream's events, as read
-
-
-def _provider(snap, backend: str) -> str:
-    b = snap.backends.get(backend) if snap is not None else None
-    return "tandem" if b is not None and b.kind == "local" else backend
-
-
-def _server_address(snap, backend: str) -> str | None:
-    b = snap.backends.get(backend) if snap is not None else None
-    url = getattr(getattr(b, "cfg", None), "base_url", None)
-    m = re.match(r"^[a-z]+://([^/:]+)", url) if url else None
-    return m.group(1) if m else None
 
 
 def _error_type(exc: BaseException) -> str:
@@ -119,10 +41,6 @@ def _error_type(exc: BaseException) -> str:
         return "cancelled"
     kind = transport_error_kind(exc)
     return type(exc).__name__ if kind == "error" else kind
-
-
-def _include_prompts(snap) -> bool:
-    return snap is not None and snap.compiled.config.observability.logs.include_prompts
 
 
 class Observability:
@@ -250,7 +168,7 @@ class Observability:
             kind = "initial" if not rec.attempts else "retry" if c.name in tried else "fallback"
             span = token = None
             if self.tracing is not None:
-                span = self._client_span(rec, backend, c.name, kind)
+                span = attempt_span(self.tracing, rec, backend, c.name, kind)
                 token = set_traceparent(traceparent(span))
             t0 = time.perf_counter()
             outcome, status = "error", None
@@ -260,7 +178,7 @@ class Observability:
                 outcome = "ok" if status < 400 else "error_status"
                 if span is not None and status < 400 and resp.body:
                     try:
-                        _span_answer(span, _decode_answer(resp.body))
+                        span_answer(span, decode_answer(resp.body))
                     except (msgspec.DecodeError, msgspec.ValidationError):
                         pass
                 return resp
@@ -275,18 +193,6 @@ class Observability:
 
         return attempt
 
-    def _client_span(self, rec: RequestRecord, backend: str, name: str, kind: str):
-        op = OPERATIONS.get(rec.endpoint, rec.endpoint)
-        attrs = {"gen_ai.operation.name": op, "gen_ai.provider.name": _provider(rec.snap, backend),
-                 "gen_ai.request.model": rec.request_model, "tandem.route": rec.route, "tandem.rule": rec.rule,
-                 "tandem.attempt": len(rec.attempts) + 1, "tandem.attempt.kind": kind, "tandem.target": name}
-        addr = _server_address(rec.snap, backend)
-        if addr:
-            attrs["server.address"] = addr
-        if rec.max_tokens is not None:
-            attrs["gen_ai.request.max_tokens"] = rec.max_tokens
-        return self.tracing.client_span(f"{op} {rec.request_model}", rec.span, attrs)
-
     def on_attempt(self, rec: RequestRecord, a: AttemptRecord, span=None) -> None:
         """One upstream call ended: record it, meter it, end its CLIENT span."""
         rec.attempts.append(a)
@@ -300,7 +206,7 @@ class Observability:
         error = None if a.outcome == "ok" else str(a.status) if a.outcome == "error_status" else a.outcome
         if self.tracing is not None:
             eattrs = {"gen_ai.operation.name": OPERATIONS.get(rec.endpoint, rec.endpoint),
-                      "gen_ai.provider.name": _provider(rec.snap, a.backend), "gen_ai.request.model": rec.request_model}
+                      "gen_ai.provider.name": provider(rec.snap, a.backend), "gen_ai.request.model": rec.request_model}
             if error is not None:
                 eattrs["error.type"] = error
             self.tracing.operation_duration.record(a.duration_s, eattrs)
@@ -321,10 +227,10 @@ class Observability:
             rec.error = _error_code(content)
         elif content:
             try:
-                ans = _decode_answer(content)
+                ans = decode_answer(content)
                 rec.usage, rec.response_model = ans.usage, ans.model
                 rec.finish_reasons = [c.finish_reason for c in ans.choices if c.finish_reason]
-                if _include_prompts(rec.snap):
+                if include_prompts(rec.snap):
                     rec.completion_text = [((c.message or {}).get("content") or c.text or "") for c in ans.choices]
             except (msgspec.DecodeError, msgspec.ValidationError):
                 pass
@@ -335,7 +241,7 @@ class Observability:
         """Wrap a committed SSE stream: TTFT, usage and finish reasons from its
         events, redaction of error events; accounting when it ends."""
         rec.backend = backend
-        if _include_prompts(rec.snap):
+        if include_prompts(rec.snap):
             rec.completion_text = []
         return self._relay(rec, it)
 
@@ -374,7 +280,7 @@ class Observability:
             if data == b"[DONE]":
                 continue
             try:
-                ans = _decode_answer(data)
+                ans = decode_answer(data)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 if b'"error"' in data:
                     rec.error = "stream_error"
@@ -438,7 +344,7 @@ class Observability:
         await self._settle(rec, counted, nusd)
         self._meter(rec, status, latency, counted, nusd)
         if self.tracing is not None:
-            self._end_trace(rec, status, counted)
+            end_request_trace(self.tracing, rec, status, counted)
         if self.request_log.active:
             self._log_line(rec, status, latency, tokens, nusd, estimated)
 
@@ -465,41 +371,6 @@ class Observability:
             m.child(m.output_tokens, backend, tenant).inc(tokens[1])
             m.child(m.cost, backend, tenant).inc(nusd / NANO)
 
-    def _end_trace(self, rec: RequestRecord, status: int, tokens) -> None:
-        tr = self.tracing
-        backend = rec.backend or "none"
-        mattrs = {"gen_ai.operation.name": OPERATIONS.get(rec.endpoint, rec.endpoint),
-                  "gen_ai.provider.name": _provider(rec.snap, backend),
-                  "gen_ai.request.model": rec.request_model or rec.model or "unknown"}
-        if rec.response_model:
-            mattrs["gen_ai.response.model"] = rec.response_model
-        if tokens is not None:
-            tr.token_usage.record(tokens[0], {**mattrs, "gen_ai.token.type": "input"})
-            tr.token_usage.record(tokens[1], {**mattrs, "gen_ai.token.type": "output"})
-        if rec.ttft_s is not None:
-            tr.ttft.record(rec.ttft_s, mattrs)
-        span = rec.span
-        if span is None:
-            return
-        attrs: dict[str, Any] = {"http.response.status_code": status, "tandem.attempts": len(rec.attempts)}
-        if rec.backend:
-            attrs["gen_ai.provider.name"] = _provider(rec.snap, rec.backend)
-            attrs["tandem.backend"] = rec.backend
-        if rec.response_model:
-            attrs["gen_ai.response.model"] = rec.response_model
-        if tokens is not None:
-            attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"] = tokens[0], tokens[1]
-        if rec.finish_reasons:
-            attrs["gen_ai.response.finish_reasons"] = list(dict.fromkeys(rec.finish_reasons))
-        if status >= 400 or rec.error:
-            attrs["error.type"] = rec.error or str(status)
-            if status >= 500 or status == 499 or rec.error:
-                mark_error(span, attrs["error.type"])
-        if not rec.request_model:
-            span.update_name(OPERATIONS.get(rec.endpoint, rec.endpoint))
-        span.set_attributes(attrs)
-        span.end()
-
     def _log_line(self, rec: RequestRecord, status: int, latency: float, tokens, nusd: int, estimated: bool) -> None:
         fields = {"event": "request", "request_id": rec.request_id, "trace_id": rec.trace_id,
                   "tenant": tenant_label(rec.tenant), "model": rec.model or None, "route": rec.route or None,
@@ -512,7 +383,7 @@ class Observability:
                   "latency_s": round(latency, 6), "cost_usd": nusd / NANO, "error": rec.error}
         if rec.finish_reasons:
             fields["finish_reasons"] = list(dict.fromkeys(rec.finish_reasons))
-        if _include_prompts(rec.snap) and rec.body is not None:
+        if include_prompts(rec.snap) and rec.body is not None:
             fields["prompt"] = rec.body.get("messages", rec.body.get("prompt"))
             if rec.completion_text is not None:
                 fields["completion"] = "".join(rec.completion_text)
@@ -546,20 +417,6 @@ class Observability:
                 continue
             out[(tenant, b.period)] = ((spent + reserved) / NANO, limit / NANO)
         self.metrics.cache["budgets"] = out
-
-
-def _span_answer(span, ans: _Answer) -> None:
-    attrs: dict[str, Any] = {}
-    if ans.model:
-        attrs["gen_ai.response.model"] = ans.model
-    tokens = usage_tokens(ans.usage)
-    if tokens is not None:
-        attrs["gen_ai.usage.input_tokens"] = tokens[0]
-        attrs["gen_ai.usage.output_tokens"] = tokens[1]
-    reasons = [c.finish_reason for c in ans.choices if c.finish_reason]
-    if reasons:
-        attrs["gen_ai.response.finish_reasons"] = reasons
-    span.set_attributes(attrs)
 
 
 def _error_code(content: bytes) -> str | None:

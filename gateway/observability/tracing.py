@@ -42,6 +42,9 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from gateway.billing.usage import usage_tokens
+from gateway.observability.records import AnswerFields, provider, server_address
+
 log = logging.getLogger("tandem.gateway.tracing")
 
 # The W3C traceparent to send upstream from the current task (the request's or its current CLIENT span's).
@@ -173,3 +176,68 @@ class Tracing:
         """Start the CLIENT span of one upstream call under ``parent`` (the SERVER span)."""
         return self.tracer.start_span(name, kind=SpanKind.CLIENT, context=set_span_in_context(parent),
                                       attributes=attributes)
+
+
+def attempt_span(tracing: Tracing, rec, backend: str, name: str, kind: str):
+    """The CLIENT span of one upstream call of ``rec`` (a ``records.RequestRecord``)."""
+    op = OPERATIONS.get(rec.endpoint, rec.endpoint)
+    attrs = {"gen_ai.operation.name": op, "gen_ai.provider.name": provider(rec.snap, backend),
+             "gen_ai.request.model": rec.request_model, "tandem.route": rec.route, "tandem.rule": rec.rule,
+             "tandem.attempt": len(rec.attempts) + 1, "tandem.attempt.kind": kind, "tandem.target": name}
+    addr = server_address(rec.snap, backend)
+    if addr:
+        attrs["server.address"] = addr
+    if rec.max_tokens is not None:
+        attrs["gen_ai.request.max_tokens"] = rec.max_tokens
+    return tracing.client_span(f"{op} {rec.request_model}", rec.span, attrs)
+
+
+def end_request_trace(tr: Tracing, rec, status: int, tokens) -> None:
+    """Record ``rec``'s GenAI metrics and end its SERVER span; ``tokens``: (input, output, cached) when answered."""
+    backend = rec.backend or "none"
+    mattrs = {"gen_ai.operation.name": OPERATIONS.get(rec.endpoint, rec.endpoint),
+              "gen_ai.provider.name": provider(rec.snap, backend),
+              "gen_ai.request.model": rec.request_model or rec.model or "unknown"}
+    if rec.response_model:
+        mattrs["gen_ai.response.model"] = rec.response_model
+    if tokens is not None:
+        tr.token_usage.record(tokens[0], {**mattrs, "gen_ai.token.type": "input"})
+        tr.token_usage.record(tokens[1], {**mattrs, "gen_ai.token.type": "output"})
+    if rec.ttft_s is not None:
+        tr.ttft.record(rec.ttft_s, mattrs)
+    span = rec.span
+    if span is None:
+        return
+    attrs: dict[str, Any] = {"http.response.status_code": status, "tandem.attempts": len(rec.attempts)}
+    if rec.backend:
+        attrs["gen_ai.provider.name"] = provider(rec.snap, rec.backend)
+        attrs["tandem.backend"] = rec.backend
+    if rec.response_model:
+        attrs["gen_ai.response.model"] = rec.response_model
+    if tokens is not None:
+        attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"] = tokens[0], tokens[1]
+    if rec.finish_reasons:
+        attrs["gen_ai.response.finish_reasons"] = list(dict.fromkeys(rec.finish_reasons))
+    if status >= 400 or rec.error:
+        attrs["error.type"] = rec.error or str(status)
+        if status >= 500 or status == 499 or rec.error:
+            mark_error(span, attrs["error.type"])
+    if not rec.request_model:
+        span.update_name(OPERATIONS.get(rec.endpoint, rec.endpoint))
+    span.set_attributes(attrs)
+    span.end()
+
+
+def span_answer(span, ans: AnswerFields) -> None:
+    """Set the answer's model, token usage and finish reasons on ``span``."""
+    attrs: dict[str, Any] = {}
+    if ans.model:
+        attrs["gen_ai.response.model"] = ans.model
+    tokens = usage_tokens(ans.usage)
+    if tokens is not None:
+        attrs["gen_ai.usage.input_tokens"] = tokens[0]
+        attrs["gen_ai.usage.output_tokens"] = tokens[1]
+    reasons = [c.finish_reason for c in ans.choices if c.finish_reason]
+    if reasons:
+        attrs["gen_ai.response.finish_reasons"] = reasons
+    span.set_attributes(attrs)

@@ -23,27 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.config.schema import BreakerSettings
 from gateway.state import SharedState, now_ms
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
-
-
-@dataclass
-class BreakerConfig:
-    """Breaker thresholds (times in seconds)."""
-
-    failure_rate: float = 0.5
-    min_requests: int = 10
-    consecutive_failures: int = 5
-    window_s: float = 30.0
-    buckets: int = 10
-    open_s: float = 30.0
-    rate_limit_cooldown_s: float = 60.0
-    max_cooldown_s: float = 3600.0
-    half_open_probes: int = 1
-    success_to_close: int = 1
-    probe_timeout_s: float = 30.0
-    cache_s: float = 0.25  # a replica trusts a "closed" answer from Redis this long (saves a round trip a request)
 
 
 @dataclass
@@ -174,17 +157,17 @@ class Breakers:
     The gateway calls ``allow`` before an attempt, and ``record`` after it with the outcome.
     """
 
-    def __init__(self, state: SharedState, config: BreakerConfig | None = None,
-                 per_target: dict[str, BreakerConfig] | None = None):
+    def __init__(self, state: SharedState, config: BreakerSettings | None = None,
+                 per_target: dict[str, BreakerSettings] | None = None):
         self.state = state
-        self.config = config or BreakerConfig()
+        self.config = config or BreakerSettings()
         self.per_target = per_target or {}
         self._local: dict[str, dict] = {}
         self._opened_while_degraded: dict[str, int] = {}
         self._cache: dict[str, tuple[int, int]] = {}  # target -> (0 closed | 1 open, valid until ms)
         state.on_rejoin(self._push_local_cooldowns)
 
-    def _cfg(self, target: str) -> BreakerConfig:
+    def _cfg(self, target: str) -> BreakerSettings:
         return self.per_target.get(target, self.config)
 
     def _key(self, target: str) -> str:

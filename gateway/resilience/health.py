@@ -20,19 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from gateway.config.schema import HealthSettings
 from gateway.state import SharedState, now_ms
 
 log = logging.getLogger("tandem.health")
-
-
-@dataclass
-class HealthConfig:
-    """interval_s: active probe period (0 disables probing); timeout_s: one probe's limit; seconds throughout."""
-
-    interval_s: float = 10.0
-    timeout_s: float = 5.0
-    min_requests: int = 5
-    max_error_rate: float = 0.5
 
 
 @dataclass
@@ -56,7 +47,7 @@ class TargetHealth:
     def error_rate(self) -> float:
         return self.errors / self.requests if self.requests else 0.0
 
-    def healthy(self, cfg: HealthConfig) -> bool:
+    def healthy(self, cfg: HealthSettings) -> bool:
         if self.probe_ok is False:
             return False
         return not (self.requests >= cfg.min_requests and self.error_rate >= cfg.max_error_rate)
@@ -65,9 +56,9 @@ class TargetHealth:
 class HealthTracker:
     """Passive health counters and the last active probe result per target (shared through ``SharedState``)."""
 
-    def __init__(self, state: SharedState, config: HealthConfig | None = None, flush_interval_s: float = 1.0):
+    def __init__(self, state: SharedState, config: HealthSettings | None = None, flush_interval_s: float = 1.0):
         self.state = state
-        self.config = config or HealthConfig()
+        self.config = config or HealthSettings()
         self.flush_interval_s = flush_interval_s
         self._local: dict[str, dict[str, int]] = {}     # in-process buckets (no Redis, or Redis down)
         self._pending: dict[str, dict[str, int]] = {}   # deltas not yet added to Redis

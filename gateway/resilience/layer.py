@@ -12,30 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from typing import Any, Callable
 
-from gateway.resilience.breaker import BreakerConfig, Breakers
-from gateway.resilience.health import ActiveProber, HealthConfig, HealthTracker
+from gateway.config.schema import GatewayConfig, RetrySettings
+from gateway.resilience.breaker import Breakers
+from gateway.resilience.health import ActiveProber, HealthTracker
 from gateway.resilience.ratelimit import Limit, RateLimiter, RateLimitResult, RateReservation
-from gateway.resilience.attempts import Candidate, Result, RetryPolicy, call_with_fallback
+from gateway.resilience.attempts import Candidate, Result, call_with_fallback
 from gateway.state import SharedState, StateConfig
 
 log = logging.getLogger("tandem.gateway.resilience")
-
-
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    """``obj.name`` for pydantic models and dicts alike, ``default`` when absent or None."""
-    if obj is None:
-        return default
-    v = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-    return default if v is None else v
-
-
-def _fields(obj: Any, cls: type) -> dict:
-    """The fields of dataclass ``cls`` that ``obj`` sets."""
-    import dataclasses
-
-    return {f.name: _get(obj, f.name) for f in dataclasses.fields(cls) if _get(obj, f.name) is not None}
 
 
 class Resilience:
@@ -46,44 +33,35 @@ class Resilience:
             process lifetime, the rest is re-read by ``configure`` on every config apply.
     """
 
-    def __init__(self, cfg: Any):
-        st = _get(cfg, "state")
-        self.state = SharedState(StateConfig(
-            redis_url=_get(st, "redis_url"), timeout_s=_get(st, "socket_timeout_s", 0.25),
-            key_prefix=_get(st, "key_prefix", "tandem"), fail_closed_limits=_get(st, "fail_closed_limits", False)))
+    def __init__(self, cfg: GatewayConfig):
+        st = cfg.state
+        self.state = SharedState(StateConfig(redis_url=st.redis_url, timeout_s=st.socket_timeout_s,
+                                             key_prefix=st.key_prefix, fail_closed_limits=st.fail_closed_limits))
         self.limiter = RateLimiter(self.state)
         self.breakers = Breakers(self.state)
         self.health = HealthTracker(self.state)
         self.prober: ActiveProber | None = None
-        self.policy = RetryPolicy()
-        self.key_limits: dict[str, Limit] = {}
-        self.tenant_limits: dict[str, Limit] = {}
-        self.default_completion_tokens = 512
         self.configure(cfg)
 
-    def configure(self, cfg: Any) -> None:
-        """(Re)read limits, retry and breaker settings from a config generation."""
-        res = _get(cfg, "resilience")
-        self.policy = RetryPolicy(**_fields(_get(res, "retry"), RetryPolicy))
-        self.breakers.config = BreakerConfig(**_fields(_get(res, "breaker"), BreakerConfig))
-        self.health.config = HealthConfig(**_fields(_get(res, "health"), HealthConfig))
-        limits = _get(cfg, "limits")
-        self.limiter.window_ms = int(_get(limits, "window_s", 60.0) * 1000)
-        self.default_completion_tokens = _get(limits, "default_completion_tokens", 512)
-        self.tenant_limits = {t: Limit("tenant", t, _get(v, "rpm"), _get(v, "tpm"))
-                              for t, v in (_get(limits, "tenants", {}) or {}).items()}
-        self.key_limits = {}
-        for k in _get(_get(cfg, "auth"), "keys", []) or []:
-            if _get(k, "rpm") is None and _get(k, "tpm") is None:
+    def configure(self, cfg: GatewayConfig) -> None:
+        """(Re)read limits, retry, breaker and health settings from a config generation."""
+        self.policy: RetrySettings = cfg.resilience.retry
+        self.breakers.config = cfg.resilience.breaker
+        self.health.config = cfg.resilience.health
+        limits = cfg.limits
+        self.limiter.window_ms = int(limits.window_s * 1000)
+        self.default_completion_tokens = limits.default_completion_tokens
+        self.tenant_limits = {t: Limit("tenant", t, v.rpm, v.tpm) for t, v in limits.tenants.items()}
+        self.key_limits: dict[str, Limit] = {}
+        for k in cfg.auth.keys:
+            if k.rpm is None and k.tpm is None:
                 continue
-            h = _get(k, "sha256")
-            if h is None and _get(k, "env"):
-                import os
-
-                secret = os.environ.get(_get(k, "env"))
+            h = k.sha256
+            if h is None and k.env:
+                secret = os.environ.get(k.env)
                 h = hashlib.sha256(secret.encode()).hexdigest() if secret else None
             if h:
-                self.key_limits[h] = Limit("key", h[:16], _get(k, "rpm"), _get(k, "tpm"))
+                self.key_limits[h] = Limit("key", h[:16], k.rpm, k.tpm)
 
     def start(self, backends: Callable[[], dict]) -> None:
         """Start active probes (``resilience.health.interval_s``; 0 = off) of the backends the current config
@@ -130,17 +108,14 @@ class Resilience:
     def candidate(self, target: Any, backend: Any) -> Candidate:
         """A route target as the loop sees it (breaker key ``backend/model`` or the backend name)."""
         cfg = backend.cfg
-        timeouts = _get(cfg, "timeouts")
         local = backend.kind == "local"
-        lims = []
-        if _get(cfg, "rpm") is not None or _get(cfg, "tpm") is not None:
-            lims.append(Limit("backend", backend.name, _get(cfg, "rpm"), _get(cfg, "tpm")))
+        lims = [Limit("backend", backend.name, cfg.rpm, cfg.tpm)] if cfg.rpm is not None or cfg.tpm is not None else []
         return Candidate(
             name=f"{backend.name}/{target.model}" if target.model else backend.name, target=target,
             max_model_len=getattr(backend, "max_model_len", None),
             # the local engine queues under load: its first token is bounded by the request deadline only
-            first_token_timeout_s=self.policy.deadline_s if local else _get(timeouts, "first_token_s"),
-            inter_chunk_timeout_s=_get(timeouts, "inter_chunk_s", _get(timeouts, "read_s")),
+            first_token_timeout_s=self.policy.deadline_s if local else cfg.timeouts.first_token_s,
+            inter_chunk_timeout_s=None if local else cfg.timeouts.inter_chunk_s or cfg.timeouts.read_s,
             limits=lims)
 
     async def forward(self, candidates: list[Candidate], attempt, *, stream: bool, required_len: int | None,

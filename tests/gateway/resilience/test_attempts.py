@@ -10,10 +10,11 @@ import uuid
 import httpx
 import pytest
 
-from gateway.resilience.breaker import BreakerConfig, Breakers
+from gateway.config.schema import BreakerSettings, RetrySettings
+from gateway.resilience.attempts import Candidate, UpstreamResponse, call_with_fallback
+from gateway.resilience.breaker import Breakers
 from gateway.resilience.health import HealthTracker
 from gateway.resilience.ratelimit import Limit, RateLimiter
-from gateway.resilience.attempts import Candidate, RetryPolicy, UpstreamResponse, call_with_fallback
 from gateway.sse import EventReader
 from gateway.state import SharedState, StateConfig
 from tests.conftest import free_port
@@ -100,7 +101,7 @@ def content_events(events: list[str]) -> list[dict]:
     return out
 
 
-FAST = RetryPolicy(backoff_initial_s=0.01, backoff_max_s=0.05, jitter_s=0.01)
+FAST = RetrySettings(backoff_initial_s=0.01, backoff_max_s=0.05, jitter_s=0.01)
 
 
 async def test_503_falls_back_to_200(client, state, primary, fallback):
@@ -206,7 +207,7 @@ async def test_inter_chunk_timeout_after_content(client, primary):
 
 async def test_429_retry_after_then_429_keeps_backend_out_60s(client, state, primary):
     """429 Retry-After: 1 (honoured: wait, then probe), then 429 without the header: out for the default 60 s."""
-    br = Breakers(state, BreakerConfig(rate_limit_cooldown_s=60))
+    br = Breakers(state, BreakerSettings(rate_limit_cooldown_s=60))
     primary.push({"status": 429, "retry_after": "1"}, {"status": 429})
     res = await call_with_fallback([cand(primary)], attempt_fn(client, False), breakers=br, policy=FAST)
     assert res.status == 503 and primary.calls == 2
@@ -277,7 +278,7 @@ async def test_backend_rate_limit_skips_target(client, state, primary, fallback)
     assert r1.candidate.name == "primary" and r1.backend_reservation is not None
     assert r2.candidate.name == "fallback" and r2.attempts[0].outcome == "skipped: backend rate limit"
     r3 = await call_with_fallback(cands[:1], attempt_fn(client, False), limiter=limiter, request_id="c",
-                                  policy=RetryPolicy(max_retry_after_s=1))
+                                  policy=RetrySettings(max_retry_after_s=1))
     assert r3.status == 429 and int(r3.headers["retry-after"]) > 50
 
 
@@ -301,10 +302,10 @@ async def test_client_disconnect_closes_upstream_within_a_second(client, primary
 
 
 async def test_half_open_probe_success_closes(client, state, primary):
-    br = Breakers(state, BreakerConfig(consecutive_failures=2, open_s=0.2))
+    br = Breakers(state, BreakerSettings(consecutive_failures=2, open_s=0.2))
     primary.push({"status": 500}, {"status": 500})
     res = await call_with_fallback([cand(primary)], attempt_fn(client, False), breakers=br,
-                                   policy=RetryPolicy(max_attempts=2, backoff_initial_s=0.01, jitter_s=0))
+                                   policy=RetrySettings(max_attempts=2, backoff_initial_s=0.01, jitter_s=0))
     assert res.status == 502 and (await br.get("primary")).state == "open"
     await asyncio.sleep(0.25)
     res = await call_with_fallback([cand(primary)], attempt_fn(client, False), breakers=br, policy=FAST)
@@ -355,12 +356,12 @@ def test_parse_retry_after_forms():
 async def test_deadline_bounds_retries_not_a_whole_answer_in_progress(client, primary, fallback):
     primary.push({"delay": 0.6})
     res = await call_with_fallback([cand(primary), cand(fallback)], attempt_fn(client, False),
-                                   policy=RetryPolicy(deadline_s=0.3))
+                                   policy=RetrySettings(deadline_s=0.3))
     assert res.status == 200 and res.candidate.name == "primary"
     # a stream's first token is bounded by the deadline, though
     primary.push({"stall_first": 5})
     res = await call_with_fallback([cand(primary)], attempt_fn(client, True), stream=True,
-                                   policy=RetryPolicy(deadline_s=0.3))
+                                   policy=RetrySettings(deadline_s=0.3))
     assert res.status == 504 and res.attempts[0].outcome == "timeout"
 
 

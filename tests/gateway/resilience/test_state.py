@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from gateway.resilience.breaker import BreakerConfig, Breakers
+from gateway.config.schema import BreakerSettings
+from gateway.resilience.breaker import Breakers
 from gateway.resilience.health import ActiveProber, HealthTracker
 from gateway.resilience.ratelimit import Limit, RateLimiter, format_duration
 from gateway.state import SharedState, StateConfig
@@ -94,7 +95,7 @@ async def test_rpm_exact_across_two_replicas_concurrently(redis_url):
 
 
 async def test_breaker_opens_after_consecutive_failures_and_probes(state):
-    br = Breakers(state, BreakerConfig(consecutive_failures=3, open_s=30, min_requests=100))
+    br = Breakers(state, BreakerSettings(consecutive_failures=3, open_s=30, min_requests=100))
     t = "up/m"
     for i in range(2):
         assert (await br.record(t, False, status=500, now=T0 + i)).state == "closed"
@@ -117,7 +118,7 @@ async def test_breaker_opens_after_consecutive_failures_and_probes(state):
 
 
 async def test_breaker_failure_rate_needs_min_requests(state):
-    br = Breakers(state, BreakerConfig(failure_rate=0.5, min_requests=10, consecutive_failures=100, window_s=30))
+    br = Breakers(state, BreakerSettings(failure_rate=0.5, min_requests=10, consecutive_failures=100, window_s=30))
     t = "up/rate"
     for i in range(8):  # 4 ok / 4 failed alternating: below min_requests
         await br.record(t, i % 2 == 0, status=None if i % 2 == 0 else 500, now=T0 + i)
@@ -136,7 +137,7 @@ async def test_breaker_failure_rate_needs_min_requests(state):
 
 async def test_429_cooldowns_only_move_later(state):
     """429 Retry-After: 1, then (as the half-open probe) a 429 without the header: out for the default 60 s."""
-    br = Breakers(state, BreakerConfig(rate_limit_cooldown_s=60, open_s=5))
+    br = Breakers(state, BreakerSettings(rate_limit_cooldown_s=60, open_s=5))
     t = "agg/model"
     s = await br.record(t, False, status=429, retry_after_s=1, now=T0)
     assert s.state == "open" and s.open_until_ms == T0 + 1000
@@ -279,7 +280,7 @@ async def test_replica_trusts_closed_for_cache_s_only(redis_url):
     a = SharedState(StateConfig(redis_url=redis_url, key_prefix=prefix))
     b = SharedState(StateConfig(redis_url=redis_url, key_prefix=prefix))
     try:
-        ba, bb = Breakers(a), Breakers(b, BreakerConfig(cache_s=0.25))
+        ba, bb = Breakers(a), Breakers(b, BreakerSettings(cache_s=0.25))
         assert (await bb.allow("c/m", now=T0)).allowed            # B learns "closed" from Redis
         await ba.record("c/m", False, status=429, now=T0 + 10)     # A opens it for 60 s
         assert (await bb.allow("c/m", now=T0 + 100)).allowed      # B's view is at most cache_s old
