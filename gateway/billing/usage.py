@@ -186,7 +186,7 @@ local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
 for _, rid in ipairs(expired) do
   local a = redis.call('HGET', KEYS[1], 'r:' .. rid)
   if a then
-    redis.call('HINCRBY', KEYS[1], 'reserved', '-' .. a)
+    redis.call('HINCRBY', KEYS[1], 'reserved', 0 - tonumber(a))   -- not '-' .. a: -0 is no integer to Redis
     redis.call('HDEL', KEYS[1], 'r:' .. rid)
   end
 end
@@ -209,7 +209,7 @@ def _drop_reservation_lua(budget: str, zset: str, rid: str) -> str:
     return f"""
 local a = redis.call('HGET', {budget}, 'r:' .. {rid})
 if a then
-  redis.call('HINCRBY', {budget}, 'reserved', '-' .. a)
+  redis.call('HINCRBY', {budget}, 'reserved', 0 - tonumber(a))
   redis.call('HDEL', {budget}, 'r:' .. {rid})
   redis.call('ZREM', {zset}, {rid})
 end

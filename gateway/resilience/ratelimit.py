@@ -136,7 +136,7 @@ for i = 1, n do
       redis.call('HDEL', h, unpack(part))
     end
     redis.call('ZREMRANGEBYSCORE', z, '-inf', now - window)
-    redis.call('HINCRBY', h, '__sum', -freed)
+    redis.call('HINCRBY', h, '__sum', 0 - freed)   -- not -freed: -0 is no integer to Redis
   end
   local count = redis.call('ZCARD', z)
   local used = tonumber(redis.call('HGET', h, '__sum') or '0')
@@ -200,7 +200,7 @@ for i = 1, #KEYS / 2 do
   if redis.call('ZSCORE', z, rid) then
     local old = tonumber(redis.call('HGET', h, rid) or '0')
     if new < 0 then
-      redis.call('ZREM', z, rid); redis.call('HDEL', h, rid); redis.call('HINCRBY', h, '__sum', -old)
+      redis.call('ZREM', z, rid); redis.call('HDEL', h, rid); redis.call('HINCRBY', h, '__sum', 0 - old)
     else
       redis.call('HSET', h, rid, new); redis.call('HINCRBY', h, '__sum', new - old)
     end
