@@ -56,8 +56,11 @@ class StateSettings(_Strict):
     redis_url: str | None = None           # shared state for several replicas; None = in-process
     key_prefix: str = "tandem"
     sync_interval_s: float = Field(1.0, gt=0)   # how often a replica polls the config version
-    socket_timeout_s: float = Field(0.5, gt=0)
-    fail_closed_limits: bool = False       # Redis down: reject rate-limited requests instead of local limits
+    socket_timeout_s: float = Field(0.5, gt=0)   # the longest any one Redis call may take, connecting included
+    fail_closed_limits: bool = False       # Redis down: reject rate-limited requests (503) instead of local limits
+    max_connections: int = Field(64, ge=1)
+    reconnect_min_s: float = Field(0.25, gt=0)   # first wait between reconnect attempts after an outage
+    reconnect_max_s: float = Field(5.0, gt=0)
 
 
 class RetrySettings(_Strict):

@@ -95,7 +95,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
         content = await gw.obs.finish(rec, answer.backend, answer.status, answer.content)   # secrets redacted
         return Response(content, status_code=answer.status, media_type=answer.content_type, headers=answer.headers)
     except ClientError as e:
-        await gw.obs.reject(rec, e, headers)
+        await gw.obs.reject(rec, e)
         raise
     finally:
         if not streaming:

@@ -30,7 +30,6 @@ from gateway.observability.request_log import (Redactor, RequestLog, config_secr
 from gateway.observability.tracing import (OPERATIONS, Tracing, attempt_span, end_request_trace, mark_error,
                                            reset_traceparent, set_traceparent, span_answer, traceparent,
                                            untraced_context)
-from gateway.request.auth import authenticate
 from gateway.request.validate import estimate_prompt_tokens
 
 log = logging.getLogger("tandem.gateway.telemetry")
@@ -300,15 +299,10 @@ class Observability:
             if b'"error"' in data and not ans.choices:
                 rec.error = "stream_error"
 
-    async def reject(self, rec: RequestRecord, err: ClientError, headers=None) -> None:
+    async def reject(self, rec: RequestRecord, err: ClientError) -> None:
         """The gateway refused the request (4xx/429/503 before any backend answered)."""
         rec.error = err.code or f"http_{err.status}"
-        if err.status == 429:
-            if not rec.tenant and headers is not None and rec.snap is not None:
-                try:
-                    rec.tenant = authenticate(headers.get("authorization"), rec.snap.compiled.key_hashes)
-                except ClientError:
-                    rec.tenant = ""
+        if err.status == 429:            # admission: the pipeline noted the tenant before it
             self.metrics.child(self.metrics.rejections, tenant_label(rec.tenant), err.code or "rate_limited").inc()
         await self._complete(rec, err.status)
 

@@ -20,7 +20,7 @@ from gateway.resilience.breaker import Breakers
 from gateway.resilience.health import ActiveProber, HealthTracker
 from gateway.resilience.ratelimit import Limit, RateLimiter, RateLimitResult, RateReservation
 from gateway.resilience.attempts import Candidate, Result, call_with_fallback
-from gateway.state import SharedState, StateConfig
+from gateway.state import SharedState
 
 log = logging.getLogger("tandem.gateway.resilience")
 
@@ -34,9 +34,7 @@ class Resilience:
     """
 
     def __init__(self, cfg: GatewayConfig):
-        st = cfg.state
-        self.state = SharedState(StateConfig(redis_url=st.redis_url, timeout_s=st.socket_timeout_s,
-                                             key_prefix=st.key_prefix, fail_closed_limits=st.fail_closed_limits))
+        self.state = SharedState(cfg.state)
         self.limiter = RateLimiter(self.state)
         self.breakers = Breakers(self.state)
         self.health = HealthTracker(self.state)

@@ -375,11 +375,12 @@ def test_cost_estimate_command():
 async def test_budget_reservation_race(backend, redis_url):
     """8 replicas (separate connections) reserve at once against a budget with room for one estimate:
     exactly one is admitted; settling replaces the reservation by the real cost."""
-    from gateway.state import SharedState, StateConfig
+    from gateway.config.schema import StateSettings
+    from gateway.state import SharedState
 
     prefix = f"obs{uuid.uuid4().hex[:8]}"
     url = redis_url if backend == "redis" else None
-    states = [SharedState(StateConfig(redis_url=url, key_prefix=prefix)) for _ in range(8)]
+    states = [SharedState(StateSettings(redis_url=url, key_prefix=prefix)) for _ in range(8)]
     if url is None:
         states = [states[0]] * 8                     # one process: one in-process store
     ledgers = [UsageLedger(s) for s in states]

@@ -10,13 +10,13 @@ import uuid
 import httpx
 import pytest
 
-from gateway.config.schema import BreakerSettings, RetrySettings
+from gateway.config.schema import BreakerSettings, RetrySettings, StateSettings
 from gateway.resilience.attempts import Candidate, UpstreamResponse, call_with_fallback
 from gateway.resilience.breaker import Breakers
 from gateway.resilience.health import HealthTracker
 from gateway.resilience.ratelimit import Limit, RateLimiter
 from gateway.sse import EventReader
-from gateway.state import SharedState, StateConfig
+from gateway.state import SharedState
 from tests.conftest import free_port
 from tests.gateway.fault_upstream import FaultUpstream
 
@@ -57,7 +57,7 @@ async def client():
 
 @pytest.fixture
 async def state():
-    st = SharedState(StateConfig())
+    st = SharedState(StateSettings())
     yield st
     await st.close()
 
@@ -314,8 +314,8 @@ async def test_half_open_probe_success_closes(client, state, primary):
 
 async def test_shared_breaker_in_redis_steers_another_replica(client, redis_url, primary, fallback):
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    a = SharedState(StateConfig(redis_url=redis_url, key_prefix=prefix))
-    b = SharedState(StateConfig(redis_url=redis_url, key_prefix=prefix))
+    a = SharedState(StateSettings(redis_url=redis_url, key_prefix=prefix))
+    b = SharedState(StateSettings(redis_url=redis_url, key_prefix=prefix))
     try:
         primary.push({"status": 429})
         r1 = await call_with_fallback([cand(primary), cand(fallback)], attempt_fn(client, False),

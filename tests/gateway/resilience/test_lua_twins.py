@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.billing.usage import Budget, UsageLedger
-from gateway.config.schema import BreakerSettings
+from gateway.config.schema import BreakerSettings, StateSettings
 from gateway.resilience.breaker import Breakers
 from gateway.resilience.ratelimit import Limit, RateLimiter
-from gateway.state import SharedState, StateConfig, now_ms
+from gateway.state import SharedState, now_ms
 
 TWINS = settings(max_examples=40, deadline=None)
 steps = st.integers(0, 4000)     # ms between two operations
@@ -27,9 +27,9 @@ def run_twins(redis_url: str, scenario) -> None:
     (ms); their results must be equal."""
 
     async def both():
-        redis_state = SharedState(StateConfig(redis_url=redis_url, key_prefix=f"twin{uuid.uuid4().hex[:10]}",
-                                              timeout_s=5.0))
-        memory_state, t0 = SharedState(StateConfig()), now_ms()
+        redis_state = SharedState(StateSettings(redis_url=redis_url, key_prefix=f"twin{uuid.uuid4().hex[:10]}",
+                                              socket_timeout_s=5.0))
+        memory_state, t0 = SharedState(StateSettings()), now_ms()
         try:
             on_redis = await scenario(redis_state, t0)
             assert redis_state.mode == "redis"          # the Lua scripts ran: no silent fallback

@@ -9,11 +9,11 @@ import uuid
 
 import pytest
 
-from gateway.config.schema import BreakerSettings
+from gateway.config.schema import BreakerSettings, StateSettings
 from gateway.resilience.breaker import Breakers
 from gateway.resilience.health import ActiveProber, HealthTracker
 from gateway.resilience.ratelimit import Limit, RateLimiter, format_duration
-from gateway.state import SharedState, StateConfig
+from gateway.state import SharedState
 from tests.conftest import free_port
 
 T0 = 1_800_000_000_000  # a fixed clock, ms
@@ -22,7 +22,7 @@ T0 = 1_800_000_000_000  # a fixed clock, ms
 @pytest.fixture(params=["redis", "memory"])
 async def state(request, redis_url):
     url = redis_url if request.param == "redis" else None
-    st = SharedState(StateConfig(redis_url=url, key_prefix=f"t{uuid.uuid4().hex[:8]}", timeout_s=2.0))
+    st = SharedState(StateSettings(redis_url=url, key_prefix=f"t{uuid.uuid4().hex[:8]}", socket_timeout_s=2.0))
     yield st
     await st.close()
 
@@ -82,8 +82,8 @@ async def test_all_limits_admit_or_none_records(state):
 
 async def test_rpm_exact_across_two_replicas_concurrently(redis_url):
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    a = SharedState(StateConfig(redis_url=redis_url, key_prefix=prefix, timeout_s=2.0))
-    b = SharedState(StateConfig(redis_url=redis_url, key_prefix=prefix, timeout_s=2.0))
+    a = SharedState(StateSettings(redis_url=redis_url, key_prefix=prefix, socket_timeout_s=2.0))
+    b = SharedState(StateSettings(redis_url=redis_url, key_prefix=prefix, socket_timeout_s=2.0))
     try:
         lims = [Limit("key", "shared", rpm=100)]
         ra, rb = RateLimiter(a), RateLimiter(b)
@@ -158,8 +158,8 @@ async def test_429_cooldowns_only_move_later(state):
 
 async def test_breaker_is_shared_between_replicas(redis_url):
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    a = SharedState(StateConfig(redis_url=redis_url, key_prefix=prefix))
-    b = SharedState(StateConfig(redis_url=redis_url, key_prefix=prefix))
+    a = SharedState(StateSettings(redis_url=redis_url, key_prefix=prefix))
+    b = SharedState(StateSettings(redis_url=redis_url, key_prefix=prefix))
     try:
         await Breakers(a).record("x/y", False, status=429)
         d = await Breakers(b).allow("x/y")
@@ -196,7 +196,7 @@ async def test_redis_outage_falls_back_in_process(kind):
         port, srv = free_port(), None
     else:
         port, srv = _blackhole()
-    st = SharedState(StateConfig(redis_url=f"redis://127.0.0.1:{port}/0", timeout_s=0.2, reconnect_min_s=5))
+    st = SharedState(StateSettings(redis_url=f"redis://127.0.0.1:{port}/0", socket_timeout_s=0.2, reconnect_min_s=5))
     try:
         rl = RateLimiter(st)
         r = await asyncio.wait_for(rl.acquire([Limit("key", "k", rpm=1)], 1, "a"), 5)
@@ -213,7 +213,7 @@ async def test_redis_outage_falls_back_in_process(kind):
 
 
 async def test_fail_closed_limits_reject_while_redis_is_down():
-    st = SharedState(StateConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2,
+    st = SharedState(StateSettings(redis_url=f"redis://127.0.0.1:{free_port()}/0", socket_timeout_s=0.2,
                                  fail_closed_limits=True, reconnect_min_s=5))
     try:
         r = await RateLimiter(st).acquire([Limit("key", "k", rpm=10)], 1, "a")
@@ -224,9 +224,9 @@ async def test_fail_closed_limits_reject_while_redis_is_down():
 
 
 async def test_rejoins_when_redis_returns_and_pushes_cooldowns(redis_server):
-    st = SharedState(StateConfig(redis_url=redis_server.url, timeout_s=0.3, reconnect_min_s=0.05,
+    st = SharedState(StateSettings(redis_url=redis_server.url, socket_timeout_s=0.3, reconnect_min_s=0.05,
                                  reconnect_max_s=0.2))
-    other = SharedState(StateConfig(redis_url=redis_server.url, timeout_s=0.3))
+    other = SharedState(StateSettings(redis_url=redis_server.url, socket_timeout_s=0.3))
     try:
         br = Breakers(st)
         assert (await br.allow("a/b")).allowed and st.mode == "redis"
@@ -277,8 +277,8 @@ async def test_health_passive_and_active(state):
 
 async def test_replica_trusts_closed_for_cache_s_only(redis_url):
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    a = SharedState(StateConfig(redis_url=redis_url, key_prefix=prefix))
-    b = SharedState(StateConfig(redis_url=redis_url, key_prefix=prefix))
+    a = SharedState(StateSettings(redis_url=redis_url, key_prefix=prefix))
+    b = SharedState(StateSettings(redis_url=redis_url, key_prefix=prefix))
     try:
         ba, bb = Breakers(a), Breakers(b, BreakerSettings(cache_s=0.25))
         assert (await bb.allow("c/m", now=T0)).allowed            # B learns "closed" from Redis
