@@ -30,7 +30,6 @@ from gateway.observability.request_log import (Redactor, RequestLog, config_secr
 from gateway.observability.tracing import (OPERATIONS, Tracing, attempt_span, end_request_trace, mark_error,
                                            reset_traceparent, set_traceparent, span_answer, traceparent,
                                            untraced_context)
-from gateway.request.validate import estimate_prompt_tokens
 
 log = logging.getLogger("tandem.gateway.telemetry")
 
@@ -327,8 +326,7 @@ class Observability:
         answered = rec.backend != "" and status < 400
         tokens, estimated = usage_tokens(rec.usage), False
         if tokens is None and answered and rec.body is not None:
-            prompt = rec.prompt_estimate if rec.prompt_estimate is not None else estimate_prompt_tokens(rec.body)
-            tokens, estimated = (prompt, rec.content_events, 0), True
+            tokens, estimated = (rec.prompt_estimate or 0, rec.content_events, 0), True   # counted at validation
         cfg = rec.snap.compiled.config if rec.snap is not None else None
         nusd = 0
         if tokens is not None and cfg is not None:
