@@ -66,9 +66,7 @@ async def _one_attempt(backends: dict, req: GatewayRequest, c: Candidate) -> Ups
         result = await _attempt(backend, c.target, req)
     except BackendError as e:
         return backend_error_to_response(e)
-    if req.stream:
-        return stream_response(result)
-    return UpstreamResponse(result.status, {"content-type": result.content_type}, body=result.content)
+    return stream_response(result) if req.stream else result
 
 
 async def forward(req: GatewayRequest, targets: list[Target], backends: dict, resilience: Resilience,

@@ -12,7 +12,7 @@ import msgspec
 
 from gateway.config.schema import LocalBackendConfig
 from gateway.errors import BackendError
-from gateway.backends.upstream import Reply
+from gateway.resilience.outcomes import UpstreamResponse
 
 log = logging.getLogger("tandem.gateway.local")
 
@@ -95,7 +95,7 @@ class LocalBackend:
         except ServingError as e:
             raise BackendError("http", f"{self.name}: {e.message}", e.status_code, self._encode(e.to_dict())) from None
 
-    async def send(self, endpoint: str, body: dict, request_id: str, priority: int) -> Reply:
+    async def send(self, endpoint: str, body: dict, request_id: str, priority: int) -> UpstreamResponse:
         """Run one non-streaming request; the OpenAI JSON answer.
 
         Raises:
@@ -104,7 +104,7 @@ class LocalBackend:
         self.active += 1
         try:
             result = await self._call(endpoint, body, request_id, priority)
-            return Reply(200, self._encode(result))
+            return UpstreamResponse(200, {"content-type": "application/json"}, body=self._encode(result))
         finally:
             self.active -= 1
 

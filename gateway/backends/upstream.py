@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import httpx
 from httpx_aiohttp import AiohttpTransport
@@ -23,8 +22,8 @@ from httpx_aiohttp.transport import map_aiohttp_exceptions
 
 from gateway.config.schema import OpenAIBackendConfig
 from gateway.errors import BackendError
-from gateway.resilience.attempts import parse_retry_after
 from gateway.observability.tracing import current_traceparent
+from gateway.resilience.outcomes import UpstreamResponse, parse_retry_after
 
 log = logging.getLogger("tandem.gateway.upstream")
 logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request is hot-path cost
@@ -52,15 +51,6 @@ def _traced(request: httpx.Request) -> httpx.Request:
     if tp is not None:
         request.headers["traceparent"] = tp
     return request
-
-
-@dataclass
-class Reply:
-    """A complete (non-streaming) response from a backend: JSON bytes."""
-
-    status: int
-    content: bytes
-    content_type: str = "application/json"
 
 
 class UpstreamBackend:
@@ -102,7 +92,7 @@ class UpstreamBackend:
         """The model name to send: the target's, else the mapping's, else the public one."""
         return target_model or self.cfg.models.get(public_model, public_model)
 
-    async def send(self, endpoint: str, payload: bytes) -> Reply:
+    async def send(self, endpoint: str, payload: bytes) -> UpstreamResponse:
         """POST ``payload`` (JSON bytes) to ``base_url/endpoint``; the whole answer.
 
         Raises:
@@ -112,7 +102,8 @@ class UpstreamBackend:
             r = await self._post(endpoint, self._headers, payload, read=True)
             if r.status_code >= 400:
                 raise self._http_error(r, r.content)
-            return Reply(r.status_code, r.content, r.headers.get("content-type", "application/json"))
+            return UpstreamResponse(r.status_code, {"content-type": r.headers.get("content-type", "application/json")},
+                                    body=r.content)
         finally:
             self.active -= 1
 
