@@ -54,15 +54,15 @@ def register(subparsers) -> None:
 
 
 def _serve(args) -> int:
-    from gateway.http.server import serve
+    from gateway.http.server import serve   # lazy (as below): each command loads only what it uses; `tandem` starts fast
 
     return serve(args.config, args.host, args.port, args.insecure, start_engine=not args.no_engine)
 
 
 def _explain(args) -> int:
     from gateway.config.compile import load_config_or_report
-    from gateway.request.validate import check_request, estimate_prompt_tokens
     from gateway.errors import ClientError
+    from gateway.request.validate import check_request, estimate_prompt_tokens
     from policies import RequestFeatures, Signals, decide
 
     if (compiled := load_config_or_report(args.config)) is None:

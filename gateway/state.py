@@ -25,6 +25,11 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, TypeVar
 
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, ResponseError
+
 from gateway.config.schema import StateSettings
 
 log = logging.getLogger("tandem.state")
@@ -50,10 +55,6 @@ class SharedState:
         self.outages = 0   # times Redis became unreachable
         self.rejoins = 0   # times it came back (counted once the rejoin hooks have run)
         if self.config.redis_url:
-            import redis.asyncio as aioredis
-            from redis.asyncio.retry import Retry
-            from redis.backoff import NoBackoff
-
             t = self.config.socket_timeout_s
             # A blocking pool: when all connections are busy a call waits (at most timeout_s) for one instead of
             # failing at once; no client-side retries (a retry would double the wait bound).
@@ -172,8 +173,6 @@ class SharedState:
 
 def _is_script_bug(exc: BaseException) -> bool:
     """A Lua error is our bug, not an outage: let it surface instead of silently degrading."""
-    from redis.exceptions import NoScriptError, ResponseError
-
     return (isinstance(exc, ResponseError) and not isinstance(exc, NoScriptError)
             and "script" in str(exc).lower())
 

@@ -36,10 +36,10 @@ class LocalBackend:
     async def start(self) -> None:
         """Build and start the engine (loads the model in a worker thread).
         Never raises: a failure marks the backend unavailable and is logged."""
-        try:
+        try:   # lazy: the engine (and torch) load only when a local backend starts
             from engine.async_engine import AsyncEngine
             from engine.config import EngineArgs
-            from engine.serving import OpenAIServing
+            from engine.serving import OpenAIServing, ServingError
 
             args = EngineArgs(**self.cfg.engine.engine_kwargs())
             engine = AsyncEngine(args)
@@ -47,7 +47,7 @@ class LocalBackend:
             self.engine = engine
             self.served_model_name = engine.served_model_name
             self.max_model_len = engine.max_model_len
-            self.serving = OpenAIServing(engine, engine.served_model_name)
+            self.serving, self.serving_error = OpenAIServing(engine, engine.served_model_name), ServingError
             self.available, self.unavailable_reason = True, ""
             log.info("local engine ready: %s (max_model_len %s)", self.served_model_name, self.max_model_len)
         except Exception as e:  # noqa: BLE001 -- reported, backend marked unavailable
@@ -65,14 +65,16 @@ class LocalBackend:
         return int(s.num_waiting), int(s.num_running), float(s.kv_cache_usage) * 100.0
 
     def count_prompt_tokens(self, body: dict) -> int | None:
-        """Prompt length in tokens with the engine's tokenizer (chat template
-        applied for chat requests); None when the engine is not loaded."""
+        """Prompt length in tokens as the engine will run it: its tokenizer, with the request's chat-template and
+        special-token options at ``engine/protocol.py``'s defaults; None when the engine is not loaded."""
         if self.engine is None:
             return None
         tok = self.engine.tokenizer
+        chat = "messages" in body
         try:
-            if "messages" in body:
-                text = tok.apply_chat_template(body["messages"], add_generation_prompt=True)
+            if chat:
+                text = tok.apply_chat_template(body["messages"], add_generation_prompt=body.get(
+                    "add_generation_prompt", True), **(body.get("chat_template_kwargs") or {}))
             else:
                 prompt = body.get("prompt", "")
                 if isinstance(prompt, list):
@@ -80,19 +82,17 @@ class LocalBackend:
                         return len(prompt)
                     prompt = "".join(p for p in prompt if isinstance(p, str))
                 text = prompt
-            return len(tok.encode(text))
+            return len(tok.encode(text, add_special_tokens=body.get("add_special_tokens", not chat)))
         except Exception:  # noqa: BLE001 -- odd content: let the estimate decide
             return None
 
     async def _call(self, endpoint: str, body: dict, request_id: str, priority: int):
-        from engine.serving import ServingError
-
         if self.serving is None:
             raise BackendError("unavailable", f"{self.name}: {self.unavailable_reason}", 503)
         fn = self.serving.create_chat_completion if endpoint == "chat/completions" else self.serving.create_completion
         try:
             return await fn(body, request_id, priority)
-        except ServingError as e:
+        except self.serving_error as e:
             raise BackendError("http", f"{self.name}: {e.message}", e.status_code, self._encode(e.to_dict())) from None
 
     async def send(self, endpoint: str, body: dict, request_id: str, priority: int) -> UpstreamResponse:

@@ -19,6 +19,8 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
+import redis.asyncio as aioredis
+
 KEY_TTL_S = 30 * 24 * 3600
 
 
@@ -154,8 +156,6 @@ class RedisLedger:
     shared = True
 
     def __init__(self, url: str, prefix: str = "tandem", keep: int = 10, socket_timeout: float = 0.5):
-        import redis.asyncio as aioredis
-
         self.redis = aioredis.Redis.from_url(url, socket_timeout=socket_timeout,
                                              socket_connect_timeout=socket_timeout, decode_responses=False)
         self.keys = [f"{prefix}:config:history", f"{prefix}:config:version", f"{prefix}:config:digest"]

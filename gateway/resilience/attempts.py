@@ -70,8 +70,8 @@ class Candidate:
 class _Run:
     """State of one request's attempt loop (see the module docstring)."""
 
-    def __init__(self, candidates, attempt, stream, policy, breakers, health, limiter, required_len, request_id,
-                 tokens, on_finish, batch_events=False):
+    def __init__(self, candidates, attempt, *, stream, policy, breakers, health, limiter, required_len, request_id,
+                 tokens, on_finish, batch_events):
         self.candidates: list[Candidate] = list(candidates)
         self.attempt_fn = attempt
         self.stream = stream
@@ -92,14 +92,15 @@ class _Run:
         self.skips: dict[str, tuple[str, float | None]] = {}   # name -> (reason, retry_after) in the last pick
 
     # -- target choice -------------------------------------------------------------------------------------
-    async def _pick(self) -> tuple[Candidate, bool, RateReservation | None]:
-        """The next candidate to call, whether it is a half-open probe, and its backend-limit reservation."""
+    async def _pick(self) -> tuple[Candidate, bool, RateReservation | None] | NoCandidate:
+        """The next candidate to call, whether it is a half-open probe, and its backend-limit reservation; or why
+        none may be called now."""
         for new_round in (False, True):
             if new_round:
                 if not self.called_round:  # a round of skips only: starting another changes nothing
                     break
                 if self.last_wait <= 0:  # a new round only after a backoff
-                    raise NoCandidate(None, round_over=True)
+                    return NoCandidate(None, round_over=True)
                 self.tried_round, self.called_round, self.skips = set(), False, {}
             for c in self.candidates:
                 if c.name in self.excluded or c.name in self.tried_round:
@@ -133,11 +134,16 @@ class _Run:
                 return c, probe, reservation
         waits = [ra for name, (why, ra) in self.skips.items() if why != "too_small" and ra is not None
                  and name not in self.excluded]
-        raise NoCandidate(min(waits) if waits else None)
+        return NoCandidate(min(waits) if waits else None)
 
     # -- one attempt -----------------------------------------------------------------------------------------
-    async def _once(self) -> Result:
-        c, probe, reservation = await self._pick()
+    async def _once(self) -> Result | Failure | NoCandidate | PassThrough:
+        """One step: pick a candidate and call it. Returns the committed ``Result``, or why the step did not
+        answer (the failure is recorded in breakers, health and ``attempts`` first)."""
+        picked = await self._pick()
+        if isinstance(picked, NoCandidate):
+            return picked
+        c, probe, reservation = picked
         self.tried_round.add(c.name)
         self.called_round = True
         self.calls += 1
@@ -156,17 +162,17 @@ class _Run:
                 await self._record(c, True, None, None, probe, dt, None)
                 if reservation is not None:
                     await self.limiter.release(reservation)
-                raise
+                return f
             await self._record(c, False, f.status, f.retry_after, probe, dt, None, reason=f.kind)
             if reservation is not None:
                 await self.limiter.release(reservation)
-            raise
+            return f
         except PassThrough as p:
             p.candidate = c
             dt = time.monotonic() - t0
             self.attempts.append(Attempt(c.name, f"status {p.response.status}", p.response.status, duration_s=dt))
             await self._record(c, True, None, None, probe, dt, None)
-            raise
+            return p
         except BaseException:  # cancelled (client gone): give the probe slot and the reservation back
             if probe:
                 await asyncio.shield(self.breakers.record(c.name, True, probe=True, reason="cancelled"))
@@ -313,14 +319,14 @@ class _Run:
         step = 0
         while True:
             step += 1
-            try:
-                return await self._once()
-            except PassThrough as p:
-                return self._passthrough(p.response, p.candidate)
-            except (Failure, NoCandidate) as exc:
-                self.last_wait = self._wait_for(exc, step)    # _pick starts a new round only after a backoff
-                if self._stop(exc, self.last_wait):
-                    return await self._exhausted(exc)
+            out = await self._once()
+            if isinstance(out, Result):
+                return out
+            if isinstance(out, PassThrough):
+                return self._passthrough(out.response, out.candidate)
+            self.last_wait = self._wait_for(out, step)    # _pick starts a new round only after a backoff
+            if self._stop(out, self.last_wait):
+                return await self._exhausted(out)
             await asyncio.sleep(self.last_wait)
 
     def _passthrough(self, resp: UpstreamResponse, candidate: Candidate | None) -> Result:
@@ -397,6 +403,7 @@ async def call_with_fallback(candidates: list[Candidate],
     per upstream read) instead of one item per event; the bytes are the same.
     Never raises for upstream failures; a cancelled caller cancels the upstream call.
     """
-    run = _Run(candidates, attempt, stream, policy or RetrySettings(), breakers, health, limiter, required_len,
-               request_id, tokens, on_finish, batch_events)
+    run = _Run(candidates, attempt, stream=stream, policy=policy or RetrySettings(), breakers=breakers, health=health,
+               limiter=limiter, required_len=required_len, request_id=request_id, tokens=tokens, on_finish=on_finish,
+               batch_events=batch_events)
     return await run.execute()

@@ -15,14 +15,17 @@ import multiprocessing
 import socket
 import time
 
+import aiohttp
 import httpx
+from aiohttp import web
+
+from gateway.backends.upstream import UpstreamBackend, make_client
+from gateway.config.schema import OpenAIBackendConfig
 
 _BODY = b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"ok"}}]}'
 
 
 def _server(port: int) -> None:
-    from aiohttp import web
-
     async def handle(request: web.Request) -> web.Response:
         await request.read()
         return web.Response(body=_BODY, content_type="application/json")
@@ -52,7 +55,6 @@ async def _run(client: httpx.AsyncClient, n: int, concurrency: int) -> float:
 
 async def bench(port: int, n: int, concurrency: int) -> dict[str, float]:
     """requests/s per transport."""
-    from gateway.backends.upstream import make_client
 
     out = {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -62,8 +64,6 @@ async def bench(port: int, n: int, concurrency: int) -> dict[str, float]:
     async with c:
         out["httpx + AiohttpTransport"] = await _run(c, n, concurrency)
     # The gateway's hot path: UpstreamBackend.send (prebuilt URL/headers straight to the pooled transport).
-    from gateway.config.schema import OpenAIBackendConfig
-    from gateway.backends.upstream import UpstreamBackend
 
     b = UpstreamBackend("bench", OpenAIBackendConfig(type="openai", base_url=f"http://127.0.0.1:{port}/v1",
                                                max_connections=concurrency))
@@ -81,7 +81,6 @@ async def bench(port: int, n: int, concurrency: int) -> dict[str, float]:
 
     out["gateway UpstreamBackend.send"] = await _run(_Adapter(), n, concurrency)
     await b.aclose()
-    import aiohttp
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
                                      base_url=f"http://127.0.0.1:{port}") as s:

@@ -11,9 +11,9 @@ tested against the real engine (``tandem engine serve``) elsewhere.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,14 +24,26 @@ from pathlib import Path
 import httpx
 from aiohttp import web
 
+from tests.conftest import free_port  # noqa: F401 -- re-exported for the gateway tests
+
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def sha(key: str) -> str:
+    """A virtual key's sha256 (hex), as the config names it."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def wait_until(pred, timeout: float = 15.0):
+    """Poll ``pred`` every 20 ms until it returns a true value (returned); AssertionError after ``timeout`` s
+    (a liveness bound, not a performance threshold)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if value := pred():
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not reached")
 
 
 class FaultInjectorUpstream:

@@ -5,6 +5,7 @@ tiny random Llama. Official ``openai`` client, sync, async and streaming."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -13,9 +14,10 @@ import httpx
 import openai
 import pytest
 
-from tests.tiny_models import save_byte_level_llama
-
+from gateway.backends.local import LocalBackend
+from gateway.config.schema import EngineConfig, LocalBackendConfig
 from tests.gateway.support import ROOT, GatewayProcess, free_port
+from tests.tiny_models import save_byte_level_llama
 
 pytestmark = pytest.mark.slow
 
@@ -188,3 +190,22 @@ def test_ready_and_models(gateway):
     ready = httpx.get(gateway.url + "/health/ready").json()
     assert ready["ready"] and ready["backends"]["local"]["available"] and ready["backends"]["agg"]["available"]
     assert [m.id for m in client(gateway).models.list()] == ["smollm2"]
+
+
+async def test_routing_prompt_count_is_the_engines_prompt(tiny_model):
+    """The prompt length routing reads (``count_prompt_tokens``) is the prompt the engine runs
+    (``usage.prompt_tokens``), whatever template and special-token options the client sets."""
+    backend = LocalBackend("local", LocalBackendConfig(type="local", engine=EngineConfig(
+        model=tiny_model, dtype="float32", kv_cache_memory="64MiB")))
+    await backend.start()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    try:
+        for i, body in enumerate([{"messages": msgs}, {"messages": msgs, "add_generation_prompt": False},
+                                  {"messages": msgs, "add_special_tokens": True}, {"prompt": "Hello there"},
+                                  {"prompt": "Hello there", "add_special_tokens": False}]):
+            endpoint = "chat/completions" if "messages" in body else "completions"
+            reply = await backend.send(endpoint, {"model": backend.served_model_name, "max_tokens": 1, **body},
+                                       f"count-{i}", 0)
+            assert backend.count_prompt_tokens(body) == json.loads(reply.body)["usage"]["prompt_tokens"], body
+    finally:
+        await backend.aclose()

@@ -10,7 +10,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.gateway.support import FaultInjectorUpstream, GatewayProcess, upstream_config
+from tests.gateway.support import FaultInjectorUpstream, GatewayProcess, upstream_config, wait_until
 
 ENV = {"TEST_UPSTREAM_KEY": "k", "TANDEM_ADMIN_TOKEN": "adm"}
 ADMIN = {"authorization": "Bearer adm"}
@@ -26,16 +26,6 @@ def upstreams():
     yield a, b
     a.stop()
     b.stop()
-
-
-def wait_until(fn, timeout: float = 15.0, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not reached")
 
 
 def admin_config(g: GatewayProcess) -> dict:

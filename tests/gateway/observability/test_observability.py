@@ -9,7 +9,6 @@ a real Redis (``redis_url``)."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import re
 import subprocess
@@ -28,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.observability.metrics import GatewayMetrics, LiveGauges
 from gateway.billing.usage import Budget, Price, UsageLedger, cost_nusd, cost_usd, monthly_cost_usd
-from tests.gateway.support import ROOT, FaultInjectorUpstream, GatewayProcess, free_port
+from tests.gateway.support import ROOT, FaultInjectorUpstream, GatewayProcess, free_port, sha
 
 KEY_T1, KEY_T2 = "sk-tandem-t1-0123456789abcdef", "sk-tandem-t2-0123456789abcdef"
 UPSTREAM_SECRET = "sk-upstream-SECRET-9f8e7d6c5b4a"
@@ -36,10 +35,6 @@ ADMIN = "admin-token-obs-42"
 ENV = {"TEST_UPSTREAM_KEY": UPSTREAM_SECRET, "TANDEM_ADMIN_TOKEN": ADMIN}
 HELLO = [{"role": "user", "content": "hello"}]          # estimate_prompt_tokens: (5 + 3) // 4 + 4 = 6 tokens
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
-
-
-def sha(k: str) -> str:
-    return hashlib.sha256(k.encode()).hexdigest()
 
 
 class EchoUpstream(FaultInjectorUpstream):

@@ -3,7 +3,6 @@ Redis, and fault-injecting upstreams (tests/gateway/fault_upstream.py)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
@@ -17,16 +16,12 @@ import redis
 
 from tests.conftest import free_port
 from tests.gateway.fault_upstream import FaultUpstream
-from tests.gateway.support import GatewayProcess
+from tests.gateway.support import GatewayProcess, sha, wait_until
 
 KEY, LIMITED_KEY = "sk-tandem-main", "sk-tandem-limited"
 ENV = {"TEST_UPSTREAM_KEY": "upstream-secret", "TANDEM_ADMIN_TOKEN": "admin-tok"}
 SCENARIOS = ["s503", "s400", "scut", "sboth", "serrfirst", "sstall", "s429", "shung", "shealthy", "sshared",
              "sdisc", "soutage"]
-
-
-def sha(k: str) -> str:
-    return hashlib.sha256(k.encode()).hexdigest()
 
 
 def gateway_config(ups: dict[str, FaultUpstream], redis_url: str | None, prefix: str, dead_port: int) -> str:
@@ -110,16 +105,6 @@ def client(g: GatewayProcess, key: str = KEY) -> openai.OpenAI:
 
 
 MSG = [{"role": "user", "content": "hi"}]
-
-
-def wait_until(pred, timeout: float = 5.0) -> bool:
-    """Poll ``pred`` every 20 ms for up to ``timeout`` seconds (a liveness bound, not a performance threshold)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return bool(pred())
 
 
 def test_503_falls_back_and_headers(gw, ups):
