@@ -30,9 +30,6 @@ class ClientError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
 
-    def body(self) -> bytes:
-        return error_body(self.status, self.message, self.param, self.code)
-
 
 class BackendError(Exception):
     """One failed attempt at one backend.

@@ -50,13 +50,9 @@ def _payload(backend, target: Target, req: GatewayRequest):
 
 async def _attempt(backend, target: Target, req: GatewayRequest):
     payload = _payload(backend, target, req)
-    if backend.kind == "local":
-        if req.stream:
-            return await backend.open_stream(req.endpoint, payload, req.request_id, req.priority)
-        return await backend.send(req.endpoint, payload, req.request_id, req.priority)
-    if req.stream:
-        return await backend.open_stream(req.endpoint, payload)
-    return await backend.send(req.endpoint, payload)
+    # the local engine also takes the request id and the priority (the body's "priority" was removed)
+    args = (req.endpoint, payload, req.request_id, req.priority) if backend.kind == "local" else (req.endpoint, payload)
+    return await (backend.open_stream if req.stream else backend.send)(*args)
 
 
 async def _one_attempt(backends: dict, req: GatewayRequest, c: Candidate) -> UpstreamResponse:
@@ -126,29 +122,20 @@ def backend_error_to_response(e: BackendError) -> UpstreamResponse:
 
 
 def stream_response(it) -> UpstreamResponse:
-    """A backend's SSE byte iterator as a streaming 200 for the loop; closing it closes the backend's iterator
-    even when it was never started."""
-    chunks = translate_stream(it)
+    """A backend's SSE byte iterator as a streaming 200 for the loop, its stream errors re-raised as transport
+    errors the loop classifies; closing it closes the backend's iterator even when it was never started."""
+
+    async def chunks():
+        try:
+            async for chunk in it:
+                yield chunk
+        except BackendError as e:
+            raise (TimeoutError if e.kind == "timeout" else ConnectionError)(e.message) from None
+
+    relayed = chunks()
 
     async def aclose() -> None:
-        await chunks.aclose()
-        inner = getattr(it, "aclose", None)
-        if inner is not None:
-            await inner()
+        await relayed.aclose()
+        await it.aclose()
 
-    return UpstreamResponse(200, {"content-type": "text/event-stream"}, chunks=chunks, aclose=aclose)
-
-
-async def translate_stream(it):
-    """Re-raise a backend's stream errors as transport errors the loop classifies (timeout / connection)."""
-    try:
-        async for chunk in it:
-            yield chunk
-    except BackendError as e:
-        if e.kind == "timeout":
-            raise TimeoutError(e.message) from None
-        raise ConnectionError(e.message) from None
-    finally:
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:
-            await aclose()
+    return UpstreamResponse(200, {"content-type": "text/event-stream"}, chunks=relayed, aclose=aclose)

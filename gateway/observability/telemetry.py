@@ -72,8 +72,6 @@ class Observability:
     def configure(self, snap) -> None:
         """A config generation was applied (``gateway.runtime.Snapshot``): requests arriving from now see it."""
         self.snap = snap
-        if snap.local is not None:
-            self.metrics.ensure_engine(snap.local)
 
     async def start(self) -> None:
         """Redact secrets from the process's log handlers; open the request log."""
@@ -81,11 +79,8 @@ class Observability:
         self.request_log.open()
 
     async def stop(self) -> None:
-        for t in list(self._tasks):
-            try:
-                await asyncio.wait_for(t, 5)
-            except BaseException:  # noqa: BLE001
-                pass
+        if self._tasks:                  # the last requests' accounting, at most 5 s
+            await asyncio.wait(set(self._tasks), timeout=5)
         remove_redaction(self._filters)
         self._filters = []
         self.request_log.close()

@@ -307,11 +307,8 @@ class _Run:
                 return True
         elif isinstance(exc, Failure) and not exc.transient:
             return True
-        if self.calls >= self.policy.max_attempts:
-            return True
-        if not any(c.name not in self.excluded for c in self.candidates):
-            return True
-        return time.monotonic() + wait >= self.deadline
+        return (self.calls >= self.policy.max_attempts or all(c.name in self.excluded for c in self.candidates)
+                or time.monotonic() + wait >= self.deadline)
 
     async def execute(self) -> Result:
         """The loop: call the next candidate; after a failure wait (``_wait_for``: nothing before an untried
@@ -340,7 +337,7 @@ class _Run:
     async def _exhausted(self, last: Exception) -> Result:
         """The final error after every candidate failed or was skipped."""
         res = Result(503, {"content-type": "application/json"}, attempts=self.attempts)
-        called = [f for f in self.failures]
+        called = self.failures
         ctx = [f for f in called if f.kind == "context_length"]
         if ctx and not [f for f in called if f.kind != "context_length"]:
             return self._passthrough(ctx[-1].response, ctx[-1].candidate) if ctx[-1].response else res
