@@ -61,10 +61,11 @@ def in_flight(app):
     byte of the answer (a stream until its end) or the client's disconnect. Drain waits for it to reach 0."""
 
     async def middleware(scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or scope["method"] != "POST":
+        gw = scope["app"].state.gw
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/") \
+                or gw.draining:          # refused at once (503): a drain never waits for it
             await app(scope, receive, send)
             return
-        gw = scope["app"].state.gw
         gw.in_flight += 1
         try:
             await app(scope, receive, send)
