@@ -151,28 +151,6 @@ class _Run:
         remaining = self.deadline - t0
         try:
             result = await self._call(c, remaining)
-        except Failure as f:
-            f.candidate = c
-            dt = time.monotonic() - t0
-            self.failures.append(f)
-            self.attempts.append(Attempt(c.name, f.kind, f.status, duration_s=dt))
-            if f.kind == "context_length":
-                self.excluded.add(c.name)
-                self._exclude_not_larger(c)
-                await self._record(c, True, None, None, probe, dt, None)
-                if reservation is not None:
-                    await self.limiter.release(reservation)
-                return f
-            await self._record(c, False, f.status, f.retry_after, probe, dt, None, reason=f.kind)
-            if reservation is not None:
-                await self.limiter.release(reservation)
-            return f
-        except PassThrough as p:
-            p.candidate = c
-            dt = time.monotonic() - t0
-            self.attempts.append(Attempt(c.name, f"status {p.response.status}", p.response.status, duration_s=dt))
-            await self._record(c, True, None, None, probe, dt, None)
-            return p
         except BaseException:  # cancelled (client gone): give the probe slot and the reservation back
             if probe:
                 await asyncio.shield(self.breakers.record(c.name, True, probe=True, reason="cancelled"))
@@ -180,6 +158,26 @@ class _Run:
                 await asyncio.shield(self.limiter.release(reservation))
             raise
         dt = time.monotonic() - t0
+        if isinstance(result, Failure):
+            f = result
+            f.candidate = c
+            self.failures.append(f)
+            self.attempts.append(Attempt(c.name, f.kind, f.status, duration_s=dt))
+            if f.kind == "context_length":
+                self.excluded.add(c.name)
+                self._exclude_not_larger(c)
+                await self._record(c, True, None, None, probe, dt, None)
+            else:
+                await self._record(c, False, f.status, f.retry_after, probe, dt, None, reason=f.kind)
+            if reservation is not None:
+                await self.limiter.release(reservation)
+            return f
+        if isinstance(result, PassThrough):
+            result.candidate = c
+            self.attempts.append(Attempt(c.name, f"status {result.response.status}", result.response.status,
+                                         duration_s=dt))
+            await self._record(c, True, None, None, probe, dt, None)
+            return result
         result.candidate, result.backend_reservation = c, reservation
         self.attempts.append(Attempt(c.name, "ok", result.status, duration_s=dt))
         result.attempts = self.attempts
@@ -200,8 +198,8 @@ class _Run:
             if c.max_model_len is not None and c.max_model_len <= failed.max_model_len:
                 self.excluded.add(c.name)
 
-    async def _call(self, c: Candidate, remaining: float) -> Result:
-        """One upstream call; returns a committed Result or raises Failure / PassThrough."""
+    async def _call(self, c: Candidate, remaining: float) -> Result | Failure | PassThrough:
+        """One upstream call: a committed Result, or why it does not answer the client."""
         first_token = c.first_token_timeout_s or self.policy.first_token_timeout_s
         # streams: the first token within the first-token timeout and the deadline; a whole (non-streamed)
         # answer may take as long as it needs (the backend's read timeout catches a hung upstream; the deadline
@@ -213,11 +211,10 @@ class _Run:
             async with asyncio.timeout(limit):
                 resp = await self.attempt_fn(c)
                 if self.stream and resp.status < 300 and resp.chunks is not None:
-                    return await peek_stream(resp, t0)
-        except (Failure, PassThrough):
-            if resp is not None and resp.chunks is not None:
-                await close_response(resp)
-            raise
+                    out = await peek_stream(resp, t0)
+                    if isinstance(out, Failure):
+                        await close_response(resp)
+                    return out
         except asyncio.CancelledError:
             await asyncio.shield(close_response(resp))
             raise
@@ -233,10 +230,10 @@ class _Run:
                     f = Failure("timeout", f"no first token within {limit:.1f}s")
                 if f.kind == "error":
                     log.warning("attempt on %s raised", c.name, exc_info=exc)
-                raise f from exc
+                return f
         return self._finish_plain(c, resp)
 
-    def _finish_plain(self, c: Candidate, resp: UpstreamResponse) -> Result:
+    def _finish_plain(self, c: Candidate, resp: UpstreamResponse) -> Result | Failure | PassThrough:
         """A whole (non-streamed) upstream response: success, pass-through, or a Failure."""
         status, body = resp.status, resp.body or b""
         ct = {"content-type": resp.headers.get("content-type", "application/json")}
@@ -246,16 +243,16 @@ class _Run:
                 if not isinstance(obj, dict):
                     raise ValueError("not an object")
             except ValueError:
-                raise Failure("malformed", "upstream returned malformed JSON", status=502)
+                return Failure("malformed", "upstream returned malformed JSON", status=502)
             if obj.get("error"):
-                raise Failure("error_event", "upstream returned an error object", status=502)
+                return Failure("error_event", "upstream returned an error object", status=502)
             return Result(status, ct, body=body, usage=obj.get("usage"))
         ra = parse_retry_after(resp.headers)
         if status in TRANSIENT_STATUS or 520 <= status <= 529:
-            raise Failure("status", f"upstream status {status}", status=status, retry_after=ra, response=resp)
+            return Failure("status", f"upstream status {status}", status=status, retry_after=ra, response=resp)
         if is_context_length_error(status, body):
-            raise Failure("context_length", "prompt too long for this target", status=status, response=resp)
-        raise PassThrough(resp)
+            return Failure("context_length", "prompt too long for this target", status=status, response=resp)
+        return PassThrough(resp)
 
     async def _end_stream(self, res: Result, c: Candidate, probe: bool, t0: float, ok: bool, held: "Held") -> None:
         await close_response(held.resp)

@@ -1,6 +1,7 @@
 """What one upstream attempt can end in, as values: the upstream's ``UpstreamResponse``, the loop's ``Result`` and
 ``Attempt`` records, and the three ways an attempt does not answer the client (``Failure``: retry or fall back;
-``NoCandidate``: nothing may be called now; ``PassThrough``: a final upstream error, relayed as is), with the
+``NoCandidate``: nothing may be called now; ``PassThrough``: a final upstream error, relayed as is; values
+returned, never raised), with the
 rules that classify them (transient statuses, context-length errors, ``Retry-After``, transport errors).
 """
 
@@ -75,36 +76,38 @@ class Result:
         return sum(1 for a in self.attempts if a.called)
 
 
-class Failure(Exception):
-    """A failed attempt: ``kind`` (timeout, connect_error, status, error_event, ...), whether it may be retried."""
+@dataclass
+class Failure:
+    """A failed attempt: ``kind`` (timeout, connect_error, status, error_event, ...), whether it may be retried,
+    and the candidate that failed."""
 
-    def __init__(self, kind: str, message: str, *, status: int | None = None, retry_after: float | None = None,
-                 transient: bool = True, response: UpstreamResponse | None = None):
-        super().__init__(message)
-        self.kind, self.message, self.status = kind, message, status
-        self.retry_after, self.transient, self.response = retry_after, transient, response
-        self.candidate: Any = None
+    kind: str
+    message: str
+    status: int | None = None
+    retry_after: float | None = None
+    transient: bool = True
+    response: UpstreamResponse | None = None
+    candidate: Any = None
 
 
-class NoCandidate(Exception):
+@dataclass
+class NoCandidate:
     """No candidate may be called now; ``retry_after`` seconds until one may (None: never).
 
     round_over: every candidate was tried or skipped in this round and no backoff preceded: back off, then
     start the next round.
     """
 
-    def __init__(self, retry_after: float | None, round_over: bool = False):
-        super().__init__("no candidate available")
-        self.retry_after, self.round_over = retry_after, round_over
+    retry_after: float | None
+    round_over: bool = False
 
 
-class PassThrough(Exception):
+@dataclass
+class PassThrough:
     """A final upstream answer that is not retried (4xx): returned to the client as is."""
 
-    def __init__(self, response: UpstreamResponse):
-        super().__init__(f"status {response.status}")
-        self.response = response
-        self.candidate: Any = None
+    response: UpstreamResponse
+    candidate: Any = None
 
 
 def parse_retry_after(headers: Mapping[str, str]) -> float | None:

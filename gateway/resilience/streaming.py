@@ -74,8 +74,8 @@ class Watchdog:
             self.handle = None
 
 
-async def peek_stream(resp: UpstreamResponse, t0: float) -> Result:
-    """Read events until the first content; hold them back. Raises ``Failure`` on anything before content."""
+async def peek_stream(resp: UpstreamResponse, t0: float) -> Result | Failure:
+    """Read events until the first content; hold them back. Returns a ``Failure`` on anything before content."""
     events = EventReader(resp.chunks)
     held: list[bytes] = []
     while True:
@@ -85,14 +85,14 @@ async def peek_stream(resp: UpstreamResponse, t0: float) -> Result:
                 continue
             item = events.tail()
             if item is None:
-                raise Failure("stream_cut", "upstream stream ended before any content", status=502)
+                return Failure("stream_cut", "upstream stream ended before any content", status=502)
         raw, data = item
         kind, usage, error, fixed = classify(data)
         if kind == "malformed":
-            raise Failure("malformed", "upstream sent a malformed event", status=502)
+            return Failure("malformed", "upstream sent a malformed event", status=502)
         if kind == "error":
             st = error.get("code") if isinstance(error, dict) else None
-            raise Failure("error_event", "upstream sent an error event before content",
+            return Failure("error_event", "upstream sent an error event before content",
                            status=st if isinstance(st, int) else 502)
         held.append(raw if fixed is None else event(fixed))
         if kind in ("content", "done"):
