@@ -1,6 +1,6 @@
 """The gateway's ``tandem`` sub-commands: ``serve``, ``route explain``,
 ``ctl`` (reload, rollback, weights, drain, config via the admin API), and
-``usage`` / ``cost estimate`` (from ``gateway/usage.py``)."""
+``usage`` / ``cost estimate`` (from ``gateway/billing/commands.py``)."""
 
 from __future__ import annotations
 
@@ -49,20 +49,20 @@ def register(subparsers) -> None:
     w.add_argument("weights", nargs="+", metavar="TARGET=PCT")
     w.set_defaults(func=_ctl, path="/admin/weights")
 
-    from gateway.usage import register as register_usage   # `tandem usage`, `tandem cost estimate`
+    from gateway.billing.commands import register as register_usage   # `tandem usage`, `tandem cost estimate`
     register_usage(subparsers)
 
 
 def _serve(args) -> int:
-    from gateway.server import serve
+    from gateway.http.server import serve   # lazy (as below): each command loads only what it uses; `tandem` starts fast
 
     return serve(args.config, args.host, args.port, args.insecure, start_engine=not args.no_engine)
 
 
 def _explain(args) -> int:
-    from gateway.config import load_config_or_report
-    from gateway.validate import check_request, estimate_prompt_tokens
+    from gateway.config.compile import load_config_or_report
     from gateway.errors import ClientError
+    from gateway.request.validate import check_request, estimate_prompt_tokens
     from policies import RequestFeatures, Signals, decide
 
     if (compiled := load_config_or_report(args.config)) is None:

@@ -1,7 +1,11 @@
-"""OpenAI-format errors and the backend failure type."""
+"""OpenAI-format errors (the one builder of their JSON), the backend failure type, and the one taxonomy of
+transport errors."""
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import msgspec
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -26,9 +30,6 @@ class ClientError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
 
-    def body(self) -> bytes:
-        return error_body(self.status, self.message, self.param, self.code)
-
 
 class BackendError(Exception):
     """One failed attempt at one backend.
@@ -48,3 +49,15 @@ class BackendError(Exception):
         super().__init__(message)
         self.kind, self.message, self.status = kind, message, status
         self.body, self.retry_after, self.content_type = body, retry_after, content_type
+
+def transport_error_kind(exc: BaseException) -> str:
+    """``timeout`` | ``connect_error`` | ``connection_error`` | ``error`` for a transport exception of httpx,
+    aiohttp or asyncio (aiohttp by class name: it is not imported here)."""
+    name = type(exc).__name__
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError, httpx.TimeoutException)) or "Timeout" in name:
+        return "timeout"
+    if isinstance(exc, (httpx.ConnectError, ConnectionRefusedError)) or "Connector" in name:
+        return "connect_error"
+    if isinstance(exc, (httpx.TransportError, ConnectionError, OSError)) or name.startswith(("Client", "Server")):
+        return "connection_error"
+    return "error"

@@ -1,6 +1,6 @@
 """The running gateway: the current config snapshot, its backends, config
 versions (reload, weights, rollback, Redis propagation), file watching and
-drain. The request path (``gateway/pipeline.py``) reads ``gateway.snapshot``
+drain. The request path (``gateway/request/pipeline.py``) reads ``gateway.snapshot``
 once per request, so a swap never affects requests already running.
 """
 
@@ -12,12 +12,15 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from gateway.config import Compiled, ConfigError, load_config_text
-from gateway.local import LocalBackend
-from gateway.resilience import Resilience
-from gateway.telemetry import Observability
-from gateway.upstream import UpstreamBackend
-from gateway.versions import ConfigState, MemoryLedger, RedisLedger
+from gateway.config.compile import Compiled, load_config_text
+from gateway.config.schema import ConfigError
+from gateway.backends.local import LocalBackend
+from gateway.resilience.layer import Resilience
+from gateway.billing.usage import UsageLedger
+from gateway.observability.metrics import LiveGauges
+from gateway.observability.telemetry import Observability
+from gateway.backends.upstream import UpstreamBackend
+from gateway.config.versions import ConfigState, MemoryLedger, RedisLedger
 from policies import Signals
 
 log = logging.getLogger("tandem.gateway")
@@ -77,7 +80,8 @@ class Gateway:
         self._mtime = self._stat()
         cfg = initial.config
         self.resilience = Resilience(cfg)   # limits, breakers, health: shared state lives as long as the process
-        self.obs = Observability(self, cfg)  # metrics, traces, request logs, usage and budgets
+        self.usage = UsageLedger(self.resilience.state, cfg.budgets.reservation_ttl_s)   # usage and budgets
+        self.obs = Observability(cfg, self.usage, self.live_gauges)   # metrics, traces, request logs
         if cfg.state.redis_url:
             self.ledger = RedisLedger(cfg.state.redis_url, cfg.state.key_prefix, cfg.reload.keep_versions,
                                       cfg.state.socket_timeout_s)
@@ -127,6 +131,12 @@ class Gateway:
                 log.warning("closing backend %s: %s", b.name, e)
         await self.ledger.aclose()
 
+    def live_gauges(self) -> LiveGauges:
+        """What ``GET /metrics`` reads at scrape time."""
+        s = self.snapshot
+        return LiveGauges(self.in_flight, self.redis_degraded or self.resilience.degraded,
+                          s.version if s is not None else None, s.source if s is not None else "")
+
     @property
     def ready(self) -> bool:
         """Config valid, not draining, and the local engine (if any) loaded."""
@@ -175,6 +185,7 @@ class Gateway:
                         any(f.startswith("local.") for f in policy_fields))
         self.resilience.configure(compiled.config)
         self.snapshot = snap            # the atomic swap: one reference assignment
+        self.obs.configure(snap)
         log.info("config version %d applied (%s)", state.version, state.source)
         for w in snap.warnings:
             log.warning("%s", w)

@@ -23,31 +23,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, ResponseError
+
+from gateway.config.schema import StateSettings
 
 log = logging.getLogger("tandem.state")
 
 T = TypeVar("T")
-
-
-@dataclass
-class StateConfig:
-    """Where shared state lives and how long a Redis call may take.
-
-    redis_url: ``redis://host:port/db`` or None for in-process state (single replica).
-    timeout_s: the longest any one Redis call may take (seconds), connection included.
-    fail_closed_limits: when Redis is unreachable, reject rate-limited requests (503) instead of falling back to
-        in-process limits (the default, fail-open).
-    """
-
-    redis_url: str | None = None
-    timeout_s: float = 0.25
-    key_prefix: str = "tandem"
-    max_connections: int = 64
-    fail_closed_limits: bool = False
-    reconnect_min_s: float = 0.25
-    reconnect_max_s: float = 5.0
 
 
 class SharedState:
@@ -57,8 +44,8 @@ class SharedState:
     (a dict owned by this object) with the same semantics. ``run`` picks one.
     """
 
-    def __init__(self, config: StateConfig | None = None):
-        self.config = config or StateConfig()
+    def __init__(self, config: StateSettings | None = None):
+        self.config = config or StateSettings()
         self.memory: dict[str, Any] = {}
         self.degraded = False
         self.redis = None
@@ -68,11 +55,7 @@ class SharedState:
         self.outages = 0   # times Redis became unreachable
         self.rejoins = 0   # times it came back (counted once the rejoin hooks have run)
         if self.config.redis_url:
-            import redis.asyncio as aioredis
-            from redis.asyncio.retry import Retry
-            from redis.backoff import NoBackoff
-
-            t = self.config.timeout_s
+            t = self.config.socket_timeout_s
             # A blocking pool: when all connections are busy a call waits (at most timeout_s) for one instead of
             # failing at once; no client-side retries (a retry would double the wait bound).
             pool = aioredis.BlockingConnectionPool.from_url(
@@ -106,12 +89,12 @@ class SharedState:
                   decode: Callable[[Any], T] = lambda r: r) -> T:
         """Run script ``lua`` on Redis and return ``decode(result)``; else return ``fallback()`` (in-process).
 
-        Never waits longer than ``config.timeout_s`` on Redis; a failure marks the store degraded.
+        Never waits longer than ``config.socket_timeout_s`` on Redis; a failure marks the store degraded.
         """
         if self.redis is None or self.degraded:
             return fallback()
         try:
-            async with asyncio.timeout(self.config.timeout_s):
+            async with asyncio.timeout(self.config.socket_timeout_s):
                 result = await self.script(name, lua)(keys=keys, args=args)
         except Exception as exc:  # redis.RedisError, OSError, TimeoutError: all mean "Redis unusable now"
             if _is_script_bug(exc):
@@ -125,7 +108,7 @@ class SharedState:
         if self.redis is None or self.degraded:
             return fallback()
         try:
-            async with asyncio.timeout(self.config.timeout_s):
+            async with asyncio.timeout(self.config.socket_timeout_s):
                 return await fn(self.redis)
         except Exception as exc:
             if _is_script_bug(exc):
@@ -146,7 +129,7 @@ class SharedState:
         while self.degraded:
             await asyncio.sleep(delay)
             try:
-                await asyncio.wait_for(self.redis.ping(), self.config.timeout_s)
+                await asyncio.wait_for(self.redis.ping(), self.config.socket_timeout_s)
             except Exception:
                 delay = min(delay * 2, self.config.reconnect_max_s)
                 continue
@@ -168,7 +151,7 @@ class SharedState:
         if self.redis is None:
             return True
         try:
-            return bool(await asyncio.wait_for(self.redis.ping(), self.config.timeout_s))
+            return bool(await asyncio.wait_for(self.redis.ping(), self.config.socket_timeout_s))
         except Exception:
             return False
 
@@ -190,8 +173,6 @@ class SharedState:
 
 def _is_script_bug(exc: BaseException) -> bool:
     """A Lua error is our bug, not an outage: let it surface instead of silently degrading."""
-    from redis.exceptions import NoScriptError, ResponseError
-
     return (isinstance(exc, ResponseError) and not isinstance(exc, NoScriptError)
             and "script" in str(exc).lower())
 

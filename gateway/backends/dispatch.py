@@ -1,0 +1,141 @@
+"""Calling backends: a decision's targets go through the attempt loop (``gateway/resilience/attempts.py``:
+retries, fallback, circuit breakers, per-backend limits, streaming failures); this module adapts the backends
+(local engine, OpenAI-compatible upstreams) to it and turns the loop's result into the ``Answer`` the HTTP layer
+renders. This is the one place that calls backends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from gateway.errors import BackendError
+from gateway.request.validate import GatewayRequest
+from gateway.resilience.attempts import Candidate, Result, UpstreamResponse
+from gateway.resilience.layer import Resilience
+from gateway.resilience.ratelimit import RateReservation
+from policies import Target
+
+log = logging.getLogger("tandem.gateway.dispatch")
+
+# Request fields that only the gateway understands: never sent upstream.
+GATEWAY_ONLY_FIELDS = ("priority",)
+
+
+@dataclass
+class Answer:
+    """One answer, as backends produced it and the HTTP layer renders it: ``status``, ``headers`` (the
+    ``x-tandem-*`` routing facts are added by the pipeline), ``content`` bytes or a ``stream`` of SSE bytes,
+    ``backend`` (who answered; "" when every attempt failed) and ``attempts`` (upstream calls made)."""
+
+    status: int
+    content: bytes = b""
+    stream: AsyncIterator[bytes] | None = None
+    content_type: str = "application/json"
+    backend: str = ""
+    attempts: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _payload(backend, target: Target, req: GatewayRequest):
+    body = dict(req.body)
+    body["model"] = backend.upstream_model(req.public_model, target.model)
+    for k in GATEWAY_ONLY_FIELDS:       # the local engine gets the priority as an argument
+        body.pop(k, None)
+    return body if backend.kind == "local" else msgspec.json.encode(body)
+
+
+async def _attempt(backend, target: Target, req: GatewayRequest):
+    payload = _payload(backend, target, req)
+    # the local engine also takes the request id and the priority (the body's "priority" was removed)
+    args = (req.endpoint, payload, req.request_id, req.priority) if backend.kind == "local" else (req.endpoint, payload)
+    return await (backend.open_stream if req.stream else backend.send)(*args)
+
+
+async def _one_attempt(backends: dict, req: GatewayRequest, c: Candidate) -> UpstreamResponse:
+    """One call of ``c``'s backend in the attempt loop's terms (an HTTP answer, or a raised transport error)."""
+    backend = backends[c.target.backend]
+    try:
+        result = await _attempt(backend, c.target, req)
+    except BackendError as e:
+        return backend_error_to_response(e)
+    return stream_response(result) if req.stream else result
+
+
+async def forward(req: GatewayRequest, targets: list[Target], backends: dict, resilience: Resilience,
+                  reservation: RateReservation | None = None, hook=None, reserved_tokens: int = 0) -> Answer:
+    """Serve ``req`` from ``targets`` (route order) through the resilience layer; never raises for backend
+    failures.
+
+    Returns an Answer with status 200 and content/stream, the passed-through error of a non-retryable failure,
+    or 400/429/502/503/504 when no target could answer (see ``gateway/resilience/attempts.py``).
+    ``reservation`` (the request's key/tenant token reservation) is settled with the real usage when known;
+    ``hook`` wraps each attempt (observability's ``on_attempt`` events); ``reserved_tokens`` sizes the
+    per-backend TPM reservations.
+    """
+    skipped: list[str] = []
+    candidates = []
+    for target in targets:
+        backend = backends.get(target.backend)
+        if backend is None or not backend.available:
+            skipped.append(f"{target.id}: {backend.unavailable_reason if backend else 'unknown backend'}")
+        elif backend.kind == "local" and req.local_unsupported:
+            skipped.append(f"{target.id}: local engine does not support {req.local_unsupported}")
+        else:
+            candidates.append(resilience.candidate(target, backend))
+
+    async def settle(res: Result) -> None:
+        await resilience.settle(reservation, res.usage)
+        await resilience.settle(res.backend_reservation, res.usage)
+
+    attempt = lambda c: _one_attempt(backends, req, c)  # noqa: E731
+    if hook is not None:
+        attempt = hook(attempt)
+    res = await resilience.forward(candidates, attempt, stream=req.stream, required_len=req.prompt_tokens,
+                                   request_id=req.request_id, tokens=reserved_tokens, on_finish=settle)
+    if res.stream is None:
+        await settle(res)
+    errors = skipped + [f"{a.target}: {a.outcome}" for a in res.attempts if a.outcome != "ok"]
+    if errors:
+        log.info("request %s: %s", req.request_id, "; ".join(errors))
+    headers = {k: v for k, v in res.headers.items() if k != "content-type"}
+    backend = res.candidate.target.backend if res.candidate is not None else ""
+    return Answer(res.status, res.body or b"", res.stream, res.headers.get("content-type", "application/json"),
+                  backend, res.num_calls, headers)
+
+
+def backend_error_to_response(e: BackendError) -> UpstreamResponse:
+    """``gateway.errors.BackendError`` -> the loop's terms: an HTTP answer, or a raised transport error."""
+    if e.kind == "http":
+        headers = {"content-type": e.content_type}
+        if e.retry_after is not None:
+            headers["retry-after"] = str(e.retry_after)
+        return UpstreamResponse(e.status, headers, body=e.body or b"")
+    if e.kind == "timeout":
+        raise TimeoutError(e.message)
+    if e.kind == "connect":
+        raise ConnectionRefusedError(e.message)
+    raise ConnectionError(e.message)
+
+
+def stream_response(it) -> UpstreamResponse:
+    """A backend's SSE byte iterator as a streaming 200 for the loop, its stream errors re-raised as transport
+    errors the loop classifies; closing it closes the backend's iterator even when it was never started."""
+
+    async def chunks():
+        try:
+            async for chunk in it:
+                yield chunk
+        except BackendError as e:
+            raise (TimeoutError if e.kind == "timeout" else ConnectionError)(e.message) from None
+
+    relayed = chunks()
+
+    async def aclose() -> None:
+        await relayed.aclose()
+        await it.aclose()
+
+    return UpstreamResponse(200, {"content-type": "text/event-stream"}, chunks=relayed, aclose=aclose)

@@ -1,0 +1,1 @@
+"""Billing: prices, the usage ledger and per-tenant budgets."""

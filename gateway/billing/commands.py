@@ -1,0 +1,115 @@
+"""``tandem usage`` (a running gateway's per-tenant usage, from ``GET /admin/usage``) and ``tandem cost estimate``
+(monthly cost of a workload on each configured target, from the backends' prices)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from gateway.billing.usage import Price, monthly_cost_usd
+
+
+def register(subparsers) -> None:
+    """Add ``tandem usage`` and ``tandem cost estimate`` to the ``tandem`` parser."""
+    p = subparsers.add_parser("usage", help="per-tenant usage and cost of a running gateway (GET /admin/usage)")
+    p.add_argument("--url", default=os.environ.get("TANDEM_URL", "http://127.0.0.1:8000"))
+    p.add_argument("--token-env", default="TANDEM_ADMIN_TOKEN", help="env var holding the admin token")
+    p.add_argument("--tenant", default=None, help="one tenant (default: all)")
+    p.add_argument("--since", default=None, help="first UTC day: YYYY-MM-DD or Nd (days back); default today")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_usage_command)
+
+    p = subparsers.add_parser("cost", help="cost tools")
+    sub = p.add_subparsers(dest="cost_command", required=True)
+    e = sub.add_parser("estimate", help="monthly cost of a workload on each configured target")
+    e.add_argument("--config", default="config.example.yaml", help="gateway YAML config (its backends' prices)")
+    e.add_argument("--tokens-per-month", type=float, required=True, help="prompt + completion tokens per month")
+    e.add_argument("--input-share", type=float, default=0.75, help="fraction of the tokens that are prompt tokens")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_cost_estimate_command)
+
+
+def cost_table(config, tokens_per_month: int, input_share: float = 0.75) -> list[dict]:
+    """One row per distinct target (backend, upstream model) of the config's
+    routes, cheapest first: prices (USD per million tokens) and monthly USD."""
+    seen: dict[tuple[str, str], dict] = {}
+    for route in config.routes.values():
+        for t in (*route.targets, *route.fallbacks):
+            b = config.backends.get(t.backend)
+            if b is None:
+                continue
+            model = t.model or (", ".join(sorted(set(b.models.values()))) if getattr(b, "models", None) else "")
+            if b.type == "local":
+                model = model or (b.engine.served_model_name or "local engine")
+            key = (t.backend, model)
+            if key in seen:
+                continue
+            price = Price.of(b.prices)
+            seen[key] = {"target": t.id or (f"{t.backend}/{t.model}" if t.model else t.backend), "backend": t.backend,
+                         "model": model, "input_usd_per_mtok": price.input, "output_usd_per_mtok": price.output,
+                         "monthly_usd": monthly_cost_usd(price, tokens_per_month, input_share)}
+    return sorted(seen.values(), key=lambda r: (r["monthly_usd"], r["target"]))
+
+
+def _cost_estimate_command(args) -> int:
+    from gateway.config.compile import load_config_or_report   # lazy: pydantic costs every `tandem` start ~0.2 s
+
+    if (compiled := load_config_or_report(args.config)) is None:
+        return 2
+    if not 0.0 <= args.input_share <= 1.0 or args.tokens_per_month < 0:
+        print("tandem cost estimate: --input-share must be within [0, 1] and --tokens-per-month >= 0", file=sys.stderr)
+        return 2
+    rows = cost_table(compiled.config, int(args.tokens_per_month), args.input_share)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    n = int(args.tokens_per_month)
+    print(f"{n:,} tokens/month, {args.input_share:.0%} input / {1 - args.input_share:.0%} output "
+          f"(prices: USD per million tokens, from {args.config})")
+    w = max([len("target")] + [len(r["target"]) for r in rows])
+    wm = max([len("model")] + [len(r["model"]) for r in rows])
+    print(f"{'target':<{w}}  {'model':<{wm}}  {'input':>8}  {'output':>8}  {'USD/month':>14}")
+    for r in rows:
+        print(f"{r['target']:<{w}}  {r['model']:<{wm}}  {r['input_usd_per_mtok']:>8.4g}  "
+              f"{r['output_usd_per_mtok']:>8.4g}  {r['monthly_usd']:>14,.2f}")
+    return 0
+
+
+def _usage_command(args) -> int:
+    import httpx   # lazy: only this command needs it, every other `tandem` command starts without it
+
+    token = os.environ.get(args.token_env)
+    if not token:
+        print(f"tandem usage: set {args.token_env} to the gateway's admin token", file=sys.stderr)
+        return 2
+    params = {k: v for k, v in (("tenant", args.tenant), ("since", args.since)) if v}
+    try:
+        r = httpx.get(args.url.rstrip("/") + "/admin/usage", params=params,
+                      headers={"authorization": f"Bearer {token}"}, timeout=30)
+    except httpx.HTTPError as e:
+        print(f"tandem usage: cannot reach {args.url}: {e}", file=sys.stderr)
+        return 1
+    try:
+        data = r.json()
+    except ValueError:
+        data = {"error": {"message": r.text}}
+    if r.status_code >= 400:
+        print(f"tandem usage: {r.status_code}: {data.get('error', {}).get('message')}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(f"usage {data['since']} .. {data['until']} (UTC)")
+    print(f"{'tenant':<20} {'backend':<16} {'requests':>9} {'prompt':>12} {'completion':>12} {'USD':>14}")
+    for t, row in data["tenants"].items():
+        for b, br in row["backends"].items():
+            print(f"{t:<20} {b:<16} {br['requests']:>9} {br['prompt_tokens']:>12} {br['completion_tokens']:>12} "
+                  f"{br['cost_usd']:>14.6f}")
+    print(f"{'total':<20} {'':<16} {data['requests']:>9} {data['prompt_tokens']:>12} {data['completion_tokens']:>12} "
+          f"{data['cost_usd']:>14.6f}")
+    for t, b in (data.get("budgets") or {}).items():
+        used = (b["spent_usd"] + b["reserved_usd"]) / b["budget_usd"] if b["budget_usd"] else 0.0
+        print(f"budget {t}: ${b['spent_usd']:.6f} spent + ${b['reserved_usd']:.6f} reserved of "
+              f"${b['budget_usd']:g} per {b['period']} ({used:.1%})")
+    return 0

@@ -1,0 +1,1 @@
+"""Configuration: the YAML schema, its compilation and shared config versions."""

@@ -1,0 +1,223 @@
+"""Compilation of a validated config into what the hot path uses: a ``policies.Policy``, an alias table, hashed
+virtual keys (``Compiled``). ``load_config_text(text)`` -> ``Compiled``; any problem raises ``ConfigError``
+whose message lists ``key.path: problem`` lines (schema: ``gateway/config/schema.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from engine.config import EngineArgs
+from gateway.config.schema import ConfigError, EngineConfig, GatewayConfig, TargetConfig
+from policies import Condition, Match, Policy, Route, Rule, Target, check_field, with_weights
+from policies.rules import OPERATORS
+
+
+@dataclass
+class Compiled:
+    """A validated config ready for the hot path.
+
+    Attributes:
+        config: the pydantic tree.
+        policy: the compiled policy (weights overrides applied).
+        model_names: public name or alias -> canonical public name.
+        key_hashes: sha256 hex of a virtual key -> tenant.
+        warnings: non-fatal problems (unset key env vars, ...).
+        text: the YAML source; overrides: route -> {target id: weight}.
+    """
+
+    config: GatewayConfig
+    policy: Policy
+    model_names: dict[str, str]
+    key_hashes: dict[str, str]
+    warnings: list[str] = field(default_factory=list)
+    text: str = ""
+    overrides: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def public_models(self) -> list[str]:
+        return [m.name for m in self.config.models]
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("local", "openai") and out.startswith("backends."):
+            continue  # pydantic's discriminator tag, not a key
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _parse_match(raw: Any, path: str, errors: list[tuple[str, str]]) -> Match:
+    if not isinstance(raw, dict):
+        errors.append((path, f"must be a mapping of field: value or field: {{op: value}}, got {raw!r}"))
+        return Match()
+    conds: list[Condition] = []
+    groups: list[tuple[Match, ...]] = []
+    for key, spec in raw.items():
+        kpath = f"{path}.{key}"
+        if key == "any":
+            if not isinstance(spec, list) or not spec:
+                errors.append((kpath, "must be a non-empty list of matches"))
+                continue
+            groups.append(tuple(_parse_match(m, f"{kpath}[{i}]", errors) for i, m in enumerate(spec)))
+            continue
+        try:
+            check_field(str(key))
+        except ValueError as e:
+            errors.append((kpath, str(e)))
+            continue
+        ops = spec if isinstance(spec, dict) else {"in" if isinstance(spec, list) else "eq": spec}
+        for op, value in ops.items():
+            try:
+                conds.append(Condition(str(key), str(op), value))
+            except ValueError as e:
+                explicit = isinstance(spec, dict) and op in OPERATORS
+                errors.append((f"{kpath}.{op}" if explicit else kpath, str(e)))
+    return Match(tuple(conds), tuple(groups))
+
+
+def _target(t: TargetConfig, cfg: GatewayConfig, path: str, errors: list[tuple[str, str]]) -> Target | None:
+    backend = cfg.backends.get(t.backend)
+    if backend is None:
+        errors.append((f"{path}.backend", f"unknown backend {t.backend!r}; defined: {', '.join(cfg.backends)}"))
+        return None
+    return Target(t.backend, t.model, t.weight, backend.prices.input, backend.prices.output, t.id)
+
+
+def _check_engine(name: str, engine: EngineConfig, errors: list[tuple[str, str]], warnings: list[str]) -> None:
+    """Validate the local engine's settings with ``EngineArgs``' own checks
+    (cheap: nothing is loaded). A missing model file is a warning (the
+    backend will be unavailable), a bad value an error."""
+    try:
+        EngineArgs(**engine.engine_kwargs())
+    except FileNotFoundError as e:
+        warnings.append(f"backends.{name}.engine.model: {e}")
+    except ValueError as e:
+        field_name = str(e).split(" ", 1)[0]
+        path = f"backends.{name}.engine" + (f".{field_name}" if field_name in EngineConfig.model_fields else "")
+        errors.append((path, str(e)))
+
+
+def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | None = None,
+                   environ: dict[str, str] | None = None) -> Compiled:
+    """Cross-check references and build the hot-path structures.
+
+    Raises:
+        ConfigError: unknown backends/routes/fields, duplicate model names,
+            several local backends, bad overrides.
+    """
+    env = os.environ if environ is None else environ
+    errors: list[tuple[str, str]] = []
+    warnings: list[str] = []
+    names: dict[str, str] = {}
+    for i, m in enumerate(cfg.models):
+        for n in [m.name, *m.aliases]:
+            if n in names:
+                errors.append((f"models[{i}]", f"name or alias {n!r} is used twice"))
+            names[n] = m.name
+    locals_ = [n for n, b in cfg.backends.items() if b.type == "local"]
+    if len(locals_) > 1:
+        errors.append(("backends", f"at most one local backend, got {', '.join(locals_)}"))
+    for name in locals_:
+        _check_engine(name, cfg.backends[name].engine, errors, warnings)
+    routes: dict[str, Route] = {}
+    for rname, r in cfg.routes.items():
+        targets = [_target(t, cfg, f"routes.{rname}.targets[{i}]", errors) for i, t in enumerate(r.targets)]
+        fallbacks = [_target(t, cfg, f"routes.{rname}.fallbacks[{i}]", errors) for i, t in enumerate(r.fallbacks)]
+        if None in targets or None in fallbacks:
+            continue
+        try:
+            routes[rname] = Route(rname, tuple(targets), tuple(fallbacks), r.select)
+        except ValueError as e:
+            errors.append((f"routes.{rname}", str(e)))
+    for rname, weights in (overrides or {}).items():
+        if rname not in routes:
+            errors.append((f"overrides.{rname}", f"unknown route {rname!r}"))
+            continue
+        try:
+            routes[rname] = with_weights(routes[rname], weights)
+        except ValueError as e:
+            errors.append((f"overrides.{rname}", str(e)))
+    rules = []
+    for i, r in enumerate(cfg.policy.rules):
+        path = f"policy.rules[{i}]"
+        if r.route not in cfg.routes:
+            errors.append((f"{path}.route", f"unknown route {r.route!r}; defined: {', '.join(cfg.routes)}"))
+        m = _parse_match(r.match, f"{path}.match", errors)
+        for c in m.all:
+            if c.field == "model" and c.op in ("eq", "ne", "in", "not_in"):
+                for v in (c.value if isinstance(c.value, tuple) else (c.value,)):
+                    if v not in names:
+                        errors.append((f"{path}.match.model", f"unknown model {v!r}; defined: {', '.join(names)}"))
+        rules.append(Rule(r.name, r.route, m))
+    if cfg.policy.default_route not in cfg.routes:
+        errors.append(("policy.default_route", f"unknown route {cfg.policy.default_route!r}"))
+    key = cfg.policy.canary_key
+    if not (key in ("user", "request_id") or (key.startswith("header:") and len(key) > 7)):
+        errors.append(("policy.canary_key", f"must be user, request_id or header:<name>, got {key!r}"))
+    hashes: dict[str, str] = {}
+    for i, k in enumerate(cfg.auth.keys):
+        if k.sha256:
+            hashes[k.sha256] = k.tenant
+        elif env.get(k.env or ""):
+            hashes[hashlib.sha256(env[k.env].encode()).hexdigest()] = k.tenant
+        else:
+            warnings.append(f"auth.keys[{i}]: environment variable {k.env} is unset; "
+                            f"key of tenant {k.tenant!r} disabled")
+    if errors:
+        raise ConfigError(errors)
+    policy = Policy(tuple(rules), routes, cfg.policy.default_route, cfg.policy.canary_key)
+    return Compiled(cfg, policy, names, hashes, warnings, overrides=dict(overrides or {}))
+
+
+def load_config_text(text: str, overrides: dict[str, dict[str, float]] | None = None,
+                     environ: dict[str, str] | None = None) -> Compiled:
+    """Parse, validate and compile a YAML config.
+
+    Raises:
+        ConfigError: YAML syntax error, schema error, or broken reference,
+            each naming the key path.
+    """
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError([("", f"not valid YAML: {e}")]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError([("", "the config must be a YAML mapping")])
+    try:
+        cfg = GatewayConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError([(_loc(err["loc"]), err["msg"]) for err in e.errors()]) from None
+    compiled = compile_config(cfg, overrides, environ)
+    compiled.text = text
+    return compiled
+
+
+def load_config_file(path: str, overrides: dict[str, dict[str, float]] | None = None) -> Compiled:
+    """``load_config_text`` of a file. Raises ConfigError (also for I/O errors)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError([("", f"cannot read {path}: {e.strerror}")]) from None
+    return load_config_text(text, overrides)
+
+
+def load_config_or_report(path: str, prefix: str = "") -> Compiled | None:
+    """``load_config_file`` for the CLI: on ConfigError prints ``{prefix}{path}: {error}`` to stderr and returns None."""
+    try:
+        return load_config_file(path)
+    except ConfigError as e:
+        print(f"{prefix}{path}: {e}", file=sys.stderr)
+        return None

@@ -1,0 +1,299 @@
+"""The gateway's YAML config schema (pydantic): every setting declared once, with its default and bounds, and
+read at run time from these models. Compilation: ``gateway/config/compile.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.config import parse_size
+
+class ConfigError(ValueError):
+    """An invalid config. ``errors`` holds (key path, problem) pairs; the
+    message has one ``path: problem`` line per error."""
+
+    def __init__(self, errors: list[tuple[str, str]]):
+        self.errors = errors
+        super().__init__("invalid config:\n" + "\n".join(f"  {p or '(root)'}: {m}" for p, m in errors))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerConfig(_Strict):
+    """Listening address and request limits."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    insecure: bool = False                 # allow a non-loopback bind with no virtual keys
+    max_body_size: int = 4 * 2**20         # bytes ("4MiB" accepted)
+    drain_timeout_s: float = Field(30.0, gt=0)
+    log_level: str = "info"
+
+    @field_validator("max_body_size", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> int:
+        return parse_size(v)
+
+
+class AdminConfig(_Strict):
+    """The admin API's bearer token comes from this environment variable;
+    unset = the admin API answers 401 to everyone."""
+
+    token_env: str = "TANDEM_ADMIN_TOKEN"
+
+
+class ReloadConfig(_Strict):
+    watch: bool = True                     # poll the file's mtime and reload on change
+    poll_interval_s: float = Field(1.0, gt=0)
+    keep_versions: int = Field(10, ge=2)   # versions kept for rollback
+
+
+class StateSettings(_Strict):
+    redis_url: str | None = None           # shared state for several replicas; None = in-process
+    key_prefix: str = "tandem"
+    sync_interval_s: float = Field(1.0, gt=0)   # how often a replica polls the config version
+    socket_timeout_s: float = Field(0.5, gt=0)   # the longest any one Redis call may take, connecting included
+    fail_closed_limits: bool = False       # Redis down: reject rate-limited requests (503) instead of local limits
+    max_connections: int = Field(64, ge=1)
+    reconnect_min_s: float = Field(0.25, gt=0)   # first wait between reconnect attempts after an outage
+    reconnect_max_s: float = Field(5.0, gt=0)
+
+
+class RetrySettings(_Strict):
+    """The attempt loop's limits (``gateway/resilience/attempts.py``), seconds. ``deadline_s`` bounds everything
+    before the response is committed."""
+
+    max_attempts: int = Field(4, ge=1)
+    deadline_s: float = Field(60.0, gt=0)
+    backoff_initial_s: float = Field(0.2, ge=0)
+    backoff_max_s: float = Field(5.0, ge=0)
+    jitter_s: float = Field(0.2, ge=0)
+    max_retry_after_s: float = Field(10.0, ge=0)
+    first_token_timeout_s: float = Field(30.0, gt=0)
+    inter_chunk_timeout_s: float = Field(60.0, gt=0)
+
+
+class BreakerSettings(_Strict):
+    """Circuit-breaker thresholds (``gateway/resilience/breaker.py``), seconds."""
+
+    failure_rate: float = Field(0.5, gt=0, le=1)
+    min_requests: int = Field(10, ge=1)
+    consecutive_failures: int = Field(5, ge=1)
+    window_s: float = Field(30.0, gt=0)
+    buckets: int = Field(10, ge=1)
+    open_s: float = Field(30.0, gt=0)
+    rate_limit_cooldown_s: float = Field(60.0, gt=0)
+    max_cooldown_s: float = Field(3600.0, gt=0)
+    half_open_probes: int = Field(1, ge=1)
+    success_to_close: int = Field(1, ge=1)
+    probe_timeout_s: float = Field(30.0, gt=0)
+    cache_s: float = Field(0.25, ge=0)   # a replica trusts a "closed" answer from Redis this long
+
+
+class HealthSettings(_Strict):
+    """Health tracking (``gateway/resilience/health.py``): ``interval_s`` active probe period (0 disables
+    probing), ``timeout_s`` one probe's limit; seconds."""
+
+    interval_s: float = Field(10.0, ge=0)
+    timeout_s: float = Field(5.0, gt=0)
+    min_requests: int = Field(5, ge=1)
+    max_error_rate: float = Field(0.5, gt=0, le=1)
+
+
+class ResilienceConfig(_Strict):
+    retry: RetrySettings = RetrySettings()
+    breaker: BreakerSettings = BreakerSettings()
+    health: HealthSettings = HealthSettings()
+
+
+class TenantLimit(_Strict):
+    rpm: int | None = Field(None, ge=1)    # requests per window
+    tpm: int | None = Field(None, ge=1)    # tokens per window
+
+
+class LimitsConfig(_Strict):
+    window_s: float = Field(60.0, gt=0)
+    default_completion_tokens: int = Field(512, ge=1)   # reserved when a request sets no max_tokens
+    tenants: dict[str, TenantLimit] = {}
+
+
+class VirtualKey(_Strict):
+    """One client key: its sha256 (hex) or the env var holding it."""
+
+    tenant: str
+    sha256: str | None = None
+    env: str | None = None
+    rpm: int | None = Field(None, ge=1)    # this key's limits (per limits.window_s)
+    tpm: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one(self) -> "VirtualKey":
+        if (self.sha256 is None) == (self.env is None):
+            raise ValueError("give exactly one of sha256 or env")
+        if self.sha256 is not None:
+            h = self.sha256.lower()
+            if len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
+                raise ValueError("sha256 must be 64 hex digits (sha256 of the key)")
+            self.sha256 = h
+        return self
+
+
+class AuthConfig(_Strict):
+    keys: list[VirtualKey] = []
+
+
+class ModelConfig(_Strict):
+    """A public model name clients may ask for, and its aliases."""
+
+    name: str
+    aliases: list[str] = []
+
+
+class Prices(_Strict):
+    input: float = Field(0.0, ge=0)        # USD per million prompt tokens
+    output: float = Field(0.0, ge=0)       # USD per million completion tokens
+    cached_input: float | None = Field(None, ge=0)
+
+
+class Timeouts(_Strict):
+    connect_s: float = Field(5.0, gt=0)
+    read_s: float = Field(120.0, gt=0)     # between bytes of a response
+    first_token_s: float = Field(30.0, gt=0)  # until the first streamed chunk
+    inter_chunk_s: float | None = Field(None, gt=0)  # between streamed chunks (None: read_s)
+
+
+class EngineConfig(_Strict):
+    """``engine.config.EngineArgs`` fields (vLLM names); unset = its default."""
+
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    block_size: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    swap_space: float | None = None
+    scheduling_policy: str | None = None
+    num_threads: int | None = None
+    seed: int | None = None
+    attention_backend: str | None = None
+
+    def engine_kwargs(self) -> dict:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class LocalBackendConfig(_Strict):
+    """The in-process engine."""
+
+    type: Literal["local"]
+    engine: EngineConfig = EngineConfig()
+    prices: Prices = Prices()
+    rpm: int | None = Field(None, ge=1)
+    tpm: int | None = Field(None, ge=1)
+
+
+class OpenAIBackendConfig(_Strict):
+    """Any OpenAI-compatible upstream."""
+
+    type: Literal["openai"]
+    base_url: str
+    api_key_env: str | None = None         # None = no Authorization header upstream
+    models: dict[str, str] = {}            # public model name -> upstream model name
+    max_model_len: int | None = Field(None, ge=1)
+    prices: Prices = Prices()
+    timeouts: Timeouts = Timeouts()
+    headers: dict[str, str] = {}
+    max_connections: int = Field(256, ge=1)
+    rpm: int | None = Field(None, ge=1)    # the upstream's quota (per limits.window_s)
+    tpm: int | None = Field(None, ge=1)
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+
+Backend = Annotated[Union[LocalBackendConfig, OpenAIBackendConfig], Field(discriminator="type")]
+
+
+class TargetConfig(_Strict):
+    backend: str
+    model: str = ""                        # upstream model; "" = the backend's mapping
+    weight: float = Field(100.0, ge=0)
+    id: str = ""                           # default: backend (or backend/model)
+
+
+class RouteConfig(_Strict):
+    targets: list[TargetConfig] = Field(min_length=1)
+    fallbacks: list[TargetConfig] = []
+    select: Literal["weighted", "cheapest"] = "weighted"
+
+
+class RuleConfig(_Strict):
+    name: str
+    match: dict[str, Any] = {}
+    route: str
+
+
+class PolicyConfig(_Strict):
+    canary_key: str = "user"               # user | header:<name> | request_id
+    default_route: str
+    rules: list[RuleConfig] = []
+
+
+class TracingConfig(_Strict):
+    """OpenTelemetry traces and GenAI metrics (``gateway/observability/telemetry.py``); fixed until restart."""
+
+    exporter: Literal["none", "console", "otlp"] = "none"
+    endpoint: str | None = None            # OTLP/HTTP collector, e.g. http://127.0.0.1:4318
+    service_name: str = "tandem-gateway"
+    sample_ratio: float = Field(1.0, ge=0, le=1)
+
+
+class LogsConfig(_Strict):
+    requests: bool = True                  # one JSON line per request (logger tandem.requests)
+    destination: str = "stderr"            # stderr | stdout | a file path
+    include_prompts: bool = False          # add prompts and completions to the line
+
+
+class ObservabilityConfig(_Strict):
+    tracing: TracingConfig = TracingConfig()
+    logs: LogsConfig = LogsConfig()
+
+
+class TenantBudget(_Strict):
+    usd: float = Field(ge=0)               # USD per period
+    period: Literal["day", "month"] = "month"   # UTC calendar day / month
+
+
+class BudgetsConfig(_Strict):
+    reservation_ttl_s: float = Field(600.0, gt=0)   # an unsettled reservation lapses after this long
+    tenants: dict[str, TenantBudget] = {}
+
+
+class GatewayConfig(_Strict):
+    server: ServerConfig = ServerConfig()
+    admin: AdminConfig = AdminConfig()
+    reload: ReloadConfig = ReloadConfig()
+    state: StateSettings = StateSettings()
+    auth: AuthConfig = AuthConfig()
+    limits: LimitsConfig = LimitsConfig()
+    resilience: ResilienceConfig = ResilienceConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
+    budgets: BudgetsConfig = BudgetsConfig()
+    models: list[ModelConfig] = Field(min_length=1)
+    backends: dict[str, Backend] = Field(min_length=1)
+    routes: dict[str, RouteConfig] = Field(min_length=1)
+    policy: PolicyConfig

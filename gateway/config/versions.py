@@ -1,0 +1,189 @@
+"""Config versions: the ordered history of applied configs (YAML text +
+weights overrides), shared by all replicas through Redis when
+``state.redis_url`` is set, else kept in process.
+
+A replica that changes the config (reload, weights, rollback) pushes a new
+state; every replica polls the version counter (one GET per
+``state.sync_interval_s``) and applies a newer head. Push and rollback are
+single Lua scripts, so concurrent writers never interleave. Keys:
+``<prefix>:config:history`` (list, newest first, ``keep_versions`` long),
+``<prefix>:config:version`` (counter), ``<prefix>:config:digest`` (head's
+digest); all carry a 30-day TTL refreshed on every write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import redis.asyncio as aioredis
+
+KEY_TTL_S = 30 * 24 * 3600
+
+
+@dataclass
+class ConfigState:
+    """One config version.
+
+    Attributes:
+        text: the YAML document.
+        overrides: route -> {target id: weight} applied on top of it.
+        source: what made it ("file", "reload", "weights", "rollback", ...).
+        version: the ledger's counter when pushed (0 = not pushed yet).
+        created: unix time, seconds.
+    """
+
+    text: str
+    overrides: dict[str, dict[str, float]] = field(default_factory=dict)
+    source: str = "file"
+    version: int = 0
+    created: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        # Weights as floats, so the digest is the same after a JSON round trip.
+        self.overrides = {r: {t: float(w) for t, w in ws.items()} for r, ws in (self.overrides or {}).items()}
+
+    @property
+    def digest(self) -> str:
+        """sha256 of text + overrides: equal digests = the same config."""
+        h = hashlib.sha256(self.text.encode())
+        h.update(json.dumps(self.overrides, sort_keys=True).encode())
+        return h.hexdigest()
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d.pop("version")
+        d["digest"] = self.digest
+        return json.dumps(d)
+
+    @classmethod
+    def from_entry(cls, entry: str | bytes) -> "ConfigState":
+        """Parse a ``"<version>\\n<json>"`` ledger entry."""
+        if isinstance(entry, bytes):
+            entry = entry.decode()
+        v, _, body = entry.partition("\n")
+        d = json.loads(body)
+        return cls(d["text"], d.get("overrides") or {}, d.get("source", ""), int(v), d.get("created", 0.0))
+
+    def summary(self) -> dict:
+        return {"version": self.version, "source": self.source, "created": self.created, "digest": self.digest[:12],
+                "overrides": self.overrides}
+
+
+class MemoryLedger:
+    """In-process history (one replica)."""
+
+    shared = False
+
+    def __init__(self, keep: int = 10):
+        self.states: deque[ConfigState] = deque(maxlen=keep)
+        self.counter = 0
+
+    async def head(self) -> ConfigState | None:
+        return self.states[-1] if self.states else None
+
+    async def version(self) -> int:
+        return self.counter
+
+    async def push(self, state: ConfigState) -> int:
+        """Append ``state`` unless it equals the head; returns its version."""
+        if self.states and self.states[-1].digest == state.digest:
+            return self.states[-1].version
+        self.counter += 1
+        state.version = self.counter
+        self.states.append(state)
+        return state.version
+
+    async def rollback(self) -> ConfigState:
+        """Drop the head; the previous state becomes the head under a new version.
+
+        Raises:
+            LookupError: fewer than two versions kept."""
+        if len(self.states) < 2:
+            raise LookupError("no previous config version to roll back to")
+        self.states.pop()
+        prev = self.states.pop()
+        self.counter += 1
+        state = ConfigState(prev.text, prev.overrides, "rollback", self.counter, prev.created)
+        self.states.append(state)
+        return state
+
+    async def history(self) -> list[ConfigState]:
+        return list(reversed(self.states))
+
+    async def aclose(self) -> None:
+        pass
+
+
+_PUSH = """
+if redis.call('GET', KEYS[3]) == ARGV[2] then
+  return tonumber(redis.call('GET', KEYS[2]) or '0')
+end
+local v = redis.call('INCR', KEYS[2])
+redis.call('LPUSH', KEYS[1], v .. "\\n" .. ARGV[1])
+redis.call('LTRIM', KEYS[1], 0, tonumber(ARGV[3]) - 1)
+redis.call('SET', KEYS[3], ARGV[2])
+for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
+return v
+"""
+
+_ROLLBACK = """
+if redis.call('LLEN', KEYS[1]) < 2 then return false end
+redis.call('LPOP', KEYS[1])
+local prev = redis.call('LINDEX', KEYS[1], 0)
+local nl = string.find(prev, "\\n", 1, true)
+local body = string.sub(prev, nl + 1)
+local d = cjson.decode(body)
+d['source'] = 'rollback'
+body = cjson.encode(d)
+local v = redis.call('INCR', KEYS[2])
+redis.call('LSET', KEYS[1], 0, v .. "\\n" .. body)
+redis.call('SET', KEYS[3], d['digest'])
+for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+return v .. "\\n" .. body
+"""
+
+
+class RedisLedger:
+    """History in Redis, shared by every replica (redis-py asyncio).
+
+    Every method may raise ``redis.RedisError`` (the caller keeps serving on
+    its current config)."""
+
+    shared = True
+
+    def __init__(self, url: str, prefix: str = "tandem", keep: int = 10, socket_timeout: float = 0.5):
+        self.redis = aioredis.Redis.from_url(url, socket_timeout=socket_timeout,
+                                             socket_connect_timeout=socket_timeout, decode_responses=False)
+        self.keys = [f"{prefix}:config:history", f"{prefix}:config:version", f"{prefix}:config:digest"]
+        self.keep = keep
+        self._push = self.redis.register_script(_PUSH)
+        self._rollback = self.redis.register_script(_ROLLBACK)
+
+    async def version(self) -> int:
+        v = await self.redis.get(self.keys[1])
+        return int(v) if v else 0
+
+    async def head(self) -> ConfigState | None:
+        entry = await self.redis.lindex(self.keys[0], 0)
+        return ConfigState.from_entry(entry) if entry else None
+
+    async def push(self, state: ConfigState) -> int:
+        v = int(await self._push(keys=self.keys, args=[state.to_json(), state.digest, self.keep, KEY_TTL_S]))
+        state.version = v
+        return v
+
+    async def rollback(self) -> ConfigState:
+        entry = await self._rollback(keys=self.keys, args=[KEY_TTL_S])
+        if not entry:
+            raise LookupError("no previous config version to roll back to")
+        return ConfigState.from_entry(entry)
+
+    async def history(self) -> list[ConfigState]:
+        return [ConfigState.from_entry(e) for e in await self.redis.lrange(self.keys[0], 0, -1)]
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()

@@ -1,0 +1,106 @@
+"""Operator endpoints (bearer token from the env var named by ``admin.token_env``): POST /admin/reload,
+/admin/rollback, /admin/weights, /admin/drain; GET /admin/config, /admin/usage; and GET /metrics (Prometheus
+text, no token). Module-level handlers on ``request.app.state.gw``; errors go through the app's exception table
+(``gateway/http/app.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import msgspec
+from litestar import Request, Response, get, post
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.billing.usage import NANO, Budget, tenant_label
+from gateway.errors import ClientError
+from gateway.http.transport import read_body
+from gateway.request.auth import check_admin
+
+_JSON = "application/json"
+
+
+def _gw(request: Request):
+    """The app's ``gateway.runtime.Gateway``, once the caller showed the admin token."""
+    gw = request.app.state.gw
+    env = gw.snapshot.compiled.config.admin.token_env
+    check_admin(request.headers.get("authorization"), os.environ.get(env), env)
+    return gw
+
+
+def _json(result) -> Response:
+    return Response(msgspec.json.encode(result), status_code=200, media_type=_JSON)
+
+
+@post("/admin/reload")
+async def admin_reload(request: Request) -> Response:
+    return _json(await _gw(request).reload("admin"))
+
+
+@post("/admin/rollback")
+async def admin_rollback(request: Request) -> Response:
+    gw = _gw(request)
+    try:
+        return _json(await gw.rollback())
+    except LookupError as e:
+        raise ClientError(409, str(e), code="no_previous_version") from None
+
+
+@post("/admin/weights")
+async def admin_weights(request: Request) -> Response:
+    gw = _gw(request)
+    raw = await read_body(request, 1 << 20)
+    try:
+        body = msgspec.json.decode(raw) if raw else None
+    except msgspec.DecodeError:
+        body = None
+    if not isinstance(body, dict) or not isinstance(body.get("route"), str) \
+            or not isinstance(body.get("weights"), dict):
+        raise ClientError(400, 'expected {"route": NAME, "weights": {TARGET: PERCENT, ...}}', param="weights")
+    for k, v in body["weights"].items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ClientError(400, f"weight of {k!r} must be a number", param=f"weights.{k}")
+    return _json(await gw.set_weights(body["route"], body["weights"]))
+
+
+@post("/admin/drain")
+async def admin_drain(request: Request) -> Response:
+    gw = _gw(request)
+    asyncio.get_running_loop().create_task(gw.drain())
+    return _json({"draining": True, "in_flight": gw.in_flight})
+
+
+@get("/admin/config")
+async def admin_config(request: Request) -> Response:
+    return _json(await _gw(request).describe())
+
+
+@get("/admin/usage", include_in_schema=False)
+async def admin_usage(request: Request) -> Response:
+    """Usage per tenant and backend since ``since`` (``?tenant=&since=``), and the budgets' state."""
+    gw = _gw(request)
+    tenant = request.query_params.get("tenant")
+    try:
+        report = await gw.usage.report(tenant, request.query_params.get("since"))
+    except ValueError as e:
+        raise ClientError(400, str(e), param="since") from None
+    budgets = gw.snapshot.compiled.config.budgets
+    report["budgets"] = {}
+    for t, b in budgets.tenants.items():
+        if tenant is not None and t != tenant_label(tenant):
+            continue
+        spent, reserved, limit = await gw.usage.budget_state(t, Budget(b.usd, b.period))
+        report["budgets"][t] = {"period": b.period, "budget_usd": limit / NANO,
+                                "spent_usd": spent / NANO, "reserved_usd": reserved / NANO}
+    return _json(report)
+
+
+@get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    gw = request.app.state.gw
+    await gw.obs.refresh(gw.snapshot, gw.resilience.breakers)
+    return Response(generate_latest(gw.obs.registry), media_type=CONTENT_TYPE_LATEST.split(";")[0],
+                    headers={"content-type": CONTENT_TYPE_LATEST})
+
+
+ADMIN_HANDLERS = [admin_reload, admin_rollback, admin_weights, admin_drain, admin_config, admin_usage, metrics]

@@ -1,0 +1,147 @@
+"""The Litestar app: module-level handlers on ``request.app.state.gw`` (the ``gateway.runtime.Gateway``), one
+exception -> OpenAI error table, in-flight accounting in one middleware. The request path itself is
+``gateway/request/pipeline.py``; operator endpoints are ``gateway/http/admin.py``.
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health/live,
+GET /health/ready; the admin API and GET /metrics from ``admin.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.datastructures import State
+from litestar.exceptions import HTTPException
+
+from gateway.config.schema import ConfigError
+from gateway.errors import ClientError, error_body
+from gateway.http.admin import ADMIN_HANDLERS
+from gateway.http.transport import EventStream, read_body, unless_disconnected
+from gateway.request.auth import authenticate
+from gateway.request.pipeline import handle
+from gateway.runtime import Gateway
+
+log = logging.getLogger("tandem.gateway.app")
+_JSON = "application/json"
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> Response:
+    """The one OpenAI error response of the HTTP layer (body: ``gateway.errors.error_body``)."""
+    return Response(error_body(status, message, param, code), status_code=status, media_type=_JSON,
+                    headers=headers or None)
+
+
+def _on_client_error(request: Request, e: ClientError) -> Response:
+    return error_response(e.status, e.message, e.param, e.code, e.headers)
+
+
+def _on_config_error(request: Request, e: ConfigError) -> Response:
+    return error_response(400, str(e), param=e.errors[0][0] if e.errors else None, code="invalid_config")
+
+
+def _on_http_error(request: Request, e: Exception) -> Response:
+    if isinstance(e, HTTPException):
+        return error_response(e.status_code, str(e.detail), code=_HTTP_CODES.get(e.status_code))
+    log.exception("unhandled error on %s", request.url.path)
+    return error_response(500, "internal error", code="internal_error")
+
+
+# exception -> OpenAI error JSON, for every handler
+EXCEPTION_HANDLERS = {ClientError: _on_client_error, ConfigError: _on_config_error, HTTPException: _on_http_error,
+                      Exception: _on_http_error}
+
+
+def in_flight(app):
+    """ASGI middleware: ``gw.in_flight`` counts the OpenAI requests being served, from arrival until the last
+    byte of the answer (a stream until its end) or the client's disconnect. Drain waits for it to reach 0."""
+
+    async def middleware(scope, receive, send) -> None:
+        gw = scope["app"].state.gw
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/") \
+                or gw.draining:          # refused at once (503): a drain never waits for it
+            await app(scope, receive, send)
+            return
+        gw.in_flight += 1
+        try:
+            await app(scope, receive, send)
+        finally:
+            gw.in_flight -= 1
+
+    return middleware
+
+
+async def _serve(request: Request, endpoint: str) -> Response:
+    gw: Gateway = request.app.state.gw
+    if gw.draining:
+        raise ClientError(503, "the gateway is draining; retry on another replica", code="draining",
+                          headers={"retry-after": "1", "connection": "close"})
+    headers = request.headers
+    request_id = f"gw-{secrets.token_hex(12)}"    # ours: unique even when clients reuse theirs
+    rec = gw.obs.begin(request_id, endpoint, headers)   # span, trace context
+    streaming = False
+    try:
+        raw = await read_body(request, gw.snapshot.max_body_size)
+        answer = await unless_disconnected(request, handle(gw, endpoint, raw, headers, request_id))
+        if answer is None:                  # the client left: its upstream call was cancelled
+            return Response(b"", status_code=499)
+        if answer.stream is not None:
+            streaming = True                 # observability's stream wrapper completes the record at its end
+            return EventStream(gw.obs.stream(rec, answer.backend, answer.stream), status_code=200,
+                               media_type="text/event-stream", headers={**answer.headers, "cache-control": "no-cache"})
+        content = await gw.obs.finish(rec, answer.backend, answer.status, answer.content)   # secrets redacted
+        return Response(content, status_code=answer.status, media_type=answer.content_type, headers=answer.headers)
+    except ClientError as e:
+        await gw.obs.reject(rec, e)
+        raise
+    finally:
+        if not streaming:
+            gw.obs.abandon(rec)              # 499 / unexpected error: still metered and logged
+
+
+@post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, "chat/completions")
+
+
+@post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _serve(request, "completions")
+
+
+@get("/v1/models")
+async def models(request: Request) -> Response:
+    compiled = request.app.state.gw.snapshot.compiled
+    authenticate(request.headers.get("authorization"), compiled.key_hashes)
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "tandem"} for m in compiled.public_models]
+    return Response(msgspec.json.encode({"object": "list", "data": data}), media_type=_JSON)
+
+
+@get("/health/live")
+async def live() -> Response:
+    return Response(b'{"status":"ok"}', media_type=_JSON)
+
+
+@get("/health/ready")
+async def ready(request: Request) -> Response:
+    gw = request.app.state.gw
+    snap = gw.snapshot
+    body = {"ready": gw.ready, "draining": gw.draining, "config_version": snap.version if snap else None,
+            "redis_degraded": gw.redis_degraded or gw.resilience.degraded,
+            "backends": {n: {"available": b.available, "reason": b.unavailable_reason}
+                         for n, b in (snap.backends.items() if snap else ())}}
+    return Response(msgspec.json.encode(body), status_code=200 if gw.ready else 503, media_type=_JSON)
+
+
+def create_app(gw: Gateway) -> Litestar:
+    """The ASGI app for one ``Gateway`` (its start/stop run in the lifespan)."""
+    return Litestar(
+        route_handlers=[chat_completions, completions, models, live, ready, *ADMIN_HANDLERS],
+        state=State({"gw": gw}), middleware=[in_flight],
+        on_startup=[gw.start, gw.obs.start], on_shutdown=[gw.obs.stop, gw.stop],
+        exception_handlers=EXCEPTION_HANDLERS, openapi_config=None, request_max_body_size=None, logging_config=None,
+    )

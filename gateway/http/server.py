@@ -1,0 +1,82 @@
+"""``tandem serve``: the gateway (and its in-process engine) under uvicorn
+(uvloop event loop, httptools parser), with signals:
+SIGHUP = reload the config file; SIGTERM = drain (stop accepting, report
+not-ready, let in-flight requests and streams finish within
+``server.drain_timeout_s``), then exit; SIGINT = uvicorn's graceful stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import uvicorn
+
+from gateway.http.app import create_app
+from gateway.request.auth import is_loopback
+from gateway.config.compile import load_config_or_report
+from gateway.config.schema import ConfigError
+from gateway.runtime import Gateway
+
+log = logging.getLogger("tandem.gateway")
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server with drain-on-SIGTERM and reload-on-SIGHUP."""
+
+    def __init__(self, config: uvicorn.Config, gw: Gateway):
+        super().__init__(config)
+        self.gw = gw
+        self.loop: asyncio.AbstractEventLoop | None = None
+        gw.on_drained = self._exit
+
+    def _exit(self) -> None:
+        self.should_exit = True
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        try:
+            self.loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread / platform
+            pass
+
+    def _on_sighup(self) -> None:
+        async def reload() -> None:
+            try:
+                await self.gw.reload("sighup")
+            except ConfigError:
+                pass   # logged; the running config stays
+        self.loop.create_task(reload())
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGTERM and self.loop is not None and not self.gw.draining and not self.should_exit:
+            log.info("SIGTERM: draining")
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self.gw.drain()))
+            return
+        super().handle_exit(sig, frame)
+
+
+def serve(config_path: str, host: str | None = None, port: int | None = None, insecure: bool = False,
+          start_engine: bool = True) -> int:
+    """Run the gateway until stopped. Returns the process exit status
+    (2 = invalid config or refused bind)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if (compiled := load_config_or_report(config_path, "tandem serve: ")) is None:
+        return 2
+    cfg = compiled.config
+    host = host or cfg.server.host
+    port = cfg.server.port if port is None else port
+    if not compiled.key_hashes and not is_loopback(host) and not (insecure or cfg.server.insecure):
+        print(f"tandem serve: refusing to bind {host}: no virtual API keys are configured (auth.keys), so the "
+              "gateway would be open to anyone. Bind 127.0.0.1, configure keys, or pass --insecure.", file=sys.stderr)
+        return 2
+    gw = Gateway(config_path, compiled, start_engine=start_engine)
+    config = uvicorn.Config(create_app(gw), host=host, port=port, loop="uvloop", http="httptools",
+                            lifespan="on", access_log=False, log_level=cfg.server.log_level,
+                            timeout_graceful_shutdown=cfg.server.drain_timeout_s, timeout_keep_alive=30,
+                            proxy_headers=False, server_header=False)
+    GatewayServer(config, gw).run()
+    return 0

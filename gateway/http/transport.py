@@ -1,0 +1,137 @@
+"""The HTTP transport of one request: its body in (``read_body``, size-limited), its SSE answer out
+(``EventStream``), and client disconnects: a client that leaves cancels its upstream work, before the answer
+(``unless_disconnected``) and while a stream is relayed, with one task awaiting ``receive`` per request instead
+of an anyio task group per response."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from litestar import Request
+from litestar.response import Stream
+from litestar.response.streaming import ASGIStreamingResponse
+
+from gateway.errors import ClientError
+
+log = logging.getLogger("tandem.gateway.app")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than ``limit`` bytes (declared or sent).
+
+    Raises:
+        ClientError: 413 when too large; 400 when the client disconnects while sending it."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ClientError(413, f"request body is {declared} bytes; the limit is {limit} bytes",
+                          code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        event = await request.receive()
+        if event["type"] == "http.disconnect":
+            raise ClientError(400, "client disconnected while sending the body", code="client_disconnected")
+        body = event.get("body", b"")
+        if body:
+            size += len(body)
+            if size > limit:
+                raise ClientError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(body)
+        if not event.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _DisconnectWatch:
+    """Cancels the current task when the client disconnects (``receive`` ends), until ``stop``: one task
+    awaiting ``receive``, the watched work runs on in the current task. ``gone``: the client left."""
+
+    __slots__ = ("task", "active", "gone", "watcher")
+
+    def __init__(self, receive):
+        self.task = asyncio.current_task()
+        self.active, self.gone = True, False
+        self.watcher = asyncio.ensure_future(_until_disconnect(receive))
+        self.watcher.add_done_callback(self._done)
+
+    def _done(self, fut: asyncio.Future) -> None:
+        if fut.cancelled():
+            return
+        fut.exception()                  # retrieved: a failing receive counts as a disconnect
+        if self.active:
+            self.gone = True
+            self.task.cancel()
+
+    def stop(self) -> None:
+        self.active = False
+        self.watcher.cancel()
+
+    def consumed(self) -> bool:
+        """While handling a CancelledError (or after a swallowed one): True when it was this watch's."""
+        return self.gone and self.task.uncancel() == 0
+
+
+async def unless_disconnected(request: Request, coro):
+    """Await ``coro`` (the body is already read) unless the client disconnects
+    first: then cancel it -- which closes the upstream connection or aborts
+    the local engine request -- and return None. (Once a stream is
+    committed, ``_ASGIEventStream`` does the same.)"""
+    watch = _DisconnectWatch(request.receive)
+    try:
+        result = await coro
+    except asyncio.CancelledError:
+        watch.stop()
+        if watch.consumed():
+            log.info("client disconnected; upstream request cancelled")
+            return None
+        raise
+    except BaseException:
+        watch.stop()
+        raise
+    watch.stop()
+    if watch.gone:                       # cancelled on the client's behalf, but the work finished anyway
+        watch.consumed()
+        log.info("client disconnected; upstream request cancelled")
+        return None
+    return result
+
+
+class _ASGIEventStream(ASGIStreamingResponse):
+    """Litestar's streaming response with a lighter watch for the client's disconnect: one task awaiting
+    ``receive`` whose completion cancels the streaming task (the iterator's ``finally`` then closes the upstream),
+    instead of an anyio task group per response. Otherwise the same ASGI events."""
+
+    __slots__ = ()
+
+    async def send_body(self, send, receive) -> None:
+        watch = _DisconnectWatch(receive)
+        try:
+            await self._stream(send)
+        except asyncio.CancelledError:
+            watch.stop()
+            if watch.consumed():
+                return               # the client left: the stream was cancelled on its behalf
+            raise
+        finally:
+            watch.stop()
+
+
+class EventStream(Stream):
+    """``Stream`` answered by ``_ASGIEventStream`` (Litestar's ``Stream.to_asgi_response``, another class)."""
+
+    __slots__ = ()
+
+    def to_asgi_response(self, app, request, *, background=None, cookies=None, encoded_headers=None, headers=None,
+                         is_head_response=False, media_type=None, status_code=None, **_) -> ASGIStreamingResponse:
+        return _ASGIEventStream(
+            background=self.background or background, content_length=0,
+            cookies=self.cookies if cookies is None else [*self.cookies, *cookies], encoded_headers=encoded_headers,
+            encoding=self.encoding, headers={**headers, **self.headers} if headers is not None else self.headers,
+            is_head_response=is_head_response, iterator=self.iterator, media_type=self.media_type or media_type,
+            status_code=self.status_code or status_code)

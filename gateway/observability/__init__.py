@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics, OpenTelemetry traces, the JSON request log."""

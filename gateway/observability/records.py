@@ -1,0 +1,95 @@
+"""What observability knows about one request while it runs (``RequestRecord``, one ``AttemptRecord`` per
+upstream call), and the fields of an OpenAI answer it reads (``decode_answer``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from gateway.billing.usage import Budget
+from gateway.sse import EventReader
+
+
+class _Choice(msgspec.Struct):
+    finish_reason: str | None = None
+    text: str | None = None
+    delta: dict | None = None
+    message: dict | None = None
+
+
+class AnswerFields(msgspec.Struct):
+    """The fields of a completion / chunk that observability reads (others are skipped)."""
+
+    model: str | None = None
+    choices: list[_Choice] = []
+    usage: dict | None = None
+
+
+decode_answer = msgspec.json.Decoder(AnswerFields).decode
+
+
+@dataclass
+class AttemptRecord:
+    """One upstream call: backend, target (breaker name), kind, outcome, HTTP status, seconds."""
+
+    backend: str
+    target: str
+    kind: str
+    outcome: str
+    status: int | None
+    duration_s: float
+
+
+@dataclass
+class RequestRecord:
+    """What observability knows about one request while it runs."""
+
+    request_id: str
+    endpoint: str
+    t0: float                              # time.perf_counter() at arrival
+    snap: Any = None                       # the config generation current at arrival (gateway.runtime.Snapshot)
+    trace_id: str = ""
+    traceparent: str | None = None
+    span: Any = None                       # the SERVER span (None: tracing off)
+    client_token: str | None = None        # only to redact it
+    tenant: str = ""
+    model: str = ""                        # public model
+    request_model: str = ""                # as the client wrote it
+    route: str = ""
+    rule: str = ""
+    stream: bool = False
+    max_tokens: int | None = None
+    body: dict | None = None
+    prompt_estimate: int | None = None
+    reservation: Any = None
+    budget: Budget | None = None
+    attempts: list[AttemptRecord] = field(default_factory=list)
+    backend: str = ""
+    ttft_s: float | None = None
+    usage: dict | None = None
+    response_model: str | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+    content_events: int = 0
+    completion_text: list[str] | None = None
+    error: str | None = None
+    finished: bool = False
+    events: EventReader = field(default_factory=EventReader)   # the committed stream's events, as read
+
+
+def provider(snap, backend: str) -> str:
+    b = snap.backends.get(backend) if snap is not None else None
+    return "tandem" if b is not None and b.kind == "local" else backend
+
+
+def server_address(snap, backend: str) -> str | None:
+    b = snap.backends.get(backend) if snap is not None else None
+    url = getattr(getattr(b, "cfg", None), "base_url", None)
+    m = re.match(r"^[a-z]+://([^/:]+)", url) if url else None
+    return m.group(1) if m else None
+
+
+def include_prompts(snap) -> bool:
+    return snap is not None and snap.compiled.config.observability.logs.include_prompts

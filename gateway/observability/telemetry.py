@@ -1,0 +1,416 @@
+"""Observability of the request path, tied together per request by ``Observability``: Prometheus metrics
+(``metrics.py``), OpenTelemetry spans and GenAI metrics (``tracing.py``), the JSON request log
+(``request_log.py``) and the settlement of a request's cost in the usage ledger (``gateway/billing/usage.py``).
+
+Observability only observes: it receives events and the config snapshot current at a request's arrival, never
+the ``Gateway``, and decides nothing (budgets and rate limits are admission: ``gateway/request/admission.py``).
+The request path sends, in order: ``begin`` (HTTP layer, on arrival), ``note`` (pipeline, once routed),
+``admitted`` (pipeline, with the budget reservation), the attempt hook around each upstream call (``on_attempt``:
+dispatch), then ``finish`` / ``stream`` / ``reject`` / ``abandon`` (HTTP layer) once the answer is known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from typing import Callable
+
+import msgspec
+from prometheus_client import CollectorRegistry
+
+from gateway.billing.usage import NANO, Budget, Price, UsageLedger, cost_nusd, tenant_label, usage_tokens
+from gateway.errors import ClientError, transport_error_kind
+from gateway.observability.metrics import BREAKER_VALUES, GatewayMetrics, LiveGauges
+from gateway.observability.records import (AttemptRecord, RequestRecord, decode_answer, include_prompts,
+                                           provider)
+from gateway.observability.request_log import (Redactor, RequestLog, config_secrets, install_redaction,
+                                               remove_redaction)
+from gateway.observability.tracing import (OPERATIONS, Tracing, attempt_span, end_request_trace, mark_error,
+                                           reset_traceparent, set_traceparent, span_answer, traceparent,
+                                           untraced_context)
+
+log = logging.getLogger("tandem.gateway.telemetry")
+
+
+def _error_type(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
+    kind = transport_error_kind(exc)
+    return type(exc).__name__ if kind == "error" else kind
+
+
+class Observability:
+    """Metrics, traces, request logs and usage settlement of one gateway.
+
+    Args:
+        cfg: the initial ``GatewayConfig``; ``observability.tracing`` is fixed for the process lifetime (restart
+            to change exporters), everything else (logs, prices) is read per request from the config generation
+            current at its arrival (``configure`` hands each new one over).
+        usage: the usage ledger (cost of answered requests; budget reservations settled or released).
+        live: the gateway's scrape-time gauges (``metrics.LiveGauges``).
+    """
+
+    def __init__(self, cfg, usage: UsageLedger, live: Callable[[], LiveGauges] = LiveGauges):
+        self.registry = CollectorRegistry()
+        self.metrics = GatewayMetrics(self.registry, live)
+        tcfg = cfg.observability.tracing
+        self.tracing: Tracing | None = None
+        if tcfg.exporter != "none":
+            self.tracing = Tracing(tcfg.exporter, tcfg.endpoint, tcfg.service_name, tcfg.sample_ratio)
+        lcfg = cfg.observability.logs
+        self.request_log = RequestLog(lcfg.destination, lcfg.requests)
+        self.usage = usage
+        self.snap = None
+        self._active: dict[str, RequestRecord] = {}
+        self._redactor: tuple[int, Redactor] = (0, Redactor())
+        self._filters: list = []
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+    def configure(self, snap) -> None:
+        """A config generation was applied (``gateway.runtime.Snapshot``): requests arriving from now see it."""
+        self.snap = snap
+
+    async def start(self) -> None:
+        """Redact secrets from the process's log handlers; open the request log."""
+        self._filters = install_redaction(self.redactor)
+        self.request_log.open()
+
+    async def stop(self) -> None:
+        if self._tasks:                  # the last requests' accounting, at most 5 s
+            await asyncio.wait(set(self._tasks), timeout=5)
+        remove_redaction(self._filters)
+        self._filters = []
+        self.request_log.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()
+
+    def redactor(self) -> Redactor:
+        """The redactor of the current config (rebuilt when the config changes)."""
+        snap = self.snap
+        key = id(snap.compiled) if snap is not None else 0
+        if self._redactor[0] != key and snap is not None:
+            self._redactor = (key, Redactor(config_secrets(snap.compiled.config)))
+        return self._redactor[1]
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- the request path ----------------------------------------------------------------------------------------
+    def begin(self, request_id: str, endpoint: str, headers) -> RequestRecord:
+        """A request arrived: start its SERVER span (tracing on) and its trace context."""
+        snap = self.snap
+        rec = RequestRecord(request_id, endpoint, time.perf_counter(), snap)
+        auth = headers.get("authorization")
+        if auth:
+            rec.client_token = auth.partition(" ")[2].strip() or None
+        if snap is not None and snap.local is not None:
+            self.metrics.ensure_engine(snap.local)
+        if self.tracing is not None:
+            rec.span = self.tracing.server_span(OPERATIONS.get(endpoint, endpoint), headers, f"/v1/{endpoint}")
+            rec.trace_id = f"{rec.span.get_span_context().trace_id:032x}"
+            rec.traceparent = traceparent(rec.span)
+        else:
+            rec.trace_id, rec.traceparent = untraced_context(headers)
+        set_traceparent(rec.traceparent)
+        self._active[request_id] = rec
+        return rec
+
+    def note(self, req, decision) -> None:
+        """The request (``gateway.request.value.GatewayRequest``) is routed: note its facts (labels, span
+        attributes), before any admission check can reject it."""
+        rec = self._active.get(req.request_id)
+        if rec is None:
+            return
+        body = req.body
+        rec.tenant, rec.model, rec.request_model = req.tenant, req.public_model, req.model
+        rec.route, rec.rule, rec.stream, rec.max_tokens, rec.body = (decision.route, decision.rule, req.stream,
+                                                                     req.max_tokens, body)
+        rec.prompt_estimate = req.prompt_tokens
+        if rec.span is not None:
+            rec.span.update_name(f"{OPERATIONS.get(rec.endpoint, rec.endpoint)} {req.model}")
+            attrs = {"gen_ai.request.model": req.model, "tandem.route": decision.route,
+                     "tandem.rule": decision.rule, "tandem.tenant": tenant_label(req.tenant)}
+            if req.max_tokens is not None:
+                attrs["gen_ai.request.max_tokens"] = req.max_tokens
+            temp = body.get("temperature")
+            if isinstance(temp, (int, float)) and not isinstance(temp, bool):
+                attrs["gen_ai.request.temperature"] = float(temp)
+            rec.span.set_attributes(attrs)
+
+    def admitted(self, request_id: str, reservation=None, budget: Budget | None = None):
+        """Admission let the request through with this budget ``reservation`` (settled when it ends). Returns the
+        attempt hook for the dispatch (None when the request is unknown)."""
+        rec = self._active.get(request_id)
+        if rec is None:
+            return None
+        rec.reservation, rec.budget = reservation, budget
+        return lambda fn: self._observed(rec, fn)
+
+    def _observed(self, rec: RequestRecord, fn):
+        """Wraps the attempt loop's ``attempt(candidate)``: one ``on_attempt`` event per upstream call."""
+
+        async def attempt(c):
+            backend = getattr(c.target, "backend", None) or str(c.name).split("/")[0]
+            tried = {a.target for a in rec.attempts}
+            kind = "initial" if not rec.attempts else "retry" if c.name in tried else "fallback"
+            span = token = None
+            if self.tracing is not None:
+                span = attempt_span(self.tracing, rec, backend, c.name, kind)
+                token = set_traceparent(traceparent(span))
+            t0 = time.perf_counter()
+            outcome, status = "error", None
+            try:
+                resp = await fn(c)
+                status = resp.status
+                outcome = "ok" if status < 400 else "error_status"
+                if span is not None and status < 400 and resp.body:
+                    try:
+                        span_answer(span, decode_answer(resp.body))
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        pass
+                return resp
+            except BaseException as e:
+                outcome = _error_type(e)
+                raise
+            finally:
+                if token is not None:
+                    reset_traceparent(token)
+                self.on_attempt(rec, AttemptRecord(backend, c.name, kind, outcome, status,
+                                                   time.perf_counter() - t0), span)
+
+        return attempt
+
+    def on_attempt(self, rec: RequestRecord, a: AttemptRecord, span=None) -> None:
+        """One upstream call ended: record it, meter it, end its CLIENT span."""
+        rec.attempts.append(a)
+        m = self.metrics
+        m.child(m.upstream_latency, a.backend, a.outcome).observe(a.duration_s)
+        m.child(m.attempts, a.backend, a.kind, a.outcome).inc()
+        if a.kind == "retry":
+            m.child(m.retries, rec.route, a.backend).inc()
+        elif a.kind == "fallback":
+            m.child(m.fallbacks, rec.route, a.backend).inc()
+        error = None if a.outcome == "ok" else str(a.status) if a.outcome == "error_status" else a.outcome
+        if self.tracing is not None:
+            eattrs = {"gen_ai.operation.name": OPERATIONS.get(rec.endpoint, rec.endpoint),
+                      "gen_ai.provider.name": provider(rec.snap, a.backend), "gen_ai.request.model": rec.request_model}
+            if error is not None:
+                eattrs["error.type"] = error
+            self.tracing.operation_duration.record(a.duration_s, eattrs)
+        if span is not None:
+            if a.status is not None:
+                span.set_attribute("http.response.status_code", a.status)
+            if error is not None:
+                mark_error(span, error)
+            span.end()
+
+    # -- the answer ------------------------------------------------------------------------------------------------
+    async def finish(self, rec: RequestRecord, backend: str, status: int, content: bytes) -> bytes:
+        """A whole (non-streamed) answer is ready: account, log, end the span.
+        Returns ``content`` with any secret removed (error bodies may echo one)."""
+        rec.backend = backend
+        if status >= 400:
+            content = self.redactor().bytes(content, [rec.client_token] if rec.client_token else [])
+            rec.error = _error_code(content)
+        elif content:
+            try:
+                ans = decode_answer(content)
+                rec.usage, rec.response_model = ans.usage, ans.model
+                rec.finish_reasons = [c.finish_reason for c in ans.choices if c.finish_reason]
+                if include_prompts(rec.snap):
+                    rec.completion_text = [((c.message or {}).get("content") or c.text or "") for c in ans.choices]
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass
+        await self._complete(rec, status)
+        return content
+
+    def stream(self, rec: RequestRecord, backend: str, it):
+        """Wrap a committed SSE stream: TTFT, usage and finish reasons from its
+        events, redaction of error events; accounting when it ends."""
+        rec.backend = backend
+        if include_prompts(rec.snap):
+            rec.completion_text = []
+        return self._relay(rec, it)
+
+    async def _relay(self, rec: RequestRecord, it):
+        status = 200
+        exhausted = False
+        try:
+            async for chunk in it:
+                if rec.ttft_s is None:
+                    rec.ttft_s = time.perf_counter() - rec.t0
+                self._scan(rec, chunk)
+                if b'"error"' in chunk:
+                    chunk = self.redactor().bytes(chunk, [rec.client_token] if rec.client_token else [])
+                yield chunk
+            exhausted = True             # the inner iterator has finished (and cleaned up) on its own
+        except (asyncio.CancelledError, GeneratorExit):
+            status = 499
+            raise
+        finally:
+            aclose = None if exhausted else getattr(it, "aclose", None)
+            try:
+                if aclose is not None:
+                    await asyncio.shield(aclose())
+            except BaseException:  # noqa: BLE001
+                pass
+            try:
+                await asyncio.shield(self._spawn(self._complete(rec, status)))
+            except BaseException:  # noqa: BLE001 -- cancelled: the task finishes on its own
+                pass
+
+    def _scan(self, rec: RequestRecord, chunk: bytes) -> None:
+        reader = rec.events
+        reader.feed(chunk)
+        while (item := reader.pop()) is not None:
+            data = item[1]
+            if data == b"[DONE]":
+                continue
+            try:
+                ans = decode_answer(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                if b'"error"' in data:
+                    rec.error = "stream_error"
+                continue
+            if ans.usage:
+                rec.usage = ans.usage
+            if ans.model and rec.response_model is None:
+                rec.response_model = ans.model
+            for c in ans.choices:
+                piece = c.text if c.text is not None else (c.delta or {}).get("content")
+                if piece:
+                    rec.content_events += 1
+                    if rec.completion_text is not None:
+                        rec.completion_text.append(piece)
+                if c.finish_reason:
+                    rec.finish_reasons.append(c.finish_reason)
+            if b'"error"' in data and not ans.choices:
+                rec.error = "stream_error"
+
+    async def reject(self, rec: RequestRecord, err: ClientError) -> None:
+        """The gateway refused the request (4xx/429/503 before any backend answered)."""
+        rec.error = err.code or f"http_{err.status}"
+        if err.status == 429:            # admission: the pipeline noted the tenant before it
+            self.metrics.child(self.metrics.rejections, tenant_label(rec.tenant), err.code or "rate_limited").inc()
+        await self._complete(rec, err.status)
+
+    def abandon(self, rec: RequestRecord) -> None:
+        """Called by the HTTP layer's ``finally``: a request that ended without
+        ``finish``/``reject``/``stream`` (client gone: 499, unexpected error: 500)."""
+        if rec.finished or rec.request_id not in self._active:
+            return
+        exc = sys.exc_info()[1]            # set when called from a ``finally`` an exception passes through
+        failed = exc is not None and not isinstance(exc, (asyncio.CancelledError, GeneratorExit))
+        if failed:
+            rec.error = f"internal_error ({type(exc).__name__})"
+        self._spawn(self._complete(rec, 500 if failed else 499))
+
+    async def _complete(self, rec: RequestRecord, status: int) -> None:
+        """The request ended with ``status``: settle its cost, meter, end its span, write its log line."""
+        if rec.finished:
+            return
+        rec.finished = True
+        self._active.pop(rec.request_id, None)
+        latency = time.perf_counter() - rec.t0
+        answered = rec.backend != "" and status < 400
+        tokens, estimated = usage_tokens(rec.usage), False
+        if tokens is None and answered and rec.body is not None:
+            tokens, estimated = (rec.prompt_estimate or 0, rec.content_events, 0), True   # counted at validation
+        cfg = rec.snap.compiled.config if rec.snap is not None else None
+        nusd = 0
+        if tokens is not None and cfg is not None:
+            bcfg = cfg.backends.get(rec.backend)
+            nusd = cost_nusd(Price.of(bcfg.prices if bcfg is not None else None), *tokens)
+        counted = tokens if answered else None
+        await self._settle(rec, counted, nusd)
+        self._meter(rec, status, latency, counted, nusd)
+        if self.tracing is not None:
+            end_request_trace(self.tracing, rec, status, counted)
+        if self.request_log.active:
+            self._log_line(rec, status, latency, tokens, nusd, estimated)
+
+    async def _settle(self, rec: RequestRecord, tokens: tuple[int, int, int] | None, nusd: int) -> None:
+        try:
+            if tokens is not None:
+                await self.usage.settle(rec.tenant, rec.backend, *tokens, nusd, rec.reservation, rec.budget)
+            elif rec.reservation is not None:
+                await self.usage.release(rec.reservation)
+        except Exception as e:  # noqa: BLE001 -- accounting must never break a response
+            log.warning("usage accounting of %s failed: %s: %s", rec.request_id, type(e).__name__, e)
+
+    def _meter(self, rec: RequestRecord, status: int, latency: float, tokens, nusd: int) -> None:
+        m = self.metrics
+        backend, model, route = rec.backend or "none", rec.model or "unknown", rec.route or "none"
+        kind = rec.attempts[-1].kind if rec.attempts else ("initial" if rec.backend else "none")
+        m.child(m.requests, model, route, backend, str(status), kind).inc()
+        m.child(m.duration, model, route, backend).observe(latency)
+        if rec.ttft_s is not None:
+            m.child(m.ttft, model, backend).observe(rec.ttft_s)
+        if tokens is not None:
+            tenant = tenant_label(rec.tenant)
+            m.child(m.input_tokens, backend, tenant).inc(tokens[0])
+            m.child(m.output_tokens, backend, tenant).inc(tokens[1])
+            m.child(m.cost, backend, tenant).inc(nusd / NANO)
+
+    def _log_line(self, rec: RequestRecord, status: int, latency: float, tokens, nusd: int, estimated: bool) -> None:
+        fields = {"event": "request", "request_id": rec.request_id, "trace_id": rec.trace_id,
+                  "tenant": tenant_label(rec.tenant), "model": rec.model or None, "route": rec.route or None,
+                  "rule": rec.rule or None, "backend": rec.backend or None, "status": status,
+                  "attempts": len(rec.attempts), "stream": rec.stream,
+                  "prompt_tokens": tokens[0] if tokens else None,
+                  "completion_tokens": tokens[1] if tokens else None,
+                  "cached_tokens": tokens[2] if tokens else None, "usage_estimated": estimated,
+                  "ttft_s": round(rec.ttft_s, 6) if rec.ttft_s is not None else None,
+                  "latency_s": round(latency, 6), "cost_usd": nusd / NANO, "error": rec.error}
+        if rec.finish_reasons:
+            fields["finish_reasons"] = list(dict.fromkeys(rec.finish_reasons))
+        if include_prompts(rec.snap) and rec.body is not None:
+            fields["prompt"] = rec.body.get("messages", rec.body.get("prompt"))
+            if rec.completion_text is not None:
+                fields["completion"] = "".join(rec.completion_text)
+        try:
+            self.request_log.write(fields, self.redactor(), [rec.client_token] if rec.client_token else [])
+        except Exception as e:  # noqa: BLE001
+            log.warning("request log failed: %s", e)
+
+    # -- scrape-time state -----------------------------------------------------------------------------------------
+    async def refresh(self, snap, breakers) -> None:
+        """Read breaker states and budget usage into the scrape-time gauges (``GET /metrics``)."""
+        if snap is None:
+            return
+        if snap.local is not None:
+            self.metrics.ensure_engine(snap.local)
+        states = {}
+        names = {(t.backend, f"{t.backend}/{t.model}" if t.model else t.backend)
+                 for route in snap.compiled.policy.routes.values() for t in (*route.targets, *route.fallbacks)}
+        for backend, name in sorted(names):
+            try:
+                st = await breakers.get(name)
+                states[(backend, name)] = BREAKER_VALUES.get(str(st.state).lower(), 0)
+            except Exception as e:  # noqa: BLE001
+                log.debug("breaker %s: %s", name, e)
+        self.metrics.cache["breakers"] = states
+        out = {}
+        for tenant, b in snap.compiled.config.budgets.tenants.items():
+            try:
+                spent, reserved, limit = await self.usage.budget_state(tenant, Budget(b.usd, b.period))
+            except Exception:  # noqa: BLE001
+                continue
+            out[(tenant, b.period)] = ((spent + reserved) / NANO, limit / NANO)
+        self.metrics.cache["budgets"] = out
+
+
+def _error_code(content: bytes) -> str | None:
+    try:
+        err = msgspec.json.decode(content).get("error")
+    except Exception:  # noqa: BLE001
+        return "error"
+    if isinstance(err, dict):
+        return str(err.get("code") or err.get("type") or "error")
+    return "error"

@@ -1,0 +1,1 @@
+"""The request value: authentication, validation and the request pipeline (admit, decide, forward)."""

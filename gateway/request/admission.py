@@ -1,0 +1,72 @@
+"""Admission: what a routed request must pass before any backend is called. First the RPM/TPM limits of its
+virtual key and tenant (``gateway/resilience/ratelimit.py``), then its tenant's budget (``gateway/billing/
+usage.py``): a 429 is an admission decision, taken here, never by observability.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.billing.usage import NANO, Budget, BudgetReservation, Price, UsageLedger, cost_nusd, tenant_label
+from gateway.errors import ClientError
+from gateway.request.auth import bearer
+from gateway.request.validate import GatewayRequest
+from gateway.resilience.layer import Resilience
+from gateway.resilience.ratelimit import RateReservation
+
+
+@dataclass(frozen=True)
+class Admission:
+    """An admitted request's holds: its rate-limit ``rate`` reservation (``tokens`` reserved), its ``budget``
+    reservation (of ``budget_spec``), and the ``x-ratelimit-*`` headers of the answer."""
+
+    tokens: int
+    rate: RateReservation | None = None
+    budget: BudgetReservation | None = None
+    budget_spec: Budget | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def estimate_nusd(cfg, targets, prompt_tokens: int, max_tokens: int | None) -> int:
+    """Upper estimate of a request's cost, nano-USD: its prompt tokens and ``max_tokens`` (else
+    ``limits.default_completion_tokens``) at the highest input and output prices among ``targets``."""
+    completion = max_tokens if max_tokens is not None else cfg.limits.default_completion_tokens
+    best = Price()
+    for t in targets:
+        b = cfg.backends.get(t.backend)
+        if b is not None:
+            p = Price.of(b.prices)
+            best = Price(max(best.input, p.input), max(best.output, p.output))
+    return cost_nusd(best, prompt_tokens, completion)
+
+
+async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: UsageLedger, cfg) -> Admission:
+    """Check and record the request's rate limits, then reserve its estimated cost in its tenant's budget.
+
+    Args:
+        req: the request (``prompt_tokens`` and ``max_tokens`` size the reservations).
+        targets: the decision's targets (their highest prices bound the cost).
+        cfg: the ``GatewayConfig`` of the request's config generation.
+
+    Raises:
+        ClientError: 429 ``rate_limit_exceeded`` (503 ``rate_limiter_unavailable`` fail-closed) or 429
+            ``budget_exceeded``, with ``Retry-After``.
+    """
+    tokens = resilience.estimate_tokens(req.prompt_tokens, req.max_tokens)
+    # Rate limits before the budget: a request they reject must not hold a budget reservation.
+    rl = await resilience.admit(req.tenant, bearer(req.headers.get("authorization")), tokens, req.request_id)
+    if not rl.allowed:
+        raise rl.error()
+    bcfg = cfg.budgets.tenants.get(tenant_label(req.tenant))
+    if bcfg is None:
+        return Admission(tokens, rl.reservation, headers=rl.headers())
+    budget = Budget(bcfg.usd, bcfg.period)
+    est = estimate_nusd(cfg, targets, req.prompt_tokens, req.max_tokens)
+    check = await usage.reserve(req.tenant, req.request_id, est, budget)
+    if not check.admitted:
+        spent = (check.spent_nusd + check.reserved_nusd) / NANO
+        raise ClientError(
+            429, f"Budget exceeded: tenant '{tenant_label(req.tenant)}' has used ${spent:.6f} of its "
+                 f"${budget.usd:g} {budget.period}ly budget (this request may cost up to ${est / NANO:.6f}).",
+            code="budget_exceeded", headers={"retry-after": str(int(check.resets_in_s) + 1)})
+    return Admission(tokens, rl.reservation, check.reservation, budget, rl.headers())

@@ -1,0 +1,83 @@
+"""The request path, one way: authenticate -> validate (the one ``GatewayRequest``) -> decide (policy) ->
+admit (rate limits, budget) -> forward (attempt loop) -> ``Answer``. HTTP glue lives in ``gateway/http/``; this
+module knows nothing about Litestar. Observability is told what happened (``note``, ``admitted``, the attempt
+hook) and decides nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from gateway.backends.dispatch import Answer, forward
+from gateway.errors import ClientError
+from gateway.request.admission import admit
+from gateway.request.auth import authenticate
+from gateway.request.validate import GatewayRequest, check_request, estimate_prompt_tokens, parse_json
+from policies import RequestFeatures, decide
+
+
+def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str) -> GatewayRequest:
+    """The request value of ``raw`` on config generation ``snap`` (``gateway.runtime.Snapshot``): its tenant,
+    checked body, public model and prompt length (the local engine's tokenizer when a rule reads
+    ``prompt_tokens`` and the engine is up, else the estimate).
+
+    Raises:
+        ClientError: 400 (bad body), 401 (bad key), 404 (unknown model).
+    """
+    compiled = snap.compiled
+    tenant = authenticate(headers.get("authorization"), compiled.key_hashes)
+    body = parse_json(raw)
+    req = check_request(body, endpoint, headers.get("x-priority"), tenant=tenant, request_id=request_id,
+                        headers=headers)
+    public = compiled.model_names.get(req.model)
+    if public is None:
+        raise ClientError(404, f"The model '{req.model}' does not exist; available: "
+                          f"{', '.join(compiled.public_models)}", param="model", code="model_not_found")
+    prompt_tokens = None
+    if snap.needs_prompt_tokens and snap.local is not None and snap.local.available:
+        prompt_tokens = snap.local.count_prompt_tokens(body)
+    if prompt_tokens is None:
+        prompt_tokens = estimate_prompt_tokens(body)
+    return replace(req, public_model=public, prompt_tokens=prompt_tokens)
+
+
+def features(req: GatewayRequest) -> RequestFeatures:
+    """The request as the policy sees it."""
+    return RequestFeatures(
+        model=req.public_model, priority=req.priority, prompt_tokens=req.prompt_tokens, tenant=req.tenant,
+        has_tools=req.has_tools, has_response_format=req.has_response_format, headers=req.headers,
+        metadata=req.metadata, user=req.user, request_id=req.request_id, stream=req.stream,
+        max_tokens=req.max_tokens)
+
+
+async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str) -> Answer:
+    """Serve one chat/completion request on the config generation current at its arrival.
+
+    Args:
+        gw: the ``gateway.runtime.Gateway``.
+        endpoint: "chat/completions" or "completions".
+        raw: the request body, bytes.
+        headers: lower-case header names -> values.
+        request_id: the gateway's id for this request.
+
+    Raises:
+        ClientError: 400/401/404, or 429 (503 fail-closed) from admission, before any backend is called.
+    """
+    snap = gw.snapshot
+    req = build_request(snap, endpoint, raw, headers, request_id)
+    decision = decide(snap.compiled.policy, features(req), snap.signals())
+    if req.local_unsupported and decision.attempts:
+        first = snap.backends.get(decision.attempts[0].backend)
+        if first is not None and first.kind == "local":
+            raise ClientError(400, f"'{req.local_unsupported}' is not supported by the local engine and no routing "
+                              f"rule sends such requests to an upstream", param=req.local_unsupported,
+                              code="unsupported_parameter")
+    gw.obs.note(req, decision)   # labels and trace facts, before admission may refuse
+    adm = await admit(req, decision.attempts, gw.resilience, gw.usage, snap.compiled.config)
+    hook = gw.obs.admitted(request_id, adm.budget, adm.budget_spec)
+    answer = await forward(req, decision.attempts, snap.backends, gw.resilience, adm.rate, hook, adm.tokens)
+    answer.headers = {"x-tandem-route": decision.route, "x-tandem-rule": decision.rule,
+                      "x-tandem-backend": answer.backend or "none", "x-tandem-attempts": str(answer.attempts),
+                      "x-request-id": request_id, **answer.headers, **adm.headers}
+    return answer

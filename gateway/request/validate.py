@@ -1,0 +1,199 @@
+"""Parse and check a request body before any routing: invalid JSON, missing
+or wrongly typed parameters become 400 errors naming the parameter."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import msgspec
+
+from gateway.errors import ClientError
+from policies import parse_priority
+
+_decode = msgspec.json.decode
+_NUM = (int, float)
+
+# Optional parameters and the JSON types they may have (None is always allowed).
+_COMMON = {
+    "stream": (bool,), "max_tokens": (int,), "temperature": _NUM, "top_p": _NUM, "n": (int,),
+    "stop": (str, list), "presence_penalty": _NUM, "frequency_penalty": _NUM, "seed": (int,),
+    "user": (str,), "metadata": (dict,), "stream_options": (dict,), "priority": (str, int),
+    "top_k": (int,), "min_p": _NUM, "repetition_penalty": _NUM, "min_tokens": (int,),
+    "ignore_eos": (bool,), "stop_token_ids": (list,),
+}
+_CHAT = {**_COMMON, "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,)}
+_COMPLETION = {**_COMMON, "logprobs": (int,), "echo": (bool,), "suffix": (str,), "best_of": (int,)}
+
+# Fields the local engine cannot serve: a request carrying one must be routed
+# upstream by a rule, or it gets a 400 naming the field. The structured
+# features a local backend is configured to serve (``structured_outputs``:
+# response_format, tools) are taken out of this list per request.
+LOCAL_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
+                     "parallel_tool_calls", "logit_bias", "audio", "modalities", "prediction",
+                     "web_search_options")
+_TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call")
+_SERVED_BY = {"tools": "tools", "tool_choice": "tools", "parallel_tool_calls": "tools",
+              "response_format": "response_format"}
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayRequest:
+    """One request, built once by validation and read (never re-parsed) by every later step: routing features,
+    admission, dispatch, observability.
+
+    endpoint: "chat/completions" | "completions". body: the client's parsed JSON (not mutated). model: the model
+    as the client wrote it; public_model: its canonical public name. priority: smaller = more urgent.
+    max_tokens: ``max_completion_tokens`` when set, else ``max_tokens`` (None: unset), the engine's rule.
+    prompt_tokens: the prompt's length in tokens, counted once (the local engine's tokenizer with the chat
+    template, else ``estimate_prompt_tokens``). local_unsupported: a field the local engine cannot serve.
+    headers: lower-case names -> values.
+    """
+
+    endpoint: str
+    body: dict
+    model: str
+    stream: bool
+    priority: int
+    user: str
+    metadata: dict
+    max_tokens: int | None
+    has_tools: bool
+    has_response_format: bool
+    local_unsupported: str | None
+    public_model: str = ""
+    tenant: str = ""
+    request_id: str = ""
+    prompt_tokens: int | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+def _type_name(types: tuple) -> str:
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+    if types == _NUM:
+        return "number"
+    return " or ".join(names[t] for t in types)
+
+
+def _check_type(name: str, value: object, types: tuple) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if not ok:
+        raise ClientError(400, f"'{name}' must be {_type_name(types)}, got {type(value).__name__}",
+                          param=name, code="invalid_type")
+
+
+def parse_json(raw: bytes) -> dict:
+    """Decode a JSON object. Raises ClientError(400) otherwise."""
+    if not raw:
+        raise ClientError(400, "request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = _decode(raw)
+    except msgspec.DecodeError as e:
+        raise ClientError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ClientError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _unsupported(body: dict, local_serves: frozenset[str]) -> str | None:
+    for name in LOCAL_UNSUPPORTED:
+        v = body.get(name)
+        if v is None or v is False or v == [] or v == {} or _SERVED_BY.get(name) in local_serves:
+            continue
+        if name == "response_format" and isinstance(v, dict) and v.get("type") == "text":
+            continue
+        return name
+    return None
+
+
+def check_request(body: dict, endpoint: str, x_priority: str | None,
+                  local_serves: frozenset[str] = frozenset(), **identity) -> GatewayRequest:
+    """Check a chat (``endpoint == "chat/completions"``) or completion body; the request value with
+    ``identity`` (``public_model``, ``tenant``, ``request_id``, ``prompt_tokens``, ``headers``).
+
+    ``local_serves``: the structured features (``response_format``,
+    ``tools``) the local engine serves; the others make ``local_unsupported``.
+
+    Raises:
+        ClientError: 400 naming the missing or wrongly typed parameter."""
+    model = body.get("model")
+    if model is None:
+        raise ClientError(400, "missing required parameter 'model'", param="model", code="missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise ClientError(400, "'model' must be a non-empty string", param="model", code="invalid_type")
+    if endpoint == "chat/completions":
+        messages = body.get("messages")
+        if messages is None:
+            raise ClientError(400, "missing required parameter 'messages'", param="messages",
+                              code="missing_required_parameter")
+        if not isinstance(messages, list) or not messages:
+            raise ClientError(400, "'messages' must be a non-empty array", param="messages", code="invalid_type")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ClientError(400, f"'messages[{i}]' must be an object with a string 'role'",
+                                  param=f"messages[{i}].role", code="invalid_type")
+            if m["role"] not in _ROLES:
+                raise ClientError(400, f"'messages[{i}].role' must be one of {', '.join(sorted(_ROLES))}, "
+                                  f"got {m['role']!r}", param=f"messages[{i}].role", code="invalid_value")
+        types = _CHAT
+    else:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise ClientError(400, "missing required parameter 'prompt'", param="prompt",
+                              code="missing_required_parameter")
+        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
+            raise ClientError(400, "'prompt' must be a string or a non-empty array", param="prompt",
+                              code="invalid_type")
+        types = _COMPLETION
+    for name, value in body.items():
+        t = types.get(name)
+        if t is not None:
+            _check_type(name, value, t)
+    raw_priority = body.get("priority")
+    if raw_priority is None:
+        raw_priority = x_priority
+    try:
+        priority = 0 if raw_priority is None else parse_priority(raw_priority)
+    except ValueError as e:
+        raise ClientError(400, str(e), param="priority", code="invalid_value") from None
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    unsupported = _unsupported(body, local_serves)
+    rf = body.get("response_format")
+    return GatewayRequest(
+        endpoint=endpoint, body=body, model=model, stream=bool(body.get("stream")), priority=priority,
+        user=body.get("user") or "", metadata=body.get("metadata") or {}, max_tokens=max_tokens,
+        has_tools=any(body.get(k) for k in _TOOL_FIELDS),
+        has_response_format=rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"),
+        local_unsupported=unsupported, **identity)
+
+
+def estimate_prompt_tokens(body: dict) -> int:
+    """Rough prompt length when no tokenizer is at hand: ~4 characters per
+    token (OpenAI's rule of thumb for English BPE text) + 4 tokens of chat
+    framing per message. Token-id prompts are counted exactly."""
+    if "messages" in body:
+        chars, n = 0, 0
+        for m in body.get("messages") or ():
+            n += 1
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, str):
+                chars += len(c)
+            elif isinstance(c, list):
+                chars += sum(len(p.get("text", "")) for p in c if isinstance(p, dict))
+        return (chars + 3) // 4 + 4 * n
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return (len(prompt) + 3) // 4
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(x, int) for x in prompt):
+            return len(prompt)
+        return sum((len(p) + 3) // 4 if isinstance(p, str) else len(p) if isinstance(p, list) else 0
+                   for p in prompt)
+    return 0

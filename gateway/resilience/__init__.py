@@ -1,0 +1,1 @@
+"""Resilience: the attempt loop, circuit breakers, rate limits, health; wired by ``layer.Resilience``."""

@@ -1,0 +1,403 @@
+"""The attempt loop of one request: retries, fallback along the route, breakers, and streaming failures.
+
+The gateway calls ``call_with_fallback`` once per request with the route's ordered ``Candidate`` targets and an
+``attempt`` coroutine that performs ONE upstream call against one target (the HTTP client's own retries must be
+off: this is the only retry layer). The loop (``_Run.execute``) is a plain loop; each step is one upstream
+call, or one round of skipped candidates:
+
+- Target choice: the first candidate, in route order, not yet tried in this round, not too small for the request
+  (``max_model_len < required_len``), not excluded by a context-length error, whose breaker lets a request
+  through and whose backend rate limit admits it. A round ends when every candidate was tried or skipped; the
+  next round starts after an exponential backoff with jitter (at least the upstream's ``Retry-After`` when it
+  is within ``max_retry_after_s``). Falling back to an untried target waits nothing.
+- Transient failures (connection errors, timeouts, HTTP 408/429/500/502/503/504, a malformed body, an error event
+  or a cut before any content) are retried / fall back; 400/401/403/404/422 and every other status are passed
+  through unchanged after one upstream call. A context-length error moves on to a target with a larger
+  ``max_model_len`` and never retries the same target.
+- Stops at ``max_attempts`` upstream calls or when the next wait would pass the overall ``deadline_s`` (which
+  also bounds a stream's wait for its first token; a non-streamed answer in progress is bounded by the
+  backend's own read timeout, not cut by the deadline).
+  Then: 503 + Retry-After (soonest half-open) when every target's breaker is open, 429 when backend limits refuse,
+  504 after a timeout, 503 after 429/503 upstream answers, 502 otherwise; never a 500.
+- Streaming: the response is committed (status 200 and SSE headers) only when the first content delta arrives
+  within ``first_token_timeout_s`` of the attempt's start; earlier events are held back. Before that, failures
+  are transparent retries. After it, a failure (cut, malformed event, error event, no event within
+  ``inter_chunk_timeout_s``) ends the stream with one ``data: {"error": ...}`` event and no ``[DONE]``.
+  Closing the returned iterator (client disconnect) closes the upstream response at once.
+  Hot path: events are split from the raw bytes once per read and relayed as the upstream's own bytes (typed
+  msgspec decoding to classify them), the inter-chunk deadline is one re-armed ``loop.call_at`` handle per
+  stream, and with ``batch_events`` every event already read goes downstream as one chunk (nothing waits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from gateway.config.schema import RetrySettings
+from gateway.errors import error_body
+from gateway.resilience.outcomes import (TRANSIENT_STATUS, Attempt, Failure, NoCandidate, PassThrough, Result,
+                                         UpstreamResponse, classify_exception, close_response,
+                                         is_context_length_error, parse_retry_after)
+from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
+from gateway.resilience.streaming import Held, peek_stream, relay
+
+log = logging.getLogger("tandem.retry")
+
+
+@dataclass
+class Candidate:
+    """One target of a route as the loop sees it.
+
+    name: breaker/health key, e.g. ``"deepseek/deepseek-chat"``. target: the gateway's own object, handed back
+    to ``attempt``. max_model_len: tokens (None: unknown). Timeouts in seconds (None: the policy's default).
+    limits: the backend's RPM/TPM limits (checked with ``limiter`` before each call).
+    """
+
+    name: str
+    target: Any = None
+    max_model_len: int | None = None
+    first_token_timeout_s: float | None = None
+    inter_chunk_timeout_s: float | None = None
+    limits: list[Limit] = field(default_factory=list)
+
+
+class _Run:
+    """State of one request's attempt loop (see the module docstring)."""
+
+    def __init__(self, candidates, attempt, *, stream, policy, breakers, health, limiter, required_len, request_id,
+                 tokens, on_finish, batch_events):
+        self.candidates: list[Candidate] = list(candidates)
+        self.attempt_fn = attempt
+        self.stream = stream
+        self.policy = policy
+        self.breakers, self.health, self.limiter = breakers, health, limiter
+        self.required_len, self.request_id, self.tokens = required_len, request_id, tokens
+        self.on_finish = on_finish
+        self.batch = batch_events
+        self.start = time.monotonic()
+        self.deadline = self.start + policy.deadline_s
+        self.attempts: list[Attempt] = []
+        self.tried_round: set[str] = set()     # called or skipped in this round
+        self.called_round = False
+        self.last_wait = 0.0                   # the wait slept before this attempt
+        self.excluded: set[str] = set()       # too small / context-length: never again in this request
+        self.calls = 0
+        self.failures: list[Failure] = []
+        self.skips: dict[str, tuple[str, float | None]] = {}   # name -> (reason, retry_after) in the last pick
+
+    # -- target choice -------------------------------------------------------------------------------------
+    async def _pick(self) -> tuple[Candidate, bool, RateReservation | None] | NoCandidate:
+        """The next candidate to call, whether it is a half-open probe, and its backend-limit reservation; or why
+        none may be called now."""
+        for new_round in (False, True):
+            if new_round:
+                if not self.called_round:  # a round of skips only: starting another changes nothing
+                    break
+                if self.last_wait <= 0:  # a new round only after a backoff
+                    return NoCandidate(None, round_over=True)
+                self.tried_round, self.called_round, self.skips = set(), False, {}
+            for c in self.candidates:
+                if c.name in self.excluded or c.name in self.tried_round:
+                    continue
+                if self.required_len is not None and c.max_model_len is not None and c.max_model_len < self.required_len:
+                    self.excluded.add(c.name)
+                    self.skips[c.name] = ("too_small", None)
+                    self.attempts.append(Attempt(c.name, f"skipped: max_model_len {c.max_model_len} < "
+                                                         f"{self.required_len} tokens", called=False))
+                    continue
+                probe = False
+                if self.breakers is not None:
+                    d = await self.breakers.allow(c.name)
+                    if not d.allowed:
+                        self.tried_round.add(c.name)
+                        self.skips[c.name] = ("breaker_open", d.retry_after_s)
+                        self.attempts.append(Attempt(c.name, f"skipped: breaker {d.state}", called=False))
+                        continue
+                    probe = d.probe
+                reservation = None
+                if self.limiter is not None and c.limits:
+                    rl = await self.limiter.acquire(c.limits, self.tokens, f"{self.request_id}:{self.calls}")
+                    if not rl.allowed:
+                        if probe:
+                            await self.breakers.record(c.name, True, probe=True, reason="probe not used")
+                        self.tried_round.add(c.name)
+                        self.skips[c.name] = ("rate_limited", rl.retry_after_s)
+                        self.attempts.append(Attempt(c.name, "skipped: backend rate limit", called=False))
+                        continue
+                    reservation = rl.reservation
+                return c, probe, reservation
+        waits = [ra for name, (why, ra) in self.skips.items() if why != "too_small" and ra is not None
+                 and name not in self.excluded]
+        return NoCandidate(min(waits) if waits else None)
+
+    # -- one attempt -----------------------------------------------------------------------------------------
+    async def _once(self) -> Result | Failure | NoCandidate | PassThrough:
+        """One step: pick a candidate and call it. Returns the committed ``Result``, or why the step did not
+        answer (the failure is recorded in breakers, health and ``attempts`` first)."""
+        picked = await self._pick()
+        if isinstance(picked, NoCandidate):
+            return picked
+        c, probe, reservation = picked
+        self.tried_round.add(c.name)
+        self.called_round = True
+        self.calls += 1
+        t0 = time.monotonic()
+        remaining = self.deadline - t0
+        try:
+            result = await self._call(c, remaining)
+        except BaseException:  # cancelled (client gone): give the probe slot and the reservation back
+            if probe:
+                await asyncio.shield(self.breakers.record(c.name, True, probe=True, reason="cancelled"))
+            if reservation is not None:
+                await asyncio.shield(self.limiter.release(reservation))
+            raise
+        dt = time.monotonic() - t0
+        if isinstance(result, Failure):
+            f = result
+            f.candidate = c
+            self.failures.append(f)
+            self.attempts.append(Attempt(c.name, f.kind, f.status, duration_s=dt))
+            if f.kind == "context_length":
+                self.excluded.add(c.name)
+                self._exclude_not_larger(c)
+                await self._record(c, True, None, None, probe, dt, None)
+            else:
+                await self._record(c, False, f.status, f.retry_after, probe, dt, None, reason=f.kind)
+            if reservation is not None:
+                await self.limiter.release(reservation)
+            return f
+        if isinstance(result, PassThrough):
+            result.candidate = c
+            self.attempts.append(Attempt(c.name, f"status {result.response.status}", result.response.status,
+                                         duration_s=dt))
+            await self._record(c, True, None, None, probe, dt, None)
+            return result
+        result.candidate, result.backend_reservation = c, reservation
+        self.attempts.append(Attempt(c.name, "ok", result.status, duration_s=dt))
+        result.attempts = self.attempts
+        if not self.stream or result.stream is None:
+            await self._record(c, True, None, None, probe, dt, None)
+        else:
+            held: Held = result.stream  # type: ignore[assignment]
+            inter = c.inter_chunk_timeout_s or self.policy.inter_chunk_timeout_s
+            result.stream = relay(result, held, inter, self.batch,
+                                  lambda ok: self._end_stream(result, c, probe, t0, ok, held))
+        return result
+
+    def _exclude_not_larger(self, failed: Candidate) -> None:
+        """After a context-length error: drop candidates that are not known to be larger than ``failed``."""
+        if failed.max_model_len is None:
+            return
+        for c in self.candidates:
+            if c.max_model_len is not None and c.max_model_len <= failed.max_model_len:
+                self.excluded.add(c.name)
+
+    async def _call(self, c: Candidate, remaining: float) -> Result | Failure | PassThrough:
+        """One upstream call: a committed Result, or why it does not answer the client."""
+        first_token = c.first_token_timeout_s or self.policy.first_token_timeout_s
+        # streams: the first token within the first-token timeout and the deadline; a whole (non-streamed)
+        # answer may take as long as it needs (the backend's read timeout catches a hung upstream; the deadline
+        # bounds starting further attempts, not one in progress)
+        limit = max(0.001, min(remaining, first_token)) if self.stream else None
+        t0 = time.monotonic()
+        resp: UpstreamResponse | None = None
+        try:
+            async with asyncio.timeout(limit):
+                resp = await self.attempt_fn(c)
+                if self.stream and resp.status < 300 and resp.chunks is not None:
+                    out = await peek_stream(resp, t0)
+                    if isinstance(out, Failure):
+                        await close_response(resp)
+                    return out
+        except asyncio.CancelledError:
+            await asyncio.shield(close_response(resp))
+            raise
+        except Exception as exc:
+            await close_response(resp)
+            status = getattr(exc, "status_code", None)
+            if isinstance(status, int) and hasattr(exc, "to_dict"):  # engine.serving.ServingError (local backend)
+                resp = UpstreamResponse(status, {"content-type": "application/json"},
+                                        json.dumps(exc.to_dict()).encode())
+            else:
+                f = classify_exception(exc)
+                if f.kind == "timeout" and self.stream and time.monotonic() - t0 >= limit:
+                    f = Failure("timeout", f"no first token within {limit:.1f}s")
+                if f.kind == "error":
+                    log.warning("attempt on %s raised", c.name, exc_info=exc)
+                return f
+        return self._finish_plain(c, resp)
+
+    def _finish_plain(self, c: Candidate, resp: UpstreamResponse) -> Result | Failure | PassThrough:
+        """A whole (non-streamed) upstream response: success, pass-through, or a Failure."""
+        status, body = resp.status, resp.body or b""
+        ct = {"content-type": resp.headers.get("content-type", "application/json")}
+        if 200 <= status < 300:
+            try:
+                obj = json.loads(body)
+                if not isinstance(obj, dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                return Failure("malformed", "upstream returned malformed JSON", status=502)
+            if obj.get("error"):
+                return Failure("error_event", "upstream returned an error object", status=502)
+            return Result(status, ct, body=body, usage=obj.get("usage"))
+        ra = parse_retry_after(resp.headers)
+        if status in TRANSIENT_STATUS or 520 <= status <= 529:
+            return Failure("status", f"upstream status {status}", status=status, retry_after=ra, response=resp)
+        if is_context_length_error(status, body):
+            return Failure("context_length", "prompt too long for this target", status=status, response=resp)
+        return PassThrough(resp)
+
+    async def _end_stream(self, res: Result, c: Candidate, probe: bool, t0: float, ok: bool, held: "Held") -> None:
+        await close_response(held.resp)
+        dt = time.monotonic() - t0
+        if res.error is None:  # finished, or the client went away: the upstream did its part
+            await self._record(c, True, None, None, probe, dt, res.ttft_s)
+        else:
+            await self._record(c, False, None, None, probe, dt, res.ttft_s, reason="stream_interrupted")
+        if self.on_finish is not None:
+            try:
+                out = self.on_finish(res)
+                if asyncio.iscoroutine(out):
+                    await out
+            except Exception:
+                log.exception("on_finish hook failed")
+
+    async def _record(self, c: Candidate, ok: bool, status, retry_after, probe: bool, latency: float, ttft,
+                      reason: str = "") -> None:
+        if self.breakers is not None:
+            await self.breakers.record(c.name, ok, status=status, retry_after_s=retry_after, probe=probe,
+                                       reason=reason)
+        if self.health is not None:
+            await self.health.record(c.name, ok, latency_s=latency, ttft_s=ttft)
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def _untried_left(self) -> bool:
+        return any(c.name not in self.excluded and c.name not in self.tried_round for c in self.candidates)
+
+    def _wait_for(self, exc: Failure | NoCandidate, step: int) -> float:
+        """Seconds to wait after loop step ``step`` (1-based) ended in ``exc``: none before an untried target,
+        else an exponential backoff with jitter, at least the upstream's ``Retry-After`` when acceptable."""
+        if isinstance(exc, Failure) and self._untried_left():
+            return 0.0  # fall back to the next target at once
+        if isinstance(exc, NoCandidate) and not exc.round_over and exc.retry_after is None:
+            return 0.0  # _stop ends the loop
+        p = self.policy
+        backoff = min(p.backoff_initial_s * 2.0 ** min(step - 1, 60) + random.uniform(0, p.jitter_s), p.backoff_max_s)
+        if isinstance(exc, NoCandidate) and exc.round_over:
+            hint = self.failures[-1].retry_after if self.failures else None
+        else:
+            hint = exc.retry_after
+        if hint is not None and hint <= p.max_retry_after_s:
+            backoff = max(backoff, hint)
+        return backoff
+
+    def _stop(self, exc: Failure | NoCandidate, wait: float) -> bool:
+        if isinstance(exc, NoCandidate) and not exc.round_over:
+            if exc.retry_after is None or exc.retry_after > self.policy.max_retry_after_s:
+                return True
+        elif isinstance(exc, Failure) and not exc.transient:
+            return True
+        return (self.calls >= self.policy.max_attempts or all(c.name in self.excluded for c in self.candidates)
+                or time.monotonic() + wait >= self.deadline)
+
+    async def execute(self) -> Result:
+        """The loop: call the next candidate; after a failure wait (``_wait_for``: nothing before an untried
+        target, a backoff before a new round) and go on unless a limit stops it (``_stop``)."""
+        step = 0
+        while True:
+            step += 1
+            out = await self._once()
+            if isinstance(out, Result):
+                return out
+            if isinstance(out, PassThrough):
+                return self._passthrough(out.response, out.candidate)
+            self.last_wait = self._wait_for(out, step)    # _pick starts a new round only after a backoff
+            if self._stop(out, self.last_wait):
+                return await self._exhausted(out)
+            await asyncio.sleep(self.last_wait)
+
+    def _passthrough(self, resp: UpstreamResponse, candidate: Candidate | None) -> Result:
+        """An upstream's own error answer, unchanged (``candidate``: who gave it)."""
+        headers = {"content-type": resp.headers.get("content-type", "application/json")}
+        ra = parse_retry_after(resp.headers)
+        if ra is not None:
+            headers["retry-after"] = str(retry_after_header(ra))
+        return Result(resp.status, headers, body=resp.body, candidate=candidate, attempts=self.attempts)
+
+    async def _exhausted(self, last: Exception) -> Result:
+        """The final error after every candidate failed or was skipped."""
+        res = Result(503, {"content-type": "application/json"}, attempts=self.attempts)
+        called = self.failures
+        ctx = [f for f in called if f.kind == "context_length"]
+        if ctx and not [f for f in called if f.kind != "context_length"]:
+            return self._passthrough(ctx[-1].response, ctx[-1].candidate) if ctx[-1].response else res
+        if not self.candidates:
+            res.body = error_body(503, "No backend of this route is available.", code="no_backend_available")
+            res.headers["retry-after"] = "1"
+            return res
+        if not called and self.skips and all(why == "too_small" for why, _ in self.skips.values()):
+            res.status = 400
+            res.body = error_body(400, f"The request needs {self.required_len} tokens (prompt + max_tokens); no "
+                                  f"available target of this route has a context that large (max_model_len).",
+                                  code="context_length_exceeded")
+            return res
+        if (isinstance(last, NoCandidate) and not last.round_over) or not called:
+            why = [w for w, _ in self.skips.values()]
+            ra = last.retry_after if isinstance(last, NoCandidate) else None
+            if self.breakers is not None and "breaker_open" in why:
+                ra = await self.breakers.soonest_half_open([c.name for c in self.candidates
+                                                            if self.skips.get(c.name, ("",))[0] == "breaker_open"])
+                ra = ra or 1.0
+            if why and all(w == "rate_limited" for w in why):
+                res.status = 429
+                res.body = error_body(429, "Every backend of this route is at its rate limit.",
+                                      code="rate_limit_exceeded")
+            else:
+                res.body = error_body(503, "Every backend of this route is unavailable (circuit open); retry later.",
+                                      code="backends_unavailable")
+            res.headers["retry-after"] = str(retry_after_header(ra or 1.0))
+            return res
+        f = called[-1]
+        if f.kind == "timeout":
+            res.status, msg = 504, "The upstream timed out"
+        elif f.status in (429, 503):
+            res.status, msg = 503, "The upstream is overloaded or rate limited"
+            ras = [x.retry_after for x in called if x.retry_after is not None]
+            res.headers["retry-after"] = str(retry_after_header(min(ras) if ras else 1.0))
+        else:
+            res.status, msg = 502, "The upstream failed"
+        kinds = ", ".join(f"{a.target}: {a.outcome}" for a in self.attempts)
+        res.body = error_body(res.status, f"{msg} after {self.calls} attempt(s) ({kinds}).", code="upstream_failed",
+                              type_="upstream_error")
+        return res
+
+
+async def call_with_fallback(candidates: list[Candidate],
+                             attempt: Callable[[Candidate], Awaitable[UpstreamResponse]], *,
+                             stream: bool = False, policy: RetrySettings | None = None, breakers=None, health=None,
+                             limiter=None, required_len: int | None = None, request_id: str = "", tokens: int = 0,
+                             on_finish: Callable[[Result], Any] | None = None,
+                             batch_events: bool = False) -> Result:
+    """Run one request across ``candidates`` (route order) and return what the client should get.
+
+    attempt(candidate) performs one upstream call and returns an ``UpstreamResponse`` for ANY status (raising only
+    for transport errors; an exception with ``status_code`` and ``to_dict()``, like ``engine.serving.ServingError``,
+    counts as that HTTP answer). breakers: ``gateway.resilience.breaker.Breakers``; health: ``gateway.resilience.health.HealthTracker``;
+    limiter: ``gateway.resilience.ratelimit.RateLimiter`` for ``Candidate.limits`` (tokens reserved: ``tokens``).
+    required_len: prompt tokens + max_tokens, to skip candidates with a smaller ``max_model_len``.
+    on_finish(result): called once a committed stream has ended (cleanly, with an error, or by a disconnect).
+    batch_events: a committed stream yields every complete event read so far as one item (one write downstream
+    per upstream read) instead of one item per event; the bytes are the same.
+    Never raises for upstream failures; a cancelled caller cancels the upstream call.
+    """
+    run = _Run(candidates, attempt, stream=stream, policy=policy or RetrySettings(), breakers=breakers, health=health,
+               limiter=limiter, required_len=required_len, request_id=request_id, tokens=tokens, on_finish=on_finish,
+               batch_events=batch_events)
+    return await run.execute()

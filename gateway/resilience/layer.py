@@ -1,0 +1,140 @@
+"""The gateway's resilience layer: wires shared state, rate limits, breakers, health and the attempt loop
+(``gateway/resilience/attempts.py``) into the request path.
+
+``Resilience`` lives as long as the gateway process (config reloads call ``configure`` and keep the state).
+The request path calls ``admit`` (RPM/TPM per virtual key and tenant, 429 with ``Retry-After`` and OpenAI's
+``x-ratelimit-*`` headers) and then ``forward`` (retries, fallback, breakers, per-backend limits, streaming
+failure handling, token reconciliation). Config sections read here (all optional): ``state``, ``limits``,
+``resilience`` and the backends' ``rpm`` / ``tpm`` / ``timeouts``; see ``config.example.yaml``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any, Callable
+
+from gateway.config.schema import GatewayConfig, RetrySettings
+from gateway.resilience.breaker import Breakers
+from gateway.resilience.health import ActiveProber, HealthTracker
+from gateway.resilience.ratelimit import Limit, RateLimiter, RateLimitResult, RateReservation
+from gateway.resilience.attempts import Candidate, Result, call_with_fallback
+from gateway.state import SharedState
+
+log = logging.getLogger("tandem.gateway.resilience")
+
+
+class Resilience:
+    """State, limiter, breakers and health of one gateway process.
+
+    Args:
+        cfg: the gateway config (``gateway.config.schema.GatewayConfig``); only its state section is fixed for the
+            process lifetime, the rest is re-read by ``configure`` on every config apply.
+    """
+
+    def __init__(self, cfg: GatewayConfig):
+        self.state = SharedState(cfg.state)
+        self.limiter = RateLimiter(self.state)
+        self.breakers = Breakers(self.state)
+        self.health = HealthTracker(self.state)
+        self.prober: ActiveProber | None = None
+        self.configure(cfg)
+
+    def configure(self, cfg: GatewayConfig) -> None:
+        """(Re)read limits, retry, breaker and health settings from a config generation."""
+        self.policy: RetrySettings = cfg.resilience.retry
+        self.breakers.config = cfg.resilience.breaker
+        self.health.config = cfg.resilience.health
+        limits = cfg.limits
+        self.limiter.window_ms = int(limits.window_s * 1000)
+        self.default_completion_tokens = limits.default_completion_tokens
+        self.tenant_limits = {t: Limit("tenant", t, v.rpm, v.tpm) for t, v in limits.tenants.items()}
+        self.key_limits: dict[str, Limit] = {}
+        for k in cfg.auth.keys:
+            if k.rpm is None and k.tpm is None:
+                continue
+            h = k.sha256
+            if h is None and k.env:
+                secret = os.environ.get(k.env)
+                h = hashlib.sha256(secret.encode()).hexdigest() if secret else None
+            if h:
+                self.key_limits[h] = Limit("key", h[:16], k.rpm, k.tpm)
+
+    def start(self, backends: Callable[[], dict]) -> None:
+        """Start active probes (``resilience.health.interval_s``; 0 = off) of the backends the current config
+        has (``backends()``, read each round): ``GET /models`` upstream, engine readiness locally."""
+        self.prober = ActiveProber(self.health, lambda: {name: _probe_for(b) for name, b in backends().items()})
+        self.prober.start()
+
+    async def stop(self) -> None:
+        if self.prober is not None:
+            await self.prober.stop()
+        await self.state.close()
+
+    @property
+    def degraded(self) -> bool:
+        """Redis configured but unreachable: serving on in-process state."""
+        return self.state.degraded
+
+    # -- admission ---------------------------------------------------------------------------------------------
+    def estimate_tokens(self, prompt_tokens: int | None, max_tokens: int | None) -> int:
+        """Tokens reserved at admission: estimated prompt + max_tokens (or the configured default)."""
+        return int(prompt_tokens or 0) + int(max_tokens if max_tokens is not None else self.default_completion_tokens)
+
+    async def admit(self, tenant: str, token: str | None, tokens: int, request_id: str) -> RateLimitResult:
+        """Check and record the RPM/TPM limits of the request's virtual key and tenant."""
+        limits = []
+        if token and self.key_limits:       # hash the key only when some key has limits
+            lim = self.key_limits.get(hashlib.sha256(token.encode()).hexdigest())
+            if lim is not None:
+                limits.append(lim)
+        if (lim := self.tenant_limits.get(tenant)) is not None:
+            limits.append(lim)
+        return await self.limiter.acquire(limits, tokens, request_id)
+
+    async def settle(self, reservation: RateReservation | None, usage: dict | None) -> None:
+        """Replace a reservation with the real usage (prompt + completion tokens) when the upstream reported it."""
+        if reservation is None or not usage:
+            return
+        total = usage.get("total_tokens")
+        if total is None:
+            total = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+        await self.limiter.reconcile(reservation, int(total))
+
+    # -- the attempt loop --------------------------------------------------------------------------------------
+    def candidate(self, target: Any, backend: Any) -> Candidate:
+        """A route target as the loop sees it (breaker key ``backend/model`` or the backend name)."""
+        cfg = backend.cfg
+        local = backend.kind == "local"
+        lims = [Limit("backend", backend.name, cfg.rpm, cfg.tpm)] if cfg.rpm is not None or cfg.tpm is not None else []
+        return Candidate(
+            name=f"{backend.name}/{target.model}" if target.model else backend.name, target=target,
+            max_model_len=getattr(backend, "max_model_len", None),
+            # the local engine queues under load: its first token is bounded by the request deadline only
+            first_token_timeout_s=self.policy.deadline_s if local else cfg.timeouts.first_token_s,
+            inter_chunk_timeout_s=None if local else cfg.timeouts.inter_chunk_s or cfg.timeouts.read_s,
+            limits=lims)
+
+    async def forward(self, candidates: list[Candidate], attempt, *, stream: bool, required_len: int | None,
+                      request_id: str, tokens: int, on_finish=None) -> Result:
+        """``call_with_fallback`` with this gateway's breakers, health, limiter and retry policy."""
+        return await call_with_fallback(candidates, attempt, stream=stream, policy=self.policy,
+                                        breakers=self.breakers, health=self.health, limiter=self.limiter,
+                                        required_len=required_len, request_id=request_id, tokens=tokens,
+                                        on_finish=on_finish, batch_events=True)
+
+
+def _probe_for(backend: Any):
+    async def probe() -> None:
+        if backend.kind == "local":
+            if not backend.available:
+                raise RuntimeError(backend.unavailable_reason or "engine not ready")
+            return
+        if not backend.available:
+            raise RuntimeError(backend.unavailable_reason)
+        r = await backend.client.get("models")
+        if r.status_code >= 500:
+            raise RuntimeError(f"GET /models: HTTP {r.status_code}")
+
+    return probe

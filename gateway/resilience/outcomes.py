@@ -1,0 +1,162 @@
+"""What one upstream attempt can end in, as values: the upstream's ``UpstreamResponse``, the loop's ``Result`` and
+``Attempt`` records, and the three ways an attempt does not answer the client (``Failure``: retry or fall back;
+``NoCandidate``: nothing may be called now; ``PassThrough``: a final upstream error, relayed as is; values
+returned, never raised), with the
+rules that classify them (transient statuses, context-length errors, ``Retry-After``, transport errors).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
+
+from gateway.errors import transport_error_kind
+from gateway.resilience.ratelimit import RateReservation
+
+TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_CONTEXT_RE = re.compile(r"context[ _-]?length|maximum context|context window|max_model_len|too many tokens|"
+                         r"prompt is too long|reduce the length", re.I)
+
+
+@dataclass
+class UpstreamResponse:
+    """What one attempt returns: any HTTP status.
+
+    body: the whole body (non-streaming responses and every error). chunks: the raw SSE bytes of a streaming
+    2xx (any split). aclose: releases the upstream response/connection (called when the loop abandons it).
+    """
+
+    status: int
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    chunks: AsyncIterator[bytes] | None = None
+    aclose: Callable[[], Awaitable[None]] | None = None
+
+
+@dataclass
+class Attempt:
+    """One step of the loop: an upstream call (``called``) or a skipped candidate, and its outcome."""
+
+    target: str
+    outcome: str
+    status: int | None = None
+    called: bool = True
+    duration_s: float = 0.0
+
+
+@dataclass
+class Result:
+    """The loop's answer.
+
+    status/headers: what the client gets (headers: content-type, Retry-After when relevant).
+    body: the response body when not streaming (or an error). stream: SSE event bytes when committed to a stream.
+    candidate: the target that answered. usage: the upstream's ``usage`` (filled when known; for a stream at
+    its end). error: the failure that ended a stream after content (None when it finished cleanly).
+    backend_reservation: the backend-limit reservation of the answering target, to reconcile.
+    """
+
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes | None = None
+    stream: AsyncIterator[bytes] | None = None
+    candidate: Any = None                  # the attempts.Candidate that answered
+    attempts: list[Attempt] = field(default_factory=list)
+    usage: dict | None = None
+    ttft_s: float | None = None
+    error: str | None = None
+    backend_reservation: RateReservation | None = None
+
+    @property
+    def num_calls(self) -> int:
+        """Upstream calls made (the ``x-tandem-attempts`` header)."""
+        return sum(1 for a in self.attempts if a.called)
+
+
+@dataclass
+class Failure:
+    """A failed attempt: ``kind`` (timeout, connect_error, status, error_event, ...), whether it may be retried,
+    and the candidate that failed."""
+
+    kind: str
+    message: str
+    status: int | None = None
+    retry_after: float | None = None
+    transient: bool = True
+    response: UpstreamResponse | None = None
+    candidate: Any = None
+
+
+@dataclass
+class NoCandidate:
+    """No candidate may be called now; ``retry_after`` seconds until one may (None: never).
+
+    round_over: every candidate was tried or skipped in this round and no backoff preceded: back off, then
+    start the next round.
+    """
+
+    retry_after: float | None
+    round_over: bool = False
+
+
+@dataclass
+class PassThrough:
+    """A final upstream answer that is not retried (4xx): returned to the client as is."""
+
+    response: UpstreamResponse
+    candidate: Any = None
+
+
+def parse_retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds from a ``Retry-After`` (delta-seconds or HTTP date) or ``retry-after-ms`` header; None if absent."""
+    lower = {k.lower(): v for k, v in headers.items()}
+    ms = lower.get("retry-after-ms")
+    if ms:
+        try:
+            return max(0.0, float(ms) / 1000)
+        except ValueError:
+            pass
+    v = lower.get("retry-after")
+    if not v:
+        return None
+    try:
+        return max(0.0, float(v))
+    except ValueError:
+        try:
+            return max(0.0, parsedate_to_datetime(v).timestamp() - time.time())
+        except (TypeError, ValueError):
+            return None
+
+
+def is_context_length_error(status: int, body: bytes) -> bool:
+    if status not in (400, 413, 422):
+        return False
+    try:
+        err = json.loads(body).get("error") or {}
+    except (ValueError, AttributeError):
+        return bool(_CONTEXT_RE.search(body[:2000].decode("utf-8", "replace")))
+    if not isinstance(err, dict):
+        err = {"message": str(err)}
+    return err.get("code") == "context_length_exceeded" or bool(_CONTEXT_RE.search(str(err.get("message", ""))))
+
+
+_FAILURE_MESSAGES = {"timeout": "upstream timed out", "connect_error": "cannot connect to upstream",
+                     "connection_error": "upstream connection failed", "error": "upstream call failed"}
+
+
+def classify_exception(exc: BaseException) -> Failure:
+    """A transport exception as a transient failure (``gateway.errors.transport_error_kind``)."""
+    kind = transport_error_kind(exc)
+    return Failure(kind, f"{_FAILURE_MESSAGES[kind]} ({type(exc).__name__})")
+
+
+async def close_response(resp: UpstreamResponse | None) -> None:
+    """Release an upstream response (its connection); errors while closing are ignored."""
+    if resp is not None and resp.aclose is not None:
+        try:
+            await resp.aclose()
+        except Exception:
+            pass

@@ -1,0 +1,191 @@
+"""A streamed answer in the attempt loop: ``peek_stream`` holds events back until the first content (before it,
+any failure is a transparent retry), ``relay`` streams the committed answer, ending a failure after content with
+one error event (and no ``[DONE]``); ``Watchdog`` is the inter-chunk deadline without a timer per chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
+
+from gateway.resilience.outcomes import Failure, Result, UpstreamResponse
+from gateway.sse import DONE, EventReader, classify, error_event, event
+
+
+@dataclass
+class Held:
+    """Events read before the commit, the live event iterator, and the upstream response to close."""
+
+    events: list[bytes]      # the relay bytes of the held events
+    rest: EventReader
+    resp: UpstreamResponse
+    done: bool
+
+
+class Watchdog:
+    """The inter-chunk timeout of a committed stream without a timer per chunk: ``arm`` sets a deadline
+    (``timeout_s`` from now, event-loop time) that ``disarm`` clears; one ``loop.call_at`` handle, re-armed only
+    when it fires before the current deadline, cancels the waiting task once a deadline passes (``fired``)."""
+
+    __slots__ = ("loop", "timeout_s", "deadline", "handle", "task", "fired")
+
+    def __init__(self, timeout_s: float):
+        self.loop = asyncio.get_running_loop()
+        self.timeout_s = max(0.0, timeout_s)
+        self.deadline: float | None = None
+        self.handle: asyncio.TimerHandle | None = None
+        self.task: asyncio.Task | None = None
+        self.fired = False
+
+    def arm(self) -> None:
+        self.deadline = self.loop.time() + self.timeout_s
+        self.task = asyncio.current_task()
+        if self.handle is None:
+            self.handle = self.loop.call_at(self.deadline, self._check)
+
+    def disarm(self) -> None:
+        self.deadline = None
+
+    def _check(self) -> None:
+        self.handle = None
+        if self.deadline is None or self.task is None:
+            return
+        if self.loop.time() >= self.deadline - 1e-3:   # the loop may run a timer up to its clock resolution early
+            self.deadline = None
+            self.fired = True
+            self.task.cancel()
+        else:
+            self.handle = self.loop.call_at(self.deadline, self._check)
+
+    def expired(self) -> bool:
+        """After a CancelledError while armed: True when it was this deadline's (the cancel is then consumed)."""
+        if not self.fired:
+            return False
+        self.fired = False
+        task = self.task
+        return task is not None and task.uncancel() == 0
+
+    def close(self) -> None:
+        self.deadline = None
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+
+async def peek_stream(resp: UpstreamResponse, t0: float) -> Result | Failure:
+    """Read events until the first content; hold them back. Returns a ``Failure`` on anything before content."""
+    events = EventReader(resp.chunks)
+    held: list[bytes] = []
+    while True:
+        item = events.pop()
+        if item is None:
+            if await events.fill():
+                continue
+            item = events.tail()
+            if item is None:
+                return Failure("stream_cut", "upstream stream ended before any content", status=502)
+        raw, data = item
+        kind, usage, error, fixed = classify(data)
+        if kind == "malformed":
+            return Failure("malformed", "upstream sent a malformed event", status=502)
+        if kind == "error":
+            st = error.get("code") if isinstance(error, dict) else None
+            return Failure("error_event", "upstream sent an error event before content",
+                           status=st if isinstance(st, int) else 502)
+        held.append(raw if fixed is None else event(fixed))
+        if kind in ("content", "done"):
+            res = Result(200, {"content-type": "text/event-stream"}, ttft_s=time.monotonic() - t0)
+            res.stream = Held(held, events, resp, kind == "done")  # type: ignore[assignment]
+            if usage:
+                res.usage = usage
+            return res
+
+
+async def relay(res: Result, held: Held, inter_s: float, batch: bool,
+                on_end: Callable[[bool], Awaitable[None]]) -> AsyncIterator[bytes]:
+    """The committed stream: held events, then the rest; a failure after content ends with an error event.
+    ``on_end(ok)`` runs once it ends (cleanly, with an error, or closed by the client).
+
+    Every complete event already read is relayed in one chunk with the events before it (the bytes of an
+    event unchanged), so a read of several events costs one write downstream; nothing waits for more."""
+    ok, err = False, None
+    events, out = held.rest, held.events
+    watchdog: Watchdog | None = None
+    try:
+        if not batch:
+            for ev in out:
+                yield ev
+            out = []
+        elif held.done:
+            yield b"".join(out)
+        if held.done:
+            ok = True
+            return
+        at_end = False
+        while True:
+            item = events.pop()
+            if item is None:
+                if at_end:
+                    err = "upstream stream ended without [DONE]"
+                    break
+                if out:                          # (the watchdog is disarmed: an event arrived)
+                    yield out[0] if len(out) == 1 else b"".join(out)
+                    out = []
+                watchdog = watchdog or Watchdog(inter_s)
+                more, err = await _read(events, watchdog)
+                if err is not None:
+                    break
+                if more:
+                    continue
+                at_end, item = True, events.tail()
+                if item is None:
+                    continue
+            if watchdog is not None:
+                watchdog.disarm()                # the event awaited arrived
+            raw, data = item
+            kind, usage, _, fixed = classify(data)
+            if kind == "done":
+                out.append(DONE)
+                ok = True
+                yield b"".join(out)
+                return
+            if kind == "malformed":
+                err = "upstream sent a malformed event"
+                break
+            if usage:
+                res.usage = usage
+            out.append(raw if fixed is None else event(fixed))
+            if kind == "error":  # relayed as the final event, no [DONE]
+                res.error = "upstream sent an error event"
+                yield b"".join(out)
+                return
+            if not batch:
+                yield out[0]
+                out = []
+        res.error = err
+        if watchdog is not None:
+            watchdog.disarm()
+        out.append(error_event(f"stream interrupted: {err}", code="stream_interrupted"))
+        yield b"".join(out)
+    finally:
+        if watchdog is not None:
+            watchdog.close()
+        await asyncio.shield(on_end(ok))
+
+
+async def _read(events: EventReader, watchdog: Watchdog) -> tuple[bool, str | None]:
+    """Read more bytes under the inter-chunk deadline: (more bytes came, why the stream failed or None)."""
+    if watchdog.deadline is None:    # one deadline per event awaited, not per read
+        watchdog.arm()
+    try:
+        return await events.fill(), None
+    except asyncio.CancelledError:
+        if watchdog.expired():
+            return False, f"upstream sent nothing for {watchdog.timeout_s:.0f}s"
+        raise
+    except (TimeoutError, asyncio.TimeoutError):
+        return False, f"upstream sent nothing for {watchdog.timeout_s:.0f}s"
+    except Exception as exc:
+        return False, f"upstream connection failed ({type(exc).__name__})"

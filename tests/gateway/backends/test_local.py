@@ -1,0 +1,223 @@
+"""The gateway with the real engine: the local backend runs SmolLM2 in the
+gateway's process, and the "aggregator" is a second real OpenAI-compatible
+server (``tandem engine serve``) with a
+tiny random Llama. Official ``openai`` client, sync, async and streaming."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from gateway.backends.local import LocalBackend
+from gateway.config.schema import EngineConfig, LocalBackendConfig
+from tests.gateway.support import ROOT, GatewayProcess, free_port
+from tests.tiny_models import save_byte_level_llama
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A 2-layer random Llama, byte-level tokenizer (one character = one token), chat template."""
+    return save_byte_level_llama(tmp_path_factory.mktemp("tiny"), max_position_embeddings=8192)
+
+
+@pytest.fixture(scope="module")
+def aggregator(tiny_model, tmp_path_factory):
+    """``tandem engine serve`` with the tiny model on a free port."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("agg") / "engine.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "engine", "serve", "--model", tiny_model,
+                             "--dtype", "float32", "--kv-cache-memory", "64MiB", "--served-model-name", "tiny-agg",
+                             "--port", str(port), "--uvicorn-log-level", "warning"],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, open(log.name).read()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    yield url
+    proc.terminate()
+    proc.wait(30)
+    log.close()
+
+
+CONFIG = """
+server: {{drain_timeout_s: 10}}
+models:
+  - {{name: smollm2, aliases: [gpt-4o-mini]}}
+backends:
+  local:
+    type: local
+    engine: {{served_model_name: smollm2, max_model_len: 512, max_num_seqs: 8, kv_cache_memory: 128MiB,
+             scheduling_policy: priority}}
+  agg:
+    type: openai
+    base_url: {agg}/v1
+    api_key_env: AGG_TEST_KEY
+    models: {{smollm2: tiny-agg}}
+    max_model_len: 8192
+    prices: {{input: 0.1, output: 0.2}}
+routes:
+  local-first:
+    targets: [{{backend: local, weight: 50}}, {{backend: agg, weight: 50}}]
+    fallbacks: [{{backend: agg}}, {{backend: local}}]
+  local-only:
+    targets: [{{backend: local}}]
+    fallbacks: [{{backend: agg}}]
+  aggregator:
+    targets: [{{backend: agg}}]
+    fallbacks: [{{backend: local}}]
+policy:
+  default_route: local-only
+  rules:
+    - {{name: structured, match: {{response_format: true}}, route: aggregator}}
+    - {{name: low, match: {{priority: low}}, route: aggregator}}
+    - {{name: long, match: {{prompt_tokens: {{gt: 400}}}}, route: aggregator}}
+    - {{name: canary, match: {{header.x-canary-test: "1"}}, route: local-first}}
+"""
+
+
+@pytest.fixture(scope="module")
+def gateway(aggregator, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gwe") / "config.yaml"
+    path.write_text(CONFIG.format(agg=aggregator))
+    g = GatewayProcess(path, env={"AGG_TEST_KEY": "agg-key"}).start(timeout=300)
+    yield g
+    g.stop()
+
+
+def client(g) -> openai.OpenAI:
+    return openai.OpenAI(base_url=g.url + "/v1", api_key="client", max_retries=0, timeout=120)
+
+
+MSG = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_sync_chat_from_local_smollm2(gateway):
+    raw = client(gateway).chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=MSG, max_tokens=8,
+                                                                    temperature=0)
+    r = raw.parse()
+    assert raw.headers["x-tandem-backend"] == "local" and raw.headers["x-tandem-route"] == "local-only"
+    assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 5 and 0 < r.usage.completion_tokens <= 8
+    assert r.model == "smollm2"
+
+
+async def test_async_stream_from_local(gateway):
+    c = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="client", max_retries=0, timeout=120)
+    stream = await c.chat.completions.create(model="smollm2", messages=MSG, max_tokens=8, temperature=0, stream=True)
+    deltas, finish = [], None
+    async for ch in stream:
+        if ch.choices:
+            deltas.append(ch.choices[0].delta.content or "")
+            finish = ch.choices[0].finish_reason or finish
+    await c.close()
+    assert "".join(deltas) and finish in ("stop", "length") and len(deltas) >= 2
+    # Same answer as the non-streamed greedy request.
+    full = client(gateway).chat.completions.create(model="smollm2", messages=MSG, max_tokens=8, temperature=0)
+    assert "".join(deltas) == full.choices[0].message.content
+
+
+def test_completions_local(gateway):
+    r = client(gateway).completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4,
+                                           temperature=0)
+    assert r.choices[0].text
+
+
+def test_low_priority_goes_to_the_aggregator(gateway):
+    raw = client(gateway).chat.completions.with_raw_response.create(
+        model="smollm2", messages=MSG, max_tokens=4, extra_headers={"x-priority": "low"})
+    assert raw.headers["x-tandem-backend"] == "agg" and raw.headers["x-tandem-rule"] == "low"
+    assert raw.parse().model == "tiny-agg"
+    stream = client(gateway).completions.create(model="smollm2", prompt="abc", max_tokens=4, stream=True,
+                                                extra_body={"priority": "low"})
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices)
+
+
+def test_long_prompt_goes_to_the_aggregator(gateway):
+    long = [{"role": "user", "content": "word " * 450}]    # > 400 SmolLM2 tokens, > local max_model_len budget
+    raw = client(gateway).chat.completions.with_raw_response.create(model="smollm2", messages=long, max_tokens=2)
+    assert raw.headers["x-tandem-rule"] == "long" and raw.headers["x-tandem-backend"] == "agg"
+
+
+def test_response_format_routed_upstream_tools_served_locally(gateway):
+    # The rule sends it to the aggregator (another tandem engine, tiny random model), which constrains it too.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    r = httpx.post(gateway.url + "/v1/chat/completions", timeout=60, json={
+        "model": "smollm2", "messages": MSG, "max_tokens": 32, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "ok", "schema": schema}}})
+    assert r.headers["x-tandem-backend"] == "agg" and r.headers["x-tandem-rule"] == "structured"
+    assert r.status_code == 200 and r.headers["x-tandem-attempts"] == "1"
+    assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"])["ok"], bool)
+    # Its own 400 for a bad schema is passed through after one attempt: a 4xx never falls back.
+    r = httpx.post(gateway.url + "/v1/chat/completions", timeout=60, json={
+        "model": "smollm2", "messages": MSG, "max_tokens": 2, "response_format": {"type": "yaml"}})
+    assert r.status_code == 400 and r.headers["x-tandem-attempts"] == "1"
+    assert r.json()["error"]["param"] == "response_format"
+    # No rule sends tools upstream and the local backend serves them (structured_outputs defaults to
+    # [response_format, tools]): a schema-valid call from the local engine.
+    raw = client(gateway).chat.completions.with_raw_response.create(
+        model="smollm2", messages=MSG, max_tokens=64, temperature=0, tool_choice="required",
+        parallel_tool_calls=False,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}, "required": ["city"]}}}])
+    assert raw.headers["x-tandem-backend"] == "local"
+    reply = raw.parse()
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert json.loads(reply.choices[0].message.tool_calls[0].function.arguments)["city"] in ("Paris", "Lyon")
+
+
+def test_engine_validation_errors_pass_through(gateway):
+    r = httpx.post(gateway.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "smollm2", "messages": MSG, "top_p": 7})
+    assert r.status_code == 400 and r.headers["x-tandem-backend"] == "local"
+    assert r.json()["error"]["param"] == "top_p"
+
+
+def test_canary_is_sticky_per_user_over_http(gateway):
+    c = client(gateway)
+    seen = {}
+    for i in range(12):
+        for _ in range(2):
+            raw = c.completions.with_raw_response.create(model="smollm2", prompt="hi", max_tokens=1, user=f"user-{i}",
+                                                          extra_headers={"x-canary-test": "1"})
+            seen.setdefault(f"user-{i}", set()).add(raw.headers["x-tandem-backend"])
+    assert all(len(v) == 1 for v in seen.values())             # one user, one arm
+    assert set().union(*seen.values()) == {"local", "agg"}     # 50/50 over 12 users reaches both arms
+
+
+def test_ready_and_models(gateway):
+    ready = httpx.get(gateway.url + "/health/ready").json()
+    assert ready["ready"] and ready["backends"]["local"]["available"] and ready["backends"]["agg"]["available"]
+    assert [m.id for m in client(gateway).models.list()] == ["smollm2"]
+
+
+async def test_routing_prompt_count_is_the_engines_prompt(tiny_model):
+    """The prompt length routing reads (``count_prompt_tokens``) is the prompt the engine runs
+    (``usage.prompt_tokens``), whatever template and special-token options the client sets."""
+    backend = LocalBackend("local", LocalBackendConfig(type="local", engine=EngineConfig(
+        model=tiny_model, dtype="float32", kv_cache_memory="64MiB")))
+    await backend.start()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    try:
+        for i, body in enumerate([{"messages": msgs}, {"messages": msgs, "add_generation_prompt": False},
+                                  {"messages": msgs, "add_special_tokens": True}, {"prompt": "Hello there"},
+                                  {"prompt": "Hello there", "add_special_tokens": False}]):
+            endpoint = "chat/completions" if "messages" in body else "completions"
+            reply = await backend.send(endpoint, {"model": backend.served_model_name, "max_tokens": 1, **body},
+                                       f"count-{i}", 0)
+            assert backend.count_prompt_tokens(body) == json.loads(reply.body)["usage"]["prompt_tokens"], body
+    finally:
+        await backend.aclose()

@@ -1,0 +1,224 @@
+"""Config reload under load, invalid files, and multi-replica propagation
+through a real Redis server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.gateway.support import FaultInjectorUpstream, GatewayProcess, upstream_config, wait_until
+
+ENV = {"TEST_UPSTREAM_KEY": "k", "TANDEM_ADMIN_TOKEN": "adm"}
+ADMIN = {"authorization": "Bearer adm"}
+ROUTES = """  main:
+    targets: [{backend: a, weight: 100}, {backend: b, weight: 0}]
+    fallbacks: [{backend: b}]
+"""
+
+
+@pytest.fixture(scope="module")
+def upstreams():
+    a, b = FaultInjectorUpstream("a").start(), FaultInjectorUpstream("b").start()
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def admin_config(g: GatewayProcess) -> dict:
+    return httpx.get(g.url + "/admin/config", headers=ADMIN, timeout=10).json()
+
+
+async def test_reload_under_load_drops_nothing_and_refuses_invalid_file(upstreams, tmp_path):
+    a, b = upstreams
+    a.set_mode(delay=1.5)
+    b.set_mode(delay=1.5)
+    path = tmp_path / "config.yaml"
+    good = upstream_config({"a": a, "b": b}, ROUTES)
+    path.write_text(good)
+    g = GatewayProcess(path, env=ENV).start()
+    try:
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+        async with httpx.AsyncClient(base_url=g.url, timeout=60, limits=limits) as c:
+            async def one(i: int) -> httpx.Response:
+                return await c.post("/v1/chat/completions", json={
+                    "model": "m1", "messages": [{"role": "user", "content": f"q{i}"}], "user": f"u{i}",
+                    "stream": i % 4 == 0})
+
+            tasks = [asyncio.create_task(one(i)) for i in range(200)]
+            await asyncio.sleep(0.5)                       # requests are in flight now
+            r = await c.post("/admin/weights", headers=ADMIN, json={"route": "main", "weights": {"a": 50, "b": 50}})
+            assert r.status_code == 200, r.text
+            version = r.json()["version"]
+            path.write_text(good.replace("weight: 100", "weight: -7"))     # invalid, picked up by the watcher
+            r = await c.post("/admin/reload", headers=ADMIN)
+            assert r.status_code == 400
+            err = r.json()["error"]
+            assert err["param"] == "routes.main.targets[0].weight" and "routes.main.targets[0].weight" in err["message"]
+            results = await asyncio.gather(*tasks)
+        assert [r.status_code for r in results] == [200] * 200
+        assert all(("[DONE]" in r.text) if i % 4 == 0 else r.json()["choices"] for i, r in enumerate(results))
+        cfg = admin_config(g)
+        assert cfg["version"] == version                   # the invalid file changed nothing
+        assert cfg["routes"]["main"]["targets"][1]["weight"] == 50
+        assert "routes.main.targets[0].weight" in g.log()  # the watcher refused it too, naming the key
+        # A valid edit is picked up by the watcher (weights from the file again).
+        path.write_text(good.replace("{backend: b, weight: 0}", "{backend: b, weight: 1}"))
+        wait_until(lambda: admin_config(g)["routes"]["main"]["targets"][1]["weight"] == 1)
+    finally:
+        a.set_mode()
+        b.set_mode()
+        g.stop()
+
+
+def test_sighup_reloads(upstreams, tmp_path):
+    a, b = upstreams
+    path = tmp_path / "config.yaml"
+    good = upstream_config({"a": a, "b": b}, ROUTES).replace("watch: true", "watch: false")
+    path.write_text(good)
+    g = GatewayProcess(path, env=ENV).start()
+    try:
+        path.write_text(good.replace("{backend: b, weight: 0}", "{backend: b, weight: 3}"))
+        time.sleep(0.5)
+        assert admin_config(g)["routes"]["main"]["targets"][1]["weight"] == 0   # not watched
+        g.proc.send_signal(__import__("signal").SIGHUP)
+        wait_until(lambda: admin_config(g)["routes"]["main"]["targets"][1]["weight"] == 3)
+        assert admin_config(g)["history"][0]["source"] == "sighup"
+    finally:
+        g.stop()
+
+
+def test_unchanged_reload_keeps_the_version(upstreams, tmp_path):
+    """Reloading an unchanged file (after a weights change and a rollback) keeps
+    the head's version: versions never go backwards."""
+    a, b = upstreams
+    path = tmp_path / "config.yaml"
+    path.write_text(upstream_config({"a": a, "b": b}, ROUTES).replace("watch: true", "watch: false"))
+    g = GatewayProcess(path, env=ENV).start()
+    try:
+        first = admin_config(g)["version"]
+        r = httpx.post(g.url + "/admin/weights", headers=ADMIN, json={"route": "main", "weights": {"b": 5}})
+        assert r.status_code == 200 and r.json()["version"] > first
+        r = httpx.post(g.url + "/admin/rollback", headers=ADMIN)
+        assert r.status_code == 200
+        rolled = r.json()["version"]
+        assert rolled > first
+        r = httpx.post(g.url + "/admin/reload", headers=ADMIN)
+        assert r.status_code == 200 and r.json()["version"] == rolled
+        assert admin_config(g)["version"] == rolled
+    finally:
+        g.stop()
+
+
+def test_two_replicas_share_config_through_redis(upstreams, tmp_path, redis_url):
+    a, b = upstreams
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    extra = f"state: {{redis_url: '{redis_url}', key_prefix: {prefix}, sync_interval_s: 0.5}}"
+    paths = [tmp_path / "r1.yaml", tmp_path / "r2.yaml"]
+    for p in paths:
+        p.write_text(upstream_config({"a": a, "b": b}, ROUTES, extra=extra))
+    g1 = GatewayProcess(paths[0], env=ENV).start()
+    g2 = GatewayProcess(paths[1], env=ENV).start()
+    try:
+        def weights(g):
+            return [t["weight"] for t in admin_config(g)["routes"]["main"]["targets"]]
+
+        assert weights(g1) == weights(g2) == [100, 0]
+        r = httpx.post(g1.url + "/admin/weights", headers=ADMIN, json={"route": "main", "weights": {"a": 0, "b": 100}})
+        assert r.status_code == 200 and r.json()["propagated"] is True
+        wait_until(lambda: weights(g2) == [0, 100])
+        r = httpx.post(g2.url + "/v1/chat/completions", json={"model": "m1", "messages": [{"role": "user",
+                                                                                         "content": "x"}]})
+        assert r.headers["x-tandem-backend"] == "b"
+        # A rollback on the second replica reaches the first.
+        assert httpx.post(g2.url + "/admin/rollback", headers=ADMIN).status_code == 200
+        wait_until(lambda: weights(g1) == [100, 0])
+        # A reload of an edited file on one replica reaches the other (whose own file is unchanged).
+        paths[0].write_text(paths[0].read_text().replace("{backend: b, weight: 0}", "{backend: b, weight: 7}"))
+        assert httpx.post(g1.url + "/admin/reload", headers=ADMIN).status_code == 200
+        wait_until(lambda: weights(g2) == [100, 7])
+        assert admin_config(g1)["version"] == admin_config(g2)["version"]
+    finally:
+        g1.stop()
+        g2.stop()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_ledger_push_dedupe_and_rollback(shared, redis_url):
+    from gateway.config.versions import ConfigState, MemoryLedger, RedisLedger
+
+    ledger = RedisLedger(redis_url, f"t{uuid.uuid4().hex[:8]}", keep=3) if shared else MemoryLedger(keep=3)
+    try:
+        assert await ledger.head() is None
+        v1 = await ledger.push(ConfigState("a: 1\n"))
+        assert await ledger.push(ConfigState("a: 1\n")) == v1            # same digest: no new version
+        v2 = await ledger.push(ConfigState("a: 1\n", {"r": {"t": 5}}, "weights"))
+        v3 = await ledger.push(ConfigState("a: 2\n"))
+        assert v1 < v2 < v3 == await ledger.version()
+        back = await ledger.rollback()
+        assert back.text == "a: 1\n" and back.overrides == {"r": {"t": 5.0}} and back.source == "rollback"
+        assert back.version > v3 and (await ledger.head()).version == back.version
+        assert await ledger.push(ConfigState("a: 1\n", {"r": {"t": 5}})) == back.version   # equal to the head
+        back = await ledger.rollback()
+        assert back.text == "a: 1\n" and back.overrides == {}
+        with pytest.raises(LookupError):
+            await ledger.rollback()
+        for i in range(5):
+            await ledger.push(ConfigState(f"b: {i}\n"))
+        assert len(await ledger.history()) == 3                          # keep_versions
+    finally:
+        await ledger.aclose()
+
+
+def test_admin_drain_then_exit(upstreams, tmp_path):
+    import concurrent.futures
+
+    a, b = upstreams
+    path = tmp_path / "config.yaml"
+    path.write_text(upstream_config({"a": a, "b": b}, ROUTES))
+    g = GatewayProcess(path, env=ENV).start()
+    try:
+        body = {"model": "m1", "messages": [{"role": "user", "content": "x"}], "stream": True,
+                "metadata": {"chunks": "6", "chunk_delay": "0.2"}}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            stream = pool.submit(httpx.post, g.url + "/v1/chat/completions", json=body, timeout=30)
+            time.sleep(0.4)
+            r = httpx.post(g.url + "/admin/drain", headers=ADMIN)
+            assert r.status_code == 200 and r.json()["draining"] is True
+            assert httpx.get(g.url + "/health/ready").status_code == 503
+            done = stream.result()
+        assert done.status_code == 200 and done.text.rstrip().endswith("data: [DONE]")
+        assert g.proc.wait(20) is not None                 # exits by itself once drained
+    finally:
+        g.stop()
+
+
+def test_redis_outage_keeps_serving_and_reseeds(upstreams, tmp_path, redis_server):
+    import redis
+
+    a, b = upstreams
+    extra = (f"state: {{redis_url: '{redis_server.url}', key_prefix: outage, sync_interval_s: 0.3, "
+             "socket_timeout_s: 0.3}")
+    path = tmp_path / "config.yaml"
+    path.write_text(upstream_config({"a": a, "b": b}, ROUTES, extra=extra))
+    g = GatewayProcess(path, env=ENV).start()
+    try:
+        redis_server.stop()
+        time.sleep(0.5)
+        body = {"model": "m1", "messages": [{"role": "user", "content": "x"}]}
+        assert httpx.post(g.url + "/v1/chat/completions", json=body).status_code == 200
+        r = httpx.post(g.url + "/admin/weights", headers=ADMIN, json={"route": "main", "weights": {"b": 30}})
+        assert r.status_code == 200 and r.json()["propagated"] is False     # applied here, not shared
+        assert wait_until(lambda: admin_config(g)["redis_degraded"])
+        redis_server.start()                                                  # comes back empty
+        client = redis.Redis.from_url(redis_server.url)
+        wait_until(lambda: client.get("outage:config:version") is not None)
+        assert not admin_config(g)["redis_degraded"]
+        assert admin_config(g)["routes"]["main"]["targets"][1]["weight"] == 30   # re-seeded with the running config
+        assert httpx.post(g.url + "/v1/chat/completions", json=body).status_code == 200
+        client.close()
+    finally:
+        g.stop()

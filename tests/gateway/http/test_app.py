@@ -1,0 +1,358 @@
+"""The gateway over real HTTP: ``tandem serve`` as a subprocess, the official
+``openai`` client (sync, async, streaming), bad input, auth, fallback,
+admin API, CLI. Upstreams here are ``FaultInjectorUpstream`` (fault
+injection / latency only); answers from a real model are tested in
+``test_gateway_engine.py``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.support import ROOT, FaultInjectorUpstream, GatewayProcess, free_port, upstream_config
+
+KEY_ENV = {"TEST_UPSTREAM_KEY": "upstream-secret-123", "TANDEM_ADMIN_TOKEN": "admin-tok"}
+ROUTES = """  main:
+    targets: [{backend: a, weight: 100}, {backend: b, weight: 0}]
+    fallbacks: [{backend: b}]
+  only-b:
+    targets: [{backend: b}]
+"""
+RULES = """    - {name: to-b, match: {header.x-route-b: "1"}, route: only-b}
+    - {name: low, match: {priority: low}, route: only-b}
+"""
+
+
+@pytest.fixture(scope="module")
+def upstreams():
+    a, b = FaultInjectorUpstream("a").start(), FaultInjectorUpstream("b").start()
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(upstreams, tmp_path_factory):
+    a, b = upstreams
+    path = tmp_path_factory.mktemp("gw") / "config.yaml"
+    path.write_text(upstream_config({"a": a, "b": b}, ROUTES, rules_yaml=RULES,
+                                    extra="server: {max_body_size: 64KiB}"))
+    g = GatewayProcess(path, env=KEY_ENV).start()
+    yield g
+    g.stop()
+
+
+@pytest.fixture(autouse=True)
+def reset_upstreams(upstreams):
+    for u in upstreams:
+        u.set_mode()
+        u.calls.clear()
+        u.abandoned = 0
+
+
+def client(g: GatewayProcess, key: str = "client-key-xyz", **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0, **kw)
+
+
+def test_sync_chat_maps_model_and_never_forwards_client_key(gateway, upstreams):
+    a, _ = upstreams
+    raw = client(gateway).chat.completions.with_raw_response.create(
+        model="alias1", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+        extra_body={"priority": "normal"})
+    resp = raw.parse()
+    assert resp.choices[0].message.content == "hello from a"
+    assert raw.headers["x-tandem-backend"] == "a"
+    assert raw.headers["x-tandem-route"] == "main"
+    assert raw.headers["x-tandem-attempts"] == "1"
+    call = a.calls[-1]
+    assert call["headers"]["Authorization"] == "Bearer upstream-secret-123"
+    assert "client-key-xyz" not in json.dumps(call)
+    assert call["body"]["model"] == "a-model"          # public alias -> upstream model
+    assert "priority" not in call["body"]               # gateway-only field
+    assert call["headers"]["x-extra"] == "from-a"
+
+
+async def test_async_chat_and_stream(gateway):
+    c = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0)
+    r = await c.chat.completions.create(model="m1", messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].message.content == "hello from a"
+    stream = await c.chat.completions.create(model="m1", messages=[{"role": "user", "content": "hi"}], stream=True,
+                                             extra_body={"metadata": {"chunks": "5"}})
+    pieces = [ch.choices[0].delta.content async for ch in stream]
+    assert pieces == [f"tok{i} " for i in range(5)]
+    await c.close()
+
+
+def test_stream_is_relayed_chunk_by_chunk(gateway):
+    # 4 chunks 0.3 s apart: the first must arrive long before the last is sent.
+    body = {"model": "m1", "messages": [{"role": "user", "content": "x"}], "stream": True,
+            "metadata": {"chunks": "4", "chunk_delay": "0.3"}}
+    times = []
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-tandem-backend"] == "a"
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                times.append((time.monotonic(), line))
+    assert times[-1][1] == "data: [DONE]"
+    assert len(times) == 5
+    assert times[-1][0] - times[0][0] > 0.6      # spread over time, not buffered whole
+
+
+def test_completions_sync_and_stream(gateway):
+    c = client(gateway)
+    assert c.completions.create(model="m1", prompt="Once").choices[0].text == "hello from a"
+    texts = [ch.choices[0].text for ch in c.completions.create(model="m1", prompt="Once", stream=True)]
+    assert texts == ["tok0 ", "tok1 ", "tok2 "]
+
+
+def test_models_lists_public_names(gateway):
+    assert [m.id for m in client(gateway).models.list()] == ["m1"]
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (b"", 400, None),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, "model"),
+    (json.dumps({"model": "m1"}).encode(), 400, "messages"),
+    (json.dumps({"model": "m1", "messages": "hi"}).encode(), 400, "messages"),
+    (json.dumps({"model": "m1", "messages": [{"content": "x"}]}).encode(), 400, "messages[0].role"),
+    (json.dumps({"model": "m1", "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400,
+     "messages[0].role"),
+    (json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}).encode(),
+     400, "max_tokens"),
+    (json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(),
+     400, "stream"),
+    (json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x"}], "temperature": True}).encode(),
+     400, "temperature"),
+    (json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x"}], "priority": "urgent"}).encode(),
+     400, "priority"),
+    (json.dumps({"model": 5, "messages": [{"role": "user", "content": "x"}]}).encode(), 400, "model"),
+    (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "model"),
+])
+def test_bad_input_gets_openai_errors(gateway, upstreams, body, status, param):
+    r = httpx.post(gateway.url + "/v1/chat/completions", content=body,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param
+    if param:
+        assert param.split("[")[0] in err["message"]
+    assert upstreams[0].calls == []
+
+
+def test_completion_prompt_required(gateway):
+    r = httpx.post(gateway.url + "/v1/completions", json={"model": "m1"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_body_over_limit_is_413_and_gateway_keeps_serving(gateway):
+    big = {"model": "m1", "messages": [{"role": "user", "content": "x" * 70_000}]}
+    r = httpx.post(gateway.url + "/v1/chat/completions", json=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():   # no content-length: counted while streaming in
+        yield b'{"model": "m1", "messages": [{"role": "user", "content": "'
+        for _ in range(20):
+            yield b"y" * 8192
+        yield b'"}]}'
+    r = httpx.post(gateway.url + "/v1/chat/completions", content=chunks())
+    assert r.status_code == 413
+    assert client(gateway).chat.completions.create(
+        model="m1", messages=[{"role": "user", "content": "still there?"}]).choices[0].message.content
+
+
+def test_unknown_path_is_openai_404(gateway):
+    r = httpx.get(gateway.url + "/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_fallback_on_503_and_passthrough_of_400(gateway, upstreams):
+    a, b = upstreams
+    a.set_mode(status=503)
+    raw = client(gateway).chat.completions.with_raw_response.create(
+        model="m1", messages=[{"role": "user", "content": "hi"}])
+    assert raw.parse().choices[0].message.content == "hello from b"
+    assert raw.headers["x-tandem-backend"] == "b" and raw.headers["x-tandem-attempts"] == "2"
+    a.set_mode(status=400)
+    with pytest.raises(openai.BadRequestError):
+        client(gateway).chat.completions.create(model="m1", messages=[{"role": "user", "content": "hi"}])
+    assert len(b.calls) == 1 and len(a.calls) == 2     # the 400 was not retried elsewhere
+    a.set_mode(status=500)
+    b.set_mode(status=502)
+    r = httpx.post(gateway.url + "/v1/chat/completions", json={"model": "m1", "messages": [{"role": "user",
+                                                                                              "content": "x"}]})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_failed"
+    assert "upstream-secret-123" not in r.text
+
+
+def test_rules_route_by_header_and_priority(gateway):
+    c = client(gateway)
+    raw = c.chat.completions.with_raw_response.create(model="m1", messages=[{"role": "user", "content": "x"}],
+                                                      extra_headers={"x-route-b": "1"})
+    assert raw.headers["x-tandem-backend"] == "b" and raw.headers["x-tandem-rule"] == "to-b"
+    raw = c.chat.completions.with_raw_response.create(model="m1", messages=[{"role": "user", "content": "x"}],
+                                                      extra_headers={"x-priority": "low"})
+    assert raw.headers["x-tandem-route"] == "only-b"
+    raw = c.chat.completions.with_raw_response.create(model="m1", messages=[{"role": "user", "content": "x"}],
+                                                      extra_body={"priority": 1})
+    assert raw.headers["x-tandem-route"] == "only-b"
+
+
+def test_health(gateway):
+    assert httpx.get(gateway.url + "/health/live").status_code == 200
+    r = httpx.get(gateway.url + "/health/ready")
+    assert r.status_code == 200 and r.json()["backends"]["a"]["available"]
+
+
+def ctl(g: GatewayProcess, *args: str, token: str | None = "admin-tok") -> subprocess.CompletedProcess:
+    env = {**os.environ, "TANDEM_ADMIN_TOKEN": token or ""}
+    return subprocess.run([sys.executable, "-m", "gateway.commands", "ctl", "--url", g.url, *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_admin_requires_token(gateway):
+    for path in ("/admin/reload", "/admin/rollback", "/admin/weights", "/admin/drain"):
+        r = httpx.post(gateway.url + path, headers={"authorization": "Bearer wrong"})
+        assert r.status_code == 401, path
+    assert httpx.get(gateway.url + "/admin/config").status_code == 401
+    assert ctl(gateway, "config", token="nope").returncode == 1
+
+
+def test_ctl_weights_and_rollback(gateway):
+    c = client(gateway)
+
+    def backends(n=30):
+        return {c.chat.completions.with_raw_response.create(
+            model="m1", messages=[{"role": "user", "content": "x"}], user=f"user{i}").headers["x-tandem-backend"]
+            for i in range(n)}
+
+    assert backends() == {"a"}
+    r = ctl(gateway, "weights", "main", "a=0", "b=100")
+    assert r.returncode == 0, r.stderr
+    assert backends() == {"b"}
+    r = ctl(gateway, "weights", "main", "zzz=5")
+    assert r.returncode == 1 and "zzz" in r.stderr
+    r = ctl(gateway, "rollback")
+    assert r.returncode == 0, r.stderr
+    assert backends() == {"a"}
+    cfg = json.loads(ctl(gateway, "config").stdout)
+    assert cfg["routes"]["main"]["targets"][0]["weight"] == 100
+    assert [h["source"] for h in cfg["history"]][:1] == ["rollback"]
+
+
+def test_route_explain_cli(gateway, tmp_path):
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps({"model": "alias1", "messages": [{"role": "user", "content": "x"}], "user": "u1",
+                               "priority": "low"}))
+    r = subprocess.run([sys.executable, "-m", "gateway.commands", "route", "explain", "--config",
+                        gateway.config_path, "--request", str(req)], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "TEST_UPSTREAM_KEY": "x"}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "matched rule: low -> route only-b" in r.stdout and "attempts: b" in r.stdout
+
+
+# ----- separate gateways ------------------------------------------------------------------------------------------
+
+def test_virtual_keys_and_tenant_rules(upstreams, tmp_path):
+    a, b = upstreams
+    good = "sk-tenant-alpha"
+    keys = (f"auth:\n  keys:\n    - {{tenant: alpha, sha256: {hashlib.sha256(good.encode()).hexdigest()}}}\n"
+            "    - {tenant: beta, env: BETA_KEY}\n    - {tenant: gamma, env: GAMMA_KEY_UNSET}\n")
+    rules = "    - {name: beta-to-b, match: {tenant: beta}, route: only-b}\n"
+    path = tmp_path / "keys.yaml"
+    path.write_text(upstream_config({"a": a, "b": b}, ROUTES, extra=keys, rules_yaml=rules))
+    g = GatewayProcess(path, env={**KEY_ENV, "BETA_KEY": "sk-beta"}).start()
+    try:
+        for key in ("wrong", ""):
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=g.url + "/v1", api_key=key or "x", max_retries=0,
+                              default_headers={} if key else {"authorization": ""}).chat.completions.create(
+                    model="m1", messages=[{"role": "user", "content": "x"}])
+        r = httpx.get(g.url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        raw = client(g, good).chat.completions.with_raw_response.create(
+            model="m1", messages=[{"role": "user", "content": "x"}])
+        assert raw.headers["x-tandem-backend"] == "a"
+        raw = client(g, "sk-beta").chat.completions.with_raw_response.create(
+            model="m1", messages=[{"role": "user", "content": "x"}])
+        assert raw.headers["x-tandem-backend"] == "b" and raw.headers["x-tandem-rule"] == "beta-to-b"
+        assert "GAMMA_KEY_UNSET" in g.log()     # reported at start-up
+    finally:
+        g.stop()
+
+
+def test_unset_upstream_key_marks_backend_unavailable(upstreams, tmp_path):
+    a, b = upstreams
+    text = upstream_config({"a": a, "b": b}, ROUTES).replace(
+        "api_key_env: TEST_UPSTREAM_KEY\n    models: {m1: a-model}",
+        "api_key_env: A_KEY_UNSET\n    models: {m1: a-model}")
+    path = tmp_path / "unset.yaml"
+    path.write_text(text)
+    g = GatewayProcess(path, env=KEY_ENV).start()
+    try:
+        ready = httpx.get(g.url + "/health/ready").json()
+        assert ready["backends"]["a"] == {"available": False,
+                                          "reason": "environment variable A_KEY_UNSET is unset"}
+        raw = client(g).chat.completions.with_raw_response.create(model="m1",
+                                                                  messages=[{"role": "user", "content": "x"}])
+        assert raw.headers["x-tandem-backend"] == "b" and raw.headers["x-tandem-attempts"] == "1"
+        assert a.calls == []
+        assert "backend a unavailable: environment variable A_KEY_UNSET is unset" in g.log()
+    finally:
+        g.stop()
+
+
+def test_public_bind_without_keys_is_refused(upstreams, tmp_path):
+    a, b = upstreams
+    path = tmp_path / "open.yaml"
+    path.write_text(upstream_config({"a": a, "b": b}, ROUTES))
+    r = subprocess.run([sys.executable, "-m", "gateway.commands", "serve", "--config", str(path), "--host", "0.0.0.0",
+                        "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "refusing to bind 0.0.0.0" in r.stderr
+
+
+def test_drain_on_sigterm_finishes_in_flight(upstreams, tmp_path):
+    import concurrent.futures
+
+    a, b = upstreams
+    path = tmp_path / "drain.yaml"
+    path.write_text(upstream_config({"a": a, "b": b}, ROUTES))
+    g = GatewayProcess(path, env=KEY_ENV).start()
+    try:
+        body = {"model": "m1", "messages": [{"role": "user", "content": "x"}], "metadata": {"delay": "1.5"}}
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            slow = [pool.submit(httpx.post, g.url + "/v1/chat/completions", json=body, timeout=30) for _ in range(3)]
+            time.sleep(0.5)
+            g.proc.terminate()                       # SIGTERM
+            time.sleep(0.2)
+            r = httpx.get(g.url + "/health/ready")
+            assert r.status_code == 503 and r.json()["draining"] is True
+            r = httpx.post(g.url + "/v1/chat/completions", json={**body, "metadata": {}})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+            assert [f.result().status_code for f in slow] == [200, 200, 200]
+        g.proc.wait(20)
+        assert "drained (0 request(s) still in flight)" in g.log()
+    finally:
+        g.stop()
+
+
+def test_client_disconnect_cancels_the_upstream_call(gateway, upstreams):
+    a, _ = upstreams
+    body = {"model": "m1", "messages": [{"role": "user", "content": "x"}], "metadata": {"delay": "1.5"}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=0.4)   # the client gives up
+    deadline = time.monotonic() + 10
+    while not a.abandoned and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert a.abandoned == 1            # the gateway closed its upstream connection too

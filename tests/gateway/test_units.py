@@ -1,0 +1,80 @@
+"""Small pure pieces of the gateway: request checks, estimates, auth, the
+failure summary of the attempt loop."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from gateway.request.auth import authenticate, bearer, check_admin, is_loopback
+from gateway.errors import ClientError
+from gateway.request.validate import check_request, estimate_prompt_tokens, parse_json
+
+
+def test_local_unsupported_fields_are_named():
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert check_request(dict(base), "chat/completions", None).local_unsupported is None
+    assert check_request({**base, "response_format": {"type": "text"}}, "chat/completions", None) \
+        .local_unsupported is None
+    p = check_request({**base, "response_format": {"type": "json_object"}}, "chat/completions", None)
+    assert p.local_unsupported == "response_format" and p.has_response_format and not p.has_tools
+    p = check_request({**base, "tools": [{"type": "function"}]}, "chat/completions", None)
+    assert p.local_unsupported == "tools" and p.has_tools
+    assert check_request({**base, "logit_bias": {"1": 2}}, "chat/completions", None).local_unsupported == "logit_bias"
+    assert check_request({**base, "tools": []}, "chat/completions", None).local_unsupported is None
+    # A local backend configured to serve structured outputs takes them off the list, one by one.
+    tools = {**base, "tools": [{"type": "function"}], "tool_choice": "required", "response_format": {"type": "json_object"}}
+    assert check_request(tools, "chat/completions", None, frozenset({"tools"})).local_unsupported == "response_format"
+    assert check_request(tools, "chat/completions", None, frozenset({"response_format"})).local_unsupported == "tools"
+    p = check_request(tools, "chat/completions", None, frozenset({"tools", "response_format"}))
+    assert p.local_unsupported is None and p.has_tools and p.has_response_format
+    assert check_request({**base, "functions": [{}]}, "chat/completions", None,
+                         frozenset({"tools"})).local_unsupported == "functions"  # legacy functions: never local
+
+
+def test_priority_from_body_then_header():
+    base = {"model": "m", "prompt": "x"}
+    assert check_request({**base, "priority": "high"}, "completions", "low").priority == -1
+    assert check_request(dict(base), "completions", "low").priority == 1
+    assert check_request(dict(base), "completions", None).priority == 0
+    with pytest.raises(ClientError) as e:
+        check_request(dict(base), "completions", "soon")
+    assert e.value.param == "priority"
+
+
+def test_null_optional_fields_are_allowed():
+    check_request({"model": "m", "prompt": "x", "max_tokens": None, "stop": None, "user": None}, "completions", None)
+
+
+def test_parse_json_errors():
+    for raw in (b"", b"{", b"1", b'"x"'):
+        with pytest.raises(ClientError) as e:
+            parse_json(raw)
+        assert e.value.status == 400
+
+
+def test_estimate_prompt_tokens():
+    assert estimate_prompt_tokens({"prompt": "abcdefgh"}) == 2
+    assert estimate_prompt_tokens({"prompt": [1, 2, 3]}) == 3
+    assert estimate_prompt_tokens({"messages": [{"role": "user", "content": "a" * 40}]}) == 10 + 4
+    assert estimate_prompt_tokens({"messages": [{"role": "user", "content": [{"type": "text", "text": "abcd"}]}]}) \
+        == 1 + 4
+
+
+def test_authenticate_and_admin():
+    h = {hashlib.sha256(b"k1").hexdigest(): "alpha"}
+    assert authenticate(None, {}) == ""
+    assert authenticate("Bearer k1", h) == "alpha"
+    for header in (None, "Bearer nope", "Basic k1", "Bearer "):
+        with pytest.raises(ClientError) as e:
+            authenticate(header, h)
+        assert e.value.status == 401
+    assert bearer("bearer  tok ") == "tok"
+    check_admin("Bearer s3", "s3", "ENV")
+    with pytest.raises(ClientError, match="ENV is unset"):
+        check_admin("Bearer s3", None, "ENV")
+    with pytest.raises(ClientError):
+        check_admin("Bearer s4", "s3", "ENV")
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1")
