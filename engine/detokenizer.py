@@ -12,7 +12,11 @@ whatever remains, complete or not. Tokens are decoded one at a time (two
 
 Stop strings: the decoded text is searched for the stop string that ENDS
 first (ties: the longest), which makes the result independent of how tokens
-are grouped into ``update`` calls. Text that could still be the beginning of
+are grouped into ``update`` calls. With ``min_tokens`` (vLLM's semantics), a
+stop string that is complete within the text of the first ``min_tokens``
+tokens is not a stop: it stays in the text, untrimmed, and only occurrences
+that end after that text count (one that starts inside it and ends later
+does). Text that could still be the beginning of
 a stop string (the longest suffix that is a proper prefix of some stop, so at
 most ``len(longest stop) - 1`` characters) is held back. On a match the text
 is cut before the stop string (after it with ``include_stop_str_in_output``);
@@ -43,8 +47,8 @@ class IncrementalDetokenizer:
             (``engine.tokenizer.Tokenizer``, a Hugging Face tokenizer).
         prompt_token_ids: the prompt (its last few tokens give decoding
             context; they are never part of the output).
-        params: ``stop``, ``include_stop_str_in_output`` and
-            ``skip_special_tokens`` are used.
+        params: ``stop``, ``include_stop_str_in_output``, ``min_tokens``
+            and ``skip_special_tokens`` are used.
 
     Attributes:
         output_text: everything emitted so far (the final text once finished).
@@ -58,13 +62,15 @@ class IncrementalDetokenizer:
         self.stop: list[str] = list(params.stop)
         self.include_stop = params.include_stop_str_in_output
         self.skip_special_tokens = params.skip_special_tokens
+        self.min_tokens = params.min_tokens
+        self._num_tokens = 0  # output tokens decoded so far
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._decoded = ""  # every complete character decoded so far (output only)
         self._partial = 0  # characters of ids[read_offset:] already in _decoded
-        self._searched = 0  # self._decoded[:_searched] holds no stop string
+        self._searched = 0  # self._decoded[:_searched] holds no stop string (or is within min_tokens)
         self.output_text = ""
         self.stop_reason: str | None = None
         self.finished = False
@@ -89,6 +95,9 @@ class IncrementalDetokenizer:
         for token_id in ids:  # one at a time: complete text before a split char is not held
             self._ids.append(token_id)
             self._decode(final=False)
+            self._num_tokens += 1
+            if self._num_tokens <= self.min_tokens:  # a stop string ending here does not count
+                self._searched = len(self._decoded)
         delta, stop = self._advance(final=False)
         if stop_terminated and stop is None:
             delta += self.flush()

@@ -86,8 +86,9 @@ class SamplingParams:
             depend on what it is batched with.
         max_tokens: maximum new tokens per completion (None: up to
             ``max_model_len``).
-        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many
-            tokens were generated.
+        min_tokens: nothing stops the completion before this many tokens:
+            EOS and ``stop_token_ids`` are suppressed, and a stop string
+            complete within them is no stop (it stays in the text).
         stop: strings that end the completion; not included in the text unless
             ``include_stop_str_in_output``.
         stop_token_ids: token ids that end the completion (kept in token ids,
@@ -173,11 +174,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the next token is the argmax (temperature 0)."""
         return self.temperature == 0.0
-
-    @property
-    def max_stop_len(self) -> int:
-        """Length in characters of the longest stop string (0 when none)."""
-        return max((len(s) for s in self.stop), default=0)
 
 
 def _is_int(v: object) -> bool:

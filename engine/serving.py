@@ -490,6 +490,11 @@ class OpenAIServing:
             raise ServingError(400, f"best_of: only best_of == n is supported, got {req.best_of}", param="best_of")
         if req.logit_bias:
             raise ServingError(400, "logit_bias: is not supported", param="logit_bias")
+        policy = self.engine.args.scheduling_policy
+        if req.priority not in (None, 0) and policy != "priority":  # vLLM refuses it too
+            raise ServingError(400, f"priority: got {req.priority}, but this engine schedules {policy}; start it "
+                                    "with --scheduling-policy priority (scheduling_policy: priority) to use "
+                                    "request priorities", param="priority")
 
     def _sampling_params(self, req, num_prompt_tokens: int, *, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None, prompt_field: str,

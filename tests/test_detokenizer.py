@@ -48,11 +48,13 @@ class ByteTokenizer:
         return [self.pieces[i].decode("latin-1") for i in ids]
 
 
-def reference(text: str, stop: list[str], include: bool) -> tuple[str, str | None]:
-    """Non-streamed result: cut at the stop string that ends first (longest on ties)."""
+def reference(text: str, stop: list[str], include: bool, floor: int = 0) -> tuple[str, str | None]:
+    """Non-streamed result: cut at the stop string that ends first (longest on
+    ties) among those ending after ``text[:floor]`` (the text of the first
+    ``min_tokens`` tokens)."""
     best = None
     for s in stop:
-        i = text.find(s)
+        i = text.find(s, max(0, floor - len(s) + 1))
         if i >= 0 and (best is None or (i + len(s), -len(s)) < (best[0] + len(best[1]), -len(best[1]))):
             best = (i, s)
     if best is None:
@@ -139,6 +141,23 @@ def test_first_ending_stop_wins_and_chunking_does_not_matter():
         assert (d.output_text, stop) == ("xxab", "cd")
 
 
+def test_stop_string_within_min_tokens_is_not_a_stop():
+    tok = ByteTokenizer()
+    ids = [tok.add(c.encode()) for c in ["Red", "\n", "2", ".", " Blue", "\n", "3"]]
+    # The first "\n" is token 2 (<= min_tokens): kept in the text, not trimmed;
+    # the second is token 6: a stop. Chunking does not matter.
+    for group in (1, 2, len(ids)):
+        deltas, stop, d = stream(tok, [], ids, SamplingParams(stop=["\n"], min_tokens=4), group=group)
+        assert (d.output_text, stop) == ("Red\n2. Blue", "\n")
+        assert "".join(deltas) == d.output_text
+    # min_tokens covering every stop: no stop at all, the whole text comes out.
+    deltas, stop, d = stream(tok, [], ids, SamplingParams(stop=["\n"], min_tokens=7))
+    assert (stop, "".join(deltas)) == (None, "Red\n2. Blue\n3")
+    # A stop that starts within min_tokens but ends after it counts.
+    deltas, stop, d = stream(tok, [], ids, SamplingParams(stop=["2. B"], min_tokens=3))
+    assert (d.output_text, stop) == ("Red\n", "2. B")
+
+
 def test_stop_terminated_drops_eos_text_and_flushes():
     tok = ByteTokenizer()
     ids = [tok.add(b"he"), tok.add(b"ll"), tok.add(b"o")]
@@ -183,14 +202,16 @@ _CHARS = st.sampled_from(list("ab \n.xé한😀字"))
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=st.text(_CHARS, max_size=40), stops=st.lists(st.text(_CHARS, min_size=1, max_size=5), max_size=3),
-       include=st.booleans(), seed=st.integers(0, 2**32 - 1), group=st.integers(1, 5))
-def test_streaming_equals_non_streaming_byte_tokenizer(text, stops, include, seed, group):
+       include=st.booleans(), seed=st.integers(0, 2**32 - 1), group=st.integers(1, 5),
+       min_tokens=st.integers(0, 12))
+def test_streaming_equals_non_streaming_byte_tokenizer(text, stops, include, seed, group, min_tokens):
     tok = ByteTokenizer()
     rng = random.Random(seed)
     prompt = tok.encode_random("prompt é", rng)
     ids = tok.encode_random(text, rng)
-    params = SamplingParams(stop=stops, include_stop_str_in_output=include)
-    expected, expected_stop = reference(text, stops, include)
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include, min_tokens=min_tokens)
+    floor = len(tok.decode(ids[:min_tokens]).rstrip(FFFD))  # complete text of the first min_tokens tokens
+    expected, expected_stop = reference(text, stops, include, floor)
     max_hold = max((len(s) for s in stops), default=1) - 1
 
     def check_hold(d, fed):
