@@ -220,12 +220,6 @@ class BlockPool:
         self.cached_block_hash_to_block[block_hash] = block
         return True
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (blocks in use keep their data)."""
-        for block in self.cached_block_hash_to_block.values():
-            block.block_hash = None
-        self.cached_block_hash_to_block.clear()
-
     # -- metrics and checks -------------------------------------------------
     def get_usage(self) -> float:
         """Fraction (0..1) of usable (non-null) blocks with ``ref_cnt > 0``."""
