@@ -40,6 +40,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-batch-invariant", type=int, default=0, metavar="ROUNDS",
                         help="also run the workload ROUNDS times each with batch-invariant linears on and off, "
                              "interleaved, and print the throughput ratio (default: 0, skip)")
+    parser.add_argument("--kv-pool-cycle-tokens", type=int, default=0,
+                        help="instead: decode tok/s of an engine whose KV pool first served this many distinct "
+                             "prompt tokens vs a fresh one, same process (e.g. 60000; see engine/bench_kv_pool.py)")
+    parser.add_argument("--rounds", type=int, default=6, help="fresh/cycled rounds with --kv-pool-cycle-tokens")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -184,6 +188,13 @@ def run_bench(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine
 
     logging.basicConfig(level=logging.WARNING)
+    if args.kv_pool_cycle_tokens:
+        from engine.bench_kv_pool import run_pool_bench
+
+        result = run_pool_bench(args, engine_args_from_cli(args))
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps(result, indent=2, default=str))
+        return 0
     engine = LLMEngine(engine_args_from_cli(args))
     prompts = build_workload(args, engine.tokenizer, engine.model_config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.ignore_eos)
