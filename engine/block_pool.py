@@ -153,6 +153,12 @@ class BlockPool:
         """Pop ``num_blocks`` blocks from the head of the free queue, evict
         their cached hash if any (lazy eviction), and set ``ref_cnt = 1``.
 
+        The blocks come back in ascending id (address) order: which blocks
+        are evicted is the LRU queue's choice, but a request's table then
+        walks the pool upwards. Requests free in reverse order, so without the
+        sort a pool that has been used hands a request its blocks in
+        descending runs.
+
         Raises:
             ValueError: fewer than ``num_blocks`` free blocks (nothing popped).
         """
@@ -165,6 +171,7 @@ class BlockPool:
             assert block.ref_cnt == 0, block
             block.ref_cnt = 1
             out.append(block)
+        out.sort(key=lambda b: b.block_id)
         return out
 
     def _evict_cached_block(self, block: KVCacheBlock) -> None:

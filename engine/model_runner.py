@@ -103,7 +103,10 @@ class ModelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         c = model_config
         shape = (c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
-        self.kv_pool = torch.zeros(shape, dtype=dtype, device=self.device)
+        # An explicit write commits every page of the pool now (RSS does not
+        # grow later as blocks are first used; blocks past a sequence read as 0).
+        self.kv_pool = torch.empty(shape, dtype=dtype, device=self.device)
+        self.kv_pool.zero_()
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(c.num_hidden_layers)]
         self.cpu_pool = None
         if num_cpu_blocks > 0:

@@ -56,6 +56,17 @@ def test_reverse_free_evicts_tail_first():
     pool.check_invariants()
 
 
+def test_new_blocks_come_in_address_order_after_reverse_free():
+    pool = BlockPool(8)
+    first = pool.get_new_blocks(3)
+    rest = pool.get_new_blocks(4)
+    pool.free_blocks(reversed(first))
+    pool.free_blocks(reversed(rest))
+    # LRU picks the same blocks as before (first's, tail first), handed out ascending.
+    assert ids(pool.get_new_blocks(4)) == [1, 2, 3, 7]
+    pool.check_invariants()
+
+
 def test_double_free_raises():
     pool = BlockPool(3)
     (b,) = pool.get_new_blocks(1)
