@@ -197,6 +197,8 @@ class EngineConfig(_Strict):
     num_threads: int | None = None
     seed: int | None = None
     attention_backend: str | None = None
+    quantization: str | None = None
+    load_format: str | None = None
 
     def engine_kwargs(self) -> dict:
         return {k: v for k, v in self.model_dump().items() if v is not None}
