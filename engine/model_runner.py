@@ -58,6 +58,17 @@ def _available_host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros``, but on CPU from zero pages the kernel maps on first
+    touch (numpy's calloc), so a KV pool is resident only as far as it is used
+    (``torch.zeros`` writes, hence keeps, every page: a 1 GiB pool cost 1 GiB
+    of RSS for a single short prompt)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class ModelRunner:
     """Runs the model for one scheduler step.
 
@@ -90,7 +101,7 @@ class ModelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         c = model_config
         shape = (c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
-        self.kv_pool = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.kv_pool = _zeros(shape, dtype, self.device)
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(c.num_hidden_layers)]
         self.cpu_pool = None
         if num_cpu_blocks > 0:
