@@ -41,6 +41,20 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc's ``malloc_trim``): the
+    float32 copies made while dequantizing, and the dense weights replaced by
+    4-bit ones, otherwise stay in the process's RSS (70-230 MiB for SmolLM2).
+    A no-op where glibc is absent."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights in place (vLLM's ``load_format="dummy"``): normal(0,
@@ -135,6 +149,7 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     model.build_rope_cache()
     model.eval()
     model.requires_grad_(False)
+    release_freed_memory()
     logger.info("loaded %s (%s, %d layers) on %s in %s in %.1f s", config.name, config.architecture,
                 config.num_hidden_layers, device, dtype, time.perf_counter() - t0)
     return model, tokenizer, config
