@@ -243,10 +243,14 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def run_part(part: Part, fn, *args) -> Part:
-    """Run one part; an exception marks it failed with its traceback and the run goes on."""
+def run_part(part: Part, fn, *args, deadline: float | None = None) -> Part:
+    """Run one part; an exception marks it failed with its traceback and the
+    run goes on; past ``deadline`` (``time.perf_counter()``) it is skipped."""
     print(f"== {part.name}", flush=True)
     t0 = time.perf_counter()
+    if deadline is not None and t0 > deadline:
+        part.status = "skipped: time budget (--budget-s)"
+        return part
     try:
         fn(part, *args)
     except Exception as e:  # a part's failure must not stop the others
@@ -308,8 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-check-out"))
     p.add_argument("--kernel-budget-s", type=float, default=150.0, help="kernels/bench.py timing budget")
     p.add_argument("--skip-8b", action="store_true", help="no Llama-3-8B-shape throughput part")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="start no throughput part after this many seconds (the script kills the run at 480)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
+    late = t0 + args.budget_s - 90  # a throughput part takes up to ~90 s
     cuda = torch.cuda.is_available()
     if not cuda:
         print("no CUDA device: dry run on CPU (Triton's interpreter, tiny shapes)", flush=True)
@@ -323,12 +330,12 @@ def main(argv: list[str] | None = None) -> int:
         parts.append(run_part(Part("parity (triton, fp32, tiny Llama)"), check_parity, device, work))
         if cuda:
             parts.append(run_part(Part("throughput smollm2-135m shape"), check_throughput, "smollm2-135m", device,
-                                  work, 64, 512, 128))
+                                  work, 64, 512, 128, deadline=late))
             if args.skip_8b:
                 parts.append(Part("throughput llama3-8b shape", status="skipped: --skip-8b"))
             else:
                 parts.append(run_part(Part("throughput llama3-8b shape"), check_throughput, "llama3-8b", device,
-                                      work, 64, 512, 128))
+                                      work, 64, 512, 128, deadline=late))
         else:
             parts.append(run_part(Part("throughput tiny shape (CPU)"), check_throughput, "tiny", device, work,
                                   4, 16, 8))
