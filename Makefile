@@ -8,7 +8,7 @@ SERVE_ARGS ?=
 # Install stamps: reinstall only when pyproject.toml changes.
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench clean gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,19 @@ test: install
 
 bench: install
 	$(BIN)/tandem bench engine --workload synthetic --num-prompts 64 --input-len 100 --output-len 128 --ignore-eos
+
+# Wheels of the pure-Python (and small binary) packages a bare GPU machine
+# lacks, for loadtests/gpu_check.sh to install offline: CPython 3.12,
+# manylinux x86_64, the versions installed here (torch and triton excluded).
+GPU_PYTHON ?= 3.12
+GPU_PACKAGES = numpy tokenizers jinja2 safetensors gguf msgspec transformers
+gpu-wheels: install
+	rm -rf .gpu-wheels
+	$(BIN)/pip download --quiet --dest .gpu-wheels --only-binary=:all: --python-version $(GPU_PYTHON) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 \
+		$$($(BIN)/pip list --format=freeze | grep -iE '^($(shell echo $(GPU_PACKAGES) | tr ' ' '|'))==')
+	du -sh .gpu-wheels
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -10,6 +10,12 @@ Workloads:
 Reports output tok/s, total tok/s, TTFT and TPOT percentiles, peak KV-cache
 usage and KV waste at peak (allocated-but-unused slots / allocated slots), and
 the ratio of Tandem's output tok/s to HF ``generate``'s.
+
+``--peer vllm`` also runs vLLM on the same prompt token ids, in the same run,
+from its own virtual environment (``--peer-python``; nothing is installed):
+``loadtests/peers/vllm_offline.py`` under that interpreter, then the ratio of
+Tandem's output tok/s to vLLM's. Without that interpreter the peer is
+reported as skipped.
 """
 
 from __future__ import annotations
@@ -17,14 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 from engine.config import engine_args_from_cli
 from engine.sampling_params import SamplingParams
 
-MT_BENCH = Path(__file__).resolve().parent.parent / "tests" / "data" / "mt_bench_questions.jsonl"
+ROOT = Path(__file__).resolve().parent.parent
+MT_BENCH = ROOT / "tests" / "data" / "mt_bench_questions.jsonl"
+VLLM_PEER = ROOT / "loadtests" / "peers" / "vllm_offline.py"
+DEFAULT_PEER_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded GGUF's source, from vLLM's HF cache
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +56,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="instead: decode tok/s of an engine whose KV pool first served this many distinct "
                              "prompt tokens vs a fresh one, same process (e.g. 60000; see engine/bench_kv_pool.py)")
     parser.add_argument("--rounds", type=int, default=6, help="fresh/cycled rounds with --kv-pool-cycle-tokens")
+    parser.add_argument("--peer", choices=["vllm"], default=None, help="also run this peer engine on the same prompts")
+    parser.add_argument("--peer-python", default=os.environ.get("TANDEM_VLLM_PYTHON", ".venv-vllm/bin/python"),
+                        help="the peer's virtual environment's python (env TANDEM_VLLM_PYTHON)")
+    parser.add_argument("--peer-model", default=None,
+                        help=f"model the peer loads (default: {DEFAULT_PEER_MODEL} for the embedded model, else --model)")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -178,6 +195,26 @@ def compare_batch_invariant(engine, prompts: list[list[int]], params: SamplingPa
             runs[label].append(bench_tandem(engine, salted, params)["output_tok_per_s"])
     model.set_batch_invariant(engine.args.batch_invariant)
     return {**runs, "ratio_on_off": percentile(runs["on"], 50) / percentile(runs["off"], 50)}
+def bench_vllm(args, prompts: list[list[int]], model: str, timeout_s: float = 3600) -> dict:
+    """Run ``loadtests/peers/vllm_offline.py`` under ``args.peer_python`` on
+    ``prompts``; its result dict, or ``{"skipped": why}`` when that python is
+    missing or has no vllm, or ``{"failed": why}``."""
+    python = Path(args.peer_python)
+    if not python.exists():
+        return {"skipped": f"no peer interpreter at {python} (create vLLM's venv there or pass --peer-python)"}
+    with tempfile.TemporaryDirectory(prefix="tandem-peer-") as tmp:
+        workload, result = Path(tmp) / "workload.json", Path(tmp) / "result.json"
+        workload.write_text(json.dumps({
+            "model": model, "prompts": prompts, "output_len": args.output_len, "ignore_eos": args.ignore_eos,
+            "dtype": "bfloat16", "max_num_seqs": max(len(prompts), 1),
+            "max_model_len": max(map(len, prompts)) + args.output_len + 16, "kv_cache_gib": 1}))
+        proc = subprocess.run([str(python), str(VLLM_PEER), str(workload), str(result)], capture_output=True,
+                              text=True, timeout=timeout_s)
+        if proc.returncode == 3:
+            return {"skipped": proc.stderr.strip().splitlines()[-1]}
+        if proc.returncode != 0 or not result.exists():
+            return {"failed": f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}"}
+        return json.loads(result.read_text())
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -206,6 +243,14 @@ def run_bench(args: argparse.Namespace) -> int:
                                             / result["hf_transformers"]["output_tok_per_s"])
     if args.compare_batch_invariant:
         result["batch_invariant_ab"] = compare_batch_invariant(engine, prompts, params, args.compare_batch_invariant)
+    if args.peer == "vllm":
+        from engine.config import DEFAULT_MODEL
+
+        model = args.peer_model or (DEFAULT_PEER_MODEL if engine.served_model_name == DEFAULT_MODEL
+                                    else engine.args.model)
+        result["vllm"] = bench_vllm(args, prompts, model)
+        if "output_tok_per_s" in result["vllm"]:
+            result["ratio_vs_vllm"] = result["tandem"]["output_tok_per_s"] / result["vllm"]["output_tok_per_s"]
     t = result["tandem"]
     table = Table(title=f"tandem bench engine: {args.workload}, {len(prompts)} prompts, {engine.dtype}")
     table.add_column("metric")
@@ -228,6 +273,13 @@ def run_bench(args: argparse.Namespace) -> int:
         table.add_row("batch-invariant on, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["on"]))
         table.add_row("batch-invariant off, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["off"]))
         table.add_row("ratio invariant on / off (medians)", f"{ab['ratio_on_off']:.3f}x")
+    if "vllm" in result:
+        v = result["vllm"]
+        if "ratio_vs_vllm" in result:
+            table.add_row(f"vLLM {v['vllm']} output tok/s", f"{v['output_tok_per_s']:.1f}")
+            table.add_row("ratio tandem / vLLM", f"{result['ratio_vs_vllm']:.2f}x")
+        else:
+            table.add_row("vLLM", next(iter(v.items()))[0] + ": " + next(iter(v.values()))[:200])
     Console().print(table)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2, default=str))

@@ -95,6 +95,12 @@ class EngineArgs:
         batch_invariant: a request's tokens and logprobs do not depend on
             what else is batched or cached (README "Reproducible outputs");
             False trades that for a few percent of throughput on CPU.
+        quantization: "none" (every weight dequantized to ``dtype``) or
+            "gguf" (a GGUF's Q4_0/Q4_1 linear weights stay 4-bit and run
+            through PyTorch's CPU int4 matmul; CPU only, see
+            ``engine/models/quant_linear.py``).
+        load_format: "auto" (read the weights) or "dummy" (vLLM's name:
+            random weights of the shape in ``config.json``, for benchmarks).
     """
 
     model: str | None = None
@@ -116,6 +122,8 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "auto"
     batch_invariant: bool = True
+    quantization: str = "none"
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -142,6 +150,10 @@ class EngineArgs:
              f"must be >= 1, got {self.num_threads}"),
             (self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
              f"must be auto, torch or triton, got {self.attention_backend!r}"),
+            (self.quantization in ("none", "gguf"), "quantization",
+             f"must be none or gguf, got {self.quantization!r}"),
+            (self.load_format in ("auto", "dummy"), "load_format",
+             f"must be auto or dummy, got {self.load_format!r}"),
         ]
         for ok, name, msg in checks:
             if not ok:
@@ -173,6 +185,10 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                    help="same tokens and logprobs for a request whatever else is batched or cached (default: on)")
+    g.add_argument("--quantization", default="none", choices=["none", "gguf"],
+                   help="gguf: run a GGUF's Q4_0/Q4_1 linear weights in 4 bits (CPU) instead of dequantizing them")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the model's shape (benchmarks)")
 
 
 def engine_args_from_cli(args) -> EngineArgs:

@@ -144,19 +144,25 @@ def _random_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_
     )
 
 
-def run_checks(device: torch.device) -> list[dict]:
-    """Each kernel against the float64 reference in bf16 and fp16."""
+CHECK_CONFIGS = [  # (name, seq_lens, query_lens, heads, kv_heads, head_dim, block_size, num_splits)
+    ("decode mixed, 32/8 heads, d128, bs16", [1, 15, 16, 17, 200, 1000], [1] * 6, 32, 8, 128, 16, 1),
+    ("prefill chunk + decodes, 9/3 heads, d64, bs32", [300, 17, 64, 1], [45, 1, 64, 1], 9, 3, 64, 32, 1),
+    ("split-KV decode, 32/8 heads, d128, bs16", [3000, 17, 700], [1, 1, 1], 32, 8, 128, 16, 8),
+]
+
+
+def run_checks(device: torch.device, configs: list[tuple] | None = None,
+               dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)) -> list[dict]:
+    """Each kernel against the float64 reference in each of ``dtypes``, on
+    ``configs`` (default ``CHECK_CONFIGS``; smaller ones and float16 only
+    suit Triton's interpreter on CPU, which miscomputes bfloat16)."""
     from kernels import triton_attention
     from kernels.reference import reference_paged_attention, reference_reshape_and_cache, relative_error
 
     checks = []
     gen = torch.Generator().manual_seed(0)
-    configs = [
-        ("decode mixed, 32/8 heads, d128, bs16", [1, 15, 16, 17, 200, 1000], [1] * 6, 32, 8, 128, 16, 1),
-        ("prefill chunk + decodes, 9/3 heads, d64, bs32", [300, 17, 64, 1], [45, 1, 64, 1], 9, 3, 64, 32, 1),
-        ("split-KV decode, 32/8 heads, d128, bs16", [3000, 17, 700], [1, 1, 1], 32, 8, 128, 16, 8),
-    ]
-    for dtype in (torch.bfloat16, torch.float16):
+    configs = CHECK_CONFIGS if configs is None else configs
+    for dtype in dtypes:
         for name, lens, qlens, h, kvh, d, bs, splits in configs:
             case = _random_case(lens, qlens, h, kvh, d, bs, dtype, device, gen)
             out = torch.full_like(case["query"], float("nan"))

@@ -19,7 +19,7 @@ import pytest
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.invariance_probe import first_difference, probe
-from tests.test_gateway_support import ROOT, GatewayProcess
+from tests.gateway.support import ROOT, GatewayProcess
 
 pytestmark = pytest.mark.slow
 

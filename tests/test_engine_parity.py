@@ -114,3 +114,11 @@ def test_greedy_parity_with_preemption(hf_reference):
     llm, outputs = _run(num_gpu_blocks_override=40)
     assert llm.engine.scheduler.num_preemptions > 0
     _check_parity(hf_reference, outputs)
+
+
+def test_greedy_parity_native_gguf_weights(hf_reference):
+    """quantization="gguf": the Q4_1 projections run in 4 bits (float32 scales
+    and zeros), transformers runs the same file dequantized."""
+    llm, outputs = _run(quantization="gguf")
+    assert sorted(llm.engine.model_runner.model.layers[0].int4) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    _check_parity(hf_reference, outputs)

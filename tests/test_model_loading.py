@@ -95,8 +95,10 @@ def _write_gguf(path, model, arch="llama", qtype=gguf.GGMLQuantizationType.F16):
     w.close()
 
 
-@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0"])
-def test_gguf_matches_dequantized_source(tmp_path, qtype):
+@pytest.mark.parametrize("qtype,quantization", [("F32", "none"), ("F16", "none"), ("Q8_0", "none"), ("Q4_0", "none"),
+                                                ("Q4_1", "none"), ("Q4_0", "gguf"), ("Q4_1", "gguf"), ("Q8_0", "gguf")])
+def test_gguf_matches_dequantized_source(tmp_path, qtype, quantization):
+    """With quantization "gguf" the Q4_0/Q4_1 projections stay 4-bit (Q8_0 is dequantized) and give the same logits."""
     qt = getattr(gguf.GGMLQuantizationType, qtype)
     model = _tiny_llama()
     path = tmp_path / "tiny.gguf"
@@ -111,8 +113,12 @@ def test_gguf_matches_dequantized_source(tmp_path, qtype):
                 else:
                     a = gguf.quants.dequantize(gguf.quants.quantize(a, qt), qt)
                 p.copy_(torch.from_numpy(np.array(a)))
-    args = EngineArgs(model=str(path), dtype="float32", device="cpu", block_size=16)
+    args = EngineArgs(model=str(path), dtype="float32", device="cpu", block_size=16, quantization=quantization)
     ours, tok, cfg = load_model(args)
+    int4 = sorted(ours.layers[0].int4)
+    assert int4 == (["down_proj", "gate_up_proj", "o_proj", "qkv_proj"] if quantization == "gguf" and qtype[:2] == "Q4"
+                    else [])
+    assert all(ours.layers[0].qkv_proj.weight.numel() == 0 for _ in int4)  # the dense copy is freed
     assert (cfg.architecture, cfg.tie_word_embeddings, cfg.num_key_value_heads, cfg.name) == (
         "LlamaForCausalLM", True, 2, "tiny")
     assert tok.encode("<|im_start|>abc") == [1, 95, 69]

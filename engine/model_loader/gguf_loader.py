@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from engine.model_config import GGUF_ARCHITECTURES, ModelConfig
+from engine.models.quant_linear import INT4_TYPES, GGUFBlocks
 
 _SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 _LAYER_NAMES = {
@@ -122,10 +123,15 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def gguf_weights(reader, config: ModelConfig, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(reader, config: ModelConfig, path: str,
+                 keep_int4: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """Yield (HF name, float32 tensor) for every tensor, dequantized and with
     attn_q/attn_k un-permuted for the llama architecture. ``rope_freqs`` (Llama
     3 frequency factors) is put into ``config.extra`` instead.
+
+    With ``keep_int4``, the Q4_0/Q4_1 weights of the layers' linear
+    projections come as ``GGUFBlocks`` (still quantized, rows un-permuted)
+    instead of float32 tensors (``quantization: gguf``).
 
     Raises:
         ValueError: an unsupported quantization type or an unknown tensor name.
@@ -138,6 +144,15 @@ def gguf_weights(reader, config: ModelConfig, path: str) -> Iterator[tuple[str, 
         if qtype not in _SUPPORTED_TYPES:
             raise ValueError(f"{path}: tensor {t.name} has unsupported type {qtype}")
         shape = tuple(int(x) for x in reversed(t.shape))
+        parts = t.name.split(".")
+        if (keep_int4 and qtype in INT4_TYPES and len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight"
+                and parts[2] in _LAYER_NAMES and "norm" not in parts[2]):
+            data = np.asarray(t.data).reshape(shape[0], -1)
+            if permuted and parts[2] in ("attn_q", "attn_k"):
+                heads = config.num_attention_heads if parts[2] == "attn_q" else config.num_key_value_heads
+                data = unpermute_qk(data, heads)
+            yield f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight", GGUFBlocks(qtype, shape, data)
+            continue
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
         except Exception as e:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model_config import ModelConfig
+from engine.models.quant_linear import GGUFBlocks, Int4Linear, int4_packable
 from kernels import torch_attention
 
 
@@ -288,10 +289,13 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.intermediate_size = c.intermediate_size
         self.packed = _PackedWeights(row_checks)
+        self.int4: dict[str, Int4Linear] = {}  # quantization="gguf": projections kept in 4 bits
 
     def _proj(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None,
               prompt_rows: int = 0) -> torch.Tensor:
         lin = getattr(self, name)
+        if name in self.int4:
+            return self.int4[name](x, lin.bias, residual)
         return self.packed.linear(name, x, lin.weight, lin.bias, residual, prompt_rows)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata,
@@ -391,7 +395,8 @@ class LlamaForCausalLM(nn.Module):
         devices. Weights loaded or changed later are repacked when used."""
         for layer in self.layers:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                layer.packed.get(name, getattr(layer, name).weight)
+                if name not in layer.int4:
+                    layer.packed.get(name, getattr(layer, name).weight)
         self.packed.get("lm_head", self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -403,6 +408,10 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight``...)
         into the fused parameters, casting to each parameter's dtype.
+
+        A ``GGUFBlocks`` value (``quantization: gguf``) is kept in 4 bits
+        when every part of its fused projection is one (:func:`_load_int4`),
+        else dequantized.
 
         Raises:
             ValueError: an unexpected name or shape, or parameters left unloaded.
@@ -423,6 +432,7 @@ class LlamaForCausalLM(nn.Module):
         }
         params = dict(self.named_parameters())
         loaded: dict[str, int] = {}
+        int4: dict[str, list[tuple[int, GGUFBlocks]]] = {}  # fused target -> (row offset, blocks)
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
@@ -442,10 +452,31 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} for {c.architecture}")
             dst = param.data if rows is None else param.data[offset:offset + rows]
-            if dst.shape != tensor.shape:
+            if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            if isinstance(tensor, GGUFBlocks):
+                int4.setdefault(target, []).append((offset, tensor))
+            else:
+                dst.copy_(tensor)
             loaded[target] = loaded.get(target, 0) + (tensor.shape[0] if rows is not None else param.shape[0])
         missing = [n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]]
         if missing:
             raise ValueError(f"weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for target, pieces in int4.items():
+            self._load_int4(target, sorted(pieces, key=lambda p: p[0]), params[target])
+
+    def _load_int4(self, target: str, pieces: list[tuple[int, GGUFBlocks]], param: nn.Parameter) -> None:
+        """Pack a projection's GGUF 4-bit parts ((row offset, blocks), in row
+        order) as an ``Int4Linear`` and free its dense weight; dequantize them
+        into place instead when they cannot be packed (some part of another
+        type, shapes the kernel refuses, not on CPU)."""
+        _, idx, name, _ = target.split(".")
+        layer = self.layers[int(idx)]
+        blocks = [b for _, b in pieces]
+        covers_all = sum(b.shape[0] for b in blocks) == param.shape[0]
+        if param.device.type != "cpu" or not covers_all or not int4_packable(blocks):
+            for offset, b in pieces:
+                param.data[offset:offset + b.shape[0]].copy_(b.dequantize())
+            return
+        layer.int4[name] = Int4Linear(blocks, param.dtype)
+        getattr(layer, name).weight = nn.Parameter(param.data.new_empty(0), requires_grad=False)

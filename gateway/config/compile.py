@@ -45,6 +45,12 @@ class Compiled:
     def public_models(self) -> list[str]:
         return [m.name for m in self.config.models]
 
+    @property
+    def local_serves(self) -> frozenset[str]:
+        """Structured features the local backend serves (empty without one)."""
+        return frozenset(f for b in self.config.backends.values() if b.type == "local"
+                         for f in b.structured_outputs)
+
 
 def _loc(loc: tuple) -> str:
     out = ""

@@ -187,6 +187,9 @@ class EngineConfig(_Strict):
     num_threads: int | None = None
     seed: int | None = None
     attention_backend: str | None = None
+    batch_invariant: bool | None = None
+    quantization: str | None = None
+    load_format: str | None = None
 
     def engine_kwargs(self) -> dict:
         return {k: v for k, v in self.model_dump().items() if v is not None}
@@ -197,6 +200,9 @@ class LocalBackendConfig(_Strict):
 
     type: Literal["local"]
     engine: EngineConfig = EngineConfig()
+    # Structured features the engine serves (grammar-constrained decoding);
+    # a request using one left out here cannot be served locally.
+    structured_outputs: list[Literal["response_format", "tools"]] = ["response_format", "tools"]
     prices: Prices = Prices()
     rpm: int | None = Field(None, ge=1)
     tpm: int | None = Field(None, ge=1)

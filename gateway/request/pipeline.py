@@ -28,8 +28,8 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     compiled = snap.compiled
     tenant = authenticate(headers.get("authorization"), compiled.key_hashes)
     body = parse_json(raw)
-    req = check_request(body, endpoint, headers.get("x-priority"), tenant=tenant, request_id=request_id,
-                        headers=headers)
+    req = check_request(body, endpoint, headers.get("x-priority"), compiled.local_serves, tenant=tenant,
+                        request_id=request_id, headers=headers)
     public = compiled.model_names.get(req.model)
     if public is None:
         raise ClientError(404, f"The model '{req.model}' does not exist; available: "
@@ -48,7 +48,7 @@ def features(req: GatewayRequest) -> RequestFeatures:
         model=req.public_model, priority=req.priority, prompt_tokens=req.prompt_tokens, tenant=req.tenant,
         has_tools=req.has_tools, has_response_format=req.has_response_format, headers=req.headers,
         metadata=req.metadata, user=req.user, request_id=req.request_id, stream=req.stream,
-        max_tokens=req.max_tokens)
+        max_tokens=req.max_tokens, local_serves=req.local_unsupported is None)
 
 
 async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str) -> Answer:

@@ -1,0 +1,144 @@
+"""GGUF 4-bit linear weights run in 4 bits on CPU (``quantization: gguf``).
+
+llama.cpp's Q4_0 and Q4_1 store a weight row in blocks of 32 elements
+(ggml's ``block_q4_0``/``block_q4_1``; spec:
+https://github.com/ggml-org/ggml/blob/master/docs/gguf.md):
+
+* Q4_0: ``d`` (float16), 16 bytes of 4-bit codes q; value = (q - 8) * d.
+* Q4_1: ``d``, ``m`` (float16), 16 bytes of codes; value = q * d + m.
+
+Byte j of a block holds element j in its low nibble and element j + 16 in
+its high nibble. PyTorch's CPU weight-only int4 matmul
+(``aten._weight_int4pack_mm_for_cpu``) computes with value = (q - 8) * scale
++ zero per group of ``qGroupSize`` input elements, so both types map exactly:
+Q4_0 is (scale d, zero 0) and Q4_1 is (scale d, zero m + 8d). The scales are
+held in the activations' dtype: exact in float32, rounded to 8 mantissa bits
+in bfloat16 (the float16 ``d`` has 11).
+
+Q8_0 (and the k-quants) have no exact counterpart among PyTorch's CPU
+kernels (``_weight_int8pack_mm`` takes one scale per output row, Q8_0 has
+one per 32 elements): those tensors are dequantized as with ``none``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GROUP = 32  # elements per Q4_0/Q4_1 block
+INT4_TYPES = {"Q4_0": 18, "Q4_1": 20}  # GGUF type -> bytes per block
+
+
+@dataclass
+class GGUFBlocks:
+    """One GGUF tensor kept in its quantized blocks.
+
+    Attributes:
+        qtype: GGUF type name ("Q4_0", "Q4_1").
+        shape: (out_features, in_features) of the weight it encodes.
+        data: uint8 [out_features, in_features // 32 * bytes per block],
+            one row of blocks per output row (the file's layout).
+    """
+
+    qtype: str
+    shape: tuple[int, int]
+    data: np.ndarray
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out_features, in_features] (the ``gguf`` package's dequantization)."""
+        import gguf
+
+        arr = gguf.quants.dequantize(self.data, gguf.GGMLQuantizationType[self.qtype])
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(self.shape))
+
+    def codes_scales_zeros(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The weight as value = (code - 8) * scale + zero per block of 32.
+
+        Returns:
+            codes: int32 [out, in], 0..15.
+            scales, zeros: float32 [out, in // 32].
+
+        Raises:
+            ValueError: not a Q4_0/Q4_1 tensor, or its data does not match its shape.
+        """
+        if self.qtype not in INT4_TYPES:
+            raise ValueError(f"{self.qtype} is not a 4-bit type ({sorted(INT4_TYPES)})")
+        n, k = self.shape
+        nbytes = INT4_TYPES[self.qtype]
+        if k % GROUP or self.data.size != n * (k // GROUP) * nbytes:
+            raise ValueError(f"{self.qtype} data of {self.data.size} bytes does not encode a {n}x{k} weight")
+        blocks = np.ascontiguousarray(self.data).reshape(n, k // GROUP, nbytes)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if self.qtype == "Q4_0":
+            zeros = np.zeros_like(d)
+            qs = blocks[..., 2:18]
+        else:
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            zeros = m + 8 * d
+            qs = blocks[..., 4:20]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k).astype(np.int32)
+        return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zeros)
+
+
+def int4_packable(pieces: list[GGUFBlocks]) -> bool:
+    """Whether row-stacked ``pieces`` can run through the int4 kernel: all
+    Q4_0/Q4_1, one input width that is a multiple of 32, and a total of output
+    rows that is a multiple of 16 (``_convert_weight_to_int4pack_for_cpu``)."""
+    if not pieces or any(p.qtype not in INT4_TYPES for p in pieces):
+        return False
+    k = pieces[0].shape[1]
+    rows = sum(p.shape[0] for p in pieces)
+    return all(p.shape[1] == k for p in pieces) and k % GROUP == 0 and rows % 16 == 0
+
+
+class Int4Linear:
+    """``y = x @ W.T`` with W held as 4-bit codes and a scale and zero per 32 inputs.
+
+    Args:
+        pieces: the weight's GGUF tensors, stacked along output rows in order
+            (e.g. q, k, v of a fused projection); see :func:`int4_packable`.
+        dtype: the activations' dtype (float32, bfloat16 or float16); the
+            scales and zeros are stored in it.
+
+    Raises:
+        ValueError: the pieces cannot be packed (:func:`int4_packable`).
+    """
+
+    def __init__(self, pieces: list[GGUFBlocks], dtype: torch.dtype) -> None:
+        if not int4_packable(pieces):
+            raise ValueError(f"cannot pack {[(p.qtype, p.shape) for p in pieces]} as int4")
+        parts = [p.codes_scales_zeros() for p in pieces]
+        codes = torch.cat([c for c, _, _ in parts])
+        scales = torch.cat([s for _, s, _ in parts])
+        zeros = torch.cat([z for _, _, z in parts])
+        self.out_features, self.in_features = codes.shape
+        self.dtype = dtype
+        # uint8 [out, in // 2]: two codes per byte in the kernel's own order.
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        # [in // 32, out, 2]: (scale, zero) per group and output row.
+        self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (codes + scales and zeros)."""
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., in_features] -> [..., out_features] in x's dtype (which must be
+        the dtype given at construction); ``bias`` [out_features] and then
+        ``residual`` [..., out_features] are added when given.
+
+        Each output row depends on its own input row only: measured bitwise
+        equal for one row alone and inside batches of 1 to 128 rows
+        (tests/test_quant_linear.py).
+        """
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features).contiguous(), self.packed, GROUP, self.scales_and_zeros)
+        y = y.view(*lead, self.out_features)
+        if bias is not None:
+            y = y + bias
+        return y if residual is None else residual + y

@@ -1,0 +1,92 @@
+"""GGUF Q4_0/Q4_1 weights run in 4 bits (engine/models/quant_linear.py): the
+scale/zero mapping is exact, the matmul matches the dequantized weight, and a
+row's result does not depend on the other rows of its batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.models.quant_linear import GGUFBlocks, Int4Linear, int4_packable
+
+gguf = pytest.importorskip("gguf")
+
+
+def _blocks(qtype: str, n: int, k: int, seed: int = 0) -> tuple[GGUFBlocks, torch.Tensor]:
+    """Random weight quantized by the gguf package, and its float32 dequantization."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05 + rng.uniform(-0.02, 0.02, (n, 1))).astype(np.float32)
+    qt = gguf.GGMLQuantizationType[qtype]
+    data = gguf.quants.quantize(w, qt)
+    return GGUFBlocks(qtype, (n, k), data), torch.from_numpy(np.array(gguf.quants.dequantize(data, qt)))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_scale_and_zero_reproduce_dequantization(qtype):
+    blocks, ref = _blocks(qtype, 48, 96)
+    codes, scales, zeros = blocks.codes_scales_zeros()
+    assert codes.dtype == torch.int32 and int(codes.min()) >= 0 and int(codes.max()) <= 15
+    w = ((codes.float() - 8).view(48, 3, 32) * scales[..., None] + zeros[..., None]).view(48, 96)
+    torch.testing.assert_close(w, ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(blocks.dequantize(), ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_int4_linear_matches_dequantized_weight(qtype):
+    (a, wa), (b, wb) = _blocks(qtype, 32, 64, 1), _blocks(qtype, 16, 64, 2)
+    w = torch.cat([wa, wb])  # two pieces stacked along output rows, as fused q/k/v
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    bias, residual = torch.randn(48), torch.randn(5, 48)
+    lin = Int4Linear([a, b], torch.float32)
+    assert (lin.out_features, lin.in_features) == (48, 64)
+    assert lin.nbytes < w.numel()  # ~4.5 bits per weight with float32 scales
+    torch.testing.assert_close(lin(x), x @ w.t(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lin(x, bias, residual), residual + (x @ w.t() + bias), atol=1e-5, rtol=1e-5)
+    lin16 = Int4Linear([a, b], torch.bfloat16)
+    y = lin16(x.bfloat16().view(1, 5, 64))
+    assert y.shape == (1, 5, 48) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float().view(5, 48), x @ w.t(), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [576, 1536])
+def test_row_result_independent_of_batch_size(dtype, k):
+    """Batch invariance: one row alone and inside batches of 1..128 rows, at
+    several positions, gives the same bits."""
+    blocks, _ = _blocks("Q4_1", 64, k, 3)
+    lin = Int4Linear([blocks], dtype)
+    gen = torch.Generator().manual_seed(1)
+    row = torch.randn(1, k, generator=gen).to(dtype)
+    alone = lin(row)[0]
+    for m in range(1, 129):
+        batch = torch.randn(m, k, generator=gen).to(dtype)
+        for pos in {0, m // 2, m - 1}:
+            batch[pos] = row[0]
+            assert torch.equal(lin(batch)[pos], alone), (m, pos)
+
+
+def test_packable_shapes():
+    q40 = GGUFBlocks("Q4_0", (16, 64), np.zeros((16, 2 * 18), np.uint8))
+    q41 = GGUFBlocks("Q4_1", (16, 64), np.zeros((16, 2 * 20), np.uint8))
+    q80 = GGUFBlocks("Q8_0", (16, 64), np.zeros((16, 2 * 34), np.uint8))
+    assert int4_packable([q40, q41])
+    assert not int4_packable([q40, q80])  # a Q8_0 part: dequantized instead
+    assert not int4_packable([GGUFBlocks("Q4_0", (8, 64), np.zeros((8, 36), np.uint8))])  # 8 rows: kernel needs 16k
+    assert not int4_packable([])
+    with pytest.raises(ValueError, match="not a 4-bit type"):
+        q80.codes_scales_zeros()
+    with pytest.raises(ValueError, match="does not encode"):
+        GGUFBlocks("Q4_0", (16, 64), np.zeros((16, 10), np.uint8)).codes_scales_zeros()
+
+
+def test_quantization_gguf_needs_a_gguf_on_cpu(tmp_path):
+    from engine.config import EngineArgs
+    from engine.model_loader import load_model
+    from tests.tiny_models import save_byte_level_llama
+
+    path = save_byte_level_llama(tmp_path)
+    with pytest.raises(ValueError, match="needs a .gguf model on CPU"):
+        load_model(EngineArgs(model=path, device="cpu", quantization="gguf"))
+    with pytest.raises(ValueError, match="quantization must be none or gguf"):
+        EngineArgs(model=path, quantization="q4")
