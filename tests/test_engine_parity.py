@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 NUM_PROMPTS = 16
 NEW_TOKENS = 64
+GGUF_PROMPTS = 5
 TIE_GAP = 1e-3
 LOGPROB_TOL = 1e-3
 DATA = Path(__file__).parent / "data" / "mt_bench_questions.jsonl"
@@ -87,10 +88,10 @@ def _check_parity(refs, outputs) -> int:
     return near_ties
 
 
-def _run(**engine_args):
+def _run(num_prompts: int = NUM_PROMPTS, **engine_args):
     llm = LLM(dtype="float32", kv_cache_memory="256MiB", **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0)
-    return llm, llm.chat(_conversations(), params)
+    return llm, llm.chat(_conversations()[:num_prompts], params)
 
 
 def test_greedy_parity_default(hf_reference):
@@ -119,6 +120,8 @@ def test_greedy_parity_with_preemption(hf_reference):
 def test_greedy_parity_native_gguf_weights(hf_reference):
     """quantization="gguf": the Q4_1 projections run in 4 bits (float32 scales
     and zeros), transformers runs the same file dequantized."""
-    llm, outputs = _run(quantization="gguf")
+    # PyTorch's CPU int4 matmul is slow on float32 prefill batches: a third of
+    # the prompts keeps the suite's time in bounds (all 16 took ~40 min on a busy box).
+    llm, outputs = _run(num_prompts=GGUF_PROMPTS, quantization="gguf")
     assert sorted(llm.engine.model_runner.model.layers[0].int4) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
-    _check_parity(hf_reference, outputs)
+    _check_parity(hf_reference[:GGUF_PROMPTS], outputs)
