@@ -67,8 +67,19 @@ def _explain(args) -> int:
 
     if (compiled := load_config_or_report(args.config)) is None:
         return 2
-    with open(args.request, encoding="utf-8") as f:
-        body = json.load(f)
+    try:
+        with open(args.request, encoding="utf-8") as f:
+            body = json.load(f)
+    except OSError as e:
+        print(f"--request {args.request}: cannot read it: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except json.JSONDecodeError as e:
+        print(f"--request {args.request}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+              file=sys.stderr)
+        return 2
+    if not isinstance(body, dict):
+        print(f"--request {args.request}: must hold one JSON object (a chat or completion body)", file=sys.stderr)
+        return 2
     headers = {}
     for h in args.header:
         name, _, value = h.partition("=")

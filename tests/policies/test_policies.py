@@ -318,3 +318,26 @@ def test_policies_are_pure():
             for name in names:
                 assert name.split(".")[0] not in ("socket", "asyncio", "http", "urllib", "os"), \
                     f"{path.name} imports {name}"
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "cannot read it"),
+    ("{not json", "not valid JSON: "),
+    ("[1, 2]", "must hold one JSON object"),
+])
+def test_route_explain_names_a_bad_request_file(tmp_path, content, expected):
+    """`tandem route explain` on a missing or malformed --request file: one clear line, exit 2, no traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    request = tmp_path / "req.json"
+    if content is not None:
+        request.write_text(content)
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", "route", "explain", "--config",
+                          str(root / "config.example.yaml"), "--request", str(request)],
+                         capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 2, out.stderr
+    assert expected in out.stderr and str(request) in out.stderr
+    assert "Traceback" not in out.stderr
