@@ -270,25 +270,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step and return the delta of every request with news."""
+        """Run one scheduling step and return the delta of every request with news:
+        1. schedule, 2. run the model, 3. sample (grammar-constrained rows
+        masked), 4. advance the scheduler, 5. detokenize each sampled token into
+        a per-sequence delta, 6. group the deltas per client request."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         runner_out = self.model_runner.execute_model(sched)
-        rows = [sched.scheduled[i].request for i in runner_out.sample_indices]
-        sampled: dict[str, int] = {}
-        row_logprobs = {}
-        grammar_done: list[str] = []
-        if rows:
-            so = self._structured_outputs
-            bitmask = so.grammar_bitmask([r.request_id for r in rows]) if so is not None else None
-            sampler_out = self.sampler.sample(runner_out.logits, rows, grammar_bitmask=bitmask)
-            for req, tok, lp in zip(rows, sampler_out.token_ids, sampler_out.logprobs):
-                sampled[req.request_id] = tok
-                if lp is not None:
-                    row_logprobs[req.request_id] = self._decode_logprobs(lp)
-                if bitmask is not None and so.accept(req.request_id, tok):
-                    grammar_done.append(req.request_id)
+        sampled, row_logprobs, grammar_done = self._sample(sched, runner_out)
         for entry in sched.scheduled:
             req = entry.request
             if entry.num_computed_tokens < req.num_prompt_tokens:
@@ -299,8 +289,32 @@ class LLMEngine:
         finished = self.scheduler.update_from_output(sched, sampled)
         self._stop_finished_grammars(grammar_done, finished)
         self._generation_tokens_total += len(sampled)
-        done_time = time.monotonic()
+        return self._request_outputs(self._sequence_deltas(sampled, row_logprobs, finished), time.monotonic())
 
+    def _sample(self, sched, runner_out) -> tuple[dict[str, int], dict[str, dict], list[str]]:
+        """(sequence id -> sampled token, sequence id -> its decoded logprobs,
+        sequences whose grammar just completed)."""
+        rows = [sched.scheduled[i].request for i in runner_out.sample_indices]
+        sampled: dict[str, int] = {}
+        row_logprobs: dict[str, dict] = {}
+        grammar_done: list[str] = []
+        if not rows:
+            return sampled, row_logprobs, grammar_done
+        so = self._structured_outputs
+        bitmask = so.grammar_bitmask([r.request_id for r in rows]) if so is not None else None
+        sampler_out = self.sampler.sample(runner_out.logits, rows, grammar_bitmask=bitmask)
+        for req, tok, lp in zip(rows, sampler_out.token_ids, sampler_out.logprobs):
+            sampled[req.request_id] = tok
+            if lp is not None:
+                row_logprobs[req.request_id] = self._decode_logprobs(lp)
+            if bitmask is not None and so.accept(req.request_id, tok):
+                grammar_done.append(req.request_id)
+        return sampled, row_logprobs, grammar_done
+
+    def _sequence_deltas(self, sampled: dict[str, int], row_logprobs: dict[str, dict],
+                         finished: list[Request]) -> dict[str, list[CompletionOutput]]:
+        """Client request id -> this step's CompletionOutput of each of its
+        sequences with news; stop strings end their sequence here."""
         deltas: dict[str, list[CompletionOutput]] = {}
         for req_id, tok in sampled.items():
             tracked = self._tracked.get(req_id)
@@ -317,7 +331,7 @@ class LLMEngine:
                     self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop)
             elif req.is_finished:
                 text += tracked.detokenizer.flush()
-            out = CompletionOutput(
+            deltas.setdefault(req.parent_id, []).append(CompletionOutput(
                 index=req.index,
                 text=text,
                 token_ids=[tok],
@@ -326,15 +340,18 @@ class LLMEngine:
                 finish_reason=req.status.finish_reason if req.is_finished else None,
                 stop_reason=req.stop_reason if req.is_finished else None,
                 num_generated_tokens=req.num_output_tokens,
-            )
-            deltas.setdefault(req.parent_id, []).append(out)
+            ))
         for req in finished:  # finished without a sampled token this step (e.g. max_model_len)
             if req.request_id not in sampled and req.parent_id in self._groups:
                 tail = self._tracked[req.request_id].detokenizer.flush()
                 deltas.setdefault(req.parent_id, []).append(CompletionOutput(
                     index=req.index, text=tail, finish_reason=req.status.finish_reason,
                     stop_reason=req.stop_reason, num_generated_tokens=req.num_output_tokens))
+        return deltas
 
+    def _request_outputs(self, deltas: dict[str, list[CompletionOutput]], done_time: float) -> list[RequestOutput]:
+        """One RequestOutput per client request with news; a request whose
+        sequences all finished is forgotten."""
         outputs = []
         for parent_id, outs in deltas.items():
             seqs = self._groups[parent_id]

@@ -285,6 +285,51 @@ class Scheduler:
             sample=n + num_new == req.num_tokens))
         out.num_batched_tokens += num_new
 
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, seats: int, now: float) -> None:
+        """Phase 3 of :meth:`schedule`: admit waiting requests in order (a
+        prefix-cache hit counts as computed) while the token budget and the
+        ``max_num_seqs`` seats last; a leader whose prompt is cached up to its
+        fork point forks at once."""
+        kv = self.kv_cache_manager
+        if self.scheduling_policy == "priority":
+            self.waiting.sort(key=self._key)
+        for req in list(self.waiting):
+            if budget <= 0 or seats >= self.max_num_seqs:
+                break
+            if req.status == RequestStatus.RUNNING:
+                continue  # a sibling that joined at a fork in this loop
+            if self._unforked(req) and self._leader(req) is not req:
+                continue  # a sibling: joins at the fork
+            need_seats = self._seats_needed(req)
+            if seats + need_seats > self.max_num_seqs:
+                break
+            computed_blocks, num_hit = kv.get_computed_blocks(req)
+            num_new = self._chunk(self._step_end(req, num_hit) - num_hit, budget)
+            fork_now = self._unforked(req) and num_hit == self._target_len(req)
+            if num_new <= 0 and not fork_now:
+                break
+            if not kv.allocate_slots(req, num_new, computed_blocks):
+                break
+            self.waiting.remove(req)
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            seats += need_seats
+            if req.num_cached_tokens < 0:  # first scheduling
+                req.num_cached_tokens = num_hit
+                if self.enable_prefix_caching:
+                    kv.record_prefix_cache_stats(req.num_tokens, num_hit)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            if fork_now:
+                # The leader holds exactly prompt_len - 1 tokens (all
+                # cached, or none for a 1-token prompt): fork now; every
+                # member computes its last prompt token from next step.
+                self._fork(req)
+                continue
+            self._schedule_one(out, req, num_new)
+            budget -= num_new
+
     # -- the step -----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch. Does NOT advance ``num_computed_tokens``
@@ -345,44 +390,7 @@ class Scheduler:
 
         # 3. Admit waiting requests (not while preempting or swapped out).
         if not preempted and not self.swapped:
-            if self.scheduling_policy == "priority":
-                self.waiting.sort(key=self._key)
-            for req in list(self.waiting):
-                if budget <= 0 or seats >= self.max_num_seqs:
-                    break
-                if req.status == RequestStatus.RUNNING:
-                    continue  # a sibling that joined at a fork in this loop
-                if self._unforked(req) and self._leader(req) is not req:
-                    continue  # a sibling: joins at the fork
-                need_seats = self._seats_needed(req)
-                if seats + need_seats > self.max_num_seqs:
-                    break
-                computed_blocks, num_hit = kv.get_computed_blocks(req)
-                num_new = self._chunk(self._step_end(req, num_hit) - num_hit, budget)
-                fork_now = self._unforked(req) and num_hit == self._target_len(req)
-                if num_new <= 0 and not fork_now:
-                    break
-                if not kv.allocate_slots(req, num_new, computed_blocks):
-                    break
-                self.waiting.remove(req)
-                req.num_computed_tokens = num_hit
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                seats += need_seats
-                if req.num_cached_tokens < 0:  # first scheduling
-                    req.num_cached_tokens = num_hit
-                    if self.enable_prefix_caching:
-                        kv.record_prefix_cache_stats(req.num_tokens, num_hit)
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
-                if fork_now:
-                    # The leader holds exactly prompt_len - 1 tokens (all
-                    # cached, or none for a 1-token prompt): fork now; every
-                    # member computes its last prompt token from next step.
-                    self._fork(req)
-                    continue
-                self._schedule_one(out, req, num_new)
-                budget -= num_new
+            self._admit_waiting(out, budget, seats, now)
 
         out.blocks_to_copy = kv.take_blocks_to_copy()
         return out

@@ -72,6 +72,36 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             p.normal_(0.0, 0.02, generator=gen)
 
 
+def _read_model(path: str, dummy: bool, keep_int4: bool):
+    """(model config, tokenizer, weight iterator or None for dummy weights) of a
+    HF directory or a .gguf file; the config's EOS/BOS default to the tokenizer's.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    from engine.model_loader.gguf_loader import gguf_model_config, gguf_weights, open_gguf
+    from engine.model_loader.hf import hf_model_config, hf_weights
+
+    if os.path.isdir(path):
+        config = hf_model_config(path)
+        weights = None if dummy else hf_weights(path)
+        tokenizer = Tokenizer.from_hf_dir(path)
+    elif os.path.isfile(path):
+        reader = open_gguf(path)
+        config = gguf_model_config(reader, path)
+        tokenizer = Tokenizer.from_gguf(path, reader=reader)
+        weights = gguf_weights(reader, config, path, keep_int4=keep_int4)
+        if not config.name:
+            config.name = os.path.basename(path).removesuffix(".gguf")
+    else:
+        raise FileNotFoundError(f"model {path!r}: no such file or directory")
+    if config.eos_token_id is None:
+        config.eos_token_id = tokenizer.eos_token_id
+    if config.bos_token_id is None:
+        config.bos_token_id = tokenizer.bos_token_id
+    return config, tokenizer, weights
+
+
 def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     """Build the model described by ``args.model`` on ``args.device`` in ``args.dtype``.
 
@@ -94,8 +124,6 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
             "dummy" with a GGUF file.
         MemoryError: the weights do not fit on the device.
     """
-    from engine.model_loader.gguf_loader import gguf_model_config, gguf_weights, open_gguf
-    from engine.model_loader.hf import hf_model_config, hf_weights
     from engine.models.llama import LlamaForCausalLM
 
     if getattr(args, "num_threads", None):
@@ -111,23 +139,7 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
                          f"(got {'a HF directory' if os.path.isdir(path) else 'device ' + str(device)})")
     if dummy and not os.path.isdir(path):
         raise ValueError("load_format 'dummy' needs a HF directory (config.json + tokenizer.json)")
-    if os.path.isdir(path):
-        config = hf_model_config(path)
-        weights = None if dummy else hf_weights(path)
-        tokenizer = Tokenizer.from_hf_dir(path)
-    elif os.path.isfile(path):
-        reader = open_gguf(path)
-        config = gguf_model_config(reader, path)
-        tokenizer = Tokenizer.from_gguf(path, reader=reader)
-        weights = gguf_weights(reader, config, path, keep_int4=quantization == "gguf")
-        if not config.name:
-            config.name = os.path.basename(path).removesuffix(".gguf")
-    else:
-        raise FileNotFoundError(f"model {path!r}: no such file or directory")
-    if config.eos_token_id is None:
-        config.eos_token_id = tokenizer.eos_token_id
-    if config.bos_token_id is None:
-        config.bos_token_id = tokenizer.bos_token_id
+    config, tokenizer, weights = _read_model(path, dummy, keep_int4=quantization == "gguf")
 
     from kernels import get_attention_backend
 
