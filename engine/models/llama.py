@@ -384,9 +384,21 @@ class LlamaForCausalLM(nn.Module):
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Run the CPU linear layers in fixed row tiles (:class:`_PackedWeights`)
-        so that each row's logits do not depend on the rest of the batch."""
+        so that each row's logits do not depend on the rest of the batch.
+        The tiling checks of each weight shape run now (start-up), not in the
+        first request."""
         for packed in [self.packed] + [layer.packed for layer in self.layers]:
             packed.batch_invariant = enabled
+        if not enabled or self.embed_tokens.weight.device.type != "cpu":
+            return
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        uses = [(self.packed, "lm_head", head, False)]
+        for layer in self.layers[:1]:  # every layer has the same shapes, and the checks are shared by shape
+            uses += [(layer.packed, name, getattr(layer, name).weight, name in ("o_proj", "down_proj"))
+                     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if name not in layer.int4]
+        for packed, name, weight, with_residual in uses:
+            packed._tiling(weight, packed.get(name, weight) if weight.dtype == torch.bfloat16 else None,
+                           with_residual)
 
     @torch.no_grad()
     def prepack_weights(self) -> None:
