@@ -120,12 +120,8 @@ def _explain(args) -> int:
 
 
 def _ctl(args) -> int:
-    import httpx
+    from gateway.http.admin_client import admin_call
 
-    token = os.environ.get(args.token_env)
-    if not token:
-        print(f"tandem ctl: set {args.token_env} to the gateway's admin token", file=sys.stderr)
-        return 2
     body = None
     if args.path == "/admin/weights":
         weights = {}
@@ -140,20 +136,9 @@ def _ctl(args) -> int:
                 return 2
         body = {"route": args.route, "weights": weights}
     method = "GET" if args.path == "/admin/config" else "POST"
-    try:
-        r = httpx.request(method, args.url.rstrip("/") + args.path, json=body,
-                          headers={"authorization": f"Bearer {token}"}, timeout=30)
-    except httpx.HTTPError as e:
-        print(f"tandem ctl: cannot reach {args.url}: {e}", file=sys.stderr)
-        return 1
-    try:
-        data = r.json()
-    except ValueError:
-        data = r.text
-    if r.status_code >= 400:
-        msg = data.get("error", {}).get("message") if isinstance(data, dict) else data
-        print(f"tandem ctl: {r.status_code}: {msg}", file=sys.stderr)
-        return 1
+    code, data = admin_call("tandem ctl", args.url, args.token_env, method, args.path, body=body)
+    if code:
+        return code
     print(json.dumps(data, indent=2) if not isinstance(data, str) else data)
     return 0
 

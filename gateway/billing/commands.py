@@ -8,6 +8,7 @@ import os
 import sys
 
 from gateway.billing.usage import Price, monthly_cost_usd
+from gateway.http.admin_client import admin_call
 
 
 def register(subparsers) -> None:
@@ -77,26 +78,10 @@ def _cost_estimate_command(args) -> int:
 
 
 def _usage_command(args) -> int:
-    import httpx   # lazy: only this command needs it, every other `tandem` command starts without it
-
-    token = os.environ.get(args.token_env)
-    if not token:
-        print(f"tandem usage: set {args.token_env} to the gateway's admin token", file=sys.stderr)
-        return 2
     params = {k: v for k, v in (("tenant", args.tenant), ("since", args.since)) if v}
-    try:
-        r = httpx.get(args.url.rstrip("/") + "/admin/usage", params=params,
-                      headers={"authorization": f"Bearer {token}"}, timeout=30)
-    except httpx.HTTPError as e:
-        print(f"tandem usage: cannot reach {args.url}: {e}", file=sys.stderr)
-        return 1
-    try:
-        data = r.json()
-    except ValueError:
-        data = {"error": {"message": r.text}}
-    if r.status_code >= 400:
-        print(f"tandem usage: {r.status_code}: {data.get('error', {}).get('message')}", file=sys.stderr)
-        return 1
+    code, data = admin_call("tandem usage", args.url, args.token_env, "GET", "/admin/usage", params=params)
+    if code:
+        return code
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
