@@ -64,6 +64,7 @@ class _Prefill:
     seq_len: int
     num_blocks: int
     blocks: torch.Tensor  # [num_blocks] int64
+    masks: list[torch.Tensor]  # per QUERY_TILE rows: [rows, 1, num_blocks * block_size] float32, -inf past each query
 
 
 @dataclass
@@ -129,7 +130,8 @@ def plan_attention(
                 blocks = torch.cat([blocks, blocks.new_zeros(nb - blocks.numel())])
             # Entries past the sequence's last block may be anything (padding): read block 0 there.
             pos = torch.arange(nb, device=device) * block_size
-            plan.prefills.append(_Prefill(qsl[i], q_len, seq_len, nb, torch.where(pos < seq_len, blocks, 0)))
+            plan.prefills.append(_Prefill(qsl[i], q_len, seq_len, nb, torch.where(pos < seq_len, blocks, 0),
+                                          _causal_masks(seq_len - q_len, q_len, nb * block_size, device)))
     group = num_heads // num_kv_heads
     max_prefill_blocks = max((p.num_blocks for p in plan.prefills), default=0)
     max_blocks = max_prefill_blocks
@@ -165,6 +167,19 @@ def plan_attention(
         mask.masked_fill_(pos[None, None, : nb * block_size] >= seq_len[:, None, None], float("-inf"))
         plan.decode_chunks.append(_DecodeChunk(rows, n, nb, blocks, mask))
     return plan
+
+
+def _causal_masks(first: int, q_len: int, ctx: int, device: torch.device) -> list[torch.Tensor]:
+    """Additive masks of a prefill chunk whose first query sits at position
+    ``first``, one per ``QUERY_TILE`` rows: [rows, 1, ctx] float32, 0 where the
+    key position is <= the query's, -inf elsewhere (padding included)."""
+    pos = torch.arange(ctx, device=device)
+    masks = []
+    for r0 in range(0, q_len, QUERY_TILE):
+        q_pos = torch.arange(first + r0, first + min(r0 + QUERY_TILE, q_len), device=device)
+        mask = torch.zeros((q_pos.numel(), 1, ctx), dtype=torch.float32, device=device)
+        masks.append(mask.masked_fill_(pos[None, None, :] > q_pos[:, None, None], float("-inf")))
+    return masks
 
 
 def _padded_blocks(seq_len: int, block_size: int) -> int:
@@ -276,13 +291,8 @@ def _prefill_one(query, key_cache, value_cache, p: _Prefill, plan: AttentionPlan
     ctx, width = p.num_blocks * block_size, num_kv_heads * head_dim
     k = torch.index_select(key_cache, 0, p.blocks, out=plan.k_buf[: p.num_blocks]).view(1, ctx, width)
     v = torch.index_select(value_cache, 0, p.blocks, out=plan.v_buf[: p.num_blocks]).view(1, ctx, width)
-    pos = torch.arange(ctx, device=query.device)
-    first = p.seq_len - p.q_len  # position of the first query
-    for r0 in range(0, p.q_len, QUERY_TILE):
-        r = min(QUERY_TILE, p.q_len - r0)
-        q_pos = torch.arange(first + r0, first + r0 + r, device=query.device)
-        mask = torch.zeros((r, 1, ctx), dtype=torch.float32, device=query.device)
-        mask.masked_fill_(pos[None, None, :] > q_pos[:, None, None], float("-inf"))
+    for t, mask in enumerate(p.masks):
+        r0, r = t * QUERY_TILE, mask.shape[0]
         rows = slice(p.start + r0, p.start + r0 + r)
         o = _attend(query[rows].unsqueeze(0), k, v, mask.unsqueeze(0), plan.q_buf, scale)
         out[rows].view(r, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(0, 2, 3, 1).copy_(o)
