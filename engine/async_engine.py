@@ -1,35 +1,43 @@
-"""The asynchronous engine: ``LLMEngine.step()`` runs in a background thread,
-and each request's delta outputs reach its asyncio consumer through a queue.
+"""The asynchronous engine: the engine core runs in its own process (or a
+thread), and each request's delta outputs reach its asyncio consumer through
+a queue.
 
-    generate() ──(thread-safe command queue: add / abort / drain / stop)──► engine thread
-        ▲                                                                      │ step()
-        └── per-request asyncio.Queue  ◄── loop.call_soon_threadsafe ◄─────────┘
+    generate() ─ tokenize ─► AddRequest ──(pipe, msgpack)──► engine core process: run_core_loop
+        ▲                                                          │ one CoreStep per step
+        └── per-request asyncio.Queue ◄── OutputProcessor ◄── reader thread
+                                         (detokenize, stop strings; a stop string ─► FinishSequences)
 
-The engine thread owns the ``LLMEngine`` (it is not thread-safe); the event
-loop never touches it. PyTorch releases the GIL inside its kernels, so the
-loop stays responsive while a step runs. As in vLLM's ``AsyncLLM``, a
-consumer that stops iterating (client gone, task cancelled) aborts its
-request, which frees its KV blocks before the next step.
+As vLLM v1's ``AsyncLLM`` + ``EngineCoreProc``: the front end (this object,
+on the event loop, plus one reader thread) keeps tokenization and output
+processing; the core (scheduler, model runner, KV cache) runs the model in
+another process, so a step never holds the event loop's GIL. With
+``engine_core_process=False`` the same core loop runs in a thread of this
+process (tests that patch the core use it). A consumer that stops iterating
+(client gone, task cancelled) aborts its request, which frees its KV blocks
+before the core's next step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.config import EngineArgs
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.core_client import ProcessCoreClient, ThreadCoreClient
+from engine.core_messages import (AbortRequests, AddRequest, CoreStep, EngineCoreError, EngineStats,
+                                  FinishSequences, params_to_wire, rebuild_error)
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("tandem.async_engine")
 
-# A listener sees every batch of outputs in the engine thread: (outputs, time.monotonic()).
+# A listener sees every batch of outputs: (outputs, time.monotonic() of the step).
 OutputListener = Callable[[list[RequestOutput], float], None]
 
 
@@ -38,15 +46,7 @@ class EngineDrainingError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (failed to load, crashed, or shut down) (HTTP 503)."""
-
-
-@dataclass
-class _Live:
-    """Engine-thread bookkeeping of one client request."""
-
-    n: int
-    finished: set[int] = field(default_factory=set)
+    """The engine core stopped (failed to load, crashed, its process died, or shut down) (HTTP 503)."""
 
 
 @dataclass
@@ -58,79 +58,117 @@ class _Stream:
 
 
 class AsyncEngine:
-    """``LLMEngine`` behind an asyncio API.
+    """The engine behind an asyncio API.
 
     Args:
         args: engine configuration; nothing is loaded until ``start()``.
+            ``args.engine_core_process`` picks the core's home (process or thread).
 
     Attributes:
-        ready: True once the model is loaded and the step loop runs.
-        tokenizer, max_model_len, served_model_name: the loaded engine's
-            (available after ``start()``).
+        ready: True once the model is loaded and the core loop runs.
+        tokenizer, max_model_len, served_model_name, num_blocks: the loaded
+            engine's (available after ``start()``).
+        engine: the ``EngineCore`` in the thread mode (None in the process mode).
+        core_pid: the core process's pid (None in the thread mode).
     """
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        self.engine = None  # LLMEngine, owned by the engine thread after start()
+        self.engine = None
         self.ready = False
         self.tokenizer = None
         self.max_model_len = 0
+        self.num_blocks = 0
         self.served_model_name = args.served_model_name or ""
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._client: ProcessCoreClient | ThreadCoreClient | None = None
+        self._processor: OutputProcessor | None = None
+        self._lock = threading.Lock()  # guards _processor, _streams and the listeners' calls
         self._streams: dict[str, _Stream] = {}
-        self._streams_lock = threading.Lock()
         self._listeners: list[OutputListener] = []
-        self._thread: threading.Thread | None = None
         self._accepting = True
         self._dead: EngineDeadError | None = None
-        self._stats = None
+        self._stats: EngineStats | None = None
+        self._acks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._ack_ids = itertools.count()
+        self._drain_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
 
     # --------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        """Load the model in a worker thread, then start the step loop.
+        """Load the model (in the core process, or in a worker thread), then start the core loop.
 
         Raises:
-            whatever ``LLMEngine(args)`` raises (FileNotFoundError, ValueError,
-            MemoryError); the engine stays not ready.
+            whatever loading raises (FileNotFoundError for a bad model path,
+            ValueError, MemoryError, with the core's message); the engine
+            stays not ready.
         """
         if self.ready:
             return
-        from engine.llm_engine import LLMEngine  # heavy import (torch)
+        if self.args.engine_core_process:
+            from engine.device import configure_frontend_threads
+            from engine.tokenizer import load_tokenizer
 
-        self.engine = await asyncio.to_thread(LLMEngine, self.args)
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.max_model_len
-        self.served_model_name = self.engine.served_model_name
-        self._stats = self.engine.get_stats()
-        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
-        self._thread.start()
+            configure_frontend_threads()
+            client = ProcessCoreClient(self.args)
+            started, tokenizer = await asyncio.gather(
+                asyncio.to_thread(client.start, self._on_step, self._on_dead),
+                asyncio.to_thread(load_tokenizer, self.args.model), return_exceptions=True)
+            for result in (started, tokenizer):
+                if isinstance(result, BaseException):
+                    if not isinstance(started, BaseException):
+                        await asyncio.to_thread(client.shutdown)
+                    raise result
+            ready = started
+        else:
+            client = ThreadCoreClient(self.args)
+            ready = await asyncio.to_thread(client.start, self._on_step, self._on_dead)
+            self.engine = client.core
+            tokenizer = client.core.tokenizer
+        self._client = client
+        self.tokenizer = tokenizer
+        self._processor = OutputProcessor(tokenizer)
+        self.max_model_len, self.num_blocks = ready.max_model_len, ready.num_blocks
+        self.served_model_name = ready.served_model_name
+        self._stats = ready.stats
         self.ready = True
+
+    @property
+    def core_pid(self) -> int | None:
+        return getattr(self._client, "pid", None)
 
     async def shutdown(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop admitting requests, let the running ones finish (``drain``, at
-        most ``timeout`` seconds), abort the rest, then stop the thread.
+        most ``timeout`` seconds), abort the rest, then stop the core.
         Aborted streams end with ``finish_reason="abort"``."""
         self._accepting = False
-        if self._thread is None or not self._thread.is_alive():
+        if self._client is None or not self._client.is_alive():
             self.ready = False
             return
         if drain:
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            self._commands.put(("drain", done))
             try:
-                await asyncio.wait_for(asyncio.wrap_future(done), timeout)
+                await asyncio.wait_for(self._drained(), timeout)
             except asyncio.TimeoutError:
                 logger.warning("drain timed out after %.1f s; aborting the remaining requests", timeout)
-        stopped: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("stop", stopped))
-        await asyncio.wrap_future(stopped)
-        await asyncio.to_thread(self._thread.join)
+        with self._lock:
+            rids = self._processor.request_ids()
+        for rid in rids:
+            self._abort_here(rid)
+        await asyncio.to_thread(self._client.shutdown)
         self.ready = False
+
+    def _drained(self) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            if self._processor.num_requests == 0 or self._dead is not None:
+                future.set_result(None)
+            else:
+                self._drain_waiters.append((loop, future))
+        return future
 
     @property
     def is_alive(self) -> bool:
-        """True while the step loop runs and has not crashed."""
-        return self.ready and self._dead is None and self._thread is not None and self._thread.is_alive()
+        """True while the core loop runs and has not crashed."""
+        return self.ready and self._dead is None and self._client is not None and self._client.is_alive()
 
     @property
     def accepting(self) -> bool:
@@ -138,19 +176,22 @@ class AsyncEngine:
         return self._accepting
 
     def add_output_listener(self, listener: OutputListener) -> None:
-        """Call ``listener(outputs, now)`` in the engine thread after every
-        step (metrics). It must be quick and must not raise."""
+        """Call ``listener(outputs, now)`` after every step (metrics), in the
+        thread that processes outputs. It must be quick and must not raise."""
         self._listeners.append(listener)
 
     # ---------------------------------------------------------------- requests
     async def compile_grammar(self, params) -> None:
         """Compile a structured-output grammar (``StructuredOutputsParams``)
-        in a worker thread, so that the engine thread finds it in its cache.
+        where the core runs, off its step loop, so that the core finds it in its cache.
 
         Raises:
             ValueError: the spec is invalid or unsupported (names the part).
+            EngineDeadError: not started.
         """
-        await asyncio.to_thread(self.engine.compile_grammar, params)
+        if self._client is None:
+            raise EngineDeadError("the engine is not running")
+        await self._client.compile_grammar(params)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -169,8 +210,8 @@ class AsyncEngine:
         Raises:
             ValueError: duplicate id, or the engine rejected the request
                 (empty prompt, over ``max_model_len``).
-            EngineDrainingError: shutting down. EngineDeadError: not started or crashed.
-            Exception: an engine failure while this request ran (the loop survives).
+            EngineDrainingError: shutting down. EngineDeadError: not started, crashed or its process died.
+            EngineCoreError: a step failed while this request ran (the core survives).
 
         Stopping the iteration early (``break``, ``aclose()``, cancellation)
         aborts the request and frees its KV blocks.
@@ -179,45 +220,51 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         if not self._accepting:
             raise EngineDrainingError("the engine is shutting down and admits no new requests")
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
-        with self._streams_lock:
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            self._processor.add_request(request_id, text, token_ids, params)  # ValueError: id in use
             self._streams[request_id] = stream
         finished = False
         try:
-            if self._dead is not None:  # died while we registered: _fail_all may have missed us
+            if self._dead is not None:  # died while we registered: _on_dead may have missed us
                 finished = True
-                raise EngineDeadError("the engine is not running")
-            self._commands.put(("add", request_id, prompt, params, priority, time.monotonic()))
+                raise self._dead
+            self._client.send(AddRequest(request_id, token_ids, params_to_wire(params), priority, time.monotonic()))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
-                    finished = True  # the engine already dropped it
+                    finished = True  # the core already dropped it
                     raise item
                 finished = item.finished
                 yield item
                 if finished:
                     return
         finally:
-            with self._streams_lock:
+            with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id, None))
+                self._abort_here(request_id)
+                if self._dead is None:
+                    self._client.send(AbortRequests([request_id]))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are free when this returns. Its stream
         (if still read) ends with ``finish_reason="abort"``."""
-        if self._thread is None or not self._thread.is_alive():
+        if self._client is None or self._dead is not None:
             return
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("abort", request_id, done))
-        await asyncio.wrap_future(done)
+        self._abort_here(request_id)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        ack = next(self._ack_ids)
+        self._acks[ack] = (loop, future)
+        self._client.send(AbortRequests([request_id], ack=ack))
+        await future
 
-    def get_stats(self):
-        """The latest ``EngineStats`` snapshot (refreshed after every step and
-        every command; never blocks): num_running, num_waiting,
+    def get_stats(self) -> EngineStats:
+        """The latest ``EngineStats`` snapshot (refreshed after every core
+        step and every command; never blocks): num_running, num_waiting,
         kv_cache_usage (0..1), prefix_cache_hit_rate, tokens_in_flight, ...
 
         Raises:
@@ -227,147 +274,93 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not started")
         return self._stats
 
-    # ----------------------------------------------------------- engine thread
-    def _run(self) -> None:
-        eng = self.engine
-        live: dict[str, _Live] = {}
-        drain_waiters: list[concurrent.futures.Future] = []
-        stop: concurrent.futures.Future | None = None
-        try:
-            while stop is None:
-                deliveries: list[tuple[str, object]] = []
-                outputs: list[RequestOutput] = []
-                acks: list[concurrent.futures.Future] = []
-                block = not eng.has_unfinished_requests()
-                for cmd in self._take_commands(block):
-                    kind = cmd[0]
-                    if kind == "add":
-                        _, rid, prompt, params, priority, arrival = cmd
-                        try:
-                            eng.add_request(rid, prompt, params, priority=priority, arrival_time=arrival)
-                            live[rid] = _Live(params.n)
-                        except Exception as exc:  # noqa: BLE001 - goes to that request only
-                            deliveries.append((rid, exc))
-                    elif kind == "abort":
-                        _, rid, done = cmd
-                        out = self._abort(eng, live, rid)
-                        if out is not None:
-                            outputs.append(out)
-                            deliveries.append((rid, out))
-                        if done is not None:
-                            acks.append(done)
-                    elif kind == "drain":
-                        drain_waiters.append(cmd[1])
-                    elif kind == "stop":
-                        stop = cmd[1]
-                if acks:  # abort() returns once the freed blocks show in get_stats()
-                    self._refresh_stats(eng)
-                    for done in acks:
-                        done.set_result(None)
-                if stop is None and eng.has_unfinished_requests():
-                    try:
-                        step_outputs = eng.step()
-                    except Exception as exc:  # noqa: BLE001 - fail the in-flight requests, keep the loop
-                        logger.exception("engine step failed; aborting %d in-flight request(s)", len(live))
-                        for rid in list(live):
-                            self._abort(eng, live, rid)
-                            deliveries.append((rid, exc))
-                        step_outputs = []
-                    for out in step_outputs:
-                        state = live.get(out.request_id)
-                        if state is not None:
-                            state.finished.update(o.index for o in out.outputs if o.finish_reason is not None)
-                            if out.finished:
-                                del live[out.request_id]
-                        outputs.append(out)
-                        deliveries.append((out.request_id, out))
-                if stop is not None:  # abort whatever is left (drain timed out, or no drain)
-                    for rid in list(live):
-                        out = self._abort(eng, live, rid)
-                        if out is not None:
-                            outputs.append(out)
-                            deliveries.append((rid, out))
-                self._refresh_stats(eng)
-                self._publish(outputs, deliveries)
-                if not live and not eng.has_unfinished_requests():
-                    for waiter in drain_waiters:
-                        waiter.set_result(None)
-                    drain_waiters.clear()
-        except BaseException as exc:  # noqa: BLE001 - a bug here must not hang the clients
-            logger.exception("the engine loop crashed")
-            self._dead = EngineDeadError(f"the engine loop crashed: {type(exc).__name__}: {exc}")
-            for waiter in drain_waiters:
-                waiter.set_result(None)
-        finally:
-            self._dead = self._dead or EngineDeadError("the engine was shut down")
-            self._fail_all(self._dead)
-            # Nobody will process what is left: release every waiter.
-            for cmd in self._take_commands(block=False):
-                future = cmd[-1] if cmd[0] in ("abort", "drain", "stop") else None
-                if future is not None and not future.done():
-                    future.set_result(None)
-            if stop is not None:
-                stop.set_result(None)
+    # ------------------------------------------------- core side (one thread)
+    def _abort_here(self, rid: str) -> None:
+        """Forget ``rid`` in the front end; its stream (if any) and the
+        listeners get its final "abort" output."""
+        with self._lock:
+            out = self._processor.abort_request(rid)
+            if out is None:
+                return
+            self._notify([out], time.monotonic())
+            self._deliver([(rid, out)])
+            self._check_drained()
 
-    def _take_commands(self, block: bool) -> list[tuple]:
-        cmds = []
-        if block:
-            cmds.append(self._commands.get())
-        while True:
+    def _on_step(self, step: CoreStep) -> None:
+        """One core iteration: process its outputs and hand them to their streams."""
+        deliveries: list[tuple[str, object]] = []
+        with self._lock:
+            proc = self._processor
+            for rid, type_name, message in step.rejected:
+                proc.forget(rid)
+                deliveries.append((rid, rebuild_error(type_name, message)))
+            if step.error is not None:
+                error = EngineCoreError(step.error)
+                for rid in step.failed:
+                    proc.forget(rid)
+                    deliveries.append((rid, error))
+            processed = proc.process_outputs(step.outputs, step.timestamp)
+            deliveries += [(out.request_id, out) for out in processed.request_outputs]
+            self._stats = step.stats
+            if processed.request_outputs:
+                self._notify(processed.request_outputs, step.timestamp)
+            self._deliver(deliveries)
+            self._check_drained()
+        if processed.stops:
+            self._client.send(FinishSequences(processed.stops))
+        for ack in step.acks:
+            loop, future = self._acks.pop(ack, (None, None))
+            if future is not None:
+                _call_soon(loop, _set_result, future)
+
+    def _on_dead(self, reason: str) -> None:
+        """The core loop ended: every in-flight request fails with one error."""
+        self._dead = EngineDeadError(reason)
+        with self._lock:
+            streams = list(self._streams.items())
+            for rid, _ in streams:
+                self._processor.forget(rid)
+            self._check_drained()
+        for _, stream in streams:
+            _call_soon(stream.loop, stream.queue.put_nowait, self._dead)
+        for loop, future in list(self._acks.values()):
+            _call_soon(loop, _set_result, future)
+        self._acks.clear()
+
+    def _notify(self, outputs: list[RequestOutput], now: float) -> None:
+        for listener in self._listeners:
             try:
-                cmds.append(self._commands.get_nowait())
-            except queue.Empty:
-                return cmds
+                listener(outputs, now)
+            except Exception:  # noqa: BLE001
+                logger.exception("output listener failed")
 
-    @staticmethod
-    def _abort(eng, live: dict[str, _Live], rid: str) -> RequestOutput | None:
-        """Abort ``rid`` in the engine; returns the final "abort" output for
-        its unfinished choices (None when it was not running)."""
-        state = live.pop(rid, None)
-        eng.abort_request([rid])
-        if state is None:
-            return None
-        return RequestOutput(
-            request_id=rid, prompt=None, prompt_token_ids=[], finished=True,
-            outputs=[CompletionOutput(index=i, finish_reason="abort") for i in range(state.n)
-                     if i not in state.finished])
-
-    def _refresh_stats(self, eng) -> None:
-        try:
-            self._stats = eng.get_stats()
-        except Exception:  # noqa: BLE001 - keep the previous snapshot
-            logger.exception("get_stats failed")
-
-    def _publish(self, outputs: list[RequestOutput], deliveries: list[tuple[str, object]]) -> None:
-        if outputs:
-            now = time.monotonic()
-            for listener in self._listeners:
-                try:
-                    listener(outputs, now)
-                except Exception:  # noqa: BLE001
-                    logger.exception("output listener failed")
-        if not deliveries:
-            return
+    def _deliver(self, deliveries: list[tuple[str, object]]) -> None:
+        """Put each item into its request's queue, one callback per event loop (under the lock)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
-        with self._streams_lock:
-            for rid, item in deliveries:
-                stream = self._streams.get(rid)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for rid, item in deliveries:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that loop is closed: its consumers are gone
-                pass
+            _call_soon(loop, _put_all, items)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        with self._streams_lock:
-            streams = list(self._streams.values())
-        for stream in streams:
-            try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
-            except RuntimeError:
-                pass
+    def _check_drained(self) -> None:
+        if self._drain_waiters and (self._processor.num_requests == 0 or self._dead is not None):
+            for loop, future in self._drain_waiters:
+                _call_soon(loop, _set_result, future)
+            self._drain_waiters.clear()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that loop is closed: its consumers are gone
+        pass
+
+
+def _set_result(future: asyncio.Future, value=None) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

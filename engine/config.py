@@ -101,6 +101,11 @@ class EngineArgs:
             ``engine/models/quant_linear.py``).
         load_format: "auto" (read the weights) or "dummy" (vLLM's name:
             random weights of the shape in ``config.json``, for benchmarks).
+        engine_core_process: run the engine core (scheduler, model runner,
+            KV cache) in a process of its own, as vLLM v1 does, so that a
+            step never shares a GIL with the HTTP event loop (``AsyncEngine``
+            only; the offline ``LLM`` runs in its caller's thread). False: a
+            thread of the serving process.
     """
 
     model: str | None = None
@@ -124,6 +129,7 @@ class EngineArgs:
     batch_invariant: bool = True
     quantization: str = "none"
     load_format: str = "auto"
+    engine_core_process: bool = True
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -189,6 +195,9 @@ def add_engine_cli_args(parser) -> None:
                    help="gguf: run a GGUF's Q4_0/Q4_1 linear weights in 4 bits (CPU) instead of dequantizing them")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shape (benchmarks)")
+    g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="serving: run the engine core (model, scheduler, KV cache) in its own process, so a step "
+                        "never holds the HTTP event loop's GIL (default: on; --no-engine-core-process: a thread)")
 
 
 def engine_args_from_cli(args) -> EngineArgs:

@@ -2,7 +2,8 @@
 
 Gauges and the scheduler's cumulative counters are read from
 ``AsyncEngine.get_stats()`` at scrape time; per-request counters and
-histograms are fed by an output listener that runs in the engine thread.
+histograms are fed by an output listener that runs where outputs are
+processed (the engine's front end).
 Everything lives in the ``CollectorRegistry`` given to ``EngineMetrics``
 (one per app; no global registry).
 
@@ -70,8 +71,7 @@ class _LiveCollector:
                                  labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching",
                                          "cache_dtype", "swap_space_bytes"])
         args = self.engine.args
-        inner = getattr(self.engine, "engine", None)
-        info.add_metric([self.model_name, str(args.block_size), str(getattr(inner, "num_blocks", 0)),
+        info.add_metric([self.model_name, str(args.block_size), str(getattr(self.engine, "num_blocks", 0)),
                          str(args.enable_prefix_caching), str(args.dtype),
                          str(int(args.swap_space * 2**30))], 1.0)
         yield info
@@ -86,7 +86,7 @@ class EngineMetrics:
         model_name: value of the ``model_name`` label.
 
     ``record(outputs, now)`` must be registered as the engine's output
-    listener (``attach()`` does it); it runs in the engine thread.
+    listener (``attach()`` does it); it runs in the thread that processes outputs.
     """
 
     def __init__(self, registry: CollectorRegistry, engine, model_name: str) -> None:
@@ -109,7 +109,7 @@ class EngineMetrics:
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.", label,
                                     buckets=REQUEST_LATENCY_BUCKETS, registry=registry).labels(model_name)
-        # Engine-thread state: requests that produced a token; request id -> {index: last token time}.
+        # Listener state: requests that produced a token; request id -> {index: last token time}.
         self._first_seen: set[str] = set()
         self._last_token: dict[str, dict[int, float]] = {}
 

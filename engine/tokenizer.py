@@ -229,3 +229,21 @@ class Tokenizer:
         context = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         context.update(kw)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of a model path: a HF directory's or a ``.gguf`` file's
+    (what ``engine.model_loader.load_model`` builds, without torch or weights;
+    the front end of an engine whose core runs in another process uses it).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file holds no usable tokenizer.
+    """
+    import os
+
+    if os.path.isdir(path):
+        return Tokenizer.from_hf_dir(path)
+    if os.path.isfile(path):
+        return Tokenizer.from_gguf(path)
+    raise FileNotFoundError(f"model {path!r}: no such file or directory")

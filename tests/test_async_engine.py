@@ -137,7 +137,17 @@ async def test_bad_requests_fail_alone(engine):
     assert await wait_idle(engine)
 
 
-async def test_a_failing_step_fails_its_requests_but_not_the_loop(engine, monkeypatch):
+@pytest.fixture(scope="module")
+def thread_engine():
+    """The core in a thread of this process (``engine_core_process=False``): its step can be patched."""
+    eng = AsyncEngine(EngineArgs(kv_cache_memory="64MiB", max_model_len=512, engine_core_process=False))
+    asyncio.run(eng.start())
+    yield eng
+    asyncio.run(eng.shutdown(drain=False))
+
+
+async def test_a_failing_step_fails_its_requests_but_not_the_loop(thread_engine, monkeypatch):
+    engine = thread_engine
     real_step = engine.engine.step
     calls = {"n": 0}
 

@@ -8,38 +8,11 @@ import time
 
 import torch
 
+from engine.device import configure_core_threads, resolve_device, resolve_dtype  # noqa: F401 - re-exported
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": torch.bfloat16}
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    """torch dtype for ``EngineArgs.dtype`` ("auto" = bfloat16).
-
-    Raises:
-        ValueError: unknown name.
-    """
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
-
-
-def resolve_device(name: str) -> torch.device:
-    """torch device for ``EngineArgs.device`` ("auto" = cuda if available, else cpu).
-
-    Raises:
-        ValueError: "cuda" requested but CUDA is not available.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available; use --device cpu")
-    return device
-
 
 def release_freed_memory() -> None:
     """Hand freed heap memory back to the OS (glibc's ``malloc_trim``): the
@@ -108,7 +81,7 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     ``args.model`` is a ``.gguf`` file (architectures llama, qwen2) or a HF
     directory (config.json + *.safetensors + tokenizer.json; architectures
     LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM). Sets
-    ``torch.set_num_threads(args.num_threads)`` when given. With
+    the core's threads (``engine/device.py``). With
     ``args.quantization == "gguf"`` a GGUF's Q4_0/Q4_1 projections stay in 4
     bits (``engine/models/quant_linear.py``); with ``args.load_format ==
     "dummy"`` a HF directory's weights are not read but drawn at random
@@ -126,8 +99,7 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     """
     from engine.models.llama import LlamaForCausalLM
 
-    if getattr(args, "num_threads", None):
-        torch.set_num_threads(args.num_threads)
+    configure_core_threads(getattr(args, "num_threads", None))
     path = args.model
     dtype = resolve_dtype(args.dtype)
     device = resolve_device(args.device)

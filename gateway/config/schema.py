@@ -190,6 +190,7 @@ class EngineConfig(_Strict):
     batch_invariant: bool | None = None
     quantization: str | None = None
     load_format: str | None = None
+    engine_core_process: bool | None = None
 
     def engine_kwargs(self) -> dict:
         return {k: v for k, v in self.model_dump().items() if v is not None}

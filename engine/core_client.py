@@ -1,0 +1,219 @@
+"""How the front end (``AsyncEngine``) reaches the engine core: in a thread
+of this process, or in a child process of its own.
+
+Both clients offer the same five calls: ``start(on_step, on_dead)`` (blocking:
+loads the model; call it from a worker thread), ``send(command)``,
+``compile_grammar(spec)`` (a coroutine), ``shutdown()`` (blocking) and
+``is_alive()``. ``on_step(CoreStep)`` is called for each iteration of the
+core loop, from one thread (the engine thread, or the process client's
+reader thread); ``on_dead(reason)`` once, when the core loop ended (shut
+down, crashed, or its process died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import queue
+import threading
+from collections.abc import Callable
+
+from engine.core_loop import ready_message, run_core_loop, run_engine_core_process, take_all
+from engine.core_messages import (Command, CompileGrammar, CoreFailed, CoreReady, CoreReply, CoreStep, Shutdown,
+                                  decode_reply, encode, params_to_wire, rebuild_error)
+
+logger = logging.getLogger("tandem.core_client")
+
+OnStep = Callable[[CoreStep], None]
+OnDead = Callable[[str], None]
+
+
+class ThreadCoreClient:
+    """The core loop in a daemon thread of this process (``engine_core_process: false``).
+
+    Attributes:
+        core: the ``EngineCore`` once started (tests patch its ``step``).
+    """
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.core = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, on_step: OnStep, on_dead: OnDead) -> CoreReady:
+        """Load the model here, then start the loop thread.
+
+        Raises:
+            whatever ``EngineCore(args)`` raises (FileNotFoundError, ValueError, MemoryError).
+        """
+        from engine.engine_core import EngineCore  # heavy import (torch)
+
+        self.core = EngineCore(self.args)
+        self._thread = threading.Thread(target=self._run, args=(on_step, on_dead), name="tandem-engine",
+                                        daemon=True)
+        self._thread.start()
+        return ready_message(self.core)
+
+    def _run(self, on_step: OnStep, on_dead: OnDead) -> None:
+        reason = "the engine was shut down"
+        try:
+            run_core_loop(self.core, lambda block: take_all(self._commands, block), on_step)
+        except BaseException as exc:  # noqa: BLE001 - a bug here must not hang the clients
+            logger.exception("the engine loop crashed")
+            reason = f"the engine loop crashed: {type(exc).__name__}: {exc}"
+        on_dead(reason)
+
+    def send(self, cmd: Command) -> None:
+        self._commands.put(cmd)
+
+    async def compile_grammar(self, spec) -> None:
+        """Compile a ``StructuredOutputsParams`` in a worker thread (the core finds it in its cache).
+
+        Raises:
+            ValueError: the spec is invalid or unsupported (names the part).
+        """
+        await asyncio.to_thread(self.core.compile_grammar, spec)
+
+    def shutdown(self) -> None:
+        self._commands.put(Shutdown())
+        if self._thread is not None:
+            self._thread.join()
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+
+class ProcessCoreClient:
+    """The core loop in a child process (``engine_core_process: true``, the
+    default): multiprocessing "spawn", one duplex pipe, msgpack messages.
+
+    The child gets the torch threads (``num_threads``); the front end needs
+    none. The child exits when the pipe closes, so it never outlives this
+    process.
+    """
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self._conn = None
+        self._proc = None
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
+        self._closing = False
+
+    @property
+    def pid(self) -> int | None:
+        """The core process's pid (None before start)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self, on_step: OnStep, on_dead: OnDead) -> CoreReady:
+        """Spawn the core process and wait until it loaded the model.
+
+        Raises:
+            FileNotFoundError, ValueError, MemoryError, RuntimeError: the
+                core's start-up error, raised again here with its message;
+                RuntimeError when the process died without one.
+        """
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(target=run_engine_core_process, args=(self.args, child),
+                                 name="tandem-engine-core", daemon=True)
+        self._proc.start()
+        child.close()
+        while not self._conn.poll(0.2):
+            if not self._proc.is_alive():
+                raise RuntimeError(f"the engine core process exited with code {self._proc.exitcode} "
+                                   "while loading the model")
+        try:
+            first = decode_reply(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            self._proc.join(5)
+            raise RuntimeError(f"the engine core process exited with code {self._proc.exitcode} "
+                               "while loading the model") from None
+        if isinstance(first, CoreFailed):
+            self._proc.join(10)
+            raise rebuild_error(first.error_type, first.message)
+        threading.Thread(target=self._read, args=(on_step, on_dead), name="tandem-core-client",
+                         daemon=True).start()
+        return first
+
+    def _read(self, on_step: OnStep, on_dead: OnDead) -> None:
+        try:
+            while True:
+                msg = decode_reply(self._conn.recv_bytes())
+                if isinstance(msg, CoreReply):
+                    self._resolve(msg)
+                else:
+                    on_step(msg)
+        except (EOFError, OSError):
+            pass
+        except BaseException:  # noqa: BLE001 - a bug here must not hang the clients
+            logger.exception("the engine core client failed")
+        self._proc.join(2)
+        if self._closing:
+            reason = "the engine was shut down"
+        else:
+            reason = f"the engine core process died (exit code {self._proc.exitcode})"
+            logger.error("%s; failing the in-flight requests", reason)
+        for loop, future in list(self._calls.values()):
+            loop.call_soon_threadsafe(_set_exception, future, RuntimeError(reason))
+        self._calls.clear()
+        on_dead(reason)
+
+    def _resolve(self, reply: CoreReply) -> None:
+        entry = self._calls.pop(reply.call_id, None)
+        if entry is None:
+            return
+        loop, future = entry
+        if reply.error is None:
+            loop.call_soon_threadsafe(_set_result, future, None)
+        else:
+            loop.call_soon_threadsafe(_set_exception, future, ValueError(reply.error))
+
+    def send(self, cmd: Command) -> None:
+        """Encode and send a command (non-blocking in practice: the core's
+        reader thread drains the pipe)."""
+        data = encode(cmd)
+        with self._send_lock:
+            self._conn.send_bytes(data)
+
+    async def compile_grammar(self, spec) -> None:
+        """Compile a ``StructuredOutputsParams`` in the core process.
+
+        Raises:
+            ValueError: the spec is invalid or unsupported (names the part).
+        """
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = (loop, future)
+        self.send(CompileGrammar(call_id, params_to_wire(spec)))
+        await future
+
+    def shutdown(self) -> None:
+        """Ask the core to stop and wait for its process (killed after 30 s)."""
+        self._closing = True
+        try:
+            self.send(Shutdown())
+        except OSError:
+            pass
+        self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+
+def _set_result(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

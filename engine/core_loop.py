@@ -1,0 +1,142 @@
+"""The engine core's loop, and the entry point of the engine core process.
+
+``run_core_loop`` drives an ``EngineCore``: take the pending commands (block
+while idle), apply them, run one step, and emit one ``CoreStep`` (the step's
+outputs batched with the stats). ``engine/core_client.py`` runs it in a
+thread of the front end's process or, with ``run_engine_core_process``, in a
+child process of its own (vLLM v1's ``EngineCoreProc``): the front end keeps
+HTTP, tokenization and output processing, so the model step never shares a
+GIL with the event loop.
+
+The child dies with its parent: a reader thread blocks on the pipe, and the
+pipe's end of file (the parent exited, even by SIGKILL) ends the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.core_messages import (AbortRequests, AddRequest, Command, CompileGrammar, CoreFailed, CoreReady,
+                                  CoreReply, CoreStep, FinishSequences, Reply, Shutdown, decode_command, encode,
+                                  params_from_wire, spec_from_wire)
+
+logger = logging.getLogger("tandem.engine_core")
+
+
+def run_core_loop(core, take_commands: Callable[[bool], list[Command]], emit: Callable[[Reply], None]) -> None:
+    """Serve commands and step until ``Shutdown`` (then abort what is left).
+
+    Args:
+        core: an ``EngineCore``.
+        take_commands: ``take_commands(block)`` returns the pending commands,
+            waiting for at least one when ``block`` (the core is idle).
+        emit: receives one ``CoreStep`` per iteration.
+
+    A step that raises fails only its in-flight requests (``CoreStep.failed``);
+    any other exception ends the loop and propagates.
+    """
+    while True:
+        rejected: list[tuple[str, str, str]] = []
+        acks: list[int] = []
+        stop = False
+        for cmd in take_commands(not core.has_unfinished_requests()):
+            if isinstance(cmd, AddRequest):
+                try:
+                    core.add_request(cmd.request_id, cmd.prompt_token_ids, params_from_wire(cmd.params),
+                                     priority=cmd.priority, arrival_time=cmd.arrival_time)
+                except Exception as exc:  # noqa: BLE001 - goes to that request only
+                    rejected.append((cmd.request_id, type(exc).__name__, str(exc)))
+            elif isinstance(cmd, AbortRequests):
+                core.abort_requests(cmd.request_ids)
+                if cmd.ack is not None:
+                    acks.append(cmd.ack)
+            elif isinstance(cmd, FinishSequences):
+                core.finish_sequences(cmd.stops)
+            elif isinstance(cmd, Shutdown):
+                stop = True
+        if stop:
+            core.abort_all()
+            emit(CoreStep([], core.get_stats(), time.monotonic(), rejected=rejected, acks=acks))
+            return
+        outputs, failed, error = [], [], None
+        if core.has_unfinished_requests():
+            try:
+                outputs = core.step()
+            except Exception as exc:  # noqa: BLE001 - fail the in-flight requests, keep the loop
+                failed = core.abort_all()
+                logger.exception("engine step failed; aborting %d in-flight request(s)", len(failed))
+                error = f"{type(exc).__name__}: {exc}"
+        emit(CoreStep(outputs, core.get_stats(), time.monotonic(), rejected=rejected, failed=failed,
+                      error=error, acks=acks))
+
+
+def ready_message(core) -> CoreReady:
+    """What the front end needs to know of a loaded core."""
+    return CoreReady(served_model_name=core.served_model_name, max_model_len=core.max_model_len,
+                     num_blocks=core.num_blocks, vocab_size=core.model_config.vocab_size, stats=core.get_stats())
+
+
+def run_engine_core_process(args, conn) -> None:
+    """Entry point of the engine core process (multiprocessing "spawn").
+
+    Loads the model (``CoreFailed`` on error, then exits), sends
+    ``CoreReady``, then runs ``run_core_loop`` with commands read from
+    ``conn`` by a reader thread; grammar compilations run in a worker
+    thread and are answered with ``CoreReply``. Exits when the loop ends
+    (``Shutdown``) or the parent's end of ``conn`` closes.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.engine_core import EngineCore  # torch: only in this process
+
+    send_lock = threading.Lock()
+
+    def emit(msg: Reply) -> None:
+        data = encode(msg)
+        with send_lock:
+            conn.send_bytes(data)
+
+    try:
+        core = EngineCore(args)
+    except BaseException as exc:  # noqa: BLE001 - reported to the front end
+        emit(CoreFailed(type(exc).__name__, str(exc)))
+        return
+    emit(ready_message(core))
+    commands: queue.SimpleQueue = queue.SimpleQueue()
+    compiler = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
+
+    def compile_grammar(cmd: CompileGrammar) -> None:
+        try:
+            core.compile_grammar(spec_from_wire(cmd.spec))
+            emit(CoreReply(cmd.call_id))
+        except Exception as exc:  # noqa: BLE001 - the front end raises it
+            emit(CoreReply(cmd.call_id, error=str(exc) or type(exc).__name__))
+
+    def read() -> None:
+        try:
+            while True:
+                cmd = decode_command(conn.recv_bytes())
+                if isinstance(cmd, CompileGrammar):
+                    compiler.submit(compile_grammar, cmd)
+                else:
+                    commands.put(cmd)
+        except (EOFError, OSError):  # the front end is gone: so are we
+            os._exit(0)
+
+    threading.Thread(target=read, name="tandem-core-reader", daemon=True).start()
+    run_core_loop(core, lambda block: take_all(commands, block), emit)
+
+
+def take_all(commands: queue.SimpleQueue, block: bool) -> list:
+    """Everything queued in ``commands``; with ``block``, wait for one first."""
+    cmds = [commands.get()] if block else []
+    while True:
+        try:
+            cmds.append(commands.get_nowait())
+        except queue.Empty:
+            return cmds

@@ -1,0 +1,348 @@
+"""The engine core: scheduler + model runner + sampler over the paged KV cache.
+
+One ``step()`` = schedule, run the model, sample (grammar-constrained rows
+masked), advance the scheduler, and report each choice's new tokens as
+``EngineCoreOutput`` (raw token ids: detokenization, stop strings and the
+assembly of ``RequestOutput`` live in ``engine/output_processor.py``, as in
+vLLM v1's ``EngineCore`` / ``OutputProcessor`` split).
+
+    add_request ─► Scheduler ─► ModelRunner ─► Sampler ─► Scheduler.update_from_output
+                                                              │
+                                        EngineCoreOutput ◄────┘
+
+It is driven by ``LLMEngine`` (offline, same thread) or by
+``engine/core_loop.py`` (in a thread or in its own process, for
+``AsyncEngine``). Not thread-safe, except ``compile_grammar``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+
+from engine.config import DEFAULT_MODEL, EngineArgs, default_model_path
+from engine.core_messages import EngineCoreOutput, EngineStats
+from engine.device import configure_core_threads, resolve_device, resolve_dtype
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import Logprob
+from engine.request import ForkGroup, Request, RequestStatus
+from engine.sampler import Sampler, prompt_logprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.structured_outputs import StructuredOutputManager
+
+logger = logging.getLogger("tandem.engine")
+
+_DEFAULT_CHUNKED_BUDGET = 2048  # tokens per step with chunked prefill (vLLM's online default)
+
+
+def _is_default_model(path: str) -> bool:
+    try:
+        return path == default_model_path()
+    except FileNotFoundError:
+        return False
+
+
+def _resolve_max_model_len(requested: int | None, model_max: int, kv_capacity: int) -> int:
+    """The context limit, tokens: the model's, capped by what the KV pool holds.
+
+    Raises:
+        ValueError: an explicit ``max_model_len`` larger than the model's or
+            than the KV pool (vLLM refuses to start in the same case).
+    """
+    if requested is None:
+        if kv_capacity < model_max:
+            logger.warning("max_model_len capped from %d to %d tokens: the KV pool holds no more "
+                           "(raise kv_cache_memory / gpu_memory_utilization for longer contexts)",
+                           model_max, kv_capacity)
+        return min(model_max, kv_capacity)
+    if requested > model_max:
+        raise ValueError(f"max_model_len {requested} exceeds the model's context of {model_max} tokens")
+    if requested > kv_capacity:
+        raise ValueError(
+            f"max_model_len {requested} needs more KV cache than the pool holds ({kv_capacity} tokens): "
+            "raise kv_cache_memory (CPU) or gpu_memory_utilization (CUDA), or lower max_model_len")
+    return requested
+
+
+class EngineCore:
+    """Continuous-batching core over a paged KV cache.
+
+    Args:
+        args: engine configuration (vLLM's names).
+
+    Raises:
+        FileNotFoundError, ValueError: the model cannot be loaded.
+        MemoryError: the KV pool does not fit (the message says which setting to lower).
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        if args.device != "cuda":
+            configure_core_threads(args.num_threads)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype)
+        model, self.tokenizer, self.model_config = load_model(args)
+        self.served_model_name = args.served_model_name or (
+            DEFAULT_MODEL if _is_default_model(args.model) else self.model_config.name)
+        num_blocks, num_cpu_blocks = ModelRunner.determine_num_blocks(args, self.model_config, self.device, self.dtype)
+        self.max_model_len = _resolve_max_model_len(
+            args.max_model_len, self.model_config.max_position_embeddings, (num_blocks - 1) * args.block_size)
+        self.model_runner = ModelRunner(args, model, self.model_config, self.device, self.dtype,
+                                        num_blocks, num_cpu_blocks)
+        if args.max_num_batched_tokens is not None:
+            budget = args.max_num_batched_tokens
+        elif args.enable_chunked_prefill:
+            budget = _DEFAULT_CHUNKED_BUDGET
+        else:
+            budget = max(self.max_model_len, _DEFAULT_CHUNKED_BUDGET)
+        self.max_num_batched_tokens = budget
+        self.scheduler = Scheduler(
+            block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=budget, max_model_len=self.max_model_len,
+            enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
+            scheduling_policy=args.scheduling_policy, num_cpu_blocks=num_cpu_blocks,
+        )
+        self.sampler = Sampler(self.model_config.vocab_size, self.device, seed=args.seed)
+        self._structured_outputs: StructuredOutputManager | None = None  # built on first use
+        self._structured_outputs_lock = threading.Lock()
+        self.num_blocks = num_blocks
+        self._seqs: dict[str, Request] = {}  # sequence id -> its request
+        self._groups: dict[str, list[Request]] = {}  # client request id -> its sequences
+        self._prompt_logprobs: dict[str, list] = {}  # client request id -> prompt logprobs not yet sent
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s blocks=%d block_size=%d max_model_len=%d "
+            "max_num_batched_tokens=%d", self.served_model_name, self.device, self.dtype, num_blocks,
+            args.block_size, self.max_model_len, budget,
+        )
+
+    # ------------------------------------------------------------------ input
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
+                    arrival_time: float | None = None) -> None:
+        """Queue a tokenized request (``params.n`` sequences).
+
+        Raises:
+            ValueError: duplicate id, empty prompt, token id out of the
+                vocabulary, prompt + ``max_tokens`` over ``max_model_len``.
+        """
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        max_tokens = self._check_prompt(token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        n = params.n
+        group = ForkGroup(parent_id=request_id) if n > 1 else None
+        seqs = []
+        for index in range(n):
+            req = Request(
+                request_id=f"{request_id}-{index}" if n > 1 else request_id, prompt_token_ids=token_ids,
+                sampling_params=params, eos_token_id=self.tokenizer.eos_token_id, max_tokens=max_tokens,
+                arrival_time=arrival, priority=priority, parent_id=request_id, index=index, group=group,
+            )
+            if group is not None:
+                group.members.append(req)
+            seqs.append(req)
+        if params.structured_outputs is not None:
+            for req in seqs:  # compiles (or finds in the cache) before anything is queued
+                self.structured_outputs.add(req.request_id, params.structured_outputs)
+        for req in seqs:
+            self.scheduler.add_request(req)
+            self._seqs[req.request_id] = req
+        self._groups[request_id] = seqs
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = [None]
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
+        """The resolved ``max_tokens`` of a valid prompt.
+
+        Raises:
+            ValueError: empty, a token id out of the vocabulary, or over ``max_model_len``.
+        """
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        num_prompt = len(token_ids)
+        if num_prompt >= self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, "
+                             f"but the prompt has {num_prompt} tokens (max_model_len)")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} "
+                f"for the completion) (max_model_len)")
+        return max_tokens
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort client requests (all their sequences) and free their blocks now."""
+        for rid in list(request_ids):
+            seqs = self._groups.get(rid)
+            if seqs is None:
+                continue
+            self.scheduler.finish_requests([s.request_id for s in seqs if not s.is_finished],
+                                           RequestStatus.FINISHED_ABORTED)
+            self._forget_group(rid)
+
+    def abort_all(self) -> list[str]:
+        """Abort every request; returns their ids."""
+        ids = list(self._groups)
+        self.abort_requests(ids)
+        return ids
+
+    def finish_sequences(self, stops: Iterable[tuple[str, int, str]]) -> None:
+        """Finish choices that a stop string ended, (request id, index, stop
+        string) each, as "stop"; free their blocks. Unknown ones are ignored."""
+        for rid, index, stop in stops:
+            seqs = self._groups.get(rid)
+            if seqs is None or index >= len(seqs):
+                continue
+            seq = seqs[index]
+            if not seq.is_finished:
+                self.scheduler.finish_requests([seq.request_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+            if all(s.is_finished for s in seqs):
+                self._forget_group(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one scheduling step; the news of every choice that sampled a
+        token or finished: 1. schedule, 2. run the model, 3. sample
+        (grammar-constrained rows masked), 4. advance the scheduler (EOS, stop
+        token ids, lengths), 5. report."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        runner_out = self.model_runner.execute_model(sched)
+        sampled, row_logprobs, grammar_done = self._sample(sched, runner_out)
+        for entry in sched.scheduled:
+            req = entry.request
+            if entry.num_computed_tokens < req.num_prompt_tokens:
+                self._prompt_tokens_total += min(entry.num_new_tokens,
+                                                 req.num_prompt_tokens - entry.num_computed_tokens)
+        self._collect_prompt_logprobs(sched, runner_out.prompt_logits)
+        finished = self.scheduler.update_from_output(sched, sampled)
+        self._stop_finished_grammars(grammar_done, finished)
+        self._generation_tokens_total += len(sampled)
+        outputs = [self._output(self._seqs[sid], [tok], row_logprobs.get(sid))
+                   for sid, tok in sampled.items() if sid in self._seqs]
+        outputs += [self._output(req, [], None) for req in finished  # finished without a token (max_model_len)
+                    if req.request_id not in sampled and req.request_id in self._seqs]
+        for rid in {o.request_id for o in outputs if o.finish_reason is not None}:
+            if all(s.is_finished for s in self._groups[rid]):
+                self._forget_group(rid)
+        return outputs
+
+    def _sample(self, sched, runner_out) -> tuple[dict[str, int], dict[str, dict], list[str]]:
+        """(sequence id -> sampled token, sequence id -> its logprobs,
+        sequences whose grammar just completed)."""
+        rows = [sched.scheduled[i].request for i in runner_out.sample_indices]
+        sampled: dict[str, int] = {}
+        row_logprobs: dict[str, dict] = {}
+        grammar_done: list[str] = []
+        if not rows:
+            return sampled, row_logprobs, grammar_done
+        so = self._structured_outputs
+        bitmask = so.grammar_bitmask([r.request_id for r in rows]) if so is not None else None
+        sampler_out = self.sampler.sample(runner_out.logits, rows, grammar_bitmask=bitmask)
+        for req, tok, lp in zip(rows, sampler_out.token_ids, sampler_out.logprobs):
+            sampled[req.request_id] = tok
+            if lp is not None:
+                row_logprobs[req.request_id] = lp
+            if bitmask is not None and so.accept(req.request_id, tok):
+                grammar_done.append(req.request_id)
+        return sampled, row_logprobs, grammar_done
+
+    def _output(self, req: Request, tokens: list[int], logprobs: dict[int, Logprob] | None) -> EngineCoreOutput:
+        """One choice's news; the group's leader gives the request-level fields."""
+        leader = self._groups[req.parent_id][0]
+        if logprobs is not None:
+            new_logprobs = [logprobs]
+        else:
+            new_logprobs = None if req.sampling_params.logprobs is None or not tokens else []
+        done = req.is_finished
+        return EngineCoreOutput(
+            request_id=req.parent_id, index=req.index, new_token_ids=tokens, new_logprobs=new_logprobs,
+            finish_reason=req.status.finish_reason if done else None, stop_reason=req.stop_reason if done else None,
+            stop_terminated=req.status == RequestStatus.FINISHED_STOPPED, num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=max(leader.num_cached_tokens, 0), arrival_time=leader.arrival_time,
+            first_scheduled_time=leader.first_scheduled_time, first_token_time=req.first_token_time,
+            prompt_logprobs=self._prompt_logprobs.pop(req.parent_id, None) if tokens else None,
+        )
+
+    # ---------------------------------------------------------------- helpers
+    def _forget_group(self, rid: str) -> None:
+        for seq in self._groups.pop(rid, []):
+            self._seqs.pop(seq.request_id, None)
+            self.sampler.free(seq.request_id)
+            if self._structured_outputs is not None:
+                self._structured_outputs.free(seq.request_id)
+        self._prompt_logprobs.pop(rid, None)
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """Grammar compiler and matchers (built on first use: importing
+        xgrammar takes seconds)."""
+        with self._structured_outputs_lock:
+            if self._structured_outputs is None:
+                self._structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
+        return self._structured_outputs
+
+    def compile_grammar(self, params) -> None:
+        """Compile (and cache) a ``StructuredOutputsParams`` grammar; safe
+        from any thread.
+
+        Raises:
+            ValueError: the spec is invalid or unsupported (names the part).
+        """
+        self.structured_outputs.compile(params)
+
+    def _stop_finished_grammars(self, request_ids: list[str], finished: list[Request]) -> None:
+        """Finish ("stop") sequences whose grammar terminated but that are
+        still running (e.g. ``ignore_eos``, or a grammar stop token that is
+        not EOS)."""
+        for rid in request_ids:
+            req = self._seqs.get(rid)
+            if req is not None and not req.is_finished:
+                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
+                finished.append(req)
+
+    def _collect_prompt_logprobs(self, sched, prompt_logits: dict) -> None:
+        """Store this chunk's prompt logprobs at their positions: the logits at
+        position p score token p+1. Positions already stored (a chunk
+        recomputed after preemption) keep their first value."""
+        for entry in sched.scheduled:
+            req = entry.request
+            logits = prompt_logits.get(req.request_id)
+            collected = self._prompt_logprobs.get(req.parent_id)
+            if logits is None or req.index != 0 or collected is None:
+                continue
+            start = entry.num_computed_tokens
+            end = min(start + entry.num_new_tokens, req.num_prompt_tokens)
+            targets = req.prompt_token_ids[start + 1:end + 1]
+            if start + 1 > len(collected):
+                raise RuntimeError(f"request {req.parent_id}: prompt logprobs missing before position {start + 1} "
+                                   "(a cached prefix was read)")
+            new = targets[len(collected) - start - 1:]
+            if new:
+                collected.extend(prompt_logprobs(logits[len(targets) - len(new):len(targets)], new,
+                                                 req.sampling_params.prompt_logprobs))
+
+    # ------------------------------------------------------------------ stats
+    def get_stats(self) -> EngineStats:
+        """Snapshot of the live signals (cheap; called per gateway request)."""
+        s = self.scheduler
+        in_flight = sum(r.num_tokens for seqs in self._groups.values() for r in seqs if not r.is_finished)
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, tokens_in_flight=in_flight,
+            prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
+        )

@@ -1,0 +1,168 @@
+"""Output processing: the engine core's raw tokens -> ``RequestOutput`` deltas.
+
+The core (``engine/engine_core.py``) reports, per choice and step, the
+sampled token ids, raw logprobs and why the core finished it. Here, in the
+front end, as in vLLM v1's ``OutputProcessor``
+(vllm/v1/engine/output_processor.py): each choice's
+``IncrementalDetokenizer`` turns tokens into text and applies the stop
+strings; logprobs get their decoded tokens; the choices of one client
+request are assembled into one ``RequestOutput`` with its metrics. A stop
+string that ends a choice is returned in ``ProcessedOutputs.stops`` and the
+caller tells the core (``EngineCore.finish_sequences``), which frees its
+blocks. Output the core produced for a choice after that (the core in
+another process may have run one more step) is dropped.
+
+Not thread-safe: one owner (``LLMEngine``, or ``AsyncEngine`` under its lock).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core_messages import EngineCoreOutput
+from engine.detokenizer import IncrementalDetokenizer, fill_decoded_tokens
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class _RequestState:
+    """Front-end state of one client request."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    detokenizers: list[IncrementalDetokenizer]
+    finished: list[bool]
+    prompt_logprobs: list | None = None
+    first_token_time: float | None = None
+
+
+@dataclass
+class ProcessedOutputs:
+    """What one batch of core outputs became.
+
+    Attributes:
+        request_outputs: one delta ``RequestOutput`` per client request with news.
+        stops: (request id, choice index, stop string) of the choices a stop
+            string ended: hand them to ``EngineCore.finish_sequences``.
+    """
+
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    stops: list[tuple[str, int, str]] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Detokenizes, applies stop strings and assembles outputs of live requests.
+
+    Args:
+        tokenizer: ``engine.tokenizer.Tokenizer`` (or anything with ``decode``).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        """Start tracking a request the core accepted (or is about to).
+
+        Raises:
+            ValueError: ``request_id`` is already live.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._requests[request_id] = _RequestState(
+            prompt=prompt, prompt_token_ids=prompt_token_ids,
+            detokenizers=[IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in range(params.n)],
+            finished=[False] * params.n)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        """Live (unfinished) requests."""
+        return len(self._requests)
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def forget(self, request_id: str) -> None:
+        """Stop tracking a request (the core refused or failed it)."""
+        self._requests.pop(request_id, None)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Forget a request; its final output with ``finish_reason="abort"``
+        for every unfinished choice (None when it was not live)."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        return RequestOutput(
+            request_id=request_id, prompt=None, prompt_token_ids=[], finished=True,
+            outputs=[CompletionOutput(index=i, finish_reason="abort")
+                     for i, done in enumerate(state.finished) if not done])
+
+    def process_outputs(self, outputs: list[EngineCoreOutput], now: float) -> ProcessedOutputs:
+        """Turn one step's core outputs into delta ``RequestOutput``s.
+
+        Args:
+            outputs: the core's news of one step.
+            now: ``time.monotonic()`` of that step (the outputs' last token time).
+        """
+        result = ProcessedOutputs()
+        deltas: dict[str, list[CompletionOutput]] = {}
+        last: dict[str, EngineCoreOutput] = {}
+        for out in outputs:
+            state = self._requests.get(out.request_id)
+            if state is None or state.finished[out.index]:
+                continue  # aborted, or ended by a stop string while the core ran one more step
+            deltas.setdefault(out.request_id, []).append(self._choice(state, out, result.stops))
+            last[out.request_id] = out
+        for rid, choices in deltas.items():
+            result.request_outputs.append(self._request_output(rid, choices, last[rid], now))
+        return result
+
+    def _choice(self, state: _RequestState, out: EngineCoreOutput,
+                stops: list[tuple[str, int, str]]) -> CompletionOutput:
+        """One choice's delta: text from its detokenizer, stop strings applied."""
+        if out.first_token_time is not None:
+            first = state.first_token_time
+            state.first_token_time = out.first_token_time if first is None else min(first, out.first_token_time)
+        if out.prompt_logprobs is not None:
+            for position in out.prompt_logprobs:
+                fill_decoded_tokens(self.tokenizer, position)
+            state.prompt_logprobs = out.prompt_logprobs
+        for position in out.new_logprobs or []:
+            fill_decoded_tokens(self.tokenizer, position)
+        detok = state.detokenizers[out.index]
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        text, stop = "", None
+        if out.new_token_ids:  # a stop token id (or EOS) that ended the choice stays out of the text
+            text, stop = detok.update(out.new_token_ids, stop_terminated=out.stop_terminated)
+        if stop is not None:  # a stop string wins over a length limit hit by the same token
+            if finish_reason is None:
+                stops.append((out.request_id, out.index, stop))
+            finish_reason, stop_reason = "stop", stop
+        elif finish_reason is not None:
+            text += detok.flush()
+        if finish_reason is not None:
+            state.finished[out.index] = True
+        return CompletionOutput(
+            index=out.index, text=text, token_ids=list(out.new_token_ids), logprobs=out.new_logprobs,
+            finish_reason=finish_reason, stop_reason=stop_reason, num_generated_tokens=out.num_output_tokens)
+
+    def _request_output(self, rid: str, choices: list[CompletionOutput], last: EngineCoreOutput,
+                        now: float) -> RequestOutput:
+        """Assemble a request's choices; a request whose choices all finished is forgotten."""
+        state = self._requests[rid]
+        all_done = all(state.finished)
+        if all_done:
+            del self._requests[rid]
+        return RequestOutput(
+            request_id=rid, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+            outputs=sorted(choices, key=lambda o: o.index), finished=all_done,
+            prompt_logprobs=state.prompt_logprobs, num_cached_tokens=last.num_cached_tokens,
+            metrics=RequestMetrics(arrival_time=last.arrival_time, first_scheduled_time=last.first_scheduled_time,
+                                   first_token_time=state.first_token_time, last_token_time=now,
+                                   finished_time=now if all_done else None),
+        )
