@@ -42,7 +42,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.protocol import RequestValidationError
+from engine.entrypoints.protocol import RequestValidationError
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured_outputs import check_json_schema
 

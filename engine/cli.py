@@ -23,7 +23,7 @@ def register(subparsers) -> None:
     eng = subparsers.add_parser("engine", help="the engine alone")
     eng_sub = eng.add_subparsers(dest="engine_command", required=True, metavar="COMMAND")
     serve = eng_sub.add_parser("serve", help="serve the engine behind its own OpenAI-compatible server")
-    from engine.server import add_serve_args, run_server
+    from engine.entrypoints.server import add_serve_args, run_server
 
     add_serve_args(serve)
     serve.set_defaults(func=run_server)

@@ -222,7 +222,7 @@ def paged_attention(
     ``KV_TILE``-token tiles summed in order, are the outputs. The padding
     (to ``KV_PAD`` tokens) only appends exact zeros to each reduction, and
     with these shapes oneDNN's bfloat16 matmul gives each output element the
-    same bits whatever the number of rows (tests/test_batch_invariance.py). Decodes are
+    same bits whatever the number of rows (tests/engine/test_batch_invariance.py). Decodes are
     sorted by length and attended in chunks; a prefill chunk's queries in
     tiles of ``QUERY_TILE`` rows. This does ``num_kv_heads`` times the
     (small) arithmetic of a per-head layout but no copy of the keys, and is

@@ -5,6 +5,7 @@ Sub-commands of ``loadtest``:
   upstream  serve the minimal fast upstream (``loadtests/upstream.py``)
   overhead  scenario 1: gateway overhead vs the upstream direct
   engine    scenario 2: ``tandem engine serve`` vs HF transformers on MT-Bench
+  core-modes  the engine core in its own process vs in a thread of the server (interleaved)
   canary    scenario 3: canary 5 -> 25 -> 100 % under load
   failover  scenario 4: kill the primary upstream under load
   prefix    scenario 5: MT-Bench turn 2 TTFT with prefix caching on vs off
@@ -113,10 +114,10 @@ def _add_upstream(sub) -> None:
 
 def add_commands(sub) -> None:
     """Add the ``loadtest`` sub-commands to ``sub`` (an argparse subparsers object)."""
-    from loadtests.scenarios import canary, engine, failover, overhead, prefix
+    from loadtests.scenarios import canary, core_modes, engine, failover, overhead, prefix
     _add_run(sub)
     _add_upstream(sub)
-    for mod in (overhead, engine, canary, failover, prefix):
+    for mod in (overhead, engine, core_modes, canary, failover, prefix):
         mod.register(sub)
 
 

@@ -16,7 +16,7 @@ import sys
 
 # Triton's interpreter must be chosen before triton is first imported (it wraps
 # tl.* at import), so the whole CPU-only test process runs Triton kernels
-# interpreted: tests/test_kernels.py and tests/test_engine_triton.py rely on it.
+# interpreted: tests/test_kernels.py and tests/engine/test_engine_triton.py rely on it.
 if "triton" not in sys.modules and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import shutil

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from engine.device import configure_core_threads, resolve_device, resolve_dtype  # noqa: F401 - re-exported
+from engine.device import configure_core_threads, resolve_device, resolve_dtype
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 

@@ -133,7 +133,7 @@ class Int4Linear:
 
         Each output row depends on its own input row only: measured bitwise
         equal for one row alone and inside batches of 1 to 128 rows
-        (tests/test_quant_linear.py).
+        (tests/engine/test_quant_linear.py).
         """
         lead = x.shape[:-1]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -1,6 +1,7 @@
-"""The ``local`` backend: the engine in this process (``engine.async_engine.
-AsyncEngine`` behind ``engine.serving.OpenAIServing``, the same OpenAI layer
-as ``tandem engine serve``)."""
+"""The ``local`` backend: the co-located engine (``engine.async_engine.
+AsyncEngine``, its core in a child process by default) behind
+``engine/entrypoints/chat.py`` and ``completion.py``, the same OpenAI layer
+as ``tandem engine serve``."""
 
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ class LocalBackend:
         try:   # lazy: the engine (and torch) load only when a local backend starts
             from engine.async_engine import AsyncEngine
             from engine.config import EngineArgs
-            from engine.serving import OpenAIServing, ServingError
+            from engine.entrypoints.chat import OpenAIServingChat
+            from engine.entrypoints.completion import OpenAIServingCompletion
+            from engine.entrypoints.protocol import ServingError
 
             args = EngineArgs(**self.cfg.engine.engine_kwargs())
             engine = AsyncEngine(args)
@@ -47,7 +50,9 @@ class LocalBackend:
             self.engine = engine
             self.served_model_name = engine.served_model_name
             self.max_model_len = engine.max_model_len
-            self.serving, self.serving_error = OpenAIServing(engine, engine.served_model_name), ServingError
+            self.serving = {"chat/completions": OpenAIServingChat(engine, engine.served_model_name).create_chat_completion,
+                            "completions": OpenAIServingCompletion(engine, engine.served_model_name).create_completion}
+            self.serving_error = ServingError
             self.available, self.unavailable_reason = True, ""
             log.info("local engine ready: %s (max_model_len %s)", self.served_model_name, self.max_model_len)
         except Exception as e:  # noqa: BLE001 -- reported, backend marked unavailable
@@ -66,7 +71,7 @@ class LocalBackend:
 
     def count_prompt_tokens(self, body: dict) -> int | None:
         """Prompt length in tokens as the engine will run it: its tokenizer, with the request's chat-template and
-        special-token options at ``engine/protocol.py``'s defaults; None when the engine is not loaded."""
+        special-token options at ``engine/entrypoints/protocol.py``'s defaults; None when the engine is not loaded."""
         if self.engine is None:
             return None
         tok = self.engine.tokenizer
@@ -89,7 +94,7 @@ class LocalBackend:
     async def _call(self, endpoint: str, body: dict, request_id: str, priority: int):
         if self.serving is None:
             raise BackendError("unavailable", f"{self.name}: {self.unavailable_reason}", 503)
-        fn = self.serving.create_chat_completion if endpoint == "chat/completions" else self.serving.create_completion
+        fn = self.serving["chat/completions" if endpoint == "chat/completions" else "completions"]
         try:
             return await fn(body, request_id, priority)
         except self.serving_error as e:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine.config import EngineArgs, default_model_path
-from engine.model_loader import load_model, resolve_device, resolve_dtype
+from engine.device import resolve_device, resolve_dtype
+from engine.model_loader import load_model
 from engine.model_loader.gguf_loader import unpermute_qk
 from engine.model_runner import ModelRunner
 from engine.request import Request

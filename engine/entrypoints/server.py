@@ -8,7 +8,8 @@ Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``)
 with the right status; a client that disconnects (mid-stream or while
 waiting for a non-streamed answer) aborts its request, which frees its KV
 blocks. The HTTP layer only parses JSON and maps errors: everything else is
-``engine.serving.OpenAIServing``, which the gateway also calls in-process.
+``engine/entrypoints/chat.py`` and ``completion.py``, which the gateway's
+local backend also calls in-process.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from engine.async_engine import AsyncEngine
 from engine.metrics import EngineMetrics
-from engine.serving import OpenAIServing, ServingError
+from engine.entrypoints.chat import OpenAIServingChat
+from engine.entrypoints.completion import OpenAIServingCompletion
+from engine.entrypoints.protocol import ServingError
 
 logger = logging.getLogger("tandem.server")
 
@@ -88,16 +91,16 @@ def _respond(result: dict | AsyncIterator[bytes]) -> Response:
                   background=BackgroundTask(result.aclose))
 
 
-def _serving(request: Request) -> OpenAIServing:
-    """The app's ``OpenAIServing`` (503 until startup created it)."""
-    serving: OpenAIServing | None = request.app.state.get("serving")
+def _serving(request: Request, kind: str) -> OpenAIServingChat | OpenAIServingCompletion:
+    """The app's serving object of ``kind`` ("chat" or "completion"; 503 until startup created it)."""
+    serving = request.app.state.get(kind)
     if serving is None:
         raise ServingError(503, "the engine is not ready", type="server_error", code="engine_not_ready")
     return serving
 
 
 async def _generate(request: Request, kind: str) -> Response:
-    serving = _serving(request)
+    serving = _serving(request, kind)
     body = await _json_body(request)
     if kind == "chat":
         call = serving.create_chat_completion(body, request_id=f"chatcmpl-{uuid.uuid4().hex}")
@@ -126,7 +129,7 @@ async def completions(request: Request) -> Response:
 @get("/v1/models")
 async def models(request: Request) -> Response:
     """The served model."""
-    return Response(content=_serving(request).models(), media_type="application/json")
+    return Response(content=_serving(request, "chat").models(), media_type="application/json")
 
 
 @get("/health")
@@ -168,14 +171,15 @@ def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0) -> Litestar:
         engine: an ``AsyncEngine`` (started or not).
         drain_timeout: seconds to let running requests finish on shutdown.
 
-    ``app.state``: ``engine``, ``serving`` (after startup), ``registry``
+    ``app.state``: ``engine``, ``chat`` and ``completion`` (after startup), ``registry``
     (this app's own ``CollectorRegistry``).
     """
     registry = CollectorRegistry()
 
     async def on_startup(app: Litestar) -> None:
         await engine.start()
-        app.state.serving = OpenAIServing(engine, engine.served_model_name)
+        app.state.chat = OpenAIServingChat(engine, engine.served_model_name)
+        app.state.completion = OpenAIServingCompletion(engine, engine.served_model_name)
         EngineMetrics(registry, engine, engine.served_model_name).attach()
 
     async def on_shutdown(app: Litestar) -> None:

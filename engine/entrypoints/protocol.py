@@ -1,5 +1,5 @@
 """Request schemas of the OpenAI-compatible API (text generation), with
-vLLM's extra sampling fields.
+vLLM's extra sampling fields, and the OpenAI error (``ServingError``).
 
 The schemas are ``msgspec.Struct``s: ``parse_request(body, ChatCompletionRequest)``
 converts a decoded JSON object, checks every field's type and returns an
@@ -105,6 +105,33 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     suffix: str | None = None
     # vLLM extras
     add_special_tokens: bool = True
+
+
+class ServingError(Exception):
+    """An error to return to the client in OpenAI's format.
+
+    Attributes:
+        status_code: HTTP status (400 bad input, 404 unknown model, 503
+            draining or dead engine, 500 internal).
+        message: human-readable, names the parameter at fault.
+        type: OpenAI error type ("invalid_request_error", "server_error", ...).
+        param: the request field at fault, or None.
+        code: OpenAI error code (e.g. "model_not_found"), or None.
+    """
+
+    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict:
+        """``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
 
 
 T = TypeVar("T")

@@ -18,7 +18,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.invariance_probe import first_difference, probe
+from tests.engine.invariance_probe import first_difference, probe
 from tests.gateway.support import ROOT, GatewayProcess
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ BASE = dict(dtype="bfloat16", kv_cache_memory="192MiB")
 
 
 def _questions() -> list[str]:
-    lines = (Path(__file__).parent / "data" / "mt_bench_questions.jsonl").read_text().splitlines()
+    lines = (Path(__file__).resolve().parents[1] / "data" / "mt_bench_questions.jsonl").read_text().splitlines()
     return [json.loads(line)["turns"][0] for line in lines[:NUM_PROMPTS]]
 
 

@@ -27,7 +27,7 @@ NEW_TOKENS = 64
 GGUF_PROMPTS = 5
 TIE_GAP = 1e-3
 LOGPROB_TOL = 1e-3
-DATA = Path(__file__).parent / "data" / "mt_bench_questions.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "data" / "mt_bench_questions.jsonl"
 
 
 def _conversations() -> list[list[dict]]:

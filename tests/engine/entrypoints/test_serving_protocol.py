@@ -6,10 +6,12 @@ import asyncio
 
 import pytest
 
-from engine.protocol import ChatCompletionRequest, CompletionRequest, RequestValidationError, parse_request
+from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, RequestValidationError, parse_request
 from engine.outputs import CompletionOutput, Logprob
-from engine.serving import (ServingError, _byte_decoder, _cut_after_final_message, _merge, _merge_choice,
-                            _normalize_messages)
+from engine.entrypoints.chat import cut_after_final_message, normalize_messages
+from engine.entrypoints.logprobs import _byte_decoder
+from engine.entrypoints.protocol import ServingError
+from engine.entrypoints.serving import merge_choice, merge_streams
 
 
 def test_chat_request_defaults_and_vllm_extras():
@@ -54,7 +56,7 @@ def test_serving_error_is_openai_shaped():
 
 
 def test_messages_are_normalized_for_templates():
-    msgs = _normalize_messages([
+    msgs = normalize_messages([
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None},
@@ -64,13 +66,13 @@ def test_messages_are_normalized_for_templates():
     for bad in ([], [{"content": "x"}], [{"role": "user", "content": [{"type": "image_url"}]}],
                 [{"role": "user", "content": 3}]):
         with pytest.raises(ServingError) as exc:
-            _normalize_messages(bad)
+            normalize_messages(bad)
         assert exc.value.status_code == 400 and exc.value.param == "messages"
 
 
 def test_continue_final_message_cuts_after_its_content():
     text = "<s>user: hi</s><s>assistant: Once upon</s>\n"
-    assert _cut_after_final_message(text, [{"role": "assistant", "content": "Once upon"}]) == \
+    assert cut_after_final_message(text, [{"role": "assistant", "content": "Once upon"}]) == \
         "<s>user: hi</s><s>assistant: Once upon"
 
 
@@ -81,12 +83,12 @@ def test_merge_choice_accumulates_deltas():
               CompletionOutput(0, "", [], None, finish_reason="stop", stop_reason="x", num_generated_tokens=3)]
     ch = CompletionOutput(0)
     for d in deltas:
-        _merge_choice(ch, d)
+        merge_choice(ch, d)
     assert (ch.text, ch.token_ids, ch.logprobs) == ("abc", [7, 8, 9], lp)
     assert (ch.finish_reason, ch.stop_reason, ch.num_generated_tokens) == ("stop", "x", 3)
     assert deltas[0].logprobs == lp[:1] and deltas[0].token_ids == [7]  # the deltas are not mutated
     plain = CompletionOutput(0)
-    _merge_choice(plain, CompletionOutput(0, "a", [7], num_generated_tokens=1))
+    merge_choice(plain, CompletionOutput(0, "a", [7], num_generated_tokens=1))
     assert plain.logprobs is None
 
 
@@ -107,11 +109,11 @@ async def test_merge_interleaves_and_closes_every_stream():
         finally:
             closed.append(name)
 
-    items = [item async for item in _merge([stream("a", 3, 0.001), stream("b", 2, 0.002)])]
+    items = [item async for item in merge_streams([stream("a", 3, 0.001), stream("b", 2, 0.002)])]
     assert sorted(items) == [(0, "a0"), (0, "a1"), (0, "a2"), (1, "b0"), (1, "b1")]
     assert sorted(closed) == ["a", "b"]
     closed.clear()
-    merged = _merge([stream("a", 100, 0.001), stream("b", 100, 0.001)])
+    merged = merge_streams([stream("a", 100, 0.001), stream("b", 100, 0.001)])
     async for _ in merged:
         break
     await merged.aclose()  # the consumer went away: both streams are closed
@@ -122,7 +124,7 @@ def test_serve_args_use_vllm_flag_names():
     import argparse
 
     from engine.config import default_model_path, engine_args_from_cli
-    from engine.server import add_serve_args
+    from engine.entrypoints.server import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

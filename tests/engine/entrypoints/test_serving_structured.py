@@ -22,11 +22,11 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from engine.chat_structured import GENERIC_TOOL_PROMPT, plan_chat
-from engine.protocol import ChatCompletionRequest, parse_request
+from engine.entrypoints.protocol import ChatCompletionRequest, parse_request
 from engine.tokenizer import _compile_template
-from tests.test_serving import LiveServer, start_server
+from tests.engine.entrypoints.test_serving import LiveServer, start_server
 
-SCHEMAS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())
+SCHEMAS = json.loads((Path(__file__).resolve().parents[2] / "data" / "json_schemas.json").read_text())
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {

@@ -12,7 +12,7 @@ import pytest
 from engine.config import default_model_path
 from engine.tokenizer import Tokenizer
 
-DATA = Path(__file__).parent / "data" / "mt_bench_questions.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "data" / "mt_bench_questions.jsonl"
 TRICKY = [
     "", " ", "Hello world 12345 and 3.14159", " hi  there\n\n  x", "안녕하세요 세계 😀 café", "日本語のテキスト、中文。",
     "<|im_start|>user\nhi<|im_end|>\n", "x<|endoftext|>y<|im_end|>", "naïve façade — “quotes” ½ ² ³ ١٢٣ 𝟘𝟙",

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineArgs
-from engine.server import build_app
+from engine.entrypoints.server import build_app
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
@@ -291,7 +291,7 @@ def cli_server(*flags: str):
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "engine", "serve", "--port", str(port),
                              "--uvicorn-log-level", "warning", *flags],
-                            cwd=Path(__file__).resolve().parent.parent, stdout=log, stderr=subprocess.STDOUT)
+                            cwd=Path(__file__).resolve().parents[3], stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         def up() -> bool:

@@ -10,7 +10,7 @@ and scheduling settings, end to end through real HTTP (the official
   refuses a non-zero one with a 400 naming it; a priority server serves the
   more important request first, preempting the less important one.
 
-Servers run in-process (``tests.test_serving.start_server``: build_app +
+Servers run in-process (``tests.engine.entrypoints.test_serving.start_server``: build_app +
 uvicorn in a thread on a free 127.0.0.1 port).
 """
 
@@ -21,7 +21,7 @@ import concurrent.futures
 import openai
 import pytest
 
-from tests.test_serving import (
+from tests.engine.entrypoints.test_serving import (
     LiveServer, chat, chat_stream, complete, complete_stream, counting_prompt, scrape, start_server,
     stream_text, wait_until,
 )

@@ -1,0 +1,232 @@
+"""``POST /v1/chat/completions`` over an ``AsyncEngine`` (vLLM's
+``entrypoints/openai/serving_chat.py``): messages -> chat template -> token
+ids -> engine; the ``chat.completion`` object or ``chat.completion.chunk``
+SSE events back, with tool calls parsed (``engine/chat_structured.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from engine.chat_structured import ToolCallParser, parse_tool_calls, plan_chat
+from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidationError, ServingError
+from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, error_from_engine, reject_abort, sse, usage,
+                                        usage_options)
+from engine.outputs import CompletionOutput
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Chat completions.
+
+    Args:
+        engine: a started ``AsyncEngine``.
+        served_model_name: the only model name accepted (404 otherwise).
+    """
+
+    async def create_chat_completion(self, body: dict, request_id: str,
+                                     priority: int = 0) -> dict | AsyncIterator[bytes]:
+        """``POST /v1/chat/completions``.
+
+        Args:
+            body: the decoded JSON body.
+            request_id: unique id; also the response's ``id``.
+            priority: scheduling priority when the body has none (lower = first).
+
+        Returns:
+            The ``chat.completion`` object, or an async iterator of SSE lines
+            (``chat.completion.chunk`` objects, then ``[DONE]``) when streaming.
+
+        Raises:
+            ServingError: 400 bad input (names the parameter; prompt over
+                ``max_model_len``), 404 unknown model, 503 engine draining/dead.
+        """
+        req = self._parse(body, ChatCompletionRequest)
+        self._check_common(req)
+        if req.continue_final_message and req.add_generation_prompt:
+            raise ServingError(400, "continue_final_message: cannot be used with add_generation_prompt=true",
+                               param="continue_final_message")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ServingError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+        if req.top_logprobs is not None and not (0 <= req.top_logprobs <= 20):
+            raise ServingError(400, f"top_logprobs: must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
+        if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+            raise ServingError(400, f"max_completion_tokens: must be at least 1, got {req.max_completion_tokens}",
+                               param="max_completion_tokens")
+        messages = normalize_messages(req.messages)
+        tokenizer = self.engine.tokenizer
+        try:
+            plan = plan_chat(req, messages, tokenizer.chat_template)
+        except RequestValidationError as exc:
+            raise ServingError(400, str(exc), param=exc.param) from None
+        messages = plan.messages
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                 **plan.template_kwargs, **(req.chat_template_kwargs or {}))
+        except Exception as exc:  # jinja2.TemplateError, ValueError (no template)
+            raise ServingError(400, f"messages: the chat template failed: {exc}", param="messages") from None
+        if req.continue_final_message:
+            text = cut_after_final_message(text, messages)
+        token_ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._sampling_params(req, len(token_ids), max_tokens=max_tokens, logprobs=logprobs,
+                                       prompt_logprobs=req.prompt_logprobs, prompt_field="messages",
+                                       structured_outputs=plan.structured_outputs)
+        await self._compile_grammar(plan)
+        echo = ""
+        if req.echo and messages and messages[-1].get("role") == "assistant":
+            echo = messages[-1].get("content") or ""
+        prompt = Prompt(token_ids, None, params)
+        prio = req.priority if req.priority is not None else priority
+        top = req.top_logprobs or 0
+        if req.stream:
+            include_usage, continuous = usage_options(req)
+            return self._chat_stream(request_id, prompt, prio, bool(req.logprobs), top, echo,
+                                     include_usage, continuous, plan.parse_tool_calls)
+        return await self._chat_full(request_id, prompt, prio, bool(req.logprobs), top, echo, plan.parse_tool_calls)
+
+    async def _chat_full(self, request_id: str, prompt: Prompt, priority: int, want_logprobs: bool,
+                         top: int, echo: str, tool_calls: bool = False) -> dict:
+        choices, cached, prompt_lps = await self._collect(request_id, [prompt], priority)
+        out_choices = []
+        completion_tokens = 0
+        for index, ch in sorted(choices[0].items()):
+            reject_abort(ch.finish_reason)
+            completion_tokens += ch.num_generated_tokens
+            message = {"role": "assistant", "content": echo + ch.text, "refusal": None}
+            finish_reason = ch.finish_reason
+            if tool_calls:
+                message["content"], calls = parse_tool_calls(ch.text)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish_reason = tool_finish_reason(finish_reason)
+            out_choices.append({
+                "index": index,
+                "message": message,
+                "logprobs": {"content": self.logprobs.chat_logprobs(ch.token_ids, ch.logprobs or [], top),
+                             "refusal": None} if want_logprobs else None,
+                "finish_reason": finish_reason,
+                "stop_reason": ch.stop_reason,
+            })
+        response = {
+            "id": request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": self.served_model_name, "choices": out_choices,
+            "usage": usage(len(prompt.token_ids), completion_tokens, cached[0]),
+            "system_fingerprint": None,
+        }
+        if prompt.params.prompt_logprobs is not None:
+            response["prompt_logprobs"] = self.logprobs.prompt_logprobs_vllm(prompt.token_ids, prompt_lps[0])
+        return response
+
+    async def _chat_stream(self, request_id: str, prompt: Prompt, priority: int, want_logprobs: bool,
+                           top: int, echo: str, include_usage: bool, continuous: bool,
+                           tool_calls: bool = False) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        n = prompt.params.n
+        parsers = [ToolCallParser() for _ in range(n)] if tool_calls else None
+        num_prompt = len(prompt.token_ids)
+        generated = [0] * n
+        cached = 0
+
+        def chunk(choices: list, usage: dict | None = None) -> bytes:
+            return self._chunk(request_id, "chat.completion.chunk", created, choices, usage)
+
+        def runningusage() -> dict | None:
+            return usage(num_prompt, sum(generated), cached) if continuous else None
+
+        try:
+            for i in range(n):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo},
+                              "logprobs": None, "finish_reason": None}], runningusage())
+            async with contextlib.aclosing(self.engine.generate(
+                    prompt.token_ids, prompt.params, request_id, priority)) as stream:
+                async for out in stream:
+                    cached = out.num_cached_tokens
+                    for c in out.outputs:
+                        reject_abort(c.finish_reason)
+                        generated[c.index] = c.num_generated_tokens
+                        lps = None
+                        if want_logprobs and c.token_ids:
+                            lps = {"content": self.logprobs.chat_logprobs(c.token_ids, c.logprobs or [], top),
+                                   "refusal": None}
+                        deltas, finish_reason = stream_deltas(parsers, c)
+                        if not deltas and finish_reason is None and lps is None:
+                            continue
+                        deltas = deltas or [{}]
+                        for k, delta in enumerate(deltas):
+                            last = k == len(deltas) - 1
+                            choice = {"index": c.index, "delta": delta, "logprobs": lps if k == 0 else None,
+                                      "finish_reason": finish_reason if last else None}
+                            if last and finish_reason is not None:
+                                choice["stop_reason"] = c.stop_reason
+                            yield chunk([choice], runningusage())
+            if include_usage:
+                yield chunk([], usage(num_prompt, sum(generated), cached))
+        except Exception as exc:  # noqa: BLE001 - reported to the client, never a traceback
+            yield sse(error_from_engine(exc).to_dict())
+        yield DONE
+
+
+def tool_finish_reason(finish_reason: str | None) -> str | None:
+    """OpenAI's "tool_calls" for an output that ended with tool calls."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def stream_deltas(parsers: list[ToolCallParser] | None, c: CompletionOutput) -> tuple[list[dict], str | None]:
+    """A choice's streamed delta messages for this output and its finish reason."""
+    if parsers is None:
+        return ([{"content": c.text}] if c.text else []), c.finish_reason
+    parser = parsers[c.index]
+    deltas = parser.feed(c.text) + (parser.finish() if c.finish_reason is not None else [])
+    return deltas, tool_finish_reason(c.finish_reason) if parser.calls else c.finish_reason
+
+
+
+def normalize_messages(messages: list[dict]) -> list[dict]:
+    """Messages with string content (text parts joined by newlines), for templates.
+
+    Raises:
+        ServingError: a message is malformed or holds a non-text part.
+    """
+    if not messages:
+        raise ServingError(400, "messages: must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise ServingError(400, f"messages[{i}].role: must be a string", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if isinstance(part, str):
+                    parts.append(part)
+                elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                    parts.append(part["text"])
+                else:
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ServingError(400, f"messages[{i}].content: part type {kind!r} is not supported "
+                                            "(text only)", param="messages")
+            content = "\n".join(parts)
+        elif content is not None and not isinstance(content, str):
+            raise ServingError(400, f"messages[{i}].content: must be a string or a list of parts",
+                               param="messages")
+        msg = dict(m)
+        msg["role"] = "system" if role == "developer" else role
+        msg["content"] = content if content is not None else ""
+        out.append(msg)
+    return out
+
+
+def cut_after_final_message(text: str, messages: list[dict]) -> str:
+    """``continue_final_message``: end the prompt right after the last
+    message's content, so that the model continues it (transformers' rule)."""
+    final = messages[-1].get("content") or ""
+    idx = text.rfind(final) if final else -1
+    if idx < 0:
+        raise ServingError(400, "continue_final_message: the final message was not found in the rendered prompt",
+                           param="continue_final_message")
+    return text[: idx + len(final)]
+

@@ -1,0 +1,191 @@
+"""``POST /v1/completions`` (legacy completions) over an ``AsyncEngine``
+(vLLM's ``entrypoints/openai/serving_completion.py``): one or several
+prompts (text or token ids), ``echo``, legacy ``logprobs``; the
+``text_completion`` object or its SSE events back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from engine.chat_structured import ChatPlan, structured_outputs_extra
+from engine.entrypoints.logprobs import empty_completion_logprobs
+from engine.entrypoints.protocol import CompletionRequest, RequestValidationError, ServingError
+from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, engine_id, error_from_engine, merge_streams,
+                                        reject_abort, sse, usage, usage_options)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Legacy completions.
+
+    Args:
+        engine: a started ``AsyncEngine``.
+        served_model_name: the only model name accepted (404 otherwise).
+    """
+
+    # ------------------------------------------------------------ completions
+    async def create_completion(self, body: dict, request_id: str,
+                                priority: int = 0) -> dict | AsyncIterator[bytes]:
+        """``POST /v1/completions`` (legacy completions).
+
+        Args:
+            body: the decoded JSON body.
+            request_id: unique id; also the response's ``id``; with several
+                prompts the engine ids are ``f"{request_id}-{i}"``.
+            priority: scheduling priority when the body has none (lower = first).
+
+        Returns:
+            The ``text_completion`` object, or an async iterator of SSE lines.
+
+        Raises:
+            ServingError: 400 bad input (names the parameter), 404 unknown
+                model, 503 engine draining/dead.
+        """
+        req = self._parse(body, CompletionRequest)
+        self._check_common(req)
+        if req.suffix:
+            raise ServingError(400, "suffix: is not supported", param="suffix")
+        echo = bool(req.echo)
+        texts_and_ids = self._completion_prompts(req)
+        prompt_logprobs = req.prompt_logprobs
+        if echo and req.logprobs is not None:
+            prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+        try:
+            plan = ChatPlan(structured_outputs=structured_outputs_extra(req.structured_outputs),
+                            param="structured_outputs")
+        except RequestValidationError as exc:
+            raise ServingError(400, str(exc), param=exc.param) from None
+        await self._compile_grammar(plan)
+        prompts = []
+        for text, ids in texts_and_ids:
+            params = self._sampling_params(req, len(ids), max_tokens=req.max_tokens, logprobs=req.logprobs,
+                                           prompt_logprobs=prompt_logprobs, prompt_field="prompt",
+                                           structured_outputs=plan.structured_outputs)
+            prompts.append(Prompt(ids, text, params))
+        prio = req.priority if req.priority is not None else priority
+        if req.stream:
+            include_usage, continuous = usage_options(req)
+            return self._completion_stream(request_id, prompts, prio, req.logprobs, echo, include_usage, continuous)
+        return await self._completion_full(request_id, prompts, prio, req.logprobs, echo)
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """The request's prompts as (text or None, token ids)."""
+        p = req.prompt
+        vocab = self.engine.tokenizer.vocab_size
+        if isinstance(p, str):
+            items: list = [p]
+        elif p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            items = [p]
+        else:
+            items = list(p)
+        if not items:
+            raise ServingError(400, "prompt: must not be empty", param="prompt")
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                ids = self.engine.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+                out.append((item, ids))
+            elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+                if any(t < 0 or t >= vocab for t in item):
+                    raise ServingError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+                out.append((None, list(item)))
+            else:
+                raise ServingError(400, "prompt: must be a string, a list of strings, a list of token ids "
+                                        "or a list of token-id lists", param="prompt")
+            if not out[-1][1]:
+                raise ServingError(400, "prompt: must not be empty", param="prompt")
+        return out
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.engine.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+
+    async def _completion_full(self, request_id: str, prompts: list[Prompt], priority: int,
+                               logprobs: int | None, echo: bool) -> dict:
+        choices, cached, prompt_lps = await self._collect(request_id, prompts, priority)
+        out_choices = []
+        num_prompt = completion_tokens = 0
+        for p_idx, prompt in enumerate(prompts):
+            n = prompt.params.n
+            num_prompt += len(prompt.token_ids)
+            prefix = self._prompt_text(prompt) if echo else ""
+            for index, ch in sorted(choices[p_idx].items()):
+                reject_abort(ch.finish_reason)
+                completion_tokens += ch.num_generated_tokens
+                lps = None
+                if logprobs is not None:
+                    lps = empty_completion_logprobs()
+                    offset = 0
+                    if echo:
+                        offset = self.logprobs.append_prompt_logprobs(lps, prompt.token_ids, prompt_lps[p_idx], logprobs)
+                    self.logprobs.append_completion_logprobs(lps, ch.token_ids, ch.logprobs or [], logprobs, offset)
+                choice = {"index": p_idx * n + index, "text": prefix + ch.text, "logprobs": lps,
+                          "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                if prompt.params.prompt_logprobs is not None and not echo:  # vLLM: per choice
+                    choice["prompt_logprobs"] = self.logprobs.prompt_logprobs_vllm(prompt.token_ids, prompt_lps[p_idx])
+                out_choices.append(choice)
+        return {
+            "id": request_id, "object": "text_completion", "created": int(time.time()),
+            "model": self.served_model_name, "choices": out_choices,
+            "usage": usage(num_prompt, completion_tokens, sum(cached)),
+            "system_fingerprint": None,
+        }
+
+    async def _completion_stream(self, request_id: str, prompts: list[Prompt], priority: int,
+                                 logprobs: int | None, echo: bool, include_usage: bool,
+                                 continuous: bool) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        num_prompt = sum(len(p.token_ids) for p in prompts)
+        generated: dict[tuple[int, int], int] = {}
+        cached = [0] * len(prompts)
+        offsets: dict[tuple[int, int], int] = {}
+        echoed: set[tuple[int, int]] = set()
+
+        def chunk(choices: list, usage: dict | None = None) -> bytes:
+            return self._chunk(request_id, "text_completion", created, choices, usage)
+
+        def runningusage() -> dict | None:
+            return usage(num_prompt, sum(generated.values()), sum(cached)) if continuous else None
+
+        streams = [self.engine.generate(p.token_ids, p.params, engine_id(request_id, i, len(prompts)), priority)
+                   for i, p in enumerate(prompts)]
+        try:
+            async with contextlib.aclosing(merge_streams(streams)) as merged:
+                async for p_idx, out in merged:
+                    prompt = prompts[p_idx]
+                    cached[p_idx] = out.num_cached_tokens
+                    for c in out.outputs:
+                        reject_abort(c.finish_reason)
+                        key = (p_idx, c.index)
+                        generated[key] = c.num_generated_tokens
+                        text = c.text
+                        lps = None
+                        if logprobs is not None:
+                            lps = empty_completion_logprobs()
+                        if echo and key not in echoed:
+                            echoed.add(key)
+                            text = self._prompt_text(prompt) + text
+                            if lps is not None:
+                                offsets[key] = self.logprobs.append_prompt_logprobs(
+                                    lps, prompt.token_ids, out.prompt_logprobs or [], logprobs)
+                        if lps is not None:
+                            offsets[key] = self.logprobs.append_completion_logprobs(
+                                lps, c.token_ids, c.logprobs or [], logprobs, offsets.get(key, 0))
+                            if not lps["tokens"]:
+                                lps = None
+                        if not text and c.finish_reason is None and lps is None:
+                            continue
+                        choice = {"index": p_idx * prompt.params.n + c.index, "text": text, "logprobs": lps,
+                                  "finish_reason": c.finish_reason}
+                        if c.finish_reason is not None:
+                            choice["stop_reason"] = c.stop_reason
+                        yield chunk([choice], runningusage())
+            if include_usage:
+                yield chunk([], usage(num_prompt, sum(generated.values()), sum(cached)))
+        except Exception as exc:  # noqa: BLE001 - reported to the client, never a traceback
+            yield sse(error_from_engine(exc).to_dict())
+        yield DONE
+

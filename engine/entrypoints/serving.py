@@ -1,0 +1,286 @@
+"""The OpenAI serving base: what ``engine/entrypoints/chat.py`` and
+``completion.py`` share over an ``AsyncEngine`` (vLLM's
+``entrypoints/openai/serving_engine.py``): the model list, the checks common
+to both endpoints, the mapping of a request onto ``SamplingParams`` with the
+context-length rule, running several prompts, SSE framing and the mapping of
+engine errors onto OpenAI errors.
+
+Formats follow the OpenAI API reference (chat completion object, chunk object,
+legacy completions) and vLLM's OpenAI server (extra sampling fields,
+``stop_reason``, ``continuous_usage_stats``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError
+from engine.chat_structured import ChatPlan
+from engine.entrypoints.logprobs import LogprobFormatter
+from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidationError, ServingError, parse_request
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("tandem.serving")
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    """One Server-Sent Event: ``data: <json>\\n\\n``."""
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+@dataclass
+class Prompt:
+    """One prompt ready for the engine."""
+
+    token_ids: list[int]
+    text: str | None
+    params: SamplingParams
+
+
+
+class OpenAIServing:
+    """What the chat and completions paths share over an ``AsyncEngine``: the
+    model list, common checks, request -> ``SamplingParams``, running prompts.
+
+    Args:
+        engine: a started ``AsyncEngine`` (its tokenizer and max_model_len are used).
+        served_model_name: the only model name accepted (404 otherwise); a
+            request without ``model`` gets it too.
+    """
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.created = int(time.time())
+        self.logprobs = LogprobFormatter(engine.tokenizer)
+
+    # ------------------------------------------------------------------ models
+    def models(self) -> dict:
+        """Body of ``GET /v1/models``."""
+        return {"object": "list", "data": [{
+            "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "tandem",
+            "root": self.served_model_name, "parent": None, "max_model_len": self.engine.max_model_len,
+        }]}
+
+
+    async def _compile_grammar(self, plan: ChatPlan) -> None:
+        """Compile the request's grammar in a worker thread (the engine thread
+        then finds it in the cache).
+
+        Raises:
+            ServingError: 400 when xgrammar refuses the spec.
+        """
+        if plan.structured_outputs is None:
+            return
+        try:
+            await self.engine.compile_grammar(plan.structured_outputs)
+        except ValueError as exc:
+            raise ServingError(400, f"{plan.param}: {exc}", param=plan.param) from None
+
+    # ---------------------------------------------------------------- helpers
+    def _chunk(self, request_id: str, obj_type: str, created: int, choices: list, usage: dict | None) -> bytes:
+        """One SSE event of a streamed response (``usage`` only when given)."""
+        obj = {"id": request_id, "object": obj_type, "created": created,
+               "model": self.served_model_name, "choices": choices}
+        if usage is not None:
+            obj["usage"] = usage
+        return sse(obj)
+
+    def _parse(self, body: Any, schema):
+        try:
+            return parse_request(body, schema)
+        except RequestValidationError as exc:
+            raise ServingError(400, str(exc), param=exc.param) from None
+
+    def _check_common(self, req) -> None:
+        if not self.engine.ready:
+            raise ServingError(503, "the engine is not ready", type="server_error", code="engine_not_ready")
+        if not self.engine.accepting:
+            raise ServingError(503, "the engine is shutting down", type="server_error", code="engine_draining")
+        if req.model is not None and req.model != self.served_model_name:
+            raise ServingError(404, f"The model `{req.model}` does not exist. Available: {self.served_model_name}",
+                               type="invalid_request_error", param="model", code="model_not_found")
+        if req.use_beam_search:
+            raise ServingError(400, "use_beam_search: beam search is not supported", param="use_beam_search")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise ServingError(400, f"best_of: only best_of == n is supported, got {req.best_of}", param="best_of")
+        if req.logit_bias:
+            raise ServingError(400, "logit_bias: is not supported", param="logit_bias")
+        policy = self.engine.args.scheduling_policy
+        if req.priority not in (None, 0) and policy != "priority":  # vLLM refuses it too
+            raise ServingError(400, f"priority: got {req.priority}, but this engine schedules {policy}; start it "
+                                    "with --scheduling-policy priority (scheduling_policy: priority) to use "
+                                    "request priorities", param="priority")
+
+    def _sampling_params(self, req, num_prompt_tokens: int, *, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None, prompt_field: str,
+                         structured_outputs=None) -> SamplingParams:
+        """Map a request onto ``SamplingParams`` and check the context limit.
+
+        Raises:
+            ServingError: 400 naming the bad parameter, or naming ``max_model_len``
+                when the prompt (plus ``max_tokens``) does not fit.
+        """
+        def pick(value, default):
+            return default if value is None else value
+
+        stop = req.stop
+        if isinstance(stop, str):
+            stop = [stop]
+        kwargs = dict(
+            n=pick(req.n, 1), temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0),
+            top_k=pick(req.top_k, 0), min_p=pick(req.min_p, 0.0),
+            presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
+            repetition_penalty=pick(req.repetition_penalty, 1.0), seed=req.seed, max_tokens=max_tokens,
+            min_tokens=req.min_tokens, stop=stop or [], stop_token_ids=req.stop_token_ids or [],
+            ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            structured_outputs=structured_outputs,
+        )
+        try:
+            params = SamplingParams(**kwargs)
+        except ValueError as exc:
+            message = str(exc)
+            param = message.split(" ", 1)[0]
+            if param == "logprobs" and isinstance(req, ChatCompletionRequest):
+                param, message = "top_logprobs", "top_logprobs" + message[len("logprobs"):]
+            raise ServingError(400, message, param=param) from None
+        limit = self.engine.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ServingError(
+                400, f"This model's maximum context length is {limit} tokens (max_model_len). However, your "
+                     f"{prompt_field} resulted in {num_prompt_tokens} tokens. Please reduce the length of the "
+                     f"{prompt_field}.", param=prompt_field, code="context_length_exceeded")
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise ServingError(
+                400, f"This model's maximum context length is {limit} tokens (max_model_len). However, you "
+                     f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                     f"{prompt_field}, {max_tokens} in the completion). Please reduce the length of the "
+                     f"{prompt_field} or of max_tokens.", param="max_tokens", code="context_length_exceeded")
+        return params
+
+    async def _collect(self, request_id: str, prompts: list[Prompt], priority: int):
+        """Run every prompt to completion; per prompt: {index: cumulative
+        CompletionOutput}, cached prompt tokens and prompt logprobs."""
+        choices: list[dict[int, CompletionOutput]] = [{} for _ in prompts]
+        cached = [0] * len(prompts)
+        prompt_lps: list[list] = [[] for _ in prompts]
+        streams = [self.engine.generate(p.token_ids, p.params, engine_id(request_id, i, len(prompts)), priority)
+                   for i, p in enumerate(prompts)]
+        try:
+            async with contextlib.aclosing(merge_streams(streams)) as merged:
+                async for p_idx, out in merged:
+                    cached[p_idx] = out.num_cached_tokens
+                    if out.prompt_logprobs is not None:
+                        prompt_lps[p_idx] = out.prompt_logprobs
+                    for c in out.outputs:
+                        ch = choices[p_idx].get(c.index)
+                        if ch is None:
+                            choices[p_idx][c.index] = ch = CompletionOutput(c.index)
+                        merge_choice(ch, c)
+        except Exception as exc:
+            raise error_from_engine(exc) from None
+        return choices, cached, prompt_lps
+
+
+# ---------------------------------------------------------------------- helpers
+def engine_id(request_id: str, i: int, num_prompts: int) -> str:
+    return request_id if num_prompts == 1 else f"{request_id}-{i}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def usage_options(req) -> tuple[bool, bool]:
+    """``stream_options`` as (include_usage, continuous_usage_stats); the
+    latter only counts together with the former."""
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    return include_usage, include_usage and bool(opts.continuous_usage_stats)
+
+
+def merge_choice(ch: CompletionOutput, delta: CompletionOutput) -> None:
+    """Fold a delta into the cumulative output of its choice."""
+    ch.text += delta.text
+    ch.token_ids.extend(delta.token_ids)
+    if delta.logprobs is not None:
+        if ch.logprobs is None:
+            ch.logprobs = []
+        ch.logprobs.extend(delta.logprobs)
+    if delta.finish_reason is not None:
+        ch.finish_reason, ch.stop_reason = delta.finish_reason, delta.stop_reason
+    ch.num_generated_tokens = max(ch.num_generated_tokens, delta.num_generated_tokens)
+
+
+def reject_abort(finish_reason: str | None) -> None:
+    if finish_reason == "abort":
+        raise ServingError(503, "the request was aborted by the engine (shutting down)", type="server_error",
+                           code="aborted")
+
+
+def error_from_engine(exc: BaseException) -> ServingError:
+    """Map an engine exception onto a client error (never a traceback)."""
+    if isinstance(exc, ServingError):
+        return exc
+    if isinstance(exc, (EngineDrainingError, EngineDeadError)):
+        return ServingError(503, str(exc), type="server_error", code="engine_unavailable")
+    if isinstance(exc, ValueError):
+        return ServingError(400, str(exc))
+    logger.error("request failed in the engine", exc_info=exc)
+    return ServingError(500, f"internal engine error ({type(exc).__name__})", type="server_error")
+
+
+_END = object()
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several engine streams as (stream index, output); closing
+    this iterator closes (and so aborts) every stream."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as s:
+            async for out in s:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async with contextlib.aclosing(stream) as s:
+                async for out in s:
+                    queue.put_nowait((i, out, None))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait((i, None, exc))
+        finally:
+            queue.put_nowait((i, _END, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is _END:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
