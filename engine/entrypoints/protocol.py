@@ -117,16 +117,18 @@ class ServingError(Exception):
         type: OpenAI error type ("invalid_request_error", "server_error", ...).
         param: the request field at fault, or None.
         code: OpenAI error code (e.g. "model_not_found"), or None.
+        headers: extra response headers (``Retry-After`` on a 503 while loading).
     """
 
     def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def to_dict(self) -> dict:
         """``{"error": {"message", "type", "param", "code"}}``."""

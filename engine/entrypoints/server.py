@@ -2,7 +2,14 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when
 ``stream``), ``GET /v1/models``, ``GET /health`` (200 while the engine loop
-runs, else 503), ``GET /metrics`` (Prometheus text, vLLM's metric names).
+runs, else 503 with ``{"status": "loading" | "failed" | "unavailable"}``),
+``GET /metrics`` (Prometheus text, vLLM's metric names).
+
+The server listens at once; the model loads in the background (its core
+process logs what it loads, MB and seconds). Until it is loaded every API
+request gets 503 ``engine_loading`` with ``Retry-After``; a load that fails
+is logged as one clear line and ends the server with exit code 1. A body
+over ``--max-request-body-bytes`` gets 413.
 
 Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``)
 with the right status; a client that disconnects (mid-stream or while
@@ -19,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
@@ -43,8 +50,12 @@ class _ClientGone(Exception):
     """The client disconnected before the (non-streamed) answer was ready."""
 
 
+_LOADING_RETRY_AFTER_S = 5  # Retry-After of a request that arrives while the model loads, seconds
+
+
 def _error_response(err: ServingError) -> Response:
-    return Response(content=err.to_dict(), status_code=err.status_code, media_type="application/json")
+    return Response(content=err.to_dict(), status_code=err.status_code, media_type="application/json",
+                    headers=err.headers)
 
 
 async def _json_body(request: Request) -> dict:
@@ -92,11 +103,21 @@ def _respond(result: dict | AsyncIterator[bytes]) -> Response:
 
 
 def _serving(request: Request, kind: str) -> OpenAIServingChat | OpenAIServingCompletion:
-    """The app's serving object of ``kind`` ("chat" or "completion"; 503 until startup created it)."""
+    """The app's serving object of ``kind`` ("chat" or "completion").
+
+    Raises:
+        ServingError: 503 ``engine_loading`` (with ``Retry-After``) while the
+            model loads, 503 ``engine_unavailable`` when loading failed.
+    """
     serving = request.app.state.get(kind)
-    if serving is None:
-        raise ServingError(503, "the engine is not ready", type="server_error", code="engine_not_ready")
-    return serving
+    if serving is not None:
+        return serving
+    error = request.app.state.get("load_error")
+    if error is not None:
+        raise ServingError(503, f"the engine failed to load: {error}", type="server_error",
+                           code="engine_unavailable")
+    raise ServingError(503, "the engine is loading the model; retry later", type="server_error",
+                       code="engine_loading", headers={"Retry-After": str(_LOADING_RETRY_AFTER_S)})
 
 
 async def _generate(request: Request, kind: str) -> Response:
@@ -134,11 +155,18 @@ async def models(request: Request) -> Response:
 
 @get("/health")
 async def health(request: Request) -> Response:
-    """200 while the engine loop runs; 503 before start, after a crash or while draining."""
+    """200 while the engine loop runs; 503 while loading (``{"status": "loading"}``),
+    after a failed load (``"failed"``), a crash or while draining (``"unavailable"``)."""
     engine: AsyncEngine = request.app.state.engine
     if engine.is_alive and engine.accepting:
         return Response(content=b"", status_code=200)
-    return Response(content={"status": "unavailable"}, status_code=503)
+    if request.app.state.get("load_error") is not None:
+        status = "failed"
+    elif request.app.state.get("chat") is None:
+        status = "loading"
+    else:
+        status = "unavailable"
+    return Response(content={"status": status}, status_code=503)
 
 
 @get("/metrics")
@@ -153,7 +181,11 @@ def _serving_error_handler(_: Request, exc: ServingError) -> Response:
     return _error_response(exc)
 
 
-def _http_error_handler(_: Request, exc: HTTPException) -> Response:
+def _http_error_handler(request: Request, exc: HTTPException) -> Response:
+    if exc.status_code == 413:
+        limit = request.app.state.max_request_body_bytes
+        return _error_response(ServingError(413, f"the request body is larger than {limit} bytes "
+                                                 "(--max-request-body-bytes)", code="request_too_large"))
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return _error_response(ServingError(exc.status_code, str(exc.detail), type=kind))
 
@@ -163,26 +195,44 @@ def _internal_error_handler(_: Request, exc: Exception) -> Response:
     return _error_response(ServingError(500, f"internal server error ({type(exc).__name__})", type="server_error"))
 
 
-def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0) -> Litestar:
-    """The Litestar app serving ``engine`` (started on app startup if needed,
-    drained on shutdown).
+def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_body_bytes: int = 4 * 2**20,
+              on_load_failed: Callable[[], None] | None = None) -> Litestar:
+    """The Litestar app serving ``engine``: it listens at once, loads the
+    engine in the background on startup (if not started yet) and drains it on shutdown.
 
     Args:
         engine: an ``AsyncEngine`` (started or not).
         drain_timeout: seconds to let running requests finish on shutdown.
+        max_request_body_bytes: larger bodies get 413 (OpenAI error form).
+        on_load_failed: called (on the event loop) when loading failed, after
+            the error was logged; ``run_server`` stops the server with it.
 
-    ``app.state``: ``engine``, ``chat`` and ``completion`` (after startup), ``registry``
-    (this app's own ``CollectorRegistry``).
+    ``app.state``: ``engine``, ``chat`` and ``completion`` (once loaded),
+    ``load_error`` (a failed load's message), ``registry`` (this app's own
+    ``CollectorRegistry``), ``max_request_body_bytes``.
     """
     registry = CollectorRegistry()
 
-    async def on_startup(app: Litestar) -> None:
-        await engine.start()
-        app.state.chat = OpenAIServingChat(engine, engine.served_model_name)
-        app.state.completion = OpenAIServingCompletion(engine, engine.served_model_name)
+    async def load(app: Litestar) -> None:
+        try:
+            await engine.start()
+        except Exception as exc:  # noqa: BLE001 - one clear line, then the server stops
+            app.state.load_error = f"{type(exc).__name__}: {exc}"
+            logger.error("the engine failed to load: %s", app.state.load_error)
+            if on_load_failed is not None:
+                on_load_failed()
+            return
         EngineMetrics(registry, engine, engine.served_model_name).attach()
+        app.state.completion = OpenAIServingCompletion(engine, engine.served_model_name)
+        app.state.chat = OpenAIServingChat(engine, engine.served_model_name)
+
+    async def on_startup(app: Litestar) -> None:
+        app.state.load_task = asyncio.ensure_future(load(app))
 
     async def on_shutdown(app: Litestar) -> None:
+        task = app.state.get("load_task")
+        if task is not None and not task.done():
+            task.cancel()
         await engine.shutdown(drain=True, timeout=drain_timeout)
 
     app = Litestar(
@@ -191,11 +241,13 @@ def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0) -> Litestar:
         on_shutdown=[on_shutdown],
         exception_handlers={ServingError: _serving_error_handler, HTTPException: _http_error_handler,
                             Exception: _internal_error_handler},
+        request_max_body_size=max_request_body_bytes,
         debug=False,
         logging_config=None,
     )
     app.state.engine = engine
     app.state.registry = registry
+    app.state.max_request_body_bytes = max_request_body_bytes
     return app
 
 
@@ -204,16 +256,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``tandem engine serve``: the engine's (vLLM names, from
     ``engine.config.add_engine_cli_args``) plus ``--host``, ``--port``,
     ``--uvicorn-log-level``, ``--drain-timeout``."""
-    from engine.config import add_engine_cli_args
+    from engine.config import add_engine_cli_args, parse_size
 
     add_engine_cli_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let running requests finish on shutdown (SIGTERM/SIGINT)")
+    g.add_argument("--max-request-body-bytes", type=parse_size, default=4 * 2**20,
+                   help="largest request body, bytes (or 4MiB, 512KiB); larger ones get 413")
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -222,7 +276,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     Returns:
         0 after a clean shutdown (uvicorn then re-raises the captured signal,
-        so the process may end by it), 1 when the engine failed to start.
+        so the process may end by it), 1 when the engine failed to load
+        (the error is logged in one line).
     """
     import uvicorn
 
@@ -234,12 +289,19 @@ def run_server(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         logger.error("%s", exc)
         return 1
-    app = build_app(AsyncEngine(engine_args), drain_timeout=args.drain_timeout)
+    failed = []
+
+    def stop_on_load_failure() -> None:
+        failed.append(True)
+        server.should_exit = True
+
+    app = build_app(AsyncEngine(engine_args), drain_timeout=args.drain_timeout,
+                    max_request_body_bytes=args.max_request_body_bytes, on_load_failed=stop_on_load_failure)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=int(args.drain_timeout) + 5, lifespan="on")
     server = uvicorn.Server(config)
     server.run()
-    return 0 if server.started else 1
+    return 0 if server.started and not failed else 1
 
 
 if __name__ == "__main__":

@@ -28,6 +28,31 @@ def release_freed_memory() -> None:
         pass
 
 
+def _size_on_disk(path: str) -> int:
+    """Bytes of a model file, or of the files of a model directory."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file()) if os.path.isdir(path) else 0
+
+
+_PROGRESS_EVERY_S = 2.0  # seconds between two "loading weights" log lines
+
+
+def _logged(weights, t0: float):
+    """The ``(name, tensor)`` iterator, logging the weights read so far (MB,
+    seconds since ``t0``) every ``_PROGRESS_EVERY_S`` and once at the end."""
+    read, tensors, last = 0, 0, time.perf_counter()
+    for name, value in weights:
+        read += getattr(value, "nbytes", 0) or getattr(getattr(value, "data", None), "nbytes", 0)
+        tensors += 1
+        now = time.perf_counter()
+        if now - last >= _PROGRESS_EVERY_S:
+            logger.info("loading weights: %d tensors, %.0f MB in %.1f s", tensors, read / 2**20, now - t0)
+            last = now
+        yield name, value
+    logger.info("weights read: %d tensors, %.0f MB in %.1f s", tensors, read / 2**20, time.perf_counter() - t0)
+
+
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights in place (vLLM's ``load_format="dummy"``): normal(0,
@@ -111,6 +136,9 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
                          f"(got {'a HF directory' if os.path.isdir(path) else 'device ' + str(device)})")
     if dummy and not os.path.isdir(path):
         raise ValueError("load_format 'dummy' needs a HF directory (config.json + tokenizer.json)")
+    size_mb = _size_on_disk(path) / 2**20
+    logger.info("loading model %s (%.0f MB on disk, %s) on %s in %s", path, size_mb,
+                "random weights" if dummy else "gguf" if os.path.isfile(path) else "HF safetensors", device, dtype)
     config, tokenizer, weights = _read_model(path, dummy, keep_int4=quantization == "gguf")
 
     from kernels import get_attention_backend
@@ -130,7 +158,7 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     if weights is None:
         init_dummy_weights(model, getattr(args, "seed", 0))
     else:
-        model.load_weights(weights)
+        model.load_weights(_logged(weights, t0))
     model.build_rope_cache()
     model.eval()
     model.requires_grad_(False)

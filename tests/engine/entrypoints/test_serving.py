@@ -65,11 +65,11 @@ def start_server(**engine_kwargs) -> LiveServer:
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + 300
-    while not server.started:
+    base = f"http://127.0.0.1:{port}"
+    while not (server.started and engine.ready):  # it listens first, then loads the model
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the engine server did not start")
         time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
     return LiveServer(base, client, engine.served_model_name, engine, server, thread)
 

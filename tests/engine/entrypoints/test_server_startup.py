@@ -1,0 +1,97 @@
+"""``tandem engine serve`` around the model load and at its edges: it listens
+before the model is loaded (503 ``engine_loading`` with ``Retry-After``,
+``/health`` says loading), logs the load's progress, and refuses a body over
+``--max-request-body-bytes`` with 413 in OpenAI's form. Tiny random Llama
+(``tests/tiny_models.py``), real HTTP, the official ``openai`` client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineArgs
+from engine.entrypoints.server import build_app
+from loadtests.procs import Server, free_port, tandem_cmd
+from tests.tiny_models import save_byte_level_llama
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return save_byte_level_llama(tmp_path_factory.mktemp("tiny"), printable_only=True)
+
+
+class GatedEngine(AsyncEngine):
+    """Fault injector: the model load waits until ``gate`` is set."""
+
+    gate: threading.Event
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.gate.wait, 120)
+        await super().start()
+
+
+def test_requests_during_the_model_load_get_503_engine_loading(tiny_model):
+    engine = GatedEngine(EngineArgs(model=tiny_model, kv_cache_memory="64MiB", served_model_name="tiny"))
+    engine.gate = threading.Event()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.started  # listening although the model is not loaded
+        health = httpx.get(base + "/health", timeout=10)
+        assert health.status_code == 503 and health.json() == {"status": "loading"}
+        r = httpx.post(base + "/v1/chat/completions", timeout=10,
+                       json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 503 and int(r.headers["retry-after"]) > 0
+        err = r.json()["error"]
+        assert err["code"] == "engine_loading" and err["type"] == "server_error" and set(err) == {
+            "message", "type", "param", "code"}
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.APIStatusError) as info:
+            client.models.list()
+        assert info.value.status_code == 503
+        engine.gate.set()
+        while httpx.get(base + "/health", timeout=10).status_code != 200 and time.monotonic() < deadline + 60:
+            time.sleep(0.05)
+        out = client.completions.create(model="tiny", prompt="abc", max_tokens=3, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 3
+    finally:
+        engine.gate.set()
+        server.should_exit = True
+        thread.join(60)
+
+
+def test_body_limit_gives_413_and_the_load_is_logged(tiny_model, tmp_path):
+    port = free_port()
+    srv = Server([*tandem_cmd("engine", "serve"), "--model", tiny_model, "--port", str(port), "--served-model-name",
+                  "tiny", "--kv-cache-memory", "64MiB", "--max-request-body-bytes", "2KiB"],
+                 f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}", log_dir=tmp_path).wait_ready(120)
+    try:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.APIStatusError) as info:
+            client.completions.create(model="tiny", prompt="x" * 4096, max_tokens=2)
+        assert info.value.status_code == 413
+        err = info.value.response.json()["error"]
+        assert err["code"] == "request_too_large" and "2048 bytes" in err["message"]
+        assert set(err) == {"message", "type", "param", "code"}
+        small = client.completions.create(model="tiny", prompt="x" * 100, max_tokens=2)  # under the limit: served
+        assert small.choices[0].finish_reason == "length"
+        log = srv.log_tail(100_000)
+        assert "loading model" in log and " MB " in log and "weights read" in log
+    finally:
+        srv.stop()

@@ -1,0 +1,163 @@
+"""The engine core in its own process (``engine_core_process: true``): it
+dies with its parent, its crash fails the in-flight requests with one error
+and turns the server to 503, and its start-up errors reach the parent.
+
+Real ``tandem engine serve`` subprocesses with the tiny random Llama of
+``tests/tiny_models.py`` (loads in a second), the official ``openai`` client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.config import EngineArgs
+from engine.sampling_params import SamplingParams
+from loadtests.procs import Server, free_port, tandem_cmd
+from tests.tiny_models import save_byte_level_llama
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return save_byte_level_llama(tmp_path_factory.mktemp("tiny"), printable_only=True)
+
+
+def serve(model: str, tmp_path: Path, *extra: str) -> Server:
+    port = free_port()
+    cmd = [*tandem_cmd("engine", "serve"), "--model", model, "--port", str(port),
+           "--kv-cache-memory", "64MiB", "--served-model-name", "tiny", "--uvicorn-log-level", "warning", *extra]
+    return Server(cmd, f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}", log_dir=tmp_path,
+                  name="engine").wait_ready(120)
+
+
+def descendants(pid: int) -> list[int]:
+    """Live (non-zombie) descendants of ``pid``."""
+    parent_of = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                parent_of[int(entry)] = int(fields[1])
+    out, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [c for c, p in parent_of.items() if p == parent]
+        out += kids
+        frontier += kids
+    return out
+
+
+def core_pid(server_pid: int) -> int:
+    """The engine core process among the server's children (the spawn child
+    that is not multiprocessing's resource tracker)."""
+    for pid in descendants(server_pid):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline:
+            return pid
+    raise AssertionError(f"no engine core process under {server_pid}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_core_process_dies_with_its_parent(tiny_model, tmp_path):
+    srv = serve(tiny_model, tmp_path)
+    children = descendants(srv.pid)
+    core = core_pid(srv.pid)
+    assert core in children
+    srv.kill()  # SIGKILL: no shutdown code runs in the parent
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in children if alive(p)], "orphaned engine processes"
+
+
+def test_killed_core_fails_in_flight_requests_and_the_server_says_503(tiny_model, tmp_path):
+    srv = serve(tiny_model, tmp_path)
+    try:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+        started, errors = threading.Event(), []
+
+        def stream(i: int) -> None:
+            try:
+                for _ in client.completions.create(model="tiny", prompt=f"abc{i}", max_tokens=3000, stream=True,
+                                                   extra_body={"ignore_eos": True}):
+                    started.set()
+                errors.append(None)
+            except openai.APIError as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        os.kill(core_pid(srv.pid), signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        assert len(errors) == 3 and all(e is not None for e in errors)  # each stream ended in an error event
+        assert all("died" in str(e) for e in errors), errors
+        health = httpx.get(srv.base_url + "/health", timeout=10)
+        assert health.status_code == 503
+        late = httpx.post(srv.base_url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                          timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "engine_unavailable"
+        assert srv.proc.poll() is None  # the front end survives and answers
+    finally:
+        srv.stop()
+
+
+def test_bad_model_is_a_clear_startup_error(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)  # a file the loader rejects in the core process
+    with pytest.raises(ValueError) as info:
+        asyncio.run(AsyncEngine(EngineArgs(model=str(bad), engine_core_process=True)).start())
+    assert "broken.gguf" in str(info.value) or "GGUF" in str(info.value) or "gguf" in str(info.value)
+    port = free_port()
+    cmd = [*tandem_cmd("engine", "serve"), "--model", str(bad), "--port", str(port)]
+    proc = Server(cmd, f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}", log_dir=tmp_path,
+                  name="bad").proc
+    assert proc.wait(120) == 1
+    log = (tmp_path / "bad.log").read_text()
+    assert "ValueError" in log or "failed to load" in log
+    assert "Traceback" not in log.split("engine core")[0]
+
+
+async def test_core_process_streams_and_aborts(tiny_model):
+    eng = AsyncEngine(EngineArgs(model=tiny_model, kv_cache_memory="64MiB", engine_core_process=True))
+    await eng.start()
+    try:
+        assert eng.core_pid is not None and eng.core_pid != os.getpid()
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+        outs = [o async for o in eng.generate("hello", params, "a")]
+        assert outs[-1].finished and sum(len(c.token_ids) for o in outs for c in o.outputs) == 5
+        stream = eng.generate("hello", SamplingParams(max_tokens=3000, ignore_eos=True), "b")
+        await stream.__anext__()
+        await stream.aclose()  # the consumer walks away: aborted, blocks freed
+        deadline = time.monotonic() + 30
+        while eng.get_stats().kv_cache_usage > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert eng.get_stats().kv_cache_usage == 0 and eng.get_stats().num_running == 0
+    finally:
+        await eng.shutdown(drain=False)
+    assert not eng.is_alive
+    with pytest.raises(EngineDeadError):
+        await eng.generate("x", SamplingParams(max_tokens=1), "c").__anext__()
