@@ -41,26 +41,28 @@ DEFAULT_PEER_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded GGUF'
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``tandem bench engine``."""
-    parser.add_argument("--workload", choices=["mtbench", "synthetic"], default="synthetic")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--workload", choices=["mtbench", "synthetic"], default="synthetic",
+                        help="mtbench (MT-Bench turn 1) or synthetic (random tokens of --input-len)")
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests, submitted at once")
     parser.add_argument("--input-len", type=int, default=100, help="synthetic prompt length, tokens")
     parser.add_argument("--output-len", type=int, default=128, help="new tokens per request")
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
     parser.add_argument("--hf-batch-size", type=int, default=8, help="batch size of the HF generate baseline")
     parser.add_argument("--no-baseline", action="store_true", help="skip the HF transformers baseline")
-    parser.add_argument("--output-json", default=None, help="write the results here")
+    parser.add_argument("--output-json", default=None, help="write the results to this file (None: print only)")
     parser.add_argument("--compare-batch-invariant", type=int, default=0, metavar="ROUNDS",
                         help="also run the workload ROUNDS times each with batch-invariant linears on and off, "
-                             "interleaved, and print the throughput ratio (default: 0, skip)")
+                             "interleaved, and print the throughput ratio (0: skip)")
     parser.add_argument("--kv-pool-cycle-tokens", type=int, default=0,
                         help="instead: decode tok/s of an engine whose KV pool first served this many distinct "
-                             "prompt tokens vs a fresh one, same process (e.g. 60000; see engine/bench_kv_pool.py)")
+                             "prompt tokens vs a fresh one, same process, tokens (e.g. 60000; 0: off; see "
+                             "engine/bench_kv_pool.py)")
     parser.add_argument("--rounds", type=int, default=6, help="fresh/cycled rounds with --kv-pool-cycle-tokens")
-    parser.add_argument("--peer", choices=["vllm"], default=None, help="also run this peer engine on the same prompts")
+    parser.add_argument("--peer", choices=["vllm"], default=None, help="also run this peer engine on the same prompts (None: no peer)")
     parser.add_argument("--peer-python", default=os.environ.get("TANDEM_VLLM_PYTHON", ".venv-vllm/bin/python"),
                         help="the peer's virtual environment's python (env TANDEM_VLLM_PYTHON)")
     parser.add_argument("--peer-model", default=None,
-                        help=f"model the peer loads (default: {DEFAULT_PEER_MODEL} for the embedded model, else --model)")
+                        help=f"model the peer loads (None: {DEFAULT_PEER_MODEL} for the embedded model, else --model)")
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -36,9 +36,9 @@ def add_structured_bench_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``tandem bench structured``."""
     parser.add_argument("--concurrency", type=int, default=32, help="requests submitted at once per round")
     parser.add_argument("--rounds", type=int, default=2, help="constrained/unconstrained round pairs")
-    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=200, help="output tokens per request")
     parser.add_argument("--compile-schemas", type=int, default=100, help="distinct schemas compiled for timing")
-    parser.add_argument("--output-json", default=None, help="write the results here")
+    parser.add_argument("--output-json", default=None, help="write the results to this file (None: print only)")
 
 
 def _variants(schemas: dict, count: int) -> list[dict]:

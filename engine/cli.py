@@ -11,18 +11,21 @@ from engine.config import add_engine_cli_args, engine_args_from_cli
 
 def register(subparsers) -> None:
     """Add ``generate``, ``engine serve`` and ``bench engine`` to the ``tandem`` CLI."""
-    gen = subparsers.add_parser("generate", help="generate a completion offline with the local engine")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    gen = subparsers.add_parser("generate", help="generate a completion offline with the local engine",
+                                formatter_class=fmt)
+    gen.add_argument("--prompt", required=True, help="the user message (or the raw prompt with --raw)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="new tokens at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1]")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     add_engine_cli_args(gen)
     gen.set_defaults(func=_generate)
 
     eng = subparsers.add_parser("engine", help="the engine alone")
     eng_sub = eng.add_subparsers(dest="engine_command", required=True, metavar="COMMAND")
-    serve = eng_sub.add_parser("serve", help="serve the engine behind its own OpenAI-compatible server")
+    serve = eng_sub.add_parser("serve", help="serve the engine behind its own OpenAI-compatible server",
+                               formatter_class=fmt)
     from engine.entrypoints.server import add_serve_args, run_server
 
     add_serve_args(serve)
@@ -32,15 +35,16 @@ def register(subparsers) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
     from engine.bench import add_bench_args, run_bench
 
-    be = bench_sub.add_parser("engine", help="offline engine throughput vs HF transformers (vLLM's benchmark_throughput style)")
+    be = bench_sub.add_parser("engine", formatter_class=fmt,
+                              help="offline engine throughput vs HF transformers (vLLM's benchmark_throughput style)")
     add_bench_args(be)
     add_engine_cli_args(be)
     be.set_defaults(func=run_bench)
 
     from engine.bench_structured import add_structured_bench_args, run_structured_bench
 
-    bs = bench_sub.add_parser("structured", help="json_schema-constrained vs unconstrained output tok/s, "
-                                                 "grammar compile time")
+    bs = bench_sub.add_parser("structured", formatter_class=fmt,
+                              help="json_schema-constrained vs unconstrained output tok/s, grammar compile time")
     add_structured_bench_args(bs)
     add_engine_cli_args(bs)
     bs.set_defaults(func=run_structured_bench)

@@ -169,35 +169,49 @@ class EngineArgs:
 
 
 def add_engine_cli_args(parser) -> None:
-    """Add the engine's flags (vLLM's names) to an ``argparse`` parser."""
+    """Add the engine's flags (vLLM's names) to an ``argparse`` parser; each
+    flag's help says its unit, and ``argparse.ArgumentDefaultsHelpFormatter``
+    (used by ``tandem engine serve``, ``generate`` and ``bench``) its default."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="a .gguf file or HF directory (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache pool size on CPU, e.g. 2GiB")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU memory for swapping preempted requests")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--model", default=None,
+                   help="a .gguf file or HF directory (None: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", default=None, help="the model name clients use (None: the model's name)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations dtype (auto: bfloat16)")
+    g.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (a power of two)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step, tokens (None: 2048 with chunked prefill, else max_model_len)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion limit, tokens (None: the model's, capped by the KV pool)")
+    g.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache pool size on CPU, bytes or e.g. 2GiB, 512MiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction (0-1] of GPU memory for weights + KV cache (CUDA)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="force the number of KV blocks (tests; None: from the memory settings)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of shared prompt prefixes")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts across steps under --max-num-batched-tokens")
+    g.add_argument("--swap-space", type=float, default=0.0,
+                   help="CPU memory to swap preempted requests into, GiB (0: preempt by recompute)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs, or priority (the request's priority field; lower first)")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads of the engine core on CPU (None: one per core)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the engine's default sampling generator")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton on CUDA, torch on CPU")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
-                   help="same tokens and logprobs for a request whatever else is batched or cached (default: on)")
+                   help="same tokens and logprobs for a request whatever else is batched or cached")
     g.add_argument("--quantization", default="none", choices=["none", "gguf"],
                    help="gguf: run a GGUF's Q4_0/Q4_1 linear weights in 4 bits (CPU) instead of dequantizing them")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shape (benchmarks)")
     g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
                    help="serving: run the engine core (model, scheduler, KV cache) in its own process, so a step "
-                        "never holds the HTTP event loop's GIL (default: on; --no-engine-core-process: a thread)")
+                        "never holds the HTTP event loop's GIL (--no-engine-core-process: a thread)")
 
 
 def engine_args_from_cli(args) -> EngineArgs:
