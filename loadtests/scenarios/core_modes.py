@@ -1,11 +1,13 @@
 """Engine core in its own process vs in a thread of the server, same run.
 
 ``tandem engine serve`` with ``--engine-core-process`` (the default) and
-with ``--no-engine-core-process`` answers MT-Bench turn-1 prompts (chat,
-streamed, greedy, ``ignore_eos``) at each concurrency, in interleaved rounds
-(process, thread, process, thread, ...: each round starts a fresh server).
-Reported per concurrency, median over rounds: total output tok/s, TTFT p50,
-TPOT p50 of both, and the ratios process / thread.
+with ``--no-engine-core-process`` (both started once; the idle one waits
+without using a core) answer MT-Bench turn-1 prompts (chat, streamed, greedy,
+``ignore_eos``) at each concurrency, in interleaved rounds (process then
+thread, then thread then process, ...). Reported per concurrency: the medians
+over rounds of total output tok/s, TTFT p50 and TPOT p50 of both, and the
+median of the per-round ratios process / thread (each ratio from two
+back-to-back runs, so a load change on a shared machine hits both).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help=".gguf or HF directory (default: the embedded SmolLM2)")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrencies (default: 1,8,32)")
-    p.add_argument("--rounds", type=int, default=2, help="rounds per mode, interleaved (default: 2)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds per mode, interleaved (default: 4)")
     p.add_argument("--num-prompts", type=int, default=32, help="MT-Bench prompts per concurrency (default: 32)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: 64)")
     p.add_argument("--engine-arg", action="append", default=[],
@@ -35,21 +37,10 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _round(mode: str, args, workload, concurrencies: list[int], logs: Path) -> dict[int, dict]:
-    extra = ["--model", args.model] if args.model else []
-    srv = start_engine_server(logs, [*extra, "--served-model-name", MODEL, MODES[mode], *args.engine_arg],
-                              name=f"engine-{mode}")
-    out = {}
-    try:
-        measure("warmup", srv.base_url + "/v1", MODEL, workload[:2], stream=True, concurrency=1, num_requests=2,
-                progress=False)
-        for c in concurrencies:
-            num = c * 4 if c == 1 else max(c, min(len(workload), 2 * c))
-            out[c] = summary(measure(f"{mode} c={c}", srv.base_url + "/v1", MODEL, workload, stream=True,
-                                     concurrency=c, num_requests=num, progress=False))
-    finally:
-        srv.stop()
-    return out
+def _measure(srv, mode: str, c: int, workload) -> dict:
+    num = 4 if c == 1 else max(c, min(len(workload), 2 * c))
+    return summary(measure(f"{mode} c={c}", srv.base_url + "/v1", MODEL, workload, stream=True, concurrency=c,
+                           num_requests=num, progress=False))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,16 +48,38 @@ def run(args: argparse.Namespace) -> int:
     logs = Path(tempfile.mkdtemp(prefix="lt-core-modes-"))
     workload = mt_bench_turn1(args.max_tokens, args.num_prompts, extra={"temperature": 0, "ignore_eos": True})
     results: dict[str, list[dict[int, dict]]] = {m: [] for m in MODES}
-    for i in range(args.rounds):
-        for mode in MODES:
-            results[mode].append(_round(mode, args, workload, concurrencies, logs))
-            r = results[mode][-1]
-            print(f"round {i + 1} {mode}: " + ", ".join(
-                f"c={c} {r[c]['output_tokens_per_s']:.1f} tok/s" for c in concurrencies), flush=True)
+    extra = ["--model", args.model] if args.model else []
+    servers = {m: start_engine_server(logs, [*extra, "--served-model-name", MODEL, flag, *args.engine_arg],
+                                      name=f"engine-{m}") for m, flag in MODES.items()}
+    try:
+        for srv in servers.values():
+            measure("warmup", srv.base_url + "/v1", MODEL, workload[:2], stream=True, concurrency=1,
+                    num_requests=2, progress=False)
+        for i in range(args.rounds):
+            order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
+            for m in MODES:
+                results[m].append({})
+            for c in concurrencies:
+                for m in order:
+                    results[m][-1][c] = _measure(servers[m], m, c, workload)
+            print(f"round {i + 1}: " + ", ".join(
+                f"c={c} {results['process'][-1][c]['output_tokens_per_s']:.1f}/"
+                f"{results['thread'][-1][c]['output_tokens_per_s']:.1f} tok/s" for c in concurrencies), flush=True)
+    finally:
+        for srv in servers.values():
+            srv.stop()
 
     def med(mode: str, c: int, key: str, p: str | None = None) -> float | None:
         vals = [r[c][key] if p is None else pct(r[c][key], p) for r in results[mode]]
         vals = [v for v in vals if v is not None]
+        return statistics.median(vals) if vals else None
+
+    def ratio(c: int, key: str, p: str | None = None) -> float | None:
+        vals = []
+        for a, b in zip(results["process"], results["thread"]):
+            x, y = (a[c][key], b[c][key]) if p is None else (pct(a[c][key], p), pct(b[c][key], p))
+            if x and y:
+                vals.append(x / y)
         return statistics.median(vals) if vals else None
 
     rows = []
@@ -75,13 +88,13 @@ def run(args: argparse.Namespace) -> int:
         fp, ft = med("process", c, "ttft_s", "p50"), med("thread", c, "ttft_s", "p50")
         pp, pt = med("process", c, "tpot_s", "p50"), med("thread", c, "tpot_s", "p50")
         errors = sum(r[c]["num_errors"] for m in MODES for r in results[m])
-        rows.append([c, fmt(tp, ".1f"), fmt(tt, ".1f"), fmt(tp / tt if tp and tt else None, ".2f", "x"),
-                     fmt(fp and fp * 1e3, ".1f"), fmt(ft and ft * 1e3, ".1f"), fmt(fp / ft if fp and ft else None, ".2f", "x"),
-                     fmt(pp and pp * 1e3, ".1f"), fmt(pt and pt * 1e3, ".1f"), fmt(pp / pt if pp and pt else None, ".2f", "x"),
+        rows.append([c, fmt(tp, ".1f"), fmt(tt, ".1f"), fmt(ratio(c, "output_tokens_per_s"), ".2f", "x"),
+                     fmt(fp and fp * 1e3, ".1f"), fmt(ft and ft * 1e3, ".1f"), fmt(ratio(c, "ttft_s", "p50"), ".2f", "x"),
+                     fmt(pp and pp * 1e3, ".1f"), fmt(pt and pt * 1e3, ".1f"), fmt(ratio(c, "tpot_s", "p50"), ".2f", "x"),
                      errors])
     print(md_table(["concurrency", "process tok/s", "thread tok/s", "tok/s process/thread", "process TTFT p50 ms",
                     "thread TTFT p50 ms", "TTFT p50 process/thread", "process TPOT p50 ms", "thread TPOT p50 ms",
                     "TPOT p50 process/thread", "errors"], rows))
-    print(f"\n{args.rounds} interleaved rounds per mode (medians), {args.max_tokens} output tokens "
+    print(f"\n{args.rounds} interleaved rounds (medians; ratios: median of per-round ratios), {args.max_tokens} output tokens "
           "(greedy, ignore_eos), MT-Bench turn 1, streamed chat.")
     return 0
