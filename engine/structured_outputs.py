@@ -9,8 +9,8 @@ Pieces, in the order a constrained request meets them:
 2. ``StructuredOutputManager.compile(params)``: one compiled grammar per
    distinct spec (JSON schema, json_object, regex, choice, structural tag),
    kept in an LRU cache keyed by the spec's canonical text. The OpenAI layer
-   compiles in a worker thread before submitting, so the engine thread only
-   hits the cache.
+   has it compiled in a worker thread of the engine core (its process or its
+   thread) before submitting, so the core's step loop only hits the cache.
 3. ``add(request)``: one ``xgrammar.GrammarMatcher`` per sequence (each of
    the ``n`` siblings has its own).
 4. ``grammar_bitmask(rows)``: each step, the allowed-token bitmask of the

@@ -75,8 +75,8 @@ class OpenAIServing:
 
 
     async def _compile_grammar(self, plan: ChatPlan) -> None:
-        """Compile the request's grammar in a worker thread (the engine thread
-        then finds it in the cache).
+        """Compile the request's grammar in a worker thread of the engine core
+        (its step loop then finds it in the cache).
 
         Raises:
             ServingError: 400 when xgrammar refuses the spec.
