@@ -11,10 +11,12 @@ cores, torch's default); a front end that runs no model keeps one.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": torch.bfloat16}
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "auto": "bfloat16"}
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -24,9 +26,11 @@ def resolve_dtype(name: str) -> torch.dtype:
     Raises:
         ValueError: unknown name.
     """
+    import torch
+
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
+    return getattr(torch, _DTYPES[name])
 
 
 def resolve_device(name: str) -> torch.device:
@@ -35,6 +39,8 @@ def resolve_device(name: str) -> torch.device:
     Raises:
         ValueError: "cuda" requested but CUDA is not available.
     """
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
@@ -47,6 +53,8 @@ def configure_core_threads(num_threads: int | None) -> None:
     """The engine core's torch intra-op threads: ``num_threads`` when given
     (None keeps torch's default, one per core)."""
     if num_threads:
+        import torch
+
         torch.set_num_threads(num_threads)
 
 

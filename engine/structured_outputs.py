@@ -40,10 +40,12 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("tandem.structured_outputs")
 
@@ -81,6 +83,8 @@ def apply_token_bitmask(logits: torch.Tensor, mask: GrammarBitmask) -> torch.Ten
     Returns:
         ``[num_rows, vocab]`` float32, the other rows unchanged.
     """
+    import torch  # lazy: the engine's front end imports this module (check_json_schema) and needs no torch
+
     device = logits.device
     vocab = logits.shape[-1]
     words = mask.bitmask.to(device, non_blocking=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -161,3 +163,31 @@ async def test_core_process_streams_and_aborts(tiny_model):
     assert not eng.is_alive
     with pytest.raises(EngineDeadError):
         await eng.generate("x", SamplingParams(max_tokens=1), "c").__anext__()
+
+
+FRONT_END_SCRIPT = """
+import asyncio, sys
+from engine.async_engine import AsyncEngine
+from engine.config import EngineArgs
+from engine.entrypoints.server import build_app
+
+async def main():
+    eng = AsyncEngine(EngineArgs(model=sys.argv[1], kv_cache_memory="64MiB"))
+    build_app(eng)
+    await eng.start()
+    print("torch" in sys.modules)
+    await eng.shutdown(drain=False)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_front_end_runs_without_torch(tiny_model, tmp_path):
+    """The serving process keeps HTTP, tokenization and output processing: it never loads torch (RSS)."""
+    script = tmp_path / "front_end.py"
+    script.write_text(FRONT_END_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), tiny_model], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
