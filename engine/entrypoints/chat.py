@@ -18,12 +18,7 @@ from engine.outputs import CompletionOutput
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Chat completions.
-
-    Args:
-        engine: a started ``AsyncEngine``.
-        served_model_name: the only model name accepted (404 otherwise).
-    """
+    """Chat completions (constructor: ``OpenAIServing``'s)."""
 
     async def create_chat_completion(self, body: dict, request_id: str,
                                      priority: int = 0) -> dict | AsyncIterator[bytes]:

@@ -18,12 +18,7 @@ from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, engine_id, 
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    """Legacy completions.
-
-    Args:
-        engine: a started ``AsyncEngine``.
-        served_model_name: the only model name accepted (404 otherwise).
-    """
+    """Legacy completions (constructor: ``OpenAIServing``'s)."""
 
     # ------------------------------------------------------------ completions
     async def create_completion(self, body: dict, request_id: str,
