@@ -71,7 +71,7 @@ class LocalBackend:
 
     def count_prompt_tokens(self, body: dict) -> int | None:
         """Prompt length in tokens as the engine will run it: its tokenizer, with the request's chat-template and
-        special-token options at ``engine/entrypoints/protocol.py``'s defaults; None when the engine is not loaded."""
+        special-token options at ``engine/protocol.py``'s defaults; None when the engine is not loaded."""
         if self.engine is None:
             return None
         tok = self.engine.tokenizer
