@@ -83,10 +83,11 @@ def alive(pid: int) -> bool:
 
 def test_core_process_dies_with_its_parent(tiny_model, tmp_path):
     srv = serve(tiny_model, tmp_path)
-    children = descendants(srv.pid)
-    core = core_pid(srv.pid)
-    assert core in children
-    srv.kill()  # SIGKILL: no shutdown code runs in the parent
+    try:
+        children = descendants(srv.pid)
+        assert core_pid(srv.pid) in children
+    finally:
+        srv.kill()  # SIGKILL: no shutdown code runs in the parent
     deadline = time.monotonic() + 30
     while any(alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
