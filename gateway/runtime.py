@@ -107,7 +107,7 @@ class Gateway:
         if self.snapshot.local is not None and self.start_engine:
             self._tasks.append(asyncio.create_task(self.snapshot.local.start()))
         elif self.snapshot.local is not None:
-            self.snapshot.local.unavailable_reason = "engine not started"
+            self.snapshot.local.unavailable_reason, self.snapshot.local.loading = "engine not started", False
         self.resilience.start(lambda: self.snapshot.backends)
         self._tasks.append(asyncio.create_task(self._watch_loop()))
         if self.ledger.shared:

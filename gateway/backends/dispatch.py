@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gateway.errors import BackendError
+from gateway.backends.relabel import answer_id, relabel_json, relabel_stream
+from gateway.errors import BackendError, error_body
 from gateway.request.validate import GatewayRequest
 from gateway.resilience.attempts import Candidate, Result, UpstreamResponse
 from gateway.resilience.layer import Resilience
@@ -20,6 +21,9 @@ from gateway.resilience.ratelimit import RateReservation
 from policies import Target
 
 log = logging.getLogger("tandem.gateway.dispatch")
+
+# Retry-After (seconds) of a 503 engine_loading: the default model loads in seconds.
+ENGINE_LOADING_RETRY_AFTER_S = 5
 
 # Request fields that only the gateway understands: never sent upstream.
 GATEWAY_ONLY_FIELDS = ("priority",)
@@ -50,8 +54,9 @@ def _payload(backend, target: Target, req: GatewayRequest):
 
 async def _attempt(backend, target: Target, req: GatewayRequest):
     payload = _payload(backend, target, req)
-    # the local engine also takes the request id and the priority (the body's "priority" was removed)
-    args = (req.endpoint, payload, req.request_id, req.priority) if backend.kind == "local" else (req.endpoint, payload)
+    # the local engine also takes the priority (the body's "priority" was removed)
+    args = (req.endpoint, payload, req.request_id, req.priority) if backend.kind == "local" else \
+        (req.endpoint, payload, req.request_id)
     return await (backend.open_stream if req.stream else backend.send)(*args)
 
 
@@ -78,14 +83,22 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
     """
     skipped: list[str] = []
     candidates = []
+    loading = False
     for target in targets:
         backend = backends.get(target.backend)
         if backend is None or not backend.available:
             skipped.append(f"{target.id}: {backend.unavailable_reason if backend else 'unknown backend'}")
+            loading = loading or getattr(backend, "loading", False)
         elif backend.kind == "local" and req.local_unsupported:
             skipped.append(f"{target.id}: local engine does not support {req.local_unsupported}")
         else:
             candidates.append(resilience.candidate(target, backend))
+
+    if not candidates and loading:    # only the engine could serve it, and it is still loading its model
+        log.info("request %s: %s", req.request_id, "; ".join(skipped))
+        return Answer(503, error_body(503, "The local engine is loading its model; retry in a few seconds.",
+                                      code="engine_loading"),
+                      headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)})
 
     async def settle(res: Result) -> None:
         await resilience.settle(reservation, res.usage)
@@ -103,7 +116,14 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
         log.info("request %s: %s", req.request_id, "; ".join(errors))
     headers = {k: v for k, v in res.headers.items() if k != "content-type"}
     backend = res.candidate.target.backend if res.candidate is not None else ""
-    return Answer(res.status, res.body or b"", res.stream, res.headers.get("content-type", "application/json"),
+    body, stream = res.body or b"", res.stream
+    if res.status == 200:            # the client's model name and the gateway's id, whoever answered
+        id_ = answer_id(req.endpoint, req.request_id)
+        if stream is not None:
+            stream = relabel_stream(stream, id_, req.model)
+        else:
+            body = relabel_json(body, id_, req.model)
+    return Answer(res.status, body, stream, res.headers.get("content-type", "application/json"),
                   backend, res.num_calls, headers)
 
 

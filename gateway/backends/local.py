@@ -30,6 +30,7 @@ class LocalBackend:
         self.served_model_name = cfg.engine.served_model_name or ""
         self.max_model_len = cfg.engine.max_model_len
         self.available, self.unavailable_reason = False, "engine is loading"
+        self.loading = True              # until start() ends (loaded or failed); requests get 503 engine_loading
         self.active = 0
         self._encode = msgspec.json.encode
 
@@ -53,6 +54,8 @@ class LocalBackend:
         except Exception as e:  # noqa: BLE001 -- reported, backend marked unavailable
             self.available, self.unavailable_reason = False, f"engine failed to start: {type(e).__name__}: {e}"
             log.error("local backend %s unavailable: %s", self.name, self.unavailable_reason)
+        finally:
+            self.loading = False
 
     def upstream_model(self, public_model: str, target_model: str) -> str:
         return target_model or self.served_model_name or public_model
