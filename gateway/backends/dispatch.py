@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from gateway.backends.relabel import answer_id, relabel_json, relabel_stream
-from gateway.errors import BackendError, error_body
+from gateway.errors import BackendError
 from gateway.request.validate import GatewayRequest
 from gateway.resilience.attempts import Candidate, Result, UpstreamResponse
 from gateway.resilience.layer import Resilience
@@ -21,9 +21,6 @@ from gateway.resilience.ratelimit import RateReservation
 from policies import Target
 
 log = logging.getLogger("tandem.gateway.dispatch")
-
-# Retry-After (seconds) of a 503 engine_loading: the default model loads in seconds.
-ENGINE_LOADING_RETRY_AFTER_S = 5
 
 # Request fields that only the gateway understands: never sent upstream.
 GATEWAY_ONLY_FIELDS = ("priority",)
@@ -83,22 +80,14 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
     """
     skipped: list[str] = []
     candidates = []
-    loading = False
     for target in targets:
         backend = backends.get(target.backend)
         if backend is None or not backend.available:
             skipped.append(f"{target.id}: {backend.unavailable_reason if backend else 'unknown backend'}")
-            loading = loading or getattr(backend, "loading", False)
         elif backend.kind == "local" and req.local_unsupported:
             skipped.append(f"{target.id}: local engine does not support {req.local_unsupported}")
         else:
             candidates.append(resilience.candidate(target, backend))
-
-    if not candidates and loading:    # only the engine could serve it, and it is still loading its model
-        log.info("request %s: %s", req.request_id, "; ".join(skipped))
-        return Answer(503, error_body(503, "The local engine is loading its model; retry in a few seconds.",
-                                      code="engine_loading"),
-                      headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)})
 
     async def settle(res: Result) -> None:
         await resilience.settle(reservation, res.usage)

@@ -61,29 +61,27 @@ EXCEPTION_HANDLERS = {ClientError: _on_client_error, ConfigError: _on_config_err
 _CLIENT_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
 
 
-def request_ids(app):
-    """ASGI middleware: every HTTP response carries ``x-request-id`` (errors of any status included): the client's
-    own ``x-request-id`` when it is 1-128 characters of ``[A-Za-z0-9._:/+=-]``, else a generated ``gw-<24 hex>``.
-    The value is in ``scope["tandem.request_id"]``; ``_serve`` derives the request's unique internal id from it."""
-
-    async def middleware(scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await app(scope, receive, send)
-            return
+def request_id(scope) -> tuple[str, bool]:
+    """The request's ``x-request-id`` and whether the client chose it: the client's own header when it is 1-128
+    characters of ``[A-Za-z0-9._:/+=-]``, else a generated ``gw-<24 hex>``; computed once per request (kept in
+    the ASGI scope)."""
+    if (known := scope.get("tandem.request_id")) is None:
         given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
-        rid = given if given is not None and _CLIENT_ID.fullmatch(given) else f"gw-{secrets.token_hex(12)}".encode()
-        scope["tandem.request_id"] = rid.decode()
-        scope["tandem.client_request_id"] = rid is given
+        if given is not None and _CLIENT_ID.fullmatch(given):
+            known = (given.decode(), True)
+        else:
+            known = (f"gw-{secrets.token_hex(12)}", False)
+        scope["tandem.request_id"] = known
+    return known
 
-        async def send_with_id(message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"]
-                message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
-            await send(message)
 
-        await app(scope, receive, send_with_id)
-
-    return middleware
+async def _stamp_request_id(message, scope) -> None:
+    """``before_send`` hook: every HTTP response carries ``x-request-id`` (errors of any status included, also
+    those raised before routing, such as an unknown path)."""
+    if message["type"] == "http.response.start":
+        rid = request_id(scope)[0].encode()
+        message["headers"] = [*((k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"),
+                              (b"x-request-id", rid)]
 
 
 def in_flight(app):
@@ -111,14 +109,13 @@ async def _serve(request: Request, endpoint: str) -> Response:
         raise ClientError(503, "the gateway is draining; retry on another replica", code="draining",
                           headers={"retry-after": "1", "connection": "close"})
     headers = request.headers
-    request_id = request.scope["tandem.request_id"]   # echoed as x-request-id and forwarded upstream
-    if request.scope["tandem.client_request_id"]:   # internal id: unique even when clients reuse theirs
-        request_id = f"{request_id}-{secrets.token_hex(4)}"
-    rec = gw.obs.begin(request_id, endpoint, headers)   # span, trace context
+    rid, chosen = request_id(request.scope)   # echoed as x-request-id; forwarded upstream
+    rid = f"{rid}-{secrets.token_hex(4)}" if chosen else rid   # unique even when clients reuse theirs
+    rec = gw.obs.begin(rid, endpoint, headers)   # span, trace context
     streaming = False
     try:
         raw = await read_body(request, gw.snapshot.max_body_size)
-        answer = await unless_disconnected(request, handle(gw, endpoint, raw, headers, request_id))
+        answer = await unless_disconnected(request, handle(gw, endpoint, raw, headers, rid))
         if answer is None:                  # the client left: its upstream call was cancelled
             return Response(b"", status_code=499)
         if answer.stream is not None:
@@ -192,7 +189,7 @@ def create_app(gw: Gateway, cors: CorsConfig | None = None) -> Litestar:
     return Litestar(
         cors_config=CORSConfig(**cors.model_dump()) if cors is not None else None,
         route_handlers=[chat_completions, completions, models, model, live, ready, *ADMIN_HANDLERS],
-        state=State({"gw": gw}), middleware=[request_ids, in_flight],
+        state=State({"gw": gw}), middleware=[in_flight], before_send=[_stamp_request_id],
         on_startup=[gw.start, gw.obs.start], on_shutdown=[gw.obs.stop, gw.stop],
         exception_handlers=EXCEPTION_HANDLERS, openapi_config=None, request_max_body_size=None, logging_config=None,
     )

@@ -22,6 +22,8 @@ from policies import RequestFeatures, decide
 # (``engine.tokenizer.Tokenizer.encode``). Smaller bodies stay on the loop, where a thread hop would cost more
 # than the work.
 OFFLOAD_BYTES = 64 * 1024
+# Retry-After (seconds) of a 503 engine_loading: the default model loads in seconds.
+ENGINE_LOADING_RETRY_AFTER_S = 5
 
 
 def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str) -> GatewayRequest:
@@ -58,6 +60,15 @@ def features(req: GatewayRequest) -> RequestFeatures:
         max_tokens=req.max_tokens, local_serves=req.local_unsupported is None)
 
 
+def _waits_for_engine(snap, route_name: str) -> bool:
+    """True when the local engine, one of the route's targets or fallbacks, is still loading its model."""
+    local = snap.local
+    route = snap.compiled.policy.routes.get(route_name)
+    if local is None or not local.loading or route is None:
+        return False
+    return any(t.backend == local.name for t in (*route.targets, *route.fallbacks))
+
+
 async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str) -> Answer:
     """Serve one chat/completion request on the config generation current at its arrival.
 
@@ -69,7 +80,8 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         request_id: the gateway's id for this request.
 
     Raises:
-        ClientError: 400/401/404, or 429 (503 fail-closed) from admission, before any backend is called.
+        ClientError: 400/401/404, 503 ``engine_loading`` (nothing else can serve it while the local engine loads),
+            or 429 (503 fail-closed) from admission, before any backend is called.
     """
     snap = gw.snapshot
     if len(raw) < OFFLOAD_BYTES:
@@ -77,6 +89,9 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     else:
         req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id)
     decision = decide(snap.compiled.policy, features(req), snap.signals())
+    if not decision.attempts and _waits_for_engine(snap, decision.route):
+        raise ClientError(503, "The local engine is still loading its model; retry in a few seconds.",
+                          code="engine_loading", headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)})
     if req.local_unsupported and decision.attempts:
         first = snap.backends.get(decision.attempts[0].backend)
         if first is not None and first.kind == "local":
