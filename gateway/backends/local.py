@@ -12,6 +12,7 @@ import msgspec
 
 from gateway.config.schema import LocalBackendConfig
 from gateway.errors import BackendError
+from gateway.request.validate import count_prompt_tokens
 from gateway.resilience.outcomes import UpstreamResponse
 
 log = logging.getLogger("tandem.gateway.local")
@@ -68,26 +69,9 @@ class LocalBackend:
         return int(s.num_waiting), int(s.num_running), float(s.kv_cache_usage) * 100.0
 
     def count_prompt_tokens(self, body: dict) -> int | None:
-        """Prompt length in tokens as the engine will run it: its tokenizer, with the request's chat-template and
-        special-token options at ``engine/protocol.py``'s defaults; None when the engine is not loaded."""
-        if self.engine is None:
-            return None
-        tok = self.engine.tokenizer
-        chat = "messages" in body
-        try:
-            if chat:
-                text = tok.apply_chat_template(body["messages"], add_generation_prompt=body.get(
-                    "add_generation_prompt", True), **(body.get("chat_template_kwargs") or {}))
-            else:
-                prompt = body.get("prompt", "")
-                if isinstance(prompt, list):
-                    if prompt and isinstance(prompt[0], int):
-                        return len(prompt)
-                    prompt = "".join(p for p in prompt if isinstance(p, str))
-                text = prompt
-            return len(tok.encode(text, add_special_tokens=body.get("add_special_tokens", not chat)))
-        except Exception:  # noqa: BLE001 -- odd content: let the estimate decide
-            return None
+        """Prompt length in tokens as the engine will run it (``gateway.request.validate.count_prompt_tokens``
+        with the engine's tokenizer); None when the engine is not loaded."""
+        return None if self.engine is None else count_prompt_tokens(self.engine.tokenizer, body)
 
     async def _call(self, endpoint: str, body: dict, request_id: str, priority: int):
         if self.serving is None:

@@ -12,11 +12,12 @@ from engine.config import parse_size
 
 class ConfigError(ValueError):
     """An invalid config. ``errors`` holds (key path, problem) pairs; the
-    message has one ``path: problem`` line per error."""
+    message names the file (``source``, when known) and has one ``path: problem`` line per error."""
 
-    def __init__(self, errors: list[tuple[str, str]]):
-        self.errors = errors
-        super().__init__("invalid config:\n" + "\n".join(f"  {p or '(root)'}: {m}" for p, m in errors))
+    def __init__(self, errors: list[tuple[str, str]], source: str | None = None):
+        self.errors, self.source = errors, source
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}invalid config:\n" + "\n".join(f"  {p or '(root)'}: {m}" for p, m in errors))
 
 
 class _Strict(BaseModel):

@@ -203,6 +203,27 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         local_unsupported=unsupported, **identity)
 
 
+def count_prompt_tokens(tok, body: dict) -> int | None:
+    """Prompt length in tokens as the engine will run it: ``tok`` (``engine.tokenizer.Tokenizer``) with the
+    request's chat-template and special-token options at ``engine/protocol.py``'s defaults; None when the
+    content is odd (the estimate decides then). Used by the local backend and ``tandem route explain``."""
+    chat = "messages" in body
+    try:
+        if chat:
+            text = tok.apply_chat_template(body["messages"], add_generation_prompt=body.get(
+                "add_generation_prompt", True), **(body.get("chat_template_kwargs") or {}))
+        else:
+            prompt = body.get("prompt", "")
+            if isinstance(prompt, list):
+                if prompt and isinstance(prompt[0], int):
+                    return len(prompt)
+                prompt = "".join(p for p in prompt if isinstance(p, str))
+            text = prompt
+        return len(tok.encode(text, add_special_tokens=body.get("add_special_tokens", not chat)))
+    except Exception:  # noqa: BLE001 -- odd content: let the estimate decide
+        return None
+
+
 def estimate_prompt_tokens(body: dict) -> int:
     """Rough prompt length when no tokenizer is at hand: ~4 characters per
     token (OpenAI's rule of thumb for English BPE text) + 4 tokens of chat
