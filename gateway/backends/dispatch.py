@@ -106,12 +106,12 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
     headers = {k: v for k, v in res.headers.items() if k != "content-type"}
     backend = res.candidate.target.backend if res.candidate is not None else ""
     body, stream = res.body or b"", res.stream
-    if res.status == 200:            # the client's model name and the gateway's id, whoever answered
+    if res.status == 200:            # the public model name and the gateway's id, whoever answered
         id_ = answer_id(req.endpoint, req.request_id)
         if stream is not None:
-            stream = relabel_stream(stream, id_, req.model)
+            stream = relabel_stream(stream, id_, req.public_model)
         else:
-            body = relabel_json(body, id_, req.model)
+            body = relabel_json(body, id_, req.public_model)
     return Answer(res.status, body, stream, res.headers.get("content-type", "application/json"),
                   backend, res.num_calls, headers)
 

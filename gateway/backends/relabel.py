@@ -1,5 +1,6 @@
 """Answers speak the client's names: every successful answer, JSON or each event of a stream, reports the
-``model`` the client asked for (not the upstream's or the engine's name) and an ``id`` made from the gateway's
+public ``model`` the client asked for (an alias resolved to the public name it stands for, as OpenAI reports
+the model an alias resolves to; never the upstream's or the engine's name) and an ``id`` made from the gateway's
 request id (``chatcmpl-<request id>``, ``cmpl-<request id>``: the id in the logs and the ``x-request-id``
 header), whichever backend answered. Events and bodies without ``id``/``model`` (errors, ``[DONE]``) pass as
 they are.
