@@ -16,8 +16,10 @@ def register(subparsers) -> None:
     p.add_argument("--config", required=True, help="YAML config file (see config.example.yaml)")
     p.add_argument("--host", default=None, help="bind address (default: server.host)")
     p.add_argument("--port", type=int, default=None, help="TCP port (default: server.port)")
-    p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without virtual keys (default: server.insecure)")
-    p.add_argument("--no-engine", action="store_true", help="do not start the local engine (upstreams only; the local backend stays unavailable)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback bind without virtual keys (default: server.insecure)")
+    p.add_argument("--no-engine", action="store_true",
+                   help="do not start the local engine (upstreams only; the local backend stays unavailable)")
     p.set_defaults(func=_serve)
 
     p = subparsers.add_parser("route", help="routing policy tools")
@@ -30,7 +32,8 @@ def register(subparsers) -> None:
     e.add_argument("--waiting", type=int, default=0, help="local engine signal: waiting requests, count")
     e.add_argument("--running", type=int, default=0, help="local engine signal: running requests, count")
     e.add_argument("--kv-usage", type=float, default=0.0, help="local engine signal: KV-cache usage, percent (0-100)")
-    e.add_argument("--request-id", default="explain", help="request id: the canary key when the request has no user or key")
+    e.add_argument("--request-id", default="explain",
+                   help="request id: the canary key when the request has no user or key")
     e.add_argument("--json", action="store_true", help="print the decision as JSON")
     e.set_defaults(func=_explain)
 

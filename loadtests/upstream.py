@@ -227,7 +227,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft", type=float, default=0.0, help="seconds before the first token")
     p.add_argument("--itl", type=float, default=0.0, help="seconds between streamed tokens")
     p.add_argument("--logprob-shift", type=float, default=0.0, help="added to the top logprobs, nats (parity tests)")
-    p.add_argument("--diverge-at", type=int, default=-1, help="answer differs from this token index on; -1: never (parity tests)")
+    p.add_argument("--diverge-at", type=int, default=-1,
+                   help="answer differs from this token index on; -1: never (parity tests)")
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -27,7 +27,8 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="cost_command", required=True)
     e = sub.add_parser("estimate", help="monthly cost of a workload on each configured target")
     e.add_argument("--config", default="config.example.yaml", help="gateway YAML config (its backends' prices)")
-    e.add_argument("--tokens-per-month", type=float, required=True, help="prompt + completion tokens per month (e.g. 1e9)")
+    e.add_argument("--tokens-per-month", type=float, required=True,
+                   help="prompt + completion tokens per month (e.g. 1e9)")
     e.add_argument("--input-share", type=float, default=0.75, help="fraction of the tokens that are prompt tokens, 0-1")
     e.add_argument("--json", action="store_true", help="print the table as JSON")
     e.set_defaults(func=_cost_estimate_command)
@@ -74,8 +75,8 @@ def _cost_estimate_command(args) -> int:
     wm = max([len("model")] + [len(r["model"]) for r in rows])
     print(f"{'target':<{w}}  {'model':<{wm}}  {'input':>8}  {'output':>8}  {'USD/month':>14}")
     for r in rows:
-        print(f"{r['target']:<{w}}  {r['model']:<{wm}}  {r['input_usd_per_mtok']:>8.4f}  "
-              f"{r['output_usd_per_mtok']:>8.4f}  {r['monthly_usd']:>14,.2f}")
+        print(f"{r['target']:<{w}}  {r['model']:<{wm}}  {r['input_usd_per_mtok']:>8.4g}  "
+              f"{r['output_usd_per_mtok']:>8.4g}  {r['monthly_usd']:>14,.2f}")
     return 0
 
 

@@ -2,8 +2,9 @@
 exception -> OpenAI error table, in-flight accounting in one middleware. The request path itself is
 ``gateway/request/pipeline.py``; operator endpoints are ``gateway/http/admin.py``.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model}, GET /health/live,
-GET /health/ready; the admin API and GET /metrics from ``admin.py``.
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model},
+GET /health/live, GET /health/ready; the admin API and GET /metrics from ``admin.py``. Every response carries
+``x-request-id``; ``server.cors`` adds CORS.
 """
 
 from __future__ import annotations
@@ -155,12 +156,12 @@ async def models(request: Request) -> Response:
 
 
 @get("/v1/models/{model:path}")
-async def model(request: Request, model: str) -> Response:
+async def model(request: Request) -> Response:
     """One model object (OpenAI's ``GET /v1/models/{model}``), for a public name or an alias (its ``id`` is the
-    name asked for, as answers report it). Raises ClientError 404 ``model_not_found`` for any other name."""
+    name asked for). Raises ClientError 404 ``model_not_found`` for any other name."""
     compiled = request.app.state.gw.snapshot.compiled
     authenticate(request.headers.get("authorization"), compiled.key_hashes)
-    name = model.lstrip("/")             # a path parameter keeps its leading slash; names may hold slashes
+    name = request.path_params["model"].lstrip("/")   # a path parameter keeps its leading slash; names may hold /
     if name not in compiled.model_names:
         raise ClientError(404, f"The model '{name}' does not exist; available: {', '.join(compiled.public_models)}",
                           param="model", code="model_not_found")

@@ -53,7 +53,8 @@ def register(sub) -> None:
     p.add_argument("--tolerance-pp", type=float, default=1.5,
                    help="allowed gap between the observed and the set split, percentage points")
     p.add_argument("--stream", action="store_true", help="streamed requests")
-    p.add_argument("--out", default="loadtest-results/canary", help="output directory (results.json, summary.md, plots)")
+    p.add_argument("--out", default="loadtest-results/canary",
+                   help="output directory (results.json, summary.md, plots)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 

@@ -41,7 +41,8 @@ def register(sub) -> None:
     p.add_argument("--hf-dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),
                    help="dtype of the HF baseline (default: --dtype; transformers suggests float32 for a .gguf)")
     p.add_argument("--skip-hf", action="store_true", help="no HF transformers baseline")
-    p.add_argument("--out", default="loadtest-results/engine", help="output directory (results.json, summary.md, plots)")
+    p.add_argument("--out", default="loadtest-results/engine",
+                   help="output directory (results.json, summary.md, plots)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 

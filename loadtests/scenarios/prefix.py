@@ -41,7 +41,8 @@ def register(sub) -> None:
     p.add_argument("--turn1-tokens", type=int, default=64, help="max_tokens of the first turn, tokens")
     p.add_argument("--turn2-tokens", type=int, default=8, help="max_tokens of the second turn (TTFT measured), tokens")
     p.add_argument("--engine-arg", action="append", default=[], help="extra `tandem engine serve` argument")
-    p.add_argument("--out", default="loadtest-results/prefix", help="output directory (results.json, summary.md, plots)")
+    p.add_argument("--out", default="loadtest-results/prefix",
+                   help="output directory (results.json, summary.md, plots)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
