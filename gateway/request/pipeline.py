@@ -21,7 +21,7 @@ from policies import RequestFeatures, decide
 # the event loop: a 4 MB chat body takes seconds to tokenize. The engine's tokenizer releases the GIL meanwhile
 # (``engine.tokenizer.Tokenizer.encode``). Smaller bodies stay on the loop, where a thread hop would cost more
 # than the work.
-OFFLOAD_BYTES = 64 * 1024
+OFFLOAD_BYTES = 16 * 1024
 # Retry-After (seconds) of a 503 engine_loading: the default model loads in seconds.
 ENGINE_LOADING_RETRY_AFTER_S = 5
 
