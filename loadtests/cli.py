@@ -40,11 +40,13 @@ def _add_run(sub) -> None:
                        description="Load an OpenAI-compatible server and report throughput and latency percentiles.")
     p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", required=True, help="the model field sent")
-    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
+                   help="/v1/chat/completions or /v1/completions")
     p.add_argument("--stream", action="store_true", help="streamed responses (TTFT, TPOT, ITL)")
-    p.add_argument("--workload", choices=("mtbench", "mtbench-turn2", "synthetic"), default="mtbench")
+    p.add_argument("--workload", choices=("mtbench", "mtbench-turn2", "synthetic"), default="mtbench",
+                   help="prompts: MT-Bench turn 1, turn 2 (with turn 1's answer), or synthetic lengths")
     p.add_argument("--num-prompts", type=int, default=None, help="distinct prompts (mtbench: up to 80)")
-    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request, tokens")
     p.add_argument("--input-len", default="fixed:128",
                    help="synthetic prompt length in words ~ tokens: fixed:N, uniform:LO,HI, normal:MEAN,STD, exponential:MEAN")
     p.add_argument("--output-len", default=None, help="synthetic max_tokens distribution (default fixed:--max-tokens)")
@@ -59,7 +61,7 @@ def _add_run(sub) -> None:
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
     p.add_argument("--header", action="append", default=[], metavar="NAME:VALUE", help="extra header (repeatable)")
     p.add_argument("--user-prefix", default=None, help="send user=<prefix><i> (distinct users)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload and arrival-time random seed")
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback target")
     _common_out(p, "loadtest-results")
     p.set_defaults(func=_cmd_run)

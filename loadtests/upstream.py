@@ -220,14 +220,15 @@ def make_app(cfg: UpstreamConfig) -> web.Application:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The upstream's command-line options."""
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=9001)
+    p.add_argument("--host", default="127.0.0.1", help="bind address")
+    p.add_argument("--port", type=int, default=9001, help="TCP port")
     p.add_argument("--name", default="upstream", help="x-upstream-name and default model name")
-    p.add_argument("--output-tokens", type=int, default=16, help="answer length without max_tokens")
+    p.add_argument("--output-tokens", type=int, default=16, help="answer length without max_tokens, tokens")
     p.add_argument("--ttft", type=float, default=0.0, help="seconds before the first token")
     p.add_argument("--itl", type=float, default=0.0, help="seconds between streamed tokens")
-    p.add_argument("--logprob-shift", type=float, default=0.0, help="perturb top logprobs (parity tests)")
-    p.add_argument("--diverge-at", type=int, default=-1, help="answer differs from this token on (parity tests)")
+    p.add_argument("--logprob-shift", type=float, default=0.0, help="added to the top logprobs, nats (parity tests)")
+    p.add_argument("--diverge-at", type=int, default=-1,
+                   help="answer differs from this token index on; -1: never (parity tests)")
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -78,7 +78,11 @@ class Decision:
             lines.append(f"skipped {tid}: {why}")
         if self.pick.scores:
             lines.append("scores: " + ", ".join(f"{k}={v:.4f}" for k, v in self.pick.scores.items()))
-        lines.append(f"chosen: {self.pick.target.id if self.pick.target else None} ({self.pick.reason})")
+        if self.pick.target is not None:
+            lines.append(f"chosen: {self.pick.target.id} ({self.pick.reason})")
+        else:
+            lines.append(f"chosen: no target ({self.pick.reason}); "
+                         + ("the fallbacks serve it" if self.attempts else "the gateway answers 503"))
         lines.append("attempts: " + (" -> ".join(t.id for t in self.attempts) or "(none available)"))
         return "\n".join(lines)
 

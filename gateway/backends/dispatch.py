@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from gateway.backends.relabel import answer_id, relabel_json, relabel_stream
 from gateway.errors import BackendError
 from gateway.request.validate import GatewayRequest
 from gateway.resilience.attempts import Candidate, Result, UpstreamResponse
@@ -50,8 +51,9 @@ def _payload(backend, target: Target, req: GatewayRequest):
 
 async def _attempt(backend, target: Target, req: GatewayRequest):
     payload = _payload(backend, target, req)
-    # the local engine also takes the request id and the priority (the body's "priority" was removed)
-    args = (req.endpoint, payload, req.request_id, req.priority) if backend.kind == "local" else (req.endpoint, payload)
+    # the local engine also takes the priority (the body's "priority" was removed)
+    args = (req.endpoint, payload, req.request_id, req.priority) if backend.kind == "local" else \
+        (req.endpoint, payload, req.request_id)
     return await (backend.open_stream if req.stream else backend.send)(*args)
 
 
@@ -103,7 +105,14 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
         log.info("request %s: %s", req.request_id, "; ".join(errors))
     headers = {k: v for k, v in res.headers.items() if k != "content-type"}
     backend = res.candidate.target.backend if res.candidate is not None else ""
-    return Answer(res.status, res.body or b"", res.stream, res.headers.get("content-type", "application/json"),
+    body, stream = res.body or b"", res.stream
+    if res.status == 200:            # the public model name and the gateway's id, whoever answered
+        id_ = answer_id(req.endpoint, req.request_id)
+        if stream is not None:
+            stream = relabel_stream(stream, id_, req.public_model)
+        else:
+            body = relabel_json(body, id_, req.public_model)
+    return Answer(res.status, body, stream, res.headers.get("content-type", "application/json"),
                   backend, res.num_calls, headers)
 
 

@@ -13,6 +13,7 @@ import msgspec
 
 from gateway.config.schema import LocalBackendConfig
 from gateway.errors import BackendError
+from gateway.request.validate import count_prompt_tokens
 from gateway.resilience.outcomes import UpstreamResponse
 
 log = logging.getLogger("tandem.gateway.local")
@@ -31,6 +32,7 @@ class LocalBackend:
         self.served_model_name = cfg.engine.served_model_name or ""
         self.max_model_len = cfg.engine.max_model_len
         self.available, self.unavailable_reason = False, "engine is loading"
+        self.loading = True              # until start() ends (loaded or failed); requests get 503 engine_loading
         self.active = 0
         self._encode = msgspec.json.encode
 
@@ -58,6 +60,8 @@ class LocalBackend:
         except Exception as e:  # noqa: BLE001 -- reported, backend marked unavailable
             self.available, self.unavailable_reason = False, f"engine failed to start: {type(e).__name__}: {e}"
             log.error("local backend %s unavailable: %s", self.name, self.unavailable_reason)
+        finally:
+            self.loading = False
 
     def upstream_model(self, public_model: str, target_model: str) -> str:
         return target_model or self.served_model_name or public_model
@@ -70,26 +74,9 @@ class LocalBackend:
         return int(s.num_waiting), int(s.num_running), float(s.kv_cache_usage) * 100.0
 
     def count_prompt_tokens(self, body: dict) -> int | None:
-        """Prompt length in tokens as the engine will run it: its tokenizer, with the request's chat-template and
-        special-token options at ``engine/protocol.py``'s defaults; None when the engine is not loaded."""
-        if self.engine is None:
-            return None
-        tok = self.engine.tokenizer
-        chat = "messages" in body
-        try:
-            if chat:
-                text = tok.apply_chat_template(body["messages"], add_generation_prompt=body.get(
-                    "add_generation_prompt", True), **(body.get("chat_template_kwargs") or {}))
-            else:
-                prompt = body.get("prompt", "")
-                if isinstance(prompt, list):
-                    if prompt and isinstance(prompt[0], int):
-                        return len(prompt)
-                    prompt = "".join(p for p in prompt if isinstance(p, str))
-                text = prompt
-            return len(tok.encode(text, add_special_tokens=body.get("add_special_tokens", not chat)))
-        except Exception:  # noqa: BLE001 -- odd content: let the estimate decide
-            return None
+        """Prompt length in tokens as the engine will run it (``gateway.request.validate.count_prompt_tokens``
+        with the engine's tokenizer); None when the engine is not loaded."""
+        return None if self.engine is None else count_prompt_tokens(self.engine.tokenizer, body)
 
     async def _call(self, endpoint: str, body: dict, request_id: str, priority: int):
         if self.serving is None:

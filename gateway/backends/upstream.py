@@ -45,8 +45,10 @@ def make_client(base_url: str, max_connections: int, connect_s: float, read_s: f
                              follow_redirects=False)
 
 
-def _traced(request: httpx.Request) -> httpx.Request:
-    """``request`` with the W3C ``traceparent`` of the current request/attempt (gateway/observability/telemetry.py)."""
+def _traced(request: httpx.Request, request_id: str) -> httpx.Request:
+    """``request`` with the gateway's ``x-request-id`` and the W3C ``traceparent`` of the current request/attempt
+    (gateway/observability/telemetry.py)."""
+    request.headers["x-request-id"] = request_id
     tp = current_traceparent()
     if tp is not None:
         request.headers["traceparent"] = tp
@@ -92,14 +94,15 @@ class UpstreamBackend:
         """The model name to send: the target's, else the mapping's, else the public one."""
         return target_model or self.cfg.models.get(public_model, public_model)
 
-    async def send(self, endpoint: str, payload: bytes) -> UpstreamResponse:
-        """POST ``payload`` (JSON bytes) to ``base_url/endpoint``; the whole answer.
+    async def send(self, endpoint: str, payload: bytes, request_id: str) -> UpstreamResponse:
+        """POST ``payload`` (JSON bytes) to ``base_url/endpoint`` with ``x-request-id: request_id``; the whole
+        answer.
 
         Raises:
             BackendError: connection failure, timeout, or an error status."""
         self.active += 1
         try:
-            r = await self._post(endpoint, self._headers, payload, read=True)
+            r = await self._post(endpoint, self._headers, payload, request_id, read=True)
             if r.status_code >= 400:
                 raise self._http_error(r, r.content)
             return UpstreamResponse(r.status_code, {"content-type": r.headers.get("content-type", "application/json")},
@@ -107,7 +110,7 @@ class UpstreamBackend:
         finally:
             self.active -= 1
 
-    async def open_stream(self, endpoint: str, payload: bytes) -> AsyncIterator[bytes]:
+    async def open_stream(self, endpoint: str, payload: bytes, request_id: str) -> AsyncIterator[bytes]:
         """Start a streaming POST; returns the raw SSE byte chunks as they
         arrive (closes the upstream response when exhausted or closed).
 
@@ -116,7 +119,7 @@ class UpstreamBackend:
                 error status)."""
         self.active += 1
         try:
-            r = await self._post(endpoint, self._sse_headers, payload, read=False)
+            r = await self._post(endpoint, self._sse_headers, payload, request_id, read=False)
             if r.status_code >= 400:
                 try:
                     body = await r.aread()
@@ -129,13 +132,13 @@ class UpstreamBackend:
             raise
         return self._relay(r)
 
-    async def _post(self, endpoint: str, headers, payload: bytes, read: bool) -> httpx.Response:
+    async def _post(self, endpoint: str, headers, payload: bytes, request_id: str, read: bool) -> httpx.Response:
         """Send the POST (``read``: the whole body, then release the connection).
 
         Raises:
             BackendError: connection failure or timeout."""
         request = _traced(httpx.Request("POST", self._urls[endpoint], headers=headers, content=payload,
-                                        extensions=self._ext))
+                                        extensions=self._ext), request_id)
         try:
             r = await self._transport.handle_async_request(request)
             if read:

@@ -7,17 +7,19 @@ import json
 import os
 import sys
 
-from gateway.billing.usage import Price, monthly_cost_usd
+from gateway.billing.usage import Price, format_usd, monthly_cost_usd
 from gateway.http.admin_client import admin_call
 
 
 def register(subparsers) -> None:
     """Add ``tandem usage`` and ``tandem cost estimate`` to the ``tandem`` parser."""
     p = subparsers.add_parser("usage", help="per-tenant usage and cost of a running gateway (GET /admin/usage)")
-    p.add_argument("--url", default=os.environ.get("TANDEM_URL", "http://127.0.0.1:8000"))
-    p.add_argument("--token-env", default="TANDEM_ADMIN_TOKEN", help="env var holding the admin token")
+    p.add_argument("--url", default=os.environ.get("TANDEM_URL", "http://127.0.0.1:8000"),
+                   help="the gateway's base URL (default: $TANDEM_URL, else http://127.0.0.1:8000)")
+    p.add_argument("--token-env", default="TANDEM_ADMIN_TOKEN",
+                   help="environment variable holding the admin token (default: TANDEM_ADMIN_TOKEN)")
     p.add_argument("--tenant", default=None, help="one tenant (default: all)")
-    p.add_argument("--since", default=None, help="first UTC day: YYYY-MM-DD or Nd (days back); default today")
+    p.add_argument("--since", default=None, help="first UTC day: YYYY-MM-DD or Nd (N days back) (default: today)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_usage_command)
 
@@ -25,9 +27,10 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="cost_command", required=True)
     e = sub.add_parser("estimate", help="monthly cost of a workload on each configured target")
     e.add_argument("--config", default="config.example.yaml", help="gateway YAML config (its backends' prices)")
-    e.add_argument("--tokens-per-month", type=float, required=True, help="prompt + completion tokens per month")
-    e.add_argument("--input-share", type=float, default=0.75, help="fraction of the tokens that are prompt tokens")
-    e.add_argument("--json", action="store_true")
+    e.add_argument("--tokens-per-month", type=float, required=True,
+                   help="prompt + completion tokens per month (e.g. 1e9)")
+    e.add_argument("--input-share", type=float, default=0.75, help="fraction of the tokens that are prompt tokens, 0-1")
+    e.add_argument("--json", action="store_true", help="print the table as JSON")
     e.set_defaults(func=_cost_estimate_command)
 
 
@@ -95,6 +98,6 @@ def _usage_command(args) -> int:
           f"{data['cost_usd']:>14.6f}")
     for t, b in (data.get("budgets") or {}).items():
         used = (b["spent_usd"] + b["reserved_usd"]) / b["budget_usd"] if b["budget_usd"] else 0.0
-        print(f"budget {t}: ${b['spent_usd']:.6f} spent + ${b['reserved_usd']:.6f} reserved of "
-              f"${b['budget_usd']:g} per {b['period']} ({used:.1%})")
+        print(f"budget {t}: {format_usd(b['spent_usd'])} spent + {format_usd(b['reserved_usd'])} reserved of "
+              f"{format_usd(b['budget_usd'])} per {b['period']} ({used:.1%})")
     return 0

@@ -244,6 +244,17 @@ return 1
 _RELEASE_LUA = _drop_reservation_lua("KEYS[1]", "KEYS[2]", "ARGV[1]") + "return 1\n"
 
 
+def format_usd(x: float) -> str:
+    """Money as money: ``$1,234.50``, ``$0.05``; an amount under a cent keeps 6 decimals (``$0.000001``, never
+    ``$1e-06``)."""
+    if x == 0 or abs(x) >= 0.01:
+        return f"${x:,.2f}"
+    return f"${x:.6f}"
+
+
+PERIOD_ADJECTIVE = {"day": "daily", "month": "monthly"}
+
+
 @dataclass
 class Budget:
     """A tenant's budget: ``usd`` per ``period`` ("day" | "month", UTC)."""

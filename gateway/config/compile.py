@@ -6,6 +6,7 @@ whose message lists ``key.path: problem`` lines (schema: ``gateway/config/schema
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import sys
 from dataclasses import dataclass, field
@@ -188,42 +189,47 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
 
 
 def load_config_text(text: str, overrides: dict[str, dict[str, float]] | None = None,
-                     environ: dict[str, str] | None = None) -> Compiled:
-    """Parse, validate and compile a YAML config.
+                     environ: dict[str, str] | None = None, source: str | None = None) -> Compiled:
+    """Parse, validate and compile a YAML config; ``source`` (the file's path) is named in errors.
 
     Raises:
         ConfigError: YAML syntax error, schema error, or broken reference,
-            each naming the key path.
+            each naming the key path (and the YAML error its line and column in ``source``).
     """
+    stream = io.StringIO(text)
+    stream.name = source or "<config>"      # PyYAML names it in "in <file>, line L, column C"
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.safe_load(stream)
     except yaml.YAMLError as e:
-        raise ConfigError([("", f"not valid YAML: {e}")]) from None
+        raise ConfigError([("", f"not valid YAML: {e}")], source) from None
     if not isinstance(raw, dict):
-        raise ConfigError([("", "the config must be a YAML mapping")])
+        raise ConfigError([("", "the config must be a YAML mapping")], source)
     try:
         cfg = GatewayConfig.model_validate(raw)
+        compiled = compile_config(cfg, overrides, environ)
     except ValidationError as e:
-        raise ConfigError([(_loc(err["loc"]), err["msg"]) for err in e.errors()]) from None
-    compiled = compile_config(cfg, overrides, environ)
+        raise ConfigError([(_loc(err["loc"]), err["msg"]) for err in e.errors()], source) from None
+    except ConfigError as e:
+        raise ConfigError(e.errors, source) from None
     compiled.text = text
     return compiled
 
 
 def load_config_file(path: str, overrides: dict[str, dict[str, float]] | None = None) -> Compiled:
-    """``load_config_text`` of a file. Raises ConfigError (also for I/O errors)."""
+    """``load_config_text`` of a file. Raises ConfigError naming ``path`` (also for I/O errors)."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
-        raise ConfigError([("", f"cannot read {path}: {e.strerror}")]) from None
-    return load_config_text(text, overrides)
+        raise ConfigError([("", f"cannot read it: {e.strerror}")], path) from None
+    return load_config_text(text, overrides, source=path)
 
 
 def load_config_or_report(path: str, prefix: str = "") -> Compiled | None:
-    """``load_config_file`` for the CLI: on ConfigError prints ``{prefix}{path}: {error}`` to stderr and returns None."""
+    """``load_config_file`` for the CLI: on ConfigError prints ``{prefix}{error}`` (it names ``path``) to stderr and
+    returns None."""
     try:
         return load_config_file(path)
     except ConfigError as e:
-        print(f"{prefix}{path}: {e}", file=sys.stderr)
+        print(f"{prefix}{e}", file=sys.stderr)
         return None

@@ -12,15 +12,29 @@ from engine.config import parse_size
 
 class ConfigError(ValueError):
     """An invalid config. ``errors`` holds (key path, problem) pairs; the
-    message has one ``path: problem`` line per error."""
+    message names the file (``source``, when known) and has one ``path: problem`` line per error."""
 
-    def __init__(self, errors: list[tuple[str, str]]):
-        self.errors = errors
-        super().__init__("invalid config:\n" + "\n".join(f"  {p or '(root)'}: {m}" for p, m in errors))
+    def __init__(self, errors: list[tuple[str, str]], source: str | None = None):
+        self.errors, self.source = errors, source
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}invalid config:\n" + "\n".join(f"  {p or '(root)'}: {m}" for p, m in errors))
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class CorsConfig(_Strict):
+    """Cross-origin requests from browsers (Litestar's ``CORSConfig``); preflights are answered with these
+    ``Access-Control-Allow-*`` values. Read at start (a reload does not change it)."""
+
+    allow_origins: list[str] = Field(min_length=1)     # e.g. ["https://app.example.com"]; "*" = any
+    allow_methods: list[str] = ["GET", "POST", "OPTIONS"]
+    allow_headers: list[str] = ["authorization", "content-type", "x-request-id", "x-priority"]
+    expose_headers: list[str] = ["x-request-id", "x-tandem-route", "x-tandem-backend", "x-tandem-attempts",
+                                 "retry-after"]
+    allow_credentials: bool = False
+    max_age: int = Field(600, ge=0)        # seconds a browser may cache a preflight answer
 
 
 class ServerConfig(_Strict):
@@ -32,6 +46,7 @@ class ServerConfig(_Strict):
     max_body_size: int = 4 * 2**20         # bytes ("4MiB" accepted)
     drain_timeout_s: float = Field(30.0, gt=0)
     log_level: str = "info"
+    cors: CorsConfig | None = None         # off by default
 
     @field_validator("max_body_size", mode="before")
     @classmethod

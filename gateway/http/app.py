@@ -2,21 +2,24 @@
 exception -> OpenAI error table, in-flight accounting in one middleware. The request path itself is
 ``gateway/request/pipeline.py``; operator endpoints are ``gateway/http/admin.py``.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health/live,
-GET /health/ready; the admin API and GET /metrics from ``admin.py``.
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model},
+GET /health/live, GET /health/ready; the admin API and GET /metrics from ``admin.py``. Every response carries
+``x-request-id``; ``server.cors`` adds CORS.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
+from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
-from gateway.config.schema import ConfigError
+from gateway.config.schema import ConfigError, CorsConfig
 from gateway.errors import ClientError, error_body
 from gateway.http.admin import ADMIN_HANDLERS
 from gateway.http.transport import EventStream, read_body, unless_disconnected
@@ -56,6 +59,32 @@ EXCEPTION_HANDLERS = {ClientError: _on_client_error, ConfigError: _on_config_err
                       Exception: _on_http_error}
 
 
+_CLIENT_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
+
+
+def request_id(scope) -> tuple[str, bool]:
+    """The request's ``x-request-id`` and whether the client chose it: the client's own header when it is 1-128
+    characters of ``[A-Za-z0-9._:/+=-]``, else a generated ``gw-<24 hex>``; computed once per request (kept in
+    the ASGI scope)."""
+    if (known := scope.get("tandem.request_id")) is None:
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        if given is not None and _CLIENT_ID.fullmatch(given):
+            known = (given.decode(), True)
+        else:
+            known = (f"gw-{secrets.token_hex(12)}", False)
+        scope["tandem.request_id"] = known
+    return known
+
+
+async def _stamp_request_id(message, scope) -> None:
+    """``before_send`` hook: every HTTP response carries ``x-request-id`` (errors of any status included, also
+    those raised before routing, such as an unknown path)."""
+    if message["type"] == "http.response.start":
+        rid = request_id(scope)[0].encode()
+        message["headers"] = [*((k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"),
+                              (b"x-request-id", rid)]
+
+
 def in_flight(app):
     """ASGI middleware: ``gw.in_flight`` counts the OpenAI requests being served, from arrival until the last
     byte of the answer (a stream until its end) or the client's disconnect. Drain waits for it to reach 0."""
@@ -81,12 +110,13 @@ async def _serve(request: Request, endpoint: str) -> Response:
         raise ClientError(503, "the gateway is draining; retry on another replica", code="draining",
                           headers={"retry-after": "1", "connection": "close"})
     headers = request.headers
-    request_id = f"gw-{secrets.token_hex(12)}"    # ours: unique even when clients reuse theirs
-    rec = gw.obs.begin(request_id, endpoint, headers)   # span, trace context
+    rid, chosen = request_id(request.scope)   # echoed as x-request-id; forwarded upstream
+    rid = f"{rid}-{secrets.token_hex(4)}" if chosen else rid   # unique even when clients reuse theirs
+    rec = gw.obs.begin(rid, endpoint, headers)   # span, trace context
     streaming = False
     try:
         raw = await read_body(request, gw.snapshot.max_body_size)
-        answer = await unless_disconnected(request, handle(gw, endpoint, raw, headers, request_id))
+        answer = await unless_disconnected(request, handle(gw, endpoint, raw, headers, rid))
         if answer is None:                  # the client left: its upstream call was cancelled
             return Response(b"", status_code=499)
         if answer.stream is not None:
@@ -113,12 +143,29 @@ async def completions(request: Request) -> Response:
     return await _serve(request, "completions")
 
 
+def _model_object(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tandem"}
+
+
 @get("/v1/models")
 async def models(request: Request) -> Response:
     compiled = request.app.state.gw.snapshot.compiled
     authenticate(request.headers.get("authorization"), compiled.key_hashes)
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "tandem"} for m in compiled.public_models]
+    data = [_model_object(m) for m in compiled.public_models]
     return Response(msgspec.json.encode({"object": "list", "data": data}), media_type=_JSON)
+
+
+@get("/v1/models/{model:path}")
+async def model(request: Request) -> Response:
+    """One model object (OpenAI's ``GET /v1/models/{model}``), for a public name or an alias (its ``id`` is the
+    name asked for). Raises ClientError 404 ``model_not_found`` for any other name."""
+    compiled = request.app.state.gw.snapshot.compiled
+    authenticate(request.headers.get("authorization"), compiled.key_hashes)
+    name = request.path_params["model"].lstrip("/")   # a path parameter keeps its leading slash; names may hold /
+    if name not in compiled.model_names:
+        raise ClientError(404, f"The model '{name}' does not exist; available: {', '.join(compiled.public_models)}",
+                          param="model", code="model_not_found")
+    return Response(msgspec.json.encode(_model_object(name)), media_type=_JSON)
 
 
 @get("/health/live")
@@ -137,11 +184,13 @@ async def ready(request: Request) -> Response:
     return Response(msgspec.json.encode(body), status_code=200 if gw.ready else 503, media_type=_JSON)
 
 
-def create_app(gw: Gateway) -> Litestar:
-    """The ASGI app for one ``Gateway`` (its start/stop run in the lifespan)."""
+def create_app(gw: Gateway, cors: CorsConfig | None = None) -> Litestar:
+    """The ASGI app for one ``Gateway`` (its start/stop run in the lifespan); ``cors``: the ``server.cors``
+    setting (None: no CORS headers, preflights refused)."""
     return Litestar(
-        route_handlers=[chat_completions, completions, models, live, ready, *ADMIN_HANDLERS],
-        state=State({"gw": gw}), middleware=[in_flight],
+        cors_config=CORSConfig(**cors.model_dump()) if cors is not None else None,
+        route_handlers=[chat_completions, completions, models, model, live, ready, *ADMIN_HANDLERS],
+        state=State({"gw": gw}), middleware=[in_flight], before_send=[_stamp_request_id],
         on_startup=[gw.start, gw.obs.start], on_shutdown=[gw.obs.stop, gw.stop],
         exception_handlers=EXCEPTION_HANDLERS, openapi_config=None, request_max_body_size=None, logging_config=None,
     )

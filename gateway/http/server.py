@@ -74,7 +74,7 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
               "gateway would be open to anyone. Bind 127.0.0.1, configure keys, or pass --insecure.", file=sys.stderr)
         return 2
     gw = Gateway(config_path, compiled, start_engine=start_engine)
-    config = uvicorn.Config(create_app(gw), host=host, port=port, loop="uvloop", http="httptools",
+    config = uvicorn.Config(create_app(gw, cfg.server.cors), host=host, port=port, loop="uvloop", http="httptools",
                             lifespan="on", access_log=False, log_level=cfg.server.log_level,
                             timeout_graceful_shutdown=cfg.server.drain_timeout_s, timeout_keep_alive=30,
                             proxy_headers=False, server_header=False)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.billing.usage import NANO, Budget, BudgetReservation, Price, UsageLedger, cost_nusd, tenant_label
+from gateway.billing.usage import (NANO, PERIOD_ADJECTIVE, Budget, BudgetReservation, Price, UsageLedger, cost_nusd,
+                                   format_usd, tenant_label)
 from gateway.errors import ClientError
 from gateway.request.auth import bearer
 from gateway.request.validate import GatewayRequest
@@ -66,7 +67,8 @@ async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: Usa
     if not check.admitted:
         spent = (check.spent_nusd + check.reserved_nusd) / NANO
         raise ClientError(
-            429, f"Budget exceeded: tenant '{tenant_label(req.tenant)}' has used ${spent:.6f} of its "
-                 f"${budget.usd:g} {budget.period}ly budget (this request may cost up to ${est / NANO:.6f}).",
+            429, f"Budget exceeded: tenant '{tenant_label(req.tenant)}' has used {format_usd(spent)} of its "
+                 f"{format_usd(budget.usd)} {PERIOD_ADJECTIVE[budget.period]} budget (this request may cost up to "
+                 f"{format_usd(est / NANO)}).",
             code="budget_exceeded", headers={"retry-after": str(int(check.resets_in_s) + 1)})
     return Admission(tokens, rl.reservation, check.reservation, budget, rl.headers())

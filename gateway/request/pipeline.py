@@ -6,6 +6,7 @@ hook) and decides nothing.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -15,6 +16,14 @@ from gateway.request.admission import admit
 from gateway.request.auth import authenticate
 from gateway.request.validate import GatewayRequest, check_request, estimate_prompt_tokens, parse_json
 from policies import RequestFeatures, decide
+
+# Bodies from this size on are decoded, templated and tokenized in a worker thread (``asyncio.to_thread``), off
+# the event loop: a 4 MB chat body takes seconds to tokenize. The engine's tokenizer releases the GIL meanwhile
+# (``engine.tokenizer.Tokenizer.encode``). Smaller bodies stay on the loop, where a thread hop would cost more
+# than the work.
+OFFLOAD_BYTES = 16 * 1024
+# Retry-After (seconds) of a 503 engine_loading: the default model loads in seconds.
+ENGINE_LOADING_RETRY_AFTER_S = 5
 
 
 def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str) -> GatewayRequest:
@@ -36,9 +45,9 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
                           f"{', '.join(compiled.public_models)}", param="model", code="model_not_found")
     prompt_tokens = None
     if snap.needs_prompt_tokens and snap.local is not None and snap.local.available:
-        prompt_tokens = snap.local.count_prompt_tokens(body)
+        prompt_tokens = snap.local.count_prompt_tokens(req.body)
     if prompt_tokens is None:
-        prompt_tokens = estimate_prompt_tokens(body)
+        prompt_tokens = estimate_prompt_tokens(req.body)
     return replace(req, public_model=public, prompt_tokens=prompt_tokens)
 
 
@@ -49,6 +58,15 @@ def features(req: GatewayRequest) -> RequestFeatures:
         has_tools=req.has_tools, has_response_format=req.has_response_format, headers=req.headers,
         metadata=req.metadata, user=req.user, request_id=req.request_id, stream=req.stream,
         max_tokens=req.max_tokens, local_serves=req.local_unsupported is None)
+
+
+def _waits_for_engine(snap, route_name: str) -> bool:
+    """True when the local engine, one of the route's targets or fallbacks, is still loading its model."""
+    local = snap.local
+    route = snap.compiled.policy.routes.get(route_name)
+    if local is None or not local.loading or route is None:
+        return False
+    return any(t.backend == local.name for t in (*route.targets, *route.fallbacks))
 
 
 async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str) -> Answer:
@@ -62,11 +80,18 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         request_id: the gateway's id for this request.
 
     Raises:
-        ClientError: 400/401/404, or 429 (503 fail-closed) from admission, before any backend is called.
+        ClientError: 400/401/404, 503 ``engine_loading`` (nothing else can serve it while the local engine loads),
+            or 429 (503 fail-closed) from admission, before any backend is called.
     """
     snap = gw.snapshot
-    req = build_request(snap, endpoint, raw, headers, request_id)
+    if len(raw) < OFFLOAD_BYTES:
+        req = build_request(snap, endpoint, raw, headers, request_id)
+    else:
+        req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id)
     decision = decide(snap.compiled.policy, features(req), snap.signals())
+    if not decision.attempts and _waits_for_engine(snap, decision.route):
+        raise ClientError(503, "The local engine is still loading its model; retry in a few seconds.",
+                          code="engine_loading", headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)})
     if req.local_unsupported and decision.attempts:
         first = snap.backends.get(decision.attempts[0].backend)
         if first is not None and first.kind == "local":
@@ -79,5 +104,5 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     answer = await forward(req, decision.attempts, snap.backends, gw.resilience, adm.rate, hook, adm.tokens)
     answer.headers = {"x-tandem-route": decision.route, "x-tandem-rule": decision.rule,
                       "x-tandem-backend": answer.backend or "none", "x-tandem-attempts": str(answer.attempts),
-                      "x-request-id": request_id, **answer.headers, **adm.headers}
+                      **answer.headers, **adm.headers}   # x-request-id: gateway/http/app.py request_ids
     return answer

@@ -44,7 +44,9 @@ class GatewayRequest:
 
     endpoint: "chat/completions" | "completions". body: the client's parsed JSON (not mutated). model: the model
     as the client wrote it; public_model: its canonical public name. priority: smaller = more urgent.
-    max_tokens: ``max_completion_tokens`` when set, else ``max_tokens`` (None: unset), the engine's rule.
+    max_tokens: ``max_completion_tokens`` when set, else ``max_tokens``, else the endpoint's default (completions:
+    16; chat: None, up to the context), the engine's rule. ``body`` has its top-level nulls dropped (null = not
+    given).
     prompt_tokens: the prompt's length in tokens, counted once (the local engine's tokenizer with the chat
     template, else ``estimate_prompt_tokens``). local_unsupported: a field the local engine cannot serve.
     headers: lower-case names -> values.
@@ -69,6 +71,8 @@ class GatewayRequest:
 
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+# OpenAI's default ``max_tokens`` of the legacy completions endpoint (chat: up to the context).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def _type_name(types: tuple) -> str:
@@ -111,35 +115,55 @@ def _unsupported(body: dict, local_serves: frozenset[str]) -> str | None:
     return None
 
 
+def _check_messages(messages: object) -> None:
+    """``messages`` as OpenAI checks it: a non-empty array of objects with a known string ``role``; ``content`` a
+    string or an array of parts, required (not null) except on an assistant message with ``tool_calls`` /
+    ``function_call`` (or a ``refusal``)."""
+    if messages is None:
+        raise ClientError(400, "missing required parameter 'messages'", param="messages",
+                          code="missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise ClientError(400, "'messages' must be a non-empty array", param="messages", code="invalid_type")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ClientError(400, f"'messages[{i}]' must be an object with a string 'role'",
+                              param=f"messages[{i}].role", code="invalid_type")
+        if m["role"] not in _ROLES:
+            raise ClientError(400, f"'messages[{i}].role' must be one of {', '.join(sorted(_ROLES))}, "
+                              f"got {m['role']!r}", param=f"messages[{i}].role", code="invalid_value")
+        content = m.get("content")
+        if content is None:
+            if m["role"] == "assistant" and (m.get("tool_calls") or m.get("function_call") or m.get("refusal")):
+                continue
+            got = "null" if "content" in m else "nothing"
+            raise ClientError(400, f"Invalid value for 'messages[{i}].content': expected a string or an array of "
+                              f"content parts, got {got}", param=f"messages[{i}].content", code="invalid_type")
+        if not isinstance(content, (str, list)):
+            raise ClientError(400, f"'messages[{i}].content' must be a string or an array of content parts, got "
+                              f"{type(content).__name__}", param=f"messages[{i}].content", code="invalid_type")
+
+
 def check_request(body: dict, endpoint: str, x_priority: str | None,
                   local_serves: frozenset[str] = frozenset(), **identity) -> GatewayRequest:
     """Check a chat (``endpoint == "chat/completions"``) or completion body; the request value with
     ``identity`` (``public_model``, ``tenant``, ``request_id``, ``prompt_tokens``, ``headers``).
 
+    A top-level JSON null means "not given" (OpenAI's reading): such fields are dropped from the request's
+    ``body``, so every backend applies its own default (completions: ``max_tokens`` 16; chat: up to the context).
     ``local_serves``: the structured features (``response_format``,
     ``tools``) the local engine serves; the others make ``local_unsupported``.
 
     Raises:
         ClientError: 400 naming the missing or wrongly typed parameter."""
+    if any(v is None for v in body.values()):
+        body = {k: v for k, v in body.items() if v is not None}
     model = body.get("model")
     if model is None:
         raise ClientError(400, "missing required parameter 'model'", param="model", code="missing_required_parameter")
     if not isinstance(model, str) or not model:
         raise ClientError(400, "'model' must be a non-empty string", param="model", code="invalid_type")
     if endpoint == "chat/completions":
-        messages = body.get("messages")
-        if messages is None:
-            raise ClientError(400, "missing required parameter 'messages'", param="messages",
-                              code="missing_required_parameter")
-        if not isinstance(messages, list) or not messages:
-            raise ClientError(400, "'messages' must be a non-empty array", param="messages", code="invalid_type")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ClientError(400, f"'messages[{i}]' must be an object with a string 'role'",
-                                  param=f"messages[{i}].role", code="invalid_type")
-            if m["role"] not in _ROLES:
-                raise ClientError(400, f"'messages[{i}].role' must be one of {', '.join(sorted(_ROLES))}, "
-                                  f"got {m['role']!r}", param=f"messages[{i}].role", code="invalid_value")
+        _check_messages(body.get("messages"))
         types = _CHAT
     else:
         prompt = body.get("prompt")
@@ -154,6 +178,9 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         t = types.get(name)
         if t is not None:
             _check_type(name, value, t)
+    if "stream_options" in body and body.get("stream") is not True:
+        raise ClientError(400, "The 'stream_options' parameter is only allowed when 'stream' is true",
+                          param="stream_options", code="invalid_value")
     raw_priority = body.get("priority")
     if raw_priority is None:
         raw_priority = x_priority
@@ -164,6 +191,8 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
+    if max_tokens is None and endpoint == "completions":
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     unsupported = _unsupported(body, local_serves)
     rf = body.get("response_format")
     return GatewayRequest(
@@ -172,6 +201,27 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         has_tools=any(body.get(k) for k in _TOOL_FIELDS),
         has_response_format=rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"),
         local_unsupported=unsupported, **identity)
+
+
+def count_prompt_tokens(tok, body: dict) -> int | None:
+    """Prompt length in tokens as the engine will run it: ``tok`` (``engine.tokenizer.Tokenizer``) with the
+    request's chat-template and special-token options at ``engine/protocol.py``'s defaults; None when the
+    content is odd (the estimate decides then). Used by the local backend and ``tandem route explain``."""
+    chat = "messages" in body
+    try:
+        if chat:
+            text = tok.apply_chat_template(body["messages"], add_generation_prompt=body.get(
+                "add_generation_prompt", True), **(body.get("chat_template_kwargs") or {}))
+        else:
+            prompt = body.get("prompt", "")
+            if isinstance(prompt, list):
+                if prompt and isinstance(prompt[0], int):
+                    return len(prompt)
+                prompt = "".join(p for p in prompt if isinstance(p, str))
+            text = prompt
+        return len(tok.encode(text, add_special_tokens=body.get("add_special_tokens", not chat)))
+    except Exception:  # noqa: BLE001 -- odd content: let the estimate decide
+        return None
 
 
 def estimate_prompt_tokens(body: dict) -> int:

@@ -301,8 +301,10 @@ class RateLimiter:
                                f"limit {lim.tpm} tokens per {self.window_ms // 1000}s.")
             else:
                 res.retry_after_s = retry / 1000
-                res.message = (f"Rate limit reached for {what} (limit: {lim.rpm} requests, {lim.tpm} tokens "
-                               f"per {self.window_ms // 1000}s). Retry after {retry_after_header(retry / 1000)}s.")
+                limit = " and ".join(f"{n} {unit}" for n, unit in ((lim.rpm, "requests"), (lim.tpm, "tokens"))
+                                     if n is not None)     # only the limits set: never "None tokens"
+                res.message = (f"Rate limit reached for {what} (limit: {limit} per {self.window_ms // 1000}s). "
+                               f"Retry after {retry_after_header(retry / 1000)}s.")
         return res
 
     def _acquire_local(self, keys: list[str], args: list) -> list[int]:

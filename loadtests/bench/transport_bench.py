@@ -70,7 +70,7 @@ async def bench(port: int, n: int, concurrency: int) -> dict[str, float]:
 
     class _Adapter:   # _run's client.post(...) -> UpstreamBackend.send(...)
         async def post(self, path: str, content: bytes):
-            return _Reply(await b.send("chat/completions", content))
+            return _Reply(await b.send("chat/completions", content, "bench"))
 
     class _Reply:
         def __init__(self, r):

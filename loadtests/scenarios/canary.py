@@ -46,14 +46,16 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phases", default="5,25,100", help="canary percentages, in order")
     p.add_argument("--phase-duration", type=float, default=10.0, help="seconds of load per phase")
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     p.add_argument("--settle", type=float, default=0.2, help="seconds after a change before counting a phase")
     p.add_argument("--via", choices=("weights", "reload"), default="weights",
                    help="admin weights API, or rewrite the file + POST /admin/reload")
-    p.add_argument("--tolerance-pp", type=float, default=1.5)
-    p.add_argument("--stream", action="store_true")
-    p.add_argument("--out", default="loadtest-results/canary")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--tolerance-pp", type=float, default=1.5,
+                   help="allowed gap between the observed and the set split, percentage points")
+    p.add_argument("--stream", action="store_true", help="streamed requests")
+    p.add_argument("--out", default="loadtest-results/canary",
+                   help="output directory (results.json, summary.md, plots)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 

@@ -31,7 +31,8 @@ def register(sub) -> None:
     p = sub.add_parser("engine", help="scenario 2: tandem engine serve vs HF transformers on MT-Bench",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help=".gguf or HF directory (default: the embedded SmolLM2)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="engine dtype (auto: bfloat16 on CPU)")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrencies")
     p.add_argument("--num-prompts", type=int, default=32, help="MT-Bench prompts per concurrency (<= 80)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
@@ -40,8 +41,9 @@ def register(sub) -> None:
     p.add_argument("--hf-dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),
                    help="dtype of the HF baseline (default: --dtype; transformers suggests float32 for a .gguf)")
     p.add_argument("--skip-hf", action="store_true", help="no HF transformers baseline")
-    p.add_argument("--out", default="loadtest-results/engine")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", default="loadtest-results/engine",
+                   help="output directory (results.json, summary.md, plots)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 

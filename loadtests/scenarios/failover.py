@@ -35,9 +35,10 @@ def register(sub) -> None:
     p.add_argument("--duration", type=float, default=15.0, help="seconds of load")
     p.add_argument("--kill-at", type=float, default=5.0, help="seconds into the load when the primary is killed")
     p.add_argument("--window", type=float, default=2.0, help="failover window after the kill, seconds")
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--out", default="loadtest-results/failover")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    p.add_argument("--out", default="loadtest-results/failover",
+                   help="output directory (results.json, summary.md, plots)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 

@@ -38,8 +38,9 @@ def register(sub) -> None:
     p.add_argument("--concurrency", type=int, default=32, help="the max-throughput concurrency")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (streamed chunks)")
     p.add_argument("--modes", default="non-stream,stream", help="non-stream, stream or both")
-    p.add_argument("--out", default="loadtest-results/overhead")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", default="loadtest-results/overhead",
+                   help="output directory (results.json, summary.md, plots)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 

@@ -35,13 +35,15 @@ def register(sub) -> None:
     p = sub.add_parser("prefix", help="scenario 5: turn-2 TTFT with prefix caching on vs off",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help=".gguf or HF directory (default: the embedded SmolLM2)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--turn1-tokens", type=int, default=64)
-    p.add_argument("--turn2-tokens", type=int, default=8)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="engine dtype (auto: bfloat16 on CPU)")
+    p.add_argument("--num-prompts", type=int, default=16, help="MT-Bench conversations (up to 80)")
+    p.add_argument("--turn1-tokens", type=int, default=64, help="max_tokens of the first turn, tokens")
+    p.add_argument("--turn2-tokens", type=int, default=8, help="max_tokens of the second turn (TTFT measured), tokens")
     p.add_argument("--engine-arg", action="append", default=[], help="extra `tandem engine serve` argument")
-    p.add_argument("--out", default="loadtest-results/prefix")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", default="loadtest-results/prefix",
+                   help="output directory (results.json, summary.md, plots)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 

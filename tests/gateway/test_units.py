@@ -78,3 +78,9 @@ def test_authenticate_and_admin():
         check_admin("Bearer s4", "s3", "ENV")
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1")
+
+
+def test_money_is_formatted_as_money():
+    from gateway.billing.usage import format_usd
+    assert [format_usd(x) for x in (0, 1e-06, 0.000022, 0.05, 50, 1234.5)] == [
+        "$0.00", "$0.000001", "$0.000022", "$0.05", "$50.00", "$1,234.50"]

@@ -6,6 +6,8 @@ tiny random Llama. Official ``openai`` client, sync, async and streaming."""
 from __future__ import annotations
 
 import json
+import os
+import random
 import subprocess
 import sys
 import time
@@ -140,7 +142,7 @@ def test_low_priority_goes_to_the_aggregator(gateway):
     raw = client(gateway).chat.completions.with_raw_response.create(
         model="smollm2", messages=MSG, max_tokens=4, extra_headers={"x-priority": "low"})
     assert raw.headers["x-tandem-backend"] == "agg" and raw.headers["x-tandem-rule"] == "low"
-    assert raw.parse().model == "tiny-agg"
+    assert raw.parse().model == "smollm2"       # the public model, not the aggregator's name (tiny-agg)
     stream = client(gateway).completions.create(model="smollm2", prompt="abc", max_tokens=4, stream=True,
                                                 extra_body={"priority": "low"})
     assert "".join(ch.choices[0].text for ch in stream if ch.choices)
@@ -221,3 +223,20 @@ async def test_routing_prompt_count_is_the_engines_prompt(tiny_model):
             assert backend.count_prompt_tokens(body) == json.loads(reply.body)["usage"]["prompt_tokens"], body
     finally:
         await backend.aclose()
+
+
+def test_route_explain_gives_the_gateways_decision(gateway, tmp_path):
+    """A prompt whose 4-chars-per-token estimate (~260) and real token count (~500) fall on both sides of the
+    `long` rule (prompt_tokens > 400): `tandem route explain` counts like the gateway and names the same route."""
+    rng = random.Random(7)
+    text = " ".join("".join(rng.choice("qxzjkvwy") for _ in range(rng.randint(3, 8))) for _ in range(180))[:1000]
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    served = client(gateway).chat.completions.with_raw_response.create(**body)
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps(body))
+    r = subprocess.run([sys.executable, "-m", "gateway.commands", "route", "explain", "--config",
+                        gateway.config_path, "--request", str(req), "--json"], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "AGG_TEST_KEY": "x"}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert served.headers["x-tandem-route"] == "aggregator"
+    assert json.loads(r.stdout)["route"] == served.headers["x-tandem-route"]

@@ -4,13 +4,15 @@ through a real Redis server."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 import uuid
 
 import httpx
 import pytest
 
-from tests.gateway.support import FaultInjectorUpstream, GatewayProcess, upstream_config, wait_until
+from tests.gateway.support import ROOT, FaultInjectorUpstream, GatewayProcess, upstream_config, wait_until
 
 ENV = {"TEST_UPSTREAM_KEY": "k", "TANDEM_ADMIN_TOKEN": "adm"}
 ADMIN = {"authorization": "Bearer adm"}
@@ -58,6 +60,7 @@ async def test_reload_under_load_drops_nothing_and_refuses_invalid_file(upstream
             assert r.status_code == 400
             err = r.json()["error"]
             assert err["param"] == "routes.main.targets[0].weight" and "routes.main.targets[0].weight" in err["message"]
+            assert str(path) in err["message"]             # the error names the file
             results = await asyncio.gather(*tasks)
         assert [r.status_code for r in results] == [200] * 200
         assert all(("[DONE]" in r.text) if i % 4 == 0 else r.json()["choices"] for i, r in enumerate(results))
@@ -222,3 +225,12 @@ def test_redis_outage_keeps_serving_and_reseeds(upstreams, tmp_path, redis_serve
         client.close()
     finally:
         g.stop()
+
+
+def test_yaml_errors_name_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("server:\n  port: [1\n")
+    r = subprocess.run([sys.executable, "-m", "gateway.commands", "serve", "--config", str(path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert f'in "{path}", line 2' in r.stderr and "<unicode string>" not in r.stderr, r.stderr

@@ -452,6 +452,8 @@ def test_budget_race_through_gateway(ups, redis_url, tmp_path):
         assert chat(gwp, KEY_T1, "m1", max_tokens=10).status_code == 200        # 11 + 26 <= 40
         r = chat(gwp, KEY_T1, "m1", max_tokens=10)                                 # 22 + 26 > 40
         assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded"
+        msg = r.json()["error"]["message"]      # money as money, the period's adjective spelled right
+        assert "has used $0.000022 of its $0.000040 daily budget" in msg and "e-0" not in msg, msg
         fams = families(httpx.get(gwp.url + "/metrics", timeout=10).text)
         assert value(fams, "tandem_rate_limit_rejections_total", tenant="t1", code="budget_exceeded") == 8
         assert value(fams, "tandem_budget_spent_usd", tenant="t1", period="day") == pytest.approx(22e-6, abs=1e-12)

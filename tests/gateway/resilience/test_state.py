@@ -47,6 +47,7 @@ async def test_rpm_is_exact_and_reports_retry_after(state):
     h = rej.headers()
     assert h["retry-after"] == "55" and h["x-ratelimit-remaining-requests"] == "0"
     assert h["x-ratelimit-limit-requests"] == "5" and h["x-ratelimit-reset-requests"] == "55s"
+    assert "(limit: 5 requests per 60s)" in rej.message and "None" not in rej.message   # only the limits set
     assert results[1].headers()["x-ratelimit-remaining-requests"] == "3"
     # the window slides: at T0 + 60.001 s the first admission has expired
     assert (await rl.acquire(lim, 10, "late", now=T0 + 60_001)).allowed

@@ -1,0 +1,67 @@
+"""Every flag of the gateway's operator commands (``tandem serve``, ``ctl``, ``route explain``, ``usage``,
+``cost estimate``, ``loadtest ...``) says what it does, its default and its unit; the rendered ``--help`` shows
+the default."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from gateway.cli import build_parser
+
+COMMANDS = (("serve",), ("ctl",), ("route", "explain"), ("usage",), ("cost", "estimate"), ("loadtest",))
+# A flag whose name says it takes seconds, bytes, tokens, a rate... must name the unit in its help.
+_TIMED = ("timeout", "duration", "rate", "usage", "tokens", "ttft", "itl", "settle", "window", "kill-at", "shift")
+_UNITS = re.compile(r"second|bytes|MiB|GiB|tokens|requests/s|percent|fraction|count|nats")
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
+def _parsers():
+    """(command path, parser) of each command above and of every nested sub-command."""
+    root = build_parser()
+    todo = []
+    for path in COMMANDS:
+        p = root
+        for name in path:
+            p = _subparser(p, name)
+        todo.append((" ".join(path), p))
+    while todo:
+        path, p = todo.pop()
+        yield path, p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                todo.extend((f"{path} {n}", sp) for n, sp in a.choices.items())
+
+
+CASES = [(path, p, a) for path, p in _parsers() for a in p._actions
+         if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+@pytest.mark.parametrize("path,parser,action", CASES, ids=[f"{p} {a.option_strings[-1]}" for p, _, a in CASES])
+def test_every_flag_has_help_with_its_default(path, parser, action):
+    flag = f"tandem {path} {action.option_strings[-1]}"
+    assert action.help and action.help.strip(), f"{flag}: no help"
+    shown = parser._get_formatter()._get_help_string(action)   # as --help renders it
+    if action.default not in (None, False, [], argparse.SUPPRESS) and not action.required:
+        assert "default" in shown, f"{flag}: default not shown"
+    name = action.option_strings[-1]
+    if action.type in (int, float) and (name.endswith("-s") or any(w in name for w in _TIMED)):
+        assert _UNITS.search(action.help), f"{flag}: no unit in {action.help!r}"
+
+
+def test_help_renders_defaults_and_units():
+    for _, p in _parsers():
+        p.format_help()                  # a stray % in a help string would raise here
+    root = build_parser()
+    text = _subparser(root, "serve").format_help()
+    assert "server.port" in text and "default" in text
+    explain = _subparser(_subparser(root, "route"), "explain").format_help()
+    assert "percent" in explain
+    ctl = _subparser(root, "ctl").format_help()
+    assert "TANDEM_URL" in ctl
