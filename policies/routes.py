@@ -77,33 +77,42 @@ def hash_unit(key: str, target_id: str) -> float:
 
 @dataclass
 class Pick:
-    """The outcome of choosing among a route's targets, with its reasons."""
+    """The outcome of choosing among a route's targets, with its reasons.
+
+    ``ranked``: the live targets (weight > 0, backend available) in the order
+    a request tries them: ``target`` first, then the others by their
+    rendezvous score (weighted: a target with weight w comes next with
+    probability proportional to w) or by price (``cheapest``)."""
 
     target: Target | None
     scores: dict[str, float] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     reason: str = ""
+    ranked: list[Target] = field(default_factory=list)
 
 
 def pick_target(route: Route, key: str, unavailable: dict[str, str]) -> Pick:
     """Choose the first-choice target of ``route`` for canary key ``key``,
     skipping targets whose backend is in ``unavailable``.
 
-    Returns a Pick whose ``target`` is None when no target is available."""
+    Returns a Pick whose ``target`` is None when no target is available;
+    ``ranked`` holds every live target in the order to try them."""
     skipped = {t.id: unavailable[t.backend] for t in route.targets if t.backend in unavailable}
     live = [t for t in route.targets if t.backend not in unavailable and t.weight > 0]
     if not live:
         return Pick(None, skipped=skipped, reason="no available target with weight > 0")
     if route.select == "cheapest":
-        best = min(live, key=lambda t: (t.input_price + t.output_price, route.targets.index(t)))
-        return Pick(best, skipped=skipped,
+        ranked = sorted(live, key=lambda t: (t.input_price + t.output_price, route.targets.index(t)))
+        best = ranked[0]
+        return Pick(best, skipped=skipped, ranked=ranked,
                     reason=f"cheapest available: {best.id} at {best.input_price}+{best.output_price} USD/M tokens")
     if len(live) == 1:
-        return Pick(live[0], skipped=skipped, reason=f"only available target {live[0].id}")
+        return Pick(live[0], skipped=skipped, ranked=live, reason=f"only available target {live[0].id}")
     scores = {t.id: t.weight / -math.log(hash_unit(key, t.id)) for t in live}
-    best = max(live, key=lambda t: scores[t.id])
+    ranked = sorted(live, key=lambda t: -scores[t.id])
+    best = ranked[0]
     total = sum(t.weight for t in live)
-    return Pick(best, scores=scores, skipped=skipped,
+    return Pick(best, scores=scores, skipped=skipped, ranked=ranked,
                 reason=f"canary by rendezvous hash of {key!r}: {best.id} "
                        f"(weight {best.weight:g} of {total:g})")
 

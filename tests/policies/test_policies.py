@@ -341,3 +341,15 @@ def test_route_explain_names_a_bad_request_file(tmp_path, content, expected):
     assert out.returncode == 2, out.stderr
     assert expected in out.stderr and str(request) in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_route_targets_fail_over_to_each_other_by_rank():
+    """The pick first, then the route's other live targets (weight > 0) by rank, then the fallbacks."""
+    route = Route("r", (Target("a", weight=200), Target("b", weight=1), Target("z", weight=0)), (Target("f"),))
+    d = decide(Policy((), {"r": route}, "r"), RequestFeatures("m1", user="u"), Signals())
+    assert [t.id for t in d.attempts][1:] in (["b", "f"], ["a", "f"]) and len(d.attempts) == 3
+    assert "z" not in [t.id for t in d.attempts]
+    cheap = Route("c", (Target("x", input_price=3), Target("y", input_price=1), Target("w", input_price=2)),
+                  select="cheapest")
+    assert [t.id for t in decide(Policy((), {"c": cheap}, "c"), RequestFeatures("m1"), Signals()).attempts] == \
+        ["y", "w", "x"]
