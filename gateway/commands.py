@@ -139,8 +139,24 @@ def _ctl(args) -> int:
     code, data = admin_call("tandem ctl", args.url, args.token_env, method, args.path, body=body)
     if code:
         return code
-    print(json.dumps(data, indent=2) if not isinstance(data, str) else data)
+    if isinstance(data, dict) and "routes" in data and args.path != "/admin/config":
+        print(_version_summary(data))
+    else:
+        print(json.dumps(data, indent=2) if not isinstance(data, str) else data)
     return 0
+
+
+def _version_summary(data: dict) -> str:
+    """A new config version as ``tandem ctl weights/rollback/reload`` print it: the version, each route's
+    weights and shares, then the warnings."""
+    lines = [f"config version {data.get('version')} ({data.get('source')})"
+             + ("" if data.get("propagated", True) else ", not shared yet (Redis unreachable)")]
+    for name, r in data["routes"].items():
+        targets = ", ".join(f"{t['id']}={t['weight']:g} ({t['share_pct']:g} %)" for t in r["targets"])
+        fallbacks = f"; fallbacks: {', '.join(r['fallbacks'])}" if r["fallbacks"] else ""
+        lines.append(f"  route {name} [{r['select']}]: {targets}{fallbacks}")
+    lines += [f"warning: {w}" for w in data.get("warnings", [])]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
 from gateway.backends.upstream import UpstreamBackend
 from gateway.config.versions import ConfigState, MemoryLedger, RedisLedger
+from gateway.config.weights import describe_changes, routes_table
 from policies import Signals
 
 log = logging.getLogger("tandem.gateway")
@@ -184,9 +185,11 @@ class Gateway:
                         compiled.config.server.max_body_size, local, list(compiled.warnings),
                         any(f.startswith("local.") for f in policy_fields))
         self.resilience.configure(compiled.config)
-        self.snapshot = snap            # the atomic swap: one reference assignment
+        old, self.snapshot = self.snapshot, snap     # the atomic swap: one reference assignment
         self.obs.configure(snap)
-        log.info("config version %d applied (%s)", state.version, state.source)
+        log.info("config version %d applied (%s): %s", state.version, state.source,
+                 describe_changes(old.compiled.policy if old else None, compiled.policy,
+                                  old.compiled.text if old else "", compiled.text))
         for w in snap.warnings:
             log.warning("%s", w)
         return snap
@@ -206,7 +209,7 @@ class Gateway:
                 self._unpublished = True
             snap = self._apply(state, compiled)
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
-                    "propagated": propagated and self.ledger.shared}
+                    "propagated": propagated and self.ledger.shared, "routes": routes_table(compiled.policy)}
 
     async def reload(self, source: str = "reload") -> dict:
         """Re-read the config file; weights overrides are reset to the file's.
@@ -246,7 +249,7 @@ class Gateway:
             state = await self.ledger.rollback()
             snap = self._apply(state)
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
-                    "propagated": self.ledger.shared}
+                    "propagated": self.ledger.shared, "routes": routes_table(snap.compiled.policy)}
 
     async def describe(self) -> dict:
         """The running config for GET /admin/config."""
@@ -256,14 +259,12 @@ class Gateway:
         except Exception as e:  # noqa: BLE001
             self._redis_failed(e)
             history = []
+        backends, targets = await self.resilience.status(s.compiled.policy.routes, s.backends)
         return {
             "version": s.version, "source": s.source, "overrides": s.compiled.overrides,
             "public_models": s.compiled.public_models,
-            "routes": {n: {"select": r.select, "targets": [{"id": t.id, "backend": t.backend, "weight": t.weight}
-                                                           for t in r.targets],
-                           "fallbacks": [t.id for t in r.fallbacks]} for n, r in s.compiled.policy.routes.items()},
-            "backends": {n: {"type": b.kind, "available": b.available, "reason": b.unavailable_reason}
-                         for n, b in s.backends.items()},
+            "routes": routes_table(s.compiled.policy),
+            "backends": {n: {"type": b.kind, **backends[n]} for n, b in s.backends.items()}, "targets": targets,
             "history": history, "warnings": s.warnings, "redis_degraded": self.redis_degraded,
             "draining": self.draining, "in_flight": self.in_flight, "text": s.compiled.text,
         }

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from engine.config import EngineArgs
 from gateway.config.schema import ConfigError, EngineConfig, GatewayConfig, TargetConfig
+from gateway.config.weights import check_weights
 from policies import Condition, Match, Policy, Route, Rule, Target, check_field, with_weights
 from policies.rules import OPERATORS
 
@@ -155,6 +156,9 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
             routes[rname] = with_weights(routes[rname], weights)
         except ValueError as e:
             errors.append((f"overrides.{rname}", str(e)))
+    weight_errors, weight_warnings = check_weights(cfg, routes, overrides or {}, env)
+    errors += weight_errors
+    warnings += weight_warnings
     rules = []
     for i, r in enumerate(cfg.policy.rules):
         path = f"policy.rules[{i}]"
