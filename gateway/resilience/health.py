@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Awaitable, Callable
 
 from gateway.config.schema import HealthSettings
@@ -152,6 +153,18 @@ class HealthTracker:
             th.probe_latency_s = int(probe.get("lat", 0)) / 1000
             th.probe_error = str(probe.get("err", ""))
         return th
+
+    async def last_probe(self, target: str, now: int | None = None) -> dict | None:
+        """The last active probe of ``target`` while it counts: ``{"ok", "at" (ISO time), "latency_s",
+        "error"}``; None when never probed or expired."""
+        now = now_ms() if now is None else now
+        key = self.state.key("probe", target)
+        p = await self.state.call(lambda r: r.hgetall(key), lambda: self._probes.get(key, {}))
+        if not p or int(p.get("exp", 0)) <= now:
+            return None
+        at = datetime.fromtimestamp(int(p.get("at", 0)) / 1000, timezone.utc)
+        return {"ok": str(p.get("ok")) == "1", "at": at.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+                "latency_s": int(p.get("lat", 0)) / 1000, "error": str(p.get("err", ""))}
 
     async def record_probe(self, target: str, ok: bool, latency_s: float, error: str = "",
                            now: int | None = None) -> None:
