@@ -31,6 +31,9 @@ def register(subparsers) -> None:
     e.add_argument("--running", type=int, default=0, help="local engine: running requests")
     e.add_argument("--kv-usage", type=float, default=0.0, help="local engine: KV-cache usage, percent")
     e.add_argument("--request-id", default="explain", help="request id (canary key of last resort)")
+    e.add_argument("--replica-load", action="append", default=[], metavar="TARGET=N",
+                   help="prefix_affinity routes: requests running + waiting on that replica (repeat; default 0; "
+                        "'TARGET=dead' for one whose metrics do not answer)")
     e.add_argument("--json", action="store_true", help="print the decision as JSON")
     e.set_defaults(func=_explain)
 
@@ -63,7 +66,7 @@ def _explain(args) -> int:
     from gateway.config.compile import load_config_or_report
     from gateway.errors import ClientError
     from gateway.request.validate import check_request, estimate_prompt_tokens
-    from policies import RequestFeatures, Signals, decide
+    from policies import ReplicaLoad, RequestFeatures, Signals, decide, prefix_text
 
     if (compiled := load_config_or_report(args.config)) is None:
         return 2
@@ -102,9 +105,16 @@ def _explain(args) -> int:
         model=public, priority=p.priority, prompt_tokens=estimate_prompt_tokens(body), tenant=args.tenant,
         has_tools=p.has_tools, has_response_format=p.has_response_format, headers=headers, metadata=p.metadata,
         user=p.user, request_id=args.request_id, stream=p.stream, max_tokens=p.max_tokens,
-        local_serves=p.local_unsupported is None)
-    decision = decide(compiled.policy, features, Signals(args.waiting, args.running, args.kv_usage, unavailable),
-                      explain=True)
+        local_serves=p.local_unsupported is None, prefix_text=prefix_text(body))
+    signals = Signals(args.waiting, args.running, args.kv_usage, unavailable)
+    for item in args.replica_load:
+        name, _, n = item.partition("=")
+        try:
+            signals.replica_load[name] = ReplicaLoad(alive=False) if n == "dead" else ReplicaLoad(running=float(n))
+        except ValueError:
+            print(f"--replica-load: expected TARGET=N or TARGET=dead, got {item!r}", file=sys.stderr)
+            return 2
+    decision = decide(compiled.policy, features, signals, explain=True)
     if args.json:
         print(json.dumps(decision.to_dict(), indent=2))
     else:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from gateway.config.compile import Compiled, load_config_text
 from gateway.config.schema import ConfigError
 from gateway.backends.local import LocalBackend
+from gateway.backends.replicas import ReplicaLoads
 from gateway.resilience.layer import Resilience
 from gateway.billing.usage import UsageLedger
 from gateway.observability.metrics import LiveGauges
@@ -83,6 +84,7 @@ class Gateway:
         self.resilience = Resilience(cfg)   # limits, breakers, health: shared state lives as long as the process
         self.usage = UsageLedger(self.resilience.state, cfg.budgets.reservation_ttl_s)   # usage and budgets
         self.obs = Observability(cfg, self.usage, self.live_gauges)   # metrics, traces, request logs
+        self.replicas = ReplicaLoads(self.obs.registry)   # load of prefix_affinity routes' engine replicas
         if cfg.state.redis_url:
             self.ledger = RedisLedger(cfg.state.redis_url, cfg.state.key_prefix, cfg.reload.keep_versions,
                                       cfg.state.socket_timeout_s)
@@ -110,6 +112,7 @@ class Gateway:
         elif self.snapshot.local is not None:
             self.snapshot.local.unavailable_reason = "engine not started"
         self.resilience.start(lambda: self.snapshot.backends)
+        self.replicas.start()
         self._tasks.append(asyncio.create_task(self._watch_loop()))
         if self.ledger.shared:
             self._tasks.append(asyncio.create_task(self._sync_loop()))
@@ -124,6 +127,7 @@ class Gateway:
                 pass
         self._tasks.clear()
         await self.resilience.stop()
+        await self.replicas.stop()
         backends = list(self.snapshot.backends.values()) if self.snapshot else []
         for b in backends + [b for _, b in self.retired]:
             try:
@@ -185,6 +189,7 @@ class Gateway:
                         compiled.config.server.max_body_size, local, list(compiled.warnings),
                         any(f.startswith("local.") for f in policy_fields))
         self.resilience.configure(compiled.config)
+        self.replicas.configure(compiled, backends)
         old, self.snapshot = self.snapshot, snap     # the atomic swap: one reference assignment
         self.obs.configure(snap)
         log.info("config version %d applied (%s): %s", state.version, state.source,

@@ -126,7 +126,7 @@ def decide(policy: Policy, f: RequestFeatures, s: Signals, explain: bool = False
     route_name = chosen_rule.route if chosen_rule else policy.default_route
     route = policy.routes[route_name]
     key = canary_key(policy, f)
-    pick = pick_target(route, key, s.unavailable)
+    pick = pick_target(route, key, s.unavailable, f.prefix_text, s.replica_load)
     attempts: list[Target] = []
     seen: set[str] = set()
     for t in pick.ranked:
