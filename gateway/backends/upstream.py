@@ -151,9 +151,12 @@ class UpstreamBackend:
         """A failed connect/send as ``timeout`` or ``connect``. httpx_aiohttp maps aiohttp's connection errors,
         a refused connection included, to ``httpx.ConnectTimeout``: the aiohttp cause decides instead."""
         cause = e.__cause__ or e
-        if transport_error_kind(cause) == "timeout":
+        kind = transport_error_kind(cause)
+        if kind == "timeout":
             return BackendError("timeout", f"{self.name}: timed out ({type(cause).__name__})", 504)
-        return BackendError("connect", f"{self.name}: cannot connect ({type(cause).__name__}: {cause})", 502)
+        if kind == "connect_error":
+            return BackendError("connect", f"{self.name}: cannot connect ({type(cause).__name__}: {cause})", 502)
+        return BackendError("stream", f"{self.name}: connection failed ({type(cause).__name__})", 502)
 
     async def probe(self) -> None:
         """The active health probe: ``GET base_url/models``.

@@ -5,7 +5,9 @@ reload adds and removes replicas without touching a stream in flight, two gatewa
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 import time
 
@@ -178,9 +180,36 @@ def test_reload_adds_and_removes_a_replica_stream_in_flight_unaffected(gateways,
 def test_a_dead_replica_is_skipped(gateways, replicas):
     g = gateways[0]
     on_r2 = [i for i in range(20) if backend_of(g, i) == "r2"]
-    replicas["r2"].kill()
+    os.killpg(os.getpgid(replicas["r2"].pid), signal.SIGKILL)   # the server and any engine process it started
+    replicas["r2"].proc.wait()
     results = [ask(g, conversation(i, 2)) for i in on_r2]
     assert all(r.headers["x-tandem-backend"] == "r1" for r in results)
     time.sleep(0.5)                                           # r2's metrics fail: ranked last, not even tried
     assert all(ask(g, conversation(i, 3)).headers["x-tandem-attempts"] == "1" for i in on_r2)
     assert "replica r2: metrics unreachable" in g.log()
+
+
+def test_route_explain_shows_affinity_scores_and_spill(gateways, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.gateway.support import ROOT
+
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps({"model": "tiny", "messages": conversation(3, 2)}))
+    home = backend_of(gateways[0], 3)
+    other = "r2" if home == "r1" else "r1"
+
+    def explain(*extra: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "gateway.commands", "route", "explain", "--config",
+                            gateways[0].config_path, "--request", str(req), *extra], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    out = explain()
+    assert "scores: r1=" in out and f"chosen: {home} (prefix affinity, key " in out and f"{home} (home)" in out
+    out = explain("--replica-load", f"{home}=7")
+    assert f"chosen: {other}" in out and f"spill-over from home {home}" in out and "> bound" in out
+    assert f"chosen: {other}" in explain("--replica-load", f"{home}=dead")
