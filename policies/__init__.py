@@ -9,7 +9,8 @@ from policies.routes import Pick, Route, Target, hash_unit, pick_target, with_we
 from policies.rules import OPERATORS, Condition, Match, check_field, evaluate, match
 
 __all__ = [
-    "Affinity", "ReplicaLoad", "prefix_text", "Condition", "Decision", "Match", "OPERATORS", "PRIORITY_NAMES", "Pick", "Policy", "RequestFeatures", "Route",
+    "Affinity", "Condition", "Decision", "Match", "OPERATORS", "PRIORITY_NAMES", "Pick", "Policy", "ReplicaLoad",
+    "RequestFeatures", "Route", "prefix_text",
     "Rule", "Signals", "Target", "canary_key", "check_field", "decide", "evaluate", "hash_unit", "match",
     "parse_priority", "pick_target", "with_weights",
 ]

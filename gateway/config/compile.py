@@ -145,10 +145,9 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
         if None in targets or None in fallbacks:
             continue
         if r.select == "prefix_affinity":
-            for i, t in enumerate(r.targets):
-                if cfg.backends[t.backend].type != "openai":
-                    errors.append((f"routes.{rname}.targets[{i}].backend", "prefix_affinity targets are engine "
-                                   "replicas: openai backends (tandem engine serve or vLLM), not the local engine"))
+            errors += [(f"routes.{rname}.targets[{i}].backend", "prefix_affinity targets are engine replicas: "
+                        "openai backends (tandem engine serve or vLLM), not the local engine")
+                       for i, t in enumerate(r.targets) if cfg.backends[t.backend].type != "openai"]
         try:
             aff = r.affinity
             routes[rname] = Route(rname, tuple(targets), tuple(fallbacks), r.select,

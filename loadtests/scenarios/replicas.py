@@ -31,7 +31,8 @@ import yaml
 from loadtests.client import endpoint_url, make_session, send
 from loadtests.report import write_report
 from loadtests.runner import LoadConfig, RunResult, run_async
-from loadtests.scenarios.common import fmt, md_table, pct, start_engine_server, start_gateway, summary
+from loadtests.procs import Server, free_port, tandem_cmd
+from loadtests.scenarios.common import fmt, md_table, pct, start_gateway, summary
 from loadtests.scenarios.prefix import scrape_prefix_cache
 from loadtests.stats import ratio
 from loadtests.workloads import load_mt_bench
@@ -50,10 +51,30 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=24, help="max_tokens of every turn")
     p.add_argument("--rounds", type=int, default=1, help="rr/pa phase pairs, alternating")
     p.add_argument("--kill-users", type=int, default=12, help="users of the kill phase (0: no kill phase)")
+    p.add_argument("--kv-cache-memory", default="256MiB", help="KV-cache pool of each replica")
     p.add_argument("--engine-arg", action="append", default=[], help="extra `tandem engine serve` argument")
     p.add_argument("--out", default="loadtest-results/replicas")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
+
+
+def start_replicas(logs: Path, engine_args: list[str], n: int) -> list[Server]:
+    """``n`` ``tandem engine serve`` processes started together, each ready at ``/health``."""
+    servers = []
+    try:
+        for i in range(n):
+            port = free_port()
+            servers.append(Server(tandem_cmd("engine", "serve", "--host", "127.0.0.1", "--port", str(port),
+                                             "--uvicorn-log-level", "warning", *engine_args),
+                                  f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}", log_dir=logs,
+                                  name=f"replica-{i}"))
+        for s in servers:
+            s.wait_ready(600)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
 
 
 def gateway_yaml(path: Path, replicas: list) -> Path:
@@ -221,12 +242,11 @@ def run(args: argparse.Namespace) -> int:
     users = questions[:args.users]
     logs = Path(tempfile.mkdtemp(prefix="lt-replicas-"))
     engine_args = ["--model", model_path, "--served-model-name", "bench", "--num-threads", str(args.num_threads),
-                   *args.engine_arg]
+                   "--kv-cache-memory", args.kv_cache_memory, *args.engine_arg]
     replicas = []
     gw = None
     try:
-        for i in range(args.replicas):
-            replicas.append(start_engine_server(logs, engine_args, name=f"replica-{i}", timeout=600))
+        replicas = start_replicas(logs, engine_args, args.replicas)
         gw, _ = start_gateway(gateway_yaml(logs / "gateway.yaml", replicas), logs)
         run_async(phase(gw.base_url, replicas, "rr", questions[-2:], "warmup", 4))   # load, compile, first blocks
         phases: list[tuple[str, dict]] = []
@@ -256,7 +276,8 @@ def report(args, phases, figures, counters, kill, model_path) -> None:
     lines = [f"Same run, shared machine ({os.cpu_count()} cores, other processes running): ratios only.",
              f"prefix_affinity / round-robin: hit rate {fmt(figures['hit_rate_ratio'], '.2f', 'x')} (target >= 1.8x), "
              f"TTFT p50 {fmt(figures['ttft_p50_ratio'], '.2f', 'x')} (target <= 0.6x), "
-             f"p99 {fmt(figures['ttft_p99_ratio'], '.2f', 'x')}, output tok/s {fmt(figures['output_tok_s_ratio'], '.2f', 'x')}; "
+             f"p99 {fmt(figures['ttft_p99_ratio'], '.2f', 'x')}, "
+             f"output tok/s {fmt(figures['output_tok_s_ratio'], '.2f', 'x')}; "
              f"imbalance max/mean running: pa {fmt(figures['imbalance_pa'], '.2f')} (target <= 1.3), "
              f"rr {fmt(figures['imbalance_rr'], '.2f')}",
              "targets: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in figures["targets_met"].items()),

@@ -239,6 +239,8 @@ def test_config_compiles_to_policy():
     ("local: {type: local}", "local: {type: local, engine: {block_size: 24}}", "backends.local.engine.block_size"),
     ("local: {type: local}", "local: {type: lokal}", "backends.local"),
     ("models: [{name: m1, aliases: [a1]}]", "models: [{name: m1, alias: [a1]}]", "models[0].alias"),
+    ("main: {targets:", "main: {select: prefix_affinity, targets:", "routes.main.targets[0].backend"),
+    ("weight: 90}, {backend: up, weight: 10}", "weight: 0}, {backend: up, weight: 0}", "routes.main.targets"),
 ])
 def test_config_errors_name_the_key_path(old, new, path):
     assert old in BASE

@@ -143,12 +143,14 @@ def test_weights_that_cannot_serve_are_refused_or_warned(gw, ups):
     assert r.returncode == 0 and "route same [weighted]: c=100 (100 %)" in r.stdout, r.stdout
     assert ctl(gw, "reload").returncode == 0          # the file's weights again, for the other tests
     text = config({"a": ups["a"], "b": ups["b"], "c": ups["c"]}, "x", "redis://127.0.0.1:1", 1)
-    bad = text.replace("{backend: a, weight: 200}, {backend: b, weight: 1}", "{backend: a, weight: 0}, {backend: b, weight: 0}")
+    bad = text.replace("{backend: a, weight: 200}, {backend: b, weight: 1}",
+                       "{backend: a, weight: 0}, {backend: b, weight: 0}")
     from gateway.config.compile import load_config_text
     from gateway.config.schema import ConfigError
     with pytest.raises(ConfigError, match=r"routes.pair.targets: every target has weight 0"):
         load_config_text(bad, environ=ENV)
-    warn = text.replace("targets: [{backend: dead}]", "targets: [{backend: nokey, weight: 60}, {backend: b, weight: 40}]")
+    warn = text.replace("targets: [{backend: dead}]",
+                        "targets: [{backend: nokey, weight: 60}, {backend: b, weight: 40}]")
     w = load_config_text(warn, environ=ENV).warnings
     assert any("routes.down: 60.0 % of the weight is on unavailable backends (nokey: environment variable "
                "UNSET_KEY_ENV is unset)" in x for x in w), w
