@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client import CollectorRegistry, Counter
 
+from gateway.resilience.health import cancel_task
 from gateway.resilience.outcomes import UpstreamResponse
 from policies import ReplicaLoad
 
@@ -140,13 +141,7 @@ class ReplicaLoads:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except BaseException:  # noqa: BLE001
-                pass
-            self._task = None
+        self._task = await cancel_task(self._task)
         await self._client.aclose()
 
     # -- per request ---------------------------------------------------------------------------------------------

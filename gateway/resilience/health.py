@@ -233,10 +233,14 @@ class ActiveProber:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except BaseException:
-                pass
-            self._task = None
+        self._task = await cancel_task(self._task)
+
+
+async def cancel_task(task: asyncio.Task | None) -> None:
+    """Cancel a background loop and wait for it (whatever it raises); returns None for ``self._task = ...``."""
+    if task is not None:
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 -- CancelledError or the loop's own last error
+            pass

@@ -5,9 +5,10 @@ serve`` with two routes over the same replicas: ``rr`` (weighted, equal weights,
 request lands on a random replica, i.e. round-robin in expectation) and ``pa`` (prefix affinity). The same request
 stream runs under each, in alternating phases (``--rounds``): ``--users`` users at once, each holding one
 MT-Bench conversation of three turns (turn 2 = turn 1 + the answer + MT-Bench's second question, turn 3 = all of
-that + a follow-up), streamed, greedy. Each phase's conversations start with a phase nonce in the system
-message, so no phase hits another's cache. Reported per policy (same run): prefix-cache hit rate (the replicas'
-``vllm:prefix_cache_hits / queries`` over the phase), TTFT p50/p99, output tok/s, load imbalance (each
+that + a follow-up), streamed, greedy. Each conversation opens with its user's own system message naming the
+phase, so no KV block is shared between users or phases: the hit rate counts conversation reuse only.
+Reported per policy (same run): prefix-cache hit rate (the replicas' ``vllm:prefix_cache_hits / queries`` over
+the phase), TTFT p50/p99 (and p50 per turn), output tok/s, load imbalance (each
 replica's ``vllm:num_requests_running`` sampled every 0.25 s, averaged; max / mean over the replicas), the
 gateway's per-replica routed / affinity / spill-over counters; the ratios pa / rr against the issue's targets.
 Then a kill phase: ``prefix_affinity``, non-streamed, one replica SIGKILLed after a third of the requests:
@@ -34,7 +35,7 @@ from loadtests.runner import LoadConfig, RunResult, run_async
 from loadtests.procs import Server, free_port, tandem_cmd
 from loadtests.scenarios.common import fmt, md_table, pct, start_gateway, summary
 from loadtests.scenarios.prefix import scrape_prefix_cache
-from loadtests.stats import ratio
+from loadtests.stats import percentiles, ratio
 from loadtests.workloads import load_mt_bench
 
 FOLLOW_UP = "Now summarize your previous answer in one sentence."
@@ -47,9 +48,10 @@ def register(sub) -> None:
     p.add_argument("--model", default=None, help=".gguf or HF directory (default: the embedded SmolLM2)")
     p.add_argument("--replicas", type=int, default=3, help="tandem engine serve processes")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per replica")
-    p.add_argument("--users", type=int, default=16, help="concurrent users, one conversation each")
-    p.add_argument("--max-tokens", type=int, default=24, help="max_tokens of every turn")
-    p.add_argument("--rounds", type=int, default=1, help="rr/pa phase pairs, alternating")
+    p.add_argument("--users", type=int, default=12, help="concurrent users, one conversation each")
+    p.add_argument("--max-tokens", type=int, default=96, help="max_tokens of every turn (answers become the "
+                   "next turns' prompt)")
+    p.add_argument("--rounds", type=int, default=2, help="rr/pa phase pairs, alternating (machine noise)")
     p.add_argument("--kill-users", type=int, default=12, help="users of the kill phase (0: no kill phase)")
     p.add_argument("--kv-cache-memory", default="256MiB", help="KV-cache pool of each replica")
     p.add_argument("--engine-arg", action="append", default=[], help="extra `tandem engine serve` argument")
@@ -94,16 +96,17 @@ def gateway_yaml(path: Path, replicas: list) -> Path:
     return path
 
 
-async def _user(session, url: str, model: str, q: dict, nonce: str, max_tokens: int, stream: bool, out: list,
-                on_result=None):
-    """One user's three turns, each after the previous answer (``on_result(out)`` after each)."""
-    msgs = [{"role": "system", "content": f"Session {nonce}. Answer briefly."}]
-    for turn in (q["turns"][0], q["turns"][1], FOLLOW_UP):
+async def _user(session, url: str, model: str, user: int, q: dict, nonce: str, max_tokens: int, stream: bool,
+                out: list, on_result=None):
+    """One user's three turns, each after the previous answer (``on_result(out)`` after each). The user's own
+    system message opens the conversation: no KV block is shared between users or phases."""
+    msgs = [{"role": "system", "content": f"User {user}, session {nonce}. Answer briefly."}]
+    for k, turn in enumerate((q["turns"][0], q["turns"][1], FOLLOW_UP)):
         msgs.append({"role": "user", "content": turn})
         body = {"model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
         if stream:
             body["stream_options"] = {"include_usage": True}
-        r = await send(session, url, body, keep_text=True, index=len(out))
+        r = await send(session, url, body, keep_text=True, index=k)      # index: the turn, 0..2
         out.append(r)
         if on_result is not None:
             on_result(out)
@@ -139,8 +142,8 @@ async def phase(gw_url: str, replicas: list, model: str, questions: list[dict], 
     t0 = time.perf_counter()
     async with make_session(len(questions), timeout_s=900) as session:
         sampler = asyncio.create_task(sample())
-        await asyncio.gather(*(_user(session, url, model, q, nonce, max_tokens, stream, results, on_result)
-                               for q in questions))
+        await asyncio.gather(*(_user(session, url, model, i, q, nonce, max_tokens, stream, results, on_result)
+                               for i, q in enumerate(questions)))
         stop.set()
         await sampler
     cfg = LoadConfig(gw_url + "/v1", model, "chat", stream, len(questions), num_requests=len(results), label=nonce,
@@ -168,9 +171,16 @@ def measure_policy(gw_url, replicas, model, questions, nonce, max_tokens) -> dic
     hits = sum(a[1] - b[1] for a, b in zip(after, before))
     s = summary(run)
     mean_running = sum(means) / len(means) if means else 0.0
-    return {"run": run, "summary": s, "hit_rate": hits / queries if queries else None, "prefix_hits": hits,
+    return {"run": run, "summary": s, "ttft_p50_by_turn": _by_turn(run.results),
+            "hit_rate": hits / queries if queries else None, "prefix_hits": hits,
             "prefix_queries": queries, "mean_running": means,
             "imbalance": max(means) / mean_running if mean_running else None}
+
+
+def _by_turn(results) -> list[float | None]:
+    """TTFT p50 (seconds) of turns 1, 2, 3."""
+    return [pct(percentiles(r.ttft for r in results if r.ok and r.index == k and r.ttft is not None), "p50")
+            for k in range(3)]
 
 
 def kill_phase(gw_url: str, replicas: list, questions: list[dict], max_tokens: int) -> dict:
@@ -214,10 +224,11 @@ def _table(phases: list[tuple[str, dict]]) -> str:
     rows = [[label, m["summary"]["num_requests"], m["summary"]["num_errors"],
              fmt(None if m["hit_rate"] is None else 100 * m["hit_rate"], ".1f", " %"),
              ms(pct(m["summary"]["ttft_s"], "p50")), ms(pct(m["summary"]["ttft_s"], "p99")),
+             " / ".join(ms(x) for x in m["ttft_p50_by_turn"]),
              fmt(m["summary"]["output_tokens_per_s"], ".1f"), fmt(m["imbalance"], ".2f"),
              " / ".join(f"{x:.2f}" for x in m["mean_running"])] for label, m in phases]
     return md_table(["phase", "requests", "errors", "prefix-cache hit rate", "TTFT p50 ms", "TTFT p99 ms",
-                     "output tok/s", "imbalance max/mean", "mean running per replica"], rows)
+                     "TTFT p50 ms turn 1/2/3", "output tok/s", "imbalance max/mean", "mean running per replica"], rows)
 
 
 def _merge(ms: list[dict]) -> dict:
@@ -229,7 +240,8 @@ def _merge(ms: list[dict]) -> dict:
     queries, hits = sum(m["prefix_queries"] for m in ms), sum(m["prefix_hits"] for m in ms)
     means = [sum(col) / len(ms) for col in zip(*(m["mean_running"] for m in ms))]
     mean = sum(means) / len(means) if means else 0.0
-    return {"summary": summarize(results, 0.0, span), "hit_rate": hits / queries if queries else None,
+    return {"summary": summarize(results, 0.0, span), "ttft_p50_by_turn": _by_turn(results),
+            "hit_rate": hits / queries if queries else None,
             "prefix_hits": hits, "prefix_queries": queries, "mean_running": means,
             "imbalance": max(means) / mean if mean else None, "run": ms[0]["run"]}
 

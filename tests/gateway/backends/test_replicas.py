@@ -10,6 +10,7 @@ import re
 import signal
 import threading
 import time
+import uuid
 
 import httpx
 import openai
@@ -41,11 +42,11 @@ def replicas(tmp_path_factory):
             s.stop()
 
 
-def config(replicas, names=("r1", "r2")) -> str:
+def config(replicas, names=("r1", "r2"), state: str = "") -> str:
     backends = "".join(f"  {n}:\n    type: openai\n    base_url: {s.base_url}/v1\n    models: {{tiny: bench}}\n"
                        f"    max_model_len: 4096\n" for n, s in replicas.items())
     targets = ", ".join(f"{{backend: {n}}}" for n in names)
-    return ("reload: {watch: false}\n"
+    return (f"{state}reload: {{watch: false}}\n"
             "resilience:\n  breaker: {consecutive_failures: 1, open_s: 60}\n  health: {interval_s: 0}\n"
             f"models:\n  - name: tiny\nbackends:\n{backends}"
             "routes:\n  replicas:\n    select: prefix_affinity\n"
@@ -55,9 +56,15 @@ def config(replicas, names=("r1", "r2")) -> str:
 
 
 @pytest.fixture(scope="module")
-def gateways(replicas, tmp_path_factory):
+def state(redis_url) -> str:
+    """The two gateways share a Redis (config versions, breakers), as replicas of one gateway do."""
+    return f"state: {{redis_url: '{redis_url}', key_prefix: rp{uuid.uuid4().hex[:8]}}}\n"
+
+
+@pytest.fixture(scope="module")
+def gateways(replicas, state, tmp_path_factory):
     path = tmp_path_factory.mktemp("replicas") / "config.yaml"
-    path.write_text(config(replicas))
+    path.write_text(config(replicas, state=state))
     gs = [GatewayProcess(path, env=ENV), GatewayProcess(path, env=ENV)]
     for g in gs:
         g.start()
@@ -151,13 +158,13 @@ def test_a_loaded_replica_spills_over(gateways, replicas):
     assert backend_of(g, i, 2) == "r1"                      # unloaded: back home
 
 
-def test_reload_adds_and_removes_a_replica_stream_in_flight_unaffected(gateways, replicas):
+def test_reload_adds_and_removes_a_replica_stream_in_flight_unaffected(gateways, replicas, state):
     g = gateways[0]
     before = {i: backend_of(g, i) for i in range(15)}
     path = g.config_path
     original = open(path).read()
     try:
-        open(path, "w").write(config(replicas, ("r1", "r2", "r3")))
+        open(path, "w").write(config(replicas, ("r1", "r2", "r3"), state))
         assert httpx.post(g.url + "/admin/reload", headers=ADMIN, timeout=30).status_code == 200
         after = {i: backend_of(g, i) for i in range(15)}
         moved = [i for i in before if after[i] != before[i]]

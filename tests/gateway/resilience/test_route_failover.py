@@ -22,6 +22,7 @@ from tests.gateway.support import ROOT, GatewayProcess, wait_until
 ENV = {"TEST_UPSTREAM_KEY": "upstream-secret", "TANDEM_ADMIN_TOKEN": "admin-tok"}
 ADMIN = {"authorization": "Bearer admin-tok"}
 MSG = [{"role": "user", "content": "hi"}]
+PREFIX = f"rf{uuid.uuid4().hex[:8]}"     # this module's Redis keys
 
 
 def config(ups: dict[str, FaultUpstream], prefix: str, redis_url: str, dead_port: int) -> str:
@@ -66,14 +67,9 @@ def reset(ups):
 
 
 @pytest.fixture(scope="module")
-def prefix():
-    return f"rf{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture(scope="module")
-def gw(ups, redis_url, prefix, tmp_path_factory):
+def gw(ups, redis_url, tmp_path_factory):
     path = tmp_path_factory.mktemp("failover") / "config.yaml"
-    path.write_text(config(ups, prefix, redis_url, free_port()))
+    path.write_text(config(ups, PREFIX, redis_url, free_port()))
     g = GatewayProcess(path, env=ENV).start()
     yield g
     g.stop()
@@ -157,7 +153,7 @@ def test_weights_that_cannot_serve_are_refused_or_warned(gw, ups):
 
 
 # -- 4. status tells the truth ----------------------------------------------------------------------------------
-def test_status_shows_breakers_probes_and_one_warning_per_transition(gw, ups, redis_url, prefix):
+def test_status_shows_breakers_probes_and_one_warning_per_transition(gw, ups):
     for i in range(4):                       # the dead backend refuses connections: breaker opens after 2
         r = chat(gw, "down", f"d{i}")
         assert r.status_code == 200 and r.headers["x-tandem-backend"] == "b"
@@ -177,14 +173,14 @@ def test_status_shows_breakers_probes_and_one_warning_per_transition(gw, ups, re
     assert "dead: connect_error" in log
 
 
-def test_one_breaker_per_target_id(gw, ups, redis_url, prefix):
+def test_one_breaker_per_target_id(gw, ups, redis_url):
     """Target {backend: c, model: c-model, id: c} and fallback {backend: c} share the breaker ``c``."""
     ups["c"].set_default({"status": 500})
     for i in range(2):
         chat(gw, "same", f"s{i}")
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
-        keys = sorted(k.split(":", 2)[2] for k in r.scan_iter(f"{prefix}:cb:*"))
+        keys = sorted(k.split(":", 2)[2] for k in r.scan_iter(f"{PREFIX}:cb:*"))
     finally:
         r.close()
     assert "c" in keys and "c/c-model" not in keys
