@@ -34,6 +34,9 @@ def register(subparsers) -> None:
     e.add_argument("--kv-usage", type=float, default=0.0, help="local engine signal: KV-cache usage, percent (0-100)")
     e.add_argument("--request-id", default="explain",
                    help="request id: the canary key when the request has no user or key")
+    e.add_argument("--replica-load", action="append", default=[], metavar="TARGET=N",
+                   help="prefix_affinity routes: requests running + waiting on that replica (repeat; default 0; "
+                        "'TARGET=dead' for one whose metrics do not answer)")
     e.add_argument("--json", action="store_true", help="print the decision as JSON")
     e.set_defaults(func=_explain)
 
@@ -92,7 +95,7 @@ def _explain(args) -> int:
     from gateway.config.compile import load_config_or_report
     from gateway.errors import ClientError
     from gateway.request.validate import check_request
-    from policies import RequestFeatures, Signals, decide
+    from policies import ReplicaLoad, RequestFeatures, Signals, decide, prefix_text
 
     if (compiled := load_config_or_report(args.config)) is None:
         return 2
@@ -132,9 +135,16 @@ def _explain(args) -> int:
         model=public, priority=p.priority, prompt_tokens=prompt_tokens, tenant=args.tenant,
         has_tools=p.has_tools, has_response_format=p.has_response_format, headers=headers, metadata=p.metadata,
         user=p.user, request_id=args.request_id, stream=p.stream, max_tokens=p.max_tokens,
-        local_serves=p.local_unsupported is None)
-    decision = decide(compiled.policy, features, Signals(args.waiting, args.running, args.kv_usage, unavailable),
-                      explain=True)
+        local_serves=p.local_unsupported is None, prefix_text=prefix_text(body))
+    signals = Signals(args.waiting, args.running, args.kv_usage, unavailable)
+    for item in args.replica_load:
+        name, _, n = item.partition("=")
+        try:
+            signals.replica_load[name] = ReplicaLoad(alive=False) if n == "dead" else ReplicaLoad(running=float(n))
+        except ValueError:
+            print(f"--replica-load: expected TARGET=N or TARGET=dead, got {item!r}", file=sys.stderr)
+            return 2
+    decision = decide(compiled.policy, features, signals, explain=True)
     if args.json:
         print(json.dumps(decision.to_dict(), indent=2))
     else:
@@ -169,8 +179,24 @@ def _ctl(args) -> int:
     code, data = admin_call("tandem ctl", args.url, args.token_env, method, args.path, body=body)
     if code:
         return code
-    print(json.dumps(data, indent=2) if not isinstance(data, str) else data)
+    if isinstance(data, dict) and "routes" in data and args.path != "/admin/config":
+        print(_version_summary(data))
+    else:
+        print(json.dumps(data, indent=2) if not isinstance(data, str) else data)
     return 0
+
+
+def _version_summary(data: dict) -> str:
+    """A new config version as ``tandem ctl weights/rollback/reload`` print it: the version, each route's
+    weights and shares, then the warnings."""
+    lines = [f"config version {data.get('version')} ({data.get('source')})"
+             + ("" if data.get("propagated", True) else ", not shared yet (Redis unreachable)")]
+    for name, r in data["routes"].items():
+        targets = ", ".join(f"{t['id']}={t['weight']:g} ({t['share_pct']:g} %)" for t in r["targets"])
+        fallbacks = f"; fallbacks: {', '.join(r['fallbacks'])}" if r["fallbacks"] else ""
+        lines.append(f"  route {name} [{r['select']}]: {targets}{fallbacks}")
+    lines += [f"warning: {w}" for w in data.get("warnings", [])]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

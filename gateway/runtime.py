@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from gateway.config.compile import Compiled, load_config_text
 from gateway.config.schema import ConfigError
 from gateway.backends.local import LocalBackend
+from gateway.backends.replicas import ReplicaLoads
 from gateway.resilience.layer import Resilience
 from gateway.billing.usage import UsageLedger
 from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
 from gateway.backends.upstream import UpstreamBackend
 from gateway.config.versions import ConfigState, MemoryLedger, RedisLedger
+from gateway.config.weights import describe_changes, routes_table
 from policies import Signals
 
 log = logging.getLogger("tandem.gateway")
@@ -82,6 +84,7 @@ class Gateway:
         self.resilience = Resilience(cfg)   # limits, breakers, health: shared state lives as long as the process
         self.usage = UsageLedger(self.resilience.state, cfg.budgets.reservation_ttl_s)   # usage and budgets
         self.obs = Observability(cfg, self.usage, self.live_gauges)   # metrics, traces, request logs
+        self.replicas = ReplicaLoads(self.obs.registry)   # load of prefix_affinity routes' engine replicas
         if cfg.state.redis_url:
             self.ledger = RedisLedger(cfg.state.redis_url, cfg.state.key_prefix, cfg.reload.keep_versions,
                                       cfg.state.socket_timeout_s)
@@ -109,6 +112,7 @@ class Gateway:
         elif self.snapshot.local is not None:
             self.snapshot.local.unavailable_reason, self.snapshot.local.loading = "engine not started", False
         self.resilience.start(lambda: self.snapshot.backends)
+        self.replicas.start()
         self._tasks.append(asyncio.create_task(self._watch_loop()))
         if self.ledger.shared:
             self._tasks.append(asyncio.create_task(self._sync_loop()))
@@ -123,6 +127,7 @@ class Gateway:
                 pass
         self._tasks.clear()
         await self.resilience.stop()
+        await self.replicas.stop()
         backends = list(self.snapshot.backends.values()) if self.snapshot else []
         for b in backends + [b for _, b in self.retired]:
             try:
@@ -184,9 +189,12 @@ class Gateway:
                         compiled.config.server.max_body_size, local, list(compiled.warnings),
                         any(f.startswith("local.") for f in policy_fields))
         self.resilience.configure(compiled.config)
-        self.snapshot = snap            # the atomic swap: one reference assignment
+        self.replicas.configure(compiled, backends)
+        old, self.snapshot = self.snapshot, snap     # the atomic swap: one reference assignment
         self.obs.configure(snap)
-        log.info("config version %d applied (%s)", state.version, state.source)
+        log.info("config version %d applied (%s): %s", state.version, state.source,
+                 describe_changes(old.compiled.policy if old else None, compiled.policy,
+                                  old.compiled.text if old else "", compiled.text))
         for w in snap.warnings:
             log.warning("%s", w)
         return snap
@@ -206,7 +214,7 @@ class Gateway:
                 self._unpublished = True
             snap = self._apply(state, compiled)
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
-                    "propagated": propagated and self.ledger.shared}
+                    "propagated": propagated and self.ledger.shared, "routes": routes_table(compiled.policy)}
 
     async def reload(self, source: str = "reload") -> dict:
         """Re-read the config file; weights overrides are reset to the file's.
@@ -246,7 +254,7 @@ class Gateway:
             state = await self.ledger.rollback()
             snap = self._apply(state)
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
-                    "propagated": self.ledger.shared}
+                    "propagated": self.ledger.shared, "routes": routes_table(snap.compiled.policy)}
 
     async def describe(self) -> dict:
         """The running config for GET /admin/config."""
@@ -256,14 +264,12 @@ class Gateway:
         except Exception as e:  # noqa: BLE001
             self._redis_failed(e)
             history = []
+        backends, targets = await self.resilience.status(s.compiled.policy.routes, s.backends)
         return {
             "version": s.version, "source": s.source, "overrides": s.compiled.overrides,
             "public_models": s.compiled.public_models,
-            "routes": {n: {"select": r.select, "targets": [{"id": t.id, "backend": t.backend, "weight": t.weight}
-                                                           for t in r.targets],
-                           "fallbacks": [t.id for t in r.fallbacks]} for n, r in s.compiled.policy.routes.items()},
-            "backends": {n: {"type": b.kind, "available": b.available, "reason": b.unavailable_reason}
-                         for n, b in s.backends.items()},
+            "routes": routes_table(s.compiled.policy),
+            "backends": {n: {"type": b.kind, **backends[n]} for n, b in s.backends.items()}, "targets": targets,
             "history": history, "warnings": s.warnings, "redis_degraded": self.redis_degraded,
             "draining": self.draining, "in_flight": self.in_flight, "text": s.compiled.text,
         }

@@ -9,6 +9,7 @@ Sub-commands of ``loadtest``:
   canary    scenario 3: canary 5 -> 25 -> 100 % under load
   failover  scenario 4: kill the primary upstream under load
   prefix    scenario 5: MT-Bench turn 2 TTFT with prefix caching on vs off
+  replicas  scenario 7: engine replicas, round-robin vs prefix_affinity routing (+ a replica killed)
 ``parity`` is scenario 6: greedy outputs and logprobs of two targets compared.
 """
 
@@ -116,10 +117,10 @@ def _add_upstream(sub) -> None:
 
 def add_commands(sub) -> None:
     """Add the ``loadtest`` sub-commands to ``sub`` (an argparse subparsers object)."""
-    from loadtests.scenarios import canary, core_modes, engine, failover, overhead, prefix
+    from loadtests.scenarios import canary, core_modes, engine, failover, overhead, prefix, replicas
     _add_run(sub)
     _add_upstream(sub)
-    for mod in (overhead, engine, core_modes, canary, failover, prefix):
+    for mod in (overhead, engine, core_modes, canary, failover, prefix, replicas):
         mod.register(sub)
 
 

@@ -55,7 +55,8 @@ class Decision:
     Attributes:
         rule: the matched rule's name ("default" when none matched).
         route: the route's name.
-        attempts: targets to try in order (the pick, then fallbacks),
+        attempts: targets to try in order (the pick, the route's other live
+            targets by rank, then fallbacks),
             unavailable ones already removed.
         canary_key: the string hashed for the canary arm.
         pick: the canary/cheapest pick with scores and skipped targets.
@@ -111,9 +112,11 @@ def decide(policy: Policy, f: RequestFeatures, s: Signals, explain: bool = False
     """Evaluate ``policy`` for one request. Pure: no I/O, no clock.
 
     First matching rule wins (else ``default_route``). The route's first
-    choice comes from ``pick_target``; only the route's explicit
-    ``fallbacks`` follow it (the other weighted targets are not implied),
-    minus unavailable backends and duplicates."""
+    choice comes from ``pick_target``; the route's other live targets follow
+    in ``Pick.ranked`` order (a failed or cooling-down target fails over to
+    its siblings first), then the explicit ``fallbacks``, minus unavailable
+    backends and duplicates. Targets of weight 0 get no traffic, not even
+    as a failover."""
     trace: list[str] | None = [] if explain else None
     chosen_rule = None
     for rule in policy.rules:
@@ -127,12 +130,12 @@ def decide(policy: Policy, f: RequestFeatures, s: Signals, explain: bool = False
     route_name = chosen_rule.route if chosen_rule else policy.default_route
     route = policy.routes[route_name]
     key = canary_key(policy, f)
-    pick = pick_target(route, key, s.unavailable)
+    pick = pick_target(route, key, s.unavailable, f.prefix_text, s.replica_load)
     attempts: list[Target] = []
     seen: set[str] = set()
-    if pick.target is not None:
-        attempts.append(pick.target)
-        seen.add(pick.target.id)
+    for t in pick.ranked:
+        attempts.append(t)
+        seen.add(t.id)
     for t in route.fallbacks:
         if t.id in seen:
             continue

@@ -56,6 +56,9 @@ class RequestFeatures:
         local_serves: the local engine serves every field of the request
             (False e.g. for ``tools`` when the local backend's
             ``structured_outputs`` leaves them out).
+        prefix_text: the prompt's leading text for ``prefix_affinity``
+            routes (``policies.affinity.prefix_text``; "" when no route
+            needs it).
     """
 
     model: str
@@ -71,6 +74,7 @@ class RequestFeatures:
     stream: bool = False
     max_tokens: int | None = None
     local_serves: bool = True
+    prefix_text: str = ""
 
 
 @dataclass
@@ -83,9 +87,12 @@ class Signals:
         local_kv_usage: local KV-cache usage, percent (0..100).
         unavailable: backend names that must not be chosen (unset API key,
             open circuit breaker, engine not loaded, ...), with the reason.
+        replica_load: target id -> ``policies.affinity.ReplicaLoad`` of the
+            engine replicas of ``prefix_affinity`` routes.
     """
 
     local_waiting: int = 0
     local_running: int = 0
     local_kv_usage: float = 0.0
     unavailable: dict[str, str] = field(default_factory=dict)
+    replica_load: dict = field(default_factory=dict)

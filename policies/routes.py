@@ -17,7 +17,9 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
-SELECT_MODES = ("weighted", "cheapest")
+from policies.affinity import Affinity, ReplicaLoad, choose, prefix_key
+
+SELECT_MODES = ("weighted", "cheapest", "prefix_affinity")
 
 
 @dataclass(frozen=True)
@@ -51,13 +53,16 @@ class Target:
 class Route:
     """A named route: ``targets`` (weighted, first choice) then ``fallbacks``
     (tried in order when the chosen target fails). ``select`` is
-    ``weighted`` (canary by stable hash) or ``cheapest`` (lowest input +
-    output price among available targets)."""
+    ``weighted`` (canary by stable hash), ``cheapest`` (lowest input +
+    output price among available targets) or ``prefix_affinity`` (engine
+    replicas by prefix-cache affinity and load, ``policies/affinity.py``,
+    with ``affinity`` settings)."""
 
     name: str
     targets: tuple[Target, ...]
     fallbacks: tuple[Target, ...] = ()
     select: str = "weighted"
+    affinity: Affinity = Affinity()
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -77,35 +82,64 @@ def hash_unit(key: str, target_id: str) -> float:
 
 @dataclass
 class Pick:
-    """The outcome of choosing among a route's targets, with its reasons."""
+    """The outcome of choosing among a route's targets, with its reasons.
+
+    ``ranked``: the live targets (weight > 0, backend available) in the order
+    a request tries them: ``target`` first, then the others by their
+    rendezvous score (weighted: a target with weight w comes next with
+    probability proportional to w) or by price (``cheapest``)."""
 
     target: Target | None
     scores: dict[str, float] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     reason: str = ""
+    ranked: list[Target] = field(default_factory=list)
+    home: str = ""          # prefix_affinity: the key's top-scoring target id
+    prefix_key: str = ""    # prefix_affinity: the hashed prefix
 
 
-def pick_target(route: Route, key: str, unavailable: dict[str, str]) -> Pick:
+def pick_target(route: Route, key: str, unavailable: dict[str, str], prefix: str = "",
+                loads: dict[str, ReplicaLoad] | None = None) -> Pick:
     """Choose the first-choice target of ``route`` for canary key ``key``,
-    skipping targets whose backend is in ``unavailable``.
+    skipping targets whose backend is in ``unavailable``. ``prefix_affinity``
+    routes use ``prefix`` (``affinity.prefix_text`` of the request) and the
+    replicas' ``loads`` (target id -> ``ReplicaLoad``) instead of ``key``.
 
-    Returns a Pick whose ``target`` is None when no target is available."""
+    Returns a Pick whose ``target`` is None when no target is available;
+    ``ranked`` holds every live target in the order to try them."""
     skipped = {t.id: unavailable[t.backend] for t in route.targets if t.backend in unavailable}
     live = [t for t in route.targets if t.backend not in unavailable and t.weight > 0]
     if not live:
         return Pick(None, skipped=skipped, reason="no available target with weight > 0")
     if route.select == "cheapest":
-        best = min(live, key=lambda t: (t.input_price + t.output_price, route.targets.index(t)))
-        return Pick(best, skipped=skipped,
+        ranked = sorted(live, key=lambda t: (t.input_price + t.output_price, route.targets.index(t)))
+        best = ranked[0]
+        return Pick(best, skipped=skipped, ranked=ranked,
                     reason=f"cheapest available: {best.id} at {best.input_price}+{best.output_price} USD/M tokens")
+    if route.select == "prefix_affinity":
+        return _affinity_pick(route, live, prefix, loads or {}, skipped)
     if len(live) == 1:
-        return Pick(live[0], skipped=skipped, reason=f"only available target {live[0].id}")
+        return Pick(live[0], skipped=skipped, ranked=live, reason=f"only available target {live[0].id}")
     scores = {t.id: t.weight / -math.log(hash_unit(key, t.id)) for t in live}
-    best = max(live, key=lambda t: scores[t.id])
+    ranked = sorted(live, key=lambda t: -scores[t.id])
+    best = ranked[0]
     total = sum(t.weight for t in live)
-    return Pick(best, scores=scores, skipped=skipped,
+    return Pick(best, scores=scores, skipped=skipped, ranked=ranked,
                 reason=f"canary by rendezvous hash of {key!r}: {best.id} "
                        f"(weight {best.weight:g} of {total:g})")
+
+
+def _affinity_pick(route: Route, live: list[Target], prefix: str, loads: dict[str, ReplicaLoad],
+                   skipped: dict[str, str]) -> Pick:
+    pkey = prefix_key(prefix, route.affinity)
+    c = choose(live, pkey, loads, route.affinity)
+    best = c.ranked[0]
+    lines = [f"{t.id}: load {loads.get(t.id, ReplicaLoad()).load:g}/{c.bound.get(t.id, 0):g}"
+             + (f" ({c.spilled[t.id]})" if t.id in c.spilled else "") for t in c.ranked]
+    why = "home" if best is c.home else f"spill-over from home {c.home.id}"
+    return Pick(best, scores=c.scores, skipped={**skipped, **c.spilled}, ranked=c.ranked,
+                reason=f"prefix affinity, key {pkey} (text blocks): {best.id} ({why}); " + "; ".join(lines),
+                home=c.home.id, prefix_key=pkey)
 
 
 def with_weights(route: Route, weights: dict[str, float]) -> Route:
@@ -126,4 +160,4 @@ def with_weights(route: Route, weights: dict[str, float]) -> Route:
     new_w = {by_key[k].id: float(w) for k, w in weights.items()}
     targets = tuple(Target(t.backend, t.model, new_w.get(t.id, t.weight), t.input_price, t.output_price, t.id)
                     for t in route.targets)
-    return Route(route.name, targets, route.fallbacks, route.select)
+    return Route(route.name, targets, route.fallbacks, route.select, route.affinity)

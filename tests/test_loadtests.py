@@ -344,3 +344,24 @@ def test_parity_engine_against_itself(tiny_model, tmp_path):
             assert s["num_positions"] >= 3 and s["mean_cosine"] > 0.9985
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_scenario_replicas_tiny(tiny_model, tmp_path):
+    """Scenario 7 end to end on three tiny replicas: both policies measured in one run, the kill phase has a
+    replica SIGKILLed and no failed request."""
+    rc = cli.main(["replicas", "--model", tiny_model, "--replicas", "3", "--users", "6", "--kill-users", "6",
+                   "--rounds", "1",
+                   "--max-tokens", "4", "--engine-arg=--dtype=float32", "--kv-cache-memory", "64MiB",
+                   "--out", str(tmp_path),
+                   "--no-progress"])
+    assert rc == 0
+    res = _results(tmp_path)
+    f, kill = res["figures"], res["kill"]
+    assert f["hit_rate_pa"] > 0 and f["hit_rate_ratio"] == pytest.approx(f["hit_rate_pa"] / f["hit_rate_rr"])
+    assert set(res["phases"]) == {"rr round 1", "pa round 1"}
+    for p in res["phases"].values():
+        assert p["summary"]["num_ok"] == p["summary"]["num_requests"] == 18
+    assert kill["killed_after_requests"] == 6 and kill["requests"] == 18 and kill["failed"] == 0
+    assert res["counters"]["routed"] and res["counters"]["affinity"]
+    _files_written(tmp_path, "latency_cdf.png")

@@ -100,7 +100,9 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
                                    request_id=req.request_id, tokens=reserved_tokens, on_finish=settle)
     if res.stream is None:
         await settle(res)
-    errors = skipped + [f"{a.target}: {a.outcome}" for a in res.attempts if a.outcome != "ok"]
+    # an open breaker is logged once per transition (gateway/resilience/breaker.py), not once per request
+    errors = skipped + [f"{a.target}: {a.outcome}" for a in res.attempts
+                        if a.outcome != "ok" and not a.outcome.startswith("skipped: breaker")]
     if errors:
         log.info("request %s: %s", req.request_id, "; ".join(errors))
     headers = {k: v for k, v in res.headers.items() if k != "content-type"}

@@ -21,7 +21,7 @@ from httpx_aiohttp import AiohttpTransport
 from httpx_aiohttp.transport import map_aiohttp_exceptions
 
 from gateway.config.schema import OpenAIBackendConfig
-from gateway.errors import BackendError
+from gateway.errors import BackendError, transport_error_kind
 from gateway.observability.tracing import current_traceparent
 from gateway.resilience.outcomes import UpstreamResponse, parse_retry_after
 
@@ -147,10 +147,33 @@ class UpstreamBackend:
                 finally:
                     await r.aclose()
             return r
-        except httpx.TimeoutException as e:
-            raise BackendError("timeout", f"{self.name}: timed out ({type(e).__name__})", 504) from None
         except (httpx.HTTPError, OSError) as e:
-            raise BackendError("connect", f"{self.name}: {type(e).__name__}", 502) from None
+            raise self._transport_error(e) from None
+
+    def _transport_error(self, e: BaseException) -> BackendError:
+        """A failed connect/send as ``timeout`` or ``connect``. httpx_aiohttp maps aiohttp's connection errors,
+        a refused connection included, to ``httpx.ConnectTimeout``: the aiohttp cause decides instead."""
+        cause = e.__cause__ or e
+        kind = transport_error_kind(cause)
+        if kind == "timeout":
+            return BackendError("timeout", f"{self.name}: timed out ({type(cause).__name__})", 504)
+        if kind == "connect_error":
+            return BackendError("connect", f"{self.name}: cannot connect ({type(cause).__name__}: {cause})", 502)
+        return BackendError("stream", f"{self.name}: connection failed ({type(cause).__name__})", 502)
+
+    async def probe(self) -> None:
+        """The active health probe: ``GET base_url/models``.
+
+        Raises:
+            BackendError: ``connect`` / ``timeout`` (named as such), or ``http`` for a 5xx answer."""
+        if not self.available:
+            raise BackendError("connect", self.unavailable_reason, 502)
+        try:
+            r = await self.client.get("models")
+        except (httpx.HTTPError, OSError) as e:
+            raise self._transport_error(e) from None
+        if r.status_code >= 500:
+            raise BackendError("http", f"{self.name}: GET /models: HTTP {r.status_code}", r.status_code)
 
     def _http_error(self, r: httpx.Response, body: bytes) -> BackendError:
         return BackendError("http", f"{self.name}: HTTP {r.status_code}", r.status_code, body,

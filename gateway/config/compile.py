@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from engine.config import EngineArgs
 from gateway.config.schema import ConfigError, EngineConfig, GatewayConfig, TargetConfig
-from policies import Condition, Match, Policy, Route, Rule, Target, check_field, with_weights
+from gateway.config.weights import check_weights
+from policies import Affinity, Condition, Match, Policy, Route, Rule, Target, check_field, with_weights
 from policies.rules import OPERATORS
 
 
@@ -144,8 +145,14 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
         fallbacks = [_target(t, cfg, f"routes.{rname}.fallbacks[{i}]", errors) for i, t in enumerate(r.fallbacks)]
         if None in targets or None in fallbacks:
             continue
+        if r.select == "prefix_affinity":
+            errors += [(f"routes.{rname}.targets[{i}].backend", "prefix_affinity targets are engine replicas: "
+                        "openai backends (tandem engine serve or vLLM), not the local engine")
+                       for i, t in enumerate(r.targets) if cfg.backends[t.backend].type != "openai"]
         try:
-            routes[rname] = Route(rname, tuple(targets), tuple(fallbacks), r.select)
+            aff = r.affinity
+            routes[rname] = Route(rname, tuple(targets), tuple(fallbacks), r.select,
+                                  Affinity(aff.prefix_blocks, aff.block_chars, aff.load_factor, aff.max_kv_usage))
         except ValueError as e:
             errors.append((f"routes.{rname}", str(e)))
     for rname, weights in (overrides or {}).items():
@@ -156,6 +163,9 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
             routes[rname] = with_weights(routes[rname], weights)
         except ValueError as e:
             errors.append((f"overrides.{rname}", str(e)))
+    weight_errors, weight_warnings = check_weights(cfg, routes, overrides or {}, env)
+    errors += weight_errors
+    warnings += weight_warnings
     rules = []
     for i, r in enumerate(cfg.policy.rules):
         path = f"policy.rules[{i}]"

@@ -257,10 +257,22 @@ class TargetConfig(_Strict):
     id: str = ""                           # default: backend (or backend/model)
 
 
+class AffinityConfig(_Strict):
+    """``select: prefix_affinity`` settings (``policies/affinity.py``): the prefix hashed (text blocks), the load
+    bound, and how often the replicas' ``/metrics`` are read (seconds)."""
+
+    prefix_blocks: int = Field(8, ge=1)          # leading text blocks hashed, at most
+    block_chars: int = Field(64, ge=1)           # characters per block (~16 tokens)
+    load_factor: float = Field(1.25, ge=1)       # a replica takes a request while load + 1 <= c * mean load
+    max_kv_usage: float = Field(0.95, gt=0, le=1)   # at or above this KV-cache usage a replica takes no new prefix
+    metrics_interval_s: float = Field(0.5, gt=0)    # replicas' /metrics read this often
+
+
 class RouteConfig(_Strict):
     targets: list[TargetConfig] = Field(min_length=1)
     fallbacks: list[TargetConfig] = []
-    select: Literal["weighted", "cheapest"] = "weighted"
+    select: Literal["weighted", "cheapest", "prefix_affinity"] = "weighted"
+    affinity: AffinityConfig = AffinityConfig()
 
 
 class RuleConfig(_Strict):

@@ -177,10 +177,9 @@ async def live() -> Response:
 async def ready(request: Request) -> Response:
     gw = request.app.state.gw
     snap = gw.snapshot
+    backends, targets = await gw.resilience.status(snap.compiled.policy.routes, snap.backends) if snap else ({}, {})
     body = {"ready": gw.ready, "draining": gw.draining, "config_version": snap.version if snap else None,
-            "redis_degraded": gw.redis_degraded or gw.resilience.degraded,
-            "backends": {n: {"available": b.available, "reason": b.unavailable_reason}
-                         for n, b in (snap.backends.items() if snap else ())}}
+            "redis_degraded": gw.redis_degraded or gw.resilience.degraded, "backends": backends, "targets": targets}
     return Response(msgspec.json.encode(body), status_code=200 if gw.ready else 503, media_type=_JSON)
 
 

@@ -387,7 +387,7 @@ class Observability:
         if snap.local is not None:
             self.metrics.ensure_engine(snap.local)
         states = {}
-        names = {(t.backend, f"{t.backend}/{t.model}" if t.model else t.backend)
+        names = {(t.backend, t.id)     # a breaker's key is its target id (gateway/resilience/layer.py)
                  for route in snap.compiled.policy.routes.values() for t in (*route.targets, *route.fallbacks)}
         for backend, name in sorted(names):
             try:

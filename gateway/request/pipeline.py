@@ -15,7 +15,7 @@ from gateway.errors import ClientError
 from gateway.request.admission import admit
 from gateway.request.auth import authenticate
 from gateway.request.validate import GatewayRequest, check_request, estimate_prompt_tokens, parse_json
-from policies import RequestFeatures, decide
+from policies import RequestFeatures, decide, prefix_text
 
 # Bodies from this size on are decoded, templated and tokenized in a worker thread (``asyncio.to_thread``), off
 # the event loop: a 4 MB chat body takes seconds to tokenize. The engine's tokenizer releases the GIL meanwhile
@@ -51,13 +51,14 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     return replace(req, public_model=public, prompt_tokens=prompt_tokens)
 
 
-def features(req: GatewayRequest) -> RequestFeatures:
+def features(req: GatewayRequest, prefix: bool = False) -> RequestFeatures:
     """The request as the policy sees it."""
     return RequestFeatures(
         model=req.public_model, priority=req.priority, prompt_tokens=req.prompt_tokens, tenant=req.tenant,
         has_tools=req.has_tools, has_response_format=req.has_response_format, headers=req.headers,
         metadata=req.metadata, user=req.user, request_id=req.request_id, stream=req.stream,
-        max_tokens=req.max_tokens, local_serves=req.local_unsupported is None)
+        max_tokens=req.max_tokens, local_serves=req.local_unsupported is None,
+        prefix_text=prefix_text(req.body) if prefix else "")
 
 
 def _waits_for_engine(snap, route_name: str) -> bool:
@@ -88,7 +89,13 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         req = build_request(snap, endpoint, raw, headers, request_id)
     else:
         req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id)
-    decision = decide(snap.compiled.policy, features(req), snap.signals())
+    affinity = gw.replicas.tracked      # some route selects by prefix affinity
+    signals = snap.signals()
+    if affinity:
+        signals.replica_load = gw.replicas.loads()
+    decision = decide(snap.compiled.policy, features(req, affinity), signals)
+    if affinity:
+        gw.replicas.note(decision.route, decision.pick)
     if not decision.attempts and _waits_for_engine(snap, decision.route):
         raise ClientError(503, "The local engine is still loading its model; retry in a few seconds.",
                           code="engine_loading", headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)})
@@ -101,8 +108,15 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     gw.obs.note(req, decision)   # labels and trace facts, before admission may refuse
     adm = await admit(req, decision.attempts, gw.resilience, gw.usage, snap.compiled.config)
     hook = gw.obs.admitted(request_id, adm.budget, adm.budget_spec)
+    if affinity:
+        hook = _then(gw.replicas.track, hook)
     answer = await forward(req, decision.attempts, snap.backends, gw.resilience, adm.rate, hook, adm.tokens)
     answer.headers = {"x-tandem-route": decision.route, "x-tandem-rule": decision.rule,
                       "x-tandem-backend": answer.backend or "none", "x-tandem-attempts": str(answer.attempts),
                       **answer.headers, **adm.headers}   # x-request-id: gateway/http/app.py request_ids
     return answer
+
+
+def _then(inner, outer):
+    """An attempt hook that applies ``inner`` then ``outer`` (None: ``inner`` alone)."""
+    return inner if outer is None else (lambda attempt: outer(inner(attempt)))

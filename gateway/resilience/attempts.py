@@ -14,6 +14,10 @@ call, or one round of skipped candidates:
   or a cut before any content) are retried / fall back; 400/401/403/404/422 and every other status are passed
   through unchanged after one upstream call. A context-length error moves on to a target with a larger
   ``max_model_len`` and never retries the same target.
+- Nothing callable now (every remaining target cooling down, breaker-open or at its backend limit): when the
+  soonest of them may be called within ``max_retry_after_s`` and before the deadline, the loop waits for it and
+  asks those targets again (a cooled-down one is then called as the half-open probe); otherwise it answers at
+  once, with no upstream call, 503 (429 for limits) and ``Retry-After`` = the soonest end of a cooldown.
 - Stops at ``max_attempts`` upstream calls or when the next wait would pass the overall ``deadline_s`` (which
   also bounds a stream's wait for its first token; a non-streamed answer in progress is bounded by the
   backend's own read timeout, not cut by the deadline).
@@ -168,7 +172,7 @@ class _Run:
                 self._exclude_not_larger(c)
                 await self._record(c, True, None, None, probe, dt, None)
             else:
-                await self._record(c, False, f.status, f.retry_after, probe, dt, None, reason=f.kind)
+                await self._record(c, False, f.status, f.retry_after, probe, dt, None, reason=_reason(f))
             if reservation is not None:
                 await self.limiter.release(reservation)
             return f
@@ -322,6 +326,10 @@ class _Run:
             if self._stop(out, self.last_wait):
                 return await self._exhausted(out)
             await asyncio.sleep(self.last_wait)
+            if isinstance(out, NoCandidate) and not out.round_over:
+                # waited for a cooldown / limit to pass: the candidates skipped for it are asked again
+                self.tried_round -= set(self.skips)
+                self.skips = {}
 
     def _passthrough(self, resp: UpstreamResponse, candidate: Candidate | None) -> Result:
         """An upstream's own error answer, unchanged (``candidate``: who gave it)."""
@@ -377,6 +385,13 @@ class _Run:
         res.body = error_body(res.status, f"{msg} after {self.calls} attempt(s) ({kinds}).", code="upstream_failed",
                               type_="upstream_error")
         return res
+
+
+def _reason(f: Failure) -> str:
+    """A failure as a breaker's reason: ``connect_error``, ``timeout``, ``status 429 (Retry-After 30s)``..."""
+    if f.status is None:
+        return f.kind
+    return f"status {f.status}" + (f" (Retry-After {f.retry_after:g}s)" if f.retry_after is not None else "")
 
 
 async def call_with_fallback(candidates: list[Candidate],

@@ -21,17 +21,21 @@ honoured there within ``cache_s``), "open" until its ``open_until``; half-open i
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from gateway.config.schema import BreakerSettings
 from gateway.state import SharedState, now_ms
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+log = logging.getLogger("tandem.breaker")
 
 
 @dataclass
 class BreakerState:
-    """A breaker's state now. ``retry_after_s``: seconds until a request may pass (0 when one may now)."""
+    """A breaker's state now. ``retry_after_s``: seconds until a request may pass (0 when one may now).
+    ``previous``: the state before the ``record`` that returned this ("" from ``get``)."""
 
     target: str
     state: str
@@ -39,6 +43,7 @@ class BreakerState:
     retry_after_s: float = 0.0
     consecutive_failures: int = 0
     reason: str = ""
+    previous: str = ""
 
 
 @dataclass
@@ -69,7 +74,7 @@ return {1, 2, 0, 1}
 """
 
 # record: ARGV now, success(1/0), trip(1/0), cooldown_ms, bucket_ms, buckets, min_req, rate(x1000),
-#   consec, success_to_close, ttl_ms, probe(1/0), reason. Returns {state, open_until, consecutive}.
+#   consec, success_to_close, ttl_ms, probe(1/0), reason. Returns {state, open_until, consecutive, previous state}.
 _RECORD_LUA = r"""
 local k = KEYS[1]; local now = tonumber(ARGV[1]); local success = ARGV[2] == '1'; local trip = ARGV[3] == '1'
 local cooldown = tonumber(ARGV[4]); local bms = tonumber(ARGV[5]); local nb = tonumber(ARGV[6])
@@ -79,6 +84,8 @@ local reason = ARGV[13]
 local ou = tonumber(redis.call('HGET', k, 'ou') or '0')
 local cf = tonumber(redis.call('HGET', k, 'cf') or '0')
 local b = math.floor(now / bms)
+local prev = 0
+if ou > 0 then if now < ou then prev = 1 else prev = 2 end end
 local function clear_window()
   local all = redis.call('HKEYS', k)
   for _, f in ipairs(all) do
@@ -137,7 +144,7 @@ if ou > now and ou - now + 600000 > keep then keep = ou - now + 600000 end
 redis.call('PEXPIRE', k, keep)
 local st = 0
 if ou > 0 then if now < ou then st = 1 else st = 2 end end
-return {st, ou, tonumber(redis.call('HGET', k, 'cf') or '0')}
+return {st, ou, tonumber(redis.call('HGET', k, 'cf') or '0'), prev}
 """
 
 # merge (rejoin): ARGV open_until. Moves open_until later only.
@@ -149,6 +156,23 @@ return 1
 """
 
 _STATES = (CLOSED, OPEN, HALF_OPEN)
+
+
+def iso_ms(ms: int) -> str:
+    """Wall-clock milliseconds as an ISO-8601 UTC time (``2026-11-30T21:55:03.120Z``)."""
+    return datetime.fromtimestamp(ms / 1000, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _log_transition(s: BreakerState, now: int) -> None:
+    """One WARNING per transition this replica caused (the Lua script reports the state before it ran)."""
+    if s.state == OPEN:
+        why = s.reason or "failure"
+        if s.previous == HALF_OPEN:
+            why += " (half-open probe failed)"
+        log.warning("breaker %s open for %.1fs (until %s): %s", s.target, (s.open_until_ms - now) / 1000,
+                    iso_ms(s.open_until_ms), why)
+    elif s.state == CLOSED:
+        log.warning("breaker %s closed: half-open probe succeeded", s.target)
 
 
 class Breakers:
@@ -184,6 +208,8 @@ class Breakers:
         raw = await self.state.run("cb_allow", _ALLOW_LUA, [self._key(target)], args,
                                    lambda: self._allow_local(self._key(target), args))
         a, st, retry, probe = (int(x) for x in raw)
+        if probe:
+            log.warning("breaker %s half-open: cooldown over, one probe request let through", target)
         if st == 0:
             self._remember(target, 0, now)
         elif st == 1:
@@ -256,19 +282,23 @@ class Breakers:
                 int(cfg.window_s * 1000) + 60000, int(probe), reason or (f"status {status}" if status else "error")]
         key = self._key(target)
         raw = await self.state.run("cb_record", _RECORD_LUA, [key], args, lambda: self._record_local(key, args))
-        st, ou, cf = (int(x) for x in raw)
+        st, ou, cf, prev = (int(x) for x in raw)
         self._remember(target, st, now if st == 0 else ou)
         if self.state.redis is not None and self.state.degraded and st == 1:  # opened in process
             self._opened_while_degraded[target] = max(ou, self._opened_while_degraded.get(target, 0))
-        return BreakerState(target=target, state=_STATES[st], open_until_ms=ou,
-                            retry_after_s=max(0.0, (ou - now) / 1000) if st == 1 else 0.0,
-                            consecutive_failures=cf, reason=args[-1] if st else "")
+        out = BreakerState(target=target, state=_STATES[st], open_until_ms=ou,
+                           retry_after_s=max(0.0, (ou - now) / 1000) if st == 1 else 0.0,
+                           consecutive_failures=cf, reason=args[-1] if st else "", previous=_STATES[prev])
+        if st != prev:
+            _log_transition(out, now)
+        return out
 
     def _record_local(self, key: str, args: list) -> list[int]:
         """Python twin of ``_RECORD_LUA``."""
         (now, success, trip, cooldown, bms, nb, minreq, rate, consec, to_close, _ttl, probe, reason) = args
         h = self._local.setdefault(key, {})
         ou, cf, b = h.get("ou", 0), h.get("cf", 0), now // bms
+        prev = 0 if ou == 0 else (1 if now < ou else 2)
         win: dict = h.setdefault("win", {})
 
         def open_(ms: int) -> None:
@@ -303,7 +333,7 @@ class Breakers:
             if not success and (trip or cf >= consec or (total >= minreq and fails * 1000 >= rate * total)):
                 open_(cooldown)
         st = 0 if ou == 0 else (1 if now < ou else 2)
-        return [st, ou, h.get("cf", 0)]
+        return [st, ou, h.get("cf", 0), prev]
 
     async def get(self, target: str, now: int | None = None) -> BreakerState:
         """Current state of ``target``'s breaker (no side effects)."""

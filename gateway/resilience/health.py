@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Awaitable, Callable
 
 from gateway.config.schema import HealthSettings
@@ -153,6 +154,18 @@ class HealthTracker:
             th.probe_error = str(probe.get("err", ""))
         return th
 
+    async def last_probe(self, target: str, now: int | None = None) -> dict | None:
+        """The last active probe of ``target`` while it counts: ``{"ok", "at" (ISO time), "latency_s",
+        "error"}``; None when never probed or expired."""
+        now = now_ms() if now is None else now
+        key = self.state.key("probe", target)
+        p = await self.state.call(lambda r: r.hgetall(key), lambda: self._probes.get(key, {}))
+        if not p or int(p.get("exp", 0)) <= now:
+            return None
+        at = datetime.fromtimestamp(int(p.get("at", 0)) / 1000, timezone.utc)
+        return {"ok": str(p.get("ok")) == "1", "at": at.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+                "latency_s": int(p.get("lat", 0)) / 1000, "error": str(p.get("err", ""))}
+
     async def record_probe(self, target: str, ok: bool, latency_s: float, error: str = "",
                            now: int | None = None) -> None:
         """Store an active probe's result; it counts for three probe intervals."""
@@ -220,10 +233,14 @@ class ActiveProber:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except BaseException:
-                pass
-            self._task = None
+        self._task = await cancel_task(self._task)
+
+
+async def cancel_task(task: asyncio.Task | None) -> None:
+    """Cancel a background loop and wait for it (whatever it raises); returns None for ``self._task = ...``."""
+    if task is not None:
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 -- CancelledError or the loop's own last error
+            pass

@@ -16,7 +16,7 @@ import os
 from typing import Any, Callable
 
 from gateway.config.schema import GatewayConfig, RetrySettings
-from gateway.resilience.breaker import Breakers
+from gateway.resilience.breaker import Breakers, iso_ms
 from gateway.resilience.health import ActiveProber, HealthTracker
 from gateway.resilience.ratelimit import Limit, RateLimiter, RateLimitResult, RateReservation
 from gateway.resilience.attempts import Candidate, Result, call_with_fallback
@@ -102,14 +102,46 @@ class Resilience:
             total = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
         await self.limiter.reconcile(reservation, int(total))
 
+    # -- status ------------------------------------------------------------------------------------------------
+    async def status(self, routes: dict, backends: dict) -> tuple[dict, dict]:
+        """What ``/health/ready`` and ``/admin/config`` report: (backends, targets).
+
+        targets: target id -> ``{backend, breaker (closed | open | half_open), cooldown_until (ISO time or
+        None), retry_after_s, reason, last_probe}`` for every target and fallback of ``routes``.
+        backends: name -> ``{available, reason}``; a configured backend is reported unavailable while its last
+        probe failed or every breaker of its targets is open (routing still tries it as breakers allow).
+        """
+        ids = sorted({(t.id, t.backend) for r in routes.values() for t in (*r.targets, *r.fallbacks)})
+        probes = {n: await self.health.last_probe(n) for n in backends}
+        targets = {}
+        for tid, backend in ids:
+            br = await self.breakers.get(tid)
+            targets[tid] = {"backend": backend, "breaker": br.state,
+                            "cooldown_until": iso_ms(br.open_until_ms) if br.open_until_ms else None,
+                            "retry_after_s": round(br.retry_after_s, 3), "reason": br.reason,
+                            "last_probe": probes.get(backend)}
+        out = {}
+        for name, b in backends.items():
+            mine = [t for t in targets.values() if t["backend"] == name]
+            probe = probes.get(name)
+            reason = b.unavailable_reason
+            if b.available and probe is not None and not probe["ok"]:
+                reason = f"last probe failed at {probe['at']}: {probe['error']}"
+            elif b.available and mine and all(t["breaker"] == "open" for t in mine):
+                reason = "breaker open until " + min(t["cooldown_until"] for t in mine)
+            out[name] = {"available": b.available and reason == b.unavailable_reason, "reason": reason}
+        return out, targets
+
     # -- the attempt loop --------------------------------------------------------------------------------------
     def candidate(self, target: Any, backend: Any) -> Candidate:
-        """A route target as the loop sees it (breaker key ``backend/model`` or the backend name)."""
+        """A route target as the loop sees it. Its name, the key of its breaker and health counters, is the
+        target's ``id`` (default ``backend/model``, or ``backend`` when the target names no model), so
+        every route naming that id shares one breaker."""
         cfg = backend.cfg
         local = backend.kind == "local"
         lims = [Limit("backend", backend.name, cfg.rpm, cfg.tpm)] if cfg.rpm is not None or cfg.tpm is not None else []
         return Candidate(
-            name=f"{backend.name}/{target.model}" if target.model else backend.name, target=target,
+            name=target.id, target=target,
             max_model_len=getattr(backend, "max_model_len", None),
             # the local engine queues under load: its first token is bounded by the request deadline only
             first_token_timeout_s=self.policy.deadline_s if local else cfg.timeouts.first_token_s,
@@ -131,10 +163,6 @@ def _probe_for(backend: Any):
             if not backend.available:
                 raise RuntimeError(backend.unavailable_reason or "engine not ready")
             return
-        if not backend.available:
-            raise RuntimeError(backend.unavailable_reason)
-        r = await backend.client.get("models")
-        if r.status_code >= 500:
-            raise RuntimeError(f"GET /models: HTTP {r.status_code}")
+        await backend.probe()
 
     return probe

@@ -239,6 +239,8 @@ def test_config_compiles_to_policy():
     ("local: {type: local}", "local: {type: local, engine: {block_size: 24}}", "backends.local.engine.block_size"),
     ("local: {type: local}", "local: {type: lokal}", "backends.local"),
     ("models: [{name: m1, aliases: [a1]}]", "models: [{name: m1, alias: [a1]}]", "models[0].alias"),
+    ("main: {targets:", "main: {select: prefix_affinity, targets:", "routes.main.targets[0].backend"),
+    ("weight: 90}, {backend: up, weight: 10}", "weight: 0}, {backend: up, weight: 0}", "routes.main.targets"),
 ])
 def test_config_errors_name_the_key_path(old, new, path):
     assert old in BASE
@@ -341,3 +343,15 @@ def test_route_explain_names_a_bad_request_file(tmp_path, content, expected):
     assert out.returncode == 2, out.stderr
     assert expected in out.stderr and str(request) in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_route_targets_fail_over_to_each_other_by_rank():
+    """The pick first, then the route's other live targets (weight > 0) by rank, then the fallbacks."""
+    route = Route("r", (Target("a", weight=200), Target("b", weight=1), Target("z", weight=0)), (Target("f"),))
+    d = decide(Policy((), {"r": route}, "r"), RequestFeatures("m1", user="u"), Signals())
+    assert [t.id for t in d.attempts][1:] in (["b", "f"], ["a", "f"]) and len(d.attempts) == 3
+    assert "z" not in [t.id for t in d.attempts]
+    cheap = Route("c", (Target("x", input_price=3), Target("y", input_price=1), Target("w", input_price=2)),
+                  select="cheapest")
+    assert [t.id for t in decide(Policy((), {"c": cheap}, "c"), RequestFeatures("m1"), Signals()).attempts] == \
+        ["y", "w", "x"]

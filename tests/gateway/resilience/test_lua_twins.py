@@ -57,7 +57,7 @@ def test_breaker_lua_and_python_twins_agree(redis_url, ops):
             status = {"429": 429, "503": 503}.get(op)
             s = await br.record("t", op in ("ok", "probe_ok"), status=status, retry_after_s=retry_after,
                                 probe=op.startswith("probe"), now=now)
-            out.append((s.state, s.open_until_ms, s.consecutive_failures))
+            out.append((s.state, s.open_until_ms, s.consecutive_failures, s.previous))
         return out
 
     run_twins(redis_url, scenario)

@@ -1,0 +1,86 @@
+"""Route weights that can serve: checks run on every config version (file load, reload, ``tandem ctl weights``,
+rollback), the routes-and-weights table the admin API returns, and the one-line summary of what a new version
+changed (for its log line).
+
+Rules (``check_weights``):
+
+- every target of a route with weight 0: refused (the route could serve nothing but its fallbacks);
+- weight on a backend that cannot be called (its ``api_key_env`` unset): a warning naming the share that moves
+  to the route's other targets;
+- weights that do not sum to 100 where percent is implied (weights given with ``tandem ctl weights``, or every
+  target of the route sets ``weight`` in the file): a warning with the real shares.
+"""
+
+from __future__ import annotations
+
+from gateway.config.schema import GatewayConfig
+from policies import Policy, Route
+
+
+def _unavailable(cfg: GatewayConfig, env) -> dict[str, str]:
+    """Backends that cannot be called with this environment: name -> why."""
+    return {n: f"environment variable {b.api_key_env} is unset" for n, b in cfg.backends.items()
+            if b.type == "openai" and b.api_key_env and not env.get(b.api_key_env)}
+
+
+def _shares(route: Route) -> str:
+    total = sum(t.weight for t in route.targets)
+    return ", ".join(f"{t.id} {100 * t.weight / total:.1f} %" for t in route.targets)
+
+
+def check_weights(cfg: GatewayConfig, routes: dict[str, Route], overrides: dict[str, dict[str, float]],
+                  env) -> tuple[list[tuple[str, str]], list[str]]:
+    """(errors as (key path, problem), warnings) of the routes' weights; see the module docstring."""
+    errors: list[tuple[str, str]] = []
+    warnings: list[str] = []
+    down = _unavailable(cfg, env)
+    for name, route in routes.items():
+        path = f"overrides.{name}" if name in overrides else f"routes.{name}.targets"
+        total = sum(t.weight for t in route.targets)
+        if total <= 0:
+            errors.append((path, "every target has weight 0, so the route serves nothing; give one a weight > 0"))
+            continue
+        lost = [t for t in route.targets if t.weight > 0 and t.backend in down]
+        if lost:
+            pct = 100 * sum(t.weight for t in lost) / total
+            where = "; ".join(f"{t.id}: {down[t.backend]}" for t in lost)
+            rest = "the route's other targets" if pct < 100 else "the route's fallbacks only"
+            warnings.append(f"routes.{name}: {pct:.1f} % of the weight is on unavailable backends ({where}); "
+                            f"those requests go to {rest}")
+        spec = cfg.routes[name].targets if name in cfg.routes else []
+        percent = name in overrides or (len(spec) > 1 and all("weight" in t.model_fields_set for t in spec))
+        if percent and abs(total - 100) > 1e-6:
+            warnings.append(f"routes.{name}: weights sum to {total:g}, not 100; the real shares are {_shares(route)}")
+    return errors, warnings
+
+
+def routes_table(policy: Policy) -> dict[str, dict]:
+    """route -> ``{"select", "targets": [{"id", "backend", "weight", "share_pct"}], "fallbacks": [ids]}``."""
+    out = {}
+    for name, r in policy.routes.items():
+        total = sum(t.weight for t in r.targets) or 1.0
+        out[name] = {"select": r.select, "fallbacks": [t.id for t in r.fallbacks],
+                     "targets": [{"id": t.id, "backend": t.backend, "weight": t.weight,
+                                  "share_pct": round(100 * t.weight / total, 2)} for t in r.targets]}
+    return out
+
+
+def describe_changes(old: Policy | None, new: Policy, old_text: str = "", new_text: str = "") -> str:
+    """What changed between two versions, in one line: ``route local-first: deepseek 5 -> 25, local 95 -> 75``,
+    routes added or removed, ``file text changed``; ``no change`` when nothing did."""
+    if old is None:
+        return "first version"
+    parts = []
+    for name in sorted(set(old.routes) | set(new.routes)):
+        a, b = old.routes.get(name), new.routes.get(name)
+        if a is None or b is None:
+            parts.append(f"route {name} {'added' if a is None else 'removed'}")
+            continue
+        wa, wb = {t.id: t.weight for t in a.targets}, {t.id: t.weight for t in b.targets}
+        moved = [f"{t} {wa.get(t, 0):g} -> {wb.get(t, 0):g}" for t in sorted(set(wa) | set(wb))
+                 if wa.get(t) != wb.get(t)]
+        if moved:
+            parts.append(f"route {name}: " + ", ".join(moved))
+    if old_text != new_text:
+        parts.append("file text changed")
+    return "; ".join(parts) or "no change"
