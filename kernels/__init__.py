@@ -1,8 +1,10 @@
 """Attention kernels: Triton on CUDA, PyTorch on CPU.
 
     backend = get_attention_backend("auto", device)   # "triton" on CUDA, "torch" elsewhere
+    plan = backend.plan(key_cache, num_heads, query_start_loc, seq_lens, block_tables) if backend.plan else None
     backend.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    backend.paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
+    backend.paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
+                            **({"plan": plan} if plan is not None else {}))
 
 Modules: torch_attention (CPU path), triton_attention (Triton kernels; on CPU
 only in Triton's interpreter, TRITON_INTERPRET=1 set before triton is
@@ -31,17 +33,22 @@ BACKENDS = ("auto", "torch", "triton")
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """The two attention kernels of one implementation.
+    """The attention kernels of one implementation.
 
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None
     paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
-                    block_tables, scale, out=None) -> Tensor
+                    block_tables, scale, out=None[, plan=...]) -> Tensor
+    plan(key_cache, num_heads, query_start_loc, seq_lens, block_tables) -> the
+        backend's per-step index work, built once per step by the model and
+        passed as ``plan=`` to every layer's paged_attention; None when the
+        backend has none (Triton).
     Shapes and semantics: kernels/torch_attention.py.
     """
 
     name: str
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    plan: Callable[..., object] | None = None
 
 
 def get_attention_backend(name: str, device: torch.device | str, batch_invariant: bool = False) -> AttentionBackend:
@@ -67,7 +74,8 @@ def get_attention_backend(name: str, device: torch.device | str, batch_invariant
     if name == "torch":
         from kernels import torch_attention
 
-        return AttentionBackend("torch", torch_attention.reshape_and_cache, torch_attention.paged_attention)
+        return AttentionBackend("torch", torch_attention.reshape_and_cache, torch_attention.paged_attention,
+                                torch_attention.plan_attention)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
         raise RuntimeError(
             f"the 'triton' attention backend needs a CUDA device (got {device}); "

@@ -24,7 +24,6 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.models.quant_linear import GGUFBlocks, Int4Linear, int4_packable
-from kernels import torch_attention
 
 
 @dataclass
@@ -41,9 +40,9 @@ class AttentionMetadata:
         num_prompt_rows: the first this many tokens are prompt positions
             (the rest are generated ones, recomputed or decoding): the
             batch-invariant linears run the two kinds in different tiles.
-        attn_plan: the CPU attention path's per-step index work
-            (``kernels.torch_attention.plan_attention``), built once by the
-            model's forward and shared by its layers; None otherwise.
+        attn_plan: the attention backend's per-step index work
+            (``AttentionBackend.plan``), built once by the model's forward
+            and shared by its layers; None when the backend has none.
     """
 
     slot_mapping: torch.Tensor
@@ -371,8 +370,8 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.rope_cos is None or self.rope_cos.device != input_ids.device:
             self.build_rope_cache()
-        if attn_metadata.attn_plan is None and self.backend.paged_attention is torch_attention.paged_attention:
-            attn_metadata.attn_plan = torch_attention.plan_attention(
+        if attn_metadata.attn_plan is None and self.backend.plan is not None:
+            attn_metadata.attn_plan = self.backend.plan(
                 kv_caches[0][0], self.config.num_attention_heads, attn_metadata.query_start_loc,
                 attn_metadata.seq_lens, attn_metadata.block_tables)
         x = self.embed_tokens(input_ids)
