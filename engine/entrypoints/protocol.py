@@ -156,6 +156,10 @@ class RequestValidationError(ValueError):
 def parse_request(body: Any, schema: type[T]) -> T:
     """Check ``body`` (a decoded JSON object) against ``schema``.
 
+    A top-level JSON null means "not given", as in OpenAI's API: the field's
+    default applies (``"max_tokens": null`` on /v1/completions is 16 tokens,
+    not unlimited).
+
     Raises:
         RequestValidationError: the body is not an object, a required field
             is missing or a field has the wrong type; ``param`` names it and
@@ -164,7 +168,7 @@ def parse_request(body: Any, schema: type[T]) -> T:
     if not isinstance(body, dict):
         raise RequestValidationError("the request body must be a JSON object", None)
     try:
-        return msgspec.convert(body, schema)
+        return msgspec.convert({k: v for k, v in body.items() if v is not None}, schema)
     except msgspec.ValidationError as exc:
         text = str(exc)
         match = _PATH_RE.search(text)

@@ -24,7 +24,17 @@ def test_chat_request_defaults_and_vllm_extras():
 def test_completion_request_defaults():
     req = parse_request({"prompt": "hi"}, CompletionRequest)
     assert req.max_tokens == 16 and req.echo is False and req.logprobs is None and req.add_special_tokens
-    assert parse_request({"prompt": [1, 2, 3], "max_tokens": None}, CompletionRequest).max_tokens is None
+
+
+def test_json_null_means_not_given():
+    """OpenAI: a null field takes its default; ``"max_tokens": null`` on
+    /v1/completions is 16 tokens, not unlimited (it generated 427 tokens before)."""
+    req = parse_request({"prompt": [1, 2, 3], "max_tokens": None, "n": None, "stream": None, "echo": None,
+                         "temperature": None}, CompletionRequest)
+    assert req.max_tokens == 16 and req.n == 1 and req.stream is False and req.echo is False
+    chat = parse_request({"messages": [{"role": "user", "content": "hi"}], "max_tokens": None, "logprobs": None,
+                          "n": None}, ChatCompletionRequest)
+    assert chat.max_tokens is None and chat.logprobs is False and chat.n == 1
 
 
 @pytest.mark.parametrize("body,param", [
