@@ -16,7 +16,7 @@ def register(subparsers) -> None:
                                 formatter_class=fmt)
     gen.add_argument("--prompt", required=True, help="the user message (or the raw prompt with --raw)")
     gen.add_argument("--max-tokens", type=int, default=64, help="new tokens at most")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy; default: 0)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1]")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     add_engine_cli_args(gen)

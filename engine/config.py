@@ -195,7 +195,7 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts across steps under --max-num-batched-tokens")
     g.add_argument("--swap-space", type=float, default=0.0,
-                   help="CPU memory to swap preempted requests into, GiB (0: preempt by recompute)")
+                   help="CPU memory to swap preempted requests into, GiB (0: preempt by recompute; default: 0)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs, or priority (the request's priority field; lower first)")
     g.add_argument("--num-threads", type=int, default=None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -91,6 +92,11 @@ def run_engine_core_process(args, conn) -> None:
     thread and are answered with ``CoreReply``. Exits when the loop ends
     (``Shutdown``) or the parent's end of ``conn`` closes.
     """
+    # Ctrl-C and `kill -- -<pgid>` reach the whole process group: the front end
+    # shuts the core down (or closes the pipe, which ends it); a signal here
+    # would only print a traceback and look like a crash to the front end.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.engine_core import EngineCore  # torch: only in this process
 

@@ -214,7 +214,7 @@ class Gateway:
                 self._unpublished = True
             snap = self._apply(state, compiled)
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
-                    "propagated": propagated and self.ledger.shared, "routes": routes_table(compiled.policy)}
+                    "propagated": propagated if self.ledger.shared else None, "routes": routes_table(compiled.policy)}
 
     async def reload(self, source: str = "reload") -> dict:
         """Re-read the config file; weights overrides are reset to the file's.
@@ -254,7 +254,7 @@ class Gateway:
             state = await self.ledger.rollback()
             snap = self._apply(state)
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
-                    "propagated": self.ledger.shared, "routes": routes_table(snap.compiled.policy)}
+                    "propagated": True if self.ledger.shared else None, "routes": routes_table(snap.compiled.policy)}
 
     async def describe(self) -> dict:
         """The running config for GET /admin/config."""

@@ -205,6 +205,10 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                     raise ServingError(400, f"messages[{i}].content: part type {kind!r} is not supported "
                                             "(text only)", param="messages")
             content = "\n".join(parts)
+        elif content is None and not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
+            # OpenAI: only an assistant message that calls tools may omit its content
+            raise ServingError(400, f"messages[{i}].content: is required (null only on an assistant message "
+                                    "with tool_calls)", param=f"messages[{i}].content")
         elif content is not None and not isinstance(content, str):
             raise ServingError(400, f"messages[{i}].content: must be a string or a list of parts",
                                param="messages")

@@ -117,6 +117,8 @@ class OpenAIServing:
             raise ServingError(400, f"best_of: only best_of == n is supported, got {req.best_of}", param="best_of")
         if req.logit_bias:
             raise ServingError(400, "logit_bias: is not supported", param="logit_bias")
+        if req.stream_options is not None and not req.stream:
+            raise ServingError(400, "stream_options: only allowed when stream is true", param="stream_options")
         policy = self.engine.args.scheduling_policy
         if req.priority not in (None, 0) and policy != "priority":  # vLLM refuses it too
             raise ServingError(400, f"priority: got {req.priority}, but this engine schedules {policy}; start it "

@@ -55,8 +55,8 @@ def register(sub) -> None:
     p.add_argument("--kill-users", type=int, default=12, help="users of the kill phase (0: no kill phase)")
     p.add_argument("--kv-cache-memory", default="256MiB", help="KV-cache pool of each replica")
     p.add_argument("--engine-arg", action="append", default=[], help="extra `tandem engine serve` argument")
-    p.add_argument("--out", default="loadtest-results/replicas")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", default="loadtest-results/replicas", help="directory of the results and summary.md")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
     p.set_defaults(func=run)
 
 

@@ -84,3 +84,14 @@ def test_money_is_formatted_as_money():
     from gateway.billing.usage import format_usd
     assert [format_usd(x) for x in (0, 1e-06, 0.000022, 0.05, 50, 1234.5)] == [
         "$0.00", "$0.000001", "$0.000022", "$0.05", "$50.00", "$1,234.50"]
+
+
+def test_ctl_version_summary_says_why_a_version_is_not_shared():
+    """Without Redis configured the summary must not blame an unreachable Redis
+    (a fresh-user trial saw "(Redis unreachable)" with redis_url: null)."""
+    from gateway.commands import _version_summary
+
+    base = {"version": 3, "source": "weights", "routes": {}, "warnings": []}
+    assert "no Redis configured" in _version_summary({**base, "propagated": None})
+    assert "Redis unreachable" in _version_summary({**base, "propagated": False})
+    assert "Redis" not in _version_summary({**base, "propagated": True})

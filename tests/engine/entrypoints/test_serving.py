@@ -392,6 +392,13 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
     assert exc.value.body["param"] == "top_logprobs"
     r = httpx.post(url, json={"model": server.model, "messages": "not a list"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    # As OpenAI (and the gateway): a user message needs content; stream_options needs stream (a fresh-user
+    # trial got 200 and ~1,000 generated tokens for the first).
+    r = httpx.post(url, json={"model": server.model, "messages": [{"role": "user", "content": None}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+    r = httpx.post(url, json={"model": server.model, "messages": [{"role": "user", "content": "hi"}],
+                              "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
     assert httpx.get(f"{server.base_url}/v1/nothing-here").status_code == 404
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     ok = chat(server, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0)

@@ -69,10 +69,13 @@ def test_messages_are_normalized_for_templates():
     msgs = normalize_messages([
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
     ])
-    assert msgs == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
-                    {"role": "assistant", "content": ""}]
+    assert [(m["role"], m["content"]) for m in msgs] == [("system", "be brief"), ("user", "a\nb"), ("assistant", "")]
+    for i, bad in ((0, [{"role": "user", "content": None}]), (1, [{"role": "user", "content": "q"}, {"role": "assistant"}])):
+        with pytest.raises(ServingError) as exc:   # as OpenAI: content is required but on tool-calling assistant turns
+            normalize_messages(bad)
+        assert exc.value.status_code == 400 and exc.value.param == f"messages[{i}].content"
     for bad in ([], [{"content": "x"}], [{"role": "user", "content": [{"type": "image_url"}]}],
                 [{"role": "user", "content": 3}]):
         with pytest.raises(ServingError) as exc:
