@@ -153,6 +153,18 @@ async def models(request: Request) -> Response:
     return Response(content=_serving(request, "chat").models(), media_type="application/json")
 
 
+@get("/v1/models/{model:path}")
+async def model(request: Request) -> Response:
+    """One served model (OpenAI's retrieve); 404 ``model_not_found`` for any other name."""
+    model = request.path_params["model"].lstrip("/")   # names may hold "/" (HF ids)
+    data = _serving(request, "chat").models()["data"]
+    for m in data:
+        if m["id"] == model:
+            return Response(content=m, media_type="application/json")
+    raise ServingError(404, f"The model `{model}` does not exist. Available: {data[0]['id']}",
+                       param="model", code="model_not_found")
+
+
 @get("/health")
 async def health(request: Request) -> Response:
     """200 while the engine loop runs; 503 while loading (``{"status": "loading"}``),
@@ -236,7 +248,7 @@ def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_b
         await engine.shutdown(drain=True, timeout=drain_timeout)
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, models, health, metrics],
+        route_handlers=[chat_completions, completions, models, model, health, metrics],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         exception_handlers={ServingError: _serving_error_handler, HTTPException: _http_error_handler,

@@ -400,6 +400,10 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
                               "stream_options": {"include_usage": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
     assert httpx.get(f"{server.base_url}/v1/nothing-here").status_code == 404
+    assert server.client.models.retrieve(server.model).id == server.model     # OpenAI's retrieve, as the gateway
+    with pytest.raises(openai.NotFoundError) as exc:
+        server.client.models.retrieve("no-such-model")
+    assert exc.value.body["code"] == "model_not_found"
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     ok = chat(server, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0)
     assert ok.usage.completion_tokens == 3
