@@ -63,8 +63,11 @@ class Resilience:
 
     def start(self, backends: Callable[[], dict]) -> None:
         """Start active probes (``resilience.health.interval_s``; 0 = off) of the backends the current config
-        has (``backends()``, read each round): ``GET /models`` upstream, engine readiness locally."""
-        self.prober = ActiveProber(self.health, lambda: {name: _probe_for(b) for name, b in backends().items()})
+        has (``backends()``, read each round): ``GET /models`` upstream, engine readiness locally. A local
+        engine still loading is not probed: loading is not a failure (``/health/ready`` says ``engine is
+        loading`` already), and a failed probe recorded then would outlive the load by up to three rounds."""
+        self.prober = ActiveProber(self.health, lambda: {name: _probe_for(b) for name, b in backends().items()
+                                                         if not getattr(b, "loading", False)})
         self.prober.start()
 
     async def stop(self) -> None:

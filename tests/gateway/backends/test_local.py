@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from gateway.backends.local import LocalBackend
-from gateway.config.schema import EngineConfig, LocalBackendConfig
+from gateway.config.schema import EngineConfig, GatewayConfig, LocalBackendConfig
+from gateway.resilience.layer import Resilience
 from tests.gateway.support import ROOT, GatewayProcess, free_port
 from tests.tiny_models import save_byte_level_llama
 
@@ -202,7 +203,7 @@ def test_canary_is_sticky_per_user_over_http(gateway):
 
 def test_ready_and_models(gateway):
     ready = httpx.get(gateway.url + "/health/ready").json()
-    assert ready["ready"] and ready["backends"]["local"]["available"] and ready["backends"]["agg"]["available"]
+    assert ready["ready"] and ready["backends"]["local"]["available"] and ready["backends"]["agg"]["available"], ready
     assert [m.id for m in client(gateway).models.list()] == ["smollm2"]
 
 
@@ -222,6 +223,30 @@ async def test_routing_prompt_count_is_the_engines_prompt(tiny_model):
                                        f"count-{i}", 0)
             assert backend.count_prompt_tokens(body) == json.loads(reply.body)["usage"]["prompt_tokens"], body
     finally:
+        await backend.aclose()
+
+
+async def test_a_probe_during_the_load_does_not_outlive_it(tiny_model):
+    """The active prober runs from gateway start, while the local engine is loading. Loading is no failure:
+    once the engine is up, ``/health/ready``'s view (``Resilience.status``) says available at once, not
+    after the next probe round (a failed probe counted for three rounds, 30 s by default)."""
+    cfg = GatewayConfig.model_validate({
+        "models": [{"name": "m"}], "backends": {"local": {"type": "local", "engine": {
+            "model": tiny_model, "dtype": "float32", "kv_cache_memory": "64MiB"}}},
+        "routes": {"r": {"targets": [{"backend": "local"}]}}, "policy": {"default_route": "r"}})
+    layer = Resilience(cfg)
+    backend = LocalBackend("local", cfg.backends["local"])
+    layer.start(lambda: {"local": backend})
+    try:
+        await layer.prober.probe_once()                     # a round during the load
+        backends, _ = await layer.status(cfg.routes, {"local": backend})
+        assert backends["local"] == {"available": False, "reason": "engine is loading"}
+        await backend.start()
+        backends, _ = await layer.status(cfg.routes, {"local": backend})
+        assert backends["local"] == {"available": True, "reason": ""}
+        assert await layer.prober.probe_once() == {"local": True}
+    finally:
+        await layer.stop()
         await backend.aclose()
 
 
