@@ -409,6 +409,26 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
     assert ok.usage.completion_tokens == 3
 
 
+def test_x_request_id_on_every_answer(server):
+    """As the gateway (and vLLM's ``X-Request-Id``): the client's id is echoed and names the answer; without
+    one a generated id is echoed and is the answer's ``id``; errors and unknown paths carry one too."""
+    url = f"{server.base_url}/v1/chat/completions"
+    body = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(url, json=body, headers={"x-request-id": "trace-42"})
+    assert r.headers["x-request-id"] == "trace-42" and r.json()["id"].startswith("chatcmpl-trace-42-")
+    r = httpx.post(url, json=body)
+    assert r.json()["id"] == "chatcmpl-" + r.headers["x-request-id"]
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", headers={"x-request-id": "s-1"},
+                      json={"model": server.model, "prompt": "Hi", "max_tokens": 2, "stream": True}) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line)[len("data: "):])
+        assert r.headers["x-request-id"] == "s-1" and first["id"].startswith("cmpl-s-1-")
+    for r in (httpx.post(url, json={**body, "top_p": 7}, headers={"x-request-id": "bad-1"}),
+              httpx.get(f"{server.base_url}/v1/nothing-here", headers={"x-request-id": "bad-1"})):
+        assert r.status_code in (400, 404) and r.headers["x-request-id"] == "bad-1"
+    assert len(httpx.get(f"{server.base_url}/health", headers={"x-request-id": "x" * 200})
+               .headers["x-request-id"]) == 32                  # not a valid id: a generated one instead
+
+
 def test_raw_sse_format(server):
     body = {"model": server.model, "prompt": "Hi", "max_tokens": 3, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body) as r:
