@@ -1,10 +1,12 @@
 """Tandem's paged-attention inference engine.
 
-OpenMP's busy-wait policy must be set before torch is imported: on a 2-core
-machine an actively spinning OpenMP pool fights every other process and decode
-fell from 14 to 1.8 tok/s when anything else ran.
+OpenMP's wait policy must be chosen before torch (libgomp) is loaded, so it is
+chosen here, on the first import of the package: ``engine.device.
+choose_omp_wait_policy`` (spin briefly on cores the engine has to itself,
+sleep at once on a busy machine; ``TANDEM_CPU_WAIT_POLICY`` and the OpenMP
+variables override it). The engine core process inherits the choice.
 """
 
-import os
+from engine.device import choose_omp_wait_policy
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+OMP_WAIT_POLICY = choose_omp_wait_policy()

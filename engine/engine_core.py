@@ -18,6 +18,7 @@ It is driven by ``LLMEngine`` (offline, same thread) or by
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -117,8 +118,8 @@ class EngineCore:
         self._generation_tokens_total = 0
         logger.info(
             "engine ready: model=%s device=%s dtype=%s blocks=%d block_size=%d max_model_len=%d "
-            "max_num_batched_tokens=%d", self.served_model_name, self.device, self.dtype, num_blocks,
-            args.block_size, self.max_model_len, budget,
+            "max_num_batched_tokens=%d omp_wait=%s", self.served_model_name, self.device, self.dtype,
+            num_blocks, args.block_size, self.max_model_len, budget, os.environ.get("TANDEM_OMP_WAIT_CHOSEN", "user"),
         )
 
     # ------------------------------------------------------------------ input

@@ -13,9 +13,10 @@ benchmark), bench_cpu (CPU path vs the first per-sequence loop),
 compile_check (compile the Triton kernels for sm_90 without a GPU).
 triton is imported only when the "triton" backend is asked for.
 
-OpenMP's busy-wait policy must be set before torch is imported: on a 2-core
-machine an actively spinning OpenMP pool fights every other process and decode
-fell from 14 to 1.8 tok/s when anything else ran.
+OpenMP's wait policy must be set before torch is imported: imported through
+the engine, ``engine.device.choose_omp_wait_policy`` has chosen it; imported
+alone (kernel benchmarks), the pool sleeps at once (PASSIVE) unless the user
+set it: a spinning pool fights every other process on a small machine.
 """
 
 import os

@@ -19,6 +19,9 @@ import sys
 # interpreted: tests/test_kernels.py and tests/engine/test_engine_triton.py rely on it.
 if "triton" not in sys.modules and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite shares a 2-core machine with its own servers: OpenMP pools sleep at once instead of spinning
+# (engine.device.choose_omp_wait_policy; spinning beside another busy process halves decode).
+os.environ.setdefault("TANDEM_CPU_WAIT_POLICY", "passive")
 import shutil
 import socket
 import subprocess
