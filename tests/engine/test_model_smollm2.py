@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -35,7 +34,7 @@ def _greedy(runner: ModelRunner, prompt: list[int], steps: int, block_size: int)
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_matches_transformers():
+def test_smollm2_greedy_matches_transformers(hf_smollm2):
     path = default_model_path()
     args = EngineArgs(model=path, dtype="float32", device="cpu", block_size=16)
     model, tokenizer, config = load_model(args)
@@ -45,8 +44,7 @@ def test_smollm2_greedy_matches_transformers():
     prompt = tokenizer.encode(text)
     ours, our_logits = _greedy(runner, prompt, 20, 16)
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    hf = hf_smollm2
     with torch.no_grad():
         ids = torch.tensor([prompt])  # an explicit mask: the prompt holds <|im_end|>, which is also the pad token
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, output_logits=True,
