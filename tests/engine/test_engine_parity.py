@@ -103,8 +103,8 @@ def test_greedy_parity_chunked_prefill(hf_reference):
 
 
 def test_greedy_parity_with_preemption_without_prefix_caching(hf_reference):
-    # 24 blocks of 16 tokens cannot hold 8 prompts of ~40-120 tokens plus 64 new tokens each.
-    llm, outputs = _run(num_gpu_blocks_override=24, enable_prefix_caching=False)
+    # 32 blocks of 16 tokens cannot hold 8 prompts of ~40-120 tokens plus 64 new tokens each.
+    llm, outputs = _run(num_gpu_blocks_override=32, enable_prefix_caching=False)
     assert llm.engine.scheduler.num_preemptions > 0
     _check_parity(hf_reference, outputs)
 
