@@ -12,10 +12,10 @@ is logged as one clear line and ends the server with exit code 1. A body
 over ``--max-request-body-bytes`` gets 413.
 
 Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``)
-with the right status. Every response carries ``x-request-id``: the
-client's own (1-128 characters of ``[A-Za-z0-9._:/+=-]``) or a generated
-one, which is also the answer's ``id`` (``chatcmpl-<x-request-id>``; a
-client's id gets a random suffix there, as ids must be unique). A client that disconnects (mid-stream or while
+with the right status. Every response carries ``x-request-id``
+(``engine/entrypoints/request_ids.py``, the gateway's rule), which is also
+in the answer's ``id`` (``chatcmpl-<x-request-id>``, with a random suffix
+when the client chose it). A client that disconnects (mid-stream or while
 waiting for a non-streamed answer) aborts its request, which frees its KV
 blocks. The HTTP layer only parses JSON and maps errors: everything else is
 ``engine/entrypoints/chat.py`` and ``completion.py``, which the gateway's
@@ -28,8 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import re
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
@@ -44,6 +42,7 @@ from engine.metrics import EngineMetrics
 from engine.entrypoints.chat import OpenAIServingChat
 from engine.entrypoints.completion import OpenAIServingCompletion
 from engine.entrypoints.protocol import ServingError
+from engine.entrypoints.request_ids import stamp_request_id, unique_request_id
 
 logger = logging.getLogger("tandem.server")
 
@@ -55,27 +54,6 @@ class _ClientGone(Exception):
 
 
 _LOADING_RETRY_AFTER_S = 5  # Retry-After of a request that arrives while the model loads, seconds
-
-_CLIENT_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
-
-
-def _request_id(scope) -> tuple[str, bool]:
-    """The request's ``x-request-id`` and whether the client chose it (else a
-    generated 32-hex id); computed once per request, kept in the ASGI scope."""
-    if (known := scope.get("tandem.request_id")) is None:
-        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
-        known = (given.decode(), True) if given is not None and _CLIENT_ID.fullmatch(given) \
-            else (uuid.uuid4().hex, False)
-        scope["tandem.request_id"] = known
-    return known
-
-
-async def _stamp_request_id(message, scope) -> None:
-    """``before_send`` hook: every HTTP response, errors included, carries ``x-request-id``."""
-    if message["type"] == "http.response.start":
-        message["headers"] = [*((k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"),
-                              (b"x-request-id", _request_id(scope)[0].encode())]
-
 
 def _error_response(err: ServingError) -> Response:
     return Response(content=err.to_dict(), status_code=err.status_code, media_type="application/json",
@@ -147,8 +125,7 @@ def _serving(request: Request, kind: str) -> OpenAIServingChat | OpenAIServingCo
 async def _generate(request: Request, kind: str) -> Response:
     serving = _serving(request, kind)
     body = await _json_body(request)
-    rid, chosen = _request_id(request.scope)
-    rid = f"{rid}-{uuid.uuid4().hex[:8]}" if chosen else rid   # unique even when clients reuse theirs
+    rid = unique_request_id(request.scope)
     if kind == "chat":
         call = serving.create_chat_completion(body, request_id=f"chatcmpl-{rid}")
     else:
@@ -280,7 +257,7 @@ def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_b
         exception_handlers={ServingError: _serving_error_handler, HTTPException: _http_error_handler,
                             Exception: _internal_error_handler},
         request_max_body_size=max_request_body_bytes,
-        before_send=[_stamp_request_id],
+        before_send=[stamp_request_id()],
         debug=False,
         logging_config=None,
     )

@@ -10,8 +10,6 @@ GET /health/live, GET /health/ready; the admin API and GET /metrics from ``admin
 from __future__ import annotations
 
 import logging
-import re
-import secrets
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
@@ -19,6 +17,7 @@ from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
+from engine.entrypoints.request_ids import stamp_request_id, unique_request_id
 from gateway.config.schema import ConfigError, CorsConfig
 from gateway.errors import ClientError, error_body
 from gateway.http.admin import ADMIN_HANDLERS
@@ -59,30 +58,7 @@ EXCEPTION_HANDLERS = {ClientError: _on_client_error, ConfigError: _on_config_err
                       Exception: _on_http_error}
 
 
-_CLIENT_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
-
-
-def request_id(scope) -> tuple[str, bool]:
-    """The request's ``x-request-id`` and whether the client chose it: the client's own header when it is 1-128
-    characters of ``[A-Za-z0-9._:/+=-]``, else a generated ``gw-<24 hex>``; computed once per request (kept in
-    the ASGI scope)."""
-    if (known := scope.get("tandem.request_id")) is None:
-        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
-        if given is not None and _CLIENT_ID.fullmatch(given):
-            known = (given.decode(), True)
-        else:
-            known = (f"gw-{secrets.token_hex(12)}", False)
-        scope["tandem.request_id"] = known
-    return known
-
-
-async def _stamp_request_id(message, scope) -> None:
-    """``before_send`` hook: every HTTP response carries ``x-request-id`` (errors of any status included, also
-    those raised before routing, such as an unknown path)."""
-    if message["type"] == "http.response.start":
-        rid = request_id(scope)[0].encode()
-        message["headers"] = [*((k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"),
-                              (b"x-request-id", rid)]
+GATEWAY_ID_PREFIX = "gw-"   # generated x-request-id: gw-<24 hex> (engine/entrypoints/request_ids.py)
 
 
 def in_flight(app):
@@ -110,8 +86,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
         raise ClientError(503, "the gateway is draining; retry on another replica", code="draining",
                           headers={"retry-after": "1", "connection": "close"})
     headers = request.headers
-    rid, chosen = request_id(request.scope)   # echoed as x-request-id; forwarded upstream
-    rid = f"{rid}-{secrets.token_hex(4)}" if chosen else rid   # unique even when clients reuse theirs
+    rid = unique_request_id(request.scope, GATEWAY_ID_PREFIX)   # forwarded upstream; echoed as x-request-id
     rec = gw.obs.begin(rid, endpoint, headers)   # span, trace context
     streaming = False
     try:
@@ -189,7 +164,7 @@ def create_app(gw: Gateway, cors: CorsConfig | None = None) -> Litestar:
     return Litestar(
         cors_config=CORSConfig(**cors.model_dump()) if cors is not None else None,
         route_handlers=[chat_completions, completions, models, model, live, ready, *ADMIN_HANDLERS],
-        state=State({"gw": gw}), middleware=[in_flight], before_send=[_stamp_request_id],
+        state=State({"gw": gw}), middleware=[in_flight], before_send=[stamp_request_id(GATEWAY_ID_PREFIX)],
         on_startup=[gw.start, gw.obs.start], on_shutdown=[gw.obs.stop, gw.stop],
         exception_handlers=EXCEPTION_HANDLERS, openapi_config=None, request_max_body_size=None, logging_config=None,
     )
