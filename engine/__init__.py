@@ -9,4 +9,4 @@ variables override it). The engine core process inherits the choice.
 
 from engine.device import choose_omp_wait_policy
 
-OMP_WAIT_POLICY = choose_omp_wait_policy()
+CPU_WAIT_POLICY = choose_omp_wait_policy()   # "spin", "passive" or "user"; logged when the engine is ready

@@ -22,26 +22,26 @@ SPIN_COUNT = 300_000   # libgomp's own default when OMP_WAIT_POLICY is unset: a 
 _POLICIES = ("auto", "spin", "passive")
 
 
-def choose_omp_wait_policy(environ: dict | None = None, load: float | None = None,
+def choose_omp_wait_policy(environ: dict | None = None, others_running: int | None = None,
                            cores: int | None = None) -> str:
     """Choose OpenMP's wait policy for the process that will run the model, before torch loads libgomp.
 
     * ``spin``: ``GOMP_SPINCOUNT=300000`` (a worker spins a few ms for the next parallel region, then sleeps:
-      an idle engine burns nothing). Measured on the 2-core box, SmolLM2 bf16, interleaved: 1.35-1.42x
+      an idle engine burns nothing). Measured on the 2-core box, SmolLM2 bf16, interleaved: 1.29-1.42x
       output tok/s on 64 x (100 in, 128 out) and 1.07-1.27x single stream, vs ``passive``.
     * ``passive``: ``GOMP_SPINCOUNT=0``, sleep at once. Spinning on cores something else needs is much worse:
       0.51x of ``passive`` with one busy process beside it, and ~20x slower under a load average of ~10.
-    * ``auto`` (default): ``spin`` when the machine is the engine's, else ``passive``: the CPU time other
-      processes use now (``busy_cores``, sampled over 0.1 s) is under half the usable cores. Sampled, not
-      the load average: that still counts a previous engine run for minutes.
+    * ``auto`` (default): ``spin`` when the machine is the engine's (fewer other processes runnable now
+      than half the usable cores, ``others_running``), else ``passive``. Not the load average: that still
+      counts a previous engine run for minutes.
 
     ``TANDEM_CPU_WAIT_POLICY`` (auto | spin | passive) picks; an ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``
-    the user set wins over all. Writes the choice into ``environ`` (default ``os.environ``: inherited by
-    the engine core process). Has no effect once libgomp is loaded (torch imported).
+    the user set wins over all. The choice is written into ``environ`` (default ``os.environ``), where the
+    engine core process, spawned later, finds it. No effect once libgomp is loaded (torch imported).
 
     Args:
         environ: environment to read and write (tests).
-        load: cores busy right now (default ``busy_cores()``).
+        others_running: processes runnable now besides this one (default ``others_running()``).
         cores: usable cores (default this process's CPU affinity).
 
     Returns:
@@ -51,38 +51,36 @@ def choose_omp_wait_policy(environ: dict | None = None, load: float | None = Non
         ValueError: ``TANDEM_CPU_WAIT_POLICY`` not one of auto, spin, passive.
     """
     env = os.environ if environ is None else environ
-    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
-        if env.get("TANDEM_OMP_WAIT_CHOSEN") is None:
-            return "user"
-        return env["TANDEM_OMP_WAIT_CHOSEN"]          # chosen by a parent process (the engine core's front end)
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:     # the user's, or a parent process's choice
+        return env.get("TANDEM_OMP_WAIT_CHOSEN", "user")
     policy = env.get("TANDEM_CPU_WAIT_POLICY", "auto").strip().lower()
     if policy not in _POLICIES:
         raise ValueError(f"TANDEM_CPU_WAIT_POLICY must be one of {', '.join(_POLICIES)}, got {policy!r}")
     if policy == "auto":
         cores = cores or len(os.sched_getaffinity(0))
-        load = busy_cores() if load is None else load
-        policy = "spin" if load < cores / 2 else "passive"
+        busy = count_others_running() if others_running is None else others_running
+        policy = "spin" if busy < cores / 2 else "passive"
     env["OMP_WAIT_POLICY"] = "PASSIVE"
     env["GOMP_SPINCOUNT"] = str(SPIN_COUNT if policy == "spin" else 0)
     env["TANDEM_OMP_WAIT_CHOSEN"] = policy
     return policy
 
 
-def busy_cores(window_s: float = 0.1) -> float:
-    """Cores busy (not idle, not waiting for I/O) on this machine over ``window_s`` seconds, from
-    ``/proc/stat``; the 1-minute load average where that is not readable."""
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        return sum(fields), fields[3] + fields[4]        # total, idle + iowait (jiffies)
-
+def count_others_running(reads: int = 5, gap_s: float = 0.002) -> float:
+    """Processes runnable right now besides this one: the running count of ``/proc/loadavg`` (field 4,
+    which counts the reader too), the least of ``reads`` reads ``gap_s`` seconds apart (~10 ms), so a
+    process that only woke for a moment does not count; the 1-minute load average where unreadable."""
     try:
-        t0, i0 = sample()
-        time.sleep(window_s)
-        t1, i1 = sample()
+        least = None
+        for i in range(reads):
+            with open("/proc/loadavg") as f:
+                n = int(f.read().split()[3].split("/")[0]) - 1
+            least = n if least is None else min(least, n)
+            if i + 1 < reads:
+                time.sleep(gap_s)
+        return float(least)
     except (OSError, ValueError, IndexError):
         return os.getloadavg()[0]
-    return (1 - (i1 - i0) / max(t1 - t0, 1)) * (os.cpu_count() or 1)
 
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "auto": "bfloat16"}

@@ -18,11 +18,11 @@ It is driven by ``LLMEngine`` (offline, same thread) or by
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterable
 
+import engine
 from engine.config import DEFAULT_MODEL, EngineArgs, default_model_path
 from engine.core_messages import EngineCoreOutput, EngineStats
 from engine.device import configure_core_threads, resolve_device, resolve_dtype
@@ -119,7 +119,7 @@ class EngineCore:
         logger.info(
             "engine ready: model=%s device=%s dtype=%s blocks=%d block_size=%d max_model_len=%d "
             "max_num_batched_tokens=%d omp_wait=%s", self.served_model_name, self.device, self.dtype,
-            num_blocks, args.block_size, self.max_model_len, budget, os.environ.get("TANDEM_OMP_WAIT_CHOSEN", "user"),
+            num_blocks, args.block_size, self.max_model_len, budget, engine.CPU_WAIT_POLICY,
         )
 
     # ------------------------------------------------------------------ input

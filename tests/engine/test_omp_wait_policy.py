@@ -5,34 +5,45 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from engine.device import SPIN_COUNT, choose_omp_wait_policy
+from engine.device import SPIN_COUNT, choose_omp_wait_policy, count_others_running
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_auto_spins_only_on_a_machine_that_is_the_engines():
     env: dict = {}
-    assert choose_omp_wait_policy(env, load=0.2, cores=2) == "spin"
+    assert choose_omp_wait_policy(env, others_running=0, cores=2) == "spin"
     assert env["GOMP_SPINCOUNT"] == str(SPIN_COUNT) and env["OMP_WAIT_POLICY"] == "PASSIVE"
     env = {}
-    assert choose_omp_wait_policy(env, load=1.3, cores=2) == "passive"
+    assert choose_omp_wait_policy(env, others_running=1, cores=2) == "passive"
     assert env["GOMP_SPINCOUNT"] == "0"
-    assert choose_omp_wait_policy(env, load=0.0, cores=2) == "passive"   # a child inherits its parent's choice
+    assert choose_omp_wait_policy(env, others_running=0, cores=2) == "passive"   # a child inherits its parent's choice
 
 
 def test_explicit_choices_and_the_users_openmp_variables_win():
     for policy, count in (("spin", str(SPIN_COUNT)), ("passive", "0")):
         env = {"TANDEM_CPU_WAIT_POLICY": policy}
-        assert choose_omp_wait_policy(env, load=50.0 if policy == "spin" else 0.0, cores=2) == policy
+        assert choose_omp_wait_policy(env, others_running=9 if policy == "spin" else 0, cores=2) == policy
         assert env["GOMP_SPINCOUNT"] == count
     env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert choose_omp_wait_policy(env, load=0.0, cores=2) == "user" and env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert choose_omp_wait_policy(env, others_running=0, cores=2) == "user" and env == {"OMP_WAIT_POLICY": "ACTIVE"}
     with pytest.raises(ValueError, match="TANDEM_CPU_WAIT_POLICY"):
         choose_omp_wait_policy({"TANDEM_CPU_WAIT_POLICY": "fast"})
+
+
+def test_a_busy_process_counts_as_running():
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert count_others_running() >= 1
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 @pytest.mark.parametrize("policy,count", [("spin", SPIN_COUNT), ("passive", 0)])
