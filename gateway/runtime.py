@@ -358,7 +358,11 @@ class Gateway:
         """Stop accepting (new requests get 503, /health/ready says not
         ready), wait until in-flight requests and streams finish or the
         deadline passes, then call ``on_drained``. Returns requests still in
-        flight at the end (0 = clean)."""
+        flight at the end (0 = clean). A drain already under way (a second
+        SIGTERM, such as make's after the process group's, or ``ctl drain``
+        twice) starts no second one: it returns the requests in flight now."""
+        if self.draining:
+            return self.in_flight
         self.draining = True
         deadline = timeout if timeout is not None else self.snapshot.compiled.config.server.drain_timeout_s
         loop = asyncio.get_running_loop()

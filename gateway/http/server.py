@@ -30,7 +30,6 @@ class GatewayServer(uvicorn.Server):
         super().__init__(config)
         self.gw = gw
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.drain_requested = False   # set by the first SIGTERM, before its drain task runs
         gw.on_drained = self._exit
 
     def _exit(self) -> None:
@@ -54,9 +53,6 @@ class GatewayServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGTERM and self.loop is not None and not self.gw.draining and not self.should_exit:
-            if self.drain_requested:     # a second TERM (make's, after the group's) before the drain task ran
-                return
-            self.drain_requested = True
             log.info("SIGTERM: draining")
             self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self.gw.drain()))
             return
