@@ -67,7 +67,7 @@ class Resilience:
         engine still loading is not probed: loading is not a failure (``/health/ready`` says ``engine is
         loading`` already), and a failed probe recorded then would outlive the load by up to three rounds."""
         self.prober = ActiveProber(self.health, lambda: {name: _probe_for(b) for name, b in backends().items()
-                                                         if not getattr(b, "loading", False)})
+                                                         if not (b.kind == "local" and b.loading)})
         self.prober.start()
 
     async def stop(self) -> None:
