@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -12,8 +11,6 @@ from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
-
-transformers = pytest.importorskip("transformers")
 
 
 def _greedy(runner: ModelRunner, prompt: list[int], steps: int, block_size: int) -> tuple[list[int], list[torch.Tensor]]:
