@@ -83,10 +83,10 @@ def get_attention_backend(name: str, device: torch.device | str, batch_invariant
             "set TRITON_INTERPRET=1 to run it in Triton's interpreter, or use 'torch'"
         )
     try:
-        from kernels import triton_attention
+        from kernels import triton_attention, triton_jit
     except ImportError as e:  # pragma: no cover - triton is a dependency on linux x86_64
         raise RuntimeError(f"the 'triton' attention backend needs the triton package: {e}") from e
-    if device.type != "cuda" and not triton_attention.interpreter_active():
+    if device.type != "cuda" and not triton_jit.interpreter_active():
         raise RuntimeError(
             "the 'triton' attention backend on CPU needs Triton's interpreter, but triton was imported "
             "before TRITON_INTERPRET=1 was set; set it before anything imports triton"

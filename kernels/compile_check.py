@@ -15,7 +15,7 @@ import argparse
 import inspect
 import sys
 
-from kernels import triton_attention
+from kernels import triton_attention, triton_batch_invariant, triton_jit
 
 
 def _signature(fn, pointer_types: dict[str, str]) -> dict[str, str]:
@@ -26,7 +26,7 @@ def _signature(fn, pointer_types: dict[str, str]) -> dict[str, str]:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = pointer_types[name]
-        elif name == "scale_log2":
+        elif name in ("scale_log2", "eps"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -34,7 +34,7 @@ def _signature(fn, pointer_types: dict[str, str]) -> dict[str, str]:
 
 
 def configurations():
-    """(kernel name, pointer types, constexprs) for each variant to compile."""
+    """(kernel function, pointer types, constexprs) for each variant to compile."""
     out = []
     for dtype in ("bf16", "fp32"):  # fp16 takes the bf16 path
         for heads, kv_heads, head_dim in ((32, 8, 128), (9, 3, 64)):
@@ -63,18 +63,28 @@ def configurations():
                     NUM_SPLITS=splits,
                     DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
                 )
-                out.append(("_unified_attention_kernel", ptrs, consts))
+                out.append((triton_attention._unified_attention_kernel, ptrs, consts))
         out.append((
-            "_merge_splits_kernel",
+            triton_attention._merge_splits_kernel,
             dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{dtype}"),
             dict(NUM_SPLITS=4, HEAD_DIM=128, BLOCK_R=16),
         ))
         out.append((
-            "_reshape_and_cache_kernel",
+            triton_attention._reshape_and_cache_kernel,
             dict(key_ptr=f"*{dtype}", value_ptr=f"*{dtype}", key_cache_ptr=f"*{dtype}", value_cache_ptr=f"*{dtype}",
                  slot_mapping_ptr="*i64"),
             dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_T=8, BLOCK_HD=1024),
         ))
+    bi = triton_batch_invariant
+    for dtype in ("bf16", "fp16", "fp32"):
+        for has_bias, has_res in ((False, False), (True, True)):
+            out.append((bi._linear_kernel,
+                        dict(x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", bias_ptr=f"*{dtype}", res_ptr=f"*{dtype}",
+                             out_ptr=f"*{dtype}"),
+                        dict(HAS_BIAS=has_bias, HAS_RES=has_res, BLOCK_M=bi.BLOCK_M, BLOCK_N=bi.BLOCK_N,
+                             BLOCK_K=bi.BLOCK_K, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")))
+        out.append((bi._rms_norm_kernel, dict(x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", out_ptr=f"*{dtype}"),
+                    dict(BLOCK_N=1024)))
     return out
 
 
@@ -87,15 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if triton_attention.interpreter_active():
+    if triton_jit.interpreter_active():
         print("TRITON_INTERPRET must be unset to compile", file=sys.stderr)
         return 2
     target = GPUTarget("cuda", args.arch, 32)
-    for name, ptrs, consts in configurations():
-        fn = triton_attention._jit(name, False)
-        src = ASTSource(fn=fn, signature=_signature(getattr(triton_attention, name), ptrs), constexprs=consts)
+    for fn, ptrs, consts in configurations():
+        src = ASTSource(fn=triton_jit.jit(fn, False), signature=_signature(fn, ptrs), constexprs=consts)
         kernel = triton.compile(src, target=target)
-        print(f"{name} {next(iter(ptrs.values()))} {consts}: {', '.join(kernel.asm)}")
+        print(f"{fn.__name__} {next(iter(ptrs.values()))} {consts}: {', '.join(kernel.asm)}")
     return 0
 
 

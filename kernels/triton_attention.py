@@ -19,22 +19,17 @@ sequence's keys into ``num_splits`` ranges; every split writes a normalised
 partial output and its log-sum-exp, and a second kernel merges them. It
 lets a few long decodes fill the GPU.
 
-Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors.
-The variable must be set before ``triton`` is first imported: triton wraps its
-own standard library (tl.max, tl.sum, ...) for the compiler or the interpreter
-at import. The kernels here are plain functions wrapped on first launch in the
-same mode as triton's standard library, and a launch on CPU tensors without
-the interpreter raises a RuntimeError that says so.
+Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors
+(``kernels/triton_jit.py`` wraps them for either mode).
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_jit import launchable
 
 # Tokens of keys/values per inner-loop iteration, independent of block_size.
 DEFAULT_TILE_N = 32
@@ -42,13 +37,6 @@ DEFAULT_TILE_N = 32
 # least this many tokens (the table width is known without a device sync).
 SPLIT_KV_MIN_CONTEXT = 2048
 MAX_SPLITS = 16
-
-
-def interpreter_active() -> bool:
-    """True when triton was imported in interpreter mode (TRITON_INTERPRET=1 set before import)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(tl.standard.max, InterpretedFunction)
 
 
 def _reshape_and_cache_kernel(
@@ -252,37 +240,6 @@ def _merge_splits_kernel(
     tl.store(o_ptr, acc.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
-@functools.cache
-def _jit(fn_name: str, interpret: bool):
-    """Wrap one of this module's kernel functions for the compiler or the interpreter."""
-    fn = globals()[fn_name]
-    # Sizes are not specialised on the value 1: num_seqs bounds the binary
-    # search's loop-carried variables, which must stay int32 tensors.
-    no_spec = [a for a in ("num_seqs", "num_tokens", "num_rows", "num_heads") if a in fn.__code__.co_varnames]
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return InterpretedFunction(fn, do_not_specialize=no_spec)
-    from triton.runtime.jit import JITFunction
-
-    return JITFunction(fn, do_not_specialize=no_spec)
-
-
-def _kernel(fn_name: str, device: torch.device):
-    interpret = interpreter_active()
-    if device.type != "cuda" and not interpret:
-        hint = (
-            "TRITON_INTERPRET=1 is set but triton was imported before it was"
-            if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-            else "set TRITON_INTERPRET=1 before triton is imported"
-        )
-        raise RuntimeError(
-            f"Triton kernels need a CUDA device; tensors are on {device}. To run them in Triton's "
-            f"interpreter, {hint}; or use the 'torch' backend."
-        )
-    return _jit(fn_name, interpret)
-
-
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -308,7 +265,7 @@ def reshape_and_cache(
     block_hd = triton.next_power_of_2(num_kv_heads * head_dim)
     # About 8K elements per program: 16 tokens of SmolLM2's 3x64, 8 of 8x128.
     block_t = max(1, min(16, 8192 // block_hd))
-    kernel = _kernel("_reshape_and_cache_kernel", key.device)
+    kernel = launchable(_reshape_and_cache_kernel, key.device)
     kernel[(triton.cdiv(num_tokens, block_t),)](
         key,
         value,
@@ -436,7 +393,7 @@ def paged_attention(
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     scale_log2 = scale * 1.4426950408889634  # log2(e): the kernel uses exp2
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
-    kernel = _kernel("_unified_attention_kernel", device)
+    kernel = launchable(_unified_attention_kernel, device)
     common = dict(
         NUM_QUERIES_PER_KV=group,
         GROUP_PAD=group_pad,
@@ -473,7 +430,7 @@ def paged_attention(
     # Rows no split wrote (none for valid inputs) stay out of the merge: every
     # (token, head) has key 0 in split 0.
     block_r = 16
-    merge = _kernel("_merge_splits_kernel", device)
+    merge = launchable(_merge_splits_kernel, device)
     merge[(triton.cdiv(num_tokens * num_heads, block_r),)](
         partial, lse, out, num_tokens * num_heads, num_heads, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_R=block_r,

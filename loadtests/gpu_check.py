@@ -14,7 +14,10 @@ recorded even when another fails:
 2. parity: the engine on the Triton backend vs transformers on a tiny random
    Llama, float32 greedy, token-identical (a divergence at a top-2 logit gap
    below 1e-3 is reported as a near-tie, not a failure).
-3. throughput: the engine on random weights of SmolLM2-135M's and
+3. batch invariance: on the Triton path, greedy tokens and logprobs of 8
+   prompts alone, batched and from the prefix cache are bitwise equal
+   (bfloat16, SmolLM2-135M's shape), and output tok/s with the mode on/off.
+4. throughput: the engine on random weights of SmolLM2-135M's and
    Llama-3-8B's shapes, 64 x (512 in, 128 out), ignore_eos, vs transformers
    ``generate`` on the same model in one batch of 64 (ratio of output tok/s).
 
@@ -168,6 +171,50 @@ def check_parity(part: Part, device: str, workdir: Path) -> None:
     part.status = "ok" if not mismatches else "failed"
 
 
+def check_batch_invariance(part: Part, device: str, workdir: Path) -> None:
+    """Part 3: batch-invariant mode on the Triton path (Triton linears, RMSNorm
+    and attention): each prompt's greedy tokens and logprobs alone, in one
+    batch, and again from the prefix cache must be bitwise equal. On CUDA:
+    SmolLM2-135M's shape, random weights, bfloat16, plus output tok/s with the
+    mode on and off (``engine.bench.compare_batch_invariant``); the dry run:
+    the tiny shape in float32 in the interpreter."""
+    from engine.bench import compare_batch_invariant
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    cuda = device == "cuda"
+    shape_name, dtype = ("smollm2-135m", "bfloat16") if cuda else ("tiny", "float32")
+    model_dir = write_model_dir(workdir / f"invariance-{shape_name}", SHAPES[shape_name])
+    llm = LLM(model=model_dir, load_format="dummy", dtype=dtype, device=device, attention_backend="triton",
+              max_model_len=512 if cuda else 128, max_num_batched_tokens=256,
+              kv_cache_memory="256MiB" if cuda else "4MiB", gpu_memory_utilization=0.3, seed=0)
+    vocab = SHAPES[shape_name]["vocab_size"]
+    gen = torch.Generator().manual_seed(5)
+    lengths, new = ((20, 45, 90, 130, 200, 260, 300, 33), 32) if cuda else ((19, 3), 4)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=1)
+
+    def answers(outs) -> list:
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
+                for o in outs]
+
+    alone = [answers(llm.generate([p], params))[0] for p in prompts]
+    batched = answers(llm.generate(prompts, params))
+    cached = answers(llm.generate(prompts, params))
+    part.results = {"shape": shape_name, "dtype": dtype, "prompts": len(prompts), "new_tokens": new,
+                    "differ_batched_vs_alone": sum(a != b for a, b in zip(alone, batched)),
+                    "differ_cache_hit_vs_alone": sum(a != b for a, b in zip(alone, cached))}
+    if cuda:
+        engine = llm.engine
+        ab_prompts = [torch.randint(3, vocab, (128,), generator=gen).tolist() for _ in range(64)]
+        part.results["tok_per_s_on_off"] = compare_batch_invariant(
+            engine, ab_prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), rounds=2)
+    del llm
+    _free(device)
+    bad = part.results["differ_batched_vs_alone"] + part.results["differ_cache_hit_vs_alone"]
+    part.status = "ok" if bad == 0 else "failed"
+
+
 def _bench_engine(model_dir: str, device: str, n: int, input_len: int, output_len: int, seed: int) -> dict:
     from engine.bench import bench_tandem
     from engine.config import EngineArgs
@@ -219,7 +266,7 @@ def _bench_hf(shape: dict, device: str, n: int, input_len: int, output_len: int,
 
 def check_throughput(part: Part, shape_name: str, device: str, workdir: Path, n: int, input_len: int,
                      output_len: int) -> None:
-    """Part 3: engine output tok/s on random weights of ``shape_name`` vs HF generate (one batch of n)."""
+    """Part 4: engine output tok/s on random weights of ``shape_name`` vs HF generate (one batch of n)."""
     shape = SHAPES[shape_name]
     model_dir = write_model_dir(workdir / shape_name, shape)
     part.results = {"shape": shape_name, "workload": f"{n} x ({input_len} in, {output_len} out)", "dtype": "bfloat16"}
@@ -328,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         parts.append(run_part(Part("kernels"), check_kernels, args.out, cuda, args.kernel_budget_s))
         parts.append(run_part(Part("parity (triton, fp32, tiny Llama)"), check_parity, device, work))
+        parts.append(run_part(Part("batch invariance (triton path)"), check_batch_invariance, device, work))
         if cuda:
             parts.append(run_part(Part("throughput smollm2-135m shape"), check_throughput, "smollm2-135m", device,
                                   work, 64, 512, 128, deadline=late))

@@ -77,3 +77,56 @@ def test_linear_rows_do_not_depend_on_the_row_count(dtype, shape):
             got = packed.linear("w", x[:rows], weight, None, None if res is None else res[:rows])
             expect = [i for i in (0, 7, ROW_TILE + 3, x.shape[0] - 1) if i < rows]
             assert torch.equal(got[expect], alone[:len(expect)]), (rows, res is None)
+
+
+def _triton_batch_invariant():
+    """kernels.triton_batch_invariant, or a skip when Triton's interpreter is not active here."""
+    pytest.importorskip("triton")
+    from kernels.triton_jit import interpreter_active
+
+    if not torch.cuda.is_available() and not interpreter_active():
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 (tests/conftest.py sets it first)")
+    from kernels import triton_batch_invariant
+
+    return triton_batch_invariant
+
+
+# float32 runs exact products (ieee); float16 is what the interpreter can run
+# of the half-precision path (its bfloat16 tl.dot is not supported).
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
+def test_triton_linear_matches_float64_and_rows_do_not_depend_on_the_row_count(dtype, tol):
+    bi = _triton_batch_invariant()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    n, k = 200, 150  # neither a multiple of the 64-wide tiles
+    weight = (torch.randn(n, k, generator=g) * 0.1).to(dtype).to(device)
+    bias = torch.randn(n, generator=g).to(dtype).to(device)
+    x = torch.randn(130, k, generator=g).to(dtype).to(device)
+    residual = torch.randn(130, n, generator=g).to(dtype).to(device)
+    full = bi.linear(x, weight, bias, residual)
+    ref = residual.double() + x.double() @ weight.double().T + bias.double()
+    assert ((full.double() - ref).norm() / ref.norm()).item() < tol
+    rows = [0, 5, 63, 64, 129]
+    alone = torch.cat([bi.linear(x[i:i + 1], weight, bias, residual[i:i + 1]) for i in rows])
+    assert torch.equal(full[rows], alone)
+    for m in (7, 65):
+        part = bi.linear(x[:m], weight, None, None)
+        assert torch.equal(part[[0, m - 1]], torch.cat([bi.linear(x[i:i + 1], weight) for i in (0, m - 1)]))
+    with pytest.raises(ValueError, match="contiguous"):
+        bi.linear(x.T.contiguous().T, weight)
+    with pytest.raises(ValueError, match="does not match"):
+        bi.linear(x, weight[:, :100])
+
+
+def test_triton_rms_norm_matches_the_model_norm_row_by_row():
+    from engine.models.llama import RMSNorm
+
+    bi = _triton_batch_invariant()
+    g = torch.Generator().manual_seed(4)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=g)
+    x = torch.randn(70, 576, generator=g) * 3
+    got = bi.rms_norm(x, norm.weight.detach(), norm.eps)
+    torch.testing.assert_close(got, norm(x), rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[[0, 69]], torch.cat([bi.rms_norm(x[i:i + 1], norm.weight.detach(), norm.eps)
+                                                for i in (0, 69)]))

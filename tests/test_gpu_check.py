@@ -1,6 +1,6 @@
 """loadtests/gpu_check.sh's dry run: without a CUDA device it says so, runs
-the kernel checks and the engine-vs-transformers parity in Triton's
-interpreter and a tiny throughput run on CPU, and writes its summary."""
+the kernel checks, the engine-vs-transformers parity and the batch-invariance
+check in Triton's interpreter and a tiny throughput run on CPU, and writes its summary."""
 
 from __future__ import annotations
 
@@ -27,11 +27,13 @@ def test_dry_run_without_cuda(tmp_path):
     assert "no CUDA device" in proc.stdout
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     parts = {p["name"]: p for p in summary["parts"]}
-    assert [p["status"] for p in parts.values()] == ["ok"] * 3, parts
+    assert [p["status"] for p in parts.values()] == ["ok"] * 4, parts
     kernels = parts["kernels"]["results"]
     assert kernels["checks_ok"] == kernels["checks"] == 4
     parity = parts["parity (triton, fp32, tiny Llama)"]["results"]
     assert (parity["backend"], parity["exact"], parity["mismatches"]) == ("triton", parity["prompts"], [])
+    invariance = parts["batch invariance (triton path)"]["results"]
+    assert (invariance["differ_batched_vs_alone"], invariance["differ_cache_hit_vs_alone"]) == (0, 0), invariance
     throughput = parts["throughput tiny shape (CPU)"]["results"]
     assert throughput["tandem"]["output_tok_per_s"] > 0 and throughput["ratio_output_tok_per_s"] > 0
     assert (tmp_path / "out" / "kernels" / "kernels_bench.md").is_file()

@@ -50,7 +50,7 @@ BACKENDS = ["torch", "triton"]
 def triton_in_process() -> bool:
     """True when Triton's interpreter works in this process."""
     try:
-        from kernels.triton_attention import interpreter_active
+        from kernels.triton_jit import interpreter_active
     except ImportError:
         return False
     return interpreter_active()

@@ -81,14 +81,26 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in float32 like HF Llama."""
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 like HF Llama.
+
+    Attributes:
+        triton: normalise each row in one Triton program
+            (``kernels.triton_batch_invariant.rms_norm``), set in
+            batch-invariant mode on CUDA: PyTorch's CUDA reduction splits a
+            row's sum by the number of rows.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.triton = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            from kernels import triton_batch_invariant  # imports triton: CUDA (or its interpreter) only
+
+            return triton_batch_invariant.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -198,11 +210,15 @@ class _PackedWeights:
             call kind, in ``row_checks``) gets full, zero-padded tiles instead.
             Prompt rows go in ``PROMPT_TILE``-row tiles when
             :func:`check_tile_invariance` holds, else like the others.
+        triton: run every linear through the fixed-configuration Triton GEMM
+            (``kernels.triton_batch_invariant.linear``) instead; set in
+            batch-invariant mode on CUDA, where cuBLAS picks kernels by shape.
     """
 
     def __init__(self, row_checks: dict | None = None) -> None:
         self._entries: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
         self.batch_invariant = False
+        self.triton = False
         # (shape, dtype, packed?, residual?) -> needs padded tiles; shared by a model's layers
         self._row_checks = {} if row_checks is None else row_checks
 
@@ -237,6 +253,10 @@ class _PackedWeights:
         Returns:
             [num_rows, out_features], x's dtype.
         """
+        if self.triton:
+            from kernels import triton_batch_invariant  # imports triton: CUDA (or its interpreter) only
+
+            return triton_batch_invariant.linear(x.contiguous(), weight, bias, residual)
         if x.device.type != "cpu":
             y = F.linear(x, weight, bias)
             return y if residual is None else residual + y
@@ -382,13 +402,21 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def set_batch_invariant(self, enabled: bool) -> None:
-        """Run the CPU linear layers in fixed row tiles (:class:`_PackedWeights`)
-        so that each row's logits do not depend on the rest of the batch.
-        The tiling checks of each weight shape run now (start-up), not in the
-        first request."""
+        """Make each row's logits independent of the rest of the batch: on
+        CPU the linear layers run in fixed row tiles (:class:`_PackedWeights`;
+        the tiling checks of each weight shape run now, at start-up, not in
+        the first request); on CUDA the linear layers and RMSNorms run
+        fixed-configuration Triton kernels (``kernels.triton_batch_invariant``),
+        as they do on CPU with the Triton attention backend (Triton's
+        interpreter, for tests)."""
+        device = self.embed_tokens.weight.device
+        use_triton = enabled and (device.type == "cuda" or self.backend.name == "triton")
         for packed in [self.packed] + [layer.packed for layer in self.layers]:
-            packed.batch_invariant = enabled
-        if not enabled or self.embed_tokens.weight.device.type != "cpu":
+            packed.batch_invariant, packed.triton = enabled, use_triton
+        for norm in [self.norm] + [n for layer in self.layers
+                                   for n in (layer.input_layernorm, layer.post_attention_layernorm)]:
+            norm.triton = use_triton
+        if not enabled or use_triton or device.type != "cpu":
             return
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         uses = [(self.packed, "lm_head", head, False)]

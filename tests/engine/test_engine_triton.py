@@ -64,3 +64,20 @@ def test_triton_and_torch_paths_agree_with_transformers(tiny_model_dir):
     triton_tokens = _generate(model_dir, "triton")
     assert torch_tokens == reference
     assert triton_tokens == reference
+
+
+def test_triton_batch_invariant_linears_give_a_prompt_the_same_tokens_and_logprobs_alone_and_batched(tiny_model_dir):
+    """On the Triton path (CUDA, or its interpreter here) batch-invariant mode
+    runs the linears and RMSNorms through kernels/triton_batch_invariant.py;
+    a prompt's greedy tokens and logprobs are the same alone and batched."""
+    model_dir, reference = tiny_model_dir
+    llm = LLM(model=model_dir, dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu",
+              attention_backend="triton", block_size=16, max_num_batched_tokens=12, kv_cache_memory="4MiB")
+    model = llm.engine.model_runner.model
+    assert model.layers[0].packed.triton and model.norm.triton and model.packed.triton
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    alone = llm.generate([PROMPTS[0]], params)[0].outputs[0]
+    batched = llm.generate(PROMPTS, params)[0].outputs[0]
+    assert alone.token_ids == batched.token_ids == reference[0]
+    assert [{t: lp.logprob for t, lp in pos.items()} for pos in alone.logprobs] == \
+        [{t: lp.logprob for t, lp in pos.items()} for pos in batched.logprobs]
