@@ -52,6 +52,9 @@ class Scheduler:
             ties by earlier arrival).
         num_cpu_blocks: CPU swap blocks; > 0 preempts by swapping when the
             victim fits, else by recompute.
+        batch_invariant: keep a request's prompt and generated positions in
+            separate chunks and prefix-cache entries (the model computes the
+            two kinds with different matmul tiles in that mode).
 
     Raises:
         ValueError: a bad setting (the message names it).
@@ -59,7 +62,7 @@ class Scheduler:
 
     def __init__(self, *, block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 scheduling_policy: str = "fcfs", num_cpu_blocks: int = 0) -> None:
+                 scheduling_policy: str = "fcfs", num_cpu_blocks: int = 0, batch_invariant: bool = True) -> None:
         for name, value, low in (("block_size", block_size, 1), ("num_blocks", num_blocks, 2),
                                  ("max_num_seqs", max_num_seqs, 1),
                                  ("max_num_batched_tokens", max_num_batched_tokens, 1),
@@ -77,9 +80,10 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.scheduling_policy = scheduling_policy
         self.num_cpu_blocks = num_cpu_blocks
+        self.batch_invariant = batch_invariant
         self.kv_cache_manager = KVCacheManager(block_size=block_size, num_blocks=num_blocks,
                                                enable_caching=enable_prefix_caching,
-                                               num_cpu_blocks=num_cpu_blocks)
+                                               num_cpu_blocks=num_cpu_blocks, batch_invariant=batch_invariant)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -221,9 +225,9 @@ class Scheduler:
         generated positions run different matmul tiles in batch-invariant
         mode (``engine.models.llama``), so a request recomputed after
         preemption computes its prompt, then its generated tokens, in
-        separate chunks."""
+        separate chunks (without batch invariance, one chunk may hold both)."""
         end = self._target_len(req)
-        if computed < req.num_prompt_tokens < end:
+        if self.batch_invariant and computed < req.num_prompt_tokens < end:
             return req.num_prompt_tokens
         return end
 

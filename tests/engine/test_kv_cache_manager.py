@@ -196,3 +196,25 @@ def test_free_is_idempotent_and_releases_cpu_blocks():
     kv.free(a)
     assert kv.num_free_cpu_blocks == 4 and kv.usage == 0.0
     kv.check_invariants()
+
+
+@pytest.mark.parametrize("batch_invariant, expect_hit", [(True, 16), (False, 48)])
+def test_a_follow_up_prompt_reads_the_earlier_answer_only_without_batch_invariance(batch_invariant, expect_hit):
+    """Turn 1: a 20-token prompt and a 28-token answer (3 full blocks, the
+    last two holding generated positions). Turn 2's prompt starts with all
+    48. In batch-invariant mode the model computes generated positions with
+    other matmul tiles than prompt positions, so only the prompt-only block
+    hits; otherwise all three do."""
+    kv = KVCacheManager(block_size=BS, num_blocks=20, batch_invariant=batch_invariant)
+    first = req("a", range(100, 120), max_tokens=28)
+    run_prefill(kv, first)
+    for t in range(28):
+        first.append_output_token_ids(500 + t)
+        assert kv.allocate_slots(first, 1)
+        first.num_computed_tokens += 1
+        kv.cache_full_blocks(first)
+    kv.free(first)
+    follow_up = req("b", list(range(100, 120)) + [500 + t for t in range(28)] + [7, 8, 9])
+    blocks, hit = kv.get_computed_blocks(follow_up)
+    assert hit == len(blocks) * BS == expect_hit
+    kv.check_invariants()
