@@ -171,13 +171,20 @@ def plan_attention(
 
 def _causal_masks(first: int, q_len: int, ctx: int, device: torch.device) -> list[torch.Tensor]:
     """Additive masks of a prefill chunk whose first query sits at position
-    ``first``, one per ``QUERY_TILE`` rows: [rows, 1, ctx] float32, 0 where the
-    key position is <= the query's, -inf elsewhere (padding included)."""
-    pos = torch.arange(ctx, device=device)
+    ``first``, one per ``QUERY_TILE`` rows: [rows, 1, ctx_t] float32, 0 where
+    the key position is <= the query's, -inf elsewhere (padding included).
+    A tile's context ``ctx_t`` stops at its last query's position rounded up
+    to ``KV_PAD`` tokens (causal: later keys are all masked), so a long
+    prompt's early tiles skip the keys they cannot see; the padding argument
+    of :func:`paged_attention` makes the result the same bits as over the
+    whole context."""
     masks = []
     for r0 in range(0, q_len, QUERY_TILE):
-        q_pos = torch.arange(first + r0, first + min(r0 + QUERY_TILE, q_len), device=device)
-        mask = torch.zeros((q_pos.numel(), 1, ctx), dtype=torch.float32, device=device)
+        last = first + min(r0 + QUERY_TILE, q_len)  # one past the tile's last query position
+        ctx_t = min(ctx, (last + KV_PAD - 1) // KV_PAD * KV_PAD)
+        q_pos = torch.arange(first + r0, last, device=device)
+        pos = torch.arange(ctx_t, device=device)
+        mask = torch.zeros((q_pos.numel(), 1, ctx_t), dtype=torch.float32, device=device)
         masks.append(mask.masked_fill_(pos[None, None, :] > q_pos[:, None, None], float("-inf")))
     return masks
 
@@ -292,9 +299,9 @@ def _prefill_one(query, key_cache, value_cache, p: _Prefill, plan: AttentionPlan
     k = torch.index_select(key_cache, 0, p.blocks, out=plan.k_buf[: p.num_blocks]).view(1, ctx, width)
     v = torch.index_select(value_cache, 0, p.blocks, out=plan.v_buf[: p.num_blocks]).view(1, ctx, width)
     for t, mask in enumerate(p.masks):
-        r0, r = t * QUERY_TILE, mask.shape[0]
+        r0, r, ctx_t = t * QUERY_TILE, mask.shape[0], mask.shape[-1]
         rows = slice(p.start + r0, p.start + r0 + r)
-        o = _attend(query[rows].unsqueeze(0), k, v, mask.unsqueeze(0), plan.q_buf, scale)
+        o = _attend(query[rows].unsqueeze(0), k[:, :ctx_t], v[:, :ctx_t], mask.unsqueeze(0), plan.q_buf, scale)
         out[rows].view(r, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(0, 2, 3, 1).copy_(o)
 
 

@@ -61,6 +61,24 @@ def test_a_query_has_the_same_output_in_every_kind_of_batch(name, dtype, long_le
         assert torch.equal(got, alone), f"{label}: max diff {(got.float() - alone.float()).abs().max()}"
 
 
+def test_each_row_of_a_long_prefill_equals_its_own_decode():
+    """A 700-token prefill runs in query tiles whose contexts stop at each
+    tile's last position (and past 512 keys, in tiles of probabilities @
+    values): every row still has the bits of the same query attended as a
+    decode over exactly its own context."""
+    backend = get_attention_backend("torch", "cpu", batch_invariant=True)
+    kc, vc = _caches(60, torch.bfloat16, seed=2)
+    g = torch.Generator().manual_seed(2)
+    n = 700
+    blocks = list(range(2, 2 + (n + BLOCK - 1) // BLOCK))
+    queries = torch.randn(n, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    width = len(blocks) + 4
+    prefill = _run(backend, [queries], [n], [blocks], kc, vc, width)
+    for pos in (0, 5, 127, 128, 300, 511, 512, 600, 699):
+        decode = _run(backend, [queries[pos:pos + 1]], [pos + 1], [blocks[:pos // BLOCK + 1]], kc, vc, width)[0]
+        assert torch.equal(prefill[pos], decode), pos
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (49152, 576)])
 def test_linear_rows_do_not_depend_on_the_row_count(dtype, shape):
