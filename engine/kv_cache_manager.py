@@ -61,8 +61,6 @@ class KVCacheManager:
         num_blocks: device blocks including the null block (>= 2).
         enable_caching: automatic prefix caching.
         num_cpu_blocks: CPU swap-space blocks (0: no swapping).
-        batch_invariant: a block holding generated positions is never read as
-            part of a later prompt (see ``_block_hashes``).
 
     Attributes:
         prefix_cache_queries, prefix_cache_hits: tokens looked up in / found in
@@ -71,7 +69,7 @@ class KVCacheManager:
     """
 
     def __init__(self, *, block_size: int, num_blocks: int, enable_caching: bool = True,
-                 num_cpu_blocks: int = 0, batch_invariant: bool = True) -> None:
+                 num_cpu_blocks: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_cpu_blocks < 0:
@@ -79,7 +77,6 @@ class KVCacheManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.batch_invariant = batch_invariant
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
@@ -116,24 +113,15 @@ class KVCacheManager:
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
         """The request's block-hash chain, extended to ``num_full_blocks``.
-
-        A block holding generated positions (the request's own output) gets
-        the number of its prompt positions as extra key: the model computes
-        prompt and generated positions with different matmul tiles
-        (batch-invariant mode), so such a block's keys and values differ in
-        the last bits from the same tokens computed as a later prompt, and
-        a later prompt must not read it. Without batch invariance a later
-        prompt reads it like any other block (vLLM's behaviour)."""
+        A block's key is its tokens and its parent's key, whether the tokens
+        were prompt or generated: a follow-up turn reads the earlier answer."""
         hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
         tokens = request.all_token_ids
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            prompt_positions = request.num_prompt_tokens - i * bs
-            generated = prompt_positions < bs and self.batch_invariant
-            extra = ("prompt_positions", max(prompt_positions, 0)) if generated else None
-            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra))
+            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
         return hashes
 
     # -- prefix cache -------------------------------------------------------

@@ -58,18 +58,6 @@ def _available_host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def prompt_first(scheduled: list) -> tuple[list[int], int]:
-    """The order of a step's entries in the flat batch: entries whose new
-    tokens are all prompt positions first (stable), then the others.
-
-    Returns:
-        (indices into ``scheduled`` in batch order, number of prompt entries).
-    """
-    is_prompt = [s.num_computed_tokens + s.num_new_tokens <= s.request.num_prompt_tokens for s in scheduled]
-    prompt = [i for i, p in enumerate(is_prompt) if p]
-    return prompt + [i for i, p in enumerate(is_prompt) if not p], len(prompt)
-
-
 class ModelRunner:
     """Runs the model for one scheduler step.
 
@@ -204,17 +192,11 @@ class ModelRunner:
     # ----------------------------------------------------------------- batch
     def _prepare(self, out: SchedulerOutput):
         """Flat inputs of the step: (input_ids, positions, AttentionMetadata,
-        query start of each scheduled entry, query end of each entry).
-
-        Entries whose rows are all prompt positions come first (their count
-        is ``AttentionMetadata.num_prompt_rows``): the model runs them with
-        the prompt matmul tiles (batch invariance); the returned starts and
-        ends are indexed like ``out.scheduled``.
+        query start of each scheduled entry, query end of each entry), the
+        entries in ``out.scheduled``'s order.
         """
         bs = self.block_size
-        scheduled = out.scheduled
-        order, num_prompt_entries = prompt_first(scheduled)
-        ordered = [scheduled[i] for i in order]
+        ordered = out.scheduled
         q_lens = np.fromiter((s.num_new_tokens for s in ordered), dtype=np.int64, count=len(ordered))
         starts = np.fromiter((s.num_computed_tokens for s in ordered), dtype=np.int64, count=len(ordered))
         seq_lens = starts + q_lens
@@ -245,14 +227,10 @@ class ModelRunner:
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
             block_tables=torch.from_numpy(table.astype(np.int32)).to(dev),
-            num_prompt_rows=int(qsl[num_prompt_entries]),
         )
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
-        entry_start = [0] * len(scheduled)
-        entry_end = [0] * len(scheduled)
-        for k, i in enumerate(order):
-            entry_start[i], entry_end[i] = int(qsl[k]), int(qsl[k + 1])
-        return input_ids, torch.from_numpy(positions).to(dev), md, entry_start, entry_end
+        bounds = qsl.tolist()
+        return input_ids, torch.from_numpy(positions).to(dev), md, bounds[:-1], bounds[1:]
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -52,9 +52,6 @@ class Scheduler:
             ties by earlier arrival).
         num_cpu_blocks: CPU swap blocks; > 0 preempts by swapping when the
             victim fits, else by recompute.
-        batch_invariant: keep a request's prompt and generated positions in
-            separate chunks and prefix-cache entries (the model computes the
-            two kinds with different matmul tiles in that mode).
 
     Raises:
         ValueError: a bad setting (the message names it).
@@ -62,7 +59,7 @@ class Scheduler:
 
     def __init__(self, *, block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 scheduling_policy: str = "fcfs", num_cpu_blocks: int = 0, batch_invariant: bool = True) -> None:
+                 scheduling_policy: str = "fcfs", num_cpu_blocks: int = 0) -> None:
         for name, value, low in (("block_size", block_size, 1), ("num_blocks", num_blocks, 2),
                                  ("max_num_seqs", max_num_seqs, 1),
                                  ("max_num_batched_tokens", max_num_batched_tokens, 1),
@@ -80,10 +77,9 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.scheduling_policy = scheduling_policy
         self.num_cpu_blocks = num_cpu_blocks
-        self.batch_invariant = batch_invariant
         self.kv_cache_manager = KVCacheManager(block_size=block_size, num_blocks=num_blocks,
                                                enable_caching=enable_prefix_caching,
-                                               num_cpu_blocks=num_cpu_blocks, batch_invariant=batch_invariant)
+                                               num_cpu_blocks=num_cpu_blocks)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -219,18 +215,6 @@ class Scheduler:
             return req.num_prompt_tokens - 1
         return req.num_tokens
 
-    def _step_end(self, req: Request, computed: int) -> int:
-        """Where this step's chunk of ``req`` may end, from ``computed``
-        tokens: its target, but never across the prompt's end. Prompt and
-        generated positions run different matmul tiles in batch-invariant
-        mode (``engine.models.llama``), so a request recomputed after
-        preemption computes its prompt, then its generated tokens, in
-        separate chunks (without batch invariance, one chunk may hold both)."""
-        end = self._target_len(req)
-        if self.batch_invariant and computed < req.num_prompt_tokens < end:
-            return req.num_prompt_tokens
-        return end
-
     def _seats_needed(self, req: Request) -> int:
         """max_num_seqs seats taken by the request (an unforked leader holds
         one for each unfinished member of its group)."""
@@ -308,7 +292,7 @@ class Scheduler:
             if seats + need_seats > self.max_num_seqs:
                 break
             computed_blocks, num_hit = kv.get_computed_blocks(req)
-            num_new = self._chunk(self._step_end(req, num_hit) - num_hit, budget)
+            num_new = self._chunk(self._target_len(req) - num_hit, budget)
             fork_now = self._unforked(req) and num_hit == self._target_len(req)
             if num_new <= 0 and not fork_now:
                 break
@@ -355,7 +339,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._chunk(self._step_end(req, req.num_computed_tokens) - req.num_computed_tokens, budget)
+            num_new = self._chunk(self._target_len(req) - req.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -379,7 +363,7 @@ class Scheduler:
                 req = self.swapped[0]
                 if seats + self._seats_needed(req) > self.max_num_seqs:
                     break
-                num_new = self._chunk(self._step_end(req, req.num_computed_tokens) - req.num_computed_tokens, budget)
+                num_new = self._chunk(self._target_len(req) - req.num_computed_tokens, budget)
                 if num_new <= 0 or not kv.can_swap_in(req, num_new):
                     break
                 out.blocks_to_swap_in.extend(kv.swap_in(req))

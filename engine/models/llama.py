@@ -37,9 +37,6 @@ class AttentionMetadata:
         seq_lens: [num_seqs] int32, context length (cached + new) per sequence.
         block_tables: [num_seqs, max_blocks] int32 physical block ids
             (0 = the null block pads short rows).
-        num_prompt_rows: the first this many tokens are prompt positions
-            (the rest are generated ones, recomputed or decoding): the
-            batch-invariant linears run the two kinds in different tiles.
         attn_plan: the attention backend's per-step index work
             (``AttentionBackend.plan``), built once by the model's forward
             and shared by its layers; None when the backend has none.
@@ -49,7 +46,6 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
-    num_prompt_rows: int = 0
     attn_plan: object | None = None
 
 
@@ -129,15 +125,14 @@ def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
 # GEMM kernel (and its K blocking) from the number of rows M: on an
 # AMX/AVX512-BF16 CPU every M <= 32 gives each row the same bits, larger M
 # switches kernels. Feeding every linear layer tiles of at most this many
-# rows makes a row's result independent of the batch it is in.
+# rows makes a row's result independent of the batch it is in, and the same
+# for a prompt position and a generated one: a token's keys and values have
+# the same bits whether it was computed in a prompt, a decode or a recompute,
+# so the prefix cache can serve a conversation's earlier answer to its next
+# turn. (Zero-padded 128-row AMX tiles for prompt rows were up to 2x faster
+# in the linears but made prompt and generated positions differ; prefill is
+# dominated by attention at long prompts, so one tile kind costs little.)
 ROW_TILE = 32
-# Prompt positions (prefill chunks) run in tiles of exactly this many rows,
-# zero-padded: every call has the same shape, hence the same (AMX) kernel,
-# which is 2-3x faster than 32-row tiles at prefill sizes. Generated
-# positions keep the small tiles (a decode step has few rows). A position's
-# kind never changes (the scheduler never mixes the two in one chunk, and the
-# prefix cache keeps them apart), so each row's bits stay batch-independent.
-PROMPT_TILE = 128
 
 
 def check_row_invariance(weight: torch.Tensor, packed: torch.Tensor | None, with_residual: bool,
@@ -167,25 +162,6 @@ def check_row_invariance(weight: torch.Tensor, packed: torch.Tensor | None, with
     return all(torch.equal(call(0, m), alone[:m]) for m in range(2, tile + 1))
 
 
-def check_tile_invariance(weight: torch.Tensor, packed: torch.Tensor | None, with_residual: bool,
-                          tile: int = PROMPT_TILE) -> bool:
-    """Whether a ``tile``-row call gives a row the same bits wherever it sits
-    in the tile and whatever the other rows hold (random inputs; three
-    placements).
-
-    Args: as :func:`check_row_invariance`.
-    """
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(3, tile, weight.shape[1], generator=gen).to(weight.dtype)
-    res = torch.randn(3, tile, weight.shape[0], generator=gen).to(weight.dtype) if with_residual else None
-    x[1, tile - 1], x[2, 0] = x[0, 5], x[0, 5]
-    x[2, 1:] = 0
-    if res is not None:
-        res[1, tile - 1], res[2, 0] = res[0, 5], res[0, 5]
-    ys = [_linear_call(x[i], weight, packed, None, None if res is None else res[i]) for i in range(3)]
-    return torch.equal(ys[0][5], ys[1][tile - 1]) and torch.equal(ys[0][5], ys[2][0])
-
-
 def _linear_call(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None,
                  residual: torch.Tensor | None) -> torch.Tensor:
     """One matmul call: ``x @ weight.T + bias (+ residual)``, through the packed copy when there is one."""
@@ -208,8 +184,6 @@ class _PackedWeights:
             share the call. A weight whose matmul fails
             :func:`check_row_invariance` (checked once per shape, dtype and
             call kind, in ``row_checks``) gets full, zero-padded tiles instead.
-            Prompt rows go in ``PROMPT_TILE``-row tiles when
-            :func:`check_tile_invariance` holds, else like the others.
         triton: run every linear through the fixed-configuration Triton GEMM
             (``kernels.triton_batch_invariant.linear``) instead; set in
             batch-invariant mode on CUDA, where cuBLAS picks kernels by shape.
@@ -230,25 +204,23 @@ class _PackedWeights:
             self._entries[name] = entry
         return entry[2]
 
-    def _tiling(self, weight: torch.Tensor, packed: torch.Tensor | None, with_residual: bool) -> tuple[bool, bool]:
-        """(small tiles need padding, prompt tiles are usable) for this weight's shape and call kind."""
+    def _needs_padding(self, weight: torch.Tensor, packed: torch.Tensor | None, with_residual: bool) -> bool:
+        """Whether this weight's shape and call kind need full, zero-padded tiles."""
         key = (tuple(weight.shape), weight.dtype, packed is not None, with_residual)
         if key not in self._row_checks:
-            self._row_checks[key] = (not check_row_invariance(weight, packed, with_residual),
-                                     check_tile_invariance(weight, packed, with_residual))
+            self._row_checks[key] = not check_row_invariance(weight, packed, with_residual)
         return self._row_checks[key]
 
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None, prompt_rows: int = 0) -> torch.Tensor:
+               residual: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` (plus ``residual`` when given) through
         the packed copy when there is one; oneDNN then adds the residual to the
         float32 accumulator before rounding. In batch-invariant mode on CPU
-        the first ``prompt_rows`` rows go in zero-padded tiles of exactly
-        ``PROMPT_TILE`` rows and the others in tiles of at most ``ROW_TILE``.
+        the rows go in tiles of at most ``ROW_TILE`` (zero-padded to exactly
+        ``ROW_TILE`` for a weight that needs it).
 
         Args:
             x: [num_rows, in_features]; residual: [num_rows, out_features] or None.
-            prompt_rows: leading rows that are prompt positions.
 
         Returns:
             [num_rows, out_features], x's dtype.
@@ -263,24 +235,20 @@ class _PackedWeights:
         packed = self.get(name, weight) if weight.dtype == torch.bfloat16 else None
         if not self.batch_invariant:
             return _linear_call(x, weight, packed, bias, residual)
-        pad_small, prompt_tiles = self._tiling(weight, packed, residual is not None)
+        pad = self._needs_padding(weight, packed, residual is not None)
         rows = x.shape[0]
-        if not prompt_tiles:
-            prompt_rows = 0
-        if prompt_rows == 0 and rows <= ROW_TILE and not pad_small:
+        if rows <= ROW_TILE and not pad:
             return _linear_call(x, weight, packed, bias, residual)
         out = x.new_empty(rows, weight.shape[0])
-        spans = [(0, prompt_rows, PROMPT_TILE, True), (prompt_rows, rows, ROW_TILE, pad_small)]
-        for lo, hi, tile, pad in spans:
-            for i in range(lo, hi, tile):
-                j = min(i + tile, hi)
-                xi = x[i:j]
-                ri = None if residual is None else residual[i:j]
-                m = j - i
-                if pad and m < tile:  # full tiles only: every call has the same shape
-                    xi = torch.cat([xi, xi.new_zeros(tile - m, xi.shape[1])])
-                    ri = None if ri is None else torch.cat([ri, ri.new_zeros(tile - m, ri.shape[1])])
-                out[i:j] = _linear_call(xi, weight, packed, bias, ri)[:m]
+        for i in range(0, rows, ROW_TILE):
+            j = min(i + ROW_TILE, rows)
+            xi = x[i:j]
+            ri = None if residual is None else residual[i:j]
+            m = j - i
+            if pad and m < ROW_TILE:  # full tiles only: every call has the same shape
+                xi = torch.cat([xi, xi.new_zeros(ROW_TILE - m, xi.shape[1])])
+                ri = None if ri is None else torch.cat([ri, ri.new_zeros(ROW_TILE - m, ri.shape[1])])
+            out[i:j] = _linear_call(xi, weight, packed, bias, ri)[:m]
         return out
 
 
@@ -310,19 +278,17 @@ class LlamaDecoderLayer(nn.Module):
         self.packed = _PackedWeights(row_checks)
         self.int4: dict[str, Int4Linear] = {}  # quantization="gguf": projections kept in 4 bits
 
-    def _proj(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None,
-              prompt_rows: int = 0) -> torch.Tensor:
+    def _proj(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         lin = getattr(self, name)
         if name in self.int4:
             return self.int4[name](x, lin.bias, residual)
-        return self.packed.linear(name, x, lin.weight, lin.bias, residual, prompt_rows)
+        return self.packed.linear(name, x, lin.weight, lin.bias, residual)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
         h = self.input_layernorm(x)
-        p = md.num_prompt_rows
-        qk, v = self._proj("qkv_proj", h, prompt_rows=p).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk, v = self._proj("qkv_proj", h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -332,10 +298,10 @@ class LlamaDecoderLayer(nn.Module):
         extra = {} if md.attn_plan is None else {"plan": md.attn_plan}
         o = self.backend.paged_attention(q, key_cache, value_cache, md.query_start_loc, md.seq_lens,
                                          md.block_tables, self.scale, **extra)
-        x = self._proj("o_proj", o.reshape(t, self.q_size), residual=x, prompt_rows=p)
+        x = self._proj("o_proj", o.reshape(t, self.q_size), residual=x)
         h = self.post_attention_layernorm(x)
-        gate, up = self._proj("gate_up_proj", h, prompt_rows=p).split(self.intermediate_size, dim=-1)
-        return self._proj("down_proj", F.silu(gate) * up, residual=x, prompt_rows=p)
+        gate, up = self._proj("gate_up_proj", h).split(self.intermediate_size, dim=-1)
+        return self._proj("down_proj", F.silu(gate) * up, residual=x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -424,8 +390,8 @@ class LlamaForCausalLM(nn.Module):
             uses += [(layer.packed, name, getattr(layer, name).weight, name in ("o_proj", "down_proj"))
                      for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if name not in layer.int4]
         for packed, name, weight, with_residual in uses:
-            packed._tiling(weight, packed.get(name, weight) if weight.dtype == torch.bfloat16 else None,
-                           with_residual)
+            packed._needs_padding(weight, packed.get(name, weight) if weight.dtype == torch.bfloat16 else None,
+                                  with_residual)
 
     @torch.no_grad()
     def prepack_weights(self) -> None:

@@ -23,7 +23,6 @@ from contextlib import contextmanager
 
 import torch
 
-from engine.model_runner import prompt_first
 from engine.sampling_params import SamplingParams
 
 Record = dict[tuple[int, str], torch.Tensor]  # (position, op name) -> row
@@ -42,8 +41,7 @@ def _instrument(llm, records: Record, target_id: str):
 
     def execute_model(out):
         rows, start = {}, 0
-        order, _ = prompt_first(out.scheduled)
-        for s in (out.scheduled[i] for i in order):
+        for s in out.scheduled:
             if s.request.request_id in targets:
                 for j in range(s.num_new_tokens):
                     rows[start + j] = s.num_computed_tokens + j

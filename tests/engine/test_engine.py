@@ -78,14 +78,13 @@ def test_generate_cli_answers_capital_of_france():
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False])
-def test_a_follow_up_reads_the_cached_answer_only_without_batch_invariance(tmp_path, batch_invariant):
-    """The engine passes the setting to the scheduler: a follow-up prompt
-    that repeats a conversation's answer reads the answer's full blocks from
-    the prefix cache unless batch invariance keeps generated positions apart."""
+def test_a_follow_up_reads_the_cached_answer(tmp_path, batch_invariant):
+    """A follow-up prompt that repeats a conversation's answer reads the
+    answer's full blocks from the prefix cache, in either mode."""
     llm = LLM(model=save_byte_level_llama(tmp_path), dtype="float32", kv_cache_memory="4MiB", block_size=16,
               batch_invariant=batch_invariant)
-    prompt = list(range(40, 60))  # 20 tokens: one full prompt-only block
+    prompt = list(range(40, 60))  # 20 tokens
     answer = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
     follow_up = prompt + list(answer.outputs[0].token_ids) + [70, 71, 72]
     cached = llm.generate(follow_up, SamplingParams(temperature=0.0, max_tokens=1))[0].num_cached_tokens
-    assert cached == (16 if batch_invariant else 48)  # 59 of the 60 tokens were computed: 3 full blocks
+    assert cached == 48  # 59 of the 60 tokens were computed: 3 full blocks

@@ -288,25 +288,6 @@ def test_preemption_by_recompute_finishes_with_same_tokens():
     assert s.kv_cache_usage == 0.0
 
 
-@pytest.mark.parametrize("batch_invariant", [True, False])
-def test_a_recomputed_request_crosses_its_prompt_end_in_one_chunk_only_without_batch_invariance(batch_invariant):
-    """After preemption by recompute, a request recomputes its prompt and its
-    generated tokens. In batch-invariant mode the two kinds run different
-    matmul tiles, so no chunk may hold both; otherwise one chunk may."""
-    s = sched_(num_blocks=9, batch_invariant=batch_invariant)  # 8 usable blocks = 32 tokens
-    r = FakeRunner(s)
-    reqs = [make_req(f"r{i}", range(10 * i + 2, 10 * i + 12), max_tokens=12, arrival=float(i)) for i in range(3)]
-    for q in reqs:
-        s.add_request(q)
-    outs, _ = run_until_idle(s, r)
-    assert s.num_preemptions > 0
-    crossing = [sr for o in outs for sr in o.scheduled
-                if sr.num_computed_tokens < sr.request.num_prompt_tokens
-                < sr.num_computed_tokens + sr.num_new_tokens]
-    assert bool(crossing) == (not batch_invariant)
-    assert all(q.output_token_ids == [1000 + k for k in range(12)] for q in reqs)
-
-
 def test_no_admission_in_a_step_that_preempts():
     s = sched_(num_blocks=7)  # 6 usable blocks
     r = FakeRunner(s)
