@@ -94,7 +94,9 @@ class EngineArgs:
             "triton" (the latter on CPU needs TRITON_INTERPRET=1).
         batch_invariant: a request's tokens and logprobs do not depend on
             what else is batched or cached (README "Reproducible outputs");
-            False trades that for a few percent of throughput on CPU.
+            False trades that for throughput on CPU (oneDNN's AMX kernels for
+            large batches and long prompts; ``tandem bench engine
+            --compare-batch-invariant`` measures it).
         quantization: "none" (every weight dequantized to ``dtype``) or
             "gguf" (a GGUF's Q4_0/Q4_1 linear weights stay 4-bit and run
             through PyTorch's CPU int4 matmul; CPU only, see
