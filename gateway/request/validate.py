@@ -23,6 +23,15 @@ _COMMON = {
     "ignore_eos": (bool,), "stop_token_ids": (list,),
 }
 _CHAT = {**_COMMON, "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,)}
+# Value ranges (inclusive; None = unbounded) checked before routing, so every
+# backend's request gets OpenAI's error codes: OpenAI's ranges, except that
+# ``temperature`` may exceed 2 (vLLM's reading) and ``top_p`` excludes 0 as
+# the engine does.
+_RANGES = {
+    "temperature": (0, None), "top_p": (0, 1), "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2),
+    "min_p": (0, 1), "n": (1, None), "max_tokens": (1, None), "max_completion_tokens": (1, None),
+    "top_logprobs": (0, 20),
+}
 _COMPLETION = {**_COMMON, "logprobs": (int,), "echo": (bool,), "suffix": (str,), "best_of": (int,)}
 
 # Fields the local engine cannot serve: a request carrying one must be routed
@@ -91,6 +100,23 @@ def _check_type(name: str, value: object, types: tuple) -> None:
                           param=name, code="invalid_type")
 
 
+def _check_range(name: str, value: object) -> None:
+    """OpenAI's out-of-range error: code ``integer_below_min_value``,
+    ``decimal_above_max_value``... and a message with the bound."""
+    lo, hi = _RANGES[name]
+    if value is None or isinstance(value, bool) or not isinstance(value, _NUM):
+        return
+    kind = "integer" if isinstance(value, int) else "decimal"
+    too_low = value < lo or (name == "top_p" and value == 0)
+    if too_low:
+        expect = f"> {lo}" if name == "top_p" else f">= {lo}"
+        raise ClientError(400, f"Invalid '{name}': {kind} below minimum value. Expected a value {expect}, but got "
+                          f"{value} instead.", param=name, code=f"{kind}_below_min_value")
+    if hi is not None and value > hi:
+        raise ClientError(400, f"Invalid '{name}': {kind} above maximum value. Expected a value <= {hi}, but got "
+                          f"{value} instead.", param=name, code=f"{kind}_above_max_value")
+
+
 def parse_json(raw: bytes) -> dict:
     """Decode a JSON object. Raises ClientError(400) otherwise."""
     if not raw:
@@ -122,8 +148,12 @@ def _check_messages(messages: object) -> None:
     if messages is None:
         raise ClientError(400, "missing required parameter 'messages'", param="messages",
                           code="missing_required_parameter")
-    if not isinstance(messages, list) or not messages:
-        raise ClientError(400, "'messages' must be a non-empty array", param="messages", code="invalid_type")
+    if not isinstance(messages, list):
+        raise ClientError(400, f"'messages' must be an array, got {type(messages).__name__}", param="messages",
+                          code="invalid_type")
+    if not messages:
+        raise ClientError(400, "Invalid 'messages': empty array. Expected an array with minimum length 1, but got "
+                          "an empty array instead.", param="messages", code="empty_array")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ClientError(400, f"'messages[{i}]' must be an object with a string 'role'",
@@ -178,6 +208,8 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         t = types.get(name)
         if t is not None:
             _check_type(name, value, t)
+            if name in _RANGES:
+                _check_range(name, value)
     if "stream_options" in body and body.get("stream") is not True:
         raise ClientError(400, "The 'stream_options' parameter is only allowed when 'stream' is true",
                           param="stream_options", code="invalid_value")

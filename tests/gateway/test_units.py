@@ -95,3 +95,31 @@ def test_ctl_version_summary_says_why_a_version_is_not_shared():
     assert "no Redis configured" in _version_summary({**base, "propagated": None})
     assert "Redis unreachable" in _version_summary({**base, "propagated": False})
     assert "Redis" not in _version_summary({**base, "propagated": True})
+
+
+@pytest.mark.parametrize("field, value, code", [
+    ("top_p", 7, "integer_above_max_value"),
+    ("top_p", 1.5, "decimal_above_max_value"),
+    ("top_p", 0, "integer_below_min_value"),
+    ("temperature", -0.5, "decimal_below_min_value"),
+    ("max_tokens", -1, "integer_below_min_value"),
+    ("max_completion_tokens", 0, "integer_below_min_value"),
+    ("presence_penalty", 2.5, "decimal_above_max_value"),
+    ("n", 0, "integer_below_min_value"),
+    ("top_logprobs", 21, "integer_above_max_value"),
+])
+def test_out_of_range_values_get_openai_codes_before_routing(field, value, code):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+    with pytest.raises(ClientError) as e:
+        check_request(body, "chat/completions", None)
+    assert (e.value.status, e.value.param, e.value.code) == (400, field, code)
+    assert str(value) in e.value.message
+
+
+def test_in_range_edges_pass_and_empty_messages_is_empty_array():
+    ok = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": 1, "temperature": 3.0,
+          "presence_penalty": -2, "max_tokens": 1, "n": 1, "top_logprobs": 0}
+    assert check_request(ok, "chat/completions", None).max_tokens == 1
+    with pytest.raises(ClientError) as e:
+        check_request({"model": "m", "messages": []}, "chat/completions", None)
+    assert (e.value.param, e.value.code) == ("messages", "empty_array")

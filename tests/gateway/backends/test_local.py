@@ -183,10 +183,16 @@ def test_response_format_routed_upstream_tools_served_locally(gateway):
 
 
 def test_engine_validation_errors_pass_through(gateway):
+    """A value only the engine checks (top_k's range) comes back as the engine's 400; a range the gateway
+    checks (top_p) is refused before routing, with OpenAI's code."""
+    r = httpx.post(gateway.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "smollm2", "messages": MSG, "top_k": -5})
+    assert r.status_code == 400 and r.headers["x-tandem-backend"] == "local"
+    assert r.json()["error"]["param"] == "top_k"
     r = httpx.post(gateway.url + "/v1/chat/completions", timeout=60,
                    json={"model": "smollm2", "messages": MSG, "top_p": 7})
-    assert r.status_code == 400 and r.headers["x-tandem-backend"] == "local"
-    assert r.json()["error"]["param"] == "top_p"
+    assert r.status_code == 400 and "x-tandem-backend" not in r.headers
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("top_p", "integer_above_max_value")
 
 
 def test_canary_is_sticky_per_user_over_http(gateway):
