@@ -196,14 +196,14 @@ class ModelRunner:
         entries in ``out.scheduled``'s order.
         """
         bs = self.block_size
-        ordered = out.scheduled
-        q_lens = np.fromiter((s.num_new_tokens for s in ordered), dtype=np.int64, count=len(ordered))
-        starts = np.fromiter((s.num_computed_tokens for s in ordered), dtype=np.int64, count=len(ordered))
+        scheduled = out.scheduled
+        q_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
+        starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
         seq_lens = starts + q_lens
-        qsl = np.zeros(len(ordered) + 1, dtype=np.int64)
+        qsl = np.zeros(len(scheduled) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         ids: list[int] = []
-        for s in ordered:
+        for s in scheduled:
             tokens = s.request.all_token_ids
             nc = s.num_computed_tokens
             chunk = tokens[nc:nc + s.num_new_tokens]
@@ -211,14 +211,14 @@ class ModelRunner:
                 raise ValueError(f"request {s.request.request_id}: {s.num_new_tokens} new tokens scheduled from "
                                  f"{nc} but it has only {len(tokens)} tokens")
             ids.extend(chunk)
-        max_blocks = max(len(s.block_ids) for s in ordered)
-        table = np.zeros((len(ordered), max_blocks), dtype=np.int64)
-        for i, s in enumerate(ordered):
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        table = np.zeros((len(scheduled), max_blocks), dtype=np.int64)
+        for i, s in enumerate(scheduled):
             table[i, :len(s.block_ids)] = s.block_ids
             if len(s.block_ids) * bs < seq_lens[i]:
                 raise ValueError(f"request {s.request.request_id}: block table of {len(s.block_ids)} blocks is "
                                  f"too short for {seq_lens[i]} tokens")
-        seq_idx = np.repeat(np.arange(len(ordered)), q_lens)
+        seq_idx = np.repeat(np.arange(len(scheduled)), q_lens)
         positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)
         slots = table[seq_idx, positions // bs] * bs + positions % bs
         dev = self.device

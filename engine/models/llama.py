@@ -80,23 +80,21 @@ class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019), computed in float32 like HF Llama.
 
     Attributes:
-        triton: normalise each row in one Triton program
-            (``kernels.triton_batch_invariant.rms_norm``), set in
-            batch-invariant mode on CUDA: PyTorch's CUDA reduction splits a
-            row's sum by the number of rows.
+        triton_rms_norm: ``kernels.triton_batch_invariant.rms_norm`` (one
+            Triton program per row) in batch-invariant mode on CUDA, where
+            PyTorch's reduction splits a row's sum by the number of rows;
+            else None.
     """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.triton = False
+        self.triton_rms_norm = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.triton:
-            from kernels import triton_batch_invariant  # imports triton: CUDA (or its interpreter) only
-
-            return triton_batch_invariant.rms_norm(x, self.weight, self.eps)
+        if self.triton_rms_norm is not None:
+            return self.triton_rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -184,15 +182,16 @@ class _PackedWeights:
             share the call. A weight whose matmul fails
             :func:`check_row_invariance` (checked once per shape, dtype and
             call kind, in ``row_checks``) gets full, zero-padded tiles instead.
-        triton: run every linear through the fixed-configuration Triton GEMM
-            (``kernels.triton_batch_invariant.linear``) instead; set in
-            batch-invariant mode on CUDA, where cuBLAS picks kernels by shape.
+        triton_linear: the fixed-configuration Triton GEMM
+            (``kernels.triton_batch_invariant.linear``) every linear runs
+            through instead, in batch-invariant mode on CUDA (where cuBLAS
+            picks kernels by shape); else None.
     """
 
     def __init__(self, row_checks: dict | None = None) -> None:
         self._entries: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
         self.batch_invariant = False
-        self.triton = False
+        self.triton_linear = None
         # (shape, dtype, packed?, residual?) -> needs padded tiles; shared by a model's layers
         self._row_checks = {} if row_checks is None else row_checks
 
@@ -225,10 +224,8 @@ class _PackedWeights:
         Returns:
             [num_rows, out_features], x's dtype.
         """
-        if self.triton:
-            from kernels import triton_batch_invariant  # imports triton: CUDA (or its interpreter) only
-
-            return triton_batch_invariant.linear(x.contiguous(), weight, bias, residual)
+        if self.triton_linear is not None:
+            return self.triton_linear(x.contiguous(), weight, bias, residual)
         if x.device.type != "cpu":
             y = F.linear(x, weight, bias)
             return y if residual is None else residual + y
@@ -377,11 +374,15 @@ class LlamaForCausalLM(nn.Module):
         interpreter, for tests)."""
         device = self.embed_tokens.weight.device
         use_triton = enabled and (device.type == "cuda" or self.backend.name == "triton")
+        kernels = None
+        if use_triton:
+            from kernels import triton_batch_invariant as kernels  # imports triton: CUDA (or its interpreter) only
         for packed in [self.packed] + [layer.packed for layer in self.layers]:
-            packed.batch_invariant, packed.triton = enabled, use_triton
+            packed.batch_invariant = enabled
+            packed.triton_linear = kernels.linear if use_triton else None
         for norm in [self.norm] + [n for layer in self.layers
                                    for n in (layer.input_layernorm, layer.post_attention_layernorm)]:
-            norm.triton = use_triton
+            norm.triton_rms_norm = kernels.rms_norm if use_triton else None
         if not enabled or use_triton or device.type != "cpu":
             return
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

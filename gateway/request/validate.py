@@ -23,14 +23,14 @@ _COMMON = {
     "ignore_eos": (bool,), "stop_token_ids": (list,),
 }
 _CHAT = {**_COMMON, "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,)}
-# Value ranges (inclusive; None = unbounded) checked before routing, so every
-# backend's request gets OpenAI's error codes: OpenAI's ranges, except that
-# ``temperature`` may exceed 2 (vLLM's reading) and ``top_p`` excludes 0 as
-# the engine does.
+# Value ranges checked before routing, so every backend's request gets
+# OpenAI's error codes: (lowest, highest, lowest allowed?), None = unbounded.
+# OpenAI's ranges, except that ``temperature`` may exceed 2 (vLLM's reading)
+# and ``top_p`` excludes 0, as the engine does.
 _RANGES = {
-    "temperature": (0, None), "top_p": (0, 1), "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2),
-    "min_p": (0, 1), "n": (1, None), "max_tokens": (1, None), "max_completion_tokens": (1, None),
-    "top_logprobs": (0, 20),
+    "temperature": (0, None, True), "top_p": (0, 1, False), "presence_penalty": (-2, 2, True),
+    "frequency_penalty": (-2, 2, True), "min_p": (0, 1, True), "n": (1, None, True), "max_tokens": (1, None, True),
+    "max_completion_tokens": (1, None, True), "top_logprobs": (0, 20, True),
 }
 _COMPLETION = {**_COMMON, "logprobs": (int,), "echo": (bool,), "suffix": (str,), "best_of": (int,)}
 
@@ -103,13 +103,12 @@ def _check_type(name: str, value: object, types: tuple) -> None:
 def _check_range(name: str, value: object) -> None:
     """OpenAI's out-of-range error: code ``integer_below_min_value``,
     ``decimal_above_max_value``... and a message with the bound."""
-    lo, hi = _RANGES[name]
+    lo, hi, lo_allowed = _RANGES[name]
     if value is None or isinstance(value, bool) or not isinstance(value, _NUM):
         return
     kind = "integer" if isinstance(value, int) else "decimal"
-    too_low = value < lo or (name == "top_p" and value == 0)
-    if too_low:
-        expect = f"> {lo}" if name == "top_p" else f">= {lo}"
+    if value < lo or (value == lo and not lo_allowed):
+        expect = f">= {lo}" if lo_allowed else f"> {lo}"
         raise ClientError(400, f"Invalid '{name}': {kind} below minimum value. Expected a value {expect}, but got "
                           f"{value} instead.", param=name, code=f"{kind}_below_min_value")
     if hi is not None and value > hi:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
+from kernels import triton_batch_invariant
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -74,7 +75,8 @@ def test_triton_batch_invariant_linears_give_a_prompt_the_same_tokens_and_logpro
     llm = LLM(model=model_dir, dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu",
               attention_backend="triton", block_size=16, max_num_batched_tokens=12, kv_cache_memory="4MiB")
     model = llm.engine.model_runner.model
-    assert model.layers[0].packed.triton and model.norm.triton and model.packed.triton
+    assert model.layers[0].packed.triton_linear is triton_batch_invariant.linear is model.packed.triton_linear
+    assert model.norm.triton_rms_norm is triton_batch_invariant.rms_norm
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
     alone = llm.generate([PROMPTS[0]], params)[0].outputs[0]
     batched = llm.generate(PROMPTS, params)[0].outputs[0]
