@@ -68,25 +68,34 @@ def _serve(args) -> int:
 
 
 def _prompt_tokens(compiled, body: dict) -> tuple[int, str]:
-    """The prompt length the gateway would route on, and how it was counted: the local engine's tokenizer (its
-    chat template included) when a rule reads ``prompt_tokens`` and a local backend is configured, as ``tandem
-    serve`` counts once its engine is up; else the estimate."""
-    from gateway.request.validate import count_prompt_tokens, estimate_prompt_tokens
+    """The prompt length the gateway would route on, and how it was counted: the local engine's rendering (its
+    chat template and tokenizer) when a rule reads ``prompt_tokens`` and a local backend is configured, as
+    ``tandem serve`` counts once its engine is up; else the estimate."""
+    from gateway.request.validate import estimate_prompt_tokens
 
     local = next((b for b in compiled.config.backends.values() if b.type == "local"), None)
     if local is not None and "prompt_tokens" in compiled.policy.fields():
-        try:   # the tokenizer only (no weights): lazy, only this case pays the engine import
-            import os.path
+        # the tokenizer only (no weights): lazy, only this case pays the engine import
+        import os.path
 
-            from engine.config import default_model_path
-            from engine.tokenizer import Tokenizer
+        from engine.config import default_model_path
+        from engine.entrypoints.chat import render_chat
+        from engine.entrypoints.completion import render_completion
+        from engine.entrypoints.protocol import ServingError
+        from engine.tokenizer import Tokenizer
+        from gateway.backends.dispatch import GATEWAY_ONLY_FIELDS
 
+        try:
             path = local.engine.model or default_model_path()
             tok = Tokenizer.from_hf_dir(path) if os.path.isdir(path) else Tokenizer.from_gguf(path)
-            if (n := count_prompt_tokens(tok, body)) is not None:
-                return n, "the local engine's tokenizer, as the gateway counts"
+            render = render_chat if "messages" in body else render_completion
+            body = {k: v for k, v in body.items() if k not in GATEWAY_ONLY_FIELDS and k != "model"}
+            return render(tok, body).prompt_tokens, "the local engine's rendering, as the gateway counts"
         except (OSError, ValueError) as e:
             print(f"note: the local engine's tokenizer could not be loaded ({e}); using the estimate",
+                  file=sys.stderr)
+        except ServingError as e:
+            print(f"note: the local engine would refuse this body ({e.message}); using the estimate",
                   file=sys.stderr)
     return estimate_prompt_tokens(body), "estimate: 4 chars/token"
 

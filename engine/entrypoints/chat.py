@@ -12,22 +12,28 @@ from collections.abc import AsyncIterator
 
 from engine.chat_structured import ToolCallParser, parse_tool_calls, plan_chat
 from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidationError, ServingError
-from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, error_from_engine, reject_abort, sse, usage,
-                                        usage_options)
+from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, RenderedPrompt, error_from_engine, parse_body,
+                                        reject_abort, sse, usage, usage_options)
 from engine.outputs import CompletionOutput
 
 
 class OpenAIServingChat(OpenAIServing):
     """Chat completions (constructor: ``OpenAIServing``'s)."""
 
-    async def create_chat_completion(self, body: dict, request_id: str,
-                                     priority: int = 0) -> dict | AsyncIterator[bytes]:
+    async def create_chat_completion(self, body: dict, request_id: str, priority: int = 0,
+                                     rendered: RenderedPrompt | None = None,
+                                     response_model: str | None = None) -> dict | AsyncIterator[bytes]:
         """``POST /v1/chat/completions``.
 
         Args:
             body: the decoded JSON body.
             request_id: unique id; also the response's ``id``.
             priority: scheduling priority when the body has none (lower = first).
+            rendered: ``render_chat`` of this body, when the caller (the gateway) already rendered it; the
+                body is then not parsed or tokenized again (the rendering's fields are used; only the body's
+                ``model`` is checked).
+            response_model: the ``model`` the answer reports (the gateway's public name); default the
+                served name.
 
         Returns:
             The ``chat.completion`` object, or an async iterator of SSE lines
@@ -37,33 +43,10 @@ class OpenAIServingChat(OpenAIServing):
             ServingError: 400 bad input (names the parameter; prompt over
                 ``max_model_len``), 404 unknown model, 503 engine draining/dead.
         """
-        req = self._parse(body, ChatCompletionRequest)
-        self._check_common(req)
-        if req.continue_final_message and req.add_generation_prompt:
-            raise ServingError(400, "continue_final_message: cannot be used with add_generation_prompt=true",
-                               param="continue_final_message")
-        if req.top_logprobs is not None and not req.logprobs:
-            raise ServingError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-        if req.top_logprobs is not None and not (0 <= req.top_logprobs <= 20):
-            raise ServingError(400, f"top_logprobs: must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
-        if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
-            raise ServingError(400, f"max_completion_tokens: must be at least 1, got {req.max_completion_tokens}",
-                               param="max_completion_tokens")
-        messages = normalize_messages(req.messages)
-        tokenizer = self.engine.tokenizer
-        try:
-            plan = plan_chat(req, messages, tokenizer.chat_template)
-        except RequestValidationError as exc:
-            raise ServingError(400, str(exc), param=exc.param) from None
-        messages = plan.messages
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                 **plan.template_kwargs, **(req.chat_template_kwargs or {}))
-        except Exception as exc:  # jinja2.TemplateError, ValueError (no template)
-            raise ServingError(400, f"messages: the chat template failed: {exc}", param="messages") from None
-        if req.continue_final_message:
-            text = cut_after_final_message(text, messages)
-        token_ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        r = rendered if rendered is not None else render_chat(self.engine.tokenizer, body)
+        req, plan, messages = r.request, r.plan, r.messages
+        self._check_common(req, body.get("model"))
+        token_ids = r.prompts[0][1]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, len(token_ids), max_tokens=max_tokens, logprobs=logprobs,
@@ -76,13 +59,15 @@ class OpenAIServingChat(OpenAIServing):
         prompt = Prompt(token_ids, None, params)
         prio = req.priority if req.priority is not None else priority
         top = req.top_logprobs or 0
+        model = response_model or self.served_model_name
         if req.stream:
             include_usage, continuous = usage_options(req)
-            return self._chat_stream(request_id, prompt, prio, bool(req.logprobs), top, echo,
+            return self._chat_stream(request_id, model, prompt, prio, bool(req.logprobs), top, echo,
                                      include_usage, continuous, plan.parse_tool_calls)
-        return await self._chat_full(request_id, prompt, prio, bool(req.logprobs), top, echo, plan.parse_tool_calls)
+        return await self._chat_full(request_id, model, prompt, prio, bool(req.logprobs), top, echo,
+                                     plan.parse_tool_calls)
 
-    async def _chat_full(self, request_id: str, prompt: Prompt, priority: int, want_logprobs: bool,
+    async def _chat_full(self, request_id: str, model: str, prompt: Prompt, priority: int, want_logprobs: bool,
                          top: int, echo: str, tool_calls: bool = False) -> dict:
         choices, cached, prompt_lps = await self._collect(request_id, [prompt], priority)
         out_choices = []
@@ -107,7 +92,7 @@ class OpenAIServingChat(OpenAIServing):
             })
         response = {
             "id": request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": self.served_model_name, "choices": out_choices,
+            "model": model, "choices": out_choices,
             "usage": usage(len(prompt.token_ids), completion_tokens, cached[0]),
             "system_fingerprint": None,
         }
@@ -115,7 +100,7 @@ class OpenAIServingChat(OpenAIServing):
             response["prompt_logprobs"] = self.logprobs.prompt_logprobs_vllm(prompt.token_ids, prompt_lps[0])
         return response
 
-    async def _chat_stream(self, request_id: str, prompt: Prompt, priority: int, want_logprobs: bool,
+    async def _chat_stream(self, request_id: str, model: str, prompt: Prompt, priority: int, want_logprobs: bool,
                            top: int, echo: str, include_usage: bool, continuous: bool,
                            tool_calls: bool = False) -> AsyncIterator[bytes]:
         created = int(time.time())
@@ -126,7 +111,7 @@ class OpenAIServingChat(OpenAIServing):
         cached = 0
 
         def chunk(choices: list, usage: dict | None = None) -> bytes:
-            return self._chunk(request_id, "chat.completion.chunk", created, choices, usage)
+            return self._chunk(request_id, model, "chat.completion.chunk", created, choices, usage)
 
         def runningusage() -> dict | None:
             return usage(num_prompt, sum(generated), cached) if continuous else None
@@ -162,6 +147,46 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:  # noqa: BLE001 - reported to the client, never a traceback
             yield sse(error_from_engine(exc).to_dict())
         yield DONE
+
+
+def render_chat(tokenizer, body: dict) -> RenderedPrompt:
+    """``body`` parsed and checked, its messages (with tools and response_format, ``plan_chat``) through the
+    model's chat template and tokenized: the prompt the engine runs. The gateway counts ``prompt_tokens`` with
+    it and hands it to ``create_chat_completion``; ``tandem route explain`` counts with it.
+
+    Args:
+        tokenizer: the engine's ``engine.tokenizer.Tokenizer`` (its chat template).
+        body: the decoded JSON body.
+
+    Raises:
+        ServingError: 400 naming the parameter (bad field, malformed message, the template failed).
+    """
+    req = parse_body(body, ChatCompletionRequest)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise ServingError(400, "continue_final_message: cannot be used with add_generation_prompt=true",
+                           param="continue_final_message")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ServingError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    if req.top_logprobs is not None and not (0 <= req.top_logprobs <= 20):
+        raise ServingError(400, f"top_logprobs: must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
+    if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+        raise ServingError(400, f"max_completion_tokens: must be at least 1, got {req.max_completion_tokens}",
+                           param="max_completion_tokens")
+    messages = normalize_messages(req.messages)
+    try:
+        plan = plan_chat(req, messages, tokenizer.chat_template)
+    except RequestValidationError as exc:
+        raise ServingError(400, str(exc), param=exc.param) from None
+    messages = plan.messages
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                             **plan.template_kwargs, **(req.chat_template_kwargs or {}))
+    except Exception as exc:  # jinja2.TemplateError, ValueError (no template)
+        raise ServingError(400, f"messages: the chat template failed: {exc}", param="messages") from None
+    if req.continue_final_message:
+        text = cut_after_final_message(text, messages)
+    token_ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    return RenderedPrompt(req, ((None, token_ids),), plan=plan, messages=tuple(messages))
 
 
 def tool_finish_reason(finish_reason: str | None) -> str | None:

@@ -13,16 +13,17 @@ from collections.abc import AsyncIterator
 from engine.chat_structured import ChatPlan, structured_outputs_extra
 from engine.entrypoints.logprobs import empty_completion_logprobs
 from engine.entrypoints.protocol import CompletionRequest, RequestValidationError, ServingError
-from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, engine_id, error_from_engine, merge_streams,
-                                        reject_abort, sse, usage, usage_options)
+from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, RenderedPrompt, engine_id, error_from_engine,
+                                        merge_streams, parse_body, reject_abort, sse, usage, usage_options)
 
 
 class OpenAIServingCompletion(OpenAIServing):
     """Legacy completions (constructor: ``OpenAIServing``'s)."""
 
     # ------------------------------------------------------------ completions
-    async def create_completion(self, body: dict, request_id: str,
-                                priority: int = 0) -> dict | AsyncIterator[bytes]:
+    async def create_completion(self, body: dict, request_id: str, priority: int = 0,
+                                rendered: RenderedPrompt | None = None,
+                                response_model: str | None = None) -> dict | AsyncIterator[bytes]:
         """``POST /v1/completions`` (legacy completions).
 
         Args:
@@ -30,6 +31,11 @@ class OpenAIServingCompletion(OpenAIServing):
             request_id: unique id; also the response's ``id``; with several
                 prompts the engine ids are ``f"{request_id}-{i}"``.
             priority: scheduling priority when the body has none (lower = first).
+            rendered: ``render_completion`` of this body, when the caller (the gateway) already rendered it;
+                the body is then not parsed or tokenized again (the rendering's fields are used; only the
+                body's ``model`` is checked).
+            response_model: the ``model`` the answer reports (the gateway's public name); default the
+                served name.
 
         Returns:
             The ``text_completion`` object, or an async iterator of SSE lines.
@@ -38,12 +44,10 @@ class OpenAIServingCompletion(OpenAIServing):
             ServingError: 400 bad input (names the parameter), 404 unknown
                 model, 503 engine draining/dead.
         """
-        req = self._parse(body, CompletionRequest)
-        self._check_common(req)
-        if req.suffix:
-            raise ServingError(400, "suffix: is not supported", param="suffix")
+        r = rendered if rendered is not None else render_completion(self.engine.tokenizer, body)
+        req = r.request
+        self._check_common(req, body.get("model"))
         echo = bool(req.echo)
-        texts_and_ids = self._completion_prompts(req)
         prompt_logprobs = req.prompt_logprobs
         if echo and req.logprobs is not None:
             prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
@@ -54,51 +58,25 @@ class OpenAIServingCompletion(OpenAIServing):
             raise ServingError(400, str(exc), param=exc.param) from None
         await self._compile_grammar(plan)
         prompts = []
-        for text, ids in texts_and_ids:
+        for text, ids in r.prompts:
             params = self._sampling_params(req, len(ids), max_tokens=req.max_tokens, logprobs=req.logprobs,
                                            prompt_logprobs=prompt_logprobs, prompt_field="prompt",
                                            structured_outputs=plan.structured_outputs)
             prompts.append(Prompt(ids, text, params))
         prio = req.priority if req.priority is not None else priority
+        model = response_model or self.served_model_name
         if req.stream:
             include_usage, continuous = usage_options(req)
-            return self._completion_stream(request_id, prompts, prio, req.logprobs, echo, include_usage, continuous)
-        return await self._completion_full(request_id, prompts, prio, req.logprobs, echo)
-
-    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-        """The request's prompts as (text or None, token ids)."""
-        p = req.prompt
-        vocab = self.engine.tokenizer.vocab_size
-        if isinstance(p, str):
-            items: list = [p]
-        elif p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            items = [p]
-        else:
-            items = list(p)
-        if not items:
-            raise ServingError(400, "prompt: must not be empty", param="prompt")
-        out = []
-        for item in items:
-            if isinstance(item, str):
-                ids = self.engine.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
-                out.append((item, ids))
-            elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-                if any(t < 0 or t >= vocab for t in item):
-                    raise ServingError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
-                out.append((None, list(item)))
-            else:
-                raise ServingError(400, "prompt: must be a string, a list of strings, a list of token ids "
-                                        "or a list of token-id lists", param="prompt")
-            if not out[-1][1]:
-                raise ServingError(400, "prompt: must not be empty", param="prompt")
-        return out
+            return self._completion_stream(request_id, model, prompts, prio, req.logprobs, echo, include_usage,
+                                           continuous)
+        return await self._completion_full(request_id, model, prompts, prio, req.logprobs, echo)
 
     def _prompt_text(self, prompt: Prompt) -> str:
         if prompt.text is not None:
             return prompt.text
         return self.engine.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
-    async def _completion_full(self, request_id: str, prompts: list[Prompt], priority: int,
+    async def _completion_full(self, request_id: str, model: str, prompts: list[Prompt], priority: int,
                                logprobs: int | None, echo: bool) -> dict:
         choices, cached, prompt_lps = await self._collect(request_id, prompts, priority)
         out_choices = []
@@ -124,12 +102,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 out_choices.append(choice)
         return {
             "id": request_id, "object": "text_completion", "created": int(time.time()),
-            "model": self.served_model_name, "choices": out_choices,
+            "model": model, "choices": out_choices,
             "usage": usage(num_prompt, completion_tokens, sum(cached)),
             "system_fingerprint": None,
         }
 
-    async def _completion_stream(self, request_id: str, prompts: list[Prompt], priority: int,
+    async def _completion_stream(self, request_id: str, model: str, prompts: list[Prompt], priority: int,
                                  logprobs: int | None, echo: bool, include_usage: bool,
                                  continuous: bool) -> AsyncIterator[bytes]:
         created = int(time.time())
@@ -140,7 +118,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echoed: set[tuple[int, int]] = set()
 
         def chunk(choices: list, usage: dict | None = None) -> bytes:
-            return self._chunk(request_id, "text_completion", created, choices, usage)
+            return self._chunk(request_id, model, "text_completion", created, choices, usage)
 
         def runningusage() -> dict | None:
             return usage(num_prompt, sum(generated.values()), sum(cached)) if continuous else None
@@ -184,3 +162,44 @@ class OpenAIServingCompletion(OpenAIServing):
             yield sse(error_from_engine(exc).to_dict())
         yield DONE
 
+
+def render_completion(tokenizer, body: dict) -> RenderedPrompt:
+    """``body`` parsed and checked, its prompt(s) (text, token ids, or lists of either) tokenized: the prompts
+    the engine runs. The gateway counts ``prompt_tokens`` with it and hands it to ``create_completion``.
+
+    Args:
+        tokenizer: the engine's ``engine.tokenizer.Tokenizer``.
+        body: the decoded JSON body.
+
+    Raises:
+        ServingError: 400 naming the parameter (bad field, empty prompt, token id outside the vocabulary,
+            ``suffix``).
+    """
+    req = parse_body(body, CompletionRequest)
+    if req.suffix:
+        raise ServingError(400, "suffix: is not supported", param="suffix")
+    p = req.prompt
+    vocab = tokenizer.vocab_size
+    if isinstance(p, str):
+        items: list = [p]
+    elif p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        items = [p]
+    else:
+        items = list(p)
+    if not items:
+        raise ServingError(400, "prompt: must not be empty", param="prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            ids = tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+            out.append((item, ids))
+        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            if any(t < 0 or t >= vocab for t in item):
+                raise ServingError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+            out.append((None, list(item)))
+        else:
+            raise ServingError(400, "prompt: must be a string, a list of strings, a list of token ids "
+                                    "or a list of token-id lists", param="prompt")
+        if not out[-1][1]:
+            raise ServingError(400, "prompt: must not be empty", param="prompt")
+    return RenderedPrompt(req, tuple(out))

@@ -48,6 +48,42 @@ class Prompt:
     params: SamplingParams
 
 
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A request body parsed, checked and tokenized as the engine runs it (``chat.render_chat``,
+    ``completion.render_completion``). The gateway renders a request once, reads ``prompt_tokens`` for routing
+    and hands the rendering to the engine, which then does not tokenize again.
+
+    Args:
+        request: the parsed body (``ChatCompletionRequest`` | ``CompletionRequest``).
+        prompts: (text or None for token-id and chat prompts, token ids) per prompt; one for chat.
+        plan: chat only: what tools and response_format add to the template and the sampling.
+        messages: chat only: the normalized messages the template rendered.
+    """
+
+    request: Any
+    prompts: tuple[tuple[str | None, list[int]], ...]
+    plan: ChatPlan | None = None
+    messages: tuple[dict, ...] = ()
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens over all prompts (``usage.prompt_tokens`` of the answer)."""
+        return sum(len(ids) for _, ids in self.prompts)
+
+
+def parse_body(body: Any, schema):
+    """``body`` (decoded JSON) as ``schema``.
+
+    Raises:
+        ServingError: 400 naming the offending parameter.
+    """
+    try:
+        return parse_request(body, schema)
+    except RequestValidationError as exc:
+        raise ServingError(400, str(exc), param=exc.param) from None
+
+
 
 class OpenAIServing:
     """What the chat and completions paths share over an ``AsyncEngine``: the
@@ -89,27 +125,24 @@ class OpenAIServing:
             raise ServingError(400, f"{plan.param}: {exc}", param=plan.param) from None
 
     # ---------------------------------------------------------------- helpers
-    def _chunk(self, request_id: str, obj_type: str, created: int, choices: list, usage: dict | None) -> bytes:
+    def _chunk(self, request_id: str, model: str, obj_type: str, created: int, choices: list,
+               usage: dict | None) -> bytes:
         """One SSE event of a streamed response (``usage`` only when given)."""
         obj = {"id": request_id, "object": obj_type, "created": created,
-               "model": self.served_model_name, "choices": choices}
+               "model": model, "choices": choices}
         if usage is not None:
             obj["usage"] = usage
         return sse(obj)
 
-    def _parse(self, body: Any, schema):
-        try:
-            return parse_request(body, schema)
-        except RequestValidationError as exc:
-            raise ServingError(400, str(exc), param=exc.param) from None
-
-    def _check_common(self, req) -> None:
+    def _check_common(self, req, model: str | None) -> None:
+        """Engine state and the checks both endpoints share; ``model`` is the body's (the gateway rewrites it to
+        the served name after rendering)."""
         if not self.engine.ready:
             raise ServingError(503, "the engine is not ready", type="server_error", code="engine_not_ready")
         if not self.engine.accepting:
             raise ServingError(503, "the engine is shutting down", type="server_error", code="engine_draining")
-        if req.model is not None and req.model != self.served_model_name:
-            raise ServingError(404, f"The model `{req.model}` does not exist. Available: {self.served_model_name}",
+        if model is not None and model != self.served_model_name:
+            raise ServingError(404, f"The model `{model}` does not exist. Available: {self.served_model_name}",
                                type="invalid_request_error", param="model", code="model_not_found")
         if req.use_beam_search:
             raise ServingError(400, "use_beam_search: beam search is not supported", param="use_beam_search")

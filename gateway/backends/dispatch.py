@@ -51,9 +51,8 @@ def _payload(backend, target: Target, req: GatewayRequest):
 
 async def _attempt(backend, target: Target, req: GatewayRequest):
     payload = _payload(backend, target, req)
-    # the local engine also takes the priority (the body's "priority" was removed)
-    args = (req.endpoint, payload, req.request_id, req.priority) if backend.kind == "local" else \
-        (req.endpoint, payload, req.request_id)
+    # the local engine takes the request value (priority, routing's rendering, the answer's id and model)
+    args = (req, payload) if backend.kind == "local" else (req.endpoint, payload, req.request_id)
     return await (backend.open_stream if req.stream else backend.send)(*args)
 
 
@@ -108,7 +107,8 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
     headers = {k: v for k, v in res.headers.items() if k != "content-type"}
     backend = res.candidate.target.backend if res.candidate is not None else ""
     body, stream = res.body or b"", res.stream
-    if res.status == 200:            # the public model name and the gateway's id, whoever answered
+    # the public model name and the gateway's id, whoever answered (the local engine writes them itself)
+    if res.status == 200 and backends[backend].kind != "local":
         id_ = answer_id(req.endpoint, req.request_id)
         if stream is not None:
             stream = relabel_stream(stream, id_, req.public_model)

@@ -11,9 +11,11 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
+from gateway.backends.dispatch import GATEWAY_ONLY_FIELDS
+from gateway.backends.relabel import answer_id
 from gateway.config.schema import LocalBackendConfig
 from gateway.errors import BackendError
-from gateway.request.validate import count_prompt_tokens
+from gateway.request.validate import GatewayRequest
 from gateway.resilience.outcomes import UpstreamResponse
 
 log = logging.getLogger("tandem.gateway.local")
@@ -42,8 +44,8 @@ class LocalBackend:
         try:   # lazy: the engine (and torch) load only when a local backend starts
             from engine.async_engine import AsyncEngine
             from engine.config import EngineArgs
-            from engine.entrypoints.chat import OpenAIServingChat
-            from engine.entrypoints.completion import OpenAIServingCompletion
+            from engine.entrypoints.chat import OpenAIServingChat, render_chat
+            from engine.entrypoints.completion import OpenAIServingCompletion, render_completion
             from engine.entrypoints.protocol import ServingError
 
             args = EngineArgs(**self.cfg.engine.engine_kwargs())
@@ -54,6 +56,7 @@ class LocalBackend:
             self.max_model_len = engine.max_model_len
             self.serving = {"chat/completions": OpenAIServingChat(engine, engine.served_model_name).create_chat_completion,
                             "completions": OpenAIServingCompletion(engine, engine.served_model_name).create_completion}
+            self.renderers = {"chat/completions": render_chat, "completions": render_completion}
             self.serving_error = ServingError
             self.available, self.unavailable_reason = True, ""
             log.info("local engine ready: %s (max_model_len %s)", self.served_model_name, self.max_model_len)
@@ -73,38 +76,49 @@ class LocalBackend:
         s = self.engine.get_stats()
         return int(s.num_waiting), int(s.num_running), float(s.kv_cache_usage) * 100.0
 
-    def count_prompt_tokens(self, body: dict) -> int | None:
-        """Prompt length in tokens as the engine will run it (``gateway.request.validate.count_prompt_tokens``
-        with the engine's tokenizer); None when the engine is not loaded."""
-        return None if self.engine is None else count_prompt_tokens(self.engine.tokenizer, body)
+    def render(self, endpoint: str, body: dict):
+        """The engine's rendering of ``body`` (``engine.entrypoints.serving.RenderedPrompt``: parsed, chat
+        template applied, tokenized): its ``prompt_tokens`` is the prompt length routing reads, and ``send`` /
+        ``open_stream`` hand it to the engine, which then does not tokenize again. None before the engine is
+        loaded, or when the engine refuses the body (it refuses it again, with its error, if the request
+        reaches it). The gateway-only fields and ``model`` (rewritten per target) are left out."""
+        if self.serving is None:
+            return None
+        body = {k: v for k, v in body.items() if k not in GATEWAY_ONLY_FIELDS and k != "model"}
+        try:
+            return self.renderers[endpoint](self.engine.tokenizer, body)
+        except Exception:  # noqa: BLE001 -- refused or odd content: the estimate decides, the engine answers
+            return None
 
-    async def _call(self, endpoint: str, body: dict, request_id: str, priority: int):
+    async def _call(self, req: GatewayRequest, body: dict):
         if self.serving is None:
             raise BackendError("unavailable", f"{self.name}: {self.unavailable_reason}", 503)
-        fn = self.serving["chat/completions" if endpoint == "chat/completions" else "completions"]
-        try:
-            return await fn(body, request_id, priority)
+        try:   # the engine labels the answer as the gateway reports it: no relabelling pass over its events
+            return await self.serving[req.endpoint](body, answer_id(req.endpoint, req.request_id), req.priority,
+                                                    req.rendered, response_model=req.public_model or None)
         except self.serving_error as e:
             raise BackendError("http", f"{self.name}: {e.message}", e.status_code, self._encode(e.to_dict())) from None
 
-    async def send(self, endpoint: str, body: dict, request_id: str, priority: int) -> UpstreamResponse:
-        """Run one non-streaming request; the OpenAI JSON answer.
+    async def send(self, req: GatewayRequest, body: dict) -> UpstreamResponse:
+        """Run one non-streaming request: ``req`` (its endpoint, id, priority, public model and, when routing
+        rendered it, its ``rendered`` prompt) with ``body`` (the client's, ``model`` set to the served name,
+        gateway-only fields removed); the OpenAI JSON answer, ``id`` and ``model`` as the gateway reports them.
 
         Raises:
             BackendError: "http" with the serving layer's status for bad input,
                 "unavailable" before the engine is loaded."""
         self.active += 1
         try:
-            result = await self._call(endpoint, body, request_id, priority)
+            result = await self._call(req, body)
             return UpstreamResponse(200, {"content-type": "application/json"}, body=self._encode(result))
         finally:
             self.active -= 1
 
-    async def open_stream(self, endpoint: str, body: dict, request_id: str, priority: int) -> AsyncIterator[bytes]:
-        """Start a streaming request; SSE byte lines (``data: ...\\n\\n``)."""
+    async def open_stream(self, req: GatewayRequest, body: dict) -> AsyncIterator[bytes]:
+        """Start a streaming request (arguments as ``send``'s); SSE byte lines (``data: ...\\n\\n``)."""
         self.active += 1
         try:
-            result = await self._call(endpoint, body, request_id, priority)
+            result = await self._call(req, body)
         except BaseException:
             self.active -= 1
             raise

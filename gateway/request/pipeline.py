@@ -28,8 +28,8 @@ ENGINE_LOADING_RETRY_AFTER_S = 5
 
 def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str) -> GatewayRequest:
     """The request value of ``raw`` on config generation ``snap`` (``gateway.runtime.Snapshot``): its tenant,
-    checked body, public model and prompt length (the local engine's tokenizer when a rule reads
-    ``prompt_tokens`` and the engine is up, else the estimate).
+    checked body, public model and prompt length (the local engine's rendering, kept for the engine, when a rule
+    reads ``prompt_tokens`` and the engine is up; else the estimate).
 
     Raises:
         ClientError: 400 (bad body), 401 (bad key), 404 (unknown model).
@@ -43,12 +43,11 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     if public is None:
         raise ClientError(404, f"The model '{req.model}' does not exist; available: "
                           f"{', '.join(compiled.public_models)}", param="model", code="model_not_found")
-    prompt_tokens = None
+    rendered = None
     if snap.needs_prompt_tokens and snap.local is not None and snap.local.available:
-        prompt_tokens = snap.local.count_prompt_tokens(req.body)
-    if prompt_tokens is None:
-        prompt_tokens = estimate_prompt_tokens(req.body)
-    return replace(req, public_model=public, prompt_tokens=prompt_tokens)
+        rendered = snap.local.render(endpoint, req.body)
+    prompt_tokens = rendered.prompt_tokens if rendered is not None else estimate_prompt_tokens(req.body)
+    return replace(req, public_model=public, prompt_tokens=prompt_tokens, rendered=rendered)
 
 
 def features(req: GatewayRequest, prefix: bool = False) -> RequestFeatures:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -56,9 +57,10 @@ class GatewayRequest:
     max_tokens: ``max_completion_tokens`` when set, else ``max_tokens``, else the endpoint's default (completions:
     16; chat: None, up to the context), the engine's rule. ``body`` has its top-level nulls dropped (null = not
     given).
-    prompt_tokens: the prompt's length in tokens, counted once (the local engine's tokenizer with the chat
-    template, else ``estimate_prompt_tokens``). local_unsupported: a field the local engine cannot serve.
-    headers: lower-case names -> values.
+    prompt_tokens: the prompt's length in tokens, counted once (the local engine's rendering when a rule reads
+    it, else ``estimate_prompt_tokens``). rendered: that rendering (``engine.entrypoints.serving.RenderedPrompt``:
+    template applied, tokenized), handed to the local engine so it does not tokenize again; None when not
+    rendered. local_unsupported: a field the local engine cannot serve. headers: lower-case names -> values.
     """
 
     endpoint: str
@@ -76,6 +78,7 @@ class GatewayRequest:
     tenant: str = ""
     request_id: str = ""
     prompt_tokens: int | None = None
+    rendered: Any = None
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -232,27 +235,6 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         has_tools=any(body.get(k) for k in _TOOL_FIELDS),
         has_response_format=rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"),
         local_unsupported=unsupported, **identity)
-
-
-def count_prompt_tokens(tok, body: dict) -> int | None:
-    """Prompt length in tokens as the engine will run it: ``tok`` (``engine.tokenizer.Tokenizer``) with the
-    request's chat-template and special-token options at ``engine/protocol.py``'s defaults; None when the
-    content is odd (the estimate decides then). Used by the local backend and ``tandem route explain``."""
-    chat = "messages" in body
-    try:
-        if chat:
-            text = tok.apply_chat_template(body["messages"], add_generation_prompt=body.get(
-                "add_generation_prompt", True), **(body.get("chat_template_kwargs") or {}))
-        else:
-            prompt = body.get("prompt", "")
-            if isinstance(prompt, list):
-                if prompt and isinstance(prompt[0], int):
-                    return len(prompt)
-                prompt = "".join(p for p in prompt if isinstance(p, str))
-            text = prompt
-        return len(tok.encode(text, add_special_tokens=body.get("add_special_tokens", not chat)))
-    except Exception:  # noqa: BLE001 -- odd content: let the estimate decide
-        return None
 
 
 def estimate_prompt_tokens(body: dict) -> int:
