@@ -347,7 +347,10 @@ class ToolCallParser:
         """Deltas for the text held back at the end of the output."""
         out: list[dict] = []
         if self._mode == "args":
-            self._args(self._buf, out)
+            held = self._buf
+            if held and _CALL_END.startswith(held) and _is_json(self.calls[-1]["function"]["arguments"]):
+                held = ""   # the call's own closing ("}\n</tool_call>") began when the output was cut
+            self._args(held, out)
         elif self._buf:
             self._content(self._buf, out)
         self._buf = ""
@@ -381,6 +384,14 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     deltas = parser.feed(text) + parser.finish()
     content = "".join(d["content"] for d in deltas if "content" in d)
     return content or None, parser.calls
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _partial_suffix(text: str, marker: str) -> int:

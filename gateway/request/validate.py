@@ -33,6 +33,7 @@ _RANGES = {
     "frequency_penalty": (-2, 2, True), "min_p": (0, 1, True), "n": (1, None, True), "max_tokens": (1, None, True),
     "max_completion_tokens": (1, None, True), "top_logprobs": (0, 20, True),
 }
+_INTEGER_FIELDS = frozenset({"n", "max_tokens", "max_completion_tokens", "top_logprobs"})
 _COMPLETION = {**_COMMON, "logprobs": (int,), "echo": (bool,), "suffix": (str,), "best_of": (int,)}
 
 # Fields the local engine cannot serve: a request carrying one must be routed
@@ -109,7 +110,7 @@ def _check_range(name: str, value: object) -> None:
     lo, hi, lo_allowed = _RANGES[name]
     if value is None or isinstance(value, bool) or not isinstance(value, _NUM):
         return
-    kind = "integer" if isinstance(value, int) else "decimal"
+    kind = "integer" if name in _INTEGER_FIELDS else "decimal"   # the parameter's type, as OpenAI names it
     if value < lo or (value == lo and not lo_allowed):
         expect = f">= {lo}" if lo_allowed else f"> {lo}"
         raise ClientError(400, f"Invalid '{name}': {kind} below minimum value. Expected a value {expect}, but got "

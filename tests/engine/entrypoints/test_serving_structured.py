@@ -21,7 +21,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from engine.chat_structured import GENERIC_TOOL_PROMPT, plan_chat
+from engine.chat_structured import GENERIC_TOOL_PROMPT, ToolCallParser, parse_tool_calls, plan_chat
 from engine.entrypoints.protocol import ChatCompletionRequest, parse_request
 from engine.tokenizer import _compile_template
 from tests.engine.entrypoints.test_serving import LiveServer, start_server
@@ -228,3 +228,23 @@ def test_generic_tool_prompt_renders_calls_and_results():
     plan = plan_chat(req, messages, aware)
     assert plan.template_kwargs["tools"] == TOOLS and plan.messages[2]["role"] == "tool"
     assert plan.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "celsius"}
+
+
+@pytest.mark.parametrize("cut, arguments", [
+    ('{"city": "Paris"}}\n', '{"city": "Paris"}'),          # the call's closing began: not part of the arguments
+    ('{"city": "Paris"}}', '{"city": "Paris"}'),
+    ('{"city": "Paris"}', '{"city": "Paris"}'),
+    ('{"city": "Par', '{"city": "Par'),                      # cut inside the arguments: kept as generated
+    ('{"city": {"name": "Paris"}', '{"city": {"name": "Paris"}'),
+    ('{"city": {"name": "Paris"}}', '{"city": {"name": "Paris"}}'),
+])
+def test_a_call_cut_by_length_keeps_only_its_arguments(cut, arguments):
+    """Output cut by max_tokens inside a call: the arguments are what was generated of them, never the start of
+    the call's own closing ``}\\n</tool_call>`` (fresh-user trial: '{ "city": "Paris" }}\\n'); streamed deltas
+    add up to the same."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": ' + cut
+    assert parse_tool_calls(text)[1][0]["function"]["arguments"] == arguments
+    parser = ToolCallParser()
+    deltas = [d for ch in text for d in parser.feed(ch)] + parser.finish()
+    assert "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas if "tool_calls" in d) \
+        == arguments

@@ -195,7 +195,7 @@ def test_engine_validation_errors_pass_through(gateway):
     r = httpx.post(gateway.url + "/v1/chat/completions", timeout=60,
                    json={"model": "smollm2", "messages": MSG, "top_p": 7})
     assert r.status_code == 400 and "x-tandem-backend" not in r.headers
-    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("top_p", "integer_above_max_value")
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("top_p", "decimal_above_max_value")
 
 
 def test_canary_is_sticky_per_user_over_http(gateway):
