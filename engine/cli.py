@@ -33,7 +33,7 @@ def register(subparsers) -> None:
 
     bench = subparsers.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
-    from engine.bench import add_bench_args, run_bench
+    from loadtests.bench.engine_throughput import add_bench_args, run_bench
 
     be = bench_sub.add_parser("engine", formatter_class=fmt,
                               help="offline engine throughput vs HF transformers (vLLM's benchmark_throughput style)")
@@ -41,7 +41,7 @@ def register(subparsers) -> None:
     add_engine_cli_args(be)
     be.set_defaults(func=run_bench)
 
-    from engine.bench_structured import add_structured_bench_args, run_structured_bench
+    from loadtests.bench.structured import add_structured_bench_args, run_structured_bench
 
     bs = bench_sub.add_parser("structured", formatter_class=fmt,
                               help="json_schema-constrained vs unconstrained output tok/s, grammar compile time")

@@ -8,9 +8,9 @@
 
 Modules: torch_attention (CPU path), triton_attention (Triton kernels; on CPU
 only in Triton's interpreter, TRITON_INTERPRET=1 set before triton is
-imported), reference (float64 references for tests), bench (GPU check and
-benchmark), bench_cpu (CPU path vs the first per-sequence loop),
-compile_check (compile the Triton kernels for sm_90 without a GPU).
+imported), reference (float64 references for tests), triton_batch_invariant
+(fixed-tile linear and RMSNorm), triton_jit (the shared Triton wrapper). Their
+benchmarks and the sm_90 compile check live in ``loadtests/bench/``.
 triton is imported only when the "triton" backend is asked for.
 
 OpenMP's wait policy must be set before torch is imported: imported through

@@ -94,7 +94,7 @@ def per_sequence_paged_attention(
 ) -> torch.Tensor:
     """The first CPU path: one SDPA call per sequence, in the query's dtype.
 
-    Kept as the baseline of kernels/bench_cpu.py. Arguments and result as
+    Kept as the baseline of loadtests/bench/kernels_cpu.py. Arguments and result as
     :func:`kernels.torch_attention.paged_attention`.
     """
     out = torch.empty_like(query)

@@ -10,7 +10,7 @@ wheels from ``.gpu-wheels/`` (``make gpu-wheels``). Parts, each timed and
 recorded even when another fails:
 
 1. kernels: the Triton kernels against the float64 reference and
-   ``kernels/bench.py``'s decode timings (bandwidth vs copy bandwidth, vs SDPA).
+   ``loadtests/bench/kernels_gpu.py``'s decode timings (bandwidth vs copy bandwidth, vs SDPA).
 2. parity: the engine on the Triton backend vs transformers on a tiny random
    Llama, float32 greedy, token-identical (a divergence at a top-2 logit gap
    below 1e-3 is reported as a near-tie, not a failure).
@@ -100,8 +100,8 @@ def write_model_dir(path: Path, shape: dict) -> str:
 
 
 def check_kernels(part: Part, out: Path, cuda: bool, budget_s: float) -> None:
-    """Part 1: kernels/bench.py on CUDA; on CPU its checks on tiny shapes (interpreter) and its dry run."""
-    from kernels import bench
+    """Part 1: loadtests/bench/kernels_gpu.py on CUDA; on CPU its checks on tiny shapes (interpreter) and its dry run."""
+    from loadtests.bench import kernels_gpu as bench
 
     if cuda:
         rc = bench.main(["--out", str(out / "kernels"), "--budget-s", str(budget_s)])
@@ -176,9 +176,9 @@ def check_batch_invariance(part: Part, device: str, workdir: Path) -> None:
     and attention): each prompt's greedy tokens and logprobs alone, in one
     batch, and again from the prefix cache must be bitwise equal. On CUDA:
     SmolLM2-135M's shape, random weights, bfloat16, plus output tok/s with the
-    mode on and off (``engine.bench.compare_batch_invariant``); the dry run:
+    mode on and off (``loadtests.bench.engine_throughput.compare_batch_invariant``); the dry run:
     the tiny shape in float32 in the interpreter."""
-    from engine.bench import compare_batch_invariant
+    from loadtests.bench.engine_throughput import compare_batch_invariant
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
@@ -216,7 +216,7 @@ def check_batch_invariance(part: Part, device: str, workdir: Path) -> None:
 
 
 def _bench_engine(model_dir: str, device: str, n: int, input_len: int, output_len: int, seed: int) -> dict:
-    from engine.bench import bench_tandem
+    from loadtests.bench.engine_throughput import bench_tandem
     from engine.config import EngineArgs
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run every part (GPU or dry run), write the summary; 1 if a part failed."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-check-out"))
-    p.add_argument("--kernel-budget-s", type=float, default=150.0, help="kernels/bench.py timing budget")
+    p.add_argument("--kernel-budget-s", type=float, default=150.0, help="loadtests/bench/kernels_gpu.py timing budget")
     p.add_argument("--skip-8b", action="store_true", help="no Llama-3-8B-shape throughput part")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="start no throughput part after this many seconds (the script kills the run at 480)")

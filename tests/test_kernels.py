@@ -317,9 +317,9 @@ def test_split_rule():
 
 
 def test_bench_dry_run(tmp_path):
-    """kernels/bench.py's CPU-independent parts: shape list, JSON and markdown writing."""
+    """loadtests/bench/kernels_gpu.py's CPU-independent parts: shape list, JSON and markdown writing."""
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.bench", "--dry-run", "--out", str(tmp_path)],
+        [sys.executable, "-m", "loadtests.bench.kernels_gpu", "--dry-run", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -335,7 +335,7 @@ def test_bench_dry_run(tmp_path):
 
 def test_bench_report_with_results(tmp_path):
     """The report writer with measured values (what a GPU run fills in)."""
-    from kernels.bench import DecodeResult, Report, write_report
+    from loadtests.bench.kernels_gpu import DecodeResult, Report, write_report
 
     r = DecodeResult(64, 4096, 64 * 4096 * 4096, status="ok", triton_us=250.0, num_splits=1, triton_nosplit_us=250.0,
                      triton_split_us=300.0, forced_splits=8, sdpa_us=220.0, triton_gbps=4295.0,
@@ -356,13 +356,13 @@ def test_kernels_compile_for_cuda(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.compile_check", "--arch", "90"],
+        [sys.executable, "-m", "loadtests.bench.compile_check", "--arch", "90"],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from kernels.compile_check import configurations
+    from loadtests.bench.compile_check import configurations
 
     assert proc.stdout.count("cubin") == len(configurations()) >= 12, proc.stdout

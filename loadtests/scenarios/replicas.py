@@ -55,7 +55,7 @@ def register(sub) -> None:
     p.add_argument("--kill-users", type=int, default=12, help="users of the kill phase (0: no kill phase)")
     p.add_argument("--kv-cache-memory", default="256MiB", help="KV-cache pool of each replica")
     p.add_argument("--max-num-batched-tokens", type=int, default=128,
-                   help="step token budget of each replica (chunked prefill): a short step bounds how long a "
+                   help="step budget of each replica, tokens (chunked prefill): a short step bounds how long a "
                         "request whose prompt is cached waits behind another's prefill (shared box, TTFT p50 "
                         "pa/rr: 0.78x at the engine default 2048, 0.53-0.67x at 256, 0.56x at 128)")
     p.add_argument("--engine-arg", action="append", default=[], help="extra `tandem engine serve` argument")

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from engine.bench import add_bench_args, bench_vllm, run_bench
+from loadtests.bench.engine_throughput import add_bench_args, bench_vllm, run_bench
 from engine.config import add_engine_cli_args
 from tests.tiny_models import save_byte_level_llama
 

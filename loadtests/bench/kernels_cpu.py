@@ -1,6 +1,6 @@
 """CPU timing of the PyTorch attention path against the first per-sequence loop.
 
-    python -m kernels.bench_cpu [--num-seqs 64] [--context 200] [--threads 1 2]
+    python -m loadtests.bench.kernels_cpu [--num-seqs 64] [--context 200] [--threads 1 2]
 
 Decode batch (one query token per sequence), SmolLM2-135M attention shapes
 (9 query heads, 3 KV heads, head_dim 64), float32, block_size 16, shuffled

@@ -33,7 +33,7 @@ from pathlib import Path
 from engine.config import engine_args_from_cli
 from engine.sampling_params import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MT_BENCH = ROOT / "tests" / "data" / "mt_bench_questions.jsonl"
 VLLM_PEER = ROOT / "loadtests" / "peers" / "vllm_offline.py"
 DEFAULT_PEER_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded GGUF's source, from vLLM's HF cache
@@ -56,7 +56,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-pool-cycle-tokens", type=int, default=0,
                         help="instead: decode tok/s of an engine whose KV pool first served this many distinct "
                              "prompt tokens vs a fresh one, same process, tokens (e.g. 60000; 0: off; see "
-                             "engine/bench_kv_pool.py)")
+                             "loadtests/bench/kv_pool.py)")
     parser.add_argument("--rounds", type=int, default=6, help="fresh/cycled rounds with --kv-pool-cycle-tokens")
     parser.add_argument("--peer", choices=["vllm"], default=None, help="also run this peer engine on the same prompts (None: no peer)")
     parser.add_argument("--peer-python", default=os.environ.get("TANDEM_VLLM_PYTHON", ".venv-vllm/bin/python"),
@@ -228,7 +228,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     if args.kv_pool_cycle_tokens:
-        from engine.bench_kv_pool import run_pool_bench
+        from loadtests.bench.kv_pool import run_pool_bench
 
         result = run_pool_bench(args, engine_args_from_cli(args))
         if args.output_json:

@@ -25,11 +25,11 @@ import logging
 import time
 from pathlib import Path
 
-from engine.bench import percentile
+from loadtests.bench.engine_throughput import percentile
 from engine.config import engine_args_from_cli
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-SCHEMAS = Path(__file__).resolve().parent.parent / "tests" / "data" / "json_schemas.json"
+SCHEMAS = Path(__file__).resolve().parents[2] / "tests" / "data" / "json_schemas.json"
 
 
 def add_structured_bench_args(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """GPU check and benchmark of the Triton attention kernels.
 
-    python -m kernels.bench --out bench_out          # on a CUDA machine, < 5 minutes
-    python -m kernels.bench --out bench_out --dry-run  # anywhere: shape list and report files only
+    python -m loadtests.bench.kernels_gpu --out bench_out          # on a CUDA machine, < 5 minutes
+    python -m loadtests.bench.kernels_gpu --out bench_out --dry-run  # anywhere: shape list and report files only
 
 1. Correctness: each kernel (reshape_and_cache, paged attention without and
    with split-KV) against the float64 reference in bf16 and fp16, relative
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             r.status = "skipped: dry run"
     else:
         if not torch.cuda.is_available():
-            print("kernels.bench needs a CUDA device (use --dry-run to test the plumbing)", file=sys.stderr)
+            print("loadtests.bench.kernels_gpu needs a CUDA device (use --dry-run to test the plumbing)", file=sys.stderr)
             return 2
         device = torch.device("cuda")
         report = Report(device=torch.cuda.get_device_name(device), dry_run=False, decode=decode_shapes())

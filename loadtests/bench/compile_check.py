@@ -1,10 +1,10 @@
 """Compile the Triton kernels for a CUDA target without a GPU.
 
-    python -m kernels.compile_check [--arch 90]
+    python -m loadtests.bench.compile_check [--arch 90]
 
 Runs Triton's full compiler pipeline (TTIR, TTGIR, LLVM IR, PTX and, with the
 ptxas bundled in the triton wheel, a cubin) for the configurations the engine
-and kernels/bench.py launch, so that errors the interpreter cannot see (types
+and loadtests/bench/kernels_gpu.py launch, so that errors the interpreter cannot see (types
 of loop-carried variables, layouts, unsupported ops) show up on a CPU-only
 machine. Must run with TRITON_INTERPRET unset (before triton is imported).
 """
