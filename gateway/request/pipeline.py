@@ -98,12 +98,9 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     if not decision.attempts and _waits_for_engine(snap, decision.route):
         raise ClientError(503, "The local engine is still loading its model; retry in a few seconds.",
                           code="engine_loading", headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)})
-    if req.local_unsupported and decision.attempts:
-        first = snap.backends.get(decision.attempts[0].backend)
-        if first is not None and first.kind == "local":
-            raise ClientError(400, f"'{req.local_unsupported}' is not supported by the local engine and no routing "
-                              f"rule sends such requests to an upstream", param=req.local_unsupported,
-                              code="unsupported_parameter")
+    if req.local_unsupported and decision.attempts and all(
+            getattr(snap.backends.get(a.backend), "kind", "") == "local" for a in decision.attempts):
+        raise _only_upstreams_serve(snap, req, decision)   # the attempt loop would skip every target
     gw.obs.note(req, decision)   # labels and trace facts, before admission may refuse
     adm = await admit(req, decision.attempts, gw.resilience, gw.usage, snap.compiled.config)
     hook = gw.obs.admitted(request_id, adm.budget, adm.budget_spec)
@@ -114,6 +111,27 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
                       "x-tandem-backend": answer.backend or "none", "x-tandem-attempts": str(answer.attempts),
                       **answer.headers, **adm.headers}   # x-request-id: gateway/http/app.py request_ids
     return answer
+
+
+def _only_upstreams_serve(snap, req: GatewayRequest, decision) -> ClientError:
+    """The error of a request only an upstream can serve (``req.local_unsupported``) whose every target is the local
+    engine: 400 ``unsupported_parameter`` when its route names no upstream, 503 ``no_backend_available`` naming the
+    route, the rule and each upstream's reason (e.g. its API key unset) when it does but none is available. Both
+    carry the ``x-tandem-route`` and ``x-tandem-rule`` headers."""
+    field, headers = req.local_unsupported, {"x-tandem-route": decision.route, "x-tandem-rule": decision.rule}
+    route = snap.compiled.policy.routes.get(decision.route)
+    upstreams = [] if route is None else list(dict.fromkeys(
+        t.backend for t in (*route.targets, *route.fallbacks)
+        if t.backend in snap.backends and snap.backends[t.backend].kind != "local"))
+    if not upstreams:
+        return ClientError(400, f"'{field}' is not supported by the local engine and route '{decision.route}' "
+                           f"(rule '{decision.rule}') sends the request to no upstream; add a rule that routes such "
+                           f"requests upstream (e.g. match local.serves: false)", param=field,
+                           code="unsupported_parameter", headers=headers)
+    reasons = "; ".join(f"{b}: {snap.backends[b].unavailable_reason or 'unavailable'}" for b in upstreams)
+    return ClientError(503, f"'{field}' is not supported by the local engine, and no upstream of route "
+                       f"'{decision.route}' (rule '{decision.rule}') is available ({reasons})", param=field,
+                       code="no_backend_available", headers=headers)
 
 
 def _then(inner, outer):

@@ -75,6 +75,10 @@ backends:
     models: {{smollm2: tiny-agg}}
     max_model_len: 8192
     prices: {{input: 0.1, output: 0.2}}
+  keyless:
+    type: openai
+    base_url: http://127.0.0.1:9/v1
+    api_key_env: TANDEM_TEST_UNSET_KEY
 routes:
   local-first:
     targets: [{{backend: local, weight: 50}}, {{backend: agg, weight: 50}}]
@@ -85,9 +89,16 @@ routes:
   aggregator:
     targets: [{{backend: agg}}]
     fallbacks: [{{backend: local}}]
+  keyless-first:
+    targets: [{{backend: keyless}}]
+    fallbacks: [{{backend: local}}]
+  local-alone:
+    targets: [{{backend: local}}]
 policy:
   default_route: local-only
   rules:
+    - {{name: keyless, match: {{header.x-route-test: keyless}}, route: keyless-first}}
+    - {{name: alone, match: {{header.x-route-test: alone}}, route: local-alone}}
     - {{name: structured, match: {{response_format: true}}, route: aggregator}}
     - {{name: low, match: {{priority: low}}, route: aggregator}}
     - {{name: long, match: {{prompt_tokens: {{gt: 400}}}}, route: aggregator}}
@@ -208,6 +219,26 @@ def test_canary_is_sticky_per_user_over_http(gateway):
             seen.setdefault(f"user-{i}", set()).add(raw.headers["x-tandem-backend"])
     assert all(len(v) == 1 for v in seen.values())             # one user, one arm
     assert set().union(*seen.values()) == {"local", "agg"}     # 50/50 over 12 users reaches both arms
+
+
+def test_a_field_only_upstreams_serve(gateway):
+    """logit_bias, which the local engine does not serve: a route whose upstream is unavailable (key unset) gets a
+    503 naming the route, the rule and the reason; a route with no upstream a 400 naming the field; a route with a
+    live upstream after the local target goes to it (no error from the gateway)."""
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "logit_bias": {"42": 5}}
+    r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers={"x-route-test": "keyless"}, timeout=60)
+    err = r.json()["error"]
+    assert (r.status_code, err["param"], err["code"]) == (503, "logit_bias", "no_backend_available"), r.text
+    assert "'keyless-first' (rule 'keyless')" in err["message"], err
+    assert "keyless: environment variable TANDEM_TEST_UNSET_KEY is unset" in err["message"], err
+    assert (r.headers["x-tandem-route"], r.headers["x-tandem-rule"]) == ("keyless-first", "keyless")
+    r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers={"x-route-test": "alone"}, timeout=60)
+    err = r.json()["error"]
+    assert (r.status_code, err["param"], err["code"]) == (400, "logit_bias", "unsupported_parameter"), r.text
+    assert "route 'local-alone' (rule 'alone') sends the request to no upstream" in err["message"], err
+    r = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=60)   # local-only, agg as fallback
+    assert (r.headers["x-tandem-route"], r.headers["x-tandem-backend"]) == ("local-only", "agg"), r.text
 
 
 def test_ready_and_models(gateway):
