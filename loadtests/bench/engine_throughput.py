@@ -139,6 +139,16 @@ def bench_tandem(engine, prompts: list[list[int]], params: SamplingParams) -> di
     }
 
 
+def _hf_baseline_missing(model_path: str) -> str:
+    """Why the HF baseline cannot run here ("" when it can): transformers reads a GGUF only with ``accelerate``,
+    which ``make serve``'s install (``pip install -e .``) leaves out."""
+    import importlib.util
+
+    if model_path.endswith(".gguf") and importlib.util.find_spec("accelerate") is None:
+        return "transformers needs accelerate to load a GGUF (pip install accelerate, or pass --no-baseline)"
+    return ""
+
+
 def bench_hf(model_path: str, dtype, prompts: list[list[int]], args, pad_id: int) -> dict:
     """HF transformers ``generate`` in batches of ``--hf-batch-size``, left-padded."""
     import os
@@ -238,7 +248,8 @@ def run_bench(args: argparse.Namespace) -> int:
     prompts = build_workload(args, engine.tokenizer, engine.model_config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.ignore_eos)
     result = {"workload": args.workload, "dtype": str(engine.dtype), "tandem": bench_tandem(engine, prompts, params)}
-    if not args.no_baseline:
+    baseline_skipped = _hf_baseline_missing(engine.args.model) if not args.no_baseline else ""
+    if not args.no_baseline and not baseline_skipped:
         pad = engine.tokenizer.eos_token_id or 0
         result["hf_transformers"] = bench_hf(engine.args.model, engine.dtype, prompts, args, pad)
         result["ratio_output_tok_per_s"] = (result["tandem"]["output_tok_per_s"]
@@ -266,6 +277,8 @@ def run_bench(args: argparse.Namespace) -> int:
     table.add_row("peak KV usage", f"{t['peak_kv_usage']:.1%}")
     table.add_row("KV waste at peak", f"{t['kv_waste_at_peak']:.2%}")
     table.add_row("preemptions", str(t["num_preemptions"]))
+    if baseline_skipped:
+        table.add_row("HF generate baseline", f"skipped: {baseline_skipped}")
     if "hf_transformers" in result:
         h = result["hf_transformers"]
         table.add_row(f"HF generate output tok/s (batch {h['batch_size']})", f"{h['output_tok_per_s']:.1f}")
