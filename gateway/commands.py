@@ -67,7 +67,7 @@ def _serve(args) -> int:
     return serve(args.config, args.host, args.port, args.insecure, start_engine=not args.no_engine)
 
 
-def _prompt_tokens(compiled, body: dict) -> tuple[int, str]:
+def _prompt_tokens(compiled, endpoint: str, body: dict) -> tuple[int, str]:
     """The prompt length the gateway would route on, and how it was counted: the local engine's rendering (its
     chat template and tokenizer) when a rule reads ``prompt_tokens`` and a local backend is configured, as
     ``tandem serve`` counts once its engine is up; else the estimate."""
@@ -79,18 +79,15 @@ def _prompt_tokens(compiled, body: dict) -> tuple[int, str]:
         import os.path
 
         from engine.config import default_model_path
-        from engine.entrypoints.chat import render_chat
-        from engine.entrypoints.completion import render_completion
         from engine.entrypoints.protocol import ServingError
         from engine.tokenizer import Tokenizer
-        from gateway.backends.dispatch import GATEWAY_ONLY_FIELDS
+        from gateway.backends.local import render_prompt
 
         try:
             path = local.engine.model or default_model_path()
             tok = Tokenizer.from_hf_dir(path) if os.path.isdir(path) else Tokenizer.from_gguf(path)
-            render = render_chat if "messages" in body else render_completion
-            body = {k: v for k, v in body.items() if k not in GATEWAY_ONLY_FIELDS and k != "model"}
-            return render(tok, body).prompt_tokens, "the local engine's rendering, as the gateway counts"
+            n = render_prompt(tok, endpoint, body).prompt_tokens
+            return n, "the local engine's rendering, as the gateway counts"
         except (OSError, ValueError) as e:
             print(f"note: the local engine's tokenizer could not be loaded ({e}); using the estimate",
                   file=sys.stderr)
@@ -139,7 +136,7 @@ def _explain(args) -> int:
     for name, b in compiled.config.backends.items():
         if b.type == "openai" and b.api_key_env and not os.environ.get(b.api_key_env):
             unavailable[name] = f"environment variable {b.api_key_env} is unset"
-    prompt_tokens, counted_by = _prompt_tokens(compiled, p.body)
+    prompt_tokens, counted_by = _prompt_tokens(compiled, endpoint, p.body)
     features = RequestFeatures(
         model=public, priority=p.priority, prompt_tokens=prompt_tokens, tenant=args.tenant,
         has_tools=p.has_tools, has_response_format=p.has_response_format, headers=headers, metadata=p.metadata,

@@ -44,7 +44,7 @@ class OpenAIServingChat(OpenAIServing):
                 ``max_model_len``), 404 unknown model, 503 engine draining/dead.
         """
         r = rendered if rendered is not None else render_chat(self.engine.tokenizer, body)
-        req, plan, messages = r.request, r.plan, r.messages
+        req, plan, messages = r.request, r.plan, r.plan.messages
         self._check_common(req, body.get("model"))
         token_ids = r.prompts[0][1]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -186,7 +186,7 @@ def render_chat(tokenizer, body: dict) -> RenderedPrompt:
     if req.continue_final_message:
         text = cut_after_final_message(text, messages)
     token_ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
-    return RenderedPrompt(req, ((None, token_ids),), plan=plan, messages=tuple(messages))
+    return RenderedPrompt(req, ((None, token_ids),), plan=plan)
 
 
 def tool_finish_reason(finish_reason: str | None) -> str | None:

@@ -57,14 +57,13 @@ class RenderedPrompt:
     Args:
         request: the parsed body (``ChatCompletionRequest`` | ``CompletionRequest``).
         prompts: (text or None for token-id and chat prompts, token ids) per prompt; one for chat.
-        plan: chat only: what tools and response_format add to the template and the sampling.
-        messages: chat only: the normalized messages the template rendered.
+        plan: chat only: what tools and response_format add to the template and the sampling (``plan.messages``:
+            the messages the template rendered).
     """
 
     request: Any
     prompts: tuple[tuple[str | None, list[int]], ...]
     plan: ChatPlan | None = None
-    messages: tuple[dict, ...] = ()
 
     @property
     def prompt_tokens(self) -> int:

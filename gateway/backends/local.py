@@ -21,6 +21,21 @@ from gateway.resilience.outcomes import UpstreamResponse
 log = logging.getLogger("tandem.gateway.local")
 
 
+def render_prompt(tokenizer, endpoint: str, body: dict):
+    """``body`` as the local engine runs it (``engine.entrypoints.chat.render_chat`` or
+    ``completion.render_completion`` on ``endpoint``), without the gateway-only fields and ``model`` (rewritten per
+    target). Used by ``LocalBackend.render`` and ``tandem route explain``.
+
+    Raises:
+        engine.entrypoints.protocol.ServingError: 400, the engine refuses the body.
+    """
+    from engine.entrypoints.chat import render_chat   # lazy: the engine loads only with a local backend or explain
+    from engine.entrypoints.completion import render_completion
+
+    render = render_chat if endpoint == "chat/completions" else render_completion
+    return render(tokenizer, {k: v for k, v in body.items() if k not in GATEWAY_ONLY_FIELDS and k != "model"})
+
+
 class LocalBackend:
     """The co-located engine. Unavailable until ``start()`` has loaded the
     model (or for good when loading failed: ``unavailable_reason``)."""
@@ -44,8 +59,8 @@ class LocalBackend:
         try:   # lazy: the engine (and torch) load only when a local backend starts
             from engine.async_engine import AsyncEngine
             from engine.config import EngineArgs
-            from engine.entrypoints.chat import OpenAIServingChat, render_chat
-            from engine.entrypoints.completion import OpenAIServingCompletion, render_completion
+            from engine.entrypoints.chat import OpenAIServingChat
+            from engine.entrypoints.completion import OpenAIServingCompletion
             from engine.entrypoints.protocol import ServingError
 
             args = EngineArgs(**self.cfg.engine.engine_kwargs())
@@ -56,7 +71,6 @@ class LocalBackend:
             self.max_model_len = engine.max_model_len
             self.serving = {"chat/completions": OpenAIServingChat(engine, engine.served_model_name).create_chat_completion,
                             "completions": OpenAIServingCompletion(engine, engine.served_model_name).create_completion}
-            self.renderers = {"chat/completions": render_chat, "completions": render_completion}
             self.serving_error = ServingError
             self.available, self.unavailable_reason = True, ""
             log.info("local engine ready: %s (max_model_len %s)", self.served_model_name, self.max_model_len)
@@ -84,9 +98,8 @@ class LocalBackend:
         reaches it). The gateway-only fields and ``model`` (rewritten per target) are left out."""
         if self.serving is None:
             return None
-        body = {k: v for k, v in body.items() if k not in GATEWAY_ONLY_FIELDS and k != "model"}
         try:
-            return self.renderers[endpoint](self.engine.tokenizer, body)
+            return render_prompt(self.engine.tokenizer, endpoint, body)
         except Exception:  # noqa: BLE001 -- refused or odd content: the estimate decides, the engine answers
             return None
 

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from loadtests.bench.engine_throughput import add_bench_args, bench_vllm, run_bench
+from loadtests.bench.engine_throughput import _hf_baseline_missing, add_bench_args, bench_vllm, run_bench
 from engine.config import add_engine_cli_args
 from tests.tiny_models import save_byte_level_llama
 
@@ -41,3 +41,16 @@ def test_bench_engine_on_a_tiny_model(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["tandem"]["output_tokens"] == 15 and "skipped" in result["vllm"]
     assert "ratio_vs_vllm" not in result and "no peer interpreter" in capsys.readouterr().out
+
+
+def test_hf_baseline_of_a_gguf_without_accelerate_is_skipped_with_the_reason(monkeypatch):
+    """`make serve`'s install has no accelerate, which transformers needs to read a GGUF: the baseline is skipped
+    with the reason (the fresh-user trial got a traceback instead of Tandem's figures)."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    assert _hf_baseline_missing("/models/m.gguf") == ""          # this venv has accelerate
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "accelerate" else find_spec(name, *a))
+    assert "accelerate" in _hf_baseline_missing("/models/m.gguf")
+    assert _hf_baseline_missing("/models/hf-dir") == ""           # HF directories load without it
