@@ -100,6 +100,7 @@ def _prompt_tokens(compiled, endpoint: str, body: dict) -> tuple[int, str]:
 def _explain(args) -> int:
     from gateway.config.compile import load_config_or_report
     from gateway.errors import ClientError
+    from gateway.request.pipeline import upstream_only_error
     from gateway.request.validate import check_request
     from policies import ReplicaLoad, RequestFeatures, Signals, decide, prefix_text
 
@@ -158,7 +159,12 @@ def _explain(args) -> int:
               f"({counted_by})")
         print(decision.explain())
         if p.local_unsupported:
-            print(f"note: '{p.local_unsupported}' is not served by the local engine: a local first target -> 400")
+            upstreams = {name: unavailable.get(name, "") for name, b in compiled.config.backends.items()
+                         if b.type != "local"}
+            refusal = upstream_only_error(p.local_unsupported, decision, compiled.policy.routes.get(decision.route),
+                                          upstreams)
+            print(f"note: '{p.local_unsupported}' is not served by the local engine: " + (
+                f"{refusal.status} {refusal.code}: {refusal.message}" if refusal else "the local targets are skipped"))
         elif p.has_tools or p.has_response_format:
             print(f"note: the local engine serves {', '.join(sorted(compiled.local_serves))} "
                   "(grammar-constrained decoding); local.serves = true")

@@ -98,10 +98,12 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     if not decision.attempts and _waits_for_engine(snap, decision.route):
         raise ClientError(503, "The local engine is still loading its model; retry in a few seconds.",
                           code="engine_loading", headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)})
-    if req.local_unsupported and decision.attempts and all(
-            getattr(snap.backends.get(a.backend), "kind", "") == "local" for a in decision.attempts):
-        raise _only_upstreams_serve(snap, req, decision)   # the attempt loop would skip every target
     gw.obs.note(req, decision)   # labels and trace facts, before admission may refuse
+    if req.local_unsupported:
+        upstreams = {name: b.unavailable_reason for name, b in snap.backends.items() if b.kind != "local"}
+        route = snap.compiled.policy.routes.get(decision.route)
+        if (error := upstream_only_error(req.local_unsupported, decision, route, upstreams)) is not None:
+            raise error
     adm = await admit(req, decision.attempts, gw.resilience, gw.usage, snap.compiled.config)
     hook = gw.obs.admitted(request_id, adm.budget, adm.budget_spec)
     if affinity:
@@ -113,25 +115,32 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     return answer
 
 
-def _only_upstreams_serve(snap, req: GatewayRequest, decision) -> ClientError:
-    """The error of a request only an upstream can serve (``req.local_unsupported``) whose every target is the local
-    engine: 400 ``unsupported_parameter`` when its route names no upstream, 503 ``no_backend_available`` naming the
-    route, the rule and each upstream's reason (e.g. its API key unset) when it does but none is available. Both
-    carry the ``x-tandem-route`` and ``x-tandem-rule`` headers."""
-    field, headers = req.local_unsupported, {"x-tandem-route": decision.route, "x-tandem-rule": decision.rule}
-    route = snap.compiled.policy.routes.get(decision.route)
-    upstreams = [] if route is None else list(dict.fromkeys(
-        t.backend for t in (*route.targets, *route.fallbacks)
-        if t.backend in snap.backends and snap.backends[t.backend].kind != "local"))
-    if not upstreams:
+def upstream_only_error(field: str, decision, route, upstreams: Mapping[str, str]) -> ClientError | None:
+    """The refusal of a request carrying ``field``, which only an upstream serves
+    (``GatewayRequest.local_unsupported``), when every target ``decision`` left is the local engine (the attempt
+    loop would skip them all); None when an upstream can take it. 400 ``unsupported_parameter`` when the route
+    (``policies.Route`` or None) names no upstream; 503 ``no_backend_available`` naming the route, the rule and each
+    upstream's reason when it names some but none is available (with ``x-should-retry: false``, which the openai
+    SDKs obey: retrying does not set a key). Shared by the gateway and ``tandem route explain``.
+
+    Args:
+        upstreams: every configured upstream (non-local) backend's name -> why it is unavailable ("" if it is not).
+    """
+    if not decision.attempts or any(a.backend in upstreams for a in decision.attempts):
+        return None
+    headers = {"x-tandem-route": decision.route, "x-tandem-rule": decision.rule, "x-tandem-backend": "none",
+               "x-tandem-attempts": "0"}
+    named = [] if route is None else list(dict.fromkeys(
+        t.backend for t in (*route.targets, *route.fallbacks) if t.backend in upstreams))
+    if not named:
         return ClientError(400, f"'{field}' is not supported by the local engine and route '{decision.route}' "
                            f"(rule '{decision.rule}') sends the request to no upstream; add a rule that routes such "
                            f"requests upstream (e.g. match local.serves: false)", param=field,
                            code="unsupported_parameter", headers=headers)
-    reasons = "; ".join(f"{b}: {snap.backends[b].unavailable_reason or 'unavailable'}" for b in upstreams)
+    reasons = "; ".join(f"{b}: {upstreams[b] or 'unavailable'}" for b in named)
     return ClientError(503, f"'{field}' is not supported by the local engine, and no upstream of route "
                        f"'{decision.route}' (rule '{decision.rule}') is available ({reasons})", param=field,
-                       code="no_backend_available", headers=headers)
+                       code="no_backend_available", headers={**headers, "x-should-retry": "false"})
 
 
 def _then(inner, outer):

@@ -221,10 +221,11 @@ def test_canary_is_sticky_per_user_over_http(gateway):
     assert set().union(*seen.values()) == {"local", "agg"}     # 50/50 over 12 users reaches both arms
 
 
-def test_a_field_only_upstreams_serve(gateway):
+def test_a_field_only_upstreams_serve(gateway, tmp_path):
     """logit_bias, which the local engine does not serve: a route whose upstream is unavailable (key unset) gets a
-    503 naming the route, the rule and the reason; a route with no upstream a 400 naming the field; a route with a
-    live upstream after the local target goes to it (no error from the gateway)."""
+    503 naming the route, the rule and the reason, which the openai client does not retry and `tandem route
+    explain` predicts word for word; a route with no upstream a 400 naming the field; a route with a live upstream
+    after the local target goes to it (no error from the gateway)."""
     body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "logit_bias": {"42": 5}}
     r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers={"x-route-test": "keyless"}, timeout=60)
@@ -232,7 +233,20 @@ def test_a_field_only_upstreams_serve(gateway):
     assert (r.status_code, err["param"], err["code"]) == (503, "logit_bias", "no_backend_available"), r.text
     assert "'keyless-first' (rule 'keyless')" in err["message"], err
     assert "keyless: environment variable TANDEM_TEST_UNSET_KEY is unset" in err["message"], err
-    assert (r.headers["x-tandem-route"], r.headers["x-tandem-rule"]) == ("keyless-first", "keyless")
+    assert [r.headers[f"x-tandem-{h}"] for h in ("route", "rule", "backend", "attempts")] == [
+        "keyless-first", "keyless", "none", "0"]
+    calls = []
+    retrying = openai.OpenAI(base_url=gateway.url + "/v1", api_key="client", max_retries=2, http_client=httpx.Client(
+        event_hooks={"request": [calls.append]}))
+    with pytest.raises(openai.InternalServerError):
+        retrying.chat.completions.create(**body, extra_headers={"x-route-test": "keyless"})
+    assert len(calls) == 1                                          # x-should-retry: false
+    path = tmp_path / "req.json"
+    path.write_text(json.dumps(body))
+    explain = subprocess.run([sys.executable, "-m", "gateway.commands", "route", "explain", "--config",
+                              gateway.config_path, "--request", str(path), "--header", "x-route-test=keyless"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert f"503 no_backend_available: {err['message']}" in explain.stdout, explain.stdout + explain.stderr
     r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers={"x-route-test": "alone"}, timeout=60)
     err = r.json()["error"]
     assert (r.status_code, err["param"], err["code"]) == (400, "logit_bias", "unsupported_parameter"), r.text
