@@ -90,8 +90,9 @@ class EngineArgs:
         scheduling_policy: "fcfs" or "priority".
         num_threads: torch intra-op threads on CPU (None: all cores).
         seed: seed of the engine's default generator.
-        attention_backend: "auto" (Triton on CUDA, torch on CPU), "torch" or
-            "triton" (the latter on CPU needs TRITON_INTERPRET=1).
+        attention_backend: "auto" (Triton on CUDA; on CPU the C kernel,
+            "cpu", where a C compiler builds it, else "torch"), "cpu",
+            "torch" or "triton" (the latter on CPU needs TRITON_INTERPRET=1).
         batch_invariant: a request's tokens and logprobs do not depend on
             what else is batched or cached (README "Reproducible outputs");
             False trades that for throughput on CPU (oneDNN's AMX kernels for
@@ -156,8 +157,8 @@ class EngineArgs:
              f"must be fcfs or priority, got {self.scheduling_policy!r}"),
             (self.num_threads is None or self.num_threads >= 1, "num_threads",
              f"must be >= 1, got {self.num_threads}"),
-            (self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
-             f"must be auto, torch or triton, got {self.attention_backend!r}"),
+            (self.attention_backend in ("auto", "cpu", "torch", "triton"), "attention_backend",
+             f"must be auto, cpu, torch or triton, got {self.attention_backend!r}"),
             (self.quantization in ("none", "gguf"), "quantization",
              f"must be none or gguf, got {self.quantization!r}"),
             (self.load_format in ("auto", "dummy"), "load_format",
@@ -203,8 +204,8 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of the engine core on CPU (None: one per core)")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's default sampling generator")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: Triton on CUDA, torch on CPU")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
+                   help="auto: Triton on CUDA; on CPU the C kernel (cpu) where a C compiler builds it, else torch")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                    help="same tokens and logprobs for a request whatever else is batched or cached")
     g.add_argument("--quantization", default="none", choices=["none", "gguf"],

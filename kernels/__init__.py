@@ -1,12 +1,14 @@
-"""Attention kernels: Triton on CUDA, PyTorch on CPU.
+"""Attention kernels: Triton on CUDA, a C kernel (or PyTorch) on CPU.
 
-    backend = get_attention_backend("auto", device)   # "triton" on CUDA, "torch" elsewhere
+    backend = get_attention_backend("auto", device)   # "triton" on CUDA, "cpu" (else "torch") elsewhere
     plan = backend.plan(key_cache, num_heads, query_start_loc, seq_lens, block_tables) if backend.plan else None
     backend.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     backend.paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
                             **({"plan": plan} if plan is not None else {}))
 
-Modules: torch_attention (CPU path), triton_attention (Triton kernels; on CPU
+Modules: cpu_attention (the C kernel of csrc/, built at run time; CPU
+default), torch_attention (PyTorch path: the fallback where no C compiler is
+found, and the cache writes of both), triton_attention (Triton kernels; on CPU
 only in Triton's interpreter, TRITON_INTERPRET=1 set before triton is
 imported), reference (float64 references for tests), triton_batch_invariant
 (fixed-tile linear and RMSNorm), triton_jit (the shared Triton wrapper). Their
@@ -29,7 +31,11 @@ from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
 
-BACKENDS = ("auto", "torch", "triton")
+import logging  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -52,24 +58,48 @@ class AttentionBackend:
     plan: Callable[..., object] | None = None
 
 
-def get_attention_backend(name: str, device: torch.device | str, batch_invariant: bool = False) -> AttentionBackend:
+def get_attention_backend(name: str, device: torch.device | str, batch_invariant: bool = False,
+                          dtype: torch.dtype | None = None,
+                          heads: tuple[int, int, int] | None = None) -> AttentionBackend:
     """Pick the attention kernels for ``device``.
 
     Args:
-        name: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton".
+        name: "auto" (Triton on CUDA; elsewhere "cpu" when it can be built
+            and takes ``dtype`` and ``heads``, else "torch"), "cpu", "torch"
+            or "triton".
         device: where the caches and activations live.
         batch_invariant: each query's output must not depend on the batch.
-            The PyTorch path always is; the Triton path then never splits
-            the keys (split-KV is chosen from the batch's shape).
+            The CPU and PyTorch paths always are; the Triton path then never
+            splits the keys (split-KV is chosen from the batch's shape).
+        dtype: the model's dtype, if known (the C kernel takes bfloat16 and float32).
+        heads: (num_heads, num_kv_heads, head_dim) of the model, if known.
 
     Raises:
-        ValueError: unknown name.
-        RuntimeError: "triton" on a non-CUDA device without TRITON_INTERPRET=1
+        ValueError: unknown name, or "cpu" for a device, dtype or shape it does not take.
+        RuntimeError: "cpu" where the C kernel cannot be built (no compiler);
+            "triton" on a non-CUDA device without TRITON_INTERPRET=1
             (Triton's interpreter), or Triton not installed.
     """
     device = torch.device(device)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    if name in ("auto", "cpu") and device.type == "cpu":
+        from kernels import cpu_attention
+
+        takes = (dtype is None or heads is None) or cpu_attention.supports(dtype, *heads)
+        why_not = cpu_attention.available() if takes else f"it does not take {dtype} with (heads, KV heads, " \
+            f"head_dim) {heads}"
+        if why_not is None:
+            from kernels import torch_attention
+
+            return AttentionBackend("cpu", torch_attention.reshape_and_cache, cpu_attention.paged_attention,
+                                    cpu_attention.plan_attention)
+        if name == "cpu":
+            raise (ValueError if not takes else RuntimeError)(f"the 'cpu' attention backend: {why_not}")
+        logger.warning("attention on the PyTorch path (slower): the C kernel is not available: %s", why_not)
+        name = "torch"
+    if name == "cpu":
+        raise ValueError(f"the 'cpu' attention backend runs on the CPU, not {device}")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":

@@ -33,7 +33,8 @@ def _run(backend, q_rows: list[torch.Tensor], seq_lens: list[int], tables: list[
                                    torch.tensor(seq_lens, dtype=torch.int32), table, HEAD_DIM ** -0.5)
 
 
-@pytest.mark.parametrize("name, dtype, long_len", [("torch", torch.bfloat16, 700),
+@pytest.mark.parametrize("name, dtype, long_len", [("cpu", torch.bfloat16, 700), ("cpu", torch.float32, 700),
+                                                   ("torch", torch.bfloat16, 700),
                                                    ("triton", torch.float32, 300)])
 def test_a_query_has_the_same_output_in_every_kind_of_batch(name, dtype, long_len):
     if name == "triton":
@@ -61,12 +62,13 @@ def test_a_query_has_the_same_output_in_every_kind_of_batch(name, dtype, long_le
         assert torch.equal(got, alone), f"{label}: max diff {(got.float() - alone.float()).abs().max()}"
 
 
-def test_each_row_of_a_long_prefill_equals_its_own_decode():
-    """A 700-token prefill runs in query tiles whose contexts stop at each
-    tile's last position (and past 512 keys, in tiles of probabilities @
-    values): every row still has the bits of the same query attended as a
-    decode over exactly its own context."""
-    backend = get_attention_backend("torch", "cpu", batch_invariant=True)
+@pytest.mark.parametrize("name", ["cpu", "torch"])
+def test_each_row_of_a_long_prefill_equals_its_own_decode(name):
+    """A 700-token prefill (on the PyTorch path in query tiles whose contexts
+    stop at each tile's last position, and past 512 keys in tiles of
+    probabilities @ values): every row still has the bits of the same query
+    attended as a decode over exactly its own context."""
+    backend = get_attention_backend(name, "cpu", batch_invariant=True)
     kc, vc = _caches(60, torch.bfloat16, seed=2)
     g = torch.Generator().manual_seed(2)
     n = 700

@@ -1,5 +1,6 @@
-"""Attention kernels against a float64 reference: the PyTorch path and the
-Triton kernels in Triton's interpreter.
+"""Attention kernels against a float64 reference: the C kernel of the "cpu"
+backend (its AVX512-BF16 build where the CPU has one, and the portable build),
+the PyTorch path and the Triton kernels in Triton's interpreter.
 
 Interpreter approach: TRITON_INTERPRET=1 only works when it is set before
 ``triton`` is first imported (triton wraps its standard library, tl.max,
@@ -11,7 +12,7 @@ module imported it first), the in-process Triton cases skip and
 variable set from the start, so they run exactly once either way. Setting the
 variable is harmless for the rest of a CPU-only pytest process: nothing can
 launch compiled Triton kernels there, and the engine's "auto" backend is the
-PyTorch path on CPU. With CUDA the variable is left alone (kernels run
+C kernel (or the PyTorch path) on CPU. With CUDA the variable is left alone (kernels run
 compiled; these tests then still check the CPU paths).
 
 Every case draws fresh random inputs (never zeros), shuffles the block table,
@@ -44,7 +45,7 @@ from kernels.reference import (
 )
 
 TOL = 1e-5
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["cpu", "torch", "triton"]
 
 
 def triton_in_process() -> bool:
@@ -165,6 +166,64 @@ def test_torch_path_half_precision(dtype):
     assert relative_error(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("march", ["native", "x86-64-v3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_kernel_builds(march, dtype):
+    """Both builds of the C kernel (this CPU's, with its AVX512-BF16 paths
+    where it has them, and the portable one) in both dtypes, prefill and
+    decode rows mixed, GQA, a block size of 32: float64 reference within 1e-5
+    (float32) or 1e-2 (bfloat16)."""
+    from kernels import cpu_attention
+
+    case = make_case(31, [200, 1, 17, 53, 90], [1, 1, 1, 9, 90], num_heads=9, num_kv_heads=3, block_size=32)
+    for name in ("query", "key_cache", "value_cache"):
+        case[name] = case[name].to(dtype)
+    ref = reference_paged_attention(**case)
+    out = torch.full_like(case["query"], float("nan"))
+    assert cpu_attention.paged_attention(**case, out=out, march=march) is out
+    assert torch.isfinite(out).all()
+    assert relative_error(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_cpu_backend_choice(monkeypatch, tmp_path, caplog):
+    """auto takes the C kernel where it builds and takes the model's dtype and
+    heads, else the PyTorch path with a warning; asking for "cpu" where it
+    cannot run is an error that says why."""
+    from kernels import cpu_attention
+
+    assert get_attention_backend("auto", "cpu", dtype=torch.bfloat16, heads=(9, 3, 64)).name == "cpu"
+    assert get_attention_backend("auto", "cpu", dtype=torch.float16, heads=(9, 3, 64)).name == "torch"
+    assert get_attention_backend("auto", "cpu", dtype=torch.float32, heads=(9, 3, 40)).name == "torch"
+    with pytest.raises(ValueError, match="does not take torch.float16"):
+        get_attention_backend("cpu", "cpu", dtype=torch.float16, heads=(9, 3, 64))
+    with pytest.raises(ValueError, match="not cuda"):
+        get_attention_backend("cpu", "cuda")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
+    cpu_attention.load_library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="kernels"):
+            assert get_attention_backend("auto", "cpu").name == "torch"
+        assert "C kernel is not available" in caplog.text and "no-such-compiler" in caplog.text
+        with pytest.raises(RuntimeError, match="no-such-compiler"):
+            get_attention_backend("cpu", "cpu")
+    finally:
+        cpu_attention.load_library.cache_clear()
+
+
+def test_cpu_kernel_rejects_what_it_cannot_read():
+    from kernels import cpu_attention
+
+    case = make_case(2, [20], [1], num_heads=4, num_kv_heads=2)
+    with pytest.raises(ValueError, match="does not take torch.float16"):
+        cpu_attention.paged_attention(**{**case, "query": case["query"].half(), "key_cache": case["key_cache"].half(),
+                                         "value_cache": case["value_cache"].half()})
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_attention.paged_attention(**{**case, "key_cache": case["key_cache"].transpose(0, 1)})
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_attention.paged_attention(**case, out=torch.empty(2, 4, 64))
+
+
 def test_triton_float16():
     """16-bit inputs with float32 accumulation (fp16: bf16 arithmetic is broken in the interpreter)."""
     require_triton_interpreter()
@@ -248,7 +307,7 @@ def test_write_then_attend(backend):
 
 
 def test_backend_selection(monkeypatch):
-    assert get_attention_backend("auto", "cpu").name == "torch"
+    assert get_attention_backend("auto", "cpu").name == "cpu"  # the C kernel: this box has a compiler
     assert get_attention_backend("torch", torch.device("cpu")).name == "torch"
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("flash", "cpu")

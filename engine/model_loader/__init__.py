@@ -144,7 +144,8 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     from kernels import get_attention_backend
 
     backend = get_attention_backend(getattr(args, "attention_backend", "auto"), device,
-                                    batch_invariant=getattr(args, "batch_invariant", True))
+                                    batch_invariant=getattr(args, "batch_invariant", True), dtype=dtype,
+                                    heads=(config.num_attention_heads, config.num_key_value_heads, config.head_dim))
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend)
     try:

@@ -1,0 +1,305 @@
+/* Paged attention on the CPU, reading keys and values in place from the cache.
+ *
+ * Built at run time by kernels/cpu_attention.py (gcc -O3 -march=native
+ * -fopenmp) and called through ctypes; semantics and shapes are those of
+ * kernels/torch_attention.py:paged_attention:
+ *
+ *   query, out:   [num_tokens, num_heads, head_dim]
+ *   key_cache,
+ *   value_cache:  [num_blocks, block_size, num_kv_heads, head_dim]
+ *   block_tables: [num_seqs, block_table_stride] int32
+ *   seq_lens:     [num_seqs] int32, query_start_loc: [num_seqs + 1] int32
+ *
+ * Query row j of sequence s sits at position seq_len - q_len + j and attends
+ * to key positions 0..that position (causal); query head h reads KV head
+ * h / (num_heads / num_kv_heads) (grouped-query attention).
+ *
+ * One work item is (query row, KV head): the group's query heads share each
+ * key and value load. Scores are float32 dot products (16 lanes summed in a
+ * fixed tree), the softmax is float32 with a polynomial exp (below), and
+ * probabilities @ values accumulate in float32 over positions in order; the
+ * output is rounded once to the cache's dtype. Every item runs this same
+ * sequence of operations whatever the other rows of the step are, which
+ * thread takes it, or whether the row is a prompt or a generated position:
+ * the output bits depend only on the query, its context and the build.
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#define LANES 16
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as c10::BFloat16 does; NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* exp(x) for x <= 0 (softmax arguments), relative error ~2 ulp: Cody-Waite
+ * range reduction x = n ln2 + r, |r| <= ln2/2, and the degree-6 Taylor
+ * polynomial of e^r (Cephes' expf scheme); below -87 it returns 0.
+ * Straight-line code, so gcc vectorizes the loop that calls it. */
+static inline float exp_neg(float x) {
+    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+    float xc = x < -87.0f ? -87.0f : x;
+    float n = __builtin_floorf(xc * log2e + 0.5f);
+    float r = xc - n * ln2_hi;
+    r = r - n * ln2_lo;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+/* Sum of LANES partial sums in a fixed tree. */
+static inline float lane_sum(const float *acc) {
+    float t[LANES / 2];
+    for (int l = 0; l < LANES / 2; l++) t[l] = acc[l] + acc[l + LANES / 2];
+    for (int w = LANES / 4; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) t[l] = t[l] + t[l + w];
+    return t[0];
+}
+
+/* Element i of a cache-dtype array as float32 (BF16: bfloat16, else float32). */
+#define LOAD(p, i) (BF16 ? bf16_to_f32(((const uint16_t *)(p))[i]) : ((const float *)(p))[i])
+
+/* Scaled dot products of the group's query heads with one key: scores[h * ctx]
+ * for h < group. qf: [group, head_dim] float32; k: head_dim cache elements. */
+static inline __attribute__((always_inline)) void qk_scores(const int BF16, const float *qf, const void *qb,
+                                                            const void *k, int64_t group, int64_t head_dim,
+                                                            float scale, float *scores, int64_t ctx) {
+#if defined(__AVX512BF16__)
+    if (BF16 && head_dim % 32 == 0) {  /* bfloat16 pairs into float32 lanes (VDPBF16PS), then a fixed lane sum */
+        for (int64_t h = 0; h < group; h++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t d = 0; d < head_dim; d += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const uint16_t *)qb + h * head_dim + d),
+                                       (__m512bh)_mm512_loadu_si512((const uint16_t *)k + d));
+            scores[h * ctx] = _mm512_reduce_add_ps(acc) * scale;
+        }
+        return;
+    }
+#endif
+    (void)qb;
+    float kf[head_dim];
+    for (int64_t d = 0; d < head_dim; d++) kf[d] = LOAD(k, d);
+    for (int64_t h = 0; h < group; h++) {
+        float lanes[LANES] = {0};
+        const float *qh = qf + h * head_dim;
+        for (int64_t d = 0; d < head_dim; d += LANES)
+            for (int l = 0; l < LANES; l++) lanes[l] += qh[d + l] * kf[d + l];
+        scores[h * ctx] = lane_sum(lanes) * scale;
+    }
+}
+
+#if defined(__AVX512BF16__)
+/* v[o] holds 16 partial sums of position o's dot product; returns the 16
+ * totals, lane o = position o. A fixed transpose-and-add tree: every
+ * position's 16 partial sums are added in the same order. */
+static inline __m512 sum16(__m512 *v) {
+    __m512 w[8], x[4], y[2];
+    for (int k = 0; k < 8; k++)
+        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {
+        __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
+        x[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int k = 0; k < 2; k++)
+        y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+}
+
+/* Scores of up to 16 consecutive slots (n of them, slot_stride elements
+ * apart) for the group's bfloat16 query heads qb [group, head_dim]:
+ * scores[h * ctx + o] for o < n. */
+static inline void qk16_bf16(const uint16_t *qb, const uint16_t *k, int64_t slot_stride, int64_t n, int64_t group,
+                             int64_t head_dim, float scale, float *scores, int64_t ctx) {
+    for (int64_t h = 0; h < group; h++) {
+        __m512 acc[16];
+        for (int64_t o = 0; o < 16; o++) {
+            acc[o] = _mm512_setzero_ps();
+            if (o < n)
+                for (int64_t d = 0; d < head_dim; d += 32)
+                    acc[o] = _mm512_dpbf16_ps(acc[o], (__m512bh)_mm512_loadu_si512(qb + h * head_dim + d),
+                                              (__m512bh)_mm512_loadu_si512(k + o * slot_stride + d));
+        }
+        __m512 r = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(scores + h * ctx, (__mmask16)((1u << n) - 1u), r);
+    }
+}
+
+/* acc[h * head_dim + d] = sum over positions i < ctx, in order, of
+ * p[h * ctx + i] * v_i[d] (float32 FMAs), for the group's heads (group <= 8):
+ * 32 output columns (one cache line of bfloat16 values) at a time in registers. */
+static inline void pv_bf16(const float *p, const uint16_t *value_cache, const int32_t *table, int64_t g,
+                           int64_t ctx, int64_t group, int64_t head_dim, int64_t block_size, int64_t slot_stride,
+                           float *acc) {
+    for (int64_t d = 0; d < head_dim; d += 32) {
+        __m512 lo[8], hi[8];
+        for (int64_t h = 0; h < group; h++) lo[h] = hi[h] = _mm512_setzero_ps();
+        for (int64_t i0 = 0; i0 < ctx; i0 += block_size) {
+            const uint16_t *v = value_cache + ((int64_t)table[i0 / block_size] * block_size) * slot_stride + g * head_dim + d;
+            const int64_t n = ctx - i0 < block_size ? ctx - i0 : block_size;
+            for (int64_t o = 0; o < n; o++) {
+                __m512i raw = _mm512_loadu_si512(v + o * slot_stride);
+                __m512 vlo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+                __m512 vhi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+                for (int64_t h = 0; h < group; h++) {
+                    __m512 w = _mm512_set1_ps(p[h * ctx + i0 + o]);
+                    lo[h] = _mm512_fmadd_ps(w, vlo, lo[h]);
+                    hi[h] = _mm512_fmadd_ps(w, vhi, hi[h]);
+                }
+            }
+        }
+        for (int64_t h = 0; h < group; h++) {
+            _mm512_storeu_ps(acc + h * head_dim + d, lo[h]);
+            _mm512_storeu_ps(acc + h * head_dim + d + 16, hi[h]);
+        }
+    }
+}
+#endif
+
+/* acc[h * head_dim + d] = sum over positions i < ctx, in order, of
+ * p[h * ctx + i] * v_i[d] (float32), any dtype and shape. */
+static inline __attribute__((always_inline)) void pv_generic(
+    const int BF16, const float *p, const void *value_cache, const int32_t *table, int64_t g, int64_t ctx,
+    int64_t group, int64_t head_dim, int64_t block_size, int64_t slot_stride, float *acc) {
+    const int64_t elem = BF16 ? 2 : 4;
+    memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
+    float vf[head_dim];
+    for (int64_t i0 = 0; i0 < ctx; i0 += block_size) {
+        const char *v = (const char *)value_cache + (((int64_t)table[i0 / block_size] * block_size) * slot_stride + g * head_dim) * elem;
+        const int64_t n = ctx - i0 < block_size ? ctx - i0 : block_size;
+        for (int64_t o = 0; o < n; o++) {
+            const void *vo = v + o * slot_stride * elem;
+            for (int64_t d = 0; d < head_dim; d++) vf[d] = LOAD(vo, d);
+            for (int64_t h = 0; h < group; h++) {
+                const float w = p[h * ctx + i0 + o];
+                float *a = acc + h * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) a[d] += w * vf[d];
+            }
+        }
+    }
+}
+
+/* Everything one work item (query row t, KV head g) computes; BF16 is a
+ * literal at each call site, so each dtype gets its own specialised copy. */
+static inline __attribute__((always_inline)) void attend_item(
+    const int BF16, const void *query, const void *key_cache, const void *value_cache, void *out,
+    const int32_t *table, int64_t t, int64_t g, int64_t ctx, int64_t num_heads, int64_t num_kv_heads,
+    int64_t group, int64_t head_dim, int64_t block_size, float scale, float *scores, float *qf, float *acc) {
+    const int64_t q0 = (t * num_heads + g * group) * head_dim;  /* first query head of the group */
+    const int64_t slot_stride = num_kv_heads * head_dim, elem = BF16 ? 2 : 4;
+    const char *qb = (const char *)query + q0 * elem;
+    for (int64_t j = 0; j < group * head_dim; j++) qf[j] = LOAD(query, q0 + j);
+    for (int64_t i0 = 0; i0 < ctx; i0 += block_size) {  /* one cache block at a time */
+        const char *k = (const char *)key_cache + (((int64_t)table[i0 / block_size] * block_size) * slot_stride + g * head_dim) * elem;
+        const int64_t n = ctx - i0 < block_size ? ctx - i0 : block_size;
+#if defined(__AVX512BF16__)
+        if (BF16 && head_dim % 32 == 0 && block_size % 16 == 0) {
+            for (int64_t o = 0; o < n; o += 16)
+                qk16_bf16((const uint16_t *)qb, (const uint16_t *)(k + o * slot_stride * elem), slot_stride,
+                          n - o < 16 ? n - o : 16, group, head_dim, scale, scores + i0 + o, ctx);
+            continue;
+        }
+#endif
+        for (int64_t o = 0; o < n; o++)
+            qk_scores(BF16, qf, qb, k + o * slot_stride * elem, group, head_dim, scale, scores + i0 + o, ctx);
+    }
+    for (int64_t h = 0; h < group; h++) {
+        float *sc = scores + h * ctx, m = sc[0];
+        for (int64_t i = 1; i < ctx; i++) m = sc[i] > m ? sc[i] : m;
+        float lanes[LANES] = {0};
+        int64_t i = 0;
+        for (; i + LANES <= ctx; i += LANES)
+            for (int l = 0; l < LANES; l++) {
+                sc[i + l] = exp_neg(sc[i + l] - m);
+                lanes[l] += sc[i + l];
+            }
+        for (; i < ctx; i++) {
+            sc[i] = exp_neg(sc[i] - m);
+            lanes[i % LANES] += sc[i];
+        }
+        const float inv = 1.0f / lane_sum(lanes);
+        for (i = 0; i < ctx; i++) sc[i] *= inv;
+    }
+#if defined(__AVX512BF16__)
+    if (BF16 && head_dim % 32 == 0 && group <= 8)
+        pv_bf16(scores, (const uint16_t *)value_cache, table, g, ctx, group, head_dim, block_size, slot_stride, acc);
+    else
+#endif
+        pv_generic(BF16, scores, value_cache, table, g, ctx, group, head_dim, block_size, slot_stride, acc);
+    for (int64_t j = 0; j < group * head_dim; j++) {
+        if (BF16)
+            ((uint16_t *)out)[q0 + j] = f32_to_bf16(acc[j]);
+        else
+            ((float *)out)[q0 + j] = acc[j];
+    }
+}
+
+/* The exported entry point of one dtype. Returns 0, 1 for shapes it does not
+ * take (head_dim not a multiple of 16, num_heads not a multiple of
+ * num_kv_heads), 2 when out of memory. */
+#define DEFINE_ATTENTION(NAME, BF16)                                                                       \
+    int NAME(const void *query, const void *key_cache, const void *value_cache, void *out,                \
+             const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,            \
+             const int32_t *query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,   \
+             int64_t head_dim, int64_t block_size, float scale, int num_threads) {                        \
+        if (head_dim % LANES != 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;        \
+        const int64_t group = num_heads / num_kv_heads, num_tokens = query_start_loc[num_seqs];           \
+        int64_t max_len = 1;                                                                              \
+        for (int64_t s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;   \
+        int32_t *row_seq = malloc(sizeof(int32_t) * (size_t)(num_tokens > 0 ? num_tokens : 1));          \
+        if (!row_seq) return 2;                                                                           \
+        for (int64_t s = 0; s < num_seqs; s++)                                                            \
+            for (int64_t t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) row_seq[t] = (int32_t)s; \
+        const int64_t items = num_tokens * num_kv_heads;                                                  \
+        int failed = 0;                                                                                   \
+        _Pragma("omp parallel num_threads(num_threads)") {                                                \
+            float *scores = malloc(sizeof(float) * (size_t)(group * max_len));                            \
+            float *qf = malloc(sizeof(float) * (size_t)(group * head_dim));                               \
+            float *acc = malloc(sizeof(float) * (size_t)(group * head_dim));                              \
+            if (!scores || !qf || !acc) {                                                                 \
+                _Pragma("omp atomic write") failed = 2;                                                   \
+            }                                                                                             \
+            _Pragma("omp for schedule(dynamic, 4)") for (int64_t it = 0; it < items; it++) {             \
+                if (!scores || !qf || !acc) continue;                                                     \
+                const int64_t t = it / num_kv_heads, g = it % num_kv_heads, s = row_seq[t];              \
+                const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];                        \
+                const int64_t ctx = seq_lens[s] - q_len + (t - query_start_loc[s]) + 1;                   \
+                attend_item(BF16, query, key_cache, value_cache, out, block_tables + s * block_table_stride, \
+                            t, g, ctx, num_heads, num_kv_heads, group, head_dim, block_size, scale, scores, qf, \
+                            acc);                                                                         \
+            }                                                                                             \
+            free(scores);                                                                                 \
+            free(qf);                                                                                     \
+            free(acc);                                                                                    \
+        }                                                                                                 \
+        free(row_seq);                                                                                    \
+        return failed;                                                                                    \
+    }
+
+DEFINE_ATTENTION(paged_attention_f32, 0)
+DEFINE_ATTENTION(paged_attention_bf16, 1)
