@@ -1,5 +1,6 @@
 """The CPU attention backend: ``csrc/paged_attention_cpu.c``, built at run time
-with the machine's C compiler and called through ctypes.
+with the machine's C compiler (:mod:`kernels.cpu_build`) and called through
+ctypes.
 
 It reads each sequence's keys and values in place through its block table
 (no gather into a scratch buffer, no block-diagonal matmul) and gives every
@@ -7,113 +8,22 @@ query row the same arithmetic whatever else shares the step, so it is
 batch-invariant by construction (the C file says how). Shapes and semantics
 are those of :func:`kernels.torch_attention.paged_attention`; the cache
 writes are :func:`kernels.torch_attention.reshape_and_cache`.
-
-The shared library is compiled once per source, compiler and CPU
-(``gcc -O3 -march=native -fopenmp``, about a second) into
-``$TANDEM_KERNEL_CACHE`` (default ``~/.cache/tandem/kernels``) and loaded from
-there afterwards. It links the OpenMP runtime that torch already loaded
-(the same ``libgomp.so.1``), so it shares torch's thread pool and wait policy.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from kernels.cpu_build import load_library, why_unavailable
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
-CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 _DTYPES = {torch.bfloat16: "paged_attention_bf16", torch.float32: "paged_attention_f32"}
-_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
-    ctypes.c_float, ctypes.c_int]
-
-
-class KernelBuildError(RuntimeError):
-    """The C compiler is missing or failed; the message has its output."""
-
-
-def _cpu_signature() -> str:
-    """What ``-march=native`` depends on: the CPU model and its feature flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
-        return "".join(lines)
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("TANDEM_KERNEL_CACHE", Path.home() / ".cache" / "tandem" / "kernels"))
-
-
-@functools.lru_cache(maxsize=4)
-def load_library(march: str = "native") -> ctypes.CDLL:
-    """Build (once per source, compiler and CPU) and load the kernel library.
-
-    Args:
-        march: gcc's ``-march``: "native" (the default: AVX512-BF16 paths
-            where the CPU has them), or an older target such as "x86-64-v3"
-            to build the portable paths (tests).
-
-    Returns:
-        The loaded ``ctypes.CDLL`` with ``paged_attention_bf16`` and
-        ``paged_attention_f32`` typed.
-
-    Raises:
-        KernelBuildError: no C compiler (``$CC``, else ``cc``/``gcc``) or the build failed.
-    """
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise KernelBuildError("no C compiler found (set CC, or install gcc)")
-    source = SOURCE.read_bytes()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelBuildError(f"{cc} --version failed: {e}") from e
-    flags = [*CFLAGS, f"-march={march}"]
-    key = hashlib.sha256(source + " ".join(flags).encode() + version.encode() + _cpu_signature().encode())
-    path = _cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        try:
-            proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                                  timeout=300)
-            if proc.returncode != 0:
-                raise KernelBuildError(f"{cc} failed on {SOURCE.name}:\n{proc.stderr.strip()}")
-            os.replace(tmp, path)  # atomic: concurrent builders each write their own file
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        logger.info("built %s", path)
-    lib = ctypes.CDLL(str(path))
-    for name in _DTYPES.values():
-        fn = getattr(lib, name)
-        fn.argtypes = _ARGTYPES
-        fn.restype = ctypes.c_int
-    return lib
 
 
 def available() -> str | None:
     """None when the kernel can be built and loaded here, else why not (one line)."""
-    try:
-        load_library()
-    except (KernelBuildError, OSError) as e:
-        return str(e).splitlines()[0]
-    return None
+    return why_unavailable()
 
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -162,7 +72,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal paged attention on the CPU (arguments, shapes and semantics as
     :func:`kernels.torch_attention.paged_attention`; ``march`` picks the
-    build, :func:`load_library`).
+    build, :func:`kernels.cpu_build.load_library`).
 
     Returns:
         [num_query_tokens, num_heads, head_dim], query's dtype.
@@ -170,7 +80,7 @@ def paged_attention(
     Raises:
         ValueError: tensors not on the CPU, dtypes differ, or shapes the
             kernel does not take (:func:`supports`).
-        KernelBuildError: the library could not be built.
+        kernels.cpu_build.KernelBuildError: the library could not be built.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = key_cache.shape

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 
 def reference_reshape_and_cache(
@@ -81,38 +80,3 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def default_scale(head_dim: int) -> float:
     """Softmax scale 1/sqrt(head_dim) (Vaswani et al., 2017)."""
     return 1.0 / math.sqrt(head_dim)
-
-
-def per_sequence_paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    query_start_loc: list[int] | torch.Tensor,
-    seq_lens: list[int] | torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """The first CPU path: one SDPA call per sequence, in the query's dtype.
-
-    Kept as the baseline of loadtests/bench/kernels_cpu.py. Arguments and result as
-    :func:`kernels.torch_attention.paged_attention`.
-    """
-    out = torch.empty_like(query)
-    qsl = [int(x) for x in query_start_loc]
-    lens = [int(x) for x in seq_lens]
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    for i, seq_len in enumerate(lens):
-        start, end = qsl[i], qsl[i + 1]
-        q_len = end - start
-        if q_len == 0:
-            continue
-        blocks = block_tables[i, : (seq_len + block_size - 1) // block_size].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        mask = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
-        o = F.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1), k, v, attn_mask=mask, scale=scale,
-            enable_gqa=query.shape[1] != num_kv_heads,
-        )
-        out[start:end] = o.transpose(0, 1)
-    return out

@@ -189,7 +189,7 @@ def test_cpu_backend_choice(monkeypatch, tmp_path, caplog):
     """auto takes the C kernel where it builds and takes the model's dtype and
     heads, else the PyTorch path with a warning; asking for "cpu" where it
     cannot run is an error that says why."""
-    from kernels import cpu_attention
+    from kernels import cpu_build
 
     assert get_attention_backend("auto", "cpu", dtype=torch.bfloat16, heads=(9, 3, 64)).name == "cpu"
     assert get_attention_backend("auto", "cpu", dtype=torch.float16, heads=(9, 3, 64)).name == "torch"
@@ -200,7 +200,7 @@ def test_cpu_backend_choice(monkeypatch, tmp_path, caplog):
         get_attention_backend("cpu", "cuda")
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
-    cpu_attention.load_library.cache_clear()
+    cpu_build.load_library.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="kernels"):
             assert get_attention_backend("auto", "cpu").name == "torch"
@@ -208,7 +208,7 @@ def test_cpu_backend_choice(monkeypatch, tmp_path, caplog):
         with pytest.raises(RuntimeError, match="no-such-compiler"):
             get_attention_backend("cpu", "cpu")
     finally:
-        cpu_attention.load_library.cache_clear()
+        cpu_build.load_library.cache_clear()
 
 
 def test_cpu_kernel_rejects_what_it_cannot_read():

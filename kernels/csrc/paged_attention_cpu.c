@@ -31,55 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define LANES 16
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Round to nearest even, as c10::BFloat16 does; NaN stays NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* exp(x) for x <= 0 (softmax arguments), relative error ~2 ulp: Cody-Waite
- * range reduction x = n ln2 + r, |r| <= ln2/2, and the degree-6 Taylor
- * polynomial of e^r (Cephes' expf scheme); below -87 it returns 0.
- * Straight-line code, so gcc vectorizes the loop that calls it. */
-static inline float exp_neg(float x) {
-    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    float xc = x < -87.0f ? -87.0f : x;
-    float n = __builtin_floorf(xc * log2e + 0.5f);
-    float r = xc - n * ln2_hi;
-    r = r - n * ln2_lo;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return x < -87.0f ? 0.0f : p * scale;
-}
-
-/* Sum of LANES partial sums in a fixed tree. */
-static inline float lane_sum(const float *acc) {
-    float t[LANES / 2];
-    for (int l = 0; l < LANES / 2; l++) t[l] = acc[l] + acc[l + LANES / 2];
-    for (int w = LANES / 4; w >= 1; w /= 2)
-        for (int l = 0; l < w; l++) t[l] = t[l] + t[l + w];
-    return t[0];
-}
+#include "common.h"
 
 /* Element i of a cache-dtype array as float32 (BF16: bfloat16, else float32). */
 #define LOAD(p, i) (BF16 ? bf16_to_f32(((const uint16_t *)(p))[i]) : ((const float *)(p))[i])
@@ -131,6 +83,12 @@ static inline __m512 sum16(__m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
 }
 
+/* Prefetch n rows of `bytes` bytes, slot_stride elements apart, into L1. */
+static inline void prefetch_rows(const uint16_t *first, int64_t slot_stride, int64_t n, int64_t bytes) {
+    for (int64_t o = 0; o < n; o++)
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)(first + o * slot_stride) + b, _MM_HINT_T0);
+}
+
 /* Scores of up to 16 consecutive slots (n of them, slot_stride elements
  * apart) for the group's bfloat16 query heads qb [group, head_dim]:
  * scores[h * ctx + o] for o < n. */
@@ -162,6 +120,9 @@ static inline void pv_bf16(const float *p, const uint16_t *value_cache, const in
         for (int64_t i0 = 0; i0 < ctx; i0 += block_size) {
             const uint16_t *v = value_cache + ((int64_t)table[i0 / block_size] * block_size) * slot_stride + g * head_dim + d;
             const int64_t n = ctx - i0 < block_size ? ctx - i0 : block_size;
+            if (i0 + block_size < ctx)  /* the next block is elsewhere in memory: ask for it while this one runs */
+                prefetch_rows(value_cache + ((int64_t)table[i0 / block_size + 1] * block_size) * slot_stride + g * head_dim + d,
+                              slot_stride, ctx - i0 - block_size < block_size ? ctx - i0 - block_size : block_size, 64);
             for (int64_t o = 0; o < n; o++) {
                 __m512i raw = _mm512_loadu_si512(v + o * slot_stride);
                 __m512 vlo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
@@ -180,6 +141,41 @@ static inline void pv_bf16(const float *p, const uint16_t *value_cache, const in
     }
 }
 #endif
+
+/* sc[0..n) <- softmax(sc[0..n)) in float32: max, exp of the differences
+ * (exp_neg), their sum in a fixed lane order, one multiply by its inverse. */
+static inline void softmax(float *sc, int64_t n) {
+#if defined(__AVX512F__)
+    __m512 vmax = _mm512_set1_ps(-__builtin_inff());
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mask = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        vmax = _mm512_mask_max_ps(vmax, mask, vmax, _mm512_maskz_loadu_ps(mask, sc + i));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mask = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 e = _mm512_maskz_mov_ps(mask, exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sc + i), m)));
+        _mm512_mask_storeu_ps(sc + i, mask, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mask = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        _mm512_mask_storeu_ps(sc + i, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, sc + i), inv));
+    }
+#else
+    float m = sc[0];
+    for (int64_t i = 1; i < n; i++) m = sc[i] > m ? sc[i] : m;
+    float lanes[LANES] = {0};
+    for (int64_t i = 0; i < n; i++) {
+        sc[i] = exp_neg(sc[i] - m);
+        lanes[i % LANES] += sc[i];
+    }
+    const float inv = 1.0f / lane_sum(lanes);
+    for (int64_t i = 0; i < n; i++) sc[i] *= inv;
+#endif
+}
 
 /* acc[h * head_dim + d] = sum over positions i < ctx, in order, of
  * p[h * ctx + i] * v_i[d] (float32), any dtype and shape. */
@@ -219,6 +215,9 @@ static inline __attribute__((always_inline)) void attend_item(
         const int64_t n = ctx - i0 < block_size ? ctx - i0 : block_size;
 #if defined(__AVX512BF16__)
         if (BF16 && head_dim % 32 == 0 && block_size % 16 == 0) {
+            if (i0 + block_size < ctx)  /* the next block is elsewhere in memory: ask for it while this one runs */
+                prefetch_rows((const uint16_t *)key_cache + ((int64_t)table[i0 / block_size + 1] * block_size) * slot_stride + g * head_dim,
+                              slot_stride, ctx - i0 - block_size < block_size ? ctx - i0 - block_size : block_size, head_dim * 2);
             for (int64_t o = 0; o < n; o += 16)
                 qk16_bf16((const uint16_t *)qb, (const uint16_t *)(k + o * slot_stride * elem), slot_stride,
                           n - o < 16 ? n - o : 16, group, head_dim, scale, scores + i0 + o, ctx);
@@ -228,23 +227,7 @@ static inline __attribute__((always_inline)) void attend_item(
         for (int64_t o = 0; o < n; o++)
             qk_scores(BF16, qf, qb, k + o * slot_stride * elem, group, head_dim, scale, scores + i0 + o, ctx);
     }
-    for (int64_t h = 0; h < group; h++) {
-        float *sc = scores + h * ctx, m = sc[0];
-        for (int64_t i = 1; i < ctx; i++) m = sc[i] > m ? sc[i] : m;
-        float lanes[LANES] = {0};
-        int64_t i = 0;
-        for (; i + LANES <= ctx; i += LANES)
-            for (int l = 0; l < LANES; l++) {
-                sc[i + l] = exp_neg(sc[i + l] - m);
-                lanes[l] += sc[i + l];
-            }
-        for (; i < ctx; i++) {
-            sc[i] = exp_neg(sc[i] - m);
-            lanes[i % LANES] += sc[i];
-        }
-        const float inv = 1.0f / lane_sum(lanes);
-        for (i = 0; i < ctx; i++) sc[i] *= inv;
-    }
+    for (int64_t h = 0; h < group; h++) softmax(scores + h * ctx, ctx);
 #if defined(__AVX512BF16__)
     if (BF16 && head_dim % 32 == 0 && group <= 8)
         pv_bf16(scores, (const uint16_t *)value_cache, table, g, ctx, group, head_dim, block_size, slot_stride, acc);

@@ -1,63 +1,122 @@
-"""CPU timing of the PyTorch attention path against the first per-sequence loop.
+"""CPU kernels: the C kernels of ``kernels/csrc/`` against the paths they replace.
 
-    python -m loadtests.bench.kernels_cpu [--num-seqs 64] [--context 200] [--threads 1 2]
+    python -m loadtests.bench.kernels_cpu [--repeats 20] [--threads 2]
 
-Decode batch (one query token per sequence), SmolLM2-135M attention shapes
-(9 query heads, 3 KV heads, head_dim 64), float32, block_size 16, shuffled
-block tables. Prints the minimum and median of --repeats calls in milliseconds
-per call (one layer) and the speedup of the minimum.
+Attention (``kernels.cpu_attention`` vs ``kernels.torch_attention``, the
+PyTorch path: gather + block-diagonal bmm), SmolLM2-135M's shapes (9 query
+heads, 3 KV heads, head_dim 64), bfloat16, block_size 16, shuffled block
+tables in a pool larger than the caches: decode batches of 64 x ~164 and
+64 x ~1150 tokens, one decode of 150, a 20 x 100-token prefill and one
+2000-token prefill. Linear layers (``kernels.cpu_linear`` vs oneDNN's packed
+bfloat16 GEMM, ``mkldnn._linear_pointwise``) at SmolLM2's five weight shapes
+and 1, 8, 32, 64 and 256 rows. Each line prints the C kernel's time over the
+baseline's (medians of ``--repeats`` calls, the two interleaved call by
+call), so < 1 means the C kernel is faster.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
 import time
 
 import torch
 
-from kernels.reference import per_sequence_paged_attention, relative_error
-from kernels.torch_attention import paged_attention
+from kernels import cpu_attention, cpu_linear, torch_attention
+from kernels.reference import reference_paged_attention, relative_error
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # qkv, o, gate_up, down, lm_head
 
 
-def _time_ms(fn, repeats: int) -> tuple[float, float]:
-    fn()
-    times = []
+def interleaved_ms(a, b, repeats: int) -> tuple[float, float]:
+    """Median milliseconds of ``a()`` and ``b()``, called alternately after one warm-up each."""
+    a(), b()
+    ta, tb = [], []
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return 1e3 * times[0], 1e3 * times[len(times) // 2]
+        for fn, times in ((a, ta), (b, tb)):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(ta), 1e3 * statistics.median(tb)
+
+
+def attention_case(lens: list[int], q_lens: list[int], seed: int = 0) -> dict:
+    """paged_attention arguments: bfloat16 caches in a pool twice the size needed, shuffled tables."""
+    g = torch.Generator().manual_seed(seed)
+    need = sum((n + BLOCK - 1) // BLOCK for n in lens)
+    pool = 2 * need + 1
+    key_cache = torch.randn((pool, BLOCK, KV_HEADS, HEAD_DIM), generator=g).bfloat16()
+    value_cache = torch.randn_like(key_cache, dtype=torch.float32).bfloat16()
+    perm = (torch.randperm(pool - 1, generator=g) + 1).to(torch.int32)
+    width = max((n + BLOCK - 1) // BLOCK for n in lens)
+    tables = torch.zeros((len(lens), width), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        nb = (n + BLOCK - 1) // BLOCK
+        tables[i, :nb] = perm[used:used + nb]
+        used += nb
+    qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    query = torch.randn((int(qsl[-1]), HEADS, HEAD_DIM), generator=g).bfloat16()
+    return dict(query=query, key_cache=key_cache, value_cache=value_cache, query_start_loc=qsl,
+                seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables, scale=HEAD_DIM ** -0.5)
+
+
+def bench_attention(repeats: int) -> None:
+    rng = random.Random(0)
+    cases = {
+        "decode 64 x ~164": ([rng.randrange(100, 229) for _ in range(64)], [1] * 64),
+        "decode 64 x ~1150": ([rng.randrange(1000, 1300) for _ in range(64)], [1] * 64),
+        "decode 1 x 150": ([150], [1]),
+        "prefill 20 x 100": ([100] * 20, [100] * 20),
+        "prefill 1 x 2000": ([2000], [2000]),
+    }
+    for label, (lens, q_lens) in cases.items():
+        case = attention_case(lens, q_lens)
+        plans = {m: m.plan_attention(case["key_cache"], HEADS, case["query_start_loc"], case["seq_lens"],
+                                     case["block_tables"]) for m in (cpu_attention, torch_attention)}
+        c, base = interleaved_ms(lambda: cpu_attention.paged_attention(**case, plan=plans[cpu_attention]),
+                                 lambda: torch_attention.paged_attention(**case, plan=plans[torch_attention]),
+                                 max(2, repeats // (10 if "2000" in label or "1150" in label else 1)))
+        small = {k: (v[:2] if k in ("seq_lens", "block_tables") else v) for k, v in case.items()}
+        if label.startswith("decode 64"):  # accuracy on two rows, against float64
+            small["query"], small["query_start_loc"] = case["query"][:2], case["query_start_loc"][:3]
+            err = relative_error(cpu_attention.paged_attention(**small).double(),
+                                 reference_paged_attention(**small))
+            label += f" (rel. error vs float64 {err:.1e})"
+        print(f"attention {label:<45} C {c:8.3f} ms  torch path {base:8.3f} ms  C/torch {c / base:.2f}x")
+
+
+def bench_linear(repeats: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    for n, k in SHAPES:
+        weight = torch.randn((n, k), generator=g).bfloat16()
+        packed = cpu_linear.pack(weight)
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        row = []
+        for m in (1, 8, 32, 64, 256):
+            x = torch.randn((m, k), generator=g).bfloat16()
+            c, base = interleaved_ms(lambda: cpu_linear.linear(x, packed),
+                                     lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
+                                     repeats)
+            row.append(f"M={m}: {c / base:.2f}x")
+        print(f"linear {n:>5} x {k:<5} C/oneDNN  " + "  ".join(row))
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-seqs", type=int, default=64)
-    p.add_argument("--context", type=int, default=200, help="tokens per sequence")
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=20, help="calls of each kernel per case")
+    p.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (None: torch's default)")
     args = p.parse_args(argv)
-    n, ctx, heads, kv_heads, head_dim, block_size = args.num_seqs, args.context, 9, 3, 64, 16
-    g = torch.Generator().manual_seed(0)
-    per_seq = (ctx + block_size - 1) // block_size
-    num_blocks = n * per_seq + 1
-    key_cache = torch.randn((num_blocks, block_size, kv_heads, head_dim), generator=g)
-    value_cache = torch.randn_like(key_cache)
-    block_tables = torch.randperm(num_blocks, generator=g)[: n * per_seq].view(n, per_seq).to(torch.int32)
-    query = torch.randn((n, heads, head_dim), generator=g)
-    qsl = torch.arange(n + 1, dtype=torch.int32)
-    seq_lens = torch.full((n,), ctx, dtype=torch.int32)
-    a = (query, key_cache, value_cache, qsl, seq_lens, block_tables, head_dim**-0.5)
-    err = relative_error(paged_attention(*a), per_sequence_paged_attention(*a))
-    print(f"decode {n} seqs x {ctx} tokens, heads {heads}/{kv_heads}, head_dim {head_dim}; rel diff {err:.1e}")
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        base = _time_ms(lambda: per_sequence_paged_attention(*a), args.repeats)
-        fast = _time_ms(lambda: paged_attention(*a), args.repeats)
-        print(
-            f"threads={threads}: per-sequence loop min {base[0]:.2f} ms (median {base[1]:.2f}), "
-            f"torch path min {fast[0]:.2f} ms (median {fast[1]:.2f}); speedup {base[0] / fast[0]:.2f}x"
-        )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"threads {torch.get_num_threads()}; C kernel build: {cpu_attention.available() or 'ok'}; "
+          f"AVX512-BF16 linear: {cpu_linear.available()}")
+    bench_attention(args.repeats)
+    if cpu_linear.available():
+        bench_linear(args.repeats)
 
 
 if __name__ == "__main__":

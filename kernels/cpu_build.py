@@ -1,0 +1,116 @@
+"""Builds and loads the C kernels of ``kernels/csrc/`` (CPU attention,
+bfloat16 linear layers, RMSNorm and SwiGLU) as one shared library, called
+through ctypes.
+
+The library is compiled once per source, compiler, flags and CPU
+(``gcc -O3 -march=native -fopenmp``, about two seconds) into
+``$TANDEM_KERNEL_CACHE`` (default ``~/.cache/tandem/kernels``) and loaded from
+there afterwards. It links the OpenMP runtime that torch already loaded (the
+same ``libgomp.so.1``), so it shares torch's thread pool and wait policy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_attention_cpu.c", CSRC / "linear_cpu.c", CSRC / "norm_act_cpu.c"]
+HEADERS = [CSRC / "common.h"]
+CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+
+_p, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {  # exported function -> (argument types, return type)
+    "paged_attention_bf16": ([_p] * 5 + [_i64, _p, _p] + [_i64] * 5 + [_float, _int], _int),
+    "paged_attention_f32": ([_p] * 5 + [_i64, _p, _p] + [_i64] * 5 + [_float, _int], _int),
+    "linear_bf16_available": ([], _int),
+    "linear_bf16_pack": ([_p, _i64, _i64, _p], None),
+    "linear_bf16": ([_p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _int, _int], _int),
+    "rms_norm_bf16": ([_p, _i64, _p, _p, _i64, _i64, _i64, _float, _int], _int),
+    "silu_mul_bf16": ([_p, _i64, _p, _i64, _i64, _i64, _int], None),
+}
+
+
+class KernelBuildError(RuntimeError):
+    """The C compiler is missing or failed; the message has its output."""
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU model and its feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TANDEM_KERNEL_CACHE", Path.home() / ".cache" / "tandem" / "kernels"))
+
+
+@functools.lru_cache(maxsize=4)
+def load_library(march: str = "native") -> ctypes.CDLL:
+    """Build (once per source, compiler and CPU) and load the kernel library.
+
+    Args:
+        march: gcc's ``-march``: "native" (the default: AVX512-BF16 paths
+            where the CPU has them), or an older target such as "x86-64-v3"
+            to build the portable paths (tests).
+
+    Returns:
+        The loaded ``ctypes.CDLL`` with the functions of ``SIGNATURES`` typed.
+
+    Raises:
+        KernelBuildError: no C compiler (``$CC``, else ``cc``/``gcc``) or the build failed.
+    """
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise KernelBuildError("no C compiler found (set CC, or install gcc)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"{cc} --version failed: {e}") from e
+    flags = [*CFLAGS, f"-march={march}"]
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS))
+    key.update((" ".join(flags) + version + _cpu_signature()).encode())
+    path = _cache_dir() / f"tandem_kernels-{key.hexdigest()[:16]}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True,
+                                  timeout=300)
+            if proc.returncode != 0:
+                raise KernelBuildError(f"{cc} failed on {', '.join(s.name for s in SOURCES)}:\n"
+                                       f"{proc.stderr.strip()}")
+            os.replace(tmp, path)  # atomic: concurrent builders each write their own file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        logger.info("built %s", path)
+    lib = ctypes.CDLL(str(path))
+    for name, (argtypes, restype) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def why_unavailable(march: str = "native") -> str | None:
+    """None when the library builds and loads here, else why not (one line)."""
+    try:
+        load_library(march)
+    except (KernelBuildError, OSError) as e:
+        return str(e).splitlines()[0]
+    return None

@@ -1,0 +1,101 @@
+"""bfloat16 linear layers in C on AVX512-BF16 CPUs (``csrc/linear_cpu.c``).
+
+``y = x @ W.T (+ bias) (+ residual)`` with W packed once into 64-column
+panels for VDPBF16PS. Every output element is one float32 accumulator over k
+in order, rounded once, so a row's bits do not depend on how many rows share
+the call: batch-invariant for any row count without the 32-row tiles the
+oneDNN path needs. Faster than oneDNN's packed bfloat16 GEMM at every row
+count measured on this project's CPU (decode rows most: 1.5-2.8x at one row,
+where the weights stream from memory; 1.0-1.2x at 32-256 rows;
+``loadtests/bench/kernels_cpu.py``).
+
+Used by the model's linear layers (``engine.models.llama``) when
+:func:`available` says so; elsewhere they keep oneDNN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu_build import load_library, why_unavailable
+
+PANEL = 64  # output columns per packed panel
+
+
+def available(march: str = "native") -> bool:
+    """Whether the library builds here and has the AVX512-BF16 kernel."""
+    return why_unavailable(march) is None and bool(load_library(march).linear_bf16_available())
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A [out_features, in_features] bfloat16 weight in the kernel's layout.
+
+    Attributes:
+        data: bfloat16 [ceil(out / 64) * 64 * in] panels ([out / 64][in / 2][64][2]).
+        out_features, in_features: the weight's shape (in_features even).
+    """
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def pack(weight: torch.Tensor) -> PackedLinear:
+    """Pack a CPU bfloat16 weight [out, in] (in even).
+
+    Raises:
+        ValueError: not a 2-D CPU bfloat16 tensor with an even in_features.
+    """
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[1] % 2:
+        raise ValueError(f"cannot pack a {weight.dtype} {tuple(weight.shape)} weight on {weight.device}")
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    data = torch.empty((n + PANEL - 1) // PANEL * PANEL * k, dtype=torch.bfloat16)
+    load_library().linear_bf16_pack(w.data_ptr(), n, k, data.data_ptr())
+    return PackedLinear(data, n, k)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it whose rows are contiguous (the kernel takes a row stride)."""
+    return t if t.stride(-1) == 1 and t.dim() == 2 else t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """[..., in] @ W.T (+ bias [out], added in float32) (+ residual [..., out]) -> [..., out].
+
+    ``out_dtype`` bfloat16 rounds each sum once; float32 returns the sums
+    unrounded (the model's logits: a bfloat16 logit of ~20 is only good to
+    0.125, which makes ties of greedy candidates that float32 separates).
+
+    Raises:
+        ValueError: a dtype other than bfloat16 or a width that does not match.
+    """
+    lead = x.shape[:-1]
+    if x.dtype != torch.bfloat16 or x.shape[-1] != packed.in_features:
+        raise ValueError(f"linear takes bfloat16 [..., {packed.in_features}], got {x.dtype} {tuple(x.shape)}")
+    x2 = _rows(x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x)
+    m, n = x2.shape[0], packed.out_features
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+    y = torch.empty((m, n), dtype=out_dtype)
+    r2 = None
+    if residual is not None:
+        r2 = _rows(residual.reshape(-1, n) if residual.dim() != 2 else residual)
+        if r2.dtype != torch.bfloat16 or r2.shape != (m, n):
+            raise ValueError(f"residual must be bfloat16 [{m}, {n}], got {r2.dtype} {tuple(r2.shape)}")
+    b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    if m:
+        load_library().linear_bf16(x2.data_ptr(), x2.stride(0), packed.data.data_ptr(),
+                                   None if b is None else b.data_ptr(),
+                                   None if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),
+                                   y.data_ptr(), n, m, n, packed.in_features, out_dtype == torch.float32,
+                                   torch.get_num_threads())
+    return y.view(*lead, n)

@@ -1,0 +1,85 @@
+/* Helpers shared by the C kernels of this folder: bfloat16 conversions, a
+ * fixed-order lane sum, and an exp for non-positive arguments (scalar, and on
+ * 16 lanes where the build has AVX-512). */
+#ifndef TANDEM_KERNELS_COMMON_H
+#define TANDEM_KERNELS_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define LANES 16
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as c10::BFloat16 does; NaN stays NaN. Branch-free. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet_nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+/* exp(x) for x <= 0 (softmax and silu arguments), relative error ~2 ulp:
+ * Cody-Waite range reduction x = n ln2 + r, |r| <= ln2/2, and the degree-6
+ * Taylor polynomial of e^r (Cephes' expf scheme); below -87 it returns 0. */
+static inline float exp_neg(float x) {
+    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+    float xc = x < -87.0f ? -87.0f : x;
+    float n = __builtin_floorf(xc * log2e + 0.5f);
+    float r = xc - n * ln2_hi;
+    r = r - n * ln2_lo;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+/* Sum of LANES partial sums in a fixed tree. */
+static inline float lane_sum(const float *acc) {
+    float t[LANES / 2];
+    for (int l = 0; l < LANES / 2; l++) t[l] = acc[l] + acc[l + LANES / 2];
+    for (int w = LANES / 4; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) t[l] = t[l] + t[l + w];
+    return t[0];
+}
+
+#if defined(__AVX512F__)
+/* exp_neg on 16 lanes: the same scheme with FMAs, 2^n by VSCALEFPS. */
+static inline __m512 exp_neg16(__m512 x) {
+    const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), _mm512_scalef_ps(p, n));
+}
+
+/* 16 bfloat16 values (raw bits) as float32. */
+static inline __m512 bf16x16_to_f32(__m256i raw) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+#endif

@@ -1,0 +1,133 @@
+/* bfloat16 linear layers on AVX512-BF16 CPUs: y = x @ W.T (+ bias) (+ residual).
+ *
+ * Built with paged_attention_cpu.c by kernels/cpu_build.py and called through
+ * ctypes from kernels/cpu_linear.py.
+ *
+ * The weight [N, K] is packed once into panels of 64 output columns,
+ * [N_pad / 64][K / 2][64][2] (N padded to a multiple of 64 with zero rows):
+ * one 64-byte load gives 16 columns x 2 consecutive k, the operand of
+ * VDPBF16PS. Each output element has one float32 accumulator that receives
+ * the pairs k = (0, 1), (2, 3), ... in order, starting from zero; bias and
+ * residual are added in float32 after the last pair, then the sum is
+ * rounded once to bfloat16 (round to nearest even). So a row's bits depend
+ * only on that row and the weight, never on how many rows share the call or
+ * which thread or tile computes it: batch-invariant for every row count,
+ * with no tiling. Threads split the column panels; within a panel (K x 64
+ * weights, at most a few hundred KiB, kept in L2) rows go four at a time.
+ */
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#define PANEL 64 /* output columns per panel */
+#define MR_MAX 6 /* rows per register tile: 24 accumulators + 4 weight vectors + 1 broadcast */
+#define M_BLOCK 48 /* rows per work item (a multiple of MR_MAX) */
+
+/* 1 when this build has the AVX512-BF16 kernel, else 0 (the caller then keeps its own path). */
+int linear_bf16_available(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Pack w [n, k] (bfloat16, row-major) into out [ceil(n / 64)][k / 2][64][2]; k even. */
+void linear_bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kp = 0; kp < k / 2; kp++)
+            for (int64_t j = 0; j < PANEL; j++) {
+                const int64_t row = p * PANEL + j;
+                uint16_t *dst = out + ((p * (k / 2) + kp) * PANEL + j) * 2;
+                dst[0] = row < n ? w[row * k + 2 * kp] : 0;
+                dst[1] = row < n ? w[row * k + 2 * kp + 1] : 0;
+            }
+}
+
+#if defined(__AVX512BF16__)
+/* MR rows (MR a literal at each call) x one 64-column panel. */
+static inline __attribute__((always_inline)) void panel_rows(
+    const int MR, const uint16_t *x, int64_t ldx, const uint16_t *panel, int64_t k, int64_t col0, int64_t n,
+    const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int y_f32) {
+    __m512 acc[MR_MAX][4];
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < k / 2; kp++) {
+        const uint16_t *wp = panel + kp * PANEL * 2;
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+        __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+        __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3)); /* keep them in registers: one load per kp, not per row */
+        for (int r = 0; r < MR; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * ldx + 2 * kp, 4);
+            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xb, w2);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, w3);
+        }
+    }
+    /* Lane l of acc[r][j] holds column col0 + 16 j + l; VCVTNEPS2BF16 rounds to nearest even. */
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < 4; j++) {
+            const int64_t c = col0 + 16 * j;
+            if (c >= n) break;
+            const __mmask16 mask = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1u);
+            __m512 v = acc[r][j];
+            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + c));
+            if (residual) {
+                __m256i raw = _mm256_maskz_loadu_epi16(mask, residual + r * ldr + c);
+                v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+            }
+            if (y_f32)
+                _mm512_mask_storeu_ps((float *)y + r * ldy + c, mask, v);
+            else
+                _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + c, mask, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+}
+#endif
+
+/* y [m, n] = x [m, k] @ W.T (+ bias [n], float32) (+ residual [m, n]); x and
+ * residual bfloat16, y bfloat16 or, when y_f32, float32 (the sums unrounded:
+ * logits), with row strides ldx, ldr, ldy (elements); packed from
+ * linear_bf16_pack. Returns 0, or 1 when this build has no kernel. */
+int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias,
+                const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+                int y_f32, int num_threads) {
+#if defined(__AVX512BF16__)
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    /* Work items: (panel, block of up to M_BLOCK rows), panel-major, so a
+     * thread's consecutive items reuse the panel from its cache; small
+     * batches still have enough items for every thread. */
+    const int64_t m_blocks = (m + M_BLOCK - 1) / M_BLOCK;
+#define ROWS(MR) panel_rows(MR, x + r * ldx, ldx, panel, k, col0, n, bias, residual ? residual + r * ldr : 0, ldr, \
+                          (char *)y + r * ldy * (y_f32 ? 4 : 2), ldy, y_f32)
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+    for (int64_t item = 0; item < panels * m_blocks; item++) {
+        const int64_t p = item / m_blocks, m0 = item % m_blocks * M_BLOCK;
+        const uint16_t *panel = packed + p * (k / 2) * PANEL * 2;
+        const int64_t col0 = p * PANEL, m1 = m0 + M_BLOCK < m ? m0 + M_BLOCK : m;
+        int64_t r = m0;
+        for (; r + MR_MAX <= m1; r += MR_MAX)
+            ROWS(MR_MAX);
+        switch (m1 - r) {
+        case 5: ROWS(5); break;
+        case 4: ROWS(4); break;
+        case 3: ROWS(3); break;
+        case 2: ROWS(2); break;
+        case 1: ROWS(1); break;
+        }
+    }
+#undef ROWS
+    return 0;
+#else
+    (void)x; (void)ldx; (void)packed; (void)bias; (void)residual; (void)ldr; (void)y; (void)ldy;
+    (void)m; (void)n; (void)k; (void)y_f32; (void)num_threads;
+    return 1;
+#endif
+}

@@ -1,0 +1,138 @@
+"""The C bfloat16 kernels besides attention (tests/test_kernels.py has that):
+the linear kernel (kernels/cpu_linear.py: float64 reference, row-count
+invariance without tiles, strided inputs, bias and residual, float32 logits,
+the model's choice of it; skipped where the CPU has no AVX512-BF16, where the
+model keeps oneDNN, covered by test_batch_invariance_kernels.py), and
+RMSNorm and SwiGLU (kernels/cpu_norm_act.py) against PyTorch's ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch.nn.functional as F
+
+from kernels import cpu_linear, cpu_norm_act
+
+needs_linear = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX512-BF16 C kernel on this CPU")
+
+
+def _case(n=200, k=150, m=130, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    residual = torch.randn(m, n, generator=g).bfloat16()
+    return weight, bias, x, residual
+
+
+@needs_linear
+def test_matches_float64_with_bias_and_residual():
+    weight, bias, x, residual = _case()  # 200 columns: not a multiple of the 64-column panels
+    packed = cpu_linear.pack(weight)
+    for b, r in [(None, None), (bias, None), (None, residual), (bias, residual)]:
+        y = cpu_linear.linear(x, packed, b, r)
+        ref = x.double() @ weight.double().T
+        ref = ref + (0 if b is None else b.double()) + (0 if r is None else r.double())
+        assert y.dtype == torch.bfloat16 and y.shape == (130, 200)
+        assert ((y.double() - ref).norm() / ref.norm()).item() < 5e-3
+
+
+@needs_linear
+def test_float32_output_is_the_unrounded_sum():
+    weight, bias, x, residual = _case(seed=2)
+    packed = cpu_linear.pack(weight)
+    y32 = cpu_linear.linear(x, packed, bias, residual, out_dtype=torch.float32)
+    y16 = cpu_linear.linear(x, packed, bias, residual)
+    ref = x.double() @ weight.double().T + bias.double() + residual.double()
+    assert y32.dtype == torch.float32
+    assert ((y32.double() - ref).norm() / ref.norm()).item() < 1e-5  # no bfloat16 rounding of the sums
+    assert torch.equal(y32.bfloat16(), y16)  # rounded once, the same bits as the bfloat16 output
+    with pytest.raises(ValueError, match="out_dtype"):
+        cpu_linear.linear(x, packed, out_dtype=torch.float16)
+
+
+@needs_linear
+@pytest.mark.parametrize("shape", [(200, 150), (576, 1536), (49152, 576)])
+def test_a_row_has_the_same_bits_for_every_row_count(shape):
+    weight, bias, x, residual = _case(*shape, m=100, seed=1)
+    packed = cpu_linear.pack(weight)
+    rows = [0, 5, 6, 47, 48, 99]
+    alone = torch.cat([cpu_linear.linear(x[i:i + 1], packed, bias, residual[i:i + 1]) for i in rows])
+    for m in (7, 49, 100):
+        got = cpu_linear.linear(x[:m], packed, bias, residual[:m])
+        keep = [j for j, i in enumerate(rows) if i < m]
+        assert torch.equal(got[[rows[j] for j in keep]], alone[keep]), m
+
+
+@needs_linear
+def test_strided_and_batched_inputs():
+    weight, _, x, residual = _case(k=150)
+    packed = cpu_linear.pack(weight)
+    wide = torch.cat([x, x], dim=1)[:, :150]  # rows 300 elements apart
+    assert not wide.is_contiguous()
+    assert torch.equal(cpu_linear.linear(wide, packed), cpu_linear.linear(x, packed))
+    assert torch.equal(cpu_linear.linear(x.view(10, 13, 150), packed).view(130, 200), cpu_linear.linear(x, packed))
+    assert cpu_linear.linear(x[:0], packed).shape == (0, 200)
+
+
+@needs_linear
+def test_refuses_what_it_cannot_run():
+    weight, _, x, residual = _case()
+    with pytest.raises(ValueError, match="cannot pack"):
+        cpu_linear.pack(weight[:, :149])
+    with pytest.raises(ValueError, match="cannot pack"):
+        cpu_linear.pack(weight.float())
+    packed = cpu_linear.pack(weight)
+    with pytest.raises(ValueError, match="linear takes bfloat16"):
+        cpu_linear.linear(x.float(), packed)
+    with pytest.raises(ValueError, match="residual must be"):
+        cpu_linear.linear(x, packed, None, residual[:3])
+
+
+@needs_linear
+def test_the_model_packs_bfloat16_weights_for_it():
+    from engine.models.llama import _PackedWeights
+
+    weight, bias, x, residual = _case()
+    pw = _PackedWeights()
+    pw.batch_invariant = True
+    assert isinstance(pw.get("w", weight), cpu_linear.PackedLinear)
+    assert torch.equal(pw.linear("w", x, weight, bias, residual),
+                       cpu_linear.linear(x, cpu_linear.pack(weight), bias, residual))
+    assert pw.get("f", weight.float()) is None  # float32 stays on F.linear
+
+
+def test_rms_norm_is_the_float32_norm_rounded_once():
+    """weight * x / rms(x) in float32, rounded once to bfloat16 (HF rounds
+    twice: before and after the weight); rows in batches equal rows alone."""
+    from engine.models.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(37, 576, generator=g) * 3).bfloat16()
+    weight = (torch.rand(576, generator=g) + 0.5).bfloat16()
+    y = cpu_norm_act.rms_norm(x, weight, 1e-5)
+    xf = x.float()
+    ref = weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)  # unrounded
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -8 * 1.01 + 1e-6).all()  # within half a bfloat16 step
+    assert torch.equal(torch.cat([cpu_norm_act.rms_norm(x[i:i + 1], weight, 1e-5) for i in range(37)]), y)
+    assert torch.equal(cpu_norm_act.rms_norm(x.view(37, 1, 576), weight, 1e-5).view(37, 576), y)
+    norm = RMSNorm(576, 1e-5).bfloat16()
+    norm.weight.data.copy_(weight)
+    assert torch.equal(norm(x), y)  # the model's bfloat16 CPU path is this kernel
+    with pytest.raises(ValueError, match="rms_norm takes"):
+        cpu_norm_act.rms_norm(x.float(), weight, 1e-5)
+
+
+def test_silu_mul_matches_pytorch():
+    g = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(33, 2 * 1536, generator=g) * 4).bfloat16()
+    y = cpu_norm_act.silu_mul(gate_up)
+    gate, up = gate_up.float().split(1536, dim=-1)
+    ref = F.silu(gate) * up  # float32, unrounded
+    assert y.shape == (33, 1536) and y.dtype == torch.bfloat16
+    assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6).all()  # one rounding
+    assert torch.equal(torch.cat([cpu_norm_act.silu_mul(gate_up[i:i + 1]) for i in range(33)]), y)
+    with pytest.raises(ValueError, match="silu_mul takes"):
+        cpu_norm_act.silu_mul(gate_up[:, :-1])
