@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from engine.model_config import ModelConfig
+from engine.model_loader import release_freed_memory
 from engine.models.llama import AttentionMetadata
 from engine.scheduler_output import SchedulerOutput
 
@@ -79,7 +80,8 @@ class ModelRunner:
                  num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.model = model
         self.config = model_config
-        model.prepack_weights()  # bf16 on CPU: oneDNN's blocked weights, packed before the first step
+        model.prepack_weights()  # bf16 on CPU: the C kernel's panels (dense copies freed) or oneDNN's blocked weights
+        release_freed_memory()
         model.set_batch_invariant(getattr(args, "batch_invariant", True))
         max_len = getattr(args, "max_model_len", None)
         if max_len and (model.rope_cos is None or model.rope_cos.shape[0] < max_len):

@@ -136,3 +136,30 @@ def test_silu_mul_matches_pytorch():
     assert torch.equal(torch.cat([cpu_norm_act.silu_mul(gate_up[i:i + 1]) for i in range(33)]), y)
     with pytest.raises(ValueError, match="silu_mul takes"):
         cpu_norm_act.silu_mul(gate_up[:, :-1])
+
+
+@needs_linear
+def test_the_engine_frees_the_dense_projections_and_generates_the_same(tmp_path, monkeypatch):
+    """bfloat16 on CPU: once packed for the C kernel the decoder projections'
+    dense weights are freed (not kept twice); generation is unchanged."""
+    from engine.llm import LLM
+    from engine.models.llama import LlamaForCausalLM
+    from engine.sampling_params import SamplingParams
+    from tests.tiny_models import save_byte_level_llama
+
+    path = save_byte_level_llama(tmp_path)
+    prompts = ["hello there", "a longer prompt of some forty characters!"]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run():
+        llm = LLM(model=path, dtype="bfloat16", device="cpu", kv_cache_memory=16 * 2**20)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, sp)], llm.engine.model_runner.model
+
+    freed, model = run()
+    original = LlamaForCausalLM.prepack_weights
+    monkeypatch.setattr(LlamaForCausalLM, "prepack_weights", lambda self: original(self, release_dense=False))
+    kept, model_kept = run()
+    assert freed == kept
+    assert all(getattr(layer, name).weight.numel() == 0 for layer in model.layers
+               for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    assert model_kept.layers[0].qkv_proj.weight.numel() > 0

@@ -16,8 +16,9 @@ logger = logging.getLogger(__name__)
 
 def release_freed_memory() -> None:
     """Hand freed heap memory back to the OS (glibc's ``malloc_trim``): the
-    float32 copies made while dequantizing, and the dense weights replaced by
-    4-bit ones, otherwise stay in the process's RSS (70-230 MiB for SmolLM2).
+    float32 copies made while dequantizing, the dense weights replaced by
+    4-bit ones or freed once packed for the C linear kernel, otherwise stay
+    in the process's RSS (70-230 MiB for SmolLM2).
     A no-op where glibc is absent."""
     import ctypes
     import ctypes.util

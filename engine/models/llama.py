@@ -222,6 +222,14 @@ class _PackedWeights:
             self._entries[name] = entry
         return entry[2]
 
+    def release_dense(self, name: str, module: nn.Module) -> None:
+        """Replace ``module.weight`` by an empty parameter and keep serving
+        the packed copy of ``name`` under it (see ``prepack_weights``)."""
+        packed = self._entries[name][2]
+        empty = nn.Parameter(module.weight.data.new_empty(0), requires_grad=False)
+        module.weight = empty
+        self._entries[name] = (empty, empty._version, packed)
+
     def _needs_padding(self, weight: torch.Tensor, packed: torch.Tensor | cpu_linear.PackedLinear | None,
                        with_residual: bool) -> bool:
         """Whether this weight's shape and call kind need full, zero-padded tiles."""
@@ -422,14 +430,25 @@ class LlamaForCausalLM(nn.Module):
                                   with_residual)
 
     @torch.no_grad()
-    def prepack_weights(self) -> None:
+    def prepack_weights(self, release_dense: bool = True) -> None:
         """Pack the bfloat16 CPU linear weights now (:func:`_pack_for_cpu`)
         rather than in the first forward pass; a no-op for other dtypes and
-        devices. Weights loaded or changed later are repacked when used."""
+        devices. Weights loaded or changed later are repacked when used.
+
+        Args:
+            release_dense: free each decoder projection's dense weight once
+                the C kernel's panels hold it (``kernels.cpu_linear``), so the
+                weights are not kept twice (-212 MB for SmolLM2-135M); the
+                parameter becomes an empty tensor and the layer can no longer
+                be reloaded or repacked. The embedding (also the tied
+                output head) stays: lookups read it.
+        """
         for layer in self.layers:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 if name not in layer.int4:
-                    layer.packed.get(name, getattr(layer, name).weight)
+                    lin = getattr(layer, name)
+                    if isinstance(layer.packed.get(name, lin.weight), cpu_linear.PackedLinear) and release_dense:
+                        layer.packed.release_dense(name, lin)
         self.packed.get("lm_head", self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
