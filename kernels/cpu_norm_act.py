@@ -29,7 +29,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, march: str = "native") -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019): ``bf16(weight * x / sqrt(mean(x^2) + eps))``,
     float32 throughout, one rounding (HF Llama rounds ``x / rms`` to bfloat16
     before the weight multiplies it, a second rounding error).
@@ -38,7 +38,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x: [..., hidden] bfloat16 (hidden a multiple of 16); weight: [hidden] bfloat16.
 
     Returns:
-        [..., hidden] bfloat16.
+        [..., hidden] bfloat16. ``march`` picks the build
+        (:func:`kernels.cpu_build.load_library`; tests run the portable one).
 
     Raises:
         ValueError: other dtypes or shapes.
@@ -50,19 +51,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = _rows(x)
     y = torch.empty((x2.shape[0], n), dtype=torch.bfloat16)
     w = weight.detach().contiguous()
-    load_library().rms_norm_bf16(x2.data_ptr(), x2.stride(0), w.data_ptr(), y.data_ptr(), n, x2.shape[0], n,
+    load_library(march).rms_norm_bf16(x2.data_ptr(), x2.stride(0), w.data_ptr(), y.data_ptr(), n, x2.shape[0], n,
                                  eps, torch.get_num_threads())
     return y.view(x.shape)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, march: str = "native") -> torch.Tensor:
     """SwiGLU's ``silu(gate) * up`` (Shazeer 2020) for ``gate_up = [gate | up]``.
 
     Args:
         gate_up: [..., 2 * intermediate] bfloat16.
 
     Returns:
-        [..., intermediate] bfloat16 (float32 inside, one rounding).
+        [..., intermediate] bfloat16 (float32 inside, one rounding); ``march``
+        as in :func:`rms_norm`.
 
     Raises:
         ValueError: another dtype or an odd width.
@@ -72,6 +74,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = gate_up.shape[-1] // 2
     g2 = _rows(gate_up)
     y = torch.empty((g2.shape[0], inter), dtype=torch.bfloat16)
-    load_library().silu_mul_bf16(g2.data_ptr(), g2.stride(0), y.data_ptr(), inter, g2.shape[0], inter,
+    load_library(march).silu_mul_bf16(g2.data_ptr(), g2.stride(0), y.data_ptr(), inter, g2.shape[0], inter,
                                  torch.get_num_threads())
     return y.view(*gate_up.shape[:-1], inter)

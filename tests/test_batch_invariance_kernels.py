@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.llama import ROW_TILE, _PackedWeights
+from engine.models.packed_linear import ROW_TILE, PackedWeights
 from kernels import get_attention_backend
 
 BLOCK = 16
@@ -88,7 +88,7 @@ def test_linear_rows_do_not_depend_on_the_row_count(dtype, shape):
     weight = (torch.randn(shape, generator=g) * 0.05).to(dtype)
     x = torch.randn(3 * ROW_TILE + 5, shape[1], generator=g).to(dtype)
     residual = torch.randn(x.shape[0], shape[0], generator=g).to(dtype)
-    packed = _PackedWeights()
+    packed = PackedWeights()
     packed.batch_invariant = True
     for res in (None, residual):
         alone = torch.cat([packed.linear("w", x[i:i + 1], weight, None, None if res is None else res[i:i + 1])

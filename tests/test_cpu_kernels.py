@@ -92,10 +92,10 @@ def test_refuses_what_it_cannot_run():
 
 @needs_linear
 def test_the_model_packs_bfloat16_weights_for_it():
-    from engine.models.llama import _PackedWeights
+    from engine.models.packed_linear import PackedWeights
 
     weight, bias, x, residual = _case()
-    pw = _PackedWeights()
+    pw = PackedWeights()
     pw.batch_invariant = True
     assert isinstance(pw.get("w", weight), cpu_linear.PackedLinear)
     assert torch.equal(pw.linear("w", x, weight, bias, residual),
@@ -163,3 +163,16 @@ def test_the_engine_frees_the_dense_projections_and_generates_the_same(tmp_path,
     assert all(getattr(layer, name).weight.numel() == 0 for layer in model.layers
                for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     assert model_kept.layers[0].qkv_proj.weight.numel() > 0
+
+
+def test_the_portable_build_of_rms_norm_and_silu_mul():
+    """The non-AVX-512 code of norm_act_cpu.c (built for x86-64-v3): the same
+    results as this CPU's build within one bfloat16 step."""
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(9, 576, generator=g) * 3).bfloat16()
+    weight = (torch.rand(576, generator=g) + 0.5).bfloat16()
+    gate_up = (torch.randn(9, 2 * 200, generator=g) * 4).bfloat16()  # 200: not a multiple of 16 lanes
+    for portable, native in [(cpu_norm_act.rms_norm(x, weight, 1e-5, march="x86-64-v3"),
+                              cpu_norm_act.rms_norm(x, weight, 1e-5)),
+                             (cpu_norm_act.silu_mul(gate_up, march="x86-64-v3"), cpu_norm_act.silu_mul(gate_up))]:
+        assert ((portable.float() - native.float()).abs() <= native.float().abs() * 2 ** -7 + 1e-6).all()
