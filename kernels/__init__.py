@@ -96,7 +96,8 @@ def get_attention_backend(name: str, device: torch.device | str, batch_invariant
                                     cpu_attention.plan_attention)
         if name == "cpu":
             raise (ValueError if not takes else RuntimeError)(f"the 'cpu' attention backend: {why_not}")
-        logger.warning("attention on the PyTorch path (slower): the C kernel is not available: %s", why_not)
+        logger.warning("attention on the PyTorch path (slower): the C kernel is not available: %s%s", why_not,
+                       "" if not takes else " (the linear layers, RMSNorm and SwiGLU then run on oneDNN/PyTorch too)")
         name = "torch"
     if name == "cpu":
         raise ValueError(f"the 'cpu' attention backend runs on the CPU, not {device}")

@@ -142,11 +142,13 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
                 "random weights" if dummy else "gguf" if os.path.isfile(path) else "HF safetensors", device, dtype)
     config, tokenizer, weights = _read_model(path, dummy, keep_int4=quantization == "gguf")
 
-    from kernels import get_attention_backend
+    from kernels import cpu_linear, get_attention_backend
 
     backend = get_attention_backend(getattr(args, "attention_backend", "auto"), device,
                                     batch_invariant=getattr(args, "batch_invariant", True), dtype=dtype,
                                     heads=(config.num_attention_heads, config.num_key_value_heads, config.head_dim))
+    logger.info("attention backend %s%s", backend.name, "" if device.type != "cpu" or dtype != torch.bfloat16 else
+                f", linear layers {'C (kernels/csrc)' if cpu_linear.available() else 'oneDNN'}")
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend)
     try:

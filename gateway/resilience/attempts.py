@@ -352,9 +352,10 @@ class _Run:
             return res
         if not called and self.skips and all(why == "too_small" for why, _ in self.skips.values()):
             res.status = 400
-            res.body = error_body(400, f"The request needs {self.required_len} tokens (prompt + max_tokens); no "
-                                  f"available target of this route has a context that large (max_model_len).",
-                                  code="context_length_exceeded")
+            largest = max((c.max_model_len for c in self.candidates if c.max_model_len is not None), default=None)
+            limit = f"This route's largest context is {largest} tokens (max_model_len); " if largest else ""
+            res.body = error_body(400, f"{limit}the prompt needs {self.required_len} tokens, and no available "
+                                  f"target of this route has a context that large.", code="context_length_exceeded")
             return res
         if (isinstance(last, NoCandidate) and not last.round_over) or not called:
             why = [w for w, _ in self.skips.values()]

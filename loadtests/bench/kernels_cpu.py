@@ -11,7 +11,10 @@ tables in a pool larger than the caches: decode batches of 64 x ~164 and
 bfloat16 GEMM, ``mkldnn._linear_pointwise``) at SmolLM2's five weight shapes
 and 1, 8, 32, 64 and 256 rows. Each line prints the C kernel's time over the
 baseline's (medians of ``--repeats`` calls, the two interleaved call by
-call), so < 1 means the C kernel is faster.
+call), so < 1 means the C kernel is faster. OpenMP's pool sleeps between
+calls (``OMP_WAIT_POLICY=PASSIVE`` unless set), as ``kernels`` sets it: a
+spinning pool on a machine shared with other work quantises the timings to
+the scheduler's slices.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ import random
 import statistics
 import time
 
-import torch
-
-from kernels import cpu_attention, cpu_linear, torch_attention
+from kernels import cpu_attention, cpu_linear, torch_attention  # first: it sets a sleeping OpenMP pool before torch loads
 from kernels.reference import reference_paged_attention, relative_error
+
+import torch  # noqa: E402  (after kernels, see above)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # qkv, o, gate_up, down, lm_head

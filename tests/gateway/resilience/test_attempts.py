@@ -260,7 +260,9 @@ async def test_candidates_too_small_are_skipped(client, primary, fallback):
     res = await call_with_fallback(cands, attempt_fn(client, False), required_len=4000, policy=FAST)
     assert res.status == 200 and res.candidate.name == "fallback" and primary.calls == 0
     res = await call_with_fallback(cands, attempt_fn(client, False), required_len=40000, policy=FAST)
-    assert res.status == 400 and json.loads(res.body)["error"]["code"] == "context_length_exceeded"
+    error = json.loads(res.body)["error"]
+    assert res.status == 400 and error["code"] == "context_length_exceeded"
+    assert "largest context is 32768 tokens" in error["message"] and "prompt needs 40000 tokens" in error["message"]
 
 
 async def test_malformed_json_falls_back(client, primary, fallback):
