@@ -107,6 +107,13 @@ def load_library(march: str = "native") -> ctypes.CDLL:
     return lib
 
 
+def rows_2d(t: "torch.Tensor") -> "torch.Tensor":
+    """``t`` [..., n] as a 2-D tensor whose rows are contiguous, a view when
+    it can be (the kernels take a row stride, not a contiguous tensor)."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def why_unavailable(march: str = "native") -> str | None:
     """None when the library builds and loads here, else why not (one line)."""
     try:

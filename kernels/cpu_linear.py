@@ -16,15 +16,17 @@ Used by the model's linear layers (``engine.models.llama``) when
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_build import load_library, why_unavailable
+from kernels.cpu_build import load_library, rows_2d, why_unavailable
 
 PANEL = 64  # output columns per packed panel
 
 
+@functools.lru_cache(maxsize=4)
 def available(march: str = "native") -> bool:
     """Whether the library builds here and has the AVX512-BF16 kernel."""
     return why_unavailable(march) is None and bool(load_library(march).linear_bf16_available())
@@ -63,11 +65,6 @@ def pack(weight: torch.Tensor) -> PackedLinear:
     return PackedLinear(data, n, k)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t, or a copy of it whose rows are contiguous (the kernel takes a row stride)."""
-    return t if t.stride(-1) == 1 and t.dim() == 2 else t.reshape(-1, t.shape[-1]).contiguous()
-
-
 def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """[..., in] @ W.T (+ bias [out], added in float32) (+ residual [..., out]) -> [..., out].
@@ -82,14 +79,14 @@ def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = No
     lead = x.shape[:-1]
     if x.dtype != torch.bfloat16 or x.shape[-1] != packed.in_features:
         raise ValueError(f"linear takes bfloat16 [..., {packed.in_features}], got {x.dtype} {tuple(x.shape)}")
-    x2 = _rows(x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x)
+    x2 = rows_2d(x)
     m, n = x2.shape[0], packed.out_features
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
     y = torch.empty((m, n), dtype=out_dtype)
     r2 = None
     if residual is not None:
-        r2 = _rows(residual.reshape(-1, n) if residual.dim() != 2 else residual)
+        r2 = rows_2d(residual)
         if r2.dtype != torch.bfloat16 or r2.shape != (m, n):
             raise ValueError(f"residual must be bfloat16 [{m}, {n}], got {r2.dtype} {tuple(r2.shape)}")
     b = None if bias is None else bias.detach().to(torch.float32).contiguous()

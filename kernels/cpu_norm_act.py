@@ -15,18 +15,13 @@ import functools
 
 import torch
 
-from kernels.cpu_build import load_library, why_unavailable
+from kernels.cpu_build import load_library, rows_2d, why_unavailable
 
 
 @functools.lru_cache(maxsize=1)
 def available() -> bool:
     """Whether the C library builds and loads here."""
     return why_unavailable() is None
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    t = t.reshape(-1, t.shape[-1])
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, march: str = "native") -> torch.Tensor:
@@ -48,7 +43,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, march: str = "na
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or weight.shape != (n,) or n % 16:
         raise ValueError(f"rms_norm takes bfloat16 [..., n] (n % 16 == 0) and weight [n], got {x.dtype} "
                          f"{tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
-    x2 = _rows(x)
+    x2 = rows_2d(x)
     y = torch.empty((x2.shape[0], n), dtype=torch.bfloat16)
     w = weight.detach().contiguous()
     load_library(march).rms_norm_bf16(x2.data_ptr(), x2.stride(0), w.data_ptr(), y.data_ptr(), n, x2.shape[0], n,
@@ -72,7 +67,7 @@ def silu_mul(gate_up: torch.Tensor, march: str = "native") -> torch.Tensor:
     if gate_up.dtype != torch.bfloat16 or gate_up.shape[-1] % 2:
         raise ValueError(f"silu_mul takes bfloat16 [..., 2 * n], got {gate_up.dtype} {tuple(gate_up.shape)}")
     inter = gate_up.shape[-1] // 2
-    g2 = _rows(gate_up)
+    g2 = rows_2d(gate_up)
     y = torch.empty((g2.shape[0], inter), dtype=torch.bfloat16)
     load_library(march).silu_mul_bf16(g2.data_ptr(), g2.stride(0), y.data_ptr(), inter, g2.shape[0], inter,
                                  torch.get_num_threads())

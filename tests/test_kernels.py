@@ -168,14 +168,17 @@ def test_torch_path_half_precision(dtype):
 
 @pytest.mark.parametrize("march", ["native", "x86-64-v3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cpu_kernel_builds(march, dtype):
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_cpu_kernel_builds(march, dtype, block_size):
     """Both builds of the C kernel (this CPU's, with its AVX512-BF16 paths
     where it has them, and the portable one) in both dtypes, prefill and
-    decode rows mixed, GQA, a block size of 32: float64 reference within 1e-5
+    decode rows mixed, GQA, block sizes of 32 and of 8 (under 16 the scores
+    take the portable path in every build): float64 reference within 1e-5
     (float32) or 1e-2 (bfloat16)."""
     from kernels import cpu_attention
 
-    case = make_case(31, [200, 1, 17, 53, 90], [1, 1, 1, 9, 90], num_heads=9, num_kv_heads=3, block_size=32)
+    case = make_case(31, [200, 1, 17, 53, 90], [1, 1, 1, 9, 90], num_heads=9, num_kv_heads=3,
+                     block_size=block_size)
     for name in ("query", "key_cache", "value_cache"):
         case[name] = case[name].to(dtype)
     ref = reference_paged_attention(**case)

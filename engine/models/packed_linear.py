@@ -8,8 +8,6 @@ oneDNN, and the row tiling that keeps oneDNN's results batch-invariant.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +30,7 @@ def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | cpu_linear.PackedLinea
     """
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
-    if weight.shape[1] % 2 == 0 and _c_linear_available():
+    if weight.shape[1] % 2 == 0 and cpu_linear.available():
         return cpu_linear.pack(weight)
     if not torch.backends.mkldnn.is_available():
         return None
@@ -40,11 +38,6 @@ def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | cpu_linear.PackedLinea
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
     except (AttributeError, RuntimeError):
         return None
-
-
-@functools.lru_cache(maxsize=1)
-def _c_linear_available() -> bool:
-    return cpu_linear.available()
 
 
 # Rows per matmul call in batch-invariant mode. oneDNN picks its bfloat16

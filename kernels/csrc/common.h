@@ -76,6 +76,11 @@ static inline __m512 exp_neg16(__m512 x) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), _mm512_scalef_ps(p, n));
 }
 
+/* Lanes [0, min(n, 16)) of a 16-lane vector: the mask of a loop's last, partial step. */
+static inline __mmask16 tail_mask(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+}
+
 /* 16 bfloat16 values (raw bits) as float32. */
 static inline __m512 bf16x16_to_f32(__m256i raw) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));

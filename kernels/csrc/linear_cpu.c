@@ -19,9 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+#include "common.h"
 
 #define PANEL 64 /* output columns per panel */
 #define MR_MAX 6 /* rows per register tile: 24 accumulators + 4 weight vectors + 1 broadcast */
@@ -77,12 +75,12 @@ static inline __attribute__((always_inline)) void panel_rows(
         for (int j = 0; j < 4; j++) {
             const int64_t c = col0 + 16 * j;
             if (c >= n) break;
-            const __mmask16 mask = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1u);
+            const __mmask16 mask = tail_mask(n - c);
             __m512 v = acc[r][j];
             if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + c));
             if (residual) {
                 __m256i raw = _mm256_maskz_loadu_epi16(mask, residual + r * ldr + c);
-                v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+                v = _mm512_add_ps(v, bf16x16_to_f32(raw));
             }
             if (y_f32)
                 _mm512_mask_storeu_ps((float *)y + r * ldy + c, mask, v);

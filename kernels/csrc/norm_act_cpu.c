@@ -47,7 +47,7 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t ld, uint16_t *y, int64_t ldy
         uint16_t *yr = y + r * ldy;
 #if defined(__AVX512BF16__)
         for (int64_t j = 0; j < inter; j += 16) {
-            const __mmask16 mask = inter - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (inter - j)) - 1u);
+            const __mmask16 mask = tail_mask(inter - j);
             const __m512 a = bf16x16_to_f32(_mm256_maskz_loadu_epi16(mask, g + j));
             const __m512 b = bf16x16_to_f32(_mm256_maskz_loadu_epi16(mask, u + j));
             const __mmask16 neg = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_LT_OQ);

@@ -36,24 +36,12 @@
 /* Element i of a cache-dtype array as float32 (BF16: bfloat16, else float32). */
 #define LOAD(p, i) (BF16 ? bf16_to_f32(((const uint16_t *)(p))[i]) : ((const float *)(p))[i])
 
-/* Scaled dot products of the group's query heads with one key: scores[h * ctx]
- * for h < group. qf: [group, head_dim] float32; k: head_dim cache elements. */
-static inline __attribute__((always_inline)) void qk_scores(const int BF16, const float *qf, const void *qb,
-                                                            const void *k, int64_t group, int64_t head_dim,
-                                                            float scale, float *scores, int64_t ctx) {
-#if defined(__AVX512BF16__)
-    if (BF16 && head_dim % 32 == 0) {  /* bfloat16 pairs into float32 lanes (VDPBF16PS), then a fixed lane sum */
-        for (int64_t h = 0; h < group; h++) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t d = 0; d < head_dim; d += 32)
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const uint16_t *)qb + h * head_dim + d),
-                                       (__m512bh)_mm512_loadu_si512((const uint16_t *)k + d));
-            scores[h * ctx] = _mm512_reduce_add_ps(acc) * scale;
-        }
-        return;
-    }
-#endif
-    (void)qb;
+/* Scaled dot products of the group's query heads with one key (the portable
+ * path): scores[h * ctx] for h < group. qf: [group, head_dim] float32; k:
+ * head_dim cache elements. */
+static inline __attribute__((always_inline)) void qk_scores(const int BF16, const float *qf, const void *k,
+                                                            int64_t group, int64_t head_dim, float scale,
+                                                            float *scores, int64_t ctx) {
     float kf[head_dim];
     for (int64_t d = 0; d < head_dim; d++) kf[d] = LOAD(k, d);
     for (int64_t h = 0; h < group; h++) {
@@ -104,7 +92,7 @@ static inline void qk16_bf16(const uint16_t *qb, const uint16_t *k, int64_t slot
                                               (__m512bh)_mm512_loadu_si512(k + o * slot_stride + d));
         }
         __m512 r = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
-        _mm512_mask_storeu_ps(scores + h * ctx, (__mmask16)((1u << n) - 1u), r);
+        _mm512_mask_storeu_ps(scores + h * ctx, tail_mask(n), r);
     }
 }
 
@@ -125,8 +113,8 @@ static inline void pv_bf16(const float *p, const uint16_t *value_cache, const in
                               slot_stride, ctx - i0 - block_size < block_size ? ctx - i0 - block_size : block_size, 64);
             for (int64_t o = 0; o < n; o++) {
                 __m512i raw = _mm512_loadu_si512(v + o * slot_stride);
-                __m512 vlo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-                __m512 vhi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+                const __m512 vlo = bf16x16_to_f32(_mm512_castsi512_si256(raw));
+                const __m512 vhi = bf16x16_to_f32(_mm512_extracti64x4_epi64(raw, 1));
                 for (int64_t h = 0; h < group; h++) {
                     __m512 w = _mm512_set1_ps(p[h * ctx + i0 + o]);
                     lo[h] = _mm512_fmadd_ps(w, vlo, lo[h]);
@@ -148,20 +136,20 @@ static inline void softmax(float *sc, int64_t n) {
 #if defined(__AVX512F__)
     __m512 vmax = _mm512_set1_ps(-__builtin_inff());
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 mask = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        const __mmask16 mask = tail_mask(n - i);
         vmax = _mm512_mask_max_ps(vmax, mask, vmax, _mm512_maskz_loadu_ps(mask, sc + i));
     }
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 mask = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        const __mmask16 mask = tail_mask(n - i);
         const __m512 e = _mm512_maskz_mov_ps(mask, exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sc + i), m)));
         _mm512_mask_storeu_ps(sc + i, mask, e);
         vsum = _mm512_add_ps(vsum, e);
     }
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 mask = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        const __mmask16 mask = tail_mask(n - i);
         _mm512_mask_storeu_ps(sc + i, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, sc + i), inv));
     }
 #else
@@ -208,24 +196,29 @@ static inline __attribute__((always_inline)) void attend_item(
     int64_t group, int64_t head_dim, int64_t block_size, float scale, float *scores, float *qf, float *acc) {
     const int64_t q0 = (t * num_heads + g * group) * head_dim;  /* first query head of the group */
     const int64_t slot_stride = num_kv_heads * head_dim, elem = BF16 ? 2 : 4;
-    const char *qb = (const char *)query + q0 * elem;
-    for (int64_t j = 0; j < group * head_dim; j++) qf[j] = LOAD(query, q0 + j);
+#if defined(__AVX512BF16__)
+    const int fast_qk = BF16 && head_dim % 32 == 0 && block_size % 16 == 0; /* VDPBF16PS on the raw query */
+#else
+    const int fast_qk = 0;
+#endif
+    if (!fast_qk) /* the portable path reads the query in float32 */
+        for (int64_t j = 0; j < group * head_dim; j++) qf[j] = LOAD(query, q0 + j);
     for (int64_t i0 = 0; i0 < ctx; i0 += block_size) {  /* one cache block at a time */
         const char *k = (const char *)key_cache + (((int64_t)table[i0 / block_size] * block_size) * slot_stride + g * head_dim) * elem;
         const int64_t n = ctx - i0 < block_size ? ctx - i0 : block_size;
 #if defined(__AVX512BF16__)
-        if (BF16 && head_dim % 32 == 0 && block_size % 16 == 0) {
+        if (fast_qk) {
             if (i0 + block_size < ctx)  /* the next block is elsewhere in memory: ask for it while this one runs */
                 prefetch_rows((const uint16_t *)key_cache + ((int64_t)table[i0 / block_size + 1] * block_size) * slot_stride + g * head_dim,
                               slot_stride, ctx - i0 - block_size < block_size ? ctx - i0 - block_size : block_size, head_dim * 2);
             for (int64_t o = 0; o < n; o += 16)
-                qk16_bf16((const uint16_t *)qb, (const uint16_t *)(k + o * slot_stride * elem), slot_stride,
+                qk16_bf16((const uint16_t *)query + q0, (const uint16_t *)(k + o * slot_stride * elem), slot_stride,
                           n - o < 16 ? n - o : 16, group, head_dim, scale, scores + i0 + o, ctx);
             continue;
         }
 #endif
         for (int64_t o = 0; o < n; o++)
-            qk_scores(BF16, qf, qb, k + o * slot_stride * elem, group, head_dim, scale, scores + i0 + o, ctx);
+            qk_scores(BF16, qf, k + o * slot_stride * elem, group, head_dim, scale, scores + i0 + o, ctx);
     }
     for (int64_t h = 0; h < group; h++) softmax(scores + h * ctx, ctx);
 #if defined(__AVX512BF16__)
