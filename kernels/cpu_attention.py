@@ -94,14 +94,15 @@ def paged_attention(
         raise ValueError("the cpu attention kernel reads contiguous key and value caches")
     if plan is None:
         plan = plan_attention(key_cache, num_heads, query_start_loc, seq_lens, block_tables)
-    query = query.contiguous()
+    if query.stride(2) != 1 or query.stride(1) != head_dim:  # rows may be apart (a slice of q/k/v), heads not
+        query = query.contiguous()
     if out is None:
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype)
     elif not out.is_contiguous() or out.shape != query.shape or out.dtype != query.dtype:
         raise ValueError("out must be a contiguous tensor of the query's shape and dtype")
     fn = getattr(load_library(march), _DTYPES[query.dtype])
     bt = plan.block_tables
-    rc = fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(), bt.data_ptr(),
+    rc = fn(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(), bt.data_ptr(),
             bt.shape[1], plan.seq_lens.data_ptr(), plan.query_start_loc.data_ptr(), plan.seq_lens.numel(),
             num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads())
     if rc != 0:

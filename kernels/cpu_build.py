@@ -1,5 +1,6 @@
 """Builds and loads the C kernels of ``kernels/csrc/`` (CPU attention,
-bfloat16 linear layers, RMSNorm and SwiGLU) as one shared library, called
+bfloat16 linear layers, RMSNorm and SwiGLU, RoPE with the cache write, and
+the whole decoder stack composed of them) as one shared library, called
 through ctypes.
 
 The library is compiled once per source, compiler, flags and CPU
@@ -25,19 +26,21 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention_cpu.c", CSRC / "linear_cpu.c", CSRC / "norm_act_cpu.c"]
-HEADERS = [CSRC / "common.h"]
+SOURCES = [CSRC / "paged_attention_cpu.c", CSRC / "linear_cpu.c", CSRC / "norm_act_cpu.c", CSRC / "decoder_cpu.c"]
+HEADERS = [CSRC / "common.h", CSRC / "kernels.h"]
 CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 
 _p, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # exported function -> (argument types, return type)
-    "paged_attention_bf16": ([_p] * 5 + [_i64, _p, _p] + [_i64] * 5 + [_float, _int], _int),
-    "paged_attention_f32": ([_p] * 5 + [_i64, _p, _p] + [_i64] * 5 + [_float, _int], _int),
+    "paged_attention_bf16": ([_p, _i64] + [_p] * 4 + [_i64, _p, _p] + [_i64] * 5 + [_float, _int], _int),
+    "paged_attention_f32": ([_p, _i64] + [_p] * 4 + [_i64, _p, _p] + [_i64] * 5 + [_float, _int], _int),
     "linear_bf16_available": ([], _int),
     "linear_bf16_pack": ([_p, _i64, _i64, _p], None),
     "linear_bf16": ([_p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _int, _int], _int),
     "rms_norm_bf16": ([_p, _i64, _p, _p, _i64, _i64, _i64, _float, _int], _int),
     "silu_mul_bf16": ([_p, _i64, _p, _i64, _i64, _i64, _int], None),
+    "rope_cache_bf16": ([_p, _i64, _i64, _p, _p, _p] + [_i64] * 4 + [_p, _p, _p, _int], _int),
+    "decoder_forward_bf16": ([_p] * 5 + [_i64] + [_p] * 5 + [_i64, _p, _p, _i64, _int], _int),
 }
 
 

@@ -15,6 +15,7 @@ and which cache blocks it reads (block tables).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -25,7 +26,11 @@ from torch import nn
 from engine.model_config import ModelConfig
 from engine.models.quant_linear import GGUFBlocks, Int4Linear, int4_packable
 from engine.models.packed_linear import PackedWeights
-from kernels import cpu_linear, cpu_norm_act
+from kernels import cpu_decoder, cpu_linear, cpu_norm_act
+
+
+_WEIGHT = operator.itemgetter("weight")  # a module's weight, read from its _parameters dict
+_VERSION = operator.attrgetter("_version")  # a tensor's in-place version counter
 
 
 @dataclass
@@ -112,6 +117,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@dataclass
+class RopeInputs:
+    """One step's rotary-embedding inputs.
+
+    Attributes:
+        positions: [num_tokens] int64.
+        cos_table, sin_table: [max_positions, head_dim] float32 (the C path
+            reads them at ``positions``, in float32).
+        cos, sin: [num_tokens, 1, head_dim] in the model's dtype, gathered for
+            the PyTorch path (HF's numerics), or None when no layer needs them.
+    """
+
+    positions: torch.Tensor
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm block: attention with fused q/k/v, SwiGLU with fused gate/up."""
 
@@ -139,17 +163,29 @@ class LlamaDecoderLayer(nn.Module):
             return self.int4[name](x, lin.bias, residual)
         return self.packed.linear(name, x, lin.weight, lin.bias, residual)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata,
+    def uses_c_rope(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether RoPE and the cache write run in C (``kernels.cpu_decoder.rope_cache``):
+        bfloat16 on CPU with the ``cpu`` attention backend."""
+        return dtype == torch.bfloat16 and device.type == "cpu" and self.backend.name == "cpu" \
+            and cpu_norm_act.available()
+
+    def forward(self, x: torch.Tensor, rope: RopeInputs, md: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
         h = self.input_layernorm(x)
-        qk, v = self._proj("qkv_proj", h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self._proj("qkv_proj", h)
         key_cache, value_cache = kv_cache
-        self.backend.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
+        if self.uses_c_rope(qkv.dtype, qkv.device):  # in place on q and k, float32, one rounding; writes the cache
+            cpu_decoder.rope_cache(qkv, rope.positions, rope.cos_table, rope.sin_table, self.num_heads,
+                                   self.num_kv_heads, self.head_dim, md.slot_mapping, key_cache, value_cache)
+            q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+        else:
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = qk * rope.cos + _rotate_half(qk) * rope.sin  # RoPE on q and k heads at once
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            self.backend.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
         extra = {} if md.attn_plan is None else {"plan": md.attn_plan}
         o = self.backend.paged_attention(q, key_cache, value_cache, md.query_start_loc, md.seq_lens,
                                          md.block_tables, self.scale, **extra)
@@ -189,6 +225,10 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         self.packed = PackedWeights(self._row_checks)
+        # The whole stack in one C call where it can run (bfloat16, CPU, the
+        # C kernels): see _c_decoder. False keeps the per-operation path.
+        self.use_c_decoder = True
+        self._c_decoder: tuple[tuple, tuple, cpu_decoder.DecoderWeights] | None = None
 
     def build_rope_cache(self, max_positions: int | None = None) -> None:
         """Precompute cos/sin [max_positions, head_dim] (float32) on the model's device."""
@@ -221,11 +261,64 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches[0][0], self.config.num_attention_heads, attn_metadata.query_start_loc,
                 attn_metadata.seq_lens, attn_metadata.block_tables)
         x = self.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        stack = self._c_decoder_weights(kv_caches) if self.use_c_decoder else None
+        if stack is not None:
+            plan = attn_metadata.attn_plan
+            return cpu_decoder.forward(stack, x, positions, attn_metadata.slot_mapping, plan.block_tables,
+                                       plan.seq_lens, plan.query_start_loc)
+        rope = RopeInputs(positions, self.rope_cos, self.rope_sin)
+        if not all(layer.uses_c_rope(x.dtype, x.device) for layer in self.layers):
+            rope.cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, head_dim]
+            rope.sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, attn_metadata, kv)
+            x = layer(x, rope, attn_metadata, kv)
         return self.norm(x)
+
+    def _c_decoder_weights(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> cpu_decoder.DecoderWeights | None:
+        """The C decoder stack's view of the weights and caches
+        (``kernels.cpu_decoder``), or None where it cannot run: not bfloat16
+        on CPU with the ``cpu`` attention backend, a projection not on the C
+        linear kernel (4-bit, oneDNN), shapes the kernels refuse. Built once
+        and rebuilt when a weight is replaced or changed in place, or the
+        caches move (checked per call: an identity and a version compare per
+        weight)."""
+        if self.rope_cos is None:
+            self.build_rope_cache()
+        key = (kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr(), len(kv_caches), self.rope_cos.data_ptr())
+        if self._c_decoder is not None and self._c_decoder[0] == key:
+            slots, params, versions = self._c_decoder[1]  # C-level maps: ~20 us for SmolLM2's 182 weights
+            if all(map(operator.is_, map(_WEIGHT, slots), params)) and list(map(_VERSION, params)) == versions:
+                return self._c_decoder[2]
+        self._c_decoder = None
+        embed = self.embed_tokens.weight
+        if not self.layers[0].uses_c_rope(embed.dtype, embed.device) or self.config.hidden_size % 16 \
+                or self.norm.triton_rms_norm is not None or self.norm.weight.dtype != torch.bfloat16:
+            return None
+        modules = [self.norm]
+        layers = []
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            projs = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+            packed = [layer.packed.get(name, getattr(layer, name).weight) for name in projs]
+            if layer.int4 or layer.packed.triton_linear is not None or any(
+                    not isinstance(p, cpu_linear.PackedLinear) for p in packed) or any(
+                    n.weight.dtype != torch.bfloat16 or n.triton_rms_norm is not None for n in norms) or \
+                    any(getattr(layer, name).bias is not None for name in projs[1:]):
+                return None
+            modules += [*norms, *(getattr(layer, name) for name in projs)]
+            layers.append(cpu_decoder.LayerWeights(
+                norms[0].weight.detach(), norms[1].weight.detach(), *(p.data for p in packed),
+                layer.qkv_proj.bias.detach() if layer.qkv_proj.bias is not None else None, kc, vc))
+        c = self.config
+        try:
+            stack = cpu_decoder.DecoderWeights(
+                layers, self.norm.weight.detach(), self.rope_cos, self.rope_sin, c.num_attention_heads,
+                c.num_key_value_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps, self.layers[0].scale)
+        except ValueError:
+            return None
+        params = [m.weight for m in modules]
+        self._c_decoder = (key, ([m._parameters for m in modules], params, list(map(_VERSION, params))), stack)
+        return stack
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Make each row's logits independent of the rest of the batch: on

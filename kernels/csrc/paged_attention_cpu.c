@@ -191,10 +191,11 @@ static inline __attribute__((always_inline)) void pv_generic(
 /* Everything one work item (query row t, KV head g) computes; BF16 is a
  * literal at each call site, so each dtype gets its own specialised copy. */
 static inline __attribute__((always_inline)) void attend_item(
-    const int BF16, const void *query, const void *key_cache, const void *value_cache, void *out,
+    const int BF16, const void *query, int64_t ldq, const void *key_cache, const void *value_cache, void *out,
     const int32_t *table, int64_t t, int64_t g, int64_t ctx, int64_t num_heads, int64_t num_kv_heads,
     int64_t group, int64_t head_dim, int64_t block_size, float scale, float *scores, float *qf, float *acc) {
-    const int64_t q0 = (t * num_heads + g * group) * head_dim;  /* first query head of the group */
+    const int64_t q0 = t * ldq + g * group * head_dim;             /* first query head of the group */
+    const int64_t o0 = (t * num_heads + g * group) * head_dim;     /* and its output row */
     const int64_t slot_stride = num_kv_heads * head_dim, elem = BF16 ? 2 : 4;
 #if defined(__AVX512BF16__)
     const int fast_qk = BF16 && head_dim % 32 == 0 && block_size % 16 == 0; /* VDPBF16PS on the raw query */
@@ -229,17 +230,19 @@ static inline __attribute__((always_inline)) void attend_item(
         pv_generic(BF16, scores, value_cache, table, g, ctx, group, head_dim, block_size, slot_stride, acc);
     for (int64_t j = 0; j < group * head_dim; j++) {
         if (BF16)
-            ((uint16_t *)out)[q0 + j] = f32_to_bf16(acc[j]);
+            ((uint16_t *)out)[o0 + j] = f32_to_bf16(acc[j]);
         else
-            ((float *)out)[q0 + j] = acc[j];
+            ((float *)out)[o0 + j] = acc[j];
     }
 }
 
-/* The exported entry point of one dtype. Returns 0, 1 for shapes it does not
+/* The exported entry point of one dtype. query rows are ldq elements apart
+ * (num_heads * head_dim when contiguous; more when q is a slice of the fused
+ * q/k/v projection); out is contiguous. Returns 0, 1 for shapes it does not
  * take (head_dim not a multiple of 16, num_heads not a multiple of
  * num_kv_heads), 2 when out of memory. */
 #define DEFINE_ATTENTION(NAME, BF16)                                                                       \
-    int NAME(const void *query, const void *key_cache, const void *value_cache, void *out,                \
+    int NAME(const void *query, int64_t ldq, const void *key_cache, const void *value_cache, void *out,   \
              const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,            \
              const int32_t *query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,   \
              int64_t head_dim, int64_t block_size, float scale, int num_threads) {                        \
@@ -265,7 +268,7 @@ static inline __attribute__((always_inline)) void attend_item(
                 const int64_t t = it / num_kv_heads, g = it % num_kv_heads, s = row_seq[t];              \
                 const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];                        \
                 const int64_t ctx = seq_lens[s] - q_len + (t - query_start_loc[s]) + 1;                   \
-                attend_item(BF16, query, key_cache, value_cache, out, block_tables + s * block_table_stride, \
+                attend_item(BF16, query, ldq, key_cache, value_cache, out, block_tables + s * block_table_stride, \
                             t, g, ctx, num_heads, num_kv_heads, group, head_dim, block_size, scale, scores, qf, \
                             acc);                                                                         \
             }                                                                                             \

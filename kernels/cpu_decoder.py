@@ -1,0 +1,184 @@
+"""A Llama-family decoder stack in one C call (``csrc/decoder_cpu.c``), and
+the fused RoPE + KV-cache write it uses per layer.
+
+A small model's decode step on CPU is short enough that ~10 Python-level
+operations per layer (each a dispatch, an allocation and a ctypes call) cost
+as much as the arithmetic: SmolLM2-135M's 30 layers made ~300 of them per
+step. :func:`forward` runs the same kernels (``cpu_linear``,
+``cpu_norm_act``, ``cpu_attention``, :func:`rope_cache`) in the same order
+on the same inputs from C, so it gives the per-operation path's bits, and
+holds the GIL for none of it (ctypes releases it around foreign calls: the
+server's event loop runs meanwhile).
+
+The model (``engine.models.llama``) builds a :class:`DecoderWeights` once
+its weights are packed and its KV cache is known, and calls :func:`forward`
+for bfloat16 on CPU with the ``cpu`` attention backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu_build import load_library
+
+
+class _Layer(ctypes.Structure):
+    """``decoder_layer`` of decoder_cpu.c."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "key_cache", "value_cache")]
+
+
+class _Shape(ctypes.Structure):
+    """``decoder_shape`` of decoder_cpu.c."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                                     "intermediate", "block_size", "max_positions")] + \
+               [("rms_norm_eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's tensors as the C stack reads them.
+
+    Attributes:
+        input_norm, post_norm: [hidden] bfloat16 RMSNorm weights.
+        qkv, o, gate_up, down: ``cpu_linear.PackedLinear`` panels' data
+            (bfloat16) of the fused q/k/v [q + 2 kv, hidden], output
+            [hidden, q], fused gate/up [2 inter, hidden] and down
+            [hidden, inter] projections.
+        qkv_bias: [q + 2 kv] float32, or None.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads,
+            head_dim] bfloat16, contiguous.
+    """
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+
+
+class DecoderWeights:
+    """Every layer's tensors and the model's shape, as one C struct array
+    (built once; the tensors are referenced here so they outlive it).
+
+    Args:
+        layers: per layer, its :class:`LayerWeights`.
+        final_norm: [hidden] bfloat16.
+        cos, sin: [max_positions, head_dim] float32 RoPE tables, contiguous.
+        num_heads, num_kv_heads, head_dim, intermediate: the model's shape.
+        rms_norm_eps: RMSNorm's epsilon; scale: attention's softmax scale.
+
+    Raises:
+        ValueError: a tensor of the wrong dtype or layout.
+    """
+
+    def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, rms_norm_eps: float,
+                 scale: float) -> None:
+        self.layers, self.final_norm, self.cos, self.sin = layers, final_norm.contiguous(), cos, sin
+        for t in (cos, sin):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[1] != head_dim:
+                raise ValueError(f"RoPE tables must be contiguous float32 [*, {head_dim}]")
+        hidden = final_norm.shape[0]
+        block_size = layers[0].key_cache.shape[1]
+        self._arrays = (_Layer * len(layers))()
+        self._keep = []
+        for i, w in enumerate(layers):
+            for cache in (w.key_cache, w.value_cache):
+                if cache.dtype != torch.bfloat16 or not cache.is_contiguous() or cache.shape[1] != block_size:
+                    raise ValueError("the KV caches must be contiguous bfloat16 with one block size")
+            tensors = {"input_norm": w.input_norm.contiguous(), "post_norm": w.post_norm.contiguous(),
+                       "qkv": w.qkv, "o": w.o, "gate_up": w.gate_up, "down": w.down,
+                       "qkv_bias": None if w.qkv_bias is None else w.qkv_bias.to(torch.float32).contiguous(),
+                       "key_cache": w.key_cache, "value_cache": w.value_cache}
+            self._keep.append(tensors)
+            for name, t in tensors.items():
+                setattr(self._arrays[i], name, None if t is None else t.data_ptr())
+        self.shape = _Shape(len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size,
+                            cos.shape[0], rms_norm_eps, scale)
+        self.hidden = hidden
+
+
+def forward(weights: DecoderWeights, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+    """``final_norm(layers(x))`` for a flat batch of prefill chunks and decodes,
+    writing the new tokens' keys and values into the caches.
+
+    Args:
+        x: [num_tokens, hidden] bfloat16 token embeddings (overwritten: the
+            residual stream runs in it).
+        positions, slot_mapping: [num_tokens] int64 (slot -1: not cached).
+        block_tables: [num_seqs, max_blocks] int32; seq_lens [num_seqs] and
+            query_start_loc [num_seqs + 1] int32, all contiguous (the
+            ``cpu`` attention backend's plan).
+
+    Returns:
+        [num_tokens, hidden] bfloat16 final-normed hidden states.
+
+    Raises:
+        ValueError: a position outside the RoPE tables, or attention shapes
+            the kernel does not take.
+        MemoryError: the kernel's scratch could not be allocated.
+    """
+    t = x.shape[0]
+    if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape[1:] != (weights.hidden,):
+        raise ValueError(f"forward takes contiguous bfloat16 [num_tokens, {weights.hidden}], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
+    if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
+        raise ValueError("positions and slot_mapping must be int64")
+    out = torch.empty_like(x)
+    rc = load_library().decoder_forward_bf16(
+        ctypes.byref(weights.shape), weights._arrays, weights.final_norm.data_ptr(), x.data_ptr(), out.data_ptr(), t,
+        positions.data_ptr(), weights.cos.data_ptr(), weights.sin.data_ptr(), slot_mapping.data_ptr(),
+        block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), query_start_loc.data_ptr(),
+        seq_lens.numel(), torch.get_num_threads())
+    if rc == 1:
+        raise ValueError(f"a position is outside the RoPE tables ({weights.cos.shape[0]} positions) or the attention "
+                         "kernel does not take these shapes")
+    if rc == 2:
+        raise MemoryError("the decoder's scratch could not be allocated")
+    return out
+
+
+def rope_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+               num_kv_heads: int, head_dim: int, slot_mapping: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor) -> None:
+    """RoPE (Su et al. 2021, HF's rotate-half layout) on the q and k heads of
+    the fused projection, in place, in float32 with one rounding; then the
+    rotated keys and the values are written to the caches at their slots.
+
+    Args:
+        qkv: [num_tokens, (num_heads + 2 num_kv_heads) * head_dim] bfloat16,
+            rows contiguous (a row stride is allowed).
+        positions, slot_mapping: [num_tokens] int64 (slot -1: not written).
+        cos, sin: [max_positions, head_dim] float32, contiguous.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads,
+            head_dim] bfloat16, contiguous.
+
+    Raises:
+        ValueError: other dtypes or layouts, or a position outside the tables.
+    """
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dtype != torch.bfloat16 or qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        raise ValueError(f"rope_cache takes bfloat16 [num_tokens, {width}] with contiguous rows, got {qkv.dtype} "
+                         f"{tuple(qkv.shape)}")
+    for cache in (key_cache, value_cache):
+        if cache.dtype != torch.bfloat16 or not cache.is_contiguous():
+            raise ValueError("rope_cache writes contiguous bfloat16 caches")
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
+    rc = load_library().rope_cache_bf16(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], positions.data_ptr(),
+                                        cos.data_ptr(), sin.data_ptr(), cos.shape[0], num_heads, num_kv_heads,
+                                        head_dim, slot_mapping.data_ptr(), key_cache.data_ptr(),
+                                        value_cache.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"a position is outside the RoPE tables ({cos.shape[0]} positions)")

@@ -1,0 +1,19 @@
+/* The exported kernels of this folder that decoder_cpu.c composes (each is
+ * defined, and documented, in its own file). */
+#ifndef TANDEM_KERNELS_H
+#define TANDEM_KERNELS_H
+
+#include <stdint.h>
+
+int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, const uint16_t *residual,
+                int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32, int num_threads);
+int rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *weight, uint16_t *y, int64_t ldy, int64_t rows,
+                  int64_t n, float eps, int num_threads);
+void silu_mul_bf16(const uint16_t *gate_up, int64_t ld, uint16_t *y, int64_t ldy, int64_t rows, int64_t inter,
+                   int num_threads);
+int paged_attention_bf16(const void *query, int64_t ldq, const void *key_cache, const void *value_cache, void *out,
+                         const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
+                         const int32_t *query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, float scale, int num_threads);
+
+#endif

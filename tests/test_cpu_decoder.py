@@ -1,0 +1,183 @@
+"""The decoder stack in one C call (kernels/cpu_decoder.py, csrc/decoder_cpu.c)
+and its fused RoPE + cache write: RoPE against a float64 reference, the cache
+slots written (and -1 skipped), and the whole stack giving the model's
+per-operation path's bits (hidden states and caches) on mixed batches of
+prefill chunks and decodes, with and without q/k/v biases, after a weight
+changes, and where it must step aside."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model_config import ModelConfig
+from engine.models.llama import AttentionMetadata, LlamaForCausalLM, rope_inv_freq
+from kernels import cpu_decoder, cpu_linear, get_attention_backend
+
+needs_c = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX512-BF16 C kernels on this CPU")
+
+BLOCK = 16
+
+
+def _config(bias: bool = False, layers: int = 3) -> ModelConfig:
+    return ModelConfig(architecture="Qwen2ForCausalLM" if bias else "LlamaForCausalLM", hidden_size=128,
+                       intermediate_size=192, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=32, vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-5,
+                       attention_bias=bias)
+
+
+def _model(config: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
+    backend = get_attention_backend("cpu", "cpu", dtype=torch.bfloat16,
+                                    heads=(config.num_attention_heads, config.num_key_value_heads, config.head_dim))
+    model = LlamaForCausalLM(config, backend)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else 0.08 * torch.randn(p.shape, generator=g))
+    model = model.to(torch.bfloat16).eval()
+    model.prepack_weights()
+    return model
+
+
+def _caches(config: ModelConfig, num_blocks: int = 24):
+    shape = (num_blocks, BLOCK, config.num_key_value_heads, config.head_dim)
+    return [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+            for _ in range(config.num_hidden_layers)]
+
+
+def _step(seqs: list[tuple[int, int, list[int]]], vocab: int, seed: int):
+    """Flat inputs of one step: seqs = (tokens already cached, new tokens, block ids)."""
+    g = torch.Generator().manual_seed(seed)
+    ids, pos, slots, qsl = [], [], [], [0]
+    for cached, new, blocks in seqs:
+        ids += torch.randint(0, vocab, (new,), generator=g).tolist()
+        for p in range(cached, cached + new):
+            pos.append(p)
+            slots.append(blocks[p // BLOCK] * BLOCK + p % BLOCK)
+        qsl.append(qsl[-1] + new)
+    width = max(len(b) for _, _, b in seqs)
+    tables = torch.tensor([b + [0] * (width - len(b)) for _, _, b in seqs], dtype=torch.int32)
+    md = AttentionMetadata(torch.tensor(slots), torch.tensor(qsl, dtype=torch.int32),
+                           torch.tensor([c + n for c, n, _ in seqs], dtype=torch.int32), tables)
+    return torch.tensor(ids), torch.tensor(pos), md
+
+
+def _forward(model, caches, step, c_decoder: bool):
+    model.use_c_decoder = c_decoder
+    ids, pos, md = step
+    md = AttentionMetadata(md.slot_mapping, md.query_start_loc, md.seq_lens, md.block_tables)  # a fresh plan
+    with torch.inference_mode():
+        out = model(ids, pos, md, caches)
+    assert model._c_decoder is not None or not c_decoder  # the C stack ran when asked for
+    return out
+
+
+def _copy(caches):
+    return [(k.clone(), v.clone()) for k, v in caches]
+
+
+@needs_c
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_stack_gives_the_per_operation_bits(bias):
+    """Prefill chunks (one starting past a cached prefix) and decodes in one
+    step, then a step of decodes: hidden states and every cache byte equal."""
+    config = _config(bias)
+    model = _model(config)
+    steps = [
+        [(0, 37, [1, 2, 3]), (0, 5, [4]), (16, 20, [5, 6, 7])],  # prefills; the third's first block is cached
+        [(37, 1, [1, 2, 3]), (5, 1, [4]), (36, 1, [5, 6, 7]), (0, 16, [8])],  # decodes beside a prefill
+        [(38, 1, [1, 2, 3]), (6, 1, [4]), (37, 1, [5, 6, 7]), (16, 1, [8, 9])],
+    ]
+    per_op, stack = _caches(config), _caches(config)
+    for i, seqs in enumerate(steps):
+        step = _step(seqs, config.vocab_size, seed=i)
+        a = _forward(model, per_op, step, c_decoder=False)
+        b = _forward(model, stack, step, c_decoder=True)
+        assert a.dtype == b.dtype == torch.bfloat16 and a.shape == (step[0].numel(), config.hidden_size)
+        assert torch.equal(a, b)
+        assert all(torch.equal(x, y) for (xk, xv), (yk, yv) in zip(per_op, stack) for x, y in ((xk, yk), (xv, yv)))
+    assert per_op[0][0][1:10].abs().sum() > 0  # the caches were written
+
+
+@needs_c
+def test_a_row_does_not_depend_on_the_batch():
+    """A decode computed alone, and beside other decodes and a prefill, has the same bits."""
+    config = _config()
+    model = _model(config, seed=3)
+    base = _caches(config)
+    _forward(model, base, _step([(0, 30, [1, 2]), (0, 9, [3])], config.vocab_size, seed=0), c_decoder=True)
+    alone = _forward(model, _copy(base), _step([(30, 1, [1, 2])], config.vocab_size, seed=7), c_decoder=True)
+    ids, pos, md = _step([(30, 1, [1, 2])], config.vocab_size, seed=7)
+    mixed_step = _step([(9, 1, [3]), (30, 1, [1, 2]), (0, 20, [4, 5])], config.vocab_size, seed=1)
+    mixed_ids = mixed_step[0].clone()
+    mixed_ids[1] = ids[0]
+    mixed = _forward(model, _copy(base), (mixed_ids, mixed_step[1], mixed_step[2]), c_decoder=True)
+    assert torch.equal(mixed[1], alone[0])
+
+
+@needs_c
+def test_a_changed_weight_is_seen():
+    """The C view of the weights is rebuilt when a weight changes in place."""
+    config = _config(layers=2)
+    model = _model(config)
+    step = _step([(0, 12, [1])], config.vocab_size, seed=0)
+    before = _forward(model, _caches(config), step, c_decoder=True)
+    with torch.no_grad():
+        model.layers[1].post_attention_layernorm.weight.mul_(1.5)
+    after = _forward(model, _caches(config), step, c_decoder=True)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, _forward(model, _caches(config), step, c_decoder=False))
+
+
+@needs_c
+def test_the_stack_steps_aside_where_it_cannot_run():
+    """float32, or a projection not on the C linear kernel: the per-operation path runs."""
+    config = _config(layers=2)
+    model = _model(config)
+    caches = _caches(config)
+    assert model._c_decoder_weights(caches) is not None
+    model = _model(config)
+    model.layers[1].packed._entries["o_proj"] = (model.layers[1].o_proj.weight,
+                                                 model.layers[1].o_proj.weight._version, None)
+    assert model._c_decoder_weights(caches) is None
+    f32 = LlamaForCausalLM(config, get_attention_backend("cpu", "cpu")).eval()
+    f32.build_rope_cache()
+    shape = (4, BLOCK, config.num_key_value_heads, config.head_dim)
+    assert f32._c_decoder_weights([(torch.zeros(shape), torch.zeros(shape))] * 2) is None
+
+
+@needs_c
+def test_rope_cache_matches_float64_and_writes_the_slots():
+    config = _config()
+    h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(7, (h + 2 * kv) * d, generator=g).bfloat16()
+    positions = torch.tensor([0, 1, 5, 17, 63, 100, 255])
+    inv = rope_inv_freq(config).double()
+    ang = positions.double()[:, None] * inv[None, :]
+    cos_t, sin_t = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    x = qkv.double()[:, :(h + kv) * d].view(7, h + kv, d)
+    rot = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+    ref = x * cos_t[:, None] + rot * sin_t[:, None]
+    freqs = torch.arange(256, dtype=torch.float32)[:, None] * rope_inv_freq(config)[None, :]
+    table_cos, table_sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    kc, vc = (torch.zeros(4, BLOCK, kv, d, dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.tensor([3, 17, -1, 20, 40, 41, 63])
+    out = qkv.clone()
+    cpu_decoder.rope_cache(out, positions, table_cos, table_sin, h, kv, d, slots, kc, vc)
+    got = out[:, :(h + kv) * d].view(7, h + kv, d).double()
+    assert ((got - ref).abs() <= ref.abs() * 2 ** -8 + 1e-5).all()  # one rounding (float32 tables: ~1e-6 off)
+    assert torch.equal(out[:, (h + kv) * d:], qkv[:, (h + kv) * d:])  # values untouched
+    flat_k, flat_v = kc.view(-1, kv, d), vc.view(-1, kv, d)
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_k[slot], out[row, h * d:(h + kv) * d].view(kv, d))
+            assert torch.equal(flat_v[slot], qkv[row, (h + kv) * d:].view(kv, d))
+    written = {s for s in slots.tolist() if s >= 0}
+    assert all(flat_k[s].abs().sum() == 0 for s in range(64) if s not in written)  # -1 wrote nothing
+    with pytest.raises(ValueError, match="outside the RoPE tables"):
+        cpu_decoder.rope_cache(qkv.clone(), torch.tensor([0, 1, 2, 3, 4, 5, 256]), table_cos, table_sin, h, kv, d,
+                               slots, kc, vc)
+    with pytest.raises(ValueError, match="rope_cache takes"):
+        cpu_decoder.rope_cache(qkv.float(), positions, table_cos, table_sin, h, kv, d, slots, kc, vc)
