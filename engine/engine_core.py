@@ -17,6 +17,7 @@ It is driven by ``LLMEngine`` (offline, same thread) or by
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -116,6 +117,11 @@ class EngineCore:
         self._prompt_logprobs: dict[str, list] = {}  # client request id -> prompt logprobs not yet sent
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        # The objects built so far (the model, the tokenizer, torch's modules) live as long as the
+        # engine: freezing them keeps the cyclic GC from walking them on every collection during
+        # serving (4 % of a single stream's time in a profile; vLLM freezes its start-up heap too).
+        gc.collect()
+        gc.freeze()
         logger.info(
             "engine ready: model=%s device=%s dtype=%s blocks=%d block_size=%d max_model_len=%d "
             "max_num_batched_tokens=%d omp_wait=%s", self.served_model_name, self.device, self.dtype,

@@ -1,5 +1,5 @@
 """Builds and loads the C kernels of ``kernels/csrc/`` (CPU attention,
-bfloat16 linear layers, RMSNorm and SwiGLU, RoPE with the cache write, and
+bfloat16 and 4-bit GGUF linear layers, RMSNorm and SwiGLU, RoPE with the cache write, and
 the whole decoder stack composed of them) as one shared library, called
 through ctypes.
 
@@ -26,8 +26,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention_cpu.c", CSRC / "linear_cpu.c", CSRC / "norm_act_cpu.c", CSRC / "decoder_cpu.c"]
-HEADERS = [CSRC / "common.h", CSRC / "kernels.h"]
+SOURCES = [CSRC / "paged_attention_cpu.c", CSRC / "linear_cpu.c", CSRC / "linear_q4_cpu.c", CSRC / "norm_act_cpu.c",
+           CSRC / "decoder_cpu.c"]
+HEADERS = [CSRC / "common.h", CSRC / "kernels.h", CSRC / "bf16_panel.h"]
 CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 
 _p, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -37,6 +38,9 @@ SIGNATURES = {  # exported function -> (argument types, return type)
     "linear_bf16_available": ([], _int),
     "linear_bf16_pack": ([_p, _i64, _i64, _p], None),
     "linear_bf16": ([_p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _int, _int], _int),
+    "linear_q4_available": ([], _int),
+    "linear_q4_pack": ([_p, _p, _p, _i64, _i64, _p, _p], None),
+    "linear_q4": ([_p, _i64, _p, _p, _int, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _int, _int], _int),
     "rms_norm_bf16": ([_p, _i64, _p, _p, _i64, _i64, _i64, _float, _int], _int),
     "silu_mul_bf16": ([_p, _i64, _p, _i64, _i64, _i64, _int], None),
     "rope_cache_bf16": ([_p, _i64, _i64, _p, _p, _p] + [_i64] * 4 + [_p, _p, _p, _int], _int),

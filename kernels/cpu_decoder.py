@@ -22,14 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_linear
 from kernels.cpu_build import load_library
 
 
 class _Layer(ctypes.Structure):
     """``decoder_layer`` of decoder_cpu.c."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "key_cache", "value_cache")]
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("bf16", ctypes.c_void_p * 4), ("q4_codes", ctypes.c_void_p * 4), ("q4_scales", ctypes.c_void_p * 4),
+                ("q4_has_min", ctypes.c_int64), ("qkv_bias", ctypes.c_void_p), ("key_cache", ctypes.c_void_p),
+                ("value_cache", ctypes.c_void_p)]
 
 
 class _Shape(ctypes.Structure):
@@ -40,16 +43,23 @@ class _Shape(ctypes.Structure):
                [("rms_norm_eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
 @dataclass
 class LayerWeights:
     """One decoder layer's tensors as the C stack reads them.
 
     Attributes:
         input_norm, post_norm: [hidden] bfloat16 RMSNorm weights.
-        qkv, o, gate_up, down: ``cpu_linear.PackedLinear`` panels' data
-            (bfloat16) of the fused q/k/v [q + 2 kv, hidden], output
-            [hidden, q], fused gate/up [2 inter, hidden] and down
-            [hidden, inter] projections.
+        bf16: per projection (``PROJECTIONS``: the fused q/k/v
+            [q + 2 kv, hidden], output [hidden, q], fused gate/up
+            [2 inter, hidden] and down [hidden, inter]), its
+            ``cpu_linear.PackedLinear`` or None.
+        q4: per projection, its ``cpu_linear.PackedQ4Linear`` (4-bit GGUF) or
+            None. A projection needs one of the two; with both, calls of up
+            to three rows read the 4-bit panels and larger ones the bfloat16
+            panels (the same bits, fewer bytes or less arithmetic).
         qkv_bias: [q + 2 kv] float32, or None.
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads,
             head_dim] bfloat16, contiguous.
@@ -57,10 +67,8 @@ class LayerWeights:
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: torch.Tensor
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    bf16: dict[str, cpu_linear.PackedLinear | None]
+    q4: dict[str, cpu_linear.PackedQ4Linear | None]
     qkv_bias: torch.Tensor | None
     key_cache: torch.Tensor
     value_cache: torch.Tensor
@@ -96,13 +104,25 @@ class DecoderWeights:
             for cache in (w.key_cache, w.value_cache):
                 if cache.dtype != torch.bfloat16 or not cache.is_contiguous() or cache.shape[1] != block_size:
                     raise ValueError("the KV caches must be contiguous bfloat16 with one block size")
-            tensors = {"input_norm": w.input_norm.contiguous(), "post_norm": w.post_norm.contiguous(),
-                       "qkv": w.qkv, "o": w.o, "gate_up": w.gate_up, "down": w.down,
-                       "qkv_bias": None if w.qkv_bias is None else w.qkv_bias.to(torch.float32).contiguous(),
-                       "key_cache": w.key_cache, "value_cache": w.value_cache}
-            self._keep.append(tensors)
-            for name, t in tensors.items():
-                setattr(self._arrays[i], name, None if t is None else t.data_ptr())
+            keep = [w.input_norm.contiguous(), w.post_norm.contiguous(), w.key_cache, w.value_cache]
+            layer = self._arrays[i]
+            layer.input_norm, layer.post_norm = keep[0].data_ptr(), keep[1].data_ptr()
+            layer.key_cache, layer.value_cache = w.key_cache.data_ptr(), w.value_cache.data_ptr()
+            if w.qkv_bias is not None:
+                keep.append(w.qkv_bias.to(torch.float32).contiguous())
+                layer.qkv_bias = keep[-1].data_ptr()
+            for j, name in enumerate(PROJECTIONS):
+                bf16, q4 = w.bf16.get(name), w.q4.get(name)
+                if bf16 is None and q4 is None:
+                    raise ValueError(f"layer {i} has no packed {name} projection")
+                if bf16 is not None:
+                    keep.append(bf16.data)
+                    layer.bf16[j] = bf16.data.data_ptr()
+                if q4 is not None:
+                    keep += [q4.codes, q4.scales]
+                    layer.q4_codes[j], layer.q4_scales[j] = q4.codes.data_ptr(), q4.scales.data_ptr()
+                    layer.q4_has_min |= int(q4.has_min) << j
+            self._keep.append(keep)
         self.shape = _Shape(len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size,
                             cos.shape[0], rms_norm_eps, scale)
         self.hidden = hidden

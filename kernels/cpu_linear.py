@@ -11,7 +11,9 @@ time ratio): 0.67-0.84x at 1 row, 0.75-0.87x at 8, 0.89-0.95x at 32,
 stream from memory, one row is 1.5-2.8x faster.
 
 Used by the model's linear layers (``engine.models.llama``) when
-:func:`available` says so; elsewhere they keep oneDNN.
+:func:`available` says so; elsewhere they keep oneDNN. :class:`PackedQ4Linear`
+is the 4-bit counterpart (``csrc/linear_q4_cpu.c``) for GGUF Q4_0/Q4_1
+weights under ``quantization: gguf``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,66 @@ class PackedLinear:
         return self.data.nbytes
 
 
+@dataclass(frozen=True)
+class PackedQ4Linear:
+    """A 4-bit GGUF (Q4_0/Q4_1) [out_features, in_features] weight in
+    ``csrc/linear_q4_cpu.c``'s layout: 4 bits per weight plus 8 bytes of
+    scales per 32; the kernel computes with the bfloat16 values the loader
+    would have made (bf16((d * q) + m), Q4_0: bf16(d * (q - 8))), bitwise.
+
+    Attributes:
+        codes: uint8 [ceil(out / 64) * 64 * in / 2], two codes per byte.
+        scales: float32 [ceil(out / 64) * in / 32 * 2 * 64] (d and m per block).
+        out_features, in_features: the weight's shape (in_features a multiple of 32).
+        has_min: Q4_1 (w = d q + m); False: Q4_0 (w = d (q - 8)).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+    has_min: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
+@functools.lru_cache(maxsize=4)
+def q4_available(march: str = "native") -> bool:
+    """Whether the library builds here and has the 4-bit kernel (AVX512-BF16)."""
+    return why_unavailable(march) is None and bool(load_library(march).linear_q4_available())
+
+
+def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> PackedQ4Linear:
+    """Pack a 4-bit weight: w = (d * q) + m per block of 32 inputs (Q4_1),
+    or w = d * (q - 8) when ``m`` is None (Q4_0), each operation rounded in
+    float32 as the ``gguf`` package dequantizes.
+
+    Args:
+        codes: [out, in] integers 0..15 (in a multiple of 32).
+        d, m: [out, in / 32] float32 scale and min of each block.
+
+    Raises:
+        ValueError: shapes that do not match, in not a multiple of 32, codes out of range.
+    """
+    n, k = codes.shape
+    if k % 32 or d.shape != (n, k // 32) or (m is not None and m.shape != (n, k // 32)):
+        raise ValueError(f"pack_q4 takes codes [n, k] (k % 32 == 0) and d, m [n, k / 32], got {tuple(codes.shape)}, "
+                         f"{tuple(d.shape)}, {None if m is None else tuple(m.shape)}")
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
+        raise ValueError("4-bit codes must be in 0..15")
+    c = codes.to(torch.uint8).contiguous()
+    d32 = d.to(torch.float32).contiguous()
+    m32 = None if m is None else m.to(torch.float32).contiguous()
+    panels = (n + PANEL - 1) // PANEL
+    out_codes = torch.empty(panels * PANEL * k // 2, dtype=torch.uint8)
+    out_scales = torch.empty(panels * (k // 32) * 2 * PANEL, dtype=torch.float32)
+    load_library().linear_q4_pack(c.data_ptr(), d32.data_ptr(), None if m32 is None else m32.data_ptr(), n, k,
+                                  out_codes.data_ptr(), out_scales.data_ptr())
+    return PackedQ4Linear(out_codes, out_scales, n, k, m is not None)
+
+
 def pack(weight: torch.Tensor) -> PackedLinear:
     """Pack a CPU bfloat16 weight [out, in] (in even).
 
@@ -65,7 +127,7 @@ def pack(weight: torch.Tensor) -> PackedLinear:
     return PackedLinear(data, n, k)
 
 
-def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, packed: PackedLinear | PackedQ4Linear, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """[..., in] @ W.T (+ bias [out], added in float32) (+ residual [..., out]) -> [..., out].
 
@@ -90,7 +152,15 @@ def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = No
         if r2.dtype != torch.bfloat16 or r2.shape != (m, n):
             raise ValueError(f"residual must be bfloat16 [{m}, {n}], got {r2.dtype} {tuple(r2.shape)}")
     b = None if bias is None else bias.detach().to(torch.float32).contiguous()
-    if m:
+    if m and isinstance(packed, PackedQ4Linear):
+        rc = load_library().linear_q4(x2.data_ptr(), x2.stride(0), packed.codes.data_ptr(), packed.scales.data_ptr(),
+                                      packed.has_min, None if b is None else b.data_ptr(),
+                                      None if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),
+                                      y.data_ptr(), n, m, n, packed.in_features, out_dtype == torch.float32,
+                                      torch.get_num_threads())
+        if rc:
+            raise (MemoryError if rc == 2 else RuntimeError)(f"linear_q4 returned {rc}")
+    elif m:
         load_library().linear_bf16(x2.data_ptr(), x2.stride(0), packed.data.data_ptr(),
                                    None if b is None else b.data_ptr(),
                                    None if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),

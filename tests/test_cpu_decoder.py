@@ -181,3 +181,66 @@ def test_rope_cache_matches_float64_and_writes_the_slots():
                                slots, kc, vc)
     with pytest.raises(ValueError, match="rope_cache takes"):
         cpu_decoder.rope_cache(qkv.float(), positions, table_cos, table_sin, h, kv, d, slots, kc, vc)
+
+
+def _gguf_model(config: ModelConfig, mode: str, seed: int = 0) -> LlamaForCausalLM:
+    """The model with 4-bit GGUF projections (Q4_1, quantized by the gguf
+    package): "dense" dequantized to bfloat16 only, "copy" dequantized with a
+    4-bit copy beside (quantization none), "int4" kept in 4 bits only
+    (quantization gguf)."""
+    import numpy as np
+
+    gguf = pytest.importorskip("gguf")
+    from engine.models.quant_linear import GGUFBlocks
+
+    model = _model(config, seed)  # random norms and embeddings; projections replaced below
+    fresh = LlamaForCausalLM(config, model.backend).to(torch.bfloat16)
+    rng = np.random.default_rng(seed)
+    c = config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"self_attn.q_proj": (q, c.hidden_size), "self_attn.k_proj": (kv, c.hidden_size),
+              "self_attn.v_proj": (kv, c.hidden_size), "self_attn.o_proj": (c.hidden_size, q),
+              "mlp.gate_proj": (c.intermediate_size, c.hidden_size), "mlp.up_proj": (c.intermediate_size, c.hidden_size),
+              "mlp.down_proj": (c.hidden_size, c.intermediate_size)}
+    weights = [("model.embed_tokens.weight", model.embed_tokens.weight.float()), ("model.norm.weight", model.norm.weight.float()),
+               ("lm_head.weight", model.lm_head.weight.float())]
+    for i, layer in enumerate(model.layers):
+        weights += [(f"model.layers.{i}.input_layernorm.weight", layer.input_layernorm.weight.float()),
+                    (f"model.layers.{i}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight.float())]
+        for name, shape in shapes.items():
+            data = gguf.quants.quantize((rng.standard_normal(shape) * 0.08).astype(np.float32),
+                                        gguf.GGMLQuantizationType.Q4_1)
+            blocks = GGUFBlocks("Q4_1", shape, data)
+            weights.append((f"model.layers.{i}.{name}.weight",
+                            blocks.dequantize() if mode == "dense" else blocks))
+    fresh.load_weights(weights, q4_copy=mode == "copy")
+    fresh.prepack_weights()
+    return fresh.eval()
+
+
+@needs_c
+def test_4bit_projections_give_the_bfloat16_bits():
+    """A 4-bit GGUF's projections three ways: dequantized to bfloat16, with the
+    4-bit copy the stack reads for calls of up to three rows, and kept in 4
+    bits only (quantization gguf): hidden states and caches equal bit for bit
+    on prefills and on decodes of 1, 3 and 5 rows, per-operation or one call."""
+    from kernels import cpu_linear
+
+    if not cpu_linear.q4_available():
+        pytest.skip("no 4-bit C kernel")
+    config = _config(layers=2)
+    models = {mode: _gguf_model(config, mode) for mode in ("dense", "copy", "int4")}
+    assert models["copy"].layers[0].q4_copy and not models["dense"].layers[0].q4_copy
+    assert models["int4"].layers[0].int4["gate_up_proj"].c_packed is not None
+    steps = [[(0, 20, [1, 2]), (0, 7, [3])], [(20, 1, [1, 2])], [(20, 1, [1, 2]), (7, 1, [3]), (0, 1, [4])],
+             [(20, 1, [1, 2]), (7, 1, [3]), (0, 1, [4]), (0, 1, [5]), (0, 1, [6])]]
+    runs = {(mode, c): _caches(config) for mode in models for c in (True, False)}
+    for i, seqs in enumerate(steps[:2]):
+        step = _step(seqs, config.vocab_size, seed=i)
+        outs = {key: _forward(models[key[0]], caches, step, c_decoder=key[1]) for key, caches in runs.items()}
+        ref = outs[("dense", False)]
+        assert all(torch.equal(o, ref) for o in outs.values()), [k for k, o in outs.items() if not torch.equal(o, ref)]
+    for seqs in steps[2:]:  # 3 and 5 decode rows, from fresh caches holding one prefill
+        step = _step(seqs, config.vocab_size, seed=9)
+        outs = {key: _forward(models[key[0]], _caches(config), step, c_decoder=key[1]) for key in runs}
+        assert all(torch.equal(o, outs[("dense", False)]) for o in outs.values())

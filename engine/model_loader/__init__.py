@@ -140,9 +140,13 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     size_mb = _size_on_disk(path) / 2**20
     logger.info("loading model %s (%.0f MB on disk, %s) on %s in %s", path, size_mb,
                 "random weights" if dummy else "gguf" if os.path.isfile(path) else "HF safetensors", device, dtype)
-    config, tokenizer, weights = _read_model(path, dummy, keep_int4=quantization == "gguf")
-
     from kernels import cpu_linear, get_attention_backend
+
+    # quantization "none" from a GGUF, bfloat16 on CPU: the 4-bit projections are also kept in
+    # 4 bits for the C kernel's few-row calls (the same bits; engine/models/llama.py, q4_copy)
+    q4_copy = quantization == "none" and os.path.isfile(path) and device.type == "cpu" \
+        and dtype == torch.bfloat16 and cpu_linear.q4_available()
+    config, tokenizer, weights = _read_model(path, dummy, keep_int4=quantization == "gguf" or q4_copy)
 
     backend = get_attention_backend(getattr(args, "attention_backend", "auto"), device,
                                     batch_invariant=getattr(args, "batch_invariant", True), dtype=dtype,
@@ -162,7 +166,7 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     if weights is None:
         init_dummy_weights(model, getattr(args, "seed", 0))
     else:
-        model.load_weights(_logged(weights, t0))
+        model.load_weights(_logged(weights, t0), q4_copy=q4_copy)
     model.build_rope_cache()
     model.eval()
     model.requires_grad_(False)

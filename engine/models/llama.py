@@ -156,6 +156,9 @@ class LlamaDecoderLayer(nn.Module):
         self.intermediate_size = c.intermediate_size
         self.packed = PackedWeights(row_checks)
         self.int4: dict[str, Int4Linear] = {}  # quantization="gguf": projections kept in 4 bits
+        # quantization="none" from a 4-bit GGUF: a 4-bit copy beside the bfloat16 weight, read by the C
+        # decoder stack for calls of a few rows (the same bits, a quarter of the bytes)
+        self.q4_copy: dict[str, cpu_linear.PackedQ4Linear] = {}
 
     def _proj(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         lin = getattr(self, name)
@@ -277,8 +280,8 @@ class LlamaForCausalLM(nn.Module):
     def _c_decoder_weights(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> cpu_decoder.DecoderWeights | None:
         """The C decoder stack's view of the weights and caches
         (``kernels.cpu_decoder``), or None where it cannot run: not bfloat16
-        on CPU with the ``cpu`` attention backend, a projection not on the C
-        linear kernel (4-bit, oneDNN), shapes the kernels refuse. Built once
+        on CPU with the ``cpu`` attention backend, a projection on neither C
+        linear kernel (bfloat16 panels, 4-bit GGUF), shapes the kernels refuse. Built once
         and rebuilt when a weight is replaced or changed in place, or the
         caches move (checked per call: an identity and a version compare per
         weight)."""
@@ -298,16 +301,25 @@ class LlamaForCausalLM(nn.Module):
         layers = []
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            projs = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-            packed = [layer.packed.get(name, getattr(layer, name).weight) for name in projs]
-            if layer.int4 or layer.packed.triton_linear is not None or any(
-                    not isinstance(p, cpu_linear.PackedLinear) for p in packed) or any(
-                    n.weight.dtype != torch.bfloat16 or n.triton_rms_norm is not None for n in norms) or \
-                    any(getattr(layer, name).bias is not None for name in projs[1:]):
+            bf16, q4 = {}, {}
+            for short, name in zip(cpu_decoder.PROJECTIONS, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")):
+                if name in layer.int4:
+                    q4[short] = layer.int4[name].c_packed
+                else:
+                    packed = layer.packed.get(name, getattr(layer, name).weight)
+                    bf16[short] = packed if isinstance(packed, cpu_linear.PackedLinear) else None
+                    q4[short] = layer.q4_copy.get(name)
+                if bf16.get(short) is None and q4[short] is None:
+                    return None
+                if name != "qkv_proj" and getattr(layer, name).bias is not None:
+                    return None
+                modules.append(getattr(layer, name))
+            if layer.packed.triton_linear is not None or any(
+                    n.weight.dtype != torch.bfloat16 or n.triton_rms_norm is not None for n in norms):
                 return None
-            modules += [*norms, *(getattr(layer, name) for name in projs)]
+            modules += norms
             layers.append(cpu_decoder.LayerWeights(
-                norms[0].weight.detach(), norms[1].weight.detach(), *(p.data for p in packed),
+                norms[0].weight.detach(), norms[1].weight.detach(), bf16, q4,
                 layer.qkv_proj.bias.detach() if layer.qkv_proj.bias is not None else None, kc, vc))
         c = self.config
         try:
@@ -383,13 +395,15 @@ class LlamaForCausalLM(nn.Module):
         return self.packed.linear("lm_head", hidden, weight).float()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], q4_copy: bool = False) -> None:
         """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight``...)
         into the fused parameters, casting to each parameter's dtype.
 
         A ``GGUFBlocks`` value (``quantization: gguf``) is kept in 4 bits
         when every part of its fused projection is one (:func:`_load_int4`),
-        else dequantized.
+        else dequantized. With ``q4_copy`` (``quantization: none`` from a
+        4-bit GGUF, bfloat16 on CPU) it is dequantized into the parameter and
+        also kept as the C kernel's 4-bit copy (``LlamaDecoderLayer.q4_copy``).
 
         Raises:
             ValueError: an unexpected name or shape, or parameters left unloaded.
@@ -441,20 +455,27 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         for target, pieces in int4.items():
-            self._load_int4(target, sorted(pieces, key=lambda p: p[0]), params[target])
+            self._load_int4(target, sorted(pieces, key=lambda p: p[0]), params[target], q4_copy)
 
-    def _load_int4(self, target: str, pieces: list[tuple[int, GGUFBlocks]], param: nn.Parameter) -> None:
+    def _load_int4(self, target: str, pieces: list[tuple[int, GGUFBlocks]], param: nn.Parameter,
+                   q4_copy: bool = False) -> None:
         """Pack a projection's GGUF 4-bit parts ((row offset, blocks), in row
         order) as an ``Int4Linear`` and free its dense weight; dequantize them
         into place instead when they cannot be packed (some part of another
-        type, shapes the kernel refuses, not on CPU)."""
+        type, shapes the kernel refuses, not on CPU), or as well when
+        ``q4_copy`` (keeping the C kernel's 4-bit copy when it takes them)."""
         _, idx, name, _ = target.split(".")
         layer = self.layers[int(idx)]
         blocks = [b for _, b in pieces]
         covers_all = sum(b.shape[0] for b in blocks) == param.shape[0]
-        if param.device.type != "cpu" or not covers_all or not int4_packable(blocks):
+        packable = param.device.type == "cpu" and covers_all and int4_packable(blocks)
+        if q4_copy or not packable:
             for offset, b in pieces:
                 param.data[offset:offset + b.shape[0]].copy_(b.dequantize())
+            if q4_copy and packable and param.dtype == torch.bfloat16:
+                packed = Int4Linear(blocks, param.dtype).c_packed
+                if packed is not None:
+                    layer.q4_copy[name] = packed
             return
         layer.int4[name] = Int4Linear(blocks, param.dtype)
         getattr(layer, name).weight = nn.Parameter(param.data.new_empty(0), requires_grad=False)

@@ -15,6 +15,11 @@ Q4_0 is (scale d, zero 0) and Q4_1 is (scale d, zero m + 8d). The scales are
 held in the activations' dtype: exact in float32, rounded to 8 mantissa bits
 in bfloat16 (the float16 ``d`` has 11).
 
+In bfloat16 on a CPU with AVX512-BF16 the C kernel of
+``kernels/csrc/linear_q4_cpu.c`` runs them instead: the weights exact (d q +
+m in float32 sums, not scales rounded to bfloat16), batch-invariant, and
+part of the one-call decoder stack (``kernels/cpu_decoder.py``).
+
 Q8_0 (and the k-quants) have no exact counterpart among PyTorch's CPU
 kernels (``_weight_int8pack_mm`` takes one scale per output row, Q8_0 has
 one per 32 elements): those tensors are dequantized as with ``none``.
@@ -26,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from kernels import cpu_linear
 
 GROUP = 32  # elements per Q4_0/Q4_1 block
 INT4_TYPES = {"Q4_0": 18, "Q4_1": 20}  # GGUF type -> bytes per block
@@ -63,6 +70,19 @@ class GGUFBlocks:
         Raises:
             ValueError: not a Q4_0/Q4_1 tensor, or its data does not match its shape.
         """
+        codes, d, m = self.codes_d_m()
+        return codes, d, m + 8 * d
+
+    def codes_d_m(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The weight as value = code * d + m per block of 32 (Q4_0: m = -8 d).
+
+        Returns:
+            codes: int32 [out, in], 0..15.
+            d, m: float32 [out, in // 32] (float16 in the file: exact).
+
+        Raises:
+            ValueError: not a Q4_0/Q4_1 tensor, or its data does not match its shape.
+        """
         if self.qtype not in INT4_TYPES:
             raise ValueError(f"{self.qtype} is not a 4-bit type ({sorted(INT4_TYPES)})")
         n, k = self.shape
@@ -72,14 +92,13 @@ class GGUFBlocks:
         blocks = np.ascontiguousarray(self.data).reshape(n, k // GROUP, nbytes)
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         if self.qtype == "Q4_0":
-            zeros = np.zeros_like(d)
+            m = -8 * d
             qs = blocks[..., 2:18]
         else:
             m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-            zeros = m + 8 * d
             qs = blocks[..., 4:20]
         codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k).astype(np.int32)
-        return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zeros)
+        return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m)
 
 
 def int4_packable(pieces: list[GGUFBlocks]) -> bool:
@@ -109,20 +128,30 @@ class Int4Linear:
     def __init__(self, pieces: list[GGUFBlocks], dtype: torch.dtype) -> None:
         if not int4_packable(pieces):
             raise ValueError(f"cannot pack {[(p.qtype, p.shape) for p in pieces]} as int4")
-        parts = [p.codes_scales_zeros() for p in pieces]
+        parts = [p.codes_d_m() for p in pieces]
         codes = torch.cat([c for c, _, _ in parts])
-        scales = torch.cat([s for _, s, _ in parts])
-        zeros = torch.cat([z for _, _, z in parts])
+        d = torch.cat([s for _, s, _ in parts])
+        m = torch.cat([z for _, _, z in parts])
         self.out_features, self.in_features = codes.shape
         self.dtype = dtype
-        # uint8 [out, in // 2]: two codes per byte in the kernel's own order.
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        # [in // 32, out, 2]: (scale, zero) per group and output row.
-        self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+        self.packed = self.scales_and_zeros = None
+        # bfloat16 on an AVX512-BF16 CPU: the C kernel (kernels/csrc/linear_q4_cpu.c), bitwise the
+        # dequantized bfloat16 weights' results; one type per projection (Q4_1 keeps its min).
+        kinds = {p.qtype for p in pieces}
+        self.c_packed = None
+        if dtype == torch.bfloat16 and len(kinds) == 1 and cpu_linear.q4_available():
+            self.c_packed = cpu_linear.pack_q4(codes, d, m if kinds == {"Q4_1"} else None)
+        if self.c_packed is None:
+            # uint8 [out, in // 2]: two codes per byte in the kernel's own order.
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            # [in // 32, out, 2]: (scale, zero) per group and output row, value = (q - 8) * scale + zero.
+            self.scales_and_zeros = torch.stack([d.t(), (m + 8 * d).t()], dim=-1).to(dtype).contiguous()
 
     @property
     def nbytes(self) -> int:
         """Bytes held (codes + scales and zeros)."""
+        if self.c_packed is not None:
+            return self.c_packed.nbytes
         return self.packed.nbytes + self.scales_and_zeros.nbytes
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
@@ -135,6 +164,8 @@ class Int4Linear:
         equal for one row alone and inside batches of 1 to 128 rows
         (tests/engine/test_quant_linear.py).
         """
+        if self.c_packed is not None:
+            return cpu_linear.linear(x, self.c_packed, bias, residual)  # bias and residual added in float32
         lead = x.shape[:-1]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.reshape(-1, self.in_features).contiguous(), self.packed, GROUP, self.scales_and_zeros)

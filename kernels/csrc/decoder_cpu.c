@@ -59,16 +59,34 @@ int rope_cache_bf16(uint16_t *qkv, int64_t ld, int64_t t, const int64_t *positio
     return 0;
 }
 
-/* One layer's weights: RMSNorm weights [hidden] bfloat16; projections packed
- * by linear_bf16_pack (qkv [q + 2 kv, hidden], o [hidden, q], gate_up
- * [2 inter, hidden], down [hidden, inter]); qkv_bias float32 [q + 2 kv] or
- * NULL; the layer's key and value caches. Mirrored by ctypes in
+/* One layer's weights: RMSNorm weights [hidden] bfloat16; the projections
+ * (qkv [q + 2 kv, hidden], o [hidden, q], gate_up [2 inter, hidden], down
+ * [hidden, inter]) as bfloat16 panels (linear_bf16_pack), 4-bit panels
+ * (linear_q4_pack: codes and scales), or both; qkv_bias float32 [q + 2 kv]
+ * or NULL; the layer's key and value caches. Mirrored by ctypes in
  * kernels/cpu_decoder.py. */
 typedef struct {
-    const uint16_t *input_norm, *post_norm, *qkv, *o, *gate_up, *down;
+    const uint16_t *input_norm, *post_norm;
+    const uint16_t *bf16[4];     /* qkv, o, gate_up, down: bfloat16 panels or NULL */
+    const uint8_t *q4_codes[4];  /* 4-bit panels or NULL */
+    const float *q4_scales[4];
+    int64_t q4_has_min;          /* bit i: projection i's 4-bit blocks have a min (Q4_1) */
     const float *qkv_bias;
     uint16_t *key_cache, *value_cache;
 } decoder_layer;
+
+/* Projection i of layer w. With both forms, calls of at most
+ * LINEAR_Q4_DIRECT_ROWS rows read the 4-bit panels (bound by reading the
+ * weights: a quarter of the bytes) and larger ones the bfloat16 panels (bound
+ * by arithmetic: no dequantization); both give the same bits. */
+static int project(const decoder_layer *w, int i, const uint16_t *x, int64_t ldx, const float *bias,
+                   const uint16_t *residual, int64_t ldr, uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+                   int num_threads) {
+    if (w->q4_codes[i] && (m <= LINEAR_Q4_DIRECT_ROWS || !w->bf16[i]))
+        return linear_q4(x, ldx, w->q4_codes[i], w->q4_scales[i], (int)(w->q4_has_min >> i & 1), bias, residual,
+                         ldr, y, ldy, m, n, k, 0, num_threads);
+    return linear_bf16(x, ldx, w->bf16[i], bias, residual, ldr, y, ldy, m, n, k, 0, num_threads);
+}
 
 /* The model's shape. */
 typedef struct {
@@ -81,7 +99,8 @@ typedef struct {
  * slot_mapping [t] int64; block_tables [num_seqs, bt_stride], seq_lens
  * [num_seqs], query_start_loc [num_seqs + 1] int32 as paged_attention_bf16
  * reads them. Returns 0; 1 for a position outside the RoPE tables or shapes
- * the attention does not take; 2 when out of memory. */
+ * the attention does not take (or a build without the linear kernels); 2
+ * when out of memory. */
 int decoder_forward_bf16(const decoder_shape *shape, const decoder_layer *layers, const uint16_t *final_norm,
                          uint16_t *x, uint16_t *out, int64_t t, const int64_t *positions, const float *cos_tab,
                          const float *sin_tab, const int64_t *slot_mapping, const int32_t *block_tables,
@@ -99,7 +118,8 @@ int decoder_forward_bf16(const decoder_shape *shape, const decoder_layer *layers
     for (int64_t l = 0; l < shape->num_layers && rc == 0; l++) {
         const decoder_layer *w = layers + l;
         rms_norm_bf16(x, hd, w->input_norm, h, hd, t, hd, shape->rms_norm_eps, num_threads);
-        linear_bf16(h, hd, w->qkv, w->qkv_bias, 0, 0, qkv, qkv_w, t, qkv_w, hd, 0, num_threads);
+        rc = project(w, 0, h, hd, w->qkv_bias, 0, 0, qkv, qkv_w, t, qkv_w, hd, num_threads);
+        if (rc) break;
         rc = rope_cache_bf16(qkv, qkv_w, t, positions, cos_tab, sin_tab, shape->max_positions, shape->num_heads,
                              shape->num_kv_heads, shape->head_dim, slot_mapping, w->key_cache, w->value_cache,
                              num_threads);
@@ -108,11 +128,13 @@ int decoder_forward_bf16(const decoder_shape *shape, const decoder_layer *layers
                                   query_start_loc, num_seqs, shape->num_heads, shape->num_kv_heads, shape->head_dim,
                                   shape->block_size, shape->scale, num_threads);
         if (rc) break;
-        linear_bf16(attn, q, w->o, 0, x, hd, x2, hd, t, hd, q, 0, num_threads);
+        rc = project(w, 1, attn, q, 0, x, hd, x2, hd, t, hd, q, num_threads);
+        if (rc) break;
         rms_norm_bf16(x2, hd, w->post_norm, h, hd, t, hd, shape->rms_norm_eps, num_threads);
-        linear_bf16(h, hd, w->gate_up, 0, 0, 0, gate_up, 2 * inter, t, 2 * inter, hd, 0, num_threads);
+        rc = project(w, 2, h, hd, 0, 0, 0, gate_up, 2 * inter, t, 2 * inter, hd, num_threads);
+        if (rc) break;
         silu_mul_bf16(gate_up, 2 * inter, act, inter, t, inter, num_threads);
-        linear_bf16(act, inter, w->down, 0, x2, hd, x, hd, t, hd, inter, 0, num_threads);
+        rc = project(w, 3, act, inter, 0, x2, hd, x, hd, t, hd, inter, num_threads);
     }
     if (rc == 0) rms_norm_bf16(x, hd, final_norm, out, hd, t, hd, shape->rms_norm_eps, num_threads);
     free(scratch);

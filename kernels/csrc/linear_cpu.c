@@ -19,11 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "common.h"
-
-#define PANEL 64 /* output columns per panel */
-#define MR_MAX 6 /* rows per register tile: 24 accumulators + 4 weight vectors + 1 broadcast */
-#define M_BLOCK 48 /* rows per work item (a multiple of MR_MAX) */
+#include "bf16_panel.h"
 
 /* 1 when this build has the AVX512-BF16 kernel, else 0 (the caller then keeps its own path). */
 int linear_bf16_available(void) {
@@ -47,48 +43,6 @@ void linear_bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
             }
 }
 
-#if defined(__AVX512BF16__)
-/* MR rows (MR a literal at each call) x one 64-column panel. */
-static inline __attribute__((always_inline)) void panel_rows(
-    const int MR, const uint16_t *x, int64_t ldx, const uint16_t *panel, int64_t k, int64_t col0, int64_t n,
-    const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int y_f32) {
-    __m512 acc[MR_MAX][4];
-    for (int r = 0; r < MR; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t kp = 0; kp < k / 2; kp++) {
-        const uint16_t *wp = panel + kp * PANEL * 2;
-        __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
-        __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
-        __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3)); /* keep them in registers: one load per kp, not per row */
-        for (int r = 0; r < MR; r++) {
-            int32_t pair;
-            memcpy(&pair, x + r * ldx + 2 * kp, 4);
-            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
-            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xb, w2);
-            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, w3);
-        }
-    }
-    /* Lane l of acc[r][j] holds column col0 + 16 j + l; VCVTNEPS2BF16 rounds to nearest even. */
-    for (int r = 0; r < MR; r++)
-        for (int j = 0; j < 4; j++) {
-            const int64_t c = col0 + 16 * j;
-            if (c >= n) break;
-            const __mmask16 mask = tail_mask(n - c);
-            __m512 v = acc[r][j];
-            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + c));
-            if (residual) {
-                __m256i raw = _mm256_maskz_loadu_epi16(mask, residual + r * ldr + c);
-                v = _mm512_add_ps(v, bf16x16_to_f32(raw));
-            }
-            if (y_f32)
-                _mm512_mask_storeu_ps((float *)y + r * ldy + c, mask, v);
-            else
-                _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + c, mask, (__m256i)_mm512_cvtneps_pbh(v));
-        }
-}
-#endif
 
 /* y [m, n] = x [m, k] @ W.T (+ bias [n], float32) (+ residual [m, n]); x and
  * residual bfloat16, y bfloat16 or, when y_f32, float32 (the sums unrounded:

@@ -90,3 +90,34 @@ def test_quantization_gguf_needs_a_gguf_on_cpu(tmp_path):
         load_model(EngineArgs(model=path, device="cpu", quantization="gguf"))
     with pytest.raises(ValueError, match="quantization must be none or gguf"):
         EngineArgs(model=path, quantization="q4")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_c_kernel_gives_the_dequantized_bfloat16_weights_bits(qtype):
+    """bfloat16 on an AVX512-BF16 CPU: Int4Linear runs kernels/csrc/linear_q4_cpu.c,
+    whose results equal, bit for bit, the bfloat16 kernel's on the weights the
+    loader dequantizes (gguf's float32 dequantization rounded to bfloat16) for
+    every row count: the in-register path (1-3 rows) and the scratch path
+    (4+), with bias, residual and float32 output."""
+    from kernels import cpu_linear
+
+    if not cpu_linear.q4_available():
+        pytest.skip("no AVX512-BF16 C kernel on this CPU")
+    (a, wa), (b, wb) = _blocks(qtype, 96, 576, 4), _blocks(qtype, 64, 576, 5)
+    lin = Int4Linear([a, b], torch.bfloat16)
+    assert lin.c_packed is not None and lin.c_packed.has_min == (qtype == "Q4_1")
+    assert lin.nbytes < 0.5 * 160 * 576 * 2  # 6 bits per weight (codes + float32 d, m per 32) vs 16
+    dense = cpu_linear.pack(torch.cat([wa, wb]).bfloat16())
+    gen = torch.Generator().manual_seed(3)
+    bias = torch.randn(160, generator=gen).bfloat16()
+    for rows in (1, 2, 3, 4, 7, 50, 130):
+        x = torch.randn(rows, 576, generator=gen).bfloat16()
+        residual = torch.randn(rows, 160, generator=gen).bfloat16()
+        assert torch.equal(lin(x), cpu_linear.linear(x, dense))
+        assert torch.equal(lin(x, bias, residual), cpu_linear.linear(x, dense, bias, residual))
+        assert torch.equal(cpu_linear.linear(x, lin.c_packed, out_dtype=torch.float32),
+                           cpu_linear.linear(x, dense, out_dtype=torch.float32))
+    with pytest.raises(ValueError, match="pack_q4 takes"):
+        cpu_linear.pack_q4(torch.zeros(4, 48, dtype=torch.int32), torch.zeros(4, 1), None)
+    with pytest.raises(ValueError, match="0..15"):
+        cpu_linear.pack_q4(torch.full((4, 32), 16), torch.zeros(4, 1), None)

@@ -1,0 +1,207 @@
+/* 4-bit GGUF linear layers (Q4_0, Q4_1) on AVX512-BF16 CPUs, read in 4 bits
+ * and computed exactly as the bfloat16 weights dequantized from the same
+ * file: y = x @ W.T (+ bias) (+ residual), x bfloat16.
+ *
+ * Built with the other kernels by kernels/cpu_build.py, called from
+ * kernels/cpu_linear.py. llama.cpp's blocks (ggml's block_q4_0 / block_q4_1;
+ * GGUF spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) hold
+ * 32 consecutive inputs of one output row as codes q in 0..15 with a float16
+ * scale d (and, Q4_1, a min m). The loader's bfloat16 weight is the gguf
+ * package's float32 dequantization rounded to nearest even:
+ * bf16(d * (q - 8)) for Q4_0, bf16((d * q) + m) for Q4_1, each operation
+ * rounded in float32. This kernel rebuilds exactly those bfloat16 values
+ * (VMULPS/VADDPS with explicit round-to-nearest, never fused into an FMA,
+ * then VCVTNE2PS2BF16) in the bfloat16 kernel's panel layout, and runs the
+ * bfloat16 micro-kernel (bf16_panel.h) on them. So its outputs are bitwise
+ * those of linear_bf16 on the dequantized weights, for any number of rows,
+ * while reading 6 bits per weight (codes, and a float32 d and m per 32)
+ * instead of 16: a single stream, bound
+ * by reading the weights, reads a third of the bytes.
+ *
+ * Packed layout, per panel of 64 output columns and block of 32 inputs:
+ * codes [16 input pairs][4 groups of 16 columns][16 bytes], byte c of a group
+ * holding column 16 g + c at inputs 2 kp (low nibble) and 2 kp + 1 (high);
+ * scales float32 [2][64]: d, then m (0 for Q4_0). Calls of up to
+ * LINEAR_Q4_DIRECT_ROWS rows (kernels.h) dequantize each input pair in
+ * registers; larger ones dequantize a panel once per work item into a
+ * bfloat16 scratch (L2) and run rows six at a time over it.
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16_panel.h"
+#include "kernels.h"
+
+#define QBLOCK 32
+#define MR_Q4 3  /* rows per register tile on the in-register path */
+
+/* 1 when this build has the kernel (AVX512-BF16), else 0. */
+int linear_q4_available(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Pack codes [n, k] (uint8, 0..15) with d and m [n, k / 32] (float32; m
+ * NULL for Q4_0) into codes_out [ceil(n / 64)][k / 32][16][4][16] and
+ * scales_out [ceil(n / 64)][k / 32][2][64]; k a multiple of 32. Padded
+ * columns get code 0 and scales 0. */
+void linear_q4_pack(const uint8_t *codes, const float *d, const float *m, int64_t n, int64_t k, uint8_t *codes_out,
+                    float *scales_out) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, blocks = k / QBLOCK;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *cb = codes_out + (p * blocks + b) * (PANEL * QBLOCK / 2);
+            float *sb = scales_out + (p * blocks + b) * 2 * PANEL;
+            for (int64_t c = 0; c < PANEL; c++) {
+                const int64_t row = p * PANEL + c;
+                sb[c] = row < n ? d[row * blocks + b] : 0.0f;
+                sb[PANEL + c] = row < n && m ? m[row * blocks + b] : 0.0f;
+            }
+            for (int64_t kp = 0; kp < QBLOCK / 2; kp++)
+                for (int64_t c = 0; c < PANEL; c++) {
+                    const int64_t row = p * PANEL + c, i = b * QBLOCK + 2 * kp;
+                    const uint8_t lo = row < n ? codes[row * k + i] : 0, hi = row < n ? codes[row * k + i + 1] : 0;
+                    cb[kp * PANEL + c] = (uint8_t)((lo & 15) | (hi & 15) << 4); /* [kp][group c / 16][c % 16] */
+                }
+        }
+}
+
+#if defined(__AVX512BF16__)
+/* Input pair kp's bfloat16 weights of the 16 columns of group g (codes: the
+ * group's 16 bytes; d, m: its scales in the block), as one VDPBF16PS
+ * operand: lane 2 c = column c at input 2 kp, lane 2 c + 1 at 2 kp + 1. */
+static inline __attribute__((always_inline)) __m512bh dequant16x2(const uint8_t *codes, const float *d,
+                                                                  const float *m, int has_min) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    __m512 qe = _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15)));
+    __m512 qo = _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4));
+    const __m512 dv = _mm512_loadu_ps(d);
+    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    if (has_min) { /* Q4_1: (d * q) + m */
+        const __m512 mv = _mm512_loadu_ps(m);
+        qe = _mm512_add_round_ps(_mm512_mul_round_ps(dv, qe, rn), mv, rn);
+        qo = _mm512_add_round_ps(_mm512_mul_round_ps(dv, qo, rn), mv, rn);
+    } else { /* Q4_0: d * (q - 8); q - 8 is exact */
+        qe = _mm512_mul_round_ps(dv, _mm512_sub_ps(qe, _mm512_set1_ps(8.0f)), rn);
+        qo = _mm512_mul_round_ps(dv, _mm512_sub_ps(qo, _mm512_set1_ps(8.0f)), rn);
+    }
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(qo, qe); /* lanes 0-15: even inputs, 16-31: odd */
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return (__m512bh)_mm512_permutexvar_epi16(idx, both);
+}
+
+/* This thread's scratch of at least `elems` bfloat16 values, kept between
+ * calls (OpenMP's threads persist; a fresh buffer of a few hundred KiB per
+ * call would be mapped and faulted in each time); NULL when out of memory. */
+static uint16_t *thread_scratch(size_t elems) {
+    static __thread uint16_t *buf;
+    static __thread size_t cap;
+    if (cap < elems) {
+        free(buf);
+        buf = malloc(sizeof(uint16_t) * elems);
+        cap = buf ? elems : 0;
+    }
+    return buf;
+}
+
+/* One panel (its codes and scales) dequantized into scratch [k / 2][64][2]. */
+static void dequant_panel(const uint8_t *codes, const float *scales, int64_t k, int has_min, uint16_t *scratch) {
+    for (int64_t b = 0; b < k / QBLOCK; b++)
+        for (int64_t kp = 0; kp < QBLOCK / 2; kp++)
+            for (int g = 0; g < 4; g++) {
+                const float *sb = scales + b * 2 * PANEL + 16 * g;
+                const __m512bh w = dequant16x2(codes + ((b * QBLOCK / 2 + kp) * 4 + g) * 16, sb, sb + PANEL, has_min);
+                _mm512_storeu_si512(scratch + ((b * QBLOCK / 2 + kp) * PANEL + 16 * g) * 2, (__m512i)w);
+            }
+}
+
+/* MR (<= 3, a literal at each call) rows x the 32 columns of half h of one
+ * panel, dequantizing each input pair in registers; the same arithmetic as
+ * panel_rows. (Half panels: twice the work items, so that two threads split
+ * a 576-column layer evenly.) */
+static inline __attribute__((always_inline)) void half_panel_rows_q4(
+    const int MR, const uint16_t *x, int64_t ldx, const uint8_t *codes, const float *scales, int has_min, int64_t h,
+    int64_t k, int64_t col0, int64_t n, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
+    int y_f32) {
+    __m512 acc[MR_Q4][4];
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < 2; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < k / 2; kp++) {
+        const float *sb = scales + kp / (QBLOCK / 2) * 2 * PANEL + 32 * h;
+        const uint8_t *cp = codes + kp * 64 + 32 * h;
+        const __m512bh w0 = dequant16x2(cp, sb, sb + PANEL, has_min);
+        const __m512bh w1 = dequant16x2(cp + 16, sb + 16, sb + PANEL + 16, has_min);
+        for (int r = 0; r < MR; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * ldx + 2 * kp, 4);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+        }
+    }
+    store_rows(MR, 2, acc, col0 + 32 * h, n, bias, residual, ldr, y, ldy, y_f32);
+}
+#endif
+
+/* y [m, n] = x [m, k] @ W.T (+ bias [n], float32) (+ residual [m, n]) for W
+ * packed by linear_q4_pack (has_min: Q4_1's min is used, else Q4_0);
+ * strides and y_f32 as linear_bf16. Returns 0, 1 when this build has no
+ * kernel, 2 when out of memory. */
+int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float *scales, int has_min,
+              const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
+              int64_t k, int y_f32, int num_threads) {
+#if defined(__AVX512BF16__)
+    const int64_t panels = (n + PANEL - 1) / PANEL, m_blocks = (m + M_BLOCK - 1) / M_BLOCK;
+    const int64_t panel_codes = k * PANEL / 2, panel_scales = k / QBLOCK * 2 * PANEL;
+    if (m <= LINEAR_Q4_DIRECT_ROWS) { /* in registers, half a panel per work item */
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+        for (int64_t item = 0; item < panels * 2; item++) {
+            const int64_t p = item / 2, h = item % 2;
+            if (p * PANEL + 32 * h >= n) continue;
+#define ROWS(MR) half_panel_rows_q4(MR, x, ldx, codes + p * panel_codes, scales + p * panel_scales, has_min, h, k, \
+                                    p * PANEL, n, bias, residual, ldr, y, ldy, y_f32)
+            if (m == 3) ROWS(3);
+            else if (m == 2) ROWS(2);
+            else if (m == 1) ROWS(1);
+#undef ROWS
+        }
+        return 0;
+    }
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads)") {
+        uint16_t *scratch = thread_scratch((size_t)(k * PANEL));
+        if (!scratch) {
+            _Pragma("omp atomic write") failed = 2;
+        }
+        _Pragma("omp for schedule(static)") for (int64_t item = 0; item < panels * m_blocks; item++) {
+            if (!scratch) continue;
+            const int64_t p = item / m_blocks, m0 = item % m_blocks * M_BLOCK;
+            const int64_t col0 = p * PANEL, m1 = m0 + M_BLOCK < m ? m0 + M_BLOCK : m;
+            dequant_panel(codes + p * panel_codes, scales + p * panel_scales, k, has_min, scratch);
+            int64_t r = m0;
+#define ROWS(MR) panel_rows(MR, x + r * ldx, ldx, scratch, k, col0, n, bias, residual ? residual + r * ldr : 0, ldr, \
+                            (char *)y + r * ldy * (y_f32 ? 4 : 2), ldy, y_f32)
+            for (; r + MR_MAX <= m1; r += MR_MAX) ROWS(MR_MAX);
+            switch (m1 - r) {
+            case 5: ROWS(5); break;
+            case 4: ROWS(4); break;
+            case 3: ROWS(3); break;
+            case 2: ROWS(2); break;
+            case 1: ROWS(1); break;
+            }
+#undef ROWS
+        }
+    }
+    return failed;
+#else
+    (void)x; (void)ldx; (void)codes; (void)scales; (void)has_min; (void)bias; (void)residual; (void)ldr; (void)y;
+    (void)ldy; (void)m; (void)n; (void)k; (void)y_f32; (void)num_threads;
+    return 1;
+#endif
+}
