@@ -77,6 +77,51 @@ class PackedQ4Linear:
         return self.codes.nbytes + self.scales.nbytes
 
 
+@dataclass(frozen=True)
+class PackedQ8Linear:
+    """A GGUF Q8_0 [out_features, in_features] weight (w = d q, q int8, one
+    float16 d per 32 inputs) in ``csrc/linear_q4_cpu.c``'s 8-bit layout, for
+    calls of up to :data:`Q8_MAX_ROWS` rows (the output head of a decode
+    step): bitwise the bfloat16 kernel's results on bf16(d q), from 9 bits
+    per weight instead of 16.
+
+    Attributes:
+        codes: int8 [ceil(out / 64) * 64 * in]; scales: float32 [ceil(out / 64) * in / 32 * 64].
+        out_features, in_features: the weight's shape (in_features a multiple of 32).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
+Q8_MAX_ROWS = 3  # LINEAR_Q4_DIRECT_ROWS of csrc/kernels.h: the 8-bit kernel takes this many rows at most
+
+
+def pack_q8(codes: torch.Tensor, d: torch.Tensor) -> PackedQ8Linear:
+    """Pack a Q8_0 weight: codes [out, in] int8, d [out, in / 32] float32.
+
+    Raises:
+        ValueError: shapes that do not match or in not a multiple of 32.
+    """
+    n, k = codes.shape
+    if k % 32 or d.shape != (n, k // 32):
+        raise ValueError(f"pack_q8 takes codes [n, k] (k % 32 == 0) and d [n, k / 32], got {tuple(codes.shape)}, "
+                         f"{tuple(d.shape)}")
+    c = codes.to(torch.int8).contiguous()
+    d32 = d.to(torch.float32).contiguous()
+    panels = (n + PANEL - 1) // PANEL
+    out_codes = torch.empty(panels * PANEL * k, dtype=torch.int8)
+    out_scales = torch.empty(panels * (k // 32) * PANEL, dtype=torch.float32)
+    load_library().linear_q8_pack(c.data_ptr(), d32.data_ptr(), n, k, out_codes.data_ptr(), out_scales.data_ptr())
+    return PackedQ8Linear(out_codes, out_scales, n, k)
+
+
 @functools.lru_cache(maxsize=4)
 def q4_available(march: str = "native") -> bool:
     """Whether the library builds here and has the 4-bit kernel (AVX512-BF16)."""
@@ -127,7 +172,7 @@ def pack(weight: torch.Tensor) -> PackedLinear:
     return PackedLinear(data, n, k)
 
 
-def linear(x: torch.Tensor, packed: PackedLinear | PackedQ4Linear, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, packed: PackedLinear | PackedQ4Linear | PackedQ8Linear, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """[..., in] @ W.T (+ bias [out], added in float32) (+ residual [..., out]) -> [..., out].
 
@@ -160,6 +205,14 @@ def linear(x: torch.Tensor, packed: PackedLinear | PackedQ4Linear, bias: torch.T
                                       torch.get_num_threads())
         if rc:
             raise (MemoryError if rc == 2 else RuntimeError)(f"linear_q4 returned {rc}")
+    elif m and isinstance(packed, PackedQ8Linear):
+        if m > Q8_MAX_ROWS:
+            raise ValueError(f"the 8-bit kernel takes at most {Q8_MAX_ROWS} rows, got {m}")
+        load_library().linear_q8(x2.data_ptr(), x2.stride(0), packed.codes.data_ptr(), packed.scales.data_ptr(),
+                                 None if b is None else b.data_ptr(),
+                                 None if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),
+                                 y.data_ptr(), n, m, n, packed.in_features, out_dtype == torch.float32,
+                                 torch.get_num_threads())
     elif m:
         load_library().linear_bf16(x2.data_ptr(), x2.stride(0), packed.data.data_ptr(),
                                    None if b is None else b.data_ptr(),

@@ -176,3 +176,24 @@ def test_the_portable_build_of_rms_norm_and_silu_mul():
                               cpu_norm_act.rms_norm(x, weight, 1e-5)),
                              (cpu_norm_act.silu_mul(gate_up, march="x86-64-v3"), cpu_norm_act.silu_mul(gate_up))]:
         assert ((portable.float() - native.float()).abs() <= native.float().abs() * 2 ** -7 + 1e-6).all()
+
+
+@needs_linear
+def test_q8_head_gives_the_bfloat16_bits():
+    """The 8-bit (GGUF Q8_0) output-head kernel: bitwise the bfloat16 kernel on
+    bf16(d * q), for 1-3 rows, bfloat16 and float32 outputs; more rows refused."""
+    g = torch.Generator().manual_seed(8)
+    n, k = 300, 192
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int32).to(torch.int8)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+    dense = cpu_linear.pack((d.repeat_interleave(32, 1) * codes.float()).bfloat16())
+    q8 = cpu_linear.pack_q8(codes, d)
+    assert q8.nbytes < 0.6 * dense.nbytes
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        for out in (torch.bfloat16, torch.float32):
+            assert torch.equal(cpu_linear.linear(x, q8, out_dtype=out), cpu_linear.linear(x, dense, out_dtype=out))
+    with pytest.raises(ValueError, match="at most 3 rows"):
+        cpu_linear.linear(torch.zeros(4, k, dtype=torch.bfloat16), q8)
+    with pytest.raises(ValueError, match="pack_q8 takes"):
+        cpu_linear.pack_q8(codes[:, :40], d)

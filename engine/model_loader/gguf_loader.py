@@ -131,7 +131,8 @@ def gguf_weights(reader, config: ModelConfig, path: str,
 
     With ``keep_int4``, the Q4_0/Q4_1 weights of the layers' linear
     projections come as ``GGUFBlocks`` (still quantized, rows un-permuted)
-    instead of float32 tensors (``quantization: gguf``).
+    instead of float32 tensors (``quantization: gguf``, or the 4-bit copies
+    of ``none``), and so does a Q8_0 output head or embedding.
 
     Raises:
         ValueError: an unsupported quantization type or an unknown tensor name.
@@ -152,6 +153,12 @@ def gguf_weights(reader, config: ModelConfig, path: str,
                 heads = config.num_attention_heads if parts[2] == "attn_q" else config.num_key_value_heads
                 data = unpermute_qk(data, heads)
             yield f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight", GGUFBlocks(qtype, shape, data)
+            continue
+        if keep_int4 and qtype == "Q8_0" and t.name in ("token_embd.weight", "output.weight"):
+            # the output head (or the embedding tied to it) in its blocks: the model dequantizes it and
+            # keeps an 8-bit copy for decode steps' output head (engine/models/llama.py, lm_head_q8)
+            yield f"{_TOP_NAMES[t.name.split('.')[0]]}.weight", GGUFBlocks(qtype, shape,
+                                                                           np.asarray(t.data).reshape(shape[0], -1))
             continue
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)

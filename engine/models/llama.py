@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model_config import ModelConfig
-from engine.models.quant_linear import GGUFBlocks, Int4Linear, int4_packable
+from engine.models.quant_linear import GGUFBlocks, Int4Linear, int4_packable, q8_codes_d
 from engine.models.packed_linear import PackedWeights
 from kernels import cpu_decoder, cpu_linear, cpu_norm_act
 
@@ -231,6 +231,10 @@ class LlamaForCausalLM(nn.Module):
         # The whole stack in one C call where it can run (bfloat16, CPU, the
         # C kernels): see _c_decoder. False keeps the per-operation path.
         self.use_c_decoder = True
+        # A Q8_0 output head from a GGUF, bfloat16 on CPU: its 8-bit copy, read for logits of up
+        # to three rows (cpu_linear.PackedQ8Linear: the same bits, about half the bytes)
+        self.lm_head_q8: cpu_linear.PackedQ8Linear | None = None
+        self._lm_head_q8_of: tuple[torch.Tensor, int] | None = None  # (head weight, its version) it was made from
         self._c_decoder: tuple[tuple, tuple, cpu_decoder.DecoderWeights] | None = None
 
     def build_rope_cache(self, max_positions: int | None = None) -> None:
@@ -390,6 +394,11 @@ class LlamaForCausalLM(nn.Module):
         rounding, cast)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         packed = self.packed.get("lm_head", weight) if weight.device.type == "cpu" else None
+        if self.lm_head_q8 is not None and isinstance(packed, cpu_linear.PackedLinear) \
+                and hidden.shape[0] <= cpu_linear.Q8_MAX_ROWS and self._lm_head_q8_of[0] is weight \
+                and self._lm_head_q8_of[1] == weight._version:
+            # a decode step: half the bytes, the same bits (unless the head changed since)
+            return cpu_linear.linear(hidden, self.lm_head_q8, out_dtype=torch.float32)
         if isinstance(packed, cpu_linear.PackedLinear):  # float32 sums, not bfloat16-rounded logits
             return cpu_linear.linear(hidden, packed, out_dtype=torch.float32)
         return self.packed.linear("lm_head", hidden, weight).float()
@@ -446,7 +455,14 @@ class LlamaForCausalLM(nn.Module):
             dst = param.data if rows is None else param.data[offset:offset + rows]
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            if isinstance(tensor, GGUFBlocks):
+            if isinstance(tensor, GGUFBlocks) and tensor.qtype == "Q8_0":  # the output head (or tied embedding)
+                dst.copy_(tensor.dequantize())
+                head = "lm_head.weight" if self.lm_head is not None else "embed_tokens.weight"
+                if target == head and dst.dtype == torch.bfloat16 and dst.device.type == "cpu" \
+                        and cpu_linear.q4_available():
+                    self.lm_head_q8 = cpu_linear.pack_q8(*q8_codes_d(tensor))
+                    self._lm_head_q8_of = (param, param._version)
+            elif isinstance(tensor, GGUFBlocks):
                 int4.setdefault(target, []).append((offset, tensor))
             else:
                 dst.copy_(tensor)

@@ -101,6 +101,22 @@ class GGUFBlocks:
         return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m)
 
 
+def q8_codes_d(blocks: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor (ggml's block_q8_0: float16 d, 32 int8 codes; w = d q) as
+    (codes int8 [out, in], d float32 [out, in // 32]).
+
+    Raises:
+        ValueError: not Q8_0, or its data does not match its shape.
+    """
+    n, k = blocks.shape
+    if blocks.qtype != "Q8_0" or k % GROUP or blocks.data.size != n * (k // GROUP) * 34:
+        raise ValueError(f"{blocks.qtype} data of {blocks.data.size} bytes is not a Q8_0 {n}x{k} weight")
+    raw = np.ascontiguousarray(blocks.data).reshape(n, k // GROUP, 34)
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = raw[..., 2:].copy().view(np.int8).reshape(n, k)
+    return torch.from_numpy(codes), torch.from_numpy(d)
+
+
 def int4_packable(pieces: list[GGUFBlocks]) -> bool:
     """Whether row-stacked ``pieces`` can run through the int4 kernel: all
     Q4_0/Q4_1, one input width that is a multiple of 32, and a total of output

@@ -205,3 +205,89 @@ int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float 
     return 1;
 #endif
 }
+
+/* Q8_0 (ggml's block_q8_0: 32 int8 codes q and a float16 scale d, w = d q,
+ * exact in float32) for the output head of calls of up to
+ * LINEAR_Q4_DIRECT_ROWS rows, read in 8.5 bits per weight instead of 16:
+ * the bfloat16 weights bf16(d * q) rebuilt in registers, the same bits as
+ * linear_bf16 on them. Packed per panel of 64 columns and block of 32
+ * inputs: codes [16 input pairs][4 groups][16 even-input bytes, 16
+ * odd-input bytes], scales float32 [64]. */
+void linear_q8_pack(const int8_t *codes, const float *d, int64_t n, int64_t k, int8_t *codes_out, float *scales_out) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, blocks = k / QBLOCK;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < blocks; b++) {
+            int8_t *cb = codes_out + (p * blocks + b) * PANEL * QBLOCK;
+            float *sb = scales_out + (p * blocks + b) * PANEL;
+            for (int64_t c = 0; c < PANEL; c++) sb[c] = p * PANEL + c < n ? d[(p * PANEL + c) * blocks + b] : 0.0f;
+            for (int64_t kp = 0; kp < QBLOCK / 2; kp++)
+                for (int64_t c = 0; c < PANEL; c++) {
+                    const int64_t row = p * PANEL + c, i = b * QBLOCK + 2 * kp;
+                    int8_t *dst = cb + (kp * 4 + c / 16) * 32 + c % 16;
+                    dst[0] = row < n ? codes[row * k + i] : 0;
+                    dst[16] = row < n ? codes[row * k + i + 1] : 0;
+                }
+        }
+}
+
+#if defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) __m512bh dequant_q8_16x2(const int8_t *codes, const float *d) {
+    const __m512 dv = _mm512_loadu_ps(d);
+    const __m512 qe = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+    const __m512 qo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(dv, qo), _mm512_mul_ps(dv, qe)); /* exact products */
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return (__m512bh)_mm512_permutexvar_epi16(idx, both);
+}
+
+static inline __attribute__((always_inline)) void half_panel_rows_q8(
+    const int MR, const uint16_t *x, int64_t ldx, const int8_t *codes, const float *scales, int64_t h, int64_t k,
+    int64_t col0, int64_t n, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
+    int y_f32) {
+    __m512 acc[MR_Q4][4];
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < 2; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < k / 2; kp++) {
+        const float *sb = scales + kp / (QBLOCK / 2) * PANEL + 32 * h;
+        const int8_t *cp = codes + kp * 128 + 64 * h;
+        const __m512bh w0 = dequant_q8_16x2(cp, sb), w1 = dequant_q8_16x2(cp + 32, sb + 16);
+        for (int r = 0; r < MR; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * ldx + 2 * kp, 4);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+        }
+    }
+    store_rows(MR, 2, acc, col0 + 32 * h, n, bias, residual, ldr, y, ldy, y_f32);
+}
+#endif
+
+/* y [m, n] = x [m, k] @ W.T (+ bias) (+ residual) for W packed by
+ * linear_q8_pack, m <= LINEAR_Q4_DIRECT_ROWS; arguments as linear_bf16.
+ * Returns 0, or 1 for more rows or a build without the kernel. */
+int linear_q8(const uint16_t *x, int64_t ldx, const int8_t *codes, const float *scales, const float *bias,
+              const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32,
+              int num_threads) {
+#if defined(__AVX512BF16__)
+    if (m > LINEAR_Q4_DIRECT_ROWS) return 1;
+    const int64_t panels = (n + PANEL - 1) / PANEL, panel_codes = k * PANEL, panel_scales = k / QBLOCK * PANEL;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+    for (int64_t item = 0; item < panels * 2; item++) {
+        const int64_t p = item / 2, h = item % 2;
+        if (p * PANEL + 32 * h >= n) continue;
+#define ROWS(MR) half_panel_rows_q8(MR, x, ldx, codes + p * panel_codes, scales + p * panel_scales, h, k, p * PANEL, n, \
+                                    bias, residual, ldr, y, ldy, y_f32)
+        if (m == 3) ROWS(3);
+        else if (m == 2) ROWS(2);
+        else if (m == 1) ROWS(1);
+#undef ROWS
+    }
+    return 0;
+#else
+    (void)x; (void)ldx; (void)codes; (void)scales; (void)bias; (void)residual; (void)ldr; (void)y; (void)ldy;
+    (void)m; (void)n; (void)k; (void)y_f32; (void)num_threads;
+    return 1;
+#endif
+}

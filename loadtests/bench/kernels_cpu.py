@@ -9,7 +9,9 @@ tables in a pool larger than the caches: decode batches of 64 x ~164 and
 64 x ~1150 tokens, one decode of 150, a 20 x 100-token prefill and one
 2000-token prefill. Linear layers (``kernels.cpu_linear`` vs oneDNN's packed
 bfloat16 GEMM, ``mkldnn._linear_pointwise``) at SmolLM2's five weight shapes
-and 1, 8, 32, 64 and 256 rows. Each line prints the C kernel's time over the
+and 1, 8, 32, 64 and 256 rows. The 4-bit GGUF kernel (``cpu_linear.pack_q4``)
+against the bfloat16 one on the same weights, over a 30-layer pass (weights
+streaming from memory) at 1, 3, 8 and 64 rows. Each line prints the C kernel's time over the
 baseline's (medians of ``--repeats`` calls, the two interleaved call by
 call), so < 1 means the C kernel is faster. OpenMP's pool sleeps between
 calls (``OMP_WAIT_POLICY=PASSIVE`` unless set), as ``kernels`` sets it: a
@@ -108,6 +110,28 @@ def bench_linear(repeats: int) -> None:
         print(f"linear {n:>5} x {k:<5} C/oneDNN  " + "  ".join(row))
 
 
+def bench_linear_q4(repeats: int) -> None:
+    """The 4-bit GGUF kernel against the bfloat16 one on the same (dequantized)
+    weights, over a 30-layer pass of SmolLM2's four projections (120 distinct
+    weights, 106 M parameters: they stream from memory as in a decode step)."""
+    g = torch.Generator().manual_seed(1)
+    pairs = []
+    for _ in range(30):
+        for n, k in SHAPES[:4]:
+            codes = torch.randint(0, 16, (n, k), generator=g)
+            d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+            m = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+            dense = d.repeat_interleave(32, 1) * codes.float() + m.repeat_interleave(32, 1)
+            pairs.append((cpu_linear.pack_q4(codes, d, m), cpu_linear.pack(dense.bfloat16()), k))
+    row = []
+    for rows in (1, 3, 8, 64):
+        xs = {k: torch.randn((rows, k), generator=g).bfloat16() for k in (576, 1536)}
+        q4, bf16 = interleaved_ms(lambda: [cpu_linear.linear(xs[k], a) for a, _, k in pairs],
+                                  lambda: [cpu_linear.linear(xs[k], b) for _, b, k in pairs], max(3, repeats // 4))
+        row.append(f"M={rows}: {q4 / bf16:.2f}x")
+    print("linear 4-bit/bf16, 30-layer pass  " + "  ".join(row))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=20, help="calls of each kernel per case")
@@ -120,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     bench_attention(args.repeats)
     if cpu_linear.available():
         bench_linear(args.repeats)
+    if cpu_linear.q4_available():
+        bench_linear_q4(args.repeats)
 
 
 if __name__ == "__main__":

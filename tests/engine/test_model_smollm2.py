@@ -51,3 +51,28 @@ def test_smollm2_greedy_matches_transformers(hf_smollm2):
     assert tokenizer.decode(ours).startswith("The capital of France is Paris.")
     for mine, theirs in zip(our_logits, ref.logits):
         torch.testing.assert_close(mine, theirs[0].float(), atol=1e-3, rtol=0)
+
+
+def test_smollm2_bfloat16_reads_its_quantized_copies_with_the_same_bits():
+    """bfloat16 on an AVX512-BF16 CPU (the default): decode steps read the
+    4-bit copies of the Q4_1 projections and the 8-bit copy of the Q8_0
+    output head; the greedy tokens and every logit equal those of the
+    bfloat16 weights alone, bit for bit, and the README's answer holds."""
+    from kernels import cpu_linear
+
+    if not cpu_linear.q4_available():
+        pytest.skip("no AVX512-BF16 C kernels on this CPU")
+    args = EngineArgs(model=default_model_path(), dtype="bfloat16", device="cpu", block_size=16)
+    model, tokenizer, config = load_model(args)
+    runner = ModelRunner(args, model, config, torch.device("cpu"), torch.bfloat16, num_blocks=16)
+    assert all(len(layer.q4_copy) == 4 for layer in model.layers) and model.lm_head_q8 is not None
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    with_copies, logits = _greedy(runner, prompt, 12, 16)
+    model.lm_head_q8 = None
+    for layer in model.layers:
+        layer.q4_copy.clear()
+    model._c_decoder = None  # rebuilt without the copies
+    without, logits_without = _greedy(runner, prompt, 12, 16)
+    assert with_copies == without
+    assert all(torch.equal(a, b) for a, b in zip(logits, logits_without))
+    assert tokenizer.decode(with_copies).startswith("The capital of France is Paris.")
