@@ -64,6 +64,24 @@ static inline __attribute__((always_inline)) void panel_rows(
     }
     store_rows(MR, 4, acc, col0, n, bias, residual, ldr, y, ldy, y_f32);
 }
+
+/* Rows m0..m1 of x over one panel, six at a time, then the rest. */
+static inline void panel_row_block(const uint16_t *x, int64_t ldx, const uint16_t *panel, int64_t k, int64_t col0,
+                                   int64_t n, const float *bias, const uint16_t *residual, int64_t ldr, void *y,
+                                   int64_t ldy, int y_f32, int64_t m0, int64_t m1) {
+    int64_t r = m0;
+#define ROWS(MR) panel_rows(MR, x + r * ldx, ldx, panel, k, col0, n, bias, residual ? residual + r * ldr : 0, ldr, \
+                            (char *)y + r * ldy * (y_f32 ? 4 : 2), ldy, y_f32)
+    for (; r + MR_MAX <= m1; r += MR_MAX) ROWS(MR_MAX);
+    switch (m1 - r) {
+    case 5: ROWS(5); break;
+    case 4: ROWS(4); break;
+    case 3: ROWS(3); break;
+    case 2: ROWS(2); break;
+    case 1: ROWS(1); break;
+    }
+#undef ROWS
+}
 #endif
 
 #endif

@@ -57,25 +57,13 @@ int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const fl
      * thread's consecutive items reuse the panel from its cache; small
      * batches still have enough items for every thread. */
     const int64_t m_blocks = (m + M_BLOCK - 1) / M_BLOCK;
-#define ROWS(MR) panel_rows(MR, x + r * ldx, ldx, panel, k, col0, n, bias, residual ? residual + r * ldr : 0, ldr, \
-                          (char *)y + r * ldy * (y_f32 ? 4 : 2), ldy, y_f32)
     _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
     for (int64_t item = 0; item < panels * m_blocks; item++) {
         const int64_t p = item / m_blocks, m0 = item % m_blocks * M_BLOCK;
-        const uint16_t *panel = packed + p * (k / 2) * PANEL * 2;
-        const int64_t col0 = p * PANEL, m1 = m0 + M_BLOCK < m ? m0 + M_BLOCK : m;
-        int64_t r = m0;
-        for (; r + MR_MAX <= m1; r += MR_MAX)
-            ROWS(MR_MAX);
-        switch (m1 - r) {
-        case 5: ROWS(5); break;
-        case 4: ROWS(4); break;
-        case 3: ROWS(3); break;
-        case 2: ROWS(2); break;
-        case 1: ROWS(1); break;
-        }
+        const int64_t m1 = m0 + M_BLOCK < m ? m0 + M_BLOCK : m;
+        panel_row_block(x, ldx, packed + p * (k / 2) * PANEL * 2, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32,
+                        m0, m1);
     }
-#undef ROWS
     return 0;
 #else
     (void)x; (void)ldx; (void)packed; (void)bias; (void)residual; (void)ldr; (void)y; (void)ldy;

@@ -121,22 +121,41 @@ static void dequant_panel(const uint8_t *codes, const float *scales, int64_t k, 
             }
 }
 
+/* Q8_0's 16 x 2 operand (see linear_q8 below): bf16(d * q), the products exact. */
+static inline __attribute__((always_inline)) __m512bh dequant_q8_16x2(const int8_t *codes, const float *d) {
+    const __m512 dv = _mm512_loadu_ps(d);
+    const __m512 qe = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+    const __m512 qo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(dv, qo), _mm512_mul_ps(dv, qe));
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return (__m512bh)_mm512_permutexvar_epi16(idx, both);
+}
+
 /* MR (<= 3, a literal at each call) rows x the 32 columns of half h of one
- * panel, dequantizing each input pair in registers; the same arithmetic as
- * panel_rows. (Half panels: twice the work items, so that two threads split
- * a 576-column layer evenly.) */
-static inline __attribute__((always_inline)) void half_panel_rows_q4(
-    const int MR, const uint16_t *x, int64_t ldx, const uint8_t *codes, const float *scales, int has_min, int64_t h,
-    int64_t k, int64_t col0, int64_t n, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
-    int y_f32) {
+ * panel, each input pair dequantized in registers (Q8: 8-bit panels, else
+ * 4-bit); the same arithmetic as panel_rows. (Half panels: twice the work
+ * items, so that two threads split a 576-column layer evenly.) */
+static inline __attribute__((always_inline)) void half_panel_rows(
+    const int Q8, const int MR, const uint16_t *x, int64_t ldx, const void *codes, const float *scales, int has_min,
+    int64_t h, int64_t k, int64_t col0, int64_t n, const float *bias, const uint16_t *residual, int64_t ldr, void *y,
+    int64_t ldy, int y_f32) {
     __m512 acc[MR_Q4][4];
     for (int r = 0; r < MR; r++)
         for (int j = 0; j < 2; j++) acc[r][j] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < k / 2; kp++) {
-        const float *sb = scales + kp / (QBLOCK / 2) * 2 * PANEL + 32 * h;
-        const uint8_t *cp = codes + kp * 64 + 32 * h;
-        const __m512bh w0 = dequant16x2(cp, sb, sb + PANEL, has_min);
-        const __m512bh w1 = dequant16x2(cp + 16, sb + 16, sb + PANEL + 16, has_min);
+        __m512bh w0, w1;
+        if (Q8) {
+            const float *sb = scales + kp / (QBLOCK / 2) * PANEL + 32 * h;
+            const int8_t *cp = (const int8_t *)codes + kp * 128 + 64 * h;
+            w0 = dequant_q8_16x2(cp, sb);
+            w1 = dequant_q8_16x2(cp + 32, sb + 16);
+        } else {
+            const float *sb = scales + kp / (QBLOCK / 2) * 2 * PANEL + 32 * h;
+            const uint8_t *cp = (const uint8_t *)codes + kp * 64 + 32 * h;
+            w0 = dequant16x2(cp, sb, sb + PANEL, has_min);
+            w1 = dequant16x2(cp + 16, sb + 16, sb + PANEL + 16, has_min);
+        }
         for (int r = 0; r < MR; r++) {
             int32_t pair;
             memcpy(&pair, x + r * ldx + 2 * kp, 4);
@@ -146,6 +165,27 @@ static inline __attribute__((always_inline)) void half_panel_rows_q4(
         }
     }
     store_rows(MR, 2, acc, col0 + 32 * h, n, bias, residual, ldr, y, ldy, y_f32);
+}
+
+/* m <= LINEAR_Q4_DIRECT_ROWS rows over every half panel of a 4-bit or (Q8) 8-bit weight. */
+static inline __attribute__((always_inline)) void direct_rows(
+    const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const float *scales, int has_min,
+    const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+    int y_f32, int num_threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / QBLOCK * (Q8 ? 1 : 2) * PANEL;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+    for (int64_t item = 0; item < panels * 2; item++) {
+        const int64_t p = item / 2, h = item % 2;
+        if (p * PANEL + 32 * h >= n) continue;
+        const char *pc = (const char *)codes + p * panel_codes;
+        const float *ps = scales + p * panel_scales;
+#define ROWS(MR) half_panel_rows(Q8, MR, x, ldx, pc, ps, has_min, h, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32)
+        if (m == 3) ROWS(3);
+        else if (m == 2) ROWS(2);
+        else if (m == 1) ROWS(1);
+#undef ROWS
+    }
 }
 #endif
 
@@ -160,17 +200,7 @@ int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float 
     const int64_t panels = (n + PANEL - 1) / PANEL, m_blocks = (m + M_BLOCK - 1) / M_BLOCK;
     const int64_t panel_codes = k * PANEL / 2, panel_scales = k / QBLOCK * 2 * PANEL;
     if (m <= LINEAR_Q4_DIRECT_ROWS) { /* in registers, half a panel per work item */
-        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-        for (int64_t item = 0; item < panels * 2; item++) {
-            const int64_t p = item / 2, h = item % 2;
-            if (p * PANEL + 32 * h >= n) continue;
-#define ROWS(MR) half_panel_rows_q4(MR, x, ldx, codes + p * panel_codes, scales + p * panel_scales, has_min, h, k, \
-                                    p * PANEL, n, bias, residual, ldr, y, ldy, y_f32)
-            if (m == 3) ROWS(3);
-            else if (m == 2) ROWS(2);
-            else if (m == 1) ROWS(1);
-#undef ROWS
-        }
+        direct_rows(0, x, ldx, codes, scales, has_min, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
         return 0;
     }
     int failed = 0;
@@ -182,20 +212,9 @@ int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float 
         _Pragma("omp for schedule(static)") for (int64_t item = 0; item < panels * m_blocks; item++) {
             if (!scratch) continue;
             const int64_t p = item / m_blocks, m0 = item % m_blocks * M_BLOCK;
-            const int64_t col0 = p * PANEL, m1 = m0 + M_BLOCK < m ? m0 + M_BLOCK : m;
+            const int64_t m1 = m0 + M_BLOCK < m ? m0 + M_BLOCK : m;
             dequant_panel(codes + p * panel_codes, scales + p * panel_scales, k, has_min, scratch);
-            int64_t r = m0;
-#define ROWS(MR) panel_rows(MR, x + r * ldx, ldx, scratch, k, col0, n, bias, residual ? residual + r * ldr : 0, ldr, \
-                            (char *)y + r * ldy * (y_f32 ? 4 : 2), ldy, y_f32)
-            for (; r + MR_MAX <= m1; r += MR_MAX) ROWS(MR_MAX);
-            switch (m1 - r) {
-            case 5: ROWS(5); break;
-            case 4: ROWS(4); break;
-            case 3: ROWS(3); break;
-            case 2: ROWS(2); break;
-            case 1: ROWS(1); break;
-            }
-#undef ROWS
+            panel_row_block(x, ldx, scratch, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32, m0, m1);
         }
     }
     return failed;
@@ -208,7 +227,7 @@ int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float 
 
 /* Q8_0 (ggml's block_q8_0: 32 int8 codes q and a float16 scale d, w = d q,
  * exact in float32) for the output head of calls of up to
- * LINEAR_Q4_DIRECT_ROWS rows, read in 8.5 bits per weight instead of 16:
+ * LINEAR_Q4_DIRECT_ROWS rows, read in 9 bits per weight (int8 codes and a float32 d per 32) instead of 16:
  * the bfloat16 weights bf16(d * q) rebuilt in registers, the same bits as
  * linear_bf16 on them. Packed per panel of 64 columns and block of 32
  * inputs: codes [16 input pairs][4 groups][16 even-input bytes, 16
@@ -230,40 +249,6 @@ void linear_q8_pack(const int8_t *codes, const float *d, int64_t n, int64_t k, i
         }
 }
 
-#if defined(__AVX512BF16__)
-static inline __attribute__((always_inline)) __m512bh dequant_q8_16x2(const int8_t *codes, const float *d) {
-    const __m512 dv = _mm512_loadu_ps(d);
-    const __m512 qe = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
-    const __m512 qo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
-    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(dv, qo), _mm512_mul_ps(dv, qe)); /* exact products */
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return (__m512bh)_mm512_permutexvar_epi16(idx, both);
-}
-
-static inline __attribute__((always_inline)) void half_panel_rows_q8(
-    const int MR, const uint16_t *x, int64_t ldx, const int8_t *codes, const float *scales, int64_t h, int64_t k,
-    int64_t col0, int64_t n, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
-    int y_f32) {
-    __m512 acc[MR_Q4][4];
-    for (int r = 0; r < MR; r++)
-        for (int j = 0; j < 2; j++) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t kp = 0; kp < k / 2; kp++) {
-        const float *sb = scales + kp / (QBLOCK / 2) * PANEL + 32 * h;
-        const int8_t *cp = codes + kp * 128 + 64 * h;
-        const __m512bh w0 = dequant_q8_16x2(cp, sb), w1 = dequant_q8_16x2(cp + 32, sb + 16);
-        for (int r = 0; r < MR; r++) {
-            int32_t pair;
-            memcpy(&pair, x + r * ldx + 2 * kp, 4);
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
-        }
-    }
-    store_rows(MR, 2, acc, col0 + 32 * h, n, bias, residual, ldr, y, ldy, y_f32);
-}
-#endif
-
 /* y [m, n] = x [m, k] @ W.T (+ bias) (+ residual) for W packed by
  * linear_q8_pack, m <= LINEAR_Q4_DIRECT_ROWS; arguments as linear_bf16.
  * Returns 0, or 1 for more rows or a build without the kernel. */
@@ -272,18 +257,7 @@ int linear_q8(const uint16_t *x, int64_t ldx, const int8_t *codes, const float *
               int num_threads) {
 #if defined(__AVX512BF16__)
     if (m > LINEAR_Q4_DIRECT_ROWS) return 1;
-    const int64_t panels = (n + PANEL - 1) / PANEL, panel_codes = k * PANEL, panel_scales = k / QBLOCK * PANEL;
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-    for (int64_t item = 0; item < panels * 2; item++) {
-        const int64_t p = item / 2, h = item % 2;
-        if (p * PANEL + 32 * h >= n) continue;
-#define ROWS(MR) half_panel_rows_q8(MR, x, ldx, codes + p * panel_codes, scales + p * panel_scales, h, k, p * PANEL, n, \
-                                    bias, residual, ldr, y, ldy, y_f32)
-        if (m == 3) ROWS(3);
-        else if (m == 2) ROWS(2);
-        else if (m == 1) ROWS(1);
-#undef ROWS
-    }
+    direct_rows(1, x, ldx, codes, scales, 0, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
     return 0;
 #else
     (void)x; (void)ldx; (void)codes; (void)scales; (void)bias; (void)residual; (void)ldr; (void)y; (void)ldy;
