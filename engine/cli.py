@@ -51,13 +51,19 @@ def register(subparsers) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    """``tandem generate``: one completion on stdout; a bad argument, model path
+    or memory setting is one ``error:`` line on stderr and exit status 1 (as
+    ``engine serve``), not a traceback."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     logging.basicConfig(level=logging.WARNING)
-    engine_args = engine_args_from_cli(args)
-    llm = LLM(**vars(engine_args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+        llm = LLM(**vars(engine_args_from_cli(args)))
+    except (ValueError, FileNotFoundError, MemoryError) as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 1
     if args.raw:
         out = llm.generate(args.prompt, params)[0]
     else:

@@ -58,7 +58,7 @@ class LayerWeights:
             ``cpu_linear.PackedLinear`` or None.
         q4: per projection, its ``cpu_linear.PackedQ4Linear`` (4-bit GGUF) or
             None. A projection needs one of the two; with both, calls of up
-            to three rows read the 4-bit panels and larger ones the bfloat16
+            to two rows (``cpu_linear.COPY_MAX_ROWS``) read the 4-bit panels and larger ones the bfloat16
             panels (the same bits, fewer bytes or less arithmetic).
         qkv_bias: [q + 2 kv] float32, or None.
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads,

@@ -81,9 +81,9 @@ class PackedQ4Linear:
 class PackedQ8Linear:
     """A GGUF Q8_0 [out_features, in_features] weight (w = d q, q int8, one
     float16 d per 32 inputs) in ``csrc/linear_q4_cpu.c``'s 8-bit layout, for
-    calls of up to :data:`Q8_MAX_ROWS` rows (the output head of a decode
-    step): bitwise the bfloat16 kernel's results on bf16(d q), from 9 bits
-    per weight instead of 16.
+    calls of up to :data:`Q8_MAX_ROWS` rows (the output head of decode steps
+    of up to :data:`COPY_MAX_ROWS` rows): bitwise the bfloat16 kernel's
+    results on bf16(d q), from 9 bits per weight instead of 16.
 
     Attributes:
         codes: int8 [ceil(out / 64) * 64 * in]; scales: float32 [ceil(out / 64) * in / 32 * 64].
@@ -101,6 +101,9 @@ class PackedQ8Linear:
 
 
 Q8_MAX_ROWS = 3  # LINEAR_Q4_DIRECT_ROWS of csrc/kernels.h: the 8-bit kernel takes this many rows at most
+# QUANT_COPY_MAX_ROWS of csrc/kernels.h: calls of up to this many rows read a weight's quantized copy
+# rather than its bfloat16 panels (faster where reading the weights bounds the call; the same bits)
+COPY_MAX_ROWS = 2
 
 
 def pack_q8(codes: torch.Tensor, d: torch.Tensor) -> PackedQ8Linear:

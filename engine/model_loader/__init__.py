@@ -167,6 +167,12 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
         init_dummy_weights(model, getattr(args, "seed", 0))
     else:
         model.load_weights(_logged(weights, t0), q4_copy=q4_copy)
+        int4 = sum(len(layer.int4) for layer in model.layers)
+        copies = sum(len(layer.q4_copy) for layer in model.layers)
+        if int4 or copies or model.lm_head_q8 is not None:
+            logger.info("quantization %s: %d projections in 4 bits only, %d with a 4-bit copy for steps of up to "
+                        "%d rows%s", quantization, int4, copies, cpu_linear.COPY_MAX_ROWS,
+                        ", output head with an 8-bit copy" if model.lm_head_q8 is not None else "")
     model.build_rope_cache()
     model.eval()
     model.requires_grad_(False)

@@ -232,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
         # C kernels): see _c_decoder. False keeps the per-operation path.
         self.use_c_decoder = True
         # A Q8_0 output head from a GGUF, bfloat16 on CPU: its 8-bit copy, read for logits of up
-        # to three rows (cpu_linear.PackedQ8Linear: the same bits, about half the bytes)
+        # to cpu_linear.COPY_MAX_ROWS rows (cpu_linear.PackedQ8Linear: the same bits, about half the bytes)
         self.lm_head_q8: cpu_linear.PackedQ8Linear | None = None
         self._lm_head_q8_of: tuple[torch.Tensor, int] | None = None  # (head weight, its version) it was made from
         self._c_decoder: tuple[tuple, tuple, cpu_decoder.DecoderWeights] | None = None
@@ -395,7 +395,7 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         packed = self.packed.get("lm_head", weight) if weight.device.type == "cpu" else None
         if self.lm_head_q8 is not None and isinstance(packed, cpu_linear.PackedLinear) \
-                and hidden.shape[0] <= cpu_linear.Q8_MAX_ROWS and self._lm_head_q8_of[0] is weight \
+                and hidden.shape[0] <= cpu_linear.COPY_MAX_ROWS and self._lm_head_q8_of[0] is weight \
                 and self._lm_head_q8_of[1] == weight._version:
             # a decode step: half the bytes, the same bits (unless the head changed since)
             return cpu_linear.linear(hidden, self.lm_head_q8, out_dtype=torch.float32)

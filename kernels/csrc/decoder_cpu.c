@@ -76,13 +76,13 @@ typedef struct {
 } decoder_layer;
 
 /* Projection i of layer w. With both forms, calls of at most
- * LINEAR_Q4_DIRECT_ROWS rows read the 4-bit panels (bound by reading the
- * weights: a quarter of the bytes) and larger ones the bfloat16 panels (bound
- * by arithmetic: no dequantization); both give the same bits. */
+ * QUANT_COPY_MAX_ROWS rows read the 4-bit panels (bound by reading the
+ * weights: fewer bytes) and larger ones the bfloat16 panels (bound by
+ * arithmetic: no dequantization); both give the same bits. */
 static int project(const decoder_layer *w, int i, const uint16_t *x, int64_t ldx, const float *bias,
                    const uint16_t *residual, int64_t ldr, uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
                    int num_threads) {
-    if (w->q4_codes[i] && (m <= LINEAR_Q4_DIRECT_ROWS || !w->bf16[i]))
+    if (w->q4_codes[i] && (m <= QUANT_COPY_MAX_ROWS || !w->bf16[i]))
         return linear_q4(x, ldx, w->q4_codes[i], w->q4_scales[i], (int)(w->q4_has_min >> i & 1), bias, residual,
                          ldr, y, ldy, m, n, k, 0, num_threads);
     return linear_bf16(x, ldx, w->bf16[i], bias, residual, ldr, y, ldy, m, n, k, 0, num_threads);

@@ -8,6 +8,11 @@
 /* linear_q4 dequantizes in registers up to this many rows per work item,
  * into a bfloat16 scratch panel for more. */
 #define LINEAR_Q4_DIRECT_ROWS 3
+/* Calls of up to this many rows read a projection's 4-bit copy rather than
+ * its bfloat16 panels (loadtests/bench/kernels_cpu.py, a 30-layer pass of
+ * SmolLM2's shapes, 4-bit/bf16 time: 0.65-0.88x at 1 row, 0.95x at 2,
+ * 1.13x at 3). */
+#define QUANT_COPY_MAX_ROWS 2
 
 int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, const uint16_t *residual,
                 int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32, int num_threads);

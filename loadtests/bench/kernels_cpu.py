@@ -11,7 +11,7 @@ tables in a pool larger than the caches: decode batches of 64 x ~164 and
 bfloat16 GEMM, ``mkldnn._linear_pointwise``) at SmolLM2's five weight shapes
 and 1, 8, 32, 64 and 256 rows. The 4-bit GGUF kernel (``cpu_linear.pack_q4``)
 against the bfloat16 one on the same weights, over a 30-layer pass (weights
-streaming from memory) at 1, 3, 8 and 64 rows. Each line prints the C kernel's time over the
+streaming from memory) at 1, 2, 3, 8 and 64 rows. Each line prints the C kernel's time over the
 baseline's (medians of ``--repeats`` calls, the two interleaved call by
 call), so < 1 means the C kernel is faster. OpenMP's pool sleeps between
 calls (``OMP_WAIT_POLICY=PASSIVE`` unless set), as ``kernels`` sets it: a
@@ -124,7 +124,7 @@ def bench_linear_q4(repeats: int) -> None:
             dense = d.repeat_interleave(32, 1) * codes.float() + m.repeat_interleave(32, 1)
             pairs.append((cpu_linear.pack_q4(codes, d, m), cpu_linear.pack(dense.bfloat16()), k))
     row = []
-    for rows in (1, 3, 8, 64):
+    for rows in (1, 2, 3, 8, 64):
         xs = {k: torch.randn((rows, k), generator=g).bfloat16() for k in (576, 1536)}
         q4, bf16 = interleaved_ms(lambda: [cpu_linear.linear(xs[k], a) for a, _, k in pairs],
                                   lambda: [cpu_linear.linear(xs[k], b) for _, b, k in pairs], max(3, repeats // 4))

@@ -77,6 +77,15 @@ def test_generate_cli_answers_capital_of_france():
     assert "The capital of France is Paris." in out.stdout
 
 
+@pytest.mark.parametrize("bad, says", [(["--max-tokens", "0"], "max_tokens must be at least 1"),
+                                       (["--model", "/nonexistent.gguf"], "no such file")])
+def test_generate_cli_bad_input_is_one_error_line(bad, says):
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", "generate", "--prompt", "hi", *bad],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.strip().startswith("error:") and says in out.stderr and "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize("batch_invariant", [True, False])
 def test_a_follow_up_reads_the_cached_answer(tmp_path, batch_invariant):
     """A follow-up prompt that repeats a conversation's answer reads the
