@@ -183,7 +183,7 @@ def test_rope_cache_matches_float64_and_writes_the_slots():
         cpu_decoder.rope_cache(qkv.float(), positions, table_cos, table_sin, h, kv, d, slots, kc, vc)
 
 
-def _gguf_model(config: ModelConfig, mode: str, seed: int = 0) -> LlamaForCausalLM:
+def _gguf_model(config: ModelConfig, mode: str, seed: int = 0, release_dense: bool = True) -> LlamaForCausalLM:
     """The model with 4-bit GGUF projections (Q4_1, quantized by the gguf
     package): "dense" dequantized to bfloat16 only, "copy" dequantized with a
     4-bit copy beside (quantization none), "int4" kept in 4 bits only
@@ -214,7 +214,7 @@ def _gguf_model(config: ModelConfig, mode: str, seed: int = 0) -> LlamaForCausal
             weights.append((f"model.layers.{i}.{name}.weight",
                             blocks.dequantize() if mode == "dense" else blocks))
     fresh.load_weights(weights, q4_copy=mode == "copy")
-    fresh.prepack_weights()
+    fresh.prepack_weights(release_dense=release_dense)
     return fresh.eval()
 
 
@@ -245,3 +245,24 @@ def test_4bit_projections_give_the_bfloat16_bits():
         step = _step(seqs, config.vocab_size, seed=9)
         outs = {key: _forward(models[key[0]], _caches(config), step, c_decoder=key[1]) for key in runs}
         assert all(torch.equal(o, outs[("dense", False)]) for o in outs.values())
+
+
+@needs_c
+def test_a_4bit_copy_is_not_read_once_its_weight_changes():
+    """With the dense weights kept, a projection changed in place after
+    loading makes the stack stop reading its 4-bit copy (the copy would be
+    stale): a one-row step then equals the per-operation path again."""
+    from kernels import cpu_linear
+
+    if not cpu_linear.q4_available():
+        pytest.skip("no 4-bit C kernel")
+    config = _config(layers=2)
+    model = _gguf_model(config, "copy", release_dense=False)
+    step = _step([(0, 1, [1])], config.vocab_size, seed=2)
+    assert torch.equal(_forward(model, _caches(config), step, c_decoder=True),
+                       _forward(model, _caches(config), step, c_decoder=False))
+    with torch.no_grad():
+        model.layers[1].o_proj.weight.mul_(1.5)
+    changed = _forward(model, _caches(config), step, c_decoder=True)
+    assert model._c_decoder[2].layers[1].q4["o"] is None and model._c_decoder[2].layers[0].q4["o"] is not None
+    assert torch.equal(changed, _forward(model, _caches(config), step, c_decoder=False))

@@ -157,8 +157,9 @@ class LlamaDecoderLayer(nn.Module):
         self.packed = PackedWeights(row_checks)
         self.int4: dict[str, Int4Linear] = {}  # quantization="gguf": projections kept in 4 bits
         # quantization="none" from a 4-bit GGUF: a 4-bit copy beside the bfloat16 weight, read by the C
-        # decoder stack for calls of a few rows (the same bits, a quarter of the bytes)
-        self.q4_copy: dict[str, cpu_linear.PackedQ4Linear] = {}
+        # decoder stack for steps of up to cpu_linear.COPY_MAX_ROWS rows (the same bits from 6 bits per
+        # weight instead of 16): name -> (copy, the weight it was made from, that weight's version)
+        self.q4_copy: dict[str, tuple[cpu_linear.PackedQ4Linear, torch.Tensor, int]] = {}
 
     def _proj(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         lin = getattr(self, name)
@@ -229,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_sin: torch.Tensor | None = None
         self.packed = PackedWeights(self._row_checks)
         # The whole stack in one C call where it can run (bfloat16, CPU, the
-        # C kernels): see _c_decoder. False keeps the per-operation path.
+        # C kernels): see _c_decoder_weights. False keeps the per-operation path.
         self.use_c_decoder = True
         # A Q8_0 output head from a GGUF, bfloat16 on CPU: its 8-bit copy, read for logits of up
         # to cpu_linear.COPY_MAX_ROWS rows (cpu_linear.PackedQ8Linear: the same bits, about half the bytes)
@@ -285,10 +286,11 @@ class LlamaForCausalLM(nn.Module):
         """The C decoder stack's view of the weights and caches
         (``kernels.cpu_decoder``), or None where it cannot run: not bfloat16
         on CPU with the ``cpu`` attention backend, a projection on neither C
-        linear kernel (bfloat16 panels, 4-bit GGUF), shapes the kernels refuse. Built once
-        and rebuilt when a weight is replaced or changed in place, or the
-        caches move (checked per call: an identity and a version compare per
-        weight)."""
+        linear kernel (bfloat16 panels, 4-bit GGUF), shapes the kernels
+        refuse. Built once and rebuilt when a weight is replaced or changed in
+        place, or the caches move (checked per call: an identity and a version
+        compare per weight). A 4-bit copy is used while its weight is the one
+        it was made from, unchanged, or has been released (``prepack_weights``)."""
         if self.rope_cos is None:
             self.build_rope_cache()
         key = (kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr(), len(kv_caches), self.rope_cos.data_ptr())
@@ -312,7 +314,10 @@ class LlamaForCausalLM(nn.Module):
                 else:
                     packed = layer.packed.get(name, getattr(layer, name).weight)
                     bf16[short] = packed if isinstance(packed, cpu_linear.PackedLinear) else None
-                    q4[short] = layer.q4_copy.get(name)
+                    copy, source, version = layer.q4_copy.get(name, (None, None, None))
+                    weight = getattr(layer, name).weight
+                    fresh = weight.numel() == 0 or (weight is source and weight._version == version)
+                    q4[short] = copy if fresh else None
                 if bf16.get(short) is None and q4[short] is None:
                     return None
                 if name != "qkv_proj" and getattr(layer, name).bias is not None:
@@ -491,7 +496,7 @@ class LlamaForCausalLM(nn.Module):
             if q4_copy and packable and param.dtype == torch.bfloat16:
                 packed = Int4Linear(blocks, param.dtype).c_packed
                 if packed is not None:
-                    layer.q4_copy[name] = packed
+                    layer.q4_copy[name] = (packed, param, param._version)
             return
         layer.int4[name] = Int4Linear(blocks, param.dtype)
         getattr(layer, name).weight = nn.Parameter(param.data.new_empty(0), requires_grad=False)
