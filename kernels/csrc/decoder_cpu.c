@@ -6,7 +6,7 @@
  *
  * Built with the other kernels by kernels/cpu_build.py, called from
  * kernels/cpu_decoder.py. The per-layer work is the same kernels the model's
- * per-operation path calls (linear_cpu.c, norm_act_cpu.c,
+ * per-operation path calls (linear_cpu.c, linear_q4_cpu.c, norm_act_cpu.c,
  * paged_attention_cpu.c, rope_cache_bf16 below) on the same inputs, so the
  * hidden states have the same bits either way; one call instead of ~10
  * Python-level operations per layer removes the interpreter and dispatch time

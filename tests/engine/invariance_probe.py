@@ -87,9 +87,12 @@ def _instrument(llm, records: Record, target_id: str):
     saved = [wrap_layer(i, layer) for i, layer in enumerate(model.layers)]
     runner.execute_model = execute_model
     model.compute_logits = compute_logits
+    c_decoder = model.use_c_decoder
+    model.use_c_decoder = False  # the per-operation path (the same bits) so that each op can be recorded
     try:
         yield
     finally:
+        model.use_c_decoder = c_decoder
         runner.execute_model = original_execute
         model.compute_logits = original_logits
         for layer, proj, backend in saved:
