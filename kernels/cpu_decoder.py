@@ -31,7 +31,7 @@ class _Layer(ctypes.Structure):
 
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("bf16", ctypes.c_void_p * 4), ("q4_codes", ctypes.c_void_p * 4), ("q4_scales", ctypes.c_void_p * 4),
-                ("q4_has_min", ctypes.c_int64), ("qkv_bias", ctypes.c_void_p), ("key_cache", ctypes.c_void_p),
+                ("qkv_bias", ctypes.c_void_p), ("key_cache", ctypes.c_void_p),
                 ("value_cache", ctypes.c_void_p)]
 
 
@@ -121,7 +121,6 @@ class DecoderWeights:
                 if q4 is not None:
                     keep += [q4.codes, q4.scales]
                     layer.q4_codes[j], layer.q4_scales[j] = q4.codes.data_ptr(), q4.scales.data_ptr()
-                    layer.q4_has_min |= int(q4.has_min) << j
             self._keep.append(keep)
         self.shape = _Shape(len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size,
                             cos.shape[0], rms_norm_eps, scale)

@@ -61,16 +61,15 @@ class PackedQ4Linear:
 
     Attributes:
         codes: uint8 [ceil(out / 64) * 64 * in / 2], two codes per byte.
-        scales: float32 [ceil(out / 64) * in / 32 * 2 * 64] (d and m per block).
+        scales: float32 [ceil(out / 64) * in / 32 * 2 * 64] (d and m per
+            block; Q4_0's m is -8 d).
         out_features, in_features: the weight's shape (in_features a multiple of 32).
-        has_min: Q4_1 (w = d q + m); False: Q4_0 (w = d (q - 8)).
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
     out_features: int
     in_features: int
-    has_min: bool
 
     @property
     def nbytes(self) -> int:
@@ -134,14 +133,16 @@ def q4_available(march: str = "native") -> bool:
 def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> PackedQ4Linear:
     """Pack a 4-bit weight: w = (d * q) + m per block of 32 inputs (Q4_1),
     or w = d * (q - 8) when ``m`` is None (Q4_0), each operation rounded in
-    float32 as the ``gguf`` package dequantizes.
+    float32 as the ``gguf`` package dequantizes (the kernel relies on d and m
+    being float16 values, as GGUF stores them: d * q is then exact).
 
     Args:
         codes: [out, in] integers 0..15 (in a multiple of 32).
-        d, m: [out, in / 32] float32 scale and min of each block.
+        d, m: [out, in / 32] float32 scale and min of each block, float16 values.
 
     Raises:
-        ValueError: shapes that do not match, in not a multiple of 32, codes out of range.
+        ValueError: shapes that do not match, in not a multiple of 32, codes
+            out of range, scales that are not float16 values.
     """
     n, k = codes.shape
     if k % 32 or d.shape != (n, k // 32) or (m is not None and m.shape != (n, k // 32)):
@@ -152,12 +153,14 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> Pac
     c = codes.to(torch.uint8).contiguous()
     d32 = d.to(torch.float32).contiguous()
     m32 = None if m is None else m.to(torch.float32).contiguous()
+    if any(t is not None and not torch.equal(t, t.half().float()) for t in (d32, m32)):
+        raise ValueError("pack_q4 takes scales and mins that are float16 values (GGUF's)")
     panels = (n + PANEL - 1) // PANEL
     out_codes = torch.empty(panels * PANEL * k // 2, dtype=torch.uint8)
     out_scales = torch.empty(panels * (k // 32) * 2 * PANEL, dtype=torch.float32)
     load_library().linear_q4_pack(c.data_ptr(), d32.data_ptr(), None if m32 is None else m32.data_ptr(), n, k,
                                   out_codes.data_ptr(), out_scales.data_ptr())
-    return PackedQ4Linear(out_codes, out_scales, n, k, m is not None)
+    return PackedQ4Linear(out_codes, out_scales, n, k)
 
 
 def pack(weight: torch.Tensor) -> PackedLinear:
@@ -202,7 +205,7 @@ def linear(x: torch.Tensor, packed: PackedLinear | PackedQ4Linear | PackedQ8Line
     b = None if bias is None else bias.detach().to(torch.float32).contiguous()
     if m and isinstance(packed, PackedQ4Linear):
         rc = load_library().linear_q4(x2.data_ptr(), x2.stride(0), packed.codes.data_ptr(), packed.scales.data_ptr(),
-                                      packed.has_min, None if b is None else b.data_ptr(),
+                                      None if b is None else b.data_ptr(),
                                       None if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),
                                       y.data_ptr(), n, m, n, packed.in_features, out_dtype == torch.float32,
                                       torch.get_num_threads())

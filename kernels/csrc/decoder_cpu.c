@@ -70,7 +70,6 @@ typedef struct {
     const uint16_t *bf16[4];     /* qkv, o, gate_up, down: bfloat16 panels or NULL */
     const uint8_t *q4_codes[4];  /* 4-bit panels or NULL */
     const float *q4_scales[4];
-    int64_t q4_has_min;          /* bit i: projection i's 4-bit blocks have a min (Q4_1) */
     const float *qkv_bias;
     uint16_t *key_cache, *value_cache;
 } decoder_layer;
@@ -83,8 +82,8 @@ static int project(const decoder_layer *w, int i, const uint16_t *x, int64_t ldx
                    const uint16_t *residual, int64_t ldr, uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
                    int num_threads) {
     if (w->q4_codes[i] && (m <= QUANT_COPY_MAX_ROWS || !w->bf16[i]))
-        return linear_q4(x, ldx, w->q4_codes[i], w->q4_scales[i], (int)(w->q4_has_min >> i & 1), bias, residual,
-                         ldr, y, ldy, m, n, k, 0, num_threads);
+        return linear_q4(x, ldx, w->q4_codes[i], w->q4_scales[i], bias, residual, ldr, y, ldy, m, n, k, 0,
+                         num_threads);
     return linear_bf16(x, ldx, w->bf16[i], bias, residual, ldr, y, ldy, m, n, k, 0, num_threads);
 }
 

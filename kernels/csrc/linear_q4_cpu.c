@@ -9,9 +9,11 @@
  * scale d (and, Q4_1, a min m). The loader's bfloat16 weight is the gguf
  * package's float32 dequantization rounded to nearest even:
  * bf16(d * (q - 8)) for Q4_0, bf16((d * q) + m) for Q4_1, each operation
- * rounded in float32. This kernel rebuilds exactly those bfloat16 values
- * (VMULPS/VADDPS with explicit round-to-nearest, never fused into an FMA,
- * then VCVTNE2PS2BF16) in the bfloat16 kernel's panel layout, and runs the
+ * rounded in float32. As d is a float16 (11 significant bits) and q < 16,
+ * d * q is exact in float32, so one FMA, d * q + m (Q4_0: m = -8 d, also
+ * exact), rounds exactly as those operations do. This kernel rebuilds these
+ * bfloat16 values (VFMADD, then VCVTNE2PS2BF16) in the bfloat16 kernel's
+ * panel layout, and runs the
  * bfloat16 micro-kernel (bf16_panel.h) on them. So its outputs are bitwise
  * those of linear_bf16 on the dequantized weights, for any number of rows,
  * while reading 6 bits per weight (codes, and a float32 d and m per 32)
@@ -21,7 +23,7 @@
  * Packed layout, per panel of 64 output columns and block of 32 inputs:
  * codes [16 input pairs][4 groups of 16 columns][16 bytes], byte c of a group
  * holding column 16 g + c at inputs 2 kp (low nibble) and 2 kp + 1 (high);
- * scales float32 [2][64]: d, then m (0 for Q4_0). Calls of up to
+ * scales float32 [2][64]: d, then m (-8 d for Q4_0). Calls of up to
  * LINEAR_Q4_DIRECT_ROWS rows (kernels.h) dequantize each input pair in
  * registers; larger ones dequantize a panel once per work item into a
  * bfloat16 scratch (L2) and run rows six at a time over it.
@@ -46,10 +48,11 @@ int linear_q4_available(void) {
 #endif
 }
 
-/* Pack codes [n, k] (uint8, 0..15) with d and m [n, k / 32] (float32; m
- * NULL for Q4_0) into codes_out [ceil(n / 64)][k / 32][16][4][16] and
- * scales_out [ceil(n / 64)][k / 32][2][64]; k a multiple of 32. Padded
- * columns get code 0 and scales 0. */
+/* Pack codes [n, k] (uint8, 0..15) with d and m [n, k / 32] (float32 holding
+ * float16 values; m NULL for Q4_0, stored as -8 d) into codes_out
+ * [ceil(n / 64)][k / 32][16][4][16] and scales_out
+ * [ceil(n / 64)][k / 32][2][64]; k a multiple of 32. Padded columns get
+ * code 0 and scales 0. */
 void linear_q4_pack(const uint8_t *codes, const float *d, const float *m, int64_t n, int64_t k, uint8_t *codes_out,
                     float *scales_out) {
     const int64_t panels = (n + PANEL - 1) / PANEL, blocks = k / QBLOCK;
@@ -60,7 +63,7 @@ void linear_q4_pack(const uint8_t *codes, const float *d, const float *m, int64_
             for (int64_t c = 0; c < PANEL; c++) {
                 const int64_t row = p * PANEL + c;
                 sb[c] = row < n ? d[row * blocks + b] : 0.0f;
-                sb[PANEL + c] = row < n && m ? m[row * blocks + b] : 0.0f;
+                sb[PANEL + c] = row >= n ? 0.0f : m ? m[row * blocks + b] : -8.0f * d[row * blocks + b];
             }
             for (int64_t kp = 0; kp < QBLOCK / 2; kp++)
                 for (int64_t c = 0; c < PANEL; c++) {
@@ -76,21 +79,14 @@ void linear_q4_pack(const uint8_t *codes, const float *d, const float *m, int64_
  * group's 16 bytes; d, m: its scales in the block), as one VDPBF16PS
  * operand: lane 2 c = column c at input 2 kp, lane 2 c + 1 at 2 kp + 1. */
 static inline __attribute__((always_inline)) __m512bh dequant16x2(const uint8_t *codes, const float *d,
-                                                                  const float *m, int has_min) {
+                                                                  const float *m) {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
-    __m512 qe = _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15)));
-    __m512 qo = _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4));
-    const __m512 dv = _mm512_loadu_ps(d);
-    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    if (has_min) { /* Q4_1: (d * q) + m */
-        const __m512 mv = _mm512_loadu_ps(m);
-        qe = _mm512_add_round_ps(_mm512_mul_round_ps(dv, qe, rn), mv, rn);
-        qo = _mm512_add_round_ps(_mm512_mul_round_ps(dv, qo, rn), mv, rn);
-    } else { /* Q4_0: d * (q - 8); q - 8 is exact */
-        qe = _mm512_mul_round_ps(dv, _mm512_sub_ps(qe, _mm512_set1_ps(8.0f)), rn);
-        qo = _mm512_mul_round_ps(dv, _mm512_sub_ps(qo, _mm512_set1_ps(8.0f)), rn);
-    }
-    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(qo, qe); /* lanes 0-15: even inputs, 16-31: odd */
+    const __m512 qe = _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15)));
+    const __m512 qo = _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4));
+    const __m512 dv = _mm512_loadu_ps(d), mv = _mm512_loadu_ps(m);
+    /* d * q is exact (see the top of this file): one rounding, as gguf's (d * q) + m */
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(dv, qo, mv), _mm512_fmadd_ps(dv, qe, mv));
+    /* lanes 0-15: even inputs, 16-31: odd */
     const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     return (__m512bh)_mm512_permutexvar_epi16(idx, both);
@@ -111,12 +107,12 @@ static uint16_t *thread_scratch(size_t elems) {
 }
 
 /* One panel (its codes and scales) dequantized into scratch [k / 2][64][2]. */
-static void dequant_panel(const uint8_t *codes, const float *scales, int64_t k, int has_min, uint16_t *scratch) {
+static void dequant_panel(const uint8_t *codes, const float *scales, int64_t k, uint16_t *scratch) {
     for (int64_t b = 0; b < k / QBLOCK; b++)
         for (int64_t kp = 0; kp < QBLOCK / 2; kp++)
             for (int g = 0; g < 4; g++) {
                 const float *sb = scales + b * 2 * PANEL + 16 * g;
-                const __m512bh w = dequant16x2(codes + ((b * QBLOCK / 2 + kp) * 4 + g) * 16, sb, sb + PANEL, has_min);
+                const __m512bh w = dequant16x2(codes + ((b * QBLOCK / 2 + kp) * 4 + g) * 16, sb, sb + PANEL);
                 _mm512_storeu_si512(scratch + ((b * QBLOCK / 2 + kp) * PANEL + 16 * g) * 2, (__m512i)w);
             }
 }
@@ -137,8 +133,8 @@ static inline __attribute__((always_inline)) __m512bh dequant_q8_16x2(const int8
  * 4-bit); the same arithmetic as panel_rows. (Half panels: twice the work
  * items, so that two threads split a 576-column layer evenly.) */
 static inline __attribute__((always_inline)) void half_panel_rows(
-    const int Q8, const int MR, const uint16_t *x, int64_t ldx, const void *codes, const float *scales, int has_min,
-    int64_t h, int64_t k, int64_t col0, int64_t n, const float *bias, const uint16_t *residual, int64_t ldr, void *y,
+    const int Q8, const int MR, const uint16_t *x, int64_t ldx, const void *codes, const float *scales, int64_t h,
+    int64_t k, int64_t col0, int64_t n, const float *bias, const uint16_t *residual, int64_t ldr, void *y,
     int64_t ldy, int y_f32) {
     __m512 acc[MR_Q4][4];
     for (int r = 0; r < MR; r++)
@@ -153,8 +149,8 @@ static inline __attribute__((always_inline)) void half_panel_rows(
         } else {
             const float *sb = scales + kp / (QBLOCK / 2) * 2 * PANEL + 32 * h;
             const uint8_t *cp = (const uint8_t *)codes + kp * 64 + 32 * h;
-            w0 = dequant16x2(cp, sb, sb + PANEL, has_min);
-            w1 = dequant16x2(cp + 16, sb + 16, sb + PANEL + 16, has_min);
+            w0 = dequant16x2(cp, sb, sb + PANEL);
+            w1 = dequant16x2(cp + 16, sb + 16, sb + PANEL + 16);
         }
         for (int r = 0; r < MR; r++) {
             int32_t pair;
@@ -169,8 +165,7 @@ static inline __attribute__((always_inline)) void half_panel_rows(
 
 /* m <= LINEAR_Q4_DIRECT_ROWS rows over every half panel of a 4-bit or (Q8) 8-bit weight. */
 static inline __attribute__((always_inline)) void direct_rows(
-    const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const float *scales, int has_min,
-    const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+    const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const float *scales, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
     int y_f32, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
     const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / QBLOCK * (Q8 ? 1 : 2) * PANEL;
@@ -180,7 +175,7 @@ static inline __attribute__((always_inline)) void direct_rows(
         if (p * PANEL + 32 * h >= n) continue;
         const char *pc = (const char *)codes + p * panel_codes;
         const float *ps = scales + p * panel_scales;
-#define ROWS(MR) half_panel_rows(Q8, MR, x, ldx, pc, ps, has_min, h, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32)
+#define ROWS(MR) half_panel_rows(Q8, MR, x, ldx, pc, ps, h, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32)
         if (m == 3) ROWS(3);
         else if (m == 2) ROWS(2);
         else if (m == 1) ROWS(1);
@@ -190,17 +185,15 @@ static inline __attribute__((always_inline)) void direct_rows(
 #endif
 
 /* y [m, n] = x [m, k] @ W.T (+ bias [n], float32) (+ residual [m, n]) for W
- * packed by linear_q4_pack (has_min: Q4_1's min is used, else Q4_0);
- * strides and y_f32 as linear_bf16. Returns 0, 1 when this build has no
+ * packed by linear_q4_pack; strides and y_f32 as linear_bf16. Returns 0, 1 when this build has no
  * kernel, 2 when out of memory. */
-int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float *scales, int has_min,
-              const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
+int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float *scales, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
               int64_t k, int y_f32, int num_threads) {
 #if defined(__AVX512BF16__)
     const int64_t panels = (n + PANEL - 1) / PANEL, m_blocks = (m + M_BLOCK - 1) / M_BLOCK;
     const int64_t panel_codes = k * PANEL / 2, panel_scales = k / QBLOCK * 2 * PANEL;
     if (m <= LINEAR_Q4_DIRECT_ROWS) { /* in registers, half a panel per work item */
-        direct_rows(0, x, ldx, codes, scales, has_min, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
+        direct_rows(0, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
         return 0;
     }
     int failed = 0;
@@ -213,13 +206,13 @@ int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float 
             if (!scratch) continue;
             const int64_t p = item / m_blocks, m0 = item % m_blocks * M_BLOCK;
             const int64_t m1 = m0 + M_BLOCK < m ? m0 + M_BLOCK : m;
-            dequant_panel(codes + p * panel_codes, scales + p * panel_scales, k, has_min, scratch);
+            dequant_panel(codes + p * panel_codes, scales + p * panel_scales, k, scratch);
             panel_row_block(x, ldx, scratch, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32, m0, m1);
         }
     }
     return failed;
 #else
-    (void)x; (void)ldx; (void)codes; (void)scales; (void)has_min; (void)bias; (void)residual; (void)ldr; (void)y;
+    (void)x; (void)ldx; (void)codes; (void)scales; (void)bias; (void)residual; (void)ldr; (void)y;
     (void)ldy; (void)m; (void)n; (void)k; (void)y_f32; (void)num_threads;
     return 1;
 #endif
@@ -257,7 +250,7 @@ int linear_q8(const uint16_t *x, int64_t ldx, const int8_t *codes, const float *
               int num_threads) {
 #if defined(__AVX512BF16__)
     if (m > LINEAR_Q4_DIRECT_ROWS) return 1;
-    direct_rows(1, x, ldx, codes, scales, 0, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
+    direct_rows(1, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
     return 0;
 #else
     (void)x; (void)ldx; (void)codes; (void)scales; (void)bias; (void)residual; (void)ldr; (void)y; (void)ldy;
