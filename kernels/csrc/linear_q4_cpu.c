@@ -21,8 +21,10 @@
  * by reading the weights, reads a third of the bytes.
  *
  * Packed layout, per panel of 64 output columns and block of 32 inputs:
- * codes [16 input pairs][4 groups of 16 columns][16 bytes], byte c of a group
- * holding column 16 g + c at inputs 2 kp (low nibble) and 2 kp + 1 (high);
+ * codes [16 input pairs][4 groups of 16 columns][16 bytes], byte j of a group
+ * holding column 16 g + j / 2 (low nibble) and 16 g + 8 + j / 2 (high) at
+ * input 2 kp + j % 2, so that the two nibbles' float32 lanes convert into
+ * VDPBF16PS's pair order directly;
  * scales float32 [2][64]: d, then m (-8 d for Q4_0). Calls of up to
  * LINEAR_Q4_DIRECT_ROWS rows (kernels.h) dequantize each input pair in
  * registers; larger ones dequantize a panel once per work item into a
@@ -66,30 +68,38 @@ void linear_q4_pack(const uint8_t *codes, const float *d, const float *m, int64_
                 sb[PANEL + c] = row >= n ? 0.0f : m ? m[row * blocks + b] : -8.0f * d[row * blocks + b];
             }
             for (int64_t kp = 0; kp < QBLOCK / 2; kp++)
-                for (int64_t c = 0; c < PANEL; c++) {
-                    const int64_t row = p * PANEL + c, i = b * QBLOCK + 2 * kp;
-                    const uint8_t lo = row < n ? codes[row * k + i] : 0, hi = row < n ? codes[row * k + i + 1] : 0;
-                    cb[kp * PANEL + c] = (uint8_t)((lo & 15) | (hi & 15) << 4); /* [kp][group c / 16][c % 16] */
+                for (int64_t c = 0; c < PANEL; c++) { /* byte c: lane c % 16 of the group's two halves */
+                    const int64_t g = c / 16, j = c % 16, i = b * QBLOCK + 2 * kp + j % 2;
+                    const int64_t lo_row = p * PANEL + 16 * g + j / 2, hi_row = lo_row + 8;
+                    const uint8_t lo = lo_row < n ? codes[lo_row * k + i] : 0, hi = hi_row < n ? codes[hi_row * k + i] : 0;
+                    cb[kp * PANEL + c] = (uint8_t)((lo & 15) | (hi & 15) << 4);
                 }
         }
 }
 
 #if defined(__AVX512BF16__)
-/* Input pair kp's bfloat16 weights of the 16 columns of group g (codes: the
- * group's 16 bytes; d, m: its scales in the block), as one VDPBF16PS
- * operand: lane 2 c = column c at input 2 kp, lane 2 c + 1 at 2 kp + 1. */
-static inline __attribute__((always_inline)) __m512bh dequant16x2(const uint8_t *codes, const float *d,
-                                                                  const float *m) {
+/* A group's block scales (16 columns' d or m) duplicated for the two halves
+ * of a dequantized operand: lanes 2 j, 2 j + 1 = column j (half 0: columns
+ * 0-7, half 1: 8-15). */
+static inline __attribute__((always_inline)) __m512 dup_half(const float *v, int half) {
+    const __m512i idx = half ? _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8)
+                             : _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(v));
+}
+
+/* Input pair kp's bfloat16 weights of the 16 columns of a group (codes: the
+ * group's 16 bytes, byte j holding lane j of half 0 (low nibble) and of half
+ * 1 (high nibble), lane j = column j / 2 at input 2 kp + j % 2; d0, m0, d1,
+ * m1: the halves' duplicated scales, dup_half), as one VDPBF16PS operand:
+ * lane 2 c = column c at input 2 kp, lane 2 c + 1 at 2 kp + 1. */
+static inline __attribute__((always_inline)) __m512bh dequant16x2(const uint8_t *codes, __m512 d0, __m512 m0,
+                                                                  __m512 d1, __m512 m1) {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
-    const __m512 qe = _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15)));
-    const __m512 qo = _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4));
-    const __m512 dv = _mm512_loadu_ps(d), mv = _mm512_loadu_ps(m);
-    /* d * q is exact (see the top of this file): one rounding, as gguf's (d * q) + m */
-    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(dv, qo, mv), _mm512_fmadd_ps(dv, qe, mv));
-    /* lanes 0-15: even inputs, 16-31: odd */
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return (__m512bh)_mm512_permutexvar_epi16(idx, both);
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15)));
+    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4));
+    /* d * q is exact (see the top of this file): one rounding, as gguf's (d * q) + m; the two halves
+     * convert into lanes 0-15 and 16-31, already paired */
+    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(d1, q1, m1), _mm512_fmadd_ps(d0, q0, m0));
 }
 
 /* This thread's scratch of at least `elems` bfloat16 values, kept between
@@ -109,12 +119,14 @@ static uint16_t *thread_scratch(size_t elems) {
 /* One panel (its codes and scales) dequantized into scratch [k / 2][64][2]. */
 static void dequant_panel(const uint8_t *codes, const float *scales, int64_t k, uint16_t *scratch) {
     for (int64_t b = 0; b < k / QBLOCK; b++)
-        for (int64_t kp = 0; kp < QBLOCK / 2; kp++)
-            for (int g = 0; g < 4; g++) {
-                const float *sb = scales + b * 2 * PANEL + 16 * g;
-                const __m512bh w = dequant16x2(codes + ((b * QBLOCK / 2 + kp) * 4 + g) * 16, sb, sb + PANEL);
-                _mm512_storeu_si512(scratch + ((b * QBLOCK / 2 + kp) * PANEL + 16 * g) * 2, (__m512i)w);
-            }
+        for (int g = 0; g < 4; g++) {
+            const float *sb = scales + b * 2 * PANEL + 16 * g;
+            const __m512 d0 = dup_half(sb, 0), m0 = dup_half(sb + PANEL, 0);
+            const __m512 d1 = dup_half(sb, 1), m1 = dup_half(sb + PANEL, 1);
+            for (int64_t kp = b * QBLOCK / 2; kp < (b + 1) * QBLOCK / 2; kp++)
+                _mm512_storeu_si512(scratch + (kp * PANEL + 16 * g) * 2,
+                                    (__m512i)dequant16x2(codes + (kp * 4 + g) * 16, d0, m0, d1, m1));
+        }
 }
 
 /* Q8_0's 16 x 2 operand (see linear_q8 below): bf16(d * q), the products exact. */
@@ -139,6 +151,8 @@ static inline __attribute__((always_inline)) void half_panel_rows(
     __m512 acc[MR_Q4][4];
     for (int r = 0; r < MR; r++)
         for (int j = 0; j < 2; j++) acc[r][j] = _mm512_setzero_ps();
+    __m512 s[8]; /* 4-bit: the block's duplicated scales, d0 m0 d1 m1 of the half panel's two groups */
+    for (int i = 0; i < 8; i++) s[i] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < k / 2; kp++) {
         __m512bh w0, w1;
         if (Q8) {
@@ -147,10 +161,16 @@ static inline __attribute__((always_inline)) void half_panel_rows(
             w0 = dequant_q8_16x2(cp, sb);
             w1 = dequant_q8_16x2(cp + 32, sb + 16);
         } else {
-            const float *sb = scales + kp / (QBLOCK / 2) * 2 * PANEL + 32 * h;
+            if (kp % (QBLOCK / 2) == 0) {
+                const float *sb = scales + kp / (QBLOCK / 2) * 2 * PANEL + 32 * h;
+                for (int g = 0; g < 2; g++) {
+                    s[4 * g] = dup_half(sb + 16 * g, 0), s[4 * g + 1] = dup_half(sb + PANEL + 16 * g, 0);
+                    s[4 * g + 2] = dup_half(sb + 16 * g, 1), s[4 * g + 3] = dup_half(sb + PANEL + 16 * g, 1);
+                }
+            }
             const uint8_t *cp = (const uint8_t *)codes + kp * 64 + 32 * h;
-            w0 = dequant16x2(cp, sb, sb + PANEL);
-            w1 = dequant16x2(cp + 16, sb + 16, sb + PANEL + 16);
+            w0 = dequant16x2(cp, s[0], s[1], s[2], s[3]);
+            w1 = dequant16x2(cp + 16, s[4], s[5], s[6], s[7]);
         }
         for (int r = 0; r < MR; r++) {
             int32_t pair;
