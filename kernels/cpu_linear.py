@@ -53,18 +53,10 @@ class PackedLinear:
 
 
 @dataclass(frozen=True)
-class PackedQ4Linear:
-    """A 4-bit GGUF (Q4_0/Q4_1) [out_features, in_features] weight in
-    ``csrc/linear_q4_cpu.c``'s layout: 4 bits per weight plus 8 bytes of
-    scales per 32; the kernel computes with the bfloat16 values the loader
-    would have made (bf16((d * q) + m), Q4_0: bf16(d * (q - 8))), bitwise.
-
-    Attributes:
-        codes: uint8 [ceil(out / 64) * 64 * in / 2], two codes per byte.
-        scales: float32 [ceil(out / 64) * in / 32 * 2 * 64] (d and m per
-            block; Q4_0's m is -8 d).
-        out_features, in_features: the weight's shape (in_features a multiple of 32).
-    """
+class _QuantPanels:
+    """Codes and per-block scales of a GGUF-quantized [out_features,
+    in_features] weight in one of ``csrc/linear_q4_cpu.c``'s layouts
+    (in_features a multiple of 32)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -77,26 +69,22 @@ class PackedQ4Linear:
 
 
 @dataclass(frozen=True)
-class PackedQ8Linear:
-    """A GGUF Q8_0 [out_features, in_features] weight (w = d q, q int8, one
-    float16 d per 32 inputs) in ``csrc/linear_q4_cpu.c``'s 8-bit layout, for
+class PackedQ4Linear(_QuantPanels):
+    """A 4-bit GGUF (Q4_0/Q4_1) weight: 4 bits per weight plus 8 bytes of
+    scales per 32; the kernel computes with the bfloat16 values the loader
+    would have made (bf16((d * q) + m), Q4_0: bf16(d * (q - 8))), bitwise.
+    codes: uint8 [ceil(out / 64) * 64 * in / 2], two per byte; scales:
+    float32 [ceil(out / 64) * in / 32 * 2 * 64] (d and m per block; Q4_0's m
+    is -8 d)."""
+
+
+@dataclass(frozen=True)
+class PackedQ8Linear(_QuantPanels):
+    """A GGUF Q8_0 weight (w = d q, q int8, one float16 d per 32 inputs) for
     calls of up to :data:`Q8_MAX_ROWS` rows (the output head of decode steps
     of up to :data:`COPY_MAX_ROWS` rows): bitwise the bfloat16 kernel's
-    results on bf16(d q), from 9 bits per weight instead of 16.
-
-    Attributes:
-        codes: int8 [ceil(out / 64) * 64 * in]; scales: float32 [ceil(out / 64) * in / 32 * 64].
-        out_features, in_features: the weight's shape (in_features a multiple of 32).
-    """
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    out_features: int
-    in_features: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
+    results on bf16(d q), from 9 bits per weight instead of 16. codes: int8
+    [ceil(out / 64) * 64 * in]; scales: float32 [ceil(out / 64) * in / 32 * 64]."""
 
 
 Q8_MAX_ROWS = 3  # LINEAR_Q4_DIRECT_ROWS of csrc/kernels.h: the 8-bit kernel takes this many rows at most
@@ -178,7 +166,8 @@ def pack(weight: torch.Tensor) -> PackedLinear:
     return PackedLinear(data, n, k)
 
 
-def linear(x: torch.Tensor, packed: PackedLinear | PackedQ4Linear | PackedQ8Linear, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, packed: PackedLinear | PackedQ4Linear | PackedQ8Linear,
+           bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """[..., in] @ W.T (+ bias [out], added in float32) (+ residual [..., out]) -> [..., out].
 

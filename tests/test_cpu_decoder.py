@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine.model_config import ModelConfig
-from engine.models.llama import AttentionMetadata, LlamaForCausalLM, rope_inv_freq
+from engine.models.llama import AttentionMetadata, LlamaForCausalLM
+from engine.models.rope import rope_inv_freq
 from kernels import cpu_decoder, cpu_linear, get_attention_backend
 
 needs_c = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX512-BF16 C kernels on this CPU")

@@ -14,7 +14,6 @@ and which cache blocks it reads (block tables).
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from torch import nn
 from engine.model_config import ModelConfig
 from engine.models.quant_linear import GGUFBlocks, Int4Linear, int4_packable, q8_codes_d
 from engine.models.packed_linear import PackedWeights
+from engine.models.rope import RopeInputs, rotate_half, rope_inv_freq
 from kernels import cpu_decoder, cpu_linear, cpu_norm_act
 
 
@@ -56,33 +56,6 @@ class AttentionMetadata:
     attn_plan: object | None = None
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, with ``rope_scaling``
-    applied: "linear" (position interpolation, Chen et al. 2023) divides them
-    by ``factor``; "llama3" follows Meta's Llama 3.1 reference (and HF's
-    ``_compute_llama3_parameters``)."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    rs = config.rope_scaling
-    kind = None if rs is None else rs.get("rope_type", rs.get("type"))
-    if kind == "linear":
-        inv_freq = inv_freq / rs["factor"]
-    elif kind == "llama3":
-        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-        old_len = rs["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    freq_factors = config.extra.get("rope_freq_factors")  # GGUF rope_freqs.weight
-    if freq_factors is not None:
-        inv_freq = inv_freq / torch.as_tensor(freq_factors, dtype=torch.float32)
-    return inv_freq
-
-
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019), computed in float32 like HF Llama
     (bfloat16 on CPU: one C pass rounded once, ``kernels.cpu_norm_act``).
@@ -110,30 +83,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-@dataclass
-class RopeInputs:
-    """One step's rotary-embedding inputs.
-
-    Attributes:
-        positions: [num_tokens] int64.
-        cos_table, sin_table: [max_positions, head_dim] float32 (the C path
-            reads them at ``positions``, in float32).
-        cos, sin: [num_tokens, 1, head_dim] in the model's dtype, gathered for
-            the PyTorch path (HF's numerics), or None when no layer needs them.
-    """
-
-    positions: torch.Tensor
-    cos_table: torch.Tensor
-    sin_table: torch.Tensor
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -186,7 +135,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = qk * rope.cos + _rotate_half(qk) * rope.sin  # RoPE on q and k heads at once
+            qk = qk * rope.cos + rotate_half(qk) * rope.sin  # RoPE on q and k heads at once
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             v = v.view(t, self.num_kv_heads, self.head_dim)
             self.backend.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)

@@ -177,7 +177,7 @@ def test_bfloat16_close_to_transformers(tmp_path):
 
 def test_rope_scaling_linear():
     from engine.model_config import ModelConfig
-    from engine.models.llama import rope_inv_freq
+    from engine.models.rope import rope_inv_freq
 
     base = dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                 num_attention_heads=4, vocab_size=10)
