@@ -77,8 +77,9 @@ class EngineArgs:
         device: "auto" (CUDA when available), "cpu" or "cuda".
         block_size: tokens per KV block (power of two >= 16 for Triton).
         max_num_seqs: most sequences in one step.
-        max_num_batched_tokens: token budget of one step (None: 2048, or
-            max_model_len when chunked prefill is off).
+        max_num_batched_tokens: token budget of one step (None: 512 on CPU,
+            2048 on CUDA, at least max_num_seqs; at least max_model_len when
+            chunked prefill is off).
         max_model_len: prompt + completion limit, tokens (None: the model's).
         kv_cache_memory: KV-cache pool size on CPU, bytes or "2GiB".
         gpu_memory_utilization: fraction of GPU memory for weights + KV cache.
@@ -185,7 +186,8 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (a power of two)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step, tokens (None: 2048 with chunked prefill, else max_model_len)")
+                   help="token budget of one step, tokens (None: 512 on CPU, 2048 on CUDA with chunked prefill, "
+                        "else max_model_len)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + completion limit, tokens (None: the model's, capped by the KV pool)")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache pool size on CPU, bytes or e.g. 2GiB, 512MiB")

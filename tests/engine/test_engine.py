@@ -97,3 +97,15 @@ def test_a_follow_up_reads_the_cached_answer(tmp_path, batch_invariant):
     follow_up = prompt + list(answer.outputs[0].token_ids) + [70, 71, 72]
     cached = llm.generate(follow_up, SamplingParams(temperature=0.0, max_tokens=1))[0].num_cached_tokens
     assert cached == 48  # 59 of the 60 tokens were computed: 3 full blocks
+
+
+def test_default_step_budget_by_device(tmp_path):
+    """Unset, the step's token budget is 512 on CPU (a step's length bounds
+    TTFT there), never below max_num_seqs, and at least max_model_len
+    without chunked prefill."""
+    model = save_byte_level_llama(tmp_path)
+    budget = lambda **kw: LLM(model=model, dtype="float32", kv_cache_memory="4MiB", **kw).engine.max_num_batched_tokens  # noqa: E731
+    assert budget() == 512
+    assert budget(max_num_seqs=600) == 600
+    assert budget(max_num_batched_tokens=64) == 64
+    assert budget(enable_chunked_prefill=False, max_model_len=256) == 2048
