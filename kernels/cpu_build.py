@@ -39,7 +39,7 @@ SIGNATURES = {  # exported function -> (argument types, return type)
     "linear_bf16_pack": ([_p, _i64, _i64, _p], None),
     "linear_bf16": ([_p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _int, _int], _int),
     "linear_q4_available": ([], _int),
-    "linear_q4_pack": ([_p, _p, _p, _i64, _i64, _p, _p], None),
+    "linear_q4_pack": ([_p, _i64, _i64, _p], None),
     "linear_q4": ([_p, _i64, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _int, _int], _int),
     "linear_q8_pack": ([_p, _p, _i64, _i64, _p, _p], None),
     "linear_q8": ([_p, _i64, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _int, _int], _int),

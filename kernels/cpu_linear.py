@@ -70,12 +70,12 @@ class _QuantPanels:
 
 @dataclass(frozen=True)
 class PackedQ4Linear(_QuantPanels):
-    """A 4-bit GGUF (Q4_0/Q4_1) weight: 4 bits per weight plus 8 bytes of
-    scales per 32; the kernel computes with the bfloat16 values the loader
-    would have made (bf16((d * q) + m), Q4_0: bf16(d * (q - 8))), bitwise.
-    codes: uint8 [ceil(out / 64) * 64 * in / 2], two per byte; scales:
-    float32 [ceil(out / 64) * in / 32 * 2 * 64] (d and m per block; Q4_0's m
-    is -8 d)."""
+    """A 4-bit GGUF (Q4_0/Q4_1) weight: 4 bits per weight plus 4 bytes of
+    scales per 32 (5 bits per weight); the kernel computes with the bfloat16
+    values the loader would have made (bf16((d * q) + m), Q4_0:
+    bf16(d * (q - 8))), bitwise. codes: uint8 [ceil(out / 64) * 64 * in / 2],
+    two per byte; scales: float16 [ceil(out / 64), in / 32, 2, 64] (per panel
+    of 64 outputs and block of 32 inputs, d then m; Q4_0's m is -8 d)."""
 
 
 @dataclass(frozen=True)
@@ -139,15 +139,16 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> Pac
     if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
         raise ValueError("4-bit codes must be in 0..15")
     c = codes.to(torch.uint8).contiguous()
-    d32 = d.to(torch.float32).contiguous()
-    m32 = None if m is None else m.to(torch.float32).contiguous()
-    if any(t is not None and not torch.equal(t, t.half().float()) for t in (d32, m32)):
-        raise ValueError("pack_q4 takes scales and mins that are float16 values (GGUF's)")
+    d32 = d.to(torch.float32)
+    m32 = -8 * d32 if m is None else m.to(torch.float32)  # Q4_0: d * (q - 8) = d * q + (-8 d), both exact
+    if any(not torch.equal(t, t.half().float()) for t in (d32, m32)):
+        raise ValueError("pack_q4 takes scales and mins that are float16 values (GGUF's; Q4_0's -8 d too)")
     panels = (n + PANEL - 1) // PANEL
     out_codes = torch.empty(panels * PANEL * k // 2, dtype=torch.uint8)
-    out_scales = torch.empty(panels * (k // 32) * 2 * PANEL, dtype=torch.float32)
-    load_library().linear_q4_pack(c.data_ptr(), d32.data_ptr(), None if m32 is None else m32.data_ptr(), n, k,
-                                  out_codes.data_ptr(), out_scales.data_ptr())
+    load_library().linear_q4_pack(c.data_ptr(), n, k, out_codes.data_ptr())
+    scales = torch.zeros(2, panels * PANEL, k // 32, dtype=torch.float16)  # padded columns: d = m = 0
+    scales[0, :n], scales[1, :n] = d32, m32
+    out_scales = scales.view(2, panels, PANEL, k // 32).permute(1, 3, 0, 2).contiguous()
     return PackedQ4Linear(out_codes, out_scales, n, k)
 
 

@@ -69,7 +69,7 @@ typedef struct {
     const uint16_t *input_norm, *post_norm;
     const uint16_t *bf16[4];     /* qkv, o, gate_up, down: bfloat16 panels or NULL */
     const uint8_t *q4_codes[4];  /* 4-bit panels or NULL */
-    const float *q4_scales[4];
+    const uint16_t *q4_scales[4]; /* float16 */
     const float *qkv_bias;
     uint16_t *key_cache, *value_cache;
 } decoder_layer;

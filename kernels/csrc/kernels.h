@@ -17,7 +17,7 @@
 
 int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, const uint16_t *residual,
                 int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32, int num_threads);
-int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float *scales, const float *bias,
+int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales, const float *bias,
               const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32,
               int num_threads);
 int rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *weight, uint16_t *y, int64_t ldy, int64_t rows,

@@ -16,16 +16,17 @@
  * panel layout, and runs the
  * bfloat16 micro-kernel (bf16_panel.h) on them. So its outputs are bitwise
  * those of linear_bf16 on the dequantized weights, for any number of rows,
- * while reading 6 bits per weight (codes, and a float32 d and m per 32)
- * instead of 16: a single stream, bound
- * by reading the weights, reads a third of the bytes.
+ * while reading 5 bits per weight (codes, and the float16 d and m per 32
+ * as GGUF stores them) instead of 16: a single stream, bound
+ * by reading the weights, reads under a third of the bytes.
  *
  * Packed layout, per panel of 64 output columns and block of 32 inputs:
  * codes [16 input pairs][4 groups of 16 columns][16 bytes], byte j of a group
  * holding column 16 g + j / 2 (low nibble) and 16 g + 8 + j / 2 (high) at
  * input 2 kp + j % 2, so that the two nibbles' float32 lanes convert into
  * VDPBF16PS's pair order directly;
- * scales float32 [2][64]: d, then m (-8 d for Q4_0). Calls of up to
+ * scales float16 [2][64] (kernels/cpu_linear.py:pack_q4 lays them out): d,
+ * then m (-8 d for Q4_0). Calls of up to
  * LINEAR_Q4_DIRECT_ROWS rows (kernels.h) dequantize each input pair in
  * registers; larger ones dequantize a panel once per work item into a
  * bfloat16 scratch (L2) and run rows six at a time over it.
@@ -50,23 +51,14 @@ int linear_q4_available(void) {
 #endif
 }
 
-/* Pack codes [n, k] (uint8, 0..15) with d and m [n, k / 32] (float32 holding
- * float16 values; m NULL for Q4_0, stored as -8 d) into codes_out
- * [ceil(n / 64)][k / 32][16][4][16] and scales_out
- * [ceil(n / 64)][k / 32][2][64]; k a multiple of 32. Padded columns get
- * code 0 and scales 0. */
-void linear_q4_pack(const uint8_t *codes, const float *d, const float *m, int64_t n, int64_t k, uint8_t *codes_out,
-                    float *scales_out) {
+/* Pack codes [n, k] (uint8, 0..15) into codes_out
+ * [ceil(n / 64)][k / 32][16][4][16]; k a multiple of 32. Padded columns get
+ * code 0. */
+void linear_q4_pack(const uint8_t *codes, int64_t n, int64_t k, uint8_t *codes_out) {
     const int64_t panels = (n + PANEL - 1) / PANEL, blocks = k / QBLOCK;
     for (int64_t p = 0; p < panels; p++)
         for (int64_t b = 0; b < blocks; b++) {
             uint8_t *cb = codes_out + (p * blocks + b) * (PANEL * QBLOCK / 2);
-            float *sb = scales_out + (p * blocks + b) * 2 * PANEL;
-            for (int64_t c = 0; c < PANEL; c++) {
-                const int64_t row = p * PANEL + c;
-                sb[c] = row < n ? d[row * blocks + b] : 0.0f;
-                sb[PANEL + c] = row >= n ? 0.0f : m ? m[row * blocks + b] : -8.0f * d[row * blocks + b];
-            }
             for (int64_t kp = 0; kp < QBLOCK / 2; kp++)
                 for (int64_t c = 0; c < PANEL; c++) { /* byte c: lane c % 16 of the group's two halves */
                     const int64_t g = c / 16, j = c % 16, i = b * QBLOCK + 2 * kp + j % 2;
@@ -81,10 +73,10 @@ void linear_q4_pack(const uint8_t *codes, const float *d, const float *m, int64_
 /* A group's block scales (16 columns' d or m) duplicated for the two halves
  * of a dequantized operand: lanes 2 j, 2 j + 1 = column j (half 0: columns
  * 0-7, half 1: 8-15). */
-static inline __attribute__((always_inline)) __m512 dup_half(const float *v, int half) {
+static inline __attribute__((always_inline)) __m512 dup_half(const uint16_t *v, int half) {
     const __m512i idx = half ? _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8)
                              : _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(v));
+    return _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)v)));
 }
 
 /* Input pair kp's bfloat16 weights of the 16 columns of a group (codes: the
@@ -117,10 +109,10 @@ static uint16_t *thread_scratch(size_t elems) {
 }
 
 /* One panel (its codes and scales) dequantized into scratch [k / 2][64][2]. */
-static void dequant_panel(const uint8_t *codes, const float *scales, int64_t k, uint16_t *scratch) {
+static void dequant_panel(const uint8_t *codes, const uint16_t *scales, int64_t k, uint16_t *scratch) {
     for (int64_t b = 0; b < k / QBLOCK; b++)
         for (int g = 0; g < 4; g++) {
-            const float *sb = scales + b * 2 * PANEL + 16 * g;
+            const uint16_t *sb = scales + b * 2 * PANEL + 16 * g;
             const __m512 d0 = dup_half(sb, 0), m0 = dup_half(sb + PANEL, 0);
             const __m512 d1 = dup_half(sb, 1), m1 = dup_half(sb + PANEL, 1);
             for (int64_t kp = b * QBLOCK / 2; kp < (b + 1) * QBLOCK / 2; kp++)
@@ -145,7 +137,7 @@ static inline __attribute__((always_inline)) __m512bh dequant_q8_16x2(const int8
  * 4-bit); the same arithmetic as panel_rows. (Half panels: twice the work
  * items, so that two threads split a 576-column layer evenly.) */
 static inline __attribute__((always_inline)) void half_panel_rows(
-    const int Q8, const int MR, const uint16_t *x, int64_t ldx, const void *codes, const float *scales, int64_t h,
+    const int Q8, const int MR, const uint16_t *x, int64_t ldx, const void *codes, const void *scales, int64_t h,
     int64_t k, int64_t col0, int64_t n, const float *bias, const uint16_t *residual, int64_t ldr, void *y,
     int64_t ldy, int y_f32) {
     __m512 acc[MR_Q4][4];
@@ -156,13 +148,13 @@ static inline __attribute__((always_inline)) void half_panel_rows(
     for (int64_t kp = 0; kp < k / 2; kp++) {
         __m512bh w0, w1;
         if (Q8) {
-            const float *sb = scales + kp / (QBLOCK / 2) * PANEL + 32 * h;
+            const float *sb = (const float *)scales + kp / (QBLOCK / 2) * PANEL + 32 * h;
             const int8_t *cp = (const int8_t *)codes + kp * 128 + 64 * h;
             w0 = dequant_q8_16x2(cp, sb);
             w1 = dequant_q8_16x2(cp + 32, sb + 16);
         } else {
             if (kp % (QBLOCK / 2) == 0) {
-                const float *sb = scales + kp / (QBLOCK / 2) * 2 * PANEL + 32 * h;
+                const uint16_t *sb = (const uint16_t *)scales + kp / (QBLOCK / 2) * 2 * PANEL + 32 * h;
                 for (int g = 0; g < 2; g++) {
                     s[4 * g] = dup_half(sb + 16 * g, 0), s[4 * g + 1] = dup_half(sb + PANEL + 16 * g, 0);
                     s[4 * g + 2] = dup_half(sb + 16 * g, 1), s[4 * g + 3] = dup_half(sb + PANEL + 16 * g, 1);
@@ -185,7 +177,7 @@ static inline __attribute__((always_inline)) void half_panel_rows(
 
 /* m <= LINEAR_Q4_DIRECT_ROWS rows over every half panel of a 4-bit or (Q8) 8-bit weight. */
 static inline __attribute__((always_inline)) void direct_rows(
-    const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const float *scales, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+    const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
     int y_f32, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
     const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / QBLOCK * (Q8 ? 1 : 2) * PANEL;
@@ -194,7 +186,8 @@ static inline __attribute__((always_inline)) void direct_rows(
         const int64_t p = item / 2, h = item % 2;
         if (p * PANEL + 32 * h >= n) continue;
         const char *pc = (const char *)codes + p * panel_codes;
-        const float *ps = scales + p * panel_scales;
+        const void *ps = Q8 ? (const void *)((const float *)scales + p * panel_scales)
+                            : (const void *)((const uint16_t *)scales + p * panel_scales);
 #define ROWS(MR) half_panel_rows(Q8, MR, x, ldx, pc, ps, h, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32)
         if (m == 3) ROWS(3);
         else if (m == 2) ROWS(2);
@@ -207,7 +200,7 @@ static inline __attribute__((always_inline)) void direct_rows(
 /* y [m, n] = x [m, k] @ W.T (+ bias [n], float32) (+ residual [m, n]) for W
  * packed by linear_q4_pack; strides and y_f32 as linear_bf16. Returns 0, 1 when this build has no
  * kernel, 2 when out of memory. */
-int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float *scales, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
+int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
               int64_t k, int y_f32, int num_threads) {
 #if defined(__AVX512BF16__)
     const int64_t panels = (n + PANEL - 1) / PANEL, m_blocks = (m + M_BLOCK - 1) / M_BLOCK;
