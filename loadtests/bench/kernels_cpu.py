@@ -7,7 +7,8 @@ PyTorch path: gather + block-diagonal bmm), SmolLM2-135M's shapes (9 query
 heads, 3 KV heads, head_dim 64), bfloat16, block_size 16, shuffled block
 tables in a pool larger than the caches: decode batches of 64 x ~164 and
 64 x ~1150 tokens, one decode of 150, a 20 x 100-token prefill and one
-2000-token prefill. Linear layers (``kernels.cpu_linear`` vs oneDNN's packed
+2000-token prefill, and the 64 x ~164 decode over 30 layers with keys and
+values coming from DRAM, as in an engine step. Linear layers (``kernels.cpu_linear`` vs oneDNN's packed
 bfloat16 GEMM, ``mkldnn._linear_pointwise``) at SmolLM2's five weight shapes
 and 1, 8, 32, 64 and 256 rows. The 4-bit GGUF kernel (``cpu_linear.pack_q4``)
 against the bfloat16 one on the same weights, over a 30-layer pass (weights
@@ -94,6 +95,38 @@ def bench_attention(repeats: int) -> None:
         print(f"attention {label:<45} C {c:8.3f} ms  torch path {base:8.3f} ms  C/torch {c / base:.2f}x")
 
 
+def bench_attention_sweep(repeats: int, layers: int = 30) -> None:
+    """A decode step's attention as the engine meets it: 64 sequences of
+    ~164 tokens over 30 layers, each layer its own cache, and 64 MiB (a
+    step's weights, in part) streamed between two layers, so that every
+    layer's keys and values come from DRAM. Prints the C kernel's time over
+    the PyTorch path's and the C kernel's read rate (GB/s of K and V)."""
+    rng = random.Random(0)
+    lens = [rng.randrange(100, 229) for _ in range(64)]
+    cases = [attention_case(lens, [1] * 64, seed=i) for i in range(layers)]
+    plans = {m: m.plan_attention(cases[0]["key_cache"], HEADS, cases[0]["query_start_loc"], cases[0]["seq_lens"],
+                                 cases[0]["block_tables"]) for m in (cpu_attention, torch_attention)}
+    junk = torch.zeros(64 << 20, dtype=torch.uint8)
+
+    def sweep(module) -> float:  # seconds in attention only
+        total = 0.0
+        for case in cases:
+            junk.add_(1)
+            t = time.perf_counter()
+            module.paged_attention(**case, plan=plans[module])
+            total += time.perf_counter() - t
+        return total
+
+    c, base = [], []
+    for _ in range(max(3, repeats // 4)):
+        c.append(sweep(cpu_attention))
+        base.append(sweep(torch_attention))
+    c_s, base_s = statistics.median(c), statistics.median(base)
+    kv_bytes = sum(lens) * KV_HEADS * HEAD_DIM * 2 * 2 * layers
+    print(f"attention decode 64 x ~164, {layers} layers, K/V from DRAM  C {1e3 * c_s:8.3f} ms  torch path "
+          f"{1e3 * base_s:8.3f} ms  C/torch {c_s / base_s:.2f}x  (C reads K/V at {kv_bytes / c_s / 1e9:.1f} GB/s)")
+
+
 def bench_linear(repeats: int) -> None:
     g = torch.Generator().manual_seed(0)
     for n, k in SHAPES:
@@ -142,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"threads {torch.get_num_threads()}; C kernel build: {cpu_attention.available() or 'ok'}; "
           f"AVX512-BF16 linear: {cpu_linear.available()}")
     bench_attention(args.repeats)
+    bench_attention_sweep(args.repeats)
     if cpu_linear.available():
         bench_linear(args.repeats)
     if cpu_linear.q4_available():
