@@ -169,10 +169,14 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
         model.load_weights(_logged(weights, t0), q4_copy=q4_copy)
         int4 = sum(len(layer.int4) for layer in model.layers)
         copies = sum(len(layer.q4_copy) for layer in model.layers)
-        if int4 or copies or model.lm_head_q8 is not None:
-            logger.info("quantization %s: %d projections in 4 bits only, %d with a 4-bit copy for steps of up to "
-                        "%d rows%s", quantization, int4, copies, cpu_linear.COPY_MAX_ROWS,
-                        ", output head with an 8-bit copy" if model.lm_head_q8 is not None else "")
+        if int4:
+            logger.info("quantization %s: %d projections computed from their 4-bit GGUF codes (no %s copy)",
+                        quantization, int4, dtype)
+        if copies or model.lm_head_q8 is not None:  # quantization none: same outputs, faster steps of 1-2 rows
+            logger.info("quantization %s: weights in %s; %d projections%s also keep the GGUF's codes (4-bit%s), "
+                        "read by steps of up to %d rows (same outputs, fewer bytes)", quantization, dtype, copies,
+                        " and the output head" if model.lm_head_q8 is not None else "",
+                        "; head 8-bit" if model.lm_head_q8 is not None else "", cpu_linear.COPY_MAX_ROWS)
     model.build_rope_cache()
     model.eval()
     model.requires_grad_(False)

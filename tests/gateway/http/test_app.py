@@ -174,7 +174,7 @@ def test_body_over_limit_is_413_and_gateway_keeps_serving(gateway):
 
 def test_unknown_path_is_openai_404(gateway):
     r = httpx.get(gateway.url + "/v1/nope")
-    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"  # as OpenAI answers
 
 
 def test_fallback_on_503_and_passthrough_of_400(gateway, upstreams):
