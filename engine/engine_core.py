@@ -40,8 +40,8 @@ logger = logging.getLogger("tandem.engine")
 
 # Token budget of one step with chunked prefill, by device. vLLM's online default (2048) on CUDA. On CPU a
 # 2048-token step of SmolLM2 takes ~1 s on 2 cores and holds every running stream and every prompt queued behind
-# it: at 512, MT-Bench at 32 streams (tandem loadtest run, 96 requests, 128 tokens) had TTFT p50 0.27-0.32x
-# that of 2048 (428-454 vs 1347-1564 ms) at the same output tok/s (0.95-1.08x), offline 64 x (100, 128) tok/s
+# it: at 512, MT-Bench at 32 streams (tandem loadtest run, 96 requests, 128 tokens) had TTFT p50 0.29-0.32x
+# that of 2048 (428-454 vs 1347-1564 ms) at the same output tok/s (1.02-1.08x), offline 64 x (100, 128) tok/s
 # 0.98-1.14x and a 2000-token prompt's prefill 0.98-1.00x the time (interleaved runs, 2-core box).
 _DEFAULT_CHUNKED_BUDGET = {"cpu": 512, "cuda": 2048}
 

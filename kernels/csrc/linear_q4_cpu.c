@@ -17,8 +17,9 @@
  * bfloat16 micro-kernel (bf16_panel.h) on them. So its outputs are bitwise
  * those of linear_bf16 on the dequantized weights, for any number of rows,
  * while reading 5 bits per weight (codes, and the float16 d and m per 32
- * as GGUF stores them) instead of 16: a single stream, bound
- * by reading the weights, reads under a third of the bytes.
+ * as GGUF stores them) instead of 16. A step of one or two rows is then
+ * bound by rebuilding the weights (the arithmetic below, ~8 vector
+ * operations per 32 weights), no longer by reading them.
  *
  * Packed layout, per panel of 64 output columns and block of 32 inputs:
  * codes [16 input pairs][4 groups of 16 columns][16 bytes], byte j of a group
