@@ -186,8 +186,9 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (a power of two)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step, tokens (None: 512 on CPU, 2048 on CUDA with chunked prefill, "
-                        "else max_model_len)")
+                   help="most tokens one engine step computes: running decodes first, then prompt chunks "
+                        "(chunked prefill). Default: 512 on CPU, 2048 on CUDA, never below --max-num-seqs; "
+                        "with chunked prefill off, at least max_model_len")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + completion limit, tokens (None: the model's, capped by the KV pool)")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache pool size on CPU, bytes or e.g. 2GiB, 512MiB")

@@ -173,10 +173,12 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
             logger.info("quantization %s: %d projections computed from their 4-bit GGUF codes (no %s copy)",
                         quantization, int4, dtype)
         if copies or model.lm_head_q8 is not None:  # quantization none: same outputs, faster steps of 1-2 rows
-            logger.info("quantization %s: weights in %s; %d projections%s also keep the GGUF's codes (4-bit%s), "
-                        "read by steps of up to %d rows (same outputs, fewer bytes)", quantization, dtype, copies,
-                        " and the output head" if model.lm_head_q8 is not None else "",
-                        "; head 8-bit" if model.lm_head_q8 is not None else "", cpu_linear.COPY_MAX_ROWS)
+            mib = sum(packed.nbytes for layer in model.layers for packed, _, _ in layer.q4_copy.values()) / 2**20
+            head = model.lm_head_q8
+            logger.info("weights in %s (quantization %s); for decode steps of up to %d sequences the engine also "
+                        "keeps the GGUF's 4-bit codes of %d projections (+%.0f MiB)%s and reads them instead: same "
+                        "outputs, fewer bytes", dtype, quantization, cpu_linear.COPY_MAX_ROWS, copies, mib,
+                        "" if head is None else f" and the 8-bit output head (+{head.nbytes / 2**20:.0f} MiB)")
     model.build_rope_cache()
     model.eval()
     model.requires_grad_(False)

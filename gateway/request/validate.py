@@ -32,8 +32,9 @@ _RANGES = {
     "temperature": (0, None, True), "top_p": (0, 1, False), "presence_penalty": (-2, 2, True),
     "frequency_penalty": (-2, 2, True), "min_p": (0, 1, True), "n": (1, None, True), "max_tokens": (1, None, True),
     "max_completion_tokens": (1, None, True), "top_logprobs": (0, 20, True),
+    "logprobs": (0, 20, True),  # completions' integer (vLLM's max_logprobs; OpenAI's is 5); chat's is a bool
 }
-_INTEGER_FIELDS = frozenset({"n", "max_tokens", "max_completion_tokens", "top_logprobs"})
+_INTEGER_FIELDS = frozenset({"n", "max_tokens", "max_completion_tokens", "top_logprobs", "logprobs"})
 _COMPLETION = {**_COMMON, "logprobs": (int,), "echo": (bool,), "suffix": (str,), "best_of": (int,)}
 
 # Fields the local engine cannot serve: a request carrying one must be routed

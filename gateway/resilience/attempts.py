@@ -75,13 +75,14 @@ class _Run:
     """State of one request's attempt loop (see the module docstring)."""
 
     def __init__(self, candidates, attempt, *, stream, policy, breakers, health, limiter, required_len, request_id,
-                 tokens, on_finish, batch_events):
+                 tokens, on_finish, batch_events, prompt_param=None):
         self.candidates: list[Candidate] = list(candidates)
         self.attempt_fn = attempt
         self.stream = stream
         self.policy = policy
         self.breakers, self.health, self.limiter = breakers, health, limiter
         self.required_len, self.request_id, self.tokens = required_len, request_id, tokens
+        self.prompt_param = prompt_param
         self.on_finish = on_finish
         self.batch = batch_events
         self.start = time.monotonic()
@@ -353,9 +354,11 @@ class _Run:
         if not called and self.skips and all(why == "too_small" for why, _ in self.skips.values()):
             res.status = 400
             largest = max((c.max_model_len for c in self.candidates if c.max_model_len is not None), default=None)
-            limit = f"This route's largest context is {largest} tokens (max_model_len); " if largest else ""
-            res.body = error_body(400, f"{limit}the prompt needs {self.required_len} tokens, and no available "
-                                  f"target of this route has a context that large.", code="context_length_exceeded")
+            limit = f"This model's maximum context length is {largest} tokens. However, " if largest else ""
+            res.body = error_body(400, f"{limit}your {self.prompt_param or 'prompt'} resulted in {self.required_len} "
+                                  f"tokens, and no available backend of this route takes that many. Please reduce "
+                                  f"the length of the {self.prompt_param or 'prompt'}.", param=self.prompt_param,
+                                  code="context_length_exceeded")
             return res
         if (isinstance(last, NoCandidate) and not last.round_over) or not called:
             why = [w for w, _ in self.skips.values()]
@@ -400,7 +403,7 @@ async def call_with_fallback(candidates: list[Candidate],
                              stream: bool = False, policy: RetrySettings | None = None, breakers=None, health=None,
                              limiter=None, required_len: int | None = None, request_id: str = "", tokens: int = 0,
                              on_finish: Callable[[Result], Any] | None = None,
-                             batch_events: bool = False) -> Result:
+                             batch_events: bool = False, prompt_param: str | None = None) -> Result:
     """Run one request across ``candidates`` (route order) and return what the client should get.
 
     attempt(candidate) performs one upstream call and returns an ``UpstreamResponse`` for ANY status (raising only
@@ -411,9 +414,11 @@ async def call_with_fallback(candidates: list[Candidate],
     on_finish(result): called once a committed stream has ended (cleanly, with an error, or by a disconnect).
     batch_events: a committed stream yields every complete event read so far as one item (one write downstream
     per upstream read) instead of one item per event; the bytes are the same.
+    prompt_param: the body field that holds the prompt ("messages" or "prompt"), named by the 400 when no
+    candidate's context fits ``required_len``, as OpenAI's ``context_length_exceeded`` does.
     Never raises for upstream failures; a cancelled caller cancels the upstream call.
     """
     run = _Run(candidates, attempt, stream=stream, policy=policy or RetrySettings(), breakers=breakers, health=health,
                limiter=limiter, required_len=required_len, request_id=request_id, tokens=tokens, on_finish=on_finish,
-               batch_events=batch_events)
+               batch_events=batch_events, prompt_param=prompt_param)
     return await run.execute()

@@ -116,6 +116,16 @@ def test_out_of_range_values_get_openai_codes_before_routing(field, value, code)
     assert str(value) in e.value.message
 
 
+@pytest.mark.parametrize("value, code", [(50, "integer_above_max_value"), (-1, "integer_below_min_value")])
+def test_completions_logprobs_out_of_range_gets_openai_code(value, code):
+    with pytest.raises(ClientError) as e:
+        check_request({"model": "m", "prompt": "hi", "logprobs": value}, "completions", None)
+    assert (e.value.status, e.value.param, e.value.code) == (400, "logprobs", code)
+    assert check_request({"model": "m", "prompt": "hi", "logprobs": 20}, "completions", None)
+    assert check_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+                         "chat/completions", None)
+
+
 def test_in_range_edges_pass_and_empty_messages_is_empty_array():
     ok = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": 1, "temperature": 3.0,
           "presence_penalty": -2, "max_tokens": 1, "n": 1, "top_logprobs": 0}

@@ -259,10 +259,12 @@ async def test_candidates_too_small_are_skipped(client, primary, fallback):
     cands = [cand(primary, max_model_len=1024), cand(fallback, max_model_len=32768)]
     res = await call_with_fallback(cands, attempt_fn(client, False), required_len=4000, policy=FAST)
     assert res.status == 200 and res.candidate.name == "fallback" and primary.calls == 0
-    res = await call_with_fallback(cands, attempt_fn(client, False), required_len=40000, policy=FAST)
+    res = await call_with_fallback(cands, attempt_fn(client, False), required_len=40000, policy=FAST,
+                                   prompt_param="messages")
     error = json.loads(res.body)["error"]
-    assert res.status == 400 and error["code"] == "context_length_exceeded"
-    assert "largest context is 32768 tokens" in error["message"] and "prompt needs 40000 tokens" in error["message"]
+    assert res.status == 400 and error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert "maximum context length is 32768 tokens" in error["message"]
+    assert "messages resulted in 40000 tokens" in error["message"]
 
 
 async def test_malformed_json_falls_back(client, primary, fallback):
