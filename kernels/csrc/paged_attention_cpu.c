@@ -188,28 +188,27 @@ static inline __attribute__((always_inline)) void pv_generic(
     }
 }
 
-/* Ask for the K and V rows of KV head g at positions 0..ctx, ahead of their
- * use, into L2 (x86: PREFETCHT1). A decode row reads its context once per layer,
- * in blocks scattered over the pool, from DRAM (the step's weights passed
- * through the caches since the last layer): waiting on each block in turn
- * held a 64-sequence decode batch to ~10 GB/s; asking for the whole context
- * first (~40 KB of rows at 150 positions, head_dim 64) took a 30-layer sweep
- * of that batch to 0.70-0.78x the time (the two builds alternated; the
- * sweep is in loadtests/bench/kernels_cpu.py) and offline 64 x (100, 128)
- * to 1.04-1.07x tok/s. Only decode rows ask: a prompt's rows share their
- * context, which is in cache after the first. */
-static inline __attribute__((always_inline)) void prefetch_kv(const char *key_cache, const char *value_cache,
-                                                              const int32_t *table, int64_t g, int64_t ctx,
-                                                              int64_t head_dim, int64_t block_size,
-                                                              int64_t slot_stride, int64_t elem) {
+/* Ask for the rows of KV head g at positions 0..ctx of one cache (keys or
+ * values), ahead of their use, into L2 (x86: PREFETCHT1). A decode row reads
+ * its context once per layer, in blocks scattered over the pool, from DRAM
+ * (the step's weights passed through the caches since the last layer):
+ * waiting on each block in turn held a 64-sequence decode batch to ~10 GB/s.
+ * Asking for all the keys when the row starts and for all the values once
+ * its scores are done took a 30-layer sweep of that batch to ~0.65x the time
+ * (the two builds alternated; the sweep is in loadtests/bench/kernels_cpu.py:
+ * keys and values together at the start 0.70-0.78x, then the values after
+ * the scores 0.86-0.88x of that; keys into L1 instead 1.24-1.38x, worse).
+ * Only decode rows ask: a prompt's rows share their context, which is in
+ * cache after the first. */
+static inline __attribute__((always_inline)) void prefetch_context(const char *cache, const int32_t *table, int64_t g,
+                                                                   int64_t ctx, int64_t head_dim, int64_t block_size,
+                                                                   int64_t slot_stride, int64_t elem) {
     for (int64_t i0 = 0; i0 < ctx; i0 += block_size) {
         const int64_t base = (((int64_t)table[i0 / block_size] * block_size) * slot_stride + g * head_dim) * elem;
         const int64_t n = ctx - i0 < block_size ? ctx - i0 : block_size;
         for (int64_t o = 0; o < n; o++)
-            for (int64_t b = 0; b < head_dim * elem; b += 64) {
-                __builtin_prefetch(key_cache + base + o * slot_stride * elem + b, 0, 2);   /* x86: PREFETCHT1 */
-                __builtin_prefetch(value_cache + base + o * slot_stride * elem + b, 0, 2);
-            }
+            for (int64_t b = 0; b < head_dim * elem; b += 64)
+                __builtin_prefetch(cache + base + o * slot_stride * elem + b, 0, 2);
     }
 }
 
@@ -228,7 +227,7 @@ static inline __attribute__((always_inline)) void attend_item(
     const int fast_qk = 0;
 #endif
     if (decode)
-        prefetch_kv(key_cache, value_cache, table, g, ctx, head_dim, block_size, slot_stride, elem);
+        prefetch_context(key_cache, table, g, ctx, head_dim, block_size, slot_stride, elem);
     if (!fast_qk) /* the portable path reads the query in float32 */
         for (int64_t j = 0; j < group * head_dim; j++) qf[j] = LOAD(query, q0 + j);
     for (int64_t i0 = 0; i0 < ctx; i0 += block_size) {  /* one cache block at a time */
@@ -248,6 +247,8 @@ static inline __attribute__((always_inline)) void attend_item(
         for (int64_t o = 0; o < n; o++)
             qk_scores(BF16, qf, k + o * slot_stride * elem, group, head_dim, scale, scores + i0 + o, ctx);
     }
+    if (decode)
+        prefetch_context(value_cache, table, g, ctx, head_dim, block_size, slot_stride, elem);
     for (int64_t h = 0; h < group; h++) softmax(scores + h * ctx, ctx);
 #if defined(__AVX512BF16__)
     if (BF16 && head_dim % 32 == 0 && group <= 8)
