@@ -167,8 +167,7 @@ def pack(weight: torch.Tensor) -> PackedLinear:
     return PackedLinear(data, n, k)
 
 
-def linear(x: torch.Tensor, packed: PackedLinear | PackedQ4Linear | PackedQ8Linear,
-           bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, packed: PackedLinear | PackedQ4Linear | PackedQ8Linear, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """[..., in] @ W.T (+ bias [out], added in float32) (+ residual [..., out]) -> [..., out].
 

@@ -197,3 +197,16 @@ def test_q8_head_gives_the_bfloat16_bits():
         cpu_linear.linear(torch.zeros(4, k, dtype=torch.bfloat16), q8)
     with pytest.raises(ValueError, match="pack_q8 takes"):
         cpu_linear.pack_q8(codes[:, :40], d)
+
+
+def test_python_row_limits_mirror_the_c_header():
+    """cpu_linear's row limits are the C kernels' (csrc/kernels.h): the head
+    and the decoder stack must switch to the quantized copies at the same
+    row count, and the 8-bit kernel refuses more rows than the header says."""
+    import re
+    from pathlib import Path
+
+    header = (Path(cpu_linear.__file__).parent / "csrc" / "kernels.h").read_text()
+    define = lambda name: int(re.search(rf"#define {name} (\d+)", header).group(1))  # noqa: E731
+    assert cpu_linear.COPY_MAX_ROWS == define("QUANT_COPY_MAX_ROWS")
+    assert cpu_linear.Q8_MAX_ROWS == define("LINEAR_Q4_DIRECT_ROWS")

@@ -101,6 +101,26 @@ def _read_model(path: str, dummy: bool, keep_int4: bool):
     return config, tokenizer, weights
 
 
+def _log_quantized(model, quantization: str, dtype: torch.dtype) -> None:
+    """Log what a GGUF's quantized weights became: projections computed from their 4-bit codes
+    (quantization gguf), or bfloat16 weights with the codes kept beside them for decode steps of a few
+    sequences (quantization none; same outputs, fewer bytes read) and what those copies cost."""
+    from kernels import cpu_linear
+
+    int4 = sum(len(layer.int4) for layer in model.layers)
+    copies = sum(len(layer.q4_copy) for layer in model.layers)
+    if int4:
+        logger.info("quantization %s: %d projections computed from their 4-bit GGUF codes (no %s copy)",
+                    quantization, int4, dtype)
+    if copies or model.lm_head_q8 is not None:
+        mib = sum(packed.nbytes for layer in model.layers for packed, _, _ in layer.q4_copy.values()) / 2**20
+        head = model.lm_head_q8
+        logger.info("weights in %s (quantization %s); for decode steps of up to %d sequences the engine also "
+                    "keeps the GGUF's 4-bit codes of %d projections (+%.0f MiB)%s and reads them instead: same "
+                    "outputs, fewer bytes", dtype, quantization, cpu_linear.COPY_MAX_ROWS, copies, mib,
+                    "" if head is None else f" and the 8-bit output head (+{head.nbytes / 2**20:.0f} MiB)")
+
+
 def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     """Build the model described by ``args.model`` on ``args.device`` in ``args.dtype``.
 
@@ -167,18 +187,7 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
         init_dummy_weights(model, getattr(args, "seed", 0))
     else:
         model.load_weights(_logged(weights, t0), q4_copy=q4_copy)
-        int4 = sum(len(layer.int4) for layer in model.layers)
-        copies = sum(len(layer.q4_copy) for layer in model.layers)
-        if int4:
-            logger.info("quantization %s: %d projections computed from their 4-bit GGUF codes (no %s copy)",
-                        quantization, int4, dtype)
-        if copies or model.lm_head_q8 is not None:  # quantization none: same outputs, faster steps of 1-2 rows
-            mib = sum(packed.nbytes for layer in model.layers for packed, _, _ in layer.q4_copy.values()) / 2**20
-            head = model.lm_head_q8
-            logger.info("weights in %s (quantization %s); for decode steps of up to %d sequences the engine also "
-                        "keeps the GGUF's 4-bit codes of %d projections (+%.0f MiB)%s and reads them instead: same "
-                        "outputs, fewer bytes", dtype, quantization, cpu_linear.COPY_MAX_ROWS, copies, mib,
-                        "" if head is None else f" and the 8-bit output head (+{head.nbytes / 2**20:.0f} MiB)")
+        _log_quantized(model, quantization, dtype)
     model.build_rope_cache()
     model.eval()
     model.requires_grad_(False)

@@ -106,7 +106,7 @@ class LlamaDecoderLayer(nn.Module):
         self.packed = PackedWeights(row_checks)
         self.int4: dict[str, Int4Linear] = {}  # quantization="gguf": projections kept in 4 bits
         # quantization="none" from a 4-bit GGUF: a 4-bit copy beside the bfloat16 weight, read by the C
-        # decoder stack for steps of up to cpu_linear.COPY_MAX_ROWS rows (the same bits from 6 bits per
+        # decoder stack for steps of up to cpu_linear.COPY_MAX_ROWS rows (the same bits from 5 bits per
         # weight instead of 16): name -> (copy, the weight it was made from, that weight's version)
         self.q4_copy: dict[str, tuple[cpu_linear.PackedQ4Linear, torch.Tensor, int]] = {}
 

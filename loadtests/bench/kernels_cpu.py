@@ -104,16 +104,16 @@ def bench_attention_sweep(repeats: int, layers: int = 30) -> None:
     rng = random.Random(0)
     lens = [rng.randrange(100, 229) for _ in range(64)]
     cases = [attention_case(lens, [1] * 64, seed=i) for i in range(layers)]
-    plans = {m: m.plan_attention(cases[0]["key_cache"], HEADS, cases[0]["query_start_loc"], cases[0]["seq_lens"],
-                                 cases[0]["block_tables"]) for m in (cpu_attention, torch_attention)}
+    plans = {m: [m.plan_attention(c["key_cache"], HEADS, c["query_start_loc"], c["seq_lens"], c["block_tables"])
+                 for c in cases] for m in (cpu_attention, torch_attention)}  # each layer its own block tables
     junk = torch.zeros(64 << 20, dtype=torch.uint8)
 
     def sweep(module) -> float:  # seconds in attention only
         total = 0.0
-        for case in cases:
+        for case, plan in zip(cases, plans[module]):
             junk.add_(1)
             t = time.perf_counter()
-            module.paged_attention(**case, plan=plans[module])
+            module.paged_attention(**case, plan=plan)
             total += time.perf_counter() - t
         return total
 
