@@ -17,6 +17,7 @@ from gateway.config.schema import ConfigError
 from gateway.backends.local import LocalBackend
 from gateway.backends.replicas import ReplicaLoads
 from gateway.resilience.layer import Resilience
+from gateway.billing.journal import Journal
 from gateway.billing.usage import UsageLedger
 from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
@@ -82,7 +83,8 @@ class Gateway:
         self._mtime = self._stat()
         cfg = initial.config
         self.resilience = Resilience(cfg)   # limits, breakers, health: shared state lives as long as the process
-        self.usage = UsageLedger(self.resilience.state, cfg.budgets.reservation_ttl_s)   # usage and budgets
+        self.usage = UsageLedger(self.resilience.state, cfg.budgets.reservation_ttl_s,   # usage and budgets
+                                 cfg.budgets.record_ttl_s, Journal(cfg.budgets.journal_path))
         self.obs = Observability(cfg, self.usage, self.live_gauges)   # metrics, traces, request logs
         self.replicas = ReplicaLoads(self.obs.registry)   # load of prefix_affinity routes' engine replicas
         if cfg.state.redis_url:
@@ -112,6 +114,11 @@ class Gateway:
         elif self.snapshot.local is not None:
             self.snapshot.local.unavailable_reason, self.snapshot.local.loading = "engine not started", False
         self.resilience.start(lambda: self.snapshot.backends)
+        if len(self.usage.journal):      # settles a previous run journaled during an outage
+            try:
+                await self.usage.replay()
+            except Exception as e:  # noqa: BLE001 -- Redis down: the next rejoin replays them
+                log.warning("usage journal replay at start failed: %s", e)
         self.replicas.start()
         self._tasks.append(asyncio.create_task(self._watch_loop()))
         if self.ledger.shared:

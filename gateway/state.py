@@ -103,6 +103,12 @@ class SharedState:
             return fallback()
         return decode(result)
 
+    async def redis_script(self, name: str, lua: str, keys: list[str], args: list[Any]) -> Any:
+        """Run script ``lua`` on Redis or raise (no fallback, the state's mode unchanged): for a replay that
+        must reach Redis or wait. Bounded by ``config.socket_timeout_s``."""
+        async with asyncio.timeout(self.config.socket_timeout_s):
+            return await self.script(name, lua)(keys=keys, args=args)
+
     async def call(self, fn: Callable[[Any], Awaitable[T]], fallback: Callable[[], T]) -> T:
         """Run ``fn(redis_client)`` (plain commands) with the same timeout and fallback rules as ``run``."""
         if self.redis is None or self.degraded:

@@ -18,6 +18,12 @@ otherwise and while Redis is down), keys ``<prefix>:<kind>:<id>`` with TTLs:
   request id -> expiry ms). Period ids: ``d20261129`` (day) or ``m202611``
   (month), UTC.
 
+- ``<prefix>:ledger:<tenant>:<YYYYMMDD>`` (hash, TTL ``budgets.record_ttl_s``):
+  request id -> its usage record ``backend|in|out|cached|nusd|flags`` (flags:
+  ``e`` usage estimated, ``d`` client disconnected). One record per request:
+  the settle script writes it first (``HSETNX``) and does nothing else when it
+  exists, so a settle replayed or run twice counts once.
+
 Budgets: before a request is forwarded, ``reserve`` atomically (one Lua
 script) checks ``spent + reserved + estimate <= budget`` and adds the
 estimate to ``reserved``; otherwise the request gets 429 ``budget_exceeded``.
@@ -25,11 +31,22 @@ The estimate is the request's estimated prompt tokens and its ``max_tokens``
 (or ``limits.default_completion_tokens``) at the highest prices among the
 decision's targets. ``settle`` replaces the reservation with the real cost
 (also one script) and adds the usage. A reservation never settled (a replica
-crashed) expires after ``budgets.reservation_ttl_s``.
+crashed) expires after ``budgets.reservation_ttl_s``. The reserve script
+carries its caller's deadline (wall-clock ms: now + ``state.socket_timeout_s``)
+and does nothing once Redis's own clock is past it: a script queued behind a
+slow Redis, whose caller already gave up and went on in process, holds nothing.
+
+Redis outage (``SharedState`` degraded): a settle goes to the in-process twin
+and to the local journal (``gateway/billing/journal.py``), replayed on rejoin.
+Budgets are checked in process against the last remaining budget this replica
+read from Redis (``spent + reserved`` of the last reserve) plus its own spend
+since; with ``state.fail_closed_limits`` a tenant with a budget gets 503
+``budget_unavailable`` instead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as _dt
 import functools
 import logging
@@ -37,6 +54,8 @@ import time
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Any
+
+from gateway.billing.journal import Journal, JournalEntry
 
 log = logging.getLogger("tandem.gateway.usage")
 
@@ -178,9 +197,14 @@ def _days(since: _dt.date, now_s: float) -> list[str]:
     return [(start + _dt.timedelta(days=i)).strftime("%Y%m%d") for i in range(n + 1)] if n >= 0 else []
 
 
-# KEYS: budget hash, reservations zset. ARGV: now_ms, request id, estimate nusd, budget nusd, key ttl s, hold ms.
-# Returns {admitted 1/0, spent, reserved} (before this reservation).
+# KEYS: budget hash, reservations zset. ARGV: now_ms, request id, estimate nusd, budget nusd, key ttl s, hold ms,
+# deadline ms (the caller's wall clock; past it on Redis's clock the caller has given up: -1, nothing done).
+# Returns {admitted 1/0, spent, reserved} (before this reservation), or {-1, 0, 0} when late.
 _RESERVE_LUA = """
+local t = redis.call('TIME')
+if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(ARGV[7]) then
+  return {-1, 0, 0}
+end
 local now = tonumber(ARGV[1])
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
 for _, rid in ipairs(expired) do
@@ -216,10 +240,13 @@ end
 """
 
 
-# KEYS: usage day hash, tenants set, budget hash ('' slot unused when no budget), reservations zset.
+# KEYS: usage day hash, tenants set, budget hash ('' slot unused when no budget), reservations zset, ledger hash.
 # ARGV: backend, requests, in, out, cached, nusd, usage ttl s, tenant, request id ('' = no reservation),
-#       budget key ttl s ('0' = no budget).
+#       budget key ttl s ('0' = no budget), request id (the record's key), record, record ttl s.
+# Returns 1, or 0 when the request's record exists already (settled before: nothing done).
 _SETTLE_LUA = """
+if redis.call('HSETNX', KEYS[5], ARGV[11], ARGV[12]) == 0 then return 0 end
+redis.call('EXPIRE', KEYS[5], ARGV[13])
 local b = ARGV[1]
 redis.call('HINCRBY', KEYS[1], b .. '|req', ARGV[2])
 redis.call('HINCRBY', KEYS[1], b .. '|in', ARGV[3])
@@ -284,13 +311,38 @@ class BudgetCheck:
     reserved_nusd: int = 0
     budget_nusd: int = 0
     resets_in_s: float = 0.0
+    unavailable: bool = False      # fail-closed: Redis unreachable, the budget cannot be checked
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """The one usage record of an answered request: tokens (OpenAI's names) and cost ``nusd`` (nano-USD) of
+    ``backend``'s answer to ``tenant``; ``estimated``: counted by the gateway (the backend gave no usage);
+    ``disconnected``: the client left a stream before its end (billed for what it was sent)."""
+
+    request_id: str
+    tenant: str
+    backend: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    nusd: int
+    estimated: bool = False
+    disconnected: bool = False
+
+    def encode(self) -> str:
+        """``backend|in|out|cached|nusd|flags``, as the ledger hash stores it."""
+        flags = ("e" if self.estimated else "") + ("d" if self.disconnected else "")
+        return (f"{self.backend}|{int(self.prompt_tokens)}|{int(self.completion_tokens)}|{int(self.cached_tokens)}"
+                f"|{int(self.nusd)}|{flags}")
 
 
 @dataclass
 class _MemBudget:
-    spent: int = 0
+    spent: int = 0                 # in process: all spend (no Redis); degraded: this replica's spend since ``base``
     reserved: int = 0
     holds: dict[str, tuple[int, int]] = field(default_factory=dict)   # request id -> (nusd, expiry ms)
+    base: int = 0                  # spent + reserved in Redis at this replica's last reserve there (0: no Redis)
 
 
 def tenant_label(tenant: str) -> str:
@@ -305,16 +357,27 @@ class UsageLedger:
         state: ``gateway.state.SharedState`` (its ``run`` gives atomic Lua on
             Redis with the in-process fallback while Redis is unreachable).
         reservation_ttl_s: seconds after which an unsettled reservation lapses.
+        record_ttl_s: seconds a request's usage record is kept in Redis (the
+            window in which a replayed settle is recognised).
+        journal: where settles made during an outage wait for Redis.
     """
 
-    def __init__(self, state, reservation_ttl_s: float = 600.0):
+    def __init__(self, state, reservation_ttl_s: float = 600.0, record_ttl_s: float = 8 * 86400,
+                 journal: Journal | None = None):
         self.state = state
         self.reservation_ttl_s = reservation_ttl_s
+        self.record_ttl_s = record_ttl_s
+        self.journal = journal if journal is not None else Journal()
+        self.replays = 0               # journal entries replayed onto Redis (a duplicate included)
+        self._replaying = asyncio.Lock()
+        if getattr(state, "redis", None) is not None:
+            state.on_rejoin(self.replay)
         # The in-process fallback lives in the state's own memory (one per process, like the other fallbacks).
         mem = getattr(state, "memory", None)
         mem = mem if isinstance(mem, dict) else {}
         self._usage: dict[tuple[str, str], dict[str, int]] = mem.setdefault("usage:days", {})  # (tenant, day) -> counts
         self._budgets: dict[str, _MemBudget] = mem.setdefault("usage:budgets", {})            # budget key -> state
+        self._records: dict[str, dict[str, str]] = mem.setdefault("usage:records", {})        # ledger key -> records
 
     def _bkeys(self, tenant: str, pid: str) -> tuple[str, str]:
         k = self.state.key("budget", f"{tenant_label(tenant)}:{pid}")
@@ -334,23 +397,36 @@ class UsageLedger:
         bkey, rkey = self._bkeys(tenant, pid)
         est = max(0, int(estimate_nusd))
         now_ms = int(now * 1000)
+        shared = self.state.redis is not None
+        fail_closed = shared and self.state.config.fail_closed_limits
 
         def local() -> list[int]:
+            if fail_closed:            # Redis unreachable: no budget decision in process
+                return [-2, 0, 0]
             b = self._budgets.setdefault(bkey, _MemBudget())
             for rid, (amount, exp) in list(b.holds.items()):
                 if exp <= now_ms:
                     b.reserved -= amount
                     del b.holds[rid]
-            if b.spent + b.reserved + est > limit:
-                return [0, b.spent, b.reserved]
-            spent, reserved = b.spent, b.reserved
+            # degraded: what Redis last said was used, plus this replica's own spend and holds since
+            spent, reserved = b.base + b.spent, b.reserved
+            if spent + reserved + est > limit:
+                return [0, spent, reserved]
             b.reserved += est
             b.holds[request_id] = (est, now_ms + hold_ms)
             return [1, spent, reserved]
 
+        deadline_ms = int(time.time() * 1000 + self.state.config.socket_timeout_s * 1000)   # Redis's clock
         raw = await self.state.run("usage_reserve", _RESERVE_LUA, [bkey, rkey],
-                                   [now_ms, request_id, est, limit, ttl, hold_ms], local)
+                                   [now_ms, request_id, est, limit, ttl, hold_ms, deadline_ms], local)
         ok, spent, reserved = int(raw[0]), int(raw[1]), int(raw[2])
+        if ok == -1:                   # Redis ran it past our deadline (clock skew or a stall): decide in process
+            log.warning("budget reserve of %s ran past its deadline on redis: checked in process", request_id)
+            ok, spent, reserved = local()
+        if ok == -2:
+            return BudgetCheck(False, None, 0, 0, limit, self.state.config.reconnect_max_s, unavailable=True)
+        if shared and not self.state.degraded:      # remember Redis's view for an outage
+            self._budgets.setdefault(bkey, _MemBudget()).base = spent + reserved
         res = BudgetReservation(tenant, request_id, budget.period, pid, est) if ok else None
         return BudgetCheck(bool(ok), res, spent, reserved, limit, end - now)
 
@@ -384,17 +460,20 @@ class UsageLedger:
         return spent, reserved, limit
 
     # -- accounting ----------------------------------------------------------------------------------------------
-    async def settle(self, tenant: str, backend: str, prompt_tokens: int, completion_tokens: int,
-                     cached_tokens: int, nusd: int, reservation: BudgetReservation | None = None,
-                     budget: Budget | None = None, now_s: float | None = None) -> None:
-        """Account one response (tokens, ``nusd`` nano-USD) to ``tenant`` and
-        ``backend`` for today (UTC); with a ``reservation``, replace it by the
-        real cost in the budget of its period."""
+    async def settle(self, record: UsageRecord, reservation: BudgetReservation | None = None,
+                     budget: Budget | None = None, now_s: float | None = None) -> bool:
+        """Account one request's usage ``record`` to its tenant and backend for
+        today (UTC); with a ``reservation``, replace it by the real cost in the
+        budget of its period. Once per request id: returns False (nothing done)
+        when its record exists already. While Redis is unreachable the settle
+        is applied in process and journaled for replay (returns True)."""
         now = time.time() if now_s is None else now_s
+        tenant, backend, nusd = record.tenant, record.backend, record.nusd
         t = tenant_label(tenant)
         day = _utc_day(int(now // 86400))
         ukey = self.state.key("usage", f"{t}:{day}")
         tkey = self.state.key("usage", "tenants")
+        lkey = self.state.key("ledger", f"{t}:{day}")
         period = reservation.period if reservation is not None else (budget.period if budget else None)
         if period is not None:
             pid = reservation.period_id if reservation is not None else period_id(period, now)
@@ -403,9 +482,19 @@ class UsageLedger:
         else:
             bkey, rkey, bttl = ukey, tkey, 0          # unused slots (the script ignores them)
         rid = reservation.request_id if reservation is not None else ""
-        vals = [1, int(prompt_tokens), int(completion_tokens), int(cached_tokens), int(nusd)]
+        vals = [1, int(record.prompt_tokens), int(record.completion_tokens), int(record.cached_tokens), int(nusd)]
+        keys = [ukey, tkey, bkey, rkey, lkey]
+        args = [backend, *vals, USAGE_TTL_S, t, rid, bttl, record.request_id, record.encode(),
+                int(self.record_ttl_s)]
 
         def local() -> int:
+            records = self._records.get(lkey)
+            if records is None:
+                self._prune_records(day)
+                records = self._records[lkey] = {}
+            if record.request_id in records:
+                return 0
+            records[record.request_id] = record.encode()
             u = self._usage.setdefault((t, day), {})
             for f, v in zip(_FIELDS, vals):
                 u[f"{backend}|{f}"] = u.get(f"{backend}|{f}", 0) + v
@@ -414,10 +503,69 @@ class UsageLedger:
                 if rid and rid in b.holds:
                     b.reserved -= b.holds.pop(rid)[0]
                 b.spent += int(nusd)
+            if self.state.redis is not None:   # degraded: Redis gets it on rejoin
+                self.journal.append(JournalEntry(record.request_id, keys, args, int(nusd)))
             return 1
 
-        await self.state.run("usage_settle", _SETTLE_LUA, [ukey, tkey, bkey, rkey],
-                             [backend, *vals, USAGE_TTL_S, t, rid, bttl], local)
+        done = await self.state.run("usage_settle", _SETTLE_LUA, keys, args, local)
+        if rid and self.state.redis is not None and not self.state.degraded:
+            b = self._budgets.get(bkey)   # a hold taken in process during an outage, settled on Redis
+            if b is not None and rid in b.holds:
+                b.reserved -= b.holds.pop(rid)[0]
+        return bool(int(done))
+
+    def _prune_records(self, day: str) -> None:
+        """In process, keep the records of ``day`` and the day before only (enough to recognise a repeat)."""
+        prev = _utc_day(int(_dt.datetime.strptime(day, "%Y%m%d").replace(tzinfo=_dt.timezone.utc).timestamp()
+                            // 86400) - 1)
+        for k in [k for k in self._records if k.rpartition(":")[2] not in (day, prev)]:
+            del self._records[k]
+
+    async def replay(self) -> int:
+        """Push the journal onto Redis (the state's rejoin hook; also run at start): each entry through the
+        settle script, which skips a request already recorded. Returns the entries replayed; those Redis did
+        not take (it went away again) stay in the journal."""
+        if self.state.redis is None:
+            return 0
+        async with self._replaying:
+            entries = self.journal.take()
+            done = 0
+            try:
+                for e in entries:
+                    await self.state.redis_script("usage_settle", _SETTLE_LUA, e.keys, e.args)
+                    done += 1
+            except Exception as exc:  # noqa: BLE001 -- Redis gone again: the rest waits for the next rejoin
+                log.warning("usage journal replay stopped after %d of %d: %s", done, len(entries), exc)
+                self.journal.put_back(entries[done:])
+            else:
+                self.journal.compact()
+            self.replays += done
+            self._rebase(entries[:done])
+            if done:
+                log.warning("usage journal: %d settles made during the outage replayed onto redis", done)
+            return done
+
+    def _rebase(self, replayed: list[JournalEntry]) -> None:
+        """The in-process spend that is now in Redis moves into each budget's ``base`` (the next reserve on
+        Redis refreshes it), so a next outage does not count it twice."""
+        for e in replayed:
+            bkey, bttl = e.keys[2], int(e.args[9])
+            b = self._budgets.get(bkey) if bttl else None
+            if b is not None:
+                b.spent -= e.nusd
+                b.base += e.nusd
+
+    async def records(self, tenant: str, now_s: float | None = None) -> dict[str, UsageRecord]:
+        """The usage records of ``tenant``'s UTC day of ``now_s``: request id -> record (Redis, or in process)."""
+        now = time.time() if now_s is None else now_s
+        t = tenant_label(tenant)
+        lkey = self.state.key("ledger", f"{t}:{_utc_day(int(now // 86400))}")
+
+        async def read(r) -> dict[str, str]:
+            return await r.hgetall(lkey)
+
+        raw = await self.state.call(read, lambda: dict(self._records.get(lkey, {})))
+        return {rid: decode_record(rid, t, v) for rid, v in raw.items()}
 
     async def report(self, tenant: str | None = None, since: str | None = None,
                      now_s: float | None = None) -> dict:
@@ -468,6 +616,13 @@ class UsageLedger:
             tenants[t] = {"backends": {b: _row(row) for b, row in sorted(backends.items())}, **_row(tsum)}
         until = _dt.datetime.fromtimestamp(now, _dt.timezone.utc).date()
         return {"since": start.isoformat(), "until": until.isoformat(), "tenants": tenants, **_row(total)}
+
+
+def decode_record(request_id: str, tenant: str, value: str) -> UsageRecord:
+    """A ledger hash value (``UsageRecord.encode``) back into the record."""
+    backend, p, c, cached, nusd, flags = value.rsplit("|", 5)
+    return UsageRecord(request_id, tenant, backend, int(p), int(c), int(cached), int(nusd), "e" in flags,
+                       "d" in flags)
 
 
 def _row(r: dict[str, int]) -> dict:

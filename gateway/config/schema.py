@@ -72,7 +72,7 @@ class StateSettings(_Strict):
     key_prefix: str = "tandem"
     sync_interval_s: float = Field(1.0, gt=0)   # how often a replica polls the config version
     socket_timeout_s: float = Field(0.5, gt=0)   # the longest any one Redis call may take, connecting included
-    fail_closed_limits: bool = False       # Redis down: reject rate-limited requests (503) instead of local limits
+    fail_closed_limits: bool = False       # Redis down: reject rate-limited and budgeted requests (503)
     max_connections: int = Field(64, ge=1)
     reconnect_min_s: float = Field(0.25, gt=0)   # first wait between reconnect attempts after an outage
     reconnect_max_s: float = Field(5.0, gt=0)
@@ -314,6 +314,8 @@ class TenantBudget(_Strict):
 
 class BudgetsConfig(_Strict):
     reservation_ttl_s: float = Field(600.0, gt=0)   # an unsettled reservation lapses after this long
+    record_ttl_s: float = Field(8 * 86400.0, gt=0)  # a request's usage record stays in Redis this long (dedupe)
+    journal_path: str | None = None        # file keeping the settles of a Redis outage across a restart
     tenants: dict[str, TenantBudget] = {}
 
 

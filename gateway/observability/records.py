@@ -14,6 +14,7 @@ from gateway.sse import EventReader
 
 
 class _Choice(msgspec.Struct):
+    index: int = 0
     finish_reason: str | None = None
     text: str | None = None
     delta: dict | None = None
@@ -72,8 +73,9 @@ class RequestRecord:
     usage: dict | None = None
     response_model: str | None = None
     finish_reasons: list[str] = field(default_factory=list)
-    content_events: int = 0
-    completion_text: list[str] | None = None
+    texts: dict[int, list[str]] = field(default_factory=dict)   # choice index -> generated text pieces, in order
+    strip_usage: bool = False              # a stream whose client did not ask for usage: its usage chunk is dropped
+    disconnected: bool = False             # the client left a committed stream before its end
     error: str | None = None
     finished: bool = False
     events: EventReader = field(default_factory=EventReader)   # the committed stream's events, as read

@@ -20,7 +20,9 @@ from typing import Callable
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from gateway.billing.usage import NANO, Budget, Price, UsageLedger, cost_nusd, tenant_label, usage_tokens
+from gateway.billing.counting import choice_pieces, client_wants_usage, count_completion, counter_for
+from gateway.billing.usage import (NANO, Budget, Price, UsageLedger, UsageRecord, cost_nusd, tenant_label,
+                                   usage_tokens)
 from gateway.errors import ClientError, transport_error_kind
 from gateway.observability.metrics import BREAKER_VALUES, GatewayMetrics, LiveGauges
 from gateway.observability.records import (AttemptRecord, RequestRecord, decode_answer, include_prompts,
@@ -132,6 +134,7 @@ class Observability:
         rec.route, rec.rule, rec.stream, rec.max_tokens, rec.body = (decision.route, decision.rule, req.stream,
                                                                      req.max_tokens, body)
         rec.prompt_estimate = req.prompt_tokens
+        rec.strip_usage = req.stream and not client_wants_usage(body)   # the gateway asked for it, not the client
         if rec.span is not None:
             rec.span.update_name(f"{OPERATIONS.get(rec.endpoint, rec.endpoint)} {req.model}")
             attrs = {"gen_ai.request.model": req.model, "tandem.route": decision.route,
@@ -223,8 +226,8 @@ class Observability:
                 ans = decode_answer(content)
                 rec.usage, rec.response_model = ans.usage, ans.model
                 rec.finish_reasons = [c.finish_reason for c in ans.choices if c.finish_reason]
-                if include_prompts(rec.snap):
-                    rec.completion_text = [((c.message or {}).get("content") or c.text or "") for c in ans.choices]
+                for c in ans.choices:    # counted when the backend gave no usage; logged with include_prompts
+                    rec.texts.setdefault(c.index, []).extend(choice_pieces(c))
             except (msgspec.DecodeError, msgspec.ValidationError):
                 pass
         await self._complete(rec, status)
@@ -234,8 +237,6 @@ class Observability:
         """Wrap a committed SSE stream: TTFT, usage and finish reasons from its
         events, redaction of error events; accounting when it ends."""
         rec.backend = backend
-        if include_prompts(rec.snap):
-            rec.completion_text = []
         return self._relay(rec, it)
 
     async def _relay(self, rec: RequestRecord, it):
@@ -245,13 +246,18 @@ class Observability:
             async for chunk in it:
                 if rec.ttft_s is None:
                     rec.ttft_s = time.perf_counter() - rec.t0
-                self._scan(rec, chunk)
+                kept = self._scan(rec, chunk)
+                if rec.strip_usage:      # the client did not ask for the usage chunk the gateway asked for
+                    chunk = kept
                 if b'"error"' in chunk:
                     chunk = self.redactor().bytes(chunk, [rec.client_token] if rec.client_token else [])
-                yield chunk
+                if chunk:
+                    yield chunk
             exhausted = True             # the inner iterator has finished (and cleaned up) on its own
+            if rec.strip_usage and (tail := rec.events.tail()) is not None:
+                yield tail[0]
         except (asyncio.CancelledError, GeneratorExit):
-            status = 499
+            status, rec.disconnected = 499, True      # billed for what it was sent (``_complete``)
             raise
         finally:
             aclose = None if exhausted else getattr(it, "aclose", None)
@@ -265,33 +271,40 @@ class Observability:
             except BaseException:  # noqa: BLE001 -- cancelled: the task finishes on its own
                 pass
 
-    def _scan(self, rec: RequestRecord, chunk: bytes) -> None:
+    def _scan(self, rec: RequestRecord, chunk: bytes) -> bytes:
+        """Read the events of ``chunk``: usage, text per choice, finish reasons, errors. Returns the relay bytes
+        of its complete events without a usage-only event (a chunk with ``usage`` and no choices)."""
         reader = rec.events
         reader.feed(chunk)
+        kept: list[bytes] = []
         while (item := reader.pop()) is not None:
             data = item[1]
             if data == b"[DONE]":
+                kept.append(item[0])
                 continue
             try:
                 ans = decode_answer(data)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 if b'"error"' in data:
                     rec.error = "stream_error"
+                kept.append(item[0])
                 continue
             if ans.usage:
                 rec.usage = ans.usage
+                if not ans.choices:
+                    continue                 # the usage-only chunk
+            kept.append(item[0])
             if ans.model and rec.response_model is None:
                 rec.response_model = ans.model
-            for c in ans.choices:
-                piece = c.text if c.text is not None else (c.delta or {}).get("content")
-                if piece:
-                    rec.content_events += 1
-                    if rec.completion_text is not None:
-                        rec.completion_text.append(piece)
+            for c in ans.choices:            # each choice of an n > 1 stream apart; tool calls count too
+                pieces = choice_pieces(c)
+                if pieces:
+                    rec.texts.setdefault(c.index, []).extend(pieces)
                 if c.finish_reason:
                     rec.finish_reasons.append(c.finish_reason)
             if b'"error"' in data and not ans.choices:
                 rec.error = "stream_error"
+        return b"".join(kept)
 
     async def reject(self, rec: RequestRecord, err: ClientError) -> None:
         """The gateway refused the request (4xx/429/503 before any backend answered)."""
@@ -318,27 +331,32 @@ class Observability:
         rec.finished = True
         self._active.pop(rec.request_id, None)
         latency = time.perf_counter() - rec.t0
-        answered = rec.backend != "" and status < 400
+        # Billed: every answer a backend gave, and a committed stream its client left (for what it was sent).
+        answered = rec.backend != "" and (status < 400 or rec.disconnected)
         tokens, estimated = usage_tokens(rec.usage), False
         if tokens is None and answered and rec.body is not None:
-            tokens, estimated = (rec.prompt_estimate or 0, rec.content_events, 0), True   # counted at validation
+            backend = rec.snap.backends.get(rec.backend) if rec.snap is not None else None
+            tokens = (rec.prompt_estimate or 0, count_completion(rec.texts, counter_for(backend)), 0)
+            estimated = True             # the prompt as counted at validation, the answer's text as delivered
         cfg = rec.snap.compiled.config if rec.snap is not None else None
         nusd = 0
         if tokens is not None and cfg is not None:
             bcfg = cfg.backends.get(rec.backend)
             nusd = cost_nusd(Price.of(bcfg.prices if bcfg is not None else None), *tokens)
         counted = tokens if answered else None
-        await self._settle(rec, counted, nusd)
+        await self._settle(rec, counted, nusd, estimated)
         self._meter(rec, status, latency, counted, nusd)
         if self.tracing is not None:
             end_request_trace(self.tracing, rec, status, counted)
         if self.request_log.active:
-            self._log_line(rec, status, latency, tokens, nusd, estimated)
+            self._log_line(rec, status, latency, counted, nusd, estimated)
 
-    async def _settle(self, rec: RequestRecord, tokens: tuple[int, int, int] | None, nusd: int) -> None:
+    async def _settle(self, rec: RequestRecord, tokens: tuple[int, int, int] | None, nusd: int,
+                      estimated: bool) -> None:
         try:
             if tokens is not None:
-                await self.usage.settle(rec.tenant, rec.backend, *tokens, nusd, rec.reservation, rec.budget)
+                await self.usage.settle(UsageRecord(rec.request_id, rec.tenant, rec.backend, *tokens, nusd,
+                                                    estimated, rec.disconnected), rec.reservation, rec.budget)
             elif rec.reservation is not None:
                 await self.usage.release(rec.reservation)
         except Exception as e:  # noqa: BLE001 -- accounting must never break a response
@@ -366,14 +384,15 @@ class Observability:
                   "prompt_tokens": tokens[0] if tokens else None,
                   "completion_tokens": tokens[1] if tokens else None,
                   "cached_tokens": tokens[2] if tokens else None, "usage_estimated": estimated,
+                  "disconnected": rec.disconnected,
                   "ttft_s": round(rec.ttft_s, 6) if rec.ttft_s is not None else None,
                   "latency_s": round(latency, 6), "cost_usd": nusd / NANO, "error": rec.error}
         if rec.finish_reasons:
             fields["finish_reasons"] = list(dict.fromkeys(rec.finish_reasons))
         if include_prompts(rec.snap) and rec.body is not None:
             fields["prompt"] = rec.body.get("messages", rec.body.get("prompt"))
-            if rec.completion_text is not None:
-                fields["completion"] = "".join(rec.completion_text)
+            texts = ["".join(rec.texts[i]) for i in sorted(rec.texts)]
+            fields["completion"] = texts if len(texts) > 1 else (texts[0] if texts else "")   # n > 1: one per choice
         try:
             self.request_log.write(fields, self.redactor(), [rec.client_token] if rec.client_token else [])
         except Exception as e:  # noqa: BLE001

@@ -64,6 +64,10 @@ async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: Usa
     budget = Budget(bcfg.usd, bcfg.period)
     est = estimate_nusd(cfg, targets, req.prompt_tokens, req.max_tokens)
     check = await usage.reserve(req.tenant, req.request_id, est, budget)
+    if check.unavailable:
+        raise ClientError(503, "Budget unavailable: shared state is unreachable and budgets fail closed "
+                               "(state.fail_closed_limits); retry later.", code="budget_unavailable",
+                          headers={"retry-after": str(int(check.resets_in_s) + 1)})
     if not check.admitted:
         spent = (check.spent_nusd + check.reserved_nusd) / NANO
         raise ClientError(

@@ -20,6 +20,10 @@ the queue filled by ``push()`` / ``POST /_fault/push`` (one fault per request), 
     end_after: int         after that many content chunks, end the body cleanly without [DONE]
     error_first: bool      the first SSE event is an error event (then the stream ends)
     error_after: int       after that many content chunks, send an error event and end
+    usage: dict            the usage reported (answer, or the stream's usage chunk when asked for)
+    no_usage: bool         report no usage at all (an upstream that never counts)
+    tool_call: bool        a stream's content chunks are tool-call deltas (name, then argument pieces)
+    Request ``n`` > 1: each chunk of a stream is sent once per choice index.
 
 Counters: ``calls`` (chat/completions requests received), ``calls_by_path``, ``disconnects`` (times a client
 went away before the response finished) with ``disconnect_times`` (``time.monotonic()``), ``requests``
@@ -191,7 +195,12 @@ class FaultUpstream:
         if not stream:
             if fault.get("malformed"):
                 return web.Response(text='{"id": "x", "choices": [', content_type="application/json")
-            return web.json_response(self._full(chat, body or {}))
+            full = self._full(chat, body or {})
+            if fault.get("no_usage"):
+                full.pop("usage")
+            elif fault.get("usage"):
+                full["usage"] = fault["usage"]
+            return web.json_response(full)
         return await self._stream(request, fault, chat, body or {})
 
     def _full(self, chat: bool, body: dict) -> dict:
@@ -206,10 +215,16 @@ class FaultUpstream:
                 "model": body.get("model", self.model),
                 "choices": [{"index": 0, "text": text, "finish_reason": "stop"}], "usage": usage}
 
-    def _chunk(self, chat: bool, body: dict, i: int | None, finish: str | None = None) -> bytes:
+    def _chunk(self, chat: bool, body: dict, i: int | None, finish: str | None = None, tool: bool = False) -> bytes:
+        n = int(body.get("n") or 1)
+        if n > 1:
+            return b"".join(self._chunk(chat, {**body, "n": 1, "index": k}, i, finish, tool) for k in range(n))
         if chat:
             delta = {"role": "assistant", "content": ""} if i is None else ({} if finish else {"content": f"tok{i} "})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            if tool and i is not None and not finish:
+                fn = {"name": "get_weather", "arguments": ""} if i == 0 else {"arguments": f'{{"city{i}": "Paris"}}'}
+                delta = {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": fn}]}
+            choice = {"index": body.get("index", 0), "delta": delta, "finish_reason": finish}
             obj = {"id": "chatcmpl-fault", "object": "chat.completion.chunk", "created": 0,
                    "model": body.get("model", self.model), "choices": [choice]}
         else:
@@ -257,10 +272,10 @@ class FaultUpstream:
                     await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
                     await resp.write_eof()
                     return resp
-                await resp.write(self._chunk(chat, body, i))
+                await resp.write(self._chunk(chat, body, i, tool=bool(fault.get("tool_call"))))
             await resp.write(self._chunk(chat, body, n, finish="stop"))
-            if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+            if (body.get("stream_options") or {}).get("include_usage") and not fault.get("no_usage"):
+                usage = fault.get("usage") or {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
                 await resp.write(b"data: " + json.dumps({"id": "chatcmpl-fault", "object": "chat.completion.chunk",
                                                          "choices": [], "usage": usage}).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.observability.metrics import GatewayMetrics, LiveGauges
-from gateway.billing.usage import Budget, Price, UsageLedger, cost_nusd, cost_usd, monthly_cost_usd
+from gateway.billing.usage import Budget, Price, UsageLedger, UsageRecord, cost_nusd, cost_usd, monthly_cost_usd
 from tests.gateway.support import ROOT, FaultInjectorUpstream, GatewayProcess, free_port, sha
 
 KEY_T1, KEY_T2 = "sk-tandem-t1-0123456789abcdef", "sk-tandem-t2-0123456789abcdef"
@@ -164,11 +164,12 @@ def test_metrics_count_known_traffic(gw, ups):
     assert value(fams, "tandem_request_duration_seconds_count", model="m1", route="r1", backend="a") == 4
     assert value(fams, "tandem_time_to_first_token_seconds_count", model="m1", backend="a") == 1
     assert value(fams, "tandem_upstream_latency_seconds_count", backend="b", outcome="ok") == 1
-    # non-streamed answers report usage 3 + 4; the stream has none: 6 estimated prompt tokens, 3 content chunks
+    # non-streamed answers report usage 3 + 4; the stream has none: 6 estimated prompt tokens and its text
+    # "tok0 tok1 tok2 " counted by the estimator (ceil(15 / 4) = 4)
     assert value(fams, "tandem_input_tokens_total", backend="a", tenant="t1") == 3 * 3 + 6
-    assert value(fams, "tandem_output_tokens_total", backend="a", tenant="t1") == 3 * 4 + 3
+    assert value(fams, "tandem_output_tokens_total", backend="a", tenant="t1") == 3 * 4 + 4
     assert value(fams, "tandem_cost_usd_total", backend="a", tenant="t1") == pytest.approx(
-        (15 * 1 + 15 * 2) / 1e6, abs=1e-12)
+        (15 * 1 + 16 * 2) / 1e6, abs=1e-12)
     assert value(fams, "tandem_cost_usd_total", backend="b", tenant="t1") == pytest.approx(
         (3 * 3 + 4 * 5) / 1e6, abs=1e-12)
     assert value(fams, "tandem_rate_limit_rejections_total", tenant="t2", code=code) == 1
@@ -182,14 +183,14 @@ def test_metrics_count_known_traffic(gw, ups):
     # the same numbers through GET /admin/usage and `tandem usage`
     rep = httpx.get(gw.url + "/admin/usage", params={"tenant": "t1"},
                     headers={"authorization": f"Bearer {ADMIN}"}, timeout=10).json()
-    assert rep["tenants"]["t1"]["backends"]["a"] == {"requests": 4, "prompt_tokens": 15, "completion_tokens": 15,
-                                                     "cached_tokens": 0, "cost_usd": 45e-6}
+    assert rep["tenants"]["t1"]["backends"]["a"] == {"requests": 4, "prompt_tokens": 15, "completion_tokens": 16,
+                                                     "cached_tokens": 0, "cost_usd": 47e-6}
     assert rep["tenants"]["t1"]["backends"]["b"]["cost_usd"] == 29e-6
     assert httpx.get(gw.url + "/admin/usage", timeout=10).status_code == 401
     out = subprocess.run([sys.executable, "-m", "gateway.commands", "usage", "--url", gw.url, "--tenant", "t1",
                           "--json"], cwd=ROOT, env={**gw.env}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["cost_usd"] == rep["cost_usd"] == 74e-6
+    assert json.loads(out.stdout)["cost_usd"] == rep["cost_usd"] == 76e-6
 
 
 def test_request_log_line_and_traceparent(gw, ups):
@@ -385,7 +386,8 @@ async def test_budget_reservation_race(backend, redis_url):
         admitted = [c for c in checks if c.admitted]
         assert len(admitted) == 1
         assert await ledgers[0].budget_state("t1", budget) == (0, 26_000, 40_000)
-        await ledgers[3].settle("t1", "a", 3, 4, 0, 11_000, admitted[0].reservation)
+        await ledgers[3].settle(UsageRecord(admitted[0].reservation.request_id, "t1", "a", 3, 4, 0, 11_000),
+                                admitted[0].reservation)
         assert await ledgers[5].budget_state("t1", budget) == (11_000, 0, 40_000)
         assert (await ledgers[1].reserve("t1", "req-8", 26_000, budget)).admitted          # 37,000 <= 40,000
         assert not (await ledgers[2].reserve("t1", "req-9", 26_000, budget)).admitted      # 63,000 > 40,000

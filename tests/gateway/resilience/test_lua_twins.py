@@ -12,7 +12,7 @@ import uuid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.billing.usage import Budget, UsageLedger
+from gateway.billing.usage import Budget, UsageLedger, UsageRecord
 from gateway.config.schema import BreakerSettings, StateSettings
 from gateway.resilience.breaker import Breakers
 from gateway.resilience.ratelimit import Limit, RateLimiter
@@ -103,10 +103,15 @@ def test_budget_reservation_lua_and_python_twins_agree(redis_url, ops):
                     held.append(check.reservation)
                 out.append((check.admitted, check.spent_nusd, check.reserved_nusd))
             elif op == "settle":
-                await ledger.settle("t", "b", 1, 1, 0, nusd, held.pop(0), budget, now_s=now)
+                res = held.pop(0)
+                rec = UsageRecord(res.request_id, "t", "b", 1, 1, 0, nusd, estimated=nusd % 2 == 1)
+                # a settle repeated (a journal replay, a late script) is a no-op in both twins
+                out.append((await ledger.settle(rec, res, budget, now_s=now),
+                            await ledger.settle(rec, res, budget, now_s=now)))
             else:
                 await ledger.release(held.pop())
             out.append(await ledger.budget_state("t", budget, now_s=now))
+        out.append(sorted((await ledger.records("t", now_s=now)).items()))
         return out
 
     run_twins(redis_url, scenario)

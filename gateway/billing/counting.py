@@ -1,0 +1,65 @@
+"""Token counts of an answer the backend did not count (no ``usage``, or a stream the client left before its usage
+chunk): the text of each choice as the client saw it, counted with the model's tokenizer when the local engine
+answered, else with the documented estimator (``estimate_tokens``). Such a record is marked ``usage_estimated``.
+
+What counts as completion text: ``content`` / ``text``, ``reasoning_content``, ``refusal``, and a tool call's
+function ``name`` and ``arguments`` (the tokens the model generated for it), per choice ``index``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+# The estimator's rule: ~4 characters per token (OpenAI's rule of thumb for English BPE text), rounded up, and one
+# token at least for any non-empty text; it is the rule ``estimate_prompt_tokens`` uses for prompts.
+CHARS_PER_TOKEN = 4
+
+
+def estimate_tokens(text: str) -> int:
+    """Estimated tokens of ``text``: ceil(characters / 4); 0 for ""."""
+    return (len(text) + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
+
+
+def counter_for(backend: Any) -> Callable[[str], int]:
+    """The token counter of ``backend``'s answers: the local engine's tokenizer when it has one (exact for the
+    text delivered), else ``estimate_tokens``."""
+    tokenizer = getattr(getattr(backend, "engine", None), "tokenizer", None)
+    if tokenizer is None or not hasattr(tokenizer, "encode"):
+        return estimate_tokens
+    return lambda text: len(tokenizer.encode(text)) if text else 0
+
+
+def message_pieces(message: dict | None) -> list[str]:
+    """The generated text of a chat ``message`` or stream ``delta`` (content, reasoning, refusal, tool calls)."""
+    if not isinstance(message, dict):
+        return []
+    out = [v for k in ("content", "reasoning_content", "refusal") if isinstance(v := message.get(k), str) and v]
+    calls = list(message.get("tool_calls") or [])
+    if isinstance(message.get("function_call"), dict):
+        calls.append({"function": message["function_call"]})
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            out += [v for k in ("name", "arguments") if isinstance(v := fn.get(k), str) and v]
+    return out
+
+
+def choice_pieces(choice: Any) -> list[str]:
+    """The generated text of one choice (``records._Choice`` or a dict): ``text``, or its message / delta."""
+    get = choice.get if isinstance(choice, dict) else lambda k: getattr(choice, k, None)
+    text = get("text")
+    if isinstance(text, str):
+        return [text] if text else []
+    return message_pieces(get("message")) + message_pieces(get("delta"))
+
+
+def client_wants_usage(body: dict) -> bool:
+    """True when a stream's client asked for the usage chunk itself (``stream_options.include_usage``); else
+    the gateway, which always asks its backends for it, drops that chunk from the client's stream."""
+    opts = body.get("stream_options")
+    return isinstance(opts, dict) and opts.get("include_usage") is True
+
+
+def count_completion(texts: dict[int, list[str]], count: Callable[[str], int]) -> int:
+    """Completion tokens of ``texts`` (choice index -> its text pieces, in order): each choice counted whole."""
+    return sum(count("".join(pieces)) for pieces in texts.values())

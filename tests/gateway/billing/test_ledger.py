@@ -1,0 +1,274 @@
+"""The ledger (issue 26): every accepted request produces exactly one usage record, and the money in Redis is the
+sum of those records, whatever fails in between. Real parts: gateways (the Litestar app under uvicorn, in this
+process, so two replicas and the test share one event loop), the official ``openai`` SDK as the client, the
+fault-injecting upstream (``tests/gateway/fault_upstream.py``), and a private real Redis that the tests pause
+(SIGSTOP: a stalled server whose queued commands run when it wakes) and resume (SIGCONT).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+
+import pytest
+import redis.asyncio as aioredis
+from openai import AsyncOpenAI, RateLimitError, InternalServerError
+
+from gateway.billing.counting import estimate_tokens
+from gateway.billing.usage import NANO, Budget, Price, UsageLedger, cost_nusd
+from gateway.config.compile import load_config_text
+from gateway.config.schema import StateSettings
+from gateway.http.app import create_app
+from gateway.runtime import Gateway
+from gateway.state import SharedState
+from tests.conftest import free_port
+from tests.gateway.fault_upstream import FaultUpstream
+from tests.gateway.support import sha
+
+KEY = "sk-tandem-ledger-0123456789abcdef"
+HELLO = [{"role": "user", "content": "hello"}]     # estimate_prompt_tokens: 6 tokens
+PRICE = Price(1.0, 2.0)                              # USD per 1e6 tokens: 1,000 / 2,000 nano-USD per token
+
+
+@pytest.fixture
+def up():
+    with FaultUpstream("up") as u:
+        yield u
+
+
+def config(up: FaultUpstream, redis_url: str | None = None, budget_usd: float | None = None,
+           fail_closed: bool = False, log_path: str | None = None) -> str:
+    state = (f"state: {{redis_url: '{redis_url}', socket_timeout_s: 0.3, reconnect_min_s: 0.05, "
+             f"reconnect_max_s: 0.1, fail_closed_limits: {str(fail_closed).lower()}}}\n" if redis_url else "")
+    budgets = f"budgets:\n  tenants: {{t1: {{usd: {budget_usd}, period: day}}}}\n" if budget_usd else ""
+    logs = (f"observability:\n  logs: {{destination: '{log_path}', include_prompts: true}}\n" if log_path
+            else "observability:\n  logs: {requests: false}\n")
+    return (f"reload: {{watch: false}}\nauth:\n  keys:\n    - {{tenant: t1, sha256: {sha(KEY)}}}\n" + state
+            + "resilience:\n  retry: {max_attempts: 1}\n  health: {interval_s: 0}\n" + logs + budgets
+            + "models:\n  - name: m1\n"
+            + f"backends:\n  up:\n    type: openai\n    base_url: {up.base_url}\n"
+              "    prices: {input: 1, output: 2}\n    timeouts: {connect_s: 2, read_s: 10, first_token_s: 5}\n"
+            + "routes:\n  r1:\n    targets: [{backend: up}]\npolicy:\n  default_route: r1\n")
+
+
+@contextlib.asynccontextmanager
+async def replicas(cfg: str, n: int = 1):
+    """``n`` gateways on one config (one Redis when it names one): yields [(gateway, openai client)]."""
+    import uvicorn
+
+    out, served = [], []
+    try:
+        for _ in range(n):
+            gw = Gateway(None, load_config_text(cfg), start_engine=False)
+            port = free_port()
+            server = uvicorn.Server(uvicorn.Config(create_app(gw), host="127.0.0.1", port=port,
+                                                   log_level="warning", lifespan="on"))
+            task = asyncio.create_task(server.serve())
+            served.append((server, task))
+            while not server.started:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.02)
+            out.append((gw, AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0,
+                                        timeout=20)))
+        yield out
+    finally:
+        for _, client in out:
+            await client.close()
+        for server, task in served:
+            server.should_exit = True
+            await task
+
+
+async def until(pred, timeout: float = 15.0):
+    """Await ``pred()`` (a coroutine function) until it is true (a liveness bound, not a performance threshold)."""
+    for _ in range(int(timeout / 0.02)):
+        if value := await pred():
+            return value
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def records(gw, n: int) -> dict:
+    """The tenant's usage records once there are ``n`` (settles run when a request ends)."""
+    return await until(lambda: _n_records(gw, n))
+
+
+async def _n_records(gw, n: int):
+    recs = await gw.usage.records("t1")
+    assert len(recs) <= n, recs
+    return recs if len(recs) == n else None
+
+
+async def read_stream(client, **kw) -> list:
+    stream = await client.chat.completions.create(model="m1", messages=HELLO, stream=True, **kw)
+    return [c async for c in stream]
+
+
+# ----- 1: streams priced from the upstream's own usage -----------------------------------------------------------
+async def test_stream_is_billed_from_the_upstreams_usage_not_its_events(up):
+    """20 + 1,000 tokens reported over 5 chunks: the stream is billed 20 + 1,000 tokens, the same as the answer
+    without streaming; the gateway asked for the usage and drops its chunk unless the client asked too."""
+    up.set_default({"chunks": 5, "usage": {"prompt_tokens": 20, "completion_tokens": 1000, "total_tokens": 1020}})
+    async with replicas(config(up)) as [(gw, client)]:
+        chunks = await read_stream(client)
+        assert up.requests[-1][2]["stream_options"] == {"include_usage": True}
+        assert chunks and all(c.usage is None for c in chunks) and chunks[-1].choices   # no usage chunk shown
+        asked = await read_stream(client, stream_options={"include_usage": True})
+        assert asked[-1].usage.completion_tokens == 1000 and not asked[-1].choices
+        await client.chat.completions.create(model="m1", messages=HELLO)
+        recs = await records(gw, 3)
+    want = cost_nusd(PRICE, 20, 1000)
+    assert [(r.prompt_tokens, r.completion_tokens, r.nusd, r.estimated) for r in recs.values()] == \
+        [(20, 1000, want, False)] * 3
+
+
+# ----- 2: an answer without usage is counted, and marked estimated ----------------------------------------------
+async def test_answer_without_usage_is_counted_and_marked_estimated(up, tmp_path):
+    """No usage from the upstream: the answer's text is counted (estimator: ceil(chars / 4)) and the record is
+    marked estimated; a streamed tool call counts its name and arguments; an n = 2 stream logs each choice."""
+    log_path = tmp_path / "requests.jsonl"
+    up.set_default({"no_usage": True})
+    async with replicas(config(up, log_path=str(log_path))) as [(gw, client)]:
+        await client.chat.completions.create(model="m1", messages=HELLO)              # "hello from up"
+        up.set_default({"no_usage": True, "tool_call": True, "chunks": 3})
+        await read_stream(client)
+        up.set_default({"no_usage": True, "chunks": 2})
+        await read_stream(client, n=2)
+        recs = await records(gw, 3)
+    prompt = 6
+    tool_text = 'get_weather{"city1": "Paris"}{"city2": "Paris"}'
+    got = sorted((r.completion_tokens, r.prompt_tokens, r.estimated) for r in recs.values())
+    assert got == sorted([(estimate_tokens("hello from up"), prompt, True),
+                          (estimate_tokens(tool_text), prompt, True),
+                          (2 * estimate_tokens("tok0 tok1 "), prompt, True)])
+    lines = [json.loads(x) for x in log_path.read_text().splitlines()]
+    assert [x["completion"] for x in lines if isinstance(x["completion"], list)] == [["tok0 tok1 ", "tok0 tok1 "]]
+    assert all(x["usage_estimated"] for x in lines)
+
+
+# ----- 3: a client that leaves a stream is billed for what it was sent --------------------------------------------
+async def test_client_disconnect_mid_stream_is_billed(up, redis_url):
+    """The client reads 3 chunks of 10 and closes: one record, marked disconnected and estimated, for the
+    prompt and what was delivered; the budget's reservation is gone."""
+    up.set_default({"chunks": 10, "chunk_delay": 0.1})
+    prefix_cfg = config(up, redis_url, budget_usd=1.0).replace("state: {", "state: {key_prefix: 'disc', ")
+    async with replicas(prefix_cfg) as [(gw, client)]:
+        async with await client.chat.completions.create(model="m1", messages=HELLO, stream=True) as stream:
+            got = []
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    got.append(chunk.choices[0].delta.content)
+                if len(got) == 3:
+                    break
+        [rec] = (await records(gw, 1)).values()
+        spent, reserved, _ = await gw.usage.budget_state("t1", Budget(1.0, "day"))
+    assert rec.disconnected and rec.estimated and rec.prompt_tokens == 6
+    assert estimate_tokens("".join(got)) <= rec.completion_tokens < estimate_tokens("tok0 " * 10)
+    assert rec.nusd == cost_nusd(PRICE, 6, rec.completion_tokens) > 0
+    assert (spent, reserved) == (rec.nusd, 0)
+
+
+# ----- 4 and 5: a Redis outage under two replicas ----------------------------------------------------------------
+async def test_outage_settles_are_journaled_and_replayed_once(up, redis_server):
+    """Redis stalls while two replicas serve stream and non-stream requests: after it answers again, Redis
+    holds one record per served request and its money is their sum; replaying the journal again changes
+    nothing."""
+    async with replicas(config(up, redis_server.url, budget_usd=1.0), n=2) as reps:
+        for gw, client in reps:                           # warm: both on Redis
+            await client.chat.completions.create(model="m1", messages=HELLO)
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            for i in range(6):
+                gw, client = reps[i % 2]
+                if i % 3:
+                    await read_stream(client)
+                else:
+                    await client.chat.completions.create(model="m1", messages=HELLO)
+            await until(lambda: _journaled(reps, 6))
+            journals = [list(gw.usage.journal.entries) for gw, _ in reps]
+            assert all(gw.usage.state.degraded for gw, _ in reps)
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        gw0 = reps[0][0]
+        recs = await records(gw0, 8)
+        await until(lambda: _journaled(reps, 0))
+        for (gw, _), entries in zip(reps, journals):      # a replay twice counts once
+            gw.usage.journal.entries.extend(entries)
+            assert await gw.usage.replay() == len(entries)
+        assert len(await gw0.usage.records("t1")) == 8
+        report = await gw0.usage.report("t1")
+        spent, reserved, _ = await gw0.usage.budget_state("t1", Budget(1.0, "day"))
+    total = sum(r.nusd for r in recs.values())
+    assert report["requests"] == 8 and round(report["cost_usd"] * NANO) == total == spent and reserved == 0
+
+
+async def _journaled(reps, n: int) -> bool:
+    return sum(len(gw.usage.journal) for gw, _ in reps) == n
+
+
+async def test_spent_budget_is_enforced_during_an_outage(up, redis_server):
+    """A tenant at its budget on Redis stays refused on a replica that loses Redis (its last known remaining
+    budget minus its own spend); with fail_closed_limits a replica refuses budgeted requests outright."""
+    budget = 0.00005                                      # 50,000 nano-USD; each answer costs 11,000
+    cfg = config(up, redis_server.url, budget_usd=budget)
+    async with replicas(cfg) as [(gw, client)], replicas(config(up, redis_server.url, budget, True)) as [(gw2, c2)]:
+        served = 0
+        with pytest.raises(RateLimitError):
+            for _ in range(10):
+                await client.chat.completions.create(model="m1", messages=HELLO, max_tokens=10)
+                served += 1
+        await c2.models.list()
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            refused = 0
+            for _ in range(8):
+                try:
+                    await client.chat.completions.create(model="m1", messages=HELLO, max_tokens=10)
+                except RateLimitError as e:
+                    refused += e.body["code"] == "budget_exceeded"
+            assert refused == 8 and gw.usage.state.degraded
+            with pytest.raises(InternalServerError) as e:    # 503: fail closed
+                await c2.chat.completions.create(model="m1", messages=HELLO, max_tokens=10)
+            assert e.value.status_code == 503 and e.value.body["code"] == "budget_unavailable"
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        spent, reserved, limit = await until(lambda: _on_redis_state(gw, Budget(budget, "day")))
+    assert served == 3 and spent == 3 * cost_nusd(Price(1, 2), 5, 3) <= limit and reserved == 0
+
+
+async def _on_redis_state(gw, budget):
+    return None if gw.usage.state.degraded else await gw.usage.budget_state("t1", budget)
+
+
+# ----- 6: a reserve script Redis runs after its caller gave up does nothing ----------------------------------------
+async def test_late_reserve_script_holds_nothing(redis_server):
+    """Redis stalls past the caller's socket timeout: the caller reserves in process; when Redis wakes, the
+    queued script finds its deadline passed and holds no budget."""
+    state = SharedState(StateSettings(redis_url=redis_server.url, socket_timeout_s=0.3, reconnect_min_s=0.05,
+                                      reconnect_max_s=0.1))
+    ledger = UsageLedger(state)
+    budget = Budget(1.0, "day")
+    r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        assert (await ledger.reserve("t1", "warm", 10, budget)).admitted and state.mode == "redis"
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            check = await ledger.reserve("t1", "late", 1000, budget)
+            assert check.admitted and state.degraded       # decided in process
+            await asyncio.sleep(0.5)                      # the caller is long gone when Redis wakes
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        await until(lambda: _rejoined(state))
+        bkey, rkey = ledger._bkeys("t1", check.reservation.period_id)
+        assert await r.hget(bkey, "r:late") is None and await r.zscore(rkey, "late") is None
+        assert int(await r.hget(bkey, "reserved")) == 10  # the warm one only
+    finally:
+        await r.aclose()
+        await state.close()
+
+
+async def _rejoined(state) -> bool:
+    return not state.degraded and state.rejoins > 0
