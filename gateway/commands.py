@@ -47,14 +47,17 @@ def register(subparsers) -> None:
                    help="environment variable holding the admin token (default: TANDEM_ADMIN_TOKEN)")
     sub = p.add_subparsers(dest="ctl_command", required=True)
     sub.add_parser("reload", help="re-read the config file").set_defaults(func=_ctl, path="/admin/reload")
-    sub.add_parser("rollback", help="return to the previous config version").set_defaults(
-        func=_ctl, path="/admin/rollback")
+    rb = sub.add_parser("rollback", help="return to the previous config version")
+    rb.add_argument("--base-version", type=int, help="the version to undo (409 when the head is another one)")
+    rb.set_defaults(func=_ctl, path="/admin/rollback")
     sub.add_parser("drain", help="stop accepting, finish in-flight requests, exit").set_defaults(
         func=_ctl, path="/admin/drain")
     sub.add_parser("config", help="show the running config").set_defaults(func=_ctl, path="/admin/config")
     w = sub.add_parser("weights", help="set a route's target weights: ROUTE TARGET=PCT ...")
     w.add_argument("route")
     w.add_argument("weights", nargs="+", metavar="TARGET=PCT")
+    w.add_argument("--base-version", type=int, help="the version the change is built on (409 when it is not the head)")
+    w.add_argument("--rebase", action="store_true", help="apply the change on top of the shared head, whatever it is")
     w.set_defaults(func=_ctl, path="/admin/weights")
 
     from gateway.billing.commands import register as register_usage   # `tandem usage`, `tandem cost estimate`
@@ -186,7 +189,9 @@ def _ctl(args) -> int:
             if not sep:
                 print(f"tandem ctl weights: expected TARGET=PCT, got {item!r}", file=sys.stderr)
                 return 2
-        body = {"route": args.route, "weights": weights}
+        body = {"route": args.route, "weights": weights, "rebase": args.rebase}
+    if getattr(args, "base_version", None) is not None:
+        body = {**(body or {}), "base_version": args.base_version}
     method = "GET" if args.path == "/admin/config" else "POST"
     code, data = admin_call("tandem ctl", args.url, args.token_env, method, args.path, body=body)
     if code:

@@ -22,7 +22,7 @@ from gateway.billing.usage import UsageLedger
 from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
 from gateway.backends.upstream import UpstreamBackend
-from gateway.config.versions import ConfigState, MemoryLedger, RedisLedger
+from gateway.config.versions import ConfigState, MemoryLedger, RedisLedger, VersionConflict, text_digest
 from gateway.config.weights import describe_changes, routes_table
 from policies import Signals
 
@@ -81,6 +81,7 @@ class Gateway:
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self._mtime = self._stat()
+        self.file_digest = ""            # the applied state's: digest of the file text last applied from a file
         cfg = initial.config
         self.resilience = Resilience(cfg)   # limits, breakers, health: shared state lives as long as the process
         self.usage = UsageLedger(self.resilience.state, cfg.budgets.reservation_ttl_s,   # usage and budgets
@@ -97,14 +98,17 @@ class Gateway:
     async def start(self) -> None:
         """Apply the initial config (or the shared head when it is the same
         file), start the engine, the file watcher and the Redis sync loop."""
-        state = ConfigState(self._initial.text, {}, "file")
+        state = ConfigState(self._initial.text, {}, "file", file_digest=text_digest(self._initial.text))
         try:
             head = await self.ledger.head()
-            if head is not None and head.text == state.text:
-                state = head            # same file: adopt the shared weights overrides too
+            if head is not None and (head.file_digest == state.file_digest
+                                     or (not head.file_digest and head.text == state.text)):
+                # the file is the one last applied: the shared head stands, with whatever operators did since
+                # (weights, a rollback); a restart never undoes them
+                state = head
                 log.info("adopting shared config version %d (%s)", head.version, head.source)
             else:
-                state.version = await self.ledger.push(state)
+                state.version = await self.ledger.push(state, None if head is None else head.version)
         except Exception as e:  # noqa: BLE001 -- Redis down: serve on the file
             self._redis_failed(e)
             self._unpublished = True
@@ -197,6 +201,7 @@ class Gateway:
                         any(f.startswith("local.") for f in policy_fields))
         self.resilience.configure(compiled.config)
         self.replicas.configure(compiled, backends)
+        self.file_digest = state.file_digest or self.file_digest
         old, self.snapshot = self.snapshot, snap     # the atomic swap: one reference assignment
         self.obs.configure(snap)
         log.info("config version %d applied (%s): %s", state.version, state.source,
@@ -206,14 +211,20 @@ class Gateway:
             log.warning("%s", w)
         return snap
 
-    async def _commit(self, state: ConfigState) -> dict:
-        """Validate, push to the ledger, apply. Raises ConfigError (naming the config file)."""
+    async def _commit(self, state: ConfigState, base: int) -> dict:
+        """Validate, push to the ledger as built on version ``base``, apply.
+
+        Raises:
+            ConfigError: invalid (naming the config file).
+            VersionConflict: the shared head is no longer ``base`` (nothing changes here)."""
         async with self._lock:
             compiled = load_config_text(state.text, state.overrides, source=self.config_path)   # validate first
             propagated = True
             try:
                 # A state equal to the ledger's head keeps the head's version.
-                state.version = await self.ledger.push(state)
+                state.version = await self.ledger.push(state, base)
+            except VersionConflict:
+                raise
             except Exception as e:  # noqa: BLE001 -- applied here; shared when Redis returns
                 self._redis_failed(e)
                 propagated = False
@@ -236,29 +247,42 @@ class Gateway:
         except OSError as e:
             raise ConfigError([("", f"cannot read it: {e.strerror}")], self.config_path) from None
         self._mtime = self._stat()
-        try:
-            return await self._commit(ConfigState(text, {}, source))
+        try:   # built on the version this replica runs: a newer one it has not seen yet is refused, not undone
+            return await self._commit(ConfigState(text, {}, source, file_digest=text_digest(text)),
+                                      self.snapshot.version)
         except ConfigError as e:
             log.error("config reload (%s) refused, keeping version %d: %s", source, self.snapshot.version, e)
             raise
 
-    async def set_weights(self, route: str, weights: dict[str, float]) -> dict:
-        """Override ``route``'s target weights (target id or backend -> weight).
+    async def set_weights(self, route: str, weights: dict[str, float], base: int | None = None,
+                          rebase: bool = False) -> dict:
+        """Override ``route``'s target weights (target id or backend -> weight), on top of the version this
+        replica runs (``base``, when given, must be it), or with ``rebase`` on top of the shared head.
 
         Raises:
-            ConfigError: unknown route/target or negative weight."""
+            ConfigError: unknown route/target or negative weight.
+            VersionConflict: ``base`` is not the version built on, or the head moved past it."""
         cur = self.snapshot
-        overrides = {r: dict(w) for r, w in cur.compiled.overrides.items()}
+        text, overrides, version, digest = cur.compiled.text, cur.compiled.overrides, cur.version, self.file_digest
+        if rebase:
+            head = await self.ledger.head()
+            if head is not None:
+                text, overrides, version, digest = head.text, head.overrides, head.version, head.file_digest
+        if base is not None and base != version:
+            raise VersionConflict(base, max(version, cur.version))
+        overrides = {r: dict(w) for r, w in overrides.items()}
         overrides.setdefault(route, {}).update({k: float(v) for k, v in weights.items()})
-        return await self._commit(ConfigState(cur.compiled.text, overrides, "weights"))
+        return await self._commit(ConfigState(text, overrides, "weights", file_digest=digest), version)
 
-    async def rollback(self) -> dict:
-        """Return to the previous version (all replicas follow).
+    async def rollback(self, base: int | None = None) -> dict:
+        """Return to the previous version (all replicas follow), as built on ``base`` (default: the version
+        this replica runs). The file watcher leaves it in place until the file itself changes.
 
         Raises:
-            LookupError: no previous version."""
+            LookupError: no previous version.
+            VersionConflict: the head is not ``base``."""
         async with self._lock:
-            state = await self.ledger.rollback()
+            state = await self.ledger.rollback(self.snapshot.version if base is None else base)
             snap = self._apply(state)
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
                     "propagated": True if self.ledger.shared else None, "routes": routes_table(snap.compiled.policy)}
@@ -277,9 +301,28 @@ class Gateway:
             "public_models": s.compiled.public_models,
             "routes": routes_table(s.compiled.policy),
             "backends": {n: {"type": b.kind, **backends[n]} for n, b in s.backends.items()}, "targets": targets,
-            "history": history, "warnings": s.warnings, "redis_degraded": self.redis_degraded,
+            "history": history, "warnings": s.warnings, "redis_degraded": self.redis_degraded, "file": self.file_status(),
             "draining": self.draining, "in_flight": self.in_flight, "text": s.compiled.text,
         }
+
+    def file_status(self) -> dict:
+        """The config file against the running version: ``status`` "in sync", "weights overrides active", or
+        "runtime override active, file differs" (a rollback, or another replica's file, runs instead of it)."""
+        text = self._read_file()
+        s = self.snapshot
+        differs = text is not None and text != s.compiled.text
+        status = ("runtime override active, file differs" if differs
+                  else "weights overrides active" if s.compiled.overrides else "in sync")
+        return {"path": self.config_path, "differs": differs, "status": status}
+
+    def _read_file(self) -> str | None:
+        if not self.config_path:
+            return None
+        try:
+            with open(self.config_path, encoding="utf-8") as f:
+                return f.read()
+        except OSError:
+            return None
 
     # ----- background loops ------------------------------------------------------------------------------------
     def _stat(self) -> tuple | None:
@@ -300,10 +343,16 @@ class Gateway:
             m = self._stat()
             if m is not None and m != self._mtime:
                 self._mtime = m
+                text = self._read_file()
+                if text is None or text_digest(text) == self.file_digest:
+                    continue             # touched, not changed: what operators did since stands
                 try:
                     await self.reload("file")
                 except ConfigError:
                     pass                 # logged by reload(); the running config stays
+                except VersionConflict as e:
+                    self._mtime = None   # apply the shared head first (sync loop), then this file
+                    log.warning("file change not applied yet: %s", e)
                 except Exception:  # noqa: BLE001
                     log.exception("reload on file change failed")
 
@@ -321,8 +370,9 @@ class Gateway:
                     # it meanwhile, v is larger and the shared version wins below.)
                     async with self._lock:
                         cur = self.snapshot
-                        state = ConfigState(cur.compiled.text, cur.compiled.overrides, "reseed")
-                        state.version = await self.ledger.push(state)
+                        state = ConfigState(cur.compiled.text, cur.compiled.overrides, "reseed",
+                                            file_digest=self.file_digest)
+                        state.version = await self.ledger.push(state, v)
                         cur.version = state.version
                         self._unpublished = False
                         log.warning("shared config re-seeded from this replica as version %d", state.version)

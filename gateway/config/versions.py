@@ -5,7 +5,16 @@ weights overrides), shared by all replicas through Redis when
 A replica that changes the config (reload, weights, rollback) pushes a new
 state; every replica polls the version counter (one GET per
 ``state.sync_interval_s``) and applies a newer head. Push and rollback are
-single Lua scripts, so concurrent writers never interleave. Keys:
+single Lua scripts, so concurrent writers never interleave, and each names the
+version it was built on (``base``): when the head has moved past it the change
+is refused (``VersionConflict``, the admin API's 409 with the current version)
+instead of silently overwriting a change this replica has not seen yet.
+
+Every state carries ``file_digest``, the sha256 of the config file text last
+applied from a file (a reload, or the first start): a weights change keeps it,
+a rollback keeps the head's. The file watcher and a restarting replica apply
+the file only when its digest differs from it, so a touch or a restart never
+undoes an operator's rollback or weights change. Keys:
 ``<prefix>:config:history`` (list, newest first, ``keep_versions`` long),
 ``<prefix>:config:version`` (counter), ``<prefix>:config:digest`` (head's
 digest); all carry a 30-day TTL refreshed on every write.
@@ -24,6 +33,20 @@ import redis.asyncio as aioredis
 KEY_TTL_S = 30 * 24 * 3600
 
 
+class VersionConflict(Exception):
+    """A change built on version ``base`` while the head is ``current`` (another replica changed the config)."""
+
+    def __init__(self, base: int, current: int):
+        super().__init__(f"the config changed meanwhile: this change was built on version {base}, the current "
+                         f"version is {current}; re-read it and retry (or rebase explicitly)")
+        self.base, self.current = base, current
+
+
+def text_digest(text: str) -> str:
+    """sha256 (hex) of a config file's text: ``ConfigState.file_digest``."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 @dataclass
 class ConfigState:
     """One config version.
@@ -34,6 +57,7 @@ class ConfigState:
         source: what made it ("file", "reload", "weights", "rollback", ...).
         version: the ledger's counter when pushed (0 = not pushed yet).
         created: unix time, seconds.
+        file_digest: ``text_digest`` of the file text last applied from a file ("" = unknown).
     """
 
     text: str
@@ -41,6 +65,7 @@ class ConfigState:
     source: str = "file"
     version: int = 0
     created: float = field(default_factory=time.time)
+    file_digest: str = ""
 
     def __post_init__(self) -> None:
         # Weights as floats, so the digest is the same after a JSON round trip.
@@ -66,7 +91,8 @@ class ConfigState:
             entry = entry.decode()
         v, _, body = entry.partition("\n")
         d = json.loads(body)
-        return cls(d["text"], d.get("overrides") or {}, d.get("source", ""), int(v), d.get("created", 0.0))
+        return cls(d["text"], d.get("overrides") or {}, d.get("source", ""), int(v), d.get("created", 0.0),
+                   d.get("file_digest") or "")
 
     def summary(self) -> dict:
         return {"version": self.version, "source": self.source, "created": self.created, "digest": self.digest[:12],
@@ -88,26 +114,35 @@ class MemoryLedger:
     async def version(self) -> int:
         return self.counter
 
-    async def push(self, state: ConfigState) -> int:
-        """Append ``state`` unless it equals the head; returns its version."""
+    async def push(self, state: ConfigState, base: int | None = None) -> int:
+        """Append ``state`` unless it equals the head; returns its version.
+
+        Raises:
+            VersionConflict: ``base`` (the version ``state`` was built on; None = any) is not the head's."""
         if self.states and self.states[-1].digest == state.digest:
             return self.states[-1].version
+        if base is not None and base != self.counter:
+            raise VersionConflict(base, self.counter)
         self.counter += 1
         state.version = self.counter
         self.states.append(state)
         return state.version
 
-    async def rollback(self) -> ConfigState:
-        """Drop the head; the previous state becomes the head under a new version.
+    async def rollback(self, base: int | None = None) -> ConfigState:
+        """Drop the head; the previous state becomes the head under a new version (keeping the head's
+        ``file_digest``: the file is still the one last applied).
 
         Raises:
+            VersionConflict: ``base`` is not the head's version.
             LookupError: fewer than two versions kept."""
+        if base is not None and base != self.counter:
+            raise VersionConflict(base, self.counter)
         if len(self.states) < 2:
             raise LookupError("no previous config version to roll back to")
-        self.states.pop()
+        top = self.states.pop()
         prev = self.states.pop()
         self.counter += 1
-        state = ConfigState(prev.text, prev.overrides, "rollback", self.counter, prev.created)
+        state = ConfigState(prev.text, prev.overrides, "rollback", self.counter, prev.created, top.file_digest)
         self.states.append(state)
         return state
 
@@ -118,10 +153,14 @@ class MemoryLedger:
         pass
 
 
+# ARGV: state json, digest, keep, ttl, base version ('' = any). Returns the version, or -(head version + 1) when the
+# head is not ``base`` (a conflict: nothing done).
 _PUSH = """
+local cur = tonumber(redis.call('GET', KEYS[2]) or '0')
 if redis.call('GET', KEYS[3]) == ARGV[2] then
-  return tonumber(redis.call('GET', KEYS[2]) or '0')
+  return cur
 end
+if ARGV[5] ~= '' and tonumber(ARGV[5]) ~= cur then return -cur - 1 end
 local v = redis.call('INCR', KEYS[2])
 redis.call('LPUSH', KEYS[1], v .. "\\n" .. ARGV[1])
 redis.call('LTRIM', KEYS[1], 0, tonumber(ARGV[3]) - 1)
@@ -130,14 +169,20 @@ for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
 return v
 """
 
+# ARGV: ttl, base version ('' = any). Returns the new head's entry, false (nothing to roll back to), or
+# -(head version + 1) when the head is not ``base``.
 _ROLLBACK = """
+local cur = tonumber(redis.call('GET', KEYS[2]) or '0')
+if ARGV[2] ~= '' and tonumber(ARGV[2]) ~= cur then return -cur - 1 end
 if redis.call('LLEN', KEYS[1]) < 2 then return false end
-redis.call('LPOP', KEYS[1])
+local top = redis.call('LPOP', KEYS[1])
+local top_d = cjson.decode(string.sub(top, string.find(top, "\\n", 1, true) + 1))
 local prev = redis.call('LINDEX', KEYS[1], 0)
 local nl = string.find(prev, "\\n", 1, true)
 local body = string.sub(prev, nl + 1)
 local d = cjson.decode(body)
 d['source'] = 'rollback'
+d['file_digest'] = top_d['file_digest'] or ''
 body = cjson.encode(d)
 local v = redis.call('INCR', KEYS[2])
 redis.call('LSET', KEYS[1], 0, v .. "\\n" .. body)
@@ -171,13 +216,20 @@ class RedisLedger:
         entry = await self.redis.lindex(self.keys[0], 0)
         return ConfigState.from_entry(entry) if entry else None
 
-    async def push(self, state: ConfigState) -> int:
-        v = int(await self._push(keys=self.keys, args=[state.to_json(), state.digest, self.keep, KEY_TTL_S]))
+    async def push(self, state: ConfigState, base: int | None = None) -> int:
+        """As ``MemoryLedger.push``, atomically on Redis."""
+        v = int(await self._push(keys=self.keys, args=[state.to_json(), state.digest, self.keep, KEY_TTL_S,
+                                                       "" if base is None else base]))
+        if v < 0:
+            raise VersionConflict(base, -v - 1)
         state.version = v
         return v
 
-    async def rollback(self) -> ConfigState:
-        entry = await self._rollback(keys=self.keys, args=[KEY_TTL_S])
+    async def rollback(self, base: int | None = None) -> ConfigState:
+        """As ``MemoryLedger.rollback``, atomically on Redis."""
+        entry = await self._rollback(keys=self.keys, args=[KEY_TTL_S, "" if base is None else base])
+        if isinstance(entry, int) and entry < 0:
+            raise VersionConflict(base, -entry - 1)
         if not entry:
             raise LookupError("no previous config version to roll back to")
         return ConfigState.from_entry(entry)

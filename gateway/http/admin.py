@@ -13,6 +13,7 @@ from litestar import Request, Response, get, post
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.billing.usage import NANO, Budget, tenant_label
+from gateway.config.versions import VersionConflict
 from gateway.errors import ClientError
 from gateway.http.transport import read_body
 from gateway.request.auth import check_admin
@@ -32,35 +33,64 @@ def _json(result) -> Response:
     return Response(msgspec.json.encode(result), status_code=200, media_type=_JSON)
 
 
+def _conflict(e: VersionConflict) -> ClientError:
+    """409 ``version_conflict`` naming the current version (the client re-reads it, or rebases explicitly)."""
+    return ClientError(409, str(e), code="version_conflict", headers={"x-tandem-config-version": str(e.current)})
+
+
+async def _body(request: Request) -> dict:
+    raw = await read_body(request, 1 << 20)
+    try:
+        body = msgspec.json.decode(raw) if raw else {}
+    except msgspec.DecodeError:
+        body = None
+    if not isinstance(body, dict):
+        raise ClientError(400, "expected a JSON object", param="body")
+    base = body.get("base_version")
+    if base is not None and (isinstance(base, bool) or not isinstance(base, int)):
+        raise ClientError(400, "base_version must be an integer (the config version the change is built on)",
+                          param="base_version")
+    return body
+
+
 @post("/admin/reload")
 async def admin_reload(request: Request) -> Response:
-    return _json(await _gw(request).reload("admin"))
+    gw = _gw(request)
+    try:
+        return _json(await gw.reload("admin"))
+    except VersionConflict as e:
+        raise _conflict(e) from None
 
 
 @post("/admin/rollback")
 async def admin_rollback(request: Request) -> Response:
+    """Body (optional): ``{"base_version": N}``, the version the rollback is meant to undo."""
     gw = _gw(request)
+    body = await _body(request)
     try:
-        return _json(await gw.rollback())
+        return _json(await gw.rollback(body.get("base_version")))
+    except VersionConflict as e:
+        raise _conflict(e) from None
     except LookupError as e:
         raise ClientError(409, str(e), code="no_previous_version") from None
 
 
 @post("/admin/weights")
 async def admin_weights(request: Request) -> Response:
+    """Body: ``{"route": NAME, "weights": {TARGET: PERCENT}, "base_version": N?, "rebase": bool?}``: built on
+    ``base_version`` (default: the version this replica runs), or with ``rebase`` on the shared head."""
     gw = _gw(request)
-    raw = await read_body(request, 1 << 20)
-    try:
-        body = msgspec.json.decode(raw) if raw else None
-    except msgspec.DecodeError:
-        body = None
-    if not isinstance(body, dict) or not isinstance(body.get("route"), str) \
-            or not isinstance(body.get("weights"), dict):
+    body = await _body(request)
+    if not isinstance(body.get("route"), str) or not isinstance(body.get("weights"), dict):
         raise ClientError(400, 'expected {"route": NAME, "weights": {TARGET: PERCENT, ...}}', param="weights")
     for k, v in body["weights"].items():
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ClientError(400, f"weight of {k!r} must be a number", param=f"weights.{k}")
-    return _json(await gw.set_weights(body["route"], body["weights"]))
+    try:
+        return _json(await gw.set_weights(body["route"], body["weights"], body.get("base_version"),
+                                          body.get("rebase") is True))
+    except VersionConflict as e:
+        raise _conflict(e) from None
 
 
 @post("/admin/drain")
