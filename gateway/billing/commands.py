@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from gateway.billing.usage import Price, format_usd, monthly_cost_usd
+from gateway.billing.prices import Price, format_usd, monthly_cost_usd
 from gateway.http.admin_client import admin_call
 
 

@@ -1,11 +1,8 @@
-"""Cost accounting and per-tenant budgets.
+"""The usage ledger and per-tenant budgets: one usage record per answered
+request, and the money in Redis is the sum of those records.
 
-Prices are USD per million tokens (``backends.<name>.prices``: ``input``,
-``output``, optional ``cached_input`` for prompt tokens the upstream served
-from its prompt cache). A response's cost is computed from its ``usage``
-(OpenAI's ``prompt_tokens``, ``completion_tokens``,
-``prompt_tokens_details.cached_tokens``) in integer nano-USD (1e-9 USD), with
-exact decimal arithmetic, so sums over many requests never drift.
+Prices and a response's cost in integer nano-USD: ``gateway/billing/prices.py``;
+the Lua scripts: ``gateway/billing/scripts.py`` (their in-process twins are here).
 
 State (``gateway.state.SharedState``: Redis when configured, in-process
 otherwise and while Redis is down), keys ``<prefix>:<kind>:<id>`` with TTLs:
@@ -52,95 +49,16 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from decimal import ROUND_HALF_EVEN, Decimal
-from typing import Any
-
+from decimal import Decimal
 from gateway.billing.journal import Journal, JournalEntry
+from gateway.billing.prices import NANO
+from gateway.billing.scripts import RELEASE_LUA, RESERVE_LUA, SETTLE_LUA
 
 log = logging.getLogger("tandem.gateway.usage")
 
-NANO = 10**9                       # nano-USD per USD
 USAGE_TTL_S = 400 * 86400          # usage hashes live 400 days
 _FIELDS = ("req", "in", "out", "cached", "nusd")
 
-
-@dataclass(frozen=True)
-class Price:
-    """USD per million tokens: ``input`` (prompt), ``output`` (completion),
-    ``cached_input`` (cached prompt tokens; None = same as ``input``)."""
-
-    input: float = 0.0
-    output: float = 0.0
-    cached_input: float | None = None
-
-    @classmethod
-    def of(cls, prices: Any) -> "Price":
-        """From a ``gateway.config.schema.Prices`` (or anything with those attributes)."""
-        if prices is None:
-            return cls()
-        return cls(float(prices.input), float(prices.output),
-                   None if prices.cached_input is None else float(prices.cached_input))
-
-
-def cost_nusd(price: Price, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> int:
-    """Cost of one response in nano-USD (integer, rounded half-even once).
-
-    ``cached_tokens`` (<= ``prompt_tokens``) are charged at ``cached_input``
-    and the rest of the prompt at ``input``; completion tokens at ``output``.
-    Prices are USD per 1e6 tokens, so one token at price p costs p * 1000 nano-USD.
-    """
-    cached = max(0, min(int(cached_tokens or 0), int(prompt_tokens or 0)))
-    fresh = max(0, int(prompt_tokens or 0) - cached)
-    completion = max(0, int(completion_tokens or 0))
-    pico = _pico_prices(price)
-    if pico is not None:        # the common case: integer arithmetic in pico-USD per token
-        q, r = divmod(fresh * pico[0] + cached * pico[1] + completion * pico[2], 1000)
-        return q + (1 if r > 500 or (r == 500 and q % 2 == 1) else 0)
-    cached_price = price.input if price.cached_input is None else price.cached_input
-    total = (Decimal(fresh) * Decimal(repr(price.input)) + Decimal(cached) * Decimal(repr(cached_price))
-             + Decimal(completion) * Decimal(repr(price.output))) * 1000
-    return int(total.to_integral_value(rounding=ROUND_HALF_EVEN))
-
-
-@functools.lru_cache(maxsize=256)
-def _pico_prices(price: Price) -> tuple[int, int, int] | None:
-    """(input, cached input, output) in pico-USD per token when all are exact (<= 6 decimals), else None."""
-    cached = price.input if price.cached_input is None else price.cached_input
-    out = []
-    for p in (price.input, cached, price.output):
-        v = Decimal(repr(p)) * 10**6
-        if v != v.to_integral_value():
-            return None
-        out.append(int(v))
-    return out[0], out[1], out[2]
-
-
-def cost_usd(price: Price, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float:
-    """``cost_nusd`` in USD (float, for display and metrics)."""
-    return cost_nusd(price, prompt_tokens, completion_tokens, cached_tokens) / NANO
-
-
-def monthly_cost_usd(price: Price, tokens_per_month: int, input_share: float = 0.75) -> float:
-    """USD per month for ``tokens_per_month`` tokens of which ``input_share``
-    are prompt tokens (no cache hits): the ROI table of ``tandem cost estimate``."""
-    if not 0.0 <= input_share <= 1.0:
-        raise ValueError(f"input_share must be within [0, 1], got {input_share}")
-    prompt = round(tokens_per_month * input_share)
-    return cost_usd(price, prompt, tokens_per_month - prompt)
-
-
-def usage_tokens(usage: dict | None) -> tuple[int, int, int] | None:
-    """(prompt, completion, cached prompt) tokens of an OpenAI ``usage`` object; None if absent/odd."""
-    if not isinstance(usage, dict):
-        return None
-    try:
-        p = int(usage.get("prompt_tokens") or 0)
-        c = int(usage.get("completion_tokens") or 0)
-        det = usage.get("prompt_tokens_details") or {}
-        cached = int(det.get("cached_tokens") or 0) if isinstance(det, dict) else 0
-    except (TypeError, ValueError):
-        return None
-    return p, c, cached
 
 
 @functools.lru_cache(maxsize=8)
@@ -197,86 +115,8 @@ def _days(since: _dt.date, now_s: float) -> list[str]:
     return [(start + _dt.timedelta(days=i)).strftime("%Y%m%d") for i in range(n + 1)] if n >= 0 else []
 
 
-# KEYS: budget hash, reservations zset. ARGV: now_ms, request id, estimate nusd, budget nusd, key ttl s, hold ms,
-# deadline ms (the caller's wall clock; past it on Redis's clock the caller has given up: -1, nothing done).
-# Returns {admitted 1/0, spent, reserved} (before this reservation), or {-1, 0, 0} when late.
-_RESERVE_LUA = """
-local t = redis.call('TIME')
-if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(ARGV[7]) then
-  return {-1, 0, 0}
-end
-local now = tonumber(ARGV[1])
-local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
-for _, rid in ipairs(expired) do
-  local a = redis.call('HGET', KEYS[1], 'r:' .. rid)
-  if a then
-    redis.call('HINCRBY', KEYS[1], 'reserved', 0 - tonumber(a))   -- not '-' .. a: -0 is no integer to Redis
-    redis.call('HDEL', KEYS[1], 'r:' .. rid)
-  end
-end
-if #expired > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now) end
-local spent = tonumber(redis.call('HGET', KEYS[1], 'spent') or '0')
-local reserved = tonumber(redis.call('HGET', KEYS[1], 'reserved') or '0')
-if spent + reserved + tonumber(ARGV[3]) > tonumber(ARGV[4]) then
-  return {0, spent, reserved}
-end
-redis.call('HINCRBY', KEYS[1], 'reserved', ARGV[3])
-redis.call('HSET', KEYS[1], 'r:' .. ARGV[2], ARGV[3])
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[6]), ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[5])
-redis.call('EXPIRE', KEYS[2], ARGV[5])
-return {1, spent, reserved}
-"""
-
-def _drop_reservation_lua(budget: str, zset: str, rid: str) -> str:
-    """Lua that drops reservation ``rid`` (if still held) from ``budget``'s reserved total and ``zset``."""
-    return f"""
-local a = redis.call('HGET', {budget}, 'r:' .. {rid})
-if a then
-  redis.call('HINCRBY', {budget}, 'reserved', 0 - tonumber(a))
-  redis.call('HDEL', {budget}, 'r:' .. {rid})
-  redis.call('ZREM', {zset}, {rid})
-end
-"""
 
 
-# KEYS: usage day hash, tenants set, budget hash ('' slot unused when no budget), reservations zset, ledger hash.
-# ARGV: backend, requests, in, out, cached, nusd, usage ttl s, tenant, request id ('' = no reservation),
-#       budget key ttl s ('0' = no budget), request id (the record's key), record, record ttl s.
-# Returns 1, or 0 when the request's record exists already (settled before: nothing done).
-_SETTLE_LUA = """
-if redis.call('HSETNX', KEYS[5], ARGV[11], ARGV[12]) == 0 then return 0 end
-redis.call('EXPIRE', KEYS[5], ARGV[13])
-local b = ARGV[1]
-redis.call('HINCRBY', KEYS[1], b .. '|req', ARGV[2])
-redis.call('HINCRBY', KEYS[1], b .. '|in', ARGV[3])
-redis.call('HINCRBY', KEYS[1], b .. '|out', ARGV[4])
-redis.call('HINCRBY', KEYS[1], b .. '|cached', ARGV[5])
-redis.call('HINCRBY', KEYS[1], b .. '|nusd', ARGV[6])
-redis.call('EXPIRE', KEYS[1], ARGV[7])
-redis.call('SADD', KEYS[2], ARGV[8])
-redis.call('EXPIRE', KEYS[2], ARGV[7])
-if ARGV[10] ~= '0' then
-  if ARGV[9] ~= '' then
-""" + _drop_reservation_lua("KEYS[3]", "KEYS[4]", "ARGV[9]") + """
-  end
-  redis.call('HINCRBY', KEYS[3], 'spent', ARGV[6])
-  redis.call('EXPIRE', KEYS[3], ARGV[10])
-  redis.call('EXPIRE', KEYS[4], ARGV[10])
-end
-return 1
-"""
-
-# KEYS: budget hash, reservations zset. ARGV: request id.  Drops a reservation (request refused before any call).
-_RELEASE_LUA = _drop_reservation_lua("KEYS[1]", "KEYS[2]", "ARGV[1]") + "return 1\n"
-
-
-def format_usd(x: float) -> str:
-    """Money as money: ``$1,234.50``, ``$0.05``; an amount under a cent keeps 6 decimals (``$0.000001``, never
-    ``$1e-06``)."""
-    if x == 0 or abs(x) >= 0.01:
-        return f"${x:,.2f}"
-    return f"${x:.6f}"
 
 
 PERIOD_ADJECTIVE = {"day": "daily", "month": "monthly"}
@@ -417,7 +257,7 @@ class UsageLedger:
             return [1, spent, reserved]
 
         deadline_ms = int(time.time() * 1000 + self.state.config.socket_timeout_s * 1000)   # Redis's clock
-        raw = await self.state.run("usage_reserve", _RESERVE_LUA, [bkey, rkey],
+        raw = await self.state.run("usage_reserve", RESERVE_LUA, [bkey, rkey],
                                    [now_ms, request_id, est, limit, ttl, hold_ms, deadline_ms], local)
         ok, spent, reserved = int(raw[0]), int(raw[1]), int(raw[2])
         if ok == -1:                   # Redis ran it past our deadline (clock skew or a stall): decide in process
@@ -440,7 +280,7 @@ class UsageLedger:
                 b.reserved -= b.holds.pop(res.request_id)[0]
             return 1
 
-        await self.state.run("usage_release", _RELEASE_LUA, [bkey, rkey], [res.request_id], local)
+        await self.state.run("usage_release", RELEASE_LUA, [bkey, rkey], [res.request_id], local)
 
     async def budget_state(self, tenant: str, budget: Budget, now_s: float | None = None) -> tuple[int, int, int]:
         """(spent, reserved, budget) nano-USD of ``tenant``'s current period."""
@@ -507,7 +347,7 @@ class UsageLedger:
                 self.journal.append(JournalEntry(record.request_id, keys, args, int(nusd)))
             return 1
 
-        done = await self.state.run("usage_settle", _SETTLE_LUA, keys, args, local)
+        done = await self.state.run("usage_settle", SETTLE_LUA, keys, args, local)
         if rid and self.state.redis is not None and not self.state.degraded:
             b = self._budgets.get(bkey)   # a hold taken in process during an outage, settled on Redis
             if b is not None and rid in b.holds:
@@ -532,7 +372,7 @@ class UsageLedger:
             done = 0
             try:
                 for e in entries:
-                    await self.state.redis_script("usage_settle", _SETTLE_LUA, e.keys, e.args)
+                    await self.state.redis_script("usage_settle", SETTLE_LUA, e.keys, e.args)
                     done += 1
             except Exception as exc:  # noqa: BLE001 -- Redis gone again: the rest waits for the next rejoin
                 log.warning("usage journal replay stopped after %d of %d: %s", done, len(entries), exc)

@@ -12,7 +12,8 @@ import msgspec
 from litestar import Request, Response, get, post
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.billing.usage import NANO, Budget, tenant_label
+from gateway.billing.prices import NANO
+from gateway.billing.usage import Budget, tenant_label
 from gateway.config.versions import VersionConflict
 from gateway.errors import ClientError
 from gateway.http.transport import read_body

@@ -21,8 +21,8 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from gateway.billing.counting import choice_pieces, client_wants_usage, count_completion, counter_for
-from gateway.billing.usage import (NANO, Budget, Price, UsageLedger, UsageRecord, cost_nusd, tenant_label,
-                                   usage_tokens)
+from gateway.billing.prices import NANO, Price, cost_nusd, usage_tokens
+from gateway.billing.usage import Budget, UsageLedger, UsageRecord, tenant_label
 from gateway.errors import ClientError, transport_error_kind
 from gateway.observability.metrics import BREAKER_VALUES, GatewayMetrics, LiveGauges
 from gateway.observability.records import (AttemptRecord, RequestRecord, decode_answer, include_prompts,

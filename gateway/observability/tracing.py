@@ -42,7 +42,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from gateway.billing.usage import usage_tokens
+from gateway.billing.prices import usage_tokens
 from gateway.observability.records import AnswerFields, provider, server_address
 
 log = logging.getLogger("tandem.gateway.tracing")

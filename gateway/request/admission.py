@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.billing.usage import (NANO, PERIOD_ADJECTIVE, Budget, BudgetReservation, Price, UsageLedger, cost_nusd,
-                                   format_usd, tenant_label)
+from gateway.billing.prices import NANO, Price, cost_nusd, format_usd
+from gateway.billing.usage import PERIOD_ADJECTIVE, Budget, BudgetReservation, UsageLedger, tenant_label
 from gateway.errors import ClientError
 from gateway.request.auth import bearer
 from gateway.request.validate import GatewayRequest

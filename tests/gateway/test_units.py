@@ -81,7 +81,7 @@ def test_authenticate_and_admin():
 
 
 def test_money_is_formatted_as_money():
-    from gateway.billing.usage import format_usd
+    from gateway.billing.prices import format_usd
     assert [format_usd(x) for x in (0, 1e-06, 0.000022, 0.05, 50, 1234.5)] == [
         "$0.00", "$0.000001", "$0.000022", "$0.05", "$50.00", "$1,234.50"]
 

@@ -17,7 +17,8 @@ import redis.asyncio as aioredis
 from openai import AsyncOpenAI, RateLimitError, InternalServerError
 
 from gateway.billing.counting import estimate_tokens
-from gateway.billing.usage import NANO, Budget, Price, UsageLedger, cost_nusd
+from gateway.billing.prices import NANO, Price, cost_nusd
+from gateway.billing.usage import Budget, UsageLedger
 from gateway.config.compile import load_config_text
 from gateway.config.schema import StateSettings
 from gateway.http.app import create_app

@@ -26,7 +26,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.observability.metrics import GatewayMetrics, LiveGauges
-from gateway.billing.usage import Budget, Price, UsageLedger, UsageRecord, cost_nusd, cost_usd, monthly_cost_usd
+from gateway.billing.prices import Price, cost_nusd, cost_usd, monthly_cost_usd
+from gateway.billing.usage import Budget, UsageLedger, UsageRecord
 from tests.gateway.support import ROOT, FaultInjectorUpstream, GatewayProcess, free_port, sha
 
 KEY_T1, KEY_T2 = "sk-tandem-t1-0123456789abcdef", "sk-tandem-t2-0123456789abcdef"
