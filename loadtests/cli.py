@@ -10,6 +10,7 @@ Sub-commands of ``loadtest``:
   failover  scenario 4: kill the primary upstream under load
   prefix    scenario 5: MT-Bench turn 2 TTFT with prefix caching on vs off
   replicas  scenario 7: engine replicas, round-robin vs prefix_affinity routing (+ a replica killed)
+  ledger    scenario 8: the usage ledger under Redis pauses, stalls and restarts (two replicas)
 ``parity`` is scenario 6: greedy outputs and logprobs of two targets compared.
 """
 
@@ -117,10 +118,10 @@ def _add_upstream(sub) -> None:
 
 def add_commands(sub) -> None:
     """Add the ``loadtest`` sub-commands to ``sub`` (an argparse subparsers object)."""
-    from loadtests.scenarios import canary, core_modes, engine, failover, overhead, prefix, replicas
+    from loadtests.scenarios import canary, core_modes, engine, failover, ledger, overhead, prefix, replicas
     _add_run(sub)
     _add_upstream(sub)
-    for mod in (overhead, engine, core_modes, canary, failover, prefix, replicas):
+    for mod in (overhead, engine, core_modes, canary, failover, prefix, replicas, ledger):
         mod.register(sub)
 
 

@@ -10,7 +10,9 @@ decode and a socket write.
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (stream or
 not, ``stream_options.include_usage``, ``logprobs``/``top_logprobs``),
 ``GET /v1/models``, ``GET /health``, ``GET /stats`` (requests served).
-Every response carries ``x-upstream-name``.
+Every response carries ``x-upstream-name``. A request with the header
+``x-usage: none`` gets no ``usage`` at all (an upstream that never counts:
+the ledger scenario's usage-less traffic).
 
 Run: ``python -m loadtests.upstream --port 9001 [--name a] [--itl 0.01]``.
 """
@@ -172,12 +174,15 @@ class Upstream:
         headers = {"x-upstream-name": self.cfg.name}
         if self.cfg.ttft:
             await asyncio.sleep(self.cfg.ttft)
+        counts = request.headers.get("x-usage") != "none"
         if not body.get("stream"):
             if self.cfg.itl:
                 await asyncio.sleep(self.cfg.itl * (n - 1))
-            return web.Response(body=self.full_body(chat, model, n, prompt_tokens, top), headers=headers,
-                                content_type="application/json")
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            full = self.full_body(chat, model, n, prompt_tokens, top)
+            if not counts:
+                full = msgspec.json.encode({k: v for k, v in msgspec.json.decode(full).items() if k != "usage"})
+            return web.Response(body=full, headers=headers, content_type="application/json")
+        usage = counts and bool((body.get("stream_options") or {}).get("include_usage"))
         chunks = self.stream_chunks(chat, model, n, prompt_tokens, usage, top)
         resp = web.StreamResponse(headers={**headers, "content-type": "text/event-stream",
                                            "cache-control": "no-cache"})

@@ -1,5 +1,5 @@
-"""The local journal of usage settled while Redis was unreachable: each entry is the settle script's keys and
-arguments (``gateway/billing/usage.py``), kept in process and, with ``budgets.journal_path``, appended to a file
+"""The local journal of usage settled (and budget reservations released) while Redis was unreachable: each entry
+is a ledger script's name, keys and arguments (``gateway/billing/usage.py``), kept in process and, with ``budgets.journal_path``, appended to a file
 (one JSON line each, flushed) so that a replica restarted during an outage still has them. On rejoin (and at
 start) the ledger replays every entry through the same script; the script records the request id first
 (``HSETNX``), so an entry replayed twice, or one whose late script already ran when Redis woke, counts once.
@@ -17,20 +17,23 @@ log = logging.getLogger("tandem.gateway.journal")
 
 @dataclass(frozen=True)
 class JournalEntry:
-    """One settle to replay: the request id, the script's ``keys`` and ``args``, and the record's cost (nano-USD)."""
+    """One script to replay: the request id, the script's ``keys`` and ``args``, the record's cost (nano-USD),
+    and which script (``settle``, or ``release``: a reservation dropped without spending)."""
 
     request_id: str
     keys: list
     args: list
     nusd: int
+    script: str = "settle"
 
     def to_line(self) -> str:
-        return json.dumps({"rid": self.request_id, "keys": self.keys, "args": self.args, "nusd": self.nusd})
+        return json.dumps({"rid": self.request_id, "keys": self.keys, "args": self.args, "nusd": self.nusd,
+                           "script": self.script})
 
     @classmethod
     def from_line(cls, line: str) -> "JournalEntry":
         d = json.loads(line)
-        return cls(d["rid"], list(d["keys"]), list(d["args"]), int(d["nusd"]))
+        return cls(d["rid"], list(d["keys"]), list(d["args"]), int(d["nusd"]), d.get("script", "settle"))
 
 
 class Journal:

@@ -278,6 +278,8 @@ class UsageLedger:
             b = self._budgets.get(bkey)
             if b is not None and res.request_id in b.holds:
                 b.reserved -= b.holds.pop(res.request_id)[0]
+            if self.state.redis is not None:   # degraded: a hold taken on Redis before the outage goes on rejoin
+                self.journal.append(JournalEntry(res.request_id, [bkey, rkey], [res.request_id], 0, "release"))
             return 1
 
         await self.state.run("usage_release", RELEASE_LUA, [bkey, rkey], [res.request_id], local)
@@ -372,7 +374,10 @@ class UsageLedger:
             done = 0
             try:
                 for e in entries:
-                    await self.state.redis_script("usage_settle", SETTLE_LUA, e.keys, e.args)
+                    if e.script == "release":
+                        await self.state.redis_script("usage_release", RELEASE_LUA, e.keys, e.args)
+                    else:
+                        await self.state.redis_script("usage_settle", SETTLE_LUA, e.keys, e.args)
                     done += 1
             except Exception as exc:  # noqa: BLE001 -- Redis gone again: the rest waits for the next rejoin
                 log.warning("usage journal replay stopped after %d of %d: %s", done, len(entries), exc)
@@ -389,6 +394,8 @@ class UsageLedger:
         """The in-process spend that is now in Redis moves into each budget's ``base`` (the next reserve on
         Redis refreshes it), so a next outage does not count it twice."""
         for e in replayed:
+            if e.script != "settle":
+                continue
             bkey, bttl = e.keys[2], int(e.args[9])
             b = self._budgets.get(bkey) if bttl else None
             if b is not None:

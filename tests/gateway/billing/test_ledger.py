@@ -273,3 +273,17 @@ async def test_late_reserve_script_holds_nothing(redis_server):
 
 async def _rejoined(state) -> bool:
     return not state.degraded and state.rejoins > 0
+
+
+# ----- the conformance run: everything at once ------------------------------------------------------------------
+async def test_ledger_conformance_under_chaos():
+    """Two replicas, one Redis paused, stalled, killed and restarted under mixed stream / whole / disconnect /
+    usage-less traffic (``tandem loadtest ledger``, short): served requests == records (by request id), the
+    money in Redis == the sum of the records, no budget past its bound, no reservation left."""
+    from loadtests.scenarios.ledger import run_chaos
+
+    out = await run_chaos(duration=3.0, concurrency=4, pause=0.8, seed=1)
+    assert out["violations"] == [], out
+    t1 = out["tenants"]["t1"]
+    assert t1["records"] > 0 and t1["estimated"] > 0 and t1["disconnected"] > 0
+    assert out["outages"] >= 2 and out["replays"] > 0            # the chaos did reach the ledger
