@@ -187,11 +187,14 @@ class Upstream:
         resp = web.StreamResponse(headers={**headers, "content-type": "text/event-stream",
                                            "cache-control": "no-cache"})
         await resp.prepare(request)
-        for i, c in enumerate(chunks):
-            if self.cfg.itl and 0 < i < len(chunks) - 1:
-                await asyncio.sleep(self.cfg.itl)
-            await resp.write(c)
-        await resp.write_eof()
+        try:
+            for i, c in enumerate(chunks):
+                if self.cfg.itl and 0 < i < len(chunks) - 1:
+                    await asyncio.sleep(self.cfg.itl)
+                await resp.write(c)
+            await resp.write_eof()
+        except ConnectionResetError:    # the client (the gateway, for a client that left) closed the stream
+            pass
         return resp
 
     async def models(self, request: web.Request) -> web.Response:

@@ -210,6 +210,7 @@ class UsageLedger:
         self.journal = journal if journal is not None else Journal()
         self.replays = 0               # journal entries replayed onto Redis (a duplicate included)
         self._replaying = asyncio.Lock()
+        self._late_logged = -1e9
         if getattr(state, "redis", None) is not None:
             state.on_rejoin(self.replay)
         # The in-process fallback lives in the state's own memory (one per process, like the other fallbacks).
@@ -261,7 +262,10 @@ class UsageLedger:
                                    [now_ms, request_id, est, limit, ttl, hold_ms, deadline_ms], local)
         ok, spent, reserved = int(raw[0]), int(raw[1]), int(raw[2])
         if ok == -1:                   # Redis ran it past our deadline (clock skew or a stall): decide in process
-            log.warning("budget reserve of %s ran past its deadline on redis: checked in process", request_id)
+            if time.monotonic() - self._late_logged > 60:     # once a minute: a skewed clock would say it per request
+                self._late_logged = time.monotonic()
+                log.warning("budget reserve of %s ran past its deadline on redis (a stall, or this host's clock "
+                            "behind Redis's by more than state.socket_timeout_s): checked in process", request_id)
             ok, spent, reserved = local()
         if ok == -2:
             return BudgetCheck(False, None, 0, 0, limit, self.state.config.reconnect_max_s, unavailable=True)
@@ -296,7 +300,7 @@ class UsageLedger:
 
         def local() -> tuple[int, int]:
             b = self._budgets.get(bkey, _MemBudget())
-            return b.spent, b.reserved
+            return b.base + b.spent, b.reserved          # degraded: Redis's last word plus our own since
 
         spent, reserved = await self.state.call(read, local)
         return spent, reserved, limit

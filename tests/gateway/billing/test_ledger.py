@@ -103,6 +103,14 @@ async def _n_records(gw, n: int):
     return recs if len(recs) == n else None
 
 
+async def report(gw, n: int) -> dict:
+    """The tenant's usage report (``/admin/usage``'s) once it counts ``n`` requests."""
+    async def ready():
+        rep = await gw.usage.report("t1")
+        return rep if rep["requests"] == n else None
+    return await until(ready)
+
+
 async def read_stream(client, **kw) -> list:
     stream = await client.chat.completions.create(model="m1", messages=HELLO, stream=True, **kw)
     return [c async for c in stream]
@@ -138,9 +146,12 @@ async def test_answer_without_usage_is_counted_and_marked_estimated(up, tmp_path
         await read_stream(client)
         up.set_default({"no_usage": True, "chunks": 2})
         await read_stream(client, n=2)
+        rep = await report(gw, 3)
+        tool_text = 'get_weather{"city1": "Paris"}{"city2": "Paris"}'
+        assert rep["completion_tokens"] == (estimate_tokens("hello from up") + estimate_tokens(tool_text)
+                                            + 2 * estimate_tokens("tok0 tok1 "))
         recs = await records(gw, 3)
     prompt = 6
-    tool_text = 'get_weather{"city1": "Paris"}{"city2": "Paris"}'
     got = sorted((r.completion_tokens, r.prompt_tokens, r.estimated) for r in recs.values())
     assert got == sorted([(estimate_tokens("hello from up"), prompt, True),
                           (estimate_tokens(tool_text), prompt, True),
@@ -164,6 +175,7 @@ async def test_client_disconnect_mid_stream_is_billed(up, redis_url):
                     got.append(chunk.choices[0].delta.content)
                 if len(got) == 3:
                     break
+        assert (await report(gw, 1))["cost_usd"] > 0
         [rec] = (await records(gw, 1)).values()
         spent, reserved, _ = await gw.usage.budget_state("t1", Budget(1.0, "day"))
     assert rec.disconnected and rec.estimated and rec.prompt_tokens == 6
@@ -194,16 +206,17 @@ async def test_outage_settles_are_journaled_and_replayed_once(up, redis_server):
         finally:
             redis_server.proc.send_signal(signal.SIGCONT)
         gw0 = reps[0][0]
+        await report(gw0, 8)
         recs = await records(gw0, 8)
         await until(lambda: _journaled(reps, 0))
         for (gw, _), entries in zip(reps, journals):      # a replay twice counts once
             gw.usage.journal.entries.extend(entries)
             assert await gw.usage.replay() == len(entries)
         assert len(await gw0.usage.records("t1")) == 8
-        report = await gw0.usage.report("t1")
+        rep = await gw0.usage.report("t1")
         spent, reserved, _ = await gw0.usage.budget_state("t1", Budget(1.0, "day"))
     total = sum(r.nusd for r in recs.values())
-    assert report["requests"] == 8 and round(report["cost_usd"] * NANO) == total == spent and reserved == 0
+    assert rep["requests"] == 8 and round(rep["cost_usd"] * NANO) == total == spent and reserved == 0
 
 
 async def _journaled(reps, n: int) -> bool:
