@@ -46,8 +46,10 @@ def _payload(backend, target: Target, req: GatewayRequest):
     body["model"] = backend.upstream_model(req.public_model, target.model)
     for k in GATEWAY_ONLY_FIELDS:       # the local engine gets the priority as an argument
         body.pop(k, None)
-    if req.stream:   # the ledger bills a stream from the backend's own count (observability drops the chunk
-        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}  # if unasked)
+    # The ledger bills a stream from the backend's own count: ask for it (observability drops the usage chunk
+    # when the client did not ask for it too). The local engine always can; an upstream unless told it cannot.
+    if req.stream and getattr(backend.cfg, "stream_usage", True):
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     return body if backend.kind == "local" else msgspec.json.encode(body)
 
 

@@ -238,6 +238,7 @@ class OpenAIBackendConfig(_Strict):
     max_connections: int = Field(256, ge=1)
     rpm: int | None = Field(None, ge=1)    # the upstream's quota (per limits.window_s)
     tpm: int | None = Field(None, ge=1)
+    stream_usage: bool = True              # ask streams for usage (stream_options.include_usage); false: estimated
 
     @field_validator("base_url")
     @classmethod
