@@ -301,7 +301,8 @@ class Gateway:
             "public_models": s.compiled.public_models,
             "routes": routes_table(s.compiled.policy),
             "backends": {n: {"type": b.kind, **backends[n]} for n, b in s.backends.items()}, "targets": targets,
-            "history": history, "warnings": s.warnings, "redis_degraded": self.redis_degraded, "file": self.file_status(),
+            "history": history, "warnings": s.warnings, "redis_degraded": self.redis_degraded,
+            "file": self.file_status(),
             "usage_journal": len(self.usage.journal),   # settles waiting for Redis (replayed on rejoin)
             "draining": self.draining, "in_flight": self.in_flight, "text": s.compiled.text,
         }

@@ -1,6 +1,7 @@
 """The local journal of usage settled (and budget reservations released) while Redis was unreachable: each entry
-is a ledger script's name, keys and arguments (``gateway/billing/usage.py``), kept in process and, with ``budgets.journal_path``, appended to a file
-(one JSON line each, flushed) so that a replica restarted during an outage still has them. On rejoin (and at
+is a ledger script's name, keys and arguments (``gateway/billing/usage.py``), kept in process and, with
+``budgets.journal_path``, appended to a file (one JSON line each, flushed) so that a replica restarted during an
+outage still has them. On rejoin (and at
 start) the ledger replays every entry through the same script; the script records the request id first
 (``HSETNX``), so an entry replayed twice, or one whose late script already ran when Redis woke, counts once.
 """

@@ -101,7 +101,8 @@ def _bundled_redis() -> str:
 def gateway_yaml(upstream_url: str, redis_url: str) -> str:
     """Two models on one fake upstream: ``m`` (reports usage) and ``m-nousage`` (never does)."""
     from hashlib import sha256
-    keys = "".join(f"    - {{tenant: {t}, sha256: {sha256(k.encode()).hexdigest()}}}\n" for t, (k, _) in TENANTS.items())
+    keys = "".join(f"    - {{tenant: {t}, sha256: {sha256(k.encode()).hexdigest()}}}\n"
+                   for t, (k, _) in TENANTS.items())
     budgets = "".join(f"    {t}: {{usd: {usd}, period: day}}\n" for t, (_, usd) in TENANTS.items())
     backend = ("    type: openai\n    base_url: " + upstream_url + "\n    prices: {input: 1, output: 2}\n"
                "    timeouts: {connect_s: 2, read_s: 10, first_token_s: 5}\n")
@@ -310,7 +311,8 @@ def report(out: dict) -> str:
     """The scenario's figures as text."""
     lines = ["chaos: " + "; ".join(out.get("chaos", [])),
              f"traffic: {out.get('kinds')} refused by status: {out.get('refused')}",
-             f"redis outages seen by the replicas: {out.get('outages')}, journal entries replayed: {out.get('replays')}",
+             f"redis outages seen by the replicas: {out.get('outages')}, "
+             f"journal entries replayed: {out.get('replays')}",
              "tenant  served  records  missing  extra  estimated  disconnected  records_nUSD  usage_nUSD  "
              "budget_spent_nUSD  budget_nUSD  reserved_left  overspend_nUSD"]
     for t, r in out["tenants"].items():
