@@ -98,20 +98,7 @@ class Gateway:
     async def start(self) -> None:
         """Apply the initial config (or the shared head when it is the same
         file), start the engine, the file watcher and the Redis sync loop."""
-        state = ConfigState(self._initial.text, {}, "file", file_digest=text_digest(self._initial.text))
-        try:
-            head = await self.ledger.head()
-            if head is not None and (head.file_digest == state.file_digest
-                                     or (not head.file_digest and head.text == state.text)):
-                # the file is the one last applied: the shared head stands, with whatever operators did since
-                # (weights, a rollback); a restart never undoes them
-                state = head
-                log.info("adopting shared config version %d (%s)", head.version, head.source)
-            else:
-                state.version = await self.ledger.push(state, None if head is None else head.version)
-        except Exception as e:  # noqa: BLE001 -- Redis down: serve on the file
-            self._redis_failed(e)
-            self._unpublished = True
+        state = await self._initial_state()
         self._apply(state, compiled=self._initial if state.text == self._initial.text and not state.overrides else None)
         if self.snapshot.local is not None and self.start_engine:
             self._tasks.append(asyncio.create_task(self.snapshot.local.start()))
@@ -127,6 +114,27 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self._watch_loop()))
         if self.ledger.shared:
             self._tasks.append(asyncio.create_task(self._sync_loop()))
+
+    async def _initial_state(self) -> ConfigState:
+        """The shared head when this file is the one last applied from a file (whatever operators did since,
+        weights or a rollback, stands: a restart never undoes it); else this file, pushed as a new version."""
+        state = ConfigState(self._initial.text, {}, "file", file_digest=text_digest(self._initial.text))
+        for _ in range(3):               # another replica may push between our read and our push
+            try:
+                head = await self.ledger.head()
+                if head is not None and (head.file_digest == state.file_digest
+                                         or (not head.file_digest and head.text == state.text)):
+                    log.info("adopting shared config version %d (%s)", head.version, head.source)
+                    return head
+                state.version = await self.ledger.push(state, None if head is None else head.version)
+                return state
+            except VersionConflict:
+                continue
+            except Exception as e:  # noqa: BLE001 -- Redis down: serve on the file
+                self._redis_failed(e)
+                break
+        self._unpublished = True         # shared when Redis answers (the sync loop)
+        return state
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -265,7 +273,11 @@ class Gateway:
         cur = self.snapshot
         text, overrides, version, digest = cur.compiled.text, cur.compiled.overrides, cur.version, self.file_digest
         if rebase:
-            head = await self.ledger.head()
+            try:
+                head = await self.ledger.head()
+            except Exception as e:  # noqa: BLE001 -- Redis down: the change applies here, shared on rejoin
+                self._redis_failed(e)
+                head = None
             if head is not None:
                 text, overrides, version, digest = head.text, head.overrides, head.version, head.file_digest
         if base is not None and base != version:
