@@ -21,6 +21,17 @@ from gateway.resilience.outcomes import UpstreamResponse
 log = logging.getLogger("tandem.gateway.local")
 
 
+def _with_stream_options(rendered, options: dict):
+    """Routing's rendering (parsed from the client's body) with the ``stream_options`` the gateway sends the
+    engine instead (``include_usage``: the ledger bills the engine's own count)."""
+    import dataclasses
+
+    from engine.entrypoints.protocol import StreamOptions   # loaded already: a rendering needs the engine
+
+    opts = msgspec.convert(options, StreamOptions)
+    return dataclasses.replace(rendered, request=msgspec.structs.replace(rendered.request, stream_options=opts))
+
+
 def render_prompt(tokenizer, endpoint: str, body: dict):
     """``body`` as the local engine runs it (``engine.entrypoints.chat.render_chat`` or
     ``completion.render_completion`` on ``endpoint``), without the gateway-only fields and ``model`` (rewritten per
@@ -106,9 +117,12 @@ class LocalBackend:
     async def _call(self, req: GatewayRequest, body: dict):
         if self.serving is None:
             raise BackendError("unavailable", f"{self.name}: {self.unavailable_reason}", 503)
+        rendered = req.rendered
+        if rendered is not None and body.get("stream_options") != req.body.get("stream_options"):
+            rendered = _with_stream_options(rendered, body["stream_options"])   # the gateway asks for usage
         try:   # the engine labels the answer as the gateway reports it: no relabelling pass over its events
             return await self.serving[req.endpoint](body, answer_id(req.endpoint, req.request_id), req.priority,
-                                                    req.rendered, response_model=req.public_model or None)
+                                                    rendered, response_model=req.public_model or None)
         except self.serving_error as e:
             raise BackendError("http", f"{self.name}: {e.message}", e.status_code, self._encode(e.to_dict())) from None
 

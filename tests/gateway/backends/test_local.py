@@ -147,6 +147,29 @@ async def test_async_stream_from_local(gateway):
     assert "".join(deltas) == full.choices[0].message.content
 
 
+def test_local_stream_is_billed_from_the_engines_own_count(gateway):
+    """Issue 26: the gateway asks the engine for a stream's usage and bills it as counted (not estimated); a
+    client that did not ask for usage sees no usage chunk, one that did gets the same counts."""
+    c = client(gateway)
+    raw = c.chat.completions.with_raw_response.create(model="smollm2", messages=MSG, max_tokens=8, temperature=0,
+                                                      stream=True)
+    chunks = list(raw.parse())
+    assert chunks and all(ch.usage is None and ch.choices for ch in chunks)
+    asked = list(c.chat.completions.create(model="smollm2", messages=MSG, max_tokens=8, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+    usage = asked[-1].usage
+    rid = raw.headers["x-request-id"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [json.loads(x) for x in gateway.log().splitlines() if x.startswith("{") and rid in x]
+        line = next((x for x in lines if x.get("event") == "request" and x["request_id"] == rid), None)
+        if line is not None:
+            break
+        time.sleep(0.05)
+    assert line is not None and line["usage_estimated"] is False
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (usage.prompt_tokens, usage.completion_tokens)
+
+
 def test_completions_local(gateway):
     r = client(gateway).completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4,
                                            temperature=0)
