@@ -12,8 +12,10 @@ import os
 import uuid
 
 import httpx
+import pytest
 
 from gateway.config.compile import load_config_text
+from gateway.config.versions import ConfigState, MemoryLedger, RedisLedger, VersionConflict, text_digest
 from gateway.http.app import create_app
 from gateway.runtime import Gateway
 from tests.conftest import free_port
@@ -134,3 +136,25 @@ async def test_a_rollback_sticks_until_the_file_changes(tmp_path, redis_url, mon
                     break
                 await asyncio.sleep(0.02)
             assert weights(cfg["routes"], "one") == [100, 9] and cfg["file"]["status"] == "in sync"
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_push_and_rollback_refuse_a_stale_base_alike(shared, redis_url):
+    """The Redis scripts and the in-process ledger (one replica) follow the same rules: a push or rollback built
+    on a version that is no longer the head is refused with the head's version; an equal state is no change
+    whatever its base; a rollback keeps the head's file digest (the file last applied is still that file)."""
+    ledger = RedisLedger(redis_url, f"v{uuid.uuid4().hex[:8]}", keep=5) if shared else MemoryLedger(keep=5)
+    try:
+        v1 = await ledger.push(ConfigState("a: 1\n", file_digest=text_digest("a: 1\n")), None)
+        v2 = await ledger.push(ConfigState("a: 2\n", file_digest=text_digest("a: 2\n")), v1)
+        with pytest.raises(VersionConflict) as e:
+            await ledger.push(ConfigState("a: 1\n", {"r": {"t": 5}}, "weights"), v1)
+        assert (e.value.base, e.value.current) == (v1, v2)
+        assert await ledger.push(ConfigState("a: 2\n"), v1) == v2          # equal to the head: no change
+        with pytest.raises(VersionConflict):
+            await ledger.rollback(v1)
+        back = await ledger.rollback(v2)
+        assert back.text == "a: 1\n" and back.file_digest == text_digest("a: 2\n") and back.version > v2
+        assert (await ledger.head()).file_digest == text_digest("a: 2\n")
+    finally:
+        await ledger.aclose()
