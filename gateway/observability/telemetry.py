@@ -247,7 +247,7 @@ class Observability:
                 if rec.ttft_s is None:
                     rec.ttft_s = time.perf_counter() - rec.t0
                 kept = self._scan(rec, chunk)
-                if rec.strip_usage:      # the client did not ask for the usage chunk the gateway asked for
+                if kept is not None:     # the client did not ask for the usage chunk the gateway asked for
                     chunk = kept
                 if b'"error"' in chunk:
                     chunk = self.redactor().bytes(chunk, [rec.client_token] if rec.client_token else [])
@@ -271,29 +271,33 @@ class Observability:
             except BaseException:  # noqa: BLE001 -- cancelled: the task finishes on its own
                 pass
 
-    def _scan(self, rec: RequestRecord, chunk: bytes) -> bytes:
-        """Read the events of ``chunk``: usage, text per choice, finish reasons, errors. Returns the relay bytes
-        of its complete events without a usage-only event (a chunk with ``usage`` and no choices)."""
+    def _scan(self, rec: RequestRecord, chunk: bytes) -> bytes | None:
+        """Read the events of ``chunk``: usage, text per choice, finish reasons, errors. With ``rec.strip_usage``,
+        returns the relay bytes of its complete events without a usage-only event (``usage`` and no choices);
+        else None (the chunk goes on as it is)."""
         reader = rec.events
         reader.feed(chunk)
-        kept: list[bytes] = []
+        kept: list[bytes] | None = [] if rec.strip_usage else None
         while (item := reader.pop()) is not None:
             data = item[1]
             if data == b"[DONE]":
-                kept.append(item[0])
+                if kept is not None:
+                    kept.append(item[0])
                 continue
             try:
                 ans = decode_answer(data)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 if b'"error"' in data:
                     rec.error = "stream_error"
-                kept.append(item[0])
+                if kept is not None:
+                    kept.append(item[0])
                 continue
             if ans.usage:
                 rec.usage = ans.usage
-                if not ans.choices:
-                    continue                 # the usage-only chunk
-            kept.append(item[0])
+                if not ans.choices and kept is not None:
+                    continue                 # the usage-only chunk, dropped
+            if kept is not None:
+                kept.append(item[0])
             if ans.model and rec.response_model is None:
                 rec.response_model = ans.model
             for c in ans.choices:            # each choice of an n > 1 stream apart; tool calls count too
@@ -304,7 +308,7 @@ class Observability:
                     rec.finish_reasons.append(c.finish_reason)
             if b'"error"' in data and not ans.choices:
                 rec.error = "stream_error"
-        return b"".join(kept)
+        return None if kept is None else b"".join(kept)
 
     async def reject(self, rec: RequestRecord, err: ClientError) -> None:
         """The gateway refused the request (4xx/429/503 before any backend answered)."""
