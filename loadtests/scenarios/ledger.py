@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import shutil
 import signal
@@ -46,12 +47,19 @@ def register(sub) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     p.add_argument("--pause", type=float, default=3.0, help="seconds Redis is paused (SIGSTOP)")
     p.add_argument("--seed", type=int, default=0, help="traffic mix random seed")
+    p.add_argument("--out", default="loadtest-results/ledger", help="output directory (results.json, summary.md)")
     p.set_defaults(func=_cmd)
 
 
 def _cmd(args: argparse.Namespace) -> int:
     out = asyncio.run(run_chaos(args.duration, args.concurrency, args.pause, args.seed))
-    print(report(out))
+    text = report(out)
+    print(text)
+    d = Path(args.out)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "results.json").write_text(json.dumps(out, indent=2, default=str))
+    (d / "summary.md").write_text("# Ledger under chaos\n\n```\n" + text + "\n```\n")
+    print(f"files: {d / 'results.json'}, {d / 'summary.md'}")
     return 0 if not out["violations"] else 1
 
 
