@@ -159,7 +159,8 @@ class Gateway:
         """What ``GET /metrics`` reads at scrape time."""
         s = self.snapshot
         return LiveGauges(self.in_flight, self.redis_degraded or self.resilience.degraded,
-                          s.version if s is not None else None, s.source if s is not None else "")
+                          s.version if s is not None else None, s.source if s is not None else "",
+                          len(self.usage.journal))
 
     @property
     def ready(self) -> bool:

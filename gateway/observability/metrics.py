@@ -21,9 +21,13 @@ key's tenant, ``backend`` = the backend that answered or ``none``):
   ``tandem_cost_usd_total`` ``{backend, tenant}``.
 - ``tandem_rate_limit_rejections_total{tenant, code}`` (code
   ``rate_limit_exceeded``, ``budget_exceeded``, ...).
+- ``tandem_usage_estimated_total{backend, tenant}``: usage records the
+  gateway counted itself (no usage from the backend, or a client gone
+  mid-stream).
 
 At scrape time: ``tandem_requests_in_flight``, ``tandem_redis_degraded``
-(0/1), ``tandem_config_info{version, source}`` (1), ``tandem_breaker_state
+(0/1), ``tandem_usage_journal_entries`` (settles waiting for Redis),
+``tandem_config_info{version, source}`` (1), ``tandem_breaker_state
 {backend, target}`` (0 closed, 1 half-open, 2 open), ``tandem_budget_usd``
 ``{tenant, period}`` and ``tandem_budget_spent_usd{tenant, period}``.
 With the local engine co-located, the engine's ``vllm:*`` metrics
@@ -55,6 +59,7 @@ class LiveGauges:
     redis_degraded: bool = False
     config_version: int | None = None
     config_source: str = ""
+    usage_journal: int = 0                 # settles made during a Redis outage, not replayed yet
 
 
 class _Live:
@@ -76,6 +81,10 @@ class _Live:
         g = GaugeMetricFamily("tandem_redis_degraded", "1 while Redis is configured but unreachable "
                                                        "(serving on in-process state).")
         g.add_metric([], 1.0 if now.redis_degraded else 0.0)
+        yield g
+        g = GaugeMetricFamily("tandem_usage_journal_entries", "Usage settled during a Redis outage and not yet "
+                                                              "replayed onto Redis.")
+        g.add_metric([], float(now.usage_journal))
         yield g
         g = GaugeMetricFamily("tandem_config_info", "The active config version (value 1).",
                               labels=["version", "source"])
@@ -129,6 +138,9 @@ class GatewayMetrics:
         self.input_tokens = Counter("tandem_input_tokens", "Prompt tokens.", ["backend", "tenant"], registry=r)
         self.output_tokens = Counter("tandem_output_tokens", "Completion tokens.", ["backend", "tenant"], registry=r)
         self.cost = Counter("tandem_cost_usd", "Cost in USD (backend prices).", ["backend", "tenant"], registry=r)
+        self.usage_estimated = Counter("tandem_usage_estimated", "Usage records counted by the gateway (the backend "
+                                       "gave none, or the client left mid-stream).", ["backend", "tenant"],
+                                       registry=r)
         self.rejections = Counter("tandem_rate_limit_rejections", "Requests refused with 429 by the gateway.",
                                   ["tenant", "code"], registry=r)
         self.engine = None          # engine.metrics.EngineMetrics once the local engine is up

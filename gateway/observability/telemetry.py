@@ -350,6 +350,8 @@ class Observability:
         counted = tokens if answered else None
         await self._settle(rec, counted, nusd, estimated)
         self._meter(rec, status, latency, counted, nusd)
+        if estimated and counted is not None:
+            self.metrics.child(self.metrics.usage_estimated, rec.backend, tenant_label(rec.tenant)).inc()
         if self.tracing is not None:
             end_request_trace(self.tracing, rec, status, counted)
         if self.request_log.active:

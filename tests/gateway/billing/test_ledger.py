@@ -151,6 +151,8 @@ async def test_answer_without_usage_is_counted_and_marked_estimated(up, tmp_path
         assert rep["completion_tokens"] == (estimate_tokens("hello from up") + estimate_tokens(tool_text)
                                             + 2 * estimate_tokens("tok0 tok1 "))
         recs = await records(gw, 3)
+        estimated = gw.obs.registry.get_sample_value("tandem_usage_estimated_total", {"backend": "up", "tenant": "t1"})
+    assert estimated == 3
     prompt = 6
     got = sorted((r.completion_tokens, r.prompt_tokens, r.estimated) for r in recs.values())
     assert got == sorted([(estimate_tokens("hello from up"), prompt, True),
@@ -202,6 +204,7 @@ async def test_outage_settles_are_journaled_and_replayed_once(up, redis_server):
                     await client.chat.completions.create(model="m1", messages=HELLO)
             await until(lambda: _journaled(reps, 6))
             journals = [list(gw.usage.journal.entries) for gw, _ in reps]
+            assert reps[0][0].obs.registry.get_sample_value("tandem_usage_journal_entries") == len(journals[0])
             assert all(gw.usage.state.degraded for gw, _ in reps)
         finally:
             redis_server.proc.send_signal(signal.SIGCONT)
