@@ -240,8 +240,10 @@ class UsageLedger:
         now_ms = int(now * 1000)
         shared = self.state.redis is not None
         fail_closed = shared and self.state.config.fail_closed_limits
+        in_process = []                # set when the decision was taken here, not by Redis
 
         def local() -> list[int]:
+            in_process.append(True)
             if fail_closed:            # Redis unreachable: no budget decision in process
                 return [-2, 0, 0]
             b = self._budgets.setdefault(bkey, _MemBudget())
@@ -269,7 +271,7 @@ class UsageLedger:
             ok, spent, reserved = local()
         if ok == -2:
             return BudgetCheck(False, None, 0, 0, limit, self.state.config.reconnect_max_s, unavailable=True)
-        if shared and not self.state.degraded:      # remember Redis's view for an outage
+        if shared and not in_process:               # remember Redis's view for an outage
             self._budgets.setdefault(bkey, _MemBudget()).base = spent + reserved
         res = BudgetReservation(tenant, request_id, budget.period, pid, est) if ok else None
         return BudgetCheck(bool(ok), res, spent, reserved, limit, end - now)
