@@ -41,7 +41,7 @@ def up():
 
 def config(up: FaultUpstream, redis_url: str | None = None, budget_usd: float | None = None,
            fail_closed: bool = False, log_path: str | None = None) -> str:
-    state = (f"state: {{redis_url: '{redis_url}', socket_timeout_s: 0.3, reconnect_min_s: 0.05, "
+    state = (f"state: {{redis_url: '{redis_url}', socket_timeout_s: 0.5, reconnect_min_s: 0.05, "
              f"reconnect_max_s: 0.1, fail_closed_limits: {str(fail_closed).lower()}}}\n" if redis_url else "")
     budgets = f"budgets:\n  tenants: {{t1: {{usd: {budget_usd}, period: day}}}}\n" if budget_usd else ""
     logs = (f"observability:\n  logs: {{destination: '{log_path}', include_prompts: true}}\n" if log_path
@@ -202,7 +202,7 @@ async def test_outage_settles_are_journaled_and_replayed_once(up, redis_server):
                     await read_stream(client)
                 else:
                     await client.chat.completions.create(model="m1", messages=HELLO)
-            await until(lambda: _journaled(reps, 6))
+            await until(lambda: _journaled(reps, 6, at_least=True))
             journals = [list(gw.usage.journal.entries) for gw, _ in reps]
             assert reps[0][0].obs.registry.get_sample_value("tandem_usage_journal_entries") == len(journals[0])
             assert all(gw.usage.state.degraded for gw, _ in reps)
@@ -222,8 +222,9 @@ async def test_outage_settles_are_journaled_and_replayed_once(up, redis_server):
     assert rep["requests"] == 8 and round(rep["cost_usd"] * NANO) == total == spent and reserved == 0
 
 
-async def _journaled(reps, n: int) -> bool:
-    return sum(len(gw.usage.journal) for gw, _ in reps) == n
+async def _journaled(reps, n: int, at_least: bool = False) -> bool:
+    total = sum(len(gw.usage.journal) for gw, _ in reps)
+    return total >= n if at_least else total == n
 
 
 async def test_spent_budget_is_enforced_during_an_outage(up, redis_server):
