@@ -46,7 +46,8 @@ from typing import Any, Awaitable, Callable
 from gateway.config.schema import RetrySettings
 from gateway.errors import error_body
 from gateway.resilience.outcomes import (TRANSIENT_STATUS, Attempt, Failure, NoCandidate, PassThrough, Result,
-                                         UpstreamResponse, classify_exception, close_response,
+                                         UpstreamResponse, classify_error_object, classify_exception,
+                                         close_response,
                                          is_context_length_error, parse_retry_after)
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
 from gateway.resilience.streaming import Held, peek_stream, relay
@@ -217,7 +218,7 @@ class _Run:
                 resp = await self.attempt_fn(c)
                 if self.stream and resp.status < 300 and resp.chunks is not None:
                     out = await peek_stream(resp, t0)
-                    if isinstance(out, Failure):
+                    if not isinstance(out, Result):
                         await close_response(resp)
                     return out
         except asyncio.CancelledError:
@@ -250,7 +251,7 @@ class _Run:
             except ValueError:
                 return Failure("malformed", "upstream returned malformed JSON", status=502)
             if obj.get("error"):
-                return Failure("error_event", "upstream returned an error object", status=502)
+                return classify_error_object(obj["error"], body, "object in a 2xx body")
             return Result(status, ct, body=body, usage=obj.get("usage"))
         ra = parse_retry_after(resp.headers)
         if status in TRANSIENT_STATUS or 520 <= status <= 529:
