@@ -1,6 +1,7 @@
 """Operator endpoints (bearer token from the env var named by ``admin.token_env``): POST /admin/reload,
 /admin/rollback, /admin/weights, /admin/drain; GET /admin/config, /admin/usage; and GET /metrics (Prometheus
-text, no token). Module-level handlers on ``request.app.state.gw``; errors go through the app's exception table
+text; its tenant-labelled series need the admin token whenever virtual keys exist, unless
+``admin.public_metrics``). Module-level handlers on ``request.app.state.gw``; errors go through the app's exception table
 (``gateway/http/app.py``)."""
 
 from __future__ import annotations
@@ -97,7 +98,12 @@ async def admin_usage(request: Request) -> Response:
 
 @get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
+    """Prometheus text. With virtual keys configured (``auth.keys``) it needs the admin token: a client key
+    must not read every tenant's usage and spend; ``admin.public_metrics`` opens it."""
     gw = request.app.state.gw
+    compiled = gw.snapshot.compiled
+    if compiled.key_hashes and not compiled.config.admin.public_metrics:
+        _gw(request)
     await gw.obs.refresh(gw.snapshot, gw.resilience.breakers)
     return Response(generate_latest(gw.obs.registry), media_type=CONTENT_TYPE_LATEST.split(";")[0],
                     headers={"content-type": CONTENT_TYPE_LATEST})

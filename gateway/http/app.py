@@ -90,7 +90,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
     rec = gw.obs.begin(rid, endpoint, headers)   # span, trace context
     streaming = False
     try:
-        raw = await read_body(request, gw.snapshot.max_body_size)
+        raw = await read_body(request, gw.snapshot.max_body_size, gw.snapshot.compiled.config.server.body_timeout_s)
         answer = await unless_disconnected(request, handle(gw, endpoint, raw, headers, rid))
         if answer is None:                  # the client left: its upstream call was cancelled
             return Response(b"", status_code=499)

@@ -1,5 +1,5 @@
 """``tandem serve``: the gateway (and its in-process engine) under uvicorn
-(uvloop event loop, httptools parser), with signals:
+(uvloop event loop, httptools parser with the door's limits, ``door.py``), with signals:
 SIGHUP = reload the config file; SIGTERM = drain (stop accepting, report
 not-ready, let in-flight requests and streams finish within
 ``server.drain_timeout_s``), then exit; SIGINT = uvicorn's graceful stop.
@@ -15,6 +15,7 @@ import sys
 import uvicorn
 
 from gateway.http.app import create_app
+from gateway.http.door import DoorLimits, door_protocol
 from gateway.request.auth import is_loopback
 from gateway.config.compile import load_config_or_report
 from gateway.config.schema import ConfigError
@@ -74,7 +75,9 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
               "gateway would be open to anyone. Bind 127.0.0.1, configure keys, or pass --insecure.", file=sys.stderr)
         return 2
     gw = Gateway(config_path, compiled, start_engine=start_engine)
-    config = uvicorn.Config(create_app(gw, cfg.server.cors), host=host, port=port, loop="uvloop", http="httptools",
+    door = DoorLimits(cfg.server.max_header_bytes, cfg.server.max_headers, cfg.server.header_timeout_s)
+    config = uvicorn.Config(create_app(gw, cfg.server.cors), host=host, port=port, loop="uvloop",
+                            http=door_protocol(door),
                             lifespan="on", access_log=False, log_level=cfg.server.log_level,
                             timeout_graceful_shutdown=cfg.server.drain_timeout_s, timeout_keep_alive=30,
                             proxy_headers=False, server_header=False)

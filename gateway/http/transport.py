@@ -17,15 +17,25 @@ from gateway.errors import ClientError
 log = logging.getLogger("tandem.gateway.app")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than ``limit`` bytes (declared or sent).
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The request body, refusing more than ``limit`` bytes (declared or sent) or a body still incomplete
+    ``timeout_s`` seconds after its headers (a slow client holds a connection and a task; None: no limit).
 
     Raises:
-        ClientError: 413 when too large; 400 when the client disconnects while sending it."""
+        ClientError: 413 when too large; 408 when too slow; 400 when the client disconnects while sending it."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ClientError(413, f"request body is {declared} bytes; the limit is {limit} bytes",
                           code="request_too_large")
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _receive_body(request, limit)
+    except TimeoutError:
+        raise ClientError(408, f"request body not received within {timeout_s:g}s", code="request_timeout",
+                          headers={"connection": "close"}) from None
+
+
+async def _receive_body(request: Request, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:

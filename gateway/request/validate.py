@@ -106,17 +106,46 @@ def _check_range(name: str, value: object) -> None:
         raise ClientError(400, bad.message, param=bad.param, code=bad.code)
 
 
+# Deepest nesting of arrays and objects a body may have: far beyond any OpenAI request (a tool's JSON schema
+# nests a few levels), far below what recursive code after decoding (templates, encoders) can take.
+MAX_JSON_DEPTH = 64
+
+
+def _deeper_than(obj: object, limit: int) -> bool:
+    """Whether ``obj`` nests arrays/objects more than ``limit`` levels (iterative: no recursion to exhaust)."""
+    if not isinstance(obj, (dict, list)):
+        return False
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
 def parse_json(raw: bytes) -> dict:
-    """Decode a JSON object. Raises ClientError(400) otherwise."""
+    """Decode a JSON object nested at most ``MAX_JSON_DEPTH`` levels. Raises ClientError(400) otherwise."""
     if not raw:
         raise ClientError(400, "request body is empty; expected a JSON object", code="invalid_json")
     try:
         body = _decode(raw)
     except msgspec.DecodeError as e:
         raise ClientError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:       # msgspec's own nesting limit, above ours
+        raise _too_deep() from None
+    # the bracket count bounds the depth from above: ordinary bodies skip the walk
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(body, MAX_JSON_DEPTH):
+        raise _too_deep()
     if not isinstance(body, dict):
         raise ClientError(400, "request body must be a JSON object", code="invalid_json")
     return body
+
+
+def _too_deep() -> ClientError:
+    return ClientError(400, f"request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
+                       code="invalid_json")
 
 
 def _unsupported(body: dict, local_serves: frozenset[str]) -> str | None:
