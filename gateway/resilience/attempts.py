@@ -8,8 +8,8 @@ call, or one round of skipped candidates:
 - Target choice: the first candidate, in route order, not yet tried in this round, not too small for the request
   (``max_model_len < required_len``), not excluded by a context-length error, whose breaker lets a request
   through and whose backend rate limit admits it. A round ends when every candidate was tried or skipped; the
-  next round starts after an exponential backoff with jitter (at least the upstream's ``Retry-After`` when it
-  is within ``max_retry_after_s``). Falling back to an untried target waits nothing.
+  next round starts after an exponential backoff with jitter (tenacity's strategies, ``backoff.py``; at least
+  the upstream's ``Retry-After`` when it is within ``max_retry_after_s``). Falling back to an untried target waits nothing.
 - Transient failures (connection errors, timeouts, HTTP 408/429/500/502/503/504, a malformed body, an error event
   or a cut before any content) are retried / fall back; 400/401/403/404/422 and every other status are passed
   through unchanged after one upstream call. A context-length error moves on to a target with a larger
@@ -22,7 +22,8 @@ call, or one round of skipped candidates:
   also bounds a stream's wait for its first token; a non-streamed answer in progress is bounded by the
   backend's own read timeout, not cut by the deadline).
   Then: 503 + Retry-After (soonest half-open) when every target's breaker is open, 429 when backend limits refuse,
-  504 after a timeout, 503 after 429/503 upstream answers, 502 otherwise; never a 500.
+  504 after a timeout, 503 after 429/503 upstream answers, 502 otherwise; never a 500. Every error answer
+  without ``Retry-After`` carries ``x-should-retry: false``: the SDKs' own retries would multiply the calls.
 - Streaming: the response is committed (status 200 and SSE headers) only when the first content delta arrives
   within ``first_token_timeout_s`` of the attempt's start; earlier events are held back. Before that, failures
   are transparent retries. After it, a failure (cut, malformed event, error event, no event within
@@ -38,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -49,6 +49,7 @@ from gateway.resilience.outcomes import (TRANSIENT_STATUS, Attempt, Failure, NoC
                                          UpstreamResponse, classify_error_object, classify_exception,
                                          close_response,
                                          is_context_length_error, parse_retry_after)
+from gateway.resilience.backoff import RetryPolicy
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
 from gateway.resilience.streaming import Held, peek_stream, relay
 
@@ -88,6 +89,7 @@ class _Run:
         self.batch = batch_events
         self.start = time.monotonic()
         self.deadline = self.start + policy.deadline_s
+        self.retry = RetryPolicy(policy, self.start)   # tenacity's wait and stop strategies
         self.attempts: list[Attempt] = []
         self.tried_round: set[str] = set()     # called or skipped in this round
         self.called_round = False
@@ -295,7 +297,7 @@ class _Run:
         if isinstance(exc, NoCandidate) and not exc.round_over and exc.retry_after is None:
             return 0.0  # _stop ends the loop
         p = self.policy
-        backoff = min(p.backoff_initial_s * 2.0 ** min(step - 1, 60) + random.uniform(0, p.jitter_s), p.backoff_max_s)
+        backoff = self.retry.backoff(step)
         if isinstance(exc, NoCandidate) and exc.round_over:
             hint = self.failures[-1].retry_after if self.failures else None
         else:
@@ -310,8 +312,7 @@ class _Run:
                 return True
         elif isinstance(exc, Failure) and not exc.transient:
             return True
-        return (self.calls >= self.policy.max_attempts or all(c.name in self.excluded for c in self.candidates)
-                or time.monotonic() + wait >= self.deadline)
+        return all(c.name in self.excluded for c in self.candidates) or self.retry.exhausted(self.calls, wait)
 
     async def execute(self) -> Result:
         """The loop: call the next candidate; after a failure wait (``_wait_for``: nothing before an untried
@@ -321,12 +322,12 @@ class _Run:
             step += 1
             out = await self._once()
             if isinstance(out, Result):
-                return out
+                return _no_client_retry(out)
             if isinstance(out, PassThrough):
-                return self._passthrough(out.response, out.candidate)
+                return _no_client_retry(self._passthrough(out.response, out.candidate))
             self.last_wait = self._wait_for(out, step)    # _pick starts a new round only after a backoff
             if self._stop(out, self.last_wait):
-                return await self._exhausted(out)
+                return _no_client_retry(await self._exhausted(out))
             await asyncio.sleep(self.last_wait)
             if isinstance(out, NoCandidate) and not out.round_over:
                 # waited for a cooldown / limit to pass: the candidates skipped for it are asked again
@@ -390,6 +391,15 @@ class _Run:
         res.body = error_body(res.status, f"{msg} after {self.calls} attempt(s) ({kinds}).", code="upstream_failed",
                               type_="upstream_error")
         return res
+
+
+def _no_client_retry(res: Result) -> Result:
+    """An error answer once the loop's retries and fallbacks are spent tells the SDKs not to retry it
+    (``x-should-retry: false``; the official SDKs retry 408/409/429/5xx twice by default, each retry a whole new
+    loop), unless a ``Retry-After`` invites a later try."""
+    if res.status >= 400 and "retry-after" not in res.headers:
+        res.headers["x-should-retry"] = "false"
+    return res
 
 
 def _reason(f: Failure) -> str:

@@ -29,7 +29,7 @@ policy:
   default_route: main
 resilience:
   retry: {{max_attempts: 3, deadline_s: 10, backoff_initial_s: 0.01, backoff_max_s: 0.02, jitter_s: 0}}
-  breaker: {{consecutive_failures: 2, open_s: 60}}
+  breaker: {{consecutive_failures: 4, open_s: 60}}
   health: {{interval_s: 0}}
 """
 MSG = [{"role": "user", "content": "hi"}]
@@ -56,7 +56,7 @@ def fresh(upstream, gateway):
     upstream.reset()
     yield
     upstream.reset()
-    # one success after each test: the breaker (2 consecutive failures) counts one test's failures only
+    # one success after each test: the breaker (4 consecutive failures) counts one test's failures only
     assert breaker_closed(gateway)
 
 
@@ -107,9 +107,9 @@ def test_silence_still_ends_a_stream(gateway, upstream):
 
 
 def test_complete_stream_without_done_is_complete(gateway, upstream):
-    # every choice has a finish_reason, then the body ends without [DONE]: a success, three times over a
-    # breaker that opens after two failures
-    for _ in range(3):
+    # every choice has a finish_reason, then the body ends without [DONE]: a success, five times over a
+    # breaker that opens after four failures
+    for _ in range(5):
         upstream.push({"parts": [data(chunk("x")), data(chunk(finish="stop"))]})
         text, finishes = stream_text(gateway)
         assert text == "x" and finishes[-1] == "stop"
@@ -150,3 +150,14 @@ def test_values_out_of_range_are_400s_naming_the_field(gateway, upstream, field,
         sdk(gateway).chat.completions.create(model="m1", messages=MSG, extra_body={field: value})
     assert exc.value.body["param"].split("[")[0] == field
     assert upstream.calls == 0
+
+
+def test_the_sdk_does_not_retry_what_the_gateway_already_retried(gateway, upstream):
+    # the official client with its default retries (2): one call, at most max_attempts (3) upstream calls
+    failing = {"status": 500, "body": b'{"error": {"message": "boom", "type": "server_error"}}'}
+    upstream.push(*[failing] * 12)
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="k", timeout=20)
+    with pytest.raises(openai.InternalServerError) as exc:
+        client.chat.completions.create(model="m1", messages=MSG)
+    assert exc.value.status_code == 502 and exc.value.response.headers["x-should-retry"] == "false"
+    assert upstream.calls == 3
