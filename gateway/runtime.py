@@ -17,6 +17,7 @@ from gateway.config.schema import ConfigError
 from gateway.backends.local import LocalBackend
 from gateway.backends.replicas import ReplicaLoads
 from gateway.resilience.layer import Resilience
+from gateway.resilience.streaming import GATEWAY_SHUTDOWN
 from gateway.billing.usage import UsageLedger
 from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
@@ -357,7 +358,8 @@ class Gateway:
     async def drain(self, timeout: float | None = None) -> int:
         """Stop accepting (new requests get 503, /health/ready says not
         ready), wait until in-flight requests and streams finish or the
-        deadline passes, then call ``on_drained``. Returns requests still in
+        deadline passes (streams still open then end with the ``stream_interrupted``
+        event), then call ``on_drained``. Returns requests still in
         flight at the end (0 = clean). A drain already under way (a second
         SIGTERM, such as make's after the process group's, or ``ctl drain``
         twice) starts no second one: it returns the requests in flight now."""
@@ -369,6 +371,11 @@ class Gateway:
         end = loop.time() + deadline
         while self.in_flight > 0 and loop.time() < end:
             await asyncio.sleep(0.05)
+        if self.in_flight and self.resilience.interrupt_streams(GATEWAY_SHUTDOWN):
+            # streams still open end now with the stream_interrupted event; give them a moment to write it
+            end = loop.time() + 1.0
+            while self.in_flight > 0 and loop.time() < end:
+                await asyncio.sleep(0.02)
         left = self.in_flight
         log.info("drained (%d request(s) still in flight)", left)
         if self.on_drained is not None:

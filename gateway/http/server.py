@@ -2,7 +2,10 @@
 (uvloop event loop, httptools parser with the door's limits, ``door.py``), with signals:
 SIGHUP = reload the config file; SIGTERM = drain (stop accepting, report
 not-ready, let in-flight requests and streams finish within
-``server.drain_timeout_s``), then exit; SIGINT = uvicorn's graceful stop.
+``server.drain_timeout_s``; streams still open then end with the
+``stream_interrupted`` event), then exit; SIGINT = uvicorn's graceful stop.
+A second SIGTERM or SIGINT during a drain exits at once (one within
+``_ECHO_S`` of the first is the same stop, e.g. make forwarding it).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 
 import uvicorn
 
@@ -22,6 +26,11 @@ from gateway.config.schema import ConfigError
 from gateway.runtime import Gateway
 
 log = logging.getLogger("tandem.gateway")
+# `make serve` forwards the terminal's signal after the process group got it: a second signal this soon after the
+# first is that echo, not an operator insisting
+_ECHO_S = 1.0
+# after a drain, what uvicorn still waits for connections: the drain already waited drain_timeout_s
+_AFTER_DRAIN_S = 1.0
 
 
 class GatewayServer(uvicorn.Server):
@@ -31,9 +40,11 @@ class GatewayServer(uvicorn.Server):
         super().__init__(config)
         self.gw = gw
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.drain_started: float | None = None
         gw.on_drained = self._exit
 
     def _exit(self) -> None:
+        self.config.timeout_graceful_shutdown = _AFTER_DRAIN_S
         self.should_exit = True
 
     async def startup(self, sockets=None) -> None:
@@ -55,7 +66,13 @@ class GatewayServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGTERM and self.loop is not None and not self.gw.draining and not self.should_exit:
             log.info("SIGTERM: draining")
+            self.drain_started = time.monotonic()
             self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self.gw.drain()))
+            return
+        if self.drain_started is not None and sig in (signal.SIGTERM, signal.SIGINT):
+            if time.monotonic() - self.drain_started >= _ECHO_S:
+                log.warning("second signal during the drain: exiting now")
+                self.force_exit = self.should_exit = True
             return
         super().handle_exit(sig, frame)
 

@@ -51,7 +51,7 @@ from gateway.resilience.outcomes import (TRANSIENT_STATUS, Attempt, Failure, NoC
                                          is_context_length_error, parse_retry_after)
 from gateway.resilience.backoff import RetryPolicy
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
-from gateway.resilience.streaming import Held, peek_stream, relay
+from gateway.resilience.streaming import GATEWAY_SHUTDOWN, Held, peek_stream, relay
 
 log = logging.getLogger("tandem.retry")
 
@@ -77,7 +77,7 @@ class _Run:
     """State of one request's attempt loop (see the module docstring)."""
 
     def __init__(self, candidates, attempt, *, stream, policy, breakers, health, limiter, required_len, request_id,
-                 tokens, on_finish, batch_events, prompt_param=None):
+                 tokens, on_finish, batch_events, prompt_param=None, streams=None):
         self.candidates: list[Candidate] = list(candidates)
         self.attempt_fn = attempt
         self.stream = stream
@@ -87,6 +87,7 @@ class _Run:
         self.prompt_param = prompt_param
         self.on_finish = on_finish
         self.batch = batch_events
+        self.streams = streams
         self.start = time.monotonic()
         self.deadline = self.start + policy.deadline_s
         self.retry = RetryPolicy(policy, self.start)   # tenacity's wait and stop strategies
@@ -195,7 +196,7 @@ class _Run:
             held: Held = result.stream  # type: ignore[assignment]
             inter = c.inter_chunk_timeout_s or self.policy.inter_chunk_timeout_s
             result.stream = relay(result, held, inter, self.batch,
-                                  lambda ok: self._end_stream(result, c, probe, t0, ok, held))
+                                  lambda ok: self._end_stream(result, c, probe, t0, ok, held), self.streams)
         return result
 
     def _exclude_not_larger(self, failed: Candidate) -> None:
@@ -265,7 +266,7 @@ class _Run:
     async def _end_stream(self, res: Result, c: Candidate, probe: bool, t0: float, ok: bool, held: "Held") -> None:
         await close_response(held.resp)
         dt = time.monotonic() - t0
-        if res.error is None:  # finished, or the client went away: the upstream did its part
+        if res.error in (None, GATEWAY_SHUTDOWN):  # finished, the client went away, or a drain ended it
             await self._record(c, True, None, None, probe, dt, res.ttft_s)
         else:
             await self._record(c, False, None, None, probe, dt, res.ttft_s, reason="stream_interrupted")
@@ -414,7 +415,8 @@ async def call_with_fallback(candidates: list[Candidate],
                              stream: bool = False, policy: RetrySettings | None = None, breakers=None, health=None,
                              limiter=None, required_len: int | None = None, request_id: str = "", tokens: int = 0,
                              on_finish: Callable[[Result], Any] | None = None,
-                             batch_events: bool = False, prompt_param: str | None = None) -> Result:
+                             batch_events: bool = False, prompt_param: str | None = None,
+                             streams: set | None = None) -> Result:
     """Run one request across ``candidates`` (route order) and return what the client should get.
 
     attempt(candidate) performs one upstream call and returns an ``UpstreamResponse`` for ANY status (raising only
@@ -427,9 +429,10 @@ async def call_with_fallback(candidates: list[Candidate],
     per upstream read) instead of one item per event; the bytes are the same.
     prompt_param: the body field that holds the prompt ("messages" or "prompt"), named by the 400 when no
     candidate's context fits ``required_len``, as OpenAI's ``context_length_exceeded`` does.
+    streams: the gateway's set of open streams (their watchdogs), which a drain interrupts at its deadline.
     Never raises for upstream failures; a cancelled caller cancels the upstream call.
     """
     run = _Run(candidates, attempt, stream=stream, policy=policy or RetrySettings(), breakers=breakers, health=health,
                limiter=limiter, required_len=required_len, request_id=request_id, tokens=tokens, on_finish=on_finish,
-               batch_events=batch_events, prompt_param=prompt_param)
+               batch_events=batch_events, prompt_param=prompt_param, streams=streams)
     return await run.execute()

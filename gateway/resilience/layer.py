@@ -39,6 +39,7 @@ class Resilience:
         self.breakers = Breakers(self.state)
         self.health = HealthTracker(self.state)
         self.prober: ActiveProber | None = None
+        self.streams: set = set()       # the relayed streams' watchdogs, for a drain to interrupt
         self.configure(cfg)
 
     def configure(self, cfg: GatewayConfig) -> None:
@@ -157,7 +158,14 @@ class Resilience:
         return await call_with_fallback(candidates, attempt, stream=stream, policy=self.policy,
                                         breakers=self.breakers, health=self.health, limiter=self.limiter,
                                         required_len=required_len, request_id=request_id, tokens=tokens,
-                                        on_finish=on_finish, batch_events=True, prompt_param=prompt_param)
+                                        on_finish=on_finish, batch_events=True, prompt_param=prompt_param,
+                                        streams=self.streams)
+
+    def interrupt_streams(self, reason: str) -> int:
+        """End every stream still relayed with the ``stream_interrupted`` event naming ``reason``; how many."""
+        for watchdog in list(self.streams):
+            watchdog.interrupt(reason)
+        return len(self.streams)
 
 
 def _probe_for(backend: Any):

@@ -4,7 +4,8 @@ one error event (and no ``[DONE]``); ``Watchdog`` is the inter-chunk deadline wi
 
 A stream is complete at ``[DONE]``, or when every choice it opened has a ``finish_reason`` (``Choices``): an
 upstream that then ends (or stalls) without ``[DONE]`` has done its part, and the client gets ``[DONE]`` from
-the gateway. Any bytes from the upstream re-arm the inter-chunk deadline, an SSE comment (``: keep-alive``) too;
+the gateway. A drain's deadline ends a stream still open with the same ``stream_interrupted`` event
+(``GATEWAY_SHUTDOWN``), not counted against the backend. Any bytes from the upstream re-arm the inter-chunk deadline, an SSE comment (``: keep-alive``) too;
 comments themselves are not relayed (``gateway/sse.py``).
 """
 
@@ -41,6 +42,9 @@ class Choices:
         return bool(self.opened) and self.opened <= self.finished
 
 
+GATEWAY_SHUTDOWN = "the gateway is shutting down"   # why a drain ended a stream (not the upstream's fault)
+
+
 @dataclass
 class Held:
     """Events read before the commit, the live event iterator, and the upstream response to close."""
@@ -57,7 +61,7 @@ class Watchdog:
     (``timeout_s`` from now, event-loop time) that ``disarm`` clears; one ``loop.call_at`` handle, re-armed only
     when it fires before the current deadline, cancels the waiting task once a deadline passes (``fired``)."""
 
-    __slots__ = ("loop", "timeout_s", "deadline", "handle", "task", "fired")
+    __slots__ = ("loop", "timeout_s", "deadline", "handle", "task", "fired", "interrupted")
 
     def __init__(self, timeout_s: float):
         self.loop = asyncio.get_running_loop()
@@ -66,6 +70,16 @@ class Watchdog:
         self.handle: asyncio.TimerHandle | None = None
         self.task: asyncio.Task | None = None
         self.fired = False
+        self.interrupted: str | None = None
+
+    def interrupt(self, reason: str) -> None:
+        """End the stream now (a drain's deadline): the read in progress, or the next one, fails with ``reason``.
+        Only a task waiting in the read is cancelled (armed), never one writing to its client."""
+        self.interrupted = reason
+        if self.deadline is not None and self.task is not None:
+            self.deadline = None
+            self.fired = True
+            self.task.cancel()
 
     def arm(self) -> None:
         self.deadline = self.loop.time() + self.timeout_s
@@ -134,15 +148,19 @@ async def peek_stream(resp: UpstreamResponse, t0: float) -> Result | Failure | P
 
 
 async def relay(res: Result, held: Held, inter_s: float, batch: bool,
-                on_end: Callable[[bool], Awaitable[None]]) -> AsyncIterator[bytes]:
+                on_end: Callable[[bool], Awaitable[None]], streams: set | None = None) -> AsyncIterator[bytes]:
     """The committed stream: held events, then the rest; a failure after content ends with an error event.
-    ``on_end(ok)`` runs once it ends (cleanly, with an error, or closed by the client).
+    ``on_end(ok)`` runs once it ends (cleanly, with an error, or closed by the client). ``streams``: the
+    gateway's open streams, as their ``Watchdog``s, for a drain to interrupt (``Watchdog.interrupt``).
 
     Every complete event already read is relayed in one chunk with the events before it (the bytes of an
     event unchanged), so a read of several events costs one write downstream; nothing waits for more."""
     ok, err = False, None
     events, out = held.rest, held.events
     watchdog: Watchdog | None = None
+    if streams is not None and not held.done:
+        watchdog = Watchdog(inter_s)
+        streams.add(watchdog)
     try:
         if not batch:
             for ev in out:
@@ -209,18 +227,22 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
     finally:
         if watchdog is not None:
             watchdog.close()
+            if streams is not None:
+                streams.discard(watchdog)
         await asyncio.shield(on_end(ok))
 
 
 async def _read(events: EventReader, watchdog: Watchdog) -> tuple[bool, str | None]:
     """Read more bytes under the inter-chunk deadline: (more bytes came, why the stream failed or None). Every
     read re-arms it: any bytes (a comment, part of an event) show the upstream is alive."""
+    if watchdog.interrupted:
+        return False, watchdog.interrupted
     watchdog.arm()
     try:
         return await events.fill(), None
     except asyncio.CancelledError:
         if watchdog.expired():
-            return False, f"upstream sent nothing for {watchdog.timeout_s:.0f}s"
+            return False, watchdog.interrupted or f"upstream sent nothing for {watchdog.timeout_s:.0f}s"
         raise
     except (TimeoutError, asyncio.TimeoutError):
         return False, f"upstream sent nothing for {watchdog.timeout_s:.0f}s"
