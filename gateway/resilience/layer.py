@@ -136,6 +136,14 @@ class Resilience:
             out[name] = {"available": b.available and reason == b.unavailable_reason, "reason": reason}
         return out, targets
 
+    @staticmethod
+    def routes_serving(routes: dict, backends: dict, targets: dict) -> list[str]:
+        """The routes that can serve now, from ``status``'s answer: those with a target or fallback whose backend
+        is available and whose breaker is not open (``/health/ready`` is ``degraded`` when there is none)."""
+        return sorted(name for name, r in routes.items()
+                      if any(backends.get(t.backend, {}).get("available") and targets.get(t.id, {}).get("breaker")
+                             != "open" for t in (*r.targets, *r.fallbacks)))
+
     # -- the attempt loop --------------------------------------------------------------------------------------
     def candidate(self, target: Any, backend: Any) -> Candidate:
         """A route target as the loop sees it. Its name, the key of its breaker and health counters, is the
