@@ -118,3 +118,30 @@ def test_metrics_need_the_admin_token_where_keys_exist(gateway):
     assert httpx.get(gateway.url + "/metrics", timeout=5, headers={"authorization": f"Bearer {KEY}"}).status_code == 401
     r = httpx.get(gateway.url + "/metrics", timeout=5, headers={"authorization": f"Bearer {ADMIN}"})
     assert r.status_code == 200 and "tandem_requests_total" in r.text
+
+
+def post_encoded(g: GatewayProcess, body: bytes, encoding: str) -> httpx.Response:
+    return httpx.post(g.url + "/v1/chat/completions", content=body, timeout=10, headers={
+        "authorization": f"Bearer {KEY}", "content-type": "application/json", "content-encoding": encoding})
+
+
+def test_compressed_bodies_are_decoded_within_the_body_limit(gateway, upstream):
+    import gzip
+    import zlib
+
+    body = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert post_encoded(gateway, gzip.compress(body), "gzip").status_code == 200
+    assert post_encoded(gateway, zlib.compress(body), "deflate").status_code == 200
+    assert upstream.bodies[-1]["messages"][0]["content"] == "hi"
+    # 16 MiB of JSON whitespace in 16 KiB of gzip: refused once the 4 MiB limit is decoded, not inflated whole
+    bomb = gzip.compress(body[:-1] + b" " * (16 * 2 ** 20) + b"}")
+    r = post_encoded(gateway, bomb, "gzip")
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_unknown_content_encoding_is_415_naming_it(gateway, upstream):
+    before = upstream.calls
+    r = post_encoded(gateway, b"\x1b\x00\x00", "br")
+    assert r.status_code == 415 and "'br'" in r.json()["error"]["message"]
+    assert r.headers["accept-encoding"] == "gzip, deflate, identity"
+    assert upstream.calls == before
