@@ -1,8 +1,8 @@
 """Operator endpoints (bearer token from the env var named by ``admin.token_env``): POST /admin/reload,
-/admin/rollback, /admin/weights, /admin/drain, /admin/explain; GET /admin/config, /admin/usage; and GET /metrics (Prometheus
-text; its tenant-labelled series need the admin token whenever virtual keys exist, unless
-``admin.public_metrics``). Module-level handlers on ``request.app.state.gw``; errors go through the app's exception table
-(``gateway/http/app.py``)."""
+/admin/rollback, /admin/weights, /admin/drain, /admin/explain; GET /admin/config, /admin/usage; and GET /metrics
+(Prometheus text; its tenant-labelled series need the admin token whenever virtual keys exist, unless
+``admin.public_metrics``). Module-level handlers on ``request.app.state.gw``; errors go through the app's
+exception table (``gateway/http/app.py``)."""
 
 from __future__ import annotations
 

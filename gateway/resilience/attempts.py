@@ -9,10 +9,13 @@ call, or one round of skipped candidates:
   (``max_model_len < required_len``), not excluded by a context-length error, whose breaker lets a request
   through and whose backend rate limit admits it. A round ends when every candidate was tried or skipped; the
   next round starts after an exponential backoff with jitter (tenacity's strategies, ``backoff.py``; at least
-  the upstream's ``Retry-After`` when it is within ``max_retry_after_s``). Falling back to an untried target waits nothing.
+  the upstream's ``Retry-After`` when it is within ``max_retry_after_s``). Falling back to an untried target
+  waits nothing.
 - Transient failures (connection errors, timeouts, HTTP 408/429/500/502/503/504, a malformed body, an error event
   or a cut before any content) are retried / fall back; 400/401/403/404/422 and every other status are passed
-  through unchanged after one upstream call. A context-length error moves on to a target with a larger
+  through unchanged after one upstream call, and never count against the target's breaker; so is an error
+  object inside a 2xx (a stream's error event before content, a JSON body's ``error``) naming such a status in
+  its ``code`` (``outcomes.classify_error_object``). A context-length error moves on to a target with a larger
   ``max_model_len`` and never retries the same target.
 - Nothing callable now (every remaining target cooling down, breaker-open or at its backend limit): when the
   soonest of them may be called within ``max_retry_after_s`` and before the deadline, the loop waits for it and

@@ -5,8 +5,8 @@ one error event (and no ``[DONE]``); ``Watchdog`` is the inter-chunk deadline wi
 A stream is complete at ``[DONE]``, or when every choice it opened has a ``finish_reason`` (``Choices``): an
 upstream that then ends (or stalls) without ``[DONE]`` has done its part, and the client gets ``[DONE]`` from
 the gateway. A drain's deadline ends a stream still open with the same ``stream_interrupted`` event
-(``GATEWAY_SHUTDOWN``), not counted against the backend. Any bytes from the upstream re-arm the inter-chunk deadline, an SSE comment (``: keep-alive``) too;
-comments themselves are not relayed (``gateway/sse.py``).
+(``GATEWAY_SHUTDOWN``), not counted against the backend. Any bytes from the upstream re-arm the inter-chunk
+deadline, an SSE comment (``: keep-alive``) too; comments themselves are not relayed (``gateway/sse.py``).
 """
 
 from __future__ import annotations
