@@ -7,6 +7,10 @@ client); ``door_protocol`` is that protocol with limits, refused the way RFC 658
 - request line and headers not complete within ``header_timeout_s`` of the connection (or of the previous
   response): ``408 Request Timeout`` (or a plain close when nothing was sent), connection closed.
 
+A refusal half-closes the connection and drops what the client still sends for ``_LINGER_S`` before closing
+it (nginx's lingering close): closing at once with unread bytes makes the kernel send a reset that can destroy
+the 431 before the client reads it.
+
 The body's own time limit is the app's (``gateway/http/transport.py`` ``read_body``), where the 408 is OpenAI's
 error JSON.
 """
@@ -28,6 +32,7 @@ class DoorLimits:
 
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_LINGER_S = 1.0
 
 
 class _Refused(Exception):
@@ -46,6 +51,7 @@ def door_protocol(limits: DoorLimits) -> type[HttpToolsProtocol]:
             self.head_bytes = 0
             self.head_fields = 0
             self.head_timer = None
+            self.refused = False           # answered and half-closed: what still arrives is dropped
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -56,6 +62,8 @@ def door_protocol(limits: DoorLimits) -> type[HttpToolsProtocol]:
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            if self.refused:
+                return
             if self.head_open:
                 # counted before parsing: an oversized head is refused without buffering it
                 self.head_bytes += len(data)
@@ -96,11 +104,15 @@ def door_protocol(limits: DoorLimits) -> type[HttpToolsProtocol]:
         def refuse(self, status: int, message: str) -> None:
             """Answer ``status`` with ``message`` as plain text and close the connection."""
             self._disarm_head_timer()
-            self.head_open = False
+            self.head_open, self.refused = False, True
             body = message.encode()
             self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d"
                                  b"\r\nconnection: close\r\n\r\n%s" % (status, _REASONS[status], len(body), body))
-            self.transport.close()
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self.loop.call_later(_LINGER_S, self.transport.close)
+            else:
+                self.transport.close()
 
         def _arm_head_timer(self) -> None:
             if self.head_timer is None:
