@@ -27,6 +27,8 @@ from gateway.config.weights import describe_changes, routes_table
 from policies import Signals
 
 log = logging.getLogger("tandem.gateway")
+# how long before a drain's deadline the streams still open are interrupted (at most a quarter of the drain)
+_INTERRUPT_LEAD_S = 1.0
 
 
 @dataclass
@@ -358,8 +360,8 @@ class Gateway:
     async def drain(self, timeout: float | None = None) -> int:
         """Stop accepting (new requests get 503, /health/ready says not
         ready), wait until in-flight requests and streams finish or the
-        deadline passes (streams still open then end with the ``stream_interrupted``
-        event), then call ``on_drained``. Returns requests still in
+        deadline passes (streams still open shortly before it end with the
+        ``stream_interrupted`` event), then call ``on_drained``. Returns requests still in
         flight at the end (0 = clean). A drain already under way (a second
         SIGTERM, such as make's after the process group's, or ``ctl drain``
         twice) starts no second one: it returns the requests in flight now."""
@@ -369,11 +371,13 @@ class Gateway:
         deadline = timeout if timeout is not None else self.snapshot.compiled.config.server.drain_timeout_s
         loop = asyncio.get_running_loop()
         end = loop.time() + deadline
-        while self.in_flight > 0 and loop.time() < end:
+        # streams still open this long before the deadline end with the stream_interrupted event, so that they
+        # have written it by the deadline
+        interrupt_at = end - min(_INTERRUPT_LEAD_S, deadline / 4)
+        while self.in_flight > 0 and loop.time() < interrupt_at:
             await asyncio.sleep(0.05)
-        if self.in_flight and self.resilience.interrupt_streams(GATEWAY_SHUTDOWN):
-            # streams still open end now with the stream_interrupted event; give them a moment to write it
-            end = loop.time() + 1.0
+        if self.in_flight:
+            self.resilience.interrupt_streams(GATEWAY_SHUTDOWN)
             while self.in_flight > 0 and loop.time() < end:
                 await asyncio.sleep(0.02)
         left = self.in_flight

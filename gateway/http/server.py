@@ -30,7 +30,7 @@ log = logging.getLogger("tandem.gateway")
 # first is that echo, not an operator insisting
 _ECHO_S = 1.0
 # after a drain, what uvicorn still waits for connections: the drain already waited drain_timeout_s
-_AFTER_DRAIN_S = 1.0
+_AFTER_DRAIN_S = 0.5
 
 
 class GatewayServer(uvicorn.Server):
