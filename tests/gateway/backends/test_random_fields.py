@@ -60,7 +60,7 @@ def gateway(tmp_path_factory):
     g.stop()
 
 
-@settings(max_examples=24, derandomize=True, database=None, deadline=None,
+@settings(max_examples=60, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @example(fields={"seed": 2 ** 70})                     # the values that once failed the engine
 @example(fields={"max_tokens": 2 ** 64, "stream": True})
