@@ -4,8 +4,9 @@ client); ``door_protocol`` is that protocol with limits, refused the way RFC 658
 
 - more than ``max_header_bytes`` of request line and headers, or more than ``max_headers`` header fields:
   ``431 Request Header Fields Too Large``, connection closed, before the rest is buffered or parsed;
-- request line and headers not complete within ``header_timeout_s`` of the connection (or of the previous
-  response): ``408 Request Timeout`` (or a plain close when nothing was sent), connection closed.
+- request line and headers not complete within ``header_timeout_s`` of the connection (a later request on a
+  kept-alive connection: of its first byte): ``408 Request Timeout`` (or a plain close when nothing was sent),
+  connection closed.
 
 A refusal half-closes the connection and drops what the client still sends for ``_LINGER_S`` before closing
 it (nginx's lingering close): closing at once with unread bytes makes the kernel send a reset that can destroy
@@ -24,11 +25,12 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 @dataclass(frozen=True)
 class DoorLimits:
-    """Per-connection limits (``server.*`` settings): bytes and fields of a request's head, seconds for it."""
+    """Per-connection limits, from the ``server.*`` settings of the same names: bytes and fields of a request's
+    head, seconds for it."""
 
-    max_header_bytes: int = 64 * 1024
-    max_headers: int = 100
-    header_timeout_s: float = 10.0
+    max_header_bytes: int
+    max_headers: int
+    header_timeout_s: float
 
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
