@@ -20,6 +20,8 @@ import queue
 import threading
 from collections.abc import Callable
 
+import msgspec
+
 from engine.core_loop import ready_message, run_core_loop, run_engine_core_process, take_all
 from engine.core_messages import (Command, CompileGrammar, CoreFailed, CoreReady, CoreReply, CoreStep, Shutdown,
                                   decode_reply, encode, params_to_wire, rebuild_error)
@@ -175,8 +177,16 @@ class ProcessCoreClient:
 
     def send(self, cmd: Command) -> None:
         """Encode and send a command (non-blocking in practice: the core's
-        reader thread drains the pipe)."""
-        data = encode(cmd)
+        reader thread drains the pipe).
+
+        Raises:
+            ValueError: the command holds a value the wire cannot carry (an integer beyond 64 bits): the
+                request's own fault, answered as its 400, never a failure of the engine.
+        """
+        try:
+            data = encode(cmd)
+        except (OverflowError, TypeError, msgspec.EncodeError) as exc:
+            raise ValueError(f"the request holds a value the engine cannot take: {exc}") from None
         with self._send_lock:
             self._conn.send_bytes(data)
 

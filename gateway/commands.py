@@ -25,7 +25,11 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("route", help="routing policy tools")
     sub = p.add_subparsers(dest="route_command", required=True)
     e = sub.add_parser("explain", help="print the routing decision for a request, sending nothing")
-    e.add_argument("--config", required=True, help="the gateway's YAML config file")
+    e.add_argument("--config", help="the gateway's YAML config file: the decision it would make at start")
+    e.add_argument("--url", help="a running gateway's base URL: the decision it would make now (its live weights, "
+                                 "breakers, keys and engine load, through the admin API)")
+    e.add_argument("--token-env", default="TANDEM_ADMIN_TOKEN",
+                   help="with --url: environment variable holding the admin token (default: TANDEM_ADMIN_TOKEN)")
     e.add_argument("--request", required=True, help="JSON file with the request body (chat or completion)")
     e.add_argument("--header", action="append", default=[], metavar="NAME=VALUE", help="request header (repeat)")
     e.add_argument("--tenant", default="", help="tenant of the virtual key (default: anonymous)")
@@ -100,6 +104,45 @@ def _prompt_tokens(compiled, endpoint: str, body: dict) -> tuple[int, str]:
     return estimate_prompt_tokens(body), "estimate: 4 chars/token"
 
 
+def _read_request(path: str) -> dict | None:
+    """The JSON object in ``path`` (a chat or completion body); None after printing why not."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            body = json.load(f)
+    except OSError as e:
+        print(f"--request {path}: cannot read it: {e.strerror or e}", file=sys.stderr)
+        return None
+    except json.JSONDecodeError as e:
+        print(f"--request {path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", file=sys.stderr)
+        return None
+    if not isinstance(body, dict):
+        print(f"--request {path}: must hold one JSON object (a chat or completion body)", file=sys.stderr)
+        return None
+    return body
+
+
+def _explain_live(args, body: dict, headers: dict) -> int:
+    """``route explain --url``: the running gateway's decision now (``POST /admin/explain``)."""
+    from gateway.http.admin_client import admin_call
+
+    spec = {"request": body, "headers": headers, "tenant": args.tenant, "request_id": args.request_id}
+    code, data = admin_call("tandem route explain", args.url, args.token_env, "POST", "/admin/explain", body=spec)
+    if code:
+        return code
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(f"model: {data['model']} -> {data['public_model']}; priority {data['priority']}; "
+          f"{data['prompt_tokens']} prompt tokens; tenant {data['tenant'] or 'anonymous'}; "
+          f"config version {data['config_version']}")
+    print(data["explanation"])
+    for target, state in data["breakers"].items():
+        print(f"breaker {target}: {state}" + (" (skipped until it half-opens)" if state == "open" else ""))
+    for backend, why in data["unavailable"].items():
+        print(f"unavailable {backend}: {why}")
+    return 0
+
+
 def _explain(args) -> int:
     from gateway.config.compile import load_config_or_report
     from gateway.errors import ClientError
@@ -107,25 +150,20 @@ def _explain(args) -> int:
     from gateway.request.validate import check_request
     from policies import ReplicaLoad, RequestFeatures, Signals, decide, prefix_text
 
-    if (compiled := load_config_or_report(args.config)) is None:
+    if bool(args.config) == bool(args.url):
+        print("tandem route explain: give --config FILE (the decision at start) or --url URL (the running "
+              "gateway's decision now)", file=sys.stderr)
         return 2
-    try:
-        with open(args.request, encoding="utf-8") as f:
-            body = json.load(f)
-    except OSError as e:
-        print(f"--request {args.request}: cannot read it: {e.strerror or e}", file=sys.stderr)
-        return 2
-    except json.JSONDecodeError as e:
-        print(f"--request {args.request}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
-              file=sys.stderr)
-        return 2
-    if not isinstance(body, dict):
-        print(f"--request {args.request}: must hold one JSON object (a chat or completion body)", file=sys.stderr)
+    if (body := _read_request(args.request)) is None:
         return 2
     headers = {}
     for h in args.header:
         name, _, value = h.partition("=")
         headers[name.strip().lower()] = value.strip()
+    if args.url:
+        return _explain_live(args, body, headers)
+    if (compiled := load_config_or_report(args.config)) is None:
+        return 2
     endpoint = "chat/completions" if "messages" in body else "completions"
     try:
         p = check_request(body, endpoint, headers.get("x-priority"), compiled.local_serves)

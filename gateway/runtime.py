@@ -18,6 +18,7 @@ from gateway.backends.local import LocalBackend
 from gateway.backends.replicas import ReplicaLoads
 from gateway.resilience.layer import Resilience
 from gateway.billing.journal import Journal
+from gateway.resilience.streaming import GATEWAY_SHUTDOWN
 from gateway.billing.usage import UsageLedger
 from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
@@ -27,6 +28,8 @@ from gateway.config.weights import describe_changes, routes_table
 from policies import Signals
 
 log = logging.getLogger("tandem.gateway")
+# how long before a drain's deadline the streams still open are interrupted (at most a quarter of the drain)
+_INTERRUPT_LEAD_S = 1.0
 
 
 @dataclass
@@ -429,7 +432,8 @@ class Gateway:
     async def drain(self, timeout: float | None = None) -> int:
         """Stop accepting (new requests get 503, /health/ready says not
         ready), wait until in-flight requests and streams finish or the
-        deadline passes, then call ``on_drained``. Returns requests still in
+        deadline passes (streams still open shortly before it end with the
+        ``stream_interrupted`` event), then call ``on_drained``. Returns requests still in
         flight at the end (0 = clean). A drain already under way (a second
         SIGTERM, such as make's after the process group's, or ``ctl drain``
         twice) starts no second one: it returns the requests in flight now."""
@@ -439,8 +443,15 @@ class Gateway:
         deadline = timeout if timeout is not None else self.snapshot.compiled.config.server.drain_timeout_s
         loop = asyncio.get_running_loop()
         end = loop.time() + deadline
-        while self.in_flight > 0 and loop.time() < end:
+        # streams still open this long before the deadline end with the stream_interrupted event, so that they
+        # have written it by the deadline
+        interrupt_at = end - min(_INTERRUPT_LEAD_S, deadline / 4)
+        while self.in_flight > 0 and loop.time() < interrupt_at:
             await asyncio.sleep(0.05)
+        if self.in_flight:
+            self.resilience.interrupt_streams(GATEWAY_SHUTDOWN)
+            while self.in_flight > 0 and loop.time() < end:
+                await asyncio.sleep(0.02)
         left = self.in_flight
         log.info("drained (%d request(s) still in flight)", left)
         if self.on_drained is not None:

@@ -15,7 +15,10 @@ DONE = b"data: [DONE]\n\n"
 
 
 def event(payload: bytes) -> bytes:
-    """One SSE event carrying ``payload`` (a single data line)."""
+    """One SSE event carrying ``payload``: one ``data:`` line per line of it (a reader joins them with newlines,
+    so a payload that spans lines arrives whole)."""
+    if b"\n" in payload:
+        return b"".join(b"data: " + line + b"\n" for line in payload.split(b"\n")) + b"\n"
     return b"data: " + payload + b"\n\n"
 
 
@@ -27,9 +30,13 @@ def error_event(message: str, type_: str = "upstream_error", code: str | None = 
 class EventReader:
     """Raw SSE bytes (any split) -> events, each with the bytes to relay for it.
 
-    An event's relay bytes are ``data: <payload>\\n\\n`` with its data lines joined by newlines (comments and
-    other fields dropped, CRLF read as LF); for the usual single-line ``data: {...}`` event they are the
-    upstream's own bytes. The buffer is split once per read, not once per event.
+    As the spec reads a stream: an event's data is its ``data`` lines joined with newlines (one space after the
+    colon removed, a line ``data`` without a colon is an empty data line); comment lines (``: keep-alive``) and
+    other fields (``event``, ``id``, ``retry``) are dropped, as are blocks without data; CRLF is read as LF (a
+    lone CR line end, which no LLM upstream sends, is not). An event's relay bytes are ``event(data)``: for the
+    usual single-line ``data: {...}`` event the upstream's own bytes, for a multi-line one a data line per line.
+    The buffer is split once per read, not once per event. Any bytes read (a comment too) are traffic: the
+    caller's idle timer counts reads, not events.
     Spec: https://html.spec.whatwg.org/multipage/server-sent-events.html
     """
 
@@ -73,19 +80,30 @@ class EventReader:
             if block.startswith(b"data: ") and block[6:7] != b" " and b"\n" not in block:
                 ready.append((block + b"\n\n", block[6:]))    # one canonical data line: relayed as is
                 continue
-            data = [ln[5:].lstrip(b" ") for ln in block.split(b"\n") if ln.startswith(b"data:")]
-            if data:
-                payload = b"\n".join(data)
-                ready.append((b"data: " + payload + b"\n\n", payload))
+            item = _data_event(block)
+            if item is not None:
+                ready.append(item)
         return ready.pop() if ready else None
 
     def tail(self) -> tuple[bytes, bytes] | None:
         """At the end of the stream: a final event without its blank line (the stream was cut mid-event), once."""
-        rest, self.buf = self.buf.strip(), b""
-        if not rest.startswith(b"data:"):
-            return None
-        payload = rest[5:].lstrip()
-        return b"data: " + payload + b"\n\n", payload
+        rest, self.buf = self.buf.strip(b"\n"), b""
+        return _data_event(rest) if rest else None
+
+
+def _data_event(block: bytes) -> tuple[bytes, bytes] | None:
+    """One event block's (relay bytes, data), its data lines joined with newlines; None: no data line."""
+    data = []
+    for line in block.split(b"\n"):
+        if line.startswith(b"data:"):
+            value = line[5:]
+            data.append(value[1:] if value[:1] == b" " else value)
+        elif line == b"data":
+            data.append(b"")
+    if not data:
+        return None
+    payload = b"\n".join(data)
+    return event(payload), payload
 
 
 
@@ -170,3 +188,26 @@ def classify(data: bytes) -> tuple[str, Any, Any, bytes | None]:
     if kind == "malformed":
         return kind, None, None, None
     return kind, obj.get("usage"), obj.get("error"), fixed
+
+
+class _FinChoice(msgspec.Struct):
+    index: Any = 0
+    finish_reason: Any = None
+
+
+class _Fin(msgspec.Struct):
+    choices: list[_FinChoice] | None = None
+
+
+_decode_fin = msgspec.json.Decoder(_Fin).decode
+
+
+def choice_finishes(data: bytes) -> list[tuple[Any, bool]]:
+    """An event's choices as (index, has a ``finish_reason``): how a relay tells that a stream is complete
+    (every choice finished) when the upstream omits ``[DONE]``. Empty for any payload without choices."""
+    try:
+        ev = _decode_fin(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return []
+    return [(ch.index if isinstance(ch.index, int) else repr(ch.index), bool(ch.finish_reason))
+            for ch in ev.choices or ()]

@@ -3,9 +3,10 @@ vLLM's extra sampling fields, and the OpenAI error (``ServingError``).
 
 The schemas are ``msgspec.Struct``s: ``parse_request(body, ChatCompletionRequest)``
 converts a decoded JSON object, checks every field's type and returns an
-error naming the field (``$.temperature`` -> ``temperature``). Value ranges
-are checked later by ``SamplingParams`` (its messages also start with the
-parameter's name). Unknown fields are ignored, as OpenAI and vLLM do.
+error naming the field (``$.temperature`` -> ``temperature``), and checks every
+value range of ``param_ranges.PARAM_RANGES`` (the table the gateway reads too);
+``SamplingParams`` checks its own invariants again (its messages also start
+with the parameter's name). Unknown fields are ignored, as OpenAI and vLLM do.
 
 Sources: OpenAI API reference (``/v1/chat/completions``, ``/v1/completions``);
 vLLM ``entrypoints/openai/protocol.py`` for the extra fields' names and defaults.
@@ -17,6 +18,8 @@ import re
 from typing import Any, TypeVar
 
 import msgspec
+
+from engine.entrypoints.param_ranges import first_violation
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -146,11 +149,13 @@ class RequestValidationError(ValueError):
 
     Attributes:
         param: the top-level field at fault (None when the body itself is).
+        code: OpenAI's error code when there is one (``integer_above_max_value``...).
     """
 
-    def __init__(self, message: str, param: str | None) -> None:
+    def __init__(self, message: str, param: str | None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 def parse_request(body: Any, schema: type[T]) -> T:
@@ -162,13 +167,13 @@ def parse_request(body: Any, schema: type[T]) -> T:
 
     Raises:
         RequestValidationError: the body is not an object, a required field
-            is missing or a field has the wrong type; ``param`` names it and
-            the message starts with it.
+            is missing, a field has the wrong type or a value is out of range
+            (``param_ranges``); ``param`` names it.
     """
     if not isinstance(body, dict):
         raise RequestValidationError("the request body must be a JSON object", None)
     try:
-        return msgspec.convert({k: v for k, v in body.items() if v is not None}, schema)
+        parsed = msgspec.convert({k: v for k, v in body.items() if v is not None}, schema)
     except msgspec.ValidationError as exc:
         text = str(exc)
         match = _PATH_RE.search(text)
@@ -178,3 +183,6 @@ def parse_request(body: Any, schema: type[T]) -> T:
             param = missing.group(1)
         message = f"{param}: {text}" if param else text
         raise RequestValidationError(message, param) from None
+    if (bad := first_violation(body)) is not None:
+        raise RequestValidationError(bad.message, bad.param, bad.code)
+    return parsed

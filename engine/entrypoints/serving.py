@@ -80,7 +80,7 @@ def parse_body(body: Any, schema):
     try:
         return parse_request(body, schema)
     except RequestValidationError as exc:
-        raise ServingError(400, str(exc), param=exc.param) from None
+        raise ServingError(400, str(exc), param=exc.param, code=exc.code) from None
 
 
 

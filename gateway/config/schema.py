@@ -44,11 +44,15 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     insecure: bool = False                 # allow a non-loopback bind with no virtual keys
     max_body_size: int = 4 * 2**20         # bytes ("4MiB" accepted)
+    body_timeout_s: float = Field(30.0, gt=0)        # a body not complete by then: 408
+    max_header_bytes: int = 64 * 2**10               # request line + headers; more: 431 (read at start)
+    max_headers: int = Field(100, ge=1)              # header fields; more: 431 (read at start)
+    header_timeout_s: float = Field(10.0, gt=0)      # a head not complete by then: 408 (read at start)
     drain_timeout_s: float = Field(30.0, gt=0)
     log_level: str = "info"
     cors: CorsConfig | None = None         # off by default
 
-    @field_validator("max_body_size", mode="before")
+    @field_validator("max_body_size", "max_header_bytes", mode="before")
     @classmethod
     def _size(cls, v: Any) -> int:
         return parse_size(v)
@@ -59,6 +63,9 @@ class AdminConfig(_Strict):
     unset = the admin API answers 401 to everyone."""
 
     token_env: str = "TANDEM_ADMIN_TOKEN"
+    # GET /metrics carries every tenant's tokens and spend: with virtual keys configured it needs the admin
+    # token unless this is true (a gateway whose port only Prometheus reaches)
+    public_metrics: bool = False
 
 
 class ReloadConfig(_Strict):

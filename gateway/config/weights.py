@@ -2,8 +2,11 @@
 rollback), the routes-and-weights table the admin API returns, and the one-line summary of what a new version
 changed (for its log line).
 
-Rules (``check_weights``):
+Rules (``check_weights``). In the file a route's targets either all set ``weight`` (relative shares: 95 and 5
+are 95 % and 5 %, 1 and 3 are 25 % and 75 %) or none does (equal shares); each form gives exactly that split.
 
+- some targets of a route with ``weight`` and others without: refused, naming the first without (``[{a, weight:
+  5}, {b}]`` reads as "5 % canary" but the default weight 100 made it 4.8 %);
 - every target of a route with weight 0: refused (the route could serve nothing but its fallbacks);
 - weight on a backend that cannot be called (its ``api_key_env`` unset): a warning naming the share that moves
   to the route's other targets;
@@ -34,6 +37,14 @@ def check_weights(cfg: GatewayConfig, routes: dict[str, Route], overrides: dict[
     errors: list[tuple[str, str]] = []
     warnings: list[str] = []
     down = _unavailable(cfg, env)
+    for name, spec in cfg.routes.items():
+        weighted = ["weight" in t.model_fields_set for t in spec.targets]
+        if any(weighted) and not all(weighted):
+            i = weighted.index(False)
+            t = spec.targets[i]
+            errors.append((f"routes.{name}.targets[{i}].weight",
+                           f"target {t.id or t.backend!r} has no weight while others of the route do; give every "
+                           "target a weight (relative shares) or none (equal shares)"))
     for name, route in routes.items():
         path = f"overrides.{name}" if name in overrides else f"routes.{name}.targets"
         total = sum(t.weight for t in route.targets)

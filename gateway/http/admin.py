@@ -1,7 +1,8 @@
 """Operator endpoints (bearer token from the env var named by ``admin.token_env``): POST /admin/reload,
-/admin/rollback, /admin/weights, /admin/drain; GET /admin/config, /admin/usage; and GET /metrics (Prometheus
-text, no token). Module-level handlers on ``request.app.state.gw``; errors go through the app's exception table
-(``gateway/http/app.py``)."""
+/admin/rollback, /admin/weights, /admin/drain, /admin/explain; GET /admin/config, /admin/usage; and GET /metrics
+(Prometheus text; its tenant-labelled series need the admin token whenever virtual keys exist, unless
+``admin.public_metrics``). Module-level handlers on ``request.app.state.gw``; errors go through the app's
+exception table (``gateway/http/app.py``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from gateway.config.versions import VersionConflict
 from gateway.errors import ClientError
 from gateway.http.transport import read_body
 from gateway.request.auth import check_admin
+from gateway.request.pipeline import build_request, decide_route
 
 _JSON = "application/json"
 
@@ -126,12 +128,50 @@ async def admin_usage(request: Request) -> Response:
     return _json(report)
 
 
+@post("/admin/explain")
+async def admin_explain(request: Request) -> Response:
+    """The routing decision the gateway would make now for a request, sending nothing (``tandem route explain
+    --url``): on the live config version (runtime weights included), engine signals, backends' keys and breakers.
+    Body: ``{"request": {...}, "headers": {...}, "tenant": "...", "request_id": "..."}``; a client key in
+    ``headers.authorization`` names the tenant as the gateway would.
+
+    Raises:
+        ClientError: 400 for a malformed body, and the request's own 400/401/404 as the gateway would answer."""
+    gw = _gw(request)
+    snap = gw.snapshot
+    raw = await read_body(request, snap.max_body_size)
+    try:
+        spec = msgspec.json.decode(raw) if raw else None
+    except msgspec.DecodeError:
+        spec = None
+    if not isinstance(spec, dict) or not isinstance(spec.get("request"), dict):
+        raise ClientError(400, 'expected {"request": {...}, "headers": {...}, "tenant": "..."}', param="request")
+    headers = {str(k).lower(): str(v) for k, v in (spec.get("headers") or {}).items()}
+    body = spec["request"]
+    endpoint = "chat/completions" if "messages" in body else "completions"
+    tenant = None if "authorization" in headers else str(spec.get("tenant") or "")
+    req = build_request(snap, endpoint, msgspec.json.encode(body), headers, str(spec.get("request_id") or "explain"),
+                        tenant=tenant)
+    decision, _ = decide_route(gw, req, explain=True)
+    breakers = {t.id: (await gw.resilience.breakers.get(t.id)).state for t in decision.attempts}
+    return _json({"config_version": snap.version, "model": req.model, "public_model": req.public_model,
+                  "priority": req.priority, "prompt_tokens": req.prompt_tokens, "tenant": req.tenant,
+                  "decision": decision.to_dict(), "explanation": decision.explain(), "breakers": breakers,
+                  "unavailable": {n: b.unavailable_reason for n, b in snap.backends.items() if not b.available}})
+
+
 @get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
+    """Prometheus text. With virtual keys configured (``auth.keys``) it needs the admin token: a client key
+    must not read every tenant's usage and spend; ``admin.public_metrics`` opens it."""
     gw = request.app.state.gw
+    compiled = gw.snapshot.compiled
+    if compiled.key_hashes and not compiled.config.admin.public_metrics:
+        _gw(request)
     await gw.obs.refresh(gw.snapshot, gw.resilience.breakers)
     return Response(generate_latest(gw.obs.registry), media_type=CONTENT_TYPE_LATEST.split(";")[0],
                     headers={"content-type": CONTENT_TYPE_LATEST})
 
 
-ADMIN_HANDLERS = [admin_reload, admin_rollback, admin_weights, admin_drain, admin_config, admin_usage, metrics]
+ADMIN_HANDLERS = [admin_reload, admin_rollback, admin_weights, admin_drain, admin_config, admin_usage, admin_explain,
+                  metrics]

@@ -90,7 +90,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
     rec = gw.obs.begin(rid, endpoint, headers)   # span, trace context
     streaming = False
     try:
-        raw = await read_body(request, gw.snapshot.max_body_size)
+        raw = await read_body(request, gw.snapshot.max_body_size, gw.snapshot.compiled.config.server.body_timeout_s)
         answer = await unless_disconnected(request, handle(gw, endpoint, raw, headers, rid))
         if answer is None:                  # the client left: its upstream call was cancelled
             return Response(b"", status_code=499)
@@ -150,12 +150,19 @@ async def live() -> Response:
 
 @get("/health/ready")
 async def ready(request: Request) -> Response:
+    """Readiness: 200 ``ready``; 503 ``not_ready`` (config or local engine loading), ``draining``, or
+    ``degraded`` (no route has a target that can serve now: every backend unavailable or breaker-open), with
+    the backends' and targets' states."""
     gw = request.app.state.gw
     snap = gw.snapshot
-    backends, targets = await gw.resilience.status(snap.compiled.policy.routes, snap.backends) if snap else ({}, {})
-    body = {"ready": gw.ready, "draining": gw.draining, "config_version": snap.version if snap else None,
+    routes = snap.compiled.policy.routes if snap else {}
+    backends, targets = await gw.resilience.status(routes, snap.backends) if snap else ({}, {})
+    serving = gw.resilience.routes_serving(routes, backends, targets)
+    status = "draining" if gw.draining else "not_ready" if not gw.ready else "ready" if serving else "degraded"
+    body = {"status": status, "ready": status == "ready", "draining": gw.draining,
+            "config_version": snap.version if snap else None, "routes_serving": serving,
             "redis_degraded": gw.redis_degraded or gw.resilience.degraded, "backends": backends, "targets": targets}
-    return Response(msgspec.json.encode(body), status_code=200 if gw.ready else 503, media_type=_JSON)
+    return Response(msgspec.json.encode(body), status_code=200 if status == "ready" else 503, media_type=_JSON)
 
 
 def create_app(gw: Gateway, cors: CorsConfig | None = None) -> Litestar:

@@ -1,8 +1,11 @@
 """``tandem serve``: the gateway (and its in-process engine) under uvicorn
-(uvloop event loop, httptools parser), with signals:
+(uvloop event loop, httptools parser with the door's limits, ``door.py``), with signals:
 SIGHUP = reload the config file; SIGTERM = drain (stop accepting, report
 not-ready, let in-flight requests and streams finish within
-``server.drain_timeout_s``), then exit; SIGINT = uvicorn's graceful stop.
+``server.drain_timeout_s``; streams still open then end with the
+``stream_interrupted`` event), then exit; SIGINT = uvicorn's graceful stop.
+A second SIGTERM or SIGINT during a drain exits at once (one within
+``_ECHO_S`` of the first is the same stop, e.g. make forwarding it).
 """
 
 from __future__ import annotations
@@ -11,16 +14,23 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 
 import uvicorn
 
 from gateway.http.app import create_app
+from gateway.http.door import DoorLimits, door_protocol
 from gateway.request.auth import is_loopback
 from gateway.config.compile import load_config_or_report
 from gateway.config.schema import ConfigError
 from gateway.runtime import Gateway
 
 log = logging.getLogger("tandem.gateway")
+# `make serve` forwards the terminal's signal after the process group got it: a second signal this soon after the
+# first is that echo, not an operator insisting
+_ECHO_S = 1.0
+# after a drain, what uvicorn still waits for connections: the drain already waited drain_timeout_s
+_AFTER_DRAIN_S = 0.5
 
 
 class GatewayServer(uvicorn.Server):
@@ -30,9 +40,11 @@ class GatewayServer(uvicorn.Server):
         super().__init__(config)
         self.gw = gw
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.drain_started: float | None = None
         gw.on_drained = self._exit
 
     def _exit(self) -> None:
+        self.config.timeout_graceful_shutdown = _AFTER_DRAIN_S
         self.should_exit = True
 
     async def startup(self, sockets=None) -> None:
@@ -54,7 +66,13 @@ class GatewayServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGTERM and self.loop is not None and not self.gw.draining and not self.should_exit:
             log.info("SIGTERM: draining")
+            self.drain_started = time.monotonic()
             self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self.gw.drain()))
+            return
+        if self.drain_started is not None and sig in (signal.SIGTERM, signal.SIGINT):
+            if time.monotonic() - self.drain_started >= _ECHO_S:
+                log.warning("second signal during the drain: exiting now")
+                self.force_exit = self.should_exit = True
             return
         super().handle_exit(sig, frame)
 
@@ -74,7 +92,9 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
               "gateway would be open to anyone. Bind 127.0.0.1, configure keys, or pass --insecure.", file=sys.stderr)
         return 2
     gw = Gateway(config_path, compiled, start_engine=start_engine)
-    config = uvicorn.Config(create_app(gw, cfg.server.cors), host=host, port=port, loop="uvloop", http="httptools",
+    door = DoorLimits(cfg.server.max_header_bytes, cfg.server.max_headers, cfg.server.header_timeout_s)
+    config = uvicorn.Config(create_app(gw, cfg.server.cors), host=host, port=port, loop="uvloop",
+                            http=door_protocol(door),
                             lifespan="on", access_log=False, log_level=cfg.server.log_level,
                             timeout_graceful_shutdown=cfg.server.drain_timeout_s, timeout_keep_alive=30,
                             proxy_headers=False, server_header=False)

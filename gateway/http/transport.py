@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import zlib
 
 from litestar import Request
 from litestar.response import Stream
@@ -17,15 +18,66 @@ from gateway.errors import ClientError
 log = logging.getLogger("tandem.gateway.app")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than ``limit`` bytes (declared or sent).
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The request body, refusing more than ``limit`` bytes (declared or sent) or a body still incomplete
+    ``timeout_s`` seconds after its headers (a slow client holds a connection and a task; None: no limit),
+    decoded from its ``Content-Encoding`` (``decode_content``: at most ``limit`` bytes decoded too).
 
     Raises:
-        ClientError: 413 when too large; 400 when the client disconnects while sending it."""
+        ClientError: 413 when too large; 408 when too slow; 400 when the client disconnects while sending it;
+            415 for a content coding other than gzip, deflate and identity."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ClientError(413, f"request body is {declared} bytes; the limit is {limit} bytes",
                           code="request_too_large")
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await _receive_body(request, limit)
+    except TimeoutError:
+        raise ClientError(408, f"request body not received within {timeout_s:g}s", code="request_timeout",
+                          headers={"connection": "close"}) from None
+    encoding = request.headers.get("content-encoding")
+    return raw if encoding is None else decode_content(raw, encoding, limit)
+
+
+# content coding -> zlib's wbits (RFC 9110 8.4.1: gzip; deflate is the zlib format)
+_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+ACCEPT_ENCODING = "gzip, deflate, identity"
+
+
+def decode_content(raw: bytes, encoding: str, limit: int) -> bytes:
+    """``raw`` decoded from the content codings of a ``Content-Encoding`` header (listed in the order they were
+    applied), each decoded size bounded by ``limit`` (a small gzip can expand a thousandfold).
+
+    Raises:
+        ClientError: 415 naming a coding other than gzip, deflate and identity (with ``Accept-Encoding``, RFC
+            9110 15.5.16); 413 when the decoded body exceeds ``limit``; 400 when it is not valid in its coding."""
+    codings = [c.strip().lower() for c in encoding.split(",") if c.strip()]
+    for coding in reversed(codings):
+        if coding == "identity":
+            continue
+        wbits = _CODINGS.get(coding)
+        if wbits is None:
+            raise ClientError(415, f"Content-Encoding '{coding}' is not supported; send the body as gzip, deflate or "
+                              "identity", param="content-encoding", code="unsupported_content_encoding",
+                              headers={"accept-encoding": ACCEPT_ENCODING})
+        d = zlib.decompressobj(wbits)
+        try:
+            out = d.decompress(raw, limit + 1)
+        except zlib.error as e:
+            raise ClientError(400, f"request body is not valid {coding} data ({e})", param="content-encoding",
+                              code="invalid_content_encoding") from None
+        if len(out) > limit or d.unconsumed_tail:
+            raise ClientError(413, f"request body exceeds the limit of {limit} bytes once {coding}-decoded",
+                              code="request_too_large")
+        if not d.eof:
+            raise ClientError(400, f"request body is truncated {coding} data", param="content-encoding",
+                              code="invalid_content_encoding")
+        raw = out
+    return raw
+
+
+async def _receive_body(request: Request, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:

@@ -26,16 +26,19 @@ OFFLOAD_BYTES = 16 * 1024
 ENGINE_LOADING_RETRY_AFTER_S = 5
 
 
-def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str) -> GatewayRequest:
+def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str,
+                  tenant: str | None = None) -> GatewayRequest:
     """The request value of ``raw`` on config generation ``snap`` (``gateway.runtime.Snapshot``): its tenant,
     checked body, public model and prompt length (the local engine's rendering, kept for the engine, when a rule
-    reads ``prompt_tokens`` and the engine is up; else the estimate).
+    reads ``prompt_tokens`` and the engine is up; else the estimate). ``tenant``: given by an operator (``tandem
+    route explain``) instead of authenticated from ``headers``.
 
     Raises:
         ClientError: 400 (bad body), 401 (bad key), 404 (unknown model).
     """
     compiled = snap.compiled
-    tenant = authenticate(headers.get("authorization"), compiled.key_hashes)
+    if tenant is None:
+        tenant = authenticate(headers.get("authorization"), compiled.key_hashes)
     body = parse_json(raw)
     req = check_request(body, endpoint, headers.get("x-priority"), compiled.local_serves, tenant=tenant,
                         request_id=request_id, headers=headers)
@@ -69,6 +72,17 @@ def _waits_for_engine(snap, route_name: str) -> bool:
     return any(t.backend == local.name for t in (*route.targets, *route.fallbacks))
 
 
+def decide_route(gw, req: GatewayRequest, explain: bool = False):
+    """The policy's decision for ``req`` now (live engine signals, unusable backends, replica loads) and whether
+    a route selects by prefix affinity; ``explain``: with the decision's trace (``tandem route explain``)."""
+    snap = gw.snapshot
+    affinity = gw.replicas.tracked      # some route selects by prefix affinity
+    signals = snap.signals()
+    if affinity:
+        signals.replica_load = gw.replicas.loads()
+    return decide(snap.compiled.policy, features(req, affinity), signals, explain=explain), affinity
+
+
 async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str) -> Answer:
     """Serve one chat/completion request on the config generation current at its arrival.
 
@@ -88,11 +102,7 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         req = build_request(snap, endpoint, raw, headers, request_id)
     else:
         req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id)
-    affinity = gw.replicas.tracked      # some route selects by prefix affinity
-    signals = snap.signals()
-    if affinity:
-        signals.replica_load = gw.replicas.loads()
-    decision = decide(snap.compiled.policy, features(req, affinity), signals)
+    decision, affinity = decide_route(gw, req)
     if affinity:
         gw.replicas.note(decision.route, decision.pick)
     if not decision.attempts and _waits_for_engine(snap, decision.route):

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from engine.entrypoints.param_ranges import check_param
 from gateway.errors import ClientError
 from policies import parse_priority
 
@@ -24,17 +25,9 @@ _COMMON = {
     "ignore_eos": (bool,), "stop_token_ids": (list,),
 }
 _CHAT = {**_COMMON, "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,)}
-# Value ranges checked before routing, so every backend's request gets
-# OpenAI's error codes: (lowest, highest, lowest allowed?), None = unbounded.
-# OpenAI's ranges, except that ``temperature`` may exceed 2 (vLLM's reading)
-# and ``top_p`` excludes 0, as the engine does.
-_RANGES = {
-    "temperature": (0, None, True), "top_p": (0, 1, False), "presence_penalty": (-2, 2, True),
-    "frequency_penalty": (-2, 2, True), "min_p": (0, 1, True), "n": (1, None, True), "max_tokens": (1, None, True),
-    "max_completion_tokens": (1, None, True), "top_logprobs": (0, 20, True),
-    "logprobs": (0, 20, True),  # completions' integer (vLLM's max_logprobs; OpenAI's is 5); chat's is a bool
-}
-_INTEGER_FIELDS = frozenset({"n", "max_tokens", "max_completion_tokens", "top_logprobs", "logprobs"})
+# Value ranges are checked before routing, from the table the engine's own server reads
+# (``engine/entrypoints/param_ranges.py``), so every backend's request gets OpenAI's error codes and no value
+# out of range reaches an engine.
 _COMPLETION = {**_COMMON, "logprobs": (int,), "echo": (bool,), "suffix": (str,), "best_of": (int,)}
 
 # Fields the local engine cannot serve: a request carrying one must be routed
@@ -106,32 +99,53 @@ def _check_type(name: str, value: object, types: tuple) -> None:
 
 
 def _check_range(name: str, value: object) -> None:
-    """OpenAI's out-of-range error: code ``integer_below_min_value``,
-    ``decimal_above_max_value``... and a message with the bound."""
-    lo, hi, lo_allowed = _RANGES[name]
-    if value is None or isinstance(value, bool) or not isinstance(value, _NUM):
-        return
-    kind = "integer" if name in _INTEGER_FIELDS else "decimal"   # the parameter's type, as OpenAI names it
-    if value < lo or (value == lo and not lo_allowed):
-        expect = f">= {lo}" if lo_allowed else f"> {lo}"
-        raise ClientError(400, f"Invalid '{name}': {kind} below minimum value. Expected a value {expect}, but got "
-                          f"{value} instead.", param=name, code=f"{kind}_below_min_value")
-    if hi is not None and value > hi:
-        raise ClientError(400, f"Invalid '{name}': {kind} above maximum value. Expected a value <= {hi}, but got "
-                          f"{value} instead.", param=name, code=f"{kind}_above_max_value")
+    """OpenAI's out-of-range error (code ``integer_below_min_value``, ``decimal_above_max_value``...) naming the
+    field, from the shared table ``engine.entrypoints.param_ranges``."""
+    bad = check_param(name, value)
+    if bad is not None:
+        raise ClientError(400, bad.message, param=bad.param, code=bad.code)
+
+
+# Deepest nesting of arrays and objects a body may have: far beyond any OpenAI request (a tool's JSON schema
+# nests a few levels), far below what recursive code after decoding (templates, encoders) can take.
+MAX_JSON_DEPTH = 64
+
+
+def _deeper_than(obj: object, limit: int) -> bool:
+    """Whether ``obj`` nests arrays/objects more than ``limit`` levels (iterative: no recursion to exhaust)."""
+    if not isinstance(obj, (dict, list)):
+        return False
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 def parse_json(raw: bytes) -> dict:
-    """Decode a JSON object. Raises ClientError(400) otherwise."""
+    """Decode a JSON object nested at most ``MAX_JSON_DEPTH`` levels. Raises ClientError(400) otherwise."""
     if not raw:
         raise ClientError(400, "request body is empty; expected a JSON object", code="invalid_json")
     try:
         body = _decode(raw)
     except msgspec.DecodeError as e:
         raise ClientError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:       # msgspec's own nesting limit, above ours
+        raise _too_deep() from None
+    # the bracket count bounds the depth from above: ordinary bodies skip the walk
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(body, MAX_JSON_DEPTH):
+        raise _too_deep()
     if not isinstance(body, dict):
         raise ClientError(400, "request body must be a JSON object", code="invalid_json")
     return body
+
+
+def _too_deep() -> ClientError:
+    return ClientError(400, f"request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
+                       code="invalid_json")
 
 
 def _unsupported(body: dict, local_serves: frozenset[str]) -> str | None:
@@ -212,8 +226,7 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         t = types.get(name)
         if t is not None:
             _check_type(name, value, t)
-            if name in _RANGES:
-                _check_range(name, value)
+        _check_range(name, value)
     if "stream_options" in body and body.get("stream") is not True:
         raise ClientError(400, "The 'stream_options' parameter is only allowed when 'stream' is true",
                           param="stream_options", code="invalid_value")
@@ -224,6 +237,7 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         priority = 0 if raw_priority is None else parse_priority(raw_priority)
     except ValueError as e:
         raise ClientError(400, str(e), param="priority", code="invalid_value") from None
+    _check_range("priority", priority)     # also when it came as a string or in x-priority
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")

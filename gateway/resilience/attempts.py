@@ -8,11 +8,14 @@ call, or one round of skipped candidates:
 - Target choice: the first candidate, in route order, not yet tried in this round, not too small for the request
   (``max_model_len < required_len``), not excluded by a context-length error, whose breaker lets a request
   through and whose backend rate limit admits it. A round ends when every candidate was tried or skipped; the
-  next round starts after an exponential backoff with jitter (at least the upstream's ``Retry-After`` when it
-  is within ``max_retry_after_s``). Falling back to an untried target waits nothing.
+  next round starts after an exponential backoff with jitter (tenacity's strategies, ``backoff.py``; at least
+  the upstream's ``Retry-After`` when it is within ``max_retry_after_s``). Falling back to an untried target
+  waits nothing.
 - Transient failures (connection errors, timeouts, HTTP 408/429/500/502/503/504, a malformed body, an error event
   or a cut before any content) are retried / fall back; 400/401/403/404/422 and every other status are passed
-  through unchanged after one upstream call. A context-length error moves on to a target with a larger
+  through unchanged after one upstream call, and never count against the target's breaker; so is an error
+  object inside a 2xx (a stream's error event before content, a JSON body's ``error``) naming such a status in
+  its ``code`` (``outcomes.classify_error_object``). A context-length error moves on to a target with a larger
   ``max_model_len`` and never retries the same target.
 - Nothing callable now (every remaining target cooling down, breaker-open or at its backend limit): when the
   soonest of them may be called within ``max_retry_after_s`` and before the deadline, the loop waits for it and
@@ -22,7 +25,8 @@ call, or one round of skipped candidates:
   also bounds a stream's wait for its first token; a non-streamed answer in progress is bounded by the
   backend's own read timeout, not cut by the deadline).
   Then: 503 + Retry-After (soonest half-open) when every target's breaker is open, 429 when backend limits refuse,
-  504 after a timeout, 503 after 429/503 upstream answers, 502 otherwise; never a 500.
+  504 after a timeout, 503 after 429/503 upstream answers, 502 otherwise; never a 500. Every error answer
+  without ``Retry-After`` carries ``x-should-retry: false``: the SDKs' own retries would multiply the calls.
 - Streaming: the response is committed (status 200 and SSE headers) only when the first content delta arrives
   within ``first_token_timeout_s`` of the attempt's start; earlier events are held back. Before that, failures
   are transparent retries. After it, a failure (cut, malformed event, error event, no event within
@@ -38,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -46,10 +49,12 @@ from typing import Any, Awaitable, Callable
 from gateway.config.schema import RetrySettings
 from gateway.errors import error_body
 from gateway.resilience.outcomes import (TRANSIENT_STATUS, Attempt, Failure, NoCandidate, PassThrough, Result,
-                                         UpstreamResponse, classify_exception, close_response,
+                                         UpstreamResponse, classify_error_object, classify_exception,
+                                         close_response,
                                          is_context_length_error, parse_retry_after)
+from gateway.resilience.backoff import RetryPolicy
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
-from gateway.resilience.streaming import Held, peek_stream, relay
+from gateway.resilience.streaming import GATEWAY_SHUTDOWN, Held, peek_stream, relay
 
 log = logging.getLogger("tandem.retry")
 
@@ -75,7 +80,7 @@ class _Run:
     """State of one request's attempt loop (see the module docstring)."""
 
     def __init__(self, candidates, attempt, *, stream, policy, breakers, health, limiter, required_len, request_id,
-                 tokens, on_finish, batch_events, prompt_param=None):
+                 tokens, on_finish, batch_events, prompt_param=None, streams=None):
         self.candidates: list[Candidate] = list(candidates)
         self.attempt_fn = attempt
         self.stream = stream
@@ -85,8 +90,10 @@ class _Run:
         self.prompt_param = prompt_param
         self.on_finish = on_finish
         self.batch = batch_events
+        self.streams = streams
         self.start = time.monotonic()
         self.deadline = self.start + policy.deadline_s
+        self.retry = RetryPolicy(policy, self.start)   # tenacity's wait and stop strategies
         self.attempts: list[Attempt] = []
         self.tried_round: set[str] = set()     # called or skipped in this round
         self.called_round = False
@@ -192,7 +199,7 @@ class _Run:
             held: Held = result.stream  # type: ignore[assignment]
             inter = c.inter_chunk_timeout_s or self.policy.inter_chunk_timeout_s
             result.stream = relay(result, held, inter, self.batch,
-                                  lambda ok: self._end_stream(result, c, probe, t0, ok, held))
+                                  lambda ok: self._end_stream(result, c, probe, t0, ok, held), self.streams)
         return result
 
     def _exclude_not_larger(self, failed: Candidate) -> None:
@@ -217,7 +224,7 @@ class _Run:
                 resp = await self.attempt_fn(c)
                 if self.stream and resp.status < 300 and resp.chunks is not None:
                     out = await peek_stream(resp, t0)
-                    if isinstance(out, Failure):
+                    if not isinstance(out, Result):
                         await close_response(resp)
                     return out
         except asyncio.CancelledError:
@@ -250,7 +257,7 @@ class _Run:
             except ValueError:
                 return Failure("malformed", "upstream returned malformed JSON", status=502)
             if obj.get("error"):
-                return Failure("error_event", "upstream returned an error object", status=502)
+                return classify_error_object(obj["error"], body, "object in a 2xx body")
             return Result(status, ct, body=body, usage=obj.get("usage"))
         ra = parse_retry_after(resp.headers)
         if status in TRANSIENT_STATUS or 520 <= status <= 529:
@@ -262,7 +269,7 @@ class _Run:
     async def _end_stream(self, res: Result, c: Candidate, probe: bool, t0: float, ok: bool, held: "Held") -> None:
         await close_response(held.resp)
         dt = time.monotonic() - t0
-        if res.error is None:  # finished, or the client went away: the upstream did its part
+        if res.error in (None, GATEWAY_SHUTDOWN):  # finished, the client went away, or a drain ended it
             await self._record(c, True, None, None, probe, dt, res.ttft_s)
         else:
             await self._record(c, False, None, None, probe, dt, res.ttft_s, reason="stream_interrupted")
@@ -294,7 +301,7 @@ class _Run:
         if isinstance(exc, NoCandidate) and not exc.round_over and exc.retry_after is None:
             return 0.0  # _stop ends the loop
         p = self.policy
-        backoff = min(p.backoff_initial_s * 2.0 ** min(step - 1, 60) + random.uniform(0, p.jitter_s), p.backoff_max_s)
+        backoff = self.retry.backoff(step)
         if isinstance(exc, NoCandidate) and exc.round_over:
             hint = self.failures[-1].retry_after if self.failures else None
         else:
@@ -309,8 +316,7 @@ class _Run:
                 return True
         elif isinstance(exc, Failure) and not exc.transient:
             return True
-        return (self.calls >= self.policy.max_attempts or all(c.name in self.excluded for c in self.candidates)
-                or time.monotonic() + wait >= self.deadline)
+        return all(c.name in self.excluded for c in self.candidates) or self.retry.exhausted(self.calls, wait)
 
     async def execute(self) -> Result:
         """The loop: call the next candidate; after a failure wait (``_wait_for``: nothing before an untried
@@ -320,12 +326,12 @@ class _Run:
             step += 1
             out = await self._once()
             if isinstance(out, Result):
-                return out
+                return _no_client_retry(out)
             if isinstance(out, PassThrough):
-                return self._passthrough(out.response, out.candidate)
+                return _no_client_retry(self._passthrough(out.response, out.candidate))
             self.last_wait = self._wait_for(out, step)    # _pick starts a new round only after a backoff
             if self._stop(out, self.last_wait):
-                return await self._exhausted(out)
+                return _no_client_retry(await self._exhausted(out))
             await asyncio.sleep(self.last_wait)
             if isinstance(out, NoCandidate) and not out.round_over:
                 # waited for a cooldown / limit to pass: the candidates skipped for it are asked again
@@ -391,6 +397,15 @@ class _Run:
         return res
 
 
+def _no_client_retry(res: Result) -> Result:
+    """An error answer once the loop's retries and fallbacks are spent tells the SDKs not to retry it
+    (``x-should-retry: false``; the official SDKs retry 408/409/429/5xx twice by default, each retry a whole new
+    loop), unless a ``Retry-After`` invites a later try."""
+    if res.status >= 400 and "retry-after" not in res.headers:
+        res.headers["x-should-retry"] = "false"
+    return res
+
+
 def _reason(f: Failure) -> str:
     """A failure as a breaker's reason: ``connect_error``, ``timeout``, ``status 429 (Retry-After 30s)``..."""
     if f.status is None:
@@ -403,7 +418,8 @@ async def call_with_fallback(candidates: list[Candidate],
                              stream: bool = False, policy: RetrySettings | None = None, breakers=None, health=None,
                              limiter=None, required_len: int | None = None, request_id: str = "", tokens: int = 0,
                              on_finish: Callable[[Result], Any] | None = None,
-                             batch_events: bool = False, prompt_param: str | None = None) -> Result:
+                             batch_events: bool = False, prompt_param: str | None = None,
+                             streams: set | None = None) -> Result:
     """Run one request across ``candidates`` (route order) and return what the client should get.
 
     attempt(candidate) performs one upstream call and returns an ``UpstreamResponse`` for ANY status (raising only
@@ -416,9 +432,10 @@ async def call_with_fallback(candidates: list[Candidate],
     per upstream read) instead of one item per event; the bytes are the same.
     prompt_param: the body field that holds the prompt ("messages" or "prompt"), named by the 400 when no
     candidate's context fits ``required_len``, as OpenAI's ``context_length_exceeded`` does.
+    streams: the gateway's set of open streams (their watchdogs), which a drain interrupts at its deadline.
     Never raises for upstream failures; a cancelled caller cancels the upstream call.
     """
     run = _Run(candidates, attempt, stream=stream, policy=policy or RetrySettings(), breakers=breakers, health=health,
                limiter=limiter, required_len=required_len, request_id=request_id, tokens=tokens, on_finish=on_finish,
-               batch_events=batch_events, prompt_param=prompt_param)
+               batch_events=batch_events, prompt_param=prompt_param, streams=streams)
     return await run.execute()

@@ -39,6 +39,7 @@ class Resilience:
         self.breakers = Breakers(self.state)
         self.health = HealthTracker(self.state)
         self.prober: ActiveProber | None = None
+        self.streams: set = set()       # the relayed streams' watchdogs, for a drain to interrupt
         self.configure(cfg)
 
     def configure(self, cfg: GatewayConfig) -> None:
@@ -135,6 +136,14 @@ class Resilience:
             out[name] = {"available": b.available and reason == b.unavailable_reason, "reason": reason}
         return out, targets
 
+    @staticmethod
+    def routes_serving(routes: dict, backends: dict, targets: dict) -> list[str]:
+        """The routes that can serve now, from ``status``'s answer: those with a target or fallback whose backend
+        is available and whose breaker is not open (``/health/ready`` is ``degraded`` when there is none)."""
+        return sorted(name for name, r in routes.items()
+                      if any(backends.get(t.backend, {}).get("available") and targets.get(t.id, {}).get("breaker")
+                             != "open" for t in (*r.targets, *r.fallbacks)))
+
     # -- the attempt loop --------------------------------------------------------------------------------------
     def candidate(self, target: Any, backend: Any) -> Candidate:
         """A route target as the loop sees it. Its name, the key of its breaker and health counters, is the
@@ -157,7 +166,14 @@ class Resilience:
         return await call_with_fallback(candidates, attempt, stream=stream, policy=self.policy,
                                         breakers=self.breakers, health=self.health, limiter=self.limiter,
                                         required_len=required_len, request_id=request_id, tokens=tokens,
-                                        on_finish=on_finish, batch_events=True, prompt_param=prompt_param)
+                                        on_finish=on_finish, batch_events=True, prompt_param=prompt_param,
+                                        streams=self.streams)
+
+    def interrupt_streams(self, reason: str) -> int:
+        """End every stream still relayed with the ``stream_interrupted`` event naming ``reason``; how many."""
+        for watchdog in list(self.streams):
+            watchdog.interrupt(reason)
+        return len(self.streams)
 
 
 def _probe_for(backend: Any):

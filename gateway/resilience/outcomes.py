@@ -143,6 +143,35 @@ def is_context_length_error(status: int, body: bytes) -> bool:
     return err.get("code") == "context_length_exceeded" or bool(_CONTEXT_RE.search(str(err.get("message", ""))))
 
 
+def error_status(error: Any) -> int | None:
+    """The HTTP status an error object names (its ``code``, else its ``status``, an integer or a string of
+    digits, 400-599), as aggregators put one in a stream's error event (``{"code": 400, ...}``); None if none."""
+    if not isinstance(error, dict):
+        return None
+    for key in ("code", "status"):
+        v = error.get(key)
+        if isinstance(v, str) and v.isdigit():
+            v = int(v)
+        if isinstance(v, int) and not isinstance(v, bool) and 400 <= v <= 599:
+            return v
+    return None
+
+
+def classify_error_object(error: Any, body: bytes, where: str) -> "Failure | PassThrough":
+    """An error object inside a 2xx answer (a stream's error event before any content, or a JSON body's
+    ``error``) classified by the status it names, exactly like a non-streamed status: a request-specific 4xx
+    (a content filter, a bad parameter) is passed through once as that status with ``body``, a context-length
+    4xx moves on to a larger target, and anything else (5xx, 408/429, no status) is a transient failure.
+    ``where``: what carried it, for the failure's message."""
+    status = error_status(error)
+    if status is None or status in TRANSIENT_STATUS or status >= 500:
+        return Failure("error_event", f"upstream sent an error {where}", status=status or 502)
+    resp = UpstreamResponse(status, {"content-type": "application/json"}, body)
+    if is_context_length_error(status, body):
+        return Failure("context_length", "prompt too long for this target", status=status, response=resp)
+    return PassThrough(resp)
+
+
 _FAILURE_MESSAGES = {"timeout": "upstream timed out", "connect_error": "cannot connect to upstream",
                      "connection_error": "upstream connection failed", "error": "upstream call failed"}
 

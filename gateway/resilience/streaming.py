@@ -1,17 +1,48 @@
 """A streamed answer in the attempt loop: ``peek_stream`` holds events back until the first content (before it,
 any failure is a transparent retry), ``relay`` streams the committed answer, ending a failure after content with
 one error event (and no ``[DONE]``); ``Watchdog`` is the inter-chunk deadline without a timer per chunk.
+
+A stream is complete at ``[DONE]``, or when every choice it opened has a ``finish_reason`` (``Choices``): an
+upstream that then ends (or stalls) without ``[DONE]`` has done its part, and the client gets ``[DONE]`` from
+the gateway. A drain's deadline ends a stream still open with the same ``stream_interrupted`` event
+(``GATEWAY_SHUTDOWN``), not counted against the backend. Any bytes from the upstream re-arm the inter-chunk
+deadline, an SSE comment (``: keep-alive``) too; comments themselves are not relayed (``gateway/sse.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
-from gateway.resilience.outcomes import Failure, Result, UpstreamResponse
-from gateway.sse import DONE, EventReader, classify, error_event, event
+from gateway.resilience.outcomes import Failure, PassThrough, Result, UpstreamResponse, classify_error_object
+from gateway.sse import DONE, EventReader, choice_finishes, classify, error_event, event
+
+
+class Choices:
+    """The choices a stream has opened and those that finished (a ``finish_reason``): ``complete`` when every
+    choice opened has finished."""
+
+    __slots__ = ("opened", "finished")
+
+    def __init__(self) -> None:
+        self.opened: set = set()
+        self.finished: set = set()
+
+    def note(self, data: bytes) -> None:
+        """Count the choices of one event's data (content or meta)."""
+        for index, finished in choice_finishes(data):
+            self.opened.add(index)
+            if finished:
+                self.finished.add(index)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.opened) and self.opened <= self.finished
+
+
+GATEWAY_SHUTDOWN = "the gateway is shutting down"   # why a drain ended a stream (not the upstream's fault)
 
 
 @dataclass
@@ -22,6 +53,7 @@ class Held:
     rest: EventReader
     resp: UpstreamResponse
     done: bool
+    choices: Choices = field(default_factory=Choices)
 
 
 class Watchdog:
@@ -29,7 +61,7 @@ class Watchdog:
     (``timeout_s`` from now, event-loop time) that ``disarm`` clears; one ``loop.call_at`` handle, re-armed only
     when it fires before the current deadline, cancels the waiting task once a deadline passes (``fired``)."""
 
-    __slots__ = ("loop", "timeout_s", "deadline", "handle", "task", "fired")
+    __slots__ = ("loop", "timeout_s", "deadline", "handle", "task", "fired", "interrupted")
 
     def __init__(self, timeout_s: float):
         self.loop = asyncio.get_running_loop()
@@ -38,6 +70,16 @@ class Watchdog:
         self.handle: asyncio.TimerHandle | None = None
         self.task: asyncio.Task | None = None
         self.fired = False
+        self.interrupted: str | None = None
+
+    def interrupt(self, reason: str) -> None:
+        """End the stream now (a drain's deadline): the read in progress, or the next one, fails with ``reason``.
+        Only a task waiting in the read is cancelled (armed), never one writing to its client."""
+        self.interrupted = reason
+        if self.deadline is not None and self.task is not None:
+            self.deadline = None
+            self.fired = True
+            self.task.cancel()
 
     def arm(self) -> None:
         self.deadline = self.loop.time() + self.timeout_s
@@ -74,10 +116,12 @@ class Watchdog:
             self.handle = None
 
 
-async def peek_stream(resp: UpstreamResponse, t0: float) -> Result | Failure:
-    """Read events until the first content; hold them back. Returns a ``Failure`` on anything before content."""
+async def peek_stream(resp: UpstreamResponse, t0: float) -> Result | Failure | PassThrough:
+    """Read events until the first content; hold them back. Returns a ``Failure`` on anything before content,
+    or a ``PassThrough`` for an error event naming a request-specific 4xx."""
     events = EventReader(resp.chunks)
     held: list[bytes] = []
+    choices = Choices()
     while True:
         item = events.pop()
         if item is None:
@@ -90,29 +134,33 @@ async def peek_stream(resp: UpstreamResponse, t0: float) -> Result | Failure:
         kind, usage, error, fixed = classify(data)
         if kind == "malformed":
             return Failure("malformed", "upstream sent a malformed event", status=502)
-        if kind == "error":
-            st = error.get("code") if isinstance(error, dict) else None
-            return Failure("error_event", "upstream sent an error event before content",
-                           status=st if isinstance(st, int) else 502)
+        if kind == "error":   # before content: classified by its status like a non-streamed answer
+            return classify_error_object(error, data if fixed is None else fixed, "event before content")
         held.append(raw if fixed is None else event(fixed))
+        if kind != "done":
+            choices.note(data)
         if kind in ("content", "done"):
             res = Result(200, {"content-type": "text/event-stream"}, ttft_s=time.monotonic() - t0)
-            res.stream = Held(held, events, resp, kind == "done")  # type: ignore[assignment]
+            res.stream = Held(held, events, resp, kind == "done", choices)  # type: ignore[assignment]
             if usage:
                 res.usage = usage
             return res
 
 
 async def relay(res: Result, held: Held, inter_s: float, batch: bool,
-                on_end: Callable[[bool], Awaitable[None]]) -> AsyncIterator[bytes]:
+                on_end: Callable[[bool], Awaitable[None]], streams: set | None = None) -> AsyncIterator[bytes]:
     """The committed stream: held events, then the rest; a failure after content ends with an error event.
-    ``on_end(ok)`` runs once it ends (cleanly, with an error, or closed by the client).
+    ``on_end(ok)`` runs once it ends (cleanly, with an error, or closed by the client). ``streams``: the
+    gateway's open streams, as their ``Watchdog``s, for a drain to interrupt (``Watchdog.interrupt``).
 
     Every complete event already read is relayed in one chunk with the events before it (the bytes of an
     event unchanged), so a read of several events costs one write downstream; nothing waits for more."""
     ok, err = False, None
     events, out = held.rest, held.events
     watchdog: Watchdog | None = None
+    if streams is not None and not held.done:
+        watchdog = Watchdog(inter_s)
+        streams.add(watchdog)
     try:
         if not batch:
             for ev in out:
@@ -154,6 +202,8 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
             if kind == "malformed":
                 err = "upstream sent a malformed event"
                 break
+            if kind != "error":
+                held.choices.note(data)
             if usage:
                 res.usage = usage
             out.append(raw if fixed is None else event(fixed))
@@ -164,26 +214,35 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
             if not batch:
                 yield out[0]
                 out = []
-        res.error = err
         if watchdog is not None:
             watchdog.disarm()
+        if held.choices.complete:    # every choice finished: the upstream's part is done, [DONE] or not
+            out.append(DONE)
+            ok = True
+            yield b"".join(out)
+            return
+        res.error = err
         out.append(error_event(f"stream interrupted: {err}", code="stream_interrupted"))
         yield b"".join(out)
     finally:
         if watchdog is not None:
             watchdog.close()
+            if streams is not None:
+                streams.discard(watchdog)
         await asyncio.shield(on_end(ok))
 
 
 async def _read(events: EventReader, watchdog: Watchdog) -> tuple[bool, str | None]:
-    """Read more bytes under the inter-chunk deadline: (more bytes came, why the stream failed or None)."""
-    if watchdog.deadline is None:    # one deadline per event awaited, not per read
-        watchdog.arm()
+    """Read more bytes under the inter-chunk deadline: (more bytes came, why the stream failed or None). Every
+    read re-arms it: any bytes (a comment, part of an event) show the upstream is alive."""
+    if watchdog.interrupted:
+        return False, watchdog.interrupted
+    watchdog.arm()
     try:
         return await events.fill(), None
     except asyncio.CancelledError:
         if watchdog.expired():
-            return False, f"upstream sent nothing for {watchdog.timeout_s:.0f}s"
+            return False, watchdog.interrupted or f"upstream sent nothing for {watchdog.timeout_s:.0f}s"
         raise
     except (TimeoutError, asyncio.TimeoutError):
         return False, f"upstream sent nothing for {watchdog.timeout_s:.0f}s"

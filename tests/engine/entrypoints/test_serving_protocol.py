@@ -150,3 +150,23 @@ def test_serve_args_use_vllm_flag_names():
     assert ea.max_num_batched_tokens == 512 and not ea.enable_prefix_caching and not ea.enable_chunked_prefill
     assert ea.kv_cache_memory == 256 * 2**20 and ea.max_num_seqs == 4 and ea.served_model_name == "smol"
     assert ea.scheduling_policy == "priority"
+
+
+@pytest.mark.parametrize("field,value,code", [
+    ("seed", 2 ** 70, "integer_above_max_value"), ("seed", -(2 ** 63) - 1, "integer_below_min_value"),
+    ("n", 129, "integer_above_max_value"), ("top_k", -2, "integer_below_min_value"),
+    ("temperature", 2 ** 64, "decimal_above_max_value"), ("stop_token_ids", [3, 2 ** 64], "integer_above_max_value"),
+])
+def test_values_out_of_range_name_the_field_as_the_gateway_does(field, value, code):
+    """``tandem engine serve`` and the gateway read one table (engine/entrypoints/param_ranges.py): the same
+    value gets the same 400 from both."""
+    from gateway.errors import ClientError
+    from gateway.request.validate import check_request
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+    with pytest.raises(RequestValidationError) as exc:
+        parse_request(body, ChatCompletionRequest)
+    assert exc.value.param.split("[")[0] == field and exc.value.code == code
+    with pytest.raises(ClientError) as gw:
+        check_request(body, "chat/completions", None)
+    assert (gw.value.param, gw.value.code, gw.value.message) == (exc.value.param, code, str(exc.value))
+    assert parse_request({**body, field: 1 if field != "stop_token_ids" else [1]}, ChatCompletionRequest)

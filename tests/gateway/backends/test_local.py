@@ -220,16 +220,18 @@ def test_response_format_routed_upstream_tools_served_locally(gateway):
 
 
 def test_engine_validation_errors_pass_through(gateway):
-    """A value only the engine checks (top_k's range) comes back as the engine's 400; a range the gateway
-    checks (top_p) is refused before routing, with OpenAI's code."""
+    """A rule only the engine checks (min_tokens <= max_tokens) comes back as the engine's 400 after one call;
+    a range (top_p, top_k: engine/entrypoints/param_ranges.py, the table both read) is refused before routing,
+    with OpenAI's code."""
     r = httpx.post(gateway.url + "/v1/chat/completions", timeout=60,
-                   json={"model": "smollm2", "messages": MSG, "top_k": -5})
-    assert r.status_code == 400 and r.headers["x-tandem-backend"] == "local"
-    assert r.json()["error"]["param"] == "top_k"
-    r = httpx.post(gateway.url + "/v1/chat/completions", timeout=60,
-                   json={"model": "smollm2", "messages": MSG, "top_p": 7})
-    assert r.status_code == 400 and "x-tandem-backend" not in r.headers
-    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("top_p", "decimal_above_max_value")
+                   json={"model": "smollm2", "messages": MSG, "min_tokens": 10, "max_tokens": 5})
+    assert r.status_code == 400 and r.headers["x-tandem-backend"] == "local" and r.headers["x-tandem-attempts"] == "1"
+    assert r.json()["error"]["param"] == "min_tokens"
+    for field, value, code in [("top_p", 7, "decimal_above_max_value"), ("top_k", -5, "integer_below_min_value")]:
+        r = httpx.post(gateway.url + "/v1/chat/completions", timeout=60,
+                       json={"model": "smollm2", "messages": MSG, field: value})
+        assert r.status_code == 400 and "x-tandem-backend" not in r.headers
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (field, code)
 
 
 def test_canary_is_sticky_per_user_over_http(gateway):

@@ -33,6 +33,7 @@ from tests.gateway.support import ROOT, FaultInjectorUpstream, GatewayProcess, f
 KEY_T1, KEY_T2 = "sk-tandem-t1-0123456789abcdef", "sk-tandem-t2-0123456789abcdef"
 UPSTREAM_SECRET = "sk-upstream-SECRET-9f8e7d6c5b4a"
 ADMIN = "admin-token-obs-42"
+ADMIN_AUTH = {"authorization": f"Bearer {ADMIN}"}   # /metrics needs it where virtual keys exist
 ENV = {"TEST_UPSTREAM_KEY": UPSTREAM_SECRET, "TANDEM_ADMIN_TOKEN": ADMIN}
 HELLO = [{"role": "user", "content": "hello"}]          # estimate_prompt_tokens: (5 + 3) // 4 + 4 = 6 tokens
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -154,7 +155,7 @@ def test_metrics_count_known_traffic(gw, ups):
     assert r.status_code == 429
     code = r.json()["error"]["code"]
 
-    fams = families(httpx.get(gw.url + "/metrics", timeout=10).text)
+    fams = families(httpx.get(gw.url + "/metrics", timeout=10, headers=ADMIN_AUTH).text)
     assert value(fams, "tandem_requests_total", model="m1", route="r1", backend="a", status=200, attempt="initial") == 4
     assert value(fams, "tandem_requests_total", model="m1", route="r1", backend="b", status=200,
                  attempt="fallback") == 1
@@ -457,7 +458,7 @@ def test_budget_race_through_gateway(ups, redis_url, tmp_path):
         assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded"
         msg = r.json()["error"]["message"]      # money as money, the period's adjective spelled right
         assert "has used $0.000022 of its $0.000040 daily budget" in msg and "e-0" not in msg, msg
-        fams = families(httpx.get(gwp.url + "/metrics", timeout=10).text)
+        fams = families(httpx.get(gwp.url + "/metrics", timeout=10, headers=ADMIN_AUTH).text)
         assert value(fams, "tandem_rate_limit_rejections_total", tenant="t1", code="budget_exceeded") == 8
         assert value(fams, "tandem_budget_spent_usd", tenant="t1", period="day") == pytest.approx(22e-6, abs=1e-12)
         assert value(fams, "tandem_budget_usd", tenant="t1", period="day") == pytest.approx(4e-05)
@@ -523,7 +524,7 @@ def test_redactor_masks_known_secrets_and_patterns():
 
 def test_client_disconnect_is_metered_and_logged(gw):
     """A client that hangs up while the upstream works: the request still gets its log line (499) and metric."""
-    before = families(httpx.get(gw.url + "/metrics", timeout=10).text)
+    before = families(httpx.get(gw.url + "/metrics", timeout=10, headers=ADMIN_AUTH).text)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(gw.url + "/v1/chat/completions", timeout=0.5, headers={"authorization": f"Bearer {KEY_T1}"},
                    json={"model": "m3", "messages": HELLO, "metadata": {"delay": "3"}})
@@ -534,7 +535,7 @@ def test_client_disconnect_is_metered_and_logged(gw):
             break
         time.sleep(0.05)
     assert len(lines) == 1 and lines[0]["tenant"] == "t1" and lines[0]["cost_usd"] == 0.0
-    after = families(httpx.get(gw.url + "/metrics", timeout=10).text)
+    after = families(httpx.get(gw.url + "/metrics", timeout=10, headers=ADMIN_AUTH).text)
     labels = dict(model="m3", route="r3", backend="none", status=499)
     assert value(after, "tandem_requests_total", **labels) - value(before, "tandem_requests_total", **labels) == 1
 
@@ -560,7 +561,7 @@ def test_breaker_state_and_retries_exported(gw):
     """Connection failures on a dead backend: retries are counted, and its breaker shows open (2) once tripped."""
     statuses = [chat(gw, KEY_T1, "m4").status_code for _ in range(4)]
     assert statuses[0] in (502, 504) and statuses[-1] == 503   # the last one: breaker open, no call
-    fams = families(httpx.get(gw.url + "/metrics", timeout=10).text)
+    fams = families(httpx.get(gw.url + "/metrics", timeout=10, headers=ADMIN_AUTH).text)
     assert value(fams, "tandem_breaker_state", backend="dead", target="dead") == 2
     assert value(fams, "tandem_retries_total", route="r4", backend="dead") >= 1
     assert sum(v for lab, v in fams["tandem_upstream_attempts_total"] if lab["backend"] == "dead") >= 5

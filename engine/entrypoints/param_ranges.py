@@ -1,0 +1,104 @@
+"""The value ranges of the request fields that reach the engine: one table that the gateway's edge validation
+(``gateway/request/validate.py``) and the engine's own OpenAI server (``protocol.parse_request``) both read, so a
+value out of range is the request's 400 naming the field wherever the request enters, never a failure deeper in
+(a ``seed`` beyond 64 bits cannot be serialized to the engine core; an ``n`` of a million would allocate a
+million sequences).
+
+Ranges are OpenAI's, widened where vLLM reads more (``temperature`` above 2, completions' ``logprobs`` up to 20,
+``top_k`` -1 = disabled), with 64-bit bounds on every integer (what msgpack carries to the engine core; ``seed``
+takes torch's ``manual_seed`` range, signed or unsigned 64 bits). Errors use OpenAI's codes
+(``integer_below_min_value``, ``decimal_above_max_value``, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+UINT64_MAX = 2 ** 64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """Allowed values of one numeric field: ``lo`` (exclusive unless ``lo_inclusive``) to ``hi`` (inclusive);
+    None: unbounded. ``integer``: the field is an integer (OpenAI's messages then say "integer")."""
+
+    lo: float | None
+    hi: float | None
+    lo_inclusive: bool = True
+    integer: bool = False
+
+
+_COUNT = Range(1, INT64_MAX, integer=True)
+PARAM_RANGES: Mapping[str, Range] = {
+    "temperature": Range(0, None),
+    "top_p": Range(0, 1, lo_inclusive=False),
+    "presence_penalty": Range(-2, 2),
+    "frequency_penalty": Range(-2, 2),
+    "repetition_penalty": Range(0, None, lo_inclusive=False),
+    "min_p": Range(0, 1),
+    "n": Range(1, 128, integer=True),             # OpenAI's limit
+    "best_of": Range(1, 128, integer=True),
+    "max_tokens": _COUNT,
+    "max_completion_tokens": _COUNT,
+    "min_tokens": Range(0, INT64_MAX, integer=True),
+    "top_k": Range(-1, INT64_MAX, integer=True),  # -1 and 0: disabled
+    "seed": Range(INT64_MIN, UINT64_MAX, integer=True),
+    "top_logprobs": Range(0, 20, integer=True),
+    "logprobs": Range(0, 20, integer=True),       # completions' integer (vLLM's max_logprobs); chat's is a bool
+    "prompt_logprobs": Range(0, 20, integer=True),
+    "priority": Range(INT64_MIN, INT64_MAX, integer=True),
+}
+# Fields holding an array of numbers: the range of each item.
+ITEM_RANGES: Mapping[str, Range] = {"stop_token_ids": Range(0, INT64_MAX, integer=True)}
+
+
+@dataclass(frozen=True, slots=True)
+class RangeViolation:
+    """Why one field's value is out of range, as OpenAI words it: ``param`` (``stop_token_ids[2]`` for an
+    item), ``message`` and ``code``."""
+
+    param: str
+    message: str
+    code: str
+
+
+def _violation(name: str, value: Any, r: Range) -> RangeViolation | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None   # a type error: the schema check names it
+    # an integer in a decimal field is still sent to the engine as an integer: keep it to 64 bits
+    hi = r.hi if r.hi is not None else (INT64_MAX if isinstance(value, int) else None)
+    lo = r.lo if r.lo is not None else (INT64_MIN if isinstance(value, int) else None)
+    kind = "integer" if r.integer else "decimal"
+    if lo is not None and (value < lo or (value == lo and not r.lo_inclusive)):
+        expect = f">= {lo}" if r.lo_inclusive or r.lo is None else f"> {lo}"
+        return RangeViolation(name, f"Invalid '{name}': {kind} below minimum value. Expected a value {expect}, "
+                                    f"but got {value} instead.", f"{kind}_below_min_value")
+    if hi is not None and value > hi:
+        return RangeViolation(name, f"Invalid '{name}': {kind} above maximum value. Expected a value <= {hi}, but "
+                                    f"got {value} instead.", f"{kind}_above_max_value")
+    return None
+
+
+def check_param(name: str, value: Any) -> RangeViolation | None:
+    """The violation of ``name``'s range by ``value`` (None: in range, not a number, or a field without a
+    range). Array fields of ``ITEM_RANGES`` are checked item by item."""
+    r = PARAM_RANGES.get(name)
+    if r is not None:
+        return _violation(name, value, r)
+    r = ITEM_RANGES.get(name)
+    if r is not None and isinstance(value, list):
+        for i, item in enumerate(value):
+            if (v := _violation(f"{name}[{i}]", item, r)) is not None:
+                return v
+    return None
+
+
+def first_violation(body: Mapping[str, Any]) -> RangeViolation | None:
+    """The first field of a request body whose value is out of range, or None."""
+    for name, value in body.items():
+        if name in PARAM_RANGES or name in ITEM_RANGES:
+            if (v := check_param(name, value)) is not None:
+                return v
+    return None

@@ -1,0 +1,147 @@
+"""The door (gateway/http/door.py, transport.read_body, validate.parse_json, admin /metrics) over raw sockets:
+nothing a client sends before its request is parsed is unbounded, and /metrics is not a client's to read."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.gateway.script_upstream import ScriptUpstream
+from tests.gateway.support import GatewayProcess, sha
+
+KEY, ADMIN = "sk-door-client", "door-admin-token"
+CONFIG = """
+server: {{max_header_bytes: 8KiB, max_headers: 20, header_timeout_s: 0.5, body_timeout_s: 0.5}}
+auth:
+  keys:
+    - {{tenant: t1, sha256: {sha}}}
+models:
+  - name: m1
+backends:
+  up: {{type: openai, base_url: '{url}'}}
+routes:
+  main: {{targets: [{{backend: up}}]}}
+policy: {{default_route: main}}
+resilience: {{health: {{interval_s: 0}}}}
+"""
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    u = ScriptUpstream().start()
+    yield u
+    u.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(upstream, tmp_path_factory):
+    path = tmp_path_factory.mktemp("door") / "config.yaml"
+    path.write_text(CONFIG.format(sha=sha(KEY), url=upstream.base_url))
+    g = GatewayProcess(path, env={"TANDEM_ADMIN_TOKEN": ADMIN}).start()
+    yield g
+    g.stop()
+
+
+def exchange(g: GatewayProcess, parts: list, wait_s: float = 0.0) -> bytes:
+    """Send ``parts`` (bytes, or a float: pause that long) on a fresh connection; everything the gateway answers
+    until it closes (a bounded read: a hang fails the test instead of blocking it)."""
+    with socket.create_connection(("127.0.0.1", g.port), timeout=10) as s:
+        for p in parts:
+            if isinstance(p, float):
+                time.sleep(p)
+            else:
+                try:
+                    s.sendall(p)
+                except (BrokenPipeError, ConnectionResetError):
+                    break          # refused mid-send: read what it answered
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except ConnectionResetError:
+            pass
+        return out
+
+
+def head(extra: bytes = b"", length: int = 0) -> bytes:
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer " + KEY.encode()
+            + b"\r\ncontent-type: application/json\r\ncontent-length: " + str(length).encode() + b"\r\n" + extra)
+
+
+def status_of(answer: bytes) -> int:
+    assert answer.startswith(b"HTTP/1.1 "), answer[:200]
+    return int(answer[9:12])
+
+
+def test_oversized_header_is_431_before_it_is_buffered(gateway):
+    # 4 MiB in one header value: refused once 8 KiB are in, the connection closed (the rest is never read)
+    answer = exchange(gateway, [head(b"x-big: "), *[b"a" * 65536] * 64, b"\r\n\r\n"])
+    assert status_of(answer) == 431
+    assert httpx.get(gateway.url + "/health/live", timeout=5).status_code == 200
+
+
+def test_too_many_header_fields_is_431(gateway):
+    fields = b"".join(b"x-f%d: 1\r\n" % i for i in range(40))
+    assert status_of(exchange(gateway, [head(fields) + b"\r\n"])) == 431
+    fine = b"".join(b"x-f%d: 1\r\n" % i for i in range(5))
+    body = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert status_of(exchange(gateway, [head(fine + b"connection: close\r\n", len(body)) + b"\r\n" + body])) == 200
+
+
+def test_slow_headers_are_408(gateway):
+    # the head never completes: answered 408 after header_timeout_s, not held open
+    answer = exchange(gateway, [head(b"x-slow: 1\r\n")])
+    assert status_of(answer) == 408
+
+
+def test_slow_body_is_408(gateway):
+    answer = exchange(gateway, [head(length=100) + b"\r\n" + b'{"model": "m1"'])
+    assert status_of(answer) == 408
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+
+
+@pytest.mark.parametrize("depth", [65, 50_000])
+def test_deep_json_is_400(gateway, depth):
+    body = b'{"model": "m1", "messages": [{"role": "user", "content": "hi"}], "metadata": ' + b"[" * depth \
+        + b"]" * depth + b"}"
+    r = httpx.post(gateway.url + "/v1/chat/completions", content=body, timeout=10,
+                   headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_metrics_need_the_admin_token_where_keys_exist(gateway):
+    assert httpx.get(gateway.url + "/metrics", timeout=5).status_code == 401
+    assert httpx.get(gateway.url + "/metrics", timeout=5, headers={"authorization": f"Bearer {KEY}"}).status_code == 401
+    r = httpx.get(gateway.url + "/metrics", timeout=5, headers={"authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200 and "tandem_requests_total" in r.text
+
+
+def post_encoded(g: GatewayProcess, body: bytes, encoding: str) -> httpx.Response:
+    return httpx.post(g.url + "/v1/chat/completions", content=body, timeout=10, headers={
+        "authorization": f"Bearer {KEY}", "content-type": "application/json", "content-encoding": encoding})
+
+
+def test_compressed_bodies_are_decoded_within_the_body_limit(gateway, upstream):
+    import gzip
+    import zlib
+
+    body = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert post_encoded(gateway, gzip.compress(body), "gzip").status_code == 200
+    assert post_encoded(gateway, zlib.compress(body), "deflate").status_code == 200
+    assert upstream.bodies[-1]["messages"][0]["content"] == "hi"
+    # 16 MiB of JSON whitespace in 16 KiB of gzip: refused once the 4 MiB limit is decoded, not inflated whole
+    bomb = gzip.compress(body[:-1] + b" " * (16 * 2 ** 20) + b"}")
+    r = post_encoded(gateway, bomb, "gzip")
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_unknown_content_encoding_is_415_naming_it(gateway, upstream):
+    before = upstream.calls
+    r = post_encoded(gateway, b"\x1b\x00\x00", "br")
+    assert r.status_code == 415 and "'br'" in r.json()["error"]["message"]
+    assert r.headers["accept-encoding"] == "gzip, deflate, identity"
+    assert upstream.calls == before

@@ -1,0 +1,92 @@
+"""SIGTERM's drain against a stream that would outlive it (tests/gateway/script_upstream.py keeps it alive with
+comments): the stream ends with the ``stream_interrupted`` event at ``drain_timeout_s``, read by the official
+``openai`` client, and a second signal exits at once."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.gateway.script_upstream import ScriptUpstream, chunk, data
+from tests.gateway.support import GatewayProcess
+
+CONFIG = """
+server: {{drain_timeout_s: {drain}}}
+models:
+  - name: m1
+backends:
+  up: {{type: openai, base_url: '{url}', timeouts: {{inter_chunk_s: 5}}}}
+routes:
+  main: {{targets: [{{backend: up}}]}}
+policy: {{default_route: main}}
+resilience: {{health: {{interval_s: 0}}}}
+"""
+# one content chunk, then 20 s of keep-alive comments: alive, never finished
+LONG_STREAM = {"parts": [data(chunk("a")), *[0.2, b": keep-alive\n\n"] * 100]}
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    u = ScriptUpstream().start()
+    yield u
+    u.stop()
+
+
+def start(upstream, tmp_path, drain_s: float) -> GatewayProcess:
+    path = tmp_path / "config.yaml"
+    path.write_text(CONFIG.format(drain=drain_s, url=upstream.base_url))
+    return GatewayProcess(path).start()
+
+
+def open_stream(g: GatewayProcess):
+    """Start a streamed call in a thread; returns (first chunk read event, outcome dict filled at its end)."""
+    first, outcome = threading.Event(), {}
+
+    def run() -> None:
+        client = openai.OpenAI(base_url=g.url + "/v1", api_key="k", max_retries=0, timeout=30)
+        try:
+            for _ in client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}],
+                                                    stream=True):
+                first.set()
+            outcome["ended"] = "cleanly"
+        except Exception as exc:  # noqa: BLE001 -- the outcome is the assertion
+            outcome["ended"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    outcome["thread"] = t
+    assert first.wait(10)
+    return outcome
+
+
+def test_drain_deadline_ends_open_streams_with_stream_interrupted(upstream, tmp_path):
+    upstream.push(LONG_STREAM)
+    g = start(upstream, tmp_path, drain_s=1)
+    try:
+        outcome = open_stream(g)
+        g.proc.send_signal(signal.SIGTERM)
+        outcome["thread"].join(15)
+        err = outcome["ended"]
+        assert isinstance(err, openai.APIError) and "shutting down" in str(err), err
+        g.proc.wait(15)                       # a hang bound, not a timing claim
+        assert "drained (0 request(s) still in flight)" in g.log()
+    finally:
+        g.stop()
+
+
+def test_a_second_signal_during_a_drain_exits_at_once(upstream, tmp_path):
+    upstream.push(LONG_STREAM)
+    g = start(upstream, tmp_path, drain_s=120)
+    try:
+        open_stream(g)
+        g.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.5)                        # past the echo window of a forwarded signal
+        g.proc.send_signal(signal.SIGTERM)
+        g.proc.wait(15)                        # the drain alone would take 120 s
+        assert "second signal during the drain" in g.log()
+    finally:
+        g.stop()

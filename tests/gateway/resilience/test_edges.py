@@ -1,0 +1,163 @@
+"""The gateway's edges against a scripted upstream (tests/gateway/script_upstream.py), read by the official
+``openai`` client: SSE as the WHATWG spec writes it (multi-line data, comments, no ``[DONE]`` after every choice
+finished), and failures a request causes (an error event naming a 4xx, a value out of range) answered as that
+request's 4xx once, never counted against the backend's breaker."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.script_upstream import ScriptUpstream, chunk, data
+from tests.gateway.support import GatewayProcess
+
+CONFIG = """
+models:
+  - name: m1
+backends:
+  up:
+    type: openai
+    base_url: {url}
+    timeouts: {{connect_s: 1, read_s: 5, first_token_s: 3, inter_chunk_s: 0.5}}
+routes:
+  main:
+    targets: [{{backend: up}}]
+policy:
+  default_route: main
+resilience:
+  retry: {{max_attempts: 3, deadline_s: 10, backoff_initial_s: 0.01, backoff_max_s: 0.02, jitter_s: 0}}
+  breaker: {{consecutive_failures: 4, open_s: 60}}
+  health: {{interval_s: 0}}
+"""
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    u = ScriptUpstream().start()
+    yield u
+    u.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(upstream, tmp_path_factory):
+    path = tmp_path_factory.mktemp("edges") / "config.yaml"
+    path.write_text(CONFIG.format(url=upstream.base_url))
+    g = GatewayProcess(path).start()
+    yield g
+    g.stop()
+
+
+@pytest.fixture(autouse=True)
+def fresh(upstream, gateway):
+    upstream.reset()
+    yield
+    upstream.reset()
+    # one success after each test: the breaker (4 consecutive failures) counts one test's failures only
+    assert breaker_closed(gateway)
+
+
+def sdk(g: GatewayProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=g.url + "/v1", api_key="k", max_retries=0, timeout=20)
+
+
+def stream_text(g: GatewayProcess) -> tuple[str, list]:
+    """A streamed chat request read by the SDK: (the content, each chunk's finish_reason)."""
+    text, finishes = [], []
+    for ev in sdk(g).chat.completions.create(model="m1", messages=MSG, stream=True):
+        for ch in ev.choices:
+            text.append(ch.delta.content or "")
+            finishes.append(ch.finish_reason)
+    return "".join(text), finishes
+
+
+def breaker_closed(g: GatewayProcess) -> bool:
+    """The route still serves: a healthy non-streamed call is answered by the upstream after one attempt."""
+    r = httpx.post(g.url + "/v1/chat/completions", json={"model": "m1", "messages": MSG}, timeout=20)
+    return r.status_code == 200 and r.headers["x-tandem-attempts"] == "1"
+
+
+def test_multiline_data_reaches_the_sdk_whole(gateway, upstream):
+    # One event's JSON spread over three data lines (the spec joins them with newlines), and a "data:" line
+    # without the space; the SDK must get every chunk whole.
+    first = json.dumps(chunk("Hel"), indent=1).encode().split(b"\n")
+    multi = b"".join(b"data: " + line + b"\n" for line in first) + b"\n"
+    upstream.push({"parts": [multi, b"data:" + json.dumps(chunk("lo")).encode() + b"\n\n",
+                             data(chunk(finish="stop")), b"data: [DONE]\n\n"]})
+    text, finishes = stream_text(gateway)
+    assert text == "Hello" and finishes[-1] == "stop"
+
+
+def test_comments_keep_a_stream_alive(gateway, upstream):
+    # inter_chunk_s is 0.5: a keep-alive comment every 0.2 s for 1.2 s is traffic, not silence.
+    upstream.push({"parts": [data(chunk("a")), *[0.2, b": keep-alive\n\n"] * 6, data(chunk("b")),
+                             data(chunk(finish="stop")), b"data: [DONE]\n\n"]})
+    text, finishes = stream_text(gateway)
+    assert text == "ab" and finishes[-1] == "stop"
+
+
+def test_silence_still_ends_a_stream(gateway, upstream):
+    # the control: the same gap without comments is cut after inter_chunk_s, with the stream_interrupted event
+    upstream.push({"parts": [data(chunk("a")), 1.5, data(chunk("b")), b"data: [DONE]\n\n"]})
+    with pytest.raises(openai.APIError, match="stream interrupted"):
+        stream_text(gateway)
+
+
+def test_complete_stream_without_done_is_complete(gateway, upstream):
+    # every choice has a finish_reason, then the body ends without [DONE]: a success, five times over a
+    # breaker that opens after four failures
+    for _ in range(5):
+        upstream.push({"parts": [data(chunk("x")), data(chunk(finish="stop"))]})
+        text, finishes = stream_text(gateway)
+        assert text == "x" and finishes[-1] == "stop"
+    assert breaker_closed(gateway)
+
+
+def test_incomplete_stream_without_done_is_interrupted(gateway, upstream):
+    upstream.push({"parts": [data(chunk("x"))]})           # no finish_reason, no [DONE]
+    with pytest.raises(openai.APIError, match="stream interrupted"):
+        stream_text(gateway)
+
+
+@pytest.mark.parametrize("code", [400, "403"])
+def test_error_event_naming_a_4xx_passes_through_once(gateway, upstream, code):
+    event = {"error": {"message": "flagged by the content filter", "type": "invalid_request_error", "code": code}}
+    for _ in range(3):
+        upstream.reset()
+        upstream.push({"parts": [data(event)]})
+        with pytest.raises(openai.APIStatusError) as exc:
+            stream_text(gateway)
+        assert exc.value.status_code == int(code) and "content filter" in exc.value.message
+        assert upstream.calls == 1                       # not retried, not another target
+    assert breaker_closed(gateway)
+
+
+def test_error_event_naming_a_5xx_is_retried(gateway, upstream):
+    event = {"error": {"message": "overloaded", "code": 502}}
+    upstream.push({"parts": [data(event)]}, {"parts": [data(chunk("ok")), data(chunk(finish="stop"))]})
+    text, _ = stream_text(gateway)
+    assert text == "ok" and upstream.calls == 2
+
+
+@pytest.mark.parametrize("field,value", [("seed", 2 ** 70), ("seed", -(2 ** 64)), ("max_tokens", 2 ** 64),
+                                         ("n", 10 ** 6), ("temperature", 2 ** 70), ("stop_token_ids", [1, 2 ** 64]),
+                                         ("top_k", -2)])
+def test_values_out_of_range_are_400s_naming_the_field(gateway, upstream, field, value):
+    with pytest.raises(openai.BadRequestError) as exc:
+        sdk(gateway).chat.completions.create(model="m1", messages=MSG, extra_body={field: value})
+    assert exc.value.body["param"].split("[")[0] == field
+    assert upstream.calls == 0
+
+
+def test_the_sdk_does_not_retry_what_the_gateway_already_retried(gateway, upstream):
+    # the official client with its default retries (2): one call, at most max_attempts (3) upstream calls
+    failing = {"status": 500, "body": b'{"error": {"message": "boom", "type": "server_error"}}'}
+    upstream.push(*[failing] * 12)
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="k", timeout=20)
+    with pytest.raises(openai.InternalServerError) as exc:
+        client.chat.completions.create(model="m1", messages=MSG)
+    assert exc.value.status_code == 502 and exc.value.response.headers["x-should-retry"] == "false"
+    assert upstream.calls == 3
