@@ -1,15 +1,22 @@
 """The ledger's Lua scripts on Redis (``gateway/billing/usage.py`` holds their in-process Python twins, pinned
 together by ``tests/gateway/resilience/test_lua_twins.py``)."""
 
-# KEYS: budget hash, reservations zset. ARGV: now_ms, request id, estimate nusd, budget nusd, key ttl s, hold ms,
-# deadline ms (the caller's wall clock; past it on Redis's clock the caller has given up: -1, nothing done).
-# Returns {admitted 1/0, spent, reserved} (before this reservation), or {-1, 0, 0} when late.
+# KEYS: budget hash, reservations zset, peers zset (replica id -> its last reserve, ms).
+# ARGV: now_ms, request id, estimate nusd, budget nusd, key ttl s, hold ms, deadline ms (the caller's wall clock;
+# past it on Redis's clock the caller has given up: -1, nothing done), replica id, peer window ms.
+# Returns {admitted 1/0, spent, reserved (before this reservation), peers}, or {-1, 0, 0, 0} when late; peers is
+# how many replicas reserved on this budget within the window (this one included): in an outage each of them
+# spends at most its share of what is left (gateway/billing/usage.py).
 RESERVE_LUA = """
 local t = redis.call('TIME')
 if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(ARGV[7]) then
-  return {-1, 0, 0}
+  return {-1, 0, 0, 0}
 end
 local now = tonumber(ARGV[1])
+redis.call('ZADD', KEYS[3], now, ARGV[8])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[9]))
+redis.call('EXPIRE', KEYS[3], ARGV[5])
+local peers = redis.call('ZCARD', KEYS[3])
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
 for _, rid in ipairs(expired) do
   local a = redis.call('HGET', KEYS[1], 'r:' .. rid)
@@ -22,14 +29,14 @@ if #expired > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now) end
 local spent = tonumber(redis.call('HGET', KEYS[1], 'spent') or '0')
 local reserved = tonumber(redis.call('HGET', KEYS[1], 'reserved') or '0')
 if spent + reserved + tonumber(ARGV[3]) > tonumber(ARGV[4]) then
-  return {0, spent, reserved}
+  return {0, spent, reserved, peers}
 end
 redis.call('HINCRBY', KEYS[1], 'reserved', ARGV[3])
 redis.call('HSET', KEYS[1], 'r:' .. ARGV[2], ARGV[3])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[6]), ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[5])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
-return {1, spent, reserved}
+return {1, spent, reserved, peers}
 """
 
 def _drop_reservation_lua(budget: str, zset: str, rid: str) -> str:

@@ -36,8 +36,13 @@ slow Redis, whose caller already gave up and went on in process, holds nothing.
 Redis outage (``SharedState`` degraded): a settle goes to the in-process twin
 and to the local journal (``gateway/billing/journal.py``), replayed on rejoin.
 Budgets are checked in process against the last remaining budget this replica
-read from Redis (``spent + reserved`` of the last reserve) plus its own spend
-since; with ``state.fail_closed_limits`` a tenant with a budget gets 503
+read from Redis (``limit - spent - reserved`` at its last reserve there, that
+reserve's own hold included), of
+which it spends at most its share: the remainder divided by the replicas that
+reserved on that budget in the last ``PEER_WINDOW_S`` (the reserve script
+counts them), since the others spend theirs unseen meanwhile. So the replicas
+together stay within the budget, past it only by what was in flight when it
+ran out and what others spent after a replica's last read. With ``state.fail_closed_limits`` a tenant with a budget gets 503
 ``budget_unavailable`` instead.
 """
 
@@ -48,6 +53,7 @@ import datetime as _dt
 import functools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from decimal import Decimal
 from gateway.billing.journal import Journal, JournalEntry
@@ -57,6 +63,7 @@ from gateway.billing.scripts import RELEASE_LUA, RESERVE_LUA, SETTLE_LUA
 log = logging.getLogger("tandem.gateway.usage")
 
 USAGE_TTL_S = 400 * 86400          # usage hashes live 400 days
+PEER_WINDOW_S = 60.0               # a replica that reserved on a budget this recently shares it in an outage
 _FIELDS = ("req", "in", "out", "cached", "nusd")
 
 
@@ -183,6 +190,7 @@ class _MemBudget:
     reserved: int = 0
     holds: dict[str, tuple[int, int]] = field(default_factory=dict)   # request id -> (nusd, expiry ms)
     base: int = 0                  # spent + reserved in Redis at this replica's last reserve there (0: no Redis)
+    peers: int = 1                 # replicas that reserved on this budget recently, at that reserve
 
 
 def tenant_label(tenant: str) -> str:
@@ -200,11 +208,13 @@ class UsageLedger:
         record_ttl_s: seconds a request's usage record is kept in Redis (the
             window in which a replayed settle is recognised).
         journal: where settles made during an outage wait for Redis.
+        replica_id: this replica's name in the budgets' peer sets (default: random per process).
     """
 
     def __init__(self, state, reservation_ttl_s: float = 600.0, record_ttl_s: float = 8 * 86400,
-                 journal: Journal | None = None):
+                 journal: Journal | None = None, replica_id: str | None = None):
         self.state = state
+        self.replica_id = replica_id or uuid.uuid4().hex[:16]   # this replica, as budgets' peer sets name it
         self.reservation_ttl_s = reservation_ttl_s
         self.record_ttl_s = record_ttl_s
         self.journal = journal if journal is not None else Journal()
@@ -223,6 +233,14 @@ class UsageLedger:
     def _bkeys(self, tenant: str, pid: str) -> tuple[str, str]:
         k = self.state.key("budget", f"{tenant_label(tenant)}:{pid}")
         return k, k + ":res"
+
+    @staticmethod
+    def _fits(b: _MemBudget, est: int, limit: int) -> bool:
+        """In process: does ``est`` fit the budget? Degraded, this replica's own spend and holds since its last
+        Redis read must also fit its share of what Redis then said was left (``b.peers`` replicas share it)."""
+        if b.base + b.spent + b.reserved + est > limit:
+            return False
+        return b.peers <= 1 or b.spent + b.reserved + est <= (limit - b.base) // b.peers
 
     # -- budgets -------------------------------------------------------------------------------------------------
     async def reserve(self, tenant: str, request_id: str, estimate_nusd: int, budget: Budget,
@@ -245,7 +263,7 @@ class UsageLedger:
         def local() -> list[int]:
             in_process.append(True)
             if fail_closed:            # Redis unreachable: no budget decision in process
-                return [-2, 0, 0]
+                return [-2, 0, 0, 0]
             b = self._budgets.setdefault(bkey, _MemBudget())
             for rid, (amount, exp) in list(b.holds.items()):
                 if exp <= now_ms:
@@ -253,26 +271,29 @@ class UsageLedger:
                     del b.holds[rid]
             # degraded: what Redis last said was used, plus this replica's own spend and holds since
             spent, reserved = b.base + b.spent, b.reserved
-            if spent + reserved + est > limit:
-                return [0, spent, reserved]
+            if not self._fits(b, est, limit):
+                return [0, spent, reserved, b.peers]
             b.reserved += est
             b.holds[request_id] = (est, now_ms + hold_ms)
-            return [1, spent, reserved]
+            return [1, spent, reserved, b.peers]
 
         deadline_ms = int(time.time() * 1000 + self.state.config.socket_timeout_s * 1000)   # Redis's clock
-        raw = await self.state.run("usage_reserve", RESERVE_LUA, [bkey, rkey],
-                                   [now_ms, request_id, est, limit, ttl, hold_ms, deadline_ms], local)
-        ok, spent, reserved = int(raw[0]), int(raw[1]), int(raw[2])
+        raw = await self.state.run("usage_reserve", RESERVE_LUA, [bkey, rkey, bkey + ":peers"],
+                                   [now_ms, request_id, est, limit, ttl, hold_ms, deadline_ms, self.replica_id,
+                                    int(PEER_WINDOW_S * 1000)], local)
+        ok, spent, reserved, peers = int(raw[0]), int(raw[1]), int(raw[2]), int(raw[3])
         if ok == -1:                   # Redis ran it past our deadline (clock skew or a stall): decide in process
             if time.monotonic() - self._late_logged > 60:     # once a minute: a skewed clock would say it per request
                 self._late_logged = time.monotonic()
                 log.warning("budget reserve of %s ran past its deadline on redis (a stall, or this host's clock "
                             "behind Redis's by more than state.socket_timeout_s): checked in process", request_id)
-            ok, spent, reserved = local()
+            ok, spent, reserved, peers = local()
         if ok == -2:
             return BudgetCheck(False, None, 0, 0, limit, self.state.config.reconnect_max_s, unavailable=True)
         if shared and not in_process:               # remember Redis's view for an outage
-            self._budgets.setdefault(bkey, _MemBudget()).base = spent + reserved
+            # this request's own hold counts as used: it is settled on Redis, or in process when Redis goes
+            b = self._budgets.setdefault(bkey, _MemBudget())
+            b.base, b.peers = spent + reserved + (est if ok == 1 else 0), max(1, peers)
         res = BudgetReservation(tenant, request_id, budget.period, pid, est) if ok else None
         return BudgetCheck(bool(ok), res, spent, reserved, limit, end - now)
 

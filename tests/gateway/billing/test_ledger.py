@@ -18,7 +18,7 @@ from openai import AsyncOpenAI, RateLimitError, InternalServerError
 
 from gateway.billing.counting import estimate_tokens
 from gateway.billing.prices import NANO, Price, cost_nusd
-from gateway.billing.usage import Budget, UsageLedger
+from gateway.billing.usage import Budget, UsageLedger, UsageRecord
 from gateway.config.compile import load_config_text
 from gateway.config.schema import StateSettings
 from gateway.http.app import create_app
@@ -290,6 +290,42 @@ async def test_late_reserve_script_holds_nothing(redis_server):
 
 async def _rejoined(state) -> bool:
     return not state.degraded and state.rejoins > 0
+
+
+async def test_replicas_share_what_is_left_during_an_outage(redis_server):
+    """Two replicas that both reserved on a budget lose Redis: each spends at most half of what Redis last said
+    was left (they cannot see each other's spend), so together they stay within the budget. Before, each spent
+    the whole remainder: the chaos run found a tenant at 2x its budget."""
+    budget, cost = Budget(100_000 / NANO, "day"), 10_000           # room for 10 requests in all
+    states = [SharedState(StateSettings(redis_url=redis_server.url, socket_timeout_s=0.3, reconnect_min_s=0.05,
+                                        reconnect_max_s=0.1)) for _ in range(2)]
+    ledgers = [UsageLedger(s, replica_id=f"gw{i}") for i, s in enumerate(states)]
+
+    async def spend(ledger: UsageLedger, rid: str) -> bool:
+        check = await ledger.reserve("t1", rid, cost, budget)
+        if check.admitted:
+            await ledger.settle(UsageRecord(rid, "t1", "b", 1, 1, 0, cost), check.reservation)
+        return check.admitted
+
+    try:
+        for i, ledger in enumerate(ledgers + ledgers[:1]):       # both known to Redis as spenders of t1's budget
+            assert await spend(ledger, f"warm{i}")
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            admitted = [sum([await spend(ledger, f"out{i}-{k}") for k in range(10)])
+                        for i, ledger in enumerate(ledgers)]
+            assert all(s.degraded for s in states)
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        # shares of what each last read was left (its own hold included): (100 - 30) / 2 and (100 - 20) / 2 k
+        assert admitted == [3, 4]
+        for s in states:
+            await until(lambda s=s: _rejoined(s))
+        spent, reserved, limit = await ledgers[0].budget_state("t1", budget)
+        assert spent == (3 + 3 + 4) * cost == limit and reserved == 0   # within the budget, nothing twice
+    finally:
+        for s in states:
+            await s.close()
 
 
 # ----- the conformance run: everything at once ------------------------------------------------------------------
