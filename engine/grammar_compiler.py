@@ -1,0 +1,272 @@
+"""Grammar compiles off the step loop: a bounded worker pool, a compile
+timeout, a size limit, a cache of refusals and one memory bound.
+
+A spec (``StructuredOutputsParams``) goes through ``GrammarCompilePool.submit``:
+
+1. In a worker thread (never the caller's event loop, never the engine
+   step): the spec's canonical text, refused when over ``max_bytes``; its
+   digest (sha256) is the key of everything below.
+2. A digest seen before is answered at once: compiled (``GrammarCache``) or
+   refused (the refusal cache: a 400 or the 408 of a timeout, again).
+   A digest being compiled gets the same answer as that compile (a schema
+   sent twice is compiled once).
+3. Otherwise the worker validates (``json_schema_subset``) and compiles
+   (xgrammar, which releases the GIL). A timer answers 408 when the compile
+   runs longer than ``timeout_s`` and records the refusal; the worker cannot
+   be interrupted (xgrammar has no cancellation), so its result is dropped
+   when it ends. Several workers: a slow schema never holds up a quick one.
+
+``GrammarCache`` is the only place compiled grammars are kept (xgrammar's
+own compiler cache is disabled by the manager): an LRU bounded in entries
+and in bytes (``CompiledGrammar.memory_size_bytes``). Live matchers keep
+their grammar alive; those are bounded by ``max_num_seqs``.
+
+Sources: vLLM v1 ``structured_output/__init__.py`` (compiles in a thread
+pool, futures per request); its GHSA-389x-67px-mjg3 fix (bounded grammar
+memory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from engine.sampling_params import StructuredOutputsParams
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """Bounds of grammar compilation (``EngineArgs.structured_outputs_*``).
+
+    Attributes:
+        workers: compile threads (> 1: a slow schema does not hold up others).
+        timeout_s: longest compile, seconds; past it the request gets 408.
+        max_bytes: largest spec (its canonical JSON text), bytes; over: 400.
+        cache_bytes: compiled grammars kept, bytes (LRU).
+        cache_entries: compiled grammars kept, entries (LRU).
+        refusal_entries: refused digests remembered (LRU).
+    """
+
+    workers: int = 4
+    timeout_s: float = 10.0
+    max_bytes: int = 1 << 20
+    cache_bytes: int = 256 << 20
+    cache_entries: int = 256
+    refusal_entries: int = 4096
+
+
+def grammar_limits(args) -> GrammarLimits:
+    """The ``GrammarLimits`` of an ``EngineArgs`` (its ``structured_outputs_*`` fields)."""
+    return GrammarLimits(workers=args.structured_outputs_workers,
+                         timeout_s=args.structured_outputs_compile_timeout_s,
+                         max_bytes=args.structured_outputs_max_bytes,
+                         cache_bytes=args.structured_outputs_cache_memory,
+                         cache_entries=args.structured_outputs_cache_entries)
+
+
+class GrammarRefused(ValueError):
+    """A spec the pool will not compile; ``status`` 400 (invalid, unsupported,
+    too large) or 408 (the compile timed out)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class GrammarCache:
+    """Compiled grammars by digest: an LRU bounded in entries and bytes; thread safe.
+
+    Args:
+        max_entries: most grammars kept.
+        max_bytes: most ``memory_size_bytes`` kept in all; a grammar larger
+            than this alone is not kept (its requests still run with it).
+    """
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, tuple[object, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, digest: str):
+        """The grammar of ``digest`` (now most recently used), or None."""
+        with self._lock:
+            item = self._items.get(digest)
+            if item is None:
+                return None
+            self._items.move_to_end(digest)
+            return item[0]
+
+    def put(self, digest: str, grammar, nbytes: int) -> None:
+        """Keep ``grammar`` (``nbytes`` large), evicting the least recently used."""
+        with self._lock:
+            old = self._items.pop(digest, None)
+            if old is not None:
+                self.nbytes -= old[1]
+            if nbytes > self.max_bytes:
+                return
+            self._items[digest] = (grammar, nbytes)
+            self.nbytes += nbytes
+            while len(self._items) > self.max_entries or self.nbytes > self.max_bytes:
+                _, (_, size) = self._items.popitem(last=False)
+                self.nbytes -= size
+
+
+@dataclass
+class _InFlight:
+    waiters: list[Callable[[str, GrammarRefused | None], None]] = field(default_factory=list)
+    started: float = 0.0
+    done: bool = False
+
+
+Done = Callable[[str, "GrammarRefused | None"], None]
+
+
+class GrammarCompilePool:
+    """Compiles specs in a bounded thread pool (see the module doc).
+
+    Args:
+        compile_fn: ``compile_fn(params) -> (grammar, nbytes)``; raises
+            ``ValueError`` naming the part at fault (validation included).
+        limits: the bounds.
+    """
+
+    def __init__(self, compile_fn: Callable[[StructuredOutputsParams], tuple[object, int]],
+                 limits: GrammarLimits) -> None:
+        self._compile_fn = compile_fn
+        self.limits = limits
+        self.cache = GrammarCache(limits.cache_entries, limits.cache_bytes)
+        self._refusals: OrderedDict[str, GrammarRefused] = OrderedDict()
+        self._in_flight: dict[str, _InFlight] = {}
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(limits.workers, thread_name_prefix="tandem-grammar")
+        self.compile_seconds: list[float] = []
+
+    def submit(self, params: StructuredOutputsParams, done: Done) -> None:
+        """Compile ``params`` in a worker; ``done(digest, None)`` once its grammar is
+        in the cache, ``done(digest or '', GrammarRefused)`` when refused or timed
+        out. ``done`` runs in a worker or timer thread and must be quick."""
+        self._executor.submit(self._job, params, done)
+
+    def compile_now(self, params: StructuredOutputsParams):
+        """The grammar of ``params``, compiled in the caller's thread on a miss
+        (the offline engine, or a grammar evicted between its compile and its
+        request's arrival).
+
+        Raises:
+            GrammarRefused: as ``submit`` reports it.
+        """
+        digest = self.digest(params)
+        grammar = self.cache.get(digest)
+        if grammar is not None:
+            return grammar
+        with self._lock:
+            refused = self._refusals.get(digest)
+        if refused is not None:
+            raise refused
+        try:
+            grammar, nbytes = self._timed_compile(params)
+        except ValueError as exc:
+            raise self._refuse(digest, GrammarRefused(str(exc))) from None
+        self.cache.put(digest, grammar, nbytes)
+        return grammar
+
+    def digest(self, params: StructuredOutputsParams) -> str:
+        """sha256 of the spec's canonical text (computed once per params).
+
+        Raises:
+            GrammarRefused: the spec is over ``max_bytes`` (named in the message).
+        """
+        if params.digest is not None:
+            return params.digest
+        text = params.key()
+        size = len(text.encode())
+        if size > self.limits.max_bytes:
+            raise GrammarRefused(f"{params.kind}: the spec is {size} bytes, over the limit of "
+                                 f"structured_outputs_max_bytes ({self.limits.max_bytes} bytes)")
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ worker
+    def _job(self, params: StructuredOutputsParams, done: Done) -> None:
+        try:
+            digest = self.digest(params)
+        except GrammarRefused as exc:
+            done("", exc)
+            return
+        with self._lock:
+            refused = self._refusals.get(digest)
+            flight = self._in_flight.get(digest)
+            if refused is None and flight is None and self.cache.get(digest) is None:
+                flight = self._in_flight[digest] = _InFlight(started=time.monotonic())
+                owner = True
+            else:
+                owner = False
+            if flight is not None:
+                flight.waiters.append(done)
+        if not owner:
+            if flight is None:
+                done(digest, refused)  # answered from a cache: a refusal, or None for a compiled grammar
+            return
+        timer = threading.Timer(self.limits.timeout_s, self._time_out, (digest,))
+        timer.daemon = True
+        timer.start()
+        try:
+            grammar, nbytes = self._timed_compile(params)
+            error = None
+        except ValueError as exc:
+            error = GrammarRefused(str(exc), getattr(exc, "status", 400))
+        finally:
+            timer.cancel()
+        with self._lock:
+            if flight.done:  # timed out meanwhile: already answered and refused
+                return
+            flight.done = True
+            self._in_flight.pop(digest, None)
+            if error is None:
+                self.cache.put(digest, grammar, nbytes)
+            else:
+                self._remember(digest, error)
+        for waiter in flight.waiters:
+            waiter(digest, error)
+
+    def _timed_compile(self, params: StructuredOutputsParams):
+        start = time.perf_counter()
+        out = self._compile_fn(params)
+        self.compile_seconds.append(time.perf_counter() - start)
+        return out
+
+    def _time_out(self, digest: str) -> None:
+        error = GrammarRefused(f"compiling the grammar took longer than structured_outputs_compile_timeout_s "
+                               f"({self.limits.timeout_s:g} s); this spec is refused from now on", status=408)
+        with self._lock:
+            flight = self._in_flight.pop(digest, None)
+            if flight is None or flight.done:
+                return
+            flight.done = True
+            self._remember(digest, error)
+        for waiter in flight.waiters:
+            waiter(digest, error)
+
+    def _refuse(self, digest: str, error: GrammarRefused) -> GrammarRefused:
+        with self._lock:
+            self._remember(digest, error)
+        return error
+
+    def _remember(self, digest: str, error: GrammarRefused) -> None:
+        """Record a refusal (caller holds the lock)."""
+        self._refusals[digest] = error
+        self._refusals.move_to_end(digest)
+        while len(self._refusals) > self.limits.refusal_entries:
+            self._refusals.popitem(last=False)
