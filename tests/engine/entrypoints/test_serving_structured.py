@@ -304,3 +304,32 @@ def test_a_call_cut_inside_its_markup_is_never_content(text, name):
     assert not [d for d in deltas if "content" in d]
     if text.startswith("<tool_call>"):  # tool_choice "auto": the text before a call stays, its markup does not
         assert parse_tool_calls("Sure. " + text)[0] == "Sure."
+
+
+def test_the_request_handler_leaves_schema_checks_to_the_compile_pool(monkeypatch):
+    """Failure 1: the schema check ran in the request handler, on the event loop (a 1.2 MB schema stalled every
+    stream for 19-41 s). Planning a request now only checks shapes: the subset check and the compile happen in
+    the engine core's pool, whose refusal reaches the client as a 400/408 naming the setting or the part."""
+    import asyncio
+
+    from engine.entrypoints.protocol import ServingError
+    from engine.entrypoints.serving import OpenAIServing
+    from engine.grammar_compiler import GrammarRefused
+
+    schema = {"type": "array", "contains": {"const": 1}}  # outside the subset
+    req = parse_request({"messages": ASK_WEATHER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, ChatCompletionRequest)
+    monkeypatch.setattr("engine.json_schema_subset._check_node", lambda *a: pytest.fail("checked in the handler"))
+    plan = plan_chat(req, ASK_WEATHER, None)
+    assert plan.structured_outputs.json == schema
+    assert plan.structured_outputs.where == ("response_format.json_schema.schema",)
+
+    class Engine:
+        async def compile_grammar(self, spec):
+            raise GrammarRefused("compiling the grammar took longer than structured_outputs_compile_timeout_s", 408)
+    serving = object.__new__(OpenAIServing)
+    serving.engine = Engine()
+    with pytest.raises(ServingError) as err:
+        asyncio.run(serving._compile_grammar(plan))
+    assert err.value.status_code == 408 and err.value.param == "response_format"
+    assert err.value.code == "grammar_compile_timeout" and "structured_outputs_compile_timeout_s" in err.value.message
