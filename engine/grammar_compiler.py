@@ -19,7 +19,11 @@ A spec (``StructuredOutputsParams``) goes through ``GrammarCompilePool.submit``:
 ``GrammarCache`` is the only place compiled grammars are kept (xgrammar's
 own compiler cache is disabled by the manager): an LRU bounded in entries
 and in bytes (``CompiledGrammar.memory_size_bytes``). Live matchers keep
-their grammar alive; those are bounded by ``max_num_seqs``.
+their grammar alive; those are bounded by ``max_num_seqs``. A grammar just
+compiled for a request is also held for ``HANDOFF_S`` seconds (at most
+``HANDOFF_ENTRIES``), so that its request finds it even when the LRU dropped
+it meanwhile (or it alone is over the byte bound): the engine step never
+compiles a spec the pool already compiled.
 
 Sources: vLLM v1 ``structured_output/__init__.py`` (compiles in a thread
 pool, futures per request); its GHSA-389x-67px-mjg3 fix (bounded grammar
@@ -37,6 +41,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from engine.sampling_params import StructuredOutputsParams
+
+HANDOFF_S = 60.0  # a compiled grammar waits this long, seconds, for its request
+HANDOFF_ENTRIES = 64
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,7 @@ class GrammarCompilePool:
         self.cache = GrammarCache(limits.cache_entries, limits.cache_bytes)
         self._refusals: OrderedDict[str, GrammarRefused] = OrderedDict()
         self._in_flight: dict[str, _InFlight] = {}
+        self._handoff: OrderedDict[str, tuple[object, float]] = OrderedDict()  # digest -> (grammar, deadline)
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(limits.workers, thread_name_prefix="tandem-grammar")
         self.compile_seconds: list[float] = []
@@ -170,6 +178,9 @@ class GrammarCompilePool:
         if grammar is not None:
             return grammar
         with self._lock:
+            held = self._handoff.get(digest)
+            if held is not None:
+                return held[0]
             refused = self._refusals.get(digest)
         if refused is not None:
             raise refused
@@ -227,6 +238,8 @@ class GrammarCompilePool:
             error = None
         except ValueError as exc:
             error = GrammarRefused(str(exc), getattr(exc, "status", 400))
+        except Exception as exc:  # noqa: BLE001 - a bug or MemoryError: answered, never left waiting
+            error = GrammarRefused(f"{params.kind}: the grammar failed to compile: {type(exc).__name__}: {exc}", 500)
         finally:
             timer.cancel()
         with self._lock:
@@ -236,7 +249,8 @@ class GrammarCompilePool:
             self._in_flight.pop(digest, None)
             if error is None:
                 self.cache.put(digest, grammar, nbytes)
-            else:
+                self._hand_off(digest, grammar)
+            elif error.status != 500:  # an internal failure may pass: not remembered
                 self._remember(digest, error)
         for waiter in flight.waiters:
             waiter(digest, error)
@@ -263,6 +277,14 @@ class GrammarCompilePool:
         with self._lock:
             self._remember(digest, error)
         return error
+
+    def _hand_off(self, digest: str, grammar) -> None:
+        """Hold a fresh grammar for its request (caller holds the lock)."""
+        now = time.monotonic()
+        self._handoff[digest] = (grammar, now + HANDOFF_S)
+        self._handoff.move_to_end(digest)
+        while self._handoff and (len(self._handoff) > HANDOFF_ENTRIES or next(iter(self._handoff.values()))[1] < now):
+            self._handoff.popitem(last=False)
 
     def _remember(self, digest: str, error: GrammarRefused) -> None:
         """Record a refusal (caller holds the lock)."""

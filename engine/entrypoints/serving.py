@@ -118,7 +118,8 @@ class OpenAIServing:
         Raises:
             ServingError: 400 when the spec is refused (invalid, outside the
                 supported subset, over ``structured_outputs_max_bytes``), 408
-                when its compile ran past ``structured_outputs_compile_timeout_s``.
+                when its compile ran past ``structured_outputs_compile_timeout_s``,
+                500 when the compile failed inside.
         """
         if plan.structured_outputs is None:
             return None
@@ -128,6 +129,7 @@ class OpenAIServing:
             status = getattr(exc, "status", 400)
             message = str(exc) if str(exc).startswith(plan.param) else f"{plan.param}: {exc}"
             raise ServingError(status, message, param=plan.param,
+                               type="server_error" if status >= 500 else "invalid_request_error",
                                code="grammar_compile_timeout" if status == 408 else None) from None
         return dataclasses.replace(plan.structured_outputs, digest=digest)
 

@@ -141,3 +141,25 @@ def test_an_unsupported_schema_is_refused_by_the_pool_with_its_request_path():
     _, error = answers.wait("contains")
     assert error.status == 400
     assert str(error).startswith("response_format.json_schema.schema: unsupported schema feature 'contains'")
+
+
+def test_a_grammar_evicted_before_its_request_arrives_is_not_compiled_again():
+    """The engine step must not compile what the pool compiled (a grammar over the byte bound, or evicted by
+    other compiles meanwhile, is held for its request)."""
+    pool, _, calls = _blocking_pool(cache_bytes=5)  # every grammar (10 bytes) is over the bound
+    answers = Answers()
+    pool.submit(StructuredOutputsParams(regex="quick"), answers.done("q"))
+    assert answers.wait("q")[1] is None and len(pool.cache) == 0
+    pool.compile_now(StructuredOutputsParams(regex="quick"))
+    assert [r for r, _ in calls] == ["quick"]
+
+
+def test_an_internal_compile_failure_is_answered_and_not_remembered():
+    def compile_fn(params):
+        raise MemoryError("boom")
+    pool = GrammarCompilePool(compile_fn, GrammarLimits(workers=2))
+    answers = Answers()
+    pool.submit(StructuredOutputsParams(regex="x"), answers.done("x"))
+    assert answers.wait("x")[1].status == 500
+    pool.submit(StructuredOutputsParams(regex="x"), answers.done("again"))
+    assert answers.wait("again")[1].status == 500  # compiled again, not answered from the refusal cache
