@@ -15,6 +15,8 @@ A spec (``StructuredOutputsParams``) goes through ``GrammarCompilePool.submit``:
    runs longer than ``timeout_s`` and records the refusal; the worker cannot
    be interrupted (xgrammar has no cancellation), so its result is dropped
    when it ends. Several workers: a slow schema never holds up a quick one.
+   The workers run at a lower CPU priority (``WORKER_NICE``, Linux): a long
+   compile takes the cores the engine step leaves, not the step's.
 
 ``GrammarCache`` is the only place compiled grammars are kept (xgrammar's
 own compiler cache is disabled by the manager): an LRU bounded in entries
@@ -33,6 +35,7 @@ memory).
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -44,6 +47,7 @@ from engine.sampling_params import StructuredOutputsParams
 
 HANDOFF_S = 60.0  # a compiled grammar waits this long, seconds, for its request
 HANDOFF_ENTRIES = 64
+WORKER_NICE = 10  # added to the compile threads' niceness (Linux: per thread)
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,8 @@ class GrammarCompilePool:
         self._in_flight: dict[str, _InFlight] = {}
         self._handoff: OrderedDict[str, tuple[object, float]] = OrderedDict()  # digest -> (grammar, deadline)
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(limits.workers, thread_name_prefix="tandem-grammar")
+        self._executor = ThreadPoolExecutor(limits.workers, thread_name_prefix="tandem-grammar",
+                                            initializer=_lower_priority)
         self.compile_seconds: list[float] = []
 
     def submit(self, params: StructuredOutputsParams, done: Done) -> None:
@@ -292,3 +297,13 @@ class GrammarCompilePool:
         self._refusals.move_to_end(digest)
         while len(self._refusals) > self.limits.refusal_entries:
             self._refusals.popitem(last=False)
+
+
+def _lower_priority() -> None:
+    """Raise this thread's niceness by ``WORKER_NICE`` (Linux sets it per
+    thread); elsewhere, or when refused, leave it."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICE)
+    except (AttributeError, OSError):
+        pass

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from engine.grammar_compiler import GrammarCompilePool, GrammarLimits, GrammarRefused
+from engine.grammar_compiler import WORKER_NICE, GrammarCompilePool, GrammarLimits, GrammarRefused
 from engine.sampling_params import StructuredOutputsParams
 from tests.engine.grammar_helpers import manager
 
@@ -71,6 +71,19 @@ def test_a_slow_compile_does_not_hold_up_a_quick_one_and_runs_off_the_callers_th
     assert answers.wait("slow")[1] is None
     assert all(thread.startswith("tandem-grammar") for _, thread in calls)
     assert threading.current_thread().name not in {t for _, t in calls}
+
+
+def test_compile_workers_yield_the_cpu_to_the_engine_step():
+    """A long compile takes the cores the step leaves (Linux: the workers' niceness is raised)."""
+    import os
+
+    seen = []
+    pool = GrammarCompilePool(lambda p: (seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())),
+                                         (object(), 1))[1], GrammarLimits(workers=2))
+    answers = Answers()
+    pool.submit(StructuredOutputsParams(regex="x"), answers.done("x"))
+    answers.wait("x")
+    assert seen == [os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICE]
 
 
 def test_a_compile_past_the_timeout_is_a_408_naming_the_setting_and_is_refused_at_once_after():
