@@ -89,8 +89,9 @@ def run_engine_core_process(args, conn) -> None:
 
     Loads the model (``CoreFailed`` on error, then exits), sends
     ``CoreReady``, then runs ``run_core_loop`` with commands read from
-    ``conn`` by a reader thread; grammar compilations run in a worker
-    thread and are answered with ``CoreReply``. Exits when the loop ends
+    ``conn`` by a reader thread; grammar validations and compilations run
+    in the core's grammar pool (``engine/grammar_compiler.py``) and are
+    answered with ``CoreReply``. Exits when the loop ends
     (``Shutdown``) or the parent's end of ``conn`` closes.
     """
     # Ctrl-C and `kill -- -<pgid>` reach the whole process group: the front end

@@ -12,7 +12,8 @@ vLLM v1's ``EngineCore`` / ``OutputProcessor`` split).
 
 It is driven by ``LLMEngine`` (offline, same thread) or by
 ``engine/core_loop.py`` (in a thread or in its own process, for
-``AsyncEngine``). Not thread-safe, except ``compile_grammar``.
+``AsyncEngine``). Not thread-safe, except ``compile_grammar`` and
+``submit_grammar``.
 """
 
 from __future__ import annotations
