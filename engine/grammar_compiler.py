@@ -3,15 +3,16 @@ timeout, a size limit, a cache of refusals and one memory bound.
 
 A spec (``StructuredOutputsParams``) goes through ``GrammarCompilePool.submit``:
 
-1. In a worker thread (never the caller's event loop, never the engine
-   step): the spec's canonical text, refused when over ``max_bytes``; its
-   digest (sha256) is the key of everything below.
+1. In the submitting thread (a worker thread: never an event loop, never
+   the engine step): the spec's canonical text, refused when over
+   ``max_bytes``; its digest (sha256) is the key of everything below.
 2. A digest seen before is answered at once: compiled (``GrammarCache``) or
    refused (the refusal cache: a 400 or the 408 of a timeout, again).
    A digest being compiled gets the same answer as that compile (a schema
    sent twice is compiled once).
-3. Otherwise the worker validates (``json_schema_subset``) and compiles
-   (xgrammar, which releases the GIL). A timer answers 408 when the compile
+3. Otherwise the submitting thread validates (``json_schema_subset``, pure
+   Python, linear in the spec) and a pool worker compiles (xgrammar, which
+   releases the GIL). A timer answers 408 when the compile
    runs longer than ``timeout_s`` and records the refusal; the worker cannot
    be interrupted (xgrammar has no cancellation), so its result is dropped
    when it ends. Several workers: a slow schema never holds up a quick one.
@@ -146,14 +147,17 @@ class GrammarCompilePool:
     """Compiles specs in a bounded thread pool (see the module doc).
 
     Args:
-        compile_fn: ``compile_fn(params) -> (grammar, nbytes)``; raises
-            ``ValueError`` naming the part at fault (validation included).
+        compile_fn: ``compile_fn(params) -> (grammar, nbytes)`` of a
+            validated spec; raises ``ValueError`` naming the part at fault.
         limits: the bounds.
+        validate_fn: ``validate_fn(params)`` raises ``ValueError`` naming the
+            part outside the supported subset (None: no check).
     """
 
     def __init__(self, compile_fn: Callable[[StructuredOutputsParams], tuple[object, int]],
-                 limits: GrammarLimits) -> None:
+                 limits: GrammarLimits, validate_fn: Callable[[StructuredOutputsParams], None] | None = None) -> None:
         self._compile_fn = compile_fn
+        self._validate_fn = validate_fn or (lambda params: None)
         self.limits = limits
         self.cache = GrammarCache(limits.cache_entries, limits.cache_bytes)
         self._refusals: OrderedDict[str, GrammarRefused] = OrderedDict()
@@ -165,15 +169,45 @@ class GrammarCompilePool:
         self.compile_seconds: list[float] = []
 
     def submit(self, params: StructuredOutputsParams, done: Done) -> None:
-        """Compile ``params`` in a worker; ``done(digest, None)`` once its grammar is
-        in the cache, ``done(digest or '', GrammarRefused)`` when refused or timed
-        out. ``done`` runs in a worker or timer thread and must be quick."""
-        self._executor.submit(self._job, params, done)
+        """Validate ``params`` here, compile it in a pool worker; ``done(digest, None)``
+        once its grammar is in the cache, ``done(digest or '', GrammarRefused)`` when
+        refused or timed out. ``done`` runs in this, a worker or a timer thread and
+        must be quick.
+
+        Call it from a worker thread, never an event loop: the size check, the
+        digest, the caches and the validation run in the caller's thread. They
+        hold the GIL (pure Python, linear in the spec, bounded by ``max_bytes``)
+        and so run at the caller's CPU priority: a worker at a lowered priority
+        holding the GIL while starved of CPU would stall the engine step. The
+        compile (xgrammar, the GIL released) runs in the lowered-priority pool.
+        """
+        try:
+            digest = self.digest(params)
+        except GrammarRefused as exc:
+            done("", exc)
+            return
+        with self._lock:
+            refused = self._refusals.get(digest)
+            flight = self._in_flight.get(digest)
+            owner = refused is None and flight is None and self.cache.get(digest) is None
+            if owner:
+                flight = self._in_flight[digest] = _InFlight(started=time.monotonic())
+            if flight is not None:
+                flight.waiters.append(done)
+        if not owner:
+            if flight is None:
+                done(digest, refused)  # answered from a cache: a refusal, or None for a compiled grammar
+            return
+        try:
+            self._validate_fn(params)
+        except ValueError as exc:
+            self._finish(digest, flight, None, 0, GrammarRefused(str(exc)))
+            return
+        self._executor.submit(self._compile_job, params, digest, flight)
 
     def compile_now(self, params: StructuredOutputsParams):
-        """The grammar of ``params``, compiled in the caller's thread on a miss
-        (the offline engine, or a grammar evicted between its compile and its
-        request's arrival).
+        """The grammar of ``params``, validated and compiled in the caller's
+        thread on a miss (the offline engine).
 
         Raises:
             GrammarRefused: as ``submit`` reports it.
@@ -190,6 +224,7 @@ class GrammarCompilePool:
         if refused is not None:
             raise refused
         try:
+            self._validate_fn(params)
             grammar, nbytes = self._timed_compile(params)
         except ValueError as exc:
             raise self._refuse(digest, GrammarRefused(str(exc))) from None
@@ -204,49 +239,33 @@ class GrammarCompilePool:
         """
         if params.digest is not None:
             return params.digest
-        text = params.key()
-        size = len(text.encode())
-        if size > self.limits.max_bytes:
-            raise GrammarRefused(f"{params.kind}: the spec is {size} bytes, over the limit of "
+        text = params.key().encode()
+        if len(text) > self.limits.max_bytes:
+            raise GrammarRefused(f"{params.kind}: the spec is {len(text)} bytes, over the limit of "
                                  f"structured_outputs_max_bytes ({self.limits.max_bytes} bytes)")
-        return hashlib.sha256(text.encode()).hexdigest()
+        return hashlib.sha256(text).hexdigest()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ worker
-    def _job(self, params: StructuredOutputsParams, done: Done) -> None:
-        try:
-            digest = self.digest(params)
-        except GrammarRefused as exc:
-            done("", exc)
-            return
-        with self._lock:
-            refused = self._refusals.get(digest)
-            flight = self._in_flight.get(digest)
-            if refused is None and flight is None and self.cache.get(digest) is None:
-                flight = self._in_flight[digest] = _InFlight(started=time.monotonic())
-                owner = True
-            else:
-                owner = False
-            if flight is not None:
-                flight.waiters.append(done)
-        if not owner:
-            if flight is None:
-                done(digest, refused)  # answered from a cache: a refusal, or None for a compiled grammar
-            return
+    def _compile_job(self, params: StructuredOutputsParams, digest: str, flight: _InFlight) -> None:
         timer = threading.Timer(self.limits.timeout_s, self._time_out, (digest,))
         timer.daemon = True
         timer.start()
+        grammar, nbytes, error = None, 0, None
         try:
             grammar, nbytes = self._timed_compile(params)
-            error = None
         except ValueError as exc:
             error = GrammarRefused(str(exc), getattr(exc, "status", 400))
         except Exception as exc:  # noqa: BLE001 - a bug or MemoryError: answered, never left waiting
             error = GrammarRefused(f"{params.kind}: the grammar failed to compile: {type(exc).__name__}: {exc}", 500)
         finally:
             timer.cancel()
+        self._finish(digest, flight, grammar, nbytes, error)
+
+    def _finish(self, digest: str, flight: _InFlight, grammar, nbytes: int, error: GrammarRefused | None) -> None:
+        """Keep the grammar (or remember the refusal) and answer the waiters."""
         with self._lock:
             if flight.done:  # timed out meanwhile: already answered and refused
                 return

@@ -42,6 +42,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from engine.grammar_compiler import Done, GrammarCompilePool, GrammarLimits, GrammarRefused
 from engine.json_schema_subset import check_json_schema
 from engine.sampling_params import StructuredOutputsParams
@@ -123,7 +125,7 @@ class StructuredOutputManager:
         # xgrammar's own cache is off: GrammarCache is the one bound on grammar memory. One compiler thread
         # per compile: the pool's workers are the parallelism.
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self.pool = GrammarCompilePool(self._compile_uncached, limits or GrammarLimits())
+        self.pool = GrammarCompilePool(self._compile_uncached, limits or GrammarLimits(), validate)
         self._matchers: dict[str, tuple[object, frozenset[int]]] = {}
         self._stops_as_content: set[str] = set()  # rows of this step whose stop tokens are grammar content
 
@@ -152,9 +154,8 @@ class StructuredOutputManager:
         c = self._compiler
         try:
             if params.json is not None:
-                schema = json.loads(params.json) if isinstance(params.json, str) else params.json
-                check_json_schema(schema, params.where[0] if params.where else "schema")
-                out = c.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+                text = params.json if isinstance(params.json, str) else msgspec.json.encode(params.json).decode()
+                out = c.compile_json_schema(text, any_whitespace=False, strict_mode=True)
             elif params.json_object:
                 out = c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             elif params.regex is not None:
@@ -164,10 +165,7 @@ class StructuredOutputManager:
             elif params.grammar is not None:
                 out = c.compile_grammar(params.grammar)
             else:
-                _check_tag_schemas(params)
                 out = c.compile_structural_tag(params.structural_tag)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"schema: not valid JSON: {exc}") from None
         except (RuntimeError, self._xgr.InvalidJSONError, self._xgr.InvalidStructuralTagError) as exc:
             raise ValueError(f"{params.kind}: {_xgrammar_message(exc)}") from None
         return out, out.memory_size_bytes
@@ -264,6 +262,23 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         """Stop the compile pool (running compiles finish in the background)."""
         self.pool.shutdown()
+
+
+def validate(params: StructuredOutputsParams) -> None:
+    """Refuse a spec whose JSON schemas leave the supported subset
+    (``engine/json_schema_subset.py``), named by ``params.where``.
+
+    Raises:
+        ValueError: ``"<where><path>: ..."``.
+    """
+    if params.json is not None:
+        try:
+            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"schema: not valid JSON: {exc}") from None
+        check_json_schema(schema, params.where[0] if params.where else "schema")
+    elif params.structural_tag is not None:
+        _check_tag_schemas(params)
 
 
 def _check_tag_schemas(params: StructuredOutputsParams) -> None:
