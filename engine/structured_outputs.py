@@ -3,8 +3,9 @@
 Pieces, in the order a constrained request meets them:
 
 1. ``StructuredOutputManager.submit(params, done)``: validation
-   (``engine/json_schema_subset.py``: the supported JSON-schema subset) and
-   compile in the bounded pool of ``engine/grammar_compiler.py`` (timeout,
+   (``engine/json_schema_subset.py``: the supported JSON-schema subset) in
+   the submitting worker thread, compile in the bounded pool of
+   ``engine/grammar_compiler.py`` (timeout,
    size limit, refusal cache, one memory bound on compiled grammars). The
    OpenAI layer waits for it before submitting, so the core's step loop only
    hits the cache.
@@ -44,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from engine.grammar_compiler import Done, GrammarCompilePool, GrammarLimits, GrammarRefused
+from engine.grammar_compiler import Done, GrammarCompilePool, GrammarLimits
 from engine.json_schema_subset import check_json_schema
 from engine.sampling_params import StructuredOutputsParams
 
@@ -136,8 +137,9 @@ class StructuredOutputManager:
 
     # -------------------------------------------------------------- compiling
     def submit(self, params: StructuredOutputsParams, done: Done) -> None:
-        """Validate and compile ``params`` in the pool; ``done(digest, error)``
-        (``GrammarRefused`` or None) from a worker thread (``GrammarCompilePool.submit``)."""
+        """Validate ``params`` in this thread (a worker thread, never an event
+        loop) and compile it in the pool; ``done(digest, error)`` with
+        ``GrammarRefused`` or None (``GrammarCompilePool.submit``)."""
         self.pool.submit(params, done)
 
     def compile(self, params: StructuredOutputsParams):
