@@ -88,6 +88,7 @@ def rss_mib(pid: int) -> float:
 
 
 def run(args) -> dict:
+    load_before = os.getloadavg()  # a shared host's load decides how far the gaps can be read
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = Server(tandem_cmd("engine", "serve", "--port", str(port), "--dtype", "bfloat16",
@@ -139,6 +140,7 @@ def run(args) -> dict:
             "max_gap_over_baseline_p99": max(gaps) / pct(baseline, 0.99),
             "health_max_ms": max(health) * 1e3 if health else None,
             "core_rss_mib_by_schemas": rss, "cache_entries": args.cache_entries,
+            "load_average_before_after": [load_before[0], os.getloadavg()[0]], "cpus": os.cpu_count(),
         }
     finally:
         server.stop()
