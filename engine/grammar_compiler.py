@@ -25,8 +25,8 @@ and in bytes (``CompiledGrammar.memory_size_bytes``). Live matchers keep
 their grammar alive; those are bounded by ``max_num_seqs``. A grammar just
 compiled for a request is also held for ``HANDOFF_S`` seconds (at most
 ``HANDOFF_ENTRIES``), so that its request finds it even when the LRU dropped
-it meanwhile (or it alone is over the byte bound): the engine step never
-compiles a spec the pool already compiled.
+it meanwhile (or it alone is over the byte bound): a request that arrives
+within that time never has its spec compiled again in the engine step.
 
 Sources: vLLM v1 ``structured_output/__init__.py`` (compiles in a thread
 pool, futures per request); its GHSA-389x-67px-mjg3 fix (bounded grammar
@@ -203,7 +203,10 @@ class GrammarCompilePool:
         except ValueError as exc:
             self._finish(digest, flight, None, 0, GrammarRefused(str(exc)))
             return
-        self._executor.submit(self._compile_job, params, digest, flight)
+        try:
+            self._executor.submit(self._compile_job, params, digest, flight)
+        except RuntimeError as exc:  # shut down: answer, never leave the digest in flight
+            self._finish(digest, flight, None, 0, GrammarRefused(f"{params.kind}: {exc}", 500))
 
     def compile_now(self, params: StructuredOutputsParams):
         """The grammar of ``params``, validated and compiled in the caller's
