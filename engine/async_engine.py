@@ -68,6 +68,8 @@ class AsyncEngine:
         ready: True once the model is loaded and the core loop runs.
         tokenizer, max_model_len, served_model_name, num_blocks: the loaded
             engine's (available after ``start()``).
+        system_fingerprint: the core's ``engine/fingerprint.py`` value (model,
+            engine build, numerics), sent with every answer.
         engine: the ``EngineCore`` in the thread mode (None in the process mode).
         core_pid: the core process's pid (None in the thread mode).
     """
@@ -80,6 +82,7 @@ class AsyncEngine:
         self.max_model_len = 0
         self.num_blocks = 0
         self.served_model_name = args.served_model_name or ""
+        self.system_fingerprint = ""
         self._client: ProcessCoreClient | ThreadCoreClient | None = None
         self._processor: OutputProcessor | None = None
         self._lock = threading.Lock()  # guards _processor, _streams and the listeners' calls
@@ -128,6 +131,7 @@ class AsyncEngine:
         self._processor = OutputProcessor(tokenizer)
         self.max_model_len, self.num_blocks = ready.max_model_len, ready.num_blocks
         self.served_model_name = ready.served_model_name
+        self.system_fingerprint = ready.system_fingerprint
         self._stats = ready.stats
         self.ready = True
 
@@ -181,17 +185,21 @@ class AsyncEngine:
         self._listeners.append(listener)
 
     # ---------------------------------------------------------------- requests
-    async def compile_grammar(self, params) -> None:
-        """Compile a structured-output grammar (``StructuredOutputsParams``)
-        where the core runs, off its step loop, so that the core finds it in its cache.
+    async def compile_grammar(self, params) -> str:
+        """Validate and compile a structured-output grammar
+        (``StructuredOutputsParams``) in the core's grammar pool, off its step
+        loop and this event loop, so that the core finds it in its cache; the
+        grammar's digest (``dataclasses.replace(params, digest=...)`` spares
+        the core hashing the spec again).
 
         Raises:
-            ValueError: the spec is invalid or unsupported (names the part).
+            GrammarRefused: (a ValueError) the spec is invalid, unsupported or
+                too large (``status`` 400), or its compile timed out (408).
             EngineDeadError: not started.
         """
         if self._client is None:
             raise EngineDeadError("the engine is not running")
-        await self._client.compile_grammar(params)
+        return await self._client.compile_grammar(params)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:

@@ -2,9 +2,13 @@
 
 ``plan_chat(req, tokenizer)`` reads ``response_format``, ``tools``,
 ``tool_choice``, ``parallel_tool_calls`` and vLLM's ``structured_outputs``
-extra, checks them (``RequestValidationError`` naming the field at fault)
-and returns a ``ChatPlan``: the grammar for the engine, the messages and
-template arguments to render, and whether the output holds tool calls.
+extra, checks their shapes and types (``RequestValidationError`` naming the
+field at fault) and returns a ``ChatPlan``: the grammar for the engine, the
+messages and template arguments to render, and whether the output holds tool
+calls. The schemas themselves are checked against the supported subset with
+the compile, in the engine's grammar pool (``engine/grammar_compiler.py``),
+never here: this runs on the server's event loop, and a large schema's check
+would stall every stream.
 
 Tool calls use one wire format, Hermes-style (Qwen2.5, Hermes 2/3)::
 
@@ -44,7 +48,6 @@ from typing import Any
 
 from engine.entrypoints.protocol import RequestValidationError
 from engine.sampling_params import StructuredOutputsParams
-from engine.structured_outputs import check_json_schema
 
 CALL_BEGIN = "<tool_call>"
 _NAME_PREFIX = '<tool_call>\n{"name": "'
@@ -70,6 +73,9 @@ class ChatPlan:
             prompt when the template does not know tools).
         template_kwargs: extra chat-template variables (``tools``).
         parse_tool_calls: parse ``<tool_call>`` blocks out of the output.
+        calls_only: the grammar admits only tool calls (``tool_choice``
+            "required" or a named function): text outside calls, such as a
+            call's markup cut by ``max_tokens``, is never content.
         param: the request field the grammar comes from (for errors).
     """
 
@@ -77,6 +83,7 @@ class ChatPlan:
     messages: list[dict] = field(default_factory=list)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     parse_tool_calls: bool = False
+    calls_only: bool = False
     param: str = "response_format"
 
 
@@ -111,9 +118,12 @@ def plan_chat(req, messages: list[dict], template: str | None) -> ChatPlan:
                     param="structured_outputs" if extra is not None else "response_format")
     knows_tools = bool(template) and "tools" in template
     if choice != "none":
+        named = [i for i, t in enumerate(tools) if choice in ("auto", "required") or t["function"]["name"] == choice]
         plan.structured_outputs = StructuredOutputsParams(
-            structural_tag=_tool_grammar(tools, choice, req.parallel_tool_calls is not False))
+            structural_tag=_tool_grammar(tools, choice, req.parallel_tool_calls is not False),
+            where=tuple(f"tools[{i}].function.parameters" for i in named))
         plan.parse_tool_calls = True
+        plan.calls_only = choice != "auto"
         plan.param = "tools"
     if knows_tools:
         plan.messages = [_arguments_as_objects(m) for m in messages]
@@ -137,10 +147,9 @@ def _check_tools(tools: list) -> list[dict]:
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise _fail("tools", f"{where}.function.name: must be 1-64 letters, digits, '_' or '-', got {name!r}")
         params = fn.get("parameters", _EMPTY_PARAMETERS)
-        try:
-            check_json_schema(params, where=f"{where}.function.parameters")
-        except ValueError as exc:
-            raise _fail("tools", str(exc)) from None
+        if not isinstance(params, (dict, bool)):  # the subset is checked with the compile, off the event loop
+            raise _fail("tools", f"{where}.function.parameters: must be a JSON schema (an object), "
+                                 f"got {type(params).__name__}")
         out.append({"type": "function", "function": {**fn, "parameters": params}})
     names = [t["function"]["name"] for t in out]
     if len(set(names)) != len(names):
@@ -184,32 +193,36 @@ def _response_format(fmt: dict | None) -> StructuredOutputsParams | None:
         raise _fail("response_format", f"response_format.json_schema.name: must be 1-64 letters, digits, '_' or "
                                        f"'-', got {name!r}")
     schema = spec.get("schema", {"type": "object"})
-    try:
-        check_json_schema(schema, where="response_format.json_schema.schema")
-    except ValueError as exc:
-        raise _fail("response_format", str(exc)) from None
-    return StructuredOutputsParams(json=schema)
+    if not isinstance(schema, (dict, bool)):  # the subset is checked with the compile, off the event loop
+        raise _fail("response_format", f"response_format.json_schema.schema: must be a JSON schema (an object), "
+                                       f"got {type(schema).__name__}")
+    return StructuredOutputsParams(json=schema, where=("response_format.json_schema.schema",))
 
 
 def structured_outputs_extra(extra: dict | None) -> StructuredOutputsParams | None:
     """vLLM's ``structured_outputs`` body field (chat and completions):
-    ``{"json" | "regex" | "choice": ...}``, or None when absent.
+    ``{"json" | "regex" | "choice" | "grammar": ...}``, or None when absent.
+    Types are checked here (``choice`` a list of strings, ``regex`` and
+    ``grammar`` strings, ``json`` an object); the schema's subset with the compile.
 
     Raises:
-        RequestValidationError: malformed, or an invalid/unsupported schema
-            (``param`` = "structured_outputs").
+        RequestValidationError: malformed (``param`` = "structured_outputs").
     """
     if extra is None:
         return None
     if not isinstance(extra, dict):
         raise _fail("structured_outputs", "structured_outputs: must be an object")
-    known = {k: v for k, v in extra.items() if k in ("json", "regex", "choice") and v is not None}
+    known = {k: v for k, v in extra.items() if k in ("json", "regex", "choice", "grammar") and v is not None}
     if len(known) != 1 or len(known) != len([v for v in extra.values() if v is not None]):
-        raise _fail("structured_outputs", "structured_outputs: exactly one of json, regex, choice is supported")
+        raise _fail("structured_outputs", "structured_outputs: exactly one of json, regex, choice, grammar is "
+                                          "supported")
+    if "json" in known and not isinstance(known["json"], (dict, bool)):
+        raise _fail("structured_outputs", f"structured_outputs.json: must be a JSON schema (an object), "
+                                          f"got {type(known['json']).__name__}")
+    if isinstance(known.get("choice"), str):  # vLLM would split it into characters
+        raise _fail("structured_outputs", "structured_outputs.choice: must be a non-empty list of strings, got str")
     try:
-        if "json" in known:
-            check_json_schema(known["json"], where="structured_outputs.json")
-        return StructuredOutputsParams(**known)
+        return StructuredOutputsParams(**known, where=("structured_outputs.json",) if "json" in known else ())
     except ValueError as exc:
         raise _fail("structured_outputs", str(exc)) from None
 
@@ -290,10 +303,16 @@ class ToolCallParser:
     ``{"content": str}`` or ``{"tool_calls": [{"index", ...}]}``); ``finish()``
     returns the rest. Content is the text outside calls with leading and
     trailing whitespace removed; a call whose output was cut (``length``)
-    keeps the arguments generated so far.
+    keeps the arguments generated so far, and one cut inside its markup
+    (``<tool_call>\n{"name": "get_w``) the name so far, with no content.
+
+    Args:
+        calls_only: the grammar admits only calls (``ChatPlan.calls_only``):
+            no text is ever content, even the start of a call's markup.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, calls_only: bool = False) -> None:
+        self.calls_only = calls_only
         self._buf = ""
         self._mode = "text"  # "text" | "name" | "args"
         self._pending_ws = ""
@@ -325,12 +344,7 @@ class ToolCallParser:
                     continue
                 if end < 0:
                     return out
-                name = self._buf[len(_NAME_PREFIX):end]
-                call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                        "function": {"name": name, "arguments": ""}}
-                self.calls.append(call)
-                out.append({"tool_calls": [{"index": len(self.calls) - 1, "id": call["id"], "type": "function",
-                                            "function": {"name": name, "arguments": ""}}]})
+                self._start_call(self._buf[len(_NAME_PREFIX):end], out)
                 self._buf = self._buf[end + len(_ARGS_PREFIX):]
                 self._mode = "args"
             else:
@@ -351,13 +365,30 @@ class ToolCallParser:
             if held and _CALL_END.startswith(held) and _is_json(self.calls[-1]["function"]["arguments"]):
                 held = ""   # the call's own closing ("}\n</tool_call>") began when the output was cut
             self._args(held, out)
-        elif self._buf:
+        elif self._mode == "name" and len(self._buf) > len(_NAME_PREFIX):
+            name = self._buf[len(_NAME_PREFIX):]  # cut inside the name, or the markup after it: the call so far
+            name = name[: len(name) - _partial_suffix(name, _ARGS_PREFIX)]
+            if name:
+                self._start_call(name, out)
+        elif self._buf and not (self.calls_only or self._is_markup_start(self._buf)):
             self._content(self._buf, out)
         self._buf = ""
         return out
 
+    def _start_call(self, name: str, out: list[dict]) -> None:
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": ""}}
+        self.calls.append(call)
+        out.append({"tool_calls": [{"index": len(self.calls) - 1, "id": call["id"], "type": "function",
+                                    "function": {"name": name, "arguments": ""}}]})
+
+    def _is_markup_start(self, held: str) -> bool:
+        """``held`` (the text kept back at the end) is a call's markup cut short:
+        a prefix of ``<tool_call>\n{"name": "``, which the grammar forced once
+        ``<tool_call>`` was written."""
+        return self._mode == "name"
+
     def _content(self, text: str, out: list[dict]) -> None:
-        if not text:
+        if not text or self.calls_only:
             return
         stripped = text.rstrip()
         if not stripped:
@@ -378,9 +409,9 @@ class ToolCallParser:
             out.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": text}}]})
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """The whole output as (content or None, tool calls)."""
-    parser = ToolCallParser()
+def parse_tool_calls(text: str, calls_only: bool = False) -> tuple[str | None, list[dict]]:
+    """The whole output as (content or None, tool calls) (``calls_only``: ``ToolCallParser``'s)."""
+    parser = ToolCallParser(calls_only)
     deltas = parser.feed(text) + parser.finish()
     content = "".join(d["content"] for d in deltas if "content" in d)
     return content or None, parser.calls

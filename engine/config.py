@@ -105,6 +105,16 @@ class EngineArgs:
             ``engine/models/quant_linear.py``).
         load_format: "auto" (read the weights) or "dummy" (vLLM's name:
             random weights of the shape in ``config.json``, for benchmarks).
+        structured_outputs_workers: grammar compile threads (>= 2: a slow
+            schema never holds up a quick one; ``engine/grammar_compiler.py``).
+        structured_outputs_compile_timeout_s: longest grammar compile,
+            seconds; past it the request gets 408 and the spec is refused
+            from then on.
+        structured_outputs_max_bytes: largest structured-output spec (its
+            canonical JSON text), bytes or "1MiB"; larger gets 400.
+        structured_outputs_cache_memory: compiled grammars kept (LRU), bytes
+            or "256MiB": the one bound on grammar memory.
+        structured_outputs_cache_entries: compiled grammars kept (LRU), entries.
         engine_core_process: run the engine core (scheduler, model runner,
             KV cache) in a process of its own, as vLLM v1 does, so that a
             step never shares a GIL with the HTTP event loop (``AsyncEngine``
@@ -134,11 +144,18 @@ class EngineArgs:
     quantization: str = "none"
     load_format: str = "auto"
     engine_core_process: bool = True
+    structured_outputs_workers: int = 4
+    structured_outputs_compile_timeout_s: float = 10.0
+    structured_outputs_max_bytes: int | str = "1MiB"
+    structured_outputs_cache_memory: int | str = "256MiB"
+    structured_outputs_cache_entries: int = 256
 
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = default_model_path()
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        self.structured_outputs_max_bytes = parse_size(self.structured_outputs_max_bytes)
+        self.structured_outputs_cache_memory = parse_size(self.structured_outputs_cache_memory)
         checks = [
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
              f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}"),
@@ -164,6 +181,14 @@ class EngineArgs:
              f"must be none or gguf, got {self.quantization!r}"),
             (self.load_format in ("auto", "dummy"), "load_format",
              f"must be auto or dummy, got {self.load_format!r}"),
+            (self.structured_outputs_workers >= 2, "structured_outputs_workers",
+             f"must be >= 2 (a slow schema must not hold up the others), got {self.structured_outputs_workers}"),
+            (self.structured_outputs_compile_timeout_s > 0, "structured_outputs_compile_timeout_s",
+             f"must be > 0 seconds, got {self.structured_outputs_compile_timeout_s}"),
+            (self.structured_outputs_max_bytes >= 1, "structured_outputs_max_bytes",
+             f"must be >= 1 byte, got {self.structured_outputs_max_bytes}"),
+            (self.structured_outputs_cache_entries >= 1, "structured_outputs_cache_entries",
+             f"must be >= 1, got {self.structured_outputs_cache_entries}"),
         ]
         for ok, name, msg in checks:
             if not ok:
@@ -218,6 +243,16 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
                    help="serving: run the engine core (model, scheduler, KV cache) in its own process, so a step "
                         "never holds the HTTP event loop's GIL (--no-engine-core-process: a thread)")
+    g.add_argument("--structured-outputs-workers", type=int, default=4,
+                   help="grammar compile threads (>= 2: a slow schema never holds up a quick one)")
+    g.add_argument("--structured-outputs-compile-timeout-s", type=float, default=10.0,
+                   help="longest grammar compile, seconds (past it: 408, and the spec is refused from then on)")
+    g.add_argument("--structured-outputs-max-bytes", default="1MiB",
+                   help="largest structured-output spec (schema JSON text), bytes or e.g. 512KiB (larger: 400)")
+    g.add_argument("--structured-outputs-cache-memory", default="256MiB",
+                   help="compiled grammars kept (LRU), bytes or e.g. 64MiB: the bound on grammar memory")
+    g.add_argument("--structured-outputs-cache-entries", type=int, default=256,
+                   help="compiled grammars kept (LRU), entries")
 
 
 def engine_args_from_cli(args) -> EngineArgs:

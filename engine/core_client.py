@@ -25,6 +25,7 @@ import msgspec
 from engine.core_loop import ready_message, run_core_loop, run_engine_core_process, take_all
 from engine.core_messages import (Command, CompileGrammar, CoreFailed, CoreReady, CoreReply, CoreStep, Shutdown,
                                   decode_reply, encode, params_to_wire, rebuild_error)
+from engine.grammar_compiler import GrammarRefused
 
 logger = logging.getLogger("tandem.core_client")
 
@@ -71,13 +72,25 @@ class ThreadCoreClient:
     def send(self, cmd: Command) -> None:
         self._commands.put(cmd)
 
-    async def compile_grammar(self, spec) -> None:
-        """Compile a ``StructuredOutputsParams`` in a worker thread (the core finds it in its cache).
+    async def compile_grammar(self, spec) -> str:
+        """Validate and compile a ``StructuredOutputsParams`` in the core's
+        grammar pool (the core then finds it in its cache); its digest.
 
         Raises:
-            ValueError: the spec is invalid or unsupported (names the part).
+            GrammarRefused: the spec is invalid, unsupported, too large (400)
+                or its compile timed out (408); the message names the part.
         """
-        await asyncio.to_thread(self.core.compile_grammar, spec)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def done(digest: str, error) -> None:
+            if error is None:
+                loop.call_soon_threadsafe(_set_result, future, digest)
+            else:
+                loop.call_soon_threadsafe(_set_exception, future, error)
+        # a worker thread: the first call builds the grammar manager (imports xgrammar, seconds)
+        await asyncio.to_thread(self.core.submit_grammar, spec, done)
+        return await future
 
     def shutdown(self) -> None:
         self._commands.put(Shutdown())
@@ -171,9 +184,9 @@ class ProcessCoreClient:
             return
         loop, future = entry
         if reply.error is None:
-            loop.call_soon_threadsafe(_set_result, future, None)
+            loop.call_soon_threadsafe(_set_result, future, reply.digest)
         else:
-            loop.call_soon_threadsafe(_set_exception, future, ValueError(reply.error))
+            loop.call_soon_threadsafe(_set_exception, future, GrammarRefused(reply.error, reply.status))
 
     def send(self, cmd: Command) -> None:
         """Encode and send a command (non-blocking in practice: the core's
@@ -190,18 +203,19 @@ class ProcessCoreClient:
         with self._send_lock:
             self._conn.send_bytes(data)
 
-    async def compile_grammar(self, spec) -> None:
-        """Compile a ``StructuredOutputsParams`` in the core process.
+    async def compile_grammar(self, spec) -> str:
+        """Validate and compile a ``StructuredOutputsParams`` in the core
+        process's grammar pool; its digest.
 
         Raises:
-            ValueError: the spec is invalid or unsupported (names the part).
+            GrammarRefused: as ``ThreadCoreClient.compile_grammar``.
         """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         call_id = next(self._call_ids)
         self._calls[call_id] = (loop, future)
         self.send(CompileGrammar(call_id, params_to_wire(spec)))
-        await future
+        return await future
 
     def shutdown(self) -> None:
         """Ask the core to stop and wait for its process (killed after 30 s)."""

@@ -80,7 +80,8 @@ def run_core_loop(core, take_commands: Callable[[bool], list[Command]], emit: Ca
 def ready_message(core) -> CoreReady:
     """What the front end needs to know of a loaded core."""
     return CoreReady(served_model_name=core.served_model_name, max_model_len=core.max_model_len,
-                     num_blocks=core.num_blocks, vocab_size=core.model_config.vocab_size, stats=core.get_stats())
+                     num_blocks=core.num_blocks, vocab_size=core.model_config.vocab_size, stats=core.get_stats(),
+                     system_fingerprint=core.system_fingerprint)
 
 
 def run_engine_core_process(args, conn) -> None:
@@ -88,8 +89,9 @@ def run_engine_core_process(args, conn) -> None:
 
     Loads the model (``CoreFailed`` on error, then exits), sends
     ``CoreReady``, then runs ``run_core_loop`` with commands read from
-    ``conn`` by a reader thread; grammar compilations run in a worker
-    thread and are answered with ``CoreReply``. Exits when the loop ends
+    ``conn`` by a reader thread; grammar validations and compilations run
+    in the core's grammar pool (``engine/grammar_compiler.py``) and are
+    answered with ``CoreReply``. Exits when the loop ends
     (``Shutdown``) or the parent's end of ``conn`` closes.
     """
     # Ctrl-C and `kill -- -<pgid>` reach the whole process group: the front end
@@ -114,21 +116,28 @@ def run_engine_core_process(args, conn) -> None:
         return
     emit(ready_message(core))
     commands: queue.SimpleQueue = queue.SimpleQueue()
-    compiler = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
+    # Hands compiles to the core's grammar pool (the first one builds the manager: seconds), so that the
+    # reader never waits; validation and compiles run in the pool's workers.
+    submitter = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar-submit")
 
     def compile_grammar(cmd: CompileGrammar) -> None:
+        def done(digest: str, error) -> None:
+            if error is None:
+                emit(CoreReply(cmd.call_id, digest=digest))
+            else:
+                emit(CoreReply(cmd.call_id, error=str(error) or type(error).__name__,
+                               status=getattr(error, "status", 400)))
         try:
-            core.compile_grammar(spec_from_wire(cmd.spec))
-            emit(CoreReply(cmd.call_id))
+            core.submit_grammar(spec_from_wire(cmd.spec), done)
         except Exception as exc:  # noqa: BLE001 - the front end raises it
-            emit(CoreReply(cmd.call_id, error=str(exc) or type(exc).__name__))
+            done("", exc)
 
     def read() -> None:
         try:
             while True:
                 cmd = decode_command(conn.recv_bytes())
                 if isinstance(cmd, CompileGrammar):
-                    compiler.submit(compile_grammar, cmd)
+                    submitter.submit(compile_grammar, cmd)
                 else:
                     commands.put(cmd)
         except (EOFError, OSError):  # the front end is gone: so are we

@@ -12,7 +12,8 @@ vLLM v1's ``EngineCore`` / ``OutputProcessor`` split).
 
 It is driven by ``LLMEngine`` (offline, same thread) or by
 ``engine/core_loop.py`` (in a thread or in its own process, for
-``AsyncEngine``). Not thread-safe, except ``compile_grammar``.
+``AsyncEngine``). Not thread-safe, except ``compile_grammar`` and
+``submit_grammar``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import engine
 from engine.config import DEFAULT_MODEL, EngineArgs, default_model_path
 from engine.core_messages import EngineCoreOutput, EngineStats
 from engine.device import configure_core_threads, resolve_device, resolve_dtype
+from engine.fingerprint import system_fingerprint
+from engine.grammar_compiler import grammar_limits
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import Logprob
@@ -95,6 +98,10 @@ class EngineCore:
         model, self.tokenizer, self.model_config = load_model(args)
         self.served_model_name = args.served_model_name or (
             DEFAULT_MODEL if _is_default_model(args.model) else self.model_config.name)
+        self.system_fingerprint = system_fingerprint(args.model, {
+            "device": self.device.type, "dtype": self.dtype, "quantization": args.quantization,
+            "attention_backend": args.attention_backend, "batch_invariant": args.batch_invariant,
+            "load_format": args.load_format, "torch": _torch_version()})
         num_blocks, num_cpu_blocks = ModelRunner.determine_num_blocks(args, self.model_config, self.device, self.dtype)
         self.max_model_len = _resolve_max_model_len(
             args.max_model_len, self.model_config.max_position_embeddings, (num_blocks - 1) * args.block_size)
@@ -161,7 +168,7 @@ class EngineCore:
             seqs.append(req)
         if params.structured_outputs is not None:
             for req in seqs:  # compiles (or finds in the cache) before anything is queued
-                self.structured_outputs.add(req.request_id, params.structured_outputs)
+                self.structured_outputs.add(req.request_id, params.structured_outputs, params.stop_token_ids)
         for req in seqs:
             self.scheduler.add_request(req)
             self._seqs[req.request_id] = req
@@ -234,14 +241,14 @@ class EngineCore:
         if sched.is_empty:
             return []
         runner_out = self.model_runner.execute_model(sched)
-        sampled, row_logprobs, grammar_done = self._sample(sched, runner_out)
+        sampled, row_logprobs, grammar_done, content = self._sample(sched, runner_out)
         for entry in sched.scheduled:
             req = entry.request
             if entry.num_computed_tokens < req.num_prompt_tokens:
                 self._prompt_tokens_total += min(entry.num_new_tokens,
                                                  req.num_prompt_tokens - entry.num_computed_tokens)
         self._collect_prompt_logprobs(sched, runner_out.prompt_logits)
-        finished = self.scheduler.update_from_output(sched, sampled)
+        finished = self.scheduler.update_from_output(sched, sampled, not_stops=content)
         self._stop_finished_grammars(grammar_done, finished)
         self._generation_tokens_total += len(sampled)
         outputs = [self._output(self._seqs[sid], [tok], row_logprobs.get(sid))
@@ -253,25 +260,29 @@ class EngineCore:
                 self._forget_group(rid)
         return outputs
 
-    def _sample(self, sched, runner_out) -> tuple[dict[str, int], dict[str, dict], list[str]]:
+    def _sample(self, sched, runner_out) -> tuple[dict[str, int], dict[str, dict], list[str], set[str]]:
         """(sequence id -> sampled token, sequence id -> its logprobs,
-        sequences whose grammar just completed)."""
+        sequences whose grammar just completed, sequences whose sampled stop
+        token is grammar content and must not stop them)."""
         rows = [sched.scheduled[i].request for i in runner_out.sample_indices]
         sampled: dict[str, int] = {}
         row_logprobs: dict[str, dict] = {}
         grammar_done: list[str] = []
+        content: set[str] = set()
         if not rows:
-            return sampled, row_logprobs, grammar_done
+            return sampled, row_logprobs, grammar_done, content
         so = self._structured_outputs
-        bitmask = so.grammar_bitmask([r.request_id for r in rows]) if so is not None else None
+        bitmask = so.grammar_bitmask(rows) if so is not None else None
         sampler_out = self.sampler.sample(runner_out.logits, rows, grammar_bitmask=bitmask)
         for req, tok, lp in zip(rows, sampler_out.token_ids, sampler_out.logprobs):
             sampled[req.request_id] = tok
             if lp is not None:
                 row_logprobs[req.request_id] = lp
+            if bitmask is not None and so.is_content(req.request_id, tok):
+                content.add(req.request_id)
             if bitmask is not None and so.accept(req.request_id, tok):
                 grammar_done.append(req.request_id)
-        return sampled, row_logprobs, grammar_done
+        return sampled, row_logprobs, grammar_done, content
 
     def _output(self, req: Request, tokens: list[int], logprobs: dict[int, Logprob] | None) -> EngineCoreOutput:
         """One choice's news; the group's leader gives the request-level fields."""
@@ -305,17 +316,23 @@ class EngineCore:
         xgrammar takes seconds)."""
         with self._structured_outputs_lock:
             if self._structured_outputs is None:
-                self._structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
+                self._structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                                   grammar_limits(self.args))
         return self._structured_outputs
 
     def compile_grammar(self, params) -> None:
-        """Compile (and cache) a ``StructuredOutputsParams`` grammar; safe
-        from any thread.
+        """Validate and compile (and cache) a ``StructuredOutputsParams``
+        grammar in the caller's thread.
 
         Raises:
-            ValueError: the spec is invalid or unsupported (names the part).
+            GrammarRefused: the spec is invalid, unsupported or too large (names the part).
         """
         self.structured_outputs.compile(params)
+
+    def submit_grammar(self, params, done) -> None:
+        """Validate and compile a grammar in the compile pool, off the step
+        loop; ``done(digest, error)`` from a worker thread (``StructuredOutputManager.submit``)."""
+        self.structured_outputs.submit(params, done)
 
     def _stop_finished_grammars(self, request_ids: list[str], finished: list[Request]) -> None:
         """Finish ("stop") sequences whose grammar terminated but that are
@@ -359,3 +376,9 @@ class EngineCore:
             num_preemptions=s.num_preemptions, tokens_in_flight=in_flight,
             prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
         )
+
+
+def _torch_version() -> str:
+    import torch  # loaded already by the model loader
+
+    return torch.__version__

@@ -13,9 +13,11 @@ One call of ``Sampler.sample`` handles a whole step's batch in a single pass:
    multiplied), then OpenAI's frequency and presence penalties over output
    tokens (``logit -= count * frequency + (count > 0) * presence``).
 3. ``min_tokens``: while ``num_output_tokens < min_tokens`` the EOS token
-   (unless ``ignore_eos``) and ``stop_token_ids`` get ``-inf``. Then the
-   grammar bitmask of constrained rows (structured outputs, when given):
-   forbidden tokens get ``-inf``; other rows are not touched.
+   (unless ``ignore_eos``) and ``stop_token_ids`` get ``-inf``, in
+   unconstrained rows. Then the grammar bitmask of constrained rows
+   (structured outputs, when given): forbidden tokens get ``-inf``; other
+   rows are not touched. The grammar's mask already settled EOS, stop token
+   ids and ``min_tokens`` of its rows (``engine/structured_outputs.py``).
 4. Greedy rows (temperature 0, or below 1e-5): argmax of the processed
    logits (penalties and min_tokens apply to greedy rows too, as in vLLM).
 5. Random rows: divide by temperature, then top-k, top-p (nucleus, Holtzman
@@ -135,7 +137,8 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits if lp_idx is None else logits[lp_idx], dim=-1)
 
         logits = _apply_penalties(logits, requests)
-        logits = _apply_min_tokens(logits, requests)
+        constrained = set(grammar_bitmask.rows) if grammar_bitmask is not None else set()
+        logits = _apply_min_tokens(logits, requests, constrained)
         if grammar_bitmask is not None:
             logits = apply_token_bitmask(logits, grammar_bitmask)
 
@@ -296,15 +299,17 @@ def _has_penalty(r: Request) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
-def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _apply_min_tokens(logits: torch.Tensor, requests: list[Request], constrained: set[int]) -> torch.Tensor:
     """``-inf`` on EOS (unless ignore_eos) and stop_token_ids for rows with
-    fewer than ``min_tokens`` output tokens. Out of place."""
+    fewer than ``min_tokens`` output tokens, except the ``constrained`` rows
+    (their grammar mask settles termination: it never bans the only tokens
+    the grammar allows). Out of place."""
     rows: list[int] = []
     cols: list[int] = []
     vocab = logits.shape[-1]
     for i, r in enumerate(requests):
         p = r.sampling_params
-        if r.num_output_tokens >= p.min_tokens:
+        if r.num_output_tokens >= p.min_tokens or i in constrained:
             continue
         banned = set(p.stop_token_ids)
         if r.eos_token_id is not None and not p.ignore_eos:

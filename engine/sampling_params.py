@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
+
+import msgspec
 
 _MAX_LOGPROBS = 20
 
@@ -12,54 +13,77 @@ _MAX_LOGPROBS = 20
 class StructuredOutputsParams:
     """A grammar the completion must follow (vLLM's ``StructuredOutputsParams``).
 
-    Exactly one of the fields is set.
+    Exactly one of the spec fields is set.
 
     Attributes:
-        json: a JSON schema (a dict or its JSON text): the output is one JSON
-            value valid under it.
+        json: a JSON schema (a dict, a boolean or its JSON text): the output is
+            one JSON value valid under it (``engine/json_schema_subset.py``).
         json_object: the output is one JSON object (OpenAI's ``json_object``).
         regex: the output matches this regular expression.
-        choice: the output is exactly one of these strings.
+        choice: the output is exactly one of these strings (a list, not a string).
+        grammar: an EBNF grammar (xgrammar's GBNF dialect, root rule ``root``).
         structural_tag: xgrammar's structural-tag JSON (used for tool calls:
             free text, then tagged JSON arguments).
+        where: the request paths of the spec's schemas, for error messages
+            (``json``: one; ``structural_tag``: one per tag, in order); not
+            part of the key.
+        digest: the compile pool's key, set once it compiled (saves hashing
+            the spec again in the engine step); not part of the key.
 
     Raises:
-        ValueError: none or several fields set, or a field of the wrong type.
+        ValueError: none or several fields set, or a field of the wrong type
+            (the message names it).
     """
 
-    json: str | dict | None = None
+    json: str | dict | bool | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
     structural_tag: str | None = None
+    where: tuple[str, ...] = ()
+    digest: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
-        set_fields = [f for f in ("json", "regex", "choice", "structural_tag") if getattr(self, f) is not None]
+        if isinstance(self.where, list):
+            object.__setattr__(self, "where", tuple(self.where))
+        set_fields = [f for f in _SPECS if getattr(self, f) is not None]
         if self.json_object:
             set_fields.append("json_object")
         if len(set_fields) != 1:
-            raise ValueError(f"structured_outputs: exactly one of json, json_object, regex, choice, structural_tag "
-                             f"must be set, got {set_fields or 'none'}")
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
-            raise ValueError("structured_outputs.choice: must be a non-empty list of strings")
-        if self.regex is not None and not isinstance(self.regex, str):
-            raise ValueError("structured_outputs.regex: must be a string")
+            raise ValueError(f"structured_outputs: exactly one of json, json_object, regex, choice, grammar, "
+                             f"structural_tag must be set, got {set_fields or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, tuple) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice: must be a non-empty list of strings, "
+                             f"got {type(self.choice).__name__}")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}: must be a non-empty string, got {type(value).__name__}")
+        if self.json is not None and not isinstance(self.json, (dict, bool, str)):
+            raise ValueError(f"structured_outputs.json: must be a JSON schema (an object), "
+                             f"got {type(self.json).__name__}")
 
     @property
     def kind(self) -> str:
         """The field that is set ("json", "json_object", "regex", ...)."""
         if self.json_object:
             return "json_object"
-        return next(f for f in ("json", "regex", "choice", "structural_tag") if getattr(self, f) is not None)
+        return next(f for f in _SPECS if getattr(self, f) is not None)
 
     def key(self) -> str:
-        """Canonical text of the spec: the grammar cache's key."""
-        value = self.json if self.kind == "json" else getattr(self, self.kind)
-        if isinstance(value, (dict, tuple)):
-            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        """Canonical text of the spec (what the grammar cache's digest hashes):
+        compact JSON with sorted keys (msgspec: 2x json.dumps' speed on a 400 KB schema)."""
+        value = getattr(self, self.kind)
+        if isinstance(value, (dict, tuple, bool)):
+            value = msgspec.json.encode(value, order="sorted").decode()
         return f"{self.kind}:{value}"
+
+
+_SPECS = ("json", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass

@@ -383,7 +383,8 @@ class Scheduler:
         out.blocks_to_copy = kv.take_blocks_to_copy()
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           not_stops: set[str] | frozenset[str] = frozenset()) -> list[Request]:
         """Apply a step's results.
 
         Advances ``num_computed_tokens`` of every scheduled (still unfinished)
@@ -397,6 +398,9 @@ class Scheduler:
         Args:
             out: the ``schedule()`` result this step ran.
             sampled: request_id -> sampled token id, for entries with sample=True.
+            not_stops: requests whose sampled token, though one of their stop
+                token ids, is content of their grammar (it could go on no
+                other way: ``StructuredOutputManager.is_content``).
 
         Returns:
             The requests finished by this call (status and stop_reason set).
@@ -425,18 +429,18 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            status, reason = self._check_stop(req, token)
+            status, reason = self._check_stop(req, token, req.request_id in not_stops)
             if status is not None:
                 self._finish(req, status, reason)
                 finished.append(req)
         return finished
 
-    def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+    def _check_stop(self, req: Request, token: int, content: bool = False) -> tuple[RequestStatus | None, int | None]:
         params = req.sampling_params
         if req.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
                 return RequestStatus.FINISHED_STOPPED, None
-            if token in params.stop_token_ids:
+            if token in params.stop_token_ids and not content:
                 return RequestStatus.FINISHED_STOPPED, token
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None

@@ -2,24 +2,28 @@
 
 Pieces, in the order a constrained request meets them:
 
-1. ``check_json_schema(schema)``: a schema is valid JSON Schema (checked
-   against the 2020-12 meta-schema with ``jsonschema``) and uses no keyword
-   that the grammar could not enforce (``not``, ``if``/``then``/``else``,
-   ``uniqueItems``, ...): otherwise ``ValueError`` naming the offending part.
-2. ``StructuredOutputManager.compile(params)``: one compiled grammar per
-   distinct spec (JSON schema, json_object, regex, choice, structural tag),
-   kept in an LRU cache keyed by the spec's canonical text. The OpenAI layer
-   has it compiled in a worker thread of the engine core (its process or its
-   thread) before submitting, so the core's step loop only hits the cache.
-3. ``add(request)``: one ``xgrammar.GrammarMatcher`` per sequence (each of
-   the ``n`` siblings has its own).
-4. ``grammar_bitmask(rows)``: each step, the allowed-token bitmask of the
-   constrained rows only (``GrammarBitmask``); the sampler applies it with
-   ``apply_token_bitmask`` after penalties and ``min_tokens``, before
-   greedy/random selection. Unconstrained rows are not touched.
-5. ``accept(request_id, token)``: the matcher advances by each token that is
-   appended to the request's output. ``is_terminated`` says the grammar is
-   done (its stop token was accepted).
+1. ``StructuredOutputManager.submit(params, done)``: validation
+   (``engine/json_schema_subset.py``: the supported JSON-schema subset) in
+   the submitting worker thread, compile in the bounded pool of
+   ``engine/grammar_compiler.py`` (timeout,
+   size limit, refusal cache, one memory bound on compiled grammars). The
+   OpenAI layer waits for it before submitting, so the core's step loop only
+   hits the cache.
+2. ``add(request_id, params, stop_token_ids)``: one ``xgrammar.GrammarMatcher``
+   per sequence (each of the ``n`` siblings has its own).
+3. ``grammar_bitmask(rows)``: each step, the allowed-token bitmask of the
+   constrained rows only (``GrammarBitmask``). The grammar owns termination
+   (vLLM #42403, PR #47489): the request's ``stop_token_ids`` are allowed only
+   where the grammar may end; ``min_tokens`` masks the grammar's end only
+   while the grammar could still go on, so it never forces a token the
+   grammar forbids (a row with every token masked would sample token 0).
+   The sampler applies the mask with ``apply_token_bitmask`` after penalties,
+   before greedy/random selection; ``min_tokens`` of constrained rows is
+   applied here, not in the sampler. Unconstrained rows are not touched.
+4. ``accept(request_id, token)``: the matcher advances by each token that is
+   appended to the request's output (a request stop token ends the row
+   without entering the grammar). ``is_terminated`` says the grammar is done
+   (its stop token was accepted).
 
 Preemption needs no rollback: a preempted request keeps its output tokens
 (recompute re-prefills prompt + outputs, swap keeps the KV), so its matcher,
@@ -36,24 +40,19 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+
+from engine.grammar_compiler import Done, GrammarCompilePool, GrammarLimits
+from engine.json_schema_subset import check_json_schema
 from engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("tandem.structured_outputs")
-
-_CACHE_SIZE = 256  # compiled grammars kept (LRU)
-# Keywords whose constraint xgrammar would silently drop (probed against
-# xgrammar 0.2): a grammar cannot enforce them, so such schemas are refused.
-_UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "uniqueItems",
-                         "minContains", "maxContains")
 
 
 @dataclass
@@ -98,62 +97,10 @@ def apply_token_bitmask(logits: torch.Tensor, mask: GrammarBitmask) -> torch.Ten
     return logits.index_copy(0, idx, constrained)
 
 
-def check_json_schema(schema: object, where: str = "schema") -> None:
-    """Refuse a JSON schema that is invalid or uses an unenforceable keyword.
-
-    Args:
-        schema: the decoded schema (an object or a boolean).
-        where: the path to name in messages (e.g.
-            ``response_format.json_schema.schema``).
-
-    Raises:
-        ValueError: ``"<where>.<path>: <problem>"`` for an invalid schema, or
-            ``"<where>.<path>: unsupported schema feature '<keyword>'"``.
-    """
-    import jsonschema
-
-    if not isinstance(schema, (dict, bool)):
-        raise ValueError(f"{where}: must be a JSON object, got {type(schema).__name__}")
-    try:
-        jsonschema.Draft202012Validator.check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.absolute_path)
-        raise ValueError(f"{where}{path}: invalid JSON schema: {exc.message}") from None
-    _check_keywords(schema, where)
-
-
-def _check_keywords(node: object, path: str) -> None:
-    if isinstance(node, list):
-        for i, item in enumerate(node):
-            _check_keywords(item, f"{path}[{i}]")
-        return
-    if not isinstance(node, dict):
-        return
-    for key in _UNSUPPORTED_KEYWORDS:
-        if key in node and not (key == "uniqueItems" and node[key] is False):
-            raise ValueError(f"{path}: unsupported schema feature '{key}' (a grammar cannot enforce it)")
-    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-        raise ValueError(f"{path}: unsupported schema feature 'allOf' with more than one schema")
-    ref = node.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        raise ValueError(f"{path}.$ref: unsupported schema feature: remote reference {ref!r}")
-    if "multipleOf" in node and node.get("type") != "integer":
-        raise ValueError(f"{path}: unsupported schema feature 'multipleOf' on a non-integer")
-    for key, value in node.items():
-        if key in ("enum", "const", "default", "examples"):
-            continue  # values, not schemas
-        if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
-            if isinstance(value, dict):
-                for name, sub in value.items():
-                    _check_keywords(sub, f"{path}.{key}.{name}")
-        elif isinstance(value, (dict, list)):
-            _check_keywords(value, f"{path}.{key}")
-
-
 class StructuredOutputManager:
-    """Compiled grammars (cached by spec) and the live sequences' matchers.
+    """Compiled grammars (the bounded pool and cache) and the live sequences' matchers.
 
-    Thread safety: ``compile`` may run in any thread (the cache is locked);
+    Thread safety: ``submit``/``compile`` may run in any thread;
     ``add``/``grammar_bitmask``/``accept``/``free`` belong to the engine
     thread.
 
@@ -163,92 +110,125 @@ class StructuredOutputManager:
             nothing is downloaded.
         vocab_size: the model's logits width (may exceed the tokenizer's
             vocabulary; the extra ids are never allowed).
-        max_threads: xgrammar compile threads.
-
-    Attributes:
-        compile_seconds: wall time of every cache-missing compile, seconds.
+        limits: the compile pool's bounds (``GrammarLimits``).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_threads: int = 2) -> None:
+    def __init__(self, tokenizer, vocab_size: int, limits: GrammarLimits | None = None) -> None:
         import xgrammar as xgr  # heavy import (~4 s): only engines that load a model pay it
 
         self._xgr = xgr
         vocab = tokenizer.convert_ids_to_tokens(range(tokenizer.vocab_size))
         vocab = [v if v is not None else "" for v in vocab]
+        self.eos_token_id = tokenizer.eos_token_id
         stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size, stop_token_ids=stop_ids)
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads)
-        self._cache: OrderedDict[str, object] = OrderedDict()
-        self._lock = threading.Lock()
-        self._matchers: dict[str, object] = {}
-        self.compile_seconds: list[float] = []
+        # xgrammar's own cache is off: GrammarCache is the one bound on grammar memory. One compiler thread
+        # per compile: the pool's workers are the parallelism.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.pool = GrammarCompilePool(self._compile_uncached, limits or GrammarLimits(), validate)
+        self._matchers: dict[str, tuple[object, frozenset[int]]] = {}
+        self._stops_as_content: set[str] = set()  # rows of this step whose stop tokens are grammar content
+
+    @property
+    def compile_seconds(self) -> list[float]:
+        """Wall time of every compile, seconds."""
+        return self.pool.compile_seconds
 
     # -------------------------------------------------------------- compiling
+    def submit(self, params: StructuredOutputsParams, done: Done) -> None:
+        """Validate ``params`` in this thread (a worker thread, never an event
+        loop) and compile it in the pool; ``done(digest, error)`` with
+        ``GrammarRefused`` or None (``GrammarCompilePool.submit``)."""
+        self.pool.submit(params, done)
+
     def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar of ``params`` (from the cache when seen before).
+        """The compiled grammar of ``params``, compiled in this thread on a miss.
 
         Raises:
-            ValueError: the spec is invalid or uses an unsupported feature;
-                the message names the part at fault.
+            GrammarRefused: the spec is invalid, unsupported or too large (the
+                message names the part), or was refused before.
         """
-        key = params.key()
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
-        start = time.perf_counter()
-        compiled = self._compile_uncached(params)
-        elapsed = time.perf_counter() - start
-        with self._lock:
-            self.compile_seconds.append(elapsed)
-            self._cache[key] = compiled
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return compiled
+        return self.pool.compile_now(params)
 
-    def _compile_uncached(self, params: StructuredOutputsParams):
+    def _compile_uncached(self, params: StructuredOutputsParams) -> tuple[object, int]:
+        """(xgrammar ``CompiledGrammar``, its bytes) of a validated spec."""
         c = self._compiler
         try:
             if params.json is not None:
-                schema = json.loads(params.json) if isinstance(params.json, str) else params.json
-                check_json_schema(schema)
-                return c.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
-            if params.json_object:
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-            if params.regex is not None:
-                return c.compile_regex(params.regex)
-            if params.choice is not None:
-                return c.compile_regex("|".join(_regex_escape(s) for s in params.choice))
-            return c.compile_structural_tag(params.structural_tag)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"schema: not valid JSON: {exc}") from None
+                text = params.json if isinstance(params.json, str) else msgspec.json.encode(params.json).decode()
+                out = c.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            elif params.json_object:
+                out = c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            elif params.regex is not None:
+                out = c.compile_regex(params.regex)
+            elif params.choice is not None:
+                out = c.compile_regex("|".join(_regex_escape(s) for s in params.choice))
+            elif params.grammar is not None:
+                out = c.compile_grammar(params.grammar)
+            else:
+                out = c.compile_structural_tag(params.structural_tag)
         except (RuntimeError, self._xgr.InvalidJSONError, self._xgr.InvalidStructuralTagError) as exc:
             raise ValueError(f"{params.kind}: {_xgrammar_message(exc)}") from None
+        return out, out.memory_size_bytes
 
     # ---------------------------------------------------------------- matchers
-    def add(self, request_id: str, params: StructuredOutputsParams) -> None:
+    def add(self, request_id: str, params: StructuredOutputsParams, stop_token_ids=()) -> None:
         """Start a matcher for one sequence (compiles on a cache miss).
 
+        Args:
+            stop_token_ids: the request's own stop tokens: allowed only where
+                the grammar may end, and never fed to the grammar.
+
         Raises:
-            ValueError: as ``compile``.
+            GrammarRefused: as ``compile``.
         """
-        self._matchers[request_id] = self._xgr.GrammarMatcher(self.compile(params))
+        stops = frozenset(t for t in stop_token_ids if t != self.eos_token_id and 0 <= t < self.vocab_size)
+        self._matchers[request_id] = (self._xgr.GrammarMatcher(self.compile(params)), stops)
 
     def is_constrained(self, request_id: str) -> bool:
         return request_id in self._matchers
 
-    def grammar_bitmask(self, request_ids: list[str]) -> GrammarBitmask | None:
-        """The bitmask of the rows (``request_ids[i]`` owns row i) that have a
-        matcher, or None when no row does."""
-        rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
+    def grammar_bitmask(self, requests: list) -> GrammarBitmask | None:
+        """The bitmask of the rows (``requests[i]``, an ``engine.request.Request``,
+        owns row i) that have a matcher, or None when no row does. Stop tokens
+        and ``min_tokens`` are settled here (see the module doc, step 3)."""
+        self._stops_as_content.clear()
+        rows = [i for i, r in enumerate(requests) if r.request_id in self._matchers]
         if not rows:
             return None
         bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         for j, i in enumerate(rows):
-            self._matchers[request_ids[i]].fill_next_token_bitmask(bitmask, j)
+            req = requests[i]
+            matcher, stops = self._matchers[req.request_id]
+            matcher.fill_next_token_bitmask(bitmask, j)
+            self._settle_termination(bitmask[j], req, stops)
         return GrammarBitmask(rows=rows, bitmask=bitmask)
+
+    def _settle_termination(self, row, req, stops: frozenset[int]) -> None:
+        """Edit one row's mask: the grammar's end (EOS) and the request's stop
+        tokens. Host-side int32 words; bit ``t % 32`` of word ``t // 32``."""
+        eos = self.eos_token_id
+        may_end = eos is not None and _get_bit(row, eos)
+        if not may_end and not stops:
+            return
+        must_end = False
+        if may_end:
+            _set_bit(row, eos, False)
+            must_end = not bool(row.any())
+            _set_bit(row, eos, True)
+        early = req.num_output_tokens < req.sampling_params.min_tokens
+        if may_end and early and not must_end:
+            _set_bit(row, eos, False)  # min_tokens: go on while the grammar can
+        allow_stops = may_end and (must_end or not early)
+        for t in stops:
+            _set_bit(row, t, allow_stops)
+        if not allow_stops and stops and not bool(row.any()):
+            # The grammar's only ways on are stop tokens: here they are grammar content, not stops (a stop
+            # would cut the output; a row with every token masked would sample token 0).
+            for t in stops:
+                _set_bit(row, t, True)
+            self._stops_as_content.add(req.request_id)
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advance a sequence's matcher by its newly sampled token.
@@ -256,18 +236,77 @@ class StructuredOutputManager:
         Returns:
             True when the sequence must stop here: its grammar terminated, or
             (never expected, as the mask forbids it) the token was rejected.
+            A request stop token returns False (the scheduler stops it),
+            unless it is grammar content this step (``is_content``).
         """
-        matcher = self._matchers.get(request_id)
-        if matcher is None:
+        entry = self._matchers.get(request_id)
+        if entry is None:
+            return False
+        matcher, stops = entry
+        if token_id in stops and request_id not in self._stops_as_content:
             return False
         if not matcher.accept_token(token_id):
             logger.error("%s: token %d rejected by its grammar; stopping the request", request_id, token_id)
             return True
         return matcher.is_terminated()
 
+    def is_content(self, request_id: str, token_id: int) -> bool:
+        """True when ``token_id``, one of the request's stop tokens sampled this
+        step, is grammar content (the grammar could go on no other way): the
+        scheduler must not stop on it."""
+        entry = self._matchers.get(request_id)
+        return entry is not None and token_id in entry[1] and request_id in self._stops_as_content
+
     def free(self, request_id: str) -> None:
         """Drop a finished or aborted sequence's matcher; no-op if none."""
         self._matchers.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        """Stop the compile pool (running compiles finish in the background)."""
+        self.pool.shutdown()
+
+
+def validate(params: StructuredOutputsParams) -> None:
+    """Refuse a spec whose JSON schemas leave the supported subset
+    (``engine/json_schema_subset.py``), named by ``params.where``.
+
+    Raises:
+        ValueError: ``"<where><path>: ..."``.
+    """
+    if params.json is not None:
+        try:
+            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"schema: not valid JSON: {exc}") from None
+        check_json_schema(schema, params.where[0] if params.where else "schema")
+    elif params.structural_tag is not None:
+        _check_tag_schemas(params)
+
+
+def _check_tag_schemas(params: StructuredOutputsParams) -> None:
+    """Each tag's JSON schema of a structural tag is in the supported subset
+    (named by ``params.where``, one path per tag, else ``structural_tag.tags[i]``)."""
+    try:
+        tag = json.loads(params.structural_tag)
+    except json.JSONDecodeError:
+        return  # xgrammar says what is wrong
+    fmt = tag.get("format", {}) if isinstance(tag, dict) else {}
+    tags = fmt.get("tags", [fmt]) if isinstance(fmt, dict) else []
+    for i, t in enumerate(tags):
+        content = t.get("content") if isinstance(t, dict) else None
+        if isinstance(content, dict) and content.get("type") == "json_schema":
+            where = params.where[i] if i < len(params.where) else f"structural_tag.tags[{i}]"
+            check_json_schema(content.get("json_schema"), where)
+
+
+def _get_bit(row, token: int) -> bool:
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+
+def _set_bit(row, token: int, value: bool) -> None:
+    word = int(row[token // 32]) & 0xFFFFFFFF
+    word = word | (1 << (token % 32)) if value else word & ~(1 << (token % 32))
+    row[token // 32] = word - (1 << 32) if word >= 1 << 31 else word  # back to a signed int32
 
 
 def _regex_escape(text: str) -> str:

@@ -7,6 +7,7 @@ SSE events back, with tool calls parsed (``engine/chat_structured.py``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -52,7 +53,9 @@ class OpenAIServingChat(OpenAIServing):
         params = self._sampling_params(req, len(token_ids), max_tokens=max_tokens, logprobs=logprobs,
                                        prompt_logprobs=req.prompt_logprobs, prompt_field="messages",
                                        structured_outputs=plan.structured_outputs)
-        await self._compile_grammar(plan)
+        spec = await self._compile_grammar(plan)
+        if spec is not None:
+            params = dataclasses.replace(params, structured_outputs=spec)
         echo = ""
         if req.echo and messages and messages[-1].get("role") == "assistant":
             echo = messages[-1].get("content") or ""
@@ -63,12 +66,12 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream:
             include_usage, continuous = usage_options(req)
             return self._chat_stream(request_id, model, prompt, prio, bool(req.logprobs), top, echo,
-                                     include_usage, continuous, plan.parse_tool_calls)
+                                     include_usage, continuous, plan.parse_tool_calls, plan.calls_only)
         return await self._chat_full(request_id, model, prompt, prio, bool(req.logprobs), top, echo,
-                                     plan.parse_tool_calls)
+                                     plan.parse_tool_calls, plan.calls_only)
 
     async def _chat_full(self, request_id: str, model: str, prompt: Prompt, priority: int, want_logprobs: bool,
-                         top: int, echo: str, tool_calls: bool = False) -> dict:
+                         top: int, echo: str, tool_calls: bool = False, calls_only: bool = False) -> dict:
         choices, cached, prompt_lps = await self._collect(request_id, [prompt], priority)
         out_choices = []
         completion_tokens = 0
@@ -78,7 +81,7 @@ class OpenAIServingChat(OpenAIServing):
             message = {"role": "assistant", "content": echo + ch.text, "refusal": None}
             finish_reason = ch.finish_reason
             if tool_calls:
-                message["content"], calls = parse_tool_calls(ch.text)
+                message["content"], calls = parse_tool_calls(ch.text, calls_only)
                 if calls:
                     message["tool_calls"] = calls
                     finish_reason = tool_finish_reason(finish_reason)
@@ -94,7 +97,7 @@ class OpenAIServingChat(OpenAIServing):
             "id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": out_choices,
             "usage": usage(len(prompt.token_ids), completion_tokens, cached[0]),
-            "system_fingerprint": None,
+            "system_fingerprint": self.engine.system_fingerprint or None,
         }
         if prompt.params.prompt_logprobs is not None:
             response["prompt_logprobs"] = self.logprobs.prompt_logprobs_vllm(prompt.token_ids, prompt_lps[0])
@@ -102,10 +105,10 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _chat_stream(self, request_id: str, model: str, prompt: Prompt, priority: int, want_logprobs: bool,
                            top: int, echo: str, include_usage: bool, continuous: bool,
-                           tool_calls: bool = False) -> AsyncIterator[bytes]:
+                           tool_calls: bool = False, calls_only: bool = False) -> AsyncIterator[bytes]:
         created = int(time.time())
         n = prompt.params.n
-        parsers = [ToolCallParser() for _ in range(n)] if tool_calls else None
+        parsers = [ToolCallParser(calls_only) for _ in range(n)] if tool_calls else None
         num_prompt = len(prompt.token_ids)
         generated = [0] * n
         cached = 0

@@ -56,12 +56,12 @@ class OpenAIServingCompletion(OpenAIServing):
                             param="structured_outputs")
         except RequestValidationError as exc:
             raise ServingError(400, str(exc), param=exc.param) from None
-        await self._compile_grammar(plan)
+        spec = await self._compile_grammar(plan)
         prompts = []
         for text, ids in r.prompts:
             params = self._sampling_params(req, len(ids), max_tokens=req.max_tokens, logprobs=req.logprobs,
                                            prompt_logprobs=prompt_logprobs, prompt_field="prompt",
-                                           structured_outputs=plan.structured_outputs)
+                                           structured_outputs=spec)
             prompts.append(Prompt(ids, text, params))
         prio = req.priority if req.priority is not None else priority
         model = response_model or self.served_model_name
@@ -104,7 +104,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": out_choices,
             "usage": usage(num_prompt, completion_tokens, sum(cached)),
-            "system_fingerprint": None,
+            "system_fingerprint": self.engine.system_fingerprint or None,
         }
 
     async def _completion_stream(self, request_id: str, model: str, prompts: list[Prompt], priority: int,

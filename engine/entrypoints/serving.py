@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -109,26 +110,35 @@ class OpenAIServing:
         }]}
 
 
-    async def _compile_grammar(self, plan: ChatPlan) -> None:
-        """Compile the request's grammar in a worker thread of the engine core
-        (its step loop then finds it in the cache).
+    async def _compile_grammar(self, plan: ChatPlan):
+        """Validate and compile the request's grammar in the engine core's
+        grammar pool (its step loop then finds it in the cache); the spec
+        with its digest (the core does not hash it again), or None.
 
         Raises:
-            ServingError: 400 when xgrammar refuses the spec.
+            ServingError: 400 when the spec is refused (invalid, outside the
+                supported subset, over ``structured_outputs_max_bytes``), 408
+                when its compile ran past ``structured_outputs_compile_timeout_s``,
+                500 when the compile failed inside.
         """
         if plan.structured_outputs is None:
-            return
+            return None
         try:
-            await self.engine.compile_grammar(plan.structured_outputs)
+            digest = await self.engine.compile_grammar(plan.structured_outputs)
         except ValueError as exc:
-            raise ServingError(400, f"{plan.param}: {exc}", param=plan.param) from None
+            status = getattr(exc, "status", 400)
+            message = str(exc) if str(exc).startswith(plan.param) else f"{plan.param}: {exc}"
+            raise ServingError(status, message, param=plan.param,
+                               type="server_error" if status >= 500 else "invalid_request_error",
+                               code="grammar_compile_timeout" if status == 408 else None) from None
+        return dataclasses.replace(plan.structured_outputs, digest=digest)
 
     # ---------------------------------------------------------------- helpers
     def _chunk(self, request_id: str, model: str, obj_type: str, created: int, choices: list,
                usage: dict | None) -> bytes:
         """One SSE event of a streamed response (``usage`` only when given)."""
         obj = {"id": request_id, "object": obj_type, "created": created,
-               "model": model, "choices": choices}
+               "model": model, "system_fingerprint": self.engine.system_fingerprint or None, "choices": choices}
         if usage is not None:
             obj["usage"] = usage
         return sse(obj)

@@ -213,6 +213,11 @@ class EngineConfig(_Strict):
     quantization: str | None = None
     load_format: str | None = None
     engine_core_process: bool | None = None
+    structured_outputs_workers: int | None = None
+    structured_outputs_compile_timeout_s: float | None = None
+    structured_outputs_max_bytes: int | str | None = None
+    structured_outputs_cache_memory: int | str | None = None
+    structured_outputs_cache_entries: int | None = None
 
     def engine_kwargs(self) -> dict:
         return {k: v for k, v in self.model_dump().items() if v is not None}

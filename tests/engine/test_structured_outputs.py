@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.structured_outputs import GrammarBitmask, apply_token_bitmask, check_json_schema
+from engine.json_schema_subset import check_json_schema
+from engine.structured_outputs import GrammarBitmask, apply_token_bitmask
+from tests.engine.grammar_helpers import allowed, manager
 
 PERSON = {
     "type": "object",
@@ -73,8 +75,61 @@ def test_structured_outputs_params_need_exactly_one_spec():
     with pytest.raises(ValueError, match="choice"):
         StructuredOutputsParams(choice=[])
     a = StructuredOutputsParams(json={"type": "object", "required": ["a"]})
-    b = StructuredOutputsParams(json={"required": ["a"], "type": "object"})
+    b = StructuredOutputsParams(json={"required": ["a"], "type": "object"}, where=("x",), digest="d")
     assert a.key() == b.key() and a.kind == "json"
+
+
+@pytest.mark.parametrize("field, value", [("choice", "yes"), ("choice", ["a", 1]), ("regex", 5), ("grammar", ["x"]),
+                                          ("json", ["type", "object"])])
+def test_structured_outputs_params_check_their_types(field, value):
+    """Failure 7: ``{"choice": "yes"}`` was split into characters and answered "s"/"e"."""
+    with pytest.raises(ValueError, match=f"^structured_outputs.{field}: must be"):
+        StructuredOutputsParams(**{field: value})
+
+
+# ------------------------------------------------ termination, at the mask (no model)
+class _Row:
+    def __init__(self, min_tokens=0, stop_token_ids=()):
+        self.request_id, self.num_output_tokens = "r", 0
+        self.sampling_params = SamplingParams(min_tokens=min_tokens, stop_token_ids=list(stop_token_ids))
+
+
+def test_min_tokens_never_masks_the_end_of_a_grammar_that_must_end():
+    """Failure 6 (at the mask): after "yes" the grammar allows only its end; min_tokens must not forbid it too."""
+    so, tok = manager()
+    row = _Row(min_tokens=10)
+    so.add("r", StructuredOutputsParams(regex="yes|yes!+"), [])
+    for ch in "yes":
+        so.accept("r", tok.vocab.index(ch))
+        row.num_output_tokens += 1
+    assert allowed(so.grammar_bitmask([row]).bitmask[0], tok.vocab_size) == [tok.vocab.index("!")]  # can go on
+    so.accept("r", tok.vocab.index("!"))
+    row.num_output_tokens = 10
+    assert tok.eos_token_id in allowed(so.grammar_bitmask([row]).bitmask[0], tok.vocab_size)
+    so.add("r", StructuredOutputsParams(choice=["yes", "no"]), [])
+    for ch in "no":
+        so.accept("r", tok.vocab.index(ch))
+    row.num_output_tokens = 2
+    assert allowed(so.grammar_bitmask([row]).bitmask[0], tok.vocab_size) == [tok.eos_token_id]
+
+
+def test_stop_token_ids_stay_masked_until_the_grammar_may_end():
+    """Failure 5 (at the mask): a stop token id is allowed only where the grammar may end."""
+    so, tok = manager()
+    a = tok.vocab.index("a")
+    row = _Row(stop_token_ids=[a])
+    so.add("r", StructuredOutputsParams(json={"type": "string", "maxLength": 4}), [a])
+    assert a not in allowed(so.grammar_bitmask([row]).bitmask[0], tok.vocab_size)
+    for ch in '"b':
+        assert not so.accept("r", tok.vocab.index(ch))
+    assert a not in allowed(so.grammar_bitmask([row]).bitmask[0], tok.vocab_size)  # inside the string
+    so.accept("r", tok.vocab.index('"'))
+    assert {a, tok.eos_token_id} <= set(allowed(so.grammar_bitmask([row]).bitmask[0], tok.vocab_size))
+    assert not so.accept("r", a)  # a stop token ends the row through the scheduler, never enters the grammar
+    quote = tok.vocab.index('"')
+    so.add("r", StructuredOutputsParams(json={"type": "string"}), [quote])
+    assert allowed(so.grammar_bitmask([row]).bitmask[0], tok.vocab_size) == [quote]  # the only way on
+    assert so.is_content("r", quote) and not so.accept("r", quote)  # so it is content, not a stop
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +191,28 @@ def test_invalid_schema_is_refused_before_anything_is_queued(llm):
     with pytest.raises(ValueError, match="regex"):
         llm.chat(ASK, _params(structured_outputs=StructuredOutputsParams(regex="((")))
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_stop_token_ids_cannot_cut_the_json(llm):
+    """Failure 5: ``stop_token_ids`` that the model writes mid-object cut the JSON with finish_reason "stop"."""
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 12}}, "required": ["capital"]}
+    spec = StructuredOutputsParams(json=schema)
+    free = llm.chat(CAPITAL, _params(temperature=0, max_tokens=24, structured_outputs=spec))[0].outputs[0]
+    stops = free.token_ids[1:3]  # tokens the greedy JSON writes before it is complete
+    out = llm.chat(CAPITAL, _params(temperature=0, max_tokens=24, stop_token_ids=stops,
+                                    structured_outputs=spec))[0].outputs[0]
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.slow
+def test_min_tokens_past_the_grammars_end_ends_cleanly(llm, caplog):
+    """Failure 6: the engine emitted token 0, counted it and logged an ERROR."""
+    params = _params(temperature=0, max_tokens=24, min_tokens=16,
+                     structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    with caplog.at_level("ERROR", logger="tandem.structured_outputs"):
+        out = llm.chat([{"role": "user", "content": "Is Paris in France?"}], params)[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    assert 0 not in out.token_ids and out.token_ids[-1] == llm.engine.tokenizer.eos_token_id
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

@@ -137,6 +137,16 @@ def test_json_object_and_vllm_choice_and_regex(server):
      "tool_choice", "'nope' is not one of the tools"),
     ({"tool_choice": "required"}, "tool_choice", "only allowed when tools are given"),
     ({"extra": {"structured_outputs": {"regex": "(("}}}, "structured_outputs", "regex"),
+    # issue #34: a string choice was split into characters (failure 7); accepted-then-broken keywords (failure 4)
+    ({"extra": {"structured_outputs": {"choice": "yes"}}}, "structured_outputs",
+     "structured_outputs.choice: must be a non-empty list of strings"),
+    ({"extra": {"structured_outputs": {"grammar": 7}}}, "structured_outputs", "structured_outputs.grammar: must be"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"tags": {"type": "array", "contains": {"const": "a"}}}}}}},
+     "response_format", "response_format.json_schema.schema.properties.tags: unsupported schema feature 'contains'"),
+    ({"extra": {"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "string"}},
+                                                "required": ["a", "b"]}}}},
+     "structured_outputs", "structured_outputs.json.required: unsupported schema: required property 'b'"),
 ])
 def test_bad_structured_requests_get_400_naming_the_part(server, body, param, needle):
     body = {"model": server.model, "messages": ASK_WEATHER, "max_tokens": 4, **body}
@@ -248,3 +258,78 @@ def test_a_call_cut_by_length_keeps_only_its_arguments(cut, arguments):
     deltas = [d for ch in text for d in parser.feed(ch)] + parser.finish()
     assert "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas if "tool_calls" in d) \
         == arguments
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_tokens", [3, 9, 11, 14, 16, 24])  # greedy: 10 tokens write '<tool_call>\n{"name": "'
+def test_a_required_tool_call_cut_by_max_tokens_is_a_partial_call_without_markup(server, max_tokens):
+    """Failure 8: the internal ``<tool_call>...`` markup came back as ``message.content``. As OpenAI: the partial
+    call in ``tool_calls``, ``finish_reason: "length"``, no content; streamed like non-streamed."""
+    kw = dict(messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=max_tokens,
+              temperature=0)
+    reply = chat(server, **kw)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls or []]
+    assert all("<tool_call>" not in c["name"] + c["arguments"] for c in calls)
+    assert len(calls) == (max_tokens > 10)
+    assert not calls or calls[0]["name"] and "get_weather".startswith(calls[0]["name"])
+    assert max_tokens < 24 or calls[0]["name"] == "get_weather" and "city" in calls[0]["arguments"]
+    assert reassemble(chat_stream(server, **kw)) == (None, calls, "length")
+
+
+@pytest.mark.slow
+def test_every_answer_carries_the_system_fingerprint(server):
+    fp = server.engine.system_fingerprint
+    assert fp.startswith("fp_") and len(fp) == 19
+    kw = dict(messages=ASK_WEATHER, max_tokens=2)
+    assert chat(server, **kw).system_fingerprint == fp
+    assert {c.system_fingerprint for c in chat_stream(server, **kw)} == {fp}
+    done = server.client.completions.create(model=server.model, prompt="Hello", max_tokens=2)
+    assert done.system_fingerprint == fp
+
+
+@pytest.mark.parametrize("text, name", [
+    ("<tool", None), ("<tool_call>", None), ('<tool_call>\n{"name": "', None),
+    ('<tool_call>\n{"name": "get_w', "get_w"), ('<tool_call>\n{"name": "get_weather', "get_weather"),
+    ('<tool_call>\n{"name": "get_weather",', "get_weather"), ('<tool_call>\n{"name": "get_weather", "', "get_weather"),
+])
+def test_a_call_cut_inside_its_markup_is_never_content(text, name):
+    """Failure 8, at the parser: a cut inside the call's markup gives the call so far (or none), no content;
+    streamed deltas agree."""
+    content, calls = parse_tool_calls(text, calls_only=True)
+    assert content is None and [c["function"]["name"] for c in calls] == ([name] if name else [])
+    parser = ToolCallParser(calls_only=True)
+    deltas = [d for ch in text for d in parser.feed(ch)] + parser.finish()
+    assert not [d for d in deltas if "content" in d]
+    if text.startswith("<tool_call>"):  # tool_choice "auto": the text before a call stays, its markup does not
+        assert parse_tool_calls("Sure. " + text)[0] == "Sure."
+
+
+def test_the_request_handler_leaves_schema_checks_to_the_compile_pool(monkeypatch):
+    """Failure 1: the schema check ran in the request handler, on the event loop (a 1.2 MB schema stalled every
+    stream for 19-41 s). Planning a request now only checks shapes: the subset check and the compile happen in
+    the engine core's pool, whose refusal reaches the client as a 400/408 naming the setting or the part."""
+    import asyncio
+
+    from engine.entrypoints.protocol import ServingError
+    from engine.entrypoints.serving import OpenAIServing
+    from engine.grammar_compiler import GrammarRefused
+
+    schema = {"type": "array", "contains": {"const": 1}}  # outside the subset
+    req = parse_request({"messages": ASK_WEATHER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, ChatCompletionRequest)
+    monkeypatch.setattr("engine.json_schema_subset._check_node", lambda *a: pytest.fail("checked in the handler"))
+    plan = plan_chat(req, ASK_WEATHER, None)
+    assert plan.structured_outputs.json == schema
+    assert plan.structured_outputs.where == ("response_format.json_schema.schema",)
+
+    class Engine:
+        async def compile_grammar(self, spec):
+            raise GrammarRefused("compiling the grammar took longer than structured_outputs_compile_timeout_s", 408)
+    serving = object.__new__(OpenAIServing)
+    serving.engine = Engine()
+    with pytest.raises(ServingError) as err:
+        asyncio.run(serving._compile_grammar(plan))
+    assert err.value.status_code == 408 and err.value.param == "response_format"
+    assert err.value.code == "grammar_compile_timeout" and "structured_outputs_compile_timeout_s" in err.value.message

@@ -1,0 +1,331 @@
+"""Grammar compiles off the step loop: a bounded worker pool, a compile
+timeout, a size limit, a cache of refusals and one memory bound.
+
+A spec (``StructuredOutputsParams``) goes through ``GrammarCompilePool.submit``:
+
+1. In the submitting thread (a worker thread: never an event loop, never
+   the engine step): the spec's canonical text, refused when over
+   ``max_bytes``; its digest (sha256) is the key of everything below.
+2. A digest seen before is answered at once: compiled (``GrammarCache``) or
+   refused (the refusal cache: a 400 or the 408 of a timeout, again).
+   A digest being compiled gets the same answer as that compile (a schema
+   sent twice is compiled once).
+3. Otherwise the submitting thread validates (``json_schema_subset``, pure
+   Python, linear in the spec) and a pool worker compiles (xgrammar, which
+   releases the GIL). A timer answers 408 when the compile
+   runs longer than ``timeout_s`` and records the refusal; the worker cannot
+   be interrupted (xgrammar has no cancellation), so its result is dropped
+   when it ends. Several workers: a slow schema never holds up a quick one.
+   The workers run at a lower CPU priority (``WORKER_NICE``, Linux): a long
+   compile takes the cores the engine step leaves, not the step's.
+
+``GrammarCache`` is the only place compiled grammars are kept (xgrammar's
+own compiler cache is disabled by the manager): an LRU bounded in entries
+and in bytes (``CompiledGrammar.memory_size_bytes``). Live matchers keep
+their grammar alive; those are bounded by ``max_num_seqs``. A grammar just
+compiled for a request is also held for ``HANDOFF_S`` seconds (at most
+``HANDOFF_ENTRIES``), so that its request finds it even when the LRU dropped
+it meanwhile (or it alone is over the byte bound): a request that arrives
+within that time never has its spec compiled again in the engine step.
+
+Sources: vLLM v1 ``structured_output/__init__.py`` (compiles in a thread
+pool, futures per request); its GHSA-389x-67px-mjg3 fix (bounded grammar
+memory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from engine.sampling_params import StructuredOutputsParams
+
+HANDOFF_S = 60.0  # a compiled grammar waits this long, seconds, for its request
+HANDOFF_ENTRIES = 64
+WORKER_NICE = 10  # added to the compile threads' niceness (Linux: per thread)
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """Bounds of grammar compilation (``EngineArgs.structured_outputs_*``).
+
+    Attributes:
+        workers: compile threads (> 1: a slow schema does not hold up others).
+        timeout_s: longest compile, seconds; past it the request gets 408.
+        max_bytes: largest spec (its canonical JSON text), bytes; over: 400.
+        cache_bytes: compiled grammars kept, bytes (LRU).
+        cache_entries: compiled grammars kept, entries (LRU).
+        refusal_entries: refused digests remembered (LRU).
+    """
+
+    workers: int = 4
+    timeout_s: float = 10.0
+    max_bytes: int = 1 << 20
+    cache_bytes: int = 256 << 20
+    cache_entries: int = 256
+    refusal_entries: int = 4096
+
+
+def grammar_limits(args) -> GrammarLimits:
+    """The ``GrammarLimits`` of an ``EngineArgs`` (its ``structured_outputs_*`` fields)."""
+    return GrammarLimits(workers=args.structured_outputs_workers,
+                         timeout_s=args.structured_outputs_compile_timeout_s,
+                         max_bytes=args.structured_outputs_max_bytes,
+                         cache_bytes=args.structured_outputs_cache_memory,
+                         cache_entries=args.structured_outputs_cache_entries)
+
+
+class GrammarRefused(ValueError):
+    """A spec the pool will not compile; ``status`` 400 (invalid, unsupported,
+    too large) or 408 (the compile timed out)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class GrammarCache:
+    """Compiled grammars by digest: an LRU bounded in entries and bytes; thread safe.
+
+    Args:
+        max_entries: most grammars kept.
+        max_bytes: most ``memory_size_bytes`` kept in all; a grammar larger
+            than this alone is not kept (its requests still run with it).
+    """
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, tuple[object, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, digest: str):
+        """The grammar of ``digest`` (now most recently used), or None."""
+        with self._lock:
+            item = self._items.get(digest)
+            if item is None:
+                return None
+            self._items.move_to_end(digest)
+            return item[0]
+
+    def put(self, digest: str, grammar, nbytes: int) -> None:
+        """Keep ``grammar`` (``nbytes`` large), evicting the least recently used."""
+        with self._lock:
+            old = self._items.pop(digest, None)
+            if old is not None:
+                self.nbytes -= old[1]
+            if nbytes > self.max_bytes:
+                return
+            self._items[digest] = (grammar, nbytes)
+            self.nbytes += nbytes
+            while len(self._items) > self.max_entries or self.nbytes > self.max_bytes:
+                _, (_, size) = self._items.popitem(last=False)
+                self.nbytes -= size
+
+
+@dataclass
+class _InFlight:
+    waiters: list[Callable[[str, GrammarRefused | None], None]] = field(default_factory=list)
+    started: float = 0.0
+    done: bool = False
+
+
+Done = Callable[[str, "GrammarRefused | None"], None]
+
+
+class GrammarCompilePool:
+    """Compiles specs in a bounded thread pool (see the module doc).
+
+    Args:
+        compile_fn: ``compile_fn(params) -> (grammar, nbytes)`` of a
+            validated spec; raises ``ValueError`` naming the part at fault.
+        limits: the bounds.
+        validate_fn: ``validate_fn(params)`` raises ``ValueError`` naming the
+            part outside the supported subset (None: no check).
+    """
+
+    def __init__(self, compile_fn: Callable[[StructuredOutputsParams], tuple[object, int]],
+                 limits: GrammarLimits, validate_fn: Callable[[StructuredOutputsParams], None] | None = None) -> None:
+        self._compile_fn = compile_fn
+        self._validate_fn = validate_fn or (lambda params: None)
+        self.limits = limits
+        self.cache = GrammarCache(limits.cache_entries, limits.cache_bytes)
+        self._refusals: OrderedDict[str, GrammarRefused] = OrderedDict()
+        self._in_flight: dict[str, _InFlight] = {}
+        self._handoff: OrderedDict[str, tuple[object, float]] = OrderedDict()  # digest -> (grammar, deadline)
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(limits.workers, thread_name_prefix="tandem-grammar",
+                                            initializer=_lower_priority)
+        self.compile_seconds: list[float] = []
+
+    def submit(self, params: StructuredOutputsParams, done: Done) -> None:
+        """Validate ``params`` here, compile it in a pool worker; ``done(digest, None)``
+        once its grammar is in the cache, ``done(digest or '', GrammarRefused)`` when
+        refused or timed out. ``done`` runs in this, a worker or a timer thread and
+        must be quick.
+
+        Call it from a worker thread, never an event loop: the size check, the
+        digest, the caches and the validation run in the caller's thread. They
+        hold the GIL (pure Python, linear in the spec, bounded by ``max_bytes``)
+        and so run at the caller's CPU priority: a worker at a lowered priority
+        holding the GIL while starved of CPU would stall the engine step. The
+        compile (xgrammar, the GIL released) runs in the lowered-priority pool.
+        """
+        try:
+            digest = self.digest(params)
+        except GrammarRefused as exc:
+            done("", exc)
+            return
+        with self._lock:
+            refused = self._refusals.get(digest)
+            flight = self._in_flight.get(digest)
+            owner = refused is None and flight is None and self.cache.get(digest) is None
+            if owner:
+                flight = self._in_flight[digest] = _InFlight(started=time.monotonic())
+            if flight is not None:
+                flight.waiters.append(done)
+        if not owner:
+            if flight is None:
+                done(digest, refused)  # answered from a cache: a refusal, or None for a compiled grammar
+            return
+        try:
+            self._validate_fn(params)
+        except ValueError as exc:
+            self._finish(digest, flight, None, 0, GrammarRefused(str(exc)))
+            return
+        try:
+            self._executor.submit(self._compile_job, params, digest, flight)
+        except RuntimeError as exc:  # shut down: answer, never leave the digest in flight
+            self._finish(digest, flight, None, 0, GrammarRefused(f"{params.kind}: {exc}", 500))
+
+    def compile_now(self, params: StructuredOutputsParams):
+        """The grammar of ``params``, validated and compiled in the caller's
+        thread on a miss (the offline engine).
+
+        Raises:
+            GrammarRefused: as ``submit`` reports it.
+        """
+        digest = self.digest(params)
+        grammar = self.cache.get(digest)
+        if grammar is not None:
+            return grammar
+        with self._lock:
+            held = self._handoff.get(digest)
+            if held is not None:
+                return held[0]
+            refused = self._refusals.get(digest)
+        if refused is not None:
+            raise refused
+        try:
+            self._validate_fn(params)
+            grammar, nbytes = self._timed_compile(params)
+        except ValueError as exc:
+            raise self._refuse(digest, GrammarRefused(str(exc))) from None
+        self.cache.put(digest, grammar, nbytes)
+        return grammar
+
+    def digest(self, params: StructuredOutputsParams) -> str:
+        """sha256 of the spec's canonical text (computed once per params).
+
+        Raises:
+            GrammarRefused: the spec is over ``max_bytes`` (named in the message).
+        """
+        if params.digest is not None:
+            return params.digest
+        text = params.key().encode()
+        if len(text) > self.limits.max_bytes:
+            raise GrammarRefused(f"{params.kind}: the spec is {len(text)} bytes, over the limit of "
+                                 f"structured_outputs_max_bytes ({self.limits.max_bytes} bytes)")
+        return hashlib.sha256(text).hexdigest()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ worker
+    def _compile_job(self, params: StructuredOutputsParams, digest: str, flight: _InFlight) -> None:
+        timer = threading.Timer(self.limits.timeout_s, self._time_out, (digest,))
+        timer.daemon = True
+        timer.start()
+        grammar, nbytes, error = None, 0, None
+        try:
+            grammar, nbytes = self._timed_compile(params)
+        except ValueError as exc:
+            error = GrammarRefused(str(exc), getattr(exc, "status", 400))
+        except Exception as exc:  # noqa: BLE001 - a bug or MemoryError: answered, never left waiting
+            error = GrammarRefused(f"{params.kind}: the grammar failed to compile: {type(exc).__name__}: {exc}", 500)
+        finally:
+            timer.cancel()
+        self._finish(digest, flight, grammar, nbytes, error)
+
+    def _finish(self, digest: str, flight: _InFlight, grammar, nbytes: int, error: GrammarRefused | None) -> None:
+        """Keep the grammar (or remember the refusal) and answer the waiters."""
+        with self._lock:
+            if flight.done:  # timed out meanwhile: already answered and refused
+                return
+            flight.done = True
+            self._in_flight.pop(digest, None)
+            if error is None:
+                self.cache.put(digest, grammar, nbytes)
+                self._hand_off(digest, grammar)
+            elif error.status != 500:  # an internal failure may pass: not remembered
+                self._remember(digest, error)
+        for waiter in flight.waiters:
+            waiter(digest, error)
+
+    def _timed_compile(self, params: StructuredOutputsParams):
+        start = time.perf_counter()
+        out = self._compile_fn(params)
+        self.compile_seconds.append(time.perf_counter() - start)
+        return out
+
+    def _time_out(self, digest: str) -> None:
+        error = GrammarRefused(f"compiling the grammar took longer than structured_outputs_compile_timeout_s "
+                               f"({self.limits.timeout_s:g} s); this spec is refused from now on", status=408)
+        with self._lock:
+            flight = self._in_flight.pop(digest, None)
+            if flight is None or flight.done:
+                return
+            flight.done = True
+            self._remember(digest, error)
+        for waiter in flight.waiters:
+            waiter(digest, error)
+
+    def _refuse(self, digest: str, error: GrammarRefused) -> GrammarRefused:
+        with self._lock:
+            self._remember(digest, error)
+        return error
+
+    def _hand_off(self, digest: str, grammar) -> None:
+        """Hold a fresh grammar for its request (caller holds the lock)."""
+        now = time.monotonic()
+        self._handoff[digest] = (grammar, now + HANDOFF_S)
+        self._handoff.move_to_end(digest)
+        while self._handoff and (len(self._handoff) > HANDOFF_ENTRIES or next(iter(self._handoff.values()))[1] < now):
+            self._handoff.popitem(last=False)
+
+    def _remember(self, digest: str, error: GrammarRefused) -> None:
+        """Record a refusal (caller holds the lock)."""
+        self._refusals[digest] = error
+        self._refusals.move_to_end(digest)
+        while len(self._refusals) > self.limits.refusal_entries:
+            self._refusals.popitem(last=False)
+
+
+def _lower_priority() -> None:
+    """Raise this thread's niceness by ``WORKER_NICE`` (Linux sets it per
+    thread); elsewhere, or when refused, leave it."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICE)
+    except (AttributeError, OSError):
+        pass

@@ -1,0 +1,252 @@
+"""The JSON-schema subset that structured outputs enforce, written down once.
+
+``KEYWORDS`` is the table: each keyword the grammar enforces, the form its
+value must have, the instance type it constrains and the limit of our
+enforcement. ``UNSUPPORTED`` names the JSON-Schema keywords a grammar cannot
+enforce (xgrammar would drop them silently: the output would break the
+schema), ``ANNOTATIONS`` the keywords that constrain nothing. Validation
+(``check_json_schema``) and the README's table (``markdown_table``, pinned by
+a test) both read these, so the promise and the check cannot drift apart.
+
+Anything outside the subset is refused with the keyword and its path
+(``response_format.json_schema.schema.properties.tags: unsupported schema
+feature 'contains' ...``) before any compile; anything inside is enforced
+(``tests/engine/test_json_schema_subset.py`` samples random schemas of the
+subset and validates every output with ``jsonschema``).
+
+The check is one walk over the schema in plain Python (no meta-schema
+validation: the value checks below cover the supported keywords), so that a
+400 KB schema costs milliseconds, not the seconds of ``jsonschema``'s
+``check_schema``. It runs in the grammar compile pool, never on an event loop.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+MAX_DEPTH = 64  # nesting of subschemas; deeper is refused (the walk and xgrammar's compiler recurse)
+
+
+@dataclass(frozen=True)
+class Keyword:
+    """One supported keyword.
+
+    Attributes:
+        name: the keyword.
+        value: the form of its value (``schema``, ``schemas``, ``schema map``,
+            ``schema or bool``, ``count``, ``number``, ``regex``, ``format``,
+            ``type``, ``names``, ``values``, ``any``, ``local ref``).
+        applies_to: the instance type it constrains (``any`` for all).
+        limit: what we do not enforce or refuse around it ('' when none).
+    """
+
+    name: str
+    value: str
+    applies_to: str
+    limit: str = ""
+
+
+KEYWORDS: tuple[Keyword, ...] = (
+    Keyword("type", "type", "any", "one type or a list of types"),
+    Keyword("enum", "values", "any"),
+    Keyword("const", "any", "any"),
+    Keyword("anyOf", "schemas", "any"),
+    Keyword("oneOf", "schemas", "any", "enforced as anyOf: give branches that exclude each other"),
+    Keyword("allOf", "schemas", "any", "one schema only"),
+    Keyword("$ref", "local ref", "any", "local (#...) references only"),
+    Keyword("$defs", "schema map", "any"),
+    Keyword("definitions", "schema map", "any"),
+    Keyword("properties", "schema map", "object"),
+    Keyword("required", "names", "object", "every name must be in properties"),
+    Keyword("additionalProperties", "schema or bool", "object", "absent means false (strict, as OpenAI)"),
+    Keyword("patternProperties", "schema map", "object", "names are regexes: no lookaround, no backreference"),
+    Keyword("minProperties", "count", "object"),
+    Keyword("maxProperties", "count", "object"),
+    Keyword("items", "schema or bool", "array"),
+    Keyword("prefixItems", "schemas", "array"),
+    Keyword("minItems", "count", "array"),
+    Keyword("maxItems", "count", "array"),
+    Keyword("minLength", "count", "string", "not beside pattern or format"),
+    Keyword("maxLength", "count", "string", "not beside pattern or format"),
+    Keyword("pattern", "regex", "string", "no lookaround, no backreference; matched as a whole"),
+    Keyword("format", "format", "string", "email, uuid, ipv6 (xgrammar's date admits Sep 31, its ipv4 leading "
+            "zeros: use a pattern)"),
+    Keyword("minimum", "number", "number"),
+    Keyword("maximum", "number", "number"),
+    Keyword("exclusiveMinimum", "number", "number"),
+    Keyword("exclusiveMaximum", "number", "number"),
+    Keyword("multipleOf", "number", "number", "integers only (type: integer), not beside a minimum or maximum"),
+)
+SUPPORTED = {k.name: k for k in KEYWORDS}
+
+UNSUPPORTED: dict[str, str] = {
+    "not": "a grammar cannot exclude a language",
+    "if": "conditional schemas", "then": "conditional schemas", "else": "conditional schemas",
+    "contains": "a grammar cannot count matching items",
+    "minContains": "a grammar cannot count matching items",
+    "maxContains": "a grammar cannot count matching items",
+    "uniqueItems": "a grammar cannot compare items",
+    "dependentRequired": "conditional properties", "dependentSchemas": "conditional properties",
+    "dependencies": "conditional properties",
+    "propertyNames": "not enforced by the grammar",
+    "unevaluatedItems": "not enforced by the grammar", "unevaluatedProperties": "not enforced by the grammar",
+    "contentEncoding": "not enforced by the grammar", "contentMediaType": "not enforced by the grammar",
+    "contentSchema": "not enforced by the grammar",
+    "$dynamicRef": "dynamic references", "$recursiveRef": "dynamic references",
+}
+
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$anchor", "$comment",
+                         "deprecated", "readOnly", "writeOnly", "$vocabulary", "$dynamicAnchor",
+                         "$recursiveAnchor"})
+
+TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+# The formats whose grammar matches the format exactly (checked against jsonschema's format checker).
+FORMATS = frozenset({"email", "uuid", "ipv6"})
+# Lookaround, backreferences (numbered and named): a regular grammar cannot express them.
+_NON_REGULAR = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<")
+
+
+def check_json_schema(schema: object, where: str = "schema") -> None:
+    """Refuse a schema that is malformed or outside the supported subset.
+
+    Args:
+        schema: the decoded schema (an object or a boolean).
+        where: the path to name in messages (e.g.
+            ``response_format.json_schema.schema``).
+
+    Raises:
+        ValueError: ``"<where><path>: invalid JSON schema: <problem>"`` or
+            ``"<where><path>: unsupported schema feature '<keyword>' (<why>)"``.
+    """
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"{where}: invalid JSON schema: must be an object or a boolean, "
+                         f"got {type(schema).__name__}")
+    _check_node(schema, where, 0)
+
+
+def _invalid(path: str, problem: str) -> ValueError:
+    return ValueError(f"{path}: invalid JSON schema: {problem}")
+
+
+def _check_node(node: object, path: str, depth: int) -> None:
+    if isinstance(node, bool):
+        return
+    if not isinstance(node, dict):
+        raise _invalid(path, f"a schema must be an object or a boolean, got {type(node).__name__}")
+    if depth > MAX_DEPTH:
+        raise ValueError(f"{path}: unsupported schema: nested deeper than {MAX_DEPTH} levels")
+    for key, value in node.items():
+        if key in ANNOTATIONS:
+            continue
+        if key in UNSUPPORTED:
+            if key == "uniqueItems" and value is False:
+                continue  # the default: constrains nothing
+            raise ValueError(f"{path}: unsupported schema feature '{key}' ({UNSUPPORTED[key]}; "
+                             "a grammar cannot enforce it)")
+        kw = SUPPORTED.get(key)
+        if kw is None:
+            raise ValueError(f"{path}: unsupported schema feature '{key}' (not a keyword of the supported subset)")
+        _check_value(kw, value, f"{path}.{key}", depth)
+    _check_combination(node, path)
+
+
+def _check_value(kw: Keyword, value: object, path: str, depth: int) -> None:  # noqa: C901 - one case per form
+    form = kw.value
+    if form == "schema or bool" or form == "schema":
+        _check_node(value, path, depth + 1)
+    elif form == "schemas":
+        if not isinstance(value, list) or not value:
+            raise _invalid(path, "must be a non-empty array of schemas")
+        if kw.name == "allOf" and len(value) > 1:
+            raise ValueError(f"{path}: unsupported schema feature 'allOf' with more than one schema")
+        for i, sub in enumerate(value):
+            _check_node(sub, f"{path}[{i}]", depth + 1)
+    elif form == "schema map":
+        if not isinstance(value, dict):
+            raise _invalid(path, "must be an object of schemas")
+        for name, sub in value.items():
+            if kw.name == "patternProperties":
+                _check_regex(name, f"{path}.{name}")
+            _check_node(sub, f"{path}.{name}", depth + 1)
+    elif form == "count":
+        if not _is_int(value) or value < 0:
+            raise _invalid(path, f"must be a non-negative integer, got {value!r}")
+    elif form == "number":
+        if not _is_number(value):
+            raise _invalid(path, f"must be a number, got {value!r}")
+        if kw.name == "multipleOf" and value <= 0:
+            raise _invalid(path, f"must be greater than 0, got {value!r}")
+    elif form == "regex":
+        if not isinstance(value, str):
+            raise _invalid(path, f"must be a string, got {value!r}")
+        _check_regex(value, path)
+    elif form == "format":
+        if value not in FORMATS:
+            raise ValueError(f"{path}: unsupported schema feature 'format' {value!r} (supported: "
+                             f"{', '.join(sorted(FORMATS))}; use a pattern)")
+    elif form == "type":
+        names = value if isinstance(value, list) else [value]
+        if not names or not all(isinstance(t, str) and t in TYPES for t in names):
+            raise _invalid(path, f"must be one of {sorted(TYPES)} or a list of them, got {value!r}")
+    elif form == "names":
+        if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+            raise _invalid(path, "must be an array of strings")
+    elif form == "values":
+        if not isinstance(value, list) or not value:
+            raise _invalid(path, "must be a non-empty array")
+    elif form == "local ref":
+        if not isinstance(value, str):
+            raise _invalid(path, f"must be a string, got {value!r}")
+        if not value.startswith("#"):
+            raise ValueError(f"{path}: unsupported schema feature: remote reference {value!r}")
+
+
+def _check_combination(node: dict, path: str) -> None:
+    """Rules between keywords of one schema (each a way xgrammar 0.2 would
+    produce output that breaks the schema)."""
+    for key in ("minLength", "maxLength"):
+        for other in ("pattern", "format"):
+            if key in node and other in node:
+                raise ValueError(f"{path}.{key}: unsupported schema feature '{key}' beside '{other}' "
+                                 "(the grammar would ignore the length)")
+    if "multipleOf" in node and node.get("type") != "integer":
+        raise ValueError(f"{path}.multipleOf: unsupported schema feature 'multipleOf' on a non-integer "
+                         "(needs type: integer)")
+    bound = next((k for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in node), None)
+    if "multipleOf" in node and bound is not None:
+        raise ValueError(f"{path}.multipleOf: unsupported schema feature 'multipleOf' beside '{bound}' "
+                         "(the grammar would ignore multipleOf)")
+    required = node.get("required") or []
+    props = node.get("properties") or {}
+    for name in required:
+        if name not in props:
+            raise ValueError(f"{path}.required: unsupported schema: required property {name!r} is not in "
+                             "properties (a strict grammar only writes listed properties)")
+
+
+def _check_regex(pattern: str, path: str) -> None:
+    found = _NON_REGULAR.search(pattern)
+    if found:
+        raise ValueError(f"{path}: unsupported schema feature 'pattern' with {found.group(0)!r} (lookaround and "
+                         "backreferences are not regular: a grammar cannot enforce them)")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def markdown_table() -> str:
+    """The supported subset as the README's markdown table (a test pins the
+    README's copy to this text)."""
+    rows = ["| keyword | value | constrains | limit |", "|---|---|---|---|"]
+    rows += [f"| `{k.name}` | {k.value} | {k.applies_to} | {k.limit} |" for k in KEYWORDS]
+    refused = ", ".join(f"`{name}`" for name in UNSUPPORTED)
+    rows.append("")
+    rows.append(f"Refused with a 400 naming the keyword and its path: {refused}, any keyword not above "
+                f"(annotations excepted: {', '.join(f'`{a}`' for a in sorted(ANNOTATIONS))}).")
+    return "\n".join(rows)

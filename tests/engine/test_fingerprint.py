@@ -1,0 +1,21 @@
+"""``system_fingerprint`` (engine/fingerprint.py) changes with the model, the numerics and the build."""
+
+from __future__ import annotations
+
+from engine.config import default_model_path
+from engine.fingerprint import system_fingerprint
+
+NUMERICS = {"device": "cpu", "dtype": "torch.bfloat16", "quantization": "none", "batch_invariant": True}
+
+
+def test_the_fingerprint_is_stable_and_changes_with_model_and_numerics(tmp_path, monkeypatch):
+    model = default_model_path()
+    fp = system_fingerprint(model, NUMERICS)
+    assert fp == system_fingerprint(model, dict(NUMERICS)) and fp.startswith("fp_") and len(fp) == 19
+    assert system_fingerprint(model, {**NUMERICS, "dtype": "torch.float32"}) != fp
+    assert system_fingerprint(model, {**NUMERICS, "batch_invariant": False}) != fp
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF" + b"\0" * 64)
+    assert system_fingerprint(str(other), NUMERICS) != fp
+    monkeypatch.setattr("engine.fingerprint.build_identity", lambda: b"another build")
+    assert system_fingerprint(model, NUMERICS) != fp

@@ -1,0 +1,178 @@
+"""The grammar compile pool (engine/grammar_compiler.py): off the caller's
+thread, several workers, a timeout, a size limit, a refusal cache, one
+memory bound. Issue #34 failures 1-3.
+
+The pool is driven with a stand-in compile function that blocks on events
+(no wall-clock thresholds: a test waits for events, with a long deadlock
+guard); the memory bound with real xgrammar grammars over a character
+vocabulary (``grammar_helpers``), no model.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.grammar_compiler import WORKER_NICE, GrammarCompilePool, GrammarLimits, GrammarRefused
+from engine.sampling_params import StructuredOutputsParams
+from tests.engine.grammar_helpers import manager
+
+_GUARD_S = 60  # deadlock guard only: every wait below ends on an event
+
+
+class Answers:
+    """``done`` callbacks that record their answer and signal it."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, tuple[str, GrammarRefused | None]] = {}
+        self.events: dict[str, threading.Event] = {}
+
+    def done(self, name: str):
+        self.events[name] = threading.Event()
+
+        def call(digest: str, error) -> None:
+            self.got[name] = (digest, error)
+            self.events[name].set()
+        return call
+
+    def wait(self, name: str) -> tuple[str, GrammarRefused | None]:
+        assert self.events[name].wait(_GUARD_S), f"{name} never answered"
+        return self.got[name]
+
+
+def _blocking_pool(**limits):
+    """A pool whose compile of regex "slow*" waits for ``release``; records compile threads and calls."""
+    release = threading.Event()
+    calls: list[tuple[str, str]] = []
+
+    def compile_fn(params):
+        calls.append((params.regex, threading.current_thread().name))
+        if params.regex.startswith("slow"):
+            assert release.wait(_GUARD_S)
+        if params.regex == "bad":
+            raise ValueError("regex: bad")
+        return object(), 10
+    pool = GrammarCompilePool(compile_fn, GrammarLimits(**{"workers": 2, "timeout_s": 30, **limits}))
+    return pool, release, calls
+
+
+def test_a_slow_compile_does_not_hold_up_a_quick_one_and_runs_off_the_callers_thread():
+    """Failure 2 (a trivial schema waited 27 s behind a slow one on one compile thread) and failure 1's
+    cause (the check ran in the request handler, on the event loop)."""
+    pool, release, calls = _blocking_pool()
+    answers = Answers()
+    pool.submit(StructuredOutputsParams(regex="slow1"), answers.done("slow"))
+    pool.submit(StructuredOutputsParams(regex="quick"), answers.done("quick"))
+    digest, error = answers.wait("quick")  # answered while the slow compile still blocks
+    assert error is None and pool.cache.get(digest) is not None
+    assert not answers.events["slow"].is_set()
+    release.set()
+    assert answers.wait("slow")[1] is None
+    assert all(thread.startswith("tandem-grammar") for _, thread in calls)
+    assert threading.current_thread().name not in {t for _, t in calls}
+
+
+def test_compile_workers_yield_the_cpu_to_the_engine_step():
+    """A long compile takes the cores the step leaves (Linux: the workers' niceness is raised)."""
+    import os
+
+    seen = []
+    pool = GrammarCompilePool(lambda p: (seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())),
+                                         (object(), 1))[1], GrammarLimits(workers=2))
+    answers = Answers()
+    pool.submit(StructuredOutputsParams(regex="x"), answers.done("x"))
+    answers.wait("x")
+    assert seen == [os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICE]
+
+
+def test_a_compile_past_the_timeout_is_a_408_naming_the_setting_and_is_refused_at_once_after():
+    """Failure 1: one compile ran 206 s with no limit, and a schema sent again was worked on again."""
+    pool, release, calls = _blocking_pool(timeout_s=0.01)
+    answers = Answers()
+    pool.submit(StructuredOutputsParams(regex="slow2"), answers.done("first"))
+    _, error = answers.wait("first")
+    assert isinstance(error, GrammarRefused) and error.status == 408
+    assert "structured_outputs_compile_timeout_s" in str(error)
+    pool.submit(StructuredOutputsParams(regex="slow2"), answers.done("again"))
+    assert answers.wait("again")[1] is error  # from the refusal cache: no second compile
+    release.set()
+    with pytest.raises(GrammarRefused, match="structured_outputs_compile_timeout_s"):
+        pool.compile_now(StructuredOutputsParams(regex="slow2"))
+    assert [r for r, _ in calls] == ["slow2"]
+
+
+def test_refusals_and_compiled_grammars_are_answered_from_cache_and_a_spec_in_flight_is_compiled_once():
+    pool, release, calls = _blocking_pool()
+    answers = Answers()
+    pool.submit(StructuredOutputsParams(regex="bad"), answers.done("bad"))
+    assert answers.wait("bad")[1].status == 400
+    pool.submit(StructuredOutputsParams(regex="bad"), answers.done("bad again"))
+    assert str(answers.wait("bad again")[1]) == "regex: bad"
+    pool.submit(StructuredOutputsParams(regex="slow3"), answers.done("a"))
+    pool.submit(StructuredOutputsParams(regex="slow3"), answers.done("b"))  # the same schema sent twice
+    release.set()
+    assert answers.wait("a") == answers.wait("b")
+    pool.submit(StructuredOutputsParams(regex="slow3"), answers.done("c"))
+    assert answers.wait("c")[1] is None
+    assert [r for r, _ in calls] == ["bad", "slow3"]
+
+
+def test_a_spec_over_the_size_limit_is_a_400_naming_the_setting_before_any_compile():
+    pool, _, calls = _blocking_pool(max_bytes=64)
+    answers = Answers()
+    pool.submit(StructuredOutputsParams(json={"enum": ["x" * 100]}), answers.done("big"))
+    _, error = answers.wait("big")
+    assert error.status == 400 and "structured_outputs_max_bytes (64 bytes)" in str(error)
+    assert calls == []
+
+
+def test_grammar_memory_is_bounded_in_entries_and_bytes_past_the_bound():
+    """Failure 3: xgrammar's own compile cache grew beside our 256-entry LRU (~14 MB per 100 schemas)."""
+    so, _ = manager(cache_entries=8, cache_bytes=1 << 30)
+    for i in range(20):
+        so.compile(StructuredOutputsParams(json={"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                                                 "required": [f"k{i}"]}))
+    cache = so.pool.cache
+    assert len(cache) == 8
+    assert so._compiler.get_cache_size_bytes() == 0  # xgrammar keeps nothing of its own
+    one = cache.nbytes // 8
+    so, _ = manager(cache_entries=1000, cache_bytes=3 * one + one // 2)
+    for i in range(20):
+        so.compile(StructuredOutputsParams(json={"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                                                 "required": [f"k{i}"]}))
+    assert so.pool.cache.nbytes <= 3 * one + one // 2 and 1 <= len(so.pool.cache) <= 4
+    assert so._compiler.get_cache_size_bytes() == 0
+
+
+def test_an_unsupported_schema_is_refused_by_the_pool_with_its_request_path():
+    so, _ = manager()
+    answers = Answers()
+    spec = StructuredOutputsParams(json={"type": "array", "contains": {"type": "integer"}},
+                                   where=("response_format.json_schema.schema",))
+    so.submit(spec, answers.done("contains"))
+    _, error = answers.wait("contains")
+    assert error.status == 400
+    assert str(error).startswith("response_format.json_schema.schema: unsupported schema feature 'contains'")
+
+
+def test_a_grammar_evicted_before_its_request_arrives_is_not_compiled_again():
+    """The engine step must not compile what the pool compiled (a grammar over the byte bound, or evicted by
+    other compiles meanwhile, is held for its request)."""
+    pool, _, calls = _blocking_pool(cache_bytes=5)  # every grammar (10 bytes) is over the bound
+    answers = Answers()
+    pool.submit(StructuredOutputsParams(regex="quick"), answers.done("q"))
+    assert answers.wait("q")[1] is None and len(pool.cache) == 0
+    pool.compile_now(StructuredOutputsParams(regex="quick"))
+    assert [r for r, _ in calls] == ["quick"]
+
+
+def test_an_internal_compile_failure_is_answered_and_not_remembered():
+    def compile_fn(params):
+        raise MemoryError("boom")
+    pool = GrammarCompilePool(compile_fn, GrammarLimits(workers=2))
+    answers = Answers()
+    pool.submit(StructuredOutputsParams(regex="x"), answers.done("x"))
+    assert answers.wait("x")[1].status == 500
+    pool.submit(StructuredOutputsParams(regex="x"), answers.done("again"))
+    assert answers.wait("again")[1].status == 500  # compiled again, not answered from the refusal cache

@@ -1,0 +1,155 @@
+"""The supported JSON-schema subset (engine/json_schema_subset.py): outside it a
+400 naming the keyword and its path, before any compile; inside it enforced
+(issue #34 failure 4). No model: random schemas of the subset are walked
+through their real xgrammar grammar over a character vocabulary with random
+token picks, and every finished output must validate with ``jsonschema``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.json_schema_subset import KEYWORDS, check_json_schema, markdown_table
+from engine.sampling_params import StructuredOutputsParams
+from tests.engine.grammar_helpers import manager, walk
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@pytest.mark.parametrize("schema, path, keyword", [
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, "schema", "contains"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "dependentSchemas": {"a": {"required": ["b"]}}},
+     "schema", "dependentSchemas"),
+    ({"type": "object", "properties": {"code": {"type": "string", "pattern": "^(?=.*[0-9])[a-z0-9]{4}$"}}},
+     "schema.properties.code.pattern", "pattern"),
+    ({"type": "string", "pattern": "^(?!x)[a-z]+$"}, "schema.pattern", "pattern"),
+    ({"type": "string", "pattern": "^(a)\\1$"}, "schema.pattern", "pattern"),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "schema.maxLength", "maxLength"),
+    ({"type": "string", "format": "email", "minLength": 40}, "schema.minLength", "minLength"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, "schema.required",
+     "'b'"),
+    ({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}},
+     "schema.properties.n.multipleOf", "multipleOf"),
+    ({"type": "object", "propertyNames": {"maxLength": 3}}, "schema", "propertyNames"),
+    ({"type": "string", "format": "credit-card"}, "schema.format", "format"),
+    ({"type": "string", "format": "date"}, "schema.format", "format"),
+    ({"type": "integer", "multipleOf": 3, "maximum": 30}, "schema.multipleOf", "maximum"),
+    ({"type": "object", "nullable": True}, "schema", "nullable"),
+])
+def test_outside_the_subset_is_refused_naming_the_keyword_and_its_path(schema, path, keyword):
+    """Each of these got 200 and an output that broke the schema (``contains``, ``dependentSchemas``, a lookahead
+    in ``pattern``, a length beside ``pattern``/``format``, ``required`` naming an unlisted property)."""
+    with pytest.raises(ValueError) as err:
+        check_json_schema(schema)
+    message = str(err.value)
+    assert message.startswith(f"{path}:") and keyword in message, message
+
+
+def test_inside_the_subset_passes_and_values_are_checked():
+    check_json_schema(json.loads((Path(__file__).resolve().parents[1] / "data" / "json_schemas.json")
+                                 .read_text())["nested_company"])
+    check_json_schema({"type": "array", "uniqueItems": False, "title": "t", "description": "d"})
+    with pytest.raises(ValueError, match=r"^schema\.properties\.a\.minLength: invalid JSON schema"):
+        check_json_schema({"properties": {"a": {"type": "string", "minLength": -1}}})
+    with pytest.raises(ValueError, match=r"^schema\.type: invalid JSON schema"):
+        check_json_schema({"type": "text"})
+
+
+def test_the_readme_lists_the_subset_of_the_table():
+    assert markdown_table() in README.read_text()
+
+
+# ------------------------------------------------------------ property test
+_NAMES = ["a", "b", "id", "name"]
+_PATTERNS = ["^[a-c]{1,3}$", "^[0-9]{2}-[A-Z]$", "^(ab|cd)+$", "^x?y*z$"]
+
+
+def _string():
+    plain = st.fixed_dictionaries({"type": st.just("string")}, optional={
+        "minLength": st.integers(0, 3), "maxLength": st.integers(3, 6)})
+    return st.one_of(plain, st.builds(lambda p: {"type": "string", "pattern": p}, st.sampled_from(_PATTERNS)),
+                     st.builds(lambda f: {"type": "string", "format": f}, st.sampled_from(["email", "uuid", "ipv6"])))
+
+
+def _number():
+    integer = st.one_of(
+        st.fixed_dictionaries({"type": st.just("integer")}, optional={
+            "minimum": st.integers(-50, 0), "maximum": st.integers(1, 50)}),
+        st.builds(lambda m: {"type": "integer", "multipleOf": m}, st.sampled_from([2, 5])))
+    bounded = st.builds(lambda lo, span: {"type": "number", "minimum": lo, "maximum": lo + span},
+                        st.integers(-10, 10), st.integers(1, 20))
+    exclusive = st.builds(lambda lo: {"type": "integer", "exclusiveMinimum": lo, "exclusiveMaximum": lo + 4},
+                          st.integers(-5, 5))
+    return st.one_of(integer, bounded, exclusive)
+
+
+def _leaf():
+    return st.one_of(_string(), _number(), st.just({"type": "boolean"}), st.just({"type": "null"}),
+                     st.builds(lambda v: {"enum": v}, st.lists(st.one_of(st.integers(0, 9), st.sampled_from(
+                         ["x", "y", None])), min_size=1, max_size=3, unique_by=repr)),
+                     st.builds(lambda v: {"const": v}, st.sampled_from([1, "k", True, [1, 2], {"q": 1}])))
+
+
+def _object(children):
+    def build(props, required_mask, closed):
+        required = [n for n, keep in zip(props, required_mask) if keep]
+        out = {"type": "object", "properties": props, "required": required}
+        if closed:
+            out["additionalProperties"] = False
+        return out
+    props = st.dictionaries(st.sampled_from(_NAMES), children, min_size=1, max_size=3)
+    return st.builds(build, props, st.lists(st.booleans(), min_size=3, max_size=3), st.booleans())
+
+
+def _array(children):
+    return st.one_of(
+        st.builds(lambda item, lo, extra: {"type": "array", "items": item, "minItems": lo, "maxItems": lo + extra},
+                  children, st.integers(0, 2), st.integers(0, 2)),
+        st.builds(lambda items: {"type": "array", "prefixItems": items, "items": False},
+                  st.lists(children, min_size=1, max_size=2)))
+
+
+SCHEMAS = st.recursive(_leaf(), lambda children: st.one_of(
+    _object(children), _array(children),
+    st.builds(lambda a, b: {"anyOf": [a, b]}, children, children)), max_leaves=6)
+
+
+@pytest.fixture(scope="module")
+def char_manager():
+    return manager()
+
+
+@settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                                    HealthCheck.function_scoped_fixture])
+@given(schema=SCHEMAS)
+def test_every_output_of_a_random_schema_of_the_subset_validates(char_manager, schema):
+    """Random schemas built only of the table's keywords; outputs sampled through the real grammar with random
+    token picks (several per schema); each finished one must validate with ``jsonschema`` (formats included)."""
+    check_json_schema(schema)
+    so, tok = char_manager
+    spec = StructuredOutputsParams(json=schema)
+    validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    rng = random.Random(json.dumps(schema, sort_keys=True))
+    finished = 0
+    for i in range(4):
+        ids, ended = walk(so, tok, spec, rng, limit=300, rid=f"w{i}")
+        if not ended:
+            continue
+        finished += 1
+        text = tok.text(ids)
+        errors = [e.message for e in validator.iter_errors(json.loads(text))]
+        assert not errors, (text, errors)
+    assert finished or re.search(r'"type": "(string|array)"', json.dumps(schema))  # only long strings can run out
+
+
+def test_the_table_names_each_keyword_once():
+    names = [k.name for k in KEYWORDS]
+    assert len(names) == len(set(names))
