@@ -50,8 +50,8 @@ from gateway.config.schema import RetrySettings
 from gateway.errors import error_body
 from gateway.resilience.outcomes import (TRANSIENT_STATUS, Attempt, Failure, NoCandidate, PassThrough, Result,
                                          UpstreamResponse, classify_error_object, classify_exception,
-                                         close_response,
-                                         is_context_length_error, parse_retry_after)
+                                         close_response, is_context_length_error, is_request_error,
+                                         parse_retry_after)
 from gateway.resilience.backoff import RetryPolicy
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
 from gateway.resilience.streaming import GATEWAY_SHUTDOWN, Held, peek_stream, relay
@@ -260,7 +260,7 @@ class _Run:
                 return classify_error_object(obj["error"], body, "object in a 2xx body")
             return Result(status, ct, body=body, usage=obj.get("usage"))
         ra = parse_retry_after(resp.headers)
-        if status in TRANSIENT_STATUS or 520 <= status <= 529:
+        if (status in TRANSIENT_STATUS and not is_request_error(body)) or 520 <= status <= 529:
             return Failure("status", f"upstream status {status}", status=status, retry_after=ra, response=resp)
         if is_context_length_error(status, body):
             return Failure("context_length", "prompt too long for this target", status=status, response=resp)

@@ -18,6 +18,9 @@ from gateway.errors import transport_error_kind
 from gateway.resilience.ratelimit import RateReservation
 
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# Error codes that make a transient-looking status the request's own fault: the engine's 408 for a grammar
+# whose compile timed out refuses that schema from then on, so another try (or target) would only wait again.
+REQUEST_ERROR_CODES = frozenset({"grammar_compile_timeout"})
 _CONTEXT_RE = re.compile(r"context[ _-]?length|maximum context|context window|max_model_len|too many tokens|"
                          r"prompt is too long|reduce the length", re.I)
 
@@ -143,6 +146,15 @@ def is_context_length_error(status: int, body: bytes) -> bool:
     return err.get("code") == "context_length_exceeded" or bool(_CONTEXT_RE.search(str(err.get("message", ""))))
 
 
+def is_request_error(body: bytes) -> bool:
+    """Does an error ``body`` (OpenAI's error JSON) name a code the request itself caused (``REQUEST_ERROR_CODES``)?"""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(err, dict) and err.get("code") in REQUEST_ERROR_CODES
+
+
 def error_status(error: Any) -> int | None:
     """The HTTP status an error object names (its ``code``, else its ``status``, an integer or a string of
     digits, 400-599), as aggregators put one in a stream's error event (``{"code": 400, ...}``); None if none."""
@@ -164,7 +176,7 @@ def classify_error_object(error: Any, body: bytes, where: str) -> "Failure | Pas
     4xx moves on to a larger target, and anything else (5xx, 408/429, no status) is a transient failure.
     ``where``: what carried it, for the failure's message."""
     status = error_status(error)
-    if status is None or status in TRANSIENT_STATUS or status >= 500:
+    if status is None or (status in TRANSIENT_STATUS and not is_request_error(body)) or status >= 500:
         return Failure("error_event", f"upstream sent an error {where}", status=status or 502)
     resp = UpstreamResponse(status, {"content-type": "application/json"}, body)
     if is_context_length_error(status, body):

@@ -126,6 +126,17 @@ async def test_client_errors_pass_through_after_one_call(client, state, primary,
     assert (await Breakers(state).get("primary")).state == "closed"
 
 
+async def test_a_grammar_compile_timeout_is_the_requests_408(client, state, primary, fallback):
+    """The engine's 408 for a schema whose compile timed out names the schema, not the backend: passed
+    through after one call (another try would wait again), and the breaker stays closed."""
+    primary.push({"status": 408, "message": "grammar compile over 10 s", "error_code": "grammar_compile_timeout"})
+    res = await call_with_fallback([cand(primary), cand(fallback)], attempt_fn(client, False),
+                                   breakers=Breakers(state), policy=FAST)
+    assert res.status == 408 and json.loads(res.body)["error"]["code"] == "grammar_compile_timeout"
+    assert primary.calls == 1 and fallback.calls == 0
+    assert (await Breakers(state).get("primary")).state == "closed"
+
+
 async def test_same_target_retried_with_backoff_when_alone(client, state, primary):
     primary.push({"status": 503}, {"status": 500})
     res = await call_with_fallback([cand(primary)], attempt_fn(client, False), breakers=Breakers(state), policy=FAST)
