@@ -27,7 +27,7 @@ ENGINE_LOADING_RETRY_AFTER_S = 5
 
 
 def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str,
-                  tenant: str | None = None) -> GatewayRequest:
+                  tenant: str | None = None, body: dict | None = None) -> GatewayRequest:
     """The request value of ``raw`` on config generation ``snap`` (``gateway.runtime.Snapshot``): its tenant,
     checked body, public model and prompt length (the local engine's rendering, kept for the engine, when a rule
     reads ``prompt_tokens`` and the engine is up; else the estimate). ``tenant``: given by an operator (``tandem
@@ -39,7 +39,8 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     compiled = snap.compiled
     if tenant is None:
         tenant = authenticate(headers.get("authorization"), compiled.key_hashes)
-    body = parse_json(raw)
+    if body is None:
+        body = parse_json(raw)
     req = check_request(body, endpoint, headers.get("x-priority"), compiled.local_serves, tenant=tenant,
                         request_id=request_id, headers=headers)
     public = compiled.model_names.get(req.model)
@@ -83,7 +84,8 @@ def decide_route(gw, req: GatewayRequest, explain: bool = False):
     return decide(snap.compiled.policy, features(req, affinity), signals, explain=explain), affinity
 
 
-async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str) -> Answer:
+async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str,
+                 body: dict | None = None) -> Answer:
     """Serve one chat/completion request on the config generation current at its arrival.
 
     Args:
@@ -92,6 +94,7 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         raw: the request body, bytes.
         headers: lower-case header names -> values.
         request_id: the gateway's id for this request.
+        body: the chat body already decoded from ``raw`` (the Responses API's translation), or None.
 
     Raises:
         ClientError: 400/401/404, 503 ``engine_loading`` (nothing else can serve it while the local engine loads),
@@ -99,9 +102,9 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     """
     snap = gw.snapshot
     if len(raw) < OFFLOAD_BYTES:
-        req = build_request(snap, endpoint, raw, headers, request_id)
+        req = build_request(snap, endpoint, raw, headers, request_id, body=body)
     else:
-        req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id)
+        req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id, None, body)
     decision, affinity = decide_route(gw, req)
     if affinity:
         gw.replicas.note(decision.route, decision.pick)

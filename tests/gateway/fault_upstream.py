@@ -22,7 +22,9 @@ the queue filled by ``push()`` / ``POST /_fault/push`` (one fault per request), 
     error_after: int       after that many content chunks, send an error event and end
     usage: dict            the usage reported (answer, or the stream's usage chunk when asked for)
     no_usage: bool         report no usage at all (an upstream that never counts)
-    tool_call: bool        a stream's content chunks are tool-call deltas (name, then argument pieces)
+    tool_call: bool        a stream's content chunks are tool-call deltas (name, then argument pieces); a whole
+                           answer is one call of get_weather with arguments {"city": "Paris"}
+    content: str           a whole answer's text (default "hello from <name>")
     Request ``n`` > 1: each chunk of a stream is sent once per choice index.
 
 Counters: ``calls`` (chat/completions requests received), ``calls_by_path``, ``disconnects`` (times a client
@@ -195,7 +197,7 @@ class FaultUpstream:
         if not stream:
             if fault.get("malformed"):
                 return web.Response(text='{"id": "x", "choices": [', content_type="application/json")
-            full = self._full(chat, body or {})
+            full = self._full(chat, body or {}, fault)
             if fault.get("no_usage"):
                 full.pop("usage")
             elif fault.get("usage"):
@@ -203,14 +205,20 @@ class FaultUpstream:
             return web.json_response(full)
         return await self._stream(request, fault, chat, body or {})
 
-    def _full(self, chat: bool, body: dict) -> dict:
-        text = f"hello from {self.name}"
+    def _full(self, chat: bool, body: dict, fault: dict | None = None) -> dict:
+        fault = fault or {}
+        text = fault.get("content", f"hello from {self.name}")
         usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
         if chat:
+            message, finish = {"role": "assistant", "content": text}, "stop"
+            if fault.get("tool_call"):
+                message = {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+                finish = "tool_calls"
             return {"id": "chatcmpl-fault", "object": "chat.completion", "created": int(time.time()),
                     "model": body.get("model", self.model),
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "finish_reason": "stop"}], "usage": usage}
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}
         return {"id": "cmpl-fault", "object": "text_completion", "created": int(time.time()),
                 "model": body.get("model", self.model),
                 "choices": [{"index": 0, "text": text, "finish_reason": "stop"}], "usage": usage}
