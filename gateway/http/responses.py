@@ -6,8 +6,10 @@ A Responses request is translated onto chat completions (``gateway/translate/res
 ``GatewayRequest``, policies, admission (RPM/TPM, budgets), the attempt loop, the ledger's one usage record and
 the metrics all see a chat request (labelled ``responses`` in logs and traces). The chat answer comes back
 translated: a whole answer into the Responses object, a stream into the typed events
-(``gateway/translate/responses_events.py``), written with the SSE codec (``gateway/sse.py``). Errors are
-OpenAI's error JSON, as on chat. Stored responses: ``gateway/stored_responses.py``.
+(``gateway/translate/responses_events.py``), written with the SSE codec (``gateway/sse.py``). An upstream that
+declares the Responses API (``apis: [responses]``) is sent a whole request natively instead
+(``GatewayRequest.source``; ``gateway/backends/dispatch.py``) and its answer is kept as it is, under the
+gateway's id. Errors are OpenAI's error JSON, as on chat. Stored responses: ``gateway/stored_responses.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from gateway.request.pipeline import handle
 from gateway.request.validate import parse_json
 from gateway.sse import EventReader, named_event
 from gateway.stored_responses import ResponseStore, StoredResponse
-from gateway.translate.responses import check_body, from_chat, input_items, new_context, to_chat
+from gateway.translate.responses import check_body, from_chat, input_items, native_body, new_context, to_chat
 from gateway.translate.responses_events import ResponsesEvents
 
 _JSON = "application/json"
@@ -38,7 +40,7 @@ def _not_found(response_id: str, param: str = "response_id") -> ClientError:
 
 async def _prepare(gw, store: ResponseStore, raw: bytes, headers, rid: str):
     """The client's body (nulls dropped) checked and translated: (body, tenant, this turn's items, the
-    conversation before them, the chat body). Raises ClientError: 400/401, 404 for an unknown
+    conversation before them, the chat body, the body for an upstream speaking the Responses API). Raises ClientError: 400/401, 404 for an unknown
     ``previous_response_id`` (as OpenAI answers)."""
     body = {k: v for k, v in parse_json(raw).items() if v is not None}
     tenant = authenticate(headers.get("authorization"), gw.snapshot.compiled.key_hashes)
@@ -51,7 +53,7 @@ async def _prepare(gw, store: ResponseStore, raw: bytes, headers, rid: str):
             raise _not_found(str(prev_id), "previous_response_id")
         history = prev.conversation()
     items = input_items(body, rid)
-    return body, tenant, items, history, to_chat(body, history, items)
+    return body, tenant, items, history, to_chat(body, history, items), native_body(body, history, items)
 
 
 @post("/v1/responses")
@@ -70,14 +72,15 @@ async def create_response(request: Request) -> Response:
     streaming = False
     try:
         raw = await read_body(request, gw.snapshot.max_body_size, gw.snapshot.compiled.config.server.body_timeout_s)
-        body, tenant, items, history, chat = await _prepare(gw, store, raw, headers, rid)
+        body, tenant, items, history, chat, native = await _prepare(gw, store, raw, headers, rid)
         ctx = new_context(body, rid, gw.snapshot.compiled.model_names.get(body["model"], body["model"]))
 
         async def keep(final: dict) -> None:
             if body.get("store", True):
                 await store.put(StoredResponse(tenant, final, items, history))
 
-        answer = await unless_disconnected(request, handle(gw, "chat/completions", raw, headers, rid, body=chat))
+        answer = await unless_disconnected(request, handle(gw, "chat/completions", raw, headers, rid, body=chat,
+                                                           source=("responses", native)))
         if answer is None:                  # the client left: its upstream call was cancelled
             return Response(b"", status_code=499)
         if answer.stream is not None:
@@ -87,7 +90,11 @@ async def create_response(request: Request) -> Response:
                                headers={**answer.headers, "cache-control": "no-cache"})
         content = await gw.obs.finish(rec, answer.backend, answer.status, answer.content)
         if answer.status == 200:
-            final = from_chat(_decode(content), ctx)
+            final = _decode(content)
+            if answer.api == "responses":     # the upstream's own Responses object, under the gateway's names
+                final.update(id=ctx.id, previous_response_id=body.get("previous_response_id"))
+            else:
+                final = from_chat(final, ctx)
             await keep(final)
             content = _encode(final)
         return Response(content, status_code=answer.status, media_type=_JSON, headers=answer.headers)

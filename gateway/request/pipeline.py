@@ -27,11 +27,14 @@ ENGINE_LOADING_RETRY_AFTER_S = 5
 
 
 def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str,
-                  tenant: str | None = None, body: dict | None = None) -> GatewayRequest:
+                  tenant: str | None = None, body: dict | None = None,
+                  source: tuple[str, dict] | None = None) -> GatewayRequest:
     """The request value of ``raw`` on config generation ``snap`` (``gateway.runtime.Snapshot``): its tenant,
     checked body, public model and prompt length (the local engine's rendering, kept for the engine, when a rule
     reads ``prompt_tokens`` and the engine is up; else the estimate). ``tenant``: given by an operator (``tandem
-    route explain``) instead of authenticated from ``headers``.
+    route explain``) instead of authenticated from ``headers``. ``body``: ``raw`` already decoded (a request
+    translated onto chat, ``gateway/http/responses.py``), not decoded again; ``source``: what it was translated
+    from (``GatewayRequest.source``).
 
     Raises:
         ClientError: 400 (bad body), 401 (bad key), 404 (unknown model).
@@ -51,7 +54,7 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     if snap.needs_prompt_tokens and snap.local is not None and snap.local.available:
         rendered = snap.local.render(endpoint, req.body)
     prompt_tokens = rendered.prompt_tokens if rendered is not None else estimate_prompt_tokens(req.body)
-    return replace(req, public_model=public, prompt_tokens=prompt_tokens, rendered=rendered)
+    return replace(req, public_model=public, prompt_tokens=prompt_tokens, rendered=rendered, source=source)
 
 
 def features(req: GatewayRequest, prefix: bool = False) -> RequestFeatures:
@@ -85,7 +88,7 @@ def decide_route(gw, req: GatewayRequest, explain: bool = False):
 
 
 async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str,
-                 body: dict | None = None) -> Answer:
+                 body: dict | None = None, source: tuple[str, dict] | None = None) -> Answer:
     """Serve one chat/completion request on the config generation current at its arrival.
 
     Args:
@@ -95,6 +98,7 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         headers: lower-case header names -> values.
         request_id: the gateway's id for this request.
         body: the chat body already decoded from ``raw`` (the Responses API's translation), or None.
+        source: (API, body) the chat body was translated from, for upstreams that speak it natively.
 
     Raises:
         ClientError: 400/401/404, 503 ``engine_loading`` (nothing else can serve it while the local engine loads),
@@ -102,9 +106,9 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     """
     snap = gw.snapshot
     if len(raw) < OFFLOAD_BYTES:
-        req = build_request(snap, endpoint, raw, headers, request_id, body=body)
+        req = build_request(snap, endpoint, raw, headers, request_id, body=body, source=source)
     else:
-        req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id, None, body)
+        req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id, None, body, source)
     decision, affinity = decide_route(gw, req)
     if affinity:
         gw.replicas.note(decision.route, decision.pick)

@@ -213,6 +213,16 @@ def to_chat(body: dict, history: list[dict], items: list[dict]) -> dict:
     return chat
 
 
+def native_body(body: dict, history: list[dict], items: list[dict]) -> dict:
+    """``body`` as an upstream that speaks the Responses API natively is sent it: the conversation the gateway
+    stored (``history``, without the gateway's item ids and statuses) and this turn's ``items`` as its
+    ``input``, no ``previous_response_id`` (the upstream never saw the gateway's ids)."""
+    past = [{k: v for k, v in item.items() if k not in ("id", "status")} for item in history]
+    native = {k: v for k, v in body.items() if k != "previous_response_id"}
+    native["input"] = past + items
+    return native
+
+
 def usage_of(chat_usage: dict | None) -> dict | None:
     """Chat ``usage`` -> the Responses ``usage`` (``input_tokens``, ``output_tokens``,
     ``input_tokens_details.cached_tokens``, ``output_tokens_details.reasoning_tokens``, ``total_tokens``)."""

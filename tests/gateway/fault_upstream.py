@@ -1,6 +1,8 @@
 """A small OpenAI-compatible fault injector for resilience tests (aiohttp server in a background thread).
 
-It answers ``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not) and ``GET /v1/models``.
+It answers ``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not) and ``GET /v1/models``;
+``POST /v1/responses`` (whole answers only: a Responses object with the text ``native from <name>``) for the
+tests of a backend that declares the Responses API (``apis: [responses]``).
 What each request gets is a *fault* dict, taken (in this order) from the ``x-fault`` request header (JSON),
 the queue filled by ``push()`` / ``POST /_fault/push`` (one fault per request), or the default set by
 ``set_default()`` / ``POST /_fault/default``. ``{}`` is a healthy answer. Keys (all optional):
@@ -114,6 +116,7 @@ class FaultUpstream:
             app = web.Application()
             app.router.add_post("/v1/chat/completions", self._completion)
             app.router.add_post("/v1/completions", self._completion)
+            app.router.add_post("/v1/responses", self._responses)
             app.router.add_get("/v1/models", self._models)
             app.router.add_post("/_fault/push", self._admin_push)
             app.router.add_post("/_fault/default", self._admin_default)
@@ -204,6 +207,22 @@ class FaultUpstream:
                 full["usage"] = fault["usage"]
             return web.json_response(full)
         return await self._stream(request, fault, chat, body or {})
+
+    async def _responses(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        with self._lock:
+            self.calls_by_path[request.path] = self.calls_by_path.get(request.path, 0) + 1
+            self.requests.append((request.path, dict(request.headers), body))
+        text = f"native from {self.name}"
+        return web.json_response({
+            "id": "resp_upstream", "object": "response", "created_at": int(time.time()), "status": "completed",
+            "model": body.get("model", self.model), "output": [
+                {"type": "message", "id": "msg_upstream", "status": "completed", "role": "assistant",
+                 "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "error": None,
+            "incomplete_details": None, "instructions": body.get("instructions"),
+            "usage": {"input_tokens": 11, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 7,
+                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 18}})
 
     def _full(self, chat: bool, body: dict, fault: dict | None = None) -> dict:
         fault = fault or {}

@@ -32,7 +32,8 @@ def up():
         yield u
 
 
-def config(up: FaultUpstream, key_limits: str = "", budget_usd: float | None = None, redis_url: str | None = None) -> str:
+def config(up: FaultUpstream, key_limits: str = "", budget_usd: float | None = None, redis_url: str | None = None,
+           apis: str = "") -> str:
     budgets = f"budgets:\n  tenants: {{t1: {{usd: {budget_usd}, period: day}}}}\n" if budget_usd else ""
     state = f"state: {{redis_url: '{redis_url}'}}\n" if redis_url else ""
     return (f"reload: {{watch: false}}\nauth:\n  keys:\n    - {{tenant: t1, sha256: {sha(KEY)}{key_limits}}}\n"
@@ -41,6 +42,7 @@ def config(up: FaultUpstream, key_limits: str = "", budget_usd: float | None = N
             + "observability:\n  logs: {requests: false}\nmodels:\n  - name: m1\n"
             + f"backends:\n  up:\n    type: openai\n    base_url: {up.base_url}\n"
               "    prices: {input: 1, output: 2}\n    timeouts: {connect_s: 2, read_s: 10, first_token_s: 5}\n"
+            + (f"    apis: [{apis}]\n" if apis else "")
             + "routes:\n  r1:\n    targets: [{backend: up}]\npolicy:\n  default_route: r1\n")
 
 
@@ -212,6 +214,28 @@ async def test_rpm_refusal_is_openai_429_and_ledger_has_one_record(up):
     assert len(records) == 1 and up.calls == 1
     rec = next(iter(records.values()))
     assert (rec.prompt_tokens, rec.completion_tokens) == (r.usage.input_tokens, r.usage.output_tokens)
+
+
+async def test_native_pass_through_to_an_upstream_that_declares_responses(up):
+    up.push({"content": "A"})
+    async with gateway(config(up, apis="responses")) as (gw, client):
+        streamed = [e async for e in await client.responses.create(model="m1", input="one", stream=True)]
+        r1 = streamed[-1].response                      # a stream is served on chat, translated
+        r2 = await client.responses.create(model="m1", input="two", previous_response_id=r1.id, instructions="s")
+        records = await gw.usage.records("t1")
+    assert r1.output_text == "tok0 tok1 tok2 " and up.calls_by_path == {"/v1/chat/completions": 1,
+                                                                        "/v1/responses": 1}
+    assert r2.output_text == "native from up" and r2.id.startswith("resp_gw-")   # the gateway's id, stored
+    assert r2.previous_response_id == r1.id and r2.model == "m1"
+    path, _, sent = up.requests[-1]
+    assert path == "/v1/responses" and "previous_response_id" not in sent and sent["model"] == "m1"
+    assert sent["instructions"] == "s" and [i["content"][0]["text"] for i in sent["input"]] == [
+        "one", "tok0 tok1 tok2 ", "two"]
+    assert (r2.usage.input_tokens, r2.usage.output_tokens) == (11, 7)
+    billed = {r.request_id: r for r in records.values()}
+    assert len(billed) == 2
+    native = [r for r in billed.values() if (r.prompt_tokens, r.completion_tokens) == (11, 7)]
+    assert len(native) == 1 and not native[0].estimated and native[0].cached_tokens == 2
 
 
 async def test_models_list_the_responses_endpoint(up):
