@@ -27,7 +27,8 @@ from gateway.request.pipeline import handle
 from gateway.request.validate import parse_json
 from gateway.sse import EventReader, named_event
 from gateway.stored_responses import ResponseStore, StoredResponse
-from gateway.translate.responses import check_body, from_chat, input_items, native_body, new_context, to_chat
+from gateway.translate.responses import (check_body, from_chat, input_items, native_body, new_context,
+                                         responses_error, to_chat)
 from gateway.translate.responses_events import ResponsesEvents
 
 _JSON = "application/json"
@@ -79,8 +80,11 @@ async def create_response(request: Request) -> Response:
             if body.get("store", True):
                 await store.put(StoredResponse(tenant, final, items, history))
 
-        answer = await unless_disconnected(request, handle(gw, "chat/completions", raw, headers, rid, body=chat,
-                                                           source=("responses", native)))
+        try:
+            answer = await unless_disconnected(request, handle(gw, "chat/completions", raw, headers, rid,
+                                                               body=chat, source=("responses", native)))
+        except ClientError as e:
+            raise responses_error(e) from None
         if answer is None:                  # the client left: its upstream call was cancelled
             return Response(b"", status_code=499)
         if answer.stream is not None:

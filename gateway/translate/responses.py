@@ -213,6 +213,21 @@ def to_chat(body: dict, history: list[dict], items: list[dict]) -> dict:
     return chat
 
 
+# Chat parameters a 400 of the chat pipeline names (validation, ranges) -> the Responses parameter they came from.
+_CHAT_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+
+
+def responses_error(e: ClientError) -> ClientError:
+    """A refusal of the translated chat body, naming the Responses parameter the client wrote (``max_tokens`` ->
+    ``max_output_tokens``; a message -> ``input``: its index in the chat body is not the client's)."""
+    name = (e.param or "").split("[")[0].split(".")[0]
+    new = _CHAT_PARAMS.get(name)
+    if new is None:
+        return e
+    param = new if name == "messages" else new + e.param[len(name):]
+    return ClientError(e.status, e.message.replace(f"'{name}", f"'{new}"), param, e.code, e.headers)
+
+
 def native_body(body: dict, history: list[dict], items: list[dict]) -> dict:
     """``body`` as an upstream that speaks the Responses API natively is sent it: the conversation the gateway
     stored (``history``, without the gateway's item ids and statuses) and this turn's ``items`` as its

@@ -73,8 +73,10 @@ async def gateway(cfg: str):
 
 async def test_plain_create_translated_onto_chat(up):
     async with gateway(config(up)) as (gw, client):
-        r = await client.responses.create(model="m1", input="hi", instructions="be brief", max_output_tokens=20,
-                                          temperature=0.5)
+        raw = await client.responses.with_raw_response.create(model="m1", input="hi", instructions="be brief",
+                                                              max_output_tokens=20, temperature=0.5)
+    r = raw.parse()
+    assert (raw.headers["x-tandem-route"], raw.headers["x-tandem-backend"]) == ("r1", "up")   # routed as chat
     assert r.status == "completed" and r.output_text == "hello from up"
     assert r.id.startswith("resp_gw-") and r.model == "m1"
     assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.input_tokens_details.cached_tokens) == (5, 3, 0)
@@ -196,11 +198,14 @@ async def test_stream_failure_after_content_is_response_failed(up):
     assert events[-1].response.error.message
 
 
-async def test_builtin_tool_refused_naming_it(up):
+async def test_builtin_tool_and_out_of_range_refused_naming_the_responses_parameter(up):
     async with gateway(config(up)) as (gw, client):
         with pytest.raises(openai.BadRequestError) as e:
             await client.responses.create(model="m1", input="hi", tools=[{"type": "web_search"}])
+        with pytest.raises(openai.BadRequestError) as r:
+            await client.responses.create(model="m1", input="hi", max_output_tokens=-1)
     assert e.value.body["param"] == "tools[0].type" and "web_search" in e.value.body["message"]
+    assert r.value.body["param"] == "max_output_tokens" and "max_output_tokens" in r.value.body["message"]
     assert up.calls == 0
 
 
@@ -210,7 +215,12 @@ async def test_rpm_refusal_is_openai_429_and_ledger_has_one_record(up):
         with pytest.raises(openai.RateLimitError) as e:
             await client.responses.create(model="m1", input="again")
         records = await gw.usage.records("t1")
+        samples = [s for m in gw.obs.registry.collect() for s in m.samples]
     assert e.value.status_code == 429 and e.value.body["code"] and e.value.response.headers.get("retry-after")
+    served = [s.value for s in samples if s.name == "tandem_requests_total" and s.labels["route"] == "r1"
+              and s.labels["status"] == "200"]
+    refused = [s.value for s in samples if s.name == "tandem_rate_limit_rejections_total"]
+    assert served == [1.0] and refused == [1.0]        # metered as chat is
     assert len(records) == 1 and up.calls == 1
     rec = next(iter(records.values()))
     assert (rec.prompt_tokens, rec.completion_tokens) == (r.usage.input_tokens, r.usage.output_tokens)
