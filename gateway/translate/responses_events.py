@@ -45,8 +45,11 @@ class ResponsesEvents:
     # -- items -------------------------------------------------------------------------------------------------
     def _open_message(self) -> list[dict]:
         item = message_item(self.ctx, "", status="in_progress")
+        n = sum(o["type"] == "message" for o in self.output)
+        if n:                     # text after a call: another message, with an id of its own (the SDK checks)
+            item["id"] += f"_{n}"
         item["content"] = []
-        self.open = {"item": item, "text": ""}
+        self.open = {"item": item, "text": "", "index": None}
         i = len(self.output)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [self._ev("response.output_item.added", output_index=i, item=item),
@@ -58,7 +61,7 @@ class ResponsesEvents:
         self.calls[call.get("index", 0)] = k
         fn = call.get("function") or {}
         item = function_call_item(self.ctx, k, call.get("id"), fn.get("name") or "", "", status="in_progress")
-        self.open = {"item": item, "text": ""}
+        self.open = {"item": item, "text": "", "index": call.get("index", 0)}
         return [self._ev("response.output_item.added", output_index=len(self.output), item=item)]
 
     def _close(self) -> list[dict]:
@@ -68,7 +71,7 @@ class ResponsesEvents:
         item, text, i = self.open["item"], self.open["text"], len(self.output)
         self.open = None
         if item["type"] == "message":
-            done = message_item(self.ctx, text)
+            done = {**message_item(self.ctx, text), "id": item["id"]}
             part = done["content"][0]
             events = [self._ev("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
                                text=text, logprobs=[]),
@@ -103,7 +106,7 @@ class ResponsesEvents:
             if call.get("index", 0) not in self.calls:
                 events += self._close() + self._open_call(call)
             args = (call.get("function") or {}).get("arguments")
-            if args:
+            if args and self.open["index"] == call.get("index", 0):   # a closed call's late pieces are dropped
                 self.open["text"] += args
                 events.append(self._ev("response.function_call_arguments.delta", item_id=self.open["item"]["id"],
                                        output_index=len(self.output), delta=args))

@@ -104,3 +104,14 @@ def test_stream_without_finish_fails_and_empty_answer_is_one_empty_message():
     ev.start()
     ev.feed(_chunk(finish="stop"))
     assert ev.finish()[-1]["response"]["output"][0]["content"][0]["text"] == ""
+
+
+def test_stream_text_after_a_call_is_a_second_message_with_its_own_id():
+    ev = ResponsesEvents(new_context({"model": "m"}, "r", "m"))
+    ev.start()
+    for c in [_chunk({"content": "a"}), _chunk({"tool_calls": [{"index": 0, "id": "c1", "function": {
+              "name": "f", "arguments": "{}"}}]}), _chunk({"content": "b"}), _chunk(finish="stop")]:
+        ev.feed(c)
+    output = ev.finish()[-1]["response"]["output"]
+    assert [o["type"] for o in output] == ["message", "function_call", "message"]
+    assert len({o["id"] for o in output}) == 3 and output[2]["content"][0]["text"] == "b"
