@@ -41,10 +41,12 @@ def _not_found(response_id: str, param: str = "response_id") -> ClientError:
 
 async def _prepare(gw, store: ResponseStore, raw: bytes, headers, rid: str):
     """The client's body (nulls dropped) checked and translated: (body, tenant, this turn's items, the
-    conversation before them, the chat body, the body for an upstream speaking the Responses API). Raises ClientError: 400/401, 404 for an unknown
-    ``previous_response_id`` (as OpenAI answers)."""
+    conversation before them, the chat body, the body for an upstream speaking the Responses API).
+
+    Raises:
+        ClientError: 400/401, 404 for an unknown ``previous_response_id`` (as OpenAI answers)."""
+    tenant = authenticate(headers.get("authorization"), gw.snapshot.compiled.key_hashes)   # before the body
     body = {k: v for k, v in parse_json(raw).items() if v is not None}
-    tenant = authenticate(headers.get("authorization"), gw.snapshot.compiled.key_hashes)
     check_body(body)
     history: list = []
     prev_id = body.get("previous_response_id")

@@ -263,7 +263,8 @@ def message_item(ctx: ResponseContext, text: str, status: str = "completed", ref
 def function_call_item(ctx: ResponseContext, k: int, call_id: str | None, name: str, arguments: str,
                        status: str = "completed") -> dict:
     """The ``k``-th function call output item of ``ctx``'s response (its ``call_id`` the backend's tool call id)."""
-    return {"type": "function_call", "id": f"fc_{ctx.request_id}_{k}", "call_id": call_id or f"call_{ctx.request_id}_{k}",
+    rid = ctx.request_id
+    return {"type": "function_call", "id": f"fc_{rid}_{k}", "call_id": call_id or f"call_{rid}_{k}",
             "name": name, "arguments": arguments, "status": status}
 
 

@@ -106,7 +106,8 @@ async def test_function_call_round_trip(up):
     assert sent_first["tool_choice"] == "auto" and sent_first["parallel_tool_calls"] is False
     assert sent_second["messages"][1:] == [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}]},
+            {"id": call.call_id, "type": "function",
+             "function": {"name": "get_weather", "arguments": call.arguments}}]},
         {"role": "tool", "tool_call_id": call.call_id, "content": '{"sky": "sunny"}'}]
 
 
