@@ -211,3 +211,8 @@ def choice_finishes(data: bytes) -> list[tuple[Any, bool]]:
         return []
     return [(ch.index if isinstance(ch.index, int) else repr(ch.index), bool(ch.finish_reason))
             for ch in ev.choices or ()]
+
+
+def named_event(name: str, payload: bytes) -> bytes:
+    """One SSE event with an ``event:`` field (the Responses API's typed events name their type there too)."""
+    return b"event: " + name.encode() + b"\n" + event(payload)

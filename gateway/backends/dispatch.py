@@ -30,7 +30,9 @@ GATEWAY_ONLY_FIELDS = ("priority",)
 class Answer:
     """One answer, as backends produced it and the HTTP layer renders it: ``status``, ``headers`` (the
     ``x-tandem-*`` routing facts are added by the pipeline), ``content`` bytes or a ``stream`` of SSE bytes,
-    ``backend`` (who answered; "" when every attempt failed) and ``attempts`` (upstream calls made)."""
+    ``backend`` (who answered; "" when every attempt failed) and ``attempts`` (upstream calls made). ``api``: the
+    API the answer speaks when the backend was sent the request's ``source`` natively ("" otherwise: the
+    request's endpoint)."""
 
     status: int
     content: bytes = b""
@@ -39,6 +41,15 @@ class Answer:
     backend: str = ""
     attempts: int = 0
     headers: dict[str, str] = field(default_factory=dict)
+    api: str = ""
+
+
+def native_api(backend, req: GatewayRequest) -> str:
+    """The API of ``req.source`` when ``backend`` speaks it natively and the request is whole (a stream is
+    always served on chat, whose events the attempt loop and the ledger read); "" otherwise."""
+    if req.source is None or req.stream or req.source[0] not in getattr(backend.cfg, "apis", ()):
+        return ""
+    return req.source[0]
 
 
 def _payload(backend, target: Target, req: GatewayRequest):
@@ -54,6 +65,10 @@ def _payload(backend, target: Target, req: GatewayRequest):
 
 
 async def _attempt(backend, target: Target, req: GatewayRequest):
+    if api := native_api(backend, req):          # the client's own request, on the API it was made on
+        body = {k: v for k, v in req.source[1].items() if k not in GATEWAY_ONLY_FIELDS}
+        body["model"] = backend.upstream_model(req.public_model, target.model)
+        return await backend.send(api, msgspec.json.encode(body), req.request_id)
     payload = _payload(backend, target, req)
     # the local engine takes the request value (priority, routing's rendering, the answer's id and model)
     args = (req, payload) if backend.kind == "local" else (req.endpoint, payload, req.request_id)
@@ -120,7 +135,7 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
         else:
             body = relabel_json(body, id_, req.public_model)
     return Answer(res.status, body, stream, res.headers.get("content-type", "application/json"),
-                  backend, res.num_calls, headers)
+                  backend, res.num_calls, headers, native_api(backends[backend], req) if backend else "")
 
 
 def backend_error_to_response(e: BackendError) -> UpstreamResponse:

@@ -83,7 +83,7 @@ class UpstreamBackend:
         # straight to the client's pooled transport (skips httpx's per-request
         # URL merging and header copies: ~1.5x the requests/s of client.post).
         self._transport = self.client._transport
-        self._urls = {ep: httpx.URL(f"{cfg.base_url}/{ep}") for ep in ("chat/completions", "completions")}
+        self._urls = {ep: httpx.URL(f"{cfg.base_url}/{ep}") for ep in ("chat/completions", "completions", *cfg.apis)}
         self._headers = httpx.Headers(headers)
         self._sse_headers = httpx.Headers({**headers, **_SSE_HEADERS})
         t = cfg.timeouts

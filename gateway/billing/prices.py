@@ -80,13 +80,14 @@ def monthly_cost_usd(price: Price, tokens_per_month: int, input_share: float = 0
 
 
 def usage_tokens(usage: dict | None) -> tuple[int, int, int] | None:
-    """(prompt, completion, cached prompt) tokens of an OpenAI ``usage`` object; None if absent/odd."""
+    """(prompt, completion, cached prompt) tokens of an OpenAI ``usage`` object (chat's names, or the Responses
+    API's: ``input_tokens``, ``output_tokens``, ``input_tokens_details``); None if absent/odd."""
     if not isinstance(usage, dict):
         return None
     try:
-        p = int(usage.get("prompt_tokens") or 0)
-        c = int(usage.get("completion_tokens") or 0)
-        det = usage.get("prompt_tokens_details") or {}
+        p = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
+        c = int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
+        det = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
         cached = int(det.get("cached_tokens") or 0) if isinstance(det, dict) else 0
     except (TypeError, ValueError):
         return None

@@ -251,6 +251,9 @@ class OpenAIBackendConfig(_Strict):
     rpm: int | None = Field(None, ge=1)    # the upstream's quota (per limits.window_s)
     tpm: int | None = Field(None, ge=1)
     stream_usage: bool = True              # ask streams for usage (stream_options.include_usage); false: estimated
+    # APIs this upstream speaks natively besides chat/completions and completions: a whole (non-streamed)
+    # request on one is passed through as it is; otherwise (and streamed) it is translated onto chat
+    apis: list[Literal["responses"]] = []
 
     @field_validator("base_url")
     @classmethod

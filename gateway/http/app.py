@@ -3,6 +3,7 @@ exception -> OpenAI error table, in-flight accounting in one middleware. The req
 ``gateway/request/pipeline.py``; operator endpoints are ``gateway/http/admin.py``.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model},
+the Responses API (``gateway/http/responses.py``),
 GET /health/live, GET /health/ready; the admin API and GET /metrics from ``admin.py``. Every response carries
 ``x-request-id``; ``server.cors`` adds CORS.
 """
@@ -21,10 +22,12 @@ from engine.entrypoints.request_ids import stamp_request_id, unique_request_id
 from gateway.config.schema import ConfigError, CorsConfig
 from gateway.errors import ClientError, error_body
 from gateway.http.admin import ADMIN_HANDLERS
+from gateway.http.responses import RESPONSES_HANDLERS
 from gateway.http.transport import EventStream, read_body, unless_disconnected
 from gateway.request.auth import authenticate
 from gateway.request.pipeline import handle
 from gateway.runtime import Gateway
+from gateway.stored_responses import ResponseStore
 
 log = logging.getLogger("tandem.gateway.app")
 _JSON = "application/json"
@@ -118,8 +121,13 @@ async def completions(request: Request) -> Response:
     return await _serve(request, "completions")
 
 
+# The endpoints every public model serves (``endpoints`` in its model object): one table; an endpoint served
+# by translation onto chat (the Responses API) is served wherever chat is.
+MODEL_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+
+
 def _model_object(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "tandem"}
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tandem", "endpoints": list(MODEL_ENDPOINTS)}
 
 
 @get("/v1/models")
@@ -170,8 +178,10 @@ def create_app(gw: Gateway, cors: CorsConfig | None = None) -> Litestar:
     setting (None: no CORS headers, preflights refused)."""
     return Litestar(
         cors_config=CORSConfig(**cors.model_dump()) if cors is not None else None,
-        route_handlers=[chat_completions, completions, models, model, live, ready, *ADMIN_HANDLERS],
-        state=State({"gw": gw}), middleware=[in_flight], before_send=[stamp_request_id(GATEWAY_ID_PREFIX)],
+        route_handlers=[chat_completions, completions, models, model, live, ready, *RESPONSES_HANDLERS,
+                        *ADMIN_HANDLERS],
+        state=State({"gw": gw, "responses": ResponseStore(gw.resilience.state)}),   # stored Responses
+        middleware=[in_flight], before_send=[stamp_request_id(GATEWAY_ID_PREFIX)],
         on_startup=[gw.start, gw.obs.start], on_shutdown=[gw.obs.stop, gw.stop],
         exception_handlers=EXCEPTION_HANDLERS, openapi_config=None, request_max_body_size=None, logging_config=None,
     )

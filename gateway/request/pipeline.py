@@ -27,11 +27,14 @@ ENGINE_LOADING_RETRY_AFTER_S = 5
 
 
 def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str,
-                  tenant: str | None = None) -> GatewayRequest:
+                  tenant: str | None = None, body: dict | None = None,
+                  source: tuple[str, dict] | None = None) -> GatewayRequest:
     """The request value of ``raw`` on config generation ``snap`` (``gateway.runtime.Snapshot``): its tenant,
     checked body, public model and prompt length (the local engine's rendering, kept for the engine, when a rule
     reads ``prompt_tokens`` and the engine is up; else the estimate). ``tenant``: given by an operator (``tandem
-    route explain``) instead of authenticated from ``headers``.
+    route explain``) instead of authenticated from ``headers``. ``body``: ``raw`` already decoded (a request
+    translated onto chat, ``gateway/http/responses.py``), not decoded again; ``source``: what it was translated
+    from (``GatewayRequest.source``).
 
     Raises:
         ClientError: 400 (bad body), 401 (bad key), 404 (unknown model).
@@ -39,7 +42,8 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     compiled = snap.compiled
     if tenant is None:
         tenant = authenticate(headers.get("authorization"), compiled.key_hashes)
-    body = parse_json(raw)
+    if body is None:
+        body = parse_json(raw)
     req = check_request(body, endpoint, headers.get("x-priority"), compiled.local_serves, tenant=tenant,
                         request_id=request_id, headers=headers)
     public = compiled.model_names.get(req.model)
@@ -50,7 +54,7 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     if snap.needs_prompt_tokens and snap.local is not None and snap.local.available:
         rendered = snap.local.render(endpoint, req.body)
     prompt_tokens = rendered.prompt_tokens if rendered is not None else estimate_prompt_tokens(req.body)
-    return replace(req, public_model=public, prompt_tokens=prompt_tokens, rendered=rendered)
+    return replace(req, public_model=public, prompt_tokens=prompt_tokens, rendered=rendered, source=source)
 
 
 def features(req: GatewayRequest, prefix: bool = False) -> RequestFeatures:
@@ -83,7 +87,8 @@ def decide_route(gw, req: GatewayRequest, explain: bool = False):
     return decide(snap.compiled.policy, features(req, affinity), signals, explain=explain), affinity
 
 
-async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str) -> Answer:
+async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str,
+                 body: dict | None = None, source: tuple[str, dict] | None = None) -> Answer:
     """Serve one chat/completion request on the config generation current at its arrival.
 
     Args:
@@ -92,6 +97,8 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         raw: the request body, bytes.
         headers: lower-case header names -> values.
         request_id: the gateway's id for this request.
+        body: the chat body already decoded from ``raw`` (the Responses API's translation), or None.
+        source: (API, body) the chat body was translated from, for upstreams that speak it natively.
 
     Raises:
         ClientError: 400/401/404, 503 ``engine_loading`` (nothing else can serve it while the local engine loads),
@@ -99,9 +106,9 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     """
     snap = gw.snapshot
     if len(raw) < OFFLOAD_BYTES:
-        req = build_request(snap, endpoint, raw, headers, request_id)
+        req = build_request(snap, endpoint, raw, headers, request_id, body=body, source=source)
     else:
-        req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id)
+        req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id, None, body, source)
     decision, affinity = decide_route(gw, req)
     if affinity:
         gw.replicas.note(decision.route, decision.pick)

@@ -56,6 +56,9 @@ class GatewayRequest:
     it, else ``estimate_prompt_tokens``). rendered: that rendering (``engine.entrypoints.serving.RenderedPrompt``:
     template applied, tokenized), handed to the local engine so it does not tokenize again; None when not
     rendered. local_unsupported: a field the local engine cannot serve. headers: lower-case names -> values.
+    source: (API, body) of a request that came on another API and was translated onto chat (the Responses
+    API: ``("responses", the client's body with its conversation expanded)``); an upstream that speaks that API
+    natively (``apis``) is sent it as it is. None for a chat or completion request.
     """
 
     endpoint: str
@@ -75,6 +78,7 @@ class GatewayRequest:
     prompt_tokens: int | None = None
     rendered: Any = None
     headers: Mapping[str, str] = field(default_factory=dict)
+    source: tuple[str, dict] | None = None
 
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})

@@ -1,6 +1,8 @@
 """A small OpenAI-compatible fault injector for resilience tests (aiohttp server in a background thread).
 
-It answers ``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not) and ``GET /v1/models``.
+It answers ``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not) and ``GET /v1/models``;
+``POST /v1/responses`` (whole answers only: a Responses object with the text ``native from <name>``) for the
+tests of a backend that declares the Responses API (``apis: [responses]``).
 What each request gets is a *fault* dict, taken (in this order) from the ``x-fault`` request header (JSON),
 the queue filled by ``push()`` / ``POST /_fault/push`` (one fault per request), or the default set by
 ``set_default()`` / ``POST /_fault/default``. ``{}`` is a healthy answer. Keys (all optional):
@@ -22,7 +24,9 @@ the queue filled by ``push()`` / ``POST /_fault/push`` (one fault per request), 
     error_after: int       after that many content chunks, send an error event and end
     usage: dict            the usage reported (answer, or the stream's usage chunk when asked for)
     no_usage: bool         report no usage at all (an upstream that never counts)
-    tool_call: bool        a stream's content chunks are tool-call deltas (name, then argument pieces)
+    tool_call: bool        a stream's content chunks are tool-call deltas (name, then argument pieces); a whole
+                           answer is one call of get_weather with arguments {"city": "Paris"}
+    content: str           a whole answer's text (default "hello from <name>")
     Request ``n`` > 1: each chunk of a stream is sent once per choice index.
 
 Counters: ``calls`` (chat/completions requests received), ``calls_by_path``, ``disconnects`` (times a client
@@ -112,6 +116,7 @@ class FaultUpstream:
             app = web.Application()
             app.router.add_post("/v1/chat/completions", self._completion)
             app.router.add_post("/v1/completions", self._completion)
+            app.router.add_post("/v1/responses", self._responses)
             app.router.add_get("/v1/models", self._models)
             app.router.add_post("/_fault/push", self._admin_push)
             app.router.add_post("/_fault/default", self._admin_default)
@@ -195,7 +200,7 @@ class FaultUpstream:
         if not stream:
             if fault.get("malformed"):
                 return web.Response(text='{"id": "x", "choices": [', content_type="application/json")
-            full = self._full(chat, body or {})
+            full = self._full(chat, body or {}, fault)
             if fault.get("no_usage"):
                 full.pop("usage")
             elif fault.get("usage"):
@@ -203,14 +208,36 @@ class FaultUpstream:
             return web.json_response(full)
         return await self._stream(request, fault, chat, body or {})
 
-    def _full(self, chat: bool, body: dict) -> dict:
-        text = f"hello from {self.name}"
+    async def _responses(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        with self._lock:
+            self.calls_by_path[request.path] = self.calls_by_path.get(request.path, 0) + 1
+            self.requests.append((request.path, dict(request.headers), body))
+        text = f"native from {self.name}"
+        return web.json_response({
+            "id": "resp_upstream", "object": "response", "created_at": int(time.time()), "status": "completed",
+            "model": body.get("model", self.model), "output": [
+                {"type": "message", "id": "msg_upstream", "status": "completed", "role": "assistant",
+                 "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "error": None,
+            "incomplete_details": None, "instructions": body.get("instructions"),
+            "usage": {"input_tokens": 11, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 7,
+                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 18}})
+
+    def _full(self, chat: bool, body: dict, fault: dict | None = None) -> dict:
+        fault = fault or {}
+        text = fault.get("content", f"hello from {self.name}")
         usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
         if chat:
+            message, finish = {"role": "assistant", "content": text}, "stop"
+            if fault.get("tool_call"):
+                message = {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+                finish = "tool_calls"
             return {"id": "chatcmpl-fault", "object": "chat.completion", "created": int(time.time()),
                     "model": body.get("model", self.model),
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "finish_reason": "stop"}], "usage": usage}
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}
         return {"id": "cmpl-fault", "object": "text_completion", "created": int(time.time()),
                 "model": body.get("model", self.model),
                 "choices": [{"index": 0, "text": text, "finish_reason": "stop"}], "usage": usage}

@@ -219,6 +219,31 @@ def test_response_format_routed_upstream_tools_served_locally(gateway):
     assert json.loads(reply.choices[0].message.tool_calls[0].function.arguments)["city"] in ("Paris", "Lyon")
 
 
+def test_responses_api_on_the_local_engine_and_the_aggregator(gateway):
+    """``/v1/responses`` translated onto the engine's chat path (issue 28): SmolLM2 answers greedily the same text
+    streamed or not, a required tool is a schema-valid ``function_call`` item from the local engine, and a
+    ``text.format`` json_schema goes, by the response_format rule, to the aggregator, which constrains it."""
+    c = client(gateway)
+    r = c.responses.create(model="smollm2", input=MSG, max_output_tokens=8, temperature=0)
+    assert r.status in ("completed", "incomplete") and r.output_text and 0 < r.usage.output_tokens <= 8
+    events = list(c.responses.create(model="smollm2", input=MSG, max_output_tokens=8, temperature=0, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == f"response.{r.status}"
+    assert events[-1].response.output_text == r.output_text
+    assert events[-1].response.usage.input_tokens == r.usage.input_tokens
+    tool = {"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}, "required": ["city"]}}
+    raw = c.responses.with_raw_response.create(model="smollm2", input=MSG, tools=[tool], tool_choice="required",
+                                               max_output_tokens=64, temperature=0)
+    call = raw.parse().output[0]
+    assert raw.headers["x-tandem-backend"] == "local" and call.type == "function_call" and call.name == "f"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Lyon")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    raw = c.responses.with_raw_response.create(model="smollm2", input=MSG, max_output_tokens=32, text={
+        "format": {"type": "json_schema", "name": "ok", "schema": schema}})
+    assert raw.headers["x-tandem-backend"] == "agg" and raw.headers["x-tandem-rule"] == "structured"
+    assert isinstance(json.loads(raw.parse().output_text)["ok"], bool)
+
+
 def test_engine_validation_errors_pass_through(gateway):
     """A rule only the engine checks (min_tokens <= max_tokens) comes back as the engine's 400 after one call;
     a range (top_p, top_k: engine/entrypoints/param_ranges.py, the table both read) is refused before routing,

@@ -1,0 +1,209 @@
+"""OpenAI's Responses API on the one pipeline: ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items``.
+
+A Responses request is translated onto chat completions (``gateway/translate/responses.py``) and served by
+``gateway/request/pipeline.py`` like any chat request, from the decoded chat body: auth, validation into the one
+``GatewayRequest``, policies, admission (RPM/TPM, budgets), the attempt loop, the ledger's one usage record and
+the metrics all see a chat request (labelled ``responses`` in logs and traces). The chat answer comes back
+translated: a whole answer into the Responses object, a stream into the typed events
+(``gateway/translate/responses_events.py``), written with the SSE codec (``gateway/sse.py``). An upstream that
+declares the Responses API (``apis: [responses]``) is sent a whole request natively instead
+(``GatewayRequest.source``; ``gateway/backends/dispatch.py``) and its answer is kept as it is, under the
+gateway's id. Errors are OpenAI's error JSON, as on chat. Stored responses: ``gateway/stored_responses.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import msgspec
+from litestar import Request, Response, delete, get, post
+
+from engine.entrypoints.request_ids import unique_request_id
+from gateway.errors import ClientError
+from gateway.http.transport import EventStream, read_body, unless_disconnected
+from gateway.request.auth import authenticate
+from gateway.request.pipeline import handle
+from gateway.request.validate import parse_json
+from gateway.sse import EventReader, named_event
+from gateway.stored_responses import ResponseStore, StoredResponse
+from gateway.translate.responses import (check_body, from_chat, input_items, native_body, new_context,
+                                         responses_error, to_chat)
+from gateway.translate.responses_events import ResponsesEvents
+
+_JSON = "application/json"
+_encode, _decode = msgspec.json.encode, msgspec.json.decode
+
+
+def _not_found(response_id: str, param: str = "response_id") -> ClientError:
+    return ClientError(404, f"Response with id '{response_id}' not found.", param=param, code="response_not_found")
+
+
+async def _prepare(gw, store: ResponseStore, raw: bytes, headers, rid: str):
+    """The client's body (nulls dropped) checked and translated: (body, tenant, this turn's items, the
+    conversation before them, the chat body, the body for an upstream speaking the Responses API).
+
+    Raises:
+        ClientError: 400/401, 404 for an unknown ``previous_response_id`` (as OpenAI answers)."""
+    tenant = authenticate(headers.get("authorization"), gw.snapshot.compiled.key_hashes)   # before the body
+    body = {k: v for k, v in parse_json(raw).items() if v is not None}
+    check_body(body)
+    history: list = []
+    prev_id = body.get("previous_response_id")
+    if prev_id is not None:
+        prev = await store.get(str(prev_id), tenant)
+        if prev is None:
+            raise _not_found(str(prev_id), "previous_response_id")
+        history = prev.conversation()
+    items = input_items(body, rid)
+    return body, tenant, items, history, to_chat(body, history, items), native_body(body, history, items)
+
+
+@post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    """``POST /v1/responses``: the Responses object, or its typed events with ``stream: true``."""
+    gw = request.app.state.gw
+    store: ResponseStore = request.app.state.responses
+    if gw.draining:
+        raise ClientError(503, "the gateway is draining; retry on another replica", code="draining",
+                          headers={"retry-after": "1", "connection": "close"})
+    from gateway.http.app import GATEWAY_ID_PREFIX   # here: app.py imports this module
+
+    headers = request.headers
+    rid = unique_request_id(request.scope, GATEWAY_ID_PREFIX)
+    rec = gw.obs.begin(rid, "responses", headers)
+    streaming = False
+    try:
+        raw = await read_body(request, gw.snapshot.max_body_size, gw.snapshot.compiled.config.server.body_timeout_s)
+        body, tenant, items, history, chat, native = await _prepare(gw, store, raw, headers, rid)
+        ctx = new_context(body, rid, gw.snapshot.compiled.model_names.get(body["model"], body["model"]))
+
+        async def keep(final: dict) -> None:
+            if body.get("store", True):
+                await store.put(StoredResponse(tenant, final, items, history))
+
+        try:
+            answer = await unless_disconnected(request, handle(gw, "chat/completions", raw, headers, rid,
+                                                               body=chat, source=("responses", native)))
+        except ClientError as e:
+            raise responses_error(e) from None
+        if answer is None:                  # the client left: its upstream call was cancelled
+            return Response(b"", status_code=499)
+        if answer.stream is not None:
+            streaming = True
+            events = responses_sse(gw.obs.stream(rec, answer.backend, answer.stream), ResponsesEvents(ctx), keep)
+            return EventStream(events, status_code=200, media_type="text/event-stream",
+                               headers={**answer.headers, "cache-control": "no-cache"})
+        content = await gw.obs.finish(rec, answer.backend, answer.status, answer.content)
+        if answer.status == 200:
+            final = _decode(content)
+            if answer.api == "responses":     # the upstream's own Responses object, under the gateway's names
+                final.update(id=ctx.id, previous_response_id=body.get("previous_response_id"))
+            else:
+                final = from_chat(final, ctx)
+            await keep(final)
+            content = _encode(final)
+        return Response(content, status_code=answer.status, media_type=_JSON, headers=answer.headers)
+    except ClientError as e:
+        await gw.obs.reject(rec, e)
+        raise
+    finally:
+        if not streaming:
+            gw.obs.abandon(rec)
+
+
+def _translated(events: ResponsesEvents, data: bytes) -> list[dict]:
+    if data == b"[DONE]":
+        return []
+    obj = _decode(data)
+    if isinstance(obj, dict) and obj.get("error") is not None:
+        return events.error(obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])})
+    return events.feed(obj) if isinstance(obj, dict) else []
+
+
+def _sse(events: list[dict]) -> bytes:
+    return b"".join(named_event(e["type"], _encode(e)) for e in events)
+
+
+async def responses_sse(chat: AsyncIterator[bytes], events: ResponsesEvents,
+                        keep: Callable[[dict], Awaitable[None]]) -> AsyncIterator[bytes]:
+    """The chat SSE stream ``chat`` (already observed: billed, metered) as the Responses API's typed events; the
+    final response is kept (``keep``) before its last event is sent, so a follow-up can name it at once. Closing
+    this generator closes ``chat``."""
+    reader = EventReader()
+    exhausted = False
+    try:
+        yield _sse(events.start())
+        async for chunk in chat:
+            reader.feed(chunk)
+            out = []
+            while (item := reader.pop()) is not None:
+                out += _translated(events, item[1])
+            if out:
+                yield _sse(out)
+        exhausted = True
+        out = _translated(events, tail[1]) if (tail := reader.tail()) is not None else []
+        out += events.finish()
+        if events.final is not None:
+            await keep(events.final)
+        yield _sse(out)
+    finally:
+        if not exhausted:
+            await chat.aclose()
+
+
+async def _stored(request: Request) -> tuple[ResponseStore, str, str]:
+    gw = request.app.state.gw
+    tenant = authenticate(request.headers.get("authorization"), gw.snapshot.compiled.key_hashes)
+    return request.app.state.responses, tenant, request.path_params["response_id"]
+
+
+@get("/v1/responses/{response_id:str}")
+async def retrieve_response(request: Request) -> Response:
+    """``GET /v1/responses/{id}``: a stored response of the caller's tenant; 404 otherwise."""
+    store, tenant, rid = await _stored(request)
+    record = await store.get(rid, tenant)
+    if record is None:
+        raise _not_found(rid)
+    return Response(_encode(record.response), media_type=_JSON)
+
+
+@delete("/v1/responses/{response_id:str}", status_code=200)
+async def delete_response(request: Request) -> Response:
+    """``DELETE /v1/responses/{id}``: ``{"id", "object": "response", "deleted": true}``; 404 when not stored."""
+    store, tenant, rid = await _stored(request)
+    if not await store.delete(rid, tenant):
+        raise _not_found(rid)
+    return Response(_encode({"id": rid, "object": "response", "deleted": True}), media_type=_JSON)
+
+
+@get("/v1/responses/{response_id:str}/input_items")
+async def list_input_items(request: Request) -> Response:
+    """``GET /v1/responses/{id}/input_items``: the response's input items as OpenAI lists them (``order``
+    ``desc`` by default, ``limit`` 1..100, default 20, ``after`` an item id)."""
+    store, tenant, rid = await _stored(request)
+    record = await store.get(rid, tenant)
+    if record is None:
+        raise _not_found(rid)
+    q = request.query_params
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ClientError(400, "'order' must be asc or desc", param="order", code="invalid_value")
+    try:
+        limit = int(q.get("limit", 20))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise ClientError(400, "'limit' must be an integer from 1 to 100", param="limit", code="invalid_value")
+    items = list(record.input if order == "asc" else reversed(record.input))
+    after = q.get("after")
+    if after is not None:
+        ids = [i.get("id") for i in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    page = items[:limit]
+    body = {"object": "list", "data": page, "first_id": page[0].get("id") if page else None,
+            "last_id": page[-1].get("id") if page else None, "has_more": len(items) > limit}
+    return Response(_encode(body), media_type=_JSON)
+
+
+RESPONSES_HANDLERS = [create_response, retrieve_response, delete_response, list_input_items]

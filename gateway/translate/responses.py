@@ -1,0 +1,305 @@
+"""OpenAI's Responses API onto chat completions, as pure functions (no I/O).
+
+A ``POST /v1/responses`` body becomes one chat body (``to_chat``) that the one pipeline serves like any chat
+request; the chat answer becomes the Responses object (``from_chat``); a chat stream becomes the typed events of
+``gateway/translate/responses_events.py``. Names follow OpenAI's Responses API exactly
+(https://platform.openai.com/docs/api-reference/responses).
+
+What is translated: ``input`` (a string, or items: messages with text and image parts, ``function_call``,
+``function_call_output``; ``reasoning`` items are dropped, chat has no place for them), ``instructions`` (a
+system message first), function ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``text.format``
+(``json_schema`` / ``json_object`` -> ``response_format``), ``max_output_tokens`` -> ``max_tokens``,
+``temperature``, ``top_p``, ``user``, ``metadata``, ``stream``. Refused with a 400 naming the field: built-in
+OpenAI tools (``web_search``, ``file_search``, ``computer_use_preview``...), ``background``, ``conversation``,
+``prompt`` (stored prompts) and input items chat cannot express.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from gateway.errors import ClientError
+
+# Fields the gateway cannot serve on any backend: refused with a 400 naming them.
+REFUSED_FIELDS = ("background", "conversation", "prompt")
+# Parameters copied into the chat body as they are (same name, same meaning).
+_SAME = ("temperature", "top_p", "user", "metadata", "priority")
+FINISH_TO_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseContext:
+    """What the Responses object echoes of its request, fixed when the request arrives: ``id``
+    (``resp_<request id>``), ``created_at`` (epoch seconds), the client's ``body`` and the public ``model``."""
+
+    id: str
+    created_at: int
+    body: dict
+    model: str
+    request_id: str = ""
+
+
+def new_context(body: dict, request_id: str, model: str) -> ResponseContext:
+    """The context of a response to ``body`` answered under ``request_id`` (the gateway's id; a ``/`` a client's
+    own id may hold becomes ``_``: the response id is one path segment of ``/v1/responses/{id}``)."""
+    rid = request_id.replace("/", "_")
+    return ResponseContext(f"resp_{rid}", int(time.time()), body, model, rid)
+
+
+def _bad(message: str, param: str, code: str = "invalid_value") -> ClientError:
+    return ClientError(400, message, param=param, code=code)
+
+
+def check_body(body: dict) -> None:
+    """The Responses-only checks, before translation: ``model``, ``input``, ``tools`` (function tools only),
+    refused fields. Chat-level checks (types, ranges) run later, on the chat body, in ``validate.py``.
+
+    Raises:
+        ClientError: 400 naming the parameter (a built-in tool by its type)."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("missing required parameter 'model'" if model is None else "'model' must be a non-empty string",
+                   "model", "missing_required_parameter" if model is None else "invalid_type")
+    for name in REFUSED_FIELDS:
+        if body.get(name) not in (None, False):
+            raise _bad(f"'{name}' is not supported by this gateway", name, "unsupported_parameter")
+    inp = body.get("input")
+    if inp is None:
+        raise _bad("missing required parameter 'input'", "input", "missing_required_parameter")
+    if not isinstance(inp, (str, list)):
+        raise _bad(f"'input' must be a string or an array of input items, got {type(inp).__name__}", "input",
+                   "invalid_type")
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise _bad("'tools' must be an array", "tools", "invalid_type")
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise _bad(f"Tool type '{kind}' is not supported: only function tools are served (built-in OpenAI "
+                       f"tools such as web_search, file_search and computer_use are not)", f"tools[{i}].type",
+                       "unsupported_tool")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise _bad(f"missing required parameter 'tools[{i}].name'", f"tools[{i}].name",
+                       "missing_required_parameter")
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") != "function":
+        raise _bad(f"tool_choice type '{choice.get('type')}' is not supported: only function tools are served",
+                   "tool_choice.type", "unsupported_tool")
+    text_format = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if text_format is not None and (not isinstance(text_format, dict)
+                                    or text_format.get("type") not in ("text", "json_object", "json_schema")):
+        raise _bad("'text.format.type' must be one of text, json_object, json_schema", "text.format.type")
+
+
+def input_items(body: dict, request_id: str) -> list[dict]:
+    """``body['input']`` as a list of items, each with a ``type`` and an ``id`` (a string input: one user
+    message), as ``GET /v1/responses/{id}/input_items`` lists them."""
+    inp = body["input"]
+    raw = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
+    items = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise _bad(f"'input[{i}]' must be an object", f"input[{i}]", "invalid_type")
+        item = dict(item)
+        item.setdefault("type", "message")
+        if item["type"] == "message":
+            content = item.get("content")
+            if isinstance(content, str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": content}]
+            item.setdefault("id", f"msg_{request_id}_{i}")
+        items.append(item)
+    return items
+
+
+def _text_of(parts: list, where: str) -> str | list:
+    """Message content parts -> chat content: one string when every part is text (what chat templates read
+    best), else chat's parts (images as ``image_url``)."""
+    out = []
+    for j, p in enumerate(parts):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind in ("input_text", "output_text", "text"):
+            out.append({"type": "text", "text": p.get("text", "")})
+        elif kind == "refusal":
+            out.append({"type": "text", "text": p.get("refusal", "")})
+        elif kind == "input_image" and p.get("image_url"):
+            out.append({"type": "image_url", "image_url": {"url": p["image_url"], "detail": p.get("detail", "auto")}})
+        else:
+            raise _bad(f"content part type '{kind}' is not supported", f"{where}[{j}].type")
+    if all(p["type"] == "text" for p in out):
+        return "".join(p["text"] for p in out)
+    return out
+
+
+def to_messages(items: list[dict]) -> list[dict]:
+    """Responses items -> chat messages. Consecutive ``function_call`` items join the assistant message before
+    them (one turn, parallel calls); ``function_call_output`` is a ``tool`` message; ``reasoning`` is dropped.
+
+    Raises:
+        ClientError: 400 naming an item chat cannot express."""
+    messages: list[dict] = []
+    for i, item in enumerate(items):
+        kind = item.get("type")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise _bad(f"'input[{i}].role' must be one of user, assistant, system, developer", f"input[{i}].role")
+            content = item.get("content")
+            content = _text_of(content, f"input[{i}].content") if isinstance(content, list) else content
+            messages.append({"role": role, "content": content})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out = item.get("output")
+            if isinstance(out, list):
+                out = _text_of(out, f"input[{i}].output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": out})
+        elif kind == "reasoning":
+            continue       # chat has no place for a model's reasoning; the model reasons afresh
+        else:
+            raise _bad(f"input item type '{kind}' is not supported", f"input[{i}].type")
+    return messages
+
+
+def _response_format(text: dict | None) -> dict | None:
+    fmt = (text or {}).get("format") if isinstance(text, dict) else None
+    if not fmt or fmt.get("type") == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def _tool_choice(choice):
+    if isinstance(choice, dict):
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def to_chat(body: dict, history: list[dict], items: list[dict]) -> dict:
+    """The chat completions body serving ``body``: ``instructions`` as the system message, then the earlier
+    turns' items (``history``: a ``previous_response_id``'s conversation) and this request's ``items``."""
+    messages = []
+    if body.get("instructions"):
+        messages.append({"role": "system", "content": body["instructions"]})
+    messages += to_messages(history + items)
+    chat: dict = {"model": body["model"], "messages": messages}
+    for name in _SAME:
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    if body.get("tools"):
+        chat["tools"] = [{"type": "function", "function": {
+            k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}}
+            for t in body["tools"]]
+        if body.get("parallel_tool_calls") is not None:
+            chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    if body.get("tool_choice") is not None and body.get("tools"):
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    if (rf := _response_format(body.get("text"))) is not None:
+        chat["response_format"] = rf
+    if body.get("stream"):
+        # the Responses stream ends with its usage: ask the backend for it whatever the client said
+        chat["stream"], chat["stream_options"] = True, {"include_usage": True}
+    return chat
+
+
+# Chat parameters a 400 of the chat pipeline names (validation, ranges) -> the Responses parameter they came from.
+_CHAT_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+
+
+def responses_error(e: ClientError) -> ClientError:
+    """A refusal of the translated chat body, naming the Responses parameter the client wrote (``max_tokens`` ->
+    ``max_output_tokens``; a message -> ``input``: its index in the chat body is not the client's)."""
+    name = (e.param or "").split("[")[0].split(".")[0]
+    new = _CHAT_PARAMS.get(name)
+    if new is None:
+        return e
+    param = new if name == "messages" else new + e.param[len(name):]
+    return ClientError(e.status, e.message.replace(f"'{name}", f"'{new}"), param, e.code, e.headers)
+
+
+def native_body(body: dict, history: list[dict], items: list[dict]) -> dict:
+    """``body`` as an upstream that speaks the Responses API natively is sent it: the conversation the gateway
+    stored (``history``, without the gateway's item ids and statuses) and this turn's ``items`` as its
+    ``input``, no ``previous_response_id`` (the upstream never saw the gateway's ids)."""
+    past = [{k: v for k, v in item.items() if k not in ("id", "status")} for item in history]
+    native = {k: v for k, v in body.items() if k != "previous_response_id"}
+    native["input"] = past + items
+    return native
+
+
+def usage_of(chat_usage: dict | None) -> dict | None:
+    """Chat ``usage`` -> the Responses ``usage`` (``input_tokens``, ``output_tokens``,
+    ``input_tokens_details.cached_tokens``, ``output_tokens_details.reasoning_tokens``, ``total_tokens``)."""
+    if not chat_usage:
+        return None
+    inp, out = int(chat_usage.get("prompt_tokens") or 0), int(chat_usage.get("completion_tokens") or 0)
+    cached = int(((chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+    reasoning = int(((chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens")) or 0)
+    return {"input_tokens": inp, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": out,
+            "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": inp + out}
+
+
+def message_item(ctx: ResponseContext, text: str, status: str = "completed", refusal: str | None = None) -> dict:
+    """The assistant message output item of ``ctx``'s response."""
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text or not refusal \
+        else []
+    if refusal:
+        content.append({"type": "refusal", "refusal": refusal})
+    return {"type": "message", "id": f"msg_{ctx.request_id}", "status": status, "role": "assistant",
+            "content": content}
+
+
+def function_call_item(ctx: ResponseContext, k: int, call_id: str | None, name: str, arguments: str,
+                       status: str = "completed") -> dict:
+    """The ``k``-th function call output item of ``ctx``'s response (its ``call_id`` the backend's tool call id)."""
+    rid = ctx.request_id
+    return {"type": "function_call", "id": f"fc_{rid}_{k}", "call_id": call_id or f"call_{rid}_{k}",
+            "name": name, "arguments": arguments, "status": status}
+
+
+def response_object(ctx: ResponseContext, status: str, output: list[dict], usage: dict | None = None,
+                    error: dict | None = None, incomplete: str | None = None) -> dict:
+    """The Responses object (``object: "response"``) of ``ctx`` in ``status`` (in_progress, completed,
+    incomplete, failed), echoing the request's parameters as OpenAI does."""
+    b = ctx.body
+    text = b.get("text") if isinstance(b.get("text"), dict) else {}
+    return {
+        "id": ctx.id, "object": "response", "created_at": ctx.created_at, "status": status,
+        "background": False, "error": error,
+        "incomplete_details": {"reason": incomplete} if incomplete else None,
+        "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
+        "model": ctx.model, "output": output, "parallel_tool_calls": b.get("parallel_tool_calls", True),
+        "previous_response_id": b.get("previous_response_id"), "reasoning": {"effort": None, "summary": None},
+        "store": b.get("store", True), "temperature": b.get("temperature", 1.0),
+        "text": {"format": (text or {}).get("format") or {"type": "text"}},
+        "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [], "top_p": b.get("top_p", 1.0),
+        "truncation": "disabled", "usage": usage, "user": b.get("user"), "metadata": b.get("metadata") or {},
+    }
+
+
+def from_chat(chat: dict, ctx: ResponseContext) -> dict:
+    """A chat completion (the first choice) -> the Responses object: its text as one message item, each tool
+    call as a ``function_call`` item; ``finish_reason`` ``length`` -> status ``incomplete``
+    (``max_output_tokens``)."""
+    choice = (chat.get("choices") or [{}])[0]
+    msg = choice.get("message") or {}
+    output = []
+    if msg.get("content") or msg.get("refusal") or not msg.get("tool_calls"):
+        output.append(message_item(ctx, msg.get("content") or "", refusal=msg.get("refusal")))
+    for k, call in enumerate(msg.get("tool_calls") or []):
+        fn = call.get("function") or {}
+        output.append(function_call_item(ctx, k, call.get("id"), fn.get("name", ""), fn.get("arguments") or ""))
+    incomplete = FINISH_TO_INCOMPLETE.get(choice.get("finish_reason"))
+    return response_object(ctx, "incomplete" if incomplete else "completed", output, usage_of(chat.get("usage")),
+                           incomplete=incomplete)

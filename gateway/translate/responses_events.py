@@ -1,0 +1,142 @@
+"""A chat completions stream as the Responses API's typed events, as a pure state machine (no I/O).
+
+``ResponsesEvents`` is fed the decoded chat chunks one by one and answers the Responses events each one makes,
+in OpenAI's order: ``response.created``, ``response.in_progress``; per output item ``response.output_item.added``,
+then for a message ``response.content_part.added``, ``response.output_text.delta``..., ``response.output_text.done``,
+``response.content_part.done``, or for a function call ``response.function_call_arguments.delta``...,
+``response.function_call_arguments.done``; ``response.output_item.done``; and last ``response.completed`` (with
+the usage of the chat stream's usage chunk), ``response.incomplete`` (stopped by ``max_output_tokens``) or
+``response.failed`` (an error event, or a stream that ended before its ``finish_reason``). Every event carries
+its ``sequence_number``. The item ids and the final object are those of ``gateway/translate/responses.py``, so
+the streamed response and the stored one are the same.
+"""
+
+from __future__ import annotations
+
+from gateway.translate.responses import (FINISH_TO_INCOMPLETE, ResponseContext, function_call_item, message_item,
+                                         response_object, usage_of)
+
+
+class ResponsesEvents:
+    """The event state of one streamed response (``ctx``). ``start``, then ``feed`` per chat chunk and ``error``
+    per error event, then ``finish`` once the chat stream has ended; ``final`` is the last response object."""
+
+    def __init__(self, ctx: ResponseContext):
+        self.ctx = ctx
+        self.seq = 0
+        self.output: list[dict] = []       # finished items, in output order
+        self.open: dict | None = None      # the item being streamed (message or function_call)
+        self.calls: dict[int, int] = {}    # chat tool call index -> function call number k
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+        self.final: dict | None = None
+        self.ended = False
+
+    def _ev(self, type_: str, **fields) -> dict:
+        ev = {"type": type_, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return ev
+
+    def start(self) -> list[dict]:
+        """``response.created`` and ``response.in_progress``."""
+        r = response_object(self.ctx, "in_progress", [])
+        return [self._ev("response.created", response=r), self._ev("response.in_progress", response=r)]
+
+    # -- items -------------------------------------------------------------------------------------------------
+    def _open_message(self) -> list[dict]:
+        item = message_item(self.ctx, "", status="in_progress")
+        n = sum(o["type"] == "message" for o in self.output)
+        if n:                     # text after a call: another message, with an id of its own (the SDK checks)
+            item["id"] += f"_{n}"
+        item["content"] = []
+        self.open = {"item": item, "text": "", "index": None}
+        i = len(self.output)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [self._ev("response.output_item.added", output_index=i, item=item),
+                self._ev("response.content_part.added", item_id=item["id"], output_index=i, content_index=0,
+                         part=part)]
+
+    def _open_call(self, call: dict) -> list[dict]:
+        k = len(self.calls)
+        self.calls[call.get("index", 0)] = k
+        fn = call.get("function") or {}
+        item = function_call_item(self.ctx, k, call.get("id"), fn.get("name") or "", "", status="in_progress")
+        self.open = {"item": item, "text": "", "index": call.get("index", 0)}
+        return [self._ev("response.output_item.added", output_index=len(self.output), item=item)]
+
+    def _close(self) -> list[dict]:
+        """Finish the open item: its ``.done`` events, then it joins ``output``."""
+        if self.open is None:
+            return []
+        item, text, i = self.open["item"], self.open["text"], len(self.output)
+        self.open = None
+        if item["type"] == "message":
+            done = {**message_item(self.ctx, text), "id": item["id"]}
+            part = done["content"][0]
+            events = [self._ev("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
+                               text=text, logprobs=[]),
+                      self._ev("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
+                               part=part)]
+        else:
+            done = {**item, "arguments": text, "status": "completed"}
+            events = [self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                               name=item["name"], arguments=text)]
+        self.output.append(done)
+        return events + [self._ev("response.output_item.done", output_index=i, item=done)]
+
+    # -- input -------------------------------------------------------------------------------------------------
+    def feed(self, chunk: dict) -> list[dict]:
+        """The events of one decoded chat chunk (its first choice; a usage chunk is kept for the end)."""
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices") or []
+        if not choices:
+            return []
+        choice = choices[0]
+        delta = choice.get("delta") or {}
+        events: list[dict] = []
+        text = delta.get("content")
+        if text:
+            if self.open is None or self.open["item"]["type"] != "message":
+                events += self._close() + self._open_message()
+            self.open["text"] += text
+            events.append(self._ev("response.output_text.delta", item_id=self.open["item"]["id"],
+                                   output_index=len(self.output), content_index=0, delta=text, logprobs=[]))
+        for call in delta.get("tool_calls") or []:
+            if call.get("index", 0) not in self.calls:
+                events += self._close() + self._open_call(call)
+            args = (call.get("function") or {}).get("arguments")
+            if args and self.open["index"] == call.get("index", 0):   # a closed call's late pieces are dropped
+                self.open["text"] += args
+                events.append(self._ev("response.function_call_arguments.delta", item_id=self.open["item"]["id"],
+                                       output_index=len(self.output), delta=args))
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
+        return events
+
+    def error(self, err: dict) -> list[dict]:
+        """An error event of the chat stream (a failure after content): ``response.failed``; the stream ends."""
+        if self.ended:
+            return []
+        self.ended = True
+        error = {"code": err.get("code") or err.get("type") or "server_error",
+                 "message": err.get("message") or "the backend failed mid-stream"}
+        self.final = response_object(self.ctx, "failed", self.output, usage_of(self.usage), error=error)
+        return [self._ev("response.failed", response=self.final)]
+
+    def finish(self) -> list[dict]:
+        """The chat stream ended: close the open item and answer ``response.completed`` (``response.incomplete``
+        when stopped by the token limit); ``response.failed`` when no ``finish_reason`` came."""
+        if self.ended:
+            return []
+        if self.finish_reason is None:
+            return self.error({"code": "stream_interrupted", "message": "the stream ended before the answer did"})
+        self.ended = True
+        events = self._close()
+        if not self.output:       # an empty answer is still one (empty) message, as the whole answer has
+            events += self._open_message() + self._close()
+        incomplete = FINISH_TO_INCOMPLETE.get(self.finish_reason)
+        self.final = response_object(self.ctx, "incomplete" if incomplete else "completed", self.output,
+                                     usage_of(self.usage), incomplete=incomplete)
+        kind = "response.incomplete" if incomplete else "response.completed"
+        return events + [self._ev(kind, response=self.final)]

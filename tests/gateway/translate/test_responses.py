@@ -1,0 +1,117 @@
+"""The Responses <-> chat translation as pure functions: the cases the SDK tests against the gateway
+(``tests/gateway/http/test_responses.py``) do not reach."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.errors import ClientError
+from gateway.translate.responses import check_body, from_chat, input_items, new_context, to_chat, to_messages
+from gateway.translate.responses_events import ResponsesEvents
+
+
+def _chunk(delta: dict | None = None, finish: str | None = None, usage: dict | None = None) -> dict:
+    if usage is not None:
+        return {"choices": [], "usage": usage}
+    return {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
+
+
+def test_items_to_messages_parallel_calls_join_one_assistant_turn_and_reasoning_is_dropped():
+    items = input_items({"input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"role": "assistant", "content": "thinking"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"x\": 1}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]}, "r")
+    assert items[0]["id"] == "msg_r_0" and items[2]["content"] == [{"type": "output_text", "text": "thinking"}]
+    assert to_messages(items) == [
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "thinking", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA",
+                                                                         "detail": "auto"}}]}]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "input": "x", "tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0].type"),
+    ({"model": "m", "input": "x", "tool_choice": {"type": "web_search_preview"}}, "tool_choice.type"),
+    ({"model": "m", "input": "x", "background": True}, "background"),
+    ({"model": "m"}, "input"),
+    ({"input": "x"}, "model"),
+    ({"model": "m", "input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+])
+def test_refusals_name_the_parameter(body, param):
+    with pytest.raises(ClientError) as e:
+        check_body(body)
+    assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_unknown_item_type_is_refused_naming_it():
+    with pytest.raises(ClientError) as e:
+        to_chat({"model": "m", "input": [{"type": "item_reference", "id": "x"}]}, [],
+                input_items({"input": [{"type": "item_reference", "id": "x"}]}, "r"))
+    assert e.value.param == "input[0].type"
+
+
+def test_named_tool_choice_and_length_stop():
+    chat = to_chat({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f"}],
+                    "tool_choice": {"type": "function", "name": "f"}}, [], input_items({"input": "x"}, "r"))
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    r = from_chat({"choices": [{"message": {"content": "abc"}, "finish_reason": "length"}]},
+                  new_context({"model": "m"}, "r", "m"))
+    assert (r["status"], r["incomplete_details"], r["usage"]) == ("incomplete", {"reason": "max_output_tokens"}, None)
+
+
+def test_stream_text_then_two_calls_then_usage():
+    ev = ResponsesEvents(new_context({"model": "m"}, "r", "m"))
+    out = ev.start()
+    for c in [_chunk({"role": "assistant", "content": ""}), _chunk({"content": "hi"}),
+              _chunk({"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{"}}]}),
+              _chunk({"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}),
+              _chunk({"tool_calls": [{"index": 1, "id": "c2", "function": {"name": "g", "arguments": "{}"}}]}),
+              _chunk(finish="tool_calls"),
+              _chunk(usage={"prompt_tokens": 7, "completion_tokens": 4,
+                            "prompt_tokens_details": {"cached_tokens": 3}})]:
+        out += ev.feed(c)
+    out += ev.finish()
+    assert [e["type"] for e in out] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    final = out[-1]["response"]
+    assert [(o["type"], o.get("call_id"), o.get("arguments")) for o in final["output"]] == [
+        ("message", None, None), ("function_call", "c1", "{}"), ("function_call", "c2", "{}")]
+    assert [o["output_index"] for o in out if o["type"] == "response.output_item.done"] == [0, 1, 2]
+    assert final["usage"]["input_tokens_details"] == {"cached_tokens": 3} and final["usage"]["total_tokens"] == 11
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+
+
+def test_stream_without_finish_fails_and_empty_answer_is_one_empty_message():
+    ev = ResponsesEvents(new_context({"model": "m"}, "r", "m"))
+    ev.start()
+    ev.feed(_chunk({"content": "par"}))
+    assert ev.finish()[-1]["response"]["status"] == "failed"
+    ev = ResponsesEvents(new_context({"model": "m"}, "r", "m"))
+    ev.start()
+    ev.feed(_chunk(finish="stop"))
+    assert ev.finish()[-1]["response"]["output"][0]["content"][0]["text"] == ""
+
+
+def test_stream_text_after_a_call_is_a_second_message_with_its_own_id():
+    ev = ResponsesEvents(new_context({"model": "m"}, "r", "m"))
+    ev.start()
+    for c in [_chunk({"content": "a"}), _chunk({"tool_calls": [{"index": 0, "id": "c1", "function": {
+              "name": "f", "arguments": "{}"}}]}), _chunk({"content": "b"}), _chunk(finish="stop")]:
+        ev.feed(c)
+    output = ev.finish()[-1]["response"]["output"]
+    assert [o["type"] for o in output] == ["message", "function_call", "message"]
+    assert len({o["id"] for o in output}) == 3 and output[2]["content"][0]["text"] == "b"
