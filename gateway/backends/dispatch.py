@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -39,6 +40,9 @@ class Answer:
     backend: str = ""
     attempts: int = 0
     headers: dict[str, str] = field(default_factory=dict)
+    # the client API's codec when it is not OpenAI's (``content(status, bytes)``, ``stream(it)``, ``content_type``:
+    # ``gateway.translate.anthropic.MessagesRender``), applied by the HTTP layer after observability read the answer
+    render: Any = None
 
 
 def _payload(backend, target: Target, req: GatewayRequest):

@@ -15,6 +15,7 @@ from gateway.errors import ClientError
 from gateway.request.admission import admit
 from gateway.request.auth import authenticate
 from gateway.request.validate import GatewayRequest, check_request, estimate_prompt_tokens, parse_json
+from gateway.translate.anthropic import MessagesRender, messages_to_chat
 from policies import RequestFeatures, decide, prefix_text
 
 # Bodies from this size on are decoded, templated and tokenized in a worker thread (``asyncio.to_thread``), off
@@ -40,6 +41,9 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     if tenant is None:
         tenant = authenticate(headers.get("authorization"), compiled.key_hashes)
     body = parse_json(raw)
+    anthropic_body = None
+    if endpoint == "messages":      # Anthropic Messages: served as its chat translation
+        anthropic_body, body, endpoint = body, messages_to_chat(body), "chat/completions"
     req = check_request(body, endpoint, headers.get("x-priority"), compiled.local_serves, tenant=tenant,
                         request_id=request_id, headers=headers)
     public = compiled.model_names.get(req.model)
@@ -50,7 +54,8 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     if snap.needs_prompt_tokens and snap.local is not None and snap.local.available:
         rendered = snap.local.render(endpoint, req.body)
     prompt_tokens = rendered.prompt_tokens if rendered is not None else estimate_prompt_tokens(req.body)
-    return replace(req, public_model=public, prompt_tokens=prompt_tokens, rendered=rendered)
+    return replace(req, public_model=public, prompt_tokens=prompt_tokens, rendered=rendered,
+                   anthropic_body=anthropic_body)
 
 
 def features(req: GatewayRequest, prefix: bool = False) -> RequestFeatures:
@@ -88,7 +93,8 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
 
     Args:
         gw: the ``gateway.runtime.Gateway``.
-        endpoint: "chat/completions" or "completions".
+        endpoint: "chat/completions", "completions" or "messages" (Anthropic's; the answer carries the
+            ``render`` that turns the chat answer into Messages JSON or events).
         raw: the request body, bytes.
         headers: lower-case header names -> values.
         request_id: the gateway's id for this request.
@@ -122,6 +128,8 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     answer.headers = {"x-tandem-route": decision.route, "x-tandem-rule": decision.rule,
                       "x-tandem-backend": answer.backend or "none", "x-tandem-attempts": str(answer.attempts),
                       **answer.headers, **adm.headers}   # x-request-id: gateway/http/app.py request_ids
+    if req.anthropic_body is not None:
+        answer.render = MessagesRender.of(req)
     return answer
 
 

@@ -75,6 +75,9 @@ class GatewayRequest:
     prompt_tokens: int | None = None
     rendered: Any = None
     headers: Mapping[str, str] = field(default_factory=dict)
+    # /v1/messages: the client's Anthropic Messages body, which a ``type: anthropic`` backend receives as it is
+    # (``body`` is its chat translation, ``gateway/translate/anthropic.py``, which every other step reads)
+    anthropic_body: dict | None = None
 
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})

@@ -22,7 +22,8 @@ the queue filled by ``push()`` / ``POST /_fault/push`` (one fault per request), 
     error_after: int       after that many content chunks, send an error event and end
     usage: dict            the usage reported (answer, or the stream's usage chunk when asked for)
     no_usage: bool         report no usage at all (an upstream that never counts)
-    tool_call: bool        a stream's content chunks are tool-call deltas (name, then argument pieces)
+    tool_call: bool        a stream's content chunks are tool-call deltas (name, then argument pieces); a whole
+                           answer calls ``get_weather`` with {"city": "Paris"} (finish_reason tool_calls)
     Request ``n`` > 1: each chunk of a stream is sent once per choice index.
 
 Counters: ``calls`` (chat/completions requests received), ``calls_by_path``, ``disconnects`` (times a client
@@ -196,6 +197,10 @@ class FaultUpstream:
             if fault.get("malformed"):
                 return web.Response(text='{"id": "x", "choices": [', content_type="application/json")
             full = self._full(chat, body or {})
+            if fault.get("tool_call") and chat:
+                full["choices"][0].update(finish_reason="tool_calls", message={
+                    "role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]})
             if fault.get("no_usage"):
                 full.pop("usage")
             elif fault.get("usage"):

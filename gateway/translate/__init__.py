@@ -1,0 +1,1 @@
+"""Translation between client APIs and the chat completions the gateway serves (pure functions)."""
