@@ -46,6 +46,9 @@ class Answer:
 
 
 def _payload(backend, target: Target, req: GatewayRequest):
+    if backend.kind == "anthropic":     # Anthropic's own API: the client's Messages body, passed through
+        return msgspec.json.encode({**req.anthropic_body, "model": backend.upstream_model(req.public_model,
+                                                                                          target.model)})
     body = dict(req.body)
     body["model"] = backend.upstream_model(req.public_model, target.model)
     for k in GATEWAY_ONLY_FIELDS:       # the local engine gets the priority as an argument
@@ -93,6 +96,8 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
             skipped.append(f"{target.id}: {backend.unavailable_reason if backend else 'unknown backend'}")
         elif backend.kind == "local" and req.local_unsupported:
             skipped.append(f"{target.id}: local engine does not support {req.local_unsupported}")
+        elif backend.kind == "anthropic" and req.anthropic_body is None:
+            skipped.append(f"{target.id}: an anthropic backend serves only /v1/messages")
         else:
             candidates.append(resilience.candidate(target, backend))
 

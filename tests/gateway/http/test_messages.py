@@ -17,6 +17,7 @@ from gateway.config.compile import load_config_text
 from gateway.http.app import create_app
 from gateway.runtime import Gateway
 from tests.conftest import free_port
+from tests.gateway.anthropic_upstream import AnthropicUpstream
 from tests.gateway.fault_upstream import FaultUpstream
 from tests.gateway.support import sha
 
@@ -202,3 +203,48 @@ async def test_errors_are_anthropics(up):
         assert e.value.response.headers.get("retry-after")
         (rec,) = (await records(gw, 1)).values()                # only the answered request is billed
         assert rec.completion_tokens == 3
+
+
+# ----- type: anthropic -- native pass-through ----------------------------------------------------------------------
+def anthropic_config(claude: AnthropicUpstream, fallback: FaultUpstream) -> str:
+    return (f"reload: {{watch: false}}\nauth:\n  keys:\n    - {{tenant: t1, sha256: {sha(KEY)}}}\n"
+            "resilience:\n  retry: {max_attempts: 2}\n  health: {interval_s: 0}\n"
+            "observability:\n  logs: {requests: false}\nmodels:\n  - name: m1\n"
+            f"backends:\n  claude:\n    type: anthropic\n    base_url: {claude.base_url}\n"
+            "    api_key_env: TEST_ANTHROPIC_KEY\n    models: {m1: claude-model}\n    prices: {input: 3, output: 15}\n"
+            f"  up:\n    type: openai\n    base_url: {fallback.base_url}\n"
+            "routes:\n  r1:\n    targets: [{backend: claude}]\n    fallbacks: [{backend: up}]\npolicy:\n  default_route: r1\n")
+
+
+async def test_anthropic_backend_gets_the_messages_body_natively(up, monkeypatch):
+    monkeypatch.setenv("TEST_ANTHROPIC_KEY", "sk-ant-upstream")
+    with AnthropicUpstream() as claude:
+        async with gateway(anthropic_config(claude, up)) as (gw, client, _):
+            req = {"model": "m1", "max_tokens": 30, "system": "sys", "metadata": {"user_id": "u1"},
+                   "messages": [{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                              "cache_control": {"type": "ephemeral"}}]}]}
+            msg = await client.messages.create(**req)
+            assert msg.content[0].text == "hello from claude" and msg.model == "m1"
+            assert (msg.usage.input_tokens, msg.usage.output_tokens) == (7, 2)
+            path, headers, body = claude.requests[-1]
+            assert body == {**req, "model": "claude-model"}          # as the client sent it
+            assert headers["x-api-key"] == "sk-ant-upstream" and headers["anthropic-version"] == "2023-06-01"
+            assert "authorization" not in {k.lower() for k in headers}
+            async with client.messages.stream(**req, tools=TOOLS) as stream:
+                final = await stream.get_final_message()
+            assert [b.type for b in final.content] == ["text", "tool_use"] and final.stop_reason == "tool_use"
+            assert final.content[1].input == {"city": "Paris"} and final.content[1].id == "toolu_1"
+            recs = await records(gw, 2)
+            assert {(r.backend, r.prompt_tokens, r.completion_tokens, r.estimated) for r in recs.values()} == \
+                {("claude", 7, 2, False)}
+            claude.status = 529                    # overloaded: falls back to the chat upstream, translated
+            msg = await client.messages.create(**req)
+            assert msg.content[0].text == "hello from up"
+            assert up.calls == 1
+        # a chat request is never sent to an anthropic backend
+        async with gateway(anthropic_config(claude, up)) as (gw, _, url):
+            async with httpx.AsyncClient() as h:
+                r = await h.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
+                                 json={"model": "m1", "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 200 and r.headers["x-tandem-backend"] == "up"
+            assert len(claude.requests) == 3
