@@ -110,7 +110,8 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
         attempt = hook(attempt)
     res = await resilience.forward(candidates, attempt, stream=req.stream, required_len=req.prompt_tokens,
                                    request_id=req.request_id, tokens=reserved_tokens, on_finish=settle,
-                                   prompt_param="messages" if req.endpoint == "chat/completions" else "prompt")
+                                   prompt_param={"chat/completions": "messages", "embeddings": "input"}.get(
+                                       req.endpoint, "prompt"))
     if res.stream is None:
         await settle(res)
     # an open breaker is logged once per transition (gateway/resilience/breaker.py), not once per request

@@ -63,7 +63,7 @@ class UpstreamBackend:
     """
 
     kind = "openai"
-    endpoints = ("chat/completions", "completions")   # the paths under base_url it is sent requests on
+    endpoints = ("chat/completions", "completions", "embeddings")   # the paths under base_url it is sent requests on
 
     def __init__(self, name: str, cfg: OpenAIBackendConfig, environ: dict[str, str] | None = None):
         env = os.environ if environ is None else environ

@@ -2,7 +2,7 @@
 exception -> OpenAI error table, in-flight accounting in one middleware. The request path itself is
 ``gateway/request/pipeline.py``; operator endpoints are ``gateway/http/admin.py``.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (Anthropic's, with
+Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/messages (Anthropic's, with
 ``gateway/http/anthropic.py``), GET /v1/models, GET /v1/models/{model},
 GET /health/live, GET /health/ready; the admin API and GET /metrics from ``admin.py``. Every response carries
 ``x-request-id``; ``server.cors`` adds CORS.
@@ -124,14 +124,24 @@ async def completions(request: Request) -> Response:
     return await _serve(request, "completions")
 
 
+@post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    return await _serve(request, "embeddings")
+
+
 @post("/v1/messages", exception_handlers=ANTHROPIC_EXCEPTION_HANDLERS)
 async def messages(request: Request) -> Response:
     """Anthropic Messages, served as its chat translation (``gateway/translate/anthropic.py``)."""
     return await _serve(request, "messages", anthropic_headers(request.headers))
 
 
+# The endpoints a public model is served on (``GET /v1/models`` lists them per model, one table: add a row per
+# endpoint): a backend that does not speak one natively gets it translated, or is skipped for it.
+MODEL_ENDPOINTS = ("chat/completions", "completions", "messages", "embeddings")
+
+
 def _model_object(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "tandem"}
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tandem", "endpoints": list(MODEL_ENDPOINTS)}
 
 
 @get("/v1/models")
@@ -182,7 +192,7 @@ def create_app(gw: Gateway, cors: CorsConfig | None = None) -> Litestar:
     setting (None: no CORS headers, preflights refused)."""
     return Litestar(
         cors_config=CORSConfig(**cors.model_dump()) if cors is not None else None,
-        route_handlers=[chat_completions, completions, models, model, live, ready, messages, count_tokens,
+        route_handlers=[chat_completions, completions, models, model, live, ready, messages, count_tokens, embeddings,
                         *ADMIN_HANDLERS],
         state=State({"gw": gw}), middleware=[in_flight], before_send=[stamp_request_id(GATEWAY_ID_PREFIX)],
         on_startup=[gw.start, gw.obs.start], on_shutdown=[gw.obs.stop, gw.stop],
