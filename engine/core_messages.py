@@ -67,7 +67,18 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Abort whatever is left and stop the core loop."""
 
 
-Command = AddRequest | AbortRequests | FinishSequences | CompileGrammar | Shutdown
+class EmbedPrompts(msgspec.Struct, tag=True, array_like=True):
+    """Pool tokenized prompts into embeddings (``EngineCore.embed``), between two steps; answered by
+    ``CoreReply(call_id, error, value)``, ``value`` one float list per prompt. ``pooling_type`` "" / ``normalize``
+    None: the model's own pooling config (``engine/pooling.py``)."""
+
+    call_id: int
+    prompts: list[list[int]]
+    pooling_type: str = ""
+    normalize: bool | None = None
+
+
+Command = AddRequest | AbortRequests | FinishSequences | CompileGrammar | Shutdown | EmbedPrompts
 
 
 # ------------------------------------------------------------------ core -> front end
@@ -164,10 +175,12 @@ class CoreStep(msgspec.Struct, tag=True, array_like=True):
 
 
 class CoreReply(msgspec.Struct, tag=True, array_like=True):
-    """The answer to a ``CompileGrammar`` (``error`` None when it compiled)."""
+    """The answer to a ``CompileGrammar`` (``error`` None when it compiled) or an ``EmbedPrompts`` (``value``: its
+    embeddings)."""
 
     call_id: int
     error: str | None = None
+    value: Any = None
 
 
 class CoreReady(msgspec.Struct, tag=True, array_like=True):
