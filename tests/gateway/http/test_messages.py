@@ -37,11 +37,12 @@ def config(up: FaultUpstream, rpm: int | None = None) -> str:
 
 
 @contextlib.asynccontextmanager
-async def gateway(cfg: str):
-    """One gateway on ``cfg``: yields (gateway, anthropic client, base url)."""
+async def gateway(cfg: str, start_engine: bool = False):
+    """One gateway on ``cfg`` (``start_engine``: its local backend's too): yields (gateway, anthropic client, base
+    url)."""
     import uvicorn
 
-    gw = Gateway(None, load_config_text(cfg), start_engine=False)
+    gw = Gateway(None, load_config_text(cfg), start_engine=start_engine)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(gw), host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="on"))
