@@ -5,6 +5,7 @@ pooling, with and without normalization; the model's own pooling config; batch i
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -96,3 +97,34 @@ async def test_async_engine_embeds_in_its_core_process(tiny_model, llm):
             await eng.embed([[5] * (eng.max_model_len + 1)])
     finally:
         await eng.shutdown(drain=False)
+
+
+async def test_engine_server_serves_embeddings(tiny_model, llm):
+    """``tandem engine serve``'s ``POST /v1/embeddings`` (build_app under uvicorn) with the openai SDK."""
+    import openai
+    import uvicorn
+
+    from engine.entrypoints.server import build_app
+    from tests.conftest import free_port
+
+    engine = AsyncEngine(EngineArgs(model=tiny_model, dtype="float32", kv_cache_memory="16MiB",
+                                    engine_core_process=False, served_model_name="tiny"))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    try:
+        while not (server.started and engine.ready):
+            assert not task.done()
+            await asyncio.sleep(0.02)
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        r = await client.embeddings.create(model="tiny", input=PROMPTS[:2])          # base64 on the wire
+        assert [d.embedding for d in r.data] == llm.embed(PROMPTS[:2])   # float32 values: base64 is exact
+        assert r.usage.prompt_tokens == len(PROMPTS[0]) + len(PROMPTS[1])
+        with pytest.raises(openai.NotFoundError):
+            await client.embeddings.create(model="other", input="x")
+        with pytest.raises(openai.BadRequestError):
+            await client.embeddings.create(model="tiny", input=[])
+        await client.close()
+    finally:
+        server.should_exit = True
+        await task
