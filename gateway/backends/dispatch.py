@@ -40,15 +40,16 @@ class Answer:
     backend: str = ""
     attempts: int = 0
     headers: dict[str, str] = field(default_factory=dict)
-    # the client API's codec when it is not OpenAI's (``content(status, bytes)``, ``stream(it)``, ``content_type``:
+    # the client API's codec when it is not OpenAI's (``content(status, bytes)`` -> JSON bytes, ``stream(it)``:
     # ``gateway.translate.anthropic.MessagesRender``), applied by the HTTP layer after observability read the answer
     render: Any = None
 
 
 def _payload(backend, target: Target, req: GatewayRequest):
     if backend.kind == "anthropic":     # Anthropic's own API: the client's Messages body, passed through
-        return msgspec.json.encode({**req.anthropic_body, "model": backend.upstream_model(req.public_model,
-                                                                                          target.model)})
+        body = {k: v for k, v in req.anthropic_body.items() if k not in GATEWAY_ONLY_FIELDS}
+        body["model"] = backend.upstream_model(req.public_model, target.model)
+        return msgspec.json.encode(body)
     body = dict(req.body)
     body["model"] = backend.upstream_model(req.public_model, target.model)
     for k in GATEWAY_ONLY_FIELDS:       # the local engine gets the priority as an argument

@@ -2,8 +2,8 @@
 exception -> OpenAI error table, in-flight accounting in one middleware. The request path itself is
 ``gateway/request/pipeline.py``; operator endpoints are ``gateway/http/admin.py``.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/messages (Anthropic's, with
-``gateway/http/anthropic.py``), GET /v1/models, GET /v1/models/{model},
+Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/messages (Anthropic's,
+with ``gateway/http/anthropic.py``), GET /v1/models, GET /v1/models/{model},
 GET /health/live, GET /health/ready; the admin API and GET /metrics from ``admin.py``. Every response carries
 ``x-request-id``; ``server.cors`` adds CORS.
 """
@@ -103,9 +103,10 @@ async def _serve(request: Request, endpoint: str, headers=None) -> Response:
             return EventStream(stream if render is None else render.stream(stream), status_code=200,
                                media_type="text/event-stream", headers={**answer.headers, "cache-control": "no-cache"})
         content = await gw.obs.finish(rec, answer.backend, answer.status, answer.content)   # secrets redacted
+        media_type = answer.content_type
         if render is not None:
-            content = render.content(answer.status, content)
-        return Response(content, status_code=answer.status, media_type=answer.content_type, headers=answer.headers)
+            content, media_type = render.content(answer.status, content), _JSON
+        return Response(content, status_code=answer.status, media_type=media_type, headers=answer.headers)
     except ClientError as e:
         await gw.obs.reject(rec, e)
         raise

@@ -89,12 +89,12 @@ def decide_route(gw, req: GatewayRequest, explain: bool = False):
 
 
 async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str) -> Answer:
-    """Serve one chat/completion request on the config generation current at its arrival.
+    """Serve one request on the config generation current at its arrival.
 
     Args:
         gw: the ``gateway.runtime.Gateway``.
-        endpoint: "chat/completions", "completions" or "messages" (Anthropic's; the answer carries the
-            ``render`` that turns the chat answer into Messages JSON or events).
+        endpoint: "chat/completions", "completions", "embeddings" or "messages" (Anthropic's; the answer carries
+            the ``render`` that turns the chat answer into Messages JSON or events).
         raw: the request body, bytes.
         headers: lower-case header names -> values.
         request_id: the gateway's id for this request.

@@ -48,10 +48,10 @@ class GatewayRequest:
     """One request, built once by validation and read (never re-parsed) by every later step: routing features,
     admission, dispatch, observability.
 
-    endpoint: "chat/completions" | "completions" | "embeddings". body: the client's parsed JSON (not mutated). model: the model
-    as the client wrote it; public_model: its canonical public name. priority: smaller = more urgent.
+    endpoint: "chat/completions" | "completions" | "embeddings" (a /v1/messages request is its chat translation).
+    body: the client's parsed JSON (not mutated). model: the model as the client wrote it; public_model: its canonical public name. priority: smaller = more urgent.
     max_tokens: ``max_completion_tokens`` when set, else ``max_tokens``, else the endpoint's default (completions:
-    16; chat: None, up to the context), the engine's rule. ``body`` has its top-level nulls dropped (null = not
+    16; chat: None, up to the context; embeddings: 0), the engine's rule. ``body`` has its top-level nulls dropped (null = not
     given).
     prompt_tokens: the prompt's length in tokens, counted once (the local engine's rendering when a rule reads
     it, else ``estimate_prompt_tokens``). rendered: that rendering (``engine.entrypoints.serving.RenderedPrompt``:

@@ -214,7 +214,8 @@ def anthropic_config(claude: AnthropicUpstream, fallback: FaultUpstream) -> str:
             f"backends:\n  claude:\n    type: anthropic\n    base_url: {claude.base_url}\n"
             "    api_key_env: TEST_ANTHROPIC_KEY\n    models: {m1: claude-model}\n    prices: {input: 3, output: 15}\n"
             f"  up:\n    type: openai\n    base_url: {fallback.base_url}\n"
-            "routes:\n  r1:\n    targets: [{backend: claude}]\n    fallbacks: [{backend: up}]\npolicy:\n  default_route: r1\n")
+            "routes:\n  r1:\n    targets: [{backend: claude}]\n    fallbacks: [{backend: up}]\n"
+            "policy:\n  default_route: r1\n")
 
 
 async def test_anthropic_backend_gets_the_messages_body_natively(up, monkeypatch):
