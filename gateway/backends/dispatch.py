@@ -58,6 +58,8 @@ def _payload(backend, target: Target, req: GatewayRequest):
     # when the client did not ask for it too). The local engine always can; an upstream unless told it cannot.
     if req.stream and getattr(backend.cfg, "stream_usage", True):
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    elif req.anthropic_body is not None:     # the translation asked for usage; this upstream refuses the field
+        body.pop("stream_options", None)
     return body if backend.kind == "local" else msgspec.json.encode(body)
 
 

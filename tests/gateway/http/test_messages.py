@@ -128,6 +128,18 @@ async def test_stream_speaks_anthropics_events(up):
             [(5, 3, False), (5, 3, False)]
 
 
+async def test_stream_to_an_upstream_that_refuses_stream_options(up):
+    cfg = config(up).replace("    prices: {input: 1, output: 2}\n", "    prices: {input: 1, output: 2}\n"
+                                                                       "    stream_usage: false\n")
+    async with gateway(cfg) as (gw, client, _):
+        async with client.messages.stream(model="m1", max_tokens=20,
+                                          messages=[{"role": "user", "content": "hi"}]) as stream:
+            final = await stream.get_final_message()
+        assert final.content[0].text == "tok0 tok1 tok2 " and "stream_options" not in sent(up)
+        (rec,) = (await records(gw, 1)).values()
+        assert rec.estimated                     # no usage from the upstream: the ledger counted the text
+
+
 async def test_tool_use_round_trip(up):
     async with gateway(config(up)) as (gw, client, _):
         up.push({"tool_call": True})
