@@ -32,6 +32,7 @@ async def test_embeddings_routed_limited_and_billed(up):
         recs = await records(gw, 2)
         assert sorted((x.prompt_tokens, x.completion_tokens, x.nusd) for x in recs.values()) == \
             [(1, 0, 1000), (2, 0, 2000)]                        # the input alone, USD 1 per million
+        assert gw.obs.registry.get_sample_value("tandem_input_tokens_total", {"backend": "up", "tenant": "t1"}) == 3
         with pytest.raises(openai.BadRequestError) as e:
             await client.embeddings.create(model="m1", input=[])
         assert e.value.body["param"] == "input"
