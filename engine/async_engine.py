@@ -201,6 +201,21 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         return await self._client.compile_grammar(params)
 
+    async def embed(self, prompts: list[list[int]], pooling_type: str | None = None,
+                    normalize: bool | None = None) -> list[list[float]]:
+        """Embeddings of tokenized prompts: their final hidden states pooled where the core runs, between two
+        steps (``EngineCore.embed``, ``engine/pooling.py``); one float32 vector per prompt.
+
+        Raises:
+            ValueError: an empty prompt, one over ``max_model_len``, a bad token id or pooling type.
+            EngineDrainingError: shutting down. EngineDeadError: not started, crashed or its process died.
+        """
+        if self._dead is not None or not self.ready or self._client is None:
+            raise EngineDeadError("the engine is not running")
+        if not self._accepting:
+            raise EngineDrainingError("the engine is shutting down and admits no new requests")
+        return await self._client.embed(prompts, pooling_type, normalize)
+
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its DELTA outputs until it finishes.

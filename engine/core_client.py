@@ -23,8 +23,8 @@ from collections.abc import Callable
 import msgspec
 
 from engine.core_loop import ready_message, run_core_loop, run_engine_core_process, take_all
-from engine.core_messages import (Command, CompileGrammar, CoreFailed, CoreReady, CoreReply, CoreStep, Shutdown,
-                                  decode_reply, encode, params_to_wire, rebuild_error)
+from engine.core_messages import (Command, CompileGrammar, CoreFailed, CoreReady, CoreReply, CoreStep, EmbedPrompts,
+                                  Shutdown, decode_reply, encode, params_to_wire, rebuild_error)
 from engine.grammar_compiler import GrammarRefused
 
 logger = logging.getLogger("tandem.core_client")
@@ -45,6 +45,8 @@ class ThreadCoreClient:
         self.core = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}   # embed calls
+        self._call_ids = itertools.count()
 
     def start(self, on_step: OnStep, on_dead: OnDead) -> CoreReady:
         """Load the model here, then start the loop thread.
@@ -62,11 +64,21 @@ class ThreadCoreClient:
 
     def _run(self, on_step: OnStep, on_dead: OnDead) -> None:
         reason = "the engine was shut down"
+
+        def emit(msg) -> None:           # the loop's replies to embed calls go to their callers
+            if isinstance(msg, CoreReply):
+                _resolve_call(self._calls, msg)
+            else:
+                on_step(msg)
+
         try:
-            run_core_loop(self.core, lambda block: take_all(self._commands, block), on_step)
+            run_core_loop(self.core, lambda block: take_all(self._commands, block), emit)
         except BaseException as exc:  # noqa: BLE001 - a bug here must not hang the clients
             logger.exception("the engine loop crashed")
             reason = f"the engine loop crashed: {type(exc).__name__}: {exc}"
+        for loop, future in list(self._calls.values()):
+            loop.call_soon_threadsafe(_set_exception, future, RuntimeError(reason))
+        self._calls.clear()
         on_dead(reason)
 
     def send(self, cmd: Command) -> None:
@@ -91,6 +103,11 @@ class ThreadCoreClient:
         # a worker thread: the first call builds the grammar manager (imports xgrammar, seconds)
         await asyncio.to_thread(self.core.submit_grammar, spec, done)
         return await future
+
+    async def embed(self, prompts: list[list[int]], pooling_type: str | None = None,
+                    normalize: bool | None = None) -> list[list[float]]:
+        """``EngineCore.embed`` on the core loop's thread, between two steps. Raises ValueError as it does."""
+        return await _embed_call(self, prompts, pooling_type, normalize)
 
     def shutdown(self) -> None:
         self._commands.put(Shutdown())
@@ -179,14 +196,7 @@ class ProcessCoreClient:
         on_dead(reason)
 
     def _resolve(self, reply: CoreReply) -> None:
-        entry = self._calls.pop(reply.call_id, None)
-        if entry is None:
-            return
-        loop, future = entry
-        if reply.error is None:
-            loop.call_soon_threadsafe(_set_result, future, reply.digest)
-        else:
-            loop.call_soon_threadsafe(_set_exception, future, GrammarRefused(reply.error, reply.status))
+        _resolve_call(self._calls, reply)
 
     def send(self, cmd: Command) -> None:
         """Encode and send a command (non-blocking in practice: the core's
@@ -217,6 +227,11 @@ class ProcessCoreClient:
         self.send(CompileGrammar(call_id, params_to_wire(spec)))
         return await future
 
+    async def embed(self, prompts: list[list[int]], pooling_type: str | None = None,
+                    normalize: bool | None = None) -> list[list[float]]:
+        """``EngineCore.embed`` in the core process, between two steps. Raises ValueError as it does."""
+        return await _embed_call(self, prompts, pooling_type, normalize)
+
     def shutdown(self) -> None:
         """Ask the core to stop and wait for its process (killed after 30 s)."""
         self._closing = True
@@ -231,6 +246,33 @@ class ProcessCoreClient:
 
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.is_alive()
+
+
+async def _embed_call(client, prompts: list[list[int]], pooling_type: str | None,
+                      normalize: bool | None) -> list[list[float]]:
+    """Send an ``EmbedPrompts`` through ``client`` and wait for its ``CoreReply``."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    call_id = next(client._call_ids)
+    client._calls[call_id] = (loop, future)
+    try:
+        client.send(EmbedPrompts(call_id, prompts, pooling_type or "", normalize))
+        return await future
+    finally:
+        client._calls.pop(call_id, None)
+
+
+def _resolve_call(calls: dict, reply: CoreReply) -> None:
+    """Complete the call ``reply`` answers: a compile with its grammar's digest, an embed with its vectors; an
+    error as the request's own (``GrammarRefused``, a ValueError carrying the reply's HTTP status)."""
+    entry = calls.pop(reply.call_id, None)
+    if entry is None:
+        return
+    loop, future = entry
+    if reply.error is None:
+        loop.call_soon_threadsafe(_set_result, future, reply.digest if reply.digest is not None else reply.value)
+    else:
+        loop.call_soon_threadsafe(_set_exception, future, GrammarRefused(reply.error, reply.status))
 
 
 def _set_result(future: asyncio.Future, value) -> None:

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.core_messages import (AbortRequests, AddRequest, Command, CompileGrammar, CoreFailed, CoreReady,
-                                  CoreReply, CoreStep, FinishSequences, Reply, Shutdown, decode_command, encode,
-                                  params_from_wire, spec_from_wire)
+                                  CoreReply, CoreStep, EmbedPrompts, FinishSequences, Reply, Shutdown, decode_command,
+                                  encode, params_from_wire, spec_from_wire)
 
 logger = logging.getLogger("tandem.engine_core")
 
@@ -59,6 +59,8 @@ def run_core_loop(core, take_commands: Callable[[bool], list[Command]], emit: Ca
                     acks.append(cmd.ack)
             elif isinstance(cmd, FinishSequences):
                 core.finish_sequences(cmd.stops)
+            elif isinstance(cmd, EmbedPrompts):
+                emit(embed_reply(core, cmd))
             elif isinstance(cmd, Shutdown):
                 stop = True
         if stop:
@@ -75,6 +77,14 @@ def run_core_loop(core, take_commands: Callable[[bool], list[Command]], emit: Ca
                 error = f"{type(exc).__name__}: {exc}"
         emit(CoreStep(outputs, core.get_stats(), time.monotonic(), rejected=rejected, failed=failed,
                       error=error, acks=acks))
+
+
+def embed_reply(core, cmd: EmbedPrompts) -> CoreReply:
+    """Run an ``EmbedPrompts`` on the core's thread (the model is never run by two threads at once)."""
+    try:
+        return CoreReply(cmd.call_id, value=core.embed(cmd.prompts, cmd.pooling_type or None, cmd.normalize))
+    except Exception as exc:  # noqa: BLE001 - goes to that call only
+        return CoreReply(cmd.call_id, error=str(exc) or type(exc).__name__)
 
 
 def ready_message(core) -> CoreReady:

@@ -67,7 +67,18 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Abort whatever is left and stop the core loop."""
 
 
-Command = AddRequest | AbortRequests | FinishSequences | CompileGrammar | Shutdown
+class EmbedPrompts(msgspec.Struct, tag=True, array_like=True):
+    """Pool tokenized prompts into embeddings (``EngineCore.embed``), between two steps; answered by
+    ``CoreReply(call_id, error, value)``, ``value`` one float list per prompt. ``pooling_type`` "" / ``normalize``
+    None: the model's own pooling config (``engine/pooling.py``)."""
+
+    call_id: int
+    prompts: list[list[int]]
+    pooling_type: str = ""
+    normalize: bool | None = None
+
+
+Command = AddRequest | AbortRequests | FinishSequences | CompileGrammar | Shutdown | EmbedPrompts
 
 
 # ------------------------------------------------------------------ core -> front end
@@ -164,14 +175,15 @@ class CoreStep(msgspec.Struct, tag=True, array_like=True):
 
 
 class CoreReply(msgspec.Struct, tag=True, array_like=True):
-    """The answer to a ``CompileGrammar``: ``error`` None when it compiled
-    (``digest``: its cache key), else the refusal's message and HTTP status
-    (400 refused, 408 compile timeout)."""
+    """The answer to a ``CompileGrammar`` (``error`` None when it compiled: ``digest``, its cache key; else the
+    refusal's message and HTTP status, 400 refused or 408 compile timeout) or an ``EmbedPrompts`` (``value``:
+    its embeddings; an error is the request's, status 400)."""
 
     call_id: int
     error: str | None = None
     status: int = 400
     digest: str | None = None
+    value: Any = None
 
 
 class CoreReady(msgspec.Struct, tag=True, array_like=True):

@@ -33,6 +33,7 @@ from engine.grammar_compiler import grammar_limits
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import Logprob
+from engine.pooling import PoolingParams, model_pooling_params, pool
 from engine.request import ForkGroup, Request, RequestStatus
 from engine.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
@@ -366,6 +367,28 @@ class EngineCore:
                                                  req.sampling_params.prompt_logprobs))
 
     # ------------------------------------------------------------------ stats
+    def embed(self, prompts: list[list[int]], pooling_type: str | None = None,
+              normalize: bool | None = None) -> list[list[float]]:
+        """Embeddings of tokenized prompts (``engine/pooling.py``): each prompt's final hidden states pooled, one
+        float32 vector of ``hidden_size`` values per prompt. ``pooling_type`` / ``normalize`` None: the model's
+        own pooling config (else LAST, normalized).
+
+        Raises:
+            ValueError: an empty prompt, one over ``max_model_len``, a token id outside the vocabulary, or an
+                unknown pooling type.
+        """
+        own = model_pooling_params(self.args.model)
+        params = PoolingParams(pooling_type or own.pooling_type, own.normalize if normalize is None else normalize)
+        vocab = self.model_config.vocab_size
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise ValueError(f"input {i}: the prompt is empty")
+            if len(ids) > self.max_model_len:
+                raise ValueError(f"input {i}: {len(ids)} tokens, more than max_model_len ({self.max_model_len})")
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise ValueError(f"input {i}: token ids must be in [0, {vocab})")
+        return [pool(self.model_runner.embed(ids), params).tolist() for ids in prompts]
+
     def get_stats(self) -> EngineStats:
         """Snapshot of the live signals (cheap; called per gateway request)."""
         s = self.scheduler

@@ -35,6 +35,20 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_type: str | None = None,
+              normalize: bool | None = None) -> list[list[float]]:
+        """Embeddings of ``prompts`` (vLLM's ``LLM.embed``): each prompt's final hidden states pooled
+        (``engine/pooling.py``: LAST or MEAN or CLS, L2-normalized; None: the model's own pooling config), one
+        float32 vector of ``hidden_size`` values per prompt. Text is tokenized as ``generate`` tokenizes it.
+
+        Raises:
+            ValueError: an empty prompt, one over ``max_model_len``, a bad token id or pooling type.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompts]
+        return self.engine.core.embed(ids, pooling_type, normalize)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

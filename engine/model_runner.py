@@ -235,6 +235,26 @@ class ModelRunner:
         return input_ids, torch.from_numpy(positions).to(dev), md, bounds[:-1], bounds[1:]
 
     @torch.inference_mode()
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        """The final hidden states of one prompt, [num_tokens, hidden_size] in the model's dtype: the model's own
+        forward over that prompt alone (``engine/pooling.py``), its keys and values written to a KV cache of its
+        own (blocks 1..n, block 0 the null block) so the scheduler's pool and batches are never touched and the
+        result does not depend on what else runs."""
+        bs, n, c, dev = self.block_size, len(token_ids), self.config, self.device
+        nb = -(-n // bs)
+        scratch = torch.zeros((c.num_hidden_layers, 2, nb + 1, bs, c.num_key_value_heads, c.head_dim),
+                              dtype=self.dtype, device=dev)
+        caches = [(scratch[i, 0], scratch[i, 1]) for i in range(c.num_hidden_layers)]
+        md = AttentionMetadata(
+            slot_mapping=torch.arange(bs, bs + n, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(1, nb + 1, dtype=torch.int32, device=dev)[None],
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
+        return self.model(input_ids, torch.arange(n, dtype=torch.int64, device=dev), md, caches)
+
+    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Apply the step's block operations, run the forward pass, return logits.
 

@@ -176,7 +176,7 @@ def _explain(args) -> int:
         return 1
     unavailable = {}
     for name, b in compiled.config.backends.items():
-        if b.type == "openai" and b.api_key_env and not os.environ.get(b.api_key_env):
+        if b.type in ("openai", "anthropic") and b.api_key_env and not os.environ.get(b.api_key_env):
             unavailable[name] = f"environment variable {b.api_key_env} is unset"
     prompt_tokens, counted_by = _prompt_tokens(compiled, endpoint, p.body)
     features = RequestFeatures(

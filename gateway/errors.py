@@ -21,6 +21,19 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                                           "param": param, "code": code}})
 
 
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); 529 is its "overloaded".
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
+                    529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str, type_: str | None = None) -> bytes:
+    """Anthropic's error JSON (``/v1/messages``): ``{"type": "error", "error": {"type", "message"}}`` as bytes."""
+    return msgspec.json.encode({"type": "error", "error": {"type": type_ or _ANTHROPIC_TYPES.get(status, "api_error"),
+                                                           "message": message}})
+
+
 class ClientError(Exception):
     """A request the gateway refuses; becomes an OpenAI error response."""
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from gateway.config.compile import Compiled, load_config_text
 from gateway.config.schema import ConfigError
+from gateway.backends.anthropic import AnthropicBackend
 from gateway.backends.local import LocalBackend
 from gateway.backends.replicas import ReplicaLoads
 from gateway.resilience.layer import Resilience
@@ -57,7 +58,7 @@ class Snapshot:
 
 
 def _backend_key(b) -> tuple:
-    env = b.cfg.api_key_env if b.kind == "openai" else None
+    env = b.cfg.api_key_env if b.kind in ("openai", "anthropic") else None
     return (b.cfg, os.environ.get(env) if env else None)
 
 
@@ -190,10 +191,10 @@ class Gateway:
                 local = backends[name]
                 continue
             key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
-            if prev is not None and prev.kind == "openai" and _backend_key(prev) == (cfg, key):
+            if prev is not None and prev.kind == cfg.type and _backend_key(prev) == (cfg, key):
                 backends[name] = prev
             else:
-                backends[name] = UpstreamBackend(name, cfg)
+                backends[name] = (AnthropicBackend if cfg.type == "anthropic" else UpstreamBackend)(name, cfg)
                 if not backends[name].available:
                     compiled.warnings.append(f"backend {name} unavailable: {backends[name].unavailable_reason}")
         now = time.monotonic()

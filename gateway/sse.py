@@ -22,6 +22,11 @@ def event(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
+def named_event(name: str, payload: bytes) -> bytes:
+    """One SSE event with an ``event:`` field (Anthropic's streams name each event) and ``payload`` as its data."""
+    return b"event: " + name.encode() + b"\n" + event(payload)
+
+
 def error_event(message: str, type_: str = "upstream_error", code: str | None = None) -> bytes:
     """An SSE event carrying OpenAI's error object (how a stream that already sent content reports a failure)."""
     return event(json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode())

@@ -1,7 +1,7 @@
 """``tandem engine serve``: the engine alone behind an OpenAI-compatible HTTP server.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when
-``stream``), ``GET /v1/models``, ``GET /health`` (200 while the engine loop
+``stream``), ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health`` (200 while the engine loop
 runs, else 503 with ``{"status": "loading" | "failed" | "unavailable"}``),
 ``GET /metrics`` (Prometheus text, vLLM's metric names).
 
@@ -41,6 +41,7 @@ from engine.async_engine import AsyncEngine
 from engine.metrics import EngineMetrics
 from engine.entrypoints.chat import OpenAIServingChat
 from engine.entrypoints.completion import OpenAIServingCompletion
+from engine.entrypoints.embeddings import OpenAIServingEmbedding
 from engine.entrypoints.protocol import ServingError
 from engine.entrypoints.request_ids import stamp_request_id, unique_request_id
 
@@ -150,6 +151,18 @@ async def completions(request: Request) -> Response:
     return await _generate(request, "completion")
 
 
+@post("/v1/embeddings", status_code=200)
+async def embeddings(request: Request) -> Response:
+    """OpenAI embeddings: the model's final hidden states pooled (``engine/entrypoints/embeddings.py``)."""
+    serving = _serving(request, "embedding")
+    body = await _json_body(request)
+    try:
+        return _respond(await _cancel_on_disconnect(request, serving.create_embedding(body, unique_request_id(
+            request.scope))))
+    except _ClientGone:
+        return Response(content=b"", status_code=499)
+
+
 @get("/v1/models")
 async def models(request: Request) -> Response:
     """The served model."""
@@ -240,6 +253,7 @@ def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_b
         EngineMetrics(registry, engine, engine.served_model_name).attach()
         app.state.completion = OpenAIServingCompletion(engine, engine.served_model_name)
         app.state.chat = OpenAIServingChat(engine, engine.served_model_name)
+        app.state.embedding = OpenAIServingEmbedding(engine, engine.served_model_name)
 
     async def on_startup(app: Litestar) -> None:
         app.state.load_task = asyncio.ensure_future(load(app))
@@ -251,7 +265,7 @@ def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_b
         await engine.shutdown(drain=True, timeout=drain_timeout)
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, models, model, health, metrics],
+        route_handlers=[chat_completions, completions, embeddings, models, model, health, metrics],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         exception_handlers={ServingError: _serving_error_handler, HTTPException: _http_error_handler,

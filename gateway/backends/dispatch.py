@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -42,6 +43,9 @@ class Answer:
     attempts: int = 0
     headers: dict[str, str] = field(default_factory=dict)
     api: str = ""
+    # the client API's codec when it is not OpenAI's (``content(status, bytes)`` -> JSON bytes, ``stream(it)``:
+    # ``gateway.translate.anthropic.MessagesRender``), applied by the HTTP layer after observability read the answer
+    render: Any = None
 
 
 def native_api(backend, req: GatewayRequest) -> str:
@@ -53,6 +57,10 @@ def native_api(backend, req: GatewayRequest) -> str:
 
 
 def _payload(backend, target: Target, req: GatewayRequest):
+    if backend.kind == "anthropic":     # Anthropic's own API: the client's Messages body, passed through
+        body = {k: v for k, v in req.anthropic_body.items() if k not in GATEWAY_ONLY_FIELDS}
+        body["model"] = backend.upstream_model(req.public_model, target.model)
+        return msgspec.json.encode(body)
     body = dict(req.body)
     body["model"] = backend.upstream_model(req.public_model, target.model)
     for k in GATEWAY_ONLY_FIELDS:       # the local engine gets the priority as an argument
@@ -61,6 +69,8 @@ def _payload(backend, target: Target, req: GatewayRequest):
     # when the client did not ask for it too). The local engine always can; an upstream unless told it cannot.
     if req.stream and getattr(backend.cfg, "stream_usage", True):
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    elif req.anthropic_body is not None:     # the translation asked for usage; this upstream refuses the field
+        body.pop("stream_options", None)
     return body if backend.kind == "local" else msgspec.json.encode(body)
 
 
@@ -104,6 +114,8 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
             skipped.append(f"{target.id}: {backend.unavailable_reason if backend else 'unknown backend'}")
         elif backend.kind == "local" and req.local_unsupported:
             skipped.append(f"{target.id}: local engine does not support {req.local_unsupported}")
+        elif backend.kind == "anthropic" and req.anthropic_body is None:
+            skipped.append(f"{target.id}: an anthropic backend serves only /v1/messages")
         else:
             candidates.append(resilience.candidate(target, backend))
 
@@ -116,7 +128,8 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
         attempt = hook(attempt)
     res = await resilience.forward(candidates, attempt, stream=req.stream, required_len=req.prompt_tokens,
                                    request_id=req.request_id, tokens=reserved_tokens, on_finish=settle,
-                                   prompt_param="messages" if req.endpoint == "chat/completions" else "prompt")
+                                   prompt_param={"chat/completions": "messages", "embeddings": "input"}.get(
+                                       req.endpoint, "prompt"))
     if res.stream is None:
         await settle(res)
     # an open breaker is logged once per transition (gateway/resilience/breaker.py), not once per request

@@ -72,6 +72,7 @@ class LocalBackend:
             from engine.config import EngineArgs
             from engine.entrypoints.chat import OpenAIServingChat
             from engine.entrypoints.completion import OpenAIServingCompletion
+            from engine.entrypoints.embeddings import OpenAIServingEmbedding
             from engine.entrypoints.protocol import ServingError
 
             args = EngineArgs(**self.cfg.engine.engine_kwargs())
@@ -81,7 +82,8 @@ class LocalBackend:
             self.served_model_name = engine.served_model_name
             self.max_model_len = engine.max_model_len
             self.serving = {"chat/completions": OpenAIServingChat(engine, engine.served_model_name).create_chat_completion,
-                            "completions": OpenAIServingCompletion(engine, engine.served_model_name).create_completion}
+                            "completions": OpenAIServingCompletion(engine, engine.served_model_name).create_completion,
+                            "embeddings": OpenAIServingEmbedding(engine, engine.served_model_name).create_embedding}
             self.serving_error = ServingError
             self.available, self.unavailable_reason = True, ""
             log.info("local engine ready: %s (max_model_len %s)", self.served_model_name, self.max_model_len)

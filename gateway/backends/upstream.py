@@ -63,32 +63,41 @@ class UpstreamBackend:
     """
 
     kind = "openai"
+    endpoints = ("chat/completions", "completions", "embeddings")   # the paths under base_url it is sent requests on
 
     def __init__(self, name: str, cfg: OpenAIBackendConfig, environ: dict[str, str] | None = None):
         env = os.environ if environ is None else environ
         self.name, self.cfg = name, cfg
         self.max_model_len = cfg.max_model_len
         self.available, self.unavailable_reason = True, ""
-        headers = {"content-type": "application/json", **cfg.headers}
+        headers = {"content-type": "application/json", **self.api_headers(), **cfg.headers}
         if cfg.api_key_env:
             key = env.get(cfg.api_key_env)
             if not key:
                 self.available = False
                 self.unavailable_reason = f"environment variable {cfg.api_key_env} is unset"
             else:
-                headers["authorization"] = f"Bearer {key}"
+                headers.update(self.auth_headers(key))
         self.client = make_client(cfg.base_url, cfg.max_connections, cfg.timeouts.connect_s,
                                   cfg.timeouts.read_s, headers)
         # Hot path: absolute URLs, headers and timeouts built once; requests go
         # straight to the client's pooled transport (skips httpx's per-request
         # URL merging and header copies: ~1.5x the requests/s of client.post).
         self._transport = self.client._transport
-        self._urls = {ep: httpx.URL(f"{cfg.base_url}/{ep}") for ep in ("chat/completions", "completions", *cfg.apis)}
+        self._urls = {ep: httpx.URL(f"{cfg.base_url}/{ep}") for ep in (*self.endpoints, *getattr(cfg, "apis", ()))}
         self._headers = httpx.Headers(headers)
         self._sse_headers = httpx.Headers({**headers, **_SSE_HEADERS})
         t = cfg.timeouts
         self._ext = {"timeout": {"connect": t.connect_s, "read": t.read_s, "write": t.read_s, "pool": t.connect_s}}
         self.active = 0  # requests in flight (to close a retired client safely)
+
+    def api_headers(self) -> dict[str, str]:
+        """Headers the upstream's API requires on every request (none for OpenAI's)."""
+        return {}
+
+    def auth_headers(self, key: str) -> dict[str, str]:
+        """The headers that carry the API key (OpenAI's bearer token)."""
+        return {"authorization": f"Bearer {key}"}
 
     def upstream_model(self, public_model: str, target_model: str) -> str:
         """The model name to send: the target's, else the mapping's, else the public one."""

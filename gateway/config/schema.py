@@ -263,7 +263,17 @@ class OpenAIBackendConfig(_Strict):
         return v.rstrip("/")
 
 
-Backend = Annotated[Union[LocalBackendConfig, OpenAIBackendConfig], Field(discriminator="type")]
+class AnthropicBackendConfig(OpenAIBackendConfig):
+    """An upstream speaking Anthropic's Messages API (``POST base_url/messages``, key in ``x-api-key``): Messages
+    requests are passed through natively; chat and completions requests are not sent to it."""
+
+    type: Literal["anthropic"]
+    base_url: str = "https://api.anthropic.com/v1"
+    anthropic_version: str = "2023-06-01"  # the anthropic-version header sent
+
+
+Backend = Annotated[Union[LocalBackendConfig, OpenAIBackendConfig, AnthropicBackendConfig],
+                    Field(discriminator="type")]
 
 
 class TargetConfig(_Strict):

@@ -23,7 +23,7 @@ from policies import Policy, Route
 def _unavailable(cfg: GatewayConfig, env) -> dict[str, str]:
     """Backends that cannot be called with this environment: name -> why."""
     return {n: f"environment variable {b.api_key_env} is unset" for n, b in cfg.backends.items()
-            if b.type == "openai" and b.api_key_env and not env.get(b.api_key_env)}
+            if b.type in ("openai", "anthropic") and b.api_key_env and not env.get(b.api_key_env)}
 
 
 def _shares(route: Route) -> str:

@@ -2,8 +2,9 @@
 exception -> OpenAI error table, in-flight accounting in one middleware. The request path itself is
 ``gateway/request/pipeline.py``; operator endpoints are ``gateway/http/admin.py``.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model},
-the Responses API (``gateway/http/responses.py``),
+Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/messages (Anthropic's,
+with ``gateway/http/anthropic.py``), the Responses API (``gateway/http/responses.py``), GET /v1/models,
+GET /v1/models/{model},
 GET /health/live, GET /health/ready; the admin API and GET /metrics from ``admin.py``. Every response carries
 ``x-request-id``; ``server.cors`` adds CORS.
 """
@@ -23,6 +24,7 @@ from gateway.config.schema import ConfigError, CorsConfig
 from gateway.errors import ClientError, error_body
 from gateway.http.admin import ADMIN_HANDLERS
 from gateway.http.responses import RESPONSES_HANDLERS
+from gateway.http.anthropic import ANTHROPIC_EXCEPTION_HANDLERS, anthropic_headers, count_tokens
 from gateway.http.transport import EventStream, read_body, unless_disconnected
 from gateway.request.auth import authenticate
 from gateway.request.pipeline import handle
@@ -83,12 +85,12 @@ def in_flight(app):
     return middleware
 
 
-async def _serve(request: Request, endpoint: str) -> Response:
+async def _serve(request: Request, endpoint: str, headers=None) -> Response:
     gw: Gateway = request.app.state.gw
     if gw.draining:
         raise ClientError(503, "the gateway is draining; retry on another replica", code="draining",
                           headers={"retry-after": "1", "connection": "close"})
-    headers = request.headers
+    headers = request.headers if headers is None else headers
     rid = unique_request_id(request.scope, GATEWAY_ID_PREFIX)   # forwarded upstream; echoed as x-request-id
     rec = gw.obs.begin(rid, endpoint, headers)   # span, trace context
     streaming = False
@@ -97,12 +99,17 @@ async def _serve(request: Request, endpoint: str) -> Response:
         answer = await unless_disconnected(request, handle(gw, endpoint, raw, headers, rid))
         if answer is None:                  # the client left: its upstream call was cancelled
             return Response(b"", status_code=499)
+        render = answer.render               # another client API's codec (Anthropic's), after observability
         if answer.stream is not None:
             streaming = True                 # observability's stream wrapper completes the record at its end
-            return EventStream(gw.obs.stream(rec, answer.backend, answer.stream), status_code=200,
+            stream = gw.obs.stream(rec, answer.backend, answer.stream)
+            return EventStream(stream if render is None else render.stream(stream), status_code=200,
                                media_type="text/event-stream", headers={**answer.headers, "cache-control": "no-cache"})
         content = await gw.obs.finish(rec, answer.backend, answer.status, answer.content)   # secrets redacted
-        return Response(content, status_code=answer.status, media_type=answer.content_type, headers=answer.headers)
+        media_type = answer.content_type
+        if render is not None:
+            content, media_type = render.content(answer.status, content), _JSON
+        return Response(content, status_code=answer.status, media_type=media_type, headers=answer.headers)
     except ClientError as e:
         await gw.obs.reject(rec, e)
         raise
@@ -121,9 +128,20 @@ async def completions(request: Request) -> Response:
     return await _serve(request, "completions")
 
 
-# The endpoints every public model serves (``endpoints`` in its model object): one table; an endpoint served
-# by translation onto chat (the Responses API) is served wherever chat is.
-MODEL_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+@post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    return await _serve(request, "embeddings")
+
+
+@post("/v1/messages", exception_handlers=ANTHROPIC_EXCEPTION_HANDLERS)
+async def messages(request: Request) -> Response:
+    """Anthropic Messages, served as its chat translation (``gateway/translate/anthropic.py``)."""
+    return await _serve(request, "messages", anthropic_headers(request.headers))
+
+
+# The endpoints a public model is served on (``GET /v1/models`` lists them per model, one table: add a row per
+# endpoint): a backend that does not speak one natively gets it translated, or is skipped for it.
+MODEL_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/embeddings")
 
 
 def _model_object(name: str) -> dict:
@@ -178,8 +196,8 @@ def create_app(gw: Gateway, cors: CorsConfig | None = None) -> Litestar:
     setting (None: no CORS headers, preflights refused)."""
     return Litestar(
         cors_config=CORSConfig(**cors.model_dump()) if cors is not None else None,
-        route_handlers=[chat_completions, completions, models, model, live, ready, *RESPONSES_HANDLERS,
-                        *ADMIN_HANDLERS],
+        route_handlers=[chat_completions, completions, models, model, live, ready, messages, count_tokens, embeddings,
+                        *RESPONSES_HANDLERS, *ADMIN_HANDLERS],
         state=State({"gw": gw, "responses": ResponseStore(gw.resilience.state)}),   # stored Responses
         middleware=[in_flight], before_send=[stamp_request_id(GATEWAY_ID_PREFIX)],
         on_startup=[gw.start, gw.obs.start], on_shutdown=[gw.obs.stop, gw.stop],

@@ -50,7 +50,8 @@ log = logging.getLogger("tandem.gateway.tracing")
 # The W3C traceparent to send upstream from the current task (the request's or its current CLIENT span's).
 _TRACEPARENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("tandem_traceparent", default=None)
 _TP_RE = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
-OPERATIONS = {"chat/completions": "chat", "completions": "text_completion"}
+OPERATIONS = {"chat/completions": "chat", "completions": "text_completion", "messages": "chat",
+              "embeddings": "embeddings"}
 
 
 def current_traceparent() -> str | None:

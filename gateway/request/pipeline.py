@@ -15,6 +15,7 @@ from gateway.errors import ClientError
 from gateway.request.admission import admit
 from gateway.request.auth import authenticate
 from gateway.request.validate import GatewayRequest, check_request, estimate_prompt_tokens, parse_json
+from gateway.translate.anthropic import MessagesRender, messages_to_chat
 from policies import RequestFeatures, decide, prefix_text
 
 # Bodies from this size on are decoded, templated and tokenized in a worker thread (``asyncio.to_thread``), off
@@ -44,6 +45,8 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
         tenant = authenticate(headers.get("authorization"), compiled.key_hashes)
     if body is None:
         body = parse_json(raw)
+    if endpoint == "messages":      # Anthropic Messages: served as its chat translation
+        source, body, endpoint = ("messages", body), messages_to_chat(body), "chat/completions"
     req = check_request(body, endpoint, headers.get("x-priority"), compiled.local_serves, tenant=tenant,
                         request_id=request_id, headers=headers)
     public = compiled.model_names.get(req.model)
@@ -89,11 +92,12 @@ def decide_route(gw, req: GatewayRequest, explain: bool = False):
 
 async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str,
                  body: dict | None = None, source: tuple[str, dict] | None = None) -> Answer:
-    """Serve one chat/completion request on the config generation current at its arrival.
+    """Serve one request on the config generation current at its arrival.
 
     Args:
         gw: the ``gateway.runtime.Gateway``.
-        endpoint: "chat/completions" or "completions".
+        endpoint: "chat/completions", "completions", "embeddings" or "messages" (Anthropic's; the answer carries
+            the ``render`` that turns the chat answer into Messages JSON or events).
         raw: the request body, bytes.
         headers: lower-case header names -> values.
         request_id: the gateway's id for this request.
@@ -129,6 +133,8 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     answer.headers = {"x-tandem-route": decision.route, "x-tandem-rule": decision.rule,
                       "x-tandem-backend": answer.backend or "none", "x-tandem-attempts": str(answer.attempts),
                       **answer.headers, **adm.headers}   # x-request-id: gateway/http/app.py request_ids
+    if req.anthropic_body is not None:
+        answer.render = MessagesRender.of(req)
     return answer
 
 

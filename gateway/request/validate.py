@@ -11,6 +11,7 @@ import msgspec
 
 from engine.entrypoints.param_ranges import check_param
 from gateway.errors import ClientError
+from gateway.request.embeddings import EMBEDDINGS_TYPES, check_embeddings, estimate_input_tokens
 from policies import parse_priority
 
 _decode = msgspec.json.decode
@@ -47,10 +48,10 @@ class GatewayRequest:
     """One request, built once by validation and read (never re-parsed) by every later step: routing features,
     admission, dispatch, observability.
 
-    endpoint: "chat/completions" | "completions". body: the client's parsed JSON (not mutated). model: the model
-    as the client wrote it; public_model: its canonical public name. priority: smaller = more urgent.
+    endpoint: "chat/completions" | "completions" | "embeddings" (a /v1/messages request is its chat translation).
+    body: the client's parsed JSON (not mutated). model: the model as the client wrote it; public_model: its canonical public name. priority: smaller = more urgent.
     max_tokens: ``max_completion_tokens`` when set, else ``max_tokens``, else the endpoint's default (completions:
-    16; chat: None, up to the context), the engine's rule. ``body`` has its top-level nulls dropped (null = not
+    16; chat: None, up to the context; embeddings: 0), the engine's rule. ``body`` has its top-level nulls dropped (null = not
     given).
     prompt_tokens: the prompt's length in tokens, counted once (the local engine's rendering when a rule reads
     it, else ``estimate_prompt_tokens``). rendered: that rendering (``engine.entrypoints.serving.RenderedPrompt``:
@@ -79,6 +80,13 @@ class GatewayRequest:
     rendered: Any = None
     headers: Mapping[str, str] = field(default_factory=dict)
     source: tuple[str, dict] | None = None
+
+    @property
+    def anthropic_body(self) -> dict | None:
+        """/v1/messages: the client's Anthropic Messages body (``source``), which a ``type: anthropic`` backend
+        receives as it is (``body`` is its chat translation, ``gateway/translate/anthropic.py``, which every other
+        step reads)."""
+        return self.source[1] if self.source is not None and self.source[0] == "messages" else None
 
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -217,6 +225,9 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
     if endpoint == "chat/completions":
         _check_messages(body.get("messages"))
         types = _CHAT
+    elif endpoint == "embeddings":
+        check_embeddings(body)
+        types = EMBEDDINGS_TYPES
     else:
         prompt = body.get("prompt")
         if prompt is None:
@@ -247,7 +258,11 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         max_tokens = body.get("max_tokens")
     if max_tokens is None and endpoint == "completions":
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if endpoint == "embeddings":
+        max_tokens = 0          # nothing is generated: reservations and budgets count the input alone
     unsupported = _unsupported(body, local_serves)
+    if endpoint == "embeddings" and body.get("dimensions") is not None:
+        unsupported = "dimensions"   # the local engine pools the model's full hidden size
     rf = body.get("response_format")
     return GatewayRequest(
         endpoint=endpoint, body=body, model=model, stream=bool(body.get("stream")), priority=priority,
@@ -260,7 +275,9 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
 def estimate_prompt_tokens(body: dict) -> int:
     """Rough prompt length when no tokenizer is at hand: ~4 characters per
     token (OpenAI's rule of thumb for English BPE text) + 4 tokens of chat
-    framing per message. Token-id prompts are counted exactly."""
+    framing per message. Token-id prompts (and embeddings inputs) are counted exactly."""
+    if "input" in body and "messages" not in body and "prompt" not in body:
+        return estimate_input_tokens(body["input"])
     if "messages" in body:
         chars, n = 0, 0
         for m in body.get("messages") or ():

@@ -25,7 +25,7 @@ the queue filled by ``push()`` / ``POST /_fault/push`` (one fault per request), 
     usage: dict            the usage reported (answer, or the stream's usage chunk when asked for)
     no_usage: bool         report no usage at all (an upstream that never counts)
     tool_call: bool        a stream's content chunks are tool-call deltas (name, then argument pieces); a whole
-                           answer is one call of get_weather with arguments {"city": "Paris"}
+                           answer calls ``get_weather`` with {"city": "Paris"} (finish_reason tool_calls)
     content: str           a whole answer's text (default "hello from <name>")
     Request ``n`` > 1: each chunk of a stream is sent once per choice index.
 
@@ -37,6 +37,7 @@ went away before the response finished) with ``disconnect_times`` (``time.monoto
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import socket
 import struct
@@ -117,6 +118,7 @@ class FaultUpstream:
             app.router.add_post("/v1/chat/completions", self._completion)
             app.router.add_post("/v1/completions", self._completion)
             app.router.add_post("/v1/responses", self._responses)
+            app.router.add_post("/v1/embeddings", self._embeddings)
             app.router.add_get("/v1/models", self._models)
             app.router.add_post("/_fault/push", self._admin_push)
             app.router.add_post("/_fault/default", self._admin_default)
@@ -155,6 +157,28 @@ class FaultUpstream:
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model",
                                                               "owned_by": self.name}]})
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        """Embeddings: item i of ``input`` is [i, 0.5, -1.0, 2.0] (cut to ``dimensions``), float or base64
+        (little-endian float32, as OpenAI encodes it); usage counts one token per input item. Faults: ``status``."""
+        body = await request.json()
+        with self._lock:
+            self.calls_by_path[request.path] = self.calls_by_path.get(request.path, 0) + 1
+            self.requests.append((request.path, dict(request.headers), body))
+        fault = self._take(request)
+        if fault.get("status"):
+            return web.json_response({"error": {"message": "injected", "type": "server_error", "param": None,
+                                                "code": None}}, status=int(fault["status"]))
+        items = body["input"] if isinstance(body["input"], list) and not isinstance(body["input"][0], int) \
+            else [body["input"]]
+        data = []
+        for i in range(len(items)):
+            vec = [float(i), 0.5, -1.0, 2.0][:body.get("dimensions") or 4]
+            if body.get("encoding_format") == "base64":
+                vec = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": vec})
+        return web.json_response({"object": "list", "data": data, "model": body.get("model"),
+                                  "usage": {"prompt_tokens": len(items), "total_tokens": len(items)}})
 
     async def _admin_push(self, request: web.Request) -> web.Response:
         body = await request.json()

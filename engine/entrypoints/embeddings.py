@@ -1,0 +1,84 @@
+"""``POST /v1/embeddings`` over an ``AsyncEngine`` (vLLM's ``entrypoints/openai/serving_embedding.py``): ``input``
+as a string, strings, token ids or token-id arrays; each embedded by pooling the model's final hidden states
+(``engine/pooling.py``: the model's own pooling config, else last token, normalized); ``encoding_format`` float or
+base64 (little-endian float32, as OpenAI encodes it). ``dimensions`` is refused: the vector has the model's hidden
+size (no Matryoshka truncation is trained into a decoder run as an embedder).
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+
+from engine.entrypoints.serving import OpenAIServing, error_from_engine
+from engine.entrypoints.protocol import ServingError
+
+
+def _inputs(value: object) -> list[str | list[int]]:
+    """``input`` as one item per embedding. Raises ServingError(400) naming ``input``."""
+    is_token = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0   # noqa: E731
+    if isinstance(value, str) and value:
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(x, str) and x for x in value):
+            return list(value)
+        if all(is_token(x) for x in value):
+            return [list(value)]
+        if all(isinstance(x, list) and x and all(is_token(t) for t in x) for x in value):
+            return [list(x) for x in value]
+    raise ServingError(400, "input: must be a non-empty string, an array of non-empty strings, an array of token "
+                            "ids, or an array of non-empty token-id arrays", param="input")
+
+
+def encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
+    """One embedding as OpenAI sends it: floats, or base64 of its little-endian float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return vector
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    """Embeddings (constructor: ``OpenAIServing``'s)."""
+
+    async def create_embedding(self, body: dict, request_id: str, priority: int = 0, rendered=None,
+                               response_model: str | None = None) -> dict:
+        """``POST /v1/embeddings``.
+
+        Args:
+            body: the decoded JSON body. request_id: the answer's id (unused by OpenAI's object; logged).
+            priority, rendered: accepted for the gateway's uniform call; embeddings are pooled between two
+                engine steps, not scheduled.
+            response_model: the ``model`` the answer reports; default the served name.
+
+        Returns:
+            OpenAI's ``list`` of ``embedding`` objects with ``usage`` (prompt tokens = total tokens).
+
+        Raises:
+            ServingError: 400 bad input (names the parameter), 404 unknown model, 503 engine draining/dead.
+        """
+        if not self.engine.ready:
+            raise ServingError(503, "the engine is not ready", type="server_error", code="engine_not_ready")
+        model = body.get("model")
+        if model is not None and model != self.served_model_name:
+            raise ServingError(404, f"The model `{model}` does not exist. Available: {self.served_model_name}",
+                               param="model", code="model_not_found")
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            raise ServingError(400, f"encoding_format: must be 'float' or 'base64', got {fmt!r}",
+                               param="encoding_format")
+        if body.get("dimensions") is not None:
+            raise ServingError(400, "dimensions: this model does not support a reduced embedding size",
+                               param="dimensions")
+        tok = self.engine.tokenizer
+        prompts = [tok.encode(x, add_special_tokens=True) if isinstance(x, str) else x
+                   for x in _inputs(body.get("input"))]
+        try:
+            vectors = await self.engine.embed(prompts)
+        except Exception as exc:  # noqa: BLE001 -- mapped onto the client's error
+            raise error_from_engine(exc) from None
+        n = sum(len(p) for p in prompts)
+        return {"object": "list", "model": response_model or self.served_model_name,
+                "data": [{"object": "embedding", "index": i, "embedding": encode_embedding(v, fmt)}
+                         for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": n, "total_tokens": n}}

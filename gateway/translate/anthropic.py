@@ -1,0 +1,396 @@
+"""Anthropic Messages <-> OpenAI chat completions, as pure functions: a ``/v1/messages`` body becomes the chat body
+the rest of the gateway serves (``messages_to_chat``), and the chat answer (JSON, or the SSE stream) becomes the
+Messages JSON (``chat_to_message``) or Anthropic's typed events (``MessageEvents``, ``message_events``).
+
+Mapping (https://docs.anthropic.com/en/api/messages):
+- ``system`` (string or text blocks) -> a leading system message; ``stop_sequences`` -> ``stop``;
+  ``metadata.user_id`` / ``metadata.user`` -> ``user`` (the canary key); ``max_tokens``, ``temperature``, ``top_p``,
+  ``top_k`` as they are; ``tools[].input_schema`` -> function ``parameters``; ``tool_choice`` auto/any/tool/none ->
+  "auto"/"required"/{function}/"none"; ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``;
+  ``output_config.format`` json_schema -> ``response_format`` json_schema; service hints (``cache_control``,
+  ``service_tier``, ``thinking``, ...) dropped.
+- content blocks: ``text`` -> text parts; ``image`` -> ``image_url`` parts (a base64 source as a data URL): a
+  target that cannot take images refuses them with its 400; ``tool_use`` (assistant) -> ``tool_calls``;
+  ``tool_result`` (user) -> ``tool`` messages, before the user's other content, in block order.
+- answer: ``finish_reason`` stop/length/tool_calls -> ``stop_reason`` end_turn (stop_sequence when the backend
+  names the stop string it matched)/max_tokens/tool_use; usage prompt/completion -> input/output tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from gateway.errors import ClientError, anthropic_error_body
+from gateway.sse import EventReader, named_event
+
+_FINISH = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
+           "content_filter": "refusal"}
+_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "stream")
+# Messages fields the translation reads (``priority``: the gateway's own), and those it drops because they
+# are hints about Anthropic's service (caching, tiers, geography, reasoning effort) that do not change what a
+# chat backend must answer; any other field is refused, as Anthropic refuses extra inputs.
+_KNOWN = frozenset({"model", "messages", "system", "max_tokens", "metadata", "stop_sequences", "stream",
+                    "temperature", "top_p", "top_k", "tools", "tool_choice", "output_config", "priority"})
+_DROPPED = frozenset({"service_tier", "cache_control", "container", "diagnostics", "inference_geo", "speed",
+                      "thinking", "user_profile_id", "workspace_id", "context_management", "mcp_servers"})
+
+
+def _bad(message: str, param: str) -> ClientError:
+    return ClientError(400, message, param=param, code="invalid_request_error")
+
+
+def _text_of(blocks: object, param: str) -> str:
+    """The text of ``system`` or a ``tool_result``'s content: a string, or text blocks joined by newlines."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise _bad(f"{param}: must be a string or an array of text blocks", param)
+    out = []
+    for i, b in enumerate(blocks):
+        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+            raise _bad(f"{param}.{i}: only text blocks are supported here", f"{param}.{i}")
+        out.append(b["text"])
+    return "\n".join(out)
+
+
+def _image_part(block: dict, param: str) -> dict:
+    src = block.get("source")
+    if not isinstance(src, dict):
+        raise _bad(f"{param}.source: Field required", f"{param}.source")
+    if src.get("type") == "base64":
+        return {"type": "image_url", "image_url": {"url": f"data:{src.get('media_type')};base64,{src.get('data')}"}}
+    if src.get("type") == "url":
+        return {"type": "image_url", "image_url": {"url": src.get("url")}}
+    raise _bad(f"{param}.source.type: must be 'base64' or 'url'", f"{param}.source.type")
+
+
+def _message(m: object, i: int) -> list[dict]:
+    """One Messages turn -> its chat messages (a user turn with tool results becomes tool messages + a user one)."""
+    p = f"messages.{i}"
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        raise _bad(f"{p}.role: Input should be 'user' or 'assistant'", f"{p}.role")
+    role, content = m["role"], m.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise _bad(f"{p}.content: must be a string or an array of content blocks", f"{p}.content")
+    parts: list[dict] = []
+    calls: list[dict] = []
+    results: list[dict] = []
+    for j, b in enumerate(content):
+        bp = f"{p}.content.{j}"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text" and isinstance(b.get("text"), str):
+            parts.append({"type": "text", "text": b["text"]})
+        elif kind == "image" and role == "user":
+            parts.append(_image_part(b, bp))
+        elif kind == "tool_use" and role == "assistant":
+            calls.append({"id": b.get("id"), "type": "function", "function": {
+                "name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, separators=(",", ":"))}})
+        elif kind == "tool_result" and role == "user":
+            text = _text_of(b.get("content") or "", f"{bp}.content")
+            results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                            "content": f"Error: {text}" if b.get("is_error") else text})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue                       # the previous turn's reasoning: no chat counterpart, dropped
+        else:
+            raise _bad(f"{bp}: content block type {kind!r} is not supported in a {role} message", f"{bp}.type")
+    out = list(results)
+    if role == "assistant":
+        text = "".join(x["text"] for x in parts)
+        msg: dict = {"role": "assistant", "content": text or None}
+        if calls:
+            msg["tool_calls"] = calls
+        if text or calls:
+            out.append(msg)
+    elif parts:
+        simple = all(x["type"] == "text" for x in parts)
+        out.append({"role": "user", "content": "\n".join(x["text"] for x in parts) if simple else parts})
+    return out
+
+
+def _tools(tools: object) -> list[dict]:
+    if not isinstance(tools, list):
+        raise _bad("tools: must be an array", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise _bad(f"tools.{i}.name: Field required", f"tools.{i}.name")
+        if t.get("type") not in (None, "custom"):
+            raise _bad(f"tools.{i}: server tool {t.get('type')!r} is not supported; only client tools with an "
+                       "input_schema", f"tools.{i}.type")
+        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+        if t.get("description"):
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(tc: object) -> tuple[object, bool]:
+    """``tool_choice`` -> (chat tool_choice, parallel tool calls allowed)."""
+    if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):
+        raise _bad("tool_choice.type: must be one of 'auto', 'any', 'tool', 'none'", "tool_choice")
+    kind = tc["type"]
+    choice = ({"type": "function", "function": {"name": tc.get("name")}} if kind == "tool"
+              else {"auto": "auto", "any": "required", "none": "none"}[kind])
+    return choice, not tc.get("disable_parallel_tool_use")
+
+
+def messages_to_chat(body: dict, count_only: bool = False) -> dict:
+    """A ``/v1/messages`` body (parsed JSON object) -> the equivalent chat completions body. ``count_only``: the
+    ``/v1/messages/count_tokens`` body (no ``max_tokens``). Sampling values keep their names, so the shared range
+    checks of chat validation name the same fields.
+
+    Raises:
+        ClientError: 400 naming the field (Anthropic's dotted path) for a missing or malformed one.
+    """
+    for name in body:
+        if name not in _KNOWN and name not in _DROPPED:
+            raise _bad(f"{name}: Extra inputs are not permitted", name)
+    if not isinstance(body.get("model"), str):
+        raise _bad("model: Field required", "model")
+    mt = body.get("max_tokens")
+    if not count_only and (not isinstance(mt, int) or isinstance(mt, bool)):
+        raise _bad("max_tokens: Field required (an integer)", "max_tokens")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages: Field required (a non-empty array)", "messages")
+    chat: list[dict] = []
+    if body.get("system"):
+        chat.append({"role": "system", "content": _text_of(body["system"], "system")})
+    for i, m in enumerate(msgs):
+        chat.extend(_message(m, i))
+    out: dict = {"model": body["model"], "messages": chat}
+    for k in _SAMPLING:
+        if body.get(k) is not None:
+            out[k] = body[k]
+    if count_only:
+        out.pop("max_tokens", None)
+    if body.get("stop_sequences"):
+        if not isinstance(body["stop_sequences"], list):
+            raise _bad("stop_sequences: must be an array of strings", "stop_sequences")
+        out["stop"] = body["stop_sequences"]
+    meta = body.get("metadata")
+    if isinstance(meta, dict) and isinstance(meta.get("user_id") or meta.get("user"), str):
+        out["user"] = meta.get("user_id") or meta.get("user")
+    if body.get("priority") is not None:
+        out["priority"] = body["priority"]
+    if body.get("tools"):
+        out["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        out["tool_choice"], parallel = _tool_choice(body["tool_choice"])
+        if not parallel:
+            out["parallel_tool_calls"] = False
+    fmt = (body.get("output_config") or {}).get("format") if isinstance(body.get("output_config"), dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "strict": True,
+                                                                          "schema": fmt.get("schema") or {}}}
+    if body.get("stream"):
+        out["stream_options"] = {"include_usage": True}   # message_delta reports the usage
+    return out
+
+
+def _stop(choice: dict, stop_sequences: list | None) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) of a chat choice's finish."""
+    finish = choice.get("finish_reason")
+    matched = choice.get("stop_reason")       # vLLM (and the local engine) name the stop string that matched
+    if finish == "stop" and isinstance(matched, str) and matched in (stop_sequences or ()):
+        return "stop_sequence", matched
+    return (_FINISH.get(finish, "end_turn") if finish else None), None
+
+
+def _usage(u: dict | None) -> dict:
+    u = u or {}
+    out = {"input_tokens": int(u.get("prompt_tokens") or 0), "output_tokens": int(u.get("completion_tokens") or 0)}
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached:
+        out["cache_read_input_tokens"] = int(cached)
+    return out
+
+
+def _tool_input(arguments: object) -> dict:
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) and arguments else {}
+    except ValueError:
+        return {"_raw_arguments": arguments}     # an upstream's malformed arguments, kept visible
+    return value if isinstance(value, dict) else {"_value": value}
+
+
+def chat_to_message(chat: dict, message_id: str, model: str, stop_sequences: list | None = None) -> dict:
+    """A chat completion (parsed JSON, first choice) -> Anthropic's Message object."""
+    choice = (chat.get("choices") or [{}])[0]
+    msg = choice.get("message") or {}
+    content: list[dict] = []
+    if msg.get("content"):
+        content.append({"type": "text", "text": msg["content"]})
+    for call in msg.get("tool_calls") or ():
+        fn = call.get("function") or {}
+        content.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
+                        "input": _tool_input(fn.get("arguments"))})
+    stop_reason, stop_sequence = _stop(choice, stop_sequences)
+    if msg.get("tool_calls"):
+        stop_reason = "tool_use"
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": _usage(chat.get("usage"))}
+
+
+class MessageEvents:
+    """Chat completion chunks (parsed JSON, in order) -> Anthropic's stream events as (event name, data) pairs:
+    ``message_start`` and a ``ping`` first, then per content block ``content_block_start``, its
+    ``content_block_delta`` events (``text_delta`` / ``input_json_delta``) and ``content_block_stop``; ``finish()``
+    gives the final ``message_delta`` (stop reason, usage) and ``message_stop``."""
+
+    def __init__(self, message_id: str, model: str, input_tokens: int, stop_sequences: list | None = None):
+        self.message_id, self.model, self.stop_sequences = message_id, model, stop_sequences
+        self.input_tokens = input_tokens
+        self.started = False
+        self.block = -1                  # index of the open block (-1: none yet)
+        self.open_kind: str | None = None
+        self.tool_blocks: dict[int, int] = {}   # chat tool_call index -> block index
+        self.stop_reason: str | None = None
+        self.stop_sequence: str | None = None
+        self.usage: dict | None = None
+
+    def _start(self) -> list[tuple[str, dict]]:
+        self.started = True
+        message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}
+        return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]
+
+    def _close(self) -> list[tuple[str, dict]]:
+        if self.open_kind is None:
+            return []
+        self.open_kind = None
+        return [("content_block_stop", {"type": "content_block_stop", "index": self.block})]
+
+    def _open(self, block: dict) -> list[tuple[str, dict]]:
+        out = self._close()
+        self.block += 1
+        self.open_kind = block["type"]
+        return out + [("content_block_start", {"type": "content_block_start", "index": self.block,
+                                               "content_block": block})]
+
+    def chunk(self, obj: dict) -> list[tuple[str, dict]]:
+        """The events one chat chunk makes."""
+        out = [] if self.started else self._start()
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+        for choice in (obj.get("choices") or ())[:1]:
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
+            if text:
+                if self.open_kind != "text":
+                    out += self._open({"type": "text", "text": ""})
+                out.append(("content_block_delta", {"type": "content_block_delta", "index": self.block,
+                                                    "delta": {"type": "text_delta", "text": text}}))
+            for call in delta.get("tool_calls") or ():
+                k = call.get("index", 0)
+                fn = call.get("function") or {}
+                if k not in self.tool_blocks:
+                    out += self._open({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
+                                       "input": {}})
+                    self.tool_blocks[k] = self.block
+                if fn.get("arguments"):
+                    out.append(("content_block_delta", {"type": "content_block_delta", "index": self.tool_blocks[k],
+                                                        "delta": {"type": "input_json_delta",
+                                                                  "partial_json": fn["arguments"]}}))
+            if choice.get("finish_reason"):
+                self.stop_reason, self.stop_sequence = _stop(choice, self.stop_sequences)
+        return out
+
+    def finish(self) -> list[tuple[str, dict]]:
+        """The closing events (after the last chunk)."""
+        out = ([] if self.started else self._start()) + self._close()
+        usage = _usage(self.usage) if self.usage else {"input_tokens": self.input_tokens, "output_tokens": 0}
+        if self.tool_blocks and self.stop_reason in (None, "end_turn"):
+            self.stop_reason = "tool_use"
+        out.append(("message_delta", {"type": "message_delta",
+                                      "delta": {"stop_reason": self.stop_reason or "end_turn",
+                                                "stop_sequence": self.stop_sequence}, "usage": usage}))
+        out.append(("message_stop", {"type": "message_stop"}))
+        return out
+
+
+def _encode(events: list[tuple[str, dict]]) -> bytes:
+    return b"".join(named_event(name, msgspec.json.encode(data)) for name, data in events)
+
+
+async def message_events(chunks: AsyncIterator[bytes], events: MessageEvents) -> AsyncIterator[bytes]:
+    """A chat completion SSE byte stream -> Anthropic's SSE byte stream (events named). An error event of the chat
+    stream becomes Anthropic's ``error`` event and ends the stream. Closing this generator closes ``chunks``."""
+    reader = EventReader()
+    try:
+        async for chunk in chunks:
+            reader.feed(chunk)
+            out: list[tuple[str, dict]] = []
+            while (item := reader.pop()) is not None:
+                data = item[1]
+                if data.strip() == b"[DONE]":
+                    continue
+                try:
+                    obj = msgspec.json.decode(data)
+                except msgspec.DecodeError:
+                    continue
+                if isinstance(obj, dict) and obj.get("error"):
+                    err = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
+                    yield _encode(out) + named_event("error", anthropic_error_body(
+                        502, str(err.get("message") or "upstream error"), "api_error"))
+                    return
+                if isinstance(obj, dict):
+                    out += events.chunk(obj)
+            if out:
+                yield _encode(out)
+        yield _encode(events.finish())
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def anthropic_error(status: int, content: bytes) -> bytes:
+    """An error answer's body (OpenAI's error JSON, or already Anthropic's) as Anthropic's error JSON."""
+    try:
+        obj = msgspec.json.decode(content)
+    except msgspec.DecodeError:
+        obj = None
+    if isinstance(obj, dict) and obj.get("type") == "error":
+        return content
+    err = obj.get("error") if isinstance(obj, dict) else None
+    message = (err.get("message") if isinstance(err, dict) else None) or content.decode("utf-8", "replace") \
+        or f"HTTP {status}"
+    return anthropic_error_body(status, str(message))
+
+
+class MessagesRender:
+    """The ``/v1/messages`` codec of one request's answer (``gateway.backends.dispatch.Answer.render``): the chat
+    answer, as observability read it, rendered as Anthropic's Message JSON, events or error JSON."""
+
+    def __init__(self, message_id: str, model: str, input_tokens: int, stop_sequences: list | None):
+        self.message_id, self.model, self.input_tokens = message_id, model, input_tokens
+        self.stop_sequences = stop_sequences
+
+    @classmethod
+    def of(cls, req) -> "MessagesRender":
+        """For a ``GatewayRequest`` built from a Messages body: id ``msg_<request id>``, the public model."""
+        stop = req.anthropic_body.get("stop_sequences")
+        return cls(f"msg_{req.request_id}", req.public_model or req.model, req.prompt_tokens or 0,
+                   stop if isinstance(stop, list) else None)
+
+    def content(self, status: int, content: bytes) -> bytes:
+        """A whole answer: the Message, or Anthropic's error JSON."""
+        if status >= 400:
+            return anthropic_error(status, content)
+        try:
+            chat = msgspec.json.decode(content)
+        except msgspec.DecodeError:
+            return anthropic_error(502, b"the backend's answer is not JSON")
+        return msgspec.json.encode(chat_to_message(chat, self.message_id, self.model, self.stop_sequences))
+
+    def stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """A chat SSE stream as Anthropic's event stream."""
+        return message_events(chunks, MessageEvents(self.message_id, self.model, self.input_tokens,
+                                                    self.stop_sequences))

@@ -1,0 +1,73 @@
+"""The local engine behind the gateway's newer endpoints (issue 28): ``/v1/embeddings`` pooled by the engine (the
+vectors of ``LLM.embed`` on the same model, float and base64, through the openai SDK) and ``/v1/messages`` through
+the chat translation (the anthropic SDK, whole and streamed), with a tiny random Llama in float32; each request
+billed once from the engine's own usage."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+
+from engine.llm import LLM
+from tests.gateway.http.test_messages import KEY, gateway, records
+from tests.gateway.support import sha
+from tests.tiny_models import save_byte_level_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return save_byte_level_llama(tmp_path_factory.mktemp("tiny-local"), printable_only=True)
+
+
+def config(model: str) -> str:
+    return (f"reload: {{watch: false}}\nauth:\n  keys:\n    - {{tenant: t1, sha256: {sha(KEY)}}}\n"
+            "resilience:\n  health: {interval_s: 0}\nobservability:\n  logs: {requests: false}\n"
+            "models:\n  - name: m1\n"
+            f"backends:\n  local:\n    type: local\n    prices: {{input: 1, output: 2}}\n"
+            f"    engine: {{model: '{model}', served_model_name: tiny, dtype: float32, kv_cache_memory: 32MiB,\n"
+            "             engine_core_process: false}\n"
+            "routes:\n  r1:\n    targets: [{backend: local}]\npolicy:\n  default_route: r1\n")
+
+
+async def until_ready(gw) -> None:
+    import asyncio
+
+    for _ in range(3000):
+        if gw.snapshot.local is not None and not gw.snapshot.local.loading:
+            assert gw.snapshot.local.available, gw.snapshot.local.unavailable_reason
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("engine not loaded")
+
+
+async def test_local_embeddings_and_messages(tiny_model):
+    want = LLM(tiny_model, dtype="float32", kv_cache_memory="16MiB").embed(["hello", "two words"])
+    async with gateway(config(tiny_model), start_engine=True) as (gw, claude, url):
+        await until_ready(gw)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        r = await client.embeddings.create(model="m1", input=["hello", "two words"], encoding_format="float")
+        assert [d.embedding for d in r.data] == want and r.model == "m1"
+        r64 = await client.embeddings.create(model="m1", input="hello")          # base64, decoded by the SDK
+        assert r64.data[0].embedding == want[0]             # float32 values: base64 carries them exactly
+        assert r.usage.prompt_tokens == len("hello") + len("two words")         # one token a byte
+        with pytest.raises(openai.BadRequestError) as e:                         # the engine pools full size
+            await client.embeddings.create(model="m1", input="x", dimensions=8)
+        assert e.value.body["param"] == "dimensions"
+        await client.close()
+        msg = await claude.messages.create(model="m1", max_tokens=6, extra_body={"temperature": 0},
+                                           messages=[{"role": "user", "content": "hi"}])
+        assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 6 and msg.content[0].text
+        async with claude.messages.stream(model="m1", max_tokens=6, extra_body={"temperature": 0},
+                                          messages=[{"role": "user", "content": "hi"}]) as stream:
+            text = "".join([t async for t in stream.text_stream])
+            final = await stream.get_final_message()
+        assert text == final.content[0].text == msg.content[0].text     # greedy: the same text, streamed or not
+        assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 6
+        with pytest.raises(anthropic.BadRequestError) as e:   # the local engine takes no images
+            await claude.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+        assert "image_url" in e.value.body["error"]["message"]
+        recs = await records(gw, 4)
+        assert all(not x.estimated for x in recs.values())
+        assert sorted(x.completion_tokens for x in recs.values()) == [0, 0, 6, 6]

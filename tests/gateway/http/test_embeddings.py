@@ -1,0 +1,52 @@
+"""``POST /v1/embeddings`` routed to an upstream (issue 28, item 3) with the official ``openai`` SDK: float and
+base64, token-id inputs, ``dimensions`` passed on, validation 400s naming the parameter, limits and one ledger record
+billed for the input tokens; and ``GET /v1/models`` naming the endpoints each model serves."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.fault_upstream import FaultUpstream
+from tests.gateway.http.test_messages import KEY, config, gateway, records
+
+
+@pytest.fixture
+def up():
+    with FaultUpstream("up") as u:
+        yield u
+
+
+async def test_embeddings_routed_limited_and_billed(up):
+    async with gateway(config(up, rpm=4)) as (gw, _, url):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        r = await client.embeddings.create(model="m1", input=["a", "b"], encoding_format="float")
+        assert [d.embedding for d in r.data] == [[0.0, 0.5, -1.0, 2.0], [1.0, 0.5, -1.0, 2.0]]
+        assert r.model == "m1" and r.usage.prompt_tokens == 2
+        path, _, body = up.requests[-1]
+        assert path == "/v1/embeddings" and body["model"] == "up-model" and body["input"] == ["a", "b"]
+        r = await client.embeddings.create(model="m1", input=[1, 2, 3], dimensions=2)   # SDK default: base64
+        assert [d.embedding for d in r.data] == [[0.0, 0.5]]      # decoded by the SDK from base64
+        assert up.requests[-1][2]["encoding_format"] == "base64" and up.requests[-1][2]["dimensions"] == 2
+        recs = await records(gw, 2)
+        assert sorted((x.prompt_tokens, x.completion_tokens, x.nusd) for x in recs.values()) == \
+            [(1, 0, 1000), (2, 0, 2000)]                        # the input alone, USD 1 per million
+        assert gw.obs.registry.get_sample_value("tandem_input_tokens_total", {"backend": "up", "tenant": "t1"}) == 3
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.embeddings.create(model="m1", input=[])
+        assert e.value.body["param"] == "input"
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.embeddings.create(model="m1", input="x", encoding_format="hex")  # type: ignore[arg-type]
+        assert e.value.body["param"] == "encoding_format"
+        await client.embeddings.create(model="m1", input="x")
+        up.push({"status": 503})
+        with pytest.raises(openai.APIStatusError):
+            await client.embeddings.create(model="m1", input="x")
+        with pytest.raises(openai.RateLimitError):              # rpm 4, as chat
+            await client.embeddings.create(model="m1", input="x")
+        await client.close()
+        async with httpx.AsyncClient() as h:
+            models = (await h.get(url + "/v1/models", headers={"authorization": f"Bearer {KEY}"})).json()
+        assert models["data"][0]["endpoints"] == ["/v1/chat/completions", "/v1/completions", "/v1/responses",
+                                                   "/v1/messages", "/v1/embeddings"]

@@ -1,0 +1,267 @@
+"""``POST /v1/messages`` and ``/v1/messages/count_tokens`` (issue 28, item 2) with the official ``anthropic`` SDK as
+the client, against a gateway (the Litestar app under uvicorn, in this process) whose only backend is the
+fault-injecting upstream, which speaks chat completions alone: every Messages request is served through the
+translation (``gateway/translate/anthropic.py``), limited and billed like chat, and refused in Anthropic's error JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import anthropic
+import httpx
+import pytest
+
+from gateway.config.compile import load_config_text
+from gateway.http.app import create_app
+from gateway.runtime import Gateway
+from tests.conftest import free_port
+from tests.gateway.anthropic_upstream import AnthropicUpstream
+from tests.gateway.fault_upstream import FaultUpstream
+from tests.gateway.support import sha
+
+KEY = "sk-tandem-messages-0123456789abcdef"
+TOOLS = [{"name": "get_weather", "description": "The weather of a city",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+
+
+def config(up: FaultUpstream, rpm: int | None = None) -> str:
+    limit = f", rpm: {rpm}" if rpm else ""
+    return (f"reload: {{watch: false}}\nauth:\n  keys:\n    - {{tenant: t1, sha256: {sha(KEY)}{limit}}}\n"
+            "resilience:\n  retry: {max_attempts: 1}\n  health: {interval_s: 0}\n"
+            "observability:\n  logs: {requests: false}\nmodels:\n  - name: m1\n"
+            f"backends:\n  up:\n    type: openai\n    base_url: {up.base_url}\n    models: {{m1: up-model}}\n"
+            "    prices: {input: 1, output: 2}\n    timeouts: {connect_s: 2, read_s: 10, first_token_s: 5}\n"
+            "routes:\n  r1:\n    targets: [{backend: up}]\npolicy:\n  default_route: r1\n")
+
+
+@contextlib.asynccontextmanager
+async def gateway(cfg: str, start_engine: bool = False):
+    """One gateway on ``cfg`` (``start_engine``: its local backend's too): yields (gateway, anthropic client, base
+    url)."""
+    import uvicorn
+
+    gw = Gateway(None, load_config_text(cfg), start_engine=start_engine)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(gw), host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.02)
+    client = anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{port}", api_key=KEY, max_retries=0, timeout=20)
+    try:
+        yield gw, client, f"http://127.0.0.1:{port}"
+    finally:
+        await client.close()
+        server.should_exit = True
+        await task
+
+
+async def records(gw, n: int) -> list:
+    """The tenant's usage records once there are ``n`` (settled when a request ends)."""
+    for _ in range(750):
+        recs = await gw.usage.records("t1")
+        assert len(recs) <= n, recs
+        if len(recs) == n:
+            return recs
+        await asyncio.sleep(0.02)
+    raise AssertionError("records not settled")
+
+
+@pytest.fixture
+def up():
+    with FaultUpstream("up") as u:
+        yield u
+
+
+def sent(up: FaultUpstream) -> dict:
+    """The chat body of the upstream's last call."""
+    path, _, body = up.requests[-1]
+    assert path == "/v1/chat/completions"
+    return body
+
+
+async def test_create_is_translated_onto_a_chat_upstream_and_billed_once(up):
+    async with gateway(config(up)) as (gw, client, _):
+        msg = await client.messages.create(
+            model="m1", max_tokens=50, system=[{"type": "text", "text": "be brief"}], stop_sequences=["END"],
+            metadata={"user_id": "canary-user"}, extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 20},
+            messages=[{"role": "user", "content": [{"type": "text", "text": "hello"}]}])
+        assert msg.type == "message" and msg.role == "assistant" and msg.model == "m1"
+        assert msg.id.startswith("msg_gw-")
+        assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == "hello from up"
+        assert msg.stop_reason == "end_turn" and msg.stop_sequence is None
+        assert (msg.usage.input_tokens, msg.usage.output_tokens) == (5, 3)   # the upstream's own usage
+        body = sent(up)
+        assert body["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+        assert (body["model"], body["max_tokens"], body["stop"], body["user"]) == ("up-model", 50, ["END"],
+                                                                                  "canary-user")
+        assert (body["temperature"], body["top_p"], body["top_k"]) == (0.5, 0.9, 20)
+        (rec,) = (await records(gw, 1)).values()
+        assert (rec.prompt_tokens, rec.completion_tokens, rec.estimated) == (5, 3, False)
+        assert rec.nusd == 5 * 1000 + 3 * 2000        # USD 1 / 2 per million tokens, in nano-USD
+        labels = {"model": "m1", "route": "r1", "backend": "up", "status": "200", "attempt": "initial"}
+        assert gw.obs.registry.get_sample_value("tandem_requests_total", labels) == 1       # counted like chat
+        assert gw.obs.registry.get_sample_value("tandem_input_tokens_total", {"backend": "up", "tenant": "t1"}) == 5
+
+
+async def test_stream_speaks_anthropics_events(up):
+    async with gateway(config(up)) as (gw, client, url):
+        async with client.messages.stream(model="m1", max_tokens=20,
+                                          messages=[{"role": "user", "content": "hi"}]) as stream:
+            text = "".join([t async for t in stream.text_stream])
+            final = await stream.get_final_message()
+        assert text == "tok0 tok1 tok2 "
+        assert final.content[0].text == text and final.stop_reason == "end_turn"
+        assert (final.usage.input_tokens, final.usage.output_tokens) == (5, 3)
+        assert sent(up)["stream_options"] == {"include_usage": True}
+        async with httpx.AsyncClient() as h:     # the raw event names, in order
+            r = await h.post(url + "/v1/messages", headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+                             json={"model": "m1", "max_tokens": 5, "stream": True,
+                                   "messages": [{"role": "user", "content": "hi"}]})
+        names = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+        assert names == ["message_start", "ping", "content_block_start", "content_block_delta",
+                         "content_block_delta", "content_block_delta", "content_block_stop", "message_delta",
+                         "message_stop"]
+        recs = await records(gw, 2)                # billed from the usage the gateway asked the stream for
+        assert sorted((r.prompt_tokens, r.completion_tokens, r.estimated) for r in recs.values()) == \
+            [(5, 3, False), (5, 3, False)]
+
+
+async def test_stream_to_an_upstream_that_refuses_stream_options(up):
+    cfg = config(up).replace("    prices: {input: 1, output: 2}\n", "    prices: {input: 1, output: 2}\n"
+                                                                       "    stream_usage: false\n")
+    async with gateway(cfg) as (gw, client, _):
+        async with client.messages.stream(model="m1", max_tokens=20,
+                                          messages=[{"role": "user", "content": "hi"}]) as stream:
+            final = await stream.get_final_message()
+        assert final.content[0].text == "tok0 tok1 tok2 " and "stream_options" not in sent(up)
+        (rec,) = (await records(gw, 1)).values()
+        assert rec.estimated                     # no usage from the upstream: the ledger counted the text
+
+
+async def test_tool_use_round_trip(up):
+    async with gateway(config(up)) as (gw, client, _):
+        up.push({"tool_call": True})
+        first = await client.messages.create(model="m1", max_tokens=50, tools=TOOLS,
+                                             tool_choice={"type": "any"},
+                                             messages=[{"role": "user", "content": "weather in Paris?"}])
+        assert first.stop_reason == "tool_use"
+        (call,) = [b for b in first.content if b.type == "tool_use"]
+        assert (call.id, call.name, call.input) == ("call_1", "get_weather", {"city": "Paris"})
+        body = sent(up)
+        assert body["tools"] == [{"type": "function", "function": {
+            "name": "get_weather", "parameters": TOOLS[0]["input_schema"], "description": "The weather of a city"}}]
+        assert body["tool_choice"] == "required"
+        second = await client.messages.create(
+            model="m1", max_tokens=50, tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather",
+                                                                 "disable_parallel_tool_use": True},
+            messages=[{"role": "user", "content": "weather in Paris?"},
+                      {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
+                                                    "content": "sunny"}, {"type": "text", "text": "thanks"}]}])
+        assert second.content[0].text == "hello from up"
+        body = sent(up)
+        assert body["messages"][1] == {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]}
+        assert body["messages"][2:] == [{"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                                        {"role": "user", "content": "thanks"}]
+        assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+        assert body["parallel_tool_calls"] is False
+        up.push({"tool_call": True})             # streamed: a tool_use block of input_json_delta pieces
+        async with client.messages.stream(model="m1", max_tokens=50, tools=TOOLS,
+                                          messages=[{"role": "user", "content": "weather?"}]) as stream:
+            final = await stream.get_final_message()
+        (call,) = final.content
+        assert call.type == "tool_use" and call.name == "get_weather" and final.stop_reason == "tool_use"
+        assert call.input == {"city1": "Paris"}   # the upstream's argument pieces, joined by the SDK
+
+
+async def test_count_tokens_and_image_blocks(up):
+    async with gateway(config(up)) as (gw, client, _):
+        n = await client.messages.count_tokens(model="m1", system="sys",
+                                               messages=[{"role": "user", "content": "hello there"}])
+        assert n.input_tokens == (3 + 11 + 3) // 4 + 4 * 2     # the estimate: no local engine
+        assert up.calls == 0                                    # counting calls no model
+        await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+            {"type": "text", "text": "what is it?"}]}])
+        assert sent(up)["messages"][0]["content"] == [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            {"type": "text", "text": "what is it?"}]
+
+
+async def test_errors_are_anthropics(up):
+    async with gateway(config(up, rpm=2)) as (gw, client, url):
+        async with httpx.AsyncClient() as h:                   # max_tokens is required
+            r = await h.post(url + "/v1/messages", headers={"x-api-key": KEY},
+                             json={"model": "m1", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 400 and r.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                           "message": "max_tokens: Field required (an integer)"}}
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            await client.with_options(api_key="sk-wrong").messages.create(
+                model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+        assert e.value.body["error"]["type"] == "authentication_error"
+        with pytest.raises(anthropic.NotFoundError) as e:
+            await client.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+        assert e.value.body["error"]["type"] == "not_found_error"
+        up.push({"status": 500})
+        with pytest.raises(anthropic.APIStatusError) as e:       # the upstream's failure, after the attempts
+            await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+        assert e.value.status_code == 502 and e.value.body["type"] == "error"
+        await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+        with pytest.raises(anthropic.RateLimitError) as e:       # rpm 2: the third admitted request is refused
+            await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+        assert e.value.body["error"]["type"] == "rate_limit_error"
+        assert e.value.response.headers.get("retry-after")
+        (rec,) = (await records(gw, 1)).values()                # only the answered request is billed
+        assert rec.completion_tokens == 3
+
+
+# ----- type: anthropic -- native pass-through ----------------------------------------------------------------------
+def anthropic_config(claude: AnthropicUpstream, fallback: FaultUpstream) -> str:
+    return (f"reload: {{watch: false}}\nauth:\n  keys:\n    - {{tenant: t1, sha256: {sha(KEY)}}}\n"
+            "resilience:\n  retry: {max_attempts: 2}\n  health: {interval_s: 0}\n"
+            "observability:\n  logs: {requests: false}\nmodels:\n  - name: m1\n"
+            f"backends:\n  claude:\n    type: anthropic\n    base_url: {claude.base_url}\n"
+            "    api_key_env: TEST_ANTHROPIC_KEY\n    models: {m1: claude-model}\n    prices: {input: 3, output: 15}\n"
+            f"  up:\n    type: openai\n    base_url: {fallback.base_url}\n"
+            "routes:\n  r1:\n    targets: [{backend: claude}]\n    fallbacks: [{backend: up}]\n"
+            "policy:\n  default_route: r1\n")
+
+
+async def test_anthropic_backend_gets_the_messages_body_natively(up, monkeypatch):
+    monkeypatch.setenv("TEST_ANTHROPIC_KEY", "sk-ant-upstream")
+    with AnthropicUpstream() as claude:
+        async with gateway(anthropic_config(claude, up)) as (gw, client, _):
+            req = {"model": "m1", "max_tokens": 30, "system": "sys", "metadata": {"user_id": "u1"},
+                   "messages": [{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                              "cache_control": {"type": "ephemeral"}}]}]}
+            msg = await client.messages.create(**req)
+            assert msg.content[0].text == "hello from claude" and msg.model == "m1"
+            assert (msg.usage.input_tokens, msg.usage.output_tokens) == (7, 2)
+            path, headers, body = claude.requests[-1]
+            assert body == {**req, "model": "claude-model"}          # as the client sent it
+            assert headers["x-api-key"] == "sk-ant-upstream" and headers["anthropic-version"] == "2023-06-01"
+            assert "authorization" not in {k.lower() for k in headers}
+            async with client.messages.stream(**req, tools=TOOLS) as stream:
+                final = await stream.get_final_message()
+            assert [b.type for b in final.content] == ["text", "tool_use"] and final.stop_reason == "tool_use"
+            assert final.content[1].input == {"city": "Paris"} and final.content[1].id == "toolu_1"
+            recs = await records(gw, 2)
+            assert {(r.backend, r.prompt_tokens, r.completion_tokens, r.estimated) for r in recs.values()} == \
+                {("claude", 7, 2, False)}
+            claude.status = 529                    # overloaded: falls back to the chat upstream, translated
+            msg = await client.messages.create(**req)
+            assert msg.content[0].text == "hello from up"
+            assert up.calls == 1
+        # a chat request is never sent to an anthropic backend
+        async with gateway(anthropic_config(claude, up)) as (gw, _, url):
+            async with httpx.AsyncClient() as h:
+                r = await h.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
+                                 json={"model": "m1", "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 200 and r.headers["x-tandem-backend"] == "up"
+            assert len(claude.requests) == 3

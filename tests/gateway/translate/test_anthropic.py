@@ -1,0 +1,150 @@
+"""The Messages <-> chat translation as pure functions (``gateway/translate/anthropic.py``,
+``anthropic_answer.py``): field mapping and refusals, stop reasons, the event order of a stream with text then a
+tool call, a mid-stream failure as Anthropic's ``error`` event, and the Anthropic -> chat -> Anthropic round trip of a
+``type: anthropic`` backend's events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from gateway.errors import ClientError
+from gateway.sse import EventReader
+from gateway.translate.anthropic import (MessageEvents, anthropic_error, chat_to_message, message_events,
+                                         messages_to_chat)
+from gateway.translate.anthropic_answer import chat_chunks, message_to_chat
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_request_mapping_and_refusals():
+    chat = messages_to_chat({"model": "m", "max_tokens": 9, "system": "s", "messages": USER, "stream": True,
+                             "cache_control": {"type": "ephemeral"}, "metadata": {"user_id": "u"},
+                             "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}})
+    assert chat == {"model": "m", "messages": [{"role": "system", "content": "s"}, *USER], "max_tokens": 9,
+                    "stream": True, "user": "u", "stream_options": {"include_usage": True},
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "output", "strict": True,
+                                                                               "schema": {"type": "object"}}}}
+    assert "max_tokens" not in messages_to_chat({"model": "m", "messages": USER}, count_only=True)
+    for body, param in [({"model": "m", "messages": USER}, "max_tokens"),
+                        ({"model": "m", "max_tokens": 1, "messages": []}, "messages"),
+                        ({"model": "m", "max_tokens": 1, "messages": USER, "frobnicate": 1}, "frobnicate"),
+                        ({"model": "m", "max_tokens": 1, "messages": [{"role": "system", "content": "x"}]},
+                         "messages.0.role"),
+                        ({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [
+                            {"type": "document"}]}]}, "messages.0.content.0.type"),
+                        ({"model": "m", "max_tokens": 1, "messages": USER,
+                          "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+                        ({"model": "m", "max_tokens": 1, "messages": USER, "tool_choice": {"type": "some"}},
+                         "tool_choice")]:
+        with pytest.raises(ClientError) as e:
+            messages_to_chat(body)
+        assert e.value.status == 400 and e.value.param == param, body
+
+
+def test_answer_stop_reasons_and_usage():
+    chat = {"choices": [{"message": {"content": "ok"}, "finish_reason": "stop", "stop_reason": "END"}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 3}}}
+    msg = chat_to_message(chat, "msg_1", "m", ["END"])
+    assert (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "END")
+    assert msg["usage"] == {"input_tokens": 4, "output_tokens": 2, "cache_read_input_tokens": 3}
+    assert chat_to_message(chat, "msg_1", "m", None)["stop_reason"] == "end_turn"
+    chat["choices"][0]["finish_reason"] = "length"
+    assert chat_to_message(chat, "msg_1", "m")["stop_reason"] == "max_tokens"
+    # a native answer read as chat and rendered back keeps its blocks, stop reason and usage
+    native = {"id": "x", "model": "c", "content": [{"type": "text", "text": "a"}, {
+        "type": "tool_use", "id": "t1", "name": "f", "input": {"k": 1}}], "stop_reason": "tool_use",
+        "stop_sequence": None, "usage": {"input_tokens": 5, "output_tokens": 7}}
+    back = chat_to_message(message_to_chat(native), "msg_2", "m")
+    assert back["content"] == native["content"] and back["stop_reason"] == "tool_use"
+    assert back["usage"] == {"input_tokens": 5, "output_tokens": 7}
+
+
+def _chunk(delta: dict, finish: str | None = None) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}).encode() \
+        + b"\n\n"
+
+
+async def _aiter(items):
+    for x in items:
+        yield x
+
+
+def _events(raw: bytes) -> list[tuple[str, dict]]:
+    """(event name, data) of an Anthropic SSE byte string."""
+    out = []
+    for block in raw.decode().strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+def test_stream_events_text_then_tool_call_then_usage():
+    chunks = [_chunk({"role": "assistant", "content": ""}), _chunk({"content": "Let me check."}),
+              _chunk({"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": ""}}]}),
+              _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]}),
+              _chunk({}, "tool_calls"),
+              b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}\n\n',
+              b"data: [DONE]\n\n"]
+
+    async def run():
+        return b"".join([c async for c in message_events(_aiter(chunks), MessageEvents("msg_1", "m", 9))])
+
+    events = _events(asyncio.run(run()))
+    assert [n for n, _ in events] == ["message_start", "ping", "content_block_start", "content_block_delta",
+                                      "content_block_stop", "content_block_start", "content_block_delta",
+                                      "content_block_stop", "message_delta", "message_stop"]
+    assert events[0][1]["message"]["usage"] == {"input_tokens": 9, "output_tokens": 0}   # the estimate, first
+    assert events[5][1]["content_block"] == {"type": "tool_use", "id": "c1", "name": "f", "input": {}}
+    assert events[6][1]["delta"] == {"type": "input_json_delta", "partial_json": '{"a": 1}'}
+    assert events[8][1]["delta"]["stop_reason"] == "tool_use"
+    assert events[8][1]["usage"] == {"input_tokens": 3, "output_tokens": 5}             # the backend's count
+
+
+def test_stream_failure_becomes_an_error_event():
+    chunks = [_chunk({"content": "a"}), b'data: {"error": {"message": "boom", "type": "upstream_error"}}\n\n']
+
+    async def run():
+        return b"".join([c async for c in message_events(_aiter(chunks), MessageEvents("msg_1", "m", 0))])
+
+    events = _events(asyncio.run(run()))
+    assert events[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "boom"}})
+    assert "message_stop" not in [n for n, _ in events]
+
+
+def test_native_events_read_as_chat_chunks():
+    ev = [("message_start", {"type": "message_start", "message": {"id": "x", "model": "c",
+                                                                   "usage": {"input_tokens": 4}}}),
+          ("content_block_start", {"type": "content_block_start", "index": 0,
+                                   "content_block": {"type": "text", "text": ""}}),
+          ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                   "delta": {"type": "text_delta", "text": "hi"}}),
+          ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "stop_sequence",
+                                                                "stop_sequence": "END"},
+                             "usage": {"output_tokens": 2}}),
+          ("message_stop", {"type": "message_stop"})]
+    raw = [f"event: {n}\ndata: {json.dumps(d)}\n\n".encode() for n, d in ev]
+
+    async def run():
+        return b"".join([c async for c in chat_chunks(_aiter(raw))])
+
+    reader = EventReader()
+    reader.feed(asyncio.run(run()))
+    datas = []
+    while (item := reader.pop()) is not None:
+        datas.append(item[1])
+    assert datas[-1] == b"[DONE]"
+    objs = [json.loads(d) for d in datas[:-1]]
+    assert objs[1]["choices"][0]["delta"] == {"content": "hi"}
+    assert objs[2]["choices"][0]["finish_reason"] == "stop" and objs[2]["choices"][0]["stop_reason"] == "END"
+    assert objs[3]["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+
+
+def test_error_bodies_in_anthropics_format():
+    assert json.loads(anthropic_error(429, b'{"error": {"message": "slow down", "type": "rate_limit_error"}}')) == \
+        {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
+    native = b'{"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}'
+    assert anthropic_error(529, native) == native
+    assert json.loads(anthropic_error(502, b"Bad Gateway"))["error"] == {"type": "api_error", "message": "Bad Gateway"}
