@@ -1,6 +1,10 @@
-/* 4-bit GGUF linear layers (Q4_0, Q4_1) on AVX512-BF16 CPUs, read in 4 bits
- * and computed exactly as the bfloat16 weights dequantized from the same
- * file: y = x @ W.T (+ bias) (+ residual), x bfloat16.
+/* 4-bit GGUF linear layers (Q4_0, Q4_1), read in 4 bits and computed exactly
+ * as the bfloat16 weights dequantized from the same file: y = x @ W.T
+ * (+ bias) (+ residual), x bfloat16. The AVX512-BF16 body is described
+ * here; the others (AVX2/FMA, portable C) rebuild the same bfloat16 values
+ * a panel at a time into a scratch panel and run f32_panel.h's kernel on it,
+ * so they too give linear_bf16's bits (their own ISA's) on the dequantized
+ * weights.
  *
  * Built with the other kernels by kernels/cpu_build.py, called from
  * kernels/cpu_linear.py. llama.cpp's blocks (ggml's block_q4_0 / block_q4_1;
@@ -38,19 +42,11 @@
 #include <string.h>
 
 #include "bf16_panel.h"
+#include "f32_panel.h"
 #include "kernels.h"
 
 #define QBLOCK 32
 #define MR_Q4 3  /* rows per register tile on the in-register path */
-
-/* 1 when this build has the kernel (AVX512-BF16), else 0. */
-int linear_q4_available(void) {
-#if defined(__AVX512BF16__)
-    return 1;
-#else
-    return 0;
-#endif
-}
 
 /* Pack codes [n, k] (uint8, 0..15) into codes_out
  * [ceil(n / 64)][k / 32][16][4][16]; k a multiple of 32. Padded columns get
@@ -198,9 +194,95 @@ static inline __attribute__((always_inline)) void direct_rows(
 }
 #endif
 
+#if !defined(__AVX512BF16__)
+/* A float16 (raw bits) as float32, exactly. */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, man = h & 0x3ffu;
+    float f;
+    if (e == 31) {
+        const uint32_t u = sign | 0x7f800000u | man << 13;
+        memcpy(&f, &u, 4);
+    } else if (e == 0) {
+        f = (float)man * 0x1p-24f;
+        if (sign) f = -f;
+    } else {
+        const uint32_t u = sign | (e + 112) << 23 | man << 13;
+        memcpy(&f, &u, 4);
+    }
+    return f;
+}
+
+/* One 4-bit panel (its codes and scales) as bfloat16 panels [k / 2][64][2]:
+ * bf16(d * q + m), d * q exact (see the top of this file), one rounding. */
+static void dequant_q4_panel(const uint8_t *codes, const uint16_t *scales, int64_t k, uint16_t *out) {
+    for (int64_t b = 0; b < k / QBLOCK; b++) {
+        float d[PANEL], mn[PANEL];
+        for (int c = 0; c < PANEL; c++) d[c] = f16_to_f32(scales[b * 2 * PANEL + c]),
+                                        mn[c] = f16_to_f32(scales[b * 2 * PANEL + PANEL + c]);
+        for (int64_t kp = b * QBLOCK / 2; kp < (b + 1) * QBLOCK / 2; kp++)
+            for (int g = 0; g < 4; g++)
+                for (int j = 0; j < 16; j++) { /* byte j: lane j of the group's halves (see linear_q4_pack) */
+                    const uint8_t byte = codes[kp * PANEL + 16 * g + j];
+                    const int lo = 16 * g + j / 2, hi = lo + 8;
+                    uint16_t *dst = out + kp * PANEL * 2 + j % 2;
+                    dst[2 * lo] = f32_to_bf16(fmaf(d[lo], (float)(byte & 15), mn[lo]));
+                    dst[2 * hi] = f32_to_bf16(fmaf(d[hi], (float)(byte >> 4), mn[hi]));
+                }
+    }
+}
+
+/* One 8-bit panel (linear_q8_pack's layout) as bfloat16 panels: bf16(d * q), exact products. */
+static void dequant_q8_panel(const int8_t *codes, const float *scales, int64_t k, uint16_t *out) {
+    for (int64_t kp = 0; kp < k / 2; kp++) {
+        const float *d = scales + kp / (QBLOCK / 2) * PANEL;
+        for (int c = 0; c < PANEL; c++) {
+            const int8_t *src = codes + (kp * 4 + c / 16) * 32 + c % 16;
+            out[(kp * PANEL + c) * 2] = f32_to_bf16(d[c] * (float)src[0]);
+            out[(kp * PANEL + c) * 2 + 1] = f32_to_bf16(d[c] * (float)src[16]);
+        }
+    }
+}
+
+/* The float32 bodies of linear_q4 (Q8 0) and linear_q8 (Q8 1): per work item
+ * (panel, block of rows), the panel dequantized into this thread's bfloat16
+ * scratch, then f32_panel.h's kernel over it. Returns 0, or 2 when out of memory. */
+static int quant_f32(const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
+                     const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m,
+                     int64_t n, int64_t k, int y_f32, int num_threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, m_blocks = (m + M_BLOCK - 1) / M_BLOCK;
+    const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / QBLOCK * (Q8 ? 1 : 2) * PANEL;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads)") {
+        /* one buffer: the bfloat16 panel (k * 64 values, an even count of floats' room) then the rows' floats */
+        float *buf = f32_scratch((size_t)(k * PANEL / 2 + M_BLOCK * k));
+        int64_t have = -1; /* the panel in this thread's scratch */
+        if (!buf) {
+            _Pragma("omp atomic write") failed = 2;
+        }
+        _Pragma("omp for schedule(static)") for (int64_t item = 0; item < panels * m_blocks; item++) {
+            if (!buf) continue;
+            const int64_t p = item / m_blocks, m0 = item % m_blocks * M_BLOCK;
+            const int64_t m1 = m0 + M_BLOCK < m ? m0 + M_BLOCK : m;
+            uint16_t *panel = (uint16_t *)buf;
+            if (p != have) { /* consecutive items of a thread share their panel (panel-major order) */
+                have = p;
+                if (Q8)
+                    dequant_q8_panel((const int8_t *)codes + p * panel_codes, (const float *)scales + p * panel_scales,
+                                     k, panel);
+                else
+                    dequant_q4_panel((const uint8_t *)codes + p * panel_codes,
+                                     (const uint16_t *)scales + p * panel_scales, k, panel);
+            }
+            f32_panel_row_block(x, ldx, panel, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32, m0, m1,
+                                buf + k * PANEL / 2);
+        }
+    }
+    return failed;
+}
+#endif
+
 /* y [m, n] = x [m, k] @ W.T (+ bias [n], float32) (+ residual [m, n]) for W
- * packed by linear_q4_pack; strides and y_f32 as linear_bf16. Returns 0, 1 when this build has no
- * kernel, 2 when out of memory. */
+ * packed by linear_q4_pack; strides and y_f32 as linear_bf16. Returns 0, or 2 when out of memory. */
 int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
               int64_t k, int y_f32, int num_threads) {
 #if defined(__AVX512BF16__)
@@ -226,9 +308,7 @@ int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16
     }
     return failed;
 #else
-    (void)x; (void)ldx; (void)codes; (void)scales; (void)bias; (void)residual; (void)ldr; (void)y;
-    (void)ldy; (void)m; (void)n; (void)k; (void)y_f32; (void)num_threads;
-    return 1;
+    return quant_f32(0, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
 #endif
 }
 
@@ -258,17 +338,15 @@ void linear_q8_pack(const int8_t *codes, const float *d, int64_t n, int64_t k, i
 
 /* y [m, n] = x [m, k] @ W.T (+ bias) (+ residual) for W packed by
  * linear_q8_pack, m <= LINEAR_Q4_DIRECT_ROWS; arguments as linear_bf16.
- * Returns 0, or 1 for more rows or a build without the kernel. */
+ * Returns 0, 1 for more rows, 2 when out of memory. */
 int linear_q8(const uint16_t *x, int64_t ldx, const int8_t *codes, const float *scales, const float *bias,
               const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32,
               int num_threads) {
-#if defined(__AVX512BF16__)
     if (m > LINEAR_Q4_DIRECT_ROWS) return 1;
+#if defined(__AVX512BF16__)
     direct_rows(1, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
     return 0;
 #else
-    (void)x; (void)ldx; (void)codes; (void)scales; (void)bias; (void)residual; (void)ldr; (void)y; (void)ldy;
-    (void)m; (void)n; (void)k; (void)y_f32; (void)num_threads;
-    return 1;
+    return quant_f32(1, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
 #endif
 }
