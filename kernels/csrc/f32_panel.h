@@ -13,7 +13,7 @@
  * outputs are computed together, never one output's sequence of operations:
  * a row's bits depend only on that row and the weight, for every row count
  * and thread count (batch-invariant). The portable body (fmaf) and the
- * AVX2/FMA body (VFMADD231PS) run that same sequence, so they give the same
+ * AVX2/FMA/F16C body (VFMADD231PS) run that same sequence, so they give the same
  * bits; the AVX512-BF16 kernel (VDPBF16PS adds a pair's two products before
  * the accumulator) gives others, within float32 rounding of these.
  *
@@ -29,7 +29,7 @@
 #include "bf16_panel.h"
 #include "common.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512BF16__)
 #include <immintrin.h>
 #define F32_PANEL_AVX2 1
 #endif
@@ -46,6 +46,12 @@ static inline float *f32_scratch(size_t elems) {
         cap = buf ? elems : 0;
     }
     return buf;
+}
+
+/* rows x k bfloat16 values (ldx apart) as float32, xf [rows][k] (exact). */
+static inline void f32_widen_rows(const uint16_t *x, int64_t ldx, int64_t rows, int64_t k, float *xf) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < k; i++) xf[r * k + i] = bf16_to_f32(x[r * ldx + i]);
 }
 
 /* Output (r, c) of a tile after the accumulation: bias, residual, one rounding. */
@@ -72,6 +78,35 @@ static inline __m128i f32x8_to_bf16(__m256 v) {
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
+/* Rows' accumulators acc[r][g], g < NG (lane l = column col0 + 8 g + l) plus
+ * bias and residual, rounded once or stored as float32 when y_f32; columns
+ * from n on are not written. */
+static inline __attribute__((always_inline)) void f32_store_rows(
+    const int MR, const int NG, __m256 acc[][8], int64_t col0, int64_t n, const float *bias, const uint16_t *residual,
+    int64_t ldr, void *y, int64_t ldy, int y_f32) {
+    for (int r = 0; r < MR; r++)
+        for (int g = 0; g < NG; g++) {
+            const int64_t c = col0 + 8 * g;
+            if (c >= n) break;
+            if (n - c < 8) { /* the last, partial group: the same operations one lane at a time */
+                float v[8];
+                _mm256_storeu_ps(v, acc[r][g]);
+                for (int64_t l = 0; l < n - c; l++) f32_store_one(v[l], r, c + l, bias, residual, ldr, y, ldy, y_f32);
+                break;
+            }
+            __m256 v = acc[r][g];
+            if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + c));
+            if (residual) {
+                const __m256i raw = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(residual + r * ldr + c)));
+                v = _mm256_add_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)));
+            }
+            if (y_f32)
+                _mm256_storeu_ps((float *)y + r * ldy + c, v);
+            else
+                _mm_storeu_si128((__m128i *)((uint16_t *)y + r * ldy + c), f32x8_to_bf16(v));
+        }
+}
+
 /* MR rows x NG groups of 8 columns (MR, NG literals at each call), the tile's
  * first column col0 (absolute) and its weights at panel (already offset to
  * the tile's first column); xf: the rows as float32, ldxf apart. */
@@ -96,27 +131,7 @@ static inline __attribute__((always_inline)) void f32_tile(
             }
         }
     }
-    for (int r = 0; r < MR; r++)
-        for (int g = 0; g < NG; g++) {
-            const int64_t c = col0 + 8 * g;
-            if (c >= n) break;
-            if (n - c < 8) { /* the last, partial group: the same operations one lane at a time */
-                float v[8];
-                _mm256_storeu_ps(v, acc[r][g]);
-                for (int64_t l = 0; l < n - c; l++) f32_store_one(v[l], r, c + l, bias, residual, ldr, y, ldy, y_f32);
-                break;
-            }
-            __m256 v = acc[r][g];
-            if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + c));
-            if (residual) {
-                const __m256i raw = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(residual + r * ldr + c)));
-                v = _mm256_add_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)));
-            }
-            if (y_f32)
-                _mm256_storeu_ps((float *)y + r * ldy + c, v);
-            else
-                _mm_storeu_si128((__m128i *)((uint16_t *)y + r * ldy + c), f32x8_to_bf16(v));
-        }
+    f32_store_rows(MR, NG, acc, col0, n, bias, residual, ldr, y, ldy, y_f32);
 }
 #endif
 
@@ -126,8 +141,7 @@ static inline void f32_panel_row_block(const uint16_t *x, int64_t ldx, const uin
                                        int64_t col0, int64_t n, const float *bias, const uint16_t *residual,
                                        int64_t ldr, void *y, int64_t ldy, int y_f32, int64_t m0, int64_t m1,
                                        float *xf) {
-    for (int64_t r = m0; r < m1; r++)
-        for (int64_t i = 0; i < k; i++) xf[(r - m0) * k + i] = bf16_to_f32(x[r * ldx + i]);
+    f32_widen_rows(x + m0 * ldx, ldx, m1 - m0, k, xf);
 #if defined(F32_PANEL_AVX2)
     const size_t ysz = y_f32 ? 4 : 2;
 #define TILE(MR, NG, S) f32_tile(MR, NG, xf + (r - m0) * k, k, panel + 16 * (S), k, col0 + 8 * (S), n, bias, \
