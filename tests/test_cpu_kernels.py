@@ -242,3 +242,29 @@ def test_python_row_limits_mirror_the_c_header():
     define = lambda name: int(re.search(rf"#define {name} (\d+)", header).group(1))  # noqa: E731
     assert cpu_linear.COPY_MAX_ROWS == define("QUANT_COPY_MAX_ROWS")
     assert cpu_linear.Q8_MAX_ROWS == define("LINEAR_Q4_DIRECT_ROWS")
+
+
+def test_ctypes_signatures_mirror_the_c_definitions():
+    """kernels/cpu_build.py's SIGNATURES (what ctypes passes) match every
+    exported (non-static) function defined in csrc/*.c: the same names, and
+    per argument the same kind (pointer, int64_t, int, float) and return."""
+    import ctypes
+    import re
+
+    from kernels import cpu_build
+
+    kinds = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "void": None}
+    defined = {}
+    for src in cpu_build.SOURCES:
+        text = re.sub(r"/\*.*?\*/", "", src.read_text(), flags=re.S).replace("\\\n", "\n")
+        found = re.findall(r"^(int|void) (\w+)\(([^)]*)\)\s*\{", text, flags=re.M)
+        macros = re.findall(r"^#define (\w+)\(NAME[^)]*\)\s+(int|void) NAME\(([^)]*)\)", text, flags=re.M)
+        for macro, ret, args in macros:  # DEFINE_ATTENTION(name, ...): one function per use
+            found += [(ret, name, args) for name in re.findall(rf"^{macro}\((\w+),", text, flags=re.M)]
+        for ret, name, args in found:
+            params = [a.strip() for a in args.split(",") if a.strip() not in ("", "void")]
+            defined[name] = ([ctypes.c_void_p if "*" in a else kinds[a.rsplit(" ", 1)[0].replace("const ", "")]
+                              for a in params], kinds[ret])
+    assert set(defined) == set(cpu_build.SIGNATURES)
+    for name, (argtypes, restype) in cpu_build.SIGNATURES.items():
+        assert (argtypes, restype) == defined[name], name
