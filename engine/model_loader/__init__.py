@@ -130,7 +130,7 @@ def _linear_path() -> str:
         return f"C (kernels/csrc, {isa} body: weights stay bfloat16 or 4-bit, float32 math in registers)" \
             if isa == "avx2" else f"C (kernels/csrc, {isa} body)"
     why = "the C library does not build here" if isa is None else \
-        "this CPU has neither AVX512-BF16 nor AVX2/FMA (the portable C body is slower)"
+        "this CPU has neither AVX512-BF16 nor AVX2/FMA; the portable C body is slower"
     return f"oneDNN ({why})"
 
 
