@@ -68,7 +68,7 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     plan: CpuAttentionPlan | None = None,
-    march: str = "native",
+    march: str | None = None,
 ) -> torch.Tensor:
     """Causal paged attention on the CPU (arguments, shapes and semantics as
     :func:`kernels.torch_attention.paged_attention`; ``march`` picks the

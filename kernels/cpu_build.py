@@ -8,6 +8,12 @@ The library is compiled once per source, compiler, flags and CPU
 ``$TANDEM_KERNEL_CACHE`` (default ``~/.cache/tandem/kernels``) and loaded from
 there afterwards. It links the OpenMP runtime that torch already loaded (the
 same ``libgomp.so.1``), so it shares torch's thread pool and wait policy.
+
+``-march=native`` chooses each kernel's body from the CPU's flags when the
+library is built (AVX512-BF16, else AVX2/FMA/F16C, else portable C; the C
+files' ``#if`` say which). ``$TANDEM_CPU_MARCH`` replaces ``native`` for the
+whole process (``x86-64-v3``: the AVX2 bodies on an AVX-512 machine, to test
+or measure them); the functions that take a ``march`` use it when given none.
 """
 
 from __future__ import annotations
@@ -28,17 +34,18 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention_cpu.c", CSRC / "linear_cpu.c", CSRC / "linear_q4_cpu.c", CSRC / "norm_act_cpu.c",
            CSRC / "decoder_cpu.c"]
-HEADERS = [CSRC / "common.h", CSRC / "kernels.h", CSRC / "bf16_panel.h"]
+HEADERS = [CSRC / "common.h", CSRC / "kernels.h", CSRC / "bf16_panel.h", CSRC / "f32_panel.h", CSRC / "quant_f32.h"]
 CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+LIBS = ["-lm"]  # after the sources: the portable bodies' fmaf where the CPU has no FMA
+MARCH_ENV = "TANDEM_CPU_MARCH"
 
 _p, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # exported function -> (argument types, return type)
     "paged_attention_bf16": ([_p, _i64] + [_p] * 4 + [_i64, _p, _p] + [_i64] * 5 + [_float, _int], _int),
     "paged_attention_f32": ([_p, _i64] + [_p] * 4 + [_i64, _p, _p] + [_i64] * 5 + [_float, _int], _int),
-    "linear_bf16_available": ([], _int),
+    "linear_isa": ([], _int),
     "linear_bf16_pack": ([_p, _i64, _i64, _p], None),
     "linear_bf16": ([_p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _int, _int], _int),
-    "linear_q4_available": ([], _int),
     "linear_q4_pack": ([_p, _i64, _i64, _p], None),
     "linear_q4": ([_p, _i64, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _int, _int], _int),
     "linear_q8_pack": ([_p, _p, _i64, _i64, _p, _p], None),
@@ -68,14 +75,18 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("TANDEM_KERNEL_CACHE", Path.home() / ".cache" / "tandem" / "kernels"))
 
 
-@functools.lru_cache(maxsize=4)
-def load_library(march: str = "native") -> ctypes.CDLL:
+def default_march() -> str:
+    """gcc's ``-march`` for this process: ``$TANDEM_CPU_MARCH``, else "native"."""
+    return os.environ.get(MARCH_ENV) or "native"
+
+
+def load_library(march: str | None = None) -> ctypes.CDLL:
     """Build (once per source, compiler and CPU) and load the kernel library.
 
     Args:
-        march: gcc's ``-march``: "native" (the default: AVX512-BF16 paths
-            where the CPU has them), or an older target such as "x86-64-v3"
-            to build the portable paths (tests).
+        march: gcc's ``-march``: None (:func:`default_march`), "native"
+            (each kernel's fastest body for this CPU), or an older target
+            such as "x86-64-v3" (AVX2/FMA bodies) or "x86-64" (portable C).
 
     Returns:
         The loaded ``ctypes.CDLL`` with the functions of ``SIGNATURES`` typed.
@@ -83,6 +94,11 @@ def load_library(march: str = "native") -> ctypes.CDLL:
     Raises:
         KernelBuildError: no C compiler (``$CC``, else ``cc``/``gcc``) or the build failed.
     """
+    return _load_library(march or default_march())
+
+
+@functools.lru_cache(maxsize=8)
+def _load_library(march: str) -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise KernelBuildError("no C compiler found (set CC, or install gcc)")
@@ -92,15 +108,15 @@ def load_library(march: str = "native") -> ctypes.CDLL:
         raise KernelBuildError(f"{cc} --version failed: {e}") from e
     flags = [*CFLAGS, f"-march={march}"]
     key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS))
-    key.update((" ".join(flags) + version + _cpu_signature()).encode())
+    key.update((" ".join(flags + LIBS) + version + _cpu_signature()).encode())
     path = _cache_dir() / f"tandem_kernels-{key.hexdigest()[:16]}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True,
-                                  timeout=300)
+            proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), *LIBS], capture_output=True,
+                                  text=True, timeout=300)
             if proc.returncode != 0:
                 raise KernelBuildError(f"{cc} failed on {', '.join(s.name for s in SOURCES)}:\n"
                                        f"{proc.stderr.strip()}")
@@ -123,7 +139,7 @@ def rows_2d(t: "torch.Tensor") -> "torch.Tensor":
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def why_unavailable(march: str = "native") -> str | None:
+def why_unavailable(march: str | None = None) -> str | None:
     """None when the library builds and loads here, else why not (one line)."""
     try:
         load_library(march)

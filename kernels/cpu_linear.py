@@ -1,17 +1,22 @@
-"""bfloat16 linear layers in C on AVX512-BF16 CPUs (``csrc/linear_cpu.c``).
+"""bfloat16 linear layers in C (``csrc/linear_cpu.c``), with a body for
+AVX512-BF16 CPUs, one for AVX2/FMA CPUs and a portable one (:func:`isa`).
 
 ``y = x @ W.T (+ bias) (+ residual)`` with W packed once into 64-column
-panels for VDPBF16PS. Every output element is one float32 accumulator over k
-in order, rounded once, so a row's bits do not depend on how many rows share
-the call: batch-invariant for any row count without the 32-row tiles (and
-their copies) the oneDNN path needs. Against oneDNN's packed bfloat16 GEMM
+panels (one layout for every body: VDPBF16PS's operand, which the float32
+bodies widen in registers). Every output element is one float32 accumulator
+over k in order, rounded once, so a row's bits do not depend on how many rows
+share the call: batch-invariant for any row count without the 32-row tiles
+(and their copies) the oneDNN path needs. The bodies' bits differ from one
+another (VDPBF16PS adds a pair of products before the accumulator, the
+float32 bodies one product at a time); each is deterministic. Against oneDNN's packed bfloat16 GEMM
 (``loadtests/bench/kernels_cpu.py``, SmolLM2's shapes, weights in cache,
 time ratio): 0.67-0.84x at 1 row, 0.75-0.87x at 8, 0.89-0.95x at 32,
 0.96-1.0x at 64 and 256 rows; in the engine, where a decode step's weights
 stream from memory, one row is 1.5-2.8x faster.
 
 Used by the model's linear layers (``engine.models.llama``) when
-:func:`available` says so; elsewhere they keep oneDNN. :class:`PackedQ4Linear`
+:func:`available` says so (an AVX512-BF16 or AVX2 body); elsewhere they keep
+oneDNN. :class:`PackedQ4Linear`
 is the 4-bit counterpart (``csrc/linear_q4_cpu.c``) for GGUF Q4_0/Q4_1
 weights under ``quantization: gguf``.
 """
@@ -23,15 +28,28 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_build import load_library, rows_2d, why_unavailable
+from kernels.cpu_build import default_march, load_library, rows_2d, why_unavailable
 
 PANEL = 64  # output columns per packed panel
+ISAS = ("portable", "avx2", "avx512bf16")  # linear_isa()'s 0, 1, 2 in csrc/linear_cpu.c
 
 
-@functools.lru_cache(maxsize=4)
-def available(march: str = "native") -> bool:
-    """Whether the library builds here and has the AVX512-BF16 kernel."""
-    return why_unavailable(march) is None and bool(load_library(march).linear_bf16_available())
+def isa(march: str | None = None) -> str | None:
+    """The body the linear kernels run in this build (:data:`ISAS`), or None
+    when the library does not build here; ``march`` as
+    :func:`kernels.cpu_build.load_library`."""
+    return _isa(march or default_march())
+
+
+@functools.lru_cache(maxsize=8)
+def _isa(march: str) -> str | None:
+    return None if why_unavailable(march) else ISAS[load_library(march).linear_isa()]
+
+
+def available(march: str | None = None) -> bool:
+    """Whether the library builds here with a fast linear body (AVX512-BF16
+    or AVX2/FMA: faster than oneDNN's bfloat16 GEMM; the portable C body is not)."""
+    return isa(march) in ("avx2", "avx512bf16")
 
 
 @dataclass(frozen=True)
@@ -112,10 +130,9 @@ def pack_q8(codes: torch.Tensor, d: torch.Tensor) -> PackedQ8Linear:
     return PackedQ8Linear(out_codes, out_scales, n, k)
 
 
-@functools.lru_cache(maxsize=4)
-def q4_available(march: str = "native") -> bool:
-    """Whether the library builds here and has the 4-bit kernel (AVX512-BF16)."""
-    return why_unavailable(march) is None and bool(load_library(march).linear_q4_available())
+def q4_available(march: str | None = None) -> bool:
+    """Whether the 4-bit and 8-bit kernels have a fast body here (the ISAs of :func:`available`)."""
+    return available(march)
 
 
 def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> PackedQ4Linear:
@@ -192,26 +209,20 @@ def linear(x: torch.Tensor, packed: PackedLinear | PackedQ4Linear | PackedQ8Line
         if r2.dtype != torch.bfloat16 or r2.shape != (m, n):
             raise ValueError(f"residual must be bfloat16 [{m}, {n}], got {r2.dtype} {tuple(r2.shape)}")
     b = None if bias is None else bias.detach().to(torch.float32).contiguous()
-    if m and isinstance(packed, PackedQ4Linear):
-        rc = load_library().linear_q4(x2.data_ptr(), x2.stride(0), packed.codes.data_ptr(), packed.scales.data_ptr(),
-                                      None if b is None else b.data_ptr(),
-                                      None if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),
-                                      y.data_ptr(), n, m, n, packed.in_features, out_dtype == torch.float32,
-                                      torch.get_num_threads())
-        if rc:
-            raise (MemoryError if rc == 2 else RuntimeError)(f"linear_q4 returned {rc}")
-    elif m and isinstance(packed, PackedQ8Linear):
+    if not m:
+        return y.view(*lead, n)
+    lib, xs = load_library(), (x2.data_ptr(), x2.stride(0))
+    rest = (None if b is None else b.data_ptr(), None if r2 is None else r2.data_ptr(),
+            0 if r2 is None else r2.stride(0), y.data_ptr(), n, m, n, packed.in_features,
+            out_dtype == torch.float32, torch.get_num_threads())
+    if isinstance(packed, PackedQ4Linear):
+        rc = lib.linear_q4(*xs, packed.codes.data_ptr(), packed.scales.data_ptr(), *rest)
+    elif isinstance(packed, PackedQ8Linear):
         if m > Q8_MAX_ROWS:
             raise ValueError(f"the 8-bit kernel takes at most {Q8_MAX_ROWS} rows, got {m}")
-        load_library().linear_q8(x2.data_ptr(), x2.stride(0), packed.codes.data_ptr(), packed.scales.data_ptr(),
-                                 None if b is None else b.data_ptr(),
-                                 None if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),
-                                 y.data_ptr(), n, m, n, packed.in_features, out_dtype == torch.float32,
-                                 torch.get_num_threads())
-    elif m:
-        load_library().linear_bf16(x2.data_ptr(), x2.stride(0), packed.data.data_ptr(),
-                                   None if b is None else b.data_ptr(),
-                                   None if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),
-                                   y.data_ptr(), n, m, n, packed.in_features, out_dtype == torch.float32,
-                                   torch.get_num_threads())
+        rc = lib.linear_q8(*xs, packed.codes.data_ptr(), packed.scales.data_ptr(), *rest)
+    else:
+        rc = lib.linear_bf16(*xs, packed.data.data_ptr(), *rest)
+    if rc:
+        raise (MemoryError if rc == 2 else RuntimeError)(f"the linear kernel returned {rc}")
     return y.view(*lead, n)

@@ -24,7 +24,7 @@ def available() -> bool:
     return why_unavailable() is None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, march: str = "native") -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, march: str | None = None) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019): ``bf16(weight * x / sqrt(mean(x^2) + eps))``,
     float32 throughout, one rounding (HF Llama rounds ``x / rms`` to bfloat16
     before the weight multiplies it, a second rounding error).
@@ -51,7 +51,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, march: str = "na
     return y.view(x.shape)
 
 
-def silu_mul(gate_up: torch.Tensor, march: str = "native") -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, march: str | None = None) -> torch.Tensor:
     """SwiGLU's ``silu(gate) * up`` (Shazeer 2020) for ``gate_up = [gate | up]``.
 
     Args:

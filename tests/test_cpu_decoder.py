@@ -3,7 +3,8 @@ and its fused RoPE + cache write: RoPE against a float64 reference, the cache
 slots written (and -1 skipped), and the whole stack giving the model's
 per-operation path's bits (hidden states and caches) on mixed batches of
 prefill chunks and decodes, with and without q/k/v biases, after a weight
-changes, and where it must step aside."""
+changes, and where it must step aside; each on this CPU's build and the AVX2
+one (tests/test_cpu_kernels.py's ``linear_build``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ from engine.model_config import ModelConfig
 from engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from engine.models.rope import rope_inv_freq
 from kernels import cpu_decoder, cpu_linear, get_attention_backend
-
-needs_c = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX512-BF16 C kernels on this CPU")
+from tests.test_cpu_kernels import linear_build  # noqa: F401 (a fixture: each test runs on each build)
 
 BLOCK = 16
 
@@ -78,9 +78,8 @@ def _copy(caches):
     return [(k.clone(), v.clone()) for k, v in caches]
 
 
-@needs_c
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_stack_gives_the_per_operation_bits(bias):
+def test_the_stack_gives_the_per_operation_bits(linear_build, bias):
     """Prefill chunks (one starting past a cached prefix) and decodes in one
     step, then a step of decodes: hidden states and every cache byte equal."""
     config = _config(bias)
@@ -101,8 +100,7 @@ def test_the_stack_gives_the_per_operation_bits(bias):
     assert per_op[0][0][1:10].abs().sum() > 0  # the caches were written
 
 
-@needs_c
-def test_a_row_does_not_depend_on_the_batch():
+def test_a_row_does_not_depend_on_the_batch(linear_build):
     """A decode computed alone, and beside other decodes and a prefill, has the same bits."""
     config = _config()
     model = _model(config, seed=3)
@@ -117,8 +115,7 @@ def test_a_row_does_not_depend_on_the_batch():
     assert torch.equal(mixed[1], alone[0])
 
 
-@needs_c
-def test_a_changed_weight_is_seen():
+def test_a_changed_weight_is_seen(linear_build):
     """The C view of the weights is rebuilt when a weight changes in place."""
     config = _config(layers=2)
     model = _model(config)
@@ -131,8 +128,7 @@ def test_a_changed_weight_is_seen():
     assert torch.equal(after, _forward(model, _caches(config), step, c_decoder=False))
 
 
-@needs_c
-def test_the_stack_steps_aside_where_it_cannot_run():
+def test_the_stack_steps_aside_where_it_cannot_run(linear_build):
     """float32, or a projection not on the C linear kernel: the per-operation path runs."""
     config = _config(layers=2)
     model = _model(config)
@@ -148,8 +144,7 @@ def test_the_stack_steps_aside_where_it_cannot_run():
     assert f32._c_decoder_weights([(torch.zeros(shape), torch.zeros(shape))] * 2) is None
 
 
-@needs_c
-def test_rope_cache_matches_float64_and_writes_the_slots():
+def test_rope_cache_matches_float64_and_writes_the_slots(linear_build):
     config = _config()
     h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     g = torch.Generator().manual_seed(2)
@@ -219,8 +214,7 @@ def _gguf_model(config: ModelConfig, mode: str, seed: int = 0, release_dense: bo
     return fresh.eval()
 
 
-@needs_c
-def test_4bit_projections_give_the_bfloat16_bits():
+def test_4bit_projections_give_the_bfloat16_bits(linear_build):
     """A 4-bit GGUF's projections three ways: dequantized to bfloat16, with the
     4-bit copy the stack reads for calls of up to two rows, and kept in 4
     bits only (quantization gguf): hidden states and caches equal bit for bit
@@ -248,8 +242,7 @@ def test_4bit_projections_give_the_bfloat16_bits():
         assert all(torch.equal(o, outs[("dense", False)]) for o in outs.values())
 
 
-@needs_c
-def test_a_4bit_copy_is_not_read_once_its_weight_changes():
+def test_a_4bit_copy_is_not_read_once_its_weight_changes(linear_build):
     """With the dense weights kept, a projection changed in place after
     loading makes the stack stop reading its 4-bit copy (the copy would be
     stale): a one-row step then equals the per-operation path again."""

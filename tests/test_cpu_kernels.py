@@ -1,9 +1,12 @@
 """The C bfloat16 kernels besides attention (tests/test_kernels.py has that):
 the linear kernel (kernels/cpu_linear.py: float64 reference, row-count
 invariance without tiles, strided inputs, bias and residual, float32 logits,
-the model's choice of it; skipped where the CPU has no AVX512-BF16, where the
-model keeps oneDNN, covered by test_batch_invariance_kernels.py), and
-RMSNorm and SwiGLU (kernels/cpu_norm_act.py) against PyTorch's ops."""
+the 8-bit head, the model's choice of it), on each build's body
+(``linear_build``: this CPU's fastest, and the AVX2/FMA one, which an AVX-512
+CPU runs too; skipped where a build has no fast body and the model keeps
+oneDNN, covered by test_batch_invariance_kernels.py); the AVX2 body against
+the portable C one, bit for bit; and RMSNorm and SwiGLU
+(kernels/cpu_norm_act.py) against PyTorch's ops."""
 
 from __future__ import annotations
 
@@ -13,8 +16,21 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_linear, cpu_norm_act
+from kernels.cpu_build import MARCH_ENV
 
-needs_linear = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX512-BF16 C kernel on this CPU")
+# gcc -march of the builds each linear test runs on: this CPU's own (its fastest body), and x86-64-v3
+# (AVX2/FMA/F16C: the AVX2 body, on an AVX-512 CPU too; on an AVX2-only CPU both are that body)
+LINEAR_BUILDS = ["native", "x86-64-v3"]
+
+
+@pytest.fixture(params=LINEAR_BUILDS)
+def linear_build(request, monkeypatch) -> str:
+    """The process's kernel build for the test ($TANDEM_CPU_MARCH); returns
+    its linear body (cpu_linear.ISAS). Skips a build without a fast body."""
+    monkeypatch.setenv(MARCH_ENV, request.param)
+    if not cpu_linear.available():
+        pytest.skip(f"the {request.param} build has no fast C linear body here ({cpu_linear.isa()})")
+    return cpu_linear.isa()
 
 
 def _case(n=200, k=150, m=130, seed=0):
@@ -26,8 +42,7 @@ def _case(n=200, k=150, m=130, seed=0):
     return weight, bias, x, residual
 
 
-@needs_linear
-def test_matches_float64_with_bias_and_residual():
+def test_matches_float64_with_bias_and_residual(linear_build):
     weight, bias, x, residual = _case()  # 200 columns: not a multiple of the 64-column panels
     packed = cpu_linear.pack(weight)
     for b, r in [(None, None), (bias, None), (None, residual), (bias, residual)]:
@@ -38,8 +53,7 @@ def test_matches_float64_with_bias_and_residual():
         assert ((y.double() - ref).norm() / ref.norm()).item() < 5e-3
 
 
-@needs_linear
-def test_float32_output_is_the_unrounded_sum():
+def test_float32_output_is_the_unrounded_sum(linear_build):
     weight, bias, x, residual = _case(seed=2)
     packed = cpu_linear.pack(weight)
     y32 = cpu_linear.linear(x, packed, bias, residual, out_dtype=torch.float32)
@@ -52,9 +66,8 @@ def test_float32_output_is_the_unrounded_sum():
         cpu_linear.linear(x, packed, out_dtype=torch.float16)
 
 
-@needs_linear
 @pytest.mark.parametrize("shape", [(200, 150), (576, 1536), (49152, 576)])
-def test_a_row_has_the_same_bits_for_every_row_count(shape):
+def test_a_row_has_the_same_bits_for_every_row_count(linear_build, shape):
     weight, bias, x, residual = _case(*shape, m=100, seed=1)
     packed = cpu_linear.pack(weight)
     rows = [0, 5, 6, 47, 48, 99]
@@ -65,8 +78,7 @@ def test_a_row_has_the_same_bits_for_every_row_count(shape):
         assert torch.equal(got[[rows[j] for j in keep]], alone[keep]), m
 
 
-@needs_linear
-def test_strided_and_batched_inputs():
+def test_strided_and_batched_inputs(linear_build):
     weight, _, x, residual = _case(k=150)
     packed = cpu_linear.pack(weight)
     wide = torch.cat([x, x], dim=1)[:, :150]  # rows 300 elements apart
@@ -76,8 +88,7 @@ def test_strided_and_batched_inputs():
     assert cpu_linear.linear(x[:0], packed).shape == (0, 200)
 
 
-@needs_linear
-def test_refuses_what_it_cannot_run():
+def test_refuses_what_it_cannot_run(linear_build):
     weight, _, x, residual = _case()
     with pytest.raises(ValueError, match="cannot pack"):
         cpu_linear.pack(weight[:, :149])
@@ -90,8 +101,7 @@ def test_refuses_what_it_cannot_run():
         cpu_linear.linear(x, packed, None, residual[:3])
 
 
-@needs_linear
-def test_the_model_packs_bfloat16_weights_for_it():
+def test_the_model_packs_bfloat16_weights_for_it(linear_build):
     from engine.models.packed_linear import PackedWeights
 
     weight, bias, x, residual = _case()
@@ -138,7 +148,7 @@ def test_silu_mul_matches_pytorch():
         cpu_norm_act.silu_mul(gate_up[:, :-1])
 
 
-@needs_linear
+@pytest.mark.skipif(not cpu_linear.available("native"), reason="no fast C linear body on this CPU")
 def test_the_engine_frees_the_dense_projections_and_generates_the_same(tmp_path, monkeypatch):
     """bfloat16 on CPU: once packed for the C kernel the decoder projections'
     dense weights are freed (not kept twice); generation is unchanged."""
@@ -178,8 +188,7 @@ def test_the_portable_build_of_rms_norm_and_silu_mul():
         assert ((portable.float() - native.float()).abs() <= native.float().abs() * 2 ** -7 + 1e-6).all()
 
 
-@needs_linear
-def test_q8_head_gives_the_bfloat16_bits():
+def test_q8_head_gives_the_bfloat16_bits(linear_build):
     """The 8-bit (GGUF Q8_0) output-head kernel: bitwise the bfloat16 kernel on
     bf16(d * q), for 1-3 rows, bfloat16 and float32 outputs; more rows refused."""
     g = torch.Generator().manual_seed(8)
@@ -199,6 +208,29 @@ def test_q8_head_gives_the_bfloat16_bits():
         cpu_linear.pack_q8(codes[:, :40], d)
 
 
+def test_the_avx2_body_gives_the_portable_bodys_bits(monkeypatch):
+    """csrc/f32_panel.h's AVX2 body runs its portable C body's operations in
+    the same order (one fmaf per input, in input order; bias, residual, one
+    rounding): the same bits, bfloat16 and float32 outputs, 1-2 rows (whole
+    panels) and more (16-column tiles), a partial last group of 8 columns,
+    and the 4-bit and 8-bit kernels' dequantized panels."""
+    if cpu_linear.isa("x86-64-v3") != "avx2" or cpu_linear.isa("x86-64") != "portable":
+        pytest.skip("no x86-64 AVX2 CPU")
+    g = torch.Generator().manual_seed(9)
+    weight, bias, x, residual = _case(n=203, k=96, m=9, seed=9)
+    codes = torch.randint(0, 16, (203, 96), generator=g)
+    d = (torch.rand(203, 3, generator=g) * 0.02).half().float()
+    q8_codes = torch.randint(-127, 128, (203, 96), generator=g, dtype=torch.int32).to(torch.int8)
+    outs = {}
+    for march in ("x86-64-v3", "x86-64"):
+        monkeypatch.setenv(MARCH_ENV, march)
+        packed = [cpu_linear.pack(weight), cpu_linear.pack_q4(codes, d, -d), cpu_linear.pack_q8(q8_codes, d)]
+        outs[march] = [cpu_linear.linear(x[:m], p, bias, residual[:m], out_dtype=out)
+                       for p in packed for m in (1, 2, 3, 9) for out in (torch.bfloat16, torch.float32)
+                       if m <= 3 or not isinstance(p, cpu_linear.PackedQ8Linear)]
+    assert all(torch.equal(a, b) for a, b in zip(outs["x86-64-v3"], outs["x86-64"]))
+
+
 def test_python_row_limits_mirror_the_c_header():
     """cpu_linear's row limits are the C kernels' (csrc/kernels.h): the head
     and the decoder stack must switch to the quantized copies at the same
@@ -210,3 +242,29 @@ def test_python_row_limits_mirror_the_c_header():
     define = lambda name: int(re.search(rf"#define {name} (\d+)", header).group(1))  # noqa: E731
     assert cpu_linear.COPY_MAX_ROWS == define("QUANT_COPY_MAX_ROWS")
     assert cpu_linear.Q8_MAX_ROWS == define("LINEAR_Q4_DIRECT_ROWS")
+
+
+def test_ctypes_signatures_mirror_the_c_definitions():
+    """kernels/cpu_build.py's SIGNATURES (what ctypes passes) match every
+    exported (non-static) function defined in csrc/*.c: the same names, and
+    per argument the same kind (pointer, int64_t, int, float) and return."""
+    import ctypes
+    import re
+
+    from kernels import cpu_build
+
+    kinds = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "void": None}
+    defined = {}
+    for src in cpu_build.SOURCES:
+        text = re.sub(r"/\*.*?\*/", "", src.read_text(), flags=re.S).replace("\\\n", "\n")
+        found = re.findall(r"^(int|void) (\w+)\(([^)]*)\)\s*\{", text, flags=re.M)
+        macros = re.findall(r"^#define (\w+)\(NAME[^)]*\)\s+(int|void) NAME\(([^)]*)\)", text, flags=re.M)
+        for macro, ret, args in macros:  # DEFINE_ATTENTION(name, ...): one function per use
+            found += [(ret, name, args) for name in re.findall(rf"^{macro}\((\w+),", text, flags=re.M)]
+        for ret, name, args in found:
+            params = [a.strip() for a in args.split(",") if a.strip() not in ("", "void")]
+            defined[name] = ([ctypes.c_void_p if "*" in a else kinds[a.rsplit(" ", 1)[0].replace("const ", "")]
+                              for a in params], kinds[ret])
+    assert set(defined) == set(cpu_build.SIGNATURES)
+    for name, (argtypes, restype) in cpu_build.SIGNATURES.items():
+        assert (argtypes, restype) == defined[name], name

@@ -203,7 +203,7 @@ def test_cpu_backend_choice(monkeypatch, tmp_path, caplog):
         get_attention_backend("cpu", "cuda")
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
-    cpu_build.load_library.cache_clear()
+    cpu_build._load_library.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="kernels"):
             assert get_attention_backend("auto", "cpu").name == "torch"
@@ -211,7 +211,7 @@ def test_cpu_backend_choice(monkeypatch, tmp_path, caplog):
         with pytest.raises(RuntimeError, match="no-such-compiler"):
             get_attention_backend("cpu", "cpu")
     finally:
-        cpu_build.load_library.cache_clear()
+        cpu_build._load_library.cache_clear()
 
 
 def test_cpu_kernel_rejects_what_it_cannot_read():

@@ -121,6 +121,19 @@ def _log_quantized(model, quantization: str, dtype: torch.dtype) -> None:
                     "" if head is None else f" and the 8-bit output head (+{head.nbytes / 2**20:.0f} MiB)")
 
 
+def _linear_path() -> str:
+    """Which body runs the bfloat16 linear layers on this CPU, and why (the start-up log's words)."""
+    from kernels import cpu_linear
+
+    isa = cpu_linear.isa()
+    if cpu_linear.available():
+        return f"C (kernels/csrc, {isa} body: weights stay bfloat16 or 4-bit, float32 math in registers)" \
+            if isa == "avx2" else f"C (kernels/csrc, {isa} body)"
+    why = "the C library does not build here" if isa is None else \
+        "this CPU has neither AVX512-BF16 nor AVX2/FMA; the portable C body is slower"
+    return f"oneDNN ({why})"
+
+
 def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     """Build the model described by ``args.model`` on ``args.device`` in ``args.dtype``.
 
@@ -172,7 +185,7 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
                                     batch_invariant=getattr(args, "batch_invariant", True), dtype=dtype,
                                     heads=(config.num_attention_heads, config.num_key_value_heads, config.head_dim))
     logger.info("attention backend %s%s", backend.name, "" if device.type != "cpu" or dtype != torch.bfloat16 else
-                f", linear layers {'C (kernels/csrc)' if cpu_linear.available() else 'oneDNN'}")
+                f", linear layers {_linear_path()}")
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend)
     try:

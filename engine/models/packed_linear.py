@@ -18,9 +18,11 @@ from kernels import cpu_linear
 def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | cpu_linear.PackedLinear | None:
     """A packed copy of a bfloat16 [out, in] CPU weight, or None.
 
-    On a CPU with AVX512-BF16 (and a C compiler): the C kernel's panels
-    (:mod:`kernels.cpu_linear`), batch-invariant for every row count and
-    faster than oneDNN at every row count measured. Elsewhere oneDNN's
+    On a CPU with AVX512-BF16 or AVX2/FMA (and a C compiler): the C
+    kernel's panels (:mod:`kernels.cpu_linear`), batch-invariant for every
+    row count; on AVX512-BF16 faster than oneDNN at every row count
+    measured, on AVX2 in place of oneDNN's slow bfloat16 path there (the
+    weights widened to float32 in registers). Elsewhere oneDNN's
     blocked copy: ``torch.ops.mkldnn._linear_pointwise`` on it computes
     exactly ``F.linear`` (same bits) but skips oneDNN's per-call weight
     reorder (10-20 % faster at decode and prefill sizes, ~2x at batch 1).

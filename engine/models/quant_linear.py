@@ -15,7 +15,7 @@ Q4_0 is (scale d, zero 0) and Q4_1 is (scale d, zero m + 8d). The scales are
 held in the activations' dtype: exact in float32, rounded to 8 mantissa bits
 in bfloat16 (the float16 ``d`` has 11).
 
-In bfloat16 on a CPU with AVX512-BF16 the C kernel of
+In bfloat16 on a CPU with AVX512-BF16 or AVX2/FMA the C kernel of
 ``kernels/csrc/linear_q4_cpu.c`` runs them instead: the weights exact (d q +
 m in float32 sums, not scales rounded to bfloat16), batch-invariant, and
 part of the one-call decoder stack (``kernels/cpu_decoder.py``).
@@ -151,7 +151,7 @@ class Int4Linear:
         self.out_features, self.in_features = codes.shape
         self.dtype = dtype
         self.packed = self.scales_and_zeros = None
-        # bfloat16 on an AVX512-BF16 CPU: the C kernel (kernels/csrc/linear_q4_cpu.c), bitwise the
+        # bfloat16 on an AVX512-BF16 or AVX2 CPU: the C kernel (kernels/csrc/linear_q4_cpu.c), bitwise the
         # dequantized bfloat16 weights' results; one type per projection (Q4_1 keeps its min).
         kinds = {p.qtype for p in pieces}
         self.c_packed = None

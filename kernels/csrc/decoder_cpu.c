@@ -2,7 +2,8 @@
  * the layers' sequence of kernels (RMSNorm, fused q/k/v projection, RoPE and
  * cache write, paged attention, output projection plus residual, RMSNorm,
  * fused gate/up projection, SwiGLU, down projection plus residual), then the
- * final RMSNorm, for bfloat16 on AVX512-BF16 CPUs.
+ * final RMSNorm, for bfloat16 (on whichever body each kernel has for the
+ * build's ISA: AVX512-BF16, AVX2/FMA or portable C).
  *
  * Built with the other kernels by kernels/cpu_build.py, called from
  * kernels/cpu_decoder.py. The per-layer work is the same kernels the model's
@@ -98,8 +99,7 @@ typedef struct {
  * slot_mapping [t] int64; block_tables [num_seqs, bt_stride], seq_lens
  * [num_seqs], query_start_loc [num_seqs + 1] int32 as paged_attention_bf16
  * reads them. Returns 0; 1 for a position outside the RoPE tables or shapes
- * the attention does not take (or a build without the linear kernels); 2
- * when out of memory. */
+ * the attention does not take; 2 when out of memory. */
 int decoder_forward_bf16(const decoder_shape *shape, const decoder_layer *layers, const uint16_t *final_norm,
                          uint16_t *x, uint16_t *out, int64_t t, const int64_t *positions, const float *cos_tab,
                          const float *sin_tab, const int64_t *slot_mapping, const int32_t *block_tables,

@@ -1,6 +1,9 @@
-/* 4-bit GGUF linear layers (Q4_0, Q4_1) on AVX512-BF16 CPUs, read in 4 bits
- * and computed exactly as the bfloat16 weights dequantized from the same
- * file: y = x @ W.T (+ bias) (+ residual), x bfloat16.
+/* 4-bit GGUF linear layers (Q4_0, Q4_1), read in 4 bits and computed exactly
+ * as the bfloat16 weights dequantized from the same file: y = x @ W.T
+ * (+ bias) (+ residual), x bfloat16. The AVX512-BF16 body is described
+ * here; the others (AVX2/FMA, portable C: quant_f32.h) rebuild the same
+ * bfloat16 values and run f32_panel.h's arithmetic on them, so they too give
+ * linear_bf16's bits (their own build's) on the dequantized weights.
  *
  * Built with the other kernels by kernels/cpu_build.py, called from
  * kernels/cpu_linear.py. llama.cpp's blocks (ggml's block_q4_0 / block_q4_1;
@@ -42,15 +45,6 @@
 
 #define QBLOCK 32
 #define MR_Q4 3  /* rows per register tile on the in-register path */
-
-/* 1 when this build has the kernel (AVX512-BF16), else 0. */
-int linear_q4_available(void) {
-#if defined(__AVX512BF16__)
-    return 1;
-#else
-    return 0;
-#endif
-}
 
 /* Pack codes [n, k] (uint8, 0..15) into codes_out
  * [ceil(n / 64)][k / 32][16][4][16]; k a multiple of 32. Padded columns get
@@ -198,9 +192,10 @@ static inline __attribute__((always_inline)) void direct_rows(
 }
 #endif
 
+#include "quant_f32.h"
+
 /* y [m, n] = x [m, k] @ W.T (+ bias [n], float32) (+ residual [m, n]) for W
- * packed by linear_q4_pack; strides and y_f32 as linear_bf16. Returns 0, 1 when this build has no
- * kernel, 2 when out of memory. */
+ * packed by linear_q4_pack; strides and y_f32 as linear_bf16. Returns 0, or 2 when out of memory. */
 int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
               int64_t k, int y_f32, int num_threads) {
 #if defined(__AVX512BF16__)
@@ -226,9 +221,7 @@ int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16
     }
     return failed;
 #else
-    (void)x; (void)ldx; (void)codes; (void)scales; (void)bias; (void)residual; (void)ldr; (void)y;
-    (void)ldy; (void)m; (void)n; (void)k; (void)y_f32; (void)num_threads;
-    return 1;
+    return quant_f32(0, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
 #endif
 }
 
@@ -258,17 +251,15 @@ void linear_q8_pack(const int8_t *codes, const float *d, int64_t n, int64_t k, i
 
 /* y [m, n] = x [m, k] @ W.T (+ bias) (+ residual) for W packed by
  * linear_q8_pack, m <= LINEAR_Q4_DIRECT_ROWS; arguments as linear_bf16.
- * Returns 0, or 1 for more rows or a build without the kernel. */
+ * Returns 0, 1 for more rows, 2 when out of memory. */
 int linear_q8(const uint16_t *x, int64_t ldx, const int8_t *codes, const float *scales, const float *bias,
               const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32,
               int num_threads) {
-#if defined(__AVX512BF16__)
     if (m > LINEAR_Q4_DIRECT_ROWS) return 1;
+#if defined(__AVX512BF16__)
     direct_rows(1, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
     return 0;
 #else
-    (void)x; (void)ldx; (void)codes; (void)scales; (void)bias; (void)residual; (void)ldr; (void)y; (void)ldy;
-    (void)m; (void)n; (void)k; (void)y_f32; (void)num_threads;
-    return 1;
+    return quant_f32(1, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
 #endif
 }

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"threads {torch.get_num_threads()}; C kernel build: {cpu_attention.available() or 'ok'}; "
-          f"AVX512-BF16 linear: {cpu_linear.available()}")
+          f"C linear body: {cpu_linear.isa()} ($TANDEM_CPU_MARCH picks the build)")
     bench_attention(args.repeats)
     bench_attention_sweep(args.repeats)
     if cpu_linear.available():
