@@ -346,6 +346,8 @@ class Observability:
         nusd = 0
         if tokens is not None and cfg is not None:
             bcfg = cfg.backends.get(rec.backend)
+            if bcfg is None and rec.backend == "cache" and rec.route in cfg.routes:   # a cache hit (gateway/cache/)
+                bcfg = cfg.routes[rec.route].cache
             nusd = cost_nusd(Price.of(bcfg.prices if bcfg is not None else None), *tokens)
         counted = tokens if answered else None
         await self._settle(rec, counted, nusd, estimated)

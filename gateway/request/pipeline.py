@@ -114,14 +114,27 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         route = snap.compiled.policy.routes.get(decision.route)
         if (error := upstream_only_error(req.local_unsupported, decision, route, upstreams)) is not None:
             raise error
+    cache = gw.cache.plan(snap, req, decision.route, decision.attempts, headers)   # None: the route does not cache
+    if cache is not None:
+        req = cache.req                  # with the seed the gateway chose, if it chose one
     adm = await admit(req, decision.attempts, gw.resilience, gw.usage, snap.compiled.config)
     hook = gw.obs.admitted(request_id, adm.budget, adm.budget_spec)
     if affinity:
         hook = _then(gw.replicas.track, hook)
-    answer = await forward(req, decision.attempts, snap.backends, gw.resilience, adm.rate, hook, adm.tokens)
+    hit = None
+    if cache is not None:
+        hit = await gw.cache.lookup(cache, lambda: forward(req, decision.attempts, snap.backends, gw.resilience))
+    if hit is not None:
+        answer, usage = hit
+        await gw.resilience.settle(adm.rate, usage)
+    else:
+        answer = await forward(req, decision.attempts, snap.backends, gw.resilience, adm.rate, hook, adm.tokens)
+        if cache is not None:
+            answer = gw.cache.keep(cache, answer)
     answer.headers = {"x-tandem-route": decision.route, "x-tandem-rule": decision.rule,
                       "x-tandem-backend": answer.backend or "none", "x-tandem-attempts": str(answer.attempts),
-                      **answer.headers, **adm.headers}   # x-request-id: gateway/http/app.py request_ids
+                      **answer.headers, **adm.headers,   # x-request-id: gateway/http/app.py request_ids
+                      **(cache.headers if cache is not None else {})}
     return answer
 
 
