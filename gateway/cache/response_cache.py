@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -60,10 +59,12 @@ class ResponseCache:
         self.metrics = metrics
         self._tasks: set[asyncio.Task] = set()
 
-    def plan(self, snap, req: GatewayRequest, route: str, attempts: list, headers: Mapping[str, str]) -> CachePlan | None:
+    def plan(self, snap, req: GatewayRequest, route: str, attempts: list,
+             headers: Mapping[str, str]) -> CachePlan | None:
         """How ``req``, routed to ``route`` whose first target is ``attempts[0]``, uses the route's cache; None
         when the route does not cache. Exact mode needs the co-located engine as the first target and a greedy or
-        seeded request (or ``assign_seed``: the gateway then chooses the seed and says it in ``x-tandem-seed``)."""
+        seeded request (or ``assign_seed``: the gateway then chooses the seed, a hash of the request, and says it
+        in ``x-tandem-seed``)."""
         rcfg = snap.compiled.config.routes.get(route)
         if rcfg is None or rcfg.cache.mode == "off":
             return None
@@ -87,7 +88,8 @@ class ResponseCache:
             if is_sampled(rendered.request.temperature) and rendered.request.seed is None:
                 if not cfg.assign_seed:
                     return p
-                seed = secrets.randbits(63)
+                # derived from the request, not drawn: the same unseeded request gets the same seed, so it hits
+                seed = int(cache_key(req.endpoint, req.public_model, req.stream, body, None)[:15], 16)
                 body = {**body, "seed": seed}
                 rendered = replace(rendered, request=msgspec.structs.replace(rendered.request, seed=seed))
                 p.headers["x-tandem-seed"] = str(seed)
@@ -186,8 +188,7 @@ class ResponseCache:
         if self.metrics is not None:
             self.metrics.child(self.metrics.cache_mismatches, p.route).inc()
         log.error("cache spot-check mismatch on route %s (key space %s switched off), request %s:\ncached: %s\n"
-                  "recomputed: %s", p.route, p.space, p.req.request_id, _encode(entry).decode(),
-                  _encode(fresh).decode())
+                  "recomputed: %s", p.route, p.space, p.req.request_id, _text(entry), _text(fresh))
 
 
 def _json_entry(content: bytes) -> dict | None:
@@ -224,6 +225,11 @@ def _is_error(payload: bytes) -> bool:
         return "error" in _decode(payload)
     except msgspec.DecodeError:
         return True
+
+
+def _text(entry: dict) -> str:
+    """An entry's answer as it was sent: the JSON body, or the stream's event payloads one per line."""
+    return entry["body"] if entry["kind"] == "json" else "\n".join(entry["events"])
 
 
 def _tokens(entry: dict) -> dict:
