@@ -301,6 +301,9 @@ class RouteConfig(_Strict):
     select: Literal["weighted", "cheapest", "prefix_affinity"] = "weighted"
     affinity: AffinityConfig = AffinityConfig()
     cache: CacheConfig = CacheConfig()
+    # Streams that outlive their replica (gateway/resilience/resume.py): only for routes of Tandem engines
+    resume: bool = False
+    resume_attempts: int = Field(2, ge=0, le=10)
 
 
 class RuleConfig(_Strict):
