@@ -103,7 +103,7 @@ async def resumable(stream: AsyncIterator[bytes], backend: str, plan: ResumePlan
         if cut is None:
             return
         left -= 1
-        body = {"resume_token_ids": [tokens.get(i, []) for i in range(plan.choices)]}
+        body = {"resume_token_ids": [list(tokens.get(i, ())) for i in range(plan.choices)]}   # copies: they grow on
         answer = await call(_with(req, body), failed)
         if answer.status != 200 or answer.stream is None:
             log.warning("request %s: stream not resumed (%s): %s", req.request_id, answer.status,

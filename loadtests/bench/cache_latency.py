@@ -19,7 +19,8 @@ from loadtests.workloads import load_mt_bench
 
 def _config(model: str | None) -> str:
     engine = f"model: '{model}', " if model else ""
-    return ("reload: {watch: false}\nresilience:\n  health: {interval_s: 0}\nobservability:\n  logs: {requests: false}\n"
+    return ("reload: {watch: false}\nresilience:\n  health: {interval_s: 0}\n"
+            "observability:\n  logs: {requests: false}\n"
             "models:\n  - name: m\nbackends:\n  local:\n    type: local\n"
             f"    engine: {{{engine}served_model_name: m, max_model_len: 2048, kv_cache_memory: 256MiB}}\n"
             "routes:\n  main:\n    targets: [{backend: local}]\n    cache: {mode: exact}\n"
