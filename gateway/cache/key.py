@@ -29,6 +29,16 @@ def cache_key(endpoint: str, public_model: str, stream: bool, body: dict, token_
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def cache_config(config, route: str, model: str):
+    """The ``CacheConfig`` that applies to ``model`` on ``route`` (``config``: the ``GatewayConfig``): the
+    route's when it caches, else the model's; None when neither does."""
+    rcfg = config.routes.get(route)
+    if rcfg is not None and rcfg.cache.mode != "off":
+        return rcfg.cache
+    mcfg = next((m.cache for m in config.models if m.name == model), None)
+    return mcfg if mcfg is not None and mcfg.mode != "off" else None
+
+
 def exact_space(route: str, fingerprint: str) -> str:
     """The key space of a route's exact answers from an engine of ``fingerprint``."""
     return f"{route}:{fingerprint}"

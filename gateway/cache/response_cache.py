@@ -20,7 +20,7 @@ import msgspec
 
 from gateway.backends.dispatch import Answer
 from gateway.backends.relabel import answer_id, relabel_json, relabel_stream
-from gateway.cache.key import cache_key, exact_space, is_sampled, tokens_of
+from gateway.cache.key import cache_config, cache_key, exact_space, is_sampled, tokens_of
 from gateway.cache.store import Bounds, CacheStore
 from gateway.config.schema import CacheConfig
 from gateway.request.validate import GatewayRequest
@@ -65,10 +65,9 @@ class ResponseCache:
         when the route does not cache. Exact mode needs the co-located engine as the first target and a greedy or
         seeded request (or ``assign_seed``: the gateway then chooses the seed, a hash of the request, and says it
         in ``x-tandem-seed``)."""
-        rcfg = snap.compiled.config.routes.get(route)
-        if rcfg is None or rcfg.cache.mode == "off":
+        cfg = cache_config(snap.compiled.config, route, req.public_model)
+        if cfg is None:
             return None
-        cfg = rcfg.cache
         p = CachePlan(route, cfg, req, headers={"x-tandem-cache": "bypass"})
         control = (headers.get("cache-control") or "").lower()
         if "no-store" in control or req.endpoint not in ("chat/completions", "completions"):

@@ -173,6 +173,7 @@ class ModelConfig(_Strict):
 
     name: str
     aliases: list[str] = []
+    cache: CacheConfig | None = None       # this model's response cache on routes without their own
 
 
 class Prices(_Strict):

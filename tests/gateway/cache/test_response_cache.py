@@ -25,7 +25,7 @@ def config(model: str, redis_url: str | None = None) -> str:
     state = f"state: {{redis_url: '{redis_url}'}}\n" if redis_url else ""
     return (state + "reload: {watch: false}\nresilience:\n  health: {interval_s: 0}\n"
             "observability:\n  logs: {requests: false}\n"
-            "models:\n  - name: tiny\n  - name: tiny-seeded\n"
+            "models:\n  - name: tiny\n  - name: tiny-seeded\n  - {name: tiny-m, cache: {mode: exact}}\n"
             "backends:\n  local:\n    type: local\n    prices: {input: 1, output: 2}\n"
             f"    engine: {{model: '{model}', served_model_name: tiny, dtype: float32, device: cpu,"
             " kv_cache_memory: 32MiB, max_model_len: 512, num_threads: 1}\n"
@@ -33,8 +33,10 @@ def config(model: str, redis_url: str | None = None) -> str:
             "  main:\n    targets: [{backend: local}]\n"
             "    cache: {mode: exact, verify_fraction: 1.0, prices: {input: 0.5, output: 0.5}}\n"
             "  seeded:\n    targets: [{backend: local}]\n    cache: {mode: exact, assign_seed: true}\n"
+            "  plain:\n    targets: [{backend: local}]\n"
             "policy:\n  default_route: main\n"
-            "  rules: [{name: seeded, match: {model: tiny-seeded}, route: seeded}]\n")
+            "  rules: [{name: seeded, match: {model: tiny-seeded}, route: seeded},\n"
+            "          {name: plain, match: {model: tiny-m}, route: plain}]\n")
 
 
 async def started(model: str, redis_url: str | None = None):
@@ -77,6 +79,8 @@ CASES = {
 async def test_hit_equals_recompute_streamed_and_not(tiny_model, caplog):  # noqa: F811
     gw, server, task, client = await started(tiny_model)
     try:
+        by_model = dict(model="tiny-m", messages=MSGS, max_tokens=3, temperature=0)   # a model's cache: on a
+        assert [(await ask(client, gw, by_model))[0] for _ in range(2)] == ["miss", "hit"]   # route without one
         for stream in (False, True):
             for name, params in CASES.items():
                 body = dict(model="tiny", messages=MSGS, stream=stream, **params)
