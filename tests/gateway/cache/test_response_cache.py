@@ -144,3 +144,33 @@ async def test_assigned_seed_and_redis_store(tiny_model, redis_url):  # noqa: F8
         await task
     assert (first, hit) == ("miss", "hit") and raw2.headers["x-tandem-seed"] == str(seed)
     assert t1 == t2 == explicit
+
+
+async def test_best_effort_caches_an_upstream_answer_labelled():
+    """``mode: best_effort``: an upstream's answer is cached (keyed by the body), labelled as such; ``exact``
+    never caches an upstream's."""
+    from gateway.config.compile import load_config_text
+    from gateway.http.app import create_app
+    from gateway.runtime import Gateway
+    from tests.gateway.support import FaultInjectorUpstream
+
+    up = FaultInjectorUpstream().start()
+    cfg = ("reload: {watch: false}\nresilience:\n  health: {interval_s: 0}\nobservability:\n  logs: {requests: false}\n"
+           f"models:\n  - name: m\n  - name: e\nbackends:\n  up:\n    type: openai\n    base_url: {up.base_url}\n"
+           "routes:\n  be:\n    targets: [{backend: up}]\n    cache: {mode: best_effort}\n"
+           "  ex:\n    targets: [{backend: up}]\n    cache: {mode: exact}\n"
+           "policy:\n  default_route: be\n  rules: [{name: ex, match: {model: e}, route: ex}]\n")
+    gw = Gateway(None, load_config_text(cfg), start_engine=False)
+    server, task, url = await _serve_app(create_app(gw))
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    try:
+        body = dict(model="m", messages=MSGS, max_tokens=5)
+        got = [await ask(client, gw, body) for _ in range(2)]
+        exact = [(await ask(client, gw, {**body, "model": "e", "temperature": 0}))[0] for _ in range(2)]
+    finally:
+        server.should_exit = True
+        await task
+        up.stop()
+    assert [g[0] for g in got] == ["miss", "hit"] and got[0][1] == got[1][1]
+    assert got[1][2].headers["x-tandem-cache-mode"] == "best_effort" and len(up.calls) == 3
+    assert exact == ["bypass", "bypass"]              # exact mode: the local engine's answers only
