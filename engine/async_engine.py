@@ -217,7 +217,7 @@ class AsyncEngine:
         return await self._client.embed(prompts, pooling_type, normalize)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, resume: dict[int, list[int]] | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its DELTA outputs until it finishes.
 
         Args:
@@ -225,6 +225,8 @@ class AsyncEngine:
             params: sampling parameters (``n`` choices share the prompt's blocks).
             request_id: unique among in-flight requests.
             priority: lower = served first under ``scheduling_policy="priority"``.
+            resume: continue the request from the tokens each of these choices had generated elsewhere
+                (``EngineCore.add_request``); the outputs then hold only what follows them.
 
         Yields:
             ``RequestOutput`` deltas (new text/tokens per choice); the last
@@ -247,14 +249,15 @@ class AsyncEngine:
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            self._processor.add_request(request_id, text, token_ids, params)  # ValueError: id in use
+            self._processor.add_request(request_id, text, token_ids, params, resume)  # ValueError: id in use
             self._streams[request_id] = stream
         finished = False
         try:
             if self._dead is not None:  # died while we registered: _on_dead may have missed us
                 finished = True
                 raise self._dead
-            self._client.send(AddRequest(request_id, token_ids, params_to_wire(params), priority, time.monotonic()))
+            self._client.send(AddRequest(request_id, token_ids, params_to_wire(params), priority, time.monotonic(),
+                                         resume))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):

@@ -37,6 +37,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     params: dict[str, Any]
     priority: int
     arrival_time: float
+    resume: dict[int, list[int]] | None = None   # a continuation: choice -> tokens generated before
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

@@ -144,26 +144,39 @@ class EngineCore:
 
     # ------------------------------------------------------------------ input
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, resume: dict[int, list[int]] | None = None) -> None:
         """Queue a tokenized request (``params.n`` sequences).
+
+        ``resume``: a continuation of this request after another engine stopped it: choice index -> the tokens
+        that choice had generated (only these choices run). Each is re-prefilled (prompt + its tokens, as after
+        a preemption by recompute) and goes on from there as the uninterrupted request would have: its seeded
+        draws are by output position (``engine/sampler.py``), ``min_tokens``/``max_tokens`` count from the
+        original start and its usage's prompt is the original prompt.
 
         Raises:
             ValueError: duplicate id, empty prompt, token id out of the
-                vocabulary, prompt + ``max_tokens`` over ``max_model_len``.
+                vocabulary, prompt + ``max_tokens`` over ``max_model_len``; a
+                continuation of a choice out of range, with no tokens left to
+                generate, or of a request with a grammar or prompt logprobs.
         """
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self._check_prompt(token_ids, params)
+        if resume is not None:
+            self._check_resume(token_ids, params, max_tokens, resume)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         n = params.n
-        group = ForkGroup(parent_id=request_id) if n > 1 else None
+        # choices of a continuation have different tokens: no shared prompt to fork
+        group = ForkGroup(parent_id=request_id) if n > 1 and resume is None else None
         seqs = []
-        for index in range(n):
+        for index in (range(n) if resume is None else sorted(resume)):
             req = Request(
                 request_id=f"{request_id}-{index}" if n > 1 else request_id, prompt_token_ids=token_ids,
                 sampling_params=params, eos_token_id=self.tokenizer.eos_token_id, max_tokens=max_tokens,
                 arrival_time=arrival, priority=priority, parent_id=request_id, index=index, group=group,
             )
+            if resume is not None:
+                req.append_output_token_ids(list(resume[index]))
             if group is not None:
                 group.members.append(req)
             seqs.append(req)
@@ -176,6 +189,20 @@ class EngineCore:
         self._groups[request_id] = seqs
         if params.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = [None]
+
+    def _check_resume(self, token_ids: list[int], params: SamplingParams, max_tokens: int,
+                      resume: dict[int, list[int]]) -> None:
+        """Raises ValueError when ``resume`` cannot continue this request (see ``add_request``)."""
+        if not resume:
+            raise ValueError("resume: no choice to continue")
+        if params.structured_outputs is not None or params.prompt_logprobs is not None:
+            raise ValueError("resume: a request with a grammar or prompt logprobs cannot be continued")
+        vocab = self.model_config.vocab_size
+        for index, done in resume.items():
+            if not 0 <= index < params.n:
+                raise ValueError(f"resume: choice {index} out of range for n={params.n}")
+            if len(done) >= max_tokens or any(not isinstance(t, int) or t < 0 or t >= vocab for t in done):
+                raise ValueError(f"resume: choice {index} has no tokens left to generate or a token out of range")
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
         """The resolved ``max_tokens`` of a valid prompt.

@@ -63,18 +63,25 @@ class OutputProcessor:
         self._requests: dict[str, _RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
-        """Start tracking a request the core accepted (or is about to).
+                    params: SamplingParams, resume: dict[int, list[int]] | None = None) -> None:
+        """Start tracking a request the core accepted (or is about to). ``resume``: a continuation (choice index
+        -> tokens generated before, see ``EngineCore.add_request``): each choice's detokenizer first reads its
+        tokens (their text is not emitted again; stop strings and held-back text carry over), and the choices
+        it does not name count as finished.
 
         Raises:
             ValueError: ``request_id`` is already live.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        detokenizers = [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in range(params.n)]
+        finished = [False] * params.n
+        for index, done in (resume or {}).items():
+            detokenizers[index].update(done)
+        if resume is not None:
+            finished = [i not in resume for i in range(params.n)]
         self._requests[request_id] = _RequestState(
-            prompt=prompt, prompt_token_ids=prompt_token_ids,
-            detokenizers=[IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in range(params.n)],
-            finished=[False] * params.n)
+            prompt=prompt, prompt_token_ids=prompt_token_ids, detokenizers=detokenizers, finished=finished)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests

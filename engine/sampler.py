@@ -26,9 +26,11 @@ One call of ``Sampler.sample`` handles a whole step's batch in a single pass:
    sample by the exponential race: ``argmax(probs / E)`` with
    ``E ~ Exponential(1)`` i.i.d. per token, which draws index i with
    probability ``probs[i]`` (equivalent to the Gumbel-max trick).
-   A seeded request draws ``E`` from its own ``torch.Generator`` (seed
-   ``sampling_params.seed + request.index``), kept across steps until
-   ``free(request_id)``, so its tokens do not depend on its batch-mates;
+   A seeded request draws ``E`` for output position k from its own
+   ``torch.Generator`` seeded with a hash of (``sampling_params.seed +
+   request.index``, k), so its tokens do not depend on its batch-mates, and
+   a continuation from position k (``EngineCore.add_request(resume=...)``)
+   draws what the uninterrupted request would have drawn there;
    unseeded rows share one draw from the sampler's generator.
 
 The only host synchronisation of a step is one ``.tolist()`` at the end
@@ -92,11 +94,12 @@ class Sampler:
         self._seeded.pop(request_id, None)
 
     def _request_generator(self, request: Request) -> torch.Generator:
+        """The request's generator, seeded for its next output position (the draw of position k depends only on
+        the seed, the choice index and k: a resumed request continues the same draws)."""
         gen = self._seeded.get(request.request_id)
         if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed((request.sampling_params.seed + request.index) & _U64)
-            self._seeded[request.request_id] = gen
+            gen = self._seeded[request.request_id] = torch.Generator(device=self.device)
+        gen.manual_seed(position_seed(request.sampling_params.seed + request.index, request.num_output_tokens))
         return gen
 
     @torch.inference_mode()
@@ -207,6 +210,15 @@ class Sampler:
             noise[i].uniform_(generator=self._request_generator(requests[i]))
         noise.log_().neg_()
         return (probs / noise).argmax(dim=-1)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of output position ``position`` of a sequence seeded ``seed``: splitmix64 of both (a bijective
+    mix, so neighbouring seeds and positions give unrelated streams)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
 
 
 def prompt_logprobs(logits: torch.Tensor, target_ids: list[int], k: int) -> list[PositionLogprobs]:

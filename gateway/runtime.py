@@ -17,6 +17,8 @@ from gateway.config.schema import ConfigError
 from gateway.backends.anthropic import AnthropicBackend
 from gateway.backends.local import LocalBackend
 from gateway.backends.replicas import ReplicaLoads
+from gateway.cache.response_cache import ResponseCache
+from gateway.cache.store import CacheStore
 from gateway.resilience.layer import Resilience
 from gateway.billing.journal import Journal
 from gateway.resilience.streaming import GATEWAY_SHUTDOWN
@@ -92,6 +94,7 @@ class Gateway:
                                  cfg.budgets.record_ttl_s, Journal(cfg.budgets.journal_path))
         self.obs = Observability(cfg, self.usage, self.live_gauges)   # metrics, traces, request logs
         self.replicas = ReplicaLoads(self.obs.registry)   # load of prefix_affinity routes' engine replicas
+        self.cache = ResponseCache(CacheStore(self.resilience.state), self.obs.metrics)   # routes' cache: entries
         if cfg.state.redis_url:
             self.ledger = RedisLedger(cfg.state.redis_url, cfg.state.key_prefix, cfg.reload.keep_versions,
                                       cfg.state.socket_timeout_s)

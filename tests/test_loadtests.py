@@ -351,7 +351,7 @@ def test_scenario_replicas_tiny(tiny_model, tmp_path):
     """Scenario 7 end to end on three tiny replicas: both policies measured in one run, the kill phase has a
     replica SIGKILLed and no failed request."""
     rc = cli.main(["replicas", "--model", tiny_model, "--replicas", "3", "--users", "6", "--kill-users", "6",
-                   "--rounds", "1",
+                   "--rounds", "1", "--resume-streams", "0",   # resume: tests/gateway/resilience/test_resume.py
                    "--max-tokens", "4", "--engine-arg=--dtype=float32", "--kv-cache-memory", "64MiB",
                    "--out", str(tmp_path),
                    "--no-progress"])

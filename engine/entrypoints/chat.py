@@ -63,10 +63,12 @@ class OpenAIServingChat(OpenAIServing):
         prio = req.priority if req.priority is not None else priority
         top = req.top_logprobs or 0
         model = response_model or self.served_model_name
+        resume = _resume(req, plan)
         if req.stream:
             include_usage, continuous = usage_options(req)
             return self._chat_stream(request_id, model, prompt, prio, bool(req.logprobs), top, echo,
-                                     include_usage, continuous, plan.parse_tool_calls, plan.calls_only)
+                                     include_usage, continuous, plan.parse_tool_calls, plan.calls_only,
+                                     resume=resume, return_ids=req.return_token_ids)
         return await self._chat_full(request_id, model, prompt, prio, bool(req.logprobs), top, echo,
                                      plan.parse_tool_calls, plan.calls_only)
 
@@ -105,12 +107,15 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _chat_stream(self, request_id: str, model: str, prompt: Prompt, priority: int, want_logprobs: bool,
                            top: int, echo: str, include_usage: bool, continuous: bool,
-                           tool_calls: bool = False, calls_only: bool = False) -> AsyncIterator[bytes]:
+                           tool_calls: bool = False, calls_only: bool = False, resume: dict | None = None,
+                           return_ids: bool = False) -> AsyncIterator[bytes]:
+        """The SSE lines of a streamed answer; ``resume``: a continuation (no role chunks: the client has
+        them; counts from the tokens already generated); ``return_ids``: each choice's new ``token_ids``."""
         created = int(time.time())
         n = prompt.params.n
         parsers = [ToolCallParser(calls_only) for _ in range(n)] if tool_calls else None
         num_prompt = len(prompt.token_ids)
-        generated = [0] * n
+        generated = [len((resume or {}).get(i, ())) for i in range(n)]
         cached = 0
 
         def chunk(choices: list, usage: dict | None = None) -> bytes:
@@ -120,11 +125,11 @@ class OpenAIServingChat(OpenAIServing):
             return usage(num_prompt, sum(generated), cached) if continuous else None
 
         try:
-            for i in range(n):
+            for i in range(n if resume is None else 0):
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo},
                               "logprobs": None, "finish_reason": None}], runningusage())
             async with contextlib.aclosing(self.engine.generate(
-                    prompt.token_ids, prompt.params, request_id, priority)) as stream:
+                    prompt.token_ids, prompt.params, request_id, priority, resume=resume)) as stream:
                 async for out in stream:
                     cached = out.num_cached_tokens
                     for c in out.outputs:
@@ -135,13 +140,16 @@ class OpenAIServingChat(OpenAIServing):
                             lps = {"content": self.logprobs.chat_logprobs(c.token_ids, c.logprobs or [], top),
                                    "refusal": None}
                         deltas, finish_reason = stream_deltas(parsers, c)
-                        if not deltas and finish_reason is None and lps is None:
+                        ids = return_ids and bool(c.token_ids)    # tokens whose text is held back, too
+                        if not deltas and finish_reason is None and lps is None and not ids:
                             continue
                         deltas = deltas or [{}]
                         for k, delta in enumerate(deltas):
                             last = k == len(deltas) - 1
                             choice = {"index": c.index, "delta": delta, "logprobs": lps if k == 0 else None,
                                       "finish_reason": finish_reason if last else None}
+                            if ids:
+                                choice["token_ids"] = list(c.token_ids) if k == 0 else []
                             if last and finish_reason is not None:
                                 choice["stop_reason"] = c.stop_reason
                             yield chunk([choice], runningusage())
@@ -190,6 +198,22 @@ def render_chat(tokenizer, body: dict) -> RenderedPrompt:
         text = cut_after_final_message(text, messages)
     token_ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     return RenderedPrompt(req, ((None, token_ids),), plan=plan)
+
+
+def _resume(req, plan) -> dict[int, list[int]] | None:
+    """The continuation a chat body asks for (``resume_token_ids``), as ``{choice: tokens}``.
+
+    Raises:
+        ServingError: 400 when it cannot be one (not streamed, one list per choice missing, tools or a grammar).
+    """
+    if req.resume_token_ids is None:
+        return None
+    if not req.stream or len(req.resume_token_ids) != (req.n or 1) or plan.parse_tool_calls \
+            or plan.structured_outputs is not None or req.echo:
+        raise ServingError(400, "resume_token_ids: only a streamed request without tools, a response format or "
+                                "echo can be resumed, with one list of token ids per choice",
+                           param="resume_token_ids")
+    return dict(enumerate(req.resume_token_ids))
 
 
 def tool_finish_reason(finish_reason: str | None) -> str | None:

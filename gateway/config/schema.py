@@ -173,6 +173,7 @@ class ModelConfig(_Strict):
 
     name: str
     aliases: list[str] = []
+    cache: CacheConfig | None = None       # this model's response cache on routes without their own
 
 
 class Prices(_Strict):
@@ -294,11 +295,29 @@ class AffinityConfig(_Strict):
     metrics_interval_s: float = Field(0.5, gt=0)    # replicas' /metrics read this often
 
 
+class CacheConfig(_Strict):
+    """A route's response cache (``gateway/cache/``). ``exact``: local-engine answers of greedy or seeded
+    requests, keyed by the engine's ``system_fingerprint`` and the rendered prompt's token ids; ``best_effort``:
+    any backend's answer, keyed by the body (labelled ``x-tandem-cache-mode: best_effort``)."""
+
+    mode: Literal["off", "exact", "best_effort"] = "off"
+    ttl_s: float = Field(3600.0, gt=0)
+    max_entries: int | None = Field(10000, ge=1)
+    max_bytes: int | None = Field(None, ge=1)
+    assign_seed: bool = False              # choose a seed for an unseeded sampled request (x-tandem-seed)
+    verify_fraction: float = Field(0.0, ge=0, le=1)   # hits recomputed in the background and compared
+    prices: Prices = Prices()              # what the ledger charges for a hit (default: nothing)
+
+
 class RouteConfig(_Strict):
     targets: list[TargetConfig] = Field(min_length=1)
     fallbacks: list[TargetConfig] = []
     select: Literal["weighted", "cheapest", "prefix_affinity"] = "weighted"
     affinity: AffinityConfig = AffinityConfig()
+    cache: CacheConfig = CacheConfig()
+    # Streams that outlive their replica (gateway/resilience/resume.py): only for routes of Tandem engines
+    resume: bool = False
+    resume_attempts: int = Field(2, ge=0, le=10)
 
 
 class RuleConfig(_Strict):

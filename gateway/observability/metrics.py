@@ -19,6 +19,9 @@ key's tenant, ``backend`` = the backend that answered or ``none``):
   ``tandem_fallbacks_total{route, backend}`` (backend = the one called).
 - ``tandem_input_tokens_total``, ``tandem_output_tokens_total``,
   ``tandem_cost_usd_total`` ``{backend, tenant}``.
+- ``tandem_cache_lookups_total{route, outcome}`` (``hit``, ``miss``,
+  ``bypass``) and ``tandem_cache_mismatches_total{route}`` (spot-checked hits
+  that differed from their recomputation: the key space is switched off).
 - ``tandem_rate_limit_rejections_total{tenant, code}`` (code
   ``rate_limit_exceeded``, ``budget_exceeded``, ...).
 - ``tandem_usage_estimated_total{backend, tenant}``: usage records the
@@ -143,6 +146,10 @@ class GatewayMetrics:
                                        registry=r)
         self.rejections = Counter("tandem_rate_limit_rejections", "Requests refused with 429 by the gateway.",
                                   ["tenant", "code"], registry=r)
+        self.cache_lookups = Counter("tandem_cache_lookups", "Response cache lookups (gateway/cache/).",
+                                     ["route", "outcome"], registry=r)
+        self.cache_mismatches = Counter("tandem_cache_mismatches", "Spot-checked cache hits whose recomputation "
+                                        "differed (the key space is switched off).", ["route"], registry=r)
         self.engine = None          # engine.metrics.EngineMetrics once the local engine is up
         self._engine_obj = None
         self._children: dict[tuple, object] = {}

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.billing.counting import choice_pieces, client_wants_usage, count_completion, counter_for
 from gateway.billing.prices import NANO, Price, cost_nusd, usage_tokens
+from gateway.cache.key import cache_config
 from gateway.billing.usage import Budget, UsageLedger, UsageRecord, tenant_label
 from gateway.errors import ClientError, transport_error_kind
 from gateway.observability.metrics import BREAKER_VALUES, GatewayMetrics, LiveGauges
@@ -346,6 +347,8 @@ class Observability:
         nusd = 0
         if tokens is not None and cfg is not None:
             bcfg = cfg.backends.get(rec.backend)
+            if bcfg is None and rec.backend == "cache":      # a cache hit: the cache's price (gateway/cache/)
+                bcfg = cache_config(cfg, rec.route, rec.model)
             nusd = cost_nusd(Price.of(bcfg.prices if bcfg is not None else None), *tokens)
         counted = tokens if answered else None
         await self._settle(rec, counted, nusd, estimated)

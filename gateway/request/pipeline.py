@@ -15,6 +15,8 @@ from gateway.errors import ClientError
 from gateway.request.admission import admit
 from gateway.request.auth import authenticate
 from gateway.request.validate import GatewayRequest, check_request, estimate_prompt_tokens, parse_json
+from gateway.resilience.resume import prepare as prepare_resume
+from gateway.resilience.resume import resumable
 from gateway.translate.anthropic import MessagesRender, messages_to_chat
 from policies import RequestFeatures, decide, prefix_text
 
@@ -125,14 +127,32 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         route = snap.compiled.policy.routes.get(decision.route)
         if (error := upstream_only_error(req.local_unsupported, decision, route, upstreams)) is not None:
             raise error
+    cache = gw.cache.plan(snap, req, decision.route, decision.attempts, headers)   # None: the route does not cache
+    if cache is not None:
+        req = cache.req                  # with the seed the gateway chose, if it chose one
+    req, resume = prepare_resume(req, snap.compiled.config.routes.get(decision.route))   # None: cut on failure
     adm = await admit(req, decision.attempts, gw.resilience, gw.usage, snap.compiled.config)
     hook = gw.obs.admitted(request_id, adm.budget, adm.budget_spec)
     if affinity:
         hook = _then(gw.replicas.track, hook)
-    answer = await forward(req, decision.attempts, snap.backends, gw.resilience, adm.rate, hook, adm.tokens)
+    hit = None
+    if cache is not None:
+        hit = await gw.cache.lookup(cache, lambda: forward(req, decision.attempts, snap.backends, gw.resilience))
+    if hit is not None:
+        answer, usage = hit
+        await gw.resilience.settle(adm.rate, usage)
+    else:
+        answer = await forward(req, decision.attempts, snap.backends, gw.resilience, adm.rate, hook, adm.tokens)
+        if resume is not None and answer.stream is not None:
+            again = _continuation(snap, gw.resilience, decision.attempts, hook)
+            answer.stream = resumable(answer.stream, answer.backend, resume, req, again)
+        if cache is not None:
+            answer = gw.cache.keep(cache, answer)
     answer.headers = {"x-tandem-route": decision.route, "x-tandem-rule": decision.rule,
                       "x-tandem-backend": answer.backend or "none", "x-tandem-attempts": str(answer.attempts),
-                      **answer.headers, **adm.headers}   # x-request-id: gateway/http/app.py request_ids
+                      **answer.headers, **adm.headers,   # x-request-id: gateway/http/app.py request_ids
+                      **(cache.headers if cache is not None else {}),
+                      **(resume.headers if resume is not None else {})}
     if req.anthropic_body is not None:
         answer.render = MessagesRender.of(req)
     return answer
@@ -164,6 +184,17 @@ def upstream_only_error(field: str, decision, route, upstreams: Mapping[str, str
     return ClientError(503, f"'{field}' is not supported by the local engine, and no upstream of route "
                        f"'{decision.route}' (rule '{decision.rule}') is available ({reasons})", param=field,
                        code="no_backend_available", headers={**headers, "x-should-retry": "false"})
+
+
+def _continuation(snap, resilience, attempts: list, hook):
+    """How a resumed stream calls again (``gateway/resilience/resume.py``): ``forward`` on the route's targets
+    whose backends have not failed it, each call seen by observability's attempt hook (the request log)."""
+
+    async def call(req: GatewayRequest, failed: list[str]) -> Answer:
+        rest = [t for t in attempts if t.backend not in failed]
+        return await forward(req, rest, snap.backends, resilience, hook=hook)
+
+    return call
 
 
 def _then(inner, outer):

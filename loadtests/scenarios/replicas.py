@@ -12,7 +12,9 @@ the phase), TTFT p50/p99 (and p50 per turn), output tok/s, load imbalance (each
 replica's ``vllm:num_requests_running`` sampled every 0.25 s, averaged; max / mean over the replicas), the
 gateway's per-replica routed / affinity / spill-over counters; the ratios pa / rr against the issue's targets.
 Then a kill phase: ``prefix_affinity``, non-streamed, one replica SIGKILLed after a third of the requests:
-failed requests (target: 0).
+failed requests (target: 0). Then a resume phase (``loadtests/scenarios/resume_phase.py``): streams on a
+``resume: true`` route whose serving replica is SIGKILLed mid-stream: streams identical to a no-failure run
+(target: all) and the resume gap p50/p99.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from loadtests.runner import LoadConfig, RunResult, run_async
 from loadtests.procs import Server, free_port, tandem_cmd
 from loadtests.scenarios.common import fmt, md_table, pct, start_gateway, summary
 from loadtests.scenarios.prefix import scrape_prefix_cache
+from loadtests.scenarios.resume_phase import resume_phase
 from loadtests.stats import percentiles, ratio
 from loadtests.workloads import load_mt_bench
 
@@ -53,6 +56,8 @@ def register(sub) -> None:
                    "next turns' prompt)")
     p.add_argument("--rounds", type=int, default=2, help="rr/pa phase pairs, alternating (machine noise)")
     p.add_argument("--kill-users", type=int, default=12, help="users of the kill phase (0: no kill phase)")
+    p.add_argument("--resume-streams", type=int, default=20, help="streams of the resume phase, each with its "
+                   "replica SIGKILLed mid-stream (0: no resume phase)")
     p.add_argument("--kv-cache-memory", default="256MiB", help="KV-cache pool of each replica")
     p.add_argument("--max-num-batched-tokens", type=int, default=128,
                    help="step budget of each replica, tokens (chunked prefill): a short step bounds how long a "
@@ -64,16 +69,19 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def replica_server(logs: Path, engine_args: list[str], i: int, port: int) -> Server:
+    """Replica ``i`` (not started waiting yet) on ``port``."""
+    return Server(tandem_cmd("engine", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             "--uvicorn-log-level", "warning", *engine_args),
+                  f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}", log_dir=logs, name=f"replica-{i}")
+
+
 def start_replicas(logs: Path, engine_args: list[str], n: int) -> list[Server]:
     """``n`` ``tandem engine serve`` processes started together, each ready at ``/health``."""
     servers = []
     try:
         for i in range(n):
-            port = free_port()
-            servers.append(Server(tandem_cmd("engine", "serve", "--host", "127.0.0.1", "--port", str(port),
-                                             "--uvicorn-log-level", "warning", *engine_args),
-                                  f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}", log_dir=logs,
-                                  name=f"replica-{i}"))
+            servers.append(replica_server(logs, engine_args, i, free_port()))
         for s in servers:
             s.wait_ready(600)
     except BaseException:
@@ -86,16 +94,20 @@ def start_replicas(logs: Path, engine_args: list[str], n: int) -> list[Server]:
 def gateway_yaml(path: Path, replicas: list) -> Path:
     """Both routes over the same replicas; model ``rr`` -> round-robin, ``pa`` -> prefix affinity."""
     names = [f"r{i}" for i in range(len(replicas))]
-    backends = {n: {"type": "openai", "base_url": s.base_url + "/v1", "models": {"rr": "bench", "pa": "bench"},
+    backends = {n: {"type": "openai", "base_url": s.base_url + "/v1",
+                    "models": {"rr": "bench", "pa": "bench", "resume": "bench"},
                     "max_model_len": 2048, "timeouts": {"connect_s": 2, "read_s": 300, "first_token_s": 300}}
                 for n, s in zip(names, replicas)}
     cfg = {"server": {"log_level": "warning"}, "reload": {"watch": False},
            "resilience": {"retry": {"deadline_s": 300}, "health": {"interval_s": 0}},
-           "models": [{"name": "rr"}, {"name": "pa"}], "backends": backends,
+           "models": [{"name": "rr"}, {"name": "pa"}, {"name": "resume"}], "backends": backends,
            "routes": {"rr": {"targets": [{"backend": n, "weight": 1} for n in names]},
-                      "pa": {"select": "prefix_affinity", "targets": [{"backend": n} for n in names]}},
+                      "pa": {"select": "prefix_affinity", "targets": [{"backend": n} for n in names]},
+                      "resume": {"select": "prefix_affinity", "resume": True, "resume_attempts": 2,
+                                 "targets": [{"backend": n} for n in names]}},
            "policy": {"canary_key": "request_id", "default_route": "rr",
-                      "rules": [{"name": "pa", "match": {"model": "pa"}, "route": "pa"}]}}
+                      "rules": [{"name": "pa", "match": {"model": "pa"}, "route": "pa"},
+                                {"name": "resume", "match": {"model": "resume"}, "route": "resume"}]}}
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
@@ -275,22 +287,39 @@ def run(args: argparse.Namespace) -> int:
         counters = _gateway_counters(gw.base_url)
         kill = kill_phase(gw.base_url, replicas, questions[args.users:args.users + args.kill_users],
                           args.max_tokens) if args.kill_users else None
+        resumed = None
+        if args.resume_streams:
+            if kill is not None:          # the kill phase's victim serves the resume phase again
+                restart(logs, engine_args, replicas, len(replicas) - 1)
+            resumed = resume_phase(gw.base_url, replicas, questions[:args.resume_streams], args.max_tokens,
+                                   lambda i: restart(logs, engine_args, replicas, i))
     finally:
         if gw is not None:
             gw.stop()
         for s in replicas:
             s.stop()
-    rr = _merge([m for label, m in phases if label.startswith("rr")])
-    pa = _merge([m for label, m in phases if label.startswith("pa")])
-    figures = _figures(rr, pa)
-    report(args, phases, figures, counters, kill, model_path)
+    figures = {}
+    if phases:
+        rr = _merge([m for label, m in phases if label.startswith("rr")])
+        pa = _merge([m for label, m in phases if label.startswith("pa")])
+        figures = _figures(rr, pa)
+    report(args, phases, figures, counters, kill, model_path, resumed)
     return 0
 
 
-def report(args, phases, figures, counters, kill, model_path) -> None:
+def restart(logs: Path, engine_args: list[str], replicas: list, i: int) -> None:
+    """Start replica ``i`` again on its port (after a SIGKILL), ready at ``/health``."""
+    old = replicas[i]
+    old.stop()
+    replicas[i] = replica_server(logs, engine_args, i, int(old.base_url.rsplit(":", 1)[1])).wait_ready(600)
+
+
+def report(args, phases, figures, counters, kill, model_path, resumed=None) -> None:
     """Print and write the same-run table, the ratios against the targets, the gateway counters, the kill phase."""
     table = _table(phases)
-    lines = [f"Same run, shared machine ({os.cpu_count()} cores, other processes running): ratios only.",
+    lines = [f"Same run, shared machine ({os.cpu_count()} cores, other processes running): ratios only."]
+    if figures:
+        lines += [
              f"prefix_affinity / round-robin: hit rate {fmt(figures['hit_rate_ratio'], '.2f', 'x')} (target >= 1.8x), "
              f"TTFT p50 {fmt(figures['ttft_p50_ratio'], '.2f', 'x')} (target <= 0.6x), "
              f"p99 {fmt(figures['ttft_p99_ratio'], '.2f', 'x')}, "
@@ -301,6 +330,13 @@ def report(args, phases, figures, counters, kill, model_path) -> None:
              "gateway counters (prefix_affinity route): " + "; ".join(
                  f"{name} " + ", ".join(f"{{{lab}}}={v:g}" for lab, v in sorted(vals.items()))
                  for name, vals in counters.items())]
+    if resumed is not None:
+        lines.append(f"resume phase: {resumed['identical']}/{resumed['streams']} streams identical to a no-failure "
+                     f"run with their replica SIGKILLed mid-stream ({resumed['failed']} failed "
+                     f"{resumed['errors'] or ''}); resume gap (kill -> next content chunk) p50 "
+                     f"{fmt(resumed['gap_p50_s'] and resumed['gap_p50_s'] * 1e3, '.0f', ' ms')}, p99 "
+                     f"{fmt(resumed['gap_p99_s'] and resumed['gap_p99_s'] * 1e3, '.0f', ' ms')} "
+                     f"over {resumed['resumed']} resumed streams")
     if kill is not None:
         lines.append(f"kill phase: {kill['requests']} requests, {kill['failed']} failed {kill['errors'] or ''} "
                      f"(replica r{args.replicas - 1} SIGKILLed after {kill['killed_after_requests']}); "
@@ -309,7 +345,7 @@ def report(args, phases, figures, counters, kill, model_path) -> None:
     runs = [m["run"] for _, m in phases] + ([kill["run"]] if kill else [])
     extra = {"figures": figures, "counters": counters, "model": model_path,
              "phases": {label: {k: v for k, v in m.items() if k != "run"} for label, m in phases},
-             "kill": {k: v for k, v in (kill or {}).items() if k != "run"}}
+             "kill": {k: v for k, v in (kill or {}).items() if k != "run"}, "resume": resumed}
     write_report(Path(args.out), "Scenario 7: engine replicas, round-robin vs prefix_affinity", runs, extra, text)
     print(text)
     print(f"\nfiles: {Path(args.out) / 'results.json'}, {Path(args.out) / 'summary.md'}")

@@ -75,15 +75,23 @@ def test_seeded_rows_do_not_depend_on_batch(device):
     assert alone[0::2] != alone[1::2]
 
 
-def test_free_restarts_the_generator():
+def test_seeded_draw_depends_on_position_only():
+    """The draw for output position k depends only on (seed + index, k): the same position draws the same token
+    (after ``free`` too), positions differ, and a request resumed at position k (its first k tokens already
+    there) draws what the uninterrupted one drew there."""
     s = Sampler(V, torch.device("cpu"))
     logits = randn(1)
     r = req("x", seed=7, temperature=5.0)
-    first = [s.sample(logits, [r]).token_ids[0] for _ in range(10)]
+    first = []
+    for _ in range(10):
+        first.append(s.sample(logits, [r]).token_ids[0])
+        r.append_output_token_ids(first[-1])
+    assert len(set(first)) > 1               # positions draw differently
     s.free("x")
-    again = [s.sample(logits, [r]).token_ids[0] for _ in range(10)]
-    assert first == again
-    assert len(set(first)) > 1  # the generator advances between steps
+    resumed = req("y", seed=7, temperature=5.0)
+    resumed.append_output_token_ids(first[:6])
+    assert s.sample(logits, [resumed]).token_ids[0] == first[6]
+    assert s.sample(logits, [resumed]).token_ids[0] == first[6]   # the same position draws the same again
     s.free("never-seen")  # no error
 
 

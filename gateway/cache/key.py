@@ -1,0 +1,74 @@
+"""What a cached answer is keyed by, and what "the same answer" means when a spot-check compares one.
+
+Exact mode (the local engine): the engine's ``system_fingerprint`` (``engine/fingerprint.py``: the model's files,
+the engine's build, device, dtype, quantization, attention backend, batch invariance, torch) names the key space;
+the key hashes the endpoint, the public model, ``stream``, the rendered prompt's token ids and the body (every
+sampling parameter, the seed, tools, response format), less the fields that do not change the tokens
+(``VOLATILE_FIELDS``). Greedy and seeded answers are a pure function of that (README "Reproducible outputs"),
+so a hit is the answer the engine would give.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+# Body fields that change neither the tokens nor their logprobs: left out of the key. ``stream_options`` only
+# says whether the client sees the usage chunk, which the gateway always asks for (and observability drops).
+VOLATILE_FIELDS = frozenset({"stream_options", "user", "metadata", "priority", "store", "service_tier", "model"})
+# Temperatures below this are greedy (the engine's ``engine/sampler.py`` _SAMPLING_EPS).
+GREEDY_EPS = 1e-5
+
+
+def cache_key(endpoint: str, public_model: str, stream: bool, body: dict, token_ids: list[list[int]] | None) -> str:
+    """The key (sha256 hex) of a request: ``token_ids`` per prompt of its rendering (None in best-effort mode)."""
+    kept = {k: v for k, v in body.items() if k not in VOLATILE_FIELDS}
+    text = json.dumps([endpoint, public_model, bool(stream), token_ids, kept], sort_keys=True,
+                      separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def cache_config(config, route: str, model: str):
+    """The ``CacheConfig`` that applies to ``model`` on ``route`` (``config``: the ``GatewayConfig``): the
+    route's when it caches, else the model's; None when neither does."""
+    rcfg = config.routes.get(route)
+    if rcfg is not None and rcfg.cache.mode != "off":
+        return rcfg.cache
+    mcfg = next((m.cache for m in config.models if m.name == model), None)
+    return mcfg if mcfg is not None and mcfg.mode != "off" else None
+
+
+def exact_space(route: str, fingerprint: str) -> str:
+    """The key space of a route's exact answers from an engine of ``fingerprint``."""
+    return f"{route}:{fingerprint}"
+
+
+def is_sampled(temperature: float | None) -> bool:
+    """True when a request with ``temperature`` (None: the engine's default, 1.0) samples."""
+    return temperature is None or temperature >= GREEDY_EPS
+
+
+def tokens_of(events: list[dict]) -> dict[int, dict[str, Any]]:
+    """What a spot-check compares, per choice index, from the decoded JSON answer (one element) or the decoded
+    events of a stream: the text, tool calls, finish reason, the per-token logprobs and the usage counts. A
+    stream's chunking and the ids and timestamps are left out."""
+    out: dict[int, dict[str, Any]] = {}
+    usage = None
+    for ev in events:
+        if not isinstance(ev, dict):
+            continue
+        if ev.get("usage"):
+            u = ev["usage"]
+            usage = (u.get("prompt_tokens"), u.get("completion_tokens"))
+        for c in ev.get("choices") or []:
+            ch = out.setdefault(c.get("index", 0), {"text": "", "tools": [], "finish": None, "logprobs": []})
+            part = c.get("message") or c.get("delta") or {}
+            ch["text"] += part.get("content") or c.get("text") or ""
+            ch["tools"] += part.get("tool_calls") or []
+            ch["finish"] = c.get("finish_reason") or ch["finish"]
+            lp = c.get("logprobs") or {}
+            if isinstance(lp, dict):
+                ch["logprobs"] += lp.get("content") or list(zip(lp.get("tokens") or [], lp.get("token_logprobs") or []))
+    out[-1] = {"usage": usage}
+    return out

@@ -1,0 +1,151 @@
+"""Streams that outlive their replica (a route's ``resume: true``, README "Streams that outlive their replica").
+
+A committed stream whose engine dies (or stalls) after content ends, in ``streaming.relay``, with one
+``stream_interrupted`` event. On a resuming route that event is held back: the gateway sends the request again
+to the route's next target it has not tried, with ``resume_token_ids`` (the tokens each choice had streamed),
+and relays what follows as the same stream. The engine re-prefills the prompt and those tokens and goes on as
+the uninterrupted request would have (its seeded draws are by output position: ``engine/sampler.py``), so the
+client receives, bit for bit, the text a replica that never failed would have sent.
+
+What makes that possible is asked for up front (``prepare``): ``return_token_ids`` (each streamed choice
+carries its token ids; they are removed again when the client did not ask for them) and, for a sampled request
+without a seed, a seed the gateway chooses (``x-tandem-seed``). Only Tandem engines (the co-located one,
+``tandem engine serve`` replicas) understand both: a route that resumes lists only them. A stream whose events
+carried no token ids (an aggregator answered), one with a finished choice, tools, a response format or
+``echo``, and a drain's end are cut as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+
+import msgspec
+
+from gateway.request.validate import GatewayRequest
+from gateway.resilience.streaming import GATEWAY_SHUTDOWN
+from gateway.sse import EventReader, event
+
+log = logging.getLogger("tandem.gateway.resume")
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
+# Temperatures below this are greedy (the engine's sampler): no seed needed.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class ResumePlan:
+    """How one stream may be resumed: at most ``attempts`` times; ``client_ids``: the client asked for
+    ``return_token_ids`` itself (they stay in its events); ``headers`` for the answer (``x-tandem-seed``)."""
+
+    attempts: int
+    client_ids: bool
+    choices: int
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def prepare(req: GatewayRequest, route_cfg) -> tuple[GatewayRequest, ResumePlan | None]:
+    """``req`` as a resumable stream on a route (``RouteConfig``) with ``resume: true``, and its plan; the request
+    unchanged and None when it cannot be resumed."""
+    body = req.body
+    if route_cfg is None or not route_cfg.resume or not req.stream or req.endpoint != "chat/completions" \
+            or req.has_tools or req.has_response_format or body.get("echo") or "resume_token_ids" in body:
+        return req, None
+    plan = ResumePlan(route_cfg.resume_attempts, bool(body.get("return_token_ids")), int(body.get("n") or 1))
+    updates: dict = {"return_token_ids": True}
+    temperature = body.get("temperature")
+    if body.get("seed") is None and (temperature is None or temperature >= _GREEDY_EPS):
+        updates["seed"] = secrets.randbits(63)        # sampled: the continuation must draw the same
+        plan.headers["x-tandem-seed"] = str(updates["seed"])
+    return _with(req, updates), plan
+
+
+def _with(req: GatewayRequest, updates: dict) -> GatewayRequest:
+    """``req`` with ``updates`` in its body and in the rendering the local engine runs."""
+    rendered = req.rendered
+    if rendered is not None:
+        rendered = replace(rendered, request=msgspec.structs.replace(rendered.request, **updates))
+    return replace(req, body={**req.body, **updates}, rendered=rendered)
+
+
+async def resumable(stream: AsyncIterator[bytes], backend: str, plan: ResumePlan, req: GatewayRequest,
+                    call: Callable[[GatewayRequest, list[str]], Awaitable]) -> AsyncIterator[bytes]:
+    """``stream`` (a committed answer from ``backend``) as the client sees it, resumed after an interruption by
+    ``call(continuation, backends that failed)`` (the dispatch's ``forward`` on the route's other targets) at most
+    ``plan.attempts`` times."""
+    tokens: dict[int, list[int]] = {}
+    finished: set[int] = set()
+    failed, left = [backend], plan.attempts
+    while True:
+        cut = None
+        exhausted = False
+        reader = EventReader()
+        try:
+            async for chunk in stream:
+                reader.feed(chunk)
+                out = []
+                while (item := reader.pop()) is not None:
+                    obj = _object(item[1])
+                    if obj is not None and left > 0 and _resumable(obj, tokens, finished, plan.choices):
+                        cut = obj
+                        break
+                    out.append(item[0] if obj is None else _note(obj, item, tokens, finished, plan.client_ids))
+                if out:
+                    yield b"".join(out)
+                if cut is not None:
+                    break
+            exhausted = True
+        finally:
+            if not exhausted:
+                await stream.aclose()
+        if cut is None:
+            return
+        left -= 1
+        body = {"resume_token_ids": [list(tokens.get(i, ())) for i in range(plan.choices)]}   # copies: they grow on
+        answer = await call(_with(req, body), failed)
+        if answer.status != 200 or answer.stream is None:
+            log.warning("request %s: stream not resumed (%s): %s", req.request_id, answer.status,
+                        answer.content[:200])
+            yield event(_encode(cut))
+            return
+        log.info("request %s: stream resumed on %s after %s tokens (%s failed)", req.request_id, answer.backend,
+                 sum(len(t) for t in tokens.values()), ", ".join(failed))
+        failed.append(answer.backend)
+        stream = answer.stream
+
+
+def _object(data: bytes) -> dict | None:
+    if data[:1] != b"{":
+        return None
+    try:
+        obj = _decode(data)
+    except msgspec.DecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _resumable(obj: dict, tokens: dict, finished: set, choices: int) -> bool:
+    """True for the ``stream_interrupted`` event of a stream that can go on elsewhere: every choice open, each
+    with the token ids it streamed (a drain's end is not a replica's failure)."""
+    err = obj.get("error")
+    if not isinstance(err, dict) or err.get("code") != "stream_interrupted":
+        return False
+    return bool(tokens) and not finished and GATEWAY_SHUTDOWN not in str(err.get("message"))
+
+
+def _note(obj: dict, item: tuple[bytes, bytes], tokens: dict, finished: set, client_ids: bool) -> bytes:
+    """Record an event's token ids and finished choices; its bytes for the client (ids removed unless asked)."""
+    stripped = False
+    for c in obj.get("choices") or ():
+        index = c.get("index", 0)
+        ids = c.get("token_ids")
+        if ids is not None:
+            tokens.setdefault(index, []).extend(ids)
+            if not client_ids:
+                del c["token_ids"]
+                stripped = True
+        if c.get("finish_reason"):
+            finished.add(index)
+    return event(_encode(obj)) if stripped else item[0]

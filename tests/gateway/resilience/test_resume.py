@@ -1,0 +1,101 @@
+"""Streams that outlive their replica (issue #30): a ``prefix_affinity`` route over three real ``tandem engine
+serve`` replicas (a tiny random Llama, one character per token) with ``resume: true``; the replica serving a
+stream is SIGKILLed mid-stream and the client, reading with the official ``openai`` SDK, gets the same text,
+finish reason and usage as a run without a failure, greedy and seeded, in one uninterrupted stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import openai
+import pytest
+
+from loadtests.scenarios.common import start_engine_server
+from tests.gateway.observability.test_observability import _serve_app
+from tests.tiny_models import save_byte_level_llama
+
+pytestmark = pytest.mark.slow
+NAMES = ("r1", "r2", "r3")
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    model = save_byte_level_llama(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096, printable_only=True)
+    logs = tmp_path_factory.mktemp("replica-logs")
+    args = ["--model", model, "--served-model-name", "bench", "--dtype", "float32", "--kv-cache-memory", "32MiB",
+            "--max-model-len", "4096", "--num-threads", "1"]
+    servers = {}
+    try:
+        for n in NAMES:
+            servers[n] = start_engine_server(logs, args, name=n)
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def config(replicas) -> str:
+    backends = "".join(f"  {n}:\n    type: openai\n    base_url: {s.base_url}/v1\n    models: {{tiny: bench}}\n"
+                       f"    max_model_len: 4096\n" for n, s in replicas.items())
+    return ("reload: {watch: false}\nobservability:\n  logs: {requests: false}\n"
+            "resilience:\n  breaker: {consecutive_failures: 1, open_s: 60}\n  health: {interval_s: 0}\n"
+            f"models:\n  - name: tiny\nbackends:\n{backends}"
+            "routes:\n  replicas:\n    select: prefix_affinity\n    resume: true\n    resume_attempts: 2\n"
+            "    affinity: {metrics_interval_s: 0.1}\n"
+            f"    targets: [{', '.join(f'{{backend: {n}}}' for n in NAMES)}]\n"
+            "policy:\n  default_route: replicas\n  rules: []\n")
+
+
+async def read(client, body: dict, kill=None):
+    """(text, finish reason, usage, headers) of one stream; ``kill(backend)`` after 40 content chunks."""
+    async with client.chat.completions.with_streaming_response.create(**body) as resp:
+        text, finish, usage, seen = "", None, None, 0
+        async for chunk in await resp.parse():
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                finish = c.finish_reason or finish
+                assert "token_ids" not in (c.model_extra or {})      # the gateway's, removed for the client
+            usage = chunk.usage or usage
+            seen += 1
+            if kill is not None and seen == 40:
+                kill(resp.headers["x-tandem-backend"])
+        return text, finish, usage, resp.headers
+
+
+async def test_a_stream_survives_its_replica_sigkill(replicas, caplog):
+    from gateway.config.compile import load_config_text
+    from gateway.http.app import create_app
+    from gateway.runtime import Gateway
+
+    gw = Gateway(None, load_config_text(config(replicas)), start_engine=False)
+    server, task, url = await _serve_app(create_app(gw))
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    killed: list[str] = []
+
+    def kill(backend: str) -> None:
+        os.killpg(os.getpgid(replicas[backend].pid), signal.SIGKILL)
+        killed.append(backend)
+
+    msgs = [{"role": "user", "content": "tell me a long story"}]
+    cases = [dict(temperature=0, extra_body={"ignore_eos": True}),
+             dict(temperature=1.0, seed=11, extra_body={"ignore_eos": True})]
+    try:
+        references = [await read(client, dict(model="tiny", messages=msgs, max_tokens=3000, stream=True,
+                                              stream_options={"include_usage": True}, **p)) for p in cases]
+        unseeded = await read(client, dict(model="tiny", messages=msgs, max_tokens=5, stream=True))
+        assert int(unseeded[3]["x-tandem-seed"]) >= 0                 # sampled without a seed: one was chosen
+        with caplog.at_level(logging.INFO, logger="tandem.gateway.resume"):
+            resumed = [await read(client, dict(model="tiny", messages=msgs, max_tokens=3000, stream=True,
+                                               stream_options={"include_usage": True}, **p), kill) for p in cases]
+    finally:
+        server.should_exit = True
+        await task
+    assert len(killed) == 2 and killed[0] != killed[1], (killed, [(r[1], r[2], len(r[0])) for r in resumed])
+    assert caplog.text.count("stream resumed on") == 2, caplog.text
+    for ref, got in zip(references, resumed):
+        assert ref[1] == "length" and ref[2].completion_tokens == 3000
+        assert got[:2] == ref[:2]                                         # text, finish reason
+        assert (got[2].prompt_tokens, got[2].completion_tokens) == (ref[2].prompt_tokens, 3000)
