@@ -63,15 +63,21 @@ def open_stream(g: GatewayProcess):
     return outcome
 
 
+def assert_interrupted(outcome: dict) -> None:
+    """The stream ended with the ``stream_interrupted`` event the gateway's shutdown wrote, not a cut."""
+    outcome["thread"].join(15)
+    err = outcome["ended"]
+    assert isinstance(err, openai.APIError) and "shutting down" in str(err), err
+    assert err.code == "stream_interrupted" and err.type == "service_unavailable", err.body
+
+
 def test_drain_deadline_ends_open_streams_with_stream_interrupted(upstream, tmp_path):
     upstream.push(LONG_STREAM)
     g = start(upstream, tmp_path, drain_s=1)
     try:
         outcome = open_stream(g)
         g.proc.send_signal(signal.SIGTERM)
-        outcome["thread"].join(15)
-        err = outcome["ended"]
-        assert isinstance(err, openai.APIError) and "shutting down" in str(err), err
+        assert_interrupted(outcome)
         g.proc.wait(15)                       # a hang bound, not a timing claim
         assert "drained (0 request(s) still in flight)" in g.log()
     finally:
@@ -90,3 +96,4 @@ def test_a_second_signal_during_a_drain_exits_at_once(upstream, tmp_path):
         assert "second signal during the drain" in g.log()
     finally:
         g.stop()
+
