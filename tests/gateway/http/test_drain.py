@@ -130,3 +130,19 @@ def test_a_second_ctrl_c_exits_at_once_still_ending_streams_with_the_event(upstr
         assert "Traceback" not in g.log()
     finally:
         g.stop()
+
+
+def test_ctrl_c_forwarded_again_by_make_is_the_same_drain(upstream, tmp_path):
+    # a terminal's Ctrl-C reaches the process group, then make forwards it: two signals back to back
+    upstream.push(LONG_STREAM)
+    g = start(upstream, tmp_path, drain_s=2)
+    try:
+        outcome = open_stream(g)
+        g.proc.send_signal(signal.SIGINT)
+        g.proc.send_signal(signal.SIGINT)
+        assert_interrupted(outcome)
+        g.proc.wait(15)
+        assert "drained (0 request(s) still in flight)" in g.log()
+        assert "second signal during the drain" not in g.log()
+    finally:
+        g.stop()
