@@ -452,12 +452,20 @@ class Gateway:
         interrupt_at = end - min(_INTERRUPT_LEAD_S, deadline / 4)
         while self.in_flight > 0 and loop.time() < interrupt_at:
             await asyncio.sleep(0.05)
-        if self.in_flight:
-            self.resilience.interrupt_streams(GATEWAY_SHUTDOWN)
-            while self.in_flight > 0 and loop.time() < end:
-                await asyncio.sleep(0.02)
-        left = self.in_flight
+        left = await self.interrupt_streams(end - loop.time()) if self.in_flight else 0
         log.info("drained (%d request(s) still in flight)", left)
         if self.on_drained is not None:
             self.on_drained()
         return left
+
+    async def interrupt_streams(self, grace_s: float) -> int:
+        """End every stream still open with the ``stream_interrupted`` event (the gateway is shutting down) and
+        wait up to ``grace_s`` for the requests in flight to finish writing; returns those still in flight. A
+        drain's deadline calls it, and so does a second signal that exits at once: either way a client reads why
+        its stream ended instead of a cut connection."""
+        self.resilience.interrupt_streams(GATEWAY_SHUTDOWN)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace_s
+        while self.in_flight > 0 and loop.time() < end:
+            await asyncio.sleep(0.02)
+        return self.in_flight

@@ -38,7 +38,8 @@ _LINGER_S = 1.0
 
 
 class _Refused(Exception):
-    """Raised from a parser callback to stop parsing a head over a limit (httptools wraps it)."""
+    """Raised from a parser callback to stop parsing a head over a limit (httptools wraps it in its own parser
+    error, so the refusal itself rides on the protocol: ``DoorProtocol.refusal``)."""
 
 
 def door_protocol(limits: DoorLimits) -> type[HttpToolsProtocol]:
@@ -50,9 +51,11 @@ def door_protocol(limits: DoorLimits) -> type[HttpToolsProtocol]:
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.head_open = True          # the next bytes are a request head
-            self.head_bytes = 0
+            self.head_bytes = 0            # bytes received since the head began (it may be incomplete)
+            self.head_parsed = 0           # bytes of request target and header fields the parser handed us
             self.head_fields = 0
             self.head_timer = None
+            self.refusal: tuple[int, str] | None = None   # what a _Refused raised by a callback stands for
             self.refused = False           # answered and half-closed: what still arrives is dropped
 
         def connection_made(self, transport) -> None:
@@ -67,7 +70,9 @@ def door_protocol(limits: DoorLimits) -> type[HttpToolsProtocol]:
             if self.refused:
                 return
             if self.head_open:
-                # counted before parsing: an oversized head is refused without buffering it
+                # counted before parsing: an incomplete oversized head is refused without buffering it (a head
+                # that completes within ``data`` is measured by the parser callbacks instead: ``data`` may also
+                # hold its body)
                 self.head_bytes += len(data)
             super().data_received(data)
             if self.head_open and self.head_bytes > limits.max_header_bytes and not self.transport.is_closing():
@@ -75,22 +80,40 @@ def door_protocol(limits: DoorLimits) -> type[HttpToolsProtocol]:
 
         def send_400_response(self, msg: str) -> None:
             # a parser error raised by our own callback (httptools wraps it) is the 431 it stands for
-            if self.head_fields > limits.max_headers:
-                self.refuse(431, f"more than {limits.max_headers} request header fields")
+            if self.refusal is not None:
+                self.refuse(*self.refusal)
                 return
             super().send_400_response(msg)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self.head_open = True
-            self.head_fields = 0
+            self.head_fields = self.head_parsed = 0
             self._arm_head_timer()
+
+        def on_url(self, url: bytes) -> None:
+            self._count_head(len(url))
+            super().on_url(url)
 
         def on_header(self, name: bytes, value: bytes) -> None:
             self.head_fields += 1
             if self.head_fields > limits.max_headers:
-                raise _Refused()
+                self._stop(f"more than {limits.max_headers} request header fields")
+            self._count_head(len(name) + len(value) + 4)    # "name: value\r\n"
             super().on_header(name, value)
+
+        def _count_head(self, n: int) -> None:
+            """Add ``n`` parsed bytes to the head; over ``max_header_bytes`` stops the parser before
+            ``on_headers_complete``, so the app never sees the request (a complete head in one packet never
+            reaches the byte check in ``data_received``)."""
+            self.head_parsed += n
+            if self.head_parsed > limits.max_header_bytes:
+                self._stop(f"request headers exceed {limits.max_header_bytes} bytes")
+
+        def _stop(self, message: str) -> None:
+            """Stop parsing this head: ``send_400_response`` answers the 431 recorded here."""
+            self.refusal = (431, message)
+            raise _Refused(message)
 
         def on_headers_complete(self) -> None:
             self.head_open = False

@@ -3,9 +3,13 @@
 SIGHUP = reload the config file; SIGTERM = drain (stop accepting, report
 not-ready, let in-flight requests and streams finish within
 ``server.drain_timeout_s``; streams still open then end with the
-``stream_interrupted`` event), then exit; SIGINT = uvicorn's graceful stop.
-A second SIGTERM or SIGINT during a drain exits at once (one within
-``_ECHO_S`` of the first is the same stop, e.g. make forwarding it).
+``stream_interrupted`` event), then exit; SIGINT (Ctrl-C) = the same drain.
+A second SIGTERM or SIGINT during a drain exits at once, after ending the
+streams still open with the ``stream_interrupted`` event (best effort: up to
+``_AFTER_DRAIN_S``); one within ``_ECHO_S`` of the first is the same stop,
+e.g. make forwarding it. uvicorn's own SIGINT handling is not used: it closes
+the listening socket at once (refused connections instead of 503 ``draining``)
+and cancels the open streams mid-write at its deadline.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ _AFTER_DRAIN_S = 0.5
 
 
 class GatewayServer(uvicorn.Server):
-    """uvicorn's server with drain-on-SIGTERM and reload-on-SIGHUP."""
+    """uvicorn's server with drain on SIGTERM or SIGINT and reload on SIGHUP."""
 
     def __init__(self, config: uvicorn.Config, gw: Gateway):
         super().__init__(config)
         self.gw = gw
         self.loop: asyncio.AbstractEventLoop | None = None
         self.drain_started: float | None = None
+        self.exiting = False                     # a second signal is ending the streams before the exit
         gw.on_drained = self._exit
 
     def _exit(self) -> None:
@@ -64,17 +69,30 @@ class GatewayServer(uvicorn.Server):
         self.loop.create_task(reload())
 
     def handle_exit(self, sig: int, frame) -> None:
-        if sig == signal.SIGTERM and self.loop is not None and not self.gw.draining and not self.should_exit:
-            log.info("SIGTERM: draining")
+        if sig not in (signal.SIGTERM, signal.SIGINT) or self.loop is None:
+            super().handle_exit(sig, frame)     # before startup there is nothing to drain
+            return
+        if self.drain_started is None and not self.gw.draining and not self.should_exit:
+            log.info("%s: draining", signal.Signals(sig).name)
             self.drain_started = time.monotonic()
             self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self.gw.drain()))
             return
-        if self.drain_started is not None and sig in (signal.SIGTERM, signal.SIGINT):
-            if time.monotonic() - self.drain_started >= _ECHO_S:
-                log.warning("second signal during the drain: exiting now")
-                self.force_exit = self.should_exit = True
+        if self.drain_started is not None and time.monotonic() - self.drain_started < _ECHO_S:
+            return                               # the process group's signal, forwarded again by make
+        if self.exiting:
+            self.force_exit = self.should_exit = True   # a third signal: no more waiting for the streams
             return
-        super().handle_exit(sig, frame)
+        log.warning("second signal during the drain: exiting now")
+        self.exiting = True
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._exit_now()))
+
+    async def _exit_now(self) -> None:
+        """Exit without waiting for the drain, after the open streams got their ``stream_interrupted`` event:
+        streams that ended themselves leave no task for uvicorn to cancel (a traceback each). Not uvicorn's
+        ``force_exit``: that skips the app's shutdown, leaving the backends open and the lifespan task to be
+        cancelled with a traceback; the shutdown costs only the backends' close."""
+        await self.gw.interrupt_streams(_AFTER_DRAIN_S)
+        self._exit()
 
 
 def serve(config_path: str, host: str | None = None, port: int | None = None, insecure: bool = False,

@@ -43,6 +43,9 @@ class Choices:
 
 
 GATEWAY_SHUTDOWN = "the gateway is shutting down"   # why a drain ended a stream (not the upstream's fault)
+# the error type of a stream the gateway's shutdown ended: that of the 503 ``draining`` new requests get then, so a
+# client does not read an upstream failure into it
+SHUTDOWN_TYPE = "service_unavailable"
 
 
 @dataclass
@@ -222,7 +225,8 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
             yield b"".join(out)
             return
         res.error = err
-        out.append(error_event(f"stream interrupted: {err}", code="stream_interrupted"))
+        type_ = SHUTDOWN_TYPE if err == GATEWAY_SHUTDOWN else "upstream_error"
+        out.append(error_event(f"stream interrupted: {err}", type_=type_, code="stream_interrupted"))
         yield b"".join(out)
     finally:
         if watchdog is not None:

@@ -84,9 +84,32 @@ def test_oversized_header_is_431_before_it_is_buffered(gateway):
     assert httpx.get(gateway.url + "/health/live", timeout=5).status_code == 200
 
 
+def test_complete_oversized_head_in_one_send_is_431(gateway, upstream):
+    # the whole head, terminator included, in one send: the parser completes it before any byte check could
+    before = upstream.calls
+    answer = exchange(gateway, [head(b"connection: close\r\nx-big: " + b"a" * 9000 + b"\r\n") + b"\r\n"])
+    assert status_of(answer) == 431
+    assert upstream.calls == before
+
+
+def test_medium_headers_summing_past_the_limit_are_431(gateway, upstream):
+    # 12 fields of 1,000 bytes: each under the byte limit, the count under max_headers, the head over 8 KiB
+    before = upstream.calls
+    fields = b"".join(b"x-f%d: %s\r\n" % (i, b"a" * 1000) for i in range(12))
+    assert status_of(exchange(gateway, [head(b"connection: close\r\n" + fields) + b"\r\n"])) == 431
+    assert upstream.calls == before
+
+
+def test_a_body_sent_with_its_head_is_not_counted_as_head(gateway):
+    # head and a 12 KB body in one send: only the head is measured against max_header_bytes
+    body = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "a" * 12000}]}).encode()
+    answer = exchange(gateway, [head(b"connection: close\r\n", len(body)) + b"\r\n" + body])
+    assert status_of(answer) == 200
+
+
 def test_too_many_header_fields_is_431(gateway):
     fields = b"".join(b"x-f%d: 1\r\n" % i for i in range(40))
-    assert status_of(exchange(gateway, [head(fields) + b"\r\n"])) == 431
+    assert status_of(exchange(gateway, [head(b"connection: close\r\n" + fields) + b"\r\n"])) == 431
     fine = b"".join(b"x-f%d: 1\r\n" % i for i in range(5))
     body = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]}).encode()
     assert status_of(exchange(gateway, [head(fine + b"connection: close\r\n", len(body)) + b"\r\n" + body])) == 200

@@ -1,4 +1,4 @@
-"""SIGTERM's drain against a stream that would outlive it (tests/gateway/script_upstream.py keeps it alive with
+"""SIGTERM's (and Ctrl-C's SIGINT's) drain against a stream that would outlive it (tests/gateway/script_upstream.py keeps it alive with
 comments): the stream ends with the ``stream_interrupted`` event at ``drain_timeout_s``, read by the official
 ``openai`` client, and a second signal exits at once."""
 
@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -63,15 +64,21 @@ def open_stream(g: GatewayProcess):
     return outcome
 
 
+def assert_interrupted(outcome: dict) -> None:
+    """The stream ended with the ``stream_interrupted`` event the gateway's shutdown wrote, not a cut."""
+    outcome["thread"].join(15)
+    err = outcome["ended"]
+    assert isinstance(err, openai.APIError) and "shutting down" in str(err), err
+    assert err.code == "stream_interrupted" and err.type == "service_unavailable", err.body
+
+
 def test_drain_deadline_ends_open_streams_with_stream_interrupted(upstream, tmp_path):
     upstream.push(LONG_STREAM)
     g = start(upstream, tmp_path, drain_s=1)
     try:
         outcome = open_stream(g)
         g.proc.send_signal(signal.SIGTERM)
-        outcome["thread"].join(15)
-        err = outcome["ended"]
-        assert isinstance(err, openai.APIError) and "shutting down" in str(err), err
+        assert_interrupted(outcome)
         g.proc.wait(15)                       # a hang bound, not a timing claim
         assert "drained (0 request(s) still in flight)" in g.log()
     finally:
@@ -88,5 +95,54 @@ def test_a_second_signal_during_a_drain_exits_at_once(upstream, tmp_path):
         g.proc.send_signal(signal.SIGTERM)
         g.proc.wait(15)                        # the drain alone would take 120 s
         assert "second signal during the drain" in g.log()
+    finally:
+        g.stop()
+
+
+def test_ctrl_c_drains_like_sigterm(upstream, tmp_path):
+    upstream.push(LONG_STREAM)
+    g = start(upstream, tmp_path, drain_s=3)
+    try:
+        outcome = open_stream(g)
+        g.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)                          # the handler runs on the gateway's loop, not in this call
+        r = httpx.post(g.url + "/v1/chat/completions", timeout=5, json={"model": "m1", "messages": []})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+        assert_interrupted(outcome)
+        g.proc.wait(15)
+        assert "drained (0 request(s) still in flight)" in g.log()
+        assert "Traceback" not in g.log()
+    finally:
+        g.stop()
+
+
+def test_a_second_ctrl_c_exits_at_once_still_ending_streams_with_the_event(upstream, tmp_path):
+    upstream.push(LONG_STREAM)
+    g = start(upstream, tmp_path, drain_s=120)
+    try:
+        outcome = open_stream(g)
+        g.proc.send_signal(signal.SIGINT)
+        time.sleep(1.5)                          # past the echo window of a forwarded signal
+        g.proc.send_signal(signal.SIGINT)
+        assert_interrupted(outcome)
+        g.proc.wait(15)                          # the drain alone would take 120 s
+        assert "second signal during the drain" in g.log()
+        assert "Traceback" not in g.log()
+    finally:
+        g.stop()
+
+
+def test_ctrl_c_forwarded_again_by_make_is_the_same_drain(upstream, tmp_path):
+    # a terminal's Ctrl-C reaches the process group, then make forwards it: two signals back to back
+    upstream.push(LONG_STREAM)
+    g = start(upstream, tmp_path, drain_s=2)
+    try:
+        outcome = open_stream(g)
+        g.proc.send_signal(signal.SIGINT)
+        g.proc.send_signal(signal.SIGINT)
+        assert_interrupted(outcome)
+        g.proc.wait(15)
+        assert "drained (0 request(s) still in flight)" in g.log()
+        assert "second signal during the drain" not in g.log()
     finally:
         g.stop()
