@@ -203,11 +203,15 @@ def _stop(choice: dict, stop_sequences: list | None) -> tuple[str | None, str | 
 
 
 def _usage(u: dict | None) -> dict:
+    """Chat ``usage`` -> Anthropic's. Chat's ``prompt_tokens`` counts the cached prefix too; Anthropic's
+    ``input_tokens`` does not (the whole input is ``input_tokens + cache_read_input_tokens +
+    cache_creation_input_tokens``), so the cached tokens move from one to the other, never counted twice."""
     u = u or {}
-    out = {"input_tokens": int(u.get("prompt_tokens") or 0), "output_tokens": int(u.get("completion_tokens") or 0)}
-    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+    cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    out = {"input_tokens": max(int(u.get("prompt_tokens") or 0) - cached, 0),
+           "output_tokens": int(u.get("completion_tokens") or 0)}
     if cached:
-        out["cache_read_input_tokens"] = int(cached)
+        out["cache_read_input_tokens"] = cached
     return out
 
 
