@@ -9,11 +9,10 @@ What is translated: ``input`` (a string, or items: messages with text and image 
 ``function_call_output``; ``reasoning`` items are dropped, chat has no place for them), ``instructions`` (a
 system message first), function ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``text.format``
 (``json_schema`` / ``json_object`` -> ``response_format``), ``max_output_tokens`` -> ``max_tokens``,
-``temperature``, ``top_p``, ``user``, ``metadata``, ``stream`` (and the gateway's own ``priority``, ``seed``). Every
-parameter is checked first, as OpenAI checks it (``PARAMS``: unknown, type, range). Refused with a 400 naming the
-field: built-in
-OpenAI tools (``web_search``, ``file_search``, ``computer_use_preview``...), ``background``, ``conversation``,
-``prompt`` (stored prompts) and input items chat cannot express.
+``temperature``, ``top_p``, ``user``, ``metadata``, ``stream`` (and the gateway's own ``priority``, ``seed``).
+Every parameter is checked first, as OpenAI checks it (``PARAMS``: unknown, type, range). Refused with a 400
+naming the field: built-in OpenAI tools (``web_search``, ``file_search``, ``computer_use_preview``...),
+``background``, ``conversation``, ``prompt`` (stored prompts) and input items chat cannot express.
 """
 
 from __future__ import annotations
