@@ -272,6 +272,13 @@ def responses_path(text: str) -> str:
     return text
 
 
+def responses_error_object(error: dict) -> dict:
+    """An OpenAI error object answered for the translated chat body (a backend's 400, a stream's error event),
+    its ``message`` and ``param`` naming the Responses parameters the client wrote."""
+    return {k: responses_path(v) if k in ("message", "param") and isinstance(v, str) else v
+            for k, v in error.items()}
+
+
 def responses_error(e: ClientError) -> ClientError:
     """A refusal of the translated chat body, naming (in ``param`` and the message) the Responses parameter the
     client wrote."""
