@@ -13,7 +13,10 @@ Mapping (https://docs.anthropic.com/en/api/messages):
   target that cannot take images refuses them with its 400; ``tool_use`` (assistant) -> ``tool_calls``;
   ``tool_result`` (user) -> ``tool`` messages, before the user's other content, in block order.
 - answer: ``finish_reason`` stop/length/tool_calls -> ``stop_reason`` end_turn (stop_sequence when the backend
-  names the stop string it matched)/max_tokens/tool_use; usage prompt/completion -> input/output tokens.
+  names the stop string it matched)/max_tokens/tool_use; usage prompt/completion -> input/output tokens, the
+  cached prompt tokens as ``cache_read_input_tokens`` and out of ``input_tokens`` (Anthropic's convention). A
+  stream's ``message_start`` carries the gateway's prompt count (the backend's split is not known yet); its
+  ``message_delta`` the backend's usage, which the SDKs' final message takes.
 """
 
 from __future__ import annotations
