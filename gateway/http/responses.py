@@ -28,7 +28,7 @@ from gateway.request.validate import parse_json
 from gateway.sse import EventReader, named_event
 from gateway.stored_responses import ResponseStore, StoredResponse
 from gateway.translate.responses import (check_body, from_chat, input_items, native_body, new_context,
-                                         responses_error, to_chat)
+                                         responses_error, responses_error_object, to_chat)
 from gateway.translate.responses_events import ResponsesEvents
 
 _JSON = "application/json"
@@ -103,6 +103,8 @@ async def create_response(request: Request) -> Response:
                 final = from_chat(final, ctx)
             await keep(final)
             content = _encode(final)
+        elif answer.api != "responses":     # a backend refused the chat body: name what the client sent
+            content = _renamed_error(content)
         return Response(content, status_code=answer.status, media_type=_JSON, headers=answer.headers)
     except ClientError as e:
         await gw.obs.reject(rec, e)
@@ -112,12 +114,25 @@ async def create_response(request: Request) -> Response:
             gw.obs.abandon(rec)
 
 
+def _renamed_error(content: bytes) -> bytes:
+    """An OpenAI error body answered for the chat translation, naming the Responses parameters (any other body
+    as it is)."""
+    try:
+        obj = _decode(content)
+    except msgspec.DecodeError:
+        return content
+    if not isinstance(obj, dict) or not isinstance(obj.get("error"), dict):
+        return content
+    return _encode({**obj, "error": responses_error_object(obj["error"])})
+
+
 def _translated(events: ResponsesEvents, data: bytes) -> list[dict]:
     if data == b"[DONE]":
         return []
     obj = _decode(data)
     if isinstance(obj, dict) and obj.get("error") is not None:
-        return events.error(obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])})
+        error = obj["error"]
+        return events.error(responses_error_object(error) if isinstance(error, dict) else {"message": str(error)})
     return events.feed(obj) if isinstance(obj, dict) else []
 
 

@@ -101,7 +101,9 @@ def _type_name(types: tuple) -> str:
     return " or ".join(names[t] for t in types)
 
 
-def _check_type(name: str, value: object, types: tuple) -> None:
+def check_type(name: str, value: object, types: tuple) -> None:
+    """A 400 (``invalid_type``) naming ``name`` unless ``value`` is null or one of the JSON ``types`` (a boolean
+    is not a number)."""
     if value is None:
         return
     ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
@@ -110,7 +112,7 @@ def _check_type(name: str, value: object, types: tuple) -> None:
                           param=name, code="invalid_type")
 
 
-def _check_range(name: str, value: object) -> None:
+def check_range(name: str, value: object) -> None:
     """OpenAI's out-of-range error (code ``integer_below_min_value``, ``decimal_above_max_value``...) naming the
     field, from the shared table ``engine.entrypoints.param_ranges``."""
     bad = check_param(name, value)
@@ -240,8 +242,8 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
     for name, value in body.items():
         t = types.get(name)
         if t is not None:
-            _check_type(name, value, t)
-        _check_range(name, value)
+            check_type(name, value, t)
+        check_range(name, value)
     if "stream_options" in body and body.get("stream") is not True:
         raise ClientError(400, "The 'stream_options' parameter is only allowed when 'stream' is true",
                           param="stream_options", code="invalid_value")
@@ -252,7 +254,7 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         priority = 0 if raw_priority is None else parse_priority(raw_priority)
     except ValueError as e:
         raise ClientError(400, str(e), param="priority", code="invalid_value") from None
-    _check_range("priority", priority)     # also when it came as a string or in x-priority
+    check_range("priority", priority)     # also when it came as a string or in x-priority
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")

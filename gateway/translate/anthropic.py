@@ -13,7 +13,10 @@ Mapping (https://docs.anthropic.com/en/api/messages):
   target that cannot take images refuses them with its 400; ``tool_use`` (assistant) -> ``tool_calls``;
   ``tool_result`` (user) -> ``tool`` messages, before the user's other content, in block order.
 - answer: ``finish_reason`` stop/length/tool_calls -> ``stop_reason`` end_turn (stop_sequence when the backend
-  names the stop string it matched)/max_tokens/tool_use; usage prompt/completion -> input/output tokens.
+  names the stop string it matched)/max_tokens/tool_use; usage prompt/completion -> input/output tokens, the
+  cached prompt tokens as ``cache_read_input_tokens`` and out of ``input_tokens`` (Anthropic's convention). A
+  stream's ``message_start`` carries the gateway's prompt count (the backend's split is not known yet); its
+  ``message_delta`` the backend's usage, which the SDKs' final message takes.
 """
 
 from __future__ import annotations
@@ -203,11 +206,15 @@ def _stop(choice: dict, stop_sequences: list | None) -> tuple[str | None, str | 
 
 
 def _usage(u: dict | None) -> dict:
+    """Chat ``usage`` -> Anthropic's. Chat's ``prompt_tokens`` counts the cached prefix too; Anthropic's
+    ``input_tokens`` does not (the whole input is ``input_tokens + cache_read_input_tokens +
+    cache_creation_input_tokens``), so the cached tokens move from one to the other, never counted twice."""
     u = u or {}
-    out = {"input_tokens": int(u.get("prompt_tokens") or 0), "output_tokens": int(u.get("completion_tokens") or 0)}
-    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+    cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    out = {"input_tokens": max(int(u.get("prompt_tokens") or 0) - cached, 0),
+           "output_tokens": int(u.get("completion_tokens") or 0)}
     if cached:
-        out["cache_read_input_tokens"] = int(cached)
+        out["cache_read_input_tokens"] = cached
     return out
 
 

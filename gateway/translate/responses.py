@@ -9,22 +9,42 @@ What is translated: ``input`` (a string, or items: messages with text and image 
 ``function_call_output``; ``reasoning`` items are dropped, chat has no place for them), ``instructions`` (a
 system message first), function ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``text.format``
 (``json_schema`` / ``json_object`` -> ``response_format``), ``max_output_tokens`` -> ``max_tokens``,
-``temperature``, ``top_p``, ``user``, ``metadata``, ``stream``. Refused with a 400 naming the field: built-in
-OpenAI tools (``web_search``, ``file_search``, ``computer_use_preview``...), ``background``, ``conversation``,
-``prompt`` (stored prompts) and input items chat cannot express.
+``temperature``, ``top_p``, ``user``, ``metadata``, ``stream`` (and the gateway's own ``priority``, ``seed``).
+Every parameter is checked first, as OpenAI checks it (``PARAMS``: unknown, type, range). Refused with a 400
+naming the field: built-in OpenAI tools (``web_search``, ``file_search``, ``computer_use_preview``...),
+``background``, ``conversation``, ``prompt`` (stored prompts) and input items chat cannot express.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
 from gateway.errors import ClientError
+from gateway.request.validate import check_range, check_type
 
 # Fields the gateway cannot serve on any backend: refused with a 400 naming them.
 REFUSED_FIELDS = ("background", "conversation", "prompt")
+_NUM = (int, float)
+# Every top-level parameter of OpenAI's Responses API (``responses.create``) and its JSON types; any other is
+# refused as OpenAI refuses it (400 ``unknown_parameter``). ``priority`` and ``seed`` are the gateway's own, as on
+# chat. Value ranges are chat's (``engine/entrypoints/param_ranges.py``), read under the chat name (``_RENAMED``).
+PARAMS = {
+    "model": (str,), "input": (str, list), "instructions": (str,), "max_output_tokens": (int,),
+    "max_tool_calls": (int,), "metadata": (dict,), "parallel_tool_calls": (bool,), "previous_response_id": (str,),
+    "reasoning": (dict,), "store": (bool,), "stream": (bool,), "stream_options": (dict,), "temperature": _NUM,
+    "text": (dict,), "tool_choice": (str, dict), "tools": (list,), "top_p": _NUM, "top_logprobs": (int,),
+    "truncation": (str,), "user": (str,), "include": (list,), "background": (bool,), "conversation": (str, dict),
+    "prompt": (dict,), "prompt_cache_key": (str,), "prompt_cache_retention": (str,), "prompt_cache_options": (dict,),
+    "safety_identifier": (str,), "service_tier": (str,), "background_options": (dict,),
+    "context_management": (list,), "image": (dict,), "moderation": (dict,), "access_programs": (dict,),
+    "priority": (str, int), "seed": (int,),
+}
 # Parameters copied into the chat body as they are (same name, same meaning).
-_SAME = ("temperature", "top_p", "user", "metadata", "priority")
+_SAME = ("temperature", "top_p", "user", "metadata", "priority", "seed")
+# Parameters copied into the chat body under another name.
+_RENAMED = {"max_output_tokens": "max_tokens"}
 FINISH_TO_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
 
@@ -52,8 +72,9 @@ def _bad(message: str, param: str, code: str = "invalid_value") -> ClientError:
 
 
 def check_body(body: dict) -> None:
-    """The Responses-only checks, before translation: ``model``, ``input``, ``tools`` (function tools only),
-    refused fields. Chat-level checks (types, ranges) run later, on the chat body, in ``validate.py``.
+    """The Responses checks, before translation: ``model``, every parameter known (``PARAMS``), of its type and in
+    its range, ``input``, ``tools`` (function tools only), refused fields. Chat's own checks run later, on the chat
+    body, in ``validate.py``.
 
     Raises:
         ClientError: 400 naming the parameter (a built-in tool by its type)."""
@@ -61,6 +82,7 @@ def check_body(body: dict) -> None:
     if not isinstance(model, str) or not model:
         raise _bad("missing required parameter 'model'" if model is None else "'model' must be a non-empty string",
                    "model", "missing_required_parameter" if model is None else "invalid_type")
+    _check_params(body)
     for name in REFUSED_FIELDS:
         if body.get(name) not in (None, False):
             raise _bad(f"'{name}' is not supported by this gateway", name, "unsupported_parameter")
@@ -90,6 +112,20 @@ def check_body(body: dict) -> None:
     if text_format is not None and (not isinstance(text_format, dict)
                                     or text_format.get("type") not in ("text", "json_object", "json_schema")):
         raise _bad("'text.format.type' must be one of text, json_object, json_schema", "text.format.type")
+
+
+def _check_params(body: dict) -> None:
+    """Each parameter of ``body`` is a Responses parameter, of its type, in the range chat's table gives its chat
+    name; a 400 names the parameter as the client wrote it."""
+    for name, value in body.items():
+        types = PARAMS.get(name)
+        if types is None:
+            raise _bad(f"Unknown parameter: '{name}'.", name, "unknown_parameter")
+        check_type(name, value, types)
+        try:
+            check_range(_RENAMED.get(name, name), value)
+        except ClientError as e:
+            raise responses_error(e) from None
 
 
 def input_items(body: dict, request_id: str) -> list[dict]:
@@ -195,8 +231,9 @@ def to_chat(body: dict, history: list[dict], items: list[dict]) -> dict:
     for name in _SAME:
         if body.get(name) is not None:
             chat[name] = body[name]
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
+    for name, chat_name in _RENAMED.items():
+        if body.get(name) is not None:
+            chat[chat_name] = body[name]
     if body.get("tools"):
         chat["tools"] = [{"type": "function", "function": {
             k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}}
@@ -213,19 +250,40 @@ def to_chat(body: dict, history: list[dict], items: list[dict]) -> dict:
     return chat
 
 
-# Chat parameters a 400 of the chat pipeline names (validation, ranges) -> the Responses parameter they came from.
-_CHAT_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+# Paths of the chat body a 400 of the chat pipeline names (validation, ranges, the engine's schema check) -> the
+# Responses paths they came from, most specific first. A path is renamed only where it starts (after a quote,
+# a space or the message's start): a schema property called ``messages`` is the client's own name. A message
+# index of the chat body is not the client's (instructions and history come first): ``input`` alone.
+_CHAT_PATHS = (
+    (re.compile(r"(?<![\w.\]])response_format\.json_schema\.schema\b"), "text.format.schema"),
+    (re.compile(r"(?<![\w.\]])response_format(\.json_schema)?\b"), "text.format"),
+    (re.compile(r"(?<![\w.\]])max_tokens\b"), "max_output_tokens"),
+    (re.compile(r"(?<![\w.\]])tools\[(\d+)\]\.function\b"), r"tools[\1]"),
+    (re.compile(r"(?<![\w.\]])messages(\[\d+\](\.\w+)*)?"), "input"),
+)
+
+
+def responses_path(text: str) -> str:
+    """``text`` (a ``param`` or an error message) with each chat path named as the Responses parameter it came
+    from (``max_tokens`` -> ``max_output_tokens``, ``response_format.json_schema.schema.x`` ->
+    ``text.format.schema.x``, ``tools[0].function.parameters`` -> ``tools[0].parameters``)."""
+    for pattern, new in _CHAT_PATHS:
+        text = pattern.sub(new, text)
+    return text
+
+
+def responses_error_object(error: dict) -> dict:
+    """An OpenAI error object answered for the translated chat body (a backend's 400, a stream's error event),
+    its ``message`` and ``param`` naming the Responses parameters the client wrote."""
+    return {k: responses_path(v) if k in ("message", "param") and isinstance(v, str) else v
+            for k, v in error.items()}
 
 
 def responses_error(e: ClientError) -> ClientError:
-    """A refusal of the translated chat body, naming the Responses parameter the client wrote (``max_tokens`` ->
-    ``max_output_tokens``; a message -> ``input``: its index in the chat body is not the client's)."""
-    name = (e.param or "").split("[")[0].split(".")[0]
-    new = _CHAT_PARAMS.get(name)
-    if new is None:
-        return e
-    param = new if name == "messages" else new + e.param[len(name):]
-    return ClientError(e.status, e.message.replace(f"'{name}", f"'{new}"), param, e.code, e.headers)
+    """A refusal of the translated chat body, naming (in ``param`` and the message) the Responses parameter the
+    client wrote."""
+    param = responses_path(e.param) if e.param else e.param
+    return ClientError(e.status, responses_path(e.message), param, e.code, e.headers)
 
 
 def native_body(body: dict, history: list[dict], items: list[dict]) -> dict:

@@ -10,7 +10,7 @@ the queue filled by ``push()`` / ``POST /_fault/push`` (one fault per request), 
     delay: float           seconds before the response headers
     status: int            answer this HTTP status with an OpenAI error body (429, 500, 503, 400, 404, ...)
     retry_after: str|num   Retry-After header for that status
-    error_code: str        error.code in that body (e.g. "context_length_exceeded"); message: str
+    error_code: str        error.code in that body (e.g. "context_length_exceeded"); message: str; param: str
     reset: bool            reset the TCP connection (RST) instead of answering
     hang: bool             accept the request and never answer
     malformed: bool        invalid JSON body (non-streaming) or a first SSE event that is not JSON
@@ -218,7 +218,7 @@ class FaultUpstream:
                 headers["Retry-After"] = str(fault["retry_after"])
             err = {"error": {"message": fault.get("message", f"injected {status} from {self.name}"),
                              "type": "invalid_request_error" if status < 500 else "server_error",
-                             "param": None, "code": fault.get("error_code")}}
+                             "param": fault.get("param"), "code": fault.get("error_code")}}
             return web.json_response(err, status=status, headers=headers)
         stream = bool((body or {}).get("stream"))
         if not stream:

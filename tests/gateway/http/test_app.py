@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -379,3 +380,11 @@ def test_client_disconnect_cancels_the_upstream_call(gateway, upstreams):
     while not a.abandoned and time.monotonic() < deadline:
         time.sleep(0.1)
     assert a.abandoned == 1            # the gateway closed its upstream connection too
+
+
+def test_readme_lists_the_model_endpoints_that_models_returns():
+    from gateway.http.app import MODEL_ENDPOINTS
+
+    text = (ROOT / "README.md").read_text()
+    listed = re.search(r"the endpoints it is served on \(`endpoints`: (.*?)\)\.", text, re.S)
+    assert listed is not None and re.findall(r"`([^`]+)`", listed.group(1)) == list(MODEL_ENDPOINTS)

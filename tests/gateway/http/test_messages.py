@@ -131,6 +131,20 @@ async def test_stream_speaks_anthropics_events(up):
             [(5, 3, False), (5, 3, False)]
 
 
+async def test_cached_input_is_not_counted_twice_whole_or_streamed(up):
+    # Anthropic's input_tokens excludes cache reads: 35 prompt tokens of which 32 cached are 3 + 32, not 35 + 32
+    usage = {"prompt_tokens": 35, "completion_tokens": 3, "total_tokens": 38,
+             "prompt_tokens_details": {"cached_tokens": 32}}
+    up.set_default({"usage": usage})
+    async with gateway(config(up)) as (gw, client, _):
+        msg = await client.messages.create(model="m1", max_tokens=20, messages=[{"role": "user", "content": "hi"}])
+        async with client.messages.stream(model="m1", max_tokens=20,
+                                          messages=[{"role": "user", "content": "hi"}]) as stream:
+            final = await stream.get_final_message()
+    for u in (msg.usage, final.usage):
+        assert (u.input_tokens, u.cache_read_input_tokens, u.output_tokens) == (3, 32, 3)
+
+
 async def test_stream_to_an_upstream_that_refuses_stream_options(up):
     cfg = config(up).replace("    prices: {input: 1, output: 2}\n", "    prices: {input: 1, output: 2}\n"
                                                                        "    stream_usage: false\n")

@@ -210,6 +210,40 @@ async def test_builtin_tool_and_out_of_range_refused_naming_the_responses_parame
     assert up.calls == 0
 
 
+async def test_parameters_checked_as_openai_does_unknown_type_and_range(up):
+    # (extra body, param, code): every refusal names what the client sent, before any upstream call
+    cases = [({"seed": 2 ** 70}, "seed", "integer_above_max_value"), ({"seed": "abc"}, "seed", "invalid_type"),
+             ({"bogus_field": 1}, "bogus_field", "unknown_parameter"),
+             ({"top_logprobs": 21}, "top_logprobs", "integer_above_max_value"),
+             ({"max_output_tokens": "4"}, "max_output_tokens", "invalid_type"),
+             ({"temperature": True}, "temperature", "invalid_type")]
+    async with gateway(config(up)) as (gw, client):
+        for extra, param, code in cases:
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.responses.create(model="m1", input="hi", extra_body=extra)
+            assert (e.value.body["param"], e.value.body["code"]) == (param, code), extra
+            assert param in e.value.body["message"]
+        assert up.calls == 0
+        await client.responses.create(model="m1", input="hi", extra_body={"seed": 7})    # in range: it reaches chat
+    assert up.requests[-1][2]["seed"] == 7
+
+
+async def test_a_backends_schema_refusal_names_text_format_whole_and_streamed(up):
+    # the local engine's refusal of an unsupported schema keyword, as it names the translated chat body
+    refusal = {"status": 400, "param": "response_format",
+               "message": "response_format.json_schema.schema.properties.tags: unsupported schema feature 'contains'"}
+    fmt = {"type": "json_schema", "name": "t", "schema": {"type": "object", "properties": {
+        "tags": {"type": "array", "contains": {"type": "string"}}}}}
+    async with gateway(config(up)) as (gw, client):
+        for stream in (False, True):
+            up.push(refusal)
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.responses.create(model="m1", input="hi", text={"format": fmt}, stream=stream)
+            assert e.value.body["param"] == "text.format", stream
+            assert e.value.body["message"] == "text.format.schema.properties.tags: unsupported schema feature " \
+                                              "'contains'", stream
+
+
 async def test_rpm_refusal_is_openai_429_and_ledger_has_one_record(up):
     async with gateway(config(up, key_limits=", rpm: 1")) as (gw, client):
         r = await client.responses.create(model="m1", input="hi")

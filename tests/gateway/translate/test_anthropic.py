@@ -49,7 +49,8 @@ def test_answer_stop_reasons_and_usage():
             "usage": {"prompt_tokens": 4, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 3}}}
     msg = chat_to_message(chat, "msg_1", "m", ["END"])
     assert (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "END")
-    assert msg["usage"] == {"input_tokens": 4, "output_tokens": 2, "cache_read_input_tokens": 3}
+    # Anthropic's input_tokens leaves the cache reads out: 4 prompt tokens of which 3 cached
+    assert msg["usage"] == {"input_tokens": 1, "output_tokens": 2, "cache_read_input_tokens": 3}
     assert chat_to_message(chat, "msg_1", "m", None)["stop_reason"] == "end_turn"
     chat["choices"][0]["finish_reason"] = "length"
     assert chat_to_message(chat, "msg_1", "m")["stop_reason"] == "max_tokens"

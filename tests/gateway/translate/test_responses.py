@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import ClientError
-from gateway.translate.responses import check_body, from_chat, input_items, new_context, to_chat, to_messages
+from gateway.translate.responses import (check_body, from_chat, input_items, new_context, responses_error, to_chat,
+                                         to_messages)
 from gateway.translate.responses_events import ResponsesEvents
 
 
@@ -48,6 +49,22 @@ def test_refusals_name_the_parameter(body, param):
     with pytest.raises(ClientError) as e:
         check_body(body)
     assert (e.value.status, e.value.param) == (400, param)
+
+
+@pytest.mark.parametrize("chat_param, message, param, expected", [
+    # the local engine's schema check, as it names the translated chat body
+    ("response_format", "response_format.json_schema.schema.properties.tags: unsupported schema feature 'contains'",
+     "text.format", "text.format.schema.properties.tags: unsupported schema feature 'contains'"),
+    ("tools[1].function.parameters", "tools[1].function.parameters.properties.messages: invalid JSON schema: x",
+     "tools[1].parameters", "tools[1].parameters.properties.messages: invalid JSON schema: x"),
+    ("max_tokens", "Invalid 'max_tokens': integer below minimum value.", "max_output_tokens",
+     "Invalid 'max_output_tokens': integer below minimum value."),
+    ("messages[3].content", "Invalid value for 'messages[3].content': expected a string", "input",
+     "Invalid value for 'input': expected a string"),
+])
+def test_chat_errors_name_the_responses_parameter(chat_param, message, param, expected):
+    e = responses_error(ClientError(400, message, param=chat_param, code="invalid_value"))
+    assert (e.param, e.message, e.code) == (param, expected, "invalid_value")
 
 
 def test_unknown_item_type_is_refused_naming_it():
