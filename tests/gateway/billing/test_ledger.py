@@ -186,6 +186,34 @@ async def test_client_disconnect_mid_stream_is_billed(up, redis_url):
     assert (spent, reserved) == (rec.nusd, 0)
 
 
+async def test_client_disconnect_before_a_whole_answer_is_billed(up, redis_url):
+    """A non-streamed request whose client leaves while the upstream works (it never answers: a hang fault, which
+    also sees the gateway close its connection): one record, marked disconnected and estimated, for the prompt
+    (what the upstream generated before the cancel is unknown); the budget's reservation is settled, none left."""
+    up.set_default({"hang": True})
+    prefix_cfg = config(up, redis_url, budget_usd=1.0).replace("state: {", "state: {key_prefix: 'wholedisc', ")
+    async with replicas(prefix_cfg) as [(gw, client)]:
+        call = asyncio.create_task(client.chat.completions.create(model="m1", messages=HELLO))
+        await until(lambda: _upstream_has(up, 1))            # the upstream works on it
+        call.cancel()                                        # the client closes its connection
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        [rec] = (await records(gw, 1)).values()
+        spent, reserved, _ = await gw.usage.budget_state("t1", Budget(1.0, "day"))
+        await until(lambda: _upstream_left(up))              # the cancel closed the upstream call
+    assert (rec.prompt_tokens, rec.completion_tokens, rec.disconnected, rec.estimated) == (6, 0, True, True)
+    assert rec.nusd == cost_nusd(PRICE, 6, 0) > 0
+    assert (spent, reserved) == (rec.nusd, 0)
+
+
+async def _upstream_has(up: FaultUpstream, n: int) -> bool:
+    return len(up.requests) >= n
+
+
+async def _upstream_left(up: FaultUpstream) -> bool:
+    return up.disconnects == 1
+
+
 # ----- 4 and 5: a Redis outage under two replicas ----------------------------------------------------------------
 async def test_outage_settles_are_journaled_and_replayed_once(up, redis_server):
     """Redis stalls while two replicas serve stream and non-stream requests: after it answers again, Redis
