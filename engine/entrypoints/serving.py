@@ -217,7 +217,8 @@ class OpenAIServing:
 
     async def _collect(self, request_id: str, prompts: list[Prompt], priority: int):
         """Run every prompt to completion; per prompt: {index: cumulative
-        CompletionOutput}, cached prompt tokens and prompt logprobs."""
+        CompletionOutput}, cached prompt tokens and prompt logprobs. Cancelled, the ``CancelledError`` goes on
+        with the usage so far (``PARTIAL_USAGE``)."""
         choices: list[dict[int, CompletionOutput]] = [{} for _ in prompts]
         cached = [0] * len(prompts)
         prompt_lps: list[list] = [[] for _ in prompts]
@@ -234,12 +235,22 @@ class OpenAIServing:
                         if ch is None:
                             choices[p_idx][c.index] = ch = CompletionOutput(c.index)
                         merge_choice(ch, c)
+        except asyncio.CancelledError as exc:   # the caller gave up (its client left): the engine aborted them
+            generated = sum(ch.num_generated_tokens for per_prompt in choices for ch in per_prompt.values())
+            setattr(exc, PARTIAL_USAGE, usage(sum(len(p.token_ids) for p in prompts), generated, sum(cached)))
+            raise
         except Exception as exc:
             raise error_from_engine(exc) from None
         return choices, cached, prompt_lps
 
 
 # ---------------------------------------------------------------------- helpers
+# The attribute a whole (non-streamed) answer's cancellation carries: its ``usage`` up to the last output the
+# serving layer received before the abort (the prompt, the tokens generated so far, the cached ones). The gateway
+# bills a client that left with it (``gateway.billing.counting.partial_usage`` reads it).
+PARTIAL_USAGE = "partial_usage"
+
+
 def engine_id(request_id: str, i: int, num_prompts: int) -> str:
     return request_id if num_prompts == 1 else f"{request_id}-{i}"
 

@@ -63,3 +63,11 @@ def client_wants_usage(body: dict) -> bool:
 def count_completion(texts: dict[int, list[str]], count: Callable[[str], int]) -> int:
     """Completion tokens of ``texts`` (choice index -> its text pieces, in order): each choice counted whole."""
     return sum(count("".join(pieces)) for pieces in texts.values())
+
+
+def partial_usage(cancelled: BaseException) -> dict | None:
+    """The usage a cancelled whole answer carries (the local engine's count up to the abort:
+    ``engine.entrypoints.serving.PARTIAL_USAGE``, the same attribute name); None when the backend could not know
+    it (an upstream: what it generated before the connection closed is never reported)."""
+    found = getattr(cancelled, "partial_usage", None)
+    return found if isinstance(found, dict) else None

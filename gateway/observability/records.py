@@ -75,7 +75,8 @@ class RequestRecord:
     finish_reasons: list[str] = field(default_factory=list)
     texts: dict[int, list[str]] = field(default_factory=dict)   # choice index -> generated text pieces, in order
     strip_usage: bool = False              # a stream whose client did not ask for usage: its usage chunk is dropped
-    disconnected: bool = False             # the client left a committed stream before its end
+    disconnected: bool = False             # the client left while a backend worked on its answer (or streamed it)
+    answer_body: bytes | None = None       # a whole answer's body as its backend returned it (until ``finish``)
     error: str | None = None
     finished: bool = False
     events: EventReader = field(default_factory=EventReader)   # the committed stream's events, as read

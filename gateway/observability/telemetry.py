@@ -20,7 +20,8 @@ from typing import Callable
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from gateway.billing.counting import choice_pieces, client_wants_usage, count_completion, counter_for
+from gateway.billing.counting import (choice_pieces, client_wants_usage, count_completion, counter_for,
+                                      partial_usage)
 from gateway.billing.prices import NANO, Price, cost_nusd, usage_tokens
 from gateway.cache.key import cache_config
 from gateway.billing.usage import Budget, UsageLedger, UsageRecord, tenant_label
@@ -173,6 +174,8 @@ class Observability:
                 resp = await fn(c)
                 status = resp.status
                 outcome = "ok" if status < 400 else "error_status"
+                if status < 400 and not rec.stream:
+                    rec.answer_body = resp.body  # billed from it if the client leaves before ``finish`` reads it
                 if span is not None and status < 400 and resp.body:
                     try:
                         span_answer(span, decode_answer(resp.body))
@@ -181,6 +184,8 @@ class Observability:
                 return resp
             except BaseException as e:
                 outcome = _error_type(e)
+                if outcome == "cancelled" and (usage := partial_usage(e)) is not None:
+                    rec.usage = usage        # the local engine's count up to the abort: billed if the client left
                 raise
             finally:
                 if token is not None:
@@ -327,7 +332,24 @@ class Observability:
         failed = exc is not None and not isinstance(exc, (asyncio.CancelledError, GeneratorExit))
         if failed:
             rec.error = f"internal_error ({type(exc).__name__})"
+        else:
+            self._left(rec)
         self._spawn(self._complete(rec, 500 if failed else 499))
+
+    def _left(self, rec: RequestRecord) -> None:
+        """The client left before its whole answer was sent: when a backend was working on it (its call was
+        cancelled) or had answered (the cancel raced the answer), the request is billed to that backend, marked
+        ``disconnected``: with the engine's count up to the abort (``rec.usage``, set by the attempt hook), the
+        answer's usage, or else (an upstream's partial output is unknown) the prompt, estimated."""
+        last = rec.attempts[-1] if rec.attempts else None
+        if last is None or last.outcome not in ("ok", "cancelled"):
+            return                       # no backend call in flight: nothing was generated, nothing is billed
+        rec.backend, rec.disconnected = last.backend, True
+        if rec.usage is None and last.outcome == "ok" and rec.answer_body:
+            try:
+                rec.usage = decode_answer(rec.answer_body).usage
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass
 
     async def _complete(self, rec: RequestRecord, status: int) -> None:
         """The request ended with ``status``: settle its cost, meter, end its span, write its log line."""
@@ -336,7 +358,7 @@ class Observability:
         rec.finished = True
         self._active.pop(rec.request_id, None)
         latency = time.perf_counter() - rec.t0
-        # Billed: every answer a backend gave, and a committed stream its client left (for what it was sent).
+        # Billed: every answer a backend gave, and a request its client left while a backend worked on it.
         answered = rec.backend != "" and (status < 400 or rec.disconnected)
         tokens, estimated = usage_tokens(rec.usage), False
         if tokens is None and answered and rec.body is not None:

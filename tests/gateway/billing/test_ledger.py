@@ -27,6 +27,7 @@ from gateway.state import SharedState
 from tests.conftest import free_port
 from tests.gateway.fault_upstream import FaultUpstream
 from tests.gateway.support import sha
+from tests.tiny_models import save_byte_level_llama
 
 KEY = "sk-tandem-ledger-0123456789abcdef"
 HELLO = [{"role": "user", "content": "hello"}]     # estimate_prompt_tokens: 6 tokens
@@ -55,14 +56,14 @@ def config(up: FaultUpstream, redis_url: str | None = None, budget_usd: float | 
 
 
 @contextlib.asynccontextmanager
-async def replicas(cfg: str, n: int = 1):
+async def replicas(cfg: str, n: int = 1, start_engine: bool = False):
     """``n`` gateways on one config (one Redis when it names one): yields [(gateway, openai client)]."""
     import uvicorn
 
     out, served = [], []
     try:
         for _ in range(n):
-            gw = Gateway(None, load_config_text(cfg), start_engine=False)
+            gw = Gateway(None, load_config_text(cfg), start_engine=start_engine)
             port = free_port()
             server = uvicorn.Server(uvicorn.Config(create_app(gw), host="127.0.0.1", port=port,
                                                    log_level="warning", lifespan="on"))
@@ -184,6 +185,86 @@ async def test_client_disconnect_mid_stream_is_billed(up, redis_url):
     assert estimate_tokens("".join(got)) <= rec.completion_tokens < estimate_tokens("tok0 " * 10)
     assert rec.nusd == cost_nusd(PRICE, 6, rec.completion_tokens) > 0
     assert (spent, reserved) == (rec.nusd, 0)
+
+
+async def test_client_disconnect_before_a_whole_answer_is_billed(up, redis_url):
+    """A non-streamed request whose client leaves while the upstream works (it never answers: a hang fault, which
+    also sees the gateway close its connection): one record, marked disconnected and estimated, for the prompt
+    (what the upstream generated before the cancel is unknown); the budget's reservation is settled, none left."""
+    up.set_default({"hang": True})
+    prefix_cfg = config(up, redis_url, budget_usd=1.0).replace("state: {", "state: {key_prefix: 'wholedisc', ")
+    async with replicas(prefix_cfg) as [(gw, client)]:
+        call = asyncio.create_task(client.chat.completions.create(model="m1", messages=HELLO))
+        await until(lambda: _upstream_has(up, 1))            # the upstream works on it
+        call.cancel()                                        # the client closes its connection
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        [rec] = (await records(gw, 1)).values()
+        spent, reserved, _ = await gw.usage.budget_state("t1", Budget(1.0, "day"))
+        await until(lambda: _upstream_left(up))              # the cancel closed the upstream call
+    assert (rec.prompt_tokens, rec.completion_tokens, rec.disconnected, rec.estimated) == (6, 0, True, True)
+    assert rec.nusd == cost_nusd(PRICE, 6, 0) > 0
+    assert (spent, reserved) == (rec.nusd, 0)
+
+
+async def _upstream_has(up: FaultUpstream, n: int) -> bool:
+    return len(up.requests) >= n
+
+
+async def _upstream_left(up: FaultUpstream) -> bool:
+    return up.disconnects == 1
+
+
+LOCAL = """reload: {{watch: false}}
+auth:
+  keys:
+    - {{tenant: t1, sha256: {sha}}}
+resilience: {{health: {{interval_s: 0}}}}
+observability: {{logs: {{requests: false}}}}
+models:
+  - name: m1
+backends:
+  local:
+    type: local
+    engine: {{model: '{model}', dtype: float32, kv_cache_memory: 64MiB, max_model_len: 4096}}
+    prices: {{input: 1, output: 2}}
+routes:
+  r1:
+    targets: [{{backend: local}}]
+policy: {{default_route: r1}}
+"""
+
+
+async def test_client_disconnect_mid_generation_bills_the_engines_count(tmp_path):
+    """A long whole answer from the local engine (a random 2-layer Llama, ``ignore_eos``) whose client leaves
+    once the engine has generated tokens: one record, marked disconnected and not estimated, with the engine's
+    prompt and the tokens it generated up to the abort (at most what its outputs counted before the abort)."""
+    model = save_byte_level_llama(tmp_path, max_position_embeddings=4096)
+    async with replicas(LOCAL.format(sha=sha(KEY), model=model), start_engine=True) as [(gw, client)]:
+        local = await until(lambda: _engine_ready(gw), timeout=120)
+        seen: list = []                  # the engine's outputs, as its listeners get them (the core's thread)
+        local.engine.add_output_listener(lambda outs, _now: seen.extend(outs))
+        call = asyncio.create_task(client.chat.completions.create(
+            model="m1", messages=HELLO, max_tokens=4000, temperature=0, extra_body={"ignore_eos": True}))
+        await until(lambda: _generated(seen, at_least=16), timeout=120)   # a liveness bound
+        call.cancel()                    # the client closes its connection mid-generation
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        [rec] = (await records(gw, 1)).values()
+    final = seen[-1]
+    assert final.finished and final.outputs[0].finish_reason == "abort"    # cut, not finished on its own
+    assert (rec.disconnected, rec.estimated, rec.prompt_tokens) == (True, False, len(seen[0].prompt_token_ids))
+    assert 16 <= rec.completion_tokens <= max(c.num_generated_tokens for out in seen for c in out.outputs) < 4000
+    assert rec.nusd == cost_nusd(PRICE, rec.prompt_tokens, rec.completion_tokens)
+
+
+async def _engine_ready(gw):
+    local = gw.snapshot.local
+    return local if local is not None and local.available else None
+
+
+async def _generated(outputs: list, at_least: int) -> bool:
+    return any(c.num_generated_tokens >= at_least for out in list(outputs) for c in out.outputs)
 
 
 # ----- 4 and 5: a Redis outage under two replicas ----------------------------------------------------------------

@@ -523,7 +523,8 @@ def test_redactor_masks_known_secrets_and_patterns():
 
 
 def test_client_disconnect_is_metered_and_logged(gw):
-    """A client that hangs up while the upstream works: the request still gets its log line (499) and metric."""
+    """A client that hangs up while the upstream works: the request still gets its log line (499) and metric, and
+    is billed (issue 26) for its prompt, estimated (what the upstream generated before the cancel is unknown)."""
     before = families(httpx.get(gw.url + "/metrics", timeout=10, headers=ADMIN_AUTH).text)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(gw.url + "/v1/chat/completions", timeout=0.5, headers={"authorization": f"Bearer {KEY_T1}"},
@@ -534,9 +535,13 @@ def test_client_disconnect_is_metered_and_logged(gw):
         if lines:
             break
         time.sleep(0.05)
-    assert len(lines) == 1 and lines[0]["tenant"] == "t1" and lines[0]["cost_usd"] == 0.0
+    assert len(lines) == 1 and lines[0]["tenant"] == "t1" and lines[0]["backend"] == "a"
+    line = lines[0]
+    assert (line["prompt_tokens"], line["completion_tokens"], line["usage_estimated"], line["disconnected"]) == (
+        6, 0, True, True)
+    assert line["cost_usd"] == cost_usd(Price(1, 2), 6, 0) > 0
     after = families(httpx.get(gw.url + "/metrics", timeout=10, headers=ADMIN_AUTH).text)
-    labels = dict(model="m3", route="r3", backend="none", status=499)
+    labels = dict(model="m3", route="r3", backend="a", status=499)
     assert value(after, "tandem_requests_total", **labels) - value(before, "tandem_requests_total", **labels) == 1
 
 
