@@ -12,7 +12,13 @@ import argparse
 import importlib
 import sys
 
-COMMAND_MODULES = ("engine.cli", "gateway.commands", "loadtests.cli")
+# Each area's module and the top-level commands its ``register`` adds (tests/gateway/test_cli_help.py pins the
+# two together): ``tandem X`` imports only X's module, so a quick command does not load the others first.
+COMMAND_MODULES = {
+    "engine.cli": ("generate", "engine", "bench"),
+    "gateway.commands": ("serve", "route", "ctl", "usage", "cost"),
+    "loadtests.cli": ("loadtest", "parity"),
+}
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -41,11 +47,14 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
                 show_defaults(sub)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full ``tandem`` parser with every area's sub-commands; every ``--help`` shows the defaults."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``tandem`` parser; every ``--help`` shows the defaults. With ``command`` (a top-level command of
+    ``COMMAND_MODULES``) only its module registers, so a quick command such as ``route explain --url`` does not
+    import the engine's server or the load tests first; otherwise every area's sub-commands."""
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    owner = [name for name, commands in COMMAND_MODULES.items() if command in commands]
+    for name in owner or COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
     show_defaults(parser)
     return parser
@@ -53,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse ``argv`` and run the chosen command's ``func(args)``."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     return int(args.func(args) or 0)
 
 

@@ -65,3 +65,31 @@ def test_help_renders_defaults_and_units():
     assert "percent" in explain
     ctl = _subparser(root, "ctl").format_help()
     assert "TANDEM_URL" in ctl
+
+
+@pytest.mark.parametrize("module", ["engine.cli", "gateway.commands", "loadtests.cli"])
+def test_each_areas_commands_are_the_ones_it_registers(module):
+    """``tandem`` registers only the owner of the command it runs (gateway/cli.py ``COMMAND_MODULES``): the
+    commands listed for each area must be exactly the top-level commands its ``register`` adds, or one vanishes."""
+    import importlib
+
+    from gateway.cli import COMMAND_MODULES
+
+    parser = argparse.ArgumentParser()
+    importlib.import_module(module).register(parser.add_subparsers())
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(action.choices) == set(COMMAND_MODULES[module])
+
+
+def test_a_gateway_command_does_not_import_the_engine_server():
+    """``tandem route explain --url`` answers in well under a second: parsing it registers the gateway's
+    commands alone, not the engine's server (Litestar) nor the load tests (aiohttp)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from gateway.cli import build_parser; build_parser('route').parse_args("
+            "['route', 'explain', '--url', 'http://127.0.0.1:1', '--request', '{}']); "
+            "print(sorted(m for m in ('engine.entrypoints.server', 'loadtests.upstream') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
