@@ -34,6 +34,7 @@ from engine.core_messages import (AbortRequests, AddRequest, CoreStep, EngineCor
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.ttft import PrefixMirror, TTFTPrediction, predict_ttft
 
 logger = logging.getLogger("tandem.async_engine")
 
@@ -91,6 +92,7 @@ class AsyncEngine:
         self._accepting = True
         self._dead: EngineDeadError | None = None
         self._stats: EngineStats | None = None
+        self._prefix_mirror = PrefixMirror()   # the core's prefix cache, from its events (TTFT predictions)
         self._acks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._ack_ids = itertools.count()
         self._drain_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
@@ -282,6 +284,16 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not started")
         return self._stats
 
+    def predict_ttft(self, prompt_token_ids: list[int], priority: int = 0) -> TTFTPrediction | None:
+        """Predicted seconds to the first token of this prompt if it were added now (``engine/ttft.py``):
+        the core's state after its last step and its prefix cache as mirrored here. None before the core
+        published a state."""
+        state = self._stats.ttft if self._stats is not None else None
+        if state is None:
+            return None
+        cached = self._prefix_mirror.cached_tokens(prompt_token_ids, state.block_size)
+        return predict_ttft(state, len(prompt_token_ids), cached, priority)
+
     # ------------------------------------------------- core side (one thread)
     def _abort_here(self, rid: str) -> None:
         """Forget ``rid`` in the front end; its stream (if any) and the
@@ -310,6 +322,8 @@ class AsyncEngine:
             processed = proc.process_outputs(step.outputs, step.timestamp)
             deliveries += [(out.request_id, out) for out in processed.request_outputs]
             self._stats = step.stats
+            if step.stats.ttft is not None:
+                self._prefix_mirror.apply(step.stats.ttft)
             if processed.request_outputs:
                 self._notify(processed.request_outputs, step.timestamp)
             self._deliver(deliveries)

@@ -38,6 +38,7 @@ from engine.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured_outputs import StructuredOutputManager
+from engine.ttft import TTFTCalibration, state_of
 
 logger = logging.getLogger("tandem.engine")
 
@@ -130,6 +131,8 @@ class EngineCore:
         self._prompt_logprobs: dict[str, list] = {}  # client request id -> prompt logprobs not yet sent
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self.ttft_calibration = TTFTCalibration()   # step costs for TTFT predictions (engine/ttft.py)
+        self.scheduler.kv_cache_manager.block_pool.kv_events = []
         # The objects built so far (the model, the tokenizer, torch's modules) live as long as the
         # engine: freezing them keeps the cyclic GC from walking them on every collection during
         # serving (4 % of a single stream's time in a profile; vLLM freezes its start-up heap too).
@@ -237,16 +240,21 @@ class EngineCore:
         token or finished: 1. schedule, 2. run the model, 3. sample
         (grammar-constrained rows masked), 4. advance the scheduler (EOS, stop
         token ids, lengths), 5. report."""
+        started = time.perf_counter()   # the whole step, as a request waiting for it sees it
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         runner_out = self.model_runner.execute_model(sched)
         sampled, row_logprobs, grammar_done, content = self._sample(sched, runner_out)
+        prefill_tokens = 0
         for entry in sched.scheduled:
             req = entry.request
             if entry.num_computed_tokens < req.num_prompt_tokens:
-                self._prompt_tokens_total += min(entry.num_new_tokens,
-                                                 req.num_prompt_tokens - entry.num_computed_tokens)
+                prefill_tokens += min(entry.num_new_tokens, req.num_prompt_tokens - entry.num_computed_tokens)
+        self._prompt_tokens_total += prefill_tokens
+        self.ttft_calibration.observe(time.perf_counter() - started, prefill_tokens,
+                                      len(sched.scheduled) - sum(e.num_computed_tokens < e.request.num_prompt_tokens
+                                                                 for e in sched.scheduled))
         self._collect_prompt_logprobs(sched, runner_out.prompt_logits)
         finished = self.scheduler.update_from_output(sched, sampled, not_stops=content)
         self._stop_finished_grammars(grammar_done, finished)
@@ -375,6 +383,7 @@ class EngineCore:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, tokens_in_flight=in_flight,
             prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
+            ttft=state_of(s, self.ttft_calibration),
         )
 
 

@@ -1,0 +1,198 @@
+"""A request's time to first token (TTFT), predicted from the engine's real state at admission.
+
+The core publishes, after every step, a ``TTFTState`` with its stats (``EngineStats.ttft``): the prefill tokens
+still to compute per priority class, the running set's seats, decode rows and KV headroom, and the step costs it
+measured (``TTFTCalibration``, exponentially weighted). It also publishes which prompt blocks entered or left its
+prefix cache (as vLLM's KV cache events do for llm-d's prefix-aware router); ``PrefixMirror`` replays them in the
+front end, so a prompt's cached prefix is looked up there without a round trip to the core's process and with no
+scrape lag (at most one step old). ``predict_ttft`` is a pure function of the state and the request.
+
+The model, per step: time = ``step_s`` (a decode-only step of the running set) + prefill tokens / ``prefill_tok_s``.
+A new request of priority p gets its first token when the prefill tokens ahead of it (the running set's, then
+the waiting classes <= p; in fcfs every queued request is ahead) and its own uncached tokens are computed, at most
+``budget - decode rows`` prefill tokens a step, each step filled with whatever prefill is queued; it waits first for a seat (``max_num_seqs``) or for KV blocks when none are left, which
+the running set frees at the earliest after its shortest remaining decode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import msgspec
+
+from engine.kv_cache_manager import hash_block_tokens
+
+# Weight of a new observation in the EWMAs: ~20 steps of memory, enough to follow a change of load and to
+# smooth one step's noise.
+EWMA_ALPHA = 0.1
+
+
+class TTFTState(msgspec.Struct, array_like=True):
+    """The core's state that a TTFT prediction needs (one per step, in ``EngineStats.ttft``).
+
+    Attributes:
+        block_size: tokens per KV block.
+        budget: token budget of one step (``max_num_batched_tokens``).
+        max_num_seqs: seats of the running set.
+        num_running: sequences running. decode_rows: running sequences past their prefill (1 token a step).
+        queued_prefill: [priority, prompt tokens not yet computed] per priority class of the waiting requests.
+        running_prefill: prompt tokens not yet computed of running requests (any priority: a step serves the
+            running set first).
+        fcfs: the scheduler ignores priorities (every queued token is ahead of a new request).
+        free_blocks: device blocks free or evictable. min_remaining_decode: the shortest remaining
+            ``max_tokens`` of a running sequence (0 when none runs).
+        step_s: measured seconds of a decode step. prefill_tok_s: measured prefill tokens per second.
+        stored, removed: block hashes that entered / left the prefix cache since the last state.
+        resync: every cached block hash (the events were not drained in time; replaces the mirror), or None.
+    """
+
+    block_size: int
+    budget: int
+    max_num_seqs: int
+    num_running: int
+    decode_rows: int
+    queued_prefill: list[tuple[int, int]]
+    running_prefill: int
+    fcfs: bool
+    free_blocks: int
+    min_remaining_decode: int
+    step_s: float
+    prefill_tok_s: float
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    resync: list[bytes] | None = None
+
+
+@dataclass
+class TTFTCalibration:
+    """Step costs measured online (EWMA). Starts from a guess (``step_s`` seconds, ``prefill_tok_s`` tokens/s)
+    that the first steps replace."""
+
+    step_s: float = 0.05
+    prefill_tok_s: float = 2000.0
+    steps: int = 0
+
+    def observe(self, seconds: float, prefill_tokens: int, decode_rows: int) -> None:
+        """Fold in one step: ``seconds`` of wall time, ``prefill_tokens`` prefill tokens and ``decode_rows``
+        decode rows computed. A decode-only step measures ``step_s``; a step with prefill measures the prefill
+        rate over the time beyond ``step_s``."""
+        if seconds <= 0:
+            return
+        a = EWMA_ALPHA if self.steps else 1.0   # the first measurement replaces the guess
+        if prefill_tokens == 0:
+            if decode_rows > 0:
+                self.step_s += a * (seconds - self.step_s)
+                self.steps += 1
+            return
+        # A step with prefill pays the fixed cost too; half a decode step is a floor on it so that one noisy
+        # decode measurement cannot make the prefill rate infinite.
+        prefill_s = max(seconds - self.step_s, 0.5 * seconds)
+        self.prefill_tok_s += a * (prefill_tokens / prefill_s - self.prefill_tok_s)
+        self.steps += 1
+
+
+@dataclass
+class TTFTPrediction:
+    """A predicted TTFT (``seconds``) and the numbers it came from (``parts``), for explanations."""
+
+    seconds: float
+    parts: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line: the prediction and its inputs."""
+        p = self.parts
+        waits = "".join(f", waits {p[k]:.2f} s for {k[5:]}" for k in ("wait_seat", "wait_kv") if p.get(k))
+        return (f"{self.seconds:.2f} s ({p.get('ahead', 0)} prefill tokens ahead + {p.get('uncached', 0)} uncached "
+                f"of {p.get('prompt', 0)}, {p.get('steps', 0)} steps at {p.get('step_s', 0) * 1000:.0f} ms + "
+                f"{p.get('prefill_tok_s', 0):.0f} tok/s{waits})")
+
+
+def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, priority: int = 0) -> TTFTPrediction:
+    """Predicted seconds from admission to the first token of a request of ``prompt_tokens`` tokens, of which
+    ``cached_tokens`` are in the prefix cache, at ``priority`` (smaller = more urgent), given ``state``."""
+    uncached = max(prompt_tokens - cached_tokens, 1)   # the last prompt token is always computed
+    ahead = state.running_prefill + sum(t for p, t in state.queued_prefill if state.fcfs or p <= priority)
+    per_step = max(state.budget - state.decode_rows, 1)
+    steps = max(math.ceil((ahead + uncached) / per_step), 1)
+    # Those steps are filled with whatever prefill is queued, behind this request too (a full step costs its
+    # whole budget whoever's tokens they are).
+    queued = state.running_prefill + sum(t for _, t in state.queued_prefill)
+    work = min(steps * per_step, queued + uncached)
+    wait_decode = state.min_remaining_decode * state.step_s
+    wait_seat = wait_decode if state.num_running >= state.max_num_seqs else 0.0
+    need_blocks = math.ceil((ahead + prompt_tokens) / state.block_size) - cached_tokens // state.block_size
+    wait_kv = wait_decode if need_blocks > state.free_blocks else 0.0
+    seconds = max(wait_seat, wait_kv) + steps * state.step_s + work / state.prefill_tok_s
+    return TTFTPrediction(seconds, {
+        "prompt": prompt_tokens, "uncached": uncached, "ahead": ahead, "steps": steps, "step_s": state.step_s,
+        "prefill_tok_s": state.prefill_tok_s, "wait_seat": wait_seat, "wait_kv": wait_kv})
+
+
+def cached_prefix_tokens(token_ids: list[int], block_size: int, is_cached) -> int:
+    """Tokens of ``token_ids`` the prefix cache would serve: full blocks whose hash chain ``is_cached(hash)``
+    holds, at most ``(len - 1) // block_size`` blocks (the last token is always computed), as
+    ``KVCacheManager.get_computed_blocks`` finds them."""
+    parent = None
+    hit = 0
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
+        if not is_cached(parent):
+            break
+        hit += 1
+    return hit * block_size
+
+
+class PrefixMirror:
+    """The set of block hashes in the core's prefix cache, kept from the states' events (front end side)."""
+
+    def __init__(self) -> None:
+        self.hashes: set[bytes] = set()
+
+    def apply(self, state: TTFTState) -> None:
+        """Replay one state's events (a ``resync`` replaces the set first)."""
+        if state.resync is not None:
+            self.hashes = set(state.resync)
+        self.hashes.difference_update(state.removed)
+        self.hashes.update(state.stored)
+
+    def cached_tokens(self, token_ids: list[int], block_size: int) -> int:
+        """Tokens of ``token_ids`` the core's prefix cache holds (``cached_prefix_tokens``)."""
+        return cached_prefix_tokens(token_ids, block_size, self.hashes.__contains__)
+
+
+def drain_kv_events(pool, limit: int) -> tuple[list[bytes], list[bytes], list[bytes] | None]:
+    """(stored, removed, resync) from ``pool.kv_events`` (a ``BlockPool``), emptied: each hash's last event wins,
+    so replaying removed then stored is exact. More than ``limit`` events (nobody drained them): a resync of the
+    whole cache instead."""
+    events = pool.kv_events
+    if events is None:
+        return [], [], None
+    if len(events) > limit:
+        events.clear()
+        return [], [], list(pool.cached_block_hash_to_block)
+    last = dict(events)
+    events.clear()
+    return [h for h, c in last.items() if c], [h for h, c in last.items() if not c], None
+
+
+def state_of(scheduler, calibration: TTFTCalibration) -> TTFTState:
+    """The ``TTFTState`` of ``scheduler`` (an ``engine.scheduler.Scheduler``) now, with ``calibration``'s step
+    costs and the prefix cache's events since the last call."""
+    queued: dict[int, int] = {}
+    for req in (*scheduler.waiting, *scheduler.swapped):
+        left = req.num_prompt_tokens - req.num_computed_tokens
+        if left > 0:
+            queued[req.priority] = queued.get(req.priority, 0) + left
+    running_prefill = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in scheduler.running)
+    decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
+    kv = scheduler.kv_cache_manager
+    stored, removed, resync = drain_kv_events(kv.block_pool, 4 * scheduler.num_blocks)
+    return TTFTState(
+        block_size=scheduler.block_size, budget=scheduler.max_num_batched_tokens,
+        max_num_seqs=scheduler.max_num_seqs, num_running=len(scheduler.running), decode_rows=len(decoding),
+        queued_prefill=sorted(queued.items()), running_prefill=running_prefill, fcfs=scheduler.scheduling_policy == "fcfs",
+        free_blocks=kv.num_free_blocks,
+        min_remaining_decode=min((r.max_tokens - r.num_output_tokens for r in decoding), default=0),
+        step_s=calibration.step_s, prefill_tok_s=calibration.prefill_tok_s,
+        stored=stored, removed=removed, resync=resync)
