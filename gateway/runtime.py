@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from gateway.config.compile import Compiled, load_config_text
 from gateway.config.schema import ConfigError
 from gateway.backends.local import LocalBackend
+from gateway.backends.latency import UpstreamLatency
 from gateway.backends.replicas import ReplicaLoads
 from gateway.resilience.layer import Resilience
 from gateway.billing.journal import Journal
@@ -91,6 +92,7 @@ class Gateway:
                                  cfg.budgets.record_ttl_s, Journal(cfg.budgets.journal_path))
         self.obs = Observability(cfg, self.usage, self.live_gauges)   # metrics, traces, request logs
         self.replicas = ReplicaLoads(self.obs.registry)   # load of prefix_affinity routes' engine replicas
+        self.latency = UpstreamLatency()   # upstreams' rolling TTFT, for slo routes
         if cfg.state.redis_url:
             self.ledger = RedisLedger(cfg.state.redis_url, cfg.state.key_prefix, cfg.reload.keep_versions,
                                       cfg.state.socket_timeout_s)

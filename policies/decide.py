@@ -7,15 +7,18 @@ from dataclasses import dataclass, field
 from policies.features import RequestFeatures, Signals
 from policies.routes import Pick, Route, Target, pick_target
 from policies.rules import Match, match
+from policies.slo import Slo
 
 
 @dataclass(frozen=True)
 class Rule:
-    """``when match: use route``. A rule with an empty match always matches."""
+    """``when match: use route``. A rule with an empty match always matches. Its ``slo`` (e.g. for a tenant or
+    a priority) replaces the route's."""
 
     name: str
     route: str
     match: Match = Match()
+    slo: Slo | None = None
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,13 @@ class Policy:
         out: set[str] = set()
         for r in self.rules:
             out |= r.match.fields()
+        if self.has_slo():
+            out.add("prompt_tokens")   # an SLO prices the prompt and predicts the engine's TTFT for it
         return out
+
+    def has_slo(self) -> bool:
+        """Some rule or route routes by a TTFT SLO (the gateway then gathers ``Signals.ttft``)."""
+        return any(r.slo for r in self.rules) or any(r.slo for r in self.routes.values())
 
 
 @dataclass
@@ -130,7 +139,9 @@ def decide(policy: Policy, f: RequestFeatures, s: Signals, explain: bool = False
     route_name = chosen_rule.route if chosen_rule else policy.default_route
     route = policy.routes[route_name]
     key = canary_key(policy, f)
-    pick = pick_target(route, key, s.unavailable, f.prefix_text, s.replica_load)
+    slo = chosen_rule.slo if chosen_rule is not None and chosen_rule.slo is not None else route.slo
+    pick = pick_target(route, key, s.unavailable, f.prefix_text, s.replica_load, slo, s.ttft, f.prompt_tokens,
+                       f.max_tokens)
     attempts: list[Target] = []
     seen: set[str] = set()
     for t in pick.ranked:

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from policies.affinity import Affinity, ReplicaLoad, choose, prefix_key
+from policies.slo import Slo, rank
 
 SELECT_MODES = ("weighted", "cheapest", "prefix_affinity")
 
@@ -56,13 +57,15 @@ class Route:
     ``weighted`` (canary by stable hash), ``cheapest`` (lowest input +
     output price among available targets) or ``prefix_affinity`` (engine
     replicas by prefix-cache affinity and load, ``policies/affinity.py``,
-    with ``affinity`` settings)."""
+    with ``affinity`` settings). With an ``slo`` the first choice is the
+    cheapest target predicted to meet it, else the fastest (``policies/slo.py``)."""
 
     name: str
     targets: tuple[Target, ...]
     fallbacks: tuple[Target, ...] = ()
     select: str = "weighted"
     affinity: Affinity = Affinity()
+    slo: Slo | None = None
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -99,11 +102,16 @@ class Pick:
 
 
 def pick_target(route: Route, key: str, unavailable: dict[str, str], prefix: str = "",
-                loads: dict[str, ReplicaLoad] | None = None) -> Pick:
+                loads: dict[str, ReplicaLoad] | None = None, slo: Slo | None = None,
+                estimates: dict | None = None, prompt_tokens: int | None = None,
+                max_tokens: int | None = None) -> Pick:
     """Choose the first-choice target of ``route`` for canary key ``key``,
     skipping targets whose backend is in ``unavailable``. ``prefix_affinity``
     routes use ``prefix`` (``affinity.prefix_text`` of the request) and the
     replicas' ``loads`` (target id -> ``ReplicaLoad``) instead of ``key``.
+    An ``slo`` (the rule's, else the route's) ranks by ``estimates`` (backend
+    name -> ``policies.slo.TTFTEstimate``) and the request's cost
+    (``prompt_tokens``, ``max_tokens``) instead.
 
     Returns a Pick whose ``target`` is None when no target is available;
     ``ranked`` holds every live target in the order to try them."""
@@ -111,6 +119,9 @@ def pick_target(route: Route, key: str, unavailable: dict[str, str], prefix: str
     live = [t for t in route.targets if t.backend not in unavailable and t.weight > 0]
     if not live:
         return Pick(None, skipped=skipped, reason="no available target with weight > 0")
+    if slo is not None:
+        ranked, reason, cost = rank(live, slo, estimates or {}, prompt_tokens, max_tokens)
+        return Pick(ranked[0], scores=cost, skipped=skipped, ranked=ranked, reason=reason)
     if route.select == "cheapest":
         ranked = sorted(live, key=lambda t: (t.input_price + t.output_price, route.targets.index(t)))
         best = ranked[0]
@@ -160,4 +171,4 @@ def with_weights(route: Route, weights: dict[str, float]) -> Route:
     new_w = {by_key[k].id: float(w) for k, w in weights.items()}
     targets = tuple(Target(t.backend, t.model, new_w.get(t.id, t.weight), t.input_price, t.output_price, t.id)
                     for t in route.targets)
-    return Route(route.name, targets, route.fallbacks, route.select, route.affinity)
+    return Route(route.name, targets, route.fallbacks, route.select, route.affinity, route.slo)

@@ -281,17 +281,25 @@ class AffinityConfig(_Strict):
     metrics_interval_s: float = Field(0.5, gt=0)    # replicas' /metrics read this often
 
 
+class SloConfig(_Strict):
+    """A TTFT objective (``policies/slo.py``): the cheapest target predicted to meet it, else the fastest."""
+
+    ttft_ms: float = Field(gt=0)                 # time to first token, milliseconds
+
+
 class RouteConfig(_Strict):
     targets: list[TargetConfig] = Field(min_length=1)
     fallbacks: list[TargetConfig] = []
     select: Literal["weighted", "cheapest", "prefix_affinity"] = "weighted"
     affinity: AffinityConfig = AffinityConfig()
+    slo: SloConfig | None = None                 # route by predicted TTFT and cost (replaces select's pick)
 
 
 class RuleConfig(_Strict):
     name: str
     match: dict[str, Any] = {}
     route: str
+    slo: SloConfig | None = None                 # this rule's SLO (a tenant's, a priority's): replaces the route's
 
 
 class PolicyConfig(_Strict):

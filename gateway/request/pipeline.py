@@ -80,6 +80,8 @@ def decide_route(gw, req: GatewayRequest, explain: bool = False):
     signals = snap.signals()
     if affinity:
         signals.replica_load = gw.replicas.loads()
+    if snap.compiled.policy.has_slo():
+        signals.ttft = gw.latency.estimates(snap, req)
     return decide(snap.compiled.policy, features(req, affinity), signals, explain=explain), affinity
 
 
@@ -118,10 +120,14 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     hook = gw.obs.admitted(request_id, adm.budget, adm.budget_spec)
     if affinity:
         hook = _then(gw.replicas.track, hook)
+    if snap.compiled.policy.has_slo():
+        hook = _then(gw.latency.track, hook)
     answer = await forward(req, decision.attempts, snap.backends, gw.resilience, adm.rate, hook, adm.tokens)
     answer.headers = {"x-tandem-route": decision.route, "x-tandem-rule": decision.rule,
                       "x-tandem-backend": answer.backend or "none", "x-tandem-attempts": str(answer.attempts),
                       **answer.headers, **adm.headers}   # x-request-id: gateway/http/app.py request_ids
+    if decision.pick.reason.startswith("SLO"):   # the numbers the SLO decision was made on
+        answer.headers["x-tandem-slo"] = decision.pick.reason
     return answer
 
 
