@@ -34,7 +34,7 @@ from engine.core_messages import (AbortRequests, AddRequest, CoreStep, EngineCor
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.ttft import PrefixMirror, TTFTPrediction, predict_ttft
+from engine.ttft import PendingAdds, PrefixMirror, TTFTPrediction, predict_ttft
 
 logger = logging.getLogger("tandem.async_engine")
 
@@ -93,6 +93,7 @@ class AsyncEngine:
         self._dead: EngineDeadError | None = None
         self._stats: EngineStats | None = None
         self._prefix_mirror = PrefixMirror()   # the core's prefix cache, from its events (TTFT predictions)
+        self._pending = PendingAdds()          # sent, not yet in the core's last state (TTFT predictions)
         self._acks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._ack_ids = itertools.count()
         self._drain_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
@@ -236,6 +237,10 @@ class AsyncEngine:
         with self._lock:
             self._processor.add_request(request_id, text, token_ids, params)  # ValueError: id in use
             self._streams[request_id] = stream
+            state = self._stats.ttft if self._stats is not None else None
+            if state is not None:   # counted as queued by TTFT predictions until the core's state counts it
+                cached = self._prefix_mirror.cached_tokens(token_ids, state.block_size)
+                self._pending.note_sent(priority, len(token_ids) - cached)
         finished = False
         try:
             if self._dead is not None:  # died while we registered: _on_dead may have missed us
@@ -292,7 +297,7 @@ class AsyncEngine:
         if state is None:
             return None
         cached = self._prefix_mirror.cached_tokens(prompt_token_ids, state.block_size)
-        return predict_ttft(state, len(prompt_token_ids), cached, priority)
+        return predict_ttft(self._pending.with_pending(state), len(prompt_token_ids), cached, priority)
 
     # ------------------------------------------------- core side (one thread)
     def _abort_here(self, rid: str) -> None:
@@ -324,6 +329,7 @@ class AsyncEngine:
             self._stats = step.stats
             if step.stats.ttft is not None:
                 self._prefix_mirror.apply(step.stats.ttft)
+                self._pending.seen(step.stats.ttft.added)
             if processed.request_outputs:
                 self._notify(processed.request_outputs, step.timestamp)
             self._deliver(deliveries)

@@ -43,6 +43,8 @@ class TTFTState(msgspec.Struct, array_like=True):
         free_blocks: device blocks free or evictable. min_remaining_decode: the shortest remaining
             ``max_tokens`` of a running sequence (0 when none runs).
         step_s: measured seconds of a decode step. prefill_tok_s: measured prefill tokens per second.
+        added: requests the core has taken from its queue of commands so far (accepted or refused): a front end
+            counts what it sent beyond that as queued too (``PendingAdds``).
         stored, removed: block hashes that entered / left the prefix cache since the last state.
         resync: every cached block hash (the events were not drained in time; replaces the mirror), or None.
     """
@@ -59,6 +61,7 @@ class TTFTState(msgspec.Struct, array_like=True):
     min_remaining_decode: int
     step_s: float
     prefill_tok_s: float
+    added: int = 0
     stored: list[bytes] = []
     removed: list[bytes] = []
     resync: list[bytes] | None = None
@@ -143,6 +146,35 @@ def cached_prefix_tokens(token_ids: list[int], block_size: int, is_cached) -> in
     return hit * block_size
 
 
+class PendingAdds:
+    """Requests a front end sent to the core that its last state does not count yet (in the pipe, or sent
+    after that step): without them a burst of arrivals would each see the same short queue."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self._queue: list[tuple[int, int, int]] = []   # (send index, priority, uncached prompt tokens)
+
+    def note_sent(self, priority: int, uncached_tokens: int) -> None:
+        """One request sent to the core (call in send order)."""
+        self.sent += 1
+        self._queue.append((self.sent, priority, uncached_tokens))
+
+    def seen(self, added: int) -> None:
+        """The core's state counts its first ``added`` requests: forget those."""
+        if self._queue and self._queue[0][0] <= added:
+            self._queue = [p for p in self._queue if p[0] > added]
+
+    def with_pending(self, state: TTFTState) -> TTFTState:
+        """``state`` with the requests not yet counted queued in their priority classes."""
+        queue = [p for p in self._queue if p[0] > state.added]
+        if not queue:
+            return state
+        classes = dict(state.queued_prefill)
+        for _, priority, tokens in queue:
+            classes[priority] = classes.get(priority, 0) + tokens
+        return msgspec.structs.replace(state, queued_prefill=sorted(classes.items()))
+
+
 class PrefixMirror:
     """The set of block hashes in the core's prefix cache, kept from the states' events (front end side)."""
 
@@ -176,9 +208,9 @@ def drain_kv_events(pool, limit: int) -> tuple[list[bytes], list[bytes], list[by
     return [h for h, c in last.items() if c], [h for h, c in last.items() if not c], None
 
 
-def state_of(scheduler, calibration: TTFTCalibration) -> TTFTState:
+def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTState:
     """The ``TTFTState`` of ``scheduler`` (an ``engine.scheduler.Scheduler``) now, with ``calibration``'s step
-    costs and the prefix cache's events since the last call."""
+    costs, ``added`` requests taken so far and the prefix cache's events since the last call."""
     queued: dict[int, int] = {}
     for req in (*scheduler.waiting, *scheduler.swapped):
         left = req.num_prompt_tokens - req.num_computed_tokens
@@ -194,5 +226,5 @@ def state_of(scheduler, calibration: TTFTCalibration) -> TTFTState:
         queued_prefill=sorted(queued.items()), running_prefill=running_prefill, fcfs=scheduler.scheduling_policy == "fcfs",
         free_blocks=kv.num_free_blocks,
         min_remaining_decode=min((r.max_tokens - r.num_output_tokens for r in decoding), default=0),
-        step_s=calibration.step_s, prefill_tok_s=calibration.prefill_tok_s,
+        step_s=calibration.step_s, prefill_tok_s=calibration.prefill_tok_s, added=added,
         stored=stored, removed=removed, resync=resync)

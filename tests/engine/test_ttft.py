@@ -12,7 +12,7 @@ from engine.kv_cache_manager import hash_block_tokens
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.ttft import PrefixMirror, TTFTCalibration, TTFTState, predict_ttft, state_of
+from engine.ttft import PendingAdds, PrefixMirror, TTFTCalibration, TTFTState, predict_ttft, state_of
 
 STEP_S, PREFILL_TOK_S = 0.040, 1000.0
 
@@ -170,3 +170,21 @@ def test_calibration_follows_measured_steps():
         cal.observe(0.030 + 512 / 3000, 512, 4)
     assert cal.step_s == pytest.approx(0.030, rel=0.01)
     assert cal.prefill_tok_s == pytest.approx(3000, rel=0.05)
+
+
+def test_requests_sent_but_not_yet_in_the_cores_state_count_as_queued():
+    """A burst: each request the front end sent before the core's next state is ahead of the next one."""
+    rng = random.Random(7)
+    eng = ScriptedEngine()
+    pending = PendingAdds()
+    alone = predict_ttft(pending.with_pending(eng.state), 200, 0).seconds
+    for _ in range(3):
+        pending.note_sent(0, 1000)
+    burst = predict_ttft(pending.with_pending(eng.state), 200, 0).seconds
+    assert burst == pytest.approx(alone + 3000 / PREFILL_TOK_S + 12 * STEP_S)
+    for i in range(3):   # the core takes them: its state counts them, the front end forgets them
+        eng.sched.add_request(Request(f"b{i}", tokens(rng, 1000), SamplingParams(max_tokens=4), max_tokens=4))
+    state = state_of(eng.sched, eng.cal, added=3)
+    pending.seen(state.added)
+    assert pending.with_pending(state) is state
+    assert predict_ttft(state, 200, 0).seconds == pytest.approx(burst)
