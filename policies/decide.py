@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from policies.features import RequestFeatures, Signals
-from policies.routes import Pick, Route, Target, pick_target
+from policies.routes import Pick, Route, Target, home_target, pick_target, sticky_key
 from policies.rules import Match, match
 from policies.slo import Slo
 
@@ -51,6 +51,10 @@ class Policy:
         if self.has_slo():
             out.add("prompt_tokens")   # an SLO prices the prompt and predicts the engine's TTFT for it
         return out
+
+    def needs_prefix(self) -> bool:
+        """Some route hashes the prompt's leading text (``prefix_affinity``, ``sticky: prefix``)."""
+        return any(r.select == "prefix_affinity" or r.sticky == "prefix" for r in self.routes.values())
 
     def has_slo(self) -> bool:
         """Some rule or route routes by a TTFT SLO (the gateway then gathers ``Signals.ttft``)."""
@@ -140,8 +144,14 @@ def decide(policy: Policy, f: RequestFeatures, s: Signals, explain: bool = False
     route = policy.routes[route_name]
     key = canary_key(policy, f)
     slo = chosen_rule.slo if chosen_rule is not None and chosen_rule.slo is not None else route.slo
+    # A sticky route keeps a conversation on one target (its provider's prompt cache stays warm): its key
+    # replaces the canary key of a weighted pick; an SLO pick prices the conversation's home at its cached rate.
+    sticky = sticky_key(route, f.prefix_text, f.user)
+    if sticky and slo is None:
+        key = sticky
+    home = home_target([t for t in route.targets if t.backend not in s.unavailable], sticky) if slo else ""
     pick = pick_target(route, key, s.unavailable, f.prefix_text, s.replica_load, slo, s.ttft, f.prompt_tokens,
-                       f.max_tokens)
+                       f.max_tokens, home)
     attempts: list[Target] = []
     seen: set[str] = set()
     for t in pick.ranked:

@@ -39,19 +39,22 @@ class TTFTEstimate:
     error_rate: float = 0.0
 
 
-def request_cost(target, prompt_tokens: int | None, max_tokens: int | None) -> float:
-    """USD of a request on ``target`` (a ``policies.Target``; prices in USD per million tokens)."""
+def request_cost(target, prompt_tokens: int | None, max_tokens: int | None, cached: bool = False) -> float:
+    """USD of a request on ``target`` (a ``policies.Target``; prices in USD per million tokens); ``cached``: its
+    prompt priced at the target's cached-input price (the conversation's home, whose prompt cache holds it)."""
     out = max_tokens if max_tokens is not None else EXPECTED_OUTPUT_TOKENS
-    return ((prompt_tokens or 0) * target.input_price + out * target.output_price) / 1e6
+    price = target.cached_input_price if cached and target.cached_input_price is not None else target.input_price
+    return ((prompt_tokens or 0) * price + out * target.output_price) / 1e6
 
 
 def rank(live: list, slo: Slo, estimates: dict[str, TTFTEstimate], prompt_tokens: int | None,
-         max_tokens: int | None) -> tuple[list, str, dict[str, float]]:
+         max_tokens: int | None, home: str = "") -> tuple[list, str, dict[str, float]]:
     """``live`` targets in the order to try them for ``slo``: those predicted to meet it by cost (then
-    predicted TTFT, then route order), then the others by predicted TTFT. Returns (ranked, the explanation
-    quoting each target's prediction and cost, target id -> USD)."""
+    predicted TTFT, then route order), then the others by predicted TTFT. ``home``: the id of the target whose
+    prompt cache holds this conversation (a sticky route), priced at its cached-input price. Returns (ranked, the
+    explanation quoting each target's prediction and cost, target id -> USD)."""
     budget_s = slo.ttft_ms / 1000.0
-    cost = {t.id: request_cost(t, prompt_tokens, max_tokens) for t in live}
+    cost = {t.id: request_cost(t, prompt_tokens, max_tokens, t.id == home) for t in live}
     est = {t.id: estimates.get(t.backend, TTFTEstimate(None)) for t in live}
 
     def meets(t) -> bool:
@@ -72,7 +75,8 @@ def rank(live: list, slo: Slo, estimates: dict[str, TTFTEstimate], prompt_tokens
         cmp = "" if e.seconds is None else (" <= " if e.seconds <= budget_s else " > ") + f"SLO {budget_s:g} s"
         err = f", {100 * e.error_rate:.0f} % errors" if e.error_rate else ""
         basis = f" [{e.basis}]" if e.basis else ""
-        parts.append(f"{t.id} {said}{cmp} at {cost[t.id]:.5f} USD{err}{basis}")
+        warm = " (prompt cache home)" if t.id == home else ""
+        parts.append(f"{t.id} {said}{cmp} at {cost[t.id]:.5f} USD{warm}{err}{basis}")
     if good:
         head = f"SLO ttft {slo.ttft_ms:g} ms: cheapest predicted to meet it: {good[0].id}"
     else:

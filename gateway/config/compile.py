@@ -100,7 +100,8 @@ def _target(t: TargetConfig, cfg: GatewayConfig, path: str, errors: list[tuple[s
     if backend is None:
         errors.append((f"{path}.backend", f"unknown backend {t.backend!r}; defined: {', '.join(cfg.backends)}"))
         return None
-    return Target(t.backend, t.model, t.weight, backend.prices.input, backend.prices.output, t.id)
+    return Target(t.backend, t.model, t.weight, backend.prices.input, backend.prices.output, t.id,
+                  backend.prices.cached_input)
 
 
 def _check_engine(name: str, engine: EngineConfig, errors: list[tuple[str, str]], warnings: list[str]) -> None:
@@ -153,7 +154,7 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
             aff = r.affinity
             routes[rname] = Route(rname, tuple(targets), tuple(fallbacks), r.select,
                                   Affinity(aff.prefix_blocks, aff.block_chars, aff.load_factor, aff.max_kv_usage),
-                                  Slo(r.slo.ttft_ms) if r.slo else None)
+                                  Slo(r.slo.ttft_ms) if r.slo else None, r.sticky)
         except ValueError as e:
             errors.append((f"routes.{rname}", str(e)))
     for rname, weights in (overrides or {}).items():

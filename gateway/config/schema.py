@@ -293,6 +293,7 @@ class RouteConfig(_Strict):
     select: Literal["weighted", "cheapest", "prefix_affinity"] = "weighted"
     affinity: AffinityConfig = AffinityConfig()
     slo: SloConfig | None = None                 # route by predicted TTFT and cost (replaces select's pick)
+    sticky: Literal["", "prefix", "user"] = ""   # keep a conversation on one target (its prompt cache warm)
 
 
 class RuleConfig(_Strict):

@@ -82,7 +82,8 @@ def decide_route(gw, req: GatewayRequest, explain: bool = False):
         signals.replica_load = gw.replicas.loads()
     if snap.compiled.policy.has_slo():
         signals.ttft = gw.latency.estimates(snap, req)
-    return decide(snap.compiled.policy, features(req, affinity), signals, explain=explain), affinity
+    prefix = affinity or snap.compiled.policy.needs_prefix()
+    return decide(snap.compiled.policy, features(req, prefix), signals, explain=explain), affinity
 
 
 async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str) -> Answer:

@@ -97,3 +97,49 @@ def test_config_compiles_slo_and_names_bad_values():
     assert compiled.policy.rules[0].slo == Slo(400)
     with pytest.raises(ConfigError, match=r"routes\.chat\.slo\.ttft_ms"):
         load_config_text(CONFIG % 0)
+
+
+# ------------------------------------------------------------------ sticky (prompt-cache affinity)
+A, B, C = (Target(n, input_price=1.0, output_price=2.0, cached_input_price=0.1) for n in ("a", "b", "c"))
+
+
+def conv(first: str, turns: int) -> str:
+    from policies import prefix_text
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": first}]
+    for i in range(turns):
+        msgs += [{"role": "assistant", "content": f"answer {i}"}, {"role": "user", "content": f"more {i}"}]
+    return prefix_text({"messages": msgs})
+
+
+def test_sticky_prefix_keeps_every_turn_of_a_conversation_on_one_target():
+    sticky = Policy((), {"r": Route("r", (A, B, C), sticky="prefix")}, "r")
+    plain = Policy((), {"r": Route("r", (A, B, C))}, "r")
+    homes, plain_picks = set(), set()
+    for turn in range(6):
+        f = RequestFeatures(model="m", request_id=f"req-{turn}", prefix_text=conv("question one", turn))
+        homes.add(decide(sticky, f, Signals()).pick.target.id)
+        plain_picks.add(decide(plain, f, Signals()).pick.target.id)
+    assert len(homes) == 1 and len(plain_picks) > 1   # without it each request id lands anywhere
+    spread = {decide(sticky, RequestFeatures(model="m", prefix_text=conv(f"topic {i}", 0)), Signals()).pick.target.id
+              for i in range(30)}
+    assert spread == {"a", "b", "c"}   # conversations still spread over the targets by weight
+
+
+def test_sticky_home_breaks_on_an_open_breaker_and_comes_back():
+    p = Policy((), {"r": Route("r", (A, B, C), sticky="user")}, "r")
+    f = RequestFeatures(model="m", user="alice")
+    home = decide(p, f, Signals()).pick.target.id
+    moved = decide(p, f, Signals(unavailable={home: "circuit open"})).pick.target.id
+    assert moved != home
+    assert decide(p, f, Signals()).pick.target.id == home
+
+
+def test_sticky_slo_route_prices_the_home_at_its_cached_rate_but_not_past_the_slo():
+    route = Route("r", (A, B, C), slo=Slo(1000), sticky="user")
+    p = Policy((), {"r": route}, "r")
+    f = RequestFeatures(model="m", user="bob", prompt_tokens=2000, max_tokens=10)
+    home = decide(p, f, Signals()).pick.home
+    d = decide(p, f, Signals(), explain=True)
+    assert d.pick.target.id == home and f"{home} no estimate yet at 0.00022 USD (prompt cache home)" in d.pick.reason
+    slow = decide(p, f, signals(**{home: 3.0}))   # the home is under load: predicted past the SLO
+    assert slow.pick.target.id != home and slow.attempts[-1].id == home
