@@ -93,6 +93,7 @@ class Gateway:
         self.obs = Observability(cfg, self.usage, self.live_gauges)   # metrics, traces, request logs
         self.replicas = ReplicaLoads(self.obs.registry)   # load of prefix_affinity routes' engine replicas
         self.latency = UpstreamLatency()   # upstreams' rolling TTFT, for slo routes
+        self.local_cost = None             # gateway.billing.local_cost.LocalCost when local.cost is set
         if cfg.state.redis_url:
             self.ledger = RedisLedger(cfg.state.redis_url, cfg.state.key_prefix, cfg.reload.keep_versions,
                                       cfg.state.socket_timeout_s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from policies.features import RequestFeatures, Signals
-from policies.routes import Pick, Route, Target, home_target, pick_target, sticky_key
+from policies.routes import Pick, Route, Target, home_target, pick_target, sticky_key, with_prices
 from policies.rules import Match, match
 from policies.slo import Slo
 
@@ -141,7 +141,7 @@ def decide(policy: Policy, f: RequestFeatures, s: Signals, explain: bool = False
             chosen_rule = rule
             break
     route_name = chosen_rule.route if chosen_rule else policy.default_route
-    route = policy.routes[route_name]
+    route = with_prices(policy.routes[route_name], s.prices)
     key = canary_key(policy, f)
     slo = chosen_rule.slo if chosen_rule is not None and chosen_rule.slo is not None else route.slo
     # A sticky route keeps a conversation on one target (its provider's prompt cache stays warm): its key

@@ -91,6 +91,8 @@ class Signals:
             engine replicas of ``prefix_affinity`` routes.
         ttft: backend name -> ``policies.slo.TTFTEstimate`` of this request
             (only when a rule or route has an ``slo``).
+        prices: backend name -> (input, output) USD per million tokens now,
+            replacing its configured prices (the local engine's from its cost).
     """
 
     local_waiting: int = 0
@@ -99,3 +101,4 @@ class Signals:
     unavailable: dict[str, str] = field(default_factory=dict)
     replica_load: dict = field(default_factory=dict)
     ttft: dict = field(default_factory=dict)
+    prices: dict = field(default_factory=dict)

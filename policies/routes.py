@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from policies.affinity import Affinity, ReplicaLoad, choose, prefix_key
 from policies.slo import Slo, rank
@@ -203,3 +203,14 @@ def home_target(targets: list[Target], key: str) -> str:
     if not key or not live:
         return ""
     return max(live, key=lambda t: t.weight / -math.log(hash_unit(key, t.id))).id
+
+
+def with_prices(route: Route, prices: dict[str, tuple[float, float]]) -> Route:
+    """A copy of ``route`` whose targets and fallbacks on a backend in ``prices`` (backend name -> (input,
+    output) USD per million tokens) carry those prices; ``route`` itself when none does."""
+    def priced(ts: tuple[Target, ...]) -> tuple[Target, ...]:
+        return tuple(replace(t, input_price=prices[t.backend][0], output_price=prices[t.backend][1])
+                     if t.backend in prices else t for t in ts)
+    if not any(t.backend in prices for t in (*route.targets, *route.fallbacks)):
+        return route
+    return replace(route, targets=priced(route.targets), fallbacks=priced(route.fallbacks))

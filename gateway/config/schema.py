@@ -223,6 +223,13 @@ class EngineConfig(_Strict):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
+class LocalCostConfig(_Strict):
+    """The local engine's price from its machine's (``gateway/billing/local_cost.py``)."""
+
+    usd_per_hour: float = Field(gt=0)            # what the machine costs, USD per hour
+    interval_s: float = Field(60.0, gt=0)        # spread over the tokens served in each interval of this many seconds
+
+
 class LocalBackendConfig(_Strict):
     """The in-process engine."""
 
@@ -232,6 +239,7 @@ class LocalBackendConfig(_Strict):
     # a request using one left out here cannot be served locally.
     structured_outputs: list[Literal["response_format", "tools"]] = ["response_format", "tools"]
     prices: Prices = Prices()
+    cost: LocalCostConfig | None = None    # prices from usd_per_hour and the tokens served (ranking by cost)
     rpm: int | None = Field(None, ge=1)
     tpm: int | None = Field(None, ge=1)
 

@@ -7,10 +7,12 @@ hook) and decides nothing.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 
 from gateway.backends.dispatch import Answer, forward
+from gateway.billing.local_cost import local_price
 from gateway.errors import ClientError
 from gateway.request.admission import admit
 from gateway.request.auth import authenticate
@@ -82,6 +84,10 @@ def decide_route(gw, req: GatewayRequest, explain: bool = False):
         signals.replica_load = gw.replicas.loads()
     if snap.compiled.policy.has_slo():
         signals.ttft = gw.latency.estimates(snap, req)
+    local = snap.local
+    if local is not None and local.cfg.cost is not None and local.engine is not None:
+        price = local_price(gw, local, time.monotonic())
+        signals.prices[local.name] = (price.input, price.output)
     prefix = affinity or snap.compiled.policy.needs_prefix()
     return decide(snap.compiled.policy, features(req, prefix), signals, explain=explain), affinity
 
