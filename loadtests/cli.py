@@ -12,6 +12,7 @@ Sub-commands of ``loadtest``:
   replicas  scenario 7: engine replicas, round-robin vs prefix_affinity routing (+ a replica killed)
   ledger    scenario 8: the usage ledger under Redis pauses, stalls and restarts (two replicas)
   spill     spill to aggregators: local only vs a threshold rule vs a TTFT SLO
+  prompt-cache  prompt-cache affinity on aggregators: cached share of input tokens with vs without sticky
 ``parity`` is scenario 6: greedy outputs and logprobs of two targets compared.
 """
 
@@ -119,10 +120,11 @@ def _add_upstream(sub) -> None:
 
 def add_commands(sub) -> None:
     """Add the ``loadtest`` sub-commands to ``sub`` (an argparse subparsers object)."""
-    from loadtests.scenarios import canary, core_modes, engine, failover, ledger, overhead, prefix, replicas, spill
+    from loadtests.scenarios import (canary, core_modes, engine, failover, ledger, overhead, prefix, prompt_cache,
+                                     replicas, spill)
     _add_run(sub)
     _add_upstream(sub)
-    for mod in (overhead, engine, core_modes, canary, failover, prefix, replicas, ledger, spill):
+    for mod in (overhead, engine, core_modes, canary, failover, prefix, replicas, ledger, spill, prompt_cache):
         mod.register(sub)
 
 
