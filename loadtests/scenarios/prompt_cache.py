@@ -35,10 +35,10 @@ def register(sub) -> None:
     p = sub.add_parser("prompt-cache", help="cached share of input tokens on aggregators, with vs without affinity",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", type=int, default=4, help="fake aggregators (deployments or keys)")
-    p.add_argument("--conversations", type=int, default=40)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--conversations", type=int, default=40, help="multi-turn conversations")
+    p.add_argument("--turns", type=int, default=6, help="turns per conversation")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompts")
     p.add_argument("--out", default="loadtest-results/prompt-cache", help="output directory")
     p.set_defaults(func=run)
 

@@ -52,7 +52,7 @@ def register(sub) -> None:
     p.add_argument("--high", type=float, default=3.0, help="arrival rate at the peak, x capacity")
     p.add_argument("--max-tokens", type=int, default=16, help="completion tokens per request")
     p.add_argument("--policies", default="local,threshold,slo", help="comma-separated subset to run")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the arrivals and prompts")
     p.add_argument("--out", default="loadtest-results/spill", help="output directory (results.json, summary.md)")
     p.set_defaults(func=run)
 
