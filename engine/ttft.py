@@ -16,6 +16,7 @@ the running set frees at the earliest after its shortest remaining decode.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -36,12 +37,16 @@ class TTFTState(msgspec.Struct, array_like=True):
         budget: token budget of one step (``max_num_batched_tokens``).
         max_num_seqs: seats of the running set.
         num_running: sequences running. decode_rows: running sequences past their prefill (1 token a step).
-        queued_prefill: [priority, prompt tokens not yet computed] per priority class of the waiting requests.
+        queued_prefill: [priority, prompt tokens not yet computed, requests] per priority class of the waiting
+            requests.
         running_prefill: prompt tokens not yet computed of running requests (any priority: a step serves the
             running set first).
         fcfs: the scheduler ignores priorities (every queued token is ahead of a new request).
-        free_blocks: device blocks free or evictable. min_remaining_decode: the shortest remaining
-            ``max_tokens`` of a running sequence (0 when none runs).
+        free_blocks: device blocks free or evictable. remaining_decode: the tokens each running sequence may
+            still generate (its ``max_tokens`` left), ascending: when it frees its seat and blocks at the latest.
+        typical_decode: the mean ``max_tokens`` of the running sequences (how long a waiting one whose own is
+            not listed holds its seat once admitted).
+        waiting_decode: [priority, max_tokens] of the first waiting requests, in the order they get seats.
         step_s: measured seconds of a decode step. prefill_tok_s: measured prefill tokens per second.
         added: requests the core has taken from its queue of commands so far (accepted or refused): a front end
             counts what it sent beyond that as queued too (``PendingAdds``).
@@ -54,11 +59,13 @@ class TTFTState(msgspec.Struct, array_like=True):
     max_num_seqs: int
     num_running: int
     decode_rows: int
-    queued_prefill: list[tuple[int, int]]
+    queued_prefill: list[tuple[int, int, int]]
     running_prefill: int
     fcfs: bool
     free_blocks: int
-    min_remaining_decode: int
+    remaining_decode: list[int]
+    typical_decode: float
+    waiting_decode: list[tuple[int, int]]
     step_s: float
     prefill_tok_s: float
     added: int = 0
@@ -88,9 +95,9 @@ class TTFTCalibration:
                 self.step_s += a * (seconds - self.step_s)
                 self.steps += 1
             return
-        # A step with prefill pays the fixed cost too; half a decode step is a floor on it so that one noisy
-        # decode measurement cannot make the prefill rate infinite.
-        prefill_s = max(seconds - self.step_s, 0.5 * seconds)
+        # A step with prefill pays the fixed cost too; a fifth of the step is a floor on its prefill time so that
+        # one noisy decode measurement cannot make the prefill rate infinite.
+        prefill_s = max(seconds - self.step_s, 0.2 * seconds)
         self.prefill_tok_s += a * (prefill_tokens / prefill_s - self.prefill_tok_s)
         self.steps += 1
 
@@ -115,21 +122,42 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     """Predicted seconds from admission to the first token of a request of ``prompt_tokens`` tokens, of which
     ``cached_tokens`` are in the prefix cache, at ``priority`` (smaller = more urgent), given ``state``."""
     uncached = max(prompt_tokens - cached_tokens, 1)   # the last prompt token is always computed
-    ahead = state.running_prefill + sum(t for p, t in state.queued_prefill if state.fcfs or p <= priority)
+    classes = [c for c in state.queued_prefill if state.fcfs or c[0] <= priority]
+    ahead = state.running_prefill + sum(c[1] for c in classes)
     per_step = max(state.budget - state.decode_rows, 1)
     steps = max(math.ceil((ahead + uncached) / per_step), 1)
     # Those steps are filled with whatever prefill is queued, behind this request too (a full step costs its
     # whole budget whoever's tokens they are).
-    queued = state.running_prefill + sum(t for _, t in state.queued_prefill)
+    queued = state.running_prefill + sum(c[1] for c in state.queued_prefill)
     work = min(steps * per_step, queued + uncached)
-    wait_decode = state.min_remaining_decode * state.step_s
-    wait_seat = wait_decode if state.num_running >= state.max_num_seqs else 0.0
+    prefill_path = steps * state.step_s + work / state.prefill_tok_s
+    n_ahead = sum(c[2] for c in classes)
+    holds = [m for p, m in state.waiting_decode if state.fcfs or p <= priority][:n_ahead]
+    holds += [state.typical_decode] * (n_ahead - len(holds))   # sent but not in the state yet, or past the list
+    remaining = state.remaining_decode
+    wait_seat = _seat_free_at(remaining, state.max_num_seqs - state.num_running, holds) * state.step_s
     need_blocks = math.ceil((ahead + prompt_tokens) / state.block_size) - cached_tokens // state.block_size
-    wait_kv = wait_decode if need_blocks > state.free_blocks else 0.0
-    seconds = max(wait_seat, wait_kv) + steps * state.step_s + work / state.prefill_tok_s
+    wait_kv = remaining[0] * state.step_s if remaining and need_blocks > state.free_blocks else 0.0
+    own_steps = math.ceil(uncached / per_step)
+    own = own_steps * state.step_s + min(own_steps * per_step, queued + uncached) / state.prefill_tok_s
+    # Waiting for a seat overlaps the prefill of those ahead (they prefill as seats free): the longer path.
+    seconds = max(wait_kv + prefill_path, wait_seat + own)
     return TTFTPrediction(seconds, {
         "prompt": prompt_tokens, "uncached": uncached, "ahead": ahead, "steps": steps, "step_s": state.step_s,
         "prefill_tok_s": state.prefill_tok_s, "wait_seat": wait_seat, "wait_kv": wait_kv})
+
+
+def _seat_free_at(remaining: list[int], free: int, holds: list[float]) -> float:
+    """Decode steps until a new request gets a seat: ``free`` seats are free now, the running sequences free
+    theirs after their decode left (``remaining``), and each request ahead (``holds``: its decode length, in
+    order) takes the first seat to free and holds it for a prefill step and its decode."""
+    frees = [0.0] * max(free, 0) + [float(r) for r in remaining]
+    if not frees:
+        return 0.0
+    heapq.heapify(frees)
+    for hold in holds:
+        heapq.heappush(frees, heapq.heappop(frees) + 1 + hold)
+    return frees[0]
 
 
 def cached_prefix_tokens(token_ids: list[int], block_size: int, is_cached) -> int:
@@ -169,10 +197,12 @@ class PendingAdds:
         queue = [p for p in self._queue if p[0] > state.added]
         if not queue:
             return state
-        classes = dict(state.queued_prefill)
+        classes = {p: [t, n] for p, t, n in state.queued_prefill}
         for _, priority, tokens in queue:
-            classes[priority] = classes.get(priority, 0) + tokens
-        return msgspec.structs.replace(state, queued_prefill=sorted(classes.items()))
+            c = classes.setdefault(priority, [0, 0])
+            c[0] += tokens
+            c[1] += 1
+        return msgspec.structs.replace(state, queued_prefill=sorted((p, t, n) for p, (t, n) in classes.items()))
 
 
 class PrefixMirror:
@@ -208,14 +238,22 @@ def drain_kv_events(pool, limit: int) -> tuple[list[bytes], list[bytes], list[by
     return [h for h, c in last.items() if c], [h for h, c in last.items() if not c], None
 
 
+def _seat_order(scheduler) -> list:
+    """The waiting and swapped requests in the order the scheduler gives them seats."""
+    queue = [*scheduler.swapped, *scheduler.waiting]
+    if scheduler.scheduling_policy == "priority":
+        queue.sort(key=lambda r: (r.priority, r.arrival_time))
+    return queue
+
+
 def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTState:
     """The ``TTFTState`` of ``scheduler`` (an ``engine.scheduler.Scheduler``) now, with ``calibration``'s step
     costs, ``added`` requests taken so far and the prefix cache's events since the last call."""
-    queued: dict[int, int] = {}
+    queued: dict[int, list[int]] = {}
     for req in (*scheduler.waiting, *scheduler.swapped):
-        left = req.num_prompt_tokens - req.num_computed_tokens
-        if left > 0:
-            queued[req.priority] = queued.get(req.priority, 0) + left
+        c = queued.setdefault(req.priority, [0, 0])
+        c[0] += max(req.num_prompt_tokens - req.num_computed_tokens, 0)
+        c[1] += 1
     running_prefill = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in scheduler.running)
     decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
     kv = scheduler.kv_cache_manager
@@ -223,8 +261,10 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
     return TTFTState(
         block_size=scheduler.block_size, budget=scheduler.max_num_batched_tokens,
         max_num_seqs=scheduler.max_num_seqs, num_running=len(scheduler.running), decode_rows=len(decoding),
-        queued_prefill=sorted(queued.items()), running_prefill=running_prefill, fcfs=scheduler.scheduling_policy == "fcfs",
+        queued_prefill=sorted((p, t, n) for p, (t, n) in queued.items()), running_prefill=running_prefill, fcfs=scheduler.scheduling_policy == "fcfs",
         free_blocks=kv.num_free_blocks,
-        min_remaining_decode=min((r.max_tokens - r.num_output_tokens for r in decoding), default=0),
+        remaining_decode=sorted(r.max_tokens - r.num_output_tokens for r in scheduler.running),
+        typical_decode=sum(r.max_tokens for r in scheduler.running) / max(len(scheduler.running), 1),
+        waiting_decode=[(r.priority, r.max_tokens) for r in _seat_order(scheduler)[:4 * scheduler.max_num_seqs]],
         step_s=calibration.step_s, prefill_tok_s=calibration.prefill_tok_s, added=added,
         stored=stored, removed=removed, resync=resync)

@@ -188,3 +188,20 @@ def test_requests_sent_but_not_yet_in_the_cores_state_count_as_queued():
     pending.seen(state.added)
     assert pending.with_pending(state) is state
     assert predict_ttft(state, 200, 0).seconds == pytest.approx(burst)
+
+
+def test_requests_queued_for_seats_wait_for_the_running_set_to_finish():
+    """Short prompts, long answers, few seats: the queue is of seats, not of prefill; each prediction is within a
+    step (plus 15 %) of the TTFT delivered."""
+    rng = random.Random(8)
+    eng = ScriptedEngine(max_num_seqs=4)
+    predicted = {}
+    for i in range(16):
+        prompt = tokens(rng, rng.choice([20, 60]))
+        predicted[f"s{i}"] = eng.predict(prompt)
+        eng.add(f"s{i}", prompt, max_tokens=rng.choice([20, 40]))
+        eng.step()
+    eng.run()
+    for rid, p in predicted.items():
+        assert abs(p - eng.ttft(rid)) <= STEP_S + 0.15 * eng.ttft(rid), (rid, p, eng.ttft(rid))
+    assert max(eng.ttft(r) for r in predicted) > 40 * STEP_S, "no seat queue built up"
