@@ -49,3 +49,29 @@ def test_prediction_through_the_core_process(tiny_model):
             await eng.shutdown()
 
     asyncio.run(main())
+
+
+def test_engine_server_answers_a_ttft_prediction(tiny_model, tmp_path):
+    """``POST /v1/ttft`` on ``tandem engine serve``: the prediction for a body as the completions endpoints
+    take it; a prompt the engine has served comes back mostly cached."""
+    import httpx
+    import openai
+
+    from loadtests.procs import Server, free_port, tandem_cmd
+
+    port = free_port()
+    srv = Server([*tandem_cmd("engine", "serve"), "--model", tiny_model, "--port", str(port), "--kv-cache-memory",
+                  "64MiB", "--served-model-name", "tiny", "--uvicorn-log-level", "warning"],
+                 f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}", log_dir=tmp_path,
+                 name="engine").wait_ready(120)
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 300}], "max_tokens": 2}
+        cold = httpx.post(srv.base_url + "/v1/ttft", json=body, timeout=30).json()
+        assert cold["ttft_s"] > 0 and cold["uncached_tokens"] == cold["prompt_tokens"] > 300
+        openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x").chat.completions.create(**body)
+        warm = httpx.post(srv.base_url + "/v1/ttft", json=body, timeout=30).json()
+        assert warm["uncached_tokens"] < 20 and "uncached of" in warm["explanation"]
+        bad = httpx.post(srv.base_url + "/v1/ttft", json={"model": "tiny", "messages": "nope"}, timeout=30)
+        assert bad.status_code == 400
+    finally:
+        srv.stop()
