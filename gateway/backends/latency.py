@@ -2,6 +2,9 @@
 
 - The co-located engine: its own prediction for this request at admission (``AsyncEngine.predict_ttft``, from
   the core's state after its last step; ``engine/ttft.py``), read in-process: no scrape, no lag.
+  Corrected by the p90 of measured / predicted over the engine's last ``WINDOW`` answers (once it has
+  ``MIN_RATIOS``): what the engine cannot see (the front end's and the gateway's share of the CPU, other
+  processes on the box) shows up there, and a high percentile keeps the SLO met per request.
 - An upstream: a rolling estimate from this gateway's own calls to it (``UpstreamLatency.track`` wraps the
   attempt loop's calls): the 90th percentile TTFT of its last ``WINDOW`` answers (time to the first streamed
   chunk, or to the whole body), and the share of those calls that failed (transport error, 429, 5xx). A high
@@ -19,6 +22,13 @@ from policies import TTFTEstimate
 # Calls remembered per backend: enough for a stable 90th percentile, few enough to follow a provider that slows.
 WINDOW = 50
 PERCENTILE = 0.9
+# Answers of the local engine before its measured / predicted ratio corrects its predictions.
+MIN_RATIOS = 10
+# Local predictions remembered until their request's attempt reads them back (requests explained, never sent).
+_PREDICTED_MAX = 4096
+# Below this many seconds a prediction is compared as if it were this: a fixed overhead of a few tens of ms
+# would otherwise make an idle engine's ratios huge and scale every later prediction by them.
+RATIO_FLOOR_S = 0.25
 
 
 class UpstreamLatency:
@@ -26,6 +36,9 @@ class UpstreamLatency:
 
     def __init__(self) -> None:
         self._calls: dict[str, deque] = {}   # backend -> (ttft seconds or None on failure)
+        self._ratios: deque = deque(maxlen=WINDOW)   # local engine: measured / predicted TTFT
+        self._predicted: dict[str, float] = {}      # request id -> the engine's own prediction, seconds
+        self._local = ""
 
     def observe(self, backend: str, ttft_s: float | None) -> None:
         """One call to ``backend``: its TTFT in seconds, or None when it failed."""
@@ -51,11 +64,40 @@ class UpstreamLatency:
             token_ids = req.rendered.prompts[0][1]
             p = local.engine.predict_ttft(token_ids, req.priority)
             if p is not None:
-                out[local.name] = TTFTEstimate(p.seconds, p.describe())
+                self._local = local.name
+                if len(self._predicted) >= _PREDICTED_MAX:
+                    self._predicted.pop(next(iter(self._predicted)))
+                self._predicted[req.request_id] = p.seconds
+                factor, why = self.correction()
+                out[local.name] = TTFTEstimate(p.seconds * factor, f"{p.describe()}{why}")
         return out
 
-    def track(self, attempt):
-        """``attempt`` (one call of the attempt loop) timing each upstream call to its first byte of answer."""
+    def correction(self) -> tuple[float, str]:
+        """(factor on the engine's predictions, its explanation): the p90 of measured / predicted TTFT of its
+        last answers; (1, "") until there are ``MIN_RATIOS``."""
+        if len(self._ratios) < MIN_RATIOS:
+            return 1.0, ""
+        r = sorted(self._ratios)
+        f = r[min(int(PERCENTILE * len(r)), len(r) - 1)]
+        return f, f" x {f:.2f} (p90 of measured/predicted, last {len(r)} answers)"
+
+    def observe_local(self, request_id: str, ttft_s: float) -> None:
+        """The local engine answered ``request_id`` after ``ttft_s`` seconds: its ratio to the prediction."""
+        predicted = self._predicted.pop(request_id, None)
+        if predicted is not None:
+            self._ratios.append(ttft_s / max(predicted, RATIO_FLOOR_S))
+
+    def track(self, request_id: str):
+        """An attempt hook for ``request_id``: ``attempt`` (one call of the attempt loop) timing each call to its
+        first byte of answer."""
+        return lambda attempt: self._timed(attempt, request_id)
+
+    def _timed(self, attempt, request_id: str):
+        def seen(backend: str, ttft_s: float) -> None:
+            if backend == self._local:
+                self.observe_local(request_id, ttft_s)
+            else:
+                self.observe(backend, ttft_s)
 
         async def timed(c) -> UpstreamResponse:
             backend = c.target.backend
@@ -68,21 +110,21 @@ class UpstreamLatency:
             if resp.status == 429 or resp.status >= 500:
                 self.observe(backend, None)
             elif resp.chunks is None or resp.status >= 400:
-                self.observe(backend, time.monotonic() - started)
+                seen(backend, time.monotonic() - started)
             else:
-                resp.chunks = self._first_chunk(resp.chunks, backend, started)
+                resp.chunks = self._first_chunk(resp.chunks, lambda t: seen(backend, t), started)
             return resp
 
         return timed
 
-    async def _first_chunk(self, chunks, backend: str, started: float):
+    async def _first_chunk(self, chunks, seen, started: float):
         it = chunks.__aiter__()
         first = True
         try:
             async for chunk in it:
                 if first:
                     first = False
-                    self.observe(backend, time.monotonic() - started)
+                    seen(time.monotonic() - started)
                 yield chunk
         finally:   # closed early (client gone, failover): close the upstream's iterator too
             aclose = getattr(it, "aclose", None)

@@ -128,7 +128,7 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     if affinity:
         hook = _then(gw.replicas.track, hook)
     if snap.compiled.policy.has_slo():
-        hook = _then(gw.latency.track, hook)
+        hook = _then(gw.latency.track(request_id), hook)
     answer = await forward(req, decision.attempts, snap.backends, gw.resilience, adm.rate, hook, adm.tokens)
     answer.headers = {"x-tandem-route": decision.route, "x-tandem-rule": decision.rule,
                       "x-tandem-backend": answer.backend or "none", "x-tandem-attempts": str(answer.attempts),

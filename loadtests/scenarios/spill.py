@@ -13,7 +13,8 @@ conversation so far: the prefix cache serves it when the engine still holds it).
 
 Reported per policy: % of requests whose TTFT met the SLO (a failed request does not), cost per 1,000 requests
 (usage x the backends' prices), share sent upstream, and for requests the engine served under an SLO route the
-prediction error |predicted - measured| / measured (p50, p90; the prediction from ``x-tandem-slo``).
+prediction error |predicted - measured| / measured (p50, p90; the prediction from ``x-tandem-slo``: the gateway's
+figure, and the engine's own before the gateway's correction by the engine's recent measured / predicted ratio).
 """
 
 from __future__ import annotations
@@ -111,9 +112,12 @@ class Outcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     predicted_local: float | None = None
+    predicted_engine: float | None = None
 
 
-_PREDICTED = re.compile(r"(?:^|; )local predicted ([0-9.]+) s")
+# "local predicted 1.20 s <= SLO 2.5 s at ... USD [1.00 s (...) x 1.20 (p90 ...)]": the gateway's figure (the
+# engine's own, corrected by what the engine delivered lately), then the engine's own.
+_PREDICTED = re.compile(r"(?:^|; )local predicted ([0-9.]+) s[^\[;]*(?:\[([0-9.]+) s \()?")
 
 
 async def one(session: aiohttp.ClientSession, url: str, a: Arrival, max_tokens: int) -> Outcome:
@@ -127,6 +131,7 @@ async def one(session: aiohttp.ClientSession, url: str, a: Arrival, max_tokens: 
             out.backend = r.headers.get("x-tandem-backend", "")
             m = _PREDICTED.search(r.headers.get("x-tandem-slo", ""))
             out.predicted_local = float(m.group(1)) if m else None
+            out.predicted_engine = float(m.group(2)) if m and m.group(2) else None
             if r.status != 200:
                 return out
             async for line in r.content:
@@ -168,6 +173,8 @@ def analyse(outcomes: list[Outcome], slo_s: float, prices: dict[str, dict]) -> d
     pairs = [(o.predicted_local, o.ttft) for o in outcomes
              if o.ok and o.backend == "local" and o.predicted_local is not None]
     errors = [abs(p - m) / m for p, m in pairs]
+    engine = percentiles(abs(o.predicted_engine - o.ttft) / o.ttft for o in outcomes
+                         if o.ok and o.backend == "local" and o.predicted_engine is not None) or {}
     err = percentiles(errors) or {}
     ttft = percentiles(o.ttft for o in outcomes if o.ok) or {}
     return {"requests": n, "failed": sum(not o.ok for o in outcomes),
@@ -175,6 +182,8 @@ def analyse(outcomes: list[Outcome], slo_s: float, prices: dict[str, dict]) -> d
             "upstream_share_pct": 100.0 * upstream / n if n else None,
             "prediction_error_p50_pct": 100 * err["p50"] if err else None,
             "prediction_error_p90_pct": 100 * err["p90"] if err else None, "predictions": len(errors),
+            "engine_prediction_error_p50_pct": 100 * engine["p50"] if engine else None,
+            "engine_prediction_error_p90_pct": 100 * engine["p90"] if engine else None,
             "ttft_p50_s": ttft.get("p50"), "ttft_p99_s": ttft.get("p99"),
             "local_predicted_vs_measured_s": [[round(p, 3), round(m, 3)] for p, m in pairs]}
 
@@ -243,10 +252,12 @@ def run(args: argparse.Namespace) -> int:
             u.stop()
     rows = [[p, f["requests"], f["failed"], fmt(f["slo_met_pct"], ".1f"), fmt(f["usd_per_1000"], ".4f"),
              fmt(f["upstream_share_pct"], ".1f"), fmt(f["prediction_error_p50_pct"], ".0f"),
-             fmt(f["prediction_error_p90_pct"], ".0f"), fmt(f["ttft_p50_s"], ".2f"), fmt(f["ttft_p99_s"], ".2f")]
+             fmt(f["prediction_error_p90_pct"], ".0f"), fmt(f["engine_prediction_error_p50_pct"], ".0f"),
+             fmt(f["engine_prediction_error_p90_pct"], ".0f"), fmt(f["ttft_p50_s"], ".2f"), fmt(f["ttft_p99_s"], ".2f")]
             for p, f in figures.items()]
     table = md_table(["policy", "requests", "failed", f"TTFT <= {args.slo_ms:g} ms %", "USD / 1,000",
-                      "upstream %", "pred. err p50 %", "pred. err p90 %", "TTFT p50 s", "TTFT p99 s"], rows)
+                      "upstream %", "pred. err p50 %", "pred. err p90 %", "engine's own err p50 %",
+                      "engine's own err p90 %", "TTFT p50 s", "TTFT p99 s"], rows)
     note = (f"capacity {fmt(capacity, '.2f')} req/s (measured, local only); arrivals {args.low:g}x -> "
             f"{args.high:g}x -> {args.low:g}x over {args.duration:g} s; aggregators: "
             + ", ".join(f"{n} TTFT {a['ttft']:g} s at {a['input']:g}/{a['output']:g} USD/M" for n, a in

@@ -27,6 +27,20 @@ def test_rolling_estimate_is_the_p90_of_recent_answers_and_counts_errors():
     assert e.seconds == pytest.approx(0.2) and e.error_rate == 0   # the window forgot the old calls
 
 
+def test_local_predictions_are_corrected_by_what_the_engine_delivered():
+    lat = UpstreamLatency()
+    assert lat.correction() == (1.0, "")
+    for i in range(20):
+        lat._predicted[f"r{i}"] = 2.0
+        lat.observe_local(f"r{i}", 2.0 * (1.0 + 0.05 * i))   # the engine delivers 1.0x .. 1.95x its prediction
+    factor, why = lat.correction()
+    assert factor == pytest.approx(1.9) and "p90 of measured/predicted, last 20 answers" in why
+    lat.observe_local("never-predicted", 50.0)
+    lat._predicted["tiny"] = 0.01
+    lat.observe_local("tiny", 0.05)                           # floored: 0.05 / 0.25, not 5x
+    assert max(lat._ratios) < 2.0
+
+
 ROUTES = """  main:
     targets: [{backend: cheap}, {backend: dear}]
     slo: {ttft_ms: 300}
