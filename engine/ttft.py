@@ -7,11 +7,13 @@ prefix cache (as vLLM's KV cache events do for llm-d's prefix-aware router); ``P
 front end, so a prompt's cached prefix is looked up there without a round trip to the core's process and with no
 scrape lag (at most one step old). ``predict_ttft`` is a pure function of the state and the request.
 
-The model, per step: time = ``step_s`` (a decode-only step of the running set) + prefill tokens / ``prefill_tok_s``.
+The model, per step: time = ``step_s`` (a decode step of the running set) + prefill tokens / ``prefill_tok_s``.
 A new request of priority p gets its first token when the prefill tokens ahead of it (the running set's, then
-the waiting classes <= p; in fcfs every queued request is ahead) and its own uncached tokens are computed, at most
-``budget - decode rows`` prefill tokens a step, each step filled with whatever prefill is queued; it waits first for a seat (``max_num_seqs``) or for KV blocks when none are left, which
-the running set frees at the earliest after its shortest remaining decode.
+the waiting classes <= p; in fcfs every queued request is ahead) and its own uncached tokens are computed, at
+most ``budget - decode rows`` prefill tokens a step, each step filled with whatever prefill is queued; or, when
+seats (``max_num_seqs``) are the bottleneck, when a seat frees for it (each request ahead takes the next seat to
+free and holds it for its own decode) and it prefills: the later of the two. With no KV blocks left for the
+prefill ahead it first waits for the running set's shortest remaining decode.
 """
 
 from __future__ import annotations
@@ -261,7 +263,8 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
     return TTFTState(
         block_size=scheduler.block_size, budget=scheduler.max_num_batched_tokens,
         max_num_seqs=scheduler.max_num_seqs, num_running=len(scheduler.running), decode_rows=len(decoding),
-        queued_prefill=sorted((p, t, n) for p, (t, n) in queued.items()), running_prefill=running_prefill, fcfs=scheduler.scheduling_policy == "fcfs",
+        queued_prefill=sorted((p, t, n) for p, (t, n) in queued.items()), running_prefill=running_prefill,
+        fcfs=scheduler.scheduling_policy == "fcfs",
         free_blocks=kv.num_free_blocks,
         remaining_decode=sorted(r.max_tokens - r.num_output_tokens for r in scheduler.running),
         typical_decode=sum(r.max_tokens for r in scheduler.running) / max(len(scheduler.running), 1),

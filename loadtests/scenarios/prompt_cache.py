@@ -66,7 +66,8 @@ class CachingAggregator:
         prompt = _words(msgs)
         return web.json_response({
             "id": "x", "object": "chat.completion", "created": 0, "model": body.get("model"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": " ok" * n}, "finish_reason": "length"}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": " ok" * n},
+                         "finish_reason": "length"}],
             "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
                       "prompt_tokens_details": {"cached_tokens": cached}}})
 
