@@ -17,6 +17,7 @@ import time
 from collections import deque
 
 from gateway.resilience.outcomes import UpstreamResponse
+from gateway.sse import _data_event, classify
 from policies import TTFTEstimate
 
 # Calls remembered per backend: enough for a stable 90th percentile, few enough to follow a provider that slows.
@@ -118,15 +119,30 @@ class UpstreamLatency:
         return timed
 
     async def _first_chunk(self, chunks, seen, started: float):
+        # The first content event, not the first bytes: engines (ours included) and providers send a role-only
+        # event at once. The events before it are parsed here a second time (the attempt loop's peek parses
+        # them too), only until content.
         it = chunks.__aiter__()
-        first = True
+        pending: bytes | None = b""
         try:
             async for chunk in it:
-                if first:
-                    first = False
-                    seen(time.monotonic() - started)
+                if pending is not None:
+                    pending = _until_content(pending + chunk)
+                    if pending is None:
+                        seen(time.monotonic() - started)
                 yield chunk
         finally:   # closed early (client gone, failover): close the upstream's iterator too
             aclose = getattr(it, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+
+def _until_content(buf: bytes) -> bytes | None:
+    """None when ``buf`` (SSE bytes) holds a content or end event (``gateway.sse.classify``), else its
+    unfinished tail."""
+    blocks = buf.replace(b"\r\n", b"\n").split(b"\n\n")
+    for block in blocks[:-1]:
+        ev = _data_event(block)
+        if ev is not None and classify(ev[1])[0] in ("content", "done", "error"):
+            return None
+    return blocks[-1]

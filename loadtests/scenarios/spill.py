@@ -216,8 +216,8 @@ def _config(path: Path, policy: str, ports: dict[str, int], model: str | None, s
 
 
 def _capacity(url: str, max_tokens: int, seed: int) -> tuple[float, list[Outcome]]:
-    """Requests/s the engine completes with a full batch of this workload's requests (closed loop, 8 at once),
-    after a warm-up that also calibrates its step costs."""
+    """Requests/s the engine completes when 20 of this workload's requests arrive at once (it runs
+    ``max_num_seqs`` of them at a time), after 4 that warm it up and calibrate its step costs."""
     sample = arrivals(1.0, 40.0, 1.0, 1.0, seed + 1)[:24]
     for a in sample:
         a.at = 0.0

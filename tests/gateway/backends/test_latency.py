@@ -4,10 +4,14 @@ has seen it answer slower than the SLO; then the dearer, faster one does, and ``
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import openai
 import pytest
 
 from gateway.backends.latency import WINDOW, UpstreamLatency
+from gateway.resilience.outcomes import UpstreamResponse
 from tests.gateway.support import FaultInjectorUpstream, GatewayProcess, upstream_config
 
 
@@ -39,6 +43,30 @@ def test_local_predictions_are_corrected_by_what_the_engine_delivered():
     lat._predicted["tiny"] = 0.01
     lat.observe_local("tiny", 0.05)                           # floored: 0.05 / 0.25, not 5x
     assert max(lat._ratios) < 2.0
+
+
+def test_a_stream_is_timed_at_its_first_content_not_its_role_event():
+    """Engines and providers send the role event at once: the TTFT is the first content's."""
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n'
+    content = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+
+    async def chunks():
+        yield role
+        await asyncio.sleep(0.2)
+        yield content[:12]       # an event split across reads
+        yield content[12:] + b"data: [DONE]\n\n"
+
+    async def attempt(c):
+        return UpstreamResponse(200, chunks=chunks())
+
+    async def main():
+        lat = UpstreamLatency()
+        resp = await lat.track("r1")(attempt)(SimpleNamespace(target=SimpleNamespace(backend="agg")))
+        got = [c async for c in resp.chunks]
+        assert b"".join(got) == role + content + b"data: [DONE]\n\n"
+        return lat.estimate("agg").seconds
+
+    assert asyncio.run(main()) >= 0.2
 
 
 ROUTES = """  main:
