@@ -2,9 +2,11 @@
 
 - The co-located engine: its own prediction for this request at admission (``AsyncEngine.predict_ttft``, from
   the core's state after its last step; ``engine/ttft.py``), read in-process: no scrape, no lag.
-  Corrected by the p90 of measured / predicted over the engine's last ``WINDOW`` answers (once it has
-  ``MIN_RATIOS``): what the engine cannot see (the front end's and the gateway's share of the CPU, other
-  processes on the box) shows up there, and a high percentile keeps the SLO met per request.
+  Corrected by the median of measured / predicted over the engine's answers of the last ``RATIO_WINDOW_S``
+  (once there are ``MIN_RATIOS``): what the engine cannot see (the front end's and the gateway's share of the
+  CPU, other processes on the box) shows up there. The median, not a high percentile, and a window in time: a
+  burst decided before the engine counted it (its predictions far too low) must not hold every later
+  prediction high, and a factor that stops the engine getting traffic expires with its samples.
 - An upstream: a rolling estimate from this gateway's own calls to it (``UpstreamLatency.track`` wraps the
   attempt loop's calls): the 90th percentile TTFT of its last ``WINDOW`` answers (time to the first streamed
   chunk, or to the whole body), and the share of those calls that failed (transport error, 429, 5xx). A high
@@ -23,8 +25,10 @@ from policies import TTFTEstimate
 # Calls remembered per backend: enough for a stable 90th percentile, few enough to follow a provider that slows.
 WINDOW = 50
 PERCENTILE = 0.9
-# Answers of the local engine before its measured / predicted ratio corrects its predictions.
+# Answers of the local engine before its measured / predicted ratio corrects its predictions, and how long
+# one counts (seconds).
 MIN_RATIOS = 10
+RATIO_WINDOW_S = 60.0
 # Local predictions remembered until their request's attempt reads them back (requests explained, never sent).
 _PREDICTED_MAX = 4096
 # Below this many seconds a prediction is compared as if it were this: a fixed overhead of a few tens of ms
@@ -37,7 +41,7 @@ class UpstreamLatency:
 
     def __init__(self) -> None:
         self._calls: dict[str, deque] = {}   # backend -> (ttft seconds or None on failure)
-        self._ratios: deque = deque(maxlen=WINDOW)   # local engine: measured / predicted TTFT
+        self._ratios: deque = deque(maxlen=WINDOW)   # local engine: (monotonic s, measured / predicted TTFT)
         self._predicted: dict[str, float] = {}      # request id -> the engine's own prediction, seconds
         self._local = ""
 
@@ -73,20 +77,24 @@ class UpstreamLatency:
                 out[local.name] = TTFTEstimate(p.seconds * factor, f"{p.describe()}{why}")
         return out
 
-    def correction(self) -> tuple[float, str]:
-        """(factor on the engine's predictions, its explanation): the p90 of measured / predicted TTFT of its
-        last answers; (1, "") until there are ``MIN_RATIOS``."""
+    def correction(self, now: float | None = None) -> tuple[float, str]:
+        """(factor on the engine's predictions, its explanation): the median of measured / predicted TTFT of its
+        answers in the last ``RATIO_WINDOW_S`` seconds before ``now`` (monotonic); (1, "") with fewer than
+        ``MIN_RATIOS``."""
+        now = time.monotonic() if now is None else now
+        while self._ratios and self._ratios[0][0] < now - RATIO_WINDOW_S:
+            self._ratios.popleft()
         if len(self._ratios) < MIN_RATIOS:
             return 1.0, ""
-        r = sorted(self._ratios)
-        f = r[min(int(PERCENTILE * len(r)), len(r) - 1)]
-        return f, f" x {f:.2f} (p90 of measured/predicted, last {len(r)} answers)"
+        r = sorted(x for _, x in self._ratios)
+        f = r[len(r) // 2]
+        return f, f" x {f:.2f} (median of measured/predicted, last {len(r)} answers)"
 
     def observe_local(self, request_id: str, ttft_s: float) -> None:
         """The local engine answered ``request_id`` after ``ttft_s`` seconds: its ratio to the prediction."""
         predicted = self._predicted.pop(request_id, None)
         if predicted is not None:
-            self._ratios.append(ttft_s / max(predicted, RATIO_FLOOR_S))
+            self._ratios.append((time.monotonic(), ttft_s / max(predicted, RATIO_FLOOR_S)))
 
     def track(self, request_id: str):
         """An attempt hook for ``request_id``: ``attempt`` (one call of the attempt loop) timing each call to its

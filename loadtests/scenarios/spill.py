@@ -3,7 +3,7 @@
 ``tandem serve`` with the local engine (the embedded SmolLM2 unless ``--model``) and two fake aggregators
 (``loadtests.upstream`` with a fixed TTFT and prices: ``cheap`` slower, ``fast`` dearer). Open-loop Poisson
 arrivals whose rate ramps from ``--low`` to ``--high`` times the local engine's capacity (measured first, on an
-SLO-free local-only gateway) and back; mixed prompt lengths and multi-turn conversations (each turn repeats the
+SLO-free local-only gateway of its own) and back; mixed prompt lengths and multi-turn conversations (each turn repeats the
 conversation so far: the prefix cache serves it when the engine still holds it). Policies:
 
 * ``local``: everything to the engine;
@@ -215,16 +215,21 @@ def _config(path: Path, policy: str, ports: dict[str, int], model: str | None, s
     return path
 
 
-def _capacity(url: str, max_tokens: int, seed: int) -> tuple[float, list[Outcome]]:
+def _warm_up(url: str, max_tokens: int, seed: int) -> None:
+    """4 requests one after the other: the engine's step costs are measured before the run."""
+    for a in arrivals(1.0, 40.0, 1.0, 1.0, seed + 2)[:4]:
+        asyncio.run(drive(url, [Arrival(0.0, a.messages, a.conversation)], max_tokens))
+
+
+def _capacity(url: str, max_tokens: int, seed: int) -> float:
     """Requests/s the engine completes when 20 of this workload's requests arrive at once (it runs
-    ``max_num_seqs`` of them at a time), after 4 that warm it up and calibrate its step costs."""
-    sample = arrivals(1.0, 40.0, 1.0, 1.0, seed + 1)[:24]
-    for a in sample:
-        a.at = 0.0
-    asyncio.run(drive(url, sample[:4], max_tokens))
+    ``max_num_seqs`` of them at a time), after the warm-up. On a gateway of its own: a burst decided before
+    the engine counts it would skew the SLO gateway's correction of the engine's predictions."""
+    _warm_up(url, max_tokens, seed)
+    sample = [Arrival(0.0, a.messages, a.conversation) for a in arrivals(1.0, 40.0, 1.0, 1.0, seed + 1)[:20]]
     t = time.perf_counter()
-    res = asyncio.run(drive(url, sample[4:], max_tokens))
-    return len(res) / (time.perf_counter() - t), res
+    res = asyncio.run(drive(url, sample, max_tokens))
+    return len(res) / (time.perf_counter() - t)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,16 +238,20 @@ def run(args: argparse.Namespace) -> int:
     prices = {"local": LOCAL_PRICES, **AGGREGATORS}
     slo_s = args.slo_ms / 1000.0
     figures: dict[str, dict] = {}
-    capacity = None
     try:
         ports = {n: int(s.base_url.rsplit(":", 1)[1]) for n, s in ups.items()}
+        gw, _ = start_gateway(_config(logs / "capacity.yaml", "capacity", ports, args.model, args.slo_ms), logs,
+                              timeout=600)
+        try:
+            capacity = _capacity(gw.base_url, args.max_tokens, args.seed)
+        finally:
+            gw.stop()
+        schedule = arrivals(capacity, args.duration, args.low, args.high, args.seed)   # the same for every policy
         for policy in args.policies.split(","):
             gw, _ = start_gateway(_config(logs / f"{policy}.yaml", policy, ports, args.model, args.slo_ms), logs,
                                   timeout=600)
             try:
-                cap, _ = _capacity(gw.base_url, args.max_tokens, args.seed)
-                capacity = capacity or cap   # the same arrivals for every policy
-                schedule = arrivals(capacity, args.duration, args.low, args.high, args.seed)
+                _warm_up(gw.base_url, args.max_tokens, args.seed)
                 print(f"{policy}: capacity {capacity:.2f} req/s, {len(schedule)} arrivals over {args.duration:g} s")
                 figures[policy] = analyse(asyncio.run(drive(gw.base_url, schedule, args.max_tokens)), slo_s, prices)
             finally:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from gateway.backends.latency import WINDOW, UpstreamLatency
+from gateway.backends.latency import RATIO_WINDOW_S, WINDOW, UpstreamLatency
 from gateway.resilience.outcomes import UpstreamResponse
 from tests.gateway.support import FaultInjectorUpstream, GatewayProcess, upstream_config
 
@@ -38,11 +38,13 @@ def test_local_predictions_are_corrected_by_what_the_engine_delivered():
         lat._predicted[f"r{i}"] = 2.0
         lat.observe_local(f"r{i}", 2.0 * (1.0 + 0.05 * i))   # the engine delivers 1.0x .. 1.95x its prediction
     factor, why = lat.correction()
-    assert factor == pytest.approx(1.9) and "p90 of measured/predicted, last 20 answers" in why
+    assert factor == pytest.approx(1.5) and "median of measured/predicted, last 20 answers" in why
     lat.observe_local("never-predicted", 50.0)
     lat._predicted["tiny"] = 0.01
     lat.observe_local("tiny", 0.05)                           # floored: 0.05 / 0.25, not 5x
-    assert max(lat._ratios) < 2.0
+    assert max(r for _, r in lat._ratios) < 2.0
+    later = lat._ratios[-1][0] + RATIO_WINDOW_S + 1           # no answers for a minute: the factor expires
+    assert lat.correction(now=later) == (1.0, "")
 
 
 def test_a_stream_is_timed_at_its_first_content_not_its_role_event():
