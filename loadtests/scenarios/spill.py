@@ -3,8 +3,8 @@
 ``tandem serve`` with the local engine (the embedded SmolLM2 unless ``--model``) and two fake aggregators
 (``loadtests.upstream`` with a fixed TTFT and prices: ``cheap`` slower, ``fast`` dearer). Open-loop Poisson
 arrivals whose rate ramps from ``--low`` to ``--high`` times the local engine's capacity (measured first, on an
-SLO-free local-only gateway of its own) and back; mixed prompt lengths and multi-turn conversations (each turn repeats the
-conversation so far: the prefix cache serves it when the engine still holds it). Policies:
+SLO-free local-only gateway of its own) and back; mixed prompt lengths and multi-turn conversations (each turn
+repeats the conversation so far: the prefix cache serves it when the engine still holds it). Policies:
 
 * ``local``: everything to the engine;
 * ``threshold``: the spill-over rule of ``config.example.yaml`` (``local.waiting > 32`` or ``local.kv_usage >=
