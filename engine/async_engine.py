@@ -34,6 +34,7 @@ from engine.core_messages import (AbortRequests, AddRequest, CoreStep, EngineCor
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.ttft import PendingAdds, PrefixMirror, TTFTPrediction, predict_ttft
 
 logger = logging.getLogger("tandem.async_engine")
 
@@ -91,6 +92,8 @@ class AsyncEngine:
         self._accepting = True
         self._dead: EngineDeadError | None = None
         self._stats: EngineStats | None = None
+        self._prefix_mirror = PrefixMirror()   # the core's prefix cache, from its events (TTFT predictions)
+        self._pending = PendingAdds()          # sent, not yet in the core's last state (TTFT predictions)
         self._acks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._ack_ids = itertools.count()
         self._drain_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
@@ -251,6 +254,10 @@ class AsyncEngine:
         with self._lock:
             self._processor.add_request(request_id, text, token_ids, params, resume)  # ValueError: id in use
             self._streams[request_id] = stream
+            state = self._stats.ttft if self._stats is not None else None
+            if state is not None:   # counted as queued by TTFT predictions until the core's state counts it
+                cached = self._prefix_mirror.cached_tokens(token_ids, state.block_size)
+                self._pending.note_sent(priority, len(token_ids) - cached)
         finished = False
         try:
             if self._dead is not None:  # died while we registered: _on_dead may have missed us
@@ -300,6 +307,16 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not started")
         return self._stats
 
+    def predict_ttft(self, prompt_token_ids: list[int], priority: int = 0) -> TTFTPrediction | None:
+        """Predicted seconds to the first token of this prompt if it were added now (``engine/ttft.py``):
+        the core's state after its last step and its prefix cache as mirrored here. None before the core
+        published a state."""
+        state = self._stats.ttft if self._stats is not None else None
+        if state is None:
+            return None
+        cached = self._prefix_mirror.cached_tokens(prompt_token_ids, state.block_size)
+        return predict_ttft(self._pending.with_pending(state), len(prompt_token_ids), cached, priority)
+
     # ------------------------------------------------- core side (one thread)
     def _abort_here(self, rid: str) -> None:
         """Forget ``rid`` in the front end; its stream (if any) and the
@@ -328,6 +345,9 @@ class AsyncEngine:
             processed = proc.process_outputs(step.outputs, step.timestamp)
             deliveries += [(out.request_id, out) for out in processed.request_outputs]
             self._stats = step.stats
+            if step.stats.ttft is not None:
+                self._prefix_mirror.apply(step.stats.ttft)
+                self._pending.seen(step.stats.ttft.added)
             if processed.request_outputs:
                 self._notify(processed.request_outputs, step.timestamp)
             self._deliver(deliveries)

@@ -143,6 +143,8 @@ class BlockPool:
         # hash -> the block holding those tokens (one block per hash: a second
         # block that computes the same tokens simply is not cached).
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # (hash, cached?) in order, for the front end's copy of the cache (``engine/ttft.py``); None: not kept.
+        self.kv_events: list[tuple[BlockHash, bool]] | None = None
 
     # -- allocation ---------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -179,6 +181,8 @@ class BlockPool:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
+            if self.kv_events is not None:
+                self.kv_events.append((block.block_hash, False))
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -225,6 +229,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached_block_hash_to_block[block_hash] = block
+        if self.kv_events is not None:
+            self.kv_events.append((block_hash, True))
         return True
 
     # -- metrics and checks -------------------------------------------------

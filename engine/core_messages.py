@@ -22,6 +22,7 @@ import msgspec
 
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.ttft import TTFTState
 
 
 # ------------------------------------------------------------------ front end -> core
@@ -134,6 +135,7 @@ class EngineStats(msgspec.Struct, array_like=True):
         tokens_in_flight: prompt + generated tokens of unfinished requests.
         prompt_tokens_total: prompt tokens computed (cumulative, excludes cache hits).
         generation_tokens_total: tokens generated (cumulative).
+        ttft: what a TTFT prediction needs (``engine/ttft.py``); None from a core that does not publish it.
     """
 
     num_running: int
@@ -145,6 +147,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     tokens_in_flight: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    ttft: TTFTState | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

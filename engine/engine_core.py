@@ -39,6 +39,7 @@ from engine.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured_outputs import StructuredOutputManager
+from engine.ttft import TTFTCalibration, state_of
 
 logger = logging.getLogger("tandem.engine")
 
@@ -131,6 +132,10 @@ class EngineCore:
         self._prompt_logprobs: dict[str, list] = {}  # client request id -> prompt logprobs not yet sent
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self.ttft_calibration = TTFTCalibration()   # step costs for TTFT predictions (engine/ttft.py)
+        self._requests_added = 0                     # add_request calls, accepted or refused (engine/ttft.py)
+        self._last_step: tuple[float, int, int] | None = None   # (start, prefill tokens, decode rows)
+        self.scheduler.kv_cache_manager.block_pool.kv_events = []
         # The objects built so far (the model, the tokenizer, torch's modules) live as long as the
         # engine: freezing them keeps the cyclic GC from walking them on every collection during
         # serving (4 % of a single stream's time in a profile; vLLM freezes its start-up heap too).
@@ -159,6 +164,7 @@ class EngineCore:
                 continuation of a choice out of range, with no tokens left to
                 generate, or of a request with a grammar or prompt logprobs.
         """
+        self._requests_added += 1
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self._check_prompt(token_ids, params)
@@ -265,16 +271,20 @@ class EngineCore:
         token or finished: 1. schedule, 2. run the model, 3. sample
         (grammar-constrained rows masked), 4. advance the scheduler (EOS, stop
         token ids, lengths), 5. report."""
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         runner_out = self.model_runner.execute_model(sched)
         sampled, row_logprobs, grammar_done, content = self._sample(sched, runner_out)
+        prefill_tokens = 0
         for entry in sched.scheduled:
             req = entry.request
             if entry.num_computed_tokens < req.num_prompt_tokens:
-                self._prompt_tokens_total += min(entry.num_new_tokens,
-                                                 req.num_prompt_tokens - entry.num_computed_tokens)
+                prefill_tokens += min(entry.num_new_tokens, req.num_prompt_tokens - entry.num_computed_tokens)
+        self._prompt_tokens_total += prefill_tokens
+        self._calibrate(started, prefill_tokens, len(sched.scheduled) - sum(
+            e.num_computed_tokens < e.request.num_prompt_tokens for e in sched.scheduled))
         self._collect_prompt_logprobs(sched, runner_out.prompt_logits)
         finished = self.scheduler.update_from_output(sched, sampled, not_stops=content)
         self._stop_finished_grammars(grammar_done, finished)
@@ -286,7 +296,17 @@ class EngineCore:
         for rid in {o.request_id for o in outputs if o.finish_reason is not None}:
             if all(s.is_finished for s in self._groups[rid]):
                 self._forget_group(rid)
+        if not self.scheduler.has_unfinished_requests():
+            self._last_step = None
         return outputs
+
+    def _calibrate(self, started: float, prefill_tokens: int, decode_rows: int) -> None:
+        """Time the previous step from its start to this one's (perf_counter seconds): what a waiting request
+        sees, the core loop's commands and output hand-off included. A step after which nothing was left to run
+        is not timed (the loop then idled until the next request)."""
+        if self._last_step is not None:
+            self.ttft_calibration.observe(started - self._last_step[0], *self._last_step[1:])
+        self._last_step = (started, prefill_tokens, decode_rows)
 
     def _sample(self, sched, runner_out) -> tuple[dict[str, int], dict[str, dict], list[str], set[str]]:
         """(sequence id -> sampled token, sequence id -> its logprobs,
@@ -425,6 +445,7 @@ class EngineCore:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, tokens_in_flight=in_flight,
             prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
+            ttft=state_of(s, self.ttft_calibration, self._requests_added),
         )
 
 

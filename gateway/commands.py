@@ -41,6 +41,8 @@ def register(subparsers) -> None:
     e.add_argument("--replica-load", action="append", default=[], metavar="TARGET=N",
                    help="prefix_affinity routes: requests running + waiting on that replica (repeat; default 0; "
                         "'TARGET=dead' for one whose metrics do not answer)")
+    e.add_argument("--ttft", action="append", default=[], metavar="BACKEND=SECONDS",
+                   help="a backend's predicted TTFT for slo routes (repeatable; default: no estimate)")
     e.add_argument("--json", action="store_true", help="print the decision as JSON")
     e.set_defaults(func=_explain)
 
@@ -148,7 +150,7 @@ def _explain(args) -> int:
     from gateway.errors import ClientError
     from gateway.request.pipeline import upstream_only_error
     from gateway.request.validate import check_request
-    from policies import ReplicaLoad, RequestFeatures, Signals, decide, prefix_text
+    from policies import ReplicaLoad, RequestFeatures, Signals, TTFTEstimate, decide, prefix_text
 
     if bool(args.config) == bool(args.url):
         print("tandem route explain: give --config FILE (the decision at start) or --url URL (the running "
@@ -191,6 +193,13 @@ def _explain(args) -> int:
             signals.replica_load[name] = ReplicaLoad(alive=False) if n == "dead" else ReplicaLoad(running=float(n))
         except ValueError:
             print(f"--replica-load: expected TARGET=N or TARGET=dead, got {item!r}", file=sys.stderr)
+            return 2
+    for item in args.ttft:
+        name, _, sec = item.partition("=")
+        try:
+            signals.ttft[name] = TTFTEstimate(float(sec), "given with --ttft")
+        except ValueError:
+            print(f"--ttft: expected BACKEND=SECONDS, got {item!r}", file=sys.stderr)
             return 2
     decision = decide(compiled.policy, features, signals, explain=True)
     if args.json:

@@ -16,6 +16,7 @@ from gateway.config.compile import Compiled, load_config_text
 from gateway.config.schema import ConfigError
 from gateway.backends.anthropic import AnthropicBackend
 from gateway.backends.local import LocalBackend
+from gateway.backends.latency import UpstreamLatency
 from gateway.backends.replicas import ReplicaLoads
 from gateway.cache.response_cache import ResponseCache
 from gateway.cache.store import CacheStore
@@ -95,6 +96,8 @@ class Gateway:
         self.obs = Observability(cfg, self.usage, self.live_gauges)   # metrics, traces, request logs
         self.replicas = ReplicaLoads(self.obs.registry)   # load of prefix_affinity routes' engine replicas
         self.cache = ResponseCache(CacheStore(self.resilience.state), self.obs.metrics)   # routes' cache: entries
+        self.latency = UpstreamLatency()   # upstreams' rolling TTFT, for slo routes
+        self.local_cost = None             # gateway.billing.local_cost.LocalCost when local.cost is set
         if cfg.state.redis_url:
             self.ledger = RedisLedger(cfg.state.redis_url, cfg.state.key_prefix, cfg.reload.keep_versions,
                                       cfg.state.socket_timeout_s)

@@ -11,6 +11,8 @@ Sub-commands of ``loadtest``:
   prefix    scenario 5: MT-Bench turn 2 TTFT with prefix caching on vs off
   replicas  scenario 7: engine replicas, round-robin vs prefix_affinity routing (+ a replica killed)
   ledger    scenario 8: the usage ledger under Redis pauses, stalls and restarts (two replicas)
+  spill     spill to aggregators: local only vs a threshold rule vs a TTFT SLO
+  prompt-cache  prompt-cache affinity on aggregators: cached share of input tokens with vs without sticky
 ``parity`` is scenario 6: greedy outputs and logprobs of two targets compared.
 """
 
@@ -118,10 +120,11 @@ def _add_upstream(sub) -> None:
 
 def add_commands(sub) -> None:
     """Add the ``loadtest`` sub-commands to ``sub`` (an argparse subparsers object)."""
-    from loadtests.scenarios import canary, core_modes, engine, failover, ledger, overhead, prefix, replicas
+    from loadtests.scenarios import (canary, core_modes, engine, failover, ledger, overhead, prefix, prompt_cache,
+                                     replicas, spill)
     _add_run(sub)
     _add_upstream(sub)
-    for mod in (overhead, engine, core_modes, canary, failover, prefix, replicas, ledger):
+    for mod in (overhead, engine, core_modes, canary, failover, prefix, replicas, ledger, spill, prompt_cache):
         mod.register(sub)
 
 

@@ -6,11 +6,12 @@ from policies.affinity import Affinity, ReplicaLoad, prefix_text
 from policies.decide import Decision, Policy, Rule, canary_key, decide
 from policies.features import PRIORITY_NAMES, RequestFeatures, Signals, parse_priority
 from policies.routes import Pick, Route, Target, hash_unit, pick_target, with_weights
+from policies.slo import Slo, TTFTEstimate
 from policies.rules import OPERATORS, Condition, Match, check_field, evaluate, match
 
 __all__ = [
     "Affinity", "Condition", "Decision", "Match", "OPERATORS", "PRIORITY_NAMES", "Pick", "Policy", "ReplicaLoad",
-    "RequestFeatures", "Route", "prefix_text",
+    "RequestFeatures", "Route", "Slo", "TTFTEstimate", "prefix_text",
     "Rule", "Signals", "Target", "canary_key", "check_field", "decide", "evaluate", "hash_unit", "match",
     "parse_priority", "pick_target", "with_weights",
 ]

@@ -5,17 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from policies.features import RequestFeatures, Signals
-from policies.routes import Pick, Route, Target, pick_target
+from policies.routes import Pick, Route, Target, home_target, pick_target, sticky_key, with_prices
 from policies.rules import Match, match
+from policies.slo import Slo
 
 
 @dataclass(frozen=True)
 class Rule:
-    """``when match: use route``. A rule with an empty match always matches."""
+    """``when match: use route``. A rule with an empty match always matches. Its ``slo`` (e.g. for a tenant or
+    a priority) replaces the route's."""
 
     name: str
     route: str
     match: Match = Match()
+    slo: Slo | None = None
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,17 @@ class Policy:
         out: set[str] = set()
         for r in self.rules:
             out |= r.match.fields()
+        if self.has_slo():
+            out.add("prompt_tokens")   # an SLO prices the prompt and predicts the engine's TTFT for it
         return out
+
+    def needs_prefix(self) -> bool:
+        """Some route hashes the prompt's leading text (``prefix_affinity``, ``sticky: prefix``)."""
+        return any(r.select == "prefix_affinity" or r.sticky == "prefix" for r in self.routes.values())
+
+    def has_slo(self) -> bool:
+        """Some rule or route routes by a TTFT SLO (the gateway then gathers ``Signals.ttft``)."""
+        return any(r.slo for r in self.rules) or any(r.slo for r in self.routes.values())
 
 
 @dataclass
@@ -128,9 +141,17 @@ def decide(policy: Policy, f: RequestFeatures, s: Signals, explain: bool = False
             chosen_rule = rule
             break
     route_name = chosen_rule.route if chosen_rule else policy.default_route
-    route = policy.routes[route_name]
+    route = with_prices(policy.routes[route_name], s.prices)
     key = canary_key(policy, f)
-    pick = pick_target(route, key, s.unavailable, f.prefix_text, s.replica_load)
+    slo = chosen_rule.slo if chosen_rule is not None and chosen_rule.slo is not None else route.slo
+    # A sticky route keeps a conversation on one target (its provider's prompt cache stays warm): its key
+    # replaces the canary key of a weighted pick; an SLO pick prices the conversation's home at its cached rate.
+    sticky = sticky_key(route, f.prefix_text, f.user)
+    if sticky and slo is None:
+        key = sticky
+    home = home_target([t for t in route.targets if t.backend not in s.unavailable], sticky) if slo else ""
+    pick = pick_target(route, key, s.unavailable, f.prefix_text, s.replica_load, slo, s.ttft, f.prompt_tokens,
+                       f.max_tokens, home)
     attempts: list[Target] = []
     seen: set[str] = set()
     for t in pick.ranked:

@@ -89,6 +89,10 @@ class Signals:
             open circuit breaker, engine not loaded, ...), with the reason.
         replica_load: target id -> ``policies.affinity.ReplicaLoad`` of the
             engine replicas of ``prefix_affinity`` routes.
+        ttft: backend name -> ``policies.slo.TTFTEstimate`` of this request
+            (only when a rule or route has an ``slo``).
+        prices: backend name -> (input, output) USD per million tokens now,
+            replacing its configured prices (the local engine's from its cost).
     """
 
     local_waiting: int = 0
@@ -96,3 +100,5 @@ class Signals:
     local_kv_usage: float = 0.0
     unavailable: dict[str, str] = field(default_factory=dict)
     replica_load: dict = field(default_factory=dict)
+    ttft: dict = field(default_factory=dict)
+    prices: dict = field(default_factory=dict)

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from policies.affinity import Affinity, ReplicaLoad, choose, prefix_key
+from policies.slo import Slo, rank
 
 SELECT_MODES = ("weighted", "cheapest", "prefix_affinity")
+# What keeps a conversation on one target (its provider's prompt cache): "" none, "prefix" the prompt's leading
+# text blocks (as ``prefix_affinity`` hashes them), "user" the request's ``user``.
+STICKY_KEYS = ("", "prefix", "user")
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,8 @@ class Target:
         model: the upstream model name ("" = the backend's mapping decides).
         weight: relative weight (percent by convention), >= 0.
         input_price, output_price: USD per million tokens (for ``cheapest``).
+        cached_input_price: USD per million prompt tokens the backend's prompt
+            cache serves (None: ``input_price``).
         id: stable identifier used for hashing, weights overrides and CLI
             (default ``backend`` or ``backend/model``).
     """
@@ -41,6 +47,7 @@ class Target:
     input_price: float = 0.0
     output_price: float = 0.0
     id: str = ""
+    cached_input_price: float | None = None
 
     def __post_init__(self) -> None:
         if self.weight < 0 or not math.isfinite(self.weight):
@@ -56,17 +63,23 @@ class Route:
     ``weighted`` (canary by stable hash), ``cheapest`` (lowest input +
     output price among available targets) or ``prefix_affinity`` (engine
     replicas by prefix-cache affinity and load, ``policies/affinity.py``,
-    with ``affinity`` settings)."""
+    with ``affinity`` settings). With an ``slo`` the first choice is the
+    cheapest target predicted to meet it, else the fastest (``policies/slo.py``)."""
 
     name: str
     targets: tuple[Target, ...]
     fallbacks: tuple[Target, ...] = ()
     select: str = "weighted"
     affinity: Affinity = Affinity()
+    slo: Slo | None = None
+    sticky: str = ""
+
 
     def __post_init__(self) -> None:
         if not self.targets:
             raise ValueError(f"route {self.name!r} needs at least one target")
+        if self.sticky not in STICKY_KEYS:
+            raise ValueError(f"sticky must be one of {', '.join(map(repr, STICKY_KEYS))}, got {self.sticky!r}")
         if self.select not in SELECT_MODES:
             raise ValueError(f"select must be one of {', '.join(SELECT_MODES)}, got {self.select!r}")
         ids = [t.id for t in self.targets]
@@ -99,11 +112,17 @@ class Pick:
 
 
 def pick_target(route: Route, key: str, unavailable: dict[str, str], prefix: str = "",
-                loads: dict[str, ReplicaLoad] | None = None) -> Pick:
+                loads: dict[str, ReplicaLoad] | None = None, slo: Slo | None = None,
+                estimates: dict | None = None, prompt_tokens: int | None = None,
+                max_tokens: int | None = None, home: str = "") -> Pick:
     """Choose the first-choice target of ``route`` for canary key ``key``,
     skipping targets whose backend is in ``unavailable``. ``prefix_affinity``
     routes use ``prefix`` (``affinity.prefix_text`` of the request) and the
     replicas' ``loads`` (target id -> ``ReplicaLoad``) instead of ``key``.
+    An ``slo`` (the rule's, else the route's) ranks by ``estimates`` (backend
+    name -> ``policies.slo.TTFTEstimate``) and the request's cost
+    (``prompt_tokens``, ``max_tokens``) instead; ``home`` (a route's ``sticky``
+    target for this conversation) is priced at its cached-input price.
 
     Returns a Pick whose ``target`` is None when no target is available;
     ``ranked`` holds every live target in the order to try them."""
@@ -111,6 +130,9 @@ def pick_target(route: Route, key: str, unavailable: dict[str, str], prefix: str
     live = [t for t in route.targets if t.backend not in unavailable and t.weight > 0]
     if not live:
         return Pick(None, skipped=skipped, reason="no available target with weight > 0")
+    if slo is not None:
+        ranked, reason, cost = rank(live, slo, estimates or {}, prompt_tokens, max_tokens, home)
+        return Pick(ranked[0], scores=cost, skipped=skipped, ranked=ranked, reason=reason, home=home)
     if route.select == "cheapest":
         ranked = sorted(live, key=lambda t: (t.input_price + t.output_price, route.targets.index(t)))
         best = ranked[0]
@@ -158,6 +180,37 @@ def with_weights(route: Route, weights: dict[str, float]) -> Route:
         raise ValueError(f"route {route.name!r} has no target {', '.join(map(repr, unknown))}; "
                          f"targets: {', '.join(t.id for t in route.targets)}")
     new_w = {by_key[k].id: float(w) for k, w in weights.items()}
-    targets = tuple(Target(t.backend, t.model, new_w.get(t.id, t.weight), t.input_price, t.output_price, t.id)
-                    for t in route.targets)
-    return Route(route.name, targets, route.fallbacks, route.select, route.affinity)
+    targets = tuple(Target(t.backend, t.model, new_w.get(t.id, t.weight), t.input_price, t.output_price, t.id,
+                           t.cached_input_price) for t in route.targets)
+    return Route(route.name, targets, route.fallbacks, route.select, route.affinity, route.slo, route.sticky)
+
+
+def sticky_key(route: Route, prefix: str, user: str) -> str:
+    """The string that keeps a conversation on one target of ``route`` (its ``sticky``): the hash of the
+    prompt's leading text blocks (``prefix``: ``affinity.prefix_text``) or the ``user``; "" when the route is
+    not sticky or the request has neither."""
+    if route.sticky == "prefix" and prefix:
+        return "prefix:" + prefix_key(prefix, route.affinity)
+    if route.sticky == "user" and user:
+        return "user:" + user
+    return ""
+
+
+def home_target(targets: list[Target], key: str) -> str:
+    """The id of the target that ``key``'s conversation calls home: the top weighted rendezvous score (as the
+    canary pick), so every gateway replica agrees without sharing state."""
+    live = [t for t in targets if t.weight > 0]
+    if not key or not live:
+        return ""
+    return max(live, key=lambda t: t.weight / -math.log(hash_unit(key, t.id))).id
+
+
+def with_prices(route: Route, prices: dict[str, tuple[float, float]]) -> Route:
+    """A copy of ``route`` whose targets and fallbacks on a backend in ``prices`` (backend name -> (input,
+    output) USD per million tokens) carry those prices; ``route`` itself when none does."""
+    def priced(ts: tuple[Target, ...]) -> tuple[Target, ...]:
+        return tuple(replace(t, input_price=prices[t.backend][0], output_price=prices[t.backend][1])
+                     if t.backend in prices else t for t in ts)
+    if not any(t.backend in prices for t in (*route.targets, *route.fallbacks)):
+        return route
+    return replace(route, targets=priced(route.targets), fallbacks=priced(route.fallbacks))

@@ -44,6 +44,7 @@ from engine.entrypoints.completion import OpenAIServingCompletion
 from engine.entrypoints.embeddings import OpenAIServingEmbedding
 from engine.entrypoints.protocol import ServingError
 from engine.entrypoints.request_ids import stamp_request_id, unique_request_id
+from engine.entrypoints.ttft import ttft
 
 logger = logging.getLogger("tandem.server")
 
@@ -265,7 +266,7 @@ def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_b
         await engine.shutdown(drain=True, timeout=drain_timeout)
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, embeddings, models, model, health, metrics],
+        route_handlers=[chat_completions, completions, embeddings, models, model, health, metrics, ttft],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         exception_handlers={ServingError: _serving_error_handler, HTTPException: _http_error_handler,

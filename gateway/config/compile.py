@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from engine.config import EngineArgs
 from gateway.config.schema import ConfigError, EngineConfig, GatewayConfig, TargetConfig
 from gateway.config.weights import check_weights
-from policies import Affinity, Condition, Match, Policy, Route, Rule, Target, check_field, with_weights
+from policies import Affinity, Condition, Match, Policy, Route, Rule, Slo, Target, check_field, with_weights
 from policies.rules import OPERATORS
 
 
@@ -100,7 +100,8 @@ def _target(t: TargetConfig, cfg: GatewayConfig, path: str, errors: list[tuple[s
     if backend is None:
         errors.append((f"{path}.backend", f"unknown backend {t.backend!r}; defined: {', '.join(cfg.backends)}"))
         return None
-    return Target(t.backend, t.model, t.weight, backend.prices.input, backend.prices.output, t.id)
+    return Target(t.backend, t.model, t.weight, backend.prices.input, backend.prices.output, t.id,
+                  backend.prices.cached_input)
 
 
 def _check_engine(name: str, engine: EngineConfig, errors: list[tuple[str, str]], warnings: list[str]) -> None:
@@ -152,7 +153,8 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
         try:
             aff = r.affinity
             routes[rname] = Route(rname, tuple(targets), tuple(fallbacks), r.select,
-                                  Affinity(aff.prefix_blocks, aff.block_chars, aff.load_factor, aff.max_kv_usage))
+                                  Affinity(aff.prefix_blocks, aff.block_chars, aff.load_factor, aff.max_kv_usage),
+                                  Slo(r.slo.ttft_ms) if r.slo else None, r.sticky)
         except ValueError as e:
             errors.append((f"routes.{rname}", str(e)))
     for rname, weights in (overrides or {}).items():
@@ -177,7 +179,7 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
                 for v in (c.value if isinstance(c.value, tuple) else (c.value,)):
                     if v not in names:
                         errors.append((f"{path}.match.model", f"unknown model {v!r}; defined: {', '.join(names)}"))
-        rules.append(Rule(r.name, r.route, m))
+        rules.append(Rule(r.name, r.route, m, Slo(r.slo.ttft_ms) if r.slo else None))
     if cfg.policy.default_route not in cfg.routes:
         errors.append(("policy.default_route", f"unknown route {cfg.policy.default_route!r}"))
     key = cfg.policy.canary_key

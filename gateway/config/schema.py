@@ -224,6 +224,13 @@ class EngineConfig(_Strict):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
+class LocalCostConfig(_Strict):
+    """The local engine's price from its machine's (``gateway/billing/local_cost.py``)."""
+
+    usd_per_hour: float = Field(gt=0)            # what the machine costs, USD per hour
+    interval_s: float = Field(60.0, gt=0)        # spread over the tokens served in each interval of this many seconds
+
+
 class LocalBackendConfig(_Strict):
     """The in-process engine."""
 
@@ -233,6 +240,7 @@ class LocalBackendConfig(_Strict):
     # a request using one left out here cannot be served locally.
     structured_outputs: list[Literal["response_format", "tools"]] = ["response_format", "tools"]
     prices: Prices = Prices()
+    cost: LocalCostConfig | None = None    # prices from usd_per_hour and the tokens served (ranking by cost)
     rpm: int | None = Field(None, ge=1)
     tpm: int | None = Field(None, ge=1)
 
@@ -309,6 +317,12 @@ class CacheConfig(_Strict):
     prices: Prices = Prices()              # what the ledger charges for a hit (default: nothing)
 
 
+class SloConfig(_Strict):
+    """A TTFT objective (``policies/slo.py``): the cheapest target predicted to meet it, else the fastest."""
+
+    ttft_ms: float = Field(gt=0)                 # time to first token, milliseconds
+
+
 class RouteConfig(_Strict):
     targets: list[TargetConfig] = Field(min_length=1)
     fallbacks: list[TargetConfig] = []
@@ -318,12 +332,15 @@ class RouteConfig(_Strict):
     # Streams that outlive their replica (gateway/resilience/resume.py): only for routes of Tandem engines
     resume: bool = False
     resume_attempts: int = Field(2, ge=0, le=10)
+    slo: SloConfig | None = None                 # route by predicted TTFT and cost (replaces select's pick)
+    sticky: Literal["", "prefix", "user"] = ""   # keep a conversation on one target (its prompt cache warm)
 
 
 class RuleConfig(_Strict):
     name: str
     match: dict[str, Any] = {}
     route: str
+    slo: SloConfig | None = None                 # this rule's SLO (a tenant's, a priority's): replaces the route's
 
 
 class PolicyConfig(_Strict):

@@ -7,10 +7,12 @@ hook) and decides nothing.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 
 from gateway.backends.dispatch import Answer, forward
+from gateway.billing.local_cost import local_price
 from gateway.errors import ClientError
 from gateway.request.admission import admit
 from gateway.request.auth import authenticate
@@ -89,7 +91,14 @@ def decide_route(gw, req: GatewayRequest, explain: bool = False):
     signals = snap.signals()
     if affinity:
         signals.replica_load = gw.replicas.loads()
-    return decide(snap.compiled.policy, features(req, affinity), signals, explain=explain), affinity
+    if snap.compiled.policy.has_slo():
+        signals.ttft = gw.latency.estimates(snap, req)
+    local = snap.local
+    if local is not None and local.cfg.cost is not None and local.engine is not None:
+        price = local_price(gw, local, time.monotonic())
+        signals.prices[local.name] = (price.input, price.output)
+    prefix = affinity or snap.compiled.policy.needs_prefix()
+    return decide(snap.compiled.policy, features(req, prefix), signals, explain=explain), affinity
 
 
 async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str,
@@ -135,6 +144,8 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     hook = gw.obs.admitted(request_id, adm.budget, adm.budget_spec)
     if affinity:
         hook = _then(gw.replicas.track, hook)
+    if snap.compiled.policy.has_slo():
+        hook = _then(gw.latency.track(request_id), hook)
     hit = None
     if cache is not None:
         hit = await gw.cache.lookup(cache, lambda: forward(req, decision.attempts, snap.backends, gw.resilience))
@@ -155,6 +166,8 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
                       **(resume.headers if resume is not None else {})}
     if req.anthropic_body is not None:
         answer.render = MessagesRender.of(req)
+    if decision.pick.reason.startswith("SLO"):   # the numbers the SLO decision was made on
+        answer.headers["x-tandem-slo"] = decision.pick.reason
     return answer
 
 

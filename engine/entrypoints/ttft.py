@@ -1,0 +1,36 @@
+"""``POST /v1/ttft``: the engine's TTFT prediction for a request it has not been sent (``engine/ttft.py``), so
+a router in another process asks the engine itself instead of guessing from scraped metrics.
+
+The body is a chat or completion request as ``/v1/chat/completions`` / ``/v1/completions`` take it (rendered
+and tokenized the same way; nothing is queued). The answer: ``ttft_s`` (seconds), ``prompt_tokens``,
+``uncached_tokens`` (what the prefix cache does not hold), ``explanation`` (one line with the numbers).
+"""
+
+from __future__ import annotations
+
+from litestar import Request, Response, post
+
+from engine.entrypoints.chat import render_chat
+from engine.entrypoints.completion import render_completion
+from engine.entrypoints.protocol import ServingError
+
+
+@post("/v1/ttft", status_code=200)
+async def ttft(request: Request) -> Response:
+    """The predicted TTFT of the request in the body if it were sent now (400 for a body the engine refuses,
+    503 while the engine loads)."""
+    from engine.entrypoints.server import _json_body, _serving   # the server module imports this one
+
+    _serving(request, "chat")   # 503 while loading
+    engine = request.app.state.engine
+    body = await _json_body(request)
+    rendered = (render_chat if "messages" in body else render_completion)(engine.tokenizer, body)
+    token_ids = rendered.prompts[0][1]
+    priority = getattr(rendered.request, "priority", None) or 0
+    p = engine.predict_ttft(token_ids, priority)
+    if p is None:
+        raise ServingError(503, "the engine has not published its state yet; retry", type="server_error",
+                           code="engine_loading")
+    return Response(content={"ttft_s": p.seconds, "prompt_tokens": p.parts["prompt"],
+                             "uncached_tokens": p.parts["uncached"], "explanation": p.describe()},
+                    media_type="application/json")

@@ -1,0 +1,273 @@
+"""A request's time to first token (TTFT), predicted from the engine's real state at admission.
+
+The core publishes, after every step, a ``TTFTState`` with its stats (``EngineStats.ttft``): the prefill tokens
+still to compute per priority class, the running set's seats, decode rows and KV headroom, and the step costs it
+measured (``TTFTCalibration``, exponentially weighted). It also publishes which prompt blocks entered or left its
+prefix cache (as vLLM's KV cache events do for llm-d's prefix-aware router); ``PrefixMirror`` replays them in the
+front end, so a prompt's cached prefix is looked up there without a round trip to the core's process and with no
+scrape lag (at most one step old). ``predict_ttft`` is a pure function of the state and the request.
+
+The model, per step: time = ``step_s`` (a decode step of the running set) + prefill tokens / ``prefill_tok_s``.
+A new request of priority p gets its first token when the prefill tokens ahead of it (the running set's, then
+the waiting classes <= p; in fcfs every queued request is ahead) and its own uncached tokens are computed, at
+most ``budget - decode rows`` prefill tokens a step, each step filled with whatever prefill is queued; or, when
+seats (``max_num_seqs``) are the bottleneck, when a seat frees for it (each request ahead takes the next seat to
+free and holds it for its own decode) and it prefills: the later of the two. With no KV blocks left for the
+prefill ahead it first waits for the running set's shortest remaining decode.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import msgspec
+
+from engine.kv_cache_manager import hash_block_tokens
+
+# Weight of a new observation in the EWMAs: ~20 steps of memory, enough to follow a change of load and to
+# smooth one step's noise.
+EWMA_ALPHA = 0.1
+
+
+class TTFTState(msgspec.Struct, array_like=True):
+    """The core's state that a TTFT prediction needs (one per step, in ``EngineStats.ttft``).
+
+    Attributes:
+        block_size: tokens per KV block.
+        budget: token budget of one step (``max_num_batched_tokens``).
+        max_num_seqs: seats of the running set.
+        num_running: sequences running. decode_rows: running sequences past their prefill (1 token a step).
+        queued_prefill: [priority, prompt tokens not yet computed, requests] per priority class of the waiting
+            requests.
+        running_prefill: prompt tokens not yet computed of running requests (any priority: a step serves the
+            running set first).
+        fcfs: the scheduler ignores priorities (every queued token is ahead of a new request).
+        free_blocks: device blocks free or evictable. remaining_decode: the tokens each running sequence may
+            still generate (its ``max_tokens`` left), ascending: when it frees its seat and blocks at the latest.
+        typical_decode: the mean ``max_tokens`` of the running sequences (how long a waiting one whose own is
+            not listed holds its seat once admitted).
+        waiting_decode: [priority, max_tokens] of the first waiting requests, in the order they get seats.
+        step_s: measured seconds of a decode step. prefill_tok_s: measured prefill tokens per second.
+        added: requests the core has taken from its queue of commands so far (accepted or refused): a front end
+            counts what it sent beyond that as queued too (``PendingAdds``).
+        stored, removed: block hashes that entered / left the prefix cache since the last state.
+        resync: every cached block hash (the events were not drained in time; replaces the mirror), or None.
+    """
+
+    block_size: int
+    budget: int
+    max_num_seqs: int
+    num_running: int
+    decode_rows: int
+    queued_prefill: list[tuple[int, int, int]]
+    running_prefill: int
+    fcfs: bool
+    free_blocks: int
+    remaining_decode: list[int]
+    typical_decode: float
+    waiting_decode: list[tuple[int, int]]
+    step_s: float
+    prefill_tok_s: float
+    added: int = 0
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    resync: list[bytes] | None = None
+
+
+@dataclass
+class TTFTCalibration:
+    """Step costs measured online (EWMA). Starts from a guess (``step_s`` seconds, ``prefill_tok_s`` tokens/s)
+    that the first steps replace."""
+
+    step_s: float = 0.05
+    prefill_tok_s: float = 2000.0
+    steps: int = 0
+
+    def observe(self, seconds: float, prefill_tokens: int, decode_rows: int) -> None:
+        """Fold in one step: ``seconds`` of wall time, ``prefill_tokens`` prefill tokens and ``decode_rows``
+        decode rows computed. A decode-only step measures ``step_s``; a step with prefill measures the prefill
+        rate over the time beyond ``step_s``."""
+        if seconds <= 0:
+            return
+        a = EWMA_ALPHA if self.steps else 1.0   # the first measurement replaces the guess
+        if prefill_tokens == 0:
+            if decode_rows > 0:
+                self.step_s += a * (seconds - self.step_s)
+                self.steps += 1
+            return
+        # A step with prefill pays the fixed cost too; a fifth of the step is a floor on its prefill time so that
+        # one noisy decode measurement cannot make the prefill rate infinite.
+        prefill_s = max(seconds - self.step_s, 0.2 * seconds)
+        self.prefill_tok_s += a * (prefill_tokens / prefill_s - self.prefill_tok_s)
+        self.steps += 1
+
+
+@dataclass
+class TTFTPrediction:
+    """A predicted TTFT (``seconds``) and the numbers it came from (``parts``), for explanations."""
+
+    seconds: float
+    parts: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line: the prediction and its inputs."""
+        p = self.parts
+        waits = "".join(f", waits {p[k]:.2f} s for {k[5:]}" for k in ("wait_seat", "wait_kv") if p.get(k))
+        return (f"{self.seconds:.2f} s ({p.get('ahead', 0)} prefill tokens ahead + {p.get('uncached', 0)} uncached "
+                f"of {p.get('prompt', 0)}, {p.get('steps', 0)} steps at {p.get('step_s', 0) * 1000:.0f} ms + "
+                f"{p.get('prefill_tok_s', 0):.0f} tok/s{waits})")
+
+
+def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, priority: int = 0) -> TTFTPrediction:
+    """Predicted seconds from admission to the first token of a request of ``prompt_tokens`` tokens, of which
+    ``cached_tokens`` are in the prefix cache, at ``priority`` (smaller = more urgent), given ``state``."""
+    uncached = max(prompt_tokens - cached_tokens, 1)   # the last prompt token is always computed
+    classes = [c for c in state.queued_prefill if state.fcfs or c[0] <= priority]
+    ahead = state.running_prefill + sum(c[1] for c in classes)
+    per_step = max(state.budget - state.decode_rows, 1)
+    steps = max(math.ceil((ahead + uncached) / per_step), 1)
+    # Those steps are filled with whatever prefill is queued, behind this request too (a full step costs its
+    # whole budget whoever's tokens they are).
+    queued = state.running_prefill + sum(c[1] for c in state.queued_prefill)
+    work = min(steps * per_step, queued + uncached)
+    prefill_path = steps * state.step_s + work / state.prefill_tok_s
+    n_ahead = sum(c[2] for c in classes)
+    holds = [m for p, m in state.waiting_decode if state.fcfs or p <= priority][:n_ahead]
+    holds += [state.typical_decode] * (n_ahead - len(holds))   # sent but not in the state yet, or past the list
+    remaining = state.remaining_decode
+    wait_seat = _seat_free_at(remaining, state.max_num_seqs - state.num_running, holds) * state.step_s
+    need_blocks = math.ceil((ahead + prompt_tokens) / state.block_size) - cached_tokens // state.block_size
+    wait_kv = remaining[0] * state.step_s if remaining and need_blocks > state.free_blocks else 0.0
+    own_steps = math.ceil(uncached / per_step)
+    own = own_steps * state.step_s + min(own_steps * per_step, queued + uncached) / state.prefill_tok_s
+    # Waiting for a seat overlaps the prefill of those ahead (they prefill as seats free): the longer path.
+    seconds = max(wait_kv + prefill_path, wait_seat + own)
+    return TTFTPrediction(seconds, {
+        "prompt": prompt_tokens, "uncached": uncached, "ahead": ahead, "steps": steps, "step_s": state.step_s,
+        "prefill_tok_s": state.prefill_tok_s, "wait_seat": wait_seat, "wait_kv": wait_kv})
+
+
+def _seat_free_at(remaining: list[int], free: int, holds: list[float]) -> float:
+    """Decode steps until a new request gets a seat: ``free`` seats are free now, the running sequences free
+    theirs after their decode left (``remaining``), and each request ahead (``holds``: its decode length, in
+    order) takes the first seat to free and holds it for a prefill step and its decode."""
+    frees = [0.0] * max(free, 0) + [float(r) for r in remaining]
+    if not frees:
+        return 0.0
+    heapq.heapify(frees)
+    for hold in holds:
+        heapq.heappush(frees, heapq.heappop(frees) + 1 + hold)
+    return frees[0]
+
+
+def cached_prefix_tokens(token_ids: list[int], block_size: int, is_cached) -> int:
+    """Tokens of ``token_ids`` the prefix cache would serve: full blocks whose hash chain ``is_cached(hash)``
+    holds, at most ``(len - 1) // block_size`` blocks (the last token is always computed), as
+    ``KVCacheManager.get_computed_blocks`` finds them."""
+    parent = None
+    hit = 0
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
+        if not is_cached(parent):
+            break
+        hit += 1
+    return hit * block_size
+
+
+class PendingAdds:
+    """Requests a front end sent to the core that its last state does not count yet (in the pipe, or sent
+    after that step): without them a burst of arrivals would each see the same short queue."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self._queue: list[tuple[int, int, int]] = []   # (send index, priority, uncached prompt tokens)
+
+    def note_sent(self, priority: int, uncached_tokens: int) -> None:
+        """One request sent to the core (call in send order)."""
+        self.sent += 1
+        self._queue.append((self.sent, priority, uncached_tokens))
+
+    def seen(self, added: int) -> None:
+        """The core's state counts its first ``added`` requests: forget those."""
+        if self._queue and self._queue[0][0] <= added:
+            self._queue = [p for p in self._queue if p[0] > added]
+
+    def with_pending(self, state: TTFTState) -> TTFTState:
+        """``state`` with the requests not yet counted queued in their priority classes."""
+        queue = [p for p in self._queue if p[0] > state.added]
+        if not queue:
+            return state
+        classes = {p: [t, n] for p, t, n in state.queued_prefill}
+        for _, priority, tokens in queue:
+            c = classes.setdefault(priority, [0, 0])
+            c[0] += tokens
+            c[1] += 1
+        return msgspec.structs.replace(state, queued_prefill=sorted((p, t, n) for p, (t, n) in classes.items()))
+
+
+class PrefixMirror:
+    """The set of block hashes in the core's prefix cache, kept from the states' events (front end side)."""
+
+    def __init__(self) -> None:
+        self.hashes: set[bytes] = set()
+
+    def apply(self, state: TTFTState) -> None:
+        """Replay one state's events (a ``resync`` replaces the set first)."""
+        if state.resync is not None:
+            self.hashes = set(state.resync)
+        self.hashes.difference_update(state.removed)
+        self.hashes.update(state.stored)
+
+    def cached_tokens(self, token_ids: list[int], block_size: int) -> int:
+        """Tokens of ``token_ids`` the core's prefix cache holds (``cached_prefix_tokens``)."""
+        return cached_prefix_tokens(token_ids, block_size, self.hashes.__contains__)
+
+
+def drain_kv_events(pool, limit: int) -> tuple[list[bytes], list[bytes], list[bytes] | None]:
+    """(stored, removed, resync) from ``pool.kv_events`` (a ``BlockPool``), emptied: each hash's last event wins,
+    so replaying removed then stored is exact. More than ``limit`` events (nobody drained them): a resync of the
+    whole cache instead."""
+    events = pool.kv_events
+    if events is None:
+        return [], [], None
+    if len(events) > limit:
+        events.clear()
+        return [], [], list(pool.cached_block_hash_to_block)
+    last = dict(events)
+    events.clear()
+    return [h for h, c in last.items() if c], [h for h, c in last.items() if not c], None
+
+
+def _seat_order(scheduler) -> list:
+    """The waiting and swapped requests in the order the scheduler gives them seats."""
+    queue = [*scheduler.swapped, *scheduler.waiting]
+    if scheduler.scheduling_policy == "priority":
+        queue.sort(key=lambda r: (r.priority, r.arrival_time))
+    return queue
+
+
+def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTState:
+    """The ``TTFTState`` of ``scheduler`` (an ``engine.scheduler.Scheduler``) now, with ``calibration``'s step
+    costs, ``added`` requests taken so far and the prefix cache's events since the last call."""
+    queued: dict[int, list[int]] = {}
+    for req in (*scheduler.waiting, *scheduler.swapped):
+        c = queued.setdefault(req.priority, [0, 0])
+        c[0] += max(req.num_prompt_tokens - req.num_computed_tokens, 0)
+        c[1] += 1
+    running_prefill = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in scheduler.running)
+    decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
+    kv = scheduler.kv_cache_manager
+    stored, removed, resync = drain_kv_events(kv.block_pool, 4 * scheduler.num_blocks)
+    return TTFTState(
+        block_size=scheduler.block_size, budget=scheduler.max_num_batched_tokens,
+        max_num_seqs=scheduler.max_num_seqs, num_running=len(scheduler.running), decode_rows=len(decoding),
+        queued_prefill=sorted((p, t, n) for p, (t, n) in queued.items()), running_prefill=running_prefill,
+        fcfs=scheduler.scheduling_policy == "fcfs",
+        free_blocks=kv.num_free_blocks,
+        remaining_decode=sorted(r.max_tokens - r.num_output_tokens for r in scheduler.running),
+        typical_decode=sum(r.max_tokens for r in scheduler.running) / max(len(scheduler.running), 1),
+        waiting_decode=[(r.priority, r.max_tokens) for r in _seat_order(scheduler)[:4 * scheduler.max_num_seqs]],
+        step_s=calibration.step_s, prefill_tok_s=calibration.prefill_tok_s, added=added,
+        stored=stored, removed=removed, resync=resync)

@@ -1,0 +1,84 @@
+"""``slo: {ttft_ms: ...}``: the cheapest target predicted to meet a TTFT objective, else the fastest.
+
+Each target's predicted TTFT comes in the live signals (``Signals.ttft``, by backend name): for the co-located
+engine, its prediction for this very request at admission (``engine/ttft.py``); for an upstream, the gateway's
+rolling estimate from its own attempts (``gateway/backends/latency.py``). A target with no estimate yet is
+assumed to meet the SLO (it gets traffic, hence an estimate), and one failing half of its recent calls or more
+is assumed not to. The cost of the request on a target is its prompt at the target's input price plus
+``max_tokens`` (else ``EXPECTED_OUTPUT_TOKENS``) at its output price.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Completion tokens a request without max_tokens is priced for: only the ranking between targets uses it.
+EXPECTED_OUTPUT_TOKENS = 256
+# An upstream failing this share of its recent calls or more is not counted on to meet an SLO.
+MAX_ERROR_RATE = 0.5
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A service level objective: time to first token, milliseconds."""
+
+    ttft_ms: float
+
+    def __post_init__(self) -> None:
+        if not self.ttft_ms > 0:
+            raise ValueError(f"slo.ttft_ms must be > 0, got {self.ttft_ms!r}")
+
+
+@dataclass(frozen=True)
+class TTFTEstimate:
+    """A backend's predicted TTFT for this request (``seconds``; None: no estimate yet), what it is based on
+    (``basis``, for explanations) and the share of its recent calls that failed (``error_rate``, 0..1)."""
+
+    seconds: float | None
+    basis: str = ""
+    error_rate: float = 0.0
+
+
+def request_cost(target, prompt_tokens: int | None, max_tokens: int | None, cached: bool = False) -> float:
+    """USD of a request on ``target`` (a ``policies.Target``; prices in USD per million tokens); ``cached``: its
+    prompt priced at the target's cached-input price (the conversation's home, whose prompt cache holds it)."""
+    out = max_tokens if max_tokens is not None else EXPECTED_OUTPUT_TOKENS
+    price = target.cached_input_price if cached and target.cached_input_price is not None else target.input_price
+    return ((prompt_tokens or 0) * price + out * target.output_price) / 1e6
+
+
+def rank(live: list, slo: Slo, estimates: dict[str, TTFTEstimate], prompt_tokens: int | None,
+         max_tokens: int | None, home: str = "") -> tuple[list, str, dict[str, float]]:
+    """``live`` targets in the order to try them for ``slo``: those predicted to meet it by cost (then
+    predicted TTFT, then route order), then the others by predicted TTFT. ``home``: the id of the target whose
+    prompt cache holds this conversation (a sticky route), priced at its cached-input price. Returns (ranked, the
+    explanation quoting each target's prediction and cost, target id -> USD)."""
+    budget_s = slo.ttft_ms / 1000.0
+    cost = {t.id: request_cost(t, prompt_tokens, max_tokens, t.id == home) for t in live}
+    est = {t.id: estimates.get(t.backend, TTFTEstimate(None)) for t in live}
+
+    def meets(t) -> bool:
+        e = est[t.id]
+        return e.error_rate < MAX_ERROR_RATE and (e.seconds is None or e.seconds <= budget_s)
+
+    def predicted(t) -> float:
+        s = est[t.id].seconds
+        return 0.0 if s is None else s
+
+    order = {t.id: i for i, t in enumerate(live)}
+    good = sorted((t for t in live if meets(t)), key=lambda t: (cost[t.id], predicted(t), order[t.id]))
+    bad = sorted((t for t in live if not meets(t)), key=lambda t: (predicted(t), cost[t.id], order[t.id]))
+    parts = []
+    for t in good + bad:
+        e = est[t.id]
+        said = "no estimate yet" if e.seconds is None else f"predicted {e.seconds:.2f} s"
+        cmp = "" if e.seconds is None else (" <= " if e.seconds <= budget_s else " > ") + f"SLO {budget_s:g} s"
+        err = f", {100 * e.error_rate:.0f} % errors" if e.error_rate else ""
+        basis = f" [{e.basis}]" if e.basis else ""
+        warm = " (prompt cache home)" if t.id == home else ""
+        parts.append(f"{t.id} {said}{cmp} at {cost[t.id]:.5f} USD{warm}{err}{basis}")
+    if good:
+        head = f"SLO ttft {slo.ttft_ms:g} ms: cheapest predicted to meet it: {good[0].id}"
+    else:
+        head = f"SLO ttft {slo.ttft_ms:g} ms: none predicted to meet it; fastest: {bad[0].id}"
+    return good + bad, head + "; " + "; ".join(parts), cost

@@ -1,0 +1,112 @@
+"""Upstreams' rolling TTFT and error estimates, and an ``slo`` route end to end: a real gateway process, two
+fake aggregators on 127.0.0.1, the official ``openai`` client. The cheaper aggregator serves until the gateway
+has seen it answer slower than the SLO; then the dearer, faster one does, and ``x-tandem-slo`` says why."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import openai
+import pytest
+
+from gateway.backends.latency import RATIO_WINDOW_S, WINDOW, UpstreamLatency
+from gateway.resilience.outcomes import UpstreamResponse
+from tests.gateway.support import FaultInjectorUpstream, GatewayProcess, upstream_config
+
+
+def test_rolling_estimate_is_the_p90_of_recent_answers_and_counts_errors():
+    lat = UpstreamLatency()
+    assert lat.estimate("a").seconds is None
+    for i in range(10):
+        lat.observe("a", 0.1 * (i + 1))
+    assert lat.estimate("a").seconds == pytest.approx(1.0)
+    assert lat.estimate("a").error_rate == 0
+    for _ in range(10):
+        lat.observe("a", None)
+    assert lat.estimate("a").error_rate == pytest.approx(0.5)
+    for _ in range(WINDOW):
+        lat.observe("a", 0.2)
+    e = lat.estimate("a")
+    assert e.seconds == pytest.approx(0.2) and e.error_rate == 0   # the window forgot the old calls
+
+
+def test_local_predictions_are_corrected_by_what_the_engine_delivered():
+    lat = UpstreamLatency()
+    assert lat.correction() == (1.0, "")
+    for i in range(20):
+        lat._predicted[f"r{i}"] = 2.0
+        lat.observe_local(f"r{i}", 2.0 * (1.0 + 0.05 * i))   # the engine delivers 1.0x .. 1.95x its prediction
+    factor, why = lat.correction()
+    assert factor == pytest.approx(1.5) and "median of measured/predicted, last 20 answers" in why
+    lat.observe_local("never-predicted", 50.0)
+    lat._predicted["tiny"] = 0.01
+    lat.observe_local("tiny", 0.05)                           # floored: 0.05 / 0.25, not 5x
+    assert max(r for _, r in lat._ratios) < 2.0
+    later = lat._ratios[-1][0] + RATIO_WINDOW_S + 1           # no answers for a minute: the factor expires
+    assert lat.correction(now=later) == (1.0, "")
+
+
+def test_a_stream_is_timed_at_its_first_content_not_its_role_event():
+    """Engines and providers send the role event at once: the TTFT is the first content's."""
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n'
+    content = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+
+    async def chunks():
+        yield role
+        await asyncio.sleep(0.2)
+        yield content[:12]       # an event split across reads
+        yield content[12:] + b"data: [DONE]\n\n"
+
+    async def attempt(c):
+        return UpstreamResponse(200, chunks=chunks())
+
+    async def main():
+        lat = UpstreamLatency()
+        resp = await lat.track("r1")(attempt)(SimpleNamespace(target=SimpleNamespace(backend="agg")))
+        got = [c async for c in resp.chunks]
+        assert b"".join(got) == role + content + b"data: [DONE]\n\n"
+        return lat.estimate("agg").seconds
+
+    assert asyncio.run(main()) >= 0.2
+
+
+ROUTES = """  main:
+    targets: [{backend: cheap}, {backend: dear}]
+    slo: {ttft_ms: 300}
+"""
+
+
+@pytest.fixture()
+def gateway(tmp_path):
+    cheap, dear = FaultInjectorUpstream("cheap").start(), FaultInjectorUpstream("dear").start()
+    path = tmp_path / "gw.yaml"
+    path.write_text(upstream_config({"cheap": cheap, "dear": dear}, ROUTES).replace("watch: true", "watch: false"))
+    gw = GatewayProcess(path, env={"TEST_UPSTREAM_KEY": "k"}).start()
+    yield gw, cheap, dear
+    gw.stop()
+    cheap.stop()
+    dear.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_slo_route_leaves_a_cheap_upstream_once_it_is_seen_slow(gateway, stream):
+    gw, cheap, dear = gateway
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+
+    def ask() -> tuple[str, str]:
+        raw = client.chat.completions.with_raw_response.create(
+            model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=10, stream=stream)
+        if stream:
+            for _ in raw.parse():
+                pass
+        return raw.headers["x-tandem-backend"], raw.headers["x-tandem-slo"]
+
+    backend, why = ask()
+    assert backend == "cheap" and "cheap no estimate yet" in why
+    cheap.set_mode(delay=0.6)
+    assert ask()[0] == "cheap"           # seen slow now
+    backend, why = ask()
+    assert backend == "dear"
+    assert why.startswith("SLO ttft 300 ms: cheapest predicted to meet it: dear")
+    assert "cheap predicted 0.6" in why and "> SLO 0.3 s" in why

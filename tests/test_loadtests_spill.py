@@ -1,0 +1,40 @@
+"""The spill scenario's arrivals and figures (pure functions; the scenario itself runs as ``tandem loadtest
+spill``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtests.scenarios.prompt_cache import figures
+from loadtests.scenarios.spill import Outcome, analyse, arrivals, ramp_rate
+
+
+def test_arrivals_ramp_up_to_the_peak_and_back_with_returning_conversations():
+    a = arrivals(capacity=2.0, duration=300.0, low=0.3, high=3.0, seed=1)
+    assert a == arrivals(capacity=2.0, duration=300.0, low=0.3, high=3.0, seed=1)   # the same for every policy
+    start, peak, end = (sum(lo <= x.at < lo + 60 for x in a) for lo in (0, 120, 240))   # expected 1 : 3.3 : 1
+    assert peak > 2 * start and peak > 2 * end
+    assert len(a) == pytest.approx(2.0 * 300 * (0.3 + 3.0) / 2, rel=0.15)
+    turns = {}
+    for x in a:
+        assert x.messages[-1]["role"] == "user"
+        turns.setdefault(x.conversation, []).append(x.messages)
+    multi = [ms for ms in turns.values() if len(ms) > 1]
+    assert multi and all(later[:len(earlier)] == earlier for ms in multi for earlier, later in zip(ms, ms[1:]))
+    assert ramp_rate(150, 300, 0.3, 3.0) == pytest.approx(3.0) and ramp_rate(0, 300, 0.3, 3.0) == pytest.approx(0.3)
+
+
+def test_analyse_counts_the_slo_cost_upstream_share_and_prediction_error():
+    prices = {"local": {"input": 0.0, "output": 0.0}, "agg": {"input": 1.0, "output": 2.0}}
+    out = [Outcome(True, 0.5, "local", 100, 10, 0.4), Outcome(True, 2.0, "local", 100, 10, 1.0),
+           Outcome(True, 0.3, "agg", 1000, 100), Outcome(False, None, "")]
+    f = analyse(out, slo_s=1.0, prices=prices)
+    assert f["slo_met_pct"] == 50.0 and f["failed"] == 1 and f["upstream_share_pct"] == 25.0
+    assert f["usd_per_1000"] == pytest.approx(1000 * (1000 * 1.0 + 100 * 2.0) / 1e6 / 4)
+    assert f["prediction_error_p50_pct"] == pytest.approx(35.0)   # errors 20 % and 50 %
+
+
+def test_prompt_cache_figures_price_cached_tokens_at_the_cached_rate():
+    f = figures({"requests": 2, "failed": 0, "prompt": 1000, "cached": 800, "completion": 20})
+    assert f["cached_share_pct"] == 80.0
+    assert f["usd_per_1000"] == pytest.approx(1000 * (200 * 0.30 + 800 * 0.03 + 20 * 1.20) / 1e6 / 2)
