@@ -23,7 +23,8 @@ def event(payload: bytes) -> bytes:
 
 
 def named_event(name: str, payload: bytes) -> bytes:
-    """One SSE event with an ``event:`` field (Anthropic's streams name each event) and ``payload`` as its data."""
+    """One SSE event with an ``event:`` field (Anthropic's streams and the Responses API's typed events name each
+    event there) and ``payload`` as its data."""
     return b"event: " + name.encode() + b"\n" + event(payload)
 
 
@@ -216,8 +217,3 @@ def choice_finishes(data: bytes) -> list[tuple[Any, bool]]:
         return []
     return [(ch.index if isinstance(ch.index, int) else repr(ch.index), bool(ch.finish_reason))
             for ch in ev.choices or ()]
-
-
-def named_event(name: str, payload: bytes) -> bytes:
-    """One SSE event with an ``event:`` field (the Responses API's typed events name their type there too)."""
-    return b"event: " + name.encode() + b"\n" + event(payload)
