@@ -2,7 +2,8 @@
 request, and the money in Redis is the sum of those records.
 
 Prices and a response's cost in integer nano-USD: ``gateway/billing/prices.py``;
-the Lua scripts: ``gateway/billing/scripts.py`` (their in-process twins are here).
+the Lua scripts: ``gateway/billing/scripts.py`` (their in-process twins are here); UTC days
+and budget periods: ``gateway/billing/periods.py``.
 
 State (``gateway.state.SharedState``: Redis when configured, in-process
 otherwise and while Redis is down), keys ``<prefix>:<kind>:<id>`` with TTLs:
@@ -50,80 +51,20 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
-import functools
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from decimal import Decimal
 from gateway.billing.journal import Journal, JournalEntry
+from gateway.billing.periods import USAGE_TTL_S, days_since, parse_since, period_end_s, period_id, utc_day
 from gateway.billing.prices import NANO
 from gateway.billing.scripts import RELEASE_LUA, RESERVE_LUA, SETTLE_LUA
 
 log = logging.getLogger("tandem.gateway.usage")
 
-USAGE_TTL_S = 400 * 86400          # usage hashes live 400 days
 PEER_WINDOW_S = 60.0               # a replica that reserved on a budget this recently shares it in an outage
 _FIELDS = ("req", "in", "out", "cached", "nusd")
-
-
-
-@functools.lru_cache(maxsize=8)
-def _utc_day(day_number: int) -> str:
-    """``YYYYMMDD`` of the UTC day ``day_number`` (days since the epoch)."""
-    return (_dt.date(1970, 1, 1) + _dt.timedelta(days=day_number)).strftime("%Y%m%d")
-
-
-def period_id(period: str, now_s: float | None = None) -> str:
-    """``d<YYYYMMDD>`` or ``m<YYYYMM>`` (UTC) of ``now_s`` (epoch seconds).
-
-    Raises:
-        ValueError: period not "day" or "month"."""
-    t = _dt.datetime.fromtimestamp(time.time() if now_s is None else now_s, _dt.timezone.utc)
-    if period == "day":
-        return t.strftime("d%Y%m%d")
-    if period == "month":
-        return t.strftime("m%Y%m")
-    raise ValueError(f"period must be day or month, got {period!r}")
-
-
-def period_end_s(period: str, now_s: float) -> float:
-    """Epoch seconds when the period containing ``now_s`` ends (UTC)."""
-    t = _dt.datetime.fromtimestamp(now_s, _dt.timezone.utc)
-    if period == "day":
-        start = _dt.datetime(t.year, t.month, t.day, tzinfo=_dt.timezone.utc)
-        return (start + _dt.timedelta(days=1)).timestamp()
-    y, m = (t.year + 1, 1) if t.month == 12 else (t.year, t.month + 1)
-    return _dt.datetime(y, m, 1, tzinfo=_dt.timezone.utc).timestamp()
-
-
-def parse_since(since: str | None, now_s: float | None = None) -> _dt.date:
-    """The first UTC day of a report: ``YYYY-MM-DD``, an ISO datetime, ``Nd``
-    (N days back, ``0d`` = today), or None (today).
-
-    Raises:
-        ValueError: anything else."""
-    now = _dt.datetime.fromtimestamp(time.time() if now_s is None else now_s, _dt.timezone.utc)
-    if not since:
-        return now.date()
-    s = since.strip()
-    if s.endswith("d") and s[:-1].isdigit():
-        return (now - _dt.timedelta(days=int(s[:-1]))).date()
-    try:
-        return _dt.date.fromisoformat(s[:10])
-    except ValueError:
-        raise ValueError(f"since must be YYYY-MM-DD, an ISO datetime or Nd (days back), got {since!r}") from None
-
-
-def _days(since: _dt.date, now_s: float) -> list[str]:
-    today = _dt.datetime.fromtimestamp(now_s, _dt.timezone.utc).date()
-    start = max(since, today - _dt.timedelta(days=USAGE_TTL_S // 86400))
-    n = (today - start).days
-    return [(start + _dt.timedelta(days=i)).strftime("%Y%m%d") for i in range(n + 1)] if n >= 0 else []
-
-
-
-
 
 
 PERIOD_ADJECTIVE = {"day": "daily", "month": "monthly"}
@@ -339,7 +280,7 @@ class UsageLedger:
         now = time.time() if now_s is None else now_s
         tenant, backend, nusd = record.tenant, record.backend, record.nusd
         t = tenant_label(tenant)
-        day = _utc_day(int(now // 86400))
+        day = utc_day(int(now // 86400))
         ukey = self.state.key("usage", f"{t}:{day}")
         tkey = self.state.key("usage", "tenants")
         lkey = self.state.key("ledger", f"{t}:{day}")
@@ -385,7 +326,7 @@ class UsageLedger:
 
     def _prune_records(self, day: str) -> None:
         """In process, keep the records of ``day`` and the day before only (enough to recognise a repeat)."""
-        prev = _utc_day(int(_dt.datetime.strptime(day, "%Y%m%d").replace(tzinfo=_dt.timezone.utc).timestamp()
+        prev = utc_day(int(_dt.datetime.strptime(day, "%Y%m%d").replace(tzinfo=_dt.timezone.utc).timestamp()
                             // 86400) - 1)
         for k in [k for k in self._records if k.rpartition(":")[2] not in (day, prev)]:
             del self._records[k]
@@ -433,7 +374,7 @@ class UsageLedger:
         """The usage records of ``tenant``'s UTC day of ``now_s``: request id -> record (Redis, or in process)."""
         now = time.time() if now_s is None else now_s
         t = tenant_label(tenant)
-        lkey = self.state.key("ledger", f"{t}:{_utc_day(int(now // 86400))}")
+        lkey = self.state.key("ledger", f"{t}:{utc_day(int(now // 86400))}")
 
         async def read(r) -> dict[str, str]:
             return await r.hgetall(lkey)
@@ -451,7 +392,7 @@ class UsageLedger:
             ValueError: a bad ``since``."""
         now = time.time() if now_s is None else now_s
         start = parse_since(since, now)
-        days = _days(start, now)
+        days = days_since(start, now)
 
         async def read(r) -> dict[str, list[dict]]:
             tenants = [tenant_label(tenant)] if tenant is not None else sorted(

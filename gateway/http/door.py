@@ -42,120 +42,122 @@ class _Refused(Exception):
     error, so the refusal itself rides on the protocol: ``DoorProtocol.refusal``)."""
 
 
+class DoorProtocol(HttpToolsProtocol):
+    """``HttpToolsProtocol`` that counts each request head's bytes and fields and times it. ``limits`` is set
+    per server by ``door_protocol``'s subclass (uvicorn builds the protocol itself, so it cannot be passed in)."""
+
+    limits: DoorLimits
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.head_open = True          # the next bytes are a request head
+        self.head_bytes = 0            # bytes received since the head began (it may be incomplete)
+        self.head_parsed = 0           # bytes of request target and header fields the parser handed us
+        self.head_fields = 0
+        self.head_timer = None
+        self.refusal: tuple[int, str] | None = None   # what a _Refused raised by a callback stands for
+        self.refused = False           # answered and half-closed: what still arrives is dropped
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
+        if self.head_open:
+            # counted before parsing: an incomplete oversized head is refused without buffering it (a head
+            # that completes within ``data`` is measured by the parser callbacks instead: ``data`` may also
+            # hold its body)
+            self.head_bytes += len(data)
+        super().data_received(data)
+        if self.head_open and self.head_bytes > self.limits.max_header_bytes and not self.transport.is_closing():
+            self.refuse(431, f"request headers exceed {self.limits.max_header_bytes} bytes")
+
+    def send_400_response(self, msg: str) -> None:
+        # a parser error raised by our own callback (httptools wraps it) is the 431 it stands for
+        if self.refusal is not None:
+            self.refuse(*self.refusal)
+            return
+        super().send_400_response(msg)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.head_open = True
+        self.head_fields = self.head_parsed = 0
+        self._arm_head_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.head_fields += 1
+        if self.head_fields > self.limits.max_headers:
+            self._stop(f"more than {self.limits.max_headers} request header fields")
+        self._count_head(len(name) + len(value) + 4)    # "name: value\r\n"
+        super().on_header(name, value)
+
+    def _count_head(self, n: int) -> None:
+        """Add ``n`` parsed bytes to the head; over ``max_header_bytes`` stops the parser before
+        ``on_headers_complete``, so the app never sees the request (a complete head in one packet never
+        reaches the byte check in ``data_received``)."""
+        self.head_parsed += n
+        if self.head_parsed > self.limits.max_header_bytes:
+            self._stop(f"request headers exceed {self.limits.max_header_bytes} bytes")
+
+    def _stop(self, message: str) -> None:
+        """Stop parsing this head: ``send_400_response`` answers the 431 recorded here."""
+        self.refusal = (431, message)
+        raise _Refused(message)
+
+    def on_headers_complete(self) -> None:
+        self.head_open = False
+        self.head_bytes = 0
+        self._disarm_head_timer()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # the next head is timed from its first byte (on_message_begin); idle keep-alive is uvicorn's
+        self.head_open, self.head_bytes = True, 0
+
+    def refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` with ``message`` as plain text and close the connection."""
+        self._disarm_head_timer()
+        self.head_open, self.refused = False, True
+        body = message.encode()
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d"
+                             b"\r\nconnection: close\r\n\r\n%s" % (status, _REASONS[status], len(body), body))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.loop.call_later(_LINGER_S, self.transport.close)
+        else:
+            self.transport.close()
+
+    def _arm_head_timer(self) -> None:
+        if self.head_timer is None:
+            self.head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timeout)
+
+    def _disarm_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def _head_timeout(self) -> None:
+        self.head_timer = None
+        if not self.head_open or self.transport.is_closing():
+            return
+        if self.head_bytes or self.head_fields:
+            self.refuse(408, f"request headers not received within {self.limits.header_timeout_s:g}s")
+        else:
+            self.transport.close()     # an idle connection: nothing to answer
+
+
 def door_protocol(limits: DoorLimits) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol class with ``limits`` (pass it as ``uvicorn.Config(http=...)``)."""
-
-    class DoorProtocol(HttpToolsProtocol):
-        """``HttpToolsProtocol`` that counts each request head's bytes and fields and times it."""
-
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            self.head_open = True          # the next bytes are a request head
-            self.head_bytes = 0            # bytes received since the head began (it may be incomplete)
-            self.head_parsed = 0           # bytes of request target and header fields the parser handed us
-            self.head_fields = 0
-            self.head_timer = None
-            self.refusal: tuple[int, str] | None = None   # what a _Refused raised by a callback stands for
-            self.refused = False           # answered and half-closed: what still arrives is dropped
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm_head_timer()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm_head_timer()
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            if self.refused:
-                return
-            if self.head_open:
-                # counted before parsing: an incomplete oversized head is refused without buffering it (a head
-                # that completes within ``data`` is measured by the parser callbacks instead: ``data`` may also
-                # hold its body)
-                self.head_bytes += len(data)
-            super().data_received(data)
-            if self.head_open and self.head_bytes > limits.max_header_bytes and not self.transport.is_closing():
-                self.refuse(431, f"request headers exceed {limits.max_header_bytes} bytes")
-
-        def send_400_response(self, msg: str) -> None:
-            # a parser error raised by our own callback (httptools wraps it) is the 431 it stands for
-            if self.refusal is not None:
-                self.refuse(*self.refusal)
-                return
-            super().send_400_response(msg)
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self.head_open = True
-            self.head_fields = self.head_parsed = 0
-            self._arm_head_timer()
-
-        def on_url(self, url: bytes) -> None:
-            self._count_head(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self.head_fields += 1
-            if self.head_fields > limits.max_headers:
-                self._stop(f"more than {limits.max_headers} request header fields")
-            self._count_head(len(name) + len(value) + 4)    # "name: value\r\n"
-            super().on_header(name, value)
-
-        def _count_head(self, n: int) -> None:
-            """Add ``n`` parsed bytes to the head; over ``max_header_bytes`` stops the parser before
-            ``on_headers_complete``, so the app never sees the request (a complete head in one packet never
-            reaches the byte check in ``data_received``)."""
-            self.head_parsed += n
-            if self.head_parsed > limits.max_header_bytes:
-                self._stop(f"request headers exceed {limits.max_header_bytes} bytes")
-
-        def _stop(self, message: str) -> None:
-            """Stop parsing this head: ``send_400_response`` answers the 431 recorded here."""
-            self.refusal = (431, message)
-            raise _Refused(message)
-
-        def on_headers_complete(self) -> None:
-            self.head_open = False
-            self.head_bytes = 0
-            self._disarm_head_timer()
-            super().on_headers_complete()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            # the next head is timed from its first byte (on_message_begin); idle keep-alive is uvicorn's
-            self.head_open, self.head_bytes = True, 0
-
-        def refuse(self, status: int, message: str) -> None:
-            """Answer ``status`` with ``message`` as plain text and close the connection."""
-            self._disarm_head_timer()
-            self.head_open, self.refused = False, True
-            body = message.encode()
-            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d"
-                                 b"\r\nconnection: close\r\n\r\n%s" % (status, _REASONS[status], len(body), body))
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-                self.loop.call_later(_LINGER_S, self.transport.close)
-            else:
-                self.transport.close()
-
-        def _arm_head_timer(self) -> None:
-            if self.head_timer is None:
-                self.head_timer = self.loop.call_later(limits.header_timeout_s, self._head_timeout)
-
-        def _disarm_head_timer(self) -> None:
-            if self.head_timer is not None:
-                self.head_timer.cancel()
-                self.head_timer = None
-
-        def _head_timeout(self) -> None:
-            self.head_timer = None
-            if not self.head_open or self.transport.is_closing():
-                return
-            if self.head_bytes or self.head_fields:
-                self.refuse(408, f"request headers not received within {limits.header_timeout_s:g}s")
-            else:
-                self.transport.close()     # an idle connection: nothing to answer
-
-    return DoorProtocol
-
+    return type("DoorProtocol", (DoorProtocol,), {"limits": limits})

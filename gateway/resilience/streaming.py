@@ -219,14 +219,8 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
                 out = []
         if watchdog is not None:
             watchdog.disarm()
-        if held.choices.complete:    # every choice finished: the upstream's part is done, [DONE] or not
-            out.append(DONE)
-            ok = True
-            yield b"".join(out)
-            return
-        res.error = err
-        type_ = SHUTDOWN_TYPE if err == GATEWAY_SHUTDOWN else "upstream_error"
-        out.append(error_event(f"stream interrupted: {err}", type_=type_, code="stream_interrupted"))
+        ok, last = _last_event(res, held.choices, err)    # ok set before the yield: the client may leave during it
+        out.append(last)
         yield b"".join(out)
     finally:
         if watchdog is not None:
@@ -234,6 +228,17 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
             if streams is not None:
                 streams.discard(watchdog)
         await asyncio.shield(on_end(ok))
+
+
+def _last_event(res: Result, choices: Choices, err: str | None) -> tuple[bool, bytes]:
+    """How a stream that stopped without ``[DONE]`` or an error event ends (once per stream, off the per-event
+    path): (ok, the last event). Every choice finished: the upstream's part is done, ``[DONE]`` or not, so the
+    gateway sends it. Otherwise one ``stream_interrupted`` error event naming ``err``, also recorded on ``res``."""
+    if choices.complete:
+        return True, DONE
+    res.error = err
+    type_ = SHUTDOWN_TYPE if err == GATEWAY_SHUTDOWN else "upstream_error"
+    return False, error_event(f"stream interrupted: {err}", type_=type_, code="stream_interrupted")
 
 
 async def _read(events: EventReader, watchdog: Watchdog) -> tuple[bool, str | None]:
