@@ -41,6 +41,12 @@ class Policy:
             raise ValueError(f"default_route names unknown route {self.default_route!r}")
         if not (self.canary_key in ("user", "request_id") or self.canary_key.startswith("header:")):
             raise ValueError(f"canary_key must be user, request_id or header:<name>, got {self.canary_key!r}")
+        # Read for every request (``gateway/request/pipeline.py``): derived once per policy, i.e. per config
+        # generation, not per request.
+        object.__setattr__(self, "_needs_prefix", any(
+            r.select == "prefix_affinity" or r.sticky == "prefix" for r in self.routes.values()))
+        object.__setattr__(self, "_has_slo", any(r.slo for r in self.rules) or any(
+            r.slo for r in self.routes.values()))
 
     def fields(self) -> set[str]:
         """Every feature any rule looks at (the gateway computes the costly
@@ -54,11 +60,11 @@ class Policy:
 
     def needs_prefix(self) -> bool:
         """Some route hashes the prompt's leading text (``prefix_affinity``, ``sticky: prefix``)."""
-        return any(r.select == "prefix_affinity" or r.sticky == "prefix" for r in self.routes.values())
+        return self._needs_prefix
 
     def has_slo(self) -> bool:
         """Some rule or route routes by a TTFT SLO (the gateway then gathers ``Signals.ttft``)."""
-        return any(r.slo for r in self.rules) or any(r.slo for r in self.routes.values())
+        return self._has_slo
 
 
 @dataclass

@@ -56,11 +56,17 @@ def native_api(backend, req: GatewayRequest) -> str:
     return req.source[0]
 
 
+def _passthrough(backend, target: Target, req: GatewayRequest, body: dict) -> bytes:
+    """A client body sent on its own API (not translated to chat): the gateway's fields dropped, the model the
+    target's upstream name."""
+    out = {k: v for k, v in body.items() if k not in GATEWAY_ONLY_FIELDS}
+    out["model"] = backend.upstream_model(req.public_model, target.model)
+    return msgspec.json.encode(out)
+
+
 def _payload(backend, target: Target, req: GatewayRequest):
     if backend.kind == "anthropic":     # Anthropic's own API: the client's Messages body, passed through
-        body = {k: v for k, v in req.anthropic_body.items() if k not in GATEWAY_ONLY_FIELDS}
-        body["model"] = backend.upstream_model(req.public_model, target.model)
-        return msgspec.json.encode(body)
+        return _passthrough(backend, target, req, req.anthropic_body)
     body = dict(req.body)
     body["model"] = backend.upstream_model(req.public_model, target.model)
     for k in GATEWAY_ONLY_FIELDS:       # the local engine gets the priority as an argument
@@ -76,9 +82,7 @@ def _payload(backend, target: Target, req: GatewayRequest):
 
 async def _attempt(backend, target: Target, req: GatewayRequest):
     if api := native_api(backend, req):          # the client's own request, on the API it was made on
-        body = {k: v for k, v in req.source[1].items() if k not in GATEWAY_ONLY_FIELDS}
-        body["model"] = backend.upstream_model(req.public_model, target.model)
-        return await backend.send(api, msgspec.json.encode(body), req.request_id)
+        return await backend.send(api, _passthrough(backend, target, req, req.source[1]), req.request_id)
     payload = _payload(backend, target, req)
     # the local engine takes the request value (priority, routing's rendering, the answer's id and model)
     args = (req, payload) if backend.kind == "local" else (req.endpoint, payload, req.request_id)

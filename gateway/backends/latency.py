@@ -19,7 +19,7 @@ import time
 from collections import deque
 
 from gateway.resilience.outcomes import UpstreamResponse
-from gateway.sse import _data_event, classify
+from gateway.sse import EventReader, classify
 from policies import TTFTEstimate
 
 # Calls remembered per backend: enough for a stable 90th percentile, few enough to follow a provider that slows.
@@ -131,12 +131,13 @@ class UpstreamLatency:
         # event at once. The events before it are parsed here a second time (the attempt loop's peek parses
         # them too), only until content.
         it = chunks.__aiter__()
-        pending: bytes | None = b""
+        reader: EventReader | None = EventReader()
         try:
             async for chunk in it:
-                if pending is not None:
-                    pending = _until_content(pending + chunk)
-                    if pending is None:
+                if reader is not None:
+                    reader.feed(chunk)
+                    if _has_content(reader):
+                        reader = None
                         seen(time.monotonic() - started)
                 yield chunk
         finally:   # closed early (client gone, failover): close the upstream's iterator too
@@ -145,12 +146,9 @@ class UpstreamLatency:
                 await aclose()
 
 
-def _until_content(buf: bytes) -> bytes | None:
-    """None when ``buf`` (SSE bytes) holds a content or end event (``gateway.sse.classify``), else its
-    unfinished tail."""
-    blocks = buf.replace(b"\r\n", b"\n").split(b"\n\n")
-    for block in blocks[:-1]:
-        ev = _data_event(block)
-        if ev is not None and classify(ev[1])[0] in ("content", "done", "error"):
-            return None
-    return blocks[-1]
+def _has_content(reader: EventReader) -> bool:
+    """Whether the complete events in ``reader`` include a content or end event (``gateway.sse.classify``)."""
+    while (ev := reader.pop()) is not None:
+        if classify(ev[1])[0] in ("content", "done", "error"):
+            return True
+    return False

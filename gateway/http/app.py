@@ -19,13 +19,14 @@ from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
-from engine.entrypoints.request_ids import stamp_request_id, unique_request_id
+from engine.entrypoints.request_ids import stamp_request_id
 from gateway.config.schema import ConfigError, CorsConfig
 from gateway.errors import ClientError, error_body
 from gateway.http.admin import ADMIN_HANDLERS
 from gateway.http.responses import RESPONSES_HANDLERS
 from gateway.http.anthropic import ANTHROPIC_EXCEPTION_HANDLERS, anthropic_headers, count_tokens
-from gateway.http.transport import EventStream, read_body, unless_disconnected
+from gateway.http.serving import GATEWAY_ID_PREFIX, serve_observed
+from gateway.http.transport import EventStream, unless_disconnected
 from gateway.request.auth import authenticate
 from gateway.request.pipeline import handle
 from gateway.runtime import Gateway
@@ -63,9 +64,6 @@ EXCEPTION_HANDLERS = {ClientError: _on_client_error, ConfigError: _on_config_err
                       Exception: _on_http_error}
 
 
-GATEWAY_ID_PREFIX = "gw-"   # generated x-request-id: gw-<24 hex> (engine/entrypoints/request_ids.py)
-
-
 def in_flight(app):
     """ASGI middleware: ``gw.in_flight`` counts the OpenAI requests being served, from arrival until the last
     byte of the answer (a stream until its end) or the client's disconnect. Drain waits for it to reach 0."""
@@ -86,22 +84,14 @@ def in_flight(app):
 
 
 async def _serve(request: Request, endpoint: str, headers=None) -> Response:
-    gw: Gateway = request.app.state.gw
-    if gw.draining:
-        raise ClientError(503, "the gateway is draining; retry on another replica", code="draining",
-                          headers={"retry-after": "1", "connection": "close"})
     headers = request.headers if headers is None else headers
-    rid = unique_request_id(request.scope, GATEWAY_ID_PREFIX)   # forwarded upstream; echoed as x-request-id
-    rec = gw.obs.begin(rid, endpoint, headers)   # span, trace context
-    streaming = False
-    try:
-        raw = await read_body(request, gw.snapshot.max_body_size, gw.snapshot.compiled.config.server.body_timeout_s)
+
+    async def answer_(gw: Gateway, rec, rid: str, raw: bytes) -> Response:
         answer = await unless_disconnected(request, handle(gw, endpoint, raw, headers, rid))
         if answer is None:                  # the client left: its upstream call was cancelled
             return Response(b"", status_code=499)
         render = answer.render               # another client API's codec (Anthropic's), after observability
-        if answer.stream is not None:
-            streaming = True                 # observability's stream wrapper completes the record at its end
+        if answer.stream is not None:        # observability's stream wrapper completes the record at its end
             stream = gw.obs.stream(rec, answer.backend, answer.stream)
             return EventStream(stream if render is None else render.stream(stream), status_code=200,
                                media_type="text/event-stream", headers={**answer.headers, "cache-control": "no-cache"})
@@ -110,12 +100,8 @@ async def _serve(request: Request, endpoint: str, headers=None) -> Response:
         if render is not None:
             content, media_type = render.content(answer.status, content), _JSON
         return Response(content, status_code=answer.status, media_type=media_type, headers=answer.headers)
-    except ClientError as e:
-        await gw.obs.reject(rec, e)
-        raise
-    finally:
-        if not streaming:
-            gw.obs.abandon(rec)              # 499 / unexpected error: still metered and logged
+
+    return await serve_observed(request, endpoint, headers, answer_)
 
 
 @post("/v1/chat/completions")

@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import msgspec
 from litestar import Request, Response, delete, get, post
 
-from engine.entrypoints.request_ids import unique_request_id
 from gateway.errors import ClientError
-from gateway.http.transport import EventStream, read_body, unless_disconnected
+from gateway.http.serving import serve_observed
+from gateway.http.transport import EventStream, unless_disconnected
 from gateway.request.auth import authenticate
 from gateway.request.pipeline import handle
 from gateway.request.validate import parse_json
@@ -62,19 +62,10 @@ async def _prepare(gw, store: ResponseStore, raw: bytes, headers, rid: str):
 @post("/v1/responses")
 async def create_response(request: Request) -> Response:
     """``POST /v1/responses``: the Responses object, or its typed events with ``stream: true``."""
-    gw = request.app.state.gw
     store: ResponseStore = request.app.state.responses
-    if gw.draining:
-        raise ClientError(503, "the gateway is draining; retry on another replica", code="draining",
-                          headers={"retry-after": "1", "connection": "close"})
-    from gateway.http.app import GATEWAY_ID_PREFIX   # here: app.py imports this module
-
     headers = request.headers
-    rid = unique_request_id(request.scope, GATEWAY_ID_PREFIX)
-    rec = gw.obs.begin(rid, "responses", headers)
-    streaming = False
-    try:
-        raw = await read_body(request, gw.snapshot.max_body_size, gw.snapshot.compiled.config.server.body_timeout_s)
+
+    async def answer_(gw, rec, rid: str, raw: bytes) -> Response:
         body, tenant, items, history, chat, native = await _prepare(gw, store, raw, headers, rid)
         ctx = new_context(body, rid, gw.snapshot.compiled.model_names.get(body["model"], body["model"]))
 
@@ -90,7 +81,6 @@ async def create_response(request: Request) -> Response:
         if answer is None:                  # the client left: its upstream call was cancelled
             return Response(b"", status_code=499)
         if answer.stream is not None:
-            streaming = True
             events = responses_sse(gw.obs.stream(rec, answer.backend, answer.stream), ResponsesEvents(ctx), keep)
             return EventStream(events, status_code=200, media_type="text/event-stream",
                                headers={**answer.headers, "cache-control": "no-cache"})
@@ -106,12 +96,8 @@ async def create_response(request: Request) -> Response:
         elif answer.api != "responses":     # a backend refused the chat body: name what the client sent
             content = _renamed_error(content)
         return Response(content, status_code=answer.status, media_type=_JSON, headers=answer.headers)
-    except ClientError as e:
-        await gw.obs.reject(rec, e)
-        raise
-    finally:
-        if not streaming:
-            gw.obs.abandon(rec)
+
+    return await serve_observed(request, "responses", headers, answer_)
 
 
 def _renamed_error(content: bytes) -> bytes:
