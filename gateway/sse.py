@@ -122,6 +122,7 @@ class _EvDelta(msgspec.Struct):
 
 
 class _EvChoice(msgspec.Struct):
+    index: Any = 0
     text: Any = None
     finish_reason: Any = None
     delta: _EvDelta | None = None
@@ -154,30 +155,36 @@ def _kind_of(obj: Any) -> str:
     return "meta"
 
 
-def classify(data: bytes) -> tuple[str, Any, Any, bytes | None]:
-    """An event's data payload: (kind, its ``usage``, its ``error``, replacement payload).
+def _index(index: Any) -> Any:
+    return index if isinstance(index, int) else repr(index)
+
+
+def classify(data: bytes) -> tuple[str, Any, Any, bytes | None, list[tuple[Any, bool]]]:
+    """An event's data payload: (kind, its ``usage``, its ``error``, replacement payload, its choices' finishes).
 
     kind: ``done`` | ``error`` | ``content`` (a delta with content, or a finish) | ``meta`` | ``malformed``.
     The replacement payload is None unless the payload is JSON only once invalid UTF-8 is replaced (U+FFFD):
     then it is relayed in that form. Typed decoding (C, unknown fields skipped) for the usual shapes; any other
-    JSON goes the generic way with the same rules."""
+    JSON goes the generic way with the same rules. The finishes are ``choice_finishes``' answer, taken from the
+    same decode on the usual path (a relay reads both for every event)."""
     if data[:1] != b"{":
         if data.strip() == b"[DONE]":
-            return "done", None, None, None
+            return "done", None, None, None, []
     else:
         try:
             ev = _decode_event(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             pass
         else:
+            finishes = [(_index(ch.index), bool(ch.finish_reason)) for ch in ev.choices or ()]
             if ev.error:
-                return "error", ev.usage, ev.error, None
+                return "error", ev.usage, ev.error, None, finishes
             for ch in ev.choices or ():
                 d = ch.delta
                 if ch.text or ch.finish_reason or (d is not None and (
                         d.content or d.tool_calls or d.function_call or d.reasoning_content or d.refusal)):
-                    return "content", ev.usage, None, None
-            return "meta", ev.usage, None, None
+                    return "content", ev.usage, None, None, finishes
+            return "meta", ev.usage, None, None, finishes
     fixed = None
     try:
         obj = msgspec.json.decode(data)
@@ -186,14 +193,14 @@ def classify(data: bytes) -> tuple[str, Any, Any, bytes | None]:
         try:
             obj = json.loads(text)
         except ValueError:
-            return "malformed", None, None, None
+            return "malformed", None, None, None, []
         fixed = text.encode()
         if fixed == data:
             fixed = None
     kind = _kind_of(obj)
     if kind == "malformed":
-        return kind, None, None, None
-    return kind, obj.get("usage"), obj.get("error"), fixed
+        return kind, None, None, None, []
+    return kind, obj.get("usage"), obj.get("error"), fixed, choice_finishes(data)   # a rare shape: decoded again
 
 
 class _FinChoice(msgspec.Struct):
@@ -215,5 +222,4 @@ def choice_finishes(data: bytes) -> list[tuple[Any, bool]]:
         ev = _decode_fin(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return []
-    return [(ch.index if isinstance(ch.index, int) else repr(ch.index), bool(ch.finish_reason))
-            for ch in ev.choices or ()]
+    return [(_index(ch.index), bool(ch.finish_reason)) for ch in ev.choices or ()]

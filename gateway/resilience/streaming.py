@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from gateway.resilience.outcomes import Failure, PassThrough, Result, UpstreamResponse, classify_error_object
-from gateway.sse import DONE, EventReader, choice_finishes, classify, error_event, event
+from gateway.sse import DONE, EventReader, classify, error_event, event
 
 
 class Choices:
@@ -30,9 +30,9 @@ class Choices:
         self.opened: set = set()
         self.finished: set = set()
 
-    def note(self, data: bytes) -> None:
-        """Count the choices of one event's data (content or meta)."""
-        for index, finished in choice_finishes(data):
+    def note(self, finishes: list[tuple[Any, bool]]) -> None:
+        """Count the choices of one event (content or meta): ``classify``'s (index, finished) pairs."""
+        for index, finished in finishes:
             self.opened.add(index)
             if finished:
                 self.finished.add(index)
@@ -134,14 +134,14 @@ async def peek_stream(resp: UpstreamResponse, t0: float) -> Result | Failure | P
             if item is None:
                 return Failure("stream_cut", "upstream stream ended before any content", status=502)
         raw, data = item
-        kind, usage, error, fixed = classify(data)
+        kind, usage, error, fixed, finishes = classify(data)
         if kind == "malformed":
             return Failure("malformed", "upstream sent a malformed event", status=502)
         if kind == "error":   # before content: classified by its status like a non-streamed answer
             return classify_error_object(error, data if fixed is None else fixed, "event before content")
         held.append(raw if fixed is None else event(fixed))
         if kind != "done":
-            choices.note(data)
+            choices.note(finishes)
         if kind in ("content", "done"):
             res = Result(200, {"content-type": "text/event-stream"}, ttft_s=time.monotonic() - t0)
             res.stream = Held(held, events, resp, kind == "done", choices)  # type: ignore[assignment]
@@ -196,7 +196,7 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
             if watchdog is not None:
                 watchdog.disarm()                # the event awaited arrived
             raw, data = item
-            kind, usage, _, fixed = classify(data)
+            kind, usage, _, fixed, finishes = classify(data)
             if kind == "done":
                 out.append(DONE)
                 ok = True
@@ -206,7 +206,7 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
                 err = "upstream sent a malformed event"
                 break
             if kind != "error":
-                held.choices.note(data)
+                held.choices.note(finishes)
             if usage:
                 res.usage = usage
             out.append(raw if fixed is None else event(fixed))
