@@ -225,15 +225,16 @@ class PrefixMirror:
         return cached_prefix_tokens(token_ids, block_size, self.hashes.__contains__)
 
 
-def drain_kv_events(pool, limit: int) -> tuple[list[bytes], list[bytes], list[bytes] | None]:
+def drain_kv_events(pool) -> tuple[list[bytes], list[bytes], list[bytes] | None]:
     """(stored, removed, resync) from ``pool.kv_events`` (a ``BlockPool``), emptied: each hash's last event wins,
-    so replaying removed then stored is exact. More than ``limit`` events (nobody drained them): a resync of the
-    whole cache instead."""
+    so replaying removed then stored is exact. Events dropped undrained (``pool.kv_events_lost``): a resync of
+    the whole cache instead."""
     events = pool.kv_events
     if events is None:
         return [], [], None
-    if len(events) > limit:
+    if pool.kv_events_lost:
         events.clear()
+        pool.kv_events_lost = False
         return [], [], list(pool.cached_block_hash_to_block)
     last = dict(events)
     events.clear()
@@ -259,7 +260,7 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
     running_prefill = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in scheduler.running)
     decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
     kv = scheduler.kv_cache_manager
-    stored, removed, resync = drain_kv_events(kv.block_pool, 4 * scheduler.num_blocks)
+    stored, removed, resync = drain_kv_events(kv.block_pool)
     return TTFTState(
         block_size=scheduler.block_size, budget=scheduler.max_num_batched_tokens,
         max_num_seqs=scheduler.max_num_seqs, num_running=len(scheduler.running), decode_rows=len(decoding),
