@@ -241,12 +241,13 @@ def drain_kv_events(pool) -> tuple[list[bytes], list[bytes], list[bytes] | None]
     return [h for h, c in last.items() if c], [h for h, c in last.items() if not c], None
 
 
-def _seat_order(scheduler) -> list:
-    """The waiting and swapped requests in the order the scheduler gives them seats."""
+def _seat_order(scheduler, n: int) -> list:
+    """The first ``n`` waiting and swapped requests in the order the scheduler gives them seats (nsmallest: the
+    stable sort's first ``n`` without sorting the whole queue every step)."""
     queue = [*scheduler.swapped, *scheduler.waiting]
     if scheduler.scheduling_policy == "priority":
-        queue.sort(key=lambda r: (r.priority, r.arrival_time))
-    return queue
+        return heapq.nsmallest(n, queue, key=lambda r: (r.priority, r.arrival_time))
+    return queue[:n]
 
 
 def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTState:
@@ -269,6 +270,6 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
         free_blocks=kv.num_free_blocks,
         remaining_decode=sorted(r.max_tokens - r.num_output_tokens for r in scheduler.running),
         typical_decode=sum(r.max_tokens for r in scheduler.running) / max(len(scheduler.running), 1),
-        waiting_decode=[(r.priority, r.max_tokens) for r in _seat_order(scheduler)[:4 * scheduler.max_num_seqs]],
+        waiting_decode=[(r.priority, r.max_tokens) for r in _seat_order(scheduler, 4 * scheduler.max_num_seqs)],
         step_s=calibration.step_s, prefill_tok_s=calibration.prefill_tok_s, added=added,
         stored=stored, removed=removed, resync=resync)
