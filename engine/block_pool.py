@@ -144,7 +144,10 @@ class BlockPool:
         # block that computes the same tokens simply is not cached).
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         # (hash, cached?) in order, for the front end's copy of the cache (``engine/ttft.py``); None: not kept.
+        # Bounded: an event past 4 x num_blocks undrained ones drops them and sets ``kv_events_lost`` (the reader
+        # resyncs the whole cache instead), so a pool nobody drains (offline use) does not grow forever.
         self.kv_events: list[tuple[BlockHash, bool]] | None = None
+        self.kv_events_lost = False
 
     # -- allocation ---------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -181,8 +184,7 @@ class BlockPool:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
-            if self.kv_events is not None:
-                self.kv_events.append((block.block_hash, False))
+            self._kv_event(block.block_hash, False)
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -229,9 +231,18 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached_block_hash_to_block[block_hash] = block
-        if self.kv_events is not None:
-            self.kv_events.append((block_hash, True))
+        self._kv_event(block_hash, True)
         return True
+
+    def _kv_event(self, block_hash: BlockHash, cached: bool) -> None:
+        """Record one event in ``kv_events`` when kept (see ``__init__``)."""
+        events = self.kv_events
+        if events is None:
+            return
+        if len(events) >= 4 * self.num_blocks:
+            events.clear()
+            self.kv_events_lost = True
+        events.append((block_hash, cached))
 
     # -- metrics and checks -------------------------------------------------
     def get_usage(self) -> float:

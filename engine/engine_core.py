@@ -277,14 +277,15 @@ class EngineCore:
             return []
         runner_out = self.model_runner.execute_model(sched)
         sampled, row_logprobs, grammar_done, content = self._sample(sched, runner_out)
-        prefill_tokens = 0
+        prefill_tokens = decode_rows = 0
         for entry in sched.scheduled:
             req = entry.request
             if entry.num_computed_tokens < req.num_prompt_tokens:
                 prefill_tokens += min(entry.num_new_tokens, req.num_prompt_tokens - entry.num_computed_tokens)
+            else:
+                decode_rows += 1
         self._prompt_tokens_total += prefill_tokens
-        self._calibrate(started, prefill_tokens, len(sched.scheduled) - sum(
-            e.num_computed_tokens < e.request.num_prompt_tokens for e in sched.scheduled))
+        self._calibrate(started, prefill_tokens, decode_rows)
         self._collect_prompt_logprobs(sched, runner_out.prompt_logits)
         finished = self.scheduler.update_from_output(sched, sampled, not_stops=content)
         self._stop_finished_grammars(grammar_done, finished)

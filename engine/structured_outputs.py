@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -131,8 +132,8 @@ class StructuredOutputManager:
         self._stops_as_content: set[str] = set()  # rows of this step whose stop tokens are grammar content
 
     @property
-    def compile_seconds(self) -> list[float]:
-        """Wall time of every compile, seconds."""
+    def compile_seconds(self) -> deque[float]:
+        """Wall time of the latest compiles (up to ``grammar_compiler.COMPILE_TIMES_KEPT``), seconds."""
         return self.pool.compile_seconds
 
     # -------------------------------------------------------------- compiling

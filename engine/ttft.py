@@ -225,27 +225,29 @@ class PrefixMirror:
         return cached_prefix_tokens(token_ids, block_size, self.hashes.__contains__)
 
 
-def drain_kv_events(pool, limit: int) -> tuple[list[bytes], list[bytes], list[bytes] | None]:
+def drain_kv_events(pool) -> tuple[list[bytes], list[bytes], list[bytes] | None]:
     """(stored, removed, resync) from ``pool.kv_events`` (a ``BlockPool``), emptied: each hash's last event wins,
-    so replaying removed then stored is exact. More than ``limit`` events (nobody drained them): a resync of the
-    whole cache instead."""
+    so replaying removed then stored is exact. Events dropped undrained (``pool.kv_events_lost``): a resync of
+    the whole cache instead."""
     events = pool.kv_events
     if events is None:
         return [], [], None
-    if len(events) > limit:
+    if pool.kv_events_lost:
         events.clear()
+        pool.kv_events_lost = False
         return [], [], list(pool.cached_block_hash_to_block)
     last = dict(events)
     events.clear()
     return [h for h, c in last.items() if c], [h for h, c in last.items() if not c], None
 
 
-def _seat_order(scheduler) -> list:
-    """The waiting and swapped requests in the order the scheduler gives them seats."""
+def _seat_order(scheduler, n: int) -> list:
+    """The first ``n`` waiting and swapped requests in the order the scheduler gives them seats (nsmallest: the
+    stable sort's first ``n`` without sorting the whole queue every step)."""
     queue = [*scheduler.swapped, *scheduler.waiting]
     if scheduler.scheduling_policy == "priority":
-        queue.sort(key=lambda r: (r.priority, r.arrival_time))
-    return queue
+        return heapq.nsmallest(n, queue, key=lambda r: (r.priority, r.arrival_time))
+    return queue[:n]
 
 
 def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTState:
@@ -259,7 +261,7 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
     running_prefill = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in scheduler.running)
     decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
     kv = scheduler.kv_cache_manager
-    stored, removed, resync = drain_kv_events(kv.block_pool, 4 * scheduler.num_blocks)
+    stored, removed, resync = drain_kv_events(kv.block_pool)
     return TTFTState(
         block_size=scheduler.block_size, budget=scheduler.max_num_batched_tokens,
         max_num_seqs=scheduler.max_num_seqs, num_running=len(scheduler.running), decode_rows=len(decoding),
@@ -268,6 +270,6 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
         free_blocks=kv.num_free_blocks,
         remaining_decode=sorted(r.max_tokens - r.num_output_tokens for r in scheduler.running),
         typical_decode=sum(r.max_tokens for r in scheduler.running) / max(len(scheduler.running), 1),
-        waiting_decode=[(r.priority, r.max_tokens) for r in _seat_order(scheduler)[:4 * scheduler.max_num_seqs]],
+        waiting_decode=[(r.priority, r.max_tokens) for r in _seat_order(scheduler, 4 * scheduler.max_num_seqs)],
         step_s=calibration.step_s, prefill_tok_s=calibration.prefill_tok_s, added=added,
         stored=stored, removed=removed, resync=resync)

@@ -5,12 +5,26 @@
 #define TANDEM_KERNELS_COMMON_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #define LANES 16
+
+/* A scratch buffer of at least `bytes` bytes, grown in place in the caller's
+ * (*buf, *cap), a static __thread pair: kept between calls because OpenMP's
+ * threads persist and a fresh buffer of a few hundred KiB per call would be
+ * mapped and faulted in each time. NULL when out of memory. */
+static inline void *scratch_grow(void **buf, size_t *cap, size_t bytes) {
+    if (*cap < bytes) {
+        free(*buf);
+        *buf = malloc(bytes);
+        *cap = *buf ? bytes : 0;
+    }
+    return *buf;
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

@@ -34,18 +34,11 @@
 #define F32_PANEL_AVX2 1
 #endif
 
-/* This thread's float32 buffer of at least `elems` values, kept between
- * calls (OpenMP's threads persist; a fresh buffer per call would be mapped
- * and faulted in each time); NULL when out of memory. */
+/* This thread's float32 buffer of at least `elems` values (scratch_grow). */
 static inline float *f32_scratch(size_t elems) {
-    static __thread float *buf;
+    static __thread void *buf;
     static __thread size_t cap;
-    if (cap < elems) {
-        free(buf);
-        buf = malloc(sizeof(float) * elems);
-        cap = buf ? elems : 0;
-    }
-    return buf;
+    return scratch_grow(&buf, &cap, sizeof(float) * elems);
 }
 
 /* rows x k bfloat16 values (ldx apart) as float32, xf [rows][k] (exact). */

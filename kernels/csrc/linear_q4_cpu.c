@@ -89,18 +89,11 @@ static inline __attribute__((always_inline)) __m512bh dequant16x2(const uint8_t 
     return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(d1, q1, m1), _mm512_fmadd_ps(d0, q0, m0));
 }
 
-/* This thread's scratch of at least `elems` bfloat16 values, kept between
- * calls (OpenMP's threads persist; a fresh buffer of a few hundred KiB per
- * call would be mapped and faulted in each time); NULL when out of memory. */
+/* This thread's scratch of at least `elems` bfloat16 values (scratch_grow). */
 static uint16_t *thread_scratch(size_t elems) {
-    static __thread uint16_t *buf;
+    static __thread void *buf;
     static __thread size_t cap;
-    if (cap < elems) {
-        free(buf);
-        buf = malloc(sizeof(uint16_t) * elems);
-        cap = buf ? elems : 0;
-    }
-    return buf;
+    return scratch_grow(&buf, &cap, sizeof(uint16_t) * elems);
 }
 
 /* One panel (its codes and scales) dequantized into scratch [k / 2][64][2]. */
