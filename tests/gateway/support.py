@@ -46,6 +46,21 @@ def wait_until(pred, timeout: float = 15.0):
     raise AssertionError("condition not reached")
 
 
+async def serve_app(app):
+    """Serve the ASGI ``app`` under uvicorn on a free port in this event loop (lifespan on); returns (server, its
+    task, base url) once it listens. Stop it with ``server.should_exit = True; await task``."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.02)
+    return server, task, f"http://127.0.0.1:{port}"
+
+
 class FaultInjectorUpstream:
     """An OpenAI-compatible upstream for fault injection (NOT a model).
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from loadtests.scenarios.common import start_engine_server
-from tests.gateway.observability.test_observability import _serve_app
+from tests.gateway.support import serve_app
 from tests.tiny_models import save_byte_level_llama
 
 pytestmark = pytest.mark.slow
@@ -71,7 +71,7 @@ async def test_a_stream_survives_its_replica_sigkill(replicas, caplog):
     from gateway.runtime import Gateway
 
     gw = Gateway(None, load_config_text(config(replicas)), start_engine=False)
-    server, task, url = await _serve_app(create_app(gw))
+    server, task, url = await serve_app(create_app(gw))
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     killed: list[str] = []
 
