@@ -213,3 +213,15 @@ def upstream_config(upstreams: dict[str, FaultInjectorUpstream], routes_yaml: st
             f"models:\n  - name: m1\n    aliases: [alias1]\n"
             f"backends:\n{backends}routes:\n{routes_yaml}\n"
             f"policy:\n  default_route: {default_route}\n  rules:\n{rules_yaml or '    []'}\n")
+
+
+def gateway_on(tmp_path_factory, name: str, config_text: str, env: dict | None = None):
+    """A ``tandem serve`` process on ``config_text`` (written in a fresh temp dir ``name``), for a fixture to
+    ``yield from``: yields the started GatewayProcess, stops it at the end."""
+    path = tmp_path_factory.mktemp(name) / "config.yaml"
+    path.write_text(config_text)
+    g = GatewayProcess(path, env=env).start()
+    try:
+        yield g
+    finally:
+        g.stop()

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.script_upstream import ScriptUpstream, chunk, data
+from tests.gateway.script_upstream import chunk, data, upstream  # noqa: F401 -- upstream: the module-scoped fixture
 from tests.gateway.support import GatewayProcess
 
 CONFIG = """
@@ -29,13 +29,6 @@ resilience: {{health: {{interval_s: 0}}}}
 """
 # one content chunk, then 20 s of keep-alive comments: alive, never finished
 LONG_STREAM = {"parts": [data(chunk("a")), *[0.2, b": keep-alive\n\n"] * 100]}
-
-
-@pytest.fixture(scope="module")
-def upstream():
-    u = ScriptUpstream().start()
-    yield u
-    u.stop()
 
 
 @contextlib.contextmanager
