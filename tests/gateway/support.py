@@ -225,3 +225,24 @@ def gateway_on(tmp_path_factory, name: str, config_text: str, env: dict | None =
         yield g
     finally:
         g.stop()
+
+
+def engine_replicas(tmp_path_factory, names):
+    """``tandem engine serve`` replicas (named ``names``) of one tiny random Llama (byte-level tokenizer: one
+    character = one token, served as ``bench``, 4096 positions), for a module fixture to ``yield from``: yields
+    {name: server}, stops them all at the end."""
+    from loadtests.scenarios.common import start_engine_server
+    from tests.tiny_models import save_byte_level_llama
+
+    model = save_byte_level_llama(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096, printable_only=True)
+    logs = tmp_path_factory.mktemp("replica-logs")
+    args = ["--model", model, "--served-model-name", "bench", "--dtype", "float32", "--kv-cache-memory", "32MiB",
+            "--max-model-len", "4096", "--num-threads", "1"]
+    servers = {}
+    try:
+        for n in names:
+            servers[n] = start_engine_server(logs, args, name=n)
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
