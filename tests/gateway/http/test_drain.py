@@ -84,10 +84,11 @@ def test_drain_deadline_ends_open_streams_with_stream_interrupted(upstream, tmp_
 
 def test_a_second_signal_during_a_drain_exits_at_once(upstream, tmp_path):
     with draining_gateway(upstream, tmp_path, drain_s=120) as g:
-        open_stream(g)
+        outcome = open_stream(g)
         g.proc.send_signal(signal.SIGTERM)
         time.sleep(1.5)                        # past the echo window of a forwarded signal
         g.proc.send_signal(signal.SIGTERM)
+        assert_interrupted(outcome)
         g.proc.wait(15)                        # the drain alone would take 120 s
         assert "second signal during the drain" in g.log()
 
