@@ -18,6 +18,7 @@ import json
 import threading
 from collections import deque
 
+import pytest
 from aiohttp import web
 
 from tests.conftest import free_port
@@ -111,3 +112,11 @@ class ScriptUpstream:
         except ConnectionError:
             pass
         return resp
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    """One ScriptUpstream per test module (import this fixture into the module)."""
+    u = ScriptUpstream().start()
+    yield u
+    u.stop()

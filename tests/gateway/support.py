@@ -46,6 +46,21 @@ def wait_until(pred, timeout: float = 15.0):
     raise AssertionError("condition not reached")
 
 
+async def serve_app(app):
+    """Serve the ASGI ``app`` under uvicorn on a free port in this event loop (lifespan on); returns (server, its
+    task, base url) once it listens. Stop it with ``server.should_exit = True; await task``."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.02)
+    return server, task, f"http://127.0.0.1:{port}"
+
+
 class FaultInjectorUpstream:
     """An OpenAI-compatible upstream for fault injection (NOT a model).
 
@@ -198,3 +213,36 @@ def upstream_config(upstreams: dict[str, FaultInjectorUpstream], routes_yaml: st
             f"models:\n  - name: m1\n    aliases: [alias1]\n"
             f"backends:\n{backends}routes:\n{routes_yaml}\n"
             f"policy:\n  default_route: {default_route}\n  rules:\n{rules_yaml or '    []'}\n")
+
+
+def gateway_on(tmp_path_factory, name: str, config_text: str, env: dict | None = None):
+    """A ``tandem serve`` process on ``config_text`` (written in a fresh temp dir ``name``), for a fixture to
+    ``yield from``: yields the started GatewayProcess, stops it at the end."""
+    path = tmp_path_factory.mktemp(name) / "config.yaml"
+    path.write_text(config_text)
+    g = GatewayProcess(path, env=env).start()
+    try:
+        yield g
+    finally:
+        g.stop()
+
+
+def engine_replicas(tmp_path_factory, names):
+    """``tandem engine serve`` replicas (named ``names``) of one tiny random Llama (byte-level tokenizer: one
+    character = one token, served as ``bench``, 4096 positions), for a module fixture to ``yield from``: yields
+    {name: server}, stops them all at the end."""
+    from loadtests.scenarios.common import start_engine_server
+    from tests.tiny_models import save_byte_level_llama
+
+    model = save_byte_level_llama(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096, printable_only=True)
+    logs = tmp_path_factory.mktemp("replica-logs")
+    args = ["--model", model, "--served-model-name", "bench", "--dtype", "float32", "--kv-cache-memory", "32MiB",
+            "--max-model-len", "4096", "--num-threads", "1"]
+    servers = {}
+    try:
+        for n in names:
+            servers[n] = start_engine_server(logs, args, name=n)
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()

@@ -16,9 +16,7 @@ import httpx
 import openai
 import pytest
 
-from loadtests.scenarios.common import start_engine_server
-from tests.gateway.support import GatewayProcess, wait_until
-from tests.tiny_models import save_byte_level_llama
+from tests.gateway.support import GatewayProcess, engine_replicas, wait_until
 
 ENV = {"TANDEM_ADMIN_TOKEN": "admin-tok"}
 ADMIN = {"authorization": "Bearer admin-tok"}
@@ -28,18 +26,7 @@ NAMES = ("r1", "r2", "r3")
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
     """Three engine replicas of one tiny model (started together, stopped at the end)."""
-    model = save_byte_level_llama(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096, printable_only=True)
-    logs = tmp_path_factory.mktemp("replica-logs")
-    args = ["--model", model, "--served-model-name", "bench", "--dtype", "float32", "--kv-cache-memory", "32MiB",
-            "--max-model-len", "4096", "--num-threads", "1"]
-    servers = {}
-    try:
-        for n in NAMES:
-            servers[n] = start_engine_server(logs, args, name=n)
-        yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
+    yield from engine_replicas(tmp_path_factory, NAMES)
 
 
 def config(replicas, names=("r1", "r2"), state: str = "") -> str:

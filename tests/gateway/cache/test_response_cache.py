@@ -16,7 +16,7 @@ import pytest
 from gateway.cache.key import exact_space, tokens_of
 from gateway.sse import EventReader
 from tests.gateway.backends.test_local import tiny_model  # noqa: F401 -- the module-scoped fixture
-from tests.gateway.observability.test_observability import _serve_app
+from tests.gateway.support import serve_app
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ async def started(model: str, redis_url: str | None = None):
     from gateway.runtime import Gateway
 
     gw = Gateway(None, load_config_text(config(model, redis_url)), start_engine=True)
-    server, task, url = await _serve_app(create_app(gw))
+    server, task, url = await serve_app(create_app(gw))
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     for _ in range(600):
         if (await client._client.get(url + "/health/ready")).status_code == 200:
@@ -161,7 +161,7 @@ async def test_best_effort_caches_an_upstream_answer_labelled():
            "  ex:\n    targets: [{backend: up}]\n    cache: {mode: exact}\n"
            "policy:\n  default_route: be\n  rules: [{name: ex, match: {model: e}, route: ex}]\n")
     gw = Gateway(None, load_config_text(cfg), start_engine=False)
-    server, task, url = await _serve_app(create_app(gw))
+    server, task, url = await serve_app(create_app(gw))
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     try:
         body = dict(model="m", messages=MSGS, max_tokens=5)

@@ -18,8 +18,8 @@ from gateway.config.compile import load_config_text
 from gateway.config.versions import ConfigState, MemoryLedger, RedisLedger, VersionConflict, text_digest
 from gateway.http.app import create_app
 from gateway.runtime import Gateway
-from tests.conftest import free_port
 from tests.gateway.fault_upstream import FaultUpstream
+from tests.gateway.support import serve_app
 
 ADMIN_TOKEN = "admin-token-versions-26"
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -42,18 +42,9 @@ def config(up: FaultUpstream, redis_url: str, prefix: str, b_weight: int = 0) ->
 @contextlib.asynccontextmanager
 async def replica(path):
     """A gateway on the config file ``path``: yields (gateway, admin client)."""
-    import uvicorn
-
     gw = Gateway(str(path), load_config_text(path.read_text(), source=str(path)), start_engine=False)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(gw), host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.02)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=ADMIN, timeout=10) as c:
+    server, task, url = await serve_app(create_app(gw))
+    async with httpx.AsyncClient(base_url=url, headers=ADMIN, timeout=10) as c:
         try:
             yield gw, c
         finally:

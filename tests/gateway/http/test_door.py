@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from tests.gateway.script_upstream import ScriptUpstream
-from tests.gateway.support import GatewayProcess, sha
+from tests.gateway.script_upstream import upstream  # noqa: F401 -- the module-scoped fixture
+from tests.gateway.support import GatewayProcess, gateway_on, sha
 
 KEY, ADMIN = "sk-door-client", "door-admin-token"
 CONFIG = """
@@ -31,19 +31,9 @@ resilience: {{health: {{interval_s: 0}}}}
 
 
 @pytest.fixture(scope="module")
-def upstream():
-    u = ScriptUpstream().start()
-    yield u
-    u.stop()
-
-
-@pytest.fixture(scope="module")
 def gateway(upstream, tmp_path_factory):
-    path = tmp_path_factory.mktemp("door") / "config.yaml"
-    path.write_text(CONFIG.format(sha=sha(KEY), url=upstream.base_url))
-    g = GatewayProcess(path, env={"TANDEM_ADMIN_TOKEN": ADMIN}).start()
-    yield g
-    g.stop()
+    yield from gateway_on(tmp_path_factory, "door", CONFIG.format(sha=sha(KEY), url=upstream.base_url),
+                          env={"TANDEM_ADMIN_TOKEN": ADMIN})
 
 
 def exchange(g: GatewayProcess, parts: list, wait_s: float = 0.0) -> bytes:

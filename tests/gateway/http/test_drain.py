@@ -4,6 +4,7 @@ comments): the stream ends with the ``stream_interrupted`` event at ``drain_time
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -12,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.script_upstream import ScriptUpstream, chunk, data
+from tests.gateway.script_upstream import chunk, data, upstream  # noqa: F401 -- upstream: the module-scoped fixture
 from tests.gateway.support import GatewayProcess
 
 CONFIG = """
@@ -30,17 +31,17 @@ resilience: {{health: {{interval_s: 0}}}}
 LONG_STREAM = {"parts": [data(chunk("a")), *[0.2, b": keep-alive\n\n"] * 100]}
 
 
-@pytest.fixture(scope="module")
-def upstream():
-    u = ScriptUpstream().start()
-    yield u
-    u.stop()
-
-
-def start(upstream, tmp_path, drain_s: float) -> GatewayProcess:
+@contextlib.contextmanager
+def draining_gateway(upstream, tmp_path, drain_s: float):
+    """A gateway with ``drain_timeout_s: drain_s`` whose next upstream answer is LONG_STREAM; stopped at the end."""
+    upstream.push(LONG_STREAM)
     path = tmp_path / "config.yaml"
     path.write_text(CONFIG.format(drain=drain_s, url=upstream.base_url))
-    return GatewayProcess(path).start()
+    g = GatewayProcess(path).start()
+    try:
+        yield g
+    finally:
+        g.stop()
 
 
 def open_stream(g: GatewayProcess):
@@ -73,36 +74,27 @@ def assert_interrupted(outcome: dict) -> None:
 
 
 def test_drain_deadline_ends_open_streams_with_stream_interrupted(upstream, tmp_path):
-    upstream.push(LONG_STREAM)
-    g = start(upstream, tmp_path, drain_s=1)
-    try:
+    with draining_gateway(upstream, tmp_path, drain_s=1) as g:
         outcome = open_stream(g)
         g.proc.send_signal(signal.SIGTERM)
         assert_interrupted(outcome)
         g.proc.wait(15)                       # a hang bound, not a timing claim
         assert "drained (0 request(s) still in flight)" in g.log()
-    finally:
-        g.stop()
 
 
 def test_a_second_signal_during_a_drain_exits_at_once(upstream, tmp_path):
-    upstream.push(LONG_STREAM)
-    g = start(upstream, tmp_path, drain_s=120)
-    try:
-        open_stream(g)
+    with draining_gateway(upstream, tmp_path, drain_s=120) as g:
+        outcome = open_stream(g)
         g.proc.send_signal(signal.SIGTERM)
         time.sleep(1.5)                        # past the echo window of a forwarded signal
         g.proc.send_signal(signal.SIGTERM)
+        assert_interrupted(outcome)
         g.proc.wait(15)                        # the drain alone would take 120 s
         assert "second signal during the drain" in g.log()
-    finally:
-        g.stop()
 
 
 def test_ctrl_c_drains_like_sigterm(upstream, tmp_path):
-    upstream.push(LONG_STREAM)
-    g = start(upstream, tmp_path, drain_s=3)
-    try:
+    with draining_gateway(upstream, tmp_path, drain_s=3) as g:
         outcome = open_stream(g)
         g.proc.send_signal(signal.SIGINT)
         time.sleep(0.3)                          # the handler runs on the gateway's loop, not in this call
@@ -112,14 +104,10 @@ def test_ctrl_c_drains_like_sigterm(upstream, tmp_path):
         g.proc.wait(15)
         assert "drained (0 request(s) still in flight)" in g.log()
         assert "Traceback" not in g.log()
-    finally:
-        g.stop()
 
 
 def test_a_second_ctrl_c_exits_at_once_still_ending_streams_with_the_event(upstream, tmp_path):
-    upstream.push(LONG_STREAM)
-    g = start(upstream, tmp_path, drain_s=120)
-    try:
+    with draining_gateway(upstream, tmp_path, drain_s=120) as g:
         outcome = open_stream(g)
         g.proc.send_signal(signal.SIGINT)
         time.sleep(1.5)                          # past the echo window of a forwarded signal
@@ -128,15 +116,11 @@ def test_a_second_ctrl_c_exits_at_once_still_ending_streams_with_the_event(upstr
         g.proc.wait(15)                          # the drain alone would take 120 s
         assert "second signal during the drain" in g.log()
         assert "Traceback" not in g.log()
-    finally:
-        g.stop()
 
 
 def test_ctrl_c_forwarded_again_by_make_is_the_same_drain(upstream, tmp_path):
     # a terminal's Ctrl-C reaches the process group, then make forwards it: two signals back to back
-    upstream.push(LONG_STREAM)
-    g = start(upstream, tmp_path, drain_s=2)
-    try:
+    with draining_gateway(upstream, tmp_path, drain_s=2) as g:
         outcome = open_stream(g)
         g.proc.send_signal(signal.SIGINT)
         g.proc.send_signal(signal.SIGINT)
@@ -144,5 +128,3 @@ def test_ctrl_c_forwarded_again_by_make_is_the_same_drain(upstream, tmp_path):
         g.proc.wait(15)
         assert "drained (0 request(s) still in flight)" in g.log()
         assert "second signal during the drain" not in g.log()
-    finally:
-        g.stop()

@@ -16,10 +16,9 @@ import pytest
 from gateway.config.compile import load_config_text
 from gateway.http.app import create_app
 from gateway.runtime import Gateway
-from tests.conftest import free_port
 from tests.gateway.anthropic_upstream import AnthropicUpstream
 from tests.gateway.fault_upstream import FaultUpstream
-from tests.gateway.support import sha
+from tests.gateway.support import serve_app, sha
 
 KEY = "sk-tandem-messages-0123456789abcdef"
 TOOLS = [{"name": "get_weather", "description": "The weather of a city",
@@ -40,20 +39,11 @@ def config(up: FaultUpstream, rpm: int | None = None) -> str:
 async def gateway(cfg: str, start_engine: bool = False):
     """One gateway on ``cfg`` (``start_engine``: its local backend's too): yields (gateway, anthropic client, base
     url)."""
-    import uvicorn
-
     gw = Gateway(None, load_config_text(cfg), start_engine=start_engine)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(gw), host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.02)
-    client = anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{port}", api_key=KEY, max_retries=0, timeout=20)
+    server, task, url = await serve_app(create_app(gw))
+    client = anthropic.AsyncAnthropic(base_url=url, api_key=KEY, max_retries=0, timeout=20)
     try:
-        yield gw, client, f"http://127.0.0.1:{port}"
+        yield gw, client, url
     finally:
         await client.close()
         server.should_exit = True

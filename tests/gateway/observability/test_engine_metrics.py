@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from tests.gateway.backends.test_local import tiny_model  # noqa: F401 -- the module-scoped fixture
-from tests.gateway.observability.test_observability import _serve_app, families, value
+from tests.gateway.observability.test_observability import families, value
+from tests.gateway.support import serve_app
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ async def test_colocated_engine_metrics_and_spans(tiny_model):  # noqa: F811
     gw = Gateway(None, load_config_text(cfg), start_engine=True)
     spans = InMemorySpanExporter()
     gw.obs.tracing = Tracing(span_exporter=spans)
-    server, task, url = await _serve_app(create_app(gw))
+    server, task, url = await serve_app(create_app(gw))
     try:
         async with httpx.AsyncClient(base_url=url, timeout=120) as c:
             for _ in range(600):

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.observability.metrics import GatewayMetrics, LiveGauges
 from gateway.billing.prices import Price, cost_nusd, cost_usd, monthly_cost_usd
 from gateway.billing.usage import Budget, UsageLedger, UsageRecord
-from tests.gateway.support import ROOT, FaultInjectorUpstream, GatewayProcess, free_port, sha
+from tests.gateway.support import ROOT, FaultInjectorUpstream, GatewayProcess, free_port, serve_app, sha
 
 KEY_T1, KEY_T2 = "sk-tandem-t1-0123456789abcdef", "sk-tandem-t2-0123456789abcdef"
 UPSTREAM_SECRET = "sk-upstream-SECRET-9f8e7d6c5b4a"
@@ -242,19 +242,6 @@ def test_secrets_never_leak(gw, ups):
 
 
 # --------------------------------------------------------------------------------------------- in-process spans
-async def _serve_app(app):
-    import uvicorn
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.02)
-    return server, task, f"http://127.0.0.1:{port}"
-
-
 async def test_genai_spans_and_metrics(ups, monkeypatch):
     """SERVER span per request, CLIENT span per upstream call (fallbacks too), GenAI attributes, the traceparent
     of the CLIENT span sent upstream, and the gen_ai.* OTel metrics (SDK in-memory exporters)."""
@@ -278,7 +265,7 @@ async def test_genai_spans_and_metrics(ups, monkeypatch):
     gw = Gateway(None, load_config_text(cfg), start_engine=False)
     spans, reader = InMemorySpanExporter(), InMemoryMetricReader()
     gw.obs.tracing = Tracing(span_exporter=spans, metric_reader=reader)
-    server, task, url = await _serve_app(create_app(gw))
+    server, task, url = await serve_app(create_app(gw))
     try:
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
             tp = f"00-{TRACE_ID}-00f067aa0ba902b7-01"

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.script_upstream import ScriptUpstream, chunk, data
-from tests.gateway.support import GatewayProcess
+from tests.gateway.script_upstream import chunk, data, upstream  # noqa: F401 -- upstream: the module-scoped fixture
+from tests.gateway.support import GatewayProcess, gateway_on
 
 CONFIG = """
 models:
@@ -36,19 +36,8 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def upstream():
-    u = ScriptUpstream().start()
-    yield u
-    u.stop()
-
-
-@pytest.fixture(scope="module")
 def gateway(upstream, tmp_path_factory):
-    path = tmp_path_factory.mktemp("edges") / "config.yaml"
-    path.write_text(CONFIG.format(url=upstream.base_url))
-    g = GatewayProcess(path).start()
-    yield g
-    g.stop()
+    yield from gateway_on(tmp_path_factory, "edges", CONFIG.format(url=upstream.base_url))
 
 
 @pytest.fixture(autouse=True)

@@ -13,9 +13,7 @@ import signal
 import openai
 import pytest
 
-from loadtests.scenarios.common import start_engine_server
-from tests.gateway.observability.test_observability import _serve_app
-from tests.tiny_models import save_byte_level_llama
+from tests.gateway.support import engine_replicas, serve_app
 
 pytestmark = pytest.mark.slow
 NAMES = ("r1", "r2", "r3")
@@ -23,18 +21,7 @@ NAMES = ("r1", "r2", "r3")
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
-    model = save_byte_level_llama(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096, printable_only=True)
-    logs = tmp_path_factory.mktemp("replica-logs")
-    args = ["--model", model, "--served-model-name", "bench", "--dtype", "float32", "--kv-cache-memory", "32MiB",
-            "--max-model-len", "4096", "--num-threads", "1"]
-    servers = {}
-    try:
-        for n in NAMES:
-            servers[n] = start_engine_server(logs, args, name=n)
-        yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
+    yield from engine_replicas(tmp_path_factory, NAMES)
 
 
 def config(replicas) -> str:
@@ -71,7 +58,7 @@ async def test_a_stream_survives_its_replica_sigkill(replicas, caplog):
     from gateway.runtime import Gateway
 
     gw = Gateway(None, load_config_text(config(replicas)), start_engine=False)
-    server, task, url = await _serve_app(create_app(gw))
+    server, task, url = await serve_app(create_app(gw))
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     killed: list[str] = []
 
