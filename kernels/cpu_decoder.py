@@ -44,6 +44,15 @@ class _Shape(ctypes.Structure):
 
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# The layer features (``engine.models.spec.stack_features``) decoder_cpu.c implements beyond a plain
+# Llama layer. A model using any other runs on the per-operation path: add a name here only with its C code
+# and a test pinning the stack to the per-operation path on it (tests/test_cpu_decoder.py).
+IMPLEMENTED = frozenset({"qkv_bias"})
+
+
+def unimplemented(features: frozenset[str]) -> frozenset[str]:
+    """The features of a model's layers that the C stack does not implement (empty: it can run them)."""
+    return features - IMPLEMENTED
 
 
 @dataclass

@@ -138,8 +138,8 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     """Build the model described by ``args.model`` on ``args.device`` in ``args.dtype``.
 
     ``args.model`` is a ``.gguf`` file (architectures llama, qwen2) or a HF
-    directory (config.json + *.safetensors + tokenizer.json; architectures
-    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM). Sets
+    directory (config.json + *.safetensors + tokenizer.json; an architecture
+    of ``engine.models.registry.HF_ARCHITECTURES``). Sets
     the core's threads (``engine/device.py``). With
     ``args.quantization == "gguf"`` a GGUF's Q4_0/Q4_1 projections stay in 4
     bits (``engine/models/quant_linear.py``); with ``args.load_format ==
@@ -156,7 +156,7 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
             "dummy" with a GGUF file.
         MemoryError: the weights do not fit on the device.
     """
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.registry import model_class
 
     configure_core_threads(getattr(args, "num_threads", None))
     path = args.model
@@ -187,7 +187,7 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     logger.info("attention backend %s%s", backend.name, "" if device.type != "cpu" or dtype != torch.bfloat16 else
                 f", linear layers {_linear_path()}")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend)
+        model = model_class(config.architecture)(config, backend)
     try:
         model = model.to_empty(device=device).to(dtype)
     except (torch.OutOfMemoryError, RuntimeError) as e:

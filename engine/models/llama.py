@@ -1,10 +1,16 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Phi-3) over a paged
+KV cache, and the variants other model files select with a ``ModelSpec``
+(``engine/models/spec.py``: q/k norms, Gemma's norms, embedding scaling) or
+their config (sliding window, soft-capping, GeGLU, partial or per-layer RoPE).
 
 Architecture: Touvron et al. 2023, "LLaMA" (RMSNorm pre-norm, SwiGLU MLP,
 rotary position embeddings) with grouped-query attention (Ainslie et al. 2023)
 and optional q/k/v biases (Qwen2). Numerics follow transformers'
 ``modeling_llama.py`` (RMSNorm in float32, RoPE cos/sin cast to the model's
 dtype, rotate-half RoPE on HF-ordered q/k rows) so float32 logits match it.
+Each variant is chosen once, at construction; the C decoder stack runs a
+model only when it implements every feature its layers use
+(``kernels.cpu_decoder.IMPLEMENTED``).
 
 Inputs are flat (vLLM style): ``input_ids``/``positions`` [num_tokens] for a
 mixed batch of prefill chunks and decodes, with an ``AttentionMetadata`` that
@@ -16,88 +22,62 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.activation import gated_activation
+from engine.layers.attention import AttentionMetadata, sequence_spans, windowed_attention
+from engine.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.model_config import ModelConfig
 from engine.models.quant_linear import GGUFBlocks, Int4Linear, int4_packable, q8_codes_d
 from engine.models.packed_linear import PackedWeights
-from engine.models.rope import RopeInputs, rotate_half, rope_inv_freq
+from engine.models.rope import RopeInputs, apply_rope, rope_inv_freq
+from engine.models.spec import ModelSpec, stack_features
 from kernels import cpu_decoder, cpu_linear, cpu_norm_act
+
+__all__ = ["AttentionMetadata", "LlamaDecoderLayer", "LlamaForCausalLM", "RMSNorm"]
 
 
 _WEIGHT = operator.itemgetter("weight")  # a module's weight, read from its _parameters dict
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place version counter
 
 
-@dataclass
-class AttentionMetadata:
-    """Where one step's tokens live in the paged KV cache.
-
-    Attributes:
-        slot_mapping: [num_tokens] int64, cache slot (block * block_size +
-            offset) of each token; -1 = padding, not written.
-        query_start_loc: [num_seqs + 1] int32, cumulative query lengths.
-        seq_lens: [num_seqs] int32, context length (cached + new) per sequence.
-        block_tables: [num_seqs, max_blocks] int32 physical block ids
-            (0 = the null block pads short rows).
-        attn_plan: the attention backend's per-step index work
-            (``AttentionBackend.plan``), built once by the model's forward
-            and shared by its layers; None when the backend has none.
-    """
-
-    slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    attn_plan: object | None = None
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in float32 like HF Llama
-    (bfloat16 on CPU: one C pass rounded once, ``kernels.cpu_norm_act``).
-
-    Attributes:
-        triton_rms_norm: ``kernels.triton_batch_invariant.rms_norm`` (one
-            Triton program per row) in batch-invariant mode on CUDA, where
-            PyTorch's reduction splits a row's sum by the number of rows;
-            else None.
-    """
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.triton_rms_norm = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.triton_rms_norm is not None:
-            return self.triton_rms_norm(x, self.weight, self.eps)
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[-1] % 16 == 0 \
-                and self.weight.dtype == torch.bfloat16 and cpu_norm_act.available():
-            return cpu_norm_act.rms_norm(x, self.weight, self.eps)  # one C pass, one rounding
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
 class LlamaDecoderLayer(nn.Module):
-    """One pre-norm block: attention with fused q/k/v, SwiGLU with fused gate/up."""
+    """One pre-norm block: attention with fused q/k/v, a gated MLP with fused
+    gate/up; with ``spec.sandwich_norms`` (Gemma) ``post_attention_layernorm``
+    norms the attention's output and ``pre_/post_feedforward_layernorm``
+    surround the MLP, else ``post_attention_layernorm`` is the MLP's pre-norm.
 
-    def __init__(self, config: ModelConfig, backend, row_checks: dict | None = None) -> None:
+    Args:
+        layer_idx: the layer's index (its attention type: ``config.is_sliding``).
+    """
+
+    def __init__(self, config: ModelConfig, backend, row_checks: dict | None = None,
+                 spec: ModelSpec = ModelSpec(), layer_idx: int = 0) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = (c.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.backend = backend
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        norm = GemmaRMSNorm if spec.gemma_norms else RMSNorm
+        self.input_layernorm = norm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = norm(c.hidden_size, c.rms_norm_eps)
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(c.hidden_size, c.rms_norm_eps)
+            self.post_feedforward_layernorm = norm(c.hidden_size, c.rms_norm_eps)
+        self.q_norm = norm(c.head_dim, c.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = norm(c.head_dim, c.rms_norm_eps) if spec.qk_norm else None
+        self.local_rope = c.rope_local_theta is not None and c.is_sliding(layer_idx)  # Gemma 3's local layers
+        self.window = c.sliding_window if c.is_sliding(layer_idx) else None
+        self.softcap = c.attn_logit_softcapping
+        self.windowed = self.window is not None or self.softcap is not None  # engine/layers/attention.py
+        self.act = gated_activation(c.hidden_act)
+        # the C RoPE + cache write takes neither q/k norms (between projection and RoPE) nor partial RoPE
+        self.c_rope_ok = not spec.qk_norm and c.rotary_dim == c.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
@@ -118,9 +98,15 @@ class LlamaDecoderLayer(nn.Module):
 
     def uses_c_rope(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether RoPE and the cache write run in C (``kernels.cpu_decoder.rope_cache``):
-        bfloat16 on CPU with the ``cpu`` attention backend."""
+        bfloat16 on CPU with the ``cpu`` attention backend, full-width RoPE, no q/k norms."""
         return dtype == torch.bfloat16 and device.type == "cpu" and self.backend.name == "cpu" \
-            and cpu_norm_act.available()
+            and self.c_rope_ok and cpu_norm_act.available()
+
+    def norms(self) -> list[nn.Module]:
+        """Every norm of the layer."""
+        names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm", "q_norm", "k_norm")
+        return [m for m in (getattr(self, n, None) for n in names) if m is not None]
 
     def forward(self, x: torch.Tensor, rope: RopeInputs, md: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -132,29 +118,37 @@ class LlamaDecoderLayer(nn.Module):
             cpu_decoder.rope_cache(qkv, rope.positions, rope.cos_table, rope.sin_table, self.num_heads,
                                    self.num_kv_heads, self.head_dim, md.slot_mapping, key_cache, value_cache)
             q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
-        else:
+        elif self.q_norm is None:
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = qk * rope.cos + rotate_half(qk) * rope.sin  # RoPE on q and k heads at once
+            qk = apply_rope(qk, rope.cos, rope.sin)  # RoPE on q and k heads at once
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             v = v.view(t, self.num_kv_heads, self.head_dim)
+            self.backend.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
+        else:  # q/k norms over each head, then RoPE (Qwen3, Gemma 3)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)), rope.cos, rope.sin)
+            k = apply_rope(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), rope.cos, rope.sin)
+            v = v.reshape(t, self.num_kv_heads, self.head_dim)
             self.backend.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
         extra = {} if md.attn_plan is None else {"plan": md.attn_plan}
         o = self.backend.paged_attention(q, key_cache, value_cache, md.query_start_loc, md.seq_lens,
                                          md.block_tables, self.scale, **extra)
+        if self.windowed:  # the rows whose attention the paged kernel cannot give
+            windowed_attention(q, key_cache, value_cache, md, self.scale, self.window, self.softcap, o)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self._proj("o_proj", o.reshape(t, self.q_size)))
+            h = self._proj("down_proj", self.act(self._proj("gate_up_proj", self.pre_feedforward_layernorm(x))))
+            return x + self.post_feedforward_layernorm(h)
         x = self._proj("o_proj", o.reshape(t, self.q_size), residual=x)
         h = self.post_attention_layernorm(x)
-        gate_up = self._proj("gate_up_proj", h)
-        if gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" and cpu_norm_act.available():
-            act = cpu_norm_act.silu_mul(gate_up)  # one C pass, one rounding
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            act = F.silu(gate) * up
+        act = self.act(self._proj("gate_up_proj", h))
         return self._proj("down_proj", act, residual=x)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama-family causal LM over a paged KV cache.
+    """Llama-family causal LM over a paged KV cache; a subclass sets ``spec``
+    for its architecture's variants (``engine/models/registry.py``).
 
     Args:
         config: the model's shape.
@@ -162,15 +156,24 @@ class LlamaForCausalLM(nn.Module):
             ``reshape_and_cache`` and ``paged_attention``.
     """
 
+    spec = ModelSpec()
+
     def __init__(self, config: ModelConfig, backend) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self._row_checks: dict = {}  # shared by the layers' PackedWeights: one check per weight shape
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, self._row_checks)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, self._row_checks, self.spec, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = (GemmaRMSNorm if self.spec.gemma_norms else RMSNorm)(config.hidden_size, config.rms_norm_eps)
+        # the layer features the C decoder stack lacks (chosen once): any -> the per-operation path
+        self.c_stack_refusal = cpu_decoder.unimplemented(stack_features(config, self.spec))
+        self.any_windowed = any(layer.windowed for layer in self.layers)
+        self.embed_scale = config.hidden_size ** 0.5 if self.spec.embed_scale else None
+        self.final_softcap = config.final_logit_softcapping
+        self.rope_local_cos: torch.Tensor | None = None  # Gemma 3's sliding-window layers' tables
+        self.rope_local_sin: torch.Tensor | None = None
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -191,10 +194,14 @@ class LlamaForCausalLM(nn.Module):
         """Precompute cos/sin [max_positions, head_dim] (float32) on the model's device."""
         n = max_positions or self.config.max_position_embeddings
         device = self.embed_tokens.weight.device
-        inv_freq = rope_inv_freq(self.config).to(device)
-        freqs = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.rope_cos, self.rope_sin = emb.cos(), emb.sin()
+        for local in (False, True) if any(layer.local_rope for layer in self.layers) else (False,):
+            inv_freq = rope_inv_freq(self.config, local).to(device)
+            freqs = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            if local:
+                self.rope_local_cos, self.rope_local_sin = emb.cos(), emb.sin()
+            else:
+                self.rope_cos, self.rope_sin = emb.cos(), emb.sin()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -218,17 +225,25 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches[0][0], self.config.num_attention_heads, attn_metadata.query_start_loc,
                 attn_metadata.seq_lens, attn_metadata.block_tables)
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # Gemma: the scale rounded to the model's dtype first, as HF does
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         stack = self._c_decoder_weights(kv_caches) if self.use_c_decoder else None
         if stack is not None:
             plan = attn_metadata.attn_plan
             return cpu_decoder.forward(stack, x, positions, attn_metadata.slot_mapping, plan.block_tables,
                                        plan.seq_lens, plan.query_start_loc)
+        if self.any_windowed:
+            attn_metadata.spans = sequence_spans(attn_metadata)
         rope = RopeInputs(positions, self.rope_cos, self.rope_sin)
+        local = RopeInputs(positions, self.rope_local_cos, self.rope_local_sin)
         if not all(layer.uses_c_rope(x.dtype, x.device) for layer in self.layers):
-            rope.cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, head_dim]
+            rope.cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, rotary_dim]
             rope.sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+            if self.rope_local_cos is not None:
+                local.cos = self.rope_local_cos[positions].to(x.dtype).unsqueeze(1)
+                local.sin = self.rope_local_sin[positions].to(x.dtype).unsqueeze(1)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, rope, attn_metadata, kv)
+            x = layer(x, local if layer.local_rope else rope, attn_metadata, kv)
         return self.norm(x)
 
     def _c_decoder_weights(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> cpu_decoder.DecoderWeights | None:
@@ -239,7 +254,11 @@ class LlamaForCausalLM(nn.Module):
         refuse. Built once and rebuilt when a weight is replaced or changed in
         place, or the caches move (checked per call: an identity and a version
         compare per weight). A 4-bit copy is used while its weight is the one
-        it was made from, unchanged, or has been released (``prepack_weights``)."""
+        it was made from, unchanged, or has been released (``prepack_weights``).
+        None too for a model whose layers use a feature the stack does not
+        implement (``c_stack_refusal``)."""
+        if self.c_stack_refusal:
+            return None
         if self.rope_cos is None:
             self.build_rope_cache()
         key = (kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr(), len(kv_caches), self.rope_cos.data_ptr())
@@ -306,9 +325,9 @@ class LlamaForCausalLM(nn.Module):
         for packed in [self.packed] + [layer.packed for layer in self.layers]:
             packed.batch_invariant = enabled
             packed.triton_linear = kernels.linear if use_triton else None
-        for norm in [self.norm] + [n for layer in self.layers
-                                   for n in (layer.input_layernorm, layer.post_attention_layernorm)]:
-            norm.triton_rms_norm = kernels.rms_norm if use_triton else None
+        for norm in [self.norm] + [n for layer in self.layers for n in layer.norms()]:
+            if isinstance(norm, RMSNorm):  # Gemma's norms have no batch-invariant kernel: PyTorch's
+                norm.triton_rms_norm = kernels.rms_norm if use_triton else None
         if not enabled or use_triton or device.type != "cpu":
             return
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -345,7 +364,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 logits
         (unrounded sums with the C linear kernel; elsewhere the model dtype's
-        rounding, cast)."""
+        rounding, cast), capped by ``final_logit_softcapping`` when set
+        (Gemma 2: ``cap * tanh(logits / cap)``, in float32)."""
+        logits = self._logits(hidden)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         packed = self.packed.get("lm_head", weight) if weight.device.type == "cpu" else None
         if self.lm_head_q8 is not None and isinstance(packed, cpu_linear.PackedLinear) \
@@ -384,6 +410,14 @@ class LlamaForCausalLM(nn.Module):
             "mlp.down_proj": ("down_proj", 0, None),
             "input_layernorm": ("input_layernorm", 0, None),
             "post_attention_layernorm": ("post_attention_layernorm", 0, None),
+            # already fused (Phi-3)
+            "self_attn.qkv_proj": ("qkv_proj", 0, None),
+            "mlp.gate_up_proj": ("gate_up_proj", 0, None),
+            # variants' extra norms (ModelSpec): a checkpoint without the variant fails on them below
+            "self_attn.q_norm": ("q_norm", 0, None),
+            "self_attn.k_norm": ("k_norm", 0, None),
+            "pre_feedforward_layernorm": ("pre_feedforward_layernorm", 0, None),
+            "post_feedforward_layernorm": ("post_feedforward_layernorm", 0, None),
         }
         params = dict(self.named_parameters())
         loaded: dict[str, int] = {}

@@ -12,15 +12,24 @@ import torch
 from engine.model_config import ModelConfig
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, with ``rope_scaling``
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """[rotary_dim // 2] float32 inverse frequencies, with ``rope_scaling``
     applied: "linear" (position interpolation, Chen et al. 2023) divides them
     by ``factor``; "llama3" follows Meta's Llama 3.1 reference (and HF's
-    ``_compute_llama3_parameters``)."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    rs = config.rope_scaling
+    ``_compute_llama3_parameters``); "dynamic" (NTK-aware) raises the base
+    once for the scaled length ``factor * max_position_embeddings``, as
+    vLLM's ``DynamicNTKScalingRotaryEmbedding`` does (transformers instead
+    recomputes it from each forward's length, which a KV cache cannot follow).
+    ``local``: the sliding-window layers' table of Gemma 3 (base
+    ``rope_local_theta``, no scaling)."""
+    dim = config.rotary_dim
+    theta = config.rope_local_theta if local else config.rope_theta
+    rs = None if local else config.rope_scaling
     kind = None if rs is None else rs.get("rope_type", rs.get("type"))
+    if kind == "dynamic":
+        factor = rs["factor"]
+        theta = theta * (factor * factor - (factor - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if kind == "linear":
         inv_freq = inv_freq / rs["factor"]
     elif kind == "llama3":
@@ -34,9 +43,20 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
     freq_factors = config.extra.get("rope_freq_factors")  # GGUF rope_freqs.weight
-    if freq_factors is not None:
+    if freq_factors is not None and not local:
         inv_freq = inv_freq / torch.as_tensor(freq_factors, dtype=torch.float32)
     return inv_freq
+
+
+def apply_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [T, heads, head_dim] with cos/sin [T, 1, rotary_dim]; with a
+    partial rotary dimension (Phi-3's ``partial_rotary_factor``) only the
+    first ``rotary_dim`` elements of each head turn (HF's layout)."""
+    rd = cos.shape[-1]
+    if rd == qk.shape[-1]:
+        return qk * cos + rotate_half(qk) * sin
+    rot = qk[..., :rd]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, qk[..., rd:]), dim=-1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -51,9 +71,9 @@ class RopeInputs:
 
     Attributes:
         positions: [num_tokens] int64.
-        cos_table, sin_table: [max_positions, head_dim] float32 (the C path
+        cos_table, sin_table: [max_positions, rotary_dim] float32 (the C path
             reads them at ``positions``, in float32).
-        cos, sin: [num_tokens, 1, head_dim] in the model's dtype, gathered for
+        cos, sin: [num_tokens, 1, rotary_dim] in the model's dtype, gathered for
             the PyTorch path (HF's numerics), or None when no layer needs them.
     """
 

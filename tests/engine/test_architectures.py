@@ -1,0 +1,145 @@
+"""Every registered architecture against transformers: a tiny random model
+(2 layers, hidden 64) built from a ``transformers`` config, saved as a HF
+directory, loaded through the registry and run by the engine in float32
+greedy, 64 new tokens on 8 prompts, token-identical to transformers with
+logprobs within 1e-4; each prompt alone and all eight batched, with prefix
+caching and chunked prefill on (prompts share prefixes; a 32-token step
+budget splits the longer ones). Sliding windows are 8 tokens so they bind.
+
+transformers runs its eager attention over the whole sequences each step (no
+cache), the definition the paged engine must reproduce.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+NEW_TOKENS = 64
+NUM_PROMPTS = 8
+LOGPROB_TOL = 1e-4
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1)
+
+
+def _hf_model(kind: str):
+    """(transformers model, its architecture name) of one case."""
+    t = transformers
+    if kind == "llama_llama3":
+        cfg = t.LlamaConfig(**COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 32})
+        return t.LlamaForCausalLM(cfg)
+    if kind == "llama_linear":
+        cfg = t.LlamaConfig(**COMMON, tie_word_embeddings=True,
+                            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})
+        return t.LlamaForCausalLM(cfg)
+    if kind == "mistral_window":
+        return t.MistralForCausalLM(t.MistralConfig(**COMMON, sliding_window=8))
+    if kind == "qwen3":
+        return t.Qwen3ForCausalLM(t.Qwen3Config(**COMMON))
+    if kind == "gemma2":
+        cfg = t.Gemma2Config(**COMMON, query_pre_attn_scalar=32, sliding_window=8, attn_logit_softcapping=2.0,
+                             final_logit_softcapping=5.0, layer_types=["sliding_attention", "full_attention"])
+        return t.Gemma2ForCausalLM(cfg)
+    if kind == "gemma3":
+        cfg = t.Gemma3TextConfig(**COMMON, query_pre_attn_scalar=32, sliding_window=8,
+                                 layer_types=["sliding_attention", "full_attention"],
+                                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                  "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                                     "factor": 2.0}})
+        return t.Gemma3ForCausalLM(cfg)
+    if kind == "phi3":
+        cfg = t.Phi3Config(**COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                      "partial_rotary_factor": 0.5})
+        return t.Phi3ForCausalLM(cfg)
+    raise AssertionError(kind)
+
+
+KINDS = ["llama_llama3", "llama_linear", "mistral_window", "qwen3", "gemma2", "gemma3", "phi3"]
+
+
+def _save(tmp_path, kind: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    model = _hf_model(kind)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():  # random init leaves norms at their identity: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model = model.float().eval()
+    model.save_pretrained(tmp_path)
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return model
+
+
+def _prompts(kind: str) -> list[list[int]]:
+    """8 prompts of 5-40 tokens; pairs share a prefix of up to 24 tokens (prefix-cache hits)."""
+    rng = random.Random(kind)
+    prompts = []
+    for i in range(NUM_PROMPTS):
+        tail = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(5, 17))]
+        prompts.append((prompts[-1][:rng.randrange(8, 25)] if i % 2 else []) + tail)
+    return prompts
+
+
+def _reference(model, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy continuations and each chosen token's logprob: every step runs the whole
+    sequences, right-padded into one batch (causal: a row's logits never see the padding after it)."""
+    seqs, logprobs = [list(p) for p in prompts], [[] for _ in prompts]
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            width = max(map(len, seqs))
+            logits = model(torch.tensor([s + [0] * (width - len(s)) for s in seqs])).logits.float()
+            for i, s in enumerate(seqs):
+                row = logits[i, len(s) - 1]
+                tok = int(row.argmax())
+                logprobs[i].append(float(torch.log_softmax(row, -1)[tok]))
+                s.append(tok)
+    return [(s[len(p):], lp) for s, p, lp in zip(seqs, prompts, logprobs)]
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: these tiny matmuls only lose to a thread pool on a shared box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _check(out, ref) -> None:
+    tokens, logprobs = ref
+    got = out.outputs[0].token_ids
+    assert got == tokens
+    for step, (tok, lp) in enumerate(zip(got, logprobs)):
+        assert abs(out.outputs[0].logprobs[step][tok].logprob - lp) < LOGPROB_TOL, step
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_transformers_alone_and_batched(tmp_path, kind, one_thread):
+    hf = _save(tmp_path, kind)
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
+              enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32)
+    model = llm.engine.model_runner.model
+    assert type(model).__name__ == type(hf).__name__ or type(model).__name__ == "LlamaForCausalLM"
+    prompts = _prompts(kind)
+    refs = _reference(hf, prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
+    for prompt, ref in zip(prompts, refs):
+        _check(llm.generate([prompt], params)[0], ref)
+    for out, ref in zip(llm.generate(prompts, params), refs):
+        _check(out, ref)
