@@ -137,7 +137,7 @@ def _linear_path() -> str:
 def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     """Build the model described by ``args.model`` on ``args.device`` in ``args.dtype``.
 
-    ``args.model`` is a ``.gguf`` file (architectures llama, qwen2) or a HF
+    ``args.model`` is a ``.gguf`` file (``registry.GGUF_ARCHITECTURES``) or a HF
     directory (config.json + *.safetensors + tokenizer.json; an architecture
     of ``engine.models.registry.HF_ARCHITECTURES``). Sets
     the core's threads (``engine/device.py``). With

@@ -41,7 +41,7 @@ HF_ARCHITECTURES = {
     "Phi3ForCausalLM": Architecture("engine.models.llama:LlamaForCausalLM"),
 }
 # GGUF ``general.architecture`` -> the HF architecture it corresponds to.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def model_class(architecture: str) -> type:

@@ -143,3 +143,81 @@ def test_matches_transformers_alone_and_batched(tmp_path, kind, one_thread):
         _check(llm.generate([prompt], params)[0], ref)
     for out, ref in zip(llm.generate(prompts, params), refs):
         _check(out, ref)
+
+
+# The layer features each case uses that decoder_cpu.c lacks: the C stack refuses them (per-op path).
+C_REFUSED = {"llama_llama3": set(), "llama_linear": set(), "mistral_window": {"sliding_window"},
+             "qwen3": {"qk_norm"}, "phi3": {"partial_rotary"},
+             "gemma2": {"gemma_norms", "sandwich_norms", "gelu_tanh", "sliding_window", "attn_softcap"},
+             "gemma3": {"qk_norm", "gemma_norms", "sandwich_norms", "gelu_tanh", "sliding_window", "local_rope"}}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_c_stack_or_refusal_and_batch_invariance(tmp_path, kind, one_thread):
+    """bfloat16 on CPU: the C decoder stack runs exactly the architectures whose layer features it
+    implements (``kernels.cpu_decoder.IMPLEMENTED``) and the per-op path the rest; either way a prompt's
+    tokens and logprobs are the same bits alone and batched."""
+    from kernels import cpu_attention, cpu_norm_act
+
+    if not cpu_norm_act.available() or cpu_attention.available() is not None:
+        pytest.skip("the C kernels do not build here")
+    _save(tmp_path, kind)
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", device="cpu", kv_cache_memory="16MiB",
+              enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32)
+    model = llm.engine.model_runner.model
+    assert model.c_stack_refusal == C_REFUSED[kind]
+    prompts = _prompts(kind)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
+    alone = llm.generate([prompts[3]], params)[0].outputs[0]
+    assert (model._c_decoder is not None) == (not C_REFUSED[kind])
+    batched = llm.generate(prompts, params)[3].outputs[0]
+    assert batched.token_ids == alone.token_ids
+    assert [lp[t].logprob for lp, t in zip(batched.logprobs, batched.token_ids)] == \
+        [lp[t].logprob for lp, t in zip(alone.logprobs, alone.token_ids)]
+
+
+def test_c_stack_refuses_a_feature_it_does_not_implement(monkeypatch):
+    """A layer feature missing from ``IMPLEMENTED`` keeps the model off the C stack (here: q/k/v biases,
+    as if the stack had not implemented them), so a new flag never runs through C silently ignored."""
+    from engine.model_config import ModelConfig
+    from engine.models.llama import LlamaForCausalLM
+    from kernels import cpu_decoder, get_attention_backend
+
+    config = ModelConfig(architecture="Qwen2ForCausalLM", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+                         max_position_embeddings=64, attention_bias=True)
+    backend = get_attention_backend("auto", "cpu", dtype=torch.bfloat16, heads=(4, 2, 16))
+    assert LlamaForCausalLM(config, backend).c_stack_refusal == set()
+    monkeypatch.setattr(cpu_decoder, "IMPLEMENTED", frozenset())
+    model = LlamaForCausalLM(config, backend).to(torch.bfloat16)
+    assert model.c_stack_refusal == {"qkv_bias"}
+    caches = [(torch.zeros(4, 16, 2, 16, dtype=torch.bfloat16), torch.zeros(4, 16, 2, 16, dtype=torch.bfloat16))]
+    assert model._c_decoder_weights(caches) is None
+
+
+def test_hub_style_configs():
+    """config.json as released on the Hub (before transformers 5 wrote ``layer_types`` and
+    ``rope_parameters``): Gemma 2's alternating layers, Gemma 3's 5:1 pattern with a local RoPE base and
+    global-only scaling, Qwen2's disabled window; unsupported scaling is refused, not ignored."""
+    from engine.model_config import ModelConfig
+    from engine.models.rope import rope_inv_freq
+
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=8192)
+    g2 = ModelConfig.from_hf_config({**shape, "architectures": ["Gemma2ForCausalLM"], "sliding_window": 4096,
+                                     "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 144})
+    assert [g2.is_sliding(i) for i in range(6)] == [True, False] * 3 and g2.hidden_act == "gelu_tanh"
+    g3 = ModelConfig.from_hf_config({**shape, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 512,
+                                     "sliding_window_pattern": 6, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                                     "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert [g3.is_sliding(i) for i in range(6)] == [True] * 5 + [False]
+    torch.testing.assert_close(rope_inv_freq(g3, local=True), 1.0 / 1e4 ** (torch.arange(0, 16, 2) / 16))
+    torch.testing.assert_close(rope_inv_freq(g3), 1.0 / 1e6 ** (torch.arange(0, 16, 2) / 16) / 8.0)
+    qwen = ModelConfig.from_hf_config({**shape, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096,
+                                       "use_sliding_window": False})
+    assert qwen.sliding_window is None and qwen.attention_bias
+    with pytest.raises(ValueError, match="longrope"):
+        ModelConfig.from_hf_config({**shape, "architectures": ["Phi3ForCausalLM"],
+                                    "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8}})
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        ModelConfig.from_hf_config({**shape, "architectures": ["Gemma3ForConditionalGeneration"]})

@@ -43,9 +43,10 @@ def _tiny_llama(num_kv_heads=2):
 
 
 def _write_gguf(path, model, arch="llama", qtype=gguf.GGMLQuantizationType.F16):
-    """Write ``model`` the way convert_hf_to_gguf.py does (permuted q/k; F16 or F32 2-D weights)."""
+    """Write ``model`` the way convert_hf_to_gguf.py does (q/k permuted for llama; F16 or F32 2-D weights)."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
+    w.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     w.add_name("tiny")
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -67,7 +68,8 @@ def _write_gguf(path, model, arch="llama", qtype=gguf.GGMLQuantizationType.F16):
     w.add_eos_token_id(2)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     for name, t in model.state_dict().items():
         a = t.float().numpy()
         if name == "lm_head.weight":
@@ -80,9 +82,9 @@ def _write_gguf(path, model, arch="llama", qtype=gguf.GGMLQuantizationType.F16):
             _, _, idx, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
             gname = f"blk.{idx}.{names[module]}.{kind}"
-            if module == "self_attn.q_proj":
+            if module == "self_attn.q_proj" and arch == "llama":
                 a = _hf_permute(a, c.num_attention_heads)
-            elif module == "self_attn.k_proj":
+            elif module == "self_attn.k_proj" and arch == "llama":
                 a = _hf_permute(a, c.num_key_value_heads)
         if a.ndim == 2 and qtype == gguf.GGMLQuantizationType.F16:
             w.add_tensor(gname, a.astype(np.float16))
@@ -180,3 +182,29 @@ def test_resolve():
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ValueError):
         resolve_dtype("int8")
+
+
+def test_qwen3_gguf(tmp_path):
+    """A qwen3 GGUF (q/k norms, head_dim apart from hidden / heads, no q/k permutation) loads through the
+    registry and gives transformers' logits."""
+    torch.manual_seed(2)
+    cfg = transformers.Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    model = transformers.Qwen3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.normal_(1.0, 0.3)
+    path = tmp_path / "qwen3.gguf"
+    _write_gguf(path, model, arch="qwen3", qtype=gguf.GGMLQuantizationType.F32)
+    args = EngineArgs(model=str(path), dtype="float32", device="cpu", block_size=16)
+    ours, _, config = load_model(args)
+    assert (type(ours).__name__, config.head_dim) == ("Qwen3ForCausalLM", 32)
+    runner = ModelRunner(args, ours, config, torch.device("cpu"), torch.float32, num_blocks=4)
+    ids = [5, 17, 90, 33, 2, 8, 64]
+    r = Request("r", ids, SamplingParams(temperature=0.0))
+    out = runner.execute_model(SchedulerOutput([ScheduledRequest(r, 0, len(ids), [2, 1], True)], len(ids)))
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(out.logits[0], ref, atol=1e-4, rtol=0)
