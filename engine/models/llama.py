@@ -82,7 +82,6 @@ class LlamaDecoderLayer(nn.Module):
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-        self.intermediate_size = c.intermediate_size
         self.packed = PackedWeights(row_checks)
         self.int4: dict[str, Int4Linear] = {}  # quantization="gguf": projections kept in 4 bits
         # quantization="none" from a 4-bit GGUF: a 4-bit copy beside the bfloat16 weight, read by the C
