@@ -221,3 +221,17 @@ def test_hub_style_configs():
                                     "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8}})
     with pytest.raises(ValueError, match="unsupported architecture"):
         ModelConfig.from_hf_config({**shape, "architectures": ["Gemma3ForConditionalGeneration"]})
+
+
+def test_dynamic_rope_scaling_raises_the_base_once():
+    """``dynamic`` NTK scaling: one base for the scaled length ``factor * max_position_embeddings``
+    (vLLM's ``DynamicNTKScalingRotaryEmbedding``), the same table for every position."""
+    from engine.model_config import ModelConfig
+    from engine.models.rope import rope_inv_freq
+
+    cfg = ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                                      "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                      "vocab_size": VOCAB, "max_position_embeddings": 64,
+                                      "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    base = 10000.0 * (2.0 * 2.0 - 1.0) ** (16 / 14)
+    torch.testing.assert_close(rope_inv_freq(cfg), 1.0 / base ** (torch.arange(0, 16, 2) / 16))
