@@ -12,3 +12,25 @@ def hf_smollm2():
     from tests.engine.hf_reference import load_hf_smollm2
 
     return load_hf_smollm2()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer():
+    """transformers' tokenizer read from the embedded SmolLM2 GGUF (the reference of the tokenizer and
+    detokenizer tests; reading it from the GGUF takes seconds, so once per session)."""
+    import os
+
+    transformers = pytest.importorskip("transformers")
+    from engine.config import default_model_path
+
+    path = default_model_path()
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The engine's own tokenizer built from the embedded SmolLM2 GGUF, once per session."""
+    from engine.config import default_model_path
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(default_model_path())

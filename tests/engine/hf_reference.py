@@ -42,11 +42,8 @@ def conversations(num_prompts: int) -> list[list[dict]]:
     return [[{"role": "user", "content": json.loads(line)["turns"][0]}] for line in lines]
 
 
-def prompt_ids(model_path: str, num_prompts: int) -> list[list[int]]:
-    """The chat-templated prompts as token ids (the engine's own tokenizer, as ``LLM.chat`` makes them)."""
-    from engine.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_gguf(model_path)
+def prompt_ids(tok, num_prompts: int) -> list[list[int]]:
+    """The chat-templated prompts as token ids by ``tok`` (the engine's tokenizer, as ``LLM.chat`` makes them)."""
     return [tok.encode(tok.apply_chat_template(conv, add_generation_prompt=True), add_special_tokens=False)
             for conv in conversations(num_prompts)]
 
@@ -96,16 +93,15 @@ def load(key: str) -> list[Reference] | None:
     return [Reference(**r) for r in data["references"]]
 
 
-def reference(model_path: str, num_prompts: int, new_tokens: int, load_model) -> list[Reference]:
-    """The references for the first ``num_prompts`` prompts: stored ones when their key matches, else
-    computed with ``load_model()`` (a transformers model, only called then)."""
-    from engine.tokenizer import Tokenizer
-
-    prompts = prompt_ids(model_path, num_prompts)
+def reference(tok, model_path: str, num_prompts: int, new_tokens: int, load_model) -> list[Reference]:
+    """The references for the first ``num_prompts`` prompts (``tok``: the engine's tokenizer of the GGUF at
+    ``model_path``): stored ones when their key matches, else computed with ``load_model()`` (a
+    transformers model, only called then)."""
+    prompts = prompt_ids(tok, num_prompts)
     stored = load(cache_key(model_path, prompts, new_tokens))
     if stored is not None:
         return stored
-    return compute(load_model(), prompts, new_tokens, Tokenizer.from_gguf(model_path).eos_token_id)
+    return compute(load_model(), prompts, new_tokens, tok.eos_token_id)
 
 
 def load_hf_smollm2():
@@ -129,8 +125,9 @@ def main() -> None:
     from tests.engine.test_engine_parity import NEW_TOKENS, NUM_PROMPTS
 
     path = default_model_path()
-    prompts = prompt_ids(path, NUM_PROMPTS)
-    refs = compute(load_hf_smollm2(), prompts, NEW_TOKENS, Tokenizer.from_gguf(path).eos_token_id)
+    tok = Tokenizer.from_gguf(path)
+    prompts = prompt_ids(tok, NUM_PROMPTS)
+    refs = compute(load_hf_smollm2(), prompts, NEW_TOKENS, tok.eos_token_id)
     CACHE.write_text(json.dumps({"key": cache_key(path, prompts, NEW_TOKENS),
                                  "references": [asdict(r) for r in refs]}) + "\n")
     print(f"wrote {CACHE}")

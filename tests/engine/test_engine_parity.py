@@ -30,10 +30,11 @@ LOGPROB_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def hf_reference(request) -> list[Reference]:
+def hf_reference(request, smollm2_tokenizer) -> list[Reference]:
     """Per prompt: transformers' greedy tokens with their log-probabilities and top-2 logit gaps
     (tests/data/ holds them for this model, these prompts and these versions; else computed live)."""
-    return reference(default_model_path(), NUM_PROMPTS, NEW_TOKENS, lambda: request.getfixturevalue("hf_smollm2"))
+    return reference(smollm2_tokenizer, default_model_path(), NUM_PROMPTS, NEW_TOKENS,
+                     lambda: request.getfixturevalue("hf_smollm2"))
 
 
 def _check_parity(refs: list[Reference], outputs) -> int:
