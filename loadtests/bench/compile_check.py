@@ -1,6 +1,6 @@
 """Compile the Triton kernels for a CUDA target without a GPU.
 
-    python -m loadtests.bench.compile_check [--arch 90]
+    python -m loadtests.bench.compile_check [--arch 90] [--jobs N]
 
 Runs Triton's full compiler pipeline (TTIR, TTGIR, LLVM IR, PTX and, with the
 ptxas bundled in the triton wheel, a cubin) for the configurations the engine
@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import multiprocessing
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 from kernels import triton_attention, triton_batch_invariant, triton_jit
 
@@ -88,23 +91,37 @@ def configurations():
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Compile every configuration; print one line each; exit 1 on the first failure."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 80, 90")
-    args = p.parse_args(argv)
+def compile_one(index: int, arch: int) -> str:
+    """Compile ``configurations()[index]`` for ``sm_<arch>``; its report line (the stages produced)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    fn, ptrs, consts = configurations()[index]
+    src = ASTSource(fn=triton_jit.jit(fn, False), signature=_signature(fn, ptrs), constexprs=consts)
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+    return f"{fn.__name__} {next(iter(ptrs.values()))} {consts}: {', '.join(kernel.asm)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compile every configuration; print one line each, in order; a failure raises (exit 1)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 80, 90")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="compile in this many processes (default: one per CPU; each compile is single-threaded)")
+    args = p.parse_args(argv)
     if triton_jit.interpreter_active():
         print("TRITON_INTERPRET must be unset to compile", file=sys.stderr)
         return 2
-    target = GPUTarget("cuda", args.arch, 32)
-    for fn, ptrs, consts in configurations():
-        src = ASTSource(fn=triton_jit.jit(fn, False), signature=_signature(fn, ptrs), constexprs=consts)
-        kernel = triton.compile(src, target=target)
-        print(f"{fn.__name__} {next(iter(ptrs.values()))} {consts}: {', '.join(kernel.asm)}")
+    n = len(configurations())
+    if args.jobs <= 1:
+        for i in range(n):
+            print(compile_one(i, args.arch), flush=True)
+        return 0
+    # spawn: a fork would copy this process's Triton state and threads into the workers.
+    with ProcessPoolExecutor(min(args.jobs, n), mp_context=multiprocessing.get_context("spawn")) as pool:
+        for line in pool.map(compile_one, range(n), [args.arch] * n):
+            print(line, flush=True)
     return 0
 
 

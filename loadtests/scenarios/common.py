@@ -72,14 +72,20 @@ def start_gateway(config: Path, log_dir: Path, port: int | None = None, admin_to
     return srv.wait_ready(timeout), token
 
 
+def spawn_engine_server(log_dir: Path, engine_args: list[str], name: str = "engine",
+                        port: int | None = None) -> Server:
+    """``tandem engine serve --port P --uvicorn-log-level warning <engine_args>``, started, not yet ready
+    (call ``wait_ready``: several servers then load their models at once)."""
+    port = port or free_port()
+    return Server(tandem_cmd("engine", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             "--uvicorn-log-level", "warning", *engine_args),
+                  f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}", log_dir=log_dir, name=name)
+
+
 def start_engine_server(log_dir: Path, engine_args: list[str], name: str = "engine", port: int | None = None,
                         timeout: float = 300.0) -> Server:
-    """``tandem engine serve --port P --uvicorn-log-level warning <engine_args>``, ready at ``/health``."""
-    port = port or free_port()
-    srv = Server(tandem_cmd("engine", "serve", "--host", "127.0.0.1", "--port", str(port),
-                            "--uvicorn-log-level", "warning", *engine_args),
-                 f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}", log_dir=log_dir, name=name)
-    return srv.wait_ready(timeout)
+    """:func:`spawn_engine_server`, ready at ``/health``."""
+    return spawn_engine_server(log_dir, engine_args, name, port).wait_ready(timeout)
 
 
 def measure(label: str, base_url: str, model: str, workload: list[RequestSpec], *, stream: bool,

@@ -17,7 +17,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from loadtests.scenarios.common import fmt, md_table, measure, pct, start_engine_server, summary
+from loadtests.scenarios.common import fmt, md_table, measure, pct, spawn_engine_server, summary
 from loadtests.workloads import mt_bench_turn1
 
 MODEL = "bench"
@@ -49,9 +49,11 @@ def run(args: argparse.Namespace) -> int:
     workload = mt_bench_turn1(args.max_tokens, args.num_prompts, extra={"temperature": 0, "ignore_eos": True})
     results: dict[str, list[dict[int, dict]]] = {m: [] for m in MODES}
     extra = ["--model", args.model] if args.model else []
-    servers = {m: start_engine_server(logs, [*extra, "--served-model-name", MODEL, flag, *args.engine_arg],
-                                      name=f"engine-{m}") for m, flag in MODES.items()}
+    servers = {m: spawn_engine_server(logs, [*extra, "--served-model-name", MODEL, flag, *args.engine_arg],
+                                      name=f"engine-{m}") for m, flag in MODES.items()}   # they load at once
     try:
+        for srv in servers.values():
+            srv.wait_ready(300)
         for srv in servers.values():
             measure("warmup", srv.base_url + "/v1", MODEL, workload[:2], stream=True, concurrency=1,
                     num_requests=2, progress=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -233,23 +232,7 @@ def test_streaming_equals_non_streaming_byte_tokenizer(text, stops, include, see
 
 
 # --------------------------------------------------------------------------
-# The real SmolLM2 tokenizer: transformers' (from the GGUF) and engine.tokenizer.
-
-def _hf_tokenizer():
-    from transformers import AutoTokenizer
-
-    from engine.config import default_model_path
-
-    p = default_model_path()
-    return AutoTokenizer.from_pretrained(os.path.dirname(p), gguf_file=os.path.basename(p))
-
-
-def _engine_tokenizer():
-    from engine.config import default_model_path
-    from engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_gguf(default_model_path())
-
+# The real SmolLM2 tokenizer: transformers' (from the GGUF) and engine.tokenizer (tests/engine/conftest.py's).
 
 class _Encoder:
     """Uniform encode(text) -> ids over both tokenizers."""
@@ -264,8 +247,8 @@ class _Encoder:
 @pytest.fixture(scope="module", params=["transformers", "engine"])
 def real_tok(request):
     if request.param == "transformers":
-        return _hf_tokenizer()
-    return _engine_tokenizer()
+        return request.getfixturevalue("hf_smollm2_tokenizer")      # tests/engine/conftest.py
+    return request.getfixturevalue("smollm2_tokenizer")
 
 
 @pytest.mark.slow

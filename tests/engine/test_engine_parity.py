@@ -6,19 +6,18 @@ chunking and preemption is ``test_batch_invariance.py``'s). HF runs each
 prompt alone (no padding). Batch composition changes float rounding, so a divergence is accepted only at a
 near-tie: the reference's top-2 logit gap < 1e-3 at that step, and only after
 every earlier step agreed (the sampled token's logprob within 1e-3 of HF's).
+HF's side is a pure function of the model file, the prompts and the library versions: it is read from
+tests/data/ when made for exactly these (``tests/engine/hf_reference.py``), else computed live.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-import torch
 
 from engine.config import default_model_path
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from tests.engine.hf_reference import Reference, conversations, reference
 
 pytestmark = pytest.mark.slow
 
@@ -28,58 +27,34 @@ GGUF_PROMPTS = 2
 GGUF_TOKENS = 32
 TIE_GAP = 1e-3
 LOGPROB_TOL = 1e-3
-DATA = Path(__file__).resolve().parents[1] / "data" / "mt_bench_questions.jsonl"
-
-
-def _conversations() -> list[list[dict]]:
-    lines = DATA.read_text().splitlines()[:NUM_PROMPTS]
-    return [[{"role": "user", "content": json.loads(line)["turns"][0]}] for line in lines]
 
 
 @pytest.fixture(scope="module")
-def hf_reference(hf_smollm2):
-    """Per prompt: (prompt ids, generated ids, per-step float32 logits [steps, vocab])."""
-    from engine.tokenizer import Tokenizer
-
-    path = default_model_path()
-    model = hf_smollm2
-
-    tok = Tokenizer.from_gguf(path)
-    refs = []
-    for conv in _conversations():
-        ids = tok.encode(tok.apply_chat_template(conv, add_generation_prompt=True), add_special_tokens=False)
-        with torch.inference_mode():
-            out = model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                return_dict_in_generate=True, pad_token_id=tok.eos_token_id,
-            )
-        gen = out.sequences[0, len(ids):].tolist()
-        logits = torch.stack([step[0] for step in out.logits]).float()
-        refs.append((ids, gen, logits))
-    return refs
+def hf_reference(request, smollm2_tokenizer) -> list[Reference]:
+    """Per prompt: transformers' greedy tokens with their log-probabilities and top-2 logit gaps
+    (tests/data/ holds them for this model, these prompts and these versions; else computed live)."""
+    return reference(smollm2_tokenizer, default_model_path(), NUM_PROMPTS, NEW_TOKENS,
+                     lambda: request.getfixturevalue("hf_smollm2"))
 
 
-def _check_parity(refs, outputs) -> int:
+def _check_parity(refs: list[Reference], outputs) -> int:
     """Assert parity; return how many prompts diverged at an accepted near-tie."""
     near_ties = 0
-    for (ids, ref_gen, ref_logits), out in zip(refs, outputs):
-        assert out.prompt_token_ids == ids
-        got = out.outputs[0].token_ids
-        ref_logprobs = torch.log_softmax(ref_logits, dim=-1)
+    for ref, out in zip(refs, outputs):
+        assert out.prompt_token_ids == ref.prompt_token_ids
+        got, ref_gen = out.outputs[0].token_ids, ref.token_ids
         for step, ref_tok in enumerate(ref_gen):
             if step >= len(got):
                 pytest.fail(f"stopped early at step {step}: {got} vs {ref_gen}")
             if got[step] != ref_tok:
-                top2 = torch.topk(ref_logits[step], 2).values
-                gap = float(top2[0] - top2[1])
+                gap = ref.top2_gaps[step]
                 assert gap < TIE_GAP, (
                     f"diverged at step {step} (got {got[step]}, reference {ref_tok}) with top-2 gap {gap:.2e}"
                 )
                 near_ties += 1
                 break
             ours = out.outputs[0].logprobs[step][got[step]].logprob
-            theirs = float(ref_logprobs[step, ref_tok])
+            theirs = ref.logprobs[step]
             assert abs(ours - theirs) < LOGPROB_TOL, f"step {step}: logprob {ours} vs reference {theirs}"
         else:
             assert len(got) == len(ref_gen), "generated past the reference's EOS"
@@ -89,7 +64,7 @@ def _check_parity(refs, outputs) -> int:
 def _run(num_prompts: int = NUM_PROMPTS, new_tokens: int = NEW_TOKENS, **engine_args):
     llm = LLM(dtype="float32", kv_cache_memory="256MiB", **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, logprobs=0)
-    return llm, llm.chat(_conversations()[:num_prompts], params)
+    return llm, llm.chat(conversations(num_prompts), params)
 
 
 def test_greedy_parity_default(hf_reference):
@@ -116,5 +91,6 @@ def test_greedy_parity_native_gguf_weights(hf_reference):
     # suite's time in bounds (5 took 3 min, all 16 ~40 min on a busy box).
     llm, outputs = _run(num_prompts=GGUF_PROMPTS, new_tokens=GGUF_TOKENS, quantization="gguf")
     assert sorted(llm.engine.model_runner.model.layers[0].int4) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
-    refs = [(ids, gen[:GGUF_TOKENS], logits[:GGUF_TOKENS]) for ids, gen, logits in hf_reference[:GGUF_PROMPTS]]
+    refs = [Reference(r.prompt_token_ids, r.token_ids[:GGUF_TOKENS], r.logprobs[:GGUF_TOKENS], r.top2_gaps[:GGUF_TOKENS])
+            for r in hf_reference[:GGUF_PROMPTS]]
     _check_parity(refs, outputs)

@@ -17,7 +17,7 @@ from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-LENGTH = 64
+LENGTH = 32     # every position is resumed: the work grows with its square
 GREEDY = SamplingParams(temperature=0.0, max_tokens=LENGTH, logprobs=2, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=LENGTH, logprobs=2, ignore_eos=True)
 

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import jinja2
 import pytest
 
-from engine.config import default_model_path
 from engine.tokenizer import Tokenizer
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "mt_bench_questions.jsonl"
@@ -34,16 +32,14 @@ def _prompts() -> list[str]:
     return texts + TRICKY
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return Tokenizer.from_gguf(default_model_path())
+@pytest.fixture
+def smollm2(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
-@pytest.fixture(scope="module")
-def hf_smollm2():
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+@pytest.fixture
+def hf_smollm2(hf_smollm2_tokenizer):
+    return hf_smollm2_tokenizer
 
 
 def test_metadata(smollm2):

@@ -231,7 +231,7 @@ def engine_replicas(tmp_path_factory, names):
     """``tandem engine serve`` replicas (named ``names``) of one tiny random Llama (byte-level tokenizer: one
     character = one token, served as ``bench``, 4096 positions), for a module fixture to ``yield from``: yields
     {name: server}, stops them all at the end."""
-    from loadtests.scenarios.common import start_engine_server
+    from loadtests.scenarios.common import spawn_engine_server
     from tests.tiny_models import save_byte_level_llama
 
     model = save_byte_level_llama(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096, printable_only=True)
@@ -240,8 +240,10 @@ def engine_replicas(tmp_path_factory, names):
             "--max-model-len", "4096", "--num-threads", "1"]
     servers = {}
     try:
-        for n in names:
-            servers[n] = start_engine_server(logs, args, name=n)
+        for n in names:     # all spawned first: they load at once (a 2-core box overlaps the imports and waits)
+            servers[n] = spawn_engine_server(logs, args, name=n)
+        for srv in servers.values():
+            srv.wait_ready(300)
         yield servers
     finally:
         for s in servers.values():

@@ -1,10 +1,11 @@
 """The engine's OpenAI-compatible server, end to end through the official
 ``openai`` client against a live server on 127.0.0.1 (SmolLM2, float32).
 
-One in-process server per module (``server``: uvicorn in a thread, chunked
-prefill with a 512-token budget, max_model_len 2048); the real ``tandem engine
-serve`` CLI in a subprocess (unchunked) only for the chunked-prefill
-comparison and the SIGTERM drain. Every successful response is re-validated against the SDK's
+One in-process server (``server``: uvicorn in a thread, chunked prefill with
+a 256-token budget, max_model_len 1024; conftest.py's, shared with
+test_serving_request_semantics.py); the real ``tandem engine serve`` CLI in a
+subprocess (unchunked) only for the chunked-prefill comparison and the SIGTERM
+drain. Every successful response is re-validated against the SDK's
 pydantic types (``ChatCompletion``, ``ChatCompletionChunk``, ``Completion``).
 """
 
@@ -38,7 +39,8 @@ from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = 1024
+PREFILL_CHUNK = 256     # max_num_batched_tokens: a prompt over 2 * 256 tokens is prefilled in 3+ chunks
 ALPHABET_PROMPT = "The alphabet: ABCDEFGHIJKLMNOPQRSTUVWXYZ. Again:"
 CODE_PROMPT = "def setup():\n    a = 1\n\n    b = 2\n\n    c = 3\n\n    d"  # "\n\n    " is one token
 EMOJI_HANGUL_PROMPT = " ".join(["안녕 🎉"] * 10) + " 안녕"
@@ -75,12 +77,9 @@ def start_server(**engine_kwargs) -> LiveServer:
     return LiveServer(base, client, engine.served_model_name, engine, server, thread)
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = start_server(dtype="float32", kv_cache_memory="160MiB", max_model_len=MAX_MODEL_LEN,
-                     enable_chunked_prefill=True, max_num_batched_tokens=512)
-    yield s
-    s.stop()
+@pytest.fixture
+def server(float32_server):
+    return float32_server
 
 
 # ----------------------------------------------------------------- helpers
@@ -314,10 +313,10 @@ def cli_server(*flags: str):
 
 
 def test_chunked_prefill_matches_unchunked_cli_server(server):
-    prompt, next_number = counting_prompt(server.engine.tokenizer, 1100)
-    assert len(server.engine.tokenizer.encode(prompt, add_special_tokens=True)) > 2 * 512
+    prompt, next_number = counting_prompt(server.engine.tokenizer, 2 * PREFILL_CHUNK + 50)
+    assert len(server.engine.tokenizer.encode(prompt, add_special_tokens=True)) > 2 * PREFILL_CHUNK
     chunked = complete(server, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
-    with cli_server("--dtype", "float32", "--kv-cache-memory", "96MiB", "--max-model-len", str(MAX_MODEL_LEN),
+    with cli_server("--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", str(MAX_MODEL_LEN),
                     "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
                     "--served-model-name", "unchunked") as (proc, base):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)

@@ -11,7 +11,8 @@ and scheduling settings, end to end through real HTTP (the official
   more important request first, preempting the less important one.
 
 Servers run in-process (``tests.engine.entrypoints.test_serving.start_server``: build_app +
-uvicorn in a thread on a free 127.0.0.1 port).
+uvicorn in a thread on a free 127.0.0.1 port); the default one is conftest.py's, shared with
+test_serving.py.
 """
 
 from __future__ import annotations
@@ -30,13 +31,12 @@ pytestmark = pytest.mark.slow
 
 COLORS_PROMPT = "List three colors:\n1."
 COLORS_CHAT = [{"role": "user", "content": "List three colors, one per line."}]
+LONG_TOKENS = 100
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = start_server(dtype="float32", kv_cache_memory="64MiB", max_model_len=1024)
-    yield s
-    s.stop()
+@pytest.fixture
+def server(float32_server):
+    return float32_server
 
 
 def chat_stream_text(chunks) -> str:
@@ -132,11 +132,13 @@ def test_priority_scheduling_preempts_the_less_important_request(priority_server
     s: LiveServer = priority_server
     preemptions = scrape(s)["vllm:num_preemptions_total"]
     # 100 + 40 tokens (9 blocks) next to the long request's 3+ blocks do not fit in 11: one must be preempted,
-    # and the urgent one is admitted while the long one holds at most 4 blocks (< 58 tokens generated).
+    # and the urgent one is admitted while the long one holds at most 4 blocks (< 58 tokens generated). The long
+    # one is preempted at the latest when the urgent one needs its 9th block (~30 tokens later), so it still has
+    # tokens to stream after the urgent one ends.
     urgent_prompt, _ = counting_prompt(s.engine.tokenizer, 100)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         low = s.client.completions.create(
-            model=s.model, prompt="Tell me a long story.", max_tokens=160, temperature=0, stream=True,
+            model=s.model, prompt="Tell me a long story.", max_tokens=LONG_TOKENS, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "priority": 5})
         urgent = None
         urgent_done_while_low_ran = False
@@ -152,6 +154,6 @@ def test_priority_scheduling_preempts_the_less_important_request(priority_server
     # The older but less important request was the one preempted, so the urgent one finished first.
     assert urgent_done_while_low_ran
     assert result.usage.completion_tokens == 40 and result.choices[0].finish_reason == "length"
-    assert chunks[-1].usage.completion_tokens == 160
+    assert chunks[-1].usage.completion_tokens == LONG_TOKENS
     assert scrape(s)["vllm:num_preemptions_total"] > preemptions
     assert wait_until(lambda: scrape(s)["vllm:num_requests_running"] == 0)
