@@ -136,3 +136,40 @@ async def test_operators_pause_resume_promote_abort_and_illegal_actions(redis_ur
     assert r2.status_code == 201 and r2.json()["baseline"] == "cand" and r2.json()["weight"] == 50
     assert aborted["state"] == "aborted" and weights == {"stable": 0.0, "cand": 100.0}
     assert unauth.status_code == 401
+
+
+async def ctl(url: str, *argv: str) -> tuple[int, str]:
+    """``tandem ctl --url URL argv...`` as a subprocess (asynchronously: the gateway serves in this loop)."""
+    import os
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "ctl", "--url", url, *argv, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, env={**os.environ, "TANDEM_ADMIN_TOKEN": ADMIN_TOKEN})
+    out, _ = await proc.communicate()
+    return proc.returncode, out.decode()
+
+
+async def test_tandem_ctl_rollout_starts_steers_and_reports(redis_url):
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        text = two_upstreams(stable, cand, extra=f"state: {{redis_url: '{redis_url}', key_prefix: "
+                             f"c{uuid.uuid4().hex[:8]}}}\n", route_extra="    shadow: {target: cand}\n")
+        async with gateway(text) as (gw, url, c):
+            started = await ctl(url, "rollout", "start", "r9", "main", "cand", "--steps", "10,100", "--hold-s", "600",
+                                "--gate", "parity_min=0.9", "--gate", "min_compared=2")
+            async with httpx.AsyncClient(timeout=30) as h:
+                for i in range(2):
+                    await h.post(url + "/v1/chat/completions", json={
+                        "model": "m1", "user": f"u{i}", "messages": [{"role": "user", "content": "hi"}]})
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 15
+            while (await c.get("/admin/parity")).json()["reports"]["r9"]["compared"] < 2 and loop.time() < end:
+                await asyncio.sleep(0.05)
+            status = await ctl(url, "rollout", "status")
+            paused = await ctl(url, "rollout", "pause", "r9")
+            again = await ctl(url, "rollout", "pause", "r9")
+    assert started[0] == 0 and "rollout r9: running, route main: cand 10 %" in started[1]
+    assert status[0] == 0 and "gate parity_min: 1 (limit 0.9): holds" in status[1]
+    assert "parity (statistical): 2/2 pairs compared" in status[1] and "shadow shadow/main:" in status[1]
+    assert paused[0] == 0 and "rollout r9: paused" in paused[1]
+    assert again[0] == 1 and "409" in again[1]
