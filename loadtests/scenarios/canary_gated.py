@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hold-s", type=float, default=4.0, help="--gated: seconds every gate must hold at a step")
     p.add_argument("--duration", type=float, default=30.0, help="--gated: seconds of load")
     p.add_argument("--poll-s", type=float, default=0.25, help="--gated: seconds between reads of the rollout")
-    p.add_argument("--slow-ttft", type=float, default=0.3, help="--gated, slow candidate: its TTFT, seconds")
+    p.add_argument("--slow-ttft", type=float, default=0.6, help="--gated, slow candidate: its TTFT, seconds")
     p.add_argument("--sample-percent", type=float, default=25.0,
                    help="--gated: percent of requests compared on both sides")
 
@@ -55,8 +55,8 @@ def _config(path: Path, ports: dict, steps: list[float], args) -> Path:
     cfg["rollouts"] = {NAME: {"route": ROUTE, "candidate": "canary", "steps": steps, "hold_s": args.hold_s,
                               "sample_percent": args.sample_percent, "max_concurrency": 8,
                               "check_interval_s": 0.25,
-                              "gates": {"parity_min": 0.95, "error_rate_max": 0.02, "ttft_p95_ratio_max": 2.0,
-                                        "min_compared": 20}}}
+                              "gates": {"parity_min": 0.95, "error_rate_max": 0.02, "ttft_p95_ratio_max": 3.0,
+                                        "min_compared": 50}}}
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
