@@ -78,6 +78,11 @@ class RolloutController:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
+        """Stop the loop and hand the lease back (another replica takes over at its next tick)."""
+        try:
+            await self.store.release(self.holder)
+        except Exception:  # noqa: BLE001 -- Redis down: the lease expires by itself
+            pass
         if self._task is not None:
             self._task.cancel()
             try:
@@ -119,7 +124,10 @@ class RolloutController:
             if r is None:
                 continue
             if lead and r["state"] in LIVE:
-                r = await self._judge(r, now)
+                try:
+                    r = await self._judge(r, now)
+                except Conflict:              # an operator changed it meanwhile: judged again next tick
+                    continue
             if r["state"] in LIVE:
                 active.setdefault(r["route"], []).append(r)
         self.active = active
