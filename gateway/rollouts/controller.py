@@ -9,8 +9,9 @@ reports the same one. Two replicas never fight over a step:
 - every change of a rollout is a compare-and-set on its revision: a change built on a stale read is refused
   (``Conflict``: the operator's API answers 409, the controller re-reads next tick);
 - the weights move through ``Gateway.set_weights`` (rebased on the shared head): the same replicated, versioned
-  config change as ``tandem ctl weights``; each tick the lease holder re-applies the weight of a running or
-  paused rollout when the live config differs (a change lost to a crash between the two writes is redone).
+  config change as ``tandem ctl weights``; each tick the lease holder re-applies the weight of a running
+  rollout when the live config differs (a change lost to a crash between the two writes is redone; an operator
+  who wants to set weights by hand pauses the rollout first).
 
 Judging (each ``check_interval_s``, lease holder only): the gates (``gateway/rollouts/gates.py``) on the parity
 report of the pairs compared since the step began. A failing gate: the weight goes back to the last good step
@@ -40,7 +41,7 @@ ACTIONS = {"pause": (("running",), "paused"),
            "resume": (("paused", "rolled_back"), "running"),
            "promote": (("running", "paused", "rolled_back"), "promoted"),
            "abort": (("running", "paused", "rolled_back"), "aborted")}
-LIVE = ("running", "paused")       # states whose weight the controller keeps applied
+LIVE = ("running", "paused")       # states whose pairs are compared (a running one's weight is kept applied)
 
 
 class IllegalAction(Exception):
@@ -133,9 +134,9 @@ class RolloutController:
         self.active = active
 
     async def _judge(self, r: dict, now: float) -> dict:
-        await self._apply_weight(r)
-        if r["state"] != "running":
+        if r["state"] != "running":      # paused: the operator has the weights (resume sets the step's again)
             return r
+        await self._apply_weight(r)
         spec = RolloutConfig(**r["spec"])
         gates = judge(spec.gates, await self.step_report(r))
         why = failing(gates)
@@ -152,10 +153,18 @@ class RolloutController:
                                           f"gates held {r['hold_s']:g} s at {r['weight']:g} %")
         return r
 
+    def _note(self, r: dict) -> None:
+        """Update ``active`` with ``r`` at once (other replicas see it at their next tick)."""
+        active = {route: [x for x in rs if x["name"] != r["name"]] for route, rs in self.active.items()}
+        if r["state"] in LIVE:
+            active.setdefault(r["route"], []).append(r)
+        self.active = active
+
     async def _transition(self, r: dict, now: float, state: str, index: int, weight: float, reason: str) -> dict:
         """Compare-and-set the rollout to its new state, then move the weight. Raises Conflict."""
         new = _moved(r, now, state, index, weight, reason)
         await self.store.save(r["name"], new, r["rev"])
+        self._note(new)
         log.info("rollout %s: %s (%s)", r["name"], state, reason)
         await self._apply_weight(new, force=True)
         return new
@@ -216,6 +225,7 @@ class RolloutController:
             raise ValueError("; ".join(f"{p}: {m}" for p, m in problems))
         r = new_rollout(name, spec, baseline_of(spec, routes[spec.route]), time.time() if now is None else now)
         await self.store.save(name, r, 0)
+        self._note(r)
         log.info("rollout %s started: %s %s -> %s", name, spec.route, spec.candidate, spec.steps)
         await self._apply_weight(r, force=True)
         return await self.view(r)
