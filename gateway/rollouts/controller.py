@@ -31,7 +31,7 @@ from gateway.config.schema import RolloutConfig
 from gateway.config.versions import VersionConflict
 from gateway.rollouts.gates import all_hold, failing, judge
 from gateway.rollouts.parity import report
-from gateway.rollouts.spec import baseline_of
+from gateway.rollouts.spec import baseline_of, rollout_problems
 from gateway.rollouts.store import Conflict, RolloutStore
 
 log = logging.getLogger("tandem.rollouts")
@@ -217,8 +217,6 @@ class RolloutController:
         Raises:
             ValueError: its references are wrong (``gateway.rollouts.spec.rollout_problems``).
             Conflict: a rollout of that name exists."""
-        from gateway.rollouts.spec import rollout_problems
-
         routes = self.gw.snapshot.compiled.policy.routes
         problems = rollout_problems("rollout", spec, routes)
         if problems:
