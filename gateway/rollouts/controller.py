@@ -109,8 +109,11 @@ class RolloutController:
     async def tick(self, now: float | None = None) -> None:
         """Refresh ``active``; as lease holder, create the config's new rollouts and judge the running ones."""
         now = time.time() if now is None else now
-        lead = await self.store.lease(self.holder, max(3 * self._interval(), 2.0))
         names = set(await self.store.names())
+        if not names and not self.gw.snapshot.compiled.config.rollouts:
+            self.active = {}
+            return                       # nothing to run: no lease taken, one read per tick
+        lead = await self.store.lease(self.holder, max(3 * self._interval(), 2.0))
         if lead:
             for name, spec in self.gw.snapshot.compiled.config.rollouts.items():
                 if name not in names:
