@@ -3,8 +3,8 @@
 Two upstreams (:mod:`loadtests.upstream`): ``stable``, and ``canary`` as chosen by ``--candidate``: ``healthy``
 (answers identical to stable's), ``diverging`` (its answers differ from token 4 on), ``slow`` (``--slow-ttft``
 seconds before its first token). The gateway's config declares rollout ``gated`` (``rollouts:``): the canary
-target's weight on ``canary-route`` goes through ``--phases`` when every gate (parity, candidate error rate, TTFT
-p95) held for ``--hold-s`` at a step, and goes back to the last good step when one fails. Closed-loop streamed load
+target's weight on ``canary-route`` goes through ``--phases`` when every gate (parity, candidate error rate, median
+TTFT against the stable side's on the same pairs) held for ``--hold-s`` at a step, and goes back to the last good step when one fails. Closed-loop streamed load
 runs ``--duration`` seconds while ``GET /admin/rollouts`` is read every ``--poll-s`` seconds.
 
 Report (``--out``): ``results.json`` and ``summary.md`` (the rollout's history with the reason of each change, the
@@ -55,7 +55,7 @@ def _config(path: Path, ports: dict, steps: list[float], args) -> Path:
     cfg["rollouts"] = {NAME: {"route": ROUTE, "candidate": "canary", "steps": steps, "hold_s": args.hold_s,
                               "sample_percent": args.sample_percent, "max_concurrency": 8,
                               "check_interval_s": 0.25,
-                              "gates": {"parity_min": 0.95, "error_rate_max": 0.02, "ttft_p95_ratio_max": 3.0,
+                              "gates": {"parity_min": 0.95, "error_rate_max": 0.02, "ttft_p50_ratio_max": 2.0,
                                         "min_compared": 50}}}
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path

@@ -54,7 +54,7 @@ def test_report_and_gates():
     g = judge(GatesConfig(parity_min=0.99, error_rate_max=0.5, ttft_p95_max_ms=100, min_compared=2), p)
     assert g["parity_min"]["ok"] and g["error_rate_max"]["ok"] and g["ttft_p95_max_ms"]["ok"] is False
     assert "gate ttft_p95_max_ms: 300 against limit 100" in failing(g) and not all_hold(g)
-    ratio = judge(GatesConfig(ttft_p95_ratio_max=20, min_compared=2), p)["ttft_p95_ratio_max"]
+    ratio = judge(GatesConfig(ttft_p50_ratio_max=20, min_compared=2), p)["ttft_p50_ratio_max"]
     assert ratio["value"] == pytest.approx(30) and ratio["ok"] is False          # 300 ms against 10 ms
     early = judge(GatesConfig(parity_min=0.99, min_compared=3), p)      # 2 pairs: not judged yet
     assert early["parity_min"]["ok"] is None and not failing(early) and not all_hold(early)
