@@ -12,6 +12,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from prometheus_client import Counter
+
 from gateway.config.compile import Compiled, load_config_text
 from gateway.config.schema import ConfigError
 from gateway.backends.anthropic import AnthropicBackend
@@ -29,6 +31,10 @@ from gateway.observability.telemetry import Observability
 from gateway.backends.upstream import UpstreamBackend
 from gateway.config.versions import ConfigState, MemoryLedger, RedisLedger, VersionConflict, text_digest
 from gateway.config.weights import describe_changes, routes_table
+from gateway.rollouts.controller import RolloutController
+from gateway.rollouts.metrics import ParityCollector
+from gateway.rollouts.shadow import ShadowRunner
+from gateway.rollouts.store import RolloutStore
 from policies import Signals
 
 log = logging.getLogger("tandem.gateway")
@@ -98,6 +104,13 @@ class Gateway:
         self.cache = ResponseCache(CacheStore(self.resilience.state), self.obs.metrics)   # routes' cache: entries
         self.latency = UpstreamLatency()   # upstreams' rolling TTFT, for slo routes
         self.local_cost = None             # gateway.billing.local_cost.LocalCost when local.cost is set
+        store = RolloutStore(self.resilience.state)   # rollouts and parity records, shared by replicas
+        self.rollouts = RolloutController(self, store)
+        self.shadows = ShadowRunner(store, self.usage, Counter(
+            "tandem_shadow_requests", "Shadow and parity pairs, sent or dropped over max_concurrency.",
+            ["rollout", "outcome"], registry=self.obs.registry))
+        self.parity_metrics = ParityCollector()
+        self.obs.registry.register(self.parity_metrics)
         if cfg.state.redis_url:
             self.ledger = RedisLedger(cfg.state.redis_url, cfg.state.key_prefix, cfg.reload.keep_versions,
                                       cfg.state.socket_timeout_s)
@@ -121,6 +134,7 @@ class Gateway:
             except Exception as e:  # noqa: BLE001 -- Redis down: the next rejoin replays them
                 log.warning("usage journal replay at start failed: %s", e)
         self.replicas.start()
+        self.rollouts.start()
         self._tasks.append(asyncio.create_task(self._watch_loop()))
         if self.ledger.shared:
             self._tasks.append(asyncio.create_task(self._sync_loop()))
@@ -147,6 +161,8 @@ class Gateway:
         return state
 
     async def stop(self) -> None:
+        await self.rollouts.stop()
+        await self.shadows.stop()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from engine.config import EngineArgs
 from gateway.config.schema import ConfigError, EngineConfig, GatewayConfig, TargetConfig
 from gateway.config.weights import check_weights
+from gateway.rollouts.spec import config_problems
 from policies import Affinity, Condition, Match, Policy, Route, Rule, Slo, Target, check_field, with_weights
 from policies.rules import OPERATORS
 
@@ -185,6 +186,7 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
     key = cfg.policy.canary_key
     if not (key in ("user", "request_id") or (key.startswith("header:") and len(key) > 7)):
         errors.append(("policy.canary_key", f"must be user, request_id or header:<name>, got {key!r}"))
+    errors += config_problems(cfg, routes)
     hashes: dict[str, str] = {}
     for i, k in enumerate(cfg.auth.keys):
         if k.sha256:

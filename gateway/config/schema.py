@@ -323,6 +323,18 @@ class SloConfig(_Strict):
     ttft_ms: float = Field(gt=0)                 # time to first token, milliseconds
 
 
+class ShadowConfig(_Strict):
+    """A route's shadow traffic (``gateway/rollouts/shadow.py``): a sample of its chat requests is sent in the
+    background to ``target`` (a backend of the config) and, for the parity report, again to the target that served
+    it, both asked for logprobs; the client's answer never waits for them. Billed to the ``shadow`` ledger line."""
+
+    target: str                                  # a backend name
+    model: str = ""                              # its upstream model; "" = the backend's mapping
+    percent: float = Field(100.0, ge=0, le=100)  # share of the route's chat requests mirrored
+    max_concurrency: int = Field(4, ge=1)        # shadow pairs in flight at most; more are dropped (and counted)
+    top_logprobs: int = Field(5, ge=0, le=20)    # asked of both sides, for the KL of the statistical report
+
+
 class RouteConfig(_Strict):
     targets: list[TargetConfig] = Field(min_length=1)
     fallbacks: list[TargetConfig] = []
@@ -334,6 +346,7 @@ class RouteConfig(_Strict):
     resume_attempts: int = Field(2, ge=0, le=10)
     slo: SloConfig | None = None                 # route by predicted TTFT and cost (replaces select's pick)
     sticky: Literal["", "prefix", "user"] = ""   # keep a conversation on one target (its prompt cache warm)
+    shadow: ShadowConfig | None = None           # mirror a sample to a candidate backend (parity report)
 
 
 class RuleConfig(_Strict):
@@ -381,6 +394,41 @@ class BudgetsConfig(_Strict):
     tenants: dict[str, TenantBudget] = {}
 
 
+class GatesConfig(_Strict):
+    """A rollout's gates, judged on the pairs compared since its current step began (``gateway/rollouts/gates.py``);
+    an unset gate is not checked."""
+
+    parity_min: float | None = Field(None, ge=0, le=1)    # exact share (local pairs) or token agreement, at least
+    error_rate_max: float | None = Field(None, ge=0, le=1)   # the candidate's error rate, at most
+    ttft_p95_max_ms: float | None = Field(None, gt=0)     # the candidate's TTFT p95, milliseconds, at most
+    tpot_p50_max_ms: float | None = Field(None, gt=0)     # the candidate's TPOT p50, milliseconds, at most
+    min_compared: int = Field(5, ge=1)                    # pairs needed at a step before the gates judge it
+
+
+class RolloutConfig(_Strict):
+    """A progressive rollout (``gateway/rollouts/controller.py``): the candidate target's weight on ``route`` goes
+    through ``steps`` (percent) while every gate holds for ``hold_s`` at a step; a failing gate rolls it back to
+    the last good step."""
+
+    route: str
+    candidate: str                               # a target id of the route
+    baseline: str = ""                           # the target that gives up the weight; "" = the route's first other
+    steps: list[float] = Field([5.0, 25.0, 100.0], min_length=1)
+    hold_s: float = Field(300.0, gt=0)
+    gates: GatesConfig = GatesConfig()
+    sample_percent: float = Field(100.0, ge=0, le=100)   # the route's chat requests mirrored to both sides
+    max_concurrency: int = Field(4, ge=1)        # compared pairs in flight at most; more are dropped (and counted)
+    top_logprobs: int = Field(5, ge=0, le=20)
+    check_interval_s: float = Field(1.0, gt=0)   # how often the controller judges the gates
+
+    @field_validator("steps")
+    @classmethod
+    def _steps(cls, v: list[float]) -> list[float]:
+        if any(not 0 < s <= 100 for s in v) or any(b <= a for a, b in zip(v, v[1:])):
+            raise ValueError("steps must be increasing percentages in (0, 100]")
+        return v
+
+
 class GatewayConfig(_Strict):
     server: ServerConfig = ServerConfig()
     admin: AdminConfig = AdminConfig()
@@ -395,3 +443,4 @@ class GatewayConfig(_Strict):
     backends: dict[str, Backend] = Field(min_length=1)
     routes: dict[str, RouteConfig] = Field(min_length=1)
     policy: PolicyConfig
+    rollouts: dict[str, RolloutConfig] = {}

@@ -169,6 +169,7 @@ async def metrics(request: Request) -> Response:
     if compiled.key_hashes and not compiled.config.admin.public_metrics:
         _gw(request)
     await gw.obs.refresh(gw.snapshot, gw.resilience.breakers)
+    gw.parity_metrics.reports, gw.parity_metrics.rollouts = await gw.rollouts.reports(), await gw.rollouts.list()
     return Response(generate_latest(gw.obs.registry), media_type=CONTENT_TYPE_LATEST.split(";")[0],
                     headers={"content-type": CONTENT_TYPE_LATEST})
 

@@ -27,6 +27,7 @@ from gateway.http.admin import ADMIN_HANDLERS
 from gateway.http.admin_limits import admin_limits
 from gateway.http.console import CONSOLE_HANDLERS
 from gateway.http.responses import RESPONSES_HANDLERS
+from gateway.http.rollouts_admin import ROLLOUT_HANDLERS
 from gateway.http.anthropic import ANTHROPIC_EXCEPTION_HANDLERS, anthropic_headers, count_tokens
 from gateway.http.serving import GATEWAY_ID_PREFIX, serve_observed
 from gateway.http.transport import EventStream, unless_disconnected
@@ -186,7 +187,7 @@ def create_app(gw: Gateway, cors: CorsConfig | None = None) -> Litestar:
     return Litestar(
         cors_config=CORSConfig(**cors.model_dump()) if cors is not None else None,
         route_handlers=[chat_completions, completions, models, model, live, ready, messages, count_tokens, embeddings,
-                        *RESPONSES_HANDLERS, *ADMIN_HANDLERS, admin_limits, *CONSOLE_HANDLERS],
+                        *RESPONSES_HANDLERS, *ADMIN_HANDLERS, *ROLLOUT_HANDLERS, admin_limits, *CONSOLE_HANDLERS],
         state=State({"gw": gw, "responses": ResponseStore(gw.resilience.state)}),   # stored Responses
         middleware=[in_flight], before_send=[stamp_request_id(GATEWAY_ID_PREFIX)],
         on_startup=[gw.start, gw.obs.start], on_shutdown=[gw.obs.stop, gw.stop],

@@ -141,6 +141,7 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         req = cache.req                  # with the seed the gateway chose, if it chose one
     req, resume = prepare_resume(req, snap.compiled.config.routes.get(decision.route))   # None: cut on failure
     adm = await admit(req, decision.attempts, gw.resilience, gw.usage, snap.compiled.config)
+    gw.shadows.offer(snap, gw.rollouts.active, req, decision)   # background copies; the answer never waits
     hook = gw.obs.admitted(request_id, adm.budget, adm.budget_spec)
     if affinity:
         hook = _then(gw.replicas.track, hook)

@@ -1,0 +1,68 @@
+"""The rollouts admin API (contract: ``/work/notes/rollout_contract.md``), behind the admin token:
+GET /admin/rollouts, POST /admin/rollouts (start one), POST /admin/rollouts/{name}/{action} (pause, resume,
+promote, abort), GET /admin/parity. The controller is ``gateway/rollouts/controller.py``."""
+
+from __future__ import annotations
+
+import msgspec
+import pydantic
+from litestar import Request, Response, get, post
+
+from gateway.config.schema import RolloutConfig
+from gateway.errors import ClientError
+from gateway.http.admin import _body, _gw, _json
+from gateway.rollouts.controller import ACTIONS, IllegalAction
+from gateway.rollouts.store import Conflict
+
+
+@get("/admin/rollouts")
+async def list_rollouts(request: Request) -> Response:
+    return _json({"rollouts": await _gw(request).rollouts.list()})
+
+
+@post("/admin/rollouts")
+async def start_rollout(request: Request) -> Response:
+    """Body: ``{"name", "route", "candidate", "steps", "hold_s", "gates", ...}`` (a ``rollouts:`` entry and its
+    name) -> 201 with the rollout. 400 for a bad body or reference, 409 when the name is taken."""
+    gw = _gw(request)
+    body = await _body(request)
+    name = body.pop("name", None)
+    if not isinstance(name, str) or not name:
+        raise ClientError(400, "expected a rollout name", param="name")
+    body.pop("base_version", None)
+    try:
+        spec = RolloutConfig(**body)
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        raise ClientError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}",
+                          param=".".join(map(str, err["loc"])) or None) from None
+    try:
+        view = await gw.rollouts.create(name, spec)
+    except ValueError as e:
+        raise ClientError(400, str(e), param="route") from None
+    except Conflict:
+        raise ClientError(409, f"a rollout named {name!r} exists", param="name", code="rollout_exists") from None
+    return Response(msgspec.json.encode(view), status_code=201, media_type="application/json")
+
+
+@post("/admin/rollouts/{name:str}/{action:str}")
+async def rollout_action(request: Request) -> Response:
+    gw = _gw(request)
+    name, action = request.path_params["name"], request.path_params["action"]
+    if action not in ACTIONS:
+        raise ClientError(404, f"unknown action {action!r}; one of {', '.join(ACTIONS)}", param="action")
+    try:
+        return _json(await gw.rollouts.act(name, action))
+    except LookupError as e:
+        raise ClientError(404, str(e), param="name", code="rollout_not_found") from None
+    except (IllegalAction, Conflict) as e:
+        raise ClientError(409, str(e), code="illegal_action" if isinstance(e, IllegalAction) else "conflict") \
+            from None
+
+
+@get("/admin/parity")
+async def parity(request: Request) -> Response:
+    return _json({"reports": await _gw(request).rollouts.reports()})
+
+
+ROLLOUT_HANDLERS = [list_rollouts, start_rollout, rollout_action, parity]

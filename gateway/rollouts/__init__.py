@@ -1,0 +1,1 @@
+"""Shadow traffic, parity reports and gated progressive rollouts (issue #31)."""

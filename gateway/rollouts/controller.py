@@ -1,0 +1,241 @@
+"""The rollout controller: moves a candidate target's weight on a route through its ``steps`` while the gates
+hold, rolls it back when one fails, and carries out operators' pause, resume, promote and abort.
+
+One controller per gateway (owned by ``gateway.runtime.Gateway``); every replica runs one. State lives in shared
+state (``gateway/rollouts/store.py``), so a restarted gateway resumes a rollout where it was and every replica
+reports the same one. Two replicas never fight over a step:
+
+- only the replica holding the controller lease (``RolloutStore.lease``) judges gates and moves steps;
+- every change of a rollout is a compare-and-set on its revision: a change built on a stale read is refused
+  (``Conflict``: the operator's API answers 409, the controller re-reads next tick);
+- the weights move through ``Gateway.set_weights`` (rebased on the shared head): the same replicated, versioned
+  config change as ``tandem ctl weights``; each tick the lease holder re-applies the weight of a running or
+  paused rollout when the live config differs (a change lost to a crash between the two writes is redone).
+
+Judging (each ``check_interval_s``, lease holder only): the gates (``gateway/rollouts/gates.py``) on the parity
+report of the pairs compared since the step began. A failing gate: the weight goes back to the last good step
+(the previous one; 0 at the first) and the rollout is ``rolled_back`` with the reason; every gate holding for
+``hold_s`` at the step: the next step, and past the last, ``promoted``. States: running, paused, promoted,
+rolled_back, aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from gateway.config.schema import RolloutConfig
+from gateway.config.versions import VersionConflict
+from gateway.rollouts.gates import all_hold, failing, judge
+from gateway.rollouts.parity import report
+from gateway.rollouts.spec import baseline_of
+from gateway.rollouts.store import Conflict, RolloutStore
+
+log = logging.getLogger("tandem.rollouts")
+
+# action -> (states it may be taken in, the state it leads to)
+ACTIONS = {"pause": (("running",), "paused"),
+           "resume": (("paused", "rolled_back"), "running"),
+           "promote": (("running", "paused", "rolled_back"), "promoted"),
+           "abort": (("running", "paused", "rolled_back"), "aborted")}
+LIVE = ("running", "paused")       # states whose weight the controller keeps applied
+
+
+class IllegalAction(Exception):
+    """The action cannot be taken in the rollout's state (the admin API's 409)."""
+
+
+def new_rollout(name: str, spec: RolloutConfig, baseline: str, now: float) -> dict:
+    """A rollout's first state: running at its first step."""
+    w = float(spec.steps[0])
+    return {"name": name, "route": spec.route, "candidate": spec.candidate, "baseline": baseline,
+            "state": "running", "steps": [float(s) for s in spec.steps], "step_index": 0, "weight": w,
+            "hold_s": spec.hold_s, "step_since": now, "reason": "",
+            "history": [{"at": now, "weight": w, "state": "running", "reason": "started"}],
+            "spec": spec.model_dump()}
+
+
+def _moved(r: dict, now: float, state: str, index: int, weight: float, reason: str) -> dict:
+    """``r`` after a transition (its history extended)."""
+    return {**r, "state": state, "step_index": index, "weight": weight, "step_since": now, "reason": reason,
+            "history": [*r["history"], {"at": now, "weight": weight, "state": state, "reason": reason}][-200:]}
+
+
+class RolloutController:
+    """Rollouts of one gateway (see the module docstring). ``gw``: the ``gateway.runtime.Gateway``."""
+
+    def __init__(self, gw, store: RolloutStore):
+        self.gw = gw
+        self.store = store
+        self.holder = uuid.uuid4().hex         # this replica's lease identity
+        self.active: dict[str, list[dict]] = {}   # route -> running/paused rollouts (the shadow runner reads it)
+        self._task: asyncio.Task | None = None
+
+    # ----- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except BaseException:  # noqa: BLE001 -- cancelled
+                pass
+            self._task = None
+
+    def _interval(self) -> float:
+        specs = self.gw.snapshot.compiled.config.rollouts.values()
+        live = [r["spec"]["check_interval_s"] for rs in self.active.values() for r in rs]
+        return min([1.0, *(s.check_interval_s for s in specs), *live])
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:  # noqa: BLE001 -- the next tick retries
+                log.exception("rollout controller tick failed")
+            await asyncio.sleep(self._interval())
+
+    # ----- the tick --------------------------------------------------------------------------------------------
+    async def tick(self, now: float | None = None) -> None:
+        """Refresh ``active``; as lease holder, create the config's new rollouts and judge the running ones."""
+        now = time.time() if now is None else now
+        lead = await self.store.lease(self.holder, max(3 * self._interval(), 2.0))
+        names = set(await self.store.names())
+        if lead:
+            for name, spec in self.gw.snapshot.compiled.config.rollouts.items():
+                if name not in names:
+                    try:
+                        await self.create(name, spec, now)
+                    except (Conflict, ValueError) as e:
+                        log.warning("rollout %s not started: %s", name, e)
+                    names.add(name)
+        active: dict[str, list[dict]] = {}
+        for name in sorted(names):
+            r = await self.store.load(name)
+            if r is None:
+                continue
+            if lead and r["state"] in LIVE:
+                r = await self._judge(r, now)
+            if r["state"] in LIVE:
+                active.setdefault(r["route"], []).append(r)
+        self.active = active
+
+    async def _judge(self, r: dict, now: float) -> dict:
+        await self._apply_weight(r)
+        if r["state"] != "running":
+            return r
+        spec = RolloutConfig(**r["spec"])
+        gates = judge(spec.gates, await self.step_report(r))
+        why = failing(gates)
+        if why:
+            back = r["steps"][r["step_index"] - 1] if r["step_index"] > 0 else 0.0
+            return await self._transition(r, now, "rolled_back", max(r["step_index"] - 1, 0), back,
+                                          f"rolled back from {r['weight']:g} % to {back:g} %: {why}")
+        if all_hold(gates) and now - r["step_since"] >= r["hold_s"]:
+            i = r["step_index"] + 1
+            if i >= len(r["steps"]):
+                return await self._transition(r, now, "promoted", r["step_index"], 100.0,
+                                              f"every gate held {r['hold_s']:g} s at each step")
+            return await self._transition(r, now, "running", i, r["steps"][i],
+                                          f"gates held {r['hold_s']:g} s at {r['weight']:g} %")
+        return r
+
+    async def _transition(self, r: dict, now: float, state: str, index: int, weight: float, reason: str) -> dict:
+        """Compare-and-set the rollout to its new state, then move the weight. Raises Conflict."""
+        new = _moved(r, now, state, index, weight, reason)
+        await self.store.save(r["name"], new, r["rev"])
+        log.info("rollout %s: %s (%s)", r["name"], state, reason)
+        await self._apply_weight(new, force=True)
+        return new
+
+    async def _apply_weight(self, r: dict, force: bool = False) -> None:
+        """Set the route's candidate and baseline weights to the rollout's (when ``force`` or they differ)."""
+        route = self.gw.snapshot.compiled.policy.routes.get(r["route"])
+        if route is None:
+            return
+        live = {t.id: t.weight for t in route.targets}
+        total = sum(live.values()) or 1.0
+        want = {r["candidate"]: r["weight"], r["baseline"]: 100.0 - r["weight"]}
+        if not force and all(abs(100 * live.get(k, 0.0) / total - v) < 1e-6 for k, v in want.items()):
+            return
+        for _ in range(3):
+            try:
+                await self.gw.set_weights(r["route"], want, rebase=True)
+                return
+            except VersionConflict:
+                continue
+
+    # ----- reading ---------------------------------------------------------------------------------------------
+    async def step_report(self, r: dict) -> dict:
+        """The parity report of the pairs compared since the rollout's current step began."""
+        records = [x for x in await self.store.records(r["name"]) if x.get("at", 0) >= r["step_since"]]
+        return report(records, await self.store.dropped(r["name"]))
+
+    async def view(self, r: dict) -> dict:
+        """The admin API's R (``/work/notes/rollout_contract.md``): the rollout, its gates now and its parity."""
+        spec = RolloutConfig(**r["spec"])
+        step = await self.step_report(r)
+        records = await self.store.records(r["name"])
+        parity = report(records, await self.store.dropped(r["name"])) if records else None
+        out = {k: r[k] for k in ("name", "route", "candidate", "baseline", "state", "steps", "step_index", "weight",
+                                 "hold_s", "step_since", "reason", "history")}
+        return {**out, "gates": judge(spec.gates, step), "parity": parity}
+
+    async def list(self) -> list[dict]:
+        out = []
+        for name in await self.store.names():
+            r = await self.store.load(name)
+            if r is not None:
+                out.append(await self.view(r))
+        return out
+
+    # ----- operators -------------------------------------------------------------------------------------------
+    async def create(self, name: str, spec: RolloutConfig, now: float | None = None) -> dict:
+        """Start rollout ``name`` at its first step.
+
+        Raises:
+            ValueError: its references are wrong (``gateway.rollouts.spec.rollout_problems``).
+            Conflict: a rollout of that name exists."""
+        from gateway.rollouts.spec import rollout_problems
+
+        routes = self.gw.snapshot.compiled.policy.routes
+        problems = rollout_problems("rollout", spec, routes)
+        if problems:
+            raise ValueError("; ".join(f"{p}: {m}" for p, m in problems))
+        r = new_rollout(name, spec, baseline_of(spec, routes[spec.route]), time.time() if now is None else now)
+        await self.store.save(name, r, 0)
+        log.info("rollout %s started: %s %s -> %s", name, spec.route, spec.candidate, spec.steps)
+        await self._apply_weight(r, force=True)
+        return await self.view(r)
+
+    async def act(self, name: str, action: str) -> dict:
+        """Take ``action`` (pause, resume, promote, abort) on rollout ``name``; returns its view.
+
+        Raises:
+            LookupError: no such rollout. IllegalAction: not in this state. Conflict: changed meanwhile."""
+        r = await self.store.load(name)
+        if r is None:
+            raise LookupError(f"no rollout {name!r}")
+        allowed, state = ACTIONS[action]
+        if r["state"] not in allowed:
+            raise IllegalAction(f"cannot {action} rollout {name!r}: it is {r['state']}")
+        now = time.time()
+        index, weight = r["step_index"], r["weight"]
+        if action == "promote":
+            weight = 100.0
+        elif action == "abort":
+            weight = 0.0
+        elif action == "resume":      # from the last good step (the first, after a rollback from it)
+            weight = r["steps"][index]
+        return await self.view(await self._transition(r, now, state, index, weight, f"operator: {action}"))
+
+    async def reports(self) -> dict[str, dict]:
+        """Parity report ``P`` of every shadow and rollout (``GET /admin/parity``)."""
+        routes = self.gw.snapshot.compiled.config.routes
+        names = set(await self.store.record_names()) | set(await self.store.names())
+        names |= {f"shadow/{n}" for n, r in routes.items() if r.shadow is not None}
+        return {n: report(await self.store.records(n), await self.store.dropped(n)) for n in sorted(names)}

@@ -1,0 +1,47 @@
+"""A rollout's checked references, one rule for the config file (``rollouts:``) and ``POST /admin/rollouts``: its
+route exists, its candidate is one of the route's targets, its baseline another one (default: the route's first
+target that is not the candidate)."""
+
+from __future__ import annotations
+
+from gateway.config.schema import GatewayConfig, RolloutConfig
+
+SHADOW_TENANT = "shadow"    # the ledger line of shadow and parity calls: no tenant's usage
+
+
+def baseline_of(spec: RolloutConfig, route) -> str:
+    """The target id that gives up the weight the candidate gets (``policies.Route``); "" when there is none."""
+    if spec.baseline:
+        return spec.baseline
+    return next((t.id for t in route.targets if t.id != spec.candidate), "")
+
+
+def rollout_problems(path: str, spec: RolloutConfig, routes: dict) -> list[tuple[str, str]]:
+    """(key path, problem) pairs of ``spec`` against the compiled routes (name -> ``policies.Route``)."""
+    route = routes.get(spec.route)
+    if route is None:
+        return [(f"{path}.route", f"unknown route {spec.route!r}; defined: {', '.join(routes)}")]
+    ids = [t.id for t in route.targets]
+    if spec.candidate not in ids:
+        return [(f"{path}.candidate", f"{spec.candidate!r} is not a target of route {spec.route!r}; "
+                 f"its targets: {', '.join(ids)}")]
+    base = baseline_of(spec, route)
+    if base not in ids or base == spec.candidate:
+        return [(f"{path}.baseline", f"route {spec.route!r} needs a target other than the candidate to take the "
+                 f"weight back; its targets: {', '.join(ids)}")]
+    return []
+
+
+def config_problems(cfg: GatewayConfig, routes: dict) -> list[tuple[str, str]]:
+    """Problems of the config's shadows, rollouts and tenants (the ``shadow`` ledger line is reserved)."""
+    errors: list[tuple[str, str]] = []
+    for name, r in cfg.routes.items():
+        if r.shadow is not None and r.shadow.target not in cfg.backends:
+            errors.append((f"routes.{name}.shadow.target", f"unknown backend {r.shadow.target!r}; defined: "
+                           f"{', '.join(cfg.backends)}"))
+    for name, spec in cfg.rollouts.items():
+        errors += rollout_problems(f"rollouts.{name}", spec, routes)
+    for i, k in enumerate(cfg.auth.keys):
+        if k.tenant == SHADOW_TENANT:
+            errors.append((f"auth.keys[{i}].tenant", f"{SHADOW_TENANT!r} is reserved for shadow traffic's ledger line"))
+    return errors

@@ -1,0 +1,149 @@
+"""Rollout state and parity records in shared state (``gateway.state.SharedState``: Redis when configured, in
+process otherwise), so every replica reads the same rollout and report and a restarted gateway resumes where it
+was.
+
+Keys (prefix ``tandem``, TTL ``KEY_TTL_S`` refreshed on every write):
+
+- ``<prefix>:rollout:<name>`` (JSON of the rollout, with its ``rev``) and ``<prefix>:rollout-rev:<name>``: a
+  change names the revision it was built on and is refused when another replica wrote meanwhile (``save``'s
+  compare-and-set, one Lua script);
+- ``<prefix>:rollouts`` (set): the rollout names;
+- ``<prefix>:rollout-lease``: the replica whose controller acts now (``SET NX PX``, renewed by its holder);
+- ``<prefix>:parity:<name>`` (list, newest first, ``MAX_RECORDS`` long): comparison records
+  (``gateway/rollouts/parity.py``), ``<prefix>:parity-names`` (set) their names; ``<prefix>:parity-dropped:<name>``: shadow pairs dropped over concurrency.
+"""
+
+from __future__ import annotations
+
+import json
+
+KEY_TTL_S = 7 * 24 * 3600
+MAX_RECORDS = 2000
+
+# KEYS: state, rev, names set. ARGV: json, expected rev, name, ttl. Returns the new rev, or -(rev + 1) on conflict.
+_SAVE = """
+local rev = tonumber(redis.call('GET', KEYS[2]) or '0')
+if rev ~= tonumber(ARGV[2]) then return -rev - 1 end
+rev = rev + 1
+local d = cjson.decode(ARGV[1])
+d['rev'] = rev
+redis.call('SET', KEYS[1], cjson.encode(d), 'EX', ARGV[4])
+redis.call('SET', KEYS[2], rev, 'EX', ARGV[4])
+redis.call('SADD', KEYS[3], ARGV[3])
+redis.call('EXPIRE', KEYS[3], ARGV[4])
+return rev
+"""
+
+# KEYS: lease. ARGV: holder, ttl ms. Returns 1 when the caller holds it now.
+_LEASE = """
+local cur = redis.call('GET', KEYS[1])
+if cur == false then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+if cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# KEYS: list, names set. ARGV: record json, max, ttl, name.
+_PUSH = """
+redis.call('SADD', KEYS[2], ARGV[4])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+redis.call('LPUSH', KEYS[1], ARGV[1])
+redis.call('LTRIM', KEYS[1], 0, tonumber(ARGV[2]) - 1)
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+
+class Conflict(Exception):
+    """Another replica changed the rollout since it was read (its revision is ``rev``)."""
+
+    def __init__(self, name: str, rev: int):
+        super().__init__(f"rollout {name!r} changed meanwhile (revision {rev}); re-read it")
+        self.rev = rev
+
+
+class RolloutStore:
+    """Reads and compare-and-set writes of rollouts and parity records on a ``SharedState``."""
+
+    def __init__(self, state):
+        self.state = state
+        self.mem = state.memory.setdefault("rollouts", {"states": {}, "lease": None, "parity": {}, "dropped": {}})
+
+    def _k(self, kind: str, name: str = "") -> str:
+        return self.state.key(kind, name) if name else f"{self.state.config.key_prefix}:{kind}"
+
+    async def names(self) -> list[str]:
+        out = await self.state.call(lambda r: r.smembers(self._k("rollouts")), lambda: set(self.mem["states"]))
+        return sorted(out)
+
+    async def load(self, name: str) -> dict | None:
+        """The rollout's state dict (with ``rev``), or None."""
+        raw = await self.state.call(lambda r: r.get(self._k("rollout", name)),
+                                    lambda: self.mem["states"].get(name))
+        return json.loads(raw) if raw else None
+
+    async def save(self, name: str, data: dict, rev: int) -> int:
+        """Write ``data`` as built on revision ``rev`` (0: a new rollout); returns the new revision.
+
+        Raises:
+            Conflict: the stored revision is not ``rev``."""
+        def local() -> int:
+            cur = self.mem["states"].get(name)
+            have = json.loads(cur)["rev"] if cur else 0
+            if have != rev:
+                return -have - 1
+            self.mem["states"][name] = json.dumps({**data, "rev": rev + 1})
+            return rev + 1
+
+        keys = [self._k("rollout", name), self._k("rollout-rev", name), self._k("rollouts")]
+        new = int(await self.state.run("rollout_save", _SAVE, keys, [json.dumps(data), rev, name, KEY_TTL_S], local))
+        if new < 0:
+            raise Conflict(name, -new - 1)
+        data["rev"] = new
+        return new
+
+    async def lease(self, holder: str, ttl_s: float) -> bool:
+        """True when ``holder`` holds (took or renewed) the controller lease for ``ttl_s`` more seconds."""
+        return bool(int(await self.state.run("rollout_lease", _LEASE, [self._k("rollout-lease")],
+                                             [holder, int(ttl_s * 1000)], lambda: 1)))
+
+    async def push_record(self, name: str, record: dict) -> None:
+        """Add one comparison record to ``name``'s report."""
+        raw = json.dumps(record)
+
+        def local() -> int:
+            lst = self.mem["parity"].setdefault(name, [])
+            lst.insert(0, raw)
+            del lst[MAX_RECORDS:]
+            return 1
+
+        await self.state.run("parity_push", _PUSH, [self._k("parity", name), self._k("parity-names")],
+                             [raw, MAX_RECORDS, KEY_TTL_S, name], local)
+
+    async def records(self, name: str) -> list[dict]:
+        """``name``'s comparison records, oldest first."""
+        raw = await self.state.call(lambda r: r.lrange(self._k("parity", name), 0, -1),
+                                    lambda: list(self.mem["parity"].get(name, [])))
+        return [json.loads(x) for x in reversed(raw)]
+
+    async def record_names(self) -> list[str]:
+        """Names with parity records (shadows and rollouts)."""
+        out = await self.state.call(lambda r: r.smembers(self._k("parity-names")), lambda: set(self.mem["parity"]))
+        return sorted(out)
+
+    async def count_dropped(self, name: str) -> None:
+        def local() -> int:
+            self.mem["dropped"][name] = self.mem["dropped"].get(name, 0) + 1
+            return 1
+
+        await self.state.call(lambda r: r.incr(self._k("parity-dropped", name)), local)
+
+    async def dropped(self, name: str) -> int:
+        v = await self.state.call(lambda r: r.get(self._k("parity-dropped", name)),
+                                  lambda: self.mem["dropped"].get(name, 0))
+        return int(v or 0)
