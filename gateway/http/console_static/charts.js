@@ -56,7 +56,9 @@ const Tandem = (() => {
         s("text", {x: L - 6, y: y(w) + 4, class: "tick", "text-anchor": "end"}, `${w}%`))),
       (steps || []).filter((w) => w > 0 && w < 100 && w !== 50).map((w) => s("g", {},
         s("line", {x1: L, x2: W - R, y1: y(w), y2: y(w), class: "guide"}),
-        s("text", {x: L - 6, y: y(w) + 4, class: "tick", "text-anchor": "end"}, `${w}%`))),
+        // a step's label, unless it would overlap the 0 / 50 / 100 % ones
+        Math.min(w, Math.abs(w - 50), 100 - w) >= 8 ?
+          s("text", {x: L - 6, y: y(w) + 4, class: "tick", "text-anchor": "end"}, `${w}%`) : null)),
       s("path", {d, class: "line"}),
       pts.map((p) => s("circle", {cx: x(p[0]), cy: y(p[1]), r: 3.5, class: `dot state-${p[2]}`},
         s("title", {}, `${clock(p[0])}: ${fmt(p[1])} % (${p[2]})`))),

@@ -91,11 +91,13 @@ def sign_in(page, token: str = TOKEN) -> None:
 
 def shoot(page, name: str) -> None:
     if SHOTS:
-        page.wait_for_timeout(300)      # let the share bars' transition end
+        page.evaluate("window.scrollTo(0, 0)")   # the sticky header at the top of the picture
+        page.wait_for_timeout(300)                # let the share bars' transition end
         page.screenshot(path=str(Path(SHOTS) / f"{name}.png"), full_page=True)
 
 
-def weights(gateway) -> dict[str, float]:
+def weights_of(gateway) -> dict[str, float]:
+    """Route ``main``'s live weights, from the admin API."""
     cfg = httpx.get(gateway.url + "/admin/config", headers=ADMIN, timeout=10).json()
     return {t["id"]: t["weight"] for t in cfg["routes"]["main"]["targets"]}
 
@@ -126,7 +128,7 @@ def test_wrong_token_is_refused_then_the_right_one_signs_in(page):
 
 
 def test_canary_slider_sets_the_weight_then_rollback_restores_it(page, gateway):
-    assert weights(gateway) == {"a": 95, "b": 5}
+    assert weights_of(gateway) == {"a": 95, "b": 5}
     sign_in(page)
     slider = page.locator("#canary-main")
     page.get_by_label("Canary target").select_option("b")
@@ -138,12 +140,12 @@ def test_canary_slider_sets_the_weight_then_rollback_restores_it(page, gateway):
     page.wait_for_timeout(2500)                   # a poll in between keeps the operator's edit
     assert slider.input_value() == "25"
     page.get_by_role("button", name="Apply").click()
-    wait_until(lambda: weights(gateway) == {"a": 75, "b": 25})
+    wait_until(lambda: weights_of(gateway) == {"a": 75, "b": 25})
     page.get_by_role("status").filter(has_text="b to 25 %: done").wait_for()
     page.get_by_role("table", name="Targets of route main").get_by_text("75 %").wait_for()
 
     page.get_by_role("button", name="Roll back to previous version").click()
-    wait_until(lambda: weights(gateway) == {"a": 95, "b": 5})
+    wait_until(lambda: weights_of(gateway) == {"a": 95, "b": 5})
     page.get_by_role("status").filter(has_text="Roll back: done").wait_for()
     page.wait_for_function("document.getElementById('canary-main').value === '5'")
 
@@ -177,3 +179,112 @@ def test_tenants_spend_budget_and_limits(page, gateway):
     shoot(page, "console")
     meter = row.get_by_role("meter")
     assert float(meter.get_attribute("aria-valuenow")) > 0
+
+
+# ---- rollouts: a real controller advancing on live traffic ------------------------------------------------------
+ROLLOUT_CONFIG = """reload: {{watch: false}}
+resilience:
+  retry: {{max_attempts: 1}}
+  health: {{interval_s: 0}}
+observability:
+  logs: {{requests: false}}
+models:
+  - name: m1
+backends:
+  stable: {{type: openai, base_url: '{stable}', prices: {{input: 1, output: 2}}}}
+  cand: {{type: openai, base_url: '{cand}', prices: {{input: 1, output: 2}}}}
+routes:
+  main:
+    targets: [{{backend: stable, weight: 100}}, {{backend: cand, weight: 0}}]
+policy:
+  default_route: main
+"""
+GATES = {"parity_min": 0.9, "error_rate_max": 0.2, "min_compared": 2}
+
+
+@pytest.fixture
+def rollout_gateway(tmp_path_factory):
+    """A gateway with route ``main`` over ``stable`` and ``cand`` (fault-injecting upstreams), and a client thread
+    sending it a chat request every 50 ms (the traffic a rollout's gates judge)."""
+    import threading
+
+    from tests.gateway.fault_upstream import FaultUpstream
+
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        text = ROLLOUT_CONFIG.format(stable=stable.base_url, cand=cand.base_url)
+        stop = threading.Event()
+        for g in gateway_on(tmp_path_factory, "console-rollout", text, env=ENV):
+            def traffic():
+                with httpx.Client(base_url=g.url, timeout=10) as c:
+                    while not stop.wait(0.05):
+                        c.post("/v1/chat/completions", json={"model": "m1", "messages": [
+                            {"role": "user", "content": "hi"}]})
+
+            t = threading.Thread(target=traffic, daemon=True)
+            t.start()
+            try:
+                yield g, cand
+            finally:
+                stop.set()
+                t.join(10)
+
+
+def rollout(g, name: str) -> dict:
+    rs = httpx.get(g.url + "/admin/rollouts", headers=ADMIN, timeout=10).json()["rollouts"]
+    return next(r for r in rs if r["name"] == name)
+
+
+def start_rollout(g, name: str, hold_s: float) -> None:
+    r = httpx.post(g.url + "/admin/rollouts", headers=ADMIN, timeout=10, json={
+        "name": name, "route": "main", "candidate": "cand", "steps": [5, 25, 100], "hold_s": hold_s,
+        "gates": GATES, "check_interval_s": 0.2})
+    assert r.status_code == 201, r.text
+
+
+def test_console_watches_a_rollout_advance_and_steers_it(browser, rollout_gateway):
+    g, _ = rollout_gateway
+    page = browser.new_page()
+    page.goto(g.url + "/admin/ui")
+    sign_in(page)
+    start_rollout(g, "cand-canary", hold_s=3)
+    card = page.get_by_role("article", name="Rollout cand-canary")
+    card.wait_for()
+    card.get_by_role("button", name="Pause").click()           # steer it: paused at its first step
+    wait_until(lambda: rollout(g, "cand-canary")["state"] == "paused")
+    card.locator(".badge", has_text="paused").wait_for()
+    assert card.get_by_role("button", name="Pause").is_disabled()
+    paused_at = rollout(g, "cand-canary")["weight"]
+    page.wait_for_timeout(4000)                                  # longer than hold_s: a paused rollout stays put
+    assert rollout(g, "cand-canary")["state"] == "paused" and rollout(g, "cand-canary")["weight"] == paused_at
+    card.get_by_role("button", name="Resume").click()
+    wait_until(lambda: rollout(g, "cand-canary")["state"] == "running")
+
+    card.locator(".rollout-weight", has_text="25 %").wait_for(timeout=60_000)   # gates held: 5 -> 25
+    shoot(page, "rollout")
+    card.locator(".badge", has_text="promoted").wait_for(timeout=60_000)       # then 25 -> 100
+    r = rollout(g, "cand-canary")
+    steps = [h["weight"] for h in r["history"]]
+    assert [w for i, w in enumerate(steps) if i == 0 or w != steps[i - 1]] == [5, 25, 100], r["history"]
+    assert [h["state"] for h in r["history"]][1:3] == ["paused", "running"] and r["weight"] == 100
+    assert card.locator(".ladder li.done").count() == 2
+    chart = card.locator("svg.chart").first.get_attribute("aria-label")   # the chart's text alternative
+    assert chart.startswith("Candidate weight over time: 5 %") and chart.endswith("now 100 %"), chart
+    assert card.get_by_role("button", name="Abort").is_disabled()               # over: nothing left to steer
+    page.close()
+
+
+def test_console_shows_a_failing_candidate_rolled_back(browser, rollout_gateway):
+    g, cand = rollout_gateway
+    cand.set_default({"status": 500})
+    page = browser.new_page()
+    page.goto(g.url + "/admin/ui")
+    sign_in(page)
+    start_rollout(g, "bad-canary", hold_s=30)
+    card = page.get_by_role("article", name="Rollout bad-canary")
+    card.locator(".badge", has_text="rolled back").wait_for(timeout=60_000)
+    r = rollout(g, "bad-canary")
+    assert "error_rate_max" in r["reason"] and card.locator(".reason").inner_text() == r["reason"]
+    card.locator(".rollout-weight", has_text=f"{r['weight']:g} %").wait_for()
+    assert weights_of(g)["cand"] == r["weight"]           # the route's live weight is the rollout's
+    shoot(page, "rollout-rolled-back")
+    page.close()
