@@ -8,7 +8,7 @@
   const POLL_MS = 2000;
   const TOKEN_KEY = "tandem-admin-token";
   const $ = (id) => document.getElementById(id);
-  const ui = {token: sessionStorage.getItem(TOKEN_KEY), paused: false, timer: null, data: {},
+  const ui = {token: sessionStorage.getItem(TOKEN_KEY), paused: false, timer: null, seq: 0, data: {},
               edits: {}, canary: {}, routeCards: {}, rolloutCards: {}};
 
   class ApiError extends Error {
@@ -68,29 +68,37 @@
     $("main").hidden = true;
     $("signout").hidden = $("pause").hidden = true;
     $("login").hidden = false;
-    $("live").textContent = "signed out";
-    $("live").className = "pill";
+    liveState("signed out", "");
+    $("updated").textContent = "";
     $("login-error").textContent = message || "";
     $("token").value = "";
     $("token").focus();
   }
 
   // ---- polling -------------------------------------------------------------------------------------------
+  // the connection state, announced only when it changes (the time of the last read is not announced)
+  function liveState(text, cls) {
+    if ($("live").textContent !== text) $("live").textContent = text;
+    $("live").className = `pill ${cls}`;
+  }
+
   async function refresh() {
     clearTimeout(ui.timer);
+    const seq = ++ui.seq;
     if (!ui.token) return;
     try {
       const [config, usage, limits, rollouts, parity] = await Promise.all([
         api("GET", "/admin/config"), api("GET", "/admin/usage"), optional(api("GET", "/admin/limits")),
         optional(api("GET", "/admin/rollouts")), optional(api("GET", "/admin/parity"))]);
+      if (seq !== ui.seq || !ui.token) return;     // a newer read (after an action) supersedes this one
       ui.data = {config, usage, limits, rollouts, parity};
       render();
-      $("live").textContent = ui.paused ? "paused" : `live · ${clock(Date.now() / 1000)}`;
-      $("live").className = ui.paused ? "pill paused" : "pill ok";
+      liveState(ui.paused ? "paused" : "live", ui.paused ? "paused" : "ok");
+      $("updated").textContent = `updated ${clock(Date.now() / 1000)}`;
     } catch (e) {
+      if (seq !== ui.seq) return;
       if (e.status === 401) return signOut(`Signed out: ${e.message}.`);
-      $("live").textContent = `unreachable: ${e.message}`;
-      $("live").className = "pill bad";
+      liveState(`unreachable: ${e.message}`, "bad");
     }
     if (!ui.paused) ui.timer = setTimeout(refresh, POLL_MS);
   }
@@ -154,19 +162,19 @@
                            oninput: () => { ui.edits[name] = Number(c.slider.value); showValue(c); }});
     c.out = h("output", {for: `canary-${id}`, class: "slider-value"});
     const weightsOf = () => ui.data.config.routes[name];
-    c.apply = h("button", {type: "button", onclick: async () => {
+    c.apply = h("button", {type: "button", "aria-label": `Apply canary weight to route ${name}`, onclick: async () => {
       const target = c.select.value, value = Number(c.slider.value);
       delete ui.edits[name];
       await act(`Route ${name}: ${target} to ${value} %`, "POST", "/admin/weights",
                 {route: name, weights: canaryWeights(weightsOf(), target, value), base_version: ui.data.config.version});
     }}, "Apply");
-    c.promote = h("button", {type: "button", class: "primary", onclick: async () => {
+    c.promote = h("button", {type: "button", class: "primary", "aria-label": `Promote canary of route ${name}`, onclick: async () => {
       const target = c.select.value;
       delete ui.edits[name];
       await act(`Route ${name}: promote ${target} to 100 %`, "POST", "/admin/weights",
                 {route: name, weights: canaryWeights(weightsOf(), target, 100), base_version: ui.data.config.version});
     }}, "Promote");
-    c.reset = h("button", {type: "button", class: "ghost", onclick: () => { delete ui.edits[name]; syncSlider(name); }},
+    c.reset = h("button", {type: "button", class: "ghost", "aria-label": `Reset canary of route ${name}`, onclick: () => { delete ui.edits[name]; syncSlider(name); }},
       "Reset");
     append(c.controls, [
       h("div", {class: "field"}, h("label", {for: `canary-target-${id}`}, "Canary target"), c.select),
@@ -270,7 +278,8 @@
                body: h("div", {class: "rollout-body"}), buttons: {}};
     const bar = h("div", {class: "buttons"});
     for (const action of ["pause", "resume", "promote", "abort"]) {
-      c.buttons[action] = h("button", {type: "button", class: action === "abort" ? "danger" : action === "promote" ? "primary" : "",
+      c.buttons[action] = h("button", {type: "button", "aria-label": `${action[0].toUpperCase() + action.slice(1)} rollout ${name}`,
+        class: action === "abort" ? "danger" : action === "promote" ? "primary" : "",
         onclick: () => act(`Rollout ${name}: ${action}`, "POST",
                            `/admin/rollouts/${encodeURIComponent(name)}/${action}`)},
         action[0].toUpperCase() + action.slice(1));
