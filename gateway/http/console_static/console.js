@@ -385,7 +385,7 @@
           `${d.prompt_tokens} prompt tokens, tenant ${d.tenant || "anonymous"}, config v${d.config_version}`),
         h("pre", {class: "explanation"}, d.explanation),
         Object.keys(d.breakers).length ? h("p", {class: "small"}, "Breakers: ",
-          Object.entries(d.breakers).map(([t, st]) => [badge(st), ` ${t}  `])) : "",
+          Object.entries(d.breakers).map(([t, st], i) => [i ? " · " : "", `${t} `, badge(st)])) : "",
         Object.entries(d.unavailable).map(([b, why]) => h("p", {class: "small"}, `Unavailable ${b}: ${why}`)));
     } catch (e) {
       // a 401 is the pasted request's own (its client key) unless the admin token itself is now refused

@@ -89,11 +89,16 @@ def sign_in(page, token: str = TOKEN) -> None:
     page.get_by_role("button", name="Sign in").click()
 
 
-def shoot(page, name: str) -> None:
+def shoot(page, name: str, section: str | None = None) -> None:
+    """Save the page (or its section titled ``section``) as ``SHOTS/name.png``, when SHOTS is set."""
     if SHOTS:
         page.evaluate("window.scrollTo(0, 0)")   # the sticky header at the top of the picture
         page.wait_for_timeout(300)                # let the share bars' transition end
-        page.screenshot(path=str(Path(SHOTS) / f"{name}.png"), full_page=True)
+        path = str(Path(SHOTS) / f"{name}.png")
+        if section is None:
+            page.screenshot(path=path, full_page=True)
+        else:
+            page.get_by_role("region", name=section).screenshot(path=path)
 
 
 def weights_of(gateway) -> dict[str, float]:
@@ -166,6 +171,11 @@ def test_explain_shows_the_live_decision_and_the_refusal(page, gateway):
     box.fill('{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}')
     page.get_by_role("button", name="Explain").click()
     page.get_by_role("alert").filter(has_text="Refused (404)").wait_for()
+    if SHOTS:
+        box.fill('{"model": "m1", "messages": [{"role": "user", "content": "Summarise our Q3 numbers"}]}')
+        page.get_by_role("button", name="Explain").click()
+        decision.wait_for()
+        shoot(page, "explain", "Route explain")
 
 
 def test_tenants_spend_budget_and_limits(page, gateway):
@@ -179,7 +189,7 @@ def test_tenants_spend_budget_and_limits(page, gateway):
     wait_until(lambda: row.locator("td").first.inner_text() == "3")
     text = row.inner_text()
     assert "600 rpm" in text and "200,000 tpm" in text and "per key: 120 rpm" in text and "/ day" in text
-    shoot(page, "console")
+    shoot(page, "tenants", "Spend and limits per tenant")
     meter = row.get_by_role("meter")
     assert float(meter.get_attribute("aria-valuenow")) > 0
 
