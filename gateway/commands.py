@@ -1,5 +1,5 @@
 """The gateway's ``tandem`` sub-commands: ``serve``, ``route explain``,
-``ctl`` (reload, rollback, weights, drain, config via the admin API), and
+``ctl`` (reload, rollback, weights, drain, config, rollout via the admin API), and
 ``usage`` / ``cost estimate`` (from ``gateway/billing/commands.py``)."""
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ def register(subparsers) -> None:
     w.add_argument("--base-version", type=int, help="the version the change is built on (409 when it is not the head)")
     w.add_argument("--rebase", action="store_true", help="apply the change on top of the shared head, whatever it is")
     w.set_defaults(func=_ctl, path="/admin/weights")
+    from gateway.rollouts.commands import register as register_rollout   # `tandem ctl rollout ...`
+    register_rollout(sub)
 
     from gateway.billing.commands import register as register_usage   # `tandem usage`, `tandem cost estimate`
     register_usage(subparsers)

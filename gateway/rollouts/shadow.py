@@ -153,6 +153,9 @@ class ShadowRunner:
         try:
             (p, pu), (c, cu) = await asyncio.gather(self._call(snap, req, plan, plan.primary, "primary"),
                                                     self._call(snap, req, plan, plan.candidate, "candidate"))
+            if not (p.ok and c.ok):
+                log.info("shadow %s of %s: primary %s; candidate %s", plan.name, req.request_id,
+                         p.error or "ok", c.error or "ok")
             await self.store.push_record(plan.name, {**compare(p, c), "at": time.time()})
             for side, target, usage in (("primary", plan.primary, pu), ("candidate", plan.candidate, cu)):
                 await self._bill(snap, req, plan, side, target, usage)

@@ -1,0 +1,175 @@
+"""Gated progressive rollouts (issue 31, item 3): a healthy candidate goes 5 -> 25 -> 100 % with two gateway
+replicas sharing one Redis, one of them restarted mid-rollout, each step taken once (one config version per step,
+one history entry); a failing candidate (errors, slow first token, different answers) is rolled back with the gate
+that failed named; operators' actions and their illegal ones. Real parts: gateways in this process on a real Redis,
+fault-injecting upstreams, the admin API over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+
+import httpx
+import pytest
+
+from tests.gateway.fault_upstream import FaultUpstream
+from tests.gateway.rollouts.conftest import ADMIN_TOKEN, gateway, two_upstreams
+
+
+@pytest.fixture(autouse=True)
+def _token(monkeypatch):
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", ADMIN_TOKEN)
+
+
+def config(stable, cand, redis_url: str, hold_s: float, gates: str) -> str:
+    state = (f"state: {{redis_url: '{redis_url}', key_prefix: r{uuid.uuid4().hex[:8]}, sync_interval_s: 0.1}}\n"
+             f"rollouts:\n  r1:\n    route: main\n    candidate: cand\n    steps: [5, 25, 100]\n"
+             f"    hold_s: {hold_s}\n    check_interval_s: 0.05\n    gates: {gates}\n")
+    return two_upstreams(stable, cand, extra=state)
+
+
+@contextlib.asynccontextmanager
+async def load(urls: list[str]):
+    """Chat requests sent one after another, round robin over ``urls`` (each with its own user), until the end of
+    the block; a failed request (the candidate's injected faults) is just counted."""
+    stop = asyncio.Event()
+
+    async def run():
+        async with httpx.AsyncClient(timeout=30) as c:
+            i = 0
+            while not stop.is_set():
+                url = urls[i % len(urls)]
+                try:
+                    await c.post(url + "/v1/chat/completions", json={
+                        "model": "m1", "user": f"u{i}", "messages": [{"role": "user", "content": "hi"}]})
+                except httpx.HTTPError:
+                    pass
+                i += 1
+
+    task = asyncio.create_task(run())
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
+
+
+async def rollout(c) -> dict:
+    return next(r for r in (await c.get("/admin/rollouts")).json()["rollouts"] if r["name"] == "r1")
+
+
+async def until_state(c, pred, timeout=60.0) -> dict:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while loop.time() < end:
+        r = await rollout(c)
+        if pred(r):
+            return r
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"rollout not there: {await rollout(c)}")
+
+
+def cand_weight(gw) -> float:
+    return {t.id: t.weight for t in gw.snapshot.compiled.policy.routes["main"].targets}["cand"]
+
+
+async def test_a_healthy_candidate_is_promoted_by_two_replicas_one_restarted(redis_url):
+    gates = "{parity_min: 0.99, error_rate_max: 0.05, ttft_p95_max_ms: 5000, min_compared: 3}"
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        text = config(stable, cand, redis_url, 1.0, gates)
+        async with gateway(text) as (gw_b, url_b, cb):
+            async with gateway(text) as (gw_a, url_a, ca):
+                async with load([url_a, url_b]):
+                    await until_state(ca, lambda r: r["step_index"] == 1)
+            assert cand_weight(gw_b) in (25.0, 100.0)
+            async with gateway(text) as (gw_a2, url_a2, ca2):         # replica A again, mid-rollout
+                async with load([url_a2, url_b]):
+                    r = await until_state(ca2, lambda r: r["state"] == "promoted")
+                await asyncio.sleep(0.3)                           # B's sync loop reads the last version
+                weights = (cand_weight(gw_a2), cand_weight(gw_b))
+                history = (await ca2.get("/admin/config")).json()["history"]
+    assert [(h["weight"], h["state"]) for h in r["history"]] == [(5, "running"), (25, "running"), (100, "running"),
+                                                                  (100, "promoted")]
+    assert weights == (100.0, 100.0)
+    # one config version per step: the weights changes were made once each, by one replica
+    assert [h["overrides"]["main"]["cand"] for h in reversed(history) if h["source"] == "weights"] == [5, 25, 100]
+    assert r["parity"]["exact_share"] == 1.0 and r["parity"]["candidate"]["error_rate"] == 0
+
+
+@pytest.mark.parametrize("fault,gate", [({"status": 500}, "error_rate_max"), ({"delay": 0.5}, "ttft_p95_max_ms"),
+                                        ({"chunks": 6}, "parity_min")])
+async def test_a_failing_candidate_is_rolled_back_naming_the_gate(redis_url, fault, gate):
+    gates = "{parity_min: 0.99, error_rate_max: 0.2, ttft_p95_max_ms: 200, min_compared: 3}"
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        cand.set_default(fault)
+        async with gateway(config(stable, cand, redis_url, 0.5, gates)) as (gw, url, c):
+            async with load([url]):
+                r = await until_state(c, lambda r: r["state"] != "running")
+            weight = cand_weight(gw)
+    assert r["state"] == "rolled_back" and r["weight"] == 0 and weight == 0
+    assert f"gate {gate}" in r["reason"] and r["history"][-1]["reason"] == r["reason"]
+    assert [h["weight"] for h in r["history"]] == [5, 0]
+
+
+async def test_operators_pause_resume_promote_abort_and_illegal_actions(redis_url):
+    gates = "{error_rate_max: 0.5, min_compared: 1000}"             # never judged: only operators move it
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        async with gateway(config(stable, cand, redis_url, 60, gates)) as (gw, url, c):
+            await until_state(c, lambda r: True)
+            assert (await c.post("/admin/rollouts/r1/pause")).json()["state"] == "paused"
+            assert (await c.post("/admin/rollouts/r1/pause")).status_code == 409
+            assert (await c.post("/admin/rollouts/r1/resume")).json()["state"] == "running"
+            promoted = (await c.post("/admin/rollouts/r1/promote")).json()
+            assert (await c.post("/admin/rollouts/r1/abort")).status_code == 409
+            assert (await c.post("/admin/rollouts/nope/pause")).status_code == 404
+            bad = await c.post("/admin/rollouts", json={"name": "r2", "route": "main", "candidate": "ghost"})
+            taken = await c.post("/admin/rollouts", json={"name": "r1", "route": "main", "candidate": "cand"})
+            r2 = await c.post("/admin/rollouts", json={"name": "r2", "route": "main", "candidate": "stable",
+                                                       "steps": [50], "hold_s": 1})
+            aborted = (await c.post("/admin/rollouts/r2/abort")).json()
+            weights = {t.id: t.weight for t in gw.snapshot.compiled.policy.routes["main"].targets}
+            unauth = await httpx.AsyncClient(base_url=url).get("/admin/rollouts")
+    assert promoted["state"] == "promoted" and promoted["weight"] == 100
+    assert bad.status_code == 400 and "ghost" in bad.json()["error"]["message"]
+    assert taken.status_code == 409
+    assert r2.status_code == 201 and r2.json()["baseline"] == "cand" and r2.json()["weight"] == 50
+    assert aborted["state"] == "aborted" and weights == {"stable": 0.0, "cand": 100.0}
+    assert unauth.status_code == 401
+
+
+async def ctl(url: str, *argv: str) -> tuple[int, str]:
+    """``tandem ctl --url URL argv...`` as a subprocess (asynchronously: the gateway serves in this loop)."""
+    import os
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "ctl", "--url", url, *argv, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, env={**os.environ, "TANDEM_ADMIN_TOKEN": ADMIN_TOKEN})
+    out, _ = await proc.communicate()
+    return proc.returncode, out.decode()
+
+
+async def test_tandem_ctl_rollout_starts_steers_and_reports(redis_url):
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        text = two_upstreams(stable, cand, extra=f"state: {{redis_url: '{redis_url}', key_prefix: "
+                             f"c{uuid.uuid4().hex[:8]}}}\n", route_extra="    shadow: {target: cand}\n")
+        async with gateway(text) as (gw, url, c):
+            started = await ctl(url, "rollout", "start", "r9", "main", "cand", "--steps", "10,100", "--hold-s", "600",
+                                "--gate", "parity_min=0.9", "--gate", "min_compared=2")
+            async with httpx.AsyncClient(timeout=30) as h:
+                for i in range(2):
+                    await h.post(url + "/v1/chat/completions", json={
+                        "model": "m1", "user": f"u{i}", "messages": [{"role": "user", "content": "hi"}]})
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 15
+            while (await c.get("/admin/parity")).json()["reports"]["r9"]["compared"] < 2 and loop.time() < end:
+                await asyncio.sleep(0.05)
+            status = await ctl(url, "rollout", "status")
+            paused = await ctl(url, "rollout", "pause", "r9")
+            again = await ctl(url, "rollout", "pause", "r9")
+    assert started[0] == 0 and "rollout r9: running, route main: cand 10 %" in started[1]
+    assert status[0] == 0 and "gate parity_min: 1 (limit 0.9): holds" in status[1]
+    assert "parity (statistical): 2/2 pairs compared" in status[1] and "shadow shadow/main:" in status[1]
+    assert paused[0] == 0 and "rollout r9: paused" in paused[1]
+    assert again[0] == 1 and "409" in again[1]
