@@ -125,6 +125,8 @@
     renderRoutes(config);
     renderHealth(config);
     renderRollouts(ui.data.rollouts, ui.data.parity);
+    $("start-rollout").hidden = ui.data.rollouts === null;
+    syncRolloutForm(config);
     renderTenants(ui.data.usage, ui.data.limits);
     const req = $("explain-request");
     if (!req.value && config.public_models.length) {
@@ -332,6 +334,34 @@
       h("div", {class: "rollout-head"}, h("h3", {}, n), badge("shadow")), parityTable(p))));
   }
 
+  // The start form's route and candidate choices follow the live config (left alone while being used).
+  function syncRolloutForm(config) {
+    const fill = (sel, values) => {
+      if (document.activeElement === sel) return;
+      const keep = sel.value;
+      if ([...sel.options].map((o) => o.value).join("\n") !== values.join("\n")) {
+        sel.replaceChildren(...values.map((v) => h("option", {value: v}, v)));
+      }
+      if (values.includes(keep)) sel.value = keep;
+    };
+    fill($("ro-route"), Object.keys(config.routes));
+    const route = config.routes[$("ro-route").value];
+    fill($("ro-candidate"), route ? route.targets.map((t) => t.id) : []);
+  }
+
+  async function startRollout(ev) {
+    ev.preventDefault();
+    const num = (id) => ($(id).value === "" ? null : Number($(id).value));
+    const steps = $("ro-steps").value.split(/[,\s]+/).filter(Boolean).map(Number);
+    const gates = {parity_min: num("ro-parity"), error_rate_max: num("ro-errors"), ttft_p95_max_ms: num("ro-ttft"),
+                   min_compared: num("ro-min")};
+    for (const k of Object.keys(gates)) if (gates[k] === null) delete gates[k];
+    const name = $("ro-name").value.trim();
+    const out = await act(`Start rollout ${name}`, "POST", "/admin/rollouts", {
+      name, route: $("ro-route").value, candidate: $("ro-candidate").value, steps, hold_s: num("ro-hold"), gates});
+    if (out) $("start-rollout").open = false;
+  }
+
   // ---- tenants -------------------------------------------------------------------------------------------
   function renderTenants(usage, limits) {
     const lim = (limits && limits.tenants) || {}, budgets = usage.budgets || {};
@@ -409,6 +439,8 @@
     $("rollback").addEventListener("click", () => act("Roll back", "POST", "/admin/rollback",
                                                        {base_version: ui.data.config.version}));
     $("explain-form").addEventListener("submit", explain);
+    $("rollout-form").addEventListener("submit", startRollout);
+    $("ro-route").addEventListener("change", () => syncRolloutForm(ui.data.config));
     if (ui.token) signIn(ui.token); else $("token").focus();
   });
 })();

@@ -259,7 +259,19 @@ def test_console_watches_a_rollout_advance_and_steers_it(browser, rollout_gatewa
     page = browser.new_page()
     page.goto(g.url + "/admin/ui")
     sign_in(page)
-    start_rollout(g, "cand-canary", hold_s=3)
+    page.get_by_text("Start a rollout").click()              # started from the page, as an operator would
+    page.get_by_label("Name", exact=True).fill("cand-canary")
+    page.get_by_label("Route", exact=True).select_option("main")
+    page.get_by_label("Candidate target", exact=True).select_option("cand")
+    page.get_by_label("Hold each step (s)").fill("3")
+    page.get_by_label("Parity at least (0–1)").fill(str(GATES["parity_min"]))
+    page.get_by_label("Error rate at most (0–1)").fill(str(GATES["error_rate_max"]))
+    page.get_by_label("Pairs before judging").fill(str(GATES["min_compared"]))
+    page.get_by_role("button", name="Start rollout").click()
+    page.get_by_role("status").filter(has_text="Start rollout cand-canary: done").wait_for()
+    r = rollout(g, "cand-canary")
+    assert (r["route"], r["candidate"], r["steps"], r["hold_s"]) == ("main", "cand", [5, 25, 100], 3)
+    assert {k: v["limit"] for k, v in r["gates"].items()} == {"parity_min": 0.9, "error_rate_max": 0.2}
     card = page.get_by_role("article", name="Rollout cand-canary")
     card.wait_for()
     card.get_by_role("button", name="Pause").click()           # steer it: paused at its first step
