@@ -154,7 +154,8 @@
   function routeCard(name) {
     const id = name.replace(/[^A-Za-z0-9_-]/g, "_");
     const c = {el: h("article", {class: "route", "aria-labelledby": `route-${id}`}),
-               head: h("h3", {id: `route-${id}`}), bar: h("div"), body: h("tbody"), controls: h("div", {class: "canary"})};
+               head: h("h3", {id: `route-${id}`}), bar: h("div"), body: h("tbody"), note: h("div"),
+               controls: h("div", {class: "canary"})};
     c.select = h("select", {id: `canary-target-${id}`, onchange: () => {
       ui.canary[name] = c.select.value;
       delete ui.edits[name];
@@ -170,14 +171,15 @@
       await act(`Route ${name}: ${target} to ${value} %`, "POST", "/admin/weights",
                 {route: name, weights: canaryWeights(weightsOf(), target, value), base_version: ui.data.config.version});
     }}, "Apply");
-    c.promote = h("button", {type: "button", class: "primary", "aria-label": `Promote canary of route ${name}`, onclick: async () => {
+    c.promote = h("button", {type: "button", class: "primary", "aria-label": `Promote canary of route ${name}`,
+                             onclick: async () => {
       const target = c.select.value;
       delete ui.edits[name];
       await act(`Route ${name}: promote ${target} to 100 %`, "POST", "/admin/weights",
                 {route: name, weights: canaryWeights(weightsOf(), target, 100), base_version: ui.data.config.version});
     }}, "Promote");
-    c.reset = h("button", {type: "button", class: "ghost", "aria-label": `Reset canary of route ${name}`, onclick: () => { delete ui.edits[name]; syncSlider(name); }},
-      "Reset");
+    c.reset = h("button", {type: "button", class: "ghost", "aria-label": `Reset canary of route ${name}`,
+                           onclick: () => { delete ui.edits[name]; syncSlider(name); }}, "Reset");
     append(c.controls, [
       h("div", {class: "field"}, h("label", {for: `canary-target-${id}`}, "Canary target"), c.select),
       h("div", {class: "field grow"}, h("label", {for: `canary-${id}`}, "Canary weight"),
@@ -187,7 +189,7 @@
       h("table", {class: "grid compact", "aria-label": `Targets of route ${name}`},
         h("thead", {}, h("tr", {}, ["Target", "Backend", "Weight", "Share", "Breaker"].map(
           (t, i) => h("th", {scope: "col", class: i > 1 && i < 4 ? "num" : null}, t)))), c.body),
-      c.controls]);
+      c.note, c.controls]);
     return c;
   }
 
@@ -214,6 +216,10 @@
       c.head.replaceChildren(name, " ", h("span", {class: "muted small"}, `select: ${route.select}`),
         route.fallbacks.length ? h("span", {class: "muted small"}, ` · fallbacks: ${route.fallbacks.join(", ")}`) : "");
       c.bar.replaceChildren(shareBar(route.targets));
+      const steering = ((ui.data.rollouts && ui.data.rollouts.rollouts) || []).filter(
+        (r) => r.route === name && (r.state === "running" || r.state === "paused"));
+      c.note.replaceChildren(...steering.map((r) => h("p", {class: "steer"},
+        `Rollout ${r.name} (${r.state}) sets ${r.candidate}'s weight here: pause or abort it before moving the slider.`)));
       c.body.replaceChildren(...route.targets.map((t, i) => {
         const br = config.targets[t.id] || {};
         return h("tr", {}, h("th", {scope: "row"}, h("span", {class: `swatch c${i % 6}`, "aria-hidden": "true"}), t.id),
@@ -235,7 +241,8 @@
       if (!(name in config.routes)) { ui.routeCards[name].el.remove(); delete ui.routeCards[name]; }
     }
     $("history").replaceChildren(...[...config.history].reverse().map((v) => h("tr", {},
-      h("td", {class: "num"}, v.version), h("td", {}, v.source), h("td", {}, new Date(v.created * 1000).toLocaleString("en-GB")),
+      h("td", {class: "num"}, v.version), h("td", {}, v.source),
+      h("td", {}, new Date(v.created * 1000).toLocaleString("en-GB")),
       h("td", {}, Object.entries(v.overrides || {}).map(([r, w]) =>
         `${r}: ${Object.entries(w).map(([t, x]) => `${t}=${fmt(x)}`).join(", ")}`).join("; ") || "–"))));
     $("rollback").disabled = config.history.length < 2;
@@ -272,19 +279,22 @@
           h("th", {scope: "col", class: "num"}, "TPOT p50"))),
         h("tbody", {}, ["primary", "candidate"].map((k) => h("tr", {}, h("th", {scope: "row"}, k),
           h("td", {class: "num"}, pct(side(k).error_rate)), h("td", {class: "num"}, `${fmt(side(k).ttft_p50_ms)} ms`),
-          h("td", {class: "num"}, `${fmt(side(k).ttft_p95_ms)} ms`), h("td", {class: "num"}, `${fmt(side(k).tpot_p50_ms)} ms`))))));
+          h("td", {class: "num"}, `${fmt(side(k).ttft_p95_ms)} ms`),
+          h("td", {class: "num"}, `${fmt(side(k).tpot_p50_ms)} ms`))))));
   }
 
   function rolloutCard(name) {
-    const c = {el: h("article", {class: "rollout", "aria-label": `Rollout ${name}`}), head: h("div", {class: "rollout-head"}),
+    const c = {el: h("article", {class: "rollout", "aria-label": `Rollout ${name}`}),
+               head: h("div", {class: "rollout-head"}),
                body: h("div", {class: "rollout-body"}), buttons: {}};
     const bar = h("div", {class: "buttons"});
     for (const action of ["pause", "resume", "promote", "abort"]) {
-      c.buttons[action] = h("button", {type: "button", "aria-label": `${action[0].toUpperCase() + action.slice(1)} rollout ${name}`,
+      const label = action[0].toUpperCase() + action.slice(1);
+      c.buttons[action] = h("button", {type: "button", "aria-label": `${label} rollout ${name}`,
         class: action === "abort" ? "danger" : action === "promote" ? "primary" : "",
         onclick: () => act(`Rollout ${name}: ${action}`, "POST",
                            `/admin/rollouts/${encodeURIComponent(name)}/${action}`)},
-        action[0].toUpperCase() + action.slice(1));
+        label);
       bar.appendChild(c.buttons[action]);
     }
     c.el.append(c.head, c.body, bar);
@@ -366,7 +376,8 @@
   function renderTenants(usage, limits) {
     const lim = (limits && limits.tenants) || {}, budgets = usage.budgets || {};
     const names = [...new Set([...Object.keys(usage.tenants), ...Object.keys(budgets), ...Object.keys(lim)])].sort();
-    $("usage-span").textContent = usage.since === usage.until ? `today (${usage.until}, UTC)` : `${usage.since} – ${usage.until}`;
+    $("usage-span").textContent = usage.since === usage.until ? `today (${usage.until}, UTC)`
+      : `${usage.since} – ${usage.until}`;
     const per = (l) => [l.rpm ? `${fmt(l.rpm)} rpm` : "", l.tpm ? `${fmt(l.tpm)} tpm` : ""].filter(Boolean).join(" · ");
     $("tenants").replaceChildren(...names.map((t) => {
       const u = usage.tenants[t] || {}, b = budgets[t], l = lim[t];

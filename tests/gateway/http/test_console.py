@@ -283,6 +283,7 @@ def test_console_watches_a_rollout_advance_and_steers_it(browser, rollout_gatewa
     assert rollout(g, "cand-canary")["state"] == "paused" and rollout(g, "cand-canary")["weight"] == paused_at
     card.get_by_role("button", name="Resume").click()
     wait_until(lambda: rollout(g, "cand-canary")["state"] == "running")
+    page.get_by_text("Rollout cand-canary (running) sets cand's weight here").wait_for()   # on the route's card
 
     card.locator(".rollout-weight", has_text="25 %").wait_for(timeout=60_000)   # gates held: 5 -> 25
     shoot(page, "rollout")
