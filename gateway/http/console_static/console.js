@@ -320,9 +320,11 @@
     for (const r of list) {
       let c = ui.rolloutCards[r.name];
       if (!c) { c = ui.rolloutCards[r.name] = rolloutCard(r.name); box.appendChild(c.el); }
+      // the step the candidate is at (none after a rollback below the first step)
+      const at = r.steps[r.step_index] === r.weight ? r.step_index : -1;
       const ladder = h("ol", {class: "ladder", "aria-label": "Steps"}, r.steps.map((w, i) => h("li", {
-        class: i < r.step_index ? "done" : i === r.step_index ? "current" : "",
-        "aria-current": i === r.step_index ? "step" : null}, `${fmt(w)} %`)));
+        class: i < r.step_index && r.steps[i] <= r.weight ? "done" : i === at ? "current" : "",
+        "aria-current": i === at ? "step" : null}, `${fmt(w)} %`)));
       const held = r.state === "running" ? ` · held ${fmt(Math.max(0, now - r.step_since), 2)} s of ${fmt(r.hold_s)} s` : "";
       c.head.replaceChildren(h("h3", {}, r.name), badge(r.state),
         h("span", {class: "muted"}, `route ${r.route}: ${r.baseline} → ${r.candidate} at `,

@@ -312,5 +312,6 @@ def test_console_shows_a_failing_candidate_rolled_back(browser, rollout_gateway)
     assert "error_rate_max" in r["reason"] and card.locator(".reason").inner_text() == r["reason"]
     card.locator(".rollout-weight", has_text=f"{r['weight']:g} %").wait_for()
     assert weights_of(g)["cand"] == r["weight"]           # the route's live weight is the rollout's
+    assert card.locator(".ladder li.current").count() == (r["weight"] in r["steps"])
     shoot(page, "rollout-rolled-back")
     page.close()
