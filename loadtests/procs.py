@@ -38,6 +38,16 @@ def post_json(url: str, body: dict | None = None, headers: dict | None = None, t
     import json
     req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
                                  headers={"content-type": "application/json", **(headers or {})})
+    return _json_call(req, timeout)
+
+
+def get_json(url: str, headers: dict | None = None, timeout: float = 10.0) -> tuple[int, dict]:
+    """GET ``url``; returns (status, decoded JSON body or {})."""
+    return _json_call(urllib.request.Request(url, headers=headers or {}), timeout)
+
+
+def _json_call(req, timeout: float) -> tuple[int, dict]:
+    import json
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310
             data = r.read()

@@ -401,6 +401,9 @@ class GatesConfig(_Strict):
     parity_min: float | None = Field(None, ge=0, le=1)    # exact share (local pairs) or token agreement, at least
     error_rate_max: float | None = Field(None, ge=0, le=1)   # the candidate's error rate, at most
     ttft_p95_max_ms: float | None = Field(None, gt=0)     # the candidate's TTFT p95, milliseconds, at most
+    # the candidate's TTFT p95 over the primary's, measured on the same pairs at the same time, at most (robust to
+    # the machine's load, unlike an absolute limit)
+    ttft_p95_ratio_max: float | None = Field(None, gt=0)
     tpot_p50_max_ms: float | None = Field(None, gt=0)     # the candidate's TPOT p50, milliseconds, at most
     min_compared: int = Field(5, ge=1)                    # pairs needed at a step before the gates judge it
 

@@ -19,7 +19,8 @@ def register(ctl_sub) -> None:
     s.add_argument("--steps", default="5,25,100", help="candidate percentages, in order")
     s.add_argument("--hold-s", type=float, default=300.0, help="seconds every gate must hold at a step")
     s.add_argument("--gate", action="append", default=[], metavar="NAME=VALUE",
-                   help="parity_min, error_rate_max, ttft_p95_max_ms, tpot_p50_max_ms, min_compared (repeat)")
+                   help="parity_min, error_rate_max, ttft_p95_max_ms, ttft_p95_ratio_max, tpot_p50_max_ms, "
+                        "min_compared (repeat)")
     s.add_argument("--sample-percent", type=float, default=100.0, help="share of the route's requests compared")
     s.set_defaults(func=_start)
     st = sub.add_parser("status", help="rollouts with their gates and parity (and every shadow's parity)")

@@ -12,10 +12,12 @@ def judge(gates: GatesConfig, p: dict) -> dict[str, dict]:
     """``{gate: {"limit", "value", "ok"}}`` for every set gate of ``gates`` on report ``p``."""
     enough_pairs = p["compared"] >= gates.min_compared
     enough_calls = p["requests"] >= gates.min_compared
-    cand = p["candidate"]
+    cand, prim = p["candidate"], p["primary"]
+    ratio = cand["ttft_p95_ms"] / prim["ttft_p95_ms"] if cand["ttft_p95_ms"] and prim["ttft_p95_ms"] else None
     rows = [("parity_min", gates.parity_min, parity_value(p), enough_pairs, lambda v, lim: v >= lim),
             ("error_rate_max", gates.error_rate_max, cand["error_rate"], enough_calls, lambda v, lim: v <= lim),
             ("ttft_p95_max_ms", gates.ttft_p95_max_ms, cand["ttft_p95_ms"], enough_calls, lambda v, lim: v <= lim),
+            ("ttft_p95_ratio_max", gates.ttft_p95_ratio_max, ratio, enough_calls, lambda v, lim: v <= lim),
             ("tpot_p50_max_ms", gates.tpot_p50_max_ms, cand["tpot_p50_ms"], enough_calls, lambda v, lim: v <= lim)]
     out = {}
     for name, limit, value, enough, holds in rows:

@@ -5,9 +5,11 @@ A side (``Side``) is one streamed chat answer with logprobs: its generated token
 returned them, ``return_token_ids``; else the logprob entries' token strings), each token's logprob and top
 logprobs, and its timing. ``compare`` pairs the primary's side with the candidate's:
 
-- exact (both sides gave token ids: Tandem engines, local or ``tandem engine serve``): bitwise identical or not,
-  the first divergent position (None when identical; the shorter length when one is a prefix of the other), and
-  the absolute logprob delta of the two tokens chosen there;
+- exact (both sides gave token ids: Tandem engines, local or ``tandem engine serve``, which are reproducible):
+  bitwise identical or not, in token ids and in the logprobs of the chosen tokens (a candidate in another dtype
+  often picks the same greedy tokens with other logprobs: that is a difference), the first divergent position
+  (None when identical; the shorter length when one is a prefix of the other), and the absolute logprob delta of
+  the two tokens chosen there;
 - statistical (otherwise): token agreement (positions where both chose the same token, over the longer length),
   the first divergence, the mean KL(primary || candidate) over the positions up to and including the first
   divergence (where both saw the same context), each position's distributions being the two top-k sets restricted
@@ -68,8 +70,14 @@ def compare(primary: Side, candidate: Side) -> dict:
     if not (primary.ok and candidate.ok):
         return rec
     a, b = primary.tokens, candidate.tokens
-    div = first_divergence(a, b)
-    rec["kind"] = "exact" if primary.ids and candidate.ids else "statistical"
+    exact = primary.ids and candidate.ids
+    div = tok_div = first_divergence(a, b)
+    if exact and len(primary.logprobs) == len(a) and len(candidate.logprobs) == len(b):
+        # bitwise: the chosen tokens' logprobs too, before the tokens diverge
+        lp_div = first_divergence(primary.logprobs[:tok_div], candidate.logprobs[:tok_div])
+        if lp_div is not None and (tok_div is None or lp_div < tok_div):
+            div = lp_div
+    rec["kind"] = "exact" if exact else "statistical"
     rec["identical"] = div is None
     rec["first_div"] = div
     rec["lp_delta"] = None
@@ -77,7 +85,7 @@ def compare(primary: Side, candidate: Side) -> dict:
         rec["lp_delta"] = abs(primary.logprobs[div] - candidate.logprobs[div])
     longest = max(len(a), len(b))
     rec["agree"] = sum(x == y for x, y in zip(a, b)) / longest if longest else 1.0
-    upto = len(a) if div is None else div + 1
+    upto = len(a) if tok_div is None else tok_div + 1
     kls = [k for p, q in zip(primary.top[:upto], candidate.top[:upto]) if p and q and (k := _kl(p, q)) is not None]
     rec["kl"] = sum(kls) / len(kls) if kls else None
     rec["len_ratio"] = len(b) / len(a) if a else None

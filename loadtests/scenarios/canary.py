@@ -18,6 +18,8 @@ Each user is hashed once, so the observed share carries binomial sampling
 noise (sd = sqrt(p (1 - p) / n), shown per phase): at 25 % the default 10 s
 phases need about 2,000 requests per phase for a +-1.5 pp check that
 rarely fails by chance.
+
+With ``--gated`` the gateway's rollout controller moves the weights itself (``loadtests/scenarios/canary_gated.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import yaml
 from loadtests.procs import post_json
 from loadtests.report import write_report
 from loadtests.runner import LoadConfig, run_async, run_load
+from loadtests.scenarios.canary_gated import add_arguments as add_gated_arguments
+from loadtests.scenarios.canary_gated import run_gated
 from loadtests.scenarios.common import (gateway_config, md_table, small_workload, start_gateway, start_upstream,
                                         summary, upstream_backend)
 
@@ -56,6 +60,7 @@ def register(sub) -> None:
     p.add_argument("--out", default="loadtest-results/canary",
                    help="output directory (results.json, summary.md, plots)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_gated_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -135,6 +140,8 @@ async def _load_with_phases(cfg: LoadConfig, workload, gw_url: str, token: str, 
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.gated:
+        return run_gated(args)
     pcts = [float(x) for x in args.phases.split(",")]
     logs = Path(tempfile.mkdtemp(prefix="lt-canary-"))
     stable = start_upstream("stable", logs)

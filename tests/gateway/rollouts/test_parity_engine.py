@@ -21,12 +21,12 @@ def replicas(tmp_path_factory):
     yield from engine_replicas(tmp_path_factory, ["e1", "e2"])
 
 
-def config(replicas) -> str:
+def config(replicas, local_dtype: str = "float32") -> str:
     cmd = replicas["e1"].cmd
     model = cmd[cmd.index("--model") + 1]      # the same model, in the gateway's own engine
     backends = "".join(f"  {n}:\n    type: openai\n    base_url: {s.base_url}/v1\n    models: {{tiny: bench}}\n"
                        for n, s in replicas.items())
-    local = (f"  local:\n    type: local\n    engine: {{model: '{model}', served_model_name: bench, dtype: float32, "
+    local = (f"  local:\n    type: local\n    engine: {{model: '{model}', served_model_name: bench, dtype: {local_dtype}, "
              "kv_cache_memory: 32MiB, max_model_len: 4096, num_threads: 1}\n")
     return ("reload: {watch: false}\nobservability:\n  logs: {requests: false}\nresilience:\n  health: {interval_s: 0}\n"
             f"models:\n  - name: tiny\n  - name: tiny-local\nbackends:\n{backends}{local}"
@@ -36,10 +36,8 @@ def config(replicas) -> str:
             "    - {name: local, match: {model: tiny-local}, route: inproc}\n")
 
 
-async def test_identical_engines_are_100_percent_exact(replicas, monkeypatch):
-    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", ADMIN_TOKEN)
-    text = config(replicas)
-    routes = ["shadow/served", "shadow/inproc"]
+async def reports_of(text: str, routes: list[str]) -> dict:
+    """The parity reports of ``routes`` after each model got ``PROMPTS`` (greedy, 12 tokens) on a gateway."""
     async with gateway(text, start_engine=True) as (gw, url, c):
         while gw.snapshot.local is not None and gw.snapshot.local.loading:
             await asyncio.sleep(0.1)
@@ -55,8 +53,22 @@ async def test_identical_engines_are_100_percent_exact(replicas, monkeypatch):
             if all(reports.get(r, {}).get("requests", 0) >= len(PROMPTS) for r in routes):
                 break
             await asyncio.sleep(0.1)
+    return reports
+
+
+async def test_identical_engines_are_100_percent_exact(replicas, monkeypatch):
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", ADMIN_TOKEN)
+    routes = ["shadow/served", "shadow/inproc"]
+    reports = await reports_of(config(replicas), routes)
     for r in routes:
         p = reports[r]
         assert p["kind"] == "exact" and p["compared"] == len(PROMPTS), (r, p)
         assert p["exact_share"] == 1.0 and p["first_divergence"]["p50"] is None and p["mean_kl"] == 0
         assert p["primary"]["error_rate"] == 0 and p["candidate"]["ttft_p50_ms"] is not None
+
+
+async def test_an_engine_in_another_dtype_is_detected(replicas, monkeypatch):
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", ADMIN_TOKEN)
+    p = (await reports_of(config(replicas, "bfloat16"), ["shadow/served", "shadow/inproc"]))["shadow/inproc"]
+    assert p["kind"] == "exact" and p["compared"] == len(PROMPTS)
+    assert p["exact_share"] < 1.0 and p["logprob_delta_p50"] > 0 and p["mean_kl"] > 0

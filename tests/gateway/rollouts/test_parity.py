@@ -1,0 +1,61 @@
+"""The parity arithmetic (``gateway/rollouts/parity.py``) and the gates on it (``gateway/rollouts/gates.py``):
+exact comparisons see a logprob change as a divergence, statistical ones measure agreement, KL and length; a
+report aggregates both sides' errors and timings; gates judge only with enough pairs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gateway.config.schema import GatesConfig
+from gateway.rollouts.gates import all_hold, failing, judge
+from gateway.rollouts.parity import Side, compare, first_divergence, report
+
+
+def side(tokens, lps=None, ids=True, top=None, ttft=0.01, tpot=0.002):
+    return Side(True, list(tokens), ids, list(lps if lps is not None else [-0.5] * len(tokens)), top or [],
+                ttft, tpot)
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_exact_pairs_compare_token_ids_and_their_logprobs_bitwise():
+    a = side([5, 6, 7], [-0.1, -0.2, -0.3])
+    assert compare(a, side([5, 6, 7], [-0.1, -0.2, -0.3]))["identical"] is True
+    r = compare(a, side([5, 6, 7], [-0.1, -0.2000001, -0.3]))        # same tokens, other numerics
+    assert (r["kind"], r["identical"], r["first_div"]) == ("exact", False, 1)
+    assert r["lp_delta"] == pytest.approx(1e-7)
+    r = compare(a, side([5, 8, 7], [-0.1, -0.9, -0.3]))
+    assert (r["first_div"], r["lp_delta"], r["agree"]) == (1, pytest.approx(0.7), pytest.approx(2 / 3))
+
+
+def test_statistical_pairs_measure_agreement_kl_and_length():
+    top_a = [{"x": math.log(0.5), "y": math.log(0.5)}] * 2
+    top_b = [{"x": math.log(0.9), "y": math.log(0.1)}] * 2
+    r = compare(side(["x", "x"], ids=False, top=top_a), side(["x", "x", "z"], ids=False, top=top_b))
+    assert r["kind"] == "statistical" and r["first_div"] == 2 and r["len_ratio"] == 1.5
+    assert r["agree"] == pytest.approx(2 / 3)
+    kl = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    assert r["kl"] == pytest.approx(kl)
+
+
+def test_report_and_gates():
+    good = compare(side([1, 2]), side([1, 2], ttft=0.3))
+    bad = compare(side([1, 2]), Side(False, error="HTTP 500"))
+    p = report([good, good, bad], dropped=4)
+    assert (p["kind"], p["requests"], p["compared"], p["exact_share"], p["shadow_dropped"]) == ("exact", 3, 2, 1.0, 4)
+    assert p["candidate"]["error_rate"] == pytest.approx(1 / 3) and p["primary"]["error_rate"] == 0
+    assert p["candidate"]["ttft_p95_ms"] == pytest.approx(300) and p["primary"]["tpot_p50_ms"] == pytest.approx(2)
+    g = judge(GatesConfig(parity_min=0.99, error_rate_max=0.5, ttft_p95_max_ms=100, min_compared=2), p)
+    assert g["parity_min"]["ok"] and g["error_rate_max"]["ok"] and g["ttft_p95_max_ms"]["ok"] is False
+    assert "gate ttft_p95_max_ms: 300 against limit 100" in failing(g) and not all_hold(g)
+    ratio = judge(GatesConfig(ttft_p95_ratio_max=20, min_compared=2), p)["ttft_p95_ratio_max"]
+    assert ratio["value"] == pytest.approx(30) and ratio["ok"] is False          # 300 ms against 10 ms
+    early = judge(GatesConfig(parity_min=0.99, min_compared=3), p)      # 2 pairs: not judged yet
+    assert early["parity_min"]["ok"] is None and not failing(early) and not all_hold(early)
+    assert report([])["exact_share"] is None
