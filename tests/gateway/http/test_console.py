@@ -212,7 +212,7 @@ routes:
 policy:
   default_route: main
 """
-GATES = {"parity_min": 0.9, "error_rate_max": 0.2, "min_compared": 2}
+GATES = {"parity_min": 0.9, "error_rate_max": 0.2, "ttft_p95_ratio_max": 50, "min_compared": 2}
 
 
 @pytest.fixture
@@ -266,12 +266,13 @@ def test_console_watches_a_rollout_advance_and_steers_it(browser, rollout_gatewa
     page.get_by_label("Hold each step (s)").fill("3")
     page.get_by_label("Parity at least (0–1)").fill(str(GATES["parity_min"]))
     page.get_by_label("Error rate at most (0–1)").fill(str(GATES["error_rate_max"]))
+    page.get_by_label("TTFT p95 at most (× primary's)").fill(str(GATES["ttft_p95_ratio_max"]))
     page.get_by_label("Pairs before judging").fill(str(GATES["min_compared"]))
     page.get_by_role("button", name="Start rollout").click()
     page.get_by_role("status").filter(has_text="Start rollout cand-canary: done").wait_for()
     r = rollout(g, "cand-canary")
     assert (r["route"], r["candidate"], r["steps"], r["hold_s"]) == ("main", "cand", [5, 25, 100], 3)
-    assert {k: v["limit"] for k, v in r["gates"].items()} == {"parity_min": 0.9, "error_rate_max": 0.2}
+    assert {k: v["limit"] for k, v in r["gates"].items()} == {k: v for k, v in GATES.items() if k != "min_compared"}
     card = page.get_by_role("article", name="Rollout cand-canary")
     card.wait_for()
     card.get_by_role("button", name="Pause").click()           # steer it: paused at its first step
