@@ -9,8 +9,9 @@ reports the same one. Two replicas never fight over a step:
 - every change of a rollout is a compare-and-set on its revision: a change built on a stale read is refused
   (``Conflict``: the operator's API answers 409, the controller re-reads next tick);
 - the weights move through ``Gateway.set_weights`` (rebased on the shared head): the same replicated, versioned
-  config change as ``tandem ctl weights``; each tick the lease holder re-applies the weight of a running or
-  paused rollout when the live config differs (a change lost to a crash between the two writes is redone).
+  config change as ``tandem ctl weights``; each tick the lease holder re-applies the weight of a running
+  rollout when the live config differs (a change lost to a crash between the two writes is redone; an operator
+  who wants to set weights by hand pauses the rollout first).
 
 Judging (each ``check_interval_s``, lease holder only): the gates (``gateway/rollouts/gates.py``) on the parity
 report of the pairs compared since the step began. A failing gate: the weight goes back to the last good step
@@ -30,7 +31,7 @@ from gateway.config.schema import RolloutConfig
 from gateway.config.versions import VersionConflict
 from gateway.rollouts.gates import all_hold, failing, judge
 from gateway.rollouts.parity import report
-from gateway.rollouts.spec import baseline_of
+from gateway.rollouts.spec import baseline_of, rollout_problems
 from gateway.rollouts.store import Conflict, RolloutStore
 
 log = logging.getLogger("tandem.rollouts")
@@ -40,7 +41,7 @@ ACTIONS = {"pause": (("running",), "paused"),
            "resume": (("paused", "rolled_back"), "running"),
            "promote": (("running", "paused", "rolled_back"), "promoted"),
            "abort": (("running", "paused", "rolled_back"), "aborted")}
-LIVE = ("running", "paused")       # states whose weight the controller keeps applied
+LIVE = ("running", "paused")       # states whose pairs are compared (a running one's weight is kept applied)
 
 
 class IllegalAction(Exception):
@@ -78,6 +79,11 @@ class RolloutController:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
+        """Stop the loop and hand the lease back (another replica takes over at its next tick)."""
+        try:
+            await self.store.release(self.holder)
+        except Exception:  # noqa: BLE001 -- Redis down: the lease expires by itself
+            pass
         if self._task is not None:
             self._task.cancel()
             try:
@@ -119,15 +125,18 @@ class RolloutController:
             if r is None:
                 continue
             if lead and r["state"] in LIVE:
-                r = await self._judge(r, now)
+                try:
+                    r = await self._judge(r, now)
+                except Conflict:              # an operator changed it meanwhile: judged again next tick
+                    continue
             if r["state"] in LIVE:
                 active.setdefault(r["route"], []).append(r)
         self.active = active
 
     async def _judge(self, r: dict, now: float) -> dict:
-        await self._apply_weight(r)
-        if r["state"] != "running":
+        if r["state"] != "running":      # paused: the operator has the weights (resume sets the step's again)
             return r
+        await self._apply_weight(r)
         spec = RolloutConfig(**r["spec"])
         gates = judge(spec.gates, await self.step_report(r))
         why = failing(gates)
@@ -144,10 +153,18 @@ class RolloutController:
                                           f"gates held {r['hold_s']:g} s at {r['weight']:g} %")
         return r
 
+    def _note(self, r: dict) -> None:
+        """Update ``active`` with ``r`` at once (other replicas see it at their next tick)."""
+        active = {route: [x for x in rs if x["name"] != r["name"]] for route, rs in self.active.items()}
+        if r["state"] in LIVE:
+            active.setdefault(r["route"], []).append(r)
+        self.active = active
+
     async def _transition(self, r: dict, now: float, state: str, index: int, weight: float, reason: str) -> dict:
         """Compare-and-set the rollout to its new state, then move the weight. Raises Conflict."""
         new = _moved(r, now, state, index, weight, reason)
         await self.store.save(r["name"], new, r["rev"])
+        self._note(new)
         log.info("rollout %s: %s (%s)", r["name"], state, reason)
         await self._apply_weight(new, force=True)
         return new
@@ -200,14 +217,13 @@ class RolloutController:
         Raises:
             ValueError: its references are wrong (``gateway.rollouts.spec.rollout_problems``).
             Conflict: a rollout of that name exists."""
-        from gateway.rollouts.spec import rollout_problems
-
         routes = self.gw.snapshot.compiled.policy.routes
         problems = rollout_problems("rollout", spec, routes)
         if problems:
             raise ValueError("; ".join(f"{p}: {m}" for p, m in problems))
         r = new_rollout(name, spec, baseline_of(spec, routes[spec.route]), time.time() if now is None else now)
         await self.store.save(name, r, 0)
+        self._note(r)
         log.info("rollout %s started: %s %s -> %s", name, spec.route, spec.candidate, spec.steps)
         await self._apply_weight(r, force=True)
         return await self.view(r)

@@ -48,6 +48,12 @@ end
 return 0
 """
 
+# KEYS: lease. ARGV: holder. Deletes the lease when the caller holds it.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 # KEYS: list, names set. ARGV: record json, max, ttl, name.
 _PUSH = """
 redis.call('SADD', KEYS[2], ARGV[4])
@@ -111,6 +117,10 @@ class RolloutStore:
         """True when ``holder`` holds (took or renewed) the controller lease for ``ttl_s`` more seconds."""
         return bool(int(await self.state.run("rollout_lease", _LEASE, [self._k("rollout-lease")],
                                              [holder, int(ttl_s * 1000)], lambda: 1)))
+
+    async def release(self, holder: str) -> None:
+        """Give the controller lease back if ``holder`` holds it."""
+        await self.state.run("rollout_release", _RELEASE, [self._k("rollout-lease")], [holder], lambda: 0)
 
     async def push_record(self, name: str, record: dict) -> None:
         """Add one comparison record to ``name``'s report."""

@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hold-s", type=float, default=4.0, help="--gated: seconds every gate must hold at a step")
     p.add_argument("--duration", type=float, default=30.0, help="--gated: seconds of load")
     p.add_argument("--poll-s", type=float, default=0.25, help="--gated: seconds between reads of the rollout")
-    p.add_argument("--slow-ttft", type=float, default=0.3, help="--gated, slow candidate: its TTFT, seconds")
+    p.add_argument("--slow-ttft", type=float, default=0.6, help="--gated, slow candidate: its TTFT, seconds")
     p.add_argument("--sample-percent", type=float, default=25.0,
                    help="--gated: percent of requests compared on both sides")
 
@@ -55,8 +55,8 @@ def _config(path: Path, ports: dict, steps: list[float], args) -> Path:
     cfg["rollouts"] = {NAME: {"route": ROUTE, "candidate": "canary", "steps": steps, "hold_s": args.hold_s,
                               "sample_percent": args.sample_percent, "max_concurrency": 8,
                               "check_interval_s": 0.25,
-                              "gates": {"parity_min": 0.95, "error_rate_max": 0.02, "ttft_p95_ratio_max": 2.0,
-                                        "min_compared": 20}}}
+                              "gates": {"parity_min": 0.95, "error_rate_max": 0.02, "ttft_p95_ratio_max": 3.0,
+                                        "min_compared": 50}}}
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
@@ -70,7 +70,7 @@ async def _load_and_watch(cfg: LoadConfig, gw_url: str, token: str, poll_s: floa
         _, body = await asyncio.to_thread(get_json, f"{gw_url}/admin/rollouts", auth)
         r = next((x for x in (body or {}).get("rollouts", []) if x["name"] == NAME), None)
         if r is not None:
-            timeline.append((time.perf_counter() - t0, r["weight"], r["state"]))
+            timeline.append((time.perf_counter() - t0, r["weight"], r["state"], r["gates"]))
         await asyncio.sleep(poll_s)
     run = await load
     _, rollouts = await asyncio.to_thread(get_json, f"{gw_url}/admin/rollouts", auth)
@@ -96,10 +96,10 @@ def plot_timeline(timeline, share, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.step([t for t, _, _ in timeline], [w for _, w, _ in timeline], where="post", label="candidate weight (set)")
+    ax.step([t for t, *_ in timeline], [w for _, w, *_ in timeline], where="post", label="candidate weight (set)")
     ax.plot([t for t, _, _ in share], [s for _, s, _ in share], "o", ms=3, alpha=0.7,
             label="answers served by the canary (per second)")
-    for (t, w, st), prev in zip(timeline[1:], timeline):
+    for (t, w, st, _), prev in zip(timeline[1:], timeline):
         if st != prev[2] or w != prev[1]:
             ax.annotate(st, (t, w), fontsize=7, textcoords="offset points", xytext=(3, 4))
     ax.set_xlabel("time since the load began (s)")
@@ -134,7 +134,7 @@ def run_gated(args: argparse.Namespace) -> int:
     out = Path(args.out)
     files = write_report(out, f"Scenario 3, gated: a {args.candidate} candidate", [run_],
                          {"rollout": rollout, "parity": reports, "timeline": timeline, "observed_share": share},
-                         _markdown(args, rollout, reports, run_))
+                         _markdown(args, rollout, timeline, run_))
     plot_timeline(timeline, share, out / "weight_timeline.png")
     want = "promoted" if args.candidate == "healthy" else "rolled_back"
     passed = rollout["state"] == want
@@ -144,18 +144,27 @@ def run_gated(args: argparse.Namespace) -> int:
     return 0 if passed else 1
 
 
-def _markdown(args, r: dict, reports: dict, run_) -> str:
+def last_gates(timeline) -> list[tuple[float, str, dict]]:
+    """(weight, state, gates) as last read before each change of weight or state: what each step was judged on."""
+    out = []
+    for (_, w, st, g), nxt in zip(timeline, [*timeline[1:], None]):
+        if nxt is None or (nxt[1], nxt[2]) != (w, st):
+            out.append((w, st, g))
+    return out
+
+
+def _markdown(args, r: dict, timeline, run_) -> str:
     from gateway.rollouts.commands import format_parity
 
     s = summary(run_)
     hist = md_table(["t (s from start)", "weight %", "state", "reason"],
                     [[f"{h['at'] - r['history'][0]['at']:.1f}", f"{h['weight']:g}", h["state"], h["reason"]]
                      for h in r["history"]])
-    gates = md_table(["gate", "limit", "value at the end", "holds"],
-                     [[n, g["limit"], "-" if g["value"] is None else f"{g['value']:.4g}", g["ok"]]
-                      for n, g in r["gates"].items()])
+    gates = md_table(["step weight %", "state", "gate", "limit", "value", "holds"],
+                     [[f"{w:g}", st, n, g["limit"], "-" if g["value"] is None else f"{g['value']:.4g}", g["ok"]]
+                      for w, st, gs in last_gates(timeline) for n, g in gs.items()])
     return (f"Candidate: {args.candidate}; steps {r['steps']}, hold {r['hold_s']:g} s; {s['num_requests']} "
             f"requests, {s['num_errors']} errors, concurrency {args.concurrency}.\n\n"
             f"Final state: **{r['state']}** at {r['weight']:g} %.\n\n## History\n\n{hist}\n\n"
-            f"## Gates (the current step's window)\n\n{gates}\n\n## Parity (whole rollout)\n\n```\n"
+            f"## Gates as last read at each step (its window of pairs)\n\n{gates}\n\n## Parity (whole rollout)\n\n```\n"
             f"{format_parity(r['parity'])}\n```\n\n![weight timeline](weight_timeline.png)\n")

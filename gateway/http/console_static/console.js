@@ -218,8 +218,9 @@
       c.bar.replaceChildren(shareBar(route.targets));
       const steering = ((ui.data.rollouts && ui.data.rollouts.rollouts) || []).filter(
         (r) => r.route === name && (r.state === "running" || r.state === "paused"));
-      c.note.replaceChildren(...steering.map((r) => h("p", {class: "steer"},
-        `Rollout ${r.name} (${r.state}) sets ${r.candidate}'s weight here: pause or abort it before moving the slider.`)));
+      c.note.replaceChildren(...steering.map((r) => h("p", {class: "steer"}, r.state === "running"
+        ? `Rollout ${r.name} (running) sets ${r.candidate}'s weight here: pause it before moving the slider.`
+        : `Rollout ${r.name} is paused: the weights are yours until it resumes (then its step's weight again).`)));
       c.body.replaceChildren(...route.targets.map((t, i) => {
         const br = config.targets[t.id] || {};
         return h("tr", {}, h("th", {scope: "row"}, h("span", {class: `swatch c${i % 6}`, "aria-hidden": "true"}), t.id),

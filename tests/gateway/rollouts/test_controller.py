@@ -22,9 +22,10 @@ def _token(monkeypatch):
     monkeypatch.setenv("TANDEM_ADMIN_TOKEN", ADMIN_TOKEN)
 
 
-def config(stable, cand, redis_url: str, hold_s: float, gates: str) -> str:
+def config(stable, cand, redis_url: str | None, hold_s: float, gates: str) -> str:
     state = (f"state: {{redis_url: '{redis_url}', key_prefix: r{uuid.uuid4().hex[:8]}, sync_interval_s: 0.1}}\n"
-             f"rollouts:\n  r1:\n    route: main\n    candidate: cand\n    steps: [5, 25, 100]\n"
+             if redis_url else "")
+    state += (f"rollouts:\n  r1:\n    route: main\n    candidate: cand\n    steps: [5, 25, 100]\n"
              f"    hold_s: {hold_s}\n    check_interval_s: 0.05\n    gates: {gates}\n")
     return two_upstreams(stable, cand, extra=state)
 
@@ -112,14 +113,19 @@ async def test_a_failing_candidate_is_rolled_back_naming_the_gate(redis_url, fau
     assert [h["weight"] for h in r["history"]] == [5, 0]
 
 
-async def test_operators_pause_resume_promote_abort_and_illegal_actions(redis_url):
+@pytest.mark.parametrize("shared", [True, False], ids=["redis", "in-process"])
+async def test_operators_pause_resume_promote_abort_and_illegal_actions(redis_url, shared):
     gates = "{error_rate_max: 0.5, min_compared: 1000}"             # never judged: only operators move it
     with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
-        async with gateway(config(stable, cand, redis_url, 60, gates)) as (gw, url, c):
+        async with gateway(config(stable, cand, redis_url if shared else None, 60, gates)) as (gw, url, c):
             await until_state(c, lambda r: True)
             assert (await c.post("/admin/rollouts/r1/pause")).json()["state"] == "paused"
+            await c.post("/admin/weights", json={"route": "main", "weights": {"cand": 7, "stable": 93}})
+            await asyncio.sleep(0.3)                                 # ticks: a paused rollout leaves them
+            assert cand_weight(gw) == 7
             assert (await c.post("/admin/rollouts/r1/pause")).status_code == 409
             assert (await c.post("/admin/rollouts/r1/resume")).json()["state"] == "running"
+            assert cand_weight(gw) == 5                              # the step's weight again
             promoted = (await c.post("/admin/rollouts/r1/promote")).json()
             assert (await c.post("/admin/rollouts/r1/abort")).status_code == 409
             assert (await c.post("/admin/rollouts/nope/pause")).status_code == 404
@@ -169,7 +175,7 @@ async def test_tandem_ctl_rollout_starts_steers_and_reports(redis_url):
             paused = await ctl(url, "rollout", "pause", "r9")
             again = await ctl(url, "rollout", "pause", "r9")
     assert started[0] == 0 and "rollout r9: running, route main: cand 10 %" in started[1]
-    assert status[0] == 0 and "gate parity_min: 1 (limit 0.9): holds" in status[1]
+    assert status[0] == 0 and "gate parity_min: 1 (limit 0.9): holds" in status[1], status[1]
     assert "parity (statistical): 2/2 pairs compared" in status[1] and "shadow shadow/main:" in status[1]
     assert paused[0] == 0 and "rollout r9: paused" in paused[1]
     assert again[0] == 1 and "409" in again[1]

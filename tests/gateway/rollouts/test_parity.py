@@ -59,3 +59,28 @@ def test_report_and_gates():
     early = judge(GatesConfig(parity_min=0.99, min_compared=3), p)      # 2 pairs: not judged yet
     assert early["parity_min"]["ok"] is None and not failing(early) and not all_hold(early)
     assert report([])["exact_share"] is None
+
+
+def test_config_refuses_wrong_shadow_and_rollout_references_and_the_shadow_tenant():
+    from gateway.config.compile import load_config_text
+    from gateway.config.schema import ConfigError
+
+    base = ("models:\n  - name: m1\nbackends:\n  a: {type: openai, base_url: 'http://127.0.0.1:9/v1'}\n"
+            "  b: {type: openai, base_url: 'http://127.0.0.1:9/v1'}\n"
+            "routes:\n  main:\n    targets: [{backend: a, weight: 100}, {backend: b, weight: 0}]\n{shadow}"
+            "policy: {default_route: main}\n{extra}")
+
+    def text(shadow: str, extra: str) -> str:
+        return base.replace("{shadow}", shadow).replace("{extra}", extra)
+
+    ok = load_config_text(text("    shadow: {target: b}\n", "rollouts:\n  r: {route: main, candidate: b}\n"))
+    assert ok.config.rollouts["r"].steps == [5.0, 25.0, 100.0]
+    cases = [("    shadow: {target: ghost}\n", "", "routes.main.shadow.target"),
+             ("", "rollouts:\n  r: {route: nope, candidate: b}\n", "rollouts.r.route"),
+             ("", "rollouts:\n  r: {route: main, candidate: c}\n", "rollouts.r.candidate"),
+             ("", "rollouts:\n  r: {route: main, candidate: b, steps: [50, 25]}\n", "rollouts.r.steps"),
+             ("", "auth:\n  keys: [{tenant: shadow, sha256: '" + "0" * 64 + "'}]\n", "auth.keys[0].tenant")]
+    for shadow, extra, path in cases:
+        with pytest.raises(ConfigError) as e:
+            load_config_text(text(shadow, extra))
+        assert path in str(e.value), (path, str(e.value))

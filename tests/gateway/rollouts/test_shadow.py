@@ -6,7 +6,6 @@ differently. Real parts: the gateway in this process on fault-injecting upstream
 from __future__ import annotations
 
 import asyncio
-import os
 
 import openai
 import pytest
