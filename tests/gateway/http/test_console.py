@@ -279,6 +279,7 @@ def test_console_watches_a_rollout_advance_and_steers_it(browser, rollout_gatewa
     wait_until(lambda: rollout(g, "cand-canary")["state"] == "paused")
     card.locator(".badge", has_text="paused").wait_for()
     assert card.get_by_role("button", name="Pause").is_disabled()
+    page.get_by_text("Rollout cand-canary is paused: the weights are yours").wait_for()   # on the route's card
     paused_at = rollout(g, "cand-canary")["weight"]
     page.wait_for_timeout(4000)                                  # longer than hold_s: a paused rollout stays put
     assert rollout(g, "cand-canary")["state"] == "paused" and rollout(g, "cand-canary")["weight"] == paused_at
