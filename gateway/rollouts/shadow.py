@@ -50,6 +50,8 @@ def plans(snap, active: dict[str, list[dict]], route: str, picked: Target | None
     live rollouts by route; ``picked``: the target the policy chose for the request (None: none)."""
     out = []
     cfg = snap.compiled.config.routes.get(route)
+    if (cfg is None or cfg.shadow is None) and not active.get(route):
+        return out                       # the common case: nothing to compare on this route
     if cfg is not None and cfg.shadow is not None and picked is not None:
         s = cfg.shadow
         out.append(Plan(f"shadow/{route}", picked, Target(s.target, s.model, id=s.target), s.percent,
