@@ -11,7 +11,7 @@ SERVE_ARGS ?=
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install install-test serve test bench clean gpu-wheels
+.PHONY: install install-test chromium serve test bench clean gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(TEST_STAMP)
 
+# The console's browser tests drive Debian's chromium through Playwright (never a downloaded browser): installed
+# with apt when running as root where apt exists; otherwise those tests skip, saying so.
+chromium:
+	@if command -v chromium >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >/dev/null \
+		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+		chromium >/dev/null) || echo "chromium: apt-get failed; the console's browser tests will skip"; \
+	else echo "chromium: not installed and not root with apt; the console's browser tests will skip"; fi
+
 install: $(STAMP)
 
 install-test: $(TEST_STAMP)
@@ -35,7 +45,7 @@ install-test: $(TEST_STAMP)
 serve: install
 	$(BIN)/tandem serve --config $(CONFIG) $(SERVE_ARGS)
 
-test: install-test
+test: install-test chromium
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: install

@@ -5,7 +5,8 @@ exception -> OpenAI error table, in-flight accounting in one middleware. The req
 Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/messages (Anthropic's,
 with ``gateway/http/anthropic.py``), the Responses API (``gateway/http/responses.py``), GET /v1/models,
 GET /v1/models/{model},
-GET /health/live, GET /health/ready; the admin API and GET /metrics from ``admin.py``. Every response carries
+GET /health/live, GET /health/ready; the admin API and GET /metrics from ``admin.py`` (and ``admin_limits.py``);
+the ops console at GET /admin/ui from ``console.py``. Every response carries
 ``x-request-id``; ``server.cors`` adds CORS.
 """
 
@@ -23,6 +24,8 @@ from engine.entrypoints.request_ids import stamp_request_id
 from gateway.config.schema import ConfigError, CorsConfig
 from gateway.errors import ClientError, error_body
 from gateway.http.admin import ADMIN_HANDLERS
+from gateway.http.admin_limits import admin_limits
+from gateway.http.console import CONSOLE_HANDLERS
 from gateway.http.responses import RESPONSES_HANDLERS
 from gateway.http.rollouts_admin import ROLLOUT_HANDLERS
 from gateway.http.anthropic import ANTHROPIC_EXCEPTION_HANDLERS, anthropic_headers, count_tokens
@@ -184,7 +187,7 @@ def create_app(gw: Gateway, cors: CorsConfig | None = None) -> Litestar:
     return Litestar(
         cors_config=CORSConfig(**cors.model_dump()) if cors is not None else None,
         route_handlers=[chat_completions, completions, models, model, live, ready, messages, count_tokens, embeddings,
-                        *RESPONSES_HANDLERS, *ADMIN_HANDLERS, *ROLLOUT_HANDLERS],
+                        *RESPONSES_HANDLERS, *ADMIN_HANDLERS, *ROLLOUT_HANDLERS, admin_limits, *CONSOLE_HANDLERS],
         state=State({"gw": gw, "responses": ResponseStore(gw.resilience.state)}),   # stored Responses
         middleware=[in_flight], before_send=[stamp_request_id(GATEWAY_ID_PREFIX)],
         on_startup=[gw.start, gw.obs.start], on_shutdown=[gw.obs.stop, gw.stop],

@@ -1,0 +1,319 @@
+"""The ops console (``/admin/ui``) in a real headless browser: Debian's chromium driven by Playwright, against a
+real ``tandem serve`` on 127.0.0.1 whose backends are fault-injecting upstreams. What the page does is checked
+through the admin API (the weights a slider set, the version a rollback restored), not only on the page.
+
+Skips, saying why, only where no chromium is installed (``make test`` installs it with apt when it can)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.gateway.support import FaultInjectorUpstream, gateway_on, sha, upstream_config, wait_until
+
+TOKEN = "adm-console-0123"
+ADMIN = {"authorization": f"Bearer {TOKEN}"}
+KEY = "sk-tandem-console-acme-0123456789"
+ENV = {"TEST_UPSTREAM_KEY": "k", "TANDEM_ADMIN_TOKEN": TOKEN}
+ROUTES = """  main:
+    targets: [{backend: a, weight: 95}, {backend: b, weight: 5}]
+"""
+EXTRA = f"""auth:
+  keys:
+    - {{tenant: acme, sha256: {sha(KEY)}, rpm: 120}}
+    - {{tenant: beta, sha256: {sha(KEY + "-beta")}}}
+limits:
+  tenants: {{acme: {{rpm: 600, tpm: 200000}}}}
+budgets:
+  tenants: {{acme: {{usd: 5, period: day}}}}
+resilience:
+  retry: {{max_attempts: 1}}
+  health: {{interval_s: 0}}
+"""
+# a folder to save the README's screenshots in (docs/console), when set
+SHOTS = os.environ.get("TANDEM_CONSOLE_SCREENSHOTS")
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
+        "--no-first-run", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    a, b = FaultInjectorUpstream("a").start(), FaultInjectorUpstream("b").start()
+    try:
+        yield from gateway_on(tmp_path_factory, "console", upstream_config({"a": a, "b": b}, ROUTES, extra=EXTRA),
+                              env=ENV)
+    finally:
+        a.stop()
+        b.stop()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """A fresh chromium profile (Debian's binary, never a downloaded one)."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"no chromium at {CHROMIUM}: install Debian's (apt-get install chromium; `make test` does)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extra: "
+                                                                 "pip install -e '.[test]'")
+    with sync_api.sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(str(tmp_path_factory.mktemp("chromium-profile")),
+                                                   executable_path=CHROMIUM, args=ARGS, headless=True,
+                                                   viewport={"width": 1360, "height": 900})
+        try:
+            yield ctx
+        finally:
+            ctx.close()
+
+
+@pytest.fixture
+def page(browser, gateway):
+    pg = browser.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    # a refused token (401) and the optional endpoints' 404s are logged as failed loads: expected; any other
+    # console error (a CSP violation, an exception) fails the test
+    pg.on("console", lambda m: errors.append(m.text) if m.type == "error"
+          and not m.text.startswith("Failed to load resource") else None)
+    pg.goto(gateway.url + "/admin/ui")
+    yield pg
+    pg.close()
+    assert not errors, errors          # no script error and no CSP violation on any page
+
+
+def sign_in(page, token: str = TOKEN) -> None:
+    page.get_by_label("Admin token").fill(token)
+    page.get_by_role("button", name="Sign in").click()
+
+
+def shoot(page, name: str, section: str | None = None) -> None:
+    """Save the page (or its section titled ``section``) as ``SHOTS/name.png``, when SHOTS is set."""
+    if SHOTS:
+        page.evaluate("window.scrollTo(0, 0)")   # the sticky header at the top of the picture
+        page.wait_for_timeout(300)                # let the share bars' transition end
+        path = str(Path(SHOTS) / f"{name}.png")
+        if section is None:
+            page.screenshot(path=path, full_page=True)
+        else:
+            page.get_by_role("region", name=section).screenshot(path=path)
+
+
+def weights_of(gateway) -> dict[str, float]:
+    """Route ``main``'s live weights, from the admin API."""
+    cfg = httpx.get(gateway.url + "/admin/config", headers=ADMIN, timeout=10).json()
+    return {t["id"]: t["weight"] for t in cfg["routes"]["main"]["targets"]}
+
+
+def test_page_is_a_shell_with_a_strict_policy(gateway):
+    r = httpx.get(gateway.url + "/admin/ui", timeout=10)
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+    assert "script-src 'self'" in r.headers["content-security-policy"]
+    assert "m1" not in r.text and "acme" not in r.text      # no data without the token
+    assert httpx.get(gateway.url + "/admin/ui/console.js", timeout=10).headers["content-type"].startswith(
+        "text/javascript")
+    assert httpx.get(gateway.url + "/admin/ui/..%2Fadmin.py", timeout=10).status_code == 404
+    assert httpx.get(gateway.url + "/admin/limits", timeout=10).status_code == 401
+    lim = httpx.get(gateway.url + "/admin/limits", headers=ADMIN, timeout=10).json()
+    assert lim["tenants"]["acme"] == {"rpm": 600, "tpm": 200000, "keys": [{"rpm": 120, "tpm": None}]}
+    assert lim["tenants"]["beta"] == {"rpm": None, "tpm": None, "keys": [{"rpm": None, "tpm": None}]}
+
+
+def test_wrong_token_is_refused_then_the_right_one_signs_in(page):
+    sign_in(page, "not-the-token")
+    page.get_by_role("alert").filter(has_text="Refused").wait_for()
+    assert page.locator("#main").is_hidden()
+    token = page.get_by_label("Admin token")
+    assert token.evaluate("e => e === document.activeElement")   # back in the field, for the keyboard
+    token.fill(TOKEN)
+    page.keyboard.press("Enter")
+    page.locator("#main").wait_for()
+    assert page.locator("#login").is_hidden()
+    page.get_by_role("table", name="Targets of route main").get_by_text("95 %").wait_for()
+    assert page.get_by_role("status").filter(has_text="live").inner_text() == "live"
+
+
+def test_canary_slider_sets_the_weight_then_rollback_restores_it(page, gateway):
+    assert weights_of(gateway) == {"a": 95, "b": 5}
+    sign_in(page)
+    slider = page.locator("#canary-main")
+    page.get_by_label("Canary target").select_option("b")
+    assert slider.input_value() == "5"
+    slider.focus()
+    for _ in range(20):                           # keyboard only: 5 -> 25
+        page.keyboard.press("ArrowRight")
+    assert slider.input_value() == "25"
+    page.wait_for_timeout(2500)                   # a poll in between keeps the operator's edit
+    assert slider.input_value() == "25"
+    page.get_by_role("button", name="Apply canary weight to route main").click()
+    wait_until(lambda: weights_of(gateway) == {"a": 75, "b": 25})
+    page.get_by_role("status").filter(has_text="b to 25 %: done").wait_for()
+    page.get_by_role("table", name="Targets of route main").get_by_text("75 %").wait_for()
+
+    page.get_by_role("button", name="Roll back to previous version").click()
+    wait_until(lambda: weights_of(gateway) == {"a": 95, "b": 5})
+    page.get_by_role("status").filter(has_text="Roll back: done").wait_for()
+    page.wait_for_function("document.getElementById('canary-main').value === '5'")
+
+
+def test_explain_shows_the_live_decision_and_the_refusal(page, gateway):
+    sign_in(page)
+    page.locator("#main").wait_for()
+    box = page.get_by_label("Request body (JSON)")
+    wait_until(lambda: '"m1"' in box.input_value())             # prefilled with a public model
+    page.get_by_role("button", name="Explain").click()
+    decision = page.locator("#explain-result .chosen")
+    decision.wait_for()
+    assert decision.inner_text() in ("a", "b")
+    assert "route main" in page.locator("#explain-result").inner_text()
+    box.fill('{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}')
+    page.get_by_role("button", name="Explain").click()
+    page.get_by_role("alert").filter(has_text="Refused (404)").wait_for()
+    if SHOTS:
+        box.fill('{"model": "m1", "messages": [{"role": "user", "content": "Summarise our Q3 numbers"}]}')
+        page.get_by_role("button", name="Explain").click()
+        decision.wait_for()
+        shoot(page, "explain", "Route explain")
+
+
+def test_tenants_spend_budget_and_limits(page, gateway):
+    for _ in range(3):
+        r = httpx.post(gateway.url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"}, timeout=10,
+                       json={"model": "m1", "messages": [{"role": "user", "content": "hello"}]})
+        assert r.status_code == 200, r.text
+    sign_in(page)
+    row = page.get_by_role("table", name="Spend and limits per tenant").get_by_role("row", name="acme")
+    row.wait_for()
+    wait_until(lambda: row.locator("td").first.inner_text() == "3")
+    text = row.inner_text()
+    assert "600 rpm" in text and "200,000 tpm" in text and "per key: 120 rpm" in text and "/ day" in text
+    shoot(page, "tenants", "Spend and limits per tenant")
+    meter = row.get_by_role("meter")
+    assert float(meter.get_attribute("aria-valuenow")) > 0
+
+
+# ---- rollouts: a real controller advancing on live traffic ------------------------------------------------------
+ROLLOUT_CONFIG = """reload: {{watch: false}}
+resilience:
+  retry: {{max_attempts: 1}}
+  health: {{interval_s: 0}}
+observability:
+  logs: {{requests: false}}
+models:
+  - name: m1
+backends:
+  stable: {{type: openai, base_url: '{stable}', prices: {{input: 1, output: 2}}}}
+  cand: {{type: openai, base_url: '{cand}', prices: {{input: 1, output: 2}}}}
+routes:
+  main:
+    targets: [{{backend: stable, weight: 100}}, {{backend: cand, weight: 0}}]
+policy:
+  default_route: main
+"""
+GATES = {"parity_min": 0.9, "error_rate_max": 0.2, "ttft_p95_ratio_max": 50, "min_compared": 2}
+
+
+@pytest.fixture
+def rollout_gateway(tmp_path_factory):
+    """A gateway with route ``main`` over ``stable`` and ``cand`` (fault-injecting upstreams), and a client thread
+    sending it a chat request every 50 ms (the traffic a rollout's gates judge)."""
+    import threading
+
+    from tests.gateway.fault_upstream import FaultUpstream
+
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        text = ROLLOUT_CONFIG.format(stable=stable.base_url, cand=cand.base_url)
+        stop = threading.Event()
+        for g in gateway_on(tmp_path_factory, "console-rollout", text, env=ENV):
+            def traffic():
+                with httpx.Client(base_url=g.url, timeout=10) as c:
+                    while not stop.wait(0.05):
+                        c.post("/v1/chat/completions", json={"model": "m1", "messages": [
+                            {"role": "user", "content": "hi"}]})
+
+            t = threading.Thread(target=traffic, daemon=True)
+            t.start()
+            try:
+                yield g, cand
+            finally:
+                stop.set()
+                t.join(10)
+
+
+def rollout(g, name: str) -> dict:
+    rs = httpx.get(g.url + "/admin/rollouts", headers=ADMIN, timeout=10).json()["rollouts"]
+    return next(r for r in rs if r["name"] == name)
+
+
+def start_rollout(g, name: str, hold_s: float) -> None:
+    r = httpx.post(g.url + "/admin/rollouts", headers=ADMIN, timeout=10, json={
+        "name": name, "route": "main", "candidate": "cand", "steps": [5, 25, 100], "hold_s": hold_s,
+        "gates": GATES, "check_interval_s": 0.2})
+    assert r.status_code == 201, r.text
+
+
+def test_console_watches_a_rollout_advance_and_steers_it(browser, rollout_gateway):
+    g, _ = rollout_gateway
+    page = browser.new_page()
+    page.goto(g.url + "/admin/ui")
+    sign_in(page)
+    page.get_by_text("Start a rollout").click()              # started from the page, as an operator would
+    page.get_by_label("Name", exact=True).fill("cand-canary")
+    page.get_by_label("Route", exact=True).select_option("main")
+    page.get_by_label("Candidate target", exact=True).select_option("cand")
+    page.get_by_label("Hold each step (s)").fill("3")
+    page.get_by_label("Parity at least (0–1)").fill(str(GATES["parity_min"]))
+    page.get_by_label("Error rate at most (0–1)").fill(str(GATES["error_rate_max"]))
+    page.get_by_label("TTFT p95 at most (× primary's)").fill(str(GATES["ttft_p95_ratio_max"]))
+    page.get_by_label("Pairs before judging").fill(str(GATES["min_compared"]))
+    page.get_by_role("button", name="Start rollout").click()
+    page.get_by_role("status").filter(has_text="Start rollout cand-canary: done").wait_for()
+    r = rollout(g, "cand-canary")
+    assert (r["route"], r["candidate"], r["steps"], r["hold_s"]) == ("main", "cand", [5, 25, 100], 3)
+    assert {k: v["limit"] for k, v in r["gates"].items()} == {k: v for k, v in GATES.items() if k != "min_compared"}
+    card = page.get_by_role("article", name="Rollout cand-canary")
+    card.wait_for()
+    card.get_by_role("button", name="Pause").click()           # steer it: paused at its first step
+    wait_until(lambda: rollout(g, "cand-canary")["state"] == "paused")
+    card.locator(".badge", has_text="paused").wait_for()
+    assert card.get_by_role("button", name="Pause").is_disabled()
+    page.get_by_text("Rollout cand-canary is paused: the weights are yours").wait_for()   # on the route's card
+    paused_at = rollout(g, "cand-canary")["weight"]
+    page.wait_for_timeout(4000)                                  # longer than hold_s: a paused rollout stays put
+    assert rollout(g, "cand-canary")["state"] == "paused" and rollout(g, "cand-canary")["weight"] == paused_at
+    card.get_by_role("button", name="Resume").click()
+    wait_until(lambda: rollout(g, "cand-canary")["state"] == "running")
+    page.get_by_text("Rollout cand-canary (running) sets cand's weight here").wait_for()   # on the route's card
+
+    card.locator(".rollout-weight", has_text="25 %").wait_for(timeout=60_000)   # gates held: 5 -> 25
+    shoot(page, "rollout")
+    card.locator(".badge", has_text="promoted").wait_for(timeout=60_000)       # then 25 -> 100
+    r = rollout(g, "cand-canary")
+    steps = [h["weight"] for h in r["history"]]
+    assert [w for i, w in enumerate(steps) if i == 0 or w != steps[i - 1]] == [5, 25, 100], r["history"]
+    assert [h["state"] for h in r["history"]][1:3] == ["paused", "running"] and r["weight"] == 100
+    assert card.locator(".ladder li.done").count() == 2
+    chart = card.locator("svg.chart").first.get_attribute("aria-label")   # the chart's text alternative
+    assert chart.startswith("Candidate weight over time: 5 %") and chart.endswith("now 100 %"), chart
+    assert card.get_by_role("button", name="Abort").is_disabled()               # over: nothing left to steer
+    page.close()
+
+
+def test_console_shows_a_failing_candidate_rolled_back(browser, rollout_gateway):
+    g, cand = rollout_gateway
+    cand.set_default({"status": 500})
+    page = browser.new_page()
+    page.goto(g.url + "/admin/ui")
+    sign_in(page)
+    start_rollout(g, "bad-canary", hold_s=30)
+    card = page.get_by_role("article", name="Rollout bad-canary")
+    card.locator(".badge", has_text="rolled back").wait_for(timeout=60_000)
+    r = rollout(g, "bad-canary")
+    assert "error_rate_max" in r["reason"] and card.locator(".reason").inner_text() == r["reason"]
+    card.locator(".rollout-weight", has_text=f"{r['weight']:g} %").wait_for()
+    assert weights_of(g)["cand"] == r["weight"]           # the route's live weight is the rollout's
+    assert card.locator(".ladder li.current").count() == (r["weight"] in r["steps"])
+    shoot(page, "rollout-rolled-back")
+    page.close()
