@@ -10,10 +10,11 @@ scrape lag (at most one step old). ``predict_ttft`` is a pure function of the st
 The model, per step: time = ``step_s`` (a decode step of the running set) + prefill tokens / ``prefill_tok_s``.
 A new request of priority p gets its first token when the prefill tokens ahead of it (the running set's, then
 the waiting classes <= p; in fcfs every queued request is ahead) and its own uncached tokens are computed, at
-most ``budget - decode rows`` prefill tokens a step, each step filled with whatever prefill is queued; or, when
-seats (``max_num_seqs``) are the bottleneck, when a seat frees for it (each request ahead takes the next seat to
-free and holds it for its own decode) and it prefills: the later of the two. With no KV blocks left for the
-prefill ahead it first waits for the running set's shortest remaining decode.
+most ``budget - decode rows`` prefill tokens a step, each step filled with whatever prefill is queued; when
+seats (``max_num_seqs``) are the bottleneck, it takes more steps: until a seat frees for it (each request ahead
+takes the next seat to free and holds it for its own decode), then its own prefill steps; the prefill work ahead
+is paid either way. With no KV blocks left for the prefill ahead it first waits for the running set's shortest
+remaining decode. Waiting requests count their prompt less the prefix the cache holds for them.
 """
 
 from __future__ import annotations
@@ -79,11 +80,18 @@ class TTFTState(msgspec.Struct, array_like=True):
 @dataclass
 class TTFTCalibration:
     """Step costs measured online (EWMA). Starts from a guess (``step_s`` seconds, ``prefill_tok_s`` tokens/s)
-    that the first steps replace."""
+    that the first steps replace.
+
+    The prefill rate is a ratio of EWMAs (prefill tokens over their seconds beyond ``step_s``), not an EWMA of
+    each step's rate: a step that computes only a prompt's uncached tail (tens of tokens) measures its rate
+    mostly from noise, and averaging rates let those steps drag the rate of the full chunks that make a queue's
+    wait down (the spill run over-predicted deep queues by up to 2x)."""
 
     step_s: float = 0.05
     prefill_tok_s: float = 2000.0
     steps: int = 0
+    _tokens: float = field(default=0.0, repr=False)    # EWMA of a prefill step's prefill tokens
+    _seconds: float = field(default=0.0, repr=False)   # EWMA of its seconds beyond step_s
 
     def observe(self, seconds: float, prefill_tokens: int, decode_rows: int) -> None:
         """Fold in one step: ``seconds`` of wall time, ``prefill_tokens`` prefill tokens and ``decode_rows``
@@ -100,7 +108,12 @@ class TTFTCalibration:
         # A step with prefill pays the fixed cost too; a fifth of the step is a floor on its prefill time so that
         # one noisy decode measurement cannot make the prefill rate infinite.
         prefill_s = max(seconds - self.step_s, 0.2 * seconds)
-        self.prefill_tok_s += a * (prefill_tokens / prefill_s - self.prefill_tok_s)
+        if self._seconds <= 0:   # the first prefill step replaces the guess
+            self._tokens, self._seconds = float(prefill_tokens), prefill_s
+        else:
+            self._tokens += EWMA_ALPHA * (prefill_tokens - self._tokens)
+            self._seconds += EWMA_ALPHA * (prefill_s - self._seconds)
+        self.prefill_tok_s = self._tokens / self._seconds
         self.steps += 1
 
 
@@ -137,13 +150,15 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     holds = [m for p, m in state.waiting_decode if state.fcfs or p <= priority][:n_ahead]
     holds += [state.typical_decode] * (n_ahead - len(holds))   # sent but not in the state yet, or past the list
     remaining = state.remaining_decode
-    wait_seat = _seat_free_at(remaining, state.max_num_seqs - state.num_running, holds) * state.step_s
+    seat_steps = _seat_free_at(remaining, state.max_num_seqs - state.num_running, holds)
+    wait_seat = seat_steps * state.step_s
     need_blocks = math.ceil((ahead + prompt_tokens) / state.block_size) - cached_tokens // state.block_size
     wait_kv = remaining[0] * state.step_s if remaining and need_blocks > state.free_blocks else 0.0
-    own_steps = math.ceil(uncached / per_step)
-    own = own_steps * state.step_s + min(own_steps * per_step, queued + uncached) / state.prefill_tok_s
-    # Waiting for a seat overlaps the prefill of those ahead (they prefill as seats free): the longer path.
-    seconds = max(wait_kv + prefill_path, wait_seat + own)
+    # Waiting for a seat: the steps until one frees, then its own prefill steps. Those steps also compute the
+    # prefill of every request ahead (each prefills as it gets its seat, before this one): the steps are the
+    # more of the two counts and the prefill work is paid either way.
+    extra_steps = max(seat_steps + math.ceil(uncached / per_step) - steps, 0.0)
+    seconds = wait_kv + prefill_path + extra_steps * state.step_s
     return TTFTPrediction(seconds, {
         "prompt": prompt_tokens, "uncached": uncached, "ahead": ahead, "steps": steps, "step_s": state.step_s,
         "prefill_tok_s": state.prefill_tok_s, "wait_seat": wait_seat, "wait_kv": wait_kv})
@@ -250,17 +265,28 @@ def _seat_order(scheduler, n: int) -> list:
     return queue[:n]
 
 
+def _to_compute(kv, req) -> int:
+    """Prompt tokens ``req`` (waiting or swapped) still has to compute: a waiting request that holds no blocks
+    yet less the prefix its admission will find in the cache (``get_computed_blocks``: dict look-ups of hashes
+    kept per request). Counting a queued follow-up turn's whole conversation as prefill made a queue of
+    multi-turn requests look up to twice as long as it was."""
+    todo = max(req.num_prompt_tokens - req.num_computed_tokens, 0)
+    if req.num_computed_tokens == 0 and todo and req.request_id not in kv.req_to_blocks:
+        todo -= min(kv.get_computed_blocks(req)[1], todo - 1)
+    return todo
+
+
 def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTState:
     """The ``TTFTState`` of ``scheduler`` (an ``engine.scheduler.Scheduler``) now, with ``calibration``'s step
     costs, ``added`` requests taken so far and the prefix cache's events since the last call."""
+    kv = scheduler.kv_cache_manager
     queued: dict[int, list[int]] = {}
     for req in (*scheduler.waiting, *scheduler.swapped):
         c = queued.setdefault(req.priority, [0, 0])
-        c[0] += max(req.num_prompt_tokens - req.num_computed_tokens, 0)
+        c[0] += _to_compute(kv, req)
         c[1] += 1
     running_prefill = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in scheduler.running)
     decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
-    kv = scheduler.kv_cache_manager
     stored, removed, resync = drain_kv_events(kv.block_pool)
     return TTFTState(
         block_size=scheduler.block_size, budget=scheduler.max_num_batched_tokens,

@@ -205,3 +205,33 @@ def test_requests_queued_for_seats_wait_for_the_running_set_to_finish():
     for rid, p in predicted.items():
         assert abs(p - eng.ttft(rid)) <= STEP_S + 0.15 * eng.ttft(rid), (rid, p, eng.ttft(rid))
     assert max(eng.ttft(r) for r in predicted) > 40 * STEP_S, "no seat queue built up"
+
+
+def test_queued_follow_up_turns_count_only_what_the_prefix_cache_lacks():
+    """Multi-turn: follow-ups queued behind a busy engine repeat conversations the cache holds; the prediction
+    counts their uncached tails as prefill ahead, not their whole prompts, and matches the engine's TTFT."""
+    rng = random.Random(9)
+    eng = ScriptedEngine()
+    systems = [tokens(rng, 800) for _ in range(4)]
+    for i, s in enumerate(systems):
+        eng.add(f"first{i}", s + tokens(rng, 30), max_tokens=2)
+    eng.run()
+    for i, s in enumerate(systems):
+        eng.add(f"next{i}", s + tokens(rng, 60), max_tokens=2)
+    ahead = sum(c[1] for c in eng.state.queued_prefill)
+    assert ahead <= 4 * (60 + 16 + 30)   # the tails (and a partial block each), not 4 x 860
+    prompt = tokens(rng, 100)
+    p = eng.predict(prompt)
+    eng.add("new", prompt, max_tokens=2)
+    eng.run()
+    assert abs(p - eng.ttft("new")) <= STEP_S + 0.1 * eng.ttft("new"), (p, eng.ttft("new"))
+
+
+def test_prefill_rate_is_weighted_by_tokens_not_averaged_over_steps():
+    """Full chunks and short tails alternate: the rate is the tokens over their time, which a few noisy short
+    steps cannot drag down."""
+    cal = TTFTCalibration(step_s=0.030, prefill_tok_s=3000.0, steps=1)
+    for _ in range(200):
+        cal.observe(0.030 + 512 / 3000, 512, 4)
+        cal.observe(0.030 + 0.010 + 20 / 3000, 20, 4)   # a short tail with 10 ms of noise
+    assert cal.prefill_tok_s == pytest.approx(3000, rel=0.1)
