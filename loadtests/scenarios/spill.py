@@ -113,6 +113,8 @@ class Outcome:
     completion_tokens: int = 0
     predicted_local: float | None = None
     predicted_engine: float | None = None
+    at: float = 0.0
+    explain: str = ""
 
 
 # "local predicted 1.20 s <= SLO 2.5 s at ... USD [1.00 s (...) x 1.20 (p90 ...)]": the gateway's figure (the
@@ -132,6 +134,7 @@ async def one(session: aiohttp.ClientSession, url: str, a: Arrival, max_tokens: 
             m = _PREDICTED.search(r.headers.get("x-tandem-slo", ""))
             out.predicted_local = float(m.group(1)) if m else None
             out.predicted_engine = float(m.group(2)) if m and m.group(2) else None
+            out.explain = r.headers.get("x-tandem-slo", "")
             if r.status != 200:
                 return out
             async for line in r.content:
@@ -157,7 +160,9 @@ async def drive(url: str, schedule: list[Arrival], max_tokens: int) -> list[Outc
 
         async def at(a: Arrival) -> Outcome:
             await asyncio.sleep(max(0.0, t0 + a.at - time.perf_counter()))
-            return await one(session, url, a, max_tokens)
+            o = await one(session, url, a, max_tokens)
+            o.at = a.at
+            return o
 
         return list(await asyncio.gather(*(at(a) for a in schedule)))
 
@@ -185,7 +190,9 @@ def analyse(outcomes: list[Outcome], slo_s: float, prices: dict[str, dict]) -> d
             "engine_prediction_error_p50_pct": 100 * engine["p50"] if engine else None,
             "engine_prediction_error_p90_pct": 100 * engine["p90"] if engine else None,
             "ttft_p50_s": ttft.get("p50"), "ttft_p99_s": ttft.get("p99"),
-            "local_predicted_vs_measured_s": [[round(p, 3), round(m, 3)] for p, m in pairs]}
+            "local_predicted_vs_measured_s": [[round(p, 3), round(m, 3)] for p, m in pairs],
+            "requests_log": [[round(o.at, 3), o.backend, o.ttft and round(o.ttft, 3), o.predicted_local,
+                              o.predicted_engine, o.prompt_tokens, o.explain] for o in outcomes]}
 
 
 # ------------------------------------------------------------------ the run
