@@ -92,27 +92,30 @@ class TTFTCalibration:
     steps: int = 0
     _tokens: float = field(default=0.0, repr=False)    # EWMA of a prefill step's prefill tokens
     _seconds: float = field(default=0.0, repr=False)   # EWMA of its seconds beyond step_s
+    _decode_n: int = field(default=0, repr=False)      # decode-only / prefill steps observed
+    _prefill_n: int = field(default=0, repr=False)
 
     def observe(self, seconds: float, prefill_tokens: int, decode_rows: int) -> None:
         """Fold in one step: ``seconds`` of wall time, ``prefill_tokens`` prefill tokens and ``decode_rows``
         decode rows computed. A decode-only step measures ``step_s``; a step with prefill measures the prefill
-        rate over the time beyond ``step_s``."""
+        rate over the time beyond ``step_s``. The n-th observation of a kind weighs max(1/n, ``EWMA_ALPHA``):
+        the first replaces the guess and the first ten are averaged alike (a fresh engine's first, slower step
+        otherwise kept half its weight through a warm-up of a few requests)."""
         if seconds <= 0:
             return
-        a = EWMA_ALPHA if self.steps else 1.0   # the first measurement replaces the guess
         if prefill_tokens == 0:
             if decode_rows > 0:
-                self.step_s += a * (seconds - self.step_s)
+                self._decode_n += 1
+                self.step_s += max(1.0 / self._decode_n, EWMA_ALPHA) * (seconds - self.step_s)
                 self.steps += 1
             return
         # A step with prefill pays the fixed cost too; a fifth of the step is a floor on its prefill time so that
         # one noisy decode measurement cannot make the prefill rate infinite.
         prefill_s = max(seconds - self.step_s, 0.2 * seconds)
-        if self._seconds <= 0:   # the first prefill step replaces the guess
-            self._tokens, self._seconds = float(prefill_tokens), prefill_s
-        else:
-            self._tokens += EWMA_ALPHA * (prefill_tokens - self._tokens)
-            self._seconds += EWMA_ALPHA * (prefill_s - self._seconds)
+        self._prefill_n += 1
+        a = max(1.0 / self._prefill_n, EWMA_ALPHA)
+        self._tokens += a * (prefill_tokens - self._tokens)
+        self._seconds += a * (prefill_s - self._seconds)
         self.prefill_tok_s = self._tokens / self._seconds
         self.steps += 1
 

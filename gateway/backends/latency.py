@@ -34,8 +34,10 @@ MIN_RATIOS = 10
 RATIO_WINDOW_S = 60.0
 # Local predictions remembered until their request's attempt reads them back (requests explained, never sent).
 _PREDICTED_MAX = 4096
-# Below this many seconds a prediction is compared as if it were this: a fixed overhead of a few tens of ms
-# would otherwise make an idle engine's ratios huge and scale every later prediction by them.
+# Below this many seconds a prediction and a measured TTFT are compared as if they were this: a fixed overhead
+# of a few tens of ms would otherwise make an idle engine's ratios huge and scale every later prediction by them.
+# Both sides: flooring the prediction alone made every short answer's ratio < 1 (0.1 s measured / 0.25 s), and
+# an SLO route serving mostly short queues locally then scaled its predictions by ~0.5 (spill run).
 RATIO_FLOOR_S = 0.25
 # The local engine's margin before its answers measured one: its prediction's target accuracy (20 %).
 DEFAULT_MARGIN = 1.2
@@ -103,7 +105,7 @@ class UpstreamLatency:
         """The local engine answered ``request_id`` after ``ttft_s`` seconds: its ratio to the prediction."""
         predicted = self._predicted.pop(request_id, None)
         if predicted is not None:
-            self._ratios.append((time.monotonic(), ttft_s / max(predicted, RATIO_FLOOR_S)))
+            self._ratios.append((time.monotonic(), max(ttft_s, RATIO_FLOOR_S) / max(predicted, RATIO_FLOOR_S)))
 
     def track(self, request_id: str):
         """An attempt hook for ``request_id``: ``attempt`` (one call of the attempt loop) timing each call to its

@@ -195,6 +195,22 @@ def analyse(outcomes: list[Outcome], slo_s: float, prices: dict[str, dict]) -> d
                               o.predicted_engine, o.prompt_tokens, o.explain] for o in outcomes]}
 
 
+def fluid_upstream_share(schedule: list[Arrival], capacity: float, slo_s: float) -> float:
+    """% of ``schedule`` a policy must send upstream to meet ``slo_s`` if the engine served ``capacity``
+    requests/s first come first served (a request's TTFT: the work queued ahead, in seconds, plus its own
+    1 / capacity): a reference for the upstream share (hence the cost) that meeting the SLO takes; a rule that
+    queues more serves more locally, late."""
+    backlog, last, sent = 0.0, 0.0, 0
+    for a in schedule:
+        backlog = max(backlog - (a.at - last), 0.0)
+        last = a.at
+        if backlog + 1.0 / capacity <= slo_s:
+            backlog += 1.0 / capacity
+        else:
+            sent += 1
+    return 100.0 * sent / len(schedule) if schedule else 0.0
+
+
 # ------------------------------------------------------------------ the run
 def _config(path: Path, policy: str, ports: dict[str, int], model: str | None, slo_ms: float) -> Path:
     engine = {"served_model_name": MODEL, "max_model_len": 2048, "max_num_seqs": 8, "kv_cache_memory": "256MiB"}
@@ -223,8 +239,8 @@ def _config(path: Path, policy: str, ports: dict[str, int], model: str | None, s
 
 
 def _warm_up(url: str, max_tokens: int, seed: int) -> None:
-    """4 requests one after the other: the engine's step costs are measured before the run."""
-    for a in arrivals(1.0, 40.0, 1.0, 1.0, seed + 2)[:4]:
+    """8 requests one after the other: the engine's step costs are measured before the run."""
+    for a in arrivals(1.0, 40.0, 1.0, 1.0, seed + 2)[:8]:
         asyncio.run(drive(url, [Arrival(0.0, a.messages, a.conversation)], max_tokens))
 
 
@@ -277,8 +293,11 @@ def run(args: argparse.Namespace) -> int:
     note = (f"capacity {fmt(capacity, '.2f')} req/s (measured, local only); arrivals {args.low:g}x -> "
             f"{args.high:g}x -> {args.low:g}x over {args.duration:g} s; aggregators: "
             + ", ".join(f"{n} TTFT {a['ttft']:g} s at {a['input']:g}/{a['output']:g} USD/M" for n, a in
-                        AGGREGATORS.items()) + f"; local {LOCAL_PRICES['input']:g}/{LOCAL_PRICES['output']:g} USD/M")
+                        AGGREGATORS.items()) + f"; local {LOCAL_PRICES['input']:g}/{LOCAL_PRICES['output']:g} USD/M"
+            + f"; upstream share an engine serving {fmt(capacity, '.2f')} req/s in order needs to meet the SLO: "
+            f"{fluid_upstream_share(schedule, capacity, slo_s):.1f} %")
     write_report(Path(args.out), "Spill to aggregators by predicted TTFT", [],
-                 {"figures": figures, "capacity_rps": capacity, "slo_ms": args.slo_ms}, table + "\n\n" + note)
+                 {"figures": figures, "capacity_rps": capacity, "slo_ms": args.slo_ms,
+                  "fluid_upstream_share_pct": fluid_upstream_share(schedule, capacity, slo_s)}, table + "\n\n" + note)
     print(table + "\n\n" + note)
     return 0

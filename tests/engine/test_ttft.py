@@ -235,3 +235,14 @@ def test_prefill_rate_is_weighted_by_tokens_not_averaged_over_steps():
         cal.observe(0.030 + 512 / 3000, 512, 4)
         cal.observe(0.030 + 0.010 + 20 / 3000, 20, 4)   # a short tail with 10 ms of noise
     assert cal.prefill_tok_s == pytest.approx(3000, rel=0.1)
+
+
+def test_calibration_averages_its_first_steps_alike():
+    """A fresh engine's first prefill step is slow (first use of its shapes): after ten more steps it weighs a
+    tenth, not 0.9^10 of a plain EWMA started from it."""
+    cal = TTFTCalibration()
+    cal.observe(0.030 + 512 / 300, 512, 4)          # 10x slower than the steps that follow
+    for _ in range(9):
+        cal.observe(0.030 + 512 / 3000, 512, 4)
+    assert cal.prefill_tok_s == pytest.approx(512 * 10 / (512 / 300 + 9 * 512 / 3000), rel=0.1)
+    assert cal.prefill_tok_s > 1500

@@ -42,8 +42,10 @@ def test_local_predictions_are_corrected_by_what_the_engine_delivered():
     assert margin == pytest.approx(1.9 / 1.5)                 # the p90 ratio over the median
     lat.observe_local("never-predicted", 50.0)
     lat._predicted["tiny"] = 0.01
-    lat.observe_local("tiny", 0.05)                           # floored: 0.05 / 0.25, not 5x
-    assert max(r for _, r in lat._ratios) < 2.0
+    lat.observe_local("tiny", 0.05)                           # both floored: 1, not 5x
+    lat._predicted["short"] = 0.2
+    lat.observe_local("short", 0.1)                           # both floored: 1, not 0.1 / 0.25
+    assert [r for _, r in lat._ratios][-2:] == [1.0, 1.0]
     later = lat._ratios[-1][0] + RATIO_WINDOW_S + 1           # no answers for a minute: the factor expires
     assert lat.correction(now=later) == (1.0, DEFAULT_MARGIN, "")
 
