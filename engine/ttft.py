@@ -131,24 +131,40 @@ class TTFTPrediction:
         """One line: the prediction and its inputs."""
         p = self.parts
         waits = "".join(f", waits {p[k]:.2f} s for {k[5:]}" for k in ("wait_seat", "wait_kv") if p.get(k))
-        return (f"{self.seconds:.2f} s ({p.get('ahead', 0)} prefill tokens ahead + {p.get('uncached', 0)} uncached "
+        now = f"{p['current']:.2f} s left of the running step + " if p.get("current") else ""
+        return (f"{self.seconds:.2f} s ({now}{p.get('ahead', 0)} prefill tokens ahead + {p.get('uncached', 0)} uncached "
                 f"of {p.get('prompt', 0)}, {p.get('steps', 0)} steps at {p.get('step_s', 0) * 1000:.0f} ms + "
                 f"{p.get('prefill_tok_s', 0):.0f} tok/s{waits})")
 
 
-def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, priority: int = 0) -> TTFTPrediction:
+def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, priority: int = 0,
+                 elapsed_s: float | None = None) -> TTFTPrediction:
     """Predicted seconds from admission to the first token of a request of ``prompt_tokens`` tokens, of which
-    ``cached_tokens`` are in the prefix cache, at ``priority`` (smaller = more urgent), given ``state``."""
+    ``cached_tokens`` are in the prefix cache, at ``priority`` (smaller = more urgent), given ``state``.
+
+    ``elapsed_s``: seconds since ``state`` was published, while a busy core runs its next step (planned without
+    this request, which joins the step after): that step is predicted whole (its decode and its share of the
+    prefill ahead) and ``elapsed_s`` of it has passed. None: no step is running (the request joins the next one,
+    as in a scripted engine between steps). Without it, a request arriving late in a long prefill step was
+    predicted that whole step again (0.3 s measured after 1.2 s predicted in the spill run), and one arriving
+    during a decode step was predicted to share it."""
     uncached = max(prompt_tokens - cached_tokens, 1)   # the last prompt token is always computed
     classes = [c for c in state.queued_prefill if state.fcfs or c[0] <= priority]
     ahead = state.running_prefill + sum(c[1] for c in classes)
     per_step = max(state.budget - state.decode_rows, 1)
+    queued = state.running_prefill + sum(c[1] for c in state.queued_prefill)
+    busy = elapsed_s is not None and (state.num_running > 0 or queued > 0)
+    current = 0.0
+    if busy:   # the step running now computes the first chunk of what is queued
+        first = min(queued, per_step)
+        current = max(state.step_s + first / state.prefill_tok_s - elapsed_s, 0.0)
+        ahead -= min(ahead, per_step)
+        queued -= first
     steps = max(math.ceil((ahead + uncached) / per_step), 1)
     # Those steps are filled with whatever prefill is queued, behind this request too (a full step costs its
     # whole budget whoever's tokens they are).
-    queued = state.running_prefill + sum(c[1] for c in state.queued_prefill)
     work = min(steps * per_step, queued + uncached)
-    prefill_path = steps * state.step_s + work / state.prefill_tok_s
+    prefill_path = current + steps * state.step_s + work / state.prefill_tok_s
     n_ahead = sum(c[2] for c in classes)
     holds = [m for p, m in state.waiting_decode if state.fcfs or p <= priority][:n_ahead]
     holds += [state.typical_decode] * (n_ahead - len(holds))   # sent but not in the state yet, or past the list
@@ -160,11 +176,11 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     # Waiting for a seat: the steps until one frees, then its own prefill steps. Those steps also compute the
     # prefill of every request ahead (each prefills as it gets its seat, before this one): the steps are the
     # more of the two counts and the prefill work is paid either way.
-    extra_steps = max(seat_steps + math.ceil(uncached / per_step) - steps, 0.0)
+    extra_steps = max(seat_steps - int(busy) + math.ceil(uncached / per_step) - steps, 0.0)
     seconds = wait_kv + prefill_path + extra_steps * state.step_s
     return TTFTPrediction(seconds, {
         "prompt": prompt_tokens, "uncached": uncached, "ahead": ahead, "steps": steps, "step_s": state.step_s,
-        "prefill_tok_s": state.prefill_tok_s, "wait_seat": wait_seat, "wait_kv": wait_kv})
+        "prefill_tok_s": state.prefill_tok_s, "wait_seat": wait_seat, "wait_kv": wait_kv, "current": current})
 
 
 def _seat_free_at(remaining: list[int], free: int, holds: list[float]) -> float:

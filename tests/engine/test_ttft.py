@@ -246,3 +246,27 @@ def test_calibration_averages_its_first_steps_alike():
         cal.observe(0.030 + 512 / 3000, 512, 4)
     assert cal.prefill_tok_s == pytest.approx(512 * 10 / (512 / 300 + 9 * 512 / 3000), rel=0.1)
     assert cal.prefill_tok_s > 1500
+
+
+def test_a_request_arriving_during_a_step_waits_for_what_is_left_of_it():
+    """A busy core runs its next step as soon as it publishes a state; a request arriving joins the step after.
+    Predicted at the state (elapsed 0) it waits for that whole step; half a step later, for half of it less;
+    the prediction at elapsed 0 matches the scripted engine's TTFT counted from that moment."""
+    rng = random.Random(10)
+    eng = ScriptedEngine()
+    eng.add("long", tokens(rng, 1000))
+    eng.step()
+    prompt = tokens(rng, 100)
+    at_state = predict_ttft(eng.state, len(prompt), 0, elapsed_s=0.0)
+    running_step = STEP_S + 256 / PREFILL_TOK_S
+    later = predict_ttft(eng.state, len(prompt), 0, elapsed_s=running_step / 2)
+    assert at_state.seconds - later.seconds == pytest.approx(running_step / 2)
+    assert "left of the running step" in at_state.describe()
+    t0 = eng.now
+    eng.step()                                         # the step that was running, planned without the request
+    eng.add("new", prompt)
+    eng.run()
+    delivered = eng.first_token["new"] - t0
+    assert abs(at_state.seconds - delivered) <= 0.1 * delivered, (at_state.seconds, delivered)
+    idle = ScriptedEngine()
+    assert predict_ttft(idle.state, 100, 0, elapsed_s=5.0).seconds == pytest.approx(STEP_S + 100 / PREFILL_TOK_S)
