@@ -284,14 +284,22 @@ def _seat_order(scheduler, n: int) -> list:
     return queue[:n]
 
 
-def _to_compute(kv, req) -> int:
+def _to_compute(kv, req, ahead: set) -> int:
     """Prompt tokens ``req`` (waiting or swapped) still has to compute: a waiting request that holds no blocks
-    yet less the prefix its admission will find in the cache (``get_computed_blocks``: dict look-ups of hashes
-    kept per request). Counting a queued follow-up turn's whole conversation as prefill made a queue of
-    multi-turn requests look up to twice as long as it was."""
+    yet less the prefix its admission will find cached: blocks in the cache now (``get_computed_blocks``: dict
+    look-ups of hashes kept per request) or computed by then by a request ahead of it (``ahead``: their block
+    hashes; ``req``'s are added). Counting a queued follow-up turn's whole conversation as prefill made a deep
+    queue of multi-turn requests look about twice as long as it was (its earlier turn, queued ahead, computes
+    and caches the shared prefix)."""
     todo = max(req.num_prompt_tokens - req.num_computed_tokens, 0)
     if req.num_computed_tokens == 0 and todo and req.request_id not in kv.req_to_blocks:
-        todo -= min(kv.get_computed_blocks(req)[1], todo - 1)
+        _, hit = kv.get_computed_blocks(req)
+        hashes = kv.req_to_block_hashes.get(req.request_id, ())
+        n = hit // kv.block_size
+        while n < len(hashes) and hashes[n] in ahead:
+            n += 1
+        ahead.update(hashes)
+        todo -= min(n * kv.block_size, todo - 1)
     return todo
 
 
@@ -300,9 +308,12 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
     costs, ``added`` requests taken so far and the prefix cache's events since the last call."""
     kv = scheduler.kv_cache_manager
     queued: dict[int, list[int]] = {}
-    for req in (*scheduler.waiting, *scheduler.swapped):
+    ahead: set = set()   # block hashes the running set and the requests seated before have or will cache
+    for r in scheduler.running:
+        ahead.update(kv.req_to_block_hashes.get(r.request_id, ()))
+    for req in (*scheduler.swapped, *scheduler.waiting):
         c = queued.setdefault(req.priority, [0, 0])
-        c[0] += _to_compute(kv, req)
+        c[0] += _to_compute(kv, req, ahead)
         c[1] += 1
     running_prefill = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in scheduler.running)
     decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]

@@ -270,3 +270,21 @@ def test_a_request_arriving_during_a_step_waits_for_what_is_left_of_it():
     assert abs(at_state.seconds - delivered) <= 0.1 * delivered, (at_state.seconds, delivered)
     idle = ScriptedEngine()
     assert predict_ttft(idle.state, 100, 0, elapsed_s=5.0).seconds == pytest.approx(STEP_S + 100 / PREFILL_TOK_S)
+
+
+def test_a_follow_up_queued_behind_its_earlier_turn_counts_only_its_new_tail():
+    """Turn 1 and turn 2 of a conversation both queued: turn 1 computes and caches the shared prefix before
+    turn 2 is seated, so turn 2 adds only its tail to the prefill ahead; the prediction matches the engine."""
+    rng = random.Random(11)
+    eng = ScriptedEngine()
+    system = tokens(rng, 800)
+    turn1 = system + tokens(rng, 30)
+    eng.add("turn1", turn1, max_tokens=2)
+    eng.add("turn2", turn1 + tokens(rng, 60), max_tokens=2)
+    ahead = sum(c[1] for c in eng.state.queued_prefill)
+    assert ahead <= len(turn1) + 60 + 2 * 16          # not 830 + 890
+    prompt = tokens(rng, 100)
+    p = eng.predict(prompt)
+    eng.add("new", prompt, max_tokens=2)
+    eng.run()
+    assert abs(p - eng.ttft("new")) <= STEP_S + 0.1 * eng.ttft("new"), (p, eng.ttft("new"))
