@@ -132,8 +132,8 @@ class TTFTPrediction:
         p = self.parts
         waits = "".join(f", waits {p[k]:.2f} s for {k[5:]}" for k in ("wait_seat", "wait_kv") if p.get(k))
         now = f"{p['current']:.2f} s left of the running step + " if p.get("current") else ""
-        return (f"{self.seconds:.2f} s ({now}{p.get('ahead', 0)} prefill tokens ahead + {p.get('uncached', 0)} uncached "
-                f"of {p.get('prompt', 0)}, {p.get('steps', 0)} steps at {p.get('step_s', 0) * 1000:.0f} ms + "
+        return (f"{self.seconds:.2f} s ({now}{p.get('ahead', 0)} prefill tokens ahead + "
+                f"{p.get('uncached', 0)} uncached of {p.get('prompt', 0)}, {p.get('steps', 0)} steps at {p.get('step_s', 0) * 1000:.0f} ms + "
                 f"{p.get('prefill_tok_s', 0):.0f} tok/s{waits})")
 
 
