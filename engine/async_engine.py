@@ -94,6 +94,7 @@ class AsyncEngine:
         self._stats: EngineStats | None = None
         self._prefix_mirror = PrefixMirror()   # the core's prefix cache, from its events (TTFT predictions)
         self._pending = PendingAdds()          # sent, not yet in the core's last state (TTFT predictions)
+        self._stats_at = 0.0                   # monotonic seconds the last step's stats came (its successor began)
         self._acks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._ack_ids = itertools.count()
         self._drain_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
@@ -315,7 +316,8 @@ class AsyncEngine:
         if state is None:
             return None
         cached = self._prefix_mirror.cached_tokens(prompt_token_ids, state.block_size)
-        return predict_ttft(self._pending.with_pending(state), len(prompt_token_ids), cached, priority)
+        return predict_ttft(self._pending.with_pending(state), len(prompt_token_ids), cached, priority,
+                            elapsed_s=max(time.monotonic() - self._stats_at, 0.0))
 
     # ------------------------------------------------- core side (one thread)
     def _abort_here(self, rid: str) -> None:
@@ -345,6 +347,7 @@ class AsyncEngine:
             processed = proc.process_outputs(step.outputs, step.timestamp)
             deliveries += [(out.request_id, out) for out in processed.request_outputs]
             self._stats = step.stats
+            self._stats_at = time.monotonic()
             if step.stats.ttft is not None:
                 self._prefix_mirror.apply(step.stats.ttft)
                 self._pending.seen(step.stats.ttft.added)

@@ -10,10 +10,11 @@ scrape lag (at most one step old). ``predict_ttft`` is a pure function of the st
 The model, per step: time = ``step_s`` (a decode step of the running set) + prefill tokens / ``prefill_tok_s``.
 A new request of priority p gets its first token when the prefill tokens ahead of it (the running set's, then
 the waiting classes <= p; in fcfs every queued request is ahead) and its own uncached tokens are computed, at
-most ``budget - decode rows`` prefill tokens a step, each step filled with whatever prefill is queued; or, when
-seats (``max_num_seqs``) are the bottleneck, when a seat frees for it (each request ahead takes the next seat to
-free and holds it for its own decode) and it prefills: the later of the two. With no KV blocks left for the
-prefill ahead it first waits for the running set's shortest remaining decode.
+most ``budget - decode rows`` prefill tokens a step, each step filled with whatever prefill is queued; when
+seats (``max_num_seqs``) are the bottleneck, it takes more steps: until a seat frees for it (each request ahead
+takes the next seat to free and holds it for its own decode), then its own prefill steps; the prefill work ahead
+is paid either way. With no KV blocks left for the prefill ahead it first waits for the running set's shortest
+remaining decode. Waiting requests count their prompt less the prefix the cache holds for them.
 """
 
 from __future__ import annotations
@@ -79,28 +80,43 @@ class TTFTState(msgspec.Struct, array_like=True):
 @dataclass
 class TTFTCalibration:
     """Step costs measured online (EWMA). Starts from a guess (``step_s`` seconds, ``prefill_tok_s`` tokens/s)
-    that the first steps replace."""
+    that the first steps replace.
+
+    The prefill rate is a ratio of EWMAs (prefill tokens over their seconds beyond ``step_s``), not an EWMA of
+    each step's rate: a step that computes only a prompt's uncached tail (tens of tokens) measures its rate
+    mostly from noise, and averaging rates let those steps drag the rate of the full chunks that make a queue's
+    wait down (the spill run over-predicted deep queues by up to 2x)."""
 
     step_s: float = 0.05
     prefill_tok_s: float = 2000.0
     steps: int = 0
+    _tokens: float = field(default=0.0, repr=False)    # EWMA of a prefill step's prefill tokens
+    _seconds: float = field(default=0.0, repr=False)   # EWMA of its seconds beyond step_s
+    _decode_n: int = field(default=0, repr=False)      # decode-only / prefill steps observed
+    _prefill_n: int = field(default=0, repr=False)
 
     def observe(self, seconds: float, prefill_tokens: int, decode_rows: int) -> None:
         """Fold in one step: ``seconds`` of wall time, ``prefill_tokens`` prefill tokens and ``decode_rows``
         decode rows computed. A decode-only step measures ``step_s``; a step with prefill measures the prefill
-        rate over the time beyond ``step_s``."""
+        rate over the time beyond ``step_s``. The n-th observation of a kind weighs max(1/n, ``EWMA_ALPHA``):
+        the first replaces the guess and the first ten are averaged alike (a fresh engine's first, slower step
+        otherwise kept half its weight through a warm-up of a few requests)."""
         if seconds <= 0:
             return
-        a = EWMA_ALPHA if self.steps else 1.0   # the first measurement replaces the guess
         if prefill_tokens == 0:
             if decode_rows > 0:
-                self.step_s += a * (seconds - self.step_s)
+                self._decode_n += 1
+                self.step_s += max(1.0 / self._decode_n, EWMA_ALPHA) * (seconds - self.step_s)
                 self.steps += 1
             return
         # A step with prefill pays the fixed cost too; a fifth of the step is a floor on its prefill time so that
         # one noisy decode measurement cannot make the prefill rate infinite.
         prefill_s = max(seconds - self.step_s, 0.2 * seconds)
-        self.prefill_tok_s += a * (prefill_tokens / prefill_s - self.prefill_tok_s)
+        self._prefill_n += 1
+        a = max(1.0 / self._prefill_n, EWMA_ALPHA)
+        self._tokens += a * (prefill_tokens - self._tokens)
+        self._seconds += a * (prefill_s - self._seconds)
+        self.prefill_tok_s = self._tokens / self._seconds
         self.steps += 1
 
 
@@ -115,38 +131,56 @@ class TTFTPrediction:
         """One line: the prediction and its inputs."""
         p = self.parts
         waits = "".join(f", waits {p[k]:.2f} s for {k[5:]}" for k in ("wait_seat", "wait_kv") if p.get(k))
-        return (f"{self.seconds:.2f} s ({p.get('ahead', 0)} prefill tokens ahead + {p.get('uncached', 0)} uncached "
-                f"of {p.get('prompt', 0)}, {p.get('steps', 0)} steps at {p.get('step_s', 0) * 1000:.0f} ms + "
+        now = f"{p['current']:.2f} s left of the running step + " if p.get("current") else ""
+        return (f"{self.seconds:.2f} s ({now}{p.get('ahead', 0)} prefill tokens ahead + "
+                f"{p.get('uncached', 0)} uncached of {p.get('prompt', 0)}, {p.get('steps', 0)} steps at {p.get('step_s', 0) * 1000:.0f} ms + "
                 f"{p.get('prefill_tok_s', 0):.0f} tok/s{waits})")
 
 
-def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, priority: int = 0) -> TTFTPrediction:
+def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, priority: int = 0,
+                 elapsed_s: float | None = None) -> TTFTPrediction:
     """Predicted seconds from admission to the first token of a request of ``prompt_tokens`` tokens, of which
-    ``cached_tokens`` are in the prefix cache, at ``priority`` (smaller = more urgent), given ``state``."""
+    ``cached_tokens`` are in the prefix cache, at ``priority`` (smaller = more urgent), given ``state``.
+
+    ``elapsed_s``: seconds since ``state`` was published, while a busy core runs its next step (planned without
+    this request, which joins the step after): that step is predicted whole (its decode and its share of the
+    prefill ahead) and ``elapsed_s`` of it has passed. None: no step is running (the request joins the next one,
+    as in a scripted engine between steps). Without it, a request arriving late in a long prefill step was
+    predicted that whole step again (0.3 s measured after 1.2 s predicted in the spill run), and one arriving
+    during a decode step was predicted to share it."""
     uncached = max(prompt_tokens - cached_tokens, 1)   # the last prompt token is always computed
     classes = [c for c in state.queued_prefill if state.fcfs or c[0] <= priority]
     ahead = state.running_prefill + sum(c[1] for c in classes)
     per_step = max(state.budget - state.decode_rows, 1)
+    queued = state.running_prefill + sum(c[1] for c in state.queued_prefill)
+    busy = elapsed_s is not None and (state.num_running > 0 or queued > 0)
+    current = 0.0
+    if busy:   # the step running now computes the first chunk of what is queued
+        first = min(queued, per_step)
+        current = max(state.step_s + first / state.prefill_tok_s - elapsed_s, 0.0)
+        ahead -= min(ahead, per_step)
+        queued -= first
     steps = max(math.ceil((ahead + uncached) / per_step), 1)
     # Those steps are filled with whatever prefill is queued, behind this request too (a full step costs its
     # whole budget whoever's tokens they are).
-    queued = state.running_prefill + sum(c[1] for c in state.queued_prefill)
     work = min(steps * per_step, queued + uncached)
-    prefill_path = steps * state.step_s + work / state.prefill_tok_s
+    prefill_path = current + steps * state.step_s + work / state.prefill_tok_s
     n_ahead = sum(c[2] for c in classes)
     holds = [m for p, m in state.waiting_decode if state.fcfs or p <= priority][:n_ahead]
     holds += [state.typical_decode] * (n_ahead - len(holds))   # sent but not in the state yet, or past the list
     remaining = state.remaining_decode
-    wait_seat = _seat_free_at(remaining, state.max_num_seqs - state.num_running, holds) * state.step_s
+    seat_steps = _seat_free_at(remaining, state.max_num_seqs - state.num_running, holds)
+    wait_seat = seat_steps * state.step_s
     need_blocks = math.ceil((ahead + prompt_tokens) / state.block_size) - cached_tokens // state.block_size
     wait_kv = remaining[0] * state.step_s if remaining and need_blocks > state.free_blocks else 0.0
-    own_steps = math.ceil(uncached / per_step)
-    own = own_steps * state.step_s + min(own_steps * per_step, queued + uncached) / state.prefill_tok_s
-    # Waiting for a seat overlaps the prefill of those ahead (they prefill as seats free): the longer path.
-    seconds = max(wait_kv + prefill_path, wait_seat + own)
+    # Waiting for a seat: the steps until one frees, then its own prefill steps. Those steps also compute the
+    # prefill of every request ahead (each prefills as it gets its seat, before this one): the steps are the
+    # more of the two counts and the prefill work is paid either way.
+    extra_steps = max(seat_steps - int(busy) + math.ceil(uncached / per_step) - steps, 0.0)
+    seconds = wait_kv + prefill_path + extra_steps * state.step_s
     return TTFTPrediction(seconds, {
         "prompt": prompt_tokens, "uncached": uncached, "ahead": ahead, "steps": steps, "step_s": state.step_s,
-        "prefill_tok_s": state.prefill_tok_s, "wait_seat": wait_seat, "wait_kv": wait_kv})
+        "prefill_tok_s": state.prefill_tok_s, "wait_seat": wait_seat, "wait_kv": wait_kv, "current": current})
 
 
 def _seat_free_at(remaining: list[int], free: int, holds: list[float]) -> float:
@@ -250,17 +284,39 @@ def _seat_order(scheduler, n: int) -> list:
     return queue[:n]
 
 
+def _to_compute(kv, req, ahead: set) -> int:
+    """Prompt tokens ``req`` (waiting or swapped) still has to compute: a waiting request that holds no blocks
+    yet less the prefix its admission will find cached: blocks in the cache now (``get_computed_blocks``: dict
+    look-ups of hashes kept per request) or computed by then by a request ahead of it (``ahead``: their block
+    hashes; ``req``'s are added). Counting a queued follow-up turn's whole conversation as prefill made a deep
+    queue of multi-turn requests look about twice as long as it was (its earlier turn, queued ahead, computes
+    and caches the shared prefix)."""
+    todo = max(req.num_prompt_tokens - req.num_computed_tokens, 0)
+    if req.num_computed_tokens == 0 and todo and req.request_id not in kv.req_to_blocks:
+        _, hit = kv.get_computed_blocks(req)
+        hashes = kv.req_to_block_hashes.get(req.request_id, ())
+        n = hit // kv.block_size
+        while n < len(hashes) and hashes[n] in ahead:
+            n += 1
+        ahead.update(hashes)
+        todo -= min(n * kv.block_size, todo - 1)
+    return todo
+
+
 def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTState:
     """The ``TTFTState`` of ``scheduler`` (an ``engine.scheduler.Scheduler``) now, with ``calibration``'s step
     costs, ``added`` requests taken so far and the prefix cache's events since the last call."""
+    kv = scheduler.kv_cache_manager
     queued: dict[int, list[int]] = {}
-    for req in (*scheduler.waiting, *scheduler.swapped):
+    ahead: set = set()   # block hashes the running set and the requests seated before have or will cache
+    for r in scheduler.running:
+        ahead.update(kv.req_to_block_hashes.get(r.request_id, ()))
+    for req in (*scheduler.swapped, *scheduler.waiting):
         c = queued.setdefault(req.priority, [0, 0])
-        c[0] += max(req.num_prompt_tokens - req.num_computed_tokens, 0)
+        c[0] += _to_compute(kv, req, ahead)
         c[1] += 1
     running_prefill = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in scheduler.running)
     decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
-    kv = scheduler.kv_cache_manager
     stored, removed, resync = drain_kv_events(kv.block_pool)
     return TTFTState(
         block_size=scheduler.block_size, budget=scheduler.max_num_batched_tokens,

@@ -104,6 +104,7 @@ class Gateway:
         self.cache = ResponseCache(CacheStore(self.resilience.state), self.obs.metrics)   # routes' cache: entries
         self.latency = UpstreamLatency()   # upstreams' rolling TTFT, for slo routes
         self.local_cost = None             # gateway.billing.local_cost.LocalCost when local.cost is set
+        self.obs.local_price = self.local_billing_price   # the ledger bills the local engine at it
         store = RolloutStore(self.resilience.state)   # rollouts and parity records, shared by replicas
         self.rollouts = RolloutController(self, store)
         self.shadows = ShadowRunner(store, self.usage, Counter(
@@ -180,6 +181,14 @@ class Gateway:
             except Exception as e:  # noqa: BLE001
                 log.warning("closing backend %s: %s", b.name, e)
         await self.ledger.aclose()
+
+    def local_billing_price(self, backend: str):
+        """The ``Price`` the ledger bills ``backend``'s answers at when it is the local engine with ``local.cost``
+        set (its price from the machine's cost and the tokens it served, as routing sees it); None otherwise."""
+        local, lc = self.snapshot.local if self.snapshot is not None else None, self.local_cost
+        if lc is None or local is None or local.name != backend or local.cfg.cost is None:
+            return None
+        return lc.price
 
     def live_gauges(self) -> LiveGauges:
         """What ``GET /metrics`` reads at scrape time."""

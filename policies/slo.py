@@ -2,7 +2,10 @@
 
 Each target's predicted TTFT comes in the live signals (``Signals.ttft``, by backend name): for the co-located
 engine, its prediction for this very request at admission (``engine/ttft.py``); for an upstream, the gateway's
-rolling estimate from its own attempts (``gateway/backends/latency.py``). A target with no estimate yet is
+rolling estimate from its own attempts (``gateway/backends/latency.py``). A target meets the SLO when its
+``TTFTEstimate.checked`` does: an upstream's p90, the engine's prediction plus the p90 of its own recent error
+(a prediction is a median: one just under the SLO would miss it about half of the time). A target with no
+estimate yet is
 assumed to meet the SLO (it gets traffic, hence an estimate), and one failing half of its recent calls or more
 is assumed not to. The cost of the request on a target is its prompt at the target's input price plus
 ``max_tokens`` (else ``EXPECTED_OUTPUT_TOKENS``) at its output price.
@@ -32,11 +35,20 @@ class Slo:
 @dataclass(frozen=True)
 class TTFTEstimate:
     """A backend's predicted TTFT for this request (``seconds``; None: no estimate yet), what it is based on
-    (``basis``, for explanations) and the share of its recent calls that failed (``error_rate``, 0..1)."""
+    (``basis``, for explanations), the share of its recent calls that failed (``error_rate``, 0..1) and the
+    figure the SLO is checked against (``high``, seconds: the prediction plus its own observed error's 90th
+    percentile, so that a prediction just under the SLO does not miss it half of the time; None: ``seconds``,
+    already a high percentile for an upstream)."""
 
     seconds: float | None
     basis: str = ""
     error_rate: float = 0.0
+    high: float | None = None
+
+    @property
+    def checked(self) -> float | None:
+        """Seconds compared with the SLO."""
+        return self.seconds if self.high is None else self.high
 
 
 def request_cost(target, prompt_tokens: int | None, max_tokens: int | None, cached: bool = False) -> float:
@@ -59,7 +71,7 @@ def rank(live: list, slo: Slo, estimates: dict[str, TTFTEstimate], prompt_tokens
 
     def meets(t) -> bool:
         e = est[t.id]
-        return e.error_rate < MAX_ERROR_RATE and (e.seconds is None or e.seconds <= budget_s)
+        return e.error_rate < MAX_ERROR_RATE and (e.checked is None or e.checked <= budget_s)
 
     def predicted(t) -> float:
         s = est[t.id].seconds
@@ -72,7 +84,9 @@ def rank(live: list, slo: Slo, estimates: dict[str, TTFTEstimate], prompt_tokens
     for t in good + bad:
         e = est[t.id]
         said = "no estimate yet" if e.seconds is None else f"predicted {e.seconds:.2f} s"
-        cmp = "" if e.seconds is None else (" <= " if e.seconds <= budget_s else " > ") + f"SLO {budget_s:g} s"
+        if e.high is not None and e.seconds is not None:
+            said += f" (p90 {e.high:.2f} s)"
+        cmp = "" if e.checked is None else (" <= " if e.checked <= budget_s else " > ") + f"SLO {budget_s:g} s"
         err = f", {100 * e.error_rate:.0f} % errors" if e.error_rate else ""
         basis = f" [{e.basis}]" if e.basis else ""
         warm = " (prompt cache home)" if t.id == home else ""

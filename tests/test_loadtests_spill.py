@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loadtests.scenarios.prompt_cache import figures
-from loadtests.scenarios.spill import Outcome, analyse, arrivals, ramp_rate
+from loadtests.scenarios.spill import Arrival, Outcome, analyse, arrivals, fluid_upstream_share, ramp_rate
 
 
 def test_arrivals_ramp_up_to_the_peak_and_back_with_returning_conversations():
@@ -38,3 +38,10 @@ def test_prompt_cache_figures_price_cached_tokens_at_the_cached_rate():
     f = figures({"requests": 2, "failed": 0, "prompt": 1000, "cached": 800, "completion": 20})
     assert f["cached_share_pct"] == 80.0
     assert f["usd_per_1000"] == pytest.approx(1000 * (200 * 0.30 + 800 * 0.03 + 20 * 1.20) / 1e6 / 2)
+
+
+def test_fluid_upstream_share_sends_what_an_engine_of_that_capacity_would_serve_late():
+    burst = [Arrival(0.0, [], i) for i in range(4)] + [Arrival(10.0, [], 4)]
+    # capacity 1 req/s, SLO 2.5 s: two of the burst are served in time, two wait past it; the engine is idle by 10 s
+    assert fluid_upstream_share(burst, capacity=1.0, slo_s=2.5) == pytest.approx(40.0)
+    assert fluid_upstream_share(burst, capacity=10.0, slo_s=2.5) == 0.0

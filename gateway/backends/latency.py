@@ -6,7 +6,10 @@
   (once there are ``MIN_RATIOS``): what the engine cannot see (the front end's and the gateway's share of the
   CPU, other processes on the box) shows up there. The median, not a high percentile, and a window in time: a
   burst decided before the engine counted it (its predictions far too low) must not hold every later
-  prediction high, and a factor that stops the engine getting traffic expires with its samples.
+  prediction high, and a factor that stops the engine getting traffic expires with its samples. The SLO is
+  checked against the corrected prediction times the spread of those ratios (their 90th percentile over their
+  median, ``TTFTEstimate.high``): a margin as wide as the prediction's own recent error, so a request predicted
+  just under the SLO does not miss it half of the time; ``DEFAULT_MARGIN`` until there are ``MIN_RATIOS``.
 - An upstream: a rolling estimate from this gateway's own calls to it (``UpstreamLatency.track`` wraps the
   attempt loop's calls): the 90th percentile TTFT of its last ``WINDOW`` answers (time to the first streamed
   chunk, or to the whole body), and the share of those calls that failed (transport error, 429, 5xx). A high
@@ -31,9 +34,13 @@ MIN_RATIOS = 10
 RATIO_WINDOW_S = 60.0
 # Local predictions remembered until their request's attempt reads them back (requests explained, never sent).
 _PREDICTED_MAX = 4096
-# Below this many seconds a prediction is compared as if it were this: a fixed overhead of a few tens of ms
-# would otherwise make an idle engine's ratios huge and scale every later prediction by them.
+# Below this many seconds a prediction and a measured TTFT are compared as if they were this: a fixed overhead
+# of a few tens of ms would otherwise make an idle engine's ratios huge and scale every later prediction by them.
+# Both sides: flooring the prediction alone made every short answer's ratio < 1 (0.1 s measured / 0.25 s), and
+# an SLO route serving mostly short queues locally then scaled its predictions by ~0.5 (spill run).
 RATIO_FLOOR_S = 0.25
+# The local engine's margin before its answers measured one: its prediction's target accuracy (20 %).
+DEFAULT_MARGIN = 1.2
 
 
 class UpstreamLatency:
@@ -73,28 +80,32 @@ class UpstreamLatency:
                 if len(self._predicted) >= _PREDICTED_MAX:
                     self._predicted.pop(next(iter(self._predicted)))
                 self._predicted[req.request_id] = p.seconds
-                factor, why = self.correction()
-                out[local.name] = TTFTEstimate(p.seconds * factor, f"{p.describe()}{why}")
+                factor, margin, why = self.correction()
+                out[local.name] = TTFTEstimate(p.seconds * factor, f"{p.describe()}{why}",
+                                               high=p.seconds * factor * margin)
         return out
 
-    def correction(self, now: float | None = None) -> tuple[float, str]:
-        """(factor on the engine's predictions, its explanation): the median of measured / predicted TTFT of its
-        answers in the last ``RATIO_WINDOW_S`` seconds before ``now`` (monotonic); (1, "") with fewer than
-        ``MIN_RATIOS``."""
+    def correction(self, now: float | None = None) -> tuple[float, float, str]:
+        """(factor on the engine's predictions, margin on the corrected prediction for the SLO check, their
+        explanation): the median of measured / predicted TTFT of its answers in the last ``RATIO_WINDOW_S``
+        seconds before ``now`` (monotonic) and their 90th percentile over that median (at least 1); (1,
+        ``DEFAULT_MARGIN``, "") with fewer than ``MIN_RATIOS``."""
         now = time.monotonic() if now is None else now
         while self._ratios and self._ratios[0][0] < now - RATIO_WINDOW_S:
             self._ratios.popleft()
         if len(self._ratios) < MIN_RATIOS:
-            return 1.0, ""
+            return 1.0, DEFAULT_MARGIN, ""
         r = sorted(x for _, x in self._ratios)
         f = r[len(r) // 2]
-        return f, f" x {f:.2f} (median of measured/predicted, last {len(r)} answers)"
+        margin = max(r[min(int(PERCENTILE * len(r)), len(r) - 1)] / f, 1.0)
+        return f, margin, (f" x {f:.2f} (median of measured/predicted, last {len(r)} answers; p90 x {margin:.2f} "
+                           f"more)")
 
     def observe_local(self, request_id: str, ttft_s: float) -> None:
         """The local engine answered ``request_id`` after ``ttft_s`` seconds: its ratio to the prediction."""
         predicted = self._predicted.pop(request_id, None)
         if predicted is not None:
-            self._ratios.append((time.monotonic(), ttft_s / max(predicted, RATIO_FLOOR_S)))
+            self._ratios.append((time.monotonic(), max(ttft_s, RATIO_FLOOR_S) / max(predicted, RATIO_FLOOR_S)))
 
     def track(self, request_id: str):
         """An attempt hook for ``request_id``: ``attempt`` (one call of the attempt loop) timing each call to its

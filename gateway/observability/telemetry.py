@@ -54,9 +54,13 @@ class Observability:
             current at its arrival (``configure`` hands each new one over).
         usage: the usage ledger (cost of answered requests; budget reservations settled or released).
         live: the gateway's scrape-time gauges (``metrics.LiveGauges``).
+
+    ``local_price``: backend name -> the price its answers are billed at instead of its configured ``prices``,
+    or None (the gateway sets it: the local engine's price from ``local.cost``, ``gateway/billing/local_cost.py``).
     """
 
     def __init__(self, cfg, usage: UsageLedger, live: Callable[[], LiveGauges] = LiveGauges):
+        self.local_price: Callable[[str], Price | None] = lambda backend: None
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, live)
         tcfg = cfg.observability.tracing
@@ -371,7 +375,8 @@ class Observability:
             bcfg = cfg.backends.get(rec.backend)
             if bcfg is None and rec.backend == "cache":      # a cache hit: the cache's price (gateway/cache/)
                 bcfg = cache_config(cfg, rec.route, rec.model)
-            nusd = cost_nusd(Price.of(bcfg.prices if bcfg is not None else None), *tokens)
+            price = self.local_price(rec.backend) or Price.of(bcfg.prices if bcfg is not None else None)
+            nusd = cost_nusd(price, *tokens)
         counted = tokens if answered else None
         await self._settle(rec, counted, nusd, estimated)
         self._meter(rec, status, latency, counted, nusd)

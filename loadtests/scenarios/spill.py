@@ -113,6 +113,8 @@ class Outcome:
     completion_tokens: int = 0
     predicted_local: float | None = None
     predicted_engine: float | None = None
+    at: float = 0.0
+    explain: str = ""
 
 
 # "local predicted 1.20 s <= SLO 2.5 s at ... USD [1.00 s (...) x 1.20 (p90 ...)]": the gateway's figure (the
@@ -132,6 +134,7 @@ async def one(session: aiohttp.ClientSession, url: str, a: Arrival, max_tokens: 
             m = _PREDICTED.search(r.headers.get("x-tandem-slo", ""))
             out.predicted_local = float(m.group(1)) if m else None
             out.predicted_engine = float(m.group(2)) if m and m.group(2) else None
+            out.explain = r.headers.get("x-tandem-slo", "")
             if r.status != 200:
                 return out
             async for line in r.content:
@@ -157,7 +160,9 @@ async def drive(url: str, schedule: list[Arrival], max_tokens: int) -> list[Outc
 
         async def at(a: Arrival) -> Outcome:
             await asyncio.sleep(max(0.0, t0 + a.at - time.perf_counter()))
-            return await one(session, url, a, max_tokens)
+            o = await one(session, url, a, max_tokens)
+            o.at = a.at
+            return o
 
         return list(await asyncio.gather(*(at(a) for a in schedule)))
 
@@ -185,7 +190,25 @@ def analyse(outcomes: list[Outcome], slo_s: float, prices: dict[str, dict]) -> d
             "engine_prediction_error_p50_pct": 100 * engine["p50"] if engine else None,
             "engine_prediction_error_p90_pct": 100 * engine["p90"] if engine else None,
             "ttft_p50_s": ttft.get("p50"), "ttft_p99_s": ttft.get("p99"),
-            "local_predicted_vs_measured_s": [[round(p, 3), round(m, 3)] for p, m in pairs]}
+            "local_predicted_vs_measured_s": [[round(p, 3), round(m, 3)] for p, m in pairs],
+            "requests_log": [[round(o.at, 3), o.backend, o.ttft and round(o.ttft, 3), o.predicted_local,
+                              o.predicted_engine, o.prompt_tokens, o.explain] for o in outcomes]}
+
+
+def fluid_upstream_share(schedule: list[Arrival], capacity: float, slo_s: float) -> float:
+    """% of ``schedule`` a policy must send upstream to meet ``slo_s`` if the engine served ``capacity``
+    requests/s first come first served (a request's TTFT: the work queued ahead, in seconds, plus its own
+    1 / capacity): a reference for the upstream share (hence the cost) that meeting the SLO takes; a rule that
+    queues more serves more locally, late."""
+    backlog, last, sent = 0.0, 0.0, 0
+    for a in schedule:
+        backlog = max(backlog - (a.at - last), 0.0)
+        last = a.at
+        if backlog + 1.0 / capacity <= slo_s:
+            backlog += 1.0 / capacity
+        else:
+            sent += 1
+    return 100.0 * sent / len(schedule) if schedule else 0.0
 
 
 # ------------------------------------------------------------------ the run
@@ -216,8 +239,8 @@ def _config(path: Path, policy: str, ports: dict[str, int], model: str | None, s
 
 
 def _warm_up(url: str, max_tokens: int, seed: int) -> None:
-    """4 requests one after the other: the engine's step costs are measured before the run."""
-    for a in arrivals(1.0, 40.0, 1.0, 1.0, seed + 2)[:4]:
+    """8 requests one after the other: the engine's step costs are measured before the run."""
+    for a in arrivals(1.0, 40.0, 1.0, 1.0, seed + 2)[:8]:
         asyncio.run(drive(url, [Arrival(0.0, a.messages, a.conversation)], max_tokens))
 
 
@@ -270,8 +293,11 @@ def run(args: argparse.Namespace) -> int:
     note = (f"capacity {fmt(capacity, '.2f')} req/s (measured, local only); arrivals {args.low:g}x -> "
             f"{args.high:g}x -> {args.low:g}x over {args.duration:g} s; aggregators: "
             + ", ".join(f"{n} TTFT {a['ttft']:g} s at {a['input']:g}/{a['output']:g} USD/M" for n, a in
-                        AGGREGATORS.items()) + f"; local {LOCAL_PRICES['input']:g}/{LOCAL_PRICES['output']:g} USD/M")
+                        AGGREGATORS.items()) + f"; local {LOCAL_PRICES['input']:g}/{LOCAL_PRICES['output']:g} USD/M"
+            + f"; upstream share an engine serving {fmt(capacity, '.2f')} req/s in order needs to meet the SLO: "
+            f"{fluid_upstream_share(schedule, capacity, slo_s):.1f} %")
     write_report(Path(args.out), "Spill to aggregators by predicted TTFT", [],
-                 {"figures": figures, "capacity_rps": capacity, "slo_ms": args.slo_ms}, table + "\n\n" + note)
+                 {"figures": figures, "capacity_rps": capacity, "slo_ms": args.slo_ms,
+                  "fluid_upstream_share_pct": fluid_upstream_share(schedule, capacity, slo_s)}, table + "\n\n" + note)
     print(table + "\n\n" + note)
     return 0

@@ -205,3 +205,86 @@ def test_requests_queued_for_seats_wait_for_the_running_set_to_finish():
     for rid, p in predicted.items():
         assert abs(p - eng.ttft(rid)) <= STEP_S + 0.15 * eng.ttft(rid), (rid, p, eng.ttft(rid))
     assert max(eng.ttft(r) for r in predicted) > 40 * STEP_S, "no seat queue built up"
+
+
+def test_queued_follow_up_turns_count_only_what_the_prefix_cache_lacks():
+    """Multi-turn: follow-ups queued behind a busy engine repeat conversations the cache holds; the prediction
+    counts their uncached tails as prefill ahead, not their whole prompts, and matches the engine's TTFT."""
+    rng = random.Random(9)
+    eng = ScriptedEngine()
+    systems = [tokens(rng, 800) for _ in range(4)]
+    for i, s in enumerate(systems):
+        eng.add(f"first{i}", s + tokens(rng, 30), max_tokens=2)
+    eng.run()
+    for i, s in enumerate(systems):
+        eng.add(f"next{i}", s + tokens(rng, 60), max_tokens=2)
+    ahead = sum(c[1] for c in eng.state.queued_prefill)
+    assert ahead <= 4 * (60 + 16 + 30)   # the tails (and a partial block each), not 4 x 860
+    prompt = tokens(rng, 100)
+    p = eng.predict(prompt)
+    eng.add("new", prompt, max_tokens=2)
+    eng.run()
+    assert abs(p - eng.ttft("new")) <= STEP_S + 0.1 * eng.ttft("new"), (p, eng.ttft("new"))
+
+
+def test_prefill_rate_is_weighted_by_tokens_not_averaged_over_steps():
+    """Full chunks and short tails alternate: the rate is the tokens over their time, which a few noisy short
+    steps cannot drag down."""
+    cal = TTFTCalibration(step_s=0.030, prefill_tok_s=3000.0, steps=1)
+    for _ in range(200):
+        cal.observe(0.030 + 512 / 3000, 512, 4)
+        cal.observe(0.030 + 0.010 + 20 / 3000, 20, 4)   # a short tail with 10 ms of noise
+    assert cal.prefill_tok_s == pytest.approx(3000, rel=0.1)
+
+
+def test_calibration_averages_its_first_steps_alike():
+    """A fresh engine's first prefill step is slow (first use of its shapes): after ten more steps it weighs a
+    tenth, not 0.9^10 of a plain EWMA started from it."""
+    cal = TTFTCalibration()
+    cal.observe(0.030 + 512 / 300, 512, 4)          # 10x slower than the steps that follow
+    for _ in range(9):
+        cal.observe(0.030 + 512 / 3000, 512, 4)
+    assert cal.prefill_tok_s == pytest.approx(512 * 10 / (512 / 300 + 9 * 512 / 3000), rel=0.1)
+    assert cal.prefill_tok_s > 1500
+
+
+def test_a_request_arriving_during_a_step_waits_for_what_is_left_of_it():
+    """A busy core runs its next step as soon as it publishes a state; a request arriving joins the step after.
+    Predicted at the state (elapsed 0) it waits for that whole step; half a step later, for half of it less;
+    the prediction at elapsed 0 matches the scripted engine's TTFT counted from that moment."""
+    rng = random.Random(10)
+    eng = ScriptedEngine()
+    eng.add("long", tokens(rng, 1000))
+    eng.step()
+    prompt = tokens(rng, 100)
+    at_state = predict_ttft(eng.state, len(prompt), 0, elapsed_s=0.0)
+    running_step = STEP_S + 256 / PREFILL_TOK_S
+    later = predict_ttft(eng.state, len(prompt), 0, elapsed_s=running_step / 2)
+    assert at_state.seconds - later.seconds == pytest.approx(running_step / 2)
+    assert "left of the running step" in at_state.describe()
+    t0 = eng.now
+    eng.step()                                         # the step that was running, planned without the request
+    eng.add("new", prompt)
+    eng.run()
+    delivered = eng.first_token["new"] - t0
+    assert abs(at_state.seconds - delivered) <= 0.1 * delivered, (at_state.seconds, delivered)
+    idle = ScriptedEngine()
+    assert predict_ttft(idle.state, 100, 0, elapsed_s=5.0).seconds == pytest.approx(STEP_S + 100 / PREFILL_TOK_S)
+
+
+def test_a_follow_up_queued_behind_its_earlier_turn_counts_only_its_new_tail():
+    """Turn 1 and turn 2 of a conversation both queued: turn 1 computes and caches the shared prefix before
+    turn 2 is seated, so turn 2 adds only its tail to the prefill ahead; the prediction matches the engine."""
+    rng = random.Random(11)
+    eng = ScriptedEngine()
+    system = tokens(rng, 800)
+    turn1 = system + tokens(rng, 30)
+    eng.add("turn1", turn1, max_tokens=2)
+    eng.add("turn2", turn1 + tokens(rng, 60), max_tokens=2)
+    ahead = sum(c[1] for c in eng.state.queued_prefill)
+    assert ahead <= len(turn1) + 60 + 2 * 16          # not 830 + 890
+    prompt = tokens(rng, 100)
+    p = eng.predict(prompt)
+    eng.add("new", prompt, max_tokens=2)
+    eng.run()
+    assert abs(p - eng.ttft("new")) <= STEP_S + 0.1 * eng.ttft("new"), (p, eng.ttft("new"))

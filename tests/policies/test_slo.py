@@ -39,6 +39,16 @@ def test_explanation_quotes_predictions_costs_and_the_slo():
     assert "chosen: deepseek" in d.explain()
 
 
+def test_the_slo_is_checked_against_the_predictions_high_figure():
+    """The engine's prediction is a median; its high figure (plus its own recent p90 error) decides."""
+    near = TTFTEstimate(1.3, high=1.7)
+    d = decide(Policy((), {"chat": SLO_ROUTE}, "chat"), F, signals(local=near, deepseek=0.8), explain=True)
+    assert d.pick.target.id == "deepseek"
+    assert "local predicted 1.30 s (p90 1.70 s) > SLO 1.5 s" in d.pick.reason
+    d = decide(Policy((), {"chat": SLO_ROUTE}, "chat"), F, signals(local=TTFTEstimate(1.3, high=1.45), deepseek=0.8))
+    assert d.pick.target.id == "local"
+
+
 def test_none_meets_the_slo_the_fastest_wins():
     d = decide(Policy((), {"chat": SLO_ROUTE}, "chat"), F, signals(local=2.4, deepseek=3.0, holysheep=1.9))
     assert d.pick.target.id == "holysheep"

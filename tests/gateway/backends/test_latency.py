@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from gateway.backends.latency import RATIO_WINDOW_S, WINDOW, UpstreamLatency
+from gateway.backends.latency import DEFAULT_MARGIN, RATIO_WINDOW_S, WINDOW, UpstreamLatency
 from gateway.resilience.outcomes import UpstreamResponse
 from tests.gateway.support import FaultInjectorUpstream, GatewayProcess, upstream_config
 
@@ -33,18 +33,21 @@ def test_rolling_estimate_is_the_p90_of_recent_answers_and_counts_errors():
 
 def test_local_predictions_are_corrected_by_what_the_engine_delivered():
     lat = UpstreamLatency()
-    assert lat.correction() == (1.0, "")
+    assert lat.correction() == (1.0, DEFAULT_MARGIN, "")
     for i in range(20):
         lat._predicted[f"r{i}"] = 2.0
         lat.observe_local(f"r{i}", 2.0 * (1.0 + 0.05 * i))   # the engine delivers 1.0x .. 1.95x its prediction
-    factor, why = lat.correction()
+    factor, margin, why = lat.correction()
     assert factor == pytest.approx(1.5) and "median of measured/predicted, last 20 answers" in why
+    assert margin == pytest.approx(1.9 / 1.5)                 # the p90 ratio over the median
     lat.observe_local("never-predicted", 50.0)
     lat._predicted["tiny"] = 0.01
-    lat.observe_local("tiny", 0.05)                           # floored: 0.05 / 0.25, not 5x
-    assert max(r for _, r in lat._ratios) < 2.0
+    lat.observe_local("tiny", 0.05)                           # both floored: 1, not 5x
+    lat._predicted["short"] = 0.2
+    lat.observe_local("short", 0.1)                           # both floored: 1, not 0.1 / 0.25
+    assert [r for _, r in lat._ratios][-2:] == [1.0, 1.0]
     later = lat._ratios[-1][0] + RATIO_WINDOW_S + 1           # no answers for a minute: the factor expires
-    assert lat.correction(now=later) == (1.0, "")
+    assert lat.correction(now=later) == (1.0, DEFAULT_MARGIN, "")
 
 
 def test_a_stream_is_timed_at_its_first_content_not_its_role_event():

@@ -425,3 +425,26 @@ async def test_ledger_conformance_under_chaos():
     t1 = out["tenants"]["t1"]
     assert t1["records"] > 0 and t1["estimated"] > 0 and t1["disconnected"] > 0
     assert out["outages"] >= 2 and out["replays"] > 0            # the chaos did reach the ledger
+
+
+async def test_the_local_engine_is_billed_at_its_price_from_local_cost(tmp_path):
+    """``local.cost`` set: the first answer is billed at the configured prices (no interval has ended yet); once
+    an interval has, the ledger bills the engine at the price spread from the machine's cost over what it served
+    (the price routing sees, ``gw.local_cost``), not at the static ``prices``."""
+    model = save_byte_level_llama(tmp_path, max_position_embeddings=4096)
+    cfg = LOCAL.format(sha=sha(KEY), model=model).replace(
+        "    prices: {input: 1, output: 2}\n",
+        "    prices: {input: 1, output: 2}\n    cost: {usd_per_hour: 3600, interval_s: 0.2}\n")
+    assert "usd_per_hour" in cfg
+    async with replicas(cfg, start_engine=True) as [(gw, client)]:
+        await until(lambda: _engine_ready(gw), timeout=120)
+        await client.chat.completions.create(model="m1", messages=HELLO, max_tokens=4, temperature=0)
+        first = list((await records(gw, 1)).values())[0]
+        await asyncio.sleep(0.3)                                    # the interval ends: the next request prices it
+        await client.chat.completions.create(model="m1", messages=HELLO, max_tokens=4, temperature=0)
+        recs = await records(gw, 2)
+        [second] = [r for r in recs.values() if r.request_id != first.request_id]
+        price = gw.local_cost.price
+    assert first.nusd == cost_nusd(PRICE, first.prompt_tokens, first.completion_tokens)
+    assert price != PRICE and second.nusd == cost_nusd(price, second.prompt_tokens, second.completion_tokens)
+    assert second.nusd > 100 * first.nusd      # 1 USD a second spread over a handful of tokens
