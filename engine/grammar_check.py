@@ -31,6 +31,7 @@ import dataclasses
 import importlib
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -178,7 +179,8 @@ def _resolve(ref: str) -> Callable:
 
 
 def main() -> None:
-    """A worker's loop: checks until its stdin closes."""
+    """A worker's loop: checks until its stdin closes (its engine core is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the core ends us by closing stdin
     if len(sys.argv) > 1:  # the niceness asked for (it can only rise without privileges)
         try:
             os.setpriority(os.PRIO_PROCESS, 0, max(int(sys.argv[1]), os.getpriority(os.PRIO_PROCESS, 0)))
