@@ -221,3 +221,16 @@ def test_a_check_past_the_timeout_is_a_408_its_worker_is_killed_and_the_next_spe
             os.kill(stuck, 0)  # killed and reaped
     finally:
         pool.shutdown()
+
+
+def test_a_schema_crosses_to_the_engine_core_as_one_json_text_in_its_key_order():
+    """The core decodes a 400 KB schema as one string, not one Python object per node in a thread that shares
+    its GIL with the engine step; the order of properties (which is the output's order) is kept."""
+    from engine.core_messages import params_from_wire, params_to_wire
+    from engine.sampling_params import SamplingParams
+
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    wire = params_to_wire(SamplingParams(structured_outputs=StructuredOutputsParams(json=schema, where=("s",))))
+    spec = params_from_wire(wire).structured_outputs
+    assert spec.json == '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}}}'
+    assert spec.where == ("s",) and schema["properties"]["b"] == {"type": "integer"}  # the request's own is kept
