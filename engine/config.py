@@ -105,7 +105,7 @@ class EngineArgs:
             ``engine/models/quant_linear.py``).
         load_format: "auto" (read the weights) or "dummy" (vLLM's name:
             random weights of the shape in ``config.json``, for benchmarks).
-        structured_outputs_workers: grammar compile threads (>= 2: a slow
+        structured_outputs_workers: grammar compile threads, and as many spec-check processes (>= 2: a slow
             schema never holds up a quick one; ``engine/grammar_compiler.py``).
         structured_outputs_compile_timeout_s: longest grammar compile,
             seconds; past it the request gets 408 and the spec is refused
@@ -244,7 +244,7 @@ def add_engine_cli_args(parser) -> None:
                    help="serving: run the engine core (model, scheduler, KV cache) in its own process, so a step "
                         "never holds the HTTP event loop's GIL (--no-engine-core-process: a thread)")
     g.add_argument("--structured-outputs-workers", type=int, default=4,
-                   help="grammar compile threads (>= 2: a slow schema never holds up a quick one)")
+                   help="grammar compile threads, and as many spec-check processes (>= 2: a slow schema never holds up a quick one)")
     g.add_argument("--structured-outputs-compile-timeout-s", type=float, default=10.0,
                    help="longest grammar compile, seconds (past it: 408, and the spec is refused from then on)")
     g.add_argument("--structured-outputs-max-bytes", default="1MiB",

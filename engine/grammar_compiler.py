@@ -4,19 +4,23 @@ timeout, a size limit, a cache of refusals and one memory bound.
 A spec (``StructuredOutputsParams``) goes through ``GrammarCompilePool.submit``:
 
 1. In the submitting thread (a worker thread: never an event loop, never
-   the engine step): the spec's canonical text, refused when over
-   ``max_bytes``; its digest (sha256) is the key of everything below.
+   the engine step): the spec's canonical text (msgspec, C), refused when
+   over ``max_bytes``; its digest (sha256, the GIL released) is the key of
+   everything below. No Python work per schema node here.
 2. A digest seen before is answered at once: compiled (``GrammarCache``) or
    refused (the refusal cache: a 400 or the 408 of a timeout, again).
    A digest being compiled gets the same answer as that compile (a schema
    sent twice is compiled once).
-3. Otherwise the submitting thread validates (``json_schema_subset``, pure
-   Python, linear in the spec) and a pool worker compiles (xgrammar, which
-   releases the GIL). A timer answers 408 when the compile
-   runs longer than ``timeout_s`` and records the refusal; the worker cannot
-   be interrupted (xgrammar has no cancellation), so its result is dropped
-   when it ends. Several workers: a slow schema never holds up a quick one.
-   The workers run at a lower CPU priority (``WORKER_NICE``, Linux): a long
+3. Otherwise a pool thread has the spec checked (``validate_fn``: JSON
+   parse and the supported subset, pure Python) in a worker PROCESS
+   (``engine/grammar_check.py``: the GIL of the core is never held for it),
+   then compiles it (xgrammar, which releases the GIL). A timer answers 408
+   when check and compile run longer than ``timeout_s`` and records the
+   refusal; a check worker past the deadline is killed (and replaced on the
+   next check); a compile cannot be interrupted (xgrammar has no
+   cancellation), so its result is dropped when it ends. Several threads
+   and check workers: a slow schema never holds up a quick one. Threads and
+   workers run at a lower CPU priority (``WORKER_NICE``, Linux): a long
    compile takes the cores the engine step leaves, not the step's.
 
 ``GrammarCache`` is the only place compiled grammars are kept (xgrammar's
@@ -44,6 +48,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from engine.grammar_check import CheckFailed, CheckTimedOut, CheckWorkers, as_text
 from engine.sampling_params import StructuredOutputsParams
 
 HANDOFF_S = 60.0  # a compiled grammar waits this long, seconds, for its request
@@ -57,8 +62,9 @@ class GrammarLimits:
     """Bounds of grammar compilation (``EngineArgs.structured_outputs_*``).
 
     Attributes:
-        workers: compile threads (> 1: a slow schema does not hold up others).
-        timeout_s: longest compile, seconds; past it the request gets 408.
+        workers: compile threads, and at most as many check processes (> 1:
+            a slow schema does not hold up others).
+        timeout_s: longest check + compile, seconds; past it the request gets 408.
         max_bytes: largest spec (its canonical JSON text), bytes; over: 400.
         cache_bytes: compiled grammars kept, bytes (LRU).
         cache_entries: compiled grammars kept, entries (LRU).
@@ -152,13 +158,16 @@ class GrammarCompilePool:
             validated spec; raises ``ValueError`` naming the part at fault.
         limits: the bounds.
         validate_fn: ``validate_fn(params)`` raises ``ValueError`` naming the
-            part outside the supported subset (None: no check).
+            part outside the supported subset (None: no check); a
+            module-level function: ``submit`` runs it in a worker process
+            (``engine/grammar_check.py``), ``compile_now`` in its caller.
     """
 
     def __init__(self, compile_fn: Callable[[StructuredOutputsParams], tuple[object, int]],
                  limits: GrammarLimits, validate_fn: Callable[[StructuredOutputsParams], None] | None = None) -> None:
         self._compile_fn = compile_fn
         self._validate_fn = validate_fn or (lambda params: None)
+        self.checks = CheckWorkers(validate_fn, WORKER_NICE) if validate_fn is not None else None
         self.limits = limits
         self.cache = GrammarCache(limits.cache_entries, limits.cache_bytes)
         self._refusals: OrderedDict[str, GrammarRefused] = OrderedDict()
@@ -177,11 +186,10 @@ class GrammarCompilePool:
         must be quick.
 
         Call it from a worker thread, never an event loop: the size check, the
-        digest, the caches and the validation run in the caller's thread. They
-        hold the GIL (pure Python, linear in the spec, bounded by ``max_bytes``)
-        and so run at the caller's CPU priority: a worker at a lowered priority
-        holding the GIL while starved of CPU would stall the engine step. The
-        compile (xgrammar, the GIL released) runs in the lowered-priority pool.
+        digest and the caches run in the caller's thread (C code and dict
+        look-ups: msgspec encodes the spec, sha256 hashes it with the GIL
+        released); the check (a worker process) and the compile (xgrammar,
+        the GIL released) run in the lowered-priority pool.
         """
         try:
             digest = self.digest(params)
@@ -199,11 +207,6 @@ class GrammarCompilePool:
         if not owner:
             if flight is None:
                 done(digest, refused)  # answered from a cache: a refusal, or None for a compiled grammar
-            return
-        try:
-            self._validate_fn(params)
-        except ValueError as exc:
-            self._finish(digest, flight, None, 0, GrammarRefused(str(exc)))
             return
         try:
             self._executor.submit(self._compile_job, params, digest, flight)
@@ -251,18 +254,31 @@ class GrammarCompilePool:
         return hashlib.sha256(text).hexdigest()
 
     def shutdown(self) -> None:
+        """Stop taking compiles; kill the check workers (a compile in progress ends in the background)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.checks is not None:
+            self.checks.shutdown()
 
     # ------------------------------------------------------------------ worker
     def _compile_job(self, params: StructuredOutputsParams, digest: str, flight: _InFlight) -> None:
+        deadline = time.monotonic() + self.limits.timeout_s
         timer = threading.Timer(self.limits.timeout_s, self._time_out, (digest,))
         timer.daemon = True
         timer.start()
         grammar, nbytes, error = None, 0, None
         try:
+            params = as_text(params)  # one text for the check worker and for xgrammar
+            if self.checks is not None:
+                self.checks.check(params, deadline)
             grammar, nbytes = self._timed_compile(params)
+        except CheckTimedOut:
+            timer.cancel()
+            self._time_out(digest)
+            return
         except ValueError as exc:
             error = GrammarRefused(str(exc), getattr(exc, "status", 400))
+        except CheckFailed as exc:
+            error = GrammarRefused(str(exc), 500)
         except Exception as exc:  # noqa: BLE001 - a bug or MemoryError: answered, never left waiting
             error = GrammarRefused(f"{params.kind}: the grammar failed to compile: {type(exc).__name__}: {exc}", 500)
         finally:

@@ -3,9 +3,9 @@
 Pieces, in the order a constrained request meets them:
 
 1. ``StructuredOutputManager.submit(params, done)``: validation
-   (``engine/json_schema_subset.py``: the supported JSON-schema subset) in
-   the submitting worker thread, compile in the bounded pool of
-   ``engine/grammar_compiler.py`` (timeout,
+   (``engine/json_schema_subset.py``: the supported JSON-schema subset) in a
+   check worker process (``engine/grammar_check.py``), compile in the
+   bounded pool of ``engine/grammar_compiler.py`` (timeout,
    size limit, refusal cache, one memory bound on compiled grammars). The
    OpenAI layer waits for it before submitting, so the core's step loop only
    hits the cache.
@@ -138,8 +138,9 @@ class StructuredOutputManager:
 
     # -------------------------------------------------------------- compiling
     def submit(self, params: StructuredOutputsParams, done: Done) -> None:
-        """Validate ``params`` in this thread (a worker thread, never an event
-        loop) and compile it in the pool; ``done(digest, error)`` with
+        """Validate ``params`` in a check worker process and compile it in
+        the pool (call from a worker thread, never an event loop: the spec
+        is hashed here); ``done(digest, error)`` with
         ``GrammarRefused`` or None (``GrammarCompilePool.submit``)."""
         self.pool.submit(params, done)
 

@@ -3,7 +3,9 @@ walk through a grammar: structured-output tests that need xgrammar but no model.
 
 from __future__ import annotations
 
+import os
 import random
+import threading
 from types import SimpleNamespace
 
 from engine.sampling_params import SamplingParams
@@ -67,3 +69,12 @@ def walk(so: StructuredOutputManager, tok: CharTokenizer, spec, rng: random.Rand
         return out, False
     finally:
         so.free(rid)
+
+
+def probe_check(params) -> None:
+    """A spec check for the compile-pool tests (run in a check worker process): regex "pid" is refused
+    naming the process that checked it, "hang" never answers, anything else passes."""
+    if params.regex == "pid":
+        raise ValueError(f"checked in process {os.getpid()}")
+    if params.regex == "hang":
+        threading.Event().wait()

@@ -10,13 +10,14 @@ vocabulary (``grammar_helpers``), no model.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
 
 from engine.grammar_compiler import WORKER_NICE, GrammarCompilePool, GrammarLimits, GrammarRefused
 from engine.sampling_params import StructuredOutputsParams
-from tests.engine.grammar_helpers import manager
+from tests.engine.grammar_helpers import manager, probe_check
 
 _GUARD_S = 60  # deadlock guard only: every wait below ends on an event
 
@@ -176,3 +177,60 @@ def test_an_internal_compile_failure_is_answered_and_not_remembered():
     assert answers.wait("x")[1].status == 500
     pool.submit(StructuredOutputsParams(regex="x"), answers.done("again"))
     assert answers.wait("again")[1].status == 500  # compiled again, not answered from the refusal cache
+
+
+def _pid_in_refusal(error: GrammarRefused) -> int:
+    return int(str(error).rsplit(" ", 1)[1])
+
+
+def test_the_spec_check_runs_in_a_worker_process_at_a_lower_priority():
+    """Failure 1's cause: the pure-Python check of a large schema held the core's GIL, which every torch op of
+    the engine step retakes. It runs in another process now: the core's GIL is never held for it."""
+    pool = GrammarCompilePool(lambda p: (object(), 1), GrammarLimits(workers=2), validate_fn=probe_check)
+    try:
+        answers = Answers()
+        pool.submit(StructuredOutputsParams(regex="pid"), answers.done("pid"))
+        _, error = answers.wait("pid")
+        assert error.status == 400 and str(error).startswith("checked in process ")
+        pid = _pid_in_refusal(error)
+        assert pid != os.getpid() and pid in pool.checks.pids()
+        assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICE
+        pool.submit(StructuredOutputsParams(regex="ok"), answers.done("ok"))
+        digest, error = answers.wait("ok")
+        assert error is None and pool.cache.get(digest) is not None
+    finally:
+        pool.shutdown()
+
+
+def test_a_check_past_the_timeout_is_a_408_its_worker_is_killed_and_the_next_spec_still_checks():
+    pool = GrammarCompilePool(lambda p: (object(), 1), GrammarLimits(workers=1, timeout_s=5),
+                              validate_fn=probe_check)
+    try:
+        answers = Answers()
+        pool.submit(StructuredOutputsParams(regex="warm"), answers.done("warm"))
+        assert answers.wait("warm")[1] is None
+        (stuck,) = pool.checks.pids()
+        pool.submit(StructuredOutputsParams(regex="hang"), answers.done("hang"))
+        _, error = answers.wait("hang")
+        assert error.status == 408 and "structured_outputs_compile_timeout_s" in str(error)
+        pool.submit(StructuredOutputsParams(regex="pid"), answers.done("next"))  # runs after the stuck one ended
+        _, error = answers.wait("next")
+        assert error.status == 400 and _pid_in_refusal(error) != stuck
+        assert pool.checks.pids() == [_pid_in_refusal(error)]
+        with pytest.raises(ProcessLookupError):
+            os.kill(stuck, 0)  # killed and reaped
+    finally:
+        pool.shutdown()
+
+
+def test_a_schema_crosses_to_the_engine_core_as_one_json_text_in_its_key_order():
+    """The core decodes a 400 KB schema as one string, not one Python object per node in a thread that shares
+    its GIL with the engine step; the order of properties (which is the output's order) is kept."""
+    from engine.core_messages import params_from_wire, params_to_wire
+    from engine.sampling_params import SamplingParams
+
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    wire = params_to_wire(SamplingParams(structured_outputs=StructuredOutputsParams(json=schema, where=("s",))))
+    spec = params_from_wire(wire).structured_outputs
+    assert spec.json == '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}}}'
+    assert spec.where == ("s",) and schema["properties"]["b"] == {"type": "integer"}  # the request's own is kept

@@ -1,0 +1,208 @@
+"""Spec checks in worker processes: the pure-Python part of a grammar compile
+(the JSON parse and the supported-subset check, ``engine/json_schema_subset.py``)
+runs outside the engine core process.
+
+Why a process (issue #34, measured): Python code in any thread of the core
+holds the GIL, and every torch op of the engine step releases and retakes
+it, so a check of a 400 KB schema (tens of ms of Python) delays the step
+many times over (the GIL convoy). The xgrammar compile itself stays in the
+core's threads (``engine/grammar_compiler.py``): it releases the GIL (py-spy
+``--gil`` on the core during a 28 s compile: 2 of 372 GIL-holding samples in
+the compile thread), and a grammar compiled elsewhere cannot be shipped
+back: ``CompiledGrammar.serialize_json`` (xgrammar 0.2.9) grows
+superlinearly (a 40 KB schema's 2.7 MB grammar: 184 MB of JSON, 22 s to
+write, 12 s to read back).
+
+``CheckWorkers.check`` sends the spec (its JSON schema as text: a string
+crosses the pipe as one copy, no Python work per node) to an idle worker
+(``python -m engine.grammar_check``, at a lower CPU priority) and waits for
+its answer with the GIL released; a worker that does not answer in time is
+killed and the next check starts a new one.
+
+Wire (``multiprocessing.connection`` framing over the worker's stdin and
+stdout): pickled ``(validate_ref, params)`` in, pickled ``(status, message)``
+out; status 0 (passed), 400 (``ValueError``: the spec's fault) or 500
+(anything else).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+import msgspec
+
+from engine.sampling_params import StructuredOutputsParams
+
+
+class CheckTimedOut(Exception):
+    """The check ran past its deadline; its worker was killed."""
+
+
+class CheckFailed(Exception):
+    """The check failed for a reason that is not the spec's (``status`` 500):
+    a bug in the check, or its worker died."""
+
+
+def as_text(params: StructuredOutputsParams) -> StructuredOutputsParams:
+    """``params`` with its JSON schema as JSON text (key order kept), as the
+    workers and xgrammar take it; unchanged when it is text already.
+    One msgspec encode (C, ~1 ms per 400 KB)."""
+    if isinstance(params.json, (dict, bool)):
+        return dataclasses.replace(params, json=msgspec.json.encode(params.json).decode())
+    return params
+
+
+class _Worker:
+    """One ``python -m engine.grammar_check`` process and its two pipe ends."""
+
+    def __init__(self, nice: int) -> None:
+        child_in, to_child = os.pipe()
+        from_child, child_out = os.pipe()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        # absolute: a child inherits the niceness of the thread that starts it (a lowered compile thread)
+        niceness = os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.grammar_check", str(niceness)], stdin=child_in,
+                                     stdout=child_out, env=env, close_fds=True)
+        os.close(child_in)
+        os.close(child_out)
+        self.send = Connection(to_child, readable=False)
+        self.recv = Connection(from_child, writable=False)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.send.close()
+        self.recv.close()
+
+
+class CheckWorkers:
+    """Worker processes that run ``validate_fn`` on specs; one per
+    concurrent caller (the compile pool's threads bound them), started on
+    first use and kept.
+
+    Args:
+        validate_fn: a module-level function ``validate_fn(params)`` that
+            raises ``ValueError`` naming the part at fault (the workers
+            import it by name).
+        nice: added to the workers' niceness.
+    """
+
+    def __init__(self, validate_fn: Callable[[StructuredOutputsParams], None], nice: int) -> None:
+        self._ref = f"{validate_fn.__module__}:{validate_fn.__qualname__}"
+        self._nice = nice
+        self._idle: list[_Worker] = []
+        self._busy: set[_Worker] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def check(self, params: StructuredOutputsParams, deadline: float) -> None:
+        """Run the check of ``params`` (``as_text`` it first) in a worker.
+
+        Args:
+            deadline: ``time.monotonic()`` by which the answer must come.
+
+        Raises:
+            ValueError: the spec's fault (the check's message).
+            CheckTimedOut: no answer by ``deadline`` (the worker was killed).
+            CheckFailed: the check crashed or its worker died.
+        """
+        worker = self._take()
+        try:
+            worker.send.send_bytes(pickle.dumps((self._ref, params), protocol=pickle.HIGHEST_PROTOCOL))
+            if not worker.recv.poll(max(0.0, deadline - time.monotonic())):
+                self._drop(worker)
+                raise CheckTimedOut()
+            status, message = pickle.loads(worker.recv.recv_bytes())
+        except (OSError, EOFError) as exc:
+            self._drop(worker)
+            raise CheckFailed(f"the spec's check worker died: {type(exc).__name__}") from None
+        self._give_back(worker)
+        if status == 400:
+            raise ValueError(message)
+        if status != 0:
+            raise CheckFailed(message)
+
+    def pids(self) -> list[int]:
+        """Process ids of the live workers."""
+        with self._lock:
+            return [w.proc.pid for w in [*self._idle, *self._busy]]
+
+    def shutdown(self) -> None:
+        """Kill every worker (a check in progress fails with ``CheckFailed``)."""
+        with self._lock:
+            self._closed = True
+            workers, self._idle = [*self._idle, *self._busy], []
+        for w in workers:
+            w.proc.kill()
+
+    def _take(self) -> _Worker:
+        with self._lock:
+            if self._closed:
+                raise CheckFailed("the compile pool is shut down")
+            worker = self._idle.pop() if self._idle else None
+        if worker is None or worker.proc.poll() is not None:
+            worker = _Worker(self._nice)
+        with self._lock:
+            self._busy.add(worker)
+        return worker
+
+    def _give_back(self, worker: _Worker) -> None:
+        with self._lock:
+            self._busy.discard(worker)
+            if not self._closed:
+                self._idle.append(worker)
+                return
+        worker.kill()
+
+    def _drop(self, worker: _Worker) -> None:
+        with self._lock:
+            self._busy.discard(worker)
+        worker.kill()
+
+
+def _resolve(ref: str) -> Callable:
+    module, _, name = ref.partition(":")
+    fn = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    return fn
+
+
+def main() -> None:
+    """A worker's loop: checks until its stdin closes (its engine core is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the core ends us by closing stdin
+    if len(sys.argv) > 1:  # the niceness asked for (it can only rise without privileges)
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, max(int(sys.argv[1]), os.getpriority(os.PRIO_PROCESS, 0)))
+        except OSError:
+            pass
+    inbox = Connection(os.dup(0), writable=False)
+    outbox = Connection(os.dup(1), readable=False)
+    os.dup2(2, 1)  # a stray print goes to stderr, never into the answers
+    while True:
+        try:
+            ref, params = pickle.loads(inbox.recv_bytes())
+        except EOFError:
+            return
+        try:
+            _resolve(ref)(params)
+            answer = (0, None)
+        except ValueError as exc:
+            answer = (400, str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug or a too-deep schema: answered, the worker lives on
+            answer = (500, f"{params.kind}: the spec's check failed: {type(exc).__name__}: {exc}")
+        outbox.send_bytes(pickle.dumps(answer))
+
+
+if __name__ == "__main__":
+    main()
