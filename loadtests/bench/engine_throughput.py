@@ -216,8 +216,8 @@ def compare_peer(engine, args, prompts: list[list[int]], params: SamplingParams)
     new process each round). The peer gets Tandem's thread count.
 
     Returns:
-        {"tandem_output_tok_per_s": [per round], "runs": [the peer's result per round], "round_ratios",
-        "ratio": median Tandem / median peer}; ``{"skipped": why}`` or ``{"failed": why}`` (after one round)
+        {"tandem_output_tok_per_s": [per round], "tandem_runs": [Tandem's figures per round], "runs": [the
+        peer's result per round], "threads", "round_ratios", "ratio": median Tandem / median peer}; ``{"skipped": why}`` or ``{"failed": why}`` (after one round)
         when the peer cannot run.
     """
     import torch
@@ -231,16 +231,18 @@ def compare_peer(engine, args, prompts: list[list[int]], params: SamplingParams)
     except ValueError as e:
         return {"skipped": str(e)}
     threads = args.num_threads or torch.get_num_threads()
-    tandem: list[float] = []
+    tandem_runs: list[dict] = []
     runs: list[dict] = []
     for r in range(args.peer_rounds):
         round_prompts = salted(prompts, r + 1, engine.model_config.vocab_size)
-        tandem.append(bench_tandem(engine, round_prompts, params)["output_tok_per_s"])
+        tandem_runs.append(bench_tandem(engine, round_prompts, params))
         runs.append(run_peer(peer, python, peer_workload(peer, model, round_prompts, args.output_len,
                                                          args.ignore_eos, threads)))
         if "output_tok_per_s" not in runs[-1]:
             return runs[-1]
-    return {"tandem_output_tok_per_s": tandem, "runs": runs, "threads": threads, **summarize(tandem, runs)}
+    tandem = [t["output_tok_per_s"] for t in tandem_runs]
+    return {"tandem_output_tok_per_s": tandem, "tandem_runs": tandem_runs, "runs": runs, "threads": threads,
+            **summarize(tandem, runs)}
 
 
 def _peer_rows(table, peer_name: str, p: dict) -> None:
@@ -254,6 +256,11 @@ def _peer_rows(table, peer_name: str, p: dict) -> None:
                   ", ".join(f"{x:.1f}" for x in p["tandem_output_tok_per_s"]))
     table.add_row(f"{peer.label} {runs[0].get(peer.version_key, '')} output tok/s, interleaved",
                   ", ".join(f"{r['output_tok_per_s']:.1f}" for r in runs))
+    table.add_row("Tandem TTFT p50 s / TPOT p50 ms, per round",
+                  ", ".join(f"{t['ttft_s'][50]:.3f} / {t['tpot_s'][50] * 1e3:.1f}" for t in p["tandem_runs"]))
+    if "prefill_s" in runs[0]:
+        table.add_row(f"{peer.label} prefill s / decode tok/s, per round",
+                      ", ".join(f"{r['prefill_s']:.3f} / {r['decode_tok_per_s']:.1f}" for r in runs))
     table.add_row(f"ratio tandem / {peer.label} per round", ", ".join(f"{x:.2f}x" for x in p["round_ratios"]))
     table.add_row(f"ratio tandem / {peer.label} (medians, {p['threads']} threads)", f"{p['ratio']:.2f}x")
 

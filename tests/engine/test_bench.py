@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.bench.engine_throughput import _hf_baseline_missing, add_bench_args, run_bench
+from loadtests.bench.engine_throughput import _hf_baseline_missing, _peer_rows, add_bench_args, run_bench
 from loadtests.bench.peer_engines import PEERS, ROOT, peer_command, peer_model, peer_python, peer_workload, run_peer
 from loadtests.bench.peer_engines import salted, summarize
 from engine.config import add_engine_cli_args
@@ -74,6 +74,26 @@ def test_rounds_salt_prompts_and_ratios_use_medians():
     s = summarize([120.0, 90.0, 60.0], runs)
     assert s["round_ratios"] == [1.2, 1.8, 0.75] and s["ratio"] == 90.0 / 80.0
     assert summarize([120.0], [{"failed": "exit 1"}]) == {}
+
+
+def test_peer_table_rows_from_a_llamacpp_result():
+    """The rows printed from the runner's JSON (the keys ``llamacpp_offline.py`` writes) and Tandem's rounds."""
+    from rich.table import Table
+
+    runs = [{"output_tok_per_s": 100.0, "prefill_s": 0.25, "decode_tok_per_s": 110.0, "llama_cpp": "0.3.36"},
+            {"output_tok_per_s": 80.0, "prefill_s": 0.5, "decode_tok_per_s": 90.0, "llama_cpp": "0.3.36"}]
+    tandem_runs = [{"output_tok_per_s": x, "ttft_s": {50: 0.1}, "tpot_s": {50: 0.008}} for x in (120.0, 120.0)]
+    table = Table()
+    table.add_column("metric")
+    table.add_column("value")
+    _peer_rows(table, "llamacpp", {"tandem_output_tok_per_s": [120.0, 120.0], "tandem_runs": tandem_runs,
+                                   "runs": runs, "threads": 2, **summarize([120.0, 120.0], runs)})
+    rows = dict(zip(table.columns[0]._cells, table.columns[1]._cells))
+    assert rows["llama.cpp 0.3.36 output tok/s, interleaved"] == "100.0, 80.0"
+    assert rows["llama.cpp prefill s / decode tok/s, per round"] == "0.250 / 110.0, 0.500 / 90.0"
+    assert rows["Tandem TTFT p50 s / TPOT p50 ms, per round"] == "0.100 / 8.0, 0.100 / 8.0"
+    assert rows["ratio tandem / llama.cpp per round"] == "1.20x, 1.50x"
+    assert rows["ratio tandem / llama.cpp (medians, 2 threads)"] == "1.33x"
 
 
 def test_bench_engine_on_a_tiny_model(tmp_path, capsys):
