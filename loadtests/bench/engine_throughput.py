@@ -11,11 +11,12 @@ Reports output tok/s, total tok/s, TTFT and TPOT percentiles, peak KV-cache
 usage and KV waste at peak (allocated-but-unused slots / allocated slots), and
 the ratio of Tandem's output tok/s to HF ``generate``'s.
 
-``--peer vllm`` also runs vLLM on the same prompt token ids, in the same run,
-from its own virtual environment (``--peer-python``; nothing is installed):
-``loadtests/peers/vllm_offline.py`` under that interpreter, then the ratio of
-Tandem's output tok/s to vLLM's. Without that interpreter the peer is
-reported as skipped.
+``--peer vllm`` / ``--peer llamacpp`` also runs vLLM or llama.cpp
+(llama-cpp-python) on the same prompt token ids, in the same run, from its own
+virtual environment (``--peer-python``; nothing is installed; see
+``loadtests/bench/peer_engines.py``), ``--peer-rounds`` times interleaved with
+as many fresh Tandem runs, then the ratios of Tandem's output tok/s to the
+peer's. Without that interpreter the peer is reported as skipped.
 """
 
 from __future__ import annotations
@@ -23,20 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import random
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 from engine.config import engine_args_from_cli
 from engine.sampling_params import SamplingParams
+from loadtests.bench.peer_engines import DEFAULT_VLLM_MODEL, PEERS, peer_model, peer_python, peer_workload, run_peer
+from loadtests.bench.peer_engines import salted, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 MT_BENCH = ROOT / "tests" / "data" / "mt_bench_questions.jsonl"
-VLLM_PEER = ROOT / "loadtests" / "peers" / "vllm_offline.py"
-DEFAULT_PEER_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded GGUF's source, from vLLM's HF cache
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -58,11 +56,16 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "prompt tokens vs a fresh one, same process, tokens (e.g. 60000; 0: off; see "
                              "loadtests/bench/kv_pool.py)")
     parser.add_argument("--rounds", type=int, default=6, help="fresh/cycled rounds with --kv-pool-cycle-tokens")
-    parser.add_argument("--peer", choices=["vllm"], default=None, help="also run this peer engine on the same prompts (None: no peer)")
-    parser.add_argument("--peer-python", default=os.environ.get("TANDEM_VLLM_PYTHON", ".venv-vllm/bin/python"),
-                        help="the peer's virtual environment's python (env TANDEM_VLLM_PYTHON)")
+    parser.add_argument("--peer", choices=sorted(PEERS), default=None,
+                        help="also run this peer engine on the same prompts (None: no peer)")
+    parser.add_argument("--peer-python", default=None,
+                        help="the peer's virtual environment's python (None: env TANDEM_VLLM_PYTHON / "
+                             "TANDEM_LLAMACPP_PYTHON, else .venv-vllm/bin/python / .venv-llamacpp/bin/python)")
     parser.add_argument("--peer-model", default=None,
-                        help=f"model the peer loads (None: {DEFAULT_PEER_MODEL} for the embedded model, else --model)")
+                        help=f"model the peer loads (None: vLLM {DEFAULT_VLLM_MODEL} for the embedded model, "
+                             "else --model; llama.cpp: Tandem's .gguf)")
+    parser.add_argument("--peer-rounds", type=int, default=1,
+                        help="rounds of (fresh Tandem run, peer run), interleaved, on the same prompts")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -207,26 +210,59 @@ def compare_batch_invariant(engine, prompts: list[list[int]], params: SamplingPa
             runs[label].append(bench_tandem(engine, salted, params)["output_tok_per_s"])
     model.set_batch_invariant(engine.args.batch_invariant)
     return {**runs, "ratio_on_off": percentile(runs["on"], 50) / percentile(runs["off"], 50)}
-def bench_vllm(args, prompts: list[list[int]], model: str, timeout_s: float = 3600) -> dict:
-    """Run ``loadtests/peers/vllm_offline.py`` under ``args.peer_python`` on
-    ``prompts``; its result dict, or ``{"skipped": why}`` when that python is
-    missing or has no vllm, or ``{"failed": why}``."""
-    python = Path(args.peer_python)
-    if not python.exists():
-        return {"skipped": f"no peer interpreter at {python} (create vLLM's venv there or pass --peer-python)"}
-    with tempfile.TemporaryDirectory(prefix="tandem-peer-") as tmp:
-        workload, result = Path(tmp) / "workload.json", Path(tmp) / "result.json"
-        workload.write_text(json.dumps({
-            "model": model, "prompts": prompts, "output_len": args.output_len, "ignore_eos": args.ignore_eos,
-            "dtype": "bfloat16", "max_num_seqs": max(len(prompts), 1),
-            "max_model_len": max(map(len, prompts)) + args.output_len + 16, "kv_cache_gib": 1}))
-        proc = subprocess.run([str(python), str(VLLM_PEER), str(workload), str(result)], capture_output=True,
-                              text=True, timeout=timeout_s)
-        if proc.returncode == 3:
-            return {"skipped": proc.stderr.strip().splitlines()[-1]}
-        if proc.returncode != 0 or not result.exists():
-            return {"failed": f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}"}
-        return json.loads(result.read_text())
+def compare_peer(engine, args, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """``args.peer_rounds`` rounds of a fresh Tandem run then the peer's run, both on the round's prompts (the
+    first token shifted by the round, so Tandem never reads an earlier round's prefix cache; the peer starts a
+    new process each round). The peer gets Tandem's thread count.
+
+    Returns:
+        {"tandem_output_tok_per_s": [per round], "tandem_runs": [Tandem's figures per round], "runs": [the
+        peer's result per round], "threads", "round_ratios", "ratio": median Tandem / median peer}; ``{"skipped": why}`` or ``{"failed": why}`` (after one round)
+        when the peer cannot run.
+    """
+    import torch
+
+    from engine.config import DEFAULT_MODEL
+
+    peer = PEERS[args.peer]
+    python = peer_python(peer, args.peer_python)
+    try:
+        model = peer_model(peer, args.peer_model, engine.args.model, engine.served_model_name == DEFAULT_MODEL)
+    except ValueError as e:
+        return {"skipped": str(e)}
+    threads = args.num_threads or torch.get_num_threads()
+    tandem_runs: list[dict] = []
+    runs: list[dict] = []
+    for r in range(args.peer_rounds):
+        round_prompts = salted(prompts, r + 1, engine.model_config.vocab_size)
+        tandem_runs.append(bench_tandem(engine, round_prompts, params))
+        runs.append(run_peer(peer, python, peer_workload(peer, model, round_prompts, args.output_len,
+                                                         args.ignore_eos, threads)))
+        if "output_tok_per_s" not in runs[-1]:
+            return runs[-1]
+    tandem = [t["output_tok_per_s"] for t in tandem_runs]
+    return {"tandem_output_tok_per_s": tandem, "tandem_runs": tandem_runs, "runs": runs, "threads": threads,
+            **summarize(tandem, runs)}
+
+
+def _peer_rows(table, peer_name: str, p: dict) -> None:
+    """The peer comparison's rows of the result table."""
+    peer = PEERS[peer_name]
+    if "ratio" not in p:
+        table.add_row(peer.label, next(iter(p.items()))[0] + ": " + next(iter(p.values()))[:200])
+        return
+    runs = p["runs"]
+    table.add_row(f"Tandem output tok/s, {len(runs)} rounds",
+                  ", ".join(f"{x:.1f}" for x in p["tandem_output_tok_per_s"]))
+    table.add_row(f"{peer.label} {runs[0].get(peer.version_key, '')} output tok/s, interleaved",
+                  ", ".join(f"{r['output_tok_per_s']:.1f}" for r in runs))
+    table.add_row("Tandem TTFT p50 s / TPOT p50 ms, per round",
+                  ", ".join(f"{t['ttft_s'][50]:.3f} / {t['tpot_s'][50] * 1e3:.1f}" for t in p["tandem_runs"]))
+    if "prefill_s" in runs[0]:
+        table.add_row(f"{peer.label} prefill s / decode tok/s, per round",
+                      ", ".join(f"{r['prefill_s']:.3f} / {r['decode_tok_per_s']:.1f}" for r in runs))
+    table.add_row(f"ratio tandem / {peer.label} per round", ", ".join(f"{x:.2f}x" for x in p["round_ratios"]))
+    table.add_row(f"ratio tandem / {peer.label} (medians, {p['threads']} threads)", f"{p['ratio']:.2f}x")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -256,14 +292,10 @@ def run_bench(args: argparse.Namespace) -> int:
                                             / result["hf_transformers"]["output_tok_per_s"])
     if args.compare_batch_invariant:
         result["batch_invariant_ab"] = compare_batch_invariant(engine, prompts, params, args.compare_batch_invariant)
-    if args.peer == "vllm":
-        from engine.config import DEFAULT_MODEL
-
-        model = args.peer_model or (DEFAULT_PEER_MODEL if engine.served_model_name == DEFAULT_MODEL
-                                    else engine.args.model)
-        result["vllm"] = bench_vllm(args, prompts, model)
-        if "output_tok_per_s" in result["vllm"]:
-            result["ratio_vs_vllm"] = result["tandem"]["output_tok_per_s"] / result["vllm"]["output_tok_per_s"]
+    if args.peer:
+        result[args.peer] = compare_peer(engine, args, prompts, params)
+        if "ratio" in result[args.peer]:
+            result[f"ratio_vs_{args.peer}"] = result[args.peer]["ratio"]
     t = result["tandem"]
     table = Table(title=f"tandem bench engine: {args.workload}, {len(prompts)} prompts, {engine.dtype}")
     table.add_column("metric")
@@ -288,13 +320,8 @@ def run_bench(args: argparse.Namespace) -> int:
         table.add_row("batch-invariant on, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["on"]))
         table.add_row("batch-invariant off, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["off"]))
         table.add_row("ratio invariant on / off (medians)", f"{ab['ratio_on_off']:.3f}x")
-    if "vllm" in result:
-        v = result["vllm"]
-        if "ratio_vs_vllm" in result:
-            table.add_row(f"vLLM {v['vllm']} output tok/s", f"{v['output_tok_per_s']:.1f}")
-            table.add_row("ratio tandem / vLLM", f"{result['ratio_vs_vllm']:.2f}x")
-        else:
-            table.add_row("vLLM", next(iter(v.items()))[0] + ": " + next(iter(v.values()))[:200])
+    if args.peer:
+        _peer_rows(table, args.peer, result[args.peer])
     Console().print(table)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2, default=str))

@@ -1,13 +1,19 @@
-"""``tandem bench engine``: its peer tooling (``--peer vllm``) never installs
-anything and says why a peer was skipped; a run on a tiny model fills its JSON."""
+"""``tandem bench engine``: its peer tooling (``--peer vllm``, ``--peer llamacpp``) never installs
+anything and says why a peer was skipped; a run on a tiny model fills its JSON. No test needs a peer
+installed."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from loadtests.bench.engine_throughput import _hf_baseline_missing, add_bench_args, bench_vllm, run_bench
+import pytest
+
+from loadtests.bench.engine_throughput import _hf_baseline_missing, _peer_rows, add_bench_args, run_bench
+from loadtests.bench.peer_engines import PEERS, ROOT, peer_command, peer_model, peer_python, peer_workload, run_peer
+from loadtests.bench.peer_engines import salted, summarize
 from engine.config import add_engine_cli_args
 from tests.tiny_models import save_byte_level_llama
 
@@ -19,16 +25,75 @@ def _args(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-def test_peer_without_its_interpreter_is_skipped(tmp_path):
-    args = _args("--peer", "vllm", "--peer-python", str(tmp_path / "nope" / "python"))
-    assert "no peer interpreter" in bench_vllm(args, [[1, 2, 3]], "m")["skipped"]
+@pytest.mark.parametrize("name", sorted(PEERS))
+def test_peer_without_its_interpreter_is_skipped(tmp_path, name):
+    workload = peer_workload(PEERS[name], "m.gguf", [[1, 2, 3]], 4, True, 2)
+    result = run_peer(PEERS[name], tmp_path / "nope" / "python", workload)
+    assert "interpreter at" in result["skipped"] and PEERS[name].python_env in result["skipped"]
 
 
-def test_peer_without_vllm_installed_is_skipped():
-    """This venv's python runs the peer script, which finds no vllm (exit 3)."""
-    args = _args("--peer", "vllm", "--peer-python", sys.executable, "--output-len", "4")
-    result = bench_vllm(args, [[1, 2, 3]], "m", timeout_s=120)
-    assert "vllm is not importable" in result["skipped"], result
+@pytest.mark.parametrize("name, package", [("vllm", "vllm"), ("llamacpp", "llama_cpp")])
+def test_peer_without_its_package_installed_is_skipped(name, package):
+    """This venv's python runs the peer's script, which finds no peer package (exit 3)."""
+    workload = peer_workload(PEERS[name], "m.gguf", [[1, 2, 3]], 4, True, 2)
+    result = run_peer(PEERS[name], Path(sys.executable), workload, timeout_s=120)
+    assert f"{package} is not importable" in result["skipped"], result
+
+
+def test_llamacpp_workload_and_command_line(tmp_path):
+    """llama.cpp gets the prompt token ids as they are, the output length, Tandem's thread count and a context
+    that holds the longest prompt and its output; its script runs under the peer's interpreter."""
+    peer = PEERS["llamacpp"]
+    w = peer_workload(peer, "/m/model.gguf", [[5, 6, 7], [8] * 100], 128, True, 3)
+    assert w == {"model": "/m/model.gguf", "prompts": [[5, 6, 7], [8] * 100], "output_len": 128, "n_threads": 3,
+                 "n_ctx": 244}
+    cmd = peer_command(peer, Path("/venv/bin/python"), tmp_path / "w.json", tmp_path / "r.json")
+    assert cmd == ["/venv/bin/python", str(ROOT / "loadtests/peers/llamacpp_offline.py"), str(tmp_path / "w.json"),
+                   str(tmp_path / "r.json")]
+    assert Path(cmd[1]).is_file()
+
+
+def test_peer_interpreter_and_model_resolution(monkeypatch):
+    peer = PEERS["llamacpp"]
+    monkeypatch.delenv(peer.python_env, raising=False)
+    assert peer_python(peer, None) == ROOT / ".venv-llamacpp/bin/python"
+    monkeypatch.setenv(peer.python_env, "/env/python")
+    assert peer_python(peer, None) == Path("/env/python")
+    assert peer_python(peer, "/flag/python") == Path("/flag/python")
+    assert peer_model(peer, None, "/m/SmolLM2.gguf", True) == "/m/SmolLM2.gguf"
+    with pytest.raises(ValueError, match="--peer-model"):
+        peer_model(peer, None, "/m/hf-directory", False)
+    assert peer_model(PEERS["vllm"], None, "/m/SmolLM2.gguf", True) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert peer_model(PEERS["vllm"], None, "/m/hf-directory", False) == "/m/hf-directory"
+
+
+def test_rounds_salt_prompts_and_ratios_use_medians():
+    assert salted([[1, 2], [9, 3]], 0, 10) == [[1, 2], [9, 3]]
+    assert salted([[1, 2], [9, 3]], 2, 10) == [[3, 2], [1, 3]]
+    runs = [{"output_tok_per_s": 100.0}, {"output_tok_per_s": 50.0}, {"output_tok_per_s": 80.0}]
+    s = summarize([120.0, 90.0, 60.0], runs)
+    assert s["round_ratios"] == [1.2, 1.8, 0.75] and s["ratio"] == 90.0 / 80.0
+    assert summarize([120.0], [{"failed": "exit 1"}]) == {}
+
+
+def test_peer_table_rows_from_a_llamacpp_result():
+    """The rows printed from the runner's JSON (the keys ``llamacpp_offline.py`` writes) and Tandem's rounds."""
+    from rich.table import Table
+
+    runs = [{"output_tok_per_s": 100.0, "prefill_s": 0.25, "decode_tok_per_s": 110.0, "llama_cpp": "0.3.36"},
+            {"output_tok_per_s": 80.0, "prefill_s": 0.5, "decode_tok_per_s": 90.0, "llama_cpp": "0.3.36"}]
+    tandem_runs = [{"output_tok_per_s": x, "ttft_s": {50: 0.1}, "tpot_s": {50: 0.008}} for x in (120.0, 120.0)]
+    table = Table()
+    table.add_column("metric")
+    table.add_column("value")
+    _peer_rows(table, "llamacpp", {"tandem_output_tok_per_s": [120.0, 120.0], "tandem_runs": tandem_runs,
+                                   "runs": runs, "threads": 2, **summarize([120.0, 120.0], runs)})
+    rows = dict(zip(table.columns[0]._cells, table.columns[1]._cells))
+    assert rows["llama.cpp 0.3.36 output tok/s, interleaved"] == "100.0, 80.0"
+    assert rows["llama.cpp prefill s / decode tok/s, per round"] == "0.250 / 110.0, 0.500 / 90.0"
+    assert rows["Tandem TTFT p50 s / TPOT p50 ms, per round"] == "0.100 / 8.0, 0.100 / 8.0"
+    assert rows["ratio tandem / llama.cpp per round"] == "1.20x, 1.50x"
+    assert rows["ratio tandem / llama.cpp (medians, 2 threads)"] == "1.33x"
 
 
 def test_bench_engine_on_a_tiny_model(tmp_path, capsys):
@@ -40,7 +105,23 @@ def test_bench_engine_on_a_tiny_model(tmp_path, capsys):
     assert run_bench(args) == 0
     result = json.loads(out.read_text())
     assert result["tandem"]["output_tokens"] == 15 and "skipped" in result["vllm"]
-    assert "ratio_vs_vllm" not in result and "no peer interpreter" in capsys.readouterr().out
+    assert "ratio_vs_vllm" not in result and "no vLLM interpreter" in capsys.readouterr().out
+
+
+def test_bench_engine_llamacpp_peer_runs_its_script_and_reports_it_skipped(tmp_path, capsys):
+    """--peer llamacpp on an HF-directory model needs --peer-model; given one, Tandem runs a round and the peer
+    script runs under the given interpreter (this venv: no llama_cpp), and the table says why it was skipped."""
+    model = save_byte_level_llama(tmp_path)
+    base = ["--model", model, "--num-prompts", "1", "--input-len", "8", "--output-len", "5", "--ignore-eos",
+            "--no-baseline", "--kv-cache-memory", "8MiB", "--peer", "llamacpp", "--peer-rounds", "2"]
+    out = tmp_path / "r.json"
+    assert run_bench(_args(*base, "--output-json", str(out), "--peer-python", sys.executable)) == 0
+    assert "--peer-model" in json.loads(out.read_text())["llamacpp"]["skipped"]
+    assert run_bench(_args(*base, "--output-json", str(out), "--peer-python", sys.executable,
+                           "--peer-model", str(tmp_path / "m.gguf"))) == 0
+    result = json.loads(out.read_text())
+    assert "llama_cpp is not importable" in result["llamacpp"]["skipped"] and "ratio_vs_llamacpp" not in result
+    assert "llama_cpp is not importable" in capsys.readouterr().out
 
 
 def test_hf_baseline_of_a_gguf_without_accelerate_is_skipped_with_the_reason(monkeypatch):
