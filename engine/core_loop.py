@@ -129,6 +129,10 @@ def run_engine_core_process(args, conn) -> None:
     # Hands compiles to the core's grammar pool (the first one builds the manager: seconds), so that the
     # reader never waits; validation and compiles run in the pool's workers.
     submitter = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar-submit")
+    # Build the grammar manager (xgrammar import, the tokenizer's vocabulary table: Python work that holds
+    # the GIL for a while) now, while the engine is idle, not under the first structured request while
+    # other streams run.
+    submitter.submit(lambda: core.structured_outputs)
 
     def compile_grammar(cmd: CompileGrammar) -> None:
         def done(digest: str, error) -> None:

@@ -124,7 +124,7 @@ class EngineCore:
             scheduling_policy=args.scheduling_policy, num_cpu_blocks=num_cpu_blocks,
         )
         self.sampler = Sampler(self.model_config.vocab_size, self.device, seed=args.seed)
-        self._structured_outputs: StructuredOutputManager | None = None  # built on first use
+        self._structured_outputs: StructuredOutputManager | None = None  # built on first use, or by the core process once ready
         self._structured_outputs_lock = threading.Lock()
         self.num_blocks = num_blocks
         self._seqs: dict[str, Request] = {}  # sequence id -> its request
