@@ -45,8 +45,12 @@ install-test: $(TEST_STAMP)
 serve: install
 	$(BIN)/tandem serve --config $(CONFIG) $(SERVE_ARGS)
 
+# Test files run in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, so its
+# module fixtures are built once): many tests wait on servers and sockets, so two workers on two cores
+# finish well before one. TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
 test: install-test chromium
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	$(BIN)/tandem bench engine --workload synthetic --num-prompts 64 --input-len 100 --output-len 128 --ignore-eos
