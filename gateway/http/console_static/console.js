@@ -367,7 +367,7 @@
     const num = (id) => ($(id).value === "" ? null : Number($(id).value));
     const steps = $("ro-steps").value.split(/[,\s]+/).filter(Boolean).map(Number);
     const gates = {parity_min: num("ro-parity"), error_rate_max: num("ro-errors"), ttft_p95_max_ms: num("ro-ttft"),
-                   ttft_p95_ratio_max: num("ro-ttft-ratio"),
+                   ttft_p50_ratio_max: num("ro-ttft-ratio"),
                    min_compared: num("ro-min")};
     for (const k of Object.keys(gates)) if (gates[k] === null) delete gates[k];
     const name = $("ro-name").value.trim();

@@ -212,7 +212,7 @@ routes:
 policy:
   default_route: main
 """
-GATES = {"parity_min": 0.9, "error_rate_max": 0.2, "ttft_p95_ratio_max": 50, "min_compared": 2}
+GATES = {"parity_min": 0.9, "error_rate_max": 0.2, "ttft_p50_ratio_max": 50, "min_compared": 2}
 
 
 @pytest.fixture
@@ -266,7 +266,7 @@ def test_console_watches_a_rollout_advance_and_steers_it(browser, rollout_gatewa
     page.get_by_label("Hold each step (s)").fill("3")
     page.get_by_label("Parity at least (0–1)").fill(str(GATES["parity_min"]))
     page.get_by_label("Error rate at most (0–1)").fill(str(GATES["error_rate_max"]))
-    page.get_by_label("TTFT p95 at most (× primary's)").fill(str(GATES["ttft_p95_ratio_max"]))
+    page.get_by_label("TTFT p50 at most (× primary's)").fill(str(GATES["ttft_p50_ratio_max"]))
     page.get_by_label("Pairs before judging").fill(str(GATES["min_compared"]))
     page.get_by_role("button", name="Start rollout").click()
     page.get_by_role("status").filter(has_text="Start rollout cand-canary: done").wait_for()
