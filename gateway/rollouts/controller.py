@@ -146,12 +146,12 @@ class RolloutController:
         if why:
             back = r["steps"][r["step_index"] - 1] if r["step_index"] > 0 else 0.0
             return await self._transition(r, now, "rolled_back", max(r["step_index"] - 1, 0), back,
-                                          f"rolled back from {r['weight']:g} % to {back:g} %: {why}")
+                                          f"rolled back from {r['weight']:g} % to {back:g} %: {why}", gates)
         if all_hold(gates) and now - r["step_since"] >= r["hold_s"]:
             i = r["step_index"] + 1
             if i >= len(r["steps"]):
                 return await self._transition(r, now, "promoted", r["step_index"], 100.0,
-                                              f"every gate held {r['hold_s']:g} s at each step")
+                                              f"every gate held {r['hold_s']:g} s at each step", gates)
             return await self._transition(r, now, "running", i, r["steps"][i],
                                           f"gates held {r['hold_s']:g} s at {r['weight']:g} %")
         return r
@@ -163,9 +163,16 @@ class RolloutController:
             active.setdefault(r["route"], []).append(r)
         self.active = active
 
-    async def _transition(self, r: dict, now: float, state: str, index: int, weight: float, reason: str) -> dict:
-        """Compare-and-set the rollout to its new state, then move the weight. Raises Conflict."""
+    async def _transition(self, r: dict, now: float, state: str, index: int, weight: float, reason: str,
+                          gates: dict | None = None) -> dict:
+        """Compare-and-set the rollout to its new state, then move the weight. Raises Conflict.
+
+        ``gates``: the judgement that ended the rollout (rolled back or promoted), kept as its final gates:
+        a step begun by the transition has no pairs yet, so judging it again would show the failed gate
+        as empty."""
         new = _moved(r, now, state, index, weight, reason)
+        if gates is not None:
+            new["final_gates"] = gates
         await self.store.save(r["name"], new, r["rev"])
         self._note(new)
         log.info("rollout %s: %s (%s)", r["name"], state, reason)
@@ -196,14 +203,16 @@ class RolloutController:
         return report(records, await self.store.dropped(r["name"]))
 
     async def view(self, r: dict) -> dict:
-        """The admin API's R (``/work/notes/rollout_contract.md``): the rollout, its gates now and its parity."""
+        """The admin API's rollout object (README, "Gated rollouts"): the rollout, its gates (now, or the
+        judgement that ended it) and its parity."""
         spec = RolloutConfig(**r["spec"])
         step = await self.step_report(r)
         records = await self.store.records(r["name"])
         parity = report(records, await self.store.dropped(r["name"])) if records else None
         out = {k: r[k] for k in ("name", "route", "candidate", "baseline", "state", "steps", "step_index", "weight",
                                  "hold_s", "step_since", "reason", "history")}
-        return {**out, "gates": judge(spec.gates, step), "parity": parity}
+        gates = r["final_gates"] if r["state"] not in LIVE and "final_gates" in r else judge(spec.gates, step)
+        return {**out, "gates": gates, "parity": parity}
 
     async def list(self) -> list[dict]:
         out = []

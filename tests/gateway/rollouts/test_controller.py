@@ -114,6 +114,8 @@ async def test_a_failing_candidate_is_rolled_back_naming_the_gate(redis_url, fau
     assert r["state"] == "rolled_back" and r["weight"] == 0 and weight == 0
     assert f"gate {gate}" in r["reason"] and r["history"][-1]["reason"] == r["reason"]
     assert [h["weight"] for h in r["history"]] == [5, 0]
+    # the gates shown are the judgement that rolled it back, not an empty judgement of the step it fell back to
+    assert r["gates"][gate]["ok"] is False and r["gates"][gate]["value"] is not None
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["redis", "in-process"])
