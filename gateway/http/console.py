@@ -16,9 +16,8 @@ from litestar import Response, get
 from litestar.exceptions import NotFoundException
 
 # asset name -> media type; the only files served (no path from the request reaches the filesystem)
-_ASSETS = {"index.html": "text/html; charset=utf-8", "charts.js": "text/javascript; charset=utf-8",
-           "console.js": "text/javascript; charset=utf-8",
-           "console.css": "text/css; charset=utf-8"}
+_ASSETS = {"index.html": "text/html", "charts.js": "text/javascript", "console.js": "text/javascript",
+           "console.css": "text/css"}   # Litestar adds "; charset=utf-8"
 _HEADERS = {
     "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
                                "img-src 'self' data:; form-action 'none'; frame-ancestors 'none'; base-uri 'none'",

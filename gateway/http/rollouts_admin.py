@@ -11,7 +11,8 @@ from litestar import Request, Response, get, post
 from gateway.config.schema import RolloutConfig
 from gateway.errors import ClientError
 from gateway.http.admin import _body, _gw, _json
-from gateway.rollouts.controller import ACTIONS, IllegalAction
+from gateway.rollouts.controller import ACTIONS, IllegalAction, RouteBusy
+from gateway.rollouts.spec import name_problem
 from gateway.rollouts.store import Conflict
 
 
@@ -27,8 +28,8 @@ async def start_rollout(request: Request) -> Response:
     gw = _gw(request)
     body = await _body(request)
     name = body.pop("name", None)
-    if not isinstance(name, str) or not name:
-        raise ClientError(400, "expected a rollout name", param="name")
+    if name_problem(name):
+        raise ClientError(400, name_problem(name), param="name")
     body.pop("base_version", None)
     try:
         spec = RolloutConfig(**body)
@@ -40,6 +41,8 @@ async def start_rollout(request: Request) -> Response:
         view = await gw.rollouts.create(name, spec)
     except ValueError as e:
         raise ClientError(400, str(e), param="route") from None
+    except RouteBusy as e:
+        raise ClientError(409, str(e), param="route", code="route_has_rollout") from None
     except Conflict:
         raise ClientError(409, f"a rollout named {name!r} exists", param="name", code="rollout_exists") from None
     return Response(msgspec.json.encode(view), status_code=201, media_type="application/json")

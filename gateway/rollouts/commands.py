@@ -48,7 +48,7 @@ def _start(args) -> int:
         except ValueError:
             sep = ""
         if not sep:
-            print(f"tandem ctl rollout start: expected NAME=VALUE, got {item!r}", file=sys.stderr)
+            print(f"tandem ctl rollout start: --gate expects NAME=NUMBER, got {item!r}", file=sys.stderr)
             return 2
     try:
         steps = [float(x) for x in args.steps.split(",")]

@@ -31,7 +31,7 @@ from gateway.config.schema import RolloutConfig
 from gateway.config.versions import VersionConflict
 from gateway.rollouts.gates import all_hold, failing, judge
 from gateway.rollouts.parity import report
-from gateway.rollouts.spec import baseline_of, rollout_problems
+from gateway.rollouts.spec import baseline_of, name_problem, rollout_problems
 from gateway.rollouts.store import Conflict, RolloutStore
 
 log = logging.getLogger("tandem.rollouts")
@@ -46,6 +46,10 @@ LIVE = ("running", "paused")       # states whose pairs are compared (a running 
 
 class IllegalAction(Exception):
     """The action cannot be taken in the rollout's state (the admin API's 409)."""
+
+
+class RouteBusy(Exception):
+    """Another live rollout steers the route (the admin API's 409)."""
 
 
 def new_rollout(name: str, spec: RolloutConfig, baseline: str, now: float) -> dict:
@@ -119,7 +123,7 @@ class RolloutController:
                 if name not in names:
                     try:
                         await self.create(name, spec, now)
-                    except (Conflict, ValueError) as e:
+                    except (Conflict, RouteBusy, ValueError) as e:
                         log.warning("rollout %s not started: %s", name, e)
                     names.add(name)
         active: dict[str, list[dict]] = {}
@@ -227,12 +231,20 @@ class RolloutController:
         """Start rollout ``name`` at its first step.
 
         Raises:
-            ValueError: its references are wrong (``gateway.rollouts.spec.rollout_problems``).
+            ValueError: its name or references are wrong (``gateway.rollouts.spec``).
+            RouteBusy: another rollout is running or paused on its route (one steers a route at a time).
             Conflict: a rollout of that name exists."""
         routes = self.gw.snapshot.compiled.policy.routes
+        if name_problem(name):
+            raise ValueError(name_problem(name))
         problems = rollout_problems("rollout", spec, routes)
         if problems:
             raise ValueError("; ".join(f"{p}: {m}" for p, m in problems))
+        for other in await self.store.names():
+            o = await self.store.load(other)
+            if o is not None and other != name and o["route"] == spec.route and o["state"] in LIVE:
+                raise RouteBusy(f"route {spec.route!r} already has rollout {other!r} ({o['state']}): one rollout "
+                                f"steers a route at a time; abort it or let it finish first")
         r = new_rollout(name, spec, baseline_of(spec, routes[spec.route]), time.time() if now is None else now)
         await self.store.save(name, r, 0)
         self._note(r)

@@ -4,9 +4,22 @@ target that is not the candidate)."""
 
 from __future__ import annotations
 
+import re
+
 from gateway.config.schema import GatewayConfig, RolloutConfig
 
 SHADOW_TENANT = "shadow"    # the ledger line of shadow and parity calls: no tenant's usage
+# a rollout's name is one URL path segment (/admin/rollouts/{name}/{action}) and never a shadow's report key
+# ("shadow/<route>")
+ROLLOUT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def name_problem(name: object) -> str:
+    """Why ``name`` cannot name a rollout ("" when it can): letters, digits, ``_ . -``, at most 64."""
+    if isinstance(name, str) and ROLLOUT_NAME.fullmatch(name):
+        return ""
+    return (f"rollout name {name!r}: letters, digits, '_', '.' and '-' only, starting with a letter or digit, "
+            f"at most 64 characters")
 
 
 def baseline_of(spec: RolloutConfig, route) -> str:
@@ -39,7 +52,14 @@ def config_problems(cfg: GatewayConfig, routes: dict) -> list[tuple[str, str]]:
         if r.shadow is not None and r.shadow.target not in cfg.backends:
             errors.append((f"routes.{name}.shadow.target", f"unknown backend {r.shadow.target!r}; defined: "
                            f"{', '.join(cfg.backends)}"))
+    on_route: dict[str, str] = {}
     for name, spec in cfg.rollouts.items():
+        if name_problem(name):
+            errors.append((f"rollouts.{name}", name_problem(name)))
+        if spec.route in on_route:
+            errors.append((f"rollouts.{name}.route", f"route {spec.route!r} already has rollout "
+                           f"{on_route[spec.route]!r}: one rollout steers a route at a time"))
+        on_route.setdefault(spec.route, name)
         errors += rollout_problems(f"rollouts.{name}", spec, routes)
     for i, k in enumerate(cfg.auth.keys):
         if k.tenant == SHADOW_TENANT:

@@ -125,6 +125,8 @@ async def test_operators_pause_resume_promote_abort_and_illegal_actions(redis_ur
         async with gateway(config(stable, cand, redis_url if shared else None, 60, gates)) as (gw, url, c):
             await until_state(c, lambda r: True)
             assert (await c.post("/admin/rollouts/r1/pause")).json()["state"] == "paused"
+            busy = await c.post("/admin/rollouts", json={"name": "r3", "route": "main", "candidate": "stable"})
+            slashed = await c.post("/admin/rollouts", json={"name": "a/b", "route": "main", "candidate": "cand"})
             await c.post("/admin/weights", json={"route": "main", "weights": {"cand": 7, "stable": 93}})
             await asyncio.sleep(0.3)                                 # ticks: a paused rollout leaves them
             assert cand_weight(gw) == 7
@@ -147,6 +149,9 @@ async def test_operators_pause_resume_promote_abort_and_illegal_actions(redis_ur
     assert r2.status_code == 201 and r2.json()["baseline"] == "cand" and r2.json()["weight"] == 50
     assert aborted["state"] == "aborted" and weights == {"stable": 0.0, "cand": 100.0}
     assert unauth.status_code == 401
+    # a paused rollout still steers its route: a second one is refused, naming it; names are one path segment
+    assert busy.status_code == 409 and "'r1'" in busy.json()["error"]["message"]
+    assert slashed.status_code == 400 and slashed.json()["error"]["param"] == "name"
 
 
 async def ctl(url: str, *argv: str) -> tuple[int, str]:

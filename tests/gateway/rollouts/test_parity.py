@@ -79,7 +79,11 @@ def test_config_refuses_wrong_shadow_and_rollout_references_and_the_shadow_tenan
              ("", "rollouts:\n  r: {route: nope, candidate: b}\n", "rollouts.r.route"),
              ("", "rollouts:\n  r: {route: main, candidate: c}\n", "rollouts.r.candidate"),
              ("", "rollouts:\n  r: {route: main, candidate: b, steps: [50, 25]}\n", "rollouts.r.steps"),
-             ("", "auth:\n  keys: [{tenant: shadow, sha256: '" + "0" * 64 + "'}]\n", "auth.keys[0].tenant")]
+             ("", "auth:\n  keys: [{tenant: shadow, sha256: '" + "0" * 64 + "'}]\n", "auth.keys[0].tenant"),
+             # one rollout steers a route at a time; a name is one URL path segment, never a shadow's report key
+             ("", "rollouts:\n  r: {route: main, candidate: b}\n  s: {route: main, candidate: b}\n",
+              "rollouts.s.route"),
+             ("", "rollouts:\n  shadow/main: {route: main, candidate: b}\n", "rollouts.shadow/main")]
     for shadow, extra, path in cases:
         with pytest.raises(ConfigError) as e:
             load_config_text(text(shadow, extra))
