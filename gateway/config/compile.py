@@ -130,17 +130,43 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
     env = os.environ if environ is None else environ
     errors: list[tuple[str, str]] = []
     warnings: list[str] = []
+    names = _model_names(cfg, errors)
+    locals_ = [n for n, b in cfg.backends.items() if b.type == "local"]
+    if len(locals_) > 1:
+        errors.append(("backends", f"at most one local backend, got {', '.join(locals_)}"))
+    for name in locals_:
+        _check_engine(name, cfg.backends[name].engine, errors, warnings)
+    routes = _routes(cfg, overrides or {}, errors)
+    weight_errors, weight_warnings = check_weights(cfg, routes, overrides or {}, env)
+    errors += weight_errors
+    warnings += weight_warnings
+    rules = _rules(cfg, names, errors)
+    if cfg.policy.default_route not in cfg.routes:
+        errors.append(("policy.default_route", f"unknown route {cfg.policy.default_route!r}"))
+    key = cfg.policy.canary_key
+    if not (key in ("user", "request_id") or (key.startswith("header:") and len(key) > 7)):
+        errors.append(("policy.canary_key", f"must be user, request_id or header:<name>, got {key!r}"))
+    errors += config_problems(cfg, routes)
+    hashes = _key_hashes(cfg, env, warnings)
+    if errors:
+        raise ConfigError(errors)
+    policy = Policy(tuple(rules), routes, cfg.policy.default_route, cfg.policy.canary_key)
+    return Compiled(cfg, policy, names, hashes, warnings, overrides=dict(overrides or {}))
+
+
+def _model_names(cfg: GatewayConfig, errors: list) -> dict[str, str]:
+    """Every public model name and alias -> its model's name (a name used twice is an error)."""
     names: dict[str, str] = {}
     for i, m in enumerate(cfg.models):
         for n in [m.name, *m.aliases]:
             if n in names:
                 errors.append((f"models[{i}]", f"name or alias {n!r} is used twice"))
             names[n] = m.name
-    locals_ = [n for n, b in cfg.backends.items() if b.type == "local"]
-    if len(locals_) > 1:
-        errors.append(("backends", f"at most one local backend, got {', '.join(locals_)}"))
-    for name in locals_:
-        _check_engine(name, cfg.backends[name].engine, errors, warnings)
+    return names
+
+
+def _routes(cfg: GatewayConfig, overrides: dict[str, dict[str, float]], errors: list) -> dict[str, Route]:
+    """The compiled routes, with the operators' weight ``overrides`` applied."""
     routes: dict[str, Route] = {}
     for rname, r in cfg.routes.items():
         targets = [_target(t, cfg, f"routes.{rname}.targets[{i}]", errors) for i, t in enumerate(r.targets)]
@@ -158,7 +184,7 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
                                   Slo(r.slo.ttft_ms) if r.slo else None, r.sticky)
         except ValueError as e:
             errors.append((f"routes.{rname}", str(e)))
-    for rname, weights in (overrides or {}).items():
+    for rname, weights in overrides.items():
         if rname not in routes:
             errors.append((f"overrides.{rname}", f"unknown route {rname!r}"))
             continue
@@ -166,9 +192,11 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
             routes[rname] = with_weights(routes[rname], weights)
         except ValueError as e:
             errors.append((f"overrides.{rname}", str(e)))
-    weight_errors, weight_warnings = check_weights(cfg, routes, overrides or {}, env)
-    errors += weight_errors
-    warnings += weight_warnings
+    return routes
+
+
+def _rules(cfg: GatewayConfig, names: dict[str, str], errors: list) -> list[Rule]:
+    """The policy's rules, their routes and the models they match checked."""
     rules = []
     for i, r in enumerate(cfg.policy.rules):
         path = f"policy.rules[{i}]"
@@ -181,12 +209,11 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
                     if v not in names:
                         errors.append((f"{path}.match.model", f"unknown model {v!r}; defined: {', '.join(names)}"))
         rules.append(Rule(r.name, r.route, m, Slo(r.slo.ttft_ms) if r.slo else None))
-    if cfg.policy.default_route not in cfg.routes:
-        errors.append(("policy.default_route", f"unknown route {cfg.policy.default_route!r}"))
-    key = cfg.policy.canary_key
-    if not (key in ("user", "request_id") or (key.startswith("header:") and len(key) > 7)):
-        errors.append(("policy.canary_key", f"must be user, request_id or header:<name>, got {key!r}"))
-    errors += config_problems(cfg, routes)
+    return rules
+
+
+def _key_hashes(cfg: GatewayConfig, env, warnings: list[str]) -> dict[str, str]:
+    """SHA-256 of each virtual key -> its tenant (a key whose environment variable is unset is disabled)."""
     hashes: dict[str, str] = {}
     for i, k in enumerate(cfg.auth.keys):
         if k.sha256:
@@ -196,10 +223,7 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
         else:
             warnings.append(f"auth.keys[{i}]: environment variable {k.env} is unset; "
                             f"key of tenant {k.tenant!r} disabled")
-    if errors:
-        raise ConfigError(errors)
-    policy = Policy(tuple(rules), routes, cfg.policy.default_route, cfg.policy.canary_key)
-    return Compiled(cfg, policy, names, hashes, warnings, overrides=dict(overrides or {}))
+    return hashes
 
 
 def load_config_text(text: str, overrides: dict[str, dict[str, float]] | None = None,
