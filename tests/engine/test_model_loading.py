@@ -125,13 +125,7 @@ def test_gguf_matches_dequantized_source(tmp_path, qtype, quantization):
     assert (cfg.architecture, cfg.tie_word_embeddings, cfg.num_key_value_heads, cfg.name) == (
         "LlamaForCausalLM", True, 2, "tiny")
     assert tok.encode("<|im_start|>abc") == [1, 95, 69]
-    runner = ModelRunner(args, ours, cfg, torch.device("cpu"), torch.float32, num_blocks=4)
-    ids = [5, 17, 90, 33, 2, 8, 64]
-    r = Request("r", ids, SamplingParams(temperature=0.0))
-    out = runner.execute_model(SchedulerOutput([ScheduledRequest(r, 0, len(ids), [2, 1], True)], len(ids)))
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0, -1]
-    torch.testing.assert_close(out.logits[0], ref, atol=1e-4, rtol=0)
+    _assert_last_logits_match(args, ours, cfg, model)
 
 
 def test_missing_files(tmp_path):
@@ -201,6 +195,11 @@ def test_qwen3_gguf(tmp_path):
     args = EngineArgs(model=str(path), dtype="float32", device="cpu", block_size=16)
     ours, _, config = load_model(args)
     assert (type(ours).__name__, config.head_dim) == ("Qwen3ForCausalLM", 32)
+    _assert_last_logits_match(args, ours, config, model)
+
+
+def _assert_last_logits_match(args, ours, config, model) -> None:
+    """One 7-token prefill through our ``ModelRunner`` gives transformers' last-position logits (fp32, 1e-4)."""
     runner = ModelRunner(args, ours, config, torch.device("cpu"), torch.float32, num_blocks=4)
     ids = [5, 17, 90, 33, 2, 8, 64]
     r = Request("r", ids, SamplingParams(temperature=0.0))
