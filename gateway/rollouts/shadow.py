@@ -14,7 +14,6 @@ which cancels them on stop.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
@@ -92,7 +91,7 @@ async def read_side(chunks, started: float) -> tuple[Side, dict | None]:
         data = item[1]
         if data.strip() == b"[DONE]":
             break
-        ev = json.loads(data)
+        ev = msgspec.json.decode(data)
         if "error" in ev:
             return Side(False, error=str(ev["error"].get("message", "")) if isinstance(ev["error"], dict) else ""), usage
         usage = ev.get("usage") or usage
@@ -117,10 +116,14 @@ async def read_side(chunks, started: float) -> tuple[Side, dict | None]:
 class ShadowRunner:
     """Shadow and parity calls of one gateway: ``offer`` samples a request and starts its pairs as tasks it
     owns; ``stop`` cancels them. ``store``: ``gateway.rollouts.store.RolloutStore``; ``usage``: the ledger;
-    ``counter``: ``tandem_shadow_requests_total`` (labels rollout, outcome)."""
+    ``counter``: ``tandem_shadow_requests_total`` (labels rollout, outcome); ``local_price``: backend name -> the
+    price the ledger bills it at instead of its configured ``prices`` (``Gateway.local_billing_price``: the local
+    engine's from ``local.cost``), so a shadow call costs what the same call from a client would."""
 
-    def __init__(self, store, usage, counter, rng: random.Random | None = None):
+    def __init__(self, store, usage, counter, rng: random.Random | None = None,
+                 local_price=lambda backend: None):
         self.store, self.usage, self.counter = store, usage, counter
+        self.local_price = local_price
         self.rng = rng or random.Random()
         self.in_flight: dict[str, int] = {}
         self.tasks: set[asyncio.Task] = set()
@@ -199,7 +202,8 @@ class ShadowRunner:
         if tokens is None:
             return
         backend = snap.backends.get(target.backend)
-        nusd = cost_nusd(Price.of(getattr(backend.cfg, "prices", None)), *tokens)
+        price = self.local_price(target.backend) or Price.of(getattr(backend.cfg, "prices", None))
+        nusd = cost_nusd(price, *tokens)
         await self.usage.settle(UsageRecord(f"{req.request_id}:{plan.name}:{side}", SHADOW_TENANT, target.backend,
                                             *tokens, nusd))
 
