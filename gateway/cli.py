@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Each area's module and the top-level commands its ``register`` adds (tests/gateway/test_cli_help.py pins the
@@ -64,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: parse ``argv`` and run the chosen command's ``func(args)``."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv[0] if argv else None).parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:
+        # the reader left (``tandem ctl ... | head``): no traceback, and none at exit when Python flushes stdout
+        # (the recipe of Python's signal module documentation, "Note on SIGPIPE")
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141                                     # 128 + SIGPIPE, as a shell reports a command killed by it
 
 
 if __name__ == "__main__":

@@ -66,11 +66,14 @@ def check_weights(cfg: GatewayConfig, routes: dict[str, Route], overrides: dict[
 
 
 def routes_table(policy: Policy) -> dict[str, dict]:
-    """route -> ``{"select", "targets": [{"id", "backend", "weight", "share_pct"}], "fallbacks": [ids]}``."""
+    """route -> ``{"select", "weights_steer", "targets": [{"id", "backend", "weight", "share_pct"}],
+    "fallbacks": [ids]}``. ``weights_steer``: the weights set the traffic shares (``weighted`` and
+    ``prefix_affinity`` routes); on a ``cheapest`` or SLO route a weight only turns a target on (> 0) or off."""
     out = {}
     for name, r in policy.routes.items():
         total = sum(t.weight for t in r.targets) or 1.0
-        out[name] = {"select": r.select, "fallbacks": [t.id for t in r.fallbacks],
+        out[name] = {"select": r.select, "weights_steer": r.select != "cheapest" and r.slo is None,
+                     "fallbacks": [t.id for t in r.fallbacks],
                      "targets": [{"id": t.id, "backend": t.backend, "weight": t.weight,
                                   "share_pct": round(100 * t.weight / total, 2)} for t in r.targets]}
     return out

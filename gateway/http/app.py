@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 import msgspec
-from litestar import Litestar, Request, Response, get, post
+from litestar import HttpMethod, Litestar, Request, Response, get, post, route
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
@@ -159,12 +159,12 @@ async def model(request: Request) -> Response:
     return Response(msgspec.json.encode(_model_object(name)), media_type=_JSON)
 
 
-@get("/health/live")
+@route("/health/live", http_method=[HttpMethod.GET, HttpMethod.HEAD])   # HEAD: uptime checkers
 async def live() -> Response:
     return Response(b'{"status":"ok"}', media_type=_JSON)
 
 
-@get("/health/ready")
+@route("/health/ready", http_method=[HttpMethod.GET, HttpMethod.HEAD])
 async def ready(request: Request) -> Response:
     """Readiness: 200 ``ready``; 503 ``not_ready`` (config or local engine loading), ``draining``, or
     ``degraded`` (no route has a target that can serve now: every backend unavailable or breaker-open), with

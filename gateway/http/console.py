@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from litestar import Response, get
+from litestar import HttpMethod, Response, route
 from litestar.exceptions import NotFoundException
 
 # asset name -> media type; the only files served (no path from the request reaches the filesystem)
@@ -34,12 +34,12 @@ def _asset(name: str) -> Response:
     return Response(data, media_type=media_type, headers=_HEADERS)
 
 
-@get("/admin/ui", include_in_schema=False)
+@route("/admin/ui", http_method=[HttpMethod.GET, HttpMethod.HEAD], include_in_schema=False)
 async def console_page() -> Response:
     return _asset("index.html")
 
 
-@get("/admin/ui/{name:str}", include_in_schema=False)
+@route("/admin/ui/{name:str}", http_method=[HttpMethod.GET, HttpMethod.HEAD], include_in_schema=False)
 async def console_asset(name: str) -> Response:
     """``charts.js``, ``console.js`` and ``console.css``; 404 for any other name."""
     return _asset(name)

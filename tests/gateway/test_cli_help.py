@@ -93,3 +93,16 @@ def test_a_gateway_command_does_not_import_the_engine_server():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """``tandem ... | head``: the pipe closes before the command writes; it exits 141 (as SIGPIPE would) and
+    prints no BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "cost", "estimate", "--tokens-per-month", "1e9",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()                       # before the command has imported anything, let alone written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err

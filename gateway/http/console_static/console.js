@@ -218,9 +218,15 @@
       c.bar.replaceChildren(shareBar(route.targets));
       const steering = ((ui.data.rollouts && ui.data.rollouts.rollouts) || []).filter(
         (r) => r.route === name && (r.state === "running" || r.state === "paused"));
-      c.note.replaceChildren(...steering.map((r) => h("p", {class: "steer"}, r.state === "running"
+      const notes = steering.map((r) => h("p", {class: "steer"}, r.state === "running"
         ? `Rollout ${r.name} (running) sets ${r.candidate}'s weight here: pause it before moving the slider.`
-        : `Rollout ${r.name} is paused: the weights are yours until it resumes (then its step's weight again).`)));
+        : `Rollout ${r.name} is paused: the weights are yours until it resumes (then its step's weight again).`));
+      if (!route.weights_steer) {
+        notes.push(h("p", {class: "steer"}, `This route picks ${route.select === "cheapest" ? "the cheapest" :
+          "by its SLO, the cheapest predicted in time"} among its targets: a weight only turns a target on ` +
+          "(above 0) or off (0), so there is no canary slider."));
+      }
+      c.note.replaceChildren(...notes);
       c.body.replaceChildren(...route.targets.map((t, i) => {
         const br = config.targets[t.id] || {};
         return h("tr", {}, h("th", {scope: "row"}, h("span", {class: `swatch c${i % 6}`, "aria-hidden": "true"}), t.id),
@@ -228,7 +234,7 @@
           h("td", {}, badge(br.breaker || "unknown")));
       }));
       const ids = route.targets.map((t) => t.id);
-      c.controls.hidden = ids.length < 2;
+      c.controls.hidden = ids.length < 2 || !route.weights_steer;
       if (!ids.includes(ui.canary[name])) {   // default canary: the smallest share (the last on a tie)
         ui.canary[name] = route.targets.reduce((a, t) => (t.share_pct <= a.share_pct ? t : a)).id;
       }

@@ -21,6 +21,9 @@ KEY = "sk-tandem-console-acme-0123456789"
 ENV = {"TEST_UPSTREAM_KEY": "k", "TANDEM_ADMIN_TOKEN": TOKEN}
 ROUTES = """  main:
     targets: [{backend: a, weight: 95}, {backend: b, weight: 5}]
+  cheap:
+    select: cheapest
+    targets: [{backend: a}, {backend: b}]
 """
 EXTRA = f"""auth:
   keys:
@@ -115,6 +118,11 @@ def test_page_is_a_shell_with_a_strict_policy(gateway):
     assert httpx.get(gateway.url + "/admin/ui/console.js", timeout=10).headers["content-type"].startswith(
         "text/javascript")
     assert httpx.get(gateway.url + "/admin/ui/..%2Fadmin.py", timeout=10).status_code == 404
+    head = httpx.head(gateway.url + "/admin/ui", timeout=10)            # uptime checkers send HEAD
+    assert head.status_code == 200 and head.content == b"" and "script-src 'self'" in head.headers[
+        "content-security-policy"]
+    for path in ("/health/live", "/health/ready"):
+        assert httpx.head(gateway.url + path, timeout=10).status_code in (200, 503)
     assert httpx.get(gateway.url + "/admin/limits", timeout=10).status_code == 401
     lim = httpx.get(gateway.url + "/admin/limits", headers=ADMIN, timeout=10).json()
     assert lim["tenants"]["acme"] == {"rpm": 600, "tpm": 200000, "keys": [{"rpm": 120, "tpm": None}]}
@@ -139,7 +147,7 @@ def test_canary_slider_sets_the_weight_then_rollback_restores_it(page, gateway):
     assert weights_of(gateway) == {"a": 95, "b": 5}
     sign_in(page)
     slider = page.locator("#canary-main")
-    page.get_by_label("Canary target").select_option("b")
+    page.locator("#canary-target-main").select_option("b")
     assert slider.input_value() == "5"
     slider.focus()
     for _ in range(20):                           # keyboard only: 5 -> 25
@@ -156,6 +164,13 @@ def test_canary_slider_sets_the_weight_then_rollback_restores_it(page, gateway):
     wait_until(lambda: weights_of(gateway) == {"a": 95, "b": 5})
     page.get_by_role("status").filter(has_text="Roll back: done").wait_for()
     page.wait_for_function("document.getElementById('canary-main').value === '5'")
+
+
+def test_no_canary_slider_where_weights_do_not_steer(page):
+    sign_in(page)
+    card = page.get_by_role("article").filter(has=page.get_by_role("table", name="Targets of route cheap"))
+    card.get_by_text("picks the cheapest among its targets").wait_for()
+    assert page.locator("#canary-cheap").is_hidden() and page.locator("#canary-main").is_visible()
 
 
 def test_explain_shows_the_live_decision_and_the_refusal(page, gateway):
