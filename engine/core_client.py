@@ -125,13 +125,21 @@ class ProcessCoreClient:
     The child gets the torch threads (``num_threads``); the front end needs
     none. The child exits when the pipe closes, so it never outlives this
     process.
+
+    Commands are written to the pipe by a writer thread, in the order sent:
+    a large one (a 400 KB schema, in ``CompileGrammar`` and then in its
+    ``AddRequest``) fills the pipe and waits for the core's reader thread to
+    drain it, 64 KB at a time, each time once it has the core's GIL (which
+    the step holds between torch ops): measured up to 130 ms for one
+    command on the 2-core box. Written from the event loop, that wait
+    stalled every stream's SSE (issue #34); the loop only queues.
     """
 
     def __init__(self, args) -> None:
         self.args = args
         self._conn = None
         self._proc = None
-        self._send_lock = threading.Lock()
+        self._writer: PipeWriter | None = None
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         self._closing = False
@@ -168,6 +176,7 @@ class ProcessCoreClient:
         if isinstance(first, CoreFailed):
             self._proc.join(10)
             raise rebuild_error(first.error_type, first.message)
+        self._writer = PipeWriter(self._conn)
         threading.Thread(target=self._read, args=(on_step, on_dead), name="tandem-core-client",
                          daemon=True).start()
         return first
@@ -199,8 +208,8 @@ class ProcessCoreClient:
         _resolve_call(self._calls, reply)
 
     def send(self, cmd: Command) -> None:
-        """Encode and send a command (non-blocking in practice: the core's
-        reader thread drains the pipe).
+        """Encode a command here and queue it for the writer thread (never
+        blocks; commands reach the core in the order sent).
 
         Raises:
             ValueError: the command holds a value the wire cannot carry (an integer beyond 64 bits): the
@@ -210,8 +219,7 @@ class ProcessCoreClient:
             data = encode(cmd)
         except (OverflowError, TypeError, msgspec.EncodeError) as exc:
             raise ValueError(f"the request holds a value the engine cannot take: {exc}") from None
-        with self._send_lock:
-            self._conn.send_bytes(data)
+        self._writer.put(data)
 
     async def compile_grammar(self, spec) -> str:
         """Validate and compile a ``StructuredOutputsParams`` in the core
@@ -235,10 +243,9 @@ class ProcessCoreClient:
     def shutdown(self) -> None:
         """Ask the core to stop and wait for its process (killed after 30 s)."""
         self._closing = True
-        try:
+        if self._writer is not None:
             self.send(Shutdown())
-        except OSError:
-            pass
+            self._writer.close()
         self._proc.join(30)
         if self._proc.is_alive():
             self._proc.kill()
@@ -246,6 +253,36 @@ class ProcessCoreClient:
 
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.is_alive()
+
+
+class PipeWriter:
+    """Writes messages to a ``multiprocessing`` connection from a thread of
+    its own, in the order put: ``put`` never waits for the reader at the
+    other end (see ``ProcessCoreClient``).
+
+    Args:
+        conn: the connection (its writing end is this object's from now on).
+    """
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="tandem-core-writer", daemon=True).start()
+
+    def put(self, data: bytes) -> None:
+        """Queue one message (``send_bytes`` framing); returns at once."""
+        self._queue.put(data)
+
+    def close(self) -> None:
+        """Stop after the messages already put."""
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            try:
+                self._conn.send_bytes(data)
+            except OSError:  # the other end is gone (the core process died: its reader reports it)
+                return
 
 
 async def _embed_call(client, prompts: list[list[int]], pooling_type: str | None,

@@ -131,8 +131,8 @@ def run_engine_core_process(args, conn) -> None:
     submitter = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar-submit")
     # Build the grammar manager (xgrammar import, the tokenizer's vocabulary table: Python work that holds
     # the GIL for a while) now, while the engine is idle, not under the first structured request while
-    # other streams run.
-    submitter.submit(lambda: core.structured_outputs)
+    # other streams run; its objects are then frozen out of the garbage collector's full collections.
+    submitter.submit(core.prepare_structured_outputs)
 
     def compile_grammar(cmd: CompileGrammar) -> None:
         def done(digest: str, error) -> None:

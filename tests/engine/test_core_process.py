@@ -192,3 +192,27 @@ def test_front_end_runs_without_torch(tiny_model, tmp_path):
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+def test_a_large_command_never_blocks_its_sender_and_commands_keep_their_order():
+    """Issue #34: a 400 KB schema crosses the pipe twice (compile, then its request); written on the event loop,
+    each write waited for the core's reader (which needs the core's GIL per 64 KB) and stalled every stream's
+    SSE. The front end's writer thread takes that wait: ``put`` returns while nobody reads yet."""
+    import multiprocessing
+
+    from engine.core_client import PipeWriter
+
+    ours, core_end = multiprocessing.Pipe()
+    writer = PipeWriter(ours)
+    big = b"s" * (4 << 20)  # far over a pipe's buffer: its write waits for the reader
+    queued = threading.Event()
+
+    def send() -> None:
+        writer.put(big)
+        writer.put(b"after")
+        queued.set()
+
+    threading.Thread(target=send, daemon=True).start()
+    assert queued.wait(60)  # deadlock guard only: nothing reads the core's end until both are queued
+    assert core_end.recv_bytes() == big and core_end.recv_bytes() == b"after"
+    writer.close()

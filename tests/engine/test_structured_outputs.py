@@ -216,3 +216,16 @@ def test_min_tokens_past_the_grammars_end_ends_cleanly(llm, caplog):
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
     assert 0 not in out.token_ids and out.token_ids[-1] == llm.engine.tokenizer.eos_token_id
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_the_grammar_manager_built_once_ready_is_frozen_out_of_full_collections(llm):
+    """Issue #34: the manager (xgrammar's modules, the tokenizer's vocabulary table) is built after the core's
+    start-up freeze; left unfrozen, every full collection while serving walked its objects with the GIL held
+    (50-100 ms, a stall of every running stream). Built by ``prepare_structured_outputs`` (what the core
+    process runs once ready), they are in the permanent generation: no collection visits them."""
+    import gc
+
+    manager = llm.engine.core.prepare_structured_outputs()
+    visited = {id(o) for o in gc.get_objects()}  # every object a full collection would walk
+    assert gc.is_tracked(manager) and gc.is_tracked(manager.pool)
+    assert id(manager) not in visited and id(manager.pool) not in visited and id(manager.pool.cache) not in visited
