@@ -111,6 +111,17 @@ Q8_MAX_ROWS = 3  # LINEAR_Q4_DIRECT_ROWS of csrc/kernels.h: the 8-bit kernel tak
 COPY_MAX_ROWS = 2
 
 
+def copy_serves(rows: int, march: str | None = None) -> bool:
+    """Whether a call of ``rows`` rows reads a weight's quantized copy
+    (:class:`PackedQ4Linear`, :class:`PackedQ8Linear`) rather than its
+    bfloat16 panels: up to :data:`COPY_MAX_ROWS` rows where the copy gives
+    the panels' bits (AVX512-BF16), every row count on the AVX2 body, whose
+    copies run integer dot products (``csrc/quant_int.h``: other bits, so a
+    row's bits would otherwise depend on the batch; QUANT_COPY_EVERY_ROW of
+    ``csrc/kernels.h``)."""
+    return rows <= COPY_MAX_ROWS or isa(march) == "avx2"
+
+
 def pack_q8(codes: torch.Tensor, d: torch.Tensor) -> PackedQ8Linear:
     """Pack a Q8_0 weight: codes [out, in] int8, d [out, in / 32] float32.
 
@@ -218,7 +229,7 @@ def linear(x: torch.Tensor, packed: PackedLinear | PackedQ4Linear | PackedQ8Line
     if isinstance(packed, PackedQ4Linear):
         rc = lib.linear_q4(*xs, packed.codes.data_ptr(), packed.scales.data_ptr(), *rest)
     elif isinstance(packed, PackedQ8Linear):
-        if m > Q8_MAX_ROWS:
+        if m > Q8_MAX_ROWS and isa() != "avx2":
             raise ValueError(f"the 8-bit kernel takes at most {Q8_MAX_ROWS} rows, got {m}")
         rc = lib.linear_q8(*xs, packed.codes.data_ptr(), packed.scales.data_ptr(), *rest)
     else:
