@@ -93,7 +93,9 @@ class PackedQ4Linear(_QuantPanels):
     values the loader would have made (bf16((d * q) + m), Q4_0:
     bf16(d * (q - 8))), bitwise. codes: uint8 [ceil(out / 64) * 64 * in / 2],
     two per byte; scales: float16 [ceil(out / 64), in / 32, 2, 64] (per panel
-    of 64 outputs and block of 32 inputs, d then m; Q4_0's m is -8 d)."""
+    of 64 outputs and block of 32 inputs, d then m; Q4_0's m is -8 d). On
+    the AVX2 body (another code layout, the same sizes) it runs integer dot
+    products on 8-bit-rounded inputs instead: its own bits (csrc/quant_int.h)."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,8 @@ class PackedQ8Linear(_QuantPanels):
     calls of up to :data:`Q8_MAX_ROWS` rows (the output head of decode steps
     of up to :data:`COPY_MAX_ROWS` rows): bitwise the bfloat16 kernel's
     results on bf16(d q), from 9 bits per weight instead of 16. codes: int8
-    [ceil(out / 64) * 64 * in]; scales: float32 [ceil(out / 64) * in / 32 * 64]."""
+    [ceil(out / 64) * 64 * in]; scales: float32 [ceil(out / 64) * in / 32 * 64].
+    On the AVX2 body: integer dot products, any row count (csrc/quant_int.h)."""
 
 
 Q8_MAX_ROWS = 3  # LINEAR_Q4_DIRECT_ROWS of csrc/kernels.h: the 8-bit kernel takes this many rows at most
