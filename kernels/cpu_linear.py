@@ -93,7 +93,9 @@ class PackedQ4Linear(_QuantPanels):
     values the loader would have made (bf16((d * q) + m), Q4_0:
     bf16(d * (q - 8))), bitwise. codes: uint8 [ceil(out / 64) * 64 * in / 2],
     two per byte; scales: float16 [ceil(out / 64), in / 32, 2, 64] (per panel
-    of 64 outputs and block of 32 inputs, d then m; Q4_0's m is -8 d)."""
+    of 64 outputs and block of 32 inputs, d then m; Q4_0's m is -8 d). On
+    the AVX2 body (another code layout, the same sizes) it runs integer dot
+    products on 8-bit-rounded inputs instead: its own bits (csrc/quant_int.h)."""
 
 
 @dataclass(frozen=True)
@@ -102,13 +104,25 @@ class PackedQ8Linear(_QuantPanels):
     calls of up to :data:`Q8_MAX_ROWS` rows (the output head of decode steps
     of up to :data:`COPY_MAX_ROWS` rows): bitwise the bfloat16 kernel's
     results on bf16(d q), from 9 bits per weight instead of 16. codes: int8
-    [ceil(out / 64) * 64 * in]; scales: float32 [ceil(out / 64) * in / 32 * 64]."""
+    [ceil(out / 64) * 64 * in]; scales: float32 [ceil(out / 64) * in / 32 * 64].
+    On the AVX2 body: integer dot products, any row count (csrc/quant_int.h)."""
 
 
 Q8_MAX_ROWS = 3  # LINEAR_Q4_DIRECT_ROWS of csrc/kernels.h: the 8-bit kernel takes this many rows at most
 # QUANT_COPY_MAX_ROWS of csrc/kernels.h: calls of up to this many rows read a weight's quantized copy
 # rather than its bfloat16 panels (faster where reading the weights bounds the call; the same bits)
 COPY_MAX_ROWS = 2
+
+
+def copy_serves(rows: int, march: str | None = None) -> bool:
+    """Whether a call of ``rows`` rows reads a weight's quantized copy
+    (:class:`PackedQ4Linear`, :class:`PackedQ8Linear`) rather than its
+    bfloat16 panels: up to :data:`COPY_MAX_ROWS` rows where the copy gives
+    the panels' bits (AVX512-BF16), every row count on the AVX2 body, whose
+    copies run integer dot products (``csrc/quant_int.h``: other bits, so a
+    row's bits would otherwise depend on the batch; QUANT_COPY_EVERY_ROW of
+    ``csrc/kernels.h``)."""
+    return rows <= COPY_MAX_ROWS or isa(march) == "avx2"
 
 
 def pack_q8(codes: torch.Tensor, d: torch.Tensor) -> PackedQ8Linear:
@@ -218,7 +232,7 @@ def linear(x: torch.Tensor, packed: PackedLinear | PackedQ4Linear | PackedQ8Line
     if isinstance(packed, PackedQ4Linear):
         rc = lib.linear_q4(*xs, packed.codes.data_ptr(), packed.scales.data_ptr(), *rest)
     elif isinstance(packed, PackedQ8Linear):
-        if m > Q8_MAX_ROWS:
+        if m > Q8_MAX_ROWS and isa() != "avx2":
             raise ValueError(f"the 8-bit kernel takes at most {Q8_MAX_ROWS} rows, got {m}")
         rc = lib.linear_q8(*xs, packed.codes.data_ptr(), packed.scales.data_ptr(), *rest)
     else:

@@ -115,10 +115,12 @@ def _log_quantized(model, quantization: str, dtype: torch.dtype) -> None:
     if copies or model.lm_head_q8 is not None:
         mib = sum(packed.nbytes for layer in model.layers for packed, _, _ in layer.q4_copy.values()) / 2**20
         head = model.lm_head_q8
-        logger.info("weights in %s (quantization %s); for decode steps of up to %d sequences the engine also "
-                    "keeps the GGUF's 4-bit codes of %d projections (+%.0f MiB)%s and reads them instead: same "
-                    "outputs, fewer bytes", dtype, quantization, cpu_linear.COPY_MAX_ROWS, copies, mib,
-                    "" if head is None else f" and the 8-bit output head (+{head.nbytes / 2**20:.0f} MiB)")
+        when = "for every step (integer dots on this AVX2 body: outputs within the inputs' 8-bit rounding, " \
+            "the same for any batch)" if cpu_linear.copy_serves(cpu_linear.COPY_MAX_ROWS + 1) else \
+            f"for decode steps of up to {cpu_linear.COPY_MAX_ROWS} sequences (same outputs, fewer bytes)"
+        logger.info("weights in %s (quantization %s); the engine also keeps the GGUF's 4-bit codes of %d "
+                    "projections (+%.0f MiB)%s and reads them instead %s", dtype, quantization, copies, mib,
+                    "" if head is None else f" and the 8-bit output head (+{head.nbytes / 2**20:.0f} MiB)", when)
 
 
 def _linear_path() -> str:
@@ -127,7 +129,8 @@ def _linear_path() -> str:
 
     isa = cpu_linear.isa()
     if cpu_linear.available():
-        return f"C (kernels/csrc, {isa} body: weights stay bfloat16 or 4-bit, float32 math in registers)" \
+        return (f"C (kernels/csrc, {isa} body: bfloat16 weights widened to float32 in registers; GGUF 4-bit/8-bit "
+                "weights by integer dot products on 8-bit-rounded inputs, as llama.cpp)") \
             if isa == "avx2" else f"C (kernels/csrc, {isa} body)"
     why = "the C library does not build here" if isa is None else \
         "this CPU has neither AVX512-BF16 nor AVX2/FMA; the portable C body is slower"

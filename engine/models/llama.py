@@ -93,7 +93,19 @@ class LlamaDecoderLayer(nn.Module):
         lin = getattr(self, name)
         if name in self.int4:
             return self.int4[name](x, lin.bias, residual)
+        copy = self.fresh_q4_copy(name)
+        if copy is not None and x.dtype == torch.bfloat16 and cpu_linear.copy_serves(x.reshape(-1, x.shape[-1]).shape[0]):
+            # the C stack's choice (decoder_cpu.c's project): on the AVX2 body the copy serves every row
+            # count (integer dots, other bits than the bfloat16 panels); elsewhere the same bits either way
+            return cpu_linear.linear(x, copy, lin.bias, residual)
         return self.packed.linear(name, x, lin.weight, lin.bias, residual)
+
+    def fresh_q4_copy(self, name: str) -> cpu_linear.PackedQ4Linear | None:
+        """Projection ``name``'s 4-bit copy when it was made from the weight as it is now, else None."""
+        copy, source, version = self.q4_copy.get(name, (None, None, None))
+        weight = getattr(self, name).weight
+        fresh = weight.numel() == 0 or (weight is source and weight._version == version)
+        return copy if fresh else None
 
     def uses_c_rope(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether RoPE and the cache write run in C (``kernels.cpu_decoder.rope_cache``):
@@ -281,10 +293,7 @@ class LlamaForCausalLM(nn.Module):
                 else:
                     packed = layer.packed.get(name, getattr(layer, name).weight)
                     bf16[short] = packed if isinstance(packed, cpu_linear.PackedLinear) else None
-                    copy, source, version = layer.q4_copy.get(name, (None, None, None))
-                    weight = getattr(layer, name).weight
-                    fresh = weight.numel() == 0 or (weight is source and weight._version == version)
-                    q4[short] = copy if fresh else None
+                    q4[short] = layer.fresh_q4_copy(name)
                 if bf16.get(short) is None and q4[short] is None:
                     return None
                 if name != "qkv_proj" and getattr(layer, name).bias is not None:
@@ -374,9 +383,9 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         packed = self.packed.get("lm_head", weight) if weight.device.type == "cpu" else None
         if self.lm_head_q8 is not None and isinstance(packed, cpu_linear.PackedLinear) \
-                and hidden.shape[0] <= cpu_linear.COPY_MAX_ROWS and self._lm_head_q8_of[0] is weight \
+                and cpu_linear.copy_serves(hidden.shape[0]) and self._lm_head_q8_of[0] is weight \
                 and self._lm_head_q8_of[1] == weight._version:
-            # a decode step: half the bytes, the same bits (unless the head changed since)
+            # a decode step (on the AVX2 body every call: its own bits): half the bytes (unless the head changed)
             return cpu_linear.linear(hidden, self.lm_head_q8, out_dtype=torch.float32)
         if isinstance(packed, cpu_linear.PackedLinear):  # float32 sums, not bfloat16-rounded logits
             return cpu_linear.linear(hidden, packed, out_dtype=torch.float32)

@@ -78,11 +78,17 @@ typedef struct {
 /* Projection i of layer w. With both forms, calls of at most
  * QUANT_COPY_MAX_ROWS rows read the 4-bit panels (bound by reading the
  * weights: fewer bytes) and larger ones the bfloat16 panels (bound by
- * arithmetic: no dequantization); both give the same bits. */
+ * arithmetic: no dequantization); both give the same bits. The AVX2 build
+ * reads the copy for every row count (QUANT_COPY_EVERY_ROW, kernels.h). */
 static int project(const decoder_layer *w, int i, const uint16_t *x, int64_t ldx, const float *bias,
                    const uint16_t *residual, int64_t ldr, uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
                    int num_threads) {
-    if (w->q4_codes[i] && (m <= QUANT_COPY_MAX_ROWS || !w->bf16[i]))
+#if defined(QUANT_COPY_EVERY_ROW)
+    const int use_copy = w->q4_codes[i] != 0; /* integer dots: other bits than the bfloat16 panels */
+#else
+    const int use_copy = w->q4_codes[i] && (m <= QUANT_COPY_MAX_ROWS || !w->bf16[i]);
+#endif
+    if (use_copy)
         return linear_q4(x, ldx, w->q4_codes[i], w->q4_scales[i], bias, residual, ldr, y, ldy, m, n, k, 0,
                          num_threads);
     return linear_bf16(x, ldx, w->bf16[i], bias, residual, ldr, y, ldy, m, n, k, 0, num_threads);

