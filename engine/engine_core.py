@@ -306,7 +306,7 @@ class EngineCore:
         sees, the core loop's commands and output hand-off included. A step after which nothing was left to run
         is not timed (the loop then idled until the next request)."""
         if self._last_step is not None:
-            self.ttft_calibration.observe(started - self._last_step[0], *self._last_step[1:])
+            self.ttft_calibration.observe(started - self._last_step[0], *self._last_step[1:], at=started)
         self._last_step = (started, prefill_tokens, decode_rows)
 
     def _sample(self, sched, runner_out) -> tuple[dict[str, int], dict[str, dict], list[str], set[str]]:

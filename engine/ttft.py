@@ -2,7 +2,7 @@
 
 The core publishes, after every step, a ``TTFTState`` with its stats (``EngineStats.ttft``): the prefill tokens
 still to compute per priority class, the running set's seats, decode rows and KV headroom, and the step costs it
-measured (``TTFTCalibration``, exponentially weighted). It also publishes which prompt blocks entered or left its
+measured (``TTFTCalibration``: fitted online, recent steps weighing most). It also publishes which prompt blocks entered or left its
 prefix cache (as vLLM's KV cache events do for llm-d's prefix-aware router); ``PrefixMirror`` replays them in the
 front end, so a prompt's cached prefix is looked up there without a round trip to the core's process and with no
 scrape lag (at most one step old). ``predict_ttft`` is a pure function of the state and the request.
@@ -27,9 +27,16 @@ import msgspec
 
 from engine.kv_cache_manager import hash_block_tokens
 
-# Weight of a new observation in the EWMAs: ~20 steps of memory, enough to follow a change of load and to
-# smooth one step's noise.
-EWMA_ALPHA = 0.1
+# Seconds over which a step's weight in the calibration falls by a factor e (wall time, idle time included): the
+# box's speed changes within seconds when other processes take its cores, and a prefill rate remembered over
+# twenty prefill steps (an EWMA per step) took ~25 s to recover from a load spike on an SLO route that sends the
+# engine about one request a second (its requests predicted 40-60 % off meanwhile).
+CALIBRATION_TAU_S = 3.0
+# Weight of the current estimate against the steps measured (in steps): keeps a cost that recent steps do not
+# separate (the fixed part of a step from its per-row part when every step ran one row) where it was.
+_PRIOR_WEIGHT = 0.3
+# Scale of the prefill-token feature (tokens per unit) so the fit's three features are of like size.
+_TOKEN_SCALE = 100.0
 
 
 class TTFTState(msgspec.Struct, array_like=True):
@@ -50,7 +57,9 @@ class TTFTState(msgspec.Struct, array_like=True):
         typical_decode: the mean ``max_tokens`` of the running sequences (how long a waiting one whose own is
             not listed holds its seat once admitted).
         waiting_decode: [priority, max_tokens] of the first waiting requests, in the order they get seats.
-        step_s: measured seconds of a decode step. prefill_tok_s: measured prefill tokens per second.
+        step_s: measured seconds of a step of the running set's decode rows (``TTFTCalibration.cost``).
+            prefill_tok_s: measured prefill tokens per second. fixed_s, row_s: a step's measured fixed cost and
+            cost per decode row, seconds (a step of n rows costs ``fixed_s + n * row_s``: TPOT at a batch size).
         added: requests the core has taken from its queue of commands so far (accepted or refused): a front end
             counts what it sent beyond that as queued too (``PendingAdds``).
         stored, removed: block hashes that entered / left the prefix cache since the last state.
@@ -75,48 +84,67 @@ class TTFTState(msgspec.Struct, array_like=True):
     stored: list[bytes] = []
     removed: list[bytes] = []
     resync: list[bytes] | None = None
+    fixed_s: float = 0.0
+    row_s: float = 0.0
 
 
 @dataclass
 class TTFTCalibration:
-    """Step costs measured online (EWMA). Starts from a guess (``step_s`` seconds, ``prefill_tok_s`` tokens/s)
-    that the first steps replace.
+    """Step costs measured online: a step's seconds = ``fixed_s`` + ``row_s`` x decode rows + prefill tokens /
+    ``prefill_tok_s``, fitted by least squares over the steps measured, each weighted by exp(-age /
+    ``CALIBRATION_TAU_S``) (recursive least squares with exponential forgetting, by time rather than by step;
+    Haykin, *Adaptive Filter Theory*, ch. 10) with a small ridge toward the current estimate. Starts from a
+    guess (``step_s`` seconds for a one-row decode step, ``prefill_tok_s`` tokens/s) that the first steps
+    replace.
 
-    The prefill rate is a ratio of EWMAs (prefill tokens over their seconds beyond ``step_s``), not an EWMA of
-    each step's rate: a step that computes only a prompt's uncached tail (tens of tokens) measures its rate
-    mostly from noise, and averaging rates let those steps drag the rate of the full chunks that make a queue's
-    wait down (the spill run over-predicted deep queues by up to 2x)."""
+    One fit, not an EWMA of decode steps and a rate over what prefill steps took beyond them: a decode step's
+    cost grows with its rows (an engine that an SLO route keeps nearly idle decodes one or two rows, one that is
+    queued eight), and a prefill step's rows are paid too; the rate measured beyond the last decode steps' cost
+    took whichever batch size those had."""
 
     step_s: float = 0.05
     prefill_tok_s: float = 2000.0
     steps: int = 0
-    _tokens: float = field(default=0.0, repr=False)    # EWMA of a prefill step's prefill tokens
-    _seconds: float = field(default=0.0, repr=False)   # EWMA of its seconds beyond step_s
-    _decode_n: int = field(default=0, repr=False)      # decode-only / prefill steps observed
-    _prefill_n: int = field(default=0, repr=False)
+    fixed_s: float = field(default=0.0)
+    row_s: float = field(default=0.0)
+    _a: list = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)], repr=False)   # weighted sum x x^T
+    _b: list = field(default_factory=lambda: [0.0] * 3, repr=False)                        # weighted sum x y
+    _at: float | None = field(default=None, repr=False)     # clock of the last observation, seconds
+    _clock: float = field(default=0.0, repr=False)          # steps' seconds summed (when no clock is given)
 
-    def observe(self, seconds: float, prefill_tokens: int, decode_rows: int) -> None:
+    def __post_init__(self) -> None:
+        if not self.fixed_s and not self.row_s:   # the guess: a one-row decode step, a fifth of it per row
+            self.fixed_s, self.row_s = 0.8 * self.step_s, 0.2 * self.step_s
+
+    def cost(self, decode_rows: float, prefill_tokens: float = 0.0) -> float:
+        """Predicted seconds of a step computing ``decode_rows`` decode rows and ``prefill_tokens`` prefill
+        tokens."""
+        return self.fixed_s + self.row_s * decode_rows + prefill_tokens / self.prefill_tok_s
+
+    def observe(self, seconds: float, prefill_tokens: int, decode_rows: int, at: float | None = None) -> None:
         """Fold in one step: ``seconds`` of wall time, ``prefill_tokens`` prefill tokens and ``decode_rows``
-        decode rows computed. A decode-only step measures ``step_s``; a step with prefill measures the prefill
-        rate over the time beyond ``step_s``. The n-th observation of a kind weighs max(1/n, ``EWMA_ALPHA``):
-        the first replaces the guess and the first ten are averaged alike (a fresh engine's first, slower step
-        otherwise kept half its weight through a warm-up of a few requests)."""
-        if seconds <= 0:
+        decode rows computed, ending at ``at`` (seconds on any monotonic clock; None: right after the previous
+        step). ``step_s`` then is the cost of a one-row decode step."""
+        if seconds <= 0 or (prefill_tokens == 0 and decode_rows == 0):
             return
-        if prefill_tokens == 0:
-            if decode_rows > 0:
-                self._decode_n += 1
-                self.step_s += max(1.0 / self._decode_n, EWMA_ALPHA) * (seconds - self.step_s)
-                self.steps += 1
-            return
-        # A step with prefill pays the fixed cost too; a fifth of the step is a floor on its prefill time so that
-        # one noisy decode measurement cannot make the prefill rate infinite.
-        prefill_s = max(seconds - self.step_s, 0.2 * seconds)
-        self._prefill_n += 1
-        a = max(1.0 / self._prefill_n, EWMA_ALPHA)
-        self._tokens += a * (prefill_tokens - self._tokens)
-        self._seconds += a * (prefill_s - self._seconds)
-        self.prefill_tok_s = self._tokens / self._seconds
+        self._clock += seconds
+        at = self._clock if at is None else at
+        decay = 1.0 if self._at is None else math.exp(-max(at - self._at, 0.0) / CALIBRATION_TAU_S)
+        self._at = at
+        x = (1.0, float(decode_rows), prefill_tokens / _TOKEN_SCALE)
+        for i in range(3):
+            self._b[i] = decay * self._b[i] + x[i] * seconds
+            for j in range(3):
+                self._a[i][j] = decay * self._a[i][j] + x[i] * x[j]
+        prior = (self.fixed_s, self.row_s, _TOKEN_SCALE / self.prefill_tok_s)
+        w = _PRIOR_WEIGHT if self.steps else 1e-3   # the first step replaces the guess along its own direction
+        a = [[self._a[i][j] + (w if i == j else 0.0) for j in range(3)] for i in range(3)]
+        theta = _solve3(a, [self._b[i] + w * prior[i] for i in range(3)])
+        # Costs are positive: a fit that a few noisy steps push below a floor keeps the floor.
+        self.fixed_s = max(theta[0], 1e-4)
+        self.row_s = max(theta[1], 0.0)
+        self.prefill_tok_s = _TOKEN_SCALE / max(theta[2], _TOKEN_SCALE * 1e-6)
+        self.step_s = self.fixed_s + self.row_s
         self.steps += 1
 
 
@@ -327,5 +355,14 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
         remaining_decode=sorted(r.max_tokens - r.num_output_tokens for r in scheduler.running),
         typical_decode=sum(r.max_tokens for r in scheduler.running) / max(len(scheduler.running), 1),
         waiting_decode=[(r.priority, r.max_tokens) for r in _seat_order(scheduler, 4 * scheduler.max_num_seqs)],
-        step_s=calibration.step_s, prefill_tok_s=calibration.prefill_tok_s, added=added,
-        stored=stored, removed=removed, resync=resync)
+        step_s=calibration.cost(len(decoding)), prefill_tok_s=calibration.prefill_tok_s, added=added,
+        stored=stored, removed=removed, resync=resync, fixed_s=calibration.fixed_s, row_s=calibration.row_s)
+
+
+def _solve3(a: list, b: list) -> list[float]:
+    """x with ``a`` x = ``b`` for a symmetric positive definite 3 x 3 ``a`` (Cramer's rule)."""
+    def det(m):
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+    d = det(a)
+    return [det([[b[r] if c == k else a[r][c] for c in range(3)] for r in range(3)]) / d for k in range(3)]

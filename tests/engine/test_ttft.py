@@ -12,7 +12,7 @@ from engine.kv_cache_manager import hash_block_tokens
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.ttft import PendingAdds, PrefixMirror, TTFTCalibration, TTFTState, predict_ttft, state_of
+from engine.ttft import CALIBRATION_TAU_S, PendingAdds, PrefixMirror, TTFTCalibration, TTFTState, predict_ttft, state_of
 
 STEP_S, PREFILL_TOK_S = 0.040, 1000.0
 
@@ -25,11 +25,12 @@ class ScriptedEngine:
         args.update(kw)
         self.sched = Scheduler(**args)
         self.sched.kv_cache_manager.block_pool.kv_events = []
-        self.cal = TTFTCalibration(step_s=STEP_S, prefill_tok_s=PREFILL_TOK_S, steps=1)
+        self.cal = TTFTCalibration(step_s=STEP_S, prefill_tok_s=PREFILL_TOK_S, steps=1, fixed_s=STEP_S, row_s=0.0)
         self.mirror = PrefixMirror()
         self.now = 0.0
         self.added: dict[str, float] = {}
         self.first_token: dict[str, float] = {}
+        self.cost = lambda decode_rows, prefill: STEP_S + prefill / PREFILL_TOK_S   # a step's seconds
         self.state = self.publish()
 
     def publish(self) -> TTFTState:
@@ -52,9 +53,9 @@ class ScriptedEngine:
         prefill = sum(min(e.num_new_tokens, e.request.num_prompt_tokens - e.num_computed_tokens)
                       for e in out.scheduled if e.num_computed_tokens < e.request.num_prompt_tokens)
         decode = len(out.scheduled) - sum(e.num_computed_tokens < e.request.num_prompt_tokens for e in out.scheduled)
-        cost = STEP_S + prefill / PREFILL_TOK_S
+        cost = self.cost(decode, prefill)
         self.now += cost
-        self.cal.observe(cost, prefill, decode)
+        self.cal.observe(cost, prefill, decode, at=self.now)
         sampled = {e.request.request_id: 7 for e in out.scheduled if e.sample}
         for rid in sampled:
             self.first_token.setdefault(rid, self.now)
@@ -237,15 +238,79 @@ def test_prefill_rate_is_weighted_by_tokens_not_averaged_over_steps():
     assert cal.prefill_tok_s == pytest.approx(3000, rel=0.1)
 
 
-def test_calibration_averages_its_first_steps_alike():
-    """A fresh engine's first prefill step is slow (first use of its shapes): after ten more steps it weighs a
-    tenth, not 0.9^10 of a plain EWMA started from it."""
+def test_a_slow_first_step_fades_within_seconds():
+    """A fresh engine's first prefill step is slow (first use of its shapes): the steps of the next seconds
+    replace it (its weight falls by e every ``CALIBRATION_TAU_S`` seconds), and until then it is averaged with
+    them, not kept as the guess."""
     cal = TTFTCalibration()
+    fast = 0.030 + 512 / 3000
     cal.observe(0.030 + 512 / 300, 512, 4)          # 10x slower than the steps that follow
     for _ in range(9):
-        cal.observe(0.030 + 512 / 3000, 512, 4)
-    assert cal.prefill_tok_s == pytest.approx(512 * 10 / (512 / 300 + 9 * 512 / 3000), rel=0.1)
-    assert cal.prefill_tok_s > 1500
+        cal.observe(fast, 512, 4)
+    assert fast < cal.cost(4, 512) < (0.030 + 512 / 300 + 9 * fast) / 10 * 1.05
+    for _ in range(round(2 * CALIBRATION_TAU_S / fast)):
+        cal.observe(fast, 512, 4)
+    assert cal.cost(4, 512) == pytest.approx(fast, rel=0.05)
+
+
+def _row_cost(rows: int, prefill: int, slow: float = 1.0) -> float:
+    """A step's seconds on an engine whose decode rows cost (as a CPU engine's do: each row is a token through
+    the layers and a row of the output head), ``slow`` times over when the box is busy elsewhere."""
+    return slow * (0.010 + 0.008 * rows + prefill / 1000)
+
+
+def test_calibration_separates_fixed_row_and_prefill_costs():
+    """Steps of 1 to 8 decode rows, with and without prefill: the fit recovers each cost, so a step of any batch
+    is predicted, not only of the batch size the last decode steps had."""
+    rng = random.Random(12)
+    cal = TTFTCalibration()
+    for _ in range(400):
+        rows, prefill = rng.randint(1, 8), rng.choice([0, 0, 0, 64, 256])
+        cal.observe(_row_cost(rows, prefill) * rng.uniform(0.97, 1.03), prefill, rows)
+    assert cal.fixed_s == pytest.approx(0.010, rel=0.15)
+    assert cal.row_s == pytest.approx(0.008, rel=0.1)
+    assert cal.prefill_tok_s == pytest.approx(1000, rel=0.1)
+    assert cal.cost(1, 100) == pytest.approx(_row_cost(1, 100), rel=0.05)
+
+
+def test_a_nearly_idle_engine_after_a_busy_phase_is_predicted_at_its_own_batch_size():
+    """An SLO route's engine: busy with eight decoding requests (its step costs measured there), then given one
+    request at a time. Each request's prediction is within 10 % of what the engine delivers: the old EWMA of
+    decode steps kept an eight-row step's cost and charged it to one-row steps (predictions 40-60 % high)."""
+    rng = random.Random(13)
+    eng = ScriptedEngine()
+    eng.cost = _row_cost
+    for i in range(8):
+        eng.add(f"busy{i}", tokens(rng, 100), max_tokens=60)
+    eng.run()
+    for i in range(6):
+        eng.now += 1.0   # idle between requests
+        prompt = tokens(rng, rng.choice([90, 190]))
+        p = eng.predict(prompt)
+        eng.add(f"one{i}", prompt, max_tokens=16)
+        eng.run()
+        assert abs(p - eng.ttft(f"one{i}")) <= 0.1 * eng.ttft(f"one{i}"), (i, p, eng.ttft(f"one{i}"))
+
+
+def test_a_box_slowing_down_is_followed_within_seconds():
+    """Other processes take the box's cores (every step twice as slow): after a few seconds of steps at the new
+    speed (two ``CALIBRATION_TAU_S``), predictions are within 15 % of the TTFT delivered."""
+    rng = random.Random(14)
+    eng = ScriptedEngine()
+    eng.cost = _row_cost
+    for i in range(20):
+        eng.add(f"quiet{i}", tokens(rng, 100), max_tokens=16)
+        eng.run()
+    eng.cost = lambda rows, prefill: _row_cost(rows, prefill, slow=2.0)
+    started = eng.now
+    while eng.now - started < 2 * CALIBRATION_TAU_S:
+        eng.add(f"slow{eng.now}", tokens(rng, 100), max_tokens=16)
+        eng.run()
+    prompt = tokens(rng, 150)
+    p = eng.predict(prompt)
+    eng.add("probe", prompt, max_tokens=16)
+    eng.run()
+    assert abs(p - eng.ttft("probe")) <= 0.15 * eng.ttft("probe"), (p, eng.ttft("probe"))
 
 
 def test_a_request_arriving_during_a_step_waits_for_what_is_left_of_it():
