@@ -32,11 +32,9 @@ from engine.kv_cache_manager import hash_block_tokens
 # twenty prefill steps (an EWMA per step) took ~25 s to recover from a load spike on an SLO route that sends the
 # engine about one request a second (its requests predicted 40-60 % off meanwhile).
 CALIBRATION_TAU_S = 3.0
-# Weight of the current estimate against the steps measured (in steps): keeps a cost that recent steps do not
-# separate (the fixed part of a step from its per-row part when every step ran one row) where it was.
+# Weight of the current estimate of the decode line against the steps measured (in steps): keeps what recent
+# steps do not separate (the fixed part of a step from its per-row part when every step ran one row) where it was.
 _PRIOR_WEIGHT = 0.3
-# Scale of the prefill-token feature (tokens per unit) so the fit's three features are of like size.
-_TOKEN_SCALE = 100.0
 
 
 class TTFTState(msgspec.Struct, array_like=True):
@@ -90,27 +88,32 @@ class TTFTState(msgspec.Struct, array_like=True):
 
 @dataclass
 class TTFTCalibration:
-    """Step costs measured online: a step's seconds = ``fixed_s`` + ``row_s`` x decode rows + prefill tokens /
-    ``prefill_tok_s``, fitted by least squares over the steps measured, each weighted by exp(-age /
-    ``CALIBRATION_TAU_S``) (recursive least squares with exponential forgetting, by time rather than by step;
-    Haykin, *Adaptive Filter Theory*, ch. 10) with a small ridge toward the current estimate. Starts from a
-    guess (``step_s`` seconds for a one-row decode step, ``prefill_tok_s`` tokens/s) that the first steps
-    replace.
+    """Step costs measured online. A decode-only step of n rows costs ``fixed_s + n * row_s``: a least-squares
+    line through the decode steps measured; a step with prefill costs that for its decode rows plus its prefill
+    tokens / ``prefill_tok_s``: the prefill tokens over their seconds beyond their step's decode cost. Every
+    sum weighs a step by exp(-age / ``CALIBRATION_TAU_S``) (forgetting by time, not by step: recursive least
+    squares with exponential forgetting, Haykin, *Adaptive Filter Theory*, ch. 10), the line with a small ridge
+    toward its current estimate (steps that all ran one row do not separate the fixed part from the per-row
+    part; their sum stays right). Starts from a guess (``step_s`` seconds for a one-row decode step,
+    ``prefill_tok_s`` tokens/s) that the first steps replace.
 
-    One fit, not an EWMA of decode steps and a rate over what prefill steps took beyond them: a decode step's
-    cost grows with its rows (an engine that an SLO route keeps nearly idle decodes one or two rows, one that is
-    queued eight), and a prefill step's rows are paid too; the rate measured beyond the last decode steps' cost
-    took whichever batch size those had."""
+    Why: a decode step's cost grows with its rows (an engine an SLO route keeps nearly idle decodes one or two,
+    a queued one eight): an EWMA of decode steps charged the last busy batch's cost to one-row steps. The rate
+    is a ratio of sums, not a mean of each step's rate: a step that computes only a prompt's uncached tail (tens
+    of tokens) measures its rate mostly from noise. One fit of all three costs over every step was tried: in a
+    deep queue every step is full (prefill tokens = budget - rows), the three are collinear and the fit wandered
+    (one-row steps predicted at 0 ms, eight-row ones at 1.5 s)."""
 
     step_s: float = 0.05
     prefill_tok_s: float = 2000.0
     steps: int = 0
-    fixed_s: float = field(default=0.0)
-    row_s: float = field(default=0.0)
-    _a: list = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)], repr=False)   # weighted sum x x^T
-    _b: list = field(default_factory=lambda: [0.0] * 3, repr=False)                        # weighted sum x y
-    _at: float | None = field(default=None, repr=False)     # clock of the last observation, seconds
-    _clock: float = field(default=0.0, repr=False)          # steps' seconds summed (when no clock is given)
+    fixed_s: float = 0.0
+    row_s: float = 0.0
+    _line: list = field(default_factory=lambda: [0.0] * 5, repr=False)   # decode steps: sum w, wr, wr^2, wy, wry
+    _tokens: float = field(default=0.0, repr=False)    # prefill steps: sum w x prefill tokens
+    _seconds: float = field(default=0.0, repr=False)   # and w x their seconds beyond the decode cost
+    _at: float | None = field(default=None, repr=False)   # clock of the last observation, seconds
+    _clock: float = field(default=0.0, repr=False)        # steps' seconds summed (when no clock is given)
 
     def __post_init__(self) -> None:
         if not self.fixed_s and not self.row_s:   # the guess: a one-row decode step, a fifth of it per row
@@ -131,19 +134,27 @@ class TTFTCalibration:
         at = self._clock if at is None else at
         decay = 1.0 if self._at is None else math.exp(-max(at - self._at, 0.0) / CALIBRATION_TAU_S)
         self._at = at
-        x = (1.0, float(decode_rows), prefill_tokens / _TOKEN_SCALE)
-        for i in range(3):
-            self._b[i] = decay * self._b[i] + x[i] * seconds
-            for j in range(3):
-                self._a[i][j] = decay * self._a[i][j] + x[i] * x[j]
-        prior = (self.fixed_s, self.row_s, _TOKEN_SCALE / self.prefill_tok_s)
-        w = _PRIOR_WEIGHT if self.steps else 1e-3   # the first step replaces the guess along its own direction
-        a = [[self._a[i][j] + (w if i == j else 0.0) for j in range(3)] for i in range(3)]
-        theta = _solve3(a, [self._b[i] + w * prior[i] for i in range(3)])
-        # Costs are positive: a fit that a few noisy steps push below a floor keeps the floor.
-        self.fixed_s = max(theta[0], 1e-4)
-        self.row_s = max(theta[1], 0.0)
-        self.prefill_tok_s = _TOKEN_SCALE / max(theta[2], _TOKEN_SCALE * 1e-6)
+        line = self._line = [decay * v for v in self._line]
+        self._tokens *= decay
+        self._seconds *= decay
+        if prefill_tokens == 0:
+            r = float(decode_rows)
+            for i, v in enumerate((1.0, r, r * r, seconds, r * seconds)):
+                line[i] += v
+            w = _PRIOR_WEIGHT if self.steps else 1e-3   # the first step replaces the guess along its own direction
+            a, b, c = line[0] + w, line[1], line[2] + w
+            y0, y1 = line[3] + w * self.fixed_s, line[4] + w * self.row_s
+            det = a * c - b * b
+            fixed, row = (c * y0 - b * y1) / det, (a * y1 - b * y0) / det
+            if row < 0:           # costs are not negative: the best line with no per-row cost
+                fixed, row = y0 / a, 0.0
+            self.fixed_s, self.row_s = max(fixed, 1e-4), row
+        else:
+            # A step with prefill pays its decode cost too; a fifth of the step is a floor on its prefill time so
+            # that one noisy decode measurement cannot make the prefill rate infinite.
+            self._tokens += prefill_tokens
+            self._seconds += max(seconds - self.fixed_s - self.row_s * decode_rows, 0.2 * seconds)
+            self.prefill_tok_s = self._tokens / self._seconds
         self.step_s = self.fixed_s + self.row_s
         self.steps += 1
 
@@ -160,9 +171,10 @@ class TTFTPrediction:
         p = self.parts
         waits = "".join(f", waits {p[k]:.2f} s for {k[5:]}" for k in ("wait_seat", "wait_kv") if p.get(k))
         now = f"{p['current']:.2f} s left of the running step + " if p.get("current") else ""
+        tpot = f"; TPOT {p['tpot_s'] * 1000:.0f} ms" if p.get("tpot_s") else ""
         return (f"{self.seconds:.2f} s ({now}{p.get('ahead', 0)} prefill tokens ahead + "
                 f"{p.get('uncached', 0)} uncached of {p.get('prompt', 0)}, {p.get('steps', 0)} steps at {p.get('step_s', 0) * 1000:.0f} ms + "
-                f"{p.get('prefill_tok_s', 0):.0f} tok/s{waits})")
+                f"{p.get('prefill_tok_s', 0):.0f} tok/s{waits}{tpot})")
 
 
 def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, priority: int = 0,
@@ -208,7 +220,22 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     seconds = wait_kv + prefill_path + extra_steps * state.step_s
     return TTFTPrediction(seconds, {
         "prompt": prompt_tokens, "uncached": uncached, "ahead": ahead, "steps": steps, "step_s": state.step_s,
-        "prefill_tok_s": state.prefill_tok_s, "wait_seat": wait_seat, "wait_kv": wait_kv, "current": current})
+        "prefill_tok_s": state.prefill_tok_s, "wait_seat": wait_seat, "wait_kv": wait_kv, "current": current,
+        "tpot_s": predict_tpot(state)})
+
+
+def predict_tpot(state: TTFTState) -> float:
+    """Predicted seconds per output token (TPOT) of a request added now, once it decodes: a step of the batch
+    it will decode in (the running set, the queued requests and itself, at most ``max_num_seqs`` rows: the
+    queue takes every seat that frees) at the measured cost per row, plus the queued prefill that the steps of
+    its decode also compute (spread over ``typical_decode`` steps, at most the budget left by the decode rows)."""
+    n_queued = sum(c[2] for c in state.queued_prefill)
+    rows = min(state.num_running + n_queued + 1, state.max_num_seqs)
+    step = state.fixed_s + state.row_s * rows if state.fixed_s or state.row_s else state.step_s
+    steps = max(state.typical_decode, 1.0)
+    queued = state.running_prefill + sum(c[1] for c in state.queued_prefill)
+    interleaved = min(queued, steps * max(state.budget - rows, 0)) / steps
+    return step + interleaved / state.prefill_tok_s
 
 
 def _seat_free_at(remaining: list[int], free: int, holds: list[float]) -> float:
@@ -357,12 +384,3 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
         waiting_decode=[(r.priority, r.max_tokens) for r in _seat_order(scheduler, 4 * scheduler.max_num_seqs)],
         step_s=calibration.cost(len(decoding)), prefill_tok_s=calibration.prefill_tok_s, added=added,
         stored=stored, removed=removed, resync=resync, fixed_s=calibration.fixed_s, row_s=calibration.row_s)
-
-
-def _solve3(a: list, b: list) -> list[float]:
-    """x with ``a`` x = ``b`` for a symmetric positive definite 3 x 3 ``a`` (Cramer's rule)."""
-    def det(m):
-        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
-    d = det(a)
-    return [det([[b[r] if c == k else a[r][c] for c in range(3)] for r in range(3)]) / d for k in range(3)]

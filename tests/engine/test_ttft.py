@@ -30,6 +30,8 @@ class ScriptedEngine:
         self.now = 0.0
         self.added: dict[str, float] = {}
         self.first_token: dict[str, float] = {}
+        self.last_token: dict[str, float] = {}
+        self.tokens: dict[str, int] = {}
         self.cost = lambda decode_rows, prefill: STEP_S + prefill / PREFILL_TOK_S   # a step's seconds
         self.state = self.publish()
 
@@ -59,6 +61,8 @@ class ScriptedEngine:
         sampled = {e.request.request_id: 7 for e in out.scheduled if e.sample}
         for rid in sampled:
             self.first_token.setdefault(rid, self.now)
+            self.last_token[rid] = self.now
+            self.tokens[rid] = self.tokens.get(rid, 0) + 1
         self.sched.update_from_output(out, sampled)
         self.publish()
 
@@ -68,6 +72,9 @@ class ScriptedEngine:
 
     def ttft(self, rid: str) -> float:
         return self.first_token[rid] - self.added[rid]
+
+    def tpot(self, rid: str) -> float:
+        return (self.last_token[rid] - self.first_token[rid]) / (self.tokens[rid] - 1)
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -273,6 +280,23 @@ def test_calibration_separates_fixed_row_and_prefill_costs():
     assert cal.cost(1, 100) == pytest.approx(_row_cost(1, 100), rel=0.05)
 
 
+def test_a_deep_queue_of_full_steps_keeps_the_decode_costs():
+    """In a deep queue every step is full (prefill tokens = budget - rows): the three costs are collinear there,
+    and noisy full steps must not move the decode line learnt from decode steps (a single fit of the three
+    predicted one-row steps at 0 ms and eight-row ones at 1.5 s in the spill run)."""
+    rng = random.Random(16)
+    cal = TTFTCalibration()
+    for _ in range(100):
+        rows = rng.randint(1, 8)
+        cal.observe(_row_cost(rows, 0), 0, rows)
+    for _ in range(300):
+        rows = rng.randint(1, 8)
+        cal.observe(_row_cost(rows, 256 - rows) * rng.uniform(0.7, 1.4), 256 - rows, rows)
+    assert cal.cost(1) == pytest.approx(_row_cost(1, 0), rel=0.05)
+    assert cal.cost(8) == pytest.approx(_row_cost(8, 0), rel=0.05)
+    assert cal.cost(4, 252) == pytest.approx(_row_cost(4, 252) * 1.05, rel=0.15)
+
+
 def test_a_nearly_idle_engine_after_a_busy_phase_is_predicted_at_its_own_batch_size():
     """An SLO route's engine: busy with eight decoding requests (its step costs measured there), then given one
     request at a time. Each request's prediction is within 10 % of what the engine delivers: the old EWMA of
@@ -353,3 +377,28 @@ def test_a_follow_up_queued_behind_its_earlier_turn_counts_only_its_new_tail():
     eng.add("new", prompt, max_tokens=2)
     eng.run()
     assert abs(p - eng.ttft("new")) <= STEP_S + 0.1 * eng.ttft("new"), (p, eng.ttft("new"))
+
+
+def test_tpot_is_predicted_at_the_batch_the_request_will_decode_in():
+    """Decode rows cost: a request joining seven running ones decodes at an eight-row step's cost, one alone at
+    a one-row step's; each predicted TPOT (after calibration) is within 10 % of the engine's."""
+    rng = random.Random(15)
+    eng = ScriptedEngine()
+    eng.cost = _row_cost
+    for i in range(30):   # calibrate at every batch size
+        eng.add(f"warm{i}", tokens(rng, 60), max_tokens=rng.randint(4, 40))
+        eng.step()
+    eng.run()
+    alone = predict_ttft(eng.state, 50, 0).parts["tpot_s"]
+    eng.add("alone", tokens(rng, 50), max_tokens=30)
+    eng.run()
+    assert alone == pytest.approx(eng.tpot("alone"), rel=0.1)
+    for i in range(7):
+        eng.add(f"crowd{i}", tokens(rng, 50), max_tokens=80)
+    eng.step()
+    eng.step()
+    crowded = predict_ttft(eng.state, 50, 0).parts["tpot_s"]
+    eng.add("crowded", tokens(rng, 50), max_tokens=30)
+    eng.run()
+    assert crowded == pytest.approx(eng.tpot("crowded"), rel=0.1)
+    assert crowded > 2 * alone
