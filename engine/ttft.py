@@ -33,6 +33,8 @@ from engine.kv_cache_manager import hash_block_tokens
 # twenty prefill steps (an EWMA per step) took ~25 s to recover from a load spike on an SLO route that sends the
 # engine about one request a second (its requests predicted 40-60 % off meanwhile).
 CALIBRATION_TAU_S = 3.0
+# Units the prefill fit scales its features by (tokens; tokens x tokens) so that they are of like size.
+_T_UNIT, _Q_UNIT = 100.0, 10_000.0
 # Weight of the current estimate of the decode line against the steps measured (in steps): keeps what recent
 # steps do not separate (the fixed part of a step from its per-row part when every step ran one row) where it was.
 _PRIOR_WEIGHT = 0.3
@@ -59,6 +61,8 @@ class TTFTState(msgspec.Struct, array_like=True):
         step_s: measured seconds of a step of the running set's decode rows (``TTFTCalibration.cost``).
             prefill_tok_s: measured prefill tokens per second. fixed_s, row_s: a step's measured fixed cost and
             cost per decode row, seconds (a step of n rows costs ``fixed_s + n * row_s``: TPOT at a batch size).
+            quad_s: measured seconds per prefill chunk's tokens x (its context + its tokens) (``quad_of``): what a
+            chunk costs beyond its tokens / ``prefill_tok_s`` (attention, and caches a long chunk overflows).
         added: requests the core has taken from its queue of commands so far (accepted or refused): a front end
             counts what it sent beyond that as queued too (``PendingAdds``).
         stored, removed: block hashes that entered / left the prefix cache since the last state.
@@ -85,6 +89,7 @@ class TTFTState(msgspec.Struct, array_like=True):
     resync: list[bytes] | None = None
     fixed_s: float = 0.0
     row_s: float = 0.0
+    quad_s: float = 0.0
 
 
 @dataclass
@@ -111,8 +116,9 @@ class TTFTCalibration:
     fixed_s: float = 0.0
     row_s: float = 0.0
     _line: list = field(default_factory=lambda: [0.0] * 5, repr=False)   # decode steps: sum w, wr, wr^2, wy, wry
-    _tokens: float = field(default=0.0, repr=False)    # prefill steps: sum w x prefill tokens
-    _seconds: float = field(default=0.0, repr=False)   # and w x their seconds beyond the decode cost
+    quad_s: float = 0.0
+    _fit: list = field(default_factory=lambda: [0.0] * 5, repr=False)   # prefill steps: sum w t^2, tq, q^2, ty, qy
+    _fit_n: int = field(default=0, repr=False)                          # prefill steps observed
     _at: float | None = field(default=None, repr=False)   # clock of the last observation, seconds
     _clock: float = field(default=0.0, repr=False)        # steps' seconds summed (when no clock is given)
 
@@ -120,15 +126,16 @@ class TTFTCalibration:
         if not self.fixed_s and not self.row_s:   # the guess: a one-row decode step, a fifth of it per row
             self.fixed_s, self.row_s = 0.8 * self.step_s, 0.2 * self.step_s
 
-    def cost(self, decode_rows: float, prefill_tokens: float = 0.0) -> float:
+    def cost(self, decode_rows: float, prefill_tokens: float = 0.0, quad: float = 0.0) -> float:
         """Predicted seconds of a step computing ``decode_rows`` decode rows and ``prefill_tokens`` prefill
-        tokens."""
-        return self.fixed_s + self.row_s * decode_rows + prefill_tokens / self.prefill_tok_s
+        tokens in chunks of ``quad_of`` ``quad``."""
+        return self.fixed_s + self.row_s * decode_rows + prefill_tokens / self.prefill_tok_s + quad * self.quad_s
 
-    def observe(self, seconds: float, prefill_tokens: int, decode_rows: int, at: float | None = None) -> None:
+    def observe(self, seconds: float, prefill_tokens: int, decode_rows: int, at: float | None = None,
+                quad: float = 0.0) -> None:
         """Fold in one step: ``seconds`` of wall time, ``prefill_tokens`` prefill tokens and ``decode_rows``
         decode rows computed, ending at ``at`` (seconds on any monotonic clock; None: right after the previous
-        step). ``step_s`` then is the cost of a one-row decode step."""
+        step); ``quad``: its prefill chunks' ``quad_of``. ``step_s`` then is the cost of a one-row decode step."""
         if seconds <= 0 or (prefill_tokens == 0 and decode_rows == 0):
             return
         self._clock += seconds
@@ -136,8 +143,7 @@ class TTFTCalibration:
         decay = 1.0 if self._at is None else math.exp(-max(at - self._at, 0.0) / CALIBRATION_TAU_S)
         self._at = at
         line = self._line = [decay * v for v in self._line]
-        self._tokens *= decay
-        self._seconds *= decay
+        self._fit = [decay * v for v in self._fit]
         if prefill_tokens == 0:
             r = float(decode_rows)
             for i, v in enumerate((1.0, r, r * r, seconds, r * seconds)):
@@ -153,9 +159,21 @@ class TTFTCalibration:
         else:
             # A step with prefill pays its decode cost too; a fifth of the step is a floor on its prefill time so
             # that one noisy decode measurement cannot make the prefill rate infinite.
-            self._tokens += prefill_tokens
-            self._seconds += max(seconds - self.fixed_s - self.row_s * decode_rows, 0.2 * seconds)
-            self.prefill_tok_s = self._tokens / self._seconds
+            # Its prefill time: c1 x tokens + c2 x quad, fitted (features scaled to like sizes) with a ridge
+            # toward the current estimate; a negative cost falls back to the rate alone.
+            y = max(seconds - self.fixed_s - self.row_s * decode_rows, 0.2 * seconds)
+            t, q, f = prefill_tokens / _T_UNIT, quad / _Q_UNIT, self._fit
+            for i, v in enumerate((t * t, t * q, q * q, t * y, q * y)):
+                f[i] += v
+            w = _PRIOR_WEIGHT if self._fit_n else 1e-6
+            a, b, c = f[0] + w, f[1], f[2] + w
+            y0, y1 = f[3] + w * _T_UNIT / self.prefill_tok_s, f[4] + w * self.quad_s * _Q_UNIT
+            det = a * c - b * b
+            c1, c2 = (c * y0 - b * y1) / det, (a * y1 - b * y0) / det
+            if c2 < 0 or c1 <= 0:
+                c1, c2 = y0 / a, 0.0
+            self.prefill_tok_s, self.quad_s = _T_UNIT / max(c1, 1e-9), c2 / _Q_UNIT
+            self._fit_n += 1
         self.step_s = self.fixed_s + self.row_s
         self.steps += 1
 
@@ -203,18 +221,21 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     ahead = state.running_prefill + sum(c[1] for c in classes)
     per_step = max(state.budget - state.decode_rows, 1)
     queued = state.running_prefill + sum(c[1] for c in state.queued_prefill)
+    # Others' chunks are counted as chunks of the queued requests' mean length (their contexts are not known).
+    chunk = min(queued / max(sum(c[2] for c in state.queued_prefill), 1), per_step)
     busy = elapsed_s is not None and (state.num_running > 0 or queued > 0)
     current = 0.0
     if busy:   # the step running now computes the first chunk of what is queued
         first = min(queued, per_step)
-        current = max(state.step_s + first / state.prefill_tok_s - elapsed_s, 0.0)
+        current = max(state.step_s + first / state.prefill_tok_s + first * chunk * state.quad_s - elapsed_s, 0.0)
         ahead -= min(ahead, per_step)
         queued -= first
     steps = max(math.ceil((ahead + uncached) / per_step), 1)
     # Those steps are filled with whatever prefill is queued, behind this request too (a full step costs its
     # whole budget whoever's tokens they are).
     work = min(steps * per_step, queued + uncached)
-    prefill_path = current + steps * state.step_s + work / state.prefill_tok_s
+    quad = quad_of(_chunks(cached_tokens, uncached, per_step)) + (work - uncached) * chunk
+    prefill_path = current + steps * state.step_s + work / state.prefill_tok_s + quad * state.quad_s
     n_ahead = sum(c[2] for c in classes)
     holds = [m for p, m in state.waiting_decode if state.fcfs or p <= priority][:n_ahead]
     holds += [state.typical_decode] * (n_ahead - len(holds))   # sent but not in the state yet, or past the list
@@ -230,7 +251,7 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     seconds = wait_kv + prefill_path + extra_steps * state.step_s
     room = steps * per_step - work
     arriving = min(room, arrival_tok_s * seconds) if room > 0 and arrival_tok_s > 0 else 0.0
-    seconds += arriving / state.prefill_tok_s
+    seconds += arriving / state.prefill_tok_s + arriving * min(arriving, per_step) * state.quad_s
     return TTFTPrediction(seconds, {
         "prompt": prompt_tokens, "uncached": uncached, "ahead": ahead, "steps": steps, "step_s": state.step_s,
         "prefill_tok_s": state.prefill_tok_s, "wait_seat": wait_seat, "wait_kv": wait_kv, "current": current,
@@ -250,6 +271,24 @@ def predict_tpot(state: TTFTState) -> float:
     queued = state.running_prefill + sum(c[1] for c in state.queued_prefill)
     interleaved = min(queued, steps * max(state.budget - rows, 0)) / steps
     return step + interleaved / state.prefill_tok_s
+
+
+def quad_of(chunks) -> float:
+    """Sum over prefill ``chunks`` ((context tokens, new tokens) each) of new x (context + new): the work a chunk
+    does beyond its tokens' own (attention over its context and itself, and the caches a long chunk
+    overflows); measured on this project's CPU engine, a 475-token prompt cost 2-6x per token what 83- and
+    227-token ones did (1.3 and 1.4 ms)."""
+    return float(sum(n * (ctx + n) for ctx, n in chunks))
+
+
+def _chunks(cached: int, uncached: int, per_step: int) -> list[tuple[int, int]]:
+    """A prompt's uncached tokens as the chunks a step budget of ``per_step`` computes them in."""
+    out, ctx = [], cached
+    while uncached > 0:
+        n = min(uncached, per_step)
+        out.append((ctx, n))
+        ctx, uncached = ctx + n, uncached - n
+    return out
 
 
 def _seat_free_at(remaining: list[int], free: int, holds: list[float]) -> float:
@@ -408,4 +447,5 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
         typical_decode=sum(r.max_tokens for r in scheduler.running) / max(len(scheduler.running), 1),
         waiting_decode=[(r.priority, r.max_tokens) for r in _seat_order(scheduler, 4 * scheduler.max_num_seqs)],
         step_s=calibration.cost(len(decoding)), prefill_tok_s=calibration.prefill_tok_s, added=added,
-        stored=stored, removed=removed, resync=resync, fixed_s=calibration.fixed_s, row_s=calibration.row_s)
+        stored=stored, removed=removed, resync=resync, fixed_s=calibration.fixed_s, row_s=calibration.row_s,
+        quad_s=calibration.quad_s)

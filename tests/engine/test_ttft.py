@@ -12,7 +12,8 @@ from engine.kv_cache_manager import hash_block_tokens
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.ttft import CALIBRATION_TAU_S, PendingAdds, PrefixMirror, TTFTCalibration, TTFTState, predict_ttft, state_of
+from engine.ttft import (CALIBRATION_TAU_S, PendingAdds, PrefixMirror, TTFTCalibration, TTFTState, predict_ttft,
+                         quad_of, state_of)
 
 STEP_S, PREFILL_TOK_S = 0.040, 1000.0
 
@@ -238,7 +239,7 @@ def test_queued_follow_up_turns_count_only_what_the_prefix_cache_lacks():
 def test_prefill_rate_is_weighted_by_tokens_not_averaged_over_steps():
     """Full chunks and short tails alternate: the rate is the tokens over their time, which a few noisy short
     steps cannot drag down."""
-    cal = TTFTCalibration(step_s=0.030, prefill_tok_s=3000.0, steps=1)
+    cal = TTFTCalibration(step_s=0.030, prefill_tok_s=3000.0, steps=1, fixed_s=0.030, row_s=0.0)
     for _ in range(200):
         cal.observe(0.030 + 512 / 3000, 512, 4)
         cal.observe(0.030 + 0.010 + 20 / 3000, 20, 4)   # a short tail with 10 ms of noise
@@ -427,3 +428,27 @@ def test_requests_arriving_meanwhile_fill_the_steps_up_to_the_first_token():
     delivered = eng.ttft("first")
     assert abs(p.seconds - delivered) <= 0.1 * delivered, (p.seconds, delivered)
     assert delivered - alone > 0.15 * delivered      # the prediction without arrivals is short
+
+
+def _long_chunk_cost(rows: int, chunks: list[tuple[int, int]]) -> float:
+    """A CPU engine's step whose prefill chunks cost more per token the longer they and their contexts are."""
+    return 0.010 + 0.008 * rows + sum(n / 2000 + n * (ctx + n) * 2e-6 for ctx, n in chunks)
+
+
+def test_short_prompts_are_not_charged_a_long_chunks_rate_per_token():
+    """Prefill steps of short and long chunks: the fit separates the per-token cost from the per token x context
+    cost, so an idle engine's 90-token prompt is predicted within 10 % (one rate per token, averaged over long
+    chunks, predicted it 2x too long: short idle requests were over-predicted in every spill run)."""
+    rng = random.Random(18)
+    cal = TTFTCalibration()
+    for _ in range(300):
+        rows = rng.randint(0, 4)
+        chunks = [(rng.choice([0, 0, 256]), rng.choice([40, 90, 250, 500]))]
+        cal.observe(_long_chunk_cost(rows, chunks), chunks[0][1], rows, quad=quad_of(chunks))
+        cal.observe(_long_chunk_cost(rows + 1, []), 0, rows + 1)
+    state = TTFTState(block_size=16, budget=512, max_num_seqs=8, num_running=0, decode_rows=0,
+                      queued_prefill=[], running_prefill=0, fcfs=True, free_blocks=1000, remaining_decode=[],
+                      typical_decode=16.0, waiting_decode=[], step_s=cal.cost(0), prefill_tok_s=cal.prefill_tok_s,
+                      fixed_s=cal.fixed_s, row_s=cal.row_s, quad_s=cal.quad_s)
+    for prompt in (90, 500):
+        assert predict_ttft(state, prompt, 0).seconds == pytest.approx(_long_chunk_cost(0, [(0, prompt)]), rel=0.1)
