@@ -6,6 +6,7 @@ by its rolling estimate."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import httpx
@@ -72,12 +73,12 @@ def test_a_queued_replica_is_passed_over_and_its_ratio_corrects_it(replicas, gat
     its own traffic): its prediction exceeds the SLO, the gateway's next request goes to the dear one and the
     explanation says why. Then, quiet again, ten answers of each give each replica its own correction."""
     cheap = replicas["cheap"].base_url
-    long_prompt = "x" * 3500
+    sent = itertools.count()
     stop = threading.Event()
 
-    def load() -> None:
+    def load() -> None:   # long prompts that differ from their first token: the prefix cache serves none
         while not stop.is_set():
-            ask(cheap, long_prompt, max_tokens=1, model="bench")   # the replica itself: its own name
+            ask(cheap, f"{next(sent)} " + "x" * 3500, max_tokens=1, model="bench")   # the replica's own name
 
     threads = [threading.Thread(target=load, daemon=True) for _ in range(12)]
     for t in threads:
