@@ -258,7 +258,7 @@ class AsyncEngine:
             state = self._stats.ttft if self._stats is not None else None
             if state is not None:   # counted as queued by TTFT predictions until the core's state counts it
                 cached = self._prefix_mirror.cached_tokens(token_ids, state.block_size)
-                self._pending.note_sent(priority, len(token_ids) - cached)
+                self._pending.note_sent(priority, len(token_ids) - cached, time.monotonic())
         finished = False
         try:
             if self._dead is not None:  # died while we registered: _on_dead may have missed us
@@ -316,8 +316,9 @@ class AsyncEngine:
         if state is None:
             return None
         cached = self._prefix_mirror.cached_tokens(prompt_token_ids, state.block_size)
+        now = time.monotonic()
         return predict_ttft(self._pending.with_pending(state), len(prompt_token_ids), cached, priority,
-                            elapsed_s=max(time.monotonic() - self._stats_at, 0.0))
+                            elapsed_s=max(now - self._stats_at, 0.0), arrival_tok_s=self._pending.arrival_tok_s(now))
 
     # ------------------------------------------------- core side (one thread)
     def _abort_here(self, rid: str) -> None:

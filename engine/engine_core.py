@@ -39,7 +39,7 @@ from engine.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured_outputs import StructuredOutputManager
-from engine.ttft import TTFTCalibration, state_of
+from engine.ttft import TTFTCalibration, quad_of, state_of
 
 logger = logging.getLogger("tandem.engine")
 
@@ -134,7 +134,7 @@ class EngineCore:
         self._generation_tokens_total = 0
         self.ttft_calibration = TTFTCalibration()   # step costs for TTFT predictions (engine/ttft.py)
         self._requests_added = 0                     # add_request calls, accepted or refused (engine/ttft.py)
-        self._last_step: tuple[float, int, int] | None = None   # (start, prefill tokens, decode rows)
+        self._last_step: tuple | None = None   # (start, prefill tokens, decode rows, quad_of its chunks)
         self.scheduler.kv_cache_manager.block_pool.kv_events = []
         # The objects built so far (the model, the tokenizer, torch's modules) live as long as the
         # engine: freezing them keeps the cyclic GC from walking them on every collection during
@@ -278,14 +278,17 @@ class EngineCore:
         runner_out = self.model_runner.execute_model(sched)
         sampled, row_logprobs, grammar_done, content = self._sample(sched, runner_out)
         prefill_tokens = decode_rows = 0
+        chunks = []
         for entry in sched.scheduled:
             req = entry.request
             if entry.num_computed_tokens < req.num_prompt_tokens:
-                prefill_tokens += min(entry.num_new_tokens, req.num_prompt_tokens - entry.num_computed_tokens)
+                n = min(entry.num_new_tokens, req.num_prompt_tokens - entry.num_computed_tokens)
+                prefill_tokens += n
+                chunks.append((entry.num_computed_tokens, n))
             else:
                 decode_rows += 1
         self._prompt_tokens_total += prefill_tokens
-        self._calibrate(started, prefill_tokens, decode_rows)
+        self._calibrate(started, prefill_tokens, decode_rows, quad_of(chunks))
         self._collect_prompt_logprobs(sched, runner_out.prompt_logits)
         finished = self.scheduler.update_from_output(sched, sampled, not_stops=content)
         self._stop_finished_grammars(grammar_done, finished)
@@ -301,13 +304,14 @@ class EngineCore:
             self._last_step = None
         return outputs
 
-    def _calibrate(self, started: float, prefill_tokens: int, decode_rows: int) -> None:
+    def _calibrate(self, started: float, prefill_tokens: int, decode_rows: int, quad: float) -> None:
         """Time the previous step from its start to this one's (perf_counter seconds): what a waiting request
         sees, the core loop's commands and output hand-off included. A step after which nothing was left to run
         is not timed (the loop then idled until the next request)."""
         if self._last_step is not None:
-            self.ttft_calibration.observe(started - self._last_step[0], *self._last_step[1:])
-        self._last_step = (started, prefill_tokens, decode_rows)
+            last = self._last_step
+            self.ttft_calibration.observe(started - last[0], last[1], last[2], at=started, quad=last[3])
+        self._last_step = (started, prefill_tokens, decode_rows, quad)
 
     def _sample(self, sched, runner_out) -> tuple[dict[str, int], dict[str, dict], list[str], set[str]]:
         """(sequence id -> sampled token, sequence id -> its logprobs,

@@ -1,4 +1,5 @@
-"""``slo: {ttft_ms: ...}``: the cheapest target predicted to meet a TTFT objective, else the fastest.
+"""``slo: {ttft_ms: ..., tpot_ms: ...}``: the cheapest target predicted to meet a TTFT objective (and, when set, a
+time-per-output-token one), else the fastest.
 
 Each target's predicted TTFT comes in the live signals (``Signals.ttft``, by backend name): for the co-located
 engine, its prediction for this very request at admission (``engine/ttft.py``); for an upstream, the gateway's
@@ -7,7 +8,9 @@ rolling estimate from its own attempts (``gateway/backends/latency.py``). A targ
 (a prediction is a median: one just under the SLO would miss it about half of the time). A target with no
 estimate yet is
 assumed to meet the SLO (it gets traffic, hence an estimate), and one failing half of its recent calls or more
-is assumed not to. The cost of the request on a target is its prompt at the target's input price plus
+is assumed not to. With ``tpot_ms`` a target must also be predicted to decode that fast (``TTFTEstimate.tpot``: the
+engine's step cost at the batch it would decode in; an upstream's rolling measurement); a target without a TPOT
+figure is assumed to meet it. The cost of the request on a target is its prompt at the target's input price plus
 ``max_tokens`` (else ``EXPECTED_OUTPUT_TOKENS``) at its output price.
 """
 
@@ -23,13 +26,16 @@ MAX_ERROR_RATE = 0.5
 
 @dataclass(frozen=True)
 class Slo:
-    """A service level objective: time to first token, milliseconds."""
+    """A service level objective: time to first token and (optionally) time per output token, milliseconds."""
 
     ttft_ms: float
+    tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not self.ttft_ms > 0:
             raise ValueError(f"slo.ttft_ms must be > 0, got {self.ttft_ms!r}")
+        if self.tpot_ms is not None and not self.tpot_ms > 0:
+            raise ValueError(f"slo.tpot_ms must be > 0, got {self.tpot_ms!r}")
 
 
 @dataclass(frozen=True)
@@ -38,12 +44,14 @@ class TTFTEstimate:
     (``basis``, for explanations), the share of its recent calls that failed (``error_rate``, 0..1) and the
     figure the SLO is checked against (``high``, seconds: the prediction plus its own observed error's 90th
     percentile, so that a prediction just under the SLO does not miss it half of the time; None: ``seconds``,
-    already a high percentile for an upstream)."""
+    already a high percentile for an upstream) and its predicted time per output token (``tpot``, seconds; None:
+    no figure)."""
 
     seconds: float | None
     basis: str = ""
     error_rate: float = 0.0
     high: float | None = None
+    tpot: float | None = None
 
     @property
     def checked(self) -> float | None:
@@ -69,9 +77,14 @@ def rank(live: list, slo: Slo, estimates: dict[str, TTFTEstimate], prompt_tokens
     cost = {t.id: request_cost(t, prompt_tokens, max_tokens, t.id == home) for t in live}
     est = {t.id: estimates.get(t.backend, TTFTEstimate(None)) for t in live}
 
+    tpot_s = slo.tpot_ms / 1000.0 if slo.tpot_ms is not None else None
+
+    def fast_enough(e: TTFTEstimate) -> bool:
+        return tpot_s is None or e.tpot is None or e.tpot <= tpot_s
+
     def meets(t) -> bool:
         e = est[t.id]
-        return e.error_rate < MAX_ERROR_RATE and (e.checked is None or e.checked <= budget_s)
+        return e.error_rate < MAX_ERROR_RATE and (e.checked is None or e.checked <= budget_s) and fast_enough(e)
 
     def predicted(t) -> float:
         s = est[t.id].seconds
@@ -87,12 +100,15 @@ def rank(live: list, slo: Slo, estimates: dict[str, TTFTEstimate], prompt_tokens
         if e.high is not None and e.seconds is not None:
             said += f" (p90 {e.high:.2f} s)"
         cmp = "" if e.checked is None else (" <= " if e.checked <= budget_s else " > ") + f"SLO {budget_s:g} s"
+        if tpot_s is not None and e.tpot is not None:
+            cmp += f", TPOT {1000 * e.tpot:.0f} ms" + (" <= " if fast_enough(e) else " > ") + f"{slo.tpot_ms:g} ms"
         err = f", {100 * e.error_rate:.0f} % errors" if e.error_rate else ""
         basis = f" [{e.basis}]" if e.basis else ""
         warm = " (prompt cache home)" if t.id == home else ""
         parts.append(f"{t.id} {said}{cmp} at {cost[t.id]:.5f} USD{warm}{err}{basis}")
+    tpot_head = f", tpot {slo.tpot_ms:g} ms" if slo.tpot_ms is not None else ""
     if good:
-        head = f"SLO ttft {slo.ttft_ms:g} ms: cheapest predicted to meet it: {good[0].id}"
+        head = f"SLO ttft {slo.ttft_ms:g} ms{tpot_head}: cheapest predicted to meet it: {good[0].id}"
     else:
-        head = f"SLO ttft {slo.ttft_ms:g} ms: none predicted to meet it; fastest: {bad[0].id}"
+        head = f"SLO ttft {slo.ttft_ms:g} ms{tpot_head}: none predicted to meet it; fastest: {bad[0].id}"
     return good + bad, head + "; " + "; ".join(parts), cost

@@ -3,7 +3,8 @@ a router in another process asks the engine itself instead of guessing from scra
 
 The body is a chat or completion request as ``/v1/chat/completions`` / ``/v1/completions`` take it (rendered
 and tokenized the same way; nothing is queued). The answer: ``ttft_s`` (seconds), ``prompt_tokens``,
-``uncached_tokens`` (what the prefix cache does not hold), ``explanation`` (one line with the numbers).
+``uncached_tokens`` (what the prefix cache does not hold), ``tpot_s`` (predicted seconds per output token once it
+decodes), ``explanation`` (one line with the numbers).
 """
 
 from __future__ import annotations
@@ -32,5 +33,6 @@ async def ttft(request: Request) -> Response:
         raise ServingError(503, "the engine has not published its state yet; retry", type="server_error",
                            code="engine_loading")
     return Response(content={"ttft_s": p.seconds, "prompt_tokens": p.parts["prompt"],
-                             "uncached_tokens": p.parts["uncached"], "explanation": p.describe()},
+                             "uncached_tokens": p.parts["uncached"], "tpot_s": p.parts["tpot_s"],
+                             "explanation": p.describe()},
                     media_type="application/json")

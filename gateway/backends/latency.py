@@ -10,16 +10,28 @@
   checked against the corrected prediction times the spread of those ratios (their 90th percentile over their
   median, ``TTFTEstimate.high``): a margin as wide as the prediction's own recent error, so a request predicted
   just under the SLO does not miss it half of the time; ``DEFAULT_MARGIN`` until there are ``MIN_RATIOS``.
+- ``tandem engine serve`` replicas (openai backends with ``predicts_ttft: true``): the same prediction, asked of
+  each replica per request (``POST /v1/ttft`` with the request's body, ``engine/entrypoints/ttft.py``) and
+  corrected by that replica's own ratios; one that does not answer within ``REPLICA_TIMEOUT_S`` is ranked by its
+  rolling estimate (below) for this request.
 - An upstream: a rolling estimate from this gateway's own calls to it (``UpstreamLatency.track`` wraps the
   attempt loop's calls): the 90th percentile TTFT of its last ``WINDOW`` answers (time to the first streamed
   chunk, or to the whole body), and the share of those calls that failed (transport error, 429, 5xx). A high
-  percentile, not the mean: an SLO is met per request.
+  percentile, not the mean: an SLO is met per request. Its TPOT likewise: the 90th percentile of its last
+  streamed answers' seconds per content event after the first (an event carries a token, or a few).
+- TPOT of the engines (``slo.tpot_ms``): their own prediction (``engine/ttft.py`` ``predict_tpot``: the step
+  cost at the batch the request would decode in), not corrected.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections import deque
+
+import httpx
+import msgspec
 
 from gateway.resilience.outcomes import UpstreamResponse
 from gateway.sse import EventReader, classify
@@ -41,15 +53,19 @@ _PREDICTED_MAX = 4096
 RATIO_FLOOR_S = 0.25
 # The local engine's margin before its answers measured one: its prediction's target accuracy (20 %).
 DEFAULT_MARGIN = 1.2
+# Seconds a decision waits for the replicas' predictions (they answer from their last published state: ~1 ms
+# on an idle box); a replica that has not answered by then is ranked by its rolling estimate.
+REPLICA_TIMEOUT_S = 0.25
 
 
 class UpstreamLatency:
     """Rolling TTFT and error share per upstream backend name (state of the ``Gateway`` object)."""
 
     def __init__(self) -> None:
-        self._calls: dict[str, deque] = {}   # backend -> (ttft seconds or None on failure)
-        self._ratios: deque = deque(maxlen=WINDOW)   # local engine: (monotonic s, measured / predicted TTFT)
-        self._predicted: dict[str, float] = {}      # request id -> the engine's own prediction, seconds
+        self._calls: dict[str, deque] = {}    # backend -> (ttft seconds or None on failure)
+        self._tpots: dict[str, deque] = {}    # backend -> seconds per output token of its streamed answers
+        self._ratios: dict[str, deque] = {}   # predicting backend -> (monotonic s, measured / predicted TTFT)
+        self._predicted: dict[str, dict[str, float]] = {}   # request id -> backend -> its own prediction, s
         self._local = ""
 
     def observe(self, backend: str, ttft_s: float | None) -> None:
@@ -66,46 +82,98 @@ class UpstreamLatency:
         if not ok:
             return TTFTEstimate(None, f"{len(calls)} calls, all failed", errors)
         p = ok[min(int(PERCENTILE * len(ok)), len(ok) - 1)]
-        return TTFTEstimate(p, f"p90 of its last {len(ok)} answers", errors)
+        tpots = sorted(self._tpots.get(backend, ()))
+        tpot = tpots[min(int(PERCENTILE * len(tpots)), len(tpots) - 1)] if tpots else None
+        return TTFTEstimate(p, f"p90 of its last {len(ok)} answers", errors, tpot=tpot)
 
-    def estimates(self, snap, req) -> dict[str, TTFTEstimate]:
-        """Backend name -> ``TTFTEstimate`` of ``req`` (a ``GatewayRequest``) on config generation ``snap``."""
+    def observe_tpot(self, backend: str, tpot_s: float) -> None:
+        """One streamed answer of ``backend``: its seconds per output token after the first."""
+        self._tpots.setdefault(backend, deque(maxlen=WINDOW)).append(tpot_s)
+
+    async def ask_replicas(self, snap, req, skip=()) -> dict[str, tuple[float, str, float | None]]:
+        """Backend name -> (predicted seconds, the replica's explanation, its predicted TPOT or None) of ``req``
+        (a ``GatewayRequest``) from each ``predicts_ttft`` backend of config generation ``snap`` but those in
+        ``skip`` (open breakers), asked at once; those that did not answer a prediction within
+        ``REPLICA_TIMEOUT_S`` are left out."""
+        asked = {name: b for name, b in snap.backends.items()
+                 if b.kind == "openai" and b.cfg.predicts_ttft and b.available and name not in skip}
+        if not asked or req.endpoint not in ("chat/completions", "completions"):
+            return {}
+        body = {k: v for k, v in req.body.items() if k not in ("stream", "stream_options")}
+
+        async def one(name: str, b) -> tuple[str, tuple[float, str, float | None] | None]:
+            payload = msgspec.json.encode({**body, "model": b.upstream_model(req.public_model, "")})
+            try:
+                r = await b.client.post("ttft", content=payload, timeout=REPLICA_TIMEOUT_S)
+                if r.status_code != 200:
+                    return name, None
+                got = msgspec.json.decode(r.content)
+                tpot = got.get("tpot_s")
+                return name, (float(got["ttft_s"]), str(got.get("explanation", "")),
+                              float(tpot) if tpot is not None else None)
+            except (httpx.HTTPError, OSError, msgspec.DecodeError, KeyError, TypeError, ValueError):
+                return name, None
+
+        answers = await asyncio.gather(*(one(n, b) for n, b in asked.items()))
+        return {name: p for name, p in answers if p is not None}
+
+    def estimates(self, snap, req, replicas: dict | None = None) -> dict[str, TTFTEstimate]:
+        """Backend name -> ``TTFTEstimate`` of ``req`` (a ``GatewayRequest``) on config generation ``snap``;
+        ``replicas``: the replicas' own predictions (``ask_replicas``), used in place of their rolling estimates."""
         out = {name: self.estimate(name) for name, b in snap.backends.items() if b.kind != "local"}
+        for name, (seconds, why, tpot) in (replicas or {}).items():   # failing calls still count against it
+            e = self._predicted_estimate(req.request_id, name, seconds, why, tpot)
+            out[name] = dataclasses.replace(e, error_rate=out[name].error_rate)
         local = snap.local
         if local is not None and local.engine is not None and req.rendered is not None:
             token_ids = req.rendered.prompts[0][1]
             p = local.engine.predict_ttft(token_ids, req.priority)
             if p is not None:
                 self._local = local.name
-                if len(self._predicted) >= _PREDICTED_MAX:
-                    self._predicted.pop(next(iter(self._predicted)))
-                self._predicted[req.request_id] = p.seconds
-                factor, margin, why = self.correction()
-                out[local.name] = TTFTEstimate(p.seconds * factor, f"{p.describe()}{why}",
-                                               high=p.seconds * factor * margin)
+                out[local.name] = self._predicted_estimate(req.request_id, local.name, p.seconds, p.describe(),
+                                                           p.parts.get("tpot_s"))
         return out
 
-    def correction(self, now: float | None = None) -> tuple[float, float, str]:
-        """(factor on the engine's predictions, margin on the corrected prediction for the SLO check, their
-        explanation): the median of measured / predicted TTFT of its answers in the last ``RATIO_WINDOW_S``
-        seconds before ``now`` (monotonic) and their 90th percentile over that median (at least 1); (1,
-        ``DEFAULT_MARGIN``, "") with fewer than ``MIN_RATIOS``."""
+    def _predicted_estimate(self, request_id: str, backend: str, seconds: float, why: str,
+                            tpot: float | None = None) -> TTFTEstimate:
+        """An engine's own prediction for ``request_id`` as an estimate: remembered (its answer's TTFT is compared
+        with it) and corrected by that engine's recent measured / predicted ratios."""
+        if len(self._predicted) >= _PREDICTED_MAX and request_id not in self._predicted:
+            self._predicted.pop(next(iter(self._predicted)))
+        self._predicted.setdefault(request_id, {})[backend] = seconds
+        factor, margin, note = self.correction(backend)
+        return TTFTEstimate(seconds * factor, f"{why}{note}", high=seconds * factor * margin, tpot=tpot)
+
+    def correction(self, backend: str = "", now: float | None = None) -> tuple[float, float, str]:
+        """(factor on ``backend``'s predictions (default: the local engine's), margin on the corrected prediction
+        for the SLO check, their explanation): the median of measured / predicted TTFT of its answers in the
+        last ``RATIO_WINDOW_S`` seconds before ``now`` (monotonic) and their 90th percentile over that median (at
+        least 1); (1, ``DEFAULT_MARGIN``, "") with fewer than ``MIN_RATIOS``."""
         now = time.monotonic() if now is None else now
-        while self._ratios and self._ratios[0][0] < now - RATIO_WINDOW_S:
-            self._ratios.popleft()
-        if len(self._ratios) < MIN_RATIOS:
+        ratios = self._ratios.get(backend or self._local)
+        while ratios and ratios[0][0] < now - RATIO_WINDOW_S:
+            ratios.popleft()
+        if not ratios or len(ratios) < MIN_RATIOS:
             return 1.0, DEFAULT_MARGIN, ""
-        r = sorted(x for _, x in self._ratios)
+        r = sorted(x for _, x in ratios)
         f = r[len(r) // 2]
         margin = max(r[min(int(PERCENTILE * len(r)), len(r) - 1)] / f, 1.0)
         return f, margin, (f" x {f:.2f} (median of measured/predicted, last {len(r)} answers; p90 x {margin:.2f} "
                            f"more)")
 
+    def observe_predicted(self, request_id: str, backend: str, ttft_s: float) -> bool:
+        """``backend`` answered ``request_id`` after ``ttft_s`` seconds: its ratio to that backend's own
+        prediction, if it made one (returns whether it did)."""
+        predicted = self._predicted.pop(request_id, {}).get(backend)
+        if predicted is None:
+            return False
+        self._ratios.setdefault(backend, deque(maxlen=WINDOW)).append(
+            (time.monotonic(), max(ttft_s, RATIO_FLOOR_S) / max(predicted, RATIO_FLOOR_S)))
+        return True
+
     def observe_local(self, request_id: str, ttft_s: float) -> None:
         """The local engine answered ``request_id`` after ``ttft_s`` seconds: its ratio to the prediction."""
-        predicted = self._predicted.pop(request_id, None)
-        if predicted is not None:
-            self._ratios.append((time.monotonic(), max(ttft_s, RATIO_FLOOR_S) / max(predicted, RATIO_FLOOR_S)))
+        self.observe_predicted(request_id, self._local, ttft_s)
 
     def track(self, request_id: str):
         """An attempt hook for ``request_id``: ``attempt`` (one call of the attempt loop) timing each call to its
@@ -114,10 +182,8 @@ class UpstreamLatency:
 
     def _timed(self, attempt, request_id: str):
         def seen(backend: str, ttft_s: float) -> None:
-            if backend == self._local:
-                self.observe_local(request_id, ttft_s)
-            else:
-                self.observe(backend, ttft_s)
+            if not self.observe_predicted(request_id, backend, ttft_s) or backend != self._local:
+                self.observe(backend, ttft_s)   # a replica's rolling figure too: its fallback
 
         async def timed(c) -> UpstreamResponse:
             backend = c.target.backend
@@ -132,34 +198,48 @@ class UpstreamLatency:
             elif resp.chunks is None or resp.status >= 400:
                 seen(backend, time.monotonic() - started)
             else:
-                resp.chunks = self._first_chunk(resp.chunks, lambda t: seen(backend, t), started)
+                resp.chunks = self._first_chunk(resp.chunks, lambda t: seen(backend, t), started,
+                                                lambda t: self.observe_tpot(backend, t))
             return resp
 
         return timed
 
-    async def _first_chunk(self, chunks, seen, started: float):
+    async def _first_chunk(self, chunks, seen, started: float, seen_tpot=None):
         # The first content event, not the first bytes: engines (ours included) and providers send a role-only
-        # event at once. The events before it are parsed here a second time (the attempt loop's peek parses
-        # them too), only until content.
+        # event at once. The events are parsed here a second time (the attempt loop's peek parses the first ones
+        # too): until content for the TTFT, then counted to the end for the TPOT (``seen_tpot``).
         it = chunks.__aiter__()
         reader: EventReader | None = EventReader()
+        first = last = 0.0
+        events = 0
         try:
             async for chunk in it:
                 if reader is not None:
                     reader.feed(chunk)
-                    if _has_content(reader):
-                        reader = None
-                        seen(time.monotonic() - started)
+                    n, answered = _content_events(reader)
+                    if answered and not first:
+                        first = time.monotonic()
+                        seen(first - started)
+                        if seen_tpot is None:
+                            reader = None
+                    if n:
+                        events += n
+                        last = time.monotonic()
                 yield chunk
+            if seen_tpot is not None and events > 1:
+                seen_tpot((last - first) / (events - 1))
         finally:   # closed early (client gone, failover): close the upstream's iterator too
             aclose = getattr(it, "aclose", None)
             if aclose is not None:
                 await aclose()
 
 
-def _has_content(reader: EventReader) -> bool:
-    """Whether the complete events in ``reader`` include a content or end event (``gateway.sse.classify``)."""
+def _content_events(reader: EventReader) -> tuple[int, bool]:
+    """(how many of the complete events in ``reader`` are content events, whether any is a content or end
+    event: the answer has begun) (``gateway.sse.classify``)."""
+    n, answered = 0, False
     while (ev := reader.pop()) is not None:
-        if classify(ev[1])[0] in ("content", "done", "error"):
-            return True
-    return False
+        kind = classify(ev[1])[0]
+        n += kind == "content"
+        answered = answered or kind in ("content", "done", "error")
+    return n, answered

@@ -181,7 +181,7 @@ def _routes(cfg: GatewayConfig, overrides: dict[str, dict[str, float]], errors: 
             aff = r.affinity
             routes[rname] = Route(rname, tuple(targets), tuple(fallbacks), r.select,
                                   Affinity(aff.prefix_blocks, aff.block_chars, aff.load_factor, aff.max_kv_usage),
-                                  Slo(r.slo.ttft_ms) if r.slo else None, r.sticky)
+                                  Slo(r.slo.ttft_ms, r.slo.tpot_ms) if r.slo else None, r.sticky)
         except ValueError as e:
             errors.append((f"routes.{rname}", str(e)))
     for rname, weights in overrides.items():
@@ -208,7 +208,7 @@ def _rules(cfg: GatewayConfig, names: dict[str, str], errors: list) -> list[Rule
                 for v in (c.value if isinstance(c.value, tuple) else (c.value,)):
                     if v not in names:
                         errors.append((f"{path}.match.model", f"unknown model {v!r}; defined: {', '.join(names)}"))
-        rules.append(Rule(r.name, r.route, m, Slo(r.slo.ttft_ms) if r.slo else None))
+        rules.append(Rule(r.name, r.route, m, Slo(r.slo.ttft_ms, r.slo.tpot_ms) if r.slo else None))
     return rules
 
 

@@ -263,6 +263,9 @@ class OpenAIBackendConfig(_Strict):
     # APIs this upstream speaks natively besides chat/completions and completions: a whole (non-streamed)
     # request on one is passed through as it is; otherwise (and streamed) it is translated onto chat
     apis: list[Literal["responses"]] = []
+    # A ``tandem engine serve`` replica: slo routes ask its POST /v1/ttft for each request's predicted TTFT
+    # (gateway/backends/latency.py) instead of ranking it by its measured TTFT alone
+    predicts_ttft: bool = False
 
     @field_validator("base_url")
     @classmethod
@@ -321,6 +324,7 @@ class SloConfig(_Strict):
     """A TTFT objective (``policies/slo.py``): the cheapest target predicted to meet it, else the fastest."""
 
     ttft_ms: float = Field(gt=0)                 # time to first token, milliseconds
+    tpot_ms: float | None = Field(None, gt=0)    # time per output token, milliseconds (None: no TPOT objective)
 
 
 class ShadowConfig(_Strict):

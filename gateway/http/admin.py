@@ -152,7 +152,7 @@ async def admin_explain(request: Request) -> Response:
     tenant = None if "authorization" in headers else str(spec.get("tenant") or "")
     req = build_request(snap, endpoint, msgspec.json.encode(body), headers, str(spec.get("request_id") or "explain"),
                         tenant=tenant)
-    decision, _ = decide_route(gw, req, explain=True)
+    decision, _ = await decide_route(gw, req, explain=True)
     breakers = {t.id: (await gw.resilience.breakers.get(t.id)).state for t in decision.attempts}
     return _json({"config_version": snap.version, "model": req.model, "public_model": req.public_model,
                   "priority": req.priority, "prompt_tokens": req.prompt_tokens, "tenant": req.tenant,

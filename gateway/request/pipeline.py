@@ -83,16 +83,18 @@ def _waits_for_engine(snap, route_name: str) -> bool:
     return any(t.backend == local.name for t in (*route.targets, *route.fallbacks))
 
 
-def decide_route(gw, req: GatewayRequest, explain: bool = False):
-    """The policy's decision for ``req`` now (live engine signals, unusable backends, replica loads) and whether
-    a route selects by prefix affinity; ``explain``: with the decision's trace (``tandem route explain``)."""
+async def decide_route(gw, req: GatewayRequest, explain: bool = False):
+    """The policy's decision for ``req`` now (live engine signals, unusable backends, replica loads, for SLO
+    routes the TTFT predictions of the local engine and of the replicas that make one) and whether a route
+    selects by prefix affinity; ``explain``: with the decision's trace (``tandem route explain``)."""
     snap = gw.snapshot
     affinity = gw.replicas.tracked      # some route selects by prefix affinity
     signals = snap.signals()
     if affinity:
         signals.replica_load = gw.replicas.loads()
     if snap.compiled.policy.has_slo():
-        signals.ttft = gw.latency.estimates(snap, req)
+        asked = await gw.latency.ask_replicas(snap, req, skip=signals.unavailable)
+        signals.ttft = gw.latency.estimates(snap, req, asked)
     local = snap.local
     if local is not None and local.cfg.cost is not None and local.engine is not None:
         price = local_price(gw, local, time.monotonic())
@@ -124,7 +126,7 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         req = build_request(snap, endpoint, raw, headers, request_id, body=body, source=source)
     else:
         req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id, None, body, source)
-    decision, affinity = decide_route(gw, req)
+    decision, affinity = await decide_route(gw, req)
     if affinity:
         gw.replicas.note(decision.route, decision.pick)
     if not decision.attempts and _waits_for_engine(snap, decision.route):

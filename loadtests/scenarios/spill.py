@@ -174,7 +174,7 @@ def analyse(outcomes: list[Outcome], slo_s: float, prices: dict[str, dict]) -> d
     met = sum(o.ok and o.ttft <= slo_s for o in outcomes)
     cost = sum((o.prompt_tokens * prices.get(o.backend, {}).get("input", 0)
                 + o.completion_tokens * prices.get(o.backend, {}).get("output", 0)) / 1e6 for o in outcomes)
-    upstream = sum(o.backend not in ("", "local") for o in outcomes)
+    upstream = sum(o.backend not in ("", "none", "local") for o in outcomes)   # "none": refused, nothing called
     pairs = [(o.predicted_local, o.ttft) for o in outcomes
              if o.ok and o.backend == "local" and o.predicted_local is not None]
     errors = [abs(p - m) / m for p, m in pairs]

@@ -153,3 +153,31 @@ def test_sticky_slo_route_prices_the_home_at_its_cached_rate_but_not_past_the_sl
     assert d.pick.target.id == home and f"{home} no estimate yet at 0.00022 USD (prompt cache home)" in d.pick.reason
     slow = decide(p, f, signals(**{home: 3.0}))   # the home is under load: predicted past the SLO
     assert slow.pick.target.id != home and slow.attempts[-1].id == home
+
+
+def test_a_tpot_target_passes_over_a_target_predicted_to_decode_too_slowly():
+    """``slo: {ttft_ms, tpot_ms}``: the local engine meets the TTFT but its predicted TPOT at its batch does not
+    meet the TPOT target; the cheapest aggregator meeting both wins and the explanation quotes each TPOT. A
+    target without a TPOT figure is assumed to meet it."""
+    route = Route("chat", (LOCAL, DEEPSEEK, HOLYSHEEP), slo=Slo(1500, tpot_ms=50))
+    est = signals(local=TTFTEstimate(0.4, tpot=0.080), deepseek=TTFTEstimate(0.8, tpot=0.060),
+                  holysheep=TTFTEstimate(1.1))
+    d = decide(Policy((), {"chat": route}, "chat"), F, est, explain=True)
+    assert [t.id for t in d.attempts] == ["holysheep", "local", "deepseek"]
+    reason = d.pick.reason
+    assert reason.startswith("SLO ttft 1500 ms, tpot 50 ms: cheapest predicted to meet it: holysheep")
+    assert "local predicted 0.40 s <= SLO 1.5 s, TPOT 80 ms > 50 ms" in reason
+    est = signals(local=TTFTEstimate(0.4, tpot=0.030), deepseek=TTFTEstimate(0.8, tpot=0.060))
+    assert decide(Policy((), {"chat": route}, "chat"), F, est).attempts[0].id == "local"
+    assert decide(Policy((), {"chat": SLO_ROUTE}, "chat"), F, signals(
+        local=TTFTEstimate(0.4, tpot=0.080))).attempts[0].id == "local"   # no TPOT target: TPOT ignored
+
+
+def test_tpot_ms_in_config_reaches_the_policy():
+    cfg = load_config_text(CONFIG_WITH_TPOT)
+    assert cfg.policy.routes["chat"].slo == Slo(1500, tpot_ms=40)
+    with pytest.raises(ConfigError, match="tpot_ms"):
+        load_config_text(CONFIG_WITH_TPOT.replace("tpot_ms: 40", "tpot_ms: 0"))
+
+
+CONFIG_WITH_TPOT = CONFIG.replace("slo: {ttft_ms: %s}", "slo: {ttft_ms: 1500, tpot_ms: 40}")

@@ -35,18 +35,18 @@ def test_local_predictions_are_corrected_by_what_the_engine_delivered():
     lat = UpstreamLatency()
     assert lat.correction() == (1.0, DEFAULT_MARGIN, "")
     for i in range(20):
-        lat._predicted[f"r{i}"] = 2.0
+        lat._predicted[f"r{i}"] = {"": 2.0}
         lat.observe_local(f"r{i}", 2.0 * (1.0 + 0.05 * i))   # the engine delivers 1.0x .. 1.95x its prediction
     factor, margin, why = lat.correction()
     assert factor == pytest.approx(1.5) and "median of measured/predicted, last 20 answers" in why
     assert margin == pytest.approx(1.9 / 1.5)                 # the p90 ratio over the median
     lat.observe_local("never-predicted", 50.0)
-    lat._predicted["tiny"] = 0.01
+    lat._predicted["tiny"] = {"": 0.01}
     lat.observe_local("tiny", 0.05)                           # both floored: 1, not 5x
-    lat._predicted["short"] = 0.2
+    lat._predicted["short"] = {"": 0.2}
     lat.observe_local("short", 0.1)                           # both floored: 1, not 0.1 / 0.25
-    assert [r for _, r in lat._ratios][-2:] == [1.0, 1.0]
-    later = lat._ratios[-1][0] + RATIO_WINDOW_S + 1           # no answers for a minute: the factor expires
+    assert [r for _, r in lat._ratios[""]][-2:] == [1.0, 1.0]
+    later = lat._ratios[""][-1][0] + RATIO_WINDOW_S + 1           # no answers for a minute: the factor expires
     assert lat.correction(now=later) == (1.0, DEFAULT_MARGIN, "")
 
 
@@ -72,6 +72,31 @@ def test_a_stream_is_timed_at_its_first_content_not_its_role_event():
         return lat.estimate("agg").seconds
 
     assert asyncio.run(main()) >= 0.2
+
+
+def test_a_stream_gives_its_upstreams_tpot():
+    """Seconds per content event after the first, of each streamed answer: the upstream's TPOT figure (p90)."""
+    def event(text: str) -> bytes:
+        return b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n' % text.encode()
+
+    async def chunks():
+        yield event("a")
+        for t in "bcde":
+            await asyncio.sleep(0.05)
+            yield event(t)
+        yield b"data: [DONE]\n\n"
+
+    async def attempt(c):
+        return UpstreamResponse(200, chunks=chunks())
+
+    async def main():
+        lat = UpstreamLatency()
+        resp = await lat.track("r1")(attempt)(SimpleNamespace(target=SimpleNamespace(backend="agg")))
+        async for _ in resp.chunks:
+            pass
+        return lat.estimate("agg").tpot
+
+    assert asyncio.run(main()) >= 0.05
 
 
 ROUTES = """  main:
