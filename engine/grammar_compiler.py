@@ -31,7 +31,11 @@ their grammar alive; those are bounded by ``max_num_seqs``. A grammar just
 compiled for a request is also held for ``HANDOFF_S`` seconds (at most
 ``HANDOFF_ENTRIES``), so that its request finds it even when the LRU dropped
 it meanwhile (or it alone is over the byte bound): a request that arrives
-within that time never has its spec compiled again in the engine step.
+within that time never has its spec compiled again in the engine step. A
+request reaches the engine core with its spec as a reference (the digest
+alone, ``StructuredOutputsParams.is_reference``): its grammar is found in
+the cache or the hand-off, else the request is refused (503, never expected
+within ``HANDOFF_ENTRIES`` compiles).
 
 Sources: vLLM v1 ``structured_output/__init__.py`` (compiles in a thread
 pool, futures per request); its GHSA-389x-67px-mjg3 fix (bounded grammar
@@ -216,10 +220,12 @@ class GrammarCompilePool:
 
     def compile_now(self, params: StructuredOutputsParams):
         """The grammar of ``params``, validated and compiled in the caller's
-        thread on a miss (the offline engine).
+        thread on a miss (the offline engine); a reference
+        (``params.is_reference``: a request's spec in the engine core) is
+        only looked up.
 
         Raises:
-            GrammarRefused: as ``submit`` reports it.
+            GrammarRefused: as ``submit`` reports it; 503 for a reference whose grammar is gone.
         """
         digest = self.digest(params)
         grammar = self.cache.get(digest)
@@ -232,6 +238,10 @@ class GrammarCompilePool:
             refused = self._refusals.get(digest)
         if refused is not None:
             raise refused
+        if params.is_reference:  # its text stayed in the front end: nothing to compile
+            raise GrammarRefused(f"structured_outputs: the request's compiled grammar ({digest[:16]}) left the "
+                                 f"engine's grammar cache before the request reached the engine core (over "
+                                 f"{HANDOFF_ENTRIES} other grammars compiled meanwhile); send the request again", 503)
         try:
             self._validate_fn(params)
             grammar, nbytes = self._timed_compile(params)

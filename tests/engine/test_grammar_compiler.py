@@ -10,6 +10,7 @@ vocabulary (``grammar_helpers``), no model.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
@@ -238,3 +239,32 @@ def test_a_schema_crosses_to_the_engine_core_as_one_json_text_in_its_key_order()
     spec = params_from_wire(wire).structured_outputs
     assert spec.json == '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}}}'
     assert spec.where == ("s",) and schema["properties"]["b"] == {"type": "integer"}  # the request's own is kept
+
+
+def test_a_compiled_request_crosses_to_the_engine_core_as_its_digest_and_finds_its_grammar():
+    """Issue #34: a 400 KB schema crossed the core's pipe twice (its ``CompileGrammar``, then its ``AddRequest``),
+    each time read 64 KB at a time by a core thread that takes the step's GIL. The request now carries the
+    digest its compile answered; the core looks the grammar up by it, and never compiles a reference."""
+    from engine.core_messages import AddRequest, decode_command, encode, params_from_wire, params_to_wire
+    from engine.sampling_params import SamplingParams
+
+    pool, release, calls = _blocking_pool(cache_entries=1)
+    answers = Answers()
+    schema = '{"type":"string","description":"' + "x" * 400_000 + '"}'
+    spec = StructuredOutputsParams(regex=schema)  # the pool's stand-in compiles regexes
+    pool.submit(spec, answers.done("big"))
+    digest, error = answers.wait("big")
+    assert error is None
+    wire = encode(AddRequest("r", [1, 2], params_to_wire(SamplingParams(
+        structured_outputs=dataclasses.replace(spec, digest=digest))), 0, 0.0))
+    assert schema.encode() not in wire and len(wire) < 1000
+    ref = params_from_wire(decode_command(wire).params).structured_outputs
+    assert ref.is_reference and ref.digest == digest
+    assert pool.compile_now(ref) is pool.cache.get(digest) and len(calls) == 1
+
+    gone = StructuredOutputsParams(digest="0" * 64)  # a grammar the pool no longer holds: refused, not remembered
+    for _ in range(2):
+        with pytest.raises(GrammarRefused) as exc:
+            pool.compile_now(gone)
+        assert exc.value.status == 503 and "send the request again" in str(exc.value)
+    assert len(calls) == 1 and not release.is_set()
