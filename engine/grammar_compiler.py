@@ -20,9 +20,9 @@ A spec (``StructuredOutputsParams``) goes through ``GrammarCompilePool.submit``:
    next check); a compile cannot be interrupted (xgrammar has no
    cancellation), so its result is dropped when it ends. Several threads
    and check workers: a slow schema never holds up a quick one. Threads and
-   workers run at a lower CPU priority (compile threads in ``SCHED_IDLE``,
-   check workers at ``WORKER_NICE``; Linux): a long compile takes the cores
-   the engine step leaves, not the step's.
+   workers run in ``SCHED_IDLE`` (Linux; else at ``WORKER_NICE`` more
+   niceness): a long compile takes the cores the engine step leaves, not the
+   step's.
 
 ``GrammarCache`` is the only place compiled grammars are kept (xgrammar's
 own compiler cache is disabled by the manager): an LRU bounded in entries
@@ -53,7 +53,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from engine.grammar_check import CheckFailed, CheckTimedOut, CheckWorkers, as_text
+from engine.grammar_check import CheckFailed, CheckTimedOut, CheckWorkers, as_text, lower_priority
 from engine.sampling_params import StructuredOutputsParams
 
 HANDOFF_S = 60.0  # a compiled grammar waits this long, seconds, for its request
@@ -351,21 +351,14 @@ class GrammarCompilePool:
 
 
 def _lower_priority() -> None:
-    """Put this compile thread in Linux's ``SCHED_IDLE`` class (per thread:
-    it runs on what the engine step leaves of a core, and a step never
-    waits for it to be preempted), else raise its niceness by
-    ``WORKER_NICE``; elsewhere, or when refused, leave it.
+    """Lower this compile thread's CPU priority (``grammar_check.lower_priority``:
+    ``SCHED_IDLE``, else niceness + ``WORKER_NICE``; Linux, per thread).
 
     Measured with ``loadtests.bench.structured_isolation`` (README,
     structured outputs): at niceness +10 a 400 KB schema's compile still
     stretched an unrelated stream's gaps several-fold on two cores."""
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # pid 0: the calling thread
-        return
+        niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + WORKER_NICE
     except (AttributeError, OSError):
-        pass
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICE)
-    except (AttributeError, OSError):
-        pass
+        niceness = WORKER_NICE
+    lower_priority(niceness)
