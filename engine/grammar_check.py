@@ -15,7 +15,8 @@ write, 12 s to read back).
 
 ``CheckWorkers.check`` sends the spec (its JSON schema as text: a string
 crosses the pipe as one copy, no Python work per node) to an idle worker
-(``python -m engine.grammar_check``, at a lower CPU priority) and waits for
+(``python -m engine.grammar_check``, in ``SCHED_IDLE`` as the compile
+threads are, else at a higher niceness: ``lower_priority``) and waits for
 its answer with the GIL released; a worker that does not answer in time is
 killed and the next check starts a new one.
 
@@ -94,7 +95,7 @@ class CheckWorkers:
         validate_fn: a module-level function ``validate_fn(params)`` that
             raises ``ValueError`` naming the part at fault (the workers
             import it by name).
-        nice: added to the workers' niceness.
+        nice: added to the workers' niceness where ``SCHED_IDLE`` is refused.
     """
 
     def __init__(self, validate_fn: Callable[[StructuredOutputsParams], None], nice: int) -> None:
@@ -178,14 +179,29 @@ def _resolve(ref: str) -> Callable:
     return fn
 
 
+def lower_priority(niceness: int) -> None:
+    """Put the calling thread (a process's main thread: the process) in
+    Linux's ``SCHED_IDLE`` class: it runs only on what the engine step
+    leaves of a core, and a step never waits for it to be preempted. Where
+    that is refused or not Linux, raise its niceness to ``niceness`` (never
+    lower it: that needs privileges); else leave it."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # pid 0: the calling thread
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(niceness, os.getpriority(os.PRIO_PROCESS, tid)))
+    except (AttributeError, OSError):
+        pass
+
+
 def main() -> None:
     """A worker's loop: checks until its stdin closes (its engine core is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the core ends us by closing stdin
-    if len(sys.argv) > 1:  # the niceness asked for (it can only rise without privileges)
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, max(int(sys.argv[1]), os.getpriority(os.PRIO_PROCESS, 0)))
-        except OSError:
-            pass
+    if len(sys.argv) > 1:  # the niceness asked for, where SCHED_IDLE is refused
+        lower_priority(int(sys.argv[1]))
     inbox = Connection(os.dup(0), writable=False)
     outbox = Connection(os.dup(1), readable=False)
     os.dup2(2, 1)  # a stray print goes to stderr, never into the answers

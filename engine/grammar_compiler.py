@@ -20,9 +20,9 @@ A spec (``StructuredOutputsParams``) goes through ``GrammarCompilePool.submit``:
    next check); a compile cannot be interrupted (xgrammar has no
    cancellation), so its result is dropped when it ends. Several threads
    and check workers: a slow schema never holds up a quick one. Threads and
-   workers run at a lower CPU priority (compile threads in ``SCHED_IDLE``,
-   check workers at ``WORKER_NICE``; Linux): a long compile takes the cores
-   the engine step leaves, not the step's.
+   workers run in ``SCHED_IDLE`` (Linux; else at ``WORKER_NICE`` more
+   niceness): a long compile takes the cores the engine step leaves, not the
+   step's.
 
 ``GrammarCache`` is the only place compiled grammars are kept (xgrammar's
 own compiler cache is disabled by the manager): an LRU bounded in entries
@@ -31,7 +31,11 @@ their grammar alive; those are bounded by ``max_num_seqs``. A grammar just
 compiled for a request is also held for ``HANDOFF_S`` seconds (at most
 ``HANDOFF_ENTRIES``), so that its request finds it even when the LRU dropped
 it meanwhile (or it alone is over the byte bound): a request that arrives
-within that time never has its spec compiled again in the engine step.
+within that time never has its spec compiled again in the engine step. A
+request reaches the engine core with its spec as a reference (the digest
+alone, ``StructuredOutputsParams.is_reference``): its grammar is found in
+the cache or the hand-off, else the request is refused (503, never expected
+within ``HANDOFF_ENTRIES`` compiles).
 
 Sources: vLLM v1 ``structured_output/__init__.py`` (compiles in a thread
 pool, futures per request); its GHSA-389x-67px-mjg3 fix (bounded grammar
@@ -49,7 +53,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from engine.grammar_check import CheckFailed, CheckTimedOut, CheckWorkers, as_text
+from engine.grammar_check import CheckFailed, CheckTimedOut, CheckWorkers, as_text, lower_priority
 from engine.sampling_params import StructuredOutputsParams
 
 HANDOFF_S = 60.0  # a compiled grammar waits this long, seconds, for its request
@@ -216,10 +220,12 @@ class GrammarCompilePool:
 
     def compile_now(self, params: StructuredOutputsParams):
         """The grammar of ``params``, validated and compiled in the caller's
-        thread on a miss (the offline engine).
+        thread on a miss (the offline engine); a reference
+        (``params.is_reference``: a request's spec in the engine core) is
+        only looked up.
 
         Raises:
-            GrammarRefused: as ``submit`` reports it.
+            GrammarRefused: as ``submit`` reports it; 503 for a reference whose grammar is gone.
         """
         digest = self.digest(params)
         grammar = self.cache.get(digest)
@@ -232,6 +238,10 @@ class GrammarCompilePool:
             refused = self._refusals.get(digest)
         if refused is not None:
             raise refused
+        if params.is_reference:  # its text stayed in the front end: nothing to compile
+            raise GrammarRefused(f"structured_outputs: the request's compiled grammar ({digest[:16]}) left the "
+                                 f"engine's grammar cache before the request reached the engine core (over "
+                                 f"{HANDOFF_ENTRIES} other grammars compiled meanwhile); send the request again", 503)
         try:
             self._validate_fn(params)
             grammar, nbytes = self._timed_compile(params)
@@ -341,21 +351,14 @@ class GrammarCompilePool:
 
 
 def _lower_priority() -> None:
-    """Put this compile thread in Linux's ``SCHED_IDLE`` class (per thread:
-    it runs on what the engine step leaves of a core, and a step never
-    waits for it to be preempted), else raise its niceness by
-    ``WORKER_NICE``; elsewhere, or when refused, leave it.
+    """Lower this compile thread's CPU priority (``grammar_check.lower_priority``:
+    ``SCHED_IDLE``, else niceness + ``WORKER_NICE``; Linux, per thread).
 
     Measured with ``loadtests.bench.structured_isolation`` (README,
     structured outputs): at niceness +10 a 400 KB schema's compile still
     stretched an unrelated stream's gaps several-fold on two cores."""
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # pid 0: the calling thread
-        return
+        niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + WORKER_NICE
     except (AttributeError, OSError):
-        pass
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICE)
-    except (AttributeError, OSError):
-        pass
+        niceness = WORKER_NICE
+    lower_priority(niceness)

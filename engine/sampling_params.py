@@ -28,7 +28,11 @@ class StructuredOutputsParams:
             (``json``: one; ``structural_tag``: one per tag, in order); not
             part of the key.
         digest: the compile pool's key, set once it compiled (saves hashing
-            the spec again in the engine step); not part of the key.
+            the spec again in the engine step); not part of the key. Set
+            alone (no spec field), the spec is a reference to a grammar the
+            engine compiled already: what a request carries to the engine
+            core (``core_messages.params_to_wire``), so that a 400 KB schema
+            crosses the core's pipe once, in its ``CompileGrammar``.
 
     Raises:
         ValueError: none or several fields set, or a field of the wrong type
@@ -52,7 +56,7 @@ class StructuredOutputsParams:
         set_fields = [f for f in _SPECS if getattr(self, f) is not None]
         if self.json_object:
             set_fields.append("json_object")
-        if len(set_fields) != 1:
+        if len(set_fields) != 1 and not (not set_fields and self.digest is not None):
             raise ValueError(f"structured_outputs: exactly one of json, json_object, regex, choice, grammar, "
                              f"structural_tag must be set, got {set_fields or 'none'}")
         if self.choice is not None and (not isinstance(self.choice, tuple) or not self.choice
@@ -69,10 +73,15 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """The field that is set ("json", "json_object", "regex", ...)."""
+        """The field that is set ("json", "json_object", "regex", ...; "digest": a reference)."""
         if self.json_object:
             return "json_object"
-        return next(f for f in _SPECS if getattr(self, f) is not None)
+        return next((f for f in _SPECS if getattr(self, f) is not None), "digest")
+
+    @property
+    def is_reference(self) -> bool:
+        """True when only ``digest`` is set: the grammar is found by it in the engine's cache."""
+        return self.kind == "digest"
 
     def key(self) -> str:
         """Canonical text of the spec (what the grammar cache's digest hashes):

@@ -9,6 +9,7 @@ Real ``tandem engine serve`` subprocesses with the tiny random Llama of
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -216,3 +217,34 @@ def test_a_large_command_never_blocks_its_sender_and_commands_keep_their_order()
     assert queued.wait(60)  # deadlock guard only: nothing reads the core's end until both are queued
     assert core_end.recv_bytes() == big and core_end.recv_bytes() == b"after"
     writer.close()
+
+
+def read_chars(pid: int) -> int:
+    """Bytes ``pid`` has read so far, from pipes and files (``/proc/<pid>/io`` rchar)."""
+    line = next(x for x in Path(f"/proc/{pid}/io").read_text().splitlines() if x.startswith("rchar:"))
+    return int(line.split()[1])
+
+
+def test_a_schema_crosses_to_the_engine_core_once(tiny_model, tmp_path):
+    """Issue #34: a 400 KB schema crossed the core's pipe in its ``CompileGrammar`` and again in its request's
+    ``AddRequest``, each read 64 KB at a time by a core thread that takes the engine step's GIL. The request
+    now carries the grammar's digest: the core reads the schema once (counted in bytes read, twice: a repeat is
+    answered from the cache and reads it once again, never twice)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "description": "d" * 300_000}},
+              "required": ["a"]}
+    size = len(json.dumps(schema))
+    srv = serve(tiny_model, tmp_path)
+    try:
+        core = core_pid(srv.pid)
+        warm = httpx.post(srv.base_url + "/v1/completions", timeout=120, json={  # xgrammar's import reads files
+            "model": "tiny", "prompt": "x", "max_tokens": 2, "structured_outputs": {"json": {"type": "integer"}}})
+        assert warm.status_code == 200, warm.text
+        for attempt in ("compiled", "cached"):
+            before = read_chars(core)
+            r = httpx.post(srv.base_url + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": "x", "max_tokens": 4, "structured_outputs": {"json": schema}})
+            assert r.status_code == 200, r.text
+            read = read_chars(core) - before
+            assert size <= read < 1.5 * size, (attempt, read, size)
+    finally:
+        srv.stop()
