@@ -2,8 +2,9 @@
 ``architectures`` names and GGUF ``general.architecture`` values.
 
 Adding an architecture: its model file (the spec of its variant flags over
-``engine/models/llama.py``'s decoder and ``engine/layers``), one line here,
-and its test in ``tests/engine/test_architectures.py``. Imports nothing
+``engine/models/llama.py``'s decoder and ``engine/layers``), one line here
+(two where llama.cpp defines its GGUF architecture), and its test case in
+``tests/engine/test_architectures.py`` (and ``test_architectures_gguf.py``). Imports nothing
 heavy: the class is imported when a model is built (:func:`model_class`).
 """
 
