@@ -29,6 +29,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from kernels import c_header
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -40,22 +42,12 @@ CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lm"]  # after the sources: the portable bodies' fmaf where the CPU has no FMA
 MARCH_ENV = "TANDEM_CPU_MARCH"
 
-_p, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-SIGNATURES = {  # exported function -> (argument types, return type)
-    "paged_attention_bf16": ([_p, _i64] + [_p] * 4 + [_i64, _p, _p] + [_i64] * 5 + [_float, _int], _int),
-    "paged_attention_f32": ([_p, _i64] + [_p] * 4 + [_i64, _p, _p] + [_i64] * 5 + [_float, _int], _int),
-    "linear_isa": ([], _int),
-    "linear_bf16_pack": ([_p, _i64, _i64, _p], None),
-    "linear_bf16": ([_p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _int, _int], _int),
-    "linear_q4_pack": ([_p, _i64, _i64, _p], None),
-    "linear_q4": ([_p, _i64, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _int, _int], _int),
-    "linear_q8_pack": ([_p, _p, _i64, _i64, _p, _p], None),
-    "linear_q8": ([_p, _i64, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _int, _int], _int),
-    "rms_norm_bf16": ([_p, _i64, _p, _p, _i64, _i64, _i64, _float, _int], _int),
-    "silu_mul_bf16": ([_p, _i64, _p, _i64, _i64, _i64, _int], None),
-    "rope_cache_bf16": ([_p, _i64, _i64, _p, _p, _p] + [_i64] * 4 + [_p, _p, _p, _int], _int),
-    "decoder_forward_bf16": ([_p] * 5 + [_i64] + [_p] * 5 + [_i64, _p, _p, _i64, _int], _int),
-}
+HEADER = CSRC / "kernels.h"
+# Every exported function and struct, declared once in kernels.h (each .c file includes it, so the compiler
+# checks each definition against it): function -> (ctypes argument types, return type); struct name ->
+# its ctypes.Structure.
+SIGNATURES = c_header.prototypes(HEADER.read_text())
+STRUCTS = c_header.structs(HEADER.read_text())
 
 
 class KernelBuildError(RuntimeError):
@@ -90,7 +82,7 @@ def load_library(march: str | None = None) -> ctypes.CDLL:
             such as "x86-64-v3" (AVX2/FMA bodies) or "x86-64" (portable C).
 
     Returns:
-        The loaded ``ctypes.CDLL`` with the functions of ``SIGNATURES`` typed.
+        The loaded ``ctypes.CDLL`` with the functions of ``SIGNATURES`` (kernels.h) typed.
 
     Raises:
         KernelBuildError: no C compiler (``$CC``, else ``cc``/``gcc``) or the build failed.
@@ -99,7 +91,8 @@ def load_library(march: str | None = None) -> ctypes.CDLL:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_library(march: str) -> ctypes.CDLL:
+def _load_library(march: str, csrc: Path = CSRC) -> ctypes.CDLL:
+    """:func:`load_library` from the sources under ``csrc`` (tests build an edited copy)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise KernelBuildError("no C compiler found (set CC, or install gcc)")
@@ -108,7 +101,8 @@ def _load_library(march: str) -> ctypes.CDLL:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"{cc} --version failed: {e}") from e
     flags = [*CFLAGS, f"-march={march}"]
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS))
+    sources = [csrc / src.name for src in SOURCES]
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in sources + [csrc / h.name for h in HEADERS]))
     key.update((" ".join(flags + LIBS) + version + _cpu_signature()).encode())
     path = _cache_dir() / f"tandem_kernels-{key.hexdigest()[:16]}.so"
     if not path.exists():
@@ -116,10 +110,10 @@ def _load_library(march: str) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), *LIBS], capture_output=True,
+            proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, sources), *LIBS], capture_output=True,
                                   text=True, timeout=300)
             if proc.returncode != 0:
-                raise KernelBuildError(f"{cc} failed on {', '.join(s.name for s in SOURCES)}:\n"
+                raise KernelBuildError(f"{cc} failed on {', '.join(s.name for s in sources)}:\n"
                                        f"{proc.stderr.strip()}")
             os.replace(tmp, path)  # atomic: concurrent builders each write their own file
         finally:
@@ -127,8 +121,9 @@ def _load_library(march: str) -> ctypes.CDLL:
                 os.unlink(tmp)
         logger.info("built %s", path)
     lib = ctypes.CDLL(str(path))
-    for name, (argtypes, restype) in SIGNATURES.items():
-        fn = getattr(lib, name)
+    signatures = SIGNATURES if csrc == CSRC else c_header.prototypes((csrc / HEADER.name).read_text())
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)  # AttributeError: declared in kernels.h but not defined
         fn.argtypes, fn.restype = argtypes, restype
     return lib
 

@@ -23,24 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_linear
-from kernels.cpu_build import load_library
+from kernels.cpu_build import STRUCTS, load_library
 
 
-class _Layer(ctypes.Structure):
-    """``decoder_layer`` of decoder_cpu.c."""
-
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("bf16", ctypes.c_void_p * 4), ("q4_codes", ctypes.c_void_p * 4), ("q4_scales", ctypes.c_void_p * 4),
-                ("qkv_bias", ctypes.c_void_p), ("key_cache", ctypes.c_void_p),
-                ("value_cache", ctypes.c_void_p)]
-
-
-class _Shape(ctypes.Structure):
-    """``decoder_shape`` of decoder_cpu.c."""
-
-    _fields_ = [(name, ctypes.c_int64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                                     "intermediate", "block_size", "max_positions")] + \
-               [("rms_norm_eps", ctypes.c_float), ("scale", ctypes.c_float)]
+_Layer = STRUCTS["decoder_layer"]  # kernels.h's structs, read from it (kernels/c_header.py)
+_Shape = STRUCTS["decoder_shape"]
 
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")

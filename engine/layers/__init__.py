@@ -1,3 +1,5 @@
 """Layers shared by the model files of ``engine/models/``: norms, gated
-activations, and the attention metadata and PyTorch attention path for the
-features the paged kernels lack (sliding window, logit soft-capping)."""
+activations, the linear methods of projections and output heads, and the
+attention metadata and PyTorch attention path for the features the paged
+kernels lack (sliding window, logit soft-capping). Each chooses its kernel
+once, for the weights as they are, not per call."""

@@ -1,6 +1,8 @@
 """Gated MLP activations over a fused [num_tokens, 2 * intermediate] gate/up
 projection (gate first): SwiGLU (Shazeer 2020, Llama's ``silu(gate) * up``)
-and GeGLU with tanh-approximated GELU (Gemma's ``gelu_pytorch_tanh``)."""
+and GeGLU with tanh-approximated GELU (Gemma's ``gelu_pytorch_tanh``).
+The kernel is chosen once, for the weights' dtype and device
+(:func:`gated_activation`)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2 I] -> [T, I]: ``silu(gate) * up`` (bfloat16 on CPU: one C pass, one rounding)."""
-    if gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" and cpu_norm_act.available():
-        return cpu_norm_act.silu_mul(gate_up)
+    """[T, 2 I] -> [T, I]: ``silu(gate) * up`` in PyTorch (rounded after the silu and after the product)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -26,13 +26,18 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def gated_activation(name: str):
-    """The function for an activation name of ``ACTIVATIONS`` (chosen once, at construction).
+def gated_activation(name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    """The function for an activation name of ``ACTIVATIONS`` on tensors of
+    ``dtype`` on ``device`` (chosen once: at construction and when the
+    layer's weights move): SwiGLU in bfloat16 on CPU is one C pass with one
+    rounding (``kernels.cpu_norm_act.silu_mul``), else PyTorch's.
 
     Raises:
         ValueError: an unknown name.
     """
     if name == "silu":
+        if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and cpu_norm_act.available():
+            return cpu_norm_act.silu_mul
         return silu_and_mul
     if name == "gelu_tanh":
         return gelu_tanh_and_mul

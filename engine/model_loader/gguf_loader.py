@@ -12,11 +12,14 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from engine.model_config import GGUF_ARCHITECTURES, ModelConfig
+from engine.model_config import ModelConfig
 from engine.models.quant_linear import INT4_TYPES, GGUFBlocks
+from engine.models.registry import GGUF_ARCHITECTURES, GGUFArchitecture
 
 _SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-_LAYER_NAMES = {
+# GGUF layer tensor -> HF module, for every architecture but where its registry entry says otherwise
+# (``GGUFArchitecture.tensors``: Gemma's four norms, Phi-3's fused projections)
+LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -30,6 +33,9 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# llama.cpp's Gemma "27B" model types scale queries by (hidden / heads) ** -0.5, every other Gemma by head_dim's
+# (llama-model.cpp, f_attention_scale; HF: query_pre_attn_scalar): (architecture, block count) of those
+_GEMMA_27B = {("gemma2", 46), ("gemma3", 62)}
 
 
 def open_gguf(path: str):
@@ -69,6 +75,7 @@ def gguf_model_config(reader, path: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: unsupported architecture {arch!r} (supported: {sorted(GGUF_ARCHITECTURES)})")
+    entry = GGUF_ARCHITECTURES[arch]
 
     def req(key):
         v = _field(reader, f"{arch}.{key}")
@@ -77,8 +84,11 @@ def gguf_model_config(reader, path: str) -> ModelConfig:
         return v
 
     names = {t.name for t in reader.tensors}
+    if names & {"rope_factors_long.weight", "rope_factors_short.weight"}:
+        raise ValueError(f"{path}: longrope scaling (rope_factors_long/short) is not supported")
     heads = int(req("attention.head_count"))
     hidden = int(req("embedding_length"))
+    layers = int(req("block_count"))
     kv = _field(reader, f"{arch}.attention.head_count_kv", heads)
     if isinstance(kv, list):
         raise ValueError(f"{path}: per-layer head_count_kv is not supported")
@@ -93,11 +103,14 @@ def gguf_model_config(reader, path: str) -> ModelConfig:
     elif kind not in (None, "none"):
         raise ValueError(f"{path}: unsupported rope scaling {kind!r}")
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    window, layer_types = _sliding_layers(reader, arch, entry, layers)
+    rope_dim = _field(reader, f"{arch}.rope.dimension_count")
+    local_theta = _field(reader, f"{arch}.rope.freq_base_swa", 10000.0 if arch == "gemma3" else None)
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=entry.hf,
         hidden_size=hidden,
         intermediate_size=int(req("feed_forward_length")),
-        num_hidden_layers=int(req("block_count")),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(kv),
         head_dim=head_dim,
@@ -107,11 +120,35 @@ def gguf_model_config(reader, path: str) -> ModelConfig:
         rope_scaling=rope_scaling,
         rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
         tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
+        attention_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
+        hidden_act=entry.hidden_act,
+        sliding_window=window,
+        layer_types=layer_types,
+        attn_logit_softcapping=_field(reader, f"{arch}.attn_logit_softcapping"),
+        final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping"),
+        query_pre_attn_scalar=hidden / heads if (arch, layers) in _GEMMA_27B else None,
+        rope_local_theta=None if local_theta is None else float(local_theta),
+        partial_rotary_factor=1.0 if rope_dim is None else int(rope_dim) / head_dim,
         name=str(_field(reader, "general.name", "") or ""),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
     )
+
+
+def _sliding_layers(reader, arch: str, entry: GGUFArchitecture, layers: int) -> tuple[int | None, list[str] | None]:
+    """(sliding window, per-layer attention types or None) from ``{arch}.attention.sliding_window`` and
+    ``.sliding_window_pattern`` (a period, or one bool per layer: true = sliding), else the registry's
+    period (llama.cpp's default for the architecture); None, None without a window."""
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if not window:
+        return None, None
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", entry.full_every)
+    if isinstance(pattern, list):
+        return int(window), ["sliding_attention" if p else "full_attention" for p in pattern]
+    if not pattern:
+        return int(window), None
+    return int(window), ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
+                         for i in range(layers)]
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -127,8 +164,10 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def gguf_weights(reader, config: ModelConfig, path: str,
                  keep_int4: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
-    """Yield (HF name, float32 tensor) for every tensor, dequantized and with
-    attn_q/attn_k un-permuted for the llama architecture. ``rope_freqs`` (Llama
+    """Yield (HF name, float32 tensor) for every tensor, dequantized, renamed
+    through the architecture's registry entry (``GGUFArchitecture``), with
+    attn_q/attn_k un-permuted where llama.cpp permuted them (llama) and
+    norms less the offset llama.cpp added (Gemma's ``1 + weight``). ``rope_freqs`` (Llama
     3 frequency factors) is put into ``config.extra`` instead.
 
     With ``keep_int4``, the Q4_0/Q4_1 weights of the layers' linear
@@ -141,7 +180,9 @@ def gguf_weights(reader, config: ModelConfig, path: str,
     """
     import gguf
 
-    permuted = config.architecture == "LlamaForCausalLM"
+    entry = next(e for e in GGUF_ARCHITECTURES.values() if e.hf == config.architecture)
+    permuted = entry.permuted_qk
+    layer_names = {**LAYER_NAMES, **dict(entry.tensors)}
     for t in reader.tensors:
         qtype = t.tensor_type.name
         if qtype not in _SUPPORTED_TYPES:
@@ -149,12 +190,12 @@ def gguf_weights(reader, config: ModelConfig, path: str,
         shape = tuple(int(x) for x in reversed(t.shape))
         parts = t.name.split(".")
         if (keep_int4 and qtype in INT4_TYPES and len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight"
-                and parts[2] in _LAYER_NAMES and "norm" not in parts[2]):
+                and parts[2] in layer_names and "norm" not in parts[2]):
             data = np.asarray(t.data).reshape(shape[0], -1)
             if permuted and parts[2] in ("attn_q", "attn_k"):
                 heads = config.num_attention_heads if parts[2] == "attn_q" else config.num_key_value_heads
                 data = unpermute_qk(data, heads)
-            yield f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight", GGUFBlocks(qtype, shape, data)
+            yield f"model.layers.{parts[1]}.{layer_names[parts[2]]}.weight", GGUFBlocks(qtype, shape, data)
             continue
         if keep_int4 and qtype == "Q8_0" and t.name in ("token_embd.weight", "output.weight"):
             # the output head (or the embedding tied to it) in its blocks: the model dequantizes it and
@@ -174,11 +215,13 @@ def gguf_weights(reader, config: ModelConfig, path: str,
             name = f"{_TOP_NAMES[base]}.{kind}"
         else:
             parts = base.split(".")
-            if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES:
+            if len(parts) != 3 or parts[0] != "blk" or parts[2] not in layer_names:
                 raise ValueError(f"{path}: unexpected tensor {t.name}")
             if permuted and parts[2] == "attn_q":
                 arr = unpermute_qk(arr, config.num_attention_heads)
             elif permuted and parts[2] == "attn_k":
                 arr = unpermute_qk(arr, config.num_key_value_heads)
-            name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+            name = f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
+        if entry.norm_offset and base.endswith("norm"):
+            arr = np.asarray(arr, dtype=np.float32) - np.float32(entry.norm_offset)
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=not arr.flags.writeable, order="C"))

@@ -8,9 +8,13 @@ rotary position embeddings) with grouped-query attention (Ainslie et al. 2023)
 and optional q/k/v biases (Qwen2). Numerics follow transformers'
 ``modeling_llama.py`` (RMSNorm in float32, RoPE cos/sin cast to the model's
 dtype, rotate-half RoPE on HF-ordered q/k rows) so float32 logits match it.
-Each variant is chosen once, at construction; the C decoder stack runs a
-model only when it implements every feature its layers use
-(``kernels.cpu_decoder.IMPLEMENTED``).
+Each variant is chosen once, at construction, and each kernel once for the
+weights as they are (``choose_kernels``: at construction, when the weights
+move to another dtype or device, once loaded or packed, and when
+batch-invariant mode changes; vLLM's ``CustomOp`` idea), so ``forward`` runs
+straight through; the linear methods are ``engine/layers/linear.py``'s. The C
+decoder stack runs a model only when it implements every feature its layers
+use (``kernels.cpu_decoder.IMPLEMENTED``).
 
 Inputs are flat (vLLM style): ``input_ids``/``positions`` [num_tokens] for a
 mixed batch of prefill chunks and decodes, with an ``AttentionMetadata`` that
@@ -28,10 +32,11 @@ from torch import nn
 
 from engine.layers.activation import gated_activation
 from engine.layers.attention import AttentionMetadata, sequence_spans, windowed_attention
+from engine.layers.linear import PROJECTIONS, head_method, linear_method, load_int4, pack_projections, q8_head_copy
 from engine.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.model_config import ModelConfig
-from engine.models.quant_linear import GGUFBlocks, Int4Linear, int4_packable, q8_codes_d
 from engine.models.packed_linear import PackedWeights
+from engine.models.quant_linear import GGUFBlocks, Int4Linear
 from engine.models.rope import RopeInputs, apply_rope, rope_inv_freq
 from engine.models.spec import ModelSpec, stack_features
 from kernels import cpu_decoder, cpu_linear, cpu_norm_act
@@ -75,7 +80,7 @@ class LlamaDecoderLayer(nn.Module):
         self.window = c.sliding_window if c.is_sliding(layer_idx) else None
         self.softcap = c.attn_logit_softcapping
         self.windowed = self.window is not None or self.softcap is not None  # engine/layers/attention.py
-        self.act = gated_activation(c.hidden_act)
+        self.hidden_act = c.hidden_act
         # the C RoPE + cache write takes neither q/k norms (between projection and RoPE) nor partial RoPE
         self.c_rope_ok = not spec.qk_norm and c.rotary_dim == c.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
@@ -88,17 +93,30 @@ class LlamaDecoderLayer(nn.Module):
         # decoder stack for steps of up to cpu_linear.COPY_MAX_ROWS rows (the same bits from 5 bits per
         # weight instead of 16): name -> (copy, the weight it was made from, that weight's version)
         self.q4_copy: dict[str, tuple[cpu_linear.PackedQ4Linear, torch.Tensor, int]] = {}
+        self.choose_kernels()
 
-    def _proj(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        lin = getattr(self, name)
-        if name in self.int4:
-            return self.int4[name](x, lin.bias, residual)
-        copy = self.fresh_q4_copy(name)
-        if copy is not None and x.dtype == torch.bfloat16 and cpu_linear.copy_serves(x.reshape(-1, x.shape[-1]).shape[0]):
-            # the C stack's choice (decoder_cpu.c's project): on the AVX2 body the copy serves every row
-            # count (integer dots, other bits than the bfloat16 panels); elsewhere the same bits either way
-            return cpu_linear.linear(x, copy, lin.bias, residual)
-        return self.packed.linear(name, x, lin.weight, lin.bias, residual)
+    def _apply(self, fn, recurse=True):  # .to(), .bfloat16(), .to_empty(): the weights moved
+        out = super()._apply(fn, recurse)
+        self.choose_kernels()
+        return out
+
+    def choose_kernels(self) -> None:
+        """Bind the layer's kernels for its weights as they are now (dtype,
+        device, 4-bit forms, batch-invariant mode): ``proj`` (each
+        projection's linear method, ``engine/layers/linear.py``), ``act``,
+        the q/k/v path and ``c_rope``: whether RoPE and the cache write run
+        in C (``kernels.cpu_decoder.rope_cache``: bfloat16 on CPU with the
+        ``cpu`` attention backend, full-width RoPE, no q/k norms)."""
+        w = self.o_proj.weight
+        self.proj = {name: linear_method(getattr(self, name), name, self.packed, self.int4.get(name),
+                                         lambda n=name: self.fresh_q4_copy(n))
+                     for name in PROJECTIONS}
+        self.act = gated_activation(self.hidden_act, w.dtype, w.device)
+        self.c_rope = w.dtype == torch.bfloat16 and w.device.type == "cpu" and self.backend.name == "cpu" \
+            and self.c_rope_ok and cpu_norm_act.available()
+        self._qkv_to_cache = self._rope_cache_c if self.c_rope else \
+            self._rope_cache if self.q_norm is None else self._qk_norm_rope_cache
+        self._attention_out_and_mlp = self._sandwich if self.sandwich else self._pre_norm
 
     def fresh_q4_copy(self, name: str) -> cpu_linear.PackedQ4Linear | None:
         """Projection ``name``'s 4-bit copy when it was made from the weight as it is now, else None."""
@@ -106,12 +124,6 @@ class LlamaDecoderLayer(nn.Module):
         weight = getattr(self, name).weight
         fresh = weight.numel() == 0 or (weight is source and weight._version == version)
         return copy if fresh else None
-
-    def uses_c_rope(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether RoPE and the cache write run in C (``kernels.cpu_decoder.rope_cache``):
-        bfloat16 on CPU with the ``cpu`` attention backend, full-width RoPE, no q/k norms."""
-        return dtype == torch.bfloat16 and device.type == "cpu" and self.backend.name == "cpu" \
-            and self.c_rope_ok and cpu_norm_act.available()
 
     def norms(self) -> list[nn.Module]:
         """Every norm of the layer."""
@@ -122,39 +134,50 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: RopeInputs, md: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
-        h = self.input_layernorm(x)
-        qkv = self._proj("qkv_proj", h)
         key_cache, value_cache = kv_cache
-        if self.uses_c_rope(qkv.dtype, qkv.device):  # in place on q and k, float32, one rounding; writes the cache
-            cpu_decoder.rope_cache(qkv, rope.positions, rope.cos_table, rope.sin_table, self.num_heads,
-                                   self.num_kv_heads, self.head_dim, md.slot_mapping, key_cache, value_cache)
-            q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
-        elif self.q_norm is None:
-            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = apply_rope(qk, rope.cos, rope.sin)  # RoPE on q and k heads at once
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            v = v.view(t, self.num_kv_heads, self.head_dim)
-            self.backend.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
-        else:  # q/k norms over each head, then RoPE (Qwen3, Gemma 3)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)), rope.cos, rope.sin)
-            k = apply_rope(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), rope.cos, rope.sin)
-            v = v.reshape(t, self.num_kv_heads, self.head_dim)
-            self.backend.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
+        q = self._qkv_to_cache(self.proj["qkv_proj"](self.input_layernorm(x)), rope, md, key_cache, value_cache)
         extra = {} if md.attn_plan is None else {"plan": md.attn_plan}
         o = self.backend.paged_attention(q, key_cache, value_cache, md.query_start_loc, md.seq_lens,
                                          md.block_tables, self.scale, **extra)
         if self.windowed:  # the rows whose attention the paged kernel cannot give
             windowed_attention(q, key_cache, value_cache, md, self.scale, self.window, self.softcap, o)
-        if self.sandwich:
-            x = x + self.post_attention_layernorm(self._proj("o_proj", o.reshape(t, self.q_size)))
-            h = self._proj("down_proj", self.act(self._proj("gate_up_proj", self.pre_feedforward_layernorm(x))))
-            return x + self.post_feedforward_layernorm(h)
-        x = self._proj("o_proj", o.reshape(t, self.q_size), residual=x)
-        h = self.post_attention_layernorm(x)
-        act = self.act(self._proj("gate_up_proj", h))
-        return self._proj("down_proj", act, residual=x)
+        return self._attention_out_and_mlp(x, o.reshape(t, self.q_size))
+
+    def _rope_cache_c(self, qkv, rope, md, key_cache, value_cache) -> torch.Tensor:
+        """RoPE in place on q and k (float32, one rounding) and the cache write, in C; returns q."""
+        cpu_decoder.rope_cache(qkv, rope.positions, rope.cos_table, rope.sin_table, self.num_heads,
+                               self.num_kv_heads, self.head_dim, md.slot_mapping, key_cache, value_cache)
+        return qkv[:, :self.q_size].view(qkv.shape[0], self.num_heads, self.head_dim)
+
+    def _rope_cache(self, qkv, rope, md, key_cache, value_cache) -> torch.Tensor:
+        t = qkv.shape[0]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qk, rope.cos, rope.sin)  # RoPE on q and k heads at once
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        self.backend.reshape_and_cache(k, v.view(t, self.num_kv_heads, self.head_dim), key_cache, value_cache,
+                                       md.slot_mapping)
+        return q
+
+    def _qk_norm_rope_cache(self, qkv, rope, md, key_cache, value_cache) -> torch.Tensor:
+        """q/k norms over each head, then RoPE (Qwen3, Gemma 3)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)), rope.cos, rope.sin)
+        k = apply_rope(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), rope.cos, rope.sin)
+        self.backend.reshape_and_cache(k, v.reshape(t, self.num_kv_heads, self.head_dim), key_cache, value_cache,
+                                       md.slot_mapping)
+        return q
+
+    def _pre_norm(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = self.proj["o_proj"](attn, x)
+        act = self.act(self.proj["gate_up_proj"](self.post_attention_layernorm(x)))
+        return self.proj["down_proj"](act, x)
+
+    def _sandwich(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.proj["o_proj"](attn))
+        h = self.proj["down_proj"](self.act(self.proj["gate_up_proj"](self.pre_feedforward_layernorm(x))))
+        return x + self.post_feedforward_layernorm(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -200,6 +223,26 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_q8: cpu_linear.PackedQ8Linear | None = None
         self._lm_head_q8_of: tuple[torch.Tensor, int] | None = None  # (head weight, its version) it was made from
         self._c_decoder: tuple[tuple, tuple, cpu_decoder.DecoderWeights] | None = None
+        self._choose_model_kernels()
+
+    def _apply(self, fn, recurse=True):  # the layers chose theirs in their own _apply
+        out = super()._apply(fn, recurse)
+        self._choose_model_kernels()
+        return out
+
+    def choose_kernels(self) -> None:
+        """Bind every kernel for the weights as they are now (see the module's docstring)."""
+        for layer in self.layers:
+            layer.choose_kernels()
+        self._choose_model_kernels()
+
+    def _choose_model_kernels(self) -> None:
+        self._gather_rope = not all(layer.c_rope for layer in self.layers)  # the per-op path's cos/sin rows
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        self._logits = head_method(head, self.packed, self._q8_head)
+
+    def _q8_head(self) -> tuple[cpu_linear.PackedQ8Linear, torch.Tensor, int] | None:
+        return None if self.lm_head_q8 is None else (self.lm_head_q8, *self._lm_head_q8_of)
 
     def build_rope_cache(self, max_positions: int | None = None) -> None:
         """Precompute cos/sin [max_positions, head_dim] (float32) on the model's device."""
@@ -247,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
             attn_metadata.spans = sequence_spans(attn_metadata)
         rope = RopeInputs(positions, self.rope_cos, self.rope_sin)
         local = RopeInputs(positions, self.rope_local_cos, self.rope_local_sin)
-        if not all(layer.uses_c_rope(x.dtype, x.device) for layer in self.layers):
+        if self._gather_rope:
             rope.cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, rotary_dim]
             rope.sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
             if self.rope_local_cos is not None:
@@ -279,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
                 return self._c_decoder[2]
         self._c_decoder = None
         embed = self.embed_tokens.weight
-        if not self.layers[0].uses_c_rope(embed.dtype, embed.device) or self.config.hidden_size % 16 \
+        if not self.layers[0].c_rope or embed.dtype != torch.bfloat16 or self.config.hidden_size % 16 \
                 or self.norm.triton_rms_norm is not None or self.norm.weight.dtype != torch.bfloat16:
             return None
         modules = [self.norm]
@@ -287,7 +330,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             bf16, q4 = {}, {}
-            for short, name in zip(cpu_decoder.PROJECTIONS, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")):
+            for short, name in zip(cpu_decoder.PROJECTIONS, PROJECTIONS):
                 if name in layer.int4:
                     q4[short] = layer.int4[name].c_packed
                 else:
@@ -335,14 +378,15 @@ class LlamaForCausalLM(nn.Module):
             packed.triton_linear = kernels.linear if use_triton else None
         for norm in [self.norm] + [n for layer in self.layers for n in layer.norms()]:
             if isinstance(norm, RMSNorm):  # Gemma's norms have no batch-invariant kernel: PyTorch's
-                norm.triton_rms_norm = kernels.rms_norm if use_triton else None
+                norm.use_triton(kernels.rms_norm if use_triton else None)
+        self.choose_kernels()
         if not enabled or use_triton or device.type != "cpu":
             return
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         uses = [(self.packed, "lm_head", head, False)]
         for layer in self.layers[:1]:  # every layer has the same shapes, and the checks are shared by shape
             uses += [(layer.packed, name, getattr(layer, name).weight, name in ("o_proj", "down_proj"))
-                     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if name not in layer.int4]
+                     for name in PROJECTIONS if name not in layer.int4]
         for packed, name, weight, with_residual in uses:
             packed._needs_padding(weight, packed.get(name, weight) if weight.dtype == torch.bfloat16 else None,
                                   with_residual)
@@ -362,34 +406,19 @@ class LlamaForCausalLM(nn.Module):
                 output head) stays: lookups read it.
         """
         for layer in self.layers:
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                if name not in layer.int4:
-                    lin = getattr(layer, name)
-                    if isinstance(layer.packed.get(name, lin.weight), cpu_linear.PackedLinear) and release_dense:
-                        layer.packed.release_dense(name, lin)
+            pack_projections(layer, release_dense)
         self.packed.get("lm_head", self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 logits
         (unrounded sums with the C linear kernel; elsewhere the model dtype's
-        rounding, cast), capped by ``final_logit_softcapping`` when set
-        (Gemma 2: ``cap * tanh(logits / cap)``, in float32)."""
+        rounding, cast: ``engine.layers.linear.head_method``), capped by
+        ``final_logit_softcapping`` when set (Gemma 2: ``cap * tanh(logits /
+        cap)``, in float32)."""
         logits = self._logits(hidden)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        packed = self.packed.get("lm_head", weight) if weight.device.type == "cpu" else None
-        if self.lm_head_q8 is not None and isinstance(packed, cpu_linear.PackedLinear) \
-                and cpu_linear.copy_serves(hidden.shape[0]) and self._lm_head_q8_of[0] is weight \
-                and self._lm_head_q8_of[1] == weight._version:
-            # a decode step (on the AVX2 body every call: its own bits): half the bytes (unless the head changed)
-            return cpu_linear.linear(hidden, self.lm_head_q8, out_dtype=torch.float32)
-        if isinstance(packed, cpu_linear.PackedLinear):  # float32 sums, not bfloat16-rounded logits
-            return cpu_linear.linear(hidden, packed, out_dtype=torch.float32)
-        return self.packed.linear("lm_head", hidden, weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], q4_copy: bool = False) -> None:
@@ -454,10 +483,9 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(tensor, GGUFBlocks) and tensor.qtype == "Q8_0":  # the output head (or tied embedding)
                 dst.copy_(tensor.dequantize())
                 head = "lm_head.weight" if self.lm_head is not None else "embed_tokens.weight"
-                if target == head and dst.dtype == torch.bfloat16 and dst.device.type == "cpu" \
-                        and cpu_linear.q4_available():
-                    self.lm_head_q8 = cpu_linear.pack_q8(*q8_codes_d(tensor))
-                    self._lm_head_q8_of = (param, param._version)
+                copy = q8_head_copy(tensor, dst) if target == head else None
+                if copy is not None:
+                    self.lm_head_q8, self._lm_head_q8_of = copy, (param, param._version)
             elif isinstance(tensor, GGUFBlocks):
                 int4.setdefault(target, []).append((offset, tensor))
             else:
@@ -467,27 +495,6 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         for target, pieces in int4.items():
-            self._load_int4(target, sorted(pieces, key=lambda p: p[0]), params[target], q4_copy)
-
-    def _load_int4(self, target: str, pieces: list[tuple[int, GGUFBlocks]], param: nn.Parameter,
-                   q4_copy: bool = False) -> None:
-        """Pack a projection's GGUF 4-bit parts ((row offset, blocks), in row
-        order) as an ``Int4Linear`` and free its dense weight; dequantize them
-        into place instead when they cannot be packed (some part of another
-        type, shapes the kernel refuses, not on CPU), or as well when
-        ``q4_copy`` (keeping the C kernel's 4-bit copy when it takes them)."""
-        _, idx, name, _ = target.split(".")
-        layer = self.layers[int(idx)]
-        blocks = [b for _, b in pieces]
-        covers_all = sum(b.shape[0] for b in blocks) == param.shape[0]
-        packable = param.device.type == "cpu" and covers_all and int4_packable(blocks)
-        if q4_copy or not packable:
-            for offset, b in pieces:
-                param.data[offset:offset + b.shape[0]].copy_(b.dequantize())
-            if q4_copy and packable and param.dtype == torch.bfloat16:
-                packed = Int4Linear(blocks, param.dtype).c_packed
-                if packed is not None:
-                    layer.q4_copy[name] = (packed, param, param._version)
-            return
-        layer.int4[name] = Int4Linear(blocks, param.dtype)
-        getattr(layer, name).weight = nn.Parameter(param.data.new_empty(0), requires_grad=False)
+            _, idx, name, _ = target.split(".")
+            load_int4(self.layers[int(idx)], name, sorted(pieces, key=lambda p: p[0]), params[target], q4_copy)
+        self.choose_kernels()

@@ -15,6 +15,13 @@ from torch import nn
 from kernels import cpu_linear
 
 
+def c_panels_for(weight: torch.Tensor) -> bool:
+    """Whether a [out, in] weight runs on the C kernel's bfloat16 panels
+    (:func:`_pack_for_cpu`): bfloat16 on CPU, ``in`` even, a fast C body here."""
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[-1] % 2 == 0 \
+        and cpu_linear.available()
+
+
 def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | cpu_linear.PackedLinear | None:
     """A packed copy of a bfloat16 [out, in] CPU weight, or None.
 
@@ -32,7 +39,7 @@ def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | cpu_linear.PackedLinea
     """
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
-    if weight.shape[1] % 2 == 0 and cpu_linear.available():
+    if c_panels_for(weight):
         return cpu_linear.pack(weight)
     if not torch.backends.mkldnn.is_available():
         return None

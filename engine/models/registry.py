@@ -2,8 +2,9 @@
 ``architectures`` names and GGUF ``general.architecture`` values.
 
 Adding an architecture: its model file (the spec of its variant flags over
-``engine/models/llama.py``'s decoder and ``engine/layers``), one line here,
-and its test in ``tests/engine/test_architectures.py``. Imports nothing
+``engine/models/llama.py``'s decoder and ``engine/layers``), one line here
+(two where llama.cpp defines its GGUF architecture), and its test case in
+``tests/engine/test_architectures.py`` (and ``test_architectures_gguf.py``). Imports nothing
 heavy: the class is imported when a model is built (:func:`model_class`).
 """
 
@@ -40,8 +41,45 @@ HF_ARCHITECTURES = {
     "Gemma3ForCausalLM": Architecture("engine.models.gemma:Gemma3ForCausalLM", full_every=6),
     "Phi3ForCausalLM": Architecture("engine.models.llama:LlamaForCausalLM"),
 }
-# GGUF ``general.architecture`` -> the HF architecture it corresponds to.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How one llama.cpp GGUF ``general.architecture`` maps onto an HF architecture
+    (``convert_hf_to_gguf.py``'s model class for it, read backwards).
+
+    Attributes:
+        hf: the HF architecture name (``HF_ARCHITECTURES``) the file loads as.
+        tensors: GGUF layer tensor -> HF module, where the architecture differs
+            from ``engine.model_loader.gguf_loader.LAYER_NAMES``.
+        permuted_qk: attn_q/attn_k rows are in llama.cpp's interleaved RoPE order (llama).
+        norm_offset: subtracted from every norm weight (llama.cpp stores Gemma's
+            ``1 + weight``; exact in float32 for weights in [-0.5, 1]).
+        hidden_act: the MLP's activation (GGUF does not say).
+        full_every: as ``Architecture.full_every``, when the file gives no
+            ``attention.sliding_window_pattern`` (llama.cpp's own default).
+    """
+
+    hf: str
+    tensors: tuple[tuple[str, str], ...] = ()
+    permuted_qk: bool = False
+    norm_offset: float = 0.0
+    hidden_act: str = "silu"
+    full_every: int | None = None
+
+
+_GEMMA_TENSORS = (("post_attention_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
+                  ("post_ffw_norm", "post_feedforward_layernorm"))
+GGUF_ARCHITECTURES = {
+    "llama": GGUFArchitecture("LlamaForCausalLM", permuted_qk=True),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM"),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM"),
+    "gemma2": GGUFArchitecture("Gemma2ForCausalLM", _GEMMA_TENSORS, norm_offset=1.0, hidden_act="gelu_tanh",
+                               full_every=2),
+    "gemma3": GGUFArchitecture("Gemma3ForCausalLM", _GEMMA_TENSORS, norm_offset=1.0, hidden_act="gelu_tanh",
+                               full_every=6),
+    "phi3": GGUFArchitecture("Phi3ForCausalLM", (("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
+}
 
 
 def model_class(architecture: str) -> type:

@@ -60,21 +60,6 @@ int rope_cache_bf16(uint16_t *qkv, int64_t ld, int64_t t, const int64_t *positio
     return 0;
 }
 
-/* One layer's weights: RMSNorm weights [hidden] bfloat16; the projections
- * (qkv [q + 2 kv, hidden], o [hidden, q], gate_up [2 inter, hidden], down
- * [hidden, inter]) as bfloat16 panels (linear_bf16_pack), 4-bit panels
- * (linear_q4_pack: codes and scales), or both; qkv_bias float32 [q + 2 kv]
- * or NULL; the layer's key and value caches. Mirrored by ctypes in
- * kernels/cpu_decoder.py. */
-typedef struct {
-    const uint16_t *input_norm, *post_norm;
-    const uint16_t *bf16[4];     /* qkv, o, gate_up, down: bfloat16 panels or NULL */
-    const uint8_t *q4_codes[4];  /* 4-bit panels or NULL */
-    const uint16_t *q4_scales[4]; /* float16 */
-    const float *qkv_bias;
-    uint16_t *key_cache, *value_cache;
-} decoder_layer;
-
 /* Projection i of layer w. With both forms, calls of at most
  * QUANT_COPY_MAX_ROWS rows read the 4-bit panels (bound by reading the
  * weights: fewer bytes) and larger ones the bfloat16 panels (bound by
@@ -93,12 +78,6 @@ static int project(const decoder_layer *w, int i, const uint16_t *x, int64_t ldx
                          num_threads);
     return linear_bf16(x, ldx, w->bf16[i], bias, residual, ldr, y, ldy, m, n, k, 0, num_threads);
 }
-
-/* The model's shape. */
-typedef struct {
-    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, max_positions;
-    float rms_norm_eps, scale;
-} decoder_shape;
 
 /* out [t, hidden] = final_norm(layers(x)) for x [t, hidden] bfloat16 (the
  * token embeddings; overwritten: it carries the residual stream). positions,

@@ -1,5 +1,10 @@
-/* The exported kernels of this folder that decoder_cpu.c composes (each is
- * defined, and documented, in its own file). */
+/* Every function and struct the kernel library exports, declared once: each
+ * .c file of this folder includes this header (so the compiler checks each
+ * definition against its declaration), and kernels/cpu_build.py reads it to
+ * type the ctypes calls (kernels/c_header.py: each prototype's pointer,
+ * int64_t, int and float arguments; each struct's fields). Each function is
+ * defined, and documented, in its own file. Keep to that subset of C here:
+ * one declaration per statement, no function pointers, no nested structs. */
 #ifndef TANDEM_KERNELS_H
 #define TANDEM_KERNELS_H
 
@@ -23,18 +28,68 @@
 #define QUANT_COPY_EVERY_ROW 1
 #endif
 
-int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, const uint16_t *residual,
-                int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32, int num_threads);
-int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales, const float *bias,
-              const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32,
-              int num_threads);
-int rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *weight, uint16_t *y, int64_t ldy, int64_t rows,
-                  int64_t n, float eps, int num_threads);
-void silu_mul_bf16(const uint16_t *gate_up, int64_t ld, uint16_t *y, int64_t ldy, int64_t rows, int64_t inter,
-                   int num_threads);
+/* paged_attention_cpu.c */
 int paged_attention_bf16(const void *query, int64_t ldq, const void *key_cache, const void *value_cache, void *out,
                          const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
                          const int32_t *query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, float scale, int num_threads);
+int paged_attention_f32(const void *query, int64_t ldq, const void *key_cache, const void *value_cache, void *out,
+                        const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
+                        const int32_t *query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, int num_threads);
+
+/* linear_cpu.c */
+int linear_isa(void);
+void linear_bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *out);
+int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, const uint16_t *residual,
+                int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32, int num_threads);
+
+/* linear_q4_cpu.c */
+void linear_q4_pack(const uint8_t *codes, int64_t n, int64_t k, uint8_t *codes_out);
+int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales, const float *bias,
+              const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32,
+              int num_threads);
+void linear_q8_pack(const int8_t *codes, const float *d, int64_t n, int64_t k, int8_t *codes_out, float *scales_out);
+int linear_q8(const uint16_t *x, int64_t ldx, const int8_t *codes, const float *scales, const float *bias,
+              const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32,
+              int num_threads);
+
+/* norm_act_cpu.c */
+int rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *weight, uint16_t *y, int64_t ldy, int64_t rows,
+                  int64_t n, float eps, int num_threads);
+void silu_mul_bf16(const uint16_t *gate_up, int64_t ld, uint16_t *y, int64_t ldy, int64_t rows, int64_t inter,
+                   int num_threads);
+
+/* decoder_cpu.c */
+
+/* One layer's weights: RMSNorm weights [hidden] bfloat16; the projections
+ * (qkv [q + 2 kv, hidden], o [hidden, q], gate_up [2 inter, hidden], down
+ * [hidden, inter]) as bfloat16 panels (linear_bf16_pack), 4-bit panels
+ * (linear_q4_pack: codes and scales), or both; qkv_bias float32 [q + 2 kv]
+ * or NULL; the layer's key and value caches. */
+typedef struct {
+    const uint16_t *input_norm, *post_norm;
+    const uint16_t *bf16[4];      /* qkv, o, gate_up, down: bfloat16 panels or NULL */
+    const uint8_t *q4_codes[4];   /* 4-bit panels or NULL */
+    const uint16_t *q4_scales[4]; /* float16 */
+    const float *qkv_bias;
+    uint16_t *key_cache, *value_cache;
+} decoder_layer;
+
+/* The model's shape. */
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, max_positions;
+    float rms_norm_eps, scale;
+} decoder_shape;
+
+int rope_cache_bf16(uint16_t *qkv, int64_t ld, int64_t t, const int64_t *positions, const float *cos_tab,
+                    const float *sin_tab, int64_t max_positions, int64_t num_heads, int64_t num_kv_heads,
+                    int64_t head_dim, const int64_t *slot_mapping, uint16_t *key_cache, uint16_t *value_cache,
+                    int num_threads);
+int decoder_forward_bf16(const decoder_shape *shape, const decoder_layer *layers, const uint16_t *final_norm,
+                         uint16_t *x, uint16_t *out, int64_t t, const int64_t *positions, const float *cos_tab,
+                         const float *sin_tab, const int64_t *slot_mapping, const int32_t *block_tables,
+                         int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
+                         int64_t num_seqs, int num_threads);
 
 #endif

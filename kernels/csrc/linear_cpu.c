@@ -26,6 +26,7 @@
 
 #include "bf16_panel.h"
 #include "f32_panel.h"
+#include "kernels.h"
 
 /* Which body this build's linear kernels (this file's and linear_q4_cpu.c's)
  * run: 2 AVX512-BF16, 1 AVX2/FMA, 0 portable C (correct, but slower than

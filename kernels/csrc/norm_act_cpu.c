@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
 /* y[r] = bf16(weight * x[r] / sqrt(mean(x[r]^2) + eps)) for rows r < rows,
  * float32 throughout and one rounding (HF Llama rounds the normalised value

@@ -32,6 +32,7 @@
 #endif
 
 #include "common.h"
+#include "kernels.h"
 
 /* Element i of a cache-dtype array as float32 (BF16: bfloat16, else float32). */
 #define LOAD(p, i) (BF16 ? bf16_to_f32(((const uint16_t *)(p))[i]) : ((const float *)(p))[i])

@@ -61,19 +61,21 @@ def _instrument(llm, records: Record, target_id: str):
                     records.setdefault((pos, name), t[row].detach().clone())
 
     def wrap_layer(i, layer):
-        proj, attn = layer._proj, layer.backend.paged_attention
+        proj, attn = dict(layer.proj), layer.backend.paged_attention  # the linear methods it chose
 
-        def _proj(name, x, residual=None):
-            y = proj(name, x, residual)
-            record(f"layers.{i}.{name}", y)
-            return y
+        def recorded(name, method):
+            def call(x, residual=None):
+                y = method(x, residual)
+                record(f"layers.{i}.{name}", y)
+                return y
+            return call
 
         def paged_attention(*args, **kwargs):
             y = attn(*args, **kwargs)
             record(f"layers.{i}.attention", y)
             return y
 
-        layer._proj = _proj
+        layer.proj.update({name: recorded(name, method) for name, method in proj.items()})
         layer.backend = _Backend(layer.backend, paged_attention)
         return layer, proj, layer.backend._inner
 
@@ -96,7 +98,7 @@ def _instrument(llm, records: Record, target_id: str):
         runner.execute_model = original_execute
         model.compute_logits = original_logits
         for layer, proj, backend in saved:
-            del layer._proj
+            layer.proj.update(proj)
             layer.backend = backend
 
 

@@ -1,0 +1,148 @@
+"""The linear methods of a decoder's projections and output head, each chosen
+once (at load, when the weights move, and when batch-invariant mode changes;
+vLLM's ``LinearMethod`` idea) rather than per call:
+
+* a GGUF Q4_0/Q4_1 projection kept in 4 bits (``quantization: gguf``):
+  ``engine.models.quant_linear.Int4Linear`` (the C 4-bit kernel in bfloat16);
+* a dense weight: on CPU through ``engine.models.packed_linear.PackedWeights``
+  (the C kernel's bfloat16 panels, oneDNN's packed copy, or ``F.linear``, in
+  row tiles in batch-invariant mode); on CUDA ``F.linear``, or the
+  fixed-configuration Triton GEMM in batch-invariant mode;
+* beside a bfloat16 weight from a 4-bit GGUF (``quantization: none``): its
+  4-bit copy, read by the C decoder stack for steps of few rows
+  (:func:`load_int4`);
+* the output head: float32 sums from the C panels, with a Q8_0 head's 8-bit
+  copy for steps of few rows (:func:`q8_head_copy`), else the dense method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.packed_linear import PackedWeights, c_panels_for
+from engine.models.quant_linear import GGUFBlocks, Int4Linear, int4_packable, q8_codes_d
+from kernels import cpu_linear
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+LinearMethod = Callable[..., torch.Tensor]  # (x [rows, in], residual [rows, out] or None) -> [rows, out]
+
+
+def linear_method(module: nn.Linear, name: str, packed: PackedWeights, int4: Int4Linear | None,
+                  copy_of: Callable[[], cpu_linear.PackedQ4Linear | None] | None = None) -> LinearMethod:
+    """The method of one projection: ``y = x @ W.T + bias (+ residual)``.
+
+    Args:
+        module: the projection (its weight and bias are read at each call:
+            they may be reloaded, changed in place or released once packed).
+        name: its name in ``packed``.
+        packed: the layer's packed copies (CPU) and batch-invariant settings.
+        int4: its 4-bit form when the projection was kept in 4 bits, else None.
+        copy_of: its 4-bit copy when made from the weight as it is now, else
+            None; read per call. Where :func:`kernels.cpu_linear.copy_serves`
+            (as the C stack's ``project`` chooses: few rows on AVX512-BF16, the
+            panels' bits; every row on the AVX2 body, integer dots with their
+            own bits, so a row's bits never depend on the batch) it is read.
+    """
+    if int4 is not None:
+        return lambda x, residual=None: int4(x, module.bias, residual)
+    if packed.triton_linear is not None:
+        kernel = packed.triton_linear
+        return lambda x, residual=None: kernel(x.contiguous(), module.weight, module.bias, residual)
+    if module.weight.device.type != "cpu":
+        return lambda x, residual=None: _dense(x, module.weight, module.bias, residual)
+    if copy_of is None:
+        return lambda x, residual=None: packed.linear(name, x, module.weight, module.bias, residual)
+
+    def method(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        copy = copy_of()
+        if copy is not None and x.dtype == torch.bfloat16 and cpu_linear.copy_serves(x.reshape(-1, x.shape[-1]).shape[0]):
+            return cpu_linear.linear(x, copy, module.bias, residual)
+        return packed.linear(name, x, module.weight, module.bias, residual)
+    return method
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           residual: torch.Tensor | None) -> torch.Tensor:
+    y = F.linear(x, weight, bias)
+    return y if residual is None else residual + y
+
+
+def head_method(module: nn.Module, packed: PackedWeights,
+                q8_of: Callable[[], tuple[cpu_linear.PackedQ8Linear, torch.Tensor, int] | None]
+                ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The output head's method: [rows, hidden] -> [rows, vocab] float32 logits.
+
+    bfloat16 on a CPU with the C linear kernel: the unrounded float32 sums of
+    its panels, or of the 8-bit copy of a Q8_0 head (about half the bytes)
+    where ``cpu_linear.copy_serves`` (few rows and the same bits on
+    AVX512-BF16; every call on the AVX2 body, its own bits) while the
+    head is the weight that copy was made from, unchanged; elsewhere the
+    dense method's model-dtype logits, cast.
+
+    Args:
+        module: ``lm_head``, or the embedding when tied (its ``.weight`` is read per call).
+        packed: the model's packed copies (under "lm_head").
+        q8_of: (8-bit copy, the weight it was made from, that weight's
+            version), or None; read per call (the copy can be dropped).
+    """
+    if c_panels_for(module.weight):
+        def logits(hidden: torch.Tensor) -> torch.Tensor:
+            weight, q8 = module.weight, q8_of()
+            if q8 is not None and cpu_linear.copy_serves(hidden.shape[0]) and q8[1] is weight \
+                    and q8[2] == weight._version:
+                return cpu_linear.linear(hidden, q8[0], out_dtype=torch.float32)
+            return cpu_linear.linear(hidden, packed.get("lm_head", weight), out_dtype=torch.float32)
+        return logits
+    if packed.triton_linear is not None:
+        kernel = packed.triton_linear
+        return lambda hidden: kernel(hidden.contiguous(), module.weight, None, None).float()
+    if module.weight.device.type != "cpu":
+        return lambda hidden: F.linear(hidden, module.weight).float()
+    return lambda hidden: packed.linear("lm_head", hidden, module.weight).float()
+
+
+def q8_head_copy(tensor: GGUFBlocks, dst: torch.Tensor) -> cpu_linear.PackedQ8Linear | None:
+    """The C kernel's 8-bit copy of a Q8_0 output head (or tied embedding)
+    loaded into ``dst``, where the C kernel reads it (bfloat16 on CPU), else None."""
+    if dst.dtype == torch.bfloat16 and dst.device.type == "cpu" and cpu_linear.q4_available():
+        return cpu_linear.pack_q8(*q8_codes_d(tensor))
+    return None
+
+
+def load_int4(layer: nn.Module, name: str, pieces: list[tuple[int, GGUFBlocks]], param: nn.Parameter,
+              q4_copy: bool = False) -> None:
+    """Keep a projection's GGUF 4-bit parts ((row offset, blocks), in row
+    order) as the layer's ``Int4Linear`` (``layer.int4[name]``) and free its
+    dense weight; dequantize them into ``param`` instead when they cannot be
+    packed (some part of another type, shapes the kernel refuses, not on
+    CPU), or as well when ``q4_copy`` (keeping the C kernel's 4-bit copy in
+    ``layer.q4_copy[name]`` when it takes them)."""
+    blocks = [b for _, b in pieces]
+    covers_all = sum(b.shape[0] for b in blocks) == param.shape[0]
+    packable = param.device.type == "cpu" and covers_all and int4_packable(blocks)
+    if q4_copy or not packable:
+        for offset, b in pieces:
+            param.data[offset:offset + b.shape[0]].copy_(b.dequantize())
+        if q4_copy and packable and param.dtype == torch.bfloat16:
+            packed = Int4Linear(blocks, param.dtype).c_packed
+            if packed is not None:
+                layer.q4_copy[name] = (packed, param, param._version)
+        return
+    layer.int4[name] = Int4Linear(blocks, param.dtype)
+    getattr(layer, name).weight = nn.Parameter(param.data.new_empty(0), requires_grad=False)
+
+
+def pack_projections(layer: nn.Module, release_dense: bool = True) -> None:
+    """Pack each dense projection of ``layer`` now (``PackedWeights.get``);
+    with ``release_dense``, free each dense weight the C kernel's panels now
+    hold (``PackedWeights.release_dense``): the weights are not kept twice,
+    and the projection can no longer be reloaded or repacked."""
+    for name in PROJECTIONS:
+        if name not in layer.int4:
+            lin = getattr(layer, name)
+            if isinstance(layer.packed.get(name, lin.weight), cpu_linear.PackedLinear) and release_dense:
+                layer.packed.release_dense(name, lin)
