@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterable
 
 from engine.config import EngineArgs
-from engine.core_messages import EngineStats  # noqa: F401 - re-exported: the engine's stats type
-from engine.engine_core import EngineCore
+from engine.core.core_messages import EngineStats  # noqa: F401 - re-exported: the engine's stats type
+from engine.core.engine_core import EngineCore
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams

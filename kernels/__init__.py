@@ -16,7 +16,7 @@ benchmarks and the sm_90 compile check live in ``loadtests/bench/``.
 triton is imported only when the "triton" backend is asked for.
 
 OpenMP's wait policy must be set before torch is imported: imported through
-the engine, ``engine.device.choose_omp_wait_policy`` has chosen it; imported
+the engine, ``engine.worker.device.choose_omp_wait_policy`` has chosen it; imported
 alone (kernel benchmarks), the pool sleeps at once (PASSIVE) unless the user
 set it: a spinning pool fights every other process on a small machine.
 """

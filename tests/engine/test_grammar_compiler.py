@@ -1,4 +1,4 @@
-"""The grammar compile pool (engine/grammar_compiler.py): off the caller's
+"""The grammar compile pool (engine/worker/grammar_compiler.py): off the caller's
 thread, several workers, a timeout, a size limit, a refusal cache, one
 memory bound. Issue #34 failures 1-3.
 
@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from engine.grammar_compiler import WORKER_NICE, GrammarCompilePool, GrammarLimits, GrammarRefused
+from engine.worker.grammar_compiler import WORKER_NICE, GrammarCompilePool, GrammarLimits, GrammarRefused
 from engine.sampling_params import StructuredOutputsParams
 from tests.engine.grammar_helpers import manager, probe_check
 
@@ -230,7 +230,7 @@ def test_a_check_past_the_timeout_is_a_408_its_worker_is_killed_and_the_next_spe
 def test_a_schema_crosses_to_the_engine_core_as_one_json_text_in_its_key_order():
     """The core decodes a 400 KB schema as one string, not one Python object per node in a thread that shares
     its GIL with the engine step; the order of properties (which is the output's order) is kept."""
-    from engine.core_messages import params_from_wire, params_to_wire
+    from engine.core.core_messages import params_from_wire, params_to_wire
     from engine.sampling_params import SamplingParams
 
     schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}

@@ -1,4 +1,4 @@
-"""OpenMP's wait policy, chosen by role before torch loads libgomp (``engine.device.choose_omp_wait_policy``)."""
+"""OpenMP's wait policy, chosen by role before torch loads libgomp (``engine.worker.device.choose_omp_wait_policy``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.device import SPIN_COUNT, choose_omp_wait_policy, count_others_running
+from engine.worker.device import SPIN_COUNT, choose_omp_wait_policy, count_others_running
 
 ROOT = Path(__file__).resolve().parents[2]
 

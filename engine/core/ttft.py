@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engine.kv_cache_manager import hash_block_tokens
+from engine.core.kv_cache_manager import hash_block_tokens
 
 # Weight of a new observation in the EWMAs: ~20 steps of memory, enough to follow a change of load and to
 # smooth one step's noise.
@@ -304,7 +304,7 @@ def _to_compute(kv, req, ahead: set) -> int:
 
 
 def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTState:
-    """The ``TTFTState`` of ``scheduler`` (an ``engine.scheduler.Scheduler``) now, with ``calibration``'s step
+    """The ``TTFTState`` of ``scheduler`` (an ``engine.core.scheduler.Scheduler``) now, with ``calibration``'s step
     costs, ``added`` requests taken so far and the prefix cache's events since the last call."""
     kv = scheduler.kv_cache_manager
     queued: dict[int, list[int]] = {}
