@@ -54,6 +54,9 @@ class ThreadCoreClient:
         Raises:
             whatever ``EngineCore(args)`` raises (FileNotFoundError, ValueError, MemoryError).
         """
+        from engine.worker.device import choose_omp_wait_policy
+
+        choose_omp_wait_policy()   # this process runs the model: its policy, if torch is not loaded yet
         from engine.core.engine_core import EngineCore  # heavy import (torch)
 
         self.core = EngineCore(self.args)

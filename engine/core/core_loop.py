@@ -110,6 +110,9 @@ def run_engine_core_process(args, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.worker.device import choose_omp_wait_policy
+
+    choose_omp_wait_policy()   # this process's threading policy: before torch loads libgomp
     from engine.core.engine_core import EngineCore  # torch: only in this process
 
     send_lock = threading.Lock()
