@@ -23,6 +23,7 @@ process that runs the kernels, before torch is imported (an engine core:
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
