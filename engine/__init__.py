@@ -1,12 +1,9 @@
 """Tandem's paged-attention inference engine.
 
-OpenMP's wait policy must be chosen before torch (libgomp) is loaded, so it is
-chosen here, on the first import of the package: ``engine.device.
-choose_omp_wait_policy`` (spin briefly on cores the engine has to itself,
-sleep at once on a busy machine; ``TANDEM_CPU_WAIT_POLICY`` and the OpenMP
-variables override it). The engine core process inherits the choice.
+Importing it (or any of its modules) has no side effects: no OpenMP variables, no torch threads. Whoever
+starts an engine core sets its threading policy before torch loads libgomp
+(``engine.worker.device.choose_omp_wait_policy``): the core process's entry
+(``engine.core.core_loop.run_engine_core_process``), the in-thread core (``ThreadCoreClient.start``) and the
+offline engine (``LLMEngine``, under ``LLM``); the core then sets its torch threads
+(``configure_core_threads``).
 """
-
-from engine.device import choose_omp_wait_policy
-
-CPU_WAIT_POLICY = choose_omp_wait_policy()   # "spin", "passive" or "user"; logged when the engine is ready

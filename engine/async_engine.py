@@ -28,13 +28,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.config import EngineArgs
-from engine.core_client import ProcessCoreClient, ThreadCoreClient
-from engine.core_messages import (AbortRequests, AddRequest, CoreStep, EngineCoreError, EngineStats,
+from engine.core.core_client import ProcessCoreClient, ThreadCoreClient
+from engine.core.core_messages import (AbortRequests, AddRequest, CoreStep, EngineCoreError, EngineStats,
                                   FinishSequences, params_to_wire, rebuild_error)
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.ttft import PendingAdds, PrefixMirror, TTFTPrediction, predict_ttft
+from engine.core.ttft import PendingAdds, PrefixMirror, TTFTPrediction, predict_ttft
 
 logger = logging.getLogger("tandem.async_engine")
 
@@ -111,7 +111,7 @@ class AsyncEngine:
         if self.ready:
             return
         if self.args.engine_core_process:
-            from engine.device import configure_frontend_threads
+            from engine.worker.device import configure_frontend_threads
             from engine.tokenizer import load_tokenizer
 
             configure_frontend_threads()
@@ -309,7 +309,7 @@ class AsyncEngine:
         return self._stats
 
     def predict_ttft(self, prompt_token_ids: list[int], priority: int = 0) -> TTFTPrediction | None:
-        """Predicted seconds to the first token of this prompt if it were added now (``engine/ttft.py``):
+        """Predicted seconds to the first token of this prompt if it were added now (``engine/core/ttft.py``):
         the core's state after its last step and its prefix cache as mirrored here. None before the core
         published a state."""
         state = self._stats.ttft if self._stats is not None else None

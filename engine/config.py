@@ -106,7 +106,7 @@ class EngineArgs:
         load_format: "auto" (read the weights) or "dummy" (vLLM's name:
             random weights of the shape in ``config.json``, for benchmarks).
         structured_outputs_workers: grammar compile threads, and as many spec-check processes (>= 2: a slow
-            schema never holds up a quick one; ``engine/grammar_compiler.py``).
+            schema never holds up a quick one; ``engine/worker/grammar_compiler.py``).
         structured_outputs_compile_timeout_s: longest grammar compile,
             seconds; past it the request gets 408 and the spec is refused
             from then on.

@@ -1,6 +1,6 @@
 """Output processing: the engine core's raw tokens -> ``RequestOutput`` deltas.
 
-The core (``engine/engine_core.py``) reports, per choice and step, the
+The core (``engine/core/engine_core.py``) reports, per choice and step, the
 sampled token ids, raw logprobs and why the core finished it. Here, in the
 front end, as in vLLM v1's ``OutputProcessor``
 (vllm/v1/engine/output_processor.py): each choice's
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core_messages import EngineCoreOutput
+from engine.core.core_messages import EngineCoreOutput
 from engine.detokenizer import IncrementalDetokenizer, fill_decoded_tokens
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams

@@ -17,7 +17,7 @@ class StructuredOutputsParams:
 
     Attributes:
         json: a JSON schema (a dict, a boolean or its JSON text): the output is
-            one JSON value valid under it (``engine/json_schema_subset.py``).
+            one JSON value valid under it (``engine/worker/json_schema_subset.py``).
         json_object: the output is one JSON object (OpenAI's ``json_object``).
         regex: the output matches this regular expression.
         choice: the output is exactly one of these strings (a list, not a string).
@@ -133,7 +133,7 @@ class SamplingParams:
         skip_special_tokens: drop special tokens from the text.
         spaces_between_special_tokens: kept for vLLM compatibility.
         structured_outputs: a grammar the completion must follow
-            (engine/structured_outputs.py), or None.
+            (engine/worker/structured_outputs.py), or None.
 
     Raises:
         ValueError: a parameter is out of range; the message names it.

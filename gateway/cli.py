@@ -1,9 +1,9 @@
 """The ``tandem`` command line.
 
 Each area registers its own sub-commands (``register(subparsers)``) so that
-this file stays a dispatcher: ``engine.cli`` (generate, engine serve, bench),
-``gateway.commands`` (serve, route, ctl, usage, cost) and ``loadtests.cli``
-(loadtest, parity).
+this file stays a dispatcher: ``engine.entrypoints.cli`` (generate, engine serve),
+``gateway.commands`` (serve, route, ctl, usage, cost), ``loadtests.cli``
+(loadtest, parity) and ``loadtests.bench.cli`` (bench).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import sys
 # Each area's module and the top-level commands its ``register`` adds (tests/gateway/test_cli_help.py pins the
 # two together): ``tandem X`` imports only X's module, so a quick command does not load the others first.
 COMMAND_MODULES = {
-    "engine.cli": ("generate", "engine", "bench"),
+    "engine.entrypoints.cli": ("generate", "engine"),
     "gateway.commands": ("serve", "route", "ctl", "usage", "cost"),
     "loadtests.cli": ("loadtest", "parity"),
+    "loadtests.bench.cli": ("bench",),
 }
 
 

@@ -15,23 +15,19 @@ imported), reference (float64 references for tests), triton_batch_invariant
 benchmarks and the sm_90 compile check live in ``loadtests/bench/``.
 triton is imported only when the "triton" backend is asked for.
 
-OpenMP's wait policy must be set before torch is imported: imported through
-the engine, ``engine.device.choose_omp_wait_policy`` has chosen it; imported
-alone (kernel benchmarks), the pool sleeps at once (PASSIVE) unless the user
-set it: a spinning pool fights every other process on a small machine.
+Importing it sets nothing: OpenMP's wait policy is chosen by whoever starts the
+process that runs the kernels, before torch is imported (an engine core:
+``engine.worker.device.choose_omp_wait_policy``; the CPU kernel benchmark sets
+``OMP_WAIT_POLICY=PASSIVE`` when run as a program).
 """
 
+import functools
+import logging
 import os
+from dataclasses import dataclass
+from typing import Callable
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import functools  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Callable  # noqa: E402
-
-import torch  # noqa: E402
-
-import logging  # noqa: E402
+import torch
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 time-per-output-token one), else the fastest.
 
 Each target's predicted TTFT comes in the live signals (``Signals.ttft``, by backend name): for the co-located
-engine, its prediction for this very request at admission (``engine/ttft.py``); for an upstream, the gateway's
+engine, its prediction for this very request at admission (``engine/core/ttft.py``); for an upstream, the gateway's
 rolling estimate from its own attempts (``gateway/backends/latency.py``). A target meets the SLO when its
 ``TTFTEstimate.checked`` does: an upstream's p90, the engine's prediction plus the p90 of its own recent error
 (a prediction is a median: one just under the SLO would miss it about half of the time). A target with no

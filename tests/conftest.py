@@ -20,8 +20,13 @@ import sys
 if "triton" not in sys.modules and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # The suite shares a 2-core machine with its own servers: OpenMP pools sleep at once instead of spinning
-# (engine.device.choose_omp_wait_policy; spinning beside another busy process halves decode).
+# (engine.worker.device.choose_omp_wait_policy; spinning beside another busy process halves decode). The test
+# process starts engine cores itself (LLM, in-thread cores), so it chooses now, before torch is imported.
 os.environ.setdefault("TANDEM_CPU_WAIT_POLICY", "passive")
+from engine.worker.device import choose_omp_wait_policy
+
+choose_omp_wait_policy()
+
 import shutil
 import socket
 import subprocess

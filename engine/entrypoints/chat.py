@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions`` over an ``AsyncEngine`` (vLLM's
 ``entrypoints/openai/serving_chat.py``): messages -> chat template -> token
 ids -> engine; the ``chat.completion`` object or ``chat.completion.chunk``
-SSE events back, with tool calls parsed (``engine/chat_structured.py``).
+SSE events back, with tool calls parsed (``engine/entrypoints/chat_structured.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 
-from engine.chat_structured import ToolCallParser, parse_tool_calls, plan_chat
+from engine.entrypoints.chat_structured import ToolCallParser, parse_tool_calls, plan_chat
 from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidationError, ServingError
 from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, RenderedPrompt, error_from_engine, parse_body,
                                         reject_abort, sse, usage, usage_options)

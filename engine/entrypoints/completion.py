@@ -10,7 +10,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from engine.chat_structured import ChatPlan, structured_outputs_extra
+from engine.entrypoints.chat_structured import ChatPlan, structured_outputs_extra
 from engine.entrypoints.logprobs import empty_completion_logprobs
 from engine.entrypoints.protocol import CompletionRequest, RequestValidationError, ServingError
 from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, RenderedPrompt, engine_id, error_from_engine,

@@ -3,7 +3,7 @@ logprob, bytes, top_logprobs), legacy completions ``logprobs`` (tokens,
 token_logprobs, top_logprobs, text_offset) and vLLM's ``prompt_logprobs``.
 
 Logprobs are the model's own distribution (log-softmax of the raw logits,
-before temperature, penalties and top-k/top-p; see engine/sampler.py); they
+before temperature, penalties and top-k/top-p; see engine/worker/sampler.py); they
 are clamped to -9999.0 so that -inf stays valid JSON.
 """
 

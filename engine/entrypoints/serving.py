@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError
-from engine.chat_structured import ChatPlan
+from engine.entrypoints.chat_structured import ChatPlan
 from engine.entrypoints.logprobs import LogprobFormatter
 from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidationError, ServingError, parse_request
 from engine.outputs import CompletionOutput, RequestOutput

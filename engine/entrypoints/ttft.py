@@ -1,4 +1,4 @@
-"""``POST /v1/ttft``: the engine's TTFT prediction for a request it has not been sent (``engine/ttft.py``), so
+"""``POST /v1/ttft``: the engine's TTFT prediction for a request it has not been sent (``engine/core/ttft.py``), so
 a router in another process asks the engine itself instead of guessing from scraped metrics.
 
 The body is a chat or completion request as ``/v1/chat/completions`` / ``/v1/completions`` take it (rendered

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from engine.device import configure_core_threads, resolve_device, resolve_dtype
+from engine.worker.device import configure_core_threads, resolve_device, resolve_dtype
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 
@@ -143,7 +143,7 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     ``args.model`` is a ``.gguf`` file (``registry.GGUF_ARCHITECTURES``) or a HF
     directory (config.json + *.safetensors + tokenizer.json; an architecture
     of ``engine.models.registry.HF_ARCHITECTURES``). Sets
-    the core's threads (``engine/device.py``). With
+    the core's threads (``engine/worker/device.py``). With
     ``args.quantization == "gguf"`` a GGUF's Q4_0/Q4_1 projections stay in 4
     bits (``engine/models/quant_linear.py``); with ``args.load_format ==
     "dummy"`` a HF directory's weights are not read but drawn at random

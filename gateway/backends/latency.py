@@ -1,7 +1,7 @@
 """Predicted TTFT per backend for ``slo`` routing (``policies/slo.py``).
 
 - The co-located engine: its own prediction for this request at admission (``AsyncEngine.predict_ttft``, from
-  the core's state after its last step; ``engine/ttft.py``), read in-process: no scrape, no lag.
+  the core's state after its last step; ``engine/core/ttft.py``), read in-process: no scrape, no lag.
   Corrected by the median of measured / predicted over the engine's answers of the last ``RATIO_WINDOW_S``
   (once there are ``MIN_RATIOS``): what the engine cannot see (the front end's and the gateway's share of the
   CPU, other processes on the box) shows up there. The median, not a high percentile, and a window in time: a
@@ -19,7 +19,7 @@
   chunk, or to the whole body), and the share of those calls that failed (transport error, 429, 5xx). A high
   percentile, not the mean: an SLO is met per request. Its TPOT likewise: the 90th percentile of its last
   streamed answers' seconds per content event after the first (an event carries a token, or a few).
-- TPOT of the engines (``slo.tpot_ms``): their own prediction (``engine/ttft.py`` ``predict_tpot``: the step
+- TPOT of the engines (``slo.tpot_ms``): their own prediction (``engine/core/ttft.py`` ``predict_tpot``: the step
   cost at the batch the request would decode in), not corrected.
 """
 

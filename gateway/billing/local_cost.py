@@ -2,7 +2,7 @@
 
 Each interval (``interval_s``) costs ``usd_per_hour * interval_s / 3600``. That money is spread over the tokens
 the engine computed in the interval, a prompt (prefill) token and a generated (decode) token weighted by the
-time each takes as the engine measures it (``engine/ttft.py``: seconds per prefill token = 1 / prefill rate; per
+time each takes as the engine measures it (``engine/core/ttft.py``: seconds per prefill token = 1 / prefill rate; per
 decode token = a decode step's seconds / the rows a decode step carries). A busy engine is cheap per token, an
 idle one dear; an interval that served nothing keeps the last prices. Until the first interval ends the
 configured ``prices`` hold. The prices are USD per million tokens, as every backend's.

@@ -17,7 +17,7 @@ from typing import Any
 # Body fields that change neither the tokens nor their logprobs: left out of the key. ``stream_options`` only
 # says whether the client sees the usage chunk, which the gateway always asks for (and observability drops).
 VOLATILE_FIELDS = frozenset({"stream_options", "user", "metadata", "priority", "store", "service_tier", "model"})
-# Temperatures below this are greedy (the engine's ``engine/sampler.py`` _SAMPLING_EPS).
+# Temperatures below this are greedy (the engine's ``engine/worker/sampler.py`` _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
 
 

@@ -4,7 +4,7 @@ A committed stream whose engine dies (or stalls) after content ends, in ``stream
 ``stream_interrupted`` event. On a resuming route that event is held back: the gateway sends the request again
 to the route's next target it has not tried, with ``resume_token_ids`` (the tokens each choice had streamed),
 and relays what follows as the same stream. The engine re-prefills the prompt and those tokens and goes on as
-the uninterrupted request would have (its seeded draws are by output position: ``engine/sampler.py``), so the
+the uninterrupted request would have (its seeded draws are by output position: ``engine/worker/sampler.py``), so the
 client receives, bit for bit, the text a replica that never failed would have sent.
 
 What makes that possible is asked for up front (``prepare``): ``return_token_ids`` (each streamed choice

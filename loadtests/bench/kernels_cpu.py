@@ -15,22 +15,26 @@ against the bfloat16 one on the same weights, over a 30-layer pass (weights
 streaming from memory) at 1, 2, 3, 8 and 64 rows. Each line prints the C kernel's time over the
 baseline's (medians of ``--repeats`` calls, the two interleaved call by
 call), so < 1 means the C kernel is faster. OpenMP's pool sleeps between
-calls (``OMP_WAIT_POLICY=PASSIVE`` unless set), as ``kernels`` sets it: a
-spinning pool on a machine shared with other work quantises the timings to
-the scheduler's slices.
+calls (``OMP_WAIT_POLICY=PASSIVE`` unless set; set below when run as a
+program, before torch loads libgomp): a spinning pool on a machine shared with
+other work quantises the timings to the scheduler's slices.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
 
-from kernels import cpu_attention, cpu_linear, torch_attention  # first: it sets a sleeping OpenMP pool before torch loads
-from kernels.reference import reference_paged_attention, relative_error
+if __name__ == "__main__":   # this program's threading policy, before torch is imported (importing sets nothing)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402  (after kernels, see above)
+import torch  # noqa: E402  (after the policy above)
+
+from kernels import cpu_attention, cpu_linear, torch_attention  # noqa: E402
+from kernels.reference import reference_paged_attention, relative_error  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # qkv, o, gate_up, down, lm_head

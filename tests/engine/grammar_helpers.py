@@ -9,7 +9,7 @@ import threading
 from types import SimpleNamespace
 
 from engine.sampling_params import SamplingParams
-from engine.structured_outputs import StructuredOutputManager
+from engine.worker.structured_outputs import StructuredOutputManager
 
 _CLOSERS = set('"}],')
 
@@ -30,7 +30,7 @@ class CharTokenizer:
 
 
 def manager(**limits) -> tuple[StructuredOutputManager, CharTokenizer]:
-    from engine.grammar_compiler import GrammarLimits
+    from engine.worker.grammar_compiler import GrammarLimits
 
     tok = CharTokenizer()
     return StructuredOutputManager(tok, tok.vocab_size, GrammarLimits(**limits)), tok

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from engine.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def ids(blocks):

@@ -201,7 +201,7 @@ def test_a_large_command_never_blocks_its_sender_and_commands_keep_their_order()
     SSE. The front end's writer thread takes that wait: ``put`` returns while nobody reads yet."""
     import multiprocessing
 
-    from engine.core_client import PipeWriter
+    from engine.core.core_client import PipeWriter
 
     ours, core_end = multiprocessing.Pipe()
     writer = PipeWriter(ours)

@@ -1,4 +1,4 @@
-"""The grammar compile pool (engine/grammar_compiler.py): off the caller's
+"""The grammar compile pool (engine/worker/grammar_compiler.py): off the caller's
 thread, several workers, a timeout, a size limit, a refusal cache, one
 memory bound. Issue #34 failures 1-3.
 
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from engine.grammar_compiler import WORKER_NICE, GrammarCompilePool, GrammarLimits, GrammarRefused
+from engine.worker.grammar_compiler import WORKER_NICE, GrammarCompilePool, GrammarLimits, GrammarRefused
 from engine.sampling_params import StructuredOutputsParams
 from tests.engine.grammar_helpers import manager, probe_check
 
@@ -235,7 +235,7 @@ def idle_or_nicer(pid: int) -> bool:
 def test_a_check_worker_runs_in_sched_idle_whoever_starts_it():
     """A worker started by a compile thread inherited its SCHED_IDLE; one started from a normal thread ran at
     niceness +10, which still takes a share of a core from the engine step. It puts itself in SCHED_IDLE."""
-    from engine.grammar_check import CheckWorkers
+    from engine.worker.grammar_check import CheckWorkers
 
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # this (starting) thread is a normal one
     workers = CheckWorkers(probe_check, WORKER_NICE)
@@ -272,7 +272,7 @@ def test_a_check_past_the_timeout_is_a_408_its_worker_is_killed_and_the_next_spe
 def test_a_schema_crosses_to_the_engine_core_as_one_json_text_in_its_key_order():
     """The core decodes a 400 KB schema as one string, not one Python object per node in a thread that shares
     its GIL with the engine step; the order of properties (which is the output's order) is kept."""
-    from engine.core_messages import params_from_wire, params_to_wire
+    from engine.core.core_messages import params_from_wire, params_to_wire
     from engine.sampling_params import SamplingParams
 
     schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
@@ -286,7 +286,7 @@ def test_a_compiled_request_crosses_to_the_engine_core_as_its_digest_and_finds_i
     """Issue #34: a 400 KB schema crossed the core's pipe twice (its ``CompileGrammar``, then its ``AddRequest``),
     each time read 64 KB at a time by a core thread that takes the step's GIL. The request now carries the
     digest its compile answered; the core looks the grammar up by it, and never compiles a reference."""
-    from engine.core_messages import AddRequest, decode_command, encode, params_from_wire, params_to_wire
+    from engine.core.core_messages import AddRequest, decode_command, encode, params_from_wire, params_to_wire
     from engine.sampling_params import SamplingParams
 
     pool, release, calls = _blocking_pool(cache_entries=1)

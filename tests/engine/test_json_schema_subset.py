@@ -1,4 +1,4 @@
-"""The supported JSON-schema subset (engine/json_schema_subset.py): outside it a
+"""The supported JSON-schema subset (engine/worker/json_schema_subset.py): outside it a
 400 naming the keyword and its path, before any compile; inside it enforced
 (issue #34 failure 4). No model: random schemas of the subset are walked
 through their real xgrammar grammar over a character vocabulary with random
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.json_schema_subset import KEYWORDS, check_json_schema, markdown_table
+from engine.worker.json_schema_subset import KEYWORDS, check_json_schema, markdown_table
 from engine.sampling_params import StructuredOutputsParams
 from tests.engine.grammar_helpers import manager, walk
 

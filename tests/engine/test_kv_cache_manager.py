@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from engine.kv_cache_manager import KVCacheManager, hash_block_tokens
-from engine.request import Request
+from engine.core.kv_cache_manager import KVCacheManager, hash_block_tokens
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 
 BS = 16
@@ -34,7 +34,7 @@ def test_hash_is_stable_and_chained():
     assert hash_block_tokens(h1, [4]) != hash_block_tokens(None, [4])
     assert hash_block_tokens(None, [1, 2, 3], ("lora", 1)) != h1
     # Stable across processes, whatever PYTHONHASHSEED is (unlike hash()).
-    code = "from engine.kv_cache_manager import hash_block_tokens as h; print(h(h(None, [1, 2]), [3], ('x',)).hex())"
+    code = "from engine.core.kv_cache_manager import hash_block_tokens as h; print(h(h(None, [1, 2]), [3], ('x',)).hex())"
     digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                               env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
     assert digests == {hash_block_tokens(hash_block_tokens(None, [1, 2]), [3], ("x",)).hex()}

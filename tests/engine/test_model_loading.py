@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from engine.config import EngineArgs, default_model_path
-from engine.device import resolve_device, resolve_dtype
+from engine.worker.device import resolve_device, resolve_dtype
 from engine.model_loader import load_model
 from engine.model_loader.gguf_loader import unpermute_qk
-from engine.model_runner import ModelRunner
-from engine.request import Request
+from engine.worker.model_runner import ModelRunner
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")

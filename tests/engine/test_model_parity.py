@@ -14,10 +14,10 @@ import torch
 
 from engine.config import EngineArgs
 from engine.model_loader import load_model
-from engine.model_runner import ModelRunner
-from engine.request import Request
+from engine.worker.model_runner import ModelRunner
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,10 +7,10 @@ import torch
 
 from engine.config import EngineArgs, default_model_path
 from engine.model_loader import load_model
-from engine.model_runner import ModelRunner
-from engine.request import Request
+from engine.worker.model_runner import ModelRunner
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from tests.test_cpu_kernels import linear_build  # noqa: F401 (a fixture: the bf16 test runs on each build)
 
 

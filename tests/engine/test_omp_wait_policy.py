@@ -1,4 +1,5 @@
-"""OpenMP's wait policy, chosen by role before torch loads libgomp (``engine.device.choose_omp_wait_policy``)."""
+"""OpenMP's wait policy, chosen by whoever starts an engine core before torch loads libgomp
+(``engine.worker.device.choose_omp_wait_policy``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.device import SPIN_COUNT, choose_omp_wait_policy, count_others_running
+from engine.worker.device import SPIN_COUNT, choose_omp_wait_policy, count_others_running
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,12 +47,44 @@ def test_a_busy_process_counts_as_running():
         busy.wait()
 
 
-@pytest.mark.parametrize("policy,count", [("spin", SPIN_COUNT), ("passive", 0)])
-def test_libgomp_takes_the_choice(policy, count):
-    """What libgomp itself reports (``OMP_DISPLAY_ENV``) after ``import engine`` then torch."""
+START_CORE = """
+import asyncio, sys
+from engine.config import EngineArgs
+
+def offline(model):
+    from engine.llm_engine import LLMEngine
+    LLMEngine(EngineArgs(model=model, dtype="float32", kv_cache_memory="4MiB"))
+
+async def process(model):
+    from engine.async_engine import AsyncEngine
+    eng = AsyncEngine(EngineArgs(model=model, dtype="float32", kv_cache_memory="4MiB", engine_core_process=True))
+    await eng.start()
+    await eng.shutdown(drain=False)
+
+if __name__ == "__main__":
+    how, model = sys.argv[1:]
+    offline(model) if how == "offline" else asyncio.run(process(model))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    from tests.tiny_models import save_byte_level_llama
+
+    return save_byte_level_llama(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.mark.parametrize("how", ["offline", "process"])
+def test_libgomp_takes_the_choice_of_whoever_starts_the_core(how, tiny_model, tmp_path):
+    """What libgomp itself reports (``OMP_DISPLAY_ENV``, on stderr) in the process that runs the model: the
+    offline engine (``LLMEngine``) and the core process's entry choose before torch loads; importing ``engine``
+    chooses nothing. "passive" (spin count 0) because "spin" reads as libgomp's own default (300000)."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
                                                            "TANDEM_OMP_WAIT_CHOSEN")}
-    env.update(TANDEM_CPU_WAIT_POLICY=policy, OMP_DISPLAY_ENV="verbose")
-    out = subprocess.run([sys.executable, "-c", "import engine, torch; torch.ones(64, 64) @ torch.ones(64, 64)"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert f"GOMP_SPINCOUNT = '{count}'" in out.stdout + out.stderr, out.stdout + out.stderr
+    env.update(TANDEM_CPU_WAIT_POLICY="passive", OMP_DISPLAY_ENV="verbose")
+    script = tmp_path / "start_core.py"
+    script.write_text(START_CORE)
+    out = subprocess.run([sys.executable, str(script), how, tiny_model], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "GOMP_SPINCOUNT = '0'" in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]

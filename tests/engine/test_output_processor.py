@@ -7,7 +7,7 @@ must be reported once, and the request must finish exactly once.
 
 from __future__ import annotations
 
-from engine.core_messages import EngineCoreOutput
+from engine.core.core_messages import EngineCoreOutput
 from engine.output_processor import OutputProcessor
 from engine.sampling_params import SamplingParams
 

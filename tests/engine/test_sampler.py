@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.request import Request
-from engine.sampler import Sampler, prompt_logprobs
+from engine.core.request import Request
+from engine.worker.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -97,7 +97,7 @@ def test_seeded_draw_depends_on_position_only():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_penalties_exact(device):
-    from engine.sampler import _apply_penalties
+    from engine.worker.sampler import _apply_penalties
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]], device=device)
     # prompt has token 0 and 1; output has token 3 twice and token 4 once.

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine.request import ForkGroup, Request, RequestStatus
+from engine.core.request import ForkGroup, Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import SchedulerOutput
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
 
 EOS = 1
 

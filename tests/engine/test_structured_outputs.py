@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding in the engine (engine/structured_outputs.py,
+"""Grammar-constrained decoding in the engine (engine/worker/structured_outputs.py,
 the sampler's bitmask hook, the engine's matcher bookkeeping).
 
 The bitmask and schema checks are unit tests; the rest runs the real
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.json_schema_subset import check_json_schema
-from engine.structured_outputs import GrammarBitmask, apply_token_bitmask
+from engine.worker.json_schema_subset import check_json_schema
+from engine.worker.structured_outputs import GrammarBitmask, apply_token_bitmask
 from tests.engine.grammar_helpers import allowed, manager
 
 PERSON = {

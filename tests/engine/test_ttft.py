@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from engine.kv_cache_manager import hash_block_tokens
-from engine.request import Request
+from engine.core.kv_cache_manager import hash_block_tokens
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.ttft import (CALIBRATION_TAU_S, PendingAdds, PrefixMirror, TTFTCalibration, TTFTState, predict_ttft,
+from engine.core.scheduler import Scheduler
+from engine.core.ttft import (CALIBRATION_TAU_S, PendingAdds, PrefixMirror, TTFTCalibration, TTFTState, predict_ttft,
                          quad_of, state_of)
 
 STEP_S, PREFILL_TOK_S = 0.040, 1000.0

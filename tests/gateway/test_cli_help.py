@@ -67,7 +67,8 @@ def test_help_renders_defaults_and_units():
     assert "TANDEM_URL" in ctl
 
 
-@pytest.mark.parametrize("module", ["engine.cli", "gateway.commands", "loadtests.cli"])
+@pytest.mark.parametrize("module", ["engine.entrypoints.cli", "gateway.commands", "loadtests.cli",
+                                    "loadtests.bench.cli"])
 def test_each_areas_commands_are_the_ones_it_registers(module):
     """``tandem`` registers only the owner of the command it runs (gateway/cli.py ``COMMAND_MODULES``): the
     commands listed for each area must be exactly the top-level commands its ``register`` adds, or one vanishes."""

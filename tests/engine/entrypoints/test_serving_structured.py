@@ -21,7 +21,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from engine.chat_structured import GENERIC_TOOL_PROMPT, ToolCallParser, parse_tool_calls, plan_chat
+from engine.entrypoints.chat_structured import GENERIC_TOOL_PROMPT, ToolCallParser, parse_tool_calls, plan_chat
 from engine.entrypoints.protocol import ChatCompletionRequest, parse_request
 from engine.tokenizer import _compile_template
 from tests.engine.entrypoints.test_serving import LiveServer, start_server
@@ -314,12 +314,12 @@ def test_the_request_handler_leaves_schema_checks_to_the_compile_pool(monkeypatc
 
     from engine.entrypoints.protocol import ServingError
     from engine.entrypoints.serving import OpenAIServing
-    from engine.grammar_compiler import GrammarRefused
+    from engine.worker.grammar_compiler import GrammarRefused
 
     schema = {"type": "array", "contains": {"const": 1}}  # outside the subset
     req = parse_request({"messages": ASK_WEATHER, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, ChatCompletionRequest)
-    monkeypatch.setattr("engine.json_schema_subset._check_node", lambda *a: pytest.fail("checked in the handler"))
+    monkeypatch.setattr("engine.worker.json_schema_subset._check_node", lambda *a: pytest.fail("checked in the handler"))
     plan = plan_chat(req, ASK_WEATHER, None)
     assert plan.structured_outputs.json == schema
     assert plan.structured_outputs.where == ("response_format.json_schema.schema",)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core_messages import EngineStats
-from engine.ttft import TTFTState
+from engine.core.core_messages import EngineStats
+from engine.core.ttft import TTFTState
 from gateway.billing.local_cost import LocalCost, token_prices
 from gateway.billing.prices import Price
 from policies import Policy, RequestFeatures, Route, Signals, Target, decide

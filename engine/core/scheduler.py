@@ -30,9 +30,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.request import Request, RequestStatus
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.kv_cache_manager import KVCacheManager, cdiv
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:

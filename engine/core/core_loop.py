@@ -2,7 +2,7 @@
 
 ``run_core_loop`` drives an ``EngineCore``: take the pending commands (block
 while idle), apply them, run one step, and emit one ``CoreStep`` (the step's
-outputs batched with the stats). ``engine/core_client.py`` runs it in a
+outputs batched with the stats). ``engine/core/core_client.py`` runs it in a
 thread of the front end's process or, with ``run_engine_core_process``, in a
 child process of its own (vLLM v1's ``EngineCoreProc``): the front end keeps
 HTTP, tokenization and output processing, so the model step never shares a
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.core_messages import (AbortRequests, AddRequest, Command, CompileGrammar, CoreFailed, CoreReady,
+from engine.core.core_messages import (AbortRequests, AddRequest, Command, CompileGrammar, CoreFailed, CoreReady,
                                   CoreReply, CoreStep, EmbedPrompts, FinishSequences, Reply, Shutdown, decode_command,
                                   encode, params_from_wire, spec_from_wire)
 
@@ -100,7 +100,7 @@ def run_engine_core_process(args, conn) -> None:
     Loads the model (``CoreFailed`` on error, then exits), sends
     ``CoreReady``, then runs ``run_core_loop`` with commands read from
     ``conn`` by a reader thread; grammar validations and compilations run
-    in the core's grammar pool (``engine/grammar_compiler.py``) and are
+    in the core's grammar pool (``engine/worker/grammar_compiler.py``) and are
     answered with ``CoreReply``. Exits when the loop ends
     (``Shutdown``) or the parent's end of ``conn`` closes.
     """
@@ -110,7 +110,10 @@ def run_engine_core_process(args, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine.engine_core import EngineCore  # torch: only in this process
+    from engine.worker.device import choose_omp_wait_policy
+
+    choose_omp_wait_policy()   # this process's threading policy: before torch loads libgomp
+    from engine.core.engine_core import EngineCore  # torch: only in this process
 
     send_lock = threading.Lock()
 

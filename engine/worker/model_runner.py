@@ -21,7 +21,7 @@ import torch
 from engine.model_config import ModelConfig
 from engine.model_loader import release_freed_memory
 from engine.models.llama import AttentionMetadata
-from engine.scheduler_output import SchedulerOutput
+from engine.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

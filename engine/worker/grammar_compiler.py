@@ -13,7 +13,7 @@ A spec (``StructuredOutputsParams``) goes through ``GrammarCompilePool.submit``:
    sent twice is compiled once).
 3. Otherwise a pool thread has the spec checked (``validate_fn``: JSON
    parse and the supported subset, pure Python) in a worker PROCESS
-   (``engine/grammar_check.py``: the GIL of the core is never held for it),
+   (``engine/worker/grammar_check.py``: the GIL of the core is never held for it),
    then compiles it (xgrammar, which releases the GIL). A timer answers 408
    when check and compile run longer than ``timeout_s`` and records the
    refusal; a check worker past the deadline is killed (and replaced on the
@@ -53,7 +53,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from engine.grammar_check import CheckFailed, CheckTimedOut, CheckWorkers, as_text, lower_priority
+from engine.worker.grammar_check import CheckFailed, CheckTimedOut, CheckWorkers, as_text, lower_priority
 from engine.sampling_params import StructuredOutputsParams
 
 HANDOFF_S = 60.0  # a compiled grammar waits this long, seconds, for its request
@@ -165,7 +165,7 @@ class GrammarCompilePool:
         validate_fn: ``validate_fn(params)`` raises ``ValueError`` naming the
             part outside the supported subset (None: no check); a
             module-level function: ``submit`` runs it in a worker process
-            (``engine/grammar_check.py``), ``compile_now`` in its caller.
+            (``engine/worker/grammar_check.py``), ``compile_now`` in its caller.
     """
 
     def __init__(self, compile_fn: Callable[[StructuredOutputsParams], tuple[object, int]],

@@ -32,8 +32,8 @@ import hashlib
 import pickle
 from collections.abc import Sequence
 
-from engine.block_pool import BlockHash, BlockPool, KVCacheBlock
-from engine.request import Request
+from engine.core.block_pool import BlockHash, BlockPool, KVCacheBlock
+from engine.core.request import Request
 
 
 def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[int],

@@ -6,7 +6,7 @@ extra, checks their shapes and types (``RequestValidationError`` naming the
 field at fault) and returns a ``ChatPlan``: the grammar for the engine, the
 messages and template arguments to render, and whether the output holds tool
 calls. The schemas themselves are checked against the supported subset with
-the compile, in the engine's grammar pool (``engine/grammar_compiler.py``),
+the compile, in the engine's grammar pool (``engine/worker/grammar_compiler.py``),
 never here: this runs on the server's event loop, and a large schema's check
 would stall every stream.
 

@@ -17,7 +17,7 @@ One call of ``Sampler.sample`` handles a whole step's batch in a single pass:
    unconstrained rows. Then the grammar bitmask of constrained rows
    (structured outputs, when given): forbidden tokens get ``-inf``; other
    rows are not touched. The grammar's mask already settled EOS, stop token
-   ids and ``min_tokens`` of its rows (``engine/structured_outputs.py``).
+   ids and ``min_tokens`` of its rows (``engine/worker/structured_outputs.py``).
 4. Greedy rows (temperature 0, or below 1e-5): argmax of the processed
    logits (penalties and min_tokens apply to greedy rows too, as in vLLM).
 5. Random rows: divide by temperature, then top-k, top-p (nucleus, Holtzman
@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.outputs import Logprob, PositionLogprobs
-from engine.request import Request
-from engine.structured_outputs import GrammarBitmask, apply_token_bitmask
+from engine.core.request import Request
+from engine.worker.structured_outputs import GrammarBitmask, apply_token_bitmask
 
 _U64 = (1 << 64) - 1
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 # A block hash: sha256 digest of (parent hash, token ids, extra keys); see
-# engine.kv_cache_manager.hash_block_tokens.
+# engine.core.kv_cache_manager.hash_block_tokens.
 BlockHash = bytes
 
 
@@ -143,7 +143,7 @@ class BlockPool:
         # hash -> the block holding those tokens (one block per hash: a second
         # block that computes the same tokens simply is not cached).
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
-        # (hash, cached?) in order, for the front end's copy of the cache (``engine/ttft.py``); None: not kept.
+        # (hash, cached?) in order, for the front end's copy of the cache (``engine/core/ttft.py``); None: not kept.
         # Bounded: an event past 4 x num_blocks undrained ones drops them and sets ``kv_events_lost`` (the reader
         # resyncs the whole cache instead), so a pool nobody drains (offline use) does not grow forever.
         self.kv_events: list[tuple[BlockHash, bool]] | None = None

@@ -1,12 +1,12 @@
 """Spec checks in worker processes: the pure-Python part of a grammar compile
-(the JSON parse and the supported-subset check, ``engine/json_schema_subset.py``)
+(the JSON parse and the supported-subset check, ``engine/worker/json_schema_subset.py``)
 runs outside the engine core process.
 
 Why a process (issue #34, measured): Python code in any thread of the core
 holds the GIL, and every torch op of the engine step releases and retakes
 it, so a check of a 400 KB schema (tens of ms of Python) delays the step
 many times over (the GIL convoy). The xgrammar compile itself stays in the
-core's threads (``engine/grammar_compiler.py``): it releases the GIL (py-spy
+core's threads (``engine/worker/grammar_compiler.py``): it releases the GIL (py-spy
 ``--gil`` on the core during a 28 s compile: 2 of 372 GIL-holding samples in
 the compile thread), and a grammar compiled elsewhere cannot be shipped
 back: ``CompiledGrammar.serialize_json`` (xgrammar 0.2.9) grows
@@ -15,7 +15,7 @@ write, 12 s to read back).
 
 ``CheckWorkers.check`` sends the spec (its JSON schema as text: a string
 crosses the pipe as one copy, no Python work per node) to an idle worker
-(``python -m engine.grammar_check``, in ``SCHED_IDLE`` as the compile
+(``python -m engine.worker.grammar_check``, in ``SCHED_IDLE`` as the compile
 threads are, else at a higher niceness: ``lower_priority``) and waits for
 its answer with the GIL released; a worker that does not answer in time is
 killed and the next check starts a new one.
@@ -64,7 +64,7 @@ def as_text(params: StructuredOutputsParams) -> StructuredOutputsParams:
 
 
 class _Worker:
-    """One ``python -m engine.grammar_check`` process and its two pipe ends."""
+    """One ``python -m engine.worker.grammar_check`` process and its two pipe ends."""
 
     def __init__(self, nice: int) -> None:
         child_in, to_child = os.pipe()
@@ -72,7 +72,7 @@ class _Worker:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         # absolute: a child inherits the niceness of the thread that starts it (a lowered compile thread)
         niceness = os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.grammar_check", str(niceness)], stdin=child_in,
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.worker.grammar_check", str(niceness)], stdin=child_in,
                                      stdout=child_out, env=env, close_fds=True)
         os.close(child_in)
         os.close(child_out)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engine.kv_cache_manager import hash_block_tokens
+from engine.core.kv_cache_manager import hash_block_tokens
 
 # Seconds over which a step's weight in the calibration falls by a factor e (wall time, idle time included): the
 # box's speed changes within seconds when other processes take its cores, and a prefill rate remembered over
@@ -423,7 +423,7 @@ def _to_compute(kv, req, ahead: set) -> int:
 
 
 def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTState:
-    """The ``TTFTState`` of ``scheduler`` (an ``engine.scheduler.Scheduler``) now, with ``calibration``'s step
+    """The ``TTFTState`` of ``scheduler`` (an ``engine.core.scheduler.Scheduler``) now, with ``calibration``'s step
     costs, ``added`` requests taken so far and the prefix cache's events since the last call."""
     kv = scheduler.kv_cache_manager
     queued: dict[int, list[int]] = {}

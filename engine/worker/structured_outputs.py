@@ -3,9 +3,9 @@
 Pieces, in the order a constrained request meets them:
 
 1. ``StructuredOutputManager.submit(params, done)``: validation
-   (``engine/json_schema_subset.py``: the supported JSON-schema subset) in a
-   check worker process (``engine/grammar_check.py``), compile in the
-   bounded pool of ``engine/grammar_compiler.py`` (timeout,
+   (``engine/worker/json_schema_subset.py``: the supported JSON-schema subset) in a
+   check worker process (``engine/worker/grammar_check.py``), compile in the
+   bounded pool of ``engine/worker/grammar_compiler.py`` (timeout,
    size limit, refusal cache, one memory bound on compiled grammars). The
    OpenAI layer waits for it before submitting, so the core's step loop only
    hits the cache.
@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from engine.grammar_compiler import Done, GrammarCompilePool, GrammarLimits
-from engine.json_schema_subset import check_json_schema
+from engine.worker.grammar_compiler import Done, GrammarCompilePool, GrammarLimits
+from engine.worker.json_schema_subset import check_json_schema
 from engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -192,7 +192,7 @@ class StructuredOutputManager:
         return request_id in self._matchers
 
     def grammar_bitmask(self, requests: list) -> GrammarBitmask | None:
-        """The bitmask of the rows (``requests[i]``, an ``engine.request.Request``,
+        """The bitmask of the rows (``requests[i]``, an ``engine.core.request.Request``,
         owns row i) that have a matcher, or None when no row does. Stop tokens
         and ``min_tokens`` are settled here (see the module doc, step 3)."""
         self._stops_as_content.clear()
@@ -270,7 +270,7 @@ class StructuredOutputManager:
 
 def validate(params: StructuredOutputsParams) -> None:
     """Refuse a spec whose JSON schemas leave the supported subset
-    (``engine/json_schema_subset.py``), named by ``params.where``.
+    (``engine/worker/json_schema_subset.py``), named by ``params.where``.
 
     Raises:
         ValueError: ``"<where><path>: ..."``.

@@ -1,4 +1,8 @@
-"""Engine sub-commands of ``tandem``: ``generate``, ``engine serve``, ``bench engine``, ``bench structured``."""
+"""Engine sub-commands of ``tandem``: ``generate`` and ``engine serve``.
+
+The engine's benchmarks (``tandem bench ...``) are the load tests' (``loadtests/bench/cli.py``): the engine
+package imports neither ``loadtests`` nor ``gateway``.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from engine.config import add_engine_cli_args, engine_args_from_cli
 
 
 def register(subparsers) -> None:
-    """Add ``generate``, ``engine serve`` and ``bench engine`` to the ``tandem`` CLI."""
+    """Add ``generate`` and ``engine serve`` to the ``tandem`` CLI."""
     fmt = argparse.ArgumentDefaultsHelpFormatter
     gen = subparsers.add_parser("generate", help="generate a completion offline with the local engine",
                                 formatter_class=fmt)
@@ -30,24 +34,6 @@ def register(subparsers) -> None:
 
     add_serve_args(serve)
     serve.set_defaults(func=run_server)
-
-    bench = subparsers.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
-    from loadtests.bench.engine_throughput import add_bench_args, run_bench
-
-    be = bench_sub.add_parser("engine", formatter_class=fmt,
-                              help="offline engine throughput vs HF transformers (vLLM's benchmark_throughput style)")
-    add_bench_args(be)
-    add_engine_cli_args(be)
-    be.set_defaults(func=run_bench)
-
-    from loadtests.bench.structured import add_structured_bench_args, run_structured_bench
-
-    bs = bench_sub.add_parser("structured", formatter_class=fmt,
-                              help="json_schema-constrained vs unconstrained output tok/s, grammar compile time")
-    add_structured_bench_args(bs)
-    add_engine_cli_args(bs)
-    bs.set_defaults(func=run_structured_bench)
 
 
 def _generate(args: argparse.Namespace) -> int:

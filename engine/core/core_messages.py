@@ -2,7 +2,7 @@
 
 The front end (``engine/async_engine.py``: HTTP-facing asyncio API,
 tokenization, ``engine/output_processor.py``) sends commands; the core
-(``engine/engine_core.py`` driven by ``engine/core_loop.py``, in a thread or
+(``engine/core/engine_core.py`` driven by ``engine/core/core_loop.py``, in a thread or
 in its own process) answers with one ``CoreStep`` per iteration: the outputs
 of one model step, batched, plus the live stats. As vLLM v1's
 ``EngineCoreRequest`` / ``EngineCoreOutputs`` (vllm/v1/engine/__init__.py).
@@ -22,7 +22,7 @@ import msgspec
 
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.ttft import TTFTState
+from engine.core.ttft import TTFTState
 
 
 # ------------------------------------------------------------------ front end -> core
@@ -135,7 +135,7 @@ class EngineStats(msgspec.Struct, array_like=True):
         tokens_in_flight: prompt + generated tokens of unfinished requests.
         prompt_tokens_total: prompt tokens computed (cumulative, excludes cache hits).
         generation_tokens_total: tokens generated (cumulative).
-        ttft: what a TTFT prediction needs (``engine/ttft.py``); None from a core that does not publish it.
+        ttft: what a TTFT prediction needs (``engine/core/ttft.py``); None from a core that does not publish it.
     """
 
     num_running: int

@@ -36,8 +36,10 @@ def choose_omp_wait_policy(environ: dict | None = None, others_running: int | No
       counts a previous engine run for minutes.
 
     ``TANDEM_CPU_WAIT_POLICY`` (auto | spin | passive) picks; an ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``
-    the user set wins over all. The choice is written into ``environ`` (default ``os.environ``), where the
-    engine core process, spawned later, finds it. No effect once libgomp is loaded (torch imported).
+    the user set wins over all. The choice is written into ``environ`` (default ``os.environ``), where a
+    process spawned later finds it. No effect once libgomp is loaded (torch imported), so whoever starts an
+    engine core calls it before importing torch: the core process's entry, ``ThreadCoreClient.start`` and
+    ``LLMEngine``; importing ``engine`` never does.
 
     Args:
         environ: environment to read and write (tests).
@@ -52,7 +54,7 @@ def choose_omp_wait_policy(environ: dict | None = None, others_running: int | No
     """
     env = os.environ if environ is None else environ
     if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:     # the user's, or a parent process's choice
-        return env.get("TANDEM_OMP_WAIT_CHOSEN", "user")
+        return omp_wait_policy(env)
     policy = env.get("TANDEM_CPU_WAIT_POLICY", "auto").strip().lower()
     if policy not in _POLICIES:
         raise ValueError(f"TANDEM_CPU_WAIT_POLICY must be one of {', '.join(_POLICIES)}, got {policy!r}")
@@ -64,6 +66,16 @@ def choose_omp_wait_policy(environ: dict | None = None, others_running: int | No
     env["GOMP_SPINCOUNT"] = str(SPIN_COUNT if policy == "spin" else 0)
     env["TANDEM_OMP_WAIT_CHOSEN"] = policy
     return policy
+
+
+def omp_wait_policy(environ: dict | None = None) -> str:
+    """The OpenMP wait policy chosen for this process, as ``choose_omp_wait_policy`` returned it ("spin",
+    "passive" or "user"), or "default" when nothing chose (libgomp's own: spin a few ms). Reads ``environ``
+    (default ``os.environ``); sets nothing."""
+    env = os.environ if environ is None else environ
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return env.get("TANDEM_OMP_WAIT_CHOSEN", "user")
+    return "default"
 
 
 def count_others_running(reads: int = 5, gap_s: float = 0.002) -> float:

@@ -11,7 +11,7 @@ vLLM v1's ``EngineCore`` / ``OutputProcessor`` split).
                                         EngineCoreOutput ◄────┘
 
 It is driven by ``LLMEngine`` (offline, same thread) or by
-``engine/core_loop.py`` (in a thread or in its own process, for
+``engine/core/core_loop.py`` (in a thread or in its own process, for
 ``AsyncEngine``). Not thread-safe, except ``compile_grammar`` and
 ``submit_grammar``.
 """
@@ -24,22 +24,21 @@ import threading
 import time
 from collections.abc import Iterable
 
-import engine
 from engine.config import DEFAULT_MODEL, EngineArgs, default_model_path
-from engine.core_messages import EngineCoreOutput, EngineStats
-from engine.device import configure_core_threads, resolve_device, resolve_dtype
+from engine.core.core_messages import EngineCoreOutput, EngineStats
+from engine.worker.device import configure_core_threads, omp_wait_policy, resolve_device, resolve_dtype
 from engine.fingerprint import system_fingerprint
-from engine.grammar_compiler import grammar_limits
+from engine.worker.grammar_compiler import grammar_limits
 from engine.model_loader import load_model
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 from engine.outputs import Logprob
 from engine.pooling import PoolingParams, model_pooling_params, pool
-from engine.request import ForkGroup, Request, RequestStatus
-from engine.sampler import Sampler, prompt_logprobs
+from engine.core.request import ForkGroup, Request, RequestStatus
+from engine.worker.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.structured_outputs import StructuredOutputManager
-from engine.ttft import TTFTCalibration, quad_of, state_of
+from engine.core.scheduler import Scheduler
+from engine.worker.structured_outputs import StructuredOutputManager
+from engine.core.ttft import TTFTCalibration, quad_of, state_of
 
 logger = logging.getLogger("tandem.engine")
 
@@ -132,8 +131,8 @@ class EngineCore:
         self._prompt_logprobs: dict[str, list] = {}  # client request id -> prompt logprobs not yet sent
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
-        self.ttft_calibration = TTFTCalibration()   # step costs for TTFT predictions (engine/ttft.py)
-        self._requests_added = 0                     # add_request calls, accepted or refused (engine/ttft.py)
+        self.ttft_calibration = TTFTCalibration()   # step costs for TTFT predictions (engine/core/ttft.py)
+        self._requests_added = 0                     # add_request calls, accepted or refused (engine/core/ttft.py)
         self._last_step: tuple | None = None   # (start, prefill tokens, decode rows, quad_of its chunks)
         self.scheduler.kv_cache_manager.block_pool.kv_events = []
         # The objects built so far (the model, the tokenizer, torch's modules) live as long as the
@@ -144,7 +143,7 @@ class EngineCore:
         logger.info(
             "engine ready: model=%s device=%s dtype=%s blocks=%d block_size=%d max_model_len=%d "
             "max_num_batched_tokens=%d omp_wait=%s", self.served_model_name, self.device, self.dtype,
-            num_blocks, args.block_size, self.max_model_len, budget, engine.CPU_WAIT_POLICY,
+            num_blocks, args.block_size, self.max_model_len, budget, omp_wait_policy(),
         )
 
     # ------------------------------------------------------------------ input
@@ -155,7 +154,7 @@ class EngineCore:
         ``resume``: a continuation of this request after another engine stopped it: choice index -> the tokens
         that choice had generated (only these choices run). Each is re-prefilled (prompt + its tokens, as after
         a preemption by recompute) and goes on from there as the uninterrupted request would have: its seeded
-        draws are by output position (``engine/sampler.py``), ``min_tokens``/``max_tokens`` count from the
+        draws are by output position (``engine/worker/sampler.py``), ``min_tokens``/``max_tokens`` count from the
         original start and its usage's prompt is the original prompt.
 
         Raises:
