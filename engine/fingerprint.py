@@ -10,7 +10,9 @@ may answer differently: it changes with
 - the engine build: the package version and a hash of the engine's and the
   kernels' sources (``engine/``, ``kernels/``: ``.py``, ``.c``, ``.h``);
 - the numerics: device type, dtype, quantization, attention backend, batch
-  invariance, torch's version.
+  invariance, torch's version, and on CPU the kernels' body (AVX512-BF16,
+  AVX2 or portable: ``kernels.cpu_linear.isa``; the AVX2 body's integer dots
+  on GGUF copies give other bits).
 
 Computed once by the engine core at start-up (``EngineCore.system_fingerprint``).
 """
@@ -69,3 +71,21 @@ def _model_identity(model_path: str) -> bytes:
         with open(path, "rb") as f:
             h.update(f.read(_HEAD_BYTES))
     return h.digest()
+
+
+def numerics_of(args, device, dtype) -> dict[str, object]:
+    """What decides an engine's arithmetic, for :func:`system_fingerprint`.
+
+    Args:
+        args: the ``EngineArgs`` (quantization, attention backend, batch
+            invariance, load format).
+        device, dtype: the resolved ``torch.device`` and ``torch.dtype``.
+    """
+    import torch  # loaded already by whoever resolved the device
+
+    from kernels import cpu_linear
+    return {"device": device.type, "dtype": dtype, "quantization": args.quantization,
+            "attention_backend": args.attention_backend, "batch_invariant": args.batch_invariant,
+            "load_format": args.load_format, "torch": torch.__version__,
+            # the CPU kernels' body: the AVX2 body's integer dots on GGUF copies give other bits than AVX512-BF16's
+            "cpu_isa": cpu_linear.isa() if device.type == "cpu" else None}

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from engine.config import DEFAULT_MODEL, EngineArgs, default_model_path
 from engine.core.core_messages import EngineCoreOutput, EngineStats
 from engine.worker.device import configure_core_threads, omp_wait_policy, resolve_device, resolve_dtype
-from engine.fingerprint import system_fingerprint
+from engine.fingerprint import numerics_of, system_fingerprint
 from engine.worker.grammar_compiler import grammar_limits
 from engine.model_loader import load_model
 from engine.worker.model_runner import ModelRunner
@@ -99,10 +99,7 @@ class EngineCore:
         model, self.tokenizer, self.model_config = load_model(args)
         self.served_model_name = args.served_model_name or (
             DEFAULT_MODEL if _is_default_model(args.model) else self.model_config.name)
-        self.system_fingerprint = system_fingerprint(args.model, {
-            "device": self.device.type, "dtype": self.dtype, "quantization": args.quantization,
-            "attention_backend": args.attention_backend, "batch_invariant": args.batch_invariant,
-            "load_format": args.load_format, "torch": _torch_version()})
+        self.system_fingerprint = system_fingerprint(args.model, numerics_of(args, self.device, self.dtype))
         num_blocks, num_cpu_blocks = ModelRunner.determine_num_blocks(args, self.model_config, self.device, self.dtype)
         self.max_model_len = _resolve_max_model_len(
             args.max_model_len, self.model_config.max_position_embeddings, (num_blocks - 1) * args.block_size)
@@ -463,9 +460,3 @@ class EngineCore:
             prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
             ttft=state_of(s, self.ttft_calibration, self._requests_added),
         )
-
-
-def _torch_version() -> str:
-    import torch  # loaded already by the model loader
-
-    return torch.__version__

@@ -19,3 +19,21 @@ def test_the_fingerprint_is_stable_and_changes_with_model_and_numerics(tmp_path,
     assert system_fingerprint(str(other), NUMERICS) != fp
     monkeypatch.setattr("engine.fingerprint.build_identity", lambda: b"another build")
     assert system_fingerprint(model, NUMERICS) != fp
+
+
+def test_the_cpu_kernels_body_is_part_of_the_numerics(monkeypatch):
+    """An AVX2 machine's engine (integer dots on GGUF copies) and an AVX512-BF16 one's answer with other bits:
+    their fingerprints differ (the AVX2 body is built here with TANDEM_CPU_MARCH=x86-64-v3)."""
+    import torch
+
+    from engine.config import EngineArgs
+    from engine.fingerprint import numerics_of
+    from kernels import cpu_linear
+
+    args, cpu = EngineArgs(), torch.device("cpu")
+    native = numerics_of(args, cpu, torch.bfloat16)
+    monkeypatch.setenv("TANDEM_CPU_MARCH", "x86-64-v3")
+    avx2 = numerics_of(args, cpu, torch.bfloat16)
+    assert avx2["cpu_isa"] == "avx2" and native["cpu_isa"] == cpu_linear.isa("native")
+    if native["cpu_isa"] != "avx2":
+        assert system_fingerprint(default_model_path(), avx2) != system_fingerprint(default_model_path(), native)
