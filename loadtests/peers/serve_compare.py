@@ -70,7 +70,7 @@ class PeakMemory:
 
 
 def vllm_server(python: str, model: str, log_dir: Path, max_model_len: int, max_num_seqs: int,
-                kv_cache_gib: float) -> Server:
+                kv_cache_gib: int) -> Server:
     """``vllm serve MODEL`` on a free loopback port (bfloat16, CPU), not yet ready."""
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", model, "--served-model-name", MODEL,
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--num-prompts", type=int, default=32, help="MT-Bench prompts (<= 80)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache of each server, GiB")
+    p.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache of each server, whole GiB")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
     p.add_argument("--out", default="loadtest-results/peers/serve-compare")
     args = p.parse_args(argv)
