@@ -48,3 +48,28 @@ def test_vllm_gets_one_configuration_for_every_workload():
     assert (one["max_num_seqs"], one["max_model_len"]) == (many["max_num_seqs"], many["max_model_len"])
     assert (one["max_num_seqs"], one["max_model_len"]) == (VLLM_MAX_NUM_SEQS, VLLM_MAX_MODEL_LEN)
     assert peer_workload(PEERS["vllm"], "/m", [[1] * 4000], 8, True, 2)["max_model_len"] == 4024
+
+
+def test_hf_directory_from_the_embedded_gguf_holds_its_weights_and_chat_template(tmp_path):
+    """The directory vLLM loads: a Llama config, the GGUF's embedding rows exactly (float32 keeps Q4_1/Q8_0
+    values exact), and the tokenizer with the GGUF's chat template."""
+    import json
+
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors import safe_open
+
+    from engine.config import default_model_path
+    from loadtests.peers.make_hf_from_gguf import main
+
+    gguf_path = default_model_path()
+    assert main([str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    t = next(t for t in GGUFReader(gguf_path).tensors if t.name == "token_embd.weight")
+    expected = dequantize(t.data, t.tensor_type).reshape(config["vocab_size"], config["hidden_size"])
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "np") as f:
+        got = f.get_tensor("model.embed_tokens.weight")
+    assert np.array_equal(got, expected)
+    assert "<|im_start|>" in (tmp_path / "hf" / "chat_template.jinja").read_text()
