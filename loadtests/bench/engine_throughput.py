@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -266,7 +267,8 @@ def _peer_rows(table, peer_name: str, p: dict) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """Run the benchmark and print a table with ratios to the HF baseline."""
+    """Run the benchmark and print a table with ratios to the HF baseline; exit status 1 when ``--peer`` was
+    asked for and gave no figure (skipped or failed: the table and stderr say why)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -325,6 +327,10 @@ def run_bench(args: argparse.Namespace) -> int:
     Console().print(table)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2, default=str))
+    if args.peer and "ratio" not in result[args.peer]:
+        # Asked for a comparison and got none: say so and fail, so no script takes the run for a comparison.
+        print(f"--peer {args.peer} gave no figure: {next(iter(result[args.peer].values()))[:500]}", file=sys.stderr)
+        return 1
     return 0
 
 

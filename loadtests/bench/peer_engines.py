@@ -21,6 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PEER_DIR = ROOT / "loadtests" / "peers"
 DEFAULT_VLLM_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded GGUF's source, from vLLM's HF cache
+# One vLLM configuration for every workload (and for `serve_compare.py`'s `vllm serve`): vLLM's torch.compile
+# cache is keyed by it, and compiling takes minutes on a small CPU box (5.5 min at load 6 on 2 cores).
+VLLM_MAX_NUM_SEQS = 64
+VLLM_MAX_MODEL_LEN = 2048
 
 
 @dataclass(frozen=True)
@@ -70,8 +74,8 @@ def peer_workload(peer: Peer, model: str, prompts: list[list[int]], output_len: 
     n_ctx = max(map(len, prompts)) + output_len + 16
     if peer.name == "vllm":
         return {"model": model, "prompts": prompts, "output_len": output_len, "ignore_eos": ignore_eos,
-                "dtype": "bfloat16", "max_num_seqs": max(len(prompts), 1), "max_model_len": n_ctx,
-                "kv_cache_gib": 1}
+                "dtype": "bfloat16", "max_num_seqs": max(len(prompts), VLLM_MAX_NUM_SEQS),
+                "max_model_len": max(n_ctx, VLLM_MAX_MODEL_LEN), "kv_cache_gib": 1}
     return {"model": model, "prompts": prompts, "output_len": output_len, "n_threads": threads, "n_ctx": n_ctx}
 
 

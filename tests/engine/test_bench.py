@@ -102,10 +102,12 @@ def test_bench_engine_on_a_tiny_model(tmp_path, capsys):
     args = _args("--model", model, "--num-prompts", "3", "--input-len", "8", "--output-len", "5", "--ignore-eos",
                  "--no-baseline", "--kv-cache-memory", "8MiB", "--output-json", str(out), "--peer", "vllm",
                  "--peer-python", str(tmp_path / "missing"))
-    assert run_bench(args) == 0
+    assert run_bench(args) == 1  # a comparison was asked for and none was made
     result = json.loads(out.read_text())
     assert result["tandem"]["output_tokens"] == 15 and "skipped" in result["vllm"]
-    assert "ratio_vs_vllm" not in result and "no vLLM interpreter" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "ratio_vs_vllm" not in result and "no vLLM interpreter" in printed.out
+    assert "--peer vllm gave no figure: no vLLM interpreter at" in printed.err
 
 
 def test_bench_engine_llamacpp_peer_runs_its_script_and_reports_it_skipped(tmp_path, capsys):
@@ -115,10 +117,10 @@ def test_bench_engine_llamacpp_peer_runs_its_script_and_reports_it_skipped(tmp_p
     base = ["--model", model, "--num-prompts", "1", "--input-len", "8", "--output-len", "5", "--ignore-eos",
             "--no-baseline", "--kv-cache-memory", "8MiB", "--peer", "llamacpp", "--peer-rounds", "2"]
     out = tmp_path / "r.json"
-    assert run_bench(_args(*base, "--output-json", str(out), "--peer-python", sys.executable)) == 0
+    assert run_bench(_args(*base, "--output-json", str(out), "--peer-python", sys.executable)) == 1
     assert "--peer-model" in json.loads(out.read_text())["llamacpp"]["skipped"]
     assert run_bench(_args(*base, "--output-json", str(out), "--peer-python", sys.executable,
-                           "--peer-model", str(tmp_path / "m.gguf"))) == 0
+                           "--peer-model", str(tmp_path / "m.gguf"))) == 1
     result = json.loads(out.read_text())
     assert "llama_cpp is not importable" in result["llamacpp"]["skipped"] and "ratio_vs_llamacpp" not in result
     assert "llama_cpp is not importable" in capsys.readouterr().out
