@@ -69,6 +69,8 @@ async def _json_body(request: Request) -> dict:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise ServingError(400, f"malformed JSON body: {exc}", param=None, code="invalid_json") from None
+    except RecursionError:       # msgspec's own nesting limit (about 1,000 levels here)
+        raise ServingError(400, "the request body nests arrays and objects too deep", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ServingError(400, "the request body must be a JSON object", code="invalid_json")
     return body

@@ -142,8 +142,7 @@ def _check_node(node: object, path: str, depth: int) -> None:
         if key in UNSUPPORTED:
             if key == "uniqueItems" and value is False:
                 continue  # the default: constrains nothing
-            raise ValueError(f"{path}: unsupported schema feature '{key}' ({UNSUPPORTED[key]}; "
-                             "a grammar cannot enforce it)")
+            raise ValueError(f"{path}: unsupported schema feature '{key}' ({UNSUPPORTED[key]})")
         kw = SUPPORTED.get(key)
         if kw is None:
             raise ValueError(f"{path}: unsupported schema feature '{key}' (not a keyword of the supported subset)")

@@ -20,6 +20,7 @@ from gateway.errors import ClientError
 from gateway.http.transport import read_body
 from gateway.request.auth import check_admin
 from gateway.request.pipeline import build_request, decide_route
+from gateway.request.validate import parse_json
 
 _JSON = "application/json"
 
@@ -43,12 +44,7 @@ def _conflict(e: VersionConflict) -> ClientError:
 
 async def _body(request: Request) -> dict:
     raw = await read_body(request, 1 << 20)
-    try:
-        body = msgspec.json.decode(raw) if raw else {}
-    except msgspec.DecodeError:
-        body = None
-    if not isinstance(body, dict):
-        raise ClientError(400, "expected a JSON object", param="body")
+    body = parse_json(raw) if raw else {}      # 400 for malformed or too deeply nested JSON, or not an object
     base = body.get("base_version")
     if base is not None and (isinstance(base, bool) or not isinstance(base, int)):
         raise ClientError(400, "base_version must be an integer (the config version the change is built on)",
@@ -140,11 +136,8 @@ async def admin_explain(request: Request) -> Response:
     gw = _gw(request)
     snap = gw.snapshot
     raw = await read_body(request, snap.max_body_size)
-    try:
-        spec = msgspec.json.decode(raw) if raw else None
-    except msgspec.DecodeError:
-        spec = None
-    if not isinstance(spec, dict) or not isinstance(spec.get("request"), dict):
+    spec = parse_json(raw)
+    if not isinstance(spec.get("request"), dict):
         raise ClientError(400, 'expected {"request": {...}, "headers": {...}, "tenant": "..."}', param="request")
     headers = {str(k).lower(): str(v) for k, v in (spec.get("headers") or {}).items()}
     body = spec["request"]

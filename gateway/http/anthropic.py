@@ -70,4 +70,4 @@ async def count_tokens(request: Request) -> Response:
     if snap.local is not None and snap.local.available:
         rendered = snap.local.render("chat/completions", req.body)
     n = rendered.prompt_tokens if rendered is not None else estimate_prompt_tokens(req.body)
-    return Response(msgspec.json.encode({"input_tokens": n}), media_type=_JSON)
+    return Response(msgspec.json.encode({"input_tokens": n}), status_code=200, media_type=_JSON)

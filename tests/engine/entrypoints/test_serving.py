@@ -161,6 +161,14 @@ def test_models_health_and_plain_chat(server):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 6
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+def test_a_body_nested_past_the_decoders_limit_is_a_400(server, path):
+    """msgspec raises RecursionError past ~1,000 levels: a client's 400, never a 500 with a traceback."""
+    raw = '{"model": "x", "messages": ' + "[" * 3000 + "]" * 3000 + "}"
+    r = httpx.post(server.base_url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json" and "deep" in r.text
+
+
 def test_stop_string_is_never_streamed(server):
     free = complete(server, prompt=ALPHABET_PROMPT, max_tokens=12, temperature=0).choices[0].text
     assert "DEFGHIJ" in free, free  # precondition: the model continues the alphabet

@@ -189,6 +189,9 @@ async def test_count_tokens_and_image_blocks(up):
         n = await client.messages.count_tokens(model="m1", system="sys",
                                                messages=[{"role": "user", "content": "hello there"}])
         assert n.input_tokens == (3 + 11 + 3) // 4 + 4 * 2     # the estimate: no local engine
+        raw = await client.messages.with_raw_response.count_tokens(
+            model="m1", messages=[{"role": "user", "content": "hi"}])
+        assert raw.status_code == 200                           # as Anthropic's (Litestar's POST default is 201)
         assert up.calls == 0                                    # counting calls no model
         await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
