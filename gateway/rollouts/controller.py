@@ -32,7 +32,7 @@ from gateway.config.versions import VersionConflict
 from gateway.rollouts.gates import all_hold, failing, judge
 from gateway.rollouts.parity import report
 from gateway.rollouts.spec import baseline_of, name_problem, rollout_problems
-from gateway.rollouts.store import Conflict, RolloutStore
+from gateway.rollouts.store import LIVE, Conflict, RolloutStore
 
 log = logging.getLogger("tandem.rollouts")
 
@@ -41,7 +41,6 @@ ACTIONS = {"pause": (("running",), "paused"),
            "resume": (("paused", "rolled_back"), "running"),
            "promote": (("running", "paused", "rolled_back"), "promoted"),
            "abort": (("running", "paused", "rolled_back"), "aborted")}
-LIVE = ("running", "paused")       # states whose pairs are compared (a running one's weight is kept applied)
 
 
 class IllegalAction(Exception):
@@ -77,6 +76,7 @@ class RolloutController:
         self.holder = uuid.uuid4().hex         # this replica's lease identity
         self.active: dict[str, list[dict]] = {}   # route -> running/paused rollouts (the shadow runner reads it)
         self._task: asyncio.Task | None = None
+        self._indexed = False                   # the live set checked against every rollout (first tick)
 
     # ----- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -111,21 +111,27 @@ class RolloutController:
 
     # ----- the tick --------------------------------------------------------------------------------------------
     async def tick(self, now: float | None = None) -> None:
-        """Refresh ``active``; as lease holder, create the config's new rollouts and judge the running ones."""
+        """Refresh ``active``; as lease holder, create the config's new rollouts and judge the running ones.
+
+        Reads only the live (running, paused) rollouts: finished ones cost nothing per tick."""
         now = time.time() if now is None else now
-        names = set(await self.store.names())
-        if not names and not self.gw.snapshot.compiled.config.rollouts:
+        if not self._indexed:
+            await self.store.index_live()
+            self._indexed = True
+        names = set(await self.store.live_names())
+        configured = self.gw.snapshot.compiled.config.rollouts
+        if not names and not configured:
             self.active = {}
             return                       # nothing to run: no lease taken, one read per tick
         lead = await self.store.lease(self.holder, max(3 * self._interval(), 2.0))
-        if lead:
-            for name, spec in self.gw.snapshot.compiled.config.rollouts.items():
-                if name not in names:
+        if lead and configured:
+            known = set(await self.store.names())
+            for name, spec in configured.items():
+                if name not in known:
                     try:
-                        await self.create(name, spec, now)
+                        names.add((await self.create(name, spec, now))["name"])
                     except (Conflict, RouteBusy, ValueError) as e:
                         log.warning("rollout %s not started: %s", name, e)
-                    names.add(name)
         active: dict[str, list[dict]] = {}
         for name in sorted(names):
             r = await self.store.load(name)
@@ -240,7 +246,7 @@ class RolloutController:
         problems = rollout_problems("rollout", spec, routes)
         if problems:
             raise ValueError("; ".join(f"{p}: {m}" for p, m in problems))
-        for other in await self.store.names():
+        for other in await self.store.live_names():
             o = await self.store.load(other)
             if o is not None and other != name and o["route"] == spec.route and o["state"] in LIVE:
                 raise RouteBusy(f"route {spec.route!r} already has rollout {other!r} ({o['state']}): one rollout "

@@ -7,7 +7,9 @@ Keys (prefix ``tandem``, TTL ``KEY_TTL_S`` refreshed on every write):
 - ``<prefix>:rollout:<name>`` (JSON of the rollout, with its ``rev``) and ``<prefix>:rollout-rev:<name>``: a
   change names the revision it was built on and is refused when another replica wrote meanwhile (``save``'s
   compare-and-set, one Lua script);
-- ``<prefix>:rollouts`` (set): the rollout names;
+- ``<prefix>:rollouts`` (set): the rollout names; ``<prefix>:rollouts-live`` (set): those running or paused,
+  the only ones the controller loads each tick (a finished rollout stays readable until its key expires, and
+  its name is dropped from the set by the first read that finds the key gone);
 - ``<prefix>:rollout-lease``: the replica whose controller acts now (``SET NX PX``, renewed by its holder);
 - ``<prefix>:parity:<name>`` (list, newest first, ``MAX_RECORDS`` long): comparison records
   (``gateway/rollouts/parity.py``), ``<prefix>:parity-names`` (set) their names; ``<prefix>:parity-dropped:<name>``: shadow pairs dropped over concurrency.
@@ -20,7 +22,10 @@ import json
 KEY_TTL_S = 7 * 24 * 3600
 MAX_RECORDS = 2000
 
-# KEYS: state, rev, names set. ARGV: json, expected rev, name, ttl. Returns the new rev, or -(rev + 1) on conflict.
+LIVE = ("running", "paused")       # the states the controller acts on (and whose pairs are compared)
+
+# KEYS: state, rev, names set, live set. ARGV: json, expected rev, name, ttl, live (1/0).
+# Returns the new rev, or -(rev + 1) on conflict.
 _SAVE = """
 local rev = tonumber(redis.call('GET', KEYS[2]) or '0')
 if rev ~= tonumber(ARGV[2]) then return -rev - 1 end
@@ -31,6 +36,12 @@ redis.call('SET', KEYS[1], cjson.encode(d), 'EX', ARGV[4])
 redis.call('SET', KEYS[2], rev, 'EX', ARGV[4])
 redis.call('SADD', KEYS[3], ARGV[3])
 redis.call('EXPIRE', KEYS[3], ARGV[4])
+if ARGV[5] == '1' then
+  redis.call('SADD', KEYS[4], ARGV[3])
+  redis.call('EXPIRE', KEYS[4], ARGV[4])
+else
+  redis.call('SREM', KEYS[4], ARGV[3])
+end
 return rev
 """
 
@@ -87,11 +98,31 @@ class RolloutStore:
         out = await self.state.call(lambda r: r.smembers(self._k("rollouts")), lambda: set(self.mem["states"]))
         return sorted(out)
 
+    async def live_names(self) -> list[str]:
+        """Names of the running and paused rollouts."""
+        def local() -> set[str]:
+            return {n for n, raw in self.mem["states"].items() if json.loads(raw)["state"] in LIVE}
+
+        return sorted(await self.state.call(lambda r: r.smembers(self._k("rollouts-live")), local))
+
+    async def index_live(self) -> None:
+        """Put every running or paused rollout in the live set (once per controller start: rollouts saved
+        before the set existed, or whose set expired, are found again)."""
+        for name in await self.names():
+            r = await self.load(name)
+            if r is not None and r["state"] in LIVE:
+                await self.state.call(lambda c, n=name: c.sadd(self._k("rollouts-live"), n), lambda: 0)
+
     async def load(self, name: str) -> dict | None:
-        """The rollout's state dict (with ``rev``), or None."""
+        """The rollout's state dict (with ``rev``), or None (never created, or expired: then its name is
+        dropped from the sets)."""
         raw = await self.state.call(lambda r: r.get(self._k("rollout", name)),
                                     lambda: self.mem["states"].get(name))
-        return json.loads(raw) if raw else None
+        if raw:
+            return json.loads(raw)
+        await self.state.call(lambda r: r.srem(self._k("rollouts"), name), lambda: 0)
+        await self.state.call(lambda r: r.srem(self._k("rollouts-live"), name), lambda: 0)
+        return None
 
     async def save(self, name: str, data: dict, rev: int) -> int:
         """Write ``data`` as built on revision ``rev`` (0: a new rollout); returns the new revision.
@@ -106,8 +137,10 @@ class RolloutStore:
             self.mem["states"][name] = json.dumps({**data, "rev": rev + 1})
             return rev + 1
 
-        keys = [self._k("rollout", name), self._k("rollout-rev", name), self._k("rollouts")]
-        new = int(await self.state.run("rollout_save", _SAVE, keys, [json.dumps(data), rev, name, KEY_TTL_S], local))
+        keys = [self._k("rollout", name), self._k("rollout-rev", name), self._k("rollouts"), self._k("rollouts-live")]
+        live = "1" if data["state"] in LIVE else "0"
+        new = int(await self.state.run("rollout_save", _SAVE, keys, [json.dumps(data), rev, name, KEY_TTL_S, live],
+                                       local))
         if new < 0:
             raise Conflict(name, -new - 1)
         data["rev"] = new

@@ -143,12 +143,19 @@ async def test_operators_pause_resume_promote_abort_and_illegal_actions(redis_ur
             aborted = (await c.post("/admin/rollouts/r2/abort")).json()
             weights = {t.id: t.weight for t in gw.snapshot.compiled.policy.routes["main"].targets}
             unauth = await httpx.AsyncClient(base_url=url).get("/admin/rollouts")
+            store, loaded = gw.rollouts.store, []
+            real_load = store.load
+            store.load = lambda name: loaded.append(name) or real_load(name)
+            await gw.rollouts.tick()                                 # both finished: neither read per tick
+            store.load = real_load
+            listed = sorted(r["name"] for r in (await c.get("/admin/rollouts")).json()["rollouts"])
     assert promoted["state"] == "promoted" and promoted["weight"] == 100
     assert bad.status_code == 400 and "ghost" in bad.json()["error"]["message"]
     assert taken.status_code == 409
     assert r2.status_code == 201 and r2.json()["baseline"] == "cand" and r2.json()["weight"] == 50
     assert aborted["state"] == "aborted" and weights == {"stable": 0.0, "cand": 100.0}
     assert unauth.status_code == 401
+    assert loaded == [] and listed == ["r1", "r2"]        # finished rollouts: listed, never loaded by a tick
     # a paused rollout still steers its route: a second one is refused, naming it; names are one path segment
     assert busy.status_code == 409 and "'r1'" in busy.json()["error"]["message"]
     assert slashed.status_code == 400 and slashed.json()["error"]["param"] == "name"
