@@ -142,19 +142,14 @@ class TTFTCalibration:
         at = self._clock if at is None else at
         decay = 1.0 if self._at is None else math.exp(-max(at - self._at, 0.0) / CALIBRATION_TAU_S)
         self._at = at
-        line = self._line = [decay * v for v in self._line]
+        self._line = [decay * v for v in self._line]
         self._fit = [decay * v for v in self._fit]
         if prefill_tokens == 0:
-            r = float(decode_rows)
-            for i, v in enumerate((1.0, r, r * r, seconds, r * seconds)):
-                line[i] += v
+            _add_sample(self._line, 1.0, float(decode_rows), seconds)
             w = _PRIOR_WEIGHT if self.steps else 1e-3   # the first step replaces the guess along its own direction
-            a, b, c = line[0] + w, line[1], line[2] + w
-            y0, y1 = line[3] + w * self.fixed_s, line[4] + w * self.row_s
-            det = a * c - b * b
-            fixed, row = (c * y0 - b * y1) / det, (a * y1 - b * y0) / det
+            fixed, row, alone = _ridge_fit(self._line, w, self.fixed_s, self.row_s)
             if row < 0:           # costs are not negative: the best line with no per-row cost
-                fixed, row = y0 / a, 0.0
+                fixed, row = alone, 0.0
             self.fixed_s, self.row_s = max(fixed, 1e-4), row
         else:
             # A step with prefill pays its decode cost too; a fifth of the step is a floor on its prefill time so
@@ -162,20 +157,32 @@ class TTFTCalibration:
             # Its prefill time: c1 x tokens + c2 x quad, fitted (features scaled to like sizes) with a ridge
             # toward the current estimate; a negative cost falls back to the rate alone.
             y = max(seconds - self.fixed_s - self.row_s * decode_rows, 0.2 * seconds)
-            t, q, f = prefill_tokens / _T_UNIT, quad / _Q_UNIT, self._fit
-            for i, v in enumerate((t * t, t * q, q * q, t * y, q * y)):
-                f[i] += v
+            _add_sample(self._fit, prefill_tokens / _T_UNIT, quad / _Q_UNIT, y)
             w = _PRIOR_WEIGHT if self._fit_n else 1e-6
-            a, b, c = f[0] + w, f[1], f[2] + w
-            y0, y1 = f[3] + w * _T_UNIT / self.prefill_tok_s, f[4] + w * self.quad_s * _Q_UNIT
-            det = a * c - b * b
-            c1, c2 = (c * y0 - b * y1) / det, (a * y1 - b * y0) / det
+            c1, c2, alone = _ridge_fit(self._fit, w, _T_UNIT / self.prefill_tok_s, self.quad_s * _Q_UNIT)
             if c2 < 0 or c1 <= 0:
-                c1, c2 = y0 / a, 0.0
+                c1, c2 = alone, 0.0
             self.prefill_tok_s, self.quad_s = _T_UNIT / max(c1, 1e-9), c2 / _Q_UNIT
             self._fit_n += 1
         self.step_s = self.fixed_s + self.row_s
         self.steps += 1
+
+
+def _add_sample(sums: list[float], x0: float, x1: float, y: float) -> None:
+    """Fold one sample of ``y ~ c0 x0 + c1 x1`` into a two-feature least-squares fit's (weighted) sums
+    ``[x0^2, x0 x1, x1^2, x0 y, x1 y]``, in place."""
+    for i, v in enumerate((x0 * x0, x0 * x1, x1 * x1, x0 * y, x1 * y)):
+        sums[i] += v
+
+
+def _ridge_fit(sums: list[float], w: float, prior0: float, prior1: float) -> tuple[float, float, float]:
+    """(c0, c1) of the least-squares fit whose sums ``_add_sample`` keeps, with a ridge of weight ``w`` toward
+    (``prior0``, ``prior1``) (the 2x2 normal equations solved by Cramer's rule); and c0 of the same fit with c1
+    held at 0 (the caller's fallback when the pair is not a valid cost)."""
+    a, b, c = sums[0] + w, sums[1], sums[2] + w
+    y0, y1 = sums[3] + w * prior0, sums[4] + w * prior1
+    det = a * c - b * b
+    return (c * y0 - b * y1) / det, (a * y1 - b * y0) / det, y0 / a
 
 
 @dataclass
