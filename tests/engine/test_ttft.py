@@ -21,7 +21,7 @@ STEP_S, PREFILL_TOK_S = 0.040, 1000.0
 class ScriptedEngine:
     """A scheduler stepped on a simulated clock; its prefix cache mirrored as the front end mirrors it."""
 
-    def __init__(self, **kw):
+    def __init__(self, cost=None, **kw):
         args = dict(block_size=16, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048)
         args.update(kw)
         self.sched = Scheduler(**args)
@@ -33,7 +33,8 @@ class ScriptedEngine:
         self.first_token: dict[str, float] = {}
         self.last_token: dict[str, float] = {}
         self.tokens: dict[str, int] = {}
-        self.cost = lambda decode_rows, prefill: STEP_S + prefill / PREFILL_TOK_S   # a step's seconds
+        # a step's seconds: cost(decode rows, prefill tokens)
+        self.cost = cost or (lambda decode_rows, prefill: STEP_S + prefill / PREFILL_TOK_S)
         self.state = self.publish()
 
     def publish(self) -> TTFTState:
@@ -303,8 +304,7 @@ def test_a_nearly_idle_engine_after_a_busy_phase_is_predicted_at_its_own_batch_s
     request at a time. Each request's prediction is within 10 % of what the engine delivers: the old EWMA of
     decode steps kept an eight-row step's cost and charged it to one-row steps (predictions 40-60 % high)."""
     rng = random.Random(13)
-    eng = ScriptedEngine()
-    eng.cost = _row_cost
+    eng = ScriptedEngine(cost=_row_cost)
     for i in range(8):
         eng.add(f"busy{i}", tokens(rng, 100), max_tokens=60)
     eng.run()
@@ -321,8 +321,7 @@ def test_a_box_slowing_down_is_followed_within_seconds():
     """Other processes take the box's cores (every step twice as slow): after a few seconds of steps at the new
     speed (two ``CALIBRATION_TAU_S``), predictions are within 15 % of the TTFT delivered."""
     rng = random.Random(14)
-    eng = ScriptedEngine()
-    eng.cost = _row_cost
+    eng = ScriptedEngine(cost=_row_cost)
     for i in range(20):
         eng.add(f"quiet{i}", tokens(rng, 100), max_tokens=16)
         eng.run()
@@ -384,8 +383,7 @@ def test_tpot_is_predicted_at_the_batch_the_request_will_decode_in():
     """Decode rows cost: a request joining seven running ones decodes at an eight-row step's cost, one alone at
     a one-row step's; each predicted TPOT (after calibration) is within 10 % of the engine's."""
     rng = random.Random(15)
-    eng = ScriptedEngine()
-    eng.cost = _row_cost
+    eng = ScriptedEngine(cost=_row_cost)
     for i in range(30):   # calibrate at every batch size
         eng.add(f"warm{i}", tokens(rng, 60), max_tokens=rng.randint(4, 40))
         eng.step()
