@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable
 
 from engine.config import EngineArgs
+from engine.core.core_loop import start_engine_core
 from engine.core.core_messages import EngineStats  # noqa: F401 - re-exported: the engine's stats type
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -39,13 +40,8 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs) -> None:
-        from engine.worker.device import choose_omp_wait_policy
-
-        choose_omp_wait_policy()   # this process runs the model: its policy, before torch loads libgomp
-        from engine.core.engine_core import EngineCore  # torch: imported by whoever starts a core, not on import
-
         self.args = args
-        self.core = core = EngineCore(args)
+        self.core = core = start_engine_core(args)   # torch: imported by whoever starts a core, not on import
         self.tokenizer = core.tokenizer
         self.output_processor = OutputProcessor(core.tokenizer)
         self.model_config, self.device, self.dtype = core.model_config, core.device, core.dtype

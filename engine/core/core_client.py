@@ -22,7 +22,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from engine.core.core_loop import ready_message, run_core_loop, run_engine_core_process, take_all
+from engine.core.core_loop import (ready_message, run_core_loop, run_engine_core_process, start_engine_core,
+                                   take_all)
 from engine.core.core_messages import (Command, CompileGrammar, CoreFailed, CoreReady, CoreReply, CoreStep, EmbedPrompts,
                                   Shutdown, decode_reply, encode, params_to_wire, rebuild_error)
 from engine.worker.grammar_compiler import GrammarRefused
@@ -54,12 +55,7 @@ class ThreadCoreClient:
         Raises:
             whatever ``EngineCore(args)`` raises (FileNotFoundError, ValueError, MemoryError).
         """
-        from engine.worker.device import choose_omp_wait_policy
-
-        choose_omp_wait_policy()   # this process runs the model: its policy, if torch is not loaded yet
-        from engine.core.engine_core import EngineCore  # heavy import (torch)
-
-        self.core = EngineCore(self.args)
+        self.core = start_engine_core(self.args)
         self._thread = threading.Thread(target=self._run, args=(on_step, on_dead), name="tandem-engine",
                                         daemon=True)
         self._thread.start()

@@ -94,6 +94,23 @@ def ready_message(core) -> CoreReady:
                      system_fingerprint=core.system_fingerprint)
 
 
+def start_engine_core(args):
+    """An ``EngineCore`` for ``args`` (the model loaded) in this process, whose OpenMP wait policy is chosen
+    first (``choose_omp_wait_policy``: before torch loads libgomp, which importing the core does). What every
+    starter of a core calls: the core process's entry, ``ThreadCoreClient.start`` and ``LLMEngine``.
+
+    Raises:
+        ValueError: a bad ``TANDEM_CPU_WAIT_POLICY``; and whatever ``EngineCore(args)`` raises
+            (FileNotFoundError, ValueError, MemoryError).
+    """
+    from engine.worker.device import choose_omp_wait_policy
+
+    choose_omp_wait_policy()   # a no-op once torch is loaded
+    from engine.core.engine_core import EngineCore  # heavy import (torch)
+
+    return EngineCore(args)
+
+
 def run_engine_core_process(args, conn) -> None:
     """Entry point of the engine core process (multiprocessing "spawn").
 
@@ -110,11 +127,6 @@ def run_engine_core_process(args, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine.worker.device import choose_omp_wait_policy
-
-    choose_omp_wait_policy()   # this process's threading policy: before torch loads libgomp
-    from engine.core.engine_core import EngineCore  # torch: only in this process
-
     send_lock = threading.Lock()
 
     def emit(msg: Reply) -> None:
@@ -123,7 +135,7 @@ def run_engine_core_process(args, conn) -> None:
             conn.send_bytes(data)
 
     try:
-        core = EngineCore(args)
+        core = start_engine_core(args)   # torch: only in this process
     except BaseException as exc:  # noqa: BLE001 - reported to the front end
         emit(CoreFailed(type(exc).__name__, str(exc)))
         return

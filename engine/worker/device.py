@@ -38,8 +38,8 @@ def choose_omp_wait_policy(environ: dict | None = None, others_running: int | No
     ``TANDEM_CPU_WAIT_POLICY`` (auto | spin | passive) picks; an ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``
     the user set wins over all. The choice is written into ``environ`` (default ``os.environ``), where a
     process spawned later finds it. No effect once libgomp is loaded (torch imported), so whoever starts an
-    engine core calls it before importing torch: the core process's entry, ``ThreadCoreClient.start`` and
-    ``LLMEngine``; importing ``engine`` never does.
+    engine core calls it before importing torch (``engine.core.core_loop.start_engine_core``: the core process's
+    entry, ``ThreadCoreClient.start`` and ``LLMEngine``); importing ``engine`` never does.
 
     Args:
         environ: environment to read and write (tests).
