@@ -107,9 +107,11 @@ class EngineArgs:
             random weights of the shape in ``config.json``, for benchmarks).
         structured_outputs_workers: grammar compile threads, and as many spec-check processes (>= 2: a slow
             schema never holds up a quick one; ``engine/worker/grammar_compiler.py``).
-        structured_outputs_compile_timeout_s: longest grammar compile,
-            seconds; past it the request gets 408 and the spec is refused
-            from then on.
+        structured_outputs_compile_timeout_s: most CPU seconds one spec's
+            check + grammar compile may use; past it the request gets 408
+            and the spec is refused from then on. A request waits for a
+            compile within it at most max(60, 6x this) seconds of wall
+            time (a busy engine starves compiles), then gets 503.
         structured_outputs_max_bytes: largest structured-output spec (its
             canonical JSON text), bytes or "1MiB"; larger gets 400.
         structured_outputs_cache_memory: compiled grammars kept (LRU), bytes
@@ -246,7 +248,8 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--structured-outputs-workers", type=int, default=4,
                    help="grammar compile threads, and as many spec-check processes (>= 2: a slow schema never holds up a quick one)")
     g.add_argument("--structured-outputs-compile-timeout-s", type=float, default=10.0,
-                   help="longest grammar compile, seconds (past it: 408, and the spec is refused from then on)")
+                   help="most CPU seconds a spec's check + grammar compile may use (past it: 408, and the spec is refused "
+                        "from then on); a request waits at most max(60, 6x this) s of wall time for a compile, then 503")
     g.add_argument("--structured-outputs-max-bytes", default="1MiB",
                    help="largest structured-output spec (schema JSON text), bytes or e.g. 512KiB (larger: 400)")
     g.add_argument("--structured-outputs-cache-memory", default="256MiB",

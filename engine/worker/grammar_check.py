@@ -17,13 +17,16 @@ write, 12 s to read back).
 crosses the pipe as one copy, no Python work per node) to an idle worker
 (``python -m engine.worker.grammar_check``, in ``SCHED_IDLE`` as the compile
 threads are, else at a higher niceness: ``lower_priority``) and waits for
-its answer with the GIL released; a worker that does not answer in time is
-killed and the next check starts a new one.
+its answer with the GIL released. While it waits, the spec's ``CpuMeter``
+reads the worker's CPU time (``process_cpu_seconds``), so the compile pool
+can hold the spec to a CPU budget and kill a worker that overruns it; the
+next check starts a new one.
 
 Wire (``multiprocessing.connection`` framing over the worker's stdin and
-stdout): pickled ``(validate_ref, params)`` in, pickled ``(status, message)``
-out; status 0 (passed), 400 (``ValueError``: the spec's fault) or 500
-(anything else).
+stdout): the worker's ``b"ready"`` once its imports are done (its start-up
+is not counted against a spec), then pickled ``(validate_ref, params)`` in,
+pickled ``(status, message)`` out; status 0 (passed), 400 (``ValueError``:
+the spec's fault) or 500 (anything else).
 """
 
 from __future__ import annotations
@@ -43,10 +46,6 @@ from multiprocessing.connection import Connection
 import msgspec
 
 from engine.sampling_params import StructuredOutputsParams
-
-
-class CheckTimedOut(Exception):
-    """The check ran past its deadline; its worker was killed."""
 
 
 class CheckFailed(Exception):
@@ -78,6 +77,22 @@ class _Worker:
         os.close(child_out)
         self.send = Connection(to_child, readable=False)
         self.recv = Connection(from_child, writable=False)
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        """Block (GIL released) until the worker has imported what it needs.
+
+        Raises:
+            EOFError: it died first.
+        """
+        if not self.ready:
+            if self.recv.recv_bytes() != b"ready":
+                raise EOFError("the check worker did not start")
+            self.ready = True
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the worker has used (user + system)."""
+        return process_cpu_seconds(self.proc.pid)
 
     def kill(self) -> None:
         self.proc.kill()
@@ -106,24 +121,30 @@ class CheckWorkers:
         self._lock = threading.Lock()
         self._closed = False
 
-    def check(self, params: StructuredOutputsParams, deadline: float) -> None:
+    def check(self, params: StructuredOutputsParams, meter: CpuMeter | None = None) -> None:
         """Run the check of ``params`` (``as_text`` it first) in a worker.
 
         Args:
-            deadline: ``time.monotonic()`` by which the answer must come.
+            meter: the spec's CPU meter; while the check runs it reads the
+                worker's CPU seconds, and its ``cancel`` kills the worker
+                (the check then raises ``CheckFailed``).
 
         Raises:
             ValueError: the spec's fault (the check's message).
-            CheckTimedOut: no answer by ``deadline`` (the worker was killed).
-            CheckFailed: the check crashed or its worker died.
+            CheckFailed: the check crashed, its worker died or was killed.
         """
         worker = self._take()
         try:
-            worker.send.send_bytes(pickle.dumps((self._ref, params), protocol=pickle.HIGHEST_PROTOCOL))
-            if not worker.recv.poll(max(0.0, deadline - time.monotonic())):
-                self._drop(worker)
-                raise CheckTimedOut()
-            status, message = pickle.loads(worker.recv.recv_bytes())
+            worker.wait_ready()
+            if meter is not None:
+                start = worker.cpu_seconds()
+                meter.begin(lambda: worker.cpu_seconds() - start, worker.proc.kill)
+            try:
+                worker.send.send_bytes(pickle.dumps((self._ref, params), protocol=pickle.HIGHEST_PROTOCOL))
+                status, message = pickle.loads(worker.recv.recv_bytes())
+            finally:
+                if meter is not None:
+                    meter.end()
         except (OSError, EOFError) as exc:
             self._drop(worker)
             raise CheckFailed(f"the spec's check worker died: {type(exc).__name__}") from None
@@ -171,6 +192,79 @@ class CheckWorkers:
         worker.kill()
 
 
+class CpuMeter:
+    """CPU seconds one spec's check and compile have used so far: the phases
+    that ended plus the running one's clock. Thread safe: the compiling thread
+    begins and ends phases, the compile pool's watcher reads ``used`` and may
+    ``cancel`` the running phase."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spent = 0.0
+        self._clock: Callable[[], float] | None = None
+        self._cancel: Callable[[], None] | None = None
+        self.cancelled = False
+
+    def begin(self, clock: Callable[[], float], cancel: Callable[[], None] | None = None) -> None:
+        """A phase starts: ``clock()`` is its CPU seconds since it started;
+        ``cancel()`` stops it (None: it cannot be stopped)."""
+        with self._lock:
+            self._clock, self._cancel = clock, cancel
+            if self.cancelled and cancel is not None:
+                cancel()
+
+    def end(self) -> None:
+        """The running phase ended: its seconds join the spent ones."""
+        with self._lock:
+            if self._clock is not None:
+                self._spent += _read(self._clock)
+            self._clock = self._cancel = None
+
+    def used(self) -> float:
+        """CPU seconds used in all, the running phase included."""
+        with self._lock:
+            return self._spent + (_read(self._clock) if self._clock is not None else 0.0)
+
+    def cancel(self) -> None:
+        """Stop the running phase where it can be stopped, and any later one that can."""
+        with self._lock:
+            self.cancelled = True
+            if self._cancel is not None:
+                self._cancel()
+
+
+def _read(clock: Callable[[], float]) -> float:
+    try:
+        return clock()
+    except OSError:  # the process or thread is gone: its last seconds are not known
+        return 0.0
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux ``/proc/<pid>/stat``,
+    fields 14-15 in clock ticks; proc(5)).
+
+    Raises:
+        OSError: no such process, or no ``/proc``.
+    """
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)": comm may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_clock() -> Callable[[], float]:
+    """A clock of the calling thread's CPU seconds since now (Linux: its
+    ``pthread_getcpuclockid`` clock, readable from any thread; elsewhere
+    wall seconds, an upper bound)."""
+    try:
+        clock_id = time.pthread_getcpuclockid(threading.get_ident())
+        start = time.clock_gettime(clock_id)
+        return lambda: time.clock_gettime(clock_id) - start
+    except (AttributeError, OSError):
+        start = time.monotonic()
+        return lambda: time.monotonic() - start
+
+
 def _resolve(ref: str) -> Callable:
     module, _, name = ref.partition(":")
     fn = importlib.import_module(module)
@@ -205,6 +299,7 @@ def main() -> None:
     inbox = Connection(os.dup(0), writable=False)
     outbox = Connection(os.dup(1), readable=False)
     os.dup2(2, 1)  # a stray print goes to stderr, never into the answers
+    outbox.send_bytes(b"ready")
     while True:
         try:
             ref, params = pickle.loads(inbox.recv_bytes())

@@ -14,15 +14,22 @@ A spec (``StructuredOutputsParams``) goes through ``GrammarCompilePool.submit``:
 3. Otherwise a pool thread has the spec checked (``validate_fn``: JSON
    parse and the supported subset, pure Python) in a worker PROCESS
    (``engine/worker/grammar_check.py``: the GIL of the core is never held for it),
-   then compiles it (xgrammar, which releases the GIL). A timer answers 408
-   when check and compile run longer than ``timeout_s`` and records the
-   refusal; a check worker past the deadline is killed (and replaced on the
-   next check); a compile cannot be interrupted (xgrammar has no
-   cancellation), so its result is dropped when it ends. Several threads
+   then compiles it (xgrammar, which releases the GIL). Several threads
    and check workers: a slow schema never holds up a quick one. Threads and
    workers run in ``SCHED_IDLE`` (Linux; else at ``WORKER_NICE`` more
    niceness): a long compile takes the cores the engine step leaves, not the
    step's.
+4. A watcher thread holds each spec to a budget of CPU seconds
+   (``timeout_s``), counted by ``CpuMeter`` over the check worker's and the
+   compile thread's CPU clocks: past it, 408, and the refusal is remembered
+   (a spec's cost, not the host's load, decides: wall time would refuse a
+   good schema forever whenever a busy engine starved its idle-class
+   compile; seen in CI). A check worker past it is killed (and replaced on
+   the next check); a compile cannot be interrupted (xgrammar has no
+   cancellation), so its result is dropped when it ends. A request that has
+   waited ``wait_s`` (wall) for a compile still within its budget gets 503,
+   not remembered: the compile goes on, and the request sent again finds it
+   compiling or compiled.
 
 ``GrammarCache`` is the only place compiled grammars are kept (xgrammar's
 own compiler cache is disabled by the manager): an LRU bounded in entries
@@ -53,13 +60,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from engine.worker.grammar_check import CheckFailed, CheckTimedOut, CheckWorkers, as_text, lower_priority
+from engine.worker.grammar_check import CheckFailed, CheckWorkers, CpuMeter, as_text, lower_priority, thread_cpu_clock
 from engine.sampling_params import StructuredOutputsParams
 
 HANDOFF_S = 60.0  # a compiled grammar waits this long, seconds, for its request
 HANDOFF_ENTRIES = 64
 COMPILE_TIMES_KEPT = 1024  # compile wall times kept for benchmarks
 WORKER_NICE = 10  # added to the compile threads' niceness (Linux: per thread)
+WATCH_S = 0.05  # how often the watcher reads the CPU meters of specs in flight, seconds
 
 
 @dataclass(frozen=True)
@@ -69,11 +77,14 @@ class GrammarLimits:
     Attributes:
         workers: compile threads, and at most as many check processes (> 1:
             a slow schema does not hold up others).
-        timeout_s: longest check + compile, seconds; past it the request gets 408.
+        timeout_s: most CPU seconds one spec's check + compile may use; past
+            it its requests get 408 and the spec is refused from then on.
         max_bytes: largest spec (its canonical JSON text), bytes; over: 400.
         cache_bytes: compiled grammars kept, bytes (LRU).
         cache_entries: compiled grammars kept, entries (LRU).
         refusal_entries: refused digests remembered (LRU).
+        wait_s: longest wall time a request waits for a compile within its
+            CPU budget (starved by a busy engine); past it, 503.
     """
 
     workers: int = 4
@@ -82,12 +93,16 @@ class GrammarLimits:
     cache_bytes: int = 256 << 20
     cache_entries: int = 256
     refusal_entries: int = 4096
+    wait_s: float = 60.0
 
 
 def grammar_limits(args) -> GrammarLimits:
-    """The ``GrammarLimits`` of an ``EngineArgs`` (its ``structured_outputs_*`` fields)."""
+    """The ``GrammarLimits`` of an ``EngineArgs`` (its ``structured_outputs_*``
+    fields); a request waits for a compile at most 6x its CPU budget, and at
+    least 60 s, of wall time."""
     return GrammarLimits(workers=args.structured_outputs_workers,
                          timeout_s=args.structured_outputs_compile_timeout_s,
+                         wait_s=max(60.0, 6 * args.structured_outputs_compile_timeout_s),
                          max_bytes=args.structured_outputs_max_bytes,
                          cache_bytes=args.structured_outputs_cache_memory,
                          cache_entries=args.structured_outputs_cache_entries)
@@ -95,7 +110,8 @@ def grammar_limits(args) -> GrammarLimits:
 
 class GrammarRefused(ValueError):
     """A spec the pool will not compile; ``status`` 400 (invalid, unsupported,
-    too large) or 408 (the compile timed out)."""
+    too large), 408 (the compile ran out of CPU budget) or 503 (the request
+    waited too long for a compile starved by a busy engine; not remembered)."""
 
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
@@ -147,8 +163,11 @@ class GrammarCache:
 
 @dataclass
 class _InFlight:
-    waiters: list[Callable[[str, GrammarRefused | None], None]] = field(default_factory=list)
-    started: float = 0.0
+    """One spec being checked and compiled; each waiter with the
+    ``time.monotonic()`` past which it is answered 503."""
+
+    waiters: list[tuple[Callable[[str, GrammarRefused | None], None], float]] = field(default_factory=list)
+    meter: CpuMeter = field(default_factory=CpuMeter)
     done: bool = False
 
 
@@ -179,6 +198,9 @@ class GrammarCompilePool:
         self._in_flight: dict[str, _InFlight] = {}
         self._handoff: OrderedDict[str, tuple[object, float]] = OrderedDict()  # digest -> (grammar, deadline)
         self._lock = threading.Lock()
+        self._watch = threading.Condition(self._lock)  # notified when a flight starts or the pool shuts down
+        self._watcher: threading.Thread | None = None
+        self._closed = False
         self._executor = ThreadPoolExecutor(limits.workers, thread_name_prefix="tandem-grammar",
                                             initializer=_lower_priority)
         # the latest compiles' wall times (a benchmark reads them); bounded, as a serving engine compiles forever
@@ -187,7 +209,7 @@ class GrammarCompilePool:
     def submit(self, params: StructuredOutputsParams, done: Done) -> None:
         """Validate ``params`` here, compile it in a pool worker; ``done(digest, None)``
         once its grammar is in the cache, ``done(digest or '', GrammarRefused)`` when
-        refused or timed out. ``done`` runs in this, a worker or a timer thread and
+        refused, timed out or waited too long. ``done`` runs in this, a worker or the watcher thread and
         must be quick.
 
         Call it from a worker thread, never an event loop: the size check, the
@@ -206,9 +228,10 @@ class GrammarCompilePool:
             flight = self._in_flight.get(digest)
             owner = refused is None and flight is None and self.cache.get(digest) is None
             if owner:
-                flight = self._in_flight[digest] = _InFlight(started=time.monotonic())
+                flight = self._in_flight[digest] = _InFlight()
+                self._start_watcher()
             if flight is not None:
-                flight.waiters.append(done)
+                flight.waiters.append((done, time.monotonic() + self.limits.wait_s))
         if not owner:
             if flight is None:
                 done(digest, refused)  # answered from a cache: a refusal, or None for a compiled grammar
@@ -266,34 +289,33 @@ class GrammarCompilePool:
 
     def shutdown(self) -> None:
         """Stop taking compiles; kill the check workers (a compile in progress ends in the background)."""
+        with self._lock:
+            self._closed = True
+            self._watch.notify_all()
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.checks is not None:
             self.checks.shutdown()
 
     # ------------------------------------------------------------------ worker
     def _compile_job(self, params: StructuredOutputsParams, digest: str, flight: _InFlight) -> None:
-        deadline = time.monotonic() + self.limits.timeout_s
-        timer = threading.Timer(self.limits.timeout_s, self._time_out, (digest,))
-        timer.daemon = True
-        timer.start()
         grammar, nbytes, error = None, 0, None
         try:
             params = as_text(params)  # one text for the check worker and for xgrammar
             if self.checks is not None:
-                self.checks.check(params, deadline)
-            grammar, nbytes = self._timed_compile(params)
-        except CheckTimedOut:
-            timer.cancel()
-            self._time_out(digest)
-            return
+                self.checks.check(params, flight.meter)
+            if flight.done:  # out of budget during the check: refused already
+                return
+            flight.meter.begin(thread_cpu_clock())
+            try:
+                grammar, nbytes = self._timed_compile(params)
+            finally:
+                flight.meter.end()
         except ValueError as exc:
             error = GrammarRefused(str(exc), getattr(exc, "status", 400))
         except CheckFailed as exc:
             error = GrammarRefused(str(exc), 500)
         except Exception as exc:  # noqa: BLE001 - a bug or MemoryError: answered, never left waiting
             error = GrammarRefused(f"{params.kind}: the grammar failed to compile: {type(exc).__name__}: {exc}", 500)
-        finally:
-            timer.cancel()
         self._finish(digest, flight, grammar, nbytes, error)
 
     def _finish(self, digest: str, flight: _InFlight, grammar, nbytes: int, error: GrammarRefused | None) -> None:
@@ -308,7 +330,7 @@ class GrammarCompilePool:
                 self._hand_off(digest, grammar)
             elif error.status != 500:  # an internal failure may pass: not remembered
                 self._remember(digest, error)
-        for waiter in flight.waiters:
+        for waiter, _ in flight.waiters:
             waiter(digest, error)
 
     def _timed_compile(self, params: StructuredOutputsParams):
@@ -317,17 +339,61 @@ class GrammarCompilePool:
         self.compile_seconds.append(time.perf_counter() - start)
         return out
 
-    def _time_out(self, digest: str) -> None:
-        error = GrammarRefused(f"compiling the grammar took longer than structured_outputs_compile_timeout_s "
-                               f"({self.limits.timeout_s:g} s); this spec is refused from now on", status=408)
+    # ----------------------------------------------------------------- watcher
+    def _start_watcher(self) -> None:
+        """Wake the watcher, starting it on the first compile (caller holds the lock)."""
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch_loop, name="tandem-grammar-watch", daemon=True)
+            self._watcher.start()
+        self._watch.notify()
+
+    def _watch_loop(self) -> None:
+        """Every ``WATCH_S`` while specs are in flight (asleep otherwise): refuse
+        a spec past its CPU budget (408), answer a waiter past its wait (503)."""
+        while True:
+            with self._lock:
+                while not self._in_flight and not self._closed:
+                    self._watch.wait()
+                if self._closed:
+                    return
+                flights = list(self._in_flight.items())
+            now = time.monotonic()
+            for digest, flight in flights:
+                used = flight.meter.used()
+                if used > self.limits.timeout_s:
+                    self._time_out(digest, flight, used)
+                else:
+                    self._answer_starved(digest, flight, now, used)
+            time.sleep(WATCH_S)
+
+    def _time_out(self, digest: str, flight: _InFlight, used: float) -> None:
+        error = GrammarRefused(f"compiling the grammar used {used:.1f} CPU seconds, more than "
+                               f"structured_outputs_compile_timeout_s ({self.limits.timeout_s:g} s); "
+                               f"this spec is refused from now on", status=408)
         with self._lock:
-            flight = self._in_flight.pop(digest, None)
-            if flight is None or flight.done:
+            if flight.done:
                 return
             flight.done = True
+            self._in_flight.pop(digest, None)
             self._remember(digest, error)
-        for waiter in flight.waiters:
+        flight.meter.cancel()  # a check worker is killed; a compile cannot be stopped, its grammar is dropped
+        for waiter, _ in flight.waiters:
             waiter(digest, error)
+
+    def _answer_starved(self, digest: str, flight: _InFlight, now: float, used: float) -> None:
+        with self._lock:
+            if flight.done:
+                return
+            late = [w for w, deadline in flight.waiters if deadline <= now]
+            flight.waiters = [(w, d) for w, d in flight.waiters if d > now]
+        if late:
+            error = GrammarRefused(
+                f"the grammar is still compiling after {self.limits.wait_s:g} s: the engine is busy (compiles run "
+                f"on the CPU time its step leaves) and it has used {used:.1f} of its "
+                f"structured_outputs_compile_timeout_s ({self.limits.timeout_s:g} CPU seconds); the compile goes "
+                f"on: send the request again", status=503)
+            for waiter in late:
+                waiter(digest, error)
 
     def _refuse(self, digest: str, error: GrammarRefused) -> GrammarRefused:
         with self._lock:

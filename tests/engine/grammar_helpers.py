@@ -73,8 +73,12 @@ def walk(so: StructuredOutputManager, tok: CharTokenizer, spec, rng: random.Rand
 
 def probe_check(params) -> None:
     """A spec check for the compile-pool tests (run in a check worker process): regex "pid" is refused
-    naming the process that checked it, "hang" never answers, anything else passes."""
+    naming the process that checked it, "spin" computes forever, "sleep" never answers and uses no CPU,
+    anything else passes."""
     if params.regex == "pid":
         raise ValueError(f"checked in process {os.getpid()}")
-    if params.regex == "hang":
+    if params.regex == "spin":
+        while True:
+            pass
+    if params.regex == "sleep":
         threading.Event().wait()
