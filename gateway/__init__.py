@@ -11,6 +11,7 @@ through the packages below; routing decisions live in ``policies/`` (pure).
   config/         YAML schema, compilation, versions
   state           Redis (or in-process) shared state with outage fallback
   runtime         the running gateway: config generations, backends, reload, drain
+  tasks           ending background loops (one cancel_task, which a dropped cancel does not stop)
   errors          OpenAI error JSON, ClientError, BackendError
   cli, commands   `tandem ...` dispatch; `tandem serve`, `route explain`, `ctl`
 """

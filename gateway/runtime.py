@@ -35,6 +35,7 @@ from gateway.rollouts.controller import RolloutController
 from gateway.rollouts.metrics import ParityCollector
 from gateway.rollouts.shadow import ShadowRunner
 from gateway.rollouts.store import RolloutStore
+from gateway.tasks import cancel_task
 from policies import Signals
 
 log = logging.getLogger("tandem.gateway")
@@ -165,12 +166,7 @@ class Gateway:
         await self.rollouts.stop()
         await self.shadows.stop()
         for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+            await cancel_task(t)
         self._tasks.clear()
         await self.resilience.stop()
         await self.replicas.stop()

@@ -31,6 +31,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, ResponseError
 
 from gateway.config.schema import StateSettings
+from gateway.tasks import cancel_task
 
 log = logging.getLogger("tandem.state")
 
@@ -163,12 +164,7 @@ class SharedState:
 
     async def close(self) -> None:
         """Stop the reconnect task and close the connection pool."""
-        if self._reconnect_task is not None:
-            self._reconnect_task.cancel()
-            try:
-                await self._reconnect_task
-            except BaseException:
-                pass
+        self._reconnect_task = await cancel_task(self._reconnect_task)
         if self.redis is not None:
             try:
                 await self.redis.aclose()

@@ -50,24 +50,37 @@ def test_vllm_gets_one_configuration_for_every_workload():
     assert peer_workload(PEERS["vllm"], "/m", [[1] * 4000], 8, True, 2)["max_model_len"] == 4024
 
 
-def test_hf_directory_from_the_embedded_gguf_holds_its_weights_and_chat_template(tmp_path):
-    """The directory vLLM loads: a Llama config, the GGUF's embedding rows exactly (float32 keeps Q4_1/Q8_0
-    values exact), and the tokenizer with the GGUF's chat template."""
+def test_hf_directory_from_the_default_gguf_holds_its_weights_and_chat_template(tmp_path, monkeypatch):
+    """The directory vLLM loads, from the GGUF ``main`` takes by default (the embedded model; here a tiny random
+    Llama written as Q4_1 like it, so the test takes seconds): a Llama config, the GGUF's embedding rows exactly
+    (float32 keeps Q4_1/Q8_0 values exact), and the tokenizer with the GGUF's chat template."""
     import json
 
+    import engine.config
     import numpy as np
-    from gguf import GGUFReader
+    import torch
+    import transformers
+    from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
     from safetensors import safe_open
 
-    from engine.config import default_model_path
     from loadtests.peers.make_hf_from_gguf import main
+    from tests.tiny_models import write_llama_gguf
 
-    gguf_path = default_model_path()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   rms_norm_eps=1e-5, tie_word_embeddings=True)
+    gguf_path = tmp_path / "tiny-q4_1.gguf"
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    write_llama_gguf(gguf_path, transformers.LlamaForCausalLM(cfg).eval(), qtype=GGMLQuantizationType.Q4_1,
+                     chat_template=template)
+    monkeypatch.setattr(engine.config, "default_model_path", lambda: str(gguf_path))
     assert main([str(tmp_path / "hf"), "--dtype", "float32"]) == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
     t = next(t for t in GGUFReader(gguf_path).tensors if t.name == "token_embd.weight")
+    assert t.tensor_type == GGMLQuantizationType.Q4_1
     expected = dequantize(t.data, t.tensor_type).reshape(config["vocab_size"], config["hidden_size"])
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "np") as f:
         got = f.get_tensor("model.embed_tokens.weight")

@@ -41,3 +41,74 @@ def save_byte_level_llama(path: Path, max_position_embeddings: int = 4096, print
             model.lm_head.weight[printable] *= 4.0
     model.save_pretrained(path)
     return str(path)
+
+
+def hf_permute(w, n_head: int):
+    """llama.cpp convert_hf_to_gguf.py's LlamaModel.permute (HF -> GGUF row order of q/k projections)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(path: Path, model, arch: str = "llama", qtype=None, chat_template: str | None = None) -> None:
+    """Write the transformers ``model`` (Llama or Qwen3, tied embeddings) as a GGUF file the way llama.cpp's
+    convert_hf_to_gguf.py does: q/k rows permuted for llama, every 2-D weight as ``qtype`` (a
+    ``gguf.GGMLQuantizationType``; default F16), 1-D ones F32, and a 96-token byte-level BPE vocabulary
+    (``<|endoftext|>``, ``<|im_start|>`` = BOS, ``<|im_end|>`` = EOS, 92 printable characters, one merge ``a b``),
+    named ``tiny``, with ``chat_template`` when given."""
+    import gguf
+    import numpy as np
+
+    qtype = gguf.GGMLQuantizationType.F16 if qtype is None else qtype
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    w.add_name("tiny")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    byte_chars = [chr(i) for i in range(ord("!"), ord("!") + 92)]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + byte_chars + ["ab"]
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(byte_chars) + 1))
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    for name, t in model.state_dict().items():
+        a = t.float().numpy()
+        if name == "lm_head.weight":
+            continue  # tied: llama.cpp writes no output.weight
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            _, _, idx, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{idx}.{names[module]}.{kind}"
+            if module == "self_attn.q_proj" and arch == "llama":
+                a = hf_permute(a, c.num_attention_heads)
+            elif module == "self_attn.k_proj" and arch == "llama":
+                a = hf_permute(a, c.num_key_value_heads)
+        if a.ndim == 2 and qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(gname, a.astype(np.float16))
+        elif a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gname, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client import CollectorRegistry, Counter
 
-from gateway.resilience.health import cancel_task
+from gateway.tasks import cancel_task
 from gateway.resilience.outcomes import UpstreamResponse
 from policies import ReplicaLoad
 

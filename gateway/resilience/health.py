@@ -23,6 +23,7 @@ from typing import Awaitable, Callable
 
 from gateway.config.schema import HealthSettings
 from gateway.state import SharedState, now_ms
+from gateway.tasks import cancel_task
 
 log = logging.getLogger("tandem.health")
 
@@ -235,12 +236,3 @@ class ActiveProber:
     async def stop(self) -> None:
         self._task = await cancel_task(self._task)
 
-
-async def cancel_task(task: asyncio.Task | None) -> None:
-    """Cancel a background loop and wait for it (whatever it raises); returns None for ``self._task = ...``."""
-    if task is not None:
-        task.cancel()
-        try:
-            await task
-        except BaseException:  # noqa: BLE001 -- CancelledError or the loop's own last error
-            pass

@@ -33,6 +33,7 @@ from gateway.rollouts.gates import all_hold, failing, judge
 from gateway.rollouts.parity import report
 from gateway.rollouts.spec import baseline_of, name_problem, rollout_problems
 from gateway.rollouts.store import LIVE, Conflict, RolloutStore
+from gateway.tasks import cancel_task
 
 log = logging.getLogger("tandem.rollouts")
 
@@ -83,18 +84,13 @@ class RolloutController:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        """Stop the loop and hand the lease back (another replica takes over at its next tick)."""
+        """Stop the loop, then hand the lease back (another replica takes over at its next tick; released first,
+        a tick still running could take it again)."""
+        self._task = await cancel_task(self._task)
         try:
             await self.store.release(self.holder)
         except Exception:  # noqa: BLE001 -- Redis down: the lease expires by itself
             pass
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except BaseException:  # noqa: BLE001 -- cancelled
-                pass
-            self._task = None
 
     def _interval(self) -> float:
         specs = self.gw.snapshot.compiled.config.rollouts.values()

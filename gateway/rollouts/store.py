@@ -24,15 +24,14 @@ MAX_RECORDS = 2000
 
 LIVE = ("running", "paused")       # the states the controller acts on (and whose pairs are compared)
 
-# KEYS: state, rev, names set, live set. ARGV: json, expected rev, name, ttl, live (1/0).
-# Returns the new rev, or -(rev + 1) on conflict.
+# KEYS: state, rev, names set, live set. ARGV: json (holding the new rev: expected + 1), expected rev, name, ttl,
+# live (1/0). Returns the new rev, or -(rev + 1) on conflict. The JSON is stored as Python wrote it (cjson would
+# re-encode its floats to 14 significant digits).
 _SAVE = """
 local rev = tonumber(redis.call('GET', KEYS[2]) or '0')
 if rev ~= tonumber(ARGV[2]) then return -rev - 1 end
 rev = rev + 1
-local d = cjson.decode(ARGV[1])
-d['rev'] = rev
-redis.call('SET', KEYS[1], cjson.encode(d), 'EX', ARGV[4])
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[4])
 redis.call('SET', KEYS[2], rev, 'EX', ARGV[4])
 redis.call('SADD', KEYS[3], ARGV[3])
 redis.call('EXPIRE', KEYS[3], ARGV[4])
@@ -129,18 +128,19 @@ class RolloutStore:
 
         Raises:
             Conflict: the stored revision is not ``rev``."""
+        raw = json.dumps({**data, "rev": rev + 1})
+
         def local() -> int:
             cur = self.mem["states"].get(name)
             have = json.loads(cur)["rev"] if cur else 0
             if have != rev:
                 return -have - 1
-            self.mem["states"][name] = json.dumps({**data, "rev": rev + 1})
+            self.mem["states"][name] = raw
             return rev + 1
 
         keys = [self._k("rollout", name), self._k("rollout-rev", name), self._k("rollouts"), self._k("rollouts-live")]
         live = "1" if data["state"] in LIVE else "0"
-        new = int(await self.state.run("rollout_save", _SAVE, keys, [json.dumps(data), rev, name, KEY_TTL_S, live],
-                                       local))
+        new = int(await self.state.run("rollout_save", _SAVE, keys, [raw, rev, name, KEY_TTL_S, live], local))
         if new < 0:
             raise Conflict(name, -new - 1)
         data["rev"] = new

@@ -18,20 +18,16 @@ from engine.worker.model_runner import ModelRunner
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from tests.tiny_models import hf_permute, write_llama_gguf
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 
-def _hf_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf.py's LlamaModel.permute (HF -> GGUF row order)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def test_unpermute_inverts_llama_cpp_permute():
     w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
-    assert np.array_equal(unpermute_qk(_hf_permute(w, 8), 8), w)
-    assert not np.array_equal(_hf_permute(w, 8), w)
+    assert np.array_equal(unpermute_qk(hf_permute(w, 8), 8), w)
+    assert not np.array_equal(hf_permute(w, 8), w)
 
 
 def _tiny_llama(num_kv_heads=2):
@@ -42,62 +38,6 @@ def _tiny_llama(num_kv_heads=2):
     return transformers.LlamaForCausalLM(cfg).float().eval()
 
 
-def _write_gguf(path, model, arch="llama", qtype=gguf.GGMLQuantizationType.F16):
-    """Write ``model`` the way convert_hf_to_gguf.py does (q/k permuted for llama; F16 or F32 2-D weights)."""
-    c = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    w.add_name("tiny")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    byte_chars = [chr(i) for i in range(ord("!"), ord("!") + 92)]
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + byte_chars + ["ab"]
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (len(byte_chars) + 1))
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
-    for name, t in model.state_dict().items():
-        a = t.float().numpy()
-        if name == "lm_head.weight":
-            continue  # tied: llama.cpp writes no output.weight
-        if name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        else:
-            _, _, idx, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{idx}.{names[module]}.{kind}"
-            if module == "self_attn.q_proj" and arch == "llama":
-                a = _hf_permute(a, c.num_attention_heads)
-            elif module == "self_attn.k_proj" and arch == "llama":
-                a = _hf_permute(a, c.num_key_value_heads)
-        if a.ndim == 2 and qtype == gguf.GGMLQuantizationType.F16:
-            w.add_tensor(gname, a.astype(np.float16))
-        elif a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gname, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gname, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 @pytest.mark.parametrize("qtype,quantization", [("F32", "none"), ("F16", "none"), ("Q8_0", "none"), ("Q4_0", "none"),
                                                 ("Q4_1", "none"), ("Q4_0", "gguf"), ("Q4_1", "gguf"), ("Q8_0", "gguf")])
 def test_gguf_matches_dequantized_source(tmp_path, qtype, quantization):
@@ -105,7 +45,7 @@ def test_gguf_matches_dequantized_source(tmp_path, qtype, quantization):
     qt = getattr(gguf.GGMLQuantizationType, qtype)
     model = _tiny_llama()
     path = tmp_path / "tiny.gguf"
-    _write_gguf(path, model, qtype=qt)
+    write_llama_gguf(path, model, qtype=qt)
     # The reference sees the same (de)quantized weights.
     with torch.no_grad():
         for p in model.parameters():
@@ -191,7 +131,7 @@ def test_qwen3_gguf(tmp_path):
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 norm.weight.normal_(1.0, 0.3)
     path = tmp_path / "qwen3.gguf"
-    _write_gguf(path, model, arch="qwen3", qtype=gguf.GGMLQuantizationType.F32)
+    write_llama_gguf(path, model, arch="qwen3", qtype=gguf.GGMLQuantizationType.F32)
     args = EngineArgs(model=str(path), dtype="float32", device="cpu", block_size=16)
     ours, _, config = load_model(args)
     assert (type(ours).__name__, config.head_dim) == ("Qwen3ForCausalLM", 32)

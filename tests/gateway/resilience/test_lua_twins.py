@@ -115,3 +115,36 @@ def test_budget_reservation_lua_and_python_twins_agree(redis_url, ops):
         return out
 
     run_twins(redis_url, scenario)
+
+
+@TWINS
+@given(st.lists(st.tuples(st.integers(0, 4_000_000), st.sampled_from(["r1", "r2"]),
+                          st.sampled_from(["running", "running", "paused", "promoted", "rolled_back", "aborted"]),
+                          st.sampled_from([0, 0, 0, -1, 1]), st.floats(0, 1)), min_size=1, max_size=25))
+def test_rollout_save_lua_and_python_twins_agree(redis_url, ops):
+    """The rollout store's compare-and-set save (``_SAVE``): revisions, conflicts, the names and live sets, and the
+    rollout read back exactly as written (times in microseconds, a gate's value at full float precision)."""
+    from gateway.config.schema import RolloutConfig
+    from gateway.rollouts.controller import _moved, new_rollout
+    from gateway.rollouts.store import Conflict, RolloutStore
+
+    spec = RolloutConfig(route="main", candidate="cand", steps=[5, 50, 100], hold_s=1)
+
+    async def scenario(state, t0):
+        store, now, out = RolloutStore(state), t0 / 1000, []
+        for dt, name, new_state, rev_off, value in ops:
+            now += dt / 1e6
+            cur = await store.load(name)
+            if cur is None:
+                data, rev = new_rollout(name, spec, "stable", now), 0
+            else:
+                data, rev = _moved(cur, now, new_state, 1, 50.0, "gates held"), cur["rev"]
+                data["final_gates"] = {"parity_min": {"limit": 0.99, "value": value, "ok": value >= 0.99}}
+            try:
+                out.append(await store.save(name, data, max(rev + rev_off, 0)))
+            except Conflict as e:
+                out.append(("conflict", e.rev))
+            out.append((await store.load(name), await store.names(), await store.live_names()))
+        return out
+
+    run_twins(redis_url, scenario)
