@@ -18,6 +18,7 @@ from engine.worker.model_runner import ModelRunner
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from tests.tiny_models import tiny_gguf_writer
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -45,27 +46,8 @@ def _tiny_llama(num_kv_heads=2):
 def _write_gguf(path, model, arch="llama", qtype=gguf.GGMLQuantizationType.F16):
     """Write ``model`` the way convert_hf_to_gguf.py does (q/k permuted for llama; F16 or F32 2-D weights)."""
     c = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    w.add_name("tiny")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w = tiny_gguf_writer(path, arch, c, ["ab"])
     w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    byte_chars = [chr(i) for i in range(ord("!"), ord("!") + 92)]
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + byte_chars + ["ab"]
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (len(byte_chars) + 1))
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
