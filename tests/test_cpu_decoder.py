@@ -187,7 +187,7 @@ def _gguf_model(config: ModelConfig, mode: str, seed: int = 0, release_dense: bo
     import numpy as np
 
     gguf = pytest.importorskip("gguf")
-    from engine.models.quant_linear import GGUFBlocks
+    from engine.layers.quant_linear import GGUFBlocks
 
     model = _model(config, seed)  # random norms and embeddings; projections replaced below
     fresh = LlamaForCausalLM(config, model.backend).to(torch.bfloat16)

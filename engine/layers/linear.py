@@ -4,8 +4,8 @@ mode changes; vLLM's ``LinearMethod`` idea) with the quantized copy it reads
 and the row counts it reads it for, rather than per call:
 
 * a GGUF Q4_0/Q4_1 projection kept in 4 bits (``quantization: gguf``):
-  ``engine.models.quant_linear.Int4Linear`` (the C 4-bit kernel in bfloat16);
-* a dense weight: on CPU through ``engine.models.packed_linear.PackedWeights``
+  ``engine.layers.quant_linear.Int4Linear`` (the C 4-bit kernel in bfloat16);
+* a dense weight: on CPU through ``engine.layers.packed_linear.PackedWeights``
   (the C kernel's bfloat16 panels, oneDNN's packed copy, or ``F.linear``, in
   row tiles in batch-invariant mode); on CUDA ``F.linear``, or the
   fixed-configuration Triton GEMM in batch-invariant mode;
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.packed_linear import PackedWeights, c_panels_for
-from engine.models.quant_linear import GGUFBlocks, Int4Linear, int4_packable, q8_codes_d
+from engine.layers.packed_linear import PackedWeights, c_panels_for
+from engine.layers.quant_linear import GGUFBlocks, Int4Linear, int4_packable, q8_codes_d
 from kernels import cpu_linear
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

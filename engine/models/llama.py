@@ -35,8 +35,8 @@ from engine.layers.attention import AttentionMetadata, sequence_spans, windowed_
 from engine.layers.linear import PROJECTIONS, head_method, linear_method, load_int4, pack_projections, q8_head_copy
 from engine.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.model_config import ModelConfig
-from engine.models.packed_linear import PackedWeights
-from engine.models.quant_linear import GGUFBlocks, Int4Linear
+from engine.layers.packed_linear import PackedWeights
+from engine.layers.quant_linear import GGUFBlocks, Int4Linear
 from engine.models.rope import RopeInputs, apply_rope, rope_inv_freq
 from engine.models.spec import ModelSpec, stack_features
 from kernels import cpu_decoder, cpu_linear, cpu_norm_act
