@@ -102,7 +102,7 @@ class EngineArgs:
         quantization: "none" (every weight dequantized to ``dtype``) or
             "gguf" (a GGUF's Q4_0/Q4_1 linear weights stay 4-bit and run
             through PyTorch's CPU int4 matmul; CPU only, see
-            ``engine/models/quant_linear.py``).
+            ``engine/layers/quant_linear.py``).
         load_format: "auto" (read the weights) or "dummy" (vLLM's name:
             random weights of the shape in ``config.json``, for benchmarks).
         structured_outputs_workers: grammar compile threads, and as many spec-check processes (>= 2: a slow

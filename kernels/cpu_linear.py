@@ -24,6 +24,7 @@ weights under ``quantization: gguf``.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -114,15 +115,21 @@ Q8_MAX_ROWS = 3  # LINEAR_Q4_DIRECT_ROWS of csrc/kernels.h: the 8-bit kernel tak
 COPY_MAX_ROWS = 2
 
 
-def copy_serves(rows: int, march: str | None = None) -> bool:
-    """Whether a call of ``rows`` rows reads a weight's quantized copy
+def copy_max_rows(march: str | None = None) -> float:
+    """The most rows a call may have to read a weight's quantized copy
     (:class:`PackedQ4Linear`, :class:`PackedQ8Linear`) rather than its
-    bfloat16 panels: up to :data:`COPY_MAX_ROWS` rows where the copy gives
-    the panels' bits (AVX512-BF16), every row count on the AVX2 body, whose
-    copies run integer dot products (``csrc/quant_int.h``: other bits, so a
-    row's bits would otherwise depend on the batch; QUANT_COPY_EVERY_ROW of
-    ``csrc/kernels.h``)."""
-    return rows <= COPY_MAX_ROWS or isa(march) == "avx2"
+    bfloat16 panels: :data:`COPY_MAX_ROWS` where the copy gives the panels'
+    bits (AVX512-BF16), every row count (``math.inf``) on the AVX2 body,
+    whose copies run integer dot products (``csrc/quant_int.h``: other bits,
+    so a row's bits would otherwise depend on the batch; QUANT_COPY_EVERY_ROW
+    of ``csrc/kernels.h``). The model's linear and head methods ask once,
+    when they are chosen (``engine.layers.linear``)."""
+    return math.inf if isa(march) == "avx2" else COPY_MAX_ROWS
+
+
+def copy_serves(rows: int, march: str | None = None) -> bool:
+    """Whether a call of ``rows`` rows reads a weight's quantized copy (:func:`copy_max_rows`)."""
+    return rows <= copy_max_rows(march)
 
 
 def pack_q8(codes: torch.Tensor, d: torch.Tensor) -> PackedQ8Linear:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.packed_linear import ROW_TILE, PackedWeights
+from engine.layers.packed_linear import ROW_TILE, PackedWeights
 from kernels import get_attention_backend
 
 BLOCK = 16

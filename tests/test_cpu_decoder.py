@@ -115,8 +115,8 @@ def test_a_row_does_not_depend_on_the_batch(linear_build):
     assert torch.equal(mixed[1], alone[0])
 
 
-def test_a_changed_weight_is_seen(linear_build):
-    """The C view of the weights is rebuilt when a weight changes in place."""
+def test_a_changed_norm_weight_is_seen(linear_build):
+    """The C stack reads the norms' weights where they are: one changed in place is seen at the next step."""
     config = _config(layers=2)
     model = _model(config)
     step = _step([(0, 12, [1])], config.vocab_size, seed=0)
@@ -187,7 +187,7 @@ def _gguf_model(config: ModelConfig, mode: str, seed: int = 0, release_dense: bo
     import numpy as np
 
     gguf = pytest.importorskip("gguf")
-    from engine.models.quant_linear import GGUFBlocks
+    from engine.layers.quant_linear import GGUFBlocks
 
     model = _model(config, seed)  # random norms and embeddings; projections replaced below
     fresh = LlamaForCausalLM(config, model.backend).to(torch.bfloat16)
@@ -251,21 +251,38 @@ def test_4bit_projections_give_the_bfloat16_bits(linear_build):
     assert all(torch.equal(rows[key], first_rows[0][key]) for rows in first_rows for key in runs)
 
 
-def test_a_4bit_copy_is_not_read_once_its_weight_changes(linear_build):
-    """With the dense weights kept, a projection changed in place after
-    loading makes the stack stop reading its 4-bit copy (the copy would be
-    stale): a one-row step then equals the per-operation path again."""
+def test_the_stack_and_the_copies_are_chosen_once(linear_build, monkeypatch):
+    """With the dense weights kept, the stack's view of the weights is built
+    once per set of caches, and each linear method asks once how many rows
+    read its 4-bit copy, not per step (issue #32): a projection changed in
+    place keeps the view until ``choose_kernels``, which stops reading its
+    copy (it would be stale): a one-row step then equals the per-operation
+    path again."""
     from kernels import cpu_linear
 
     if not cpu_linear.q4_available():
         pytest.skip("no 4-bit C kernel")
     config = _config(layers=2)
     model = _gguf_model(config, "copy", release_dense=False)
+    caches = _caches(config)
     step = _step([(0, 1, [1])], config.vocab_size, seed=2)
-    assert torch.equal(_forward(model, _caches(config), step, c_decoder=True),
+    assert torch.equal(_forward(model, caches, step, c_decoder=True),
                        _forward(model, _caches(config), step, c_decoder=False))
-    with torch.no_grad():
-        model.layers[1].o_proj.weight.mul_(1.5)
+    view = model._c_decoder
+
+    def asked(*args, **kwargs):
+        raise AssertionError("a copy's rows were asked for during a step")
+
+    with monkeypatch.context() as m:
+        for name in ("copy_serves", "copy_max_rows"):
+            m.setattr(cpu_linear, name, asked)
+        with torch.no_grad():
+            model.layers[1].o_proj.weight.mul_(1.5)
+        more = _step([(1, 5, [1])], config.vocab_size, seed=3)  # more rows than COPY_MAX_ROWS
+        _forward(model, caches, more, c_decoder=True)
+        _forward(model, _caches(config), more, c_decoder=False)
+    assert model._c_decoder is view
+    model.choose_kernels()
     changed = _forward(model, _caches(config), step, c_decoder=True)
-    assert model._c_decoder[2].layers[1].q4["o"] is None and model._c_decoder[2].layers[0].q4["o"] is not None
+    assert model._c_decoder.layers[1].q4["o"] is None and model._c_decoder.layers[0].q4["o"] is not None
     assert torch.equal(changed, _forward(model, _caches(config), step, c_decoder=False))

@@ -102,7 +102,7 @@ def test_refuses_what_it_cannot_run(linear_build):
 
 
 def test_the_model_packs_bfloat16_weights_for_it(linear_build):
-    from engine.models.packed_linear import PackedWeights
+    from engine.layers.packed_linear import PackedWeights
 
     weight, bias, x, residual = _case()
     pw = PackedWeights()

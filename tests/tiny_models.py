@@ -43,6 +43,45 @@ def save_byte_level_llama(path: Path, max_position_embeddings: int = 4096, print
     return str(path)
 
 
+# A tiny GGUF's tokenizer: three special tokens (BOS 1, EOS 2) and 92 printable characters, then the caller's
+GGUF_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(i) for i in range(ord("!"), ord("!") + 92)]
+
+
+def tiny_gguf_writer(path: Path, arch: str, config, extra_tokens: list[str]):
+    """A ``gguf.GGUFWriter`` for ``path`` holding what convert_hf_to_gguf.py
+    writes for a tiny transformers ``config`` of llama.cpp architecture
+    ``arch`` besides RoPE and the architecture's own keys: the name "tiny",
+    the shape (blocks, context, widths, heads, key length, RMSNorm epsilon,
+    vocabulary) and a GPT-2 tokenizer (pre-tokenizer "smollm") whose tokens
+    are :data:`GGUF_TOKENS` and ``extra_tokens`` (``config.vocab_size`` in
+    all), with the one merge "a b". The caller adds the rest and the tensors,
+    and writes the file."""
+    import gguf
+
+    c = config
+    tokens = GGUF_TOKENS + extra_tokens
+    assert len(tokens) == c.vocab_size, (len(tokens), c.vocab_size)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    return w
+
+
 def hf_permute(w, n_head: int):
     """llama.cpp convert_hf_to_gguf.py's LlamaModel.permute (HF -> GGUF row order of q/k projections)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -59,27 +98,8 @@ def write_llama_gguf(path: Path, model, arch: str = "llama", qtype=None, chat_te
 
     qtype = gguf.GGMLQuantizationType.F16 if qtype is None else qtype
     c = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    w.add_name("tiny")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w = tiny_gguf_writer(path, arch, c, ["ab"])
     w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    byte_chars = [chr(i) for i in range(ord("!"), ord("!") + 92)]
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + byte_chars + ["ab"]
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (len(byte_chars) + 1))
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

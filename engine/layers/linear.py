@@ -1,10 +1,11 @@
 """The linear methods of a decoder's projections and output head, each chosen
-once (at load, when the weights move, and when batch-invariant mode changes;
-vLLM's ``LinearMethod`` idea) rather than per call:
+once (at load, when the weights move or are packed, and when batch-invariant
+mode changes; vLLM's ``LinearMethod`` idea) with the quantized copy it reads
+and the row counts it reads it for, rather than per call:
 
 * a GGUF Q4_0/Q4_1 projection kept in 4 bits (``quantization: gguf``):
-  ``engine.models.quant_linear.Int4Linear`` (the C 4-bit kernel in bfloat16);
-* a dense weight: on CPU through ``engine.models.packed_linear.PackedWeights``
+  ``engine.layers.quant_linear.Int4Linear`` (the C 4-bit kernel in bfloat16);
+* a dense weight: on CPU through ``engine.layers.packed_linear.PackedWeights``
   (the C kernel's bfloat16 panels, oneDNN's packed copy, or ``F.linear``, in
   row tiles in batch-invariant mode); on CUDA ``F.linear``, or the
   fixed-configuration Triton GEMM in batch-invariant mode;
@@ -17,14 +18,15 @@ vLLM's ``LinearMethod`` idea) rather than per call:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.packed_linear import PackedWeights, c_panels_for
-from engine.models.quant_linear import GGUFBlocks, Int4Linear, int4_packable, q8_codes_d
+from engine.layers.packed_linear import PackedWeights, c_panels_for
+from engine.layers.quant_linear import GGUFBlocks, Int4Linear, int4_packable, q8_codes_d
 from kernels import cpu_linear
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -32,20 +34,23 @@ LinearMethod = Callable[..., torch.Tensor]  # (x [rows, in], residual [rows, out
 
 
 def linear_method(module: nn.Linear, name: str, packed: PackedWeights, int4: Int4Linear | None,
-                  copy_of: Callable[[], cpu_linear.PackedQ4Linear | None] | None = None) -> LinearMethod:
+                  copy: cpu_linear.PackedQ4Linear | None = None) -> LinearMethod:
     """The method of one projection: ``y = x @ W.T + bias (+ residual)``.
 
     Args:
         module: the projection (its weight and bias are read at each call:
-            they may be reloaded, changed in place or released once packed).
+            they may be reloaded or released once packed; the bfloat16 path
+            repacks a weight changed in place, ``PackedWeights.get``).
         name: its name in ``packed``.
         packed: the layer's packed copies (CPU) and batch-invariant settings.
         int4: its 4-bit form when the projection was kept in 4 bits, else None.
-        copy_of: its 4-bit copy when made from the weight as it is now, else
-            None; read per call. Where :func:`kernels.cpu_linear.copy_serves`
-            (as the C stack's ``project`` chooses: few rows on AVX512-BF16, the
+        copy: its 4-bit copy when made from the weight as it is now, else
+            None (chosen with the method: a weight changed in place after
+            that needs the kernels chosen again). It is read by calls of up to
+            :func:`kernels.cpu_linear.copy_max_rows` rows, asked once here (as
+            the C stack's ``project`` chooses: few rows on AVX512-BF16, the
             panels' bits; every row on the AVX2 body, integer dots with their
-            own bits, so a row's bits never depend on the batch) it is read.
+            own bits, so a row's bits never depend on the batch).
     """
     if int4 is not None:
         return lambda x, residual=None: int4(x, module.bias, residual)
@@ -54,12 +59,12 @@ def linear_method(module: nn.Linear, name: str, packed: PackedWeights, int4: Int
         return lambda x, residual=None: kernel(x.contiguous(), module.weight, module.bias, residual)
     if module.weight.device.type != "cpu":
         return lambda x, residual=None: _dense(x, module.weight, module.bias, residual)
-    if copy_of is None:
+    if copy is None:
         return lambda x, residual=None: packed.linear(name, x, module.weight, module.bias, residual)
+    max_rows = cpu_linear.copy_max_rows()
 
     def method(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        copy = copy_of()
-        if copy is not None and x.dtype == torch.bfloat16 and cpu_linear.copy_serves(x.reshape(-1, x.shape[-1]).shape[0]):
+        if x.dtype == torch.bfloat16 and math.prod(x.shape[:-1]) <= max_rows:
             return cpu_linear.linear(x, copy, module.bias, residual)
         return packed.linear(name, x, module.weight, module.bias, residual)
     return method
@@ -71,32 +76,30 @@ def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y if residual is None else residual + y
 
 
-def head_method(module: nn.Module, packed: PackedWeights,
-                q8_of: Callable[[], tuple[cpu_linear.PackedQ8Linear, torch.Tensor, int] | None]
+def head_method(module: nn.Module, packed: PackedWeights, q8: cpu_linear.PackedQ8Linear | None = None
                 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The output head's method: [rows, hidden] -> [rows, vocab] float32 logits.
 
     bfloat16 on a CPU with the C linear kernel: the unrounded float32 sums of
     its panels, or of the 8-bit copy of a Q8_0 head (about half the bytes)
-    where ``cpu_linear.copy_serves`` (few rows and the same bits on
-    AVX512-BF16; every call on the AVX2 body, its own bits) while the
-    head is the weight that copy was made from, unchanged; elsewhere the
-    dense method's model-dtype logits, cast.
+    for calls of up to ``cpu_linear.copy_max_rows`` rows (few rows and the
+    same bits on AVX512-BF16; every call on the AVX2 body, its own bits);
+    elsewhere the dense method's model-dtype logits, cast.
 
     Args:
         module: ``lm_head``, or the embedding when tied (its ``.weight`` is read per call).
         packed: the model's packed copies (under "lm_head").
-        q8_of: (8-bit copy, the weight it was made from, that weight's
-            version), or None; read per call (the copy can be dropped).
+        q8: the head's 8-bit copy when made from the weight as it is now,
+            else None (chosen with the method, as ``linear_method``'s copy).
     """
     if c_panels_for(module.weight):
-        def logits(hidden: torch.Tensor) -> torch.Tensor:
-            weight, q8 = module.weight, q8_of()
-            if q8 is not None and cpu_linear.copy_serves(hidden.shape[0]) and q8[1] is weight \
-                    and q8[2] == weight._version:
-                return cpu_linear.linear(hidden, q8[0], out_dtype=torch.float32)
-            return cpu_linear.linear(hidden, packed.get("lm_head", weight), out_dtype=torch.float32)
-        return logits
+        def panels(hidden: torch.Tensor) -> torch.Tensor:
+            return cpu_linear.linear(hidden, packed.get("lm_head", module.weight), out_dtype=torch.float32)
+        if q8 is None:
+            return panels
+        max_rows = cpu_linear.copy_max_rows()
+        return lambda hidden: cpu_linear.linear(hidden, q8, out_dtype=torch.float32) \
+            if hidden.shape[0] <= max_rows else panels(hidden)
     if packed.triton_linear is not None:
         kernel = packed.triton_linear
         return lambda hidden: kernel(hidden.contiguous(), module.weight, None, None).float()

@@ -145,7 +145,7 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     of ``engine.models.registry.HF_ARCHITECTURES``). Sets
     the core's threads (``engine/worker/device.py``). With
     ``args.quantization == "gguf"`` a GGUF's Q4_0/Q4_1 projections stay in 4
-    bits (``engine/models/quant_linear.py``); with ``args.load_format ==
+    bits (``engine/layers/quant_linear.py``); with ``args.load_format ==
     "dummy"`` a HF directory's weights are not read but drawn at random
     (:func:`init_dummy_weights`).
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from engine.model_config import ModelConfig
-from engine.models.quant_linear import INT4_TYPES, GGUFBlocks
+from engine.layers.quant_linear import INT4_TYPES, GGUFBlocks
 from engine.models.registry import GGUF_ARCHITECTURES, GGUFArchitecture
 
 _SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")

@@ -12,9 +12,10 @@ Each variant is chosen once, at construction, and each kernel once for the
 weights as they are (``choose_kernels``: at construction, when the weights
 move to another dtype or device, once loaded or packed, and when
 batch-invariant mode changes; vLLM's ``CustomOp`` idea), so ``forward`` runs
-straight through; the linear methods are ``engine/layers/linear.py``'s. The C
-decoder stack runs a model only when it implements every feature its layers
-use (``kernels.cpu_decoder.IMPLEMENTED``).
+straight through; the linear methods are ``engine/layers/linear.py``'s. A
+weight changed in place other than by ``load_weights`` is seen once
+``choose_kernels`` runs again. The C decoder stack runs a model only when it
+implements every feature its layers use (``kernels.cpu_decoder.IMPLEMENTED``).
 
 Inputs are flat (vLLM style): ``input_ids``/``positions`` [num_tokens] for a
 mixed batch of prefill chunks and decodes, with an ``AttentionMetadata`` that
@@ -24,7 +25,6 @@ and which cache blocks it reads (block tables).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
 
 import torch
@@ -35,17 +35,13 @@ from engine.layers.attention import AttentionMetadata, sequence_spans, windowed_
 from engine.layers.linear import PROJECTIONS, head_method, linear_method, load_int4, pack_projections, q8_head_copy
 from engine.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.model_config import ModelConfig
-from engine.models.packed_linear import PackedWeights
-from engine.models.quant_linear import GGUFBlocks, Int4Linear
+from engine.layers.packed_linear import PackedWeights
+from engine.layers.quant_linear import GGUFBlocks, Int4Linear
 from engine.models.rope import RopeInputs, apply_rope, rope_inv_freq
 from engine.models.spec import ModelSpec, stack_features
 from kernels import cpu_decoder, cpu_linear, cpu_norm_act
 
 __all__ = ["AttentionMetadata", "LlamaDecoderLayer", "LlamaForCausalLM", "RMSNorm"]
-
-
-_WEIGHT = operator.itemgetter("weight")  # a module's weight, read from its _parameters dict
-_VERSION = operator.attrgetter("_version")  # a tensor's in-place version counter
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -102,14 +98,15 @@ class LlamaDecoderLayer(nn.Module):
 
     def choose_kernels(self) -> None:
         """Bind the layer's kernels for its weights as they are now (dtype,
-        device, 4-bit forms, batch-invariant mode): ``proj`` (each
-        projection's linear method, ``engine/layers/linear.py``), ``act``,
+        device, 4-bit forms and copies, batch-invariant mode): ``proj`` (each
+        projection's linear method, ``engine/layers/linear.py``, with its
+        4-bit copy when fresh now), ``act``,
         the q/k/v path and ``c_rope``: whether RoPE and the cache write run
         in C (``kernels.cpu_decoder.rope_cache``: bfloat16 on CPU with the
         ``cpu`` attention backend, full-width RoPE, no q/k norms)."""
         w = self.o_proj.weight
         self.proj = {name: linear_method(getattr(self, name), name, self.packed, self.int4.get(name),
-                                         lambda n=name: self.fresh_q4_copy(n))
+                                         self.fresh_q4_copy(name))
                      for name in PROJECTIONS}
         self.act = gated_activation(self.hidden_act, w.dtype, w.device)
         self.c_rope = w.dtype == torch.bfloat16 and w.device.type == "cpu" and self.backend.name == "cpu" \
@@ -218,11 +215,12 @@ class LlamaForCausalLM(nn.Module):
         # The whole stack in one C call where it can run (bfloat16, CPU, the
         # C kernels): see _c_decoder_weights. False keeps the per-operation path.
         self.use_c_decoder = True
-        # A Q8_0 output head from a GGUF, bfloat16 on CPU: its 8-bit copy, read for logits of up
-        # to cpu_linear.COPY_MAX_ROWS rows (cpu_linear.PackedQ8Linear: the same bits, about half the bytes)
+        # A Q8_0 output head from a GGUF, bfloat16 on CPU: its 8-bit copy, read for logits of up to
+        # cpu_linear.copy_max_rows() rows (cpu_linear.PackedQ8Linear: about half the bytes; head_method)
         self.lm_head_q8: cpu_linear.PackedQ8Linear | None = None
         self._lm_head_q8_of: tuple[torch.Tensor, int] | None = None  # (head weight, its version) it was made from
-        self._c_decoder: tuple[tuple, tuple, cpu_decoder.DecoderWeights] | None = None
+        self._c_decoder: cpu_decoder.DecoderWeights | None = None  # see _c_decoder_weights
+        self._c_decoder_key: tuple | None = None  # the caches and RoPE tables it was built for
         self._choose_model_kernels()
 
     def _apply(self, fn, recurse=True):  # the layers chose theirs in their own _apply
@@ -239,10 +237,15 @@ class LlamaForCausalLM(nn.Module):
     def _choose_model_kernels(self) -> None:
         self._gather_rope = not all(layer.c_rope for layer in self.layers)  # the per-op path's cos/sin rows
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        self._logits = head_method(head, self.packed, self._q8_head)
+        self._logits = head_method(head, self.packed, self._fresh_q8_head(head.weight))
+        self._c_decoder = self._c_decoder_key = None  # rebuilt for the weights as they are now
 
-    def _q8_head(self) -> tuple[cpu_linear.PackedQ8Linear, torch.Tensor, int] | None:
-        return None if self.lm_head_q8 is None else (self.lm_head_q8, *self._lm_head_q8_of)
+    def _fresh_q8_head(self, weight: torch.Tensor) -> cpu_linear.PackedQ8Linear | None:
+        """The head's 8-bit copy when it was made from ``weight`` as it is now, else None."""
+        if self.lm_head_q8 is None or self._lm_head_q8_of[0] is not weight \
+                or self._lm_head_q8_of[1] != weight._version:
+            return None
+        return self.lm_head_q8
 
     def build_rope_cache(self, max_positions: int | None = None) -> None:
         """Precompute cos/sin [max_positions, head_dim] (float32) on the model's device."""
@@ -305,27 +308,31 @@ class LlamaForCausalLM(nn.Module):
         (``kernels.cpu_decoder``), or None where it cannot run: not bfloat16
         on CPU with the ``cpu`` attention backend, a projection on neither C
         linear kernel (bfloat16 panels, 4-bit GGUF), shapes the kernels
-        refuse. Built once and rebuilt when a weight is replaced or changed in
-        place, or the caches move (checked per call: an identity and a version
-        compare per weight). A 4-bit copy is used while its weight is the one
-        it was made from, unchanged, or has been released (``prepack_weights``).
-        None too for a model whose layers use a feature the stack does not
-        implement (``c_stack_refusal``)."""
+        refuse, or a model whose layers use a feature the stack does not
+        implement (``c_stack_refusal``). Chosen once per set of caches and
+        RoPE tables (the first step that brings them) for the weights as
+        they are, and again after the kernels are chosen again
+        (``choose_kernels``: the weights moved, loaded or packed, or
+        batch-invariant mode changed), not per step: a projection weight
+        changed in place or replaced later is seen once ``choose_kernels``
+        runs (the norms' weights are read where they are). A 4-bit copy is
+        used while its weight is the one it was made from, unchanged, or has
+        been released (``prepack_weights``), as ``fresh_q4_copy`` says then."""
         if self.c_stack_refusal:
             return None
         if self.rope_cos is None:
             self.build_rope_cache()
         key = (kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr(), len(kv_caches), self.rope_cos.data_ptr())
-        if self._c_decoder is not None and self._c_decoder[0] == key:
-            slots, params, versions = self._c_decoder[1]  # C-level maps: ~20 us for SmolLM2's 182 weights
-            if all(map(operator.is_, map(_WEIGHT, slots), params)) and list(map(_VERSION, params)) == versions:
-                return self._c_decoder[2]
-        self._c_decoder = None
+        if key != self._c_decoder_key:
+            self._c_decoder, self._c_decoder_key = self._build_c_decoder(kv_caches), key
+        return self._c_decoder
+
+    def _build_c_decoder(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> cpu_decoder.DecoderWeights | None:
+        """:meth:`_c_decoder_weights` built now, or None where the stack cannot run."""
         embed = self.embed_tokens.weight
         if not self.layers[0].c_rope or embed.dtype != torch.bfloat16 or self.config.hidden_size % 16 \
                 or self.norm.triton_rms_norm is not None or self.norm.weight.dtype != torch.bfloat16:
             return None
-        modules = [self.norm]
         layers = []
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -341,24 +348,19 @@ class LlamaForCausalLM(nn.Module):
                     return None
                 if name != "qkv_proj" and getattr(layer, name).bias is not None:
                     return None
-                modules.append(getattr(layer, name))
             if layer.packed.triton_linear is not None or any(
                     n.weight.dtype != torch.bfloat16 or n.triton_rms_norm is not None for n in norms):
                 return None
-            modules += norms
             layers.append(cpu_decoder.LayerWeights(
                 norms[0].weight.detach(), norms[1].weight.detach(), bf16, q4,
                 layer.qkv_proj.bias.detach() if layer.qkv_proj.bias is not None else None, kc, vc))
         c = self.config
         try:
-            stack = cpu_decoder.DecoderWeights(
+            return cpu_decoder.DecoderWeights(
                 layers, self.norm.weight.detach(), self.rope_cos, self.rope_sin, c.num_attention_heads,
                 c.num_key_value_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps, self.layers[0].scale)
         except ValueError:
             return None
-        params = [m.weight for m in modules]
-        self._c_decoder = (key, ([m._parameters for m in modules], params, list(map(_VERSION, params))), stack)
-        return stack
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Make each row's logits independent of the rest of the batch: on
@@ -394,8 +396,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def prepack_weights(self, release_dense: bool = True) -> None:
         """Pack the bfloat16 CPU linear weights now (:func:`_pack_for_cpu`)
-        rather than in the first forward pass; a no-op for other dtypes and
-        devices. Weights loaded or changed later are repacked when used.
+        rather than in the first forward pass, and choose the kernels for
+        them; a no-op for other dtypes and devices. Weights loaded later are
+        repacked when used (changed in place: once ``choose_kernels`` runs).
 
         Args:
             release_dense: free each decoder projection's dense weight once
@@ -408,6 +411,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             pack_projections(layer, release_dense)
         self.packed.get("lm_head", self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        self.choose_kernels()  # for the weights as packed (released ones are empty now)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 logits

@@ -34,3 +34,14 @@ def smollm2_tokenizer():
     from engine.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(default_model_path())
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: tiny models' matmuls only lose to a thread pool on a shared box."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

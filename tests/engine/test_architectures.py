@@ -112,15 +112,6 @@ def _reference(model, prompts: list[list[int]]) -> list[tuple[list[int], list[fl
     return [(s[len(p):], lp) for s, p, lp in zip(seqs, prompts, logprobs)]
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: these tiny matmuls only lose to a thread pool on a shared box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _check(out, ref) -> None:
     tokens, logprobs = ref
     got = out.outputs[0].token_ids
@@ -129,16 +120,24 @@ def _check(out, ref) -> None:
         assert abs(out.outputs[0].logprobs[step][tok].logprob - lp) < LOGPROB_TOL, step
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_matches_transformers_alone_and_batched(tmp_path, kind, one_thread):
-    hf = _save(tmp_path, kind)
-    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
+def _engine_and_references(path, hf, kind: str):
+    """The engine on the model at ``path`` as every case runs it (float32 on
+    CPU, prefix caching and chunked prefill on, 32-token steps), checked to
+    run ``hf``'s class or the Llama one; with ``kind``'s prompts,
+    transformers' greedy continuations of them (``hf``) and the sampling
+    parameters that compare the two: (llm, prompts, references, params)."""
+    llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
               enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32)
     model = llm.engine.model_runner.model
     assert type(model).__name__ == type(hf).__name__ or type(model).__name__ == "LlamaForCausalLM"
     prompts = _prompts(kind)
-    refs = _reference(hf, prompts)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
+    return llm, prompts, _reference(hf, prompts), params
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_transformers_alone_and_batched(tmp_path, kind, one_thread):
+    llm, prompts, refs, params = _engine_and_references(tmp_path, _save(tmp_path, kind), kind)
     for prompt, ref in zip(prompts, refs):
         _check(llm.generate([prompt], params)[0], ref)
     for out, ref in zip(llm.generate(prompts, params), refs):

@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from tests.engine.test_architectures import COMMON, NEW_TOKENS, VOCAB, _check, _prompts, _reference
+from tests.engine.test_architectures import COMMON, _check, _engine_and_references
+from tests.tiny_models import tiny_gguf_writer
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -52,17 +51,7 @@ def _hf_model(kind: str):
 def _write(path, model, arch: str) -> None:
     """``model`` as convert_hf_to_gguf.py writes it for ``arch`` (metadata, tokenizer, tensors)."""
     c = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
+    w = tiny_gguf_writer(path, arch, c, ["ab", "cd"])
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
     w.add_rope_freq_base(rope["rope_theta"])
     if rope.get("rope_type") == "linear":
@@ -78,16 +67,6 @@ def _write(path, model, arch: str) -> None:
         else:
             w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
             w.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
-    byte_chars = [chr(i) for i in range(ord("!"), ord("!") + 92)]
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + byte_chars + ["ab", "cd"]
-    assert len(tokens) == VOCAB
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
     for i, (name, t) in enumerate(model.state_dict().items()):
         if name == "lm_head.weight" and c.tie_word_embeddings:
@@ -108,22 +87,11 @@ def _write(path, model, arch: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3"])
-def test_gguf_matches_transformers(tmp_path, arch):
+def test_gguf_matches_transformers(tmp_path, arch, one_thread):
     model = _hf_model(arch)
     path = tmp_path / f"{arch}.gguf"
     with torch.no_grad():
         _write(path, model, arch)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_memory="16MiB",
-                  enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32)
-        ours = llm.engine.model_runner.model
-        assert type(ours).__name__ == type(model).__name__ or type(ours).__name__ == "LlamaForCausalLM"
-        prompts = _prompts(arch)
-        refs = _reference(model, prompts)
-        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
-        for out, ref in zip(llm.generate(prompts, params), refs):
-            _check(out, ref)
-    finally:
-        torch.set_num_threads(n)
+    llm, prompts, refs, params = _engine_and_references(path, model, arch)
+    for out, ref in zip(llm.generate(prompts, params), refs):
+        _check(out, ref)

@@ -1,4 +1,4 @@
-"""GGUF Q4_0/Q4_1 weights run in 4 bits (engine/models/quant_linear.py): the
+"""GGUF Q4_0/Q4_1 weights run in 4 bits (engine/layers/quant_linear.py): the
 scale/zero mapping is exact, the matmul matches the dequantized weight, and a
 row's result does not depend on the other rows of its batch."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.models.quant_linear import GGUFBlocks, Int4Linear, int4_packable
+from engine.layers.quant_linear import GGUFBlocks, Int4Linear, int4_packable
 
 gguf = pytest.importorskip("gguf")
 

@@ -2,8 +2,8 @@
 for the C kernel (``kernels.cpu_linear``) or, where that cannot run, for
 oneDNN, and the row tiling that keeps oneDNN's results batch-invariant.
 
-``PackedWeights`` is one module's set of packed weights; the Llama layers
-(``engine.models.llama``) call ``linear(name, x, weight, bias, residual)``.
+``PackedWeights`` is one module's set of packed weights; the linear methods
+(``engine.layers.linear``) call ``linear(name, x, weight, bias, residual)``.
 """
 
 from __future__ import annotations
