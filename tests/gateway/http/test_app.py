@@ -323,6 +323,14 @@ def test_public_bind_without_keys_is_refused(upstreams, tmp_path):
     assert r.returncode == 2 and "refusing to bind 0.0.0.0" in r.stderr
 
 
+def _wait_for(condition, guard_s: float = 60.0) -> None:
+    """Poll ``condition()`` until true (``guard_s``: a liveness bound, not a timing claim)."""
+    deadline = time.monotonic() + guard_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.02)
+
+
 def test_drain_on_sigterm_finishes_in_flight(upstreams, tmp_path):
     import concurrent.futures
 
@@ -334,9 +342,10 @@ def test_drain_on_sigterm_finishes_in_flight(upstreams, tmp_path):
         body = {"model": "m1", "messages": [{"role": "user", "content": "x"}], "metadata": {"delay": "1.5"}}
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             slow = [pool.submit(httpx.post, g.url + "/v1/chat/completions", json=body, timeout=30) for _ in range(3)]
-            time.sleep(0.5)
+            # SIGTERM once all three are in flight (a fixed sleep sent it before they connected on a loaded host)
+            _wait_for(lambda: "tandem_requests_in_flight 3.0" in httpx.get(g.url + "/metrics").text)
             g.proc.terminate()                       # SIGTERM
-            time.sleep(0.2)
+            _wait_for(lambda: httpx.get(g.url + "/health/ready").json()["draining"])
             r = httpx.get(g.url + "/health/ready")
             assert r.status_code == 503 and r.json()["draining"] is True
             r = httpx.post(g.url + "/v1/chat/completions", json={**body, "metadata": {}})
