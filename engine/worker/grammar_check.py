@@ -23,8 +23,9 @@ can hold the spec to a CPU budget and kill a worker that overruns it; the
 next check starts a new one.
 
 Wire (``multiprocessing.connection`` framing over the worker's stdin and
-stdout): the worker's ``b"ready"`` once its imports are done (its start-up
-is not counted against a spec), then pickled ``(validate_ref, params)`` in,
+stdout): the worker, started with the check's ``module:name`` and a
+niceness as arguments, imports the check and sends ``b"ready"`` (its
+start-up is not counted against a spec), then pickled ``params`` in,
 pickled ``(status, message)`` out; status 0 (passed), 400 (``ValueError``:
 the spec's fault) or 500 (anything else).
 """
@@ -65,13 +66,13 @@ def as_text(params: StructuredOutputsParams) -> StructuredOutputsParams:
 class _Worker:
     """One ``python -m engine.worker.grammar_check`` process and its two pipe ends."""
 
-    def __init__(self, nice: int) -> None:
+    def __init__(self, ref: str, nice: int) -> None:
         child_in, to_child = os.pipe()
         from_child, child_out = os.pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         # absolute: a child inherits the niceness of the thread that starts it (a lowered compile thread)
         niceness = os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.worker.grammar_check", str(niceness)], stdin=child_in,
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.worker.grammar_check", ref, str(niceness)], stdin=child_in,
                                      stdout=child_out, env=env, close_fds=True)
         os.close(child_in)
         os.close(child_out)
@@ -140,7 +141,7 @@ class CheckWorkers:
                 start = worker.cpu_seconds()
                 meter.begin(lambda: worker.cpu_seconds() - start, worker.proc.kill)
             try:
-                worker.send.send_bytes(pickle.dumps((self._ref, params), protocol=pickle.HIGHEST_PROTOCOL))
+                worker.send.send_bytes(pickle.dumps(params, protocol=pickle.HIGHEST_PROTOCOL))
                 status, message = pickle.loads(worker.recv.recv_bytes())
             finally:
                 if meter is not None:
@@ -173,7 +174,7 @@ class CheckWorkers:
                 raise CheckFailed("the compile pool is shut down")
             worker = self._idle.pop() if self._idle else None
         if worker is None or worker.proc.poll() is not None:
-            worker = _Worker(self._nice)
+            worker = _Worker(self._ref, self._nice)
         with self._lock:
             self._busy.add(worker)
         return worker
@@ -294,19 +295,19 @@ def lower_priority(niceness: int) -> None:
 def main() -> None:
     """A worker's loop: checks until its stdin closes (its engine core is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the core ends us by closing stdin
-    if len(sys.argv) > 1:  # the niceness asked for, where SCHED_IDLE is refused
-        lower_priority(int(sys.argv[1]))
+    lower_priority(int(sys.argv[2]))  # the niceness asked for, where SCHED_IDLE is refused
+    check = _resolve(sys.argv[1])  # imported before "ready": its import is not a spec's cost
     inbox = Connection(os.dup(0), writable=False)
     outbox = Connection(os.dup(1), readable=False)
     os.dup2(2, 1)  # a stray print goes to stderr, never into the answers
     outbox.send_bytes(b"ready")
     while True:
         try:
-            ref, params = pickle.loads(inbox.recv_bytes())
+            params = pickle.loads(inbox.recv_bytes())
         except EOFError:
             return
         try:
-            _resolve(ref)(params)
+            check(params)
             answer = (0, None)
         except ValueError as exc:
             answer = (400, str(exc))

@@ -21,7 +21,7 @@ from engine.worker.grammar_compiler import WORKER_NICE, GrammarCompilePool, Gram
 from engine.sampling_params import StructuredOutputsParams
 from tests.engine.grammar_helpers import manager, probe_check
 
-_GUARD_S = 60  # deadlock guard only: every wait below ends on an event
+_GUARD_S = 300  # deadlock guard only: every wait below ends on an event (SCHED_IDLE workers start slowly on a busy host)
 
 
 class Answers:
@@ -192,7 +192,7 @@ def test_grammar_memory_is_bounded_in_entries_and_bytes_past_the_bound():
 
 
 def test_an_unsupported_schema_is_refused_by_the_pool_with_its_request_path():
-    so, _ = manager(timeout_s=_GUARD_S)  # a worker in SCHED_IDLE starts slowly on a busy host
+    so, _ = manager(wait_s=_GUARD_S)  # a worker in SCHED_IDLE starts slowly on a busy host
     answers = Answers()
     spec = StructuredOutputsParams(json={"type": "array", "contains": {"type": "integer"}},
                                    where=("response_format.json_schema.schema",))
@@ -231,7 +231,7 @@ def _pid_in_refusal(error: GrammarRefused) -> int:
 def test_the_spec_check_runs_in_a_worker_process_at_a_lower_priority():
     """Failure 1's cause: the pure-Python check of a large schema held the core's GIL, which every torch op of
     the engine step retakes. It runs in another process now: the core's GIL is never held for it."""
-    pool = GrammarCompilePool(lambda p: (object(), 1), GrammarLimits(workers=2, timeout_s=_GUARD_S), validate_fn=probe_check)
+    pool = GrammarCompilePool(lambda p: (object(), 1), GrammarLimits(workers=2, wait_s=_GUARD_S), validate_fn=probe_check)
     try:
         answers = Answers()
         pool.submit(StructuredOutputsParams(regex="pid"), answers.done("pid"))
@@ -288,7 +288,7 @@ def test_a_check_worker_runs_in_sched_idle_whoever_starts_it():
 
 
 def test_a_check_past_the_timeout_is_a_408_its_worker_is_killed_and_the_next_spec_still_checks():
-    pool = GrammarCompilePool(lambda p: (object(), 1), GrammarLimits(workers=1, timeout_s=0.05, wait_s=10 * _GUARD_S),
+    pool = GrammarCompilePool(lambda p: (object(), 1), GrammarLimits(workers=1, timeout_s=0.05, wait_s=_GUARD_S),
                               validate_fn=probe_check)  # "spin" computes in SCHED_IDLE: its CPU seconds come slowly on a busy host
     try:
         answers = Answers()
