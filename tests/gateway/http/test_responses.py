@@ -35,7 +35,9 @@ def up():
 def config(up: FaultUpstream, key_limits: str = "", budget_usd: float | None = None, redis_url: str | None = None,
            apis: str = "") -> str:
     budgets = f"budgets:\n  tenants: {{t1: {{usd: {budget_usd}, period: day}}}}\n" if budget_usd else ""
-    state = f"state: {{redis_url: '{redis_url}'}}\n" if redis_url else ""
+    # socket_timeout_s bounds a hang only: at the default 0.5 s a loaded host's slow call sent a replica to its
+    # in-process fallback, where the other replica's stored response is not seen
+    state = f"state: {{redis_url: '{redis_url}', socket_timeout_s: 30}}\n" if redis_url else ""
     return (f"reload: {{watch: false}}\nauth:\n  keys:\n    - {{tenant: t1, sha256: {sha(KEY)}{key_limits}}}\n"
             + state + budgets
             + "resilience:\n  retry: {max_attempts: 1}\n  health: {interval_s: 0}\n"
