@@ -38,6 +38,10 @@ log = logging.getLogger("tandem.state")
 T = TypeVar("T")
 
 
+class StateUnavailable(Exception):
+    """Redis is configured but unreachable, and the state asked for has no in-process stand-in (``local_only``)."""
+
+
 class SharedState:
     """Runs atomic state operations on Redis, or on the in-process fallback when there is no (reachable) Redis.
 
@@ -122,6 +126,19 @@ class SharedState:
                 raise
             self._mark_degraded(exc)
             return fallback()
+
+    def local_only(self, fallback: Callable[[], T], what: str) -> Callable[[], T]:
+        """``fallback`` as the in-process twin of ``run`` or ``call`` when no Redis is configured; with Redis
+        configured, a fallback that raises StateUnavailable naming ``what``: for state that is one for all
+        replicas or none (a rollout and its controller lease), whose in-process copy would be empty or stale and
+        acting on it would undo the shared one."""
+        if self.redis is None:
+            return fallback
+
+        def unavailable() -> T:
+            raise StateUnavailable(f"Redis is unreachable: {what} wait for it (their state is shared only)")
+
+        return unavailable
 
     def _mark_degraded(self, exc: BaseException) -> None:
         if not self.degraded:

@@ -21,6 +21,7 @@ from gateway.http.transport import read_body
 from gateway.request.auth import check_admin
 from gateway.request.pipeline import build_request, decide_route
 from gateway.request.validate import parse_json
+from gateway.state import StateUnavailable
 
 _JSON = "application/json"
 
@@ -162,7 +163,10 @@ async def metrics(request: Request) -> Response:
     if compiled.key_hashes and not compiled.config.admin.public_metrics:
         _gw(request)
     await gw.obs.refresh(gw.snapshot, gw.resilience.breakers)
-    gw.parity_metrics.reports, gw.parity_metrics.rollouts = await gw.rollouts.reports(), await gw.rollouts.list()
+    try:
+        gw.parity_metrics.reports, gw.parity_metrics.rollouts = await gw.rollouts.reports(), await gw.rollouts.list()
+    except StateUnavailable:             # Redis unreachable: the parity and rollout series keep their last values
+        pass
     return Response(generate_latest(gw.obs.registry), media_type=CONTENT_TYPE_LATEST.split(";")[0],
                     headers={"content-type": CONTENT_TYPE_LATEST})
 

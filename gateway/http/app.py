@@ -34,6 +34,7 @@ from gateway.http.transport import EventStream, unless_disconnected
 from gateway.request.auth import authenticate
 from gateway.request.pipeline import handle
 from gateway.runtime import Gateway
+from gateway.state import StateUnavailable
 from gateway.stored_responses import ResponseStore
 
 log = logging.getLogger("tandem.gateway.app")
@@ -56,6 +57,10 @@ def _on_config_error(request: Request, e: ConfigError) -> Response:
     return error_response(400, str(e), param=e.errors[0][0] if e.errors else None, code="invalid_config")
 
 
+def _on_state_unavailable(request: Request, e: StateUnavailable) -> Response:
+    return error_response(503, str(e), code="redis_unavailable")
+
+
 def _on_http_error(request: Request, e: Exception) -> Response:
     if isinstance(e, HTTPException):
         return error_response(e.status_code, str(e.detail), code=_HTTP_CODES.get(e.status_code))
@@ -65,7 +70,7 @@ def _on_http_error(request: Request, e: Exception) -> Response:
 
 # exception -> OpenAI error JSON, for every handler
 EXCEPTION_HANDLERS = {ClientError: _on_client_error, ConfigError: _on_config_error, HTTPException: _on_http_error,
-                      Exception: _on_http_error}
+                      StateUnavailable: _on_state_unavailable, Exception: _on_http_error}
 
 
 def in_flight(app):

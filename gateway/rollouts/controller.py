@@ -11,7 +11,11 @@ reports the same one. Two replicas never fight over a step:
 - the weights move through ``Gateway.set_weights`` (rebased on the shared head): the same replicated, versioned
   config change as ``tandem ctl weights``; each tick the lease holder re-applies the weight of a running
   rollout when the live config differs (a change lost to a crash between the two writes is redone; an operator
-  who wants to set weights by hand pauses the rollout first).
+  who wants to set weights by hand pauses the rollout first);
+- with Redis configured, the rollouts and the lease live there only: while it is unreachable nobody acts (the
+  store raises ``StateUnavailable`` instead of answering from this replica's in-process copy, which is empty or
+  stale: a tick acting on it started the configured rollout again at its first step) and the admin API answers
+  503 ``redis_unavailable``.
 
 Judging (each ``check_interval_s``, lease holder only): the gates (``gateway/rollouts/gates.py``) on the parity
 report of the pairs compared since the step began. A failing gate: the weight goes back to the last good step
@@ -33,6 +37,7 @@ from gateway.rollouts.gates import all_hold, failing, judge
 from gateway.rollouts.parity import report
 from gateway.rollouts.spec import baseline_of, name_problem, rollout_problems
 from gateway.rollouts.store import LIVE, Conflict, RolloutStore
+from gateway.state import StateUnavailable
 from gateway.tasks import cancel_task
 
 log = logging.getLogger("tandem.rollouts")
@@ -101,6 +106,8 @@ class RolloutController:
         while True:
             try:
                 await self.tick()
+            except StateUnavailable:     # Redis unreachable (SharedState logged it): the rollouts wait for it
+                pass
             except Exception:  # noqa: BLE001 -- the next tick retries
                 log.exception("rollout controller tick failed")
             await asyncio.sleep(self._interval())

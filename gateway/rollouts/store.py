@@ -11,6 +11,8 @@ Keys (prefix ``tandem``, TTL ``KEY_TTL_S`` refreshed on every write):
   the only ones the controller loads each tick (a finished rollout stays readable until its key expires, and
   its name is dropped from the set by the first read that finds the key gone);
 - ``<prefix>:rollout-lease``: the replica whose controller acts now (``SET NX PX``, renewed by its holder);
+  these rollout and lease operations have an in-process twin for a gateway without Redis only (with Redis
+  configured and unreachable they raise ``StateUnavailable``: ``SharedState.local_only``);
 - ``<prefix>:parity:<name>`` (list, newest first, ``MAX_RECORDS`` long): comparison records
   (``gateway/rollouts/parity.py``), ``<prefix>:parity-names`` (set) their names; ``<prefix>:parity-dropped:<name>``: shadow pairs dropped over concurrency.
 """
@@ -90,11 +92,17 @@ class RolloutStore:
         self.state = state
         self.mem = state.memory.setdefault("rollouts", {"states": {}, "lease": None, "parity": {}, "dropped": {}})
 
+    def _local(self, fallback):
+        """The in-process twin of a rollout or lease operation: used without Redis; with Redis configured and
+        unreachable, StateUnavailable instead (``SharedState.local_only``: the replica's copy is not the rollout)."""
+        return self.state.local_only(fallback, "rollouts")
+
     def _k(self, kind: str, name: str = "") -> str:
         return self.state.key(kind, name) if name else f"{self.state.config.key_prefix}:{kind}"
 
     async def names(self) -> list[str]:
-        out = await self.state.call(lambda r: r.smembers(self._k("rollouts")), lambda: set(self.mem["states"]))
+        out = await self.state.call(lambda r: r.smembers(self._k("rollouts")),
+                                    self._local(lambda: set(self.mem["states"])))
         return sorted(out)
 
     async def live_names(self) -> list[str]:
@@ -102,7 +110,7 @@ class RolloutStore:
         def local() -> set[str]:
             return {n for n, raw in self.mem["states"].items() if json.loads(raw)["state"] in LIVE}
 
-        return sorted(await self.state.call(lambda r: r.smembers(self._k("rollouts-live")), local))
+        return sorted(await self.state.call(lambda r: r.smembers(self._k("rollouts-live")), self._local(local)))
 
     async def index_live(self) -> None:
         """Put every running or paused rollout in the live set (once per controller start: rollouts saved
@@ -110,17 +118,17 @@ class RolloutStore:
         for name in await self.names():
             r = await self.load(name)
             if r is not None and r["state"] in LIVE:
-                await self.state.call(lambda c, n=name: c.sadd(self._k("rollouts-live"), n), lambda: 0)
+                await self.state.call(lambda c, n=name: c.sadd(self._k("rollouts-live"), n), self._local(lambda: 0))
 
     async def load(self, name: str) -> dict | None:
         """The rollout's state dict (with ``rev``), or None (never created, or expired: then its name is
         dropped from the sets)."""
         raw = await self.state.call(lambda r: r.get(self._k("rollout", name)),
-                                    lambda: self.mem["states"].get(name))
+                                    self._local(lambda: self.mem["states"].get(name)))
         if raw:
             return json.loads(raw)
-        await self.state.call(lambda r: r.srem(self._k("rollouts"), name), lambda: 0)
-        await self.state.call(lambda r: r.srem(self._k("rollouts-live"), name), lambda: 0)
+        await self.state.call(lambda r: r.srem(self._k("rollouts"), name), self._local(lambda: 0))
+        await self.state.call(lambda r: r.srem(self._k("rollouts-live"), name), self._local(lambda: 0))
         return None
 
     async def save(self, name: str, data: dict, rev: int) -> int:
@@ -140,7 +148,8 @@ class RolloutStore:
 
         keys = [self._k("rollout", name), self._k("rollout-rev", name), self._k("rollouts"), self._k("rollouts-live")]
         live = "1" if data["state"] in LIVE else "0"
-        new = int(await self.state.run("rollout_save", _SAVE, keys, [raw, rev, name, KEY_TTL_S, live], local))
+        new = int(await self.state.run("rollout_save", _SAVE, keys, [raw, rev, name, KEY_TTL_S, live],
+                                       self._local(local)))
         if new < 0:
             raise Conflict(name, -new - 1)
         data["rev"] = new
@@ -149,11 +158,12 @@ class RolloutStore:
     async def lease(self, holder: str, ttl_s: float) -> bool:
         """True when ``holder`` holds (took or renewed) the controller lease for ``ttl_s`` more seconds."""
         return bool(int(await self.state.run("rollout_lease", _LEASE, [self._k("rollout-lease")],
-                                             [holder, int(ttl_s * 1000)], lambda: 1)))
+                                             [holder, int(ttl_s * 1000)], self._local(lambda: 1))))
 
     async def release(self, holder: str) -> None:
         """Give the controller lease back if ``holder`` holds it."""
-        await self.state.run("rollout_release", _RELEASE, [self._k("rollout-lease")], [holder], lambda: 0)
+        await self.state.run("rollout_release", _RELEASE, [self._k("rollout-lease")], [holder],
+                             self._local(lambda: 0))
 
     async def push_record(self, name: str, record: dict) -> None:
         """Add one comparison record to ``name``'s report."""

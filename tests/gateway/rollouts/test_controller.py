@@ -56,8 +56,13 @@ async def load(urls: list[str]):
         await task
 
 
-async def rollout(c) -> dict:
-    return next(r for r in (await c.get("/admin/rollouts")).json()["rollouts"] if r["name"] == "r1")
+async def rollout(c) -> dict | None:
+    """Rollout r1 as the admin API shows it; None while the API answers 503 (this replica's Redis calls timed
+    out, as they may on a loaded machine: the rollouts wait for Redis, and so does the client)."""
+    resp = await c.get("/admin/rollouts")
+    if resp.status_code == 503:
+        return None
+    return next(r for r in resp.json()["rollouts"] if r["name"] == "r1")
 
 
 async def until_state(c, pred, timeout=60.0) -> dict:
@@ -65,7 +70,7 @@ async def until_state(c, pred, timeout=60.0) -> dict:
     end = loop.time() + timeout
     while loop.time() < end:
         r = await rollout(c)
-        if pred(r):
+        if r is not None and pred(r):
             return r
         await asyncio.sleep(0.05)
     raise AssertionError(f"rollout not there: {await rollout(c)}")
@@ -196,3 +201,30 @@ async def test_tandem_ctl_rollout_starts_steers_and_reports(redis_url):
     assert "parity (statistical): 2/2 pairs compared" in status[1] and "shadow shadow/main:" in status[1]
     assert paused[0] == 0 and "rollout r9: paused" in paused[1]
     assert again[0] == 1 and "409" in again[1]
+
+
+async def test_a_redis_outage_neither_restarts_nor_moves_a_rollout(redis_url):
+    """While this replica's shared state is degraded (Redis unreachable: a timeout under load was enough), its
+    controller took the lease in process, found no rollout there, started the configured one again at its first
+    step and set that step's weight through the config ledger (the promotion test's extra 5 % versions). Now the
+    rollouts wait for Redis: a tick acts on nothing, the rollouts admin API answers 503."""
+    from gateway.state import StateUnavailable
+
+    gates = "{error_rate_max: 0.5, min_compared: 1000}"             # never judged: only the operator moves it
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        text = config(stable, cand, redis_url, 60, gates).replace("sync_interval_s: 0.1}",
+                                                                   "sync_interval_s: 0.1, reconnect_min_s: 600}")
+        async with gateway(text) as (gw, url, c):
+            await until_state(c, lambda r: True)
+            assert (await c.post("/admin/rollouts/r1/promote")).json()["state"] == "promoted"
+            versions = len((await c.get("/admin/config")).json()["history"])
+            gw.resilience.state._mark_degraded(ConnectionError("injected outage"))   # no reconnect for 600 s
+            with pytest.raises(StateUnavailable):
+                await gw.rollouts.tick()
+            listed = await c.get("/admin/rollouts")
+            paused = await c.post("/admin/rollouts/r1/pause")
+            history = (await c.get("/admin/config")).json()["history"]
+            weight = cand_weight(gw)
+    assert weight == 100.0 and len(history) == versions
+    assert listed.status_code == 503 and listed.json()["error"]["code"] == "redis_unavailable"
+    assert paused.status_code == 503
