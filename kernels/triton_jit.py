@@ -7,6 +7,15 @@ interpreter at import. The kernels in ``kernels/`` are therefore plain
 functions, wrapped on first launch in the mode triton's standard library is
 in; a launch on CPU tensors without the interpreter raises a RuntimeError
 that says what to do.
+
+The interpreter runs ``tl.dot`` as ``np.matmul``, i.e. numpy's BLAS, whose
+kernel is chosen for the CPU: OpenBLAS's Haswell (AVX2) SGEMM kernel rounds a
+row differently by its position in the tile (rows 6-11 of every 12 differ from
+rows 0-5 in the last bit), so a row computed alone (tile row 0) and in a batch
+(tile row 6) differ there, and not on AVX-512 machines. A compiled kernel runs
+the same instructions for every row. :func:`k_order_interpreter_dot` is a
+``tl.dot`` for the interpreter whose bits do not depend on the row's position,
+the CPU or the BLAS; the tests install it (``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 
+import numpy as np
 import torch
 import triton.language as tl
 
@@ -62,3 +72,32 @@ def launchable(fn, device: torch.device):
             f"interpreter, {hint}; or use the 'torch' backend."
         )
     return jit(fn, interpret)
+
+
+def k_order_interpreter_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """``InterpreterBuilder.create_dot`` for float accumulators without BLAS:
+    ``d + a @ b`` summed over K in order, one correctly rounded multiply and
+    one add per step (numpy ufuncs), so every output element's bits depend on
+    its own row and column only, on any CPU.
+
+    Args (triton 3.x interpreter ``TensorHandle``s):
+        a: [..., M, K], b: [..., K, N], d: [..., M, N] accumulator (its dtype
+            is the result's). Integer or fp8 operands keep triton's own dot.
+        input_precision, max_num_imprecise_acc: ignored, as triton's own
+            interpreter ignores them.
+
+    Returns:
+        TensorHandle [..., M, N] of d's dtype.
+    """
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    acc = d.data
+    fp8 = any(t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating() for t in (a, b))
+    if fp8 or not np.issubdtype(acc.dtype, np.floating):
+        return InterpreterBuilder.create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+    a_data = a.data.astype(acc.dtype, copy=False)
+    b_data = b.data.astype(acc.dtype, copy=False)
+    acc = acc.copy()
+    for k in range(a_data.shape[-1]):
+        acc += a_data[..., :, k:k + 1] * b_data[..., k:k + 1, :]
+    return TensorHandle(acc, d.dtype.scalar)

@@ -36,6 +36,23 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _triton_interpreter_dot_in_k_order():
+    """Triton's interpreter runs ``tl.dot`` through numpy's BLAS, whose AVX2 kernel rounds a row by its
+    position in the tile (``kernels.triton_jit``): the interpreted kernels get a dot whose bits do not depend
+    on the row's position or the CPU, as a compiled kernel's do not."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or importlib.util.find_spec("triton") is None:
+        yield
+        return
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    from kernels.triton_jit import k_order_interpreter_dot
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(InterpreterBuilder, "create_dot", k_order_interpreter_dot)
+        yield
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

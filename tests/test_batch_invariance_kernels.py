@@ -138,6 +138,29 @@ def test_triton_linear_matches_float64_and_rows_do_not_depend_on_the_row_count(d
         bi.linear(x, weight[:, :100])
 
 
+def test_interpreted_triton_dot_sums_each_row_in_k_order_at_any_tile_position():
+    """Interpreted, ``tl.dot`` ran on numpy's BLAS, whose AVX2 SGEMM kernel rounds rows 6-11 of every 12
+    differently from rows 0-5: a row alone (tile row 0) and in a batch differed in the last bit on AVX2 hosts
+    only. The interpreter's dot (tests/conftest.py) sums over K in order: a float32 linear is exactly the
+    K-ordered sum of rounded products, whichever tile row holds the row."""
+    bi = _triton_batch_invariant()
+    if torch.cuda.is_available():
+        pytest.skip("pins the interpreter's dot")
+    g = torch.Generator().manual_seed(5)
+    n, k = 70, 150
+    weight = torch.randn(n, k, generator=g)
+    x = torch.randn(bi.BLOCK_M, k, generator=g)
+    expect = torch.zeros(bi.BLOCK_M, n)
+    for i in range(k):
+        expect = expect + x[:, i:i + 1] * weight[:, i][None, :]
+    assert torch.equal(bi.linear(x, weight), expect)
+    row = x[3:4]
+    for pos in range(bi.BLOCK_M):
+        batch = torch.zeros_like(x)
+        batch[pos] = row
+        assert torch.equal(bi.linear(batch, weight)[pos], expect[3]), pos
+
+
 def test_triton_rms_norm_matches_the_model_norm_row_by_row():
     from engine.models.llama import RMSNorm
 
