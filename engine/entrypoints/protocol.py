@@ -186,6 +186,7 @@ def _keep_raw(raw: msgspec.Raw, path: tuple[str, ...]) -> Any:
         return msgspec.json.decode(raw)
     return {k: _keep_raw(v, path[1:]) if k == path[0] else msgspec.json.decode(v) for k, v in obj.items()}
 
+
 _PATH_RE = re.compile(r"at `\$\.?([A-Za-z_][A-Za-z0-9_]*)")
 
 
