@@ -85,7 +85,10 @@ class StructuredOutputsParams:
 
     def key(self) -> str:
         """Canonical text of the spec (what the grammar cache's digest hashes):
-        compact JSON with sorted keys (msgspec: 2x json.dumps' speed on a 400 KB schema)."""
+        compact JSON with sorted keys (msgspec: 2x json.dumps' speed on a 400 KB schema). A schema
+        given as JSON text (as ``tandem engine serve`` passes it, compacted, ``chat_structured.schema_value``;
+        or after crossing the core's pipe, ``params_to_wire``) is hashed as it is: the same schema with its
+        keys in another order is another entry of the cache."""
         value = getattr(self, self.kind)
         if isinstance(value, (dict, tuple, bool)):
             value = msgspec.json.encode(value, order="sorted").decode()

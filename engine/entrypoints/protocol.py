@@ -145,6 +145,48 @@ class ServingError(Exception):
 
 T = TypeVar("T")
 
+# The request fields whose value is a JSON schema for structured outputs, as paths of object keys.
+SCHEMA_PATHS = (("response_format", "json_schema", "schema"), ("structured_outputs", "json"))
+_RAW_OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def decode_body(data: bytes) -> Any:
+    """A request body's JSON, decoded into Python objects except the schemas at ``SCHEMA_PATHS``, which stay
+    ``msgspec.Raw`` (their JSON text, unparsed; ``chat_structured.schema_value`` reads them).
+
+    A schema is work for the engine core's grammar pool, not for the serving process, whose event loop also
+    writes every stream's events: decoded there, a 400 KB schema made ~8,600 containers (and their garbage
+    collections), ~10-60 ms with the GIL held (issue #34). Kept raw, its text crosses to the core as it
+    came (compacted by ``msgspec.json.format``, C): the objects on the way down are decoded as
+    ``dict[str, Raw]`` (C, no object per nested value).
+
+    Raises:
+        msgspec.DecodeError: malformed JSON. RecursionError: nested past msgspec's limit (~1,000 levels).
+    """
+    try:
+        top = _RAW_OBJECT.decode(data)
+    except msgspec.ValidationError:   # well-formed so far, not an object: decoded whole, the caller refuses it
+        return msgspec.json.decode(data)
+    return {k: _keep_raw(v, path[1:]) if (path := _schema_path(k)) else msgspec.json.decode(v)
+            for k, v in top.items()}
+
+
+def _schema_path(key: str) -> tuple[str, ...] | None:
+    return next((p for p in SCHEMA_PATHS if p[0] == key), None)
+
+
+def _keep_raw(raw: msgspec.Raw, path: tuple[str, ...]) -> Any:
+    """``raw`` decoded, but the value at ``path`` (keys of nested objects) kept raw; a value on the way that
+    is not an object is decoded whole (its type error is then the caller's to report)."""
+    if not path:
+        return None if len(raw) == 4 and bytes(raw) == b"null" else raw   # null: "not given", as decoded
+    try:
+        obj = _RAW_OBJECT.decode(raw)
+    except msgspec.ValidationError:
+        return msgspec.json.decode(raw)
+    return {k: _keep_raw(v, path[1:]) if k == path[0] else msgspec.json.decode(v) for k, v in obj.items()}
+
+
 _PATH_RE = re.compile(r"at `\$\.?([A-Za-z_][A-Za-z0-9_]*)")
 
 

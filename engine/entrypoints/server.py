@@ -43,7 +43,7 @@ from engine.metrics import EngineMetrics
 from engine.entrypoints.chat import OpenAIServingChat
 from engine.entrypoints.completion import OpenAIServingCompletion
 from engine.entrypoints.embeddings import OpenAIServingEmbedding
-from engine.entrypoints.protocol import ServingError
+from engine.entrypoints.protocol import ServingError, decode_body
 from engine.entrypoints.request_ids import stamp_request_id, unique_request_id
 from engine.entrypoints.ttft import ttft
 
@@ -66,7 +66,7 @@ def _error_response(err: ServingError) -> Response:
 async def _json_body(request: Request) -> dict:
     raw = await request.body()
     try:
-        body = msgspec.json.decode(raw)
+        body = decode_body(raw)   # structured outputs' schemas stay unparsed (issue #34)
     except msgspec.DecodeError as exc:
         raise ServingError(400, f"malformed JSON body: {exc}", param=None, code="invalid_json") from None
     except RecursionError:       # msgspec's own nesting limit (about 1,000 levels here)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import json
 
+import msgspec
 import pytest
 
+from engine.entrypoints.chat_structured import plan_chat
 from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, RequestValidationError, parse_request
 from engine.outputs import CompletionOutput, Logprob
 from engine.entrypoints.chat import cut_after_final_message, normalize_messages
@@ -170,3 +174,103 @@ def test_values_out_of_range_name_the_field_as_the_gateway_does(field, value, co
         check_request(body, "chat/completions", None)
     assert (gw.value.param, gw.value.code, gw.value.message) == (exc.value.param, code, str(exc.value))
     assert parse_request({**body, field: 1 if field != "stop_token_ids" else [1]}, ChatCompletionRequest)
+
+
+# ------------------------------------------------------- schemas kept raw (issue #34)
+def _plan(raw: bytes):
+    """The structured-output plan of a chat body as ``tandem engine serve`` reads it (``decode_body``)."""
+    from engine.entrypoints.protocol import decode_body
+
+    return _plan_body(decode_body(raw))
+
+
+def _plan_body(body: dict):
+    return plan_chat(parse_request(body, ChatCompletionRequest), body["messages"], None)
+
+
+def test_a_schema_crosses_the_serving_process_as_its_compact_text():
+    """``decode_body`` keeps ``response_format.json_schema.schema`` and ``structured_outputs.json`` unparsed:
+    the spec holds the schema's compact JSON text (key order as sent), the same for any whitespace."""
+    schema = {"type": "object", "properties": {"b": {"enum": ["x", "é"]}, "a": {"type": "integer"}}}
+    for dump in (json.dumps(schema), json.dumps(schema, indent=3, ensure_ascii=False)):
+        raw = ('{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", '
+               f'"json_schema": {{"name": "s", "schema": {dump}}}}}}}').encode()
+        spec = _plan(raw).structured_outputs
+        assert isinstance(spec.json, str) and json.loads(spec.json) == schema and " " not in spec.json
+        assert list(json.loads(spec.json)["properties"]) == ["b", "a"]
+        extra = _plan(('{"messages": [{"role": "user", "content": "hi"}], "structured_outputs": '
+                       f'{{"json": {dump}}}}}').encode()).structured_outputs
+        assert extra.json == spec.json and extra.where == ("structured_outputs.json",)
+    assert _plan(b'{"messages": [], "response_format": {"type": "json_schema", "json_schema": '
+                 b'{"name": "s", "schema": true}}}').structured_outputs.json is True
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b'{"messages": [], "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": [1]}}}',
+     "response_format.json_schema.schema: must be a JSON schema (an object), got list"),
+    (b'{"messages": [], "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": null}}}',
+     "response_format.json_schema.schema: must be a JSON schema (an object), got NoneType"),
+    (b'{"messages": [], "structured_outputs": {"json": "{}"}}',
+     "structured_outputs.json: must be a JSON schema (an object), got str"),
+])
+def test_a_raw_schema_that_is_not_one_is_refused_as_a_decoded_one_was(raw, message):
+    with pytest.raises(RequestValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _plan(raw)
+
+
+def test_decode_body_decodes_everything_but_the_schemas():
+    """Other fields, and a schema's containers that are not objects (the caller refuses them), decode as
+    ``msgspec.json.decode`` does; a null schema is "not given"; a body that is not an object decodes whole."""
+    from engine.entrypoints.protocol import decode_body
+
+    raw = (b'{"model": "m", "n": null, "response_format": {"type": "json_schema", "json_schema": '
+           b'{"name": "s", "schema": {"type": "object"}, "strict": true}}, "structured_outputs": {"json": null, '
+           b'"regex": "a+"}, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}')
+    body = decode_body(raw)
+    schema = body["response_format"]["json_schema"].pop("schema")
+    assert isinstance(schema, msgspec.Raw) and bytes(schema) == b'{"type": "object"}'
+    plain = msgspec.json.decode(raw)
+    del plain["response_format"]["json_schema"]["schema"]
+    assert body == plain
+    assert decode_body(b'{"response_format": "text", "structured_outputs": [1]}') == {
+        "response_format": "text", "structured_outputs": [1]}
+    assert decode_body(b"[1, 2]") == [1, 2]
+    with pytest.raises(msgspec.DecodeError):
+        decode_body(b'{"response_format": {"json_schema": {"schema": {"a": }}}}')
+    with pytest.raises(RecursionError):
+        decode_body(b'{"structured_outputs": {"json": ' + b'{"a": ' * 3000 + b'1' + b'}' * 3001 + b'}')
+
+
+def test_a_large_schema_makes_no_python_object_per_node_on_the_way_to_the_core():
+    """Issue #34: the serving process decoded a 400 KB schema into ~8,600 containers (their decode and the
+    garbage collections they set off held its event loop 10-60 ms), then encoded it again for the core.
+    From the HTTP body (``server._json_body``) to the bytes of the core's ``CompileGrammar``, the schema now
+    stays one text. Counted, not timed: the garbage collector's count of tracked objects alive (collections
+    off), which grows by one per container made."""
+    from engine.core.core_messages import CompileGrammar, encode, params_to_wire
+    from engine.entrypoints.server import _json_body
+    from loadtests.bench.structured_isolation import big_schema, schema_body
+
+    schema = big_schema(400)
+    raw = schema_body("m", schema)
+
+    class Request:
+        async def body(self) -> bytes:
+            return raw
+
+    gc.collect()
+    gc.disable()
+    try:
+        before = gc.get_count()[0]
+        coro = _json_body(Request())
+        try:
+            coro.send(None)
+        except StopIteration as done:
+            body = done.value
+        spec = _plan_body(body).structured_outputs
+        wire = encode(CompileGrammar(0, params_to_wire(spec)))
+        made = gc.get_count()[0] - before
+    finally:
+        gc.enable()
+    assert made < 100, made   # the old path: 8,692
+    assert json.loads(msgspec.msgpack.decode(wire)[2]["json"]) == schema
