@@ -37,6 +37,7 @@ from engine.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.model_config import ModelConfig
 from engine.layers.packed_linear import PackedWeights
 from engine.layers.quant_linear import GGUFBlocks, Int4Linear
+from engine.models.c_stack import c_stack_weights
 from engine.models.rope import RopeInputs, apply_rope, rope_inv_freq
 from engine.models.spec import ModelSpec, stack_features
 from kernels import cpu_decoder, cpu_linear, cpu_norm_act
@@ -324,43 +325,8 @@ class LlamaForCausalLM(nn.Module):
             self.build_rope_cache()
         key = (kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr(), len(kv_caches), self.rope_cos.data_ptr())
         if key != self._c_decoder_key:
-            self._c_decoder, self._c_decoder_key = self._build_c_decoder(kv_caches), key
+            self._c_decoder, self._c_decoder_key = c_stack_weights(self, kv_caches), key
         return self._c_decoder
-
-    def _build_c_decoder(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> cpu_decoder.DecoderWeights | None:
-        """:meth:`_c_decoder_weights` built now, or None where the stack cannot run."""
-        embed = self.embed_tokens.weight
-        if not self.layers[0].c_rope or embed.dtype != torch.bfloat16 or self.config.hidden_size % 16 \
-                or self.norm.triton_rms_norm is not None or self.norm.weight.dtype != torch.bfloat16:
-            return None
-        layers = []
-        for layer, (kc, vc) in zip(self.layers, kv_caches):
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            bf16, q4 = {}, {}
-            for short, name in zip(cpu_decoder.PROJECTIONS, PROJECTIONS):
-                if name in layer.int4:
-                    q4[short] = layer.int4[name].c_packed
-                else:
-                    packed = layer.packed.get(name, getattr(layer, name).weight)
-                    bf16[short] = packed if isinstance(packed, cpu_linear.PackedLinear) else None
-                    q4[short] = layer.fresh_q4_copy(name)
-                if bf16.get(short) is None and q4[short] is None:
-                    return None
-                if name != "qkv_proj" and getattr(layer, name).bias is not None:
-                    return None
-            if layer.packed.triton_linear is not None or any(
-                    n.weight.dtype != torch.bfloat16 or n.triton_rms_norm is not None for n in norms):
-                return None
-            layers.append(cpu_decoder.LayerWeights(
-                norms[0].weight.detach(), norms[1].weight.detach(), bf16, q4,
-                layer.qkv_proj.bias.detach() if layer.qkv_proj.bias is not None else None, kc, vc))
-        c = self.config
-        try:
-            return cpu_decoder.DecoderWeights(
-                layers, self.norm.weight.detach(), self.rope_cos, self.rope_sin, c.num_attention_heads,
-                c.num_key_value_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps, self.layers[0].scale)
-        except ValueError:
-            return None
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Make each row's logits independent of the rest of the batch: on

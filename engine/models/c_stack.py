@@ -1,0 +1,56 @@
+"""The C decoder stack's view of a model (``kernels/cpu_decoder.py``): which
+weights, copies and caches the one-call decoder reads, or why it cannot run.
+
+Split from ``engine/models/llama.py``: the model decides when the view is
+built (once per set of caches, again when its kernels are chosen); this
+module only builds it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers.linear import PROJECTIONS
+from kernels import cpu_decoder, cpu_linear
+
+
+def c_stack_weights(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> cpu_decoder.DecoderWeights | None:
+    """The C decoder stack's view (``kernels.cpu_decoder.DecoderWeights``) of
+    ``model``'s weights (a ``LlamaForCausalLM`` whose kernels are chosen, RoPE
+    tables built) and ``kv_caches`` (per layer: key and value caches), built
+    now; None where the stack cannot run: not bfloat16 on CPU with C RoPE, a
+    projection on neither C linear kernel (bfloat16 panels, 4-bit GGUF), a
+    bias outside q/k/v, a Triton kernel chosen, shapes the kernels refuse.
+    ``LlamaForCausalLM._c_decoder_weights`` says when it is built."""
+    embed = model.embed_tokens.weight
+    if not model.layers[0].c_rope or embed.dtype != torch.bfloat16 or model.config.hidden_size % 16 \
+            or model.norm.triton_rms_norm is not None or model.norm.weight.dtype != torch.bfloat16:
+        return None
+    layers = []
+    for layer, (kc, vc) in zip(model.layers, kv_caches):
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        bf16, q4 = {}, {}
+        for short, name in zip(cpu_decoder.PROJECTIONS, PROJECTIONS):
+            if name in layer.int4:
+                q4[short] = layer.int4[name].c_packed
+            else:
+                packed = layer.packed.get(name, getattr(layer, name).weight)
+                bf16[short] = packed if isinstance(packed, cpu_linear.PackedLinear) else None
+                q4[short] = layer.fresh_q4_copy(name)
+            if bf16.get(short) is None and q4[short] is None:
+                return None
+            if name != "qkv_proj" and getattr(layer, name).bias is not None:
+                return None
+        if layer.packed.triton_linear is not None or any(
+                n.weight.dtype != torch.bfloat16 or n.triton_rms_norm is not None for n in norms):
+            return None
+        layers.append(cpu_decoder.LayerWeights(
+            norms[0].weight.detach(), norms[1].weight.detach(), bf16, q4,
+            layer.qkv_proj.bias.detach() if layer.qkv_proj.bias is not None else None, kc, vc))
+    c = model.config
+    try:
+        return cpu_decoder.DecoderWeights(
+            layers, model.norm.weight.detach(), model.rope_cos, model.rope_sin, c.num_attention_heads,
+            c.num_key_value_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps, model.layers[0].scale)
+    except ValueError:
+        return None
