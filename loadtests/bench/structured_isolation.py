@@ -117,6 +117,22 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def core_rss_by_schemas(client: httpx.Client, base: str, model: str, server_pid: int, schemas: int
+                        ) -> list[tuple[int, float]]:
+    """(schemas sent, the engine core's RSS in MiB) before and after every 100 of ``schemas`` distinct small
+    schemas, 4 at a time (the core: the server's largest child process, or the server itself)."""
+    core = _children(server_pid)
+    core_pid = max(core, key=rss_mib) if core else server_pid
+    rss = [(0, rss_mib(core_pid))]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for start in range(0, schemas, 100):
+            codes = list(pool.map(lambda i: send_schema(client, base, schema_body(model, small_schema(i)))[0],
+                                  range(start, min(start + 100, schemas))))
+            assert all(c == 200 for c in codes), codes
+            rss.append((min(start + 100, schemas), rss_mib(core_pid)))
+    return rss
+
+
 def run(args) -> dict:
     load_before = os.getloadavg()  # a shared host's load decides how far the gaps can be read
     port = free_port()
@@ -173,15 +189,7 @@ def run(args) -> dict:
             gaps = gaps_f.result()
             stop.set()
             health_f.result()
-        core = _children(server.pid)
-        core_pid = max(core, key=rss_mib) if core else server.pid
-        rss = [(0, rss_mib(core_pid))]
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            for start in range(0, args.schemas, 100):
-                codes = list(pool.map(lambda i: send_schema(sender, base, schema_body(model, small_schema(i)))[0],
-                                      range(start, min(start + 100, args.schemas))))
-                assert all(c == 200 for c in codes), codes
-                rss.append((min(start + 100, args.schemas), rss_mib(core_pid)))
+        rss = core_rss_by_schemas(sender, base, model, server.pid, args.schemas)
         alone, under = gap_figures(baseline), gap_figures(gaps)
         return {
             "baseline_gap_ms": alone,
