@@ -127,11 +127,6 @@ def copy_max_rows(march: str | None = None) -> float:
     return math.inf if isa(march) == "avx2" else COPY_MAX_ROWS
 
 
-def copy_serves(rows: int, march: str | None = None) -> bool:
-    """Whether a call of ``rows`` rows reads a weight's quantized copy (:func:`copy_max_rows`)."""
-    return rows <= copy_max_rows(march)
-
-
 def pack_q8(codes: torch.Tensor, d: torch.Tensor) -> PackedQ8Linear:
     """Pack a Q8_0 weight: codes [out, in] int8, d [out, in / 32] float32.
 

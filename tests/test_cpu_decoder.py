@@ -274,8 +274,7 @@ def test_the_stack_and_the_copies_are_chosen_once(linear_build, monkeypatch):
         raise AssertionError("a copy's rows were asked for during a step")
 
     with monkeypatch.context() as m:
-        for name in ("copy_serves", "copy_max_rows"):
-            m.setattr(cpu_linear, name, asked)
+        m.setattr(cpu_linear, "copy_max_rows", asked)
         with torch.no_grad():
             model.layers[1].o_proj.weight.mul_(1.5)
         more = _step([(1, 5, [1])], config.vocab_size, seed=3)  # more rows than COPY_MAX_ROWS

@@ -116,7 +116,7 @@ def _log_quantized(model, quantization: str, dtype: torch.dtype) -> None:
         mib = sum(packed.nbytes for layer in model.layers for packed, _, _ in layer.q4_copy.values()) / 2**20
         head = model.lm_head_q8
         when = "for every step (integer dots on this AVX2 body: outputs within the inputs' 8-bit rounding, " \
-            "the same for any batch)" if cpu_linear.copy_serves(cpu_linear.COPY_MAX_ROWS + 1) else \
+            "the same for any batch)" if cpu_linear.copy_max_rows() > cpu_linear.COPY_MAX_ROWS else \
             f"for decode steps of up to {cpu_linear.COPY_MAX_ROWS} sequences (same outputs, fewer bytes)"
         logger.info("weights in %s (quantization %s); the engine also keeps the GGUF's 4-bit codes of %d "
                     "projections (+%.0f MiB)%s and reads them instead %s", dtype, quantization, copies, mib,
