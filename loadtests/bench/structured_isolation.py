@@ -4,7 +4,8 @@ Against a real ``tandem engine serve`` process (issue #34's figures):
 
 1. Baseline: one streamed chat request (greedy, ``ignore_eos``, ``--max-tokens``
    tokens) alone, ``--baseline-runs`` times; its inter-token gaps (time
-   between SSE content events), p50/p99/max.
+   between SSE content events), p50/p99/max. ``/health`` is polled through
+   both phases, so the schema is the one difference between them.
 2. Under a large schema: the same stream, run again and again from before
    until after another client sends a ``--schema-kb`` KB JSON schema
    (nested objects of enums, inside the supported subset) twice, one after
@@ -55,9 +56,10 @@ def small_schema(i: int) -> dict:
     return {"type": "object", "properties": {f"k{i}": {"type": "integer", "maximum": i + 1}}, "required": [f"k{i}"]}
 
 
-def stream_gaps(client: httpx.Client, base: str, model: str, max_tokens: int) -> list[tuple[float, float]]:
+def stream_gaps(client: httpx.Client, base: str, model: str, max_tokens: int
+                ) -> list[tuple[float, float, float]]:
     """(seconds between consecutive content events of one streamed chat request, seconds of that gap this
-    thread spent waiting for a CPU: ``reader_wait``)."""
+    thread spent waiting for a CPU: ``reader_wait``, ``time.perf_counter()`` at the gap's end)."""
     body = {"model": model, "messages": ASK, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     times = []
@@ -66,7 +68,7 @@ def stream_gaps(client: httpx.Client, base: str, model: str, max_tokens: int) ->
             if line.startswith("data: {") and '"content":"' in line.replace(" ", "") and '"content":""' not in \
                     line.replace(" ", ""):
                 times.append((time.perf_counter(), reader_wait()))
-    return [(b - a, wb - wa) for (a, wa), (b, wb) in zip(times, times[1:])]
+    return [(b - a, wb - wa, b) for (a, wa), (b, wb) in zip(times, times[1:])]
 
 
 def reader_wait() -> float:
@@ -81,14 +83,14 @@ def reader_wait() -> float:
         return 0.0
 
 
-def gap_figures(gaps: list[tuple[float, float]]) -> dict:
+def gap_figures(gaps: list[tuple[float, float, float]]) -> dict:
     """p50, p99 and max (ms) of the gaps as read, and of the gaps less the reader's own wait for a CPU."""
-    raw = [g for g, _ in gaps]
-    net = [g - w for g, w in gaps]
+    raw = [g for g, _, _ in gaps]
+    net = [g - w for g, w, _ in gaps]
     return {"p50": statistics.median(raw) * 1e3, "p99": pct(raw, 0.99) * 1e3, "max": max(raw) * 1e3,
             "n": len(raw), "less_reader_wait": {"p50": statistics.median(net) * 1e3, "p99": pct(net, 0.99) * 1e3,
                                                 "max": max(net) * 1e3},
-            "reader_wait_max": max(w for _, w in gaps) * 1e3}
+            "reader_wait_max": max(w for _, w, _ in gaps) * 1e3}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -159,8 +161,6 @@ def run(args) -> dict:
         del schema
         gc.collect()
         gc.freeze()
-        baseline = [g for _ in range(args.baseline_runs) for g in stream_gaps(streamer, base, model,
-                                                                                args.max_tokens)]
         health: list[float] = []
         stop = threading.Event()
 
@@ -173,22 +173,28 @@ def run(args) -> dict:
 
         sent = threading.Event()
 
-        def streams_until_sent() -> list[float]:
+        def streams_until_sent() -> list[tuple[float, float, float]]:
             """Gaps of back-to-back streams, until both sends are answered (gaps within a stream only)."""
             out = []
             while not sent.is_set():
                 out += stream_gaps(streamer, base, model, args.max_tokens)
             return out
 
+        # `/health` is polled through the baseline too: the one difference between the two figures is the schema.
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            gaps_f = pool.submit(streams_until_sent)
             health_f = pool.submit(poll_health)
+            baseline = [g for _ in range(args.baseline_runs) for g in stream_gaps(streamer, base, model,
+                                                                                    args.max_tokens)]
+            health_alone, health[:] = list(health), []
+            gaps_f = pool.submit(streams_until_sent)
             time.sleep(1.0)
+            t0 = time.perf_counter()
             sends = [send_schema(sender, base, big), send_schema(sender, base, big)]
             sent.set()
             gaps = gaps_f.result()
             stop.set()
             health_f.result()
+        worst = max(gaps, key=lambda g: g[0])
         rss = core_rss_by_schemas(sender, base, model, server.pid, args.schemas)
         alone, under = gap_figures(baseline), gap_figures(gaps)
         return {
@@ -198,7 +204,11 @@ def run(args) -> dict:
             "max_gap_over_baseline_p99": under["max"] / alone["p99"],
             "less_reader_wait_max_gap_over_baseline_p99": under["less_reader_wait"]["max"] / alone[
                 "less_reader_wait"]["p99"],
+            # when the largest gap ended, in seconds after the first send began (its compile: the first send's
+            # seconds; the cached repeat after that)
+            "largest_gap_at_s": round(worst[2] - t0, 3),
             "health_max_ms": max(health) * 1e3 if health else None,
+            "health_max_alone_ms": max(health_alone) * 1e3 if health_alone else None,
             "core_rss_mib_by_schemas": rss, "cache_entries": args.cache_entries,
             "load_average_before_after": [load_before[0], os.getloadavg()[0]], "cpus": os.cpu_count(),
         }
