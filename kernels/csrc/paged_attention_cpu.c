@@ -213,14 +213,18 @@ static inline __attribute__((always_inline)) void prefetch_context(const char *c
     }
 }
 
-/* Everything one work item (query row t, KV head g) computes; BF16 is a
- * literal at each call site, so each dtype gets its own specialised copy. */
+/* Everything one work item (query row t, query heads first_head ..
+ * first_head + group - 1, all of KV head g) computes; BF16 is a literal at
+ * each call site, so each dtype gets its own specialised copy. Every head's
+ * arithmetic is its own (its scores, softmax and weighted values), so a
+ * head's bits do not depend on which other heads share its item. */
 static inline __attribute__((always_inline)) void attend_item(
     const int BF16, const void *query, int64_t ldq, const void *key_cache, const void *value_cache, void *out,
-    const int32_t *table, int64_t t, int64_t g, int64_t ctx, int decode, int64_t num_heads, int64_t num_kv_heads,
-    int64_t group, int64_t head_dim, int64_t block_size, float scale, float *scores, float *qf, float *acc) {
-    const int64_t q0 = t * ldq + g * group * head_dim;             /* first query head of the group */
-    const int64_t o0 = (t * num_heads + g * group) * head_dim;     /* and its output row */
+    const int32_t *table, int64_t t, int64_t g, int64_t first_head, int64_t ctx, int decode, int64_t num_heads,
+    int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale, float *scores,
+    float *qf, float *acc) {
+    const int64_t q0 = t * ldq + first_head * head_dim;            /* the item's first query head */
+    const int64_t o0 = (t * num_heads + first_head) * head_dim;    /* and its output row */
     const int64_t slot_stride = num_kv_heads * head_dim, elem = BF16 ? 2 : 4;
 #if defined(__AVX512BF16__)
     const int fast_qk = BF16 && head_dim % 32 == 0 && block_size % 16 == 0; /* VDPBF16PS on the raw query */
@@ -252,7 +256,7 @@ static inline __attribute__((always_inline)) void attend_item(
         prefetch_context(value_cache, table, g, ctx, head_dim, block_size, slot_stride, elem);
     for (int64_t h = 0; h < group; h++) softmax(scores + h * ctx, ctx);
 #if defined(__AVX512BF16__)
-    if (BF16 && head_dim % 32 == 0 && group <= 8)
+    if (BF16 && head_dim % 32 == 0 && num_heads / num_kv_heads <= 8) /* the whole group's size: a split item's too */
         pv_bf16(scores, (const uint16_t *)value_cache, table, g, ctx, group, head_dim, block_size, slot_stride, acc);
     else
 #endif
@@ -283,7 +287,13 @@ static inline __attribute__((always_inline)) void attend_item(
         if (!row_seq) return 2;                                                                           \
         for (int64_t s = 0; s < num_seqs; s++)                                                            \
             for (int64_t t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) row_seq[t] = (int32_t)s; \
-        const int64_t items = num_tokens * num_kv_heads;                                                  \
+        /* A work item is (query row, KV head), its group's query heads sharing each key and value load;   \
+         * with fewer items than 4 per thread (a decode of one or two sequences) each of its query heads is   \
+         * an item of its own, so every thread has work (one sequence of SmolLM2, 3 KV heads on 2 threads:    \
+         * one thread took all 3 and the other waited). Bits unchanged (attend_item). */                     \
+        const int64_t split = num_tokens * num_kv_heads < 4 * (int64_t)num_threads ? group : 1;           \
+        const int64_t sub = group / split, items = num_tokens * num_kv_heads * split;                     \
+        const int64_t chunk = items >= 16 * (int64_t)num_threads ? 4 : 1, chunks = (items + chunk - 1) / chunk; \
         int failed = 0;                                                                                   \
         _Pragma("omp parallel num_threads(num_threads)") {                                                \
             float *scores = malloc(sizeof(float) * (size_t)(group * max_len));                            \
@@ -292,14 +302,16 @@ static inline __attribute__((always_inline)) void attend_item(
             if (!scores || !qf || !acc) {                                                                 \
                 _Pragma("omp atomic write") failed = 2;                                                   \
             }                                                                                             \
-            _Pragma("omp for schedule(dynamic, 4)") for (int64_t it = 0; it < items; it++) {             \
+            _Pragma("omp for schedule(dynamic, 1)") for (int64_t c = 0; c < chunks; c++)                 \
+            for (int64_t it = c * chunk; it < items && it < (c + 1) * chunk; it++) {                      \
                 if (!scores || !qf || !acc) continue;                                                     \
-                const int64_t t = it / num_kv_heads, g = it % num_kv_heads, s = row_seq[t];              \
+                const int64_t t = it / (num_kv_heads * split), g = it / split % num_kv_heads;             \
+                const int64_t first_head = g * group + it % split * sub, s = row_seq[t];                  \
                 const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];                        \
                 const int64_t ctx = seq_lens[s] - q_len + (t - query_start_loc[s]) + 1;                   \
                 attend_item(BF16, query, ldq, key_cache, value_cache, out, block_tables + s * block_table_stride, \
-                            t, g, ctx, q_len == 1, num_heads, num_kv_heads, group, head_dim, block_size, scale,   \
-                            scores, qf, acc);                                                             \
+                            t, g, first_head, ctx, q_len == 1, num_heads, num_kv_heads, sub, head_dim, block_size, \
+                            scale, scores, qf, acc);                                                      \
             }                                                                                             \
             free(scores);                                                                                 \
             free(qf);                                                                                     \
