@@ -59,19 +59,6 @@ static inline void f32_store_one(float v, int64_t r, int64_t c, const float *bia
 }
 
 #if defined(F32_PANEL_AVX2)
-/* f32_to_bf16 on 8 lanes (the same integer arithmetic), packed to 8 uint16. */
-static inline __m128i f32x8_to_bf16(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i up = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
-    const __m256i rounded = _mm256_srli_epi32(up, 16);
-    const __m256i quiet_nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                              _mm256_set1_epi32(0x7f800000));
-    const __m256i r = _mm256_blendv_epi8(rounded, quiet_nan, is_nan);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
 /* Rows' accumulators acc[r][g], g < NG (lane l = column col0 + 8 g + l) plus
  * bias and residual, rounded once or stored as float32 when y_f32; columns
  * from n on are not written. */

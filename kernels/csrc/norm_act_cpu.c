@@ -58,7 +58,19 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t ld, uint16_t *y, int64_t ldy
             _mm256_mask_storeu_epi16(yr + j, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, b)));
         }
 #else
-        for (int64_t j = 0; j < inter; j++) {
+        int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; j + 8 <= inter; j += 8) { /* the scalar loop's arithmetic on 8 lanes */
+            const __m256 a = bf16x8_to_f32(_mm_loadu_si128((const __m128i *)(g + j)));
+            const __m256 b = bf16x8_to_f32(_mm_loadu_si128((const __m128i *)(u + j)));
+            const __m256 neg = _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ);
+            const __m256 t = exp_neg8(_mm256_min_ps(a, _mm256_sub_ps(_mm256_setzero_ps(), a))); /* e^-|a| */
+            const __m256 num = _mm256_blendv_ps(a, _mm256_mul_ps(a, t), neg);                  /* a or a e^a */
+            const __m256 silu = _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), t));
+            _mm_storeu_si128((__m128i *)(yr + j), f32x8_to_bf16(_mm256_mul_ps(silu, b)));
+        }
+#endif
+        for (; j < inter; j++) {
             const float a = bf16_to_f32(g[j]), t = exp_neg(a < 0 ? a : -a); /* e^-|a| */
             const float silu = (a < 0 ? a * t : a) / (1.0f + t);
             yr[j] = f32_to_bf16(silu * bf16_to_f32(u[j]));
