@@ -208,14 +208,14 @@ def _stop(choice: dict, stop_sequences: list | None) -> tuple[str | None, str | 
 def _usage(u: dict | None) -> dict:
     """Chat ``usage`` -> Anthropic's. Chat's ``prompt_tokens`` counts the cached prefix too; Anthropic's
     ``input_tokens`` does not (the whole input is ``input_tokens + cache_read_input_tokens +
-    cache_creation_input_tokens``), so the cached tokens move from one to the other, never counted twice."""
+    cache_creation_input_tokens``), so the cached tokens move from one to the other, never counted twice. Both
+    cache fields are always present, 0 when nothing was cached or written, as Anthropic's own answers carry them
+    (clients add them up: ``None`` would break that)."""
     u = u or {}
     cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    out = {"input_tokens": max(int(u.get("prompt_tokens") or 0) - cached, 0),
-           "output_tokens": int(u.get("completion_tokens") or 0)}
-    if cached:
-        out["cache_read_input_tokens"] = cached
-    return out
+    return {"input_tokens": max(int(u.get("prompt_tokens") or 0) - cached, 0),
+            "output_tokens": int(u.get("completion_tokens") or 0),
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def _tool_input(arguments: object) -> dict:

@@ -50,7 +50,12 @@ def test_answer_stop_reasons_and_usage():
     msg = chat_to_message(chat, "msg_1", "m", ["END"])
     assert (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "END")
     # Anthropic's input_tokens leaves the cache reads out: 4 prompt tokens of which 3 cached
-    assert msg["usage"] == {"input_tokens": 1, "output_tokens": 2, "cache_read_input_tokens": 3}
+    assert msg["usage"] == {"input_tokens": 1, "output_tokens": 2, "cache_creation_input_tokens": 0,
+                            "cache_read_input_tokens": 3}
+    chat["usage"].pop("prompt_tokens_details")  # nothing cached: the fields are there, 0 (Anthropic sends them)
+    assert chat_to_message(chat, "msg_1", "m")["usage"] == {"input_tokens": 4, "output_tokens": 2,
+                                                           "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    chat["usage"]["prompt_tokens_details"] = {"cached_tokens": 3}
     assert chat_to_message(chat, "msg_1", "m", None)["stop_reason"] == "end_turn"
     chat["choices"][0]["finish_reason"] = "length"
     assert chat_to_message(chat, "msg_1", "m")["stop_reason"] == "max_tokens"
@@ -60,7 +65,8 @@ def test_answer_stop_reasons_and_usage():
         "stop_sequence": None, "usage": {"input_tokens": 5, "output_tokens": 7}}
     back = chat_to_message(message_to_chat(native), "msg_2", "m")
     assert back["content"] == native["content"] and back["stop_reason"] == "tool_use"
-    assert back["usage"] == {"input_tokens": 5, "output_tokens": 7}
+    assert back["usage"] == {"input_tokens": 5, "output_tokens": 7, "cache_creation_input_tokens": 0,
+                             "cache_read_input_tokens": 0}
 
 
 def _chunk(delta: dict, finish: str | None = None) -> bytes:
@@ -101,7 +107,8 @@ def test_stream_events_text_then_tool_call_then_usage():
     assert events[5][1]["content_block"] == {"type": "tool_use", "id": "c1", "name": "f", "input": {}}
     assert events[6][1]["delta"] == {"type": "input_json_delta", "partial_json": '{"a": 1}'}
     assert events[8][1]["delta"]["stop_reason"] == "tool_use"
-    assert events[8][1]["usage"] == {"input_tokens": 3, "output_tokens": 5}             # the backend's count
+    assert events[8][1]["usage"] == {"input_tokens": 3, "output_tokens": 5,             # the backend's count
+                                     "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
 
 
 def test_stream_failure_becomes_an_error_event():
