@@ -139,6 +139,18 @@ def wait_until(predicate, timeout: float = 60.0) -> bool:
     return predicate()
 
 
+def concurrently(*calls):
+    """Each of ``calls`` (no-argument callables: requests) in a thread of its own; their results, in order.
+
+    Requests that do not depend on one another's results are sent together so that the engine decodes them
+    in one batch (a step of SmolLM2 costs about the same for 1 sequence as for 6 on a CPU). The engine is
+    batch-invariant (README "Reproducible outputs"; ``test_seeded_request_is_independent_of_batching``), so
+    every output is the one the request would get alone."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [f.result() for f in futures]
+
+
 def counting_prompt(tokenizer, min_tokens: int) -> tuple[str, int]:
     """"0, 1, 2, ..." with at least ``min_tokens`` tokens; returns (prompt, next number)."""
     parts = []
@@ -170,13 +182,15 @@ def test_a_body_nested_past_the_decoders_limit_is_a_400(server, path):
 
 
 def test_stop_string_is_never_streamed(server):
-    free = complete(server, prompt=ALPHABET_PROMPT, max_tokens=12, temperature=0).choices[0].text
+    free, full, chunks = concurrently(
+        lambda: complete(server, prompt=ALPHABET_PROMPT, max_tokens=12, temperature=0),
+        lambda: complete(server, prompt=ALPHABET_PROMPT, max_tokens=12, temperature=0, stop=["DEFGHIJ"]),
+        lambda: complete_stream(server, prompt=ALPHABET_PROMPT, max_tokens=12, temperature=0, stop=["DEFGHIJ"]))
+    free = free.choices[0].text
     assert "DEFGHIJ" in free, free  # precondition: the model continues the alphabet
-    full = complete(server, prompt=ALPHABET_PROMPT, max_tokens=12, temperature=0, stop=["DEFGHIJ"])
     choice = full.choices[0]
     assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == "DEFGHIJ"
     assert free.startswith(choice.text + "DEFGHIJ")
-    chunks = complete_stream(server, prompt=ALPHABET_PROMPT, max_tokens=12, temperature=0, stop=["DEFGHIJ"])
     deltas = [c.text for ch in chunks for c in ch.choices]
     assert "".join(deltas) == choice.text
     assert not set("DEFGHIJ") & set("".join(deltas))
@@ -184,25 +198,28 @@ def test_stop_string_is_never_streamed(server):
 
 
 def test_stop_string_fused_into_a_larger_token(server):
-    free = complete(server, prompt=CODE_PROMPT, max_tokens=10, temperature=0, logprobs=0).choices[0]
+    free, full, chunks = concurrently(
+        lambda: complete(server, prompt=CODE_PROMPT, max_tokens=10, temperature=0, logprobs=0).choices[0],
+        lambda: complete(server, prompt=CODE_PROMPT, max_tokens=10, temperature=0, stop="\n\n").choices[0],
+        lambda: complete_stream(server, prompt=CODE_PROMPT, max_tokens=10, temperature=0, stop="\n\n"))
     assert "\n\n" in free.text, free.text
     fused = [t for t in free.logprobs.tokens if "\n\n" in t and len(t) > 2]
     assert fused, (free.logprobs.tokens, free.text)  # precondition: "\n\n" sits inside a larger token
-    full = complete(server, prompt=CODE_PROMPT, max_tokens=10, temperature=0, stop="\n\n").choices[0]
     assert full.finish_reason == "stop"
     assert full.text == free.text[: free.text.index("\n\n")] and full.text
-    chunks = complete_stream(server, prompt=CODE_PROMPT, max_tokens=10, temperature=0, stop="\n\n")
     assert stream_text(chunks) == full.text
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_emoji_and_hangul_stream_without_replacement_chars(server):
-    chunks = complete_stream(server, prompt=EMOJI_HANGUL_PROMPT, max_tokens=27, temperature=0)
+    chunks, whole = concurrently(
+        lambda: complete_stream(server, prompt=EMOJI_HANGUL_PROMPT, max_tokens=27, temperature=0),
+        lambda: complete(server, prompt=EMOJI_HANGUL_PROMPT, max_tokens=27, temperature=0))
     deltas = [c.text for ch in chunks for c in ch.choices]
     assert all("\ufffd" not in d for d in deltas), deltas
     text = "".join(deltas)
     assert "🎉" in text and "안녕" in text, text
-    assert text == complete(server, prompt=EMOJI_HANGUL_PROMPT, max_tokens=27, temperature=0).choices[0].text
+    assert text == whole.choices[0].text
 
 
 def test_n3_choices_have_indices_and_finish_reasons(server):
@@ -323,10 +340,12 @@ def cli_server(*flags: str):
 def test_chunked_prefill_matches_unchunked_cli_server(server):
     prompt, next_number = counting_prompt(server.engine.tokenizer, 2 * PREFILL_CHUNK + 50)
     assert len(server.engine.tokenizer.encode(prompt, add_special_tokens=True)) > 2 * PREFILL_CHUNK
-    chunked = complete(server, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
-    with cli_server("--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", str(MAX_MODEL_LEN),
-                    "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
-                    "--served-model-name", "unchunked") as (proc, base):
+    # The chunked request runs on the in-process server while the CLI server starts (a model load).
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    chunked_future = pool.submit(lambda: complete(server, prompt=prompt, max_tokens=8, temperature=0))
+    with pool, cli_server("--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len",
+                          str(MAX_MODEL_LEN), "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
+                          "--served-model-name", "unchunked") as (proc, base):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
         raw = client.completions.with_raw_response.create(model="unchunked", prompt=prompt, max_tokens=8,
                                                           temperature=0)
@@ -344,6 +363,7 @@ def test_chunked_prefill_matches_unchunked_cli_server(server):
         assert usage["completion_tokens"] == 12
         # uvicorn re-raises the captured SIGTERM after its graceful shutdown.
         assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
+        chunked = chunked_future.result().choices[0].text
     assert chunked == unchunked
     assert str(next_number) in chunked  # it keeps counting
 

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from tests.engine.entrypoints.test_serving import (
-    LiveServer, chat, chat_stream, complete, complete_stream, counting_prompt, scrape, start_server,
+    LiveServer, chat, chat_stream, complete, concurrently, complete_stream, counting_prompt, scrape, start_server,
     stream_text, wait_until,
 )
 
@@ -52,49 +52,48 @@ def cut_at_stop(text: str, stop: str, start: int) -> str:
 
 # ------------------------------------------------------------------- min_tokens
 def test_min_tokens_holds_back_stop_strings_in_completions(server):
-    free = complete(server, prompt=COLORS_PROMPT, max_tokens=30, temperature=0, logprobs=0).choices[0]
+    held = dict(prompt=COLORS_PROMPT, max_tokens=30, temperature=0, stop=["\n"], extra_body={"min_tokens": 8})
+    # min_tokens == max_tokens: the stop string never ends it.
+    both = dict(prompt=COLORS_PROMPT, max_tokens=8, temperature=0, stop=["\n"], extra_body={"min_tokens": 8})
+    free, plain, r, chunks, r_both, chunks_both = concurrently(  # independent requests: one batch
+        lambda: complete(server, prompt=COLORS_PROMPT, max_tokens=30, temperature=0, logprobs=0).choices[0],
+        lambda: complete(server, prompt=COLORS_PROMPT, max_tokens=30, temperature=0, stop=["\n"]).choices[0],
+        lambda: complete(server, **held), lambda: complete_stream(server, **held),
+        lambda: complete(server, **both), lambda: complete_stream(server, **both))
     head = "".join(free.logprobs.tokens[:8])  # text of the first 8 tokens (ASCII here)
     assert free.text.startswith(head) and "\n" in head, free.text  # precondition: a "\n" within 8 tokens
     assert "\n" in free.text[len(head):], free.text  # ... and one after them
-    plain = complete(server, prompt=COLORS_PROMPT, max_tokens=30, temperature=0, stop=["\n"]).choices[0]
     assert plain.text == cut_at_stop(free.text, "\n", 0) and plain.finish_reason == "stop"
 
-    held = dict(prompt=COLORS_PROMPT, max_tokens=30, temperature=0, stop=["\n"], extra_body={"min_tokens": 8})
     expected = cut_at_stop(free.text, "\n", len(head))  # the first "\n" after 8 tokens ends it, untrimmed before
-    r = complete(server, **held)
     choice = r.choices[0]
     assert choice.text == expected, (choice.text, free.text)
     assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == "\n"
     assert r.usage.completion_tokens > 8
-    chunks = complete_stream(server, **held)
     assert stream_text(chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
 
-    # min_tokens == max_tokens: the stop string never ends it.
-    both = dict(prompt=COLORS_PROMPT, max_tokens=8, temperature=0, stop=["\n"], extra_body={"min_tokens": 8})
-    r = complete(server, **both)
-    assert r.choices[0].text == head and r.choices[0].finish_reason == "length"
-    assert r.usage.completion_tokens == 8
-    chunks = complete_stream(server, **both)
-    assert stream_text(chunks) == head and chunks[-1].choices[0].finish_reason == "length"
+    assert r_both.choices[0].text == head and r_both.choices[0].finish_reason == "length"
+    assert r_both.usage.completion_tokens == 8
+    assert stream_text(chunks_both) == head and chunks_both[-1].choices[0].finish_reason == "length"
 
 
 def test_min_tokens_holds_back_stop_strings_in_chat(server):
     # Without a stop string (min_tokens also holds back EOS, so this is the text to cut).
-    free = chat(server, messages=COLORS_CHAT, max_tokens=40, temperature=0, logprobs=True,
-                extra_body={"min_tokens": 15}).choices[0]
+    held = dict(messages=COLORS_CHAT, max_tokens=40, temperature=0, stop=["\n"], extra_body={"min_tokens": 15})
+    free, plain, r, chunks = concurrently(  # independent requests: one batch
+        lambda: chat(server, messages=COLORS_CHAT, max_tokens=40, temperature=0, logprobs=True,
+                     extra_body={"min_tokens": 15}).choices[0],
+        lambda: chat(server, messages=COLORS_CHAT, max_tokens=40, temperature=0, stop=["\n"]).choices[0],
+        lambda: chat(server, **held), lambda: chat_stream(server, **held))
     content = free.message.content
     head = "".join(t.token for t in free.logprobs.content[:15])
     assert content.startswith(head) and "\n" in head, content  # precondition: a "\n" within 15 tokens
-    plain = chat(server, messages=COLORS_CHAT, max_tokens=40, temperature=0, stop=["\n"]).choices[0]
     assert plain.message.content == cut_at_stop(content, "\n", 0) and plain.finish_reason == "stop"
 
-    held = dict(messages=COLORS_CHAT, max_tokens=40, temperature=0, stop=["\n"], extra_body={"min_tokens": 15})
     expected = cut_at_stop(content, "\n", len(head))
-    r = chat(server, **held)
     assert r.choices[0].message.content == expected, (r.choices[0].message.content, content)
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens >= 15
-    chunks = chat_stream(server, **held)
     assert chat_stream_text(chunks) == expected
     assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["stop"]
 
