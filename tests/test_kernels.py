@@ -412,11 +412,21 @@ def test_bench_report_with_results(tmp_path):
 
 
 @pytest.mark.slow
-def test_kernels_compile_for_cuda(tmp_path):
-    """The compiled (non-interpreter) pipeline down to PTX/cubin for sm_90, no GPU needed."""
+def test_kernels_compile_for_cuda():
+    """The compiled (non-interpreter) pipeline down to PTX/cubin for sm_90, no GPU needed.
+
+    Compiled kernels are kept in Triton's own cache under the C kernels' cache
+    dir (``$TANDEM_KERNEL_CACHE``), not a fresh temporary dir: Triton keys each
+    entry by the kernel's source (and its line number), the signature and
+    constexprs, Triton's own sources and library, the target (CUDA arch) and
+    ptxas version, so an unchanged tree checks from the cache while a changed
+    kernel, Triton or target compiles again; a failed compile stores nothing.
+    """
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    from kernels.cpu_build import _cache_dir
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_ALWAYS_COMPILE")}
+    env["TRITON_CACHE_DIR"] = str(_cache_dir() / "triton-compile-check")
     proc = subprocess.run(
         [sys.executable, "-m", "loadtests.bench.compile_check", "--arch", "90"],
         env=env,

@@ -16,6 +16,7 @@ from dataclasses import replace
 import httpx
 import openai
 import pytest
+import pytest_asyncio
 
 from gateway.backends.local import LocalBackend
 from gateway.config.schema import EngineConfig, GatewayConfig, LocalBackendConfig
@@ -322,59 +323,62 @@ def _request(backend, body: dict, request_id: str, rendered: bool = True) -> tup
     return req, {**req.body, "model": backend.served_model_name}
 
 
-async def test_routing_count_is_the_engines_prompt(tiny_model):
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def tiny_backend(tiny_model):
+    """A started in-process ``LocalBackend`` on the tiny model, shared by the tests that only send it requests
+    (building and starting one took about 10 s a test on a busy 2-core box)."""
+    backend = LocalBackend("local", LocalBackendConfig(type="local", engine=EngineConfig(
+        model=tiny_model, dtype="float32", kv_cache_memory="64MiB")))
+    await backend.start()
+    yield backend
+    await backend.aclose()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_routing_count_is_the_engines_prompt(tiny_backend):
     """The prompt length routing reads (``LocalBackend.render``) is the prompt the engine runs
     (``usage.prompt_tokens``), whatever template, tool and special-token options the client sets; the gateway's
     own fields (``priority``) and the model name do not change it."""
-    backend = LocalBackend("local", LocalBackendConfig(type="local", engine=EngineConfig(
-        model=tiny_model, dtype="float32", kv_cache_memory="64MiB")))
-    await backend.start()
+    backend = tiny_backend
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
     tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
         "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
-    try:
-        for i, body in enumerate([{"messages": msgs}, {"messages": msgs, "add_generation_prompt": False},
-                                  {"messages": msgs, "add_special_tokens": True}, {"messages": msgs, "tools": tools},
-                                  {"prompt": "Hello there"}, {"prompt": ["Hello there", "Hi", [5, 6, 7]]},
-                                  {"prompt": "Hello there", "add_special_tokens": False}]):
-            req, _ = _request(backend, {**body, "priority": "high"}, f"count-{i}")
-            _, engine_body = _request(backend, {**body, "max_tokens": 1}, f"count-{i}", rendered=False)
-            reply = await backend.send(replace(req, rendered=None), engine_body)   # the engine renders it itself
-            assert req.rendered.prompt_tokens == json.loads(reply.body)["usage"]["prompt_tokens"], body
-        assert backend.render("completions", {"prompt": ""}) is None    # refused: the estimate counts
-    finally:
-        await backend.aclose()
+    for i, body in enumerate([{"messages": msgs}, {"messages": msgs, "add_generation_prompt": False},
+                              {"messages": msgs, "add_special_tokens": True}, {"messages": msgs, "tools": tools},
+                              {"prompt": "Hello there"}, {"prompt": ["Hello there", "Hi", [5, 6, 7]]},
+                              {"prompt": "Hello there", "add_special_tokens": False}]):
+        req, _ = _request(backend, {**body, "priority": "high"}, f"count-{i}")
+        _, engine_body = _request(backend, {**body, "max_tokens": 1}, f"count-{i}", rendered=False)
+        reply = await backend.send(replace(req, rendered=None), engine_body)   # the engine renders it itself
+        assert req.rendered.prompt_tokens == json.loads(reply.body)["usage"]["prompt_tokens"], body
+    assert backend.render("completions", {"prompt": ""}) is None    # refused: the estimate counts
 
 
-async def test_the_engine_runs_routings_rendering(tiny_model):
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_engine_runs_routings_rendering(tiny_backend):
     """A rendering handed over with the request is what the engine runs: it does not parse or tokenize the body
     again (a rendering of another prompt shows in ``usage``), still checks the model the body names, and labels
     the answer with the gateway's id and public model itself (no relabelling pass)."""
-    backend = LocalBackend("local", LocalBackendConfig(type="local", engine=EngineConfig(
-        model=tiny_model, dtype="float32", kv_cache_memory="64MiB")))
-    await backend.start()
-    try:
-        long_body = {"prompt": "one two three four five six seven eight", "max_tokens": 1}
-        long, _ = _request(backend, long_body, "long")
-        short, short_body = _request(backend, {"prompt": "one", "max_tokens": 1}, "own")
-        own = json.loads((await backend.send(short, short_body)).body)
-        assert (own["id"], own["model"]) == ("cmpl-own", "public")
-        reply = json.loads((await backend.send(replace(short, rendered=long.rendered), short_body)).body)
-        assert reply["usage"]["prompt_tokens"] == long.rendered.prompt_tokens > own["usage"]["prompt_tokens"]
-        long_stream, _ = _request(backend, {**long_body, "stream": True,
-                                            "stream_options": {"include_usage": True}}, "long-stream")
-        short_stream, body = _request(backend, {"prompt": "one", "max_tokens": 1, "stream": True}, "handed-stream")
-        stream = await backend.open_stream(replace(short_stream, rendered=long_stream.rendered), body)
-        events = b"".join([chunk async for chunk in stream]).split(b"\n\n")
-        assert events[-2:] == [b"data: [DONE]", b""]
-        last = json.loads(events[-3][6:])
-        assert (last["id"], last["model"], last["usage"]["prompt_tokens"]) == (
-            "cmpl-handed-stream", "public", long.rendered.prompt_tokens)
-        with pytest.raises(BackendError) as e:
-            await backend.send(long, {**short_body, "model": "nope"})
-        assert e.value.status == 404
-    finally:
-        await backend.aclose()
+    backend = tiny_backend
+    long_body = {"prompt": "one two three four five six seven eight", "max_tokens": 1}
+    long, _ = _request(backend, long_body, "long")
+    short, short_body = _request(backend, {"prompt": "one", "max_tokens": 1}, "own")
+    own = json.loads((await backend.send(short, short_body)).body)
+    assert (own["id"], own["model"]) == ("cmpl-own", "public")
+    reply = json.loads((await backend.send(replace(short, rendered=long.rendered), short_body)).body)
+    assert reply["usage"]["prompt_tokens"] == long.rendered.prompt_tokens > own["usage"]["prompt_tokens"]
+    long_stream, _ = _request(backend, {**long_body, "stream": True,
+                                        "stream_options": {"include_usage": True}}, "long-stream")
+    short_stream, body = _request(backend, {"prompt": "one", "max_tokens": 1, "stream": True}, "handed-stream")
+    stream = await backend.open_stream(replace(short_stream, rendered=long_stream.rendered), body)
+    events = b"".join([chunk async for chunk in stream]).split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    last = json.loads(events[-3][6:])
+    assert (last["id"], last["model"], last["usage"]["prompt_tokens"]) == (
+        "cmpl-handed-stream", "public", long.rendered.prompt_tokens)
+    with pytest.raises(BackendError) as e:
+        await backend.send(long, {**short_body, "model": "nope"})
+    assert e.value.status == 404
 
 
 async def test_a_probe_during_the_load_does_not_outlive_it(tiny_model):
