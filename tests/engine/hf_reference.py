@@ -1,4 +1,5 @@
-"""HF transformers' greedy reference for SmolLM2 (float32), computed once and kept in tests/data/.
+"""HF transformers' greedy references for SmolLM2 (float32), computed once and kept in tests/data/
+(or, for full logits too large for the repository, in a cache directory).
 
 transformers' float32 generation of 8 prompts x 64 tokens is the most expensive part of
 ``test_engine_parity.py`` on a CPU, and its result is a pure function of the model file, the prompt
@@ -10,12 +11,17 @@ only the reference token, that token's log-probability and the top-2 logit gap, 
 Refresh the file after a change to any input (the test then uses the live model until this is run):
 
     python -m tests.engine.hf_reference
+
+``logits_reference`` does the same for ``test_model_smollm2.py``'s full-logit check (20 steps x 49152
+float32 logits, 3.9 MB: too large for tests/data): it keeps its result under ``$TANDEM_TEST_CACHE``
+(default ``~/.cache/tandem/test-references``), one file per key, written on the first run that computes it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,6 +57,11 @@ def prompt_ids(tok, num_prompts: int) -> list[list[int]]:
 def cache_key(model_path: str, prompts: list[list[int]], new_tokens: int) -> str:
     """SHA-256 (hex) of everything the reference depends on: the model file's bytes, the prompt ids,
     the number of new tokens and the transformers and torch versions."""
+    return _key(model_path, {"prompts": prompts, "new_tokens": new_tokens, "dtype": "float32", "greedy": True})
+
+
+def _key(model_path: str, inputs: dict) -> str:
+    """SHA-256 (hex) of the model file's bytes, then ``inputs`` with the transformers and torch versions as JSON."""
     import torch
     import transformers
 
@@ -58,8 +69,7 @@ def cache_key(model_path: str, prompts: list[list[int]], new_tokens: int) -> str
     with open(model_path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
-    h.update(json.dumps({"prompts": prompts, "new_tokens": new_tokens, "dtype": "float32", "greedy": True,
-                         "transformers": transformers.__version__, "torch": torch.__version__}).encode())
+    h.update(json.dumps({**inputs, "transformers": transformers.__version__, "torch": torch.__version__}).encode())
     return h.hexdigest()
 
 
@@ -102,6 +112,45 @@ def reference(tok, model_path: str, num_prompts: int, new_tokens: int, load_mode
     if stored is not None:
         return stored
     return compute(load_model(), prompts, new_tokens, tok.eos_token_id)
+
+
+def cache_dir() -> Path:
+    """Where references too large for tests/data are kept: ``$TANDEM_TEST_CACHE``, default
+    ``~/.cache/tandem/test-references`` (as the kernels' ``$TANDEM_KERNEL_CACHE``)."""
+    return Path(os.environ.get("TANDEM_TEST_CACHE", Path.home() / ".cache" / "tandem" / "test-references"))
+
+
+def greedy_logits(model, prompt: list[int], steps: int, pad_token_id: int):
+    """transformers' greedy continuation of ``prompt`` by ``model``, ``steps`` tokens with no stop token:
+    the generated ids and the float32 logits of each step, ``[steps, vocab]``."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt])  # an explicit mask: a prompt may hold the pad token (<|im_end|> in SmolLM2)
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, eos_token_id=None,
+                             pad_token_id=pad_token_id)
+    return ref.sequences[0, len(prompt):].tolist(), torch.stack([step[0].float() for step in ref.logits])
+
+
+def logits_reference(model_path: str, prompt: list[int], steps: int, pad_token_id: int, load_model):
+    """``greedy_logits`` of the transformers model of the GGUF at ``model_path``: read from ``cache_dir()``
+    when a file was made for exactly this model file, prompt, step count, pad id and transformers/torch
+    versions, else computed with ``load_model()`` (only called then) and stored there."""
+    import torch
+
+    key = _key(model_path, {"prompt": prompt, "steps": steps, "pad_token_id": pad_token_id, "dtype": "float32",
+                            "greedy": True, "eos_token_id": None, "output": "logits"})
+    path = cache_dir() / f"smollm2_hf_logits_{key}.pt"
+    if path.exists():
+        stored = torch.load(path, weights_only=True)
+        return stored["token_ids"], stored["logits"]
+    token_ids, logits = greedy_logits(load_model(), prompt, steps, pad_token_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # another worker may write the same file: replace atomically
+    torch.save({"token_ids": token_ids, "logits": logits}, tmp)
+    os.replace(tmp, path)
+    return token_ids, logits
 
 
 def load_hf_smollm2():

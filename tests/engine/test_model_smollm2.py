@@ -1,4 +1,9 @@
-"""SmolLM2 (the embedded GGUF) against transformers reading the same file, float32."""
+"""SmolLM2 (the embedded GGUF) against transformers reading the same file, float32.
+
+transformers' side is a pure function of the model file, the prompt and the library versions: it is read
+from the test-reference cache when made for exactly these (``tests/engine/hf_reference.py``), else computed
+live (and stored).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from engine.worker.model_runner import ModelRunner
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from tests.engine.hf_reference import logits_reference
 from tests.test_cpu_kernels import linear_build  # noqa: F401 (a fixture: the bf16 test runs on each build)
 
 
@@ -32,7 +38,7 @@ def _greedy(runner: ModelRunner, prompt: list[int], steps: int, block_size: int)
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_matches_transformers(hf_smollm2):
+def test_smollm2_greedy_matches_transformers(request):
     path = default_model_path()
     args = EngineArgs(model=path, dtype="float32", device="cpu", block_size=16)
     model, tokenizer, config = load_model(args)
@@ -42,16 +48,13 @@ def test_smollm2_greedy_matches_transformers(hf_smollm2):
     prompt = tokenizer.encode(text)
     ours, our_logits = _greedy(runner, prompt, 20, 16)
 
-    hf = hf_smollm2
-    with torch.no_grad():
-        ids = torch.tensor([prompt])  # an explicit mask: the prompt holds <|im_end|>, which is also the pad token
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=tokenizer.eos_token_id)
-    ref_ids = ref.sequences[0, len(prompt):].tolist()
+    ref_ids, ref_logits = logits_reference(path, prompt, 20, tokenizer.eos_token_id,
+                                           lambda: request.getfixturevalue("hf_smollm2"))
     assert ours == ref_ids, (tokenizer.decode(ours), tokenizer.decode(ref_ids))
     assert tokenizer.decode(ours).startswith("The capital of France is Paris.")
-    for mine, theirs in zip(our_logits, ref.logits):
-        torch.testing.assert_close(mine, theirs[0].float(), atol=1e-3, rtol=0)
+    assert len(our_logits) == len(ref_logits) == 20
+    for mine, theirs in zip(our_logits, ref_logits):
+        torch.testing.assert_close(mine, theirs, atol=1e-3, rtol=0)
 
 
 def test_smollm2_bfloat16_reads_its_quantized_copies_with_the_same_bits(linear_build):
