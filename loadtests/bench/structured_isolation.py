@@ -135,6 +135,50 @@ def core_rss_by_schemas(client: httpx.Client, base: str, model: str, server_pid:
     return rss
 
 
+def measure_phases(streamer: httpx.Client, poller: httpx.Client, sender: httpx.Client, base: str, model: str,
+                   big: bytes, baseline_runs: int, max_tokens: int):
+    """The two measured phases, ``/health`` polled through both (the schema is their one difference): the
+    stream alone ``baseline_runs`` times, then streams back to back while ``big`` is sent twice.
+
+    Returns:
+        (baseline gaps, gaps under the schema (``stream_gaps`` triples), the two sends' (status, seconds),
+        ``/health`` seconds alone, ``/health`` seconds under the schema, ``time.perf_counter()`` at the first send)
+    """
+    health: list[float] = []
+    stop = threading.Event()
+
+    def poll_health() -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            poller.get(f"{base}/health", timeout=60)
+            health.append(time.perf_counter() - t)
+            time.sleep(0.05)
+
+    sent = threading.Event()
+
+    def streams_until_sent() -> list[tuple[float, float, float]]:
+        """Gaps of back-to-back streams, until both sends are answered (gaps within a stream only)."""
+        out = []
+        while not sent.is_set():
+            out += stream_gaps(streamer, base, model, max_tokens)
+        return out
+
+    # `/health` is polled through the baseline too: the one difference between the two figures is the schema.
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        health_f = pool.submit(poll_health)
+        baseline = [g for _ in range(baseline_runs) for g in stream_gaps(streamer, base, model, max_tokens)]
+        health_alone, health[:] = list(health), []
+        gaps_f = pool.submit(streams_until_sent)
+        time.sleep(1.0)
+        t0 = time.perf_counter()
+        sends = [send_schema(sender, base, big), send_schema(sender, base, big)]
+        sent.set()
+        gaps = gaps_f.result()
+        stop.set()
+        health_f.result()
+    return baseline, gaps, sends, health_alone, health, t0
+
+
 def run(args) -> dict:
     load_before = os.getloadavg()  # a shared host's load decides how far the gaps can be read
     port = free_port()
@@ -161,39 +205,8 @@ def run(args) -> dict:
         del schema
         gc.collect()
         gc.freeze()
-        health: list[float] = []
-        stop = threading.Event()
-
-        def poll_health() -> None:
-            while not stop.is_set():
-                t = time.perf_counter()
-                poller.get(f"{base}/health", timeout=60)
-                health.append(time.perf_counter() - t)
-                time.sleep(0.05)
-
-        sent = threading.Event()
-
-        def streams_until_sent() -> list[tuple[float, float, float]]:
-            """Gaps of back-to-back streams, until both sends are answered (gaps within a stream only)."""
-            out = []
-            while not sent.is_set():
-                out += stream_gaps(streamer, base, model, args.max_tokens)
-            return out
-
-        # `/health` is polled through the baseline too: the one difference between the two figures is the schema.
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            health_f = pool.submit(poll_health)
-            baseline = [g for _ in range(args.baseline_runs) for g in stream_gaps(streamer, base, model,
-                                                                                    args.max_tokens)]
-            health_alone, health[:] = list(health), []
-            gaps_f = pool.submit(streams_until_sent)
-            time.sleep(1.0)
-            t0 = time.perf_counter()
-            sends = [send_schema(sender, base, big), send_schema(sender, base, big)]
-            sent.set()
-            gaps = gaps_f.result()
-            stop.set()
-            health_f.result()
+        baseline, gaps, sends, health_alone, health, t0 = measure_phases(
+            streamer, poller, sender, base, model, big, args.baseline_runs, args.max_tokens)
         worst = max(gaps, key=lambda g: g[0])
         rss = core_rss_by_schemas(sender, base, model, server.pid, args.schemas)
         alone, under = gap_figures(baseline), gap_figures(gaps)
