@@ -22,6 +22,7 @@ import argparse
 import sys
 
 from loadtests import upstream
+from loadtests.procs import exit_on_sigterm
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -146,4 +147,5 @@ def main(argv: list[str] | None = None) -> int:
     add_commands(sub)
     parity.register(sub)
     args = parser.parse_args(argv)
+    exit_on_sigterm()  # stopped by `timeout`: the scenario's servers stopped too
     return int(args.func(args) or 0)

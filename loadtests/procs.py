@@ -60,6 +60,17 @@ def _json_call(req, timeout: float) -> tuple[int, dict]:
             return e.code, {"raw": data.decode(errors="replace")}
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM end this program as Ctrl-C does, through its ``finally`` blocks (``Server.stop``), instead of
+    at once: a benchmark stopped by ``timeout`` or a scheduler left its ``tandem engine serve`` running (each
+    started in its own session, so the signal does not reach it), and the orphan's CPU spoiled the next runs'
+    figures (seen on the 2-core host). Call it from a program's main thread, before starting servers."""
+    def _exit(signum, frame):  # noqa: ARG001 - the signal module's signature
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
 class Server:
     """A child process serving HTTP, with its log file.
 

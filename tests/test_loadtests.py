@@ -7,6 +7,7 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -375,3 +376,44 @@ def test_structured_isolation_takes_the_readers_own_cpu_wait_out_of_a_gap():
     fig = gap_figures([(0.030, 0.0, 10.03), (1.800, 1.770, 11.83), (0.020, 0.001, 11.85)])  # (gap, wait, its end)
     assert fig["max"] == pytest.approx(1800) and fig["less_reader_wait"]["max"] == pytest.approx(30)
     assert fig["reader_wait_max"] == pytest.approx(1770)
+
+
+@pytest.mark.parametrize("handled", [True, False])
+def test_a_program_stopped_by_sigterm_stops_its_servers(tmp_path, handled):
+    """``exit_on_sigterm``: SIGTERM runs the program's ``finally`` (``Server.stop``); without it the server, in a
+    session of its own, outlives the program (the orphan the case without the call pins)."""
+    import os
+    import signal
+    import time
+
+    pid_file = tmp_path / "server.pid"
+    program = (
+        "import sys, time\n"
+        "from loadtests.procs import Server, exit_on_sigterm\n"
+        f"{'exit_on_sigterm()' if handled else ''}\n"
+        "s = Server([sys.executable, '-c', 'import time; time.sleep(600)'], 'http://127.0.0.1:9/', '', "
+        f"log_dir={str(tmp_path)!r})\n"
+        f"open({str(pid_file)!r}, 'w').write(str(s.pid))\n"
+        "try:\n    time.sleep(600)\nfinally:\n    s.stop()\n")
+    proc = subprocess.Popen([sys.executable, "-c", program], cwd=str(Path(__file__).resolve().parents[1]))
+    try:
+        while not pid_file.exists() or not pid_file.read_text():
+            assert proc.poll() is None, "the program ended before starting its server"
+            time.sleep(0.05)
+        server_pid = int(pid_file.read_text())
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        try:
+            os.kill(server_pid, 0)
+            alive = not Path(f"/proc/{server_pid}/stat").read_text().split(") ")[1].startswith("Z")
+        except (ProcessLookupError, FileNotFoundError):
+            alive = False
+        assert alive is not handled
+        assert proc.returncode == (128 + signal.SIGTERM if handled else -signal.SIGTERM)
+    finally:
+        proc.kill()
+        if pid_file.exists() and pid_file.read_text():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtests.procs import Server, _children, free_port, tandem_cmd
+from loadtests.procs import Server, _children, exit_on_sigterm, free_port, tandem_cmd
 
 ASK = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 
@@ -165,17 +165,21 @@ def measure_phases(streamer: httpx.Client, poller: httpx.Client, sender: httpx.C
 
     # `/health` is polled through the baseline too: the one difference between the two figures is the schema.
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        health_f = pool.submit(poll_health)
-        baseline = [g for _ in range(baseline_runs) for g in stream_gaps(streamer, base, model, max_tokens)]
-        health_alone, health[:] = list(health), []
-        gaps_f = pool.submit(streams_until_sent)
-        time.sleep(1.0)
-        t0 = time.perf_counter()
-        sends = [send_schema(sender, base, big), send_schema(sender, base, big)]
-        sent.set()
-        gaps = gaps_f.result()
-        stop.set()
-        health_f.result()
+        try:
+            health_f = pool.submit(poll_health)
+            baseline = [g for _ in range(baseline_runs) for g in stream_gaps(streamer, base, model, max_tokens)]
+            health_alone, health[:] = list(health), []
+            gaps_f = pool.submit(streams_until_sent)
+            time.sleep(1.0)
+            t0 = time.perf_counter()
+            sends = [send_schema(sender, base, big), send_schema(sender, base, big)]
+            sent.set()
+            gaps = gaps_f.result()
+            stop.set()
+            health_f.result()
+        finally:  # interrupted (Ctrl-C, SIGTERM): the loops end, so the pool's exit does not wait forever
+            sent.set()
+            stop.set()
     return baseline, gaps, sends, health_alone, health, t0
 
 
@@ -243,6 +247,7 @@ def main() -> None:
                              "on a loaded machine: the figure is about its compile's effect on the others)")
     parser.add_argument("--output-json", default=None, help="also write the results here")
     args = parser.parse_args()
+    exit_on_sigterm()  # stopped by `timeout`: its server stopped too
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     result = run(args)
     text = json.dumps(result, indent=1)
