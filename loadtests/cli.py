@@ -19,6 +19,7 @@ Sub-commands of ``loadtest``:
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from loadtests import upstream
@@ -127,6 +128,15 @@ def add_commands(sub) -> None:
     _add_upstream(sub)
     for mod in (overhead, engine, core_modes, canary, failover, prefix, replicas, ledger, spill, prompt_cache):
         mod.register(sub)
+    for parser in sub.choices.values():  # `tandem loadtest X` and `python -m loadtests X` alike
+        parser.set_defaults(func=functools.partial(_stopping_servers_on_sigterm, parser.get_default("func")))
+
+
+def _stopping_servers_on_sigterm(run, args: argparse.Namespace) -> int | None:
+    """``run(args)`` with SIGTERM ending it through its ``finally`` blocks: a scenario stopped by ``timeout``
+    stops the servers it started (``procs.exit_on_sigterm``)."""
+    exit_on_sigterm()
+    return run(args)
 
 
 def register(subparsers) -> None:
@@ -147,5 +157,4 @@ def main(argv: list[str] | None = None) -> int:
     add_commands(sub)
     parity.register(sub)
     args = parser.parse_args(argv)
-    exit_on_sigterm()  # stopped by `timeout`: the scenario's servers stopped too
     return int(args.func(args) or 0)

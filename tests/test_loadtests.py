@@ -3,10 +3,14 @@ reports, parity, and each scenario in a tiny configuration (no timing thresholds
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -379,23 +383,23 @@ def test_structured_isolation_takes_the_readers_own_cpu_wait_out_of_a_gap():
 
 
 @pytest.mark.parametrize("handled", [True, False])
-def test_a_program_stopped_by_sigterm_stops_its_servers(tmp_path, handled):
-    """``exit_on_sigterm``: SIGTERM runs the program's ``finally`` (``Server.stop``); without it the server, in a
-    session of its own, outlives the program (the orphan the case without the call pins)."""
-    import os
-    import signal
-    import time
-
+def test_a_loadtest_stopped_by_sigterm_stops_its_servers(tmp_path, handled):
+    """Every ``loadtest`` sub-command runs through ``_stopping_servers_on_sigterm``: SIGTERM runs the scenario's
+    ``finally`` (``Server.stop``); run bare, the server, in a session of its own, outlives the program (the
+    orphan the unhandled case pins)."""
     pid_file = tmp_path / "server.pid"
     program = (
         "import sys, time\n"
-        "from loadtests.procs import Server, exit_on_sigterm\n"
-        f"{'exit_on_sigterm()' if handled else ''}\n"
-        "s = Server([sys.executable, '-c', 'import time; time.sleep(600)'], 'http://127.0.0.1:9/', '', "
+        "from loadtests.cli import _stopping_servers_on_sigterm\n"
+        "from loadtests.procs import Server\n"
+        "def scenario(args):\n"
+        "    s = Server([sys.executable, '-c', 'import time; time.sleep(600)'], 'http://127.0.0.1:9/', '', "
         f"log_dir={str(tmp_path)!r})\n"
-        f"open({str(pid_file)!r}, 'w').write(str(s.pid))\n"
-        "try:\n    time.sleep(600)\nfinally:\n    s.stop()\n")
+        f"    open({str(pid_file)!r}, 'w').write(str(s.pid))\n"
+        "    try:\n        time.sleep(600)\n    finally:\n        s.stop()\n"
+        f"{'_stopping_servers_on_sigterm(scenario, None)' if handled else 'scenario(None)'}\n")
     proc = subprocess.Popen([sys.executable, "-c", program], cwd=str(Path(__file__).resolve().parents[1]))
+    server_pid = None
     try:
         while not pid_file.exists() or not pid_file.read_text():
             assert proc.poll() is None, "the program ended before starting its server"
@@ -403,17 +407,28 @@ def test_a_program_stopped_by_sigterm_stops_its_servers(tmp_path, handled):
         server_pid = int(pid_file.read_text())
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-        try:
-            os.kill(server_pid, 0)
+        try:  # a zombie is a dead server its parent has not reaped yet
             alive = not Path(f"/proc/{server_pid}/stat").read_text().split(") ")[1].startswith("Z")
-        except (ProcessLookupError, FileNotFoundError):
+        except FileNotFoundError:
             alive = False
         assert alive is not handled
         assert proc.returncode == (128 + signal.SIGTERM if handled else -signal.SIGTERM)
     finally:
         proc.kill()
-        if pid_file.exists() and pid_file.read_text():
+        if server_pid is not None:
             try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+                os.kill(server_pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_every_loadtest_sub_command_stops_its_servers_on_sigterm():
+    """``add_commands`` (what ``tandem loadtest`` and ``python -m loadtests`` both register) wraps every
+    sub-command's ``func``."""
+    from loadtests.cli import _stopping_servers_on_sigterm
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    cli.add_commands(sub)
+    funcs = {name: p.get_default("func") for name, p in sub.choices.items()}
+    assert {"run", "spill", "failover", "replicas"} <= set(funcs)
+    assert all(getattr(f, "func", None) is _stopping_servers_on_sigterm for f in funcs.values()), funcs

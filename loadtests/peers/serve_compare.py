@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from loadtests.bench.peer_engines import VLLM_MAX_MODEL_LEN, VLLM_MAX_NUM_SEQS
-from loadtests.procs import Server, _children, free_port
+from loadtests.procs import Server, _children, exit_on_sigterm, free_port
 from loadtests.scenarios.common import measure, pct, spawn_engine_server, summary
 from loadtests.workloads import mt_bench_turn1
 
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
     p.add_argument("--out", default="loadtest-results/peers/serve-compare")
     args = p.parse_args(argv)
+    exit_on_sigterm()  # stopped by `timeout`: the peers' servers stopped too
     every = mt_bench_turn1(args.max_tokens, extra={"temperature": 0, "ignore_eos": True})
     if args.num_prompts > len(every) - 2:
         p.error(f"--num-prompts at most {len(every) - 2} (two more prompts warm each server up)")
