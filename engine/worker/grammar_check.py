@@ -47,6 +47,7 @@ from multiprocessing.connection import Connection
 import msgspec
 
 from engine.sampling_params import StructuredOutputsParams
+from engine.worker.idle_cgroup import join_idle_cgroup
 
 
 class CheckFailed(Exception):
@@ -274,22 +275,26 @@ def _resolve(ref: str) -> Callable:
     return fn
 
 
-def lower_priority(niceness: int) -> None:
+def lower_priority(niceness: int) -> str | None:
     """Put the calling thread (a process's main thread: the process) in
     Linux's ``SCHED_IDLE`` class: it runs only on what the engine step
     leaves of a core, and a step never waits for it to be preempted. Where
     that is refused or not Linux, raise its niceness to ``niceness`` (never
-    lower it: that needs privileges); else leave it."""
+    lower it: that needs privileges); else leave it. Then move it into the
+    process's idle cgroup (``idle_cgroup.join_idle_cgroup``: idle against
+    other sessions' and services' tasks too, which ``SCHED_IDLE`` alone is
+    not). Returns None, or why the thread is not in an idle cgroup."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # pid 0: the calling thread
-        return
     except (AttributeError, OSError):
-        pass
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(niceness, os.getpriority(os.PRIO_PROCESS, tid)))
-    except (AttributeError, OSError):
-        pass
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, max(niceness, os.getpriority(os.PRIO_PROCESS, tid)))
+        except (AttributeError, OSError):
+            pass
+    if not sys.platform.startswith("linux"):
+        return "not Linux"
+    return join_idle_cgroup()
 
 
 def main() -> None:

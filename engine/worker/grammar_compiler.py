@@ -18,7 +18,8 @@ A spec (``StructuredOutputsParams``) goes through ``GrammarCompilePool.submit``:
    and check workers: a slow schema never holds up a quick one. Threads and
    workers run in ``SCHED_IDLE`` (Linux; else at ``WORKER_NICE`` more
    niceness): a long compile takes the cores the engine step leaves, not the
-   step's.
+   step's; and in an idle cgroup where the process may make one
+   (``engine/worker/idle_cgroup.py``): idle against other sessions' tasks too.
 4. A watcher thread holds each spec to a budget of CPU seconds
    (``timeout_s``), counted by ``CpuMeter`` over the check worker's and the
    compile thread's CPU clocks: past it, 408, and the refusal is remembered
@@ -52,6 +53,7 @@ memory).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -62,6 +64,8 @@ from dataclasses import dataclass, field
 
 from engine.worker.grammar_check import CheckFailed, CheckWorkers, CpuMeter, as_text, lower_priority, thread_cpu_clock
 from engine.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 HANDOFF_S = 60.0  # a compiled grammar waits this long, seconds, for its request
 HANDOFF_ENTRIES = 64
@@ -427,4 +431,7 @@ def _lower_priority() -> None:
         niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + WORKER_NICE
     except (AttributeError, OSError):
         niceness = WORKER_NICE
-    lower_priority(niceness)
+    why = lower_priority(niceness)
+    if why is not None:
+        logger.debug("grammar compile thread not in an idle cgroup (%s): SCHED_IDLE ranks it below the engine's "
+                     "own threads only, not below other sessions' or services' tasks", why)
