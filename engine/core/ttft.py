@@ -7,8 +7,9 @@ entered or left its prefix cache (as vLLM's KV cache events do for llm-d's prefi
 replays them in the front end, so a prompt's cached prefix is looked up there without a round trip to the core's
 process and with no scrape lag (at most one step old). ``predict_ttft`` is a pure function of the state and the request.
 
-The model, per step: time = ``step_s`` (a decode step of the running set: ``fixed_s`` + rows x ``row_s``) +
-prefill tokens / ``prefill_tok_s``.
+The model, per step: time = a decode step (``fixed_s`` + rows x ``row_s``; rows: the mean of those decoding now and
+the seats the requests ahead fill as their prefill ends) + prefill tokens / ``prefill_tok_s`` + their chunks'
+``quad_of`` x ``quad_s`` (attention over their context).
 A new request of priority p gets its first token when the prefill tokens ahead of it (the running set's, then
 the waiting classes <= p; in fcfs every queued request is ahead) and its own uncached tokens are computed, at
 most ``budget - decode rows`` prefill tokens a step, each step filled with whatever prefill is queued; when
