@@ -93,10 +93,12 @@ def join_idle_cgroup(proc_dir: str = "/proc") -> str | None:
     if version == 2 and "cpu" not in _read_or_empty(os.path.join(parent, "cgroup.controllers")).split():
         return f"the cpu controller is not available in {parent}"
     child = os.path.join(parent, f"{PREFIX}{os.getpid()}")
+    made = False
     try:
         if not os.path.isdir(child):
             _remove_stale(parent, proc_dir)
             os.makedirs(child, exist_ok=True)
+            made = True
             if version == 2:
                 _write(os.path.join(child, "cgroup.type"), "threaded")
                 if "cpu" not in _read_or_empty(os.path.join(parent, "cgroup.subtree_control")).split():
@@ -104,6 +106,8 @@ def join_idle_cgroup(proc_dir: str = "/proc") -> str | None:
             _write(os.path.join(child, "cpu.idle"), "1")
         _write(os.path.join(child, "tasks" if version == 1 else "cgroup.threads"), str(threading.get_native_id()))
     except OSError as exc:
+        if made:   # half made: removed, so that the parent is left as it was (v2: a threaded child changes its type)
+            _rmdir_tree(child)
         return f"cannot use {child}: {exc.strerror or exc}"
     return None
 

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from engine.worker import idle_cgroup
 from engine.worker.idle_cgroup import PREFIX, cpu_cgroup, join_idle_cgroup
 
 V1_MOUNTS = """\
@@ -78,6 +79,30 @@ def test_v2_without_the_cpu_controller_leaves_the_thread_and_says_why(tmp_path):
     why = join_idle_cgroup(str(proc))
     assert "cpu controller is not available" in why
     assert os.listdir(parent) == ["cgroup.controllers"]
+
+
+def test_a_refused_step_leaves_no_half_made_cgroup(tmp_path):
+    """v2 where the child cannot be made threaded (refused by the hierarchy, e.g. a parent with domain children):
+    the thread stays, and the child made on the way is removed (on cgroupfs its files go with it)."""
+    parent = tmp_path / "cg" / "svc"
+    parent.mkdir(parents=True)
+    (parent / "cgroup.controllers").write_text("cpu\n")
+    (parent / "cgroup.subtree_control").write_text("cpu\n")
+    blocked = parent / f"{PREFIX}{os.getpid()}" / "cgroup.type"
+    proc = _fake_proc(tmp_path, "0::/svc\n", f"35 24 0:30 / {tmp_path / 'cg'} rw - cgroup2 cgroup2 rw\n")
+    real_write = idle_cgroup._write
+
+    def write(path: str, text: str) -> None:
+        if path == str(blocked):
+            raise PermissionError(13, "Permission denied")
+        real_write(path, text)
+    idle_cgroup._write = write
+    try:
+        why = join_idle_cgroup(str(proc))
+    finally:
+        idle_cgroup._write = real_write
+    assert why.startswith("cannot use") and "Permission denied" in why
+    assert not (parent / f"{PREFIX}{os.getpid()}").exists()
 
 
 def _thread_cgroup(pid: int, tid: int) -> str:
