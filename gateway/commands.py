@@ -203,6 +203,9 @@ def _explain(args) -> int:
         except ValueError:
             print(f"--ttft: expected BACKEND=SECONDS, got {item!r}", file=sys.stderr)
             return 2
+    if args.ttft and not compiled.policy.has_slo():
+        print("note: --ttft is read by routes and rules with `slo:` only, and this config has none "
+              "(config.example.yaml's `local-slo` route is commented out)", file=sys.stderr)
     decision = decide(compiled.policy, features, signals, explain=True)
     if args.json:
         print(json.dumps(decision.to_dict(), indent=2))

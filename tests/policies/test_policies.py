@@ -345,6 +345,24 @@ def test_route_explain_names_a_bad_request_file(tmp_path, content, expected):
     assert "Traceback" not in out.stderr
 
 
+def test_route_explain_says_when_given_predictions_have_no_slo_to_meet(tmp_path):
+    """`--ttft` with a config that has no `slo:` (the example's SLO route is commented out) changed nothing and
+    said nothing (found by a new user); it says so now, on stderr (stdout stays the decision)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    request = tmp_path / "req.json"
+    request.write_text('{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}')
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", "route", "explain", "--config",
+                          str(root / "config.example.yaml"), "--request", str(request), "--ttft", "local=2.4"],
+                         capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 0, out.stderr
+    assert "--ttft is read by routes and rules with `slo:` only" in out.stderr
+    assert "matched rule:" in out.stdout
+
+
 def test_route_targets_fail_over_to_each_other_by_rank():
     """The pick first, then the route's other live targets (weight > 0) by rank, then the fallbacks."""
     route = Route("r", (Target("a", weight=200), Target("b", weight=1), Target("z", weight=0)), (Target("f"),))
