@@ -81,7 +81,7 @@ def test_v2_without_the_cpu_controller_leaves_the_thread_and_says_why(tmp_path):
     assert os.listdir(parent) == ["cgroup.controllers"]
 
 
-def test_a_refused_step_leaves_no_half_made_cgroup(tmp_path):
+def test_a_refused_step_leaves_no_half_made_cgroup(tmp_path, monkeypatch):
     """v2 where the child cannot be made threaded (refused by the hierarchy, e.g. a parent with domain children):
     the thread stays, and the child made on the way is removed (on cgroupfs its files go with it)."""
     parent = tmp_path / "cg" / "svc"
@@ -96,11 +96,8 @@ def test_a_refused_step_leaves_no_half_made_cgroup(tmp_path):
         if path == str(blocked):
             raise PermissionError(13, "Permission denied")
         real_write(path, text)
-    idle_cgroup._write = write
-    try:
-        why = join_idle_cgroup(str(proc))
-    finally:
-        idle_cgroup._write = real_write
+    monkeypatch.setattr(idle_cgroup, "_write", write)
+    why = join_idle_cgroup(str(proc))
     assert why.startswith("cannot use") and "Permission denied" in why
     assert not (parent / f"{PREFIX}{os.getpid()}").exists()
 
