@@ -292,9 +292,7 @@ def lower_priority(niceness: int) -> str | None:
             os.setpriority(os.PRIO_PROCESS, tid, max(niceness, os.getpriority(os.PRIO_PROCESS, tid)))
         except (AttributeError, OSError):
             pass
-    if not sys.platform.startswith("linux"):
-        return "not Linux"
-    return join_idle_cgroup()
+    return join_idle_cgroup()   # not Linux: no /proc, and it says so
 
 
 def main() -> None:

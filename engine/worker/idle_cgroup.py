@@ -42,6 +42,7 @@ import re
 import threading
 
 PREFIX = "tandem-idle-"
+_CHILD = re.compile(re.escape(PREFIX) + r"(\d+)")   # a process's idle child: the prefix and its pid
 
 
 def cpu_cgroup(proc_cgroup: str, mountinfo: str) -> tuple[str, int] | None:
@@ -88,7 +89,7 @@ def join_idle_cgroup(proc_dir: str = "/proc") -> str | None:
     if found is None:
         return "no CPU cgroup mounted"
     parent, version = found
-    if re.fullmatch(re.escape(PREFIX) + r"\d+", os.path.basename(parent.rstrip("/"))):
+    if _CHILD.fullmatch(os.path.basename(parent.rstrip("/"))):
         return None   # in one already: a worker started by a thread in its process's idle cgroup is born there
     if version == 2 and "cpu" not in _read_or_empty(os.path.join(parent, "cgroup.controllers")).split():
         return f"the cpu controller is not available in {parent}"
@@ -120,7 +121,7 @@ def _remove_stale(parent: str, proc_dir: str) -> None:
     except OSError:
         return
     for name in names:
-        m = re.fullmatch(re.escape(PREFIX) + r"(\d+)", name)
+        m = _CHILD.fullmatch(name)
         if m and not os.path.exists(f"{proc_dir}/{m.group(1)}"):
             _rmdir_tree(os.path.join(parent, name))
 
