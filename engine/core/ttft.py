@@ -260,7 +260,7 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     # Those steps are filled with whatever prefill is queued, behind this request too (a full step costs its
     # whole budget whoever's tokens they are).
     work = min(steps * per_step, queued + uncached)
-    quad = quad_of(_chunks(cached_tokens, uncached, per_step)) + (work - uncached) * density
+    quad = prompt_quad(cached_tokens, uncached, per_step) + (work - uncached) * density
     prefill_path = current + steps * step_s + work / state.prefill_tok_s + quad * state.quad_s
     holds = [m for p, m in state.waiting_decode if state.fcfs or p <= priority][:n_ahead]
     holds += [state.typical_decode] * (n_ahead - len(holds))   # sent but not in the state yet, or past the list
@@ -310,14 +310,15 @@ def quad_of(chunks) -> float:
     return float(sum(n * (ctx + n) for ctx, n in chunks))
 
 
-def _chunks(cached: int, uncached: int, per_step: int) -> list[tuple[int, int]]:
-    """A prompt's uncached tokens as the chunks a step budget of ``per_step`` computes them in."""
-    out, ctx = [], cached
-    while uncached > 0:
-        n = min(uncached, per_step)
-        out.append((ctx, n))
-        ctx, uncached = ctx + n, uncached - n
-    return out
+def prompt_quad(context: int, tokens: int, per_step: int) -> float:
+    """``quad_of`` the chunks a step budget of ``per_step`` computes a prompt's ``tokens`` in after ``context``
+    tokens: k full chunks and a remainder r, chunk i ending at ``context`` + its end e_i, so the sum of n_i x
+    (``context`` + e_i) is ``context`` x tokens + per_step^2 x k(k+1)/2 + r x tokens, without building the chunks
+    (``state_of`` sums it over every queued request at every step)."""
+    if tokens <= 0:
+        return 0.0
+    k, r = divmod(tokens, per_step)
+    return float(context * tokens + per_step * per_step * k * (k + 1) // 2 + r * tokens)
 
 
 def _seat_free_at(remaining: list[int], free: int, holds: list[float]) -> float:
@@ -466,12 +467,12 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
         todo = _to_compute(kv, req, ahead)
         c[0] += todo
         c[1] += 1
-        quad += quad_of(_chunks(req.num_prompt_tokens - todo, todo, budget))
+        quad += prompt_quad(req.num_prompt_tokens - todo, todo, budget)
     running_prefill = 0
     for r in scheduler.running:
         todo = max(r.num_prompt_tokens - r.num_computed_tokens, 0)
         running_prefill += todo
-        quad += quad_of(_chunks(r.num_computed_tokens, todo, budget))
+        quad += prompt_quad(r.num_computed_tokens, todo, budget)
     decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
     stored, removed, resync = drain_kv_events(kv.block_pool)
     return TTFTState(

@@ -13,7 +13,7 @@ from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.ttft import (CALIBRATION_TAU_S, PendingAdds, PrefixMirror, TTFTCalibration, TTFTState, predict_ttft,
-                         quad_of, state_of)
+                         prompt_quad, quad_of, state_of)
 
 STEP_S, PREFILL_TOK_S = 0.040, 1000.0
 
@@ -482,6 +482,18 @@ def test_requests_behind_a_burst_are_charged_the_rows_the_burst_will_decode():
     prompt = tokens(rng, 100)
     p, delivered = eng.predicted_and_delivered("new", prompt)
     assert abs(p - delivered) <= 0.1 * delivered, (p, delivered)
+
+
+def test_prompt_quad_is_quad_of_the_chunks_a_budget_computes_it_in():
+    """``prompt_quad`` (closed form, summed per queued request every step) against ``quad_of`` (the measured
+    steps' chunks) over the chunks built one by one."""
+    for context, n, per_step in [(0, 1, 512), (0, 512, 512), (0, 513, 512), (592, 50, 512), (100, 1300, 256),
+                                 (7, 0, 64), (0, 1000, 1)]:
+        chunks, ctx, left = [], context, n
+        while left > 0:
+            chunks.append((ctx, min(left, per_step)))
+            ctx, left = ctx + chunks[-1][1], left - chunks[-1][1]
+        assert prompt_quad(context, n, per_step) == quad_of(chunks), (context, n, per_step)
 
 
 def _long_chunk_cost(rows: int, chunks: list[tuple[int, int]]) -> float:
