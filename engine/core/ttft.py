@@ -247,7 +247,7 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     # step's cost (5 ms on a box whose step of eight rows costs ~100 ms): 1.2-1.8 s predicted, 2.5-3.3 s measured.
     step_s = state.step_s
     if state.fixed_s or state.row_s:
-        rows_then = max(min(state.num_running + n_ahead, state.max_num_seqs), state.decode_rows)
+        rows_then = min(state.num_running + n_ahead, state.max_num_seqs)   # >= decode_rows: those run
         step_s = state.fixed_s + state.row_s * (state.decode_rows + rows_then) / 2
     busy = elapsed_s is not None and (state.num_running > 0 or queued > 0)
     current = 0.0
