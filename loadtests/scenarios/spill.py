@@ -115,6 +115,7 @@ class Outcome:
     predicted_engine: float | None = None
     at: float = 0.0
     explain: str = ""
+    turn: int = 1
 
 
 # "local predicted 1.20 s <= SLO 2.5 s at ... USD [1.00 s (...) x 1.20 (p90 ...)]": the gateway's figure (the
@@ -161,7 +162,7 @@ async def drive(url: str, schedule: list[Arrival], max_tokens: int) -> list[Outc
         async def at(a: Arrival) -> Outcome:
             await asyncio.sleep(max(0.0, t0 + a.at - time.perf_counter()))
             o = await one(session, url, a, max_tokens)
-            o.at = a.at
+            o.at, o.turn = a.at, sum(m["role"] == "user" for m in a.messages)
             return o
 
         return list(await asyncio.gather(*(at(a) for a in schedule)))
@@ -192,7 +193,7 @@ def analyse(outcomes: list[Outcome], slo_s: float, prices: dict[str, dict]) -> d
             "ttft_p50_s": ttft.get("p50"), "ttft_p99_s": ttft.get("p99"),
             "local_predicted_vs_measured_s": [[round(p, 3), round(m, 3)] for p, m in pairs],
             "requests_log": [[round(o.at, 3), o.backend, o.ttft and round(o.ttft, 3), o.predicted_local,
-                              o.predicted_engine, o.prompt_tokens, o.explain] for o in outcomes]}
+                              o.predicted_engine, o.prompt_tokens, o.turn, o.explain] for o in outcomes]}
 
 
 def fluid_upstream_share(schedule: list[Arrival], capacity: float, slo_s: float) -> float:
