@@ -21,6 +21,10 @@ def test_arrivals_ramp_up_to_the_peak_and_back_with_returning_conversations():
         turns.setdefault(x.conversation, []).append(x.messages)
     multi = [ms for ms in turns.values() if len(ms) > 1]
     assert multi and all(later[:len(earlier)] == earlier for ms in multi for earlier, later in zip(ms, ms[1:]))
+    seen: dict[int, int] = {}
+    for x in a:   # the n-th request of a conversation is its n-th turn
+        seen[x.conversation] = seen.get(x.conversation, 0) + 1
+        assert x.turn == seen[x.conversation]
     assert ramp_rate(150, 300, 0.3, 3.0) == pytest.approx(3.0) and ramp_rate(0, 300, 0.3, 3.0) == pytest.approx(0.3)
 
 

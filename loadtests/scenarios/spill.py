@@ -67,6 +67,11 @@ class Arrival:
     messages: list[dict]
     conversation: int
 
+    @property
+    def turn(self) -> int:
+        """Which turn of its conversation this request is (1: the first), from its user messages."""
+        return sum(m["role"] == "user" for m in self.messages)
+
 
 def _text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
@@ -162,7 +167,7 @@ async def drive(url: str, schedule: list[Arrival], max_tokens: int) -> list[Outc
         async def at(a: Arrival) -> Outcome:
             await asyncio.sleep(max(0.0, t0 + a.at - time.perf_counter()))
             o = await one(session, url, a, max_tokens)
-            o.at, o.turn = a.at, sum(m["role"] == "user" for m in a.messages)
+            o.at, o.turn = a.at, a.turn
             return o
 
         return list(await asyncio.gather(*(at(a) for a in schedule)))
@@ -192,6 +197,8 @@ def analyse(outcomes: list[Outcome], slo_s: float, prices: dict[str, dict]) -> d
             "engine_prediction_error_p90_pct": 100 * engine["p90"] if engine else None,
             "ttft_p50_s": ttft.get("p50"), "ttft_p99_s": ttft.get("p99"),
             "local_predicted_vs_measured_s": [[round(p, 3), round(m, 3)] for p, m in pairs],
+            # per request: sent at (s), backend, TTFT (s), predicted (gateway's, engine's own), prompt tokens,
+            # turn in its conversation, x-tandem-slo
             "requests_log": [[round(o.at, 3), o.backend, o.ttft and round(o.ttft, 3), o.predicted_local,
                               o.predicted_engine, o.prompt_tokens, o.turn, o.explain] for o in outcomes]}
 
