@@ -197,6 +197,17 @@ class BlockPool:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
+    def refresh(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Move the free blocks among ``ordered_blocks`` (cached, ``ref_cnt``
+        0: evictable) to the tail of the free queue, in the order given (pass
+        a prefix in REVERSE order, as to ``free_blocks``, so that its first
+        block is evicted last); blocks in use are left alone. For a queued
+        request whose prefix is cached: see ``KVCacheManager.refresh_prefix``."""
+        for block in ordered_blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                self.free_block_queue.remove(block)
+                self.free_block_queue.append(block)
+
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block; a block reaching 0 goes to the
         tail of the free queue (its hash stays: lazy eviction).

@@ -163,6 +163,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.kv_cache_manager.refresh_prefix(request)   # its cached prefix is needed soon: evicted last
 
     def finish_requests(self, request_ids: Iterable[str] | str, status: RequestStatus,
                         stop_reason: int | str | None = None) -> list[Request]:

@@ -129,6 +129,27 @@ def test_shared_48_token_prefix_is_cached():
     assert b.num_output_tokens == 4
 
 
+def test_a_queued_follow_up_keeps_its_cached_prefix_while_it_waits():
+    """A conversation's follow-up turn queued behind a request that needs most of the free blocks: the LRU free
+    queue evicts by when a block was freed (the earlier turn's end, before another request's), so without
+    ``refresh_prefix`` the request seated first evicts the turn's cached prefix and the turn recomputes it; with
+    it, the other request's blocks (freed later, not needed by anyone queued) go first."""
+    s = sched_(num_blocks=17, max_num_seqs=1)   # 16 usable blocks of 4 tokens
+    r = FakeRunner(s)
+    turn1 = make_req("turn1", range(100, 116), max_tokens=1)      # 4 full blocks, cached when it ends
+    s.add_request(turn1)
+    run_until_idle(s, r)
+    s.add_request(make_req("other", range(200, 216), max_tokens=1))
+    run_until_idle(s, r)                                           # 4 more cached blocks, freed after turn1's
+    s.add_request(make_req("big", range(300, 347), max_tokens=1))  # 12 blocks: 8 never used + 4 cached ones
+    turn2 = make_req("turn2", turn1.all_token_ids + [5, 6, 7], max_tokens=1)
+    s.add_request(turn2)                                           # queued behind "big" (one seat)
+    run_until_idle(s, r)
+    assert turn2.num_cached_tokens == 16
+    _, hit = s.kv_cache_manager.get_computed_blocks(make_req("probe", range(200, 216), max_tokens=1))
+    assert hit == 0                                                # "other"'s blocks were evicted instead
+
+
 def test_prompt_of_exactly_three_blocks_recomputes_last_token():
     s = sched_(block_size=16)
     r = FakeRunner(s)
