@@ -284,7 +284,7 @@ class EngineCore:
             else:
                 decode_rows += 1
         self._prompt_tokens_total += prefill_tokens
-        self._calibrate(started, prefill_tokens, decode_rows, quad_of(chunks))
+        self._calibrate(started, prefill_tokens, decode_rows, quad_of(chunks), len(chunks))
         self._collect_prompt_logprobs(sched, runner_out.prompt_logits)
         finished = self.scheduler.update_from_output(sched, sampled, not_stops=content)
         self._stop_finished_grammars(grammar_done, finished)
@@ -300,14 +300,15 @@ class EngineCore:
             self._last_step = None
         return outputs
 
-    def _calibrate(self, started: float, prefill_tokens: int, decode_rows: int, quad: float) -> None:
+    def _calibrate(self, started: float, prefill_tokens: int, decode_rows: int, quad: float, chunks: int) -> None:
         """Time the previous step from its start to this one's (perf_counter seconds): what a waiting request
         sees, the core loop's commands and output hand-off included. A step after which nothing was left to run
         is not timed (the loop then idled until the next request)."""
         if self._last_step is not None:
             last = self._last_step
-            self.ttft_calibration.observe(started - last[0], last[1], last[2], at=started, quad=last[3])
-        self._last_step = (started, prefill_tokens, decode_rows, quad)
+            self.ttft_calibration.observe(started - last[0], last[1], last[2], at=started, quad=last[3],
+                                          chunks=last[4])
+        self._last_step = (started, prefill_tokens, decode_rows, quad, chunks)
 
     def _sample(self, sched, runner_out) -> tuple[dict[str, int], dict[str, dict], list[str], set[str]]:
         """(sequence id -> sampled token, sequence id -> its logprobs,

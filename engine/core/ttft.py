@@ -9,7 +9,7 @@ process and with no scrape lag (at most one step old). ``predict_ttft`` is a pur
 
 The model, per step: time = a decode step (``fixed_s`` + rows x ``row_s``; rows: the mean of those decoding now and
 the seats the requests ahead fill as their prefill ends) + prefill tokens / ``prefill_tok_s`` + their chunks'
-``quad_of`` x ``quad_s`` (attention over their context).
+``quad_of`` x ``quad_s`` (attention over their context) + ``chunk_s`` per chunk (a request's prefill in a step).
 A new request of priority p gets its first token when the prefill tokens ahead of it (the running set's, then
 the waiting classes <= p; in fcfs every queued request is ahead) and its own uncached tokens are computed, at
 most ``budget - decode rows`` prefill tokens a step, each step filled with whatever prefill is queued; when
@@ -67,6 +67,8 @@ class TTFTState(msgspec.Struct, array_like=True):
         queued_quad: ``quad_of`` the chunks the queued and running prefill will be computed in (each request's
             tokens to compute after its context: a follow-up turn's tail attends over its whole conversation;
             0: not known, and others' chunks are taken as context-free chunks of the queue's mean length).
+        chunk_s: measured seconds per prefill chunk (a request's prefill in one step), beyond its tokens' costs.
+        running_prefill_reqs: running requests with prompt tokens left to compute.
         added: requests the core has taken from its queue of commands so far (accepted or refused): a front end
             counts what it sent beyond that as queued too (``PendingAdds``).
         stored, removed: block hashes that entered / left the prefix cache since the last state.
@@ -95,6 +97,8 @@ class TTFTState(msgspec.Struct, array_like=True):
     row_s: float = 0.0
     quad_s: float = 0.0
     queued_quad: float = 0.0
+    chunk_s: float = 0.0
+    running_prefill_reqs: int = 0
 
 
 @dataclass
@@ -113,16 +117,27 @@ class TTFTCalibration:
     is a ratio of sums, not a mean of each step's rate: a step that computes only a prompt's uncached tail (tens
     of tokens) measures its rate mostly from noise. One fit of all three costs over every step was tried: in a
     deep queue every step is full (prefill tokens = budget - rows), the three are collinear and the fit wandered
-    (one-row steps predicted at 0 ms, eight-row ones at 1.5 s)."""
+    (one-row steps predicted at 0 ms, eight-row ones at 1.5 s).
+
+    The prefill time is fitted as tokens x c1 + ``quad_of`` x ``quad_s`` + chunks x ``chunk_s``: each chunk (one
+    request's prefill in a step) costs ``chunk_s`` whatever its length. Measured (steps of three spill load-test
+    runs on an AVX512-BF16 host, least squares over each run's ~1,900 steps): 8.7-9.9 ms a chunk and 0.21-0.23 ms a
+    token, where a fit without the chunk term gave 0.27-0.29 ms a token and left steps of 1-80 prefill tokens
+    10-12 % longer than it predicted (a queue of follow-up turns' short tails is many chunks of few tokens)."""
 
     step_s: float = 0.05
     prefill_tok_s: float = 2000.0
     steps: int = 0
     fixed_s: float = 0.0
     row_s: float = 0.0
-    _line: list = field(default_factory=lambda: [0.0] * 5, repr=False)   # decode steps: sum w, wr, wr^2, wy, wry
+    # decode steps: weighted sums of x_i x_j and x_i y over x = (1, rows)
+    _line_xx: list = field(default_factory=lambda: [[0.0] * 2 for _ in range(2)], repr=False)
+    _line_xy: list = field(default_factory=lambda: [0.0] * 2, repr=False)
     quad_s: float = 0.0
-    _fit: list = field(default_factory=lambda: [0.0] * 5, repr=False)   # prefill steps: sum w t^2, tq, q^2, ty, qy
+    chunk_s: float = 0.0
+    # prefill steps: weighted sums of x_i x_j and x_i y over x = (tokens, quad, chunks), scaled
+    _xx: list = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)], repr=False)
+    _xy: list = field(default_factory=lambda: [0.0] * 3, repr=False)
     _fit_n: int = field(default=0, repr=False)                          # prefill steps observed
     _at: float | None = field(default=None, repr=False)   # clock of the last observation, seconds
     _clock: float = field(default=0.0, repr=False)        # steps' seconds summed (when no clock is given)
@@ -131,63 +146,96 @@ class TTFTCalibration:
         if not self.fixed_s and not self.row_s:   # the guess: a one-row decode step, a fifth of it per row
             self.fixed_s, self.row_s = 0.8 * self.step_s, 0.2 * self.step_s
 
-    def cost(self, decode_rows: float, prefill_tokens: float = 0.0, quad: float = 0.0) -> float:
+    def cost(self, decode_rows: float, prefill_tokens: float = 0.0, quad: float = 0.0, chunks: float = 0.0) -> float:
         """Predicted seconds of a step computing ``decode_rows`` decode rows and ``prefill_tokens`` prefill
-        tokens in chunks of ``quad_of`` ``quad``."""
-        return self.fixed_s + self.row_s * decode_rows + prefill_tokens / self.prefill_tok_s + quad * self.quad_s
+        tokens in ``chunks`` chunks of ``quad_of`` ``quad``."""
+        return (self.fixed_s + self.row_s * decode_rows + prefill_tokens / self.prefill_tok_s + quad * self.quad_s
+                + chunks * self.chunk_s)
 
     def observe(self, seconds: float, prefill_tokens: int, decode_rows: int, at: float | None = None,
-                quad: float = 0.0) -> None:
+                quad: float = 0.0, chunks: int = 0) -> None:
         """Fold in one step: ``seconds`` of wall time, ``prefill_tokens`` prefill tokens and ``decode_rows``
         decode rows computed, ending at ``at`` (seconds on any monotonic clock; None: right after the previous
-        step); ``quad``: its prefill chunks' ``quad_of``. ``step_s`` then is the cost of a one-row decode step."""
+        step); ``quad``: its prefill chunks' ``quad_of``; ``chunks``: how many (0: not counted, the chunk cost is
+        left where it is). ``step_s`` then is the cost of a one-row decode step."""
         if seconds <= 0 or (prefill_tokens == 0 and decode_rows == 0):
             return
         self._clock += seconds
         at = self._clock if at is None else at
         decay = 1.0 if self._at is None else math.exp(-max(at - self._at, 0.0) / CALIBRATION_TAU_S)
         self._at = at
-        self._line = [decay * v for v in self._line]
-        self._fit = [decay * v for v in self._fit]
+        for sums in (self._line_xx, self._line_xy, self._xx, self._xy):
+            _decay(sums, decay)
         if prefill_tokens == 0:
-            _add_sample(self._line, 1.0, float(decode_rows), seconds)
+            _add_sample(self._line_xx, self._line_xy, (1.0, float(decode_rows)), seconds)
             w = _PRIOR_WEIGHT if self.steps else 1e-3   # the first step replaces the guess along its own direction
-            fixed, row, alone = _ridge_fit(self._line, w, self.fixed_s, self.row_s)
-            if row < 0:           # costs are not negative: the best line with no per-row cost
-                fixed, row = alone, 0.0
+            fixed, row = _nonnegative_fit(self._line_xx, self._line_xy, w, (self.fixed_s, self.row_s))
             self.fixed_s, self.row_s = max(fixed, 1e-4), row
         else:
             # A step with prefill pays its decode cost too; a fifth of the step is a floor on its prefill time so
             # that one noisy decode measurement cannot make the prefill rate infinite.
-            # Its prefill time: c1 x tokens + c2 x quad, fitted (features scaled to like sizes) with a ridge
-            # toward the current estimate; a negative cost falls back to the rate alone.
+            # Its prefill time: c1 x tokens + c2 x quad + c3 x chunks, fitted (features scaled to like sizes) with
+            # a ridge toward the current estimate; a negative cost is dropped from the fit (``_nonnegative_fit``).
             y = max(seconds - self.fixed_s - self.row_s * decode_rows, 0.2 * seconds)
-            _add_sample(self._fit, prefill_tokens / _T_UNIT, quad / _Q_UNIT, y)
+            _add_sample(self._xx, self._xy, (prefill_tokens / _T_UNIT, quad / _Q_UNIT, float(chunks)), y)
             w = _PRIOR_WEIGHT if self._fit_n else 1e-6
-            c1, c2, alone = _ridge_fit(self._fit, w, _T_UNIT / self.prefill_tok_s, self.quad_s * _Q_UNIT)
-            if c2 < 0 or c1 <= 0:
-                c1, c2 = alone, 0.0
-            self.prefill_tok_s, self.quad_s = _T_UNIT / max(c1, 1e-9), c2 / _Q_UNIT
+            c1, c2, c3 = _nonnegative_fit(self._xx, self._xy, w,
+                                          (_T_UNIT / self.prefill_tok_s, self.quad_s * _Q_UNIT, self.chunk_s))
+            self.prefill_tok_s, self.quad_s, self.chunk_s = _T_UNIT / max(c1, 1e-9), c2 / _Q_UNIT, c3
             self._fit_n += 1
         self.step_s = self.fixed_s + self.row_s
         self.steps += 1
 
 
-def _add_sample(sums: list[float], x0: float, x1: float, y: float) -> None:
-    """Fold one sample of ``y ~ c0 x0 + c1 x1`` into a two-feature least-squares fit's (weighted) sums
-    ``[x0^2, x0 x1, x1^2, x0 y, x1 y]``, in place."""
-    for i, v in enumerate((x0 * x0, x0 * x1, x1 * x1, x0 * y, x1 * y)):
-        sums[i] += v
+def _decay(sums: list, factor: float) -> None:
+    """Multiply every weighted sum of a fit (a list of floats or of lists of floats) by ``factor``, in place."""
+    for i, v in enumerate(sums):
+        if isinstance(v, list):
+            _decay(v, factor)
+        else:
+            sums[i] = v * factor
 
 
-def _ridge_fit(sums: list[float], w: float, prior0: float, prior1: float) -> tuple[float, float, float]:
-    """(c0, c1) of the least-squares fit whose sums ``_add_sample`` keeps, with a ridge of weight ``w`` toward
-    (``prior0``, ``prior1``) (the 2x2 normal equations solved by Cramer's rule); and c0 of the same fit with c1
-    held at 0 (the caller's fallback when the pair is not a valid cost)."""
-    a, b, c = sums[0] + w, sums[1], sums[2] + w
-    y0, y1 = sums[3] + w * prior0, sums[4] + w * prior1
-    det = a * c - b * b
-    return (c * y0 - b * y1) / det, (a * y1 - b * y0) / det, y0 / a
+def _add_sample(xx: list[list[float]], xy: list[float], x: tuple[float, ...], y: float) -> None:
+    """Fold one sample of ``y ~ sum c_i x_i`` into a least-squares fit's sums ``xx`` (of x_i x_j) and ``xy`` (of
+    x_i y), in place."""
+    for i, xi in enumerate(x):
+        xy[i] += xi * y
+        for j, xj in enumerate(x):
+            xx[i][j] += xi * xj
+
+
+def _nonnegative_fit(xx: list[list[float]], xy: list[float], w: float, prior: tuple[float, ...]) -> list[float]:
+    """Coefficients of the ridge least-squares fit ``(xx + w I) c = xy + w prior`` (the normal equations of the
+    sums ``_add_sample`` keeps, with a ridge of weight ``w`` toward ``prior``), costs kept valid: a negative
+    coefficient other than the first is held at 0 and the others refitted (the most negative first); a first
+    one <= 0 leaves the first alone (e.g. the prefill rate, every other cost 0)."""
+    active = list(range(len(xy)))
+    while True:
+        a = [[xx[i][j] + (w if i == j else 0.0) for j in active] for i in active]
+        b = [xy[i] + w * prior[i] for i in active]
+        sol = dict(zip(active, _solve(a, b)))
+        if sol[0] <= 0:
+            return [b[0] / a[0][0]] + [0.0] * (len(xy) - 1)
+        worst = min(active[1:], key=lambda i: sol[i], default=None)
+        if worst is None or sol[worst] >= 0:
+            return [sol.get(i, 0.0) for i in range(len(xy))]
+        active.remove(worst)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b (a small symmetric positive definite system: Gaussian elimination, no pivoting needed)."""
+    n = len(b)
+    a = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for k in range(n):
+        for i in range(k + 1, n):
+            f = a[i][k] / a[k][k]
+            for j in range(k, n + 1):
+                a[i][j] -= f * a[k][j]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (a[i][n] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
+    return x
 
 
 @dataclass
@@ -203,10 +251,11 @@ class TTFTPrediction:
         waits = "".join(f", waits {p[k]:.2f} s for {k[5:]}" for k in ("wait_seat", "wait_kv") if p.get(k))
         now = f"{p['current']:.2f} s left of the running step + " if p.get("current") else ""
         tpot = f"; TPOT {p['tpot_s'] * 1000:.0f} ms" if p.get("tpot_s") else ""
+        chunks = f" + {p['chunks']:.0f} chunks at {p['chunk_s'] * 1000:.1f} ms" if p.get("chunk_s") else ""
         waits += f", {p['arriving']} tokens arriving meanwhile" if p.get("arriving") else ""
         return (f"{self.seconds:.2f} s ({now}{p.get('ahead', 0)} prefill tokens ahead + "
                 f"{p.get('uncached', 0)} uncached of {p.get('prompt', 0)}, {p.get('steps', 0)} steps at {p.get('step_s', 0) * 1000:.0f} ms + "
-                f"{p.get('prefill_tok_s', 0):.0f} tok/s{waits}{tpot})")
+                f"{p.get('prefill_tok_s', 0):.0f} tok/s{chunks}{waits}{tpot})")
 
 
 def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, priority: int = 0,
@@ -241,6 +290,10 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     density = (state.queued_quad / queued if state.queued_quad and queued else
                min(queued / max(sum(c[2] for c in state.queued_prefill), 1), per_step))
     n_ahead = sum(c[2] for c in classes)
+    # Prefill chunks cost ``chunk_s`` each: a span of queued tokens is taken as chunks of the queued requests' mean
+    # length, and a step boundary inside the span splits one request in two.
+    n_queued = state.running_prefill_reqs + sum(c[2] for c in state.queued_prefill)
+    per_request = queued / n_queued if n_queued and queued else per_step
     # The steps up to its first token also decode the requests ahead once their prefill is done (a row each):
     # from the rows decoding now to the seats the requests ahead fill, a mean of the two. At the rows of the
     # moment alone, requests behind a burst of fresh prompts (none decoding yet) were predicted at a decode-free
@@ -253,7 +306,8 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     current = 0.0
     if busy:   # the step running now computes the first chunk of what is queued
         first = min(queued, per_step)
-        current = max(state.step_s + first / state.prefill_tok_s + first * density * state.quad_s - elapsed_s, 0.0)
+        current = max(state.step_s + first / state.prefill_tok_s + first * density * state.quad_s
+                      + max(first / per_request, 1.0) * state.chunk_s * (first > 0) - elapsed_s, 0.0)
         ahead -= min(ahead, per_step)
         queued -= first
     steps = max(math.ceil((ahead + uncached) / per_step), 1)
@@ -261,7 +315,8 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     # whole budget whoever's tokens they are).
     work = min(steps * per_step, queued + uncached)
     quad = prompt_quad(cached_tokens, uncached, per_step) + (work - uncached) * density
-    prefill_path = current + steps * step_s + work / state.prefill_tok_s + quad * state.quad_s
+    chunks = (work - uncached) / per_request + 1 + (steps - 1)   # the others' and its own, and the splits
+    prefill_path = current + steps * step_s + work / state.prefill_tok_s + quad * state.quad_s + chunks * state.chunk_s
     holds = [m for p, m in state.waiting_decode if state.fcfs or p <= priority][:n_ahead]
     holds += [state.typical_decode] * (n_ahead - len(holds))   # sent but not in the state yet, or past the list
     remaining = state.remaining_decode
@@ -277,14 +332,15 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     room = steps * per_step - work
     # A step's batch is fixed when it starts: only what arrives before this request's last step starts can share
     # it (the time until then: the prediction less that step, which computes what the full steps before it left).
-    last_step = step_s + (work - (steps - 1) * per_step) / state.prefill_tok_s
+    last_step = step_s + state.chunk_s + (work - (steps - 1) * per_step) / state.prefill_tok_s
     before_last = max(seconds - last_step, 0.0)
     arriving = min(room, arrival_tok_s * before_last) if room > 0 and arrival_tok_s > 0 else 0.0
-    seconds += arriving / state.prefill_tok_s + arriving * min(arriving, per_step) * state.quad_s
+    seconds += (arriving / state.prefill_tok_s + arriving * min(arriving, per_step) * state.quad_s
+                + arriving / per_request * state.chunk_s)
     return TTFTPrediction(seconds, {
         "prompt": prompt_tokens, "uncached": uncached, "ahead": ahead, "steps": steps, "step_s": step_s,
         "prefill_tok_s": state.prefill_tok_s, "wait_seat": wait_seat, "wait_kv": wait_kv, "current": current,
-        "arriving": round(arriving),
+        "arriving": round(arriving), "chunks": chunks, "chunk_s": state.chunk_s,
         "tpot_s": predict_tpot(state)})
 
 
@@ -292,14 +348,17 @@ def predict_tpot(state: TTFTState) -> float:
     """Predicted seconds per output token (TPOT) of a request added now, once it decodes: a step of the batch
     it will decode in (the running set, the queued requests and itself, at most ``max_num_seqs`` rows: the
     queue takes every seat that frees) at the measured cost per row, plus the queued prefill that the steps of
-    its decode also compute (spread over ``typical_decode`` steps, at most the budget left by the decode rows)."""
+    its decode also compute (spread over ``typical_decode`` steps, at most the budget left by the decode rows),
+    its chunks included."""
     n_queued = sum(c[2] for c in state.queued_prefill)
     rows = min(state.num_running + n_queued + 1, state.max_num_seqs)
     step = state.fixed_s + state.row_s * rows if state.fixed_s or state.row_s else state.step_s
     steps = max(state.typical_decode, 1.0)
     queued = state.running_prefill + sum(c[1] for c in state.queued_prefill)
     interleaved = min(queued, steps * max(state.budget - rows, 0)) / steps
-    return step + interleaved / state.prefill_tok_s
+    n_prefill = state.running_prefill_reqs + n_queued
+    chunks = interleaved / (queued / n_prefill) if n_prefill and queued else 0.0   # chunks of the queue's mean length
+    return step + interleaved / state.prefill_tok_s + chunks * state.chunk_s
 
 
 def quad_of(chunks) -> float:
@@ -468,10 +527,11 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
         c[0] += todo
         c[1] += 1
         quad += prompt_quad(req.num_prompt_tokens - todo, todo, budget)
-    running_prefill = 0
+    running_prefill = running_prefill_reqs = 0
     for r in scheduler.running:
         todo = max(r.num_prompt_tokens - r.num_computed_tokens, 0)
         running_prefill += todo
+        running_prefill_reqs += todo > 0
         quad += prompt_quad(r.num_computed_tokens, todo, budget)
     decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
     stored, removed, resync = drain_kv_events(kv.block_pool)
@@ -486,4 +546,5 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
         waiting_decode=[(r.priority, r.max_tokens) for r in _seat_order(scheduler, 4 * scheduler.max_num_seqs)],
         step_s=calibration.cost(len(decoding)), prefill_tok_s=calibration.prefill_tok_s, added=added,
         stored=stored, removed=removed, resync=resync, fixed_s=calibration.fixed_s, row_s=calibration.row_s,
-        quad_s=calibration.quad_s, queued_quad=quad)
+        quad_s=calibration.quad_s, queued_quad=quad, chunk_s=calibration.chunk_s,
+        running_prefill_reqs=running_prefill_reqs)
