@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from engine.core.core_messages import (AbortRequests, AddRequest, Command, CompileGrammar, CoreFailed, CoreReady,
                                   CoreReply, CoreStep, EmbedPrompts, FinishSequences, Reply, Shutdown, decode_command,
                                   encode, params_from_wire, spec_from_wire)
+from engine.worker.device import unbind_thread
 
 logger = logging.getLogger("tandem.engine_core")
 
@@ -94,18 +95,21 @@ def ready_message(core) -> CoreReady:
                      system_fingerprint=core.system_fingerprint)
 
 
-def start_engine_core(args):
+def start_engine_core(args, bind_threads: bool = False):
     """An ``EngineCore`` for ``args`` (the model loaded) in this process, whose OpenMP wait policy is chosen
     first (``choose_omp_wait_policy``: before torch loads libgomp, which importing the core does). What every
     starter of a core calls: the core process's entry, ``ThreadCoreClient.start`` and ``LLMEngine``.
+    ``bind_threads``: also bind OpenMP's threads one per core where they spin (``choose_omp_binding``); only
+    the core process's entry, whose initial thread is the model's.
 
     Raises:
         ValueError: a bad ``TANDEM_CPU_WAIT_POLICY``; and whatever ``EngineCore(args)`` raises
             (FileNotFoundError, ValueError, MemoryError).
     """
-    from engine.worker.device import choose_omp_wait_policy
+    from engine.worker.device import choose_omp_binding, choose_omp_wait_policy
 
-    choose_omp_wait_policy()   # a no-op once torch is loaded
+    if choose_omp_wait_policy() == "spin" and bind_threads:   # both no-ops once torch is loaded
+        choose_omp_binding()
     from engine.core.engine_core import EngineCore  # heavy import (torch)
 
     return EngineCore(args)
@@ -135,7 +139,7 @@ def run_engine_core_process(args, conn) -> None:
             conn.send_bytes(data)
 
     try:
-        core = start_engine_core(args)   # torch: only in this process
+        core = start_engine_core(args, bind_threads=True)   # torch: only in this process
     except BaseException as exc:  # noqa: BLE001 - reported to the front end
         emit(CoreFailed(type(exc).__name__, str(exc)))
         return
@@ -143,7 +147,7 @@ def run_engine_core_process(args, conn) -> None:
     commands: queue.SimpleQueue = queue.SimpleQueue()
     # Hands compiles to the core's grammar pool (the first one builds the manager: seconds), so that the
     # reader never waits; validation and compiles run in the pool's workers.
-    submitter = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar-submit")
+    submitter = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar-submit", initializer=unbind_thread)
     # Build the grammar manager (xgrammar import, the tokenizer's vocabulary table: Python work that holds
     # the GIL for a while) now, while the engine is idle, not under the first structured request while
     # other streams run; its objects are then frozen out of the garbage collector's full collections.
@@ -162,6 +166,7 @@ def run_engine_core_process(args, conn) -> None:
             done("", exc)
 
     def read() -> None:
+        unbind_thread()
         try:
             while True:
                 cmd = decode_command(conn.recv_bytes())

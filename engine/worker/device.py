@@ -68,6 +68,62 @@ def choose_omp_wait_policy(environ: dict | None = None, others_running: int | No
     return policy
 
 
+def choose_omp_binding(environ: dict | None = None, cpus: list[int] | None = None) -> str:
+    """Bind the OpenMP threads of the process that runs the model one per core, before torch loads libgomp:
+    ``OMP_PROC_BIND=true`` and ``OMP_PLACES`` one place per CPU of this process's affinity (libgomp then pins
+    thread i, the initial thread being 0, to the i-th place). The CPUs the process had are kept in
+    ``TANDEM_CPUS``: a thread it starts that runs no model calls ``unbind_thread`` (a thread inherits its
+    creator's CPUs, and the initial thread is bound to one). As vLLM's CPU backend does
+    (``VLLM_CPU_OMP_THREADS_BIND``); called by the engine core process's entry only (``start_engine_core``),
+    where the initial thread is the model's, and only when the cores are the engine's (the wait policy is
+    "spin"): pinned, a thread cannot leave a core another busy process holds.
+
+    Why (issue #34, measured on a 2-core KVM guest): unbound, libgomp's worker thread was woken on its master's
+    CPU 150,000 times in 15 s (the guest's scheduler does not wake a task on a vCPU whose host thread is
+    halted), so the two time-shared one core while the other idled; a grammar compile in the idle cgroup then
+    shared that core too, and a client's stream reader woken there waited up to 68 ms. Bound, an unrelated
+    stream's largest gap while a 400 KB schema compiled was 1.09-1.68x its p99 alone (4 runs; unbound,
+    interleaved: 2.54-4.12x), and 32 x (100 in, 64 out) ran at 0.97-1.15x the output tok/s.
+
+    Args:
+        environ: environment to read and write (default ``os.environ``).
+        cpus: usable CPUs (default this process's affinity).
+
+    Returns:
+        "bind"; "user" when ``OMP_PROC_BIND``, ``OMP_PLACES`` or ``GOMP_CPU_AFFINITY`` is set (left as set);
+        "nobind" with fewer than two CPUs or ``TANDEM_CPU_OMP_THREADS_BIND=nobind``.
+    """
+    env = os.environ if environ is None else environ
+    if any(k in env for k in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")):
+        return "user"
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if env.get("TANDEM_CPU_OMP_THREADS_BIND", "auto").strip().lower() == "nobind" or len(cpus) < 2:
+        return "nobind"
+    env["OMP_PROC_BIND"] = "true"
+    env["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in cpus)
+    env["TANDEM_CPUS"] = ",".join(map(str, cpus))
+    return "bind"
+
+
+def omp_places(environ: dict | None = None) -> str:
+    """Where OpenMP's threads are bound in this process (``OMP_PLACES``, as ``choose_omp_binding`` or the user
+    set it), or "unbound"."""
+    env = os.environ if environ is None else environ
+    return env.get("OMP_PLACES", "unbound")
+
+
+def unbind_thread() -> None:
+    """Let the calling thread run on every CPU its process was given before ``choose_omp_binding`` pinned the
+    model's threads (``TANDEM_CPUS``); nothing where nothing was bound. Called first by each thread of the
+    engine core process that runs no model: the command reader, the grammar pool and its watcher."""
+    cpus = os.environ.get("TANDEM_CPUS")
+    if cpus:
+        try:
+            os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
+        except (OSError, ValueError):   # CPUs taken away since (a cgroup's cpuset): stay where it is
+            pass
+
+
 def omp_wait_policy(environ: dict | None = None) -> str:
     """The OpenMP wait policy chosen for this process, as ``choose_omp_wait_policy`` returned it ("spin",
     "passive" or "user"), or "default" when nothing chose (libgomp's own: spin a few ms). Reads ``environ``

@@ -62,6 +62,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from engine.worker.device import unbind_thread
 from engine.worker.grammar_check import CheckFailed, CheckWorkers, CpuMeter, as_text, lower_priority, thread_cpu_clock
 from engine.sampling_params import StructuredOutputsParams
 
@@ -354,6 +355,7 @@ class GrammarCompilePool:
     def _watch_loop(self) -> None:
         """Every ``WATCH_S`` while specs are in flight (asleep otherwise): refuse
         a spec past its CPU budget (408), answer a waiter past its wait (503)."""
+        unbind_thread()
         while True:
             with self._lock:
                 while not self._in_flight and not self._closed:
@@ -427,6 +429,7 @@ def _lower_priority() -> None:
     Measured with ``loadtests.bench.structured_isolation`` (README,
     structured outputs): at niceness +10 a 400 KB schema's compile still
     stretched an unrelated stream's gaps several-fold on two cores."""
+    unbind_thread()   # the core process's model thread is bound to one core (``choose_omp_binding``)
     try:
         niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + WORKER_NICE
     except (AttributeError, OSError):

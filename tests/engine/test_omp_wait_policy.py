@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.worker.device import SPIN_COUNT, choose_omp_wait_policy, count_others_running
+from engine.worker.device import SPIN_COUNT, choose_omp_binding, choose_omp_wait_policy, count_others_running
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,3 +88,73 @@ def test_libgomp_takes_the_choice_of_whoever_starts_the_core(how, tiny_model, tm
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "GOMP_SPINCOUNT = '0'" in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
+
+
+def test_binding_places_one_thread_per_cpu_and_the_users_choice_wins():
+    env: dict = {}
+    assert choose_omp_binding(env, cpus=[3, 1]) == "bind"
+    assert env == {"OMP_PROC_BIND": "true", "OMP_PLACES": "{1},{3}", "TANDEM_CPUS": "1,3"}
+    for user in ({"OMP_PLACES": "cores"}, {"OMP_PROC_BIND": "false"}, {"GOMP_CPU_AFFINITY": "0-3"}):
+        env = dict(user)
+        assert choose_omp_binding(env, cpus=[0, 1]) == "user" and env == user
+    assert choose_omp_binding({}, cpus=[0]) == "nobind"
+    env = {"TANDEM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert choose_omp_binding(env, cpus=[0, 1]) == "nobind" and "OMP_PLACES" not in env
+
+
+AFFINITIES = """
+import asyncio, glob, os, sys
+from engine.config import EngineArgs
+
+async def main(model):
+    from engine.async_engine import AsyncEngine
+    eng = AsyncEngine(EngineArgs(model=model, dtype="float32", kv_cache_memory="4MiB", engine_core_process=True))
+    await eng.start()
+    from engine.sampling_params import SamplingParams
+    async for _ in eng.generate("ab", SamplingParams(max_tokens=2), request_id="r"):
+        pass
+    core = eng._client.pid
+    for task in sorted(glob.glob(f"/proc/{core}/task/*")):
+        cpus = [line.split()[1] for line in open(task + "/status") if line.startswith("Cpus_allowed_list")][0]
+        print("TASK", task.rsplit("/", 1)[1] == str(core), cpus)
+    await eng.shutdown(drain=False)
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="binding needs two CPUs")
+def test_the_core_process_binds_its_model_threads_and_no_other(tiny_model, tmp_path):
+    """Where OpenMP spins, the core process's initial thread (the model's) is bound to its first CPU and
+    libgomp's worker to the next; the threads that run no model (the command reader, the grammar pool) keep
+    every CPU. Where it sleeps at once (a shared machine), nothing is bound."""
+    cpus = sorted(os.sched_getaffinity(0))
+    script = tmp_path / "affinities.py"
+    script.write_text(AFFINITIES)
+    seen = {}
+    for policy in ("spin", "passive"):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "TANDEM_OMP_WAIT_CHOSEN", "OMP_PROC_BIND",
+                            "OMP_PLACES", "GOMP_CPU_AFFINITY", "TANDEM_CPUS")}
+        env["TANDEM_CPU_WAIT_POLICY"] = policy
+        out = subprocess.run([sys.executable, str(script), tiny_model], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        tasks = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("TASK ")]
+        seen[policy] = [(main == "True", _cpu_list(c)) for main, c in tasks]
+    every = set(cpus)
+    assert (True, {cpus[0]}) in seen["spin"], seen
+    assert (False, {cpus[1]}) in seen["spin"], seen             # libgomp's worker
+    assert any(c == every for main, c in seen["spin"] if not main), seen   # the reader, the grammar threads
+    assert all(c == every for _, c in seen["passive"]), seen
+
+
+def _cpu_list(text: str) -> set[int]:
+    """CPUs of a ``Cpus_allowed_list`` ("0-2,5")."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
