@@ -23,6 +23,9 @@ if "triton" not in sys.modules and not os.path.exists("/dev/nvidiactl"):
 # (engine.worker.device.choose_omp_wait_policy; spinning beside another busy process halves decode). The test
 # process starts engine cores itself (LLM, in-thread cores), so it chooses now, before torch is imported.
 os.environ.setdefault("TANDEM_CPU_WAIT_POLICY", "passive")
+# Likewise, the engine core processes of two test workers (and a test's several replicas) would bind their
+# model threads to the same cores (engine.worker.device.choose_omp_binding): unbound here.
+os.environ.setdefault("TANDEM_CPU_OMP_THREADS_BIND", "nobind")
 from engine.worker.device import choose_omp_wait_policy
 
 choose_omp_wait_policy()

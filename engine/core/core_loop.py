@@ -99,8 +99,8 @@ def start_engine_core(args, bind_threads: bool = False):
     """An ``EngineCore`` for ``args`` (the model loaded) in this process, whose OpenMP wait policy is chosen
     first (``choose_omp_wait_policy``: before torch loads libgomp, which importing the core does). What every
     starter of a core calls: the core process's entry, ``ThreadCoreClient.start`` and ``LLMEngine``.
-    ``bind_threads``: also bind OpenMP's threads one per core where they spin (``choose_omp_binding``); only
-    the core process's entry, whose initial thread is the model's.
+    ``bind_threads``: also bind OpenMP's threads one per core (``choose_omp_binding``); only the core
+    process's entry, whose initial thread is the model's.
 
     Raises:
         ValueError: a bad ``TANDEM_CPU_WAIT_POLICY``; and whatever ``EngineCore(args)`` raises
@@ -108,7 +108,8 @@ def start_engine_core(args, bind_threads: bool = False):
     """
     from engine.worker.device import choose_omp_binding, choose_omp_wait_policy
 
-    if choose_omp_wait_policy() == "spin" and bind_threads:   # both no-ops once torch is loaded
+    choose_omp_wait_policy()   # both no-ops once torch is loaded
+    if bind_threads:
         choose_omp_binding()
     from engine.core.engine_core import EngineCore  # heavy import (torch)
 

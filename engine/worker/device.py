@@ -74,9 +74,10 @@ def choose_omp_binding(environ: dict | None = None, cpus: list[int] | None = Non
     thread i, the initial thread being 0, to the i-th place). The CPUs the process had are kept in
     ``TANDEM_CPUS``: a thread it starts that runs no model calls ``unbind_thread`` (a thread inherits its
     creator's CPUs, and the initial thread is bound to one). As vLLM's CPU backend does
-    (``VLLM_CPU_OMP_THREADS_BIND``); called by the engine core process's entry only (``start_engine_core``),
-    where the initial thread is the model's, and only when the cores are the engine's (the wait policy is
-    "spin"): pinned, a thread cannot leave a core another busy process holds.
+    (``VLLM_CPU_OMP_THREADS_BIND``, bound by default too); called by the engine core process's entry only
+    (``start_engine_core``), where the initial thread is the model's. On a machine shared with other busy
+    processes, ``TANDEM_CPU_OMP_THREADS_BIND=nobind`` (or ``--num-threads`` below the cores) may serve better:
+    pinned, a thread cannot leave a core another process holds.
 
     Why (issue #34, measured on a 2-core KVM guest): unbound, libgomp's worker thread was woken on its master's
     CPU 150,000 times in 15 s (the guest's scheduler does not wake a task on a vCPU whose host thread is

@@ -127,28 +127,27 @@ if __name__ == "__main__":
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="binding needs two CPUs")
 def test_the_core_process_binds_its_model_threads_and_no_other(tiny_model, tmp_path):
-    """Where OpenMP spins, the core process's initial thread (the model's) is bound to its first CPU and
-    libgomp's worker to the next; the threads that run no model (the command reader, the grammar pool) keep
-    every CPU. Where it sleeps at once (a shared machine), nothing is bound."""
+    """The core process's initial thread (the model's) is bound to its first CPU and libgomp's worker to the
+    next, whatever the wait policy; the threads that run no model (the command reader, the grammar pool) keep
+    every CPU. With ``TANDEM_CPU_OMP_THREADS_BIND=nobind`` nothing is bound."""
     cpus = sorted(os.sched_getaffinity(0))
     script = tmp_path / "affinities.py"
     script.write_text(AFFINITIES)
     seen = {}
-    for policy in ("spin", "passive"):
+    for bind in ("auto", "nobind"):
         env = {k: v for k, v in os.environ.items()
-               if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "TANDEM_OMP_WAIT_CHOSEN", "OMP_PROC_BIND",
-                            "OMP_PLACES", "GOMP_CPU_AFFINITY", "TANDEM_CPUS")}
-        env["TANDEM_CPU_WAIT_POLICY"] = policy
+               if k not in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "TANDEM_CPUS")}
+        env["TANDEM_CPU_OMP_THREADS_BIND"] = bind
         out = subprocess.run([sys.executable, str(script), tiny_model], cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         tasks = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("TASK ")]
-        seen[policy] = [(main == "True", _cpu_list(c)) for main, c in tasks]
+        seen[bind] = [(main == "True", _cpu_list(c)) for main, c in tasks]
     every = set(cpus)
-    assert (True, {cpus[0]}) in seen["spin"], seen
-    assert (False, {cpus[1]}) in seen["spin"], seen             # libgomp's worker
-    assert any(c == every for main, c in seen["spin"] if not main), seen   # the reader, the grammar threads
-    assert all(c == every for _, c in seen["passive"]), seen
+    assert (True, {cpus[0]}) in seen["auto"], seen
+    assert (False, {cpus[1]}) in seen["auto"], seen             # libgomp's worker
+    assert any(c == every for main, c in seen["auto"] if not main), seen   # the reader, the grammar threads
+    assert all(c == every for _, c in seen["nobind"]), seen
 
 
 def _cpu_list(text: str) -> set[int]:
