@@ -83,8 +83,8 @@ def choose_omp_binding(environ: dict | None = None, cpus: list[int] | None = Non
     CPU 150,000 times in 15 s (the guest's scheduler does not wake a task on a vCPU whose host thread is
     halted), so the two time-shared one core while the other idled; a grammar compile in the idle cgroup then
     shared that core too, and a client's stream reader woken there waited up to 68 ms. Bound, an unrelated
-    stream's largest gap while a 400 KB schema compiled was 1.09-1.68x its p99 alone (4 runs; unbound,
-    interleaved: 2.54-4.12x), and 32 x (100 in, 64 out) ran at 0.97-1.15x the output tok/s.
+    stream's largest gap while a 400 KB schema compiled was 1.23-1.36x its p99 alone (3 runs; unbound,
+    interleaved: 1.59-4.18x), and 32 x (100 in, 64 out) ran at 1.00-1.15x the output tok/s (3 pairs).
 
     Args:
         environ: environment to read and write (default ``os.environ``).
