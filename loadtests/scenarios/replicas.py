@@ -70,10 +70,13 @@ def register(sub) -> None:
 
 
 def replica_server(logs: Path, engine_args: list[str], i: int, port: int) -> Server:
-    """Replica ``i`` (not started waiting yet) on ``port``."""
+    """Replica ``i`` (not started waiting yet) on ``port``. Its OpenMP threads are left unbound: the replicas
+    share this box's cores, and each would bind its model's threads to the same ones
+    (``engine.worker.device.choose_omp_binding``)."""
     return Server(tandem_cmd("engine", "serve", "--host", "127.0.0.1", "--port", str(port),
                              "--uvicorn-log-level", "warning", *engine_args),
-                  f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}", log_dir=logs, name=f"replica-{i}")
+                  f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}", log_dir=logs, name=f"replica-{i}",
+                  env={"TANDEM_CPU_OMP_THREADS_BIND": "nobind"})
 
 
 def start_replicas(logs: Path, engine_args: list[str], n: int) -> list[Server]:
