@@ -38,7 +38,8 @@ from engine.worker.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.worker.structured_outputs import StructuredOutputManager
-from engine.core.ttft import TTFTCalibration, quad_of, state_of
+from engine.core.ttft import quad_of, state_of
+from engine.core.ttft_calibration import TTFTCalibration
 
 logger = logging.getLogger("tandem.engine")
 

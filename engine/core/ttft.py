@@ -28,18 +28,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engine.core.kv_cache_manager import hash_block_tokens
-
-# Seconds over which a step's weight in the calibration falls by a factor e (wall time, idle time included): the
-# box's speed changes within seconds when other processes take its cores, and a prefill rate remembered over
-# twenty prefill steps (an EWMA per step) took ~25 s to recover from a load spike on an SLO route that sends the
-# engine about one request a second (its requests predicted 40-60 % off meanwhile).
-CALIBRATION_TAU_S = 3.0
-# Units the prefill fit scales its features by (tokens; tokens x tokens) so that they are of like size.
-_T_UNIT, _Q_UNIT = 100.0, 10_000.0
-# Weight of the current estimate of the decode line against the steps measured (in steps): keeps what recent
-# steps do not separate (the fixed part of a step from its per-row part when every step ran one row) where it was.
-_PRIOR_WEIGHT = 0.3
-
+from engine.core.ttft_calibration import CALIBRATION_TAU_S, TTFTCalibration
 
 class TTFTState(msgspec.Struct, array_like=True):
     """The core's state that a TTFT prediction needs (one per step, in ``EngineStats.ttft``).
@@ -100,142 +89,10 @@ class TTFTState(msgspec.Struct, array_like=True):
     chunk_s: float = 0.0
     running_prefill_reqs: int = 0
 
-
-@dataclass
-class TTFTCalibration:
-    """Step costs measured online. A decode-only step of n rows costs ``fixed_s + n * row_s``: a least-squares
-    line through the decode steps measured; a step with prefill costs that for its decode rows plus its prefill
-    tokens / ``prefill_tok_s``: the prefill tokens over their seconds beyond their step's decode cost. Every
-    sum weighs a step by exp(-age / ``CALIBRATION_TAU_S``) (forgetting by time, not by step: recursive least
-    squares with exponential forgetting, Haykin, *Adaptive Filter Theory*, ch. 10), the line with a small ridge
-    toward its current estimate (steps that all ran one row do not separate the fixed part from the per-row
-    part; their sum stays right). Starts from a guess (``step_s`` seconds for a one-row decode step,
-    ``prefill_tok_s`` tokens/s) that the first steps replace.
-
-    Why: a decode step's cost grows with its rows (an engine an SLO route keeps nearly idle decodes one or two,
-    a queued one eight): an EWMA of decode steps charged the last busy batch's cost to one-row steps. The rate
-    is a ratio of sums, not a mean of each step's rate: a step that computes only a prompt's uncached tail (tens
-    of tokens) measures its rate mostly from noise. One fit of all three costs over every step was tried: in a
-    deep queue every step is full (prefill tokens = budget - rows), the three are collinear and the fit wandered
-    (one-row steps predicted at 0 ms, eight-row ones at 1.5 s).
-
-    The prefill time is fitted as tokens x c1 + ``quad_of`` x ``quad_s`` + chunks x ``chunk_s``: each chunk (one
-    request's prefill in a step) costs ``chunk_s`` whatever its length. Measured (steps of three spill load-test
-    runs on an AVX512-BF16 host, least squares over each run's ~1,900 steps): 8.7-9.9 ms a chunk and 0.21-0.23 ms a
-    token, where a fit without the chunk term gave 0.27-0.29 ms a token and left steps of 1-80 prefill tokens
-    10-12 % longer than it predicted (a queue of follow-up turns' short tails is many chunks of few tokens)."""
-
-    step_s: float = 0.05
-    prefill_tok_s: float = 2000.0
-    steps: int = 0
-    fixed_s: float = 0.0
-    row_s: float = 0.0
-    # decode steps: weighted sums of x_i x_j and x_i y over x = (1, rows)
-    _line_xx: list = field(default_factory=lambda: [[0.0] * 2 for _ in range(2)], repr=False)
-    _line_xy: list = field(default_factory=lambda: [0.0] * 2, repr=False)
-    quad_s: float = 0.0
-    chunk_s: float = 0.0
-    # prefill steps: weighted sums of x_i x_j and x_i y over x = (tokens, quad, chunks), scaled
-    _xx: list = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)], repr=False)
-    _xy: list = field(default_factory=lambda: [0.0] * 3, repr=False)
-    _fit_n: int = field(default=0, repr=False)                          # prefill steps observed
-    _at: float | None = field(default=None, repr=False)   # clock of the last observation, seconds
-    _clock: float = field(default=0.0, repr=False)        # steps' seconds summed (when no clock is given)
-
-    def __post_init__(self) -> None:
-        if not self.fixed_s and not self.row_s:   # the guess: a one-row decode step, a fifth of it per row
-            self.fixed_s, self.row_s = 0.8 * self.step_s, 0.2 * self.step_s
-
-    def cost(self, decode_rows: float, prefill_tokens: float = 0.0, quad: float = 0.0, chunks: float = 0.0) -> float:
-        """Predicted seconds of a step computing ``decode_rows`` decode rows and ``prefill_tokens`` prefill
-        tokens in ``chunks`` chunks of ``quad_of`` ``quad``."""
-        return (self.fixed_s + self.row_s * decode_rows + prefill_tokens / self.prefill_tok_s + quad * self.quad_s
-                + chunks * self.chunk_s)
-
-    def observe(self, seconds: float, prefill_tokens: int, decode_rows: int, at: float | None = None,
-                quad: float = 0.0, chunks: int = 0) -> None:
-        """Fold in one step: ``seconds`` of wall time, ``prefill_tokens`` prefill tokens and ``decode_rows``
-        decode rows computed, ending at ``at`` (seconds on any monotonic clock; None: right after the previous
-        step); ``quad``: its prefill chunks' ``quad_of``; ``chunks``: how many (0: not counted, the chunk cost is
-        left where it is). ``step_s`` then is the cost of a one-row decode step."""
-        if seconds <= 0 or (prefill_tokens == 0 and decode_rows == 0):
-            return
-        self._clock += seconds
-        at = self._clock if at is None else at
-        decay = 1.0 if self._at is None else math.exp(-max(at - self._at, 0.0) / CALIBRATION_TAU_S)
-        self._at = at
-        for sums in (self._line_xx, self._line_xy, self._xx, self._xy):
-            _decay(sums, decay)
-        if prefill_tokens == 0:
-            _add_sample(self._line_xx, self._line_xy, (1.0, float(decode_rows)), seconds)
-            w = _PRIOR_WEIGHT if self.steps else 1e-3   # the first step replaces the guess along its own direction
-            fixed, row = _nonnegative_fit(self._line_xx, self._line_xy, w, (self.fixed_s, self.row_s))
-            self.fixed_s, self.row_s = max(fixed, 1e-4), row
-        else:
-            # A step with prefill pays its decode cost too; a fifth of the step is a floor on its prefill time so
-            # that one noisy decode measurement cannot make the prefill rate infinite.
-            # Its prefill time: c1 x tokens + c2 x quad + c3 x chunks, fitted (features scaled to like sizes) with
-            # a ridge toward the current estimate; a negative cost is dropped from the fit (``_nonnegative_fit``).
-            y = max(seconds - self.fixed_s - self.row_s * decode_rows, 0.2 * seconds)
-            _add_sample(self._xx, self._xy, (prefill_tokens / _T_UNIT, quad / _Q_UNIT, float(chunks)), y)
-            w = _PRIOR_WEIGHT if self._fit_n else 1e-6
-            c1, c2, c3 = _nonnegative_fit(self._xx, self._xy, w,
-                                          (_T_UNIT / self.prefill_tok_s, self.quad_s * _Q_UNIT, self.chunk_s))
-            self.prefill_tok_s, self.quad_s, self.chunk_s = _T_UNIT / max(c1, 1e-9), c2 / _Q_UNIT, c3
-            self._fit_n += 1
-        self.step_s = self.fixed_s + self.row_s
-        self.steps += 1
-
-
-def _decay(sums: list, factor: float) -> None:
-    """Multiply every weighted sum of a fit (a list of floats or of lists of floats) by ``factor``, in place."""
-    for i, v in enumerate(sums):
-        if isinstance(v, list):
-            _decay(v, factor)
-        else:
-            sums[i] = v * factor
-
-
-def _add_sample(xx: list[list[float]], xy: list[float], x: tuple[float, ...], y: float) -> None:
-    """Fold one sample of ``y ~ sum c_i x_i`` into a least-squares fit's sums ``xx`` (of x_i x_j) and ``xy`` (of
-    x_i y), in place."""
-    for i, xi in enumerate(x):
-        xy[i] += xi * y
-        for j, xj in enumerate(x):
-            xx[i][j] += xi * xj
-
-
-def _nonnegative_fit(xx: list[list[float]], xy: list[float], w: float, prior: tuple[float, ...]) -> list[float]:
-    """Coefficients of the ridge least-squares fit ``(xx + w I) c = xy + w prior`` (the normal equations of the
-    sums ``_add_sample`` keeps, with a ridge of weight ``w`` toward ``prior``), costs kept valid: a negative
-    coefficient other than the first is held at 0 and the others refitted (the most negative first); a first
-    one <= 0 leaves the first alone (e.g. the prefill rate, every other cost 0)."""
-    active = list(range(len(xy)))
-    while True:
-        a = [[xx[i][j] + (w if i == j else 0.0) for j in active] for i in active]
-        b = [xy[i] + w * prior[i] for i in active]
-        sol = dict(zip(active, _solve(a, b)))
-        if sol[0] <= 0:
-            return [b[0] / a[0][0]] + [0.0] * (len(xy) - 1)
-        worst = min(active[1:], key=lambda i: sol[i], default=None)
-        if worst is None or sol[worst] >= 0:
-            return [sol.get(i, 0.0) for i in range(len(xy))]
-        active.remove(worst)
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """x with a x = b (a small symmetric positive definite system: Gaussian elimination, no pivoting needed)."""
-    n = len(b)
-    a = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for k in range(n):
-        for i in range(k + 1, n):
-            f = a[i][k] / a[k][k]
-            for j in range(k, n + 1):
-                a[i][j] -= f * a[k][j]
-    x = [0.0] * n
-    for i in reversed(range(n)):
-        x[i] = (a[i][n] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
-    return x
+    def prefill_s(self, tokens: float, quad: float = 0.0, chunks: float = 0.0) -> float:
+        """Seconds the steps spend on ``tokens`` prefill tokens in ``chunks`` chunks of ``quad_of`` ``quad``,
+        beyond their decode (the calibration's prefill costs)."""
+        return tokens / self.prefill_tok_s + quad * self.quad_s + chunks * self.chunk_s
 
 
 @dataclass
@@ -294,20 +151,13 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     # length, and a step boundary inside the span splits one request in two.
     n_queued = state.running_prefill_reqs + sum(c[2] for c in state.queued_prefill)
     per_request = queued / n_queued if n_queued and queued else per_step
-    # The steps up to its first token also decode the requests ahead once their prefill is done (a row each):
-    # from the rows decoding now to the seats the requests ahead fill, a mean of the two. At the rows of the
-    # moment alone, requests behind a burst of fresh prompts (none decoding yet) were predicted at a decode-free
-    # step's cost (5 ms on a box whose step of eight rows costs ~100 ms): 1.2-1.8 s predicted, 2.5-3.3 s measured.
-    step_s = state.step_s
-    if state.fixed_s or state.row_s:
-        rows_then = min(state.num_running + n_ahead, state.max_num_seqs)   # >= decode_rows: those run
-        step_s = state.fixed_s + state.row_s * (state.decode_rows + rows_then) / 2
+    step_s = _decode_step_ahead(state, n_ahead)
     busy = elapsed_s is not None and (state.num_running > 0 or queued > 0)
     current = 0.0
     if busy:   # the step running now computes the first chunk of what is queued
         first = min(queued, per_step)
-        current = max(state.step_s + first / state.prefill_tok_s + first * density * state.quad_s
-                      + max(first / per_request, 1.0) * state.chunk_s * (first > 0) - elapsed_s, 0.0)
+        chunks_now = max(first / per_request, 1.0) if first else 0.0
+        current = max(state.step_s + state.prefill_s(first, first * density, chunks_now) - elapsed_s, 0.0)
         ahead -= min(ahead, per_step)
         queued -= first
     steps = max(math.ceil((ahead + uncached) / per_step), 1)
@@ -316,7 +166,7 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     work = min(steps * per_step, queued + uncached)
     quad = prompt_quad(cached_tokens, uncached, per_step) + (work - uncached) * density
     chunks = (work - uncached) / per_request + 1 + (steps - 1)   # the others' and its own, and the splits
-    prefill_path = current + steps * step_s + work / state.prefill_tok_s + quad * state.quad_s + chunks * state.chunk_s
+    prefill_path = current + steps * step_s + state.prefill_s(work, quad, chunks)
     holds = [m for p, m in state.waiting_decode if state.fcfs or p <= priority][:n_ahead]
     holds += [state.typical_decode] * (n_ahead - len(holds))   # sent but not in the state yet, or past the list
     remaining = state.remaining_decode
@@ -329,19 +179,29 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     # more of the two counts and the prefill work is paid either way.
     extra_steps = max(seat_steps - int(busy) + math.ceil(uncached / per_step) - steps, 0.0)
     seconds = wait_kv + prefill_path + extra_steps * step_s
-    room = steps * per_step - work
     # A step's batch is fixed when it starts: only what arrives before this request's last step starts can share
     # it (the time until then: the prediction less that step, which computes what the full steps before it left).
-    last_step = step_s + state.chunk_s + (work - (steps - 1) * per_step) / state.prefill_tok_s
-    before_last = max(seconds - last_step, 0.0)
-    arriving = min(room, arrival_tok_s * before_last) if room > 0 and arrival_tok_s > 0 else 0.0
-    seconds += (arriving / state.prefill_tok_s + arriving * min(arriving, per_step) * state.quad_s
-                + arriving / per_request * state.chunk_s)
+    last_step = step_s + state.prefill_s(work - (steps - 1) * per_step, chunks=1)
+    room = steps * per_step - work
+    arriving = min(room, arrival_tok_s * max(seconds - last_step, 0.0)) if room > 0 and arrival_tok_s > 0 else 0.0
+    seconds += state.prefill_s(arriving, arriving * min(arriving, per_step), arriving / per_request)
     return TTFTPrediction(seconds, {
         "prompt": prompt_tokens, "uncached": uncached, "ahead": ahead, "steps": steps, "step_s": step_s,
         "prefill_tok_s": state.prefill_tok_s, "wait_seat": wait_seat, "wait_kv": wait_kv, "current": current,
         "arriving": round(arriving), "chunks": chunks, "chunk_s": state.chunk_s,
         "tpot_s": predict_tpot(state)})
+
+
+def _decode_step_ahead(state: TTFTState, n_ahead: int) -> float:
+    """Seconds of decode in each step up to the first token of a request behind ``n_ahead`` queued ones. Those
+    steps also decode the requests ahead once their prefill is done (a row each): from the rows decoding now to
+    the seats the requests ahead fill, a mean of the two. At the rows of the moment alone, requests behind a
+    burst of fresh prompts (none decoding yet) were predicted at a decode-free step's cost (5 ms on a box whose
+    step of eight rows costs ~100 ms): 1.2-1.8 s predicted, 2.5-3.3 s measured."""
+    if not (state.fixed_s or state.row_s):
+        return state.step_s
+    rows_then = min(state.num_running + n_ahead, state.max_num_seqs)   # >= decode_rows: those run
+    return state.fixed_s + state.row_s * (state.decode_rows + rows_then) / 2
 
 
 def predict_tpot(state: TTFTState) -> float:
@@ -358,7 +218,7 @@ def predict_tpot(state: TTFTState) -> float:
     interleaved = min(queued, steps * max(state.budget - rows, 0)) / steps
     n_prefill = state.running_prefill_reqs + n_queued
     chunks = interleaved / (queued / n_prefill) if n_prefill and queued else 0.0   # chunks of the queue's mean length
-    return step + interleaved / state.prefill_tok_s + chunks * state.chunk_s
+    return step + state.prefill_s(interleaved, chunks=chunks)
 
 
 def quad_of(chunks) -> float:

@@ -13,8 +13,8 @@ from engine.core.kv_cache_manager import hash_block_tokens
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from engine.core.ttft import (CALIBRATION_TAU_S, PendingAdds, PrefixMirror, TTFTCalibration, TTFTState, predict_ttft,
-                         prompt_quad, quad_of, state_of)
+from engine.core.ttft import PendingAdds, PrefixMirror, TTFTState, predict_ttft, prompt_quad, quad_of, state_of
+from engine.core.ttft_calibration import CALIBRATION_TAU_S, TTFTCalibration
 
 STEP_S, PREFILL_TOK_S = 0.040, 1000.0
 
@@ -95,6 +95,17 @@ class ScriptedEngine:
 
 def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(10, 30000) for _ in range(n)]
+
+
+def queue_follow_up_turns(eng: ScriptedEngine, rng: random.Random, n: int, length: int, tail: int) -> None:
+    """``n`` conversations of ``length`` tokens run to their end (their prefix cached), then each one's next turn
+    (the conversation, two tokens of the answer and a ``tail`` of new tokens) queued on ``eng``."""
+    conversations = [tokens(rng, length) for _ in range(n)]
+    for i, c in enumerate(conversations):
+        eng.add(f"turn1-{i}", c, max_tokens=2)
+    eng.run()
+    for i, c in enumerate(conversations):
+        eng.add(f"turn2-{i}", c + [7, 7] + tokens(rng, tail), max_tokens=2)
 
 
 def test_prediction_matches_the_scripted_engine_under_a_queue():
@@ -459,12 +470,7 @@ def test_a_queue_of_follow_up_turns_is_charged_their_tails_attention_over_the_co
     rng = random.Random(20)
     eng = ScriptedEngine(chunk_cost=_long_chunk_cost, max_num_batched_tokens=512)
     eng.cal = TTFTCalibration(step_s=0.018, prefill_tok_s=2000.0, steps=1, fixed_s=0.010, row_s=0.008, quad_s=2e-6)
-    conversations = [tokens(rng, 600) for _ in range(6)]
-    for i, c in enumerate(conversations):
-        eng.add(f"turn1-{i}", c, max_tokens=2)
-    eng.run()
-    for i, c in enumerate(conversations):
-        eng.add(f"turn2-{i}", c + [7, 7] + tokens(rng, 40), max_tokens=2)
+    queue_follow_up_turns(eng, rng, 6, 600, 40)
     assert eng.state.queued_quad > 6 * 40 * 600
     prompt = tokens(rng, 100)
     p, delivered = eng.predicted_and_delivered("new", prompt)
@@ -556,12 +562,7 @@ def test_a_queue_of_short_follow_up_tails_is_charged_a_chunk_each():
     eng = ScriptedEngine(chunk_cost=_chunky_cost, max_num_batched_tokens=512, max_num_seqs=16)
     eng.cal = TTFTCalibration(step_s=0.018, prefill_tok_s=4000.0, steps=1, fixed_s=0.010, row_s=0.008,
                               quad_s=4e-7, chunk_s=CHUNK_S)
-    conversations = [tokens(rng, 300) for _ in range(12)]
-    for i, c in enumerate(conversations):
-        eng.add(f"turn1-{i}", c, max_tokens=2)
-        eng.run()
-    for i, c in enumerate(conversations):
-        eng.add(f"turn2-{i}", c + [7, 7] + tokens(rng, 45), max_tokens=2)
+    queue_follow_up_turns(eng, rng, 12, 300, 45)
     prompt = tokens(rng, 100)
     without = predict_ttft(msgspec.structs.replace(eng.state, chunk_s=0.0), len(prompt), 0).seconds
     p, delivered = eng.predicted_and_delivered("new", prompt)

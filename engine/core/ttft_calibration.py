@@ -1,0 +1,152 @@
+"""The engine's step costs, measured online from the steps it runs (``TTFTCalibration``): what a TTFT
+prediction (``engine/core/ttft.py``) charges each step up to a request's first token."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Seconds over which a step's weight in the calibration falls by a factor e (wall time, idle time included): the
+# box's speed changes within seconds when other processes take its cores, and a prefill rate remembered over
+# twenty prefill steps (an EWMA per step) took ~25 s to recover from a load spike on an SLO route that sends the
+# engine about one request a second (its requests predicted 40-60 % off meanwhile).
+CALIBRATION_TAU_S = 3.0
+# Units the prefill fit scales its features by (tokens; tokens x tokens) so that they are of like size.
+_T_UNIT, _Q_UNIT = 100.0, 10_000.0
+# Weight of the current estimate of the decode line against the steps measured (in steps): keeps what recent
+# steps do not separate (the fixed part of a step from its per-row part when every step ran one row) where it was.
+_PRIOR_WEIGHT = 0.3
+
+
+class _LeastSquares:
+    """A least-squares fit of ``y ~ sum c_i x_i`` kept as its weighted sums (of x_i x_j and of x_i y), solved with
+    a ridge toward a prior and its coefficients kept valid as costs (not negative)."""
+
+    def __init__(self, n: int) -> None:
+        self.xx = [[0.0] * n for _ in range(n)]
+        self.xy = [0.0] * n
+
+    def decay(self, factor: float) -> None:
+        """Multiply every sum by ``factor`` (forgetting: an older sample weighs less)."""
+        self.xy = [v * factor for v in self.xy]
+        self.xx = [[v * factor for v in row] for row in self.xx]
+
+    def add(self, x: tuple[float, ...], y: float) -> None:
+        """Fold in one sample ``(x, y)``."""
+        for i, xi in enumerate(x):
+            self.xy[i] += xi * y
+            for j, xj in enumerate(x):
+                self.xx[i][j] += xi * xj
+
+    def fit(self, w: float, prior: tuple[float, ...]) -> list[float]:
+        """Coefficients solving ``(xx + w I) c = xy + w prior`` (a ridge of weight ``w`` toward ``prior``), costs
+        kept valid: a negative coefficient other than the first is held at 0 and the others refitted (the most
+        negative first); a first one <= 0 leaves the first alone (e.g. the prefill rate, every other cost 0)."""
+        active = list(range(len(self.xy)))
+        while True:
+            a = [[self.xx[i][j] + (w if i == j else 0.0) for j in active] for i in active]
+            b = [self.xy[i] + w * prior[i] for i in active]
+            sol = dict(zip(active, _solve(a, b)))
+            if sol[0] <= 0:
+                return [b[0] / a[0][0]] + [0.0] * (len(self.xy) - 1)
+            worst = min(active[1:], key=lambda i: sol[i], default=None)
+            if worst is None or sol[worst] >= 0:
+                return [sol.get(i, 0.0) for i in range(len(self.xy))]
+            active.remove(worst)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b (a small symmetric positive definite system: Gaussian elimination, no pivoting needed)."""
+    n = len(b)
+    a = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for k in range(n):
+        for i in range(k + 1, n):
+            f = a[i][k] / a[k][k]
+            for j in range(k, n + 1):
+                a[i][j] -= f * a[k][j]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (a[i][n] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
+    return x
+
+
+@dataclass
+class TTFTCalibration:
+    """Step costs measured online. A decode-only step of n rows costs ``fixed_s + n * row_s``: a least-squares
+    line through the decode steps measured; a step with prefill costs that for its decode rows plus its prefill
+    tokens / ``prefill_tok_s``: the prefill tokens over their seconds beyond their step's decode cost. Every
+    sum weighs a step by exp(-age / ``CALIBRATION_TAU_S``) (forgetting by time, not by step: recursive least
+    squares with exponential forgetting, Haykin, *Adaptive Filter Theory*, ch. 10), the line with a small ridge
+    toward its current estimate (steps that all ran one row do not separate the fixed part from the per-row
+    part; their sum stays right). Starts from a guess (``step_s`` seconds for a one-row decode step,
+    ``prefill_tok_s`` tokens/s) that the first steps replace.
+
+    Why: a decode step's cost grows with its rows (an engine an SLO route keeps nearly idle decodes one or two,
+    a queued one eight): an EWMA of decode steps charged the last busy batch's cost to one-row steps. The rate
+    is a ratio of sums, not a mean of each step's rate: a step that computes only a prompt's uncached tail (tens
+    of tokens) measures its rate mostly from noise. One fit of all three costs over every step was tried: in a
+    deep queue every step is full (prefill tokens = budget - rows), the three are collinear and the fit wandered
+    (one-row steps predicted at 0 ms, eight-row ones at 1.5 s).
+
+    The prefill time is fitted as tokens x c1 + ``quad_of`` x ``quad_s`` + chunks x ``chunk_s``: each chunk (one
+    request's prefill in a step) costs ``chunk_s`` whatever its length. Measured (steps of three spill load-test
+    runs on an AVX512-BF16 host, least squares over each run's ~1,900 steps): 8.7-9.9 ms a chunk and 0.21-0.23 ms a
+    token, where a fit without the chunk term gave 0.27-0.29 ms a token and left steps of 1-80 prefill tokens
+    10-12 % longer than it predicted (a queue of follow-up turns' short tails is many chunks of few tokens)."""
+
+    step_s: float = 0.05
+    prefill_tok_s: float = 2000.0
+    steps: int = 0
+    fixed_s: float = 0.0
+    row_s: float = 0.0
+    _line: _LeastSquares = field(default_factory=lambda: _LeastSquares(2), repr=False)    # decode steps: (1, rows)
+    quad_s: float = 0.0
+    chunk_s: float = 0.0
+    # prefill steps: (tokens, quad, chunks), scaled
+    _prefill: _LeastSquares = field(default_factory=lambda: _LeastSquares(3), repr=False)
+    _fit_n: int = field(default=0, repr=False)                          # prefill steps observed
+    _at: float | None = field(default=None, repr=False)   # clock of the last observation, seconds
+    _clock: float = field(default=0.0, repr=False)        # steps' seconds summed (when no clock is given)
+
+    def __post_init__(self) -> None:
+        if not self.fixed_s and not self.row_s:   # the guess: a one-row decode step, a fifth of it per row
+            self.fixed_s, self.row_s = 0.8 * self.step_s, 0.2 * self.step_s
+
+    def cost(self, decode_rows: float, prefill_tokens: float = 0.0, quad: float = 0.0, chunks: float = 0.0) -> float:
+        """Predicted seconds of a step computing ``decode_rows`` decode rows and ``prefill_tokens`` prefill
+        tokens in ``chunks`` chunks of ``quad_of`` ``quad``."""
+        return (self.fixed_s + self.row_s * decode_rows + prefill_tokens / self.prefill_tok_s + quad * self.quad_s
+                + chunks * self.chunk_s)
+
+    def observe(self, seconds: float, prefill_tokens: int, decode_rows: int, at: float | None = None,
+                quad: float = 0.0, chunks: int = 0) -> None:
+        """Fold in one step: ``seconds`` of wall time, ``prefill_tokens`` prefill tokens and ``decode_rows``
+        decode rows computed, ending at ``at`` (seconds on any monotonic clock; None: right after the previous
+        step); ``quad``: its prefill chunks' ``quad_of``; ``chunks``: how many (0: not counted, the chunk cost is
+        left where it is). ``step_s`` then is the cost of a one-row decode step."""
+        if seconds <= 0 or (prefill_tokens == 0 and decode_rows == 0):
+            return
+        self._clock += seconds
+        at = self._clock if at is None else at
+        decay = 1.0 if self._at is None else math.exp(-max(at - self._at, 0.0) / CALIBRATION_TAU_S)
+        self._at = at
+        self._line.decay(decay)
+        self._prefill.decay(decay)
+        if prefill_tokens == 0:
+            self._line.add((1.0, float(decode_rows)), seconds)
+            w = _PRIOR_WEIGHT if self.steps else 1e-3   # the first step replaces the guess along its own direction
+            fixed, row = self._line.fit(w, (self.fixed_s, self.row_s))
+            self.fixed_s, self.row_s = max(fixed, 1e-4), row
+        else:
+            # A step with prefill pays its decode cost too; a fifth of the step is a floor on its prefill time so
+            # that one noisy decode measurement cannot make the prefill rate infinite.
+            # Its prefill time: c1 x tokens + c2 x quad + c3 x chunks, fitted (features scaled to like sizes) with
+            # a ridge toward the current estimate; a negative cost is dropped from the fit (``_LeastSquares.fit``).
+            y = max(seconds - self.fixed_s - self.row_s * decode_rows, 0.2 * seconds)
+            self._prefill.add((prefill_tokens / _T_UNIT, quad / _Q_UNIT, float(chunks)), y)
+            w = _PRIOR_WEIGHT if self._fit_n else 1e-6
+            c1, c2, c3 = self._prefill.fit(w, (_T_UNIT / self.prefill_tok_s, self.quad_s * _Q_UNIT, self.chunk_s))
+            self.prefill_tok_s, self.quad_s, self.chunk_s = _T_UNIT / max(c1, 1e-9), c2 / _Q_UNIT, c3
+            self._fit_n += 1
+        self.step_s = self.fixed_s + self.row_s
+        self.steps += 1
