@@ -113,7 +113,7 @@ async def main(model):
     from engine.sampling_params import SamplingParams
     async for _ in eng.generate("ab", SamplingParams(max_tokens=2), request_id="r"):
         pass
-    core = eng._client.pid
+    core = eng.core_pid
     for task in sorted(glob.glob(f"/proc/{core}/task/*")):
         cpus = [line.split()[1] for line in open(task + "/status") if line.startswith("Cpus_allowed_list")][0]
         print("TASK", task.rsplit("/", 1)[1] == str(core), cpus)
