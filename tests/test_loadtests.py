@@ -382,6 +382,20 @@ def test_structured_isolation_takes_the_readers_own_cpu_wait_out_of_a_gap():
     assert fig["reader_wait_max"] == pytest.approx(1770)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux's /proc/stat")
+def test_structured_isolation_reads_the_machines_steal_time():
+    """The steal time each phase reports is ``/proc/stat``'s, in seconds: the same figure as the file's own
+    first line (field 8, in clock ticks), never going back."""
+    from loadtests.bench.structured_isolation import steal_seconds
+
+    first = steal_seconds()
+    with open("/proc/stat") as f:
+        ticks = int(f.readline().split()[8])
+    second = steal_seconds()
+    assert first is not None and second is not None
+    assert first <= ticks / os.sysconf("SC_CLK_TCK") <= second
+
+
 @pytest.mark.parametrize("handled", [True, False])
 def test_a_loadtest_stopped_by_sigterm_stops_its_servers(tmp_path, handled):
     """Every ``loadtest`` sub-command runs through ``_stopping_servers_on_sigterm``: SIGTERM runs the scenario's

@@ -12,6 +12,12 @@ Against a real ``tandem engine serve`` process (issue #34's figures):
    the other (its compile, then the cached repeat); the streams' largest
    gap, and ``/health``'s slowest answer, polled meanwhile. Target: no gap
    over 2x the baseline p99.
+2b. Control: the same streams again for as long as phase 2 lasted, no schema
+   sent (it is compiled and cached by then): the largest gap the host gives
+   this stream in a window that long without any schema, the noise floor of
+   phase 2's figure. Each phase also reports the steal time of the machine's
+   CPUs (``/proc/stat``: time a virtual machine's CPUs were runnable but the
+   hypervisor ran something else), which no process in it can act on.
 
 Each gap is also given less the time the stream's reader thread waited for a
 CPU within it (``less_reader_wait``, Linux's schedstat): on a loaded shared
@@ -34,6 +40,7 @@ import os
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -81,6 +88,17 @@ def reader_wait() -> float:
             return int(f.read().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def steal_seconds() -> float | None:
+    """CPU seconds stolen from this (virtual) machine so far, all CPUs (``/proc/stat``'s ``steal``; None where
+    unreadable)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def gap_figures(gaps: list[tuple[float, float, float]]) -> dict:
@@ -135,15 +153,27 @@ def core_rss_by_schemas(client: httpx.Client, base: str, model: str, server_pid:
     return rss
 
 
-def measure_phases(streamer: httpx.Client, poller: httpx.Client, sender: httpx.Client, base: str, model: str,
-                   big: bytes, baseline_runs: int, max_tokens: int):
-    """The two measured phases, ``/health`` polled through both (the schema is their one difference): the
-    stream alone ``baseline_runs`` times, then streams back to back while ``big`` is sent twice.
+@dataclass
+class Phases:
+    """What ``measure_phases`` measured: each phase's gaps (``stream_gaps`` triples), ``/health`` seconds and
+    steal seconds (None where unknown); the two sends' (status, seconds); ``time.perf_counter()`` at the first
+    send."""
 
-    Returns:
-        (baseline gaps, gaps under the schema (``stream_gaps`` triples), the two sends' (status, seconds),
-        ``/health`` seconds alone, ``/health`` seconds under the schema, ``time.perf_counter()`` at the first send)
-    """
+    baseline: list
+    under_schema: list
+    control: list
+    sends: list
+    health_alone: list
+    health: list
+    steal_s: dict
+    t0: float
+
+
+def measure_phases(streamer: httpx.Client, poller: httpx.Client, sender: httpx.Client, base: str, model: str,
+                   big: bytes, baseline_runs: int, max_tokens: int) -> Phases:
+    """The measured phases, ``/health`` polled through all (the schema is their one difference): the stream
+    alone ``baseline_runs`` times; streams back to back while ``big`` is sent twice; the same streams as long
+    again with no schema sent (control)."""
     health: list[float] = []
     stop = threading.Event()
 
@@ -163,24 +193,42 @@ def measure_phases(streamer: httpx.Client, poller: httpx.Client, sender: httpx.C
             out += stream_gaps(streamer, base, model, max_tokens)
         return out
 
+    def streams_for(seconds: float) -> list[tuple[float, float, float]]:
+        out, end = [], time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            out += stream_gaps(streamer, base, model, max_tokens)
+        return out
+
+    def stolen(since: float | None) -> float | None:
+        now = steal_seconds()
+        return None if now is None or since is None else now - since
+
+    steal: dict = {}
     # `/health` is polled through the baseline too: the one difference between the two figures is the schema.
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         try:
             health_f = pool.submit(poll_health)
+            s0 = steal_seconds()
             baseline = [g for _ in range(baseline_runs) for g in stream_gaps(streamer, base, model, max_tokens)]
+            steal["baseline"], s0 = stolen(s0), steal_seconds()
             health_alone, health[:] = list(health), []
+            started = time.perf_counter()
             gaps_f = pool.submit(streams_until_sent)
             time.sleep(1.0)
             t0 = time.perf_counter()
             sends = [send_schema(sender, base, big), send_schema(sender, base, big)]
             sent.set()
             gaps = gaps_f.result()
+            steal["under_schema"], s0 = stolen(s0), steal_seconds()
+            health_under = list(health)
+            control = streams_for(time.perf_counter() - started)
+            steal["control"] = stolen(s0)
             stop.set()
             health_f.result()
         finally:  # interrupted (Ctrl-C, SIGTERM): the loops end, so the pool's exit does not wait forever
             sent.set()
             stop.set()
-    return baseline, gaps, sends, health_alone, health, t0
+    return Phases(baseline, gaps, control, sends, health_alone, health_under, steal, t0)
 
 
 def run(args) -> dict:
@@ -209,23 +257,25 @@ def run(args) -> dict:
         del schema
         gc.collect()
         gc.freeze()
-        baseline, gaps, sends, health_alone, health, t0 = measure_phases(
-            streamer, poller, sender, base, model, big, args.baseline_runs, args.max_tokens)
-        worst = max(gaps, key=lambda g: g[0])
+        ph = measure_phases(streamer, poller, sender, base, model, big, args.baseline_runs, args.max_tokens)
+        worst = max(ph.under_schema, key=lambda g: g[0])
         rss = core_rss_by_schemas(sender, base, model, server.pid, args.schemas)
-        alone, under = gap_figures(baseline), gap_figures(gaps)
+        alone, under, control = gap_figures(ph.baseline), gap_figures(ph.under_schema), gap_figures(ph.control)
         return {
             "baseline_gap_ms": alone,
-            "schema_kb": size_kb, "schema_sends": [{"status": s, "seconds": round(t, 3)} for s, t in sends],
+            "schema_kb": size_kb, "schema_sends": [{"status": s, "seconds": round(t, 3)} for s, t in ph.sends],
             "under_schema_gap_ms": under,
             "max_gap_over_baseline_p99": under["max"] / alone["p99"],
             "less_reader_wait_max_gap_over_baseline_p99": under["less_reader_wait"]["max"] / alone[
                 "less_reader_wait"]["p99"],
             # when the largest gap ended, in seconds after the first send began (its compile: the first send's
-            # seconds; the cached repeat after that)
-            "largest_gap_at_s": round(worst[2] - t0, 3),
-            "health_max_ms": max(health) * 1e3 if health else None,
-            "health_max_alone_ms": max(health_alone) * 1e3 if health_alone else None,
+            # seconds; the cached repeat after that; negative: before the schema was sent)
+            "largest_gap_at_s": round(worst[2] - ph.t0, 3),
+            "control_gap_ms": control,
+            "control_max_gap_over_baseline_p99": control["max"] / alone["p99"],
+            "steal_ms": {phase: None if s is None else round(s * 1e3) for phase, s in ph.steal_s.items()},
+            "health_max_ms": max(ph.health) * 1e3 if ph.health else None,
+            "health_max_alone_ms": max(ph.health_alone) * 1e3 if ph.health_alone else None,
             "core_rss_mib_by_schemas": rss, "cache_entries": args.cache_entries,
             "load_average_before_after": [load_before[0], os.getloadavg()[0]], "cpus": os.cpu_count(),
         }
