@@ -97,7 +97,9 @@ def ready_message(core) -> CoreReady:
 
 def start_engine_core(args, bind_threads: bool = False):
     """An ``EngineCore`` for ``args`` (the model loaded) in this process, whose OpenMP wait policy is chosen
-    first (``choose_omp_wait_policy``: before torch loads libgomp, which importing the core does). What every
+    first (``choose_omp_wait_policy``: before torch loads libgomp, which importing the core does) and whose
+    malloc keeps freed memory up to its thresholds, NumPy's huge pages off (``tune_malloc``: a grammar compile's
+    memory churn and ``khugepaged`` stalled the step). What every
     starter of a core calls: the core process's entry, ``ThreadCoreClient.start`` and ``LLMEngine``.
     ``bind_threads``: also bind OpenMP's threads one per core (``choose_omp_binding``); only the core
     process's entry, whose initial thread is the model's.
@@ -107,7 +109,9 @@ def start_engine_core(args, bind_threads: bool = False):
             (FileNotFoundError, ValueError, MemoryError).
     """
     from engine.worker.device import choose_omp_binding, choose_omp_wait_policy
+    from engine.worker.malloc_tuning import tune_malloc
 
+    tune_malloc()
     choose_omp_wait_policy()   # both no-ops once torch is loaded
     if bind_threads:
         choose_omp_binding()

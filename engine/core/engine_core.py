@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from engine.config import DEFAULT_MODEL, EngineArgs, default_model_path
 from engine.core.core_messages import EngineCoreOutput, EngineStats
 from engine.worker.device import configure_core_threads, omp_places, omp_wait_policy, resolve_device, resolve_dtype
+from engine.worker.malloc_tuning import malloc_tuning
 from engine.fingerprint import numerics_of, system_fingerprint
 from engine.worker.grammar_compiler import grammar_limits
 from engine.model_loader import load_model
@@ -140,9 +141,9 @@ class EngineCore:
         gc.freeze()
         logger.info(
             "engine ready: model=%s device=%s dtype=%s blocks=%d block_size=%d max_model_len=%d "
-            "max_num_batched_tokens=%d omp_wait=%s omp_places=%s", self.served_model_name, self.device, self.dtype,
-            num_blocks, args.block_size, self.max_model_len, budget, omp_wait_policy(),
-            omp_places(),
+            "max_num_batched_tokens=%d omp_wait=%s omp_places=%s malloc=%s", self.served_model_name, self.device,
+            self.dtype, num_blocks, args.block_size, self.max_model_len, budget, omp_wait_policy(), omp_places(),
+            malloc_tuning(),
         )
 
     # ------------------------------------------------------------------ input

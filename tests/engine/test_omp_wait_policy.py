@@ -124,30 +124,50 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="binding needs two CPUs")
-def test_the_core_process_binds_its_model_threads_and_no_other(tiny_model, tmp_path):
-    """The core process's initial thread (the model's) is bound to its first CPU and libgomp's worker to the
-    next, whatever the wait policy; the threads that run no model (the command reader, the grammar pool) keep
-    every CPU. With ``TANDEM_CPU_OMP_THREADS_BIND=nobind`` nothing is bound."""
-    cpus = sorted(os.sched_getaffinity(0))
-    script = tmp_path / "affinities.py"
+@pytest.fixture(scope="module")
+def core_process_runs(tiny_model, tmp_path_factory):
+    """The ``AFFINITIES`` script run with ``TANDEM_CPU_OMP_THREADS_BIND`` auto and nobind (the second also with
+    a ``glibc.malloc`` tunable of the user's): {bind: (the core's tasks as (is main thread, CPUs), stderr)}."""
+    script = tmp_path_factory.mktemp("core") / "affinities.py"
     script.write_text(AFFINITIES)
     seen = {}
     for bind in ("auto", "nobind"):
         env = {k: v for k, v in os.environ.items()
-               if k not in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "TANDEM_CPUS")}
+               if k not in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "TANDEM_CPUS", "GLIBC_TUNABLES",
+                            "TANDEM_MALLOC_CHOSEN")}
         env["TANDEM_CPU_OMP_THREADS_BIND"] = bind
+        if bind == "nobind":
+            env["GLIBC_TUNABLES"] = "glibc.malloc.tcache_count=7"   # glibc's default value: changes nothing
         out = subprocess.run([sys.executable, str(script), tiny_model], cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         tasks = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("TASK ")]
-        seen[bind] = [(main == "True", _cpu_list(c)) for main, c in tasks]
+        seen[bind] = ([(main == "True", _cpu_list(c)) for main, c in tasks], out.stderr)
+    return seen
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="binding needs two CPUs")
+def test_the_core_process_binds_its_model_threads_and_no_other(core_process_runs):
+    """The core process's initial thread (the model's) is bound to its first CPU and libgomp's worker to the
+    next, whatever the wait policy; the threads that run no model (the command reader, the grammar pool) keep
+    every CPU. With ``TANDEM_CPU_OMP_THREADS_BIND=nobind`` nothing is bound."""
+    cpus = sorted(os.sched_getaffinity(0))
+    seen = {bind: tasks for bind, (tasks, _) in core_process_runs.items()}
     every = set(cpus)
     assert (True, {cpus[0]}) in seen["auto"], seen
     assert (False, {cpus[1]}) in seen["auto"], seen             # libgomp's worker
     assert any(c == every for main, c in seen["auto"] if not main), seen   # the reader, the grammar threads
     assert all(c == every for _, c in seen["nobind"]), seen
+
+
+def test_the_core_process_tunes_malloc_unless_the_user_did(core_process_runs):
+    """The core process raises malloc's thresholds before it loads the model (``tune_malloc``) and says so in
+    its ``engine ready`` line; a ``glibc.malloc`` tunable the user set is left alone."""
+    ready = {bind: [line for line in err.splitlines() if "engine ready" in line]
+             for bind, (_, err) in core_process_runs.items()}
+    assert len(ready["auto"]) == 1 and "malloc=trim=64MiB,mmap=32MiB" in ready["auto"][0], ready
+    assert len(ready["nobind"]) == 1 and "malloc=user" in ready["nobind"][0], ready
 
 
 def _cpu_list(text: str) -> set[int]:
