@@ -46,12 +46,19 @@ t.join()
 """
 
 
-def _churn_faults(variant: str) -> tuple[int, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", "TANDEM_MALLOC_CHOSEN")}
-    out = subprocess.run([sys.executable, "-c", CHURN, variant], cwd=ROOT, env=env, capture_output=True, text=True,
+def _run(script: str, variant: str) -> dict[str, str]:
+    """``script`` run in a new Python with ``variant`` as argv[1] and none of the user's malloc or NumPy
+    settings: its output lines "NAME value" as a dict."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", "TANDEM_MALLOC_CHOSEN", "NUMPY_MADVISE_HUGEPAGE")}
+    out = subprocess.run([sys.executable, "-c", script, variant], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    return dict(line.split(" ", 1) for line in out.stdout.splitlines())
+
+
+def _churn_faults(variant: str) -> tuple[int, str]:
+    lines = _run(CHURN, variant)
     return int(lines["FAULTS"]), lines.get("CHOSEN", "")
 
 
@@ -119,14 +126,7 @@ def test_a_tuned_process_keeps_numpy_from_asking_for_huge_pages():
     """With the thresholds raised the engine's tensors land where NumPy's freed buffers were; a region NumPy
     flagged for huge pages would then be collapsed by ``khugepaged`` under the memory-map lock (module doc):
     tuned, NumPy flags nothing, even when it was imported first."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", "TANDEM_MALLOC_CHOSEN", "NUMPY_MADVISE_HUGEPAGE")}
-    seen = {}
-    for variant in ("default", "tuned"):
-        out = subprocess.run([sys.executable, "-c", HUGEPAGE, variant], cwd=ROOT, env=env, capture_output=True,
-                             text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        seen[variant] = out.stdout.split()[-1]
+    seen = {variant: _run(HUGEPAGE, variant)["FLAGGED"] for variant in ("default", "tuned")}
     if seen["default"] != "True":
         pytest.skip(f"this NumPy or kernel does not madvise huge pages ({seen})")
     assert seen["tuned"] == "False", seen
