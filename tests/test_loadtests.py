@@ -382,6 +382,13 @@ def test_structured_isolation_takes_the_readers_own_cpu_wait_out_of_a_gap():
     assert fig["reader_wait_max"] == pytest.approx(1770)
 
 
+def test_structured_isolation_sends_window_keeps_only_the_gaps_ending_while_the_schema_was_in_flight():
+    from loadtests.bench.structured_isolation import sends_window_gaps
+
+    gaps = [(0.09, 0.0, 99.9), (0.02, 0.0, 100.0), (0.03, 0.0, 112.0), (0.08, 0.0, 112.6)]   # (gap, wait, end)
+    assert sends_window_gaps(gaps, 100.0, [12.0, 0.5]) == gaps[1:3]
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux's /proc/stat")
 def test_structured_isolation_reads_the_machines_steal_time():
     """The steal time each phase reports is ``/proc/stat``'s, in seconds: the same figure as the file's own
