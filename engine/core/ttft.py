@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engine.core.kv_cache_manager import hash_block_tokens
-from engine.core.ttft_calibration import CALIBRATION_TAU_S, TTFTCalibration
+from engine.core.ttft_calibration import CALIBRATION_TAU_S, TTFTCalibration, prefill_seconds
+
 
 class TTFTState(msgspec.Struct, array_like=True):
     """The core's state that a TTFT prediction needs (one per step, in ``EngineStats.ttft``).
@@ -91,8 +92,18 @@ class TTFTState(msgspec.Struct, array_like=True):
 
     def prefill_s(self, tokens: float, quad: float = 0.0, chunks: float = 0.0) -> float:
         """Seconds the steps spend on ``tokens`` prefill tokens in ``chunks`` chunks of ``quad_of`` ``quad``,
-        beyond their decode (the calibration's prefill costs)."""
-        return tokens / self.prefill_tok_s + quad * self.quad_s + chunks * self.chunk_s
+        beyond their decode (``prefill_seconds`` at the calibration's costs)."""
+        return prefill_seconds(self, tokens, quad, chunks)
+
+    def decode_step_s(self, rows: float) -> float:
+        """Seconds of a decode step of ``rows`` rows (``fixed_s + rows x row_s``; ``step_s`` before any fit)."""
+        return self.fixed_s + self.row_s * rows if self.fixed_s or self.row_s else self.step_s
+
+    def queued(self) -> tuple[int, int]:
+        """(prompt tokens not yet computed, the requests they belong to): the running set's and every waiting
+        class's."""
+        return (self.running_prefill + sum(c[1] for c in self.queued_prefill),
+                self.running_prefill_reqs + sum(c[2] for c in self.queued_prefill))
 
 
 @dataclass
@@ -140,7 +151,7 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     classes = [c for c in state.queued_prefill if state.fcfs or c[0] <= priority]
     ahead = state.running_prefill + sum(c[1] for c in classes)
     per_step = max(state.budget - state.decode_rows, 1)
-    queued = state.running_prefill + sum(c[1] for c in state.queued_prefill)
+    queued, n_queued = state.queued()
     # ``quad_of`` per queued token: the queue's own (``queued_quad``), else as chunks of the queued requests' mean
     # length with no context. Taken as the latter, a deep queue of follow-up turns (tails of tens of tokens
     # attending over hundreds) was predicted 25-39 % short at the median in the local-only spill runs.
@@ -149,7 +160,6 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     n_ahead = sum(c[2] for c in classes)
     # Prefill chunks cost ``chunk_s`` each: a span of queued tokens is taken as chunks of the queued requests' mean
     # length, and a step boundary inside the span splits one request in two.
-    n_queued = state.running_prefill_reqs + sum(c[2] for c in state.queued_prefill)
     per_request = queued / n_queued if n_queued and queued else per_step
     step_s = _decode_step_ahead(state, n_ahead)
     busy = elapsed_s is not None and (state.num_running > 0 or queued > 0)
@@ -198,10 +208,8 @@ def _decode_step_ahead(state: TTFTState, n_ahead: int) -> float:
     the seats the requests ahead fill, a mean of the two. At the rows of the moment alone, requests behind a
     burst of fresh prompts (none decoding yet) were predicted at a decode-free step's cost (5 ms on a box whose
     step of eight rows costs ~100 ms): 1.2-1.8 s predicted, 2.5-3.3 s measured."""
-    if not (state.fixed_s or state.row_s):
-        return state.step_s
     rows_then = min(state.num_running + n_ahead, state.max_num_seqs)   # >= decode_rows: those run
-    return state.fixed_s + state.row_s * (state.decode_rows + rows_then) / 2
+    return state.decode_step_s((state.decode_rows + rows_then) / 2)
 
 
 def predict_tpot(state: TTFTState) -> float:
@@ -210,15 +218,12 @@ def predict_tpot(state: TTFTState) -> float:
     queue takes every seat that frees) at the measured cost per row, plus the queued prefill that the steps of
     its decode also compute (spread over ``typical_decode`` steps, at most the budget left by the decode rows),
     its chunks included."""
-    n_queued = sum(c[2] for c in state.queued_prefill)
-    rows = min(state.num_running + n_queued + 1, state.max_num_seqs)
-    step = state.fixed_s + state.row_s * rows if state.fixed_s or state.row_s else state.step_s
+    rows = min(state.num_running + sum(c[2] for c in state.queued_prefill) + 1, state.max_num_seqs)
     steps = max(state.typical_decode, 1.0)
-    queued = state.running_prefill + sum(c[1] for c in state.queued_prefill)
+    queued, n_prefill = state.queued()
     interleaved = min(queued, steps * max(state.budget - rows, 0)) / steps
-    n_prefill = state.running_prefill_reqs + n_queued
     chunks = interleaved / (queued / n_prefill) if n_prefill and queued else 0.0   # chunks of the queue's mean length
-    return step + state.prefill_s(interleaved, chunks=chunks)
+    return state.decode_step_s(rows) + state.prefill_s(interleaved, chunks=chunks)
 
 
 def quad_of(chunks) -> float:

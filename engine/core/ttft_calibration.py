@@ -18,6 +18,13 @@ _T_UNIT, _Q_UNIT = 100.0, 10_000.0
 _PRIOR_WEIGHT = 0.3
 
 
+def prefill_seconds(costs, tokens: float, quad: float = 0.0, chunks: float = 0.0) -> float:
+    """Seconds a step spends on ``tokens`` prefill tokens in ``chunks`` chunks of ``quad_of`` ``quad``, beyond its
+    decode: tokens / ``prefill_tok_s`` + quad x ``quad_s`` + chunks x ``chunk_s`` of ``costs`` (a
+    ``TTFTCalibration``, or the ``TTFTState`` that publishes its costs)."""
+    return tokens / costs.prefill_tok_s + quad * costs.quad_s + chunks * costs.chunk_s
+
+
 class _LeastSquares:
     """A least-squares fit of ``y ~ sum c_i x_i`` kept as its weighted sums (of x_i x_j and of x_i y), solved with
     a ridge toward a prior and its coefficients kept valid as costs (not negative)."""
@@ -115,8 +122,7 @@ class TTFTCalibration:
     def cost(self, decode_rows: float, prefill_tokens: float = 0.0, quad: float = 0.0, chunks: float = 0.0) -> float:
         """Predicted seconds of a step computing ``decode_rows`` decode rows and ``prefill_tokens`` prefill
         tokens in ``chunks`` chunks of ``quad_of`` ``quad``."""
-        return (self.fixed_s + self.row_s * decode_rows + prefill_tokens / self.prefill_tok_s + quad * self.quad_s
-                + chunks * self.chunk_s)
+        return self.fixed_s + self.row_s * decode_rows + prefill_seconds(self, prefill_tokens, quad, chunks)
 
     def observe(self, seconds: float, prefill_tokens: int, decode_rows: int, at: float | None = None,
                 quad: float = 0.0, chunks: int = 0) -> None:
