@@ -198,48 +198,40 @@ def measure_phases(streamer: httpx.Client, poller: httpx.Client, sender: httpx.C
 
     sent = threading.Event()
 
-    def streams_until_sent() -> list[tuple[float, float, float]]:
-        """Gaps of back-to-back streams, until both sends are answered (gaps within a stream only)."""
+    def streams_until(done) -> list[tuple[float, float, float]]:
+        """Gaps of back-to-back streams until ``done()`` (gaps within a stream only)."""
         out = []
-        while not sent.is_set():
+        while not done():
             out += stream_gaps(streamer, base, model, max_tokens)
         return out
 
-    def streams_for(seconds: float) -> list[tuple[float, float, float]]:
-        out, end = [], time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            out += stream_gaps(streamer, base, model, max_tokens)
-        return out
-
-    def stolen(since: float | None) -> float | None:
-        now = steal_seconds()
-        return None if now is None or since is None else now - since
-
-    steal: dict = {}
+    marks = [steal_seconds()]   # the machine's steal time at the start and at each phase's end
     # `/health` is polled through the baseline too: the one difference between the two figures is the schema.
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         try:
             health_f = pool.submit(poll_health)
-            s0 = steal_seconds()
             baseline = [g for _ in range(baseline_runs) for g in stream_gaps(streamer, base, model, max_tokens)]
-            steal["baseline"], s0 = stolen(s0), steal_seconds()
+            marks.append(steal_seconds())
             health_alone, health[:] = list(health), []
             started = time.perf_counter()
-            gaps_f = pool.submit(streams_until_sent)
+            gaps_f = pool.submit(streams_until, sent.is_set)
             time.sleep(1.0)
             t0 = time.perf_counter()
             sends = [send_schema(sender, base, big), send_schema(sender, base, big)]
             sent.set()
             gaps = gaps_f.result()
-            steal["under_schema"], s0 = stolen(s0), steal_seconds()
+            marks.append(steal_seconds())
             health_under = list(health)
-            control = streams_for(time.perf_counter() - started)
-            steal["control"] = stolen(s0)
+            end = 2 * time.perf_counter() - started   # as long again
+            control = streams_until(lambda: time.perf_counter() >= end)
+            marks.append(steal_seconds())
             stop.set()
             health_f.result()
         finally:  # interrupted (Ctrl-C, SIGTERM): the loops end, so the pool's exit does not wait forever
             sent.set()
             stop.set()
+    steal = {phase: None if a is None or b is None else b - a
+             for phase, a, b in zip(("baseline", "under_schema", "control"), marks, marks[1:])}
     return Phases(baseline, gaps, control, sends, health_alone, health_under, steal, t0)
 
 
