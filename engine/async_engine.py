@@ -50,6 +50,11 @@ class EngineDeadError(RuntimeError):
     """The engine core stopped (failed to load, crashed, its process died, or shut down) (HTTP 503)."""
 
 
+class RequestWithdrawn(RuntimeError):
+    """The request was withdrawn before anything of it was computed (``AsyncEngine.withdraw``): its caller sends
+    it elsewhere (HTTP 503 ``withdrawn``; nothing was generated or billed)."""
+
+
 @dataclass
 class _Stream:
     """Loop-side end of one request: its queue and the loop that reads it."""
@@ -219,6 +224,24 @@ class AsyncEngine:
         if not self._accepting:
             raise EngineDrainingError("the engine is shutting down and admits no new requests")
         return await self._client.embed(prompts, pooling_type, normalize)
+
+    async def withdraw(self, request_id: str, by: float, scale: float = 1.0) -> tuple[bool, float | None]:
+        """Withdraw ``request_id`` if it still waits with nothing computed and its first token, re-predicted by
+        the core from its place in the queue (``EngineCore.withdraw``; x ``scale``, the caller's correction of
+        this engine's predictions), would come after ``by`` (``time.monotonic()`` seconds). A withdrawn request's
+        ``generate`` raises ``RequestWithdrawn``. Returns (withdrawn, the core's prediction in seconds or None
+        when the request is not waiting so); (False, None) when the engine is not running."""
+        if self._dead is not None or self._client is None:
+            return False, None
+        withdrawn, seconds = await self._client.withdraw(request_id, by, scale,
+                                                         self._pending.arrival_tok_s(time.monotonic()))
+        if withdrawn:
+            with self._lock:
+                self._processor.forget(request_id)
+                self._deliver([(request_id, RequestWithdrawn(
+                    f"withdrawn before its first token: predicted {scale * seconds:.2f} s, too late"))])
+                self._check_drained()
+        return withdrawn, seconds
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0, resume: dict[int, list[int]] | None = None) -> AsyncIterator[RequestOutput]:

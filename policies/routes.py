@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from policies.affinity import Affinity, ReplicaLoad, choose, prefix_key
-from policies.slo import Slo, rank
+from policies.slo import Handover, Slo, rank
 
 SELECT_MODES = ("weighted", "cheapest", "prefix_affinity")
 # What keeps a conversation on one target (its provider's prompt cache): "" none, "prefix" the prompt's leading
@@ -109,6 +109,7 @@ class Pick:
     ranked: list[Target] = field(default_factory=list)
     home: str = ""          # prefix_affinity: the key's top-scoring target id
     prefix_key: str = ""    # prefix_affinity: the hashed prefix
+    handover: Handover | None = None   # slo: a checkpoint on the engine ``target`` (``policies.slo.Handover``)
 
 
 def pick_target(route: Route, key: str, unavailable: dict[str, str], prefix: str = "",
@@ -131,8 +132,8 @@ def pick_target(route: Route, key: str, unavailable: dict[str, str], prefix: str
     if not live:
         return Pick(None, skipped=skipped, reason="no available target with weight > 0")
     if slo is not None:
-        ranked, reason, cost = rank(live, slo, estimates or {}, prompt_tokens, max_tokens, home)
-        return Pick(ranked[0], scores=cost, skipped=skipped, ranked=ranked, reason=reason, home=home)
+        ranked, reason, cost, hand = rank(live, slo, estimates or {}, prompt_tokens, max_tokens, home)
+        return Pick(ranked[0], scores=cost, skipped=skipped, ranked=ranked, reason=reason, home=home, handover=hand)
     if route.select == "cheapest":
         ranked = sorted(live, key=lambda t: (t.input_price + t.output_price, route.targets.index(t)))
         best = ranked[0]

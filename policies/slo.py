@@ -12,6 +12,14 @@ is assumed not to. With ``tpot_ms`` a target must also be predicted to decode th
 engine's step cost at the batch it would decode in; an upstream's rolling measurement); a target without a TPOT
 figure is assumed to meet it. The cost of the request on a target is its prompt at the target's input price plus
 ``max_tokens`` (else ``EXPECTED_OUTPUT_TOKENS``) at its output price.
+
+A hand-over (``Handover``): when the cheapest target meeting the SLO is an engine that can take back a request it
+has not started (the co-located one: its estimate has a ``scale``) and a dearer target meets the SLO too, the
+request goes to the engine with a checkpoint: at ``after_s`` from admission (the SLO less the other target's
+checked TTFT, less ``HANDOVER_MARGIN_S``) the engine re-predicts its first token from its place in the queue, and
+a request predicted late is withdrawn, nothing of it computed, and sent on to the next target
+(``gateway/backends/local.py``). A prediction at admission is a median plus a margin; the re-prediction has
+less left to predict, so a request predicted in time at admission and then delayed still meets the SLO elsewhere.
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ from dataclasses import dataclass
 EXPECTED_OUTPUT_TOKENS = 256
 # An upstream failing this share of its recent calls or more is not counted on to meet an SLO.
 MAX_ERROR_RATE = 0.5
+# Seconds kept between a hand-over's checkpoint and the latest the next target can start to meet the SLO: the
+# engine's answer to the checkpoint (between two of its steps) and the next call's set-up.
+HANDOVER_MARGIN_S = 0.15
 
 
 @dataclass(frozen=True)
@@ -52,11 +63,41 @@ class TTFTEstimate:
     error_rate: float = 0.0
     high: float | None = None
     tpot: float | None = None
+    scale: float | None = None   # an engine that can withdraw a queued request: its own prediction -> ``checked``
 
     @property
     def checked(self) -> float | None:
         """Seconds compared with the SLO."""
         return self.seconds if self.high is None else self.high
+
+
+@dataclass(frozen=True)
+class Handover:
+    """A checkpoint on a request sent to an engine that can withdraw it (see the module docstring): at
+    ``after_s`` seconds from admission, withdraw it if its first token, re-predicted x ``scale``, would come after
+    ``by_s`` (the SLO); the attempt loop then goes on to ``to`` (a target id), predicted to answer in time."""
+
+    after_s: float
+    by_s: float
+    scale: float
+    to: str
+
+    def describe(self) -> str:
+        return f"hand over to {self.to} at {self.after_s:.2f} s if then predicted late"
+
+
+def handover(ranked: list, meeting: int, slo: Slo, est: dict[str, TTFTEstimate]) -> Handover | None:
+    """The ``Handover`` of a request ``ranked`` (the first ``meeting`` of them predicted to meet ``slo``), or None
+    when the first cannot withdraw a request, no other meets the SLO, or the next one's checked TTFT leaves no
+    time for a checkpoint."""
+    if meeting < 2 or est[ranked[0].id].scale is None:
+        return None
+    budget_s = slo.ttft_ms / 1000.0
+    nxt = est[ranked[1].id]
+    after = budget_s - (nxt.checked or 0.0) - HANDOVER_MARGIN_S
+    if after <= 0:
+        return None
+    return Handover(after, budget_s, est[ranked[0].id].scale, ranked[1].id)
 
 
 def request_cost(target, prompt_tokens: int | None, max_tokens: int | None, cached: bool = False) -> float:
@@ -68,11 +109,12 @@ def request_cost(target, prompt_tokens: int | None, max_tokens: int | None, cach
 
 
 def rank(live: list, slo: Slo, estimates: dict[str, TTFTEstimate], prompt_tokens: int | None,
-         max_tokens: int | None, home: str = "") -> tuple[list, str, dict[str, float]]:
+         max_tokens: int | None, home: str = "") -> tuple[list, str, dict[str, float], Handover | None]:
     """``live`` targets in the order to try them for ``slo``: those predicted to meet it by cost (then
     predicted TTFT, then route order), then the others by predicted TTFT. ``home``: the id of the target whose
     prompt cache holds this conversation (a sticky route), priced at its cached-input price. Returns (ranked, the
-    explanation quoting each target's prediction and cost, target id -> USD)."""
+    explanation quoting each target's prediction and cost, target id -> USD, the first target's ``Handover`` or
+    None)."""
     budget_s = slo.ttft_ms / 1000.0
     cost = {t.id: request_cost(t, prompt_tokens, max_tokens, t.id == home) for t in live}
     est = {t.id: estimates.get(t.backend, TTFTEstimate(None)) for t in live}
@@ -107,8 +149,10 @@ def rank(live: list, slo: Slo, estimates: dict[str, TTFTEstimate], prompt_tokens
         warm = " (prompt cache home)" if t.id == home else ""
         parts.append(f"{t.id} {said}{cmp} at {cost[t.id]:.5f} USD{warm}{err}{basis}")
     tpot_head = f", tpot {slo.tpot_ms:g} ms" if slo.tpot_ms is not None else ""
+    hand = handover(good + bad, len(good), slo, est)
     if good:
         head = f"SLO ttft {slo.ttft_ms:g} ms{tpot_head}: cheapest predicted to meet it: {good[0].id}"
+        head += f" ({hand.describe()})" if hand is not None else ""
     else:
         head = f"SLO ttft {slo.ttft_ms:g} ms{tpot_head}: none predicted to meet it; fastest: {bad[0].id}"
-    return good + bad, head + "; " + "; ".join(parts), cost
+    return good + bad, head + "; " + "; ".join(parts), cost, hand

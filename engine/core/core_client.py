@@ -25,7 +25,7 @@ import msgspec
 from engine.core.core_loop import (ready_message, run_core_loop, run_engine_core_process, start_engine_core,
                                    take_all)
 from engine.core.core_messages import (Command, CompileGrammar, CoreFailed, CoreReady, CoreReply, CoreStep, EmbedPrompts,
-                                  Shutdown, decode_reply, encode, params_to_wire, rebuild_error)
+                                  Shutdown, Withdraw, decode_reply, encode, params_to_wire, rebuild_error)
 from engine.worker.grammar_compiler import GrammarRefused
 
 logger = logging.getLogger("tandem.core_client")
@@ -107,6 +107,11 @@ class ThreadCoreClient:
                     normalize: bool | None = None) -> list[list[float]]:
         """``EngineCore.embed`` on the core loop's thread, between two steps. Raises ValueError as it does."""
         return await _embed_call(self, prompts, pooling_type, normalize)
+
+    async def withdraw(self, request_id: str, by: float, scale: float = 1.0,
+                       arrival_tok_s: float = 0.0) -> tuple[bool, float | None]:
+        """``EngineCore.withdraw`` on the core loop's thread, between two steps."""
+        return await _withdraw_call(self, request_id, by, scale, arrival_tok_s)
 
     def shutdown(self) -> None:
         self._commands.put(Shutdown())
@@ -239,6 +244,11 @@ class ProcessCoreClient:
         """``EngineCore.embed`` in the core process, between two steps. Raises ValueError as it does."""
         return await _embed_call(self, prompts, pooling_type, normalize)
 
+    async def withdraw(self, request_id: str, by: float, scale: float = 1.0,
+                       arrival_tok_s: float = 0.0) -> tuple[bool, float | None]:
+        """``EngineCore.withdraw`` in the core process, between two steps."""
+        return await _withdraw_call(self, request_id, by, scale, arrival_tok_s)
+
     def shutdown(self) -> None:
         """Ask the core to stop and wait for its process (killed after 30 s)."""
         self._closing = True
@@ -287,12 +297,25 @@ class PipeWriter:
 async def _embed_call(client, prompts: list[list[int]], pooling_type: str | None,
                       normalize: bool | None) -> list[list[float]]:
     """Send an ``EmbedPrompts`` through ``client`` and wait for its ``CoreReply``."""
+    return await _core_call(client, lambda call_id: EmbedPrompts(call_id, prompts, pooling_type or "", normalize))
+
+
+async def _withdraw_call(client, request_id: str, by: float, scale: float,
+                         arrival_tok_s: float) -> tuple[bool, float | None]:
+    """Send a ``Withdraw`` through ``client``; (withdrawn, predicted seconds or None) from its ``CoreReply``."""
+    withdrawn, seconds = await _core_call(client, lambda call_id: Withdraw(call_id, request_id, by, scale,
+                                                                           arrival_tok_s))
+    return bool(withdrawn), seconds
+
+
+async def _core_call(client, command):
+    """Send ``command(call_id)`` through ``client`` and wait for its ``CoreReply``'s value."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
     call_id = next(client._call_ids)
     client._calls[call_id] = (loop, future)
     try:
-        client.send(EmbedPrompts(call_id, prompts, pooling_type or "", normalize))
+        client.send(command(call_id))
         return await future
     finally:
         client._calls.pop(call_id, None)

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.core.core_messages import (AbortRequests, AddRequest, Command, CompileGrammar, CoreFailed, CoreReady,
                                   CoreReply, CoreStep, EmbedPrompts, FinishSequences, Reply, Shutdown, decode_command,
-                                  encode, params_from_wire, spec_from_wire)
+                                  Withdraw, encode, params_from_wire, spec_from_wire)
 from engine.worker.device import unbind_thread
 
 logger = logging.getLogger("tandem.engine_core")
@@ -62,6 +62,9 @@ def run_core_loop(core, take_commands: Callable[[bool], list[Command]], emit: Ca
                 core.finish_sequences(cmd.stops)
             elif isinstance(cmd, EmbedPrompts):
                 emit(embed_reply(core, cmd))
+            elif isinstance(cmd, Withdraw):
+                emit(CoreReply(cmd.call_id, value=list(core.withdraw(cmd.request_id, cmd.by, cmd.scale,
+                                                                     cmd.arrival_tok_s))))
             elif isinstance(cmd, Shutdown):
                 stop = True
         if stop:

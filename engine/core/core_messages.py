@@ -65,6 +65,19 @@ class CompileGrammar(msgspec.Struct, tag=True, array_like=True):
     spec: dict[str, Any]
 
 
+class Withdraw(msgspec.Struct, tag=True, array_like=True):
+    """Take back a request that would give its first token too late, while nothing of it is computed
+    (``EngineCore.withdraw``): re-predict its first token from its place in the queue and, when ``now +
+    scale x prediction`` passes ``by`` (``time.monotonic()`` seconds), abort it. Answered by ``CoreReply(call_id,
+    value=[withdrawn, predicted seconds or None])``; a request no longer waiting is never withdrawn."""
+
+    call_id: int
+    request_id: str
+    by: float
+    scale: float = 1.0
+    arrival_tok_s: float = 0.0
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Abort whatever is left and stop the core loop."""
 
@@ -80,7 +93,7 @@ class EmbedPrompts(msgspec.Struct, tag=True, array_like=True):
     normalize: bool | None = None
 
 
-Command = AddRequest | AbortRequests | FinishSequences | CompileGrammar | Shutdown | EmbedPrompts
+Command = AddRequest | AbortRequests | FinishSequences | CompileGrammar | Shutdown | EmbedPrompts | Withdraw
 
 
 # ------------------------------------------------------------------ core -> front end
@@ -180,8 +193,8 @@ class CoreStep(msgspec.Struct, tag=True, array_like=True):
 
 class CoreReply(msgspec.Struct, tag=True, array_like=True):
     """The answer to a ``CompileGrammar`` (``error`` None when it compiled: ``digest``, its cache key; else the
-    refusal's message and HTTP status, 400 refused or 408 compile timeout) or an ``EmbedPrompts`` (``value``:
-    its embeddings; an error is the request's, status 400)."""
+    refusal's message and HTTP status, 400 refused or 408 compile timeout), an ``EmbedPrompts`` (``value``:
+    its embeddings; an error is the request's, status 400) or a ``Withdraw`` (``value``: [withdrawn, seconds])."""
 
     call_id: int
     error: str | None = None

@@ -39,7 +39,7 @@ from engine.worker.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.worker.structured_outputs import StructuredOutputManager
-from engine.core.ttft import quad_of, state_of
+from engine.core.ttft import predict_waiting, quad_of, state_of
 from engine.core.ttft_calibration import TTFTCalibration
 
 logger = logging.getLogger("tandem.engine")
@@ -241,6 +241,25 @@ class EngineCore:
             self.scheduler.finish_requests([s.request_id for s in seqs if not s.is_finished],
                                            RequestStatus.FINISHED_ABORTED)
             self._forget_group(rid)
+
+    def withdraw(self, request_id: str, by: float, scale: float = 1.0,
+                 arrival_tok_s: float = 0.0) -> tuple[bool, float | None]:
+        """Abort ``request_id`` if it is still waiting with nothing computed and its first token, re-predicted
+        from its place in the queue (``predict_waiting``; seconds, times ``scale``: the caller's correction of
+        this engine's predictions), would come after ``by`` (``time.monotonic()`` seconds). The gateway asks
+        this of a request it can still send to another backend in time (``gateway/backends/local.py``); nothing
+        was computed for it, so nothing is lost or billed. Returns (withdrawn, the prediction in seconds or None
+        when the request is not waiting so, or is one of several choices or prompts)."""
+        seqs = self._groups.get(request_id)
+        if seqs is None or len(seqs) != 1:
+            return False, None
+        p = predict_waiting(self.scheduler, self.ttft_calibration, seqs[0].request_id, arrival_tok_s)
+        if p is None:
+            return False, None
+        late = time.monotonic() + scale * p.seconds > by
+        if late:
+            self.abort_requests([request_id])
+        return late, p.seconds
 
     def abort_all(self) -> list[str]:
         """Abort every request; returns their ids."""

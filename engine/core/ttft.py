@@ -379,6 +379,38 @@ def _to_compute(kv, req, ahead: set) -> int:
 def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTState:
     """The ``TTFTState`` of ``scheduler`` (an ``engine.core.scheduler.Scheduler``) now, with ``calibration``'s step
     costs, ``added`` requests taken so far and the prefix cache's events since the last call."""
+    state, _ = _queue_state(scheduler, calibration, [*scheduler.swapped, *scheduler.waiting],
+                            _seat_order(scheduler, 4 * scheduler.max_num_seqs), added)
+    stored, removed, resync = drain_kv_events(scheduler.kv_cache_manager.block_pool)
+    return msgspec.structs.replace(state, stored=stored, removed=removed, resync=resync)
+
+
+def predict_waiting(scheduler, calibration: TTFTCalibration, request_id: str,
+                    arrival_tok_s: float = 0.0) -> TTFTPrediction | None:
+    """Predicted seconds from now (between two steps) to the first token of ``request_id``, a request still
+    waiting in ``scheduler`` with nothing computed: ``predict_ttft`` of it as if it arrived now behind only the
+    requests the scheduler seats before it (``_seat_order``) and the running set, its prompt less the prefix the
+    cache holds or those requests will have computed. None when it is not waiting so (running, swapped, computed
+    in part, finished or unknown). ``arrival_tok_s``: uncached prompt tokens arriving per second lately (they
+    queue behind it, and fill the room its last step leaves). Re-predicted late in its wait, less is left to
+    predict than at admission (``gateway/backends/local.py``'s hand-over asks it)."""
+    req = scheduler.requests.get(request_id)
+    if req is None or req.num_computed_tokens or req not in scheduler.waiting:
+        return None
+    order = _seat_order(scheduler, len(scheduler.waiting) + len(scheduler.swapped))
+    ahead_reqs = order[:order.index(req)]
+    state, ahead = _queue_state(scheduler, calibration, ahead_reqs, ahead_reqs[:4 * scheduler.max_num_seqs])
+    todo = _to_compute(scheduler.kv_cache_manager, req, ahead)
+    return predict_ttft(msgspec.structs.replace(state, fcfs=True), req.num_prompt_tokens,
+                        req.num_prompt_tokens - todo, req.priority, arrival_tok_s=arrival_tok_s)
+
+
+def _queue_state(scheduler, calibration: TTFTCalibration, queue: list, seat_order: list,
+                 added: int = 0) -> tuple[TTFTState, set]:
+    """The ``TTFTState`` of ``scheduler``'s running set with ``queue`` (waiting and swapped requests, in the
+    order their cached prefixes are counted) as its waiting requests, ``seat_order`` the first of them in the
+    order they get seats; without prefix-cache events. Also the block hashes the running set and ``queue`` have
+    or will have cached (``_to_compute``'s ``ahead``)."""
     kv = scheduler.kv_cache_manager
     queued: dict[int, list[int]] = {}
     ahead: set = set()   # block hashes the running set and the requests seated before have or will cache
@@ -386,7 +418,7 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
         ahead.update(kv.req_to_block_hashes.get(r.request_id, ()))
     budget = scheduler.max_num_batched_tokens
     quad = 0.0
-    for req in (*scheduler.swapped, *scheduler.waiting):
+    for req in queue:
         c = queued.setdefault(req.priority, [0, 0])
         todo = _to_compute(kv, req, ahead)
         c[0] += todo
@@ -399,7 +431,6 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
         running_prefill_reqs += todo > 0
         quad += prompt_quad(r.num_computed_tokens, todo, budget)
     decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
-    stored, removed, resync = drain_kv_events(kv.block_pool)
     return TTFTState(
         block_size=scheduler.block_size, budget=scheduler.max_num_batched_tokens,
         max_num_seqs=scheduler.max_num_seqs, num_running=len(scheduler.running), decode_rows=len(decoding),
@@ -408,8 +439,8 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
         free_blocks=kv.num_free_blocks,
         remaining_decode=sorted(r.max_tokens - r.num_output_tokens for r in scheduler.running),
         typical_decode=sum(r.max_tokens for r in scheduler.running) / max(len(scheduler.running), 1),
-        waiting_decode=[(r.priority, r.max_tokens) for r in _seat_order(scheduler, 4 * scheduler.max_num_seqs)],
+        waiting_decode=[(r.priority, r.max_tokens) for r in seat_order],
         step_s=calibration.cost(len(decoding)), prefill_tok_s=calibration.prefill_tok_s, added=added,
-        stored=stored, removed=removed, resync=resync, fixed_s=calibration.fixed_s, row_s=calibration.row_s,
+        fixed_s=calibration.fixed_s, row_s=calibration.row_s,
         quad_s=calibration.quad_s, queued_quad=quad, chunk_s=calibration.chunk_s,
-        running_prefill_reqs=running_prefill_reqs)
+        running_prefill_reqs=running_prefill_reqs), ahead

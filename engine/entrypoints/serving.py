@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError
+from engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestWithdrawn
 from engine.entrypoints.chat_structured import ChatPlan
 from engine.entrypoints.logprobs import LogprobFormatter
 from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidationError, ServingError, parse_request
@@ -288,12 +288,18 @@ def reject_abort(finish_reason: str | None) -> None:
                            code="aborted")
 
 
+# The error code of a request the engine withdrew before computing anything (``AsyncEngine.withdraw``).
+WITHDRAWN = "withdrawn"
+
+
 def error_from_engine(exc: BaseException) -> ServingError:
     """Map an engine exception onto a client error (never a traceback)."""
     if isinstance(exc, ServingError):
         return exc
     if isinstance(exc, (EngineDrainingError, EngineDeadError)):
         return ServingError(503, str(exc), type="server_error", code="engine_unavailable")
+    if isinstance(exc, RequestWithdrawn):
+        return ServingError(503, str(exc), type="server_error", code=WITHDRAWN)
     if isinstance(exc, ValueError):
         return ServingError(400, str(exc))
     logger.error("request failed in the engine", exc_info=exc)

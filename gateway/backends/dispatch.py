@@ -80,27 +80,30 @@ def _payload(backend, target: Target, req: GatewayRequest):
     return body if backend.kind == "local" else msgspec.json.encode(body)
 
 
-async def _attempt(backend, target: Target, req: GatewayRequest):
+async def _attempt(backend, target: Target, req: GatewayRequest, handover=None):
     if api := native_api(backend, req):          # the client's own request, on the API it was made on
         return await backend.send(api, _passthrough(backend, target, req, req.source[1]), req.request_id)
     payload = _payload(backend, target, req)
-    # the local engine takes the request value (priority, routing's rendering, the answer's id and model)
-    args = (req, payload) if backend.kind == "local" else (req.endpoint, payload, req.request_id)
+    # the local engine takes the request value (priority, routing's rendering, the answer's id and model) and
+    # the hand-over's checkpoint
+    args = (req, payload, handover) if backend.kind == "local" else (req.endpoint, payload, req.request_id)
     return await (backend.open_stream if req.stream else backend.send)(*args)
 
 
-async def _one_attempt(backends: dict, req: GatewayRequest, c: Candidate) -> UpstreamResponse:
-    """One call of ``c``'s backend in the attempt loop's terms (an HTTP answer, or a raised transport error)."""
+async def _one_attempt(backends: dict, req: GatewayRequest, c: Candidate, handover=None) -> UpstreamResponse:
+    """One call of ``c``'s backend in the attempt loop's terms (an HTTP answer, or a raised transport error);
+    ``handover``: (``policies.slo.Handover``, admission time) for the target it names the checkpoint of."""
     backend = backends[c.target.backend]
     try:
-        result = await _attempt(backend, c.target, req)
+        result = await _attempt(backend, c.target, req, handover)
     except BackendError as e:
         return backend_error_to_response(e)
     return stream_response(result) if req.stream else result
 
 
 async def forward(req: GatewayRequest, targets: list[Target], backends: dict, resilience: Resilience,
-                  reservation: RateReservation | None = None, hook=None, reserved_tokens: int = 0) -> Answer:
+                  reservation: RateReservation | None = None, hook=None, reserved_tokens: int = 0,
+                  handover=None) -> Answer:
     """Serve ``req`` from ``targets`` (route order) through the resilience layer; never raises for backend
     failures.
 
@@ -108,7 +111,8 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
     or 400/429/502/503/504 when no target could answer (see ``gateway/resilience/attempts.py``).
     ``reservation`` (the request's key/tenant token reservation) is settled with the real usage when known;
     ``hook`` wraps each attempt (observability's ``on_attempt`` events); ``reserved_tokens`` sizes the
-    per-backend TPM reservations.
+    per-backend TPM reservations. ``handover``: (``policies.slo.Handover``, admission in monotonic seconds) of
+    the first target (the co-located engine), which may withdraw the request at its checkpoint.
     """
     skipped: list[str] = []
     candidates = []
@@ -127,7 +131,8 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
         await resilience.settle(reservation, res.usage)
         await resilience.settle(res.backend_reservation, res.usage)
 
-    attempt = lambda c: _one_attempt(backends, req, c)  # noqa: E731
+    first = targets[0] if targets and handover is not None else None
+    attempt = lambda c: _one_attempt(backends, req, c, handover if c.target is first else None)  # noqa: E731
     if hook is not None:
         attempt = hook(attempt)
     res = await resilience.forward(candidates, attempt, stream=req.stream, required_len=req.prompt_tokens,

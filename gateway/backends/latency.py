@@ -33,7 +33,7 @@ from collections import deque
 import httpx
 import msgspec
 
-from gateway.resilience.outcomes import UpstreamResponse
+from gateway.resilience.outcomes import UpstreamResponse, Withdrawn
 from gateway.sse import EventReader, classify
 from policies import TTFTEstimate
 
@@ -131,18 +131,21 @@ class UpstreamLatency:
             if p is not None:
                 self._local = local.name
                 out[local.name] = self._predicted_estimate(req.request_id, local.name, p.seconds, p.describe(),
-                                                           p.parts.get("tpot_s"))
+                                                           p.parts.get("tpot_s"), withdraws=True)
         return out
 
     def _predicted_estimate(self, request_id: str, backend: str, seconds: float, why: str,
-                            tpot: float | None = None) -> TTFTEstimate:
+                            tpot: float | None = None, withdraws: bool = False) -> TTFTEstimate:
         """An engine's own prediction for ``request_id`` as an estimate: remembered (its answer's TTFT is compared
-        with it) and corrected by that engine's recent measured / predicted ratios."""
+        with it) and corrected by that engine's recent measured / predicted ratios. ``withdraws``: the engine can
+        take the request back while it waits (the co-located one): the estimate's ``scale`` is the factor from its
+        own predictions to the checked figure, which its re-prediction at a hand-over is scaled by."""
         if len(self._predicted) >= _PREDICTED_MAX and request_id not in self._predicted:
             self._predicted.pop(next(iter(self._predicted)))
         self._predicted.setdefault(request_id, {})[backend] = seconds
         factor, margin, note = self.correction(backend)
-        return TTFTEstimate(seconds * factor, f"{why}{note}", high=seconds * factor * margin, tpot=tpot)
+        return TTFTEstimate(seconds * factor, f"{why}{note}", high=seconds * factor * margin, tpot=tpot,
+                            scale=factor * margin if withdraws else None)
 
     def correction(self, backend: str = "", now: float | None = None) -> tuple[float, float, str]:
         """(factor on ``backend``'s predictions (default: the local engine's), margin on the corrected prediction
@@ -190,6 +193,8 @@ class UpstreamLatency:
             started = time.monotonic()
             try:
                 resp = await attempt(c)
+            except Withdrawn:   # taken back before it started: no answer to time, no failure
+                raise
             except Exception:
                 self.observe(backend, None)
                 raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -16,7 +17,8 @@ from gateway.backends.relabel import answer_id
 from gateway.config.schema import LocalBackendConfig
 from gateway.errors import BackendError
 from gateway.request.validate import GatewayRequest
-from gateway.resilience.outcomes import UpstreamResponse
+from gateway.resilience.outcomes import UpstreamResponse, Withdrawn
+from policies.slo import Handover
 
 log = logging.getLogger("tandem.gateway.local")
 
@@ -45,6 +47,35 @@ def render_prompt(tokenizer, endpoint: str, body: dict):
 
     render = render_chat if endpoint == "chat/completions" else render_completion
     return render(tokenizer, {k: v for k, v in body.items() if k not in GATEWAY_ONLY_FIELDS and k != "model"})
+
+
+class Checkpoint:
+    """A hand-over's checkpoint on one request in the engine (``policies.slo.Handover``): at ``admitted +
+    after_s`` (monotonic seconds) the engine re-predicts the request's first token from its place in its queue
+    and withdraws it, nothing of it computed, when ``scale`` x that comes after ``admitted + by_s``
+    (``AsyncEngine.withdraw``). ``withdrawn`` is set before the request's stream sees the engine's error."""
+
+    def __init__(self, engine, request_id: str, handover: Handover, admitted: float):
+        self.withdrawn = False
+        self.predicted_s: float | None = None
+        self.handover = handover
+        self._task = asyncio.ensure_future(self._run(engine, request_id, admitted))
+
+    async def _run(self, engine, request_id: str, admitted: float) -> None:
+        h = self.handover
+        await asyncio.sleep(max(admitted + h.after_s - time.monotonic(), 0.0))
+        try:
+            self.withdrawn, self.predicted_s = await engine.withdraw(request_id, admitted + h.by_s, h.scale)
+        except Exception:  # noqa: BLE001 - the engine died: its requests fail on their own
+            log.debug("withdraw of %s failed", request_id, exc_info=True)
+
+    def error(self) -> Withdrawn:
+        return Withdrawn(f"withdrawn at {self.handover.after_s:.2f} s: first token predicted "
+                         f"{self.handover.scale * (self.predicted_s or 0.0):.2f} s later, after the SLO's "
+                         f"{self.handover.by_s:g} s; handed over to {self.handover.to}")
+
+    def close(self) -> None:
+        self._task.cancel()
 
 
 class LocalBackend:
@@ -128,37 +159,59 @@ class LocalBackend:
         except self.serving_error as e:
             raise BackendError("http", f"{self.name}: {e.message}", e.status_code, self._encode(e.to_dict())) from None
 
-    async def send(self, req: GatewayRequest, body: dict) -> UpstreamResponse:
+    def _checkpoint(self, req: GatewayRequest, handover: tuple[Handover, float] | None) -> Checkpoint | None:
+        if handover is None or self.engine is None:
+            return None
+        return Checkpoint(self.engine, answer_id(req.endpoint, req.request_id), *handover)
+
+    async def send(self, req: GatewayRequest, body: dict,
+                   handover: tuple[Handover, float] | None = None) -> UpstreamResponse:
         """Run one non-streaming request: ``req`` (its endpoint, id, priority, public model and, when routing
         rendered it, its ``rendered`` prompt) with ``body`` (the client's, ``model`` set to the served name,
         gateway-only fields removed); the OpenAI JSON answer, ``id`` and ``model`` as the gateway reports them.
+        ``handover``: (``policies.slo.Handover``, the request's admission in monotonic seconds): a checkpoint at
+        which the engine may withdraw the request (``Checkpoint``).
 
         Raises:
             BackendError: "http" with the serving layer's status for bad input,
-                "unavailable" before the engine is loaded."""
+                "unavailable" before the engine is loaded.
+            Withdrawn: the checkpoint withdrew it."""
         self.active += 1
+        checkpoint = self._checkpoint(req, handover)
         try:
             result = await self._call(req, body)
             return UpstreamResponse(200, {"content-type": "application/json"}, body=self._encode(result))
+        except BackendError:
+            if checkpoint is not None and checkpoint.withdrawn:
+                raise checkpoint.error() from None
+            raise
         finally:
             self.active -= 1
+            if checkpoint is not None:
+                checkpoint.close()
 
-    async def open_stream(self, req: GatewayRequest, body: dict) -> AsyncIterator[bytes]:
-        """Start a streaming request (arguments as ``send``'s); SSE byte lines (``data: ...\\n\\n``)."""
+    async def open_stream(self, req: GatewayRequest, body: dict,
+                          handover: tuple[Handover, float] | None = None) -> AsyncIterator[bytes]:
+        """Start a streaming request (arguments as ``send``'s); SSE byte lines (``data: ...\\n\\n``). A request
+        the checkpoint withdrew raises ``Withdrawn`` from the iterator, before any content."""
         self.active += 1
         try:
             result = await self._call(req, body)
         except BaseException:
             self.active -= 1
             raise
-        return self._relay(result)
+        return self._relay(result, self._checkpoint(req, handover))
 
-    async def _relay(self, it: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def _relay(self, it: AsyncIterator[bytes], checkpoint: Checkpoint | None) -> AsyncIterator[bytes]:
         try:
             async for chunk in it:
+                if checkpoint is not None and checkpoint.withdrawn:   # the chunk is the engine's error event
+                    raise checkpoint.error()
                 yield chunk
         finally:
             self.active -= 1
+            if checkpoint is not None:
+                checkpoint.close()
             aclose = getattr(it, "aclose", None)
             if aclose is not None:
                 await aclose()

@@ -126,6 +126,7 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         req = build_request(snap, endpoint, raw, headers, request_id, body=body, source=source)
     else:
         req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id, None, body, source)
+    admitted = time.monotonic()   # a hand-over's checkpoint and deadline count from here
     decision, affinity = await decide_route(gw, req)
     if affinity:
         gw.replicas.note(decision.route, decision.pick)
@@ -156,7 +157,9 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         answer, usage = hit
         await gw.resilience.settle(adm.rate, usage)
     else:
-        answer = await forward(req, decision.attempts, snap.backends, gw.resilience, adm.rate, hook, adm.tokens)
+        handover = (decision.pick.handover, admitted) if decision.pick.handover is not None else None
+        answer = await forward(req, decision.attempts, snap.backends, gw.resilience, adm.rate, hook, adm.tokens,
+                               handover)
         if resume is not None and answer.stream is not None:
             again = _continuation(snap, gw.resilience, decision.attempts, hook)
             answer.stream = resumable(answer.stream, answer.backend, resume, req, again)

@@ -12,7 +12,8 @@ call, or one round of skipped candidates:
   the upstream's ``Retry-After`` when it is within ``max_retry_after_s``). Falling back to an untried target
   waits nothing.
 - Transient failures (connection errors, timeouts, HTTP 408/429/500/502/503/504, a malformed body, an error event
-  or a cut before any content) are retried / fall back; 400/401/403/404/422 and every other status are passed
+  or a cut before any content) are retried / fall back; so is a request an engine withdrew at a hand-over's
+  checkpoint (``Withdrawn``: not counted against that engine); 400/401/403/404/422 and every other status are passed
   through unchanged after one upstream call, and never count against the target's breaker; so is an error
   object inside a 2xx (a stream's error event before content, a JSON body's ``error``) naming such a status in
   its ``code`` (``outcomes.classify_error_object``). A context-length error moves on to a target with a larger
@@ -49,9 +50,9 @@ from typing import Any, Awaitable, Callable
 from gateway.config.schema import RetrySettings
 from gateway.errors import error_body
 from gateway.resilience.outcomes import (TRANSIENT_STATUS, Attempt, Failure, NoCandidate, PassThrough, Result,
-                                         UpstreamResponse, classify_error_object, classify_exception,
-                                         close_response, is_context_length_error, is_request_error,
-                                         parse_retry_after)
+                                         UpstreamResponse, Withdrawn, classify_error_object,
+                                         classify_exception, close_response, is_context_length_error,
+                                         is_request_error, parse_retry_after)
 from gateway.resilience.backoff import RetryPolicy
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
 from gateway.resilience.streaming import GATEWAY_SHUTDOWN, Held, peek_stream, relay
@@ -179,6 +180,9 @@ class _Run:
                 self.excluded.add(c.name)
                 self._exclude_not_larger(c)
                 await self._record(c, True, None, None, probe, dt, None)
+            elif f.kind == "withdrawn":   # not the engine's failure: nothing to record but a probe's slot
+                if probe:
+                    await self.breakers.record(c.name, True, probe=True, reason="probe not used")
             else:
                 await self._record(c, False, f.status, f.retry_after, probe, dt, None, reason=_reason(f))
             if reservation is not None:
@@ -230,6 +234,9 @@ class _Run:
         except asyncio.CancelledError:
             await asyncio.shield(close_response(resp))
             raise
+        except Withdrawn as exc:
+            await close_response(resp)
+            return Failure("withdrawn", str(exc))
         except Exception as exc:
             await close_response(resp)
             status = getattr(exc, "status_code", None)

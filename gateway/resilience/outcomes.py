@@ -25,6 +25,12 @@ _CONTEXT_RE = re.compile(r"context[ _-]?length|maximum context|context window|ma
                          r"prompt is too long|reduce the length", re.I)
 
 
+class Withdrawn(Exception):
+    """An engine took a request back before computing any of it, at a hand-over's checkpoint
+    (``policies.slo.Handover``, ``gateway/backends/local.py``): the attempt loop goes on to the next target at once,
+    and the engine's breaker and health do not count it as a failure."""
+
+
 @dataclass
 class UpstreamResponse:
     """What one attempt returns: any HTTP status.

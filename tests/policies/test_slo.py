@@ -39,6 +39,31 @@ def test_explanation_quotes_predictions_costs_and_the_slo():
     assert "chosen: deepseek" in d.explain()
 
 
+def test_an_engine_that_can_withdraw_gets_a_hand_over_to_the_next_target_meeting_the_slo():
+    """The co-located engine (its estimate has a ``scale``) first: a checkpoint at the SLO less the next target's
+    checked TTFT and the margin; none when nothing else meets the SLO, when the first cannot withdraw, or when the
+    next target leaves no time."""
+    from policies.slo import HANDOVER_MARGIN_S
+
+    local = TTFTEstimate(0.8, high=1.0, scale=1.25)
+    d = decide(Policy((), {"chat": SLO_ROUTE}, "chat"), F, signals(local=local, deepseek=0.9, holysheep=0.3))
+    h = d.pick.handover
+    assert [t.id for t in d.attempts][:2] == ["local", "deepseek"] and h is not None
+    assert (h.to, h.by_s, h.scale) == ("deepseek", 1.5, 1.25)
+    assert h.after_s == pytest.approx(1.5 - 0.9 - HANDOVER_MARGIN_S)
+    assert "cheapest predicted to meet it: local (hand over to deepseek at 0.45 s if then predicted late)" \
+        in d.pick.reason
+    slow = decide(Policy((), {"chat": SLO_ROUTE}, "chat"), F, signals(local=local, deepseek=2.0, holysheep=1.6))
+    assert slow.pick.handover is None                       # nothing else meets the SLO
+    plain = decide(Policy((), {"chat": SLO_ROUTE}, "chat"), F, signals(local=0.8, deepseek=0.9, holysheep=0.3))
+    assert plain.pick.handover is None                      # a replica's estimate: it cannot withdraw
+    late = decide(Policy((), {"chat": SLO_ROUTE}, "chat"), F, signals(local=local, deepseek=1.4, holysheep=1.45))
+    assert late.pick.handover is None                       # 1.5 - 1.4 - margin <= 0
+    upstream_first = decide(Policy((), {"chat": SLO_ROUTE}, "chat"), F,
+                            signals(local=TTFTEstimate(2.0, high=2.4, scale=1.2), deepseek=0.9, holysheep=0.3))
+    assert upstream_first.pick.handover is None
+
+
 def test_the_slo_is_checked_against_the_predictions_high_figure():
     """The engine's prediction is a median; its high figure (plus its own recent p90 error) decides."""
     near = TTFTEstimate(1.3, high=1.7)
