@@ -36,6 +36,9 @@ def test_analyse_counts_the_slo_cost_upstream_share_and_prediction_error():
     assert f["slo_met_pct"] == 50.0 and f["failed"] == 1 and f["upstream_share_pct"] == 25.0
     assert f["usd_per_1000"] == pytest.approx(1000 * (1000 * 1.0 + 100 * 2.0) / 1e6 / 4)
     assert f["prediction_error_p50_pct"] == pytest.approx(35.0)   # errors 20 % and 50 %
+    handed = Outcome(True, 0.3, "agg", 10, 1, explain="local (hand over to agg at 1.35 s ...)", attempts=2)
+    retried = Outcome(True, 0.3, "agg", 10, 1, attempts=2)   # a failed first attempt, no hand-over
+    assert analyse([handed, retried], slo_s=1.0, prices=prices)["handed_over_pct"] == 50.0
 
 
 def test_prompt_cache_figures_price_cached_tokens_at_the_cached_rate():

@@ -121,6 +121,7 @@ class Outcome:
     at: float = 0.0
     explain: str = ""
     turn: int = 1
+    attempts: int = 1
 
 
 # "local predicted 1.20 s <= SLO 2.5 s at ... USD [1.00 s (...) x 1.20 (p90 ...)]": the gateway's figure (the
@@ -141,6 +142,7 @@ async def one(session: aiohttp.ClientSession, url: str, a: Arrival, max_tokens: 
             out.predicted_local = float(m.group(1)) if m else None
             out.predicted_engine = float(m.group(2)) if m and m.group(2) else None
             out.explain = r.headers.get("x-tandem-slo", "")
+            out.attempts = int(r.headers.get("x-tandem-attempts") or 1)
             if r.status != 200:
                 return out
             async for line in r.content:
@@ -181,6 +183,9 @@ def analyse(outcomes: list[Outcome], slo_s: float, prices: dict[str, dict]) -> d
     cost = sum((o.prompt_tokens * prices.get(o.backend, {}).get("input", 0)
                 + o.completion_tokens * prices.get(o.backend, {}).get("output", 0)) / 1e6 for o in outcomes)
     upstream = sum(o.backend not in ("", "none", "local") for o in outcomes)   # "none": refused, nothing called
+    # sent to the engine, withdrawn by it at the hand-over's checkpoint, answered upstream
+    handed = sum(o.backend not in ("", "none", "local") and o.attempts > 1 and "hand over" in o.explain
+                 for o in outcomes)
     pairs = [(o.predicted_local, o.ttft) for o in outcomes
              if o.ok and o.backend == "local" and o.predicted_local is not None]
     errors = [abs(p - m) / m for p, m in pairs]
@@ -191,6 +196,7 @@ def analyse(outcomes: list[Outcome], slo_s: float, prices: dict[str, dict]) -> d
     return {"requests": n, "failed": sum(not o.ok for o in outcomes),
             "slo_met_pct": 100.0 * met / n if n else None, "usd_per_1000": 1000.0 * cost / n if n else None,
             "upstream_share_pct": 100.0 * upstream / n if n else None,
+            "handed_over_pct": 100.0 * handed / n if n else None,
             "prediction_error_p50_pct": 100 * err["p50"] if err else None,
             "prediction_error_p90_pct": 100 * err["p90"] if err else None, "predictions": len(errors),
             "engine_prediction_error_p50_pct": 100 * engine["p50"] if engine else None,
@@ -291,12 +297,12 @@ def run(args: argparse.Namespace) -> int:
         for u in ups.values():
             u.stop()
     rows = [[p, f["requests"], f["failed"], fmt(f["slo_met_pct"], ".1f"), fmt(f["usd_per_1000"], ".4f"),
-             fmt(f["upstream_share_pct"], ".1f"), fmt(f["prediction_error_p50_pct"], ".0f"),
+             fmt(f["upstream_share_pct"], ".1f"), fmt(f["handed_over_pct"], ".1f"), fmt(f["prediction_error_p50_pct"], ".0f"),
              fmt(f["prediction_error_p90_pct"], ".0f"), fmt(f["engine_prediction_error_p50_pct"], ".0f"),
              fmt(f["engine_prediction_error_p90_pct"], ".0f"), fmt(f["ttft_p50_s"], ".2f"), fmt(f["ttft_p99_s"], ".2f")]
             for p, f in figures.items()]
     table = md_table(["policy", "requests", "failed", f"TTFT <= {args.slo_ms:g} ms %", "USD / 1,000",
-                      "upstream %", "pred. err p50 %", "pred. err p90 %", "engine's own err p50 %",
+                      "upstream %", "handed over %", "pred. err p50 %", "pred. err p90 %", "engine's own err p50 %",
                       "engine's own err p90 %", "TTFT p50 s", "TTFT p99 s"], rows)
     note = (f"capacity {fmt(capacity, '.2f')} req/s (measured, local only); arrivals {args.low:g}x -> "
             f"{args.high:g}x -> {args.low:g}x over {args.duration:g} s; aggregators: "
