@@ -51,7 +51,7 @@ def test_an_engine_that_can_withdraw_gets_a_hand_over_to_the_next_target_meeting
     assert [t.id for t in d.attempts][:2] == ["local", "deepseek"] and h is not None
     assert (h.to, h.by_s, h.scale) == ("deepseek", 1.5, 1.25)
     assert h.after_s == pytest.approx(1.5 - 0.9 - HANDOVER_MARGIN_S)
-    assert "cheapest predicted to meet it: local (hand over to deepseek at 0.45 s if then predicted late)" \
+    assert "cheapest predicted to meet it: local (hand over to deepseek at 0.25 s if then predicted late)" \
         in d.pick.reason
     slow = decide(Policy((), {"chat": SLO_ROUTE}, "chat"), F, signals(local=local, deepseek=2.0, holysheep=1.6))
     assert slow.pick.handover is None                       # nothing else meets the SLO
