@@ -26,6 +26,7 @@ from gateway.billing.prices import NANO, Price, cost_nusd, usage_tokens
 from gateway.cache.key import cache_config
 from gateway.billing.usage import Budget, UsageLedger, UsageRecord, tenant_label
 from gateway.errors import ClientError, transport_error_kind
+from gateway.resilience.outcomes import Withdrawn
 from gateway.observability.metrics import BREAKER_VALUES, GatewayMetrics, LiveGauges
 from gateway.observability.records import (AttemptRecord, RequestRecord, decode_answer, include_prompts,
                                            provider)
@@ -41,6 +42,8 @@ log = logging.getLogger("tandem.gateway.telemetry")
 def _error_type(exc: BaseException) -> str:
     if isinstance(exc, asyncio.CancelledError):
         return "cancelled"
+    if isinstance(exc, Withdrawn):   # an engine's hand-over: the next target answers
+        return "withdrawn"
     kind = transport_error_kind(exc)
     return type(exc).__name__ if kind == "error" else kind
 

@@ -108,4 +108,7 @@ async def test_a_request_overtaken_in_the_queue_is_handed_over_before_it_starts(
     assert breaker.state == "closed" and breaker.consecutive_failures == 0
     assert value(fams, "tandem_requests_total", model="tiny", route="slo", backend="agg", status=200,
                  attempt="fallback") == 1
+    if not stream:   # a stream's local attempt answered 200 (a role event) before the engine's error
+        assert value(fams, "tandem_upstream_attempts_total", backend="local", attempt="initial",
+                     outcome="withdrawn") == 1
     assert value(fams, "vllm:request_success_total", model_name="tiny", finished_reason="length") == 2   # no "late"
