@@ -90,13 +90,15 @@ class Handover:
 
 def handover(ranked: list, meeting: int, slo: Slo, est: dict[str, TTFTEstimate]) -> Handover | None:
     """The ``Handover`` of a request ``ranked`` (the first ``meeting`` of them predicted to meet ``slo``), or None
-    when the first cannot withdraw a request, no other meets the SLO, or the next one's checked TTFT leaves no
-    time for a checkpoint."""
+    when the first cannot withdraw a request, no other meets the SLO, the next one has no estimate yet (how late
+    a hand-over may come is not known) or its checked TTFT leaves no time for a checkpoint."""
     if meeting < 2 or est[ranked[0].id].scale is None:
         return None
     budget_s = slo.ttft_ms / 1000.0
     nxt = est[ranked[1].id]
-    after = budget_s - (nxt.checked or 0.0) - HANDOVER_MARGIN_S
+    if nxt.checked is None:
+        return None
+    after = budget_s - nxt.checked - HANDOVER_MARGIN_S
     if after <= 0:
         return None
     return Handover(after, budget_s, est[ranked[0].id].scale, ranked[1].id)

@@ -59,6 +59,9 @@ def test_an_engine_that_can_withdraw_gets_a_hand_over_to_the_next_target_meeting
     assert plain.pick.handover is None                      # a replica's estimate: it cannot withdraw
     late = decide(Policy((), {"chat": SLO_ROUTE}, "chat"), F, signals(local=local, deepseek=1.4, holysheep=1.45))
     assert late.pick.handover is None                       # 1.5 - 1.4 - margin <= 0
+    unknown = decide(Policy((), {"chat": SLO_ROUTE}, "chat"), F,
+                     signals(local=local, deepseek=TTFTEstimate(None), holysheep=0.3))
+    assert [t.id for t in unknown.attempts][:2] == ["local", "deepseek"] and unknown.pick.handover is None
     upstream_first = decide(Policy((), {"chat": SLO_ROUTE}, "chat"), F,
                             signals(local=TTFTEstimate(2.0, high=2.4, scale=1.2), deepseek=0.9, holysheep=0.3))
     assert upstream_first.pick.handover is None
