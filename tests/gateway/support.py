@@ -61,6 +61,20 @@ async def serve_app(app):
     return server, task, f"http://127.0.0.1:{port}"
 
 
+async def serve_ready(gw, timeout: float = 120.0):
+    """``serve_app`` of a ``gateway.runtime.Gateway`` ``gw``, returned once its ``/health/ready`` answers 200 (its
+    local engine loaded); (server, its task, base url). Fails when it is not ready within ``timeout`` seconds."""
+    from gateway.http.app import create_app
+
+    server, task, url = await serve_app(create_app(gw))
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=10) as c:
+        while (await c.get(url + "/health/ready")).status_code != 200:
+            assert time.monotonic() < deadline, f"the gateway was not ready within {timeout:g} s"
+            await asyncio.sleep(0.1)
+    return server, task, url
+
+
 class FaultInjectorUpstream:
     """An OpenAI-compatible upstream for fault injection (NOT a model).
 

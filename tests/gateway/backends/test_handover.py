@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.gateway.observability.test_observability import families, value
-from tests.gateway.support import FaultInjectorUpstream, serve_app
+from tests.gateway.support import FaultInjectorUpstream, serve_ready
 
 pytestmark = pytest.mark.slow
 
@@ -41,20 +41,14 @@ def config(agg: FaultInjectorUpstream) -> str:
 @pytest.mark.parametrize("stream", [True, False])
 async def test_a_request_overtaken_in_the_queue_is_handed_over_before_it_starts(monkeypatch, stream):
     from gateway.config.compile import load_config_text
-    from gateway.http.app import create_app
     from gateway.runtime import Gateway
 
     monkeypatch.setenv("TEST_UPSTREAM_KEY", "k")
     agg = FaultInjectorUpstream("agg").start()
     gw = Gateway(None, load_config_text(config(agg)), start_engine=True)
-    server, task, url = await serve_app(create_app(gw))
+    server, task, url = await serve_ready(gw)
     try:
         async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-            for _ in range(600):
-                if (await c.get("/health/ready")).status_code == 200:
-                    break
-                await asyncio.sleep(0.2)
-
             def body(priority: int, max_tokens: int, text: str = "hi") -> dict:
                 return {"model": "tiny", "messages": [{"role": "user", "content": text}], "stream": True,
                         "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "priority": priority}

@@ -6,7 +6,6 @@ space off. Stores' bounds and the Redis/in-process twins: ``test_store.py``."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import msgspec
@@ -16,7 +15,7 @@ import pytest
 from gateway.cache.key import exact_space, tokens_of
 from gateway.sse import EventReader
 from tests.gateway.backends.test_local import tiny_model  # noqa: F401 -- the module-scoped fixture
-from tests.gateway.support import serve_app
+from tests.gateway.support import serve_app, serve_ready
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +40,11 @@ def config(model: str, redis_url: str | None = None) -> str:
 
 async def started(model: str, redis_url: str | None = None):
     from gateway.config.compile import load_config_text
-    from gateway.http.app import create_app
     from gateway.runtime import Gateway
 
     gw = Gateway(None, load_config_text(config(model, redis_url)), start_engine=True)
-    server, task, url = await serve_app(create_app(gw))
+    server, task, url = await serve_ready(gw)
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    for _ in range(600):
-        if (await client._client.get(url + "/health/ready")).status_code == 200:
-            break
-        await asyncio.sleep(0.1)
     return gw, server, task, client
 
 

@@ -3,14 +3,12 @@ engine's vLLM-named metrics next to the gateway's, and spans name the local prov
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
 
 from tests.gateway.backends.test_local import tiny_model  # noqa: F401 -- the module-scoped fixture
 from tests.gateway.observability.test_observability import families, value
-from tests.gateway.support import serve_app
+from tests.gateway.support import serve_ready
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +17,6 @@ async def test_colocated_engine_metrics_and_spans(tiny_model):  # noqa: F811
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from opentelemetry.trace import SpanKind
 
-    from gateway.http.app import create_app
     from gateway.config.compile import load_config_text
     from gateway.runtime import Gateway
     from gateway.observability.tracing import Tracing
@@ -34,13 +31,9 @@ async def test_colocated_engine_metrics_and_spans(tiny_model):  # noqa: F811
     gw = Gateway(None, load_config_text(cfg), start_engine=True)
     spans = InMemorySpanExporter()
     gw.obs.tracing = Tracing(span_exporter=spans)
-    server, task, url = await serve_app(create_app(gw))
+    server, task, url = await serve_ready(gw)
     try:
         async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-            for _ in range(600):
-                if (await c.get("/health/ready")).status_code == 200:
-                    break
-                await asyncio.sleep(0.1)
             r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 5,
                                                       "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
