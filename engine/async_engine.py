@@ -230,8 +230,11 @@ class AsyncEngine:
         the core from its place in the queue (``EngineCore.withdraw``; x ``scale``, the caller's correction of
         this engine's predictions), would come after ``by`` (``time.monotonic()`` seconds). A withdrawn request's
         ``generate`` raises ``RequestWithdrawn``. Returns (withdrawn, the core's prediction in seconds or None
-        when the request is not waiting so); (False, None) when the engine is not running."""
-        if self._dead is not None or self._client is None:
+        when the request is not waiting so); (False, None) without asking the core when the engine is not running
+        or the request has an output already (most of a gateway's checkpoints find it decoding)."""
+        with self._lock:
+            asks = self._dead is None and self._client is not None and self._processor.awaits_first_token(request_id)
+        if not asks:
             return False, None
         withdrawn, seconds = await self._client.withdraw(request_id, by, scale,
                                                          self._pending.arrival_tok_s(time.monotonic()))

@@ -94,6 +94,11 @@ class OutputProcessor:
     def request_ids(self) -> list[str]:
         return list(self._requests)
 
+    def awaits_first_token(self, request_id: str) -> bool:
+        """``request_id`` is live and none of its outputs has come yet (the core may still hold it waiting)."""
+        state = self._requests.get(request_id)
+        return state is not None and state.first_token_time is None
+
     def forget(self, request_id: str) -> None:
         """Stop tracking a request (the core refused or failed it)."""
         self._requests.pop(request_id, None)

@@ -88,20 +88,15 @@ class Handover:
         return f"hand over to {self.to} at {self.after_s:.2f} s if then predicted late"
 
 
-def handover(ranked: list, meeting: int, slo: Slo, est: dict[str, TTFTEstimate]) -> Handover | None:
-    """The ``Handover`` of a request ``ranked`` (the first ``meeting`` of them predicted to meet ``slo``), or None
+def handover(good: list, slo: Slo, est: dict[str, TTFTEstimate]) -> Handover | None:
+    """The ``Handover`` of a request whose targets predicted to meet ``slo`` are ``good`` (in rank order), or None
     when the first cannot withdraw a request, no other meets the SLO, the next one has no estimate yet (how late
     a hand-over may come is not known) or its checked TTFT leaves no time for a checkpoint."""
-    if meeting < 2 or est[ranked[0].id].scale is None:
+    if len(good) < 2 or est[good[0].id].scale is None or est[good[1].id].checked is None:
         return None
     budget_s = slo.ttft_ms / 1000.0
-    nxt = est[ranked[1].id]
-    if nxt.checked is None:
-        return None
-    after = budget_s - nxt.checked - HANDOVER_MARGIN_S
-    if after <= 0:
-        return None
-    return Handover(after, budget_s, est[ranked[0].id].scale, ranked[1].id)
+    after = budget_s - est[good[1].id].checked - HANDOVER_MARGIN_S
+    return Handover(after, budget_s, est[good[0].id].scale, good[1].id) if after > 0 else None
 
 
 def request_cost(target, prompt_tokens: int | None, max_tokens: int | None, cached: bool = False) -> float:
@@ -153,7 +148,7 @@ def rank(live: list, slo: Slo, estimates: dict[str, TTFTEstimate], prompt_tokens
         warm = " (prompt cache home)" if t.id == home else ""
         parts.append(f"{t.id} {said}{cmp} at {cost[t.id]:.5f} USD{warm}{err}{basis}")
     tpot_head = f", tpot {slo.tpot_ms:g} ms" if slo.tpot_ms is not None else ""
-    hand = handover(good + bad, len(good), slo, est)
+    hand = handover(good, slo, est)
     if good:
         head = f"SLO ttft {slo.ttft_ms:g} ms{tpot_head}: cheapest predicted to meet it: {good[0].id}"
         head += f" ({hand.describe()})" if hand is not None else ""

@@ -250,10 +250,9 @@ class EngineCore:
         this of a request it can still send to another backend in time (``gateway/backends/local.py``); nothing
         was computed for it, so nothing is lost or billed. Returns (withdrawn, the prediction in seconds or None
         when the request is not waiting so, or is one of several choices or prompts)."""
-        seqs = self._groups.get(request_id)
-        if seqs is None or len(seqs) != 1:
+        if len(self._groups.get(request_id, ())) != 1:
             return False, None
-        p = predict_waiting(self.scheduler, self.ttft_calibration, seqs[0].request_id, arrival_tok_s)
+        p = predict_waiting(self.scheduler, self.ttft_calibration, request_id, arrival_tok_s)
         if p is None:
             return False, None
         late = time.monotonic() + scale * p.seconds > by

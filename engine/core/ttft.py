@@ -380,9 +380,9 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
     """The ``TTFTState`` of ``scheduler`` (an ``engine.core.scheduler.Scheduler``) now, with ``calibration``'s step
     costs, ``added`` requests taken so far and the prefix cache's events since the last call."""
     state, _ = _queue_state(scheduler, calibration, [*scheduler.swapped, *scheduler.waiting],
-                            _seat_order(scheduler, 4 * scheduler.max_num_seqs), added)
-    stored, removed, resync = drain_kv_events(scheduler.kv_cache_manager.block_pool)
-    return msgspec.structs.replace(state, stored=stored, removed=removed, resync=resync)
+                            _seat_order(scheduler, 4 * scheduler.max_num_seqs), added,
+                            drain_kv_events(scheduler.kv_cache_manager.block_pool))
+    return state
 
 
 def predict_waiting(scheduler, calibration: TTFTCalibration, request_id: str,
@@ -399,18 +399,20 @@ def predict_waiting(scheduler, calibration: TTFTCalibration, request_id: str,
         return None
     order = _seat_order(scheduler, len(scheduler.waiting) + len(scheduler.swapped))
     ahead_reqs = order[:order.index(req)]
-    state, ahead = _queue_state(scheduler, calibration, ahead_reqs, ahead_reqs[:4 * scheduler.max_num_seqs])
+    state, ahead = _queue_state(scheduler, calibration, ahead_reqs, ahead_reqs[:4 * scheduler.max_num_seqs],
+                                fcfs=True)   # every request in this queue is ahead of it
     todo = _to_compute(scheduler.kv_cache_manager, req, ahead)
-    return predict_ttft(msgspec.structs.replace(state, fcfs=True), req.num_prompt_tokens,
-                        req.num_prompt_tokens - todo, req.priority, arrival_tok_s=arrival_tok_s)
+    return predict_ttft(state, req.num_prompt_tokens, req.num_prompt_tokens - todo, req.priority,
+                        arrival_tok_s=arrival_tok_s)
 
 
-def _queue_state(scheduler, calibration: TTFTCalibration, queue: list, seat_order: list,
-                 added: int = 0) -> tuple[TTFTState, set]:
+def _queue_state(scheduler, calibration: TTFTCalibration, queue: list, seat_order: list, added: int = 0,
+                 events: tuple = ([], [], None), fcfs: bool | None = None) -> tuple[TTFTState, set]:
     """The ``TTFTState`` of ``scheduler``'s running set with ``queue`` (waiting and swapped requests, in the
     order their cached prefixes are counted) as its waiting requests, ``seat_order`` the first of them in the
-    order they get seats; without prefix-cache events. Also the block hashes the running set and ``queue`` have
-    or will have cached (``_to_compute``'s ``ahead``)."""
+    order they get seats, ``events`` the prefix cache's (stored, removed, resync) and ``fcfs`` (None: the
+    scheduler's policy) whether every queued request counts as ahead. Also the block hashes the running set and
+    ``queue`` have or will have cached (``_to_compute``'s ``ahead``)."""
     kv = scheduler.kv_cache_manager
     queued: dict[int, list[int]] = {}
     ahead: set = set()   # block hashes the running set and the requests seated before have or will cache
@@ -435,12 +437,12 @@ def _queue_state(scheduler, calibration: TTFTCalibration, queue: list, seat_orde
         block_size=scheduler.block_size, budget=scheduler.max_num_batched_tokens,
         max_num_seqs=scheduler.max_num_seqs, num_running=len(scheduler.running), decode_rows=len(decoding),
         queued_prefill=sorted((p, t, n) for p, (t, n) in queued.items()), running_prefill=running_prefill,
-        fcfs=scheduler.scheduling_policy == "fcfs",
+        fcfs=scheduler.scheduling_policy == "fcfs" if fcfs is None else fcfs,
         free_blocks=kv.num_free_blocks,
         remaining_decode=sorted(r.max_tokens - r.num_output_tokens for r in scheduler.running),
         typical_decode=sum(r.max_tokens for r in scheduler.running) / max(len(scheduler.running), 1),
         waiting_decode=[(r.priority, r.max_tokens) for r in seat_order],
         step_s=calibration.cost(len(decoding)), prefill_tok_s=calibration.prefill_tok_s, added=added,
-        fixed_s=calibration.fixed_s, row_s=calibration.row_s,
+        stored=events[0], removed=events[1], resync=events[2], fixed_s=calibration.fixed_s, row_s=calibration.row_s,
         quad_s=calibration.quad_s, queued_quad=quad, chunk_s=calibration.chunk_s,
         running_prefill_reqs=running_prefill_reqs), ahead

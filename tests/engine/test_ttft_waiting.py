@@ -111,6 +111,10 @@ def test_the_engine_withdraws_a_queued_request_only_when_it_would_be_late(tmp_pa
             assert await asyncio.gather(*ahead) == [64, 64, 64]
             assert await kept >= 1
             assert await eng.withdraw("a0", by=time.monotonic()) == (False, None)   # finished: unknown
+            decoding = eng.generate([7] * 40, SamplingParams(max_tokens=32, ignore_eos=True), "decoding")
+            await decoding.__anext__()   # its first token: no longer withdrawable, whatever the deadline
+            assert await eng.withdraw("decoding", by=time.monotonic()) == (False, None)
+            assert await drain(decoding) >= 1
             assert eng.get_stats().num_waiting == 0 and eng.get_stats().num_running == 0
         finally:
             await eng.shutdown()
