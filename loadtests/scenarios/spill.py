@@ -297,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
         for u in ups.values():
             u.stop()
     rows = [[p, f["requests"], f["failed"], fmt(f["slo_met_pct"], ".1f"), fmt(f["usd_per_1000"], ".4f"),
-             fmt(f["upstream_share_pct"], ".1f"), fmt(f["handed_over_pct"], ".1f"), fmt(f["prediction_error_p50_pct"], ".0f"),
+             fmt(f["upstream_share_pct"], ".1f"), fmt(f["handed_over_pct"], ".1f"),
+             fmt(f["prediction_error_p50_pct"], ".0f"),
              fmt(f["prediction_error_p90_pct"], ".0f"), fmt(f["engine_prediction_error_p50_pct"], ".0f"),
              fmt(f["engine_prediction_error_p90_pct"], ".0f"), fmt(f["ttft_p50_s"], ".2f"), fmt(f["ttft_p99_s"], ".2f")]
             for p, f in figures.items()]

@@ -1,8 +1,9 @@
 """A hand-over on an SLO route, end to end: the gateway with a co-located engine (the embedded SmolLM2, one
-seat, priority scheduling: steps of tens of ms, so that the requests below meet in the engine's queue in time) and a fault-injector aggregator on 127.0.0.1. A request routed locally in
-time is overtaken in the engine's queue by urgent ones; at its checkpoint the engine re-predicts it late and
-withdraws it, nothing computed, and the aggregator answers it: once, with the engine's breaker untouched. A
-request the engine has started is never withdrawn."""
+seat, priority scheduling: steps of tens of ms, so that the requests below meet in the engine's queue in time)
+and a fault-injector aggregator on 127.0.0.1. A request routed locally in time is overtaken in the engine's queue
+by urgent ones; at its checkpoint the engine re-predicts it late and withdraws it, nothing computed, and the
+aggregator answers it: once, with the engine's breaker untouched. A request the engine has started is never
+withdrawn."""
 
 from __future__ import annotations
 
