@@ -231,7 +231,7 @@ class AsyncEngine:
         this engine's predictions), would come after ``by`` (``time.monotonic()`` seconds). A withdrawn request's
         ``generate`` raises ``RequestWithdrawn``. Returns (withdrawn, the core's prediction in seconds or None
         when the request is not waiting so); (False, None) without asking the core when the engine is not running
-        or the request has an output already (most of a gateway's checkpoints find it decoding)."""
+        or the request has an output already (a gateway's checkpoint often finds it decoding)."""
         with self._lock:
             asks = self._dead is None and self._client is not None and self._processor.awaits_first_token(request_id)
         if not asks:
