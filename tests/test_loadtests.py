@@ -375,17 +375,33 @@ def test_scenario_replicas_tiny(tiny_model, tmp_path):
 def test_structured_isolation_takes_the_readers_own_cpu_wait_out_of_a_gap():
     """A gap the benchmark's reader thread spent runnable but not running is read late by the benchmark, not
     written late by the server: ``less_reader_wait`` takes it out; the raw figures keep it."""
-    from loadtests.bench.structured_isolation import gap_figures
+    from loadtests.bench.structured_isolation import Gap, gap_figures
 
-    fig = gap_figures([(0.030, 0.0, 10.03), (1.800, 1.770, 11.83), (0.020, 0.001, 11.85)])  # (gap, wait, its end)
+    fig = gap_figures([Gap(0.030, 0.0, 10.03, 0.0), Gap(1.800, 1.770, 11.83, 0.0), Gap(0.020, 0.001, 11.85, 0.0)])
     assert fig["max"] == pytest.approx(1800) and fig["less_reader_wait"]["max"] == pytest.approx(30)
-    assert fig["reader_wait_max"] == pytest.approx(1770)
+    assert fig["reader_wait_max"] == pytest.approx(1770) and fig["less_steal"]["max"] == pytest.approx(1800)
+
+
+def test_structured_isolation_takes_the_hosts_steal_out_of_a_gap():
+    """A gap the hypervisor stretched (its CPUs' ``steal`` rose within it) is the host's: ``less_steal`` takes
+    out the most one CPU lost, less one tick (a whole-tick counter can rise for a fraction of one), never the
+    sum over CPUs; the raw figures keep it."""
+    from loadtests.bench.structured_isolation import Gap, gap_figures, gap_steal
+
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert gap_steal((100, 200), (100, 201)) == 0.0                          # one tick: maybe a fraction of one
+    assert gap_steal((100, 200), (104, 202)) == pytest.approx(3 * tick)      # CPU 0 lost 4 ticks, CPU 1 two
+    assert gap_steal((), (1, 2)) == 0.0 and gap_steal((1,), (5, 6)) == 0.0  # unknown: nothing taken out
+    fig = gap_figures([Gap(0.030, 0.0, 1.0, 0.0), Gap(0.090, 0.0, 1.09, 0.060), Gap(0.020, 0.0, 1.11, 0.0)])
+    assert fig["max"] == pytest.approx(90) and fig["less_steal"]["max"] == pytest.approx(30)
+    assert fig["steal_max"] == pytest.approx(60) and fig["less_reader_wait"]["max"] == pytest.approx(90)
 
 
 def test_structured_isolation_sends_window_keeps_only_the_gaps_ending_while_the_schema_was_in_flight():
-    from loadtests.bench.structured_isolation import sends_window_gaps
+    from loadtests.bench.structured_isolation import Gap, sends_window_gaps
 
-    gaps = [(0.09, 0.0, 99.9), (0.02, 0.0, 100.0), (0.03, 0.0, 112.0), (0.08, 0.0, 112.6)]   # (gap, wait, end)
+    gaps = [Gap(0.09, 0.0, 99.9, 0.0), Gap(0.02, 0.0, 100.0, 0.0), Gap(0.03, 0.0, 112.0, 0.0),
+            Gap(0.08, 0.0, 112.6, 0.0)]
     assert sends_window_gaps(gaps, 100.0, [12.0, 0.5]) == gaps[1:3]
 
 
@@ -393,7 +409,7 @@ def test_structured_isolation_sends_window_keeps_only_the_gaps_ending_while_the_
 def test_structured_isolation_reads_the_machines_steal_time():
     """The steal time each phase reports is ``/proc/stat``'s, in seconds: the same figure as the file's own
     first line (field 8, in clock ticks), never going back."""
-    from loadtests.bench.structured_isolation import steal_seconds
+    from loadtests.bench.structured_isolation import steal_by_cpu, steal_seconds
 
     first = steal_seconds()
     with open("/proc/stat") as f:
@@ -401,6 +417,9 @@ def test_structured_isolation_reads_the_machines_steal_time():
     second = steal_seconds()
     assert first is not None and second is not None
     assert first <= ticks / os.sysconf("SC_CLK_TCK") <= second
+    per_cpu = steal_by_cpu()   # the cpuN lines: one per CPU, together the first line's figure
+    # read just after; each CPU's counter is rounded down to whole ticks on its own, the first line's once
+    assert per_cpu and ticks - len(per_cpu) <= sum(per_cpu) <= ticks + 100
 
 
 @pytest.mark.parametrize("handled", [True, False])

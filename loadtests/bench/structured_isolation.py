@@ -24,8 +24,13 @@ Against a real ``tandem engine serve`` process (issue #34's figures):
 
 Each gap is also given less the time the stream's reader thread waited for a
 CPU within it (``less_reader_wait``, Linux's schedstat): on a loaded shared
-host this process is starved too, and a gap it reads late is its own. Each
-thread (stream, ``/health``, sends) has its own kept-alive client.
+host this process is starved too, and a gap it reads late is its own. And
+less the CPU time the hypervisor stole within it (``less_steal``: the most
+any one virtual CPU lost in the gap by ``/proc/stat``'s per-CPU ``steal``,
+less one clock tick for the counter's resolution, so never more than the
+host took): a step of the engine waits for its slowest thread, so a gap the
+host stretched is the host's. Each thread (stream, ``/health``, sends) has
+its own kept-alive client.
 3. Memory: the engine core's RSS (``/proc/<pid>/status`` VmRSS) every 100 of
    ``--schemas`` distinct small schemas (each a 1-token request), with the
    grammar cache bounded at ``--cache-entries``: flat past the bound.
@@ -45,6 +50,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -66,10 +72,17 @@ def small_schema(i: int) -> dict:
     return {"type": "object", "properties": {f"k{i}": {"type": "integer", "maximum": i + 1}}, "required": [f"k{i}"]}
 
 
-def stream_gaps(client: httpx.Client, base: str, model: str, max_tokens: int
-                ) -> list[tuple[float, float, float]]:
-    """(seconds between consecutive content events of one streamed chat request, seconds of that gap this
-    thread spent waiting for a CPU: ``reader_wait``, ``time.perf_counter()`` at the gap's end)."""
+class Gap(NamedTuple):
+    """One inter-token gap of the measured stream, as its reader saw it."""
+
+    seconds: float       # between two consecutive content events
+    reader_wait: float   # of those, seconds the reader thread was runnable but not running (``reader_wait``)
+    end: float           # ``time.perf_counter()`` at the second event
+    steal: float         # of those, seconds the hypervisor stole from the virtual CPU it stole most from
+
+
+def stream_gaps(client: httpx.Client, base: str, model: str, max_tokens: int) -> list[Gap]:
+    """The ``Gap`` between each two consecutive content events of one streamed chat request."""
     body = {"model": model, "messages": ASK, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     times = []
@@ -77,8 +90,8 @@ def stream_gaps(client: httpx.Client, base: str, model: str, max_tokens: int
         for line in r.iter_lines():
             if line.startswith("data: {") and '"content":"' in line.replace(" ", "") and '"content":""' not in \
                     line.replace(" ", ""):
-                times.append((time.perf_counter(), reader_wait()))
-    return [(b - a, wb - wa, b) for (a, wa), (b, wb) in zip(times, times[1:])]
+                times.append((time.perf_counter(), reader_wait(), steal_by_cpu()))
+    return [Gap(b - a, wb - wa, b, gap_steal(sa, sb)) for (a, wa, sa), (b, wb, sb) in zip(times, times[1:])]
 
 
 def reader_wait() -> float:
@@ -104,23 +117,48 @@ def steal_seconds() -> float | None:
         return None
 
 
-def gap_figures(gaps: list[tuple[float, float, float]]) -> dict:
-    """p50, p99 and max (ms) of the gaps as read, and of the gaps less the reader's own wait for a CPU."""
-    raw = [g for g, _, _ in gaps]
-    net = [g - w for g, w, _ in gaps]
+def steal_by_cpu() -> tuple[int, ...]:
+    """Clock ticks stolen from each virtual CPU so far (``/proc/stat``'s ``cpuN`` lines, field 8; empty where
+    unreadable). Read at every token: one small file, tens of microseconds."""
+    try:
+        with open("/proc/stat") as f:
+            return tuple(int(line.split()[8]) for line in f if line.startswith("cpu") and line[3].isdigit())
+    except (OSError, IndexError, ValueError):
+        return ()
+
+
+def gap_steal(before: tuple[int, ...], after: tuple[int, ...]) -> float:
+    """Seconds the hypervisor surely stole within a gap: the most any one CPU's counter rose between its two
+    reads (``steal_by_cpu``), less one tick, since a counter in whole ticks can rise by one for a fraction of a
+    tick (0 where unknown). The most from one CPU, not the sum: a step waits for its slowest thread, and two
+    CPUs robbed at once delay it once."""
+    if not before or len(before) != len(after):
+        return 0.0
+    ticks = max(b - a for a, b in zip(before, after))
+    return max(ticks - 1, 0) / os.sysconf("SC_CLK_TCK")
+
+
+def gap_figures(gaps: list[Gap]) -> dict:
+    """p50, p99 and max (ms) of the gaps as read, of the gaps less the reader's own wait for a CPU, and of the
+    gaps less the host's steal within them."""
+    raw = [g.seconds for g in gaps]
+
+    def less(taken: list[float]) -> dict:
+        net = [g - t for g, t in zip(raw, taken)]
+        return {"p50": statistics.median(net) * 1e3, "p99": pct(net, 0.99) * 1e3, "max": max(net) * 1e3}
+
     return {"p50": statistics.median(raw) * 1e3, "p99": pct(raw, 0.99) * 1e3, "max": max(raw) * 1e3,
-            "n": len(raw), "less_reader_wait": {"p50": statistics.median(net) * 1e3, "p99": pct(net, 0.99) * 1e3,
-                                                "max": max(net) * 1e3},
-            "reader_wait_max": max(w for _, w, _ in gaps) * 1e3}
+            "n": len(raw), "less_reader_wait": less([g.reader_wait for g in gaps]),
+            "less_steal": less([g.steal for g in gaps]),
+            "reader_wait_max": max(g.reader_wait for g in gaps) * 1e3, "steal_max": max(g.steal for g in gaps) * 1e3}
 
 
-def sends_window_gaps(gaps: list[tuple[float, float, float]], t0: float, send_seconds: list[float]
-                      ) -> list[tuple[float, float, float]]:
-    """The ``stream_gaps`` triples that ended from the first send (``t0``, ``time.perf_counter()``) until the
-    last send was answered (the sends, back to back, took ``send_seconds``): the phase less the stream time
-    around it that no schema traffic can explain."""
+def sends_window_gaps(gaps: list[Gap], t0: float, send_seconds: list[float]) -> list[Gap]:
+    """The gaps that ended from the first send (``t0``, ``time.perf_counter()``) until the last send was
+    answered (the sends, back to back, took ``send_seconds``): the phase less the stream time around it that no
+    schema traffic can explain."""
     end = t0 + sum(send_seconds)
-    return [g for g in gaps if t0 <= g[2] <= end]
+    return [g for g in gaps if t0 <= g.end <= end]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -167,7 +205,7 @@ def core_rss_by_schemas(client: httpx.Client, base: str, model: str, server_pid:
 
 @dataclass
 class Phases:
-    """What ``measure_phases`` measured: each phase's gaps (``stream_gaps`` triples), ``/health`` seconds and
+    """What ``measure_phases`` measured: each phase's gaps (``Gap``), ``/health`` seconds and
     steal seconds (None where unknown); the two sends' (status, seconds); ``time.perf_counter()`` at the first
     send."""
 
@@ -198,7 +236,7 @@ def measure_phases(streamer: httpx.Client, poller: httpx.Client, sender: httpx.C
 
     sent = threading.Event()
 
-    def streams_until(done) -> list[tuple[float, float, float]]:
+    def streams_until(done) -> list[Gap]:
         """Gaps of back-to-back streams until ``done()`` (gaps within a stream only)."""
         out = []
         while not done():
@@ -262,7 +300,7 @@ def run(args) -> dict:
         gc.collect()
         gc.freeze()
         ph = measure_phases(streamer, poller, sender, base, model, big, args.baseline_runs, args.max_tokens)
-        worst = max(ph.under_schema, key=lambda g: g[0])
+        worst = max(ph.under_schema, key=lambda g: g.seconds)
         during = sends_window_gaps(ph.under_schema, ph.t0, [t for _, t in ph.sends])
         rss = core_rss_by_schemas(sender, base, model, server.pid, args.schemas)
         alone, under, control = gap_figures(ph.baseline), gap_figures(ph.under_schema), gap_figures(ph.control)
@@ -275,12 +313,19 @@ def run(args) -> dict:
                 "less_reader_wait"]["p99"],
             # when the largest gap ended, in seconds after the first send began (its compile: the first send's
             # seconds; the cached repeat after that; negative: before the schema was sent)
-            "largest_gap_at_s": round(worst[2] - ph.t0, 3),
+            "largest_gap_at_s": round(worst.end - ph.t0, 3),
+            # that gap, and how much of it the reader waited for a CPU and the host stole
+            "largest_gap_ms": {"gap": worst.seconds * 1e3, "reader_wait": worst.reader_wait * 1e3,
+                               "steal": worst.steal * 1e3},
+            "less_steal_max_gap_over_baseline_p99": under["less_steal"]["max"] / alone["less_steal"]["p99"],
             # the largest gap that ended while the schema was being sent and answered (its compile included)
-            "sends_window_max_gap_over_baseline_p99": max((g for g, _, _ in during), default=0.0) * 1e3
+            "sends_window_max_gap_over_baseline_p99": max((g.seconds for g in during), default=0.0) * 1e3
             / alone["p99"],
+            "sends_window_less_steal_max_gap_over_baseline_p99": max(
+                (g.seconds - g.steal for g in during), default=0.0) * 1e3 / alone["less_steal"]["p99"],
             "control_gap_ms": control,
             "control_max_gap_over_baseline_p99": control["max"] / alone["p99"],
+            "control_less_steal_max_gap_over_baseline_p99": control["less_steal"]["max"] / alone["less_steal"]["p99"],
             "steal_ms": {phase: None if s is None else round(s * 1e3) for phase, s in ph.steal_s.items()},
             "health_max_ms": max(ph.health) * 1e3 if ph.health else None,
             "health_max_alone_ms": max(ph.health_alone) * 1e3 if ph.health_alone else None,
