@@ -214,6 +214,7 @@ class StructuredOutputManager:
         may_end = eos is not None and _get_bit(row, eos)
         if not may_end and not stops:
             return
+        grammar_stops = [t for t in stops if _get_bit(row, t)]   # stop tokens the grammar itself allows here
         must_end = False
         if may_end:
             _set_bit(row, eos, False)
@@ -225,10 +226,11 @@ class StructuredOutputManager:
         allow_stops = may_end and (must_end or not early)
         for t in stops:
             _set_bit(row, t, allow_stops)
-        if not allow_stops and stops and not bool(row.any()):
+        if not allow_stops and grammar_stops and not bool(row.any()):
             # The grammar's only ways on are stop tokens: here they are grammar content, not stops (a stop
-            # would cut the output; a row with every token masked would sample token 0).
-            for t in stops:
+            # would cut the output; a row with every token masked would sample token 0). Only those the grammar
+            # allows: another stop token is not content here (sampled, the grammar rejects it mid-output).
+            for t in grammar_stops:
                 _set_bit(row, t, True)
             self._stops_as_content.add(req.request_id)
 

@@ -132,6 +132,17 @@ def test_stop_token_ids_stay_masked_until_the_grammar_may_end():
     assert so.is_content("r", quote) and not so.accept("r", quote)  # so it is content, not a stop
 
 
+def test_stop_tokens_let_through_as_content_are_only_those_the_grammar_allows():
+    """Found by a user trial: where the grammar's only ways on were stop tokens, every stop token was let
+    through, one the grammar forbids too; sampled, the grammar rejected it and the JSON was cut ("stop")."""
+    so, tok = manager()
+    quote, a = tok.vocab.index('"'), tok.vocab.index("a")
+    row = _Row(stop_token_ids=[quote, a])
+    so.add("r", StructuredOutputsParams(json={"type": "string"}), [quote, a])
+    assert allowed(so.grammar_bitmask([row]).bitmask[0], tok.vocab_size) == [quote]  # not a: not JSON here
+    assert so.is_content("r", quote) and not so.accept("r", quote)
+
+
 @pytest.fixture(scope="module")
 def llm():
     from engine.llm import LLM
@@ -204,6 +215,20 @@ def test_stop_token_ids_cannot_cut_the_json(llm):
                                     structured_outputs=spec))[0].outputs[0]
     assert out.finish_reason == "stop"
     jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.slow
+def test_every_token_of_the_json_a_stop_token_still_cannot_cut_it(llm, caplog):
+    """Found by a user trial (``stop_token_ids`` of separators such as ``",``): where the grammar could go on only
+    by stop tokens, all of them were let through as content, one the grammar forbids too; greedy sampled that one,
+    the grammar rejected it (an ERROR logged) and the JSON was cut with finish_reason "stop"."""
+    spec = StructuredOutputsParams(json=PERSON)
+    free = llm.chat(ASK, _params(temperature=0, structured_outputs=spec))[0].outputs[0]
+    stops = sorted(set(free.token_ids) - {llm.tokenizer.eos_token_id})   # every token the greedy JSON writes
+    with caplog.at_level("ERROR", logger="tandem.structured_outputs"):
+        out = llm.chat(ASK, _params(temperature=0, stop_token_ids=stops, structured_outputs=spec))[0].outputs[0]
+    assert out.finish_reason == "stop" and not caplog.records
+    jsonschema.validate(json.loads(out.text), PERSON)
 
 
 @pytest.mark.slow
