@@ -23,6 +23,7 @@ validation: the value checks below cover the supported keywords), so that a
 from __future__ import annotations
 
 import re
+import urllib.parse
 from dataclasses import dataclass
 
 MAX_DEPTH = 64  # nesting of subschemas; deeper is refused (the walk and xgrammar's compiler recurse)
@@ -54,7 +55,7 @@ KEYWORDS: tuple[Keyword, ...] = (
     Keyword("anyOf", "schemas", "any"),
     Keyword("oneOf", "schemas", "any", "enforced as anyOf: give branches that exclude each other"),
     Keyword("allOf", "schemas", "any", "one schema only"),
-    Keyword("$ref", "local ref", "any", "local (#...) references only"),
+    Keyword("$ref", "local ref", "any", "# or a pointer #/... that resolves (no $anchor names)"),
     Keyword("$defs", "schema map", "any"),
     Keyword("definitions", "schema map", "any"),
     Keyword("properties", "schema map", "object"),
@@ -123,6 +124,60 @@ def check_json_schema(schema: object, where: str = "schema") -> None:
         raise ValueError(f"{where}: invalid JSON schema: must be an object or a boolean, "
                          f"got {type(schema).__name__}")
     _check_node(schema, where, 0)
+    for path, ref in _keyword_values(schema, where, "local ref"):
+        _check_ref(schema, ref, path)
+
+
+def regex_values(schema: object, where: str = "schema"):
+    """(path, regex) of every regex of a schema that ``check_json_schema`` passed: each ``pattern``, and each
+    name of ``patternProperties`` (path as ``check_json_schema`` names it). Where a compile refuses a regex, the
+    compile tries them one by one to name the one at fault."""
+    yield from _keyword_values(schema, where, "regex")
+    for path, names in _keyword_values(schema, where, "schema map", "patternProperties"):
+        for name in names:
+            yield f"{path}.{name}", name
+
+
+def _keyword_values(node: object, path: str, form: str, name: str | None = None):
+    """(path, value) of the keywords of ``form`` (and ``name``) at any depth of a checked schema: keywords are
+    told from property names by the table, as ``_check_node`` walks."""
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        kw = SUPPORTED.get(key)
+        if kw is None:
+            continue
+        if kw.value == form and name in (None, key):
+            yield f"{path}.{key}", value
+        if kw.value in ("schema", "schema or bool"):
+            yield from _keyword_values(value, f"{path}.{key}", form, name)
+        elif kw.value == "schemas":
+            for i, sub in enumerate(value):
+                yield from _keyword_values(sub, f"{path}.{key}[{i}]", form, name)
+        elif kw.value == "schema map":
+            for sub_name, sub in value.items():
+                yield from _keyword_values(sub, f"{path}.{key}.{sub_name}", form, name)
+
+
+def _check_ref(root: object, ref: str, path: str) -> None:
+    """A local ``$ref`` must point into the schema: ``#`` or a JSON pointer ``#/...`` (RFC 6901: ``~1`` is
+    ``/``, ``~0`` is ``~``; percent-escapes of the URI fragment decoded) that resolves."""
+    if ref == "#":
+        return
+    if not ref.startswith("#/"):
+        raise ValueError(f"{path}: unsupported schema feature: reference {ref!r} (only '#' and JSON pointers "
+                         "'#/...' into this schema)")
+    node = root
+    for part in ref[2:].split("/"):
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            raise _invalid(path, f"reference {ref!r} points to nothing in this schema (no {part!r})")
+    if not isinstance(node, (dict, bool)):
+        raise _invalid(path, f"reference {ref!r} points to a {type(node).__name__}, not a schema")
 
 
 def _invalid(path: str, problem: str) -> ValueError:

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from engine.worker.grammar_compiler import Done, GrammarCompilePool, GrammarLimits
-from engine.worker.json_schema_subset import check_json_schema
+from engine.worker.json_schema_subset import check_json_schema, regex_values
 from engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -171,8 +171,22 @@ class StructuredOutputManager:
             else:
                 out = c.compile_structural_tag(params.structural_tag)
         except (RuntimeError, self._xgr.InvalidJSONError, self._xgr.InvalidStructuralTagError) as exc:
-            raise ValueError(f"{params.kind}: {_xgrammar_message(exc)}") from None
+            message = _xgrammar_message(exc)
+            named = self._name_bad_regex(params) if params.json is not None and message.startswith("Regex") else None
+            raise ValueError(named or f"{params.kind}: {message}") from None
         return out, out.memory_size_bytes
+
+    def _name_bad_regex(self, params: StructuredOutputsParams) -> str | None:
+        """The message naming the first regex of a refused JSON schema that xgrammar cannot parse, with its path
+        (``<path>: invalid JSON schema: <xgrammar's message>``), or None when each parses alone. Run only when a
+        compile failed on a regex (the compile names none): one small parse per regex of the schema."""
+        schema = msgspec.json.decode(params.json) if isinstance(params.json, str) else params.json
+        for path, regex in regex_values(schema, params.where[0] if params.where else "schema"):
+            try:
+                self._xgr.Grammar.from_regex(regex)
+            except RuntimeError as exc:
+                return f"{path}: invalid JSON schema: {_xgrammar_message(exc)}"
+        return None
 
     # ---------------------------------------------------------------- matchers
     def add(self, request_id: str, params: StructuredOutputsParams, stop_token_ids=()) -> None:

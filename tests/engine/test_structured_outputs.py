@@ -67,6 +67,35 @@ def test_check_json_schema_names_the_offending_part():
     check_json_schema({"type": "object", "properties": {"enum": {"enum": [{"not": 1}]}}})  # values are not schemas
 
 
+def test_a_reference_must_point_into_the_schema():
+    """Found by a user trial: ``$ref: "#/$defs/nope"`` was refused by the compile without a path; and xgrammar
+    compiles a reference to an ``$anchor`` as any JSON value at all (accepted, then broken)."""
+    defs = {"$defs": {"a/b": {"type": "string"}, "c d": {"type": "integer"}}}
+    for ref in ("#", "#/$defs/a~1b", "#/$defs/c%20d"):   # the root; RFC 6901 and percent escapes
+        check_json_schema({**defs, "type": "object", "properties": {"x": {"$ref": ref}}})
+    check_json_schema({"type": "object", "properties": {"$ref": {"type": "string"}}})   # a property's name
+    with pytest.raises(ValueError, match=r"^schema\.properties\.x\.\$ref: invalid JSON schema: reference "
+                                         r"'#/\$defs/nope' points to nothing in this schema \(no 'nope'\)"):
+        check_json_schema({**defs, "properties": {"x": {"$ref": "#/$defs/nope"}}})
+    with pytest.raises(ValueError, match=r"points to a list, not a schema"):
+        check_json_schema({"properties": {"x": {"$ref": "#/required"}}, "required": ["x"]})
+    with pytest.raises(ValueError, match=r"^schema\.\$ref: unsupported schema feature: reference '#foo'"):
+        check_json_schema({"$defs": {"a": {"$anchor": "foo", "type": "string"}}, "$ref": "#foo"})
+
+
+def test_a_regex_the_compile_refuses_is_named_by_its_path():
+    """Found by a user trial: ``pattern: "[a-"`` came back as ``json: Regex parsing error ...``, no path."""
+    so, _ = manager()
+    schema = {"type": "object", "properties": {"ok": {"type": "string", "pattern": "[0-9]+"},
+                                               "s": {"type": "string", "pattern": "[a-"}}}
+    spec = StructuredOutputsParams(json=schema, where=("response_format.json_schema.schema",))
+    with pytest.raises(ValueError, match=r"^response_format\.json_schema\.schema\.properties\.s\.pattern: invalid "
+                                         r"JSON schema: Regex parsing error at position 4"):
+        so.compile(spec)
+    with pytest.raises(ValueError, match=r"^schema\.patternProperties\.\(x: invalid JSON schema: Regex"):
+        so.compile(StructuredOutputsParams(json={"type": "object", "patternProperties": {"(x": {}}}))
+
+
 def test_structured_outputs_params_need_exactly_one_spec():
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams()
