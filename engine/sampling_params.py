@@ -61,8 +61,13 @@ class StructuredOutputsParams:
                              f"structural_tag must be set, got {set_fields or 'none'}")
         if self.choice is not None and (not isinstance(self.choice, tuple) or not self.choice
                                         or not all(isinstance(c, str) for c in self.choice)):
-            raise ValueError(f"structured_outputs.choice: must be a non-empty list of strings, "
-                             f"got {type(self.choice).__name__}")
+            if not isinstance(self.choice, tuple):
+                got = type(self.choice).__name__
+            elif not self.choice:
+                got = "an empty list"
+            else:
+                got = "an item of type " + next(type(c).__name__ for c in self.choice if not isinstance(c, str))
+            raise ValueError(f"structured_outputs.choice: must be a non-empty list of strings, got {got}")
         for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

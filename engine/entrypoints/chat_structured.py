@@ -176,10 +176,19 @@ def _tool_choice(choice: Any, tools: list[dict]) -> str:
                                '{"type": "function", "function": {"name": ...}}')
 
 
+# The keys OpenAI's response_format takes (each kind its own); another key is refused as OpenAI refuses it, not
+# ignored (a schema put beside json_schema, as some other APIs take it, would go unenforced).
+_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
 def _response_format(fmt: dict | None) -> StructuredOutputsParams | None:
     if fmt is None:
         return None
     kind = fmt.get("type")
+    unknown = sorted(set(fmt) - _FORMAT_KEYS.get(kind, set(fmt)))
+    if unknown:
+        raise _fail("response_format", f"response_format.{unknown[0]}: unknown parameter for type {kind!r}")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -194,9 +203,20 @@ def _response_format(fmt: dict | None) -> StructuredOutputsParams | None:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise _fail("response_format", f"response_format.json_schema.name: must be 1-64 letters, digits, '_' or "
                                        f"'-', got {name!r}")
-    # the subset is checked with the compile, off the event loop
-    schema = schema_value(spec.get("schema", {"type": "object"}), "response_format",
-                          "response_format.json_schema.schema")
+    unknown = sorted(set(spec) - _JSON_SCHEMA_KEYS)
+    if unknown:
+        raise _fail("response_format", f"response_format.json_schema.{unknown[0]}: unknown parameter")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise _fail("response_format", f"response_format.json_schema.strict: must be a boolean, got "
+                                       f"{type(spec['strict']).__name__}")
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
+        raise _fail("response_format", "response_format.json_schema.description: must be a string")
+    # the subset is checked with the compile, off the event loop; no schema (absent or null, as OpenAI takes
+    # it): any JSON object
+    schema = spec.get("schema")
+    if schema is None or (isinstance(schema, msgspec.Raw) and bytes(schema).strip() == b"null"):
+        schema = {"type": "object"}
+    schema = schema_value(schema, "response_format", "response_format.json_schema.schema")
     return StructuredOutputsParams(json=schema, where=("response_format.json_schema.schema",))
 
 
@@ -235,8 +255,12 @@ def structured_outputs_extra(extra: dict | None) -> StructuredOutputsParams | No
         return None
     if not isinstance(extra, dict):
         raise _fail("structured_outputs", "structured_outputs: must be an object")
-    known = {k: v for k, v in extra.items() if k in ("json", "regex", "choice", "grammar") and v is not None}
-    if len(known) != 1 or len(known) != len([v for v in extra.values() if v is not None]):
+    unknown = sorted(k for k in extra if k not in ("json", "regex", "choice", "grammar"))
+    if unknown:
+        raise _fail("structured_outputs", f"structured_outputs.{unknown[0]}: unknown parameter (one of json, "
+                                          f"regex, choice, grammar is supported)")
+    known = {k: v for k, v in extra.items() if v is not None}
+    if len(known) != 1:
         raise _fail("structured_outputs", "structured_outputs: exactly one of json, regex, choice, grammar is "
                                           "supported")
     if "json" in known:

@@ -201,6 +201,11 @@ class OpenAIServing:
             if param == "logprobs" and isinstance(req, ChatCompletionRequest):
                 param, message = "top_logprobs", "top_logprobs" + message[len("logprobs"):]
             raise ServingError(400, message, param=param) from None
+        vocab = self.engine.tokenizer.vocab_size
+        for i, t in enumerate(params.stop_token_ids):
+            if t >= vocab:   # a token this model can never sample: a mistyped id, not a stop
+                raise ServingError(400, f"stop_token_ids[{i}]: {t} is not a token id of this model (ids are in "
+                                        f"[0, {vocab}))", param="stop_token_ids")
         limit = self.engine.max_model_len
         if num_prompt_tokens >= limit:
             raise ServingError(

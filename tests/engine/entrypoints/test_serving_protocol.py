@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import re
 
 import msgspec
 import pytest
@@ -203,13 +204,42 @@ def test_a_schema_crosses_the_serving_process_as_its_compact_text():
         assert extra.json == spec.json and extra.where == ("structured_outputs.json",)
     assert _plan(b'{"messages": [], "response_format": {"type": "json_schema", "json_schema": '
                  b'{"name": "s", "schema": true}}}').structured_outputs.json is True
+    for no_schema in (b'', b', "schema": null'):   # absent or null, as OpenAI takes it: any JSON object
+        assert _plan(b'{"messages": [], "response_format": {"type": "json_schema", "json_schema": {"name": "s"'
+                     + no_schema + b'}}}').structured_outputs.json == {"type": "object"}
+
+
+@pytest.mark.parametrize("fmt, message", [
+    (b'{"type": "json_schema", "json_schema": {"name": "s", "schema": {}, "strict": "yes"}}',
+     "response_format.json_schema.strict: must be a boolean, got str"),
+    (b'{"type": "json_schema", "json_schema": {"name": "s", "schema": {}}, "foo": 1}',
+     "response_format.foo: unknown parameter for type 'json_schema'"),
+    (b'{"type": "json_object", "schema": {"type": "object"}}',   # another API's way: would go unenforced
+     "response_format.schema: unknown parameter for type 'json_object'"),
+    (b'{"type": "json_schema", "json_schema": {"name": "s", "schemas": {}}}',
+     "response_format.json_schema.schemas: unknown parameter"),
+])
+def test_response_format_refuses_what_openai_refuses(fmt, message):
+    """Found by a user trial: these were answered 200, the unknown key or the bad ``strict`` ignored."""
+    with pytest.raises(RequestValidationError, match=re.escape(message)):
+        _plan(b'{"messages": [], "response_format": ' + fmt + b'}')
+
+
+@pytest.mark.parametrize("extra, message", [
+    (b'{"bogus": 1}', "structured_outputs.bogus: unknown parameter"),
+    (b'{"choice": []}', "structured_outputs.choice: must be a non-empty list of strings, got an empty list"),
+    (b'{"choice": [1, 2]}', "structured_outputs.choice: must be a non-empty list of strings, got an item of type int"),
+])
+def test_structured_outputs_field_names_what_is_wrong(extra, message):
+    """Found by a user trial: an unknown key was "exactly one of json, ... is supported" without naming it, and
+    a list was "got tuple" (the list as the engine keeps it)."""
+    with pytest.raises(RequestValidationError, match=re.escape(message)):
+        _plan(b'{"messages": [], "structured_outputs": ' + extra + b'}')
 
 
 @pytest.mark.parametrize("raw, message", [
     (b'{"messages": [], "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": [1]}}}',
      "response_format.json_schema.schema: must be a JSON schema (an object), got list"),
-    (b'{"messages": [], "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": null}}}',
-     "response_format.json_schema.schema: must be a JSON schema (an object), got NoneType"),
     (b'{"messages": [], "structured_outputs": {"json": "{}"}}',
      "structured_outputs.json: must be a JSON schema (an object), got str"),
 ])

@@ -150,6 +150,17 @@ def test_json_object_and_vllm_choice_and_regex(server):
     ({"extra": {"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "string"}},
                                                 "required": ["a", "b"]}}}},
      "structured_outputs", "structured_outputs.json.required: unsupported schema: required property 'b'"),
+    # found by a user trial: no path named (the compile's own message), or accepted with 200
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "[a-"}}}}}},
+     "response_format", "response_format.json_schema.schema.properties.s.pattern: invalid JSON schema: Regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"s": {"$ref": "#/$defs/nope"}}}}}},
+     "response_format", "response_format.json_schema.schema.properties.s.$ref: invalid JSON schema: reference"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}},
+     "response_format", "response_format.json_schema.strict: must be a boolean"),
+    ({"response_format": {"type": "json_object", "foo": 1}}, "response_format", "response_format.foo: unknown"),
+    ({"stop_token_ids": [1000000000]}, "stop_token_ids", "stop_token_ids[0]: 1000000000 is not a token id"),
 ])
 def test_bad_structured_requests_get_400_naming_the_part(server, body, param, needle):
     body = {"model": server.model, "messages": ASK_WEATHER, "max_tokens": 4, **body}
