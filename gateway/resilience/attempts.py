@@ -399,9 +399,26 @@ class _Run:
         else:
             res.status, msg = 502, "The upstream failed"
         kinds = ", ".join(f"{a.target}: {a.outcome}" for a in self.attempts)
-        res.body = error_body(res.status, f"{msg} after {self.calls} attempt(s) ({kinds}).", code="upstream_failed",
+        said = _upstream_message(f)
+        res.body = error_body(res.status, f"{msg} after {self.calls} attempt(s) ({kinds})."
+                              + (f" The last one said: {said}" if said else ""), code="upstream_failed",
                               type_="upstream_error")
         return res
+
+
+def _upstream_message(f: Failure, limit: int = 300) -> str | None:
+    """The ``error.message`` of a failed attempt's answer (OpenAI's error format), cut to ``limit`` characters;
+    None when it has none: why the engine or provider refused (e.g. a grammar still compiling, send again) is
+    worth more to the caller than the status alone."""
+    body = f.response.body if f.response is not None else None
+    try:
+        message = json.loads(body)["error"]["message"] if body else None
+    except (ValueError, TypeError, KeyError):
+        return None
+    if not isinstance(message, str) or not message.strip():
+        return None
+    message = message.strip()
+    return message if len(message) <= limit else message[:limit - 3] + "..."
 
 
 def _no_client_retry(res: Result) -> Result:

@@ -154,6 +154,16 @@ async def test_all_fail_gives_503_json(client, state, primary, fallback):
     assert primary.calls + fallback.calls == FAST.max_attempts
 
 
+async def test_the_last_failures_own_message_is_passed_on(client, state, primary):
+    """Found by a user trial: the engine's 503 "the grammar is still compiling, send the request again" reached
+    the client as "The upstream is overloaded or rate limited" only."""
+    primary.set_default({"status": 503, "message": "structured_outputs: still compiling after 60 s; send it again"})
+    res = await call_with_fallback([cand(primary)], attempt_fn(client, False), breakers=Breakers(state), policy=FAST)
+    message = json.loads(res.body)["error"]["message"]
+    assert res.status == 503 and message.startswith("The upstream is overloaded or rate limited after ")
+    assert message.endswith("The last one said: structured_outputs: still compiling after 60 s; send it again")
+
+
 async def test_stream_cut_after_content_ends_with_error_event(client, state, primary, fallback):
     primary.push({"chunks": 60, "cut_after": 40})
     res = await call_with_fallback([cand(primary), cand(fallback)], attempt_fn(client, True), stream=True,
