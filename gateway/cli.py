@@ -62,9 +62,31 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def shadowed_packages() -> list[str]:
+    """This project's top-level packages that another installed package of the same name hides (``import``
+    would load the other one), each as a sentence saying which and what to do; empty when none is. Seen: from
+    transformers 5.25 on, HuggingFace's ``kernels`` package in site-packages comes before an editable install's
+    ``kernels/`` (whose finder Python consults last), and the engine failed to start with an ImportError."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the directory holding gateway/
+    out = []
+    for name in ("engine", "kernels", "policies", "loadtests"):
+        spec = importlib.util.find_spec(name)
+        origin = spec.origin if spec is not None else None
+        if origin is not None and not os.path.abspath(origin).startswith(os.path.join(root, name) + os.sep):
+            out.append(f"`import {name}` loads {origin}, not this project's {os.path.join(root, name)}: another "
+                       f"installed package is named {name!r} (`pip uninstall {name}`; HuggingFace's `kernels` "
+                       f"comes with transformers >= 5.25, which this project keeps below)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse ``argv`` and run the chosen command's ``func(args)``."""
     argv = sys.argv[1:] if argv is None else argv
+    for problem in shadowed_packages():   # before anything imports the other package in its place
+        print(f"tandem: {problem}", file=sys.stderr)
+        return 2
     args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return int(args.func(args) or 0)

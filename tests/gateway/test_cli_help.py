@@ -107,3 +107,27 @@ def test_a_reader_that_leaves_early_gets_no_traceback():
     proc.stdout.close()                       # before the command has imported anything, let alone written
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_package_that_hides_one_of_ours_stops_tandem_with_what_to_do(tmp_path):
+    """Found by a user trial: a fresh install got transformers 5.25, which brings HuggingFace's ``kernels``
+    package; it hid this project's ``kernels/`` and the engine failed to start (gateway up, ``ready: false``).
+    ``tandem`` now stops at once, naming the package and what to do; with none hidden it runs."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    code = "import sys; from gateway.cli import main; sys.exit(main(['--help']))"
+
+    def tandem_help(pythonpath: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code], cwd=tmp_path.parent, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": pythonpath}, timeout=60)
+
+    hidden = tandem_help(f"{tmp_path}{os.pathsep}{repo}")   # a `kernels` package found before ours
+    assert hidden.returncode == 2
+    assert f"`import kernels` loads {tmp_path / 'kernels' / '__init__.py'}, not this project's" in hidden.stderr
+    assert "pip uninstall kernels" in hidden.stderr
+    assert tandem_help(repo).returncode == 0
