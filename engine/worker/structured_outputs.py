@@ -13,8 +13,9 @@ Pieces, in the order a constrained request meets them:
    per sequence (each of the ``n`` siblings has its own).
 3. ``grammar_bitmask(rows)``: each step, the allowed-token bitmask of the
    constrained rows only (``GrammarBitmask``). The grammar owns termination
-   (vLLM #42403, PR #47489): the request's ``stop_token_ids`` are allowed only
-   where the grammar may end; ``min_tokens`` masks the grammar's end only
+   (vLLM #42403, PR #47489): the request's ``stop_token_ids`` stop a row only
+   where the grammar may end, and before that are content where the grammar
+   allows them (``is_content``); ``min_tokens`` masks the grammar's end only
    while the grammar could still go on, so it never forces a token the
    grammar forbids (a row with every token masked would sample token 0).
    The sampler applies the mask with ``apply_token_bitmask`` after penalties,
@@ -193,8 +194,9 @@ class StructuredOutputManager:
         """Start a matcher for one sequence (compiles on a cache miss).
 
         Args:
-            stop_token_ids: the request's own stop tokens: allowed only where
-                the grammar may end, and never fed to the grammar.
+            stop_token_ids: the request's own stop tokens: they stop the row
+                only where the grammar may end (never fed to the grammar then);
+                before, one the grammar allows is content.
 
         Raises:
             GrammarRefused: as ``compile``.
@@ -237,15 +239,13 @@ class StructuredOutputManager:
         early = req.num_output_tokens < req.sampling_params.min_tokens
         if may_end and early and not must_end:
             _set_bit(row, eos, False)  # min_tokens: go on while the grammar can
-        allow_stops = may_end and (must_end or not early)
-        for t in stops:
-            _set_bit(row, t, allow_stops)
-        if not allow_stops and grammar_stops and not bool(row.any()):
-            # The grammar's only ways on are stop tokens: here they are grammar content, not stops (a stop
-            # would cut the output; a row with every token masked would sample token 0). Only those the grammar
-            # allows: another stop token is not content here (sampled, the grammar rejects it mid-output).
-            for t in grammar_stops:
+        if may_end and (must_end or not early):
+            for t in stops:   # where the grammar may end, a stop token ends the output (a complete one)
                 _set_bit(row, t, True)
+        elif grammar_stops:
+            # Before the grammar may end, a stop token the grammar allows is its content, not a stop: stopping on
+            # it would cut the output, and masking it bent it (a user trial's "age": 25 could not be followed by
+            # its stop token "," and ran on in digits to max_tokens). Those the grammar forbids it masks itself.
             self._stops_as_content.add(req.request_id)
 
     def accept(self, request_id: str, token_id: int) -> bool:
@@ -270,7 +270,7 @@ class StructuredOutputManager:
 
     def is_content(self, request_id: str, token_id: int) -> bool:
         """True when ``token_id``, one of the request's stop tokens sampled this
-        step, is grammar content (the grammar could go on no other way): the
+        step, is grammar content (sampled before the grammar may end): the
         scheduler must not stop on it."""
         entry = self._matchers.get(request_id)
         return entry is not None and token_id in entry[1] and request_id in self._stops_as_content

@@ -142,19 +142,23 @@ def test_min_tokens_never_masks_the_end_of_a_grammar_that_must_end():
     assert allowed(so.grammar_bitmask([row]).bitmask[0], tok.vocab_size) == [tok.eos_token_id]
 
 
-def test_stop_token_ids_stay_masked_until_the_grammar_may_end():
-    """Failure 5 (at the mask): a stop token id is allowed only where the grammar may end."""
+def test_stop_token_ids_stop_only_where_the_grammar_may_end_and_are_content_before():
+    """Failure 5 (at the mask): a stop token id stops the row only where the grammar may end; before, one the
+    grammar allows is content (neither a stop, which cut the JSON, nor masked, which bent it: a user trial's
+    unbounded integer could not be followed by its stop token "," and ran on in digits)."""
     so, tok = manager()
     a = tok.vocab.index("a")
     row = _Row(stop_token_ids=[a])
     so.add("r", StructuredOutputsParams(json={"type": "string", "maxLength": 4}), [a])
-    assert a not in allowed(so.grammar_bitmask([row]).bitmask[0], tok.vocab_size)
+    assert a not in allowed(so.grammar_bitmask([row]).bitmask[0], tok.vocab_size)   # the grammar's own mask
     for ch in '"b':
         assert not so.accept("r", tok.vocab.index(ch))
-    assert a not in allowed(so.grammar_bitmask([row]).bitmask[0], tok.vocab_size)  # inside the string
+    assert a in allowed(so.grammar_bitmask([row]).bitmask[0], tok.vocab_size)       # inside the string
+    assert so.is_content("r", a) and not so.accept("r", a)                           # content, fed to the grammar
     so.accept("r", tok.vocab.index('"'))
     assert {a, tok.eos_token_id} <= set(allowed(so.grammar_bitmask([row]).bitmask[0], tok.vocab_size))
-    assert not so.accept("r", a)  # a stop token ends the row through the scheduler, never enters the grammar
+    assert not so.is_content("r", a)   # the grammar may end: a stop token ends the row through the scheduler
+    assert not so.accept("r", a)       # and never enters the grammar
     quote = tok.vocab.index('"')
     so.add("r", StructuredOutputsParams(json={"type": "string"}), [quote])
     assert allowed(so.grammar_bitmask([row]).bitmask[0], tok.vocab_size) == [quote]  # the only way on
@@ -258,6 +262,24 @@ def test_every_token_of_the_json_a_stop_token_still_cannot_cut_it(llm, caplog):
         out = llm.chat(ASK, _params(temperature=0, stop_token_ids=stops, structured_outputs=spec))[0].outputs[0]
     assert out.finish_reason == "stop" and not caplog.records
     jsonschema.validate(json.loads(out.text), PERSON)
+    assert out.text == free.text   # stop tokens before the grammar may end are its content: nothing bent
+
+
+@pytest.mark.slow
+def test_a_stop_token_the_json_needs_does_not_bend_it(llm):
+    """Found by a user trial: with ``stop_token_ids`` [","] masked until the grammar could end, an unbounded
+    integer could not be followed by "," and the model wrote digits up to max_tokens (``length``, invalid JSON)."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+                                               "city": {"type": "string", "maxLength": 12}},
+              "required": ["name", "age", "city"]}
+    spec = StructuredOutputsParams(json=schema)
+    comma = llm.tokenizer.encode(",", add_special_tokens=False)
+    free = llm.chat(ASK, _params(temperature=0, max_tokens=120, structured_outputs=spec))[0].outputs[0]
+    out = llm.chat(ASK, _params(temperature=0, max_tokens=120, stop_token_ids=comma,
+                                structured_outputs=spec))[0].outputs[0]
+    assert len(comma) == 1 and out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), schema)
+    assert out.text == free.text
 
 
 @pytest.mark.slow
