@@ -124,6 +124,23 @@ def test_json_object_and_vllm_choice_and_regex(server):
 
 
 @pytest.mark.slow
+def test_a_refused_schema_is_named_by_each_senders_own_path(server):
+    """Found by a user trial: the same bad schema sent as ``response_format`` and then as
+    ``structured_outputs.json`` is one spec, refused once and remembered: the second sender was told
+    ``structured_outputs: response_format.json_schema.schema...``, a field it never sent."""
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "[b-"}}, "required": ["code"]}
+    sent = [{"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+            {"structured_outputs": {"json": schema}}]
+    for body, param, path in zip(sent, ("response_format", "structured_outputs"),
+                                 ("response_format.json_schema.schema", "structured_outputs.json")):
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                       json={"model": server.model, "messages": ASK_WEATHER, "max_tokens": 4, **body})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param
+        assert err["message"].startswith(f"{path}.properties.code.pattern: invalid JSON schema: Regex"), err
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("body, param, needle", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"age": {"type": "integer", "maximum": "old"}}}}}},
