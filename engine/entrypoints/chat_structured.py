@@ -111,13 +111,10 @@ def plan_chat(req, messages: list[dict], template: str | None) -> ChatPlan:
     """
     tools = _check_tools(req.tools) if req.tools else []
     choice = _tool_choice(req.tool_choice, tools)
-    fmt = _response_format(req.response_format)
-    extra = structured_outputs_extra(req.structured_outputs)
-    if sum(x is not None for x in (fmt, extra)) + (choice != "none") > 1:
-        raise _fail("response_format", "response_format: cannot be combined with structured_outputs or with "
-                                       "tools (unless tool_choice is \"none\")")
-    plan = ChatPlan(structured_outputs=fmt or extra, messages=messages,
-                    param="structured_outputs" if extra is not None else "response_format")
+    spec, param = structured_spec(req)
+    if spec is not None and choice != "none":
+        raise _fail(param, f"{param}: cannot be combined with tools (unless tool_choice is \"none\")")
+    plan = ChatPlan(structured_outputs=spec, messages=messages, param=param)
     knows_tools = bool(template) and "tools" in template
     if choice != "none":
         named = [i for i, t in enumerate(tools) if choice in ("auto", "required") or t["function"]["name"] == choice]
@@ -134,6 +131,20 @@ def plan_chat(req, messages: list[dict], template: str | None) -> ChatPlan:
     elif choice != "none" or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
         plan.messages = _generic_tool_messages(messages, tools if choice != "none" else [])
     return plan
+
+
+def structured_spec(req) -> tuple[StructuredOutputsParams | None, str]:
+    """The output constraint of a chat or completion request (``req``: a parsed request with
+    ``response_format`` and ``structured_outputs``): its spec (None: none) and the field to name in errors.
+
+    Raises:
+        RequestValidationError: a field is malformed, or both are given.
+    """
+    fmt = _response_format(req.response_format)
+    extra = structured_outputs_extra(req.structured_outputs)
+    if fmt is not None and extra is not None:
+        raise _fail("response_format", "response_format: cannot be combined with structured_outputs")
+    return (extra, "structured_outputs") if extra is not None else (fmt, "response_format")
 
 
 def _check_tools(tools: list) -> list[dict]:

@@ -10,7 +10,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from engine.entrypoints.chat_structured import ChatPlan, structured_outputs_extra
+from engine.entrypoints.chat_structured import ChatPlan, structured_spec
 from engine.entrypoints.logprobs import empty_completion_logprobs
 from engine.entrypoints.protocol import CompletionRequest, RequestValidationError, ServingError
 from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, RenderedPrompt, engine_id, error_from_engine,
@@ -52,8 +52,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if echo and req.logprobs is not None:
             prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
         try:
-            plan = ChatPlan(structured_outputs=structured_outputs_extra(req.structured_outputs),
-                            param="structured_outputs")
+            spec, param = structured_spec(req)
+            plan = ChatPlan(structured_outputs=spec, param=param)
         except RequestValidationError as exc:
             raise ServingError(400, str(exc), param=exc.param) from None
         spec = await self._compile_grammar(plan)

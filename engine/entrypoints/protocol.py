@@ -110,6 +110,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None   # as chat's (vLLM's completions take it too)
     # vLLM extras
     add_special_tokens: bool = True
 

@@ -124,6 +124,27 @@ def test_json_object_and_vllm_choice_and_regex(server):
 
 
 @pytest.mark.slow
+def test_completions_enforce_response_format(server):
+    """Found by a user trial: ``/v1/completions`` ignored ``response_format`` (even ``{"type": "bogus"}``) and
+    answered free text; vLLM's completions enforce it."""
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 12}}, "required": ["capital"]}
+    done = server.client.completions.create(
+        model=server.model, prompt="The capital of France as JSON:", max_tokens=40, temperature=0,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}})
+    assert done.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(done.choices[0].text), schema)
+    for fmt, needle in (({"type": "bogus"}, "response_format.type"), ({"type": "json_object", "foo": 1},
+                                                                    "response_format.foo: unknown parameter")):
+        r = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                       json={"model": server.model, "prompt": "x", "max_tokens": 4, "response_format": fmt})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
+        "model": server.model, "prompt": "x", "max_tokens": 4, "response_format": {"type": "json_object"},
+        "structured_outputs": {"choice": ["a"]}})
+    assert r.status_code == 400 and "cannot be combined with structured_outputs" in r.json()["error"]["message"]
+
+
+@pytest.mark.slow
 def test_a_refused_schema_is_named_by_each_senders_own_path(server):
     """Found by a user trial: the same bad schema sent as ``response_format`` and then as
     ``structured_outputs.json`` is one spec, refused once and remembered: the second sender was told
