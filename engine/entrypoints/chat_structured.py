@@ -147,6 +147,9 @@ def structured_spec(req) -> tuple[StructuredOutputsParams | None, str]:
     return (extra, "structured_outputs") if extra is not None else (fmt, "response_format")
 
 
+_FUNCTION_KEYS = {"name", "description", "parameters", "strict"}   # OpenAI's function tool
+
+
 def _check_tools(tools: list) -> list[dict]:
     out = []
     for i, tool in enumerate(tools):
@@ -159,6 +162,11 @@ def _check_tools(tools: list) -> list[dict]:
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise _fail("tools", f"{where}.function.name: must be 1-64 letters, digits, '_' or '-', got {name!r}")
+        unknown = sorted(set(fn) - _FUNCTION_KEYS)
+        if unknown:
+            raise _fail("tools", f"{where}.function.{unknown[0]}: unknown parameter")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise _fail("tools", f"{where}.function.strict: must be a boolean, got {type(fn['strict']).__name__}")
         params = fn.get("parameters", _EMPTY_PARAMETERS)
         if not isinstance(params, (dict, bool)):  # the subset is checked with the compile, off the event loop
             raise _fail("tools", f"{where}.function.parameters: must be a JSON schema (an object), "

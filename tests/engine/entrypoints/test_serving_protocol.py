@@ -304,3 +304,18 @@ def test_a_large_schema_makes_no_python_object_per_node_on_the_way_to_the_core()
         gc.enable()
     assert made < 100, made   # the old path: 8,692
     assert json.loads(msgspec.msgpack.decode(wire)[2]["json"]) == schema
+
+
+@pytest.mark.parametrize("function, message", [
+    ({"name": "f", "parameters": {}, "foo": 1}, "tools[0].function.foo: unknown parameter"),
+    ({"name": "f", "parameters": {}, "strict": "yes"}, "tools[0].function.strict: must be a boolean, got str"),
+])
+def test_a_tools_function_refuses_what_openai_refuses(function, message):
+    """Found by a user trial: an unknown key and a string ``strict`` were answered 200, ignored."""
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                       "tools": [{"type": "function", "function": function}]}).encode()
+    with pytest.raises(RequestValidationError, match=re.escape(message)):
+        _plan(body)
+    ok = {"name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True}
+    _plan(json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                      "tools": [{"type": "function", "function": ok}]}).encode())
