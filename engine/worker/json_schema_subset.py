@@ -271,6 +271,11 @@ def _check_combination(node: dict, path: str) -> None:
     if "multipleOf" in node and bound is not None:
         raise ValueError(f"{path}.multipleOf: unsupported schema feature 'multipleOf' beside '{bound}' "
                          "(the grammar would ignore multipleOf)")
+    for low, high in (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
+                      ("minProperties", "maxProperties")):
+        if low in node and high in node and node[low] > node[high]:
+            raise _invalid(f"{path}.{low}", f"{low} {node[low]!r} is greater than {high} {node[high]!r} "
+                                            "(no value can match)")
     required = node.get("required") or []
     props = node.get("properties") or {}
     for name in required:
