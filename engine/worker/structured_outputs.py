@@ -173,20 +173,21 @@ class StructuredOutputManager:
                 out = c.compile_structural_tag(params.structural_tag)
         except (RuntimeError, self._xgr.InvalidJSONError, self._xgr.InvalidStructuralTagError) as exc:
             message = _xgrammar_message(exc)
-            named = self._name_bad_regex(params) if params.json is not None and message.startswith("Regex") else None
+            named = self._name_bad_regex(params) if message.startswith("Regex") else None
             raise ValueError(named or f"{params.kind}: {message}") from None
         return out, out.memory_size_bytes
 
     def _name_bad_regex(self, params: StructuredOutputsParams) -> str | None:
-        """The message naming the first regex of a refused JSON schema that xgrammar cannot parse, with its path
-        (``<path>: invalid JSON schema: <xgrammar's message>``), or None when each parses alone. Run only when a
-        compile failed on a regex (the compile names none): one small parse per regex of the schema."""
-        schema = msgspec.json.decode(params.json) if isinstance(params.json, str) else params.json
-        for path, regex in regex_values(schema, params.where[0] if params.where else "schema"):
-            try:
-                self._xgr.Grammar.from_regex(regex)
-            except RuntimeError as exc:
-                return f"{path}: invalid JSON schema: {_xgrammar_message(exc)}"
+        """The message naming the first regex of a refused spec's JSON schemas (``_schemas_of``: its schema, or
+        its tools' parameters) that xgrammar cannot parse, with its path (``<path>: invalid JSON schema:
+        <xgrammar's message>``), or None when each parses alone. Run only when a compile failed on a regex (the
+        compile names none): one small parse per regex."""
+        for schema, where in _schemas_of(params):
+            for path, regex in regex_values(schema, where):
+                try:
+                    self._xgr.Grammar.from_regex(regex)
+                except RuntimeError as exc:
+                    return f"{path}: invalid JSON schema: {_xgrammar_message(exc)}"
         return None
 
     # ---------------------------------------------------------------- matchers
@@ -291,30 +292,37 @@ def validate(params: StructuredOutputsParams) -> None:
     Raises:
         ValueError: ``"<where><path>: ..."``.
     """
+    for schema, where in _schemas_of(params):
+        check_json_schema(schema, where)
+
+
+def _schemas_of(params: StructuredOutputsParams):
+    """(schema, path) of each JSON schema of a spec: its ``json`` (named by ``params.where``, else "schema"), or
+    each tag's of a structural tag (one path per tag in ``params.where``, else ``structural_tag.tags[i]``; none
+    when the tag is not JSON: xgrammar says what is wrong).
+
+    Raises:
+        ValueError: a ``json`` spec that is not JSON.
+    """
     if params.json is not None:
         try:
             schema = json.loads(params.json) if isinstance(params.json, str) else params.json
         except json.JSONDecodeError as exc:
             raise ValueError(f"schema: not valid JSON: {exc}") from None
-        check_json_schema(schema, params.where[0] if params.where else "schema")
-    elif params.structural_tag is not None:
-        _check_tag_schemas(params)
-
-
-def _check_tag_schemas(params: StructuredOutputsParams) -> None:
-    """Each tag's JSON schema of a structural tag is in the supported subset
-    (named by ``params.where``, one path per tag, else ``structural_tag.tags[i]``)."""
+        yield schema, params.where[0] if params.where else "schema"
+        return
+    if params.structural_tag is None:
+        return
     try:
         tag = json.loads(params.structural_tag)
     except json.JSONDecodeError:
-        return  # xgrammar says what is wrong
+        return
     fmt = tag.get("format", {}) if isinstance(tag, dict) else {}
     tags = fmt.get("tags", [fmt]) if isinstance(fmt, dict) else []
     for i, t in enumerate(tags):
         content = t.get("content") if isinstance(t, dict) else None
         if isinstance(content, dict) and content.get("type") == "json_schema":
-            where = params.where[i] if i < len(params.where) else f"structural_tag.tags[{i}]"
-            check_json_schema(content.get("json_schema"), where)
+            yield content.get("json_schema"), params.where[i] if i < len(params.where) else f"structural_tag.tags[{i}]"
 
 
 def _get_bit(row, token: int) -> bool:

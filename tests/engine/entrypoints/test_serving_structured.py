@@ -199,6 +199,9 @@ def test_a_refused_schema_is_named_by_each_senders_own_path(server):
      "response_format", "response_format.json_schema.strict: must be a boolean"),
     ({"response_format": {"type": "json_object", "foo": 1}}, "response_format", "response_format.foo: unknown"),
     ({"stop_token_ids": [1000000000]}, "stop_token_ids", "stop_token_ids[0]: 1000000000 is not a token id"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "[c-"}}}}}], "tool_choice": "required"},
+     "tools", "tools[0].function.parameters.properties.a.pattern: invalid JSON schema: Regex"),
 ])
 def test_bad_structured_requests_get_400_naming_the_part(server, body, param, needle):
     body = {"model": server.model, "messages": ASK_WEATHER, "max_tokens": 4, **body}
