@@ -231,7 +231,6 @@ class StructuredOutputManager:
         may_end = eos is not None and _get_bit(row, eos)
         if not may_end and not stops:
             return
-        grammar_stops = [t for t in stops if _get_bit(row, t)]   # stop tokens the grammar itself allows here
         must_end = False
         if may_end:
             _set_bit(row, eos, False)
@@ -243,7 +242,7 @@ class StructuredOutputManager:
         if may_end and (must_end or not early):
             for t in stops:   # where the grammar may end, a stop token ends the output (a complete one)
                 _set_bit(row, t, True)
-        elif grammar_stops:
+        elif any(_get_bit(row, t) for t in stops):   # the grammar allows a stop token here (EOS edits leave them)
             # Before the grammar may end, a stop token the grammar allows is its content, not a stop: stopping on
             # it would cut the output, and masking it bent it (a user trial's "age": 25 could not be followed by
             # its stop token "," and ran on in digits to max_tokens). Those the grammar forbids it masks itself.
