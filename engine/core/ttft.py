@@ -407,13 +407,14 @@ def predict_waiting(scheduler, calibration: TTFTCalibration, request_id: str,
 
 
 def _queue_state(scheduler, calibration: TTFTCalibration, queue: list, seat_order: list, added: int = 0,
-                 events: tuple = ([], [], None), fcfs: bool | None = None) -> tuple[TTFTState, set]:
+                 events: tuple | None = None, fcfs: bool | None = None) -> tuple[TTFTState, set]:
     """The ``TTFTState`` of ``scheduler``'s running set with ``queue`` (waiting and swapped requests, in the
     order their cached prefixes are counted) as its waiting requests, ``seat_order`` the first of them in the
-    order they get seats, ``events`` the prefix cache's (stored, removed, resync) and ``fcfs`` (None: the
+    order they get seats, ``events`` the prefix cache's (stored, removed, resync; None: none) and ``fcfs`` (None: the
     scheduler's policy) whether every queued request counts as ahead. Also the block hashes the running set and
     ``queue`` have or will have cached (``_to_compute``'s ``ahead``)."""
     kv = scheduler.kv_cache_manager
+    stored, removed, resync = events if events is not None else ([], [], None)   # new lists per call
     queued: dict[int, list[int]] = {}
     ahead: set = set()   # block hashes the running set and the requests seated before have or will cache
     for r in scheduler.running:
@@ -443,6 +444,6 @@ def _queue_state(scheduler, calibration: TTFTCalibration, queue: list, seat_orde
         typical_decode=sum(r.max_tokens for r in scheduler.running) / max(len(scheduler.running), 1),
         waiting_decode=[(r.priority, r.max_tokens) for r in seat_order],
         step_s=calibration.cost(len(decoding)), prefill_tok_s=calibration.prefill_tok_s, added=added,
-        stored=events[0], removed=events[1], resync=events[2], fixed_s=calibration.fixed_s, row_s=calibration.row_s,
+        stored=stored, removed=removed, resync=resync, fixed_s=calibration.fixed_s, row_s=calibration.row_s,
         quad_s=calibration.quad_s, queued_quad=quad, chunk_s=calibration.chunk_s,
         running_prefill_reqs=running_prefill_reqs), ahead
