@@ -26,8 +26,7 @@ import msgspec
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestWithdrawn
 from engine.entrypoints.chat_structured import ChatPlan
 from engine.entrypoints.logprobs import LogprobFormatter
-from engine.entrypoints.protocol import (SCHEMA_PATHS, ChatCompletionRequest, RequestValidationError, ServingError,
-                                         parse_request)
+from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidationError, ServingError, parse_request
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -128,8 +127,7 @@ class OpenAIServing:
             digest = await self.engine.compile_grammar(plan.structured_outputs)
         except ValueError as exc:
             status = getattr(exc, "status", 400)
-            message = _own_schema_path(str(exc), plan.structured_outputs.where)
-            message = message if message.startswith(plan.param) else f"{plan.param}: {message}"
+            message = str(exc) if str(exc).startswith(plan.param) else f"{plan.param}: {exc}"
             raise ServingError(status, message, param=plan.param,
                                type="server_error" if status >= 500 else "invalid_request_error",
                                code="grammar_compile_timeout" if status == 408 else None) from None
@@ -352,15 +350,3 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIte
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-
-def _own_schema_path(message: str, where: tuple[str, ...]) -> str:
-    """A grammar refusal's message with the schema's path as this request gave it: the same schema sent as
-    ``response_format`` and as ``structured_outputs.json`` is one spec (one digest), refused once and remembered
-    with the first sender's path (a user trial's ``structured_outputs`` got ``response_format.json_schema...``)."""
-    roots = [".".join(path) for path in SCHEMA_PATHS]
-    own = where[0] if where else None
-    if own in roots:
-        for root in roots:
-            if root != own and message.startswith(root) and message[len(root):len(root) + 1] in (".", ":", "["):
-                return own + message[len(root):]
-    return message

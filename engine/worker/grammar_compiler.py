@@ -118,9 +118,19 @@ class GrammarRefused(ValueError):
     too large), 408 (the compile ran out of CPU budget) or 503 (the request
     waited too long for a compile starved by a busy engine; not remembered)."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, where: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.where = where   # the spec's path the message begins with (its first sender's ``params.where[0]``)
+
+    def for_sender(self, where: tuple[str, ...]) -> "GrammarRefused":
+        """This refusal as told to a sender whose spec is at ``where`` (its ``params.where``): one spec, one
+        digest, may come from several fields (a schema as ``response_format`` and as ``structured_outputs.json``),
+        and is refused once and remembered with its first sender's path."""
+        text = str(self)
+        if self.where is None or not where or where[0] == self.where or not text.startswith(self.where):
+            return self
+        return GrammarRefused(where[0] + text[len(self.where):], self.status, where[0])
 
 
 class GrammarCache:
@@ -223,6 +233,11 @@ class GrammarCompilePool:
         released); the check (a worker process) and the compile (xgrammar,
         the GIL released) run in the lowered-priority pool.
         """
+        told = done
+
+        def done(digest: str, error: GrammarRefused | None) -> None:   # each sender told its own path
+            told(digest, error.for_sender(params.where) if error is not None else None)
+
         try:
             digest = self.digest(params)
         except GrammarRefused as exc:
@@ -265,7 +280,7 @@ class GrammarCompilePool:
                 return held[0]
             refused = self._refusals.get(digest)
         if refused is not None:
-            raise refused
+            raise refused.for_sender(params.where)
         if params.is_reference:  # its text stayed in the front end: nothing to compile
             raise GrammarRefused(f"structured_outputs: the request's compiled grammar ({digest[:16]}) left the "
                                  f"engine's grammar cache before the request reached the engine core (over "
@@ -274,7 +289,7 @@ class GrammarCompilePool:
             self._validate_fn(params)
             grammar, nbytes = self._timed_compile(params)
         except ValueError as exc:
-            raise self._refuse(digest, GrammarRefused(str(exc))) from None
+            raise self._refuse(digest, GrammarRefused(str(exc), where=_first(params.where))) from None
         self.cache.put(digest, grammar, nbytes)
         return grammar
 
@@ -316,7 +331,7 @@ class GrammarCompilePool:
             finally:
                 flight.meter.end()
         except ValueError as exc:
-            error = GrammarRefused(str(exc), getattr(exc, "status", 400))
+            error = GrammarRefused(str(exc), getattr(exc, "status", 400), _first(params.where))
         except CheckFailed as exc:
             error = GrammarRefused(str(exc), 500)
         except Exception as exc:  # noqa: BLE001 - a bug or MemoryError: answered, never left waiting
@@ -438,3 +453,7 @@ def _lower_priority() -> None:
     if why is not None:
         logger.debug("grammar compile thread not in an idle cgroup (%s): SCHED_IDLE ranks it below the engine's "
                      "own threads only, not below other sessions' or services' tasks", why)
+
+
+def _first(where: tuple[str, ...]) -> str | None:
+    return where[0] if where else None

@@ -105,6 +105,10 @@ def test_a_regex_the_compile_refuses_is_named_by_its_path():
         so.compile(spec)
     with pytest.raises(ValueError, match=r"^schema\.patternProperties\.\(x: invalid JSON schema: Regex"):
         so.compile(StructuredOutputsParams(json={"type": "object", "patternProperties": {"(x": {}}}))
+    # the same schema from another field: one digest, its remembered refusal told with this sender's path
+    again = StructuredOutputsParams(json=schema, where=("structured_outputs.json",))
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json\.properties\.s\.pattern: invalid JSON schema"):
+        so.compile(again)
 
 
 def test_structured_outputs_params_need_exactly_one_spec():
