@@ -51,7 +51,7 @@ from gateway.config.schema import RetrySettings
 from gateway.errors import error_body
 from gateway.resilience.outcomes import (TRANSIENT_STATUS, Attempt, Failure, NoCandidate, PassThrough, Result,
                                          UpstreamResponse, Withdrawn, classify_error_object,
-                                         classify_exception, close_response, is_context_length_error,
+                                         classify_exception, close_response, error_object, is_context_length_error,
                                          is_request_error, parse_retry_after)
 from gateway.resilience.backoff import RetryPolicy
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
@@ -410,11 +410,8 @@ def _upstream_message(f: Failure, limit: int = 300) -> str | None:
     """The ``error.message`` of a failed attempt's answer (OpenAI's error format), cut to ``limit`` characters;
     None when it has none: why the engine or provider refused (e.g. a grammar still compiling, send again) is
     worth more to the caller than the status alone."""
-    body = f.response.body if f.response is not None else None
-    try:
-        message = json.loads(body)["error"]["message"] if body else None
-    except (ValueError, TypeError, KeyError):
-        return None
+    err = error_object(f.response.body if f.response is not None else None)
+    message = err.get("message") if err is not None else None
     if not isinstance(message, str) or not message.strip():
         return None
     message = message.strip()

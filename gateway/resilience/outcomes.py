@@ -152,13 +152,19 @@ def is_context_length_error(status: int, body: bytes) -> bool:
     return err.get("code") == "context_length_exceeded" or bool(_CONTEXT_RE.search(str(err.get("message", ""))))
 
 
+def error_object(body: bytes | None) -> dict | None:
+    """The ``error`` object of an error ``body`` (OpenAI's error JSON), or None when it has none."""
+    try:
+        err = json.loads(body).get("error") if body else None
+    except (ValueError, AttributeError):
+        return None
+    return err if isinstance(err, dict) else None
+
+
 def is_request_error(body: bytes) -> bool:
     """Does an error ``body`` (OpenAI's error JSON) name a code the request itself caused (``REQUEST_ERROR_CODES``)?"""
-    try:
-        err = json.loads(body).get("error")
-    except (ValueError, AttributeError):
-        return False
-    return isinstance(err, dict) and err.get("code") in REQUEST_ERROR_CODES
+    err = error_object(body)
+    return err is not None and err.get("code") in REQUEST_ERROR_CODES
 
 
 def error_status(error: Any) -> int | None:
