@@ -11,7 +11,7 @@ SERVE_ARGS ?=
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install install-test chromium serve test bench clean gpu-wheels
+.PHONY: install install-test chromium serve test bench clean gpu-wheels docs docs-serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,21 @@ TEST_WORKERS ?= 2
 test: install-test chromium
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
+# The documentation site (mkdocs.yml, Material for MkDocs; the `docs` extra, which `make test` installs too):
+# the configuration reference is regenerated from the schema, then the site is built with --strict (any
+# warning, such as a broken link, fails it) into site/. `make docs-serve` previews it on 127.0.0.1:8001.
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/python -m gateway.config.reference > docs/operators/configuration.md
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
+docs-serve: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs serve --dev-addr 127.0.0.1:8001
+
 bench: install
 	$(BIN)/tandem bench engine --workload synthetic --num-prompts 64 --input-len 100 --output-len 128 --ignore-eos
 
@@ -69,4 +84,4 @@ gpu-wheels: install
 	du -sh .gpu-wheels
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

@@ -95,7 +95,7 @@ class EngineArgs:
             "cpu", where a C compiler builds it, else "torch"), "cpu",
             "torch" or "triton" (the latter on CPU needs TRITON_INTERPRET=1).
         batch_invariant: a request's tokens and logprobs do not depend on
-            what else is batched or cached (README "Reproducible outputs");
+            what else is batched or cached (docs/app-teams/reproducibility.md);
             False trades that for throughput on CPU (oneDNN's AMX kernels for
             large batches and long prompts; ``tandem bench engine
             --compare-batch-invariant`` measures it).

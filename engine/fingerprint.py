@@ -1,8 +1,8 @@
 """``system_fingerprint``: which model, engine build and numerics produced an answer.
 
 OpenAI sends ``system_fingerprint`` so that a client relying on ``seed`` can
-tell when the backend changed; here outputs are bitwise reproducible (README
-"Reproducible outputs"), so the fingerprint says exactly when the same request
+tell when the backend changed; here outputs are bitwise reproducible (docs/app-teams/
+reproducibility.md), so the fingerprint says exactly when the same request
 may answer differently: it changes with
 
 - the model: its file (or directory's files) by path, size and a hash of its

@@ -1,6 +1,6 @@
 """Shared gateway state: Redis when configured, in-process otherwise, and in-process while Redis is down.
 
-Choice (documented for the README): without ``state.redis_url`` the gateway keeps its limits, breakers and
+Choice (documented in docs/operators/gateway.md): without ``state.redis_url`` the gateway keeps its limits, breakers and
 health in process. That is exact for one replica and needs no extra process; run several replicas only with
 a shared Redis. We do not start an embedded Redis: a private Redis per replica would share nothing anyway.
 

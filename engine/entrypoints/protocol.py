@@ -91,7 +91,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: bool = False         # vLLM: each streamed choice carries its new ``token_ids``
     # Tandem: continue this request from the tokens each choice had generated (a stream resumed on another
-    # replica, README "Streams that outlive their replica"); one list per choice
+    # replica, docs/operators/replicas.md); one list per choice
     resume_token_ids: list[list[int]] | None = None
 
 

@@ -441,8 +441,8 @@ def _lower_priority() -> None:
     """Lower this compile thread's CPU priority (``grammar_check.lower_priority``:
     ``SCHED_IDLE``, else niceness + ``WORKER_NICE``; Linux, per thread).
 
-    Measured with ``loadtests.bench.structured_isolation`` (README,
-    structured outputs): at niceness +10 a 400 KB schema's compile still
+    Measured with ``loadtests.bench.structured_isolation`` (docs/benchmarks/
+    structured-isolation.md): at niceness +10 a 400 KB schema's compile still
     stretched an unrelated stream's gaps several-fold on two cores."""
     unbind_thread()   # the core process's model thread is bound to one core (``choose_omp_binding``)
     try:

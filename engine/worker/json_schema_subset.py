@@ -5,7 +5,7 @@ value must have, the instance type it constrains and the limit of our
 enforcement. ``UNSUPPORTED`` names the JSON-Schema keywords a grammar cannot
 enforce (xgrammar would drop them silently: the output would break the
 schema), ``ANNOTATIONS`` the keywords that constrain nothing. Validation
-(``check_json_schema``) and the README's table (``markdown_table``, pinned by
+(``check_json_schema``) and the docs' table (``markdown_table``, pinned by
 a test) both read these, so the promise and the check cannot drift apart.
 
 Anything outside the subset is refused with the keyword and its path
@@ -300,8 +300,8 @@ def _is_number(value: object) -> bool:
 
 
 def markdown_table() -> str:
-    """The supported subset as the README's markdown table (a test pins the
-    README's copy to this text)."""
+    """The supported subset as the docs' markdown table (a test pins
+    docs/app-teams/structured-outputs-reference.md's copy to this text)."""
     rows = ["| keyword | value | constrains | limit |", "|---|---|---|---|"]
     rows += [f"| `{k.name}` | {k.value} | {k.applies_to} | {k.limit} |" for k in KEYWORDS]
     refused = ", ".join(f"`{name}`" for name in UNSUPPORTED)

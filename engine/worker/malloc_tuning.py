@@ -7,7 +7,7 @@ while its peak RSS never grew: the compile thread's arena kept growing past its 
 back (``heap_trim``: ``madvise(MADV_DONTNEED)``, or a whole 64 MiB heap unmapped), then faulting it in again.
 Every such unmap takes the process's memory-map lock for writing and flushes the TLB of each CPU running a
 thread of the process, the engine step's included (earlier traces of the isolation benchmark had the engine's
-threads in uninterruptible sleep, woken by the idle compile thread: README "Structured outputs"). With
+threads in uninterruptible sleep, woken by the idle compile thread: docs/benchmarks/structured-isolation.md). With
 the thresholds below (``tune_malloc``; 3 runs interleaved with 3 without, each in a new process): 15,448
 faults, 0.04-0.05 s of system time, 3.6-4.0 s, peak RSS +1 MB.
 

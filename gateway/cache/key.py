@@ -4,7 +4,7 @@ Exact mode (the local engine): the engine's ``system_fingerprint`` (``engine/fin
 the engine's build, device, dtype, quantization, attention backend, batch invariance, torch) names the key space;
 the key hashes the endpoint, the public model, ``stream``, the rendered prompt's token ids and the body (every
 sampling parameter, the seed, tools, response format), less the fields that do not change the tokens
-(``VOLATILE_FIELDS``). Greedy and seeded answers are a pure function of that (README "Reproducible outputs"),
+(``VOLATILE_FIELDS``). Greedy and seeded answers are a pure function of that (docs/app-teams/reproducibility.md),
 so a hit is the answer the engine would give.
 """
 

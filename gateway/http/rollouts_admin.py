@@ -1,4 +1,4 @@
-"""The rollouts admin API (its objects: README, "Gated rollouts"), behind the admin token:
+"""The rollouts admin API (its objects: docs/operators/rollouts-reference.md), behind the admin token:
 GET /admin/rollouts, POST /admin/rollouts (start one), POST /admin/rollouts/{name}/{action} (pause, resume,
 promote, abort), GET /admin/parity. The controller is ``gateway/rollouts/controller.py``."""
 

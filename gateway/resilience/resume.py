@@ -1,4 +1,4 @@
-"""Streams that outlive their replica (a route's ``resume: true``, README "Streams that outlive their replica").
+"""Streams that outlive their replica (a route's ``resume: true``, docs/operators/replicas.md).
 
 A committed stream whose engine dies (or stalls) after content ends, in ``streaming.relay``, with one
 ``stream_interrupted`` event. On a resuming route that event is held back: the gateway sends the request again

@@ -216,7 +216,7 @@ class RolloutController:
         return report(records, await self.store.dropped(r["name"]))
 
     async def view(self, r: dict) -> dict:
-        """The admin API's rollout object (README, "Gated rollouts"): the rollout, its gates (now, or the
+        """The admin API's rollout object (docs/operators/rollouts-reference.md): the rollout, its gates (now, or the
         judgement that ended it) and its parity."""
         spec = RolloutConfig(**r["spec"])
         step = await self.step_report(r)

@@ -17,7 +17,7 @@ logprobs, and its timing. ``compare`` pairs the primary's side with the candidat
   ratio candidate / primary.
 
 Both kinds carry every statistical figure as well; ``report`` aggregates comparisons into the admin API's ``P``
-(README, "Gated rollouts"), with each side's error rate, TTFT (p50, p95) and TPOT (p50).
+(docs/operators/rollouts-reference.md), with each side's error rate, TTFT (p50, p95) and TPOT (p50).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The response cache's latency (README "Response cache"): MT-Bench first-turn questions, greedy, streamed, through
+"""The response cache's latency (docs/operators/response-cache.md): MT-Bench first-turn questions, greedy, streamed, through
 a gateway whose local engine (SmolLM2 by default) sits behind a ``cache: {mode: exact}`` route. Each question is
 asked once (a miss: the engine computes it) and again (a hit); TTFT and the full answer's time, p50 of each.
 

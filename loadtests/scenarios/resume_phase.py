@@ -1,5 +1,5 @@
 """The resume phase of scenario 7 (``tandem loadtest replicas --resume-streams N``): streams that outlive their
-replica (README "Streams that outlive their replica").
+replica (docs/operators/replicas.md).
 
 For each of N MT-Bench questions (greedy and seeded sampled in turn): a reference stream on the ``resume`` route
 (``prefix_affinity`` over the same replicas, ``resume: true``) without a failure, then the same request with the

@@ -1,4 +1,4 @@
-"""Reproducible outputs (README "Reproducible outputs"): in the default dtype
+"""Reproducible outputs (docs/app-teams/reproducibility.md): in the default dtype
 (bfloat16 on CPU) a request's greedy token ids and logprobs are bitwise the
 same alone, in a batch, with a cached prefix, under chunked prefill at any
 budget, and after preemption (recompute and swap); seeded ``n > 1`` children

@@ -21,7 +21,7 @@ from engine.worker.json_schema_subset import KEYWORDS, check_json_schema, markdo
 from engine.sampling_params import StructuredOutputsParams
 from tests.engine.grammar_helpers import manager, walk
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "app-teams" / "structured-outputs-reference.md"
 
 
 @pytest.mark.parametrize("schema, path, keyword", [
@@ -63,8 +63,8 @@ def test_inside_the_subset_passes_and_values_are_checked():
         check_json_schema({"type": "text"})
 
 
-def test_the_readme_lists_the_subset_of_the_table():
-    assert markdown_table() in README.read_text()
+def test_the_docs_list_the_subset_of_the_table():
+    assert markdown_table() in REFERENCE.read_text()
 
 
 # ------------------------------------------------------------ property test

@@ -144,7 +144,7 @@ def concurrently(*calls):
 
     Requests that do not depend on one another's results are sent together so that the engine decodes them
     in one batch (a step of SmolLM2 costs about the same for 1 sequence as for 6 on a CPU). The engine is
-    batch-invariant (README "Reproducible outputs"; ``test_seeded_request_is_independent_of_batching``), so
+    batch-invariant (docs/app-teams/reproducibility.md; ``test_seeded_request_is_independent_of_batching``), so
     every output is the one the request would get alone."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(calls)) as pool:
         futures = [pool.submit(call) for call in calls]

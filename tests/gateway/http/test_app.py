@@ -391,9 +391,9 @@ def test_client_disconnect_cancels_the_upstream_call(gateway, upstreams):
     assert a.abandoned == 1            # the gateway closed its upstream connection too
 
 
-def test_readme_lists_the_model_endpoints_that_models_returns():
+def test_the_docs_list_the_model_endpoints_that_models_returns():
     from gateway.http.app import MODEL_ENDPOINTS
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "app-teams" / "embeddings.md").read_text()
     listed = re.search(r"the endpoints it is served on \(`endpoints`: (.*?)\)\.", text, re.S)
     assert listed is not None and re.findall(r"`([^`]+)`", listed.group(1)) == list(MODEL_ENDPOINTS)

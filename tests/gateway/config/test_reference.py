@@ -1,0 +1,67 @@
+"""The configuration reference cannot rot (gateway/config/reference.py): the docs page is what the schema
+generates, ``config.example.yaml`` shows every key of the schema and no key the schema lacks, and every config
+key path the README and the docs name exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from gateway.config.reference import EXAMPLE, example_keys, markdown, resolve, schema_tree, walk
+
+ROOT = Path(__file__).resolve().parents[3]
+PAGE = ROOT / "docs" / "operators" / "configuration.md"
+TOPS = "server|admin|reload|state|auth|limits|resilience|observability|budgets|models|backends|routes|policy|rollouts"
+
+
+def test_the_configuration_page_is_generated_from_the_schema():
+    assert PAGE.read_text() == markdown(), "run `make docs` (python -m gateway.config.reference) and commit the page"
+
+
+def _gaps(text: str | None = None) -> tuple[list[tuple[str, int]], list[str]]:
+    keys = example_keys(text)
+    unknown = [(k.path, k.line) for k in keys if k.node is None]
+    shown = {(k.node.owner, k.node.name) for k in keys if k.node is not None}
+    missing = sorted(f"{n.owner}.{n.name} ({path})" for path, n in walk(schema_tree())
+                     if (n.owner, n.name) not in shown)
+    return unknown, missing
+
+
+def test_the_example_shows_every_schema_key_and_no_other():
+    unknown, missing = _gaps()
+    assert unknown == [], f"config.example.yaml shows keys the schema does not have: {unknown}"
+    assert missing == [], f"schema keys config.example.yaml does not show: {missing}"
+
+
+def test_a_key_outside_the_schema_or_one_left_out_is_caught():
+    """The check can fail both ways: a commented-out key the schema lacks, and a key removed from the example."""
+    text = EXAMPLE.read_text()
+    doctored = text.replace("  # resume_attempts: 2", "  # resume_attempt: 2")
+    assert doctored != text
+    unknown, missing = _gaps(doctored)
+    assert [p for p, _ in unknown] == ["routes.<name>.resume_attempt"]
+    assert missing == ["RouteConfig.resume_attempts (routes.<name>.resume_attempts)"]
+
+
+def _named_paths() -> list[tuple[str, str]]:
+    """Config key paths in backticks in the README, ARCHITECTURE.md and docs/ (`state.redis_url`,
+    `routes.<name>.shadow: {...}`), with the file naming each."""
+    files = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    pattern = re.compile(rf"`((?:{TOPS})(?:\.[\w<>-]+|\[\])+)(?=[`:= ])")
+    out = []
+    for f in files:
+        if f == PAGE:
+            continue
+        for path in pattern.findall(f.read_text()):
+            if not path.endswith((".py", ".md", ".yaml", ".json")):
+                out.append((path, str(f.relative_to(ROOT))))
+    return out
+
+
+def test_every_config_key_the_docs_name_exists():
+    named = _named_paths()
+    assert len(named) > 20                          # the docs do name keys: the scan finds them
+    tree = schema_tree()
+    assert resolve(tree, "state.no_such_key") is None and resolve(tree, "backends.local.engine.dtype") is not None
+    wrong = sorted({(p, f) for p, f in named if resolve(tree, p) is None})
+    assert wrong == [], f"key paths the docs name that the schema does not have: {wrong}"
