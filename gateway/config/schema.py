@@ -76,6 +76,10 @@ class ReloadConfig(_Strict):
 
 class StateSettings(_Strict):
     redis_url: str | None = None           # shared state for several replicas; None = in-process
+    # embedded: a private redis-server on this machine, started (or joined) by the gateway and persisted under
+    # data_dir (gateway/embedded_redis.py); read at start
+    redis: Literal["embedded"] | None = None
+    data_dir: str = ".tandem"              # the gateway's own files (the embedded redis's: <data_dir>/redis)
     key_prefix: str = "tandem"
     sync_interval_s: float = Field(1.0, gt=0)   # how often a replica polls the config version
     socket_timeout_s: float = Field(0.5, gt=0)   # the longest any one Redis call may take, connecting included
@@ -83,6 +87,12 @@ class StateSettings(_Strict):
     max_connections: int = Field(64, ge=1)
     reconnect_min_s: float = Field(0.25, gt=0)   # first wait between reconnect attempts after an outage
     reconnect_max_s: float = Field(5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_redis(self) -> "StateSettings":
+        if self.redis is not None and self.redis_url:
+            raise ValueError("set redis_url or redis: embedded, not both")
+        return self
 
 
 class RetrySettings(_Strict):
@@ -174,6 +184,9 @@ class ModelConfig(_Strict):
     name: str
     aliases: list[str] = []
     cache: CacheConfig | None = None       # this model's response cache on routes without their own
+    # max_tokens of a chat request that sets none (nor max_completion_tokens), on routes without their own;
+    # None: up to the context, as OpenAI
+    default_max_tokens: int | None = Field(None, ge=1)
 
 
 class Prices(_Strict):
@@ -351,6 +364,10 @@ class RouteConfig(_Strict):
     slo: SloConfig | None = None                 # route by predicted TTFT and cost (replaces select's pick)
     sticky: Literal["", "prefix", "user"] = ""   # keep a conversation on one target (its prompt cache warm)
     shadow: ShadowConfig | None = None           # mirror a sample to a candidate backend (parity report)
+    # top-level parameters neither OpenAI's nor a known vendor extension: refuse (400 unknown_parameter, as
+    # OpenAI) | pass (sent to the route's upstreams as they are, for a provider's own parameters)
+    extra_params: Literal["refuse", "pass"] = "refuse"
+    default_max_tokens: int | None = Field(None, ge=1)   # max_tokens of a chat request that sets none
 
 
 class RuleConfig(_Strict):

@@ -19,6 +19,7 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 
 import uvicorn
 
@@ -27,6 +28,7 @@ from gateway.http.door import DoorLimits, door_protocol
 from gateway.request.auth import is_loopback
 from gateway.config.compile import load_config_or_report
 from gateway.config.schema import ConfigError
+from gateway.embedded_redis import release, start_or_join, with_redis_url
 from gateway.runtime import Gateway
 
 log = logging.getLogger("tandem.gateway")
@@ -109,6 +111,14 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
         print(f"tandem serve: refusing to bind {host}: no virtual API keys are configured (auth.keys), so the "
               "gateway would be open to anyone. Bind 127.0.0.1, configure keys, or pass --insecure.", file=sys.stderr)
         return 2
+    embedded = None
+    if cfg.state.redis == "embedded":       # the one-machine default: start or join a private redis-server
+        try:
+            embedded = start_or_join(Path(cfg.state.data_dir) / "redis")
+        except RuntimeError as e:
+            print(f"tandem serve: {e}", file=sys.stderr)
+            return 2
+        compiled = with_redis_url(compiled, embedded.url)
     gw = Gateway(config_path, compiled, start_engine=start_engine)
     door = DoorLimits(cfg.server.max_header_bytes, cfg.server.max_headers, cfg.server.header_timeout_s)
     config = uvicorn.Config(create_app(gw, cfg.server.cors), host=host, port=port, loop="uvloop",
@@ -116,5 +126,9 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
                             lifespan="on", access_log=False, log_level=cfg.server.log_level,
                             timeout_graceful_shutdown=cfg.server.drain_timeout_s, timeout_keep_alive=30,
                             proxy_headers=False, server_header=False)
-    GatewayServer(config, gw).run()
+    try:
+        GatewayServer(config, gw).run()
+    finally:
+        if embedded is not None:
+            release(embedded)               # shut down when no other gateway uses it
     return 0

@@ -16,7 +16,8 @@ from gateway.billing.local_cost import local_price
 from gateway.errors import ClientError
 from gateway.request.admission import admit
 from gateway.request.auth import authenticate
-from gateway.request.validate import GatewayRequest, check_request, estimate_prompt_tokens, parse_json
+from gateway.request.validate import (GatewayRequest, check_request, estimate_prompt_tokens, parse_json,
+                                      unknown_parameter_error, with_default_max_tokens)
 from gateway.resilience.resume import prepare as prepare_resume
 from gateway.resilience.resume import resumable
 from gateway.translate.anthropic import MessagesRender, messages_to_chat
@@ -128,6 +129,11 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id, None, body, source)
     admitted = time.monotonic()   # a hand-over's checkpoint and deadline count from here
     decision, affinity = await decide_route(gw, req)
+    route_cfg = snap.compiled.config.routes.get(decision.route)
+    if (error := unknown_parameter_error(req, route_cfg)) is not None:
+        raise error
+    req = with_default_max_tokens(req, route_cfg, next(
+        (m for m in snap.compiled.config.models if m.name == req.public_model), None))
     if affinity:
         gw.replicas.note(decision.route, decision.pick)
     if not decision.attempts and _waits_for_engine(snap, decision.route):

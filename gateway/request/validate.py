@@ -4,7 +4,7 @@ or wrongly typed parameters become 400 errors naming the parameter."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -30,6 +30,29 @@ _CHAT = {**_COMMON, "max_completion_tokens": (int,), "logprobs": (bool,), "top_l
 # (``engine/entrypoints/param_ranges.py``), so every backend's request gets OpenAI's error codes and no value
 # out of range reaches an engine.
 _COMPLETION = {**_COMMON, "logprobs": (int,), "echo": (bool,), "suffix": (str,), "best_of": (int,)}
+
+# Every top-level parameter a chat or completion request may carry; any other is refused as OpenAI refuses it
+# (400 naming it, ``unknown_parameter``), unless the route passes extra parameters on (``extra_params: pass``).
+# OpenAI's own (its API reference: forwarded to upstreams as they are), the gateway's own (``priority``), and the
+# vendor extensions that vLLM's OpenAI server takes and the engine's protocol reads
+# (``engine/entrypoints/protocol.py``: sampling extras, structured outputs, chat-template switches, token ids).
+_OPENAI_CHAT = ("model", "messages", "audio", "frequency_penalty", "function_call", "functions", "logit_bias",
+                "logprobs", "max_completion_tokens", "max_tokens", "metadata", "modalities", "n",
+                "parallel_tool_calls", "prediction", "presence_penalty", "prompt_cache_key",
+                "prompt_cache_retention", "reasoning_effort", "response_format", "safety_identifier", "seed",
+                "service_tier", "stop", "store", "stream", "stream_options", "temperature", "tool_choice", "tools",
+                "top_logprobs", "top_p", "user", "verbosity", "web_search_options")
+_OPENAI_COMPLETION = ("model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
+                      "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix",
+                      "temperature", "top_p", "user")
+VENDOR_EXTENSIONS = ("priority", "best_of", "top_k", "min_p", "repetition_penalty", "use_beam_search",
+                     "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
+                     "skip_special_tokens", "spaces_between_special_tokens", "prompt_logprobs", "request_id",
+                     "structured_outputs", "response_format", "add_special_tokens", "return_token_ids")
+_VENDOR_CHAT = ("echo", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                "resume_token_ids")
+KNOWN_PARAMS = {"chat/completions": frozenset(_OPENAI_CHAT + VENDOR_EXTENSIONS + _VENDOR_CHAT),
+                "completions": frozenset(_OPENAI_COMPLETION + VENDOR_EXTENSIONS)}
 
 # Fields the local engine cannot serve: a request carrying one must be routed
 # upstream by a rule, or it gets a 400 naming the field. The structured
@@ -57,6 +80,8 @@ class GatewayRequest:
     it, else ``estimate_prompt_tokens``). rendered: that rendering (``engine.entrypoints.serving.RenderedPrompt``:
     template applied, tokenized), handed to the local engine so it does not tokenize again; None when not
     rendered. local_unsupported: a field the local engine cannot serve. headers: lower-case names -> values.
+    unknown_params: top-level parameters neither OpenAI's nor a known vendor extension (``KNOWN_PARAMS``), refused
+    unless the request's route passes them on (``unknown_parameter_error``).
     source: (API, body) of a request that came on another API and was translated onto chat (the Responses
     API: ``("responses", the client's body with its conversation expanded)``); an upstream that speaks that API
     natively (``apis``) is sent it as it is. None for a chat or completion request.
@@ -80,6 +105,7 @@ class GatewayRequest:
     rendered: Any = None
     headers: Mapping[str, str] = field(default_factory=dict)
     source: tuple[str, dict] | None = None
+    unknown_params: tuple[str, ...] = ()
 
     @property
     def anthropic_body(self) -> dict | None:
@@ -271,7 +297,28 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         user=body.get("user") or "", metadata=body.get("metadata") or {}, max_tokens=max_tokens,
         has_tools=any(body.get(k) for k in _TOOL_FIELDS),
         has_response_format=rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"),
-        local_unsupported=unsupported, **identity)
+        local_unsupported=unsupported,
+        unknown_params=tuple(k for k in body if k not in KNOWN_PARAMS.get(endpoint, body)), **identity)
+
+
+def with_default_max_tokens(req: GatewayRequest, route, model) -> GatewayRequest:
+    """A chat request that sets no ``max_tokens`` (nor ``max_completion_tokens``) with its route's
+    ``default_max_tokens``, else its model's (``RouteConfig`` / ``ModelConfig`` or None); unchanged when neither
+    sets one (it may then generate up to the context, as OpenAI's)."""
+    if req.max_tokens is not None or req.endpoint != "chat/completions":
+        return req
+    n = (route.default_max_tokens if route is not None else None) or (
+        model.default_max_tokens if model is not None else None)
+    return req if n is None else replace(req, max_tokens=n, body={**req.body, "max_tokens": n})
+
+
+def unknown_parameter_error(req: GatewayRequest, route) -> ClientError | None:
+    """OpenAI's 400 for the first parameter of ``req`` it does not know (``unknown_parameter``, naming it), unless
+    the route (``RouteConfig`` or None) says ``extra_params: pass``: its upstreams then receive them as they are."""
+    if not req.unknown_params or (route is not None and route.extra_params == "pass"):
+        return None
+    name = req.unknown_params[0]
+    return ClientError(400, f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter")
 
 
 def estimate_prompt_tokens(body: dict) -> int:

