@@ -11,7 +11,7 @@ SERVE_ARGS ?=
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install install-test chromium serve test bench clean gpu-wheels docs docs-serve
+.PHONY: install install-test chromium serve test bench clean gpu-wheels docs docs-serve demo
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,11 @@ docs: $(DOCS_STAMP)
 
 docs-serve: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs serve --dev-addr 127.0.0.1:8001
+
+# A canary to watch, no key needed: the example config's keyless canary arm (a float32 engine) and the gateway
+# with the embedded Redis, walked 5 -> 25 -> 100 % and rolled back, the observed split printed per step.
+demo: install
+	$(BIN)/python -m loadtests.demo $(DEMO_ARGS)
 
 bench: install
 	$(BIN)/tandem bench engine --workload synthetic --num-prompts 64 --input-len 100 --output-len 128 --ignore-eos

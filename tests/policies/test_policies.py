@@ -269,7 +269,7 @@ def test_example_config_is_valid_and_routes_as_documented():
     d = decide(p, RequestFeatures("smollm2", prompt_tokens=10), up)
     assert d.route == "local-first"
     canary = sum(decide(p, RequestFeatures("smollm2", prompt_tokens=10, user=f"u{i}"), up).attempts[0].backend
-                 == "deepseek" for i in range(4000))
+                 == "local-f32" for i in range(4000))
     assert 0.035 < canary / 4000 < 0.065
     # With the aggregators' keys unset, everything lands on the local engine.
     down = Signals(unavailable={"deepseek": "unset", "holysheep": "unset"})

@@ -349,7 +349,7 @@ def test_cost_estimate_command():
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     rows = {r["target"]: r["monthly_usd"] for r in json.loads(out.stdout)}
-    assert rows == {"local": 0.0, "deepseek": 175.0, "holysheep": 262.5}
+    assert rows == {"local": 0.0, "local-f32": 0.0, "deepseek": 175.0, "holysheep": 262.5}
     out = subprocess.run([sys.executable, "-m", "gateway.commands", "cost", "estimate", "--config",
                           str(ROOT / "config.example.yaml"), "--tokens-per-month", "2e6", "--input-share", "0.5"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
