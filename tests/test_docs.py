@@ -5,6 +5,7 @@ start that fits on a screen, and shows the two commands."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,11 @@ def test_the_readme_is_a_quick_start():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 220
     assert "make serve" in text and "make test" in text
+
+
+def test_the_readmes_links_point_at_files_that_exist():
+    """The README is read on the forge, outside the site's strict build: its relative links are checked here."""
+    text = (ROOT / "README.md").read_text()
+    links = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t and not t.startswith("#")]
+    assert len(links) > 20
+    assert [t for t in links if not (ROOT / t).exists()] == []
