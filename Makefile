@@ -54,7 +54,7 @@ test: install-test chromium
 
 # The documentation site (mkdocs.yml, Material for MkDocs; the `docs` extra, which `make test` installs too):
 # the configuration reference is regenerated from the schema, then the site is built with --strict (any
-# warning, such as a broken link, fails it) into site/. `make docs-serve` previews it on 127.0.0.1:8001.
+# warning, such as a broken link, fails it) into site/. `make docs-serve` previews it on 127.0.0.1:8008.
 DOCS_STAMP := $(VENV)/.installed-docs
 $(DOCS_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet -e '.[docs]'
@@ -65,7 +65,7 @@ docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 docs-serve: $(DOCS_STAMP)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs serve --dev-addr 127.0.0.1:8001
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs serve --dev-addr 127.0.0.1:8008
 
 # A canary to watch, no key needed: the example config's keyless canary arm (a float32 engine) and the gateway
 # with the embedded Redis, walked 5 -> 25 -> 100 % and rolled back, the observed split printed per step.
