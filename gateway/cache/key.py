@@ -6,6 +6,11 @@ the key hashes the endpoint, the public model, ``stream``, the rendered prompt's
 sampling parameter, the seed, tools, response format), less the fields that do not change the tokens
 (``VOLATILE_FIELDS``). Greedy and seeded answers are a pure function of that (docs/app-teams/reproducibility.md),
 so a hit is the answer the engine would give.
+
+Every key also hashes what a native backend would receive beyond the chat translation (the client's own Responses
+or Messages body: ``thinking``, ``reasoning``, ``include``, ``truncation``, ...), and the tenant unless the route
+shares its cache across tenants (``cache.scope: route``): a hit tells whoever gets it that someone sent the same
+request, so by default only the tenant that sent it can learn that.
 """
 
 from __future__ import annotations
@@ -21,12 +26,36 @@ VOLATILE_FIELDS = frozenset({"stream_options", "user", "metadata", "priority", "
 GREEDY_EPS = 1e-5
 
 
-def cache_key(endpoint: str, public_model: str, stream: bool, body: dict, token_ids: list[list[int]] | None) -> str:
-    """The key (sha256 hex) of a request: ``token_ids`` per prompt of its rendering (None in best-effort mode)."""
-    kept = {k: v for k, v in body.items() if k not in VOLATILE_FIELDS}
-    text = json.dumps([endpoint, public_model, bool(stream), token_ids, kept], sort_keys=True,
-                      separators=(",", ":"), ensure_ascii=False, default=str)
+def cache_key(endpoint: str, public_model: str, stream: bool, body: dict, token_ids: list[list[int]] | None,
+              source: tuple[str, dict] | None = None, tenant: str | None = None) -> str:
+    """The key (sha256 hex) of a request.
+
+    Args:
+        body: the chat (or completions) body every backend is sent, translated or not.
+        token_ids: per prompt of its rendering (None in best-effort mode).
+        source: (API, the client's body) of a request translated onto chat (``GatewayRequest.source``), whose
+            native fields a backend that speaks that API receives; None for a chat or completion request.
+        tenant: the tenant whose answers the key may find; None when the route shares its cache across tenants
+            (``cache.scope: route``).
+    """
+    native = None if source is None else [source[0], _native(*source)]
+    text = json.dumps([endpoint, public_model, bool(stream), token_ids, _kept(body), native, tenant],
+                      sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _kept(body: dict) -> dict:
+    return {k: v for k, v in body.items() if k not in VOLATILE_FIELDS}
+
+
+def _native(api: str, body: dict) -> dict:
+    """``body`` of client API ``api`` as keyed: a Responses conversation's items less their ``id`` (the gateway
+    names each stored item after the request that sent it; ``call_id`` stays)."""
+    kept = _kept(body)
+    if api == "responses" and isinstance(kept.get("input"), list):
+        kept["input"] = [{k: v for k, v in item.items() if k != "id"} if isinstance(item, dict) else item
+                         for item in kept["input"]]
+    return kept
 
 
 def cache_config(config, route: str, model: str):

@@ -72,9 +72,10 @@ class ResponseCache:
         control = (headers.get("cache-control") or "").lower()
         if "no-store" in control or req.endpoint not in ("chat/completions", "completions"):
             return p
+        tenant = None if cfg.scope == "route" else req.tenant
         if cfg.mode == "best_effort":
-            p.space, p.key = f"{route}:best_effort", cache_key(req.endpoint, req.public_model, req.stream, req.body,
-                                                               None)
+            p.space = f"{route}:best_effort"
+            p.key = cache_key(req.endpoint, req.public_model, req.stream, req.body, None, req.source, tenant)
             p.headers["x-tandem-cache-mode"] = "best_effort"
         else:
             local = snap.local
@@ -94,7 +95,8 @@ class ResponseCache:
                 p.headers["x-tandem-seed"] = str(seed)
             p.req = req = replace(req, body=body, rendered=rendered)
             p.space = exact_space(route, local.engine.system_fingerprint)
-            p.key = cache_key(req.endpoint, req.public_model, req.stream, body, [ids for _, ids in rendered.prompts])
+            p.key = cache_key(req.endpoint, req.public_model, req.stream, body, [ids for _, ids in rendered.prompts],
+                              req.source, tenant)
             p.local = local.name
         p.lookup, p.store = "no-cache" not in control, True
         return p

@@ -331,6 +331,9 @@ class CacheConfig(_Strict):
     assign_seed: bool = False              # choose a seed for an unseeded sampled request (x-tandem-seed)
     verify_fraction: float = Field(0.0, ge=0, le=1)   # hits recomputed in the background and compared
     prices: Prices = Prices()              # what the ledger charges for a hit (default: nothing)
+    # who may hit an entry: the tenant that stored it (default), or every tenant of the route ("route": a hit then
+    # tells a tenant that another sent the same request, by its header and its latency)
+    scope: Literal["tenant", "route"] = "tenant"
 
 
 class SloConfig(_Strict):

@@ -150,7 +150,6 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         req = cache.req                  # with the seed the gateway chose, if it chose one
     req, resume = prepare_resume(req, snap.compiled.config.routes.get(decision.route))   # None: cut on failure
     adm = await admit(req, decision.attempts, gw.resilience, gw.usage, snap.compiled.config)
-    gw.shadows.offer(snap, gw.rollouts.active, req, decision)   # background copies; the answer never waits
     hook = gw.obs.admitted(request_id, adm.budget, adm.budget_spec)
     if affinity:
         hook = _then(gw.replicas.track, hook)
@@ -163,6 +162,7 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         answer, usage = hit
         await gw.resilience.settle(adm.rate, usage)
     else:
+        gw.shadows.offer(snap, gw.rollouts.active, req, decision)   # background copies; the answer never waits
         handover = (decision.pick.handover, admitted) if decision.pick.handover is not None else None
         answer = await forward(req, decision.attempts, snap.backends, gw.resilience, adm.rate, hook, adm.tokens,
                                handover)
