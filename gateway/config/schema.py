@@ -29,11 +29,13 @@ class CorsConfig(_Strict):
     ``Access-Control-Allow-*`` values. Read at start (a reload does not change it)."""
 
     allow_origins: list[str] = Field(min_length=1)     # e.g. ["https://app.example.com"]; "*" = any
-    allow_methods: list[str] = ["GET", "POST", "OPTIONS"]
+    allow_methods: list[str] = ["GET", "POST", "OPTIONS"]   # methods a preflight allows
+    # request headers a preflight allows
     allow_headers: list[str] = ["authorization", "content-type", "x-request-id", "x-priority"]
+    # response headers a browser script may read
     expose_headers: list[str] = ["x-request-id", "x-tandem-route", "x-tandem-backend", "x-tandem-attempts",
                                  "retry-after"]
-    allow_credentials: bool = False
+    allow_credentials: bool = False   # Access-Control-Allow-Credentials
     max_age: int = Field(600, ge=0)        # seconds a browser may cache a preflight answer
 
 
@@ -86,7 +88,7 @@ class StateSettings(_Strict):
     fail_closed_limits: bool = False       # Redis down: reject rate-limited and budgeted requests (503)
     max_connections: int = Field(64, ge=1)
     reconnect_min_s: float = Field(0.25, gt=0)   # first wait between reconnect attempts after an outage
-    reconnect_max_s: float = Field(5.0, gt=0)
+    reconnect_max_s: float = Field(5.0, gt=0)   # longest wait between reconnect attempts
 
     @model_validator(mode="after")
     def _one_redis(self) -> "StateSettings":
@@ -102,8 +104,8 @@ class RetrySettings(_Strict):
     max_attempts: int = Field(4, ge=1)
     deadline_s: float = Field(60.0, gt=0)
     backoff_initial_s: float = Field(0.2, ge=0)
-    backoff_max_s: float = Field(5.0, ge=0)
-    jitter_s: float = Field(0.2, ge=0)
+    backoff_max_s: float = Field(5.0, ge=0)   # longest backoff between rounds
+    jitter_s: float = Field(0.2, ge=0)   # random wait added to each backoff, at most
     max_retry_after_s: float = Field(10.0, ge=0)
     first_token_timeout_s: float = Field(30.0, gt=0)
     inter_chunk_timeout_s: float = Field(60.0, gt=0)
@@ -115,13 +117,13 @@ class BreakerSettings(_Strict):
     failure_rate: float = Field(0.5, gt=0, le=1)
     min_requests: int = Field(10, ge=1)
     consecutive_failures: int = Field(5, ge=1)
-    window_s: float = Field(30.0, gt=0)
-    buckets: int = Field(10, ge=1)
+    window_s: float = Field(30.0, gt=0)   # the failure rate's sliding window, seconds
+    buckets: int = Field(10, ge=1)   # buckets of that window
     open_s: float = Field(30.0, gt=0)
     rate_limit_cooldown_s: float = Field(60.0, gt=0)
-    max_cooldown_s: float = Field(3600.0, gt=0)
+    max_cooldown_s: float = Field(3600.0, gt=0)   # longest cooldown an upstream's Retry-After may set
     half_open_probes: int = Field(1, ge=1)
-    success_to_close: int = Field(1, ge=1)
+    success_to_close: int = Field(1, ge=1)   # half-open successes that close the breaker
     probe_timeout_s: float = Field(30.0, gt=0)
     cache_s: float = Field(0.25, ge=0)   # a replica trusts a "closed" answer from Redis this long
 
@@ -131,9 +133,9 @@ class HealthSettings(_Strict):
     probing), ``timeout_s`` one probe's limit; seconds."""
 
     interval_s: float = Field(10.0, ge=0)
-    timeout_s: float = Field(5.0, gt=0)
-    min_requests: int = Field(5, ge=1)
-    max_error_rate: float = Field(0.5, gt=0, le=1)
+    timeout_s: float = Field(5.0, gt=0)   # an active probe's timeout
+    min_requests: int = Field(5, ge=1)   # outcomes needed before the error rate counts
+    max_error_rate: float = Field(0.5, gt=0, le=1)   # at or above this error rate a backend is reported unhealthy
 
 
 class ResilienceConfig(_Strict):
@@ -156,11 +158,11 @@ class LimitsConfig(_Strict):
 class VirtualKey(_Strict):
     """One client key: its sha256 (hex) or the env var holding it."""
 
-    tenant: str
-    sha256: str | None = None
-    env: str | None = None
+    tenant: str   # the tenant this key's requests are billed and limited as
+    sha256: str | None = None   # sha256 hex of the key (printf %s "$KEY" | sha256sum)
+    env: str | None = None   # or: the environment variable holding the key
     rpm: int | None = Field(None, ge=1)    # this key's limits (per limits.window_s)
-    tpm: int | None = Field(None, ge=1)
+    tpm: int | None = Field(None, ge=1)   # tokens per window
 
     @model_validator(mode="after")
     def _one(self) -> "VirtualKey":
@@ -175,14 +177,15 @@ class VirtualKey(_Strict):
 
 
 class AuthConfig(_Strict):
+    # virtual API keys (Authorization: Bearer <key>) -> tenants; none: anonymous, loopback only
     keys: list[VirtualKey] = []
 
 
 class ModelConfig(_Strict):
     """A public model name clients may ask for, and its aliases."""
 
-    name: str
-    aliases: list[str] = []
+    name: str   # the public name clients put in `model`
+    aliases: list[str] = []   # other names for it (reported as the public name)
     cache: CacheConfig | None = None       # this model's response cache on routes without their own
     # max_tokens of a chat request that sets none (nor max_completion_tokens), on routes without their own;
     # None: up to the context, as OpenAI
@@ -192,6 +195,7 @@ class ModelConfig(_Strict):
 class Prices(_Strict):
     input: float = Field(0.0, ge=0)        # USD per million prompt tokens
     output: float = Field(0.0, ge=0)       # USD per million completion tokens
+    # USD per million prompt tokens served from the upstream's prompt cache (None: input)
     cached_input: float | None = Field(None, ge=0)
 
 
@@ -302,8 +306,9 @@ Backend = Annotated[Union[LocalBackendConfig, OpenAIBackendConfig, AnthropicBack
 
 
 class TargetConfig(_Strict):
-    backend: str
+    backend: str   # a backend's name
     model: str = ""                        # upstream model; "" = the backend's mapping
+    # relative share (percent by convention); all targets of a route set it or none does
     weight: float = Field(100.0, ge=0)
     id: str = ""                           # default: backend (or backend/model)
 
@@ -356,8 +361,9 @@ class ShadowConfig(_Strict):
 
 
 class RouteConfig(_Strict):
+    # weighted targets; a failed one fails over to the others of weight > 0
     targets: list[TargetConfig] = Field(min_length=1)
-    fallbacks: list[TargetConfig] = []
+    fallbacks: list[TargetConfig] = []   # tried in order once the targets failed
     select: Literal["weighted", "cheapest", "prefix_affinity"] = "weighted"
     affinity: AffinityConfig = AffinityConfig()
     cache: CacheConfig = CacheConfig()
@@ -374,16 +380,16 @@ class RouteConfig(_Strict):
 
 
 class RuleConfig(_Strict):
-    name: str
-    match: dict[str, Any] = {}
-    route: str
+    name: str   # the rule's name (x-tandem-rule)
+    match: dict[str, Any] = {}   # fields and operators, ANDed (any: [...] ORs); {} matches every request
+    route: str   # the route a matching request takes
     slo: SloConfig | None = None                 # this rule's SLO (a tenant's, a priority's): replaces the route's
 
 
 class PolicyConfig(_Strict):
     canary_key: str = "user"               # user | header:<name> | request_id
     default_route: str
-    rules: list[RuleConfig] = []
+    rules: list[RuleConfig] = []   # first match wins
 
 
 class TracingConfig(_Strict):
@@ -403,7 +409,7 @@ class LogsConfig(_Strict):
 
 class ObservabilityConfig(_Strict):
     tracing: TracingConfig = TracingConfig()
-    logs: LogsConfig = LogsConfig()
+    logs: LogsConfig = LogsConfig()        # the JSON request log
 
 
 class TenantBudget(_Strict):
@@ -437,7 +443,7 @@ class RolloutConfig(_Strict):
     through ``steps`` (percent) while every gate holds for ``hold_s`` at a step; a failing gate rolls it back to
     the last good step."""
 
-    route: str
+    route: str   # the route whose split the rollout steers
     candidate: str                               # a target id of the route
     baseline: str = ""                           # the target that gives up the weight; "" = the route's first other
     steps: list[float] = Field([5.0, 25.0, 100.0], min_length=1)
@@ -445,7 +451,7 @@ class RolloutConfig(_Strict):
     gates: GatesConfig = GatesConfig()
     sample_percent: float = Field(100.0, ge=0, le=100)   # the route's chat requests mirrored to both sides
     max_concurrency: int = Field(4, ge=1)        # compared pairs in flight at most; more are dropped (and counted)
-    top_logprobs: int = Field(5, ge=0, le=20)
+    top_logprobs: int = Field(5, ge=0, le=20)   # alternatives asked of both sides (the KL of a statistical report)
     check_interval_s: float = Field(1.0, gt=0)   # how often the controller judges the gates
 
     @field_validator("steps")
@@ -459,15 +465,15 @@ class RolloutConfig(_Strict):
 class GatewayConfig(_Strict):
     server: ServerConfig = ServerConfig()
     admin: AdminConfig = AdminConfig()
-    reload: ReloadConfig = ReloadConfig()
-    state: StateSettings = StateSettings()
-    auth: AuthConfig = AuthConfig()
+    reload: ReloadConfig = ReloadConfig()   # the file watcher and the versions kept
+    state: StateSettings = StateSettings()   # shared state: Redis (several replicas) or in process
+    auth: AuthConfig = AuthConfig()   # virtual API keys
     limits: LimitsConfig = LimitsConfig()
     resilience: ResilienceConfig = ResilienceConfig()
-    observability: ObservabilityConfig = ObservabilityConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()   # traces and request logs
     budgets: BudgetsConfig = BudgetsConfig()
-    models: list[ModelConfig] = Field(min_length=1)
-    backends: dict[str, Backend] = Field(min_length=1)
-    routes: dict[str, RouteConfig] = Field(min_length=1)
-    policy: PolicyConfig
-    rollouts: dict[str, RolloutConfig] = {}
+    models: list[ModelConfig] = Field(min_length=1)   # the public models clients may ask for
+    backends: dict[str, Backend] = Field(min_length=1)   # the local engine and upstreams, by name
+    routes: dict[str, RouteConfig] = Field(min_length=1)   # weighted targets and fallbacks, by name
+    policy: PolicyConfig   # which route a request takes
+    rollouts: dict[str, RolloutConfig] = {}   # gated progressive rollouts started at load, by name
