@@ -18,6 +18,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 log = logging.getLogger("tandem.state")
 
@@ -48,8 +50,15 @@ def redis_server_binary() -> str:
                        "Debian's redis-server")
 
 
+def _client(socket: Path, timeout: float) -> redis.Redis:
+    """A client of the server at ``socket`` that never retries (redis-py's default retries a refused connection
+    with seconds of backoff: a missing server, or one shutting down, would cost that wait)."""
+    return redis.Redis(unix_socket_path=str(socket), socket_timeout=timeout, socket_connect_timeout=1,
+                       retry=Retry(NoBackoff(), 0))
+
+
 def _answers(socket: Path) -> bool:
-    client = redis.Redis(unix_socket_path=str(socket), socket_timeout=1, socket_connect_timeout=1)
+    client = _client(socket, timeout=1)
     try:
         return bool(client.ping())
     except (redis.RedisError, OSError):
@@ -90,7 +99,7 @@ def start_or_join(directory: Path, timeout: float = 15.0) -> EmbeddedRedis:
 def release(server: EmbeddedRedis) -> bool:
     """This gateway stops using ``server``: shut it down (its data saved) when no other client is connected,
     else leave it to the gateways still using it. True when it was shut down."""
-    client = redis.Redis(unix_socket_path=str(server.socket), socket_timeout=5, socket_connect_timeout=1)
+    client = _client(server.socket, timeout=5)
     try:
         others = len(client.client_list()) - 1
         if others > 0:
