@@ -52,7 +52,12 @@ def register(subparsers) -> None:
     p.add_argument("--token-env", default="TANDEM_ADMIN_TOKEN",
                    help="environment variable holding the admin token (default: TANDEM_ADMIN_TOKEN)")
     sub = p.add_subparsers(dest="ctl_command", required=True)
-    sub.add_parser("reload", help="re-read the config file").set_defaults(func=_ctl, path="/admin/reload")
+    rl = sub.add_parser("reload", help="re-read the config file")
+    rl.add_argument("--abort-rollouts", action="store_true",
+                    help="end the rollouts the new file would orphan (else the reload is refused naming them)")
+    rl.set_defaults(func=_ctl, path="/admin/reload")
+    sub.add_parser("status", help="each route's effective weights and the layer that decides them").set_defaults(
+        func=_ctl, path="/admin/config", status=True)
     rb = sub.add_parser("rollback", help="return to the previous config version")
     rb.add_argument("--base-version", type=int, help="the version to undo (409 when the head is another one)")
     rb.set_defaults(func=_ctl, path="/admin/rollback")
@@ -242,13 +247,17 @@ def _ctl(args) -> int:
                 print(f"tandem ctl weights: expected TARGET=PCT, got {item!r}", file=sys.stderr)
                 return 2
         body = {"route": args.route, "weights": weights, "rebase": args.rebase}
+    if getattr(args, "abort_rollouts", False):
+        body = {"abort_rollouts": True}
     if getattr(args, "base_version", None) is not None:
         body = {**(body or {}), "base_version": args.base_version}
     method = "GET" if args.path == "/admin/config" else "POST"
     code, data = admin_call("tandem ctl", args.url, args.token_env, method, args.path, body=body)
     if code:
         return code
-    if isinstance(data, dict) and "routes" in data and args.path != "/admin/config":
+    if getattr(args, "status", False):
+        print(layers_summary(data))
+    elif isinstance(data, dict) and "routes" in data and args.path != "/admin/config":
         print(_version_summary(data))
     else:
         print(json.dumps(data, indent=2) if not isinstance(data, str) else data)
@@ -266,7 +275,18 @@ def _version_summary(data: dict) -> str:
         targets = ", ".join(f"{t['id']}={t['weight']:g} ({t['share_pct']:g} %)" for t in r["targets"])
         fallbacks = f"; fallbacks: {', '.join(r['fallbacks'])}" if r["fallbacks"] else ""
         lines.append(f"  route {name} [{r['select']}]: {targets}{fallbacks}")
+    lines += [f"  {v['note']}" for v in (data.get("layers") or {}).values() if v["note"]]
     lines += [f"warning: {w}" for w in data.get("warnings", [])]
+    return "\n".join(lines)
+
+
+def layers_summary(data: dict) -> str:
+    """``tandem ctl status``: per route its effective weights, the layer that decides them and what it
+    overrides (``gateway/config/layers.py``)."""
+    lines = [f"config version {data.get('version')} ({data.get('source')}), file: {data['file']['status']}"]
+    for name, v in (data.get("layers") or {}).items():
+        eff = ", ".join(f"{k} {w:g}" for k, w in v["effective"].items())
+        lines.append(f"  route {name}: {eff}  [{v['decided_by']}]" + (f"  ({v['note']})" if v["note"] else ""))
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter
 
 from gateway.config.compile import Compiled, load_config_text
+from gateway.config.layers import Layered, RolloutConflict, layer_view, reapply, route_weights
 from gateway.config.schema import ConfigError
 from gateway.backends.anthropic import AnthropicBackend
 from gateway.backends.local import LocalBackend
@@ -274,11 +275,14 @@ class Gateway:
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
                     "propagated": propagated if self.ledger.shared else None, "routes": routes_table(compiled.policy)}
 
-    async def reload(self, source: str = "reload") -> dict:
-        """Re-read the config file; weights overrides are reset to the file's.
+    async def reload(self, source: str = "reload", abort_rollouts: bool = False) -> dict:
+        """Re-read the config file and apply it under the layers above it (``gateway/config/layers.py``): operator
+        overrides of routes the file did not change and the rollouts that hold a route stay; the answer's
+        ``layers`` says per route which layer decides.
 
         Raises:
-            ConfigError: the file is invalid (the running config stays)."""
+            ConfigError: the file is invalid (the running config stays).
+            RolloutConflict: the file would orphan a rollout (see ``layers.reapply``; nothing changes)."""
         if not self.config_path:
             raise ConfigError([("", "no config file to reload")])
         try:
@@ -288,11 +292,22 @@ class Gateway:
             raise ConfigError([("", f"cannot read it: {e.strerror}")], self.config_path) from None
         self._mtime = self._stat()
         try:   # built on the version this replica runs: a newer one it has not seen yet is refused, not undone
-            return await self._commit(ConfigState(text, {}, source, file_digest=text_digest(text)),
-                                      self.snapshot.version)
-        except ConfigError as e:
+            new = load_config_text(text, {}, source=self.config_path)
+            file = route_weights(new.policy)
+            layered = reapply(route_weights(load_config_text(self.snapshot.compiled.text, {}).policy), file,
+                              self.snapshot.compiled.overrides, await self.rollouts.every(),
+                              {n for n, r in new.config.routes.items() if r.release}, abort_rollouts)
+            out = await self._commit(ConfigState(text, layered.overrides, source, file_digest=text_digest(text)),
+                                     self.snapshot.version)
+        except (ConfigError, RolloutConflict) as e:
             log.error("config reload (%s) refused, keeping version %d: %s", source, self.snapshot.version, e)
             raise
+        await self.rollouts.take_back(layered.takes)
+        out["layers"] = layer_view(file, layered)
+        for route, v in out["layers"].items():
+            if v["note"]:
+                log.info("reload: route %s decided by %s (%s)", route, v["decided_by"], v["note"])
+        return out
 
     async def set_weights(self, route: str, weights: dict[str, float], base: int | None = None,
                           rebase: bool = False) -> dict:
@@ -346,10 +361,20 @@ class Gateway:
             "routes": routes_table(s.compiled.policy),
             "backends": {n: {"type": b.kind, **backends[n]} for n, b in s.backends.items()}, "targets": targets,
             "history": history, "warnings": s.warnings, "redis_degraded": self.redis_degraded,
-            "file": self.file_status(),
+            "file": self.file_status(), "layers": await self.layers(),
             "usage_journal": len(self.usage.journal),   # settles waiting for Redis (replayed on rejoin)
             "draining": self.draining, "in_flight": self.in_flight, "text": s.compiled.text,
         }
+
+    async def layers(self) -> dict:
+        """route -> its effective weights, the file's, and the layer that decides (``layers.layer_view``)."""
+        file = route_weights(load_config_text(self.snapshot.compiled.text, {}).policy)
+        try:
+            layered = reapply(file, file, self.snapshot.compiled.overrides, await self.rollouts.every(), set())
+        except RolloutConflict as e:
+            layered = Layered(self.snapshot.compiled.overrides, {r: {"decided_by": "operator", "note": str(e)}
+                                                                 for r in self.snapshot.compiled.overrides})
+        return layer_view(file, layered)
 
     def file_status(self) -> dict:
         """The config file against the running version: ``status`` "in sync", "weights overrides active", or

@@ -16,6 +16,8 @@ are 95 % and 5 %, 1 and 3 are 25 % and 75 %) or none does (equal shares); each f
 
 from __future__ import annotations
 
+import yaml
+
 from gateway.config.schema import GatewayConfig
 from policies import Policy, Route
 
@@ -81,7 +83,8 @@ def routes_table(policy: Policy) -> dict[str, dict]:
 
 def describe_changes(old: Policy | None, new: Policy, old_text: str = "", new_text: str = "") -> str:
     """What changed between two versions, in one line: ``route local-first: deepseek 5 -> 25, local 95 -> 75``,
-    routes added or removed, ``file text changed``; ``no change`` when nothing did."""
+    routes added or removed, then the config's own key paths added, removed or changed (``routes.main.shadow
+    added``); ``no change`` when nothing did."""
     if old is None:
         return "first version"
     parts = []
@@ -96,5 +99,31 @@ def describe_changes(old: Policy | None, new: Policy, old_text: str = "", new_te
         if moved:
             parts.append(f"route {name}: " + ", ".join(moved))
     if old_text != new_text:
-        parts.append("file text changed")
+        parts += key_changes(_load(old_text), _load(new_text))
     return "; ".join(parts) or "no change"
+
+
+def _load(text: str):
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError:
+        return {}
+
+
+def key_changes(old, new, path: str = "", depth: int = 3) -> list[str]:
+    """Key paths (``routes.main.shadow``) added, removed or changed between two parsed configs, followed to
+    ``depth`` levels (a change deeper is reported at that level); comments and formatting are not changes."""
+    if old == new:
+        return []
+    if not (isinstance(old, dict) and isinstance(new, dict)) or depth == 0:
+        return [f"{path or 'config'} changed"]
+    out = []
+    for k in list(old) + [k for k in new if k not in old]:
+        sub = f"{path}.{k}" if path else str(k)
+        if k not in new:
+            out.append(f"{sub} removed")
+        elif k not in old:
+            out.append(f"{sub} added")
+        else:
+            out += key_changes(old[k], new[k], sub, depth - 1)
+    return out

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.billing.prices import NANO
 from gateway.billing.usage import Budget, tenant_label
+from gateway.config.layers import RolloutConflict
 from gateway.config.versions import VersionConflict
 from gateway.errors import ClientError
 from gateway.http.transport import read_body
@@ -55,11 +56,19 @@ async def _body(request: Request) -> dict:
 
 @post("/admin/reload")
 async def admin_reload(request: Request) -> Response:
+    """Body (optional): ``{"abort_rollouts": true}`` ends the rollouts the new file would orphan (aborted, or
+    released when promoted) instead of answering 409 ``rollout_conflict`` naming them."""
     gw = _gw(request)
+    body = await _body(request)
+    abort = body.get("abort_rollouts", False)
+    if not isinstance(abort, bool):
+        raise ClientError(400, "abort_rollouts must be a boolean", param="abort_rollouts")
     try:
-        return _json(await gw.reload("admin"))
+        return _json(await gw.reload("admin", abort_rollouts=abort))
     except VersionConflict as e:
         raise _conflict(e) from None
+    except RolloutConflict as e:
+        raise ClientError(409, str(e), code="rollout_conflict") from None
 
 
 @post("/admin/rollback")

@@ -19,9 +19,14 @@ reports the same one. Two replicas never fight over a step:
 
 Judging (each ``check_interval_s``, lease holder only): the gates (``gateway/rollouts/gates.py``) on the parity
 report of the pairs compared since the step began. A failing gate: the weight goes back to the last good step
-(the previous one; 0 at the first) and the rollout is ``rolled_back`` with the reason; every gate holding for
-``hold_s`` at the step: the next step, and past the last, ``promoted``. States: running, paused, promoted,
-rolled_back, aborted.
+(the previous one; 0 at the first) and the rollout is ``rolled_back`` with the reason. The hold is a window: it
+opens (``held_since``) at the first check at which every gate was judged (``min_compared`` pairs) and held, and
+closes when a check cannot judge them; the next step (past the last, ``promoted``) comes once a window has stayed
+open ``hold_s``. States: running, paused, promoted, rolled_back, aborted, released.
+
+A running, paused or promoted rollout owns its route's split (``gateway/config/layers.py``): a reload keeps it,
+and ends it (abort, release) only when told to. A rollout whose weights cannot be applied (its target gone from
+the live config) is paused with the reason, once; the controller never retries a config it cannot apply.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import logging
 import time
 import uuid
 
-from gateway.config.schema import RolloutConfig
+from gateway.config.schema import ConfigError, RolloutConfig
 from gateway.config.versions import VersionConflict
 from gateway.rollouts.gates import all_hold, failing, judge
 from gateway.rollouts.parity import report
@@ -46,7 +51,8 @@ log = logging.getLogger("tandem.rollouts")
 ACTIONS = {"pause": (("running",), "paused"),
            "resume": (("paused", "rolled_back"), "running"),
            "promote": (("running", "paused", "rolled_back"), "promoted"),
-           "abort": (("running", "paused", "rolled_back"), "aborted")}
+           "abort": (("running", "paused", "rolled_back"), "aborted"),
+           "release": (("promoted",), "released")}   # the operator or the file takes the route's split back
 
 
 class IllegalAction(Exception):
@@ -70,6 +76,7 @@ def new_rollout(name: str, spec: RolloutConfig, baseline: str, now: float) -> di
 def _moved(r: dict, now: float, state: str, index: int, weight: float, reason: str) -> dict:
     """``r`` after a transition (its history extended)."""
     return {**r, "state": state, "step_index": index, "weight": weight, "step_since": now, "reason": reason,
+            "held_since": None,
             "history": [*r["history"], {"at": now, "weight": weight, "state": state, "reason": reason}][-200:]}
 
 
@@ -152,22 +159,43 @@ class RolloutController:
     async def _judge(self, r: dict, now: float) -> dict:
         if r["state"] != "running":      # paused: the operator has the weights (resume sets the step's again)
             return r
-        await self._apply_weight(r)
+        try:
+            await self._apply_weight(r)
+        except ConfigError as e:         # its target is gone from the live config: say so once, never loop
+            return await self._transition(r, now, "paused", r["step_index"], r["weight"],
+                                          f"paused: its weights cannot be applied ({e})", apply=False)
         spec = RolloutConfig(**r["spec"])
-        gates = judge(spec.gates, await self.step_report(r))
+        step = await self.step_report(r)
+        gates = judge(spec.gates, step)
         why = failing(gates)
+        window = {"requests": step["requests"], "compared": step["compared"],
+                  "candidate_error_rate": step["candidate"]["error_rate"]}
         if why:
             back = r["steps"][r["step_index"] - 1] if r["step_index"] > 0 else 0.0
             return await self._transition(r, now, "rolled_back", max(r["step_index"] - 1, 0), back,
-                                          f"rolled back from {r['weight']:g} % to {back:g} %: {why}", gates)
-        if all_hold(gates) and now - r["step_since"] >= r["hold_s"]:
+                                          f"rolled back from {r['weight']:g} % to {back:g} %: {why}", gates, window)
+        held_since = r.get("held_since")
+        if not all_hold(gates):          # too little evidence: the window closes, the hold starts again later
+            if held_since is not None:
+                r = await self._save(r, held_since=None)
+            return r
+        if held_since is None:           # the first check at which every gate was judged and held
+            return await self._save(r, held_since=now)
+        if now - held_since >= r["hold_s"]:
             i = r["step_index"] + 1
             if i >= len(r["steps"]):
                 return await self._transition(r, now, "promoted", r["step_index"], 100.0,
-                                              f"every gate held {r['hold_s']:g} s at each step", gates)
+                                              f"every gate held {r['hold_s']:g} s at each step", gates, window)
             return await self._transition(r, now, "running", i, r["steps"][i],
-                                          f"gates held {r['hold_s']:g} s at {r['weight']:g} %")
+                                          f"gates held {now - held_since:.1f} s at {r['weight']:g} %", window=window)
         return r
+
+    async def _save(self, r: dict, **changes) -> dict:
+        """``r`` with ``changes``, compare-and-set on its revision (Raises Conflict)."""
+        new = {**r, **changes}
+        await self.store.save(r["name"], new, r["rev"])
+        self._note(new)
+        return new
 
     def _note(self, r: dict) -> None:
         """Update ``active`` with ``r`` at once (other replicas see it at their next tick)."""
@@ -177,19 +205,27 @@ class RolloutController:
         self.active = active
 
     async def _transition(self, r: dict, now: float, state: str, index: int, weight: float, reason: str,
-                          gates: dict | None = None) -> dict:
-        """Compare-and-set the rollout to its new state, then move the weight. Raises Conflict.
+                          gates: dict | None = None, window: dict | None = None, apply: bool = True) -> dict:
+        """Compare-and-set the rollout to its new state, then move the weight (unless ``apply`` is false: the
+        route's split is no longer the rollout's to set). Raises Conflict.
 
         ``gates``: the judgement that ended the rollout (rolled back or promoted), kept as its final gates:
         a step begun by the transition has no pairs yet, so judging it again would show the failed gate
-        as empty."""
+        as empty. ``window``: the evidence of the step that ends (pairs compared, candidate errors), kept in the
+        history entry."""
         new = _moved(r, now, state, index, weight, reason)
+        if window is not None:
+            new["history"][-1] = {**new["history"][-1], "window": window}
         if gates is not None:
             new["final_gates"] = gates
         await self.store.save(r["name"], new, r["rev"])
         self._note(new)
         log.info("rollout %s: %s (%s)", r["name"], state, reason)
-        await self._apply_weight(new, force=True)
+        if apply and state not in ("released",):
+            try:
+                await self._apply_weight(new, force=True)
+            except ConfigError as e:
+                log.warning("rollout %s: weights not applied (%s)", r["name"], e)
         return new
 
     async def _apply_weight(self, r: dict, force: bool = False) -> None:
@@ -209,6 +245,27 @@ class RolloutController:
             except VersionConflict:
                 continue
 
+    async def every(self) -> list[dict]:
+        """Every rollout as stored (a reload's rollout layer). With Redis unreachable: the live ones this
+        replica last saw (a promoted one is then unknown, and a reload may take its route back: logged)."""
+        try:
+            return [r for n in await self.store.names() if (r := await self.store.load(n)) is not None]
+        except StateUnavailable:
+            log.warning("rollouts unreadable (Redis unreachable): a reload sees only the live rollouts last read")
+            return [r for rs in self.active.values() for r in rs]
+
+    async def take_back(self, takes) -> None:
+        """End the rollouts a reload took its routes back from (``layers.Take``: abort or release, with the
+        reason); the reload already set the weights."""
+        now = time.time()
+        for t in takes:
+            r = await self.store.load(t.name)
+            if r is None or r["state"] not in ACTIONS[t.action][0]:
+                continue
+            state = ACTIONS[t.action][1]
+            await self._transition(r, now, state, r["step_index"], r["weight"] if state == "released" else 0.0,
+                                   t.reason, apply=False)
+
     # ----- reading ---------------------------------------------------------------------------------------------
     async def step_report(self, r: dict) -> dict:
         """The parity report of the pairs compared since the rollout's current step began."""
@@ -224,6 +281,7 @@ class RolloutController:
         parity = report(records, await self.store.dropped(r["name"])) if records else None
         out = {k: r[k] for k in ("name", "route", "candidate", "baseline", "state", "steps", "step_index", "weight",
                                  "hold_s", "step_since", "reason", "history")}
+        out["held_since"] = r.get("held_since")
         gates = r["final_gates"] if r["state"] not in LIVE and "final_gates" in r else judge(spec.gates, step)
         return {**out, "gates": gates, "parity": parity}
 

@@ -1,0 +1,143 @@
+"""A route's weights as one desired state: layers with a written precedence, recomputed by every reload.
+
+| layer | set by | holds until |
+|---|---|---|
+| file | the config file as last applied (start, reload, file watcher) | replaced by the next file |
+| operator | ``tandem ctl weights``, the console, ``POST /admin/weights`` (versioned changes) | a reload whose file changes that route's targets or weights (the file is then the newer decision) |
+| rollout | a running, paused or promoted rollout (``gateway/rollouts/controller.py``) | rolled back, aborted, or released (the operator's ``release``, or ``release: true`` on the route in the file) |
+
+A higher layer wins: rollout over operator over file. A reload keeps the layers above the file (an unrelated edit
+never undoes a promotion or a ``ctl weights`` change), takes a route back from an operator override only where the
+file changed that route (kubectl apply's three-way merge: the last-applied file against the new one), and names
+per route the layer that decides and the layer it overrides. A reload that would leave a rollout steering a target
+the file removed is refused (``RolloutConflict``, the admin API's 409) unless it says what to do: ``abort_rollouts``
+or the route's ``release``; the rollout then ends with that reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+HOLDING_STATES = ("running", "paused", "promoted")   # a rollout in these owns its route's split
+
+
+class RolloutConflict(Exception):
+    """A reload that would orphan a rollout (the admin API's 409 ``rollout_conflict``); ``problems``: one line
+    each, naming the rollout and what the file did."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems) + ". Reload with abort_rollouts (tandem ctl reload --abort-rollouts) "
+                         "to end them, or set release: true on the route in the file")
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class Take:
+    """A rollout the reload takes its route back from: ``action`` "abort" (running, paused) or "release"
+    (promoted), with ``reason``."""
+
+    name: str
+    action: str
+    reason: str
+
+
+@dataclass
+class Layered:
+    """What a reload applies: ``overrides`` (route -> {target id: weight}, every layer above the file), per route
+    the deciding layer and a note when a layer is overridden (``routes``), and the rollouts it ends (``takes``)."""
+
+    overrides: dict[str, dict[str, float]]
+    routes: dict[str, dict] = field(default_factory=dict)
+    takes: list[Take] = field(default_factory=list)
+
+
+def route_weights(policy) -> dict[str, dict[str, float]]:
+    """route -> {target id: weight} of a ``policies.Policy`` (the file's, when compiled without overrides)."""
+    return {name: {t.id: t.weight for t in r.targets} for name, r in policy.routes.items()}
+
+
+def _fmt(weights: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in weights.items())
+
+
+def rollout_weights(r: dict) -> dict[str, float]:
+    """The split a rollout ``r`` (the store's dict) holds on its route: candidate and baseline."""
+    return {r["candidate"]: float(r["weight"]), r["baseline"]: 100.0 - float(r["weight"])}
+
+
+def _orphaned(r: dict, new_file: dict[str, dict[str, float]]) -> str:
+    """What the new file did to a target rollout ``r`` steers ("" when nothing)."""
+    targets = new_file.get(r["route"])
+    if targets is None:
+        return f"the file removes route {r['route']!r}"
+    for role in ("candidate", "baseline"):
+        if r[role] not in targets:
+            return f"the file removes its {role} {r[role]!r} from route {r['route']!r}"
+    return ""
+
+
+def reapply(old_file: dict[str, dict[str, float]], new_file: dict[str, dict[str, float]],
+            overrides: dict[str, dict[str, float]], rollouts: list[dict], release: set[str],
+            abort_rollouts: bool = False) -> Layered:
+    """The layers over a newly applied file (see the module docstring).
+
+    Args:
+        old_file: route -> {target id: weight} of the file as last applied (no overrides).
+        new_file: the same of the file being applied.
+        overrides: the running version's overrides (operator and rollout layers together).
+        rollouts: every rollout (the store's dicts); those in ``HOLDING_STATES`` own their route.
+        release: routes whose file section says ``release: true``.
+        abort_rollouts: end the rollouts the file would orphan instead of refusing the reload.
+
+    Raises:
+        RolloutConflict: the file would orphan a rollout and neither ``abort_rollouts`` nor ``release`` says what
+            to do (nothing changes).
+    """
+    holds = {r["route"]: r for r in rollouts if r["state"] in HOLDING_STATES}
+    out = Layered({})
+    problems = []
+    for route, r in sorted(holds.items()):
+        what = f"rollout {r['name']} ({r['state']})"
+        orphan = _orphaned(r, new_file)
+        if route in release or (orphan and abort_rollouts):
+            action = "release" if r["state"] == "promoted" else "abort"
+            why = "the file releases the route" if route in release else f"{orphan} (abort_rollouts)"
+            out.takes.append(Take(r["name"], action, f"reload: {why}"))
+            if route in new_file:
+                out.routes[route] = {"decided_by": "file", "note": f"{what} ended: {why}"}
+            continue
+        if orphan:
+            problems.append(f"{what} steers route {route!r}: {orphan}")
+            continue
+        held = rollout_weights(r)
+        out.overrides[route] = held
+        note = ""
+        if any(new_file[route].get(k) != v for k, v in held.items()):
+            note = f"{route}: file says {_fmt(new_file[route])}; {what} holds {_fmt(held)}"
+        out.routes[route] = {"decided_by": what, "note": note}
+    if problems:
+        raise RolloutConflict(problems)
+    for route, weights in overrides.items():
+        if route in out.overrides or route in out.routes or route not in new_file:
+            continue
+        if old_file.get(route) == new_file[route]:
+            out.overrides[route] = dict(weights)
+            out.routes[route] = {"decided_by": "operator",
+                                 "note": f"{route}: file says {_fmt(new_file[route])}; operator override holds "
+                                         f"{_fmt(weights)}"}
+        else:
+            out.routes[route] = {"decided_by": "file",
+                                 "note": f"{route}: the file changed the route; operator override {_fmt(weights)} "
+                                         "dropped"}
+    return out
+
+
+def layer_view(file: dict[str, dict[str, float]], layered: Layered) -> dict[str, dict]:
+    """route -> {"effective", "file", "decided_by", "note"} of ``layered`` over ``file`` (route -> {target id:
+    weight}): the reload's answer (``layers``), its log and ``tandem ctl status``."""
+    out = {}
+    for route, weights in file.items():
+        decided = layered.routes.get(route, {})
+        out[route] = {"effective": {**weights, **layered.overrides.get(route, {})}, "file": weights,
+                      "decided_by": decided.get("decided_by", "file"), "note": decided.get("note", "")}
+    return out

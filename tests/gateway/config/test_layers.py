@@ -1,0 +1,221 @@
+"""A route's weights as one desired state (issue 47): a reload recomputes the effective weights from the file, the
+operators' overrides and the rollouts that hold a route, and never silently undoes one of them. Real parts: gateways
+in this process reading a config file, fault-injecting upstreams, the admin API over HTTP. One test per failure the
+issue numbers, then the reference model of the precedence rules (``gateway/config/layers.py``) on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import httpx
+import pytest
+
+from gateway.config.compile import load_config_text
+from gateway.config.layers import RolloutConflict, reapply
+from gateway.config.weights import describe_changes
+from gateway.http.app import create_app
+from gateway.runtime import Gateway
+from tests.gateway.fault_upstream import FaultUpstream
+from tests.gateway.rollouts.conftest import ADMIN, ADMIN_TOKEN
+from tests.gateway.support import serve_app
+
+
+@pytest.fixture(autouse=True)
+def _token(monkeypatch):
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", ADMIN_TOKEN)
+
+
+def text(stable, cand, other_weight: int = 100, cand_in_file: bool = True, rollout: str = "", release: bool = False,
+         shadow: bool = False) -> str:
+    """Routes ``ro`` (stable 100, cand 0: the rollout's route) and ``other`` (stable only), an optional rollout."""
+    cand_target = ", {backend: cand, weight: 0}" if cand_in_file else ""
+    return ("reload: {watch: false}\nresilience:\n  health: {interval_s: 0}\n"
+            "observability:\n  logs: {requests: false}\n" + rollout +
+            "models:\n  - name: m1\n"
+            f"backends:\n  stable:\n    type: openai\n    base_url: {stable.base_url}\n"
+            f"  cand:\n    type: openai\n    base_url: {cand.base_url}\n"
+            f"routes:\n  ro:\n    targets: [{{backend: stable, weight: 100}}{cand_target}]\n"
+            + ("    release: true\n" if release else "") +
+            f"  other:\n    targets: [{{backend: stable, weight: {other_weight}}}]\n"
+            + (f"    shadow: {{target: cand}}\n" if shadow else "") +
+            "policy:\n  default_route: ro\n")
+
+
+ROLLOUT = ("rollouts:\n  r1:\n    route: ro\n    candidate: cand\n    steps: [50, 100]\n    hold_s: {hold}\n"
+           "    check_interval_s: 0.05\n    gates: {{error_rate_max: 0.5, min_compared: {n}}}\n")
+
+
+@contextlib.asynccontextmanager
+async def served(path):
+    gw = Gateway(str(path), load_config_text(path.read_text()), start_engine=False)
+    server, task, url = await serve_app(create_app(gw))
+    async with httpx.AsyncClient(base_url=url, headers=ADMIN, timeout=30) as c:
+        try:
+            yield gw, c
+        finally:
+            server.should_exit = True
+            await task
+
+
+def weights(gw, route: str = "ro") -> dict[str, float]:
+    return {t.id: t.weight for t in gw.snapshot.compiled.policy.routes[route].targets}
+
+
+async def r1(c) -> dict:
+    return next(r for r in (await c.get("/admin/rollouts")).json()["rollouts"] if r["name"] == "r1")
+
+
+async def until(c, pred, timeout: float = 30.0) -> dict:
+    end = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < end:
+        r = await r1(c)
+        if pred(r):
+            return r
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"rollout not there: {await r1(c)}")
+
+
+async def test_1_an_unrelated_reload_keeps_a_promoted_rollout(tmp_path):
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand, rollout=ROLLOUT.format(hold=30, n=1)))
+        async with served(path) as (gw, c):
+            await until(c, lambda r: r["state"] == "running")
+            assert (await c.post("/admin/rollouts/r1/promote")).status_code == 200
+            assert weights(gw) == {"stable": 0.0, "cand": 100.0}
+            path.write_text(text(stable, cand, other_weight=50, rollout=ROLLOUT.format(hold=30, n=1)))
+            resp = await c.post("/admin/reload")
+            status = (await c.get("/admin/config")).json()["layers"]["ro"]
+            r = await r1(c)
+    assert resp.status_code == 200, resp.text
+    assert weights(gw) == {"stable": 0.0, "cand": 100.0} and r["state"] == "promoted"
+    layer = resp.json()["layers"]["ro"]
+    assert layer["decided_by"] == "rollout r1 (promoted)" and "file says stable 100, cand 0" in layer["note"]
+    assert status["decided_by"] == "rollout r1 (promoted)" and status["effective"] == {"stable": 0.0, "cand": 100.0}
+
+
+async def test_1b_an_operator_override_survives_an_unrelated_reload_and_yields_to_a_file_change(tmp_path):
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand))
+        async with served(path) as (gw, c):
+            await c.post("/admin/weights", json={"route": "ro", "weights": {"stable": 75, "cand": 25}})
+            path.write_text(text(stable, cand, other_weight=50))           # another route only
+            kept = (await c.post("/admin/reload")).json()["layers"]["ro"]
+            after_unrelated = weights(gw)
+            path.write_text(text(stable, cand, other_weight=50).replace("weight: 100}, {backend: cand, weight: 0}",
+                                                                         "weight: 90}, {backend: cand, weight: 10}"))
+            dropped = (await c.post("/admin/reload")).json()["layers"]["ro"]
+            after_file = weights(gw)
+    assert after_unrelated == {"stable": 75.0, "cand": 25.0} and kept["decided_by"] == "operator"
+    assert after_file == {"stable": 90.0, "cand": 10.0} and dropped["decided_by"] == "file"
+    assert "operator override stable 75, cand 25 dropped" in dropped["note"]
+
+
+async def test_2_a_reload_removing_a_running_rollouts_candidate_is_refused_naming_it(tmp_path, caplog):
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand, rollout=ROLLOUT.format(hold=30, n=1000)))
+        async with served(path) as (gw, c):
+            await until(c, lambda r: r["state"] == "running")
+            path.write_text(text(stable, cand, cand_in_file=False))
+            refused = await c.post("/admin/reload")
+            still = (await r1(c))["state"], weights(gw)
+            aborted = await c.post("/admin/reload", json={"abort_rollouts": True})
+            await asyncio.sleep(0.3)                 # a few controller ticks: nothing may loop on the new config
+            r = await r1(c)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "rollout_conflict"
+    assert "rollout r1 (running)" in refused.json()["error"]["message"]
+    assert "removes its candidate 'cand'" in refused.json()["error"]["message"]
+    assert still == ("running", {"stable": 50.0, "cand": 50.0})
+    assert aborted.status_code == 200 and weights(gw) == {"stable": 100.0}
+    assert r["state"] == "aborted" and "abort_rollouts" in r["reason"]
+    assert not [rec for rec in caplog.records if "tick failed" in rec.getMessage()]
+
+
+async def test_2b_a_controller_that_cannot_apply_its_weights_pauses_once(tmp_path, caplog):
+    """A route's candidate gone from the live config by another path (a version rollback): the controller pauses
+    the rollout with the reason, once, instead of failing every tick."""
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand, cand_in_file=False))
+        async with served(path) as (gw, c):
+            path.write_text(text(stable, cand))
+            await c.post("/admin/reload")                                   # version 2: cand in the route
+            start = await c.post("/admin/rollouts", json={"name": "r1", "route": "ro", "candidate": "cand",
+                                                          "steps": [50, 100], "hold_s": 30, "check_interval_s": 0.05,
+                                                          "gates": {"min_compared": 1000}})
+            assert start.status_code in (200, 201), start.text
+            await c.post("/admin/rollback", json={})                        # back before the weights: no cand
+            await c.post("/admin/rollback", json={})
+            r = await until(c, lambda r: r["state"] == "paused")
+            await asyncio.sleep(0.3)
+    assert "cannot be applied" in r["reason"]
+    assert not [rec for rec in caplog.records if "tick failed" in rec.getMessage()]
+
+
+async def test_3_the_hold_counts_from_the_first_check_every_gate_was_judged(tmp_path):
+    """hold_s 1.5 and no traffic for longer than that: the gates are unjudged, so the hold has not begun; the
+    first pairs open it, and the step waits a whole hold_s from then."""
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand, rollout=ROLLOUT.format(hold=1.5, n=2)))
+        async with served(path) as (gw, c):
+            await until(c, lambda r: r["state"] == "running")
+            await asyncio.sleep(2.0)
+            assert (await r1(c))["held_since"] is None
+            async with httpx.AsyncClient(base_url=str(c.base_url), timeout=30) as client:
+                for i in range(6):
+                    await client.post("/v1/chat/completions", json={
+                        "model": "m1", "user": f"u{i}", "messages": [{"role": "user", "content": "hi"}]})
+            opened = await until(c, lambda r: r["held_since"] is not None)
+            stepped = await until(c, lambda r: r["step_index"] == 1 or r["state"] == "promoted")
+    moved = stepped["history"][1]
+    assert moved["at"] - opened["held_since"] >= 1.5
+    assert moved["window"]["compared"] >= 2
+
+
+def test_4_a_change_is_described_by_its_key_paths_not_as_file_text():
+    old = load_config_text(text(FakeUrl, FakeUrl))
+    new = load_config_text(text(FakeUrl, FakeUrl, shadow=True))
+    line = describe_changes(old.policy, new.policy, old.text, new.text)
+    assert line == "routes.other.shadow added"
+    assert "file text changed" not in describe_changes(new.policy, old.policy, new.text, old.text + "\n# note\n")
+
+
+class FakeUrl:
+    base_url = "http://127.0.0.1:9/v1"
+
+
+# ----- the precedence rules on their own ------------------------------------------------------------------------
+FILE = {"ro": {"A": 100.0, "B": 0.0}, "other": {"A": 100.0}}
+
+
+def rollout(state: str, weight: float = 100.0) -> dict:
+    return {"name": "late", "route": "ro", "candidate": "B", "baseline": "A", "state": state, "weight": weight}
+
+
+@pytest.mark.parametrize("state,holds", [("running", True), ("paused", True), ("promoted", True),
+                                         ("rolled_back", False), ("aborted", False), ("released", False)])
+def test_which_rollout_states_hold_their_route(state, holds):
+    out = reapply(FILE, FILE, {"ro": {"B": 100.0, "A": 0.0}}, [rollout(state)], set())
+    assert ("rollout late" in out.routes["ro"]["decided_by"]) is holds
+    assert out.overrides["ro"] == {"B": 100.0, "A": 0.0}     # held by the rollout, or kept as the operator's
+
+
+def test_release_in_the_file_takes_the_route_back():
+    out = reapply(FILE, FILE, {"ro": {"B": 100.0, "A": 0.0}}, [rollout("promoted")], {"ro"})
+    assert out.overrides == {} and [t.action for t in out.takes] == ["release"]
+
+
+def test_an_orphaning_file_is_refused_unless_told():
+    gone = {"ro": {"A": 100.0}, "other": {"A": 100.0}}
+    with pytest.raises(RolloutConflict, match="rollout late \\(running\\) steers route 'ro'"):
+        reapply(FILE, gone, {}, [rollout("running", 50)], set())
+    out = reapply(FILE, gone, {}, [rollout("running", 50)], set(), abort_rollouts=True)
+    assert out.overrides == {} and [(t.name, t.action) for t in out.takes] == [("late", "abort")]
+
+
+logging.getLogger("tandem.rollouts").setLevel(logging.INFO)
