@@ -132,8 +132,9 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     route_cfg = snap.compiled.config.routes.get(decision.route)
     if (error := unknown_parameter_error(req, route_cfg)) is not None:
         raise error
-    req = with_default_max_tokens(req, route_cfg, next(
-        (m for m in snap.compiled.config.models if m.name == req.public_model), None))
+    if req.max_tokens is None:          # a route's or model's default_max_tokens
+        req = with_default_max_tokens(req, route_cfg, next(
+            (m for m in snap.compiled.config.models if m.name == req.public_model), None))
     if affinity:
         gw.replicas.note(decision.route, decision.pick)
     if not decision.attempts and _waits_for_engine(snap, decision.route):
