@@ -26,6 +26,8 @@ import re
 import urllib.parse
 from dataclasses import dataclass
 
+from engine.worker.json_schema_combinations import check_node_combination
+
 MAX_DEPTH = 64  # nesting of subschemas; deeper is refused (the walk and xgrammar's compiler recurse)
 
 
@@ -50,30 +52,32 @@ class Keyword:
 
 KEYWORDS: tuple[Keyword, ...] = (
     Keyword("type", "type", "any", "one type or a list of types"),
-    Keyword("enum", "values", "any"),
-    Keyword("const", "any", "any"),
+    Keyword("enum", "values", "any", "every value passes the node's other keywords"),
+    Keyword("const", "any", "any", "passes the node's other keywords"),
     Keyword("anyOf", "schemas", "any"),
-    Keyword("oneOf", "schemas", "any", "enforced as anyOf: give branches that exclude each other"),
+    Keyword("oneOf", "schemas", "any", "branches disjoint by type or by const/enum values (else it would be anyOf)"),
     Keyword("allOf", "schemas", "any", "one schema only"),
-    Keyword("$ref", "local ref", "any", "# or a pointer #/... that resolves (no $anchor names)"),
+    Keyword("$ref", "local ref", "any", "# or a pointer #/... that resolves (no $anchor names); $ref, anyOf, "
+            "oneOf, allOf: no other assertion beside them"),
     Keyword("$defs", "schema map", "any"),
     Keyword("definitions", "schema map", "any"),
     Keyword("properties", "schema map", "object"),
     Keyword("required", "names", "object", "every name must be in properties"),
     Keyword("additionalProperties", "schema or bool", "object", "absent means false (strict, as OpenAI)"),
-    Keyword("patternProperties", "schema map", "object", "names are regexes: no lookaround, no backreference"),
-    Keyword("minProperties", "count", "object"),
+    Keyword("patternProperties", "schema map", "object", "one regex, matching no name of properties; no lookaround, "
+            "no backreference"),
+    Keyword("minProperties", "count", "object", "at most the required count where other keys are allowed"),
     Keyword("maxProperties", "count", "object"),
     Keyword("items", "schema or bool", "array"),
     Keyword("prefixItems", "schemas", "array"),
     Keyword("minItems", "count", "array"),
     Keyword("maxItems", "count", "array"),
-    Keyword("minLength", "count", "string", "not beside pattern or format"),
+    Keyword("minLength", "count", "string", "not beside pattern or format; string keywords need a type"),
     Keyword("maxLength", "count", "string", "not beside pattern or format"),
     Keyword("pattern", "regex", "string", "no lookaround, no backreference; matched as a whole"),
     Keyword("format", "format", "string", "email, uuid, ipv6 (xgrammar's date admits Sep 31, its ipv4 leading "
             "zeros: use a pattern)"),
-    Keyword("minimum", "number", "number"),
+    Keyword("minimum", "number", "number", "number keywords need a type; bounds at most 6 decimals"),
     Keyword("maximum", "number", "number"),
     Keyword("exclusiveMinimum", "number", "number"),
     Keyword("exclusiveMaximum", "number", "number"),
@@ -191,6 +195,7 @@ def _check_node(node: object, path: str, depth: int) -> None:
         raise _invalid(path, f"a schema must be an object or a boolean, got {type(node).__name__}")
     if depth > MAX_DEPTH:
         raise ValueError(f"{path}: unsupported schema: nested deeper than {MAX_DEPTH} levels")
+    asserted = set()
     for key, value in node.items():
         if key in ANNOTATIONS:
             continue
@@ -202,7 +207,9 @@ def _check_node(node: object, path: str, depth: int) -> None:
         if kw is None:
             raise ValueError(f"{path}: unsupported schema feature '{key}' (not a keyword of the supported subset)")
         _check_value(kw, value, f"{path}.{key}", depth)
+        asserted.add(key)
     _check_combination(node, path)
+    check_node_combination(node, path, frozenset(asserted))
 
 
 def _check_value(kw: Keyword, value: object, path: str, depth: int) -> None:  # noqa: C901 - one case per form

@@ -83,15 +83,16 @@ def test_a_reference_must_point_into_the_schema():
         check_json_schema({"$defs": {"a": {"$anchor": "foo", "type": "string"}}, "$ref": "#foo"})
 
 
-@pytest.mark.parametrize("low, high", [("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
-                                       ("minProperties", "maxProperties")])
-def test_a_lower_bound_over_its_upper_bound_is_named_by_its_path(low, high):
+@pytest.mark.parametrize("low, high, type_", [("minimum", "maximum", "number"), ("minLength", "maxLength", "string"),
+                                              ("minItems", "maxItems", "array"),
+                                              ("minProperties", "maxProperties", "object")])
+def test_a_lower_bound_over_its_upper_bound_is_named_by_its_path(low, high, type_):
     """Found by a user trial: ``minimum`` over ``maximum`` came back as xgrammar's "Invalid range" with no
     path (``minItems`` over ``maxItems`` in a tool's parameters likewise)."""
     with pytest.raises(ValueError, match=rf"^schema\.properties\.x\.{low}: invalid JSON schema: {low} 5 is "
                                          rf"greater than {high} 2"):
-        check_json_schema({"type": "object", "properties": {"x": {low: 5, high: 2}}})
-    check_json_schema({"type": "object", "properties": {"x": {low: 2, high: 2}}})
+        check_json_schema({"type": "object", "properties": {"x": {"type": type_, low: 5, high: 2}}})
+    check_json_schema({"type": "object", "properties": {"x": {"type": type_, low: 2, high: 2}}})
 
 
 def test_a_regex_the_compile_refuses_is_named_by_its_path():

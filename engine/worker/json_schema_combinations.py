@@ -1,0 +1,216 @@
+"""Rules between the keywords of one schema node: where xgrammar would accept a combination of supported
+keywords and still write a value that breaks the schema, the combination is refused with the keyword and
+its path (``json_schema_subset.check_json_schema`` calls ``check_node_combination`` on every node).
+
+Each rule is a way the grammar is known to break the promise (found by the property test
+``tests/engine/test_json_schema_vocabulary.py``, which draws schemas from the whole validation vocabulary
+and validates every sampled answer with ``jsonschema``):
+
+* an applicator (``$ref``, ``anyOf``, ``oneOf``, ``allOf``) beside another assertion: the grammar applies
+  only one of them (``{"type": "object", "$ref": ...}`` wrote the referenced integer);
+* a string, number, array-count or object-count keyword without a ``type``: the grammar ignores it
+  (``{"minimum": 3}`` wrote ``-1``, ``{"minItems": 2}`` wrote ``[]``);
+* ``enum``/``const`` values that the node's other keywords refuse: the grammar writes the listed values
+  whatever the rest says (``{"type": "string", "enum": [1, 2]}`` wrote ``2``), and a value no other
+  keyword admits makes the schema unsatisfiable;
+* number bounds with more than 6 decimals: xgrammar's numeric ranges stop at 6 decimals
+  (``minimum: 1e-7`` wrote ``""``); exclusive number bounds past 1e9 (``exclusiveMinimum: 1e16`` wrote
+  ``10000000000000000.000001``, which reads back as 1e16);
+* ``minProperties`` above the required count where keys outside ``properties`` are allowed: the grammar
+  may repeat a key, so it cannot count distinct keys (``{"k1": 1, "k1": 2, "k1": 3}``);
+* a ``patternProperties`` regex that matches a name of ``properties`` (that key must satisfy both, the
+  grammar applies one), or several ``patternProperties`` (a key matching two must satisfy both);
+* ``oneOf`` whose branches are not disjoint by type or by value: the grammar enforces it as ``anyOf``.
+"""
+
+from __future__ import annotations
+
+import decimal
+import re
+
+APPLICATORS = ("$ref", "anyOf", "oneOf", "allOf")
+# Keywords that assert nothing about the instance beside an applicator (annotations are skipped earlier).
+_NEUTRAL = frozenset({"$defs", "definitions"})
+_STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
+_NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_ARRAY_KEYWORDS = ("minItems", "maxItems")
+_OBJECT_KEYWORDS = ("minProperties", "maxProperties", "patternProperties", "additionalProperties")
+# What a keyword's type is called in messages (properties, required, items, prefixItems imply their type).
+_TYPE_OF = {**dict.fromkeys(_STRING_KEYWORDS, "string"), **dict.fromkeys(_NUMBER_KEYWORDS, "number or integer"),
+            **dict.fromkeys(_ARRAY_KEYWORDS, "array"), **dict.fromkeys(_OBJECT_KEYWORDS, "object")}
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+MAX_DECIMALS = 6   # xgrammar's number ranges: a bound needing more digits is not enforced
+# An exclusive number bound this large: the least value the grammar writes past it (bound + 1e-6) reads back
+# as the bound itself (a double's spacing there is over 2e-6), so the bound is not enforced.
+MAX_EXCLUSIVE_NUMBER = 1e9
+
+
+def check_node_combination(node: dict, path: str, asserted: frozenset[str]) -> None:
+    """Refuse a combination of keywords in one node that the grammar would not enforce exactly.
+
+    Args:
+        node: one schema object whose keywords each passed their own check.
+        path: its path in messages (``response_format.json_schema.schema.properties.a``).
+        asserted: the node's keywords that constrain the instance (annotations left out).
+
+    Raises:
+        ValueError: ``"<path>.<keyword>: unsupported schema ..."`` or ``"<path>.<keyword>: invalid JSON
+            schema: ..."`` naming the keyword at fault.
+    """
+    _check_applicators(node, path, asserted)
+    _check_typed_keywords(node, path)
+    _check_values_against_siblings(node, path)
+    _check_number_precision(node, path)
+    _check_key_counting(node, path)
+    _check_pattern_properties(node, path)
+    _check_one_of(node, path)
+
+
+def _check_applicators(node: dict, path: str, asserted: frozenset[str]) -> None:
+    present = [k for k in APPLICATORS if k in asserted]
+    if not present:
+        return
+    others = sorted(asserted - _NEUTRAL - {present[0]})
+    if others:
+        raise ValueError(f"{path}.{present[0]}: unsupported schema feature '{present[0]}' beside '{others[0]}' "
+                         f"(the grammar applies only one of them: move '{others[0]}' into the subschemas)")
+
+
+def _types(node: dict) -> set[str] | None:
+    t = node.get("type")
+    if t is None:
+        return None
+    return set(t) if isinstance(t, list) else {t}
+
+
+def _check_typed_keywords(node: dict, path: str) -> None:
+    types = _types(node)
+    if types is not None or "enum" in node or "const" in node:
+        return
+    for key, wanted in _TYPE_OF.items():
+        if key in node:
+            raise ValueError(f"{path}.{key}: unsupported schema feature '{key}' without a 'type' "
+                             f"(the grammar enforces it only beside type: {wanted})")
+
+
+def _check_values_against_siblings(node: dict, path: str) -> None:
+    """Each ``enum``/``const`` value must pass the node's other keywords: the grammar writes the listed
+    values as they are."""
+    import jsonschema  # lazy: only schemas with enum/const need it
+
+    if "$ref" in repr(node):
+        return   # a reference inside: left to the grammar (jsonschema alone cannot resolve it here)
+    for key in ("const", "enum"):
+        if key not in node:
+            continue
+        rest = {k: v for k, v in node.items() if k not in (key, "$defs", "definitions")}
+        if not rest:
+            continue
+        values = [node[key]] if key == "const" else node[key]
+        validator = jsonschema.Draft202012Validator(rest)
+        bad = [v for v in values if not validator.is_valid(v)]
+        if bad and len(bad) == len(values):
+            raise ValueError(f"{path}.{key}: invalid JSON schema: no value of '{key}' passes the other keywords "
+                             f"({bad[0]!r} does not: no value can match)")
+        if bad:
+            raise ValueError(f"{path}.{key}: unsupported schema: value {bad[0]!r} of '{key}' does not pass the "
+                             "other keywords (the grammar would write it): leave it out")
+
+
+def _decimals(value: float | int) -> int:
+    exponent = decimal.Decimal(repr(value)).as_tuple().exponent
+    return max(0, -exponent) if isinstance(exponent, int) else 0
+
+
+def _check_number_precision(node: dict, path: str) -> None:
+    for key in _BOUNDS:
+        if key in node and _decimals(node[key]) > MAX_DECIMALS:
+            raise ValueError(f"{path}.{key}: unsupported schema feature '{key}' {node[key]!r} with more than "
+                             f"{MAX_DECIMALS} decimals (the grammar's number ranges would not enforce it)")
+    if "number" in (_types(node) or ()):
+        for key in ("exclusiveMinimum", "exclusiveMaximum"):
+            if key in node and abs(node[key]) >= MAX_EXCLUSIVE_NUMBER:
+                raise ValueError(f"{path}.{key}: unsupported schema feature '{key}' {node[key]!r} on a number "
+                                 f"beyond {MAX_EXCLUSIVE_NUMBER:g} (the least number past it reads back as the "
+                                 "bound: use minimum/maximum)")
+
+
+def _extra_keys_allowed(node: dict) -> bool:
+    """Keys outside ``properties`` may be written (absent ``additionalProperties`` means false: strict)."""
+    extra = node.get("additionalProperties", False)
+    return bool(node.get("patternProperties")) or extra is not False
+
+
+def _check_key_counting(node: dict, path: str) -> None:
+    low = node.get("minProperties")
+    if low is None or not _extra_keys_allowed(node):
+        return
+    required = len(set(node.get("required") or []))
+    if low > required:
+        raise ValueError(f"{path}.minProperties: unsupported schema feature 'minProperties' {low} above the "
+                         f"{required} required properties where keys outside 'properties' are allowed (the "
+                         "grammar may repeat such a key, so it cannot count distinct keys)")
+
+
+def _check_pattern_properties(node: dict, path: str) -> None:
+    patterns = node.get("patternProperties") or {}
+    if len(patterns) > 1:
+        raise ValueError(f"{path}.patternProperties: unsupported schema feature 'patternProperties' with more "
+                         "than one pattern (a key matching two must satisfy both; the grammar applies one)")
+    for pattern in patterns:
+        try:
+            regex = re.compile(pattern)
+        except re.error:
+            continue   # left to the grammar's compile, which names it
+        for name in node.get("properties") or {}:
+            if regex.search(name):
+                raise ValueError(f"{path}.patternProperties.{pattern}: unsupported schema feature "
+                                 f"'patternProperties' matching property {name!r} (that key must satisfy both "
+                                 "schemas; the grammar applies only the one of properties)")
+
+
+def _branch_values(branch: object) -> list | None:
+    if isinstance(branch, dict) and set(branch) == {"const"}:
+        return [branch["const"]]
+    if isinstance(branch, dict) and set(branch) == {"enum"}:
+        return list(branch["enum"])
+    return None
+
+
+def _disjoint_types(branches: list) -> bool:
+    seen: set[str] = set()
+    for branch in branches:
+        types = _types(branch) if isinstance(branch, dict) else None
+        if types is None:
+            return False
+        if "number" in types:
+            types = types | {"integer"}
+        if "integer" in types:
+            types = types | {"number"}
+        if seen & types:
+            return False
+        seen |= types
+    return True
+
+
+def _disjoint_values(branches: list) -> bool:
+    seen: list = []
+    for branch in branches:
+        values = _branch_values(branch)
+        if values is None:
+            return False
+        for v in values:
+            if any(v == s and type(v) is type(s) for s in seen):
+                return False
+        seen += values
+    return True
+
+
+def _check_one_of(node: dict, path: str) -> None:
+    branches = node.get("oneOf")
+    if not branches or len(branches) < 2:
+        return
+    if not (_disjoint_types(branches) or _disjoint_values(branches)):
+        raise ValueError(f"{path}.oneOf: unsupported schema feature 'oneOf' with branches not disjoint by type "
+                         "or by value (the grammar enforces it as anyOf: a value could match two); use anyOf "
+                         "or give each branch its own type")
