@@ -63,7 +63,7 @@ class OpenAIServingChat(OpenAIServing):
         prio = req.priority if req.priority is not None else priority
         top = req.top_logprobs or 0
         model = response_model or self.served_model_name
-        resume = _resume(req, plan)
+        resume = _resume(req, plan, self.engine.tokenizer.vocab_size)
         if req.stream:
             include_usage, continuous = usage_options(req)
             return self._chat_stream(request_id, model, prompt, prio, bool(req.logprobs), top, echo,
@@ -200,11 +200,12 @@ def render_chat(tokenizer, body: dict) -> RenderedPrompt:
     return RenderedPrompt(req, ((None, token_ids),), plan=plan)
 
 
-def _resume(req, plan) -> dict[int, list[int]] | None:
+def _resume(req, plan, vocab: int) -> dict[int, list[int]] | None:
     """The continuation a chat body asks for (``resume_token_ids``), as ``{choice: tokens}``.
 
     Raises:
-        ServingError: 400 when it cannot be one (not streamed, one list per choice missing, tools or a grammar).
+        ServingError: 400 when it cannot be one (not streamed, one list per choice missing, tools or a grammar,
+            a token id outside ``[0, vocab)``: checked here, before the 200, not by the engine inside a stream).
     """
     if req.resume_token_ids is None:
         return None
@@ -213,6 +214,11 @@ def _resume(req, plan) -> dict[int, list[int]] | None:
         raise ServingError(400, "resume_token_ids: only a streamed request without tools, a response format or "
                                 "echo can be resumed, with one list of token ids per choice",
                            param="resume_token_ids")
+    for i, ids in enumerate(req.resume_token_ids):
+        for j, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise ServingError(400, f"resume_token_ids[{i}][{j}]: {t} is not a token id of this model (ids "
+                                        f"are in [0, {vocab}))", param="resume_token_ids")
     return dict(enumerate(req.resume_token_ids))
 
 
@@ -264,11 +270,44 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
         elif content is not None and not isinstance(content, str):
             raise ServingError(400, f"messages[{i}].content: must be a string or a list of parts",
                                param="messages")
+        if role == "assistant" and m.get("tool_calls") is not None:
+            check_assistant_tool_calls(i, m["tool_calls"])
         msg = dict(m)
         msg["role"] = "system" if role == "developer" else role
         msg["content"] = content if content is not None else ""
         out.append(msg)
     return out
+
+
+def check_assistant_tool_calls(i: int, calls: object) -> None:
+    """An assistant message's ``tool_calls`` as OpenAI (and vLLM) take them: a list of ``{"id": str, "type":
+    "function", "function": {"name": str, "arguments": str}}``.
+
+    Raises:
+        ServingError: 400 naming the first missing or malformed part (``messages[1].tool_calls[0].function``).
+    """
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ServingError(400, f"{where}: must be an array of tool calls", param=where)
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict):
+            raise ServingError(400, f"{at}: must be an object", param=at)
+        fn = call.get("function")
+        for part, value, ok in (("id", call.get("id"), isinstance(call.get("id"), str)),
+                                ("type", call.get("type"), call.get("type") == "function"),
+                                ("function", fn, isinstance(fn, dict)),
+                                ("function.name", (fn or {}).get("name") if isinstance(fn, dict) else None,
+                                 isinstance(fn, dict) and isinstance(fn.get("name"), str)),
+                                ("function.arguments", (fn or {}).get("arguments") if isinstance(fn, dict) else None,
+                                 isinstance(fn, dict) and isinstance(fn.get("arguments"), str))):
+            if ok:
+                continue
+            if value is None:
+                raise ServingError(400, f"Missing required parameter: '{at}.{part}'.", param=f"{at}.{part}",
+                                   code="missing_required_parameter")
+            wanted = "'function'" if part == "type" else ("an object" if part == "function" else "a string")
+            raise ServingError(400, f"{at}.{part}: must be {wanted}, got {value!r}", param=f"{at}.{part}")
 
 
 def cut_after_final_message(text: str, messages: list[dict]) -> str:

@@ -53,6 +53,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     use_beam_search: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None   # vLLM's; refused (not enforced here), never ignored
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0

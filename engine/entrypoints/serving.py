@@ -159,6 +159,8 @@ class OpenAIServing:
             raise ServingError(400, f"best_of: only best_of == n is supported, got {req.best_of}", param="best_of")
         if req.logit_bias:
             raise ServingError(400, "logit_bias: is not supported", param="logit_bias")
+        if req.allowed_token_ids is not None:   # vLLM restricts sampling to them: ignoring it would break that
+            raise ServingError(400, "allowed_token_ids: is not supported", param="allowed_token_ids")
         if req.stream_options is not None and not req.stream:
             raise ServingError(400, "stream_options: only allowed when stream is true", param="stream_options")
         policy = self.engine.args.scheduling_policy

@@ -74,7 +74,8 @@ def test_messages_are_normalized_for_templates():
     msgs = normalize_messages([
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "f", "arguments": "{}"}}]},
     ])
     assert [(m["role"], m["content"]) for m in msgs] == [("system", "be brief"), ("user", "a\nb"), ("assistant", "")]
     for i, bad in ((0, [{"role": "user", "content": None}]), (1, [{"role": "user", "content": "q"}, {"role": "assistant"}])):
