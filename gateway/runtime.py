@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter
 
 from gateway.config.compile import Compiled, load_config_text
-from gateway.config.layers import Layered, RolloutConflict, layer_view, reapply, route_weights
+from gateway.config.layers import Layered, RolloutConflict, holder, layer_view, reapply, route_weights
 from gateway.config.schema import ConfigError
 from gateway.backends.anthropic import AnthropicBackend
 from gateway.backends.local import LocalBackend
@@ -310,13 +310,21 @@ class Gateway:
         return out
 
     async def set_weights(self, route: str, weights: dict[str, float], base: int | None = None,
-                          rebase: bool = False) -> dict:
+                          rebase: bool = False, rollout: str = "") -> dict:
         """Override ``route``'s target weights (target id or backend -> weight), on top of the version this
         replica runs (``base``, when given, must be it), or with ``rebase`` on top of the shared head.
+        ``rollout``: the rollout controller setting its own rollout's split (the rollout layer).
 
         Raises:
             ConfigError: unknown route/target or negative weight.
-            VersionConflict: ``base`` is not the version built on, or the head moved past it."""
+            VersionConflict: ``base`` is not the version built on, or the head moved past it.
+            RolloutConflict: a running or promoted rollout holds the route (its layer is above an operator's:
+                the change would be undone by its next step or the next reload)."""
+        held = None if rollout else holder(await self.rollouts.every(), route, ("running", "promoted"))
+        if held is not None:
+            raise RolloutConflict([f"rollout {held['name']} ({held['state']}) holds route {route!r}"],
+                                  ": pause it (tandem ctl rollout pause) or release it (promoted) before setting "
+                                  "the route's weights by hand")
         cur = self.snapshot
         text, overrides, version, digest = cur.compiled.text, cur.compiled.overrides, cur.version, self.file_digest
         if rebase:

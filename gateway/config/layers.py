@@ -25,9 +25,9 @@ class RolloutConflict(Exception):
     """A reload that would orphan a rollout (the admin API's 409 ``rollout_conflict``); ``problems``: one line
     each, naming the rollout and what the file did."""
 
-    def __init__(self, problems: list[str]):
-        super().__init__("; ".join(problems) + ". Reload with abort_rollouts (tandem ctl reload --abort-rollouts) "
-                         "to end them, or set release: true on the route in the file")
+    def __init__(self, problems: list[str], hint: str = ". Reload with abort_rollouts (tandem ctl reload "
+                 "--abort-rollouts) to end them, or set release: true on the route in the file"):
+        super().__init__("; ".join(problems) + hint)
         self.problems = problems
 
 
@@ -58,6 +58,11 @@ def route_weights(policy) -> dict[str, dict[str, float]]:
 
 def _fmt(weights: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in weights.items())
+
+
+def holder(rollouts: list[dict], route: str, states=HOLDING_STATES) -> dict | None:
+    """The rollout in ``states`` that holds ``route`` (None when none does)."""
+    return next((r for r in rollouts if r["route"] == route and r["state"] in states), None)
 
 
 def rollout_weights(r: dict) -> dict[str, float]:
@@ -109,7 +114,8 @@ def reapply(old_file: dict[str, dict[str, float]], new_file: dict[str, dict[str,
         if orphan:
             problems.append(f"{what} steers route {route!r}: {orphan}")
             continue
-        held = rollout_weights(r)
+        # a paused rollout's route has the weights operators gave it since the pause (the running split at first)
+        held = dict(overrides[route]) if r["state"] == "paused" and route in overrides else rollout_weights(r)
         out.overrides[route] = held
         note = ""
         if any(new_file[route].get(k) != v for k, v in held.items()):

@@ -100,6 +100,8 @@ async def admin_weights(request: Request) -> Response:
                                           body.get("rebase") is True))
     except VersionConflict as e:
         raise _conflict(e) from None
+    except RolloutConflict as e:
+        raise ClientError(409, str(e), code="rollout_conflict", param="route") from None
 
 
 @post("/admin/drain")

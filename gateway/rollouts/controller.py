@@ -10,8 +10,9 @@ reports the same one. Two replicas never fight over a step:
   (``Conflict``: the operator's API answers 409, the controller re-reads next tick);
 - the weights move through ``Gateway.set_weights`` (rebased on the shared head): the same replicated, versioned
   config change as ``tandem ctl weights``; each tick the lease holder re-applies the weight of a running
-  rollout when the live config differs (a change lost to a crash between the two writes is redone; an operator
-  who wants to set weights by hand pauses the rollout first);
+  rollout when the live config differs (a change lost to a crash between the two writes is redone); an operator's
+  ``tandem ctl weights`` on a route a running or promoted rollout holds is refused naming it (pause or release it
+  first);
 - with Redis configured, the rollouts and the lease live there only: while it is unreachable nobody acts (the
   store raises ``StateUnavailable`` instead of answering from this replica's in-process copy, which is empty or
   stale: a tick acting on it started the configured rollout again at its first step) and the admin API answers
@@ -36,6 +37,7 @@ import logging
 import time
 import uuid
 
+from gateway.config.layers import holder
 from gateway.config.schema import ConfigError, RolloutConfig
 from gateway.config.versions import VersionConflict
 from gateway.rollouts.gates import all_hold, failing, judge
@@ -240,7 +242,7 @@ class RolloutController:
             return
         for _ in range(3):
             try:
-                await self.gw.set_weights(r["route"], want, rebase=True)
+                await self.gw.set_weights(r["route"], want, rebase=True, rollout=r["name"])
                 return
             except VersionConflict:
                 continue
@@ -312,6 +314,10 @@ class RolloutController:
             if o is not None and other != name and o["route"] == spec.route and o["state"] in LIVE:
                 raise RouteBusy(f"route {spec.route!r} already has rollout {other!r} ({o['state']}): one rollout "
                                 f"steers a route at a time; abort it or let it finish first")
+        done = holder(await self.every(), spec.route, ("promoted",))
+        if done is not None and done["name"] != name:    # its split stands until released
+            raise RouteBusy(f"route {spec.route!r} is held by rollout {done['name']!r} (promoted): release it "
+                            f"first (tandem ctl rollout release {done['name']})")
         r = new_rollout(name, spec, baseline_of(spec, routes[spec.route]), time.time() if now is None else now)
         await self.store.save(name, r, 0)
         self._note(r)

@@ -135,6 +135,24 @@ async def test_2_a_reload_removing_a_running_rollouts_candidate_is_refused_namin
     assert not [rec for rec in caplog.records if "tick failed" in rec.getMessage()]
 
 
+async def test_ctl_weights_on_a_route_a_rollout_holds_is_refused_naming_it(tmp_path):
+    """The rollout's layer is above an operator's: a change under a running rollout was accepted and undone by its
+    next tick (under a promoted one, by the next reload); it is refused, naming the rollout; paused, it is taken."""
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand, rollout=ROLLOUT.format(hold=30, n=1000)))
+        async with served(path) as (gw, c):
+            await until(c, lambda r: r["state"] == "running")
+            change = {"route": "ro", "weights": {"stable": 70, "cand": 30}}
+            refused = await c.post("/admin/weights", json=change)
+            await c.post("/admin/rollouts/r1/pause")
+            taken = await c.post("/admin/weights", json=change)
+            after = weights(gw)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "rollout_conflict"
+    assert "rollout r1 (running) holds route 'ro'" in refused.json()["error"]["message"]
+    assert taken.status_code == 200 and after == {"stable": 70.0, "cand": 30.0}
+
+
 async def test_2b_a_controller_that_cannot_apply_its_weights_pauses_once(tmp_path, caplog):
     """A route's candidate gone from the live config by another path (a version rollback): the controller pauses
     the rollout with the reason, once, instead of failing every tick."""

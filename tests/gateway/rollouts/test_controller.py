@@ -143,6 +143,8 @@ async def test_operators_pause_resume_promote_abort_and_illegal_actions(redis_ur
             assert (await c.post("/admin/rollouts/nope/pause")).status_code == 404
             bad = await c.post("/admin/rollouts", json={"name": "r2", "route": "main", "candidate": "ghost"})
             taken = await c.post("/admin/rollouts", json={"name": "r1", "route": "main", "candidate": "cand"})
+            held = await c.post("/admin/rollouts", json={"name": "r2", "route": "main", "candidate": "stable"})
+            released = await c.post("/admin/rollouts/r1/release")    # its split stays, an override now
             r2 = await c.post("/admin/rollouts", json={"name": "r2", "route": "main", "candidate": "stable",
                                                        "steps": [50], "hold_s": 1})
             aborted = (await c.post("/admin/rollouts/r2/abort")).json()
@@ -157,6 +159,9 @@ async def test_operators_pause_resume_promote_abort_and_illegal_actions(redis_ur
     assert promoted["state"] == "promoted" and promoted["weight"] == 100
     assert bad.status_code == 400 and "ghost" in bad.json()["error"]["message"]
     assert taken.status_code == 409
+    # a promoted rollout holds its route until released
+    assert held.status_code == 409 and "'r1' (promoted)" in held.json()["error"]["message"]
+    assert released.status_code == 200 and released.json()["state"] == "released", released.text
     assert r2.status_code == 201 and r2.json()["baseline"] == "cand" and r2.json()["weight"] == 50
     assert aborted["state"] == "aborted" and weights == {"stable": 0.0, "cand": 100.0}
     assert unauth.status_code == 401
