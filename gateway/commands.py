@@ -95,7 +95,7 @@ def _prompt_tokens(compiled, endpoint: str, body: dict) -> tuple[int, str]:
         import os.path
 
         from engine.config import default_model_path
-        from engine.entrypoints.protocol import ServingError
+        from engine.protocol.errors import ServingError
         from engine.tokenizer import Tokenizer
         from gateway.backends.local import render_prompt
 

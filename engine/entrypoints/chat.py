@@ -12,10 +12,11 @@ import time
 from collections.abc import AsyncIterator
 
 from engine.entrypoints.chat_structured import ToolCallParser, parse_tool_calls, plan_chat
-from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidationError, ServingError
+from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidationError
 from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, RenderedPrompt, error_from_engine, parse_body,
                                         reject_abort, sse, usage, usage_options)
 from engine.outputs import CompletionOutput
+from engine.protocol.errors import ServingError
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -12,9 +12,10 @@ from collections.abc import AsyncIterator
 
 from engine.entrypoints.chat_structured import ChatPlan, structured_spec
 from engine.entrypoints.logprobs import empty_completion_logprobs
-from engine.entrypoints.protocol import CompletionRequest, RequestValidationError, ServingError
+from engine.entrypoints.protocol import CompletionRequest, RequestValidationError
 from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, RenderedPrompt, engine_id, error_from_engine,
                                         merge_streams, parse_body, reject_abort, sse, usage, usage_options)
+from engine.protocol.errors import ServingError
 
 
 class OpenAIServingCompletion(OpenAIServing):

@@ -12,7 +12,7 @@ import base64
 import numpy as np
 
 from engine.entrypoints.serving import OpenAIServing, error_from_engine
-from engine.entrypoints.protocol import ServingError
+from engine.protocol.errors import ServingError
 
 
 def _inputs(value: object) -> list[str | list[int]]:

@@ -1,10 +1,12 @@
 """Request schemas of the OpenAI-compatible API (text generation), with
-vLLM's extra sampling fields, and the OpenAI error (``ServingError``).
+vLLM's extra sampling fields. The OpenAI error the serving layer returns
+(``ServingError``) lives in ``engine/protocol/errors.py``, with the rules the
+gateway reads too.
 
 The schemas are ``msgspec.Struct``s: ``parse_request(body, ChatCompletionRequest)``
 converts a decoded JSON object, checks every field's type and returns an
 error naming the field (``$.temperature`` -> ``temperature``), and checks every
-value range of ``param_ranges.PARAM_RANGES`` (the table the gateway reads too);
+value range of ``engine.protocol.param_ranges.PARAM_RANGES`` (the table the gateway reads too);
 ``SamplingParams`` checks its own invariants again (its messages also start
 with the parameter's name). Unknown fields are ignored, as OpenAI and vLLM do.
 
@@ -19,7 +21,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from engine.entrypoints.param_ranges import first_violation
+from engine.protocol.param_ranges import first_violation
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -114,35 +116,6 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     response_format: dict[str, Any] | None = None   # as chat's (vLLM's completions take it too)
     # vLLM extras
     add_special_tokens: bool = True
-
-
-class ServingError(Exception):
-    """An error to return to the client in OpenAI's format.
-
-    Attributes:
-        status_code: HTTP status (400 bad input, 404 unknown model, 503
-            draining or dead engine, 500 internal).
-        message: human-readable, names the parameter at fault.
-        type: OpenAI error type ("invalid_request_error", "server_error", ...).
-        param: the request field at fault, or None.
-        code: OpenAI error code (e.g. "model_not_found"), or None.
-        headers: extra response headers (``Retry-After`` on a 503 while loading).
-    """
-
-    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def to_dict(self) -> dict:
-        """``{"error": {"message", "type", "param", "code"}}``."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
 
 
 T = TypeVar("T")

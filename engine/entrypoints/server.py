@@ -13,7 +13,7 @@ over ``--max-request-body-bytes`` gets 413.
 
 Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``)
 with the right status. Every response carries ``x-request-id``
-(``engine/entrypoints/request_ids.py``, the gateway's rule), which is also
+(``engine/protocol/request_ids.py``, the gateway's rule), which is also
 in the answer's ``id`` (``chatcmpl-<x-request-id>``, with a random suffix
 when the client chose it). A client that disconnects (mid-stream or while
 waiting for a non-streamed answer) aborts its request, which frees its KV
@@ -39,13 +39,14 @@ from litestar.response import Stream
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.async_engine import AsyncEngine
-from engine.metrics import EngineMetrics
 from engine.entrypoints.chat import OpenAIServingChat
 from engine.entrypoints.completion import OpenAIServingCompletion
 from engine.entrypoints.embeddings import OpenAIServingEmbedding
-from engine.entrypoints.protocol import ServingError, decode_body
-from engine.entrypoints.request_ids import stamp_request_id, unique_request_id
+from engine.entrypoints.protocol import decode_body
 from engine.entrypoints.ttft import ttft
+from engine.metrics import EngineMetrics
+from engine.protocol.errors import ServingError
+from engine.protocol.request_ids import stamp_request_id, unique_request_id
 
 logger = logging.getLogger("tandem.server")
 

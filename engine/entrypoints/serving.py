@@ -26,8 +26,9 @@ import msgspec
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestWithdrawn
 from engine.entrypoints.chat_structured import ChatPlan
 from engine.entrypoints.logprobs import LogprobFormatter
-from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidationError, ServingError, parse_request
+from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidationError, parse_request
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.protocol.errors import ServingError
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("tandem.serving")

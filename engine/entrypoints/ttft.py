@@ -13,7 +13,7 @@ from litestar import Request, Response, post
 
 from engine.entrypoints.chat import render_chat
 from engine.entrypoints.completion import render_completion
-from engine.entrypoints.protocol import ServingError
+from engine.protocol.errors import ServingError
 
 
 @post("/v1/ttft", status_code=200)

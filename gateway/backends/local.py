@@ -40,7 +40,7 @@ def render_prompt(tokenizer, endpoint: str, body: dict):
     target). Used by ``LocalBackend.render`` and ``tandem route explain``.
 
     Raises:
-        engine.entrypoints.protocol.ServingError: 400, the engine refuses the body.
+        engine.protocol.errors.ServingError: 400, the engine refuses the body.
     """
     from engine.entrypoints.chat import render_chat   # lazy: the engine loads only with a local backend or explain
     from engine.entrypoints.completion import render_completion
@@ -104,7 +104,7 @@ class LocalBackend:
             from engine.entrypoints.chat import OpenAIServingChat
             from engine.entrypoints.completion import OpenAIServingCompletion
             from engine.entrypoints.embeddings import OpenAIServingEmbedding
-            from engine.entrypoints.protocol import ServingError
+            from engine.protocol.errors import ServingError
 
             args = EngineArgs(**self.cfg.engine.engine_kwargs())
             engine = AsyncEngine(args)

@@ -20,7 +20,7 @@ from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
-from engine.entrypoints.request_ids import stamp_request_id
+from engine.protocol.request_ids import stamp_request_id
 from gateway.config.schema import ConfigError, CorsConfig
 from gateway.errors import ClientError, error_body
 from gateway.http.admin import ADMIN_HANDLERS

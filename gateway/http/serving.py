@@ -8,11 +8,11 @@ from collections.abc import Awaitable, Callable
 
 from litestar import Request, Response
 
-from engine.entrypoints.request_ids import unique_request_id
+from engine.protocol.request_ids import unique_request_id
 from gateway.errors import ClientError
 from gateway.http.transport import EventStream, read_body
 
-GATEWAY_ID_PREFIX = "gw-"   # generated x-request-id: gw-<24 hex> (engine/entrypoints/request_ids.py)
+GATEWAY_ID_PREFIX = "gw-"   # generated x-request-id: gw-<24 hex> (engine/protocol/request_ids.py)
 
 
 async def serve_observed(request: Request, endpoint: str, headers,

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from engine.entrypoints.param_ranges import check_param
+from engine.protocol.param_ranges import check_param
 from gateway.errors import ClientError
 from gateway.request.embeddings import EMBEDDINGS_TYPES, check_embeddings, estimate_input_tokens
 from policies import parse_priority
@@ -27,7 +27,7 @@ _COMMON = {
 }
 _CHAT = {**_COMMON, "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,)}
 # Value ranges are checked before routing, from the table the engine's own server reads
-# (``engine/entrypoints/param_ranges.py``), so every backend's request gets OpenAI's error codes and no value
+# (``engine/protocol/param_ranges.py``), so every backend's request gets OpenAI's error codes and no value
 # out of range reaches an engine.
 _COMPLETION = {**_COMMON, "logprobs": (int,), "echo": (bool,), "suffix": (str,), "best_of": (int,)}
 
@@ -140,7 +140,7 @@ def check_type(name: str, value: object, types: tuple) -> None:
 
 def check_range(name: str, value: object) -> None:
     """OpenAI's out-of-range error (code ``integer_below_min_value``, ``decimal_above_max_value``...) naming the
-    field, from the shared table ``engine.entrypoints.param_ranges``."""
+    field, from the shared table ``engine.protocol.param_ranges``."""
     bad = check_param(name, value)
     if bad is not None:
         raise ClientError(400, bad.message, param=bad.param, code=bad.code)

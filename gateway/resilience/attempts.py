@@ -240,7 +240,7 @@ class _Run:
         except Exception as exc:
             await close_response(resp)
             status = getattr(exc, "status_code", None)
-            if isinstance(status, int) and hasattr(exc, "to_dict"):  # engine.entrypoints.protocol.ServingError (local backend)
+            if isinstance(status, int) and hasattr(exc, "to_dict"):  # engine.protocol.errors.ServingError (local backend)
                 resp = UpstreamResponse(status, {"content-type": "application/json"},
                                         json.dumps(exc.to_dict()).encode())
             else:
@@ -444,7 +444,7 @@ async def call_with_fallback(candidates: list[Candidate],
     """Run one request across ``candidates`` (route order) and return what the client should get.
 
     attempt(candidate) performs one upstream call and returns an ``UpstreamResponse`` for ANY status (raising only
-    for transport errors; an exception with ``status_code`` and ``to_dict()``, like ``engine.entrypoints.protocol.ServingError``,
+    for transport errors; an exception with ``status_code`` and ``to_dict()``, like ``engine.protocol.errors.ServingError``,
     counts as that HTTP answer). breakers: ``gateway.resilience.breaker.Breakers``; health: ``gateway.resilience.health.HealthTracker``;
     limiter: ``gateway.resilience.ratelimit.RateLimiter`` for ``Candidate.limits`` (tokens reserved: ``tokens``).
     required_len: prompt tokens + max_tokens, to skip candidates with a smaller ``max_model_len``.

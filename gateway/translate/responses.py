@@ -29,7 +29,7 @@ REFUSED_FIELDS = ("background", "conversation", "prompt")
 _NUM = (int, float)
 # Every top-level parameter of OpenAI's Responses API (``responses.create``) and its JSON types; any other is
 # refused as OpenAI refuses it (400 ``unknown_parameter``). ``priority`` and ``seed`` are the gateway's own, as on
-# chat. Value ranges are chat's (``engine/entrypoints/param_ranges.py``), read under the chat name (``_RENAMED``).
+# chat. Value ranges are chat's (``engine/protocol/param_ranges.py``), read under the chat name (``_RENAMED``).
 PARAMS = {
     "model": (str,), "input": (str, list), "instructions": (str,), "max_output_tokens": (int,),
     "max_tool_calls": (int,), "metadata": (dict,), "parallel_tool_calls": (bool,), "previous_response_id": (str,),

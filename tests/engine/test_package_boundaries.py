@@ -1,7 +1,11 @@
 """The engine package stands alone and importing it does nothing (issue #32): no module under ``engine/``
 imports ``loadtests``, ``gateway`` or ``policies`` (the benchmarks register their own ``tandem bench``), and
 importing every engine module sets no environment variable (OpenMP's wait policy included) and leaves torch's
-threads as they were: whoever starts an engine core sets its threading policy."""
+threads as they were: whoever starts an engine core sets its threading policy.
+
+The rules both halves apply live below both (issue 48): ``engine/protocol/`` imports only the standard library
+and itself, and the gateway reads them there, not from the engine's HTTP package ``engine/entrypoints/`` (only
+the local backend, which runs the engine's OpenAI layer in process, imports that)."""
 
 from __future__ import annotations
 
@@ -36,6 +40,39 @@ def test_no_engine_module_imports_the_packages_above_it():
     upward = [f"{f.relative_to(ROOT)}: {name}" for f in files
               for name in imported_modules(ast.parse(f.read_text(), str(f))) if name.split(".")[0] in OUTSIDE]
     assert upward == []
+
+
+def imports_of(package: str) -> dict[str, list[str]]:
+    """The absolute modules each ``.py`` file under ``package`` (a folder of ROOT) imports, by relative path."""
+    return {str(f.relative_to(ROOT)): imported_modules(ast.parse(f.read_text(), str(f)))
+            for f in sorted((ROOT / package).rglob("*.py"))}
+
+
+def test_the_shared_rules_import_only_the_standard_library():
+    found = imports_of("engine/protocol")
+    assert {"engine/protocol/param_ranges.py", "engine/protocol/request_ids.py", "engine/protocol/errors.py"} <= set(found)
+    foreign = [f"{f}: {name}" for f, names in found.items() for name in names
+               if name.split(".")[0] not in sys.stdlib_module_names and not name.startswith("engine.protocol")]
+    assert foreign == []
+
+
+# The engine's OpenAI layer, which the local backend runs in process (until it makes typed chat events from
+# ``RequestOutput``s itself): the only part of ``engine/entrypoints/`` the gateway may import, and only there.
+LOCAL_BACKEND = "gateway/backends/local.py"
+OPENAI_LAYER = {"engine.entrypoints.chat", "engine.entrypoints.completion", "engine.entrypoints.embeddings",
+                "engine.entrypoints.protocol"}
+
+
+def test_the_gateway_imports_nothing_from_the_engines_http_package():
+    found = imports_of("gateway")
+    assert len(found) > 50
+    reaching = {f: sorted({n for n in names if n == "engine.entrypoints" or n.startswith("engine.entrypoints.")})
+                for f, names in found.items()}
+    reaching = {f: names for f, names in reaching.items() if names}
+    assert set(reaching) <= {LOCAL_BACKEND}
+    assert set(reaching.get(LOCAL_BACKEND, [])) <= OPENAI_LAYER
+    shared = {n for names in found.values() for n in names if n.startswith("engine.protocol")}
+    assert shared >= {"engine.protocol.param_ranges", "engine.protocol.request_ids", "engine.protocol.errors"}
 
 
 def test_the_walk_sees_each_kind_of_import():

@@ -15,7 +15,7 @@ from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from engine.outputs import CompletionOutput, Logprob
 from engine.entrypoints.chat import cut_after_final_message, normalize_messages
 from engine.entrypoints.logprobs import _byte_decoder
-from engine.entrypoints.protocol import ServingError
+from engine.protocol.errors import ServingError
 from engine.entrypoints.serving import merge_choice, merge_streams
 
 
@@ -164,7 +164,7 @@ def test_serve_args_use_vllm_flag_names():
     ("temperature", 2 ** 64, "decimal_above_max_value"), ("stop_token_ids", [3, 2 ** 64], "integer_above_max_value"),
 ])
 def test_values_out_of_range_name_the_field_as_the_gateway_does(field, value, code):
-    """``tandem engine serve`` and the gateway read one table (engine/entrypoints/param_ranges.py): the same
+    """``tandem engine serve`` and the gateway read one table (engine/protocol/param_ranges.py): the same
     value gets the same 400 from both."""
     from gateway.errors import ClientError
     from gateway.request.validate import check_request

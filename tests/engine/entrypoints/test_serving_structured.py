@@ -369,7 +369,7 @@ def test_the_request_handler_leaves_schema_checks_to_the_compile_pool(monkeypatc
     the engine core's pool, whose refusal reaches the client as a 400/408 naming the setting or the part."""
     import asyncio
 
-    from engine.entrypoints.protocol import ServingError
+    from engine.protocol.errors import ServingError
     from engine.entrypoints.serving import OpenAIServing
     from engine.worker.grammar_compiler import GrammarRefused
 

@@ -247,7 +247,7 @@ def test_responses_api_on_the_local_engine_and_the_aggregator(gateway):
 
 def test_engine_validation_errors_pass_through(gateway):
     """A rule only the engine checks (min_tokens <= max_tokens) comes back as the engine's 400 after one call;
-    a range (top_p, top_k: engine/entrypoints/param_ranges.py, the table both read) is refused before routing,
+    a range (top_p, top_k: engine/protocol/param_ranges.py, the table both read) is refused before routing,
     with OpenAI's code."""
     r = httpx.post(gateway.url + "/v1/chat/completions", timeout=60,
                    json={"model": "smollm2", "messages": MSG, "min_tokens": 10, "max_tokens": 5})

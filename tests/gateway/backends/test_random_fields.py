@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine.entrypoints.param_ranges import INT64_MAX, INT64_MIN, UINT64_MAX
+from engine.protocol.param_ranges import INT64_MAX, INT64_MIN, UINT64_MAX
 from engine.entrypoints.protocol import ChatCompletionRequest
 from gateway.request.validate import LOCAL_UNSUPPORTED
 from tests.gateway.support import GatewayProcess

@@ -391,7 +391,7 @@ async def test_deadline_bounds_retries_not_a_whole_answer_in_progress(client, pr
 
 
 async def test_serving_error_of_local_engine_is_an_http_answer():
-    class ServingError(Exception):  # the shape of engine.entrypoints.protocol.ServingError
+    class ServingError(Exception):  # the shape of engine.protocol.errors.ServingError
         status_code = 400
 
         def to_dict(self):
