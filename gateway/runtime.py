@@ -31,7 +31,7 @@ from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
 from gateway.backends.upstream import UpstreamBackend
 from gateway.config.versions import ConfigState, MemoryLedger, RedisLedger, VersionConflict, text_digest
-from gateway.config.weights import describe_changes, routes_table
+from gateway.config.weights import add_effective_shares, describe_changes, routes_table
 from gateway.rollouts.controller import RolloutController
 from gateway.rollouts.metrics import ParityCollector
 from gateway.rollouts.shadow import ShadowRunner
@@ -363,10 +363,12 @@ class Gateway:
             self._redis_failed(e)
             history = []
         backends, targets = await self.resilience.status(s.compiled.policy.routes, s.backends)
+        routes = routes_table(s.compiled.policy)
+        add_effective_shares(routes, backends, targets)
         return {
             "version": s.version, "source": s.source, "overrides": s.compiled.overrides,
             "public_models": s.compiled.public_models,
-            "routes": routes_table(s.compiled.policy),
+            "routes": routes,
             "backends": {n: {"type": b.kind, **backends[n]} for n, b in s.backends.items()}, "targets": targets,
             "history": history, "warnings": s.warnings, "redis_degraded": self.redis_degraded,
             "file": self.file_status(), "layers": await self.layers(),

@@ -81,6 +81,27 @@ def routes_table(policy: Policy) -> dict[str, dict]:
     return out
 
 
+def add_effective_shares(table: dict[str, dict], backends: dict[str, dict], targets: dict[str, dict]) -> None:
+    """Add to each target of ``routes_table``'s ``table`` what requests actually get now: ``effective_pct`` (its
+    share among the targets that can serve: weight > 0, backend available, breaker not open; the router picks
+    among those in proportion to their weights) and ``out`` (why it gets nothing: the backend's reason or its open
+    breaker; "" when it serves). ``backends`` and ``targets``: ``Resilience.status``' answer."""
+    for route in table.values():
+        def why(t: dict) -> str:
+            b = backends.get(t["backend"], {})
+            if not b.get("available", True):
+                return f"backend unavailable: {b.get('reason') or 'unknown'}"
+            if targets.get(t["id"], {}).get("breaker") == "open":
+                return "breaker open"
+            return "weight 0" if t["weight"] <= 0 else ""
+
+        for t in route["targets"]:
+            t["out"] = why(t)
+        total = sum(t["weight"] for t in route["targets"] if not t["out"])
+        for t in route["targets"]:
+            t["effective_pct"] = round(100 * t["weight"] / total, 2) if total and not t["out"] else 0.0
+
+
 def describe_changes(old: Policy | None, new: Policy, old_text: str = "", new_text: str = "") -> str:
     """What changed between two versions, in one line: ``route local-first: deepseek 5 -> 25, local 95 -> 75``,
     routes added or removed, then the config's own key paths added, removed or changed (``routes.main.shadow

@@ -187,7 +187,7 @@
       h("div", {class: "buttons"}, c.apply, c.promote, c.reset)]);
     append(c.el, [h("div", {class: "route-head"}, c.head), c.bar,
       h("table", {class: "grid compact", "aria-label": `Targets of route ${name}`},
-        h("thead", {}, h("tr", {}, ["Target", "Backend", "Weight", "Share", "Breaker"].map(
+        h("thead", {}, h("tr", {}, ["Target", "Backend", "Weight", "Share", "Gets now", "Breaker"].map(
           (t, i) => h("th", {scope: "col", class: i > 1 && i < 4 ? "num" : null}, t)))), c.body),
       c.note, c.controls]);
     return c;
@@ -231,7 +231,9 @@
         const br = config.targets[t.id] || {};
         return h("tr", {}, h("th", {scope: "row"}, h("span", {class: `swatch c${i % 6}`, "aria-hidden": "true"}), t.id),
           h("td", {}, t.backend), h("td", {class: "num"}, fmt(t.weight)), h("td", {class: "num"}, `${fmt(t.share_pct)} %`),
-          h("td", {}, badge(br.breaker || "unknown")));
+          h("td", {class: "num", title: t.out || "serving"}, route.weights_steer ? `${fmt(t.effective_pct)} %` : "–",
+            t.out ? h("span", {class: "muted small"}, ` (${t.out})`) : ""),
+          h("td", {}, badge(t.out.startsWith("backend unavailable") ? "unavailable" : (br.breaker || "unknown"))));
       }));
       const ids = route.targets.map((t) => t.id);
       c.controls.hidden = ids.length < 2 || !route.weights_steer;

@@ -139,7 +139,7 @@ def test_wrong_token_is_refused_then_the_right_one_signs_in(page):
     page.keyboard.press("Enter")
     page.locator("#main").wait_for()
     assert page.locator("#login").is_hidden()
-    page.get_by_role("table", name="Targets of route main").get_by_text("95 %").wait_for()
+    page.get_by_role("table", name="Targets of route main").get_by_text("95 %").first.wait_for()
     assert page.get_by_role("status").filter(has_text="live").inner_text() == "live"
 
 
@@ -158,7 +158,7 @@ def test_canary_slider_sets_the_weight_then_rollback_restores_it(page, gateway):
     page.get_by_role("button", name="Apply canary weight to route main").click()
     wait_until(lambda: weights_of(gateway) == {"a": 75, "b": 25})
     page.get_by_role("status").filter(has_text="b to 25 %: done").wait_for()
-    page.get_by_role("table", name="Targets of route main").get_by_text("75 %").wait_for()
+    page.get_by_role("table", name="Targets of route main").get_by_text("75 %").first.wait_for()
 
     page.get_by_role("button", name="Roll back to previous version").click()
     wait_until(lambda: weights_of(gateway) == {"a": 95, "b": 5})
