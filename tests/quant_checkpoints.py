@@ -1,0 +1,109 @@
+"""Tiny GPTQ and AWQ checkpoints written by a script that follows each format's documented layout
+(auto-gptq/gptqmodel's and AutoAWQ's packing; their own tools need CUDA builds that do not install
+here): round-to-nearest codes per group (the algorithms differ in how they choose codes, not in
+what they store), packed as those tools pack them. Each writer also turns the transformers model
+it is given into its reference: every quantized weight replaced by the format's dequantization."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import save_file
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble i holds output 8c + AWQ_ORDER[i]
+
+
+def quantize(w: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool, zero_range=(0, 15)):
+    """Round-to-nearest 4-bit codes of ``w`` [out, in] with input k in group ``g_idx[k]``:
+    (codes int [out, in], zeros int [groups, out], scales float16 [groups, out]) and the dequantized
+    float32 weight (q - z) * s. GPTQ's quantizer grid: the range includes 0; symmetric puts z at 8."""
+    out = w.shape[0]
+    zeros = torch.empty(groups, out, dtype=torch.int64)
+    scales = torch.empty(groups, out, dtype=torch.float16)
+    for g in range(groups):
+        cols = w[:, g_idx == g]
+        lo, hi = cols.min(1).values.clamp(max=0), cols.max(1).values.clamp(min=0)
+        if sym:
+            s = torch.maximum(hi, -lo) * 2 / 15
+            z = torch.full((out,), 8)
+        else:
+            s = (hi - lo) / 15
+            z = torch.round(-lo / s.clamp(min=1e-8)).long().clamp(*zero_range)
+        scales[g], zeros[g] = s.clamp(min=1e-6).half(), z
+    s, z = scales.float()[g_idx].t(), zeros[g_idx].t()
+    codes = torch.clamp(torch.round(w / s) + z, 0, 15).long()
+    return codes, zeros, scales, (codes - z).float() * s
+
+
+def pack_rows(codes: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
+    """int32 [rows, cols / 8]: nibble i of element c holds column 8c + order[i] of ``codes`` [rows, cols]."""
+    rows, cols = codes.shape
+    runs = codes.reshape(rows, cols // 8, 8)[..., list(order)].long()
+    packed = sum(runs[..., i] << (4 * i) for i in range(8))
+    return ((packed + 2**31) % 2**32 - 2**31).to(torch.int32)
+
+
+def _write(path, model, tensors: dict, quantization_config: dict) -> None:
+    packed = {k.rsplit(".", 1)[0] for k in tensors}
+    state = {k: v.contiguous() for k, v in model.state_dict().items()
+             if k.removesuffix(".weight") not in packed and "rotary" not in k}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file({**state, **tensors}, str(path / "model.safetensors"))
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@torch.no_grad()
+def write_gptq(path, model, group_size: int, sym: bool = True, desc_act: bool = False,
+               checkpoint_format: str = "gptq", seed: int = 0) -> None:
+    """``model``'s projections as a GPTQ checkpoint in ``path``: qweight [in / 8, out] packed along
+    the inputs, qzeros [groups, out / 8] (zero - 1 for "gptq", the zero for "gptq_v2"), float16
+    scales [groups, out], g_idx [in] (a random grouping with ``desc_act``); ``model`` becomes its reference."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, p in model.named_parameters():
+        module = name.removesuffix(".weight").split(".", 3)[-1]
+        if not name.endswith(".weight") or module not in PROJECTIONS:
+            continue
+        k = p.shape[1]
+        groups = k // group_size
+        g_idx = torch.arange(k) // group_size
+        if desc_act:
+            g_idx = g_idx[torch.randperm(k, generator=gen)]
+        low = 1 if checkpoint_format == "gptq" else 0  # auto-gptq's zero - 1 cannot store a zero of 0
+        codes, zeros, scales, deq = quantize(p.float(), g_idx, groups, sym, (low, 15))
+        prefix = name.removesuffix(".weight")
+        stored = zeros - 1 if checkpoint_format == "gptq" else zeros
+        tensors[f"{prefix}.qweight"] = pack_rows(codes).t().contiguous()
+        tensors[f"{prefix}.qzeros"] = pack_rows(stored)
+        tensors[f"{prefix}.scales"] = scales
+        tensors[f"{prefix}.g_idx"] = g_idx.to(torch.int32)
+        p.copy_(deq)
+    _write(path, model, tensors, {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": sym,
+                                  "desc_act": desc_act, "checkpoint_format": checkpoint_format})
+
+
+@torch.no_grad()
+def write_awq(path, model, group_size: int) -> None:
+    """``model``'s projections as an AutoAWQ GEMM checkpoint in ``path``: qweight [in, out / 8] and
+    qzeros [groups, out / 8] packed along the outputs in AWQ_ORDER, float16 scales [groups, out];
+    ``model`` becomes its reference."""
+    tensors = {}
+    for name, p in model.named_parameters():
+        module = name.removesuffix(".weight").split(".", 3)[-1]
+        if not name.endswith(".weight") or module not in PROJECTIONS:
+            continue
+        k = p.shape[1]
+        codes, zeros, scales, deq = quantize(p.float(), torch.arange(k) // group_size, k // group_size, sym=False)
+        prefix = name.removesuffix(".weight")
+        tensors[f"{prefix}.qweight"] = pack_rows(codes.t().contiguous(), AWQ_ORDER)
+        tensors[f"{prefix}.qzeros"] = pack_rows(zeros, AWQ_ORDER)
+        tensors[f"{prefix}.scales"] = scales
+        p.copy_(deq)
+    _write(path, model, tensors, {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+                                  "version": "gemm"})
