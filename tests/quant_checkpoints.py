@@ -107,3 +107,34 @@ def write_awq(path, model, group_size: int) -> None:
         p.copy_(deq)
     _write(path, model, tensors, {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
                                   "version": "gemm"})
+
+
+@torch.no_grad()
+def write_compressed_tensors(path, model, group_size: int | None, sym: bool = True) -> None:
+    """``model``'s projections as an llm-compressor ``pack-quantized`` W4A16 checkpoint in ``path``
+    (the ``compressed_tensors`` package's ``pack_to_int32``): weight_packed [out, in / 8] of q + 8
+    (q in -8..7) packed along the inputs, weight_scale [out, groups], weight_zero_point (asymmetric)
+    zp + 8 packed along the outputs [out / 8, groups], weight_shape; strategy "group", or "channel"
+    for ``group_size`` None; ``model`` becomes its reference."""
+    tensors = {}
+    for name, p in model.named_parameters():
+        module = name.removesuffix(".weight").split(".", 3)[-1]
+        if not name.endswith(".weight") or module not in PROJECTIONS:
+            continue
+        k = p.shape[1]
+        size = k if group_size is None else group_size
+        codes, zeros, scales, deq = quantize(p.float(), torch.arange(k) // size, k // size, sym)
+        prefix = name.removesuffix(".weight")
+        tensors[f"{prefix}.weight_packed"] = pack_rows(codes)  # q + 8 = the unsigned code
+        tensors[f"{prefix}.weight_scale"] = scales.t().contiguous()
+        tensors[f"{prefix}.weight_shape"] = torch.tensor(p.shape)
+        if not sym:
+            tensors[f"{prefix}.weight_zero_point"] = pack_rows(zeros).t().contiguous()
+        p.copy_(deq)
+    weights = {"num_bits": 4, "type": "int", "symmetric": sym, "dynamic": False, "actorder": None,
+               "strategy": "channel" if group_size is None else "group", "group_size": group_size}
+    _write(path, model, tensors, {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                      "output_activations": None}},
+        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}})

@@ -163,8 +163,8 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     Raises:
         FileNotFoundError: the path or a needed file is missing.
         ValueError: corrupt file, unsupported architecture or tensor type;
-            quantization "gguf" with a HF directory or off CPU, "gptq"/"awq"
-            with a file; load_format "dummy" with a GGUF file; a checkpoint
+            quantization "gguf" with a HF directory or off CPU, a HF
+            method with a file; load_format "dummy" with a GGUF file; a checkpoint
             quantization the engine does not implement
             (``engine.quantization.UnsupportedQuantization``).
         MemoryError: the weights do not fit on the device.

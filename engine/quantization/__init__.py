@@ -11,11 +11,13 @@ from pathlib import Path
 
 from engine.quantization.awq import AWQConfig
 from engine.quantization.base import QuantizationConfig, UnsupportedQuantization
+from engine.quantization.compressed_tensors import CompressedTensorsConfig
 from engine.quantization.gptq import GPTQConfig
 
-QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {"gptq": GPTQConfig, "awq": AWQConfig}
+QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
+    "gptq": GPTQConfig, "awq": AWQConfig, "compressed-tensors": CompressedTensorsConfig}
 # quant_method values vLLM reads that the engine does not (yet): refused by name, never loaded as dense
-KNOWN_UNSUPPORTED = ("compressed-tensors", "fp8", "bitsandbytes", "gptq_marlin", "awq_marlin", "marlin", "hqq",
+KNOWN_UNSUPPORTED = ("fp8", "bitsandbytes", "gptq_marlin", "awq_marlin", "marlin", "hqq",
                      "aqlm", "exl2", "quark", "modelopt", "torchao")
 # older GPTQ/AWQ repositories keep the settings in a file of their own (vLLM's get_quant_config looks there too)
 _SIDE_FILES = ("quantize_config.json", "quant_config.json")

@@ -88,7 +88,7 @@ def test_quantization_gguf_needs_a_gguf_on_cpu(tmp_path):
     path = save_byte_level_llama(tmp_path)
     with pytest.raises(ValueError, match="needs a .gguf model on CPU"):
         load_model(EngineArgs(model=path, device="cpu", quantization="gguf"))
-    with pytest.raises(ValueError, match="quantization must be one of none, gguf, gptq, awq"):
+    with pytest.raises(ValueError, match="quantization must be one of none, gguf, gptq, awq, compressed-tensors"):
         EngineArgs(model=path, quantization="q4")
 
 

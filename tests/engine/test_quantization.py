@@ -15,20 +15,23 @@ import torch
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.test_architectures import COMMON, VOCAB, _check, _engine_and_references, _prompts
-from tests.quant_checkpoints import write_awq, write_gptq
+from tests.quant_checkpoints import write_awq, write_compressed_tensors, write_gptq
 
 transformers = pytest.importorskip("transformers")
 
 
 def _model(tmp_path, arch: str):
-    """A tiny random float32 transformers model of ``arch`` ("llama" or "qwen2", q/k/v biases) saved
-    with a word-level tokenizer in ``tmp_path``; norms perturbed so that they matter."""
+    """A tiny random float32 transformers model of ``arch`` ("llama", "llama128": intermediate size
+    128 for groups of 64, or "qwen2", q/k/v biases) saved with a word-level tokenizer in
+    ``tmp_path``; norms perturbed so that they matter."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     torch.manual_seed(0)
     t = transformers
-    model = t.LlamaForCausalLM(t.LlamaConfig(**COMMON)) if arch == "llama" else \
-        t.Qwen2ForCausalLM(t.Qwen2Config(**COMMON))
+    if arch == "qwen2":
+        model = t.Qwen2ForCausalLM(t.Qwen2Config(**COMMON))
+    else:
+        model = t.LlamaForCausalLM(t.LlamaConfig(**{**COMMON, "intermediate_size": 128 if arch == "llama128" else 96}))
     model.config._attn_implementation = "eager"
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -45,10 +48,15 @@ def _model(tmp_path, arch: str):
 CASES = {
     "gptq_sym_llama": ("llama", lambda p, m: write_gptq(p, m, 32, sym=True)),
     "gptq_asym_v2_qwen2": ("qwen2", lambda p, m: write_gptq(p, m, 32, sym=False, checkpoint_format="gptq_v2")),
-    "gptq_asym_group_per_row_llama": ("llama", lambda p, m: write_gptq(p, m, 32, sym=False)),
+    "gptq_asym_llama": ("llama", lambda p, m: write_gptq(p, m, 32, sym=False)),
+    "gptq_asym_group64_llama": ("llama128", lambda p, m: write_gptq(p, m, 64, sym=False)),
+    "awq_group64_llama": ("llama128", lambda p, m: write_awq(p, m, 64)),
     "gptq_desc_act_qwen2": ("qwen2", lambda p, m: write_gptq(p, m, 32, sym=False, desc_act=True)),
     "awq_llama": ("llama", lambda p, m: write_awq(p, m, 32)),
     "awq_qwen2": ("qwen2", lambda p, m: write_awq(p, m, 32)),
+    "ct_w4a16_sym_llama": ("llama", lambda p, m: write_compressed_tensors(p, m, 32, sym=True)),
+    "ct_w4a16_asym_qwen2": ("qwen2", lambda p, m: write_compressed_tensors(p, m, 32, sym=False)),
+    "ct_w4a16_channel_llama": ("llama", lambda p, m: write_compressed_tensors(p, m, None, sym=False)),
 }
 
 
@@ -72,7 +80,7 @@ def test_float32_matches_dequantized_reference_alone_and_batched(tmp_path, case,
         _check(out, ref)
 
 
-@pytest.mark.parametrize("case", ["gptq_sym_llama", "awq_llama", "awq_qwen2"])
+@pytest.mark.parametrize("case", ["gptq_sym_llama", "awq_llama", "awq_qwen2", "ct_w4a16_asym_qwen2"])
 def test_bfloat16_c_stack_reads_packed_layers_batch_invariant(tmp_path, case, one_thread):
     from kernels import cpu_attention, cpu_linear, cpu_norm_act
 
@@ -93,6 +101,20 @@ def test_bfloat16_c_stack_reads_packed_layers_batch_invariant(tmp_path, case, on
         [lp[t].logprob for lp, t in zip(alone.logprobs, alone.token_ids)]
 
 
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_weight_blocks_reproduce_the_group_dequantization(group_size):
+    """Each 32-input block of a group gets the group's scale and zero point, in the group's order."""
+    from engine.quantization.int4 import Int4Weight
+
+    gen = torch.Generator().manual_seed(group_size)
+    groups = 256 // group_size
+    w = Int4Weight(torch.randint(0, 16, (16, 256), generator=gen), torch.randint(0, 16, (16, groups), generator=gen),
+                   torch.rand(16, groups, generator=gen).half().float(), group_size)
+    codes, d, m = w.codes_d_m()
+    block = torch.arange(256) // 32
+    assert torch.equal(codes * d[:, block] + m[:, block], w.dequantize())
+
+
 def _set_quantization_config(path, **changes) -> None:
     f = path / "config.json"
     cfg = json.loads(f.read_text())
@@ -102,7 +124,7 @@ def _set_quantization_config(path, **changes) -> None:
 
 @pytest.mark.parametrize("changes, field", [
     ({"bits": 8}, "quantization_config.bits"),
-    ({"quant_method": "compressed-tensors"}, "quantization_config.quant_method"),
+    ({"quant_method": "bitsandbytes"}, "quantization_config.quant_method"),
     ({"quant_method": "fp8"}, "quantization_config.quant_method"),
     ({"lm_head": True}, "quantization_config.lm_head"),
     ({"checkpoint_format": "marlin"}, "quantization_config.checkpoint_format"),
@@ -130,6 +152,31 @@ def test_awq_options_refused_and_requested_method_must_match(tmp_path):
         with pytest.raises(UnsupportedQuantization, match=f"quantization_config.{field}"):
             get_quantization_config(str(tmp_path))
         _set_quantization_config(tmp_path, version="gemm", zero_point=True, modules_to_not_convert=None)
+
+
+@pytest.mark.parametrize("path, value, field", [
+    (("format",), "float-quantized", "quantization_config.format"),
+    (("format",), "int-quantized", "quantization_config.format"),
+    (("kv_cache_scheme",), {"num_bits": 8}, "quantization_config.kv_cache_scheme"),
+    (("config_groups", "group_0", "weights", "num_bits"), 8, "config_groups.group_0.weights.num_bits"),
+    (("config_groups", "group_0", "weights", "type"), "float", "config_groups.group_0.weights.type"),
+    (("config_groups", "group_0", "weights", "strategy"), "tensor", "config_groups.group_0.weights.strategy"),
+    (("config_groups", "group_0", "input_activations"), {"num_bits": 8, "type": "int", "dynamic": True},
+     "config_groups.group_0.input_activations"),
+])
+def test_compressed_tensors_options_refused_naming_the_field(tmp_path, path, value, field):
+    from engine.quantization import UnsupportedQuantization, get_quantization_config
+
+    _quantized(tmp_path, "ct_w4a16_sym_llama")
+    f = tmp_path / "config.json"
+    cfg = json.loads(f.read_text())
+    node = cfg["quantization_config"]
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    f.write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedQuantization, match=field.replace(".", r"\.")):
+        get_quantization_config(str(tmp_path))
 
 
 def test_requested_method_refused_for_a_full_precision_checkpoint(tmp_path):
