@@ -247,7 +247,8 @@ def add_engine_cli_args(parser) -> None:
                    help="same tokens and logprobs for a request whatever else is batched or cached")
     g.add_argument("--quantization", default="none", choices=list(QUANTIZATION_CHOICES),
                    help="gguf: run a GGUF's Q4_0/Q4_1 linear weights in 4 bits (CPU) instead of dequantizing them; "
-                        "gptq/awq/compressed-tensors: must match a HF checkpoint's quantization_config, which is followed anyway")
+                        "gptq/awq/compressed-tensors: must match a HF checkpoint's quantization_config "
+                        "(followed anyway)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shape (benchmarks)")
     g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
