@@ -29,6 +29,15 @@ def test_a_short_gated_run_promotes_a_healthy_candidate(tmp_path):
     r = res["rollout"]
     assert rc == 0 and r["state"] == "promoted", r["history"]
     assert [h["weight"] for h in r["history"]][:2] == [50, 100]
+    assert res["observed_share"][-1][1] == 100.0                 # after the unrelated reload, still the canary
     assert r["parity"]["compared"] > 0 and r["parity"]["token_agreement"] == pytest.approx(1.0)
     assert (tmp_path / "weight_timeline.png").stat().st_size > 0
     assert "## History" in (tmp_path / "summary.md").read_text()
+    # the config-change phases (issue 47): the candidate's removal mid-rollout refused naming the rollout, an
+    # unrelated reload after the promotion applied with the rollout still deciding the route
+    phases = {p: (status, why) for _, p, status, why in res["decisions"]}
+    assert phases["reload removing the candidate mid-rollout"][0] == 409, phases
+    assert "rollout gated (running)" in phases["reload removing the candidate mid-rollout"][1]
+    assert phases["unrelated reload after promotion"][0] == 200
+    assert "rollout gated (promoted)" in phases["unrelated reload after promotion"][1]
+    assert "## Weights the requests saw (per second)" in (tmp_path / "summary.md").read_text()
