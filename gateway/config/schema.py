@@ -377,7 +377,7 @@ class RouteConfig(_Strict):
     # OpenAI) | pass (sent to the route's upstreams as they are, for a provider's own parameters)
     extra_params: Literal["refuse", "pass"] = "refuse"
     default_max_tokens: int | None = Field(None, ge=1)   # max_tokens of a chat request that sets none
-    release: bool = False   # a reload takes the route's split back from a rollout holding it (docs/operators/operations.md)
+    release: bool = False   # a reload takes the route's split back from a rollout holding it (docs/operators/desired-state.md)
 
 
 class RuleConfig(_Strict):

@@ -3,7 +3,7 @@ replicas on one real Redis and one config file, driven by hypothesis's rule-base
 with reloads (unrelated ones, ones that change or remove the rollout's candidate, with and without
 ``abort_rollouts`` or ``release``), ``ctl weights`` changes, rollout start, pause, resume, promote, abort and
 release, and replica restarts. After every step both replicas' effective weights must equal a small reference
-model written from the precedence rules (docs/operations.md, "Who decides a route's weights"): file < operator
+model written from the precedence rules (docs/operators/desired-state.md): file < operator
 override < rollout (running, paused, promoted). A refused change must name why (the rollout it would undo).
 
 The rollouts' gates are never judged (``min_compared`` out of reach), so only operators and reloads move them and
