@@ -138,3 +138,34 @@ def write_compressed_tensors(path, model, group_size: int | None, sym: bool = Tr
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                       "output_activations": None}},
         "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}})
+
+
+@torch.no_grad()
+def write_fp8(path, model, strategy: str = "channel", dynamic_activations: bool = False) -> None:
+    """``model``'s projections as an llm-compressor ``float-quantized`` FP8 checkpoint in ``path``:
+    weight float8_e4m3fn [out, in], weight_scale float32 [out, 1] ("channel") or [1] ("tensor"), the
+    FP8 range's amax / 448; with ``dynamic_activations`` the FP8_DYNAMIC scheme's per-token activation
+    entry; ``model`` becomes its reference (weight * weight_scale in float32)."""
+    tensors = {}
+    for name, p in model.named_parameters():
+        module = name.removesuffix(".weight").split(".", 3)[-1]
+        if not name.endswith(".weight") or module not in PROJECTIONS:
+            continue
+        amax = p.abs().amax(dim=1, keepdim=True) if strategy == "channel" else p.abs().amax().reshape(1)
+        scale = (amax / 448).float()
+        w8 = (p / (scale if strategy == "channel" else scale[0])).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors[name] = w8
+        tensors[f"{name}_scale"] = scale
+        p.copy_(w8.float() * (scale if strategy == "channel" else scale[0]))
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"} \
+        if dynamic_activations else None
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in tensors and "rotary" not in k}
+    save_file({**state, **tensors}, str(path / "model.safetensors"))
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": activations,
+                                      "weights": {"num_bits": 8, "type": "float", "symmetric": True,
+                                                  "dynamic": False, "strategy": strategy}}},
+        "ignore": ["lm_head"]}
+    (path / "config.json").write_text(json.dumps(cfg))

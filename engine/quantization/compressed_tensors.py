@@ -15,7 +15,7 @@ Per quantized linear layer ``<prefix>`` (the ``compressed_tensors`` package's
 * ``weight_shape`` [2]; ``weight_g_idx`` [in] with ``actorder``.
 
 w[n, k] = (q - zp) * s. Layers without ``weight_packed`` (``ignore``) load
-as full-precision weights.
+as full-precision weights. The ``float-quantized`` FP8 format: ``FP8Config``.
 """
 
 from __future__ import annotations
@@ -28,28 +28,53 @@ from engine.quantization.base import QuantizationConfig, UnsupportedQuantization
 from engine.quantization.int4 import Int4Weight, grouped_int4, unpack_int32
 
 
-def _check_group(name: str, group: dict) -> tuple[str, int | None]:
-    """(strategy, group size) of one ``config_groups`` entry the engine implements.
+# what each implemented format's config group may say: weights key -> (allowed values, default)
+_PACKED_W4 = {"num_bits": ((4,), None), "type": (("int",), None), "strategy": (("group", "channel"), None),
+              "dynamic": ((False,), False), "actorder": ((None, "group", "weight", "static"), None)}
+_FP8 = {"num_bits": ((8,), None), "type": (("float",), None), "strategy": (("tensor", "channel"), None),
+        "dynamic": ((False,), False)}
+# FP8_DYNAMIC's per-token activation quantization: run weight-only (see FP8Config)
+_FP8_ACTIVATIONS = {"num_bits": ((8,), None), "type": (("float",), None), "strategy": (("token",), None),
+                    "dynamic": ((True,), None)}
+
+
+def _check(where: str, values: dict, rules: dict) -> None:
+    for key, (allowed, default) in rules.items():
+        try:
+            require(values, key, allowed, default)
+        except UnsupportedQuantization as e:
+            raise UnsupportedQuantization(str(e).replace("quantization_config.", f"{where}.")) from None
+
+
+def check_config(config: dict, fmt: str) -> dict:
+    """The one ``config_groups`` entry of a compressed-tensors config in format ``fmt``
+    ("pack-quantized" W4A16 or "float-quantized" FP8), checked against what the engine implements.
 
     Raises:
         UnsupportedQuantization: anything else, naming the field.
     """
+    require(config, "quantization_status", ("compressed",), "compressed")
+    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if config.get(key):
+            raise UnsupportedQuantization(f"quantization_config.{key} is not supported")
+    groups = config.get("config_groups") or {}
+    if len(groups) != 1:
+        raise UnsupportedQuantization(f"quantization_config.config_groups has {len(groups)} groups (supported: one)")
+    (name, group), = groups.items()
     where = f"quantization_config.config_groups.{name}"
-    for key in ("input_activations", "output_activations"):
-        if group.get(key):
-            raise UnsupportedQuantization(f"{where}.{key} is not supported (weight-only W4A16 is)")
+    if group.get("format", fmt) != fmt:
+        raise UnsupportedQuantization(f"{where}.format = {group.get('format')!r} is not supported (supported: {fmt!r})")
     if group.get("targets") != ["Linear"]:
         raise UnsupportedQuantization(f"{where}.targets = {group.get('targets')!r} is not supported "
                                       "(supported: ['Linear'])")
-    w = group.get("weights") or {}
-    for key, allowed, default in (("num_bits", (4,), None), ("type", ("int",), None),
-                                  ("strategy", ("group", "channel"), None), ("dynamic", (False,), False),
-                                  ("actorder", (None, "group", "weight", "static"), None)):
-        try:
-            require(w, key, allowed, default)
-        except UnsupportedQuantization as e:
-            raise UnsupportedQuantization(str(e).replace("quantization_config.", f"{where}.weights.")) from None
-    return w["strategy"], w.get("group_size")
+    if group.get("output_activations"):
+        raise UnsupportedQuantization(f"{where}.output_activations is not supported")
+    if group.get("input_activations"):
+        if fmt != "float-quantized":
+            raise UnsupportedQuantization(f"{where}.input_activations is not supported (weight-only W4A16 is)")
+        _check(f"{where}.input_activations", group["input_activations"], _FP8_ACTIVATIONS)
+    _check(f"{where}.weights", group.get("weights") or {}, _PACKED_W4 if fmt == "pack-quantized" else _FP8)
+    return group
 
 
 @dataclass
@@ -67,23 +92,14 @@ class CompressedTensorsConfig(QuantizationConfig):
     optional_parts = frozenset({"weight_zero_point", "weight_g_idx"})
 
     @classmethod
-    def from_config(cls, config: dict) -> CompressedTensorsConfig:
-        """See ``QuantizationConfig.from_config``: ``pack-quantized`` W4A16 groups targeting every
-        Linear, compressed, without sparsity, transforms or a quantized KV cache."""
-        fmt = require(config, "format", ("pack-quantized",))
-        require(config, "quantization_status", ("compressed",), "compressed")
-        for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
-            if config.get(key):
-                raise UnsupportedQuantization(f"quantization_config.{key} is not supported")
-        groups = config.get("config_groups") or {}
-        if len(groups) != 1:
-            raise UnsupportedQuantization(f"quantization_config.config_groups has {len(groups)} groups "
-                                          "(supported: one)")
-        (name, group), = groups.items()
-        if group.get("format", fmt) != "pack-quantized":
-            raise UnsupportedQuantization(f"quantization_config.config_groups.{name}.format = "
-                                          f"{group.get('format')!r} is not supported (supported: 'pack-quantized')")
-        _check_group(name, group)
+    def from_config(cls, config: dict) -> QuantizationConfig:
+        """See ``QuantizationConfig.from_config``: ``pack-quantized`` W4A16 or ``float-quantized`` FP8
+        (``FP8Config``), one group targeting every Linear, compressed, without sparsity, transforms or
+        a quantized KV cache."""
+        fmt = require(config, "format", ("pack-quantized", "float-quantized"))
+        group = check_config(config, fmt)
+        if fmt == "float-quantized":
+            return FP8Config(group["weights"]["strategy"])
         return cls(bool(group["weights"].get("symmetric", True)))
 
     def weight(self, prefix: str, parts: dict[str, torch.Tensor]) -> Int4Weight | torch.Tensor:
@@ -103,3 +119,50 @@ class CompressedTensorsConfig(QuantizationConfig):
             zeros = unpack_int32(parts["weight_zero_point"], dim=0)[:out].t()  # zp + 8, [groups, out]
         return grouped_int4(codes, zeros, scale.t(), parts.get("weight_g_idx"),
                             f"compressed-tensors layer {prefix!r}")
+
+
+@dataclass
+class FP8Config(QuantizationConfig):
+    """compressed-tensors ``float-quantized`` FP8 checkpoints (llm-compressor's FP8 and FP8_DYNAMIC
+    schemes): ``weight`` float8_e4m3fn [out, in] and ``weight_scale`` float [1] ("tensor") or
+    [out, 1] ("channel"), w = weight * weight_scale; activations, FP8 per token in FP8_DYNAMIC, are
+    not rounded to FP8 (weight-only, as vLLM runs FP8 on devices without FP8 arithmetic).
+
+    These CPUs have no FP8 arithmetic: each weight is dequantized at load to the model's dtype
+    (exact in float32; bfloat16 rounds the product) and runs on the dense kernels. It is not kept in
+    8 bits (a C kernel upcasting FP8 tiles would be).
+
+    Attributes:
+        strategy: "tensor" or "channel".
+    """
+
+    strategy: str
+
+    name = "compressed-tensors"
+    parts = frozenset({"weight", "weight_scale"})
+    optional_parts = frozenset({"input_scale"})
+
+    def quantized_weights(self, weights):
+        """See ``QuantizationConfig.quantized_weights``: an FP8 ``weight`` (by its dtype) and its scale
+        become one float32 weight; every other tensor passes through."""
+        held: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            prefix, _, suffix = name.rpartition(".")
+            if suffix == "weight_scale" or (suffix == "weight" and tensor.dtype == torch.float8_e4m3fn):
+                held.setdefault(prefix, {})[suffix] = tensor
+            elif suffix != "input_scale":
+                yield name, tensor
+        for prefix, parts in held.items():
+            if parts.keys() != self.parts:
+                raise ValueError(f"fp8 layer {prefix!r} has {sorted(parts)}, expected {sorted(self.parts)}")
+            yield f"{prefix}.weight", self.weight(prefix, parts)
+
+    def weight(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """See ``QuantizationConfig.weight``: the float32 dequantization."""
+        w, scale = parts["weight"], parts["weight_scale"].float()
+        expected = (1,) if self.strategy == "tensor" else (w.shape[0], 1)
+        if w.dim() != 2 or tuple(scale.reshape(-1, 1).shape if self.strategy == "channel" else
+                                 scale.reshape(-1).shape) != expected:
+            raise ValueError(f"fp8 layer {prefix!r}: weight_scale {tuple(scale.shape)} does not fit strategy "
+                             f"{self.strategy!r} of a {tuple(w.shape)} weight")
+        return w.float() * (scale.reshape(-1, 1) if self.strategy == "channel" else scale.reshape(()))

@@ -15,7 +15,7 @@ import torch
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.test_architectures import COMMON, VOCAB, _check, _engine_and_references, _prompts
-from tests.quant_checkpoints import write_awq, write_compressed_tensors, write_gptq
+from tests.quant_checkpoints import write_awq, write_compressed_tensors, write_fp8, write_gptq
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,6 +57,8 @@ CASES = {
     "ct_w4a16_sym_llama": ("llama", lambda p, m: write_compressed_tensors(p, m, 32, sym=True)),
     "ct_w4a16_asym_qwen2": ("qwen2", lambda p, m: write_compressed_tensors(p, m, 32, sym=False)),
     "ct_w4a16_channel_llama": ("llama", lambda p, m: write_compressed_tensors(p, m, None, sym=False)),
+    "ct_fp8_channel_llama": ("llama", lambda p, m: write_fp8(p, m, "channel")),
+    "ct_fp8_dynamic_tensor_qwen2": ("qwen2", lambda p, m: write_fp8(p, m, "tensor", dynamic_activations=True)),
 }
 
 
@@ -72,8 +74,8 @@ def test_float32_matches_dequantized_reference_alone_and_batched(tmp_path, case,
     hf = _quantized(tmp_path, case)
     llm, prompts, refs, params = _engine_and_references(tmp_path, hf, case)
     layer = llm.engine.model_runner.model.layers[0]
-    # kept in 4 bits, but for desc_act's out-of-order groups (dequantized at load)
-    assert len(layer.int4) == (0 if "desc_act" in case else 4)
+    # kept in 4 bits, but for desc_act's out-of-order groups and FP8 (dequantized at load)
+    assert len(layer.int4) == (0 if "desc_act" in case or "fp8" in case else 4)
     for prompt, ref in zip(prompts, refs):
         _check(llm.generate([prompt], params)[0], ref)
     for out, ref in zip(llm.generate(prompts, params), refs):
@@ -155,7 +157,7 @@ def test_awq_options_refused_and_requested_method_must_match(tmp_path):
 
 
 @pytest.mark.parametrize("path, value, field", [
-    (("format",), "float-quantized", "quantization_config.format"),
+    (("format",), "float-quantized", "config_groups.group_0.weights.num_bits"),
     (("format",), "int-quantized", "quantization_config.format"),
     (("kv_cache_scheme",), {"num_bits": 8}, "quantization_config.kv_cache_scheme"),
     (("config_groups", "group_0", "weights", "num_bits"), 8, "config_groups.group_0.weights.num_bits"),
@@ -176,6 +178,19 @@ def test_compressed_tensors_options_refused_naming_the_field(tmp_path, path, val
     node[path[-1]] = value
     f.write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedQuantization, match=field.replace(".", r"\.")):
+        get_quantization_config(str(tmp_path))
+
+
+def test_fp8_static_activation_scales_refused(tmp_path):
+    from engine.quantization import UnsupportedQuantization, get_quantization_config
+
+    _quantized(tmp_path, "ct_fp8_dynamic_tensor_qwen2")
+    assert get_quantization_config(str(tmp_path)).name == "compressed-tensors"
+    f = tmp_path / "config.json"
+    cfg = json.loads(f.read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"].update(dynamic=False, strategy="tensor")
+    f.write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedQuantization, match=r"group_0\.input_activations\.strategy"):
         get_quantization_config(str(tmp_path))
 
 
