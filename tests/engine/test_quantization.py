@@ -207,3 +207,33 @@ def test_quantization_choices_name_every_method():
     from engine.quantization import QUANTIZATION_METHODS
 
     assert QUANTIZATION_CHOICES == ("none", "gguf", *QUANTIZATION_METHODS)
+
+
+def test_settings_in_a_side_file_are_read(tmp_path):
+    """Older AutoAWQ/auto-gptq repositories keep the settings in quant_config.json / quantize_config.json
+    (AutoAWQ's own key names, no quant_method), as vLLM's get_quant_config reads them."""
+    from engine.quantization import get_quantization_config
+    from engine.quantization.awq import AWQConfig
+    from engine.quantization.gptq import GPTQConfig
+
+    _quantized(tmp_path, "awq_llama")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "quant_config.json").write_text(json.dumps({"zero_point": True, "q_group_size": 32, "w_bit": 4,
+                                                             "version": "GEMM"}))
+    assert get_quantization_config(str(tmp_path)) == AWQConfig(32)
+    (tmp_path / "quant_config.json").unlink()
+    (tmp_path / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128, "desc_act": False,
+                                                                "sym": True}))
+    assert get_quantization_config(str(tmp_path)) == GPTQConfig(128, False, 1)
+
+
+def test_a_checkpoint_method_needs_a_directory(tmp_path):
+    from engine.config import EngineArgs
+    from engine.model_loader import load_model
+
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"")
+    with pytest.raises(ValueError, match="quantization 'awq' needs a HF checkpoint directory"):
+        load_model(EngineArgs(model=str(f), device="cpu", quantization="awq"))
