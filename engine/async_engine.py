@@ -212,8 +212,9 @@ class AsyncEngine:
 
     async def embed(self, prompts: list[list[int]], pooling_type: str | None = None,
                     normalize: bool | None = None) -> list[list[float]]:
-        """Embeddings of tokenized prompts: their final hidden states pooled where the core runs, between two
-        steps (``EngineCore.embed``, ``engine/pooling.py``); one float32 vector per prompt.
+        """Embeddings of tokenized prompts: their final hidden states pooled where the core runs, as pooling
+        requests prefilled in chunks in steps shared with the running streams (``EngineCore.add_embed``,
+        ``engine/pooling.py``); one float32 vector per prompt.
 
         Raises:
             ValueError: an empty prompt, one over ``max_model_len``, a bad token id or pooling type.

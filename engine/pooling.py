@@ -1,9 +1,13 @@
 """Pooling: embeddings from a decoder's final hidden states, as vLLM's pooling runner makes them.
 
 A prompt's hidden states are the model's own forward (``LlamaForCausalLM.forward``: final-normed, the states
-``compute_logits`` reads), run by ``ModelRunner.embed`` over that prompt alone, with a KV cache of its own: the
-scheduler's pool, block tables and batches are never touched, and a prompt's vector does not depend on what else
-runs (batch-invariant by construction). Pooling reduces the states to one vector:
+``compute_logits`` reads). A pooling request is scheduled as a prompt like any other (``Request.pooling_params``):
+prefilled in chunks under the step's token budget, in steps shared with decoding rows, so that a long input never
+holds the running streams for its whole forward pass. The model runner hands back the rows of each chunk that
+pooling reads (``rows_needed``); the engine core pools them when the last chunk has run. The engine's kernels are
+batch- and chunk-invariant (a row's hidden state does not depend on the other rows of its step nor on where the
+prompt was cut), so the vector equals the prompt's unchunked one bit for bit. Pooling reduces the states to one
+vector:
 
 - ``LAST``: the last token's state (vLLM's default for ``*ForCausalLM`` models run as embedders),
 - ``MEAN``: the mean over the prompt's tokens,
@@ -65,6 +69,16 @@ def model_pooling_params(model_dir: str | None) -> PoolingParams:
                     return PoolingParams(kind, normalize)
             break
     return PoolingParams(normalize=normalize) if normalize else PoolingParams()
+
+
+def rows_needed(params: PoolingParams, start: int, end: int, num_tokens: int) -> tuple[int, int]:
+    """The positions ``[lo, hi)`` of a chunk ``[start, end)`` of a ``num_tokens`` prompt whose hidden states
+    ``pool`` reads (empty when ``lo == hi``): every one for ``MEAN``, the first for ``CLS``, the last for
+    ``LAST``. A prompt run in chunks keeps only these, and pools their concatenation as the whole prompt's."""
+    if params.pooling_type == "MEAN":
+        return start, end
+    pos = 0 if params.pooling_type == "CLS" else num_tokens - 1
+    return (pos, pos + 1) if start <= pos < end else (start, start)
 
 
 def pool(hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:

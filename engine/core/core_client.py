@@ -105,7 +105,7 @@ class ThreadCoreClient:
 
     async def embed(self, prompts: list[list[int]], pooling_type: str | None = None,
                     normalize: bool | None = None) -> list[list[float]]:
-        """``EngineCore.embed`` on the core loop's thread, between two steps. Raises ValueError as it does."""
+        """``EngineCore.add_embed`` on the core loop's thread: its vectors once pooled. Raises ValueError as it does."""
         return await _embed_call(self, prompts, pooling_type, normalize)
 
     async def withdraw(self, request_id: str, by: float, scale: float = 1.0,
@@ -241,7 +241,7 @@ class ProcessCoreClient:
 
     async def embed(self, prompts: list[list[int]], pooling_type: str | None = None,
                     normalize: bool | None = None) -> list[list[float]]:
-        """``EngineCore.embed`` in the core process, between two steps. Raises ValueError as it does."""
+        """``EngineCore.add_embed`` in the core process: its vectors once pooled. Raises ValueError as it does."""
         return await _embed_call(self, prompts, pooling_type, normalize)
 
     async def withdraw(self, request_id: str, by: float, scale: float = 1.0,

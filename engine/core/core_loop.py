@@ -61,7 +61,10 @@ def run_core_loop(core, take_commands: Callable[[bool], list[Command]], emit: Ca
             elif isinstance(cmd, FinishSequences):
                 core.finish_sequences(cmd.stops)
             elif isinstance(cmd, EmbedPrompts):
-                emit(embed_reply(core, cmd))
+                try:
+                    core.add_embed(cmd.call_id, cmd.prompts, cmd.pooling_type or None, cmd.normalize)
+                except Exception as exc:  # noqa: BLE001 - goes to that call only
+                    emit(CoreReply(cmd.call_id, error=str(exc) or type(exc).__name__))
             elif isinstance(cmd, Withdraw):
                 emit(CoreReply(cmd.call_id, value=list(core.withdraw(cmd.request_id, cmd.by, cmd.scale,
                                                                      cmd.arrival_tok_s))))
@@ -70,6 +73,7 @@ def run_core_loop(core, take_commands: Callable[[bool], list[Command]], emit: Ca
         if stop:
             core.abort_all()
             emit(CoreStep([], core.get_stats(), time.monotonic(), rejected=rejected, acks=acks))
+            emit_embeds(core, emit)
             return
         outputs, failed, error = [], [], None
         if core.has_unfinished_requests():
@@ -81,14 +85,14 @@ def run_core_loop(core, take_commands: Callable[[bool], list[Command]], emit: Ca
                 error = f"{type(exc).__name__}: {exc}"
         emit(CoreStep(outputs, core.get_stats(), time.monotonic(), rejected=rejected, failed=failed,
                       error=error, acks=acks))
+        emit_embeds(core, emit)
 
 
-def embed_reply(core, cmd: EmbedPrompts) -> CoreReply:
-    """Run an ``EmbedPrompts`` on the core's thread (the model is never run by two threads at once)."""
-    try:
-        return CoreReply(cmd.call_id, value=core.embed(cmd.prompts, cmd.pooling_type or None, cmd.normalize))
-    except Exception as exc:  # noqa: BLE001 - goes to that call only
-        return CoreReply(cmd.call_id, error=str(exc) or type(exc).__name__)
+def emit_embeds(core, emit: Callable[[Reply], None]) -> None:
+    """Answer each ``EmbedPrompts`` whose pooling requests have all run (``EngineCore.take_embeds``): its
+    vectors, or the error that aborted it."""
+    for call_id, vectors, error in core.take_embeds():
+        emit(CoreReply(call_id, value=vectors) if error is None else CoreReply(call_id, error=error, status=503))
 
 
 def ready_message(core) -> CoreReady:

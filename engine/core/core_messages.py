@@ -83,8 +83,9 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
 
 
 class EmbedPrompts(msgspec.Struct, tag=True, array_like=True):
-    """Pool tokenized prompts into embeddings (``EngineCore.embed``), between two steps; answered by
-    ``CoreReply(call_id, error, value)``, ``value`` one float list per prompt. ``pooling_type`` "" / ``normalize``
+    """Pool tokenized prompts into embeddings (``EngineCore.add_embed``: pooling requests, chunked and in steps
+    shared with the running streams); answered once all are pooled by ``CoreReply(call_id, error, value)``,
+    ``value`` one float list per prompt. ``pooling_type`` "" / ``normalize``
     None: the model's own pooling config (``engine/pooling.py``)."""
 
     call_id: int

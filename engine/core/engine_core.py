@@ -23,6 +23,9 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
 
 from engine.config import DEFAULT_MODEL, EngineArgs, default_model_path
 from engine.core.core_messages import EngineCoreOutput, EngineStats
@@ -43,6 +46,23 @@ from engine.core.ttft import predict_waiting, quad_of, state_of
 from engine.core.ttft_calibration import TTFTCalibration
 
 logger = logging.getLogger("tandem.engine")
+
+_EMBED_ID_PREFIX = "embed-call-"   # pooling requests' ids: f"{prefix}{call id}-{index}"
+# what a pooling request's sampling parameters are read for (prompt logprobs: none; nothing is sampled)
+_POOLING_SAMPLING = SamplingParams(max_tokens=1)
+
+
+def _embed_call_id(seq_id: str) -> int:
+    return int(seq_id[len(_EMBED_ID_PREFIX):].rsplit("-", 1)[0])
+
+
+@dataclass
+class EmbedCall:
+    """One ``add_embed`` call: its pooling requests' ids in input order, the vectors pooled so far, an error."""
+
+    seq_ids: list[str]
+    vectors: dict[str, list[float]] = field(default_factory=dict)
+    error: str | None = None
 
 # Token budget of one step with chunked prefill, by device. vLLM's online default (2048) on CUDA. On CPU a
 # 2048-token step of SmolLM2 takes ~1 s on 2 cores and holds every running stream and every prompt queued behind
@@ -128,6 +148,8 @@ class EngineCore:
         self._seqs: dict[str, Request] = {}  # sequence id -> its request
         self._groups: dict[str, list[Request]] = {}  # client request id -> its sequences
         self._prompt_logprobs: dict[str, list] = {}  # client request id -> prompt logprobs not yet sent
+        self._embed_calls: dict[int, EmbedCall] = {}    # embed call id -> its pooling requests and vectors
+        self._pooled_rows: dict[str, dict[int, torch.Tensor]] = {}   # pooling request -> first position -> rows
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self.ttft_calibration = TTFTCalibration()   # step costs for TTFT predictions (engine/core/ttft.py)
@@ -238,6 +260,8 @@ class EngineCore:
             seqs = self._groups.get(rid)
             if seqs is None:
                 continue
+            if seqs[0].pooling_params is not None:
+                self._embed_calls[_embed_call_id(rid)].error = "the embedding was aborted (engine step failed or stopped)"
             self.scheduler.finish_requests([s.request_id for s in seqs if not s.is_finished],
                                            RequestStatus.FINISHED_ABORTED)
             self._forget_group(rid)
@@ -308,12 +332,16 @@ class EngineCore:
         self._calibrate(started, prefill_tokens, decode_rows, quad_of(chunks), len(chunks))
         self._collect_prompt_logprobs(sched, runner_out.prompt_logits)
         finished = self.scheduler.update_from_output(sched, sampled, not_stops=content)
+        self._pool_step(runner_out, finished)
         self._stop_finished_grammars(grammar_done, finished)
         self._generation_tokens_total += len(sampled)
         outputs = [self._output(self._seqs[sid], [tok], row_logprobs.get(sid))
                    for sid, tok in sampled.items() if sid in self._seqs]
         outputs += [self._output(req, [], None) for req in finished  # finished without a token (max_model_len)
-                    if req.request_id not in sampled and req.request_id in self._seqs]
+                    if req.request_id not in sampled and req.request_id in self._seqs and req.pooling_params is None]
+        for req in finished:
+            if req.pooling_params is not None:
+                self._forget_group(req.request_id)
         for rid in {o.request_id for o in outputs if o.finish_reason is not None}:
             if all(s.is_finished for s in self._groups[rid]):
                 self._forget_group(rid)
@@ -380,6 +408,7 @@ class EngineCore:
             if self._structured_outputs is not None:
                 self._structured_outputs.free(seq.request_id)
         self._prompt_logprobs.pop(rid, None)
+        self._pooled_rows.pop(rid, None)
 
     @property
     def structured_outputs(self) -> StructuredOutputManager:
@@ -449,15 +478,16 @@ class EngineCore:
                                                  req.sampling_params.prompt_logprobs))
 
     # ------------------------------------------------------------------ stats
-    def embed(self, prompts: list[list[int]], pooling_type: str | None = None,
-              normalize: bool | None = None) -> list[list[float]]:
-        """Embeddings of tokenized prompts (``engine/pooling.py``): each prompt's final hidden states pooled, one
-        float32 vector of ``hidden_size`` values per prompt. ``pooling_type`` / ``normalize`` None: the model's
-        own pooling config (else LAST, normalized).
+    def add_embed(self, call_id: int, prompts: list[list[int]], pooling_type: str | None = None,
+                  normalize: bool | None = None) -> None:
+        """Queue the embeddings of tokenized prompts (``engine/pooling.py``) as pooling requests: prefilled in
+        chunks like any prompt, in steps shared with the running streams. ``take_embeds`` hands back the call's
+        vectors (one float32 vector of ``hidden_size`` values per prompt) once all are pooled.
+        ``pooling_type`` / ``normalize`` None: the model's own pooling config (else LAST, normalized).
 
         Raises:
-            ValueError: an empty prompt, one over ``max_model_len``, a token id outside the vocabulary, or an
-                unknown pooling type.
+            ValueError: an empty prompt, one over ``max_model_len``, a token id outside the vocabulary, an
+                unknown pooling type, or a call id in use; nothing is queued then.
         """
         own = model_pooling_params(self.args.model)
         params = PoolingParams(pooling_type or own.pooling_type, own.normalize if normalize is None else normalize)
@@ -469,7 +499,62 @@ class EngineCore:
                 raise ValueError(f"input {i}: {len(ids)} tokens, more than max_model_len ({self.max_model_len})")
             if min(ids) < 0 or max(ids) >= vocab:
                 raise ValueError(f"input {i}: token ids must be in [0, {vocab})")
-        return [pool(self.model_runner.embed(ids), params).tolist() for ids in prompts]
+        if call_id in self._embed_calls:
+            raise ValueError(f"embed call {call_id} is already running")
+        seq_ids = [f"{_EMBED_ID_PREFIX}{call_id}-{i}" for i in range(len(prompts))]
+        now = time.monotonic()
+        for sid, ids in zip(seq_ids, prompts):
+            req = Request(request_id=sid, prompt_token_ids=list(ids), sampling_params=_POOLING_SAMPLING,
+                          max_tokens=0, arrival_time=now, pooling_params=params)
+            self.scheduler.add_request(req)
+            self._seqs[sid] = req
+            self._groups[sid] = [req]
+        self._embed_calls[call_id] = EmbedCall(seq_ids)
+
+    def take_embeds(self) -> list[tuple[int, list[list[float]] | None, str | None]]:
+        """The embed calls that ended since the last call, (call id, vectors, None) or (call id, None, error)
+        (an error when a pooling request of the call was aborted: the step failed, or the engine stopped)."""
+        done = [(cid, c) for cid, c in self._embed_calls.items() if c.error or len(c.vectors) == len(c.seq_ids)]
+        for cid, _ in done:
+            del self._embed_calls[cid]
+        return [(cid, None, c.error) if c.error else (cid, [c.vectors[s] for s in c.seq_ids], None)
+                for cid, c in done]
+
+    def embed(self, prompts: list[list[int]], pooling_type: str | None = None,
+              normalize: bool | None = None) -> list[list[float]]:
+        """``add_embed`` and step until its vectors are pooled (the offline API's; nothing else may be running).
+
+        Raises:
+            ValueError: as ``add_embed``.
+            RuntimeError: other requests are running, or the embedding was aborted.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("embed: the engine is running other requests (use add_embed and step)")
+        self.add_embed(0, prompts, pooling_type, normalize)
+        while self.has_unfinished_requests():
+            self.step()
+        (_, vectors, error), = self.take_embeds()
+        if error:
+            raise RuntimeError(error)
+        return vectors
+
+    def _pool_step(self, runner_out, finished: list[Request]) -> None:
+        """Keep this step's pooled rows; pool each finished pooling request into its call's vector."""
+        for sid, (start, rows) in runner_out.pooled_hidden.items():
+            req = self._seqs.get(sid)
+            if req is None:
+                continue
+            kept = self._pooled_rows.setdefault(sid, {})
+            if start == 0:
+                kept.clear()   # recomputed from the start after a preemption: earlier rows are stale
+            kept[start] = rows
+        for req in finished:
+            if req.pooling_params is None or req.status != RequestStatus.FINISHED_STOPPED:
+                continue
+            kept = self._pooled_rows.pop(req.request_id)
+            hidden = torch.cat([kept[k] for k in sorted(kept)])
+            call = self._embed_calls[_embed_call_id(req.request_id)]
+            call.vectors[req.request_id] = pool(hidden, req.pooling_params).tolist()
 
     def get_stats(self) -> EngineStats:
         """Snapshot of the live signals (cheap; called per gateway request)."""

@@ -132,13 +132,15 @@ class KVCacheManager:
         ``(num_tokens - 1) // block_size`` blocks so that at least the last
         token is recomputed (its logits are needed). A request that asks for
         ``prompt_logprobs`` reads nothing from the cache: cached positions have
-        no logits, and its logprobs are needed at every prompt position. Does
+        no logits, and its logprobs are needed at every prompt position; nor
+        does a pooling request (its pooled states may need every position). Does
         not take references (``allocate_slots`` does) and does not record stats.
 
         Returns:
             (cached blocks in order, number of cached tokens = len * block_size).
         """
-        if not self.enable_caching or request.num_tokens == 0 or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.num_tokens == 0 or request.sampling_params.prompt_logprobs is not None \
+                or request.pooling_params is not None:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_hit_blocks)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:   # engine.pooling imports torch, which the front end's process does without
+    from engine.pooling import PoolingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -78,6 +82,9 @@ class Request:
         num_computed_tokens: tokens whose KV is in the cache.
         num_cached_tokens: prompt tokens found in the prefix cache at first
             scheduling (-1 until scheduled).
+        pooling_params: set for a pooling request (an embedding): its prompt
+            is prefilled in chunks like any other, nothing is sampled, and it
+            finishes once the whole prompt is computed (``max_tokens`` 0).
     """
 
     request_id: str
@@ -90,6 +97,7 @@ class Request:
     parent_id: str = ""
     index: int = 0
     group: ForkGroup | None = None
+    pooling_params: PoolingParams | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -16,6 +16,11 @@ request its next ``num_new_tokens`` (1 for a decode, a chunk for a prefill):
    requests are admitted (prefix-cache lookup first) under the budget and
    ``max_num_seqs``.
 
+A pooling request (an embedding) is a prompt like any other: prefilled in
+chunks under the same budget, in steps shared with decoding rows, so that no
+request's forward pass is longer than a step; it samples nothing and finishes
+when its prompt is computed.
+
 Parallel sampling (vLLM v0's ``SequenceGroup`` fork): the leader of a
 ``ForkGroup`` (its first unfinished member) prefills ``prompt_len - 1``
 tokens while its siblings wait; admitting the leader reserves seats for all
@@ -142,8 +147,11 @@ class Scheduler:
             raise ValueError("prompt must contain at least one token")
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.max_tokens < 1:
+        pooling = request.pooling_params is not None
+        if request.max_tokens < 1 and not pooling:
             raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        if pooling and (request.max_tokens != 0 or request.group is not None):
+            raise ValueError("a pooling request samples nothing: max_tokens 0, no n > 1")
         if n_prompt > self.max_model_len:
             raise ValueError(f"prompt has {n_prompt} tokens, more than max_model_len={self.max_model_len}")
         if n_prompt + request.max_tokens > self.max_model_len:
@@ -152,9 +160,9 @@ class Scheduler:
         if not self.enable_chunked_prefill and n_prompt > self.max_num_batched_tokens:
             raise ValueError(f"prompt has {n_prompt} tokens, more than max_num_batched_tokens="
                              f"{self.max_num_batched_tokens} (enable chunked prefill or raise the limit)")
-        # The last sampled token is never written to the cache.
+        # The last sampled token is never written to the cache (a pooling request's last prompt token is).
         capacity = (self.num_blocks - 1) * self.block_size
-        if n_prompt + request.max_tokens - 1 > capacity:
+        if n_prompt + max(request.max_tokens - 1, 0) > capacity:
             raise ValueError(f"prompt + max_tokens - 1 = {n_prompt + request.max_tokens - 1} tokens do not fit in the KV "
                              f"cache ({self.num_blocks - 1} blocks of {self.block_size} = {capacity} tokens); "
                              f"lower max_tokens or give the KV cache more memory")
@@ -271,7 +279,7 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(
             request=req, num_computed_tokens=n, num_new_tokens=num_new,
             block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
-            sample=n + num_new == req.num_tokens))
+            sample=n + num_new == req.num_tokens and req.pooling_params is None))
         out.num_batched_tokens += num_new
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, seats: int, now: float) -> None:
@@ -391,8 +399,9 @@ class Scheduler:
         Advances ``num_computed_tokens`` of every scheduled (still unfinished)
         request by its ``num_new_tokens``, offers newly full blocks to the
         prefix cache, forks a group whose leader reached its fork point,
-        appends ``sampled[request_id]`` for entries with ``sample=True`` and
-        finishes requests on EOS (unless ``ignore_eos``), a stop token id
+        finishes a pooling request whose prompt is computed (it samples
+        nothing), appends ``sampled[request_id]`` for entries with
+        ``sample=True`` and finishes requests on EOS (unless ``ignore_eos``), a stop token id
         (neither before ``min_tokens`` outputs), ``max_tokens`` or
         ``max_model_len``; finished requests' blocks are freed.
 
@@ -421,6 +430,10 @@ class Scheduler:
             kv.cache_full_blocks(req)
             if self._unforked(req) and req.num_computed_tokens == self._target_len(req):
                 self._fork(req)
+            if req.pooling_params is not None and req.num_computed_tokens == req.num_tokens:
+                self._finish(req, RequestStatus.FINISHED_STOPPED, None)   # pooled: its last chunk ran
+                finished.append(req)
+                continue
             if not sr.sample:
                 continue
             if req.request_id not in sampled:

@@ -20,6 +20,7 @@ import torch
 
 from engine.model_config import ModelConfig
 from engine.model_loader import release_freed_memory
+from engine.pooling import rows_needed
 from engine.models.llama import AttentionMetadata
 from engine.core.scheduler_output import SchedulerOutput
 
@@ -40,11 +41,14 @@ class ModelRunnerOutput:
             token at position num_computed_tokens + j + 1), only for requests
             whose ``sampling_params.prompt_logprobs`` is not None and whose
             chunk starts inside the prompt.
+        pooled_hidden: request_id -> (first position, [rows, hidden_size] final hidden states) of the rows of
+            this step's chunk that a pooling request's pooling reads (``engine/pooling.py``'s ``rows_needed``).
     """
 
     logits: torch.Tensor
     sample_indices: list[int] = field(default_factory=list)
     prompt_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    pooled_hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 def _available_host_memory() -> int:
@@ -235,26 +239,6 @@ class ModelRunner:
         return input_ids, torch.from_numpy(positions).to(dev), md, bounds[:-1], bounds[1:]
 
     @torch.inference_mode()
-    def embed(self, token_ids: list[int]) -> torch.Tensor:
-        """The final hidden states of one prompt, [num_tokens, hidden_size] in the model's dtype: the model's own
-        forward over that prompt alone (``engine/pooling.py``), its keys and values written to a KV cache of its
-        own (blocks 1..n, block 0 the null block) so the scheduler's pool and batches are never touched and the
-        result does not depend on what else runs."""
-        bs, n, c, dev = self.block_size, len(token_ids), self.config, self.device
-        nb = -(-n // bs)
-        scratch = torch.zeros((c.num_hidden_layers, 2, nb + 1, bs, c.num_key_value_heads, c.head_dim),
-                              dtype=self.dtype, device=dev)
-        caches = [(scratch[i, 0], scratch[i, 1]) for i in range(c.num_hidden_layers)]
-        md = AttentionMetadata(
-            slot_mapping=torch.arange(bs, bs + n, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            block_tables=torch.arange(1, nb + 1, dtype=torch.int32, device=dev)[None],
-        )
-        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
-        return self.model(input_ids, torch.arange(n, dtype=torch.int64, device=dev), md, caches)
-
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Apply the step's block operations, run the forward pass, return logits.
 
@@ -283,4 +267,21 @@ class ModelRunner:
         logits = self.model.compute_logits(selected) if rows else hidden.new_empty(0, vocab, dtype=torch.float32)
         n = len(sample_indices)
         prompt_logits = {rid: logits[start:start + length] for rid, start, length in prompt_spans}
-        return ModelRunnerOutput(logits=logits[:n], sample_indices=sample_indices, prompt_logits=prompt_logits)
+        return ModelRunnerOutput(logits=logits[:n], sample_indices=sample_indices, prompt_logits=prompt_logits,
+                                 pooled_hidden=self._pooled_hidden(out, hidden, entry_start))
+
+    @staticmethod
+    def _pooled_hidden(out: SchedulerOutput, hidden: torch.Tensor,
+                       entry_start: list[int]) -> dict[str, tuple[int, torch.Tensor]]:
+        """The rows of this step's pooling chunks that their pooling reads (copies: ``hidden`` is the step's)."""
+        pooled = {}
+        for i, s in enumerate(out.scheduled):
+            params = s.request.pooling_params
+            if params is None:
+                continue
+            start = s.num_computed_tokens
+            lo, hi = rows_needed(params, start, start + s.num_new_tokens, s.request.num_prompt_tokens)
+            if hi > lo:
+                row = entry_start[i] + lo - start
+                pooled[s.request.request_id] = (lo, hidden[row:row + hi - lo].clone())
+        return pooled

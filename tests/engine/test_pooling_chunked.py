@@ -1,0 +1,77 @@
+"""Pooling requests are scheduled as prompts (``engine/pooling.py``, ``Request.pooling_params``): a long input is
+prefilled in chunks under the step's token budget, in steps shared with decoding rows, so that a running stream
+gets tokens between its chunks (issue 49: one 4,000-token embedding froze every stream for 8 s), and its vector
+is bit for bit the unchunked one (the engine's kernels are chunk- and batch-invariant)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.core.core_loop import run_core_loop
+from engine.core.core_messages import AddRequest, CoreReply, CoreStep, EmbedPrompts, Shutdown, params_to_wire
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.tiny_models import save_byte_level_llama
+
+BUDGET = 32
+LONG = 300   # tokens of the long input: ceil(300 / 32) = 10 chunks at least
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return save_byte_level_llama(tmp_path_factory.mktemp("tiny-embed-chunked"))
+
+
+def _llm(tiny_model, budget: int) -> LLM:
+    return LLM(tiny_model, dtype="float32", kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=budget)
+
+
+@pytest.fixture(scope="module")
+def chunked(tiny_model):
+    return _llm(tiny_model, BUDGET)
+
+
+@pytest.fixture(scope="module")
+def whole(tiny_model):
+    return _llm(tiny_model, 1024)
+
+
+def _prompts(n: int = 3) -> list[list[int]]:
+    rng = random.Random(49)
+    return [[rng.randrange(3, 250) for _ in range(length)] for length in (LONG, 17, 64)][:n]
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
+def test_chunked_embedding_is_bitwise_the_unchunked_one(chunked, whole, pooling_type):
+    prompts = _prompts()
+    want = whole.embed(prompts, pooling_type)
+    assert chunked.embed(prompts, pooling_type) == want                      # chunked under a 32-token budget
+    assert chunked.embed([prompts[0]], pooling_type) == want[:1]            # alone
+    assert whole.embed(prompts[::-1], pooling_type) == want[::-1]           # batched otherwise
+
+
+def test_a_stream_gets_tokens_between_the_chunks_of_a_long_embedding(chunked):
+    """The core loop with a running stream, then a long embedding: each step until the embedding's reply carries a
+    token of the stream, and the embedding spans as many steps as its chunks (on the old engine the reply came
+    before any step: the embedding ran whole, between two steps, while the stream waited)."""
+    core = chunked.engine.core
+    stream = AddRequest("stream", [5, 6, 7], params_to_wire(SamplingParams(temperature=0, max_tokens=200,
+                                                                           ignore_eos=True)), 0, 0.0)
+    script = [[stream], [], [EmbedPrompts(7, [_prompts(1)[0]], "MEAN", True)]]
+    log: list = []
+
+    def take(block: bool) -> list:
+        if script:
+            return script.pop(0)
+        return [Shutdown()] if any(isinstance(m, CoreReply) for m in log) else []
+
+    run_core_loop(core, take, log.append)
+    reply = next(i for i, m in enumerate(log) if isinstance(m, CoreReply))
+    assert log[reply].error is None and len(log[reply].value) == 1
+    between = log[2:reply]      # the steps from the one that took the embedding (the third) to its reply
+    assert all(isinstance(m, CoreStep) for m in between)
+    assert len(between) >= -(-LONG // (BUDGET - 1))       # one chunk a step, beside the stream's decode row
+    assert all(any(o.request_id == "stream" and o.new_token_ids for o in m.outputs) for m in between)
+    assert log[reply].value == chunked.embed([_prompts(1)[0]], "MEAN")      # and the same vector
