@@ -309,6 +309,9 @@ def error_from_engine(exc: BaseException) -> ServingError:
     if isinstance(exc, RequestWithdrawn):
         return ServingError(503, str(exc), type="server_error", code=WITHDRAWN)
     if isinstance(exc, ValueError):
+        status = getattr(exc, "status", 400)   # a core call's reply may carry a server-side status (an aborted embed)
+        if status >= 500:
+            return ServingError(status, str(exc), type="server_error")
         return ServingError(400, str(exc))
     logger.error("request failed in the engine", exc_info=exc)
     return ServingError(500, f"internal engine error ({type(exc).__name__})", type="server_error")
