@@ -31,7 +31,10 @@ less one clock tick for the counter's resolution, so never more than the
 host took): a step of the engine waits for its slowest thread, so a gap the
 host stretched is the host's. Each thread (stream, ``/health``, sends) has
 its own kept-alive client.
-3. Memory: the engine core's RSS (``/proc/<pid>/status`` VmRSS) every 100 of
+3. Embeddings (``loadtests/bench/embedding_isolation.py``): the same streams while ``--embeds`` embeddings of
+   ``--embed-tokens`` tokens arrive one after the other, and a short prompt's TTFT meanwhile; the largest gap over
+   the baseline's p99 (target: <= 2x). ``--only-embeddings``: the baseline and this phase alone.
+4. Memory: the engine core's RSS (``/proc/<pid>/status`` VmRSS) every 100 of
    ``--schemas`` distinct small schemas (each a 1-token request), with the
    grammar cache bounded at ``--cache-entries``: flat past the bound.
 
@@ -54,6 +57,7 @@ from typing import NamedTuple
 
 import httpx
 
+from loadtests.bench.embedding_isolation import embeddings_figures, measure_embeddings_phase
 from loadtests.procs import Server, _children, exit_on_sigterm, free_port, tandem_cmd
 
 ASK = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
@@ -273,12 +277,24 @@ def measure_phases(streamer: httpx.Client, poller: httpx.Client, sender: httpx.C
     return Phases(baseline, gaps, control, sends, health_alone, health_under, steal, t0)
 
 
+def embeddings_phase(args, streamer: httpx.Client, base: str, model: str, alone: dict) -> dict:
+    """Phase 3's figures (``loadtests/bench/embedding_isolation.py``) against the baseline's gap figures."""
+    def streams_until(done) -> list[Gap]:
+        out = []
+        while not done():
+            out += stream_gaps(streamer, base, model, args.max_tokens)
+        return out
+
+    phase = measure_embeddings_phase(streams_until, base, model, args.embed_tokens, args.embeds, args.short_after_s)
+    return embeddings_figures(phase, alone["p99"], alone["less_steal"]["p99"])
+
+
 def run(args) -> dict:
     load_before = os.getloadavg()  # a shared host's load decides how far the gaps can be read
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = Server(tandem_cmd("engine", "serve", "--port", str(port), "--dtype", "bfloat16",
-                               "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
+                               "--kv-cache-memory", "256MiB", "--max-model-len", str(max(2048, args.embed_tokens + 16)),
                                "--structured-outputs-cache-entries", str(args.cache_entries),
                                "--structured-outputs-compile-timeout-s", str(args.compile_timeout_s)),
                     f"{base}/health", base, name="engine").wait_ready(600)
@@ -289,6 +305,11 @@ def run(args) -> dict:
     try:
         model = sender.get(f"{base}/v1/models").json()["data"][0]["id"]
         stream_gaps(streamer, base, model, 16)  # warm-up
+        if args.only_embeddings:
+            alone = gap_figures([g for _ in range(args.baseline_runs)
+                                 for g in stream_gaps(streamer, base, model, args.max_tokens)])
+            return {"baseline_gap_ms": alone, "embeddings": embeddings_phase(args, streamer, base, model, alone),
+                    "load_average_before_after": [load_before[0], os.getloadavg()[0]], "cpus": os.cpu_count()}
         send_schema(sender, base, schema_body(model, small_schema(-1)))  # builds the grammar manager
         poller.get(f"{base}/health")
         schema = big_schema(args.schema_kb)
@@ -302,9 +323,11 @@ def run(args) -> dict:
         ph = measure_phases(streamer, poller, sender, base, model, big, args.baseline_runs, args.max_tokens)
         worst = max(ph.under_schema, key=lambda g: g.seconds)
         during = sends_window_gaps(ph.under_schema, ph.t0, [t for _, t in ph.sends])
-        rss = core_rss_by_schemas(sender, base, model, server.pid, args.schemas)
         alone, under, control = gap_figures(ph.baseline), gap_figures(ph.under_schema), gap_figures(ph.control)
+        embeddings = embeddings_phase(args, streamer, base, model, alone)
+        rss = core_rss_by_schemas(sender, base, model, server.pid, args.schemas)
         return {
+            "embeddings": embeddings,
             "baseline_gap_ms": alone,
             "schema_kb": size_kb, "schema_sends": [{"status": s, "seconds": round(t, 3)} for s, t in ph.sends],
             "under_schema_gap_ms": under,
@@ -348,6 +371,11 @@ def main() -> None:
     parser.add_argument("--compile-timeout-s", type=float, default=60.0,
                         help="--structured-outputs-compile-timeout-s (high enough that the large schema compiles "
                              "on a loaded machine: the figure is about its compile's effect on the others)")
+    parser.add_argument("--embed-tokens", type=int, default=8000, help="tokens of each embedding input")
+    parser.add_argument("--embeds", type=int, default=2, help="embeddings sent, one after the other")
+    parser.add_argument("--short-after-s", type=float, default=1.0,
+                        help="seconds after each embedding is sent that the short prompt is")
+    parser.add_argument("--only-embeddings", action="store_true", help="the baseline and the embeddings phase alone")
     parser.add_argument("--output-json", default=None, help="also write the results here")
     args = parser.parse_args()
     exit_on_sigterm()  # stopped by `timeout`: its server stopped too

@@ -1,0 +1,90 @@
+"""The embeddings phase of ``python -m loadtests.bench.structured_isolation`` (issue 49): can a long embedding
+hold the others?
+
+While a streamed chat request runs back to back (the phase's stream, as in the schema phases), another client
+sends ``embeds`` embeddings of ``embed_tokens`` token ids each, one after the other, and a third sends a short
+prompt (1 token to generate) ``short_after_s`` after each embedding was sent: the stream's largest gap meanwhile
+(target: at most 2x its p99 alone, measured in the same run), and the short prompt's time to its first token.
+The engine prefills an embedding in chunks under its step budget beside the running streams
+(``engine/pooling.py``); before, one 8,000-token input held every stream for its whole forward pass (47 s).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import threading
+import time
+
+import httpx
+
+
+def embed_ids(tokens: int, seed: int) -> list[int]:
+    """``tokens`` token ids drawn in SmolLM2's ordinary-text range (exactly that many tokens, no tokenizer)."""
+    rng = random.Random(seed)
+    return [rng.randrange(300, 40000) for _ in range(tokens)]
+
+
+def send_embedding(client: httpx.Client, base: str, model: str, ids: list[int]) -> tuple[int, float]:
+    """POST one embedding of token ids; (status, seconds)."""
+    start = time.perf_counter()
+    r = client.post(f"{base}/v1/embeddings", json={"model": model, "input": [ids]}, timeout=900)
+    return r.status_code, time.perf_counter() - start
+
+
+def short_ttft(client: httpx.Client, base: str, model: str) -> float:
+    """Seconds from sending a short streamed prompt (one token to generate) to its first content event."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    with client.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=900) as r:
+        for line in r.iter_lines():
+            compact = line.replace(" ", "")
+            if line.startswith("data: {") and '"content":"' in compact and '"content":""' not in compact:
+                return time.perf_counter() - start
+    return float("nan")
+
+
+def measure_embeddings_phase(streams_until, base: str, model: str, embed_tokens: int, embeds: int,
+                             short_after_s: float) -> dict:
+    """Run the phase; ``streams_until(done)`` runs the measured stream back to back until ``done()`` and returns
+    its gaps (``structured_isolation.Gap``). Returns the gaps, the sends' (status, seconds) and the short
+    prompts' TTFTs (seconds)."""
+    done = threading.Event()
+    sender, prober = httpx.Client(), httpx.Client()
+    sends, ttfts = [], []
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            gaps_f = pool.submit(streams_until, done.is_set)
+            time.sleep(1.0)
+            t0 = time.perf_counter()
+            for i in range(embeds):
+                send_f = pool.submit(send_embedding, sender, base, model, embed_ids(embed_tokens, i))
+                time.sleep(short_after_s)
+                ttfts.append(short_ttft(prober, base, model))
+                sends.append(send_f.result())
+            t1 = time.perf_counter()
+            done.set()
+            gaps = gaps_f.result()
+    finally:
+        done.set()
+        sender.close()
+        prober.close()
+    return {"gaps": gaps, "window": (t0, t1), "sends": sends, "ttfts": ttfts}
+
+
+def embeddings_figures(phase: dict, baseline_p99_ms: float, baseline_less_steal_p99_ms: float) -> dict:
+    """The phase's figures: the stream's largest gap that ended while the embeddings were in flight, over its
+    p99 alone (as read and less the host's steal), and the short prompts' TTFT."""
+    t0, t1 = phase["window"]
+    during = [g for g in phase["gaps"] if t0 <= g.end <= t1 + 0.5] or phase["gaps"]
+    worst = max(during, key=lambda g: g.seconds)
+    return {
+        "embed_tokens_sends": [{"status": s, "seconds": round(t, 3)} for s, t in phase["sends"]],
+        "stream_gaps_during": len(during),
+        "max_gap_ms": worst.seconds * 1e3,
+        "max_gap_over_baseline_p99": worst.seconds * 1e3 / baseline_p99_ms,
+        "less_steal_max_gap_over_baseline_p99": max(g.seconds - g.steal for g in during) * 1e3
+        / baseline_less_steal_p99_ms,
+        "short_prompt_ttft_s": [round(t, 3) for t in phase["ttfts"]],
+    }
