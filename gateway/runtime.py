@@ -345,14 +345,20 @@ class Gateway:
         """Return to the previous version (all replicas follow), as built on ``base`` (default: the version
         this replica runs). The file watcher leaves it in place until the file itself changes.
 
+        A rollback undoes a config change (the file's, an operator's), not a rollout: a promoted rollout's split,
+        above both, is set again on top of it (``RolloutController.reassert``, a version of its own; a running one's
+        by the controller's next tick).
+
         Raises:
             LookupError: no previous version.
             VersionConflict: the head is not ``base``."""
         async with self._lock:
             state = await self.ledger.rollback(self.snapshot.version if base is None else base)
-            snap = self._apply(state)
-            return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
-                    "propagated": True if self.ledger.shared else None, "routes": routes_table(snap.compiled.policy)}
+            self._apply(state)
+        await self.rollouts.reassert()
+        snap = self.snapshot
+        return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
+                "propagated": True if self.ledger.shared else None, "routes": routes_table(snap.compiled.policy)}
 
     async def describe(self) -> dict:
         """The running config for GET /admin/config."""

@@ -247,6 +247,19 @@ class RolloutController:
             except VersionConflict:
                 continue
 
+    async def reassert(self) -> None:
+        """Set the split of every promoted rollout again where the live config differs (after a version
+        rollback, which restores an older version's weights; a running one is set again by the lease holder's next
+        tick, or paused by it when it cannot be applied). One that cannot be applied is logged."""
+        for r in await self.every():
+            if r["state"] != "promoted":
+                continue
+            try:
+                await self._apply_weight(r)
+            except ConfigError as e:
+                log.warning("rollout %s (%s): its split cannot be set again after the rollback: %s", r["name"],
+                            r["state"], e)
+
     async def every(self) -> list[dict]:
         """Every rollout as stored (a reload's rollout layer). With Redis unreachable: the live ones this
         replica last saw (a promoted one is then unknown, and a reload may take its route back: logged)."""

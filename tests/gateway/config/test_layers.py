@@ -63,15 +63,19 @@ def weights(gw, route: str = "ro") -> dict[str, float]:
     return {t.id: t.weight for t in gw.snapshot.compiled.policy.routes[route].targets}
 
 
-async def r1(c) -> dict:
-    return next(r for r in (await c.get("/admin/rollouts")).json()["rollouts"] if r["name"] == "r1")
+async def r1(c) -> dict | None:
+    """Rollout r1; None before the controller's first tick started it (or while the API answers 503)."""
+    resp = await c.get("/admin/rollouts")
+    if resp.status_code != 200:
+        return None
+    return next((r for r in resp.json()["rollouts"] if r["name"] == "r1"), None)
 
 
 async def until(c, pred, timeout: float = 30.0) -> dict:
     end = asyncio.get_running_loop().time() + timeout
     while asyncio.get_running_loop().time() < end:
         r = await r1(c)
-        if pred(r):
+        if r is not None and pred(r):
             return r
         await asyncio.sleep(0.05)
     raise AssertionError(f"rollout not there: {await r1(c)}")
@@ -151,6 +155,22 @@ async def test_ctl_weights_on_a_route_a_rollout_holds_is_refused_naming_it(tmp_p
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "rollout_conflict"
     assert "rollout r1 (running) holds route 'ro'" in refused.json()["error"]["message"]
     assert taken.status_code == 200 and after == {"stable": 70.0, "cand": 30.0}
+
+
+async def test_a_version_rollback_keeps_a_promoted_rollouts_split(tmp_path):
+    """A rollback undoes a config change, not a rollout: after a promotion it restored the version of the step
+    before (the candidate at 50 % while the rollout said promoted, until someone noticed)."""
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand, rollout=ROLLOUT.format(hold=30, n=1000)))
+        async with served(path) as (gw, c):
+            await until(c, lambda r: r["state"] == "running")
+            assert (await c.post("/admin/rollouts/r1/promote")).status_code == 200
+            back = await c.post("/admin/rollback", json={})
+            r = await r1(c)
+            after = weights(gw)
+    assert back.status_code == 200, back.text
+    assert r["state"] == "promoted" and after == {"stable": 0.0, "cand": 100.0}
 
 
 async def test_2b_a_controller_that_cannot_apply_its_weights_pauses_once(tmp_path, caplog):

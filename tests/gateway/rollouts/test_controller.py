@@ -57,12 +57,13 @@ async def load(urls: list[str]):
 
 
 async def rollout(c) -> dict | None:
-    """Rollout r1 as the admin API shows it; None while the API answers 503 (this replica's Redis calls timed
+    """Rollout r1 as the admin API shows it; None before the controller's first tick started it, and while the
+    API answers 503 (this replica's Redis calls timed
     out, as they may on a loaded machine: the rollouts wait for Redis, and so does the client)."""
     resp = await c.get("/admin/rollouts")
     if resp.status_code == 503:
         return None
-    return next(r for r in resp.json()["rollouts"] if r["name"] == "r1")
+    return next((r for r in resp.json()["rollouts"] if r["name"] == "r1"), None)   # None: not started yet
 
 
 async def until_state(c, pred, timeout=60.0) -> dict:
