@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from gateway.errors import ClientError
 from gateway.request.validate import check_range, check_type
+from gateway.translate.chat import reasoning_of
 
 # Fields the gateway cannot serve on any backend: refused with a 400 naming them.
 REFUSED_FIELDS = ("background", "conversation", "prompt")
@@ -128,9 +129,14 @@ def _check_params(body: dict) -> None:
             raise responses_error(e) from None
 
 
+# The id prefix of an input item the client sent without an id, by type (OpenAI's prefixes).
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
 def input_items(body: dict, request_id: str) -> list[dict]:
-    """``body['input']`` as a list of items, each with a ``type`` and an ``id`` (a string input: one user
-    message), as ``GET /v1/responses/{id}/input_items`` lists them."""
+    """``body['input']`` as a list of items, each with a ``type`` and an ``id`` (the client's, else one made from
+    the request id and the item's position; a string input: one user message), as
+    ``GET /v1/responses/{id}/input_items`` lists and pages them."""
     inp = body["input"]
     raw = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
     items = []
@@ -144,7 +150,7 @@ def input_items(body: dict, request_id: str) -> list[dict]:
             if isinstance(content, str):
                 part = "output_text" if item.get("role") == "assistant" else "input_text"
                 item["content"] = [{"type": part, "text": content}]
-            item.setdefault("id", f"msg_{request_id}_{i}")
+        item.setdefault("id", f"{_ITEM_PREFIX.get(item['type'], 'item')}_{request_id}_{i}")
         items.append(item)
     return items
 
@@ -289,10 +295,13 @@ def responses_error(e: ClientError) -> ClientError:
 def native_body(body: dict, history: list[dict], items: list[dict]) -> dict:
     """``body`` as an upstream that speaks the Responses API natively is sent it: the conversation the gateway
     stored (``history``, without the gateway's item ids and statuses) and this turn's ``items`` as its
-    ``input``, no ``previous_response_id`` (the upstream never saw the gateway's ids)."""
+    ``input`` (without the ids the gateway gave them), no ``previous_response_id`` (the upstream never saw the
+    gateway's ids)."""
     past = [{k: v for k, v in item.items() if k not in ("id", "status")} for item in history]
+    raw = body["input"] if isinstance(body["input"], list) else [{}]
+    own = [{k: v for k, v in item.items() if k != "id" or "id" in sent} for item, sent in zip(items, raw)]
     native = {k: v for k, v in body.items() if k != "previous_response_id"}
-    native["input"] = past + items
+    native["input"] = past + own
     return native
 
 
@@ -316,6 +325,14 @@ def message_item(ctx: ResponseContext, text: str, status: str = "completed", ref
         content.append({"type": "refusal", "refusal": refusal})
     return {"type": "message", "id": f"msg_{ctx.request_id}", "status": status, "role": "assistant",
             "content": content}
+
+
+def reasoning_item(ctx: ResponseContext, text: str, n: int = 0, status: str = "completed") -> dict:
+    """The ``n``-th reasoning output item of ``ctx``'s response: the backend's reasoning as ``reasoning_text``
+    content (no summary: the backend gave none)."""
+    suffix = f"_{n}" if n else ""
+    return {"type": "reasoning", "id": f"rs_{ctx.request_id}{suffix}", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
 
 
 def function_call_item(ctx: ResponseContext, k: int, call_id: str | None, name: str, arguments: str,
@@ -347,12 +364,15 @@ def response_object(ctx: ResponseContext, status: str, output: list[dict], usage
 
 
 def from_chat(chat: dict, ctx: ResponseContext) -> dict:
-    """A chat completion (the first choice) -> the Responses object: its text as one message item, each tool
+    """A chat completion (the first choice) -> the Responses object: its reasoning as a reasoning item, its text
+    as one message item, each tool
     call as a ``function_call`` item; ``finish_reason`` ``length`` -> status ``incomplete``
     (``max_output_tokens``)."""
     choice = (chat.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
     output = []
+    if reasoning := reasoning_of(msg):
+        output.append(reasoning_item(ctx, reasoning))
     if msg.get("content") or msg.get("refusal") or not msg.get("tool_calls"):
         output.append(message_item(ctx, msg.get("content") or "", refusal=msg.get("refusal")))
     for k, call in enumerate(msg.get("tool_calls") or []):

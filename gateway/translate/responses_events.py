@@ -3,18 +3,22 @@
 ``ResponsesEvents`` is fed the decoded chat chunks one by one and answers the Responses events each one makes,
 in OpenAI's order: ``response.created``, ``response.in_progress``; per output item ``response.output_item.added``,
 then for a message ``response.content_part.added``, ``response.output_text.delta``..., ``response.output_text.done``,
-``response.content_part.done``, or for a function call ``response.function_call_arguments.delta``...,
+``response.content_part.done``, for reasoning (the chat deltas' ``reasoning_content``)
+``response.reasoning_text.delta``..., ``response.reasoning_text.done``, or for a function call ``response.function_call_arguments.delta``...,
 ``response.function_call_arguments.done``; ``response.output_item.done``; and last ``response.completed`` (with
 the usage of the chat stream's usage chunk), ``response.incomplete`` (stopped by ``max_output_tokens``) or
 ``response.failed`` (an error event, or a stream that ended before its ``finish_reason``). Every event carries
-its ``sequence_number``. The item ids and the final object are those of ``gateway/translate/responses.py``, so
+its ``sequence_number``. Function calls come one after another even when the chat stream interleaves their
+argument pieces (``gateway/translate/tool_calls.py``). The item ids and the final object are those of ``gateway/translate/responses.py``, so
 the streamed response and the stored one are the same.
 """
 
 from __future__ import annotations
 
+from gateway.translate.chat import reasoning_of
 from gateway.translate.responses import (FINISH_TO_INCOMPLETE, ResponseContext, function_call_item, message_item,
-                                         response_object, usage_of)
+                                         reasoning_item, response_object, usage_of)
+from gateway.translate.tool_calls import ToolCallOrder
 
 
 class ResponsesEvents:
@@ -25,8 +29,9 @@ class ResponsesEvents:
         self.ctx = ctx
         self.seq = 0
         self.output: list[dict] = []       # finished items, in output order
-        self.open: dict | None = None      # the item being streamed (message or function_call)
-        self.calls: dict[int, int] = {}    # chat tool call index -> function call number k
+        self.open: dict | None = None      # the message or reasoning item being streamed
+        self.tools = ToolCallOrder()       # the function calls, one open at a time
+        self.call_item: dict | None = None   # the open function call's item
         self.finish_reason: str | None = None
         self.usage: dict | None = None
         self.final: dict | None = None
@@ -49,23 +54,22 @@ class ResponsesEvents:
         if n:                     # text after a call: another message, with an id of its own (the SDK checks)
             item["id"] += f"_{n}"
         item["content"] = []
-        self.open = {"item": item, "text": "", "index": None}
+        self.open = {"item": item, "text": ""}
         i = len(self.output)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [self._ev("response.output_item.added", output_index=i, item=item),
                 self._ev("response.content_part.added", item_id=item["id"], output_index=i, content_index=0,
                          part=part)]
 
-    def _open_call(self, call: dict) -> list[dict]:
-        k = len(self.calls)
-        self.calls[call.get("index", 0)] = k
-        fn = call.get("function") or {}
-        item = function_call_item(self.ctx, k, call.get("id"), fn.get("name") or "", "", status="in_progress")
-        self.open = {"item": item, "text": "", "index": call.get("index", 0)}
+    def _open_reasoning(self) -> list[dict]:
+        n = sum(o["type"] == "reasoning" for o in self.output)
+        item = reasoning_item(self.ctx, "", n, status="in_progress")
+        item["content"] = []
+        self.open = {"item": item, "text": ""}
         return [self._ev("response.output_item.added", output_index=len(self.output), item=item)]
 
-    def _close(self) -> list[dict]:
-        """Finish the open item: its ``.done`` events, then it joins ``output``."""
+    def _close_open(self) -> list[dict]:
+        """Finish the open message or reasoning item: its ``.done`` events, then it joins ``output``."""
         if self.open is None:
             return []
         item, text, i = self.open["item"], self.open["text"], len(self.output)
@@ -78,13 +82,49 @@ class ResponsesEvents:
                       self._ev("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
                                part=part)]
         else:
-            done = {**item, "arguments": text, "status": "completed"}
-            events = [self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                               name=item["name"], arguments=text)]
+            done = {**item, "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+            events = [self._ev("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
+                               text=text)]
         self.output.append(done)
         return events + [self._ev("response.output_item.done", output_index=i, item=done)]
 
+    def _calls(self, actions: list[tuple]) -> list[dict]:
+        """The events of ``ToolCallOrder``'s actions: one function call item opened, streamed, closed."""
+        events: list[dict] = []
+        for action, call, *piece in actions:
+            i = len(self.output)
+            if action == "open":
+                self.call_item = function_call_item(self.ctx, call.k, call.id, call.name, "", status="in_progress")
+                events.append(self._ev("response.output_item.added", output_index=i, item=self.call_item))
+            elif action == "args":
+                events.append(self._ev("response.function_call_arguments.delta", item_id=self.call_item["id"],
+                                       output_index=i, delta=piece[0]))
+            else:
+                item, self.call_item = self.call_item, None
+                done = {**item, "name": call.name, "arguments": call.arguments, "status": "completed"}
+                self.output.append(done)
+                events += [self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                                    name=call.name, arguments=call.arguments),
+                           self._ev("response.output_item.done", output_index=i, item=done)]
+        return events
+
+    def _close(self) -> list[dict]:
+        """Finish every open item: the message or reasoning, then the function calls in order."""
+        return self._close_open() + self._calls(self.tools.flush())
+
     # -- input -------------------------------------------------------------------------------------------------
+    def _text(self, kind: str, text: str) -> list[dict]:
+        events: list[dict] = []
+        if self.open is None or self.open["item"]["type"] != kind:
+            events += self._close() + (self._open_message() if kind == "message" else self._open_reasoning())
+        self.open["text"] += text
+        item_id, i = self.open["item"]["id"], len(self.output)
+        if kind == "message":
+            return events + [self._ev("response.output_text.delta", item_id=item_id, output_index=i,
+                                      content_index=0, delta=text, logprobs=[])]
+        return events + [self._ev("response.reasoning_text.delta", item_id=item_id, output_index=i,
+                                  content_index=0, delta=text)]
+
     def feed(self, chunk: dict) -> list[dict]:
         """The events of one decoded chat chunk (its first choice; a usage chunk is kept for the end)."""
         if chunk.get("usage"):
@@ -95,21 +135,12 @@ class ResponsesEvents:
         choice = choices[0]
         delta = choice.get("delta") or {}
         events: list[dict] = []
-        text = delta.get("content")
-        if text:
-            if self.open is None or self.open["item"]["type"] != "message":
-                events += self._close() + self._open_message()
-            self.open["text"] += text
-            events.append(self._ev("response.output_text.delta", item_id=self.open["item"]["id"],
-                                   output_index=len(self.output), content_index=0, delta=text, logprobs=[]))
+        if reasoning := reasoning_of(delta):
+            events += self._text("reasoning", reasoning)
+        if text := delta.get("content"):
+            events += self._text("message", text)
         for call in delta.get("tool_calls") or []:
-            if call.get("index", 0) not in self.calls:
-                events += self._close() + self._open_call(call)
-            args = (call.get("function") or {}).get("arguments")
-            if args and self.open["index"] == call.get("index", 0):   # a closed call's late pieces are dropped
-                self.open["text"] += args
-                events.append(self._ev("response.function_call_arguments.delta", item_id=self.open["item"]["id"],
-                                       output_index=len(self.output), delta=args))
+            events += self._close_open() + self._calls(self.tools.feed(call))
         if choice.get("finish_reason"):
             self.finish_reason = choice["finish_reason"]
         return events
@@ -133,8 +164,8 @@ class ResponsesEvents:
             return self.error({"code": "stream_interrupted", "message": "the stream ended before the answer did"})
         self.ended = True
         events = self._close()
-        if not self.output:       # an empty answer is still one (empty) message, as the whole answer has
-            events += self._open_message() + self._close()
+        if not any(o["type"] != "reasoning" for o in self.output):   # an empty answer is still one (empty)
+            events += self._open_message() + self._close()                # message, as the whole answer has
         incomplete = FINISH_TO_INCOMPLETE.get(self.finish_reason)
         self.final = response_object(self.ctx, "incomplete" if incomplete else "completed", self.output,
                                      usage_of(self.usage), incomplete=incomplete)
