@@ -11,7 +11,8 @@ Mapping (https://docs.anthropic.com/en/api/messages):
   ``service_tier``, ``thinking``, ...) dropped.
 - content blocks: ``text`` -> text parts; ``image`` -> ``image_url`` parts (a base64 source as a data URL): a
   target that cannot take images refuses them with its 400; ``tool_use`` (assistant) -> ``tool_calls``;
-  ``tool_result`` (user) -> ``tool`` messages, before the user's other content, in block order.
+  ``tool_result`` (user) -> ``tool`` messages, before the user's other content, in block order; a tool result's
+  images -> ``image_url`` parts of the user message after them (chat's tool messages take text only).
 - answer: ``finish_reason`` stop/length/tool_calls -> ``stop_reason`` end_turn (stop_sequence when the backend
   names the stop string it matched)/max_tokens/tool_use; usage prompt/completion -> input/output tokens, the
   cached prompt tokens as ``cache_read_input_tokens`` and out of ``input_tokens`` (Anthropic's convention). A
@@ -28,6 +29,8 @@ import msgspec
 
 from gateway.errors import ClientError, anthropic_error_body
 from gateway.sse import EventReader, named_event
+from gateway.translate.chat import reasoning_of
+from gateway.translate.tool_calls import ToolCallOrder
 
 _FINISH = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
            "content_filter": "refusal"}
@@ -59,6 +62,25 @@ def _text_of(blocks: object, param: str) -> str:
     return "\n".join(out)
 
 
+def _tool_result(content: object, param: str) -> tuple[str, list[dict]]:
+    """A ``tool_result``'s content -> (its text, its images as chat ``image_url`` parts). Chat's tool messages
+    carry text only (OpenAI's API refuses other parts there), so the images go to the user message that follows
+    the tool messages, which every OpenAI-compatible backend that takes images reads."""
+    if isinstance(content, str):
+        return content, []
+    if not isinstance(content, list):
+        raise _bad(f"{param}: must be a string or an array of text and image blocks", param)
+    texts, images = [], []
+    for i, b in enumerate(content):
+        if isinstance(b, dict) and b.get("type") == "image":
+            images.append(_image_part(b, f"{param}.{i}"))
+        elif isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str):
+            texts.append(b["text"])
+        else:
+            raise _bad(f"{param}.{i}: only text and image blocks are supported here", f"{param}.{i}")
+    return "\n".join(texts), images
+
+
 def _image_part(block: dict, param: str) -> dict:
     src = block.get("source")
     if not isinstance(src, dict):
@@ -83,6 +105,7 @@ def _message(m: object, i: int) -> list[dict]:
     parts: list[dict] = []
     calls: list[dict] = []
     results: list[dict] = []
+    result_images: list[dict] = []        # images of tool results: the user message after the tool messages
     for j, b in enumerate(content):
         bp = f"{p}.content.{j}"
         kind = b.get("type") if isinstance(b, dict) else None
@@ -94,14 +117,16 @@ def _message(m: object, i: int) -> list[dict]:
             calls.append({"id": b.get("id"), "type": "function", "function": {
                 "name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, separators=(",", ":"))}})
         elif kind == "tool_result" and role == "user":
-            text = _text_of(b.get("content") or "", f"{bp}.content")
+            text, images = _tool_result(b.get("content") or "", f"{bp}.content")
             results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
                             "content": f"Error: {text}" if b.get("is_error") else text})
+            result_images += images
         elif kind in ("thinking", "redacted_thinking"):
             continue                       # the previous turn's reasoning: no chat counterpart, dropped
         else:
             raise _bad(f"{bp}: content block type {kind!r} is not supported in a {role} message", f"{bp}.type")
     out = list(results)
+    parts = result_images + parts
     if role == "assistant":
         text = "".join(x["text"] for x in parts)
         msg: dict = {"role": "assistant", "content": text or None}
@@ -231,6 +256,8 @@ def chat_to_message(chat: dict, message_id: str, model: str, stop_sequences: lis
     choice = (chat.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
     content: list[dict] = []
+    if thinking := reasoning_of(msg):
+        content.append({"type": "thinking", "thinking": thinking, "signature": ""})
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
     for call in msg.get("tool_calls") or ():
@@ -247,7 +274,9 @@ def chat_to_message(chat: dict, message_id: str, model: str, stop_sequences: lis
 class MessageEvents:
     """Chat completion chunks (parsed JSON, in order) -> Anthropic's stream events as (event name, data) pairs:
     ``message_start`` and a ``ping`` first, then per content block ``content_block_start``, its
-    ``content_block_delta`` events (``text_delta`` / ``input_json_delta``) and ``content_block_stop``; ``finish()``
+    ``content_block_delta`` events (``thinking_delta`` for the chat deltas' ``reasoning_content``, ``text_delta``,
+    ``input_json_delta``) and ``content_block_stop``, one block after another (tool calls whose argument pieces
+    interleave are put in order by ``gateway/translate/tool_calls.py``); ``finish()``
     gives the final ``message_delta`` (stop reason, usage) and ``message_stop``."""
 
     def __init__(self, message_id: str, model: str, input_tokens: int, stop_sequences: list | None = None):
@@ -255,8 +284,9 @@ class MessageEvents:
         self.input_tokens = input_tokens
         self.started = False
         self.block = -1                  # index of the open block (-1: none yet)
-        self.open_kind: str | None = None
-        self.tool_blocks: dict[int, int] = {}   # chat tool_call index -> block index
+        self.open_kind: str | None = None      # the open text or thinking block's type
+        self.tools = ToolCallOrder()           # the tool_use blocks, one open at a time, in order
+        self.tool_calls = 0
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
         self.usage: dict | None = None
@@ -269,17 +299,45 @@ class MessageEvents:
         return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]
 
     def _close(self) -> list[tuple[str, dict]]:
+        """Close the open text or thinking block."""
         if self.open_kind is None:
             return []
         self.open_kind = None
         return [("content_block_stop", {"type": "content_block_stop", "index": self.block})]
 
     def _open(self, block: dict) -> list[tuple[str, dict]]:
-        out = self._close()
+        out = self._close() + self._calls(self.tools.flush())
         self.block += 1
         self.open_kind = block["type"]
         return out + [("content_block_start", {"type": "content_block_start", "index": self.block,
                                                "content_block": block})]
+
+    def _calls(self, actions: list[tuple]) -> list[tuple[str, dict]]:
+        """The events of ``ToolCallOrder``'s actions: one ``tool_use`` block opened, streamed, closed."""
+        out: list[tuple[str, dict]] = []
+        for action, call, *piece in actions:
+            if action == "open":
+                self.block += 1
+                self.tool_calls += 1
+                out.append(("content_block_start", {"type": "content_block_start", "index": self.block,
+                                                     "content_block": {"type": "tool_use", "id": call.id,
+                                                                       "name": call.name, "input": {}}}))
+            elif action == "args":
+                out.append(("content_block_delta", {"type": "content_block_delta", "index": self.block,
+                                                     "delta": {"type": "input_json_delta",
+                                                               "partial_json": piece[0]}}))
+            else:
+                out.append(("content_block_stop", {"type": "content_block_stop", "index": self.block}))
+        return out
+
+    def _delta(self, kind: str, delta: dict) -> list[tuple[str, dict]]:
+        """A text or thinking delta, in a block of its kind (opened when another kind is open)."""
+        out: list[tuple[str, dict]] = []
+        if self.open_kind != kind:
+            empty = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
+                                                                         "signature": ""}
+            out += self._open(empty)
+        return out + [("content_block_delta", {"type": "content_block_delta", "index": self.block, "delta": delta})]
 
     def chunk(self, obj: dict) -> list[tuple[str, dict]]:
         """The events one chat chunk makes."""
@@ -288,32 +346,21 @@ class MessageEvents:
             self.usage = obj["usage"]
         for choice in (obj.get("choices") or ())[:1]:
             delta = choice.get("delta") or {}
-            text = delta.get("content")
-            if text:
-                if self.open_kind != "text":
-                    out += self._open({"type": "text", "text": ""})
-                out.append(("content_block_delta", {"type": "content_block_delta", "index": self.block,
-                                                    "delta": {"type": "text_delta", "text": text}}))
+            if thinking := reasoning_of(delta):
+                out += self._delta("thinking", {"type": "thinking_delta", "thinking": thinking})
+            if text := delta.get("content"):
+                out += self._delta("text", {"type": "text_delta", "text": text})
             for call in delta.get("tool_calls") or ():
-                k = call.get("index", 0)
-                fn = call.get("function") or {}
-                if k not in self.tool_blocks:
-                    out += self._open({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
-                                       "input": {}})
-                    self.tool_blocks[k] = self.block
-                if fn.get("arguments"):
-                    out.append(("content_block_delta", {"type": "content_block_delta", "index": self.tool_blocks[k],
-                                                        "delta": {"type": "input_json_delta",
-                                                                  "partial_json": fn["arguments"]}}))
+                out += self._close() + self._calls(self.tools.feed(call))
             if choice.get("finish_reason"):
                 self.stop_reason, self.stop_sequence = _stop(choice, self.stop_sequences)
         return out
 
     def finish(self) -> list[tuple[str, dict]]:
         """The closing events (after the last chunk)."""
-        out = ([] if self.started else self._start()) + self._close()
+        out = ([] if self.started else self._start()) + self._close() + self._calls(self.tools.flush())
         usage = _usage(self.usage) if self.usage else {"input_tokens": self.input_tokens, "output_tokens": 0}
-        if self.tool_blocks and self.stop_reason in (None, "end_turn"):
+        if self.tool_calls and self.stop_reason in (None, "end_turn"):
             self.stop_reason = "tool_use"
         out.append(("message_delta", {"type": "message_delta",
                                       "delta": {"stop_reason": self.stop_reason or "end_turn",

@@ -1,0 +1,143 @@
+"""``/v1/messages`` content blocks (issue 48, items 4, 5 and 7) with the official ``anthropic`` SDK as the client,
+against a real gateway on 127.0.0.1: over a scripted chat upstream (``tests/gateway/script_upstream.py``),
+parallel tool calls whose argument pieces interleave by ``index`` come as blocks one after another, the
+backend's reasoning as a ``thinking`` block, a ``tool_result``'s image reaches the backend, ``count_tokens``
+counts tools and images; over a fake Anthropic upstream (``tests/gateway/anthropic_upstream.py``) the client's
+``anthropic-beta`` header is forwarded.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+
+from gateway.config.compile import load_config_text
+from gateway.http.app import create_app
+from gateway.request.validate import IMAGE_TOKENS_ESTIMATE
+from gateway.runtime import Gateway
+from tests.gateway.anthropic_upstream import AnthropicUpstream
+from tests.gateway.http.test_responses_items import INTERLEAVED, chunk, stream
+from tests.gateway.script_upstream import ScriptUpstream, upstream  # noqa: F401 (the fixture)
+from tests.gateway.support import serve_app, sha
+
+KEY = "sk-tandem-blocks-0123456789abcdef"
+TOOLS = [{"name": n, "input_schema": {"type": "object"}} for n in ("get_weather", "get_time")]
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+
+
+def config(base_url: str, kind: str = "openai") -> str:
+    key = "    api_key_env: TEST_ANTHROPIC_KEY\n" if kind == "anthropic" else ""
+    return (f"reload: {{watch: false}}\nauth:\n  keys:\n    - {{tenant: t1, sha256: {sha(KEY)}}}\n"
+            "resilience:\n  retry: {max_attempts: 1}\n  health: {interval_s: 0}\n"
+            "observability:\n  logs: {requests: false}\nmodels:\n  - name: m1\n"
+            f"backends:\n  up:\n    type: {kind}\n    base_url: {base_url}\n{key}"
+            "routes:\n  r1:\n    targets: [{backend: up}]\npolicy:\n  default_route: r1\n")
+
+
+class served:
+    """A gateway on ``cfg``: ``async with served(cfg) as client`` (an ``AsyncAnthropic`` for it)."""
+
+    def __init__(self, cfg: str):
+        self.gw = Gateway(None, load_config_text(cfg), start_engine=False)
+
+    async def __aenter__(self) -> anthropic.AsyncAnthropic:
+        self.server, self.task, url = await serve_app(create_app(self.gw))
+        self.client = anthropic.AsyncAnthropic(base_url=url, api_key=KEY, max_retries=0, timeout=20)
+        return self.client
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.close()
+        self.server.should_exit = True
+        await self.task
+
+
+ASK = {"model": "m1", "max_tokens": 50, "messages": [{"role": "user", "content": "weather and time?"}]}
+
+
+async def test_interleaved_parallel_calls_are_blocks_one_after_another(upstream):
+    upstream.push(stream(*INTERLEAVED))
+    async with served(config(upstream.base_url)) as client:
+        async with client.messages.stream(**ASK, tools=TOOLS) as s:
+            events = [e async for e in s]
+            final = await s.get_final_message()
+    assert [(b.name, b.input) for b in final.content] == [("get_weather", {"city": "Paris"}),
+                                                          ("get_time", {"tz": "CET"})]
+    raw = [e for e in events if e.type.startswith("content_block_")]
+    opened: list[int] = []
+    for e in raw:                     # Anthropic's order: a block starts, gets its deltas, stops; then the next
+        if e.type == "content_block_start":
+            assert not opened, e
+            opened.append(e.index)
+        elif e.type == "content_block_delta":
+            assert opened == [e.index], e
+        else:
+            assert opened.pop() == e.index
+    assert [e.index for e in raw if e.type == "content_block_start"] == [0, 1]
+
+
+async def test_reasoning_becomes_a_thinking_block_streamed_and_whole(upstream):
+    upstream.push(stream(chunk({"role": "assistant", "reasoning_content": "Let me"}),
+                         chunk({"reasoning_content": " think."}), chunk({"content": "Hello"}), chunk({}, "stop")))
+    whole = {"id": "up-1", "object": "chat.completion", "created": 0, "model": "up-model",
+             "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14},
+             "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                 "role": "assistant", "content": "Hello", "reasoning_content": "Let me think."}}]}
+    upstream.push({"body": json.dumps(whole).encode()})
+    async with served(config(upstream.base_url)) as client:
+        async with client.messages.stream(**ASK) as s:
+            streamed = await s.get_final_message()
+        plain = await client.messages.create(**ASK)
+    for msg in (streamed, plain):
+        thinking, text = msg.content
+        assert (thinking.type, thinking.thinking, text.type, text.text) == ("thinking", "Let me think.", "text",
+                                                                            "Hello")
+
+
+async def test_image_in_a_tool_result_reaches_the_backend_and_counts(upstream):
+    turns = [{"role": "user", "content": "what does the camera see?"},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                "input": {}}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                           "content": [{"type": "text", "text": "snapshot"}, IMAGE]},
+                                          {"type": "text", "text": "describe it"}]}]
+    async with served(config(upstream.base_url)) as client:
+        msg = await client.messages.create(model="m1", max_tokens=20, messages=turns, tools=TOOLS)
+        sent = upstream.bodies[-1]["messages"]
+        plain = (await client.messages.count_tokens(model="m1", messages=turns[:1])).input_tokens
+        with_tools = (await client.messages.count_tokens(model="m1", messages=turns[:1], tools=TOOLS)).input_tokens
+        with_image = (await client.messages.count_tokens(
+            model="m1", messages=[{"role": "user", "content": [IMAGE, {"type": "text", "text": "x"}]}])).input_tokens
+    assert msg.content[0].text == "ok"
+    assert sent[2] == {"role": "tool", "tool_call_id": "toolu_1", "content": "snapshot"}
+    assert sent[3] == {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "text", "text": "describe it"}]}
+    assert with_tools >= plain + len(json.dumps(TOOLS)) // 4 - 2    # the tool definitions are counted
+    assert with_image >= IMAGE_TOKENS_ESTIMATE
+
+
+async def test_tool_definitions_are_reserved_against_tpm(upstream):
+    tools = [{"name": f"tool_{i}", "description": "d" * 400, "input_schema": {"type": "object"}} for i in range(30)]
+    cfg = config(upstream.base_url).replace(f"sha256: {sha(KEY)}", f"sha256: {sha(KEY)}, tpm: 2000")
+    async with served(cfg) as client:
+        await client.messages.create(**ASK)                          # small: admitted
+        try:
+            await client.messages.create(**ASK, tools=tools)         # ~3,500 tokens of tools: over the minute's 2,000
+        except anthropic.RateLimitError:
+            refused = True
+        else:
+            refused = False
+    assert refused
+
+
+async def test_anthropic_beta_header_is_forwarded(monkeypatch):
+    monkeypatch.setenv("TEST_ANTHROPIC_KEY", "sk-ant-upstream")
+    with AnthropicUpstream() as claude:
+        async with served(config(claude.base_url, "anthropic")) as client:
+            await client.messages.create(**ASK, extra_headers={"anthropic-beta": "context-1m-2025-08-07"})
+            async with client.messages.stream(**ASK, extra_headers={"anthropic-beta": "b2"}) as s:
+                await s.get_final_message()
+            await client.messages.create(**ASK)
+    betas = [{k.lower(): v for k, v in headers.items()}.get("anthropic-beta") for _, headers, _ in claude.requests]
+    assert betas == ["context-1m-2025-08-07", "b2", None]
