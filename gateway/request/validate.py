@@ -321,22 +321,44 @@ def unknown_parameter_error(req: GatewayRequest, route) -> ClientError | None:
     return ClientError(400, f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter")
 
 
+# An image's estimated prompt tokens: Anthropic's count for an image at its largest unresized size (~1.15
+# megapixels); OpenAI's high-detail 1024x1024 is 765. An estimate sizes reservations, so it errs high.
+IMAGE_TOKENS_ESTIMATE = 1600
+
+
+def _content_chars(content: object) -> tuple[int, int]:
+    """(characters of text, images) of a chat message's ``content``."""
+    if isinstance(content, str):
+        return len(content), 0
+    chars = images = 0
+    for p in content if isinstance(content, list) else ():
+        if isinstance(p, dict):
+            chars += len(p.get("text") or "") if isinstance(p.get("text"), str) else 0
+            images += p.get("type") in ("image_url", "input_image", "image")
+    return chars, images
+
+
 def estimate_prompt_tokens(body: dict) -> int:
-    """Rough prompt length when no tokenizer is at hand: ~4 characters per
-    token (OpenAI's rule of thumb for English BPE text) + 4 tokens of chat
-    framing per message. Token-id prompts (and embeddings inputs) are counted exactly."""
+    """Rough prompt length when no tokenizer is at hand: ~4 characters per token (OpenAI's rule of thumb for
+    English BPE text) of the messages' text, their tool calls and the tool definitions (as JSON, as chat templates
+    render them), + 4 tokens of chat framing per message, + ``IMAGE_TOKENS_ESTIMATE`` per image. Token-id prompts
+    (and embeddings inputs) are counted exactly. It is what ``count_tokens`` answers and what rate limits reserve
+    when the local engine does not render the prompt."""
     if "input" in body and "messages" not in body and "prompt" not in body:
         return estimate_input_tokens(body["input"])
     if "messages" in body:
-        chars, n = 0, 0
+        chars, n, images = 0, 0, 0
         for m in body.get("messages") or ():
             n += 1
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, str):
-                chars += len(c)
-            elif isinstance(c, list):
-                chars += sum(len(p.get("text", "")) for p in c if isinstance(p, dict))
-        return (chars + 3) // 4 + 4 * n
+            if not isinstance(m, dict):
+                continue
+            c, i = _content_chars(m.get("content"))
+            chars, images = chars + c, images + i
+            if m.get("tool_calls"):
+                chars += len(msgspec.json.encode(m["tool_calls"]))
+        if body.get("tools"):
+            chars += len(msgspec.json.encode(body["tools"]))
+        return (chars + 3) // 4 + 4 * n + IMAGE_TOKENS_ESTIMATE * images
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return (len(prompt) + 3) // 4
