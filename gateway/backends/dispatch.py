@@ -80,13 +80,19 @@ def _payload(backend, target: Target, req: GatewayRequest):
     return body if backend.kind == "local" else msgspec.json.encode(body)
 
 
+def _client_headers(backend, req: GatewayRequest) -> dict[str, str]:
+    """The client's headers ``backend`` is sent along (``UpstreamBackend.client_headers``)."""
+    return {h: req.headers[h] for h in backend.client_headers if req.headers.get(h)}
+
+
 async def _attempt(backend, target: Target, req: GatewayRequest, handover=None):
     if api := native_api(backend, req):          # the client's own request, on the API it was made on
         return await backend.send(api, _passthrough(backend, target, req, req.source[1]), req.request_id)
     payload = _payload(backend, target, req)
     # the local engine takes the request value (priority, routing's rendering, the answer's id and model) and
     # the hand-over's checkpoint
-    args = (req, payload, handover) if backend.kind == "local" else (req.endpoint, payload, req.request_id)
+    args = (req, payload, handover) if backend.kind == "local" else (req.endpoint, payload, req.request_id,
+                                                                      _client_headers(backend, req))
     return await (backend.open_stream if req.stream else backend.send)(*args)
 
 

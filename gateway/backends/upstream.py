@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import httpx
 from httpx_aiohttp import AiohttpTransport
@@ -64,6 +64,7 @@ class UpstreamBackend:
 
     kind = "openai"
     endpoints = ("chat/completions", "completions", "embeddings")   # the paths under base_url it is sent requests on
+    client_headers: tuple[str, ...] = ()   # the client's request headers it is sent along (lower-case names)
 
     def __init__(self, name: str, cfg: OpenAIBackendConfig, environ: dict[str, str] | None = None):
         env = os.environ if environ is None else environ
@@ -103,15 +104,17 @@ class UpstreamBackend:
         """The model name to send: the target's, else the mapping's, else the public one."""
         return target_model or self.cfg.models.get(public_model, public_model)
 
-    async def send(self, endpoint: str, payload: bytes, request_id: str) -> UpstreamResponse:
-        """POST ``payload`` (JSON bytes) to ``base_url/endpoint`` with ``x-request-id: request_id``; the whole
-        answer.
+    async def send(self, endpoint: str, payload: bytes, request_id: str,
+                   extra_headers: Mapping[str, str] | None = None) -> UpstreamResponse:
+        """POST ``payload`` (JSON bytes) to ``base_url/endpoint`` with ``x-request-id: request_id`` (and
+        ``extra_headers``: the client's ``client_headers``); the whole answer.
 
         Raises:
             BackendError: connection failure, timeout, or an error status."""
         self.active += 1
         try:
-            r = await self._post(endpoint, self._headers, payload, request_id, read=True)
+            headers = self._headers if not extra_headers else httpx.Headers({**self._headers, **extra_headers})
+            r = await self._post(endpoint, headers, payload, request_id, read=True)
             if r.status_code >= 400:
                 raise self._http_error(r, r.content)
             return UpstreamResponse(r.status_code, {"content-type": r.headers.get("content-type", "application/json")},
@@ -119,8 +122,9 @@ class UpstreamBackend:
         finally:
             self.active -= 1
 
-    async def open_stream(self, endpoint: str, payload: bytes, request_id: str) -> AsyncIterator[bytes]:
-        """Start a streaming POST; returns the raw SSE byte chunks as they
+    async def open_stream(self, endpoint: str, payload: bytes, request_id: str,
+                          extra_headers: Mapping[str, str] | None = None) -> AsyncIterator[bytes]:
+        """Start a streaming POST (``extra_headers`` as ``send``'s); returns the raw SSE byte chunks as they
         arrive (closes the upstream response when exhausted or closed).
 
         Raises:
@@ -128,7 +132,9 @@ class UpstreamBackend:
                 error status)."""
         self.active += 1
         try:
-            r = await self._post(endpoint, self._sse_headers, payload, request_id, read=False)
+            headers = self._sse_headers if not extra_headers else httpx.Headers({**self._sse_headers,
+                                                                                 **extra_headers})
+            r = await self._post(endpoint, headers, payload, request_id, read=False)
             if r.status_code >= 400:
                 try:
                     body = await r.aread()
