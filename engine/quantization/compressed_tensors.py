@@ -116,7 +116,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         elif "weight_zero_point" not in parts:
             raise ValueError(f"compressed-tensors layer {prefix!r}: asymmetric without weight_zero_point")
         else:
-            zeros = unpack_int32(parts["weight_zero_point"], dim=0)[:out].t()  # zp + 8, [groups, out]
+            zeros = unpack_int32(parts["weight_zero_point"], dim=0)[:out].t().to(torch.int32)  # zp + 8
         return grouped_int4(codes, zeros, scale.t(), parts.get("weight_g_idx"),
                             f"compressed-tensors layer {prefix!r}")
 

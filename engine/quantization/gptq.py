@@ -66,7 +66,7 @@ class GPTQConfig(QuantizationConfig):
             raise ValueError(f"gptq layer {prefix!r}: qweight {tuple(qweight.shape)} and qzeros "
                              f"{tuple(qzeros.shape)} do not fit together")
         codes = unpack_int32(qweight, dim=0).t()  # [out, in]
-        zeros = unpack_int32(qzeros, dim=1) + self.zero_offset  # [groups, out]
+        zeros = unpack_int32(qzeros, dim=1).to(torch.int32) + self.zero_offset  # [groups, out]
         if self.group_size != -1 and scales.shape[0] * self.group_size != codes.shape[1]:
             raise ValueError(f"gptq layer {prefix!r}: {scales.shape[0]} groups of {self.group_size} do not cover "
                              f"{codes.shape[1]} inputs")

@@ -30,12 +30,10 @@ def unpack_int32(packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(
         order: the position within the run of eight held by each nibble.
 
     Returns:
-        int32 codes 0..15, ``packed``'s shape with ``dim`` multiplied by 8.
+        uint8 codes 0..15, ``packed``'s shape with ``dim`` multiplied by 8.
     """
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    nibbles = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF  # [..., 8]: nibble i
-    runs = torch.empty_like(nibbles)
-    runs[..., list(order)] = nibbles
+    shifts = torch.tensor([4 * order.index(p) for p in range(8)], dtype=torch.int32)  # position p's nibble
+    runs = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)  # [..., 8]: position p
     if dim == 1:
         return runs.reshape(packed.shape[0], packed.shape[1] * 8)
     return runs.permute(0, 2, 1).reshape(packed.shape[0] * 8, packed.shape[1])
@@ -47,8 +45,8 @@ class Int4Weight:
     zero point per output row and group of ``group_size`` inputs.
 
     Attributes:
-        codes: int32 [out, in], 0..15.
-        zeros: int32 [out, groups], 0..15 (symmetric formats: 8).
+        codes: uint8 [out, in], 0..15 (a byte a weight while loading; the kernels pack two a byte).
+        zeros: int32 [out, groups], 0..16 (symmetric formats: 8; auto-gptq's stored zero + 1 may be 16).
         scales: float32 [out, groups], float16 values.
         group_size: inputs per group, a multiple of 32 dividing ``in``.
     """
@@ -84,13 +82,13 @@ class Int4Weight:
             codes: int32 [out, in]; d, m: float32 [out, in // 32] (d float16 values; m = -z d exactly).
         """
         d = self._per_block(self.scales)
-        return self.codes, d, -self._per_block(self.zeros).float() * d
+        return self.codes.to(torch.int32), d, -self._per_block(self.zeros).float() * d
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in]: (q - z) * s, the reference dequantization."""
         z = self.zeros.repeat_interleave(self.group_size, dim=1)
         s = self.scales.repeat_interleave(self.group_size, dim=1)
-        return (self.codes - z).float() * s
+        return (self.codes.to(torch.int32) - z).float() * s
 
 
 def grouped_int4(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -100,7 +98,7 @@ def grouped_int4(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     4-bit kernel's 32-blocks can follow (GPTQ's ``desc_act`` reordering).
 
     Args:
-        codes: int32 [out, in], 0..15.
+        codes: integer [out, in], 0..15.
         zeros, scales: [groups, out] (the checkpoints' layout): integer zero
             points 0..15 and float16 scales.
         g_idx: int [in], the group of each input, or None for k // (in / groups).
@@ -122,6 +120,6 @@ def grouped_int4(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
         if g_idx.shape != (k,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
             raise ValueError(f"{where}: g_idx of shape {tuple(g_idx.shape)} / range does not index {groups} groups")
     if (g_idx is None or torch.equal(g_idx, trivial)) and group_size % BLOCK == 0:
-        return Int4Weight(codes.to(torch.int32).contiguous(), zeros_t, scales_t, group_size)
+        return Int4Weight(codes.to(torch.uint8).contiguous(), zeros_t, scales_t, group_size)
     g = trivial if g_idx is None else g_idx
     return (codes.to(torch.int32) - zeros_t[:, g]).float() * scales_t[:, g]
