@@ -1,4 +1,4 @@
-"""``tandem ctl rollout start|status|pause|resume|promote|abort`` over the rollouts admin API
+"""``tandem ctl rollout start|status|pause|resume|promote|abort|release`` over the rollouts admin API
 (``gateway/http/rollouts_admin.py``), and the text ``status`` prints."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import sys
 
 def register(ctl_sub) -> None:
     """Add ``rollout`` to ``tandem ctl``'s sub-commands."""
-    p = ctl_sub.add_parser("rollout", help="gated progressive rollouts: start, status, pause, resume, promote, abort")
+    p = ctl_sub.add_parser("rollout", help="gated progressive rollouts: start, status, pause, resume, promote, abort, "
+                                                "release")
     sub = p.add_subparsers(dest="rollout_command", required=True)
     s = sub.add_parser("start", help="start a rollout: NAME ROUTE CANDIDATE [--steps 5,25,100] [--hold-s S] ...")
     s.add_argument("name")
@@ -27,8 +28,9 @@ def register(ctl_sub) -> None:
     st.add_argument("name", nargs="?", help="one rollout (default: all)")
     st.add_argument("--json", action="store_true", help="print the admin API's JSON")
     st.set_defaults(func=_status)
-    for action in ("pause", "resume", "promote", "abort"):
-        a = sub.add_parser(action, help=f"{action} a rollout")
+    helps = {"release": "hand a promoted rollout's route back to the file and operators (docs/operators/desired-state.md)"}
+    for action in ("pause", "resume", "promote", "abort", "release"):
+        a = sub.add_parser(action, help=helps.get(action, f"{action} a rollout"))
         a.add_argument("name")
         a.set_defaults(func=_action, action=action)
 

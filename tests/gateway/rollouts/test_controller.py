@@ -202,11 +202,16 @@ async def test_tandem_ctl_rollout_starts_steers_and_reports(redis_url):
             status = await ctl(url, "rollout", "status")
             paused = await ctl(url, "rollout", "pause", "r9")
             again = await ctl(url, "rollout", "pause", "r9")
+            early = await ctl(url, "rollout", "release", "r9")          # only a promoted rollout is released
+            await ctl(url, "rollout", "promote", "r9")
+            released = await ctl(url, "rollout", "release", "r9")
     assert started[0] == 0 and "rollout r9: running, route main: cand 10 %" in started[1]
     assert status[0] == 0 and "gate parity_min: 1 (limit 0.9): holds" in status[1], status[1]
     assert "parity (statistical): 2/2 pairs compared" in status[1] and "shadow shadow/main:" in status[1]
     assert paused[0] == 0 and "rollout r9: paused" in paused[1]
     assert again[0] == 1 and "409" in again[1]
+    assert early[0] == 1 and "409" in early[1]
+    assert released[0] == 0 and "rollout r9: released" in released[1], released[1]
 
 
 async def test_a_redis_outage_neither_restarts_nor_moves_a_rollout(redis_url):
