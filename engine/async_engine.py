@@ -97,6 +97,8 @@ class AsyncEngine:
         self._accepting = True
         self._dead: EngineDeadError | None = None
         self._stats: EngineStats | None = None
+        # Finished structured answers the serving layer's second line caught (engine/entrypoints/answer_check.py)
+        self.structured_output_invalid = 0
         self._prefix_mirror = PrefixMirror()   # the core's prefix cache, from its events (TTFT predictions)
         self._pending = PendingAdds()          # sent, not yet in the core's last state (TTFT predictions)
         self._stats_at = 0.0                   # monotonic seconds the last step's stats came (its successor began)
@@ -334,6 +336,10 @@ class AsyncEngine:
         if self._stats is None:
             raise EngineDeadError("the engine is not started")
         return self._stats
+
+    def count_invalid_structured_output(self) -> None:
+        """One more finished structured answer that broke its schema (``tandem:structured_output_invalid``)."""
+        self.structured_output_invalid += 1
 
     def predict_ttft(self, prompt_token_ids: list[int], priority: int = 0) -> TTFTPrediction | None:
         """Predicted seconds to the first token of this prompt if it were added now (``engine/core/ttft.py``):

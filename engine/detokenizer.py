@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from engine.grammar_end import may_end
 from engine.sampling_params import SamplingParams
 
 # Prompt tokens decoded as context before the first output token (vLLM's
@@ -63,6 +64,8 @@ class IncrementalDetokenizer:
         self.include_stop = params.include_stop_str_in_output
         self.skip_special_tokens = params.skip_special_tokens
         self.min_tokens = params.min_tokens
+        # A constrained answer's stop strings count only where its grammar may end (engine/grammar_end.py).
+        self._may_end = may_end(params.structured_outputs)
         self._num_tokens = 0  # output tokens decoded so far
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._ids: list[int] = context
@@ -162,6 +165,8 @@ class IncrementalDetokenizer:
         text = self._decoded
         for stop in self.stop:
             i = text.find(stop, max(0, self._searched - len(stop) + 1))
+            while i >= 0 and self._may_end is not None and not self._may_end(text[:i]):
+                i = text.find(stop, i + 1)   # content of a constrained answer here: look further
             if i >= 0:
                 cand = (i + len(stop), -len(stop), stop)
                 if best is None or cand < best:

@@ -15,7 +15,8 @@ Names (all with label ``model_name``), as in vLLM ``v1/metrics/loggers.py``:
 ``vllm:request_success_total`` (+ ``finished_reason``),
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
 ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
-``vllm:cache_config_info``.
+``vllm:cache_config_info``; Tandem's ``tandem:structured_output_invalid_total`` (finished structured answers
+that broke their schema, ``engine/entrypoints/answer_check.py``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ class _LiveCollector:
             fam = cls(name, doc, labels=["model_name"])
             fam.add_metric(labels, float(getattr(stats, attr)) if stats is not None else 0.0)
             yield fam
+        invalid = CounterMetricFamily("tandem:structured_output_invalid",
+                                      "Finished structured answers that broke their schema (returned as length).",
+                                      labels=["model_name"])
+        invalid.add_metric(labels, float(getattr(self.engine, "structured_output_invalid", 0)))
+        yield invalid
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
                                  labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching",
                                          "cache_dtype", "swap_space_bytes"])

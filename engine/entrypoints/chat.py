@@ -11,6 +11,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 
+from engine.entrypoints.answer_check import AnswerCheck, checked_finish
 from engine.entrypoints.chat_structured import ToolCallParser, parse_tool_calls, plan_chat
 from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidationError
 from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, RenderedPrompt, error_from_engine, parse_body,
@@ -65,16 +66,18 @@ class OpenAIServingChat(OpenAIServing):
         top = req.top_logprobs or 0
         model = response_model or self.served_model_name
         resume = _resume(req, plan, self.engine.tokenizer.vocab_size)
+        check = AnswerCheck.of(spec, req.tools, plan.parse_tool_calls)
         if req.stream:
             include_usage, continuous = usage_options(req)
             return self._chat_stream(request_id, model, prompt, prio, bool(req.logprobs), top, echo,
                                      include_usage, continuous, plan.parse_tool_calls, plan.calls_only,
-                                     resume=resume, return_ids=req.return_token_ids)
+                                     resume=resume, return_ids=req.return_token_ids, check=check)
         return await self._chat_full(request_id, model, prompt, prio, bool(req.logprobs), top, echo,
-                                     plan.parse_tool_calls, plan.calls_only)
+                                     plan.parse_tool_calls, plan.calls_only, check=check)
 
     async def _chat_full(self, request_id: str, model: str, prompt: Prompt, priority: int, want_logprobs: bool,
-                         top: int, echo: str, tool_calls: bool = False, calls_only: bool = False) -> dict:
+                         top: int, echo: str, tool_calls: bool = False, calls_only: bool = False,
+                         check: AnswerCheck | None = None) -> dict:
         choices, cached, prompt_lps = await self._collect(request_id, [prompt], priority)
         out_choices = []
         completion_tokens = 0
@@ -82,19 +85,21 @@ class OpenAIServingChat(OpenAIServing):
             reject_abort(ch.finish_reason)
             completion_tokens += ch.num_generated_tokens
             message = {"role": "assistant", "content": echo + ch.text, "refusal": None}
-            finish_reason = ch.finish_reason
+            finish_reason, calls = ch.finish_reason, []
             if tool_calls:
                 message["content"], calls = parse_tool_calls(ch.text, calls_only)
                 if calls:
                     message["tool_calls"] = calls
                     finish_reason = tool_finish_reason(finish_reason)
+            finish_reason, stop_reason = checked_finish(self.engine, check, finish_reason, ch.stop_reason,
+                                                        ch.text, calls)
             out_choices.append({
                 "index": index,
                 "message": message,
                 "logprobs": {"content": self.logprobs.chat_logprobs(ch.token_ids, ch.logprobs or [], top),
                              "refusal": None} if want_logprobs else None,
                 "finish_reason": finish_reason,
-                "stop_reason": ch.stop_reason,
+                "stop_reason": stop_reason,
             })
         response = {
             "id": request_id, "object": "chat.completion", "created": int(time.time()),
@@ -109,7 +114,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _chat_stream(self, request_id: str, model: str, prompt: Prompt, priority: int, want_logprobs: bool,
                            top: int, echo: str, include_usage: bool, continuous: bool,
                            tool_calls: bool = False, calls_only: bool = False, resume: dict | None = None,
-                           return_ids: bool = False) -> AsyncIterator[bytes]:
+                           return_ids: bool = False, check: AnswerCheck | None = None) -> AsyncIterator[bytes]:
         """The SSE lines of a streamed answer; ``resume``: a continuation (no role chunks: the client has
         them; counts from the tokens already generated); ``return_ids``: each choice's new ``token_ids``."""
         created = int(time.time())
@@ -118,6 +123,7 @@ class OpenAIServingChat(OpenAIServing):
         num_prompt = len(prompt.token_ids)
         generated = [len((resume or {}).get(i, ())) for i in range(n)]
         cached = 0
+        texts = [""] * n   # each choice's text so far: the second line checks the finished answer
 
         def chunk(choices: list, usage: dict | None = None) -> bytes:
             return self._chunk(request_id, model, "chat.completion.chunk", created, choices, usage)
@@ -141,6 +147,12 @@ class OpenAIServingChat(OpenAIServing):
                             lps = {"content": self.logprobs.chat_logprobs(c.token_ids, c.logprobs or [], top),
                                    "refusal": None}
                         deltas, finish_reason = stream_deltas(parsers, c)
+                        stop_reason = c.stop_reason
+                        if check is not None:
+                            texts[c.index] += c.text
+                            finish_reason, stop_reason = checked_finish(
+                                self.engine, check, finish_reason, stop_reason, texts[c.index],
+                                parsers[c.index].calls if parsers else None)
                         ids = return_ids and bool(c.token_ids)    # tokens whose text is held back, too
                         if not deltas and finish_reason is None and lps is None and not ids:
                             continue
@@ -152,7 +164,7 @@ class OpenAIServingChat(OpenAIServing):
                             if ids:
                                 choice["token_ids"] = list(c.token_ids) if k == 0 else []
                             if last and finish_reason is not None:
-                                choice["stop_reason"] = c.stop_reason
+                                choice["stop_reason"] = stop_reason
                             yield chunk([choice], runningusage())
             if include_usage:
                 yield chunk([], usage(num_prompt, sum(generated), cached))

@@ -10,6 +10,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
+from engine.entrypoints.answer_check import AnswerCheck, checked_finish
 from engine.entrypoints.chat_structured import ChatPlan, structured_spec
 from engine.entrypoints.logprobs import empty_completion_logprobs
 from engine.entrypoints.protocol import CompletionRequest, RequestValidationError
@@ -66,11 +67,12 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts.append(Prompt(ids, text, params))
         prio = req.priority if req.priority is not None else priority
         model = response_model or self.served_model_name
+        check = AnswerCheck.of(spec, None, False)
         if req.stream:
             include_usage, continuous = usage_options(req)
             return self._completion_stream(request_id, model, prompts, prio, req.logprobs, echo, include_usage,
-                                           continuous)
-        return await self._completion_full(request_id, model, prompts, prio, req.logprobs, echo)
+                                           continuous, check)
+        return await self._completion_full(request_id, model, prompts, prio, req.logprobs, echo, check)
 
     def _prompt_text(self, prompt: Prompt) -> str:
         if prompt.text is not None:
@@ -78,7 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return self.engine.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
     async def _completion_full(self, request_id: str, model: str, prompts: list[Prompt], priority: int,
-                               logprobs: int | None, echo: bool) -> dict:
+                               logprobs: int | None, echo: bool, check: AnswerCheck | None = None) -> dict:
         choices, cached, prompt_lps = await self._collect(request_id, prompts, priority)
         out_choices = []
         num_prompt = completion_tokens = 0
@@ -96,8 +98,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     if echo:
                         offset = self.logprobs.append_prompt_logprobs(lps, prompt.token_ids, prompt_lps[p_idx], logprobs)
                     self.logprobs.append_completion_logprobs(lps, ch.token_ids, ch.logprobs or [], logprobs, offset)
+                finish_reason, stop_reason = checked_finish(self.engine, check, ch.finish_reason, ch.stop_reason,
+                                                            ch.text)
                 choice = {"index": p_idx * n + index, "text": prefix + ch.text, "logprobs": lps,
-                          "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                          "finish_reason": finish_reason, "stop_reason": stop_reason}
                 if prompt.params.prompt_logprobs is not None and not echo:  # vLLM: per choice
                     choice["prompt_logprobs"] = self.logprobs.prompt_logprobs_vllm(prompt.token_ids, prompt_lps[p_idx])
                 out_choices.append(choice)
@@ -110,13 +114,14 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _completion_stream(self, request_id: str, model: str, prompts: list[Prompt], priority: int,
                                  logprobs: int | None, echo: bool, include_usage: bool,
-                                 continuous: bool) -> AsyncIterator[bytes]:
+                                 continuous: bool, check: AnswerCheck | None = None) -> AsyncIterator[bytes]:
         created = int(time.time())
         num_prompt = sum(len(p.token_ids) for p in prompts)
         generated: dict[tuple[int, int], int] = {}
         cached = [0] * len(prompts)
         offsets: dict[tuple[int, int], int] = {}
         echoed: set[tuple[int, int]] = set()
+        texts: dict[tuple[int, int], str] = {}   # each choice's generated text: the second line checks it
 
         def chunk(choices: list, usage: dict | None = None) -> bytes:
             return self._chunk(request_id, model, "text_completion", created, choices, usage)
@@ -136,6 +141,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         key = (p_idx, c.index)
                         generated[key] = c.num_generated_tokens
                         text = c.text
+                        texts[key] = texts.get(key, "") + c.text
+                        finish_reason, stop_reason = checked_finish(self.engine, check, c.finish_reason,
+                                                                    c.stop_reason, texts[key])
                         lps = None
                         if logprobs is not None:
                             lps = empty_completion_logprobs()
@@ -153,9 +161,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         if not text and c.finish_reason is None and lps is None:
                             continue
                         choice = {"index": p_idx * prompt.params.n + c.index, "text": text, "logprobs": lps,
-                                  "finish_reason": c.finish_reason}
-                        if c.finish_reason is not None:
-                            choice["stop_reason"] = c.stop_reason
+                                  "finish_reason": finish_reason}
+                        if finish_reason is not None:
+                            choice["stop_reason"] = stop_reason
                         yield chunk([choice], runningusage())
             if include_usage:
                 yield chunk([], usage(num_prompt, sum(generated.values()), sum(cached)))

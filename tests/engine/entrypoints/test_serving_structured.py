@@ -81,8 +81,9 @@ def reassemble(chunks: list[ChatCompletionChunk]) -> tuple[str | None, list[dict
     return content or None, calls, finish
 
 
-def ask_schema(s: LiveServer, name: str, schema: dict, *, stream: bool, temperature: float) -> tuple[str, str]:
-    kw = dict(messages=[{"role": "user", "content": f"Give an example of a {name.replace('_', ' ')} as JSON."}],
+def ask_schema(s: LiveServer, name: str, schema: dict, *, stream: bool, temperature: float,
+               **extra) -> tuple[str, str]:
+    kw = dict(**extra, messages=[{"role": "user", "content": f"Give an example of a {name.replace('_', ' ')} as JSON."}],
               max_tokens=200, temperature=temperature, seed=1234,
               response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}})
     if stream:
@@ -390,3 +391,62 @@ def test_the_request_handler_leaves_schema_checks_to_the_compile_pool(monkeypatc
         asyncio.run(serving._compile_grammar(plan))
     assert err.value.status_code == 408 and err.value.param == "response_format"
     assert err.value.code == "grammar_compile_timeout" and "structured_outputs_compile_timeout_s" in err.value.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [["}"], [":"], ['"'], ["\n"]])
+def test_a_stop_string_inside_a_required_tool_call_is_content(server, stop):
+    """Issue #49 item 2: ``stop: ["}"]`` gave ``finish_reason: "tool_calls"`` with ``{ "city": "Paris" `` (invalid
+    JSON), ``stop: [":"]`` gave "stop" with neither content nor calls. Where the grammar may not end, a stop
+    string is content (as stop token ids already were): the call comes whole and valid, streamed and not."""
+    kw = dict(messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", max_tokens=96, temperature=0,
+              parallel_tool_calls=False, stop=stop)
+    reply = chat(server, **kw)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    for c in choice.message.tool_calls:
+        _check_call({"name": c.function.name, "arguments": c.function.arguments})
+    content, streamed, finish = reassemble(chat_stream(server, **kw))
+    assert finish == "tool_calls" and streamed == [
+        {"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [["}"], [":"], [","]])
+def test_a_stop_string_inside_a_json_answer_is_content(server, stop):
+    """A stop string cut a response-format answer wherever it matched (``finish_reason: "stop"``, broken JSON);
+    now it is content until the grammar may end: the whole answer comes, and validates."""
+    name = next(iter(SCHEMAS))
+    for stream in (False, True):
+        for temperature in (0.0, 1.0):
+            text, finish = ask_schema(server, name, SCHEMAS[name], stream=stream, temperature=temperature, stop=stop)
+            assert finish == "stop", (text, finish)
+            jsonschema.validate(json.loads(text), SCHEMAS[name])
+
+
+@pytest.mark.slow
+def test_an_answer_that_breaks_its_schema_never_ends_with_stop_or_tool_calls(server, monkeypatch):
+    """The second line (engine/entrypoints/answer_check.py): a finished structured answer is validated with
+    ``jsonschema``; one that fails ends with ``length`` and ``stop_reason: "schema_violation"``, and is counted.
+    The first line is taken away here (stop strings cut constrained answers again, as before issue #49) so that
+    broken answers reach it: a required call cut at its first '}' and a JSON answer cut at its first ','."""
+    from tests.engine.entrypoints.test_serving import scrape
+
+    monkeypatch.setattr("engine.detokenizer.may_end", lambda spec: None)
+    before = scrape(server).get("tandem:structured_output_invalid_total", 0)
+    kw = dict(messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", max_tokens=96, temperature=0, stop=["}"])
+    reply = chat(server, **kw)
+    assert reply.choices[0].finish_reason == "length", reply
+    assert reply.choices[0].model_extra.get("stop_reason") == "schema_violation"
+    assert reassemble(chat_stream(server, **kw))[2] == "length"
+    name = next(iter(SCHEMAS))
+    for stream in (False, True):
+        text, finish = ask_schema(server, name, SCHEMAS[name], stream=stream, temperature=0.0, stop=[","])
+        assert finish == "length", text
+    completion = server.client.completions.create(
+        model=server.model, prompt="A person as JSON:", max_tokens=60, temperature=0, stop=[","],
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+            "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"]}}}})
+    assert completion.choices[0].finish_reason == "length", completion
+    assert scrape(server)["tandem:structured_output_invalid_total"] == before + 5

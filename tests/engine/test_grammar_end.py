@@ -1,0 +1,54 @@
+"""A constrained answer's stop strings count only where its grammar may end (engine/grammar_end.py, issue #49
+item 2), through the real ``IncrementalDetokenizer``: no model, a character tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.entrypoints.chat_structured import _tool_grammar
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.engine.entrypoints.test_serving_structured import TOOLS
+
+
+class Chars:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def run(text: str, stop: list[str], spec) -> tuple[str, str | None]:
+    d = IncrementalDetokenizer(Chars(), [], SamplingParams(stop=stop, structured_outputs=spec))
+    out = ""
+    for ch in text:
+        delta, matched = d.update([ord(ch)])
+        out += delta
+        if matched:
+            return out, matched
+    return out + d.flush(), None
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("spec, text, stop, expected", [
+    (StructuredOutputsParams(json={"type": "object"}), '{"a": {"b": 1}}', ["}"], ('{"a": {"b": 1}}', None)),
+    (StructuredOutputsParams(json={"type": "object"}), '{"a": 1} \n', ["\n"], ('{"a": 1} ', "\n")),
+    (StructuredOutputsParams(json_object=True), '{"a": "x:y"}', [":"], ('{"a": "x:y"}', None)),
+    (StructuredOutputsParams(regex="[a-z]+!"), "ab!cd", ["!", "c"], ("ab!", "c")),
+    (StructuredOutputsParams(choice=["yes", "no"]), "yes.", ["e", "."], ("yes", ".")),
+    (StructuredOutputsParams(grammar='root ::= "a"'), "a,b", [","], ("a,b", None)),
+    (StructuredOutputsParams(structural_tag=_tool_grammar(TOOLS, "required", False)), CALL + "\nx", ["}", ":", "\n"],
+     (CALL, "\n")),
+    (StructuredOutputsParams(structural_tag=_tool_grammar(TOOLS, "auto", True)), "Hi: " + CALL, [":"],
+     ("Hi", ":")),
+    (None, '{"a": {"b": 1}}', ["}"], ('{"a": {"b": 1', "}")),
+])
+def test_a_stop_string_counts_only_where_the_grammar_may_end(spec, text, stop, expected):
+    assert run(text, stop, spec) == expected
+
+
+def test_the_tool_grammar_tags_are_what_the_rule_reads():
+    fmt = json.loads(_tool_grammar(TOOLS, "required", True))["format"]
+    assert fmt["type"] == "tags_with_separator" and all({"begin", "end"} <= set(t) for t in fmt["tags"])
