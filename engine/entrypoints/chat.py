@@ -17,11 +17,34 @@ from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidation
 from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, RenderedPrompt, error_from_engine, parse_body,
                                         reject_abort, sse, usage, usage_options)
 from engine.outputs import CompletionOutput
+from engine.sampling_params import SamplingParams
 from engine.protocol.errors import ServingError
 
 
 class OpenAIServingChat(OpenAIServing):
     """Chat completions (constructor: ``OpenAIServing``'s)."""
+
+    async def prepare_chat(self, body: dict, rendered: RenderedPrompt | None = None
+                           ) -> tuple[RenderedPrompt, SamplingParams]:
+        """Every check ``POST /v1/chat/completions`` makes before it queues a body (rendering, model, parameters,
+        context length, the grammar's compile): its rendering and sampling parameters. The one validation the
+        endpoint and ``POST /v1/ttft`` share, so a prediction is answered only for a body the endpoint takes.
+
+        Raises:
+            ServingError: as ``create_chat_completion``.
+        """
+        r = rendered if rendered is not None else render_chat(self.engine.tokenizer, body)
+        req, plan = r.request, r.plan
+        self._check_common(req, body.get("model"))
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._sampling_params(req, len(r.prompts[0][1]), max_tokens=max_tokens, logprobs=logprobs,
+                                       prompt_logprobs=req.prompt_logprobs, prompt_field="messages",
+                                       structured_outputs=plan.structured_outputs)
+        spec = await self._compile_grammar(plan)
+        if spec is not None:
+            params = dataclasses.replace(params, structured_outputs=spec)
+        return r, params
 
     async def create_chat_completion(self, body: dict, request_id: str, priority: int = 0,
                                      rendered: RenderedPrompt | None = None,
@@ -46,18 +69,9 @@ class OpenAIServingChat(OpenAIServing):
             ServingError: 400 bad input (names the parameter; prompt over
                 ``max_model_len``), 404 unknown model, 503 engine draining/dead.
         """
-        r = rendered if rendered is not None else render_chat(self.engine.tokenizer, body)
+        r, params = await self.prepare_chat(body, rendered)
         req, plan, messages = r.request, r.plan, r.plan.messages
-        self._check_common(req, body.get("model"))
         token_ids = r.prompts[0][1]
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling_params(req, len(token_ids), max_tokens=max_tokens, logprobs=logprobs,
-                                       prompt_logprobs=req.prompt_logprobs, prompt_field="messages",
-                                       structured_outputs=plan.structured_outputs)
-        spec = await self._compile_grammar(plan)
-        if spec is not None:
-            params = dataclasses.replace(params, structured_outputs=spec)
         echo = ""
         if req.echo and messages and messages[-1].get("role") == "assistant":
             echo = messages[-1].get("content") or ""

@@ -23,6 +23,35 @@ class OpenAIServingCompletion(OpenAIServing):
     """Legacy completions (constructor: ``OpenAIServing``'s)."""
 
     # ------------------------------------------------------------ completions
+    async def prepare_completion(self, body: dict, rendered: RenderedPrompt | None = None
+                                 ) -> tuple[RenderedPrompt, list[Prompt]]:
+        """Every check ``POST /v1/completions`` makes before it queues a body (rendering, model, parameters,
+        context length, the grammar's compile): its rendering and its prompts with their sampling parameters.
+        The one validation the endpoint and ``POST /v1/ttft`` share.
+
+        Raises:
+            ServingError: as ``create_completion``.
+        """
+        r = rendered if rendered is not None else render_completion(self.engine.tokenizer, body)
+        req = r.request
+        self._check_common(req, body.get("model"))
+        prompt_logprobs = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:
+            prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+        try:
+            spec, param = structured_spec(req)
+            plan = ChatPlan(structured_outputs=spec, param=param)
+        except RequestValidationError as exc:
+            raise ServingError(400, str(exc), param=exc.param) from None
+        spec = await self._compile_grammar(plan)
+        prompts = []
+        for text, ids in r.prompts:
+            params = self._sampling_params(req, len(ids), max_tokens=req.max_tokens, logprobs=req.logprobs,
+                                           prompt_logprobs=prompt_logprobs, prompt_field="prompt",
+                                           structured_outputs=spec)
+            prompts.append(Prompt(ids, text, params))
+        return r, prompts
+
     async def create_completion(self, body: dict, request_id: str, priority: int = 0,
                                 rendered: RenderedPrompt | None = None,
                                 response_model: str | None = None) -> dict | AsyncIterator[bytes]:
@@ -46,25 +75,9 @@ class OpenAIServingCompletion(OpenAIServing):
             ServingError: 400 bad input (names the parameter), 404 unknown
                 model, 503 engine draining/dead.
         """
-        r = rendered if rendered is not None else render_completion(self.engine.tokenizer, body)
+        r, prompts = await self.prepare_completion(body, rendered)
         req = r.request
-        self._check_common(req, body.get("model"))
         echo = bool(req.echo)
-        prompt_logprobs = req.prompt_logprobs
-        if echo and req.logprobs is not None:
-            prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
-        try:
-            spec, param = structured_spec(req)
-            plan = ChatPlan(structured_outputs=spec, param=param)
-        except RequestValidationError as exc:
-            raise ServingError(400, str(exc), param=exc.param) from None
-        spec = await self._compile_grammar(plan)
-        prompts = []
-        for text, ids in r.prompts:
-            params = self._sampling_params(req, len(ids), max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                           prompt_logprobs=prompt_logprobs, prompt_field="prompt",
-                                           structured_outputs=spec)
-            prompts.append(Prompt(ids, text, params))
         prio = req.priority if req.priority is not None else priority
         model = response_model or self.served_model_name
         check = AnswerCheck.of(spec, None, False)

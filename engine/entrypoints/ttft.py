@@ -2,7 +2,8 @@
 a router in another process asks the engine itself instead of guessing from scraped metrics.
 
 The body is a chat or completion request as ``/v1/chat/completions`` / ``/v1/completions`` take it (rendered
-and tokenized the same way; nothing is queued). The answer: ``ttft_s`` (seconds), ``prompt_tokens``,
+and tokenized the same way, and checked by the same function, ``prepare_chat`` / ``prepare_completion``: a body
+the endpoint refuses gets the same 400/404 here; nothing is queued). The answer: ``ttft_s`` (seconds), ``prompt_tokens``,
 ``uncached_tokens`` (what the prefix cache does not hold), ``tpot_s`` (predicted seconds per output token once it
 decodes), ``explanation`` (one line with the numbers).
 """
@@ -11,21 +12,21 @@ from __future__ import annotations
 
 from litestar import Request, Response, post
 
-from engine.entrypoints.chat import render_chat
-from engine.entrypoints.completion import render_completion
 from engine.protocol.errors import ServingError
 
 
 @post("/v1/ttft", status_code=200)
 async def ttft(request: Request) -> Response:
-    """The predicted TTFT of the request in the body if it were sent now (400 for a body the engine refuses,
-    503 while the engine loads)."""
+    """The predicted TTFT of the request in the body if it were sent now (the endpoint's own 400/404 for a body
+    it refuses, 503 while the engine loads)."""
     from engine.entrypoints.server import _json_body, _serving   # the server module imports this one
 
-    _serving(request, "chat")   # 503 while loading
     engine = request.app.state.engine
     body = await _json_body(request)
-    rendered = (render_chat if "messages" in body else render_completion)(engine.tokenizer, body)
+    if "messages" in body:   # the endpoint's own checks (one function), nothing queued
+        rendered, _ = await _serving(request, "chat").prepare_chat(body)
+    else:
+        rendered, _ = await _serving(request, "completion").prepare_completion(body)
     token_ids = rendered.prompts[0][1]
     priority = getattr(rendered.request, "priority", None) or 0
     p = engine.predict_ttft(token_ids, priority)

@@ -75,3 +75,18 @@ def test_a_stream_gets_tokens_between_the_chunks_of_a_long_embedding(chunked):
     assert len(between) >= -(-LONG // (BUDGET - 1))       # one chunk a step, beside the stream's decode row
     assert all(any(o.request_id == "stream" and o.new_token_ids for o in m.outputs) for m in between)
     assert log[reply].value == chunked.embed([_prompts(1)[0]], "MEAN")      # and the same vector
+
+
+def test_a_queued_embedding_counts_in_the_ttft_state(chunked):
+    """Issue 49: ``/v1/ttft`` did not see embeddings (predicted 0.02 s, real 6.1 s): they ran outside the
+    scheduler. Now an embedding is queued prefill like any prompt, in the state predictions are made from."""
+    core = chunked.engine.core
+    before = core.get_stats().ttft.queued()
+    core.add_embed(11, [_prompts(1)[0]], "LAST", True)
+    assert core.get_stats().ttft.queued() == (before[0] + LONG, before[1] + 1)
+    core.step()
+    running = core.get_stats().ttft
+    assert running.running_prefill == LONG - BUDGET and running.running_prefill_reqs == 1
+    while core.has_unfinished_requests():
+        core.step()
+    assert [cid for cid, vectors, error in core.take_embeds() if vectors and error is None] == [11]
