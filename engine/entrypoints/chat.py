@@ -17,8 +17,8 @@ from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidation
 from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, RenderedPrompt, error_from_engine, parse_body,
                                         reject_abort, sse, usage, usage_options)
 from engine.outputs import CompletionOutput
-from engine.sampling_params import SamplingParams
 from engine.protocol.errors import ServingError
+from engine.sampling_params import SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
