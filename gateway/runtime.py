@@ -17,7 +17,7 @@ from prometheus_client import Counter
 from gateway.config.compile import Compiled, load_config_text
 from gateway.config.layers import Layered, RolloutConflict, holder, layer_view, reapply, route_weights
 from gateway.config.schema import ConfigError
-from gateway.backends.anthropic import AnthropicBackend
+from gateway.backends.build import build_backends
 from gateway.backends.local import LocalBackend
 from gateway.backends.latency import UpstreamLatency
 from gateway.backends.replicas import ReplicaLoads
@@ -29,7 +29,6 @@ from gateway.resilience.streaming import GATEWAY_SHUTDOWN
 from gateway.billing.usage import UsageLedger
 from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
-from gateway.backends.upstream import UpstreamBackend
 from gateway.config.versions import ConfigState, MemoryLedger, RedisLedger, VersionConflict, text_digest
 from gateway.config.weights import add_effective_shares, describe_changes, routes_table
 from gateway.rollouts.controller import RolloutController
@@ -66,11 +65,6 @@ class Snapshot:
             waiting, running, kv = self.local.stats()
             return Signals(waiting, running, kv, unavailable)
         return Signals(unavailable=unavailable)
-
-
-def _backend_key(b) -> tuple:
-    env = b.cfg.api_key_env if b.kind in ("openai", "anthropic") else None
-    return (b.cfg, os.environ.get(env) if env else None)
 
 
 class Gateway:
@@ -205,26 +199,7 @@ class Gateway:
     # ----- config generations ----------------------------------------------------------------------------------
     def _build_backends(self, compiled: Compiled) -> tuple[dict, LocalBackend | None]:
         old = self.snapshot.backends if self.snapshot else {}
-        backends: dict = {}
-        local = None
-        for name, cfg in compiled.config.backends.items():
-            prev = old.get(name)
-            if cfg.type == "local":
-                if prev is not None and prev.kind == "local":
-                    if prev.cfg != cfg:
-                        compiled.warnings.append(f"backends.{name}: engine settings changed; restart to apply them")
-                    backends[name] = prev       # the engine is never reloaded in place
-                else:
-                    backends[name] = LocalBackend(name, cfg)
-                local = backends[name]
-                continue
-            key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
-            if prev is not None and prev.kind == cfg.type and _backend_key(prev) == (cfg, key):
-                backends[name] = prev
-            else:
-                backends[name] = (AnthropicBackend if cfg.type == "anthropic" else UpstreamBackend)(name, cfg)
-                if not backends[name].available:
-                    compiled.warnings.append(f"backend {name} unavailable: {backends[name].unavailable_reason}")
+        backends, local = build_backends(compiled.config.backends, old, compiled.warnings)
         now = time.monotonic()
         for name, b in old.items():
             if backends.get(name) is not b:

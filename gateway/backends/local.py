@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import msgspec
 
@@ -83,6 +84,7 @@ class LocalBackend:
     model (or for good when loading failed: ``unavailable_reason``)."""
 
     kind = "local"
+    endpoints = ("chat/completions", "completions", "embeddings")   # what its OpenAI layer serves
 
     def __init__(self, name: str, cfg: LocalBackendConfig):
         self.name, self.cfg = name, cfg
@@ -123,6 +125,33 @@ class LocalBackend:
             log.error("local backend %s unavailable: %s", self.name, self.unavailable_reason)
         finally:
             self.loading = False
+
+    def provider(self) -> str:
+        """The provider label of records and metrics: ``tandem``, whatever the backend's name."""
+        return "tandem"
+
+    def serves(self, req: GatewayRequest) -> bool:
+        """Whether the engine can serve ``req``: not when it carries a field the engine does not serve
+        (``GatewayRequest.local_unsupported``)."""
+        return req.local_unsupported is None
+
+    def stream_timeouts(self, deadline_s: float) -> tuple[float | None, float | None]:
+        """(first token, between chunks) timeouts: the engine queues under load, so its first token is bounded
+        by the request's deadline ``deadline_s`` only, and its chunks by nothing (it is in this process)."""
+        return deadline_s, None
+
+    async def probe(self) -> None:
+        """The active health probe: the engine is loaded and running.
+
+        Raises:
+            RuntimeError: it is not, with the reason."""
+        if not self.available:
+            raise RuntimeError(self.unavailable_reason or "engine not ready")
+
+    async def open_chat_stream(self, req: GatewayRequest, request_id: str, body: dict) -> AsyncIterator[bytes]:
+        """A stream of ``body`` for ``req`` (a ``chat/completions`` request) under ``request_id``: a shadow's side,
+        which the engine renders itself (``req``'s rendering is of the client's body)."""
+        return await self.open_stream(replace(req, request_id=request_id, stream=True, rendered=None), body)
 
     def upstream_model(self, public_model: str, target_model: str) -> str:
         return target_model or self.served_model_name or public_model

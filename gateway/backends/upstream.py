@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Mapping
 import httpx
 from httpx_aiohttp import AiohttpTransport
 from httpx_aiohttp.transport import map_aiohttp_exceptions
+import msgspec
 
 from gateway.config.schema import OpenAIBackendConfig
 from gateway.errors import BackendError, transport_error_kind
@@ -175,6 +176,26 @@ class UpstreamBackend:
         if kind == "connect_error":
             return BackendError("connect", f"{self.name}: cannot connect ({type(cause).__name__}: {cause})", 502)
         return BackendError("stream", f"{self.name}: connection failed ({type(cause).__name__})", 502)
+
+    # What the layers above ask of a backend, answered by the backend (no layer branches on ``kind``).
+    loading = False    # an upstream has nothing to load (the local engine: until its model is loaded)
+
+    def provider(self) -> str:
+        """The provider label of records and metrics: the backend's name."""
+        return self.name
+
+    def serves(self, req) -> bool:
+        """Whether this backend can serve ``req`` (a ``GatewayRequest``): an upstream takes every field."""
+        return True
+
+    def stream_timeouts(self, deadline_s: float) -> tuple[float | None, float | None]:
+        """(first token, between chunks) timeouts in seconds: the configured ones (``deadline_s`` unused)."""
+        t = self.cfg.timeouts
+        return t.first_token_s, t.inter_chunk_s or t.read_s
+
+    async def open_chat_stream(self, req, request_id: str, body: dict) -> AsyncIterator[bytes]:
+        """A ``chat/completions`` stream of ``body`` under ``request_id`` (a shadow's side; ``req`` unused)."""
+        return await self.open_stream("chat/completions", msgspec.json.encode(body), request_id)
 
     async def probe(self) -> None:
         """The active health probe: ``GET base_url/models``.

@@ -84,7 +84,7 @@ class RequestRecord:
 
 def provider(snap, backend: str) -> str:
     b = snap.backends.get(backend) if snap is not None else None
-    return "tandem" if b is not None and b.kind == "local" else backend
+    return b.provider() if b is not None else backend
 
 
 def server_address(snap, backend: str) -> str | None:

@@ -142,7 +142,7 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
                           code="engine_loading", headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)})
     gw.obs.note(req, decision)   # labels and trace facts, before admission may refuse
     if req.local_unsupported:
-        upstreams = {name: b.unavailable_reason for name, b in snap.backends.items() if b.kind != "local"}
+        upstreams = {name: b.unavailable_reason for name, b in snap.backends.items() if b.serves(req)}
         route = snap.compiled.policy.routes.get(decision.route)
         if (error := upstream_only_error(req.local_unsupported, decision, route, upstreams)) is not None:
             raise error

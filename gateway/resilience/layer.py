@@ -67,8 +67,8 @@ class Resilience:
         has (``backends()``, read each round): ``GET /models`` upstream, engine readiness locally. A local
         engine still loading is not probed: loading is not a failure (``/health/ready`` says ``engine is
         loading`` already), and a failed probe recorded then would outlive the load by up to three rounds."""
-        self.prober = ActiveProber(self.health, lambda: {name: _probe_for(b) for name, b in backends().items()
-                                                         if not (b.kind == "local" and b.loading)})
+        self.prober = ActiveProber(self.health, lambda: {name: b.probe for name, b in backends().items()
+                                                         if not b.loading})
         self.prober.start()
 
     async def stop(self) -> None:
@@ -150,14 +150,12 @@ class Resilience:
         target's ``id`` (default ``backend/model``, or ``backend`` when the target names no model), so
         every route naming that id shares one breaker."""
         cfg = backend.cfg
-        local = backend.kind == "local"
+        first_token_s, inter_chunk_s = backend.stream_timeouts(self.policy.deadline_s)
         lims = [Limit("backend", backend.name, cfg.rpm, cfg.tpm)] if cfg.rpm is not None or cfg.tpm is not None else []
         return Candidate(
             name=target.id, target=target,
             max_model_len=getattr(backend, "max_model_len", None),
-            # the local engine queues under load: its first token is bounded by the request deadline only
-            first_token_timeout_s=self.policy.deadline_s if local else cfg.timeouts.first_token_s,
-            inter_chunk_timeout_s=None if local else cfg.timeouts.inter_chunk_s or cfg.timeouts.read_s,
+            first_token_timeout_s=first_token_s, inter_chunk_timeout_s=inter_chunk_s,
             limits=lims)
 
     async def forward(self, candidates: list[Candidate], attempt, *, stream: bool, required_len: int | None,
@@ -175,13 +173,3 @@ class Resilience:
             watchdog.interrupt(reason)
         return len(self.streams)
 
-
-def _probe_for(backend: Any):
-    async def probe() -> None:
-        if backend.kind == "local":
-            if not backend.available:
-                raise RuntimeError(backend.unavailable_reason or "engine not ready")
-            return
-        await backend.probe()
-
-    return probe

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import msgspec
 
@@ -171,7 +171,7 @@ class ShadowRunner:
 
     async def _call(self, snap, req, plan: Plan, target: Target, side: str) -> tuple[Side, dict | None]:
         backend = snap.backends.get(target.backend)
-        if backend is None or not backend.available or backend.kind == "anthropic":
+        if backend is None or not backend.available or "chat/completions" not in backend.endpoints:
             return Side(False, error=f"{target.backend}: unavailable"), None
         rid = f"{req.request_id}-{plan.name}-{side}"
         model = backend.upstream_model(req.public_model, target.model)
@@ -181,21 +181,16 @@ class ShadowRunner:
         try:
             async with asyncio.timeout(deadline):
                 try:
-                    chunks = await self._open(backend, req, rid, shadow_body(req.body, model, plan.top_logprobs, ids))
+                    chunks = await backend.open_chat_stream(req, rid, shadow_body(req.body, model, plan.top_logprobs, ids))
                 except BackendError as e:
                     if not (ids and e.kind == "http" and e.status == 400):
                         raise
                     self.no_ids.add(target.backend)      # an upstream that does not take vLLM's extra field
-                    chunks = await self._open(backend, req, rid, shadow_body(req.body, model, plan.top_logprobs, False))
+                    chunks = await backend.open_chat_stream(req, rid,
+                                                            shadow_body(req.body, model, plan.top_logprobs, False))
                 return await read_side(chunks, started)
         except Exception as e:  # noqa: BLE001 -- any failure of the side is its error, counted in the report
             return Side(False, error=f"{type(e).__name__}: {e}"), None
-
-    @staticmethod
-    async def _open(backend, req, rid: str, body: dict):
-        if backend.kind == "local":
-            return await backend.open_stream(replace(req, request_id=rid, stream=True, rendered=None), body)
-        return await backend.open_stream("chat/completions", msgspec.json.encode(body), rid)
 
     async def _bill(self, snap, req, plan: Plan, side: str, target: Target, usage: dict | None) -> None:
         tokens = usage_tokens(usage)
