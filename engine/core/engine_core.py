@@ -44,6 +44,9 @@ from engine.core.scheduler import Scheduler
 from engine.worker.structured_outputs import StructuredOutputManager
 from engine.core.ttft import predict_waiting, quad_of, state_of
 from engine.core.ttft_calibration import TTFTCalibration
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.proposing import SpecDecoder
+from engine.spec_decode.rejection import sample_with_drafts
 
 logger = logging.getLogger("tandem.engine")
 
@@ -142,6 +145,8 @@ class EngineCore:
             scheduling_policy=args.scheduling_policy, num_cpu_blocks=num_cpu_blocks,
         )
         self.sampler = Sampler(self.model_config.vocab_size, self.device, seed=args.seed)
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        self.spec_decoder = SpecDecoder(spec, self.max_model_len) if spec is not None else None
         self._structured_outputs: StructuredOutputManager | None = None  # built on first use, or by the core process once ready
         self._structured_outputs_lock = threading.Lock()
         self.num_blocks = num_blocks
@@ -313,6 +318,8 @@ class EngineCore:
         (grammar-constrained rows masked), 4. advance the scheduler (EOS, stop
         token ids, lengths), 5. report."""
         started = time.perf_counter()
+        if self.spec_decoder is not None:
+            self.spec_decoder.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -331,12 +338,19 @@ class EngineCore:
         self._prompt_tokens_total += prefill_tokens
         self._calibrate(started, prefill_tokens, decode_rows, quad_of(chunks), len(chunks))
         self._collect_prompt_logprobs(sched, runner_out.prompt_logits)
+        before = {sid: self._seqs[sid].num_output_tokens for sid in sampled if sid in self._seqs}
         finished = self.scheduler.update_from_output(sched, sampled, not_stops=content)
         self._pool_step(runner_out, finished)
+        if self.spec_decoder is not None:
+            self.spec_decoder.observe(sched, sampled)
         self._stop_finished_grammars(grammar_done, finished)
-        self._generation_tokens_total += len(sampled)
-        outputs = [self._output(self._seqs[sid], [tok], row_logprobs.get(sid))
-                   for sid, tok in sampled.items() if sid in self._seqs]
+        outputs = []
+        for sid, n in before.items():  # the tokens kept: up to the one that finished the sequence
+            req = self._seqs[sid]
+            tokens = req.output_token_ids[n:]
+            lps = row_logprobs.get(sid)
+            self._generation_tokens_total += len(tokens)
+            outputs.append(self._output(req, tokens, None if lps is None else lps[:len(tokens)]))
         outputs += [self._output(req, [], None) for req in finished  # finished without a token (max_model_len)
                     if req.request_id not in sampled and req.request_id in self._seqs and req.pooling_params is None]
         for req in finished:
@@ -359,35 +373,42 @@ class EngineCore:
                                           chunks=last[4])
         self._last_step = (started, prefill_tokens, decode_rows, quad, chunks)
 
-    def _sample(self, sched, runner_out) -> tuple[dict[str, int], dict[str, dict], list[str], set[str]]:
-        """(sequence id -> sampled token, sequence id -> its logprobs,
-        sequences whose grammar just completed, sequences whose sampled stop
-        token is grammar content and must not stop them)."""
-        rows = [sched.scheduled[i].request for i in runner_out.sample_indices]
-        sampled: dict[str, int] = {}
-        row_logprobs: dict[str, dict] = {}
+    def _sample(self, sched, runner_out) -> tuple[dict[str, list[int]], dict[str, list], list[str], set[str]]:
+        """(sequence id -> the tokens it keeps: its accepted proposals then one sampled token, sequence id ->
+        their logprobs, sequences whose grammar just completed, sequences whose sampled stop token is grammar
+        content and must not stop them)."""
+        entries = [sched.scheduled[i] for i in runner_out.sample_indices]
+        rows = [e.request for e in entries]
+        sampled: dict[str, list[int]] = {}
+        row_logprobs: dict[str, list] = {}
         grammar_done: list[str] = []
         content: set[str] = set()
         if not rows:
             return sampled, row_logprobs, grammar_done, content
         so = self._structured_outputs
         bitmask = so.grammar_bitmask(rows) if so is not None else None
-        sampler_out = self.sampler.sample(runner_out.logits, rows, grammar_bitmask=bitmask)
-        for req, tok, lp in zip(rows, sampler_out.token_ids, sampler_out.logprobs):
-            sampled[req.request_id] = tok
-            if lp is not None:
-                row_logprobs[req.request_id] = lp
-            if bitmask is not None and so.is_content(req.request_id, tok):
+        drafts = [e.spec_token_ids for e in entries]
+        draft_logits = [runner_out.spec_logits.get(r.request_id) for r in rows]
+        result = sample_with_drafts(self.sampler, runner_out.logits, rows, drafts, draft_logits,
+                                    grammar_bitmask=bitmask)
+        for req, tokens, lps in zip(rows, result.token_ids, result.logprobs):
+            sampled[req.request_id] = tokens
+            if lps is not None:
+                row_logprobs[req.request_id] = lps
+            if bitmask is None or req.sampling_params.structured_outputs is None:
+                continue
+            tok = tokens[0]  # a row with a grammar gets no proposals
+            if so.is_content(req.request_id, tok):
                 content.add(req.request_id)
-            if bitmask is not None and so.accept(req.request_id, tok):
+            if so.accept(req.request_id, tok):
                 grammar_done.append(req.request_id)
         return sampled, row_logprobs, grammar_done, content
 
-    def _output(self, req: Request, tokens: list[int], logprobs: dict[int, Logprob] | None) -> EngineCoreOutput:
+    def _output(self, req: Request, tokens: list[int], logprobs: list[dict[int, Logprob]] | None) -> EngineCoreOutput:
         """One choice's news; the group's leader gives the request-level fields."""
         leader = self._groups[req.parent_id][0]
         if logprobs is not None:
-            new_logprobs = [logprobs]
+            new_logprobs = list(logprobs)
         else:
             new_logprobs = None if req.sampling_params.logprobs is None or not tokens else []
         done = req.is_finished

@@ -85,6 +85,9 @@ class Request:
         pooling_params: set for a pooling request (an embedding): its prompt
             is prefilled in chunks like any other, nothing is sampled, and it
             finishes once the whole prompt is computed (``max_tokens`` 0).
+        spec_token_ids: tokens proposed for this sequence's next step
+            (speculative decoding, ``engine/spec_decode/``); not part of its
+            tokens until verified.
     """
 
     request_id: str
@@ -104,6 +107,7 @@ class Request:
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
     # Timestamps (time.monotonic seconds) for metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

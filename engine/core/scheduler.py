@@ -274,12 +274,23 @@ class Scheduler:
             self.waiting.insert(0, victim)
         out.preempted.append(victim)
 
-    def _schedule_one(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+    def _spec_tokens(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The request's proposals that ride along this step (speculative
+        decoding): only after a whole decode of its known tokens, as many as
+        the budget and ``max_model_len`` leave room for."""
+        if not req.spec_token_ids or req.num_computed_tokens + num_new != req.num_tokens:
+            return []
+        room = min(budget - num_new, self.max_model_len - req.num_tokens)
+        return req.spec_token_ids[:max(room, 0)]
+
+    def _schedule_one(self, out: SchedulerOutput, req: Request, num_new: int, spec: list[int] | None = None) -> None:
         n = req.num_computed_tokens
+        spec = spec or []
         out.scheduled.append(ScheduledRequest(
             request=req, num_computed_tokens=n, num_new_tokens=num_new,
             block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
-            sample=n + num_new == req.num_tokens and req.pooling_params is None))
+            sample=n + num_new - len(spec) == req.num_tokens and req.pooling_params is None,
+            spec_token_ids=spec))
         out.num_batched_tokens += num_new
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, seats: int, now: float) -> None:
@@ -352,6 +363,12 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            spec = self._spec_tokens(req, num_new, budget)
+            if spec and kv.allocate_slots(req, num_new + len(spec)):
+                self._schedule_one(out, req, num_new + len(spec), spec)
+                budget -= num_new + len(spec)
+                i += 1
+                continue
             while not kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -392,22 +409,27 @@ class Scheduler:
         out.blocks_to_copy = kv.take_blocks_to_copy()
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int | list[int]],
                            not_stops: set[str] | frozenset[str] = frozenset()) -> list[Request]:
         """Apply a step's results.
 
         Advances ``num_computed_tokens`` of every scheduled (still unfinished)
-        request by its ``num_new_tokens``, offers newly full blocks to the
-        prefix cache, forks a group whose leader reached its fork point,
-        finishes a pooling request whose prompt is computed (it samples
-        nothing), appends ``sampled[request_id]`` for entries with
-        ``sample=True`` and finishes requests on EOS (unless ``ignore_eos``), a stop token id
-        (neither before ``min_tokens`` outputs), ``max_tokens`` or
-        ``max_model_len``; finished requests' blocks are freed.
+        request by its ``num_new_tokens`` less its rejected proposals (their
+        keys and values stay in its blocks past ``num_computed_tokens``, to be
+        overwritten), appends ``sampled[request_id]`` for entries with
+        ``sample=True`` one token at a time and finishes requests on EOS
+        (unless ``ignore_eos``), a stop token id (neither before
+        ``min_tokens`` outputs), ``max_tokens`` or ``max_model_len`` (tokens
+        after the one that finished it are dropped), offers newly full blocks
+        to the prefix cache, forks a group whose leader reached its fork
+        point, and finishes a pooling request whose prompt is computed (it
+        samples nothing); finished requests' blocks are freed.
 
         Args:
             out: the ``schedule()`` result this step ran.
-            sampled: request_id -> sampled token id, for entries with sample=True.
+            sampled: request_id -> sampled token id, or the tokens kept after
+                verifying its proposals (accepted proposals, then one sampled
+                token), for entries with sample=True.
             not_stops: requests whose sampled token, though one of their stop
                 token ids, is content of their grammar (it could go on no
                 other way: ``StructuredOutputManager.is_content``).
@@ -426,7 +448,22 @@ class Scheduler:
             if req.is_finished or req.status != RequestStatus.RUNNING:
                 continue  # aborted after schedule()
             assert req.num_computed_tokens == sr.num_computed_tokens, req.request_id
-            req.num_computed_tokens += sr.num_new_tokens
+            tokens: list[int] = []
+            if sr.sample:
+                if req.request_id not in sampled:
+                    raise KeyError(f"no sampled token for request {req.request_id!r}")
+                got = sampled[req.request_id]
+                tokens = [got] if isinstance(got, int) else list(got)
+            rejected = len(sr.spec_token_ids) + 1 - len(tokens) if sr.spec_token_ids else 0
+            req.num_computed_tokens += sr.num_new_tokens - rejected
+            status = reason = None
+            for token in tokens:
+                req.append_output_token_ids(token)
+                status, reason = self._check_stop(req, token, req.request_id in not_stops)
+                if status is not None:
+                    break
+            # a stop among accepted proposals: what follows it is not the request's
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
             kv.cache_full_blocks(req)
             if self._unforked(req) and req.num_computed_tokens == self._target_len(req):
                 self._fork(req)
@@ -434,16 +471,11 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_STOPPED, None)   # pooled: its last chunk ran
                 finished.append(req)
                 continue
-            if not sr.sample:
+            if not tokens:
                 continue
-            if req.request_id not in sampled:
-                raise KeyError(f"no sampled token for request {req.request_id!r}")
-            token = sampled[req.request_id]
-            req.append_output_token_ids(token)
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            status, reason = self._check_stop(req, token, req.request_id in not_stops)
             if status is not None:
                 self._finish(req, status, reason)
                 finished.append(req)

@@ -17,7 +17,10 @@ class ScheduledRequest:
     the slots given by ``block_ids`` (the request's whole block table, already
     long enough), and attends over the first ``num_computed_tokens +
     num_new_tokens`` tokens. It samples a token for this request only when
-    ``sample`` is True (the chunk reaches the end of the known tokens).
+    ``sample`` is True (the chunk reaches the end of the known tokens). The
+    last ``len(spec_token_ids)`` new tokens are ``spec_token_ids``
+    (proposals, after the request's known tokens): it then needs logits at
+    each of the last ``len(spec_token_ids) + 1`` positions.
 
     Attributes:
         request: the request (not mutated by the model runner).
@@ -25,6 +28,7 @@ class ScheduledRequest:
         num_new_tokens: tokens to compute this step (>= 1).
         block_ids: the request's block table (physical block ids), in order.
         sample: whether to sample a next token from the last position.
+        spec_token_ids: proposed tokens, the last of the new tokens.
     """
 
     request: Request
@@ -32,6 +36,7 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]
     sample: bool
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

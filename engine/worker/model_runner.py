@@ -43,12 +43,17 @@ class ModelRunnerOutput:
             chunk starts inside the prompt.
         pooled_hidden: request_id -> (first position, [rows, hidden_size] final hidden states) of the rows of
             this step's chunk that a pooling request's pooling reads (``engine/pooling.py``'s ``rows_needed``).
+        spec_logits: request_id -> [len(spec_token_ids), vocab_size] float32
+            logits at the positions before the last one of an entry with
+            proposals (row j: the prediction after its known tokens and the
+            first j proposals; ``logits`` holds the one after all of them).
     """
 
     logits: torch.Tensor
     sample_indices: list[int] = field(default_factory=list)
     prompt_logits: dict[str, torch.Tensor] = field(default_factory=dict)
     pooled_hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    spec_logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _available_host_memory() -> int:
@@ -212,7 +217,8 @@ class ModelRunner:
         for s in scheduled:
             tokens = s.request.all_token_ids
             nc = s.num_computed_tokens
-            chunk = tokens[nc:nc + s.num_new_tokens]
+            spec = s.spec_token_ids
+            chunk = tokens[nc:nc + s.num_new_tokens - len(spec)] + spec if spec else tokens[nc:nc + s.num_new_tokens]
             if len(chunk) != s.num_new_tokens:
                 raise ValueError(f"request {s.request.request_id}: {s.num_new_tokens} new tokens scheduled from "
                                  f"{nc} but it has only {len(tokens)} tokens")
@@ -260,6 +266,12 @@ class ModelRunner:
             if r.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < r.num_prompt_tokens:
                 prompt_spans.append((r.request_id, len(rows), entry_end[i] - entry_start[i]))
                 rows.extend(range(entry_start[i], entry_end[i]))
+        spec_spans: list[tuple[str, int, int]] = []
+        for i in sample_indices:
+            k = len(out.scheduled[i].spec_token_ids)
+            if k:
+                spec_spans.append((out.scheduled[i].request.request_id, len(rows), k))
+                rows.extend(range(entry_end[i] - 1 - k, entry_end[i] - 1))
         if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
             selected = hidden
         else:
@@ -268,7 +280,8 @@ class ModelRunner:
         n = len(sample_indices)
         prompt_logits = {rid: logits[start:start + length] for rid, start, length in prompt_spans}
         return ModelRunnerOutput(logits=logits[:n], sample_indices=sample_indices, prompt_logits=prompt_logits,
-                                 pooled_hidden=self._pooled_hidden(out, hidden, entry_start))
+                                 pooled_hidden=self._pooled_hidden(out, hidden, entry_start),
+                                 spec_logits={rid: logits[s:s + k] for rid, s, k in spec_spans})
 
     @staticmethod
     def _pooled_hidden(out: SchedulerOutput, hidden: torch.Tensor,

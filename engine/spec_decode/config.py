@@ -1,0 +1,63 @@
+"""``speculative_config`` (vLLM's name and keys): which proposer, how many tokens it may guess."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings (vLLM's ``SpeculativeConfig`` keys).
+
+    Attributes:
+        method: "ngram" (prompt lookup: the continuation of the last n tokens' latest earlier occurrence in the
+            prompt and output so far; no extra model).
+        num_speculative_tokens: most tokens proposed per sequence and step (k).
+        prompt_lookup_max: longest n-gram matched (tried first).
+        prompt_lookup_min: shortest n-gram matched.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.method in METHODS, "method", f"must be one of {', '.join(METHODS)}, got {self.method!r}"),
+            (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,
+             "num_speculative_tokens", f"must be an integer >= 1, got {self.num_speculative_tokens!r}"),
+            (isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1, "prompt_lookup_min",
+             f"must be an integer >= 1, got {self.prompt_lookup_min!r}"),
+            (isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
+             "prompt_lookup_max", f"must be an integer >= prompt_lookup_min, got {self.prompt_lookup_max!r}"),
+        ]
+        for ok, name, msg in checks:
+            if not ok:
+                raise ValueError(f"speculative_config.{name} {msg}")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """A config from a dict, a JSON object text (``--speculative-config``) or None (no speculation).
+
+        Raises:
+            ValueError: not a JSON object, an unknown key, or a bad value (the message names it).
+        """
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))})")
+        return cls(**value)

@@ -1,0 +1,37 @@
+"""Prompt lookup (n-gram) proposals, as vLLM's ``v1/spec_decode/ngram_proposer.py``: find the latest earlier
+occurrence of the sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its
+prompt and output, and propose the tokens that followed it."""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+class NgramProposer:
+    """Proposes up to k tokens by prompt lookup.
+
+    Args:
+        prompt_lookup_min: shortest n-gram matched.
+        prompt_lookup_max: longest n-gram matched (tried first).
+    """
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        self.min_n = prompt_lookup_min
+        self.max_n = prompt_lookup_max
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens following the latest earlier match of the longest matching suffix of
+        ``token_ids`` (empty: no match, or k = 0)."""
+        if k <= 0 or len(token_ids) <= self.min_n:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        total = len(tokens)
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            # windows starting at 0 .. total - n - 1 (the suffix itself excluded)
+            windows = sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[total - n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return tokens[start:start + k].tolist()
+        return []

@@ -1,0 +1,143 @@
+"""Speculative decoding changes no bit (issue 52, docs/speculative-decoding.md): with prompt lookup on, every
+logits row the sampler sees at an output position is bitwise the row the engine without it sees there, and the
+output tokens and their logprobs are identical, greedy and seeded, alone and batched, with prefix caching, chunked
+prefill, preemption, ``n > 1`` and stop strings; on SmolLM2 and on a tiny random Llama."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.tiny_models import save_byte_level_llama
+
+pytestmark = pytest.mark.slow
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+BASE = dict(dtype="bfloat16", kv_cache_memory="192MiB")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, logprobs=2)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=48, logprobs=2)
+PASSAGE = ("Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: "
+           "once or twice she had peeped into the book her sister was reading, but it had no pictures or "
+           "conversations in it, 'and what is the use of a book,' thought Alice 'without pictures or conversations?'")
+
+
+def _prompts(llm: LLM) -> list[list[int]]:
+    """Prompts that invite copying (the speculation's case) and MT-Bench questions (little to copy)."""
+    lines = (Path(__file__).resolve().parents[1] / "data" / "mt_bench_questions.jsonl").read_text().splitlines()
+    asks = [f"Repeat this text exactly:\n{PASSAGE}", f"Rewrite this text in the present tense:\n{PASSAGE}",
+            "Count from 1 to 40, separated by commas."] + [json.loads(line)["turns"][0] for line in lines[:2]]
+    tok = llm.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True),
+                       add_special_tokens=False) for a in asks]
+
+
+def _key(out) -> list[tuple]:
+    """Every choice's token ids and their top logprobs, exactly."""
+    return [(tuple(c.token_ids), tuple(tuple(sorted((k, v.logprob) for k, v in lp.items())) for lp in c.logprobs),
+             c.text, c.finish_reason) for c in out.outputs]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(**BASE)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return LLM(**BASE, speculative_config=SPEC)
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    """Each prompt alone on the engine without speculation, greedy and seeded."""
+    prompts = _prompts(plain)
+    return prompts, {name: [_key(plain.generate(p, params)[0]) for p in prompts]
+                     for name, params in (("greedy", GREEDY), ("seeded", SEEDED))}
+
+
+def _record_rows(llm: LLM) -> dict:
+    """Wrap the engine's sampler: (sequence id, output position) -> the logits row sampled there."""
+    sampler = llm.engine.core.sampler
+    seen: dict = {}
+    original = sampler.sample
+
+    def sample(logits, requests, grammar_bitmask=None):
+        for row, r in zip(logits, requests):
+            seen.setdefault((r.request_id, r.num_output_tokens), row.clone())
+        return original(logits, requests, grammar_bitmask=grammar_bitmask)
+
+    sampler.sample = sample
+    return seen
+
+
+def test_verify_rows_equal_decode_rows_bitwise(reference):
+    """The logits of depth j of a (k+1)-token verify pass are bitwise those of a one-token decode step at that
+    output position (the precondition of everything else)."""
+    prompts = reference[0]
+    rows = {}
+    for name, kwargs in (("plain", {}), ("spec", {"speculative_config": SPEC})):
+        llm = LLM(**BASE, **kwargs)
+        seen = _record_rows(llm)
+        for p in prompts[:3]:
+            llm.generate(p, GREEDY)
+        rows[name] = seen
+    plain_rows = {pos: row for (_, pos), row in rows["plain"].items()}
+    assert llm.engine.core.spec_decoder.stats.num_accepted_tokens > 0
+    compared = 0
+    for (rid, pos), row in rows["spec"].items():
+        ref = rows["plain"].get((rid, pos))
+        if ref is not None:
+            assert row.shape == ref.shape and bool((row == ref).all()), f"{rid} position {pos}"
+            compared += 1
+    assert compared >= len(plain_rows) // 2
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_alone_and_batched_equal_without_speculation(reference, spec, kind):
+    prompts, ref = reference
+    params = GREEDY if kind == "greedy" else SEEDED
+    before = spec.engine.core.spec_decoder.stats.num_accepted_tokens
+    assert [_key(spec.generate(p, params)[0]) for p in prompts] == ref[kind]
+    assert [_key(o) for o in spec.generate(prompts, params)] == ref[kind]
+    assert spec.engine.core.spec_decoder.stats.num_accepted_tokens > before   # proposals were accepted
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("chunked-24", dict(max_num_batched_tokens=24)),                  # budgets cut proposals too
+    ("no-prefix-cache", dict(enable_prefix_caching=False)),
+    ("preempting", dict(num_gpu_blocks_override=22, max_num_batched_tokens=64)),
+    ("k-1", dict(speculative_config={**SPEC, "num_speculative_tokens": 1})),
+])
+def test_chunked_cached_preempted_equal_without_speculation(reference, name, kwargs):
+    prompts, ref = reference
+    llm = LLM(**{**BASE, "speculative_config": SPEC, **kwargs})
+    for kind, params in (("greedy", GREEDY), ("seeded", SEEDED)):
+        assert [_key(o) for o in llm.generate(prompts, params)] == ref[kind], kind
+        assert [_key(o) for o in llm.generate(prompts, params)] == ref[kind], f"{kind}, prefix cached"
+    if name == "preempting":
+        assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+def test_n_stop_strings_penalties_equal_without_speculation(plain, spec, reference):
+    prompts = reference[0]
+    cases = [SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=40, logprobs=1),
+             SamplingParams(temperature=0.0, max_tokens=60, stop=["pictures or"], logprobs=0),
+             SamplingParams(temperature=0.7, seed=3, max_tokens=40, repetition_penalty=1.1,
+                            frequency_penalty=0.2, min_tokens=20, logprobs=0)]
+    for params in cases:
+        assert [_key(o) for o in spec.generate(prompts, params)] == [_key(o) for o in plain.generate(prompts, params)]
+
+
+def test_tiny_random_model_equal_without_speculation(tmp_path, one_thread):
+    path = save_byte_level_llama(tmp_path / "tiny")
+    plain = LLM(path, dtype="bfloat16", kv_cache_memory="64MiB")
+    spec = LLM(path, dtype="bfloat16", kv_cache_memory="64MiB", speculative_config=SPEC)
+    prompts = ["abcabcabcabcabcabc", "hello hello hello hello", "the cat sat on the mat; the cat sat on"]
+    for params in (SamplingParams(temperature=0.0, max_tokens=40, logprobs=1),
+                   SamplingParams(temperature=1.0, seed=9, max_tokens=40, logprobs=1)):
+        assert [_key(o) for o in spec.generate(prompts, params)] == [_key(o) for o in plain.generate(prompts, params)]
+    assert spec.engine.core.spec_decoder.stats.num_draft_tokens > 0
