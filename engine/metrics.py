@@ -63,6 +63,11 @@ class _LiveCollector:
             (CounterMetricFamily, "vllm:prefix_cache_hits",
              "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
             (CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
+            (CounterMetricFamily, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts"),
+            (CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+             "spec_num_draft_tokens"),
+            (CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+             "spec_num_accepted_tokens"),
         ]
         for cls, name, doc, attr in families:
             fam = cls(name, doc, labels=["model_name"])
@@ -73,6 +78,11 @@ class _LiveCollector:
                                       labels=["model_name"])
         invalid.add_metric(labels, float(getattr(self.engine, "structured_output_invalid", 0)))
         yield invalid
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=["model_name", "position"])
+        for pos, n in enumerate(getattr(stats, "spec_num_accepted_tokens_per_pos", ()) or ()):
+            per_pos.add_metric([self.model_name, str(pos)], float(n))
+        yield per_pos
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
                                  labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching",
                                          "cache_dtype", "swap_space_bytes"])

@@ -149,8 +149,13 @@ class OutputProcessor:
         detok = state.detokenizers[out.index]
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         text, stop = "", None
-        if out.new_token_ids:  # a stop token id (or EOS) that ended the choice stays out of the text
-            text, stop = detok.update(out.new_token_ids, stop_terminated=out.stop_terminated)
+        token_ids, logprobs, dropped = list(out.new_token_ids), out.new_logprobs, 0
+        if token_ids:  # a stop token id (or EOS) that ended the choice stays out of the text
+            text, stop, used = _detokenize(detok, out)
+            if used < len(token_ids):  # a stop string ended the choice before the last of several new tokens
+                dropped = len(token_ids) - used
+                token_ids = token_ids[:used]
+                logprobs = None if logprobs is None else logprobs[:used]
         if stop is not None:  # a stop string wins over a length limit hit by the same token
             if finish_reason is None:
                 stops.append((out.request_id, out.index, stop))
@@ -160,8 +165,8 @@ class OutputProcessor:
         if finish_reason is not None:
             state.finished[out.index] = True
         return CompletionOutput(
-            index=out.index, text=text, token_ids=list(out.new_token_ids), logprobs=out.new_logprobs,
-            finish_reason=finish_reason, stop_reason=stop_reason, num_generated_tokens=out.num_output_tokens)
+            index=out.index, text=text, token_ids=token_ids, logprobs=logprobs,
+            finish_reason=finish_reason, stop_reason=stop_reason, num_generated_tokens=out.num_output_tokens - dropped)
 
     def _request_output(self, rid: str, choices: list[CompletionOutput], last: EngineCoreOutput,
                         now: float) -> RequestOutput:
@@ -178,3 +183,20 @@ class OutputProcessor:
                                    first_token_time=state.first_token_time, last_token_time=now,
                                    finished_time=now if all_done else None),
         )
+
+
+def _detokenize(detok, out: EngineCoreOutput) -> tuple[str, str | None, int]:
+    """(text, stop string or None, tokens used) of a choice's new tokens. Several new tokens (accepted
+    speculative proposals) go in one at a time, as the engine without speculation would have sent them, so a stop
+    string ends the choice at the same token with the same text."""
+    ids = out.new_token_ids
+    if len(ids) == 1:
+        text, stop = detok.update(ids, stop_terminated=out.stop_terminated)
+        return text, stop, 1
+    text = ""
+    for i, token in enumerate(ids):
+        delta, stop = detok.update([token], stop_terminated=out.stop_terminated and i == len(ids) - 1)
+        text += delta
+        if stop is not None:
+            return text, stop, i + 1
+    return text, None, len(ids)

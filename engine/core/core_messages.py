@@ -150,6 +150,8 @@ class EngineStats(msgspec.Struct, array_like=True):
         prompt_tokens_total: prompt tokens computed (cumulative, excludes cache hits).
         generation_tokens_total: tokens generated (cumulative).
         ttft: what a TTFT prediction needs (``engine/core/ttft.py``); None from a core that does not publish it.
+        spec_num_drafts, spec_num_draft_tokens, spec_num_accepted_tokens, spec_num_accepted_tokens_per_pos:
+            speculative decoding's cumulative counters (``engine/spec_decode/proposing.py``; 0 when it is off).
     """
 
     num_running: int
@@ -162,6 +164,10 @@ class EngineStats(msgspec.Struct, array_like=True):
     prompt_tokens_total: int
     generation_tokens_total: int
     ttft: TTFTState | None = None
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -586,5 +586,13 @@ class EngineCore:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, tokens_in_flight=in_flight,
             prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
-            ttft=state_of(s, self.ttft_calibration, self._requests_added),
+            ttft=state_of(s, self.ttft_calibration, self._requests_added), **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.spec_decoder is None:
+            return {}
+        st = self.spec_decoder.stats
+        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                    spec_num_accepted_tokens=st.num_accepted_tokens,
+                    spec_num_accepted_tokens_per_pos=tuple(st.num_accepted_tokens_per_pos))

@@ -103,7 +103,9 @@ def test_alone_and_batched_equal_without_speculation(reference, spec, kind):
     before = spec.engine.core.spec_decoder.stats.num_accepted_tokens
     assert [_key(spec.generate(p, params)[0]) for p in prompts] == ref[kind]
     assert [_key(o) for o in spec.generate(prompts, params)] == ref[kind]
-    assert spec.engine.core.spec_decoder.stats.num_accepted_tokens > before   # proposals were accepted
+    stats = spec.engine.core.get_stats()
+    assert stats.spec_num_accepted_tokens > before   # proposals were accepted, and counted (vllm:spec_decode_*)
+    assert stats.spec_num_draft_tokens >= stats.spec_num_accepted_tokens == sum(stats.spec_num_accepted_tokens_per_pos)
 
 
 @pytest.mark.parametrize("name, kwargs", [
