@@ -40,8 +40,9 @@ MT_BENCH = ROOT / "tests" / "data" / "mt_bench_questions.jsonl"
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``tandem bench engine``."""
-    parser.add_argument("--workload", choices=["mtbench", "synthetic"], default="synthetic",
-                        help="mtbench (MT-Bench turn 1) or synthetic (random tokens of --input-len)")
+    parser.add_argument("--workload", choices=["mtbench", "synthetic", "rewrite"], default="synthetic",
+                        help="mtbench (MT-Bench turn 1), synthetic (random tokens of --input-len) or rewrite "
+                             "(correct a given 300-500-token text: outputs that copy their prompt)")
     parser.add_argument("--num-prompts", type=int, default=64, help="requests, submitted at once")
     parser.add_argument("--input-len", type=int, default=100, help="synthetic prompt length, tokens")
     parser.add_argument("--output-len", type=int, default=128, help="new tokens per request")
@@ -56,6 +57,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="instead: decode tok/s of an engine whose KV pool first served this many distinct "
                              "prompt tokens vs a fresh one, same process, tokens (e.g. 60000; 0: off; see "
                              "loadtests/bench/kv_pool.py)")
+    parser.add_argument("--compare-speculative", type=int, default=0, metavar="ROUNDS",
+                        help="also run the engine without its --speculative-config and with it, interleaved for "
+                             "ROUNDS rounds, the prompts one at a time (single stream; --spec-concurrent: all at "
+                             "once); reports the ratio, acceptance rate and mean accepted length")
+    parser.add_argument("--spec-concurrent", action="store_true",
+                        help="--compare-speculative submits all prompts at once instead of one at a time")
     parser.add_argument("--rounds", type=int, default=6, help="fresh/cycled rounds with --kv-pool-cycle-tokens")
     parser.add_argument("--peer", choices=sorted(PEERS), default=None,
                         help="also run this peer engine on the same prompts (None: no peer)")
@@ -81,6 +88,10 @@ def percentile(values: list[float], q: float) -> float:
 
 def build_workload(args, tokenizer, vocab_size: int) -> list[list[int]]:
     """Prompt token ids for the chosen workload."""
+    if args.workload == "rewrite":
+        from loadtests.bench.spec_decode import rewrite_workload
+
+        return rewrite_workload(tokenizer, args.num_prompts)
     if args.workload == "mtbench":
         questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
         questions = questions[: args.num_prompts] if args.num_prompts < len(questions) else questions
@@ -294,6 +305,11 @@ def run_bench(args: argparse.Namespace) -> int:
                                             / result["hf_transformers"]["output_tok_per_s"])
     if args.compare_batch_invariant:
         result["batch_invariant_ab"] = compare_batch_invariant(engine, prompts, params, args.compare_batch_invariant)
+    if args.compare_speculative:
+        from loadtests.bench.spec_decode import compare_speculative
+
+        result["speculative_ab"] = compare_speculative(engine, prompts, params, args.compare_speculative,
+                                                       single_stream=not args.spec_concurrent)
     if args.peer:
         result[args.peer] = compare_peer(engine, args, prompts, params)
         if "ratio" in result[args.peer]:
@@ -322,6 +338,13 @@ def run_bench(args: argparse.Namespace) -> int:
         table.add_row("batch-invariant on, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["on"]))
         table.add_row("batch-invariant off, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["off"]))
         table.add_row("ratio invariant on / off (medians)", f"{ab['ratio_on_off']:.3f}x")
+    if "speculative_ab" in result:
+        ab = result["speculative_ab"]
+        table.add_row("speculation off, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["off"]))
+        table.add_row("speculation on, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["on"]))
+        table.add_row("ratio on / off (medians)", f"{ab['ratio_on_off']:.3f}x")
+        table.add_row("acceptance rate", f"{ab['acceptance_rate']:.1%}")
+        table.add_row("mean acceptance length", f"{ab['mean_acceptance_length']:.2f}")
     if args.peer:
         _peer_rows(table, args.peer, result[args.peer])
     Console().print(table)

@@ -135,7 +135,7 @@ def test_n_stop_strings_penalties_equal_without_speculation(plain, spec, referen
 
 
 def test_tiny_random_model_equal_without_speculation(tmp_path, one_thread):
-    path = save_byte_level_llama(tmp_path / "tiny")
+    path = save_byte_level_llama(tmp_path)
     plain = LLM(path, dtype="bfloat16", kv_cache_memory="64MiB")
     spec = LLM(path, dtype="bfloat16", kv_cache_memory="64MiB", speculative_config=SPEC)
     prompts = ["abcabcabcabcabcabc", "hello hello hello hello", "the cat sat on the mat; the cat sat on"]
