@@ -80,7 +80,7 @@ class OpenAIServingChat(OpenAIServing):
         top = req.top_logprobs or 0
         model = response_model or self.served_model_name
         resume = _resume(req, plan, self.engine.tokenizer.vocab_size)
-        check = AnswerCheck.of(spec, req.tools, plan.parse_tool_calls)
+        check = AnswerCheck.of(params.structured_outputs, req.tools, plan.parse_tool_calls)
         if req.stream:
             include_usage, continuous = usage_options(req)
             return self._chat_stream(request_id, model, prompt, prio, bool(req.logprobs), top, echo,

@@ -80,7 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echo = bool(req.echo)
         prio = req.priority if req.priority is not None else priority
         model = response_model or self.served_model_name
-        check = AnswerCheck.of(spec, None, False)
+        check = AnswerCheck.of(prompts[0].params.structured_outputs, None, False)
         if req.stream:
             include_usage, continuous = usage_options(req)
             return self._completion_stream(request_id, model, prompts, prio, req.logprobs, echo, include_usage,
