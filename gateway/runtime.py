@@ -147,7 +147,16 @@ class Gateway:
                                          or (not head.file_digest and head.text == state.text)):
                     log.info("adopting shared config version %d (%s)", head.version, head.source)
                     return head
+                takes = []
+                if head is not None:     # a new file: applied under the layers above the head's (as a reload)
+                    try:
+                        layered = await self._layered_over(head)
+                    except RolloutConflict as e:
+                        log.error("config file not applied at start, adopting shared version %d: %s", head.version, e)
+                        return head
+                    state.overrides, takes = layered.overrides, layered.takes
                 state.version = await self.ledger.push(state, None if head is None else head.version)
+                await self.rollouts.take_back(takes)
                 return state
             except VersionConflict:
                 continue
@@ -156,6 +165,16 @@ class Gateway:
                 break
         self._unpublished = True         # shared when Redis answers (the sync loop)
         return state
+
+    async def _layered_over(self, head: ConfigState) -> Layered:
+        """This replica's file (``_initial``) under the layers above the shared ``head``'s file. Raises
+        RolloutConflict (``layers.reapply``)."""
+        try:
+            old = route_weights(load_config_text(head.text, {}).policy)
+        except ConfigError:              # the head does not load here: nothing of it to keep
+            return Layered({})
+        release = {n for n, r in self._initial.config.routes.items() if r.release}
+        return reapply(old, route_weights(self._initial.policy), head.overrides, await self.rollouts.every(), release)
 
     async def stop(self) -> None:
         await self.rollouts.stop()

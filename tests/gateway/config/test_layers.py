@@ -257,3 +257,23 @@ def test_an_orphaning_file_is_refused_unless_told():
 
 
 logging.getLogger("tandem.rollouts").setLevel(logging.INFO)
+
+
+async def test_a_replica_started_on_an_edited_file_keeps_the_layers_above_it(tmp_path, redis_url):
+    """A replica (re)started on a file that changed since the shared head was applied pushes that file under the
+    layers above the head's file, as a reload would: an operator's override of a route the edit left alone stays
+    (it was pushed without them: the override was lost on every replica)."""
+    import uuid
+
+    state = f"state: {{redis_url: '{redis_url}', key_prefix: l{uuid.uuid4().hex[:8]}, sync_interval_s: 0.1}}\n"
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand, rollout=state))
+        async with served(path) as (gw, c):
+            await c.post("/admin/weights", json={"route": "ro", "weights": {"stable": 75, "cand": 25}})
+        path.write_text(text(stable, cand, other_weight=50, rollout=state))
+        async with served(path) as (gw2, c2):
+            layer = (await c2.get("/admin/config")).json()["layers"]["ro"]
+            other = weights(gw2, "other")
+    assert weights(gw2) == {"stable": 75.0, "cand": 25.0} and layer["decided_by"] == "operator"
+    assert other == {"stable": 50.0}
