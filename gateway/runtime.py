@@ -30,7 +30,7 @@ from gateway.billing.usage import UsageLedger
 from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
 from gateway.config.versions import ConfigState, MemoryLedger, RedisLedger, VersionConflict, text_digest
-from gateway.config.weights import add_effective_shares, describe_changes, routes_table
+from gateway.config.weights import add_effective_shares, describe_changes, down_share, routes_table
 from gateway.rollouts.controller import RolloutController
 from gateway.rollouts.metrics import ParityCollector
 from gateway.rollouts.shadow import ShadowRunner
@@ -266,6 +266,10 @@ class Gateway:
                 state.version = self.snapshot.version
                 self._unpublished = True
             snap = self._apply(state, compiled)
+            status, _ = await self.resilience.status(compiled.policy.routes, snap.backends)
+            down = {n: v["reason"] for n, v in status.items() if not v["available"]}
+            snap.warnings += [w for name, r in compiled.policy.routes.items()
+                              if (w := down_share(name, r, down)) is not None and w not in snap.warnings]
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
                     "propagated": propagated if self.ledger.shared else None, "routes": routes_table(compiled.policy)}
 

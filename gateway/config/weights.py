@@ -53,18 +53,27 @@ def check_weights(cfg: GatewayConfig, routes: dict[str, Route], overrides: dict[
         if total <= 0:
             errors.append((path, "every target has weight 0, so the route serves nothing; give one a weight > 0"))
             continue
-        lost = [t for t in route.targets if t.weight > 0 and t.backend in down]
-        if lost:
-            pct = 100 * sum(t.weight for t in lost) / total
-            where = "; ".join(f"{t.id}: {down[t.backend]}" for t in lost)
-            rest = "the route's other targets" if pct < 100 else "the route's fallbacks only"
-            warnings.append(f"routes.{name}: {pct:.1f} % of the weight is on unavailable backends ({where}); "
-                            f"those requests go to {rest}")
+        if (lost := down_share(name, route, down)) is not None:
+            warnings.append(lost)
         spec = cfg.routes[name].targets if name in cfg.routes else []
         percent = name in overrides or (len(spec) > 1 and all("weight" in t.model_fields_set for t in spec))
         if percent and abs(total - 100) > 1e-6:
             warnings.append(f"routes.{name}: weights sum to {total:g}, not 100; the real shares are {_shares(route)}")
     return errors, warnings
+
+
+def down_share(name: str, route: Route, down: dict[str, str]) -> str | None:
+    """The warning for the share of route ``name``'s weight on backends in ``down`` (name -> why it cannot be
+    called: an unset key at load, a failed health probe or open breakers at run time); None when there is none."""
+    total = sum(t.weight for t in route.targets)
+    lost = [t for t in route.targets if t.weight > 0 and t.backend in down]
+    if not lost or total <= 0:
+        return None
+    pct = 100 * sum(t.weight for t in lost) / total
+    where = "; ".join(f"{t.id}: {down[t.backend]}" for t in lost)
+    rest = "the route's other targets" if pct < 100 else "the route's fallbacks only"
+    return (f"routes.{name}: {pct:.1f} % of the weight is on unavailable backends ({where}); those requests go to "
+            f"{rest}")
 
 
 def routes_table(policy: Policy) -> dict[str, dict]:

@@ -277,3 +277,19 @@ async def test_a_replica_started_on_an_edited_file_keeps_the_layers_above_it(tmp
             other = weights(gw2, "other")
     assert weights(gw2) == {"stable": 75.0, "cand": 25.0} and layer["decided_by"] == "operator"
     assert other == {"stable": 50.0}
+
+
+async def test_a_weights_change_warns_of_weight_on_a_backend_its_probe_finds_down(tmp_path):
+    """A target whose backend the health probes find down (a keyless canary engine not started) gets a warning
+    naming the share that moves, as an unset key does (the README's canary story promises it)."""
+    with FaultUpstream("stable") as stable:
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, FakeUrl).replace("health: {interval_s: 0}", "health: {interval_s: 0.1}"))
+        async with served(path) as (gw, c):
+            end = asyncio.get_running_loop().time() + 30
+            while (await c.get("/health/ready")).json()["backends"]["cand"]["available"]:
+                assert asyncio.get_running_loop().time() < end, "the probe never found cand down"
+                await asyncio.sleep(0.1)
+            resp = await c.post("/admin/weights", json={"route": "ro", "weights": {"stable": 75, "cand": 25}})
+    warned = [w for w in resp.json()["warnings"] if w.startswith("routes.ro:")]
+    assert len(warned) == 1 and "25.0 % of the weight is on unavailable backends (cand: " in warned[0], warned
