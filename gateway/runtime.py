@@ -266,12 +266,21 @@ class Gateway:
                 state.version = self.snapshot.version
                 self._unpublished = True
             snap = self._apply(state, compiled)
-            status, _ = await self.resilience.status(compiled.policy.routes, snap.backends)
-            down = {n: v["reason"] for n, v in status.items() if not v["available"]}
-            snap.warnings += [w for name, r in compiled.policy.routes.items()
-                              if (w := down_share(name, r, down)) is not None and w not in snap.warnings]
+            snap.warnings += await self._down_warnings(snap)
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
                     "propagated": propagated if self.ledger.shared else None, "routes": routes_table(compiled.policy)}
+
+    async def _down_warnings(self, snap: Snapshot) -> list[str]:
+        """Warnings for weight on backends the health probes or breakers find down now (``weights.down_share``);
+        none when that state cannot be read (the change is applied either way)."""
+        try:
+            status, _ = await self.resilience.status(snap.compiled.policy.routes, snap.backends)
+        except Exception as e:  # noqa: BLE001 -- Redis slow or down: a warning is not worth failing the change
+            log.info("backend health not read for the change's warnings: %s", e)
+            return []
+        down = {n: v["reason"] for n, v in status.items() if not v["available"]}
+        return [w for name, r in snap.compiled.policy.routes.items()
+                if (w := down_share(name, r, down)) is not None and w not in snap.warnings]
 
     async def reload(self, source: str = "reload", abort_rollouts: bool = False) -> dict:
         """Re-read the config file and apply it under the layers above it (``gateway/config/layers.py``): operator
