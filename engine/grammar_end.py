@@ -21,7 +21,7 @@ def may_end(spec) -> Callable[[str], bool] | None:
     if spec is None:
         return None
     if spec.json is not None or spec.json_object:
-        return _is_json
+        return is_json
     if spec.regex is not None:
         return lambda text: _fullmatch(spec.regex, text)
     if spec.choice is not None:
@@ -32,7 +32,8 @@ def may_end(spec) -> Callable[[str], bool] | None:
     return lambda text: False
 
 
-def _is_json(text: str) -> bool:
+def is_json(text: str) -> bool:
+    """True when ``text`` is one whole JSON value (str, any length)."""
     try:
         json.loads(text)
     except ValueError:

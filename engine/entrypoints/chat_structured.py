@@ -49,6 +49,7 @@ from typing import Any
 import msgspec
 
 from engine.entrypoints.protocol import RequestValidationError
+from engine.grammar_end import is_json
 from engine.sampling_params import StructuredOutputsParams
 
 CALL_BEGIN = "<tool_call>"
@@ -427,7 +428,7 @@ class ToolCallParser:
         out: list[dict] = []
         if self._mode == "args":
             held = self._buf
-            if held and _CALL_END.startswith(held) and _is_json(self.calls[-1]["function"]["arguments"]):
+            if held and _CALL_END.startswith(held) and is_json(self.calls[-1]["function"]["arguments"]):
                 held = ""   # the call's own closing ("}\n</tool_call>") began when the output was cut
             self._args(held, out)
         elif self._mode == "name" and len(self._buf) > len(_NAME_PREFIX):
@@ -480,14 +481,6 @@ def parse_tool_calls(text: str, calls_only: bool = False) -> tuple[str | None, l
     deltas = parser.feed(text) + parser.finish()
     content = "".join(d["content"] for d in deltas if "content" in d)
     return content or None, parser.calls
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _partial_suffix(text: str, marker: str) -> int:
