@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter
 
 from gateway.config.compile import Compiled, load_config_text
-from gateway.config.layers import Layered, RolloutConflict, holder, layer_view, reapply, route_weights
+from gateway.config.layers import Layered, RolloutConflict, holder, layer_view, over_file, route_weights
 from gateway.config.schema import ConfigError
 from gateway.backends.build import build_backends
 from gateway.backends.local import LocalBackend
@@ -150,7 +150,7 @@ class Gateway:
                 takes = []
                 if head is not None:     # a new file: applied under the layers above the head's (as a reload)
                     try:
-                        layered = await self._layered_over(head)
+                        layered = over_file(head.text, self._initial, head.overrides, await self.rollouts.every())
                     except RolloutConflict as e:
                         log.error("config file not applied at start, adopting shared version %d: %s", head.version, e)
                         return head
@@ -165,16 +165,6 @@ class Gateway:
                 break
         self._unpublished = True         # shared when Redis answers (the sync loop)
         return state
-
-    async def _layered_over(self, head: ConfigState) -> Layered:
-        """This replica's file (``_initial``) under the layers above the shared ``head``'s file. Raises
-        RolloutConflict (``layers.reapply``)."""
-        try:
-            old = route_weights(load_config_text(head.text, {}).policy)
-        except ConfigError:              # the head does not load here: nothing of it to keep
-            return Layered({})
-        release = {n for n, r in self._initial.config.routes.items() if r.release}
-        return reapply(old, route_weights(self._initial.policy), head.overrides, await self.rollouts.every(), release)
 
     async def stop(self) -> None:
         await self.rollouts.stop()
@@ -299,18 +289,15 @@ class Gateway:
             raise ConfigError([("", f"cannot read it: {e.strerror}")], self.config_path) from None
         self._mtime = self._stat()
         try:   # built on the version this replica runs: a newer one it has not seen yet is refused, not undone
-            new = load_config_text(text, {}, source=self.config_path)
-            file = route_weights(new.policy)
-            layered = reapply(route_weights(load_config_text(self.snapshot.compiled.text, {}).policy), file,
-                              self.snapshot.compiled.overrides, await self.rollouts.every(),
-                              {n for n, r in new.config.routes.items() if r.release}, abort_rollouts)
+            layered = over_file(self.snapshot.compiled.text, load_config_text(text, {}, source=self.config_path),
+                                self.snapshot.compiled.overrides, await self.rollouts.every(), abort_rollouts)
             out = await self._commit(ConfigState(text, layered.overrides, source, file_digest=text_digest(text)),
                                      self.snapshot.version)
         except (ConfigError, RolloutConflict) as e:
             log.error("config reload (%s) refused, keeping version %d: %s", source, self.snapshot.version, e)
             raise
         await self.rollouts.take_back(layered.takes)
-        out["layers"] = layer_view(file, layered)
+        out["layers"] = layer_view(layered.file, layered)
         for route, v in out["layers"].items():
             if v["note"]:
                 log.info("reload: route %s decided by %s (%s)", route, v["decided_by"], v["note"])
@@ -391,13 +378,13 @@ class Gateway:
 
     async def layers(self) -> dict:
         """route -> its effective weights, the file's, and the layer that decides (``layers.layer_view``)."""
-        file = route_weights(load_config_text(self.snapshot.compiled.text, {}).policy)
+        text, overrides = self.snapshot.compiled.text, self.snapshot.compiled.overrides
+        current = load_config_text(text, {})
         try:
-            layered = reapply(file, file, self.snapshot.compiled.overrides, await self.rollouts.every(), set())
+            layered = over_file(text, current, overrides, await self.rollouts.every())
         except RolloutConflict as e:
-            layered = Layered(self.snapshot.compiled.overrides, {r: {"decided_by": "operator", "note": str(e)}
-                                                                 for r in self.snapshot.compiled.overrides})
-        return layer_view(file, layered)
+            layered = Layered(overrides, {r: {"decided_by": "operator", "note": str(e)} for r in overrides})
+        return layer_view(route_weights(current.policy), layered)
 
     def file_status(self) -> dict:
         """The config file against the running version: ``status`` "in sync", "weights overrides active", or

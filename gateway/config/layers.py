@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.config.compile import Compiled, load_config_text
+from gateway.config.schema import ConfigError
+
 HOLDING_STATES = ("running", "paused", "promoted")   # a rollout in these owns its route's split
 
 
@@ -49,6 +52,7 @@ class Layered:
     overrides: dict[str, dict[str, float]]
     routes: dict[str, dict] = field(default_factory=dict)
     takes: list[Take] = field(default_factory=list)
+    file: dict[str, dict[str, float]] = field(default_factory=dict)   # the new file's weights (``over_file``)
 
 
 def route_weights(policy) -> dict[str, dict[str, float]]:
@@ -135,6 +139,26 @@ def reapply(old_file: dict[str, dict[str, float]], new_file: dict[str, dict[str,
             out.routes[route] = {"decided_by": "file",
                                  "note": f"{route}: the file changed the route; operator override {_fmt(weights)} "
                                          "dropped"}
+    return out
+
+
+def over_file(old_text: str, new: Compiled, overrides: dict[str, dict[str, float]], rollouts: list[dict],
+              abort_rollouts: bool = False) -> Layered:
+    """``reapply`` of config texts: the file ``new`` (compiled without overrides) over ``old_text``, the file as last
+    applied (one that no longer loads here keeps no operator override), its ``release`` routes read from ``new``.
+    Serves a reload, a replica started on an edited file, and the current state (``new`` the running file).
+
+    Raises:
+        RolloutConflict: as ``reapply``.
+    """
+    try:
+        old = route_weights(load_config_text(old_text, {}).policy)
+    except ConfigError:
+        old = {}
+    file = route_weights(new.policy)
+    out = reapply(old, file, overrides, rollouts, {n for n, r in new.config.routes.items() if r.release},
+                  abort_rollouts)
+    out.file = file
     return out
 
 
