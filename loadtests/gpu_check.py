@@ -374,8 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         work = Path(tmp)
         parts.append(run_part(Part("kernels"), check_kernels, args.out, cuda, args.kernel_budget_s))
+        write_summary(args.out, env, parts, time.perf_counter() - t0)
         parts.append(run_part(Part("parity (triton, fp32, tiny Llama)"), check_parity, device, work))
         parts.append(run_part(Part("batch invariance (triton path)"), check_batch_invariance, device, work))
+        write_summary(args.out, env, parts, time.perf_counter() - t0)  # a partial record if the run is killed
         if cuda:
             parts.append(run_part(Part("throughput smollm2-135m shape"), check_throughput, "smollm2-135m", device,
                                   work, 64, 512, 128, deadline=late))
