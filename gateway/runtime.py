@@ -89,6 +89,7 @@ class Gateway:
         self._initial = initial
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
+        self.engine_start: asyncio.Task | None = None   # the co-located engine's load, once started
         self._mtime = self._stat()
         self.file_digest = ""            # the applied state's: digest of the file text last applied from a file
         cfg = initial.config
@@ -121,7 +122,8 @@ class Gateway:
         state = await self._initial_state()
         self._apply(state, compiled=self._initial if state.text == self._initial.text and not state.overrides else None)
         if self.snapshot.local is not None and self.start_engine:
-            self._tasks.append(asyncio.create_task(self.snapshot.local.start()))
+            self.engine_start = asyncio.create_task(self.snapshot.local.start())
+            self._tasks.append(self.engine_start)
         elif self.snapshot.local is not None:
             self.snapshot.local.unavailable_reason, self.snapshot.local.loading = "engine not started", False
         self.resilience.start(lambda: self.snapshot.backends)

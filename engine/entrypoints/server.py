@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -46,6 +45,7 @@ from engine.entrypoints.protocol import decode_body
 from engine.entrypoints.ttft import ttft
 from engine.metrics import EngineMetrics
 from engine.protocol.errors import ServingError
+from engine.protocol.heap import freeze_heap
 from engine.protocol.request_ids import stamp_request_id, unique_request_id
 
 logger = logging.getLogger("tandem.server")
@@ -226,18 +226,6 @@ def _http_error_handler(request: Request, exc: HTTPException) -> Response:
 def _internal_error_handler(_: Request, exc: Exception) -> Response:
     logger.error("unhandled error", exc_info=exc)
     return _error_response(ServingError(500, f"internal server error ({type(exc).__name__})", type="server_error"))
-
-
-def freeze_heap() -> None:
-    """Collect, then move every object alive now (the loaded front end:
-    tokenizer, app, modules) out of the garbage collector's reach, as the
-    engine core does after loading (``gc.freeze``; vLLM's API server does the
-    same). Unfrozen, a full collection while serving walked ~77,000 objects:
-    ~200 ms with the GIL held on the 2-core box under load, during which no
-    stream got an SSE event; a 400 KB schema's decode (~8,600 containers) made
-    one likelier (issue #34)."""
-    gc.collect()
-    gc.freeze()
 
 
 def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_body_bytes: int = 4 * 2**20,

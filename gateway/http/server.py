@@ -23,6 +23,7 @@ from pathlib import Path
 
 import uvicorn
 
+from engine.protocol.heap import freeze_heap
 from gateway.http.app import create_app
 from gateway.http.door import DoorLimits, door_protocol
 from gateway.request.auth import is_loopback
@@ -57,6 +58,9 @@ class GatewayServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        freeze_heap()       # the loaded gateway; its co-located engine's objects once it has loaded
+        if self.gw.engine_start is not None:
+            self.gw.engine_start.add_done_callback(lambda _: freeze_heap())
         try:
             self.loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread / platform
