@@ -52,10 +52,12 @@ class LayerWeights:
             [q + 2 kv, hidden], output [hidden, q], fused gate/up
             [2 inter, hidden] and down [hidden, inter]), its
             ``cpu_linear.PackedLinear`` or None.
-        q4: per projection, its ``cpu_linear.PackedQ4Linear`` (4-bit GGUF) or
-            None. A projection needs one of the two; with both, calls of up
-            to two rows (``cpu_linear.COPY_MAX_ROWS``) read the 4-bit panels and larger ones the bfloat16
-            panels (the same bits, fewer bytes or less arithmetic).
+        q4: per projection, its ``cpu_linear.PackedQ4Linear`` (4-bit GGUF or
+            checkpoint, with its group size and input order) or None. A
+            projection needs one of the two; with both, calls of up to two
+            rows (``cpu_linear.COPY_MAX_ROWS``) read the 4-bit panels and
+            larger ones the bfloat16 panels (the same bits, fewer bytes or
+            less arithmetic).
         qkv_bias: [q + 2 kv] float32, or None.
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads,
             head_dim] bfloat16, contiguous.
@@ -117,6 +119,10 @@ class DecoderWeights:
                 if q4 is not None:
                     keep += [q4.codes, q4.scales]
                     layer.q4_codes[j], layer.q4_scales[j] = q4.codes.data_ptr(), q4.scales.data_ptr()
+                    layer.q4_group[j] = q4.group
+                    if q4.perm is not None:
+                        keep.append(q4.perm)
+                        layer.q4_perm[j] = q4.perm.data_ptr()
             self._keep.append(keep)
         self.shape = _Shape(len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size,
                             cos.shape[0], rms_norm_eps, scale)

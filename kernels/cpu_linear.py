@@ -73,14 +73,15 @@ class PackedLinear:
 
 @dataclass(frozen=True)
 class _QuantPanels:
-    """Codes and per-block scales of a GGUF-quantized [out_features,
-    in_features] weight in one of ``csrc/linear_q4_cpu.c``'s layouts
-    (in_features a multiple of 32)."""
+    """Codes and per-group scales of a quantized [out_features, in_features]
+    weight in one of ``csrc/linear_q4_cpu.c``'s layouts (in_features a
+    multiple of 32; one scale per ``group`` inputs, a multiple of 32 dividing it)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     out_features: int
     in_features: int
+    group: int
 
     @property
     def nbytes(self) -> int:
@@ -89,14 +90,23 @@ class _QuantPanels:
 
 @dataclass(frozen=True)
 class PackedQ4Linear(_QuantPanels):
-    """A 4-bit GGUF (Q4_0/Q4_1) weight: 4 bits per weight plus 4 bytes of
-    scales per 32 (5 bits per weight); the kernel computes with the bfloat16
-    values the loader would have made (bf16((d * q) + m), Q4_0:
-    bf16(d * (q - 8))), bitwise. codes: uint8 [ceil(out / 64) * 64 * in / 2],
-    two per byte; scales: float16 [ceil(out / 64), in / 32, 2, 64] (per panel
-    of 64 outputs and block of 32 inputs, d then m; Q4_0's m is -8 d). On
-    the AVX2 body (another code layout, the same sizes) it runs integer dot
-    products on 8-bit-rounded inputs instead: its own bits (csrc/quant_int.h)."""
+    """A 4-bit weight, w = d q + m per ``group`` inputs (GGUF Q4_0/Q4_1: 32;
+    a GPTQ/AWQ/compressed-tensors checkpoint's own group): 4 bits per weight
+    plus 4 bytes of scales per group (GGUF: 5 bits per weight; groups of 128:
+    4.25); the kernel computes with the bfloat16 values bf16((d * q) + m)
+    (Q4_0: bf16(d * (q - 8))), bitwise. codes: uint8 [ceil(out / 64) * 64 *
+    in / 2], two per byte; scales: float16 [ceil(out / 64), in / group, 2, 64]
+    (per panel of 64 outputs and group, d then m; Q4_0's m is -8 d). ``perm``
+    (int32 [in], or None): the codes' input j is the activations' column
+    perm[j] (GPTQ's act-order, gathered by the kernel). On the AVX2 body
+    (another code layout, the same sizes) it runs integer dot products on
+    8-bit-rounded inputs instead: its own bits (csrc/quant_int.h)."""
+
+    perm: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + (0 if self.perm is None else self.perm.nbytes)
 
 
 @dataclass(frozen=True)
@@ -105,7 +115,7 @@ class PackedQ8Linear(_QuantPanels):
     calls of up to :data:`Q8_MAX_ROWS` rows (the output head of decode steps
     of up to :data:`COPY_MAX_ROWS` rows): bitwise the bfloat16 kernel's
     results on bf16(d q), from 9 bits per weight instead of 16. codes: int8
-    [ceil(out / 64) * 64 * in]; scales: float32 [ceil(out / 64) * in / 32 * 64].
+    [ceil(out / 64) * 64 * in]; scales: float32 [ceil(out / 64) * in / group * 64].
     On the AVX2 body: integer dot products, any row count (csrc/quant_int.h)."""
 
 
@@ -127,23 +137,31 @@ def copy_max_rows(march: str | None = None) -> float:
     return math.inf if isa(march) == "avx2" else COPY_MAX_ROWS
 
 
-def pack_q8(codes: torch.Tensor, d: torch.Tensor) -> PackedQ8Linear:
-    """Pack a Q8_0 weight: codes [out, in] int8, d [out, in / 32] float32.
+def _check_group(k: int, group: int, where: str) -> None:
+    if group <= 0 or group % 32 or k % group:
+        raise ValueError(f"{where} takes a group size that is a multiple of 32 dividing in_features ({k}), "
+                         f"got {group}")
+
+
+def pack_q8(codes: torch.Tensor, d: torch.Tensor, group: int = 32) -> PackedQ8Linear:
+    """Pack an 8-bit weight w = d q: codes [out, in] int8, d [out, in / group] float32.
 
     Raises:
-        ValueError: shapes that do not match or in not a multiple of 32.
+        ValueError: shapes that do not match, in not a multiple of 32, a group that does not fit.
     """
     n, k = codes.shape
-    if k % 32 or d.shape != (n, k // 32):
-        raise ValueError(f"pack_q8 takes codes [n, k] (k % 32 == 0) and d [n, k / 32], got {tuple(codes.shape)}, "
+    _check_group(k, group, "pack_q8")
+    if d.shape != (n, k // group):
+        raise ValueError(f"pack_q8 takes codes [n, k] (k % 32 == 0) and d [n, k / group], got {tuple(codes.shape)}, "
                          f"{tuple(d.shape)}")
     c = codes.to(torch.int8).contiguous()
     d32 = d.to(torch.float32).contiguous()
     panels = (n + PANEL - 1) // PANEL
     out_codes = torch.empty(panels * PANEL * k, dtype=torch.int8)
-    out_scales = torch.empty(panels * (k // 32) * PANEL, dtype=torch.float32)
-    load_library().linear_q8_pack(c.data_ptr(), d32.data_ptr(), n, k, out_codes.data_ptr(), out_scales.data_ptr())
-    return PackedQ8Linear(out_codes, out_scales, n, k)
+    out_scales = torch.empty(panels * (k // group) * PANEL, dtype=torch.float32)
+    load_library().linear_q8_pack(c.data_ptr(), d32.data_ptr(), group, n, k, out_codes.data_ptr(),
+                                  out_scales.data_ptr())
+    return PackedQ8Linear(out_codes, out_scales, n, k, group)
 
 
 def q4_available(march: str | None = None) -> bool:
@@ -151,26 +169,36 @@ def q4_available(march: str | None = None) -> bool:
     return available(march)
 
 
-def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> PackedQ4Linear:
-    """Pack a 4-bit weight: w = (d * q) + m per block of 32 inputs (Q4_1),
-    or w = d * (q - 8) when ``m`` is None (Q4_0), each operation rounded in
-    float32 as the ``gguf`` package dequantizes (the kernel relies on d and m
-    being float16 values, as GGUF stores them: d * q is then exact).
+def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int = 32,
+            perm: torch.Tensor | None = None) -> PackedQ4Linear:
+    """Pack a 4-bit weight: w = (d * q) + m per group of ``group`` inputs
+    (Q4_1), or w = d * (q - 8) when ``m`` is None (Q4_0), each operation
+    rounded in float32 as the ``gguf`` package dequantizes (the kernel relies
+    on d and m being float16 values, as GGUF stores them: d * q is then exact).
 
     Args:
-        codes: [out, in] integers 0..15 (in a multiple of 32).
-        d, m: [out, in / 32] float32 scale and min of each block, float16 values.
+        codes: [out, in] integers 0..15 (in a multiple of 32), input j of the
+            codes being the activations' column ``perm[j]`` when given.
+        d, m: [out, in / group] float32 scale and min of each group, float16 values.
+        group: inputs per (d, m): a multiple of 32 dividing ``in`` (GGUF: 32).
+        perm: int [in], a permutation of the inputs, or None (in order).
 
     Raises:
-        ValueError: shapes that do not match, in not a multiple of 32, codes
-            out of range, scales that are not float16 values.
+        ValueError: shapes that do not match, in not a multiple of 32, a group
+            that does not fit, codes out of range, scales that are not float16
+            values, a perm that is not a permutation.
     """
     n, k = codes.shape
-    if k % 32 or d.shape != (n, k // 32) or (m is not None and m.shape != (n, k // 32)):
-        raise ValueError(f"pack_q4 takes codes [n, k] (k % 32 == 0) and d, m [n, k / 32], got {tuple(codes.shape)}, "
-                         f"{tuple(d.shape)}, {None if m is None else tuple(m.shape)}")
+    _check_group(k, group, "pack_q4")
+    if d.shape != (n, k // group) or (m is not None and m.shape != (n, k // group)):
+        raise ValueError(f"pack_q4 takes codes [n, k] (k % 32 == 0) and d, m [n, k / group], got "
+                         f"{tuple(codes.shape)}, {tuple(d.shape)}, {None if m is None else tuple(m.shape)}")
     if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
         raise ValueError("4-bit codes must be in 0..15")
+    if perm is not None:
+        perm = perm.to(torch.int32).contiguous()
+        if perm.shape != (k,) or not torch.equal(torch.sort(perm).values, torch.arange(k, dtype=torch.int32)):
+            raise ValueError(f"pack_q4's perm must be a permutation of the {k} inputs")
     c = codes.to(torch.uint8).contiguous()
     d32 = d.to(torch.float32)
     m32 = -8 * d32 if m is None else m.to(torch.float32)  # Q4_0: d * (q - 8) = d * q + (-8 d), both exact
@@ -179,10 +207,10 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> Pac
     panels = (n + PANEL - 1) // PANEL
     out_codes = torch.empty(panels * PANEL * k // 2, dtype=torch.uint8)
     load_library().linear_q4_pack(c.data_ptr(), n, k, out_codes.data_ptr())
-    scales = torch.zeros(2, panels * PANEL, k // 32, dtype=torch.float16)  # padded columns: d = m = 0
+    scales = torch.zeros(2, panels * PANEL, k // group, dtype=torch.float16)  # padded columns: d = m = 0
     scales[0, :n], scales[1, :n] = d32, m32
-    out_scales = scales.view(2, panels, PANEL, k // 32).permute(1, 3, 0, 2).contiguous()
-    return PackedQ4Linear(out_codes, out_scales, n, k)
+    out_scales = scales.view(2, panels, PANEL, k // group).permute(1, 3, 0, 2).contiguous()
+    return PackedQ4Linear(out_codes, out_scales, n, k, group, perm)
 
 
 def pack(weight: torch.Tensor) -> PackedLinear:
@@ -232,11 +260,12 @@ def linear(x: torch.Tensor, packed: PackedLinear | PackedQ4Linear | PackedQ8Line
             0 if r2 is None else r2.stride(0), y.data_ptr(), n, m, n, packed.in_features,
             out_dtype == torch.float32, torch.get_num_threads())
     if isinstance(packed, PackedQ4Linear):
-        rc = lib.linear_q4(*xs, packed.codes.data_ptr(), packed.scales.data_ptr(), *rest)
+        rc = lib.linear_q4(*xs, packed.codes.data_ptr(), packed.scales.data_ptr(), packed.group,
+                           None if packed.perm is None else packed.perm.data_ptr(), *rest)
     elif isinstance(packed, PackedQ8Linear):
         if m > Q8_MAX_ROWS and isa() != "avx2":
             raise ValueError(f"the 8-bit kernel takes at most {Q8_MAX_ROWS} rows, got {m}")
-        rc = lib.linear_q8(*xs, packed.codes.data_ptr(), packed.scales.data_ptr(), *rest)
+        rc = lib.linear_q8(*xs, packed.codes.data_ptr(), packed.scales.data_ptr(), packed.group, *rest)
     else:
         rc = lib.linear_bf16(*xs, packed.data.data_ptr(), *rest)
     if rc:

@@ -13,6 +13,9 @@ from safetensors.torch import save_file
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# projections that read the same input (GPTQ's act-order follows that input's Hessian)
+SAME_INPUT = {"self_attn.q_proj": "attention input", "self_attn.k_proj": "attention input",
+              "self_attn.v_proj": "attention input", "mlp.gate_proj": "mlp input", "mlp.up_proj": "mlp input"}
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble i holds output 8c + AWQ_ORDER[i]
 
 
@@ -60,12 +63,15 @@ def _write(path, model, tensors: dict, quantization_config: dict) -> None:
 
 @torch.no_grad()
 def write_gptq(path, model, group_size: int, sym: bool = True, desc_act: bool = False,
-               checkpoint_format: str = "gptq", seed: int = 0) -> None:
+               checkpoint_format: str = "gptq", seed: int = 0, shared_order: bool = True) -> None:
     """``model``'s projections as a GPTQ checkpoint in ``path``: qweight [in / 8, out] packed along
     the inputs, qzeros [groups, out / 8] (zero - 1 for "gptq", the zero for "gptq_v2"), float16
-    scales [groups, out], g_idx [in] (a random grouping with ``desc_act``); ``model`` becomes its reference."""
+    scales [groups, out], g_idx [in]; ``model`` becomes its reference. With ``desc_act`` the inputs
+    are quantized in a random order (GPTQ's: by decreasing Hessian diagonal), g_idx[order[i]] =
+    i // group_size; layers that read the same input (q, k, v; gate, up) share their order, as
+    GPTQ's Hessian is that input's, unless ``shared_order`` is False."""
     gen = torch.Generator().manual_seed(seed)
-    tensors = {}
+    tensors, orders = {}, {}
     for name, p in model.named_parameters():
         module = name.removesuffix(".weight").split(".", 3)[-1]
         if not name.endswith(".weight") or module not in PROJECTIONS:
@@ -74,7 +80,10 @@ def write_gptq(path, model, group_size: int, sym: bool = True, desc_act: bool = 
         groups = k // group_size
         g_idx = torch.arange(k) // group_size
         if desc_act:
-            g_idx = g_idx[torch.randperm(k, generator=gen)]
+            reads = name.removesuffix(f"{module}.weight") + SAME_INPUT.get(module, module)
+            order = orders.setdefault(reads if shared_order else name, torch.randperm(k, generator=gen))
+            g_idx = torch.empty(k, dtype=torch.int64)
+            g_idx[order] = torch.arange(k) // group_size
         low = 1 if checkpoint_format == "gptq" else 0  # auto-gptq's zero - 1 cannot store a zero of 0
         codes, zeros, scales, deq = quantize(p.float(), g_idx, groups, sym, (low, 15))
         prefix = name.removesuffix(".weight")

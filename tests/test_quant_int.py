@@ -116,3 +116,28 @@ def test_the_model_reads_its_copies_at_every_row_count_on_avx2(avx2):
     assert cpu_linear.copy_max_rows() == math.inf
     native = cpu_linear.copy_max_rows(march="native")
     assert native == (math.inf if cpu_linear.isa("native") == "avx2" else cpu_linear.COPY_MAX_ROWS)
+
+
+@pytest.mark.parametrize("group, act_order", [(64, False), (128, True), (256, False)])
+def test_checkpoint_groups_and_act_order_follow_the_model(avx2, group, act_order):
+    """A checkpoint's group size (one d, m per group of 64-256 inputs, not per 32) and GPTQ's
+    act-order (codes in another input order, the kernel gathering the activations' columns): the
+    same float64 model of the arithmetic, on the gathered inputs and each block's group scales, and
+    a row's bits independent of the row count."""
+    n, k, rows = 150, 512, 5
+    g = torch.Generator().manual_seed(group)
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    d = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(n, k // group, generator=g) * 0.1).half().float()
+    perm = torch.randperm(k, generator=g) if act_order else None
+    packed = cpu_linear.pack_q4(codes, d, m, group, perm)
+    assert packed.scales.numel() == 3 * 64 * (k // group) * 2
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    y = cpu_linear.linear(x, packed, out_dtype=torch.float32)
+    per_block = group // 32
+    xo = x if perm is None else x[:, perm]
+    model = _model(xo, codes, d.repeat_interleave(per_block, 1), m.repeat_interleave(per_block, 1)).double()
+    w = d.repeat_interleave(group, 1).double() * codes.double() + m.repeat_interleave(group, 1).double()
+    assert ((y.double() - model).abs() <= 1e-5 * (xo.double().abs() @ w.abs().T) + 1e-30).all()
+    alone = torch.cat([cpu_linear.linear(x[r:r + 1], packed, out_dtype=torch.float32) for r in range(rows)])
+    assert torch.equal(y, alone)

@@ -28,6 +28,7 @@ one per 32 elements): those tensors are dequantized as with ``none``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -52,6 +53,9 @@ class GGUFBlocks:
     qtype: str
     shape: tuple[int, int]
     data: np.ndarray
+
+    group_size: ClassVar[int] = GROUP  # inputs per (d, m), as a checkpoint's Int4Weight says its own
+    perm: ClassVar[None] = None  # the inputs in order (a checkpoint's act-order weight says its own)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out_features, in_features] (the ``gguf`` package's dequantization)."""
@@ -117,40 +121,51 @@ def q8_codes_d(blocks: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(codes), torch.from_numpy(d)
 
 
-def int4_packable(pieces: list[GGUFBlocks]) -> bool:
+# the group sizes PyTorch's int4 CPU matmul takes (aten._weight_int4pack_mm_for_cpu's qGroupSize)
+TORCH_GROUPS = (256, 128, 64, 32)
+
+
+def int4_packable(pieces: list) -> bool:
     """Whether row-stacked ``pieces`` can run through the int4 kernel: all
-    Q4_0/Q4_1, one input width that is a multiple of 32, and a total of output
+    Q4_0/Q4_1 arithmetic, one input width that is a multiple of 32, one
+    group size (a multiple of 32) and one input order, and a total of output
     rows that is a multiple of 16 (``_convert_weight_to_int4pack_for_cpu``)."""
     if not pieces or any(p.qtype not in INT4_TYPES for p in pieces):
         return False
-    k = pieces[0].shape[1]
+    k, group, perm = pieces[0].shape[1], pieces[0].group_size, pieces[0].perm
     rows = sum(p.shape[0] for p in pieces)
-    return all(p.shape[1] == k for p in pieces) and k % GROUP == 0 and rows % 16 == 0
+    same_order = all((p.perm is None) == (perm is None) and (perm is None or torch.equal(p.perm, perm))
+                     for p in pieces)
+    return all(p.shape[1] == k and p.group_size == group for p in pieces) and same_order \
+        and k % GROUP == 0 and group % GROUP == 0 and k % group == 0 and rows % 16 == 0
 
 
 class Int4Linear:
-    """``y = x @ W.T`` with W held as 4-bit codes and a scale and zero per 32 inputs.
+    """``y = x @ W.T`` with W held as 4-bit codes and a scale and zero per group of inputs.
 
     Args:
         pieces: the weight's GGUF tensors (or ``engine.quantization.int4.Int4Weight``
-            values, the same arithmetic), stacked along output rows in order
-            (e.g. q, k, v of a fused projection); see :func:`int4_packable`.
+            values, the same arithmetic per group of their own size, maybe
+            with their inputs in another order), stacked along output rows in
+            order (e.g. q, k, v of a fused projection); see :func:`int4_packable`.
         dtype: the activations' dtype (float32, bfloat16 or float16); the
-            scales and zeros are stored in it.
+            PyTorch kernel's scales and zeros are stored in it.
 
     Raises:
         ValueError: the pieces cannot be packed (:func:`int4_packable`).
     """
 
-    def __init__(self, pieces: list[GGUFBlocks], dtype: torch.dtype) -> None:
+    def __init__(self, pieces: list, dtype: torch.dtype) -> None:
         if not int4_packable(pieces):
-            raise ValueError(f"cannot pack {[(p.qtype, p.shape) for p in pieces]} as int4")
+            raise ValueError(f"cannot pack {[(p.qtype, p.shape, p.group_size) for p in pieces]} as int4")
         parts = [p.codes_d_m() for p in pieces]
         codes = torch.cat([c for c, _, _ in parts])
         d = torch.cat([s for _, s, _ in parts])
         m = torch.cat([z for _, _, z in parts])
         self.out_features, self.in_features = codes.shape
         self.dtype = dtype
+        self.group = pieces[0].group_size
+        self.perm = pieces[0].perm  # codes' input j is x's column perm[j], or None
         self.packed = self.scales_and_zeros = None
         # bfloat16 on an AVX512-BF16 or AVX2 CPU: the C kernel (kernels/csrc/linear_q4_cpu.c), bitwise the
         # dequantized bfloat16 weights' results; one type per projection (Q4_1 keeps its min).
@@ -159,19 +174,23 @@ class Int4Linear:
         if dtype == torch.bfloat16 and len(kinds) == 1 and cpu_linear.q4_available():
             # the kernel keeps d and m as float16: GGUF's are; a GPTQ/AWQ group's m = -z s is rounded to
             # float16 here (relative error <= 2**-12, below bfloat16's rounding of the weight it adds to)
-            self.c_packed = cpu_linear.pack_q4(codes, d, m.half().float() if kinds == {"Q4_1"} else None)
+            self.c_packed = cpu_linear.pack_q4(codes, d, m.half().float() if kinds == {"Q4_1"} else None,
+                                               self.group, self.perm)
         if self.c_packed is None:
+            # PyTorch's kernel takes groups of 32 to 256 inputs: a larger group is given as runs of its largest
+            self.torch_group = next(g for g in TORCH_GROUPS if self.group % g == 0)
+            d, m = (t.repeat_interleave(self.group // self.torch_group, dim=1) for t in (d, m))
             # uint8 [out, in // 2]: two codes per byte in the kernel's own order.
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-            # [in // 32, out, 2]: (scale, zero) per group and output row, value = (q - 8) * scale + zero.
+            # [in // group, out, 2]: (scale, zero) per group and output row, value = (q - 8) * scale + zero.
             self.scales_and_zeros = torch.stack([d.t(), (m + 8 * d).t()], dim=-1).to(dtype).contiguous()
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (codes + scales and zeros)."""
+        """Bytes held (codes + scales and zeros + the input order)."""
         if self.c_packed is not None:
             return self.c_packed.nbytes
-        return self.packed.nbytes + self.scales_and_zeros.nbytes
+        return self.packed.nbytes + self.scales_and_zeros.nbytes + (0 if self.perm is None else self.perm.nbytes)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,8 +205,11 @@ class Int4Linear:
         if self.c_packed is not None:
             return cpu_linear.linear(x, self.c_packed, bias, residual)  # bias and residual added in float32
         lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, self.in_features).contiguous(), self.packed, GROUP, self.scales_and_zeros)
+        x2 = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.torch_group,
+                                                       self.scales_and_zeros)
         y = y.view(*lead, self.out_features)
         if bias is not None:
             y = y + bias

@@ -74,8 +74,8 @@ static int project(const decoder_layer *w, int i, const uint16_t *x, int64_t ldx
     const int use_copy = w->q4_codes[i] && (m <= QUANT_COPY_MAX_ROWS || !w->bf16[i]);
 #endif
     if (use_copy)
-        return linear_q4(x, ldx, w->q4_codes[i], w->q4_scales[i], bias, residual, ldr, y, ldy, m, n, k, 0,
-                         num_threads);
+        return linear_q4(x, ldx, w->q4_codes[i], w->q4_scales[i], w->q4_group[i], w->q4_perm[i], bias, residual,
+                         ldr, y, ldy, m, n, k, 0, num_threads);
     return linear_bf16(x, ldx, w->bf16[i], bias, residual, ldr, y, ldy, m, n, k, 0, num_threads);
 }
 

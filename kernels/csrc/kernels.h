@@ -46,13 +46,14 @@ int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const fl
 
 /* linear_q4_cpu.c */
 void linear_q4_pack(const uint8_t *codes, int64_t n, int64_t k, uint8_t *codes_out);
-int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales, const float *bias,
-              const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32,
-              int num_threads);
-void linear_q8_pack(const int8_t *codes, const float *d, int64_t n, int64_t k, int8_t *codes_out, float *scales_out);
-int linear_q8(const uint16_t *x, int64_t ldx, const int8_t *codes, const float *scales, const float *bias,
-              const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32,
-              int num_threads);
+int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales, int64_t group,
+              const int32_t *perm, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
+              int64_t m, int64_t n, int64_t k, int y_f32, int num_threads);
+void linear_q8_pack(const int8_t *codes, const float *d, int64_t group, int64_t n, int64_t k, int8_t *codes_out,
+                    float *scales_out);
+int linear_q8(const uint16_t *x, int64_t ldx, const int8_t *codes, const float *scales, int64_t group,
+              const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
+              int64_t k, int y_f32, int num_threads);
 
 /* norm_act_cpu.c */
 int rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *weight, uint16_t *y, int64_t ldy, int64_t rows,
@@ -65,13 +66,15 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t ld, uint16_t *y, int64_t ldy
 /* One layer's weights: RMSNorm weights [hidden] bfloat16; the projections
  * (qkv [q + 2 kv, hidden], o [hidden, q], gate_up [2 inter, hidden], down
  * [hidden, inter]) as bfloat16 panels (linear_bf16_pack), 4-bit panels
- * (linear_q4_pack: codes and scales), or both; qkv_bias float32 [q + 2 kv]
+ * (linear_q4_pack: codes, scales, group and input order), or both; qkv_bias float32 [q + 2 kv]
  * or NULL; the layer's key and value caches. */
 typedef struct {
     const uint16_t *input_norm, *post_norm;
     const uint16_t *bf16[4];      /* qkv, o, gate_up, down: bfloat16 panels or NULL */
     const uint8_t *q4_codes[4];   /* 4-bit panels or NULL */
-    const uint16_t *q4_scales[4]; /* float16 */
+    const uint16_t *q4_scales[4]; /* float16, one (d, m) per q4_group[i] inputs */
+    int64_t q4_group[4];
+    const int32_t *q4_perm[4];    /* the codes' input order (linear_q4's perm) or NULL */
     const float *qkv_bias;
     uint16_t *key_cache, *value_cache;
 } decoder_layer;

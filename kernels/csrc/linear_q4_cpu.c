@@ -29,8 +29,10 @@
  * holding column 16 g + j / 2 (low nibble) and 16 g + 8 + j / 2 (high) at
  * input 2 kp + j % 2, so that the two nibbles' float32 lanes convert into
  * VDPBF16PS's pair order directly;
- * scales float16 [2][64] (kernels/cpu_linear.py:pack_q4 lays them out): d,
- * then m (-8 d for Q4_0). Calls of up to
+ * scales float16 [2][64] per group of `group` inputs (kernels/cpu_linear.py:
+ * pack_q4 lays them out): d, then m (-8 d for Q4_0). GGUF's group is its block
+ * of 32; GPTQ/AWQ/compressed-tensors checkpoints keep their own (64, 128, a
+ * whole row...), so their scales cost what they cost in the checkpoint. Calls of up to
  * LINEAR_Q4_DIRECT_ROWS rows (kernels.h) dequantize each input pair in
  * registers; larger ones dequantize a panel once per work item into a
  * bfloat16 scratch (L2) and run rows six at a time over it.
@@ -112,11 +114,11 @@ static uint16_t *thread_scratch(size_t elems) {
     return scratch_grow(&buf, &cap, sizeof(uint16_t) * elems);
 }
 
-/* One panel (its codes and scales) dequantized into scratch [k / 2][64][2]. */
-static void dequant_panel(const uint8_t *codes, const uint16_t *scales, int64_t k, uint16_t *scratch) {
+/* One panel (its codes and scales, one (d, m) per `group` inputs) dequantized into scratch [k / 2][64][2]. */
+static void dequant_panel(const uint8_t *codes, const uint16_t *scales, int64_t group, int64_t k, uint16_t *scratch) {
     for (int64_t b = 0; b < k / QBLOCK; b++)
         for (int g = 0; g < 4; g++) {
-            const uint16_t *sb = scales + b * 2 * PANEL + 16 * g;
+            const uint16_t *sb = scales + b * QBLOCK / group * 2 * PANEL + 16 * g;
             const __m512 d0 = dup_half(sb, 0), m0 = dup_half(sb + PANEL, 0);
             const __m512 d1 = dup_half(sb, 1), m1 = dup_half(sb + PANEL, 1);
             for (int64_t kp = b * QBLOCK / 2; kp < (b + 1) * QBLOCK / 2; kp++)
@@ -141,8 +143,8 @@ static inline __attribute__((always_inline)) __m512bh dequant_q8_16x2(const int8
  * 4-bit); the same arithmetic as panel_rows. (Half panels: twice the work
  * items, so that two threads split a 576-column layer evenly.) */
 static inline __attribute__((always_inline)) void half_panel_rows(
-    const int Q8, const int MR, const uint16_t *x, int64_t ldx, const void *codes, const void *scales, int64_t h,
-    int64_t k, int64_t col0, int64_t n, const float *bias, const uint16_t *residual, int64_t ldr, void *y,
+    const int Q8, const int MR, const uint16_t *x, int64_t ldx, const void *codes, const void *scales, int64_t group,
+    int64_t h, int64_t k, int64_t col0, int64_t n, const float *bias, const uint16_t *residual, int64_t ldr, void *y,
     int64_t ldy, int y_f32) {
     __m512 acc[MR_Q4][4];
     for (int r = 0; r < MR; r++)
@@ -152,13 +154,13 @@ static inline __attribute__((always_inline)) void half_panel_rows(
     for (int64_t kp = 0; kp < k / 2; kp++) {
         __m512bh w0, w1;
         if (Q8) {
-            const float *sb = (const float *)scales + kp / (QBLOCK / 2) * PANEL + 32 * h;
+            const float *sb = (const float *)scales + kp / (group / 2) * PANEL + 32 * h;
             const int8_t *cp = (const int8_t *)codes + kp * 128 + 64 * h;
             w0 = dequant_q8_16x2(cp, sb);
             w1 = dequant_q8_16x2(cp + 32, sb + 16);
         } else {
-            if (kp % (QBLOCK / 2) == 0) {
-                const uint16_t *sb = (const uint16_t *)scales + kp / (QBLOCK / 2) * 2 * PANEL + 32 * h;
+            if (kp % (group / 2) == 0) { /* a new group */
+                const uint16_t *sb = (const uint16_t *)scales + kp / (group / 2) * 2 * PANEL + 32 * h;
                 for (int g = 0; g < 2; g++) {
                     s[4 * g] = dup_half(sb + 16 * g, 0), s[4 * g + 1] = dup_half(sb + PANEL + 16 * g, 0);
                     s[4 * g + 2] = dup_half(sb + 16 * g, 1), s[4 * g + 3] = dup_half(sb + PANEL + 16 * g, 1);
@@ -181,10 +183,11 @@ static inline __attribute__((always_inline)) void half_panel_rows(
 
 /* m <= LINEAR_Q4_DIRECT_ROWS rows over every half panel of a 4-bit or (Q8) 8-bit weight. */
 static inline __attribute__((always_inline)) void direct_rows(
-    const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+    const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales, int64_t group,
+    const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
     int y_f32, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
-    const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / QBLOCK * (Q8 ? 1 : 2) * PANEL;
+    const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (Q8 ? 1 : 2) * PANEL;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
     for (int64_t item = 0; item < panels * 2; item++) {
         const int64_t p = item / 2, h = item % 2;
@@ -192,7 +195,7 @@ static inline __attribute__((always_inline)) void direct_rows(
         const char *pc = (const char *)codes + p * panel_codes;
         const void *ps = Q8 ? (const void *)((const float *)scales + p * panel_scales)
                             : (const void *)((const uint16_t *)scales + p * panel_scales);
-#define ROWS(MR) half_panel_rows(Q8, MR, x, ldx, pc, ps, h, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32)
+#define ROWS(MR) half_panel_rows(Q8, MR, x, ldx, pc, ps, group, h, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32)
         if (m == 3) ROWS(3);
         else if (m == 2) ROWS(2);
         else if (m == 1) ROWS(1);
@@ -204,15 +207,32 @@ static inline __attribute__((always_inline)) void direct_rows(
 #include "quant_f32.h"
 #include "quant_int.h"
 
-/* y [m, n] = x [m, k] @ W.T (+ bias [n], float32) (+ residual [m, n]) for W
- * packed by linear_q4_pack; strides and y_f32 as linear_bf16. Returns 0, or 2 when out of memory. */
-int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
-              int64_t k, int y_f32, int num_threads) {
+/* x's columns in the order perm [k] gives (xp [m][k], row r's input j = x
+ * [r][perm[j]]), or x itself when perm is NULL; *owned is set to the copy to
+ * free. NULL when out of memory. */
+static const uint16_t *permuted_rows(const uint16_t *x, int64_t *ldx, const int32_t *perm, int64_t m, int64_t k,
+                                     uint16_t **owned, int num_threads) {
+    *owned = 0;
+    if (!perm) return x;
+    uint16_t *xp = malloc(sizeof(uint16_t) * (size_t)(m * k));
+    if (!xp) return 0;
+    const int64_t ld = *ldx;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < k; j++) xp[r * k + j] = x[r * ld + perm[j]];
+    *ldx = k;
+    *owned = xp;
+    return xp;
+}
+
+static int linear_q4_rows(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales,
+                          int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y,
+                          int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32, int num_threads) {
 #if defined(__AVX512BF16__)
     const int64_t panels = (n + PANEL - 1) / PANEL, m_blocks = (m + M_BLOCK - 1) / M_BLOCK;
-    const int64_t panel_codes = k * PANEL / 2, panel_scales = k / QBLOCK * 2 * PANEL;
+    const int64_t panel_codes = k * PANEL / 2, panel_scales = k / group * 2 * PANEL;
     if (m <= LINEAR_Q4_DIRECT_ROWS) { /* in registers, half a panel per work item */
-        direct_rows(0, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
+        direct_rows(0, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
         return 0;
     }
     int failed = 0;
@@ -225,16 +245,37 @@ int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16
             if (!scratch) continue;
             const int64_t p = item / m_blocks, m0 = item % m_blocks * M_BLOCK;
             const int64_t m1 = m0 + M_BLOCK < m ? m0 + M_BLOCK : m;
-            dequant_panel(codes + p * panel_codes, scales + p * panel_scales, k, scratch);
+            dequant_panel(codes + p * panel_codes, scales + p * panel_scales, group, k, scratch);
             panel_row_block(x, ldx, scratch, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32, m0, m1);
         }
     }
     return failed;
 #elif defined(QUANT_COPY_EVERY_ROW)
-    return quant_int_avx2(0, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
+    return quant_int_avx2(0, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
 #else
-    return quant_f32(0, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
+    return quant_f32(0, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
 #endif
+}
+
+/* y [m, n] = x [m, k] @ W.T (+ bias [n], float32) (+ residual [m, n]) for W
+ * packed by linear_q4_pack, its scales (d, m) per `group` inputs (a multiple
+ * of 32 dividing k) laid out float16 [panel][k / group][2][64]; with perm
+ * (int32 [k], else NULL) the codes' input j is x's column perm[j] (GPTQ's
+ * act-order: the inputs sorted by group so that each group is a run, x's
+ * columns gathered to match, exactly: the same sums over another order).
+ * Strides and y_f32 as linear_bf16. Returns 0, 1 for a group that does not
+ * fit, or 2 when out of memory. */
+int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales, int64_t group,
+              const int32_t *perm, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
+              int64_t m, int64_t n, int64_t k, int y_f32, int num_threads) {
+    if (group <= 0 || group % QBLOCK || k % group) return 1;
+    uint16_t *owned;
+    x = permuted_rows(x, &ldx, perm, m, k, &owned, num_threads);
+    if (!x) return 2;
+    const int rc = linear_q4_rows(x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
+                                  num_threads);
+    free(owned);
+    return rc;
 }
 
 /* Q8_0 (ggml's block_q8_0: 32 int8 codes q and a float16 scale d, w = d q,
@@ -243,16 +284,23 @@ int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16
  * the bfloat16 weights bf16(d * q) rebuilt in registers, the same bits as
  * linear_bf16 on them. Packed per panel of 64 columns and block of 32
  * inputs: codes [16 input pairs][4 groups][16 even-input bytes, 16
- * odd-input bytes], scales float32 [64]. */
-void linear_q8_pack(const int8_t *codes, const float *d, int64_t n, int64_t k, int8_t *codes_out, float *scales_out) {
-    const int64_t panels = (n + PANEL - 1) / PANEL, blocks = k / QBLOCK;
+ * odd-input bytes]; scales float32 [k / group][64] per panel, d [n, k / group]
+ * (one d per `group` inputs, a multiple of 32 dividing k). */
+void linear_q8_pack(const int8_t *codes, const float *d, int64_t group, int64_t n, int64_t k, int8_t *codes_out,
+                    float *scales_out) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, blocks = k / QBLOCK, groups = k / group;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < groups; b++)
+            for (int64_t c = 0; c < PANEL; c++) {
+                const int64_t row = p * PANEL + c;
+                scales_out[(p * groups + b) * PANEL + c] = row < n ? d[row * groups + b] : 0.0f;
+            }
 #if defined(QUANT_COPY_EVERY_ROW)
-    /* quant_int.h's layout: [panel][group of 8 columns][block][8 vectors][8 columns][4 inputs]; scales as below */
+    /* quant_int.h's layout: [panel][group of 8 columns][block][8 vectors][8 columns][4 inputs] */
     for (int64_t p = 0; p < panels; p++)
         for (int64_t b = 0; b < blocks; b++)
             for (int64_t c = 0; c < PANEL; c++) {
                 const int64_t row = p * PANEL + c, g = c / 8;
-                scales_out[(p * blocks + b) * PANEL + c] = row < n ? d[row * blocks + b] : 0.0f;
                 int8_t *dst = codes_out + ((p * (PANEL / 8) + g) * blocks + b) * 256 + 4 * (c % 8);
                 for (int64_t v = 0; v < 8; v++)
                     for (int64_t i = 0; i < 4; i++) dst[32 * v + i] = row < n ? codes[row * k + b * QBLOCK + 4 * v + i] : 0;
@@ -262,8 +310,6 @@ void linear_q8_pack(const int8_t *codes, const float *d, int64_t n, int64_t k, i
     for (int64_t p = 0; p < panels; p++)
         for (int64_t b = 0; b < blocks; b++) {
             int8_t *cb = codes_out + (p * blocks + b) * PANEL * QBLOCK;
-            float *sb = scales_out + (p * blocks + b) * PANEL;
-            for (int64_t c = 0; c < PANEL; c++) sb[c] = p * PANEL + c < n ? d[(p * PANEL + c) * blocks + b] : 0.0f;
             for (int64_t kp = 0; kp < QBLOCK / 2; kp++)
                 for (int64_t c = 0; c < PANEL; c++) {
                     const int64_t row = p * PANEL + c, i = b * QBLOCK + 2 * kp;
@@ -275,19 +321,20 @@ void linear_q8_pack(const int8_t *codes, const float *d, int64_t n, int64_t k, i
 }
 
 /* y [m, n] = x [m, k] @ W.T (+ bias) (+ residual) for W packed by
- * linear_q8_pack, m <= LINEAR_Q4_DIRECT_ROWS; arguments as linear_bf16.
- * Returns 0, 1 for more rows, 2 when out of memory. */
-int linear_q8(const uint16_t *x, int64_t ldx, const int8_t *codes, const float *scales, const float *bias,
-              const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32,
-              int num_threads) {
+ * linear_q8_pack with the same group, m <= LINEAR_Q4_DIRECT_ROWS; arguments as linear_bf16.
+ * Returns 0, 1 for more rows or a group that does not fit, 2 when out of memory. */
+int linear_q8(const uint16_t *x, int64_t ldx, const int8_t *codes, const float *scales, int64_t group,
+              const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
+              int64_t k, int y_f32, int num_threads) {
+    if (group <= 0 || group % QBLOCK || k % group) return 1;
 #if defined(QUANT_COPY_EVERY_ROW)
-    return quant_int_avx2(1, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
+    return quant_int_avx2(1, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
 #endif
     if (m > LINEAR_Q4_DIRECT_ROWS) return 1;
 #if defined(__AVX512BF16__)
-    direct_rows(1, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
+    direct_rows(1, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
     return 0;
 #else
-    return quant_f32(1, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
+    return quant_f32(1, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
 #endif
 }

@@ -38,11 +38,11 @@ static inline float f16_to_f32(uint16_t h) {
 
 /* One 4-bit panel (its codes and scales) as bfloat16 panels [k / 2][64][2]:
  * bf16(d * q + m), d * q exact (see the top of this file), one rounding. */
-static void dequant_q4_panel(const uint8_t *codes, const uint16_t *scales, int64_t k, uint16_t *out) {
+static void dequant_q4_panel(const uint8_t *codes, const uint16_t *scales, int64_t group, int64_t k, uint16_t *out) {
     for (int64_t b = 0; b < k / QBLOCK; b++) {
         float d[PANEL], mn[PANEL];
-        for (int c = 0; c < PANEL; c++) d[c] = f16_to_f32(scales[b * 2 * PANEL + c]),
-                                        mn[c] = f16_to_f32(scales[b * 2 * PANEL + PANEL + c]);
+        const uint16_t *sb = scales + b * QBLOCK / group * 2 * PANEL;
+        for (int c = 0; c < PANEL; c++) d[c] = f16_to_f32(sb[c]), mn[c] = f16_to_f32(sb[PANEL + c]);
         for (int64_t kp = b * QBLOCK / 2; kp < (b + 1) * QBLOCK / 2; kp++)
             for (int g = 0; g < 4; g++)
                 for (int j = 0; j < 16; j++) { /* byte j: lane j of the group's halves (see linear_q4_pack) */
@@ -56,9 +56,9 @@ static void dequant_q4_panel(const uint8_t *codes, const uint16_t *scales, int64
 }
 
 /* One 8-bit panel (linear_q8_pack's layout) as bfloat16 panels: bf16(d * q), exact products. */
-static void dequant_q8_panel(const int8_t *codes, const float *scales, int64_t k, uint16_t *out) {
+static void dequant_q8_panel(const int8_t *codes, const float *scales, int64_t group, int64_t k, uint16_t *out) {
     for (int64_t kp = 0; kp < k / 2; kp++) {
-        const float *d = scales + kp / (QBLOCK / 2) * PANEL;
+        const float *d = scales + kp / (group / 2) * PANEL;
         for (int c = 0; c < PANEL; c++) {
             const int8_t *src = codes + (kp * 4 + c / 16) * 32 + c % 16;
             out[(kp * PANEL + c) * 2] = f32_to_bf16(d[c] * (float)src[0]);
@@ -107,9 +107,9 @@ static inline __attribute__((always_inline)) void dequant16x2_f32(const int Q8, 
 
 /* The 4-bit panel's scales and mins (float16 [k / 32][2][64]) of input pair
  * kp's block for group g's 16 columns, as float32 d[16], mn[16]. */
-static inline __attribute__((always_inline)) void block_scales(const void *scales, int64_t kp, int g, float *d,
-                                                               float *mn) {
-    const uint16_t *sb = (const uint16_t *)scales + kp / (QBLOCK / 2) * 2 * PANEL + 16 * g;
+static inline __attribute__((always_inline)) void block_scales(const void *scales, int64_t group, int64_t kp, int g,
+                                                               float *d, float *mn) {
+    const uint16_t *sb = (const uint16_t *)scales + kp / (group / 2) * 2 * PANEL + 16 * g;
     for (int i = 0; i < 2; i++) {
         _mm256_storeu_ps(d + 8 * i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 8 * i))));
         _mm256_storeu_ps(mn + 8 * i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + PANEL + 8 * i))));
@@ -121,7 +121,7 @@ static inline __attribute__((always_inline)) void block_scales(const void *scale
  * panel), each input pair dequantized in registers: f32_tile's operations on
  * the same weight values, in the same order, so linear_bf16's bits. */
 static inline __attribute__((always_inline)) void quant_group_rows(
-    const int Q8, const int MR, const float *xf, const void *codes, const void *scales, int g, int64_t k,
+    const int Q8, const int MR, const float *xf, const void *codes, const void *scales, int64_t group, int g, int64_t k,
     int64_t col0, int64_t n, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
     int y_f32) {
     __m256 acc[MR_Q4][8];
@@ -131,11 +131,11 @@ static inline __attribute__((always_inline)) void quant_group_rows(
         const float *dp = d;
         const void *cp;
         if (Q8) {
-            dp = (const float *)scales + kp / (QBLOCK / 2) * PANEL + 16 * g;
+            dp = (const float *)scales + kp / (group / 2) * PANEL + 16 * g;
             cp = (const int8_t *)codes + kp * 128 + 32 * g;
         } else {
-            if (kp % (QBLOCK / 2) == 0) /* a new block */
-                block_scales(scales, kp, g, d, mn);
+            if (kp % (group / 2) == 0) /* a new group */
+                block_scales(scales, group, kp, g, d, mn);
             cp = (const uint8_t *)codes + kp * PANEL + 16 * g;
         }
         __m256 w[4];
@@ -154,10 +154,10 @@ static inline __attribute__((always_inline)) void quant_group_rows(
  * work item half a panel (two threads split a 576-column layer evenly).
  * Returns 0, or 2 when out of memory. */
 static int quant_direct_avx2(const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
-                             const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
+                             int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
                              int64_t m, int64_t n, int64_t k, int y_f32, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
-    const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / QBLOCK * (Q8 ? 1 : 2) * PANEL;
+    const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (Q8 ? 1 : 2) * PANEL;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)") {
         float *xf = f32_scratch((size_t)(m * k));
@@ -174,7 +174,7 @@ static int quant_direct_avx2(const int Q8, const uint16_t *x, int64_t ldx, const
                                 : (const void *)((const uint16_t *)scales + p * panel_scales);
             for (int g = 2 * (int)(item % 2); g < 2 * (int)(item % 2) + 2; g++) {
                 if (p * PANEL + 16 * g >= n) break;
-#define ROWS(MR) quant_group_rows(Q8, MR, xf, pc, ps, g, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32)
+#define ROWS(MR) quant_group_rows(Q8, MR, xf, pc, ps, group, g, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32)
                 if (m == 3) ROWS(3);
                 else if (m == 2) ROWS(2);
                 else ROWS(1);
@@ -186,16 +186,17 @@ static int quant_direct_avx2(const int Q8, const uint16_t *x, int64_t ldx, const
 }
 
 /* dequant_q4_panel / dequant_q8_panel (Q8) with dequant16x2_f32: the same values. */
-static void dequant_panel_avx2(const int Q8, const void *codes, const void *scales, int64_t k, uint16_t *out) {
+static void dequant_panel_avx2(const int Q8, const void *codes, const void *scales, int64_t group, int64_t k,
+                               uint16_t *out) {
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     for (int64_t kp = 0; kp < k / 2; kp++)
         for (int g = 0; g < 4; g++) {
             float d[16], mn[16];
             const float *dp = d;
             if (Q8)
-                dp = (const float *)scales + kp / (QBLOCK / 2) * PANEL + 16 * g;
+                dp = (const float *)scales + kp / (group / 2) * PANEL + 16 * g;
             else
-                block_scales(scales, kp, g, d, mn);
+                block_scales(scales, group, kp, g, d, mn);
             __m256 w[4];
             dequant16x2_f32(Q8, Q8 ? (const void *)((const int8_t *)codes + kp * 128 + 32 * g)
                                    : (const void *)((const uint8_t *)codes + kp * PANEL + 16 * g), dp, mn, w);
@@ -213,13 +214,14 @@ static void dequant_panel_avx2(const int Q8, const void *codes, const void *scal
  * (panel, block of rows), the panel dequantized into this thread's bfloat16
  * scratch, then f32_panel.h's kernel over it. Returns 0, or 2 when out of memory. */
 static int quant_f32(const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
-                     const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m,
+                     int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m,
                      int64_t n, int64_t k, int y_f32, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL, m_blocks = (m + M_BLOCK - 1) / M_BLOCK;
-    const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / QBLOCK * (Q8 ? 1 : 2) * PANEL;
+    const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (Q8 ? 1 : 2) * PANEL;
 #if defined(F32_PANEL_AVX2)
     if (m <= LINEAR_Q4_DIRECT_ROWS) /* in registers */
-        return quant_direct_avx2(Q8, x, ldx, codes, scales, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
+        return quant_direct_avx2(Q8, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
+                                 num_threads);
 #endif
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)") {
@@ -240,12 +242,12 @@ static int quant_f32(const int Q8, const uint16_t *x, int64_t ldx, const void *c
                 const void *ps = Q8 ? (const void *)((const float *)scales + p * panel_scales)
                                     : (const void *)((const uint16_t *)scales + p * panel_scales);
 #if defined(F32_PANEL_AVX2)
-                dequant_panel_avx2(Q8, pc, ps, k, panel);
+                dequant_panel_avx2(Q8, pc, ps, group, k, panel);
 #else
                 if (Q8)
-                    dequant_q8_panel(pc, ps, k, panel);
+                    dequant_q8_panel(pc, ps, group, k, panel);
                 else
-                    dequant_q4_panel(pc, ps, k, panel);
+                    dequant_q4_panel(pc, ps, group, k, panel);
 #endif
             }
             f32_panel_row_block(x, ldx, panel, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32, m0, m1,

@@ -15,8 +15,9 @@
  *   acc = fma(float(isum), d * dx, acc); acc = fma(m, sx, acc)   (4-bit)
  *   acc = fma(float(isum), d * dx, acc)                          (8-bit)
  * where isum = sum over the block of q * qx, exact in 32-bit integers
- * (|isum| < 2^19: exact in float32 too), d and m the column's block scale and
- * min (Q4_0: m = -8 d, codes 0..15; Q8_0: codes -128..127). Bias and
+ * (|isum| < 2^19: exact in float32 too), d and m the column's scale and
+ * min of the group holding block b (Q4_0: m = -8 d, codes 0..15; Q8_0: codes
+ * -128..127). Bias and
  * residual are added after the last block and the sum is rounded once
  * (f32_store_rows). A row's bits so depend only on that row and the weight,
  * never on the row count, the tiling or the threads (batch-invariant for
@@ -94,7 +95,7 @@ static inline __m256i qi_bcast4(const int8_t *q) {
  * the tile's first row, col0 its first column. Q8: the 8-bit layout. */
 static inline __attribute__((always_inline)) void qi_tile(
     const int Q8, const int MR, const int NG, const int8_t *q, const float *dx, const float *sx, const void *codes,
-    const void *scales, int g0, int64_t k, int64_t col0, int64_t n, const float *bias, const uint16_t *residual,
+    const void *scales, int64_t group, int g0, int64_t k, int64_t col0, int64_t n, const float *bias, const uint16_t *residual,
     int64_t ldr, void *y, int64_t ldy, int y_f32) {
     const int64_t blocks = k / QBLOCK, gbytes = Q8 ? 256 : 128; /* bytes per (group, block) */
     const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -133,9 +134,9 @@ static inline __attribute__((always_inline)) void qi_tile(
         for (int g = 0; g < NG; g++) {
             __m256 d, mn = _mm256_setzero_ps();
             if (Q8)
-                d = _mm256_loadu_ps((const float *)scales + b * PANEL + 8 * (g0 + g));
+                d = _mm256_loadu_ps((const float *)scales + b * QBLOCK / group * PANEL + 8 * (g0 + g));
             else {
-                const uint16_t *sb = (const uint16_t *)scales + b * 2 * PANEL + 8 * (g0 + g);
+                const uint16_t *sb = (const uint16_t *)scales + b * QBLOCK / group * 2 * PANEL + 8 * (g0 + g);
                 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
                 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + PANEL)));
             }
@@ -155,10 +156,10 @@ static inline __attribute__((always_inline)) void qi_tile(
  * group of 8 columns each) or, for one row, all four of its groups at once.
  * Returns 0, or 2 when out of memory. */
 static int quant_int_avx2(const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
-                          const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m,
+                          int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m,
                           int64_t n, int64_t k, int y_f32, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL, blocks = k / QBLOCK;
-    const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = blocks * (Q8 ? 1 : 2) * PANEL;
+    const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (Q8 ? 1 : 2) * PANEL;
     const size_t ysz = y_f32 ? 4 : 2;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)") {
@@ -179,7 +180,7 @@ static int quant_int_avx2(const int Q8, const uint16_t *x, int64_t ldx, const vo
             const void *ps = Q8 ? (const void *)((const float *)scales + p * panel_scales)
                                 : (const void *)((const uint16_t *)scales + p * panel_scales);
             const int8_t *q = (const int8_t *)(buf + 2 * m * blocks);
-#define TILE(MR, NG, G) qi_tile(Q8, MR, NG, q + r * k, buf + r * blocks, buf + (m + r) * blocks, pc, ps, G, k, \
+#define TILE(MR, NG, G) qi_tile(Q8, MR, NG, q + r * k, buf + r * blocks, buf + (m + r) * blocks, pc, ps, group, G, k, \
                                 p * PANEL, n, bias, residual ? residual + r * ldr : 0, ldr, (char *)y + r * ldy * ysz, \
                                 ldy, y_f32)
             int64_t r = 0;

@@ -124,3 +124,66 @@ def test_c_kernel_gives_the_dequantized_bfloat16_weights_bits(qtype):
         cpu_linear.pack_q4(torch.full((4, 32), 16), torch.zeros(4, 1), None)
     with pytest.raises(ValueError, match="float16 values"):
         cpu_linear.pack_q4(torch.zeros(4, 32, dtype=torch.int32), torch.full((4, 1), 0.1), None)
+
+
+def _checkpoint_piece(n: int, k: int, group: int, g_idx: torch.Tensor | None, sym: bool, seed: int):
+    """A random GPTQ-style Int4Weight (group size ``group``, each input's group ``g_idx``, or in
+    order) as grouped_int4 makes it, and the bfloat16 weights the 4-bit kernel computes with, in the
+    inputs' order: bf16(d q + m) with m = -z d rounded to float16 (asymmetric)."""
+    from engine.quantization.int4 import grouped_int4
+
+    gen = torch.Generator().manual_seed(seed)
+    groups = k // group
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    zeros = torch.full((groups, n), 8) if sym else torch.randint(0, 17, (groups, n), generator=gen)
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 1e-3).half()
+    piece = grouped_int4(codes, zeros, scales, g_idx, "test")
+    g = torch.arange(k) // group if g_idx is None else g_idx
+    d = scales.float().t()[:, g]
+    m = (-zeros.float() * scales.float()).half().float().t()[:, g]
+    return piece, (codes * d + m).bfloat16()
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64"])
+@pytest.mark.parametrize("group, act_order, sym", [(64, False, False), (128, True, False), (128, True, True),
+                                                   (640, False, False), (32, True, False)])
+def test_checkpoint_groups_and_act_order_give_the_dequantized_bfloat16_bits(monkeypatch, march, group, act_order,
+                                                                           sym):
+    """The 4-bit kernel at a checkpoint's group size (one float16 d, m per group, not per 32 inputs)
+    and with GPTQ's act-order (the codes sorted by group, the kernel gathering the activations'
+    columns to match): bitwise the bfloat16 kernel's results on the dequantized weights in the
+    codes' input order and the activations' columns gathered, in this CPU's build (AVX512-BF16 here:
+    registers up to 3 rows, scratch panels above) and the portable one, two pieces stacked as a fused
+    projection; the scales cost 4 bytes per group and 64 outputs, not per 32 inputs. The AVX2 body
+    (integer dots) is pinned to its model in tests/test_quant_int.py."""
+    from kernels import cpu_linear
+    from kernels.cpu_build import MARCH_ENV
+
+    monkeypatch.setenv(MARCH_ENV, march)
+    if cpu_linear.isa() not in ("avx512bf16", "portable"):
+        pytest.skip(f"the {cpu_linear.isa()} body runs integer dots: tests/test_quant_int.py")
+    k = 640
+    g_idx = None
+    if act_order:  # one order for the fused pieces: q/k/v (gate/up) read one input, GPTQ gives them one
+        g_idx = torch.empty(k, dtype=torch.int64)
+        g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(0))] = torch.arange(k) // group
+    a, wa = _checkpoint_piece(96, k, group, g_idx, sym, 1)
+    b, wb = _checkpoint_piece(64, k, group, g_idx, sym, 2)
+    assert (a.perm is not None) == act_order
+    if cpu_linear.isa() == "portable":  # Int4Linear packs for the fast bodies only: pack as it would
+        codes, d, m = (torch.cat(t) for t in zip(a.codes_d_m(), b.codes_d_m()))
+        packed = cpu_linear.pack_q4(codes, d, None if sym else m.half().float(), group, a.perm)
+    else:
+        packed = Int4Linear([a, b], torch.bfloat16).c_packed
+    assert packed.group == group and packed.scales.numel() == 3 * 64 * (k // group) * 2
+    order = torch.arange(k) if a.perm is None else a.perm
+    dense = cpu_linear.pack(torch.cat([wa, wb])[:, order].contiguous())
+    gen = torch.Generator().manual_seed(3)
+    bias = torch.randn(160, generator=gen).bfloat16()
+    for rows in (1, 2, 3, 4, 7, 50):
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        xo = x[:, order].contiguous()
+        residual = torch.randn(rows, 160, generator=gen).bfloat16()
+        assert torch.equal(cpu_linear.linear(x, packed, bias, residual), cpu_linear.linear(xo, dense, bias, residual))
+        assert torch.equal(cpu_linear.linear(x, packed, out_dtype=torch.float32),
+                           cpu_linear.linear(xo, dense, out_dtype=torch.float32))

@@ -52,6 +52,9 @@ CASES = {
     "gptq_asym_group64_llama": ("llama128", lambda p, m: write_gptq(p, m, 64, sym=False)),
     "awq_group64_llama": ("llama128", lambda p, m: write_awq(p, m, 64)),
     "gptq_desc_act_qwen2": ("qwen2", lambda p, m: write_gptq(p, m, 32, sym=False, desc_act=True)),
+    "gptq_desc_act_group64_llama": ("llama128", lambda p, m: write_gptq(p, m, 64, sym=True, desc_act=True)),
+    "gptq_desc_act_own_orders_llama": ("llama", lambda p, m: write_gptq(p, m, 32, sym=False, desc_act=True,
+                                                                       shared_order=False)),
     "awq_llama": ("llama", lambda p, m: write_awq(p, m, 32)),
     "awq_qwen2": ("qwen2", lambda p, m: write_awq(p, m, 32)),
     "ct_w4a16_sym_llama": ("llama", lambda p, m: write_compressed_tensors(p, m, 32, sym=True)),
@@ -74,15 +77,20 @@ def test_float32_matches_dequantized_reference_alone_and_batched(tmp_path, case,
     hf = _quantized(tmp_path, case)
     llm, prompts, refs, params = _engine_and_references(tmp_path, hf, case)
     layer = llm.engine.model_runner.model.layers[0]
-    # kept in 4 bits, but for desc_act's out-of-order groups and FP8 (dequantized at load)
-    assert len(layer.int4) == (0 if "desc_act" in case or "fp8" in case else 4)
+    # kept in 4 bits (act-order too: the inputs sorted by group), but for FP8 (dequantized at load) and the
+    # fused projections whose parts have their own input orders (q/k/v, gate/up: dequantized)
+    assert sorted(layer.int4) == ([] if "fp8" in case else ["down_proj", "o_proj"] if "own_orders" in case else
+                                  ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"])
+    if "desc_act" in case:
+        assert all((lin.perm is not None) == (lin.in_features > lin.group) for lin in layer.int4.values())
     for prompt, ref in zip(prompts, refs):
         _check(llm.generate([prompt], params)[0], ref)
     for out, ref in zip(llm.generate(prompts, params), refs):
         _check(out, ref)
 
 
-@pytest.mark.parametrize("case", ["gptq_sym_llama", "awq_llama", "awq_qwen2", "ct_w4a16_asym_qwen2"])
+@pytest.mark.parametrize("case", ["gptq_sym_llama", "awq_llama", "awq_qwen2", "ct_w4a16_asym_qwen2",
+                                  "gptq_desc_act_group64_llama", "ct_w4a16_channel_llama"])
 def test_bfloat16_c_stack_reads_packed_layers_batch_invariant(tmp_path, case, one_thread):
     from kernels import cpu_attention, cpu_linear, cpu_norm_act
 
@@ -104,17 +112,32 @@ def test_bfloat16_c_stack_reads_packed_layers_batch_invariant(tmp_path, case, on
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int4_weight_blocks_reproduce_the_group_dequantization(group_size):
-    """Each 32-input block of a group gets the group's scale and zero point, in the group's order."""
-    from engine.quantization.int4 import Int4Weight
+def test_act_order_weight_is_the_group_dequantization_in_input_order(group_size):
+    """grouped_int4 with a GPTQ act-order g_idx: the codes sorted by group (each group a run of
+    group_size inputs), one (d, m) per group, and the dequantization back in the inputs' order equal
+    to the checkpoint's (q[n, k] - z[g_idx[k], n]) * s[g_idx[k], n]."""
+    from engine.quantization.int4 import act_order, grouped_int4
 
     gen = torch.Generator().manual_seed(group_size)
     groups = 256 // group_size
-    w = Int4Weight(torch.randint(0, 16, (16, 256), generator=gen), torch.randint(0, 16, (16, groups), generator=gen),
-                   torch.rand(16, groups, generator=gen).half().float(), group_size)
-    codes, d, m = w.codes_d_m()
-    block = torch.arange(256) // 32
-    assert torch.equal(codes * d[:, block] + m[:, block], w.dequantize())
+    codes = torch.randint(0, 16, (16, 256), generator=gen)
+    zeros, scales = torch.randint(0, 16, (groups, 16), generator=gen), torch.rand(groups, 16, generator=gen).half()
+    g_idx = torch.empty(256, dtype=torch.int64)
+    g_idx[torch.randperm(256, generator=gen)] = torch.arange(256) // group_size
+    reference = (codes - zeros[g_idx].t()).float() * scales.float()[g_idx].t()
+    w = grouped_int4(codes, zeros, scales, g_idx, "test")
+    assert w.group_size == group_size and torch.equal(g_idx[w.perm], torch.arange(256) // group_size)
+    assert torch.equal(w.dequantize(), reference)
+    q, d, m = w.codes_d_m()
+    assert torch.equal(q[:, torch.argsort(w.perm)], codes.to(torch.int32))
+    group = torch.arange(256) // group_size
+    assert torch.equal((q * d[:, group] + m[:, group])[:, torch.argsort(w.perm)], reference)
+    assert grouped_int4(codes, zeros, scales, torch.arange(256) // group_size, "test").perm is None
+    uneven = torch.arange(256) // group_size
+    uneven[group_size] = 0  # groups of other sizes: no order makes them runs, dequantized at load
+    assert act_order(uneven, groups) is None
+    assert torch.equal(grouped_int4(codes, zeros, scales, uneven, "test"),
+                       (codes - zeros[uneven].t()).float() * scales.float()[uneven].t())
 
 
 def _set_quantization_config(path, **changes) -> None:
