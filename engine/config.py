@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from engine.kv_events import KVEventsConfig
 from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -131,6 +132,9 @@ class EngineArgs:
             "prompt_lookup_max": 4, "prompt_lookup_min": 2}``, a dict or its
             JSON text; ``engine/spec_decode/``); None: off. Outputs are
             bitwise those without it (docs/speculative-decoding.md).
+        kv_events_config: KV-cache events for KV-aware routers (vLLM's ``--kv-events-config`` JSON: ``{"enable_kv_cache_events":
+            true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}``,
+            a dict or its JSON text; ``engine/kv_events.py``); None: not published.
         engine_core_process: run the engine core (scheduler, model runner,
             KV cache) in a process of its own, as vLLM v1 does, so that a
             step never shares a GIL with the HTTP event loop (``AsyncEngine``
@@ -161,6 +165,7 @@ class EngineArgs:
     load_format: str = "auto"
     engine_core_process: bool = True
     speculative_config: dict | str | None = None
+    kv_events_config: dict | str | None = None
     structured_outputs_workers: int = 4
     structured_outputs_compile_timeout_s: float = 10.0
     structured_outputs_max_bytes: int | str = "1MiB"
@@ -211,6 +216,7 @@ class EngineArgs:
             if not ok:
                 raise ValueError(f"{name} {msg}")
         SpeculativeConfig.parse(self.speculative_config)
+        KVEventsConfig.parse(self.kv_events_config)
         if not os.path.exists(self.model):
             raise FileNotFoundError(f"model {self.model!r}: no such file or directory")
 
@@ -267,6 +273,10 @@ def add_engine_cli_args(parser) -> None:
                    help='speculative decoding as JSON, vLLM\'s keys, e.g. {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
                         "(prompt lookup; outputs are bitwise those without it)")
+    g.add_argument("--kv-events-config", default=None,
+                   help='KV-cache events for KV-aware routers, vLLM\'s JSON, e.g. {"enable_kv_cache_events": true, '
+                        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '
+                        '"topic": "kv-events"} (ZMQ PUB of msgpack KVEventBatch, as vLLM)')
     g.add_argument("--structured-outputs-workers", type=int, default=4,
                    help="grammar compile threads, and as many spec-check processes (>= 2: a slow schema never holds up a quick one)")
     g.add_argument("--structured-outputs-compile-timeout-s", type=float, default=10.0,

@@ -15,11 +15,14 @@ Names (all with label ``model_name``), as in vLLM ``v1/metrics/loggers.py``:
 ``vllm:request_success_total`` (+ ``finished_reason``),
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
 ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
-``vllm:cache_config_info``; Tandem's ``tandem:structured_output_invalid_total`` (finished structured answers
+``vllm:cache_config_info``, ``vllm:lora_requests_info`` (the inference extension's model-server protocol reads
+it; no adapters here); Tandem's ``tandem:structured_output_invalid_total`` (finished structured answers
 that broke their schema, ``engine/entrypoints/answer_check.py``).
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -91,6 +94,12 @@ class _LiveCollector:
                          str(args.enable_prefix_caching), str(args.dtype),
                          str(int(args.swap_space * 2**30))], 1.0)
         yield info
+        # The inference extension's LoRA signal (its model-server protocol): no adapters are served, so both lists
+        # are empty and max_lora is 0; the value is the time of the reading, as vLLM's.
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                 labels=["model_name", "max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        lora.add_metric([self.model_name, "0", "", ""], time.time())
+        yield lora
 
 
 class EngineMetrics:

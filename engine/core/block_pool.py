@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from engine.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, external_block_hash
+
 # A block hash: sha256 digest of (parent hash, token ids, extra keys); see
 # engine.core.kv_cache_manager.hash_block_tokens.
 BlockHash = bytes
@@ -148,6 +150,9 @@ class BlockPool:
         # resyncs the whole cache instead), so a pool nobody drains (offline use) does not grow forever.
         self.kv_events: list[tuple[BlockHash, bool]] | None = None
         self.kv_events_lost = False
+        # vLLM's KV events (``engine/kv_events.py``) in the order they happened, for the ZMQ publisher; None: not
+        # kept (no publisher). Drained by the engine core after every step, so never longer than one step's.
+        self.kv_cache_events: list[BlockStored | BlockRemoved] | None = None
 
     # -- allocation ---------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -185,6 +190,8 @@ class BlockPool:
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
             self._kv_event(block.block_hash, False)
+            if self.kv_cache_events is not None:
+                self.kv_cache_events.append(BlockRemoved([external_block_hash(block.block_hash)], MEDIUM_GPU))
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -244,6 +251,16 @@ class BlockPool:
         self.cached_block_hash_to_block[block_hash] = block
         self._kv_event(block_hash, True)
         return True
+
+    def record_stored(self, hashes: list[BlockHash], parent: BlockHash | None, token_ids: list[int],
+                      block_size: int) -> None:
+        """Record that consecutive blocks of one sequence entered the cache (``hashes``, in order, after the
+        block hashed ``parent``; ``token_ids``: their tokens, ``block_size`` each) when events are kept."""
+        if self.kv_cache_events is None or not hashes:
+            return
+        self.kv_cache_events.append(BlockStored(
+            [external_block_hash(h) for h in hashes], None if parent is None else external_block_hash(parent),
+            token_ids, block_size, None, MEDIUM_GPU))
 
     def _kv_event(self, block_hash: BlockHash, cached: bool) -> None:
         """Record one event in ``kv_events`` when kept (see ``__init__``)."""

@@ -74,6 +74,7 @@ def run_core_loop(core, take_commands: Callable[[bool], list[Command]], emit: Ca
             core.abort_all()
             emit(CoreStep([], core.get_stats(), time.monotonic(), rejected=rejected, acks=acks))
             emit_embeds(core, emit)
+            core.close()
             return
         outputs, failed, error = [], [], None
         if core.has_unfinished_requests():

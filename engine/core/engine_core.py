@@ -44,6 +44,7 @@ from engine.core.scheduler import Scheduler
 from engine.worker.structured_outputs import StructuredOutputManager
 from engine.core.ttft import predict_waiting, quad_of, state_of
 from engine.core.ttft_calibration import TTFTCalibration
+from engine.kv_events import KVEventsConfig, ZmqEventPublisher, take_batch
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposing import SpecDecoder
 from engine.spec_decode.rejection import sample_with_drafts
@@ -161,6 +162,10 @@ class EngineCore:
         self._requests_added = 0                     # add_request calls, accepted or refused (engine/core/ttft.py)
         self._last_step: tuple | None = None   # (start, prefill tokens, decode rows, quad_of its chunks)
         self.scheduler.kv_cache_manager.block_pool.kv_events = []
+        kv_events = KVEventsConfig.parse(args.kv_events_config)   # vLLM's KV events for routers (engine/kv_events.py)
+        self.kv_event_publisher = ZmqEventPublisher(kv_events) if kv_events is not None else None
+        if self.kv_event_publisher is not None:
+            self.scheduler.kv_cache_manager.block_pool.kv_cache_events = []
         # The objects built so far (the model, the tokenizer, torch's modules) live as long as the
         # engine: freezing them keeps the cyclic GC from walking them on every collection during
         # serving (4 % of a single stream's time in a profile; vLLM freezes its start-up heap too).
@@ -361,7 +366,17 @@ class EngineCore:
                 self._forget_group(rid)
         if not self.scheduler.has_unfinished_requests():
             self._last_step = None
+        if self.kv_event_publisher is not None:
+            batch = take_batch(self.scheduler.kv_cache_manager.block_pool.kv_cache_events)
+            if batch is not None:
+                self.kv_event_publisher.publish(batch)
         return outputs
+
+    def close(self) -> None:
+        """Release what outlives a step: the KV events publisher's thread and sockets."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
+            self.kv_event_publisher = None
 
     def _calibrate(self, started: float, prefill_tokens: int, decode_rows: int, quad: float, chunks: int) -> None:
         """Time the previous step from its start to this one's (perf_counter seconds): what a waiting request

@@ -188,9 +188,20 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)
+        run = start  # first block of the current run of newly cached blocks (one BlockStored event per run)
         for i in range(start, num_full):
-            self.block_pool.cache_block(blocks[i], hashes[i])
+            if not self.block_pool.cache_block(blocks[i], hashes[i]):
+                self._record_stored(request, hashes, run, i)
+                run = i + 1
+        self._record_stored(request, hashes, run, num_full)
         self.num_cached_block[rid] = num_full
+
+    def _record_stored(self, request: Request, hashes: list[BlockHash], first: int, end: int) -> None:
+        """Tell the pool's KV events that blocks ``first..end-1`` of ``request`` entered the cache."""
+        if end > first and self.block_pool.kv_cache_events is not None:
+            bs = self.block_size
+            self.block_pool.record_stored(hashes[first:end], hashes[first - 1] if first else None,
+                                          request.all_token_ids[first * bs:end * bs], bs)
 
     # -- allocation ---------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,

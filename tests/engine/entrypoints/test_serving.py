@@ -482,6 +482,31 @@ def test_metrics_use_vllm_names(server):
     assert m["vllm:time_to_first_token_seconds_count"] > 0 and m["vllm:prefix_cache_hits_total"] > 0
 
 
+# A copy of the metrics table of the Gateway API Inference Extension's model-server protocol (kubernetes-sigs/
+# gateway-api-inference-extension, docs/proposals/003-model-server-protocol, read 2026-12-04), vLLM's column:
+# what its endpoint picker (and llm-d's router) scrape from a model server. (name, type, labels it reads)
+MODEL_SERVER_PROTOCOL = [
+    ("vllm:num_requests_waiting", "gauge", set()),                        # TotalQueuedRequests
+    ("vllm:num_requests_running", "gauge", set()),                        # TotalRunningRequests
+    ("vllm:kv_cache_usage_perc", "gauge", set()),                         # KVCacheUtilization
+    ("vllm:lora_requests_info", "gauge", {"running_lora_adapters", "waiting_lora_adapters", "max_lora"}),  # LoRA
+    ("vllm:cache_config_info", "gauge", {"block_size", "num_gpu_blocks"}),  # CacheInfo (prefix-aware scoring)
+]
+
+
+def test_metrics_cover_the_inference_extension_model_server_protocol(server):
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.base_url}/metrics").text)}
+    for name, kind, labels in MODEL_SERVER_PROTOCOL:
+        assert name in families, name
+        fam = families[name]
+        assert fam.type == kind and fam.samples, name
+        assert labels <= set(fam.samples[0].labels), (name, fam.samples[0].labels)
+    info = families["vllm:cache_config_info"].samples[0].labels
+    assert int(info["block_size"]) == server.engine.args.block_size and int(info["num_gpu_blocks"]) > 0
+    usage = families["vllm:kv_cache_usage_perc"].samples[0].value
+    assert 0.0 <= usage <= 1.0
+
+
 def test_prompt_logprobs_and_multiple_prompts(server):
     c = complete(server, prompt=["1, 2, 3", "A, B, C"], max_tokens=3, temperature=0, n=2,
                  extra_body={"prompt_logprobs": 1})
