@@ -18,7 +18,7 @@ for bfloat16 on CPU with the ``cpu`` attention backend.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,6 +61,8 @@ class LayerWeights:
         qkv_bias: [q + 2 kv] float32, or None.
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads,
             head_dim] bfloat16, contiguous.
+        fp8: per projection, its ``cpu_linear.PackedFP8Linear`` (an FP8
+            checkpoint's), read instead of the others when present.
     """
 
     input_norm: torch.Tensor
@@ -70,6 +72,7 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None
     key_cache: torch.Tensor
     value_cache: torch.Tensor
+    fp8: dict[str, cpu_linear.PackedFP8Linear | None] = field(default_factory=dict)
 
 
 class DecoderWeights:
@@ -110,9 +113,13 @@ class DecoderWeights:
                 keep.append(w.qkv_bias.to(torch.float32).contiguous())
                 layer.qkv_bias = keep[-1].data_ptr()
             for j, name in enumerate(PROJECTIONS):
-                bf16, q4 = w.bf16.get(name), w.q4.get(name)
-                if bf16 is None and q4 is None:
+                bf16, q4, fp8 = w.bf16.get(name), w.q4.get(name), w.fp8.get(name)
+                if bf16 is None and q4 is None and fp8 is None:
                     raise ValueError(f"layer {i} has no packed {name} projection")
+                if fp8 is not None:
+                    keep += [fp8.codes, fp8.scales]
+                    layer.fp8_codes[j], layer.fp8_scales[j] = fp8.codes.data_ptr(), fp8.scales.data_ptr()
+                    layer.fp8_group[j] = fp8.group
                 if bf16 is not None:
                     keep.append(bf16.data)
                     layer.bf16[j] = bf16.data.data_ptr()

@@ -18,7 +18,8 @@ Used by the model's linear layers (``engine.models.llama``) when
 :func:`available` says so (an AVX512-BF16 or AVX2 body); elsewhere they keep
 oneDNN. :class:`PackedQ4Linear`
 is the 4-bit counterpart (``csrc/linear_q4_cpu.c``) for GGUF Q4_0/Q4_1
-weights under ``quantization: gguf``.
+weights under ``quantization: gguf`` and 4-bit checkpoints (GPTQ, AWQ,
+compressed-tensors), :class:`PackedFP8Linear` the 8-bit one for FP8 checkpoints.
 """
 
 from __future__ import annotations
@@ -119,6 +120,17 @@ class PackedQ8Linear(_QuantPanels):
     On the AVX2 body: integer dot products, any row count (csrc/quant_int.h)."""
 
 
+@dataclass(frozen=True)
+class PackedFP8Linear(_QuantPanels):
+    """An FP8 E4M3 weight (w = v d, v an FP8 value, d float32 per output row
+    and ``group`` inputs: a per-tensor or per-channel scale is one group of
+    ``in``): 8 bits per weight, tiles upcast to the bfloat16 values bf16(v d)
+    and run by the bfloat16 arithmetic (these CPUs have no FP8 arithmetic), so
+    every body gives its linear_bf16 bits on the dequantized weights, for any
+    row count. codes: uint8 [ceil(out / 64) * 64 * in]; scales: float32
+    [ceil(out / 64) * in / group * 64]."""
+
+
 Q8_MAX_ROWS = 3  # LINEAR_Q4_DIRECT_ROWS of csrc/kernels.h: the 8-bit kernel takes this many rows at most
 # QUANT_COPY_MAX_ROWS of csrc/kernels.h: calls of up to this many rows read a weight's quantized copy
 # rather than its bfloat16 panels (faster where reading the weights bounds the call; the same bits)
@@ -162,6 +174,28 @@ def pack_q8(codes: torch.Tensor, d: torch.Tensor, group: int = 32) -> PackedQ8Li
     load_library().linear_q8_pack(c.data_ptr(), d32.data_ptr(), group, n, k, out_codes.data_ptr(),
                                   out_scales.data_ptr())
     return PackedQ8Linear(out_codes, out_scales, n, k, group)
+
+
+def pack_fp8(codes: torch.Tensor, d: torch.Tensor, group: int) -> PackedFP8Linear:
+    """Pack an FP8 weight: codes [out, in] float8_e4m3fn (or their bytes, uint8), d [out, in / group]
+    float32, w = float(codes) * d.
+
+    Raises:
+        ValueError: shapes that do not match, in not a multiple of 32, a group that does not fit.
+    """
+    n, k = codes.shape
+    _check_group(k, group, "pack_fp8")
+    if d.shape != (n, k // group) or codes.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise ValueError(f"pack_fp8 takes codes [n, k] float8_e4m3fn and d [n, k / group], got {codes.dtype} "
+                         f"{tuple(codes.shape)}, {tuple(d.shape)}")
+    c = codes.contiguous().view(torch.uint8)
+    d32 = d.to(torch.float32).contiguous()
+    panels = (n + PANEL - 1) // PANEL
+    out_codes = torch.empty(panels * PANEL * k, dtype=torch.uint8)
+    out_scales = torch.empty(panels * (k // group) * PANEL, dtype=torch.float32)
+    load_library().linear_fp8_pack(c.data_ptr(), d32.data_ptr(), group, n, k, out_codes.data_ptr(),
+                                   out_scales.data_ptr())
+    return PackedFP8Linear(out_codes, out_scales, n, k, group)
 
 
 def q4_available(march: str | None = None) -> bool:
@@ -228,7 +262,7 @@ def pack(weight: torch.Tensor) -> PackedLinear:
     return PackedLinear(data, n, k)
 
 
-def linear(x: torch.Tensor, packed: PackedLinear | PackedQ4Linear | PackedQ8Linear, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, packed: PackedLinear | _QuantPanels, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """[..., in] @ W.T (+ bias [out], added in float32) (+ residual [..., out]) -> [..., out].
 
@@ -266,6 +300,8 @@ def linear(x: torch.Tensor, packed: PackedLinear | PackedQ4Linear | PackedQ8Line
         if m > Q8_MAX_ROWS and isa() != "avx2":
             raise ValueError(f"the 8-bit kernel takes at most {Q8_MAX_ROWS} rows, got {m}")
         rc = lib.linear_q8(*xs, packed.codes.data_ptr(), packed.scales.data_ptr(), packed.group, *rest)
+    elif isinstance(packed, PackedFP8Linear):
+        rc = lib.linear_fp8(*xs, packed.codes.data_ptr(), packed.scales.data_ptr(), packed.group, *rest)
     else:
         rc = lib.linear_bf16(*xs, packed.data.data_ptr(), *rest)
     if rc:

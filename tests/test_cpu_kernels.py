@@ -220,6 +220,38 @@ def test_q8_head_gives_the_bfloat16_bits(linear_build):
         cpu_linear.pack_q8(codes[:, :40], d)
 
 
+@pytest.mark.parametrize("march", ["native", "x86-64-v3", "x86-64"])
+def test_fp8_kernel_gives_the_bfloat16_bits_of_the_dequantized_weights(monkeypatch, march):
+    """The FP8 E4M3 kernel (compressed-tensors float-quantized checkpoints): every byte value but NaN
+    (subnormals, both zeros, +-448) upcast exactly, so its outputs are, bit for bit, the bfloat16
+    kernel's on bf16(float(code) * scale) (torch's float8 conversion and product, the reference
+    dequantization) in each build (AVX512-BF16, AVX2, portable), for 1-3 rows (in registers) and
+    more (scratch panels), a scale per row (one group of all inputs) or per 32/64 inputs, bias,
+    residual, both output dtypes; 8 bits a weight in memory."""
+    monkeypatch.setenv(MARCH_ENV, march)
+    if cpu_linear.isa() is None:
+        pytest.skip("the kernels do not build here")
+    g = torch.Generator().manual_seed(11)
+    n, k = 150, 320
+    codes = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn)
+    every = torch.arange(256, dtype=torch.uint8)
+    codes.view(torch.uint8)[0, :256] = torch.where((every & 0x7f) == 0x7f, 0, every)  # no NaN bytes
+    bias = torch.randn(n, generator=g)
+    for group in (k, 64, 32):
+        d = torch.rand(n, k // group, generator=g) * 0.01 + 1e-4
+        packed = cpu_linear.pack_fp8(codes, d, group)
+        assert packed.codes.nbytes == 192 * k and packed.scales.numel() == 192 * (k // group)
+        dense = cpu_linear.pack((codes.float() * d.repeat_interleave(group, 1)).bfloat16())
+        for rows in (1, 2, 3, 4, 9, 70):
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            residual = torch.randn(rows, n, generator=g).bfloat16()
+            assert torch.equal(cpu_linear.linear(x, packed, bias, residual), cpu_linear.linear(x, dense, bias, residual))
+            assert torch.equal(cpu_linear.linear(x, packed, out_dtype=torch.float32),
+                               cpu_linear.linear(x, dense, out_dtype=torch.float32))
+    with pytest.raises(ValueError, match="multiple of 32 dividing"):
+        cpu_linear.pack_fp8(codes, torch.ones(n, 3), k // 3)
+
+
 def test_the_avx2_body_gives_the_portable_bodys_bits(monkeypatch):
     """csrc/f32_panel.h's AVX2 body runs its portable C body's operations in
     the same order (one fmaf per input, in input order; bias, residual, one

@@ -3,8 +3,10 @@ once (at load, when the weights move or are packed, and when batch-invariant
 mode changes; vLLM's ``LinearMethod`` idea) with the quantized copy it reads
 and the row counts it reads it for, rather than per call:
 
-* a GGUF Q4_0/Q4_1 projection kept in 4 bits (``quantization: gguf``):
-  ``engine.layers.quant_linear.Int4Linear`` (the C 4-bit kernel in bfloat16);
+* a GGUF Q4_0/Q4_1 projection kept in 4 bits (``quantization: gguf``), or a
+  4-bit checkpoint's: ``engine.layers.quant_linear.Int4Linear`` (the C 4-bit
+  kernel in bfloat16); an FP8 checkpoint's kept in 8 bits:
+  ``engine.layers.fp8_linear.FP8Linear`` (:func:`load_packed`);
 * a dense weight: on CPU through ``engine.layers.packed_linear.PackedWeights``
   (the C kernel's bfloat16 panels, oneDNN's packed copy, or ``F.linear``, in
   row tiles in batch-invariant mode); on CUDA ``F.linear``, or the
@@ -25,8 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.fp8_linear import FP8Linear, fp8_packable
 from engine.layers.packed_linear import PackedWeights, c_panels_for
 from engine.layers.quant_linear import GGUFBlocks, Int4Linear, int4_packable, q8_codes_d
+from engine.quantization.fp8 import FP8Weight
 from kernels import cpu_linear
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -137,6 +141,24 @@ def load_int4(layer: nn.Module, name: str, pieces: list[tuple[int, GGUFBlocks]],
         return
     layer.int4[name] = Int4Linear(blocks, param.dtype)
     getattr(layer, name).weight = nn.Parameter(param.data.new_empty(0), requires_grad=False)
+
+
+def load_packed(layer: nn.Module, name: str, pieces: list[tuple[int, object]], param: nn.Parameter,
+                q4_copy: bool = False) -> None:
+    """Keep a projection's quantized parts ((row offset, part), in row order) packed as the layer's
+    method (``layer.int4[name]``: 4-bit parts by :func:`load_int4`, FP8 parts as an ``FP8Linear``
+    where :func:`fp8_packable` says so), freeing its dense weight; else dequantize them into ``param``."""
+    parts = [p for _, p in pieces]
+    if not all(isinstance(p, FP8Weight) for p in parts):
+        load_int4(layer, name, pieces, param, q4_copy)
+        return
+    covers_all = sum(p.shape[0] for p in parts) == param.shape[0]
+    if covers_all and fp8_packable(parts, param.dtype, param.device):
+        layer.int4[name] = FP8Linear(parts)
+        getattr(layer, name).weight = nn.Parameter(param.data.new_empty(0), requires_grad=False)
+        return
+    for offset, p in pieces:
+        param.data[offset:offset + p.shape[0]].copy_(p.dequantize())
 
 
 def pack_projections(layer: nn.Module, release_dense: bool = True) -> None:

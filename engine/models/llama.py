@@ -32,11 +32,13 @@ from torch import nn
 
 from engine.layers.activation import gated_activation
 from engine.layers.attention import AttentionMetadata, sequence_spans, windowed_attention
-from engine.layers.linear import PROJECTIONS, head_method, linear_method, load_int4, pack_projections, q8_head_copy
+from engine.layers.linear import PROJECTIONS, head_method, linear_method, load_packed, pack_projections, q8_head_copy
 from engine.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.model_config import ModelConfig
 from engine.layers.packed_linear import PackedWeights
+from engine.layers.fp8_linear import FP8Linear
 from engine.layers.quant_linear import GGUFBlocks, Int4Linear
+from engine.quantization.fp8 import FP8Weight
 from engine.quantization.int4 import Int4Weight
 from engine.models.c_stack import c_stack_weights
 from engine.models.rope import RopeInputs, apply_rope, rope_inv_freq
@@ -86,7 +88,8 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.packed = PackedWeights(row_checks)
-        self.int4: dict[str, Int4Linear] = {}  # quantization="gguf": projections kept in 4 bits
+        # projections kept packed: 4-bit (quantization="gguf", 4-bit checkpoints) or FP8 (FP8 checkpoints)
+        self.int4: dict[str, Int4Linear | FP8Linear] = {}
         # quantization="none" from a 4-bit GGUF: a 4-bit copy beside the bfloat16 weight, read by the C
         # decoder stack for steps of up to cpu_linear.COPY_MAX_ROWS rows (the same bits from 5 bits per
         # weight instead of 16): name -> (copy, the weight it was made from, that weight's version)
@@ -396,10 +399,10 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight``...)
         into the fused parameters, casting to each parameter's dtype.
 
-        A ``GGUFBlocks`` value (``quantization: gguf``) or an ``Int4Weight``
-        (a GPTQ/AWQ checkpoint's layer, ``engine.quantization``) is kept in 4 bits
-        when every part of its fused projection is one (:func:`_load_int4`),
-        else dequantized. With ``q4_copy`` (``quantization: none`` from a
+        A ``GGUFBlocks`` value (``quantization: gguf``), an ``Int4Weight``
+        (a GPTQ/AWQ/W4A16 checkpoint's layer, ``engine.quantization``) or an
+        ``FP8Weight`` is kept packed when every part of its fused projection is
+        one (``engine.layers.linear.load_packed``), else dequantized. With ``q4_copy`` (``quantization: none`` from a
         4-bit GGUF, bfloat16 on CPU) it is dequantized into the parameter and
         also kept as the C kernel's 4-bit copy (``LlamaDecoderLayer.q4_copy``).
 
@@ -430,7 +433,8 @@ class LlamaForCausalLM(nn.Module):
         }
         params = dict(self.named_parameters())
         loaded: dict[str, int] = {}
-        int4: dict[str, list[tuple[int, GGUFBlocks | Int4Weight]]] = {}  # fused target -> (row offset, blocks)
+        # fused target -> (row offset, quantized part)
+        int4: dict[str, list[tuple[int, GGUFBlocks | Int4Weight | FP8Weight]]] = {}
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
@@ -458,7 +462,7 @@ class LlamaForCausalLM(nn.Module):
                 copy = q8_head_copy(tensor, dst) if target == head else None
                 if copy is not None:
                     self.lm_head_q8, self._lm_head_q8_of = copy, (param, param._version)
-            elif isinstance(tensor, (GGUFBlocks, Int4Weight)):
+            elif isinstance(tensor, (GGUFBlocks, Int4Weight, FP8Weight)):
                 int4.setdefault(target, []).append((offset, tensor))
             else:
                 dst.copy_(tensor)
@@ -468,5 +472,5 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         for target, pieces in int4.items():
             _, idx, name, _ = target.split(".")
-            load_int4(self.layers[int(idx)], name, sorted(pieces, key=lambda p: p[0]), params[target], q4_copy)
+            load_packed(self.layers[int(idx)], name, sorted(pieces, key=lambda p: p[0]), params[target], q4_copy)
         self.choose_kernels()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.quantization.base import QuantizationConfig, UnsupportedQuantization, require
+from engine.quantization.fp8 import FP8Weight
 from engine.quantization.int4 import Int4Weight, grouped_int4, unpack_int32
 
 
@@ -128,9 +129,10 @@ class FP8Config(QuantizationConfig):
     [out, 1] ("channel"), w = weight * weight_scale; activations, FP8 per token in FP8_DYNAMIC, are
     not rounded to FP8 (weight-only, as vLLM runs FP8 on devices without FP8 arithmetic).
 
-    These CPUs have no FP8 arithmetic: each weight is dequantized at load to the model's dtype
-    (exact in float32; bfloat16 rounds the product) and runs on the dense kernels. It is not kept in
-    8 bits (a C kernel upcasting FP8 tiles would be).
+    Each layer becomes an ``FP8Weight`` (its codes as stored, a float32 scale per row): kept in 8
+    bits in bfloat16 on CPU (``engine.layers.fp8_linear``: these CPUs have no FP8 arithmetic, the C
+    kernel upcasts tiles to the bfloat16 values bf16(code * scale)), dequantized at load elsewhere
+    (float32: exact).
 
     Attributes:
         strategy: "tensor" or "channel".
@@ -144,7 +146,7 @@ class FP8Config(QuantizationConfig):
 
     def quantized_weights(self, weights):
         """See ``QuantizationConfig.quantized_weights``: an FP8 ``weight`` (by its dtype) and its scale
-        become one float32 weight; every other tensor passes through."""
+        become one ``FP8Weight``; every other tensor passes through."""
         held: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
             prefix, _, suffix = name.rpartition(".")
@@ -157,12 +159,12 @@ class FP8Config(QuantizationConfig):
                 raise ValueError(f"fp8 layer {prefix!r} has {sorted(parts)}, expected {sorted(self.parts)}")
             yield f"{prefix}.weight", self.weight(prefix, parts)
 
-    def weight(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        """See ``QuantizationConfig.weight``: the float32 dequantization."""
+    def weight(self, prefix: str, parts: dict[str, torch.Tensor]) -> FP8Weight:
+        """See ``QuantizationConfig.weight``: the codes with a float32 scale per row."""
         w, scale = parts["weight"], parts["weight_scale"].float()
         expected = (1,) if self.strategy == "tensor" else (w.shape[0], 1)
         if w.dim() != 2 or tuple(scale.reshape(-1, 1).shape if self.strategy == "channel" else
                                  scale.reshape(-1).shape) != expected:
             raise ValueError(f"fp8 layer {prefix!r}: weight_scale {tuple(scale.shape)} does not fit strategy "
                              f"{self.strategy!r} of a {tuple(w.shape)} weight")
-        return w.float() * (scale.reshape(-1, 1) if self.strategy == "channel" else scale.reshape(()))
+        return FP8Weight(w, scale.reshape(-1, 1).expand(w.shape[0], 1).contiguous())

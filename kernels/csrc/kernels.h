@@ -54,6 +54,11 @@ void linear_q8_pack(const int8_t *codes, const float *d, int64_t group, int64_t 
 int linear_q8(const uint16_t *x, int64_t ldx, const int8_t *codes, const float *scales, int64_t group,
               const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
               int64_t k, int y_f32, int num_threads);
+void linear_fp8_pack(const uint8_t *codes, const float *d, int64_t group, int64_t n, int64_t k, uint8_t *codes_out,
+                     float *scales_out);
+int linear_fp8(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float *scales, int64_t group,
+               const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
+               int64_t k, int y_f32, int num_threads);
 
 /* norm_act_cpu.c */
 int rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *weight, uint16_t *y, int64_t ldy, int64_t rows,
@@ -66,7 +71,8 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t ld, uint16_t *y, int64_t ldy
 /* One layer's weights: RMSNorm weights [hidden] bfloat16; the projections
  * (qkv [q + 2 kv, hidden], o [hidden, q], gate_up [2 inter, hidden], down
  * [hidden, inter]) as bfloat16 panels (linear_bf16_pack), 4-bit panels
- * (linear_q4_pack: codes, scales, group and input order), or both; qkv_bias float32 [q + 2 kv]
+ * (linear_q4_pack: codes, scales, group and input order), or both, or as
+ * FP8 panels; qkv_bias float32 [q + 2 kv]
  * or NULL; the layer's key and value caches. */
 typedef struct {
     const uint16_t *input_norm, *post_norm;
@@ -75,6 +81,9 @@ typedef struct {
     const uint16_t *q4_scales[4]; /* float16, one (d, m) per q4_group[i] inputs */
     int64_t q4_group[4];
     const int32_t *q4_perm[4];    /* the codes' input order (linear_q4's perm) or NULL */
+    const uint8_t *fp8_codes[4];  /* FP8 panels (linear_fp8_pack) or NULL */
+    const float *fp8_scales[4];
+    int64_t fp8_group[4];
     const float *qkv_bias;
     uint16_t *key_cache, *value_cache;
 } decoder_layer;

@@ -47,6 +47,9 @@
 
 #define QBLOCK 32
 #define MR_Q4 3  /* rows per register tile on the in-register path */
+/* The kinds of 8-bit weights (the W8 argument of the bodies; 0: 4-bit) */
+#define W8_INT 1 /* int8 codes q, w = d q (GGUF Q8_0) */
+#define W8_FP8 2 /* FP8 E4M3 codes of value v, w = v d (compressed-tensors float-quantized) */
 
 /* Pack codes [n, k] (uint8, 0..15) into codes_out
  * [ceil(n / 64)][k / 32][16][4][16]; k a multiple of 32. Padded columns get
@@ -127,23 +130,49 @@ static void dequant_panel(const uint8_t *codes, const uint16_t *scales, int64_t 
         }
 }
 
-/* Q8_0's 16 x 2 operand (see linear_q8 below): bf16(d * q), the products exact. */
-static inline __attribute__((always_inline)) __m512bh dequant_q8_16x2(const int8_t *codes, const float *d) {
+/* 16 FP8 E4M3 bytes as float32, exactly: each byte's sign, exponent and
+ * mantissa moved into a float16's fields (whose exponent bias, 15, exceeds
+ * E4M3's, 7, by 8; the subnormals' spacing follows), the value then scaled by
+ * 2^8. (E4M3's NaN bytes, which checkpoints do not hold, become 480.) */
+static inline __attribute__((always_inline)) __m512 fp8x16_to_f32(__m128i bytes) {
+    const __m256i b = _mm256_cvtepu8_epi16(bytes);
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
+
+/* An 8-bit weight's 16 x 2 operand (16 columns' codes at input 2 kp, then at
+ * 2 kp + 1; d: their scales): bf16(d * q) for int8 codes (Q8_0: the products
+ * exact) or bf16(v * d) for FP8 codes of value v (one float32 rounding, as
+ * the reference dequantization's v * scale). */
+static inline __attribute__((always_inline)) __m512bh dequant_w8_16x2(const int W8, const uint8_t *codes,
+                                                                      const float *d) {
+    const __m128i even = _mm_loadu_si128((const __m128i *)codes), odd = _mm_loadu_si128((const __m128i *)(codes + 16));
     const __m512 dv = _mm512_loadu_ps(d);
-    const __m512 qe = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
-    const __m512 qo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
+    const __m512 qe = W8 == W8_FP8 ? fp8x16_to_f32(even) : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(even));
+    const __m512 qo = W8 == W8_FP8 ? fp8x16_to_f32(odd) : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(odd));
     const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(dv, qo), _mm512_mul_ps(dv, qe));
     const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     return (__m512bh)_mm512_permutexvar_epi16(idx, both);
 }
 
+/* One 8-bit panel (its codes and scales, one d per `group` inputs) dequantized into scratch [k / 2][64][2]. */
+static void dequant_panel_w8(const int W8, const uint8_t *codes, const float *scales, int64_t group, int64_t k,
+                             uint16_t *scratch) {
+    for (int64_t kp = 0; kp < k / 2; kp++)
+        for (int g = 0; g < 4; g++)
+            _mm512_storeu_si512(scratch + (kp * PANEL + 16 * g) * 2,
+                                (__m512i)dequant_w8_16x2(W8, codes + kp * 128 + 32 * g,
+                                                         scales + kp / (group / 2) * PANEL + 16 * g));
+}
+
 /* MR (<= 3, a literal at each call) rows x the 32 columns of half h of one
- * panel, each input pair dequantized in registers (Q8: 8-bit panels, else
- * 4-bit); the same arithmetic as panel_rows. (Half panels: twice the work
+ * panel, each input pair dequantized in registers (W8: 8-bit panels of that
+ * kind, else 4-bit); the same arithmetic as panel_rows. (Half panels: twice the work
  * items, so that two threads split a 576-column layer evenly.) */
 static inline __attribute__((always_inline)) void half_panel_rows(
-    const int Q8, const int MR, const uint16_t *x, int64_t ldx, const void *codes, const void *scales, int64_t group,
+    const int W8, const int MR, const uint16_t *x, int64_t ldx, const void *codes, const void *scales, int64_t group,
     int64_t h, int64_t k, int64_t col0, int64_t n, const float *bias, const uint16_t *residual, int64_t ldr, void *y,
     int64_t ldy, int y_f32) {
     __m512 acc[MR_Q4][4];
@@ -153,11 +182,11 @@ static inline __attribute__((always_inline)) void half_panel_rows(
     for (int i = 0; i < 8; i++) s[i] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < k / 2; kp++) {
         __m512bh w0, w1;
-        if (Q8) {
+        if (W8) {
             const float *sb = (const float *)scales + kp / (group / 2) * PANEL + 32 * h;
-            const int8_t *cp = (const int8_t *)codes + kp * 128 + 64 * h;
-            w0 = dequant_q8_16x2(cp, sb);
-            w1 = dequant_q8_16x2(cp + 32, sb + 16);
+            const uint8_t *cp = (const uint8_t *)codes + kp * 128 + 64 * h;
+            w0 = dequant_w8_16x2(W8, cp, sb);
+            w1 = dequant_w8_16x2(W8, cp + 32, sb + 16);
         } else {
             if (kp % (group / 2) == 0) { /* a new group */
                 const uint16_t *sb = (const uint16_t *)scales + kp / (group / 2) * 2 * PANEL + 32 * h;
@@ -181,21 +210,21 @@ static inline __attribute__((always_inline)) void half_panel_rows(
     store_rows(MR, 2, acc, col0 + 32 * h, n, bias, residual, ldr, y, ldy, y_f32);
 }
 
-/* m <= LINEAR_Q4_DIRECT_ROWS rows over every half panel of a 4-bit or (Q8) 8-bit weight. */
+/* m <= LINEAR_Q4_DIRECT_ROWS rows over every half panel of a 4-bit or (W8) 8-bit weight. */
 static inline __attribute__((always_inline)) void direct_rows(
-    const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales, int64_t group,
+    const int W8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales, int64_t group,
     const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
     int y_f32, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
-    const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (Q8 ? 1 : 2) * PANEL;
+    const int64_t panel_codes = W8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (W8 ? 1 : 2) * PANEL;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
     for (int64_t item = 0; item < panels * 2; item++) {
         const int64_t p = item / 2, h = item % 2;
         if (p * PANEL + 32 * h >= n) continue;
         const char *pc = (const char *)codes + p * panel_codes;
-        const void *ps = Q8 ? (const void *)((const float *)scales + p * panel_scales)
+        const void *ps = W8 ? (const void *)((const float *)scales + p * panel_scales)
                             : (const void *)((const uint16_t *)scales + p * panel_scales);
-#define ROWS(MR) half_panel_rows(Q8, MR, x, ldx, pc, ps, group, h, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32)
+#define ROWS(MR) half_panel_rows(W8, MR, x, ldx, pc, ps, group, h, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32)
         if (m == 3) ROWS(3);
         else if (m == 2) ROWS(2);
         else if (m == 1) ROWS(1);
@@ -225,14 +254,19 @@ static const uint16_t *permuted_rows(const uint16_t *x, int64_t *ldx, const int3
     return xp;
 }
 
-static int linear_q4_rows(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales,
-                          int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y,
-                          int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32, int num_threads) {
 #if defined(__AVX512BF16__)
+/* y = x @ W.T (+ bias) (+ residual) for a 4-bit or (W8) 8-bit weight: up to
+ * LINEAR_Q4_DIRECT_ROWS rows in registers (direct_rows), more by work items of
+ * (panel, block of M_BLOCK rows), each panel dequantized into this thread's
+ * bfloat16 scratch and run by bf16_panel.h's kernel: the same bits either
+ * way. Returns 0, or 2 when out of memory. */
+static int quant_avx512(const int W8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
+                        int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
+                        int64_t m, int64_t n, int64_t k, int y_f32, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL, m_blocks = (m + M_BLOCK - 1) / M_BLOCK;
-    const int64_t panel_codes = k * PANEL / 2, panel_scales = k / group * 2 * PANEL;
+    const int64_t panel_codes = W8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (W8 ? 1 : 2) * PANEL;
     if (m <= LINEAR_Q4_DIRECT_ROWS) { /* in registers, half a panel per work item */
-        direct_rows(0, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
+        direct_rows(W8, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
         return 0;
     }
     int failed = 0;
@@ -245,17 +279,17 @@ static int linear_q4_rows(const uint16_t *x, int64_t ldx, const uint8_t *codes, 
             if (!scratch) continue;
             const int64_t p = item / m_blocks, m0 = item % m_blocks * M_BLOCK;
             const int64_t m1 = m0 + M_BLOCK < m ? m0 + M_BLOCK : m;
-            dequant_panel(codes + p * panel_codes, scales + p * panel_scales, group, k, scratch);
+            const uint8_t *pc = (const uint8_t *)codes + p * panel_codes;
+            if (W8)
+                dequant_panel_w8(W8, pc, (const float *)scales + p * panel_scales, group, k, scratch);
+            else
+                dequant_panel(pc, (const uint16_t *)scales + p * panel_scales, group, k, scratch);
             panel_row_block(x, ldx, scratch, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32, m0, m1);
         }
     }
     return failed;
-#elif defined(QUANT_COPY_EVERY_ROW)
-    return quant_int_avx2(0, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
-#else
-    return quant_f32(0, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
-#endif
 }
+#endif
 
 /* y [m, n] = x [m, k] @ W.T (+ bias [n], float32) (+ residual [m, n]) for W
  * packed by linear_q4_pack, its scales (d, m) per `group` inputs (a multiple
@@ -272,22 +306,27 @@ int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16
     uint16_t *owned;
     x = permuted_rows(x, &ldx, perm, m, k, &owned, num_threads);
     if (!x) return 2;
-    const int rc = linear_q4_rows(x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
+#if defined(__AVX512BF16__)
+    const int rc = quant_avx512(0, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
+                                num_threads);
+#elif defined(QUANT_COPY_EVERY_ROW)
+    const int rc = quant_int_avx2(0, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
                                   num_threads);
+#else
+    const int rc = quant_f32(0, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
+                             num_threads);
+#endif
     free(owned);
     return rc;
 }
 
-/* Q8_0 (ggml's block_q8_0: 32 int8 codes q and a float16 scale d, w = d q,
- * exact in float32) for the output head of calls of up to
- * LINEAR_Q4_DIRECT_ROWS rows, read in 9 bits per weight (int8 codes and a float32 d per 32) instead of 16:
- * the bfloat16 weights bf16(d * q) rebuilt in registers, the same bits as
- * linear_bf16 on them. Packed per panel of 64 columns and block of 32
- * inputs: codes [16 input pairs][4 groups][16 even-input bytes, 16
- * odd-input bytes]; scales float32 [k / group][64] per panel, d [n, k / group]
- * (one d per `group` inputs, a multiple of 32 dividing k). */
-void linear_q8_pack(const int8_t *codes, const float *d, int64_t group, int64_t n, int64_t k, int8_t *codes_out,
-                    float *scales_out) {
+/* Codes [n, k] (one byte a weight) and d [n, k / group] of an 8-bit weight
+ * into panels: scales float32 [panel][k / group][64]; codes per panel of 64
+ * columns and block of 32 inputs, [16 input pairs][4 groups of 16 columns][16
+ * even-input bytes, 16 odd-input bytes], or with int_dots quant_int.h's
+ * layout: [panel][group of 8 columns][block][8 vectors][8 columns][4 inputs]. */
+static void pack_w8(const uint8_t *codes, const float *d, int64_t group, int64_t n, int64_t k, int int_dots,
+                    uint8_t *codes_out, float *scales_out) {
     const int64_t panels = (n + PANEL - 1) / PANEL, blocks = k / QBLOCK, groups = k / group;
     for (int64_t p = 0; p < panels; p++)
         for (int64_t b = 0; b < groups; b++)
@@ -295,29 +334,39 @@ void linear_q8_pack(const int8_t *codes, const float *d, int64_t group, int64_t 
                 const int64_t row = p * PANEL + c;
                 scales_out[(p * groups + b) * PANEL + c] = row < n ? d[row * groups + b] : 0.0f;
             }
-#if defined(QUANT_COPY_EVERY_ROW)
-    /* quant_int.h's layout: [panel][group of 8 columns][block][8 vectors][8 columns][4 inputs] */
     for (int64_t p = 0; p < panels; p++)
         for (int64_t b = 0; b < blocks; b++)
             for (int64_t c = 0; c < PANEL; c++) {
-                const int64_t row = p * PANEL + c, g = c / 8;
-                int8_t *dst = codes_out + ((p * (PANEL / 8) + g) * blocks + b) * 256 + 4 * (c % 8);
-                for (int64_t v = 0; v < 8; v++)
-                    for (int64_t i = 0; i < 4; i++) dst[32 * v + i] = row < n ? codes[row * k + b * QBLOCK + 4 * v + i] : 0;
-            }
-    return;
-#endif
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t b = 0; b < blocks; b++) {
-            int8_t *cb = codes_out + (p * blocks + b) * PANEL * QBLOCK;
-            for (int64_t kp = 0; kp < QBLOCK / 2; kp++)
-                for (int64_t c = 0; c < PANEL; c++) {
-                    const int64_t row = p * PANEL + c, i = b * QBLOCK + 2 * kp;
-                    int8_t *dst = cb + (kp * 4 + c / 16) * 32 + c % 16;
-                    dst[0] = row < n ? codes[row * k + i] : 0;
-                    dst[16] = row < n ? codes[row * k + i + 1] : 0;
+                const int64_t row = p * PANEL + c;
+                const uint8_t *src = codes + row * k + b * QBLOCK;
+                if (int_dots) {
+                    uint8_t *dst = codes_out + ((p * (PANEL / 8) + c / 8) * blocks + b) * 256 + 4 * (c % 8);
+                    for (int64_t v = 0; v < 8; v++)
+                        for (int64_t i = 0; i < 4; i++) dst[32 * v + i] = row < n ? src[4 * v + i] : 0;
+                } else {
+                    uint8_t *dst = codes_out + (p * blocks + b) * PANEL * QBLOCK + (c / 16) * 32 + c % 16;
+                    for (int64_t kp = 0; kp < QBLOCK / 2; kp++) {
+                        dst[kp * 128] = row < n ? src[2 * kp] : 0;
+                        dst[kp * 128 + 16] = row < n ? src[2 * kp + 1] : 0;
+                    }
                 }
-        }
+            }
+}
+
+/* Q8_0 (ggml's block_q8_0: 32 int8 codes q and a float16 scale d, w = d q,
+ * exact in float32) for the output head of calls of up to
+ * LINEAR_Q4_DIRECT_ROWS rows, read in 9 bits per weight (int8 codes and a
+ * float32 d per 32) instead of 16: the bfloat16 weights bf16(d * q) rebuilt
+ * in registers, the same bits as linear_bf16 on them. Packed by pack_w8 (its
+ * int_dots layout on the AVX2 build), d [n, k / group] (one d per `group`
+ * inputs, a multiple of 32 dividing k). */
+void linear_q8_pack(const int8_t *codes, const float *d, int64_t group, int64_t n, int64_t k, int8_t *codes_out,
+                    float *scales_out) {
+#if defined(QUANT_COPY_EVERY_ROW)
+    pack_w8((const uint8_t *)codes, d, group, n, k, 1, (uint8_t *)codes_out, scales_out);
+#else
+    pack_w8((const uint8_t *)codes, d, group, n, k, 0, (uint8_t *)codes_out, scales_out);
+#endif
 }
 
 /* y [m, n] = x [m, k] @ W.T (+ bias) (+ residual) for W packed by
@@ -332,9 +381,40 @@ int linear_q8(const uint16_t *x, int64_t ldx, const int8_t *codes, const float *
 #endif
     if (m > LINEAR_Q4_DIRECT_ROWS) return 1;
 #if defined(__AVX512BF16__)
-    direct_rows(1, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
+    direct_rows(W8_INT, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
     return 0;
 #else
-    return quant_f32(1, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
+    return quant_f32(W8_INT, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
+                     num_threads);
+#endif
+}
+
+/* FP8 E4M3 weights (compressed-tensors float-quantized: codes [n, k], bytes
+ * of value v; w = v d with d [n, k / group], float32, one per output row and
+ * `group` inputs: a per-tensor or per-channel scale is a group of k),
+ * packed by pack_w8 in the bfloat16 bodies' layout on every build (these
+ * CPUs have no FP8 arithmetic: there are no integer dots to take). */
+void linear_fp8_pack(const uint8_t *codes, const float *d, int64_t group, int64_t n, int64_t k, uint8_t *codes_out,
+                     float *scales_out) {
+    pack_w8(codes, d, group, n, k, 0, codes_out, scales_out);
+}
+
+/* y [m, n] = x [m, k] @ W.T (+ bias) (+ residual) for W packed by
+ * linear_fp8_pack with the same group, any m; arguments as linear_bf16. The
+ * weights read in 8 bits, each tile upcast to the bfloat16 values bf16(v * d)
+ * (in registers up to LINEAR_Q4_DIRECT_ROWS rows, a scratch panel above),
+ * so the results are linear_bf16's bits on the reference dequantization
+ * rounded to bfloat16, on each body. Returns 0, 1 for a group that does not
+ * fit, 2 when out of memory. */
+int linear_fp8(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float *scales, int64_t group,
+               const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
+               int64_t k, int y_f32, int num_threads) {
+    if (group <= 0 || group % QBLOCK || k % group) return 1;
+#if defined(__AVX512BF16__)
+    return quant_avx512(W8_FP8, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
+                        num_threads);
+#else
+    return quant_f32(W8_FP8, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
+                     num_threads);
 #endif
 }

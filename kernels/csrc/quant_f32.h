@@ -1,8 +1,8 @@
-/* The float32 bodies of the 4-bit and 8-bit GGUF kernels (linear_q4_cpu.c,
+/* The float32 bodies of the 4-bit and 8-bit kernels (linear_q4_cpu.c,
  * whose header describes the formats and packed layouts) for CPUs without
  * AVX512-BF16: they rebuild the bfloat16 weights the loader would have made
  * (bf16(d * q + m), bf16(d * q): one float32 operation, d * q exact, one
- * rounding to nearest even) and run f32_panel.h's arithmetic on them in its
+ * rounding to nearest even; FP8: bf16(v * d), one rounding) and run f32_panel.h's arithmetic on them in its
  * order, so each gives linear_bf16's bits (that build's) on the dequantized
  * weights, for any row count. Up to LINEAR_Q4_DIRECT_ROWS rows (kernels.h)
  * the AVX2 body dequantizes each input pair in registers; larger calls, and
@@ -55,14 +55,22 @@ static void dequant_q4_panel(const uint8_t *codes, const uint16_t *scales, int64
     }
 }
 
-/* One 8-bit panel (linear_q8_pack's layout) as bfloat16 panels: bf16(d * q), exact products. */
-static void dequant_q8_panel(const int8_t *codes, const float *scales, int64_t group, int64_t k, uint16_t *out) {
+/* An FP8 E4M3 byte's value, exactly (fp8x16_to_f32's way: its fields moved into a float16's, times 2^8). */
+static inline float fp8_to_f32(uint8_t b) {
+    return f16_to_f32((uint16_t)((b & 0x7f) << 7 | (b & 0x80) << 8)) * 256.0f;
+}
+
+/* One 8-bit panel (pack_w8's layout) as bfloat16 panels: bf16(d * q) (int8: exact products) or bf16(v * d) (FP8). */
+static void dequant_w8_panel(const int W8, const uint8_t *codes, const float *scales, int64_t group, int64_t k,
+                             uint16_t *out) {
     for (int64_t kp = 0; kp < k / 2; kp++) {
         const float *d = scales + kp / (group / 2) * PANEL;
         for (int c = 0; c < PANEL; c++) {
-            const int8_t *src = codes + (kp * 4 + c / 16) * 32 + c % 16;
-            out[(kp * PANEL + c) * 2] = f32_to_bf16(d[c] * (float)src[0]);
-            out[(kp * PANEL + c) * 2 + 1] = f32_to_bf16(d[c] * (float)src[16]);
+            const uint8_t *src = codes + (kp * 4 + c / 16) * 32 + c % 16;
+            for (int odd = 0; odd < 2; odd++) {
+                const float v = W8 == W8_FP8 ? fp8_to_f32(src[16 * odd]) : (float)(int8_t)src[16 * odd];
+                out[(kp * PANEL + c) * 2 + odd] = f32_to_bf16(d[c] * v);
+            }
         }
     }
 }
@@ -78,18 +86,26 @@ static inline __m256 round_bf16x8(__m256 v) {
     return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
+/* 8 FP8 E4M3 bytes (the low half of `bytes`) as float32, exactly (fp8x16_to_f32's way). */
+static inline __m256 fp8x8_to_f32(__m128i bytes) {
+    const __m128i b = _mm_cvtepu8_epi16(bytes);
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
+                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
+
 /* Input pair kp's weights of one group of 16 columns, as float32 rounded as
- * dequant_q4_panel / dequant_q8_panel round them: w[0], w[1] columns 0-7 and
+ * dequant_q4_panel / dequant_w8_panel round them: w[0], w[1] columns 0-7 and
  * 8-15 at input 2 kp, w[2], w[3] at 2 kp + 1. 4-bit: codes, the group's 16
  * bytes (linear_q4_pack: the even bytes hold input 2 kp, low nibble columns
  * 0-7, high 8-15; the odd bytes input 2 kp + 1); d, mn: the 16 columns' float32
  * scale and min. 8-bit: 16 bytes of input 2 kp, then 16 of 2 kp + 1. */
-static inline __attribute__((always_inline)) void dequant16x2_f32(const int Q8, const void *codes, const float *d,
+static inline __attribute__((always_inline)) void dequant16x2_f32(const int W8, const void *codes, const float *d,
                                                                   const float *mn, __m256 w[4]) {
-    if (Q8) {
+    if (W8) {
         for (int i = 0; i < 4; i++) {
             const __m128i c = _mm_loadl_epi64((const __m128i *)((const int8_t *)codes + 8 * i));
-            const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+            const __m256 q = W8 == W8_FP8 ? fp8x8_to_f32(c) : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
             w[i] = round_bf16x8(_mm256_mul_ps(_mm256_loadu_ps(d + 8 * (i % 2)), q));
         }
         return;
@@ -121,7 +137,7 @@ static inline __attribute__((always_inline)) void block_scales(const void *scale
  * panel), each input pair dequantized in registers: f32_tile's operations on
  * the same weight values, in the same order, so linear_bf16's bits. */
 static inline __attribute__((always_inline)) void quant_group_rows(
-    const int Q8, const int MR, const float *xf, const void *codes, const void *scales, int64_t group, int g, int64_t k,
+    const int W8, const int MR, const float *xf, const void *codes, const void *scales, int64_t group, int g, int64_t k,
     int64_t col0, int64_t n, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
     int y_f32) {
     __m256 acc[MR_Q4][8];
@@ -130,7 +146,7 @@ static inline __attribute__((always_inline)) void quant_group_rows(
     for (int64_t kp = 0; kp < k / 2; kp++) {
         const float *dp = d;
         const void *cp;
-        if (Q8) {
+        if (W8) {
             dp = (const float *)scales + kp / (group / 2) * PANEL + 16 * g;
             cp = (const int8_t *)codes + kp * 128 + 32 * g;
         } else {
@@ -139,7 +155,7 @@ static inline __attribute__((always_inline)) void quant_group_rows(
             cp = (const uint8_t *)codes + kp * PANEL + 16 * g;
         }
         __m256 w[4];
-        dequant16x2_f32(Q8, cp, dp, mn, w);
+        dequant16x2_f32(W8, cp, dp, mn, w);
         for (int odd = 0; odd < 2; odd++)
             for (int r = 0; r < MR; r++) {
                 const __m256 xb = _mm256_broadcast_ss(xf + r * k + 2 * kp + odd);
@@ -150,14 +166,14 @@ static inline __attribute__((always_inline)) void quant_group_rows(
     f32_store_rows(MR, 2, acc, col0 + 16 * g, n, bias, residual, ldr, y, ldy, y_f32);
 }
 
-/* m <= LINEAR_Q4_DIRECT_ROWS rows over a 4-bit or (Q8) 8-bit weight, each
+/* m <= LINEAR_Q4_DIRECT_ROWS rows over a 4-bit or (W8) 8-bit weight, each
  * work item half a panel (two threads split a 576-column layer evenly).
  * Returns 0, or 2 when out of memory. */
-static int quant_direct_avx2(const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
+static int quant_direct_avx2(const int W8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
                              int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
                              int64_t m, int64_t n, int64_t k, int y_f32, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
-    const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (Q8 ? 1 : 2) * PANEL;
+    const int64_t panel_codes = W8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (W8 ? 1 : 2) * PANEL;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)") {
         float *xf = f32_scratch((size_t)(m * k));
@@ -170,11 +186,11 @@ static int quant_direct_avx2(const int Q8, const uint16_t *x, int64_t ldx, const
             const int64_t p = item / 2;
             if (!xf) continue;
             const char *pc = (const char *)codes + p * panel_codes;
-            const void *ps = Q8 ? (const void *)((const float *)scales + p * panel_scales)
+            const void *ps = W8 ? (const void *)((const float *)scales + p * panel_scales)
                                 : (const void *)((const uint16_t *)scales + p * panel_scales);
             for (int g = 2 * (int)(item % 2); g < 2 * (int)(item % 2) + 2; g++) {
                 if (p * PANEL + 16 * g >= n) break;
-#define ROWS(MR) quant_group_rows(Q8, MR, xf, pc, ps, group, g, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32)
+#define ROWS(MR) quant_group_rows(W8, MR, xf, pc, ps, group, g, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32)
                 if (m == 3) ROWS(3);
                 else if (m == 2) ROWS(2);
                 else ROWS(1);
@@ -185,20 +201,20 @@ static int quant_direct_avx2(const int Q8, const uint16_t *x, int64_t ldx, const
     return failed;
 }
 
-/* dequant_q4_panel / dequant_q8_panel (Q8) with dequant16x2_f32: the same values. */
-static void dequant_panel_avx2(const int Q8, const void *codes, const void *scales, int64_t group, int64_t k,
+/* dequant_q4_panel / dequant_w8_panel (W8) with dequant16x2_f32: the same values. */
+static void dequant_panel_avx2(const int W8, const void *codes, const void *scales, int64_t group, int64_t k,
                                uint16_t *out) {
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     for (int64_t kp = 0; kp < k / 2; kp++)
         for (int g = 0; g < 4; g++) {
             float d[16], mn[16];
             const float *dp = d;
-            if (Q8)
+            if (W8)
                 dp = (const float *)scales + kp / (group / 2) * PANEL + 16 * g;
             else
                 block_scales(scales, group, kp, g, d, mn);
             __m256 w[4];
-            dequant16x2_f32(Q8, Q8 ? (const void *)((const int8_t *)codes + kp * 128 + 32 * g)
+            dequant16x2_f32(W8, W8 ? (const void *)((const int8_t *)codes + kp * 128 + 32 * g)
                                    : (const void *)((const uint8_t *)codes + kp * PANEL + 16 * g), dp, mn, w);
             for (int h = 0; h < 2; h++) { /* lane c: column c's bfloat16 pair (input 2 kp low, 2 kp + 1 high) */
                 const __m256i pair = _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(w[h]), 16),
@@ -210,17 +226,17 @@ static void dequant_panel_avx2(const int Q8, const void *codes, const void *scal
 #endif
 
 #if !defined(__AVX512BF16__)
-/* The float32 bodies of linear_q4 (Q8 0) and linear_q8 (Q8 1): per work item
+/* The float32 bodies of linear_q4 (W8 0), linear_q8 (W8_INT) and linear_fp8 (W8_FP8): per work item
  * (panel, block of rows), the panel dequantized into this thread's bfloat16
  * scratch, then f32_panel.h's kernel over it. Returns 0, or 2 when out of memory. */
-static int quant_f32(const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
+static int quant_f32(const int W8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
                      int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m,
                      int64_t n, int64_t k, int y_f32, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL, m_blocks = (m + M_BLOCK - 1) / M_BLOCK;
-    const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (Q8 ? 1 : 2) * PANEL;
+    const int64_t panel_codes = W8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (W8 ? 1 : 2) * PANEL;
 #if defined(F32_PANEL_AVX2)
     if (m <= LINEAR_Q4_DIRECT_ROWS) /* in registers */
-        return quant_direct_avx2(Q8, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
+        return quant_direct_avx2(W8, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
                                  num_threads);
 #endif
     int failed = 0;
@@ -239,13 +255,13 @@ static int quant_f32(const int Q8, const uint16_t *x, int64_t ldx, const void *c
             if (p != have) { /* consecutive items of a thread share their panel (panel-major order) */
                 have = p;
                 const void *pc = (const char *)codes + p * panel_codes;
-                const void *ps = Q8 ? (const void *)((const float *)scales + p * panel_scales)
+                const void *ps = W8 ? (const void *)((const float *)scales + p * panel_scales)
                                     : (const void *)((const uint16_t *)scales + p * panel_scales);
 #if defined(F32_PANEL_AVX2)
-                dequant_panel_avx2(Q8, pc, ps, group, k, panel);
+                dequant_panel_avx2(W8, pc, ps, group, k, panel);
 #else
-                if (Q8)
-                    dequant_q8_panel(pc, ps, group, k, panel);
+                if (W8)
+                    dequant_w8_panel(W8, pc, ps, group, k, panel);
                 else
                     dequant_q4_panel(pc, ps, group, k, panel);
 #endif

@@ -66,6 +66,7 @@ CASES = {
 
 
 def _quantized(tmp_path, case: str):
+    tmp_path.mkdir(exist_ok=True)
     arch, write = CASES[case]
     model = _model(tmp_path, arch)
     write(tmp_path, model)
@@ -89,26 +90,42 @@ def test_float32_matches_dequantized_reference_alone_and_batched(tmp_path, case,
         _check(out, ref)
 
 
+def _bf16_run(path, prompts):
+    """Greedy tokens and logprobs of prompt 3 alone and batched, in bfloat16 on CPU (the C kernels)."""
+    llm = LLM(model=str(path), dtype="bfloat16", device="cpu", kv_cache_memory="16MiB",
+              enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
+    runs = [llm.generate([prompts[3]], params)[0].outputs[0], llm.generate(prompts, params)[3].outputs[0]]
+    return llm.engine.model_runner.model, [(o.token_ids, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
+                                           for o in runs]
+
+
 @pytest.mark.parametrize("case", ["gptq_sym_llama", "awq_llama", "awq_qwen2", "ct_w4a16_asym_qwen2",
-                                  "gptq_desc_act_group64_llama", "ct_w4a16_channel_llama"])
+                                  "gptq_desc_act_group64_llama", "ct_w4a16_channel_llama", "ct_fp8_channel_llama",
+                                  "ct_fp8_dynamic_tensor_qwen2"])
 def test_bfloat16_c_stack_reads_packed_layers_batch_invariant(tmp_path, case, one_thread):
+    """bfloat16: every projection kept packed and read by the C decoder stack, a prompt's tokens and
+    logprobs the same bits alone and batched; where the packed kernel's weights are the reference
+    dequantization's rounded to bfloat16 (FP8 on every body; symmetric 4-bit groups without act-order
+    on AVX512-BF16, whose 4-bit kernel rebuilds the bfloat16 weights), the same bits as the engine on
+    the dequantized reference model in bfloat16 (packed vs dequantized)."""
     from kernels import cpu_attention, cpu_linear, cpu_norm_act
 
     if not cpu_norm_act.available() or cpu_attention.available() is not None or not cpu_linear.q4_available():
         pytest.skip("the C kernels do not build here")
-    _quantized(tmp_path, case)
-    llm = LLM(model=str(tmp_path), dtype="bfloat16", device="cpu", kv_cache_memory="16MiB",
-              enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32)
-    model = llm.engine.model_runner.model
-    assert all(m.c_packed is not None for layer in model.layers for m in layer.int4.values())
+    hf = _quantized(tmp_path / "packed", case)
     prompts = _prompts(case)
-    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
-    alone = llm.generate([prompts[3]], params)[0].outputs[0]
+    model, (alone, batched) = _bf16_run(tmp_path / "packed", prompts)
+    assert all(len(layer.int4) == 4 and all(m.c_packed is not None for m in layer.int4.values())
+               for layer in model.layers)
     assert model._c_decoder is not None
-    batched = llm.generate(prompts, params)[3].outputs[0]
-    assert batched.token_ids == alone.token_ids
-    assert [lp[t].logprob for lp, t in zip(batched.logprobs, batched.token_ids)] == \
-        [lp[t].logprob for lp, t in zip(alone.logprobs, alone.token_ids)]
+    assert batched == alone
+    if "fp8" in case or (case == "gptq_sym_llama" and cpu_linear.isa() == "avx512bf16"):
+        hf.save_pretrained(tmp_path / "dense")
+        (tmp_path / "dense" / "tokenizer.json").write_bytes((tmp_path / "packed" / "tokenizer.json").read_bytes())
+        dense, (dense_alone, _) = _bf16_run(tmp_path / "dense", prompts)
+        assert not dense.layers[0].int4
+        assert dense_alone == alone
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
