@@ -8,44 +8,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
 from gateway.backends.relabel import answer_id, relabel_json, relabel_stream
 from gateway.errors import BackendError
-from gateway.request.validate import GatewayRequest
 from gateway.resilience.attempts import Candidate, Result, UpstreamResponse
 from gateway.resilience.layer import Resilience
 from gateway.resilience.ratelimit import RateReservation
+from gateway.values import Answer, GatewayRequest
 from policies import Target
 
 log = logging.getLogger("tandem.gateway.dispatch")
 
 # Request fields that only the gateway understands: never sent upstream.
 GATEWAY_ONLY_FIELDS = ("priority",)
-
-
-@dataclass
-class Answer:
-    """One answer, as backends produced it and the HTTP layer renders it: ``status``, ``headers`` (the
-    ``x-tandem-*`` routing facts are added by the pipeline), ``content`` bytes or a ``stream`` of SSE bytes,
-    ``backend`` (who answered; "" when every attempt failed) and ``attempts`` (upstream calls made). ``api``: the
-    API the answer speaks when the backend was sent the request's ``source`` natively ("" otherwise: the
-    request's endpoint)."""
-
-    status: int
-    content: bytes = b""
-    stream: AsyncIterator[bytes] | None = None
-    content_type: str = "application/json"
-    backend: str = ""
-    attempts: int = 0
-    headers: dict[str, str] = field(default_factory=dict)
-    api: str = ""
-    # the client API's codec when it is not OpenAI's (``content(status, bytes)`` -> JSON bytes, ``stream(it)``:
-    # ``gateway.translate.anthropic.MessagesRender``), applied by the HTTP layer after observability read the answer
-    render: Any = None
 
 
 def native_api(backend, req: GatewayRequest) -> str:

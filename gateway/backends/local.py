@@ -17,7 +17,7 @@ from gateway.backends.dispatch import GATEWAY_ONLY_FIELDS
 from gateway.backends.relabel import answer_id
 from gateway.config.schema import LocalBackendConfig
 from gateway.errors import BackendError
-from gateway.request.validate import GatewayRequest
+from gateway.values import GatewayRequest
 from gateway.resilience.outcomes import UpstreamResponse, Withdrawn
 from policies.slo import Handover
 

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field, replace
 
 import msgspec
 
-from gateway.backends.dispatch import Answer
+from gateway.values import Answer
 from gateway.backends.relabel import answer_id, relabel_json, relabel_stream
 from gateway.cache.key import cache_config, cache_key, exact_space, is_sampled, tokens_of
 from gateway.cache.store import Bounds, CacheStore
 from gateway.config.schema import CacheConfig
-from gateway.request.validate import GatewayRequest
+from gateway.values import GatewayRequest
 from gateway.sse import EventReader, event
 from gateway.state import now_ms
 

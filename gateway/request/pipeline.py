@@ -11,16 +11,17 @@ import time
 from collections.abc import Mapping
 from dataclasses import replace
 
-from gateway.backends.dispatch import Answer, forward
+from gateway.backends.dispatch import forward
 from gateway.billing.local_cost import local_price
 from gateway.errors import ClientError
 from gateway.request.admission import admit
 from gateway.request.auth import authenticate
-from gateway.request.validate import (GatewayRequest, check_request, estimate_prompt_tokens, parse_json,
+from gateway.request.validate import (check_request, estimate_prompt_tokens, parse_json,
                                       unknown_parameter_error, with_default_max_tokens)
 from gateway.resilience.resume import prepare as prepare_resume
 from gateway.resilience.resume import resumable
 from gateway.translate.anthropic import MessagesRender, messages_to_chat
+from gateway.values import Answer, GatewayRequest
 from policies import RequestFeatures, decide, prefix_text
 
 # Bodies from this size on are decoded, templated and tokenized in a worker thread (``asyncio.to_thread``), off

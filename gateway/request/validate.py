@@ -4,14 +4,14 @@ or wrongly typed parameters become 400 errors naming the parameter."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 import msgspec
 
 from engine.protocol.param_ranges import check_param
 from gateway.errors import ClientError
 from gateway.request.embeddings import EMBEDDINGS_TYPES, check_embeddings, estimate_input_tokens
+from gateway.values import GatewayRequest
 from policies import parse_priority
 
 _decode = msgspec.json.decode
@@ -64,55 +64,6 @@ LOCAL_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "resp
 _TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call")
 _SERVED_BY = {"tools": "tools", "tool_choice": "tools", "parallel_tool_calls": "tools",
               "response_format": "response_format"}
-
-
-@dataclass(frozen=True, slots=True)
-class GatewayRequest:
-    """One request, built once by validation and read (never re-parsed) by every later step: routing features,
-    admission, dispatch, observability.
-
-    endpoint: "chat/completions" | "completions" | "embeddings" (a /v1/messages request is its chat translation).
-    body: the client's parsed JSON (not mutated). model: the model as the client wrote it; public_model: its canonical public name. priority: smaller = more urgent.
-    max_tokens: ``max_completion_tokens`` when set, else ``max_tokens``, else the endpoint's default (completions:
-    16; chat: None, up to the context; embeddings: 0), the engine's rule. ``body`` has its top-level nulls dropped (null = not
-    given).
-    prompt_tokens: the prompt's length in tokens, counted once (the local engine's rendering when a rule reads
-    it, else ``estimate_prompt_tokens``). rendered: that rendering (``engine.entrypoints.serving.RenderedPrompt``:
-    template applied, tokenized), handed to the local engine so it does not tokenize again; None when not
-    rendered. local_unsupported: a field the local engine cannot serve. headers: lower-case names -> values.
-    unknown_params: top-level parameters neither OpenAI's nor a known vendor extension (``KNOWN_PARAMS``), refused
-    unless the request's route passes them on (``unknown_parameter_error``).
-    source: (API, body) of a request that came on another API and was translated onto chat (the Responses
-    API: ``("responses", the client's body with its conversation expanded)``); an upstream that speaks that API
-    natively (``apis``) is sent it as it is. None for a chat or completion request.
-    """
-
-    endpoint: str
-    body: dict
-    model: str
-    stream: bool
-    priority: int
-    user: str
-    metadata: dict
-    max_tokens: int | None
-    has_tools: bool
-    has_response_format: bool
-    local_unsupported: str | None
-    public_model: str = ""
-    tenant: str = ""
-    request_id: str = ""
-    prompt_tokens: int | None = None
-    rendered: Any = None
-    headers: Mapping[str, str] = field(default_factory=dict)
-    source: tuple[str, dict] | None = None
-    unknown_params: tuple[str, ...] = ()
-
-    @property
-    def anthropic_body(self) -> dict | None:
-        """/v1/messages: the client's Anthropic Messages body (``source``), which a ``type: anthropic`` backend
-        receives as it is (``body`` is its chat translation, ``gateway/translate/anthropic.py``, which every other
-        step reads)."""
-        return self.source[1] if self.source is not None and self.source[0] == "messages" else None
 
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import msgspec
 
-from gateway.request.validate import GatewayRequest
+from gateway.values import GatewayRequest
 from gateway.resilience.streaming import GATEWAY_SHUTDOWN
 from gateway.sse import EventReader, event
 

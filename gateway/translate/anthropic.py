@@ -420,7 +420,7 @@ def anthropic_error(status: int, content: bytes) -> bytes:
 
 
 class MessagesRender:
-    """The ``/v1/messages`` codec of one request's answer (``gateway.backends.dispatch.Answer.render``): the chat
+    """The ``/v1/messages`` codec of one request's answer (``gateway.values.Answer.render``): the chat
     answer, as observability read it, rendered as Anthropic's Message JSON, events or error JSON."""
 
     def __init__(self, message_id: str, model: str, input_tokens: int, stop_sequences: list | None):

@@ -21,7 +21,8 @@ import pytest_asyncio
 from gateway.backends.local import LocalBackend
 from gateway.config.schema import EngineConfig, GatewayConfig, LocalBackendConfig
 from gateway.errors import BackendError
-from gateway.request.validate import GatewayRequest, check_request
+from gateway.request.validate import check_request
+from gateway.values import GatewayRequest
 from gateway.resilience.layer import Resilience
 from tests.gateway.support import ROOT, GatewayProcess, free_port
 from tests.tiny_models import save_byte_level_llama

@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-from gateway.backends.dispatch import Answer
+from gateway.values import Answer
 from gateway.resilience.resume import ResumePlan, resumable
 from gateway.resilience.streaming import GATEWAY_SHUTDOWN
-from gateway.request.validate import GatewayRequest
+from gateway.values import GatewayRequest
 from gateway.sse import error_event, event
 
 REQ = GatewayRequest(endpoint="chat/completions", body={"messages": [], "stream": True}, stream=True, model="m",

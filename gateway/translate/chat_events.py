@@ -1,0 +1,266 @@
+"""OpenAI's chat/completions stream chunks <-> ``ChatEvent`` (``gateway/values.py``): the codec of the OpenAI wire
+format on both edges. ``decode_event`` is the one place an upstream's streamed event is decoded (an SSE event's
+data, once: ``decode_stream`` reads an upstream's SSE bytes into a ``ChatStream``); ``ChatEncoder`` writes events
+back as the client's SSE (OpenAI chat/completions or completions chunks) under the gateway's answer ``id`` and
+the public ``model``.
+
+The event keeps what OpenAI's chunk schema and vLLM's extras define (``id``, ``object``, ``created``, ``model``,
+``system_fingerprint``, ``service_tier``, ``usage``, ``error``; per choice ``index``, the delta's ``role``,
+``content``, ``reasoning_content``/``reasoning``, ``refusal``, ``tool_calls``, ``function_call``, a completion's
+``text``, ``logprobs``, ``finish_reason``, ``stop_reason``, ``token_ids``); any other field of an upstream's chunk is
+not relayed. Reasoning goes to the client as ``reasoning_content`` (vLLM's and DeepSeek's name).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from gateway.sse import DONE as DONE_BYTES
+from gateway.sse import EventReader, event
+from gateway.values import DONE, MALFORMED, ChatEvent, ChatStream, ChoiceDelta, ToolCallDelta
+
+
+class _Fn(msgspec.Struct):
+    name: Any = None
+    arguments: Any = None
+
+
+class _Call(msgspec.Struct):
+    index: Any = 0
+    id: Any = None
+    type: Any = None
+    function: _Fn | None = None
+
+
+class _Delta(msgspec.Struct):
+    role: Any = None
+    content: Any = None
+    reasoning_content: Any = None
+    reasoning: Any = None
+    refusal: Any = None
+    tool_calls: list[_Call] | None = None
+    function_call: Any = None
+
+
+class _Choice(msgspec.Struct):
+    index: Any = 0
+    delta: _Delta | None = None
+    text: Any = None
+    logprobs: Any = None
+    finish_reason: Any = None
+    stop_reason: Any = None
+    token_ids: Any = None
+
+
+class _Chunk(msgspec.Struct):
+    """The fields of a streamed chunk the gateway keeps (others are skipped by the C decoder)."""
+
+    id: Any = None
+    object: Any = None
+    created: Any = None
+    model: Any = None
+    system_fingerprint: Any = None
+    service_tier: Any = None
+    choices: list[_Choice] | None = None
+    usage: Any = None
+    error: Any = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+
+def _index(index: Any) -> Any:
+    return index if isinstance(index, int) else repr(index)
+
+
+def _call(c: _Call) -> ToolCallDelta:
+    fn = c.function
+    return ToolCallDelta(_index(c.index), c.id, c.type, fn.name if fn else None, fn.arguments if fn else None)
+
+
+def _choice(ch: _Choice) -> ChoiceDelta:
+    d = ch.delta
+    ids = ch.token_ids
+    if d is None:
+        return ChoiceDelta(_index(ch.index), None, ch.text, None, None, (), None, ch.logprobs, ch.finish_reason or None,
+                           ch.stop_reason, ids)
+    calls = tuple(_call(c) for c in d.tool_calls) if d.tool_calls else ()
+    return ChoiceDelta(_index(ch.index), d.role, d.content if d.content is not None else ch.text,
+                       d.reasoning_content or d.reasoning or None, d.refusal, calls, d.function_call or None,
+                       ch.logprobs, ch.finish_reason or None, ch.stop_reason, ids)
+
+
+def _event(c: _Chunk) -> ChatEvent:
+    return ChatEvent(tuple(_choice(ch) for ch in c.choices) if c.choices else (), c.usage or None,
+                     c.error or None, False, False, c.id, c.model, c.created, c.object, c.system_fingerprint,
+                     c.service_tier)
+
+
+def decode_event(data: bytes) -> ChatEvent:
+    """One SSE event's data (an OpenAI chat or completion chunk, ``[DONE]``, an error object) as a ``ChatEvent``:
+    ``DONE``, ``MALFORMED`` (not a JSON object), or the chunk. Typed decoding (C, unknown fields skipped) for the
+    usual shapes; any other JSON object goes the generic way with the same rules, and a payload that is JSON only
+    once invalid UTF-8 is replaced (U+FFFD) is read in that form."""
+    if data[:1] == b"{":
+        try:
+            return _event(_decode_chunk(data))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+    elif data.strip() == b"[DONE]":
+        return DONE
+    try:
+        obj = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        try:
+            obj = json.loads(data.decode("utf-8", "replace"))
+        except ValueError:
+            return MALFORMED
+    if not isinstance(obj, dict):
+        return MALFORMED
+    try:
+        return _event(msgspec.convert(obj, _Chunk))
+    except msgspec.ValidationError:
+        return _loose_event(obj)
+
+
+def _loose_event(obj: dict) -> ChatEvent:
+    """A chunk whose choices or deltas are not the usual shapes: what can be read of them (an odd choice is
+    read as an empty one, so its index still counts)."""
+    choices = []
+    for ch in obj.get("choices") or () if isinstance(obj.get("choices"), list) else ():
+        if not isinstance(ch, dict):
+            continue
+        d = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
+        choices.append(ChoiceDelta(_index(ch.get("index", 0)), None, d.get("content", ch.get("text")),
+                                   d.get("reasoning_content") or d.get("reasoning") or None, d.get("refusal"),
+                                   (), d.get("function_call") or None, ch.get("logprobs"),
+                                   ch.get("finish_reason") or None))
+    return ChatEvent(tuple(choices), obj.get("usage") or None, obj.get("error") or None, id=obj.get("id"),
+                     model=obj.get("model"))
+
+
+async def decode_stream(chunks: AsyncIterator[bytes]) -> ChatStream:
+    """An upstream's SSE bytes (any split) as a ``ChatStream``: per read, the events it completed (an empty list
+    for a read that completed none: a comment, part of an event); at the end, an event cut without its blank line.
+    Each event is decoded once (``decode_event``). Transport errors raise through; closing it closes ``chunks``."""
+    reader = EventReader()
+    decode = decode_event
+    exhausted = False
+    try:
+        async for chunk in chunks:
+            reader.feed(chunk)
+            out = []
+            while (item := reader.pop()) is not None:
+                out.append(decode(item[1]))
+            yield out
+        exhausted = True
+        if (item := reader.tail()) is not None:
+            yield [decode(item[1])]
+    finally:
+        aclose = None if exhausted else getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def error_payload(error: Any) -> bytes:
+    """An error event's data: ``{"error": ...}``."""
+    return msgspec.json.encode({"error": error})
+
+
+_encode = msgspec.json.encode
+
+
+def _delta(c: ChoiceDelta) -> dict:
+    d: dict = {}
+    if c.role is not None:
+        d["role"] = c.role
+    if c.content is not None:
+        d["content"] = c.content
+    if c.reasoning is not None:
+        d["reasoning_content"] = c.reasoning
+    if c.refusal is not None:
+        d["refusal"] = c.refusal
+    if c.tool_calls:
+        d["tool_calls"] = [_call_obj(t) for t in c.tool_calls]
+    if c.function_call is not None:
+        d["function_call"] = c.function_call
+    return d
+
+
+def _call_obj(t: ToolCallDelta) -> dict:
+    out: dict = {"index": t.index}
+    if t.id is not None:
+        out["id"] = t.id
+    if t.type is not None:
+        out["type"] = t.type
+    fn = {}
+    if t.name is not None:
+        fn["name"] = t.name
+    if t.arguments is not None:
+        fn["arguments"] = t.arguments
+    out["function"] = fn
+    return out
+
+
+class ChatEncoder:
+    """Events -> the client's SSE bytes on OpenAI's chat/completions (``chat: True``) or completions endpoint, every
+    chunk under ``id`` and ``model`` (the gateway's answer id, the public model name: whoever answered); ``[DONE]``
+    and error events as OpenAI writes them. ``created``: the chunks' time when an event has none (Unix seconds)."""
+
+    __slots__ = ("id", "model", "chat", "object", "created")
+
+    def __init__(self, id_: str, model: str, chat: bool = True, created: int | None = None):
+        self.id, self.model, self.chat = id_, model, chat
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.created = int(time.time()) if created is None else created
+
+    def payload(self, ev: ChatEvent) -> bytes:
+        """One event's data bytes (``[DONE]``, an error object, or a chunk)."""
+        if ev.done:
+            return b"[DONE]"
+        if ev.error or ev.malformed:
+            return error_payload(ev.error)
+        out: dict = {"id": self.id, "object": ev.object or self.object, "created": ev.created or self.created,
+                     "model": self.model}
+        if ev.system_fingerprint is not None:
+            out["system_fingerprint"] = ev.system_fingerprint
+        if ev.service_tier is not None:
+            out["service_tier"] = ev.service_tier
+        out["choices"] = [self._choice(c) for c in ev.choices]
+        if ev.usage is not None:
+            out["usage"] = ev.usage
+        return _encode(out)
+
+    def _choice(self, c: ChoiceDelta) -> dict:
+        if self.chat:
+            out = {"index": c.index, "delta": _delta(c), "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+        else:
+            out = {"index": c.index, "text": c.content or "", "logprobs": c.logprobs,
+                   "finish_reason": c.finish_reason}
+        if c.stop_reason is not None:
+            out["stop_reason"] = c.stop_reason
+        if c.token_ids is not None:
+            out["token_ids"] = c.token_ids
+        return out
+
+    def encode(self, events: list[ChatEvent]) -> bytes:
+        """The SSE bytes of ``events`` (one read's: written downstream as one chunk)."""
+        return b"".join(DONE_BYTES if ev.done else event(self.payload(ev)) for ev in events)
+
+    async def stream(self, events: ChatStream) -> AsyncIterator[bytes]:
+        """A ``ChatStream`` as the client's SSE bytes, one chunk per non-empty read. Closing it closes ``events``."""
+        exhausted = False
+        try:
+            async for batch in events:
+                if batch:
+                    yield self.encode(batch)
+            exhausted = True
+        finally:
+            aclose = None if exhausted else getattr(events, "aclose", None)
+            if aclose is not None:
+                await aclose()
