@@ -123,10 +123,10 @@ def _add_upstream(sub) -> None:
 def add_commands(sub) -> None:
     """Add the ``loadtest`` sub-commands to ``sub`` (an argparse subparsers object)."""
     from loadtests.scenarios import (canary, core_modes, engine, failover, ledger, overhead, prefix, prompt_cache,
-                                     replicas, spill)
+                                     replicas, routers, spill)
     _add_run(sub)
     _add_upstream(sub)
-    for mod in (overhead, engine, core_modes, canary, failover, prefix, replicas, ledger, spill, prompt_cache):
+    for mod in (overhead, engine, core_modes, canary, failover, prefix, replicas, ledger, spill, prompt_cache, routers):
         mod.register(sub)
     for parser in sub.choices.values():  # `tandem loadtest X` and `python -m loadtests X` alike
         parser.set_defaults(func=functools.partial(_stopping_servers_on_sigterm, parser.get_default("func")))
