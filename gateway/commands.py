@@ -267,9 +267,8 @@ def _ctl(args) -> int:
 def _version_summary(data: dict) -> str:
     """A new config version as ``tandem ctl weights/rollback/reload`` print it: the version, each route's
     weights and shares, then the warnings."""
-    propagated = data.get("propagated", True)   # None: no Redis configured, nothing to share with
-    shared = {True: "", None: ", this gateway only (no Redis configured)"}.get(propagated,
-                                                                             ", not shared yet (Redis unreachable)")
+    # propagated None: no Redis configured, nothing to share with (a change Redis cannot take is refused, 503)
+    shared = "" if data.get("propagated", True) else ", this gateway only (no Redis configured)"
     lines = [f"config version {data.get('version')} ({data.get('source')})" + shared]
     for name, r in data["routes"].items():
         targets = ", ".join(f"{t['id']}={t['weight']:g} ({t['share_pct']:g} %)" for t in r["targets"])

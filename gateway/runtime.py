@@ -2,6 +2,13 @@
 versions (reload, weights, rollback, Redis propagation), file watching and
 drain. The request path (``gateway/request/pipeline.py``) reads ``gateway.snapshot``
 once per request, so a swap never affects requests already running.
+
+With ``state.redis_url`` set, the config versions and the rollouts live in Redis. While it is unreachable a
+replica keeps serving its running version, and every change of the desired state (reload, weights, rollback,
+rollout actions) is refused with ``StateUnavailable`` (503 ``redis_unavailable``) naming why: made here alone, it
+could not see the rollouts that hold routes, nor reach the other replicas, and would be lost or undo another's
+change when Redis returns (as Kubernetes' API server refuses writes while etcd is down). A replica started
+during an outage serves its file alone (logged) and joins as a start would once Redis answers.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter
 
 from gateway.config.compile import Compiled, load_config_text
-from gateway.config.layers import Layered, RolloutConflict, holder, layer_view, over_file, route_weights
+from gateway.config.layers import Layered, RolloutConflict, holder, layer_view, orphaned, over_file, route_weights
 from gateway.config.schema import ConfigError
 from gateway.backends.build import build_backends
 from gateway.backends.local import LocalBackend
@@ -29,12 +36,14 @@ from gateway.resilience.streaming import GATEWAY_SHUTDOWN
 from gateway.billing.usage import UsageLedger
 from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
-from gateway.config.versions import ConfigState, MemoryLedger, RedisLedger, VersionConflict, text_digest
+from gateway.config.versions import ConfigState, Guard, GuardFailed, MemoryLedger, RedisLedger, VersionConflict, \
+    text_digest
 from gateway.config.weights import add_effective_shares, describe_changes, down_share, routes_table
 from gateway.rollouts.controller import RolloutController
 from gateway.rollouts.metrics import ParityCollector
 from gateway.rollouts.shadow import ShadowRunner
 from gateway.rollouts.store import RolloutStore
+from gateway.state import StateUnavailable
 from gateway.tasks import cancel_task
 from policies import Signals
 
@@ -85,7 +94,7 @@ class Gateway:
         self.on_drained = None           # callback set by the server: exit the process
         self.retired: list = []          # (time retired, backend) of older generations, closed when idle
         self.redis_degraded = False
-        self._unpublished = False        # a change made while Redis was down, to share when it returns
+        self._unjoined = False           # started while Redis was unreachable: joins when it answers
         self._initial = initial
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
@@ -139,33 +148,45 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self._sync_loop()))
 
     async def _initial_state(self) -> ConfigState:
-        """The shared head when this file is the one last applied from a file (whatever operators did since,
-        weights or a rollback, stands: a restart never undoes it); else this file, pushed as a new version."""
+        """The state this replica starts on (``_join``). With Redis unreachable: this file alone, and
+        ``_unjoined`` set (the sync loop joins once Redis answers)."""
         state = ConfigState(self._initial.text, {}, "file", file_digest=text_digest(self._initial.text))
         for _ in range(3):               # another replica may push between our read and our push
             try:
-                head = await self.ledger.head()
-                if head is not None and (head.file_digest == state.file_digest
-                                         or (not head.file_digest and head.text == state.text)):
-                    log.info("adopting shared config version %d (%s)", head.version, head.source)
-                    return head
-                takes = []
-                if head is not None:     # a new file: applied under the layers above the head's (as a reload)
-                    try:
-                        layered = over_file(head.text, self._initial, head.overrides, await self.rollouts.every())
-                    except RolloutConflict as e:
-                        log.error("config file not applied at start, adopting shared version %d: %s", head.version, e)
-                        return head
-                    state.overrides, takes = layered.overrides, layered.takes
-                state.version = await self.ledger.push(state, None if head is None else head.version)
-                await self.rollouts.take_back(takes)
-                return state
+                joined = await self._join(state)
             except VersionConflict:
                 continue
             except Exception as e:  # noqa: BLE001 -- Redis down: serve on the file
                 self._redis_failed(e)
                 break
-        self._unpublished = True         # shared when Redis answers (the sync loop)
+            self._unjoined = False
+            return joined
+        if not self._unjoined:
+            log.warning("the shared config is unreachable: serving on the config file alone (operators' overrides "
+                        "and rollouts not applied) until Redis answers")
+        self._unjoined = True
+        return state
+
+    async def _join(self, state: ConfigState) -> ConfigState:
+        """The shared head when this file (``state``) is the one last applied from a file (whatever operators did
+        since, weights or a rollback, stands: a restart never undoes it); else this file, pushed as a new version
+        under the layers above the head's file (as a reload; one that would orphan a rollout is not applied: the
+        head, logged). Raises VersionConflict (the head moved meanwhile) and Redis' errors."""
+        head = await self.ledger.head()
+        if head is not None and (head.file_digest == state.file_digest
+                                 or (not head.file_digest and head.text == state.text)):
+            log.info("adopting shared config version %d (%s)", head.version, head.source)
+            return head
+        takes = []
+        if head is not None:
+            try:
+                layered = over_file(head.text, self._initial, head.overrides, await self.rollouts.every())
+            except RolloutConflict as e:
+                log.error("config file not applied at start, adopting shared version %d: %s", head.version, e)
+                return head
+            state.overrides, takes = layered.overrides, layered.takes
+        await self.rollouts.take_back(takes)      # before the push: see ``_commit``
+        state.version = await self.ledger.push(state, None if head is None else head.version)
         return state
 
     async def stop(self) -> None:
@@ -238,29 +259,51 @@ class Gateway:
             log.warning("%s", w)
         return snap
 
-    async def _commit(self, state: ConfigState, base: int) -> dict:
+    async def _commit(self, state: ConfigState, base: int, guard: Guard | None = None, takes=()) -> dict:
         """Validate, push to the ledger as built on version ``base``, apply.
+
+        ``takes``: the rollouts a reload takes its routes back from, ended after the validation and before the
+        push (ended after it, a tick that read one just before could set its split again over the reload: its
+        change is guarded by the rollout's revision, ``guard``, which the ending moves on).
 
         Raises:
             ConfigError: invalid (naming the config file).
-            VersionConflict: the shared head is no longer ``base`` (nothing changes here)."""
+            VersionConflict: the shared head is no longer ``base`` (nothing changes here).
+            GuardFailed: ``guard`` does not hold (nothing changes).
+            StateUnavailable: Redis is configured and unreachable (nothing changes)."""
         async with self._lock:
             compiled = load_config_text(state.text, state.overrides, source=self.config_path)   # validate first
-            propagated = True
+            await self.rollouts.take_back(takes)
             try:
                 # A state equal to the ledger's head keeps the head's version.
-                state.version = await self.ledger.push(state, base)
-            except VersionConflict:
-                raise
-            except Exception as e:  # noqa: BLE001 -- applied here; shared when Redis returns
-                self._redis_failed(e)
-                propagated = False
-                state.version = self.snapshot.version
-                self._unpublished = True
+                state.version = await self.ledger.push(state, base, guard)
+            except Exception as e:  # noqa: BLE001 -- a conflict, or Redis unreachable: nothing changes
+                if takes:
+                    log.error("rollouts %s ended by a change that was then not applied (%s): their routes keep their "
+                              "split, as an operator's", ", ".join(t.name for t in takes), e)
+                if isinstance(e, (VersionConflict, GuardFailed)):
+                    raise
+                raise self._unreachable(f"config change ({state.source})", e) from None
             snap = self._apply(state, compiled)
             snap.warnings += await self._down_warnings(snap)
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
-                    "propagated": propagated if self.ledger.shared else None, "routes": routes_table(compiled.policy)}
+                    "propagated": True if self.ledger.shared else None, "routes": routes_table(compiled.policy)}
+
+    def _unreachable(self, what: str, e: Exception) -> StateUnavailable:
+        """The refusal of a change to the shared desired state while Redis is unreachable (see the module
+        docstring; the admin API's 503 ``redis_unavailable``)."""
+        self._redis_failed(e)
+        why = "" if isinstance(e, StateUnavailable) else f" ({type(e).__name__}: {e})"
+        return StateUnavailable(f"{what} not applied, version {self.snapshot.version} stays: Redis is unreachable{why}; "
+                                "changes to the shared config and rollouts wait for it (made on this replica alone, one "
+                                "could undo a rollout it cannot read or be lost when Redis returns)")
+
+    async def _every_rollout(self, what: str) -> list[dict]:
+        """Every rollout (``RolloutController.every``). Raises StateUnavailable (``_unreachable``)."""
+        try:
+            return await self.rollouts.every()
+        except StateUnavailable as e:
+            raise self._unreachable(what, e) from None
 
     async def _down_warnings(self, snap: Snapshot) -> list[str]:
         """Warnings for weight on backends the health probes or breakers find down now (``weights.down_share``);
@@ -281,7 +324,8 @@ class Gateway:
 
         Raises:
             ConfigError: the file is invalid (the running config stays).
-            RolloutConflict: the file would orphan a rollout (see ``layers.reapply``; nothing changes)."""
+            RolloutConflict: the file would orphan a rollout (see ``layers.reapply``; nothing changes).
+            StateUnavailable: Redis is configured and unreachable (nothing changes)."""
         if not self.config_path:
             raise ConfigError([("", "no config file to reload")])
         try:
@@ -292,13 +336,13 @@ class Gateway:
         self._mtime = self._stat()
         try:   # built on the version this replica runs: a newer one it has not seen yet is refused, not undone
             layered = over_file(self.snapshot.compiled.text, load_config_text(text, {}, source=self.config_path),
-                                self.snapshot.compiled.overrides, await self.rollouts.every(), abort_rollouts)
+                                self.snapshot.compiled.overrides, await self._every_rollout(f"config reload ({source})"),
+                                abort_rollouts)
             out = await self._commit(ConfigState(text, layered.overrides, source, file_digest=text_digest(text)),
-                                     self.snapshot.version)
-        except (ConfigError, RolloutConflict) as e:
+                                     self.snapshot.version, takes=layered.takes)
+        except (ConfigError, RolloutConflict, StateUnavailable) as e:
             log.error("config reload (%s) refused, keeping version %d: %s", source, self.snapshot.version, e)
             raise
-        await self.rollouts.take_back(layered.takes)
         out["layers"] = layer_view(layered.file, layered)
         for route, v in out["layers"].items():
             if v["note"]:
@@ -306,17 +350,20 @@ class Gateway:
         return out
 
     async def set_weights(self, route: str, weights: dict[str, float], base: int | None = None,
-                          rebase: bool = False, rollout: str = "") -> dict:
+                          rebase: bool = False, rollout: str = "", guard: Guard | None = None) -> dict:
         """Override ``route``'s target weights (target id or backend -> weight), on top of the version this
         replica runs (``base``, when given, must be it), or with ``rebase`` on top of the shared head.
-        ``rollout``: the rollout controller setting its own rollout's split (the rollout layer).
+        ``rollout``: the rollout controller setting its own rollout's split (the rollout layer), as long as
+        ``guard`` holds (the rollout's revision it read).
 
         Raises:
             ConfigError: unknown route/target or negative weight.
             VersionConflict: ``base`` is not the version built on, or the head moved past it.
             RolloutConflict: a running or promoted rollout holds the route (its layer is above an operator's:
-                the change would be undone by its next step or the next reload)."""
-        held = None if rollout else holder(await self.rollouts.every(), route, ("running", "promoted"))
+                the change would be undone by its next step or the next reload).
+            StateUnavailable: Redis is configured and unreachable (nothing changes)."""
+        what = f"weights change of route {route!r}"
+        held = None if rollout else holder(await self._every_rollout(what), route, ("running", "promoted"))
         if held is not None:
             raise RolloutConflict([f"rollout {held['name']} ({held['state']}) holds route {route!r}"],
                                   ": pause it (tandem ctl rollout pause) or release it (promoted) before setting "
@@ -326,16 +373,15 @@ class Gateway:
         if rebase:
             try:
                 head = await self.ledger.head()
-            except Exception as e:  # noqa: BLE001 -- Redis down: the change applies here, shared on rejoin
-                self._redis_failed(e)
-                head = None
+            except Exception as e:  # noqa: BLE001 -- Redis unreachable: nothing changes
+                raise self._unreachable(what, e) from None
             if head is not None:
                 text, overrides, version, digest = head.text, head.overrides, head.version, head.file_digest
         if base is not None and base != version:
             raise VersionConflict(base, max(version, cur.version))
         overrides = {r: dict(w) for r, w in overrides.items()}
         overrides.setdefault(route, {}).update({k: float(v) for k, v in weights.items()})
-        return await self._commit(ConfigState(text, overrides, "weights", file_digest=digest), version)
+        return await self._commit(ConfigState(text, overrides, "weights", file_digest=digest), version, guard)
 
     async def rollback(self, base: int | None = None) -> dict:
         """Return to the previous version (all replicas follow), as built on ``base`` (default: the version
@@ -345,11 +391,32 @@ class Gateway:
         above both, is set again on top of it (``RolloutController.reassert``, a version of its own; a running one's
         by the controller's next tick).
 
+        A rollback to a version that would orphan a rollout (remove a target it steers) is refused, as such a
+        reload is: the rollout is ended first (aborted or released), by name.
+
         Raises:
             LookupError: no previous version.
-            VersionConflict: the head is not ``base``."""
+            VersionConflict: the head is not ``base``.
+            RolloutConflict: the previous version would orphan a rollout (nothing changes).
+            StateUnavailable: Redis is configured and unreachable (nothing changes)."""
         async with self._lock:
-            state = await self.ledger.rollback(self.snapshot.version if base is None else base)
+            base = self.snapshot.version if base is None else base
+            try:
+                history = await self.ledger.history()
+            except Exception as e:  # noqa: BLE001 -- Redis unreachable: nothing changes
+                raise self._unreachable("config rollback", e) from None
+            if len(history) >= 2 and history[0].version == base:
+                back = route_weights(load_config_text(history[1].text, {}).policy)
+                problems = orphaned(back, await self._every_rollout("config rollback"), "the version it returns to")
+                if problems:
+                    raise RolloutConflict(problems, ". End it first (tandem ctl rollout abort NAME, or release NAME "
+                                                    "when promoted), then roll back")
+            try:
+                state = await self.ledger.rollback(base)
+            except (VersionConflict, LookupError):
+                raise
+            except Exception as e:  # noqa: BLE001 -- Redis unreachable: nothing changes
+                raise self._unreachable("config rollback", e) from None
             self._apply(state)
         await self.rollouts.reassert()
         snap = self.snapshot
@@ -383,7 +450,11 @@ class Gateway:
         text, overrides = self.snapshot.compiled.text, self.snapshot.compiled.overrides
         current = load_config_text(text, {})
         try:
-            layered = over_file(text, current, overrides, await self.rollouts.every())
+            rollouts = await self.rollouts.every()
+        except StateUnavailable:         # Redis unreachable: the live rollouts this replica last read
+            rollouts = [r for rs in self.rollouts.active.values() for r in rs]
+        try:
+            layered = over_file(text, current, overrides, rollouts)
         except RolloutConflict as e:
             layered = Layered(overrides, {r: {"decided_by": "operator", "note": str(e)} for r in overrides})
         return layer_view(route_weights(current.policy), layered)
@@ -424,7 +495,7 @@ class Gateway:
             if not self.snapshot.compiled.config.reload.watch:
                 continue
             m = self._stat()
-            if m is not None and m != self._mtime:
+            if m is not None and m != self._mtime and not self.redis_degraded:
                 self._mtime = m
                 text = self._read_file()
                 if text is None or text_digest(text) == self.file_digest:
@@ -433,6 +504,8 @@ class Gateway:
                     await self.reload("file")
                 except ConfigError:
                     pass                 # logged by reload(); the running config stays
+                except StateUnavailable:
+                    self._mtime = None   # applied once Redis answers (the poll tries again; skipped while degraded)
                 except VersionConflict as e:
                     self._mtime = None   # apply the shared head first (sync loop), then this file
                     log.warning("file change not applied yet: %s", e)
@@ -447,23 +520,28 @@ class Gateway:
                 if self.redis_degraded:
                     log.info("redis reachable again; config sync resumed")
                     self.redis_degraded = False
-                if v < self.snapshot.version or (self._unpublished and v == self.snapshot.version):
-                    # Redis lost its data (restarted without persistence), or we changed the config while
-                    # it was unreachable and nobody else did: share ours. (When another replica changed
-                    # it meanwhile, v is larger and the shared version wins below.)
+                if self._unjoined:       # started during an outage: join as a start would (its file's digest)
+                    async with self._lock:
+                        state = await self._initial_state()
+                        try:
+                            if not self._unjoined:
+                                self._apply(state)
+                        except ConfigError as e:
+                            log.error("shared config version %d is invalid here, keeping the file: %s",
+                                      state.version, e)
+                elif v < self.snapshot.version:
+                    # Redis lost its data (restarted without persistence): share ours.
                     async with self._lock:
                         cur = self.snapshot
                         state = ConfigState(cur.compiled.text, cur.compiled.overrides, "reseed",
                                             file_digest=self.file_digest)
                         state.version = await self.ledger.push(state, v)
                         cur.version = state.version
-                        self._unpublished = False
                         log.warning("shared config re-seeded from this replica as version %d", state.version)
                 elif v > self.snapshot.version:
                     async with self._lock:
                         head = await self.ledger.head()
                         if head is not None and head.version > self.snapshot.version:
-                            self._unpublished = False
                             try:
                                 self._apply(head)
                             except ConfigError as e:

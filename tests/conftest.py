@@ -91,16 +91,21 @@ def redis_answers(url: str, timeout: float = 0.5) -> bool:
 
 
 class RedisServer:
-    """A throwaway ``redis-server`` process on 127.0.0.1 (no persistence). ``stop``/``start`` keep the port."""
+    """A throwaway ``redis-server`` process on 127.0.0.1. ``stop``/``start`` keep the port. Without ``data_dir``
+    nothing persists (a restart comes back empty); with it, every write is appended and fsynced there (an append-only
+    file), so a stop and start is the restart of a durable Redis: it comes back with its data."""
 
-    def __init__(self, port: int | None = None):
+    def __init__(self, port: int | None = None, data_dir: Path | None = None):
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
+        self.data_dir = data_dir
 
     def start(self) -> "RedisServer":
-        cmd = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"]
+        durable = (["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.data_dir)] if self.data_dir
+                   else ["--appendonly", "no"])
+        cmd = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *durable,
+               "--protected-mode", "no", "--loglevel", "warning"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while not redis_answers(self.url, timeout=0.2):

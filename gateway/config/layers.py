@@ -11,7 +11,9 @@ never undoes a promotion or a ``ctl weights`` change), takes a route back from a
 file changed that route (kubectl apply's three-way merge: the last-applied file against the new one), and names
 per route the layer that decides and the layer it overrides. A reload that would leave a rollout steering a target
 the file removed is refused (``RolloutConflict``, the admin API's 409) unless it says what to do: ``abort_rollouts``
-or the route's ``release``; the rollout then ends with that reason.
+or the route's ``release``; the rollout then ends with that reason. A version rollback to a config that would
+orphan one is refused the same way (``orphaned``; end the rollout first). While Redis is unreachable the layers
+above the file cannot be read, so no change to them is made (``gateway.runtime``: 503, the running version stays).
 """
 
 from __future__ import annotations
@@ -74,15 +76,23 @@ def rollout_weights(r: dict) -> dict[str, float]:
     return {r["candidate"]: float(r["weight"]), r["baseline"]: 100.0 - float(r["weight"])}
 
 
-def _orphaned(r: dict, new_file: dict[str, dict[str, float]]) -> str:
-    """What the new file did to a target rollout ``r`` steers ("" when nothing)."""
+def _orphaned(r: dict, new_file: dict[str, dict[str, float]], by: str = "the file") -> str:
+    """What ``new_file`` (``by``: "the file", or the version a rollback returns to) did to a target rollout ``r``
+    steers ("" when nothing)."""
     targets = new_file.get(r["route"])
     if targets is None:
-        return f"the file removes route {r['route']!r}"
+        return f"{by} removes route {r['route']!r}"
     for role in ("candidate", "baseline"):
         if r[role] not in targets:
-            return f"the file removes its {role} {r[role]!r} from route {r['route']!r}"
+            return f"{by} removes its {role} {r[role]!r} from route {r['route']!r}"
     return ""
+
+
+def orphaned(new_file: dict[str, dict[str, float]], rollouts: list[dict], by: str) -> list[str]:
+    """One line per rollout in ``HOLDING_STATES`` that routes ``new_file`` (route -> {target id: weight}) would
+    orphan, naming it and what ``by`` did (a version rollback's check: ``RolloutConflict(orphaned(...))``)."""
+    return [f"rollout {r['name']} ({r['state']}) steers route {r['route']!r}: {why}" for r in rollouts
+            if r["state"] in HOLDING_STATES and (why := _orphaned(r, new_file, by))]
 
 
 def reapply(old_file: dict[str, dict[str, float]], new_file: dict[str, dict[str, float]],

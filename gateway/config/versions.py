@@ -14,7 +14,10 @@ Every state carries ``file_digest``, the sha256 of the config file text last
 applied from a file (a reload, or the first start): a weights change keeps it,
 a rollback keeps the head's. The file watcher and a restarting replica apply
 the file only when its digest differs from it, so a touch or a restart never
-undoes an operator's rollback or weights change. Keys:
+undoes an operator's rollback or weights change. A rollout controller's change carries a ``Guard``: it is
+pushed only while the rollout is still at the revision it was built on (one script over the ledger's keys and the
+rollout's revision key), so a tick that read a rollout just before an operator or a reload ended it never sets
+its split over their change. Keys:
 ``<prefix>:config:history`` (list, newest first, ``keep_versions`` long),
 ``<prefix>:config:version`` (counter), ``<prefix>:config:digest`` (head's
 digest); all carry a 30-day TTL refreshed on every write.
@@ -26,6 +29,7 @@ import hashlib
 import json
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import redis.asyncio as aioredis
@@ -40,6 +44,20 @@ class VersionConflict(Exception):
         super().__init__(f"the config changed meanwhile: this change was built on version {base}, the current "
                          f"version is {current}; re-read it and retry (or rebase explicitly)")
         self.base, self.current = base, current
+
+
+class GuardFailed(Exception):
+    """A guarded change's rollout is no longer at the revision the change was built on (nothing done)."""
+
+
+@dataclass(frozen=True)
+class Guard:
+    """The condition of a rollout's change: ``key`` (Redis: the rollout's revision key) holds ``rev``; ``holds``
+    answers the same for the in-process state (``MemoryLedger``)."""
+
+    key: str
+    rev: int
+    holds: Callable[[], bool]
 
 
 def text_digest(text: str) -> str:
@@ -114,11 +132,14 @@ class MemoryLedger:
     async def version(self) -> int:
         return self.counter
 
-    async def push(self, state: ConfigState, base: int | None = None) -> int:
+    async def push(self, state: ConfigState, base: int | None = None, guard: Guard | None = None) -> int:
         """Append ``state`` unless it equals the head; returns its version.
 
         Raises:
+            GuardFailed: ``guard`` does not hold.
             VersionConflict: ``base`` (the version ``state`` was built on; None = any) is not the head's."""
+        if guard is not None and not guard.holds():
+            raise GuardFailed(guard.key)
         if self.states and self.states[-1].digest == state.digest:
             return self.states[-1].version
         if base is not None and base != self.counter:
@@ -153,9 +174,11 @@ class MemoryLedger:
         pass
 
 
-# ARGV: state json, digest, keep, ttl, base version ('' = any). Returns the version, or -(head version + 1) when the
-# head is not ``base`` (a conflict: nothing done).
+# ARGV: state json, digest, keep, ttl, base version ('' = any), guard revision ('' = none; KEYS[4] its key). Returns
+# the version, -(head version + 1) when the head is not ``base`` (a conflict), 0 when the guard does not hold
+# (nothing done either way).
 _PUSH = """
+if ARGV[6] ~= '' and tonumber(redis.call('GET', KEYS[4]) or '0') ~= tonumber(ARGV[6]) then return 0 end
 local cur = tonumber(redis.call('GET', KEYS[2]) or '0')
 if redis.call('GET', KEYS[3]) == ARGV[2] then
   return cur
@@ -216,10 +239,13 @@ class RedisLedger:
         entry = await self.redis.lindex(self.keys[0], 0)
         return ConfigState.from_entry(entry) if entry else None
 
-    async def push(self, state: ConfigState, base: int | None = None) -> int:
+    async def push(self, state: ConfigState, base: int | None = None, guard: Guard | None = None) -> int:
         """As ``MemoryLedger.push``, atomically on Redis."""
-        v = int(await self._push(keys=self.keys, args=[state.to_json(), state.digest, self.keep, KEY_TTL_S,
-                                                       "" if base is None else base]))
+        keys = self.keys + ([guard.key] if guard is not None else [])
+        v = int(await self._push(keys=keys, args=[state.to_json(), state.digest, self.keep, KEY_TTL_S,
+                                                  "" if base is None else base, "" if guard is None else guard.rev]))
+        if v == 0:
+            raise GuardFailed(guard.key)
         if v < 0:
             raise VersionConflict(base, -v - 1)
         state.version = v

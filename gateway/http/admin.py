@@ -73,13 +73,16 @@ async def admin_reload(request: Request) -> Response:
 
 @post("/admin/rollback")
 async def admin_rollback(request: Request) -> Response:
-    """Body (optional): ``{"base_version": N}``, the version the rollback is meant to undo."""
+    """Body (optional): ``{"base_version": N}``, the version the rollback is meant to undo. 409
+    ``rollout_conflict`` when the version it returns to would orphan a rollout (naming it)."""
     gw = _gw(request)
     body = await _body(request)
     try:
         return _json(await gw.rollback(body.get("base_version")))
     except VersionConflict as e:
         raise _conflict(e) from None
+    except RolloutConflict as e:
+        raise ClientError(409, str(e), code="rollout_conflict") from None
     except LookupError as e:
         raise ClientError(409, str(e), code="no_previous_version") from None
 

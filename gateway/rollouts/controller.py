@@ -9,7 +9,8 @@ reports the same one. Two replicas never fight over a step:
 - every change of a rollout is a compare-and-set on its revision: a change built on a stale read is refused
   (``Conflict``: the operator's API answers 409, the controller re-reads next tick);
 - the weights move through ``Gateway.set_weights`` (rebased on the shared head): the same replicated, versioned
-  config change as ``tandem ctl weights``; each tick the lease holder re-applies the weight of a running
+  config change as ``tandem ctl weights``, pushed only while the rollout is at the revision it was read at (a
+  ``Guard``: a tick never sets the split of a rollout an operator or a reload ended meanwhile); each tick the lease holder re-applies the weight of a running
   rollout when the live config differs (a change lost to a crash between the two writes is redone); an operator's
   ``tandem ctl weights`` on a route a running or promoted rollout holds is refused naming it (pause or release it
   first);
@@ -39,7 +40,7 @@ import uuid
 
 from gateway.config.layers import holder
 from gateway.config.schema import ConfigError, RolloutConfig
-from gateway.config.versions import VersionConflict
+from gateway.config.versions import GuardFailed, VersionConflict
 from gateway.rollouts.gates import all_hold, failing, judge
 from gateway.rollouts.parity import report
 from gateway.rollouts.spec import baseline_of, name_problem, rollout_problems
@@ -242,10 +243,13 @@ class RolloutController:
             return
         for _ in range(3):
             try:
-                await self.gw.set_weights(r["route"], want, rebase=True, rollout=r["name"])
+                await self.gw.set_weights(r["route"], want, rebase=True, rollout=r["name"],
+                                          guard=self.store.guard(r["name"], r["rev"]))
                 return
             except VersionConflict:
                 continue
+            except GuardFailed:          # changed since it was read (ended by an operator or a reload): its new
+                return                   # state decides, at the next tick
 
     async def reassert(self) -> None:
         """Set the split of every promoted rollout again where the live config differs (after a version
@@ -261,13 +265,12 @@ class RolloutController:
                             r["state"], e)
 
     async def every(self) -> list[dict]:
-        """Every rollout as stored (a reload's rollout layer). With Redis unreachable: the live ones this
-        replica last saw (a promoted one is then unknown, and a reload may take its route back: logged)."""
-        try:
-            return [r for n in await self.store.names() if (r := await self.store.load(n)) is not None]
-        except StateUnavailable:
-            log.warning("rollouts unreadable (Redis unreachable): a reload sees only the live rollouts last read")
-            return [r for rs in self.active.values() for r in rs]
+        """Every rollout as stored (a reload's rollout layer).
+
+        Raises:
+            StateUnavailable: Redis is configured and unreachable (this replica's copy is not the rollouts: a
+                change built on it could take a promoted rollout's route back; ``gateway.runtime`` refuses it)."""
+        return [r for n in await self.store.names() if (r := await self.store.load(n)) is not None]
 
     async def take_back(self, takes) -> None:
         """End the rollouts a reload took its routes back from (``layers.Take``: abort or release, with the
@@ -339,16 +342,25 @@ class RolloutController:
         return await self.view(r)
 
     async def act(self, name: str, action: str) -> dict:
-        """Take ``action`` (pause, resume, promote, abort) on rollout ``name``; returns its view.
+        """Take ``action`` (pause, resume, promote, abort, release) on rollout ``name``; returns its view. A
+        rollout whose targets are gone from the live route (a reload took them out after it was rolled back) can be
+        ended, with no weights to move, but not resumed or promoted; nor can one whose route another rollout holds.
 
         Raises:
-            LookupError: no such rollout. IllegalAction: not in this state. Conflict: changed meanwhile."""
+            LookupError: no such rollout. IllegalAction: not in this state, or not now (why). Conflict: changed
+            meanwhile."""
         r = await self.store.load(name)
         if r is None:
             raise LookupError(f"no rollout {name!r}")
         allowed, state = ACTIONS[action]
         if r["state"] not in allowed:
             raise IllegalAction(f"cannot {action} rollout {name!r}: it is {r['state']}")
+        missing = self._missing(r)
+        if state in ("running", "promoted"):
+            other = holder([x for x in await self.every() if x["name"] != name], r["route"])
+            if missing or other is not None:
+                raise IllegalAction(f"cannot {action} rollout {name!r}: " + (
+                    missing or f"route {r['route']!r} is held by rollout {other['name']!r} ({other['state']})"))
         now = time.time()
         index, weight = r["step_index"], r["weight"]
         if action == "promote":
@@ -357,7 +369,17 @@ class RolloutController:
             weight = 0.0
         elif action == "resume":      # from the last good step (the first, after a rollback from it)
             weight = r["steps"][index]
-        return await self.view(await self._transition(r, now, state, index, weight, f"operator: {action}"))
+        return await self.view(await self._transition(r, now, state, index, weight, f"operator: {action}",
+                                                      apply=not missing))
+
+    def _missing(self, r: dict) -> str:
+        """Why the live config cannot take rollout ``r``'s split ("" when it can): its route or a target gone."""
+        route = self.gw.snapshot.compiled.policy.routes.get(r["route"])
+        if route is None:
+            return f"route {r['route']!r} is not in the live config"
+        ids = {t.id for t in route.targets}
+        gone = [r[k] for k in ("candidate", "baseline") if r[k] not in ids]
+        return f"route {r['route']!r} has no target {gone[0]!r} now" if gone else ""
 
     async def reports(self) -> dict[str, dict]:
         """Parity report ``P`` of every shadow and rollout (``GET /admin/parity``)."""

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 
+from gateway.config.versions import Guard
+
 KEY_TTL_S = 7 * 24 * 3600
 MAX_RECORDS = 2000
 
@@ -154,6 +156,15 @@ class RolloutStore:
             raise Conflict(name, -new - 1)
         data["rev"] = new
         return new
+
+    def guard(self, name: str, rev: int) -> Guard:
+        """The condition "rollout ``name`` is still at revision ``rev``", for a config change it makes
+        (``gateway.config.versions.Guard``: checked in the ledger's push script, or in process)."""
+        def holds() -> bool:
+            raw = self.mem["states"].get(name)
+            return (json.loads(raw)["rev"] if raw else 0) == rev
+
+        return Guard(self._k("rollout-rev", name), rev, holds)
 
     async def lease(self, holder: str, ttl_s: float) -> bool:
         """True when ``holder`` holds (took or renewed) the controller lease for ``ttl_s`` more seconds."""

@@ -173,9 +173,11 @@ async def test_a_version_rollback_keeps_a_promoted_rollouts_split(tmp_path):
     assert r["state"] == "promoted" and after == {"stable": 0.0, "cand": 100.0}
 
 
-async def test_2b_a_controller_that_cannot_apply_its_weights_pauses_once(tmp_path, caplog):
-    """A route's candidate gone from the live config by another path (a version rollback): the controller pauses
-    the rollout with the reason, once, instead of failing every tick."""
+async def test_2b_a_rollback_that_would_orphan_a_rollout_is_refused_naming_it(tmp_path):
+    """A version rollback to the config before the candidate was in the route: it was accepted, leaving the
+    rollout (paused here; running, its controller failed on it every tick; promoted, it kept saying promoted over a
+    route without its candidate) on a route without its candidate. Refused as such a reload is, naming the rollout;
+    once it is aborted the rollback goes through."""
     with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
         path = tmp_path / "c.yaml"
         path.write_text(text(stable, cand, cand_in_file=False))
@@ -186,8 +188,42 @@ async def test_2b_a_controller_that_cannot_apply_its_weights_pauses_once(tmp_pat
                                                           "steps": [50, 100], "hold_s": 30, "check_interval_s": 0.05,
                                                           "gates": {"min_compared": 1000}})
             assert start.status_code in (200, 201), start.text
-            await c.post("/admin/rollback", json={})                        # back before the weights: no cand
-            await c.post("/admin/rollback", json={})
+            await c.post("/admin/rollouts/r1/pause")          # the split stays; no tick sets it again
+            assert (await c.post("/admin/rollback", json={})).status_code == 200                # back to 2: cand
+            refused = await c.post("/admin/rollback", json={})                                 # back to 1: none
+            still = weights(gw), (await r1(c))["state"]
+            await c.post("/admin/rollouts/r1/abort")
+            back = await c.post("/admin/rollback", json={})
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "rollout_conflict", refused.text
+    msg = refused.json()["error"]["message"]
+    assert "rollout r1 (paused) steers route 'ro': the version it returns to removes its candidate 'cand'" in msg
+    assert still == ({"stable": 100.0, "cand": 0.0}, "paused")
+    assert back.status_code == 200, back.text
+
+
+async def test_2c_a_controller_that_cannot_apply_its_weights_pauses_once(tmp_path, redis_url, caplog):
+    """A shared version without the rollout's candidate, pushed by a writer that does not check the layers (an
+    older replica during an upgrade): the controller pauses the rollout with the reason, once, instead of failing
+    every tick."""
+    import uuid
+
+    from gateway.config.versions import ConfigState, RedisLedger
+
+    prefix = f"l{uuid.uuid4().hex[:8]}"
+    state = f"state: {{redis_url: '{redis_url}', key_prefix: {prefix}, sync_interval_s: 0.05}}\n"
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand, rollout=state))
+        async with served(path) as (gw, c):
+            start = await c.post("/admin/rollouts", json={"name": "r1", "route": "ro", "candidate": "cand",
+                                                          "steps": [50, 100], "hold_s": 30, "check_interval_s": 0.05,
+                                                          "gates": {"min_compared": 1000}})
+            assert start.status_code in (200, 201), start.text
+            older = RedisLedger(redis_url, prefix)
+            try:
+                await older.push(ConfigState(text(stable, cand, cand_in_file=False, rollout=state), {}, "reload"))
+            finally:
+                await older.aclose()
             r = await until(c, lambda r: r["state"] == "paused")
             await asyncio.sleep(0.3)
     assert "cannot be applied" in r["reason"]

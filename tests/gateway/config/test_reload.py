@@ -213,14 +213,17 @@ def test_redis_outage_keeps_serving_and_reseeds(upstreams, tmp_path, redis_serve
         time.sleep(0.5)
         body = {"model": "m1", "messages": [{"role": "user", "content": "x"}]}
         assert httpx.post(g.url + "/v1/chat/completions", json=body).status_code == 200
+        before = admin_config(g)["routes"]["main"]["targets"][1]["weight"]
         r = httpx.post(g.url + "/admin/weights", headers=ADMIN, json={"route": "main", "weights": {"b": 30}})
-        assert r.status_code == 200 and r.json()["propagated"] is False     # applied here, not shared
+        # refused, naming why: applied here alone it would be lost, or undo another replica's, on rejoin
+        assert r.status_code == 503 and r.json()["error"]["code"] == "redis_unavailable", r.text
+        assert "weights change of route 'main' not applied" in r.json()["error"]["message"]
         assert wait_until(lambda: admin_config(g)["redis_degraded"])
         redis_server.start()                                                  # comes back empty
         client = redis.Redis.from_url(redis_server.url)
         wait_until(lambda: client.get("outage:config:version") is not None)
         assert not admin_config(g)["redis_degraded"]
-        assert admin_config(g)["routes"]["main"]["targets"][1]["weight"] == 30   # re-seeded with the running config
+        assert admin_config(g)["routes"]["main"]["targets"][1]["weight"] == before   # re-seeded with the running config
         assert httpx.post(g.url + "/v1/chat/completions", json=body).status_code == 200
         client.close()
     finally:
