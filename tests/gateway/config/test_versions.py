@@ -149,3 +149,34 @@ async def test_push_and_rollback_refuse_a_stale_base_alike(shared, redis_url):
         assert (await ledger.head()).file_digest == text_digest("a: 2\n")
     finally:
         await ledger.aclose()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_guarded_push_waits_on_the_rollouts_revision_alike(shared, redis_url):
+    """A rollout controller's change is pushed only while its rollout is at the revision it read (``Guard``):
+    the Redis script and the in-process ledger alike refuse it, before anything else, once the rollout moved on
+    (an operator or a reload ended it meanwhile), and take it while it holds."""
+    from gateway.config.schema import StateSettings
+    from gateway.config.versions import GuardFailed
+    from gateway.rollouts.store import RolloutStore
+    from gateway.state import SharedState
+
+    prefix = f"g{uuid.uuid4().hex[:8]}"
+    state = SharedState(StateSettings(redis_url=redis_url if shared else None, key_prefix=prefix))
+    store = RolloutStore(state)
+    ledger = RedisLedger(redis_url, prefix) if shared else MemoryLedger()
+    try:
+        v1 = await ledger.push(ConfigState("a: 1\n"), None)
+        rev = await store.save("r1", {"state": "running"}, 0)
+        split = ConfigState("a: 1\n", {"ro": {"cand": 25.0, "stable": 75.0}}, "weights")
+        assert await ledger.push(split, v1, store.guard("r1", rev)) == v1 + 1
+        await store.save("r1", {"state": "aborted"}, rev)                  # ended meanwhile
+        with pytest.raises(GuardFailed):
+            await ledger.push(ConfigState("a: 1\n", {"ro": {"cand": 50.0, "stable": 50.0}}, "weights"), v1 + 1,
+                              store.guard("r1", rev))
+        with pytest.raises(GuardFailed):                                     # even a change equal to the head
+            await ledger.push(split, v1 + 1, store.guard("r1", rev))
+        assert (await ledger.head()).overrides == split.overrides and await ledger.version() == v1 + 1
+    finally:
+        await ledger.aclose()
+        await state.close()
