@@ -129,9 +129,10 @@ class EngineArgs:
         structured_outputs_cache_entries: compiled grammars kept (LRU), entries.
         speculative_config: speculative decoding (vLLM's name and keys:
             ``{"method": "ngram", "num_speculative_tokens": 4,
-            "prompt_lookup_max": 4, "prompt_lookup_min": 2}``, a dict or its
-            JSON text; ``engine/spec_decode/``); None: off. Outputs are
-            bitwise those without it (docs/speculative-decoding.md).
+            "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` or
+            ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}``,
+            a dict or its JSON text; ``engine/spec_decode/``); None: off. Outputs
+            are bitwise those without it (docs/engine/speculative-decoding.md).
         kv_events_config: KV-cache events for KV-aware routers (vLLM's ``--kv-events-config`` JSON: ``{"enable_kv_cache_events":
             true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}``,
             a dict or its JSON text; ``engine/kv_events.py``); None: not published.
@@ -271,8 +272,9 @@ def add_engine_cli_args(parser) -> None:
                         "never holds the HTTP event loop's GIL (--no-engine-core-process: a thread)")
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, vLLM\'s keys, e.g. {"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
-                        "(prompt lookup; outputs are bitwise those without it)")
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt '
+                        'lookup) or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (a '
+                        "smaller model with the same tokenizer); outputs are bitwise those without it")
     g.add_argument("--kv-events-config", default=None,
                    help='KV-cache events for KV-aware routers, vLLM\'s JSON, e.g. {"enable_kv_cache_events": true, '
                         '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '

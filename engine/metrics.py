@@ -16,7 +16,11 @@ Names (all with label ``model_name``), as in vLLM ``v1/metrics/loggers.py``:
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
 ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
 ``vllm:cache_config_info``, ``vllm:lora_requests_info`` (the inference extension's model-server protocol reads
-it; no adapters here); Tandem's ``tandem:structured_output_invalid_total`` (finished structured answers
+it; no adapters here); with speculative decoding on, ``vllm:spec_decode_num_drafts``,
+``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens`` and
+``vllm:spec_decode_num_accepted_tokens_per_pos`` (+ ``position``), all with Tandem's label ``method`` (the
+proposer), and Tandem's histogram ``tandem:spec_decode_accepted_tokens_per_draft`` (verified drafts by accepted
+tokens: buckets ``le`` 0..k); Tandem's ``tandem:structured_output_invalid_total`` (finished structured answers
 that broke their schema, ``engine/entrypoints/answer_check.py``).
 """
 
@@ -25,7 +29,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine.outputs import RequestOutput
 
@@ -36,6 +40,33 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0]
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+def _spec_decode_families(stats, model_name: str):
+    """vLLM's ``spec_decode`` counters and Tandem's acceptance histogram, labelled with the proposer
+    (``method``), from an ``EngineStats`` of an engine that speculates."""
+    labels = [model_name, stats.spec_method]
+    for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.spec_num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", stats.spec_num_accepted_tokens)):
+        fam = CounterMetricFamily(name, doc, labels=["model_name", "method"])
+        fam.add_metric(labels, float(value))
+        yield fam
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.", labels=["model_name", "method", "position"])
+    for pos, n in enumerate(stats.spec_num_accepted_tokens_per_pos):
+        per_pos.add_metric(labels + [str(pos)], float(n))
+    yield per_pos
+    hist = HistogramMetricFamily("tandem:spec_decode_accepted_tokens_per_draft",
+                                 "Verified drafts by their number of accepted tokens.", labels=["model_name", "method"])
+    buckets, total = [], 0
+    for accepted, n in enumerate(stats.spec_accepted_per_draft):
+        total += n
+        buckets.append((str(accepted), float(total)))
+    buckets.append(("+Inf", float(total)))
+    hist.add_metric(labels, buckets, sum_value=float(stats.spec_num_accepted_tokens))
+    yield hist
 
 
 class _LiveCollector:
@@ -66,11 +97,6 @@ class _LiveCollector:
             (CounterMetricFamily, "vllm:prefix_cache_hits",
              "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
             (CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
-            (CounterMetricFamily, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts"),
-            (CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
-             "spec_num_draft_tokens"),
-            (CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-             "spec_num_accepted_tokens"),
         ]
         for cls, name, doc, attr in families:
             fam = cls(name, doc, labels=["model_name"])
@@ -81,11 +107,8 @@ class _LiveCollector:
                                       labels=["model_name"])
         invalid.add_metric(labels, float(getattr(self.engine, "structured_output_invalid", 0)))
         yield invalid
-        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                      "Accepted tokens per draft position.", labels=["model_name", "position"])
-        for pos, n in enumerate(getattr(stats, "spec_num_accepted_tokens_per_pos", ()) or ()):
-            per_pos.add_metric([self.model_name, str(pos)], float(n))
-        yield per_pos
+        if stats is not None and getattr(stats, "spec_method", ""):
+            yield from _spec_decode_families(stats, self.model_name)
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
                                  labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching",
                                          "cache_dtype", "swap_space_bytes"])

@@ -43,6 +43,36 @@ def save_byte_level_llama(path: Path, max_position_embeddings: int = 4096, print
     return str(path)
 
 
+def save_byte_level_qwen3_draft(path: Path, target: str) -> str:
+    """Save a 2-layer Qwen3 (another architecture than the byte-level Llama at ``target``) with that Llama's
+    tokenizer and weights (Qwen3's extra q/k norms at 1, so it attends otherwise): a draft model whose guesses
+    the Llama often takes, not always. Returns the directory."""
+    import shutil
+
+    import torch
+    import transformers
+
+    llama = transformers.LlamaForCausalLM.from_pretrained(target)
+    c = llama.config
+    cfg = transformers.Qwen3Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                                   intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+                                   num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                                   head_dim=c.hidden_size // c.num_attention_heads,
+                                   max_position_embeddings=c.max_position_embeddings, bos_token_id=0, eos_token_id=1,
+                                   tie_word_embeddings=False)
+    model = transformers.Qwen3ForCausalLM(cfg).float().eval()
+    missing, unexpected = model.load_state_dict(llama.state_dict(), strict=False)
+    assert not unexpected and all("q_norm" in k or "k_norm" in k for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "q_norm" in name or "k_norm" in name:
+                p.fill_(1.0)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(target) / name, path / name)
+    return str(path)
+
+
 # A tiny GGUF's tokenizer: three special tokens (BOS 1, EOS 2) and 92 printable characters, then the caller's
 GGUF_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(i) for i in range(ord("!"), ord("!") + 92)]
 

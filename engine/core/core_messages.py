@@ -150,8 +150,10 @@ class EngineStats(msgspec.Struct, array_like=True):
         prompt_tokens_total: prompt tokens computed (cumulative, excludes cache hits).
         generation_tokens_total: tokens generated (cumulative).
         ttft: what a TTFT prediction needs (``engine/core/ttft.py``); None from a core that does not publish it.
+        spec_method: the speculative proposer (``ngram``, ``draft_model``; empty when speculation is off).
         spec_num_drafts, spec_num_draft_tokens, spec_num_accepted_tokens, spec_num_accepted_tokens_per_pos:
             speculative decoding's cumulative counters (``engine/spec_decode/proposing.py``; 0 when it is off).
+        spec_accepted_per_draft: verified proposals by how many of their tokens were accepted (index 0..k).
     """
 
     num_running: int
@@ -164,10 +166,12 @@ class EngineStats(msgspec.Struct, array_like=True):
     prompt_tokens_total: int
     generation_tokens_total: int
     ttft: TTFTState | None = None
+    spec_method: str = ""
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    spec_accepted_per_draft: tuple[int, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -46,6 +46,8 @@ from engine.core.ttft import predict_waiting, quad_of, state_of
 from engine.core.ttft_calibration import TTFTCalibration
 from engine.kv_events import KVEventsConfig, ZmqEventPublisher, take_batch
 from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.draft_model import DraftModelProposer, load_draft_model
+from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.spec_decode.proposing import SpecDecoder
 from engine.spec_decode.rejection import sample_with_drafts
 
@@ -126,7 +128,12 @@ class EngineCore:
         self.served_model_name = args.served_model_name or (
             DEFAULT_MODEL if _is_default_model(args.model) else self.model_config.name)
         self.system_fingerprint = system_fingerprint(args.model, numerics_of(args, self.device, self.dtype))
-        num_blocks, num_cpu_blocks = ModelRunner.determine_num_blocks(args, self.model_config, self.device, self.dtype)
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        draft = (load_draft_model(args, spec.model, self.tokenizer, self.model_config)
+                 if spec is not None and spec.method == "draft_model" else None)
+        num_blocks, num_cpu_blocks = ModelRunner.determine_num_blocks(
+            args, self.model_config, self.device, self.dtype,
+            extra_block_bytes=0 if draft is None else ModelRunner.block_bytes(args, draft.config, self.dtype))
         self.max_model_len = _resolve_max_model_len(
             args.max_model_len, self.model_config.max_position_embeddings, (num_blocks - 1) * args.block_size)
         self.model_runner = ModelRunner(args, model, self.model_config, self.device, self.dtype,
@@ -146,8 +153,12 @@ class EngineCore:
             scheduling_policy=args.scheduling_policy, num_cpu_blocks=num_cpu_blocks,
         )
         self.sampler = Sampler(self.model_config.vocab_size, self.device, seed=args.seed)
-        spec = SpeculativeConfig.parse(args.speculative_config)
-        self.spec_decoder = SpecDecoder(spec, self.max_model_len) if spec is not None else None
+        self.spec_decoder = None
+        if spec is not None:
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if draft is None else \
+                DraftModelProposer(ModelRunner(draft.args, draft.model, draft.config, self.device, self.dtype,
+                                               num_blocks), self.scheduler.kv_cache_manager)
+            self.spec_decoder = SpecDecoder(spec, self.max_model_len, proposer)
         self._structured_outputs: StructuredOutputManager | None = None  # built on first use, or by the core process once ready
         self._structured_outputs_lock = threading.Lock()
         self.num_blocks = num_blocks
@@ -608,6 +619,7 @@ class EngineCore:
         if self.spec_decoder is None:
             return {}
         st = self.spec_decoder.stats
-        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+        return dict(spec_method=st.method, spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
                     spec_num_accepted_tokens=st.num_accepted_tokens,
-                    spec_num_accepted_tokens_per_pos=tuple(st.num_accepted_tokens_per_pos))
+                    spec_num_accepted_tokens_per_pos=tuple(st.num_accepted_tokens_per_pos),
+                    spec_accepted_per_draft=tuple(st.accepted_per_draft))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -14,16 +14,19 @@ class SpeculativeConfig:
 
     Attributes:
         method: "ngram" (prompt lookup: the continuation of the last n tokens' latest earlier occurrence in the
-            prompt and output so far; no extra model).
+            prompt and output so far; no extra model) or "draft_model" (a smaller model's greedy continuation).
         num_speculative_tokens: most tokens proposed per sequence and step (k).
-        prompt_lookup_max: longest n-gram matched (tried first).
-        prompt_lookup_min: shortest n-gram matched.
+        prompt_lookup_max: longest n-gram matched (tried first; ngram).
+        prompt_lookup_min: shortest n-gram matched (ngram).
+        model: the draft model, a ``.gguf`` file or HF directory of any registered architecture with the
+            target's tokenizer (draft_model only).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -34,6 +37,11 @@ class SpeculativeConfig:
              f"must be an integer >= 1, got {self.prompt_lookup_min!r}"),
             (isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
              "prompt_lookup_max", f"must be an integer >= prompt_lookup_min, got {self.prompt_lookup_max!r}"),
+            ((self.model is not None) == (self.method == "draft_model"), "model",
+             "is the draft model's path, needed by method draft_model and by no other" if self.model is None
+             else f"is only read by method draft_model, got it with method {self.method!r}"),
+            (self.model is None or (isinstance(self.model, str) and self.model), "model",
+             f"must be a path, got {self.model!r}"),
         ]
         for ok, name, msg in checks:
             if not ok:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from engine.core.request import Request
+
 
 class NgramProposer:
     """Proposes up to k tokens by prompt lookup.
@@ -20,7 +22,14 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        """Each request's proposal of up to its k tokens (empty: no match)."""
+        return [self.lookup(r.all_token_ids, k) for r, k in zip(requests, ks)]
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Nothing to forget: a proposal reads only the sequence's tokens."""
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens following the latest earlier match of the longest matching suffix of
         ``token_ids`` (empty: no match, or k = 0)."""
         if k <= 0 or len(token_ids) <= self.min_n:

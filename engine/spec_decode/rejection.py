@@ -6,9 +6,10 @@ decode step would have had after the sequence's output plus d_0..d_{j-1}. Depth 
 sampler samples a token from those logits, seeing the sequence as if d_0..d_{j-1} were already its output
 (penalties, ``min_tokens``, and the seeded draw of that output position): the sampled token is kept, and while
 it equals d_j the next depth is sampled too. The tokens kept are therefore exactly those the engine without
-speculation samples, with the same logprobs. For a deterministic proposer (prompt lookup) this is the standard
-rejection rule (Leviathan et al. 2023) with a point-mass draft q: d_j is accepted with probability p(d_j), and
-after a rejection the token comes from p restricted to tokens other than d_j, i.e. from (p - q)+ normalised.
+speculation samples, with the same logprobs. For a deterministic proposer (prompt lookup, a draft model's
+argmax) this is the standard rejection rule (Leviathan et al. 2023) with a point-mass draft q: d_j is accepted
+with probability p(d_j), and after a rejection the token comes from p restricted to tokens other than d_j, i.e.
+from (p - q)+ normalised.
 Greedy rows accept the longest prefix equal to the argmax, plus the argmax after it (the bonus token).
 """
 

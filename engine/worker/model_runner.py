@@ -122,8 +122,12 @@ class ModelRunner:
         return 2 * c.num_hidden_layers * args.block_size * c.num_key_value_heads * c.head_dim * elem
 
     @staticmethod
-    def determine_num_blocks(args, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[int, int]:
+    def determine_num_blocks(args, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                             extra_block_bytes: int = 0) -> tuple[int, int]:
         """Size the KV pools: (device blocks incl. the null block, CPU swap blocks).
+
+        A block's bytes are the model's plus ``extra_block_bytes`` (a draft model's KV, kept under the same
+        block ids: ``engine/spec_decode/draft_model.py``).
 
         Device: ``num_gpu_blocks_override`` if set; on CPU ``kv_cache_memory``
         bytes; on CUDA ``gpu_memory_utilization`` x total memory minus what is
@@ -136,7 +140,7 @@ class ModelRunner:
             ValueError: fewer than 2 blocks (the null block plus one).
         """
         device = torch.device(device)
-        per_block = ModelRunner.block_bytes(args, model_config, dtype)
+        per_block = ModelRunner.block_bytes(args, model_config, dtype) + extra_block_bytes
         gib = 2**30
         if args.num_gpu_blocks_override is not None:
             num_blocks = int(args.num_gpu_blocks_override)

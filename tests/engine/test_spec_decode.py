@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.llm import LLM
+from engine.metrics import EngineMetrics
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import save_byte_level_llama
 
@@ -41,6 +42,14 @@ def _key(out) -> list[tuple]:
              c.text, c.finish_reason) for c in out.outputs]
 
 
+def speculating(*args, **kwargs) -> LLM:
+    """An engine with speculation that proposes the most tokens it can at every step (its cost model pinned:
+    the proposals then do not depend on the box's timing, and every verify path is taken)."""
+    llm = LLM(*args, **kwargs)
+    llm.engine.core.spec_decoder.cost.threshold = lambda rows: 0.0
+    return llm
+
+
 @pytest.fixture(scope="module")
 def plain():
     return LLM(**BASE)
@@ -48,7 +57,7 @@ def plain():
 
 @pytest.fixture(scope="module")
 def spec():
-    return LLM(**BASE, speculative_config=SPEC)
+    return speculating(**BASE, speculative_config=SPEC)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +89,7 @@ def test_verify_rows_equal_decode_rows_bitwise(reference):
     prompts = reference[0]
     rows = {}
     for name, kwargs in (("plain", {}), ("spec", {"speculative_config": SPEC})):
-        llm = LLM(**BASE, **kwargs)
+        llm = (speculating if kwargs else LLM)(**BASE, **kwargs)
         seen = _record_rows(llm)
         for p in prompts[:3]:
             llm.generate(p, GREEDY)
@@ -116,7 +125,7 @@ def test_alone_and_batched_equal_without_speculation(reference, spec, kind):
 ])
 def test_chunked_cached_preempted_equal_without_speculation(reference, name, kwargs):
     prompts, ref = reference
-    llm = LLM(**{**BASE, "speculative_config": SPEC, **kwargs})
+    llm = speculating(**{**BASE, "speculative_config": SPEC, **kwargs})
     for kind, params in (("greedy", GREEDY), ("seeded", SEEDED)):
         assert [_key(o) for o in llm.generate(prompts, params)] == ref[kind], kind
         assert [_key(o) for o in llm.generate(prompts, params)] == ref[kind], f"{kind}, prefix cached"
@@ -137,9 +146,30 @@ def test_n_stop_strings_penalties_equal_without_speculation(plain, spec, referen
 def test_tiny_random_model_equal_without_speculation(tmp_path, one_thread):
     path = save_byte_level_llama(tmp_path)
     plain = LLM(path, dtype="bfloat16", kv_cache_memory="64MiB")
-    spec = LLM(path, dtype="bfloat16", kv_cache_memory="64MiB", speculative_config=SPEC)
+    spec = speculating(path, dtype="bfloat16", kv_cache_memory="64MiB", speculative_config=SPEC)
     prompts = ["abcabcabcabcabcabc", "hello hello hello hello", "the cat sat on the mat; the cat sat on"]
     for params in (SamplingParams(temperature=0.0, max_tokens=40, logprobs=1),
                    SamplingParams(temperature=1.0, seed=9, max_tokens=40, logprobs=1)):
         assert [_key(o) for o in spec.generate(prompts, params)] == [_key(o) for o in plain.generate(prompts, params)]
     assert spec.engine.core.spec_decoder.stats.num_draft_tokens > 0
+
+
+def test_metrics_name_the_method_and_give_the_acceptance_histogram(spec, reference):
+    """/metrics: vLLM's spec_decode counters with the proposer as label ``method``, and the histogram of
+    verified drafts by accepted tokens (``le`` 0..k, cumulative)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    spec.generate(reference[0][:2], GREEDY)
+    registry = CollectorRegistry()
+    EngineMetrics(registry, SimpleNamespace(get_stats=spec.engine.core.get_stats, args=spec.engine.args), "m")
+    text = generate_latest(registry).decode()
+    stats = spec.engine.core.get_stats()
+    assert f'vllm:spec_decode_num_drafts_total{{method="ngram",model_name="m"}} {float(stats.spec_num_drafts)}' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{method="ngram",model_name="m",position="3"}' in text
+    hist = stats.spec_accepted_per_draft
+    assert len(hist) == SPEC["num_speculative_tokens"] + 1 and sum(hist) == stats.spec_num_drafts
+    assert (f'tandem:spec_decode_accepted_tokens_per_draft_bucket{{le="1",method="ngram",model_name="m"}} '
+            f'{float(hist[0] + hist[1])}') in text
+    assert f'tandem:spec_decode_accepted_tokens_per_draft_count{{method="ngram",model_name="m"}} {float(sum(hist))}' in text
