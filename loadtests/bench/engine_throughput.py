@@ -40,9 +40,10 @@ MT_BENCH = ROOT / "tests" / "data" / "mt_bench_questions.jsonl"
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``tandem bench engine``."""
-    parser.add_argument("--workload", choices=["mtbench", "synthetic", "rewrite"], default="synthetic",
-                        help="mtbench (MT-Bench turn 1), synthetic (random tokens of --input-len) or rewrite "
-                             "(correct a given 300-500-token text: outputs that copy their prompt)")
+    parser.add_argument("--workload", choices=["mtbench", "synthetic", "edit"], default="synthetic",
+                        help="mtbench (MT-Bench turn 1), synthetic (random tokens of --input-len) or edit "
+                             "(edit a given 350-450-token text or code and write it out whole: outputs that "
+                             "copy their prompt; tests/data/edit_texts.json)")
     parser.add_argument("--num-prompts", type=int, default=64, help="requests, submitted at once")
     parser.add_argument("--input-len", type=int, default=100, help="synthetic prompt length, tokens")
     parser.add_argument("--output-len", type=int, default=128, help="new tokens per request")
@@ -88,10 +89,10 @@ def percentile(values: list[float], q: float) -> float:
 
 def build_workload(args, tokenizer, vocab_size: int) -> list[list[int]]:
     """Prompt token ids for the chosen workload."""
-    if args.workload == "rewrite":
-        from loadtests.bench.spec_decode import rewrite_workload
+    if args.workload == "edit":
+        from loadtests.bench.spec_decode import edit_workload
 
-        return rewrite_workload(tokenizer, args.num_prompts)
+        return edit_workload(tokenizer, args.num_prompts)
     if args.workload == "mtbench":
         questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
         questions = questions[: args.num_prompts] if args.num_prompts < len(questions) else questions
@@ -114,30 +115,34 @@ def kv_waste(engine) -> tuple[int, int]:
     return allocated, used
 
 
-def bench_tandem(engine, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """Submit every prompt at once and step until done; returns the figures."""
-    for i, p in enumerate(prompts):
-        engine.add_request(f"bench-{i}", p, params)
+def bench_tandem(engine, prompts: list[list[int]], params: SamplingParams, single_stream: bool = False) -> dict:
+    """Submit every prompt at once (``single_stream``: one after another, each alone) and step until done;
+    returns the figures (TTFT from the prompt's submission)."""
     start = time.perf_counter()
+    submitted: dict[str, float] = {}
     first_token: dict[str, float] = {}
     finished: dict[str, float] = {}
     num_out: dict[str, int] = {}
     peak_usage = 0.0
     peak = (0, 0)
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        now = time.perf_counter()
-        usage = engine.scheduler.kv_cache_usage
-        if usage >= peak_usage:
-            peak_usage, peak = usage, kv_waste(engine)
-        for o in outs:
-            first_token.setdefault(o.request_id, now)
-            num_out[o.request_id] = sum(c.num_generated_tokens for c in o.outputs)
-            if o.finished:
-                finished[o.request_id] = now
+    for group in ([[i] for i in range(len(prompts))] if single_stream else [range(len(prompts))]):
+        for i in group:
+            engine.add_request(f"bench-{i}", prompts[i], params)
+            submitted[f"bench-{i}"] = time.perf_counter()
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            now = time.perf_counter()
+            usage = engine.scheduler.kv_cache_usage
+            if usage >= peak_usage:
+                peak_usage, peak = usage, kv_waste(engine)
+            for o in outs:
+                first_token.setdefault(o.request_id, now)
+                num_out[o.request_id] = sum(c.num_generated_tokens for c in o.outputs)
+                if o.finished:
+                    finished[o.request_id] = now
     elapsed = time.perf_counter() - start
     out_tokens = sum(num_out.values())
-    ttft = [first_token[r] - start for r in first_token]
+    ttft = [first_token[r] - submitted[r] for r in first_token]
     tpot = [(finished[r] - first_token[r]) / (num_out[r] - 1) for r in finished if num_out[r] > 1]
     allocated, used = peak
     return {
@@ -225,7 +230,9 @@ def compare_batch_invariant(engine, prompts: list[list[int]], params: SamplingPa
 def compare_peer(engine, args, prompts: list[list[int]], params: SamplingParams) -> dict:
     """``args.peer_rounds`` rounds of a fresh Tandem run then the peer's run, both on the round's prompts (the
     first token shifted by the round, so Tandem never reads an earlier round's prefix cache; the peer starts a
-    new process each round). The peer gets Tandem's thread count.
+    new process each round). The peer gets Tandem's thread count, and Tandem's prompt-lookup config where it
+    has one (llama.cpp's ``LlamaPromptLookupDecoding``); a peer that runs one sequence at a time (llama.cpp)
+    is compared with Tandem running the prompts one at a time.
 
     Returns:
         {"tandem_output_tok_per_s": [per round], "tandem_runs": [Tandem's figures per round], "runs": [the
@@ -247,9 +254,10 @@ def compare_peer(engine, args, prompts: list[list[int]], params: SamplingParams)
     runs: list[dict] = []
     for r in range(args.peer_rounds):
         round_prompts = salted(prompts, r + 1, engine.model_config.vocab_size)
-        tandem_runs.append(bench_tandem(engine, round_prompts, params))
+        tandem_runs.append(bench_tandem(engine, round_prompts, params, single_stream=peer.single_stream))
+        spec = engine.core.spec_decoder.config if engine.core.spec_decoder is not None else None
         runs.append(run_peer(peer, python, peer_workload(peer, model, round_prompts, args.output_len,
-                                                         args.ignore_eos, threads)))
+                                                         args.ignore_eos, threads, speculative=spec)))
         if "output_tok_per_s" not in runs[-1]:
             return runs[-1]
     tandem = [t["output_tok_per_s"] for t in tandem_runs]
@@ -345,6 +353,7 @@ def run_bench(args: argparse.Namespace) -> int:
         table.add_row("ratio on / off (medians)", f"{ab['ratio_on_off']:.3f}x")
         table.add_row("acceptance rate", f"{ab['acceptance_rate']:.1%}")
         table.add_row("mean acceptance length", f"{ab['mean_acceptance_length']:.2f}")
+        table.add_row("drafts by accepted tokens (0..k)", ", ".join(map(str, ab["accepted_per_draft"])))
     if args.peer:
         _peer_rows(table, args.peer, result[args.peer])
     Console().print(table)

@@ -37,12 +37,13 @@ class Peer:
     python_env: str    # environment variable naming the interpreter
     default_python: str  # relative to the repository root
     version_key: str   # key of the runner's version in its result
+    single_stream: bool = False   # runs one sequence at a time (Tandem is then run so too)
 
 
 PEERS = {
     "vllm": Peer("vllm", "vLLM", PEER_DIR / "vllm_offline.py", "TANDEM_VLLM_PYTHON", ".venv-vllm/bin/python", "vllm"),
     "llamacpp": Peer("llamacpp", "llama.cpp", PEER_DIR / "llamacpp_offline.py", "TANDEM_LLAMACPP_PYTHON",
-                     ".venv-llamacpp/bin/python", "llama_cpp"),
+                     ".venv-llamacpp/bin/python", "llama_cpp", single_stream=True),
 }
 
 
@@ -69,14 +70,20 @@ def peer_model(peer: Peer, given: str | None, tandem_model: str, embedded: bool)
 
 
 def peer_workload(peer: Peer, model: str, prompts: list[list[int]], output_len: int, ignore_eos: bool,
-                  threads: int) -> dict:
-    """The workload JSON the peer's runner reads (see each script's docstring)."""
+                  threads: int, speculative=None) -> dict:
+    """The workload JSON the peer's runner reads (see each script's docstring). ``speculative``: Tandem's
+    ``SpeculativeConfig``; an ngram one gives llama.cpp its prompt lookup with the same k and n-gram size."""
     n_ctx = max(map(len, prompts)) + output_len + 16
     if peer.name == "vllm":
         return {"model": model, "prompts": prompts, "output_len": output_len, "ignore_eos": ignore_eos,
                 "dtype": "bfloat16", "max_num_seqs": max(len(prompts), VLLM_MAX_NUM_SEQS),
                 "max_model_len": max(n_ctx, VLLM_MAX_MODEL_LEN), "kv_cache_gib": 1}
-    return {"model": model, "prompts": prompts, "output_len": output_len, "n_threads": threads, "n_ctx": n_ctx}
+    workload = {"model": model, "prompts": prompts, "output_len": output_len, "ignore_eos": ignore_eos,
+                "n_threads": threads, "n_ctx": n_ctx}
+    if speculative is not None and speculative.method == "ngram":
+        workload["prompt_lookup"] = {"num_pred_tokens": speculative.num_speculative_tokens,
+                                     "max_ngram_size": speculative.prompt_lookup_max}
+    return workload
 
 
 def peer_command(peer: Peer, python: Path, workload: Path, result: Path) -> list[str]:

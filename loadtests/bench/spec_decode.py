@@ -1,6 +1,6 @@
 """``tandem bench engine --compare-speculative ROUNDS``: the engine with its ``--speculative-config`` against
-the same engine without it, interleaved (off, on, off, on...), on an input-grounded workload (``rewrite``: edit
-a given 300-500-token text, an output that copies spans of its prompt) or any other.
+the same engine without it, interleaved (off, on, off, on...), on an input-grounded workload (``edit``: edit
+a given 350-450-token text and write it out, an output that copies spans of its prompt) or any other.
 
 Both halves run on one engine (same weights, same KV pool): speculation is switched by giving the engine its
 ``SpecDecoder`` or none. Each run's prompts start with a different token so that no run reads another's prefix
@@ -14,26 +14,20 @@ from pathlib import Path
 
 from engine.sampling_params import SamplingParams
 
-MT_BENCH = Path(__file__).resolve().parents[2] / "tests" / "data" / "mt_bench_questions.jsonl"
-_REWRITE = "Rewrite the following text with every spelling and grammar mistake corrected; change nothing else:\n\n"
+EDIT_TEXTS = Path(__file__).resolve().parents[2] / "tests" / "data" / "edit_texts.json"
 
 
-def rewrite_workload(tokenizer, num_prompts: int, min_tokens: int = 300, max_tokens: int = 500) -> list[list[int]]:
-    """Chat prompts asking to rewrite a text of 300-500 tokens: MT-Bench questions joined, a different window
-    of them per prompt."""
-    questions = [json.loads(line)["turns"][0] for line in MT_BENCH.read_text().splitlines() if line.strip()]
+def edit_workload(tokenizer, num_prompts: int) -> list[list[int]]:
+    """Chat prompts asking to edit a given text of 350-450 tokens and write it out whole (spelling corrections
+    of prose, a rename and added docstrings in Python code: ``tests/data/edit_texts.json``), cycling through
+    the texts: outputs that copy long spans of their prompt."""
+    items = json.loads(EDIT_TEXTS.read_text())
     prompts = []
-    start = 0
-    while len(prompts) < num_prompts:
-        text, i = "", start
-        while len(tokenizer.encode(text, add_special_tokens=False)) < min_tokens:
-            text += questions[i % len(questions)] + "\n"
-            i += 1
-        ids = tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
-        chat = [{"role": "user", "content": _REWRITE + tokenizer.decode(ids)}]
+    for i in range(num_prompts):
+        item = items[i % len(items)]
+        chat = [{"role": "user", "content": item["instruction"] + item["text"]}]
         prompts.append(tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True),
                                         add_special_tokens=False))
-        start = i
     return prompts
 
 
@@ -56,7 +50,8 @@ def compare_speculative(engine, prompts: list[list[int]], params: SamplingParams
 
     Returns:
         {"off": [tok/s per run], "on": [...], "ratio_on_off": median(on) / median(off), "acceptance_rate",
-        "mean_acceptance_length" (1 + accepted per verified proposal), "num_drafts"}.
+        "mean_acceptance_length" (1 + accepted per verified proposal), "num_drafts", "accepted_per_draft"
+        (verified proposals by accepted tokens, 0..k)}.
 
     Raises:
         ValueError: the engine was built without a speculative config.
@@ -67,6 +62,7 @@ def compare_speculative(engine, prompts: list[list[int]], params: SamplingParams
         raise ValueError("--compare-speculative needs --speculative-config")
     runs: dict[str, list[float]] = {"off": [], "on": []}
     s0 = (decoder.stats.num_drafts, decoder.stats.num_draft_tokens, decoder.stats.num_accepted_tokens)
+    hist0 = list(decoder.stats.accepted_per_draft)
     vocab = core.model_config.vocab_size
     for r in range(rounds):
         for label in ("off", "on"):
@@ -82,4 +78,5 @@ def compare_speculative(engine, prompts: list[list[int]], params: SamplingParams
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     return {**runs, "ratio_on_off": med(runs["on"]) / med(runs["off"]),
             "acceptance_rate": accepted / proposed if proposed else 0.0,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0, "num_drafts": drafts}
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0, "num_drafts": drafts,
+            "accepted_per_draft": [b - a for a, b in zip(hist0, decoder.stats.accepted_per_draft)]}
