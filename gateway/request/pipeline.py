@@ -85,6 +85,17 @@ def _waits_for_engine(snap, route_name: str) -> bool:
     return any(t.backend == local.name for t in (*route.targets, *route.fallbacks))
 
 
+async def _any_reachable(resilience, attempts: list) -> bool:
+    """True when one of ``attempts`` (targets) was not found down by its backend's last active probe (never
+    probed counts as reachable). While the local engine loads, a route whose other targets all failed their
+    probe (a canary arm not started yet, say) answers 503 engine_loading rather than a connect error."""
+    for backend in {a.backend for a in attempts}:
+        probe = await resilience.health.last_probe(backend)
+        if probe is None or probe["ok"]:
+            return True
+    return False
+
+
 async def decide_route(gw, req: GatewayRequest, explain: bool = False):
     """The policy's decision for ``req`` now (live engine signals, unusable backends, replica loads, for SLO
     routes the TTFT predictions of the local engine and of the replicas that make one) and whether a route
@@ -138,7 +149,7 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
             (m for m in snap.compiled.config.models if m.name == req.public_model), None))
     if affinity:
         gw.replicas.note(decision.route, decision.pick)
-    if not decision.attempts and _waits_for_engine(snap, decision.route):
+    if _waits_for_engine(snap, decision.route) and not await _any_reachable(gw.resilience, decision.attempts):
         raise ClientError(503, "The local engine is still loading its model; retry in a few seconds.",
                           code="engine_loading", headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)})
     gw.obs.note(req, decision)   # labels and trace facts, before admission may refuse

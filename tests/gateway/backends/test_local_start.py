@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.conftest import free_port
 from tests.gateway.support import GatewayProcess, wait_until
 
 pytestmark = pytest.mark.slow
@@ -54,6 +55,37 @@ def test_requests_during_model_load_get_503_engine_loading(started):
     assert first.json()["error"]["code"] == "engine_loading"
     assert int(first.headers["retry-after"]) > 0
     assert first.headers["x-request-id"]
+
+
+CANARY_CONFIG = CONFIG.replace("""routes:
+  local-only:
+    targets: [{backend: local}]""", """  canary:                        # a canary arm nobody started (make serve's local-f32 without make demo)
+    type: openai
+    base_url: http://127.0.0.1:{down_port}/v1
+routes:
+  local-only:
+    targets: [{backend: local, weight: 95}, {backend: canary, weight: 5}]""")
+
+
+def test_while_loading_a_route_whose_other_arms_are_down_gets_503_engine_loading(tmp_path):
+    """Once the canary arm's first probe found it down, the only target left while the model loads is down:
+    the answer is 503 engine_loading with Retry-After (retry soon), not the arm's connect error."""
+    assert CANARY_CONFIG != CONFIG
+    path = tmp_path / "config.yaml"
+    path.write_text(CANARY_CONFIG.replace("{down_port}", str(free_port())))
+    g = GatewayProcess(path).start(wait_ready=False, timeout=120)
+    try:
+        def canary_probed() -> bool:
+            probe = httpx.get(g.url + "/health/ready", timeout=30).json()["targets"]["canary"]["last_probe"]
+            return probe is not None and probe["ok"] is False
+        wait_until(canary_probed, timeout=60)
+        assert httpx.get(g.url + "/health/ready", timeout=30).json()["backends"]["local"]["reason"] == \
+            "engine is loading"
+        r = httpx.post(g.url + "/v1/chat/completions", json=SMALL, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_loading", r.text
+        assert int(r.headers["retry-after"]) > 0
+    finally:
+        g.stop()
 
 
 def _big_body(seed: int) -> bytes:
