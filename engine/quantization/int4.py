@@ -91,6 +91,24 @@ class Int4Weight:
         """
         return self.codes.to(torch.int32), self.scales, -self.zeros.float() * self.scales
 
+    def narrow(self, dim: int, start: int, length: int) -> Int4Weight:
+        """Rows (``dim`` 0) or inputs (``dim`` 1) ``[start, start + length)``, as a tensor parallel split
+        takes a dense weight's: rows with their groups' scales and zero points; inputs at group boundaries.
+
+        Raises:
+            ValueError: an input split that does not start and end at group boundaries, or of an
+                act-order weight (its groups are not runs of the inputs).
+        """
+        if dim == 0:
+            return Int4Weight(self.codes.narrow(0, start, length), self.zeros.narrow(0, start, length),
+                              self.scales.narrow(0, start, length), self.group_size, self.perm)
+        if self.perm is not None or start % self.group_size or length % self.group_size:
+            raise ValueError(f"inputs [{start}, {start + length}) of a 4-bit weight in groups of {self.group_size}"
+                             f"{' with act-order' if self.perm is not None else ''} do not split at group boundaries")
+        g0, groups = start // self.group_size, length // self.group_size
+        return Int4Weight(self.codes.narrow(1, start, length), self.zeros.narrow(1, g0, groups),
+                          self.scales.narrow(1, g0, groups), self.group_size)
+
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in] in the inputs' order: (q - z) * s, the reference dequantization."""
         z = self.zeros.repeat_interleave(self.group_size, dim=1)

@@ -33,6 +33,7 @@ from engine.config import engine_args_from_cli
 from engine.sampling_params import SamplingParams
 from loadtests.bench.peer_engines import DEFAULT_VLLM_MODEL, PEERS, peer_model, peer_python, peer_workload, run_peer
 from loadtests.bench.peer_engines import salted, summarize
+from loadtests.bench.model_compare import add_compare_args, compare_models
 
 ROOT = Path(__file__).resolve().parents[2]
 MT_BENCH = ROOT / "tests" / "data" / "mt_bench_questions.jsonl"
@@ -75,6 +76,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "else --model; llama.cpp: Tandem's .gguf)")
     parser.add_argument("--peer-rounds", type=int, default=1,
                         help="rounds of (fresh Tandem run, peer run), interleaved, on the same prompts")
+    add_compare_args(parser)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -318,6 +320,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
         result["speculative_ab"] = compare_speculative(engine, prompts, params, args.compare_speculative,
                                                        single_stream=not args.spec_concurrent)
+    if args.compare_model:
+        result["model_ab"] = compare_models(engine, args, prompts, params)
     if args.peer:
         result[args.peer] = compare_peer(engine, args, prompts, params)
         if "ratio" in result[args.peer]:
@@ -354,6 +358,12 @@ def run_bench(args: argparse.Namespace) -> int:
         table.add_row("acceptance rate", f"{ab['acceptance_rate']:.1%}")
         table.add_row("mean acceptance length", f"{ab['mean_acceptance_length']:.2f}")
         table.add_row("drafts by accepted tokens (0..k)", ", ".join(map(str, ab["accepted_per_draft"])))
+    if "model_ab" in result:
+        ab = result["model_ab"]
+        stream = "single stream" if ab["single_stream"] else f"{len(prompts)} at once"
+        table.add_row(f"this model, output tok/s ({stream}, rounds)", ", ".join(f"{x:.1f}" for x in ab["this"]))
+        table.add_row(f"{ab['other_model']}, output tok/s", ", ".join(f"{x:.1f}" for x in ab["other"]))
+        table.add_row("ratio this / other (medians)", f"{ab['ratio_this_other']:.3f}x")
     if args.peer:
         _peer_rows(table, args.peer, result[args.peer])
     Console().print(table)

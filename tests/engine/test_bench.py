@@ -137,3 +137,19 @@ def test_hf_baseline_of_a_gguf_without_accelerate_is_skipped_with_the_reason(mon
                         lambda name, *a: None if name == "accelerate" else find_spec(name, *a))
     assert "accelerate" in _hf_baseline_missing("/models/m.gguf")
     assert _hf_baseline_missing("/models/hf-dir") == ""           # HF directories load without it
+
+
+def test_bench_engine_compare_model_runs_both_engines_interleaved(tmp_path, capsys):
+    """--compare-model: the second engine (another file of the model) runs the same prompts in each round,
+    single stream here; the table and JSON carry each round's figures and the ratio of the medians."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a, b = save_byte_level_llama(tmp_path / "a"), save_byte_level_llama(tmp_path / "b")
+    out = tmp_path / "r.json"
+    args = _args("--model", a, "--num-prompts", "2", "--input-len", "8", "--output-len", "5", "--ignore-eos",
+                 "--no-baseline", "--kv-cache-memory", "8MiB", "--output-json", str(out), "--compare-model", b,
+                 "--compare-rounds", "2", "--compare-single-stream")
+    assert run_bench(args) == 0
+    ab = json.loads(out.read_text())["model_ab"]
+    assert len(ab["this"]) == len(ab["other"]) == 2 and ab["single_stream"] and ab["other_model"] == b
+    assert ab["ratio_this_other"] > 0
+    assert "ratio this / other (medians)" in capsys.readouterr().out

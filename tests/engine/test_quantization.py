@@ -157,6 +157,31 @@ def test_act_order_weight_is_the_group_dequantization_in_input_order(group_size)
                        (codes - zeros[uneven].t()).float() * scales.float()[uneven].t())
 
 
+def test_packed_weights_split_as_dense_ones_at_group_boundaries():
+    """Tensor parallel splits (``narrow``): a 4-bit weight's rows and its inputs at group boundaries,
+    an FP8 weight's rows and inputs, each the dense weight's same split; an input split inside a
+    group, or of an act-order weight, refused."""
+    from engine.quantization.fp8 import FP8Weight
+    from engine.quantization.int4 import grouped_int4
+
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (48, 256), generator=gen)
+    zeros, scales = torch.randint(0, 16, (4, 48), generator=gen), torch.rand(4, 48, generator=gen).half()
+    w = grouped_int4(codes, zeros, scales, None, "test")
+    dense = w.dequantize()
+    assert torch.equal(w.narrow(0, 16, 16).dequantize(), dense[16:32])
+    assert torch.equal(w.narrow(1, 128, 128).dequantize(), dense[:, 128:])
+    with pytest.raises(ValueError, match="group boundaries"):
+        w.narrow(1, 96, 160)
+    g_idx = torch.empty(256, dtype=torch.int64)
+    g_idx[torch.randperm(256, generator=gen)] = torch.arange(256) // 64
+    with pytest.raises(ValueError, match="act-order"):
+        grouped_int4(codes, zeros, scales, g_idx, "test").narrow(1, 0, 128)
+    f8 = FP8Weight((torch.randn(48, 256, generator=gen) * 10).to(torch.float8_e4m3fn), torch.rand(48, 1) + 0.1)
+    assert torch.equal(f8.narrow(0, 8, 8).dequantize(), f8.dequantize()[8:16])
+    assert torch.equal(f8.narrow(1, 32, 64).dequantize(), f8.dequantize()[:, 32:96])
+
+
 def _set_quantization_config(path, **changes) -> None:
     f = path / "config.json"
     cfg = json.loads(f.read_text())
