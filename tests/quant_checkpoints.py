@@ -169,6 +169,8 @@ def write_fp8(path, model, strategy: str = "channel", dynamic_activations: bool 
     activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"} \
         if dynamic_activations else None
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in tensors and "rotary" not in k}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
     save_file({**state, **tensors}, str(path / "model.safetensors"))
     cfg = model.config.to_dict()
     cfg["quantization_config"] = {
