@@ -97,7 +97,7 @@ class AsyncEngine:
         self._accepting = True
         self._dead: EngineDeadError | None = None
         self._stats: EngineStats | None = None
-        # Finished structured answers the serving layer's second line caught (engine/entrypoints/answer_check.py)
+        # Finished structured answers the serving layer's second line caught (engine/serving/answer_check.py)
         self.structured_output_invalid = 0
         self._prefix_mirror = PrefixMirror()   # the core's prefix cache, from its events (TTFT predictions)
         self._pending = PendingAdds()          # sent, not yet in the core's last state (TTFT predictions)

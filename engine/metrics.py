@@ -21,7 +21,7 @@ it; no adapters here); with speculative decoding on, ``vllm:spec_decode_num_draf
 ``vllm:spec_decode_num_accepted_tokens_per_pos`` (+ ``position``), all with Tandem's label ``method`` (the
 proposer), and Tandem's histogram ``tandem:spec_decode_accepted_tokens_per_draft`` (verified drafts by accepted
 tokens: buckets ``le`` 0..k); Tandem's ``tandem:structured_output_invalid_total`` (finished structured answers
-that broke their schema, ``engine/entrypoints/answer_check.py``).
+that broke their schema, ``engine/serving/answer_check.py``).
 """
 
 from __future__ import annotations

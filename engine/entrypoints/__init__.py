@@ -1,3 +1,2 @@
-"""The engine's front ends: ``tandem engine serve`` (OpenAI-compatible HTTP,
-as vLLM's ``entrypoints/openai/``), structured chat (tools and
-``response_format`` as grammars) and the engine's command line."""
+"""The engine's front ends: ``tandem engine serve`` (OpenAI-compatible HTTP over ``engine/serving/``, as vLLM's
+``entrypoints/openai/``) and the engine's command line."""

@@ -18,7 +18,7 @@ in the answer's ``id`` (``chatcmpl-<x-request-id>``, with a random suffix
 when the client chose it). A client that disconnects (mid-stream or while
 waiting for a non-streamed answer) aborts its request, which frees its KV
 blocks. The HTTP layer only parses JSON and maps errors: everything else is
-``engine/entrypoints/chat.py`` and ``completion.py``, which the gateway's
+``engine/serving/chat.py`` and ``completion.py``, which the gateway's
 local backend also calls in-process.
 """
 
@@ -38,15 +38,16 @@ from litestar.response import Stream
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.async_engine import AsyncEngine
-from engine.entrypoints.chat import OpenAIServingChat
-from engine.entrypoints.completion import OpenAIServingCompletion
-from engine.entrypoints.embeddings import OpenAIServingEmbedding
-from engine.entrypoints.protocol import decode_body
 from engine.entrypoints.ttft import ttft
 from engine.metrics import EngineMetrics
 from engine.protocol.errors import ServingError
 from engine.protocol.heap import freeze_heap
 from engine.protocol.request_ids import stamp_request_id, unique_request_id
+from engine.serving.chat import OpenAIServingChat
+from engine.serving.chunks import sse_stream
+from engine.serving.completion import OpenAIServingCompletion
+from engine.serving.embeddings import OpenAIServingEmbedding
+from engine.serving.protocol import decode_body
 
 logger = logging.getLogger("tandem.server")
 
@@ -101,13 +102,15 @@ async def _cancel_on_disconnect(request: Request, coro):
     return task.result()
 
 
-def _respond(result: dict | AsyncIterator[bytes]) -> Response:
+def _respond(result: dict | AsyncIterator[list]) -> Response:
+    """A whole answer as JSON, a stream of typed chunks (``engine/serving/chunks.py``) as SSE."""
     if isinstance(result, dict):
         return Response(content=msgspec.json.encode(result), media_type="application/json")
     # The background task closes the iterator after the body was sent or the
     # client went away: closing it aborts the engine request at once.
-    return Stream(result, media_type="text/event-stream", headers=_SSE_HEADERS,
-                  background=BackgroundTask(result.aclose))
+    events = sse_stream(result)
+    return Stream(events, media_type="text/event-stream", headers=_SSE_HEADERS,
+                  background=BackgroundTask(events.aclose))
 
 
 def _serving(request: Request, kind: str) -> OpenAIServingChat | OpenAIServingCompletion:
@@ -158,7 +161,7 @@ async def completions(request: Request) -> Response:
 
 @post("/v1/embeddings", status_code=200)
 async def embeddings(request: Request) -> Response:
-    """OpenAI embeddings: the model's final hidden states pooled (``engine/entrypoints/embeddings.py``)."""
+    """OpenAI embeddings: the model's final hidden states pooled (``engine/serving/embeddings.py``)."""
     serving = _serving(request, "embedding")
     body = await _json_body(request)
     try:

@@ -1,6 +1,6 @@
 """The ``local`` backend: the co-located engine (``engine.async_engine.
 AsyncEngine``, its core in a child process by default) behind
-``engine/entrypoints/chat.py`` and ``completion.py``, the same OpenAI layer
+``engine/serving/chat.py`` and ``completion.py``, the same OpenAI layer
 as ``tandem engine serve``."""
 
 from __future__ import annotations
@@ -29,22 +29,22 @@ def _with_stream_options(rendered, options: dict):
     engine instead (``include_usage``: the ledger bills the engine's own count)."""
     import dataclasses
 
-    from engine.entrypoints.protocol import StreamOptions   # loaded already: a rendering needs the engine
+    from engine.serving.protocol import StreamOptions   # loaded already: a rendering needs the engine
 
     opts = msgspec.convert(options, StreamOptions)
     return dataclasses.replace(rendered, request=msgspec.structs.replace(rendered.request, stream_options=opts))
 
 
 def render_prompt(tokenizer, endpoint: str, body: dict):
-    """``body`` as the local engine runs it (``engine.entrypoints.chat.render_chat`` or
+    """``body`` as the local engine runs it (``engine.serving.chat.render_chat`` or
     ``completion.render_completion`` on ``endpoint``), without the gateway-only fields and ``model`` (rewritten per
     target). Used by ``LocalBackend.render`` and ``tandem route explain``.
 
     Raises:
         engine.protocol.errors.ServingError: 400, the engine refuses the body.
     """
-    from engine.entrypoints.chat import render_chat   # lazy: the engine loads only with a local backend or explain
-    from engine.entrypoints.completion import render_completion
+    from engine.serving.chat import render_chat   # lazy: the engine loads only with a local backend or explain
+    from engine.serving.completion import render_completion
 
     render = render_chat if endpoint == "chat/completions" else render_completion
     return render(tokenizer, {k: v for k, v in body.items() if k not in GATEWAY_ONLY_FIELDS and k != "model"})
@@ -103,9 +103,9 @@ class LocalBackend:
         try:   # lazy: the engine (and torch) load only when a local backend starts
             from engine.async_engine import AsyncEngine
             from engine.config import EngineArgs
-            from engine.entrypoints.chat import OpenAIServingChat
-            from engine.entrypoints.completion import OpenAIServingCompletion
-            from engine.entrypoints.embeddings import OpenAIServingEmbedding
+            from engine.serving.chat import OpenAIServingChat
+            from engine.serving.completion import OpenAIServingCompletion
+            from engine.serving.embeddings import OpenAIServingEmbedding
             from engine.protocol.errors import ServingError
 
             args = EngineArgs(**self.cfg.engine.engine_kwargs())
@@ -164,7 +164,7 @@ class LocalBackend:
         return int(s.num_waiting), int(s.num_running), float(s.kv_cache_usage) * 100.0
 
     def render(self, endpoint: str, body: dict):
-        """The engine's rendering of ``body`` (``engine.entrypoints.serving.RenderedPrompt``: parsed, chat
+        """The engine's rendering of ``body`` (``engine.serving.serving.RenderedPrompt``: parsed, chat
         template applied, tokenized): its ``prompt_tokens`` is the prompt length routing reads, and ``send`` /
         ``open_stream`` hand it to the engine, which then does not tokenize again. None before the engine is
         loaded, or when the engine refuses the body (it refuses it again, with its error, if the request
@@ -229,7 +229,8 @@ class LocalBackend:
         except BaseException:
             self.active -= 1
             raise
-        return self._relay(result, self._checkpoint(req, handover))
+        from engine.serving.chunks import sse_stream   # loaded already: the engine answered
+        return self._relay(sse_stream(result), self._checkpoint(req, handover))
 
     async def _relay(self, it: AsyncIterator[bytes], checkpoint: Checkpoint | None) -> AsyncIterator[bytes]:
         try:

@@ -67,7 +67,7 @@ def count_completion(texts: dict[int, list[str]], count: Callable[[str], int]) -
 
 def partial_usage(cancelled: BaseException) -> dict | None:
     """The usage a cancelled whole answer carries (the local engine's count up to the abort:
-    ``engine.entrypoints.serving.PARTIAL_USAGE``, the same attribute name); None when the backend could not know
+    ``engine.serving.serving.PARTIAL_USAGE``, the same attribute name); None when the backend could not know
     it (an upstream: what it generated before the connection closed is never reported)."""
     found = getattr(cancelled, "partial_usage", None)
     return found if isinstance(found, dict) else None

@@ -35,7 +35,7 @@ _COMPLETION = {**_COMMON, "logprobs": (int,), "echo": (bool,), "suffix": (str,),
 # (400 naming it, ``unknown_parameter``), unless the route passes extra parameters on (``extra_params: pass``).
 # OpenAI's own (its API reference: forwarded to upstreams as they are), the gateway's own (``priority``), and the
 # vendor extensions that vLLM's OpenAI server takes and the engine's protocol reads
-# (``engine/entrypoints/protocol.py``: sampling extras, structured outputs, chat-template switches, token ids).
+# (``engine/serving/protocol.py``: sampling extras, structured outputs, chat-template switches, token ids).
 _OPENAI_CHAT = ("model", "messages", "audio", "frequency_penalty", "function_call", "functions", "logit_bias",
                 "logprobs", "max_completion_tokens", "max_tokens", "metadata", "modalities", "n",
                 "parallel_tool_calls", "prediction", "presence_penalty", "prompt_cache_key",

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.entrypoints.chat_structured import _tool_grammar
+from engine.serving.chat_structured import _tool_grammar
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.engine.entrypoints.test_serving_structured import TOOLS
 

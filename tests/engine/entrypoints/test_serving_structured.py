@@ -21,8 +21,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from engine.entrypoints.chat_structured import GENERIC_TOOL_PROMPT, ToolCallParser, parse_tool_calls, plan_chat
-from engine.entrypoints.protocol import ChatCompletionRequest, parse_request
+from engine.serving.chat_structured import GENERIC_TOOL_PROMPT, ToolCallParser, parse_tool_calls, plan_chat
+from engine.serving.protocol import ChatCompletionRequest, parse_request
 from engine.tokenizer import _compile_template
 from tests.engine.entrypoints.test_serving import LiveServer, start_server
 
@@ -314,8 +314,7 @@ def test_a_call_cut_by_length_keeps_only_its_arguments(cut, arguments):
     assert parse_tool_calls(text)[1][0]["function"]["arguments"] == arguments
     parser = ToolCallParser()
     deltas = [d for ch in text for d in parser.feed(ch)] + parser.finish()
-    assert "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas if "tool_calls" in d) \
-        == arguments
+    assert "".join(d.tool_calls[0].function.arguments for d in deltas if d.tool_calls) == arguments
 
 
 @pytest.mark.slow
@@ -359,7 +358,7 @@ def test_a_call_cut_inside_its_markup_is_never_content(text, name):
     assert content is None and [c["function"]["name"] for c in calls] == ([name] if name else [])
     parser = ToolCallParser(calls_only=True)
     deltas = [d for ch in text for d in parser.feed(ch)] + parser.finish()
-    assert not [d for d in deltas if "content" in d]
+    assert not [d for d in deltas if d.content]
     if text.startswith("<tool_call>"):  # tool_choice "auto": the text before a call stays, its markup does not
         assert parse_tool_calls("Sure. " + text)[0] == "Sure."
 
@@ -371,7 +370,7 @@ def test_the_request_handler_leaves_schema_checks_to_the_compile_pool(monkeypatc
     import asyncio
 
     from engine.protocol.errors import ServingError
-    from engine.entrypoints.serving import OpenAIServing
+    from engine.serving.serving import OpenAIServing
     from engine.worker.grammar_compiler import GrammarRefused
 
     schema = {"type": "array", "contains": {"const": 1}}  # outside the subset
@@ -426,7 +425,7 @@ def test_a_stop_string_inside_a_json_answer_is_content(server, stop):
 
 @pytest.mark.slow
 def test_an_answer_that_breaks_its_schema_never_ends_with_stop_or_tool_calls(server, monkeypatch):
-    """The second line (engine/entrypoints/answer_check.py): a finished structured answer is validated with
+    """The second line (engine/serving/answer_check.py): a finished structured answer is validated with
     ``jsonschema``; one that fails ends with ``length`` and ``stop_reason: "schema_violation"``, and is counted.
     The first line is taken away here (stop strings cut constrained answers again, as before issue #49) so that
     broken answers reach it: a required call cut at its first '}' and a JSON answer cut at its first ','."""

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.protocol.param_ranges import INT64_MAX, INT64_MIN, UINT64_MAX
-from engine.entrypoints.protocol import ChatCompletionRequest
+from engine.serving.protocol import ChatCompletionRequest
 from gateway.request.validate import LOCAL_UNSUPPORTED
 from tests.gateway.support import GatewayProcess
 from tests.tiny_models import save_byte_level_llama

@@ -84,7 +84,7 @@ async def test_a_cancel_that_races_the_answer_bills_the_answer_once(gw):
 async def test_a_cancel_carrying_the_engines_count_bills_it(gw):
     """A call cancelled with the usage the local engine's serving layer attaches (``PARTIAL_USAGE``) is billed
     that count, exact, marked disconnected."""
-    from engine.entrypoints.serving import PARTIAL_USAGE
+    from engine.serving.serving import PARTIAL_USAGE
 
     rec, hook = _routed(gw, "cut")
 

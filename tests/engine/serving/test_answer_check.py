@@ -1,4 +1,4 @@
-"""The second line of structured outputs (engine/entrypoints/answer_check.py), without a model: an answer
+"""The second line of structured outputs (engine/serving/answer_check.py), without a model: an answer
 about to end with ``stop``/``tool_calls`` that breaks its schema ends with ``length`` and
 ``schema_violation``, is counted, and is logged with its schema's digest (never its text)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.entrypoints.answer_check import AnswerCheck, checked_finish
+from engine.serving.answer_check import AnswerCheck, checked_finish
 from engine.sampling_params import StructuredOutputsParams
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}, "required": ["n"]}
@@ -29,7 +29,7 @@ def test_a_response_format_answer_is_checked(caplog):
     engine, check = Engine(), AnswerCheck.of(StructuredOutputsParams(json=SCHEMA), None, False)
     assert checked_finish(engine, check, "stop", None, '{"n": 3}') == ("stop", None)
     assert checked_finish(engine, check, "length", None, '{"n": ') == ("length", None)   # already not a promise
-    with caplog.at_level(logging.WARNING, "engine.entrypoints.answer_check"):
+    with caplog.at_level(logging.WARNING, "engine.serving.answer_check"):
         assert checked_finish(engine, check, "stop", "}", '{"n": -1}') == ("length", "schema_violation")
         assert checked_finish(engine, check, "stop", None, '{"n": 1') == ("length", "schema_violation")
     assert engine.structured_output_invalid == 2

@@ -10,13 +10,13 @@ import re
 import msgspec
 import pytest
 
-from engine.entrypoints.chat_structured import plan_chat
-from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, RequestValidationError, parse_request
+from engine.serving.chat_structured import plan_chat
+from engine.serving.protocol import ChatCompletionRequest, CompletionRequest, RequestValidationError, parse_request
 from engine.outputs import CompletionOutput, Logprob
-from engine.entrypoints.chat import cut_after_final_message, normalize_messages
-from engine.entrypoints.logprobs import _byte_decoder
+from engine.serving.chat import cut_after_final_message, normalize_messages
+from engine.serving.logprobs import _byte_decoder
 from engine.protocol.errors import ServingError
-from engine.entrypoints.serving import merge_choice, merge_streams
+from engine.serving.serving import merge_choice, merge_streams
 
 
 def test_chat_request_defaults_and_vllm_extras():
@@ -181,7 +181,7 @@ def test_values_out_of_range_name_the_field_as_the_gateway_does(field, value, co
 # ------------------------------------------------------- schemas kept raw (issue #34)
 def _plan(raw: bytes):
     """The structured-output plan of a chat body as ``tandem engine serve`` reads it (``decode_body``)."""
-    from engine.entrypoints.protocol import decode_body
+    from engine.serving.protocol import decode_body
 
     return _plan_body(decode_body(raw))
 
@@ -252,7 +252,7 @@ def test_a_raw_schema_that_is_not_one_is_refused_as_a_decoded_one_was(raw, messa
 def test_decode_body_decodes_everything_but_the_schemas():
     """Other fields, and a schema's containers that are not objects (the caller refuses them), decode as
     ``msgspec.json.decode`` does; a null schema is "not given"; a body that is not an object decodes whole."""
-    from engine.entrypoints.protocol import decode_body
+    from engine.serving.protocol import decode_body
 
     raw = (b'{"model": "m", "n": null, "response_format": {"type": "json_schema", "json_schema": '
            b'{"name": "s", "schema": {"type": "object"}, "strict": true}}, "structured_outputs": {"json": null, '

@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions`` over an ``AsyncEngine`` (vLLM's
 ``entrypoints/openai/serving_chat.py``): messages -> chat template -> token
 ids -> engine; the ``chat.completion`` object or ``chat.completion.chunk``
-SSE events back, with tool calls parsed (``engine/entrypoints/chat_structured.py``).
+SSE events back, with tool calls parsed (``engine/serving/chat_structured.py``).
 """
 
 from __future__ import annotations
@@ -11,14 +11,17 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 
-from engine.entrypoints.answer_check import AnswerCheck, checked_finish
-from engine.entrypoints.chat_structured import ToolCallParser, parse_tool_calls, plan_chat
-from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidationError
-from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, RenderedPrompt, error_from_engine, parse_body,
-                                        reject_abort, sse, usage, usage_options)
+from msgspec import UNSET
+
 from engine.outputs import CompletionOutput
 from engine.protocol.errors import ServingError
 from engine.sampling_params import SamplingParams
+from engine.serving.answer_check import AnswerCheck, checked_finish
+from engine.serving.chat_structured import ToolCallParser, parse_tool_calls, plan_chat
+from engine.serving.chunks import ChatChoiceChunk, Chunk, Delta, StreamError, StreamItem
+from engine.serving.protocol import ChatCompletionRequest, RequestValidationError
+from engine.serving.serving import (OpenAIServing, Prompt, RenderedPrompt, error_from_engine, parse_body,
+                                    reject_abort, usage, usage_options)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -48,7 +51,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, body: dict, request_id: str, priority: int = 0,
                                      rendered: RenderedPrompt | None = None,
-                                     response_model: str | None = None) -> dict | AsyncIterator[bytes]:
+                                     response_model: str | None = None) -> dict | AsyncIterator[list[StreamItem]]:
         """``POST /v1/chat/completions``.
 
         Args:
@@ -62,8 +65,8 @@ class OpenAIServingChat(OpenAIServing):
                 served name.
 
         Returns:
-            The ``chat.completion`` object, or an async iterator of SSE lines
-            (``chat.completion.chunk`` objects, then ``[DONE]``) when streaming.
+            The ``chat.completion`` object, or when streaming an async iterator of the answer's chunks
+            (``engine/serving/chunks.py``: one list per engine output; ``chunks.sse_stream`` writes them as SSE).
 
         Raises:
             ServingError: 400 bad input (names the parameter; prompt over
@@ -128,10 +131,14 @@ class OpenAIServingChat(OpenAIServing):
     async def _chat_stream(self, request_id: str, model: str, prompt: Prompt, priority: int, want_logprobs: bool,
                            top: int, echo: str, include_usage: bool, continuous: bool,
                            tool_calls: bool = False, calls_only: bool = False, resume: dict | None = None,
-                           return_ids: bool = False, check: AnswerCheck | None = None) -> AsyncIterator[bytes]:
-        """The SSE lines of a streamed answer; ``resume``: a continuation (no role chunks: the client has
-        them; counts from the tokens already generated); ``return_ids``: each choice's new ``token_ids``."""
+                           return_ids: bool = False, check: AnswerCheck | None = None
+                           ) -> AsyncIterator[list[StreamItem]]:
+        """The chunks of a streamed answer, one list per engine output (``chunks.Chunk``s of
+        ``chat.completion.chunk``; a failure: ``chunks.StreamError``); ``resume``: a continuation (no role
+        chunks: the client has them; counts from the tokens already generated); ``return_ids``: each choice's new
+        ``token_ids``."""
         created = int(time.time())
+        fingerprint = self.engine.system_fingerprint or None
         n = prompt.params.n
         parsers = [ToolCallParser(calls_only) for _ in range(n)] if tool_calls else None
         num_prompt = len(prompt.token_ids)
@@ -139,20 +146,18 @@ class OpenAIServingChat(OpenAIServing):
         cached = 0
         texts = [""] * n   # each choice's text so far: the second line checks the finished answer
 
-        def chunk(choices: list, usage: dict | None = None) -> bytes:
-            return self._chunk(request_id, model, "chat.completion.chunk", created, choices, usage)
-
-        def runningusage() -> dict | None:
-            return usage(num_prompt, sum(generated), cached) if continuous else None
+        def chunk(choice: ChatChoiceChunk) -> Chunk:
+            return Chunk(request_id, "chat.completion.chunk", created, model, fingerprint, [choice],
+                         usage(num_prompt, sum(generated), cached) if continuous else UNSET)
 
         try:
-            for i in range(n if resume is None else 0):
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo},
-                              "logprobs": None, "finish_reason": None}], runningusage())
+            if resume is None:
+                yield [chunk(ChatChoiceChunk(i, Delta(role="assistant", content=echo))) for i in range(n)]
             async with contextlib.aclosing(self.engine.generate(
                     prompt.token_ids, prompt.params, request_id, priority, resume=resume)) as stream:
                 async for out in stream:
                     cached = out.num_cached_tokens
+                    batch = []
                     for c in out.outputs:
                         reject_abort(c.finish_reason)
                         generated[c.index] = c.num_generated_tokens
@@ -170,21 +175,23 @@ class OpenAIServingChat(OpenAIServing):
                         ids = return_ids and bool(c.token_ids)    # tokens whose text is held back, too
                         if not deltas and finish_reason is None and lps is None and not ids:
                             continue
-                        deltas = deltas or [{}]
+                        deltas = deltas or [Delta()]
                         for k, delta in enumerate(deltas):
                             last = k == len(deltas) - 1
-                            choice = {"index": c.index, "delta": delta, "logprobs": lps if k == 0 else None,
-                                      "finish_reason": finish_reason if last else None}
+                            choice = ChatChoiceChunk(c.index, delta, lps if k == 0 else None,
+                                                     finish_reason if last else None)
                             if ids:
-                                choice["token_ids"] = list(c.token_ids) if k == 0 else []
+                                choice.token_ids = list(c.token_ids) if k == 0 else []
                             if last and finish_reason is not None:
-                                choice["stop_reason"] = stop_reason
-                            yield chunk([choice], runningusage())
+                                choice.stop_reason = stop_reason
+                            batch.append(chunk(choice))
+                    if batch:
+                        yield batch
             if include_usage:
-                yield chunk([], usage(num_prompt, sum(generated), cached))
+                yield [Chunk(request_id, "chat.completion.chunk", created, model, fingerprint, [],
+                             usage(num_prompt, sum(generated), cached))]
         except Exception as exc:  # noqa: BLE001 - reported to the client, never a traceback
-            yield sse(error_from_engine(exc).to_dict())
-        yield DONE
+            yield [StreamError(error_from_engine(exc).to_dict())]
 
 
 def render_chat(tokenizer, body: dict) -> RenderedPrompt:
@@ -254,10 +261,10 @@ def tool_finish_reason(finish_reason: str | None) -> str | None:
     return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
-def stream_deltas(parsers: list[ToolCallParser] | None, c: CompletionOutput) -> tuple[list[dict], str | None]:
-    """A choice's streamed delta messages for this output and its finish reason."""
+def stream_deltas(parsers: list[ToolCallParser] | None, c: CompletionOutput) -> tuple[list[Delta], str | None]:
+    """A choice's streamed deltas for this output and its finish reason."""
     if parsers is None:
-        return ([{"content": c.text}] if c.text else []), c.finish_reason
+        return ([Delta(content=c.text)] if c.text else []), c.finish_reason
     parser = parsers[c.index]
     deltas = parser.feed(c.text) + (parser.finish() if c.finish_reason is not None else [])
     return deltas, tool_finish_reason(c.finish_reason) if parser.calls else c.finish_reason

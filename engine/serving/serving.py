@@ -1,9 +1,10 @@
-"""The OpenAI serving base: what ``engine/entrypoints/chat.py`` and
+"""The OpenAI serving base: what ``engine/serving/chat.py`` and
 ``completion.py`` share over an ``AsyncEngine`` (vLLM's
 ``entrypoints/openai/serving_engine.py``): the model list, the checks common
 to both endpoints, the mapping of a request onto ``SamplingParams`` with the
-context-length rule, running several prompts, SSE framing and the mapping of
-engine errors onto OpenAI errors.
+context-length rule, running several prompts and the mapping of engine errors
+onto OpenAI errors. Streams are typed chunks (``chunks.py``); ``tandem engine
+serve`` frames them as SSE.
 
 Formats follow the OpenAI API reference (chat completion object, chunk object,
 legacy completions) and vLLM's OpenAI server (extra sampling fields,
@@ -21,25 +22,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestWithdrawn
-from engine.entrypoints.chat_structured import ChatPlan
-from engine.entrypoints.logprobs import LogprobFormatter
-from engine.entrypoints.protocol import ChatCompletionRequest, RequestValidationError, parse_request
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol.errors import ServingError
 from engine.sampling_params import SamplingParams
+from engine.serving.chat_structured import ChatPlan
+from engine.serving.logprobs import LogprobFormatter
+from engine.serving.protocol import ChatCompletionRequest, RequestValidationError, parse_request
 
 logger = logging.getLogger("tandem.serving")
-
-DONE = b"data: [DONE]\n\n"
-
-
-def sse(obj: Any) -> bytes:
-    """One Server-Sent Event: ``data: <json>\\n\\n``."""
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
-
 
 @dataclass
 class Prompt:
@@ -135,15 +127,6 @@ class OpenAIServing:
         return dataclasses.replace(plan.structured_outputs, digest=digest)
 
     # ---------------------------------------------------------------- helpers
-    def _chunk(self, request_id: str, model: str, obj_type: str, created: int, choices: list,
-               usage: dict | None) -> bytes:
-        """One SSE event of a streamed response (``usage`` only when given)."""
-        obj = {"id": request_id, "object": obj_type, "created": created,
-               "model": model, "system_fingerprint": self.engine.system_fingerprint or None, "choices": choices}
-        if usage is not None:
-            obj["usage"] = usage
-        return sse(obj)
-
     def _check_common(self, req, model: str | None) -> None:
         """Engine state and the checks both endpoints share; ``model`` is the body's (the gateway rewrites it to
         the served name after rendering)."""

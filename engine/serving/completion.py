@@ -1,7 +1,7 @@
 """``POST /v1/completions`` (legacy completions) over an ``AsyncEngine``
 (vLLM's ``entrypoints/openai/serving_completion.py``): one or several
 prompts (text or token ids), ``echo``, legacy ``logprobs``; the
-``text_completion`` object or its SSE events back.
+``text_completion`` object or its typed stream chunks back.
 """
 
 from __future__ import annotations
@@ -10,13 +10,16 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from engine.entrypoints.answer_check import AnswerCheck, checked_finish
-from engine.entrypoints.chat_structured import ChatPlan, structured_spec
-from engine.entrypoints.logprobs import empty_completion_logprobs
-from engine.entrypoints.protocol import CompletionRequest, RequestValidationError
-from engine.entrypoints.serving import (DONE, OpenAIServing, Prompt, RenderedPrompt, engine_id, error_from_engine,
-                                        merge_streams, parse_body, reject_abort, sse, usage, usage_options)
+from msgspec import UNSET
+
 from engine.protocol.errors import ServingError
+from engine.serving.answer_check import AnswerCheck, checked_finish
+from engine.serving.chat_structured import ChatPlan, structured_spec
+from engine.serving.chunks import Chunk, CompletionChoiceChunk, StreamError, StreamItem
+from engine.serving.logprobs import empty_completion_logprobs
+from engine.serving.protocol import CompletionRequest, RequestValidationError
+from engine.serving.serving import (OpenAIServing, Prompt, RenderedPrompt, engine_id, error_from_engine,
+                                    merge_streams, parse_body, reject_abort, usage, usage_options)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -54,7 +57,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, body: dict, request_id: str, priority: int = 0,
                                 rendered: RenderedPrompt | None = None,
-                                response_model: str | None = None) -> dict | AsyncIterator[bytes]:
+                                response_model: str | None = None) -> dict | AsyncIterator[list[StreamItem]]:
         """``POST /v1/completions`` (legacy completions).
 
         Args:
@@ -69,7 +72,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 served name.
 
         Returns:
-            The ``text_completion`` object, or an async iterator of SSE lines.
+            The ``text_completion`` object, or when streaming an async iterator of its chunks
+            (``engine/serving/chunks.py``, one list per engine output).
 
         Raises:
             ServingError: 400 bad input (names the parameter), 404 unknown
@@ -127,8 +131,12 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _completion_stream(self, request_id: str, model: str, prompts: list[Prompt], priority: int,
                                  logprobs: int | None, echo: bool, include_usage: bool,
-                                 continuous: bool, check: AnswerCheck | None = None) -> AsyncIterator[bytes]:
+                                 continuous: bool, check: AnswerCheck | None = None
+                                 ) -> AsyncIterator[list[StreamItem]]:
+        """The chunks of a streamed answer (``text_completion`` ``chunks.Chunk``s), one list per engine output;
+        a failure: ``chunks.StreamError``."""
         created = int(time.time())
+        fingerprint = self.engine.system_fingerprint or None
         num_prompt = sum(len(p.token_ids) for p in prompts)
         generated: dict[tuple[int, int], int] = {}
         cached = [0] * len(prompts)
@@ -136,11 +144,9 @@ class OpenAIServingCompletion(OpenAIServing):
         echoed: set[tuple[int, int]] = set()
         texts: dict[tuple[int, int], str] = {}   # each choice's generated text: the second line checks it
 
-        def chunk(choices: list, usage: dict | None = None) -> bytes:
-            return self._chunk(request_id, model, "text_completion", created, choices, usage)
-
-        def runningusage() -> dict | None:
-            return usage(num_prompt, sum(generated.values()), sum(cached)) if continuous else None
+        def chunk(choices: list, final: bool = False) -> Chunk:
+            return Chunk(request_id, "text_completion", created, model, fingerprint, choices,
+                         usage(num_prompt, sum(generated.values()), sum(cached)) if continuous or final else UNSET)
 
         streams = [self.engine.generate(p.token_ids, p.params, engine_id(request_id, i, len(prompts)), priority)
                    for i, p in enumerate(prompts)]
@@ -149,6 +155,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 async for p_idx, out in merged:
                     prompt = prompts[p_idx]
                     cached[p_idx] = out.num_cached_tokens
+                    batch = []
                     for c in out.outputs:
                         reject_abort(c.finish_reason)
                         key = (p_idx, c.index)
@@ -173,16 +180,16 @@ class OpenAIServingCompletion(OpenAIServing):
                                 lps = None
                         if not text and c.finish_reason is None and lps is None:
                             continue
-                        choice = {"index": p_idx * prompt.params.n + c.index, "text": text, "logprobs": lps,
-                                  "finish_reason": finish_reason}
+                        choice = CompletionChoiceChunk(p_idx * prompt.params.n + c.index, text, lps, finish_reason)
                         if finish_reason is not None:
-                            choice["stop_reason"] = stop_reason
-                        yield chunk([choice], runningusage())
+                            choice.stop_reason = stop_reason
+                        batch.append(chunk([choice]))
+                    if batch:
+                        yield batch
             if include_usage:
-                yield chunk([], usage(num_prompt, sum(generated.values()), sum(cached)))
+                yield [chunk([], final=True)]
         except Exception as exc:  # noqa: BLE001 - reported to the client, never a traceback
-            yield sse(error_from_engine(exc).to_dict())
-        yield DONE
+            yield [StreamError(error_from_engine(exc).to_dict())]
 
 
 def render_completion(tokenizer, body: dict) -> RenderedPrompt:

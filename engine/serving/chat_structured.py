@@ -48,7 +48,8 @@ from typing import Any
 
 import msgspec
 
-from engine.entrypoints.protocol import RequestValidationError
+from engine.serving.chunks import Delta, FunctionPiece, ToolCallPiece
+from engine.serving.protocol import RequestValidationError
 from engine.grammar_end import is_json
 from engine.sampling_params import StructuredOutputsParams
 
@@ -365,9 +366,9 @@ def _generic_tool_messages(messages: list[dict], tools: list[dict]) -> list[dict
 class ToolCallParser:
     """Splits generated text into content and OpenAI tool calls, incrementally.
 
-    ``feed(text)`` returns the delta messages the new text completes (each
-    ``{"content": str}`` or ``{"tool_calls": [{"index", ...}]}``); ``finish()``
-    returns the rest. Content is the text outside calls with leading and
+    ``feed(text)`` returns the deltas the new text completes (``chunks.Delta``:
+    a ``content`` piece, or one ``tool_calls`` piece: a call's index, id, type and
+    name first, then pieces of its arguments); ``finish()`` returns the rest. Content is the text outside calls with leading and
     trailing whitespace removed; a call whose output was cut (``length``)
     keeps the arguments generated so far, and one cut inside its markup
     (``<tool_call>\n{"name": "get_w``) the name so far, with no content.
@@ -385,10 +386,10 @@ class ToolCallParser:
         self._started = False
         self.calls: list[dict] = []
 
-    def feed(self, text: str) -> list[dict]:
+    def feed(self, text: str) -> list[Delta]:
         """Deltas completed by ``text`` (may be empty)."""
         self._buf += text
-        out: list[dict] = []
+        out: list[Delta] = []
         while True:
             if self._mode == "text":
                 at = self._buf.find(CALL_BEGIN)
@@ -423,9 +424,9 @@ class ToolCallParser:
                 self._buf = self._buf[end + len(_CALL_END):]
                 self._mode = "text"
 
-    def finish(self) -> list[dict]:
+    def finish(self) -> list[Delta]:
         """Deltas for the text held back at the end of the output."""
-        out: list[dict] = []
+        out: list[Delta] = []
         if self._mode == "args":
             held = self._buf
             if held and _CALL_END.startswith(held) and is_json(self.calls[-1]["function"]["arguments"]):
@@ -441,11 +442,11 @@ class ToolCallParser:
         self._buf = ""
         return out
 
-    def _start_call(self, name: str, out: list[dict]) -> None:
+    def _start_call(self, name: str, out: list[Delta]) -> None:
         call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": ""}}
         self.calls.append(call)
-        out.append({"tool_calls": [{"index": len(self.calls) - 1, "id": call["id"], "type": "function",
-                                    "function": {"name": name, "arguments": ""}}]})
+        out.append(Delta(tool_calls=[ToolCallPiece(len(self.calls) - 1, call["id"], "function",
+                                                   FunctionPiece(name, ""))]))
 
     def _is_markup_start(self, held: str) -> bool:
         """``held`` (the text kept back at the end) is a call's markup cut short:
@@ -453,7 +454,7 @@ class ToolCallParser:
         ``<tool_call>`` was written."""
         return self._mode == "name"
 
-    def _content(self, text: str, out: list[dict]) -> None:
+    def _content(self, text: str, out: list[Delta]) -> None:
         if not text or self.calls_only:
             return
         stripped = text.rstrip()
@@ -464,22 +465,22 @@ class ToolCallParser:
         if not self._started:
             stripped = stripped.lstrip()
             self._started = True
-            out.append({"content": stripped})
+            out.append(Delta(content=stripped))
         else:
-            out.append({"content": self._pending_ws + stripped})
+            out.append(Delta(content=self._pending_ws + stripped))
         self._pending_ws = text[len(text.rstrip()):]
 
-    def _args(self, text: str, out: list[dict]) -> None:
+    def _args(self, text: str, out: list[Delta]) -> None:
         if text:
             self.calls[-1]["function"]["arguments"] += text
-            out.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": text}}]})
+            out.append(Delta(tool_calls=[ToolCallPiece(len(self.calls) - 1, function=FunctionPiece(arguments=text))]))
 
 
 def parse_tool_calls(text: str, calls_only: bool = False) -> tuple[str | None, list[dict]]:
     """The whole output as (content or None, tool calls) (``calls_only``: ``ToolCallParser``'s)."""
     parser = ToolCallParser(calls_only)
     deltas = parser.feed(text) + parser.finish()
-    content = "".join(d["content"] for d in deltas if "content" in d)
+    content = "".join(d.content for d in deltas if isinstance(d.content, str))
     return content or None, parser.calls
 
 

@@ -11,7 +11,7 @@ import base64
 
 import numpy as np
 
-from engine.entrypoints.serving import OpenAIServing, error_from_engine
+from engine.serving.serving import OpenAIServing, error_from_engine
 from engine.protocol.errors import ServingError
 
 
