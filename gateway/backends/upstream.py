@@ -1,25 +1,26 @@
-"""``openai`` backends: any OpenAI-compatible upstream over one pooled,
-kept-alive ``httpx.AsyncClient`` per upstream.
+"""``openai`` backends: any OpenAI-compatible upstream over one pooled, kept-alive aiohttp connection pool per
+upstream.
 
-The client uses ``httpx_aiohttp.AiohttpTransport``: httpx stays the API, but
-the I/O is aiohttp's. At 32 concurrent requests against a fast local server
-on the 2-core dev machine (``python -m loadtests.bench.transport_bench``): httpx's
-default transport ~330 requests/s, httpx + AiohttpTransport ~1,200, this
-module's send path (prebuilt request straight to the pooled transport)
-~2,300, aiohttp alone ~3,000. httpx's own retries are off (one retry layer
-only: ``gateway/backends/dispatch.py``).
+Requests and streams go through aiohttp's ``ClientSession`` itself; the same pool also backs an
+``httpx.AsyncClient`` (``httpx_aiohttp.AiohttpTransport``) for the cold calls (the health probe, a replica's
+``/v1/ttft``). At 32 concurrent requests against a fast local server on the 2-core dev machine (``python -m
+loadtests.bench.transport_bench``): httpx's default transport ~330 requests/s, httpx + AiohttpTransport ~1,200,
+a prebuilt httpx request straight to that transport ~2,300, aiohttp alone ~3,000: httpx's request, response and
+header objects were a fifth of the gateway's CPU per request (issue 48's profile). Retries are off (one retry
+layer only: ``gateway/backends/dispatch.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Mapping
 
+import aiohttp
 import httpx
-from httpx_aiohttp import AiohttpTransport
-from httpx_aiohttp.transport import map_aiohttp_exceptions
 import msgspec
+from httpx_aiohttp import AiohttpTransport
 
 from gateway.config.schema import OpenAIBackendConfig
 from gateway.errors import BackendError, transport_error_kind
@@ -46,14 +47,18 @@ def make_client(base_url: str, max_connections: int, connect_s: float, read_s: f
                              follow_redirects=False)
 
 
-def _traced(request: httpx.Request, request_id: str) -> httpx.Request:
-    """``request`` with the gateway's ``x-request-id`` and the W3C ``traceparent`` of the current request/attempt
+def _traced(headers: dict[str, str], request_id: str) -> dict[str, str]:
+    """``headers`` with the gateway's ``x-request-id`` and the W3C ``traceparent`` of the current request/attempt
     (gateway/observability/telemetry.py)."""
-    request.headers["x-request-id"] = request_id
+    out = {**headers, "x-request-id": request_id}
     tp = current_traceparent()
     if tp is not None:
-        request.headers["traceparent"] = tp
-    return request
+        out["traceparent"] = tp
+    return out
+
+
+# What aiohttp raises for a failed connect, send or read (``asyncio.TimeoutError`` for its timeouts).
+_TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 class UpstreamBackend:
@@ -82,15 +87,15 @@ class UpstreamBackend:
                 headers.update(self.auth_headers(key))
         self.client = make_client(cfg.base_url, cfg.max_connections, cfg.timeouts.connect_s,
                                   cfg.timeouts.read_s, headers)
-        # Hot path: absolute URLs, headers and timeouts built once; requests go
-        # straight to the client's pooled transport (skips httpx's per-request
-        # URL merging and header copies: ~1.5x the requests/s of client.post).
+        # Hot path: absolute URLs, headers and timeouts built once; requests go straight to the aiohttp session
+        # of the client's pooled transport (no httpx request, response or header objects).
         self._transport = self.client._transport
-        self._urls = {ep: httpx.URL(f"{cfg.base_url}/{ep}") for ep in (*self.endpoints, *getattr(cfg, "apis", ()))}
-        self._headers = httpx.Headers(headers)
-        self._sse_headers = httpx.Headers({**headers, **_SSE_HEADERS})
+        self._session: aiohttp.ClientSession | None = None
+        self._urls = {ep: f"{cfg.base_url}/{ep}" for ep in (*self.endpoints, *getattr(cfg, "apis", ()))}
+        self._headers = headers
+        self._sse_headers = {**headers, **_SSE_HEADERS}
         t = cfg.timeouts
-        self._ext = {"timeout": {"connect": t.connect_s, "read": t.read_s, "write": t.read_s, "pool": t.connect_s}}
+        self._timeout = aiohttp.ClientTimeout(sock_connect=t.connect_s, sock_read=t.read_s, connect=t.connect_s)
         self.active = 0  # requests in flight (to close a retired client safely)
 
     def api_headers(self) -> dict[str, str]:
@@ -114,12 +119,18 @@ class UpstreamBackend:
             BackendError: connection failure, timeout, or an error status."""
         self.active += 1
         try:
-            headers = self._headers if not extra_headers else httpx.Headers({**self._headers, **extra_headers})
-            r = await self._post(endpoint, headers, payload, request_id, read=True)
-            if r.status_code >= 400:
-                raise self._http_error(r, r.content)
-            return UpstreamResponse(r.status_code, {"content-type": r.headers.get("content-type", "application/json")},
-                                    body=r.content)
+            headers = self._headers if not extra_headers else {**self._headers, **extra_headers}
+            r = await self._post(endpoint, headers, payload, request_id)
+            try:
+                body = await r.read()
+            except _TRANSPORT_ERRORS as e:
+                raise self._transport_error(e) from None
+            finally:
+                r.release()
+            if r.status >= 400:
+                raise self._http_error(r, body)
+            return UpstreamResponse(r.status, {"content-type": r.headers.get("content-type", "application/json")},
+                                    body=body)
         finally:
             self.active -= 1
 
@@ -133,42 +144,45 @@ class UpstreamBackend:
                 error status)."""
         self.active += 1
         try:
-            headers = self._sse_headers if not extra_headers else httpx.Headers({**self._sse_headers,
-                                                                                 **extra_headers})
-            r = await self._post(endpoint, headers, payload, request_id, read=False)
-            if r.status_code >= 400:
+            headers = self._sse_headers if not extra_headers else {**self._sse_headers, **extra_headers}
+            r = await self._post(endpoint, headers, payload, request_id)
+            if r.status >= 400:
                 try:
-                    body = await r.aread()
-                except httpx.HTTPError:
+                    body = await r.read()
+                except _TRANSPORT_ERRORS:
                     body = b""
-                await r.aclose()
+                r.release()
                 raise self._http_error(r, body)
         except BaseException:
             self.active -= 1
             raise
         return self._relay(r)
 
-    async def _post(self, endpoint: str, headers, payload: bytes, request_id: str, read: bool) -> httpx.Response:
-        """Send the POST (``read``: the whole body, then release the connection).
+    def _pool(self) -> aiohttp.ClientSession:
+        """The aiohttp session of the client's transport (made on first use, in the running loop), shared by the
+        hot path and the client's cold calls: one connection pool per upstream."""
+        if self._session is None:
+            t = self._transport
+            if not isinstance(t.client, aiohttp.ClientSession):
+                t.client = t.get_client()
+            self._session = t.client
+        return self._session
+
+    async def _post(self, endpoint: str, headers: dict[str, str], payload: bytes,
+                    request_id: str) -> aiohttp.ClientResponse:
+        """Send the POST; the response once its headers arrived (the caller reads and releases it).
 
         Raises:
             BackendError: connection failure or timeout."""
-        request = _traced(httpx.Request("POST", self._urls[endpoint], headers=headers, content=payload,
-                                        extensions=self._ext), request_id)
         try:
-            r = await self._transport.handle_async_request(request)
-            if read:
-                try:
-                    await r.aread()
-                finally:
-                    await r.aclose()
-            return r
-        except (httpx.HTTPError, OSError) as e:
+            return await self._pool().request("POST", self._urls[endpoint], headers=_traced(headers, request_id),
+                                              data=payload, allow_redirects=False, timeout=self._timeout)
+        except _TRANSPORT_ERRORS as e:
             raise self._transport_error(e) from None
 
     def _transport_error(self, e: BaseException) -> BackendError:
-        """A failed connect/send as ``timeout`` or ``connect``. httpx_aiohttp maps aiohttp's connection errors,
-        a refused connection included, to ``httpx.ConnectTimeout``: the aiohttp cause decides instead."""
+        """A failed connect/send as ``timeout`` or ``connect`` (for the probe's httpx errors, whose aiohttp cause
+        httpx_aiohttp maps to ``httpx.ConnectTimeout``, refused connections included, the cause decides)."""
         cause = e.__cause__ or e
         kind = transport_error_kind(cause)
         if kind == "timeout":
@@ -211,31 +225,24 @@ class UpstreamBackend:
         if r.status_code >= 500:
             raise BackendError("http", f"{self.name}: GET /models: HTTP {r.status_code}", r.status_code)
 
-    def _http_error(self, r: httpx.Response, body: bytes) -> BackendError:
-        return BackendError("http", f"{self.name}: HTTP {r.status_code}", r.status_code, body,
+    def _http_error(self, r: aiohttp.ClientResponse, body: bytes) -> BackendError:
+        return BackendError("http", f"{self.name}: HTTP {r.status}", r.status, body,
                             parse_retry_after(r.headers),
                             r.headers.get("content-type", "application/json"))
 
-    async def _relay(self, r: httpx.Response) -> AsyncIterator[bytes]:
-        # aiohttp underneath: whatever has arrived, straight from its reader (httpx's raw iterator adds two
-        # generator layers and a chunker per read); aiohttp's errors mapped to httpx's as the transport does.
-        content = getattr(getattr(r.stream, "_aiohttp_response", None), "content", None)
+    async def _relay(self, r: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        # whatever has arrived, straight from aiohttp's reader
+        content = r.content
         try:
-            if content is not None:
-                with map_aiohttp_exceptions():
-                    while chunk := await content.readany():
-                        yield chunk
-            else:
-                async for chunk in r.aiter_raw():
-                    if chunk:
-                        yield chunk
-        except httpx.TimeoutException:
+            while chunk := await content.readany():
+                yield chunk
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
             raise BackendError("timeout", f"{self.name}: stream stalled", 504) from None
-        except (httpx.HTTPError, OSError) as e:
+        except _TRANSPORT_ERRORS as e:
             raise BackendError("stream", f"{self.name}: stream broken ({type(e).__name__})", 502) from None
         finally:
             self.active -= 1
-            await r.aclose()
+            r.release()   # a response not read to its end closes its connection instead of pooling it
 
     async def aclose(self) -> None:
         await self.client.aclose()
