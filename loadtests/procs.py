@@ -111,8 +111,9 @@ class Server:
             if http_ok(self.ready_url, timeout=1.0):
                 return self
             time.sleep(0.1)
+        tail = self.log_tail()   # before stop() closes the log
         self.stop()
-        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s at {self.ready_url}:\n{self.log_tail()}")
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s at {self.ready_url}:\n{tail}")
 
     def log_tail(self, n: int = 3000) -> str:
         self._log.flush()

@@ -62,7 +62,7 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def start_litellm(python: str, upstream_port: int, log_dir: Path, timeout: float = 180.0) -> Server:
+def start_litellm(python: str, upstream_port: int, log_dir: Path, timeout: float = 600.0) -> Server:
     """LiteLLM's proxy (``python -m litellm.proxy.proxy_cli``) serving ``MODEL`` from the upstream on
     ``upstream_port``, on 127.0.0.1, ready at ``/health/liveliness``."""
     cfg = {"model_list": [{"model_name": MODEL, "litellm_params": {
