@@ -201,6 +201,25 @@ async def test_2b_a_rollback_that_would_orphan_a_rollout_is_refused_naming_it(tm
     assert back.status_code == 200, back.text
 
 
+async def test_a_tick_that_read_a_rollout_before_a_reload_ended_it_sets_no_split(tmp_path):
+    """A controller tick reads a running rollout, then a reload with the route's ``release: true`` ends it and
+    puts the file's weights back, then the tick sets the split it read: it was pushed over the reload (the
+    property test found the rollout aborted and its 50 % split live). The tick's change is guarded by the
+    revision it read, which the ending moved on: nothing is pushed."""
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand, rollout=ROLLOUT.format(hold=30, n=1000)))
+        async with served(path) as (gw, c):
+            await until(c, lambda r: r["state"] == "running")
+            read = await gw.rollouts.store.load("r1")                        # what the tick read
+            path.write_text(text(stable, cand, rollout=ROLLOUT.format(hold=30, n=1000), release=True))
+            assert (await c.post("/admin/reload")).status_code == 200
+            version = gw.snapshot.version
+            await gw.rollouts._apply_weight(read, force=True)               # the tick's write, after the reload
+            after = weights(gw), gw.snapshot.version, (await r1(c))["state"]
+    assert after == ({"stable": 100.0, "cand": 0.0}, version, "aborted")
+
+
 async def test_2c_a_controller_that_cannot_apply_its_weights_pauses_once(tmp_path, redis_url, caplog):
     """A shared version without the rollout's candidate, pushed by a writer that does not check the layers (an
     older replica during an upgrade): the controller pauses the rollout with the reason, once, instead of failing
