@@ -21,16 +21,17 @@ and counts it), a thread encodes and sends, and the PUB socket drops for a subsc
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from engine.json_config import config_object
 
 logger = logging.getLogger("tandem.kv_events")
 
@@ -131,17 +132,7 @@ class KVEventsConfig:
         """
         if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("kv_events_config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        value = config_object(value, "kv_events_config", cls)
         config = cls(**value)
         return config if config.enable_kv_cache_events and config.publisher == "zmq" else None
 

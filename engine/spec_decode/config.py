@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+from engine.json_config import config_object
 
 METHODS = ("ngram", "draft_model")
 
@@ -56,16 +57,5 @@ class SpeculativeConfig:
         """
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(sorted(known))})")
+        value = config_object(value, "speculative_config", cls)
         return cls(**value)

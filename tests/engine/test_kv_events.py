@@ -216,7 +216,7 @@ def test_config_is_vllms_and_bad_input_is_named():
     cfg = KVEventsConfig.parse({"enable_kv_cache_events": True})
     assert (cfg.publisher, cfg.endpoint, cfg.replay_endpoint, cfg.buffer_steps, cfg.hwm, cfg.topic) == (
         "zmq", "tcp://*:5557", None, 10_000, 100_000, "")
-    for bad, word in [("{", "JSON"), ("[1]", "object"), ('{"enable_kv_cache_events": true, "port": 1}', "'port'"),
+    for bad, word in [("{", "JSON"), ("[1]", "object"), ('{"enable_kv_cache_events": true, "port": 1}', "unknown key.*port"),
                       ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher"),
                       ('{"enable_kv_cache_events": true, "hwm": 0}', "hwm")]:
         with pytest.raises(ValueError, match=word):
