@@ -363,6 +363,7 @@ def run_bench(args: argparse.Namespace) -> int:
         stream = "single stream" if ab["single_stream"] else f"{len(prompts)} at once"
         table.add_row(f"this model, output tok/s ({stream}, rounds)", ", ".join(f"{x:.1f}" for x in ab["this"]))
         table.add_row(f"{ab['other_model']}, output tok/s", ", ".join(f"{x:.1f}" for x in ab["other"]))
+        table.add_row("ratio this / other per round", ", ".join(f"{x:.2f}x" for x in ab["round_ratios"]))
         table.add_row("ratio this / other (medians)", f"{ab['ratio_this_other']:.3f}x")
     if args.peer:
         _peer_rows(table, args.peer, result[args.peer])

@@ -37,7 +37,8 @@ def compare_models(engine, args, prompts: list[list[int]], params: SamplingParam
 
     Returns:
         {"this": [tok/s per round], "other": [...], "ratio_this_other": median(this) / median(other),
-        "single_stream": bool, "other_model": path}.
+        "round_ratios": [this / other per round: paired, so steadier on a shared box], "single_stream": bool,
+        "other_model": path}.
     """
     from engine.llm_engine import LLMEngine
 
@@ -53,6 +54,7 @@ def compare_models(engine, args, prompts: list[list[int]], params: SamplingParam
             runs[label].append(n / dt)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     return {**runs, "ratio_this_other": med(runs["this"]) / med(runs["other"]),
+            "round_ratios": [t / o for t, o in zip(runs["this"], runs["other"])],
             "single_stream": args.compare_single_stream, "other_model": args.compare_model}
 
 

@@ -151,5 +151,5 @@ def test_bench_engine_compare_model_runs_both_engines_interleaved(tmp_path, caps
     assert run_bench(args) == 0
     ab = json.loads(out.read_text())["model_ab"]
     assert len(ab["this"]) == len(ab["other"]) == 2 and ab["single_stream"] and ab["other_model"] == b
-    assert ab["ratio_this_other"] > 0
+    assert ab["ratio_this_other"] > 0 and len(ab["round_ratios"]) == 2
     assert "ratio this / other (medians)" in capsys.readouterr().out
