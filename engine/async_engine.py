@@ -35,6 +35,7 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.core.ttft import PendingAdds, PrefixMirror, TTFTPrediction, predict_ttft
+from engine.core.ttft_sim import POOLING
 
 logger = logging.getLogger("tandem.async_engine")
 
@@ -226,6 +227,12 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         if not self._accepting:
             raise EngineDrainingError("the engine is shutting down and admits no new requests")
+        with self._lock:   # queued prefill for TTFT predictions until the core's state counts the call
+            state = self._stats.ttft if self._stats is not None else None
+            if state is not None:
+                cached = [self._prefix_mirror.cached_tokens(ids, state.block_size) for ids in prompts]
+                self._pending.note_sent_many([(0, c, len(ids) - c, 0, POOLING) for ids, c in zip(prompts, cached)],
+                                             time.monotonic())
         return await self._client.embed(prompts, pooling_type, normalize)
 
     async def withdraw(self, request_id: str, by: float, scale: float = 1.0) -> tuple[bool, float | None]:
@@ -287,7 +294,8 @@ class AsyncEngine:
             state = self._stats.ttft if self._stats is not None else None
             if state is not None:   # counted as queued by TTFT predictions until the core's state counts it
                 cached = self._prefix_mirror.cached_tokens(token_ids, state.block_size)
-                self._pending.note_sent(priority, len(token_ids) - cached, time.monotonic())
+                left = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
+                self._pending.note_sent(priority, len(token_ids) - cached, time.monotonic(), cached, left)
         finished = False
         try:
             if self._dead is not None:  # died while we registered: _on_dead may have missed us

@@ -170,7 +170,7 @@ class EngineCore:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self.ttft_calibration = TTFTCalibration()   # step costs for TTFT predictions (engine/core/ttft.py)
-        self._requests_added = 0                     # add_request calls, accepted or refused (engine/core/ttft.py)
+        self._requests_added = 0                     # add_request/add_embed calls, accepted or refused (engine/core/ttft.py)
         self._last_step: tuple | None = None   # (start, prefill tokens, decode rows, quad_of its chunks)
         self.scheduler.kv_cache_manager.block_pool.kv_events = []
         kv_events = KVEventsConfig.parse(args.kv_events_config)   # vLLM's KV events for routers (engine/kv_events.py)
@@ -536,6 +536,7 @@ class EngineCore:
             ValueError: an empty prompt, one over ``max_model_len``, a token id outside the vocabulary, an
                 unknown pooling type, or a call id in use; nothing is queued then.
         """
+        self._requests_added += 1   # one command, as the front end counts it (engine/core/ttft.py PendingAdds)
         own = model_pooling_params(self.args.model)
         params = PoolingParams(pooling_type or own.pooling_type, own.normalize if normalize is None else normalize)
         vocab = self.model_config.vocab_size

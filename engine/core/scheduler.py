@@ -40,6 +40,17 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
+def chunk_tokens(num_new: int, budget: int, max_num_batched_tokens: int, enable_chunked_prefill: bool) -> int:
+    """Tokens a step schedules of a request's ``num_new`` next tokens with ``budget`` tokens of the step left:
+    all, a chunk (chunked prefill, or a sequence that could never fit in one step), or 0 (wait). The one rule
+    both the scheduler and the TTFT simulation (``engine/core/ttft_sim.py``) follow."""
+    if num_new <= budget:
+        return num_new
+    if enable_chunked_prefill or num_new > max_num_batched_tokens:
+        return budget
+    return 0
+
+
 class Scheduler:
     """Decides, each step, which requests run and how many tokens each computes.
 
@@ -232,14 +243,8 @@ class Scheduler:
         return 1
 
     def _chunk(self, num_new: int, budget: int) -> int:
-        """Tokens to schedule out of ``num_new`` under ``budget``: all, a chunk
-        (chunked prefill, or a sequence that could never fit in one step), or
-        0 (wait)."""
-        if num_new <= budget:
-            return num_new
-        if self.enable_chunked_prefill or num_new > self.max_num_batched_tokens:
-            return budget
-        return 0
+        """Tokens to schedule out of ``num_new`` under ``budget`` (``chunk_tokens``)."""
+        return chunk_tokens(num_new, budget, self.max_num_batched_tokens, self.enable_chunked_prefill)
 
     def _fork(self, leader: Request) -> None:
         """Share the leader's block table with every unfinished sibling and

@@ -1,27 +1,17 @@
 """A request's time to first token (TTFT), predicted from the engine's real state at admission.
 
-The core publishes, after every step, a ``TTFTState`` with its stats (``EngineStats.ttft``): the prefill tokens
-still to compute per priority class, the running set's seats, decode rows and KV headroom, and the step costs it
-measured (``TTFTCalibration``: fitted online, recent steps weighing most). It also publishes which prompt blocks
-entered or left its prefix cache (as vLLM's KV cache events do for llm-d's prefix-aware router); ``PrefixMirror``
-replays them in the front end, so a prompt's cached prefix is looked up there without a round trip to the core's
-process and with no scrape lag (at most one step old). ``predict_ttft`` is a pure function of the state and the request.
-
-The model, per step: time = a decode step (``fixed_s`` + rows x ``row_s``; rows: the mean of those decoding now and
-the seats the requests ahead fill as their prefill ends) + prefill tokens / ``prefill_tok_s`` + their chunks'
-``quad_of`` x ``quad_s`` (attention over their context) + ``chunk_s`` per chunk (a request's prefill in a step).
-A new request of priority p gets its first token when the prefill tokens ahead of it (the running set's, then
-the waiting classes <= p; in fcfs every queued request is ahead) and its own uncached tokens are computed, at
-most ``budget - decode rows`` prefill tokens a step, each step filled with whatever prefill is queued; when
-seats (``max_num_seqs``) are the bottleneck, it takes more steps: until a seat frees for it (each request ahead
-takes the next seat to free and holds it for its own decode), then its own prefill steps; the prefill work ahead
-is paid either way. With no KV blocks left for the prefill ahead it first waits for the running set's shortest
-remaining decode. Waiting requests count their prompt less the prefix the cache holds for them.
+The core publishes, after every step, a ``TTFTState`` with its stats (``EngineStats.ttft``): its queue, request by
+request (the running ones in the order a step serves them, the waiting ones in the order they get seats), the
+KV blocks free, and the step costs it measured (``TTFTCalibration``: a least-squares fit of each step's seconds on
+its shape, times the box's recent speed). It also publishes which prompt blocks entered or left its prefix cache
+(as vLLM's KV cache events do for llm-d's prefix-aware router); ``PrefixMirror`` replays them in the front end, so
+a prompt's cached prefix is looked up there without a round trip to the core's process and with no scrape lag (at
+most one step old). ``predict_ttft`` is a pure function of the state and the request: it replays the scheduler's
+coming steps (``engine/core/ttft_sim.py``) until the request's first token, each at the cost of its shape.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -29,6 +19,7 @@ import msgspec
 
 from engine.core.kv_cache_manager import hash_block_tokens
 from engine.core.ttft_calibration import CALIBRATION_TAU_S, TTFTCalibration, prefill_seconds
+from engine.core.ttft_sim import DECODING, POOLING, PREFILL, simulate_ttft
 
 
 class TTFTState(msgspec.Struct, array_like=True):
@@ -43,26 +34,29 @@ class TTFTState(msgspec.Struct, array_like=True):
             requests.
         running_prefill: prompt tokens not yet computed of running requests (any priority: a step serves the
             running set first).
-        fcfs: the scheduler ignores priorities (every queued token is ahead of a new request).
-        free_blocks: device blocks free or evictable. remaining_decode: the tokens each running sequence may
-            still generate (its ``max_tokens`` left), ascending: when it frees its seat and blocks at the latest.
-        typical_decode: the mean ``max_tokens`` of the running sequences (how long a waiting one whose own is
-            not listed holds its seat once admitted).
-        waiting_decode: [priority, max_tokens] of the first waiting requests, in the order they get seats.
-        step_s: measured seconds of a step of the running set's decode rows (``TTFTCalibration.cost``).
+        fcfs: the scheduler ignores priorities (every queued request is ahead of a new request).
+        free_blocks: device blocks free or evictable.
+        typical_decode: the mean ``max_tokens`` of the running sequences (how many steps a request's decode
+            shares with the prefill queued: ``predict_tpot``).
+        step_s: measured seconds of a step of one decode row (``TTFTCalibration``).
             prefill_tok_s: measured prefill tokens per second. fixed_s, row_s: a step's measured fixed cost and
             cost per decode row, seconds (a step of n rows costs ``fixed_s + n * row_s``: TPOT at a batch size).
             quad_s: measured seconds per prefill chunk's tokens x (its context + its tokens) (``quad_of``): what a
             chunk costs beyond its tokens / ``prefill_tok_s`` (attention, and caches a long chunk overflows).
-        queued_quad: ``quad_of`` the chunks the queued and running prefill will be computed in (each request's
-            tokens to compute after its context: a follow-up turn's tail attends over its whole conversation;
-            0: not known, and others' chunks are taken as context-free chunks of the queue's mean length).
-        chunk_s: measured seconds per prefill chunk (a request's prefill in one step), beyond its tokens' costs.
+            chunk_s: measured seconds per prefill chunk (a request's prefill in one step), beyond its tokens' costs.
         running_prefill_reqs: running requests with prompt tokens left to compute.
-        added: requests the core has taken from its queue of commands so far (accepted or refused): a front end
-            counts what it sent beyond that as queued too (``PendingAdds``).
+        added: requests the core has taken from its queue of commands so far (accepted or refused; an embedding
+            call counts once): a front end counts what it sent beyond that as queued too (``PendingAdds``).
         stored, removed: block hashes that entered / left the prefix cache since the last state.
         resync: every cached block hash (the events were not drained in time; replaces the mirror), or None.
+        running_seqs: (computed tokens, tokens to its next sample or, pooling, to its end, tokens left to
+            generate, kind: ``ttft_sim.PREFILL`` / ``DECODING`` / ``POOLING``) of each running request, in the order
+            a step serves them.
+        waiting_seqs: (priority, tokens computed or in the prefix cache for it, tokens to its next sample, tokens
+            left to generate, kind) of the first waiting (and swapped) requests, in the order they get seats.
+        pending_seqs: as ``waiting_seqs``, requests a front end sent that the core's state does not count yet
+            (``PendingAdds.with_pending``; the core publishes none).
+        chunked: the scheduler splits a prompt across steps (``enable_chunked_prefill``).
     """
 
     block_size: int
@@ -74,9 +68,7 @@ class TTFTState(msgspec.Struct, array_like=True):
     running_prefill: int
     fcfs: bool
     free_blocks: int
-    remaining_decode: list[int]
     typical_decode: float
-    waiting_decode: list[tuple[int, int]]
     step_s: float
     prefill_tok_s: float
     added: int = 0
@@ -86,9 +78,12 @@ class TTFTState(msgspec.Struct, array_like=True):
     fixed_s: float = 0.0
     row_s: float = 0.0
     quad_s: float = 0.0
-    queued_quad: float = 0.0
     chunk_s: float = 0.0
     running_prefill_reqs: int = 0
+    running_seqs: list[tuple[int, int, int, int]] = []
+    waiting_seqs: list[tuple[int, int, int, int, int]] = []
+    pending_seqs: list[tuple[int, int, int, int, int]] = []
+    chunked: bool = True
 
     def prefill_s(self, tokens: float, quad: float = 0.0, chunks: float = 0.0) -> float:
         """Seconds the steps spend on ``tokens`` prefill tokens in ``chunks`` chunks of ``quad_of`` ``quad``,
@@ -98,6 +93,11 @@ class TTFTState(msgspec.Struct, array_like=True):
     def decode_step_s(self, rows: float) -> float:
         """Seconds of a decode step of ``rows`` rows (``fixed_s + rows x row_s``; ``step_s`` before any fit)."""
         return self.fixed_s + self.row_s * rows if self.fixed_s or self.row_s else self.step_s
+
+    def step_cost(self, rows: float, tokens: float, quad: float, chunks: float) -> float:
+        """Seconds of a step of ``rows`` decode rows and ``tokens`` prefill tokens in ``chunks`` chunks of
+        ``quad_of`` ``quad`` (``TTFTCalibration.cost`` as published)."""
+        return self.decode_step_s(rows) + self.prefill_s(tokens, quad, chunks)
 
     def queued(self) -> tuple[int, int]:
         """(prompt tokens not yet computed, the requests they belong to): the running set's and every waiting
@@ -119,97 +119,38 @@ class TTFTPrediction:
         waits = "".join(f", waits {p[k]:.2f} s for {k[5:]}" for k in ("wait_seat", "wait_kv") if p.get(k))
         now = f"{p['current']:.2f} s left of the running step + " if p.get("current") else ""
         tpot = f"; TPOT {p['tpot_s'] * 1000:.0f} ms" if p.get("tpot_s") else ""
-        chunks = f" + {p['chunks']:.0f} chunks at {p['chunk_s'] * 1000:.1f} ms" if p.get("chunk_s") else ""
         waits += f", {p['arriving']} tokens arriving meanwhile" if p.get("arriving") else ""
         return (f"{self.seconds:.2f} s ({now}{p.get('ahead', 0)} prefill tokens ahead + "
-                f"{p.get('uncached', 0)} uncached of {p.get('prompt', 0)}, {p.get('steps', 0)} steps at {p.get('step_s', 0) * 1000:.0f} ms + "
-                f"{p.get('prefill_tok_s', 0):.0f} tok/s{chunks}{waits}{tpot})")
+                f"{p.get('uncached', 0)} uncached of {p.get('prompt', 0)}: {p.get('steps', 0)} steps simulated, "
+                f"{p.get('chunks', 0)} prefill chunks; a step {p.get('fixed_s', 0) * 1000:.0f} ms + "
+                f"{p.get('row_s', 0) * 1000:.1f} ms a row + {p.get('prefill_tok_s', 0):.0f} tok/s + "
+                f"{p.get('chunk_s', 0) * 1000:.1f} ms a chunk + {p.get('quad_s', 0) * 1e9:.1f} ns a token x "
+                f"context{waits}{tpot})")
 
 
 def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, priority: int = 0,
                  elapsed_s: float | None = None, arrival_tok_s: float = 0.0) -> TTFTPrediction:
     """Predicted seconds from admission to the first token of a request of ``prompt_tokens`` tokens, of which
-    ``cached_tokens`` are in the prefix cache, at ``priority`` (smaller = more urgent), given ``state``.
+    ``cached_tokens`` are in the prefix cache, at ``priority`` (smaller = more urgent), given ``state``: the
+    scheduler's coming steps simulated (``simulate_ttft``) at the calibration's costs.
 
     ``elapsed_s``: seconds since ``state`` was published, while a busy core runs its next step (planned without
-    this request, which joins the step after): that step is predicted whole (its decode and its share of the
-    prefill ahead) and ``elapsed_s`` of it has passed. None: no step is running (the request joins the next one,
-    as in a scripted engine between steps). Without it, a request arriving late in a long prefill step was
-    predicted that whole step again (0.3 s measured after 1.2 s predicted in the spill run), and one arriving
-    during a decode step was predicted to share it.
+    this request, which joins the step after): that step is simulated whole and ``elapsed_s`` of it has passed.
+    None: no step is running (the request joins the next one, as in a scripted engine between steps). Without
+    it, a request arriving late in a long prefill step was predicted that whole step again (0.3 s measured after
+    1.2 s predicted in the spill run), and one arriving during a decode step was predicted to share it.
 
     ``arrival_tok_s``: uncached prompt tokens arriving per second lately (``PendingAdds.arrival_tok_s``). The
-    steps up to this request's first token have room beyond the prefill queued now (its own last chunk, a step
-    with few requests ahead); the scheduler fills it with requests that arrive meanwhile, and a fuller step takes
-    longer: that room is predicted filled at the arrival rate over the time until its last step starts (a step's
-    batch is fixed when it starts; over the whole predicted time, as first done, a prompt prefilled in one step
-    was charged arrivals that could not join it: +31 % median error at 0.3-0.6 s in a spill run). Without it, on an SLO
+    steps up to this request's first token may have room beyond the prefill queued now (its own last chunk); the
+    scheduler fills it with requests that arrive meanwhile, and a fuller step takes longer. Without it, on an SLO
     route whose engine gets a request every second or so, a request arriving at an idle engine was predicted its
     own chunks alone and measured 2-3x that (a 650-token prompt: 1.6 s predicted, 4.4 s measured with requests
     arriving 1 s apart)."""
-    uncached = max(prompt_tokens - cached_tokens, 1)   # the last prompt token is always computed
-    classes = [c for c in state.queued_prefill if state.fcfs or c[0] <= priority]
-    ahead = state.running_prefill + sum(c[1] for c in classes)
-    per_step = max(state.budget - state.decode_rows, 1)
-    queued, n_queued = state.queued()
-    # ``quad_of`` per queued token: the queue's own (``queued_quad``), else as chunks of the queued requests' mean
-    # length with no context. Taken as the latter, a deep queue of follow-up turns (tails of tens of tokens
-    # attending over hundreds) was predicted 25-39 % short at the median in the local-only spill runs.
-    density = (state.queued_quad / queued if state.queued_quad and queued else
-               min(queued / max(sum(c[2] for c in state.queued_prefill), 1), per_step))
-    n_ahead = sum(c[2] for c in classes)
-    # Prefill chunks cost ``chunk_s`` each: a span of queued tokens is taken as chunks of the queued requests' mean
-    # length, and a step boundary inside the span splits one request in two.
-    per_request = queued / n_queued if n_queued and queued else per_step
-    step_s = _decode_step_ahead(state, n_ahead)
-    busy = elapsed_s is not None and (state.num_running > 0 or queued > 0)
-    current = 0.0
-    if busy:   # the step running now computes the first chunk of what is queued
-        first = min(queued, per_step)
-        chunks_now = max(first / per_request, 1.0) if first else 0.0
-        current = max(state.step_s + state.prefill_s(first, first * density, chunks_now) - elapsed_s, 0.0)
-        ahead -= min(ahead, per_step)
-        queued -= first
-    steps = max(math.ceil((ahead + uncached) / per_step), 1)
-    # Those steps are filled with whatever prefill is queued, behind this request too (a full step costs its
-    # whole budget whoever's tokens they are).
-    work = min(steps * per_step, queued + uncached)
-    quad = prompt_quad(cached_tokens, uncached, per_step) + (work - uncached) * density
-    chunks = (work - uncached) / per_request + 1 + (steps - 1)   # the others' and its own, and the splits
-    prefill_path = current + steps * step_s + state.prefill_s(work, quad, chunks)
-    holds = [m for p, m in state.waiting_decode if state.fcfs or p <= priority][:n_ahead]
-    holds += [state.typical_decode] * (n_ahead - len(holds))   # sent but not in the state yet, or past the list
-    remaining = state.remaining_decode
-    seat_steps = _seat_free_at(remaining, state.max_num_seqs - state.num_running, holds)
-    wait_seat = seat_steps * step_s
-    need_blocks = math.ceil((ahead + prompt_tokens) / state.block_size) - cached_tokens // state.block_size
-    wait_kv = remaining[0] * step_s if remaining and need_blocks > state.free_blocks else 0.0
-    # Waiting for a seat: the steps until one frees, then its own prefill steps. Those steps also compute the
-    # prefill of every request ahead (each prefills as it gets its seat, before this one): the steps are the
-    # more of the two counts and the prefill work is paid either way.
-    extra_steps = max(seat_steps - int(busy) + math.ceil(uncached / per_step) - steps, 0.0)
-    seconds = wait_kv + prefill_path + extra_steps * step_s
-    # A step's batch is fixed when it starts: only what arrives before this request's last step starts can share
-    # it (the time until then: the prediction less that step, which computes what the full steps before it left).
-    last_step = step_s + state.prefill_s(work - (steps - 1) * per_step, chunks=1)
-    room = steps * per_step - work
-    arriving = min(room, arrival_tok_s * max(seconds - last_step, 0.0)) if room > 0 and arrival_tok_s > 0 else 0.0
-    seconds += state.prefill_s(arriving, arriving * min(arriving, per_step), arriving / per_request)
-    return TTFTPrediction(seconds, {
-        "prompt": prompt_tokens, "uncached": uncached, "ahead": ahead, "steps": steps, "step_s": step_s,
-        "prefill_tok_s": state.prefill_tok_s, "wait_seat": wait_seat, "wait_kv": wait_kv, "current": current,
-        "arriving": round(arriving), "chunks": chunks, "chunk_s": state.chunk_s,
-        "tpot_s": predict_tpot(state)})
-
-
-def _decode_step_ahead(state: TTFTState, n_ahead: int) -> float:
-    """Seconds of decode in each step up to the first token of a request behind ``n_ahead`` queued ones. Those
-    steps also decode the requests ahead once their prefill is done (a row each): from the rows decoding now to
-    the seats the requests ahead fill, a mean of the two. At the rows of the moment alone, requests behind a
-    burst of fresh prompts (none decoding yet) were predicted at a decode-free step's cost (5 ms on a box whose
-    step of eight rows costs ~100 ms): 1.2-1.8 s predicted, 2.5-3.3 s measured."""
-    rows_then = min(state.num_running + n_ahead, state.max_num_seqs)   # >= decode_rows: those run
-    return state.decode_step_s((state.decode_rows + rows_then) / 2)
+    sim = simulate_ttft(state, state.step_cost, prompt_tokens, cached_tokens, priority, elapsed_s, arrival_tok_s)
+    return TTFTPrediction(sim.seconds, {
+        "prompt": prompt_tokens, "uncached": max(prompt_tokens - cached_tokens, 1), **sim.parts,
+        "fixed_s": state.fixed_s, "row_s": state.row_s, "prefill_tok_s": state.prefill_tok_s,
+        "quad_s": state.quad_s, "chunk_s": state.chunk_s, "tpot_s": predict_tpot(state)})
 
 
 def predict_tpot(state: TTFTState) -> float:
@@ -234,30 +175,6 @@ def quad_of(chunks) -> float:
     return float(sum(n * (ctx + n) for ctx, n in chunks))
 
 
-def prompt_quad(context: int, tokens: int, per_step: int) -> float:
-    """``quad_of`` the chunks a step budget of ``per_step`` computes a prompt's ``tokens`` in after ``context``
-    tokens: k full chunks and a remainder r, chunk i ending at ``context`` + its end e_i, so the sum of n_i x
-    (``context`` + e_i) is ``context`` x tokens + per_step^2 x k(k+1)/2 + r x tokens, without building the chunks
-    (``state_of`` sums it over every queued request at every step)."""
-    if tokens <= 0:
-        return 0.0
-    k, r = divmod(tokens, per_step)
-    return float(context * tokens + per_step * per_step * k * (k + 1) // 2 + r * tokens)
-
-
-def _seat_free_at(remaining: list[int], free: int, holds: list[float]) -> float:
-    """Decode steps until a new request gets a seat: ``free`` seats are free now, the running sequences free
-    theirs after their decode left (``remaining``), and each request ahead (``holds``: its decode length, in
-    order) takes the first seat to free and holds it for a prefill step and its decode."""
-    frees = [0.0] * max(free, 0) + [float(r) for r in remaining]
-    if not frees:
-        return 0.0
-    heapq.heapify(frees)
-    for hold in holds:
-        heapq.heappush(frees, heapq.heappop(frees) + 1 + hold)
-    return frees[0]
-
-
 def cached_prefix_tokens(token_ids: list[int], block_size: int, is_cached) -> int:
     """Tokens of ``token_ids`` the prefix cache would serve: full blocks whose hash chain ``is_cached(hash)``
     holds, at most ``(len - 1) // block_size`` blocks (the last token is always computed), as
@@ -278,16 +195,25 @@ class PendingAdds:
 
     def __init__(self) -> None:
         self.sent = 0
-        self._queue: list[tuple[int, int, int]] = []   # (send index, priority, uncached prompt tokens)
+        # (send index, [(priority, cached tokens, uncached tokens, max_tokens, kind), ...]): a send's requests
+        self._queue: list[tuple[int, list[tuple[int, int, int, int, int]]]] = []
         self._tokens = 0.0                  # uncached tokens sent, each weighted by exp(-age / CALIBRATION_TAU_S)
         self._at: float | None = None       # when the last was sent (monotonic seconds)
 
-    def note_sent(self, priority: int, uncached_tokens: int, now: float | None = None) -> None:
-        """One request sent to the core (call in send order) at ``now`` (monotonic seconds; None: not timed)."""
+    def note_sent(self, priority: int, uncached_tokens: int, now: float | None = None, cached_tokens: int = 0,
+                  max_tokens: int = 16, pooling: bool = False) -> None:
+        """One request sent to the core (call in send order) at ``now`` (monotonic seconds; None: not timed),
+        ``max_tokens`` to generate, or an embedding (``pooling``)."""
+        self.note_sent_many([(priority, cached_tokens, uncached_tokens, 0 if pooling else max_tokens,
+                              POOLING if pooling else PREFILL)], now)
+
+    def note_sent_many(self, seqs: list[tuple[int, int, int, int, int]], now: float | None = None) -> None:
+        """One command sent to the core with several requests (an embedding call's inputs): (priority, cached
+        tokens, uncached tokens, max_tokens, kind) each, as ``TTFTState.waiting_seqs``."""
         self.sent += 1
-        self._queue.append((self.sent, priority, uncached_tokens))
+        self._queue.append((self.sent, seqs))
         if now is not None:
-            self._tokens = self.arrival_tok_s(now) * CALIBRATION_TAU_S + uncached_tokens
+            self._tokens = self.arrival_tok_s(now) * CALIBRATION_TAU_S + sum(s[2] for s in seqs)
             self._at = now
 
     def arrival_tok_s(self, now: float) -> float:
@@ -302,16 +228,17 @@ class PendingAdds:
             self._queue = [p for p in self._queue if p[0] > added]
 
     def with_pending(self, state: TTFTState) -> TTFTState:
-        """``state`` with the requests not yet counted queued in their priority classes."""
-        queue = [p for p in self._queue if p[0] > state.added]
-        if not queue:
+        """``state`` with the requests not yet counted queued: in its priority classes and as ``pending_seqs``."""
+        seqs = [s for i, sent in self._queue if i > state.added for s in sent]
+        if not seqs:
             return state
         classes = {p: [t, n] for p, t, n in state.queued_prefill}
-        for _, priority, tokens in queue:
+        for priority, _, tokens, _, _ in seqs:
             c = classes.setdefault(priority, [0, 0])
             c[0] += tokens
             c[1] += 1
-        return msgspec.structs.replace(state, queued_prefill=sorted((p, t, n) for p, (t, n) in classes.items()))
+        return msgspec.structs.replace(state, queued_prefill=sorted((p, t, n) for p, (t, n) in classes.items()),
+                                       pending_seqs=[(p, c, t, m, k) for p, c, t, m, k in seqs])
 
 
 class PrefixMirror:
@@ -348,13 +275,13 @@ def drain_kv_events(pool) -> tuple[list[bytes], list[bytes], list[bytes] | None]
     return [h for h, c in last.items() if c], [h for h, c in last.items() if not c], None
 
 
-def _seat_order(scheduler, n: int) -> list:
-    """The first ``n`` waiting and swapped requests in the order the scheduler gives them seats (nsmallest: the
-    stable sort's first ``n`` without sorting the whole queue every step)."""
+def _seat_order(scheduler) -> list:
+    """The waiting and swapped requests in the order the scheduler gives them seats (swapped first; by
+    (priority, arrival) under the priority policy)."""
     queue = [*scheduler.swapped, *scheduler.waiting]
     if scheduler.scheduling_policy == "priority":
-        return heapq.nsmallest(n, queue, key=lambda r: (r.priority, r.arrival_time))
-    return queue[:n]
+        return sorted(queue, key=lambda r: (r.priority, r.arrival_time))
+    return queue
 
 
 def _to_compute(kv, req, ahead: set) -> int:
@@ -380,7 +307,7 @@ def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTSta
     """The ``TTFTState`` of ``scheduler`` (an ``engine.core.scheduler.Scheduler``) now, with ``calibration``'s step
     costs, ``added`` requests taken so far and the prefix cache's events since the last call."""
     state, _ = _queue_state(scheduler, calibration, [*scheduler.swapped, *scheduler.waiting],
-                            _seat_order(scheduler, 4 * scheduler.max_num_seqs), added,
+                            _seat_order(scheduler), added,
                             drain_kv_events(scheduler.kv_cache_manager.block_pool))
     return state
 
@@ -397,9 +324,9 @@ def predict_waiting(scheduler, calibration: TTFTCalibration, request_id: str,
     req = scheduler.requests.get(request_id)
     if req is None or req.num_computed_tokens or req not in scheduler.waiting:
         return None
-    order = _seat_order(scheduler, len(scheduler.waiting) + len(scheduler.swapped))
+    order = _seat_order(scheduler)
     ahead_reqs = order[:order.index(req)]
-    state, ahead = _queue_state(scheduler, calibration, ahead_reqs, ahead_reqs[:4 * scheduler.max_num_seqs],
+    state, ahead = _queue_state(scheduler, calibration, ahead_reqs, ahead_reqs,
                                 fcfs=True)   # every request in this queue is ahead of it
     todo = _to_compute(scheduler.kv_cache_manager, req, ahead)
     return predict_ttft(state, req.num_prompt_tokens, req.num_prompt_tokens - todo, req.priority,
@@ -419,31 +346,38 @@ def _queue_state(scheduler, calibration: TTFTCalibration, queue: list, seat_orde
     ahead: set = set()   # block hashes the running set and the requests seated before have or will cache
     for r in scheduler.running:
         ahead.update(kv.req_to_block_hashes.get(r.request_id, ()))
-    budget = scheduler.max_num_batched_tokens
-    quad = 0.0
+    todo_of: dict[str, int] = {}
     for req in queue:
         c = queued.setdefault(req.priority, [0, 0])
-        todo = _to_compute(kv, req, ahead)
+        todo_of[req.request_id] = todo = _to_compute(kv, req, ahead)
         c[0] += todo
         c[1] += 1
-        quad += prompt_quad(req.num_prompt_tokens - todo, todo, budget)
     running_prefill = running_prefill_reqs = 0
     for r in scheduler.running:
         todo = max(r.num_prompt_tokens - r.num_computed_tokens, 0)
         running_prefill += todo
         running_prefill_reqs += todo > 0
-        quad += prompt_quad(r.num_computed_tokens, todo, budget)
     decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
+    waiting_seqs = []
+    for r in seat_order:   # computed (swapped) or cached for it; to its next sample (a preempted one's outputs too)
+        ctx = max(r.num_computed_tokens, r.num_prompt_tokens - todo_of[r.request_id])
+        waiting_seqs.append((r.priority, ctx, *_seq(r, ctx)))
     return TTFTState(
         block_size=scheduler.block_size, budget=scheduler.max_num_batched_tokens,
         max_num_seqs=scheduler.max_num_seqs, num_running=len(scheduler.running), decode_rows=len(decoding),
         queued_prefill=sorted((p, t, n) for p, (t, n) in queued.items()), running_prefill=running_prefill,
         fcfs=scheduler.scheduling_policy == "fcfs" if fcfs is None else fcfs,
         free_blocks=kv.num_free_blocks,
-        remaining_decode=sorted(r.max_tokens - r.num_output_tokens for r in scheduler.running),
         typical_decode=sum(r.max_tokens for r in scheduler.running) / max(len(scheduler.running), 1),
-        waiting_decode=[(r.priority, r.max_tokens) for r in seat_order],
         step_s=calibration.cost(len(decoding)), prefill_tok_s=calibration.prefill_tok_s, added=added,
         stored=stored, removed=removed, resync=resync, fixed_s=calibration.fixed_s, row_s=calibration.row_s,
-        quad_s=calibration.quad_s, queued_quad=quad, chunk_s=calibration.chunk_s,
-        running_prefill_reqs=running_prefill_reqs), ahead
+        quad_s=calibration.quad_s, chunk_s=calibration.chunk_s, running_prefill_reqs=running_prefill_reqs,
+        running_seqs=[(r.num_computed_tokens, *_seq(r, r.num_computed_tokens)) for r in scheduler.running],
+        waiting_seqs=waiting_seqs, chunked=scheduler.enable_chunked_prefill), ahead
+
+
+def _seq(req, ctx: int) -> tuple[int, int, int]:
+    """(tokens to its next sample or, pooling, to its end, tokens left to generate, kind) of ``req`` with ``ctx``
+    tokens computed (``TTFTState.running_seqs``)."""
+    kind = POOLING if req.pooling_params is not None else DECODING if ctx >= req.num_prompt_tokens else PREFILL
+    return max(req.num_tokens - ctx, 1), req.max_tokens - req.num_output_tokens, kind

@@ -1,16 +1,32 @@
 """The engine's step costs, measured online from the steps it runs (``TTFTCalibration``): what a TTFT
-prediction (``engine/core/ttft.py``) charges each step up to a request's first token."""
+prediction (``engine/core/ttft_sim.py``) charges each step it simulates up to a request's first token.
+
+The form: a step of ``rows`` decode rows and prefill chunks (context c_i, new tokens q_i) takes
+
+    T = s(t) x (a + b rows + c sum q_i + d sum q_i (c_i + q_i) + e #chunks)   seconds,
+
+the linear-plus-quadratic prefill latency of DistServe's model (Zhong et al., OSDI 2024, sec. 3 and app. A: the
+linear layers' work grows with the tokens, attention's with tokens x context) extended to a chunked-prefill step
+as Sarathi-Serve's chunks see it (Agrawal et al., OSDI 2024: a chunk attends over every token before it), and
+Vidur's per-batch-shape runtime (Agrawal et al., MLSys 2024) fitted online instead of profiled. The shape
+(a..e) is a least-squares fit over the last few hundred steps; s(t), the box's speed, is the ratio of the recent
+steps' measured seconds to the shape's, over seconds of wall time: on a shared host other processes change every
+cost at once, within seconds, while the shape holds."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-# Seconds over which a step's weight in the calibration falls by a factor e (wall time, idle time included): the
+# Seconds over which a step's weight in the speed s(t) falls by a factor e (wall time, idle time included): the
 # box's speed changes within seconds when other processes take its cores, and a prefill rate remembered over
 # twenty prefill steps (an EWMA per step) took ~25 s to recover from a load spike on an SLO route that sends the
 # engine about one request a second (its requests predicted 40-60 % off meanwhile).
 CALIBRATION_TAU_S = 3.0
+# Steps over which a step's weight in the shape fit falls by a factor e. Forgotten by wall time as the speed is,
+# the shape kept one or two steps where a step takes seconds (a loaded 2-core host: 1-20 s a prefill step), and
+# each slow step moved whichever cost its features excited (a long context's attention: predictions 1.5-2x).
+SHAPE_MEMORY_STEPS = 200.0
 # Units the prefill fit scales its features by (tokens; tokens x tokens) so that they are of like size.
 _T_UNIT, _Q_UNIT = 100.0, 10_000.0
 # Weight of the current estimate of the decode line against the steps measured (in steps): keeps what recent
@@ -79,50 +95,61 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 
 @dataclass
 class TTFTCalibration:
-    """Step costs measured online. A decode-only step of n rows costs ``fixed_s + n * row_s``: a least-squares
-    line through the decode steps measured; a step with prefill costs that for its decode rows plus its prefill
-    tokens / ``prefill_tok_s``: the prefill tokens over their seconds beyond their step's decode cost. Every
-    sum weighs a step by exp(-age / ``CALIBRATION_TAU_S``) (forgetting by time, not by step: recursive least
-    squares with exponential forgetting, Haykin, *Adaptive Filter Theory*, ch. 10), the line with a small ridge
-    toward its current estimate (steps that all ran one row do not separate the fixed part from the per-row
-    part; their sum stays right). Starts from a guess (``step_s`` seconds for a one-row decode step,
-    ``prefill_tok_s`` tokens/s) that the first steps replace.
+    """Step costs measured online: ``cost`` = speed x shape (the module's form). The published costs
+    (``fixed_s``, ``row_s``, ``prefill_tok_s``, ``quad_s``, ``chunk_s``, ``step_s``) are the shape's times the
+    speed; constructed with them, they are the shape the first steps refine.
 
-    Why: a decode step's cost grows with its rows (an engine an SLO route keeps nearly idle decodes one or two,
-    a queued one eight): an EWMA of decode steps charged the last busy batch's cost to one-row steps. The rate
-    is a ratio of sums, not a mean of each step's rate: a step that computes only a prompt's uncached tail (tens
-    of tokens) measures its rate mostly from noise. One fit of all three costs over every step was tried: in a
-    deep queue every step is full (prefill tokens = budget - rows), the three are collinear and the fit wandered
-    (one-row steps predicted at 0 ms, eight-row ones at 1.5 s).
+    The shape: a decode-only step of n rows costs ``fixed + n x row``: a least-squares line through the decode
+    steps; a step with prefill costs that for its decode rows plus its prefill time, fitted as tokens x c1 +
+    ``quad_of`` x c2 + chunks x c3 (c1 = 1 / ``prefill_tok_s``). Each sum weighs a step by exp(-steps since /
+    ``SHAPE_MEMORY_STEPS``) (recursive least squares with exponential forgetting, Haykin, *Adaptive Filter
+    Theory*, ch. 10), with a small ridge toward the current estimate (steps that all ran one row do not separate
+    the fixed part from the per-row part; their sum stays right). The speed: the measured seconds of the steps
+    over the shape's, both summed with weights exp(-age / ``CALIBRATION_TAU_S``) in wall time (a ratio of sums:
+    long steps, which average the host's speed over their length, weigh most).
 
-    The prefill time is fitted as tokens x c1 + ``quad_of`` x ``quad_s`` + chunks x ``chunk_s``: each chunk (one
-    request's prefill in a step) costs ``chunk_s`` whatever its length. Measured (steps of three spill load-test
-    runs on an AVX512-BF16 host, least squares over each run's ~1,900 steps): 8.7-9.9 ms a chunk and 0.21-0.23 ms a
-    token, where a fit without the chunk term gave 0.27-0.29 ms a token and left steps of 1-80 prefill tokens
-    10-12 % longer than it predicted (a queue of follow-up turns' short tails is many chunks of few tokens)."""
+    Why two fits: in a deep queue every step is full (prefill tokens = budget - rows), the three costs are
+    collinear there and one fit of all of them wandered (one-row steps predicted at 0 ms, eight-row ones at
+    1.5 s). Why a chunk term: each chunk (one request's prefill in a step) costs ``chunk_s`` whatever its length;
+    measured (steps of three spill load-test runs on an AVX512-BF16 host, least squares over each run's ~1,900
+    steps): 8.7-9.9 ms a chunk and 0.21-0.23 ms a token, where a fit without it gave 0.27-0.29 ms a token and
+    left steps of 1-80 prefill tokens 10-12 % longer than it predicted. Starts from a guess (``step_s`` seconds
+    for a one-row decode step, ``prefill_tok_s`` tokens/s) that the first steps replace."""
 
     step_s: float = 0.05
     prefill_tok_s: float = 2000.0
     steps: int = 0
     fixed_s: float = 0.0
     row_s: float = 0.0
-    _line: _LeastSquares = field(default_factory=lambda: _LeastSquares(2), repr=False)    # decode steps: (1, rows)
     quad_s: float = 0.0
     chunk_s: float = 0.0
+    speed: float = 1.0
+    _shape: list[float] = field(default_factory=list, repr=False)   # fixed, row, s/token, quad, chunk (speed 1)
+    _line: _LeastSquares = field(default_factory=lambda: _LeastSquares(2), repr=False)    # decode steps: (1, rows)
     # prefill steps: (tokens, quad, chunks), scaled
     _prefill: _LeastSquares = field(default_factory=lambda: _LeastSquares(3), repr=False)
     _fit_n: int = field(default=0, repr=False)                          # prefill steps observed
+    # the speed's sums, each step weighted by its age: seconds, and features (1, rows, tokens, quad, chunks)
+    _measured: float = field(default=0.0, repr=False)
+    _features: list[float] = field(default_factory=lambda: [0.0] * 5, repr=False)
     _at: float | None = field(default=None, repr=False)   # clock of the last observation, seconds
     _clock: float = field(default=0.0, repr=False)        # steps' seconds summed (when no clock is given)
 
     def __post_init__(self) -> None:
         if not self.fixed_s and not self.row_s:   # the guess: a one-row decode step, a fifth of it per row
             self.fixed_s, self.row_s = 0.8 * self.step_s, 0.2 * self.step_s
+        self._shape = [self.fixed_s, self.row_s, 1.0 / self.prefill_tok_s, self.quad_s, self.chunk_s]
+        self._publish()
 
     def cost(self, decode_rows: float, prefill_tokens: float = 0.0, quad: float = 0.0, chunks: float = 0.0) -> float:
         """Predicted seconds of a step computing ``decode_rows`` decode rows and ``prefill_tokens`` prefill
         tokens in ``chunks`` chunks of ``quad_of`` ``quad``."""
         return self.fixed_s + self.row_s * decode_rows + prefill_seconds(self, prefill_tokens, quad, chunks)
+
+    def _shape_cost(self, decode_rows: float, prefill_tokens: float, quad: float, chunks: float,
+                    steps: float = 1.0) -> float:
+        a, b, c, d, e = self._shape
+        return a * steps + b * decode_rows + c * prefill_tokens + d * quad + e * chunks
 
     def observe(self, seconds: float, prefill_tokens: int, decode_rows: int, at: float | None = None,
                 quad: float = 0.0, chunks: int = 0) -> None:
@@ -134,25 +161,42 @@ class TTFTCalibration:
             return
         self._clock += seconds
         at = self._clock if at is None else at
-        decay = 1.0 if self._at is None else math.exp(-max(at - self._at, 0.0) / CALIBRATION_TAU_S)
+        age = 1.0 if self._at is None else math.exp(-max(at - self._at, 0.0) / CALIBRATION_TAU_S)
         self._at = at
-        self._line.decay(decay)
-        self._prefill.decay(decay)
+        forget = math.exp(-1.0 / SHAPE_MEMORY_STEPS)
+        self._line.decay(forget)
+        self._prefill.decay(forget)
+        fixed, row, per_token, quad_s, chunk_s = self._shape
+        shaped = seconds / self.speed   # the step at the speed of the steps before it: the shape's own units
         if prefill_tokens == 0:
-            self._line.add((1.0, float(decode_rows)), seconds)
+            self._line.add((1.0, float(decode_rows)), shaped)
             w = _PRIOR_WEIGHT if self.steps else 1e-3   # the first step replaces the guess along its own direction
-            fixed, row = self._line.fit(w, (self.fixed_s, self.row_s))
-            self.fixed_s, self.row_s = max(fixed, 1e-4), row
+            fixed, row = self._line.fit(w, (fixed, row))
+            self._shape[:2] = max(fixed, 1e-4), row
         else:
             # A step with prefill pays its decode cost too; a fifth of the step is a floor on its prefill time so
             # that one noisy decode measurement cannot make the prefill rate infinite.
             # Its prefill time: c1 x tokens + c2 x quad + c3 x chunks, fitted (features scaled to like sizes) with
             # a ridge toward the current estimate; a negative cost is dropped from the fit (``_LeastSquares.fit``).
-            y = max(seconds - self.fixed_s - self.row_s * decode_rows, 0.2 * seconds)
+            y = max(shaped - fixed - row * decode_rows, 0.2 * shaped)
             self._prefill.add((prefill_tokens / _T_UNIT, quad / _Q_UNIT, float(chunks)), y)
             w = _PRIOR_WEIGHT if self._fit_n else 1e-6
-            c1, c2, c3 = self._prefill.fit(w, (_T_UNIT / self.prefill_tok_s, self.quad_s * _Q_UNIT, self.chunk_s))
-            self.prefill_tok_s, self.quad_s, self.chunk_s = _T_UNIT / max(c1, 1e-9), c2 / _Q_UNIT, c3
+            c1, c2, c3 = self._prefill.fit(w, (_T_UNIT * per_token, quad_s * _Q_UNIT, chunk_s))
+            self._shape[2:] = max(c1, 1e-9) / _T_UNIT, c2 / _Q_UNIT, c3
             self._fit_n += 1
-        self.step_s = self.fixed_s + self.row_s
+        # The speed: the recent steps' seconds over the shape's as it is now for the same steps (the cost is
+        # linear in the features: their weighted sums give it). Against the shape of each step's own time, a
+        # shape still remembering slow steps made the speed of the fast ones that followed too low.
+        self._measured = self._measured * age + seconds
+        x = (1.0, float(decode_rows), float(prefill_tokens), quad, float(chunks))
+        self._features = [f * age + xi for f, xi in zip(self._features, x)]
+        f = self._features
+        self.speed = self._measured / self._shape_cost(f[1], f[2], f[3], f[4], steps=f[0])
         self.steps += 1
+        self._publish()
+
+    def _publish(self) -> None:
+        fixed, row, per_token, quad_s, chunk_s = (v * self.speed for v in self._shape)
+        self.fixed_s, self.row_s, self.prefill_tok_s, self.quad_s, self.chunk_s = (
+            fixed, row, 1.0 / per_token, quad_s, chunk_s)
+        self.step_s = fixed + row

@@ -13,8 +13,7 @@ from policies import Policy, RequestFeatures, Route, Signals, Target, decide
 
 def stats(prompt_total: int, generation_total: int, decode_rows: int = 4) -> EngineStats:
     state = TTFTState(block_size=16, budget=512, max_num_seqs=8, num_running=decode_rows, decode_rows=decode_rows,
-                      queued_prefill=[], running_prefill=0, fcfs=True, free_blocks=100, remaining_decode=[], typical_decode=0.0,
-                      waiting_decode=[],
+                      queued_prefill=[], running_prefill=0, fcfs=True, free_blocks=100, typical_decode=0.0,
                       step_s=0.04, prefill_tok_s=2000.0)
     return EngineStats(num_running=decode_rows, num_waiting=0, kv_cache_usage=0.1, prefix_cache_queries=0,
                        prefix_cache_hits=0, num_preemptions=0, tokens_in_flight=0, prompt_tokens_total=prompt_total,
