@@ -57,6 +57,8 @@ class TTFTState(msgspec.Struct, array_like=True):
         pending_seqs: as ``waiting_seqs``, requests a front end sent that the core's state does not count yet
             (``PendingAdds.with_pending``; the core publishes none).
         chunked: the scheduler splits a prompt across steps (``enable_chunked_prefill``).
+        speed: the box's recent speed the costs include (``TTFTCalibration.speed``: the last seconds' steps
+            measured over what the fitted shape says of them; > 1: slower than the steps the shape was fitted on).
     """
 
     block_size: int
@@ -84,6 +86,7 @@ class TTFTState(msgspec.Struct, array_like=True):
     waiting_seqs: list[tuple[int, int, int, int, int]] = []
     pending_seqs: list[tuple[int, int, int, int, int]] = []
     chunked: bool = True
+    speed: float = 1.0
 
     def prefill_s(self, tokens: float, quad: float = 0.0, chunks: float = 0.0) -> float:
         """Seconds the steps spend on ``tokens`` prefill tokens in ``chunks`` chunks of ``quad_of`` ``quad``,
@@ -125,7 +128,7 @@ class TTFTPrediction:
                 f"{p.get('chunks', 0)} prefill chunks; a step {p.get('fixed_s', 0) * 1000:.0f} ms + "
                 f"{p.get('row_s', 0) * 1000:.1f} ms a row + {p.get('prefill_tok_s', 0):.0f} tok/s + "
                 f"{p.get('chunk_s', 0) * 1000:.1f} ms a chunk + {p.get('quad_s', 0) * 1e9:.1f} ns a token x "
-                f"context{waits}{tpot})")
+                f"context (speed {p.get('speed', 1.0):.2f}){waits}{tpot})")
 
 
 def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, priority: int = 0,
@@ -150,7 +153,7 @@ def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, prior
     return TTFTPrediction(sim.seconds, {
         "prompt": prompt_tokens, "uncached": max(prompt_tokens - cached_tokens, 1), **sim.parts,
         "fixed_s": state.fixed_s, "row_s": state.row_s, "prefill_tok_s": state.prefill_tok_s,
-        "quad_s": state.quad_s, "chunk_s": state.chunk_s, "tpot_s": predict_tpot(state)})
+        "quad_s": state.quad_s, "chunk_s": state.chunk_s, "speed": state.speed, "tpot_s": predict_tpot(state)})
 
 
 def predict_tpot(state: TTFTState) -> float:
@@ -373,7 +376,7 @@ def _queue_state(scheduler, calibration: TTFTCalibration, queue: list, seat_orde
         stored=stored, removed=removed, resync=resync, fixed_s=calibration.fixed_s, row_s=calibration.row_s,
         quad_s=calibration.quad_s, chunk_s=calibration.chunk_s, running_prefill_reqs=running_prefill_reqs,
         running_seqs=[(r.num_computed_tokens, *_seq(r, r.num_computed_tokens)) for r in scheduler.running],
-        waiting_seqs=waiting_seqs, chunked=scheduler.enable_chunked_prefill), ahead
+        waiting_seqs=waiting_seqs, chunked=scheduler.enable_chunked_prefill, speed=calibration.speed), ahead
 
 
 def _seq(req, ctx: int) -> tuple[int, int, int]:

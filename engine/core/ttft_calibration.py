@@ -180,9 +180,15 @@ class TTFTCalibration:
             # a ridge toward the current estimate; a negative cost is dropped from the fit (``_LeastSquares.fit``).
             y = max(shaped - fixed - row * decode_rows, 0.2 * shaped)
             self._prefill.add((prefill_tokens / _T_UNIT, quad / _Q_UNIT, float(chunks)), y)
-            w = _PRIOR_WEIGHT if self._fit_n else 1e-6
-            c1, c2, c3 = self._prefill.fit(w, (_T_UNIT * per_token, quad_s * _Q_UNIT, chunk_s))
-            self._shape[2:] = max(c1, 1e-9) / _T_UNIT, c2 / _Q_UNIT, c3
+            guessed = per_token * prefill_tokens + quad_s * quad + chunk_s * chunks
+            if self._fit_n == 0 and guessed > 0:
+                # The first prefill step scales the guess to its time: fitted alone, one step's three features
+                # put its whole time on the largest (a long context's quad: 53 us a token x context, ten times
+                # the steps that followed, in the first seconds of a bench run).
+                self._shape[2:] = [v * y / guessed for v in (per_token, quad_s, chunk_s)]
+            else:
+                c1, c2, c3 = self._prefill.fit(_PRIOR_WEIGHT, (_T_UNIT * per_token, quad_s * _Q_UNIT, chunk_s))
+                self._shape[2:] = max(c1, 1e-9) / _T_UNIT, c2 / _Q_UNIT, c3
             self._fit_n += 1
         # The speed: the recent steps' seconds over the shape's as it is now for the same steps (the cost is
         # linear in the features: their weighted sums give it). Against the shape of each step's own time, a
