@@ -191,7 +191,7 @@ class OpenAIServingChat(OpenAIServing):
                 yield [Chunk(request_id, "chat.completion.chunk", created, model, fingerprint, [],
                              usage(num_prompt, sum(generated), cached))]
         except Exception as exc:  # noqa: BLE001 - reported to the client, never a traceback
-            yield [StreamError(error_from_engine(exc).to_dict())]
+            yield [StreamError(error_from_engine(exc).to_dict()["error"])]
 
 
 def render_chat(tokenizer, body: dict) -> RenderedPrompt:

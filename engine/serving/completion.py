@@ -189,7 +189,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if include_usage:
                 yield [chunk([], final=True)]
         except Exception as exc:  # noqa: BLE001 - reported to the client, never a traceback
-            yield [StreamError(error_from_engine(exc).to_dict())]
+            yield [StreamError(error_from_engine(exc).to_dict()["error"])]
 
 
 def render_completion(tokenizer, body: dict) -> RenderedPrompt:

@@ -45,8 +45,8 @@ def test_llamacpp_workload_and_command_line(tmp_path):
     that holds the longest prompt and its output; its script runs under the peer's interpreter."""
     peer = PEERS["llamacpp"]
     w = peer_workload(peer, "/m/model.gguf", [[5, 6, 7], [8] * 100], 128, True, 3)
-    assert w == {"model": "/m/model.gguf", "prompts": [[5, 6, 7], [8] * 100], "output_len": 128, "n_threads": 3,
-                 "n_ctx": 244}
+    assert w == {"model": "/m/model.gguf", "prompts": [[5, 6, 7], [8] * 100], "output_len": 128, "ignore_eos": True,
+                 "n_threads": 3, "n_ctx": 244}
     cmd = peer_command(peer, Path("/venv/bin/python"), tmp_path / "w.json", tmp_path / "r.json")
     assert cmd == ["/venv/bin/python", str(ROOT / "loadtests/peers/llamacpp_offline.py"), str(tmp_path / "w.json"),
                    str(tmp_path / "r.json")]
