@@ -136,6 +136,20 @@ class EngineArgs:
         kv_events_config: KV-cache events for KV-aware routers (vLLM's ``--kv-events-config`` JSON: ``{"enable_kv_cache_events":
             true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}``,
             a dict or its JSON text; ``engine/kv_events.py``); None: not published.
+        tensor_parallel_size: ranks the model is split over (vLLM's tensor
+            parallelism: each holds 1/N of the attention heads, MLP and
+            vocabulary, and its part of the KV cache; torch.distributed,
+            gloo on CPU, NCCL on CUDA; docs/engine/tensor-parallel.md). The
+            driver (rank 0) runs the scheduler and sampler; the engine starts
+            this host's other ranks itself. On CPU each rank gets its share
+            of the cores (``num_threads`` is then per rank).
+        nnodes, node_rank: hosts the ranks run on and this host's index
+            (``torchrun``'s names): ``tensor_parallel_size / nnodes`` ranks a
+            host; host 0 serves, the others join it (``tandem engine serve
+            --node-rank k``, no HTTP server).
+        master_addr, master_port: where the ranks meet (``env://``
+            rendezvous: host 0's address and a free port on it); None: a
+            free port on 127.0.0.1, one host only.
         engine_core_process: run the engine core (scheduler, model runner,
             KV cache) in a process of its own, as vLLM v1 does, so that a
             step never shares a GIL with the HTTP event loop (``AsyncEngine``
@@ -164,6 +178,11 @@ class EngineArgs:
     batch_invariant: bool = True
     quantization: str = "none"
     load_format: str = "auto"
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     engine_core_process: bool = True
     speculative_config: dict | str | None = None
     kv_events_config: dict | str | None = None
@@ -212,6 +231,14 @@ class EngineArgs:
              f"must be >= 1 byte, got {self.structured_outputs_max_bytes}"),
             (self.structured_outputs_cache_entries >= 1, "structured_outputs_cache_entries",
              f"must be >= 1, got {self.structured_outputs_cache_entries}"),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}"),
+            (self.nnodes >= 1 and self.tensor_parallel_size % self.nnodes == 0, "nnodes",
+             f"must be >= 1 and divide tensor_parallel_size ({self.tensor_parallel_size}), got {self.nnodes}"),
+            (0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, nnodes), got {self.node_rank}"),
+            (self.nnodes == 1 or self.master_port is not None, "master_port",
+             "must be set when the ranks run on several hosts (nnodes > 1)"),
+            (self.master_port is None or 0 < self.master_port < 65536, "master_port",
+             f"must be a TCP port, got {self.master_port}"),
         ]
         for ok, name, msg in checks:
             if not ok:
@@ -267,6 +294,16 @@ def add_engine_cli_args(parser) -> None:
                         "(followed anyway)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shape (benchmarks)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks the model is split over (tensor parallelism: heads, MLP and vocabulary split; gloo on "
+                        "CPU, NCCL on CUDA); on CPU the cores are split between this host's ranks")
+    g.add_argument("--nnodes", type=int, default=1,
+                   help="hosts the tensor-parallel ranks run on (torchrun's name): tensor-parallel-size / nnodes each")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="this host's index among --nnodes: 0 serves; the others only run their ranks")
+    g.add_argument("--master-addr", default="127.0.0.1", help="host 0's address, where the ranks meet (env://)")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="a free TCP port on host 0 for the rendezvous (default: any free port, one host only)")
     g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
                    help="serving: run the engine core (model, scheduler, KV cache) in its own process, so a step "
                         "never holds the HTTP event loop's GIL (--no-engine-core-process: a thread)")

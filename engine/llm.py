@@ -35,6 +35,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (they also end with this process)."""
+        self.engine.core.shutdown()
+
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling_type: str | None = None,
               normalize: bool | None = None) -> list[list[float]]:
         """Embeddings of ``prompts`` (vLLM's ``LLM.embed``): each prompt's final hidden states pooled

@@ -119,7 +119,8 @@ class ThreadCoreClient:
             self._thread.join()
 
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The loop runs, and the core can step (no tensor-parallel rank died)."""
+        return self._thread is not None and self._thread.is_alive() and self.core.failure is None
 
 
 class ProcessCoreClient:

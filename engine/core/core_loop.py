@@ -40,8 +40,9 @@ def run_core_loop(core, take_commands: Callable[[bool], list[Command]], emit: Ca
             waiting for at least one when ``block`` (the core is idle).
         emit: receives one ``CoreStep`` per iteration.
 
-    A step that raises fails only its in-flight requests (``CoreStep.failed``);
-    any other exception ends the loop and propagates.
+    A step that raises fails only its in-flight requests (``CoreStep.failed``),
+    unless the engine cannot step again (``core.failure``: a tensor-parallel
+    rank died); that and any other exception end the loop and propagate.
     """
     while True:
         rejected: list[tuple[str, str, str]] = []
@@ -75,6 +76,7 @@ def run_core_loop(core, take_commands: Callable[[bool], list[Command]], emit: Ca
             emit(CoreStep([], core.get_stats(), time.monotonic(), rejected=rejected, acks=acks))
             emit_embeds(core, emit)
             core.close()
+            core.shutdown()
             return
         outputs, failed, error = [], [], None
         if core.has_unfinished_requests():
@@ -84,6 +86,9 @@ def run_core_loop(core, take_commands: Callable[[bool], list[Command]], emit: Ca
                 failed = core.abort_all()
                 logger.exception("engine step failed; aborting %d in-flight request(s)", len(failed))
                 error = f"{type(exc).__name__}: {exc}"
+                if core.failure is not None:
+                    emit(CoreStep([], core.get_stats(), time.monotonic(), failed=failed, error=error))
+                    raise
         emit(CoreStep(outputs, core.get_stats(), time.monotonic(), rejected=rejected, failed=failed,
                       error=error, acks=acks))
         emit_embeds(core, emit)
@@ -116,12 +121,14 @@ def start_engine_core(args, bind_threads: bool = False):
         ValueError: a bad ``TANDEM_CPU_WAIT_POLICY``; and whatever ``EngineCore(args)`` raises
             (FileNotFoundError, ValueError, MemoryError).
     """
-    from engine.worker.device import choose_omp_binding, choose_omp_wait_policy
+    from engine.worker.device import choose_omp_binding, choose_omp_wait_policy, pin_rank_cpus
     from engine.worker.malloc_tuning import tune_malloc
 
     tune_malloc()
     choose_omp_wait_policy()   # both no-ops once torch is loaded
-    if bind_threads:
+    if bind_threads and args.tensor_parallel_size > 1:
+        pin_rank_cpus(args, 0)   # the driver rank's share of the cores; the others' go to its ranks
+    elif bind_threads:
         choose_omp_binding()
     from engine.core.engine_core import EngineCore  # heavy import (torch)
 
@@ -157,6 +164,7 @@ def run_engine_core_process(args, conn) -> None:
         emit(CoreFailed(type(exc).__name__, str(exc)))
         return
     emit(ready_message(core))
+    core.on_failure(lambda reason: os._exit(1))   # a rank died (logged): the front end sees this process end
     commands: queue.SimpleQueue = queue.SimpleQueue()
     # Hands compiles to the core's grammar pool (the first one builds the manager: seconds), so that the
     # reader never waits; validation and compiles run in the pool's workers.

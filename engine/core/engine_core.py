@@ -34,7 +34,10 @@ from engine.worker.malloc_tuning import malloc_tuning
 from engine.fingerprint import numerics_of, system_fingerprint
 from engine.worker.grammar_compiler import grammar_limits
 from engine.model_loader import load_model
-from engine.worker.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner, resident_bytes
+from engine.executor.multiproc_executor import rank_threads, start_driver
+from engine.distributed.parallel_state import RankFailure
+from engine.worker.step_inputs import STOP
 from engine.outputs import Logprob
 from engine.pooling import PoolingParams, model_pooling_params, pool
 from engine.core.request import ForkGroup, Request, RequestStatus
@@ -120,11 +123,27 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        if args.device != "cuda":
-            configure_core_threads(args.num_threads)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype)
-        model, self.tokenizer, self.model_config = load_model(args)
+        self.executor, tp = None, None
+        if args.tensor_parallel_size > 1:
+            self.executor, tp = start_driver(args, self.device)
+            self.device = tp.device
+        if args.device != "cuda":
+            configure_core_threads(args.num_threads or rank_threads(args))
+        try:
+            self._load(args, tp)
+        except BaseException:
+            if self.executor is not None:
+                self.executor.kill()
+                tp.close()
+            raise
+
+    def _load(self, args: EngineArgs, tp) -> None:
+        """Load the model (this rank's part over several ranks), size the KV pool, build the runner; the
+        rest of ``__init__``."""
+        rss = resident_bytes()
+        model, self.tokenizer, self.model_config = load_model(args, tp)
         self.served_model_name = args.served_model_name or (
             DEFAULT_MODEL if _is_default_model(args.model) else self.model_config.name)
         self.system_fingerprint = system_fingerprint(args.model, numerics_of(args, self.device, self.dtype))
@@ -132,12 +151,22 @@ class EngineCore:
         draft = (load_draft_model(args, spec.model, self.tokenizer, self.model_config)
                  if spec is not None and spec.method == "draft_model" else None)
         num_blocks, num_cpu_blocks = ModelRunner.determine_num_blocks(
-            args, self.model_config, self.device, self.dtype,
+            args, self.model_config, self.device, self.dtype, model.shard.num_kv_heads,
             extra_block_bytes=0 if draft is None else ModelRunner.block_bytes(args, draft.config, self.dtype))
+        if tp is not None:  # every rank's pool has as many blocks: the fewest any rank has room for
+            num_blocks, num_cpu_blocks = tp.min_int(num_blocks), tp.min_int(num_cpu_blocks)
         self.max_model_len = _resolve_max_model_len(
             args.max_model_len, self.model_config.max_position_embeddings, (num_blocks - 1) * args.block_size)
         self.model_runner = ModelRunner(args, model, self.model_config, self.device, self.dtype,
-                                        num_blocks, num_cpu_blocks)
+                                        num_blocks, num_cpu_blocks, tp=tp)
+        # per rank: the loader's weight bytes, the KV pool, resident growth while loading (docs/engine/tensor-parallel.md)
+        self.rank_memory = tp.gather_object(self.model_runner.memory_report(rss)) if tp is not None else \
+            [self.model_runner.memory_report(rss)]
+        if tp is not None:
+            logger.info("tensor parallelism: per rank %s", ", ".join(
+                f"rank {m['rank']}: weights {m['weight_bytes'] / 2**20:.0f} MiB (resident "
+                f"{m['rss_weights_bytes'] / 2**20:.0f} MiB), KV pool {m['kv_bytes'] / 2**20:.0f} MiB"
+                for m in self.rank_memory))
         if args.max_num_batched_tokens is not None:
             budget = args.max_num_batched_tokens
         elif args.enable_chunked_prefill:
@@ -327,6 +356,31 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    # ------------------------------------------------------ tensor parallelism
+    @property
+    def failure(self) -> str | None:
+        """Why the tensor-parallel ranks failed (a rank died, a step's collective failed), or None; once
+        set the engine cannot step again (its loop ends: the engine reports dead)."""
+        return self.executor.failure if self.executor is not None else None
+
+    def on_failure(self, callback) -> None:
+        """Call ``callback(reason)`` (from the executor's watcher thread) when a rank dies; one rank: never."""
+        if self.executor is not None:
+            self.executor.on_failure = callback
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the group (a no-op with one rank, or once done)."""
+        if self.executor is None or self.executor.closed:
+            return
+        tp = self.model_runner.tp
+        if self.executor.failure is None:
+            try:
+                tp.broadcast_ints(STOP)
+            except Exception:  # noqa: BLE001 - a rank gone already: the executor kills the rest
+                pass
+        self.executor.shutdown()
+        tp.close()
+
     # ------------------------------------------------------------------- step
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduling step; the news of every choice that sampled a
@@ -336,10 +390,16 @@ class EngineCore:
         started = time.perf_counter()
         if self.spec_decoder is not None:
             self.spec_decoder.propose(self.scheduler.running)
+        if self.failure is not None:
+            raise RankFailure(self.failure)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        runner_out = self.model_runner.execute_model(sched)
+        try:
+            runner_out = self.model_runner.execute_model(sched)
+        except RankFailure as exc:
+            self.executor.fail(str(exc))
+            raise
         sampled, row_logprobs, grammar_done, content = self._sample(sched, runner_out)
         prefill_tokens = decode_rows = 0
         chunks = []

@@ -328,6 +328,10 @@ def run_server(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         logger.error("%s", exc)
         return 1
+    if engine_args.node_rank > 0:   # another host's ranks of a tensor-parallel engine: no HTTP server
+        from engine.executor.worker_main import run_node
+
+        return run_node(engine_args)
     failed = []
 
     def stop_on_load_failure() -> None:

@@ -135,6 +135,11 @@ class PackedWeights:
             self._entries[name] = entry
         return entry[2]
 
+    def nbytes(self) -> int:
+        """Bytes of the packed copies held (the C kernel's panels, oneDNN's blocked weights)."""
+        return sum(p.nbytes if isinstance(p, cpu_linear.PackedLinear) else p.numel() * p.element_size()
+                   for _, _, p in self._entries.values() if p is not None)
+
     def release_dense(self, name: str, module: nn.Module) -> None:
         """Replace ``module.weight`` by an empty parameter and keep serving
         the packed copy of ``name`` under it (see ``prepack_weights``)."""

@@ -71,11 +71,13 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             p.normal_(0.0, 0.02, generator=gen)
 
 
-def _read_model(path: str, dummy: bool, keep_int4: bool, quantization: str = "none"):
+def _read_model(path: str, dummy: bool, keep_int4: bool, quantization: str = "none", lazy: bool = False):
     """(model config, tokenizer, weight iterator or None for dummy weights) of a
     HF directory or a .gguf file; the config's EOS/BOS default to the tokenizer's.
     A quantized HF checkpoint's layers come as one weight each, packed where the
-    4-bit kernels read them (``engine.quantization``).
+    4-bit kernels read them (``engine.quantization``). With ``lazy`` the weights
+    come unread, for a tensor-parallel rank to read its part of each (a
+    quantized checkpoint's layers are read whole, then split: ``narrow``).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -88,7 +90,7 @@ def _read_model(path: str, dummy: bool, keep_int4: bool, quantization: str = "no
     if os.path.isdir(path):
         config = hf_model_config(path)
         quant = get_quantization_config(path, quantization)
-        weights = None if dummy else hf_weights(path)
+        weights = None if dummy else hf_weights(path, lazy=lazy and quant is None)
         if quant is not None:
             logger.info("checkpoint quantization %s (%s)", quant.name, quant)
             weights = weights if weights is None else quant.quantized_weights(weights)
@@ -97,7 +99,7 @@ def _read_model(path: str, dummy: bool, keep_int4: bool, quantization: str = "no
         reader = open_gguf(path)
         config = gguf_model_config(reader, path)
         tokenizer = Tokenizer.from_gguf(path, reader=reader)
-        weights = gguf_weights(reader, config, path, keep_int4=keep_int4)
+        weights = gguf_weights(reader, config, path, keep_int4=keep_int4, lazy=lazy)
         if not config.name:
             config.name = os.path.basename(path).removesuffix(".gguf")
     else:
@@ -145,8 +147,10 @@ def _linear_path() -> str:
     return f"oneDNN ({why})"
 
 
-def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
-    """Build the model described by ``args.model`` on ``args.device`` in ``args.dtype``.
+def load_model(args, tp=None) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
+    """Build the model described by ``args.model`` on ``args.device`` in ``args.dtype``
+    (with ``tp``, a ``TensorParallelGroup``: this rank's part of it, on ``tp.device``,
+    reading only that part of each tensor from the file).
 
     ``args.model`` is a ``.gguf`` file (``registry.GGUF_ARCHITECTURES``) or a HF
     directory (config.json + *.safetensors + tokenizer.json; an architecture
@@ -174,7 +178,7 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     configure_core_threads(getattr(args, "num_threads", None))
     path = args.model
     dtype = resolve_dtype(args.dtype)
-    device = resolve_device(args.device)
+    device = resolve_device(args.device) if tp is None else tp.device
     t0 = time.perf_counter()
     quantization = getattr(args, "quantization", "none")
     dummy = getattr(args, "load_format", "auto") == "dummy"
@@ -195,15 +199,18 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     q4_copy = quantization == "none" and os.path.isfile(path) and device.type == "cpu" \
         and dtype == torch.bfloat16 and cpu_linear.q4_available()
     config, tokenizer, weights = _read_model(path, dummy, keep_int4=quantization == "gguf" or q4_copy,
-                                             quantization=quantization)
+                                             quantization=quantization, lazy=tp is not None)
+    from engine.distributed.shard_plan import plan_shard
+
+    shard = plan_shard(config, tp.rank, tp.world_size) if tp is not None else plan_shard(config)
 
     backend = get_attention_backend(getattr(args, "attention_backend", "auto"), device,
                                     batch_invariant=getattr(args, "batch_invariant", True), dtype=dtype,
-                                    heads=(config.num_attention_heads, config.num_key_value_heads, config.head_dim))
+                                    heads=(shard.num_heads, shard.num_kv_heads, config.head_dim))
     logger.info("attention backend %s%s", backend.name, "" if device.type != "cpu" or dtype != torch.bfloat16 else
                 f", linear layers {_linear_path()}")
     with torch.device("meta"):
-        model = model_class(config.architecture)(config, backend)
+        model = model_class(config.architecture)(config, backend, tp=tp)
     try:
         model = model.to_empty(device=device).to(dtype)
     except (torch.OutOfMemoryError, RuntimeError) as e:
@@ -221,6 +228,10 @@ def load_model(args) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     model.eval()
     model.requires_grad_(False)
     release_freed_memory()
-    logger.info("loaded %s (%s, %d layers) on %s in %s in %.1f s", config.name, config.architecture,
-                config.num_hidden_layers, device, dtype, time.perf_counter() - t0)
+    logger.info("loaded %s (%s, %d layers) on %s in %s in %.1f s%s", config.name, config.architecture,
+                config.num_hidden_layers, device, dtype, time.perf_counter() - t0,
+                "" if tp is None else f" (tensor-parallel rank {tp.rank} of {tp.world_size}: {shard.num_heads} "
+                f"of {config.num_attention_heads} heads, {shard.num_kv_heads} of {config.num_key_value_heads} KV "
+                f"heads, {shard.intermediate.size} of {config.intermediate_size} MLP rows, vocabulary rows "
+                f"{shard.vocab.start}-{shard.vocab.stop})")
     return model, tokenizer, config

@@ -162,8 +162,66 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def gguf_weights(reader, config: ModelConfig, path: str,
-                 keep_int4: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+class GGUFTensor:
+    """One tensor of a GGUF file as the engine reads it, still on disk (the reader's memory map): renamed
+    rows un-permuted, norms less their offset, dequantized to float32, or kept in its quantized blocks.
+
+    Args:
+        tensor: the ``gguf.ReaderTensor``.
+        blocks: keep it in its quantized blocks (``GGUFBlocks``) instead of dequantizing.
+        heads: un-permute llama.cpp's interleaved RoPE rows of this many heads (None: not permuted).
+        norm_offset: subtracted from every value (Gemma's norms).
+    """
+
+    def __init__(self, tensor, blocks: bool = False, heads: int | None = None, norm_offset: float = 0.0) -> None:
+        self.tensor = tensor
+        self.shape = tuple(int(x) for x in reversed(tensor.shape))
+        self.blocks = blocks
+        self.heads = heads
+        self.norm_offset = norm_offset
+
+    def read(self) -> torch.Tensor | GGUFBlocks:
+        """The whole tensor: float32 [rows, cols] (or [n]), or its blocks."""
+        return self.narrow(0, 0, self.shape[0])
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor | GGUFBlocks:
+        """Rows (``dim`` 0) or columns (1) ``[start, start + length)``, reading only those from the file; a
+        column range that splits quantization blocks reads whole rows (dequantized, then cut).
+        Un-permuted rows must be whole heads."""
+        import gguf
+
+        t, qtype = self.tensor, self.tensor.tensor_type
+        raw = np.asarray(t.data)
+        if len(self.shape) == 2:
+            raw = raw.reshape(self.shape[0], -1)
+        shape = list(self.shape)
+        if dim == 0:
+            raw = raw[start:start + length]
+            shape[0] = length
+        else:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            if start % block or length % block:
+                return self.narrow(0, 0, self.shape[0])[:, start:start + length].contiguous()
+            raw = raw.reshape(self.shape[0], -1, size)[:, start // block:(start + length) // block]
+            raw = raw.reshape(self.shape[0], -1)
+            shape[1] = length
+        heads = None if self.heads is None else self.heads * shape[0] // self.shape[0]
+        if self.blocks:
+            data = np.ascontiguousarray(raw)
+            return GGUFBlocks(qtype.name, tuple(shape), data if heads is None else unpermute_qk(data, heads))
+        try:
+            arr = gguf.quants.dequantize(raw, qtype).reshape(shape)
+        except Exception as e:
+            raise ValueError(f"cannot read tensor {t.name} ({type(e).__name__}: {e})") from None
+        if heads is not None:
+            arr = unpermute_qk(arr, heads)
+        if self.norm_offset:
+            arr = np.asarray(arr, dtype=np.float32) - np.float32(self.norm_offset)
+        return torch.from_numpy(np.array(arr, dtype=np.float32, copy=not arr.flags.writeable, order="C"))
+
+
+def gguf_weights(reader, config: ModelConfig, path: str, keep_int4: bool = False,
+                 lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks | GGUFTensor]]:
     """Yield (HF name, float32 tensor) for every tensor, dequantized, renamed
     through the architecture's registry entry (``GGUFArchitecture``), with
     attn_q/attn_k un-permuted where llama.cpp permuted them (llama) and
@@ -173,55 +231,35 @@ def gguf_weights(reader, config: ModelConfig, path: str,
     With ``keep_int4``, the Q4_0/Q4_1 weights of the layers' linear
     projections come as ``GGUFBlocks`` (still quantized, rows un-permuted)
     instead of float32 tensors (``quantization: gguf``, or the 4-bit copies
-    of ``none``), and so does a Q8_0 output head or embedding.
+    of ``none``), and so does a Q8_0 output head or embedding. With ``lazy``
+    each comes as a ``GGUFTensor`` not read yet (a tensor-parallel rank reads
+    its part: ``narrow``).
 
     Raises:
         ValueError: an unsupported quantization type or an unknown tensor name.
     """
-    import gguf
-
     entry = next(e for e in GGUF_ARCHITECTURES.values() if e.hf == config.architecture)
-    permuted = entry.permuted_qk
     layer_names = {**LAYER_NAMES, **dict(entry.tensors)}
     for t in reader.tensors:
         qtype = t.tensor_type.name
         if qtype not in _SUPPORTED_TYPES:
             raise ValueError(f"{path}: tensor {t.name} has unsupported type {qtype}")
-        shape = tuple(int(x) for x in reversed(t.shape))
-        parts = t.name.split(".")
-        if (keep_int4 and qtype in INT4_TYPES and len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight"
-                and parts[2] in layer_names and "norm" not in parts[2]):
-            data = np.asarray(t.data).reshape(shape[0], -1)
-            if permuted and parts[2] in ("attn_q", "attn_k"):
-                heads = config.num_attention_heads if parts[2] == "attn_q" else config.num_key_value_heads
-                data = unpermute_qk(data, heads)
-            yield f"model.layers.{parts[1]}.{layer_names[parts[2]]}.weight", GGUFBlocks(qtype, shape, data)
-            continue
-        if keep_int4 and qtype == "Q8_0" and t.name in ("token_embd.weight", "output.weight"):
-            # the output head (or the embedding tied to it) in its blocks: the model dequantizes it and
-            # keeps an 8-bit copy for decode steps' output head (engine/models/llama.py, lm_head_q8)
-            yield f"{_TOP_NAMES[t.name.split('.')[0]]}.weight", GGUFBlocks(qtype, shape,
-                                                                           np.asarray(t.data).reshape(shape[0], -1))
-            continue
-        try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-        except Exception as e:
-            raise ValueError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from None
         base, _, kind = t.name.rpartition(".")
+        parts = base.split(".")
         if base == "rope_freqs":
-            config.extra["rope_freq_factors"] = torch.tensor(np.asarray(arr, dtype=np.float32))
+            config.extra["rope_freq_factors"] = GGUFTensor(t).read()
             continue
         if base in _TOP_NAMES:
             name = f"{_TOP_NAMES[base]}.{kind}"
-        else:
-            parts = base.split(".")
-            if len(parts) != 3 or parts[0] != "blk" or parts[2] not in layer_names:
-                raise ValueError(f"{path}: unexpected tensor {t.name}")
-            if permuted and parts[2] == "attn_q":
-                arr = unpermute_qk(arr, config.num_attention_heads)
-            elif permuted and parts[2] == "attn_k":
-                arr = unpermute_qk(arr, config.num_key_value_heads)
+            blocks = keep_int4 and qtype == "Q8_0" and kind == "weight" and base in ("token_embd", "output")
+        elif len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
             name = f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
-        if entry.norm_offset and base.endswith("norm"):
-            arr = np.asarray(arr, dtype=np.float32) - np.float32(entry.norm_offset)
-        yield name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=not arr.flags.writeable, order="C"))
+            blocks = keep_int4 and qtype in INT4_TYPES and kind == "weight" and "norm" not in parts[2]
+        else:
+            raise ValueError(f"{path}: unexpected tensor {t.name}")
+        heads = None
+        if entry.permuted_qk and len(parts) == 3 and parts[2] in ("attn_q", "attn_k"):
+            heads = config.num_attention_heads if parts[2] == "attn_q" else config.num_key_value_heads
+        offset = entry.norm_offset if base.endswith("norm") else 0.0
+        tensor = GGUFTensor(t, blocks, heads, offset)
+        yield name, tensor if lazy else tensor.read()

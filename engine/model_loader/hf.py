@@ -31,8 +31,24 @@ def hf_model_config(path: str) -> ModelConfig:
         raise ValueError(f"{f}: {e}") from None
 
 
-def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every ``*.safetensors`` file in ``path``.
+class SafetensorsSlice:
+    """One tensor of an open safetensors file, not read yet: ``narrow`` reads only a part of it (a
+    tensor-parallel rank's rows or columns). Valid while its file is open (the iterator's next step closes it).
+    """
+
+    def __init__(self, handle, name: str) -> None:
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows (``dim`` 0) or columns (1) ``[start, start + length)``, read from the file."""
+        part = slice(start, start + length)
+        return self._slice[part] if dim == 0 else self._slice[:, part]
+
+
+def hf_weights(path: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | SafetensorsSlice]]:
+    """Yield (name, tensor) from every ``*.safetensors`` file in ``path``; with ``lazy``, (name,
+    ``SafetensorsSlice``) to be read in part before the next one is asked for.
 
     Raises:
         FileNotFoundError: no safetensors file.
@@ -47,6 +63,6 @@ def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
-                    yield name, st.get_tensor(name)
+                    yield name, SafetensorsSlice(st, name) if lazy else st.get_tensor(name)
         except Exception as e:  # safetensors raises SafetensorError, OSError
             raise ValueError(f"{f}: cannot read safetensors ({e})") from None

@@ -32,15 +32,18 @@ from torch import nn
 
 from engine.layers.activation import gated_activation
 from engine.layers.attention import AttentionMetadata, sequence_spans, windowed_attention
-from engine.layers.linear import PROJECTIONS, head_method, linear_method, load_packed, pack_projections, q8_head_copy
+from engine.layers.linear import PROJECTIONS, head_method, linear_method, pack_projections
 from engine.layers.norm import GemmaRMSNorm, RMSNorm
+from engine.layers.parallel_linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                                           RowParallelLinear, VocabParallelEmbedding, gather_vocab,
+                                           row_parallel_method)
 from engine.model_config import ModelConfig
 from engine.layers.packed_linear import PackedWeights
 from engine.layers.fp8_linear import FP8Linear
-from engine.layers.quant_linear import GGUFBlocks, Int4Linear
-from engine.quantization.fp8 import FP8Weight
-from engine.quantization.int4 import Int4Weight
+from engine.layers.quant_linear import Int4Linear
+from engine.distributed.shard_plan import Span, TPShard, plan_shard
 from engine.models.c_stack import c_stack_weights
+from engine.models.weight_loading import load_hf_weights
 from engine.models.rope import RopeInputs, apply_rope, rope_inv_freq
 from engine.models.spec import ModelSpec, stack_features
 from kernels import cpu_decoder, cpu_linear, cpu_norm_act
@@ -56,13 +59,18 @@ class LlamaDecoderLayer(nn.Module):
 
     Args:
         layer_idx: the layer's index (its attention type: ``config.is_sliding``).
+        shard: this rank's heads and intermediate span (``plan_shard``; None: the whole layer).
+        tp: the ``TensorParallelGroup`` with several ranks (the row-parallel projections' all-reduce), else None.
     """
 
     def __init__(self, config: ModelConfig, backend, row_checks: dict | None = None,
-                 spec: ModelSpec = ModelSpec(), layer_idx: int = 0) -> None:
+                 spec: ModelSpec = ModelSpec(), layer_idx: int = 0, shard: TPShard | None = None,
+                 tp=None) -> None:
         super().__init__()
         c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        shard = shard or plan_shard(c)
+        self.tp = tp
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, c.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = (c.query_pre_attn_scalar or self.head_dim) ** -0.5
@@ -83,10 +91,12 @@ class LlamaDecoderLayer(nn.Module):
         self.hidden_act = c.hidden_act
         # the C RoPE + cache write takes neither q/k norms (between projection and RoPE) nor partial RoPE
         self.c_rope_ok = not spec.qk_norm and c.rotary_dim == c.head_dim
-        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads,
+                                          shard.q_heads, shard.kv_heads, bias=c.attention_bias)
+        self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size,
+                                        Span(shard.q_heads.start * c.head_dim, self.q_size))
+        self.gate_up_proj = MergedColumnParallelLinear(c.hidden_size, c.intermediate_size, 2, shard.intermediate)
+        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, shard.intermediate)
         self.packed = PackedWeights(row_checks)
         # projections kept packed: 4-bit (quantization="gguf", 4-bit checkpoints) or FP8 (FP8 checkpoints)
         self.int4: dict[str, Int4Linear | FP8Linear] = {}
@@ -113,6 +123,9 @@ class LlamaDecoderLayer(nn.Module):
         self.proj = {name: linear_method(getattr(self, name), name, self.packed, self.int4.get(name),
                                          self.fresh_q4_copy(name))
                      for name in PROJECTIONS}
+        if self.tp is not None:  # several ranks: o_proj and down_proj sum their partial outputs
+            for name in ("o_proj", "down_proj"):
+                self.proj[name] = row_parallel_method(self.proj[name], self.tp)
         self.act = gated_activation(self.hidden_act, w.dtype, w.device)
         self.c_rope = w.dtype == torch.bfloat16 and w.device.type == "cpu" and self.backend.name == "cpu" \
             and self.c_rope_ok and cpu_norm_act.available()
@@ -190,21 +203,28 @@ class LlamaForCausalLM(nn.Module):
         config: the model's shape.
         backend: attention kernels (``kernels.get_attention_backend``), with
             ``reshape_and_cache`` and ``paged_attention``.
+        tp: the ``TensorParallelGroup`` when the model is split over several
+            ranks (this process builds its rank's part: ``plan_shard``), else None.
     """
 
     spec = ModelSpec()
 
-    def __init__(self, config: ModelConfig, backend) -> None:
+    def __init__(self, config: ModelConfig, backend, tp=None) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp
+        self.shard = plan_shard(config, tp.rank, tp.world_size) if tp is not None else plan_shard(config)
+        s = self.shard
+        self.embed_tokens = VocabParallelEmbedding(s.vocab, s.vocab_per_rank, config.hidden_size, tp)
         self._row_checks: dict = {}  # shared by the layers' PackedWeights: one check per weight shape
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, self._row_checks, self.spec, i)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, self._row_checks, self.spec, i, s, tp)
                                     for i in range(config.num_hidden_layers))
         self.norm = (GemmaRMSNorm if self.spec.gemma_norms else RMSNorm)(config.hidden_size, config.rms_norm_eps)
-        # the layer features the C decoder stack lacks (chosen once): any -> the per-operation path
-        self.c_stack_refusal = cpu_decoder.unimplemented(stack_features(config, self.spec))
+        # the layer features the C decoder stack lacks (chosen once): any -> the per-operation path; it runs
+        # the whole stack in one call, with no place for the row-parallel projections' all-reduce
+        self.c_stack_refusal = cpu_decoder.unimplemented(stack_features(config, self.spec)) | \
+            ({"tensor_parallel"} if tp is not None else set())
         self.any_windowed = any(layer.windowed for layer in self.layers)
         self.embed_scale = config.hidden_size ** 0.5 if self.spec.embed_scale else None
         self.final_softcap = config.final_logit_softcapping
@@ -213,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(s.vocab, s.vocab_per_rank, config.hidden_size)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         self.packed = PackedWeights(self._row_checks)
@@ -284,7 +304,7 @@ class LlamaForCausalLM(nn.Module):
             self.build_rope_cache()
         if attn_metadata.attn_plan is None and self.backend.plan is not None:
             attn_metadata.attn_plan = self.backend.plan(
-                kv_caches[0][0], self.config.num_attention_heads, attn_metadata.query_start_loc,
+                kv_caches[0][0], self.shard.num_heads, attn_metadata.query_start_loc,
                 attn_metadata.seq_lens, attn_metadata.block_tables)
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:  # Gemma: the scale rounded to the model's dtype first, as HF does
@@ -383,94 +403,38 @@ class LlamaForCausalLM(nn.Module):
         self.packed.get("lm_head", self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
         self.choose_kernels()  # for the weights as packed (released ones are empty now)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def weight_bytes(self) -> int:
+        """Bytes of every weight this model (this rank's part) holds: parameters (empty once released for
+        their packed copies), packed copies, 4-bit forms and copies, the 8-bit head copy (the loader's count)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters()) + self.packed.nbytes()
+        for layer in self.layers:
+            total += layer.packed.nbytes() + sum(q.nbytes for q in layer.int4.values())
+            total += sum(copy.nbytes for copy, _, _ in layer.q4_copy.values())
+        return total + (self.lm_head_q8.nbytes if self.lm_head_q8 is not None else 0)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 logits
         (unrounded sums with the C linear kernel; elsewhere the model dtype's
         rounding, cast: ``engine.layers.linear.head_method``), capped by
         ``final_logit_softcapping`` when set (Gemma 2: ``cap * tanh(logits /
-        cap)``, in float32)."""
+        cap)``, in float32). Over several ranks each computes its vocabulary
+        rows' logits and the driver gets them all (``gather_vocab``); the
+        other ranks get None."""
         logits = self._logits(hidden)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return logits if self.tp is None else gather_vocab(self.tp, logits, self.config.vocab_size)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], q4_copy: bool = False) -> None:
         """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight``...)
-        into the fused parameters, casting to each parameter's dtype.
-
-        A ``GGUFBlocks`` value (``quantization: gguf``), an ``Int4Weight``
-        (a GPTQ/AWQ/W4A16 checkpoint's layer, ``engine.quantization``) or an
-        ``FP8Weight`` is kept packed when every part of its fused projection is
-        one (``engine.layers.linear.load_packed``), else dequantized. With ``q4_copy`` (``quantization: none`` from a
-        4-bit GGUF, bfloat16 on CPU) it is dequantized into the parameter and
-        also kept as the C kernel's 4-bit copy (``LlamaDecoderLayer.q4_copy``).
+        into the fused parameters, this rank's part of each only
+        (``engine/models/weight_loading.py``: a GGUF's 4-bit blocks, a
+        GPTQ/AWQ/W4A16 ``Int4Weight`` or an ``FP8Weight`` kept packed where
+        its whole fused projection is), and choose the kernels for them.
 
         Raises:
             ValueError: an unexpected name or shape, or parameters left unloaded.
         """
-        c = self.config
-        qs, kvs, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
-        # HF suffix -> (our suffix, row offset, rows)
-        fused = {
-            "self_attn.q_proj": ("qkv_proj", 0, qs),
-            "self_attn.k_proj": ("qkv_proj", qs, kvs),
-            "self_attn.v_proj": ("qkv_proj", qs + kvs, kvs),
-            "self_attn.o_proj": ("o_proj", 0, None),
-            "mlp.gate_proj": ("gate_up_proj", 0, inter),
-            "mlp.up_proj": ("gate_up_proj", inter, inter),
-            "mlp.down_proj": ("down_proj", 0, None),
-            "input_layernorm": ("input_layernorm", 0, None),
-            "post_attention_layernorm": ("post_attention_layernorm", 0, None),
-            # already fused (Phi-3)
-            "self_attn.qkv_proj": ("qkv_proj", 0, None),
-            "mlp.gate_up_proj": ("gate_up_proj", 0, None),
-            # variants' extra norms (ModelSpec): a checkpoint without the variant fails on them below
-            "self_attn.q_norm": ("q_norm", 0, None),
-            "self_attn.k_norm": ("k_norm", 0, None),
-            "pre_feedforward_layernorm": ("pre_feedforward_layernorm", 0, None),
-            "post_feedforward_layernorm": ("post_feedforward_layernorm", 0, None),
-        }
-        params = dict(self.named_parameters())
-        loaded: dict[str, int] = {}
-        # fused target -> (row offset, quantized part)
-        int4: dict[str, list[tuple[int, GGUFBlocks | Int4Weight | FP8Weight]]] = {}
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding is the head
-            target, offset, rows = name, 0, None
-            if name.startswith("model.layers."):
-                _, _, idx, rest = name.split(".", 3)
-                module, kind = rest.rsplit(".", 1)
-                if module not in fused:
-                    raise ValueError(f"unexpected weight {name!r}")
-                ours, offset, rows = fused[module]
-                target = f"layers.{idx}.{ours}.{kind}"
-            elif name.startswith("model."):
-                target = name[len("model."):]
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"unexpected weight {name!r} for {c.architecture}")
-            dst = param.data if rows is None else param.data[offset:offset + rows]
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            if isinstance(tensor, GGUFBlocks) and tensor.qtype == "Q8_0":  # the output head (or tied embedding)
-                dst.copy_(tensor.dequantize())
-                head = "lm_head.weight" if self.lm_head is not None else "embed_tokens.weight"
-                copy = q8_head_copy(tensor, dst) if target == head else None
-                if copy is not None:
-                    self.lm_head_q8, self._lm_head_q8_of = copy, (param, param._version)
-            elif isinstance(tensor, (GGUFBlocks, Int4Weight, FP8Weight)):
-                int4.setdefault(target, []).append((offset, tensor))
-            else:
-                dst.copy_(tensor)
-            loaded[target] = loaded.get(target, 0) + (tensor.shape[0] if rows is not None else param.shape[0])
-        missing = [n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]]
-        if missing:
-            raise ValueError(f"weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        for target, pieces in int4.items():
-            _, idx, name, _ = target.split(".")
-            load_packed(self.layers[int(idx)], name, sorted(pieces, key=lambda p: p[0]), params[target], q4_copy)
+        load_hf_weights(self, weights, q4_copy)
         self.choose_kernels()

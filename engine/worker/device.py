@@ -106,6 +106,50 @@ def choose_omp_binding(environ: dict | None = None, cpus: list[int] | None = Non
     return "bind"
 
 
+def split_cpus(cpus: list[int], parts: int) -> list[list[int]]:
+    """``cpus`` cut into ``parts`` contiguous groups of sizes differing by at most one, one per tensor-parallel
+    rank of a host (more ranks than CPUs: one CPU each, shared in turn)."""
+    n = len(cpus)
+    if parts > n:
+        return [[cpus[i * n // parts]] for i in range(parts)]
+    base, extra = divmod(n, parts)
+    starts = [i * base + min(i, extra) for i in range(parts + 1)]
+    return [cpus[starts[i]:starts[i + 1]] for i in range(parts)]
+
+
+def host_cpus(environ: dict | None = None) -> list[int]:
+    """The CPUs this host's tensor-parallel ranks share: ``TANDEM_HOST_CPUS`` (set by the driver before it
+    bound its own threads to its part), else this process's affinity."""
+    env = os.environ if environ is None else environ
+    listed = env.get("TANDEM_HOST_CPUS")
+    return [int(c) for c in listed.split(",")] if listed else sorted(os.sched_getaffinity(0))
+
+
+def pin_rank_cpus(args, local_rank: int, environ: dict | None = None) -> list[int] | None:
+    """Give this process tensor-parallel rank ``local_rank``'s part of the host's CPUs (``split_cpus`` over
+    ``tensor_parallel_size // nnodes`` ranks): its affinity, and OpenMP's places when it binds
+    (``choose_omp_binding``); before torch loads libgomp. None (nothing done) with one rank.
+
+    Returns:
+        the rank's CPUs, or None.
+    """
+    env = os.environ if environ is None else environ
+    if args.tensor_parallel_size == 1:
+        return None
+    cpus = host_cpus(env)
+    env["TANDEM_HOST_CPUS"] = ",".join(map(str, cpus))
+    mine = split_cpus(cpus, args.tensor_parallel_size // args.nnodes)[local_rank]
+    if env.get("TANDEM_CPUS"):   # the binding a parent rank chose for itself, not ours
+        for key in ("OMP_PROC_BIND", "OMP_PLACES", "TANDEM_CPUS"):
+            env.pop(key, None)
+    try:
+        os.sched_setaffinity(0, mine)
+    except OSError:
+        pass
+    choose_omp_binding(env, mine)
+    return mine
+
+
 def omp_places(environ: dict | None = None) -> str:
     """Where OpenMP's threads are bound in this process (``OMP_PLACES``, as ``choose_omp_binding`` or the user
     set it), or "unbound"."""

@@ -23,6 +23,8 @@ from engine.model_loader import release_freed_memory
 from engine.pooling import rows_needed
 from engine.models.llama import AttentionMetadata
 from engine.core.scheduler_output import SchedulerOutput
+from engine.distributed.parallel_state import RankFailure
+from engine.worker.step_inputs import STEP, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,23 @@ class ModelRunnerOutput:
     spec_logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def _column(pairs: np.ndarray, i: int) -> torch.Tensor:
+    """Column ``i`` of [n, 2] int64 block pairs as a tensor."""
+    return torch.from_numpy(np.ascontiguousarray(pairs[:, i]))
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now, bytes (Linux ``VmRSS``; 0 where unreadable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _available_host_memory() -> int:
     """Bytes of host memory available now (Linux ``MemAvailable``, else free pages)."""
     try:
@@ -71,23 +90,31 @@ def _available_host_memory() -> int:
 class ModelRunner:
     """Runs the model for one scheduler step.
 
+    Over several tensor-parallel ranks (``tp``) every rank has one: the
+    driver's turns the scheduler's decisions into the step's inputs and
+    broadcasts them (``execute_model``), each rank runs them on its part of
+    the model and of the KV cache (``run``), and the driver gets the logits.
+
     Args:
         args: EngineArgs (block_size, max_model_len are read; load_model
             applies num_threads).
-        model: a ``LlamaForCausalLM`` on ``device`` in ``dtype``.
+        model: a ``LlamaForCausalLM`` on ``device`` in ``dtype`` (this rank's part of it).
         model_config: the model's shape.
         device, dtype: where the KV pool lives, and its dtype (the model's).
         num_blocks: device KV blocks including the null block 0.
         num_cpu_blocks: CPU swap blocks (0 = no swapping).
+        tp: the ``TensorParallelGroup`` with several ranks, else None.
 
     Attributes:
         kv_caches: per layer (key_cache, value_cache) views of one pool tensor
-            [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+            [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+            (this rank's KV heads).
     """
 
     def __init__(self, args, model, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 num_blocks: int, num_cpu_blocks: int = 0) -> None:
+                 num_blocks: int, num_cpu_blocks: int = 0, tp=None) -> None:
         self.model = model
+        self.tp = tp
         self.config = model_config
         model.prepack_weights()  # bf16 on CPU: the C kernel's panels (dense copies freed) or oneDNN's blocked weights
         release_freed_memory()
@@ -101,7 +128,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         c = model_config
-        shape = (c.num_hidden_layers, 2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        shape = (c.num_hidden_layers, 2, num_blocks, self.block_size, model.shard.num_kv_heads, c.head_dim)
         # An explicit write commits every page of the pool now (RSS does not
         # grow later as blocks are first used; blocks past a sequence read as 0).
         self.kv_pool = torch.empty(shape, dtype=dtype, device=self.device)
@@ -114,17 +141,28 @@ class ModelRunner:
                                         pin_memory=self.device.type == "cuda")
 
     # --------------------------------------------------------------- memory
+    def memory_report(self, rss_before_load: int) -> dict:
+        """This rank's memory: ``weight_bytes`` (the loader's count, ``LlamaForCausalLM.weight_bytes``),
+        ``kv_bytes`` (the device KV pool), ``rss_weights_bytes`` (resident growth since ``rss_before_load``,
+        measured before the model was loaded, less the KV pool when on CPU) and ``rank``."""
+        kv = self.kv_pool.numel() * self.kv_pool.element_size()
+        grown = resident_bytes() - rss_before_load - (kv if self.device.type == "cpu" else 0)
+        return {"rank": self.tp.rank if self.tp is not None else 0, "weight_bytes": self.model.weight_bytes(),
+                "kv_bytes": kv, "rss_weights_bytes": grown}
+
     @staticmethod
-    def block_bytes(args, model_config: ModelConfig, dtype: torch.dtype) -> int:
-        """Bytes of one KV block across all layers (keys and values)."""
+    def block_bytes(args, model_config: ModelConfig, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+        """Bytes of one KV block across all layers (keys and values) of ``num_kv_heads`` heads (None: all)."""
         c = model_config
         elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * c.num_hidden_layers * args.block_size * c.num_key_value_heads * c.head_dim * elem
+        heads = c.num_key_value_heads if num_kv_heads is None else num_kv_heads
+        return 2 * c.num_hidden_layers * args.block_size * heads * c.head_dim * elem
 
     @staticmethod
     def determine_num_blocks(args, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                             extra_block_bytes: int = 0) -> tuple[int, int]:
-        """Size the KV pools: (device blocks incl. the null block, CPU swap blocks).
+                             num_kv_heads: int | None = None, extra_block_bytes: int = 0) -> tuple[int, int]:
+        """Size the KV pools of a rank holding ``num_kv_heads`` KV heads (None: all): (device blocks incl.
+        the null block, CPU swap blocks). The memory settings are per rank.
 
         A block's bytes are the model's plus ``extra_block_bytes`` (a draft model's KV, kept under the same
         block ids: ``engine/spec_decode/draft_model.py``).
@@ -140,7 +178,7 @@ class ModelRunner:
             ValueError: fewer than 2 blocks (the null block plus one).
         """
         device = torch.device(device)
-        per_block = ModelRunner.block_bytes(args, model_config, dtype) + extra_block_bytes
+        per_block = ModelRunner.block_bytes(args, model_config, dtype, num_kv_heads) + extra_block_bytes
         gib = 2**30
         if args.num_gpu_blocks_override is not None:
             num_blocks = int(args.num_gpu_blocks_override)
@@ -185,33 +223,40 @@ class ModelRunner:
         return num_blocks, num_cpu_blocks
 
     # ---------------------------------------------------------------- blocks
-    def _apply_block_ops(self, out: SchedulerOutput) -> None:
+    def _apply_block_ops(self, inputs: StepInputs) -> None:
         """swap out (device -> CPU), swap in (CPU -> device), then copy-on-write."""
-        if out.blocks_to_swap_out:
+        if len(inputs.swap_out):
             if self.cpu_pool is None:
                 raise RuntimeError("blocks_to_swap_out given but the runner has no CPU swap pool (swap_space=0)")
-            src = torch.tensor([s for s, _ in out.blocks_to_swap_out], device=self.device)
-            dst = torch.tensor([d for _, d in out.blocks_to_swap_out])
+            src, dst = _column(inputs.swap_out, 0).to(self.device), _column(inputs.swap_out, 1)
             self.cpu_pool[:, :, dst] = self.kv_pool[:, :, src].to("cpu")
-        if out.blocks_to_swap_in:
+        if len(inputs.swap_in):
             if self.cpu_pool is None:
                 raise RuntimeError("blocks_to_swap_in given but the runner has no CPU swap pool (swap_space=0)")
-            src = torch.tensor([s for s, _ in out.blocks_to_swap_in])
-            dst = torch.tensor([d for _, d in out.blocks_to_swap_in], device=self.device)
+            src, dst = _column(inputs.swap_in, 0), _column(inputs.swap_in, 1).to(self.device)
             self.kv_pool[:, :, dst] = self.cpu_pool[:, :, src].to(self.device)
-        if out.blocks_to_copy:
-            src = torch.tensor([s for s, _ in out.blocks_to_copy], device=self.device)
-            dst = torch.tensor([d for _, d in out.blocks_to_copy], device=self.device)
+        if len(inputs.copy):
+            src, dst = (_column(inputs.copy, i).to(self.device) for i in (0, 1))
             self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
 
     # ----------------------------------------------------------------- batch
-    def _prepare(self, out: SchedulerOutput):
-        """Flat inputs of the step: (input_ids, positions, AttentionMetadata,
-        query start of each scheduled entry, query end of each entry), the
-        entries in ``out.scheduled``'s order.
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[StepInputs, list[int], list[int]]:
+        """The step's inputs (block operations, flat batch, the rows whose logits are wanted: each sampled
+        entry's last row, then the prompt-logprob rows, then the proposals' rows), the query start of each
+        scheduled entry and its end, the entries in ``out.scheduled``'s order.
+
+        Raises:
+            ValueError: a scheduled entry asks for tokens the request does not
+                have, or its block table is too short.
         """
         bs = self.block_size
         scheduled = out.scheduled
+        pairs = [np.array(ops, dtype=np.int64).reshape(-1, 2)
+                 for ops in (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)]
+        if not scheduled:
+            empty = np.zeros(0, dtype=np.int64)
+            return StepInputs(*pairs, empty, empty, empty, np.zeros(1, dtype=np.int64), empty,
+                              np.zeros((0, 0), dtype=np.int64), empty), [], []
         q_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
         starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
         seq_lens = starts + q_lens
@@ -237,55 +282,89 @@ class ModelRunner:
         seq_idx = np.repeat(np.arange(len(scheduled)), q_lens)
         positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)
         slots = table[seq_idx, positions // bs] * bs + positions % bs
+        bounds = qsl.tolist()
+        rows = self._logits_rows(out, bounds[:-1], bounds[1:])
+        inputs = StepInputs(*pairs, np.array(ids, dtype=np.int64), positions, slots, qsl, seq_lens, table,
+                            np.array(rows, dtype=np.int64))
+        return inputs, bounds[:-1], bounds[1:]
+
+    @staticmethod
+    def _logits_rows(out: SchedulerOutput, entry_start: list[int], entry_end: list[int]) -> list[int]:
+        """Rows of the step's hidden states whose logits are computed (see ``prepare_inputs``)."""
+        rows = [entry_end[i] - 1 for i, s in enumerate(out.scheduled) if s.sample]
+        for i, s in enumerate(out.scheduled):
+            r = s.request
+            if r.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < r.num_prompt_tokens:
+                rows.extend(range(entry_start[i], entry_end[i]))
+        for i, s in enumerate(out.scheduled):
+            if s.sample and s.spec_token_ids:
+                rows.extend(range(entry_end[i] - 1 - len(s.spec_token_ids), entry_end[i] - 1))
+        return rows
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Apply the step's block operations, run the forward pass over this
+        rank's part of the model and KV cache, compute the logits of
+        ``inputs.logits_rows``: (hidden states [num_tokens, hidden_size],
+        logits [rows, vocab_size] float32 on the driver, None on the other
+        ranks); (None, None) for a step with no tokens."""
+        self._apply_block_ops(inputs)
+        if not inputs.num_tokens:
+            return None, None
         dev = self.device
         md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(table.astype(np.int32)).to(dev),
+            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(inputs.query_start_loc.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(inputs.seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(inputs.block_tables.astype(np.int32)).to(dev),
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
-        bounds = qsl.tolist()
-        return input_ids, torch.from_numpy(positions).to(dev), md, bounds[:-1], bounds[1:]
+        hidden = self.model(torch.from_numpy(inputs.input_ids).to(dev), torch.from_numpy(inputs.positions).to(dev),
+                            md, self.kv_caches)
+        rows = inputs.logits_rows
+        if not len(rows):
+            return hidden, hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
+        if len(rows) == hidden.shape[0] and bool((rows == np.arange(len(rows))).all()):
+            selected = hidden
+        else:
+            selected = hidden[torch.from_numpy(rows).to(hidden.device)]
+        return hidden, self.model.compute_logits(selected)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Apply the step's block operations, run the forward pass, return logits.
+        """Apply the step's block operations, run the forward pass, return logits (the driver's call: over
+        several ranks it first sends them the step's inputs).
 
         Raises:
             ValueError: a scheduled entry asks for tokens the request does not
                 have, or its block table is too short.
         """
-        self._apply_block_ops(out)
-        vocab = self.config.vocab_size
-        if not out.scheduled:
-            return ModelRunnerOutput(logits=torch.empty(0, vocab, dtype=torch.float32, device=self.device))
-        input_ids, positions, md, entry_start, entry_end = self._prepare(out)
-        hidden = self.model(input_ids, positions, md, self.kv_caches)
+        inputs, entry_start, entry_end = self.prepare_inputs(out)
+        if self.tp is None:
+            hidden, logits = self.run(inputs)
+        else:
+            try:
+                self.tp.broadcast_ints(STEP, *inputs.to_wire())
+                hidden, logits = self.run(inputs)
+            except Exception as exc:
+                raise RankFailure(f"tensor-parallel step failed: {type(exc).__name__}: {exc}") from exc
+        if hidden is None:
+            return ModelRunnerOutput(logits=torch.empty(0, self.config.vocab_size, dtype=torch.float32,
+                                                        device=self.device))
         sample_indices = [i for i, s in enumerate(out.scheduled) if s.sample]
-        rows = [entry_end[i] - 1 for i in sample_indices]
-        prompt_spans: list[tuple[str, int, int]] = []
+        n = len(sample_indices)
+        prompt_logits, spec_logits, at = {}, {}, n
         for i, s in enumerate(out.scheduled):
             r = s.request
             if r.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < r.num_prompt_tokens:
-                prompt_spans.append((r.request_id, len(rows), entry_end[i] - entry_start[i]))
-                rows.extend(range(entry_start[i], entry_end[i]))
-        spec_spans: list[tuple[str, int, int]] = []
+                prompt_logits[r.request_id] = logits[at:at + entry_end[i] - entry_start[i]]
+                at += entry_end[i] - entry_start[i]
         for i in sample_indices:
             k = len(out.scheduled[i].spec_token_ids)
             if k:
-                spec_spans.append((out.scheduled[i].request.request_id, len(rows), k))
-                rows.extend(range(entry_end[i] - 1 - k, entry_end[i] - 1))
-        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
-            selected = hidden
-        else:
-            selected = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]
-        logits = self.model.compute_logits(selected) if rows else hidden.new_empty(0, vocab, dtype=torch.float32)
-        n = len(sample_indices)
-        prompt_logits = {rid: logits[start:start + length] for rid, start, length in prompt_spans}
+                spec_logits[out.scheduled[i].request.request_id] = logits[at:at + k]
+                at += k
         return ModelRunnerOutput(logits=logits[:n], sample_indices=sample_indices, prompt_logits=prompt_logits,
-                                 pooled_hidden=self._pooled_hidden(out, hidden, entry_start),
-                                 spec_logits={rid: logits[s:s + k] for rid, s, k in spec_spans})
+                                 pooled_hidden=self._pooled_hidden(out, hidden, entry_start), spec_logits=spec_logits)
 
     @staticmethod
     def _pooled_hidden(out: SchedulerOutput, hidden: torch.Tensor,

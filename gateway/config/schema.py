@@ -225,6 +225,7 @@ class EngineConfig(_Strict):
     swap_space: float | None = None
     scheduling_policy: str | None = None
     num_threads: int | None = None
+    tensor_parallel_size: int | None = None
     seed: int | None = None
     attention_backend: str | None = None
     batch_invariant: bool | None = None

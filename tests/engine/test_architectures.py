@@ -31,9 +31,10 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
               bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1)
 
 
-def _hf_model(kind: str):
-    """(transformers model, its architecture name) of one case."""
+def _hf_model(kind: str, **shape):
+    """The transformers model of one case; ``shape`` overrides ``COMMON``'s widths and head counts."""
     t = transformers
+    COMMON = {**globals()["COMMON"], **shape}
     if kind == "llama_llama3":
         cfg = t.LlamaConfig(**COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -45,6 +46,8 @@ def _hf_model(kind: str):
         return t.LlamaForCausalLM(cfg)
     if kind == "mistral_window":
         return t.MistralForCausalLM(t.MistralConfig(**COMMON, sliding_window=8))
+    if kind == "qwen2":
+        return t.Qwen2ForCausalLM(t.Qwen2Config(**COMMON))
     if kind == "qwen3":
         return t.Qwen3ForCausalLM(t.Qwen3Config(**COMMON))
     if kind == "gemma2":
@@ -68,11 +71,11 @@ def _hf_model(kind: str):
 KINDS = ["llama_llama3", "llama_linear", "mistral_window", "qwen3", "gemma2", "gemma3", "phi3"]
 
 
-def _save(tmp_path, kind: str):
+def _save(tmp_path, kind: str, **shape):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     torch.manual_seed(0)
-    model = _hf_model(kind)
+    model = _hf_model(kind, **shape)
     model.config._attn_implementation = "eager"
     with torch.no_grad():  # random init leaves norms at their identity: make them matter
         for name, p in model.named_parameters():
@@ -96,12 +99,12 @@ def _prompts(kind: str) -> list[list[int]]:
     return prompts
 
 
-def _reference(model, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+def _reference(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[tuple[list[int], list[float]]]:
     """transformers' greedy continuations and each chosen token's logprob: every step runs the whole
     sequences, right-padded into one batch (causal: a row's logits never see the padding after it)."""
     seqs, logprobs = [list(p) for p in prompts], [[] for _ in prompts]
     with torch.no_grad():
-        for _ in range(NEW_TOKENS):
+        for _ in range(new_tokens):
             width = max(map(len, seqs))
             logits = model(torch.tensor([s + [0] * (width - len(s)) for s in seqs])).logits.float()
             for i, s in enumerate(seqs):

@@ -1,0 +1,127 @@
+"""Tensor parallelism (``--tensor-parallel-size``): every registered
+architecture split over 2 and 4 ranks (real processes over gloo) is
+token-identical to transformers in float32 greedy, with logprobs within
+1e-4, each prompt alone and all batched, with prefix caching, chunked
+prefill and preemption on (a KV pool too small for the batch); transformers
+is the reference ``test_architectures.py`` pins the one-rank engine to, on
+the same models and prompts.
+
+Half the cases split heads unevenly (6 heads, 3 KV heads: 2 ranks hold 2 and
+1 KV heads; 4 ranks share 3 KV heads, two of them replicating one) and the
+MLP unevenly (96 rows: 64 and 32); the others use 4 heads and 2 KV heads
+(4 ranks: each KV head replicated twice, vLLM's case).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.engine.test_architectures import _check, _prompts, _reference, _save
+
+transformers = pytest.importorskip("transformers")
+
+UNEVEN = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=16, intermediate_size=96)
+CASES = {"llama_llama3": {}, "llama_linear": UNEVEN, "mistral_window": {}, "qwen2": UNEVEN, "qwen3": {},
+         "gemma2": UNEVEN, "gemma3": {}, "phi3": UNEVEN}
+NEW_TOKENS = 24
+PROMPTS = 4
+
+
+def _llm(path, tp: int, **extra) -> LLM:
+    """The engine on ``path`` over ``tp`` ranks, float32 on CPU, 32-token steps, a 9-block KV pool (the
+    four prompts of up to 40 tokens plus 24 new ones need 16: the batch preempts)."""
+    return LLM(model=str(path), dtype="float32", device="cpu", tensor_parallel_size=tp, num_gpu_blocks_override=9,
+               enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32, **extra)
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_tensor_parallel_matches_transformers(tmp_path, kind, one_thread):
+    hf = _save(tmp_path, kind, **CASES[kind])
+    prompts = _prompts(kind)[:PROMPTS]
+    refs = _reference(hf, prompts, NEW_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
+    for tp in (2, 4):
+        llm = _llm(tmp_path, tp)
+        try:
+            model = llm.engine.model_runner.model
+            assert model.shard.world_size == tp and model.c_stack_refusal >= {"tensor_parallel"}
+            for prompt, ref in zip(prompts, refs):
+                _check(llm.generate([prompt], params)[0], ref)
+            before = llm.engine.get_stats().num_preemptions
+            for out, ref in zip(llm.generate(prompts, params), refs):
+                _check(out, ref)
+            assert llm.engine.get_stats().num_preemptions > before
+        finally:
+            llm.shutdown()
+
+
+def test_bfloat16_two_ranks_batch_invariant_and_reproducible(tmp_path):
+    """bfloat16 over 2 ranks: a prompt's tokens and logprobs are the same bits alone, batched, and batched
+    again with its prefix cached (the all-reduce of two ranks adds two values, which commutes)."""
+    _save(tmp_path, "qwen3", **UNEVEN)
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", device="cpu", tensor_parallel_size=2,
+              enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32,
+              kv_cache_memory="8MiB")
+    try:
+        prompts = _prompts("qwen3")
+        params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
+
+        def bits(out):
+            o = out.outputs[0]
+            return o.token_ids, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
+        alone = bits(llm.generate([prompts[3]], params)[0])
+        assert bits(llm.generate(prompts, params)[3]) == alone
+        assert bits(llm.generate(prompts[::-1], params)[4]) == alone
+    finally:
+        llm.shutdown()
+
+
+def test_gguf_4bit_blocks_split_by_rank(tmp_path, one_thread):
+    """A llama GGUF (q/k rows permuted as llama.cpp writes them) whose 2-D weights are Q4_0, its projections
+    kept in 4 bits (``quantization: gguf``, float32) over 2 ranks: each rank reads its rows of the blocks
+    (q/k/v un-permuted by head, gate/up) and its block-aligned columns (o_proj, down_proj), and greedy tokens
+    equal one rank's."""
+    gguf = pytest.importorskip("gguf")
+    from tests.tiny_models import write_llama_gguf
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+                                   max_position_embeddings=256, tie_word_embeddings=True, initializer_range=0.1)
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, transformers.LlamaForCausalLM(cfg).float().eval(), qtype=gguf.GGMLQuantizationType.Q4_0)
+    prompts = [[5, 17, 33, 60, 2 + i, 71, 9] for i in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    one = LLM(model=str(path), dtype="float32", device="cpu", quantization="gguf", kv_cache_memory="4MiB")
+    assert set(one.engine.model_runner.model.layers[0].int4) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    two = LLM(model=str(path), dtype="float32", device="cpu", quantization="gguf", kv_cache_memory="4MiB",
+              tensor_parallel_size=2)
+    try:
+        layer = two.engine.model_runner.model.layers[0]
+        assert set(layer.int4) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+        assert (layer.int4["down_proj"].in_features, layer.int4["o_proj"].in_features) == (64, 64)
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == want
+    finally:
+        two.shutdown()
+
+
+def test_memory_per_rank(tmp_path):
+    """Each of 2 ranks holds at most 0.55x the weights of one (the loader's count) on an evenly split model."""
+    _save(tmp_path, "llama_llama3", hidden_size=256, intermediate_size=512, num_attention_heads=8,
+          num_key_value_heads=4, head_dim=32, vocab_size=97)
+    one = LLM(model=str(tmp_path), dtype="bfloat16", device="cpu", kv_cache_memory="4MiB")
+    whole = one.engine.core.rank_memory[0]
+    two = LLM(model=str(tmp_path), dtype="bfloat16", device="cpu", kv_cache_memory="4MiB", tensor_parallel_size=2)
+    try:
+        ranks = two.engine.core.rank_memory
+        assert [m["rank"] for m in ranks] == [0, 1]
+        for m in ranks:   # the KV pool's budget is per rank: half the heads, twice the blocks
+            assert m["weight_bytes"] <= 0.55 * whole["weight_bytes"], (m, whole)
+            assert m["kv_bytes"] <= whole["kv_bytes"]
+        assert two.engine.num_blocks >= 2 * one.engine.num_blocks - 1
+    finally:
+        two.shutdown()
