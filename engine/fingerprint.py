@@ -87,5 +87,7 @@ def numerics_of(args, device, dtype) -> dict[str, object]:
     return {"device": device.type, "dtype": dtype, "quantization": args.quantization,
             "attention_backend": args.attention_backend, "batch_invariant": args.batch_invariant,
             "load_format": args.load_format, "torch": torch.__version__,
+            # the row-parallel sums are cut by the rank count: other N, other bits
+            **({"tensor_parallel_size": args.tensor_parallel_size} if args.tensor_parallel_size > 1 else {}),
             # the CPU kernels' body: the AVX2 body's integer dots on GGUF copies give other bits than AVX512-BF16's
             "cpu_isa": cpu_linear.isa() if device.type == "cpu" else None}

@@ -17,13 +17,17 @@ recorded even when another fails:
 3. batch invariance: on the Triton path, greedy tokens and logprobs of 8
    prompts alone, batched and from the prefix cache are bitwise equal
    (bfloat16, SmolLM2-135M's shape), and output tok/s with the mode on/off.
-4. throughput: the engine on random weights of SmolLM2-135M's and
+4. tensor parallelism (``loadtests/gpu_check_tp.py``): a world of one rank
+   over NCCL (collectives, and logits bitwise those without the group); with
+   two GPUs, the engine at 2 ranks vs 1 (float32 tokens, bfloat16 batch
+   invariance).
+5. throughput: the engine on random weights of SmolLM2-135M's and
    Llama-3-8B's shapes, 64 x (512 in, 128 out), ignore_eos, vs transformers
    ``generate`` on the same model in one batch of 64 (ratio of output tok/s).
 
 Without a CUDA device it says so and runs a dry run on CPU in about a minute:
 the kernels checks on tiny shapes in Triton's interpreter, parity likewise,
-throughput on a tiny shape; ``tests/test_gpu_check.py`` runs it. Writes
+tensor parallelism over gloo (2 ranks), throughput on a tiny shape; ``tests/test_gpu_check.py`` runs it. Writes
 ``gpu_check.json`` and ``gpu_check.md`` to ``--out``; exit status 1 when a
 part failed (a skipped part is not a failure).
 """
@@ -49,6 +53,8 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+
+from loadtests.gpu_check_tp import check_tensor_parallel  # noqa: E402
 
 # Shapes from the models' config.json (HuggingFaceTB/SmolLM2-135M-Instruct, meta-llama/Meta-Llama-3-8B).
 SHAPES = {
@@ -340,6 +346,12 @@ def write_summary(out: Path, env: dict, parts: list[Part], elapsed: float) -> Pa
         elif "checks" in r:
             figures = f"{r['checks_ok']}/{r['checks']} checks ok" + (
                 f", copy {r['copy_gbps']:.0f} GB/s, table: {r['report']}" if r.get("copy_gbps") else "")
+        elif "world_of_one" in r:
+            one, two = r["world_of_one"], r.get("two_ranks")
+            figures = (f"world of 1 over {one['backend']}: collectives {sum(one['collectives'].values())}/"
+                       f"{len(one['collectives'])} ok, logits bitwise equal {one['logits_bitwise_equal']}; 2 ranks: "
+                       + (two if isinstance(two, str) else f"fp32 tokens = 1 rank's {two['fp32_tokens_equal_tp1']}, "
+                          f"bf16 batched != alone {two['bf16_differ_batched_vs_alone']}"))
         elif "exact" in r:
             figures = f"{r['exact']}/{r['prompts']} exact, {r['near_ties']} near-ties, {len(r['mismatches'])} mismatches"
         else:
@@ -377,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         write_summary(args.out, env, parts, time.perf_counter() - t0)
         parts.append(run_part(Part("parity (triton, fp32, tiny Llama)"), check_parity, device, work))
         parts.append(run_part(Part("batch invariance (triton path)"), check_batch_invariance, device, work))
+        parts.append(run_part(Part("tensor parallel"), check_tensor_parallel, device, work, write_model_dir, SHAPES))
         write_summary(args.out, env, parts, time.perf_counter() - t0)  # a partial record if the run is killed
         if cuda:
             parts.append(run_part(Part("throughput smollm2-135m shape"), check_throughput, "smollm2-135m", device,

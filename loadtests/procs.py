@@ -180,6 +180,19 @@ def cpu_seconds(pid: int, include_children: bool = True) -> float:
     return total
 
 
+def tensor_parallel_ranks(server_pid: int) -> list[int]:
+    """The pids of the tensor-parallel ranks an engine server (``server_pid``) started on this host: the
+    children of its zygote (``engine/executor/zygote.py``; they carry the zygote's command line)."""
+    tree = _children(server_pid)
+
+    def zygote(pid: int) -> bool:
+        try:
+            return b"engine.executor.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+    return [pid for pid in tree if zygote(pid) and (f := _stat_fields(pid)) is not None and zygote(int(f[1]))]
+
+
 def _children(pid: int) -> list[int]:
     parent_of = {}
     for entry in os.listdir("/proc"):

@@ -33,7 +33,7 @@ from engine.worker.device import configure_core_threads, omp_places, omp_wait_po
 from engine.worker.malloc_tuning import malloc_tuning
 from engine.fingerprint import numerics_of, system_fingerprint
 from engine.worker.grammar_compiler import grammar_limits
-from engine.model_loader import load_model
+from engine.model_loader import import_loader_modules, load_model
 from engine.worker.model_runner import ModelRunner, resident_bytes
 from engine.executor.multiproc_executor import rank_threads, start_driver
 from engine.distributed.parallel_state import RankFailure
@@ -142,6 +142,7 @@ class EngineCore:
     def _load(self, args: EngineArgs, tp) -> None:
         """Load the model (this rank's part over several ranks), size the KV pool, build the runner; the
         rest of ``__init__``."""
+        import_loader_modules()
         rss = resident_bytes()
         model, self.tokenizer, self.model_config = load_model(args, tp)
         self.served_model_name = args.served_model_name or (

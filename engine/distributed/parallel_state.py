@@ -23,6 +23,11 @@ import torch
 import torch.distributed as dist
 
 HEADER = 16  # int64 words of a broadcast's header (kind + sizes)
+# The model's collectives wait this long for a rank: past it a rank hangs, and the step fails (the engine with
+# it). Generous: ranks meet several times per layer, and no layer of a step takes minutes.
+COLLECTIVE_TIMEOUT_S = 300.0
+# The step inputs' broadcast: the other ranks wait there while the engine is idle, for as long as it is.
+IDLE_TIMEOUT = timedelta(days=3650)
 
 
 class RankFailure(RuntimeError):
@@ -38,8 +43,10 @@ class TensorParallelGroup:
         rank, world_size: global rank and world size (rank 0: the driver, which schedules and samples).
         local_rank: rank on this host (the CUDA device index).
         device: where this rank's weights, KV cache and activations live.
-        device_group: the group the model's collectives run on (NCCL on CUDA, gloo on CPU).
-        cpu_group: a gloo group for the step inputs the driver broadcasts (the device group on CPU).
+        device_group: the group the model's collectives run on (NCCL on CUDA, gloo on CPU), which
+            waits ``COLLECTIVE_TIMEOUT_S`` for a rank.
+        cpu_group: a gloo group for the step inputs the driver broadcasts, which waits as long as the
+            engine idles (a group's timeout bounds every wait in it, a rank's wait for the next step too).
     """
 
     rank: int
@@ -53,7 +60,8 @@ class TensorParallelGroup:
     def join(cls, rank: int, world_size: int, local_rank: int, device: torch.device,
              timeout_s: float = 600.0) -> "TensorParallelGroup":
         """Join the world (``init_process_group`` over ``env://``: ``MASTER_ADDR`` and ``MASTER_PORT`` must be
-        set); blocks until every rank has joined or ``timeout_s`` passes (then RuntimeError)."""
+        set); blocks until every rank has joined or ``timeout_s`` passes (then RuntimeError: another host's
+        ranks may be started minutes after this one)."""
         if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
             raise ValueError("tensor parallelism needs MASTER_ADDR and MASTER_PORT (env:// rendezvous)")
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -62,9 +70,9 @@ class TensorParallelGroup:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s),
                                 **({"device_id": device} if device.type == "cuda" else {}))
-        world = dist.group.WORLD
-        cpu = dist.new_group(backend="gloo") if backend == "nccl" else world
-        return cls(rank, world_size, local_rank, device, world, cpu)
+        group = dist.new_group(backend=backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        cpu = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        return cls(rank, world_size, local_rank, device, group, cpu)
 
     @property
     def is_driver(self) -> bool:

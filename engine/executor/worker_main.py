@@ -26,7 +26,7 @@ def run_worker(rank: int, world_size: int, local_rank: int, device_type: str) ->
     import torch
 
     from engine.distributed.parallel_state import TensorParallelGroup
-    from engine.model_loader import load_model
+    from engine.model_loader import import_loader_modules, load_model
     from engine.worker.device import resolve_dtype
     from engine.worker.model_runner import ModelRunner, resident_bytes
     from engine.worker.step_inputs import STOP, StepInputs
@@ -36,6 +36,7 @@ def run_worker(rank: int, world_size: int, local_rank: int, device_type: str) ->
     try:
         args = tp.broadcast_object()
         dtype = resolve_dtype(args.dtype)
+        import_loader_modules()
         rss = resident_bytes()
         model, _, config = load_model(args, tp)
         blocks, cpu_blocks = ModelRunner.determine_num_blocks(args, config, device, dtype, model.shard.num_kv_heads)

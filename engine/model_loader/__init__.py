@@ -29,6 +29,17 @@ def release_freed_memory() -> None:
         pass
 
 
+def import_loader_modules() -> None:
+    """Import what loading a model imports (the readers, the tokenizer, the C kernels' libraries), so that a
+    measure of resident memory taken after this and after the load counts the weights, not the imports
+    (``ModelRunner.memory_report``)."""
+    from engine.model_loader import gguf_loader, hf  # noqa: F401
+    from engine import tokenizer  # noqa: F401
+    from kernels import cpu_attention, cpu_linear, cpu_norm_act
+
+    cpu_linear.available(), cpu_norm_act.available(), cpu_attention.available()
+
+
 def _size_on_disk(path: str) -> int:
     """Bytes of a model file, or of the files of a model directory."""
     if os.path.isfile(path):
@@ -48,10 +59,14 @@ def _logged(weights, t0: float):
         tensors += 1
         now = time.perf_counter()
         if now - last >= _PROGRESS_EVERY_S:
-            logger.info("loading weights: %d tensors, %.0f MB in %.1f s", tensors, read / 2**20, now - t0)
+            logger.info("loading weights: %d tensors, %.0f MB in %.1f s", tensors, read / 2**20, now - t0) if read \
+                else logger.info("loading weights: %d tensors in %.1f s", tensors, now - t0)
             last = now
         yield name, value
-    logger.info("weights read: %d tensors, %.0f MB in %.1f s", tensors, read / 2**20, time.perf_counter() - t0)
+    if read:
+        logger.info("weights read: %d tensors, %.0f MB in %.1f s", tensors, read / 2**20, time.perf_counter() - t0)
+    else:   # not read yet when yielded: a tensor-parallel rank reads its part of each
+        logger.info("weights read: this rank's part of %d tensors in %.1f s", tensors, time.perf_counter() - t0)
 
 
 @torch.no_grad()

@@ -65,6 +65,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "once); reports the ratio, acceptance rate and mean accepted length")
     parser.add_argument("--spec-concurrent", action="store_true",
                         help="--compare-speculative submits all prompts at once instead of one at a time")
+    parser.add_argument("--compare-tensor-parallel", type=int, default=0, metavar="SIZE",
+                        help="also build the engine over SIZE tensor-parallel ranks (the cores split between them) "
+                             "and run both interleaved for --tp-rounds rounds; reports the ratio and each rank's "
+                             "memory (0: skip; the engine itself must be --tensor-parallel-size 1)")
+    parser.add_argument("--tp-rounds", type=int, default=3, help="rounds of --compare-tensor-parallel")
     parser.add_argument("--rounds", type=int, default=6, help="fresh/cycled rounds with --kv-pool-cycle-tokens")
     parser.add_argument("--peer", choices=sorted(PEERS), default=None,
                         help="also run this peer engine on the same prompts (None: no peer)")
@@ -322,6 +327,11 @@ def run_bench(args: argparse.Namespace) -> int:
                                                        single_stream=not args.spec_concurrent)
     if args.compare_model:
         result["model_ab"] = compare_models(engine, args, prompts, params)
+    if args.compare_tensor_parallel:
+        from loadtests.bench.tensor_parallel import compare_tensor_parallel
+
+        result["tensor_parallel_ab"] = compare_tensor_parallel(engine, args.compare_tensor_parallel, prompts, params,
+                                                               args.tp_rounds)
     if args.peer:
         result[args.peer] = compare_peer(engine, args, prompts, params)
         if "ratio" in result[args.peer]:
@@ -365,6 +375,10 @@ def run_bench(args: argparse.Namespace) -> int:
         table.add_row(f"{ab['other_model']}, output tok/s", ", ".join(f"{x:.1f}" for x in ab["other"]))
         table.add_row("ratio this / other per round", ", ".join(f"{x:.2f}x" for x in ab["round_ratios"]))
         table.add_row("ratio this / other (medians)", f"{ab['ratio_this_other']:.3f}x")
+    if "tensor_parallel_ab" in result:
+        from loadtests.bench.tensor_parallel import table_rows
+
+        table_rows(table, result["tensor_parallel_ab"], args.compare_tensor_parallel)
     if args.peer:
         _peer_rows(table, args.peer, result[args.peer])
     Console().print(table)

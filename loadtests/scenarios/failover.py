@@ -3,8 +3,11 @@
 Two upstreams (``primary`` and ``fallback``) behind ``tandem serve``: one
 route with primary as its only target and fallback as its fallback.
 Non-streaming closed-loop load runs for ``--duration`` seconds; at
-``--kill-at`` seconds the primary is SIGKILLed. Reported (from each
-response's ``x-tandem-backend``):
+``--kill-at`` seconds the primary is SIGKILLed. With ``--primary-tp N`` the
+primary is a ``tandem engine serve --tensor-parallel-size N`` (``--model``,
+default the embedded one) and what is killed is one of its ranks: the engine
+fails (its ``/health`` turns 503) and the gateway serves from the fallback.
+Reported (from each response's ``x-tandem-backend``):
 
 * failed requests (target: zero);
 * the share served by the fallback, overall and after the kill;
@@ -16,14 +19,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
 import tempfile
 import time
 from pathlib import Path
 
+from loadtests.procs import tensor_parallel_ranks
 from loadtests.report import write_report
 from loadtests.runner import LoadConfig, run_async, run_load
-from loadtests.scenarios.common import (fmt, gateway_config, md_table, small_workload, start_gateway,
-                                        start_upstream, summary, upstream_backend)
+from loadtests.scenarios.common import (fmt, gateway_config, md_table, small_workload, start_engine_server,
+                                        start_gateway, start_upstream, summary, upstream_backend)
 from loadtests.stats import percentiles, ratio
 
 MODEL = "bench"
@@ -36,6 +42,12 @@ def register(sub) -> None:
     p.add_argument("--kill-at", type=float, default=5.0, help="seconds into the load when the primary is killed")
     p.add_argument("--window", type=float, default=2.0, help="failover window after the kill, seconds")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    p.add_argument("--primary-tp", type=int, default=0, metavar="N",
+                   help="the primary is a tandem engine over N tensor-parallel ranks, one of which is killed "
+                        "(0: a fake upstream, killed whole)")
+    p.add_argument("--model", default=None, help="the --primary-tp engine's model (None: the embedded SmolLM2)")
+    p.add_argument("--engine-arg", action="append", default=[],
+                   help="an extra flag of the --primary-tp engine's tandem engine serve (repeatable)")
     p.add_argument("--out", default="loadtest-results/failover",
                    help="output directory (results.json, summary.md, plots)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -65,17 +77,37 @@ def analyse(results, t_kill: float, window: float) -> dict:
     }
 
 
-async def _load_and_kill(cfg: LoadConfig, workload, primary, kill_at: float):
+async def _load_and_kill(cfg: LoadConfig, workload, kill, kill_at: float):
     load = asyncio.ensure_future(run_load(cfg, workload))
     await asyncio.sleep(kill_at)
     t_kill = time.perf_counter()
-    await asyncio.to_thread(primary.kill)
+    await asyncio.to_thread(kill)
     return await load, t_kill
+
+
+def _kill_a_rank(server) -> None:
+    """SIGKILL the last tensor-parallel rank of the engine ``server`` started."""
+    ranks = tensor_parallel_ranks(server.pid)
+    if not ranks:
+        raise RuntimeError(f"no tensor-parallel rank under the engine server (pid {server.pid})")
+    os.kill(max(ranks), signal.SIGKILL)
+
+
+def _start_primary(args, logs: Path):
+    """(the primary, how to kill it): a fake upstream killed whole, or a tensor-parallel engine one of whose
+    ranks is killed."""
+    if not args.primary_tp:
+        primary = start_upstream("primary", logs)
+        return primary, primary.kill
+    model = ["--model", args.model] if args.model else []
+    primary = start_engine_server(logs, [*model, "--served-model-name", MODEL, "--tensor-parallel-size",
+                                         str(args.primary_tp), *args.engine_arg], name="primary")
+    return primary, lambda: _kill_a_rank(primary)
 
 
 def run(args: argparse.Namespace) -> int:
     logs = Path(tempfile.mkdtemp(prefix="lt-failover-"))
-    primary = start_upstream("primary", logs)
+    primary, kill = _start_primary(args, logs)
     fallback = start_upstream("fallback", logs)
     try:
         ports = {n: int(s.base_url.rsplit(":", 1)[1]) for n, s in (("primary", primary), ("fallback", fallback))}
@@ -86,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             cfg = LoadConfig(gw.base_url + "/v1", MODEL, "chat", False, args.concurrency, duration=args.duration,
                              progress=not args.no_progress, label="failover load")
-            run_, t_kill = run_async(_load_and_kill(cfg, small_workload(), primary, args.kill_at))
+            run_, t_kill = run_async(_load_and_kill(cfg, small_workload(), kill, args.kill_at))
         finally:
             gw.stop()
     finally:

@@ -37,3 +37,18 @@ def test_the_cpu_kernels_body_is_part_of_the_numerics(monkeypatch):
     assert avx2["cpu_isa"] == "avx2" and native["cpu_isa"] == cpu_linear.isa("native")
     if native["cpu_isa"] != "avx2":
         assert system_fingerprint(default_model_path(), avx2) != system_fingerprint(default_model_path(), native)
+
+
+def test_the_tensor_parallel_size_is_part_of_the_numerics():
+    """N ranks cut each row-parallel sum N ways: other bits than one rank's, so another fingerprint; one rank
+    keeps the fingerprint it had before tensor parallelism existed (no key)."""
+    import torch
+
+    from engine.config import EngineArgs
+    from engine.fingerprint import numerics_of
+
+    cpu = torch.device("cpu")
+    one, two = numerics_of(EngineArgs(), cpu, torch.float32), numerics_of(EngineArgs(tensor_parallel_size=2), cpu,
+                                                                          torch.float32)
+    assert "tensor_parallel_size" not in one and two["tensor_parallel_size"] == 2
+    assert system_fingerprint(default_model_path(), one) != system_fingerprint(default_model_path(), two)
