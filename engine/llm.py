@@ -36,8 +36,9 @@ class LLM:
         return self.engine.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the engine's other tensor-parallel ranks (they also end with this process)."""
-        self.engine.core.shutdown()
+        """Stop the engine's other tensor-parallel ranks (they also end with this process) and what else
+        outlives a step (``EngineCore.close``)."""
+        self.engine.core.close()
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling_type: str | None = None,
               normalize: bool | None = None) -> list[list[float]]:

@@ -76,7 +76,6 @@ def run_core_loop(core, take_commands: Callable[[bool], list[Command]], emit: Ca
             emit(CoreStep([], core.get_stats(), time.monotonic(), rejected=rejected, acks=acks))
             emit_embeds(core, emit)
             core.close()
-            core.shutdown()
             return
         outputs, failed, error = [], [], None
         if core.has_unfinished_requests():

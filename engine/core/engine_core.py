@@ -369,19 +369,6 @@ class EngineCore:
         if self.executor is not None:
             self.executor.on_failure = callback
 
-    def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks and leave the group (a no-op with one rank, or once done)."""
-        if self.executor is None or self.executor.closed:
-            return
-        tp = self.model_runner.tp
-        if self.executor.failure is None:
-            try:
-                tp.broadcast_ints(STOP)
-            except Exception:  # noqa: BLE001 - a rank gone already: the executor kills the rest
-                pass
-        self.executor.shutdown()
-        tp.close()
-
     # ------------------------------------------------------------------- step
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduling step; the news of every choice that sampled a
@@ -445,10 +432,21 @@ class EngineCore:
         return outputs
 
     def close(self) -> None:
-        """Release what outlives a step: the KV events publisher's thread and sockets."""
+        """Release what outlives a step: the KV events publisher's thread and sockets, and the other
+        tensor-parallel ranks (stopped; the group left). Once done, a no-op."""
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.shutdown()
             self.kv_event_publisher = None
+        if self.executor is None or self.executor.closed:
+            return
+        tp = self.model_runner.tp
+        if self.executor.failure is None:
+            try:
+                tp.broadcast_ints(STOP)
+            except Exception:  # noqa: BLE001 - a rank gone already: the executor kills the rest
+                pass
+        self.executor.shutdown()
+        tp.close()
 
     def _calibrate(self, started: float, prefill_tokens: int, decode_rows: int, quad: float, chunks: int) -> None:
         """Time the previous step from its start to this one's (perf_counter seconds): what a waiting request

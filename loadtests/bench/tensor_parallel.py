@@ -51,7 +51,7 @@ def compare_tensor_parallel(engine, size: int, prompts: list[list[int]], params:
         memory = {name: e.core.rank_memory for name, (e, _) in engines.items()}
     finally:
         torch.set_num_threads(threads_one)
-        split.core.shutdown()
+        split.core.close()
     key = f"tp{size}"
     return {**runs, "ratio": percentile(runs[key], 50) / percentile(runs["tp1"], 50),
             "threads": {name: t for name, (_, t) in engines.items()}, "memory": memory}
