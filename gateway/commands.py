@@ -20,6 +20,14 @@ def register(subparsers) -> None:
                    help="allow a non-loopback bind without virtual keys (default: server.insecure)")
     p.add_argument("--no-engine", action="store_true",
                    help="do not start the local engine (upstreams only; the local backend stays unavailable)")
+    p.add_argument("--picker-port", type=int, default=None,
+                   help="also serve as the Gateway API Inference Extension's endpoint picker: Envoy's ext_proc "
+                        "over gRPC on this port (the inference extension's is 9002; docs/operators/scale-out.md)")
+    p.add_argument("--picker-health-port", type=int, default=None,
+                   help="with --picker-port: the gRPC health service on this port too (the extension's is 9003)")
+    p.add_argument("--picker-fallbacks", type=int, default=0,
+                   help="with --picker-port: endpoints sent after the primary, comma-separated (default 0: Envoy's "
+                        "ORIGINAL_DST cluster reads one address; a list needs e.g. its override_host policy)")
     p.set_defaults(func=_serve)
 
     p = subparsers.add_parser("route", help="routing policy tools")
@@ -80,7 +88,9 @@ def register(subparsers) -> None:
 def _serve(args) -> int:
     from gateway.http.server import serve   # lazy (as below): each command loads only what it uses; `tandem` starts fast
 
-    return serve(args.config, args.host, args.port, args.insecure, start_engine=not args.no_engine)
+    return serve(args.config, args.host, args.port, args.insecure, start_engine=not args.no_engine,
+                 picker_port=args.picker_port, picker_health_port=args.picker_health_port,
+                 picker_fallbacks=args.picker_fallbacks)
 
 
 def _prompt_tokens(compiled, endpoint: str, body: dict) -> tuple[int, str]:

@@ -1,10 +1,13 @@
-"""The Kubernetes manifests (docs/operators/kubernetes/) against the Kubernetes schemas (kubernetes-validate,
-strict: an unknown field fails), and what they hand Tandem against Tandem's own checks: the gateway's config is
-a valid config, the engine's arguments parse to valid engine arguments."""
+"""The Kubernetes manifests (docs/operators/kubernetes/, and its inference-pool/ variant) against the Kubernetes
+schemas (kubernetes-validate, strict: an unknown field fails; the InferencePool against its CRD's schema, a copy in
+tests/data/crds/, made as strict), and what they hand Tandem against Tandem's own checks: the gateway's config is
+a valid config, the engine's and the picker's arguments parse to valid arguments, the pool selects the engine pods
+the picker's config names."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 from pathlib import Path
 
 import pytest
@@ -14,28 +17,111 @@ from engine.config import EngineArgs, add_engine_cli_args, engine_args_from_cli
 from gateway.config.compile import load_config_text
 
 kv = pytest.importorskip("kubernetes_validate")
+jsonschema = pytest.importorskip("jsonschema")
 HERE = Path(__file__).resolve().parents[1] / "docs" / "operators" / "kubernetes"
+POOL = HERE / "inference-pool"
+CRDS = Path(__file__).resolve().parent / "data" / "crds"
 K8S_VERSION = "1.33.0"
 
 
-def documents() -> list[dict]:
-    kustomization = yaml.safe_load((HERE / "kustomization.yaml").read_text())
+def documents(base: Path = HERE) -> list[dict]:
+    """The resources of the kustomization in ``base``, following directory resources (an overlay's ``../``)."""
+    kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
     docs = []
     for name in kustomization["resources"]:
-        docs += [d for d in yaml.safe_load_all((HERE / name).read_text()) if d]
+        path = (base / name).resolve()
+        docs += documents(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
     return docs
 
 
-def by_kind(kind: str, name: str) -> dict:
-    return next(d for d in documents() if d["kind"] == kind and d["metadata"]["name"] == name)
+def by_kind(kind: str, name: str, base: Path = HERE) -> dict:
+    return next(d for d in documents(base) if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def strict(schema: dict) -> dict:
+    """``schema`` with every object that lists its properties closed to others (as the API server's strict field
+    validation refuses an unknown field)."""
+    schema = copy.deepcopy(schema)
+
+    def close(node):
+        if isinstance(node, dict):
+            if "properties" in node and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            for v in node.values():
+                close(v)
+        elif isinstance(node, list):
+            for v in node:
+                close(v)
+
+    close(schema)
+    return schema
+
+
+def crd_validator(kind: str):
+    """A validator of ``kind`` objects from its CRD in tests/data/crds/ (its served version's schema)."""
+    for path in CRDS.glob("*.yaml"):
+        crd = yaml.safe_load(path.read_text())
+        if crd["spec"]["names"]["kind"] == kind:
+            version = next(v for v in crd["spec"]["versions"] if v.get("served"))
+            schema = strict(version["schema"]["openAPIV3Schema"])
+            schema["properties"]["apiVersion"]["enum"] = [f"{crd['spec']['group']}/{version['name']}"]
+            return jsonschema.Draft7Validator(schema)
+    raise LookupError(f"no CRD of {kind} in {CRDS}")
+
+
+def validate(d: dict) -> None:
+    """``d`` against the Kubernetes schemas, or its CRD's; raises naming the field."""
+    if d["apiVersion"].startswith("inference.networking.k8s.io/"):
+        crd_validator(d["kind"]).validate(d)
+    else:
+        kv.validate(d, K8S_VERSION, strict=True)
 
 
 def test_every_resource_is_valid_kubernetes():
     docs = documents()
     assert {d["kind"] for d in docs} >= {"Deployment", "StatefulSet", "Service", "ConfigMap",
                                          "HorizontalPodAutoscaler"}
-    for d in docs:
-        kv.validate(d, K8S_VERSION, strict=True)   # raises ValidationError naming the field
+    pool = documents(POOL)
+    assert {d["kind"] for d in pool} - {d["kind"] for d in docs} == {"InferencePool"}
+    for d in pool:              # the base and the variant's own resources
+        validate(d)
+
+
+def test_a_wrong_inference_pool_field_is_caught():
+    bad = by_kind("InferencePool", "tandem-engines", POOL)
+    bad["spec"]["endpointPickerRef"]["prot"] = {"number": 9002}
+    with pytest.raises(jsonschema.ValidationError):
+        validate(bad)
+    bad = by_kind("InferencePool", "tandem-engines", POOL)
+    del bad["spec"]["targetPorts"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate(bad)
+
+
+def test_the_pool_selects_the_engine_pods_and_its_picker_is_tandem_on_the_gateway_config():
+    pool = by_kind("InferencePool", "tandem-engines", POOL)["spec"]
+    engine = by_kind("StatefulSet", "tandem-engine", POOL)["spec"]["template"]
+    labels = engine["metadata"]["labels"]
+    assert pool["selector"]["matchLabels"].items() <= labels.items()
+    ports = {p["containerPort"] for p in engine["spec"]["containers"][0]["ports"] if p["name"] == "http"}
+    assert [p["number"] for p in pool["targetPorts"]] == sorted(ports)
+    ref = pool["endpointPickerRef"]
+    service = by_kind("Service", ref["name"], POOL)["spec"]
+    picker = by_kind("Deployment", ref["name"], POOL)["spec"]["template"]["spec"]
+    assert service["selector"].items() <= by_kind("Deployment", ref["name"], POOL)["spec"]["template"][
+        "metadata"]["labels"].items()
+    grpc_port = next(p for p in service["ports"] if p["port"] == ref["port"]["number"])
+    container = picker["containers"][0]
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    from gateway.commands import register
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(container["command"][1:])
+    assert args.command == "serve" and args.picker_port == named[grpc_port["targetPort"]]
+    assert container["readinessProbe"]["grpc"] == {"port": args.picker_health_port, "service": "readiness"}
+    mount = next(m for m in container["volumeMounts"] if args.config.startswith(m["mountPath"]))
+    volume = next(v for v in picker["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == "tandem-gateway"     # the config the gateway test checks names the pods
 
 
 def test_a_wrong_field_is_caught():
@@ -66,5 +152,7 @@ def test_the_engine_arguments_are_valid_engine_arguments():
     args = parser.parse_args(container["args"])
     engine_args = engine_args_from_cli(args)
     assert isinstance(engine_args, EngineArgs) and engine_args.kv_events_config
+    assert any(a.startswith("--tensor-parallel-size=") for a in container["args"])
+    assert engine_args.tensor_parallel_size == args.tensor_parallel_size >= 1
     ports = {p["containerPort"] for p in container["ports"]}
     assert args.port in ports and {5557, 5558} <= ports

@@ -23,6 +23,10 @@ class AnthropicBackend(UpstreamBackend):
     endpoints = ("messages",)
     client_headers = ("anthropic-beta",)     # the client's beta features, which the Messages body relies on
 
+    def endpoint(self) -> None:
+        """Anthropic's API is not the client's: a data plane cannot be handed its address."""
+        return None
+
     def api_headers(self) -> dict[str, str]:
         """The API version, required on every request."""
         return {"anthropic-version": self.cfg.anthropic_version}

@@ -33,9 +33,9 @@ def native_api(backend, req: GatewayRequest) -> str:
     return req.source[0]
 
 
-def _passthrough(backend, target: Target, req: GatewayRequest, body: dict) -> bytes:
+def passthrough_body(backend, target: Target, req: GatewayRequest, body: dict) -> bytes:
     """A client body sent on its own API (not translated to chat): the gateway's fields dropped, the model the
-    target's upstream name."""
+    target's upstream name. Also what the endpoint picker hands Envoy to send (``gateway/picker/``)."""
     out = {k: v for k, v in body.items() if k not in GATEWAY_ONLY_FIELDS}
     out["model"] = backend.upstream_model(req.public_model, target.model)
     return msgspec.json.encode(out)
@@ -43,7 +43,7 @@ def _passthrough(backend, target: Target, req: GatewayRequest, body: dict) -> by
 
 def _payload(backend, target: Target, req: GatewayRequest):
     if backend.kind == "anthropic":     # Anthropic's own API: the client's Messages body, passed through
-        return _passthrough(backend, target, req, req.anthropic_body)
+        return passthrough_body(backend, target, req, req.anthropic_body)
     body = dict(req.body)
     body["model"] = backend.upstream_model(req.public_model, target.model)
     for k in GATEWAY_ONLY_FIELDS:       # the local engine gets the priority as an argument
@@ -64,7 +64,7 @@ def _client_headers(backend, req: GatewayRequest) -> dict[str, str]:
 
 async def _attempt(backend, target: Target, req: GatewayRequest, handover=None):
     if api := native_api(backend, req):          # the client's own request, on the API it was made on
-        return await backend.send(api, _passthrough(backend, target, req, req.source[1]), req.request_id)
+        return await backend.send(api, passthrough_body(backend, target, req, req.source[1]), req.request_id)
     payload = _payload(backend, target, req)
     # the local engine takes the request value (priority, routing's rendering, the answer's id and model) and
     # the hand-over's checkpoint

@@ -86,6 +86,10 @@ class LocalBackend:
     kind = "local"
     endpoints = ("chat/completions", "completions", "embeddings")   # what its OpenAI layer serves
 
+    def endpoint(self) -> None:
+        """The co-located engine has no address an endpoint picker could hand a data plane."""
+        return None
+
     def __init__(self, name: str, cfg: LocalBackendConfig):
         self.name, self.cfg = name, cfg
         self.engine = None

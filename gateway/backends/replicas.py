@@ -159,24 +159,32 @@ class ReplicaLoads:
         if chosen != pick.home:
             self.spillovers.labels(route, pick.home).inc()
 
+    def hold(self, tid: str):
+        """Count one call in flight on replica ``tid`` from now: returns the function that ends it (idempotent),
+        or None when ``tid`` is not a tracked replica. The gateway's attempt loop (``track``) and the endpoint
+        picker (``gateway/picker/``) count through here."""
+        if tid not in self._replicas:
+            return None
+        self.in_flight[tid] = self.in_flight.get(tid, 0) + 1
+        self.routed.labels(self._route_of.get(tid, ""), tid).inc()
+        done = False
+
+        def end() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.in_flight[tid] -= 1
+
+        return end
+
     def track(self, attempt):
         """``attempt`` (one upstream call of the attempt loop) counting calls in flight per tracked replica, from
         the call until its answer is read or its stream closed."""
 
         async def tracked(c) -> UpstreamResponse:
-            tid = c.target.id
-            if tid not in self._replicas:
+            end = self.hold(c.target.id)
+            if end is None:
                 return await attempt(c)
-            self.in_flight[tid] = self.in_flight.get(tid, 0) + 1
-            self.routed.labels(self._route_of.get(tid, ""), tid).inc()
-            done = False
-
-            def end() -> None:
-                nonlocal done
-                if not done:
-                    done = True
-                    self.in_flight[tid] -= 1
-
             try:
                 resp = await attempt(c)
             except BaseException:

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Mapping
+from urllib.parse import urlsplit
 
 import aiohttp
 import httpx
@@ -105,6 +106,17 @@ class UpstreamBackend:
     def auth_headers(self, key: str) -> dict[str, str]:
         """The headers that carry the API key (OpenAI's bearer token)."""
         return {"authorization": f"Bearer {key}"}
+
+    def endpoint(self) -> tuple[str, int] | None:
+        """Where an endpoint picker sends this backend's requests for the data plane (``gateway/picker/``): the
+        host and port of ``base_url`` (the scheme's default port when none is written), which must speak the
+        client's OpenAI API as it is (a subclass translating another API returns None)."""
+        u = urlsplit(self.cfg.base_url)
+        return (u.hostname, u.port or (443 if u.scheme == "https" else 80)) if u.hostname else None
+
+    def request_headers(self) -> dict[str, str]:
+        """The headers every call to this backend carries (content type, API headers, its key, ``headers``)."""
+        return dict(self._headers)
 
     def upstream_model(self, public_model: str, target_model: str) -> str:
         """The model name to send: the target's, else the mapping's, else the public one."""

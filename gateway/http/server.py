@@ -43,9 +43,10 @@ _AFTER_DRAIN_S = 0.5
 class GatewayServer(uvicorn.Server):
     """uvicorn's server with drain on SIGTERM or SIGINT and reload on SIGHUP."""
 
-    def __init__(self, config: uvicorn.Config, gw: Gateway):
+    def __init__(self, config: uvicorn.Config, gw: Gateway, picker=None):
         super().__init__(config)
         self.gw = gw
+        self.picker = picker                     # gateway/picker/ext_proc.PickerServer, or None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.drain_started: float | None = None
         self.exiting = False                     # a second signal is ending the streams before the exit
@@ -58,6 +59,8 @@ class GatewayServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if self.picker is not None and not self.should_exit:
+            await self.picker.start()
         freeze_heap()       # the loaded gateway; its co-located engine's objects once it has loaded
         if self.gw.engine_start is not None:
             self.gw.engine_start.add_done_callback(lambda _: freeze_heap())
@@ -81,7 +84,7 @@ class GatewayServer(uvicorn.Server):
         if self.drain_started is None and not self.gw.draining and not self.should_exit:
             log.info("%s: draining", signal.Signals(sig).name)
             self.drain_started = time.monotonic()
-            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self.gw.drain()))
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain()))
             return
         if self.drain_started is not None and time.monotonic() - self.drain_started < _ECHO_S:
             return                               # the process group's signal, forwarded again by make
@@ -91,6 +94,16 @@ class GatewayServer(uvicorn.Server):
         log.warning("second signal during the drain: exiting now")
         self.exiting = True
         self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._exit_now()))
+
+    async def _drain(self) -> None:
+        if self.picker is not None:
+            await self.picker.set_serving(False)   # the data plane's health checks stop sending here
+        await self.gw.drain()
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.picker is not None:
+            await self.picker.stop(_AFTER_DRAIN_S)
+        await super().shutdown(sockets)
 
     async def _exit_now(self) -> None:
         """Exit without waiting for the drain, after the open streams got their ``stream_interrupted`` event:
@@ -102,9 +115,12 @@ class GatewayServer(uvicorn.Server):
 
 
 def serve(config_path: str, host: str | None = None, port: int | None = None, insecure: bool = False,
-          start_engine: bool = True) -> int:
-    """Run the gateway until stopped. Returns the process exit status
-    (2 = invalid config or refused bind)."""
+          start_engine: bool = True, picker_port: int | None = None, picker_health_port: int | None = None,
+          picker_fallbacks: int = 0) -> int:
+    """Run the gateway until stopped; with ``picker_port``, also as Envoy's endpoint picker (``ext_proc`` over
+    gRPC on that port, its health service on ``picker_health_port`` too, ``picker_fallbacks`` endpoints after the
+    primary: ``gateway/picker/``). Returns the
+    process exit status (2 = invalid config, refused bind, or a config the picker cannot serve)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if (compiled := load_config_or_report(config_path, "tandem serve: ")) is None:
         return 2
@@ -123,7 +139,21 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
             print(f"tandem serve: {e}", file=sys.stderr)
             return 2
         compiled = with_redis_url(compiled, embedded.url)
+    picker = None
+    if picker_port is not None:
+        try:
+            from gateway.picker.ext_proc import PickerServer
+            from gateway.picker.pick import check_config
+        except ImportError as e:
+            print(f"tandem serve --picker-port: {e.name} is not installed (pip install 'tandem[picker]')",
+                  file=sys.stderr)
+            return 2
+        if why := check_config(compiled):
+            print(f"tandem serve --picker-port: {why}", file=sys.stderr)
+            return 2
     gw = Gateway(config_path, compiled, start_engine=start_engine)
+    if picker_port is not None:
+        picker = PickerServer(gw, host, picker_port, picker_health_port, picker_fallbacks)
     door = DoorLimits(cfg.server.max_header_bytes, cfg.server.max_headers, cfg.server.header_timeout_s)
     config = uvicorn.Config(create_app(gw, cfg.server.cors), host=host, port=port, loop="uvloop",
                             http=door_protocol(door),
@@ -131,7 +161,7 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
                             timeout_graceful_shutdown=cfg.server.drain_timeout_s, timeout_keep_alive=30,
                             proxy_headers=False, server_header=False)
     try:
-        GatewayServer(config, gw).run()
+        GatewayServer(config, gw, picker).run()
     finally:
         if embedded is not None:
             release(embedded)               # shut down when no other gateway uses it

@@ -1,0 +1,191 @@
+"""The endpoint picker's wire: Envoy's ``envoy.service.ext_proc.v3.ExternalProcessor`` over gRPC (``grpc.aio``, on
+the gateway's own event loop), answering as the Gateway API Inference Extension's endpoint-picker protocol says
+(docs/proposals/004-endpoint-picker-protocol):
+
+- the picked endpoints as the ``x-gateway-destination-endpoint`` request header and, the same value, as the
+  ``envoy.lb`` dynamic metadata's ``x-gateway-destination-endpoint``: ``ip:port`` of the primary, then up to
+  ``fallbacks`` more in the order to try them, comma-separated; with ``clear_route_cache`` so Envoy routes on
+  them. ``fallbacks`` is 0 by default: Envoy's ``ORIGINAL_DST`` cluster reads the header as one address (a list
+  needs a data plane that walks it, e.g. Envoy's ``override_host`` load-balancing policy);
+- an ``ImmediateResponse`` for a refusal: 503 when no endpoint is ready, 429 when admission sheds the request,
+  the gateway's 400/401/404 for a bad request, each with the gateway's OpenAI error JSON;
+- the data plane's subset hint (``envoy.lb.subset_hint``, key ``x-gateway-destination-endpoint-subset``) read
+  from the request's ``metadata_context``;
+- the gRPC health service with ``liveness``, ``readiness`` and ``envoy.service.ext_proc.v3.ExternalProcessor``
+  (not serving while the gateway drains).
+
+Message flow: request headers (picked at once when the request has no body), then the request body, BUFFERED (the
+whole body in one message: Envoy holds the headers until the body's answer, whose header mutation it applies);
+a body sent in several messages is gathered up to ``MAX_BODY_BYTES``. On the response headers the picker adds the
+gateway front's ``x-tandem-route``, ``x-tandem-rule`` and ``x-tandem-backend`` (the primary's backend). A pick on a
+``prefix_affinity`` route counts as in flight on its replica until the ext_proc stream ends (Envoy ends it with the
+request), as the gateway's own calls count between two reads of the replicas' metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from gateway.errors import error_body
+from gateway.picker.pick import Picked, Refused, Resolver, pick
+
+log = logging.getLogger("tandem.picker")
+
+DESTINATION = "x-gateway-destination-endpoint"
+NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET = "x-gateway-destination-endpoint-subset"
+HEALTH_SERVICES = ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+# The largest request body gathered (the gateway's front refuses larger ones with 413 too: server.max_body_bytes).
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+def _headers(msg: ep.HttpHeaders) -> dict[str, str]:
+    """Envoy's header map (``raw_value`` bytes, or ``value``) as lower-case name -> value."""
+    return {h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+            for h in msg.headers.headers}
+
+
+def _subset(metadata: base_pb2.Metadata) -> set[str] | None:
+    """The data plane's endpoint subset (a list, or a comma-separated string), or None when it sets none."""
+    ns = metadata.filter_metadata.get(SUBSET_NAMESPACE)
+    if ns is None or SUBSET not in ns.fields:
+        return None
+    v = ns.fields[SUBSET]
+    items = [x.string_value for x in v.list_value.values] if v.HasField("list_value") else [v.string_value]
+    return {e.strip() for item in items for e in item.split(",") if e.strip()}
+
+
+def _set(headers: dict[str, str]) -> ep.HeaderMutation:
+    return ep.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=k, raw_value=v.encode())) for k, v in headers.items()])
+
+
+def refusal(r: Refused) -> ep.ProcessingResponse:
+    """``r`` as Envoy's immediate response (``ImmediateResponse``: status, headers, the OpenAI error JSON)."""
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=r.status), body=r.body,
+        headers=_set({"content-type": "application/json", **r.headers}), details=f"tandem_picker_{r.status}"))
+
+
+def destination(p: Picked, phase: str, fallbacks: int = 0) -> ep.ProcessingResponse:
+    """``p`` as the answer to the request's ``phase`` (``request_headers`` or ``request_body``): the header and
+    the ``envoy.lb`` metadata, one value (the primary and up to ``fallbacks`` more endpoints); the backend's
+    headers instead of the client's key; in the body phase the body the gateway would send."""
+    value = ",".join(p.endpoints[:1 + fallbacks])
+    headers = {**p.upstream_headers, DESTINATION: value}
+    body = None
+    if phase == "request_body":
+        body = ep.BodyMutation(body=p.body)
+        headers["content-length"] = str(len(p.body))
+    mutation = _set(headers)
+    if "authorization" not in headers:
+        mutation.remove_headers.append("authorization")     # the client's virtual key is the gateway's, not the engine's
+    common = ep.CommonResponse(header_mutation=mutation, body_mutation=body, clear_route_cache=True)
+    meta = struct_pb2.Struct()
+    meta.update({NAMESPACE: {DESTINATION: value}})
+    answer = ep.HeadersResponse(response=common) if phase == "request_headers" else ep.BodyResponse(response=common)
+    return ep.ProcessingResponse(dynamic_metadata=meta, **{phase: answer})
+
+
+class Picker(ep_grpc.ExternalProcessorServicer):
+    """The ext_proc service of one gateway (``gw``: ``gateway.runtime.Gateway``); ``fallbacks``: endpoints sent
+    after the primary."""
+
+    def __init__(self, gw, fallbacks: int = 0):
+        self.gw, self.fallbacks = gw, fallbacks
+        self.resolver = Resolver()
+
+    async def _decide(self, path: str, raw: bytes, headers: dict, subset) -> Picked | Refused:
+        try:
+            return await pick(self.gw, path, raw, headers, self.resolver, subset)
+        except Exception:  # noqa: BLE001 -- a bug must answer 503 for this request, not kill Envoy's stream
+            log.exception("endpoint pick failed")
+            return Refused(503, error_body(503, "The endpoint picker failed on this request.", code="picker_error"))
+
+    async def Process(self, request_iterator, context):   # noqa: N802 -- the gRPC method's name
+        headers: dict[str, str] = {}
+        subset, body, picked, end = None, bytearray(), None, None
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("request")
+                if kind == "request_headers":
+                    headers, subset = _headers(msg.request_headers), _subset(msg.metadata_context)
+                    if not msg.request_headers.end_of_stream:
+                        yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+                        continue
+                    picked = await self._decide(headers.get(":path", ""), b"", headers, subset)
+                    phase = "request_headers"
+                elif kind == "request_body":
+                    body += msg.request_body.body
+                    if len(body) > MAX_BODY_BYTES:
+                        yield refusal(Refused(413, error_body(413, "Request body too large.", code="body_too_large")))
+                        return
+                    if not msg.request_body.end_of_stream:
+                        yield ep.ProcessingResponse(request_body=ep.BodyResponse())
+                        continue
+                    picked = await self._decide(headers.get(":path", ""), bytes(body), headers, subset)
+                    phase = "request_body"
+                elif kind == "response_headers":
+                    tags = {} if not isinstance(picked, Picked) else {
+                        **picked.headers, "x-tandem-backend": picked.backends[0]}
+                    yield ep.ProcessingResponse(response_headers=ep.HeadersResponse(
+                        response=ep.CommonResponse(header_mutation=_set(tags))))
+                    continue
+                else:           # response body or trailers: passed on untouched
+                    yield ep.ProcessingResponse(**{kind: getattr(ep, _ANSWERS[kind])()})
+                    continue
+                if isinstance(picked, Refused):
+                    yield refusal(picked)
+                    return
+                end = self.gw.replicas.hold(picked.targets[0])
+                yield destination(picked, phase, self.fallbacks)
+        finally:
+            if end is not None:
+                end()
+
+
+_ANSWERS = {"response_body": "BodyResponse", "request_trailers": "TrailersResponse",
+            "response_trailers": "TrailersResponse"}
+
+
+class PickerServer:
+    """The gRPC server: ext_proc on ``port``, the health service on it and on ``health_port`` (the inference
+    extension's endpoint pickers listen on 9002 and 9003); ``fallbacks``: endpoints sent after the primary."""
+
+    def __init__(self, gw, host: str, port: int, health_port: int | None = None, fallbacks: int = 0):
+        self.gw, self.host, self.port, self.health_port, self.fallbacks = gw, host, port, health_port, fallbacks
+        self.server: grpc.aio.Server | None = None
+        self.health = HealthServicer()
+
+    async def start(self) -> None:
+        self.server = grpc.aio.server()
+        ep_grpc.add_ExternalProcessorServicer_to_server(Picker(self.gw, self.fallbacks), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        for port in (self.port, self.health_port):
+            if port is not None:
+                self.server.add_insecure_port(f"{self.host}:{port}")
+        await self.server.start()
+        await self.set_serving(True)
+        log.info("endpoint picker (ext_proc) on %s:%s, health on %s", self.host, self.port,
+                 self.health_port or self.port)
+
+    async def set_serving(self, serving: bool) -> None:
+        """Report ready (``SERVING``) or not (``NOT_SERVING``: draining) to the data plane's health checks."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *HEALTH_SERVICES):
+            await self.health.set(name, status if name != "liveness" else health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting streams; those open get ``grace_s`` seconds to finish."""
+        if self.server is not None:
+            await self.server.stop(grace_s)
