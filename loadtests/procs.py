@@ -173,7 +173,7 @@ def cpu_seconds(pid: int, include_children: bool = True) -> float:
         raise ProcessLookupError(pid)
     total = (int(fields[11]) + int(fields[12])) / _CLK_TCK
     if include_children:
-        for child in _children(pid):
+        for child in descendants(pid):
             f = _stat_fields(child)
             if f is not None:
                 total += (int(f[11]) + int(f[12])) / _CLK_TCK
@@ -183,7 +183,7 @@ def cpu_seconds(pid: int, include_children: bool = True) -> float:
 def tensor_parallel_ranks(server_pid: int) -> list[int]:
     """The pids of the tensor-parallel ranks an engine server (``server_pid``) started on this host: the
     children of its zygote (``engine/executor/zygote.py``; they carry the zygote's command line)."""
-    tree = _children(server_pid)
+    tree = descendants(server_pid)
 
     def zygote(pid: int) -> bool:
         try:
@@ -193,7 +193,22 @@ def tensor_parallel_ranks(server_pid: int) -> list[int]:
     return [pid for pid in tree if zygote(pid) and (f := _stat_fields(pid)) is not None and zygote(int(f[1]))]
 
 
-def _children(pid: int) -> list[int]:
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, exited but not reaped, is not alive)."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """The pids of ``pids`` still alive after up to ``timeout_s`` seconds (polled every 0.1 s)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of ``pid``'s children, their children and so on (zombies included), from ``/proc``."""
     parent_of = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():

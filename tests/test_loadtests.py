@@ -372,6 +372,22 @@ def test_scenario_replicas_tiny(tiny_model, tmp_path):
     _files_written(tmp_path, "latency_cdf.png")
 
 
+@pytest.mark.slow
+def test_scenario_failover_kills_a_tensor_parallel_rank(tiny_model, tmp_path):
+    """Scenario 4 with a 2-rank engine as the primary: one rank SIGKILLed under load, the engine's /health
+    stops answering 2xx within 5 s (the issue's bound), no request fails (the fallback serves), and none of
+    the engine's processes is left once its server is stopped."""
+    rc = cli.main(["failover", "--primary-tp", "2", "--model", tiny_model, "--duration", "8", "--kill-at", "3",
+                   "--window", "2", "--concurrency", "4", "--engine-arg=--dtype=float32", *ENGINE_ARGS,
+                   "--out", str(tmp_path), "--no-progress"])
+    res = _results(tmp_path)
+    f = res["figures"]
+    assert rc == 0 and res["passed"] and f["failed"] == 0 and f["orphans"] == []
+    assert f["unhealthy_after_s"] is not None and f["unhealthy_after_s"] <= 5.0
+    assert f["requests_before_kill"] > 0 and f["fallback_share_pct"] < 100.0
+    assert f["fallback_share_after_kill_pct"] > 0
+
+
 def test_structured_isolation_takes_the_readers_own_cpu_wait_out_of_a_gap():
     """A gap the benchmark's reader thread spent runnable but not running is read late by the benchmark, not
     written late by the server: ``less_reader_wait`` takes it out; the raw figures keep it."""

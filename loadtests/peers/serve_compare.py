@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from loadtests.bench.peer_engines import VLLM_MAX_MODEL_LEN, VLLM_MAX_NUM_SEQS
-from loadtests.procs import Server, _children, exit_on_sigterm, free_port
+from loadtests.procs import Server, descendants, exit_on_sigterm, free_port
 from loadtests.scenarios.common import measure, pct, spawn_engine_server, summary
 from loadtests.workloads import mt_bench_turn1
 
@@ -34,7 +34,7 @@ _PAGE_KIB = os.sysconf("SC_PAGE_SIZE") // 1024
 def tree_memory_kib(pid: int) -> tuple[int, int]:
     """(RSS, PSS) of ``pid`` and its live descendants, KiB (0 for a process gone meanwhile)."""
     rss = pss = 0
-    for p in [pid, *_children(pid)]:
+    for p in [pid, *descendants(pid)]:
         try:
             rss += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * _PAGE_KIB
             for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadtests.procs import tensor_parallel_ranks
+from loadtests.procs import descendants, http_ok, tensor_parallel_ranks, wait_gone
 from loadtests.report import write_report
 from loadtests.runner import LoadConfig, run_async, run_load
 from loadtests.scenarios.common import (fmt, gateway_config, md_table, small_workload, start_engine_server,
@@ -33,6 +33,7 @@ from loadtests.scenarios.common import (fmt, gateway_config, md_table, small_wor
 from loadtests.stats import percentiles, ratio
 
 MODEL = "bench"
+UNHEALTHY_WITHIN_S = 5.0   # issue 50: a dead rank makes the engine unhealthy within this
 
 
 def register(sub) -> None:
@@ -81,24 +82,39 @@ async def _load_and_kill(cfg: LoadConfig, workload, kill, kill_at: float):
     load = asyncio.ensure_future(run_load(cfg, workload))
     await asyncio.sleep(kill_at)
     t_kill = time.perf_counter()
-    await asyncio.to_thread(kill)
-    return await load, t_kill
+    killed = await asyncio.to_thread(kill)
+    return (await load, t_kill), killed
 
 
-def _kill_a_rank(server) -> None:
-    """SIGKILL the last tensor-parallel rank of the engine ``server`` started."""
+def _kill_a_rank(server) -> dict:
+    """SIGKILL the last tensor-parallel rank of the engine ``server`` started, then poll its ``/health``
+    every 50 ms until it stops answering 2xx (at most 30 s).
+
+    Returns:
+        {"unhealthy_after_s": seconds from the kill to the first non-2xx /health (None: still healthy after
+        30 s), "engine_pids": the server's descendants before the kill (core, zygote, ranks)}.
+    """
+    engine = descendants(server.pid)
     ranks = tensor_parallel_ranks(server.pid)
     if not ranks:
         raise RuntimeError(f"no tensor-parallel rank under the engine server (pid {server.pid})")
     os.kill(max(ranks), signal.SIGKILL)
+    t0 = time.monotonic()
+    unhealthy = None
+    while time.monotonic() - t0 < 30:
+        if not http_ok(server.base_url + "/health", timeout=1.0):
+            unhealthy = time.monotonic() - t0
+            break
+        time.sleep(0.05)
+    return {"unhealthy_after_s": unhealthy, "engine_pids": engine}
 
 
 def _start_primary(args, logs: Path):
     """(the primary, how to kill it): a fake upstream killed whole, or a tensor-parallel engine one of whose
-    ranks is killed."""
+    ranks is killed (the kill returns what it measured: ``_kill_a_rank``)."""
     if not args.primary_tp:
         primary = start_upstream("primary", logs)
-        return primary, primary.kill
+        return primary, lambda: primary.kill() or {}
     model = ["--model", args.model] if args.model else []
     primary = start_engine_server(logs, [*model, "--served-model-name", MODEL, "--tensor-parallel-size",
                                          str(args.primary_tp), *args.engine_arg], name="primary")
@@ -118,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             cfg = LoadConfig(gw.base_url + "/v1", MODEL, "chat", False, args.concurrency, duration=args.duration,
                              progress=not args.no_progress, label="failover load")
-            run_, t_kill = run_async(_load_and_kill(cfg, small_workload(), kill, args.kill_at))
+            (run_, t_kill), killed = run_async(_load_and_kill(cfg, small_workload(), kill, args.kill_at))
         finally:
             gw.stop()
     finally:
@@ -128,12 +144,20 @@ def run(args: argparse.Namespace) -> int:
     s = summary(run_)
     f["errors_by_kind"] = s["errors_by_kind"]
     passed = f["failed"] == 0
+    if args.primary_tp:   # the engine's processes 10 s after its server was stopped: none may be left
+        f["unhealthy_after_s"] = killed["unhealthy_after_s"]
+        f["orphans"] = wait_gone(killed["engine_pids"], 10)
+        passed = (passed and f["orphans"] == [] and f["unhealthy_after_s"] is not None
+                  and f["unhealthy_after_s"] <= UNHEALTHY_WITHIN_S)
     table = md_table(["requests", "failed", "fallback share %", "fallback share after kill %", "p99 before kill ms",
                       f"p99 in {args.window:g} s window ms", "window/before"],
                      [[f["requests"], f["failed"], fmt(f["fallback_share_pct"], ".1f"),
                        fmt(f["fallback_share_after_kill_pct"], ".1f"), fmt(f["p99_before_ms"], ".2f"),
                        fmt(f["p99_window_ms"], ".2f"), fmt(f["p99_window_ratio"], ".2f", "x")]])
     verdict = f"{'PASS' if passed else 'FAIL'}: {f['failed']} failed non-streaming requests {s['errors_by_kind'] or ''}"
+    if args.primary_tp:
+        verdict += (f"; /health non-2xx {fmt(f['unhealthy_after_s'], '.2f')} s after the rank's SIGKILL (bound "
+                    f"{UNHEALTHY_WITHIN_S:g} s); engine processes left after stop: {len(f['orphans'])}")
     write_report(Path(args.out), "Scenario 4: failover under load", [run_], {"figures": f, "passed": passed},
                  table + "\n\n" + verdict)
     print(table)

@@ -3,8 +3,10 @@ architecture split over 2 and 4 ranks (real processes over gloo) is
 token-identical to transformers in float32 greedy, with logprobs within
 1e-4, each prompt alone and all batched, with prefix caching, chunked
 prefill and preemption on (a KV pool too small for the batch); transformers
-is the reference ``test_architectures.py`` pins the one-rank engine to, on
-the same models and prompts.
+is the reference ``test_architectures.py`` pins the one-rank engine to, and
+the one-rank engine runs the same cases beside the split ones (its tokens
+are theirs). The batched run preempts and hits the prefix cache (asserted
+from the engine's counters).
 
 Half the cases split heads unevenly (6 heads, 3 KV heads: 2 ranks hold 2 and
 1 KV heads; 4 ranks share 3 KV heads, two of them replicating one) and the
@@ -43,40 +45,49 @@ def test_tensor_parallel_matches_transformers(tmp_path, kind, one_thread):
     prompts = _prompts(kind)[:PROMPTS]
     refs = _reference(hf, prompts, NEW_TOKENS)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
-    for tp in (2, 4):
+    for tp in (1, 2, 4):   # each checked against transformers' tokens: so TP = 2 and 4 against TP = 1's too
         llm = _llm(tmp_path, tp)
         try:
             model = llm.engine.model_runner.model
-            assert model.shard.world_size == tp and model.c_stack_refusal >= {"tensor_parallel"}
+            if tp > 1:
+                assert model.shard.world_size == tp and model.c_stack_refusal >= {"tensor_parallel"}
             for prompt, ref in zip(prompts, refs):
                 _check(llm.generate([prompt], params)[0], ref)
-            before = llm.engine.get_stats().num_preemptions
+            before = llm.engine.get_stats()
             for out, ref in zip(llm.generate(prompts, params), refs):
                 _check(out, ref)
-            assert llm.engine.get_stats().num_preemptions > before
+            after = llm.engine.get_stats()
+            assert after.num_preemptions > before.num_preemptions
+            assert after.prefix_cache_hits > before.prefix_cache_hits
         finally:
             llm.shutdown()
 
 
 def test_bfloat16_two_ranks_batch_invariant_and_reproducible(tmp_path):
     """bfloat16 over 2 ranks: a prompt's tokens and logprobs are the same bits alone, batched, and batched
-    again with its prefix cached (the all-reduce of two ranks adds two values, which commutes)."""
+    again with its prefix cached (the all-reduce of two ranks adds two values, which commutes); a second
+    engine (fresh ranks, fresh process group) gives every prompt of the batch the same bits as the first."""
     _save(tmp_path, "qwen3", **UNEVEN)
-    llm = LLM(model=str(tmp_path), dtype="bfloat16", device="cpu", tensor_parallel_size=2,
-              enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32,
-              kv_cache_memory="8MiB")
-    try:
-        prompts = _prompts("qwen3")
-        params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
+    prompts = _prompts("qwen3")
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
 
-        def bits(out):
-            o = out.outputs[0]
-            return o.token_ids, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
-        alone = bits(llm.generate([prompts[3]], params)[0])
-        assert bits(llm.generate(prompts, params)[3]) == alone
-        assert bits(llm.generate(prompts[::-1], params)[4]) == alone
-    finally:
-        llm.shutdown()
+    def bits(out):
+        o = out.outputs[0]
+        return o.token_ids, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
+    runs = []
+    for _ in range(2):
+        llm = LLM(model=str(tmp_path), dtype="bfloat16", device="cpu", tensor_parallel_size=2,
+                  enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32,
+                  kv_cache_memory="8MiB")
+        try:
+            alone = bits(llm.generate([prompts[3]], params)[0])
+            batched = [bits(out) for out in llm.generate(prompts, params)]
+            assert batched[3] == alone
+            assert bits(llm.generate(prompts[::-1], params)[4]) == alone
+            runs.append(batched)
+        finally:
+            llm.shutdown()
+    assert runs[1] == runs[0]
 
 
 def test_gguf_4bit_blocks_split_by_rank(tmp_path, one_thread):

@@ -1,7 +1,8 @@
 """Tensor parallelism behind real ``tandem engine serve`` processes: two
 "hosts" on this machine (``--nnodes 2 --node-rank k`` over loopback) answer
 as two ranks in one process do; a rank that dies turns the engine unhealthy
-within 5 s; neither leaves a process behind when its driver is killed.
+within 5 s; no rank outlives its driver (SIGTERM or SIGKILL, on one host
+or two).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from loadtests.procs import Server, free_port, tandem_cmd
+from loadtests.procs import Server, free_port, tandem_cmd, tensor_parallel_ranks, wait_gone
 from tests.engine.test_core_process import alive, core_pid, descendants
 from tests.tiny_models import save_byte_level_llama
 
@@ -44,14 +45,6 @@ def _complete(server: Server) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    """The pids still alive after up to ``timeout_s`` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if alive(p)]
-
-
 def test_two_hosts_answer_as_one_and_end_with_their_driver(tiny_model, tmp_path):
     """Host 1 (no HTTP server) and host 0 meet at a loopback port; the completion equals two ranks in one
     process; SIGKILL of host 0's server ends its core and rank, and host 1's rank leaves too."""
@@ -68,7 +61,7 @@ def test_two_hosts_answer_as_one_and_end_with_their_driver(tiny_model, tmp_path)
         assert _complete(host0) == want
         tree = descendants(host0.pid) + [host1.pid] + descendants(host1.pid)
         host0.kill()
-        assert _wait_gone(tree, 30) == [], host1.log_tail()
+        assert wait_gone(tree, 30) == [], host1.log_tail()
         assert host1.proc.wait(5) != 0
     finally:
         host0.stop()
@@ -91,9 +84,34 @@ def test_a_dead_rank_makes_the_engine_unhealthy_within_5_s(tiny_model, tmp_path)
         while httpx.get(server.base_url + "/health", timeout=5).status_code == 200:
             assert time.monotonic() - t0 < 5, "still healthy 5 s after a rank died"
             time.sleep(0.05)
-        assert _wait_gone([core, *zygote, *ranks], 10) == []
+        assert wait_gone([core, *zygote, *ranks], 10) == []
         tree = descendants(server.pid)
         server.stop()
-        assert server.proc.returncode is not None and _wait_gone(tree, 10) == []
+        assert server.proc.returncode is not None and wait_gone(tree, 10) == []
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("how", ["SIGTERM server", "SIGKILL server", "SIGKILL driver"])
+def test_no_rank_outlives_its_driver(tiny_model, tmp_path, how):
+    """Two ranks on one host, serving: SIGTERM or SIGKILL of the server, or SIGKILL of the engine core (the
+    driver, rank 0), ends the zygote and the other rank too (the zygote sees its stdin close, the kernel
+    kills the ranks it forked); the server whose driver was killed answers 503."""
+    server = _serve(tiny_model, tmp_path, "tp2", "--tensor-parallel-size", "2")
+    try:
+        assert _complete(server)
+        core = core_pid(server.pid)
+        ranks = tensor_parallel_ranks(server.pid)
+        zygotes = [int(Path(f"/proc/{r}/stat").read_text().rsplit(")", 1)[1].split()[1]) for r in ranks]
+        assert len(ranks) == 1 and alive(zygotes[0]) and zygotes[0] in descendants(core)
+        if how == "SIGKILL driver":
+            os.kill(core, signal.SIGKILL)
+            engine = [core, *zygotes, *ranks]
+        else:
+            engine = descendants(server.pid)
+            server.stop() if how == "SIGTERM server" else server.kill()
+        assert wait_gone(engine, 30) == [], server.log_tail()
+        if how == "SIGKILL driver":
+            assert httpx.get(server.base_url + "/health", timeout=5).status_code == 503
     finally:
         server.stop()
