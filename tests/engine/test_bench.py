@@ -153,3 +153,35 @@ def test_bench_engine_compare_model_runs_both_engines_interleaved(tmp_path, caps
     assert len(ab["this"]) == len(ab["other"]) == 2 and ab["single_stream"] and ab["other_model"] == b
     assert ab["ratio_this_other"] > 0 and len(ab["round_ratios"]) == 2
     assert "ratio this / other (medians)" in capsys.readouterr().out
+
+
+def test_bench_engine_compare_tensor_parallel_reports_both_engines_and_each_rank(tmp_path, capsys):
+    """--compare-tensor-parallel 2: the split engine (two real ranks) runs the same prompts in each round; the
+    JSON has each round's figures, the ratio of the medians and each rank's memory, the split engine's ranks
+    each holding less than the whole model's weights and a KV pool of their own."""
+    import statistics
+
+    model = save_byte_level_llama(tmp_path)
+    out = tmp_path / "r.json"
+    args = _args("--model", model, "--num-prompts", "2", "--input-len", "8", "--output-len", "5", "--ignore-eos",
+                 "--no-baseline", "--kv-cache-memory", "8MiB", "--output-json", str(out),
+                 "--compare-tensor-parallel", "2", "--tp-rounds", "2")
+    assert run_bench(args) == 0
+    ab = json.loads(out.read_text())["tensor_parallel_ab"]
+    assert len(ab["tp1"]) == len(ab["tp2"]) == 2
+    assert ab["ratio"] == pytest.approx(statistics.median(ab["tp2"]) / statistics.median(ab["tp1"]))
+    (whole,), ranks = ab["memory"]["tp1"], ab["memory"]["tp2"]
+    assert [m["rank"] for m in ranks] == [0, 1]
+    assert all(0 < m["weight_bytes"] < whole["weight_bytes"] and m["kv_bytes"] > 0 for m in ranks)
+    printed = capsys.readouterr().out
+    assert "ratio 2 ranks / 1 (medians)" in printed and "rank 1 of 2: weights / resident / KV pool" in printed
+
+
+def test_collective_latency_times_the_engines_all_reduce_between_two_processes():
+    """python -m loadtests.bench.collective_latency: two processes join as the engine's ranks do and time
+    all-reduces of each size asked for."""
+    from loadtests.bench.collective_latency import measure
+
+    result = measure(argparse.Namespace(world_size=2, hidden=64, rows=[1, 8], iters=20, threads=1))
+    assert set(result["us_per_all_reduce"]) == {1, 8}
+    assert all(us > 0 for us in result["us_per_all_reduce"].values())
