@@ -58,7 +58,7 @@ from typing import NamedTuple
 import httpx
 
 from loadtests.bench.embedding_isolation import embeddings_figures, measure_embeddings_phase
-from loadtests.procs import Server, _children, exit_on_sigterm, free_port, tandem_cmd
+from loadtests.procs import Server, descendants, exit_on_sigterm, free_port, tandem_cmd
 
 ASK = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 
@@ -195,7 +195,7 @@ def core_rss_by_schemas(client: httpx.Client, base: str, model: str, server_pid:
                         ) -> list[tuple[int, float]]:
     """(schemas sent, the engine core's RSS in MiB) before and after every 100 of ``schemas`` distinct small
     schemas, 4 at a time (the core: the server's largest child process, or the server itself)."""
-    core = _children(server_pid)
+    core = descendants(server_pid)
     core_pid = max(core, key=rss_mib) if core else server_pid
     rss = [(0, rss_mib(core_pid))]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
