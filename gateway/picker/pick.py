@@ -19,8 +19,8 @@ Gateway API Inference Extension):
   removed), so a fallback endpoint is listed only when it would be sent the same.
 
 The co-located engine (a ``local`` backend) has no address and is never an endpoint. Budgets are the gateway
-front's alone: the picker never sees an answer's usage, so a config with budgets is refused at start
-(``check_config``).
+front's alone: the picker never sees an answer's usage, so a config with budgets is refused at start and, loaded
+by a reload, answers 503 (``check_config``).
 """
 
 from __future__ import annotations
@@ -137,6 +137,9 @@ async def pick(gw, path: str, raw: bytes, headers: Mapping[str, str], resolver: 
                                        code="unknown_url"))
     if gw.draining or gw.snapshot is None:
         return Refused(503, error_body(503, "The gateway is draining.", code="draining"))
+    if why := check_config(gw.snapshot.compiled):     # a reload may have added what the picker cannot serve
+        return Refused(503, error_body(503, f"The endpoint picker cannot serve this config: {why}.",
+                                       code="picker_unsupported_config"))
     request_id = headers.get("x-request-id") or uuid.uuid4().hex
     try:
         req = build_request(gw.snapshot, endpoint, raw, headers, request_id)
