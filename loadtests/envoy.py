@@ -27,8 +27,12 @@ def find_envoy() -> str | None:
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
-def envoy_config(listen_port: int, picker_port: int, admin_port: int, timeout_s: int = 300) -> str:
-    """Envoy's bootstrap (YAML) for the picker on ``127.0.0.1:picker_port``."""
+def envoy_config(listen_port: int, picker_port: int, admin_port: int, timeout_s: int = 300,
+                 body_mode: str = "BUFFERED") -> str:
+    """Envoy's bootstrap (YAML) for the picker on ``127.0.0.1:picker_port``; ``body_mode``: how the request body
+    goes to the picker, ``BUFFERED`` or ``FULL_DUPLEX_STREAMED`` (the protocol's streaming mode, which needs the
+    request trailers sent too)."""
+    trailers = "SEND" if body_mode == "FULL_DUPLEX_STREAMED" else "SKIP"
     return f"""
 static_resources:
   listeners:
@@ -56,10 +60,10 @@ static_resources:
               message_timeout: 10s
               processing_mode:
                 request_header_mode: SEND
-                request_body_mode: BUFFERED
+                request_body_mode: {body_mode}
                 response_header_mode: SEND
                 response_body_mode: NONE
-                request_trailer_mode: SKIP
+                request_trailer_mode: {trailers}
                 response_trailer_mode: SKIP
           - name: envoy.filters.http.router
             typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
@@ -87,10 +91,10 @@ admin:
 
 
 def spawn_envoy(envoy: str, log_dir: Path, listen_port: int, picker_port: int, admin_port: int,
-                name: str = "envoy") -> Server:
+                name: str = "envoy", body_mode: str = "BUFFERED") -> Server:
     """Envoy on ``envoy_config`` (written to ``log_dir``), ready when its admin ``/ready`` answers 200."""
     path = Path(log_dir) / f"{name}.yaml"
-    path.write_text(envoy_config(listen_port, picker_port, admin_port))
+    path.write_text(envoy_config(listen_port, picker_port, admin_port, body_mode=body_mode))
     return Server([envoy, "-c", str(path), "--log-level", "warn", "--concurrency", "1",
                    "--base-id", str(admin_port)], f"http://127.0.0.1:{admin_port}/ready",
                   f"http://127.0.0.1:{listen_port}", log_dir=log_dir, name=name)

@@ -14,9 +14,11 @@ the gateway's own event loop), answering as the Gateway API Inference Extension'
 - the gRPC health service with ``liveness``, ``readiness`` and ``envoy.service.ext_proc.v3.ExternalProcessor``
   (not serving while the gateway drains).
 
-Message flow: request headers (picked at once when the request has no body), then the request body, BUFFERED (the
-whole body in one message: Envoy holds the headers until the body's answer, whose header mutation it applies);
-a body sent in several messages is gathered up to ``MAX_BODY_BYTES``. On the response headers the picker adds the
+Message flow: request headers (picked at once when the request has no body), then the request body, either
+BUFFERED (the whole body in one message: Envoy holds the headers until the body's answer, whose header mutation it
+applies) or FULL_DUPLEX_STREAMED (the protocol's streaming mode, told by the first message's ``protocol_config``:
+the body's pieces are gathered, up to ``MAX_BODY_BYTES``, and at its end, or its trailers, the headers' answer
+carries the pick and the body is streamed back). On the response headers the picker adds the
 gateway front's ``x-tandem-route``, ``x-tandem-rule`` and ``x-tandem-backend`` (the primary's backend). A pick on a
 ``prefix_affinity`` route counts as in flight on its replica until the ext_proc stream ends (Envoy ends it with the
 request), as the gateway's own calls count between two reads of the replicas' metrics.
@@ -28,6 +30,7 @@ import logging
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
@@ -47,6 +50,9 @@ SUBSET = "x-gateway-destination-endpoint-subset"
 HEALTH_SERVICES = ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
 # The largest request body gathered (the gateway's front refuses larger ones with 413 too: server.max_body_bytes).
 MAX_BODY_BYTES = 32 * 1024 * 1024
+# Bytes per body piece streamed back in FULL_DUPLEX_STREAMED mode (Envoy's recommended maximum).
+STREAM_CHUNK = 64 * 1024
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 def _headers(msg: ep.HttpHeaders) -> dict[str, str]:
@@ -77,24 +83,80 @@ def refusal(r: Refused) -> ep.ProcessingResponse:
         headers=_set({"content-type": "application/json", **r.headers}), details=f"tandem_picker_{r.status}"))
 
 
-def destination(p: Picked, phase: str, fallbacks: int = 0) -> ep.ProcessingResponse:
-    """``p`` as the answer to the request's ``phase`` (``request_headers`` or ``request_body``): the header and
-    the ``envoy.lb`` metadata, one value (the primary and up to ``fallbacks`` more endpoints); the backend's
-    headers instead of the client's key; in the body phase the body the gateway would send."""
+def destination(p: Picked, phase: str, fallbacks: int = 0) -> list[ep.ProcessingResponse]:
+    """``p`` as the answer to the request's ``phase``: the header and the ``envoy.lb`` metadata, one value (the
+    primary and up to ``fallbacks`` more endpoints), and the backend's headers instead of the client's key.
+    ``request_headers``: that alone (no body); ``request_body`` (BUFFERED): with the body the gateway would send
+    and its length; ``duplex`` (FULL_DUPLEX_STREAMED, the headers held until now): the headers' answer, then the
+    body streamed back in ``STREAM_CHUNK`` pieces (Envoy drops the length itself)."""
     value = ",".join(p.endpoints[:1 + fallbacks])
     headers = {**p.upstream_headers, DESTINATION: value}
-    body = None
     if phase == "request_body":
-        body = ep.BodyMutation(body=p.body)
         headers["content-length"] = str(len(p.body))
     mutation = _set(headers)
     if "authorization" not in headers:
         mutation.remove_headers.append("authorization")     # the client's virtual key is the gateway's, not the engine's
-    common = ep.CommonResponse(header_mutation=mutation, body_mutation=body, clear_route_cache=True)
     meta = struct_pb2.Struct()
     meta.update({NAMESPACE: {DESTINATION: value}})
-    answer = ep.HeadersResponse(response=common) if phase == "request_headers" else ep.BodyResponse(response=common)
-    return ep.ProcessingResponse(dynamic_metadata=meta, **{phase: answer})
+    if phase == "request_body":
+        common = ep.CommonResponse(header_mutation=mutation, body_mutation=ep.BodyMutation(body=p.body),
+                                   clear_route_cache=True)
+        return [ep.ProcessingResponse(dynamic_metadata=meta, request_body=ep.BodyResponse(response=common))]
+    first = ep.ProcessingResponse(dynamic_metadata=meta, request_headers=ep.HeadersResponse(
+        response=ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)))
+    if phase == "request_headers":
+        return [first]
+    pieces = [p.body[k:k + STREAM_CHUNK] for k in range(0, len(p.body), STREAM_CHUNK)] or [b""]
+    return [first] + [ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
+        body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
+            body=piece, end_of_stream=k == len(pieces) - 1))))) for k, piece in enumerate(pieces)]
+
+
+class _Stream:
+    """One request's ext_proc stream: what arrived so far and the pick, once made."""
+
+    def __init__(self, picker: "Picker"):
+        self.picker = picker
+        self.headers: dict[str, str] = {}
+        self.subset: set[str] | None = None
+        self.body = bytearray()
+        self.duplex = False              # FULL_DUPLEX_STREAMED: the headers' answer waits for the whole body
+        self.picked: Picked | Refused | None = None
+        self.end = None                  # ends the pick's in-flight count on its replica
+
+    async def answer(self, msg: ep.ProcessingRequest) -> tuple[list[ep.ProcessingResponse], bool]:
+        """The answers to ``msg``, and whether the stream is over (a refusal)."""
+        kind = msg.WhichOneof("request")
+        if kind == "request_headers":
+            self.headers, self.subset = _headers(msg.request_headers), _subset(msg.metadata_context)
+            self.duplex = msg.protocol_config.request_body_mode == FULL_DUPLEX
+            if msg.request_headers.end_of_stream:
+                return await self.decide("request_headers")
+            return ([] if self.duplex else [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]), False
+        if kind == "request_body":
+            self.body += msg.request_body.body
+            if len(self.body) > MAX_BODY_BYTES:
+                return [refusal(Refused(413, error_body(413, "Request body too large.", code="body_too_large")))], True
+            if msg.request_body.end_of_stream:
+                return await self.decide("duplex" if self.duplex else "request_body")
+            return ([] if self.duplex else [ep.ProcessingResponse(request_body=ep.BodyResponse())]), False
+        if kind == "request_trailers" and self.duplex and self.picked is None:   # the body ended with trailers
+            out, over = await self.decide("duplex")
+            return out + ([] if over else [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]), over
+        if kind == "response_headers":
+            tags = {**self.picked.headers, "x-tandem-backend": self.picked.backends[0]} \
+                if isinstance(self.picked, Picked) else {}
+            return [ep.ProcessingResponse(response_headers=ep.HeadersResponse(
+                response=ep.CommonResponse(header_mutation=_set(tags))))], False
+        return [ep.ProcessingResponse(**{kind: getattr(ep, _ANSWERS[kind])()})], False   # passed on untouched
+
+    async def decide(self, phase: str) -> tuple[list[ep.ProcessingResponse], bool]:
+        self.picked = await self.picker.decide(self.headers.get(":path", ""), bytes(self.body), self.headers,
+                                               self.subset)
+        if isinstance(self.picked, Refused):
+            return [refusal(self.picked)], True
+        self.end = self.picker.gw.replicas.hold(self.picked.targets[0])
+        return destination(self.picked, phase, self.picker.fallbacks), False
 
 
 class Picker(ep_grpc.ExternalProcessorServicer):
@@ -105,7 +167,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):
         self.gw, self.fallbacks = gw, fallbacks
         self.resolver = Resolver()
 
-    async def _decide(self, path: str, raw: bytes, headers: dict, subset) -> Picked | Refused:
+    async def decide(self, path: str, raw: bytes, headers: dict, subset) -> Picked | Refused:
         try:
             return await pick(self.gw, path, raw, headers, self.resolver, subset)
         except Exception:  # noqa: BLE001 -- a bug must answer 503 for this request, not kill Envoy's stream
@@ -113,48 +175,20 @@ class Picker(ep_grpc.ExternalProcessorServicer):
             return Refused(503, error_body(503, "The endpoint picker failed on this request.", code="picker_error"))
 
     async def Process(self, request_iterator, context):   # noqa: N802 -- the gRPC method's name
-        headers: dict[str, str] = {}
-        subset, body, picked, end = None, bytearray(), None, None
+        stream = _Stream(self)
         try:
             async for msg in request_iterator:
-                kind = msg.WhichOneof("request")
-                if kind == "request_headers":
-                    headers, subset = _headers(msg.request_headers), _subset(msg.metadata_context)
-                    if not msg.request_headers.end_of_stream:
-                        yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
-                        continue
-                    picked = await self._decide(headers.get(":path", ""), b"", headers, subset)
-                    phase = "request_headers"
-                elif kind == "request_body":
-                    body += msg.request_body.body
-                    if len(body) > MAX_BODY_BYTES:
-                        yield refusal(Refused(413, error_body(413, "Request body too large.", code="body_too_large")))
-                        return
-                    if not msg.request_body.end_of_stream:
-                        yield ep.ProcessingResponse(request_body=ep.BodyResponse())
-                        continue
-                    picked = await self._decide(headers.get(":path", ""), bytes(body), headers, subset)
-                    phase = "request_body"
-                elif kind == "response_headers":
-                    tags = {} if not isinstance(picked, Picked) else {
-                        **picked.headers, "x-tandem-backend": picked.backends[0]}
-                    yield ep.ProcessingResponse(response_headers=ep.HeadersResponse(
-                        response=ep.CommonResponse(header_mutation=_set(tags))))
-                    continue
-                else:           # response body or trailers: passed on untouched
-                    yield ep.ProcessingResponse(**{kind: getattr(ep, _ANSWERS[kind])()})
-                    continue
-                if isinstance(picked, Refused):
-                    yield refusal(picked)
+                answers, over = await stream.answer(msg)
+                for a in answers:
+                    yield a
+                if over:
                     return
-                end = self.gw.replicas.hold(picked.targets[0])
-                yield destination(picked, phase, self.fallbacks)
         finally:
-            if end is not None:
-                end()
+            if stream.end is not None:
+                stream.end()
 
 
-_ANSWERS = {"response_body": "BodyResponse", "request_trailers": "TrailersResponse",
+_ANSWERS = {"request_body": "BodyResponse", "response_body": "BodyResponse", "request_trailers": "TrailersResponse",
             "response_trailers": "TrailersResponse"}
 
 

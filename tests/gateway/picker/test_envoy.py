@@ -60,19 +60,26 @@ def slo_config(replicas) -> str:
             "policy:\n  default_route: slo\n  rules: []\n")
 
 
-def gateway_and_envoy(tmp_path_factory, text: str, env: dict | None = None):
-    """A gateway on config ``text`` serving its front and the picker, and an Envoy asking that picker, for a
-    fixture to ``yield from``."""
+def gateway_and_envoy(tmp_path_factory, text: str, env: dict | None = None, duplex: bool = False):
+    """A gateway on config ``text`` serving its front and the picker, and an Envoy asking that picker (the body
+    BUFFERED; with ``duplex``, a second Envoy in FULL_DUPLEX_STREAMED mode), for a fixture to ``yield from``:
+    (gateway, envoy[, duplex envoy])."""
     path = tmp_path_factory.mktemp("picker") / "config.yaml"
     path.write_text(text)
     picker = free_port()
     g = GatewayProcess(path, env=env, extra_args=["--picker-port", str(picker)]).start()
-    envoy = spawn_envoy(ENVOY, tmp_path_factory.mktemp("envoy"), free_port(), picker, free_port())
+    logs = tmp_path_factory.mktemp("envoy")
+    envoys = [spawn_envoy(ENVOY, logs, free_port(), picker, free_port())]
+    if duplex:
+        envoys.append(spawn_envoy(ENVOY, logs, free_port(), picker, free_port(), name="envoy-duplex",
+                                  body_mode="FULL_DUPLEX_STREAMED"))
     try:
-        envoy.wait_ready(60)
-        yield g, envoy
+        for e in envoys:
+            e.wait_ready(60)
+        yield (g, *envoys)
     finally:
-        envoy.stop()
+        for e in envoys:
+            e.stop()
         g.stop()
 
 
@@ -84,7 +91,8 @@ def replicas(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(replicas, tmp_path_factory):
     """(gateway, envoy) on the prefix-affinity config."""
-    yield from gateway_and_envoy(tmp_path_factory, config(replicas), {"LIMITED_KEY": KEY, "OPEN_KEY": "sk-open"})
+    yield from gateway_and_envoy(tmp_path_factory, config(replicas), {"LIMITED_KEY": KEY, "OPEN_KEY": "sk-open"},
+                                 duplex=True)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +117,7 @@ def ask(base_url: str, i: int, key: str = "sk-open"):
 
 
 def test_requests_land_on_the_engine_the_picker_chose_as_the_front_would(stack, replicas):
-    g, envoy = stack
+    g, envoy, duplex = stack
     chosen = set()
     for i in range(6):
         before = served(replicas)
@@ -120,12 +128,24 @@ def test_requests_land_on_the_engine_the_picker_chose_as_the_front_would(stack, 
         assert {n: after[n] - before[n] for n in NAMES} == {n: float(n == backend) for n in NAMES}
         assert ask(envoy.base_url, i).headers["x-tandem-backend"] == backend     # the conversation stays
         assert ask(g.url, i).headers["x-tandem-backend"] == backend              # the front decides the same
+        before = served(replicas)
+        r = ask(duplex.base_url, i)                  # the protocol's streaming mode: the body streamed both ways
+        assert r.headers["x-tandem-backend"] == backend and r.parse().usage.completion_tokens >= 1
+        after = served(replicas)
+        assert {n: after[n] - before[n] for n in NAMES} == {n: float(n == backend) for n in NAMES}
         chosen.add(backend)
     assert chosen == set(NAMES)      # six prefixes over two engines: both are chosen (fails when one is ignored)
 
 
+def test_a_stream_comes_back_through_envoy(stack):
+    c = openai.OpenAI(base_url=stack[1].base_url + "/v1", api_key="sk-open", max_retries=0, timeout=120)
+    chunks = list(c.chat.completions.create(model="tiny", max_tokens=4, temperature=0, stream=True,
+                                            messages=[{"role": "user", "content": "Stream 1?"}]))
+    assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
 def test_a_request_over_its_rate_limit_is_shed_with_429(stack, replicas):
-    g, envoy = stack
+    g, envoy, _ = stack
     assert ask(envoy.base_url, 100, KEY).http_response.status_code == 200
     before = served(replicas)
     with pytest.raises(openai.RateLimitError) as e:
@@ -170,7 +190,7 @@ def test_an_slo_route_spills_off_an_engine_predicted_late_as_through_the_front(s
 
 
 def test_a_killed_engine_is_avoided_and_none_left_is_503(stack, replicas):
-    g, envoy = stack
+    g, envoy, _ = stack
     homes = {i: ask(envoy.base_url, i).headers["x-tandem-backend"] for i in range(200, 206)}
     victim = "e1"
     assert victim in homes.values()

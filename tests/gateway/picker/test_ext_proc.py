@@ -128,3 +128,23 @@ def test_the_health_service_answers_the_extensions_names(pickers):
         for name in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
             assert stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status == \
                 health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_streaming_mode_holds_the_headers_and_streams_the_body_back(pickers):
+    """FULL_DUPLEX_STREAMED (told by ``protocol_config``): nothing answers the headers or the first body piece;
+    at the body's end the headers' answer carries the pick, then the gateway's body comes back streamed."""
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+
+    raw = json.dumps(CHAT).encode()
+    mode = ep.ProtocolConfiguration(request_body_mode=processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED)
+    msgs = [ep.ProcessingRequest(request_headers=headers(**{":path": "/v1/chat/completions", ":method": "POST"}),
+                                 protocol_config=mode),
+            ep.ProcessingRequest(request_body=ep.HttpBody(body=raw[:10])),
+            ep.ProcessingRequest(request_body=ep.HttpBody(body=raw[10:], end_of_stream=True))]
+    with grpc.insecure_channel(f"127.0.0.1:{pickers[0]}") as ch:
+        answers = list(ep_grpc.ExternalProcessorStub(ch).Process(iter(msgs), timeout=30))
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]
+    sent = set_headers(answers[0].request_headers.response)
+    assert sent["x-gateway-destination-endpoint"] == f"127.0.0.1:{PORTS['cheap']}" and "content-length" not in sent
+    streamed = answers[1].request_body.response.body_mutation.streamed_response
+    assert streamed.end_of_stream and json.loads(streamed.body)["model"] == "up-model"
