@@ -27,6 +27,7 @@ request), as the gateway's own calls count between two reads of the replicas' me
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -37,6 +38,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
+from prometheus_client import Counter, Histogram
 
 from gateway.errors import error_body
 from gateway.picker.pick import Picked, Refused, Resolver, pick
@@ -161,18 +163,33 @@ class _Stream:
 
 class Picker(ep_grpc.ExternalProcessorServicer):
     """The ext_proc service of one gateway (``gw``: ``gateway.runtime.Gateway``); ``fallbacks``: endpoints sent
-    after the primary."""
+    after the primary. Its metrics, in the gateway's registry (``/metrics``):
+    ``tandem_picker_decisions_total{route, target, status}`` (``status`` 200: picked, ``target`` the primary;
+    else the refusal's status, ``target`` "none") and ``tandem_picker_decision_seconds`` (a pick's time in the
+    picker, from the request's last message to its answer)."""
 
     def __init__(self, gw, fallbacks: int = 0):
         self.gw, self.fallbacks = gw, fallbacks
         self.resolver = Resolver()
+        self.decisions = Counter("tandem_picker_decisions", "Endpoint picks (status 200) and refusals.",
+                                 ["route", "target", "status"], registry=gw.obs.registry)
+        self.seconds = Histogram("tandem_picker_decision_seconds", "Seconds from a request's last message to the "
+                                 "picker's answer.", registry=gw.obs.registry,
+                                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0))
 
     async def decide(self, path: str, raw: bytes, headers: dict, subset) -> Picked | Refused:
+        t0 = time.perf_counter()
         try:
-            return await pick(self.gw, path, raw, headers, self.resolver, subset)
+            out = await pick(self.gw, path, raw, headers, self.resolver, subset)
         except Exception:  # noqa: BLE001 -- a bug must answer 503 for this request, not kill Envoy's stream
             log.exception("endpoint pick failed")
-            return Refused(503, error_body(503, "The endpoint picker failed on this request.", code="picker_error"))
+            out = Refused(503, error_body(503, "The endpoint picker failed on this request.", code="picker_error"))
+        self.seconds.observe(time.perf_counter() - t0)
+        if isinstance(out, Picked):
+            self.decisions.labels(out.route, out.targets[0], "200").inc()
+        else:
+            self.decisions.labels(out.headers.get("x-tandem-route", ""), "none", str(out.status)).inc()
+        return out
 
     async def Process(self, request_iterator, context):   # noqa: N802 -- the gRPC method's name
         stream = _Stream(self)

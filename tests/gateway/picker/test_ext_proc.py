@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 grpc = pytest.importorskip("grpc", reason="the picker extra (grpcio, xds-protos) is not installed")
@@ -25,9 +26,16 @@ from tests.gateway.support import GatewayProcess, free_port  # noqa: E402
 PORTS = {"cheap": free_port(), "dear": free_port()}
 
 
+class Ports(dict):
+    def __init__(self):
+        super().__init__()
+        self.fronts: dict[int, int] = {}
+
+
 @pytest.fixture(scope="module")
 def pickers(tmp_path_factory):
-    """{fallbacks: picker port}: two gateways on one config, with 0 and 1 fallbacks."""
+    """{fallbacks: picker port}: two gateways on one config, with 0 and 1 fallbacks (``.fronts``: their HTTP
+    ports, by the same keys)."""
     backends = "".join(f"  {n}:\n    type: openai\n    base_url: http://127.0.0.1:{p}/v1\n    api_key_env: UP_KEY\n"
                        f"    models: {{m1: up-model}}\n    prices: {{input: {i + 1}, output: {i + 1}}}\n"
                        for i, (n, p) in enumerate(PORTS.items()))
@@ -36,12 +44,13 @@ def pickers(tmp_path_factory):
                     f"models:\n  - name: m1\nbackends:\n{backends}"
                     "routes:\n  main:\n    select: cheapest\n    targets: [{backend: cheap}, {backend: dear}]\n"
                     "policy:\n  default_route: main\n  rules: []\n")
-    out, procs = {}, []
+    out, procs = Ports(), []
     try:
         for fallbacks in (0, 1):
             out[fallbacks] = free_port()
             procs.append(GatewayProcess(path, env={"UP_KEY": "upstream-key"}, extra_args=[
                 "--picker-port", str(out[fallbacks]), "--picker-fallbacks", str(fallbacks)]).start())
+            out.fronts[fallbacks] = procs[-1].port
         yield out
     finally:
         for p in procs:
@@ -148,3 +157,20 @@ def test_the_streaming_mode_holds_the_headers_and_streams_the_body_back(pickers)
     assert sent["x-gateway-destination-endpoint"] == f"127.0.0.1:{PORTS['cheap']}" and "content-length" not in sent
     streamed = answers[1].request_body.response.body_mutation.streamed_response
     assert streamed.end_of_stream and json.loads(streamed.body)["model"] == "up-model"
+
+
+def test_picks_and_refusals_are_counted_in_the_gateways_metrics(pickers):
+    def count(port: int, **labels) -> float:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("tandem_picker_decisions_total{") and
+                   ",".join(sorted(line[line.index("{") + 1:line.index("}")].split(","))) == want)
+
+    front = pickers.fronts[0]
+    picked = count(front, route="main", target="cheap", status="200")
+    refused = count(front, route="main", target="none", status="503")
+    process(pickers[0], CHAT)
+    process(pickers[0], CHAT, subset=["10.0.0.1:80"])
+    assert count(front, route="main", target="cheap", status="200") == picked + 1
+    assert count(front, route="main", target="none", status="503") == refused + 1
