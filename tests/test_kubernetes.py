@@ -142,6 +142,26 @@ def test_the_gateway_config_is_a_valid_tandem_config_routing_to_the_engine_pods(
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/health/ready"
 
 
+@pytest.mark.parametrize("kind, name, base", [("Deployment", "tandem-gateway", HERE),
+                                              ("Deployment", "tandem-picker", POOL)])
+def test_the_gateway_pods_would_bind_with_the_environment_they_get(kind, name, base):
+    """``tandem serve`` refuses a non-loopback bind without a virtual key (``bind_refusal``): each pod serving the
+    gateway's ConfigMap gets the keys it names from its Secret, so it starts; without them it would exit 2."""
+    from gateway.commands import register
+    from gateway.http.server import bind_refusal
+
+    container = by_kind(kind, name, base)["spec"]["template"]["spec"]["containers"][0]
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(container["command"][1:])
+    text = by_kind("ConfigMap", "tandem-gateway", base)["data"]["config.yaml"]
+    env = {e["name"]: "secret-value" for e in container.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+    compiled = load_config_text(text, environ=env)
+    host = args.host or compiled.config.server.host
+    assert host == "0.0.0.0" and bind_refusal(compiled, host, args.insecure) is None
+    assert "refusing to bind" in bind_refusal(load_config_text(text, environ={}), host, args.insecure)
+
+
 def test_the_engine_arguments_are_valid_engine_arguments():
     container = by_kind("StatefulSet", "tandem-engine")["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["tandem", "engine", "serve"]

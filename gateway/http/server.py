@@ -114,6 +114,16 @@ class GatewayServer(uvicorn.Server):
         self._exit()
 
 
+def bind_refusal(compiled, host: str, insecure: bool = False) -> str | None:
+    """Why ``tandem serve`` refuses to bind ``host`` with ``compiled`` (a ``CompiledConfig``), or None: a
+    non-loopback address with no virtual key loaded (``auth.keys``; a key from an unset environment variable is
+    not loaded) is open to anyone unless ``--insecure`` or ``server.insecure`` says that is meant."""
+    if compiled.key_hashes or is_loopback(host) or insecure or compiled.config.server.insecure:
+        return None
+    return (f"refusing to bind {host}: no virtual API keys are configured (auth.keys), so the gateway would be "
+            "open to anyone. Bind 127.0.0.1, configure keys, or pass --insecure.")
+
+
 def serve(config_path: str, host: str | None = None, port: int | None = None, insecure: bool = False,
           start_engine: bool = True, picker_port: int | None = None, picker_health_port: int | None = None,
           picker_fallbacks: int = 0) -> int:
@@ -127,9 +137,8 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
     cfg = compiled.config
     host = host or cfg.server.host
     port = cfg.server.port if port is None else port
-    if not compiled.key_hashes and not is_loopback(host) and not (insecure or cfg.server.insecure):
-        print(f"tandem serve: refusing to bind {host}: no virtual API keys are configured (auth.keys), so the "
-              "gateway would be open to anyone. Bind 127.0.0.1, configure keys, or pass --insecure.", file=sys.stderr)
+    if why := bind_refusal(compiled, host, insecure):
+        print(f"tandem serve: {why}", file=sys.stderr)
         return 2
     embedded = None
     if cfg.state.redis == "embedded":       # the one-machine default: start or join a private redis-server
