@@ -6,14 +6,15 @@ the HTTP layer renders it as Anthropic's again. Only ``/v1/messages`` requests a
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 
 import msgspec
 
 from gateway.backends.upstream import UpstreamBackend
 from gateway.errors import BackendError
 from gateway.resilience.outcomes import UpstreamResponse
-from gateway.translate.anthropic_answer import chat_chunks, message_to_chat
+from gateway.translate.anthropic_answer import chat_events, message_to_chat
+from gateway.values import ChatStream
 
 
 class AnthropicBackend(UpstreamBackend):
@@ -49,6 +50,6 @@ class AnthropicBackend(UpstreamBackend):
         return UpstreamResponse(r.status, {"content-type": "application/json"}, body=msgspec.json.encode(chat))
 
     async def open_stream(self, endpoint: str, payload: bytes, request_id: str,
-                          extra_headers: Mapping[str, str] | None = None) -> AsyncIterator[bytes]:
-        """Start a streamed Messages call; its events as chat completion chunks (SSE bytes)."""
-        return chat_chunks(await super().open_stream("messages", payload, request_id, extra_headers))
+                          extra_headers: Mapping[str, str] | None = None) -> ChatStream:
+        """Start a streamed Messages call; its events, each decoded once, as a chat stream's ``ChatEvent``s."""
+        return chat_events(await self.open_sse("messages", payload, request_id, extra_headers))

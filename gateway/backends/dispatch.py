@@ -7,16 +7,15 @@ renders. This is the one place that calls backends.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 
 import msgspec
 
-from gateway.backends.relabel import answer_id, relabel_json, relabel_stream
+from gateway.backends.relabel import answer_id, relabel_json
 from gateway.errors import BackendError
 from gateway.resilience.attempts import Candidate, Result, UpstreamResponse
 from gateway.resilience.layer import Resilience
 from gateway.resilience.ratelimit import RateReservation
-from gateway.values import Answer, GatewayRequest
+from gateway.values import Answer, ChatStream, GatewayRequest
 from policies import Target
 
 log = logging.getLogger("tandem.gateway.dispatch")
@@ -131,15 +130,12 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
         log.info("request %s: %s", req.request_id, "; ".join(errors))
     headers = {k: v for k, v in res.headers.items() if k != "content-type"}
     backend = res.candidate.target.backend if res.candidate is not None else ""
-    body, stream = res.body or b"", res.stream
-    # the public model name and the gateway's id, whoever answered (the local engine writes them itself)
-    if res.status == 200 and backends[backend].kind != "local":
-        id_ = answer_id(req.endpoint, req.request_id)
-        if stream is not None:
-            stream = relabel_stream(stream, id_, req.public_model)
-        else:
-            body = relabel_json(body, id_, req.public_model)
-    return Answer(res.status, body, stream, res.headers.get("content-type", "application/json"),
+    body = res.body or b""
+    # a whole answer under the public model name and the gateway's id, whoever answered (the local engine writes
+    # them itself; a stream's events get them from the client API's codec at the edge)
+    if res.status == 200 and res.stream is None and backends[backend].kind != "local":
+        body = relabel_json(body, answer_id(req.endpoint, req.request_id), req.public_model)
+    return Answer(res.status, body, res.stream, res.headers.get("content-type", "application/json"),
                   backend, res.num_calls, headers, native_api(backends[backend], req) if backend else "")
 
 
@@ -157,21 +153,21 @@ def backend_error_to_response(e: BackendError) -> UpstreamResponse:
     raise ConnectionError(e.message)
 
 
-def stream_response(it) -> UpstreamResponse:
-    """A backend's SSE byte iterator as a streaming 200 for the loop, its stream errors re-raised as transport
-    errors the loop classifies; closing it closes the backend's iterator even when it was never started."""
+def stream_response(it: ChatStream) -> UpstreamResponse:
+    """A backend's event stream as a streaming 200 for the loop, its stream errors re-raised as transport errors
+    the loop classifies; closing it closes the backend's iterator even when it was never started."""
 
-    async def chunks():
+    async def events():
         try:
-            async for chunk in it:
-                yield chunk
+            async for batch in it:
+                yield batch
         except BackendError as e:
             raise (TimeoutError if e.kind == "timeout" else ConnectionError)(e.message) from None
 
-    relayed = chunks()
+    relayed = events()
 
     async def aclose() -> None:
         await relayed.aclose()
         await it.aclose()
 
-    return UpstreamResponse(200, {"content-type": "text/event-stream"}, chunks=relayed, aclose=aclose)
+    return UpstreamResponse(200, {"content-type": "text/event-stream"}, events=relayed, aclose=aclose)

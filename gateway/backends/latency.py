@@ -34,7 +34,7 @@ import httpx
 import msgspec
 
 from gateway.resilience.outcomes import UpstreamResponse, Withdrawn
-from gateway.sse import EventReader, classify
+from gateway.values import ChatEvent
 from policies import TTFTEstimate
 
 # Calls remembered per backend: enough for a stable 90th percentile, few enough to follow a provider that slows.
@@ -200,51 +200,45 @@ class UpstreamLatency:
                 raise
             if resp.status == 429 or resp.status >= 500:
                 self.observe(backend, None)
-            elif resp.chunks is None or resp.status >= 400:
+            elif resp.events is None or resp.status >= 400:
                 seen(backend, time.monotonic() - started)
             else:
-                resp.chunks = self._first_chunk(resp.chunks, lambda t: seen(backend, t), started,
+                resp.events = self._first_chunk(resp.events, lambda t: seen(backend, t), started,
                                                 lambda t: self.observe_tpot(backend, t))
             return resp
 
         return timed
 
-    async def _first_chunk(self, chunks, seen, started: float, seen_tpot=None):
-        # The first content event, not the first bytes: engines (ours included) and providers send a role-only
-        # event at once. The events are parsed here a second time (the attempt loop's peek parses the first ones
-        # too): until content for the TTFT, then counted to the end for the TPOT (``seen_tpot``).
-        it = chunks.__aiter__()
-        reader: EventReader | None = EventReader()
+    async def _first_chunk(self, events, seen, started: float, seen_tpot=None):
+        # The first content event, not the first read: engines (ours included) and providers send a role-only
+        # event at once. Until content for the TTFT, then counted to the end for the TPOT (``seen_tpot``).
+        it = events.__aiter__()
         first = last = 0.0
-        events = 0
+        count = 0
         try:
-            async for chunk in it:
-                if reader is not None:
-                    reader.feed(chunk)
-                    n, answered = _content_events(reader)
-                    if answered and not first:
-                        first = time.monotonic()
-                        seen(first - started)
-                        if seen_tpot is None:
-                            reader = None
-                    if n:
-                        events += n
-                        last = time.monotonic()
-                yield chunk
-            if seen_tpot is not None and events > 1:
-                seen_tpot((last - first) / (events - 1))
+            async for batch in it:
+                n, answered = _content_events(batch)
+                if answered and not first:
+                    first = time.monotonic()
+                    seen(first - started)
+                if n:
+                    count += n
+                    last = time.monotonic()
+                yield batch
+            if seen_tpot is not None and count > 1:
+                seen_tpot((last - first) / (count - 1))
         finally:   # closed early (client gone, failover): close the upstream's iterator too
             aclose = getattr(it, "aclose", None)
             if aclose is not None:
                 await aclose()
 
 
-def _content_events(reader: EventReader) -> tuple[int, bool]:
-    """(how many of the complete events in ``reader`` are content events, whether any is a content or end
-    event: the answer has begun) (``gateway.sse.classify``)."""
+def _content_events(batch: list[ChatEvent]) -> tuple[int, bool]:
+    """(how many of the events of one read are content events, whether any is a content or end event: the
+    answer has begun)."""
     n, answered = 0, False
-    while (ev := reader.pop()) is not None:
-        kind = classify(ev[1])[0]
+    for ev in batch:
+        kind = ev.kind
         n += kind == "content"
         answered = answered or kind in ("content", "done", "error")
     return n, answered

@@ -17,8 +17,9 @@ from gateway.backends.dispatch import GATEWAY_ONLY_FIELDS
 from gateway.backends.relabel import answer_id
 from gateway.config.schema import LocalBackendConfig
 from gateway.errors import BackendError
-from gateway.values import GatewayRequest
 from gateway.resilience.outcomes import UpstreamResponse, Withdrawn
+from gateway.translate.chat_events import decode_stream
+from gateway.values import ChatStream, GatewayRequest
 from policies.slo import Handover
 
 log = logging.getLogger("tandem.gateway.local")
@@ -152,7 +153,7 @@ class LocalBackend:
         if not self.available:
             raise RuntimeError(self.unavailable_reason or "engine not ready")
 
-    async def open_chat_stream(self, req: GatewayRequest, request_id: str, body: dict) -> AsyncIterator[bytes]:
+    async def open_chat_stream(self, req: GatewayRequest, request_id: str, body: dict) -> ChatStream:
         """A stream of ``body`` for ``req`` (a ``chat/completions`` request) under ``request_id``: a shadow's side,
         which the engine renders itself (``req``'s rendering is of the client's body)."""
         return await self.open_stream(replace(req, request_id=request_id, stream=True, rendered=None), body)
@@ -224,9 +225,9 @@ class LocalBackend:
                 checkpoint.close()
 
     async def open_stream(self, req: GatewayRequest, body: dict,
-                          handover: tuple[Handover, float] | None = None) -> AsyncIterator[bytes]:
-        """Start a streaming request (arguments as ``send``'s); SSE byte lines (``data: ...\\n\\n``). A request
-        the checkpoint withdrew raises ``Withdrawn`` from the iterator, before any content."""
+                          handover: tuple[Handover, float] | None = None) -> ChatStream:
+        """Start a streaming request (arguments as ``send``'s); its events (the serving layer's SSE, decoded once).
+        A request the checkpoint withdrew raises ``Withdrawn`` from the iterator, before any content."""
         self.active += 1
         try:
             result = await self._call(req, body)
@@ -234,7 +235,7 @@ class LocalBackend:
             self.active -= 1
             raise
         from engine.serving.chunks import sse_stream   # loaded already: the engine answered
-        return self._relay(sse_stream(result), self._checkpoint(req, handover))
+        return decode_stream(self._relay(sse_stream(result), self._checkpoint(req, handover)))
 
     async def _relay(self, it: AsyncIterator[bytes], checkpoint: Checkpoint | None) -> AsyncIterator[bytes]:
         try:

@@ -2,17 +2,14 @@
 public ``model`` the client asked for (an alias resolved to the public name it stands for, as OpenAI reports
 the model an alias resolves to; never the upstream's or the engine's name) and an ``id`` made from the gateway's
 request id (``chatcmpl-<request id>``, ``cmpl-<request id>``: the id in the logs and the ``x-request-id``
-header), whichever backend answered. Events and bodies without ``id``/``model`` (errors, ``[DONE]``) pass as
-they are.
+header), whichever backend answered. This module relabels a whole answer's JSON (bodies without ``id``/``model``,
+errors, pass as they are); a stream's events are written under those names by the client API's codec at the edge
+(``gateway/translate/chat_events.py``: ``ChatEncoder``).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import msgspec
-
-from gateway.sse import EventReader, event
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -40,25 +37,3 @@ def _relabel(payload: bytes, id_: str, model: str) -> bytes:
 def relabel_json(content: bytes, id_: str, model: str) -> bytes:
     """A JSON answer (bytes) with ``id`` and ``model`` replaced; other bytes unchanged."""
     return _relabel(content, id_, model)
-
-
-async def relabel_stream(it: AsyncIterator[bytes], id_: str, model: str) -> AsyncIterator[bytes]:
-    """The SSE byte stream ``it`` with each event's ``id`` and ``model`` replaced; the events read from one chunk
-    go out as one chunk (no added waiting). Closing this generator closes ``it``."""
-    reader = EventReader()
-    exhausted = False
-    try:
-        async for chunk in it:
-            reader.feed(chunk)
-            out = []
-            while (item := reader.pop()) is not None:
-                out.append(event(_relabel(item[1], id_, model)))
-            if out:
-                yield out[0] if len(out) == 1 else b"".join(out)
-        exhausted = True
-        if (item := reader.tail()) is not None:
-            yield event(_relabel(item[1], id_, model))
-    finally:
-        aclose = None if exhausted else getattr(it, "aclose", None)
-        if aclose is not None:
-            await aclose()

@@ -190,7 +190,7 @@ class ReplicaLoads:
             except BaseException:
                 end()
                 raise
-            if resp.chunks is None:
+            if resp.events is None:
                 end()
                 return resp
             close = resp.aclose

@@ -27,6 +27,8 @@ from gateway.config.schema import OpenAIBackendConfig
 from gateway.errors import BackendError, transport_error_kind
 from gateway.observability.tracing import current_traceparent
 from gateway.resilience.outcomes import UpstreamResponse, parse_retry_after
+from gateway.translate.chat_events import decode_stream
+from gateway.values import ChatStream
 
 log = logging.getLogger("tandem.gateway.upstream")
 logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request is hot-path cost
@@ -147,9 +149,19 @@ class UpstreamBackend:
             self.active -= 1
 
     async def open_stream(self, endpoint: str, payload: bytes, request_id: str,
-                          extra_headers: Mapping[str, str] | None = None) -> AsyncIterator[bytes]:
-        """Start a streaming POST (``extra_headers`` as ``send``'s); returns the raw SSE byte chunks as they
-        arrive (closes the upstream response when exhausted or closed).
+                          extra_headers: Mapping[str, str] | None = None) -> ChatStream:
+        """Start a streaming POST (``extra_headers`` as ``send``'s); the answer's events as they arrive, each SSE
+        event decoded once (``gateway.translate.chat_events.decode_stream``).
+
+        Raises:
+            BackendError: before any byte of the body (connect, timeout, error status); the iterator raises it
+                for a stream that breaks or stalls."""
+        return decode_stream(await self.open_sse(endpoint, payload, request_id, extra_headers))
+
+    async def open_sse(self, endpoint: str, payload: bytes, request_id: str,
+                       extra_headers: Mapping[str, str] | None = None) -> AsyncIterator[bytes]:
+        """Start a streaming POST; the raw SSE byte chunks as they arrive (closes the upstream response when
+        exhausted or closed).
 
         Raises:
             BackendError: before any byte of the body (connect, timeout,
@@ -219,7 +231,7 @@ class UpstreamBackend:
         t = self.cfg.timeouts
         return t.first_token_s, t.inter_chunk_s or t.read_s
 
-    async def open_chat_stream(self, req, request_id: str, body: dict) -> AsyncIterator[bytes]:
+    async def open_chat_stream(self, req, request_id: str, body: dict) -> ChatStream:
         """A ``chat/completions`` stream of ``body`` under ``request_id`` (a shadow's side; ``req`` unused)."""
         return await self.open_stream("chat/completions", msgspec.json.encode(body), request_id)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from gateway.values import ChoiceDelta
+
 # The estimator's rule: ~4 characters per token (OpenAI's rule of thumb for English BPE text), rounded up, and one
 # token at least for any non-empty text; it is the rule ``estimate_prompt_tokens`` uses for prompts.
 CHARS_PER_TOKEN = 4
@@ -51,6 +53,17 @@ def choice_pieces(choice: Any) -> list[str]:
     if isinstance(text, str):
         return [text] if text else []
     return message_pieces(get("message")) + message_pieces(get("delta"))
+
+
+def delta_pieces(c: ChoiceDelta) -> list[str]:
+    """The generated text of one streamed choice delta (``gateway.values.ChoiceDelta``): its text, reasoning,
+    refusal, and each tool call's name and arguments pieces."""
+    out = [v for v in (c.content, c.reasoning, c.refusal) if isinstance(v, str) and v]
+    for t in c.tool_calls:
+        out += [v for v in (t.name, t.arguments) if isinstance(v, str) and v]
+    if isinstance(c.function_call, dict):
+        out += [v for k in ("name", "arguments") if isinstance(v := c.function_call.get(k), str) and v]
+    return out
 
 
 def client_wants_usage(body: dict) -> bool:

@@ -4,8 +4,9 @@ background (a mismatch switches the key space off, raises ``tandem_cache_mismatc
 answers). Entries live in ``gateway/cache/store.py`` (Redis when ``state.redis_url`` is set, else in process).
 
 A hit is an ``Answer`` from backend ``cache`` (the ledger charges the route's ``cache.prices``, default 0), its
-``id`` and ``model`` those of the request it answers; a stream is replayed event by event as it was recorded
-(the usage chunk included: observability drops it when the client did not ask for it).
+``id`` and ``model`` those of the request it answers; a stream is replayed event by event as it was recorded (its
+``ChatEvent`` values, stored as they were read: the usage event included, which observability drops when the client
+did not ask for it).
 """
 
 from __future__ import annotations
@@ -13,19 +14,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import msgspec
 
-from gateway.values import Answer
-from gateway.backends.relabel import answer_id, relabel_json, relabel_stream
+from gateway.backends.relabel import answer_id, relabel_json
 from gateway.cache.key import cache_config, cache_key, exact_space, is_sampled, tokens_of
 from gateway.cache.store import Bounds, CacheStore
 from gateway.config.schema import CacheConfig
-from gateway.values import GatewayRequest
-from gateway.sse import EventReader, event
 from gateway.state import now_ms
+from gateway.translate.chat_events import chunk_object
+from gateway.values import Answer, ChatEvent, ChatStream, GatewayRequest
 
 log = logging.getLogger("tandem.gateway.cache")
 
@@ -104,21 +104,25 @@ class ResponseCache:
     async def lookup(self, p: CachePlan, recompute: Callable[[], Awaitable[Answer]]) -> tuple[Answer, dict] | None:
         """The cached answer of ``p`` and its usage, or None (a miss, or bypassed); sets ``p.headers``. A hit is
         spot-checked with probability ``verify_fraction`` by ``recompute`` (the request sent to its route)."""
-        outcome = "bypass"
+        outcome, entry = "bypass", None
         if p.lookup:
             status, value = await self.store.get(p.space, p.key, now_ms())
             if status == "off":
                 p.store = False
             else:
                 outcome = status
+            if status == "hit":
+                try:
+                    entry = _decode_entry(value)
+                except (msgspec.DecodeError, msgspec.ValidationError):   # an entry of another format: recomputed
+                    outcome = "miss"
         self._count(p.route, outcome)
         p.headers["x-tandem-cache"] = outcome
-        if outcome != "hit":
+        if entry is None:
             return None
-        entry = _decode(value)
         if p.cfg.verify_fraction and random.random() < p.cfg.verify_fraction:
             self._spawn(self._verify(p, entry, recompute))
-        return _replay(entry, p.req), entry.get("usage") or {}
+        return _replay(entry, p.req), entry.usage or {}
 
     def keep(self, p: CachePlan, answer: Answer) -> Answer:
         """``answer`` to a miss, stored once complete when it may be (a 200 from the local engine in exact
@@ -146,7 +150,7 @@ class ResponseCache:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _put(self, p: CachePlan, entry: dict | None) -> None:
+    async def _put(self, p: CachePlan, entry: "Entry | None") -> None:
         if entry is None:
             return
         bounds = Bounds(int(p.cfg.ttl_s * 1000), p.cfg.max_entries, p.cfg.max_bytes)
@@ -155,34 +159,33 @@ class ResponseCache:
         except Exception as e:  # noqa: BLE001 -- a cache that cannot store costs a recomputation, never an answer
             log.warning("cache store on route %s failed: %s", p.route, e)
 
-    async def _recording(self, p: CachePlan, it: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        reader, events, exhausted = EventReader(), [], False
+    async def _recording(self, p: CachePlan, it: ChatStream) -> ChatStream:
+        events: list[ChatEvent] = []
+        exhausted = False
         try:
-            async for chunk in it:
-                reader.feed(chunk)
-                while (item := reader.pop()) is not None:
-                    events.append(item[1])
-                yield chunk
+            async for batch in it:
+                events += batch
+                yield batch
             exhausted = True
         finally:
             aclose = None if exhausted else getattr(it, "aclose", None)
             if aclose is not None:
                 await aclose()
-        if events and events[-1] == b"[DONE]" and not any(_is_error(e) for e in events):
-            self._spawn(self._put(p, _sse_entry(events)))
+        if events and events[-1].done and not any(e.error for e in events):
+            self._spawn(self._put(p, _stream_entry(events)))
 
-    async def _verify(self, p: CachePlan, entry: dict, recompute: Callable[[], Awaitable[Answer]]) -> None:
+    async def _verify(self, p: CachePlan, entry: Entry, recompute: Callable[[], Awaitable[Answer]]) -> None:
         try:
             answer = await recompute()
-            content = answer.content
+            events = None
             if answer.stream is not None:
-                content = b"".join([chunk async for chunk in answer.stream])
+                events = [ev async for batch in answer.stream for ev in batch]
         except Exception as e:  # noqa: BLE001 -- a failed recomputation proves nothing either way
             log.info("cache spot-check on route %s not made: %s", p.route, e)
             return
         if answer.status != 200:
             return
-        fresh = _json_entry(content) if answer.stream is None else _sse_entry(_payloads(content))
+        fresh = _json_entry(answer.content) if events is None else _stream_entry(events)
         if fresh is None or _tokens(fresh) == _tokens(entry):
             return
         await self.store.switch_off(p.space)
@@ -192,62 +195,52 @@ class ResponseCache:
                   "recomputed: %s", p.route, p.space, p.req.request_id, _text(entry), _text(fresh))
 
 
-def _json_entry(content: bytes) -> dict | None:
+class Entry(msgspec.Struct):
+    """A stored answer: ``kind`` ``json`` (``body``: the JSON answer as its backend returned it) or ``events``
+    (a stream's ``ChatEvent``s, ``[DONE]`` last), and its ``usage``."""
+
+    kind: str
+    body: str = ""
+    events: list[ChatEvent] = []
+    usage: dict | None = None
+
+
+_decode_entry = msgspec.json.Decoder(Entry).decode
+
+
+def _json_entry(content: bytes) -> Entry | None:
     try:
         body = _decode(content)
     except msgspec.DecodeError:
         return None
-    return {"kind": "json", "body": content.decode(), "usage": body.get("usage") if isinstance(body, dict) else None}
+    return Entry("json", body=content.decode(), usage=body.get("usage") if isinstance(body, dict) else None)
 
 
-def _sse_entry(events: list[bytes]) -> dict:
+def _stream_entry(events: list[ChatEvent]) -> Entry:
     usage = None
     for e in events:
-        if e.startswith(b"{") and b'"usage"' in e:
-            usage = _decode(e).get("usage") or usage
-    return {"kind": "sse", "events": [e.decode() for e in events], "usage": usage}
+        usage = e.usage or usage
+    return Entry("events", events=events, usage=usage)
 
 
-def _payloads(stream: bytes) -> list[bytes]:
-    reader = EventReader()
-    reader.feed(stream)
-    out = []
-    while (item := reader.pop()) is not None:
-        out.append(item[1])
-    if (item := reader.tail()) is not None:
-        out.append(item[1])
-    return out
+def _text(entry: Entry) -> str:
+    """An entry's answer as it was sent: the JSON body, or the stream's events one per line."""
+    return entry.body if entry.kind == "json" else "\n".join(_encode(e).decode() for e in entry.events)
 
 
-def _is_error(payload: bytes) -> bool:
-    if not payload.startswith(b"{") or b'"error"' not in payload:
-        return False
-    try:
-        return "error" in _decode(payload)
-    except msgspec.DecodeError:
-        return True
+def _tokens(entry: Entry) -> dict:
+    if entry.kind == "json":
+        return tokens_of([_decode(entry.body)])
+    return tokens_of([chunk_object(e) for e in entry.events if not e.done])
 
 
-def _text(entry: dict) -> str:
-    """An entry's answer as it was sent: the JSON body, or the stream's event payloads one per line."""
-    return entry["body"] if entry["kind"] == "json" else "\n".join(entry["events"])
-
-
-def _tokens(entry: dict) -> dict:
-    if entry["kind"] == "json":
-        return tokens_of([_decode(entry["body"])])
-    return tokens_of([_decode(e) for e in entry["events"] if e != "[DONE]"])
-
-
-def _replay(entry: dict, req: GatewayRequest) -> Answer:
-    id_ = answer_id(req.endpoint, req.request_id)
-    if entry["kind"] == "json":
-        content = relabel_json(entry["body"].encode(), id_, req.public_model)
+def _replay(entry: Entry, req: GatewayRequest) -> Answer:
+    if entry.kind == "json":
+        content = relabel_json(entry.body.encode(), answer_id(req.endpoint, req.request_id), req.public_model)
         return Answer(200, content, backend=CACHE_BACKEND)
 
     async def events():
-        for payload in entry["events"]:
-            yield event(payload.encode())
+        for ev in entry.events:
+            yield [ev]
 
-    return Answer(200, stream=relabel_stream(events(), id_, req.public_model), content_type="text/event-stream",
-                  backend=CACHE_BACKEND)
+    return Answer(200, stream=events(), content_type="text/event-stream", backend=CACHE_BACKEND)

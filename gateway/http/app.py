@@ -99,15 +99,13 @@ async def _serve(request: Request, endpoint: str, headers=None) -> Response:
         answer = await unless_disconnected(request, handle(gw, endpoint, raw, headers, rid))
         if answer is None:                  # the client left: its upstream call was cancelled
             return Response(b"", status_code=499)
-        render = answer.render               # another client API's codec (Anthropic's), after observability
+        render = answer.render               # the client API's codec (OpenAI's, Anthropic's), after observability
         if answer.stream is not None:        # observability's stream wrapper completes the record at its end
             stream = gw.obs.stream(rec, answer.backend, answer.stream)
-            return EventStream(stream if render is None else render.stream(stream), status_code=200,
-                               media_type="text/event-stream", headers={**answer.headers, "cache-control": "no-cache"})
+            return EventStream(render.stream(stream), status_code=200, media_type="text/event-stream",
+                               headers={**answer.headers, "cache-control": "no-cache"})
         content = await gw.obs.finish(rec, answer.backend, answer.status, answer.content)   # secrets redacted
-        media_type = answer.content_type
-        if render is not None:
-            content, media_type = render.content(answer.status, content), _JSON
+        content, media_type = render.content(answer.status, content, answer.content_type)
         return Response(content, status_code=answer.status, media_type=media_type, headers=answer.headers)
 
     return await serve_observed(request, endpoint, headers, answer_)

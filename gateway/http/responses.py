@@ -25,11 +25,12 @@ from gateway.http.transport import EventStream, unless_disconnected
 from gateway.request.auth import authenticate
 from gateway.request.pipeline import handle
 from gateway.request.validate import parse_json
-from gateway.sse import EventReader, named_event
+from gateway.sse import named_event
 from gateway.stored_responses import ResponseStore, StoredResponse
 from gateway.translate.responses import (check_body, from_chat, input_items, native_body, new_context,
                                          responses_error, responses_error_object, to_chat)
 from gateway.translate.responses_events import ResponsesEvents
+from gateway.values import ChatEvent, ChatStream
 
 _JSON = "application/json"
 _encode, _decode = msgspec.json.encode, msgspec.json.decode
@@ -112,39 +113,35 @@ def _renamed_error(content: bytes) -> bytes:
     return _encode({**obj, "error": responses_error_object(obj["error"])})
 
 
-def _translated(events: ResponsesEvents, data: bytes) -> list[dict]:
-    if data == b"[DONE]":
+def _translated(events: ResponsesEvents, ev: ChatEvent) -> list[dict]:
+    if ev.done:
         return []
-    obj = _decode(data)
-    if isinstance(obj, dict) and obj.get("error") is not None:
-        error = obj["error"]
+    if ev.error:
+        error = ev.error
         return events.error(responses_error_object(error) if isinstance(error, dict) else {"message": str(error)})
-    return events.feed(obj) if isinstance(obj, dict) else []
+    return events.feed(ev)
 
 
 def _sse(events: list[dict]) -> bytes:
     return b"".join(named_event(e["type"], _encode(e)) for e in events)
 
 
-async def responses_sse(chat: AsyncIterator[bytes], events: ResponsesEvents,
+async def responses_sse(chat: ChatStream, events: ResponsesEvents,
                         keep: Callable[[dict], Awaitable[None]]) -> AsyncIterator[bytes]:
-    """The chat SSE stream ``chat`` (already observed: billed, metered) as the Responses API's typed events; the
+    """The chat stream ``chat`` (already observed: billed, metered) as the Responses API's typed events; the
     final response is kept (``keep``) before its last event is sent, so a follow-up can name it at once. Closing
     this generator closes ``chat``."""
-    reader = EventReader()
     exhausted = False
     try:
         yield _sse(events.start())
-        async for chunk in chat:
-            reader.feed(chunk)
+        async for batch in chat:
             out = []
-            while (item := reader.pop()) is not None:
-                out += _translated(events, item[1])
+            for ev in batch:
+                out += _translated(events, ev)
             if out:
                 yield _sse(out)
         exhausted = True
-        out = _translated(events, tail[1]) if (tail := reader.tail()) is not None else []
-        out += events.finish()
+        out = events.finish()
         if events.final is not None:
             await keep(events.final)
         yield _sse(out)

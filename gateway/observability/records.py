@@ -10,7 +10,6 @@ from typing import Any
 import msgspec
 
 from gateway.billing.usage import Budget
-from gateway.sse import EventReader
 
 
 class _Choice(msgspec.Struct):
@@ -79,7 +78,6 @@ class RequestRecord:
     answer_body: bytes | None = None       # a whole answer's body as its backend returned it (until ``finish``)
     error: str | None = None
     finished: bool = False
-    events: EventReader = field(default_factory=EventReader)   # the committed stream's events, as read
 
 
 def provider(snap, backend: str) -> str:

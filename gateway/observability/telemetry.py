@@ -21,7 +21,7 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from gateway.billing.counting import (choice_pieces, client_wants_usage, count_completion, counter_for,
-                                      partial_usage)
+                                      delta_pieces, partial_usage)
 from gateway.billing.prices import NANO, Price, cost_nusd, usage_tokens
 from gateway.cache.key import cache_config
 from gateway.billing.usage import Budget, UsageLedger, UsageRecord, tenant_label
@@ -35,6 +35,7 @@ from gateway.observability.request_log import (Redactor, RequestLog, config_secr
 from gateway.observability.tracing import (OPERATIONS, Tracing, attempt_span, end_request_trace, mark_error,
                                            reset_traceparent, set_traceparent, span_answer, traceparent,
                                            untraced_context)
+from gateway.values import ChatEvent, ChatStream
 
 log = logging.getLogger("tandem.gateway.telemetry")
 
@@ -246,29 +247,23 @@ class Observability:
         await self._complete(rec, status)
         return content
 
-    def stream(self, rec: RequestRecord, backend: str, it):
-        """Wrap a committed SSE stream: TTFT, usage and finish reasons from its
-        events, redaction of error events; accounting when it ends."""
+    def stream(self, rec: RequestRecord, backend: str, it: ChatStream) -> ChatStream:
+        """Wrap a committed stream: TTFT, usage and finish reasons from its events, redaction of error events;
+        accounting when it ends."""
         rec.backend = backend
         return self._relay(rec, it)
 
-    async def _relay(self, rec: RequestRecord, it):
+    async def _relay(self, rec: RequestRecord, it: ChatStream) -> ChatStream:
         status = 200
         exhausted = False
         try:
-            async for chunk in it:
+            async for batch in it:
                 if rec.ttft_s is None:
                     rec.ttft_s = time.perf_counter() - rec.t0
-                kept = self._scan(rec, chunk)
-                if kept is not None:     # the client did not ask for the usage chunk the gateway asked for
-                    chunk = kept
-                if b'"error"' in chunk:
-                    chunk = self.redactor().bytes(chunk, [rec.client_token] if rec.client_token else [])
-                if chunk:
-                    yield chunk
+                batch = self._scan(rec, batch)
+                if batch:
+                    yield batch
             exhausted = True             # the inner iterator has finished (and cleaned up) on its own
-            if rec.strip_usage and (tail := rec.events.tail()) is not None:
-                yield tail[0]
         except (asyncio.CancelledError, GeneratorExit):
             status, rec.disconnected = 499, True      # billed for what it was sent (``_complete``)
             raise
@@ -284,44 +279,43 @@ class Observability:
             except BaseException:  # noqa: BLE001 -- cancelled: the task finishes on its own
                 pass
 
-    def _scan(self, rec: RequestRecord, chunk: bytes) -> bytes | None:
-        """Read the events of ``chunk``: usage, text per choice, finish reasons, errors. With ``rec.strip_usage``,
-        returns the relay bytes of its complete events without a usage-only event (``usage`` and no choices);
-        else None (the chunk goes on as it is)."""
-        reader = rec.events
-        reader.feed(chunk)
-        kept: list[bytes] | None = [] if rec.strip_usage else None
-        while (item := reader.pop()) is not None:
-            data = item[1]
-            if data == b"[DONE]":
-                if kept is not None:
-                    kept.append(item[0])
-                continue
-            try:
-                ans = decode_answer(data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                if b'"error"' in data:
-                    rec.error = "stream_error"
-                if kept is not None:
-                    kept.append(item[0])
-                continue
-            if ans.usage:
-                rec.usage = ans.usage
-                if not ans.choices and kept is not None:
-                    continue                 # the usage-only chunk, dropped
-            if kept is not None:
-                kept.append(item[0])
-            if ans.model and rec.response_model is None:
-                rec.response_model = ans.model
-            for c in ans.choices:            # each choice of an n > 1 stream apart; tool calls count too
-                pieces = choice_pieces(c)
+    def _scan(self, rec: RequestRecord, batch: list[ChatEvent]) -> list[ChatEvent]:
+        """Read the events of one read: usage, text per choice, finish reasons, errors. Returns them as the
+        client gets them: an error event with secrets redacted; with ``rec.strip_usage``, without the usage-only
+        event (``usage`` and no choices) the gateway asked for."""
+        kept: list[ChatEvent] | None = None        # a new list once an event is changed or dropped
+        for i, ev in enumerate(batch):
+            out: ChatEvent | None = ev
+            if ev.error:
+                rec.error = "stream_error"
+                out = self._redacted(rec, ev)
+            if ev.usage:
+                rec.usage = ev.usage
+                if rec.strip_usage and not ev.choices:
+                    out = None               # the usage-only event, dropped
+            if ev.model and rec.response_model is None:
+                rec.response_model = rec.model or ev.model   # the name the client sees (the codec writes it)
+            for c in ev.choices:            # each choice of an n > 1 stream apart; tool calls count too
+                pieces = delta_pieces(c)
                 if pieces:
                     rec.texts.setdefault(c.index, []).extend(pieces)
                 if c.finish_reason:
                     rec.finish_reasons.append(c.finish_reason)
-            if b'"error"' in data and not ans.choices:
-                rec.error = "stream_error"
-        return None if kept is None else b"".join(kept)
+            if out is not ev and kept is None:
+                kept = batch[:i]
+            if kept is not None and out is not None:
+                kept.append(out)
+        return batch if kept is None else kept
+
+    def _redacted(self, rec: RequestRecord, ev: ChatEvent) -> ChatEvent:
+        """``ev`` (an error event) with its error's message free of secrets (the same event when it had none)."""
+        err = ev.error
+        if not isinstance(err, dict) or not isinstance(err.get("message"), str):
+            return ev
+        message = self.redactor().text(err["message"], [rec.client_token] if rec.client_token else [])
+        if message == err["message"]:
+            return ev
+        return msgspec.structs.replace(ev, error={**err, "message": message})
 
     async def reject(self, rec: RequestRecord, err: ClientError) -> None:
         """The gateway refused the request (4xx/429/503 before any backend answered)."""

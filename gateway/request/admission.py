@@ -11,9 +11,9 @@ from gateway.billing.prices import NANO, Price, cost_nusd, format_usd
 from gateway.billing.usage import PERIOD_ADJECTIVE, Budget, BudgetReservation, UsageLedger, tenant_label
 from gateway.errors import ClientError
 from gateway.request.auth import bearer
-from gateway.values import GatewayRequest
 from gateway.resilience.layer import Resilience
 from gateway.resilience.ratelimit import RateReservation
+from gateway.values import GatewayRequest
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from gateway.backends.dispatch import forward
+from gateway.backends.relabel import answer_id
 from gateway.billing.local_cost import local_price
 from gateway.errors import ClientError
 from gateway.request.admission import admit
@@ -21,6 +22,7 @@ from gateway.request.validate import (check_request, estimate_prompt_tokens, par
 from gateway.resilience.resume import prepare as prepare_resume
 from gateway.resilience.resume import resumable
 from gateway.translate.anthropic import MessagesRender, messages_to_chat
+from gateway.translate.chat_events import ChatRender
 from gateway.values import Answer, GatewayRequest
 from policies import RequestFeatures, decide, prefix_text
 
@@ -191,6 +193,9 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
                       **(resume.headers if resume is not None else {})}
     if req.anthropic_body is not None:
         answer.render = MessagesRender.of(req)
+    else:
+        answer.render = ChatRender(answer_id(req.endpoint, req.request_id), req.public_model,
+                                   req.endpoint == "chat/completions")
     if decision.pick.reason.startswith("SLO"):   # the numbers the SLO decision was made on
         answer.headers["x-tandem-slo"] = decision.pick.reason
     return answer

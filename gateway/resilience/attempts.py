@@ -33,8 +33,8 @@ call, or one round of skipped candidates:
   are transparent retries. After it, a failure (cut, malformed event, error event, no event within
   ``inter_chunk_timeout_s``) ends the stream with one ``data: {"error": ...}`` event and no ``[DONE]``.
   Closing the returned iterator (client disconnect) closes the upstream response at once.
-  Hot path: events are split from the raw bytes once per read and relayed as the upstream's own bytes (typed
-  msgspec decoding to classify them), the inter-chunk deadline is one re-armed ``loop.call_at`` handle per
+  Hot path: the loop reads the backend's ``ChatEvent`` values (decoded once, by the backend; it decodes
+  nothing), the inter-chunk deadline is one re-armed ``loop.call_at`` handle per
   stream, and with ``batch_events`` every event already read goes downstream as one chunk (nothing waits).
 """
 
@@ -226,7 +226,7 @@ class _Run:
         try:
             async with asyncio.timeout(limit):
                 resp = await self.attempt_fn(c)
-                if self.stream and resp.status < 300 and resp.chunks is not None:
+                if self.stream and resp.status < 300 and resp.events is not None:
                     out = await peek_stream(resp, t0)
                     if not isinstance(out, Result):
                         await close_response(resp)
@@ -449,8 +449,8 @@ async def call_with_fallback(candidates: list[Candidate],
     limiter: ``gateway.resilience.ratelimit.RateLimiter`` for ``Candidate.limits`` (tokens reserved: ``tokens``).
     required_len: prompt tokens + max_tokens, to skip candidates with a smaller ``max_model_len``.
     on_finish(result): called once a committed stream has ended (cleanly, with an error, or by a disconnect).
-    batch_events: a committed stream yields every complete event read so far as one item (one write downstream
-    per upstream read) instead of one item per event; the bytes are the same.
+    batch_events: a committed stream yields every event of a read as one list (one write downstream per
+    upstream read) instead of one list per event; the events are the same.
     prompt_param: the body field that holds the prompt ("messages" or "prompt"), named by the 400 when no
     candidate's context fits ``required_len``, as OpenAI's ``context_length_exceeded`` does.
     streams: the gateway's set of open streams (their watchdogs), which a drain interrupts at its deadline.

@@ -35,14 +35,15 @@ class Withdrawn(Exception):
 class UpstreamResponse:
     """What one attempt returns: any HTTP status.
 
-    body: the whole body (non-streaming responses and every error). chunks: the raw SSE bytes of a streaming
-    2xx (any split). aclose: releases the upstream response/connection (called when the loop abandons it).
+    body: the whole body (non-streaming responses and every error). events: the ``ChatStream`` of a streaming
+    2xx (the backend's events, decoded once). aclose: releases the upstream response/connection (called when the
+    loop abandons it).
     """
 
     status: int
     headers: Mapping[str, str] = field(default_factory=dict)
     body: bytes = b""
-    chunks: AsyncIterator[bytes] | None = None
+    events: AsyncIterator[list] | None = None
     aclose: Callable[[], Awaitable[None]] | None = None
 
 
@@ -62,7 +63,8 @@ class Result:
     """The loop's answer.
 
     status/headers: what the client gets (headers: content-type, Retry-After when relevant).
-    body: the response body when not streaming (or an error). stream: SSE event bytes when committed to a stream.
+    body: the response body when not streaming (or an error). stream: the events (``ChatStream``) when committed
+    to a stream.
     candidate: the target that answered. usage: the upstream's ``usage`` (filled when known; for a stream at
     its end). error: the failure that ended a stream after content (None when it finished cleanly).
     backend_reservation: the backend-limit reservation of the answering target, to reconcile.
@@ -71,7 +73,7 @@ class Result:
     status: int
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes | None = None
-    stream: AsyncIterator[bytes] | None = None
+    stream: AsyncIterator[list] | None = None
     candidate: Any = None                  # the attempts.Candidate that answered
     attempts: list[Attempt] = field(default_factory=list)
     usage: dict | None = None

@@ -19,18 +19,15 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 import msgspec
 
-from gateway.values import GatewayRequest
 from gateway.resilience.streaming import GATEWAY_SHUTDOWN
-from gateway.sse import EventReader, event
+from gateway.values import ChatEvent, ChatStream, GatewayRequest
 
 log = logging.getLogger("tandem.gateway.resume")
-_decode = msgspec.json.decode
-_encode = msgspec.json.encode
 # Temperatures below this are greedy (the engine's sampler): no seed needed.
 _GREEDY_EPS = 1e-5
 
@@ -70,8 +67,8 @@ def _with(req: GatewayRequest, updates: dict) -> GatewayRequest:
     return replace(req, body={**req.body, **updates}, rendered=rendered)
 
 
-async def resumable(stream: AsyncIterator[bytes], backend: str, plan: ResumePlan, req: GatewayRequest,
-                    call: Callable[[GatewayRequest, list[str]], Awaitable]) -> AsyncIterator[bytes]:
+async def resumable(stream: ChatStream, backend: str, plan: ResumePlan, req: GatewayRequest,
+                    call: Callable[[GatewayRequest, list[str]], Awaitable]) -> ChatStream:
     """``stream`` (a committed answer from ``backend``) as the client sees it, resumed after an interruption by
     ``call(continuation, backends that failed)`` (the dispatch's ``forward`` on the route's other targets) at most
     ``plan.attempts`` times."""
@@ -81,19 +78,16 @@ async def resumable(stream: AsyncIterator[bytes], backend: str, plan: ResumePlan
     while True:
         cut = None
         exhausted = False
-        reader = EventReader()
         try:
-            async for chunk in stream:
-                reader.feed(chunk)
+            async for batch in stream:
                 out = []
-                while (item := reader.pop()) is not None:
-                    obj = _object(item[1])
-                    if obj is not None and left > 0 and _resumable(obj, tokens, finished, plan.choices):
-                        cut = obj
+                for ev in batch:
+                    if left > 0 and _resumable(ev, tokens, finished):
+                        cut = ev
                         break
-                    out.append(item[0] if obj is None else _note(obj, item, tokens, finished, plan.client_ids))
+                    out.append(_note(ev, tokens, finished, plan.client_ids))
                 if out:
-                    yield b"".join(out)
+                    yield out
                 if cut is not None:
                     break
             exhausted = True
@@ -108,7 +102,7 @@ async def resumable(stream: AsyncIterator[bytes], backend: str, plan: ResumePlan
         if answer.status != 200 or answer.stream is None:
             log.warning("request %s: stream not resumed (%s): %s", req.request_id, answer.status,
                         answer.content[:200])
-            yield event(_encode(cut))
+            yield [cut]
             return
         log.info("request %s: stream resumed on %s after %s tokens (%s failed)", req.request_id, answer.backend,
                  sum(len(t) for t in tokens.values()), ", ".join(failed))
@@ -116,36 +110,25 @@ async def resumable(stream: AsyncIterator[bytes], backend: str, plan: ResumePlan
         stream = answer.stream
 
 
-def _object(data: bytes) -> dict | None:
-    if data[:1] != b"{":
-        return None
-    try:
-        obj = _decode(data)
-    except msgspec.DecodeError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-def _resumable(obj: dict, tokens: dict, finished: set, choices: int) -> bool:
+def _resumable(ev: ChatEvent, tokens: dict, finished: set) -> bool:
     """True for the ``stream_interrupted`` event of a stream that can go on elsewhere: every choice open, each
     with the token ids it streamed (a drain's end is not a replica's failure)."""
-    err = obj.get("error")
+    err = ev.error
     if not isinstance(err, dict) or err.get("code") != "stream_interrupted":
         return False
     return bool(tokens) and not finished and GATEWAY_SHUTDOWN not in str(err.get("message"))
 
 
-def _note(obj: dict, item: tuple[bytes, bytes], tokens: dict, finished: set, client_ids: bool) -> bytes:
-    """Record an event's token ids and finished choices; its bytes for the client (ids removed unless asked)."""
+def _note(ev: ChatEvent, tokens: dict, finished: set, client_ids: bool) -> ChatEvent:
+    """Record an event's token ids and finished choices; the event for the client (ids removed unless asked)."""
     stripped = False
-    for c in obj.get("choices") or ():
-        index = c.get("index", 0)
-        ids = c.get("token_ids")
-        if ids is not None:
-            tokens.setdefault(index, []).extend(ids)
-            if not client_ids:
-                del c["token_ids"]
-                stripped = True
-        if c.get("finish_reason"):
-            finished.add(index)
-    return event(_encode(obj)) if stripped else item[0]
+    for c in ev.choices:
+        if c.token_ids is not None:
+            tokens.setdefault(c.index, []).extend(c.token_ids)
+            stripped = not client_ids
+        if c.finish_reason:
+            finished.add(c.index)
+    if not stripped:
+        return ev
+    return msgspec.structs.replace(ev, choices=tuple(msgspec.structs.replace(c, token_ids=None)
+                                                     for c in ev.choices))

@@ -1,12 +1,13 @@
-"""A streamed answer in the attempt loop: ``peek_stream`` holds events back until the first content (before it,
-any failure is a transparent retry), ``relay`` streams the committed answer, ending a failure after content with
-one error event (and no ``[DONE]``); ``Watchdog`` is the inter-chunk deadline without a timer per chunk.
+"""A streamed answer in the attempt loop, read as ``ChatEvent`` values (``gateway/values.py``: decoded once by the
+backend): ``peek_stream`` holds events back until the first content (before it, any failure is a transparent
+retry), ``relay`` streams the committed answer, ending a failure after content with one error event (and no
+``[DONE]``); ``Watchdog`` is the inter-chunk deadline without a timer per chunk.
 
 A stream is complete at ``[DONE]``, or when every choice it opened has a ``finish_reason`` (``Choices``): an
 upstream that then ends (or stalls) without ``[DONE]`` has done its part, and the client gets ``[DONE]`` from
 the gateway. A drain's deadline ends a stream still open with the same ``stream_interrupted`` event
-(``GATEWAY_SHUTDOWN``), not counted against the backend. Any bytes from the upstream re-arm the inter-chunk
-deadline, an SSE comment (``: keep-alive``) too; comments themselves are not relayed (``gateway/sse.py``).
+(``GATEWAY_SHUTDOWN``), not counted against the backend. Every read from the backend re-arms the inter-chunk
+deadline, one that carried no event (an SSE comment, ``: keep-alive``) too; such reads are not relayed.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
+
+import msgspec
 
 from gateway.resilience.outcomes import Failure, PassThrough, Result, UpstreamResponse, classify_error_object
-from gateway.sse import DONE, EventReader, classify, error_event, event
+from gateway.values import DONE, ChatEvent, ChatStream, error_event
 
 
 class Choices:
@@ -30,12 +33,12 @@ class Choices:
         self.opened: set = set()
         self.finished: set = set()
 
-    def note(self, finishes: list[tuple[Any, bool]]) -> None:
-        """Count the choices of one event (content or meta): ``classify``'s (index, finished) pairs."""
-        for index, finished in finishes:
-            self.opened.add(index)
-            if finished:
-                self.finished.add(index)
+    def note(self, ev: ChatEvent) -> None:
+        """Count the choices of one event (content or meta)."""
+        for c in ev.choices:
+            self.opened.add(c.index)
+            if c.finish_reason:
+                self.finished.add(c.index)
 
     @property
     def complete(self) -> bool:
@@ -50,10 +53,12 @@ SHUTDOWN_TYPE = "service_unavailable"
 
 @dataclass
 class Held:
-    """Events read before the commit, the live event iterator, and the upstream response to close."""
+    """The events read before the commit (``events``, the first content last), the rest of the read that
+    committed (``pending``, not yet looked at), the live event iterator and the upstream response to close."""
 
-    events: list[bytes]      # the relay bytes of the held events
-    rest: EventReader
+    events: list[ChatEvent]
+    pending: list[ChatEvent]
+    rest: AsyncIterator[list[ChatEvent]]
     resp: UpstreamResponse
     done: bool
     choices: Choices = field(default_factory=Choices)
@@ -122,106 +127,102 @@ class Watchdog:
 async def peek_stream(resp: UpstreamResponse, t0: float) -> Result | Failure | PassThrough:
     """Read events until the first content; hold them back. Returns a ``Failure`` on anything before content,
     or a ``PassThrough`` for an error event naming a request-specific 4xx."""
-    events = EventReader(resp.chunks)
-    held: list[bytes] = []
+    it = resp.events.__aiter__()
+    held: list[ChatEvent] = []
     choices = Choices()
     while True:
-        item = events.pop()
-        if item is None:
-            if await events.fill():
-                continue
-            item = events.tail()
-            if item is None:
-                return Failure("stream_cut", "upstream stream ended before any content", status=502)
-        raw, data = item
-        kind, usage, error, fixed, finishes = classify(data)
-        if kind == "malformed":
-            return Failure("malformed", "upstream sent a malformed event", status=502)
-        if kind == "error":   # before content: classified by its status like a non-streamed answer
-            return classify_error_object(error, data if fixed is None else fixed, "event before content")
-        held.append(raw if fixed is None else event(fixed))
-        if kind != "done":
-            choices.note(finishes)
-        if kind in ("content", "done"):
-            res = Result(200, {"content-type": "text/event-stream"}, ttft_s=time.monotonic() - t0)
-            res.stream = Held(held, events, resp, kind == "done", choices)  # type: ignore[assignment]
-            if usage:
-                res.usage = usage
-            return res
+        try:
+            batch = await it.__anext__()
+        except StopAsyncIteration:
+            return Failure("stream_cut", "upstream stream ended before any content", status=502)
+        for i, ev in enumerate(batch):
+            kind = ev.kind
+            if kind == "malformed":
+                return Failure("malformed", "upstream sent a malformed event", status=502)
+            if kind == "error":   # before content: classified by its status like a non-streamed answer
+                return classify_error_object(ev.error, _error_json(ev.error), "event before content")
+            held.append(ev)
+            if kind != "done":
+                choices.note(ev)
+            if kind in ("content", "done"):
+                res = Result(200, {"content-type": "text/event-stream"}, ttft_s=time.monotonic() - t0)
+                res.stream = Held(held, batch[i + 1:], it, resp, kind == "done", choices)  # type: ignore[assignment]
+                if ev.usage:
+                    res.usage = ev.usage
+                return res
+
+
+def _error_json(error) -> bytes:
+    """An error event's object as OpenAI's error JSON body (how an error event before content is passed on)."""
+    return msgspec.json.encode({"error": error})
 
 
 async def relay(res: Result, held: Held, inter_s: float, batch: bool,
-                on_end: Callable[[bool], Awaitable[None]], streams: set | None = None) -> AsyncIterator[bytes]:
+                on_end: Callable[[bool], Awaitable[None]], streams: set | None = None) -> ChatStream:
     """The committed stream: held events, then the rest; a failure after content ends with an error event.
     ``on_end(ok)`` runs once it ends (cleanly, with an error, or closed by the client). ``streams``: the
     gateway's open streams, as their ``Watchdog``s, for a drain to interrupt (``Watchdog.interrupt``).
 
-    Every complete event already read is relayed in one chunk with the events before it (the bytes of an
-    event unchanged), so a read of several events costs one write downstream; nothing waits for more."""
+    ``batch``: every event of a read goes downstream in one list with the events before it (one write
+    downstream per read; nothing waits for more); else one list per event."""
     ok, err = False, None
-    events, out = held.rest, held.events
+    out = held.events
     watchdog: Watchdog | None = None
     if streams is not None and not held.done:
         watchdog = Watchdog(inter_s)
         streams.add(watchdog)
     try:
-        if not batch:
-            for ev in out:
-                yield ev
-            out = []
-        elif held.done:
-            yield b"".join(out)
         if held.done:
             ok = True
+            yield out
             return
-        at_end = False
+        if not batch:
+            for ev in out:
+                yield [ev]
+            out = []
+        pending: list[ChatEvent] = held.pending
         while True:
-            item = events.pop()
-            if item is None:
-                if at_end:
-                    err = "upstream stream ended without [DONE]"
+            for ev in pending:
+                kind = ev.kind
+                if kind == "done":
+                    out.append(DONE)
+                    ok = True
+                    yield out
+                    return
+                if kind == "malformed":
+                    err = "upstream sent a malformed event"
                     break
-                if out:                          # (the watchdog is disarmed: an event arrived)
-                    yield out[0] if len(out) == 1 else b"".join(out)
+                if kind != "error":
+                    held.choices.note(ev)
+                if ev.usage:
+                    res.usage = ev.usage
+                out.append(ev)
+                if kind == "error":  # relayed as the final event, no [DONE]
+                    res.error = "upstream sent an error event"
+                    yield out
+                    return
+                if not batch:
+                    yield out
                     out = []
-                watchdog = watchdog or Watchdog(inter_s)
-                more, err = await _read(events, watchdog)
-                if err is not None:
-                    break
-                if more:
-                    continue
-                at_end, item = True, events.tail()
-                if item is None:
-                    continue
-            if watchdog is not None:
-                watchdog.disarm()                # the event awaited arrived
-            raw, data = item
-            kind, usage, _, fixed, finishes = classify(data)
-            if kind == "done":
-                out.append(DONE)
-                ok = True
-                yield b"".join(out)
-                return
-            if kind == "malformed":
-                err = "upstream sent a malformed event"
+            if err is not None:
                 break
-            if kind != "error":
-                held.choices.note(finishes)
-            if usage:
-                res.usage = usage
-            out.append(raw if fixed is None else event(fixed))
-            if kind == "error":  # relayed as the final event, no [DONE]
-                res.error = "upstream sent an error event"
-                yield b"".join(out)
-                return
-            if not batch:
-                yield out[0]
+            if out:                          # (the watchdog is disarmed: a read arrived)
+                yield out
                 out = []
+            watchdog = watchdog or Watchdog(inter_s)
+            more, err = await _read(held.rest, watchdog)
+            if err is not None:
+                break
+            if more is None:
+                err = "upstream stream ended without [DONE]"
+                break
+            watchdog.disarm()                # the read awaited arrived
+            pending = more
         if watchdog is not None:
             watchdog.disarm()
         ok, last = _last_event(res, held.choices, err)    # ok set before the yield: the client may leave during it
         out.append(last)
-        yield b"".join(out)
+        yield out
     finally:
         if watchdog is not None:
             watchdog.close()
@@ -230,7 +231,7 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
         await asyncio.shield(on_end(ok))
 
 
-def _last_event(res: Result, choices: Choices, err: str | None) -> tuple[bool, bytes]:
+def _last_event(res: Result, choices: Choices, err: str | None) -> tuple[bool, ChatEvent]:
     """How a stream that stopped without ``[DONE]`` or an error event ends (once per stream, off the per-event
     path): (ok, the last event). Every choice finished: the upstream's part is done, ``[DONE]`` or not, so the
     gateway sends it. Otherwise one ``stream_interrupted`` error event naming ``err``, also recorded on ``res``."""
@@ -241,19 +242,21 @@ def _last_event(res: Result, choices: Choices, err: str | None) -> tuple[bool, b
     return False, error_event(f"stream interrupted: {err}", type_=type_, code="stream_interrupted")
 
 
-async def _read(events: EventReader, watchdog: Watchdog) -> tuple[bool, str | None]:
-    """Read more bytes under the inter-chunk deadline: (more bytes came, why the stream failed or None). Every
-    read re-arms it: any bytes (a comment, part of an event) show the upstream is alive."""
+async def _read(it: AsyncIterator[list[ChatEvent]], watchdog: Watchdog) -> tuple[list[ChatEvent] | None, str | None]:
+    """The next read under the inter-chunk deadline: (its events, None at the end; why the stream failed or
+    None). Every read re-arms it: any bytes (a comment, part of an event) show the upstream is alive."""
     if watchdog.interrupted:
-        return False, watchdog.interrupted
+        return None, watchdog.interrupted
     watchdog.arm()
     try:
-        return await events.fill(), None
+        return await it.__anext__(), None
+    except StopAsyncIteration:
+        return None, None
     except asyncio.CancelledError:
         if watchdog.expired():
-            return False, watchdog.interrupted or f"upstream sent nothing for {watchdog.timeout_s:.0f}s"
+            return None, watchdog.interrupted or f"upstream sent nothing for {watchdog.timeout_s:.0f}s"
         raise
     except (TimeoutError, asyncio.TimeoutError):
-        return False, f"upstream sent nothing for {watchdog.timeout_s:.0f}s"
+        return None, f"upstream sent nothing for {watchdog.timeout_s:.0f}s"
     except Exception as exc:
-        return False, f"upstream connection failed ({type(exc).__name__})"
+        return None, f"upstream connection failed ({type(exc).__name__})"

@@ -19,14 +19,12 @@ import random
 import time
 from dataclasses import dataclass
 
-import msgspec
-
 from gateway.billing.prices import Price, cost_nusd, usage_tokens
 from gateway.billing.usage import UsageRecord
 from gateway.errors import BackendError
 from gateway.rollouts.parity import Side, compare
 from gateway.rollouts.spec import SHADOW_TENANT
-from gateway.sse import EventReader
+from gateway.values import ChatStream
 from policies import Target
 
 log = logging.getLogger("tandem.shadow")
@@ -78,39 +76,44 @@ def shadow_body(body: dict, model: str, top: int, ids: bool) -> dict:
     return out
 
 
-async def read_side(chunks, started: float) -> tuple[Side, dict | None]:
-    """Read a streamed chat answer (SSE bytes) into a ``Side`` and its usage (None when the stream gave none)."""
-    reader = EventReader(chunks)
+async def read_side(events: ChatStream, started: float) -> tuple[Side, dict | None]:
+    """Read a streamed chat answer (its events) into a ``Side`` and its usage (None when the stream gave none);
+    the stream is closed once read."""
+    try:
+        return await _read(events, started)
+    finally:
+        await events.aclose()
+
+
+async def _read(events: ChatStream, started: float) -> tuple[Side, dict | None]:
     ids, strings, lps, tops, times, usage, text = [], [], [], [], [], None, []
-    while True:
-        item = reader.pop()
-        if item is None:
-            if not await reader.fill():
-                break
-            continue
-        data = item[1]
-        if data.strip() == b"[DONE]":
-            break
-        ev = msgspec.json.decode(data)
-        if "error" in ev:
-            return Side(False, error=str(ev["error"].get("message", "")) if isinstance(ev["error"], dict) else ""), usage
-        usage = ev.get("usage") or usage
-        for ch in ev.get("choices") or []:
-            n_before = len(ids) + len(strings) + len(text)
-            ids += ch.get("token_ids") or []
-            for e in ((ch.get("logprobs") or {}).get("content") or []):
-                strings.append(e.get("token"))
-                lps.append(e.get("logprob"))
-                tops.append({t["token"]: t["logprob"] for t in e.get("top_logprobs") or []})
-            content = (ch.get("delta") or {}).get("content")
-            if content and not ch.get("logprobs"):
-                text.append(content)
-            if len(ids) + len(strings) + len(text) > n_before:
-                times.append(time.monotonic())
+    async for batch in events:
+        for ev in batch:
+            if ev.done:
+                return _side(ids, strings, lps, tops, times, text, started), usage
+            if ev.error or ev.malformed:
+                err = ev.error
+                return Side(False, error=str(err.get("message", "")) if isinstance(err, dict) else ""), usage
+            usage = ev.usage or usage
+            for ch in ev.choices:
+                n_before = len(ids) + len(strings) + len(text)
+                ids += ch.token_ids or []
+                for e in ((ch.logprobs or {}).get("content") or []):
+                    strings.append(e.get("token"))
+                    lps.append(e.get("logprob"))
+                    tops.append({t["token"]: t["logprob"] for t in e.get("top_logprobs") or []})
+                if ch.content and not ch.logprobs:
+                    text.append(ch.content)
+                if len(ids) + len(strings) + len(text) > n_before:
+                    times.append(time.monotonic())
+    return _side(ids, strings, lps, tops, times, text, started), usage
+
+
+def _side(ids: list, strings: list, lps: list, tops: list, times: list, text: list, started: float) -> Side:
     tokens = ids or strings or text
     ttft = times[0] - started if times else None
     tpot = (times[-1] - times[0]) / (len(tokens) - 1) if times and len(tokens) > 1 else None
-    return Side(True, tokens, bool(ids), lps, tops, ttft, tpot), usage
+    return Side(True, tokens, bool(ids), lps, tops, ttft, tpot)
 
 
 class ShadowRunner:

@@ -28,10 +28,12 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from gateway.errors import ClientError, anthropic_error_body
-from gateway.sse import EventReader, named_event
+from gateway.sse import named_event
 from gateway.translate.chat import reasoning_of
 from gateway.translate.tool_calls import ToolCallOrder
+from gateway.values import ChatEvent, ChatStream
 
+_JSON = "application/json"
 _FINISH = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
            "content_filter": "refusal"}
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "stream")
@@ -223,8 +225,11 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
 
 def _stop(choice: dict, stop_sequences: list | None) -> tuple[str | None, str | None]:
     """(stop_reason, stop_sequence) of a chat choice's finish."""
-    finish = choice.get("finish_reason")
-    matched = choice.get("stop_reason")       # vLLM (and the local engine) name the stop string that matched
+    return _stop_of(choice.get("finish_reason"), choice.get("stop_reason"), stop_sequences)
+
+
+def _stop_of(finish, matched, stop_sequences: list | None) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) of a finish reason and the stop vLLM (and the local engine) name as matched."""
     if finish == "stop" and isinstance(matched, str) and matched in (stop_sequences or ()):
         return "stop_sequence", matched
     return (_FINISH.get(finish, "end_turn") if finish else None), None
@@ -339,21 +344,21 @@ class MessageEvents:
             out += self._open(empty)
         return out + [("content_block_delta", {"type": "content_block_delta", "index": self.block, "delta": delta})]
 
-    def chunk(self, obj: dict) -> list[tuple[str, dict]]:
-        """The events one chat chunk makes."""
+    def chunk(self, ev: ChatEvent) -> list[tuple[str, dict]]:
+        """The events one chat stream event makes (its first choice)."""
         out = [] if self.started else self._start()
-        if obj.get("usage"):
-            self.usage = obj["usage"]
-        for choice in (obj.get("choices") or ())[:1]:
-            delta = choice.get("delta") or {}
-            if thinking := reasoning_of(delta):
-                out += self._delta("thinking", {"type": "thinking_delta", "thinking": thinking})
-            if text := delta.get("content"):
-                out += self._delta("text", {"type": "text_delta", "text": text})
-            for call in delta.get("tool_calls") or ():
+        if ev.usage:
+            self.usage = ev.usage
+        for choice in ev.choices[:1]:
+            if choice.reasoning:
+                out += self._delta("thinking", {"type": "thinking_delta", "thinking": choice.reasoning})
+            if choice.content:
+                out += self._delta("text", {"type": "text_delta", "text": choice.content})
+            for call in choice.tool_calls:
                 out += self._close() + self._calls(self.tools.feed(call))
-            if choice.get("finish_reason"):
-                self.stop_reason, self.stop_sequence = _stop(choice, self.stop_sequences)
+            if choice.finish_reason:
+                self.stop_reason, self.stop_sequence = _stop_of(choice.finish_reason, choice.stop_reason,
+                                                                self.stop_sequences)
         return out
 
     def finish(self) -> list[tuple[str, dict]]:
@@ -373,29 +378,21 @@ def _encode(events: list[tuple[str, dict]]) -> bytes:
     return b"".join(named_event(name, msgspec.json.encode(data)) for name, data in events)
 
 
-async def message_events(chunks: AsyncIterator[bytes], events: MessageEvents) -> AsyncIterator[bytes]:
-    """A chat completion SSE byte stream -> Anthropic's SSE byte stream (events named). An error event of the chat
-    stream becomes Anthropic's ``error`` event and ends the stream. Closing this generator closes ``chunks``."""
-    reader = EventReader()
+async def message_events(chunks: ChatStream, events: MessageEvents) -> AsyncIterator[bytes]:
+    """A chat stream's events -> Anthropic's SSE byte stream (events named). An error event of the chat stream
+    becomes Anthropic's ``error`` event and ends the stream. Closing this generator closes ``chunks``."""
     try:
-        async for chunk in chunks:
-            reader.feed(chunk)
+        async for batch in chunks:
             out: list[tuple[str, dict]] = []
-            while (item := reader.pop()) is not None:
-                data = item[1]
-                if data.strip() == b"[DONE]":
+            for ev in batch:
+                if ev.done:
                     continue
-                try:
-                    obj = msgspec.json.decode(data)
-                except msgspec.DecodeError:
-                    continue
-                if isinstance(obj, dict) and obj.get("error"):
-                    err = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
+                if ev.error:
+                    err = ev.error if isinstance(ev.error, dict) else {"message": str(ev.error)}
                     yield _encode(out) + named_event("error", anthropic_error_body(
                         502, str(err.get("message") or "upstream error"), "api_error"))
                     return
-                if isinstance(obj, dict):
-                    out += events.chunk(obj)
+                out += events.chunk(ev)
             if out:
                 yield _encode(out)
         yield _encode(events.finish())
@@ -434,17 +431,17 @@ class MessagesRender:
         return cls(f"msg_{req.request_id}", req.public_model or req.model, req.prompt_tokens or 0,
                    stop if isinstance(stop, list) else None)
 
-    def content(self, status: int, content: bytes) -> bytes:
-        """A whole answer: the Message, or Anthropic's error JSON."""
+    def content(self, status: int, content: bytes, media_type: str = _JSON) -> tuple[bytes, str]:
+        """A whole answer: the Message, or Anthropic's error JSON (``media_type``, the backend's, unused)."""
         if status >= 400:
-            return anthropic_error(status, content)
+            return anthropic_error(status, content), _JSON
         try:
             chat = msgspec.json.decode(content)
         except msgspec.DecodeError:
-            return anthropic_error(502, b"the backend's answer is not JSON")
-        return msgspec.json.encode(chat_to_message(chat, self.message_id, self.model, self.stop_sequences))
+            return anthropic_error(502, b"the backend's answer is not JSON"), _JSON
+        return msgspec.json.encode(chat_to_message(chat, self.message_id, self.model, self.stop_sequences)), _JSON
 
-    def stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """A chat SSE stream as Anthropic's event stream."""
+    def stream(self, chunks: ChatStream) -> AsyncIterator[bytes]:
+        """A chat stream's events as Anthropic's event stream."""
         return message_events(chunks, MessageEvents(self.message_id, self.model, self.input_tokens,
                                                     self.stop_sequences))

@@ -1,7 +1,7 @@
 """An Anthropic backend's answer as chat completions, so that the attempt loop, the ledger and observability read one
 format whoever answered (``gateway/backends/anthropic.py``); the HTTP layer renders it back as Anthropic's
 (``gateway/translate/anthropic.py``). Text, tool calls, stop reasons, the stop sequence matched and usage survive
-the round trip; blocks chat has no field for (``thinking``) are dropped.
+the round trip; a streamed ``thinking`` block becomes the chat deltas' reasoning.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from gateway.sse import DONE, EventReader, event
+from gateway.sse import EventReader
+from gateway.values import DONE, ChatEvent, ChatStream, ChoiceDelta, ToolCallDelta
 
 _FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls",
            "pause_turn": "stop", "refusal": "content_filter"}
@@ -44,60 +45,63 @@ def message_to_chat(msg: dict) -> dict:
 
 
 class ChatChunks:
-    """Anthropic's stream events (parsed data, in order) -> chat completion chunks (dicts)."""
+    """Anthropic's stream events (parsed data, in order) -> ``ChatEvent`` values, as a chat stream says them."""
 
     def __init__(self):
         self.id, self.model = "", ""
         self.usage: dict = {}
         self.tools: dict[int, int] = {}      # content block index -> tool call index
 
-    def _chunk(self, delta: dict, finish: str | None = None, **extra) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": 0, "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
+    def _event(self, choice: ChoiceDelta) -> ChatEvent:
+        return ChatEvent((choice,), id=self.id, model=self.model, created=0, object="chat.completion.chunk")
 
-    def event(self, ev: dict) -> list[dict]:
-        """The chunks one event makes (none for ``ping``, block ends and ``message_stop``)."""
+    def event(self, ev: dict) -> list[ChatEvent]:
+        """The events one Anthropic event makes (none for ``ping``, block ends and ``message_stop``)."""
         kind = ev.get("type")
         if kind == "message_start":
             msg = ev.get("message") or {}
             self.id, self.model = msg.get("id") or "", msg.get("model") or ""
             self.usage = dict(msg.get("usage") or {})
-            return [self._chunk({"role": "assistant", "content": ""})]
+            return [self._event(ChoiceDelta(0, role="assistant", content=""))]
         if kind == "content_block_start":
             block = ev.get("content_block") or {}
             if block.get("type") == "tool_use":
                 k = self.tools[ev.get("index", 0)] = len(self.tools)
-                return [self._chunk({"tool_calls": [{"index": k, "id": block.get("id"), "type": "function",
-                                                     "function": {"name": block.get("name"), "arguments": ""}}]})]
+                call = ToolCallDelta(k, block.get("id"), "function", block.get("name"), "")
+                return [self._event(ChoiceDelta(0, tool_calls=(call,)))]
             if block.get("type") == "text" and block.get("text"):
-                return [self._chunk({"content": block["text"]})]
+                return [self._event(ChoiceDelta(0, content=block["text"]))]
             return []
         if kind == "content_block_delta":
             d = ev.get("delta") or {}
             if d.get("type") == "text_delta":
-                return [self._chunk({"content": d.get("text", "")})]
+                return [self._event(ChoiceDelta(0, content=d.get("text", "")))]
+            if d.get("type") == "thinking_delta" and d.get("thinking"):
+                return [self._event(ChoiceDelta(0, reasoning=d["thinking"]))]
             if d.get("type") == "input_json_delta" and ev.get("index") in self.tools:
-                return [self._chunk({"tool_calls": [{"index": self.tools[ev["index"]],
-                                                     "function": {"arguments": d.get("partial_json", "")}}]})]
+                call = ToolCallDelta(self.tools[ev["index"]], arguments=d.get("partial_json", ""))
+                return [self._event(ChoiceDelta(0, tool_calls=(call,)))]
             return []
         if kind == "message_delta":
             d = ev.get("delta") or {}
             self.usage.update({k: v for k, v in (ev.get("usage") or {}).items() if v is not None})
-            finish = self._chunk({}, _FINISH.get(d.get("stop_reason"), "stop"), stop_reason=d.get("stop_sequence"))
-            usage = {"id": self.id, "object": "chat.completion.chunk", "created": 0, "model": self.model,
-                     "choices": [], "usage": _usage(self.usage)}
+            finish = self._event(ChoiceDelta(0, finish_reason=_FINISH.get(d.get("stop_reason"), "stop"),
+                                             stop_reason=d.get("stop_sequence")))
+            usage = ChatEvent((), _usage(self.usage), id=self.id, model=self.model, created=0,
+                              object="chat.completion.chunk")
             return [finish, usage]
         return []
 
 
-async def chat_chunks(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """An Anthropic SSE byte stream -> a chat completions SSE byte stream ending in ``[DONE]`` at
-    ``message_stop``; an ``error`` event becomes OpenAI's error event. Closing it closes ``events``."""
+async def chat_events(events: AsyncIterator[bytes]) -> ChatStream:
+    """An Anthropic SSE byte stream -> a ``ChatStream`` (each Anthropic event decoded once) ending in ``DONE`` at
+    ``message_stop``; an ``error`` event becomes an error event with OpenAI's error object. Closing it closes
+    ``events``."""
     reader, state = EventReader(), ChatChunks()
     try:
         async for chunk in events:
             reader.feed(chunk)
-            out = []
+            out: list[ChatEvent] = []
             while (item := reader.pop()) is not None:
                 try:
                     ev = msgspec.json.decode(item[1])
@@ -107,15 +111,13 @@ async def chat_chunks(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
                     continue
                 if ev.get("type") == "error":
                     err = ev.get("error") or {}
-                    out.append(event(msgspec.json.encode({"error": {
-                        "message": err.get("message", "upstream error"), "type": err.get("type", "api_error"),
-                        "param": None, "code": None}})))
+                    out.append(ChatEvent(error={"message": err.get("message", "upstream error"),
+                                                "type": err.get("type", "api_error"), "param": None, "code": None}))
                     continue
-                out += [event(msgspec.json.encode(c)) for c in state.event(ev)]
+                out += state.event(ev)
                 if ev.get("type") == "message_stop":
                     out.append(DONE)
-            if out:
-                yield b"".join(out)
+            yield out
     finally:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:

@@ -207,16 +207,44 @@ def _call_obj(t: ToolCallDelta) -> dict:
     return out
 
 
+def chunk_object(ev: ChatEvent, id_: str | None = None, model: str | None = None, chat: bool = True,
+                 created: int = 0) -> dict:
+    """A content, meta or usage event as OpenAI's chunk object (a dict): a chat chunk (``chat``) or a completion
+    chunk, under ``id_`` and ``model`` (None: the event's own), ``created`` when the event has none."""
+    out: dict = {"id": ev.id if id_ is None else id_,
+                 "object": ev.object or ("chat.completion.chunk" if chat else "text_completion"),
+                 "created": ev.created or created, "model": ev.model if model is None else model}
+    if ev.system_fingerprint is not None:
+        out["system_fingerprint"] = ev.system_fingerprint
+    if ev.service_tier is not None:
+        out["service_tier"] = ev.service_tier
+    out["choices"] = [_choice_obj(c, chat) for c in ev.choices]
+    if ev.usage is not None:
+        out["usage"] = ev.usage
+    return out
+
+
+def _choice_obj(c: ChoiceDelta, chat: bool) -> dict:
+    if chat:
+        out = {"index": c.index, "delta": _delta(c), "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+    else:
+        out = {"index": c.index, "text": c.content or "", "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+    if c.stop_reason is not None:
+        out["stop_reason"] = c.stop_reason
+    if c.token_ids is not None:
+        out["token_ids"] = c.token_ids
+    return out
+
+
 class ChatEncoder:
     """Events -> the client's SSE bytes on OpenAI's chat/completions (``chat: True``) or completions endpoint, every
     chunk under ``id`` and ``model`` (the gateway's answer id, the public model name: whoever answered); ``[DONE]``
     and error events as OpenAI writes them. ``created``: the chunks' time when an event has none (Unix seconds)."""
 
-    __slots__ = ("id", "model", "chat", "object", "created")
+    __slots__ = ("id", "model", "chat", "created")
 
     def __init__(self, id_: str, model: str, chat: bool = True, created: int | None = None):
         self.id, self.model, self.chat = id_, model, chat
-        self.object = "chat.completion.chunk" if chat else "text_completion"
         self.created = int(time.time()) if created is None else created
 
     def payload(self, ev: ChatEvent) -> bytes:
@@ -225,28 +253,7 @@ class ChatEncoder:
             return b"[DONE]"
         if ev.error or ev.malformed:
             return error_payload(ev.error)
-        out: dict = {"id": self.id, "object": ev.object or self.object, "created": ev.created or self.created,
-                     "model": self.model}
-        if ev.system_fingerprint is not None:
-            out["system_fingerprint"] = ev.system_fingerprint
-        if ev.service_tier is not None:
-            out["service_tier"] = ev.service_tier
-        out["choices"] = [self._choice(c) for c in ev.choices]
-        if ev.usage is not None:
-            out["usage"] = ev.usage
-        return _encode(out)
-
-    def _choice(self, c: ChoiceDelta) -> dict:
-        if self.chat:
-            out = {"index": c.index, "delta": _delta(c), "logprobs": c.logprobs, "finish_reason": c.finish_reason}
-        else:
-            out = {"index": c.index, "text": c.content or "", "logprobs": c.logprobs,
-                   "finish_reason": c.finish_reason}
-        if c.stop_reason is not None:
-            out["stop_reason"] = c.stop_reason
-        if c.token_ids is not None:
-            out["token_ids"] = c.token_ids
-        return out
+        return _encode(chunk_object(ev, self.id, self.model, self.chat, self.created))
 
     def encode(self, events: list[ChatEvent]) -> bytes:
         """The SSE bytes of ``events`` (one read's: written downstream as one chunk)."""
@@ -264,3 +271,22 @@ class ChatEncoder:
             aclose = None if exhausted else getattr(events, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+
+class ChatRender:
+    """The OpenAI codec of one request's answer (``gateway.values.Answer.render``) on chat/completions (``chat``)
+    or completions: a whole answer as its backend's JSON (relabelled already), a stream's events as OpenAI's
+    chunks under ``id_`` (the gateway's answer id) and ``model`` (the public model)."""
+
+    __slots__ = ("id", "model", "chat")
+
+    def __init__(self, id_: str, model: str, chat: bool):
+        self.id, self.model, self.chat = id_, model, chat
+
+    def content(self, status: int, content: bytes, media_type: str) -> tuple[bytes, str]:
+        """A whole answer: as it is."""
+        return content, media_type
+
+    def stream(self, events: ChatStream) -> AsyncIterator[bytes]:
+        """A stream: OpenAI's SSE chunks."""
+        return ChatEncoder(self.id, self.model, self.chat).stream(events)

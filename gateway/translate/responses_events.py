@@ -1,6 +1,6 @@
 """A chat completions stream as the Responses API's typed events, as a pure state machine (no I/O).
 
-``ResponsesEvents`` is fed the decoded chat chunks one by one and answers the Responses events each one makes,
+``ResponsesEvents`` is fed the chat stream's events (``gateway.values.ChatEvent``) one by one and answers the Responses events each one makes,
 in OpenAI's order: ``response.created``, ``response.in_progress``; per output item ``response.output_item.added``,
 then for a message ``response.content_part.added``, ``response.output_text.delta``..., ``response.output_text.done``,
 ``response.content_part.done``, for reasoning (the chat deltas' ``reasoning_content``)
@@ -15,10 +15,10 @@ the streamed response and the stored one are the same.
 
 from __future__ import annotations
 
-from gateway.translate.chat import reasoning_of
 from gateway.translate.responses import (FINISH_TO_INCOMPLETE, ResponseContext, function_call_item, message_item,
                                          reasoning_item, response_object, usage_of)
 from gateway.translate.tool_calls import ToolCallOrder
+from gateway.values import ChatEvent
 
 
 class ResponsesEvents:
@@ -125,24 +125,22 @@ class ResponsesEvents:
         return events + [self._ev("response.reasoning_text.delta", item_id=item_id, output_index=i,
                                   content_index=0, delta=text)]
 
-    def feed(self, chunk: dict) -> list[dict]:
-        """The events of one decoded chat chunk (its first choice; a usage chunk is kept for the end)."""
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        choices = chunk.get("choices") or []
-        if not choices:
+    def feed(self, chunk: ChatEvent) -> list[dict]:
+        """The events of one chat stream event (its first choice; a usage event is kept for the end)."""
+        if chunk.usage:
+            self.usage = chunk.usage
+        if not chunk.choices:
             return []
-        choice = choices[0]
-        delta = choice.get("delta") or {}
+        choice = chunk.choices[0]
         events: list[dict] = []
-        if reasoning := reasoning_of(delta):
-            events += self._text("reasoning", reasoning)
-        if text := delta.get("content"):
-            events += self._text("message", text)
-        for call in delta.get("tool_calls") or []:
+        if choice.reasoning:
+            events += self._text("reasoning", choice.reasoning)
+        if choice.content:
+            events += self._text("message", choice.content)
+        for call in choice.tool_calls:
             events += self._close_open() + self._calls(self.tools.feed(call))
-        if choice.get("finish_reason"):
-            self.finish_reason = choice["finish_reason"]
+        if choice.finish_reason:
+            self.finish_reason = choice.finish_reason
         return events
 
     def error(self, err: dict) -> list[dict]:

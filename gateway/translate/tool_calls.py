@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from gateway.values import ToolCallDelta
+
 
 @dataclass(slots=True)
 class Call:
@@ -45,20 +47,19 @@ class ToolCallOrder:
         self.count = 0                       # calls seen in the whole stream (the next call's k)
         self.done: set[int] = set()          # chat indices of the closed calls
 
-    def feed(self, delta: dict) -> list[tuple]:
-        """The actions of one element of a chat delta's ``tool_calls``."""
-        index = delta.get("index", 0)
-        fn = delta.get("function") or {}
+    def feed(self, delta: ToolCallDelta) -> list[tuple]:
+        """The actions of one tool-call piece of a chat delta (``ChoiceDelta.tool_calls``)."""
+        index = delta.index
         call = self.calls.get(index)
         if call is None:
             if index in self.done:
                 return []                    # a closed call's late piece (whitespace after its JSON)
-            call = self.calls[index] = Call(self.count, delta.get("id"), fn.get("name") or "")
+            call = self.calls[index] = Call(self.count, delta.id, delta.name or "")
             self.count += 1
             self.pending.append(index)
-        elif not call.name and fn.get("name"):
-            call.name = fn["name"]
-        piece = fn.get("arguments") or ""
+        elif not call.name and delta.name:
+            call.name = delta.name
+        piece = delta.arguments or ""
         call.arguments += piece
         out: list[tuple] = []
         if not self.live:

@@ -27,9 +27,11 @@ the queue filled by ``push()`` / ``POST /_fault/push`` (one fault per request), 
     tool_call: bool        a stream's content chunks are tool-call deltas (name, then argument pieces); a whole
                            answer calls ``get_weather`` with {"city": "Paris"} (finish_reason tool_calls)
     content: str           a whole answer's text (default "hello from <name>")
+    stamp: bool            a stream's chunks carry ``id`` ``chatcmpl-<the request's x-request-id>`` (tell streams apart)
+    token_ids: bool        a stream's content chunks carry vLLM's ``token_ids`` (``[i]`` for chunk i)
     Request ``n`` > 1: each chunk of a stream is sent once per choice index.
 
-Counters: ``calls`` (chat/completions requests received), ``calls_by_path``, ``disconnects`` (times a client
+Counters: ``sent`` (the data of every SSE event written on a stream, in order), ``calls`` (chat/completions requests received), ``calls_by_path``, ``disconnects`` (times a client
 went away before the response finished) with ``disconnect_times`` (``time.monotonic()``), ``requests``
 (path, headers, JSON body of each call). ``GET /_fault/stats`` returns them as JSON.
 """
@@ -65,6 +67,7 @@ class FaultUpstream:
         self.disconnects = 0
         self.disconnect_times: list[float] = []
         self.requests: list[tuple[str, dict, dict | None]] = []
+        self.sent: list[bytes] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -88,7 +91,7 @@ class FaultUpstream:
             self._queue.clear()
             self._default = {}
             self.calls, self.disconnects = 0, 0
-            self.calls_by_path, self.disconnect_times, self.requests = {}, [], []
+            self.calls_by_path, self.disconnect_times, self.requests, self.sent = {}, [], [], []
 
     def stats(self) -> dict:
         with self._lock:
@@ -276,7 +279,9 @@ class FaultUpstream:
                 fn = {"name": "get_weather", "arguments": ""} if i == 0 else {"arguments": f'{{"city{i}": "Paris"}}'}
                 delta = {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": fn}]}
             choice = {"index": body.get("index", 0), "delta": delta, "finish_reason": finish}
-            obj = {"id": "chatcmpl-fault", "object": "chat.completion.chunk", "created": 0,
+            if body.get("_token_ids") and i is not None and not finish:
+                choice["token_ids"] = [i]
+            obj = {"id": body.get("_id", "chatcmpl-fault"), "object": "chat.completion.chunk", "created": 0,
                    "model": body.get("model", self.model), "choices": [choice]}
         else:
             choice = {"index": 0, "text": "" if i is None or finish else f"tok{i} ", "finish_reason": finish}
@@ -288,6 +293,18 @@ class FaultUpstream:
         resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                         "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        if fault.get("stamp"):
+            body = {**body, "_id": f"chatcmpl-{request.headers.get('x-request-id')}"}
+        if fault.get("token_ids"):
+            body = {**body, "_token_ids": True}
+        write = resp.write
+
+        async def sent(raw: bytes) -> None:      # every event written, recorded
+            with self._lock:
+                self.sent += [b[6:] for b in raw.split(b"\n\n") if b.startswith(b"data: ")]
+            await write(raw)
+
+        resp.write = sent
         try:
             if fault.get("stall_first"):
                 if await self._wait_for_disconnect(request, seconds=float(fault["stall_first"])):
@@ -327,7 +344,8 @@ class FaultUpstream:
             await resp.write(self._chunk(chat, body, n, finish="stop"))
             if (body.get("stream_options") or {}).get("include_usage") and not fault.get("no_usage"):
                 usage = fault.get("usage") or {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
-                await resp.write(b"data: " + json.dumps({"id": "chatcmpl-fault", "object": "chat.completion.chunk",
+                await resp.write(b"data: " + json.dumps({"id": body.get("_id", "chatcmpl-fault"),
+                                                         "object": "chat.completion.chunk",
                                                          "choices": [], "usage": usage}).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()

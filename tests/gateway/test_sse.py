@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.sse import EventReader, choice_finishes, event
+from gateway.sse import EventReader, event
 
 STREAM = (b": keep-alive\r\n\r\n"                       # a comment-only block: no event
           b"event: message\r\nid: 7\r\ndata: {\"a\":\r\ndata:  1}\r\n\r\n"   # CRLF, two data lines, other fields
@@ -35,9 +35,3 @@ def test_events_as_the_spec_reads_them(step):
 def test_multi_line_payload_is_written_as_one_data_line_per_line():
     assert event(b"x\ny") == b"data: x\ndata: y\n\n"
     assert event(b'{"a":1}') == b'data: {"a":1}\n\n'
-
-
-def test_choice_finishes():
-    assert choice_finishes(b'{"choices":[{"index":0,"finish_reason":null},{"index":1,"finish_reason":"stop"}]}') \
-        == [(0, False), (1, True)]
-    assert choice_finishes(b'{"usage":{}}') == [] and choice_finishes(b"[DONE]") == []

@@ -12,6 +12,7 @@ import pytest
 
 from gateway.backends.latency import DEFAULT_MARGIN, RATIO_WINDOW_S, WINDOW, UpstreamLatency
 from gateway.resilience.outcomes import UpstreamResponse
+from gateway.translate.chat_events import decode_stream
 from tests.gateway.support import FaultInjectorUpstream, GatewayProcess, upstream_config
 
 
@@ -62,13 +63,13 @@ def test_a_stream_is_timed_at_its_first_content_not_its_role_event():
         yield content[12:] + b"data: [DONE]\n\n"
 
     async def attempt(c):
-        return UpstreamResponse(200, chunks=chunks())
+        return UpstreamResponse(200, events=decode_stream(chunks()))
 
     async def main():
         lat = UpstreamLatency()
         resp = await lat.track("r1")(attempt)(SimpleNamespace(target=SimpleNamespace(backend="agg")))
-        got = [c async for c in resp.chunks]
-        assert b"".join(got) == role + content + b"data: [DONE]\n\n"
+        got = [ev for batch in [b async for b in resp.events] for ev in batch]
+        assert [ev.kind for ev in got] == ["meta", "content", "done"]
         return lat.estimate("agg").seconds
 
     assert asyncio.run(main()) >= 0.2
@@ -87,12 +88,12 @@ def test_a_stream_gives_its_upstreams_tpot():
         yield b"data: [DONE]\n\n"
 
     async def attempt(c):
-        return UpstreamResponse(200, chunks=chunks())
+        return UpstreamResponse(200, events=decode_stream(chunks()))
 
     async def main():
         lat = UpstreamLatency()
         resp = await lat.track("r1")(attempt)(SimpleNamespace(target=SimpleNamespace(backend="agg")))
-        async for _ in resp.chunks:
+        async for _ in resp.events:
             pass
         return lat.estimate("agg").tpot
 

@@ -17,6 +17,7 @@ from gateway.resilience.health import HealthTracker
 from gateway.resilience.ratelimit import Limit, RateLimiter
 from gateway.sse import EventReader
 from gateway.state import SharedState
+from gateway.translate.chat_events import ChatEncoder, decode_stream
 from tests.conftest import free_port
 from tests.gateway.fault_upstream import FaultUpstream
 
@@ -75,7 +76,8 @@ def attempt_fn(client: httpx.AsyncClient, stream: bool, body: dict = BODY):
         req = client.build_request("POST", c.target + "/chat/completions", json={**body, "stream": stream})
         resp = await client.send(req, stream=True)
         if stream and resp.status_code < 300:
-            return UpstreamResponse(resp.status_code, resp.headers, chunks=resp.aiter_raw(), aclose=resp.aclose)
+            return UpstreamResponse(resp.status_code, resp.headers, events=decode_stream(resp.aiter_raw()),
+                                    aclose=resp.aclose)
         try:
             data = await resp.aread()
         finally:
@@ -86,9 +88,10 @@ def attempt_fn(client: httpx.AsyncClient, stream: bool, body: dict = BODY):
 
 
 async def collect(stream) -> list[str]:
-    events = []
-    async for ev in stream:
-        events.append(ev.decode())
+    """The client's SSE events of a relayed stream, one string each."""
+    events, encoder = [], ChatEncoder("chatcmpl-x", "m")
+    async for batch in stream:
+        events += [encoder.encode([ev]).decode() for ev in batch]
     return events
 
 

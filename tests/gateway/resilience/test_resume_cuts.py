@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-from gateway.values import Answer
 from gateway.resilience.resume import ResumePlan, resumable
 from gateway.resilience.streaming import GATEWAY_SHUTDOWN
-from gateway.values import GatewayRequest
-from gateway.sse import error_event, event
+from gateway.sse import event
+from gateway.translate.chat_events import ChatEncoder, decode_stream, error_payload
+from gateway.values import Answer, GatewayRequest
 
 REQ = GatewayRequest(endpoint="chat/completions", body={"messages": [], "stream": True}, stream=True, model="m",
                      priority=0, user=None, metadata=None, max_tokens=None, has_tools=False,
@@ -26,9 +26,17 @@ def chunk(text: str, ids: list[int] | None = None, finish: str | None = None, in
     return event(json.dumps({"id": "x", "choices": [choice]}).encode())
 
 
-async def gen(*parts: bytes):
-    for p in parts:
-        yield p
+def gen(*parts: bytes):
+    """The events of SSE ``parts``, as a backend's stream."""
+    async def raw():
+        for p in parts:
+            yield p
+
+    return decode_stream(raw())
+
+
+def error_event(message: str, code: str) -> bytes:
+    return event(error_payload({"message": message, "type": "upstream_error", "param": None, "code": code}))
 
 
 def run(first: list[bytes], then: list[bytes] | None = None, attempts: int = 1, client_ids: bool = False):
@@ -41,7 +49,8 @@ def run(first: list[bytes], then: list[bytes] | None = None, attempts: int = 1, 
 
     async def main():
         plan = ResumePlan(attempts, client_ids, 1)
-        return b"".join([c async for c in resumable(gen(*first), "r1", plan, REQ, call)])
+        out = resumable(gen(*first), "r1", plan, REQ, call)
+        return b"".join([c async for c in ChatEncoder("x", "m").stream(out)])
 
     return asyncio.run(main()), calls
 
@@ -78,7 +87,8 @@ def test_cut_when_the_continuation_fails_and_when_resumes_run_out():
 
     async def main():
         plan = ResumePlan(2, False, 1)
-        return b"".join([c async for c in resumable(gen(chunk("ab", [1, 2]), CUT), "r1", plan, REQ, call)])
+        out = resumable(gen(chunk("ab", [1, 2]), CUT), "r1", plan, REQ, call)
+        return b"".join([c async for c in ChatEncoder("x", "m").stream(out)])
 
     out = asyncio.run(main())
     assert calls == [["r1"], ["r1", "r2"]]

@@ -14,7 +14,8 @@ from gateway.errors import ClientError
 from gateway.sse import EventReader
 from gateway.translate.anthropic import (MessageEvents, anthropic_error, chat_to_message, message_events,
                                          messages_to_chat)
-from gateway.translate.anthropic_answer import chat_chunks, message_to_chat
+from gateway.translate.anthropic_answer import chat_events, message_to_chat
+from gateway.translate.chat_events import ChatEncoder, decode_stream
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -97,7 +98,7 @@ def test_stream_events_text_then_tool_call_then_usage():
               b"data: [DONE]\n\n"]
 
     async def run():
-        return b"".join([c async for c in message_events(_aiter(chunks), MessageEvents("msg_1", "m", 9))])
+        return b"".join([c async for c in message_events(decode_stream(_aiter(chunks)), MessageEvents("msg_1", "m", 9))])
 
     events = _events(asyncio.run(run()))
     assert [n for n, _ in events] == ["message_start", "ping", "content_block_start", "content_block_delta",
@@ -115,7 +116,7 @@ def test_stream_failure_becomes_an_error_event():
     chunks = [_chunk({"content": "a"}), b'data: {"error": {"message": "boom", "type": "upstream_error"}}\n\n']
 
     async def run():
-        return b"".join([c async for c in message_events(_aiter(chunks), MessageEvents("msg_1", "m", 0))])
+        return b"".join([c async for c in message_events(decode_stream(_aiter(chunks)), MessageEvents("msg_1", "m", 0))])
 
     events = _events(asyncio.run(run()))
     assert events[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "boom"}})
@@ -136,7 +137,7 @@ def test_native_events_read_as_chat_chunks():
     raw = [f"event: {n}\ndata: {json.dumps(d)}\n\n".encode() for n, d in ev]
 
     async def run():
-        return b"".join([c async for c in chat_chunks(_aiter(raw))])
+        return b"".join([c async for c in ChatEncoder("x", "c").stream(chat_events(_aiter(raw)))])
 
     reader = EventReader()
     reader.feed(asyncio.run(run()))

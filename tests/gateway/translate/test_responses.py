@@ -3,18 +3,22 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gateway.errors import ClientError
+from gateway.translate.chat_events import decode_event
 from gateway.translate.responses import (check_body, from_chat, input_items, new_context, responses_error, to_chat,
                                          to_messages)
 from gateway.translate.responses_events import ResponsesEvents
+from gateway.values import ChatEvent
 
 
-def _chunk(delta: dict | None = None, finish: str | None = None, usage: dict | None = None) -> dict:
+def _chunk(delta: dict | None = None, finish: str | None = None, usage: dict | None = None) -> ChatEvent:
     if usage is not None:
-        return {"choices": [], "usage": usage}
-    return {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
+        return decode_event(json.dumps({"choices": [], "usage": usage}).encode())
+    return decode_event(json.dumps({"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}).encode())
 
 
 def test_items_to_messages_parallel_calls_join_one_assistant_turn_and_reasoning_is_dropped():

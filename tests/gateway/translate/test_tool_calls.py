@@ -4,16 +4,16 @@ closed one after another."""
 from __future__ import annotations
 
 from gateway.translate.tool_calls import ToolCallOrder
+from gateway.values import ToolCallDelta
 
 
-def piece(index: int, arguments: str, name: str | None = None) -> dict:
-    delta: dict = {"index": index, "function": {"arguments": arguments}}
+def piece(index: int, arguments: str, name: str | None = None) -> ToolCallDelta:
     if name:
-        delta["id"], delta["function"]["name"] = f"call_{index}", name
-    return delta
+        return ToolCallDelta(index, f"call_{index}", "function", name, arguments)
+    return ToolCallDelta(index, arguments=arguments)
 
 
-def run(deltas: list[dict]) -> list[tuple]:
+def run(deltas: list[ToolCallDelta]) -> list[tuple]:
     order = ToolCallOrder()
     actions = [a for d in deltas for a in order.feed(d)] + order.flush()
     return [(kind, call.k, *rest) for kind, call, *rest in actions]
