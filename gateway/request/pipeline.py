@@ -191,14 +191,19 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
                       **answer.headers, **adm.headers,   # x-request-id: gateway/http/app.py request_ids
                       **(cache.headers if cache is not None else {}),
                       **(resume.headers if resume is not None else {})}
-    if req.anthropic_body is not None:
-        answer.render = MessagesRender.of(req)
-    else:
-        answer.render = ChatRender(answer_id(req.endpoint, req.request_id), req.public_model,
-                                   req.endpoint == "chat/completions")
+    answer.render = client_codec(req)
     if decision.pick.reason.startswith("SLO"):   # the numbers the SLO decision was made on
         answer.headers["x-tandem-slo"] = decision.pick.reason
     return answer
+
+
+def client_codec(req: GatewayRequest):
+    """The codec of the client API ``req`` came on, which renders its answer (``Answer.render``): Anthropic's
+    Messages (``MessagesRender``) or OpenAI's chat/completions and completions (``ChatRender``, under the gateway's
+    answer id and the public model). The Responses API's handler renders its own (``gateway/http/responses.py``)."""
+    if req.anthropic_body is not None:
+        return MessagesRender.of(req)
+    return ChatRender(answer_id(req.endpoint, req.request_id), req.public_model, req.endpoint == "chat/completions")
 
 
 def upstream_only_error(field: str, decision, route, upstreams: Mapping[str, str]) -> ClientError | None:

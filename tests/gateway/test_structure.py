@@ -1,7 +1,7 @@
 """The gateway's structure (issue 48): no layer outside ``gateway/backends/`` branches on a backend's kind (it
 asks the backend: ``provider()``, ``serves(req)``, ``stream_timeouts``, ``probe``, ``open_chat_stream``,
-``endpoints``, ``loading``), and the modules of ``gateway/`` import one another without a cycle (every import
-counted, those inside functions too)."""
+``endpoints``, ``loading``), the modules of ``gateway/`` import one another without a cycle (every import
+counted, those inside functions too), and the values crossing the layers live below all of them."""
 
 from __future__ import annotations
 
@@ -109,6 +109,16 @@ def test_the_gateways_modules_import_one_another_without_a_cycle():
     graph = import_graph("gateway")
     assert len(graph) > 50 and "gateway.backends.local" in graph["gateway.backends.build"]
     assert cycles(graph) == []
+
+
+def test_the_values_module_imports_no_step_and_only_the_edge_codecs_read_sse():
+    """``gateway/values.py`` (the request, the event, the answer) sits below every step; a streamed event's bytes
+    are read (``EventReader``) only by the codecs at the edge, which decode each event once."""
+    graph = import_graph("gateway")
+    assert graph["gateway.values"] == set()
+    readers = sorted(module_of(f) for f in (ROOT / "gateway").rglob("*.py")
+                     if "EventReader" in f.read_text() and f.name != "sse.py")
+    assert readers == ["gateway.translate.anthropic_answer", "gateway.translate.chat_events"]
 
 
 def test_the_cycle_finder_finds_cycles():
