@@ -25,19 +25,19 @@ from gateway.sse import EventReader, event
 from gateway.values import DONE, MALFORMED, ChatEvent, ChatStream, ChoiceDelta, ToolCallDelta
 
 
-class _Fn(msgspec.Struct):
+class _Fn(msgspec.Struct, gc=False):
     name: Any = None
     arguments: Any = None
 
 
-class _Call(msgspec.Struct):
+class _Call(msgspec.Struct, gc=False):
     index: Any = 0
     id: Any = None
     type: Any = None
     function: _Fn | None = None
 
 
-class _Delta(msgspec.Struct):
+class _Delta(msgspec.Struct, gc=False):
     role: Any = None
     content: Any = None
     reasoning_content: Any = None
@@ -47,7 +47,7 @@ class _Delta(msgspec.Struct):
     function_call: Any = None
 
 
-class _Choice(msgspec.Struct):
+class _Choice(msgspec.Struct, gc=False):
     index: Any = 0
     delta: _Delta | None = None
     text: Any = None
@@ -57,7 +57,7 @@ class _Choice(msgspec.Struct):
     token_ids: Any = None
 
 
-class _Chunk(msgspec.Struct):
+class _Chunk(msgspec.Struct, gc=False):
     """The fields of a streamed chunk the gateway keeps (others are skipped by the C decoder)."""
 
     id: Any = None
@@ -75,7 +75,7 @@ _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 
 
 def _index(index: Any) -> Any:
-    return index if isinstance(index, int) else repr(index)
+    return index if index.__class__ is int else repr(index)
 
 
 def _call(c: _Call) -> ToolCallDelta:
@@ -85,20 +85,20 @@ def _call(c: _Call) -> ToolCallDelta:
 
 def _choice(ch: _Choice) -> ChoiceDelta:
     d = ch.delta
-    ids = ch.token_ids
     if d is None:
         return ChoiceDelta(_index(ch.index), None, ch.text, None, None, (), None, ch.logprobs, ch.finish_reason or None,
-                           ch.stop_reason, ids)
-    calls = tuple(_call(c) for c in d.tool_calls) if d.tool_calls else ()
-    return ChoiceDelta(_index(ch.index), d.role, d.content if d.content is not None else ch.text,
-                       d.reasoning_content or d.reasoning or None, d.refusal, calls, d.function_call or None,
-                       ch.logprobs, ch.finish_reason or None, ch.stop_reason, ids)
+                           ch.stop_reason, ch.token_ids)
+    calls = d.tool_calls
+    return ChoiceDelta(_index(ch.index), d.role, ch.text if d.content is None else d.content,
+                       d.reasoning_content or d.reasoning or None, d.refusal,
+                       tuple([_call(c) for c in calls]) if calls else (), d.function_call or None, ch.logprobs,
+                       ch.finish_reason or None, ch.stop_reason, ch.token_ids)
 
 
 def _event(c: _Chunk) -> ChatEvent:
-    return ChatEvent(tuple(_choice(ch) for ch in c.choices) if c.choices else (), c.usage or None,
-                     c.error or None, False, False, c.id, c.model, c.created, c.object, c.system_fingerprint,
-                     c.service_tier)
+    choices = c.choices
+    return ChatEvent(tuple([_choice(ch) for ch in choices]) if choices else (), c.usage or None, c.error or None,
+                     False, False, c.id, c.model, c.created, c.object, c.system_fingerprint, c.service_tier)
 
 
 def decode_event(data: bytes) -> ChatEvent:
@@ -172,68 +172,87 @@ def error_payload(error: Any) -> bytes:
     return msgspec.json.encode({"error": error})
 
 
-_encode = msgspec.json.encode
+# The client's chunk as msgspec encodes it (a field left at its default is not written; ``logprobs`` and
+# ``finish_reason`` are always written, null or not, as OpenAI writes them).
+class _OutFn(msgspec.Struct, omit_defaults=True, gc=False):
+    name: Any = None
+    arguments: Any = None
 
 
-def _delta(c: ChoiceDelta) -> dict:
-    d: dict = {}
-    if c.role is not None:
-        d["role"] = c.role
-    if c.content is not None:
-        d["content"] = c.content
-    if c.reasoning is not None:
-        d["reasoning_content"] = c.reasoning
-    if c.refusal is not None:
-        d["refusal"] = c.refusal
-    if c.tool_calls:
-        d["tool_calls"] = [_call_obj(t) for t in c.tool_calls]
-    if c.function_call is not None:
-        d["function_call"] = c.function_call
-    return d
+class _OutCall(msgspec.Struct, omit_defaults=True, gc=False):
+    index: Any
+    id: Any = None
+    type: Any = None
+    function: _OutFn | None = None
 
 
-def _call_obj(t: ToolCallDelta) -> dict:
-    out: dict = {"index": t.index}
-    if t.id is not None:
-        out["id"] = t.id
-    if t.type is not None:
-        out["type"] = t.type
-    fn = {}
-    if t.name is not None:
-        fn["name"] = t.name
-    if t.arguments is not None:
-        fn["arguments"] = t.arguments
-    out["function"] = fn
-    return out
+class _OutDelta(msgspec.Struct, omit_defaults=True, gc=False):
+    role: Any = None
+    content: Any = None
+    reasoning_content: Any = None
+    refusal: Any = None
+    tool_calls: list[_OutCall] | None = None
+    function_call: Any = None
+
+
+class _OutChatChoice(msgspec.Struct, omit_defaults=True, gc=False):
+    index: Any
+    delta: _OutDelta
+    logprobs: Any
+    finish_reason: Any
+    stop_reason: Any = None
+    token_ids: Any = None
+
+
+class _OutTextChoice(msgspec.Struct, omit_defaults=True, gc=False):
+    index: Any
+    text: str
+    logprobs: Any
+    finish_reason: Any
+    stop_reason: Any = None
+    token_ids: Any = None
+
+
+class _OutChunk(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
+    id: Any
+    object: str
+    created: Any
+    model: Any
+    system_fingerprint: Any = None
+    service_tier: Any = None
+    choices: list
+    usage: Any = None
+
+
+def _out_call(t: ToolCallDelta) -> _OutCall:
+    return _OutCall(t.index, t.id, t.type, _OutFn(t.name, t.arguments))
+
+
+def _out_choice(c: ChoiceDelta, chat: bool) -> _OutChatChoice | _OutTextChoice:
+    if not chat:
+        return _OutTextChoice(c.index, c.content or "", c.logprobs, c.finish_reason, c.stop_reason, c.token_ids)
+    calls = [_out_call(t) for t in c.tool_calls] if c.tool_calls else None
+    return _OutChatChoice(c.index, _OutDelta(c.role, c.content, c.reasoning, c.refusal, calls, c.function_call),
+                          c.logprobs, c.finish_reason, c.stop_reason, c.token_ids)
+
+
+def _out_chunk(ev: ChatEvent, id_: str | None, model: str | None, chat: bool, created: int) -> _OutChunk:
+    return _OutChunk(id=ev.id if id_ is None else id_,
+                     object=ev.object or ("chat.completion.chunk" if chat else "text_completion"),
+                     created=ev.created or created, model=ev.model if model is None else model,
+                     system_fingerprint=ev.system_fingerprint, service_tier=ev.service_tier,
+                     choices=[_out_choice(c, chat) for c in ev.choices], usage=ev.usage)
 
 
 def chunk_object(ev: ChatEvent, id_: str | None = None, model: str | None = None, chat: bool = True,
                  created: int = 0) -> dict:
-    """A content, meta or usage event as OpenAI's chunk object (a dict): a chat chunk (``chat``) or a completion
-    chunk, under ``id_`` and ``model`` (None: the event's own), ``created`` when the event has none."""
-    out: dict = {"id": ev.id if id_ is None else id_,
-                 "object": ev.object or ("chat.completion.chunk" if chat else "text_completion"),
-                 "created": ev.created or created, "model": ev.model if model is None else model}
-    if ev.system_fingerprint is not None:
-        out["system_fingerprint"] = ev.system_fingerprint
-    if ev.service_tier is not None:
-        out["service_tier"] = ev.service_tier
-    out["choices"] = [_choice_obj(c, chat) for c in ev.choices]
-    if ev.usage is not None:
-        out["usage"] = ev.usage
-    return out
+    """A content, meta or usage event as OpenAI's chunk object (a dict, as the client codec writes it): a chat
+    chunk (``chat``) or a completion chunk, under ``id_`` and ``model`` (None: the event's own), ``created`` when
+    the event has none."""
+    return msgspec.to_builtins(_out_chunk(ev, id_, model, chat, created))
 
 
-def _choice_obj(c: ChoiceDelta, chat: bool) -> dict:
-    if chat:
-        out = {"index": c.index, "delta": _delta(c), "logprobs": c.logprobs, "finish_reason": c.finish_reason}
-    else:
-        out = {"index": c.index, "text": c.content or "", "logprobs": c.logprobs, "finish_reason": c.finish_reason}
-    if c.stop_reason is not None:
-        out["stop_reason"] = c.stop_reason
-    if c.token_ids is not None:
-        out["token_ids"] = c.token_ids
-    return out
+_encode = msgspec.json.Encoder().encode
 
 
 class ChatEncoder:
@@ -253,7 +272,7 @@ class ChatEncoder:
             return b"[DONE]"
         if ev.error or ev.malformed:
             return error_payload(ev.error)
-        return _encode(chunk_object(ev, self.id, self.model, self.chat, self.created))
+        return _encode(_out_chunk(ev, self.id, self.model, self.chat, self.created))
 
     def encode(self, events: list[ChatEvent]) -> bytes:
         """The SSE bytes of ``events`` (one read's: written downstream as one chunk)."""
