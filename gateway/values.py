@@ -39,7 +39,8 @@ class ChoiceDelta(msgspec.Struct, frozen=True, gc=False):
     reasoning text delta (``reasoning_content`` or ``reasoning``). tool_calls: the tool-call pieces, by index.
     function_call: the legacy ``function_call`` delta (a dict) when sent. logprobs: the choice's ``logprobs``
     object as sent (chat: ``{"content": [{"token", "logprob", "top_logprobs"}...]}``). finish_reason: set on
-    the choice's last event. stop_reason: vLLM's (the stop string or token id matched). token_ids: the token
+    the choice's last event. stop_reason: vLLM's (the stop string or token id matched; ``msgspec.UNSET`` when the event did not carry it, so
+    a client codec writes it as sent). token_ids: the token
     ids of this delta (vLLM's ``return_token_ids``; the resume path needs them)."""
 
     index: int = 0

@@ -18,8 +18,8 @@ from gateway.backends.relabel import answer_id
 from gateway.config.schema import LocalBackendConfig
 from gateway.errors import BackendError
 from gateway.resilience.outcomes import UpstreamResponse, Withdrawn
-from gateway.translate.chat_events import decode_stream
-from gateway.values import ChatStream, GatewayRequest
+from gateway.translate.chat_events import event_from_object
+from gateway.values import DONE, ChatStream, GatewayRequest
 from policies.slo import Handover
 
 log = logging.getLogger("tandem.gateway.local")
@@ -226,30 +226,31 @@ class LocalBackend:
 
     async def open_stream(self, req: GatewayRequest, body: dict,
                           handover: tuple[Handover, float] | None = None) -> ChatStream:
-        """Start a streaming request (arguments as ``send``'s); its events (the serving layer's SSE, decoded once).
-        A request the checkpoint withdrew raises ``Withdrawn`` from the iterator, before any content."""
+        """Start a streaming request (arguments as ``send``'s); its events, converted from the serving layer's
+        typed chunks in process (no SSE bytes between). A request the checkpoint withdrew raises ``Withdrawn``
+        from the iterator, before any content."""
         self.active += 1
         try:
             result = await self._call(req, body)
         except BaseException:
             self.active -= 1
             raise
-        from engine.serving.chunks import sse_stream   # loaded already: the engine answered
-        return decode_stream(self._relay(sse_stream(result), self._checkpoint(req, handover)))
+        return self._events(result, self._checkpoint(req, handover))
 
-    async def _relay(self, it: AsyncIterator[bytes], checkpoint: Checkpoint | None) -> AsyncIterator[bytes]:
+    async def _events(self, batches: AsyncIterator[list], checkpoint: Checkpoint | None) -> ChatStream:
+        """The engine's batches of ``engine.serving.chunks`` items (one per engine output) as the events of each,
+        then ``[DONE]``. Closing it closes ``batches`` (which aborts the engine request)."""
         try:
-            async for chunk in it:
-                if checkpoint is not None and checkpoint.withdrawn:   # the chunk is the engine's error event
+            async for batch in batches:
+                if checkpoint is not None and checkpoint.withdrawn:   # the batch is the engine's error event
                     raise checkpoint.error()
-                yield chunk
+                yield [event_from_object(item) for item in batch]
+            yield [DONE]
         finally:
             self.active -= 1
             if checkpoint is not None:
                 checkpoint.close()
-            aclose = getattr(it, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await batches.aclose()
 
     async def aclose(self) -> None:
         if self.engine is not None:

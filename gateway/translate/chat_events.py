@@ -53,7 +53,7 @@ class _Choice(msgspec.Struct, gc=False):
     text: Any = None
     logprobs: Any = None
     finish_reason: Any = None
-    stop_reason: Any = None
+    stop_reason: Any = msgspec.UNSET
     token_ids: Any = None
 
 
@@ -120,6 +120,19 @@ def decode_event(data: bytes) -> ChatEvent:
             obj = json.loads(data.decode("utf-8", "replace"))
         except ValueError:
             return MALFORMED
+    if not isinstance(obj, dict):
+        return MALFORMED
+    try:
+        return _event(msgspec.convert(obj, _Chunk))
+    except msgspec.ValidationError:
+        return _loose_event(obj)
+
+
+def event_from_object(item: Any) -> ChatEvent:
+    """An in-process chunk (a msgspec struct or dict of OpenAI's chunk or error-event shape: the local engine's
+    typed ``engine.serving.chunks`` items) as a ``ChatEvent``, with the rules of ``decode_event`` and no JSON
+    bytes between (``msgspec.to_builtins`` drops unset fields as the wire encoder does)."""
+    obj = msgspec.to_builtins(item)
     if not isinstance(obj, dict):
         return MALFORMED
     try:
@@ -200,7 +213,7 @@ class _OutChatChoice(msgspec.Struct, omit_defaults=True, gc=False):
     delta: _OutDelta
     logprobs: Any
     finish_reason: Any
-    stop_reason: Any = None
+    stop_reason: Any = msgspec.UNSET
     token_ids: Any = None
 
 
@@ -209,7 +222,7 @@ class _OutTextChoice(msgspec.Struct, omit_defaults=True, gc=False):
     text: str
     logprobs: Any
     finish_reason: Any
-    stop_reason: Any = None
+    stop_reason: Any = msgspec.UNSET
     token_ids: Any = None
 
 
@@ -229,11 +242,12 @@ def _out_call(t: ToolCallDelta) -> _OutCall:
 
 
 def _out_choice(c: ChoiceDelta, chat: bool) -> _OutChatChoice | _OutTextChoice:
+    stop_reason = c.stop_reason   # written as sent: absent (UNSET), null, or the stop matched
     if not chat:
-        return _OutTextChoice(c.index, c.content or "", c.logprobs, c.finish_reason, c.stop_reason, c.token_ids)
+        return _OutTextChoice(c.index, c.content or "", c.logprobs, c.finish_reason, stop_reason, c.token_ids)
     calls = [_out_call(t) for t in c.tool_calls] if c.tool_calls else None
     return _OutChatChoice(c.index, _OutDelta(c.role, c.content, c.reasoning, c.refusal, calls, c.function_call),
-                          c.logprobs, c.finish_reason, c.stop_reason, c.token_ids)
+                          c.logprobs, c.finish_reason, stop_reason, c.token_ids)
 
 
 def _out_chunk(ev: ChatEvent, id_: str | None, model: str | None, chat: bool, created: int) -> _OutChunk:

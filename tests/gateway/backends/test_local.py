@@ -372,10 +372,10 @@ async def test_the_engine_runs_routings_rendering(tiny_backend):
                                         "stream_options": {"include_usage": True}}, "long-stream")
     short_stream, body = _request(backend, {"prompt": "one", "max_tokens": 1, "stream": True}, "handed-stream")
     stream = await backend.open_stream(replace(short_stream, rendered=long_stream.rendered), body)
-    events = b"".join([chunk async for chunk in stream]).split(b"\n\n")
-    assert events[-2:] == [b"data: [DONE]", b""]
-    last = json.loads(events[-3][6:])
-    assert (last["id"], last["model"], last["usage"]["prompt_tokens"]) == (
+    events = [ev async for batch in stream for ev in batch]
+    assert events[-1].done and not any(ev.done for ev in events[:-1])
+    last = events[-2]
+    assert (last.id, last.model, last.usage["prompt_tokens"]) == (
         "cmpl-handed-stream", "public", long.rendered.prompt_tokens)
     with pytest.raises(BackendError) as e:
         await backend.send(long, {**short_body, "model": "nope"})
