@@ -63,6 +63,8 @@ class LayerWeights:
             head_dim] bfloat16, contiguous.
         fp8: per projection, its ``cpu_linear.PackedFP8Linear`` (an FP8
             checkpoint's), read instead of the others when present.
+        int8: per projection, its ``cpu_linear.PackedQ8Linear`` (W8A16) or
+            ``cpu_linear.PackedW8A8Linear`` (W8A8), read instead of the others when present.
     """
 
     input_norm: torch.Tensor
@@ -73,6 +75,7 @@ class LayerWeights:
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     fp8: dict[str, cpu_linear.PackedFP8Linear | None] = field(default_factory=dict)
+    int8: dict[str, cpu_linear.PackedQ8Linear | cpu_linear.PackedW8A8Linear | None] = field(default_factory=dict)
 
 
 class DecoderWeights:
@@ -113,9 +116,17 @@ class DecoderWeights:
                 keep.append(w.qkv_bias.to(torch.float32).contiguous())
                 layer.qkv_bias = keep[-1].data_ptr()
             for j, name in enumerate(PROJECTIONS):
-                bf16, q4, fp8 = w.bf16.get(name), w.q4.get(name), w.fp8.get(name)
-                if bf16 is None and q4 is None and fp8 is None:
+                bf16, q4, fp8, i8 = w.bf16.get(name), w.q4.get(name), w.fp8.get(name), w.int8.get(name)
+                if bf16 is None and q4 is None and fp8 is None and i8 is None:
                     raise ValueError(f"layer {i} has no packed {name} projection")
+                if isinstance(i8, cpu_linear.PackedW8A8Linear):
+                    keep += [i8.codes, i8.scales, i8.col_sums]
+                    layer.i8_codes[j], layer.i8_scales[j] = i8.codes.data_ptr(), i8.scales.data_ptr()
+                    layer.i8_sums[j] = i8.col_sums.data_ptr()
+                elif i8 is not None:
+                    keep += [i8.codes, i8.scales]
+                    layer.i8_codes[j], layer.i8_scales[j], layer.i8_group[j] = (
+                        i8.codes.data_ptr(), i8.scales.data_ptr(), i8.group)
                 if fp8 is not None:
                     keep += [fp8.codes, fp8.scales]
                     layer.fp8_codes[j], layer.fp8_scales[j] = fp8.codes.data_ptr(), fp8.scales.data_ptr()

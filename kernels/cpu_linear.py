@@ -19,7 +19,9 @@ Used by the model's linear layers (``engine.models.llama``) when
 oneDNN. :class:`PackedQ4Linear`
 is the 4-bit counterpart (``csrc/linear_q4_cpu.c``) for GGUF Q4_0/Q4_1
 weights under ``quantization: gguf`` and 4-bit checkpoints (GPTQ, AWQ,
-compressed-tensors), :class:`PackedFP8Linear` the 8-bit one for FP8 checkpoints.
+compressed-tensors), :class:`PackedFP8Linear` the 8-bit one for FP8 checkpoints,
+:class:`PackedQ8Linear` for int8 weights (GGUF Q8_0 heads, compressed-tensors W8A16) and
+:class:`PackedW8A8Linear` for int8 weights with int8 activations (W8A8, ``csrc/linear_w8a8_cpu.c``).
 """
 
 from __future__ import annotations
@@ -112,12 +114,38 @@ class PackedQ4Linear(_QuantPanels):
 
 @dataclass(frozen=True)
 class PackedQ8Linear(_QuantPanels):
-    """A GGUF Q8_0 weight (w = d q, q int8, one float16 d per 32 inputs) for
-    calls of up to :data:`Q8_MAX_ROWS` rows (the output head of decode steps
-    of up to :data:`COPY_MAX_ROWS` rows): bitwise the bfloat16 kernel's
-    results on bf16(d q), from 9 bits per weight instead of 16. codes: int8
-    [ceil(out / 64) * 64 * in]; scales: float32 [ceil(out / 64) * in / group * 64].
-    On the AVX2 body: integer dot products, any row count (csrc/quant_int.h)."""
+    """An 8-bit weight w = d q, q int8, one float32 d per output row and
+    ``group`` inputs: a GGUF Q8_0 head's copy (float16 d per 32 inputs, read
+    by decode steps of up to :data:`COPY_MAX_ROWS` rows) or a compressed-tensors
+    W8A16 layer (its group, or a whole row per channel; any row count):
+    bitwise the bfloat16 kernel's results on bf16(d q), from 8-9 bits per
+    weight instead of 16. codes: int8 [ceil(out / 64) * 64 * in]; scales:
+    float32 [ceil(out / 64) * in / group * 64]. On the AVX2 body: integer dot
+    products on 8-bit-rounded inputs (csrc/quant_int.h)."""
+
+
+@dataclass(frozen=True)
+class PackedW8A8Linear:
+    """An int8 weight with one float32 scale per output channel whose inputs are quantized to int8
+    per row at each call (compressed-tensors W8A8, ``csrc/linear_w8a8_cpu.c``): exact integer sums,
+    then one float32 scale per (row, channel); every body gives the same bits, for any row count.
+
+    Attributes:
+        codes: int8 [ceil(out / 64) * 64 * in] panels ([out / 64][in / 4][64][4]).
+        col_sums: int32 [ceil(out / 64) * 64], each output channel's sum of codes.
+        scales: float32 [ceil(out / 64) * 64], the channels' scales (padding 0).
+        out_features, in_features: the weight's shape (in a multiple of 4).
+    """
+
+    codes: torch.Tensor
+    col_sums: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.col_sums.nbytes + self.scales.nbytes
 
 
 @dataclass(frozen=True)
@@ -131,7 +159,6 @@ class PackedFP8Linear(_QuantPanels):
     [ceil(out / 64) * in / group * 64]."""
 
 
-Q8_MAX_ROWS = 3  # LINEAR_Q4_DIRECT_ROWS of csrc/kernels.h: the 8-bit kernel takes this many rows at most
 # QUANT_COPY_MAX_ROWS of csrc/kernels.h: calls of up to this many rows read a weight's quantized copy
 # rather than its bfloat16 panels (faster where reading the weights bounds the call; the same bits)
 COPY_MAX_ROWS = 2
@@ -198,6 +225,25 @@ def pack_fp8(codes: torch.Tensor, d: torch.Tensor, group: int) -> PackedFP8Linea
     return PackedFP8Linear(out_codes, out_scales, n, k, group)
 
 
+def pack_w8a8(codes: torch.Tensor, scales: torch.Tensor) -> PackedW8A8Linear:
+    """Pack a W8A8 weight: codes [out, in] int8 (in a multiple of 4), scales [out] (or [out, 1]) float32.
+
+    Raises:
+        ValueError: shapes or dtypes that do not match.
+    """
+    n, k = codes.shape
+    if codes.dtype != torch.int8 or k % 4 or scales.numel() != n:
+        raise ValueError(f"pack_w8a8 takes codes [n, k] int8 (k % 4 == 0) and scales [n], got {codes.dtype} "
+                         f"{tuple(codes.shape)}, {tuple(scales.shape)}")
+    panels = (n + PANEL - 1) // PANEL
+    out_codes = torch.empty(panels * PANEL * k, dtype=torch.int8)
+    col_sums = torch.empty(panels * PANEL, dtype=torch.int32)
+    padded = torch.zeros(panels * PANEL, dtype=torch.float32)
+    padded[:n] = scales.reshape(-1).float()
+    load_library().linear_w8a8_pack(codes.contiguous().data_ptr(), n, k, out_codes.data_ptr(), col_sums.data_ptr())
+    return PackedW8A8Linear(out_codes, col_sums, padded, n, k)
+
+
 def q4_available(march: str | None = None) -> bool:
     """Whether the 4-bit and 8-bit kernels have a fast body here (the ISAs of :func:`available`)."""
     return available(march)
@@ -262,7 +308,7 @@ def pack(weight: torch.Tensor) -> PackedLinear:
     return PackedLinear(data, n, k)
 
 
-def linear(x: torch.Tensor, packed: PackedLinear | _QuantPanels, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, packed: PackedLinear | _QuantPanels | PackedW8A8Linear, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """[..., in] @ W.T (+ bias [out], added in float32) (+ residual [..., out]) -> [..., out].
 
@@ -297,9 +343,9 @@ def linear(x: torch.Tensor, packed: PackedLinear | _QuantPanels, bias: torch.Ten
         rc = lib.linear_q4(*xs, packed.codes.data_ptr(), packed.scales.data_ptr(), packed.group,
                            None if packed.perm is None else packed.perm.data_ptr(), *rest)
     elif isinstance(packed, PackedQ8Linear):
-        if m > Q8_MAX_ROWS and isa() != "avx2":
-            raise ValueError(f"the 8-bit kernel takes at most {Q8_MAX_ROWS} rows, got {m}")
         rc = lib.linear_q8(*xs, packed.codes.data_ptr(), packed.scales.data_ptr(), packed.group, *rest)
+    elif isinstance(packed, PackedW8A8Linear):
+        rc = lib.linear_w8a8(*xs, packed.codes.data_ptr(), packed.col_sums.data_ptr(), packed.scales.data_ptr(), *rest)
     elif isinstance(packed, PackedFP8Linear):
         rc = lib.linear_fp8(*xs, packed.codes.data_ptr(), packed.scales.data_ptr(), packed.group, *rest)
     else:

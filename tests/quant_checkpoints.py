@@ -1,6 +1,7 @@
-"""Tiny GPTQ and AWQ checkpoints written by a script that follows each format's documented layout
-(auto-gptq/gptqmodel's and AutoAWQ's packing; their own tools need CUDA builds that do not install
-here): round-to-nearest codes per group (the algorithms differ in how they choose codes, not in
+"""Tiny GPTQ, AWQ and compressed-tensors checkpoints written by a script that follows each format's
+documented layout (auto-gptq/gptqmodel's, AutoAWQ's and the compressed_tensors package's packing; the
+first two tools need CUDA builds that do not install here, llm-compressor is not installed):
+round-to-nearest codes per group (the algorithms differ in how they choose codes, not in
 what they store), packed as those tools pack them. Each writer also turns the transformers model
 it is given into its reference: every quantized weight replaced by the format's dequantization."""
 
@@ -179,4 +180,89 @@ def write_fp8(path, model, strategy: str = "channel", dynamic_activations: bool 
                                       "weights": {"num_bits": 8, "type": "float", "symmetric": True,
                                                   "dynamic": False, "strategy": strategy}}},
         "ignore": ["lm_head"]}
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def fake_quantize_tokens(x: torch.Tensor) -> torch.Tensor:
+    """W8A8's dynamic per-token activation quantization applied and undone in float32 (vLLM's
+    dynamic_scaled_int8_quant: q = rne(x * (127 / amax)), x = q * (amax / 127))."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax != 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    return (torch.round(xf * inv).clamp(-127, 127) * (amax / torch.tensor(127.0))).to(x.dtype)
+
+
+def _int8_codes(w: torch.Tensor, group_size: int):
+    """Symmetric round-to-nearest int8 codes of ``w`` [out, in] with a bfloat16 scale (amax / 127) per
+    row and group of inputs: (codes int8 [out, in], scales bfloat16 [out, groups], the float32
+    dequantization codes * scales)."""
+    out, k = w.shape
+    g = w.reshape(out, k // group_size, group_size)
+    scales = (g.abs().amax(-1) / 127).clamp(min=1e-8).bfloat16()
+    codes = torch.round(g / scales.float()[..., None]).clamp(-128, 127).to(torch.int8)
+    return codes.reshape(out, k), scales, (codes.float() * scales.float()[..., None]).reshape(out, k)
+
+
+def _int8_config(fmt: str, weights: dict, activations: dict | None) -> dict:
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": activations, "output_activations": None}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}}
+
+
+@torch.no_grad()
+def write_w8a16(path, model, group_size: int | None) -> None:
+    """``model``'s projections as an llm-compressor W8A16 checkpoint in ``path`` (format
+    ``pack-quantized`` at 8 bits, the ``compressed_tensors`` package's ``pack_to_int32``):
+    weight_packed int32 [out, in / 4] of q + 128, four along the inputs, lowest bits first;
+    weight_scale bfloat16 [out, groups] (strategy "group", or "channel" for ``group_size`` None);
+    weight_shape; ``model`` becomes its reference."""
+    tensors = {}
+    for name, p in model.named_parameters():
+        module = name.removesuffix(".weight").split(".", 3)[-1]
+        if not name.endswith(".weight") or module not in PROJECTIONS:
+            continue
+        k = p.shape[1]
+        codes, scales, deq = _int8_codes(p.float(), k if group_size is None else group_size)
+        u = (codes.long() + 128).reshape(p.shape[0], k // 4, 4)
+        packed = sum(u[..., i] << (8 * i) for i in range(4))
+        prefix = name.removesuffix(".weight")
+        tensors[f"{prefix}.weight_packed"] = ((packed + 2**31) % 2**32 - 2**31).to(torch.int32)
+        tensors[f"{prefix}.weight_scale"] = scales
+        tensors[f"{prefix}.weight_shape"] = torch.tensor(p.shape)
+        p.copy_(deq)
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False, "actorder": None,
+               "strategy": "channel" if group_size is None else "group", "group_size": group_size}
+    _write(path, model, tensors, _int8_config("pack-quantized", weights, None))
+
+
+@torch.no_grad()
+def write_w8a8(path, model, strategy: str = "channel") -> None:
+    """``model``'s projections as an llm-compressor W8A8 checkpoint in ``path`` (format
+    ``int-quantized``, its W8A8 recipe's scheme): weight int8 [out, in], weight_scale bfloat16
+    [out, 1] ("channel") or [1] ("tensor"), activations int8 per token, dynamic and symmetric (no
+    scales stored). ``model`` becomes its reference: the dequantized weights, and each projection's
+    input fake-quantized per token (a forward pre-hook)."""
+    tensors = {}
+    for name, p in model.named_parameters():
+        module = name.removesuffix(".weight").split(".", 3)[-1]
+        if not name.endswith(".weight") or module not in PROJECTIONS:
+            continue
+        w = p.float() if strategy == "channel" else p.float().reshape(1, -1)
+        codes, scales, deq = _int8_codes(w, w.shape[1])
+        tensors[name] = codes.reshape(p.shape)
+        tensors[f"{name}_scale"] = scales if strategy == "channel" else scales.reshape(1)
+        p.copy_(deq.reshape(p.shape))
+    for name, m in model.named_modules():
+        if name.split(".", 3)[-1] in PROJECTIONS:
+            m.register_forward_pre_hook(lambda _, args: (fake_quantize_tokens(args[0]), *args[1:]))
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False, "strategy": strategy,
+               "group_size": None}
+    activations = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in tensors and "rotary" not in k}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file({**state, **tensors}, str(path / "model.safetensors"))
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = _int8_config("int-quantized", weights, activations)
     (path / "config.json").write_text(json.dumps(cfg))

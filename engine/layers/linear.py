@@ -6,7 +6,9 @@ and the row counts it reads it for, rather than per call:
 * a GGUF Q4_0/Q4_1 projection kept in 4 bits (``quantization: gguf``), or a
   4-bit checkpoint's: ``engine.layers.quant_linear.Int4Linear`` (the C 4-bit
   kernel in bfloat16); an FP8 checkpoint's kept in 8 bits:
-  ``engine.layers.fp8_linear.FP8Linear`` (:func:`load_packed`);
+  ``engine.layers.fp8_linear.FP8Linear`` (:func:`load_packed`); an int8 one
+  (compressed-tensors W8A16, W8A8): ``engine.layers.int8_linear.Int8Linear``
+  (:func:`load_int8`);
 * a dense weight: on CPU through ``engine.layers.packed_linear.PackedWeights``
   (the C kernel's bfloat16 panels, oneDNN's packed copy, or ``F.linear``, in
   row tiles in batch-invariant mode); on CUDA ``F.linear``, or the
@@ -28,9 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.fp8_linear import FP8Linear, fp8_packable
+from engine.layers.int8_linear import Int8Linear, int8_packable
 from engine.layers.packed_linear import PackedWeights, c_panels_for
 from engine.layers.quant_linear import GGUFBlocks, Int4Linear, int4_packable, q8_codes_d
 from engine.quantization.fp8 import FP8Weight
+from engine.quantization.int8 import Int8Weight
 from kernels import cpu_linear
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -149,12 +153,38 @@ def load_packed(layer: nn.Module, name: str, pieces: list[tuple[int, object]], p
     method (``layer.int4[name]``: 4-bit parts by :func:`load_int4`, FP8 parts as an ``FP8Linear``
     where :func:`fp8_packable` says so), freeing its dense weight; else dequantize them into ``param``."""
     parts = [p for _, p in pieces]
+    if any(isinstance(p, Int8Weight) for p in parts):
+        load_int8(layer, name, pieces, param)
+        return
     if not all(isinstance(p, FP8Weight) for p in parts):
         load_int4(layer, name, pieces, param, q4_copy)
         return
     covers_all = sum(p.shape[0] for p in parts) == param.shape[0]
     if covers_all and fp8_packable(parts, param.dtype, param.device):
         layer.int4[name] = FP8Linear(parts)
+        getattr(layer, name).weight = nn.Parameter(param.data.new_empty(0), requires_grad=False)
+        return
+    for offset, p in pieces:
+        param.data[offset:offset + p.shape[0]].copy_(p.dequantize())
+
+
+def load_int8(layer: nn.Module, name: str, pieces: list[tuple[int, object]], param: nn.Parameter) -> None:
+    """Keep a projection's int8 parts ((row offset, ``Int8Weight``), in row order) as the layer's
+    ``Int8Linear`` (``layer.int4[name]``), freeing its dense weight: on the C kernel where
+    :func:`int8_packable` says so, and W8A8 always (its activations are quantized on every path);
+    else (W8A16 off the kernel) dequantize them into ``param``.
+
+    Raises:
+        ValueError: W8A8 parts that do not cover the whole projection (or mixed with other kinds).
+    """
+    parts = [p for _, p in pieces]
+    covers_all = all(isinstance(p, Int8Weight) for p in parts) and sum(p.shape[0] for p in parts) == param.shape[0]
+    w8a8 = any(getattr(p, "activations", None) == "token" for p in parts)
+    if w8a8 and (not covers_all or any(p.activations != "token" for p in parts)):
+        raise ValueError(f"{name}: W8A8 int8 parts must cover the whole fused projection")
+    packable = covers_all and int8_packable(parts, param.dtype, param.device)
+    if packable or w8a8:
+        layer.int4[name] = Int8Linear(parts, packable)
         getattr(layer, name).weight = nn.Parameter(param.data.new_empty(0), requires_grad=False)
         return
     for offset, p in pieces:

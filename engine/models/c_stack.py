@@ -19,7 +19,7 @@ def c_stack_weights(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -
     ``model``'s weights (a ``LlamaForCausalLM`` whose kernels are chosen, RoPE
     tables built) and ``kv_caches`` (per layer: key and value caches), built
     now; None where the stack cannot run: not bfloat16 on CPU with C RoPE, a
-    projection on no C linear kernel (bfloat16 panels, 4-bit, FP8), a
+    projection on no C linear kernel (bfloat16 panels, 4-bit, FP8, int8), a
     bias outside q/k/v, a Triton kernel chosen, shapes the kernels refuse.
     ``LlamaForCausalLM._c_decoder_weights`` says when it is built."""
     embed = model.embed_tokens.weight
@@ -29,16 +29,20 @@ def c_stack_weights(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -
     layers = []
     for layer, (kc, vc) in zip(model.layers, kv_caches):
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        bf16, q4, fp8 = {}, {}, {}
+        bf16, q4, fp8, int8 = {}, {}, {}, {}
         for short, name in zip(cpu_decoder.PROJECTIONS, PROJECTIONS):
             if name in layer.int4:
                 packed = layer.int4[name].c_packed
-                (fp8 if isinstance(packed, cpu_linear.PackedFP8Linear) else q4)[short] = packed
+                if packed is None:  # a W8A8 layer on its PyTorch path
+                    return None
+                kind = fp8 if isinstance(packed, cpu_linear.PackedFP8Linear) else int8 if isinstance(
+                    packed, (cpu_linear.PackedQ8Linear, cpu_linear.PackedW8A8Linear)) else q4
+                kind[short] = packed
             else:
                 packed = layer.packed.get(name, getattr(layer, name).weight)
                 bf16[short] = packed if isinstance(packed, cpu_linear.PackedLinear) else None
                 q4[short] = layer.fresh_q4_copy(name)
-            if bf16.get(short) is None and q4.get(short) is None and fp8.get(short) is None:
+            if all(d.get(short) is None for d in (bf16, q4, fp8, int8)):
                 return None
             if name != "qkv_proj" and getattr(layer, name).bias is not None:
                 return None
@@ -47,7 +51,7 @@ def c_stack_weights(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -
             return None
         layers.append(cpu_decoder.LayerWeights(
             norms[0].weight.detach(), norms[1].weight.detach(), bf16, q4,
-            layer.qkv_proj.bias.detach() if layer.qkv_proj.bias is not None else None, kc, vc, fp8))
+            layer.qkv_proj.bias.detach() if layer.qkv_proj.bias is not None else None, kc, vc, fp8, int8))
     c = model.config
     try:
         return cpu_decoder.DecoderWeights(

@@ -3,8 +3,8 @@ parameters, this rank's part of each only.
 
 A value is a ``torch.Tensor``, a GGUF tensor kept in its 4-bit or 8-bit
 blocks (``GGUFBlocks``), a GPTQ/AWQ/W4A16 layer (``Int4Weight``), an FP8
-layer (``FP8Weight``; the packed ones split at their groups: ``narrow``), or, when the
-model is split over ranks, a tensor still on disk (``engine.model_loader
+layer (``FP8Weight``), an int8 W8A16/W8A8 layer (``Int8Weight``; the packed
+ones split at their groups: ``narrow``), or, when the model is split over ranks, a tensor still on disk (``engine.model_loader
 .lazy``) of which ``narrow(dim, start, length)`` reads only that part. Where
 a rank holds the whole tensor (one rank, or a replicated norm) the value is
 taken as it is.
@@ -21,6 +21,7 @@ from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinea
 from engine.layers.quant_linear import GGUFBlocks
 from engine.quantization.fp8 import FP8Weight
 from engine.quantization.int4 import Int4Weight
+from engine.quantization.int8 import Int8Weight
 
 # HF module suffix of a decoder layer -> (our module, its parallel layer's shard ids; None: the whole
 # parameter, or a row-parallel weight's input columns)
@@ -48,7 +49,7 @@ LAYER_MODULES = {
 def _narrow(value, dim: int, start: int, length: int):
     """``value``'s part ``[start, start + length)`` along ``dim``: the value itself where that is all of it
     and it is in memory, else its ``narrow`` (a lazy tensor reads only that part)."""
-    in_memory = isinstance(value, (torch.Tensor, GGUFBlocks, Int4Weight, FP8Weight))
+    in_memory = isinstance(value, (torch.Tensor, GGUFBlocks, Int4Weight, FP8Weight, Int8Weight))
     if in_memory and start == 0 and length == value.shape[dim]:
         return value
     return value.narrow(dim, start, length)
@@ -103,9 +104,9 @@ def load_hf_weights(model, weights: Iterable[tuple[str, object]], q4_copy: bool 
     each parameter's dtype; the caller chooses the kernels afterwards.
 
     A ``GGUFBlocks`` value (``quantization: gguf``), an ``Int4Weight`` (a
-    GPTQ/AWQ/W4A16 checkpoint's layer, ``engine.quantization``) or an
-    ``FP8Weight`` is kept packed when every part of its fused projection is
-    one (``engine.layers.linear.load_packed``), else dequantized. With ``q4_copy`` (``quantization: none`` from a 4-bit GGUF,
+    GPTQ/AWQ/W4A16 checkpoint's layer, ``engine.quantization``), an
+    ``FP8Weight`` or an ``Int8Weight`` is kept packed when every part of its
+    fused projection is one (``engine.layers.linear.load_packed``), else dequantized. With ``q4_copy`` (``quantization: none`` from a 4-bit GGUF,
     bfloat16 on CPU) it is dequantized into the parameter and also kept as
     the C kernel's 4-bit copy (``LlamaDecoderLayer.q4_copy``).
 
@@ -116,7 +117,7 @@ def load_hf_weights(model, weights: Iterable[tuple[str, object]], q4_copy: bool 
     head = "lm_head.weight" if model.lm_head is not None else "embed_tokens.weight"
     loaded: dict[str, int] = {}
     # fused target -> (row offset, quantized part)
-    int4: dict[str, list[tuple[int, GGUFBlocks | Int4Weight | FP8Weight]]] = {}
+    int4: dict[str, list[tuple[int, GGUFBlocks | Int4Weight | FP8Weight | Int8Weight]]] = {}
     for name, tensor in weights:
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.lm_head is None):
             continue  # tied: the embedding is the head
@@ -137,7 +138,7 @@ def load_hf_weights(model, weights: Iterable[tuple[str, object]], q4_copy: bool 
                 copy = q8_head_copy(value, dst) if target == head and dst.shape[0] == param.shape[0] else None
                 if copy is not None:
                     model.lm_head_q8, model._lm_head_q8_of = copy, (param, param._version)
-            elif isinstance(value, (GGUFBlocks, Int4Weight, FP8Weight)):
+            elif isinstance(value, (GGUFBlocks, Int4Weight, FP8Weight, Int8Weight)):
                 int4.setdefault(target, []).append((offset, value))
             else:
                 dst.copy_(value)

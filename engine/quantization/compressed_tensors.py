@@ -2,7 +2,8 @@
 (``quant_method: compressed-tensors``; vLLM's
 ``quantization/compressed_tensors/``): the ``pack-quantized`` format with
 4-bit integer weights and no activation quantization (W4A16, from the GPTQ
-or AWQ recipes).
+or AWQ recipes); its 8-bit weights (W8A16) and the ``int-quantized`` W8A8
+format are read by ``compressed_tensors_int8``.
 
 Per quantized linear layer ``<prefix>`` (the ``compressed_tensors`` package's
 ``PackedQuantizationCompressor``):
@@ -25,18 +26,27 @@ from dataclasses import dataclass
 import torch
 
 from engine.quantization.base import QuantizationConfig, UnsupportedQuantization, require
+from engine.quantization.compressed_tensors_int8 import W8A8Config, W8A16Config
 from engine.quantization.fp8 import FP8Weight
 from engine.quantization.int4 import Int4Weight, grouped_int4, unpack_int32
 
 
 # what each implemented format's config group may say: weights key -> (allowed values, default)
-_PACKED_W4 = {"num_bits": ((4,), None), "type": (("int",), None), "strategy": (("group", "channel"), None),
+_PACKED_W4 = {"num_bits": ((4, 8), None), "type": (("int",), None), "strategy": (("group", "channel"), None),
               "dynamic": ((False,), False), "actorder": ((None, "group", "weight", "static"), None)}
 _FP8 = {"num_bits": ((8,), None), "type": (("float",), None), "strategy": (("tensor", "channel"), None),
         "dynamic": ((False,), False)}
 # FP8_DYNAMIC's per-token activation quantization: run weight-only (see FP8Config)
 _FP8_ACTIVATIONS = {"num_bits": ((8,), None), "type": (("float",), None), "strategy": (("token",), None),
                     "dynamic": ((True,), None)}
+# W8A8 int8 (vLLM's CompressedTensorsW8A8Int8 with dynamic per-token activations, symmetric ones only)
+_INT8 = {"num_bits": ((8,), None), "type": (("int",), None), "strategy": (("tensor", "channel"), None),
+         "dynamic": ((False,), False), "symmetric": ((True,), True)}
+_INT8_ACTIVATIONS = {"num_bits": ((8,), None), "type": (("int",), None), "strategy": (("token",), None),
+                     "dynamic": ((True,), None), "symmetric": ((True,), True)}
+# 8-bit pack-quantized (W8A16): what vLLM's CompressedTensorsWNA16 takes at 8 bits, less act-order
+_PACKED_W8 = {"symmetric": ((True,), True), "actorder": ((None,), None)}
+_WEIGHTS = {"pack-quantized": _PACKED_W4, "float-quantized": _FP8, "int-quantized": _INT8}
 
 
 def _check(where: str, values: dict, rules: dict) -> None:
@@ -49,7 +59,8 @@ def _check(where: str, values: dict, rules: dict) -> None:
 
 def check_config(config: dict, fmt: str) -> dict:
     """The one ``config_groups`` entry of a compressed-tensors config in format ``fmt``
-    ("pack-quantized" W4A16 or "float-quantized" FP8), checked against what the engine implements.
+    ("pack-quantized" W4A16 / W8A16, "float-quantized" FP8 or "int-quantized" W8A8), checked
+    against what the engine implements.
 
     Raises:
         UnsupportedQuantization: anything else, naming the field.
@@ -70,11 +81,18 @@ def check_config(config: dict, fmt: str) -> dict:
                                       "(supported: ['Linear'])")
     if group.get("output_activations"):
         raise UnsupportedQuantization(f"{where}.output_activations is not supported")
+    if fmt == "int-quantized" and not group.get("input_activations"):
+        raise UnsupportedQuantization(f"{where}.input_activations is required for int-quantized (W8A8; "
+                                      "weight-only int8 is pack-quantized)")
     if group.get("input_activations"):
-        if fmt != "float-quantized":
-            raise UnsupportedQuantization(f"{where}.input_activations is not supported (weight-only W4A16 is)")
-        _check(f"{where}.input_activations", group["input_activations"], _FP8_ACTIVATIONS)
-    _check(f"{where}.weights", group.get("weights") or {}, _PACKED_W4 if fmt == "pack-quantized" else _FP8)
+        if fmt == "pack-quantized":
+            raise UnsupportedQuantization(f"{where}.input_activations is not supported (weight-only W4A16/W8A16 is)")
+        _check(f"{where}.input_activations", group["input_activations"],
+               _FP8_ACTIVATIONS if fmt == "float-quantized" else _INT8_ACTIVATIONS)
+    weights = group.get("weights") or {}
+    _check(f"{where}.weights", weights, _WEIGHTS[fmt])
+    if fmt == "pack-quantized" and weights["num_bits"] == 8:
+        _check(f"{where}.weights", weights, _PACKED_W8)
     return group
 
 
@@ -94,13 +112,18 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict) -> QuantizationConfig:
-        """See ``QuantizationConfig.from_config``: ``pack-quantized`` W4A16 or ``float-quantized`` FP8
-        (``FP8Config``), one group targeting every Linear, compressed, without sparsity, transforms or
-        a quantized KV cache."""
-        fmt = require(config, "format", ("pack-quantized", "float-quantized"))
+        """See ``QuantizationConfig.from_config``: ``pack-quantized`` W4A16 (this class) or W8A16
+        (``W8A16Config``), ``float-quantized`` FP8 (``FP8Config``) or ``int-quantized`` W8A8
+        (``W8A8Config``), one group targeting every Linear, compressed, without sparsity, transforms
+        or a quantized KV cache."""
+        fmt = require(config, "format", ("pack-quantized", "float-quantized", "int-quantized"))
         group = check_config(config, fmt)
         if fmt == "float-quantized":
             return FP8Config(group["weights"]["strategy"])
+        if fmt == "int-quantized":
+            return W8A8Config(group["weights"]["strategy"])
+        if group["weights"]["num_bits"] == 8:
+            return W8A16Config()
         return cls(bool(group["weights"].get("symmetric", True)))
 
     def weight(self, prefix: str, parts: dict[str, torch.Tensor]) -> Int4Weight | torch.Tensor:

@@ -60,7 +60,7 @@ int rope_cache_bf16(uint16_t *qkv, int64_t ld, int64_t t, const int64_t *positio
     return 0;
 }
 
-/* Projection i of layer w: its FP8 panels when it has them; else, with both
+/* Projection i of layer w: its int8 (W8A8, W8A16) or FP8 panels when it has them; else, with both
  * forms, calls of at most QUANT_COPY_MAX_ROWS rows read the 4-bit panels (bound by reading the
  * weights: fewer bytes) and larger ones the bfloat16 panels (bound by
  * arithmetic: no dequantization); both give the same bits. The AVX2 build
@@ -68,6 +68,12 @@ int rope_cache_bf16(uint16_t *qkv, int64_t ld, int64_t t, const int64_t *positio
 static int project(const decoder_layer *w, int i, const uint16_t *x, int64_t ldx, const float *bias,
                    const uint16_t *residual, int64_t ldr, uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
                    int num_threads) {
+    if (w->i8_codes[i] && w->i8_sums[i])
+        return linear_w8a8(x, ldx, w->i8_codes[i], w->i8_sums[i], w->i8_scales[i], bias, residual, ldr, y, ldy, m, n,
+                           k, 0, num_threads);
+    if (w->i8_codes[i])
+        return linear_q8(x, ldx, w->i8_codes[i], w->i8_scales[i], w->i8_group[i], bias, residual, ldr, y, ldy, m, n,
+                         k, 0, num_threads);
     if (w->fp8_codes[i])
         return linear_fp8(x, ldx, w->fp8_codes[i], w->fp8_scales[i], w->fp8_group[i], bias, residual, ldr, y, ldy,
                           m, n, k, 0, num_threads);

@@ -60,6 +60,12 @@ int linear_fp8(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float
                const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
                int64_t k, int y_f32, int num_threads);
 
+/* linear_w8a8_cpu.c */
+void linear_w8a8_pack(const int8_t *codes, int64_t n, int64_t k, int8_t *codes_out, int32_t *col_sums);
+int linear_w8a8(const uint16_t *x, int64_t ldx, const int8_t *codes, const int32_t *col_sums, const float *scales,
+                const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
+                int64_t k, int y_f32, int num_threads);
+
 /* norm_act_cpu.c */
 int rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *weight, uint16_t *y, int64_t ldy, int64_t rows,
                   int64_t n, float eps, int num_threads);
@@ -72,7 +78,7 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t ld, uint16_t *y, int64_t ldy
  * (qkv [q + 2 kv, hidden], o [hidden, q], gate_up [2 inter, hidden], down
  * [hidden, inter]) as bfloat16 panels (linear_bf16_pack), 4-bit panels
  * (linear_q4_pack: codes, scales, group and input order), or both, or as
- * FP8 panels; qkv_bias float32 [q + 2 kv]
+ * FP8 panels, or as int8 panels (W8A16 or W8A8); qkv_bias float32 [q + 2 kv]
  * or NULL; the layer's key and value caches. */
 typedef struct {
     const uint16_t *input_norm, *post_norm;
@@ -84,6 +90,10 @@ typedef struct {
     const uint8_t *fp8_codes[4];  /* FP8 panels (linear_fp8_pack) or NULL */
     const float *fp8_scales[4];
     int64_t fp8_group[4];
+    const int8_t *i8_codes[4];    /* int8 panels (linear_q8_pack, or with i8_sums linear_w8a8_pack) or NULL */
+    const float *i8_scales[4];
+    const int32_t *i8_sums[4];    /* W8A8's column sums (linear_w8a8), NULL for W8A16 (linear_q8) */
+    int64_t i8_group[4];
     const float *qkv_bias;
     uint16_t *key_cache, *value_cache;
 } decoder_layer;

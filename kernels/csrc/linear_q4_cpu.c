@@ -370,19 +370,20 @@ void linear_q8_pack(const int8_t *codes, const float *d, int64_t group, int64_t 
 }
 
 /* y [m, n] = x [m, k] @ W.T (+ bias) (+ residual) for W packed by
- * linear_q8_pack with the same group, m <= LINEAR_Q4_DIRECT_ROWS; arguments as linear_bf16.
- * Returns 0, 1 for more rows or a group that does not fit, 2 when out of memory. */
+ * linear_q8_pack with the same group, any m (in registers up to
+ * LINEAR_Q4_DIRECT_ROWS rows, a scratch panel above: the same bits; the
+ * output head reads it for few rows, compressed-tensors W8A16 layers for
+ * every row count); arguments as linear_bf16. Returns 0, 1 for a group that
+ * does not fit, 2 when out of memory. */
 int linear_q8(const uint16_t *x, int64_t ldx, const int8_t *codes, const float *scales, int64_t group,
               const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
               int64_t k, int y_f32, int num_threads) {
     if (group <= 0 || group % QBLOCK || k % group) return 1;
 #if defined(QUANT_COPY_EVERY_ROW)
     return quant_int_avx2(1, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
-#endif
-    if (m > LINEAR_Q4_DIRECT_ROWS) return 1;
-#if defined(__AVX512BF16__)
-    direct_rows(W8_INT, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
-    return 0;
+#elif defined(__AVX512BF16__)
+    return quant_avx512(W8_INT, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
+                        num_threads);
 #else
     return quant_f32(W8_INT, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
                      num_threads);
