@@ -44,6 +44,7 @@ from engine.core.request import ForkGroup, Request, RequestStatus
 from engine.worker.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
+from engine.core.step_cost import pooling_budget
 from engine.worker.structured_outputs import StructuredOutputManager
 from engine.core.ttft import predict_waiting, quad_of, state_of
 from engine.core.ttft_calibration import TTFTCalibration
@@ -181,6 +182,7 @@ class EngineCore:
             max_num_batched_tokens=budget, max_model_len=self.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
             scheduling_policy=args.scheduling_policy, num_cpu_blocks=num_cpu_blocks,
+            pooling_budget=pooling_budget(self.model_config, self.device.type),
         )
         self.sampler = Sampler(self.model_config.vocab_size, self.device, seed=args.seed)
         self.spec_decoder = None

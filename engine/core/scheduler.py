@@ -19,7 +19,8 @@ request its next ``num_new_tokens`` (1 for a decode, a chunk for a prefill):
 A pooling request (an embedding) is a prompt like any other: prefilled in
 chunks under the same budget, in steps shared with decoding rows, so that no
 request's forward pass is longer than a step; it samples nothing and finishes
-when its prompt is computed.
+when its prompt is computed. Beside generation work its chunks are sized by
+their cost, attention over their context included (``engine/core/step_cost.py``).
 
 Parallel sampling (vLLM v0's ``SequenceGroup`` fork): the leader of a
 ``ForkGroup`` (its first unfinished member) prefills ``prompt_len - 1``
@@ -38,6 +39,7 @@ from collections.abc import Iterable
 from engine.core.kv_cache_manager import KVCacheManager, cdiv
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.step_cost import PoolingBudget, StepAllowance
 
 
 def chunk_tokens(num_new: int, budget: int, max_num_batched_tokens: int, enable_chunked_prefill: bool) -> int:
@@ -68,6 +70,8 @@ class Scheduler:
             ties by earlier arrival).
         num_cpu_blocks: CPU swap blocks; > 0 preempts by swapping when the
             victim fits, else by recompute.
+        pooling_budget: sizes pooling chunks beside generation work (None:
+            the token budget alone; with chunked prefill only).
 
     Raises:
         ValueError: a bad setting (the message names it).
@@ -75,7 +79,8 @@ class Scheduler:
 
     def __init__(self, *, block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 scheduling_policy: str = "fcfs", num_cpu_blocks: int = 0) -> None:
+                 scheduling_policy: str = "fcfs", num_cpu_blocks: int = 0,
+                 pooling_budget: PoolingBudget | None = None) -> None:
         for name, value, low in (("block_size", block_size, 1), ("num_blocks", num_blocks, 2),
                                  ("max_num_seqs", max_num_seqs, 1),
                                  ("max_num_batched_tokens", max_num_batched_tokens, 1),
@@ -93,9 +98,10 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.scheduling_policy = scheduling_policy
         self.num_cpu_blocks = num_cpu_blocks
+        self.pooling_budget = pooling_budget if enable_chunked_prefill else None
+        self._allowance = StepAllowance(None, False)   # the step's, for pooling chunks (set by schedule())
         self.kv_cache_manager = KVCacheManager(block_size=block_size, num_blocks=num_blocks,
-                                               enable_caching=enable_prefix_caching,
-                                               num_cpu_blocks=num_cpu_blocks)
+                                               enable_caching=enable_prefix_caching, num_cpu_blocks=num_cpu_blocks)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -194,15 +200,10 @@ class Scheduler:
         """
         if not status.is_finished:
             raise ValueError(f"status must be a finished status, got {status!r}")
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
-        done = []
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is None:
-                continue
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        done = [self.requests[rid] for rid in dict.fromkeys(ids) if rid in self.requests]
+        for req in done:
             self._finish(req, status, stop_reason)
-            done.append(req)
         return done
 
     def _finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None) -> None:
@@ -216,9 +217,7 @@ class Scheduler:
 
     # -- helpers ------------------------------------------------------------
     def _key(self, req: Request) -> tuple:
-        if self.scheduling_policy == "priority":
-            return (req.priority, req.arrival_time)
-        return (req.arrival_time,)
+        return (req.priority, req.arrival_time) if self.scheduling_policy == "priority" else (req.arrival_time,)
 
     @staticmethod
     def _leader(req: Request) -> Request:
@@ -231,20 +230,19 @@ class Scheduler:
     def _target_len(self, req: Request) -> int:
         """Tokens the request must have computed before it can sample: an
         unforked leader stops at prompt_len - 1 (the fork point)."""
-        if self._unforked(req):
-            return req.num_prompt_tokens - 1
-        return req.num_tokens
+        return req.num_prompt_tokens - 1 if self._unforked(req) else req.num_tokens
 
     def _seats_needed(self, req: Request) -> int:
         """max_num_seqs seats taken by the request (an unforked leader holds
         one for each unfinished member of its group)."""
-        if self._unforked(req):
-            return sum(1 for m in req.group.members if not m.is_finished)
-        return 1
+        return sum(1 for m in req.group.members if not m.is_finished) if self._unforked(req) else 1
 
-    def _chunk(self, num_new: int, budget: int) -> int:
-        """Tokens to schedule out of ``num_new`` under ``budget`` (``chunk_tokens``)."""
-        return chunk_tokens(num_new, budget, self.max_num_batched_tokens, self.enable_chunked_prefill)
+    def _chunk(self, req: Request, computed: int, budget: int) -> int:
+        """Tokens to schedule of ``req`` past ``computed`` under ``budget`` and, for a pooling chunk, the step's
+        allowance (``chunk_tokens``, ``StepAllowance``)."""
+        budget = self._allowance.limit(req.pooling_params is not None, computed, budget)
+        return chunk_tokens(self._target_len(req) - computed, budget, self.max_num_batched_tokens,
+                            self.enable_chunked_prefill)
 
     def _fork(self, leader: Request) -> None:
         """Share the leader's block table with every unfinished sibling and
@@ -297,6 +295,7 @@ class Scheduler:
             sample=n + num_new - len(spec) == req.num_tokens and req.pooling_params is None,
             spec_token_ids=spec))
         out.num_batched_tokens += num_new
+        self._allowance.spend(req.pooling_params is not None, n, num_new)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, seats: int, now: float) -> None:
         """Phase 3 of :meth:`schedule`: admit waiting requests in order (a
@@ -317,9 +316,11 @@ class Scheduler:
             if seats + need_seats > self.max_num_seqs:
                 break
             computed_blocks, num_hit = kv.get_computed_blocks(req)
-            num_new = self._chunk(self._target_len(req) - num_hit, budget)
+            num_new = self._chunk(req, num_hit, budget)
             fork_now = self._unforked(req) and num_hit == self._target_len(req)
             if num_new <= 0 and not fork_now:
+                if req.pooling_params is not None:
+                    continue   # the step's allowance for pooling chunks is spent: the requests behind go on
                 break
             if not kv.allocate_slots(req, num_new, computed_blocks):
                 break
@@ -358,13 +359,15 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         now = time.monotonic()
+        self._allowance = StepAllowance(self.pooling_budget, any(
+            r.pooling_params is None for r in self.requests.values()))
 
         # 1. Running requests (most important first; victims from the end).
         self.running.sort(key=self._key)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._chunk(self._target_len(req) - req.num_computed_tokens, budget)
+            num_new = self._chunk(req, req.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -394,7 +397,7 @@ class Scheduler:
                 req = self.swapped[0]
                 if seats + self._seats_needed(req) > self.max_num_seqs:
                     break
-                num_new = self._chunk(self._target_len(req) - req.num_computed_tokens, budget)
+                num_new = self._chunk(req, req.num_computed_tokens, budget)
                 if num_new <= 0 or not kv.can_swap_in(req, num_new):
                     break
                 out.blocks_to_swap_in.extend(kv.swap_in(req))

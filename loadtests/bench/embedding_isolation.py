@@ -5,8 +5,10 @@ While a streamed chat request runs back to back (the phase's stream, as in the s
 sends ``embeds`` embeddings of ``embed_tokens`` token ids each, one after the other, and a third sends a short
 prompt (1 token to generate) ``short_after_s`` after each embedding was sent: the stream's largest gap meanwhile
 (target: at most 2x its p99 alone, measured in the same run), and the short prompt's time to its first token.
-The engine prefills an embedding in chunks under its step budget beside the running streams
-(``engine/pooling.py``); before, one 8,000-token input held every stream for its whole forward pass (47 s).
+One embedding is also sent alone first, nothing else running: its seconds, against the phase's (each input has
+its own token ids, so no prefix is cached). The engine prefills an embedding in chunks beside the running streams,
+sized by their cost while streams run (``engine/core/step_cost.py``); before, one 8,000-token input held every
+stream for its whole forward pass (47 s).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def embed_ids(tokens: int, seed: int) -> list[int]:
 def send_embedding(client: httpx.Client, base: str, model: str, ids: list[int]) -> tuple[int, float]:
     """POST one embedding of token ids; (status, seconds)."""
     start = time.perf_counter()
-    r = client.post(f"{base}/v1/embeddings", json={"model": model, "input": [ids]}, timeout=900)
+    r = client.post(f"{base}/v1/embeddings", json={"model": model, "input": [ids]}, timeout=7200)
     return r.status_code, time.perf_counter() - start
 
 
@@ -48,12 +50,13 @@ def short_ttft(client: httpx.Client, base: str, model: str) -> float:
 def measure_embeddings_phase(streams_until, base: str, model: str, embed_tokens: int, embeds: int,
                              short_after_s: float) -> dict:
     """Run the phase; ``streams_until(done)`` runs the measured stream back to back until ``done()`` and returns
-    its gaps (``structured_isolation.Gap``). Returns the gaps, the sends' (status, seconds) and the short
-    prompts' TTFTs (seconds)."""
+    its gaps (``structured_isolation.Gap``). Returns the gaps, the sends' (status, seconds), the short
+    prompts' TTFTs (seconds) and the (status, seconds) of one embedding sent alone before."""
     done = threading.Event()
     sender, prober = httpx.Client(), httpx.Client()
     sends, ttfts = [], []
     try:
+        alone = send_embedding(sender, base, model, embed_ids(embed_tokens, embeds))
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             gaps_f = pool.submit(streams_until, done.is_set)
             time.sleep(1.0)
@@ -70,7 +73,7 @@ def measure_embeddings_phase(streams_until, base: str, model: str, embed_tokens:
         done.set()
         sender.close()
         prober.close()
-    return {"gaps": gaps, "window": (t0, t1), "sends": sends, "ttfts": ttfts}
+    return {"gaps": gaps, "window": (t0, t1), "sends": sends, "ttfts": ttfts, "alone": alone}
 
 
 def embeddings_figures(phase: dict, baseline_p99_ms: float, baseline_less_steal_p99_ms: float) -> dict:
@@ -81,6 +84,7 @@ def embeddings_figures(phase: dict, baseline_p99_ms: float, baseline_less_steal_
     worst = max(during, key=lambda g: g.seconds)
     return {
         "embed_tokens_sends": [{"status": s, "seconds": round(t, 3)} for s, t in phase["sends"]],
+        "embed_alone": {"status": phase["alone"][0], "seconds": round(phase["alone"][1], 3)},
         "stream_gaps_during": len(during),
         "max_gap_ms": worst.seconds * 1e3,
         "max_gap_over_baseline_p99": worst.seconds * 1e3 / baseline_p99_ms,

@@ -1,0 +1,119 @@
+"""What a chunk of a prompt costs a step, in token-equivalents, and the share of a step that pooling requests'
+chunks may take when the step also serves generation (issue 49: an 8,000-token embedding held a running stream
+168x its p99 gap).
+
+A chunk of ``tokens`` query rows after ``context`` computed tokens runs every linear layer once per row, and
+attention over ``attention_pairs(tokens, context)`` (query, key) pairs: row j attends to ``context + j + 1`` keys
+(causal). One token-equivalent is one row's linear layers (its multiply-adds: the layers' weights); one pair costs
+``2 * num_heads * head_dim`` multiply-adds a layer (scores, then the weighted values), each ``ATTENTION_COST_RATIO``
+times a linear layer's, so ``pairs_per_token`` pairs cost a token-equivalent (SmolLM2-135M on CPU: 614). A row at
+8,000 tokens of context costs 14 token-equivalents: under a fixed token budget a long input's late chunks cost
+several times its first ones. Sliding-window layers are counted as full ones (an overestimate: the safer side).
+
+``PoolingBudget`` is what the scheduler sizes a pooling request's chunk by while generation work is queued or running
+(a decode row, a prompt being prefilled or waiting): a step's pooling chunks together cost at most ``step_cost``
+token-equivalents, so the step stays within about twice a plain decode step (``POOLING_STEP_COST``). The step's first
+pooling chunk gets one token whatever it costs, so every input progresses. With no generation work, pooling chunks
+get the step's whole token budget: embeddings alone run as fast as before. Chunk boundaries change no bit of an
+embedding (the kernels are chunk- and batch-invariant, ``engine/pooling.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.model_config import ModelConfig
+
+# What an attention multiply-add costs in linear-layer multiply-adds, by device. On this CPU (AVX512-BF16, one
+# thread, SmolLM2-135M bf16, min of 7 steps each, a decode row beside) a prompt token's linear layers took ~1.0 ms and
+# an attention pair ~1.6 us at 2,048 tokens of context: 4.9x its multiply-adds' share (the attention kernel adds
+# float32 values row by row; the linear layers run VDPBF16PS panels). CUDA: not measured (1: multiply-adds alone).
+ATTENTION_COST_RATIO = {"cpu": 5.0, "cuda": 1.0}
+# Token-equivalents pooling chunks may add to a step that serves generation, by device: about the cost of the decode
+# step itself, so the step takes at most ~2x. On this CPU (AVX512-BF16, one thread, SmolLM2-135M bf16, min of 7) a
+# decode step took 11.8 ms and a prompt token ~1 ms beside it: a decode step is ~12 token-equivalents (its weights
+# are read for one row); 8 leaves room for the noise of a shared host. On CUDA a decode step is memory-bound for
+# hundreds of rows (not measured here).
+POOLING_STEP_COST = {"cpu": 8.0, "cuda": 256.0}
+
+
+def pairs_per_token(cfg: ModelConfig, cost_ratio: float) -> float:
+    """Attention (query, key) pairs that cost as much as one token's linear layers (q, k, v, o and the gated MLP)
+    for ``cfg``'s shapes, an attention multiply-add costing ``cost_ratio`` linear ones (``ATTENTION_COST_RATIO``)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    weights = h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 3 * h * cfg.intermediate_size
+    return weights / (2 * cfg.num_attention_heads * d * cost_ratio)
+
+
+def attention_pairs(tokens: int, context: int) -> int:
+    """(query, key) pairs a causal chunk of ``tokens`` rows after ``context`` computed tokens attends over."""
+    return tokens * context + tokens * (tokens + 1) // 2
+
+
+@dataclass(frozen=True)
+class PoolingBudget:
+    """How pooling chunks are sized beside generation work.
+
+    Attributes:
+        pairs_per_token: attention pairs per token-equivalent (``pairs_per_token``).
+        step_cost: token-equivalents a step's pooling chunks may cost together while generation work is
+            queued or running (``POOLING_STEP_COST``).
+    """
+
+    pairs_per_token: float
+    step_cost: float
+
+    def __post_init__(self) -> None:
+        if not (self.pairs_per_token > 0 and self.step_cost > 0):
+            raise ValueError(f"pairs_per_token and step_cost must be > 0, got {self.pairs_per_token}, "
+                             f"{self.step_cost}")
+
+    def chunk_cost(self, tokens: int, context: int) -> float:
+        """Token-equivalents of a chunk of ``tokens`` rows after ``context`` computed tokens."""
+        return tokens + attention_pairs(tokens, context) / self.pairs_per_token
+
+    def max_tokens(self, context: int, cost: float) -> int:
+        """The most rows a chunk after ``context`` computed tokens may have within ``cost`` token-equivalents (0
+        when not one): the root of ``chunk_cost(q) = q^2 / 2P + q (1 + (context + 1/2) / P) = cost``, floored and
+        checked against ``chunk_cost`` (float rounding)."""
+        if cost <= 0:
+            return 0
+        p = self.pairs_per_token
+        b = 1.0 + (context + 0.5) / p
+        q = int(2.0 * cost / (b + math.sqrt(b * b + 2.0 * cost / p)))
+        while q > 0 and self.chunk_cost(q, context) > cost:
+            q -= 1
+        while self.chunk_cost(q + 1, context) <= cost:
+            q += 1
+        return q
+
+
+def pooling_budget(cfg: ModelConfig, device_type: str) -> PoolingBudget:
+    """The engine's ``PoolingBudget`` for ``cfg`` on a ``device_type`` ("cpu", "cuda") device."""
+    ratio = ATTENTION_COST_RATIO.get(device_type, 1.0)
+    return PoolingBudget(pairs_per_token(cfg, ratio), POOLING_STEP_COST.get(device_type, POOLING_STEP_COST["cuda"]))
+
+
+class StepAllowance:
+    """One step's allowance for pooling chunks: ``budget.step_cost`` token-equivalents while ``generation`` (work
+    that samples is queued or running), else no limit but the step's tokens. The step's first pooling chunk gets a
+    token whatever it costs."""
+
+    def __init__(self, budget: PoolingBudget | None, generation: bool) -> None:
+        self.budget = budget if generation else None
+        self.left = budget.step_cost if self.budget is not None else math.inf
+        self.first = True
+
+    def limit(self, pooling: bool, computed: int, tokens: int) -> int:
+        """The tokens a request (a ``pooling`` one or not) may compute this step after ``computed``, out of
+        ``tokens`` the step's budget leaves."""
+        if self.budget is None or not pooling:
+            return tokens
+        return min(tokens, max(self.budget.max_tokens(computed, self.left), int(self.first)))
+
+    def spend(self, pooling: bool, computed: int, tokens: int) -> None:
+        """Charge a chunk of ``tokens`` after ``computed`` that the step scheduled (of a ``pooling`` request or not)."""
+        if self.budget is not None and pooling:
+            self.left -= self.budget.chunk_cost(tokens, computed)
+            self.first = False
