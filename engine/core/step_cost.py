@@ -28,7 +28,8 @@ from engine.model_config import ModelConfig
 # What an attention multiply-add costs in linear-layer multiply-adds, by device. On this CPU (AVX512-BF16, one
 # thread, SmolLM2-135M bf16, min of 7 steps each, a decode row beside) a prompt token's linear layers took ~1.0 ms and
 # an attention pair ~1.6 us at 2,048 tokens of context: 4.9x its multiply-adds' share (the attention kernel adds
-# float32 values row by row; the linear layers run VDPBF16PS panels). CUDA: not measured (1: multiply-adds alone).
+# float32 values row by row; the linear layers run VDPBF16PS panels); at 7,680 tokens ~2.5-3 us (the context no
+# longer in cache), where chunks beside a decode row are one token anyway. CUDA: not measured (1: multiply-adds).
 ATTENTION_COST_RATIO = {"cpu": 5.0, "cuda": 1.0}
 # Token-equivalents pooling chunks may add to a step that serves generation, by device: about the cost of the decode
 # step itself, so the step takes at most ~2x. On this CPU (AVX512-BF16, one thread, SmolLM2-135M bf16, min of 7) a
