@@ -182,7 +182,7 @@ class EngineCore:
             max_num_batched_tokens=budget, max_model_len=self.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
             scheduling_policy=args.scheduling_policy, num_cpu_blocks=num_cpu_blocks,
-            pooling_budget=pooling_budget(self.model_config, self.device.type),
+            pooling_budget=pooling_budget(self.model_config, self.device.type, budget),
         )
         self.sampler = Sampler(self.model_config.vocab_size, self.device, seed=args.seed)
         self.spec_decoder = None

@@ -10,12 +10,14 @@ times a linear layer's, so ``pairs_per_token`` pairs cost a token-equivalent (Sm
 8,000 tokens of context costs 14 token-equivalents: under a fixed token budget a long input's late chunks cost
 several times its first ones. Sliding-window layers are counted as full ones (an overestimate: the safer side).
 
-``PoolingBudget`` is what the scheduler sizes a pooling request's chunk by while generation work is queued or running
-(a decode row, a prompt being prefilled or waiting): a step's pooling chunks together cost at most ``step_cost``
-token-equivalents, so the step stays within about twice a plain decode step (``POOLING_STEP_COST``). The step's first
-pooling chunk gets one token whatever it costs, so every input progresses. With no generation work, pooling chunks
-get the step's whole token budget: embeddings alone run as fast as before. Chunk boundaries change no bit of an
-embedding (the kernels are chunk- and batch-invariant, ``engine/pooling.py``).
+``PoolingBudget`` is what the scheduler sizes a pooling request's chunk by. While generation work is queued or
+running (a decode row, a prompt being prefilled or waiting) a step's pooling chunks together cost at most
+``step_cost`` token-equivalents, so the step stays within about twice a plain decode step (``POOLING_STEP_COST``).
+With no generation work they cost at most ``alone_cost``, what a chunk of the engine's token budget costs at the
+start of a prompt, so a request arriving meanwhile waits at most such a step (a 512-token chunk 7,500 tokens into an
+input costs ~10x a fresh one). The step's first pooling chunk gets one token whatever it costs, so every input
+progresses. Chunk boundaries change no bit of an embedding (the kernels are chunk- and batch-invariant,
+``engine/pooling.py``).
 """
 
 from __future__ import annotations
@@ -60,15 +62,18 @@ class PoolingBudget:
         pairs_per_token: attention pairs per token-equivalent (``pairs_per_token``).
         step_cost: token-equivalents a step's pooling chunks may cost together while generation work is
             queued or running (``POOLING_STEP_COST``).
+        alone_cost: the same with no generation work (a ``max_num_batched_tokens`` chunk's cost at the start of a
+            prompt; inf: no limit but the token budget).
     """
 
     pairs_per_token: float
     step_cost: float
+    alone_cost: float = math.inf
 
     def __post_init__(self) -> None:
-        if not (self.pairs_per_token > 0 and self.step_cost > 0):
-            raise ValueError(f"pairs_per_token and step_cost must be > 0, got {self.pairs_per_token}, "
-                             f"{self.step_cost}")
+        if not (self.pairs_per_token > 0 and self.step_cost > 0 and self.alone_cost > 0):
+            raise ValueError(f"pairs_per_token, step_cost and alone_cost must be > 0, got {self.pairs_per_token}, "
+                             f"{self.step_cost}, {self.alone_cost}")
 
     def chunk_cost(self, tokens: int, context: int) -> float:
         """Token-equivalents of a chunk of ``tokens`` rows after ``context`` computed tokens."""
@@ -90,26 +95,28 @@ class PoolingBudget:
         return q
 
 
-def pooling_budget(cfg: ModelConfig, device_type: str) -> PoolingBudget:
-    """The engine's ``PoolingBudget`` for ``cfg`` on a ``device_type`` ("cpu", "cuda") device."""
-    ratio = ATTENTION_COST_RATIO.get(device_type, 1.0)
-    return PoolingBudget(pairs_per_token(cfg, ratio), POOLING_STEP_COST.get(device_type, POOLING_STEP_COST["cuda"]))
+def pooling_budget(cfg: ModelConfig, device_type: str, max_num_batched_tokens: int) -> PoolingBudget:
+    """The engine's ``PoolingBudget`` for ``cfg`` on a ``device_type`` ("cpu", "cuda") device with a step budget
+    of ``max_num_batched_tokens`` tokens."""
+    ppt = pairs_per_token(cfg, ATTENTION_COST_RATIO.get(device_type, 1.0))
+    step_cost = POOLING_STEP_COST.get(device_type, POOLING_STEP_COST["cuda"])
+    return PoolingBudget(ppt, step_cost, PoolingBudget(ppt, step_cost).chunk_cost(max_num_batched_tokens, 0))
 
 
 class StepAllowance:
     """One step's allowance for pooling chunks: ``budget.step_cost`` token-equivalents while ``generation`` (work
-    that samples is queued or running), else no limit but the step's tokens. The step's first pooling chunk gets a
-    token whatever it costs."""
+    that samples is queued or running), else ``budget.alone_cost`` (no budget: no limit but the step's tokens). The
+    step's first pooling chunk gets a token whatever it costs."""
 
     def __init__(self, budget: PoolingBudget | None, generation: bool) -> None:
-        self.budget = budget if generation else None
-        self.left = budget.step_cost if self.budget is not None else math.inf
+        self.budget = budget
+        self.left = math.inf if budget is None else budget.step_cost if generation else budget.alone_cost
         self.first = True
 
     def limit(self, pooling: bool, computed: int, tokens: int) -> int:
         """The tokens a request (a ``pooling`` one or not) may compute this step after ``computed``, out of
         ``tokens`` the step's budget leaves."""
-        if self.budget is None or not pooling:
+        if self.budget is None or not pooling or self.left == math.inf:
             return tokens
         return min(tokens, max(self.budget.max_tokens(computed, self.left), int(self.first)))
 

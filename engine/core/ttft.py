@@ -59,6 +59,9 @@ class TTFTState(msgspec.Struct, array_like=True):
         chunked: the scheduler splits a prompt across steps (``enable_chunked_prefill``).
         speed: the box's recent speed the costs include (``TTFTCalibration.speed``: the last seconds' steps
             measured over what the fitted shape says of them; > 1: slower than the steps the shape was fitted on).
+        pooling_budget: (pairs per token-equivalent, token-equivalents a step's pooling chunks may cost beside
+            generation work, and without) of the scheduler's ``PoolingBudget`` (``engine/core/step_cost.py``), or
+            None: pooling chunks get the token budget alone.
     """
 
     block_size: int
@@ -87,6 +90,7 @@ class TTFTState(msgspec.Struct, array_like=True):
     pending_seqs: list[tuple[int, int, int, int, int]] = []
     chunked: bool = True
     speed: float = 1.0
+    pooling_budget: tuple[float, float, float] | None = None
 
     def prefill_s(self, tokens: float, quad: float = 0.0, chunks: float = 0.0) -> float:
         """Seconds the steps spend on ``tokens`` prefill tokens in ``chunks`` chunks of ``quad_of`` ``quad``,
@@ -376,7 +380,13 @@ def _queue_state(scheduler, calibration: TTFTCalibration, queue: list, seat_orde
         stored=stored, removed=removed, resync=resync, fixed_s=calibration.fixed_s, row_s=calibration.row_s,
         quad_s=calibration.quad_s, chunk_s=calibration.chunk_s, running_prefill_reqs=running_prefill_reqs,
         running_seqs=[(r.num_computed_tokens, *_seq(r, r.num_computed_tokens)) for r in scheduler.running],
-        waiting_seqs=waiting_seqs, chunked=scheduler.enable_chunked_prefill, speed=calibration.speed), ahead
+        waiting_seqs=waiting_seqs, chunked=scheduler.enable_chunked_prefill, speed=calibration.speed,
+        pooling_budget=_budget_of(scheduler.pooling_budget)), ahead
+
+
+def _budget_of(budget) -> tuple[float, float, float] | None:
+    """A ``PoolingBudget`` as ``TTFTState.pooling_budget`` publishes it."""
+    return None if budget is None else (budget.pairs_per_token, budget.step_cost, budget.alone_cost)
 
 
 def _seq(req, ctx: int) -> tuple[int, int, int]:

@@ -4,7 +4,8 @@ From the core's published queue (``TTFTState``: the running requests in the orde
 ones in the order they get seats, each as computed tokens, tokens to its next sample, tokens left to generate and
 its kind), the requests a front end sent since (``PendingAdds``) and the new request, the steps are replayed as
 ``engine/core/scheduler.py`` takes them: each step serves the running requests first, a decode row each and a
-prefill or pooling chunk as ``chunk_tokens`` (the scheduler's own rule) allows under the token budget, preempting
+prefill or pooling chunk as ``chunk_tokens`` (the scheduler's own rule) allows under the token budget (and, for a
+pooling chunk beside generation work, the step's ``StepAllowance``: ``engine/core/step_cost.py``), preempting
 the last running request when the KV blocks run out; then admits waiting requests in order while budget, seats
 (``max_num_seqs``) and blocks last. A request finishes after its last token (a pooling one after its last chunk),
 freeing its seat and blocks. Each step costs what the calibration says of its shape (``TTFTCalibration.cost``:
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.core.scheduler import chunk_tokens
+from engine.core.step_cost import PoolingBudget, StepAllowance
 
 # The kinds of a published sequence (``TTFTState.running_seqs`` / ``waiting_seqs``)
 PREFILL, DECODING, POOLING = 0, 1, 2
@@ -65,6 +67,7 @@ class _Sim:
         self.running = [_Seq(c, n, left, kind, _cdiv(c, state.block_size)) for c, n, left, kind in state.running_seqs]
         self.waiting = [_Seq(c, n, left, kind) for _, c, n, left, kind in state.waiting_seqs]
         self.free = state.free_blocks
+        self.pooling = PoolingBudget(*state.pooling_budget) if state.pooling_budget else None
         self.t = 0.0
         self.steps = self.chunks = 0
         self.done = False   # the target sampled its first token
@@ -74,10 +77,11 @@ class _Sim:
         tokens it took: up to ``arrivals`` into what budget the target's admission leaves)."""
         s = self.s
         budget, batch, preempted = s.budget, [], False
+        allowance = StepAllowance(self.pooling, any(q.kind != POOLING for q in (*self.running, *self.waiting)))
         i = 0
         while i < len(self.running) and budget > 0:
             q = self.running[i]
-            n = chunk_tokens(q.need, budget, s.budget, s.chunked)
+            n = self._chunk(q, budget, allowance)
             if n <= 0:
                 i += 1
                 continue
@@ -89,31 +93,41 @@ class _Sim:
             self.free -= grow
             q.held += grow
             batch.append((q, n))
+            allowance.spend(q.kind == POOLING, q.ctx, n)
             budget -= n
             i += 1
         seat_wait = kv_wait = False
         target_in = not any(q.target for q in self.waiting)
-        while not preempted and self.waiting and budget > 0:
-            q = self.waiting[0]
+        j = 0
+        while not preempted and j < len(self.waiting) and budget > 0:
+            q = self.waiting[j]
             if len(self.running) >= s.max_num_seqs:
                 seat_wait = True
                 break
-            n = chunk_tokens(q.need, budget, s.budget, s.chunked)
+            n = self._chunk(q, budget, allowance)
+            if n <= 0 and q.kind == POOLING:
+                j += 1   # the step's allowance for pooling chunks is spent: the requests behind go on
+                continue
             blocks = _cdiv(q.ctx + n, self.bs)
             if n <= 0 or blocks > self.free:
                 kv_wait = n > 0
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(j)
             self.free -= blocks
             q.held = blocks
             self.running.append(q)
             batch.append((q, n))
+            allowance.spend(q.kind == POOLING, q.ctx, n)
             budget -= n
             target_in = target_in or q.target
         # Requests arriving after the target queue behind it: they take what budget its admission leaves.
         room = target_in and not self.waiting and len(self.running) < s.max_num_seqs
         arriving = min(budget, arrivals) if room else 0.0
         return self._run(batch, arriving), seat_wait, kv_wait, arriving
+
+    def _chunk(self, q: _Seq, budget: int, allowance: StepAllowance) -> int:
+        """Tokens the scheduler gives ``q`` this step under ``budget`` tokens left and the step's ``allowance``."""
+        return chunk_tokens(q.need, allowance.limit(q.kind == POOLING, q.ctx, budget), self.s.budget, self.s.chunked)
 
     def _preempt_for(self, q: _Seq, grow: int) -> bool:
         """Preempt running requests from the end (recompute) until ``grow`` blocks are free for ``q``; False when

@@ -14,7 +14,9 @@ stream for its whole forward pass (47 s).
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import random
+import sys
 import threading
 import time
 
@@ -57,6 +59,7 @@ def measure_embeddings_phase(streams_until, base: str, model: str, embed_tokens:
     sends, ttfts = [], []
     try:
         alone = send_embedding(sender, base, model, embed_ids(embed_tokens, embeds))
+        print(f"embedding alone: {alone}", file=sys.stderr, flush=True)   # progress: the phase takes minutes
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             gaps_f = pool.submit(streams_until, done.is_set)
             time.sleep(1.0)
@@ -66,6 +69,7 @@ def measure_embeddings_phase(streams_until, base: str, model: str, embed_tokens:
                 time.sleep(short_after_s)
                 ttfts.append(short_ttft(prober, base, model))
                 sends.append(send_f.result())
+                print(f"embedding {i} beside the stream: {sends[-1]}", file=sys.stderr, flush=True)
             t1 = time.perf_counter()
             done.set()
             gaps = gaps_f.result()
@@ -74,6 +78,11 @@ def measure_embeddings_phase(streams_until, base: str, model: str, embed_tokens:
         sender.close()
         prober.close()
     return {"gaps": gaps, "window": (t0, t1), "sends": sends, "ttfts": ttfts, "alone": alone}
+
+
+def _rank(values: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``values`` (nearest rank)."""
+    return values[min(max(math.ceil(q * len(values)) - 1, 0), len(values) - 1)]
 
 
 def embeddings_figures(phase: dict, baseline_p99_ms: float, baseline_less_steal_p99_ms: float) -> dict:
@@ -87,6 +96,8 @@ def embeddings_figures(phase: dict, baseline_p99_ms: float, baseline_less_steal_
         "embed_alone": {"status": phase["alone"][0], "seconds": round(phase["alone"][1], 3)},
         "stream_gaps_during": len(during),
         "max_gap_ms": worst.seconds * 1e3,
+        "max_gap_at_s": round(worst.end - t0, 3),   # when it ended, seconds after the first embedding was sent
+        "gap_p50_p99_ms_during": [round(_rank(sorted(g.seconds for g in during), q) * 1e3, 1) for q in (0.5, 0.99)],
         "max_gap_over_baseline_p99": worst.seconds * 1e3 / baseline_p99_ms,
         "less_steal_max_gap_over_baseline_p99": max(g.seconds - g.steal for g in during) * 1e3
         / baseline_less_steal_p99_ms,

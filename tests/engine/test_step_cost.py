@@ -29,7 +29,9 @@ def test_a_pair_costs_its_share_of_the_multiply_adds():
     # per layer: q, k, v, o = 576 x 64 x (9 + 3 + 3 + 9); the gated MLP 3 x 576 x 1536; a pair 2 x 9 x 64
     assert pairs_per_token(SMOLLM2_135M, 1.0) == (576 * 64 * 24 + 3 * 576 * 1536) / (2 * 9 * 64) == 3072
     assert pairs_per_token(SMOLLM2_135M, 5.0) == pytest.approx(614.4)
-    assert pooling_budget(SMOLLM2_135M, "cpu").pairs_per_token == pytest.approx(614.4)
+    budget = pooling_budget(SMOLLM2_135M, "cpu", 512)
+    assert budget.pairs_per_token == pytest.approx(614.4)
+    assert budget.alone_cost == pytest.approx(512 + 512 * 513 / 2 / 614.4)   # a fresh prompt's 512-token chunk
 
 
 @pytest.mark.parametrize("cost", [0.0, 0.5, 1.0, 1.0001, 3.7, 8.0, 13.0, 64.0, 512.0])
@@ -96,6 +98,23 @@ def test_alone_an_embedding_gets_the_whole_token_budget():
     while not emb.is_finished:
         sizes += [n for _, n in _chunks(_step(s), "emb")]
     assert sizes == [512, 512, 512, 464]
+
+
+def test_alone_a_long_embeddings_chunks_cost_at_most_a_fresh_prompts_chunk():
+    """With nothing to generate, a chunk deep in a long input costs no more than a token-budget chunk at the start of
+    a prompt: a request arriving meanwhile waits at most such a step (unbounded, a 512-token chunk 7,500 tokens in
+    costs ~10x the first)."""
+    alone = BUDGET.chunk_cost(512, 0)
+    s = _scheduler(pooling_budget=PoolingBudget(600.0, 8.0, alone))
+    emb = _pooling("emb", 8000, 0.0)
+    s.add_request(emb)
+    sizes = []
+    while not emb.is_finished:
+        ((start, n),) = _chunks(_step(s), "emb")
+        assert BUDGET.chunk_cost(n, start) <= alone * (1 + 1e-9) and BUDGET.chunk_cost(n + 1, start) > alone or \
+            start + n == 8000
+        sizes.append(n)
+    assert sizes[0] == 512 and sizes[-2] < 512 / 6 and sum(sizes) == 8000
 
 
 def test_a_prompt_arriving_during_a_long_embedding_is_admitted_at_the_next_step():

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from engine.core.step_cost import PoolingBudget
 from engine.core.ttft import PendingAdds, predict_ttft, quad_of
 from engine.core.ttft_calibration import SHAPE_MEMORY_STEPS, TTFTCalibration
 from engine.core.ttft_sim import DECODING, POOLING, PREFILL
@@ -45,12 +46,14 @@ def deep_copies():
 
 
 @pytest.mark.parametrize("seed,kw", [(1, {}), (2, dict(max_num_seqs=3)), (3, dict(max_num_batched_tokens=128)),
-                                     (4, dict(max_num_seqs=2, max_num_batched_tokens=64))])
+                                     (4, dict(max_num_seqs=2, max_num_batched_tokens=64)),
+                                     (5, dict(pooling_budget=PoolingBudget(pairs_per_token=300.0, step_cost=8.0))),
+                                     (6, dict(max_num_seqs=3, pooling_budget=PoolingBudget(300.0, 20.0, 300.0)))])
 def test_the_simulation_replays_the_scheduler_exactly(seed, kw, deep_copies):
     """A mixed queue (prompts of 10 to 1,500 tokens, embeddings, short and long decodes, few seats or a small
-    budget): at each arrival, the prediction equals the TTFT the scheduler delivers to that request if nothing
-    else arrives (a copy of the engine run to its end: later arrivals, unknown to any prediction, would share
-    its steps)."""
+    budget, embeddings' chunks sized by their cost beside generation work): at each arrival, the prediction equals
+    the TTFT the scheduler delivers to that request if nothing else arrives (a copy of the engine run to its end:
+    later arrivals, unknown to any prediction, would share its steps)."""
     rng = random.Random(seed)
     eng = exact_engine(**kw)
     ttfts = []
