@@ -12,6 +12,7 @@ Sub-commands of ``loadtest``:
   replicas  scenario 7: engine replicas, round-robin vs prefix_affinity routing (+ a replica killed)
   ledger    scenario 8: the usage ledger under Redis pauses, stalls and restarts (two replicas)
   spill     spill to aggregators: local only vs a threshold rule vs a TTFT SLO
+            (--sweep: every threshold setting, the SLO route and the offline oracle: attainment vs cost)
   prompt-cache  prompt-cache affinity on aggregators: cached share of input tokens with vs without sticky
 ``parity`` is scenario 6: greedy outputs and logprobs of two targets compared.
 """

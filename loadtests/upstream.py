@@ -55,6 +55,12 @@ class UpstreamConfig:
     diverge_at: int = -1
 
 
+def prompt_words(messages: list) -> int:
+    """The ``prompt_tokens`` this upstream reports for chat ``messages``: their contents' words (split on
+    whitespace)."""
+    return sum(len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict))
+
+
 def _token(cfg: UpstreamConfig, k: int) -> str:
     if 0 <= cfg.diverge_at <= k:
         return WORDS[(k + 3) % len(WORDS)]
@@ -166,7 +172,7 @@ class Upstream:
             return _error(400, "max_tokens must be a positive integer", "max_tokens")
         if chat:
             msgs = body.get("messages") or []
-            prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in msgs if isinstance(m, dict))
+            prompt_tokens = prompt_words(msgs)
             top = body.get("top_logprobs", 0) if body.get("logprobs") else None
         else:
             prompt_tokens = len(str(body.get("prompt", "")).split())

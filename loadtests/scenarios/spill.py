@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import re
 import tempfile
@@ -41,6 +42,10 @@ WORDS = ("the cat sat on a mat while it rained over hills and rivers near old to
 AGGREGATORS = {"cheap": {"ttft": 0.9, "input": 0.27, "output": 1.10},
                "fast": {"ttft": 0.3, "input": 0.60, "output": 2.00}}
 LOCAL_PRICES = {"input": 0.02, "output": 0.02}
+PRICES = {"local": LOCAL_PRICES, **AGGREGATORS}   # backend -> USD per million tokens (input, output)
+# the threshold rule's settings a sweep runs: queue depth (local.waiting > N), KV-cache usage (local.kv_usage >= P %)
+SWEEP_POLICIES = ("waiting>1", "waiting>2", "waiting>4", "waiting>8", "waiting>16", "waiting>32",
+                  "kv>=30", "kv>=50", "kv>=70", "slo")
 
 
 def register(sub) -> None:
@@ -48,11 +53,20 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help=".gguf or HF directory (default: the embedded SmolLM2)")
     p.add_argument("--slo-ms", type=float, default=2500.0, help="the TTFT SLO, milliseconds")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per policy (ramp up and down)")
+    p.add_argument("--duration", "--duration-s", dest="duration", type=float, default=None,
+                   help="seconds of arrivals per policy (ramp up and down; default 60, with --sweep 180)")
     p.add_argument("--low", type=float, default=0.3, help="arrival rate at start and end, x capacity")
     p.add_argument("--high", type=float, default=3.0, help="arrival rate at the peak, x capacity")
     p.add_argument("--max-tokens", type=int, default=16, help="completion tokens per request")
-    p.add_argument("--policies", default="local,threshold,slo", help="comma-separated subset to run")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated: local, slo, threshold (config.example.yaml's rule), waiting>N (local.waiting"
+                        " > N), kv>=P (local.kv_usage >= P %%); default local,threshold,slo, with --sweep "
+                        + ",".join(SWEEP_POLICIES))
+    p.add_argument("--sweep", action="store_true",
+                   help="the threshold rule at each setting, the SLO route and the offline oracle: attainment vs "
+                        "cost (loadtests/scenarios/spill_sweep.py; attainment_vs_cost.png, summary.md)")
+    p.add_argument("--capacity", type=float, default=None,
+                   help="the engine's capacity, requests/s, that the arrivals scale with (default: measured)")
     p.add_argument("--seed", type=int, default=0, help="seeds the arrivals and prompts")
     p.add_argument("--out", default="loadtest-results/spill", help="output directory (results.json, summary.md)")
     p.set_defaults(func=run)
@@ -180,8 +194,7 @@ def analyse(outcomes: list[Outcome], slo_s: float, prices: dict[str, dict]) -> d
     """Figures of one policy's run (see the module docstring)."""
     n = len(outcomes)
     met = sum(o.ok and o.ttft <= slo_s for o in outcomes)
-    cost = sum((o.prompt_tokens * prices.get(o.backend, {}).get("input", 0)
-                + o.completion_tokens * prices.get(o.backend, {}).get("output", 0)) / 1e6 for o in outcomes)
+    cost = sum(request_cost(prices, o.backend, o.prompt_tokens, o.completion_tokens) for o in outcomes)
     upstream = sum(o.backend not in ("", "none", "local") for o in outcomes)   # "none": refused, nothing called
     # sent to the engine, withdrawn by it at the hand-over's checkpoint, answered upstream
     handed = sum(o.backend not in ("", "none", "local") and o.attempts > 1 and "hand over" in o.explain
@@ -204,9 +217,17 @@ def analyse(outcomes: list[Outcome], slo_s: float, prices: dict[str, dict]) -> d
             "ttft_p50_s": ttft.get("p50"), "ttft_p99_s": ttft.get("p99"),
             "local_predicted_vs_measured_s": [[round(p, 3), round(m, 3)] for p, m in pairs],
             # per request: sent at (s), backend, TTFT (s), predicted (gateway's, engine's own), prompt tokens,
-            # turn in its conversation, x-tandem-slo
+            # turn in its conversation, x-tandem-slo, completion tokens
             "requests_log": [[round(o.at, 3), o.backend, o.ttft and round(o.ttft, 3), o.predicted_local,
-                              o.predicted_engine, o.prompt_tokens, o.turn, o.explain] for o in outcomes]}
+                              o.predicted_engine, o.prompt_tokens, o.turn, o.explain, o.completion_tokens]
+                             for o in outcomes]}
+
+
+def request_cost(prices: dict[str, dict], backend: str, prompt_tokens: int, completion_tokens: int) -> float:
+    """USD of one request: its usage at ``backend``'s prices (USD per million tokens, ``input``/``output``; a
+    backend without prices, or none, costs nothing)."""
+    p = prices.get(backend, {})
+    return (prompt_tokens * p.get("input", 0) + completion_tokens * p.get("output", 0)) / 1e6
 
 
 def fluid_upstream_share(schedule: list[Arrival], capacity: float, slo_s: float) -> float:
@@ -235,6 +256,7 @@ def _config(path: Path, policy: str, ports: dict[str, int], model: str | None, s
         b = upstream_backend(port, MODEL)
         b["prices"] = {"input": AGGREGATORS[name]["input"], "output": AGGREGATORS[name]["output"]}
         backends[name] = b
+    match = threshold_match(policy)
     aggs = [{"backend": "cheap"}, {"backend": "fast"}]
     routes = {"local": {"targets": [{"backend": "local"}]},
               "aggregator": {"targets": aggs, "select": "cheapest"}}
@@ -243,13 +265,29 @@ def _config(path: Path, policy: str, ports: dict[str, int], model: str | None, s
     elif policy == "local":   # local only; the SLO (one target) only makes the engine's prediction visible
         routes["local"]["slo"] = {"ttft_ms": slo_ms}
     path = gateway_config(path, backends, routes, "local", MODEL)
-    if policy == "threshold":
+    if match is not None:
         import yaml
         cfg = yaml.safe_load(path.read_text())
-        cfg["policy"]["rules"] = [{"name": "spill-over", "route": "aggregator", "match": {
-            "any": [{"local.waiting": {"gt": 32}}, {"local.kv_usage": {"gte": 90}}]}}]
+        cfg["policy"]["rules"] = [{"name": "spill-over", "route": "aggregator", "match": match}]
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+def threshold_match(policy: str) -> dict | None:
+    """The spill-over rule's ``match`` for a threshold ``policy``: ``threshold`` (config.example.yaml's rule:
+    ``local.waiting > 32`` or ``local.kv_usage >= 90``), ``waiting>N`` (``local.waiting > N``, requests queued
+    in the engine beyond its seats), ``kv>=P`` (``local.kv_usage >= P``, percent of KV blocks held); None for
+    ``local``, ``slo`` and ``capacity`` (no rule)."""
+    if policy in ("local", "slo", "capacity"):
+        return None
+    if policy == "threshold":
+        return {"any": [{"local.waiting": {"gt": 32}}, {"local.kv_usage": {"gte": 90}}]}
+    m = re.fullmatch(r"(waiting>|kv>=)([0-9.]+)", policy)
+    if not m:
+        raise ValueError(f"unknown spill policy {policy!r}: local, slo, threshold, waiting>N or kv>=P")
+    if m.group(1) == "waiting>":
+        return {"local.waiting": {"gt": int(m.group(2))}}
+    return {"local.kv_usage": {"gte": float(m.group(2))}}
 
 
 def _warm_up(url: str, max_tokens: int, seed: int) -> None:
@@ -269,33 +307,67 @@ def _capacity(url: str, max_tokens: int, seed: int) -> float:
     return len(res) / (time.perf_counter() - t)
 
 
-def run(args: argparse.Namespace) -> int:
+def serve_policies(args: argparse.Namespace, policies: list[str]) -> tuple[float, list[Arrival], dict[str, dict]]:
+    """The scenario's servers and runs: the two aggregators, the engine's capacity (measured unless
+    ``args.capacity``), the arrivals (the same for every policy), then each policy on a gateway of its own.
+
+    Returns:
+        (capacity in requests/s, the arrivals, policy -> :func:`analyse` figures).
+    """
     logs = Path(tempfile.mkdtemp(prefix="lt-spill-"))
     ups = {name: start_upstream(name, logs, "--ttft", str(a["ttft"])) for name, a in AGGREGATORS.items()}
-    prices = {"local": LOCAL_PRICES, **AGGREGATORS}
-    slo_s = args.slo_ms / 1000.0
     figures: dict[str, dict] = {}
     try:
         ports = {n: int(s.base_url.rsplit(":", 1)[1]) for n, s in ups.items()}
-        gw, _ = start_gateway(_config(logs / "capacity.yaml", "capacity", ports, args.model, args.slo_ms), logs,
-                              timeout=600)
-        try:
-            capacity = _capacity(gw.base_url, args.max_tokens, args.seed)
-        finally:
-            gw.stop()
-        schedule = arrivals(capacity, args.duration, args.low, args.high, args.seed)   # the same for every policy
-        for policy in args.policies.split(","):
-            gw, _ = start_gateway(_config(logs / f"{policy}.yaml", policy, ports, args.model, args.slo_ms), logs,
+        capacity = args.capacity
+        if capacity is None:
+            gw, _ = start_gateway(_config(logs / "capacity.yaml", "capacity", ports, args.model, args.slo_ms), logs,
                                   timeout=600)
             try:
+                capacity = _capacity(gw.base_url, args.max_tokens, args.seed)
+            finally:
+                gw.stop()
+        schedule = arrivals(capacity, args.duration, args.low, args.high, args.seed)   # the same for every policy
+        for policy in policies:
+            config = _config(logs / (re.sub(r"[^a-z0-9]+", "-", policy) + ".yaml"), policy, ports, args.model,
+                             args.slo_ms)
+            gw, _ = start_gateway(config, logs, timeout=600)
+            try:
                 _warm_up(gw.base_url, args.max_tokens, args.seed)
-                print(f"{policy}: capacity {capacity:.2f} req/s, {len(schedule)} arrivals over {args.duration:g} s")
-                figures[policy] = analyse(asyncio.run(drive(gw.base_url, schedule, args.max_tokens)), slo_s, prices)
+                load = os.getloadavg()[0]
+                print(f"{policy}: capacity {capacity:.2f} req/s, {len(schedule)} arrivals over {args.duration:g} s",
+                      flush=True)
+                figures[policy] = analyse(asyncio.run(drive(gw.base_url, schedule, args.max_tokens)),
+                                          args.slo_ms / 1000.0, PRICES)
+                figures[policy]["load_average_1m"] = [load, os.getloadavg()[0]]
             finally:
                 gw.stop()
     finally:
         for u in ups.values():
             u.stop()
+    return capacity, schedule, figures
+
+
+def scenario_note(args: argparse.Namespace, capacity: float, schedule: list[Arrival]) -> str:
+    """The run's setting in a sentence: capacity, arrivals, prices, the fluid upstream share."""
+    return (f"capacity {fmt(capacity, '.2f')} req/s ({'given' if args.capacity else 'measured, local only'}); "
+            f"{len(schedule)} arrivals {args.low:g}x -> {args.high:g}x -> {args.low:g}x over {args.duration:g} s "
+            f"(seed {args.seed}); SLO TTFT {args.slo_ms:g} ms; aggregators: "
+            + ", ".join(f"{n} TTFT {a['ttft']:g} s at {a['input']:g}/{a['output']:g} USD/M" for n, a in
+                        AGGREGATORS.items()) + f"; local {LOCAL_PRICES['input']:g}/{LOCAL_PRICES['output']:g} USD/M"
+            + f"; upstream share an engine serving {fmt(capacity, '.2f')} req/s in order needs to meet the SLO: "
+            f"{fluid_upstream_share(schedule, capacity, args.slo_ms / 1000.0):.1f} %")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.sweep:
+        from loadtests.scenarios.spill_sweep import run_sweep
+        return run_sweep(args)
+    args.duration = 60.0 if args.duration is None else args.duration
+    policies = (args.policies or "local,threshold,slo").split(",")
+    for policy in policies:
+        threshold_match(policy)   # an unknown name fails before anything starts
+    capacity, schedule, figures = serve_policies(args, policies)
     rows = [[p, f["requests"], f["failed"], fmt(f["slo_met_pct"], ".1f"), fmt(f["usd_per_1000"], ".4f"),
              fmt(f["upstream_share_pct"], ".1f"), fmt(f["handed_over_pct"], ".1f"),
              fmt(f["prediction_error_p50_pct"], ".0f"),
@@ -305,14 +377,10 @@ def run(args: argparse.Namespace) -> int:
     table = md_table(["policy", "requests", "failed", f"TTFT <= {args.slo_ms:g} ms %", "USD / 1,000",
                       "upstream %", "handed over %", "pred. err p50 %", "pred. err p90 %", "engine's own err p50 %",
                       "engine's own err p90 %", "TTFT p50 s", "TTFT p99 s"], rows)
-    note = (f"capacity {fmt(capacity, '.2f')} req/s (measured, local only); arrivals {args.low:g}x -> "
-            f"{args.high:g}x -> {args.low:g}x over {args.duration:g} s; aggregators: "
-            + ", ".join(f"{n} TTFT {a['ttft']:g} s at {a['input']:g}/{a['output']:g} USD/M" for n, a in
-                        AGGREGATORS.items()) + f"; local {LOCAL_PRICES['input']:g}/{LOCAL_PRICES['output']:g} USD/M"
-            + f"; upstream share an engine serving {fmt(capacity, '.2f')} req/s in order needs to meet the SLO: "
-            f"{fluid_upstream_share(schedule, capacity, slo_s):.1f} %")
+    note = scenario_note(args, capacity, schedule)
     write_report(Path(args.out), "Spill to aggregators by predicted TTFT", [],
                  {"figures": figures, "capacity_rps": capacity, "slo_ms": args.slo_ms,
-                  "fluid_upstream_share_pct": fluid_upstream_share(schedule, capacity, slo_s)}, table + "\n\n" + note)
+                  "fluid_upstream_share_pct": fluid_upstream_share(schedule, capacity, args.slo_ms / 1000.0)},
+                 table + "\n\n" + note)
     print(table + "\n\n" + note)
     return 0

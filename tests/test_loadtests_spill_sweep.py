@@ -1,0 +1,86 @@
+"""``tandem loadtest spill --sweep``: the offline oracle, the frontier, and the sweep end to end (the embedded
+SmolLM2, the fake aggregators, a few seconds per point)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtests import cli
+from loadtests.scenarios.spill import PRICES, Arrival, request_cost, threshold_match
+from loadtests.scenarios.spill_sweep import frontier, oracle, oracle_vs_policy
+
+AGGS = {"cheap": {"ttft": 0.9}, "fast": {"ttft": 0.3}}
+PRICES_T = {"local": {"input": 0.02, "output": 0.02}, "cheap": {"input": 0.27, "output": 1.1},
+            "fast": {"input": 0.6, "output": 2.0}}
+
+
+def _row(backend: str, ttft: float | None, prompt: int = 100, completion: int = 4) -> list:
+    """A ``requests_log`` row (spill.analyse's columns)."""
+    return [0.0, backend, ttft, None, None, prompt, 1, "", completion]
+
+
+def test_oracle_keeps_local_what_some_run_served_locally_in_time_and_sends_the_rest_to_the_cheapest_fast_enough():
+    schedule = [Arrival(float(i), [{"role": "user", "content": "a b c d e"}], i) for i in range(4)]
+    logs = {"waiting>1": [_row("local", 0.1, completion=3), _row("cheap", 1.0), _row("local", 3.0), _row("", None)],
+            "slo": [_row("local", 2.0), _row("local", 1.0), _row("fast", 0.4), _row("local", 9.0)]}
+    orc = oracle(schedule, logs, slo_s=2.5, max_tokens=4, prices=PRICES_T, aggregators=AGGS)
+    assert [r[0] for r in orc["per_request"]] == ["local", "local", "cheap", "cheap"]
+    assert orc["per_request"][1][2] == "slo"   # the run whose local TTFT was within the SLO
+    assert orc["per_request"][2][1] == pytest.approx(request_cost(PRICES_T, "cheap", 5, 4))   # 5 words, max_tokens
+    assert orc["slo_met_pct"] == 100.0 and orc["upstream_share_pct"] == 50.0
+    assert orc["local_from"] == {"waiting>1": 1, "slo": 1}   # request 0: the cheaper of its two local runs
+    for log in logs.values():   # on the requests each run met, the oracle pays no more than that run
+        vs = oracle_vs_policy(log, orc, slo_s=2.5, prices=PRICES_T)
+        assert vs["oracle_usd"] <= vs["policy_usd"] + 1e-15
+    # an SLO no aggregator meets: the fastest, counted as missed; local in time still counts
+    tight = oracle(schedule, logs, slo_s=0.2, max_tokens=4, prices=PRICES_T, aggregators=AGGS)
+    assert [r[0] for r in tight["per_request"]] == ["local", "fast", "fast", "fast"] and tight["slo_met_pct"] == 25.0
+
+
+def test_frontier_keeps_the_settings_no_other_beats_on_cost_and_attainment():
+    pts = {"a": (1.0, 50.0), "b": (2.0, 40.0), "c": (2.0, 90.0), "d": (3.0, 90.0), "e": (0.5, 10.0)}
+    assert frontier(pts) == ["e", "a", "c"]
+
+
+def test_threshold_policies_name_one_rule_each():
+    assert threshold_match("waiting>4") == {"local.waiting": {"gt": 4}}
+    assert threshold_match("kv>=50") == {"local.kv_usage": {"gte": 50.0}}
+    assert threshold_match("slo") is None and "any" in threshold_match("threshold")
+    with pytest.raises(ValueError):
+        threshold_match("waiting<4")
+
+
+@pytest.mark.slow
+def test_sweep_end_to_end_reports_each_point_the_oracle_and_the_plot(tmp_path):
+    rc = cli.main(["spill", "--sweep", "--duration-s", "3", "--capacity", "1.5", "--max-tokens", "4",
+                   "--policies", "waiting>1,waiting>32,slo", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    figures, orc, slo_s = res["figures"], res["oracle"], res["slo_ms"] / 1000.0
+    assert list(figures) == ["waiting>1", "waiting>32", "slo"] and res["duration_s"] == 3.0
+    n = orc["requests"]
+    assert n > 0 and all(f["requests"] == n == len(f["requests_log"]) for f in figures.values())
+    for f in figures.values():
+        assert 0.0 <= f["slo_met_pct"] <= 100.0 and 0.0 <= f["upstream_share_pct"] <= 100.0
+        assert f["usd_per_1000"] > 0
+    assert orc["slo_met_pct"] == 100.0   # the cheap aggregator's 0.9 s is within the 2.5 s SLO
+    for i, (backend, usd, run) in enumerate(orc["per_request"]):
+        in_time = {p for p, f in figures.items()
+                   if f["requests_log"][i][1] == "local" and (f["requests_log"][i][2] or 1e9) <= slo_s}
+        assert (backend == "local") == (run in in_time) and (backend == "local" or backend == "cheap")
+        if backend != "local":   # no run served it locally in time, or that cost more than the aggregator
+            assert not in_time or min(request_cost(PRICES, "local", figures[p]["requests_log"][i][5],
+                                                   figures[p]["requests_log"][i][8]) for p in in_time) > usd
+    for p, f in figures.items():
+        vs = oracle_vs_policy(f["requests_log"], orc, slo_s)
+        assert vs["oracle_usd"] <= vs["policy_usd"] + 1e-12, p
+        if f["slo_met_pct"] == 100.0:
+            assert orc["usd_per_1000"] <= f["usd_per_1000"] + 1e-9, p
+    v = res["verdict"]
+    assert v["oracle_usd_per_1000"] == orc["usd_per_1000"] and v["slo_usd_per_1000"] == figures["slo"]["usd_per_1000"]
+    summary = (tmp_path / "summary.md").read_text()
+    for name in ("| waiting>1", "| waiting>32", "| slo", "| oracle", "attainment_vs_cost.png"):
+        assert name in summary
+    assert (tmp_path / "attainment_vs_cost.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
