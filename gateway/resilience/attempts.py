@@ -385,7 +385,8 @@ class _Run:
                 res.body = error_body(429, "Every backend of this route is at its rate limit.",
                                       code="rate_limit_exceeded")
             else:
-                res.body = error_body(503, "Every backend of this route is unavailable (circuit open); retry later.",
+                steps = "; ".join(f"{a.target}: {a.outcome}" for a in self.attempts) or "none could be called"
+                res.body = error_body(503, f"Every backend of this route is unavailable ({steps}); retry later.",
                                       code="backends_unavailable")
             res.headers["retry-after"] = str(retry_after_header(ra or 1.0))
             return res

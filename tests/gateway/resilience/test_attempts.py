@@ -248,7 +248,9 @@ async def test_all_breakers_open_gives_503_with_soonest_half_open(client, state,
                                    policy=FAST)
     assert res.status == 503 and primary.calls == 0 and fallback.calls == 0
     assert 118 <= int(res.headers["retry-after"]) <= 120
-    assert json.loads(res.body)["error"]["code"] == "backends_unavailable"
+    err = json.loads(res.body)["error"]
+    assert err["code"] == "backends_unavailable"   # and it names why each target was not called
+    assert "primary: skipped: breaker open" in err["message"] and "fallback: skipped: breaker open" in err["message"]
 
 
 async def test_dead_and_hung_upstreams_are_skipped(state, primary, third):
