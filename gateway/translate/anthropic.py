@@ -46,6 +46,13 @@ _DROPPED = frozenset({"service_tier", "cache_control", "container", "diagnostics
                       "thinking", "user_profile_id", "workspace_id", "context_management", "mcp_servers"})
 
 
+def _missing_or_wrong(body: dict, name: str, wanted: str) -> str:
+    """The message for a top-level field that is absent or of the wrong type (Anthropic's wording)."""
+    if name not in body:
+        return f"{name}: Field required ({wanted})"
+    return f"{name}: Input should be {wanted}, got {type(body[name]).__name__}"
+
+
 def _bad(message: str, param: str) -> ClientError:
     return ClientError(400, message, param=param, code="invalid_request_error")
 
@@ -181,13 +188,13 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
         if name not in _KNOWN and name not in _DROPPED:
             raise _bad(f"{name}: Extra inputs are not permitted", name)
     if not isinstance(body.get("model"), str):
-        raise _bad("model: Field required", "model")
+        raise _bad(_missing_or_wrong(body, "model", "a string"), "model")
     mt = body.get("max_tokens")
     if not count_only and (not isinstance(mt, int) or isinstance(mt, bool)):
-        raise _bad("max_tokens: Field required (an integer)", "max_tokens")
+        raise _bad(_missing_or_wrong(body, "max_tokens", "an integer"), "max_tokens")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise _bad("messages: Field required (a non-empty array)", "messages")
+        raise _bad(_missing_or_wrong(body, "messages", "a non-empty array"), "messages")
     chat: list[dict] = []
     if body.get("system"):
         chat.append({"role": "system", "content": _text_of(body["system"], "system")})

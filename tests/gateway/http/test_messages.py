@@ -201,6 +201,16 @@ async def test_count_tokens_and_image_blocks(up):
             {"type": "text", "text": "what is it?"}]
 
 
+async def test_a_field_of_the_wrong_type_is_not_called_missing(up):
+    async with gateway(config(up)) as (gw, client, url):
+        async with httpx.AsyncClient() as h:
+            r = await h.post(url + "/v1/messages", headers={"x-api-key": KEY},
+                             json={"model": "m1", "max_tokens": "x", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"] == {"type": "invalid_request_error",
+                                                          "message": "max_tokens: Input should be an integer, got str"}
+    assert up.calls == 0
+
+
 async def test_errors_are_anthropics(up):
     async with gateway(config(up, rpm=2)) as (gw, client, url):
         async with httpx.AsyncClient() as h:                   # max_tokens is required
