@@ -216,9 +216,11 @@ class EngineCore:
         gc.freeze()
         logger.info(
             "engine ready: model=%s device=%s dtype=%s blocks=%d block_size=%d max_model_len=%d "
-            "max_num_batched_tokens=%d omp_wait=%s omp_places=%s malloc=%s", self.served_model_name, self.device,
-            self.dtype, num_blocks, args.block_size, self.max_model_len, budget, omp_wait_policy(), omp_places(),
-            malloc_tuning(),
+            "max_num_batched_tokens=%d tensor_parallel_size=%d speculative=%s omp_wait=%s omp_places=%s malloc=%s",
+            self.served_model_name, self.device, self.dtype, num_blocks, args.block_size, self.max_model_len, budget,
+            args.tensor_parallel_size,
+            "off" if spec is None else f"{spec.method} k={spec.num_speculative_tokens}",
+            omp_wait_policy(), omp_places(), malloc_tuning(),
         )
 
     # ------------------------------------------------------------------ input

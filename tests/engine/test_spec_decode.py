@@ -143,10 +143,13 @@ def test_n_stop_strings_penalties_equal_without_speculation(plain, spec, referen
         assert [_key(o) for o in spec.generate(prompts, params)] == [_key(o) for o in plain.generate(prompts, params)]
 
 
-def test_tiny_random_model_equal_without_speculation(tmp_path, one_thread):
+def test_tiny_random_model_equal_without_speculation(tmp_path, one_thread, caplog):
     path = save_byte_level_llama(tmp_path)
     plain = LLM(path, dtype="bfloat16", kv_cache_memory="64MiB")
-    spec = speculating(path, dtype="bfloat16", kv_cache_memory="64MiB", speculative_config=SPEC)
+    with caplog.at_level("INFO", logger="tandem.engine"):
+        spec = speculating(path, dtype="bfloat16", kv_cache_memory="64MiB", speculative_config=SPEC)
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
+    assert len(ready) == 1 and f"speculative=ngram k={SPEC['num_speculative_tokens']}" in ready[0]  # said at start
     prompts = ["abcabcabcabcabcabc", "hello hello hello hello", "the cat sat on the mat; the cat sat on"]
     for params in (SamplingParams(temperature=0.0, max_tokens=40, logprobs=1),
                    SamplingParams(temperature=1.0, seed=9, max_tokens=40, logprobs=1)):
