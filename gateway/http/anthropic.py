@@ -15,7 +15,7 @@ from gateway.errors import ClientError, anthropic_error_body
 from gateway.http.transport import read_body
 from gateway.request.auth import authenticate
 from gateway.request.validate import check_request, estimate_prompt_tokens, parse_json
-from gateway.translate.anthropic import messages_to_chat
+from gateway.translate.anthropic import messages_paths, messages_to_chat
 
 log = logging.getLogger("tandem.gateway.anthropic")
 _JSON = "application/json"
@@ -28,7 +28,7 @@ def anthropic_error_response(status: int, message: str, headers: dict | None = N
 
 
 def _on_client_error(request: Request, e: ClientError) -> Response:
-    return anthropic_error_response(e.status, e.message, e.headers)
+    return anthropic_error_response(e.status, messages_paths(e.message), e.headers)
 
 
 def _on_http_error(request: Request, e: Exception) -> Response:

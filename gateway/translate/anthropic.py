@@ -23,6 +23,7 @@ Mapping (https://docs.anthropic.com/en/api/messages):
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -409,6 +410,22 @@ async def message_events(chunks: ChatStream, events: MessageEvents) -> AsyncIter
             await aclose()
 
 
+# The chat body's paths a refusal may name -> the Messages body's (the translation's inverse: ``messages_to_chat``).
+_CHAT_PATHS = ((re.compile(r"\btools(\[|\.)(\d+)(\]?)\.function\.parameters"), r"tools\1\2\3.input_schema"),
+               (re.compile(r"\btools(\[|\.)(\d+)(\]?)\.function\."), r"tools\1\2\3."),
+               (re.compile(r"\bresponse_format\.json_schema\.schema"), "output_config.format.schema"),
+               (re.compile(r"\bresponse_format\b"), "output_config.format"))
+
+
+def messages_paths(text: str) -> str:
+    """``text`` (a refusal's message) with the chat body's field paths it names written as the Messages body's:
+    ``tools[0].function.parameters.x`` -> ``tools[0].input_schema.x``, ``response_format.json_schema.schema``
+    -> ``output_config.format.schema``: the client sent the Messages body and looks there."""
+    for pattern, repl in _CHAT_PATHS:
+        text = pattern.sub(repl, text)
+    return text
+
+
 def anthropic_error(status: int, content: bytes) -> bytes:
     """An error answer's body (OpenAI's error JSON, or already Anthropic's) as Anthropic's error JSON."""
     try:
@@ -420,7 +437,7 @@ def anthropic_error(status: int, content: bytes) -> bytes:
     err = obj.get("error") if isinstance(obj, dict) else None
     message = (err.get("message") if isinstance(err, dict) else None) or content.decode("utf-8", "replace") \
         or f"HTTP {status}"
-    return anthropic_error_body(status, str(message))
+    return anthropic_error_body(status, messages_paths(str(message)))
 
 
 class MessagesRender:
