@@ -70,7 +70,8 @@ def test_the_gateway_imports_nothing_from_the_engines_http_package():
     assert shared >= {"engine.protocol.param_ranges", "engine.protocol.request_ids", "engine.protocol.errors",
                       "engine.protocol.heap"}
     local = found["gateway/backends/local.py"]
-    assert {"engine.serving.chat", "engine.serving.chunks"} <= set(local)
+    assert {"engine.serving.chat", "engine.serving.completion"} <= set(local)
+    assert "engine.serving.chunks" not in local   # the typed chunks become events, never SSE bytes, in process
 
 
 def test_the_walk_sees_each_kind_of_import():
