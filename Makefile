@@ -50,7 +50,7 @@ serve: install
 # finish well before one. TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 2
 test: install-test chromium
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # The documentation site (mkdocs.yml, Material for MkDocs; the `docs` extra, which `make test` installs too):
 # the configuration reference is regenerated from the schema, then the site is built with --strict (any
