@@ -362,9 +362,11 @@ def run_bench(args: argparse.Namespace) -> int:
         table.add_row("ratio invariant on / off (medians)", f"{ab['ratio_on_off']:.3f}x")
     if "speculative_ab" in result:
         ab = result["speculative_ab"]
-        table.add_row("speculation off, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["off"]))
-        table.add_row("speculation on, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["on"]))
+        table.add_row("speculation off, output tok/s (rounds)", ", ".join(f"{x:.1f}" for x in ab["off"]))
+        table.add_row("speculation on, output tok/s (rounds)", ", ".join(f"{x:.1f}" for x in ab["on"]))
+        table.add_row("ratio on / off per round", ", ".join(f"{x:.3f}x" for x in ab["round_ratios"]))
         table.add_row("ratio on / off (medians)", f"{ab['ratio_on_off']:.3f}x")
+        table.add_row("load average (1 min) at each round's end", ", ".join(f"{x:.1f}" for x in ab["load_avg"]))
         table.add_row("acceptance rate", f"{ab['acceptance_rate']:.1%}")
         table.add_row("mean acceptance length", f"{ab['mean_acceptance_length']:.2f}")
         table.add_row("drafts by accepted tokens (0..k)", ", ".join(map(str, ab["accepted_per_draft"])))

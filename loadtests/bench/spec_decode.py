@@ -4,15 +4,18 @@ a given 350-450-token text and write it out, an output that copies spans of its 
 
 Both halves run on one engine (same weights, same KV pool): speculation is switched by giving the engine its
 ``SpecDecoder`` or none. Each run's prompts start with a different token so that no run reads another's prefix
-cache. Single stream: the prompts run one after another, each alone."""
+cache. Single stream: the prompts run one after another, each alone, each without and with speculation back to
+back."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 from engine.sampling_params import SamplingParams
+from loadtests.bench.peer_engines import median
 
 EDIT_TEXTS = Path(__file__).resolve().parents[2] / "tests" / "data" / "edit_texts.json"
 
@@ -31,27 +34,29 @@ def edit_workload(tokenizer, num_prompts: int) -> list[list[int]]:
     return prompts
 
 
-def _run(engine, prompts: list[list[int]], params: SamplingParams, single_stream: bool, tag: str) -> tuple[int, float]:
-    """(output tokens, seconds) of the prompts, one at a time or all at once."""
-    groups = [[p] for p in prompts] if single_stream else [prompts]
+def _run(engine, prompts: list[list[int]], params: SamplingParams, tag: str) -> tuple[int, float]:
+    """(output tokens, seconds) of ``prompts`` submitted at once and run to the end."""
     tokens, start = 0, time.perf_counter()
-    for g, group in enumerate(groups):
-        for i, p in enumerate(group):
-            engine.add_request(f"{tag}-{g}-{i}", p, params)
-        while engine.has_unfinished_requests():
-            for o in engine.step():  # each output holds its choices' new tokens
-                tokens += sum(len(c.token_ids) for c in o.outputs)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    while engine.has_unfinished_requests():
+        for o in engine.step():  # each output holds its choices' new tokens
+            tokens += sum(len(c.token_ids) for c in o.outputs)
     return tokens, time.perf_counter() - start
 
 
 def compare_speculative(engine, prompts: list[list[int]], params: SamplingParams, rounds: int,
                         single_stream: bool = True) -> dict:
-    """Output tok/s without and with speculation, interleaved for ``rounds`` rounds.
+    """Output tok/s without and with speculation, interleaved for ``rounds`` rounds: each prompt alone
+    (``single_stream``; else all prompts at once) runs without then with speculation back to back (with then
+    without in odd rounds), so that the box's load drifts alike on both; a round's figure is its tokens over
+    its seconds.
 
     Returns:
-        {"off": [tok/s per run], "on": [...], "ratio_on_off": median(on) / median(off), "acceptance_rate",
-        "mean_acceptance_length" (1 + accepted per verified proposal), "num_drafts", "accepted_per_draft"
-        (verified proposals by accepted tokens, 0..k)}.
+        {"off": [tok/s per round], "on": [...], "ratio_on_off": median(on) / median(off), "round_ratios",
+        "acceptance_rate", "mean_acceptance_length" (1 + accepted per verified proposal), "num_drafts",
+        "accepted_per_draft" (verified proposals by accepted tokens, 0..k), "load_avg" (1-minute load average
+        at each round's end)}.
 
     Raises:
         ValueError: the engine was built without a speculative config.
@@ -61,22 +66,31 @@ def compare_speculative(engine, prompts: list[list[int]], params: SamplingParams
     if decoder is None:
         raise ValueError("--compare-speculative needs --speculative-config")
     runs: dict[str, list[float]] = {"off": [], "on": []}
+    load: list[float] = []
     s0 = (decoder.stats.num_drafts, decoder.stats.num_draft_tokens, decoder.stats.num_accepted_tokens)
     hist0 = list(decoder.stats.accepted_per_draft)
     vocab = core.model_config.vocab_size
+    groups = [[p] for p in prompts] if single_stream else [prompts]
     for r in range(rounds):
-        for label in ("off", "on"):
-            core.spec_decoder = decoder if label == "on" else None
-            salt = 2 * r + (label == "on")
-            salted = [[(p[0] + 1 + salt) % vocab] + p[1:] for p in prompts]
-            n, dt = _run(engine, salted, params, single_stream, f"spec-{label}-{r}")
+        totals = {"off": [0, 0.0], "on": [0, 0.0]}
+        for g, group in enumerate(groups):
+            for label in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                core.spec_decoder = decoder if label == "on" else None
+                salt = 2 * r + (label == "on")   # no run reads another's prefix cache
+                n, dt = _run(engine, [[(p[0] + 1 + salt) % vocab] + p[1:] for p in group], params,
+                             f"spec-{label}-{r}-{g}")
+                totals[label][0] += n
+                totals[label][1] += dt
+        for label, (n, dt) in totals.items():
             runs[label].append(n / dt)
+        load.append(os.getloadavg()[0])
     core.spec_decoder = decoder
     drafts = decoder.stats.num_drafts - s0[0]
     proposed = decoder.stats.num_draft_tokens - s0[1]
     accepted = decoder.stats.num_accepted_tokens - s0[2]
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    return {**runs, "ratio_on_off": med(runs["on"]) / med(runs["off"]),
+    return {**runs, "ratio_on_off": median(runs["on"]) / median(runs["off"]),
+            "round_ratios": [on / off for on, off in zip(runs["on"], runs["off"])],
             "acceptance_rate": accepted / proposed if proposed else 0.0,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0, "num_drafts": drafts,
-            "accepted_per_draft": [b - a for a, b in zip(hist0, decoder.stats.accepted_per_draft)]}
+            "accepted_per_draft": [b - a for a, b in zip(hist0, decoder.stats.accepted_per_draft)],
+            "load_avg": load}
