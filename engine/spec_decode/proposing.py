@@ -84,7 +84,8 @@ class SpecDecoder:
         """Set ``spec_token_ids`` of every running sequence: a proposal of as many tokens as pay for themselves
         where it is decoding, else none. Forgets the sequences no longer running."""
         self._started = time.monotonic()
-        gone = [rid for rid in self._acceptance if rid not in {r.request_id for r in running}]
+        ids = {r.request_id for r in running}
+        gone = [rid for rid in self._acceptance if rid not in ids]
         for rid in gone:
             del self._acceptance[rid]
         if gone:

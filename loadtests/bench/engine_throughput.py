@@ -49,6 +49,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=100, help="synthetic prompt length, tokens")
     parser.add_argument("--output-len", type=int, default=128, help="new tokens per request")
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="Tandem's sampling temperature (0: greedy); above 0 each request is seeded (seed 0, "
+                             "draws keyed by output position), so runs with and without speculation sample the "
+                             "same tokens; the HF baseline and the peers stay greedy")
     parser.add_argument("--hf-batch-size", type=int, default=8, help="batch size of the HF generate baseline")
     parser.add_argument("--no-baseline", action="store_true", help="skip the HF transformers baseline")
     parser.add_argument("--output-json", default=None, help="write the results to this file (None: print only)")
@@ -310,7 +314,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     engine = LLMEngine(engine_args_from_cli(args))
     prompts = build_workload(args, engine.tokenizer, engine.model_config.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.ignore_eos)
+    params = SamplingParams(temperature=args.temperature, seed=0 if args.temperature else None,
+                            max_tokens=args.output_len, ignore_eos=args.ignore_eos)
     result = {"workload": args.workload, "dtype": str(engine.dtype), "tandem": bench_tandem(engine, prompts, params)}
     baseline_skipped = _hf_baseline_missing(engine.args.model) if not args.no_baseline else ""
     if not args.no_baseline and not baseline_skipped:
