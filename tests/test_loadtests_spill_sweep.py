@@ -9,7 +9,7 @@ import pytest
 
 from loadtests import cli
 from loadtests.scenarios.spill import PRICES, Arrival, request_cost, threshold_match
-from loadtests.scenarios.spill_sweep import frontier, oracle, oracle_vs_policy
+from loadtests.scenarios.spill_sweep import frontier, oracle, oracle_vs_policy, sweep_prediction_error
 
 AGGS = {"cheap": {"ttft": 0.9}, "fast": {"ttft": 0.3}}
 PRICES_T = {"local": {"input": 0.02, "output": 0.02}, "cheap": {"input": 0.27, "output": 1.1},
@@ -42,6 +42,14 @@ def test_oracle_keeps_local_what_some_run_served_locally_in_time_and_sends_the_r
 def test_frontier_keeps_the_settings_no_other_beats_on_cost_and_attainment():
     pts = {"a": (1.0, 50.0), "b": (2.0, 40.0), "c": (2.0, 90.0), "d": (3.0, 90.0), "e": (0.5, 10.0)}
     assert frontier(pts) == ["e", "a", "c"]
+
+
+def test_the_sweeps_prediction_error_pools_every_runs_local_requests():
+    rows = {"waiting>4": [[0, "local", 1.0, 1.2, 1.1, 0, 1, "", 4], [0, "cheap", 1.0, 5.0, 5.0, 0, 1, "", 4]],
+            "slo": [[0, "local", 2.0, 1.0, None, 0, 1, "", 4], [0, "local", None, 1.0, 1.0, 0, 1, "", 0]]}
+    err = sweep_prediction_error({p: {"requests_log": r} for p, r in rows.items()})
+    assert err["gateway"]["n"] == 2 and err["gateway"]["p50_pct"] == pytest.approx(35.0)   # 20 % and 50 %
+    assert err["engine"]["n"] == 1 and err["engine"]["p50_pct"] == pytest.approx(10.0)
 
 
 def test_threshold_policies_name_one_rule_each():
@@ -78,6 +86,9 @@ def test_sweep_end_to_end_reports_each_point_the_oracle_and_the_plot(tmp_path):
         assert vs["oracle_usd"] <= vs["policy_usd"] + 1e-12, p
         if f["slo_met_pct"] == 100.0:
             assert orc["usd_per_1000"] <= f["usd_per_1000"] + 1e-9, p
+    # every run's local requests carry the engine's prediction (the threshold rules' local route too)
+    local = sum(row[1] == "local" and row[2] is not None for f in figures.values() for row in f["requests_log"])
+    assert 0 < res["prediction_error"]["engine"]["n"] <= local and res["prediction_error"]["engine"]["p50_pct"] >= 0
     v = res["verdict"]
     assert v["oracle_usd_per_1000"] == orc["usd_per_1000"] and v["slo_usd_per_1000"] == figures["slo"]["usd_per_1000"]
     summary = (tmp_path / "summary.md").read_text()

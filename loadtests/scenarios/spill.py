@@ -12,8 +12,8 @@ repeats the conversation so far: the prefix cache serves it when the engine stil
 * ``slo``: ``slo: {ttft_ms: --slo-ms}`` over [local, cheap, fast].
 
 Reported per policy: % of requests whose TTFT met the SLO (a failed request does not), cost per 1,000 requests
-(usage x the backends' prices), share sent upstream, and for requests the engine served under an SLO route the
-prediction error |predicted - measured| / measured (p50, p90; the prediction from ``x-tandem-slo``: the gateway's
+(usage x the backends' prices), share sent upstream, and for requests the engine served the prediction error
+(``local`` and the threshold rules carry ``slo`` on their one-target local route only to make it visible) |predicted - measured| / measured (p50, p90; the prediction from ``x-tandem-slo``: the gateway's
 figure, and the engine's own before the gateway's correction by the engine's recent measured / predicted ratio).
 """
 
@@ -262,7 +262,9 @@ def _config(path: Path, policy: str, ports: dict[str, int], model: str | None, s
               "aggregator": {"targets": aggs, "select": "cheapest"}}
     if policy == "slo":
         routes["local"] = {"targets": [{"backend": "local"}, *aggs], "slo": {"ttft_ms": slo_ms}}
-    elif policy == "local":   # local only; the SLO (one target) only makes the engine's prediction visible
+    elif policy == "local" or match is not None:
+        # local only, or the threshold rule's local route: the SLO (one target) only makes the engine's
+        # prediction visible (x-tandem-slo), so every run's local requests measure it
         routes["local"]["slo"] = {"ttft_ms": slo_ms}
     path = gateway_config(path, backends, routes, "local", MODEL)
     if match is not None:

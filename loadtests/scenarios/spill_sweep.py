@@ -40,10 +40,11 @@ from loadtests.report import _save, write_report
 from loadtests.scenarios.common import fmt, md_table
 from loadtests.scenarios.spill import (AGGREGATORS, PRICES, SWEEP_POLICIES, Arrival, request_cost, scenario_note,
                                        serve_policies, threshold_match)
+from loadtests.stats import percentiles
 from loadtests.upstream import prompt_words
 
 # requests_log columns (spill.analyse)
-_BACKEND, _TTFT, _PROMPT, _COMPLETION = 1, 2, 5, 8
+_BACKEND, _TTFT, _PREDICTED, _ENGINE_PREDICTED, _PROMPT, _COMPLETION = 1, 2, 3, 4, 5, 8
 TARGET_PCT = 99.0   # the issue's attainment target
 
 
@@ -95,6 +96,20 @@ def oracle_vs_policy(log: list[list], orc: dict, slo_s: float, prices: dict[str,
             "policy_usd": sum(request_cost(prices, log[i][_BACKEND], log[i][_PROMPT], log[i][_COMPLETION])
                               for i in met),
             "oracle_usd": sum(orc["per_request"][i][1] for i in met)}
+
+
+def sweep_prediction_error(figures: dict[str, dict]) -> dict:
+    """The TTFT prediction's error |predicted - measured| / measured over every local request of the sweep
+    (every run's: the threshold rules' deep queues and the SLO route's admitted requests), the gateway's
+    corrected figure and the engine's own (``/v1/ttft``'s), p50 and p90 in %, and how many requests."""
+    out = {}
+    for key, col in (("gateway", _PREDICTED), ("engine", _ENGINE_PREDICTED)):
+        errs = [abs(row[col] - row[_TTFT]) / row[_TTFT] for f in figures.values() for row in f["requests_log"]
+                if row[_BACKEND] == "local" and row[_TTFT] and row[col] is not None]
+        p = percentiles(errs) or {}
+        out[key] = {"n": len(errs), "p50_pct": 100 * p["p50"] if p else None,
+                    "p90_pct": 100 * p["p90"] if p else None}
+    return out
 
 
 def frontier(points: dict[str, tuple[float, float]]) -> list[str]:
@@ -193,9 +208,14 @@ def run_sweep(args: argparse.Namespace) -> int:
     capacity, schedule, figures = serve_policies(args, policies)
     orc = oracle(schedule, {p: f["requests_log"] for p, f in figures.items()}, slo_s, args.max_tokens)
     v = verdict(figures, orc)
+    err = sweep_prediction_error(figures)
     out = Path(args.out)
     png = plot(figures, orc, out / "attainment_vs_cost.png")
-    md = "\n\n".join([_table(figures, orc, slo_s), _verdict_text(v), scenario_note(args, capacity, schedule),
+    md = "\n\n".join([_table(figures, orc, slo_s), _verdict_text(v),
+                      "TTFT prediction error over the sweep's local requests, p50 / p90: the gateway's "
+                      f"{fmt(err['gateway']['p50_pct'], '.0f')} / {fmt(err['gateway']['p90_pct'], '.0f')} %, the "
+                      f"engine's own {fmt(err['engine']['p50_pct'], '.0f')} / {fmt(err['engine']['p90_pct'], '.0f')} "
+                      f"% ({err['engine']['n']} requests).", scenario_note(args, capacity, schedule),
                       f"Load average (1 min) before / after each run: " + "; ".join(
                           f"{p} {f['load_average_1m'][0]:.1f} / {f['load_average_1m'][1]:.1f}"
                           for p, f in figures.items()),
@@ -203,7 +223,7 @@ def run_sweep(args: argparse.Namespace) -> int:
                       "TTFT), else the cheapest aggregator fast enough; see loadtests/scenarios/spill_sweep.py. "
                       f"Local requests taken from each run: {orc['local_from']}.", f"![attainment vs cost]({png.name})"])
     write_report(out, "Spill sweep: SLO attainment vs cost", [],
-                 {"figures": figures, "oracle": orc, "verdict": v, "capacity_rps": capacity, "slo_ms": args.slo_ms,
+                 {"figures": figures, "oracle": orc, "verdict": v, "prediction_error": err, "capacity_rps": capacity, "slo_ms": args.slo_ms,
                   "seed": args.seed, "duration_s": args.duration, "policies": policies}, md)
     print(md)
     return 0
