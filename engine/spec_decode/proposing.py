@@ -106,6 +106,8 @@ class SpecDecoder:
         if asks:
             for (req, _), tokens in zip(asks, self.proposer.propose([r for r, _ in asks], [k for _, k in asks])):
                 req.spec_token_ids = tokens
+                if not tokens:   # nothing found: a failed probe, so a text with nothing to copy stops looking
+                    self._acceptance[req.request_id].observe(1, 0)
 
     def observe(self, sched, sampled: dict[str, list[int]]) -> None:
         """Count a step's verified proposals, update each sequence's acceptance rate, and time the step (a

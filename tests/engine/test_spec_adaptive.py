@@ -103,3 +103,20 @@ def test_many_sequences_decoding_propose_nothing():
     assert all(not r.spec_token_ids for r in reqs) and decoder.proposer.asked == []
     decoder.propose(reqs[:1])
     assert reqs[0].spec_token_ids == [7, 7]
+
+
+class _Never(_Always):
+    """A proposer that never finds a match (a text with nothing to copy)."""
+
+    def propose(self, requests, ks):
+        self.asked.extend(ks)
+        return [[] for _ in ks]
+
+
+def test_lookups_that_find_nothing_back_off():
+    decoder = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4), 4096, _Never())
+    decoder.cost.threshold = lambda rows: 0.14
+    req = _decoding_request()
+    assert [_step(decoder, req, 0) for _ in range(300)] == [0] * 300
+    assert 5 < len(decoder.proposer.asked) < 30       # asked ever more rarely, not at each of the 300 steps
+    assert decoder.stats.num_drafts == 0              # nothing verified, nothing counted
