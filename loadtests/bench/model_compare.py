@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from engine.sampling_params import SamplingParams
-from loadtests.bench.spec_decode import _run
+from loadtests.bench.spec_decode import run_prompts
 
 
 def add_compare_args(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +50,7 @@ def compare_models(engine, args, prompts: list[list[int]], params: SamplingParam
         order = (("this", engine), ("other", other)) if r % 2 == 0 else (("other", other), ("this", engine))
         for label, eng in order:
             salted = [[(p[0] + 1 + r) % vocab] + p[1:] for p in prompts]
-            n, dt = _run(eng, salted, params, args.compare_single_stream, f"compare-{label}-{r}")
+            n, dt = run_prompts(eng, salted, params, args.compare_single_stream, f"compare-{label}-{r}")
             runs[label].append(n / dt)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     return {**runs, "ratio_this_other": med(runs["this"]) / med(runs["other"]),

@@ -34,6 +34,16 @@ def edit_workload(tokenizer, num_prompts: int) -> list[list[int]]:
     return prompts
 
 
+def run_prompts(engine, prompts: list[list[int]], params: SamplingParams, single_stream: bool,
+                tag: str) -> tuple[int, float]:
+    """(output tokens, seconds) of ``prompts`` run one at a time (``single_stream``) or all at once."""
+    tokens = seconds = 0
+    for g, group in enumerate([[p] for p in prompts] if single_stream else [prompts]):
+        n, dt = _run(engine, group, params, f"{tag}-{g}")
+        tokens, seconds = tokens + n, seconds + dt
+    return tokens, seconds
+
+
 def _run(engine, prompts: list[list[int]], params: SamplingParams, tag: str) -> tuple[int, float]:
     """(output tokens, seconds) of ``prompts`` submitted at once and run to the end."""
     tokens, start = 0, time.perf_counter()
