@@ -62,12 +62,12 @@ def test_threshold_policies_name_one_rule_each():
 
 @pytest.mark.slow
 def test_sweep_end_to_end_reports_each_point_the_oracle_and_the_plot(tmp_path):
-    rc = cli.main(["spill", "--sweep", "--duration-s", "3", "--capacity", "1.5", "--max-tokens", "4",
-                   "--policies", "waiting>1,waiting>32,slo", "--out", str(tmp_path)])
+    rc = cli.main(["spill", "--sweep", "--duration-s", "2", "--capacity", "1.5", "--max-tokens", "4",
+                   "--policies", "waiting>1,slo", "--out", str(tmp_path)])
     assert rc == 0
     res = json.loads((tmp_path / "results.json").read_text())
     figures, orc, slo_s = res["figures"], res["oracle"], res["slo_ms"] / 1000.0
-    assert list(figures) == ["waiting>1", "waiting>32", "slo"] and res["duration_s"] == 3.0
+    assert list(figures) == ["waiting>1", "slo"] and res["duration_s"] == 2.0
     n = orc["requests"]
     assert n > 0 and all(f["requests"] == n == len(f["requests_log"]) for f in figures.values())
     for f in figures.values():
@@ -92,6 +92,6 @@ def test_sweep_end_to_end_reports_each_point_the_oracle_and_the_plot(tmp_path):
     v = res["verdict"]
     assert v["oracle_usd_per_1000"] == orc["usd_per_1000"] and v["slo_usd_per_1000"] == figures["slo"]["usd_per_1000"]
     summary = (tmp_path / "summary.md").read_text()
-    for name in ("| waiting>1", "| waiting>32", "| slo", "| oracle", "attainment_vs_cost.png"):
+    for name in ("| waiting>1", "| slo", "| oracle", "attainment_vs_cost.png"):
         assert name in summary
     assert (tmp_path / "attainment_vs_cost.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
