@@ -53,6 +53,12 @@ _PREDICTED_MAX = 4096
 RATIO_FLOOR_S = 0.25
 # The local engine's margin before its answers measured one: its prediction's target accuracy (20 %).
 DEFAULT_MARGIN = 1.2
+# Seconds an idle co-located engine may go without a request before an SLO route sends it the next one whatever
+# its prediction says (once, then again after as long): its step costs are fitted from the steps it runs, so a
+# fit gone wrong (learnt while the host swapped: 44.8 s predicted for a 651-token prompt on an idle engine, the
+# spill sweep) would otherwise keep every request away and never be corrected. An idle engine answers one
+# request at its real speed; a busy one refreshes its fit with every step and is never probed.
+LOCAL_PROBE_AFTER_S = 30.0
 # Seconds a decision waits for the replicas' predictions (they answer from their last published state: ~1 ms
 # on an idle box); a replica that has not answered by then is ranked by its rolling estimate.
 REPLICA_TIMEOUT_S = 0.25
@@ -67,6 +73,7 @@ class UpstreamLatency:
         self._ratios: dict[str, deque] = {}   # predicting backend -> (monotonic s, measured / predicted TTFT)
         self._predicted: dict[str, dict[str, float]] = {}   # request id -> backend -> its own prediction, s
         self._local = ""
+        self._local_probed_at = time.monotonic()   # the last answer of the local engine, or probe sent to it
 
     def observe(self, backend: str, ttft_s: float | None) -> None:
         """One call to ``backend``: its TTFT in seconds, or None when it failed."""
@@ -130,9 +137,24 @@ class UpstreamLatency:
             p = local.engine.predict_ttft(token_ids, req.priority)
             if p is not None:
                 self._local = local.name
-                out[local.name] = self._predicted_estimate(req.request_id, local.name, p.seconds, p.describe(),
-                                                           p.parts.get("tpot_s"), withdraws=True)
+                e = self._predicted_estimate(req.request_id, local.name, p.seconds, p.describe(),
+                                             p.parts.get("tpot_s"), withdraws=True)
+                out[local.name] = self._probe(local.engine, e)
         return out
+
+    def _probe(self, engine, e: TTFTEstimate, now: float | None = None) -> TTFTEstimate:
+        """``e``, the local engine's estimate, or a probe: no estimate (so the request is ranked as meeting the
+        SLO, by cost) when the engine is idle (nothing running or waiting) and has had no answer or probe for
+        ``LOCAL_PROBE_AFTER_S``."""
+        now = time.monotonic() if now is None else now
+        if now - self._local_probed_at < LOCAL_PROBE_AFTER_S:
+            return e
+        stats = engine.get_stats()
+        if stats.num_running or stats.num_waiting:
+            return e
+        self._local_probed_at = now
+        return TTFTEstimate(None, f"probe: idle and no answer for {LOCAL_PROBE_AFTER_S:g} s (predicted "
+                                  f"{e.seconds:.2f} s from costs its next steps refit)", tpot=e.tpot)
 
     def _predicted_estimate(self, request_id: str, backend: str, seconds: float, why: str,
                             tpot: float | None = None, withdraws: bool = False) -> TTFTEstimate:
@@ -167,6 +189,8 @@ class UpstreamLatency:
     def observe_predicted(self, request_id: str, backend: str, ttft_s: float) -> bool:
         """``backend`` answered ``request_id`` after ``ttft_s`` seconds: its ratio to that backend's own
         prediction, if it made one (returns whether it did)."""
+        if backend and backend == self._local:
+            self._local_probed_at = time.monotonic()   # answered: its costs were refitted on real steps
         predicted = self._predicted.pop(request_id, {}).get(backend)
         if predicted is None:
             return False

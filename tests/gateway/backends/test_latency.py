@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from gateway.backends.latency import DEFAULT_MARGIN, RATIO_WINDOW_S, WINDOW, UpstreamLatency
+from gateway.backends.latency import (DEFAULT_MARGIN, LOCAL_PROBE_AFTER_S, RATIO_WINDOW_S, WINDOW,
+                                      UpstreamLatency)
+from policies import TTFTEstimate
 from gateway.resilience.outcomes import UpstreamResponse
 from gateway.translate.chat_events import decode_stream
 from tests.gateway.support import FaultInjectorUpstream, GatewayProcess, upstream_config
@@ -49,6 +51,27 @@ def test_local_predictions_are_corrected_by_what_the_engine_delivered():
     assert [r for _, r in lat._ratios[""]][-2:] == [1.0, 1.0]
     later = lat._ratios[""][-1][0] + RATIO_WINDOW_S + 1           # no answers for a minute: the factor expires
     assert lat.correction(now=later) == (1.0, DEFAULT_MARGIN, "")
+
+
+def test_an_idle_engine_predicted_late_gets_a_probe_then_its_answer_counts():
+    """A fit gone wrong (44.8 s predicted on an idle engine) would keep an SLO route's every request away from
+    the engine, and with no steps the fit never refreshes: an idle engine with no answer for
+    ``LOCAL_PROBE_AFTER_S`` gets one request (no estimate), a busy one never, and an answer restarts the wait."""
+    lat = UpstreamLatency()
+    lat._local = "local"
+    late = TTFTEstimate(44.8, "stale costs", high=53.8)
+    idle = SimpleNamespace(get_stats=lambda: SimpleNamespace(num_running=0, num_waiting=0))
+    busy = SimpleNamespace(get_stats=lambda: SimpleNamespace(num_running=1, num_waiting=0))
+    t0 = lat._local_probed_at
+    assert lat._probe(idle, late, now=t0 + 1) is late                     # too soon
+    later = t0 + LOCAL_PROBE_AFTER_S + 1
+    assert lat._probe(busy, late, now=later) is late                      # busy: its steps refit its costs
+    probe = lat._probe(idle, late, now=later)
+    assert probe.seconds is None and probe.checked is None and "probe" in probe.basis
+    assert lat._probe(idle, late, now=later + 1) is late                  # one probe, then wait again
+    lat._predicted["r1"] = {"local": 44.8}
+    lat.observe_predicted("r1", "local", 0.3)                             # the probe's answer
+    assert lat._probe(idle, late, now=lat._local_probed_at + LOCAL_PROBE_AFTER_S - 1) is late
 
 
 def test_a_stream_is_timed_at_its_first_content_not_its_role_event():
