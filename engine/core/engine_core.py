@@ -214,11 +214,15 @@ class EngineCore:
         # serving (4 % of a single stream's time in a profile; vLLM freezes its start-up heap too).
         gc.collect()
         gc.freeze()
+        self._log_ready(num_blocks, budget, spec)
+
+    def _log_ready(self, num_blocks: int, budget: int, spec) -> None:
+        """The start-up line operators read (and tests check): what was loaded and how it will run."""
         logger.info(
             "engine ready: model=%s device=%s dtype=%s blocks=%d block_size=%d max_model_len=%d "
             "max_num_batched_tokens=%d tensor_parallel_size=%d speculative=%s omp_wait=%s omp_places=%s malloc=%s",
-            self.served_model_name, self.device, self.dtype, num_blocks, args.block_size, self.max_model_len, budget,
-            args.tensor_parallel_size,
+            self.served_model_name, self.device, self.dtype, num_blocks, self.args.block_size, self.max_model_len,
+            budget, self.args.tensor_parallel_size,
             "off" if spec is None else f"{spec.method} k={spec.num_speculative_tokens}",
             omp_wait_policy(), omp_places(), malloc_tuning(),
         )
