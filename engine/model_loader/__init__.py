@@ -162,6 +162,33 @@ def _linear_path() -> str:
     return f"oneDNN ({why})"
 
 
+def _check_source(path: str, quantization: str, dummy: bool, device: torch.device) -> None:
+    """Refuse a quantization or load format the model at ``path`` cannot have (``load_model``'s ValueErrors)."""
+    if quantization != "gguf" and quantization != "none" and not os.path.isdir(path):
+        raise ValueError(f"quantization {quantization!r} needs a HF checkpoint directory (got a file)")
+    if quantization == "gguf" and (os.path.isdir(path) or device.type != "cpu"):
+        raise ValueError("quantization 'gguf' needs a .gguf model on CPU "
+                         f"(got {'a HF directory' if os.path.isdir(path) else 'device ' + str(device)})")
+    if dummy and not os.path.isdir(path):
+        raise ValueError("load_format 'dummy' needs a HF directory (config.json + tokenizer.json)")
+
+
+def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` (built on the meta device) given empty storage on ``device`` in ``dtype``.
+
+    Raises:
+        MemoryError: the weights do not fit, naming their size.
+    """
+    try:
+        return model.to_empty(device=device).to(dtype)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        n = sum(p.numel() for p in model.parameters()) * torch.finfo(dtype).bits // 8
+        raise MemoryError(
+            f"the model's weights ({n / 2**30:.2f} GiB in {dtype}) do not fit on {device}: {e}; "
+            "use a smaller dtype (--dtype bfloat16) or another device"
+        ) from None
+
+
 def load_model(args, tp=None) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     """Build the model described by ``args.model`` on ``args.device`` in ``args.dtype``
     (with ``tp``, a ``TensorParallelGroup``: this rank's part of it, on ``tp.device``,
@@ -197,13 +224,7 @@ def load_model(args, tp=None) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
     t0 = time.perf_counter()
     quantization = getattr(args, "quantization", "none")
     dummy = getattr(args, "load_format", "auto") == "dummy"
-    if quantization != "gguf" and quantization != "none" and not os.path.isdir(path):
-        raise ValueError(f"quantization {quantization!r} needs a HF checkpoint directory (got a file)")
-    if quantization == "gguf" and (os.path.isdir(path) or device.type != "cpu"):
-        raise ValueError("quantization 'gguf' needs a .gguf model on CPU "
-                         f"(got {'a HF directory' if os.path.isdir(path) else 'device ' + str(device)})")
-    if dummy and not os.path.isdir(path):
-        raise ValueError("load_format 'dummy' needs a HF directory (config.json + tokenizer.json)")
+    _check_source(path, quantization, dummy, device)
     size_mb = _size_on_disk(path) / 2**20
     logger.info("loading model %s (%.0f MB on disk, %s) on %s in %s", path, size_mb,
                 "random weights" if dummy else "gguf" if os.path.isfile(path) else "HF safetensors", device, dtype)
@@ -226,14 +247,7 @@ def load_model(args, tp=None) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
                 f", linear layers {_linear_path()}")
     with torch.device("meta"):
         model = model_class(config.architecture)(config, backend, tp=tp)
-    try:
-        model = model.to_empty(device=device).to(dtype)
-    except (torch.OutOfMemoryError, RuntimeError) as e:
-        n = sum(p.numel() for p in model.parameters()) * torch.finfo(dtype).bits // 8
-        raise MemoryError(
-            f"the model's weights ({n / 2**30:.2f} GiB in {dtype}) do not fit on {device}: {e}; "
-            "use a smaller dtype (--dtype bfloat16) or another device"
-        ) from None
+    model = _materialize(model, device, dtype)
     if weights is None:
         init_dummy_weights(model, getattr(args, "seed", 0))
     else:
