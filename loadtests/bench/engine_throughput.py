@@ -296,11 +296,64 @@ def _peer_rows(table, peer_name: str, p: dict) -> None:
     table.add_row(f"ratio tandem / {peer.label} (medians, {p['threads']} threads)", f"{p['ratio']:.2f}x")
 
 
+def _result_table(args: argparse.Namespace, result: dict, num_prompts: int, dtype, baseline_skipped: str):
+    """``run_bench``'s result as a rich table: Tandem's figures, then each comparison asked for."""
+    from rich.table import Table
+
+    t = result["tandem"]
+    table = Table(title=f"tandem bench engine: {args.workload}, {num_prompts} prompts, {dtype}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("output tok/s", f"{t['output_tok_per_s']:.1f}")
+    table.add_row("total tok/s", f"{t['total_tok_per_s']:.1f}")
+    for q in (50, 90, 99):
+        table.add_row(f"TTFT p{q} (s)", f"{t['ttft_s'][q]:.3f}")
+    for q in (50, 90, 99):
+        table.add_row(f"TPOT p{q} (ms)", f"{t['tpot_s'][q] * 1e3:.1f}")
+    table.add_row("peak KV usage", f"{t['peak_kv_usage']:.1%}")
+    table.add_row("KV waste at peak", f"{t['kv_waste_at_peak']:.2%}")
+    table.add_row("preemptions", str(t["num_preemptions"]))
+    if baseline_skipped:
+        table.add_row("HF generate baseline", f"skipped: {baseline_skipped}")
+    if "hf_transformers" in result:
+        h = result["hf_transformers"]
+        table.add_row(f"HF generate output tok/s (batch {h['batch_size']})", f"{h['output_tok_per_s']:.1f}")
+        table.add_row("ratio tandem / HF", f"{result['ratio_output_tok_per_s']:.2f}x")
+    if "batch_invariant_ab" in result:
+        ab = result["batch_invariant_ab"]
+        table.add_row("batch-invariant on, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["on"]))
+        table.add_row("batch-invariant off, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["off"]))
+        table.add_row("ratio invariant on / off (medians)", f"{ab['ratio_on_off']:.3f}x")
+    if "speculative_ab" in result:
+        ab = result["speculative_ab"]
+        table.add_row("speculation off, output tok/s (rounds)", ", ".join(f"{x:.1f}" for x in ab["off"]))
+        table.add_row("speculation on, output tok/s (rounds)", ", ".join(f"{x:.1f}" for x in ab["on"]))
+        table.add_row("ratio on / off per round", ", ".join(f"{x:.3f}x" for x in ab["round_ratios"]))
+        table.add_row("ratio on / off (medians)", f"{ab['ratio_on_off']:.3f}x")
+        table.add_row("load average (1 min) at each round's end", ", ".join(f"{x:.1f}" for x in ab["load_avg"]))
+        table.add_row("acceptance rate", f"{ab['acceptance_rate']:.1%}")
+        table.add_row("mean acceptance length", f"{ab['mean_acceptance_length']:.2f}")
+        table.add_row("drafts by accepted tokens (0..k)", ", ".join(map(str, ab["accepted_per_draft"])))
+    if "model_ab" in result:
+        ab = result["model_ab"]
+        stream = "single stream" if ab["single_stream"] else f"{num_prompts} at once"
+        table.add_row(f"this model, output tok/s ({stream}, rounds)", ", ".join(f"{x:.1f}" for x in ab["this"]))
+        table.add_row(f"{ab['other_model']}, output tok/s", ", ".join(f"{x:.1f}" for x in ab["other"]))
+        table.add_row("ratio this / other per round", ", ".join(f"{x:.2f}x" for x in ab["round_ratios"]))
+        table.add_row("ratio this / other (medians)", f"{ab['ratio_this_other']:.3f}x")
+    if "tensor_parallel_ab" in result:
+        from loadtests.bench.tensor_parallel import table_rows
+
+        table_rows(table, result["tensor_parallel_ab"], args.compare_tensor_parallel)
+    if args.peer:
+        _peer_rows(table, args.peer, result[args.peer])
+    return table
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark and print a table with ratios to the HF baseline; exit status 1 when ``--peer`` was
     asked for and gave no figure (skipped or failed: the table and stderr say why)."""
     from rich.console import Console
-    from rich.table import Table
 
     from engine.llm_engine import LLMEngine
 
@@ -341,53 +394,7 @@ def run_bench(args: argparse.Namespace) -> int:
         result[args.peer] = compare_peer(engine, args, prompts, params)
         if "ratio" in result[args.peer]:
             result[f"ratio_vs_{args.peer}"] = result[args.peer]["ratio"]
-    t = result["tandem"]
-    table = Table(title=f"tandem bench engine: {args.workload}, {len(prompts)} prompts, {engine.dtype}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_row("output tok/s", f"{t['output_tok_per_s']:.1f}")
-    table.add_row("total tok/s", f"{t['total_tok_per_s']:.1f}")
-    for q in (50, 90, 99):
-        table.add_row(f"TTFT p{q} (s)", f"{t['ttft_s'][q]:.3f}")
-    for q in (50, 90, 99):
-        table.add_row(f"TPOT p{q} (ms)", f"{t['tpot_s'][q] * 1e3:.1f}")
-    table.add_row("peak KV usage", f"{t['peak_kv_usage']:.1%}")
-    table.add_row("KV waste at peak", f"{t['kv_waste_at_peak']:.2%}")
-    table.add_row("preemptions", str(t["num_preemptions"]))
-    if baseline_skipped:
-        table.add_row("HF generate baseline", f"skipped: {baseline_skipped}")
-    if "hf_transformers" in result:
-        h = result["hf_transformers"]
-        table.add_row(f"HF generate output tok/s (batch {h['batch_size']})", f"{h['output_tok_per_s']:.1f}")
-        table.add_row("ratio tandem / HF", f"{result['ratio_output_tok_per_s']:.2f}x")
-    if "batch_invariant_ab" in result:
-        ab = result["batch_invariant_ab"]
-        table.add_row("batch-invariant on, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["on"]))
-        table.add_row("batch-invariant off, output tok/s (runs)", ", ".join(f"{x:.1f}" for x in ab["off"]))
-        table.add_row("ratio invariant on / off (medians)", f"{ab['ratio_on_off']:.3f}x")
-    if "speculative_ab" in result:
-        ab = result["speculative_ab"]
-        table.add_row("speculation off, output tok/s (rounds)", ", ".join(f"{x:.1f}" for x in ab["off"]))
-        table.add_row("speculation on, output tok/s (rounds)", ", ".join(f"{x:.1f}" for x in ab["on"]))
-        table.add_row("ratio on / off per round", ", ".join(f"{x:.3f}x" for x in ab["round_ratios"]))
-        table.add_row("ratio on / off (medians)", f"{ab['ratio_on_off']:.3f}x")
-        table.add_row("load average (1 min) at each round's end", ", ".join(f"{x:.1f}" for x in ab["load_avg"]))
-        table.add_row("acceptance rate", f"{ab['acceptance_rate']:.1%}")
-        table.add_row("mean acceptance length", f"{ab['mean_acceptance_length']:.2f}")
-        table.add_row("drafts by accepted tokens (0..k)", ", ".join(map(str, ab["accepted_per_draft"])))
-    if "model_ab" in result:
-        ab = result["model_ab"]
-        stream = "single stream" if ab["single_stream"] else f"{len(prompts)} at once"
-        table.add_row(f"this model, output tok/s ({stream}, rounds)", ", ".join(f"{x:.1f}" for x in ab["this"]))
-        table.add_row(f"{ab['other_model']}, output tok/s", ", ".join(f"{x:.1f}" for x in ab["other"]))
-        table.add_row("ratio this / other per round", ", ".join(f"{x:.2f}x" for x in ab["round_ratios"]))
-        table.add_row("ratio this / other (medians)", f"{ab['ratio_this_other']:.3f}x")
-    if "tensor_parallel_ab" in result:
-        from loadtests.bench.tensor_parallel import table_rows
-
-        table_rows(table, result["tensor_parallel_ab"], args.compare_tensor_parallel)
-    if args.peer:
-        _peer_rows(table, args.peer, result[args.peer])
+    table = _result_table(args, result, len(prompts), engine.dtype, baseline_skipped)
     Console().print(table)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2, default=str))
