@@ -19,6 +19,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -262,3 +264,29 @@ def engine_replicas(tmp_path_factory, names):
     finally:
         for s in servers.values():
             s.stop()
+
+
+@contextmanager
+def engine_serve(args: list[str], log_dir: Path, timeout_s: float = 180.0) -> Iterator[str]:
+    """``tandem engine serve`` with ``args`` on a free port, its output in ``log_dir/engine.log``; yields its base
+    URL once ``/health`` answers 200 (the log is shown if it exits first), terminated on exit."""
+    port = free_port()
+    log = open(log_dir / "engine.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "engine", "serve", *args, "--port", str(port),
+                             "--uvicorn-log-level", "warning"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, open(log.name).read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()

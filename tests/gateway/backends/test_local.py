@@ -24,7 +24,7 @@ from gateway.errors import BackendError
 from gateway.request.validate import check_request
 from gateway.values import GatewayRequest
 from gateway.resilience.layer import Resilience
-from tests.gateway.support import ROOT, GatewayProcess, free_port
+from tests.gateway.support import ROOT, GatewayProcess, engine_serve
 from tests.tiny_models import save_byte_level_llama
 
 pytestmark = pytest.mark.slow
@@ -39,26 +39,9 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def aggregator(tiny_model, tmp_path_factory):
     """``tandem engine serve`` with the tiny model on a free port."""
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("agg") / "engine.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "engine", "serve", "--model", tiny_model,
-                             "--dtype", "float32", "--kv-cache-memory", "64MiB", "--served-model-name", "tiny-agg",
-                             "--port", str(port), "--uvicorn-log-level", "warning"],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, open(log.name).read()
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    yield url
-    proc.terminate()
-    proc.wait(30)
-    log.close()
+    with engine_serve(["--model", tiny_model, "--dtype", "float32", "--kv-cache-memory", "64MiB",
+                       "--served-model-name", "tiny-agg"], tmp_path_factory.mktemp("agg")) as url:
+        yield url
 
 
 CONFIG = """

@@ -6,15 +6,10 @@ as JSON and SSE (``engine/serving/chunks.py``). Ids and creation times aside, no
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-
-import httpx
 import pytest
 
 from tests.gateway.backends.local_battery import run_battery
-from tests.gateway.support import ROOT, GatewayProcess, free_port
+from tests.gateway.support import GatewayProcess, engine_serve
 
 pytestmark = pytest.mark.slow
 
@@ -33,26 +28,9 @@ policy: {{default_route: only}}
 
 @pytest.fixture(scope="module")
 def engine_server(tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("engine") / "engine.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "engine", "serve", "--served-model-name", "smollm2",
-                             "--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-memory", "256MiB",
-                             "--port", str(port), "--uvicorn-log-level", "warning"],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, open(log.name).read()
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    yield url
-    proc.terminate()
-    proc.wait(30)
-    log.close()
+    with engine_serve(["--served-model-name", "smollm2", "--max-model-len", "1024", "--max-num-seqs", "8",
+                       "--kv-cache-memory", "256MiB"], tmp_path_factory.mktemp("engine"), timeout_s=300) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
