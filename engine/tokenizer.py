@@ -124,10 +124,10 @@ class Tokenizer:
         Raises:
             ValueError: the file holds no tokenizer or a non-BPE one.
         """
-        import gguf
+        from engine.gguf_file import open_gguf
 
         if reader is None:
-            reader = gguf.GGUFReader(path)
+            reader = open_gguf(path)
         fields = reader.fields
 
         def get(key, default=None):

@@ -98,7 +98,8 @@ def _read_model(path: str, dummy: bool, keep_int4: bool, quantization: str = "no
         FileNotFoundError: ``path`` does not exist.
         UnsupportedQuantization: a quantization the engine does not implement.
     """
-    from engine.model_loader.gguf_loader import gguf_model_config, gguf_weights, open_gguf
+    from engine.gguf_file import open_gguf
+    from engine.model_loader.gguf_loader import gguf_model_config, gguf_weights
     from engine.model_loader.hf import hf_model_config, hf_weights
     from engine.quantization import get_quantization_config
 

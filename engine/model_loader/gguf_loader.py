@@ -38,29 +38,6 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 _GEMMA_27B = {("gemma2", 46), ("gemma3", 62)}
 
 
-def open_gguf(path: str):
-    """A ``gguf.GGUFReader`` for ``path``.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: not a readable GGUF file (bad magic, truncated...).
-    """
-    import os
-
-    import gguf
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such GGUF file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ValueError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError, IndexError, struct/numpy errors
-        raise ValueError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
-
-
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
