@@ -147,3 +147,23 @@ def _assert_last_logits_match(args, ours, config, model) -> None:
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(out.logits[0], ref, atol=1e-4, rtol=0)
+
+
+def test_open_gguf_reads_what_the_gguf_package_reads():
+    """engine.gguf_file's reader (a plain ndarray over the mapping) parses the same fields and tensors as
+    gguf.GGUFReader itself over its np.memmap."""
+    import gguf
+    import numpy as np
+
+    from engine.config import default_model_path
+    from engine.gguf_file import open_gguf
+
+    ours, theirs = open_gguf(default_model_path()), gguf.GGUFReader(default_model_path())
+    assert type(ours.data) is np.ndarray
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, list(a.shape), a.data_offset) == (b.tensor_type, list(b.shape), b.data_offset)
+        assert np.array_equal(a.data, b.data), a.name
