@@ -34,6 +34,7 @@ from engine.sampling_params import SamplingParams
 from loadtests.bench.peer_engines import DEFAULT_VLLM_MODEL, PEERS, peer_model, peer_python, peer_workload, run_peer
 from loadtests.bench.peer_engines import salted, summarize
 from loadtests.bench.model_compare import add_compare_args, compare_models
+from loadtests.bench.roofline import decode_weight_bytes, read_bandwidth, roofline_ms
 
 ROOT = Path(__file__).resolve().parents[2]
 MT_BENCH = ROOT / "tests" / "data" / "mt_bench_questions.jsonl"
@@ -247,8 +248,9 @@ def compare_peer(engine, args, prompts: list[list[int]], params: SamplingParams)
 
     Returns:
         {"tandem_output_tok_per_s": [per round], "tandem_runs": [Tandem's figures per round], "runs": [the
-        peer's result per round], "threads", "round_ratios", "ratio": median Tandem / median peer}; ``{"skipped": why}`` or ``{"failed": why}`` (after one round)
-        when the peer cannot run.
+        peer's result per round], "threads", "read_gb_per_s": [the machine's read bandwidth measured after each
+        round's Tandem run, GB/s], "round_ratios", "ratio": median Tandem / median peer}; ``{"skipped": why}`` or
+        ``{"failed": why}`` (after one round) when the peer cannot run.
     """
     import torch
 
@@ -263,9 +265,11 @@ def compare_peer(engine, args, prompts: list[list[int]], params: SamplingParams)
     threads = args.num_threads or torch.get_num_threads()
     tandem_runs: list[dict] = []
     runs: list[dict] = []
+    bandwidth: list[float] = []
     for r in range(args.peer_rounds):
         round_prompts = salted(prompts, r + 1, engine.model_config.vocab_size)
         tandem_runs.append(bench_tandem(engine, round_prompts, params, single_stream=peer.single_stream))
+        bandwidth.append(read_bandwidth(threads))
         spec = engine.core.spec_decoder.config if engine.core.spec_decoder is not None else None
         runs.append(run_peer(peer, python, peer_workload(peer, model, round_prompts, args.output_len,
                                                          args.ignore_eos, threads, speculative=spec)))
@@ -273,10 +277,22 @@ def compare_peer(engine, args, prompts: list[list[int]], params: SamplingParams)
             return runs[-1]
     tandem = [t["output_tok_per_s"] for t in tandem_runs]
     return {"tandem_output_tok_per_s": tandem, "tandem_runs": tandem_runs, "runs": runs, "threads": threads,
-            **summarize(tandem, runs)}
+            "read_gb_per_s": bandwidth, **summarize(tandem, runs)}
 
 
-def _peer_rows(table, peer_name: str, p: dict) -> None:
+def _roofline_rows(table, weight_bytes: int | None, bandwidth: list[float], tandem_runs: list[dict],
+                   label: str) -> None:
+    """The roofline rows: the bandwidth measured (per round), weights / bandwidth, Tandem's TPOT p50 over it."""
+    if weight_bytes is None or not bandwidth:
+        return
+    roof = [roofline_ms(weight_bytes, bw) for bw in bandwidth]
+    table.add_row(f"read GB/s (sum of 512 MiB) / roofline ms ({weight_bytes / 1e6:.1f} MB of weights), {label}",
+                  ", ".join(f"{bw:.1f} / {r:.2f}" for bw, r in zip(bandwidth, roof)))
+    table.add_row(f"Tandem TPOT p50 / roofline, {label}",
+                  ", ".join(f"{t['tpot_s'][50] * 1e3 / r:.2f}x" for t, r in zip(tandem_runs, roof)))
+
+
+def _peer_rows(table, peer_name: str, p: dict, weight_bytes: int | None) -> None:
     """The peer comparison's rows of the result table."""
     peer = PEERS[peer_name]
     if "ratio" not in p:
@@ -289,9 +305,13 @@ def _peer_rows(table, peer_name: str, p: dict) -> None:
                   ", ".join(f"{r['output_tok_per_s']:.1f}" for r in runs))
     table.add_row("Tandem TTFT p50 s / TPOT p50 ms, per round",
                   ", ".join(f"{t['ttft_s'][50]:.3f} / {t['tpot_s'][50] * 1e3:.1f}" for t in p["tandem_runs"]))
+    _roofline_rows(table, weight_bytes, p.get("read_gb_per_s", []), p["tandem_runs"], "per round")
     if "prefill_s" in runs[0]:
         table.add_row(f"{peer.label} prefill s / decode tok/s, per round",
                       ", ".join(f"{r['prefill_s']:.3f} / {r['decode_tok_per_s']:.1f}" for r in runs))
+        table.add_row(f"Tandem decode tok/s (1 / TPOT p50) / {peer.label}'s, per round",
+                      ", ".join(f"{1 / t['tpot_s'][50] / r['decode_tok_per_s']:.2f}x"
+                                for t, r in zip(p["tandem_runs"], runs)))
     table.add_row(f"ratio tandem / {peer.label} per round", ", ".join(f"{x:.2f}x" for x in p["round_ratios"]))
     table.add_row(f"ratio tandem / {peer.label} (medians, {p['threads']} threads)", f"{p['ratio']:.2f}x")
 
@@ -310,6 +330,8 @@ def _result_table(args: argparse.Namespace, result: dict, num_prompts: int, dtyp
         table.add_row(f"TTFT p{q} (s)", f"{t['ttft_s'][q]:.3f}")
     for q in (50, 90, 99):
         table.add_row(f"TPOT p{q} (ms)", f"{t['tpot_s'][q] * 1e3:.1f}")
+    roof = result.get("roofline", {})
+    _roofline_rows(table, roof.get("weight_bytes"), roof.get("read_gb_per_s", []), [t], "after the run")
     table.add_row("peak KV usage", f"{t['peak_kv_usage']:.1%}")
     table.add_row("KV waste at peak", f"{t['kv_waste_at_peak']:.2%}")
     table.add_row("preemptions", str(t["num_preemptions"]))
@@ -346,8 +368,19 @@ def _result_table(args: argparse.Namespace, result: dict, num_prompts: int, dtyp
 
         table_rows(table, result["tensor_parallel_ab"], args.compare_tensor_parallel)
     if args.peer:
-        _peer_rows(table, args.peer, result[args.peer])
+        _peer_rows(table, args.peer, result[args.peer], roof.get("weight_bytes"))
     return table
+
+
+def _roofline(engine, args: argparse.Namespace) -> dict:
+    """The bytes of weights a one-row decode step reads (None off the C decoder stack, or with the model in
+    other processes) and the read bandwidth measured now."""
+    import torch
+
+    runner = getattr(engine, "model_runner", None)
+    model = getattr(runner, "model", None)
+    weight_bytes = decode_weight_bytes(model, runner.kv_caches) if hasattr(model, "_c_decoder_weights") else None
+    return {"weight_bytes": weight_bytes, "read_gb_per_s": [read_bandwidth(args.num_threads or torch.get_num_threads())]}
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -370,6 +403,7 @@ def run_bench(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, seed=0 if args.temperature else None,
                             max_tokens=args.output_len, ignore_eos=args.ignore_eos)
     result = {"workload": args.workload, "dtype": str(engine.dtype), "tandem": bench_tandem(engine, prompts, params)}
+    result["roofline"] = _roofline(engine, args)
     baseline_skipped = _hf_baseline_missing(engine.args.model) if not args.no_baseline else ""
     if not args.no_baseline and not baseline_skipped:
         pad = engine.tokenizer.eos_token_id or 0

@@ -87,13 +87,18 @@ def test_peer_table_rows_from_a_llamacpp_result():
     table.add_column("metric")
     table.add_column("value")
     _peer_rows(table, "llamacpp", {"tandem_output_tok_per_s": [120.0, 120.0], "tandem_runs": tandem_runs,
-                                   "runs": runs, "threads": 2, **summarize([120.0, 120.0], runs)})
+                                   "runs": runs, "threads": 2, "read_gb_per_s": [25.0, 20.0],
+                                   **summarize([120.0, 120.0], runs)}, weight_bytes=100_000_000)
     rows = dict(zip(table.columns[0]._cells, table.columns[1]._cells))
     assert rows["llama.cpp 0.3.36 output tok/s, interleaved"] == "100.0, 80.0"
     assert rows["llama.cpp prefill s / decode tok/s, per round"] == "0.250 / 110.0, 0.500 / 90.0"
     assert rows["Tandem TTFT p50 s / TPOT p50 ms, per round"] == "0.100 / 8.0, 0.100 / 8.0"
     assert rows["ratio tandem / llama.cpp per round"] == "1.20x, 1.50x"
     assert rows["ratio tandem / llama.cpp (medians, 2 threads)"] == "1.33x"
+    # the roofline: 100 MB at 25 and 20 GB/s is 4 and 5 ms; a TPOT of 8 ms is 2x and 1.6x it
+    assert rows["read GB/s (sum of 512 MiB) / roofline ms (100.0 MB of weights), per round"] == "25.0 / 4.00, 20.0 / 5.00"
+    assert rows["Tandem TPOT p50 / roofline, per round"] == "2.00x, 1.60x"
+    assert rows["Tandem decode tok/s (1 / TPOT p50) / llama.cpp's, per round"] == "1.14x, 1.39x"
 
 
 def test_bench_engine_on_a_tiny_model(tmp_path, capsys):
@@ -105,6 +110,12 @@ def test_bench_engine_on_a_tiny_model(tmp_path, capsys):
     assert run_bench(args) == 1  # a comparison was asked for and none was made
     result = json.loads(out.read_text())
     assert result["tandem"]["output_tokens"] == 15 and "skipped" in result["vllm"]
+    # the tiny model runs on the C stack from bfloat16 panels of 64 output columns: per layer q/k/v 128 x 64,
+    # o 64 x 64, gate/up 256 x 64, down 64 x 128 and two norms of 64; the final norm; the head's 258 rows
+    # padded to 320; one embedding row
+    layer = (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128 + 2 * 64) * 2
+    assert result["roofline"]["weight_bytes"] == 2 * layer + 64 * 2 + 320 * 64 * 2 + 64 * 2
+    assert result["roofline"]["read_gb_per_s"][0] > 0
     printed = capsys.readouterr()
     assert "ratio_vs_vllm" not in result and "no vLLM interpreter" in printed.out
     assert "--peer vllm gave no figure: no vLLM interpreter at" in printed.err
