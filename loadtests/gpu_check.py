@@ -21,7 +21,11 @@ recorded even when another fails:
    over NCCL (collectives, and logits bitwise those without the group); with
    two GPUs, the engine at 2 ranks vs 1 (float32 tokens, bfloat16 batch
    invariance).
-5. throughput: the engine on random weights of SmolLM2-135M's and
+5. packed weights (``loadtests/gpu_check_quant.py``): the Triton GEMM that
+   dequantizes 4-bit, int8 and FP8 weights in its tiles, bitwise the dense
+   GEMM on the reference dequantization and row-invariant, at a Llama-3-8B
+   MLP shape, with its time and bytes against the dense GEMM's.
+6. throughput: the engine on random weights of SmolLM2-135M's and
    Llama-3-8B's shapes, 64 x (512 in, 128 out), ignore_eos, vs transformers
    ``generate`` on the same model in one batch of 64 (ratio of output tok/s).
 
@@ -54,6 +58,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from loadtests.gpu_check_quant import check_packed_gemm  # noqa: E402
 from loadtests.gpu_check_tp import check_tensor_parallel  # noqa: E402
 
 # Shapes from the models' config.json (HuggingFaceTB/SmolLM2-135M-Instruct, meta-llama/Meta-Llama-3-8B).
@@ -390,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         parts.append(run_part(Part("parity (triton, fp32, tiny Llama)"), check_parity, device, work))
         parts.append(run_part(Part("batch invariance (triton path)"), check_batch_invariance, device, work))
         parts.append(run_part(Part("tensor parallel"), check_tensor_parallel, device, work, write_model_dir, SHAPES))
+        parts.append(run_part(Part("packed weights (triton, 4-bit/int8/fp8)"), check_packed_gemm, device))
         write_summary(args.out, env, parts, time.perf_counter() - t0)  # a partial record if the run is killed
         if cuda:
             parts.append(run_part(Part("throughput smollm2-135m shape"), check_throughput, "smollm2-135m", device,

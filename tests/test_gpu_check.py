@@ -28,7 +28,7 @@ def test_dry_run_without_cuda(tmp_path):
     assert "no CUDA device" in proc.stdout
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     parts = {p["name"]: p for p in summary["parts"]}
-    assert [p["status"] for p in parts.values()] == ["ok"] * 5, parts
+    assert [p["status"] for p in parts.values()] == ["ok"] * 6, parts
     kernels = parts["kernels"]["results"]
     assert kernels["checks_ok"] == kernels["checks"] == 4
     parity = parts["parity (triton, fp32, tiny Llama)"]["results"]
@@ -38,6 +38,8 @@ def test_dry_run_without_cuda(tmp_path):
     tp = parts["tensor parallel"]["results"]
     assert tp["world_of_one"]["logits_bitwise_equal"] and all(tp["world_of_one"]["collectives"].values()), tp
     assert tp["two_ranks"]["fp32_tokens_equal_tp1"] and tp["two_ranks"]["bf16_differ_batched_vs_alone"] == 0, tp
+    packed = parts["packed weights (triton, 4-bit/int8/fp8)"]["results"]["layouts"]
+    assert len(packed) == 3 and all(r["bitwise_dense"] and r["rows_invariant"] for r in packed.values()), packed
     throughput = parts["throughput tiny shape (CPU)"]["results"]
     assert throughput["tandem"]["output_tok_per_s"] > 0 and throughput["ratio_output_tok_per_s"] > 0
     assert (tmp_path / "out" / "kernels" / "kernels_bench.md").is_file()

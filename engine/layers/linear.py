@@ -8,7 +8,9 @@ and the row counts it reads it for, rather than per call:
   kernel in bfloat16); an FP8 checkpoint's kept in 8 bits:
   ``engine.layers.fp8_linear.FP8Linear`` (:func:`load_packed`); an int8 one
   (compressed-tensors W8A16, W8A8): ``engine.layers.int8_linear.Int8Linear``
-  (:func:`load_int8`);
+  (:func:`load_int8`); on CUDA, 4-bit, W8A16 and FP8 projections stay packed
+  as a ``engine.layers.triton_packed_linear.TritonPackedLinear`` (the Triton
+  GEMM dequantizing in its tiles);
 * a dense weight: on CPU through ``engine.layers.packed_linear.PackedWeights``
   (the C kernel's bfloat16 panels, oneDNN's packed copy, or ``F.linear``, in
   row tiles in batch-invariant mode); on CUDA ``F.linear``, or the
@@ -33,6 +35,7 @@ from engine.layers.fp8_linear import FP8Linear, fp8_packable
 from engine.layers.int8_linear import Int8Linear, int8_packable
 from engine.layers.packed_linear import PackedWeights, c_panels_for
 from engine.layers.quant_linear import GGUFBlocks, Int4Linear, int4_packable, q8_codes_d
+from engine.layers.triton_packed_linear import TritonPackedLinear, triton_packable
 from engine.quantization.fp8 import FP8Weight
 from engine.quantization.int8 import Int8Weight
 from kernels import cpu_linear
@@ -134,6 +137,8 @@ def load_int4(layer: nn.Module, name: str, pieces: list[tuple[int, GGUFBlocks]],
     ``layer.q4_copy[name]`` when it takes them)."""
     blocks = [b for _, b in pieces]
     covers_all = sum(b.shape[0] for b in blocks) == param.shape[0]
+    if covers_all and not q4_copy and _keep_on_device(layer, name, blocks, param):
+        return
     packable = param.device.type == "cpu" and covers_all and int4_packable(blocks)
     if q4_copy or not packable:
         for offset, b in pieces:
@@ -145,6 +150,17 @@ def load_int4(layer: nn.Module, name: str, pieces: list[tuple[int, GGUFBlocks]],
         return
     layer.int4[name] = Int4Linear(blocks, param.dtype)
     getattr(layer, name).weight = nn.Parameter(param.data.new_empty(0), requires_grad=False)
+
+
+def _keep_on_device(layer: nn.Module, name: str, parts: list, param: nn.Parameter) -> bool:
+    """Keep a projection's packed parts (covering it whole) as a :class:`TritonPackedLinear` on the
+    parameter's CUDA device (``layer.int4[name]``), freeing its dense weight, where :func:`triton_packable`
+    says so; return whether it did."""
+    if not triton_packable(parts, param.device):
+        return False
+    layer.int4[name] = TritonPackedLinear(parts, param.device)
+    getattr(layer, name).weight = nn.Parameter(param.data.new_empty(0), requires_grad=False)
+    return True
 
 
 def load_packed(layer: nn.Module, name: str, pieces: list[tuple[int, object]], param: nn.Parameter,
@@ -160,6 +176,8 @@ def load_packed(layer: nn.Module, name: str, pieces: list[tuple[int, object]], p
         load_int4(layer, name, pieces, param, q4_copy)
         return
     covers_all = sum(p.shape[0] for p in parts) == param.shape[0]
+    if covers_all and _keep_on_device(layer, name, parts, param):
+        return
     if covers_all and fp8_packable(parts, param.dtype, param.device):
         layer.int4[name] = FP8Linear(parts)
         getattr(layer, name).weight = nn.Parameter(param.data.new_empty(0), requires_grad=False)
@@ -182,6 +200,8 @@ def load_int8(layer: nn.Module, name: str, pieces: list[tuple[int, object]], par
     w8a8 = any(getattr(p, "activations", None) == "token" for p in parts)
     if w8a8 and (not covers_all or any(p.activations != "token" for p in parts)):
         raise ValueError(f"{name}: W8A8 int8 parts must cover the whole fused projection")
+    if covers_all and not w8a8 and _keep_on_device(layer, name, parts, param):
+        return
     packable = covers_all and int8_packable(parts, param.dtype, param.device)
     if packable or w8a8:
         layer.int4[name] = Int8Linear(parts, packable)

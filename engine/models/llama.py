@@ -42,6 +42,7 @@ from engine.layers.packed_linear import PackedWeights
 from engine.layers.fp8_linear import FP8Linear
 from engine.layers.int8_linear import Int8Linear
 from engine.layers.quant_linear import Int4Linear
+from engine.layers.triton_packed_linear import TritonPackedLinear
 from engine.distributed.shard_plan import Span, TPShard, plan_shard
 from engine.models.c_stack import c_stack_weights
 from engine.models.weight_loading import load_hf_weights
@@ -100,7 +101,7 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, shard.intermediate)
         self.packed = PackedWeights(row_checks)
         # projections kept packed: 4-bit (quantization="gguf", 4-bit checkpoints) or FP8 (FP8 checkpoints)
-        self.int4: dict[str, Int4Linear | FP8Linear | Int8Linear] = {}
+        self.int4: dict[str, Int4Linear | FP8Linear | Int8Linear | TritonPackedLinear] = {}
         # quantization="none" from a 4-bit GGUF: a 4-bit copy beside the bfloat16 weight, read by the C
         # decoder stack for steps of up to cpu_linear.COPY_MAX_ROWS rows (the same bits from 5 bits per
         # weight instead of 16): name -> (copy, the weight it was made from, that weight's version)

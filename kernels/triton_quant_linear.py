@@ -1,0 +1,173 @@
+"""Batch-invariant linear layer over packed weights for CUDA (Triton): 4-bit
+grouped (GPTQ, AWQ, compressed-tensors W4A16), int8 grouped (W8A16) and FP8
+E4M3 (compressed-tensors ``float-quantized``), dequantized in the GEMM's tiles.
+
+The weights stay in their packed form on the device (4 bits a weight plus
+float32 scale and offset per group, or a byte a weight plus float32 scales);
+each tile of ``BLOCK_K`` x ``BLOCK_N`` weights is turned into float32 values
+by the reference dequantization's own arithmetic, rounded once to the
+activations' dtype, and multiplied exactly as ``triton_batch_invariant.linear``
+multiplies a dense weight (same tiles, same K order, float32 accumulator, bias
+then residual added before the one rounding). So a projection's outputs are
+bit for bit those of the dense Triton GEMM on the weight dequantized at load,
+and, like it, do not depend on the row count:
+
+- 4-bit: value = q d + m per group (d = s, m = -z s: the loader's
+  ``Int4Weight.codes_d_m``). q d and m are exact in float32 (a float16 scale
+  times a 4-bit integer) and so is their sum (q - z) s, so the tile's values
+  equal ``Int4Weight.dequantize`` exactly. Codes are packed two a byte along
+  the inputs (input 2j in the low nibble of byte j, 2j + 1 in the high one).
+- int8: value = float(q) * s per group, one float32 rounding, as
+  ``Int8Weight.dequantize``.
+- FP8 E4M3 (``float8_e4m3fn``): the code's bits are read as a byte and made
+  into the float32 with the same value by moving its fields (exact for every
+  code; 0x7F/0xFF are NaN), then times the row's float32 scale, one rounding,
+  as ``FP8Weight.dequantize``.
+
+The tiling and the row-invariance argument are ``triton_batch_invariant``'s
+(He et al., "Defeating Nondeterminism in LLM Inference", Thinking Machines Lab
+2025); the dequantize-in-the-tile layout is the one of vLLM's Triton AWQ/GPTQ
+GEMMs (``vllm/model_executor/layers/quantization/awq_triton.py``), here with
+no split-K so that the sums keep one order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_batch_invariant import BLOCK_K, BLOCK_M, BLOCK_N, NUM_WARPS
+from kernels.triton_jit import launchable
+
+INT4, INT8, FP8 = 0, 1, 2  # the packed layouts (the kernel's KIND)
+
+
+def _dequant_linear_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    m_ptr,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    num_rows,
+    out_features,
+    in_features,
+    group_size,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_rm,
+    stride_om,
+    KIND: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < num_rows
+    n_ok = offs_n < out_features
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < in_features
+        w_ok = n_ok[None, :] & k_ok[:, None]
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if KIND == 0:  # two 4-bit codes a byte along the inputs
+            byte = tl.load(q_ptr + cols[None, :] * stride_qn + (kk // 2)[:, None], mask=w_ok, other=0).to(tl.int32)
+            val = ((byte >> ((kk % 2) * 4)[:, None]) & 0xF).to(tl.float32)
+        elif KIND == 1:  # int8 codes
+            val = tl.load(q_ptr + cols[None, :] * stride_qn + kk[:, None], mask=w_ok, other=0).to(tl.float32)
+        else:  # E4M3 bits: sign, 4 exponent bits (bias 7), 3 mantissa bits
+            bits = tl.load(q_ptr + cols[None, :] * stride_qn + kk[:, None], mask=w_ok, other=0).to(tl.int32)
+            sign = (bits & 0x80) << 24
+            exp = (bits >> 3) & 0xF
+            man = bits & 0x7
+            normal = (sign | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+            subnormal = man.to(tl.float32) * 0.001953125  # m 2**-9, exact
+            subnormal = tl.where(sign != 0, -subnormal, subnormal)
+            nan = (sign | 0x7FC00000).to(tl.float32, bitcast=True)
+            val = tl.where(exp == 0, subnormal, tl.where((exp == 15) & (man == 7), nan, normal))
+        group = (kk // group_size).to(tl.int64)
+        w = val * tl.load(s_ptr + cols[None, :] * stride_sn + group[:, None], mask=w_ok, other=0.0)
+        if KIND == 0:
+            w += tl.load(m_ptr + cols[None, :] * stride_sn + group[:, None], mask=w_ok, other=0.0)
+        acc = tl.dot(a, w.to(x_ptr.dtype.element_ty), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if HAS_RES:
+        acc += tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def pack_int4_codes(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes two a byte along the inputs, as the kernel reads them.
+
+    Args:
+        codes: integer [out, in], values 0..15, ``in`` even.
+
+    Returns:
+        uint8 [out, in // 2]: byte j holds input 2j in its low nibble and 2j + 1 in its high one.
+    """
+    c = codes.to(torch.uint8)
+    return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+
+
+def dequant_linear(x: torch.Tensor, kind: int, codes: torch.Tensor, scales: torch.Tensor,
+                   offsets: torch.Tensor | None, group_size: int, in_features: int,
+                   bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``residual + x @ W.T + bias`` with W dequantized in the tiles, bits independent of the row count.
+
+    Args:
+        x: [M, K] bfloat16/float16/float32, last dimension contiguous (K = ``in_features``).
+        kind: ``INT4`` (codes uint8 [N, K // 2] from :func:`pack_int4_codes`, value = q d + m),
+            ``INT8`` (codes int8 [N, K], value = q s) or ``FP8`` (codes uint8 [N, K]: float8_e4m3fn bits,
+            value = float(code) s).
+        scales: float32 [N, K // group_size] (d for INT4, s otherwise), contiguous.
+        offsets: float32 [N, K // group_size] (m for INT4), contiguous; None for INT8 and FP8.
+        group_size: inputs per scale (a divisor of K; K for one scale a row).
+        bias: [N] or None; residual: [M, N] or None, added to the float32 accumulator before rounding.
+
+    Returns:
+        [M, N], x's dtype: bitwise ``triton_batch_invariant.linear(x, W.to(x.dtype), bias, residual)``
+        for W the float32 reference dequantization.
+
+    Raises:
+        ValueError: shapes that do not match, a kind without its offsets, a strided last dimension.
+    """
+    m, k = x.shape
+    n = codes.shape[0]
+    if k != in_features or in_features % group_size or scales.shape != (n, in_features // group_size):
+        raise ValueError(f"dequant_linear: x {tuple(x.shape)}, codes {tuple(codes.shape)}, scales "
+                         f"{tuple(scales.shape)} do not match {in_features} inputs in groups of {group_size}")
+    if (kind == INT4) != (offsets is not None):
+        raise ValueError("dequant_linear: 4-bit weights take offsets (m), the others none")
+    if residual is not None and tuple(residual.shape) != (m, n):
+        raise ValueError(f"dequant_linear: residual {tuple(residual.shape)} should be {(m, n)}")
+    for t in (x, codes, scales, offsets, residual):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError("dequant_linear needs the last dimension contiguous")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    kernel = launchable(_dequant_linear_kernel, x.device)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    kernel[grid](
+        x, codes, scales, scales if offsets is None else offsets, x if bias is None else bias,
+        x if residual is None else residual, out,
+        m, n, k, group_size, x.stride(0), codes.stride(0), scales.stride(0),
+        0 if residual is None else residual.stride(0), out.stride(0),
+        KIND=kind, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
+    )
+    return out
