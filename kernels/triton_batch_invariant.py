@@ -12,7 +12,10 @@ Inference", Thinking Machines Lab 2025):
 - ``linear``: output tiles of ``BLOCK_M`` x ``BLOCK_N``, the reduction over
   K in ``BLOCK_K`` steps in order, float32 accumulator, no split-K; bias and
   residual are added to the float32 accumulator before the one rounding
-  (as the CPU path's oneDNN post-op does).
+  (as the CPU path's oneDNN post-op does). The same kernel reads packed
+  4-bit, int8 and FP8 weights and dequantizes them in its tiles
+  (``kernels/triton_quant_linear.py``), so a packed projection's bits are
+  the dense one's on the dequantized weight by construction.
 - ``rms_norm``: one program per row, the whole row in one block.
 
 The engine calls them in batch-invariant mode on CUDA only
@@ -32,21 +35,29 @@ from kernels.triton_jit import launchable
 # One configuration for every call (tensor-core friendly for bf16/fp16).
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 NUM_WARPS = 4
+# How ``_linear_kernel`` reads its weight: dense in x's dtype, or packed and dequantized in the tile
+# (``kernels/triton_quant_linear.py``)
+DENSE, INT4, INT8, FP8 = 0, 1, 2, 3
 
 
 def _linear_kernel(
     x_ptr,
-    w_ptr,
+    q_ptr,
+    s_ptr,
+    m_ptr,
     bias_ptr,
     res_ptr,
     out_ptr,
     num_rows,
     out_features,
     in_features,
+    group_size,
     stride_xm,
-    stride_wn,
+    stride_qn,
+    stride_sn,
     stride_rm,
     stride_om,
+    KIND: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -65,9 +76,31 @@ def _linear_kernel(
     for k0 in range(0, in_features, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < in_features
+        w_ok = n_ok[None, :] & k_ok[:, None]
         a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptr + cols[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if KIND == 0:  # DENSE: the weight in x's dtype
+            w = tl.load(q_ptr + cols[None, :] * stride_qn + kk[:, None], mask=w_ok, other=0.0)
+        elif KIND == 1:  # INT4: two 4-bit codes a byte along the inputs
+            byte = tl.load(q_ptr + cols[None, :] * stride_qn + (kk // 2)[:, None], mask=w_ok, other=0).to(tl.int32)
+            val = ((byte >> ((kk % 2) * 4)[:, None]) & 0xF).to(tl.float32)
+        elif KIND == 2:  # INT8: int8 codes
+            val = tl.load(q_ptr + cols[None, :] * stride_qn + kk[:, None], mask=w_ok, other=0).to(tl.float32)
+        else:  # FP8: E4M3 bits: sign, 4 exponent bits (bias 7), 3 mantissa bits
+            bits = tl.load(q_ptr + cols[None, :] * stride_qn + kk[:, None], mask=w_ok, other=0).to(tl.int32)
+            sign = (bits & 0x80) << 24
+            exp = (bits >> 3) & 0xF
+            man = bits & 0x7
+            normal = (sign | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+            subnormal = man.to(tl.float32) * 0.001953125  # m 2**-9, exact
+            subnormal = tl.where(sign != 0, -subnormal, subnormal)
+            nan = (sign | 0x7FC00000).to(tl.float32, bitcast=True)
+            val = tl.where(exp == 0, subnormal, tl.where((exp == 15) & (man == 7), nan, normal))
+        if KIND != 0:  # the reference dequantization's float32 arithmetic
+            group = (kk // group_size).to(tl.int64)
+            w = val * tl.load(s_ptr + cols[None, :] * stride_sn + group[:, None], mask=w_ok, other=0.0)
+            if KIND == 1:
+                w += tl.load(m_ptr + cols[None, :] * stride_sn + group[:, None], mask=w_ok, other=0.0)
+        acc = tl.dot(a, w.to(x_ptr.dtype.element_ty), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
@@ -130,9 +163,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     kernel = launchable(_linear_kernel, x.device)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     kernel[grid](
-        x, weight, x if bias is None else bias, x if residual is None else residual, out,
-        m, n, k, x.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        x, weight, x, x, x if bias is None else bias, x if residual is None else residual, out,
+        m, n, k, k, x.stride(0), weight.stride(0), 0, 0 if residual is None else residual.stride(0), out.stride(0),
+        KIND=DENSE, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
     )

@@ -6,9 +6,9 @@ The weights stay in their packed form on the device (4 bits a weight plus
 float32 scale and offset per group, or a byte a weight plus float32 scales);
 each tile of ``BLOCK_K`` x ``BLOCK_N`` weights is turned into float32 values
 by the reference dequantization's own arithmetic, rounded once to the
-activations' dtype, and multiplied exactly as ``triton_batch_invariant.linear``
-multiplies a dense weight (same tiles, same K order, float32 accumulator, bias
-then residual added before the one rounding). So a projection's outputs are
+activations' dtype, and multiplied by ``triton_batch_invariant``'s kernel
+itself, the one that multiplies a dense weight (same tiles, same K order,
+float32 accumulator, bias then residual added before the one rounding). So a projection's outputs are
 bit for bit those of the dense Triton GEMM on the weight dequantized at load,
 and, like it, do not depend on the row count:
 
@@ -37,76 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_batch_invariant import BLOCK_K, BLOCK_M, BLOCK_N, NUM_WARPS
+from kernels.triton_batch_invariant import BLOCK_K, BLOCK_M, BLOCK_N, FP8, INT4, INT8, NUM_WARPS, _linear_kernel
 from kernels.triton_jit import launchable
 
-INT4, INT8, FP8 = 0, 1, 2  # the packed layouts (the kernel's KIND)
-
-
-def _dequant_linear_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    m_ptr,
-    bias_ptr,
-    res_ptr,
-    out_ptr,
-    num_rows,
-    out_features,
-    in_features,
-    group_size,
-    stride_xm,
-    stride_qn,
-    stride_sn,
-    stride_rm,
-    stride_om,
-    KIND: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < num_rows
-    n_ok = offs_n < out_features
-    rows = offs_m.to(tl.int64)
-    cols = offs_n.to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
-        kk = k0 + offs_k
-        k_ok = kk < in_features
-        w_ok = n_ok[None, :] & k_ok[:, None]
-        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if KIND == 0:  # two 4-bit codes a byte along the inputs
-            byte = tl.load(q_ptr + cols[None, :] * stride_qn + (kk // 2)[:, None], mask=w_ok, other=0).to(tl.int32)
-            val = ((byte >> ((kk % 2) * 4)[:, None]) & 0xF).to(tl.float32)
-        elif KIND == 1:  # int8 codes
-            val = tl.load(q_ptr + cols[None, :] * stride_qn + kk[:, None], mask=w_ok, other=0).to(tl.float32)
-        else:  # E4M3 bits: sign, 4 exponent bits (bias 7), 3 mantissa bits
-            bits = tl.load(q_ptr + cols[None, :] * stride_qn + kk[:, None], mask=w_ok, other=0).to(tl.int32)
-            sign = (bits & 0x80) << 24
-            exp = (bits >> 3) & 0xF
-            man = bits & 0x7
-            normal = (sign | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-            subnormal = man.to(tl.float32) * 0.001953125  # m 2**-9, exact
-            subnormal = tl.where(sign != 0, -subnormal, subnormal)
-            nan = (sign | 0x7FC00000).to(tl.float32, bitcast=True)
-            val = tl.where(exp == 0, subnormal, tl.where((exp == 15) & (man == 7), nan, normal))
-        group = (kk // group_size).to(tl.int64)
-        w = val * tl.load(s_ptr + cols[None, :] * stride_sn + group[:, None], mask=w_ok, other=0.0)
-        if KIND == 0:
-            w += tl.load(m_ptr + cols[None, :] * stride_sn + group[:, None], mask=w_ok, other=0.0)
-        acc = tl.dot(a, w.to(x_ptr.dtype.element_ty), acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    ok = m_ok[:, None] & n_ok[None, :]
-    if HAS_RES:
-        acc += tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+__all__ = ["FP8", "INT4", "INT8", "dequant_linear", "pack_int4_codes"]
 
 
 def pack_int4_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -159,7 +93,7 @@ def dequant_linear(x: torch.Tensor, kind: int, codes: torch.Tensor, scales: torc
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    kernel = launchable(_dequant_linear_kernel, x.device)
+    kernel = launchable(_linear_kernel, x.device)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     kernel[grid](
         x, codes, scales, scales if offsets is None else offsets, x if bias is None else bias,

@@ -36,6 +36,14 @@ def _signature(fn, pointer_types: dict[str, str]) -> dict[str, str]:
     return sig
 
 
+def _linear_pointers(dtype: str, weight: str, scales: str | None = None) -> dict[str, str]:
+    """The pointer types of ``triton_batch_invariant._linear_kernel``: activations, bias, residual and output in
+    ``dtype``; the weight (dense or packed codes) as ``weight``; scales and offsets float32 when packed (a dense
+    call passes x in their place)."""
+    return dict(x_ptr=f"*{dtype}", q_ptr=weight, s_ptr=scales or f"*{dtype}", m_ptr=scales or f"*{dtype}",
+                bias_ptr=f"*{dtype}", res_ptr=f"*{dtype}", out_ptr=f"*{dtype}")
+
+
 def configurations():
     """(kernel function, pointer types, constexprs) for each variant to compile."""
     out = []
@@ -81,13 +89,15 @@ def configurations():
     bi = triton_batch_invariant
     for dtype in ("bf16", "fp16", "fp32"):
         for has_bias, has_res in ((False, False), (True, True)):
-            out.append((bi._linear_kernel,
-                        dict(x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", bias_ptr=f"*{dtype}", res_ptr=f"*{dtype}",
-                             out_ptr=f"*{dtype}"),
-                        dict(HAS_BIAS=has_bias, HAS_RES=has_res, BLOCK_M=bi.BLOCK_M, BLOCK_N=bi.BLOCK_N,
+            out.append((bi._linear_kernel, _linear_pointers(dtype, f"*{dtype}"),
+                        dict(KIND=bi.DENSE, HAS_BIAS=has_bias, HAS_RES=has_res, BLOCK_M=bi.BLOCK_M, BLOCK_N=bi.BLOCK_N,
                              BLOCK_K=bi.BLOCK_K, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")))
         out.append((bi._rms_norm_kernel, dict(x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", out_ptr=f"*{dtype}"),
                     dict(BLOCK_N=1024)))
+    for kind, codes in ((bi.INT4, "*u8"), (bi.INT8, "*i8"), (bi.FP8, "*u8")):  # packed weights, bf16 activations
+        out.append((bi._linear_kernel, _linear_pointers("bf16", codes, scales="*fp32"),
+                    dict(KIND=kind, HAS_BIAS=True, HAS_RES=True, BLOCK_M=bi.BLOCK_M, BLOCK_N=bi.BLOCK_N,
+                         BLOCK_K=bi.BLOCK_K, DOT_PRECISION="tf32")))
     return out
 
 
