@@ -44,7 +44,7 @@ from engine.core.request import ForkGroup, Request, RequestStatus
 from engine.worker.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from engine.core.step_cost import pooling_budget
+from engine.core.step_cost import device_pairs_per_token, pooling_budget
 from engine.worker.structured_outputs import StructuredOutputManager
 from engine.core.ttft import predict_waiting, quad_of, state_of
 from engine.core.ttft_calibration import TTFTCalibration
@@ -201,9 +201,12 @@ class EngineCore:
         self._pooled_rows: dict[str, dict[int, torch.Tensor]] = {}   # pooling request -> first position -> rows
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
-        self.ttft_calibration = TTFTCalibration()   # step costs for TTFT predictions (engine/core/ttft.py)
+        # step costs for TTFT predictions (engine/core/ttft.py), attention priced in token-equivalents as the
+        # scheduler prices pooling chunks
+        self.ttft_calibration = TTFTCalibration(
+            pairs_per_token=device_pairs_per_token(self.model_config, self.device.type))
         self._requests_added = 0                     # add_request/add_embed calls, accepted or refused (engine/core/ttft.py)
-        self._last_step: tuple | None = None   # (start, prefill tokens, decode rows, quad_of its chunks)
+        self._last_step: tuple | None = None   # (start, prefill tokens, decode rows, quad_of its rows, chunks)
         self.scheduler.kv_cache_manager.block_pool.kv_events = []
         kv_events = KVEventsConfig.parse(args.kv_events_config)   # vLLM's KV events for routers (engine/kv_events.py)
         self.kv_event_publisher = ZmqEventPublisher(kv_events) if kv_events is not None else None
@@ -397,18 +400,17 @@ class EngineCore:
             self.executor.fail(str(exc))
             raise
         sampled, row_logprobs, grammar_done, content = self._sample(sched, runner_out)
-        prefill_tokens = decode_rows = 0
-        chunks = []
+        prefill_tokens = decode_rows = chunks = 0
         for entry in sched.scheduled:
             req = entry.request
             if entry.num_computed_tokens < req.num_prompt_tokens:
-                n = min(entry.num_new_tokens, req.num_prompt_tokens - entry.num_computed_tokens)
-                prefill_tokens += n
-                chunks.append((entry.num_computed_tokens, n))
+                prefill_tokens += min(entry.num_new_tokens, req.num_prompt_tokens - entry.num_computed_tokens)
+                chunks += 1
             else:
                 decode_rows += 1
         self._prompt_tokens_total += prefill_tokens
-        self._calibrate(started, prefill_tokens, decode_rows, quad_of(chunks), len(chunks))
+        self._calibrate(started, prefill_tokens, decode_rows, quad_of(
+            (e.num_computed_tokens, e.num_new_tokens) for e in sched.scheduled), chunks)
         self._collect_prompt_logprobs(sched, runner_out.prompt_logits)
         before = {sid: self._seqs[sid].num_output_tokens for sid in sampled if sid in self._seqs}
         finished = self.scheduler.update_from_output(sched, sampled, not_stops=content)

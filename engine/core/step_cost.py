@@ -95,10 +95,15 @@ class PoolingBudget:
         return q
 
 
+def device_pairs_per_token(cfg: ModelConfig, device_type: str) -> float:
+    """``pairs_per_token`` of ``cfg`` on a ``device_type`` ("cpu", "cuda") device (``ATTENTION_COST_RATIO``)."""
+    return pairs_per_token(cfg, ATTENTION_COST_RATIO.get(device_type, 1.0))
+
+
 def pooling_budget(cfg: ModelConfig, device_type: str, max_num_batched_tokens: int) -> PoolingBudget:
     """The engine's ``PoolingBudget`` for ``cfg`` on a ``device_type`` ("cpu", "cuda") device with a step budget
     of ``max_num_batched_tokens`` tokens."""
-    ppt = pairs_per_token(cfg, ATTENTION_COST_RATIO.get(device_type, 1.0))
+    ppt = device_pairs_per_token(cfg, device_type)
     step_cost = POOLING_STEP_COST.get(device_type, POOLING_STEP_COST["cuda"])
     return PoolingBudget(ppt, step_cost, PoolingBudget(ppt, step_cost).chunk_cost(max_num_batched_tokens, 0))
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engine.core.kv_cache_manager import hash_block_tokens
+from engine.core.step_cost import attention_pairs
 from engine.core.ttft_calibration import CALIBRATION_TAU_S, TTFTCalibration, prefill_seconds
 from engine.core.ttft_sim import DECODING, POOLING, PREFILL, simulate_ttft
 
@@ -41,8 +42,9 @@ class TTFTState(msgspec.Struct, array_like=True):
         step_s: measured seconds of a step of one decode row (``TTFTCalibration``).
             prefill_tok_s: measured prefill tokens per second. fixed_s, row_s: a step's measured fixed cost and
             cost per decode row, seconds (a step of n rows costs ``fixed_s + n * row_s``: TPOT at a batch size).
-            quad_s: measured seconds per prefill chunk's tokens x (its context + its tokens) (``quad_of``): what a
-            chunk costs beyond its tokens / ``prefill_tok_s`` (attention, and caches a long chunk overflows).
+            quad_s: measured seconds per attention pair of a step's rows (``quad_of``: prefill chunks' and decode
+            rows'): what a step costs beyond its tokens / ``prefill_tok_s`` and its rows (attention, and caches a
+            long context overflows).
             chunk_s: measured seconds per prefill chunk (a request's prefill in one step), beyond its tokens' costs.
         running_prefill_reqs: running requests with prompt tokens left to compute.
         added: requests the core has taken from its queue of commands so far (accepted or refused; an embedding
@@ -102,8 +104,8 @@ class TTFTState(msgspec.Struct, array_like=True):
         return self.fixed_s + self.row_s * rows if self.fixed_s or self.row_s else self.step_s
 
     def step_cost(self, rows: float, tokens: float, quad: float, chunks: float) -> float:
-        """Seconds of a step of ``rows`` decode rows and ``tokens`` prefill tokens in ``chunks`` chunks of
-        ``quad_of`` ``quad`` (``TTFTCalibration.cost`` as published)."""
+        """Seconds of a step of ``rows`` decode rows and ``tokens`` prefill tokens in ``chunks`` chunks, its rows'
+        attention pairs ``quad`` (``quad_of``) (``TTFTCalibration.cost`` as published)."""
         return self.decode_step_s(rows) + self.prefill_s(tokens, quad, chunks)
 
     def queued(self) -> tuple[int, int]:
@@ -131,8 +133,8 @@ class TTFTPrediction:
                 f"{p.get('uncached', 0)} uncached of {p.get('prompt', 0)}: {p.get('steps', 0)} steps simulated, "
                 f"{p.get('chunks', 0)} prefill chunks; a step {p.get('fixed_s', 0) * 1000:.0f} ms + "
                 f"{p.get('row_s', 0) * 1000:.1f} ms a row + {p.get('prefill_tok_s', 0):.0f} tok/s + "
-                f"{p.get('chunk_s', 0) * 1000:.1f} ms a chunk + {p.get('quad_s', 0) * 1e9:.1f} ns a token x "
-                f"context (speed {p.get('speed', 1.0):.2f}){waits}{tpot})")
+                f"{p.get('chunk_s', 0) * 1000:.1f} ms a chunk + {p.get('quad_s', 0) * 1e9:.1f} ns an attention "
+                f"pair (speed {p.get('speed', 1.0):.2f}){waits}{tpot})")
 
 
 def predict_ttft(state: TTFTState, prompt_tokens: int, cached_tokens: int, priority: int = 0,
@@ -165,21 +167,23 @@ def predict_tpot(state: TTFTState) -> float:
     it will decode in (the running set, the queued requests and itself, at most ``max_num_seqs`` rows: the
     queue takes every seat that frees) at the measured cost per row, plus the queued prefill that the steps of
     its decode also compute (spread over ``typical_decode`` steps, at most the budget left by the decode rows),
-    its chunks included."""
+    its chunks included, and each row's attention over its context (the running rows' mean context)."""
     rows = min(state.num_running + sum(c[2] for c in state.queued_prefill) + 1, state.max_num_seqs)
     steps = max(state.typical_decode, 1.0)
     queued, n_prefill = state.queued()
     interleaved = min(queued, steps * max(state.budget - rows, 0)) / steps
     chunks = interleaved / (queued / n_prefill) if n_prefill and queued else 0.0   # chunks of the queue's mean length
-    return state.decode_step_s(rows) + state.prefill_s(interleaved, chunks=chunks)
+    context = sum(s[0] for s in state.running_seqs) / len(state.running_seqs) if state.running_seqs else 0.0
+    return state.decode_step_s(rows) + state.prefill_s(interleaved, rows * (context + 1), chunks)
 
 
-def quad_of(chunks) -> float:
-    """Sum over prefill ``chunks`` ((context tokens, new tokens) each) of new x (context + new): the work a chunk
-    does beyond its tokens' own (attention over its context and itself, and the caches a long chunk
-    overflows); measured on this project's CPU engine, a 475-token prompt cost 2-6x per token what 83- and
-    227-token ones did (1.3 and 1.4 ms)."""
-    return float(sum(n * (ctx + n) for ctx, n in chunks))
+def quad_of(rows) -> float:
+    """Attention (query, key) pairs of a step's ``rows`` ((context tokens, new tokens) each: prefill chunks and
+    decode rows alike), ``step_cost.attention_pairs`` summed: the work a step does beyond its tokens' own, which
+    grows with each row's context (measured on this project's CPU engine, a 475-token prompt cost 2-6x per token
+    what 83- and 227-token ones did; a decode row 6,000 tokens deep attends over ten token-equivalents of pairs
+    each step, SmolLM2 on CPU)."""
+    return float(sum(attention_pairs(n, ctx) for ctx, n in rows))
 
 
 def cached_prefix_tokens(token_ids: list[int], block_size: int, is_cached) -> int:

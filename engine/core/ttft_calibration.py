@@ -1,9 +1,10 @@
 """The engine's step costs, measured online from the steps it runs (``TTFTCalibration``): what a TTFT
 prediction (``engine/core/ttft_sim.py``) charges each step it simulates up to a request's first token.
 
-The form: a step of ``rows`` decode rows and prefill chunks (context c_i, new tokens q_i) takes
+The form: a step of ``rows`` decode rows and prefill chunks (new tokens q_i), its rows (decode rows and chunks
+alike) attending over p (query, key) pairs in all (``ttft.quad_of``), takes
 
-    T = s(t) x (a + b rows + c sum q_i + d sum q_i (c_i + q_i) + e #chunks)   seconds,
+    T = s(t) x (a + b rows + c sum q_i + d p + e #chunks)   seconds,
 
 the linear-plus-quadratic prefill latency of DistServe's model (Zhong et al., OSDI 2024, sec. 3 and app. A: the
 linear layers' work grows with the tokens, attention's with tokens x context) extended to a chunked-prefill step
@@ -11,7 +12,14 @@ as Sarathi-Serve's chunks see it (Agrawal et al., OSDI 2024: a chunk attends ove
 Vidur's per-batch-shape runtime (Agrawal et al., MLSys 2024) fitted online instead of profiled. The shape
 (a..e) is a least-squares fit over the last few hundred steps; s(t), the box's speed, is the ratio of the recent
 steps' measured seconds to the shape's, over seconds of wall time: on a shared host other processes change every
-cost at once, within seconds, while the shape holds."""
+cost at once, within seconds, while the shape holds.
+
+Given the model's attention price (``pairs_per_token``: pairs that cost a token's linear layers,
+``engine/core/step_cost.py``), d is tied to c (d = c / pairs_per_token): a prefill step's time is fitted on its
+token-equivalents and its chunks. Fitted apart, c and d swung against each other (a long prompt's chunks carry
+tokens and pairs together, so a few slow steps on a shared host moved cost from one to the other): within one
+benchmark run the prefill rate ranged 197-4,881 tok/s and the pair's price 0.8-2.2 us, and the predictions
+followed (``loadtests/bench/ttft_accuracy.py``: p90 error 80-116 %)."""
 
 from __future__ import annotations
 
@@ -54,12 +62,12 @@ class _LeastSquares:
         self.xy = [v * factor for v in self.xy]
         self.xx = [[v * factor for v in row] for row in self.xx]
 
-    def add(self, x: tuple[float, ...], y: float) -> None:
-        """Fold in one sample ``(x, y)``."""
+    def add(self, x: tuple[float, ...], y: float, weight: float = 1.0) -> None:
+        """Fold in one sample ``(x, y)`` of ``weight``."""
         for i, xi in enumerate(x):
-            self.xy[i] += xi * y
+            self.xy[i] += weight * xi * y
             for j, xj in enumerate(x):
-                self.xx[i][j] += xi * xj
+                self.xx[i][j] += weight * xi * xj
 
     def fit(self, w: float, prior: tuple[float, ...]) -> list[float]:
         """Coefficients solving ``(xx + w I) c = xy + w prior`` (a ridge of weight ``w`` toward ``prior``), costs
@@ -99,9 +107,11 @@ class TTFTCalibration:
     (``fixed_s``, ``row_s``, ``prefill_tok_s``, ``quad_s``, ``chunk_s``, ``step_s``) are the shape's times the
     speed; constructed with them, they are the shape the first steps refine.
 
-    The shape: a decode-only step of n rows costs ``fixed + n x row``: a least-squares line through the decode
-    steps; a step with prefill costs that for its decode rows plus its prefill time, fitted as tokens x c1 +
-    ``quad_of`` x c2 + chunks x c3 (c1 = 1 / ``prefill_tok_s``). Each sum weighs a step by exp(-steps since /
+    The shape: a decode-only step of n rows costs ``fixed + n x row`` plus its rows' attention pairs x c2: a
+    least-squares line through the decode steps, less that attention; a step with prefill costs that for its
+    decode rows plus its prefill time, fitted as tokens x c1 + ``quad_of`` x c2 + chunks x c3 (c1 = 1 /
+    ``prefill_tok_s``; with ``pairs_per_token`` set, c2 = c1 / ``pairs_per_token`` and (tokens + pairs /
+    ``pairs_per_token``) x c1 + chunks x c3 is fitted). Each sum weighs a step by exp(-steps since /
     ``SHAPE_MEMORY_STEPS``) (recursive least squares with exponential forgetting, Haykin, *Adaptive Filter
     Theory*, ch. 10), with a small ridge toward the current estimate (steps that all ran one row do not separate
     the fixed part from the per-row part; their sum stays right). The speed: the measured seconds of the steps
@@ -114,7 +124,8 @@ class TTFTCalibration:
     measured (steps of three spill load-test runs on an AVX512-BF16 host, least squares over each run's ~1,900
     steps): 8.7-9.9 ms a chunk and 0.21-0.23 ms a token, where a fit without it gave 0.27-0.29 ms a token and
     left steps of 1-80 prefill tokens 10-12 % longer than it predicted. Starts from a guess (``step_s`` seconds
-    for a one-row decode step, ``prefill_tok_s`` tokens/s) that the first steps replace."""
+    for a one-row decode step, ``prefill_tok_s`` tokens/s) that the first steps replace. ``pairs_per_token``: the
+    model's attention pairs per token-equivalent (``step_cost.device_pairs_per_token``), or 0: c2 fitted apart."""
 
     step_s: float = 0.05
     prefill_tok_s: float = 2000.0
@@ -124,6 +135,7 @@ class TTFTCalibration:
     quad_s: float = 0.0
     chunk_s: float = 0.0
     speed: float = 1.0
+    pairs_per_token: float = 0.0
     _shape: list[float] = field(default_factory=list, repr=False)   # fixed, row, s/token, quad, chunk (speed 1)
     _line: _LeastSquares = field(default_factory=lambda: _LeastSquares(2), repr=False)    # decode steps: (1, rows)
     # prefill steps: (tokens, quad, chunks), scaled
@@ -138,6 +150,9 @@ class TTFTCalibration:
     def __post_init__(self) -> None:
         if not self.fixed_s and not self.row_s:   # the guess: a one-row decode step, a fifth of it per row
             self.fixed_s, self.row_s = 0.8 * self.step_s, 0.2 * self.step_s
+        if self.pairs_per_token:
+            self.quad_s = 1.0 / (self.prefill_tok_s * self.pairs_per_token)
+            self._prefill = _LeastSquares(2)
         self._shape = [self.fixed_s, self.row_s, 1.0 / self.prefill_tok_s, self.quad_s, self.chunk_s]
         self._publish()
 
@@ -168,8 +183,8 @@ class TTFTCalibration:
         self._prefill.decay(forget)
         fixed, row, per_token, quad_s, chunk_s = self._shape
         shaped = seconds / self.speed   # the step at the speed of the steps before it: the shape's own units
-        if prefill_tokens == 0:
-            self._line.add((1.0, float(decode_rows)), shaped)
+        if prefill_tokens == 0:   # the decode rows' attention over their contexts is priced apart
+            self._line.add((1.0, float(decode_rows)), max(shaped - quad_s * quad, 0.2 * shaped))
             w = _PRIOR_WEIGHT if self.steps else 1e-3   # the first step replaces the guess along its own direction
             fixed, row = self._line.fit(w, (fixed, row))
             self._shape[:2] = max(fixed, 1e-4), row
@@ -179,13 +194,24 @@ class TTFTCalibration:
             # Its prefill time: c1 x tokens + c2 x quad + c3 x chunks, fitted (features scaled to like sizes) with
             # a ridge toward the current estimate; a negative cost is dropped from the fit (``_LeastSquares.fit``).
             y = max(shaped - fixed - row * decode_rows, 0.2 * shaped)
-            self._prefill.add((prefill_tokens / _T_UNIT, quad / _Q_UNIT, float(chunks)), y)
             guessed = per_token * prefill_tokens + quad_s * quad + chunk_s * chunks
+            # Relative least squares: each step weighs the inverse square of its prefill time as the shape
+            # guesses it (no more than a decode step's), so a 40-token prompt's step counts as much as a chunk
+            # deep in a long prompt that takes a hundred times as long (``TTFTCalibration``: why).
+            w = min((fixed + row) / max(guessed, 1e-9), 1.0) ** 2
+            if self.pairs_per_token:   # tokens and pairs priced by one coefficient: token-equivalents
+                self._prefill.add(((prefill_tokens + quad / self.pairs_per_token) / _T_UNIT, float(chunks)), y, w)
+            else:
+                self._prefill.add((prefill_tokens / _T_UNIT, quad / _Q_UNIT, float(chunks)), y, w)
             if self._fit_n == 0 and guessed > 0:
                 # The first prefill step scales the guess to its time: fitted alone, one step's three features
                 # put its whole time on the largest (a long context's quad: 53 us a token x context, ten times
                 # the steps that followed, in the first seconds of a bench run).
                 self._shape[2:] = [v * y / guessed for v in (per_token, quad_s, chunk_s)]
+            elif self.pairs_per_token:
+                c1, c3 = self._prefill.fit(_PRIOR_WEIGHT, (_T_UNIT * per_token, chunk_s))
+                c1 = max(c1, 1e-9) / _T_UNIT
+                self._shape[2:] = c1, c1 / self.pairs_per_token, c3
             else:
                 c1, c2, c3 = self._prefill.fit(_PRIOR_WEIGHT, (_T_UNIT * per_token, quad_s * _Q_UNIT, chunk_s))
                 self._shape[2:] = max(c1, 1e-9) / _T_UNIT, c2 / _Q_UNIT, c3

@@ -9,8 +9,8 @@ pooling chunk beside generation work, the step's ``StepAllowance``: ``engine/cor
 the last running request when the KV blocks run out; then admits waiting requests in order while budget, seats
 (``max_num_seqs``) and blocks last. A request finishes after its last token (a pooling one after its last chunk),
 freeing its seat and blocks. Each step costs what the calibration says of its shape (``TTFTCalibration.cost``:
-decode rows, prefill tokens, the sum over its chunks of new x (context + new) tokens, chunks), so a chunk deep in
-a long prompt costs its attention over that context. The new request's TTFT is the end of the step that samples
+decode rows, prefill tokens, its rows' attention pairs (``quad_of``: a decode row's too), chunks), so a chunk
+deep in a long prompt costs its attention over that context, and so does a decode row deep in its conversation. The new request's TTFT is the end of the step that samples
 its first token.
 
 Decode lengths are taken at ``max_tokens`` (a request that meets its end of sequence earlier frees its seat
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.core.scheduler import chunk_tokens
-from engine.core.step_cost import PoolingBudget, StepAllowance
+from engine.core.step_cost import PoolingBudget, StepAllowance, attention_pairs
 
 # The kinds of a published sequence (``TTFTState.running_seqs`` / ``waiting_seqs``)
 PREFILL, DECODING, POOLING = 0, 1, 2
@@ -52,6 +52,11 @@ class SimResult:
 
     seconds: float
     parts: dict
+
+
+def attention_pairs_f(tokens: float, context: float) -> float:
+    """``attention_pairs`` of a fractional chunk (the tokens arriving meanwhile: a rate times seconds)."""
+    return tokens * context + tokens * (tokens + 1) / 2
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -145,14 +150,14 @@ class _Sim:
     def _run(self, batch: list[tuple[_Seq, int]], arriving: float) -> float:
         """Charge the step its cost and advance its requests; its seconds."""
         rows = tokens = chunks = 0
-        quad = arriving * arriving
+        quad = attention_pairs_f(arriving, 0.0)
         for q, n in batch:
+            quad += attention_pairs(n, q.ctx)
             if q.kind == DECODING:
                 rows += 1
             else:
                 tokens += n
                 chunks += 1
-                quad += n * (q.ctx + n)
         seconds = self.cost(rows, tokens + arriving, quad, chunks + (arriving > 0))
         self.t += seconds
         self.steps += 1
@@ -185,7 +190,9 @@ class _Sim:
     def jump(self) -> float:
         """Run the decode steps until the first running request finishes, at once; their seconds."""
         k = min(q.left for q in self.running)
-        seconds = k * self.cost(len(self.running), 0, 0.0, 0)
+        rows = len(self.running)   # each row attends over its context, one key more each step
+        pairs = k * sum(q.ctx + 1 for q in self.running) + rows * k * (k - 1) // 2
+        seconds = self.cost(rows, 0, pairs / k, 0) * k   # the cost is linear in the pairs: k steps at their mean
         self.t += seconds
         self.steps += k
         for q in list(self.running):

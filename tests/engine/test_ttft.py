@@ -38,7 +38,8 @@ class ScriptedEngine:
         self.done_at: dict[str, float] = {}   # the end of each request's last step
         # a step's seconds: cost(decode rows, prefill tokens)
         self.cost = cost or (lambda decode_rows, prefill: STEP_S + prefill / PREFILL_TOK_S)
-        # or: chunk_cost(decode rows, prefill chunks as (context tokens, new tokens)), for costs of attention
+        # or: chunk_cost(decode rows, prefill chunks as (context tokens, new tokens), every row so), for costs of
+        # attention
         self.chunk_cost = chunk_cost
         self.calibrate = calibrate   # False: the calibration stays as set (its costs are the engine's exactly)
         self.state = self.publish()
@@ -67,11 +68,12 @@ class ScriptedEngine:
         decode = len(out.scheduled) - sum(e.num_computed_tokens < e.request.num_prompt_tokens for e in out.scheduled)
         chunks = [(e.num_computed_tokens, min(e.num_new_tokens, e.request.num_prompt_tokens - e.num_computed_tokens))
                   for e in out.scheduled if e.num_computed_tokens < e.request.num_prompt_tokens]
-        cost = self.chunk_cost(decode, chunks) if self.chunk_cost else self.cost(decode, prefill)
+        rows = [(e.num_computed_tokens, e.num_new_tokens) for e in out.scheduled]
+        cost = self.chunk_cost(decode, chunks, rows) if self.chunk_cost else self.cost(decode, prefill)
         self.now += cost
         self.done_at.update((e.request.request_id, self.now) for e in out.scheduled)
         if self.calibrate:
-                self.cal.observe(cost, prefill, decode, at=self.now, quad=quad_of(chunks) if self.chunk_cost else 0.0,
+            self.cal.observe(cost, prefill, decode, at=self.now, quad=quad_of(rows) if self.chunk_cost else 0.0,
                              chunks=len(chunks) if self.chunk_cost else 0)
         sampled = {e.request.request_id: 7 for e in out.scheduled if e.sample}
         for rid in sampled:
@@ -268,12 +270,12 @@ def test_queued_follow_up_turns_count_only_what_the_prefix_cache_lacks():
 
 
 def test_prefill_rate_is_weighted_by_tokens_not_averaged_over_steps():
-    """Full chunks and short tails alternate: the rate is the tokens over their time, which a few noisy short
-    steps cannot drag down."""
+    """Full chunks and short tails alternate: the rate is the tokens over their time, which noisy short steps
+    cannot drag down (each weighs its relative error: a short tail's 10 ms of noise is more than its prefill)."""
     cal = TTFTCalibration(step_s=0.030, prefill_tok_s=3000.0, steps=1, fixed_s=0.030, row_s=0.0)
-    for _ in range(200):
-        cal.observe(0.030 + 512 / 3000, 512, 4)
-        cal.observe(0.030 + 0.010 + 20 / 3000, 20, 4)   # a short tail with 10 ms of noise
+    for i in range(200):
+        cal.observe(0.030 + 512 / 3000, 512, 4, chunks=1)
+        cal.observe(0.030 + 0.010 * (-1) ** i + 20 / 3000, 20, 4, chunks=1)   # a short tail, +-10 ms of noise
     assert cal.prefill_tok_s == pytest.approx(3000, rel=0.1)
 
 
@@ -479,7 +481,7 @@ def test_a_queue_of_follow_up_turns_is_charged_their_tails_attention_over_the_co
     it was under half the TTFT (and a deep queue of such turns 25-39 % short at the median in the spill runs)."""
     rng = random.Random(20)
     eng = ScriptedEngine(chunk_cost=_long_chunk_cost, max_num_batched_tokens=512)
-    eng.cal = TTFTCalibration(step_s=0.018, prefill_tok_s=2000.0, steps=1, fixed_s=0.010, row_s=0.008, quad_s=2e-6)
+    eng.cal = TTFTCalibration(step_s=0.018, prefill_tok_s=2000.0, steps=1, fixed_s=0.010, row_s=0.008, quad_s=4e-6)
     queue_follow_up_turns(eng, rng, 6, 600, 40)
     # each tail is queued after its conversation (its context, attended over) and is a chunk of its own
     assert all(ctx >= 600 - 16 and need <= 40 + 2 + 16 for _, ctx, need, _, _ in eng.state.waiting_seqs)
@@ -503,9 +505,10 @@ def test_requests_behind_a_burst_are_charged_the_rows_the_burst_will_decode():
     assert abs(p - delivered) <= 0.1 * delivered, (p, delivered)
 
 
-def _long_chunk_cost(rows: int, chunks: list[tuple[int, int]]) -> float:
-    """A CPU engine's step whose prefill chunks cost more per token the longer they and their contexts are."""
-    return 0.010 + 0.008 * rows + sum(n / 2000 + n * (ctx + n) * 2e-6 for ctx, n in chunks)
+def _long_chunk_cost(rows: int, chunks: list[tuple[int, int]], every=None) -> float:
+    """A CPU engine's step whose prefill chunks cost more per token the longer they and their contexts are, and
+    whose rows (``every``; None: the chunks) cost their attention pairs."""
+    return 0.010 + 0.008 * rows + sum(n / 2000 for _, n in chunks) + 4e-6 * quad_of(chunks if every is None else every)
 
 
 def test_short_prompts_are_not_charged_a_long_chunks_rate_per_token():
@@ -530,9 +533,11 @@ def test_short_prompts_are_not_charged_a_long_chunks_rate_per_token():
 CHUNK_S = 0.009   # a prefill chunk's own cost, as measured on the CPU engine (``TTFTCalibration``'s doc)
 
 
-def _chunky_cost(rows: int, chunks: list[tuple[int, int]]) -> float:
-    """A step whose every prefill chunk costs ``CHUNK_S`` beyond its tokens (the CPU engine's, measured)."""
-    return 0.010 + 0.008 * rows + sum(n / 4000 + n * (ctx + n) * 4e-7 + CHUNK_S for ctx, n in chunks)
+def _chunky_cost(rows: int, chunks: list[tuple[int, int]], every=None) -> float:
+    """A step whose every prefill chunk costs ``CHUNK_S`` beyond its tokens (the CPU engine's, measured), and whose
+    rows (``every``; None: the chunks) cost their attention pairs."""
+    return (0.010 + 0.008 * rows + sum(n / 4000 + CHUNK_S for _, n in chunks)
+            + 8e-7 * quad_of(chunks if every is None else every))
 
 
 def test_calibration_separates_the_cost_of_a_chunk_from_its_tokens():
@@ -560,7 +565,7 @@ def test_a_queue_of_short_follow_up_tails_is_charged_a_chunk_each():
     rng = random.Random(23)
     eng = ScriptedEngine(chunk_cost=_chunky_cost, max_num_batched_tokens=512, max_num_seqs=16)
     eng.cal = TTFTCalibration(step_s=0.018, prefill_tok_s=4000.0, steps=1, fixed_s=0.010, row_s=0.008,
-                              quad_s=4e-7, chunk_s=CHUNK_S)
+                              quad_s=8e-7, chunk_s=CHUNK_S)
     queue_follow_up_turns(eng, rng, 12, 300, 45)
     prompt = tokens(rng, 100)
     without = predict_ttft(msgspec.structs.replace(eng.state, chunk_s=0.0), len(prompt), 0).seconds
