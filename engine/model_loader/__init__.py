@@ -136,8 +136,8 @@ def _log_quantized(model, quantization: str, dtype: torch.dtype) -> None:
     int4 = sum(len(layer.int4) for layer in model.layers)
     copies = sum(len(layer.q4_copy) for layer in model.layers)
     if int4:
-        logger.info("quantization %s: %d projections computed from their packed codes (4-bit or FP8; no %s copy)",
-                    quantization, int4, dtype)
+        logger.info("%d projections kept packed and computed from their codes (4-bit, int8 or FP8; no dense %s "
+                    "copy)", int4, dtype)
     if copies or model.lm_head_q8 is not None:
         mib = sum(packed.nbytes for layer in model.layers for packed, _, _ in layer.q4_copy.values()) / 2**20
         head = model.lm_head_q8

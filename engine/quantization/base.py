@@ -85,3 +85,23 @@ def require(config: dict, key: str, allowed, default=None):
         raise UnsupportedQuantization(f"quantization_config.{key} = {value!r} is not supported "
                                       f"(supported: {', '.join(map(repr, allowed))})")
     return value
+
+
+def declared_group_size(weights: dict) -> int | None:
+    """The inputs per scale a ``pack-quantized`` group's ``weights`` declare: ``group_size`` for the "group"
+    strategy, None for "channel" (one scale a row)."""
+    return int(weights["group_size"]) if weights.get("strategy") == "group" else None
+
+
+def check_groups(prefix: str, field: str, group_size: int | None, in_features: int, groups: int) -> None:
+    """Refuse a layer whose ``weight_scale`` has another number of groups than the config declares
+    (vLLM sizes its scale parameters from the declared ``group_size`` and fails to load such a layer).
+
+    Raises:
+        ValueError: naming the field, the declared value and what the layer holds.
+    """
+    expected = 1 if group_size is None else in_features // group_size
+    if (group_size is not None and in_features % group_size) or groups != expected:
+        declared = f"group_size = {group_size}" if group_size is not None else "strategy = 'channel'"
+        raise ValueError(f"{field}.{declared} does not fit layer {prefix!r}: its weight_scale has {groups} "
+                         f"group(s) for {in_features} inputs")

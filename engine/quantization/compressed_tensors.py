@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.quantization.base import QuantizationConfig, UnsupportedQuantization, require
+from engine.quantization.base import (QuantizationConfig, UnsupportedQuantization, check_groups,
+                                      declared_group_size, require)
 from engine.quantization.compressed_tensors_int8 import W8A8Config, W8A16Config
 from engine.quantization.fp8 import FP8Weight
 from engine.quantization.int4 import Int4Weight, grouped_int4, unpack_int32
@@ -93,6 +94,11 @@ def check_config(config: dict, fmt: str) -> dict:
     _check(f"{where}.weights", weights, _WEIGHTS[fmt])
     if fmt == "pack-quantized" and weights["num_bits"] == 8:
         _check(f"{where}.weights", weights, _PACKED_W8)
+    size = weights.get("group_size")
+    if weights.get("strategy") == "group" and (not isinstance(size, int) or isinstance(size, bool) or size <= 0):
+        raise UnsupportedQuantization(f"{where}.weights.group_size = {size!r} is not supported with strategy "
+                                      "'group' (supported: a positive integer)")
+    group["field"] = f"{where}.weights"
     return group
 
 
@@ -102,9 +108,13 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     Attributes:
         symmetric: no zero points are stored (zp = 0).
+        group_size: inputs per scale as declared (None: one scale a row), checked against each layer.
+        field: the declared weights' place in config.json, for errors.
     """
 
     symmetric: bool
+    group_size: int | None = None
+    field: str = "quantization_config.config_groups.group_0.weights"
 
     name = "compressed-tensors"
     parts = frozenset({"weight_packed", "weight_scale", "weight_shape"})
@@ -122,9 +132,10 @@ class CompressedTensorsConfig(QuantizationConfig):
             return FP8Config(group["weights"]["strategy"])
         if fmt == "int-quantized":
             return W8A8Config(group["weights"]["strategy"])
-        if group["weights"]["num_bits"] == 8:
-            return W8A16Config()
-        return cls(bool(group["weights"].get("symmetric", True)))
+        weights = group["weights"]
+        if weights["num_bits"] == 8:
+            return W8A16Config(declared_group_size(weights), group["field"])
+        return cls(bool(weights.get("symmetric", True)), declared_group_size(weights), group["field"])
 
     def weight(self, prefix: str, parts: dict[str, torch.Tensor]) -> Int4Weight | torch.Tensor:
         """See ``QuantizationConfig.weight``."""
@@ -134,11 +145,12 @@ class CompressedTensorsConfig(QuantizationConfig):
                 or scale.shape[0] != out:
             raise ValueError(f"compressed-tensors layer {prefix!r}: weight_packed {tuple(packed.shape)} and "
                              f"weight_scale {tuple(scale.shape)} do not fit weight_shape {(out, k)}")
+        check_groups(prefix, self.field, self.group_size, k, scale.shape[1])
         codes = unpack_int32(packed, dim=1)  # q + 8, [out, in]
         if self.symmetric:
             zeros = torch.full((scale.shape[1], out), 8, dtype=torch.int32)
         elif "weight_zero_point" not in parts:
-            raise ValueError(f"compressed-tensors layer {prefix!r}: asymmetric without weight_zero_point")
+            raise ValueError(f"{self.field}.symmetric = False, but layer {prefix!r} has no weight_zero_point")
         else:
             zeros = unpack_int32(parts["weight_zero_point"], dim=0)[:out].t().to(torch.int32)  # zp + 8
         return grouped_int4(codes, zeros, scale.t(), parts.get("weight_g_idx"),

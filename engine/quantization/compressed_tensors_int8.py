@@ -22,13 +22,21 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.quantization.base import QuantizationConfig
+from engine.quantization.base import QuantizationConfig, check_groups
 from engine.quantization.int8 import Int8Weight, unpack_int8
 
 
 @dataclass
 class W8A16Config(QuantizationConfig):
-    """compressed-tensors ``pack-quantized`` 8-bit weights, bfloat16 (model dtype) activations."""
+    """compressed-tensors ``pack-quantized`` 8-bit weights, bfloat16 (model dtype) activations.
+
+    Attributes:
+        group_size: inputs per scale as declared (None: one scale a row), checked against each layer.
+        field: the declared weights' place in config.json, for errors.
+    """
+
+    group_size: int | None = None
+    field: str = "quantization_config.config_groups.group_0.weights"
 
     name = "compressed-tensors"
     parts = frozenset({"weight_packed", "weight_scale", "weight_shape"})
@@ -41,6 +49,7 @@ class W8A16Config(QuantizationConfig):
                 or scale.shape[0] != out or k % scale.shape[1]:
             raise ValueError(f"compressed-tensors layer {prefix!r}: weight_packed {tuple(packed.shape)} and "
                              f"weight_scale {tuple(scale.shape)} do not fit an 8-bit weight_shape {(out, k)}")
+        check_groups(prefix, self.field, self.group_size, k, scale.shape[1])
         return Int8Weight(unpack_int8(packed, k), scale.float().contiguous(), k // scale.shape[1])
 
 

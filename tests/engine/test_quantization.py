@@ -372,3 +372,27 @@ def test_a_checkpoint_method_needs_a_directory(tmp_path):
     f.write_bytes(b"")
     with pytest.raises(ValueError, match="quantization 'awq' needs a HF checkpoint directory"):
         load_model(EngineArgs(model=str(f), device="cpu", quantization="awq"))
+
+
+@pytest.mark.parametrize("case, declared", [("ct_w4a16_sym_llama", 64), ("ct_w8a16_group_llama", 16),
+                                            ("ct_w4a16_channel_llama", 32)])
+def test_a_declared_group_size_the_layers_do_not_have_is_refused_naming_the_field(tmp_path, case, declared):
+    """A config.json whose group_size (or channel strategy) contradicts the layers' weight_scale is refused at
+    load, naming the field (it loaded and served before, from the tensors' shapes)."""
+    _quantized(tmp_path, case)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    weights = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
+    weights.update(strategy="group", group_size=declared)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"quantization_config\.config_groups\.group_0\.weights\.group_size = "
+                                         rf"{declared} does not fit layer .*weight_scale has \d+ group"):
+        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="4MiB")
+
+
+def test_asymmetric_config_without_zero_points_names_the_field(tmp_path):
+    _quantized(tmp_path, "ct_w4a16_sym_llama")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"weights\.symmetric = False, but layer .* has no weight_zero_point"):
+        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="4MiB")
