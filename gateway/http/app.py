@@ -13,6 +13,7 @@ the ops console at GET /admin/ui from ``console.py``. Every response carries
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import msgspec
 from litestar import HttpMethod, Litestar, Request, Response, get, post, route
@@ -26,6 +27,7 @@ from gateway.errors import ClientError, error_body
 from gateway.http.admin import ADMIN_HANDLERS
 from gateway.http.admin_limits import admin_limits
 from gateway.http.console import CONSOLE_HANDLERS
+from gateway.http.hot_path import HotPathApp, HotRoute
 from gateway.http.responses import RESPONSES_HANDLERS
 from gateway.http.rollouts_admin import ROLLOUT_HANDLERS
 from gateway.http.anthropic import ANTHROPIC_EXCEPTION_HANDLERS, anthropic_headers, count_tokens
@@ -111,6 +113,10 @@ async def _serve(request: Request, endpoint: str, headers=None) -> Response:
     return await serve_observed(request, endpoint, headers, answer_)
 
 
+async def _serve_messages(request: Request) -> Response:
+    return await _serve(request, "messages", anthropic_headers(request.headers))
+
+
 @post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     return await _serve(request, "chat/completions")
@@ -129,7 +135,16 @@ async def embeddings(request: Request) -> Response:
 @post("/v1/messages", exception_handlers=ANTHROPIC_EXCEPTION_HANDLERS)
 async def messages(request: Request) -> Response:
     """Anthropic Messages, served as its chat translation (``gateway/translate/anthropic.py``)."""
-    return await _serve(request, "messages", anthropic_headers(request.headers))
+    return await _serve_messages(request)
+
+
+# The same four endpoints on the hot path (``gateway/http/hot_path.py``): the handlers' bodies and exception tables.
+HOT_ROUTES = {
+    "/v1/chat/completions": HotRoute(partial(_serve, endpoint="chat/completions"), EXCEPTION_HANDLERS),
+    "/v1/completions": HotRoute(partial(_serve, endpoint="completions"), EXCEPTION_HANDLERS),
+    "/v1/embeddings": HotRoute(partial(_serve, endpoint="embeddings"), EXCEPTION_HANDLERS),
+    "/v1/messages": HotRoute(_serve_messages, {**EXCEPTION_HANDLERS, **ANTHROPIC_EXCEPTION_HANDLERS}),
+}
 
 
 # The endpoints a public model is served on (``GET /v1/models`` lists them per model, one table: add a row per
@@ -184,10 +199,12 @@ async def ready(request: Request) -> Response:
     return Response(msgspec.json.encode(body), status_code=200 if status == "ready" else 503, media_type=_JSON)
 
 
-def create_app(gw: Gateway, cors: CorsConfig | None = None) -> Litestar:
+def create_app(gw: Gateway, cors: CorsConfig | None = None, hot_path: bool = True) -> Litestar:
     """The ASGI app for one ``Gateway`` (its start/stop run in the lifespan); ``cors``: the ``server.cors``
-    setting (None: no CORS headers, preflights refused)."""
-    return Litestar(
+    setting (None: no CORS headers, preflights refused); ``hot_path``: the client APIs' POST endpoints served past
+    Litestar's router (``HOT_ROUTES``; always off with CORS)."""
+    return HotPathApp(
+        hot_routes=HOT_ROUTES if hot_path and cors is None else {},
         cors_config=CORSConfig(**cors.model_dump()) if cors is not None else None,
         route_handlers=[chat_completions, completions, models, model, live, ready, messages, count_tokens, embeddings,
                         *RESPONSES_HANDLERS, *ADMIN_HANDLERS, *ROLLOUT_HANDLERS, admin_limits, *CONSOLE_HANDLERS],

@@ -162,16 +162,25 @@ class _ASGIEventStream(ASGIStreamingResponse):
     __slots__ = ()
 
     async def send_body(self, send, receive) -> None:
-        watch = _DisconnectWatch(receive)
-        try:
-            await self._stream(send)
-        except asyncio.CancelledError:
-            watch.stop()
-            if watch.consumed():
-                return               # the client left: the stream was cancelled on its behalf
-            raise
-        finally:
-            watch.stop()
+        await stream_body(self.iterator, send, receive, self.encoding)
+
+
+async def stream_body(iterator, send, receive, encoding: str = "utf-8") -> None:
+    """Send ``iterator``'s chunks (bytes, or str in ``encoding``) as ASGI body events, then the final empty one
+    (Litestar's ``ASGIStreamingResponse._stream``), cancelled when the client disconnects (``_DisconnectWatch``)."""
+    watch = _DisconnectWatch(receive)
+    try:
+        async for chunk in iterator:
+            await send({"type": "http.response.body", "body": chunk if isinstance(chunk, bytes)
+                        else chunk.encode(encoding), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except asyncio.CancelledError:
+        watch.stop()
+        if watch.consumed():
+            return                   # the client left: the stream was cancelled on its behalf
+        raise
+    finally:
+        watch.stop()
 
 
 class EventStream(Stream):
