@@ -1,13 +1,13 @@
-"""``openai`` backends: any OpenAI-compatible upstream over one pooled, kept-alive aiohttp connection pool per
-upstream.
+"""``openai`` backends: any OpenAI-compatible upstream.
 
-Requests and streams go through aiohttp's ``ClientSession`` itself; the same pool also backs an
-``httpx.AsyncClient`` (``httpx_aiohttp.AiohttpTransport``) for the cold calls (the health probe, a replica's
-``/v1/ttft``). At 32 concurrent requests against a fast local server on the 2-core dev machine (``python -m
+Requests and streams go through the lean HTTP/1.1 client of ``gateway/backends/h1.py`` (one pool of kept-alive
+connections per upstream, request heads built once per endpoint); the cold calls (the health probe, a replica's
+``/v1/ttft``) through an ``httpx.AsyncClient`` on aiohttp's transport (``httpx_aiohttp.AiohttpTransport``), a pool
+of its own. At 32 concurrent requests against a fast local server on the 2-core dev machine (``python -m
 loadtests.bench.transport_bench``): httpx's default transport ~330 requests/s, httpx + AiohttpTransport ~1,200,
 a prebuilt httpx request straight to that transport ~2,300, aiohttp alone ~3,000: httpx's request, response and
-header objects were a fifth of the gateway's CPU per request (issue 48's profile). Retries are off (one retry
-layer only: ``gateway/backends/dispatch.py``).
+header objects were a fifth of the gateway's CPU per request, and aiohttp's afterwards still as much (issue 48's
+profiles). Retries are off (one retry layer only: ``gateway/backends/dispatch.py``).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
-import aiohttp
 import httpx
 import msgspec
 from httpx_aiohttp import AiohttpTransport
 
+from gateway.backends.h1 import Pool, Response
 from gateway.config.schema import OpenAIBackendConfig
 from gateway.errors import BackendError, transport_error_kind
 from gateway.observability.tracing import current_traceparent
@@ -50,18 +50,21 @@ def make_client(base_url: str, max_connections: int, connect_s: float, read_s: f
                              follow_redirects=False)
 
 
-def _traced(headers: dict[str, str], request_id: str) -> dict[str, str]:
-    """``headers`` with the gateway's ``x-request-id`` and the W3C ``traceparent`` of the current request/attempt
-    (gateway/observability/telemetry.py)."""
-    out = {**headers, "x-request-id": request_id}
-    tp = current_traceparent()
+_PER_REQUEST = ("x-request-id", "traceparent")     # set per request (``_traced``), never in a request head
+
+
+def _traced(headers: Mapping[str, str], request_id: str) -> dict[str, str]:
+    """The per-request headers: the gateway's ``x-request-id`` and the W3C ``traceparent`` of the current
+    request/attempt (gateway/observability/telemetry.py; else one configured in ``headers``)."""
+    out = {"x-request-id": request_id}
+    tp = current_traceparent() or headers.get("traceparent")
     if tp is not None:
         out["traceparent"] = tp
     return out
 
 
-# What aiohttp raises for a failed connect, send or read (``asyncio.TimeoutError`` for its timeouts).
-_TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+# What the client raises for a failed connect, send or read (``TimeoutError`` for its timeouts is an OSError).
+_TRANSPORT_ERRORS = (asyncio.TimeoutError, OSError)
 
 
 class UpstreamBackend:
@@ -90,15 +93,14 @@ class UpstreamBackend:
                 headers.update(self.auth_headers(key))
         self.client = make_client(cfg.base_url, cfg.max_connections, cfg.timeouts.connect_s,
                                   cfg.timeouts.read_s, headers)
-        # Hot path: absolute URLs, headers and timeouts built once; requests go straight to the aiohttp session
-        # of the client's pooled transport (no httpx request, response or header objects).
-        self._transport = self.client._transport
-        self._session: aiohttp.ClientSession | None = None
-        self._urls = {ep: f"{cfg.base_url}/{ep}" for ep in (*self.endpoints, *getattr(cfg, "apis", ()))}
+        # Hot path: each endpoint's request head (request line and fixed headers) built once
+        t = cfg.timeouts
+        self._h1 = Pool(cfg.base_url, cfg.max_connections, t.connect_s, t.read_s)
         self._headers = headers
         self._sse_headers = {**headers, **_SSE_HEADERS}
-        t = cfg.timeouts
-        self._timeout = aiohttp.ClientTimeout(sock_connect=t.connect_s, sock_read=t.read_s, connect=t.connect_s)
+        paths = (*self.endpoints, *getattr(cfg, "apis", ()))
+        self._heads = {(ep, sse): self._head(ep, self._sse_headers if sse else headers)
+                       for ep in paths for sse in (False, True)}
         self.active = 0  # requests in flight (to close a retired client safely)
 
     def api_headers(self) -> dict[str, str]:
@@ -133,8 +135,7 @@ class UpstreamBackend:
             BackendError: connection failure, timeout, or an error status."""
         self.active += 1
         try:
-            headers = self._headers if not extra_headers else {**self._headers, **extra_headers}
-            r = await self._post(endpoint, headers, payload, request_id)
+            r = await self._post(endpoint, False, extra_headers, payload, request_id)
             try:
                 body = await r.read()
             except _TRANSPORT_ERRORS as e:
@@ -168,8 +169,7 @@ class UpstreamBackend:
                 error status)."""
         self.active += 1
         try:
-            headers = self._sse_headers if not extra_headers else {**self._sse_headers, **extra_headers}
-            r = await self._post(endpoint, headers, payload, request_id)
+            r = await self._post(endpoint, True, extra_headers, payload, request_id)
             if r.status >= 400:
                 try:
                     body = await r.read()
@@ -182,25 +182,24 @@ class UpstreamBackend:
             raise
         return self._relay(r)
 
-    def _pool(self) -> aiohttp.ClientSession:
-        """The aiohttp session of the client's transport (made on first use, in the running loop), shared by the
-        hot path and the client's cold calls: one connection pool per upstream."""
-        if self._session is None:
-            t = self._transport
-            if not isinstance(t.client, aiohttp.ClientSession):
-                t.client = t.get_client()
-            self._session = t.client
-        return self._session
+    def _head(self, endpoint: str, headers: Mapping[str, str]) -> bytes:
+        return self._h1.head(endpoint, {k: v for k, v in headers.items() if k not in _PER_REQUEST})
 
-    async def _post(self, endpoint: str, headers: dict[str, str], payload: bytes,
-                    request_id: str) -> aiohttp.ClientResponse:
-        """Send the POST; the response once its headers arrived (the caller reads and releases it).
+    async def _post(self, endpoint: str, sse: bool, extra_headers: Mapping[str, str] | None, payload: bytes,
+                    request_id: str) -> Response:
+        """Send the POST (``sse``: asking for an event stream; ``extra_headers`` over the backend's own); the
+        response once its head arrived (the caller reads and releases it).
 
         Raises:
             BackendError: connection failure or timeout."""
+        base = self._sse_headers if sse else self._headers
+        if extra_headers:
+            head = self._head(endpoint, {**base, **extra_headers})
+            base = {**base, **extra_headers}
+        else:
+            head = self._heads[endpoint, sse]
         try:
-            return await self._pool().request("POST", self._urls[endpoint], headers=_traced(headers, request_id),
-                                              data=payload, allow_redirects=False, timeout=self._timeout)
+            return await self._h1.post(head, _traced(base, request_id), payload)
         except _TRANSPORT_ERRORS as e:
             raise self._transport_error(e) from None
 
@@ -249,18 +248,17 @@ class UpstreamBackend:
         if r.status_code >= 500:
             raise BackendError("http", f"{self.name}: GET /models: HTTP {r.status_code}", r.status_code)
 
-    def _http_error(self, r: aiohttp.ClientResponse, body: bytes) -> BackendError:
+    def _http_error(self, r: Response, body: bytes) -> BackendError:
         return BackendError("http", f"{self.name}: HTTP {r.status}", r.status, body,
                             parse_retry_after(r.headers),
                             r.headers.get("content-type", "application/json"))
 
-    async def _relay(self, r: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        # whatever has arrived, straight from aiohttp's reader
-        content = r.content
+    async def _relay(self, r: Response) -> AsyncIterator[bytes]:
+        # whatever has arrived, straight from the connection's buffer
         try:
-            while chunk := await content.readany():
+            while chunk := await r.readany():
                 yield chunk
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+        except asyncio.TimeoutError:
             raise BackendError("timeout", f"{self.name}: stream stalled", 504) from None
         except _TRANSPORT_ERRORS as e:
             raise BackendError("stream", f"{self.name}: stream broken ({type(e).__name__})", 502) from None
@@ -269,4 +267,5 @@ class UpstreamBackend:
             r.release()   # a response not read to its end closes its connection instead of pooling it
 
     async def aclose(self) -> None:
+        await self._h1.aclose()
         await self.client.aclose()
