@@ -184,6 +184,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, res: RequestResult, start: 
         data = line[5:].strip()
         if data == b"[DONE]":
             done = True
+            await resp.read()    # the rest (the chunked body's end), as the openai SDK reads it: the connection is reused
             break
         chunk = _decode(data)
         if "error" in chunk:
