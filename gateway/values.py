@@ -125,7 +125,8 @@ class GatewayRequest:
     16; chat: None, up to the context; embeddings: 0), the engine's rule. ``body`` has its top-level nulls dropped (null = not
     given).
     prompt_tokens: the prompt's length in tokens, counted once (the local engine's rendering when a rule reads
-    it, else ``estimate_prompt_tokens``). rendered: that rendering (``engine.serving.serving.RenderedPrompt``:
+    it, else ``estimate_prompt_tokens``); prompt_tokens_exact: whether that is a count (rendered, or token ids
+    given), not a guess. rendered: that rendering (``engine.serving.serving.RenderedPrompt``:
     template applied, tokenized), handed to the local engine so it does not tokenize again; None when not
     rendered. local_unsupported: a field the local engine cannot serve. headers: lower-case names -> values.
     unknown_params: top-level parameters neither OpenAI's nor a known vendor extension (``KNOWN_PARAMS``), refused
@@ -150,6 +151,7 @@ class GatewayRequest:
     tenant: str = ""
     request_id: str = ""
     prompt_tokens: int | None = None
+    prompt_tokens_exact: bool = False
     rendered: Any = None
     headers: Mapping[str, str] = field(default_factory=dict)
     source: tuple[str, dict] | None = None

@@ -73,6 +73,13 @@ class OpenAIServingEmbedding(OpenAIServing):
         tok = self.engine.tokenizer
         prompts = [tok.encode(x, add_special_tokens=True) if isinstance(x, str) else x
                    for x in _inputs(body.get("input"))]
+        limit = self.engine.max_model_len
+        for i, ids in enumerate(prompts):
+            if len(ids) > limit:   # the core refuses it too, with no parameter named
+                where = "input" if len(prompts) == 1 else f"input[{i}]"
+                raise ServingError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                                        f"{where} resulted in {len(ids)} tokens. Please reduce the length of the "
+                                        f"input.", param="input", code="context_length_exceeded")
         try:
             vectors = await self.engine.embed(prompts)
         except Exception as exc:  # noqa: BLE001 -- mapped onto the client's error

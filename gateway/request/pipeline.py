@@ -17,7 +17,7 @@ from gateway.billing.local_cost import local_price
 from gateway.errors import ClientError
 from gateway.request.admission import admit
 from gateway.request.auth import authenticate
-from gateway.request.validate import (check_request, estimate_prompt_tokens, parse_json,
+from gateway.request.validate import (check_request, counted_exactly, estimate_prompt_tokens, parse_json,
                                       unknown_parameter_error, with_default_max_tokens)
 from gateway.resilience.resume import prepare as prepare_resume
 from gateway.resilience.resume import resumable
@@ -65,7 +65,8 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     if snap.needs_prompt_tokens and snap.local is not None and snap.local.available:
         rendered = snap.local.render(endpoint, req.body)
     prompt_tokens = rendered.prompt_tokens if rendered is not None else estimate_prompt_tokens(req.body)
-    return replace(req, public_model=public, prompt_tokens=prompt_tokens, rendered=rendered, source=source)
+    return replace(req, public_model=public, prompt_tokens=prompt_tokens, rendered=rendered, source=source,
+                   prompt_tokens_exact=rendered is not None or counted_exactly(req.body))
 
 
 def features(req: GatewayRequest, prefix: bool = False) -> RequestFeatures:

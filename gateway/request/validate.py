@@ -289,6 +289,17 @@ def _content_chars(content: object) -> tuple[int, int]:
     return chars, images
 
 
+def counted_exactly(body: dict) -> bool:
+    """Whether :func:`estimate_prompt_tokens` of ``body`` is exact rather than a guess: every prompt (or
+    embeddings input) given as token ids."""
+    value = body["input"] if "input" in body and "messages" not in body and "prompt" not in body \
+        else body.get("prompt")
+    if value is None or isinstance(value, str):
+        return False
+    items = value if value and not all(isinstance(x, int) for x in value) else [value]
+    return all(isinstance(item, list) for item in items)
+
+
 def estimate_prompt_tokens(body: dict) -> int:
     """Rough prompt length when no tokenizer is at hand: ~4 characters per token (OpenAI's rule of thumb for
     English BPE text) of the messages' text, their tool calls and the tool definitions (as JSON, as chat templates

@@ -404,3 +404,18 @@ def test_route_explain_gives_the_gateways_decision(gateway, tmp_path):
     assert r.returncode == 0, r.stderr
     assert served.headers["x-tandem-route"] == "aggregator"
     assert json.loads(r.stdout)["route"] == served.headers["x-tandem-route"]
+
+
+def test_embeddings_input_that_fits_is_not_refused_on_an_estimate(gateway):
+    """The gateway skips a backend as too small only on a counted prompt: 400 words of "hello " are ~400 SmolLM2
+    tokens (within the local engine's 512) but 600 by the ~4-characters-a-token estimate, which refused them
+    with 400 "resulted in 600 tokens". Input that really does not fit gets the engine's own 400 with its count."""
+    alone = {"x-route-test": "alone"}
+    r = client(gateway).embeddings.create(model="smollm2", input="hello " * 400, extra_headers=alone)
+    assert 400 <= r.usage.prompt_tokens < 512 and len(r.data) == 1
+    with pytest.raises(openai.BadRequestError) as e:
+        client(gateway).embeddings.create(model="smollm2", input="hello " * 600, extra_headers=alone)
+    error = e.value.body
+    assert (error["param"], error["code"]) == ("input", "context_length_exceeded")
+    counted = int(error["message"].split("resulted in ")[1].split(" ")[0])
+    assert 512 < counted < 700 and counted != 900   # the engine's count (~600), not the estimate (900)
