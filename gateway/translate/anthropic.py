@@ -47,11 +47,13 @@ _DROPPED = frozenset({"service_tier", "cache_control", "container", "diagnostics
                       "thinking", "user_profile_id", "workspace_id", "context_management", "mcp_servers"})
 
 
-def _missing_or_wrong(body: dict, name: str, wanted: str) -> str:
-    """The message for a top-level field that is absent or of the wrong type (Anthropic's wording)."""
+def _missing_or_wrong(body: dict, name: str, wanted: str, path: str | None = None) -> str:
+    """The message for a field of ``body`` that is absent or of the wrong type (Anthropic's wording), named by
+    its ``path`` in the request (default: ``name``, a top-level field)."""
+    path = path or name
     if name not in body:
-        return f"{name}: Field required ({wanted})"
-    return f"{name}: Input should be {wanted}, got {type(body[name]).__name__}"
+        return f"{path}: Field required ({wanted})"
+    return f"{path}: Input should be {wanted}, got {type(body[name]).__name__}"
 
 
 def _bad(message: str, param: str) -> ClientError:
@@ -124,9 +126,17 @@ def _message(m: object, i: int) -> list[dict]:
         elif kind == "image" and role == "user":
             parts.append(_image_part(b, bp))
         elif kind == "tool_use" and role == "assistant":
-            calls.append({"id": b.get("id"), "type": "function", "function": {
-                "name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, separators=(",", ":"))}})
+            for field, wanted in (("id", "a string"), ("name", "a string")):
+                if not isinstance(b.get(field), str) or not b[field]:
+                    raise _bad(_missing_or_wrong(b, field, wanted, f"{bp}.{field}"), f"{bp}.{field}")
+            if not isinstance(b.get("input"), dict):
+                raise _bad(_missing_or_wrong(b, "input", "an object", f"{bp}.input"), f"{bp}.input")
+            calls.append({"id": b["id"], "type": "function", "function": {
+                "name": b["name"], "arguments": json.dumps(b["input"], separators=(",", ":"))}})
         elif kind == "tool_result" and role == "user":
+            if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
+                raise _bad(_missing_or_wrong(b, "tool_use_id", "a string", f"{bp}.tool_use_id"),
+                           f"{bp}.tool_use_id")
             text, images = _tool_result(b.get("content") or "", f"{bp}.content")
             results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
                             "content": f"Error: {text}" if b.get("is_error") else text})
@@ -150,6 +160,18 @@ def _message(m: object, i: int) -> list[dict]:
     return out
 
 
+def _check_sampling(body: dict) -> None:
+    """Anthropic's own ranges, narrower than chat's (which the translation's chat checks apply after):
+    ``temperature`` and ``top_p`` in [0, 1], ``top_k`` an integer >= 0."""
+    for name in ("temperature", "top_p"):
+        v = body.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
+            raise _bad(f"{name}: Input should be a number between 0 and 1, got {v!r}", name)
+    k = body.get("top_k")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise _bad(f"top_k: Input should be an integer greater than or equal to 0, got {k!r}", "top_k")
+
+
 def _tools(tools: object) -> list[dict]:
     if not isinstance(tools, list):
         raise _bad("tools: must be an array", "tools")
@@ -160,7 +182,10 @@ def _tools(tools: object) -> list[dict]:
         if t.get("type") not in (None, "custom"):
             raise _bad(f"tools.{i}: server tool {t.get('type')!r} is not supported; only client tools with an "
                        "input_schema", f"tools.{i}.type")
-        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+        if not isinstance(t.get("input_schema"), dict):
+            raise _bad(_missing_or_wrong(t, "input_schema", "an object", f"tools.{i}.input_schema"),
+                       f"tools.{i}.input_schema")
+        fn = {"name": t["name"], "parameters": t["input_schema"]}
         if t.get("description"):
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})
@@ -201,6 +226,7 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
         chat.append({"role": "system", "content": _text_of(body["system"], "system")})
     for i, m in enumerate(msgs):
         chat.extend(_message(m, i))
+    _check_sampling(body)
     out: dict = {"model": body["model"], "messages": chat}
     for k in _SAMPLING:
         if body.get(k) is not None:

@@ -39,7 +39,22 @@ def test_request_mapping_and_refusals():
                         ({"model": "m", "max_tokens": 1, "messages": USER,
                           "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
                         ({"model": "m", "max_tokens": 1, "messages": USER, "tool_choice": {"type": "some"}},
-                         "tool_choice")]:
+                         "tool_choice"),
+                        # Anthropic's own ranges and required fields (the chat checks after the translation are
+                        # wider, and named OpenAI's paths: the new-user trial got 200s and tool_calls paths)
+                        ({"model": "m", "max_tokens": 1, "messages": USER, "temperature": 1.5}, "temperature"),
+                        ({"model": "m", "max_tokens": 1, "messages": USER, "top_p": -0.1}, "top_p"),
+                        ({"model": "m", "max_tokens": 1, "messages": USER, "top_k": -1}, "top_k"),
+                        ({"model": "m", "max_tokens": 1, "messages": USER, "tools": [{"name": "f"}]},
+                         "tools.0.input_schema"),
+                        ({"model": "m", "max_tokens": 1, "messages": [*USER, {"role": "assistant", "content": [
+                            {"type": "text", "text": "x"}, {"type": "tool_use", "id": "t1", "input": {}}]}]},
+                         "messages.1.content.1.name"),
+                        ({"model": "m", "max_tokens": 1, "messages": [*USER, {"role": "assistant", "content": [
+                            {"type": "tool_use", "id": "t1", "name": "f", "input": "{}"}]}]},
+                         "messages.1.content.0.input"),
+                        ({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [
+                            {"type": "tool_result", "content": "ok"}]}]}, "messages.0.content.0.tool_use_id")]:
         with pytest.raises(ClientError) as e:
             messages_to_chat(body)
         assert e.value.status == 400 and e.value.param == param, body
