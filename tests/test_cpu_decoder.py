@@ -251,6 +251,37 @@ def test_4bit_projections_give_the_bfloat16_bits(linear_build):
     assert all(torch.equal(rows[key], first_rows[0][key]) for rows in first_rows for key in runs)
 
 
+def test_a_4bit_decode_step_has_the_same_bits_on_any_team(linear_build):
+    """Decode steps of one and two rows on 4-bit weights run the layers in one parallel region
+    (decoder_cpu.c's decode_team: its work items shared by the team, the norms and SwiGLU computed by every
+    thread): hidden states and caches equal the per-operation path's on 1, 2 and 3 threads (the attention's
+    items are split by query head where there are few per thread), with a context past one cache block."""
+    from kernels import cpu_linear
+
+    if not cpu_linear.q4_available():
+        pytest.skip("no 4-bit C kernel")
+    config = _config(layers=2)
+    model = _gguf_model(config, "int4")
+    prefill = _step([(0, 20, [1, 2]), (0, 7, [3])], config.vocab_size, seed=0)
+    base = _caches(config)
+    _forward(model, base, prefill, c_decoder=False)
+    threads = torch.get_num_threads()
+    try:
+        for seqs in ([(20, 1, [1, 2])], [(20, 1, [1, 2]), (7, 1, [3])]):
+            step = _step(seqs, config.vocab_size, seed=5)
+            torch.set_num_threads(2)
+            ref_caches = _copy(base)
+            ref = _forward(model, ref_caches, step, c_decoder=False)
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                caches = _copy(base)
+                assert torch.equal(_forward(model, caches, step, c_decoder=True), ref), n
+                assert all(torch.equal(x, y) for (xk, xv), (yk, yv) in zip(caches, ref_caches)
+                           for x, y in ((xk, yk), (xv, yv))), n
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_stack_and_the_copies_are_chosen_once(linear_build, monkeypatch):
     """With the dense weights kept, the stack's view of the weights is built
     once per set of caches, and each linear method asks once how many rows

@@ -37,6 +37,11 @@ int paged_attention_f32(const void *query, int64_t ldq, const void *key_cache, c
                         const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
                         const int32_t *query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, float scale, int num_threads);
+int paged_attention_bf16_team(const void *query, int64_t ldq, const void *key_cache, const void *value_cache,
+                              void *out, const int32_t *block_tables, int64_t block_table_stride,
+                              const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                              float scale);
 
 /* linear_cpu.c */
 int linear_isa(void);
@@ -49,6 +54,9 @@ void linear_q4_pack(const uint8_t *codes, int64_t n, int64_t k, uint8_t *codes_o
 int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales, int64_t group,
               const int32_t *perm, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
               int64_t m, int64_t n, int64_t k, int y_f32, int num_threads);
+int linear_q4_team(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales, int64_t group,
+                   const float *bias, const uint16_t *residual, int64_t ldr, uint16_t *y, int64_t ldy, int64_t m,
+                   int64_t n, int64_t k);
 void linear_q8_pack(const int8_t *codes, const float *d, int64_t group, int64_t n, int64_t k, int8_t *codes_out,
                     float *scales_out);
 int linear_q8(const uint16_t *x, int64_t ldx, const int8_t *codes, const float *scales, int64_t group,

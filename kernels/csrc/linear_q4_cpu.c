@@ -210,14 +210,16 @@ static inline __attribute__((always_inline)) void half_panel_rows(
     store_rows(MR, 2, acc, col0 + 32 * h, n, bias, residual, ldr, y, ldy, y_f32);
 }
 
-/* m <= LINEAR_Q4_DIRECT_ROWS rows over every half panel of a 4-bit or (W8) 8-bit weight. */
-static inline __attribute__((always_inline)) void direct_rows(
+/* m <= LINEAR_Q4_DIRECT_ROWS rows over every half panel of a 4-bit or (W8) 8-bit weight, the half panels
+ * shared by the threads of the enclosing parallel region (an orphaned omp for: every thread of the team calls
+ * this, and returns after the loop's barrier; outside a region the caller runs them all). */
+static inline __attribute__((always_inline)) void direct_items(
     const int W8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales, int64_t group,
     const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
-    int y_f32, int num_threads) {
+    int y_f32) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
     const int64_t panel_codes = W8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (W8 ? 1 : 2) * PANEL;
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+    _Pragma("omp for schedule(static)")
     for (int64_t item = 0; item < panels * 2; item++) {
         const int64_t p = item / 2, h = item % 2;
         if (p * PANEL + 32 * h >= n) continue;
@@ -230,6 +232,15 @@ static inline __attribute__((always_inline)) void direct_rows(
         else if (m == 1) ROWS(1);
 #undef ROWS
     }
+}
+
+/* direct_items over a team of num_threads threads of its own. */
+static inline __attribute__((always_inline)) void direct_rows(
+    const int W8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales, int64_t group,
+    const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+    int y_f32, int num_threads) {
+    _Pragma("omp parallel num_threads(num_threads)")
+    direct_items(W8, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32);
 }
 #endif
 
@@ -318,6 +329,28 @@ int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16
 #endif
     free(owned);
     return rc;
+}
+
+/* linear_q4 (bfloat16 out, no input order) for m <= LINEAR_Q4_DIRECT_ROWS rows, its work shared by the
+ * threads of the enclosing OpenMP parallel region: every thread of the team calls it with the same
+ * arguments, and each returns once all the outputs are written (decoder_cpu.c's one-region decode step). The
+ * same work items, so the same bits, as linear_q4 (the AVX512-BF16 body's in registers, the AVX2 body's
+ * integer dots). Returns 0; 1, having done nothing, where linear_q4 must be called instead (more rows, a
+ * group that does not fit, the portable build): the same answer in every thread; 2 in a thread whose
+ * scratch could not be allocated (AVX2; its items skipped). */
+int linear_q4_team(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales, int64_t group,
+                   const float *bias, const uint16_t *residual, int64_t ldr, uint16_t *y, int64_t ldy, int64_t m,
+                   int64_t n, int64_t k) {
+    if (m < 1 || m > LINEAR_Q4_DIRECT_ROWS || group <= 0 || group % QBLOCK || k % group) return 1;
+#if defined(__AVX512BF16__)
+    direct_items(0, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, 0);
+    return 0;
+#elif defined(QUANT_COPY_EVERY_ROW)
+    return quant_int_items(0, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, 0);
+#else
+    (void)x, (void)ldx, (void)codes, (void)scales, (void)bias, (void)residual, (void)ldr, (void)y, (void)ldy, (void)n;
+    return 1;
+#endif
 }
 
 /* Codes [n, k] (one byte a weight) and d [n, k / group] of an 8-bit weight

@@ -31,6 +31,8 @@
 #include <immintrin.h>
 #endif
 
+#include <omp.h>
+
 #include "common.h"
 #include "kernels.h"
 
@@ -269,6 +271,37 @@ static inline __attribute__((always_inline)) void attend_item(
     }
 }
 
+/* Work item `it` of a call whose rows belong to sequences row_seq[t] (NULL: row t is sequence t, one
+ * decode row each): a work item is (query row, KV head), its group's query heads sharing each key and value
+ * load; with `split` > 1 each of its query heads is an item of its own (see split_items). scores, qf, acc:
+ * this thread's scratch (attention_scratch floats). */
+static inline __attribute__((always_inline)) void run_item(
+    const int BF16, int64_t it, const int32_t *row_seq, const void *query, int64_t ldq, const void *key_cache,
+    const void *value_cache, void *out, const int32_t *block_tables, int64_t block_table_stride,
+    const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_heads, int64_t num_kv_heads, int64_t split,
+    int64_t head_dim, int64_t block_size, float scale, float *scores, float *qf, float *acc) {
+    const int64_t group = num_heads / num_kv_heads, sub = group / split;
+    const int64_t t = it / (num_kv_heads * split), g = it / split % num_kv_heads;
+    const int64_t first_head = g * group + it % split * sub, s = row_seq ? row_seq[t] : t;
+    const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+    const int64_t ctx = seq_lens[s] - q_len + (t - query_start_loc[s]) + 1;
+    attend_item(BF16, query, ldq, key_cache, value_cache, out, block_tables + s * block_table_stride, t, g,
+                first_head, ctx, q_len == 1, num_heads, num_kv_heads, sub, head_dim, block_size, scale, scores, qf,
+                acc);
+}
+
+/* With fewer items than 4 per thread (a decode of one or two sequences) each query head is an item of its own,
+ * so every thread has work (one sequence of SmolLM2, 3 KV heads on 2 threads: one thread took all 3 and the
+ * other waited). Bits unchanged (attend_item). */
+static inline int64_t split_items(int64_t num_tokens, int64_t num_kv_heads, int64_t group, int num_threads) {
+    return num_tokens * num_kv_heads < 4 * (int64_t)num_threads ? group : 1;
+}
+
+/* Floats of one thread's scratch: scores [group, max_len], then qf and acc [group, head_dim]. */
+static inline size_t attention_scratch(int64_t group, int64_t max_len, int64_t head_dim) {
+    return (size_t)(group * max_len + 2 * group * head_dim);
+}
+
 /* The exported entry point of one dtype. query rows are ldq elements apart
  * (num_heads * head_dim when contiguous; more when q is a slice of the fused
  * q/k/v projection); out is contiguous. Returns 0, 1 for shapes it does not
@@ -287,35 +320,24 @@ static inline __attribute__((always_inline)) void attend_item(
         if (!row_seq) return 2;                                                                           \
         for (int64_t s = 0; s < num_seqs; s++)                                                            \
             for (int64_t t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) row_seq[t] = (int32_t)s; \
-        /* A work item is (query row, KV head), its group's query heads sharing each key and value load;   \
-         * with fewer items than 4 per thread (a decode of one or two sequences) each of its query heads is   \
-         * an item of its own, so every thread has work (one sequence of SmolLM2, 3 KV heads on 2 threads:    \
-         * one thread took all 3 and the other waited). Bits unchanged (attend_item). */                     \
-        const int64_t split = num_tokens * num_kv_heads < 4 * (int64_t)num_threads ? group : 1;           \
-        const int64_t sub = group / split, items = num_tokens * num_kv_heads * split;                     \
+        const int64_t split = split_items(num_tokens, num_kv_heads, group, num_threads);                  \
+        const int64_t items = num_tokens * num_kv_heads * split;                                          \
         const int64_t chunk = items >= 16 * (int64_t)num_threads ? 4 : 1, chunks = (items + chunk - 1) / chunk; \
         int failed = 0;                                                                                   \
         _Pragma("omp parallel num_threads(num_threads)") {                                                \
-            float *scores = malloc(sizeof(float) * (size_t)(group * max_len));                            \
-            float *qf = malloc(sizeof(float) * (size_t)(group * head_dim));                               \
-            float *acc = malloc(sizeof(float) * (size_t)(group * head_dim));                              \
-            if (!scores || !qf || !acc) {                                                                 \
+            float *scores = malloc(sizeof(float) * attention_scratch(group, max_len, head_dim));          \
+            if (!scores) {                                                                                \
                 _Pragma("omp atomic write") failed = 2;                                                   \
             }                                                                                             \
             _Pragma("omp for schedule(dynamic, 1)") for (int64_t c = 0; c < chunks; c++)                 \
             for (int64_t it = c * chunk; it < items && it < (c + 1) * chunk; it++) {                      \
-                if (!scores || !qf || !acc) continue;                                                     \
-                const int64_t t = it / (num_kv_heads * split), g = it / split % num_kv_heads;             \
-                const int64_t first_head = g * group + it % split * sub, s = row_seq[t];                  \
-                const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];                        \
-                const int64_t ctx = seq_lens[s] - q_len + (t - query_start_loc[s]) + 1;                   \
-                attend_item(BF16, query, ldq, key_cache, value_cache, out, block_tables + s * block_table_stride, \
-                            t, g, first_head, ctx, q_len == 1, num_heads, num_kv_heads, sub, head_dim, block_size, \
-                            scale, scores, qf, acc);                                                      \
+                if (!scores) continue;                                                                    \
+                run_item(BF16, it, row_seq, query, ldq, key_cache, value_cache, out, block_tables,        \
+                         block_table_stride, seq_lens, query_start_loc, num_heads, num_kv_heads, split,   \
+                         head_dim, block_size, scale, scores, scores + group * max_len,                   \
+                         scores + group * max_len + group * head_dim);                                    \
             }                                                                                             \
             free(scores);                                                                                 \
-            free(qf);                                                                                     \
-            free(acc);                                                                                    \
         }                                                                                                 \
         free(row_seq);                                                                                    \
         return failed;                                                                                    \
@@ -323,3 +345,35 @@ static inline __attribute__((always_inline)) void attend_item(
 
 DEFINE_ATTENTION(paged_attention_f32, 0)
 DEFINE_ATTENTION(paged_attention_bf16, 1)
+
+/* paged_attention_bf16 for num_seqs decode rows (row s: sequence s's one new token; query_start_loc [s] = s),
+ * its work items shared by the threads of the enclosing OpenMP parallel region: every thread of the team
+ * calls it with the same arguments, and each returns once every output is written (decoder_cpu.c's
+ * one-region decode step). The same items, so the same bits, as paged_attention_bf16; the shapes must be
+ * ones it takes. Each thread's scratch is kept between calls (grown by 256 positions at a time), so a step
+ * allocates nothing once its context fits. Returns 0, or 2 in a thread whose scratch could not be allocated
+ * (its items are then skipped: the caller reports the failure). */
+int paged_attention_bf16_team(const void *query, int64_t ldq, const void *key_cache, const void *value_cache,
+                              void *out, const int32_t *block_tables, int64_t block_table_stride,
+                              const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                              float scale) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    const int64_t group = num_heads / num_kv_heads, threads = omp_get_num_threads();
+    int64_t max_len = 1;
+    for (int64_t s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+    max_len = (max_len + 255) / 256 * 256;
+    float *scratch = scratch_grow(&buf, &cap, sizeof(float) * attention_scratch(group, max_len, head_dim));
+    const int64_t split = split_items(num_seqs, num_kv_heads, group, (int)threads);
+    const int64_t items = num_seqs * num_kv_heads * split;
+    const int64_t chunk = items >= 16 * threads ? 4 : 1, chunks = (items + chunk - 1) / chunk;
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t c = 0; c < chunks; c++)
+    for (int64_t it = c * chunk; it < items && it < (c + 1) * chunk; it++) {
+        if (!scratch) continue;
+        run_item(1, it, 0, query, ldq, key_cache, value_cache, out, block_tables, block_table_stride, seq_lens,
+                 query_start_loc, num_heads, num_kv_heads, split, head_dim, block_size, scale, scratch,
+                 scratch + group * max_len, scratch + group * max_len + group * head_dim);
+    }
+    return scratch ? 0 : 2;
+}

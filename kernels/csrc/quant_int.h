@@ -154,24 +154,24 @@ static inline __attribute__((always_inline)) void qi_tile(
  * (Q8) 8-bit weight in this file's layouts; each work item half a panel (two
  * threads split a 576-column layer evenly), its rows four at a time (one
  * group of 8 columns each) or, for one row, all four of its groups at once.
- * Returns 0, or 2 when out of memory. */
-static int quant_int_avx2(const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
-                          int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m,
-                          int64_t n, int64_t k, int y_f32, int num_threads) {
+ * The items are shared by the threads of the enclosing parallel region (an
+ * orphaned omp for: every thread of the team calls this, and returns after
+ * the loop's barrier), each thread quantizing the rows into its own scratch
+ * first. Returns 0, or 2 in a thread whose scratch could not be allocated
+ * (its items skipped). */
+static int quant_int_items(const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
+                           int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y,
+                           int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32) {
     const int64_t panels = (n + PANEL - 1) / PANEL, blocks = k / QBLOCK;
     const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (Q8 ? 1 : 2) * PANEL;
     const size_t ysz = y_f32 ? 4 : 2;
-    int failed = 0;
-    _Pragma("omp parallel num_threads(num_threads)") {
+    {
         /* this thread's copy of the quantized rows: dx [m][blocks], sx [m][blocks], then q [m][k] */
         float *buf = f32_scratch((size_t)(2 * m * blocks + (m * k + 3) / 4));
-        if (buf) {
+        if (buf)
             for (int64_t r = 0; r < m; r++)
                 qi_quantize_row(x + r * ldx, k, (int8_t *)(buf + 2 * m * blocks) + r * k, buf + r * blocks,
                                 buf + (m + r) * blocks);
-        } else {
-            _Pragma("omp atomic write") failed = 2;
-        }
         _Pragma("omp for schedule(static)") for (int64_t item = 0; item < panels * 2; item++) {
             const int64_t p = item / 2;
             const int h = (int)(item % 2);
@@ -198,6 +198,20 @@ static int quant_int_avx2(const int Q8, const uint16_t *x, int64_t ldx, const vo
                 }
             }
 #undef TILE
+        }
+        return buf ? 0 : 2;
+    }
+}
+
+/* quant_int_items over a team of num_threads threads of its own. Returns 0, or 2 when out of memory. */
+static int quant_int_avx2(const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
+                          int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
+                          int64_t m, int64_t n, int64_t k, int y_f32, int num_threads) {
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads)") {
+        const int mine = quant_int_items(Q8, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32);
+        if (mine) {
+            _Pragma("omp atomic write") failed = mine;
         }
     }
     return failed;
