@@ -174,6 +174,18 @@ def _text_of(parts: list, where: str) -> str | list:
     return out
 
 
+def _require_strings(item: dict, i: int, names: tuple[str, ...]) -> None:
+    """Refuse input item ``i`` when one of ``names`` is absent or not a non-empty string, naming
+    ``input[i].<name>`` (the chat translation would name ``messages[k].tool_calls[0]...`` of its own body)."""
+    for name in names:
+        value = item.get(name)
+        if value is None:
+            raise _bad(f"missing required parameter 'input[{i}].{name}'", f"input[{i}].{name}",
+                       "missing_required_parameter")
+        if not isinstance(value, str) or not value:
+            raise _bad(f"'input[{i}].{name}' must be a non-empty string", f"input[{i}].{name}", "invalid_type")
+
+
 def to_messages(items: list[dict]) -> list[dict]:
     """Responses items -> chat messages. Consecutive ``function_call`` items join the assistant message before
     them (one turn, parallel calls); ``function_call_output`` is a ``tool`` message; ``reasoning`` is dropped.
@@ -191,14 +203,22 @@ def to_messages(items: list[dict]) -> list[dict]:
             content = _text_of(content, f"input[{i}].content") if isinstance(content, list) else content
             messages.append({"role": role, "content": content})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            _require_strings(item, i, ("call_id", "name"))
+            if not isinstance(item.get("arguments", ""), str):
+                raise _bad(f"'input[{i}].arguments' must be a string (the call's JSON arguments)",
+                           f"input[{i}].arguments", "invalid_type")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
+            _require_strings(item, i, ("call_id",))
+            if "output" not in item:
+                raise _bad(f"missing required parameter 'input[{i}].output'", f"input[{i}].output",
+                           "missing_required_parameter")
             out = item.get("output")
             if isinstance(out, list):
                 out = _text_of(out, f"input[{i}].output")

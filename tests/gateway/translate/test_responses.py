@@ -136,3 +136,19 @@ def test_stream_text_after_a_call_is_a_second_message_with_its_own_id():
     output = ev.finish()[-1]["response"]["output"]
     assert [o["type"] for o in output] == ["message", "function_call", "message"]
     assert len({o["id"] for o in output}) == 3 and output[2]["content"][0]["text"] == "b"
+
+
+@pytest.mark.parametrize("bad, param", [
+    ({"type": "function_call", "call_id": "c1", "arguments": "{}"}, "input[2].name"),
+    ({"type": "function_call", "name": "f", "arguments": "{}"}, "input[2].call_id"),
+    ({"type": "function_call", "call_id": "c1", "name": "f", "arguments": {"x": 1}}, "input[2].arguments"),
+    ({"type": "function_call_output", "output": "1"}, "input[2].call_id"),
+    ({"type": "function_call_output", "call_id": "c1"}, "input[2].output"),
+])
+def test_a_malformed_call_item_is_refused_naming_its_own_index(bad, param):
+    """The item's own path: the chat translation's check named input[0].function.name (the chat body's
+    messages[k].tool_calls[0] mapped back onto the first item) for an item at input[2] (new-user trial)."""
+    body = {"model": "m", "input": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, bad]}
+    with pytest.raises(ClientError) as e:
+        to_chat(body, [], input_items(body, "r"))
+    assert (e.value.status, e.value.param) == (400, param) and param in e.value.message
