@@ -314,8 +314,9 @@ class Gateway:
             log.info("backend health not read for the change's warnings: %s", e)
             return []
         down = {n: v["reason"] for n, v in status.items() if not v["available"]}
+        tried = frozenset(n for n, why in down.items() if why.startswith("last probe failed"))  # still routed to
         return [w for name, r in snap.compiled.policy.routes.items()
-                if (w := down_share(name, r, down)) is not None and w not in snap.warnings]
+                if (w := down_share(name, r, down, tried)) is not None and w not in snap.warnings]
 
     async def reload(self, source: str = "reload", abort_rollouts: bool = False) -> dict:
         """Re-read the config file and apply it under the layers above it (``gateway/config/layers.py``): operator

@@ -62,9 +62,11 @@ def check_weights(cfg: GatewayConfig, routes: dict[str, Route], overrides: dict[
     return errors, warnings
 
 
-def down_share(name: str, route: Route, down: dict[str, str]) -> str | None:
+def down_share(name: str, route: Route, down: dict[str, str], tried: frozenset[str] = frozenset()) -> str | None:
     """The warning for the share of route ``name``'s weight on backends in ``down`` (name -> why it cannot be
-    called: an unset key at load, a failed health probe or open breakers at run time); None when there is none."""
+    called: an unset key at load, a failed health probe or open breakers at run time); None when there is none.
+    ``tried``: those of them routing still calls (a failed probe: breakers, not probes, take a backend out), so
+    the warning says so instead of promising the other targets."""
     total = sum(t.weight for t in route.targets)
     lost = [t for t in route.targets if t.weight > 0 and t.backend in down]
     if not lost or total <= 0:
@@ -72,6 +74,11 @@ def down_share(name: str, route: Route, down: dict[str, str]) -> str | None:
     pct = 100 * sum(t.weight for t in lost) / total
     where = "; ".join(f"{t.id}: {down[t.backend]}" for t in lost)
     rest = "the route's other targets" if pct < 100 else "the route's fallbacks only"
+    if any(t.backend in tried for t in lost):
+        fallbacks = "its fallbacks" if route.fallbacks else "nothing: the route has no fallbacks"
+        return (f"routes.{name}: {pct:.1f} % of the weight is on backends found down ({where}); requests are still "
+                f"sent there, with retries, until failed calls open their breakers; then they go to "
+                f"{rest if pct < 100 else fallbacks}")
     return (f"routes.{name}: {pct:.1f} % of the weight is on unavailable backends ({where}); those requests go to "
             f"{rest}")
 

@@ -346,5 +346,13 @@ async def test_a_weights_change_warns_of_weight_on_a_backend_its_probe_finds_dow
                 assert asyncio.get_running_loop().time() < end, "the probe never found cand down"
                 await asyncio.sleep(0.1)
             resp = await c.post("/admin/weights", json={"route": "ro", "weights": {"stable": 75, "cand": 25}})
+            whole = await c.post("/admin/weights", json={"route": "ro", "weights": {"stable": 0, "cand": 100}})
     warned = [w for w in resp.json()["warnings"] if w.startswith("routes.ro:")]
-    assert len(warned) == 1 and "25.0 % of the weight is on unavailable backends (cand: " in warned[0], warned
+    assert len(warned) == 1 and "25.0 % of the weight is on backends found down (cand: last probe failed" \
+        in warned[0], warned
+    # routing still calls a backend whose probe failed (breakers, not probes, take it out): the warning says so
+    # rather than promising the other targets or fallbacks (new-user trial: "fallbacks only", then a 502)
+    assert "still sent there, with retries, until failed calls open their breakers; then they go to the route's " \
+        "other targets" in warned[0]
+    warned = [w for w in whole.json()["warnings"] if w.startswith("routes.ro:")]
+    assert len(warned) == 1 and warned[0].endswith("then they go to nothing: the route has no fallbacks"), warned
