@@ -418,7 +418,8 @@ class Gateway:
                 raise
             except Exception as e:  # noqa: BLE001 -- Redis unreachable: nothing changes
                 raise self._unreachable("config rollback", e) from None
-            self._apply(state)
+            snap = self._apply(state)
+            snap.warnings += await self._down_warnings(snap)   # as any change does: weight landing on a down backend
         await self.rollouts.reassert()
         snap = self.snapshot
         return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,

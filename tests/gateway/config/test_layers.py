@@ -347,6 +347,7 @@ async def test_a_weights_change_warns_of_weight_on_a_backend_its_probe_finds_dow
                 await asyncio.sleep(0.1)
             resp = await c.post("/admin/weights", json={"route": "ro", "weights": {"stable": 75, "cand": 25}})
             whole = await c.post("/admin/weights", json={"route": "ro", "weights": {"stable": 0, "cand": 100}})
+            back = await c.post("/admin/rollback", json={})   # to 75/25: a rollback warns as a change does
     warned = [w for w in resp.json()["warnings"] if w.startswith("routes.ro:")]
     assert len(warned) == 1 and "25.0 % of the weight is on backends found down (cand: last probe failed" \
         in warned[0], warned
@@ -356,3 +357,5 @@ async def test_a_weights_change_warns_of_weight_on_a_backend_its_probe_finds_dow
         "other targets" in warned[0]
     warned = [w for w in whole.json()["warnings"] if w.startswith("routes.ro:")]
     assert len(warned) == 1 and warned[0].endswith("then they go to nothing: the route has no fallbacks"), warned
+    assert back.status_code == 200 and any(w.startswith("routes.ro: 25.0 % of the weight is on backends found down")
+                                           for w in back.json()["warnings"]), back.json()
