@@ -152,20 +152,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.shape[1] != k or weight.dtype != x.dtype:
         raise ValueError(f"linear: x {tuple(x.shape)} {x.dtype} does not match weight {tuple(weight.shape)} "
                          f"{weight.dtype}")
-    if residual is not None and tuple(residual.shape) != (m, n):
-        raise ValueError(f"linear: residual {tuple(residual.shape)} should be {(m, n)}")
-    for t in (x, weight, residual):
+    return launch_linear(x, DENSE, weight, None, None, k, n, bias, residual)
+
+
+def launch_linear(x: torch.Tensor, kind: int, weight: torch.Tensor, scales: torch.Tensor | None,
+                  offsets: torch.Tensor | None, group_size: int, out_features: int, bias: torch.Tensor | None,
+                  residual: torch.Tensor | None) -> torch.Tensor:
+    """Launch ``_linear_kernel`` over ``x`` [M, K] for a weight read as ``kind`` (``DENSE``: ``weight`` [N, K] in
+    x's dtype; packed: the codes with their float32 ``scales`` and, for ``INT4``, ``offsets``, per
+    ``group_size`` inputs; see ``kernels/triton_quant_linear.py``), after the checks every kind shares.
+
+    Returns:
+        [M, N] in x's dtype (N = ``out_features``).
+
+    Raises:
+        ValueError: a residual of another shape, or a strided last dimension.
+    """
+    m, k = x.shape
+    if residual is not None and tuple(residual.shape) != (m, out_features):
+        raise ValueError(f"linear: residual {tuple(residual.shape)} should be {(m, out_features)}")
+    for t in (x, weight, scales, offsets, residual):
         if t is not None and t.stride(-1) != 1:
             raise ValueError("linear needs the last dimension contiguous")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, out_features), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     kernel = launchable(_linear_kernel, x.device)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(out_features, BLOCK_N))
     kernel[grid](
-        x, weight, x, x, x if bias is None else bias, x if residual is None else residual, out,
-        m, n, k, k, x.stride(0), weight.stride(0), 0, 0 if residual is None else residual.stride(0), out.stride(0),
-        KIND=DENSE, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        x, weight, x if scales is None else scales, x if offsets is None else offsets, x if bias is None else bias,
+        x if residual is None else residual, out,
+        m, out_features, k, group_size, x.stride(0), weight.stride(0), 0 if scales is None else scales.stride(0),
+        0 if residual is None else residual.stride(0), out.stride(0),
+        KIND=kind, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
     )

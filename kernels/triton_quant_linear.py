@@ -34,11 +34,8 @@ no split-K so that the sums keep one order.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels.triton_batch_invariant import BLOCK_K, BLOCK_M, BLOCK_N, FP8, INT4, INT8, NUM_WARPS, _linear_kernel
-from kernels.triton_jit import launchable
+from kernels.triton_batch_invariant import FP8, INT4, INT8, launch_linear
 
 __all__ = ["FP8", "INT4", "INT8", "dequant_linear", "pack_int4_codes"]
 
@@ -85,23 +82,4 @@ def dequant_linear(x: torch.Tensor, kind: int, codes: torch.Tensor, scales: torc
                          f"{tuple(scales.shape)} do not match {in_features} inputs in groups of {group_size}")
     if (kind == INT4) != (offsets is not None):
         raise ValueError("dequant_linear: 4-bit weights take offsets (m), the others none")
-    if residual is not None and tuple(residual.shape) != (m, n):
-        raise ValueError(f"dequant_linear: residual {tuple(residual.shape)} should be {(m, n)}")
-    for t in (x, codes, scales, offsets, residual):
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError("dequant_linear needs the last dimension contiguous")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    kernel = launchable(_linear_kernel, x.device)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    kernel[grid](
-        x, codes, scales, scales if offsets is None else offsets, x if bias is None else bias,
-        x if residual is None else residual, out,
-        m, n, k, group_size, x.stride(0), codes.stride(0), scales.stride(0),
-        0 if residual is None else residual.stride(0), out.stride(0),
-        KIND=kind, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
-    )
-    return out
+    return launch_linear(x, kind, codes, scales, offsets, group_size, n, bias, residual)
