@@ -34,6 +34,7 @@ from engine.core.core_messages import (AbortRequests, AddRequest, CoreStep, Engi
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.core import ttft_log
 from engine.core.ttft import PendingAdds, PrefixMirror, TTFTPrediction, predict_ttft
 from engine.core.ttft_sim import POOLING
 
@@ -102,6 +103,7 @@ class AsyncEngine:
         self.structured_output_invalid = 0
         self._prefix_mirror = PrefixMirror()   # the core's prefix cache, from its events (TTFT predictions)
         self._pending = PendingAdds()          # sent, not yet in the core's last state (TTFT predictions)
+        self._ttft_log = ttft_log.from_env()   # predictions made, for replays ($TANDEM_TTFT_LOG_DIR; None: off)
         self._stats_at = 0.0                   # monotonic seconds the last step's stats came (its successor began)
         self._acks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._ack_ids = itertools.count()
@@ -358,8 +360,13 @@ class AsyncEngine:
             return None
         cached = self._prefix_mirror.cached_tokens(prompt_token_ids, state.block_size)
         now = time.monotonic()
-        return predict_ttft(self._pending.with_pending(state), len(prompt_token_ids), cached, priority,
-                            elapsed_s=max(now - self._stats_at, 0.0), arrival_tok_s=self._pending.arrival_tok_s(now))
+        state, elapsed, arrivals = self._pending.with_pending(state), max(now - self._stats_at, 0.0), \
+            self._pending.arrival_tok_s(now)
+        p = predict_ttft(state, len(prompt_token_ids), cached, priority, elapsed_s=elapsed, arrival_tok_s=arrivals)
+        if self._ttft_log is not None:
+            self._ttft_log.prediction(state, len(prompt_token_ids), cached, priority, elapsed, arrivals, p.seconds,
+                                      now)
+        return p
 
     # ------------------------------------------------- core side (one thread)
     def _abort_here(self, rid: str) -> None:

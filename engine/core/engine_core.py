@@ -47,6 +47,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.step_cost import device_pairs_per_token, pooling_budget
 from engine.worker.structured_outputs import StructuredOutputManager
 from engine.core.ttft import predict_waiting, quad_of, state_of
+from engine.core import ttft_log
 from engine.core.ttft_calibration import TTFTCalibration
 from engine.kv_events import KVEventsConfig, ZmqEventPublisher, take_batch
 from engine.spec_decode.config import SpeculativeConfig
@@ -207,6 +208,7 @@ class EngineCore:
             pairs_per_token=device_pairs_per_token(self.model_config, self.device.type))
         self._requests_added = 0                     # add_request/add_embed calls, accepted or refused (engine/core/ttft.py)
         self._last_step: tuple | None = None   # (start, prefill tokens, decode rows, quad_of its rows, chunks)
+        self._ttft_log = ttft_log.from_env()   # the steps timed, for replays ($TANDEM_TTFT_LOG_DIR; None: off)
         self.scheduler.kv_cache_manager.block_pool.kv_events = []
         kv_events = KVEventsConfig.parse(args.kv_events_config)   # vLLM's KV events for routers (engine/kv_events.py)
         self.kv_event_publisher = ZmqEventPublisher(kv_events) if kv_events is not None else None
@@ -466,6 +468,8 @@ class EngineCore:
             last = self._last_step
             self.ttft_calibration.observe(started - last[0], last[1], last[2], at=started, quad=last[3],
                                           chunks=last[4])
+            if self._ttft_log is not None:
+                self._ttft_log.step(started - last[0], last[1], last[2], started, last[3], last[4])
         self._last_step = (started, prefill_tokens, decode_rows, quad, chunks)
 
     def _sample(self, sched, runner_out) -> tuple[dict[str, list[int]], dict[str, list], list[str], set[str]]:

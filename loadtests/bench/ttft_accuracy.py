@@ -21,7 +21,8 @@ machine's load average before and after (the box is shared: other processes slow
 request's prediction and TTFT. Also the same percentiles with each prediction scaled by how much slower or faster
 the host ran the request's wait than when it was predicted (the engine's published speed, sampled every 0.25 s):
 what no prediction from the engine's state can know, set apart from the model's own error. ``--output-json``
-writes it too.
+writes it too; ``--log-dir`` records the run's steps and predictions for ``loadtests/bench/ttft_replay.py``,
+which replays calibrations on them (a same-run comparison: on a shared host two runs compare the host's load).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import time
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineArgs
+from engine.core import ttft_log
 from engine.sampling_params import SamplingParams
 
 
@@ -158,6 +160,8 @@ def error_figures(records: list[dict], speed_drift: bool = False) -> dict:
 
 
 async def bench(args: argparse.Namespace) -> dict:
+    if args.log_dir:   # the core process inherits it (engine/core/ttft_log.py)
+        os.environ[ttft_log.LOG_DIR_ENV] = args.log_dir
     engine = AsyncEngine(EngineArgs(model=args.model, max_num_seqs=args.max_num_seqs, num_threads=args.num_threads))
     await engine.start()
     try:
@@ -198,6 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="the engine's torch threads (None: all cores)")
     parser.add_argument("--model", default=None, help="model path (None: the embedded SmolLM2)")
     parser.add_argument("--output-json", default=None, help="also write the result here")
+    parser.add_argument("--log-dir", default=None,
+                        help="record the steps timed and the predictions here, for python -m "
+                             "loadtests.bench.ttft_replay (a same-run comparison of calibrations)")
     args = parser.parse_args(argv)
     result = asyncio.run(bench(args))
     text = json.dumps(result, indent=1)
