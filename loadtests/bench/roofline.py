@@ -4,7 +4,7 @@ quotient, the time below which no engine can produce a token (issue 56).
 
 ``tandem bench engine`` prints the roofline beside Tandem's TPOT p50 (and
 per round beside the peer's decode rate), the bandwidth measured in the same
-run: on a shared box it moves with the load (22-26 GB/s on the 2-core
+run: on a shared box it moves with the load (22-40 GB/s within minutes on the 2-core
 AVX512-BF16 machine of docs/benchmarks/decode-roofline.md).
 """
 
