@@ -5,8 +5,8 @@ through its request, response, header, URL, timer and tracing objects: a fifth o
 and two fifths per stream at 32 clients (issue 48's profile).
 
 What it does not do, because the upstreams it is for never need it: redirects, cookies, proxies, compression (it
-sends no ``accept-encoding``), ``Expect: 100-continue``, HTTP/2. TLS is the ``ssl`` module's default context
-(system CAs) for ``https`` URLs.
+sends no ``accept-encoding``), ``Expect: 100-continue``, HTTP/2. ``https`` URLs use the ``ssl_context`` given
+(``UpstreamBackend``: httpx's, the certifi trust store its cold calls use), else the ``ssl`` module's default.
 
 Errors: a failed connect is ``UpstreamConnectorError`` (``gateway.errors.transport_error_kind``: ``connect_error``);
 a connection that closes or sends what is not HTTP before the response ends, ``UpstreamDisconnected``
@@ -205,7 +205,7 @@ class Pool:
     a new one, TLS included), ``read_s`` every wait for bytes of a response."""
 
     def __init__(self, base_url: str, max_connections: int, connect_s: float, read_s: float,
-                 keepalive_s: float = 60.0) -> None:
+                 keepalive_s: float = 60.0, ssl_context: ssl.SSLContext | None = None) -> None:
         u = urlsplit(base_url)
         self.https = u.scheme == "https"
         self.host = u.hostname or "localhost"
@@ -217,7 +217,7 @@ class Pool:
         self.base_path = u.path.rstrip("/")
         self.max_connections, self.connect_s, self.read_s, self.keepalive_s = (
             max_connections, connect_s, read_s, keepalive_s)
-        self.ssl = ssl.create_default_context() if self.https else None
+        self.ssl = (ssl_context or ssl.create_default_context()) if self.https else None
         self.idle: list[_Connection] = []
         self.open = 0
         self.waiters: deque[asyncio.Future] = deque()

@@ -95,7 +95,8 @@ class UpstreamBackend:
                                   cfg.timeouts.read_s, headers)
         # Hot path: each endpoint's request head (request line and fixed headers) built once
         t = cfg.timeouts
-        self._h1 = Pool(cfg.base_url, cfg.max_connections, t.connect_s, t.read_s)
+        self._h1 = Pool(cfg.base_url, cfg.max_connections, t.connect_s, t.read_s,
+                        ssl_context=httpx.create_ssl_context() if cfg.base_url.startswith("https") else None)
         self._headers = headers
         self._sse_headers = {**headers, **_SSE_HEADERS}
         paths = (*self.endpoints, *getattr(cfg, "apis", ()))

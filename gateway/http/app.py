@@ -1,5 +1,6 @@
 """The Litestar app: module-level handlers on ``request.app.state.gw`` (the ``gateway.runtime.Gateway``), one
-exception -> OpenAI error table, in-flight accounting in one middleware. The request path itself is
+exception -> OpenAI error table, in-flight accounting in one middleware; the client APIs' POST endpoints also on the
+hot path (``HOT_ROUTES``, ``gateway/http/hot_path.py``), past Litestar's router. The request path itself is
 ``gateway/request/pipeline.py``; operator endpoints are ``gateway/http/admin.py``.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/messages (Anthropic's,

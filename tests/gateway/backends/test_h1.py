@@ -149,3 +149,66 @@ async def test_a_line_break_in_a_header_is_refused():
         await _post(pool, extra={"x-request-id": "a\r\nx-injected: 1"})
     with pytest.raises(ValueError):
         pool.head("chat/completions", {"x-api": "k\nx-injected: 1"})
+
+
+async def test_waiting_for_a_free_connection_is_bounded_by_the_connect_timeout():
+    async with Scripted(lambda n: [0.5, OK] if n == 1 else [OK]) as up:
+        pool = Pool(up.url, 1, 0.1, 5)
+        first = asyncio.ensure_future(_post(pool))             # holds the only connection for 0.5 s
+        await asyncio.sleep(0.05)
+        with pytest.raises(TimeoutError):
+            await _post(pool)
+        r = await first
+        assert await r.read() == b"{}"
+        r.release()
+        r = await _post(pool)                                  # the slot the waiter gave up is not lost
+        assert await r.read() == b"{}" and pool.open == 1 and up.connections == 1
+        r.release()
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """A certificate for ``localhost`` and its key (PEM files), made with ``cryptography``."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+async def test_https_verifies_the_upstreams_certificate_and_keeps_the_connection_alive(tmp_path):
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    up = Scripted(lambda n: [OK])
+    server = await asyncio.start_server(up._serve, "localhost", 0, ssl=server_ctx)
+    url = f"https://localhost:{server.sockets[0].getsockname()[1]}/v1"
+    try:
+        pool = Pool(url, 2, 5, 5, ssl_context=ssl.create_default_context(cafile=cert))
+        for _ in range(2):
+            r = await _post(pool)
+            assert (r.status, await r.read()) == (200, b"{}")
+            r.release()
+        assert up.connections == 1
+        with pytest.raises(UpstreamConnectorError) as e:              # not a certificate the client trusts
+            await _post(Pool(url, 2, 5, 5))
+        assert "CERTIFICATE_VERIFY_FAILED" in str(e.value) and transport_error_kind(e.value) == "connect_error"
+    finally:
+        server.close()
