@@ -199,8 +199,10 @@ def test_a_late_or_stalled_subscriber_recovers_everything_by_replay(tiny_model, 
         got = late.read()
         assert got and got[0][0] > 0                     # it missed the first batches ...
         replayed = late.replay(0)
-        first = got[0][0]   # what it read is in the replay at its own seqs (it may stop reading before the last)
-        assert [s for s, _ in replayed] == list(range(len(replayed))) and replayed[first:first + len(got)] == got
+        # what it read is in the replay at its own seqs: it may stop reading before the last, and PUB/SUB may drop
+        # batches on the way to it when its queue is full (the publisher's send HWM is 2 here): the replay has them
+        assert [s for s, _ in replayed] == list(range(len(replayed)))
+        assert [s for s, _ in got] == sorted({s for s, _ in got}) and all(replayed[s] == (s, b) for s, b in got)
         pool = llm.engine.core.scheduler.kv_cache_manager.block_pool
         assert replay_state(replayed, known) == {external_block_hash(h) for h in pool.cached_block_hash_to_block}
         assert llm.engine.core.kv_event_publisher.dropped == 0
