@@ -23,9 +23,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-
-import torch
 
 from engine.config import DEFAULT_MODEL, EngineArgs, default_model_path
 from engine.core.core_messages import EngineCoreOutput, EngineStats
@@ -39,7 +36,8 @@ from engine.executor.multiproc_executor import rank_threads, start_driver
 from engine.distributed.parallel_state import RankFailure
 from engine.worker.step_inputs import STOP
 from engine.outputs import Logprob
-from engine.pooling import PoolingParams, model_pooling_params, pool
+from engine.pooling import PoolingParams, model_pooling_params
+from engine.core.embed_calls import EmbedCalls
 from engine.core.request import ForkGroup, Request, RequestStatus
 from engine.worker.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
@@ -58,22 +56,8 @@ from engine.spec_decode.rejection import sample_with_drafts
 
 logger = logging.getLogger("tandem.engine")
 
-_EMBED_ID_PREFIX = "embed-call-"   # pooling requests' ids: f"{prefix}{call id}-{index}"
 # what a pooling request's sampling parameters are read for (prompt logprobs: none; nothing is sampled)
 _POOLING_SAMPLING = SamplingParams(max_tokens=1)
-
-
-def _embed_call_id(seq_id: str) -> int:
-    return int(seq_id[len(_EMBED_ID_PREFIX):].rsplit("-", 1)[0])
-
-
-@dataclass
-class EmbedCall:
-    """One ``add_embed`` call: its pooling requests' ids in input order, the vectors pooled so far, an error."""
-
-    seq_ids: list[str]
-    vectors: dict[str, list[float]] = field(default_factory=dict)
-    error: str | None = None
 
 # Token budget of one step with chunked prefill, by device. vLLM's online default (2048) on CUDA. On CPU a
 # 2048-token step of SmolLM2 takes ~1 s on 2 cores and holds every running stream and every prompt queued behind
@@ -198,8 +182,7 @@ class EngineCore:
         self._seqs: dict[str, Request] = {}  # sequence id -> its request
         self._groups: dict[str, list[Request]] = {}  # client request id -> its sequences
         self._prompt_logprobs: dict[str, list] = {}  # client request id -> prompt logprobs not yet sent
-        self._embed_calls: dict[int, EmbedCall] = {}    # embed call id -> its pooling requests and vectors
-        self._pooled_rows: dict[str, dict[int, torch.Tensor]] = {}   # pooling request -> first position -> rows
+        self.embed_calls = EmbedCalls()                 # add_embed calls: pooling requests, kept rows, vectors
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         # step costs for TTFT predictions (engine/core/ttft.py), attention priced in token-equivalents as the
@@ -325,7 +308,7 @@ class EngineCore:
             if seqs is None:
                 continue
             if seqs[0].pooling_params is not None:
-                self._embed_calls[_embed_call_id(rid)].error = "the embedding was aborted (engine step failed or stopped)"
+                self.embed_calls.abort(rid)
             self.scheduler.finish_requests([s.request_id for s in seqs if not s.is_finished],
                                            RequestStatus.FINISHED_ABORTED)
             self._forget_group(rid)
@@ -416,7 +399,7 @@ class EngineCore:
         self._collect_prompt_logprobs(sched, runner_out.prompt_logits)
         before = {sid: self._seqs[sid].num_output_tokens for sid in sampled if sid in self._seqs}
         finished = self.scheduler.update_from_output(sched, sampled, not_stops=content)
-        self._pool_step(runner_out, finished)
+        self.embed_calls.step(runner_out.pooled_hidden, self._seqs, finished)
         if self.spec_decoder is not None:
             self.spec_decoder.observe(sched, sampled)
         self._stop_finished_grammars(grammar_done, finished)
@@ -528,7 +511,7 @@ class EngineCore:
             if self._structured_outputs is not None:
                 self._structured_outputs.free(seq.request_id)
         self._prompt_logprobs.pop(rid, None)
-        self._pooled_rows.pop(rid, None)
+        self.embed_calls.forget(rid)
 
     @property
     def structured_outputs(self) -> StructuredOutputManager:
@@ -620,9 +603,7 @@ class EngineCore:
                 raise ValueError(f"input {i}: {len(ids)} tokens, more than max_model_len ({self.max_model_len})")
             if min(ids) < 0 or max(ids) >= vocab:
                 raise ValueError(f"input {i}: token ids must be in [0, {vocab})")
-        if call_id in self._embed_calls:
-            raise ValueError(f"embed call {call_id} is already running")
-        seq_ids = [f"{_EMBED_ID_PREFIX}{call_id}-{i}" for i in range(len(prompts))]
+        seq_ids = self.embed_calls.start(call_id, len(prompts))
         now = time.monotonic()
         for sid, ids in zip(seq_ids, prompts):
             req = Request(request_id=sid, prompt_token_ids=list(ids), sampling_params=_POOLING_SAMPLING,
@@ -630,16 +611,11 @@ class EngineCore:
             self.scheduler.add_request(req)
             self._seqs[sid] = req
             self._groups[sid] = [req]
-        self._embed_calls[call_id] = EmbedCall(seq_ids)
 
     def take_embeds(self) -> list[tuple[int, list[list[float]] | None, str | None]]:
         """The embed calls that ended since the last call, (call id, vectors, None) or (call id, None, error)
         (an error when a pooling request of the call was aborted: the step failed, or the engine stopped)."""
-        done = [(cid, c) for cid, c in self._embed_calls.items() if c.error or len(c.vectors) == len(c.seq_ids)]
-        for cid, _ in done:
-            del self._embed_calls[cid]
-        return [(cid, None, c.error) if c.error else (cid, [c.vectors[s] for s in c.seq_ids], None)
-                for cid, c in done]
+        return self.embed_calls.take()
 
     def embed(self, prompts: list[list[int]], pooling_type: str | None = None,
               normalize: bool | None = None) -> list[list[float]]:
@@ -658,24 +634,6 @@ class EngineCore:
         if error:
             raise RuntimeError(error)
         return vectors
-
-    def _pool_step(self, runner_out, finished: list[Request]) -> None:
-        """Keep this step's pooled rows; pool each finished pooling request into its call's vector."""
-        for sid, (start, rows) in runner_out.pooled_hidden.items():
-            req = self._seqs.get(sid)
-            if req is None:
-                continue
-            kept = self._pooled_rows.setdefault(sid, {})
-            if start == 0:
-                kept.clear()   # recomputed from the start after a preemption: earlier rows are stale
-            kept[start] = rows
-        for req in finished:
-            if req.pooling_params is None or req.status != RequestStatus.FINISHED_STOPPED:
-                continue
-            kept = self._pooled_rows.pop(req.request_id)
-            hidden = torch.cat([kept[k] for k in sorted(kept)])
-            call = self._embed_calls[_embed_call_id(req.request_id)]
-            call.vectors[req.request_id] = pool(hidden, req.pooling_params).tolist()
 
     def get_stats(self) -> EngineStats:
         """Snapshot of the live signals (cheap; called per gateway request)."""
