@@ -418,4 +418,4 @@ def test_embeddings_input_that_fits_is_not_refused_on_an_estimate(gateway):
     error = e.value.body
     assert (error["param"], error["code"]) == ("input", "context_length_exceeded")
     counted = int(error["message"].split("resulted in ")[1].split(" ")[0])
-    assert 512 < counted < 700 and counted != 900   # the engine's count (~600), not the estimate (900)
+    assert 512 < counted < 700   # the engine's count (~600), not the estimate (900)
