@@ -28,6 +28,12 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     529: "overloaded_error"}
 
 
+def anthropic_status(status: int) -> int:
+    """The HTTP status ``/v1/messages`` answers for the gateway's ``status``: 529 (Anthropic's ``overloaded_error``)
+    for 503 (engine loading, draining, no backend available), which Anthropic's API never sends; else ``status``."""
+    return 529 if status == 503 else status
+
+
 def anthropic_error_body(status: int, message: str, type_: str | None = None) -> bytes:
     """Anthropic's error JSON (``/v1/messages``): ``{"type": "error", "error": {"type", "message"}}`` as bytes."""
     return msgspec.json.encode({"type": "error", "error": {"type": type_ or _ANTHROPIC_TYPES.get(status, "api_error"),

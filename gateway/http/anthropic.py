@@ -11,7 +11,7 @@ import msgspec
 from litestar import Request, Response, post
 from litestar.exceptions import HTTPException
 
-from gateway.errors import ClientError, anthropic_error_body
+from gateway.errors import ClientError, anthropic_error_body, anthropic_status
 from gateway.http.transport import read_body
 from gateway.request.auth import authenticate
 from gateway.request.validate import check_request, estimate_prompt_tokens, parse_json
@@ -22,8 +22,9 @@ _JSON = "application/json"
 
 
 def anthropic_error_response(status: int, message: str, headers: dict | None = None) -> Response:
-    """The one Anthropic error response of the HTTP layer (body: ``gateway.errors.anthropic_error_body``)."""
-    return Response(anthropic_error_body(status, message), status_code=status, media_type=_JSON,
+    """The one Anthropic error response of the HTTP layer (body: ``gateway.errors.anthropic_error_body``; status:
+    ``gateway.errors.anthropic_status``)."""
+    return Response(anthropic_error_body(status, message), status_code=anthropic_status(status), media_type=_JSON,
                     headers=headers or None)
 
 

@@ -108,8 +108,8 @@ async def _serve(request: Request, endpoint: str, headers=None) -> Response:
             return EventStream(render.stream(stream), status_code=200, media_type="text/event-stream",
                                headers={**answer.headers, "cache-control": "no-cache"})
         content = await gw.obs.finish(rec, answer.backend, answer.status, answer.content)   # secrets redacted
-        content, media_type = render.content(answer.status, content, answer.content_type)
-        return Response(content, status_code=answer.status, media_type=media_type, headers=answer.headers)
+        status, content, media_type = render.content(answer.status, content, answer.content_type)
+        return Response(content, status_code=status, media_type=media_type, headers=answer.headers)
 
     return await serve_observed(request, endpoint, headers, answer_)
 

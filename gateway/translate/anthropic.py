@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from gateway.errors import ClientError, anthropic_error_body
+from gateway.errors import ClientError, anthropic_error_body, anthropic_status
 from gateway.sse import named_event
 from gateway.translate.chat import reasoning_of
 from gateway.translate.tool_calls import ToolCallOrder
@@ -481,15 +481,17 @@ class MessagesRender:
         return cls(f"msg_{req.request_id}", req.public_model or req.model, req.prompt_tokens or 0,
                    stop if isinstance(stop, list) else None)
 
-    def content(self, status: int, content: bytes, media_type: str = _JSON) -> tuple[bytes, str]:
-        """A whole answer: the Message, or Anthropic's error JSON (``media_type``, the backend's, unused)."""
+    def content(self, status: int, content: bytes, media_type: str = _JSON) -> tuple[int, bytes, str]:
+        """A whole answer: ``(status, body, media type)``: the Message, or Anthropic's error JSON under Anthropic's
+        status (``gateway.errors.anthropic_status``; ``media_type``, the backend's, unused)."""
         if status >= 400:
-            return anthropic_error(status, content), _JSON
+            return anthropic_status(status), anthropic_error(status, content), _JSON
         try:
             chat = msgspec.json.decode(content)
         except msgspec.DecodeError:
-            return anthropic_error(502, b"the backend's answer is not JSON"), _JSON
-        return msgspec.json.encode(chat_to_message(chat, self.message_id, self.model, self.stop_sequences)), _JSON
+            return 502, anthropic_error(502, b"the backend's answer is not JSON"), _JSON
+        return status, msgspec.json.encode(chat_to_message(chat, self.message_id, self.model,
+                                                           self.stop_sequences)), _JSON
 
     def stream(self, chunks: ChatStream) -> AsyncIterator[bytes]:
         """A chat stream's events as Anthropic's event stream."""

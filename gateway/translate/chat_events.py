@@ -316,9 +316,9 @@ class ChatRender:
     def __init__(self, id_: str, model: str, chat: bool):
         self.id, self.model, self.chat = id_, model, chat
 
-    def content(self, status: int, content: bytes, media_type: str) -> tuple[bytes, str]:
-        """A whole answer: as it is."""
-        return content, media_type
+    def content(self, status: int, content: bytes, media_type: str) -> tuple[int, bytes, str]:
+        """A whole answer: ``(status, body, media type)`` as they are."""
+        return status, content, media_type
 
     def stream(self, events: ChatStream) -> AsyncIterator[bytes]:
         """A stream: OpenAI's SSE chunks."""

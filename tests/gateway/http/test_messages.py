@@ -212,7 +212,7 @@ async def test_a_field_of_the_wrong_type_is_not_called_missing(up):
 
 
 async def test_errors_are_anthropics(up):
-    async with gateway(config(up, rpm=2)) as (gw, client, url):
+    async with gateway(config(up, rpm=3)) as (gw, client, url):
         async with httpx.AsyncClient() as h:                   # max_tokens is required
             r = await h.post(url + "/v1/messages", headers={"x-api-key": KEY},
                              json={"model": "m1", "messages": [{"role": "user", "content": "x"}]})
@@ -229,11 +229,20 @@ async def test_errors_are_anthropics(up):
         with pytest.raises(anthropic.APIStatusError) as e:       # the upstream's failure, after the attempts
             await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
         assert e.value.status_code == 502 and e.value.body["type"] == "error"
+        up.push({"status": 503})
+        with pytest.raises(anthropic.OverloadedError) as e:      # overloaded: Anthropic's 529, not a 503
+            await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+        assert e.value.body["error"]["type"] == "overloaded_error"
         await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
-        with pytest.raises(anthropic.RateLimitError) as e:       # rpm 2: the third admitted request is refused
+        with pytest.raises(anthropic.RateLimitError) as e:       # rpm 3: the fourth admitted request is refused
             await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
         assert e.value.body["error"]["type"] == "rate_limit_error"
         assert e.value.response.headers.get("retry-after")
+        gw.draining = True                                     # refused before routing: the same 529
+        with pytest.raises(anthropic.OverloadedError) as e:
+            await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+        assert e.value.body["error"]["type"] == "overloaded_error" and "draining" in e.value.message
+        gw.draining = False
         (rec,) = (await records(gw, 1)).values()                # only the answered request is billed
         assert rec.completion_tokens == 3
 
