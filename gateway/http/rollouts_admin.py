@@ -4,6 +4,8 @@ promote, abort), GET /admin/parity. The controller is ``gateway/rollouts/control
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 import pydantic
 from litestar import Request, Response, get, post
@@ -15,6 +17,8 @@ from gateway.rollouts.controller import ACTIONS, IllegalAction, RouteBusy
 from gateway.rollouts.spec import name_problem
 from gateway.rollouts.store import Conflict
 
+log = logging.getLogger("tandem.gateway.rollouts")
+
 
 @get("/admin/rollouts")
 async def list_rollouts(request: Request) -> Response:
@@ -24,7 +28,8 @@ async def list_rollouts(request: Request) -> Response:
 @post("/admin/rollouts")
 async def start_rollout(request: Request) -> Response:
     """Body: ``{"name", "route", "candidate", "steps", "hold_s", "gates", ...}`` (a ``rollouts:`` entry and its
-    name) -> 201 with the rollout. 400 for a bad body or reference, 409 when the name is taken."""
+    name) -> 201 with the rollout and ``warnings`` (the candidate's backend found down now: started all the same,
+    as every weight change is). 400 for a bad body or reference, 409 when the name is taken."""
     gw = _gw(request)
     body = await _body(request)
     name = body.pop("name", None)
@@ -45,7 +50,27 @@ async def start_rollout(request: Request) -> Response:
         raise ClientError(409, str(e), param="route", code="route_has_rollout") from None
     except Conflict:
         raise ClientError(409, f"a rollout named {name!r} exists", param="name", code="rollout_exists") from None
+    view = {**view, "warnings": await candidate_down(gw, name, spec)}
     return Response(msgspec.json.encode(view), status_code=201, media_type="application/json")
+
+
+async def candidate_down(gw, name: str, spec: RolloutConfig) -> list[str]:
+    """The warning for a rollout started onto a candidate whose backend the health probes or breakers find down
+    now (``ResilienceLayer.status``): its first step sends traffic there. [] when it is up or that state cannot be
+    read (Redis slow or down: the rollout is started either way)."""
+    snap = gw.snapshot
+    try:
+        backends, targets = await gw.resilience.status(snap.compiled.policy.routes, snap.backends)
+    except Exception as e:  # noqa: BLE001 -- a warning is not worth failing the start
+        log.info("backend health not read for rollout %s's warnings: %s", name, e)
+        return []
+    backend = (targets.get(spec.candidate) or {}).get("backend")
+    state = backends.get(backend) if backend else None
+    if state is None or state["available"]:
+        return []
+    return [f"rollouts.{name}: its candidate {spec.candidate!r} is on backend {backend!r}, found down now "
+            f"({state['reason']}); the first step sends {spec.steps[0]:g} % of route {spec.route!r} there: those "
+            "requests fail over while it stays down, and the gates judge the candidate on those failures"]
 
 
 @post("/admin/rollouts/{name:str}/{action:str}")

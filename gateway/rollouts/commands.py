@@ -126,4 +126,5 @@ def format_rollout(r: dict) -> str:
         ok = {True: "holds", False: "FAILS", None: "not judged yet"}[g["ok"]]
         lines.append(f"  gate {name}: {_num(g['value'])} (limit {g['limit']:g}): {ok}")
     lines.append(format_parity(r["parity"]))
+    lines += [f"warning: {w}" for w in r.get("warnings", ())]
     return "\n".join(lines)

@@ -218,6 +218,7 @@ async def test_tandem_ctl_rollout_starts_steers_and_reports(redis_url):
             await ctl(url, "rollout", "promote", "r9")
             released = await ctl(url, "rollout", "release", "r9")
     assert started[0] == 0 and "rollout r9: running, route main: cand 10 %" in started[1]
+    assert "warning" not in started[1], started[1]
     assert status[0] == 0 and "gate parity_min: 1 (limit 0.9): holds" in status[1], status[1]
     assert "parity (statistical): 2/2 pairs compared" in status[1] and "shadow shadow/main:" in status[1]
     assert paused[0] == 0 and "rollout r9: paused" in paused[1]
@@ -251,3 +252,30 @@ async def test_a_redis_outage_neither_restarts_nor_moves_a_rollout(redis_url):
     assert weight == 100.0 and len(history) == versions
     assert listed.status_code == 503 and listed.json()["error"]["code"] == "redis_unavailable"
     assert paused.status_code == 503
+
+
+async def test_a_rollout_started_onto_a_down_candidate_says_so():
+    """The candidate's backend refuses connections and its health probe found it down: the rollout starts (as any
+    weight change is applied) and its answer, and ``tandem ctl rollout start``'s output, warn that its first step
+    sends traffic there; an up candidate gets no warning (the ctl test above)."""
+    import socket
+
+    with socket.socket() as s:                         # a port nothing listens on: the candidate is down
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        text = two_upstreams(stable, cand).replace(cand.base_url, dead).replace(
+            "health: {interval_s: 0}", "health: {interval_s: 0.1}")
+        async with gateway(text) as (gw, url, c):
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 15
+            snap = gw.snapshot
+            while (await gw.resilience.status(snap.compiled.policy.routes, snap.backends))[0]["cand"]["available"]:
+                assert loop.time() < end, "the probe never found the candidate down"
+                await asyncio.sleep(0.05)
+            code, out = await ctl(url, "rollout", "start", "r8", "main", "cand", "--steps", "10,100")
+            listed = (await c.get("/admin/rollouts")).json()["rollouts"]
+    assert code == 0 and "rollout r8: running" in out, out
+    assert "warning: rollouts.r8: its candidate 'cand' is on backend 'cand', found down now (last probe failed" \
+        in out and "the first step sends 10 % of route 'main' there" in out, out
+    assert [r["name"] for r in listed] == ["r8"]
