@@ -14,6 +14,7 @@ during an outage serves its file alone (logged) and joins as a start would once 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -459,7 +460,12 @@ class Gateway:
             layered = over_file(text, current, overrides, rollouts)
         except RolloutConflict as e:
             layered = Layered(overrides, {r: {"decided_by": "operator", "note": str(e)} for r in overrides})
-        return layer_view(route_weights(current.policy), layered)
+        disk, on_disk = self._read_file(), None
+        if disk is not None and disk != text:       # a rollback, or another replica's file, runs instead of it
+            with contextlib.suppress(ConfigError):
+                on_disk = route_weights(load_config_text(disk, {}).policy)
+        s = self.snapshot
+        return layer_view(route_weights(current.policy), layered, on_disk, f"version {s.version} ({s.source})")
 
     def file_status(self) -> dict:
         """The config file against the running version: ``status`` "in sync", "weights overrides active", or

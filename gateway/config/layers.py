@@ -172,12 +172,22 @@ def over_file(old_text: str, new: Compiled, overrides: dict[str, dict[str, float
     return out
 
 
-def layer_view(file: dict[str, dict[str, float]], layered: Layered) -> dict[str, dict]:
+def layer_view(file: dict[str, dict[str, float]], layered: Layered,
+               on_disk: dict[str, dict[str, float]] | None = None, running: str = "") -> dict[str, dict]:
     """route -> {"effective", "file", "decided_by", "note"} of ``layered`` over ``file`` (route -> {target id:
-    weight}): the reload's answer (``layers``), its log and ``tandem ctl status``."""
+    weight}, the running version's file text): the reload's answer (``layers``), its log and ``tandem ctl status``.
+    ``on_disk``: the weights of the config file on disk when its text is not the running one (a rollback, or
+    another replica's file, runs instead of it); a route whose weights there differ is then decided by the running
+    version (``running``, e.g. "version 7 (rollback)"), not the file, and ``file`` is what the disk says."""
     out = {}
     for route, weights in file.items():
         decided = layered.routes.get(route, {})
-        out[route] = {"effective": {**weights, **layered.overrides.get(route, {})}, "file": weights,
-                      "decided_by": decided.get("decided_by", "file"), "note": decided.get("note", "")}
+        view = {"effective": {**weights, **layered.overrides.get(route, {})}, "file": weights,
+                "decided_by": decided.get("decided_by", "file"), "note": decided.get("note", "")}
+        disk = None if on_disk is None else on_disk.get(route)
+        if view["decided_by"] == "file" and on_disk is not None and disk != weights:
+            says = ", ".join(f"{k} {w:g}" for k, w in disk.items()) if disk else "no such route"
+            view.update(file=disk or {}, decided_by=running or "running version",
+                        note=f"the file on disk says {says}; `tandem ctl reload` applies it")
+        out[route] = view
     return out

@@ -14,6 +14,7 @@ import uuid
 import httpx
 import pytest
 
+from gateway.commands import layers_summary
 from gateway.config.compile import load_config_text
 from gateway.config.versions import ConfigState, MemoryLedger, RedisLedger, VersionConflict, text_digest
 from gateway.http.app import create_app
@@ -117,6 +118,12 @@ async def test_a_rollback_sticks_until_the_file_changes(tmp_path, redis_url, mon
             cfg = (await c.get("/admin/config")).json()
             assert cfg["version"] == rolled and weights(cfg["routes"], "one") == [100, 0]
             assert cfg["file"]["differs"] and cfg["file"]["status"] == "runtime override active, file differs"
+            assert cfg["layers"]["one"] == {          # decided by the rollback; "file" is the disk's, not the version's
+                "effective": {"a": 100, "b": 0}, "file": {"a": 100, "b": 5},
+                "decided_by": f"version {rolled} (rollback)",
+                "note": "the file on disk says a 100, b 5; `tandem ctl reload` applies it"}
+            assert cfg["layers"]["two"]["decided_by"] == "file"          # the same weights on disk and running
+            assert f"route one: a 100, b 0  [version {rolled} (rollback)]" in layers_summary(cfg)
         async with replica(path) as (gw, c):                              # a restart on the same file
             cfg = (await c.get("/admin/config")).json()
             assert cfg["version"] == rolled and weights(cfg["routes"], "one") == [100, 0]
