@@ -139,7 +139,8 @@ class RequestLog:
         self.enabled = enabled
         self.destination = destination
         self.logger = logging.getLogger("tandem.requests")
-        self._handler: logging.Handler | None = None
+        self._handler: logging.StreamHandler | None = None
+        self._formatter = logging.Formatter("%(message)s")
         self._encode = msgspec.json.Encoder().encode
 
     @property
@@ -159,7 +160,7 @@ class RequestLog:
             h = logging.StreamHandler(sys.stderr)
         else:
             h = logging.FileHandler(self.destination, encoding="utf-8")
-        h.setFormatter(logging.Formatter("%(message)s"))
+        h.setFormatter(self._formatter)
         self.logger.addHandler(h)
         self._handler = h
 
@@ -170,8 +171,29 @@ class RequestLog:
             return None
         line = self._encode({"ts": round(time.time(), 6), **fields}).decode()
         line = redactor.text(line, extra_secrets)
-        self.logger.info(line)
+        self._emit(line)
         return line
+
+    def _emit(self, line: str) -> None:
+        """``self.logger.info(line)``: while this log's handler is the logger's only one and no filter is set,
+        the line is written as that handler would write it (``StreamHandler.emit``: the line and its terminator,
+        then a flush, under the handler's lock; the formatter is ``%(message)s``, the message ``line`` itself),
+        without the ``LogRecord`` (caller lookup, record, format: ~2/3 of the line's cost); otherwise (handlers
+        or filters added to ``tandem.requests``, another formatter, the logger disabled) through ``logging``."""
+        h, logger = self._handler, self.logger
+        if logger.handlers != [h] or logger.filters or h.filters or h.formatter is not self._formatter \
+                or h.level > logging.INFO or h.stream is None or not logger.isEnabledFor(logging.INFO):
+            logger.info(line)
+            return
+        h.acquire()
+        try:
+            stream = h.stream
+            stream.write(line + h.terminator)
+            stream.flush()
+        except Exception:  # noqa: BLE001 -- what Handler.emit does with a failed write (logging.raiseExceptions)
+            h.handleError(logger.makeRecord(logger.name, logging.INFO, "", 0, line, None, None))
+        finally:
+            h.release()
 
     def close(self) -> None:
         if self._handler is not None:
