@@ -32,7 +32,7 @@ from gateway.http.hot_path import HotPathApp, HotRoute
 from gateway.http.responses import RESPONSES_HANDLERS
 from gateway.http.rollouts_admin import ROLLOUT_HANDLERS
 from gateway.http.anthropic import ANTHROPIC_EXCEPTION_HANDLERS, anthropic_headers, count_tokens
-from gateway.http.serving import GATEWAY_ID_PREFIX, serve_observed
+from gateway.http.serving import GATEWAY_ID_PREFIX, serve_observed, streamed
 from gateway.http.transport import EventStream, unless_disconnected
 from gateway.request.auth import authenticate
 from gateway.request.pipeline import handle
@@ -99,7 +99,7 @@ async def _serve(request: Request, endpoint: str, headers=None) -> Response:
     headers = request.headers if headers is None else headers
 
     async def answer_(gw: Gateway, rec, rid: str, raw: bytes) -> Response:
-        answer = await unless_disconnected(request, handle(gw, endpoint, raw, headers, rid))
+        answer = await unless_disconnected(request, handle(gw, endpoint, raw, headers, rid), streamed)
         if answer is None:                  # the client left: its upstream call was cancelled
             return Response(b"", status_code=499)
         render = answer.render               # the client API's codec (OpenAI's, Anthropic's), after observability

@@ -20,7 +20,7 @@ from litestar.enums import MediaType
 from litestar.response import Stream
 from litestar.utils.helpers import get_enum_string_value
 
-from gateway.http.transport import stream_body
+from gateway.http.transport import HANDED_WATCH, stream_body
 
 Answer = Callable[["RawRequest"], Awaitable[Response]]
 
@@ -110,7 +110,7 @@ async def send_response(response: Response, scope, receive, send) -> None:
         headers.append((b"content-length", b"%d" % len(content)))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     if stream:
-        await stream_body(response.iterator, send, receive, response.encoding)
+        await stream_body(response.iterator, send, receive, response.encoding, scope.pop(HANDED_WATCH, None))
     else:
         await send({"type": "http.response.body", "body": content, "more_body": False})
 

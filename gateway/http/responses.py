@@ -20,7 +20,7 @@ import msgspec
 from litestar import Request, Response, delete, get, post
 
 from gateway.errors import ClientError
-from gateway.http.serving import serve_observed
+from gateway.http.serving import serve_observed, streamed
 from gateway.http.transport import EventStream, unless_disconnected
 from gateway.request.auth import authenticate
 from gateway.request.pipeline import handle
@@ -76,7 +76,8 @@ async def create_response(request: Request) -> Response:
 
         try:
             answer = await unless_disconnected(request, handle(gw, "chat/completions", raw, headers, rid,
-                                                               body=chat, source=("responses", native)))
+                                                               body=chat, source=("responses", native)),
+                                          streamed)
         except ClientError as e:
             raise responses_error(e) from None
         if answer is None:                  # the client left: its upstream call was cancelled

@@ -10,7 +10,7 @@ from litestar import Request, Response
 
 from engine.protocol.request_ids import unique_request_id
 from gateway.errors import ClientError
-from gateway.http.transport import EventStream, read_body
+from gateway.http.transport import EventStream, read_body, stop_handed_watch
 
 GATEWAY_ID_PREFIX = "gw-"   # generated x-request-id: gw-<24 hex> (engine/protocol/request_ids.py)
 
@@ -42,3 +42,10 @@ async def serve_observed(request: Request, endpoint: str, headers,
     finally:
         if not isinstance(response, EventStream):
             gw.obs.abandon(rec)
+            stop_handed_watch(request.scope)     # the answer's disconnect watch, when no stream takes it over
+
+
+def streamed(answer) -> bool:
+    """Whether a pipeline answer is relayed as a stream (``unless_disconnected``'s ``hand_over``: its disconnect
+    watch goes on watching the stream)."""
+    return answer.stream is not None

@@ -1,13 +1,15 @@
 """The HTTP transport of one request: its body in (``read_body``, size-limited), its SSE answer out
 (``EventStream``), and client disconnects: a client that leaves cancels its upstream work, before the answer
-(``unless_disconnected``) and while a stream is relayed, with one task awaiting ``receive`` per request instead
-of an anyio task group per response."""
+(``unless_disconnected``) and while a stream is relayed, with one task awaiting ``receive`` per request (handed from
+the answer to its stream) instead of an anyio task group per response."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 from litestar import Request
 from litestar.response import Stream
@@ -100,9 +102,15 @@ async def _until_disconnect(receive) -> None:
         pass
 
 
+# scope key: the watch ``unless_disconnected`` hands to the stream that relays its answer (``stream_body``)
+HANDED_WATCH = "tandem.disconnect_watch"
+
+
 class _DisconnectWatch:
     """Cancels the current task when the client disconnects (``receive`` ends), until ``stop``: one task
-    awaiting ``receive``, the watched work runs on in the current task. ``gone``: the client left."""
+    awaiting ``receive``, the watched work runs on in the current task. ``gone``: the client left. ``pause``
+    keeps the task awaiting ``receive`` without cancelling anything, so that the request's stream ``resume``s the
+    same watch (one task per request, not one for the answer and one for its stream)."""
 
     __slots__ = ("task", "active", "gone", "watcher")
 
@@ -120,6 +128,16 @@ class _DisconnectWatch:
             self.gone = True
             self.task.cancel()
 
+    def pause(self) -> None:
+        self.active = False
+
+    def resume(self) -> None:
+        """Watch again, for the current task; a client that left while paused cancels it at its next await."""
+        self.task, self.active = asyncio.current_task(), True
+        if self.watcher.done() and not self.watcher.cancelled():
+            self.gone = True
+            self.task.cancel()
+
     def stop(self) -> None:
         self.active = False
         self.watcher.cancel()
@@ -129,11 +147,12 @@ class _DisconnectWatch:
         return self.gone and self.task.uncancel() == 0
 
 
-async def unless_disconnected(request: Request, coro):
+async def unless_disconnected(request: Request, coro, hand_over: Callable[[Any], bool] | None = None):
     """Await ``coro`` (the body is already read) unless the client disconnects
     first: then cancel it -- which closes the upstream connection or aborts
     the local engine request -- and return None. (Once a stream is
-    committed, ``_ASGIEventStream`` does the same.)"""
+    committed, ``stream_body`` does the same.) When ``hand_over(result)`` is true (the result is streamed), the
+    watch is paused and left in the request's scope (``HANDED_WATCH``) for ``stream_body`` to resume."""
     watch = _DisconnectWatch(request.receive)
     try:
         result = await coro
@@ -146,11 +165,16 @@ async def unless_disconnected(request: Request, coro):
     except BaseException:
         watch.stop()
         raise
-    watch.stop()
     if watch.gone:                       # cancelled on the client's behalf, but the work finished anyway
+        watch.stop()
         watch.consumed()
         log.info("client disconnected; upstream request cancelled")
         return None
+    if hand_over is not None and hand_over(result):
+        watch.pause()
+        request.scope[HANDED_WATCH] = watch
+    else:
+        watch.stop()
     return result
 
 
@@ -159,16 +183,31 @@ class _ASGIEventStream(ASGIStreamingResponse):
     ``receive`` whose completion cancels the streaming task (the iterator's ``finally`` then closes the upstream),
     instead of an anyio task group per response. Otherwise the same ASGI events."""
 
-    __slots__ = ()
+    __slots__ = ("watch",)
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.watch = scope.pop(HANDED_WATCH, None)
+        await super().__call__(scope, receive, send)
 
     async def send_body(self, send, receive) -> None:
-        await stream_body(self.iterator, send, receive, self.encoding)
+        await stream_body(self.iterator, send, receive, self.encoding, self.watch)
 
 
-async def stream_body(iterator, send, receive, encoding: str = "utf-8") -> None:
+def stop_handed_watch(scope) -> None:
+    """Stop the watch ``unless_disconnected`` left in ``scope`` for a stream that is not going to be sent."""
+    watch = scope.pop(HANDED_WATCH, None)
+    if watch is not None:
+        watch.stop()
+
+
+async def stream_body(iterator, send, receive, encoding: str = "utf-8", watch: _DisconnectWatch | None = None) -> None:
     """Send ``iterator``'s chunks (bytes, or str in ``encoding``) as ASGI body events, then the final empty one
-    (Litestar's ``ASGIStreamingResponse._stream``), cancelled when the client disconnects (``_DisconnectWatch``)."""
-    watch = _DisconnectWatch(receive)
+    (Litestar's ``ASGIStreamingResponse._stream``), cancelled when the client disconnects: ``watch`` (the paused
+    watch of the answer, ``HANDED_WATCH``) resumed, or a new ``_DisconnectWatch``."""
+    if watch is None:
+        watch = _DisconnectWatch(receive)
+    else:
+        watch.resume()
     try:
         async for chunk in iterator:
             await send({"type": "http.response.body", "body": chunk if isinstance(chunk, bytes)
