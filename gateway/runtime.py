@@ -14,15 +14,14 @@ during an outage serves its file alone (logged) and joins as a start would once 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
 from gateway.config.compile import Compiled, load_config_text
+from gateway.config.config_file import ConfigFile
 from gateway.config.layers import Layered, RolloutConflict, holder, layer_view, orphaned, over_file, route_weights
 from gateway.config.schema import ConfigError
 from gateway.backends.build import build_backends
@@ -100,7 +99,7 @@ class Gateway:
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self.engine_start: asyncio.Task | None = None   # the co-located engine's load, once started
-        self._mtime = self._stat()
+        self.config_file = ConfigFile(config_path)   # the file on disk: reloads and the watcher read it
         self.file_digest = ""            # the applied state's: digest of the file text last applied from a file
         cfg = initial.config
         self.resilience = Resilience(cfg)   # limits, breakers, health: shared state lives as long as the process
@@ -335,7 +334,7 @@ class Gateway:
                 text = f.read()
         except OSError as e:
             raise ConfigError([("", f"cannot read it: {e.strerror}")], self.config_path) from None
-        self._mtime = self._stat()
+        self.config_file.mark()
         try:   # built on the version this replica runs: a newer one it has not seen yet is refused, not undone
             layered = over_file(self.snapshot.compiled.text, load_config_text(text, {}, source=self.config_path),
                                 self.snapshot.compiled.overrides, await self._every_rollout(f"config reload ({source})"),
@@ -443,7 +442,7 @@ class Gateway:
             "routes": routes,
             "backends": {n: {"type": b.kind, **backends[n]} for n, b in s.backends.items()}, "targets": targets,
             "history": history, "warnings": s.warnings, "redis_degraded": self.redis_degraded,
-            "file": self.file_status(), "layers": await self.layers(),
+            "file": self.config_file.status(s.compiled.text, s.compiled.overrides), "layers": await self.layers(),
             "usage_journal": len(self.usage.journal),   # settles waiting for Redis (replayed on rejoin)
             "draining": self.draining, "in_flight": self.in_flight, "text": s.compiled.text,
         }
@@ -460,52 +459,19 @@ class Gateway:
             layered = over_file(text, current, overrides, rollouts)
         except RolloutConflict as e:
             layered = Layered(overrides, {r: {"decided_by": "operator", "note": str(e)} for r in overrides})
-        disk, on_disk = self._read_file(), None
-        if disk is not None and disk != text:       # a rollback, or another replica's file, runs instead of it
-            with contextlib.suppress(ConfigError):
-                on_disk = route_weights(load_config_text(disk, {}).policy)
-        s = self.snapshot
-        return layer_view(route_weights(current.policy), layered, on_disk, f"version {s.version} ({s.source})")
-
-    def file_status(self) -> dict:
-        """The config file against the running version: ``status`` "in sync", "weights overrides active", or
-        "runtime override active, file differs" (a rollback, or another replica's file, runs instead of it)."""
-        text = self._read_file()
-        s = self.snapshot
-        differs = text is not None and text != s.compiled.text
-        status = ("runtime override active, file differs" if differs
-                  else "weights overrides active" if s.compiled.overrides else "in sync")
-        return {"path": self.config_path, "differs": differs, "status": status}
-
-    def _read_file(self) -> str | None:
-        if not self.config_path:
-            return None
-        try:
-            with open(self.config_path, encoding="utf-8") as f:
-                return f.read()
-        except OSError:
-            return None
+        s = self.snapshot    # the file on disk differs when a rollback, or another replica's file, runs instead
+        return layer_view(route_weights(current.policy), layered, self.config_file.weights_if_differs(text),
+                          f"version {s.version} ({s.source})")
 
     # ----- background loops ------------------------------------------------------------------------------------
-    def _stat(self) -> tuple | None:
-        if not self.config_path:
-            return None
-        try:
-            st = os.stat(self.config_path)
-            return (st.st_mtime_ns, st.st_size)
-        except OSError:
-            return None
-
     async def _watch_loop(self) -> None:
         while True:
             await asyncio.sleep(self.snapshot.compiled.config.reload.poll_interval_s)
             self._close_idle_retired()
             if not self.snapshot.compiled.config.reload.watch:
                 continue
-            m = self._stat()
-            if m is not None and m != self._mtime and not self.redis_degraded:
-                self._mtime = m
-                text = self._read_file()
+            if not self.redis_degraded and self.config_file.changed():
+                text = self.config_file.read()
                 if text is None or text_digest(text) == self.file_digest:
                     continue             # touched, not changed: what operators did since stands
                 try:
@@ -513,9 +479,9 @@ class Gateway:
                 except ConfigError:
                     pass                 # logged by reload(); the running config stays
                 except StateUnavailable:
-                    self._mtime = None   # applied once Redis answers (the poll tries again; skipped while degraded)
+                    self.config_file.unmark()   # applied once Redis answers (the poll tries again; skipped while degraded)
                 except VersionConflict as e:
-                    self._mtime = None   # apply the shared head first (sync loop), then this file
+                    self.config_file.unmark()   # apply the shared head first (sync loop), then this file
                     log.warning("file change not applied yet: %s", e)
                 except Exception:  # noqa: BLE001
                     log.exception("reload on file change failed")

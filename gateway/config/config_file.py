@@ -1,0 +1,78 @@
+"""The config file on disk as the gateway sees it: its text, whether it changed since last read (the file
+watcher's poll), and how it stands against the running version (``tandem ctl status``'s ``file`` line and the
+weights it would set)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from gateway.config.compile import load_config_text
+from gateway.config.layers import route_weights
+from gateway.config.schema import ConfigError
+
+
+class ConfigFile:
+    """The YAML file at ``path`` (None: a gateway started from text, which has no file).
+
+    ``changed`` compares the file's (mtime, size) with the last mark; ``mark`` sets it to now, ``unmark`` makes the
+    next poll see a change (a change that could not be applied yet is tried again)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._mark = self._stat()
+
+    def read(self) -> str | None:
+        """The file's text; None without a file or when it cannot be read."""
+        if not self.path:
+            return None
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                return f.read()
+        except OSError:
+            return None
+
+    def mark(self) -> None:
+        """The file as it is now is the one last read."""
+        self._mark = self._stat()
+
+    def unmark(self) -> None:
+        """The next ``changed`` is True while the file exists."""
+        self._mark = None
+
+    def changed(self) -> bool:
+        """Whether the file's (mtime, size) moved since the last mark (it is then marked)."""
+        m = self._stat()
+        if m is None or m == self._mark:
+            return False
+        self._mark = m
+        return True
+
+    def status(self, running_text: str, overrides: dict) -> dict:
+        """``{"path", "differs", "status"}`` against the running version (its file text and operator
+        ``overrides``): "in sync", "weights overrides active", or "runtime override active, file differs" (a
+        rollback, or another replica's file, runs instead of it)."""
+        text = self.read()
+        differs = text is not None and text != running_text
+        status = ("runtime override active, file differs" if differs
+                  else "weights overrides active" if overrides else "in sync")
+        return {"path": self.path, "differs": differs, "status": status}
+
+    def weights_if_differs(self, running_text: str) -> dict[str, dict[str, float]] | None:
+        """route -> {target id: weight} of the file when its text is not the running one and it loads; else
+        None (``layers.layer_view``'s ``on_disk``)."""
+        text = self.read()
+        if text is None or text == running_text:
+            return None
+        with contextlib.suppress(ConfigError):
+            return route_weights(load_config_text(text, {}).policy)
+        return None
+
+    def _stat(self) -> tuple[int, int] | None:
+        if not self.path:
+            return None
+        try:
+            st = os.stat(self.path)
+            return (st.st_mtime_ns, st.st_size)
+        except OSError:
+            return None
