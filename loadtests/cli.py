@@ -14,6 +14,7 @@ Sub-commands of ``loadtest``:
   spill     spill to aggregators: local only vs a threshold rule vs a TTFT SLO
             (--sweep: every threshold setting, the SLO route and the offline oracle: attainment vs cost)
   prompt-cache  prompt-cache affinity on aggregators: cached share of input tokens with vs without sticky
+  slo-replicas  an SLO route over two engine replicas with different loads: a replica that meets the SLO?
 ``parity`` is scenario 6: greedy outputs and logprobs of two targets compared.
 """
 
@@ -124,10 +125,11 @@ def _add_upstream(sub) -> None:
 def add_commands(sub) -> None:
     """Add the ``loadtest`` sub-commands to ``sub`` (an argparse subparsers object)."""
     from loadtests.scenarios import (canary, core_modes, engine, failover, ledger, overhead, prefix, prompt_cache,
-                                     replicas, routers, spill)
+                                     replicas, routers, slo_replicas, spill)
     _add_run(sub)
     _add_upstream(sub)
-    for mod in (overhead, engine, core_modes, canary, failover, prefix, replicas, ledger, spill, prompt_cache, routers):
+    for mod in (overhead, engine, core_modes, canary, failover, prefix, replicas, ledger, spill, prompt_cache, routers,
+                slo_replicas):
         mod.register(sub)
     for parser in sub.choices.values():  # `tandem loadtest X` and `python -m loadtests X` alike
         parser.set_defaults(func=functools.partial(_stopping_servers_on_sigterm, parser.get_default("func")))

@@ -52,3 +52,27 @@ def test_fluid_upstream_share_sends_what_an_engine_of_that_capacity_would_serve_
     # capacity 1 req/s, SLO 2.5 s: two of the burst are served in time, two wait past it; the engine is idle by 10 s
     assert fluid_upstream_share(burst, capacity=1.0, slo_s=2.5) == pytest.approx(40.0)
     assert fluid_upstream_share(burst, capacity=10.0, slo_s=2.5) == 0.0
+
+
+def test_slo_replicas_judges_each_request_against_the_replicas_probed_then():
+    from loadtests.scenarios.slo_replicas import Probe, Sent, judge
+
+    probes = [Probe("r0", 0.0, 5.0), Probe("r1", 0.0, 0.2),       # t=0: r0 busy, r1 meets
+              Probe("r0", 10.0, 5.0), Probe("r1", 10.0, None),    # t=10: neither (r1's probe failed)
+              Probe("r0", 20.0, 0.3), Probe("r1", 20.0, 0.4)]     # t=20: both meet
+    prices = {"r0": {"input": 0.0, "output": 0.0}, "r1": {"input": 0.0, "output": 0.0},
+              "cheap": {"input": 1.0, "output": 1.0}}
+    sent = [Sent("a", Outcome(True, 0.3, "r1", 10, 1, at=0.4)),     # right: r1 met it
+            Sent("a", Outcome(True, 4.0, "r0", 10, 1, at=1.0)),     # wrong: r0 missed, r1 met
+            Sent("a", Outcome(True, 0.9, "cheap", 10, 1, at=0.2)),  # a missed saving
+            Sent("b", Outcome(True, 0.9, "cheap", 10, 1, at=9.0)),  # right: no replica met then
+            Sent("b", Outcome(True, 3.0, "r0", 10, 1, at=11.0)),    # none met: not counted either way
+            Sent("c", Outcome(False, None, "", at=19.0))]           # failed while both met: wrong
+    f = judge(sent, probes, slo_s=1.0, prices=prices)
+    assert f["a"]["a_replica_met"] == 3 and f["a"]["right_replica"] == 1 and f["a"]["missed_saving"] == 1
+    assert f["b"]["a_replica_met"] == 0 and f["b"]["right_replica_pct"] is None
+    assert f["all"]["requests"] == 6 and f["all"]["a_replica_met"] == 4 and f["all"]["right_replica"] == 1
+    assert f["all"]["right_replica_pct"] == 25.0 and f["all"]["to"] == {"r0": 2, "r1": 1, "cheap": 2, "failed": 1}
+    assert [w["at_s"] for w in f["all"]["wrong"]] == [1.0, 0.2, 19.0] and f["all"]["wrong"][0]["replicas_met"] == ["r1"]
+    assert f["a"]["slo_met_pct"] == pytest.approx(200 / 3)
+    assert f["b"]["usd_per_1000"] == pytest.approx(1000 * 11 / 1e6 / 2)
