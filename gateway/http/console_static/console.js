@@ -107,7 +107,9 @@
   async function act(label, method, path, body) {
     try {
       const out = await api(method, path, body);
-      notice(`${label}: done${out && out.version !== undefined ? `, config version ${out.version}` : ""}.`, "ok");
+      const warnings = (out && out.warnings) || [];   // applied, with what the operator should know (a down backend)
+      notice(`${label}: done${out && out.version !== undefined ? `, config version ${out.version}` : ""}.` +
+             warnings.map((w) => ` Warning: ${w}`).join(""), warnings.length ? "warn" : "ok");
       return out;
     } catch (e) {
       const hint = e.status === 409 ? " (the config moved on meanwhile: the page now shows the current one)" : "";

@@ -318,6 +318,36 @@ def test_console_watches_a_rollout_advance_and_steers_it(browser, rollout_gatewa
     page.close()
 
 
+def test_a_rollout_started_onto_a_down_candidate_is_started_with_a_warning(browser, tmp_path_factory):
+    """The candidate's backend refuses connections (its health probe found it down): the page's start says so."""
+    import socket
+
+    from tests.gateway.fault_upstream import FaultUpstream
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    with FaultUpstream("stable") as stable:
+        text = ROLLOUT_CONFIG.format(stable=stable.base_url, cand=dead).replace("interval_s: 0}", "interval_s: 0.2}")
+        for g in gateway_on(tmp_path_factory, "console-down", text, env=ENV):
+            wait_until(lambda: not httpx.get(g.url + "/admin/config", headers=ADMIN, timeout=10)
+                       .json()["backends"]["cand"]["available"])
+            page = browser.new_page()
+            page.goto(g.url + "/admin/ui")
+            sign_in(page)
+            page.get_by_text("Start a rollout").click()
+            page.get_by_label("Name", exact=True).fill("dead-canary")
+            page.get_by_label("Route", exact=True).select_option("main")
+            page.get_by_label("Candidate target", exact=True).select_option("cand")
+            page.get_by_role("button", name="Start rollout").click()
+            status = page.get_by_role("status").filter(has_text="Start rollout dead-canary: done")
+            status.wait_for()
+            text = status.inner_text()
+            assert "Warning: rollouts.dead-canary: its candidate 'cand' is on backend 'cand', found down now" in text
+            assert "notice warn" == status.get_attribute("class")
+            page.close()
+
+
 def test_console_shows_a_failing_candidate_rolled_back(browser, rollout_gateway):
     g, cand = rollout_gateway
     cand.set_default({"status": 500})
