@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.http.head_held import HeadHeld
+
 
 @dataclass(frozen=True)
 class DoorLimits:
@@ -120,6 +122,9 @@ class DoorProtocol(HttpToolsProtocol):
         self.head_bytes = 0
         self._disarm_head_timer()
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.transport is self.transport:   # not a new cycle: an upgrade returned early
+            cycle.transport = HeadHeld(self.transport, cycle)           # a whole answer's head and body: one write
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
