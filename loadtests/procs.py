@@ -17,6 +17,15 @@ from pathlib import Path
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def cpu_set(cpus: str) -> set[int]:
+    """CPU numbers of a list such as ``"0"``, ``"1-3"`` or ``"0,2-3"`` (taskset's ``-c`` form)."""
+    out: set[int] = set()
+    for part in cpus.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
@@ -78,10 +87,13 @@ class Server:
         proc: the ``subprocess.Popen``.
         log_path: combined stdout/stderr.
         base_url: ``http://127.0.0.1:PORT``.
+
+    ``cpus`` (e.g. ``"0"``, ``"1-3"``): the CPUs the process and its threads may run on (``sched_setaffinity``,
+    set in the child before it starts the command); None: any.
     """
 
     def __init__(self, cmd: list[str], ready_url: str, base_url: str, env: dict | None = None,
-                 log_dir: str | Path | None = None, name: str = "server"):
+                 log_dir: str | Path | None = None, name: str = "server", cpus: str | None = None):
         self.cmd = cmd
         self.ready_url = ready_url
         self.base_url = base_url
@@ -90,8 +102,9 @@ class Server:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpu_set(cpus)))
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env={**os.environ, **(env or {})}, start_new_session=True, preexec_fn=pin)
 
     @property
     def pid(self) -> int:

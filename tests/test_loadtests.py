@@ -19,7 +19,7 @@ from tests.tiny_models import save_byte_level_llama
 
 from loadtests import cli
 from loadtests.client import RequestResult, check_loopback
-from loadtests.procs import Server, cpu_seconds, free_port, upstream_cmd
+from loadtests.procs import Server, cpu_seconds, cpu_set, free_port, upstream_cmd
 from loadtests.runner import LoadConfig, run_load_sync
 from loadtests.scenarios.canary import split_by_phase
 from loadtests.scenarios.failover import analyse
@@ -261,6 +261,22 @@ def test_scenario_overhead_tiny(tmp_path, capsys):
             assert s["backends"] == {"upstream": s["num_ok"]}
     _files_written(tmp_path, "latency_cdf.png")
     assert "added p50 ms" in capsys.readouterr().out
+
+
+def test_a_server_runs_on_the_cpus_it_is_given(tmp_path):
+    """``Server(cpus=...)`` (the overhead scenario's ``--pin``): the child's affinity, its threads' too."""
+    assert cpu_set("0,2-3") == {0, 2, 3} and cpu_set("1") == {1}
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
+    srv = Server([sys.executable, "-c", code], "http://127.0.0.1:1/", "", log_dir=tmp_path, cpus=str(cpu))
+    try:
+        deadline = time.monotonic() + 10
+        while len(os.listdir(f"/proc/{srv.pid}/task")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tids = [int(t) for t in os.listdir(f"/proc/{srv.pid}/task")]
+        assert len(tids) == 2 and all(os.sched_getaffinity(t) == {cpu} for t in tids)
+    finally:
+        srv.kill()
 
 
 def test_scenario_canary_tiny(tmp_path):

@@ -22,11 +22,11 @@ def small_workload(num_prompts: int = 64, input_words: int = 32, max_tokens: int
     return synthetic(num_prompts, LengthDist("fixed", input_words), LengthDist("fixed", max_tokens))
 
 
-def start_upstream(name: str, log_dir: Path, *extra: str, port: int | None = None) -> Server:
-    """A :mod:`loadtests.upstream` process, ready."""
+def start_upstream(name: str, log_dir: Path, *extra: str, port: int | None = None, cpus: str | None = None) -> Server:
+    """A :mod:`loadtests.upstream` process, ready (on ``cpus``: ``Server``'s)."""
     port = port or free_port()
     srv = Server(upstream_cmd(port, name, *extra), f"http://127.0.0.1:{port}/health",
-                 f"http://127.0.0.1:{port}", log_dir=log_dir, name=f"upstream-{name}")
+                 f"http://127.0.0.1:{port}", log_dir=log_dir, name=f"upstream-{name}", cpus=cpus)
     return srv.wait_ready(30)
 
 
@@ -57,8 +57,8 @@ def gateway_config(path: Path, backends: dict, routes: dict, default_route: str,
 
 
 def start_gateway(config: Path, log_dir: Path, port: int | None = None, admin_token: str | None = None,
-                  timeout: float = 60.0) -> tuple[Server, str]:
-    """``tandem serve --config config --port P``, ready at ``/health/ready``.
+                  timeout: float = 60.0, cpus: str | None = None) -> tuple[Server, str]:
+    """``tandem serve --config config --port P``, ready at ``/health/ready`` (on ``cpus``: ``Server``'s).
 
     Returns:
         (server, admin token).
@@ -68,7 +68,7 @@ def start_gateway(config: Path, log_dir: Path, port: int | None = None, admin_to
     env = {UPSTREAM_KEY_ENV: "loadtests-dummy-key", ADMIN_TOKEN_ENV: token}
     srv = Server(tandem_cmd("serve", "--config", str(config), "--port", str(port)),
                  f"http://127.0.0.1:{port}/health/ready", f"http://127.0.0.1:{port}", env=env,
-                 log_dir=log_dir, name="gateway")
+                 log_dir=log_dir, name="gateway", cpus=cpus)
     return srv.wait_ready(timeout), token
 
 

@@ -20,7 +20,10 @@ gateway, LiteLLM; round 2: the same again, ...), so that a shared machine's
 load weighs on each alike; the figures are the medians over the rounds, each
 round's are kept in ``results.json`` with the load average it ran under.
 Client, upstream and proxy share the machine's cores, so the c=32 figures are
-a lower bound of what a proxy alone can do.
+a lower bound of what a proxy alone can do. ``--pin`` gives each proxy (the
+gateway, LiteLLM) CPU 0 and the upstream and the load client the others (2+
+CPUs): a proxy's figures are then those of one process with a core, not
+crowded by its own load generator (other jobs on the machine still share it).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from loadtests.procs import Server, free_port
+from loadtests.procs import Server, cpu_set, free_port
 from loadtests.report import write_report
 from loadtests.scenarios.common import (fmt, gateway_config, md_table, measure, pct, small_workload,
                                         start_gateway, start_upstream, summary, upstream_backend)
@@ -56,15 +59,18 @@ def register(sub) -> None:
     p.add_argument("--peer-litellm", default=os.environ.get(LITELLM_PYTHON_ENV),
                    help=f"a Python with litellm[proxy] installed (or ${LITELLM_PYTHON_ENV}): LiteLLM's proxy is "
                         "measured beside the gateway, on the same upstream")
+    p.add_argument("--pin", action="store_true",
+                   help="proxies on CPU 0, the upstream and the load client on the other CPUs")
     p.add_argument("--out", default="loadtests-results/overhead",
                    help="output directory (results.json, summary.md, plots)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
-def start_litellm(python: str, upstream_port: int, log_dir: Path, timeout: float = 600.0) -> Server:
+def start_litellm(python: str, upstream_port: int, log_dir: Path, timeout: float = 600.0,
+                  cpus: str | None = None) -> Server:
     """LiteLLM's proxy (``python -m litellm.proxy.proxy_cli``) serving ``MODEL`` from the upstream on
-    ``upstream_port``, on 127.0.0.1, ready at ``/health/liveliness``."""
+    ``upstream_port``, on 127.0.0.1, ready at ``/health/liveliness`` (on ``cpus``: ``Server``'s)."""
     cfg = {"model_list": [{"model_name": MODEL, "litellm_params": {
                "model": f"openai/{MODEL}", "api_base": f"http://127.0.0.1:{upstream_port}/v1", "api_key": "dummy"}}],
            "general_settings": {"master_key": LITELLM_KEY}}
@@ -73,7 +79,7 @@ def start_litellm(python: str, upstream_port: int, log_dir: Path, timeout: float
     port = free_port()
     srv = Server([python, "-m", "litellm.proxy.proxy_cli", "--config", str(path), "--host", "127.0.0.1",
                   "--port", str(port)], f"http://127.0.0.1:{port}/health/liveliness", f"http://127.0.0.1:{port}",
-                 log_dir=log_dir, name="litellm")
+                 log_dir=log_dir, name="litellm", cpus=cpus)
     return srv.wait_ready(timeout)
 
 
@@ -140,16 +146,19 @@ def run(args: argparse.Namespace) -> int:
     logs = Path(tempfile.mkdtemp(prefix="lt-overhead-"))
     workload = small_workload(max_tokens=args.max_tokens)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    up = start_upstream("upstream", logs)
+    proxy_cpus, rest = _pinning(args.pin)
+    if rest is not None:
+        os.sched_setaffinity(0, cpu_set(rest))      # the load client
+    up = start_upstream("upstream", logs, cpus=rest)
     runs, per_round = [], {m: [] for m in modes}
     gw = peer = None
     try:
         port = int(up.base_url.rsplit(":", 1)[1])
         cfg = gateway_config(logs / "gateway.yaml", {"upstream": upstream_backend(port, MODEL)},
                              {"direct": {"targets": [{"backend": "upstream", "weight": 100}]}}, "direct", MODEL)
-        gw, _ = start_gateway(cfg, logs)
+        gw, _ = start_gateway(cfg, logs, cpus=proxy_cpus)
         if args.peer_litellm:
-            peer = start_litellm(args.peer_litellm, port, logs)
+            peer = start_litellm(args.peer_litellm, port, logs, cpus=proxy_cpus)
         targets = [("direct", up.base_url, None, None), ("gateway", gw.base_url, gw, None)]
         if peer is not None:
             targets.append(("litellm", peer.base_url, peer, {"Authorization": f"Bearer {LITELLM_KEY}"}))
@@ -172,13 +181,28 @@ def run(args: argparse.Namespace) -> int:
     table = _table(figures, args.concurrency)
     loads = [r["load_average"] for rounds in per_round.values() for r in rounds]
     note = (f"{args.rounds} interleaved round(s); medians. Load average {min(loads):.1f}-{max(loads):.1f} "
-            f"(1 min, at the start of each mode's round).")
-    files = write_report(out, "Scenario 1: gateway overhead", runs, {"figures": figures, "rounds": per_round},
-                         table + "\n\n" + note)
+            f"(1 min, at the start of each mode's round)."
+            + (f" Proxies on CPU {proxy_cpus}, upstream and load client on CPUs {rest}." if rest else ""))
+    cpus = {"proxies": proxy_cpus, "upstream_and_client": rest}
+    files = write_report(out, "Scenario 1: gateway overhead", runs,
+                         {"figures": figures, "rounds": per_round, "cpus": cpus}, table + "\n\n" + note)
     print(table)
     print(note)
     print(f"\nfiles: {', '.join(str(p) for p in files.values())}")
     return 0
+
+
+def _pinning(pin: bool) -> tuple[str | None, str | None]:
+    """(the proxies' CPUs, the upstream's and load client's), taskset's ``-c`` form; (None, None) unpinned.
+
+    Raises:
+        SystemExit: ``--pin`` on a machine where this process may use fewer than 2 CPUs."""
+    if not pin:
+        return None, None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs 2 CPUs or more")
+    return str(cpus[0]), ",".join(str(c) for c in cpus[1:])
 
 
 def _table(figures: dict, c: int) -> str:
