@@ -38,6 +38,7 @@ from litestar.response import Stream
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.async_engine import AsyncEngine
+from engine.entrypoints.request_state import json_body, serving_of
 from engine.entrypoints.ttft import ttft
 from engine.metrics import EngineMetrics
 from engine.protocol.errors import ServingError
@@ -47,7 +48,6 @@ from engine.serving.chat import OpenAIServingChat
 from engine.serving.chunks import sse_stream
 from engine.serving.completion import OpenAIServingCompletion
 from engine.serving.embeddings import OpenAIServingEmbedding
-from engine.serving.protocol import decode_body
 
 logger = logging.getLogger("tandem.server")
 
@@ -58,24 +58,9 @@ class _ClientGone(Exception):
     """The client disconnected before the (non-streamed) answer was ready."""
 
 
-_LOADING_RETRY_AFTER_S = 5  # Retry-After of a request that arrives while the model loads, seconds
-
 def _error_response(err: ServingError) -> Response:
     return Response(content=err.to_dict(), status_code=err.status_code, media_type="application/json",
                     headers=err.headers)
-
-
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = decode_body(raw)   # structured outputs' schemas stay unparsed (issue #34)
-    except msgspec.DecodeError as exc:
-        raise ServingError(400, f"malformed JSON body: {exc}", param=None, code="invalid_json") from None
-    except RecursionError:       # msgspec's own nesting limit (about 1,000 levels here)
-        raise ServingError(400, "the request body nests arrays and objects too deep", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ServingError(400, "the request body must be a JSON object", code="invalid_json")
-    return body
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -113,27 +98,9 @@ def _respond(result: dict | AsyncIterator[list]) -> Response:
                   background=BackgroundTask(events.aclose))
 
 
-def _serving(request: Request, kind: str) -> OpenAIServingChat | OpenAIServingCompletion:
-    """The app's serving object of ``kind`` ("chat" or "completion").
-
-    Raises:
-        ServingError: 503 ``engine_loading`` (with ``Retry-After``) while the
-            model loads, 503 ``engine_unavailable`` when loading failed.
-    """
-    serving = request.app.state.get(kind)
-    if serving is not None:
-        return serving
-    error = request.app.state.get("load_error")
-    if error is not None:
-        raise ServingError(503, f"the engine failed to load: {error}", type="server_error",
-                           code="engine_unavailable")
-    raise ServingError(503, "the engine is loading the model; retry later", type="server_error",
-                       code="engine_loading", headers={"Retry-After": str(_LOADING_RETRY_AFTER_S)})
-
-
 async def _generate(request: Request, kind: str) -> Response:
-    serving = _serving(request, kind)
-    body = await _json_body(request)
+    serving = serving_of(request, kind)
+    body = await json_body(request)
     rid = unique_request_id(request.scope)
     if kind == "chat":
         call = serving.create_chat_completion(body, request_id=f"chatcmpl-{rid}")
@@ -162,8 +129,8 @@ async def completions(request: Request) -> Response:
 @post("/v1/embeddings", status_code=200)
 async def embeddings(request: Request) -> Response:
     """OpenAI embeddings: the model's final hidden states pooled (``engine/serving/embeddings.py``)."""
-    serving = _serving(request, "embedding")
-    body = await _json_body(request)
+    serving = serving_of(request, "embedding")
+    body = await json_body(request)
     try:
         return _respond(await _cancel_on_disconnect(request, serving.create_embedding(body, unique_request_id(
             request.scope))))
@@ -174,14 +141,14 @@ async def embeddings(request: Request) -> Response:
 @get("/v1/models")
 async def models(request: Request) -> Response:
     """The served model."""
-    return Response(content=_serving(request, "chat").models(), media_type="application/json")
+    return Response(content=serving_of(request, "chat").models(), media_type="application/json")
 
 
 @get("/v1/models/{model:path}")
 async def model(request: Request) -> Response:
     """One served model (OpenAI's retrieve); 404 ``model_not_found`` for any other name."""
     model = request.path_params["model"].lstrip("/")   # names may hold "/" (HF ids)
-    data = _serving(request, "chat").models()["data"]
+    data = serving_of(request, "chat").models()["data"]
     for m in data:
         if m["id"] == model:
             return Response(content=m, media_type="application/json")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from litestar import Request, Response, post
 
+from engine.entrypoints.request_state import json_body, serving_of
 from engine.protocol.errors import ServingError
 
 
@@ -19,14 +20,12 @@ from engine.protocol.errors import ServingError
 async def ttft(request: Request) -> Response:
     """The predicted TTFT of the request in the body if it were sent now (the endpoint's own 400/404 for a body
     it refuses, 503 while the engine loads)."""
-    from engine.entrypoints.server import _json_body, _serving   # the server module imports this one
-
     engine = request.app.state.engine
-    body = await _json_body(request)
+    body = await json_body(request)
     if "messages" in body:   # the endpoint's own checks (one function), nothing queued
-        rendered, _ = await _serving(request, "chat").prepare_chat(body)
+        rendered, _ = await serving_of(request, "chat").prepare_chat(body)
     else:
-        rendered, _ = await _serving(request, "completion").prepare_completion(body)
+        rendered, _ = await serving_of(request, "completion").prepare_completion(body)
     token_ids = rendered.prompts[0][1]
     priority = getattr(rendered.request, "priority", None) or 0
     p = engine.predict_ttft(token_ids, priority)

@@ -3,6 +3,10 @@ server, and read by the gateway (the local backend's refusals, ``tandem route ex
 
 from __future__ import annotations
 
+# Retry-After of a request that arrives while the engine loads its model, seconds: the engine server's 503 and
+# the gateway's for its co-located engine (the default model loads in seconds)
+ENGINE_LOADING_RETRY_AFTER_S = 5
+
 
 class ServingError(Exception):
     """An error to return to the client in OpenAI's format.

@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import replace
 
+from engine.protocol.errors import ENGINE_LOADING_RETRY_AFTER_S
 from gateway.backends.dispatch import forward
 from gateway.backends.relabel import answer_id
 from gateway.billing.local_cost import local_price
@@ -31,8 +32,6 @@ from policies import RequestFeatures, decide, prefix_text
 # (``engine.tokenizer.Tokenizer.encode``). Smaller bodies stay on the loop, where a thread hop would cost more
 # than the work.
 OFFLOAD_BYTES = 16 * 1024
-# Retry-After (seconds) of a 503 engine_loading: the default model loads in seconds.
-ENGINE_LOADING_RETRY_AFTER_S = 5
 
 
 def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str,

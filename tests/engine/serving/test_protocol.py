@@ -275,11 +275,11 @@ def test_decode_body_decodes_everything_but_the_schemas():
 def test_a_large_schema_makes_no_python_object_per_node_on_the_way_to_the_core():
     """Issue #34: the serving process decoded a 400 KB schema into ~8,600 containers (their decode and the
     garbage collections they set off held its event loop 10-60 ms), then encoded it again for the core.
-    From the HTTP body (``server._json_body``) to the bytes of the core's ``CompileGrammar``, the schema now
+    From the HTTP body (``request_state.json_body``) to the bytes of the core's ``CompileGrammar``, the schema now
     stays one text. Counted, not timed: the garbage collector's count of tracked objects alive (collections
     off), which grows by one per container made."""
     from engine.core.core_messages import CompileGrammar, encode, params_to_wire
-    from engine.entrypoints.server import _json_body
+    from engine.entrypoints.request_state import json_body
     from loadtests.bench.structured_isolation import big_schema, schema_body
 
     schema = big_schema(400)
@@ -293,7 +293,7 @@ def test_a_large_schema_makes_no_python_object_per_node_on_the_way_to_the_core()
     gc.disable()
     try:
         before = gc.get_count()[0]
-        coro = _json_body(Request())
+        coro = json_body(Request())
         try:
             coro.send(None)
         except StopIteration as done:
