@@ -97,7 +97,8 @@ class EngineArgs:
         swap_space: GiB of CPU memory to swap preempted requests into (0 =
             preempt by recompute).
         scheduling_policy: "fcfs" or "priority".
-        num_threads: torch intra-op threads on CPU (None: all cores).
+        num_threads: torch intra-op threads on CPU (None: all cores, fewer for the steps while other
+            processes use them: ``engine/worker/cpu_threads.py``).
         seed: seed of the engine's default generator.
         attention_backend: "auto" (Triton on CUDA; on CPU the C kernel,
             "cpu", where a C compiler builds it, else "torch"), "cpu",
@@ -282,7 +283,8 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs, or priority (the request's priority field; lower first)")
     g.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads of the engine core on CPU (None: one per core)")
+                   help="torch threads of the engine core on CPU (None: one per core, fewer for the steps while "
+                        "other processes use them)")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's default sampling generator")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
                    help="auto: Triton on CUDA; on CPU the C kernel (cpu) where a C compiler builds it, else torch")

@@ -24,6 +24,7 @@ from engine.pooling import rows_needed
 from engine.models.llama import AttentionMetadata
 from engine.core.scheduler_output import SchedulerOutput
 from engine.distributed.parallel_state import RankFailure
+from engine.worker.cpu_threads import LoadFollowingThreads
 from engine.worker.step_inputs import STEP, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,9 @@ class ModelRunner:
         model.prepack_weights()  # bf16 on CPU: the C kernel's panels (dense copies freed) or oneDNN's blocked weights
         release_freed_memory()
         model.set_batch_invariant(getattr(args, "batch_invariant", True))
+        # on CPU without a fixed num_threads, each step's threads follow the machine's load (cpu_threads.py)
+        self.cpu_threads = (LoadFollowingThreads(torch.get_num_threads())
+                            if torch.device(device).type == "cpu" and not getattr(args, "num_threads", None) else None)
         max_len = getattr(args, "max_model_len", None)
         if max_len and (model.rope_cos is None or model.rope_cos.shape[0] < max_len):
             model.build_rope_cache(max(max_len, model_config.max_position_embeddings))
@@ -312,6 +316,8 @@ class ModelRunner:
         if not inputs.num_tokens:
             return None, None
         dev = self.device
+        if self.cpu_threads is not None:
+            self.cpu_threads.apply()
         md = AttentionMetadata(
             slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
             query_start_loc=torch.from_numpy(inputs.query_start_loc.astype(np.int32)).to(dev),

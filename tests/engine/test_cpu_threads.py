@@ -1,0 +1,116 @@
+"""The engine core's threads follow the machine's load (engine/worker/cpu_threads.py): the load read from
+``/proc/stat`` and this process's CPU time, the count it gives, and the engine's outputs, bitwise the same
+whatever the threads of each step (real SmolLM2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.worker import cpu_threads, model_runner
+from engine.worker.cpu_threads import LoadFollowingThreads, busy_seconds, threads_for
+
+STAT = """cpu  900 90 900 9000 90 9 9 9 0 0
+cpu0 100 10 100 1000 10 1 1 1 0 0
+cpu1 200 20 200 2000 20 2 2 2 0 0
+cpu2 400 40 400 4000 40 4 4 4 50 0
+intr 12345 0 0
+ctxt 999
+"""
+
+
+def test_busy_time_is_every_field_but_idle_and_iowait_of_the_cpus_given():
+    # cpu0: 100 + 10 + 100 + 1 + 1 + 1 ticks; cpu2: 400 + 40 + 400 + 4 + 4 + 4 (guest is inside user)
+    assert busy_seconds(STAT, {0, 2}, 0.01) == pytest.approx((213 + 852) * 0.01)
+    assert busy_seconds(STAT, {1}, 0.5) == pytest.approx(426 * 0.5)
+    assert busy_seconds(STAT, {7}, 0.01) == 0
+
+
+@pytest.mark.parametrize("cores, others, threads", [(2, 0.0, 2), (2, 0.45, 2), (2, 0.5, 1), (2, 1.0, 1),
+                                                    (2, 5.0, 1), (4, 1.2, 3), (4, 2.6, 1), (1, 0.0, 1)])
+def test_a_step_gets_the_cores_the_others_leave(cores, others, threads):
+    assert threads_for(cores, others) == threads
+
+
+class _Machine:
+    """A fake clock, /proc/stat and process CPU time: each ``run(seconds, ours, others)`` advances them as
+    if this process had used ``ours`` cores and the other processes ``others``, on CPUs 0 and 1."""
+
+    def __init__(self):
+        self.t = self.cpu = 0.0
+        self.ticks = [0, 0]
+
+    def run(self, seconds: float, ours: float, others: float) -> None:
+        self.t += seconds
+        self.cpu += ours * seconds
+        busy = round((ours + others) * seconds * 100)
+        self.ticks = [self.ticks[0] + busy // 2, self.ticks[1] + busy - busy // 2]
+
+    def stat(self) -> str:
+        return "".join(f"cpu{i} {b} 0 0 0 0 0 0 0 0 0\n" for i, b in enumerate(self.ticks))
+
+
+def test_the_threads_drop_while_other_processes_run_and_come_back(monkeypatch):
+    monkeypatch.setattr(cpu_threads.os, "sysconf", lambda name: 100)
+    m, set_to = _Machine(), []
+    gov = LoadFollowingThreads(2, {0, 1}, read_stat=m.stat, cpu_time=lambda: m.cpu, clock=lambda: m.t,
+                               set_threads=set_to.append)
+    m.run(0.3, ours=2.0, others=0.0)
+    assert gov.apply() == 2 and set_to == []            # a quiet machine: every core
+    m.run(0.3, ours=1.2, others=0.8)
+    assert gov.apply() == 1 and set_to == [1]           # another process took most of a core
+    m.run(0.1, ours=1.0, others=0.0)
+    assert gov.apply() == 1 and set_to == [1]           # under SAMPLE_S since the last sample: unchanged
+    m.run(0.3, ours=1.0, others=1.0)
+    assert gov.apply() == 1 and set_to == [1]           # it still runs: one thread
+    m.run(0.3, ours=1.0, others=0.1)
+    assert gov.apply() == 2 and set_to == [1, 2]        # it stopped: both again
+    one = LoadFollowingThreads(1, {0, 1}, read_stat=m.stat, cpu_time=lambda: m.cpu, clock=lambda: m.t,
+                               set_threads=set_to.append)
+    m.run(0.3, ours=1.0, others=0.0)
+    assert one.apply() == 1                             # never above the engine's own count
+
+
+def _outputs(llm: LLM, prompts: list[list[int]]) -> list:
+    """Greedy token ids with their top logprobs, and a seeded sampled request's, exactly."""
+    params = [SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)] * (len(prompts) - 1)
+    params.append(SamplingParams(temperature=0.8, seed=5, max_tokens=12, logprobs=2, ignore_eos=True))
+    return [[(t, tuple(sorted((k, v.logprob) for k, v in lp.items())))
+             for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+            for o in llm.generate(prompts, params)]
+
+
+class _Alternating:
+    """Stands in for LoadFollowingThreads: one thread, then two, step after step."""
+
+    def __init__(self, max_threads: int):
+        self.steps = 0
+
+    def apply(self) -> int:
+        self.steps += 1
+        torch.set_num_threads(1 + self.steps % 2)
+        return torch.get_num_threads()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_the_outputs_do_not_depend_on_the_threads_of_each_step(monkeypatch, quantization):
+    """One prompt of 100 tokens (prefill through the per-operation path, then the one-region decode stack) and
+    three of 5-100 (decode steps of 3 rows), on two threads throughout and with the count changing every step;
+    the GGUF's weights dequantized to bfloat16 (with their 4-bit copies for decode) or kept in 4 bits."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        fixed = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization=quantization, num_threads=2)
+        prompts = [list(range(1000, 1100)), list(range(200, 205)), list(range(3000, 3040))]
+        want = _outputs(fixed, [prompts[0]]) + _outputs(fixed, prompts)
+        monkeypatch.setattr(model_runner, "LoadFollowingThreads", _Alternating)
+        torch.set_num_threads(2)
+        changing = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization=quantization)
+        got = _outputs(changing, [prompts[0]]) + _outputs(changing, prompts)
+        assert changing.engine.model_runner.cpu_threads.steps >= 24
+    finally:
+        torch.set_num_threads(threads)
+    assert got == want
