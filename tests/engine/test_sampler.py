@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.core.request import Request
-from engine.worker.sampler import Sampler, prompt_logprobs
+from engine.worker.sampler import Sampler, argmax_rows, prompt_logprobs
 from engine.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -40,6 +40,21 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy(device):
                               req("d", top_k=1, seed=3), req("e", temperature=0.0), req("f", top_k=1)])
     assert mixed.token_ids == greedy.token_ids
     assert logits.equal(randn(6, device=device))  # input not modified
+
+
+def test_argmax_rows_is_torchs_argmax():
+    """The first maximum, a NaN before any number (the first NaN), -0.0 equal to 0.0, -inf rows: torch's
+    index on every row, also from a strided view."""
+    nan, inf = float("nan"), float("inf")
+    rows = [[1.0, nan, 3.0, nan], [nan, 1.0, nan, 2.0], [-inf, -inf, -inf, -inf], [0.0, -0.0, 0.0, -1.0],
+            [-0.0, 0.0, -1.0, -2.0], [3.0, 3.0, 1.0, 3.0], [1.0, inf, inf, 0.0], [-inf, nan, 1.0, 1.0]]
+    x = torch.tensor(rows)
+    assert argmax_rows(x).tolist() == x.argmax(-1).tolist() == [1, 0, 0, 0, 0, 0, 1, 1]
+    big = randn(5, 49152)
+    big[2, 50] = big[2, 100] = big[2].max() + 1
+    for t in (big, big[:, ::3], big.t()):
+        got = argmax_rows(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(-1))
 
 
 @pytest.mark.parametrize("device", DEVICES)
