@@ -252,8 +252,6 @@ def compare_peer(engine, args, prompts: list[list[int]], params: SamplingParams)
         round's Tandem run, GB/s], "round_ratios", "ratio": median Tandem / median peer}; ``{"skipped": why}`` or
         ``{"failed": why}`` (after one round) when the peer cannot run.
     """
-    import torch
-
     from engine.config import DEFAULT_MODEL
 
     peer = PEERS[args.peer]
@@ -262,7 +260,7 @@ def compare_peer(engine, args, prompts: list[list[int]], params: SamplingParams)
         model = peer_model(peer, args.peer_model, engine.args.model, engine.served_model_name == DEFAULT_MODEL)
     except ValueError as e:
         return {"skipped": str(e)}
-    threads = args.num_threads or torch.get_num_threads()
+    threads = engine_threads(engine, args)
     tandem_runs: list[dict] = []
     runs: list[dict] = []
     bandwidth: list[float] = []
@@ -375,12 +373,20 @@ def _result_table(args: argparse.Namespace, result: dict, num_prompts: int, dtyp
 def _roofline(engine, args: argparse.Namespace) -> dict:
     """The bytes of weights a one-row decode step reads (None off the C decoder stack, or with the model in
     other processes) and the read bandwidth measured now."""
-    import torch
-
     runner = getattr(engine, "model_runner", None)
     model = getattr(runner, "model", None)
     weight_bytes = decode_weight_bytes(model, runner.kv_caches) if hasattr(model, "_c_decoder_weights") else None
-    return {"weight_bytes": weight_bytes, "read_gb_per_s": [read_bandwidth(args.num_threads or torch.get_num_threads())]}
+    return {"weight_bytes": weight_bytes, "read_gb_per_s": [read_bandwidth(engine_threads(engine, args))]}
+
+
+def engine_threads(engine, args: argparse.Namespace) -> int:
+    """The threads the engine runs with on a quiet machine (what the peer and the bandwidth measure get):
+    ``--num-threads``, else the most its steps take (``engine/worker/cpu_threads.py`` gives a step fewer
+    while other processes run), else torch's."""
+    import torch
+
+    following = getattr(getattr(engine, "model_runner", None), "cpu_threads", None)
+    return args.num_threads or (following.max_threads if following is not None else torch.get_num_threads())
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.bench.engine_throughput import _hf_baseline_missing, _peer_rows, add_bench_args, run_bench
+from loadtests.bench.engine_throughput import _hf_baseline_missing, _peer_rows, add_bench_args, engine_threads
+from loadtests.bench.engine_throughput import run_bench
 from loadtests.bench.peer_engines import PEERS, ROOT, peer_command, peer_model, peer_python, peer_workload, run_peer
 from loadtests.bench.peer_engines import salted, summarize
 from engine.config import add_engine_cli_args
@@ -23,6 +24,22 @@ def _args(*argv: str) -> argparse.Namespace:
     add_bench_args(p)
     add_engine_cli_args(p)
     return p.parse_args(list(argv))
+
+
+def test_the_peer_gets_the_engines_threads_of_a_quiet_machine():
+    """Not the count the engine's last step took under load (engine/worker/cpu_threads.py): the most it takes,
+    or --num-threads."""
+    import torch
+
+    from engine.worker.cpu_threads import LoadFollowingThreads
+
+    following = LoadFollowingThreads(3, {0, 1, 2}, set_threads=lambda n: None)
+    following.threads = 1
+    engine = argparse.Namespace(model_runner=argparse.Namespace(cpu_threads=following))
+    assert engine_threads(engine, _args()) == 3
+    assert engine_threads(engine, _args("--num-threads", "2")) == 2
+    fixed = argparse.Namespace(model_runner=argparse.Namespace(cpu_threads=None))
+    assert engine_threads(fixed, _args()) == torch.get_num_threads()
 
 
 @pytest.mark.parametrize("name", sorted(PEERS))
