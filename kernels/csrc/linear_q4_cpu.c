@@ -178,33 +178,35 @@ static inline __attribute__((always_inline)) void half_panel_rows(
     __m512 acc[MR_Q4][4];
     for (int r = 0; r < MR; r++)
         for (int j = 0; j < 2; j++) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < k / 2; g0 += group / 2) { /* a group of inputs (its scales), kp by kp */
-        const int64_t gi = g0 / (group / 2);
-        __m512 s[8]; /* 4-bit: the group's duplicated scales, d0 m0 d1 m1 of the half panel's two groups of columns */
-        for (int g = 0; g < 2 && !W8; g++) {
-            const uint16_t *sb = (const uint16_t *)scales + gi * 2 * PANEL + 32 * h + 16 * g;
-            s[4 * g] = dup_half(sb, 0), s[4 * g + 1] = dup_half(sb + PANEL, 0);
-            s[4 * g + 2] = dup_half(sb, 1), s[4 * g + 3] = dup_half(sb + PANEL, 1);
+    __m512 s[8]; /* 4-bit: the group's duplicated scales, d0 m0 d1 m1 of the half panel's two groups of columns */
+    for (int i = 0; i < 8; i++) s[i] = _mm512_setzero_ps();
+    int64_t gi = -1, left = 0; /* the group of input pair kp, and its pairs after kp (no division per pair) */
+    for (int64_t kp = 0; kp < k / 2; kp++, left--) {
+        if (left == 0) { /* a new group */
+            gi++, left = group / 2;
+            for (int g = 0; g < 2 && !W8; g++) {
+                const uint16_t *sb = (const uint16_t *)scales + gi * 2 * PANEL + 32 * h + 16 * g;
+                s[4 * g] = dup_half(sb, 0), s[4 * g + 1] = dup_half(sb + PANEL, 0);
+                s[4 * g + 2] = dup_half(sb, 1), s[4 * g + 3] = dup_half(sb + PANEL, 1);
+            }
         }
-        for (int64_t kp = g0; kp < g0 + group / 2; kp++) {
-            __m512bh w0, w1;
-            if (W8) {
-                const float *sb = (const float *)scales + gi * PANEL + 32 * h;
-                const uint8_t *cp = (const uint8_t *)codes + kp * 128 + 64 * h;
-                w0 = dequant_w8_16x2(W8, cp, sb);
-                w1 = dequant_w8_16x2(W8, cp + 32, sb + 16);
-            } else {
-                const uint8_t *cp = (const uint8_t *)codes + kp * 64 + 32 * h;
-                w0 = dequant16x2(cp, s[0], s[1], s[2], s[3]);
-                w1 = dequant16x2(cp + 16, s[4], s[5], s[6], s[7]);
-            }
-            for (int r = 0; r < MR; r++) {
-                int32_t pair;
-                memcpy(&pair, x + r * ldx + 2 * kp, 4);
-                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
-            }
+        __m512bh w0, w1;
+        if (W8) {
+            const float *sb = (const float *)scales + gi * PANEL + 32 * h;
+            const uint8_t *cp = (const uint8_t *)codes + kp * 128 + 64 * h;
+            w0 = dequant_w8_16x2(W8, cp, sb);
+            w1 = dequant_w8_16x2(W8, cp + 32, sb + 16);
+        } else {
+            const uint8_t *cp = (const uint8_t *)codes + kp * 64 + 32 * h;
+            w0 = dequant16x2(cp, s[0], s[1], s[2], s[3]);
+            w1 = dequant16x2(cp + 16, s[4], s[5], s[6], s[7]);
+        }
+        for (int r = 0; r < MR; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * ldx + 2 * kp, 4);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
         }
     }
     store_rows(MR, 2, acc, col0 + 32 * h, n, bias, residual, ldr, y, ldy, y_f32);
