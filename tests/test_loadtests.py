@@ -276,7 +276,7 @@ def test_a_server_runs_on_the_cpus_it_is_given(tmp_path):
         tids = [int(t) for t in os.listdir(f"/proc/{srv.pid}/task")]
         assert len(tids) == 2 and all(os.sched_getaffinity(t) == {cpu} for t in tids)
     finally:
-        srv.kill()
+        srv.stop()
 
 
 def test_scenario_canary_tiny(tmp_path):
