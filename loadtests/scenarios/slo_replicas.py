@@ -55,7 +55,7 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=8, help="completion tokens per gateway request and probe")
     p.add_argument("--probe-interval-s", type=float, default=1.0, help="seconds between probes of each replica")
     p.add_argument("--num-threads", type=int, default=1, help="CPU threads of each replica")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts, arrivals and busy streams")
     p.add_argument("--out", default="loadtest-results/slo-replicas", help="report directory")
     p.set_defaults(func=run)
 
