@@ -46,6 +46,20 @@ def threads_for(cores: int, others: float) -> int:
     return max(1, min(cores, cores - int(others + 0.5)))
 
 
+def follow_load(device_type: str, num_threads: int | None) -> LoadFollowingThreads | None:
+    """The engine core's :class:`LoadFollowingThreads` (its torch threads now as the most), or None where the
+    threads stay as set: not on CPU, a ``num_threads`` the user gave, or no ``/proc/stat`` or CPU affinity to
+    read (not Linux)."""
+    if device_type != "cpu" or num_threads:
+        return None
+    try:
+        import torch
+
+        return LoadFollowingThreads(torch.get_num_threads())
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
 def _read_stat() -> str:
     with open("/proc/stat") as f:
         return f.read()
@@ -85,7 +99,10 @@ class LoadFollowingThreads:
         ``SAMPLE_S`` seconds; unchanged in between). Returns them."""
         if self._clock() - self._last[0] < SAMPLE_S:
             return self.threads
-        now = self._sample()
+        try:
+            now = self._sample()
+        except (OSError, ValueError):  # /proc/stat unreadable for a moment: keep the count
+            return self.threads
         wall, busy, own = (b - a for a, b in zip(self._last, now))
         self._last = now
         threads = min(self.max_threads, threads_for(len(self.cpus), max(0.0, busy - own) / wall))

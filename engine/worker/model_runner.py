@@ -24,7 +24,7 @@ from engine.pooling import rows_needed
 from engine.models.llama import AttentionMetadata
 from engine.core.scheduler_output import SchedulerOutput
 from engine.distributed.parallel_state import RankFailure
-from engine.worker.cpu_threads import LoadFollowingThreads
+from engine.worker.cpu_threads import follow_load
 from engine.worker.step_inputs import STEP, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -121,8 +121,7 @@ class ModelRunner:
         release_freed_memory()
         model.set_batch_invariant(getattr(args, "batch_invariant", True))
         # on CPU without a fixed num_threads, each step's threads follow the machine's load (cpu_threads.py)
-        self.cpu_threads = (LoadFollowingThreads(torch.get_num_threads())
-                            if torch.device(device).type == "cpu" and not getattr(args, "num_threads", None) else None)
+        self.cpu_threads = follow_load(torch.device(device).type, getattr(args, "num_threads", None))
         max_len = getattr(args, "max_model_len", None)
         if max_len and (model.rope_cos is None or model.rope_cos.shape[0] < max_len):
             model.build_rope_cache(max(max_len, model_config.max_position_embeddings))

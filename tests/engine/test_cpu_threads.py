@@ -10,7 +10,7 @@ import torch
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.worker import cpu_threads, model_runner
-from engine.worker.cpu_threads import LoadFollowingThreads, busy_seconds, threads_for
+from engine.worker.cpu_threads import LoadFollowingThreads, busy_seconds, follow_load, threads_for
 
 STAT = """cpu  900 90 900 9000 90 9 9 9 0 0
 cpu0 100 10 100 1000 10 1 1 1 0 0
@@ -41,6 +41,7 @@ class _Machine:
     def __init__(self):
         self.t = self.cpu = 0.0
         self.ticks = [0, 0]
+        self.readable = True
 
     def run(self, seconds: float, ours: float, others: float) -> None:
         self.t += seconds
@@ -49,6 +50,8 @@ class _Machine:
         self.ticks = [self.ticks[0] + busy // 2, self.ticks[1] + busy - busy // 2]
 
     def stat(self) -> str:
+        if not self.readable:
+            raise OSError("/proc/stat: gone")
         return "".join(f"cpu{i} {b} 0 0 0 0 0 0 0 0 0\n" for i, b in enumerate(self.ticks))
 
 
@@ -71,6 +74,20 @@ def test_the_threads_drop_while_other_processes_run_and_come_back(monkeypatch):
                                set_threads=set_to.append)
     m.run(0.3, ours=1.0, others=0.0)
     assert one.apply() == 1                             # never above the engine's own count
+    m.readable = False
+    m.run(0.3, ours=1.0, others=2.0)
+    assert gov.apply() == 2 and set_to == [1, 2]        # /proc/stat unreadable for a moment: kept
+    m.readable = True
+    m.run(0.3, ours=1.0, others=2.0)
+    assert gov.apply() == 1 and set_to == [1, 2, 1]     # readable again: the load seen since the last sample
+
+
+def test_only_a_cpu_engine_without_a_fixed_count_follows_the_load(monkeypatch):
+    assert isinstance(follow_load("cpu", None), LoadFollowingThreads)
+    assert follow_load("cpu", None).max_threads == torch.get_num_threads()
+    assert follow_load("cpu", 2) is None and follow_load("cuda", None) is None
+    monkeypatch.delattr(cpu_threads.os, "sched_getaffinity")   # not Linux
+    assert follow_load("cpu", None) is None
 
 
 def _outputs(llm: LLM, prompts: list[list[int]]) -> list:
@@ -83,9 +100,9 @@ def _outputs(llm: LLM, prompts: list[list[int]]) -> list:
 
 
 class _Alternating:
-    """Stands in for LoadFollowingThreads: one thread, then two, step after step."""
+    """Stands in for follow_load's LoadFollowingThreads: one thread, then two, step after step."""
 
-    def __init__(self, max_threads: int):
+    def __init__(self):
         self.steps = 0
 
     def apply(self) -> int:
@@ -106,7 +123,7 @@ def test_the_outputs_do_not_depend_on_the_threads_of_each_step(monkeypatch, quan
         fixed = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization=quantization, num_threads=2)
         prompts = [list(range(1000, 1100)), list(range(200, 205)), list(range(3000, 3040))]
         want = _outputs(fixed, [prompts[0]]) + _outputs(fixed, prompts)
-        monkeypatch.setattr(model_runner, "LoadFollowingThreads", _Alternating)
+        monkeypatch.setattr(model_runner, "follow_load", lambda device_type, num_threads: _Alternating())
         torch.set_num_threads(2)
         changing = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization=quantization)
         got = _outputs(changing, [prompts[0]]) + _outputs(changing, prompts)
