@@ -114,20 +114,21 @@ class _Alternating:
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["none", "gguf"])
 def test_the_outputs_do_not_depend_on_the_threads_of_each_step(monkeypatch, quantization):
-    """One prompt of 100 tokens (prefill through the per-operation path, then the one-region decode stack) and
-    three of 5-100 (decode steps of 3 rows), on two threads throughout and with the count changing every step;
+    """One prompt of 100 tokens (prefill through the per-operation path, then one-row steps in the one-region
+    decode stack), then three and four of 5-100 (decode steps of 3 and 4 rows), on two threads throughout and
+    with the count changing every step;
     the GGUF's weights dequantized to bfloat16 (with their 4-bit copies for decode) or kept in 4 bits."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         fixed = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization=quantization, num_threads=2)
-        prompts = [list(range(1000, 1100)), list(range(200, 205)), list(range(3000, 3040))]
-        want = _outputs(fixed, [prompts[0]]) + _outputs(fixed, prompts)
+        prompts = [list(range(1000, 1100)), list(range(200, 205)), list(range(3000, 3040)), list(range(7, 27))]
+        want = [_outputs(fixed, ps) for ps in ([prompts[0]], prompts[:3], prompts)]
         monkeypatch.setattr(model_runner, "follow_load", lambda device_type, num_threads: _Alternating())
         torch.set_num_threads(2)
         changing = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization=quantization)
-        got = _outputs(changing, [prompts[0]]) + _outputs(changing, prompts)
-        assert changing.engine.model_runner.cpu_threads.steps >= 24
+        got = [_outputs(changing, ps) for ps in ([prompts[0]], prompts[:3], prompts)]
+        assert changing.engine.model_runner.cpu_threads.steps >= 36
     finally:
         torch.set_num_threads(threads)
     assert got == want
