@@ -148,9 +148,13 @@ class DecoderWeights:
 
 
 def forward(weights: DecoderWeights, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+            layers: tuple[int, int] | None = None) -> torch.Tensor:
     """``final_norm(layers(x))`` for a flat batch of prefill chunks and decodes,
-    writing the new tokens' keys and values into the caches.
+    writing the new tokens' keys and values into the caches; with ``layers``
+    (first, end) through those layers only (the same per-layer arithmetic), and
+    when end is not the last layer the residual stream leaving it (``x``) is
+    returned instead, not normed.
 
     Args:
         x: [num_tokens, hidden] bfloat16 token embeddings (overwritten: the
@@ -175,9 +179,15 @@ def forward(weights: DecoderWeights, x: torch.Tensor, positions: torch.Tensor, s
     positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
     if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
         raise ValueError("positions and slot_mapping must be int64")
+    first, end = layers or (0, len(weights.layers))
+    if not 0 <= first < end <= len(weights.layers):
+        raise ValueError(f"layers {layers} outside the stack's {len(weights.layers)}")
+    shape = _Shape.from_buffer_copy(weights.shape)
+    shape.num_layers = end - first
     out = torch.empty_like(x)
     rc = load_library().decoder_forward_bf16(
-        ctypes.byref(weights.shape), weights._arrays, weights.final_norm.data_ptr(), x.data_ptr(), out.data_ptr(), t,
+        ctypes.byref(shape), ctypes.byref(weights._arrays, first * ctypes.sizeof(_Layer)),
+        weights.final_norm.data_ptr(), x.data_ptr(), out.data_ptr(), t,
         positions.data_ptr(), weights.cos.data_ptr(), weights.sin.data_ptr(), slot_mapping.data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), query_start_loc.data_ptr(),
         seq_lens.numel(), torch.get_num_threads())
@@ -186,7 +196,7 @@ def forward(weights: DecoderWeights, x: torch.Tensor, positions: torch.Tensor, s
                          "kernel does not take these shapes")
     if rc == 2:
         raise MemoryError("the decoder's scratch could not be allocated")
-    return out
+    return out if end == len(weights.layers) else x
 
 
 def rope_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,

@@ -9,8 +9,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}<
                  "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 
 
-def save_byte_level_llama(path: Path, max_position_embeddings: int = 4096, printable_only: bool = False) -> str:
-    """Save a 2-layer random Llama (GQA 4/2 heads, hidden 64) as an HF directory with a
+def save_byte_level_llama(path: Path, max_position_embeddings: int = 4096, printable_only: bool = False,
+                          num_hidden_layers: int = 2) -> str:
+    """Save a random Llama (``num_hidden_layers`` layers, GQA 4/2 heads, hidden 64) as an HF directory with a
     byte-level tokenizer (one character = one token, ``<s>``/``</s>`` = BOS/EOS) and a
     chat template. ``printable_only`` makes greedy decoding emit printable ASCII only,
     so one streamed chunk is one character. Returns the directory."""
@@ -29,7 +30,8 @@ def save_byte_level_llama(path: Path, max_position_embeddings: int = 4096, print
     (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
                                                             "chat_template": CHAT_TEMPLATE}))
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=num_hidden_layers,
                                    num_attention_heads=4, num_key_value_heads=2,
                                    max_position_embeddings=max_position_embeddings,
                                    bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)

@@ -43,8 +43,9 @@ from engine.worker.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.step_cost import device_pairs_per_token, pooling_budget
+from engine.core.step_work import step_work
 from engine.worker.structured_outputs import StructuredOutputManager
-from engine.core.ttft import predict_waiting, quad_of, state_of
+from engine.core.ttft import predict_waiting, state_of
 from engine.core import ttft_log
 from engine.core.ttft_calibration import TTFTCalibration
 from engine.kv_events import KVEventsConfig, ZmqEventPublisher, take_batch
@@ -167,7 +168,7 @@ class EngineCore:
             max_num_batched_tokens=budget, max_model_len=self.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
             scheduling_policy=args.scheduling_policy, num_cpu_blocks=num_cpu_blocks,
-            pooling_budget=pooling_budget(self.model_config, self.device.type, budget),
+            pooling_budget=pooling_budget(self.model_config, self.device.type, budget, split_layers=tp is None),
         )
         self.sampler = Sampler(self.model_config.vocab_size, self.device, seed=args.seed)
         self.spec_decoder = None
@@ -385,17 +386,9 @@ class EngineCore:
             self.executor.fail(str(exc))
             raise
         sampled, row_logprobs, grammar_done, content = self._sample(sched, runner_out)
-        prefill_tokens = decode_rows = chunks = 0
-        for entry in sched.scheduled:
-            req = entry.request
-            if entry.num_computed_tokens < req.num_prompt_tokens:
-                prefill_tokens += min(entry.num_new_tokens, req.num_prompt_tokens - entry.num_computed_tokens)
-                chunks += 1
-            else:
-                decode_rows += 1
-        self._prompt_tokens_total += prefill_tokens
-        self._calibrate(started, prefill_tokens, decode_rows, quad_of(
-            (e.num_computed_tokens, e.num_new_tokens) for e in sched.scheduled), chunks)
+        work = step_work(sched.scheduled, self.model_config.num_hidden_layers)
+        self._prompt_tokens_total += work.prompt_tokens
+        self._calibrate(started, work.prefill_tokens, work.decode_rows, work.quad, work.chunks)
         self._collect_prompt_logprobs(sched, runner_out.prompt_logits)
         before = {sid: self._seqs[sid].num_output_tokens for sid in sampled if sid in self._seqs}
         finished = self.scheduler.update_from_output(sched, sampled, not_stops=content)

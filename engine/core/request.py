@@ -88,6 +88,11 @@ class Request:
         spec_token_ids: tokens proposed for this sequence's next step
             (speculative decoding, ``engine/spec_decode/``); not part of its
             tokens until verified.
+        num_computed_layers: layers a pooling chunk carried through part of
+            the layers per step has run through (0: no chunk in flight;
+            ``engine/core/step_cost.py``); its hidden state waits in the
+            model runner, its tokens count as computed after its last layer.
+        layer_chunk_tokens: that chunk's tokens (after ``num_computed_tokens``).
     """
 
     request_id: str
@@ -108,6 +113,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     spec_token_ids: list[int] = field(default_factory=list)
+    num_computed_layers: int = 0
+    layer_chunk_tokens: int = 0
     # Timestamps (time.monotonic seconds) for metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

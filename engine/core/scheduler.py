@@ -20,7 +20,9 @@ A pooling request (an embedding) is a prompt like any other: prefilled in
 chunks under the same budget, in steps shared with decoding rows, so that no
 request's forward pass is longer than a step; it samples nothing and finishes
 when its prompt is computed. Beside generation work its chunks are sized by
-their cost, attention over their context included (``engine/core/step_cost.py``).
+their cost, attention over their context included (``engine/core/step_cost.py``),
+and deep in a long input carried through part of the layers per step
+(``ScheduledRequest.layers``; preempted by recompute, such a chunk starts over).
 
 Parallel sampling (vLLM v0's ``SequenceGroup`` fork): the leader of a
 ``ForkGroup`` (its first unfinished member) prefills ``prompt_len - 1``
@@ -100,6 +102,7 @@ class Scheduler:
         self.num_cpu_blocks = num_cpu_blocks
         self.pooling_budget = pooling_budget if enable_chunked_prefill else None
         self._allowance = StepAllowance(None, False)   # the step's, for pooling chunks (set by schedule())
+        self._dropped: set[str] = set()   # chunks in flight whose hidden state the runner drops at the next step
         self.kv_cache_manager = KVCacheManager(block_size=block_size, num_blocks=num_blocks,
                                                enable_caching=enable_prefix_caching, num_cpu_blocks=num_cpu_blocks)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
@@ -214,6 +217,13 @@ class Scheduler:
         req.finished_time = time.monotonic()
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
+        self._drop_layer_chunk(req)
+
+    def _drop_layer_chunk(self, req: Request) -> None:
+        """Forget ``req``'s chunk in flight through part of the layers (finished, or preempted by recompute)."""
+        if req.num_computed_layers:
+            self._dropped.add(req.request_id)
+        req.num_computed_layers = req.layer_chunk_tokens = 0
 
     # -- helpers ------------------------------------------------------------
     def _key(self, req: Request) -> tuple:
@@ -237,12 +247,17 @@ class Scheduler:
         one for each unfinished member of its group)."""
         return sum(1 for m in req.group.members if not m.is_finished) if self._unforked(req) else 1
 
-    def _chunk(self, req: Request, computed: int, budget: int) -> int:
-        """Tokens to schedule of ``req`` past ``computed`` under ``budget`` and, for a pooling chunk, the step's
-        allowance (``chunk_tokens``, ``StepAllowance``)."""
-        budget = self._allowance.limit(req.pooling_params is not None, computed, budget)
-        return chunk_tokens(self._target_len(req) - computed, budget, self.max_num_batched_tokens,
-                            self.enable_chunked_prefill)
+    def _chunk(self, req: Request, computed: int, budget: int) -> tuple[int, tuple[int, int] | None]:
+        """(tokens to schedule of ``req`` past ``computed`` under ``budget`` and, for a pooling chunk, the step's
+        allowance, the layers they run through: None for all) (``chunk_tokens``, ``StepAllowance``)."""
+        need = self._target_len(req) - computed
+        pooling = req.pooling_params is not None
+        split = self._allowance.split(pooling, computed, min(budget, need), req.num_computed_layers,
+                                      req.layer_chunk_tokens)
+        if split is not None:
+            return split
+        budget = self._allowance.limit(pooling, computed, budget)
+        return chunk_tokens(need, budget, self.max_num_batched_tokens, self.enable_chunked_prefill), None
 
     def _fork(self, leader: Request) -> None:
         """Share the leader's block table with every unfinished sibling and
@@ -273,6 +288,7 @@ class Scheduler:
         else:
             kv.free(victim)
             victim.num_computed_tokens = 0
+            self._drop_layer_chunk(victim)
             victim.status = RequestStatus.PREEMPTED
             self.waiting.insert(0, victim)
         out.preempted.append(victim)
@@ -286,16 +302,17 @@ class Scheduler:
         room = min(budget - num_new, self.max_model_len - req.num_tokens)
         return req.spec_token_ids[:max(room, 0)]
 
-    def _schedule_one(self, out: SchedulerOutput, req: Request, num_new: int, spec: list[int] | None = None) -> None:
+    def _schedule_one(self, out: SchedulerOutput, req: Request, num_new: int, spec: list[int] | None = None,
+                      layers: tuple[int, int] | None = None) -> None:
         n = req.num_computed_tokens
         spec = spec or []
         out.scheduled.append(ScheduledRequest(
             request=req, num_computed_tokens=n, num_new_tokens=num_new,
             block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
             sample=n + num_new - len(spec) == req.num_tokens and req.pooling_params is None,
-            spec_token_ids=spec))
+            spec_token_ids=spec, layers=layers))
         out.num_batched_tokens += num_new
-        self._allowance.spend(req.pooling_params is not None, n, num_new)
+        self._allowance.spend(req.pooling_params is not None, n, num_new, layers)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, seats: int, now: float) -> None:
         """Phase 3 of :meth:`schedule`: admit waiting requests in order (a
@@ -316,7 +333,7 @@ class Scheduler:
             if seats + need_seats > self.max_num_seqs:
                 break
             computed_blocks, num_hit = kv.get_computed_blocks(req)
-            num_new = self._chunk(req, num_hit, budget)
+            num_new, layers = self._chunk(req, num_hit, budget)
             fork_now = self._unforked(req) and num_hit == self._target_len(req)
             if num_new <= 0 and not fork_now:
                 if req.pooling_params is not None:
@@ -341,7 +358,7 @@ class Scheduler:
                 # member computes its last prompt token from next step.
                 self._fork(req)
                 continue
-            self._schedule_one(out, req, num_new)
+            self._schedule_one(out, req, num_new, layers=layers)
             budget -= num_new
 
     # -- the step -----------------------------------------------------------
@@ -361,13 +378,14 @@ class Scheduler:
         now = time.monotonic()
         self._allowance = StepAllowance(self.pooling_budget, any(
             r.pooling_params is None for r in self.requests.values()))
+        out.finished_req_ids, self._dropped = self._dropped, set()
 
         # 1. Running requests (most important first; victims from the end).
         self.running.sort(key=self._key)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._chunk(req, req.num_computed_tokens, budget)
+            num_new, layers = self._chunk(req, req.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -383,7 +401,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._schedule_one(out, req, num_new)
+                self._schedule_one(out, req, num_new, layers=layers)
                 budget -= num_new
                 i += 1
 
@@ -397,7 +415,7 @@ class Scheduler:
                 req = self.swapped[0]
                 if seats + self._seats_needed(req) > self.max_num_seqs:
                     break
-                num_new = self._chunk(req, req.num_computed_tokens, budget)
+                num_new, layers = self._chunk(req, req.num_computed_tokens, budget)
                 if num_new <= 0 or not kv.can_swap_in(req, num_new):
                     break
                 out.blocks_to_swap_in.extend(kv.swap_in(req))
@@ -407,7 +425,7 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 seats += self._seats_needed(req)
-                self._schedule_one(out, req, num_new)
+                self._schedule_one(out, req, num_new, layers=layers)
                 budget -= num_new
 
         # 3. Admit waiting requests (not while preempting or swapped out).
@@ -456,6 +474,12 @@ class Scheduler:
             if req.is_finished or req.status != RequestStatus.RUNNING:
                 continue  # aborted after schedule()
             assert req.num_computed_tokens == sr.num_computed_tokens, req.request_id
+            if sr.layers is not None:   # a chunk through part of the layers: computed after its last one
+                midway = sr.layers[1] < self.pooling_budget.num_layers
+                req.num_computed_layers = sr.layers[1] if midway else 0
+                req.layer_chunk_tokens = sr.num_new_tokens if midway else 0
+                if midway:
+                    continue
             tokens: list[int] = []
             if sr.sample:
                 if req.request_id not in sampled:

@@ -22,6 +22,12 @@ class ScheduledRequest:
     (proposals, after the request's known tokens): it then needs logits at
     each of the last ``len(spec_token_ids) + 1`` positions.
 
+    A pooling chunk with ``layers`` (first, end) runs through those layers
+    only, in a pass of its own: from its tokens' embeddings when first is 0,
+    else from the hidden state the runner kept for it at the previous step;
+    before the last layer its hidden state is kept again, and the scheduler
+    counts its tokens as computed only after the last layer.
+
     Attributes:
         request: the request (not mutated by the model runner).
         num_computed_tokens: tokens already in the cache before this step.
@@ -29,6 +35,8 @@ class ScheduledRequest:
         block_ids: the request's block table (physical block ids), in order.
         sample: whether to sample a next token from the last position.
         spec_token_ids: proposed tokens, the last of the new tokens.
+        layers: (first, end) decoder layers this step runs the chunk through;
+            None: all of them, in the step's batch.
     """
 
     request: Request
@@ -37,6 +45,7 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool
     spec_token_ids: list[int] = field(default_factory=list)
+    layers: tuple[int, int] | None = None
 
 
 @dataclass
@@ -55,6 +64,10 @@ class SchedulerOutput:
         blocks_to_swap_out: (device block, cpu block) pairs.
         blocks_to_swap_in: (cpu block, device block) pairs.
         preempted: requests preempted in this step (for metrics).
+        finished_req_ids: requests whose chunk in flight through part of the
+            layers ended otherwise (finished, aborted or preempted by
+            recompute) since the previous step: the runner drops their
+            hidden states (vLLM's name).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -63,6 +76,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

@@ -18,6 +18,13 @@ start of a prompt, so a request arriving meanwhile waits at most such a step (a 
 input costs ~10x a fresh one). The step's first pooling chunk gets one token whatever it costs, so every input
 progresses. Chunk boundaries change no bit of an embedding (the kernels are chunk- and batch-invariant,
 ``engine/pooling.py``).
+
+Past ~4,300 tokens of an input (SmolLM2 on CPU) one token through every layer costs more than ``step_cost``: its
+attention over the computed tokens in 30 layers was 2-30x a decode step (issue 49). Such a chunk is carried through
+part of the layers per step (``StepAllowance.split``): the most tokens of which one layer fits the allowance, run
+through as many layers as fit, their hidden state kept by the model runner between steps and their keys and values
+written layer by layer; their tokens count as computed after the last layer. The arithmetic of each layer is the
+same, so the vector keeps its bits.
 """
 
 from __future__ import annotations
@@ -64,11 +71,14 @@ class PoolingBudget:
             queued or running (``POOLING_STEP_COST``).
         alone_cost: the same with no generation work (a ``max_num_batched_tokens`` chunk's cost at the start of a
             prompt; inf: no limit but the token budget).
+        num_layers: the model's decoder layers, over which a chunk may be split across steps (0: never split,
+            e.g. over several tensor-parallel ranks, which receive a step's inputs only).
     """
 
     pairs_per_token: float
     step_cost: float
     alone_cost: float = math.inf
+    num_layers: int = 0
 
     def __post_init__(self) -> None:
         if not (self.pairs_per_token > 0 and self.step_cost > 0 and self.alone_cost > 0):
@@ -94,24 +104,41 @@ class PoolingBudget:
             q += 1
         return q
 
+    def layer_cost(self, tokens: int, context: int) -> float:
+        """Token-equivalents of one layer of a chunk (``chunk_cost`` over ``num_layers``: the layers have one
+        shape)."""
+        return self.chunk_cost(tokens, context) / self.num_layers
+
+    def layers_within(self, tokens: int, context: int, cost: float, layers: int) -> int:
+        """The most of ``layers`` layers a chunk of ``tokens`` rows after ``context`` computed tokens may run
+        through within ``cost`` token-equivalents (0 when not one)."""
+        per = self.layer_cost(tokens, context)
+        n = min(layers, int(cost / per)) if cost > 0 else 0
+        while n > 0 and n * per > cost:
+            n -= 1
+        return n
+
 
 def device_pairs_per_token(cfg: ModelConfig, device_type: str) -> float:
     """``pairs_per_token`` of ``cfg`` on a ``device_type`` ("cpu", "cuda") device (``ATTENTION_COST_RATIO``)."""
     return pairs_per_token(cfg, ATTENTION_COST_RATIO.get(device_type, 1.0))
 
 
-def pooling_budget(cfg: ModelConfig, device_type: str, max_num_batched_tokens: int) -> PoolingBudget:
+def pooling_budget(cfg: ModelConfig, device_type: str, max_num_batched_tokens: int,
+                   split_layers: bool = True) -> PoolingBudget:
     """The engine's ``PoolingBudget`` for ``cfg`` on a ``device_type`` ("cpu", "cuda") device with a step budget
-    of ``max_num_batched_tokens`` tokens."""
+    of ``max_num_batched_tokens`` tokens; ``split_layers``: whether a chunk may run through part of the layers
+    per step."""
     ppt = device_pairs_per_token(cfg, device_type)
     step_cost = POOLING_STEP_COST.get(device_type, POOLING_STEP_COST["cuda"])
-    return PoolingBudget(ppt, step_cost, PoolingBudget(ppt, step_cost).chunk_cost(max_num_batched_tokens, 0))
+    return PoolingBudget(ppt, step_cost, PoolingBudget(ppt, step_cost).chunk_cost(max_num_batched_tokens, 0),
+                         cfg.num_hidden_layers if split_layers else 0)
 
 
 class StepAllowance:
     """One step's allowance for pooling chunks: ``budget.step_cost`` token-equivalents while ``generation`` (work
     that samples is queued or running), else ``budget.alone_cost`` (no budget: no limit but the step's tokens). The
-    step's first pooling chunk gets a token whatever it costs."""
+    step's first pooling chunk gets a token (or, split, a layer) whatever it costs."""
 
     def __init__(self, budget: PoolingBudget | None, generation: bool) -> None:
         self.budget = budget
@@ -125,8 +152,39 @@ class StepAllowance:
             return tokens
         return min(tokens, max(self.budget.max_tokens(computed, self.left), int(self.first)))
 
-    def spend(self, pooling: bool, computed: int, tokens: int) -> None:
-        """Charge a chunk of ``tokens`` after ``computed`` that the step scheduled (of a ``pooling`` request or not)."""
+    def split(self, pooling: bool, computed: int, tokens: int, layers_done: int = 0,
+              chunk_tokens: int = 0) -> tuple[int, tuple[int, int] | None] | None:
+        """A pooling chunk carried through part of the layers this step: (its tokens, (first layer, end layer)),
+        (0, None) when it waits this step, or None when the step's chunk runs through every layer (``limit``
+        sizes it). ``tokens``: the most the step's budget and the request leave.
+
+        A chunk in flight (``layers_done`` > 0 layers run, ``chunk_tokens`` tokens) goes on through as many of
+        its remaining layers as the allowance holds. A new chunk is split when one token through every layer
+        costs more than the allowance: the most tokens of which one layer fits, through as many layers as fit
+        (more tokens through fewer layers: a layer's weights and a context's keys are read once for all rows).
+        """
+        b = self.budget
+        if b is None or not pooling or b.num_layers < 2:
+            return None
+        if layers_done:
+            remaining = b.num_layers - layers_done
+            if chunk_tokens > tokens:
+                return 0, None
+            n = remaining if self.left == math.inf else b.layers_within(chunk_tokens, computed, self.left, remaining)
+            n = max(n, int(self.first))
+            return (chunk_tokens, (layers_done, layers_done + n)) if n else (0, None)
+        if self.left == math.inf or b.max_tokens(computed, self.left) > 0 or tokens <= 0:
+            return None
+        q = max(min(tokens, b.max_tokens(computed, self.left * b.num_layers)), int(self.first))
+        n = max(b.layers_within(q, computed, self.left, b.num_layers), int(self.first)) if q else 0
+        return (q, (0, n)) if n else (0, None)
+
+    def spend(self, pooling: bool, computed: int, tokens: int, layers: tuple[int, int] | None = None) -> None:
+        """Charge a chunk of ``tokens`` after ``computed`` that the step scheduled (of a ``pooling`` request or not)
+        through ``layers`` (first, end; None: every layer)."""
         if self.budget is not None and pooling:
-            self.left -= self.budget.chunk_cost(tokens, computed)
+            if layers is None:
+                self.left -= self.budget.chunk_cost(tokens, computed)
+            else:
+                self.left -= (layers[1] - layers[0]) * self.budget.layer_cost(tokens, computed)
             self.first = False

@@ -288,8 +288,10 @@ class LlamaForCausalLM(nn.Module):
                 self.rope_cos, self.rope_sin = emb.cos(), emb.sin()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Run the decoder over a flat batch.
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layers: tuple[int, int] | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the decoder over a flat batch (through ``layers`` only: a pooling chunk carried through part of
+        the layers per step, ``engine/core/step_cost.py``; each layer's arithmetic is the same, so the bits are).
 
         Args:
             input_ids: [num_tokens] int64.
@@ -298,9 +300,15 @@ class LlamaForCausalLM(nn.Module):
             kv_caches: per layer (key_cache, value_cache), each
                 [num_blocks, block_size, num_kv_heads, head_dim], model dtype;
                 the new tokens' keys and values are written into them.
+            layers: (first, end) layers to run; None: all.
+            hidden: [num_tokens, hidden_size] model dtype, the residual stream
+                entering layer ``first`` when it is not 0 (what an earlier
+                call through layers ending there returned; may be overwritten).
 
         Returns:
-            [num_tokens, hidden_size] final-normed hidden states, model dtype.
+            [num_tokens, hidden_size] final-normed hidden states, model dtype;
+            when ``layers`` ends before the last layer, the residual stream
+            leaving it instead (not normed).
         """
         if self.rope_cos is None or self.rope_cos.device != input_ids.device:
             self.build_rope_cache()
@@ -308,14 +316,18 @@ class LlamaForCausalLM(nn.Module):
             attn_metadata.attn_plan = self.backend.plan(
                 kv_caches[0][0], self.shard.num_heads, attn_metadata.query_start_loc,
                 attn_metadata.seq_lens, attn_metadata.block_tables)
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:  # Gemma: the scale rounded to the model's dtype first, as HF does
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        first, end = layers or (0, len(self.layers))
+        if first:
+            x = hidden
+        else:
+            x = self.embed_tokens(input_ids)
+            if self.embed_scale is not None:  # Gemma: the scale rounded to the model's dtype first, as HF does
+                x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         stack = self._c_decoder_weights(kv_caches) if self.use_c_decoder else None
         if stack is not None:
             plan = attn_metadata.attn_plan
             return cpu_decoder.forward(stack, x, positions, attn_metadata.slot_mapping, plan.block_tables,
-                                       plan.seq_lens, plan.query_start_loc)
+                                       plan.seq_lens, plan.query_start_loc, (first, end))
         if self.any_windowed:
             attn_metadata.spans = sequence_spans(attn_metadata)
         rope = RopeInputs(positions, self.rope_cos, self.rope_sin)
@@ -326,9 +338,9 @@ class LlamaForCausalLM(nn.Module):
             if self.rope_local_cos is not None:
                 local.cos = self.rope_local_cos[positions].to(x.dtype).unsqueeze(1)
                 local.sin = self.rope_local_sin[positions].to(x.dtype).unsqueeze(1)
-        for layer, kv in zip(self.layers, kv_caches):
+        for layer, kv in zip(self.layers[first:end], kv_caches[first:end]):
             x = layer(x, local if layer.local_rope else rope, attn_metadata, kv)
-        return self.norm(x)
+        return self.norm(x) if end == len(self.layers) else x
 
     def _c_decoder_weights(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> cpu_decoder.DecoderWeights | None:
         """The C decoder stack's view of the weights and caches

@@ -7,6 +7,9 @@ ids, positions, slot mapping, block tables, query start locations, sequence
 lengths) for a mixed batch of prefill chunks and decodes, and returns logits
 only for the rows that need them. Past tokens are never recomputed: each
 request feeds only ``all_token_ids[num_computed_tokens : +num_new_tokens]``.
+A pooling chunk scheduled through part of the layers (``ScheduledRequest.layers``)
+runs after the step's batch, in a pass of its own over its layers, its hidden
+state kept here from one step to the next.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from engine.model_config import ModelConfig
 from engine.model_loader import release_freed_memory
 from engine.pooling import rows_needed
 from engine.models.llama import AttentionMetadata
-from engine.core.scheduler_output import SchedulerOutput
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.distributed.parallel_state import RankFailure
 from engine.worker.cpu_threads import follow_load
 from engine.worker.step_inputs import STEP, StepInputs
@@ -142,6 +145,8 @@ class ModelRunner:
             cpu_shape = shape[:2] + (num_cpu_blocks,) + shape[3:]
             self.cpu_pool = torch.zeros(cpu_shape, dtype=dtype, device="cpu",
                                         pin_memory=self.device.type == "cuda")
+        # request id -> [tokens, hidden_size] residual stream of its pooling chunk between two steps' layers
+        self.layer_hidden: dict[str, torch.Tensor] = {}
 
     # --------------------------------------------------------------- memory
     def memory_report(self, rss_before_load: int) -> dict:
@@ -314,17 +319,7 @@ class ModelRunner:
         self._apply_block_ops(inputs)
         if not inputs.num_tokens:
             return None, None
-        dev = self.device
-        if self.cpu_threads is not None:
-            self.cpu_threads.apply()
-        md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(inputs.query_start_loc.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(inputs.seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(inputs.block_tables.astype(np.int32)).to(dev),
-        )
-        hidden = self.model(torch.from_numpy(inputs.input_ids).to(dev), torch.from_numpy(inputs.positions).to(dev),
-                            md, self.kv_caches)
+        hidden = self._forward(inputs)
         rows = inputs.logits_rows
         if not len(rows):
             return hidden, hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
@@ -334,15 +329,63 @@ class ModelRunner:
             selected = hidden[torch.from_numpy(rows).to(hidden.device)]
         return hidden, self.model.compute_logits(selected)
 
+    def _forward(self, inputs: StepInputs, layers: tuple[int, int] | None = None,
+                 hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The model over ``inputs``' flat batch (through ``layers`` from ``hidden``: ``LlamaForCausalLM.forward``)."""
+        dev = self.device
+        if self.cpu_threads is not None:
+            self.cpu_threads.apply()
+        md = AttentionMetadata(
+            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(inputs.query_start_loc.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(inputs.seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(inputs.block_tables.astype(np.int32)).to(dev),
+        )
+        return self.model(torch.from_numpy(inputs.input_ids).to(dev), torch.from_numpy(inputs.positions).to(dev),
+                          md, self.kv_caches, layers, hidden)
+
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Apply the step's block operations, run the forward pass, return logits (the driver's call: over
-        several ranks it first sends them the step's inputs).
+        several ranks it first sends them the step's inputs); then the pooling chunks scheduled through part of
+        the layers, each in a pass of its own (``_run_layer_chunk``).
 
         Raises:
             ValueError: a scheduled entry asks for tokens the request does not
                 have, or its block table is too short.
         """
+        for rid in out.finished_req_ids:
+            self.layer_hidden.pop(rid, None)
+        split = [s for s in out.scheduled if s.layers is not None]
+        if not split:
+            return self._execute_batch(out)
+        if self.tp is not None:
+            raise ValueError("a chunk through part of the layers over several tensor-parallel ranks")
+        kept = [i for i, s in enumerate(out.scheduled) if s.layers is None]
+        result = self._execute_batch(SchedulerOutput(
+            [out.scheduled[i] for i in kept], out.num_batched_tokens, out.blocks_to_copy, out.blocks_to_swap_out,
+            out.blocks_to_swap_in))
+        result.sample_indices = [kept[i] for i in result.sample_indices]
+        for s in split:
+            result.pooled_hidden.update(self._run_layer_chunk(s))
+        return result
+
+    def _run_layer_chunk(self, s: ScheduledRequest) -> dict[str, tuple[int, torch.Tensor]]:
+        """Run pooling chunk ``s`` through its ``layers`` (from its tokens' embeddings at layer 0, else from the
+        hidden state kept at its previous step); keep its hidden state when layers remain, else return the rows
+        its pooling reads (``_pooled_hidden``)."""
+        first, end = s.layers
+        rid = s.request.request_id
+        hidden = self.layer_hidden.pop(rid) if first else None
+        inputs, entry_start, _ = self.prepare_inputs(SchedulerOutput([s], s.num_new_tokens))
+        out = self._forward(inputs, (first, end), hidden)
+        if end < self.config.num_hidden_layers:
+            self.layer_hidden[rid] = out
+            return {}
+        return self._pooled_hidden(SchedulerOutput([s]), out, entry_start)
+
+    def _execute_batch(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """``execute_model`` for a step whose entries all run through every layer."""
         inputs, entry_start, entry_end = self.prepare_inputs(out)
         if self.tp is None:
             hidden, logits = self.run(inputs)

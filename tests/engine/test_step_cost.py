@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.request import Request
+from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.step_cost import PoolingBudget, attention_pairs, pairs_per_token, pooling_budget
 from engine.model_config import ModelConfig
@@ -149,3 +149,82 @@ def test_without_chunked_prefill_the_budget_is_not_applied():
     _step(s)
     s.add_request(_pooling("emb", 3000, 1.0))
     assert _chunks(_step(s), "emb") == [(0, 3000)]
+
+
+# Carried through part of the layers per step: SmolLM2-135M's 30 layers.
+SPLIT = PoolingBudget(pairs_per_token=600.0, step_cost=8.0, num_layers=30)
+
+
+def _entry(out, req: Request):
+    (sr,) = [sr for sr in out.scheduled if sr.request is req]
+    return sr
+
+
+def test_beside_a_stream_a_deep_embeddings_chunks_run_through_part_of_the_layers():
+    """Past the depth where one token through every layer costs more than the allowance, each chunk is the most
+    tokens of which one layer fits, carried through as many layers as fit per step, the same tokens from layer 0
+    to the last; its tokens count as computed only then. Every step decodes the stream and costs at most the
+    allowance beside it (before: one token through every layer, 14 token-equivalents at 8,000 tokens)."""
+    s = _scheduler(pooling_budget=SPLIT, max_model_len=20_000, num_blocks=1700)
+    s.add_request(_generation("stream", 4, 19_000, 0.0))
+    _step(s)
+    emb = _pooling("emb", 8000, 1.0)
+    s.add_request(emb)
+    flight, split_chunks, tokens = None, 0, 0
+    while not emb.is_finished:
+        computed = emb.num_computed_tokens
+        out = _step(s)
+        assert _chunks(out, "stream")[0][1] == 1
+        sr = _entry(out, emb)
+        start, n = sr.num_computed_tokens, sr.num_new_tokens
+        if sr.layers is None:
+            assert flight is None and BUDGET.chunk_cost(n, start) <= SPLIT.step_cost
+            assert BUDGET.chunk_cost(1, start) <= SPLIT.step_cost
+            tokens += n
+            continue
+        first, end = sr.layers
+        assert 0 <= first < end <= 30 and (end - first) * SPLIT.layer_cost(n, start) <= SPLIT.step_cost
+        assert end == 30 or (end - first + 1) * SPLIT.layer_cost(n, start) > SPLIT.step_cost   # no fewer than fit
+        if first == 0:
+            assert flight is None and BUDGET.chunk_cost(1, start) > SPLIT.step_cost
+            assert SPLIT.layer_cost(n + 1, start) > SPLIT.step_cost or start + n == 8000   # no fewer tokens
+            split_chunks += 1
+        else:
+            assert flight == (start, n, first)
+        flight = (start, n, end) if end < 30 else None
+        assert emb.num_computed_tokens == (computed if end < 30 else start + n)
+        assert emb.num_computed_layers == (end if end < 30 else 0) or emb.is_finished
+        tokens += n if end == 30 else 0
+    assert tokens == 8000 and split_chunks > 100
+
+
+def _deep_beside_a_stream(s: Scheduler, tokens: int) -> Request:
+    """An embedding of ``tokens`` run alone (chunks through every layer) to 4,608 tokens, then a stream that arrived
+    before it (so it is the preemption victim): its next chunk is split."""
+    emb = _pooling("emb", tokens, 0.0)
+    s.add_request(emb)
+    while emb.num_computed_tokens < 4608:
+        assert _entry(_step(s), emb).layers is None
+    s.add_request(_generation("stream", 15, 100, -1.0))
+    return emb
+
+
+def test_a_chunk_preempted_or_aborted_mid_way_starts_over_and_the_runner_drops_its_hidden_state():
+    """Preempted by recompute between two of its layers, a chunk starts over from layer 0 when readmitted; its id
+    is in the next step's ``finished_req_ids`` (the runner's kept hidden state is dropped), as is an aborted one's."""
+    s = _scheduler(pooling_budget=SPLIT, num_blocks=292)   # the embedding's 290 blocks and the stream's first
+    emb = _deep_beside_a_stream(s, 4640)
+    midway = []
+    while emb.status != RequestStatus.PREEMPTED:   # the stream's second block: the embedding's last free one
+        assert len(midway) < 10 and not emb.is_finished
+        _step(s)
+        midway.append(emb.num_computed_layers)
+    assert midway[:2] == [1, 2] and emb.num_computed_layers == 0 and emb.num_computed_tokens == 0
+    out = _step(s)
+    assert out.finished_req_ids == {"emb"} and (_entry(out, emb).layers or (0,))[0] == 0   # readmitted: layer 0
+    s = _scheduler(pooling_budget=SPLIT)
+    emb = _deep_beside_a_stream(s, 5000)
+    _step(s)
+    assert emb.num_computed_layers == 1
+    s.finish_requests("emb", RequestStatus.FINISHED_ABORTED)
+    assert s.schedule().finished_req_ids == {"emb"} and s.schedule().finished_req_ids == set()
