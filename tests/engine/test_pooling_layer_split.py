@@ -90,6 +90,7 @@ def test_a_split_embedding_beside_a_stream_has_the_bits_of_one_pass(tiny_model, 
     assert any(end - first > 1 for _, (first, end) in split_passes)            # several layers in one step
     assert any(n > 1 for n, _ in split_passes)                                 # several tokens through a layer
     assert not core.model_runner.layer_hidden                                  # nothing kept past the last layer
+    assert core.get_stats().prompt_tokens_total == 2 * sum(map(len, prompts)) + 3   # each token counted once
     assert (core.model_runner.model._c_decoder is not None) == (dtype == "bfloat16")
 
 
