@@ -143,6 +143,51 @@ def test_wrong_token_is_refused_then_the_right_one_signs_in(page):
     assert page.get_by_role("status").filter(has_text="live").inner_text() == "live"
 
 
+@pytest.fixture(scope="module")
+def wide_gateway(tmp_path_factory):
+    """Three routes whose targets are mostly unavailable for a long reason (an unset key: the environment variable
+    is named in the card), as in config.example.yaml without keys."""
+    ups = {n: FaultInjectorUpstream(n).start() for n in ("primary", "deepseek", "holysheep")}
+    routes = ("  local-first:\n    targets: [{backend: primary, weight: 95}, {backend: holysheep, weight: 5}]\n"
+              "    fallbacks: [{backend: holysheep}]\n"
+              "  aggregator:\n    targets: [{backend: deepseek, weight: 50}, {backend: holysheep, weight: 50}]\n"
+              "  cheapest:\n    select: cheapest\n    targets: [{backend: deepseek}, {backend: holysheep}]\n")
+    text = upstream_config(ups, routes, key_env="TANDEM_CONSOLE_LAYOUT_UNSET_API_KEY",
+                           default_route="local-first")
+    text = text.replace("TANDEM_CONSOLE_LAYOUT_UNSET_API_KEY", "TEST_UPSTREAM_KEY", 1)   # primary's key is set
+    try:
+        yield from gateway_on(tmp_path_factory, "console-wide", text, env=ENV)
+    finally:
+        for u in ups.values():
+            u.stop()
+
+
+@pytest.mark.parametrize("width", [1400, 1920])
+def test_route_cards_fit_their_column_on_wide_screens(browser, wide_gateway, width):
+    """Wide viewports (three grid tracks of the 420 px minimum) squeezed a route's table and slider under its
+    content's width (an unset key's variable name does not wrap): it ran into the next card. Each card holds its
+    content and no two overlap."""
+    page = browser.new_page()
+    page.set_viewport_size({"width": width, "height": 900})
+    page.goto(wide_gateway.url + "/admin/ui")
+    sign_in(page)
+    page.get_by_role("table", name="Targets of route cheapest").wait_for()
+    cards = page.locator(".route")
+    boxes = [cards.nth(i).bounding_box() for i in range(cards.count())]
+    assert len(boxes) == 3
+    for i in range(cards.count()):
+        over = cards.nth(i).evaluate("e => [...e.querySelectorAll('*')].filter(c => "
+                                     "c.getBoundingClientRect().right > e.getBoundingClientRect().right + 1)"
+                                     ".map(c => c.tagName + '.' + c.className)")
+        assert over == [], over
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            apart = (a["x"] + a["width"] <= b["x"] or b["x"] + b["width"] <= a["x"]
+                     or a["y"] + a["height"] <= b["y"] or b["y"] + b["height"] <= a["y"])
+            assert apart, boxes
+    page.close()
+
+
 def test_canary_slider_sets_the_weight_then_rollback_restores_it(page, gateway):
     assert weights_of(gateway) == {"a": 95, "b": 5}
     sign_in(page)
