@@ -1,5 +1,5 @@
 """The serving protocol's rules that both halves apply, below both: the value ranges of request fields
-(``param_ranges``), the ``x-request-id`` rule (``request_ids``) and the OpenAI error a server returns
+(``param_ranges``), that a ``tool_choice`` needs ``tools`` (``tool_choice``), the ``x-request-id`` rule (``request_ids``) and the OpenAI error a server returns
 (``errors.ServingError``). ``tandem engine serve`` (``engine/entrypoints/``) and the gateway read them from here,
 so the gateway imports nothing from the engine's HTTP package.
 

@@ -4,8 +4,8 @@ value out of range is the request's 400 naming the field wherever the request en
 (a ``seed`` beyond 64 bits cannot be serialized to the engine core; an ``n`` of a million would allocate a
 million sequences).
 
-Ranges are OpenAI's, widened where vLLM reads more (``temperature`` above 2, completions' ``logprobs`` up to 20,
-``top_k`` -1 = disabled), with 64-bit bounds on every integer (what msgpack carries to the engine core; ``seed``
+Ranges are OpenAI's (``temperature`` 0..2 as OpenAI refuses above 2), widened where vLLM reads more (completions'
+``logprobs`` up to 20, ``top_k`` -1 = disabled), with 64-bit bounds on every integer (what msgpack carries to the engine core; ``seed``
 takes torch's ``manual_seed`` range, signed or unsigned 64 bits). Errors use OpenAI's codes
 (``integer_below_min_value``, ``decimal_above_max_value``, ...).
 """
@@ -13,6 +13,7 @@ takes torch's ``manual_seed`` range, signed or unsigned 64 bits). Errors use Ope
 from __future__ import annotations
 
 from dataclasses import dataclass
+import re
 from typing import Any, Mapping
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -32,7 +33,7 @@ class Range:
 
 _COUNT = Range(1, INT64_MAX, integer=True)
 PARAM_RANGES: Mapping[str, Range] = {
-    "temperature": Range(0, None),
+    "temperature": Range(0, 2),             # OpenAI's: 2.0001 is a 400
     "top_p": Range(0, 1, lo_inclusive=False),
     "presence_penalty": Range(-2, 2),
     "frequency_penalty": Range(-2, 2),
@@ -52,6 +53,9 @@ PARAM_RANGES: Mapping[str, Range] = {
 }
 # Fields holding an array of numbers: the range of each item.
 ITEM_RANGES: Mapping[str, Range] = {"stop_token_ids": Range(0, INT64_MAX, integer=True)}
+# ``logit_bias``: token id (a JSON key: a string of decimal digits) -> a bias in -100..100 (OpenAI's).
+LOGIT_BIAS = Range(-100, 100)
+_TOKEN_ID = re.compile(r"[0-9]{1,19}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +85,29 @@ def _violation(name: str, value: Any, r: Range) -> RangeViolation | None:
     return None
 
 
+def _logit_bias_violation(value: Any) -> RangeViolation | None:
+    """``logit_bias``'s first key that is not a token id (a non-negative integer, as a string) or value that is not
+    a number in ``LOGIT_BIAS``; None when it is not an object (a type error: the schema check names it)."""
+    if not isinstance(value, dict):
+        return None
+    for key, bias in value.items():
+        if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key) or int(key) > INT64_MAX:
+            return RangeViolation("logit_bias", f"Invalid key in 'logit_bias': {key!r}. Expected a token id (a "
+                                                "non-negative integer, as a string).", "invalid_value")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            return RangeViolation("logit_bias", f"Invalid value for 'logit_bias' key {key!r}: expected a number "
+                                                f"from -100 to 100, got {type(bias).__name__}.", "invalid_type")
+        if (v := _violation("logit_bias", bias, LOGIT_BIAS)) is not None:
+            return RangeViolation("logit_bias", v.message.replace("'logit_bias'", f"'logit_bias' key {key!r}"),
+                                  v.code)
+    return None
+
+
 def check_param(name: str, value: Any) -> RangeViolation | None:
     """The violation of ``name``'s range by ``value`` (None: in range, not a number, or a field without a
-    range). Array fields of ``ITEM_RANGES`` are checked item by item."""
+    range). Array fields of ``ITEM_RANGES`` are checked item by item; ``logit_bias`` key by key."""
+    if name == "logit_bias":
+        return _logit_bias_violation(value)
     r = PARAM_RANGES.get(name)
     if r is not None:
         return _violation(name, value, r)
@@ -98,7 +122,7 @@ def check_param(name: str, value: Any) -> RangeViolation | None:
 def first_violation(body: Mapping[str, Any]) -> RangeViolation | None:
     """The first field of a request body whose value is out of range, or None."""
     for name, value in body.items():
-        if name in PARAM_RANGES or name in ITEM_RANGES:
+        if name in PARAM_RANGES or name in ITEM_RANGES or name == "logit_bias":
             if (v := check_param(name, value)) is not None:
                 return v
     return None

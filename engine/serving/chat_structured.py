@@ -51,6 +51,7 @@ import msgspec
 from engine.serving.chunks import Delta, FunctionPiece, ToolCallPiece
 from engine.serving.protocol import RequestValidationError
 from engine.grammar_end import is_json
+from engine.protocol.tool_choice import TOOL_CHOICE_WITHOUT_TOOLS, tool_choice_without_tools
 from engine.sampling_params import StructuredOutputsParams
 
 CALL_BEGIN = "<tool_call>"
@@ -184,8 +185,8 @@ def _tool_choice(choice: Any, tools: list[dict]) -> str:
     """"none", "auto", "required" or the forced function's name."""
     if choice is None:
         return "auto" if tools else "none"
-    if not tools and choice != "none":
-        raise _fail("tool_choice", "tool_choice: is only allowed when tools are given")
+    if tool_choice_without_tools(choice, tools):
+        raise _fail("tool_choice", TOOL_CHOICE_WITHOUT_TOOLS)
     if choice in ("none", "auto", "required"):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):

@@ -9,6 +9,9 @@ from gateway.errors import ClientError
 # Optional parameters and the JSON types they may have (None is always allowed).
 EMBEDDINGS_TYPES = {"encoding_format": (str,), "dimensions": (int,), "user": (str,), "priority": (str, int),
                     "metadata": (dict,)}
+# Every top-level parameter an embeddings request may carry: OpenAI's (its API reference) and the gateway's own
+# (``priority``, ``metadata``); any other is refused as on chat (``validate.KNOWN_PARAMS``).
+EMBEDDINGS_PARAMS = frozenset(("model", "input", *EMBEDDINGS_TYPES))
 ENCODING_FORMATS = ("float", "base64")
 # OpenAI's bound on the number of inputs of one request.
 MAX_INPUTS = 2048

@@ -9,8 +9,9 @@ from dataclasses import replace
 import msgspec
 
 from engine.protocol.param_ranges import check_param
+from engine.protocol.tool_choice import TOOL_CHOICE_WITHOUT_TOOLS, tool_choice_without_tools
 from gateway.errors import ClientError
-from gateway.request.embeddings import EMBEDDINGS_TYPES, check_embeddings, estimate_input_tokens
+from gateway.request.embeddings import EMBEDDINGS_PARAMS, EMBEDDINGS_TYPES, check_embeddings, estimate_input_tokens
 from gateway.values import GatewayRequest
 from policies import parse_priority
 
@@ -23,7 +24,7 @@ _COMMON = {
     "stop": (str, list), "presence_penalty": _NUM, "frequency_penalty": _NUM, "seed": (int,),
     "user": (str,), "metadata": (dict,), "stream_options": (dict,), "priority": (str, int),
     "top_k": (int,), "min_p": _NUM, "repetition_penalty": _NUM, "min_tokens": (int,),
-    "ignore_eos": (bool,), "stop_token_ids": (list,),
+    "ignore_eos": (bool,), "stop_token_ids": (list,), "logit_bias": (dict,),
 }
 _CHAT = {**_COMMON, "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,)}
 # Value ranges are checked before routing, from the table the engine's own server reads
@@ -52,7 +53,7 @@ VENDOR_EXTENSIONS = ("priority", "best_of", "top_k", "min_p", "repetition_penalt
 _VENDOR_CHAT = ("echo", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
                 "resume_token_ids")
 KNOWN_PARAMS = {"chat/completions": frozenset(_OPENAI_CHAT + VENDOR_EXTENSIONS + _VENDOR_CHAT),
-                "completions": frozenset(_OPENAI_COMPLETION + VENDOR_EXTENSIONS)}
+                "completions": frozenset(_OPENAI_COMPLETION + VENDOR_EXTENSIONS), "embeddings": EMBEDDINGS_PARAMS}
 
 # Fields the local engine cannot serve: a request carrying one must be routed
 # upstream by a rule, or it gets a 400 naming the field. The structured
@@ -221,6 +222,8 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         if t is not None:
             check_type(name, value, t)
         check_range(name, value)
+    if endpoint == "chat/completions" and tool_choice_without_tools(body.get("tool_choice"), body.get("tools")):
+        raise ClientError(400, TOOL_CHOICE_WITHOUT_TOOLS, param="tool_choice", code="invalid_value")
     if "stream_options" in body and body.get("stream") is not True:
         raise ClientError(400, "The 'stream_options' parameter is only allowed when 'stream' is true",
                           param="stream_options", code="invalid_value")

@@ -191,8 +191,10 @@ def to_messages(items: list[dict]) -> list[dict]:
     them (one turn, parallel calls); ``function_call_output`` is a ``tool`` message; ``reasoning`` is dropped.
 
     Raises:
-        ClientError: 400 naming an item chat cannot express."""
+        ClientError: 400 naming an item chat cannot express, or a ``function_call_output`` whose ``call_id`` no
+        ``function_call`` of ``items`` has (OpenAI's 400, param ``input``)."""
     messages: list[dict] = []
+    calls = {item.get("call_id") for item in items if item.get("type") == "function_call"}
     for i, item in enumerate(items):
         kind = item.get("type")
         if kind == "message":
@@ -219,6 +221,8 @@ def to_messages(items: list[dict]) -> list[dict]:
             if "output" not in item:
                 raise _bad(f"missing required parameter 'input[{i}].output'", f"input[{i}].output",
                            "missing_required_parameter")
+            if item["call_id"] not in calls:
+                raise _bad(f"No tool call found for function call output with call_id {item['call_id']}.", "input")
             out = item.get("output")
             if isinstance(out, list):
                 out = _text_of(out, f"input[{i}].output")
@@ -266,8 +270,10 @@ def to_chat(body: dict, history: list[dict], items: list[dict]) -> dict:
             for t in body["tools"]]
         if body.get("parallel_tool_calls") is not None:
             chat["parallel_tool_calls"] = body["parallel_tool_calls"]
-    if body.get("tool_choice") is not None and body.get("tools"):
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    choice = body.get("tool_choice")
+    if choice is not None and (body.get("tools") or choice != "none"):
+        # without tools, a choice other than "none" goes on for chat's validation to refuse (one rule)
+        chat["tool_choice"] = _tool_choice(choice)
     if (rf := _response_format(body.get("text"))) is not None:
         chat["response_format"] = rf
     if body.get("stream"):

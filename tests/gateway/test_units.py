@@ -126,7 +126,7 @@ def test_completions_logprobs_out_of_range_gets_openai_code(value, code):
 
 
 def test_in_range_edges_pass_and_empty_messages_is_empty_array():
-    ok = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": 1, "temperature": 3.0,
+    ok = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": 1, "temperature": 2,
           "presence_penalty": -2, "max_tokens": 1, "n": 1, "top_logprobs": 0}
     assert check_request(ok, "chat/completions", None).max_tokens == 1
     with pytest.raises(ClientError) as e:

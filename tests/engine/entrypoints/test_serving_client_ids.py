@@ -44,6 +44,8 @@ def test_every_other_client_id_is_checked_before_the_200(server):
     assert_400(post(server, "/v1/chat/completions", {"messages": ASK, "allowed_token_ids": [1, 2]}),
                "allowed_token_ids", "not supported")
     assert_400(post(server, "/v1/chat/completions", {"messages": ASK, "logit_bias": {"-1": 5}}),
+               "logit_bias", "Invalid key in 'logit_bias': '-1'")      # the shared range table's, as the gateway's
+    assert_400(post(server, "/v1/chat/completions", {"messages": ASK, "logit_bias": {"1": 5}}),
                "logit_bias", "not supported")
     assert_400(post(server, "/v1/chat/completions", {"messages": ASK, "stream": True, "stop_token_ids": [-1]}),
                "stop_token_ids", "stop_token_ids[0]")

@@ -161,7 +161,8 @@ def test_serve_args_use_vllm_flag_names():
 @pytest.mark.parametrize("field,value,code", [
     ("seed", 2 ** 70, "integer_above_max_value"), ("seed", -(2 ** 63) - 1, "integer_below_min_value"),
     ("n", 129, "integer_above_max_value"), ("top_k", -2, "integer_below_min_value"),
-    ("temperature", 2 ** 64, "decimal_above_max_value"), ("stop_token_ids", [3, 2 ** 64], "integer_above_max_value"),
+    ("temperature", 2 ** 64, "decimal_above_max_value"), ("temperature", 2.0001, "decimal_above_max_value"),
+    ("stop_token_ids", [3, 2 ** 64], "integer_above_max_value"),
 ])
 def test_values_out_of_range_name_the_field_as_the_gateway_does(field, value, code):
     """``tandem engine serve`` and the gateway read one table (engine/protocol/param_ranges.py): the same

@@ -50,3 +50,19 @@ async def test_embeddings_routed_limited_and_billed(up):
             models = (await h.get(url + "/v1/models", headers={"authorization": f"Bearer {KEY}"})).json()
         assert models["data"][0]["endpoints"] == ["/v1/chat/completions", "/v1/completions", "/v1/responses",
                                                    "/v1/messages", "/v1/embeddings"]
+
+
+async def test_an_unknown_embeddings_parameter_is_refused_as_on_chat(up):
+    """An unknown field is OpenAI's 400 ``unknown_parameter`` naming it, as on chat and Responses; OpenAI's own
+    fields and the gateway's ``priority`` and ``metadata`` go on."""
+    async with gateway(config(up)) as (_, _, url):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.embeddings.create(model="m1", input="x", extra_body={"foo": 1})
+        assert e.value.body == {"message": "Unrecognized request argument supplied: foo",
+                                "type": "invalid_request_error", "param": "foo", "code": "unknown_parameter"}
+        assert up.requests == []
+        await client.embeddings.create(model="m1", input="x", encoding_format="float", dimensions=2, user="u",
+                                       extra_body={"priority": "high", "metadata": {"team": "a"}})
+        await client.close()
+    assert up.requests[-1][2]["user"] == "u" and up.requests[-1][2]["dimensions"] == 2
