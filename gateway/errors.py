@@ -50,6 +50,14 @@ class ClientError(Exception):
         self.headers = headers or {}
 
 
+def model_not_found(name: str, available) -> ClientError:
+    """The 404 (``model_not_found``, param ``model``) for a model name that is neither a public model nor an alias;
+    ``available``: the public model names, listed in the message. Anthropic's endpoints render it as their
+    ``not_found_error``."""
+    return ClientError(404, f"The model '{name}' does not exist; available: {', '.join(available)}",
+                       param="model", code="model_not_found")
+
+
 class BackendError(Exception):
     """One failed attempt at one backend.
 

@@ -11,7 +11,7 @@ import msgspec
 from litestar import Request, Response, post
 from litestar.exceptions import HTTPException
 
-from gateway.errors import ClientError, anthropic_error_body, anthropic_status
+from gateway.errors import ClientError, anthropic_error_body, anthropic_status, model_not_found
 from gateway.http.transport import read_body
 from gateway.request.auth import authenticate
 from gateway.request.validate import check_request, estimate_prompt_tokens, parse_json
@@ -66,7 +66,7 @@ async def count_tokens(request: Request) -> Response:
     chat = messages_to_chat(parse_json(raw), count_only=True)
     req = check_request(chat, "chat/completions", None, compiled.local_serves, tenant=tenant)
     if compiled.model_names.get(req.model) is None:
-        raise ClientError(404, f"model: {req.model}", param="model", code="model_not_found")
+        raise model_not_found(req.model, compiled.public_models)
     rendered = None
     if snap.local is not None and snap.local.available:
         rendered = snap.local.render("chat/completions", req.body)

@@ -24,7 +24,7 @@ from litestar.exceptions import HTTPException
 
 from engine.protocol.request_ids import stamp_request_id
 from gateway.config.schema import ConfigError, CorsConfig
-from gateway.errors import ClientError, error_body
+from gateway.errors import ClientError, error_body, model_not_found
 from gateway.http.admin import ADMIN_HANDLERS
 from gateway.http.admin_limits import admin_limits
 from gateway.http.console import CONSOLE_HANDLERS
@@ -173,8 +173,7 @@ async def model(request: Request) -> Response:
     authenticate(request.headers.get("authorization"), compiled.key_hashes)
     name = request.path_params["model"].lstrip("/")   # a path parameter keeps its leading slash; names may hold /
     if name not in compiled.model_names:
-        raise ClientError(404, f"The model '{name}' does not exist; available: {', '.join(compiled.public_models)}",
-                          param="model", code="model_not_found")
+        raise model_not_found(name, compiled.public_models)
     return Response(msgspec.json.encode(_model_object(name)), media_type=_JSON)
 
 

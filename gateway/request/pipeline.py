@@ -15,7 +15,7 @@ from engine.protocol.errors import ENGINE_LOADING_RETRY_AFTER_S
 from gateway.backends.dispatch import forward
 from gateway.backends.relabel import answer_id
 from gateway.billing.local_cost import local_price
-from gateway.errors import ClientError
+from gateway.errors import ClientError, model_not_found
 from gateway.request.admission import admit
 from gateway.request.auth import authenticate
 from gateway.request.validate import (check_request, counted_exactly, estimate_prompt_tokens, parse_json,
@@ -58,8 +58,7 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
                         request_id=request_id, headers=headers)
     public = compiled.model_names.get(req.model)
     if public is None:
-        raise ClientError(404, f"The model '{req.model}' does not exist; available: "
-                          f"{', '.join(compiled.public_models)}", param="model", code="model_not_found")
+        raise model_not_found(req.model, compiled.public_models)
     rendered = None
     if snap.needs_prompt_tokens and snap.local is not None and snap.local.available:
         rendered = snap.local.render(endpoint, req.body)

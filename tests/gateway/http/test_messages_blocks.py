@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import anthropic
+import pytest
 
 from gateway.config.compile import load_config_text
 from gateway.http.app import create_app
@@ -141,3 +142,28 @@ async def test_anthropic_beta_header_is_forwarded(monkeypatch):
             await client.messages.create(**ASK)
     betas = [{k.lower(): v for k, v in headers.items()}.get("anthropic-beta") for _, headers, _ in claude.requests]
     assert betas == ["context-1m-2025-08-07", "b2", None]
+
+
+async def test_an_image_refused_by_a_text_only_target_is_named_as_the_client_sent_it(upstream):
+    """A target that cannot take images refuses the chat translation's ``image_url`` part (the local engine's own
+    400, scripted here); the client sent an ``image`` block, and is told which, by its Messages path."""
+    refusal = {"error": {"message": "messages[2].content: part type 'image_url' is not supported (text only)",
+                         "type": "invalid_request_error", "param": "messages", "code": None}}
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": [{"type": "text", "text": "and this?"}, IMAGE]}]
+    async with served(config(upstream.base_url)) as client:
+        upstream.push({"status": 400, "body": json.dumps(refusal).encode()})
+        with pytest.raises(anthropic.BadRequestError) as e:
+            await client.messages.create(model="m1", max_tokens=20, messages=turns)
+    assert e.value.body["error"] == {"type": "invalid_request_error",
+                     "message": "messages.2.content.1: content block type 'image' is not supported (text only)"}
+
+
+async def test_count_tokens_of_an_unknown_model_is_messages_404(upstream):
+    async with served(config(upstream.base_url)) as client:
+        with pytest.raises(anthropic.NotFoundError) as counted:
+            await client.messages.count_tokens(model="nope", messages=ASK["messages"])
+        with pytest.raises(anthropic.NotFoundError) as created:
+            await client.messages.create(**{**ASK, "model": "nope"})
+    assert counted.value.body == created.value.body == {"type": "error", "error": {
+        "type": "not_found_error", "message": "The model 'nope' does not exist; available: m1"}}
