@@ -49,9 +49,23 @@ async def start_rollout(request: Request) -> Response:
     except RouteBusy as e:
         raise ClientError(409, str(e), param="route", code="route_has_rollout") from None
     except Conflict:
-        raise ClientError(409, f"a rollout named {name!r} exists", param="name", code="rollout_exists") from None
+        existing = await gw.rollouts.store.load(name)
+        raise ClientError(409, name_taken(name, existing["state"] if existing else None), param="name",
+                          code="rollout_exists") from None
     view = {**view, "warnings": await candidate_down(gw, name, spec)}
     return Response(msgspec.json.encode(view), status_code=201, media_type="application/json")
+
+
+def name_taken(name: str, state: str | None) -> str:
+    """The 409's message when rollout ``name`` exists (in ``state``; None: not read back): what to do instead."""
+    other = "start the new one under another name"
+    if state in ACTIONS["resume"][0]:
+        todo = f"to continue it: tandem ctl rollout resume {name}; else {other}"
+    elif state == "running":
+        todo = f"it is still stepping (tandem ctl rollout status {name}); {other}"
+    else:
+        todo = f"a name stays with its rollout's record: {other}"
+    return f"a rollout named {name!r} exists{f' ({state})' if state else ''}; {todo}"
 
 
 async def candidate_down(gw, name: str, spec: RolloutConfig) -> list[str]:

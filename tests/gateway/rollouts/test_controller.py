@@ -170,7 +170,8 @@ async def test_operators_pause_resume_promote_abort_and_illegal_actions(redis_ur
             listed = sorted(r["name"] for r in (await c.get("/admin/rollouts")).json()["rollouts"])
     assert promoted["state"] == "promoted" and promoted["weight"] == 100
     assert bad.status_code == 400 and "ghost" in bad.json()["error"]["message"]
-    assert taken.status_code == 409
+    assert taken.status_code == 409 and taken.json()["error"]["code"] == "rollout_exists"
+    assert "'r1' exists (promoted)" in taken.json()["error"]["message"] and "another name" in taken.json()["error"]["message"]
     # a promoted rollout holds its route until released
     assert held.status_code == 409 and "'r1' (promoted)" in held.json()["error"]["message"]
     assert released.status_code == 200 and released.json()["state"] == "released", released.text
@@ -213,6 +214,7 @@ async def test_tandem_ctl_rollout_starts_steers_and_reports(redis_url):
                 await asyncio.sleep(0.05)
             status = await ctl(url, "rollout", "status")
             paused = await ctl(url, "rollout", "pause", "r9")
+            taken = await ctl(url, "rollout", "start", "r9", "main", "cand")   # the name of a paused one
             again = await ctl(url, "rollout", "pause", "r9")
             early = await ctl(url, "rollout", "release", "r9")          # only a promoted rollout is released
             await ctl(url, "rollout", "promote", "r9")
@@ -223,6 +225,8 @@ async def test_tandem_ctl_rollout_starts_steers_and_reports(redis_url):
     assert "parity (statistical): 2/2 pairs compared" in status[1] and "shadow shadow/main:" in status[1]
     assert paused[0] == 0 and "rollout r9: paused" in paused[1]
     assert again[0] == 1 and "409" in again[1]
+    assert taken[0] == 1 and "'r9' exists (paused)" in taken[1] and "tandem ctl rollout resume r9" in taken[1]
+    assert "another name" in taken[1], taken[1]
     assert early[0] == 1 and "409" in early[1]
     assert released[0] == 0 and "rollout r9: released" in released[1], released[1]
 
