@@ -173,7 +173,7 @@ class Answer:
     (upstream calls made). ``api``: the API the answer speaks when the backend was sent the request's ``source``
     natively ("" otherwise: the request's endpoint). ``render``: the client API's codec when it is not OpenAI's
     (``content(status, bytes)`` -> JSON bytes, ``stream(events)`` -> SSE bytes:
-    ``gateway.translate.anthropic.MessagesRender``), applied by the HTTP layer after observability read the
+    ``gateway.translate.anthropic_render.MessagesRender``), applied by the HTTP layer after observability read the
     answer."""
 
     status: int

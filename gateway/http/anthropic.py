@@ -15,7 +15,8 @@ from gateway.errors import ClientError, anthropic_error_body, anthropic_status, 
 from gateway.http.transport import read_body
 from gateway.request.auth import authenticate
 from gateway.request.validate import check_request, estimate_prompt_tokens, parse_json
-from gateway.translate.anthropic import messages_paths, messages_to_chat
+from gateway.translate.anthropic import messages_to_chat
+from gateway.translate.anthropic_render import messages_paths
 
 log = logging.getLogger("tandem.gateway.anthropic")
 _JSON = "application/json"

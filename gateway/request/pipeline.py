@@ -22,7 +22,8 @@ from gateway.request.validate import (check_request, counted_exactly, estimate_p
                                       unknown_parameter_error, with_default_max_tokens)
 from gateway.resilience.resume import prepare as prepare_resume
 from gateway.resilience.resume import resumable
-from gateway.translate.anthropic import MessagesRender, messages_to_chat
+from gateway.translate.anthropic import messages_to_chat
+from gateway.translate.anthropic_render import MessagesRender
 from gateway.translate.chat_events import ChatRender
 from gateway.values import Answer, GatewayRequest
 from policies import RequestFeatures, decide, prefix_text

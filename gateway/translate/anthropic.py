@@ -1,6 +1,7 @@
 """Anthropic Messages <-> OpenAI chat completions, as pure functions: a ``/v1/messages`` body becomes the chat body
 the rest of the gateway serves (``messages_to_chat``), and the chat answer (JSON, or the SSE stream) becomes the
-Messages JSON (``chat_to_message``) or Anthropic's typed events (``MessageEvents``, ``message_events``).
+Messages JSON (``chat_to_message``) or Anthropic's typed events (``MessageEvents``, ``message_events``), which
+``gateway/translate/anthropic_render.py`` (``MessagesRender``, the refusals' paths) hands the HTTP layer.
 
 Mapping (https://docs.anthropic.com/en/api/messages):
 - ``system`` (string or text blocks) -> a leading system message; ``stop_sequences`` -> ``stop``;
@@ -23,18 +24,16 @@ Mapping (https://docs.anthropic.com/en/api/messages):
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import AsyncIterator
 
 import msgspec
 
-from gateway.errors import ClientError, anthropic_error_body, anthropic_status
+from gateway.errors import ClientError, anthropic_error_body
 from gateway.sse import named_event
 from gateway.translate.chat import reasoning_of
 from gateway.translate.tool_calls import ToolCallOrder
 from gateway.values import ChatEvent, ChatStream
 
-_JSON = "application/json"
 _FINISH = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
            "content_filter": "refusal"}
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "stream")
@@ -104,8 +103,9 @@ def _image_part(block: dict, param: str) -> dict:
     raise _bad(f"{param}.source.type: must be 'base64' or 'url'", f"{param}.source.type")
 
 
-def _message(m: object, i: int) -> list[dict]:
-    """One Messages turn -> its chat messages (a user turn with tool results becomes tool messages + a user one)."""
+def turn_to_chat(m: object, i: int) -> list[dict]:
+    """Messages turn ``i`` (``m``) -> its chat messages (a user turn with tool results becomes tool messages + a user
+    one). Raises ClientError(400) naming the block (``messages.i.content.j``) chat cannot take."""
     p = f"messages.{i}"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
         raise _bad(f"{p}.role: Input should be 'user' or 'assistant'", f"{p}.role")
@@ -225,7 +225,7 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
     if body.get("system"):
         chat.append({"role": "system", "content": _text_of(body["system"], "system")})
     for i, m in enumerate(msgs):
-        chat.extend(_message(m, i))
+        chat.extend(turn_to_chat(m, i))
     _check_sampling(body)
     out: dict = {"model": body["model"], "messages": chat}
     for k in _SAMPLING:
@@ -435,97 +435,3 @@ async def message_events(chunks: ChatStream, events: MessageEvents) -> AsyncIter
         if aclose is not None:
             await aclose()
 
-
-# The chat body's paths a refusal may name -> the Messages body's (the translation's inverse: ``messages_to_chat``).
-_CHAT_PATHS = ((re.compile(r"\btools(\[|\.)(\d+)(\]?)\.function\.parameters"), r"tools\1\2\3.input_schema"),
-               (re.compile(r"\btools(\[|\.)(\d+)(\]?)\.function\."), r"tools\1\2\3."),
-               (re.compile(r"\bresponse_format\.json_schema\.schema"), "output_config.format.schema"),
-               (re.compile(r"\bresponse_format\b"), "output_config.format"))
-
-
-# A target's refusal of the image part a Messages ``image`` block became (the local engine's wording: text only).
-_IMAGE_PART = re.compile(r"\bmessages\[(\d+)\]\.content: part type 'image_url'")
-
-
-def _image_block(body: dict, k: int) -> str | None:
-    """The Messages path of the first ``image`` block (in the turn, or in one of its tool results) of the turn that
-    chat message ``k`` of ``body``'s translation came from; None when that is no such turn."""
-    turns = [None] if body.get("system") else []
-    for i, m in enumerate(body.get("messages") or ()):
-        try:
-            turns += [i] * len(_message(m, i))
-        except ClientError:
-            return None
-    i = turns[k] if k < len(turns) else None
-    content = body["messages"][i].get("content") if i is not None else None
-    for j, b in enumerate(content if isinstance(content, list) else ()):
-        inner = b.get("content") if isinstance(b, dict) and b.get("type") == "tool_result" else None
-        if isinstance(b, dict) and b.get("type") == "image":
-            return f"messages.{i}.content.{j}"
-        for n, r in enumerate(inner if isinstance(inner, list) else ()):
-            if isinstance(r, dict) and r.get("type") == "image":
-                return f"messages.{i}.content.{j}.content.{n}"
-    return None
-
-
-def messages_paths(text: str, body: dict | None = None) -> str:
-    """``text`` (a refusal's message) with the chat body's field paths it names written as the Messages body's:
-    ``tools[0].function.parameters.x`` -> ``tools[0].input_schema.x``, ``response_format.json_schema.schema``
-    -> ``output_config.format.schema``, and with the Messages ``body`` at hand a refused ``image_url`` part of
-    ``messages[k]`` -> the ``image`` block it came from (``messages.0.content.1: content block type 'image'``):
-    the client sent the Messages body and looks there."""
-    for pattern, repl in _CHAT_PATHS:
-        text = pattern.sub(repl, text)
-    m = _IMAGE_PART.search(text) if body is not None else None
-    if m is not None and (path := _image_block(body, int(m.group(1)))) is not None:
-        text = text[:m.start()] + f"{path}: content block type 'image'" + text[m.end():]
-    return text
-
-
-def anthropic_error(status: int, content: bytes, body: dict | None = None) -> bytes:
-    """An error answer's body (OpenAI's error JSON, or already Anthropic's) as Anthropic's error JSON, naming the
-    paths of the Messages ``body`` (``messages_paths``)."""
-    try:
-        obj = msgspec.json.decode(content)
-    except msgspec.DecodeError:
-        obj = None
-    if isinstance(obj, dict) and obj.get("type") == "error":
-        return content
-    err = obj.get("error") if isinstance(obj, dict) else None
-    message = (err.get("message") if isinstance(err, dict) else None) or content.decode("utf-8", "replace") \
-        or f"HTTP {status}"
-    return anthropic_error_body(status, messages_paths(str(message), body))
-
-
-class MessagesRender:
-    """The ``/v1/messages`` codec of one request's answer (``gateway.values.Answer.render``): the chat
-    answer, as observability read it, rendered as Anthropic's Message JSON, events or error JSON."""
-
-    def __init__(self, message_id: str, model: str, input_tokens: int, stop_sequences: list | None,
-                 body: dict | None = None):
-        self.message_id, self.model, self.input_tokens = message_id, model, input_tokens
-        self.stop_sequences, self.body = stop_sequences, body
-
-    @classmethod
-    def of(cls, req) -> "MessagesRender":
-        """For a ``GatewayRequest`` built from a Messages body: id ``msg_<request id>``, the public model."""
-        stop = req.anthropic_body.get("stop_sequences")
-        return cls(f"msg_{req.request_id}", req.public_model or req.model, req.prompt_tokens or 0,
-                   stop if isinstance(stop, list) else None, req.anthropic_body)
-
-    def content(self, status: int, content: bytes, media_type: str = _JSON) -> tuple[int, bytes, str]:
-        """A whole answer: ``(status, body, media type)``: the Message, or Anthropic's error JSON under Anthropic's
-        status (``gateway.errors.anthropic_status``; ``media_type``, the backend's, unused)."""
-        if status >= 400:
-            return anthropic_status(status), anthropic_error(status, content, self.body), _JSON
-        try:
-            chat = msgspec.json.decode(content)
-        except msgspec.DecodeError:
-            return 502, anthropic_error(502, b"the backend's answer is not JSON"), _JSON
-        return status, msgspec.json.encode(chat_to_message(chat, self.message_id, self.model,
-                                                           self.stop_sequences)), _JSON
-
-    def stream(self, chunks: ChatStream) -> AsyncIterator[bytes]:
-        """A chat stream's events as Anthropic's event stream."""
-        return message_events(chunks, MessageEvents(self.message_id, self.model, self.input_tokens,
-                                                    self.stop_sequences))

@@ -12,8 +12,8 @@ import pytest
 
 from gateway.errors import ClientError
 from gateway.sse import EventReader
-from gateway.translate.anthropic import (MessageEvents, anthropic_error, chat_to_message, message_events,
-                                         messages_to_chat)
+from gateway.translate.anthropic import MessageEvents, chat_to_message, message_events, messages_to_chat
+from gateway.translate.anthropic_render import anthropic_error
 from gateway.translate.anthropic_answer import chat_events, message_to_chat
 from gateway.translate.chat_events import ChatEncoder, decode_stream
 
