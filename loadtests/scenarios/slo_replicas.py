@@ -48,10 +48,10 @@ def register(sub) -> None:
     p.add_argument("--phase-s", type=float, default=30.0, help="seconds of each of the four phases")
     p.add_argument("--rate", type=float, default=0.5, help="gateway requests per second")
     p.add_argument("--words", type=int, default=60, help="random words per gateway request and probe")
-    p.add_argument("--busy", type=int, default=MAX_NUM_SEQS + 3,
+    p.add_argument("--busy", type=int, default=MAX_NUM_SEQS + 6,
                    help=f"streams held on a busy replica (its seats: {MAX_NUM_SEQS})")
     p.add_argument("--busy-words", type=int, default=200, help="words per busy stream's prompt")
-    p.add_argument("--busy-tokens", type=int, default=48, help="tokens each busy stream generates")
+    p.add_argument("--busy-tokens", type=int, default=96, help="tokens each busy stream generates")
     p.add_argument("--max-tokens", type=int, default=8, help="completion tokens per gateway request and probe")
     p.add_argument("--probe-interval-s", type=float, default=1.0, help="seconds between probes of each replica")
     p.add_argument("--num-threads", type=int, default=1, help="CPU threads of each replica")
