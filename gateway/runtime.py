@@ -1,6 +1,5 @@
-"""The running gateway: the current config snapshot, its backends, config
-versions (reload, weights, rollback, Redis propagation), file watching and
-drain. The request path (``gateway/request/pipeline.py``) reads ``gateway.snapshot``
+"""The running gateway: the current config snapshot, its backends, config versions (reload, weights, rollback,
+Redis propagation; the loops in ``gateway/config/sync.py``) and drain. The request path reads ``gateway.snapshot``
 once per request, so a swap never affects requests already running.
 
 With ``state.redis_url`` set, the config versions and the rollouts live in Redis. While it is unreachable a
@@ -22,8 +21,10 @@ from prometheus_client import Counter
 
 from gateway.config.compile import Compiled, load_config_text
 from gateway.config.config_file import ConfigFile
-from gateway.config.layers import Layered, RolloutConflict, holder, layer_view, orphaned, over_file, route_weights
+from gateway.config.layers import RolloutConflict, holder, layer_view, over_file, route_weights, same_as_file
+from gateway.config.rollback import returns_to
 from gateway.config.schema import ConfigError
+from gateway.config.sync import sync_versions, watch_file
 from gateway.backends.build import build_backends
 from gateway.backends.local import LocalBackend
 from gateway.backends.latency import UpstreamLatency
@@ -38,7 +39,7 @@ from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
 from gateway.config.versions import ConfigState, Guard, GuardFailed, MemoryLedger, RedisLedger, VersionConflict, \
     text_digest
-from gateway.config.weights import add_effective_shares, describe_changes, down_share, routes_table
+from gateway.config.weights import describe_changes, down_share, routes_table
 from gateway.rollouts.controller import RolloutController
 from gateway.rollouts.metrics import ParityCollector
 from gateway.rollouts.shadow import ShadowRunner
@@ -65,6 +66,7 @@ class Snapshot:
     local: LocalBackend | None = None
     warnings: list[str] = field(default_factory=list)
     needs_local_signals: bool = False
+    owners: dict[str, str] = field(default_factory=dict)   # ``ConfigState.owners`` of the running version
 
     def signals(self) -> Signals:
         """Live signals for the policy: local engine load (only when a rule
@@ -143,9 +145,9 @@ class Gateway:
                 log.warning("usage journal replay at start failed: %s", e)
         self.replicas.start()
         self.rollouts.start()
-        self._tasks.append(asyncio.create_task(self._watch_loop()))
+        self._tasks.append(asyncio.create_task(watch_file(self)))
         if self.ledger.shared:
-            self._tasks.append(asyncio.create_task(self._sync_loop()))
+            self._tasks.append(asyncio.create_task(sync_versions(self)))
 
     async def _initial_state(self) -> ConfigState:
         """The state this replica starts on (``_join``). With Redis unreachable: this file alone, and
@@ -180,11 +182,12 @@ class Gateway:
         takes = []
         if head is not None:
             try:
-                layered = over_file(head.text, self._initial, head.overrides, await self.rollouts.every())
+                layered = over_file(head.text, self._initial, head.overrides, await self.rollouts.every(),
+                                    owners=head.owners)
             except RolloutConflict as e:
                 log.error("config file not applied at start, adopting shared version %d: %s", head.version, e)
                 return head
-            state.overrides, takes = layered.overrides, layered.takes
+            state.overrides, state.owners, takes = layered.overrides, layered.owners, layered.takes
         await self.rollouts.take_back(takes)      # before the push: see ``_commit``
         state.version = await self.ledger.push(state, None if head is None else head.version)
         return state
@@ -246,7 +249,7 @@ class Gateway:
         policy_fields = compiled.policy.fields()
         snap = Snapshot(compiled, backends, state.version, state.source, "prompt_tokens" in policy_fields,
                         compiled.config.server.max_body_size, local, list(compiled.warnings),
-                        any(f.startswith("local.") for f in policy_fields))
+                        any(f.startswith("local.") for f in policy_fields), dict(state.owners))
         self.resilience.configure(compiled.config)
         self.replicas.configure(compiled, backends)
         self.file_digest = state.file_digest or self.file_digest
@@ -284,8 +287,14 @@ class Gateway:
                 if isinstance(e, (VersionConflict, GuardFailed)):
                     raise
                 raise self._unreachable(f"config change ({state.source})", e) from None
-            snap = self._apply(state, compiled)
-            snap.warnings += await self._down_warnings(snap)
+            if state.version == self.snapshot.version:   # the running version's content: nothing to apply, and
+                snap = self.snapshot                      # its source stays (the ledger recorded the file digest)
+                self.file_digest, snap.owners = state.file_digest or self.file_digest, dict(state.owners)
+                log.info("config version %d (%s) stays: the %s change is the same config", snap.version,
+                         snap.source, state.source)
+            else:
+                snap = self._apply(state, compiled)
+                snap.warnings += await self._down_warnings(snap)
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
                     "propagated": True if self.ledger.shared else None, "routes": routes_table(compiled.policy)}
 
@@ -338,9 +347,9 @@ class Gateway:
         try:   # built on the version this replica runs: a newer one it has not seen yet is refused, not undone
             layered = over_file(self.snapshot.compiled.text, load_config_text(text, {}, source=self.config_path),
                                 self.snapshot.compiled.overrides, await self._every_rollout(f"config reload ({source})"),
-                                abort_rollouts)
-            out = await self._commit(ConfigState(text, layered.overrides, source, file_digest=text_digest(text)),
-                                     self.snapshot.version, takes=layered.takes)
+                                abort_rollouts, self.snapshot.owners)
+            out = await self._commit(ConfigState(text, layered.overrides, source, file_digest=text_digest(text),
+                                                 owners=layered.owners), self.snapshot.version, takes=layered.takes)
         except (ConfigError, RolloutConflict, StateUnavailable) as e:
             log.error("config reload (%s) refused, keeping version %d: %s", source, self.snapshot.version, e)
             raise
@@ -351,11 +360,13 @@ class Gateway:
         return out
 
     async def set_weights(self, route: str, weights: dict[str, float], base: int | None = None,
-                          rebase: bool = False, rollout: str = "", guard: Guard | None = None) -> dict:
+                          rebase: bool = False, rollout: str = "", guard: Guard | None = None,
+                          ended: bool = False) -> dict:
         """Override ``route``'s target weights (target id or backend -> weight), on top of the version this
         replica runs (``base``, when given, must be it), or with ``rebase`` on top of the shared head.
-        ``rollout``: the rollout controller setting its own rollout's split (the rollout layer), as long as
-        ``guard`` holds (the rollout's revision it read).
+        ``rollout``: the rollout controller setting its own rollout's split (the rollout layer, named in the
+        version's ``owners``), as long as ``guard`` holds (the rollout's revision it read); ``ended``: the split a
+        rollout leaves as it ends (aborted, rolled back), no override at all when it is the file's.
 
         Raises:
             ConfigError: unknown route/target or negative weight.
@@ -371,6 +382,7 @@ class Gateway:
                                   "the route's weights by hand")
         cur = self.snapshot
         text, overrides, version, digest = cur.compiled.text, cur.compiled.overrides, cur.version, self.file_digest
+        owners = cur.owners
         if rebase:
             try:
                 head = await self.ledger.head()
@@ -378,22 +390,26 @@ class Gateway:
                 raise self._unreachable(what, e) from None
             if head is not None:
                 text, overrides, version, digest = head.text, head.overrides, head.version, head.file_digest
+                owners = head.owners
         if base is not None and base != version:
             raise VersionConflict(base, max(version, cur.version))
-        overrides = {r: dict(w) for r, w in overrides.items()}
+        overrides, owners = {r: dict(w) for r, w in overrides.items()}, {**owners, route: rollout}
         overrides.setdefault(route, {}).update({k: float(v) for k, v in weights.items()})
-        return await self._commit(ConfigState(text, overrides, "weights", file_digest=digest), version, guard)
+        if not rollout or (ended and same_as_file(route_weights(load_config_text(text, {}).policy).get(route),
+                                                  overrides[route])):
+            owners.pop(route)
+            if rollout:                  # the rollout ended where the file stands: the file decides again
+                overrides.pop(route)
+        return await self._commit(ConfigState(text, overrides, "weights", file_digest=digest, owners=owners),
+                                  version, guard)
 
     async def rollback(self, base: int | None = None) -> dict:
         """Return to the previous version (all replicas follow), as built on ``base`` (default: the version
         this replica runs). The file watcher leaves it in place until the file itself changes.
 
-        A rollback undoes a config change (the file's, an operator's), not a rollout: a promoted rollout's split,
-        above both, is set again on top of it (``RolloutController.reassert``, a version of its own; a running one's
-        by the controller's next tick).
-
-        A rollback to a version that would orphan a rollout (remove a target it steers) is refused, as such a
-        reload is: the rollout is ended first (aborted or released), by name.
+        A rollback undoes a config change, not a rollout (``gateway/config/rollback.py``): a promoted rollout's
+        split is set again on top (``RolloutController.reassert``; a running one's by the next tick), an ended one's
+        is not brought back (the answer's warnings say so), and one that would be orphaned refuses it.
 
         Raises:
             LookupError: no previous version.
@@ -406,124 +422,25 @@ class Gateway:
                 history = await self.ledger.history()
             except Exception as e:  # noqa: BLE001 -- Redis unreachable: nothing changes
                 raise self._unreachable("config rollback", e) from None
+            replace, kept = None, []
             if len(history) >= 2 and history[0].version == base:
-                back = route_weights(load_config_text(history[1].text, {}).policy)
-                problems = orphaned(back, await self._every_rollout("config rollback"), "the version it returns to")
-                if problems:
-                    raise RolloutConflict(problems, ". End it first (tandem ctl rollout abort NAME, or release NAME "
-                                                    "when promoted), then roll back")
+                replace, kept = returns_to(history[0], history[1], await self._every_rollout("config rollback"))
             try:
-                state = await self.ledger.rollback(base)
+                state = await self.ledger.rollback(base, replace)
             except (VersionConflict, LookupError):
                 raise
             except Exception as e:  # noqa: BLE001 -- Redis unreachable: nothing changes
                 raise self._unreachable("config rollback", e) from None
             snap = self._apply(state)
             snap.warnings += await self._down_warnings(snap)   # as any change does: weight landing on a down backend
+            for w in kept:
+                log.warning("config rollback to version %d: %s", state.version, w)
         await self.rollouts.reassert()
         snap = self.snapshot
-        return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
+        return {"version": snap.version, "source": snap.source, "warnings": snap.warnings + kept,
                 "propagated": True if self.ledger.shared else None, "routes": routes_table(snap.compiled.policy)}
 
-    async def describe(self) -> dict:
-        """The running config for GET /admin/config."""
-        s = self.snapshot
-        try:
-            history = [h.summary() for h in await self.ledger.history()]
-        except Exception as e:  # noqa: BLE001
-            self._redis_failed(e)
-            history = []
-        backends, targets = await self.resilience.status(s.compiled.policy.routes, s.backends)
-        routes = routes_table(s.compiled.policy)
-        add_effective_shares(routes, backends, targets)
-        return {
-            "version": s.version, "source": s.source, "overrides": s.compiled.overrides,
-            "public_models": s.compiled.public_models,
-            "routes": routes,
-            "backends": {n: {"type": b.kind, **backends[n]} for n, b in s.backends.items()}, "targets": targets,
-            "history": history, "warnings": s.warnings, "redis_degraded": self.redis_degraded,
-            "file": self.config_file.status(s.compiled.text, s.compiled.overrides), "layers": await self.layers(),
-            "usage_journal": len(self.usage.journal),   # settles waiting for Redis (replayed on rejoin)
-            "draining": self.draining, "in_flight": self.in_flight, "text": s.compiled.text,
-        }
-
-    async def layers(self) -> dict:
-        """route -> its effective weights, the file's, and the layer that decides (``layers.layer_view``)."""
-        text, overrides = self.snapshot.compiled.text, self.snapshot.compiled.overrides
-        current = load_config_text(text, {})
-        try:
-            rollouts = await self.rollouts.every()
-        except StateUnavailable:         # Redis unreachable: the live rollouts this replica last read
-            rollouts = [r for rs in self.rollouts.active.values() for r in rs]
-        try:
-            layered = over_file(text, current, overrides, rollouts)
-        except RolloutConflict as e:
-            layered = Layered(overrides, {r: {"decided_by": "operator", "note": str(e)} for r in overrides})
-        s = self.snapshot    # the file on disk differs when a rollback, or another replica's file, runs instead
-        return layer_view(route_weights(current.policy), layered, self.config_file.weights_if_differs(text),
-                          f"version {s.version} ({s.source})")
-
     # ----- background loops ------------------------------------------------------------------------------------
-    async def _watch_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.snapshot.compiled.config.reload.poll_interval_s)
-            self._close_idle_retired()
-            if not self.snapshot.compiled.config.reload.watch:
-                continue
-            if not self.redis_degraded and self.config_file.changed():
-                text = self.config_file.read()
-                if text is None or text_digest(text) == self.file_digest:
-                    continue             # touched, not changed: what operators did since stands
-                try:
-                    await self.reload("file")
-                except ConfigError:
-                    pass                 # logged by reload(); the running config stays
-                except StateUnavailable:
-                    self.config_file.unmark()   # applied once Redis answers (the poll tries again; skipped while degraded)
-                except VersionConflict as e:
-                    self.config_file.unmark()   # apply the shared head first (sync loop), then this file
-                    log.warning("file change not applied yet: %s", e)
-                except Exception:  # noqa: BLE001
-                    log.exception("reload on file change failed")
-
-    async def _sync_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.snapshot.compiled.config.state.sync_interval_s)
-            try:
-                v = await self.ledger.version()
-                if self.redis_degraded:
-                    log.info("redis reachable again; config sync resumed")
-                    self.redis_degraded = False
-                if self._unjoined:       # started during an outage: join as a start would (its file's digest)
-                    async with self._lock:
-                        state = await self._initial_state()
-                        try:
-                            if not self._unjoined:
-                                self._apply(state)
-                        except ConfigError as e:
-                            log.error("shared config version %d is invalid here, keeping the file: %s",
-                                      state.version, e)
-                elif v < self.snapshot.version:
-                    # Redis lost its data (restarted without persistence): share ours.
-                    async with self._lock:
-                        cur = self.snapshot
-                        state = ConfigState(cur.compiled.text, cur.compiled.overrides, "reseed",
-                                            file_digest=self.file_digest)
-                        state.version = await self.ledger.push(state, v)
-                        cur.version = state.version
-                        log.warning("shared config re-seeded from this replica as version %d", state.version)
-                elif v > self.snapshot.version:
-                    async with self._lock:
-                        head = await self.ledger.head()
-                        if head is not None and head.version > self.snapshot.version:
-                            try:
-                                self._apply(head)
-                            except ConfigError as e:
-                                log.error("shared config version %d is invalid here, keeping %d: %s",
-                                          head.version, self.snapshot.version, e)
-            except Exception as e:  # noqa: BLE001
-                self._redis_failed(e)
-
     def _redis_failed(self, e: Exception) -> None:
         if not self.redis_degraded:
             log.warning("redis unavailable (%s: %s); serving on local config state", type(e).__name__, e)

@@ -4,6 +4,7 @@
 |---|---|---|
 | file | the config file as last applied (start, reload, file watcher) | replaced by the next file |
 | operator | ``tandem ctl weights``, the console, ``POST /admin/weights`` (versioned changes) | a reload whose file changes that route's targets or weights (the file is then the newer decision) |
+| ended rollout | the split an aborted or rolled-back rollout left, where it is not the file's (``owners``) | a reload whose file says the same or changes the route; an operator's change |
 | rollout | a running, paused or promoted rollout (``gateway/rollouts/controller.py``) | rolled back, aborted, or released (the operator's ``release``, or ``release: true`` on the route in the file) |
 
 A higher layer wins: rollout over operator over file. A reload keeps the layers above the file (an unrelated edit
@@ -24,6 +25,7 @@ from gateway.config.compile import Compiled, load_config_text
 from gateway.config.schema import ConfigError
 
 HOLDING_STATES = ("running", "paused", "promoted")   # a rollout in these owns its route's split
+ENDED_STATES = ("aborted", "rolled_back")   # a rollout in these left the split it ended with, as its own layer
 
 
 class RolloutConflict(Exception):
@@ -55,6 +57,7 @@ class Layered:
     routes: dict[str, dict] = field(default_factory=dict)
     takes: list[Take] = field(default_factory=list)
     file: dict[str, dict[str, float]] = field(default_factory=dict)   # the new file's weights (``over_file``)
+    owners: dict[str, str] = field(default_factory=dict)   # route -> the rollout whose split its override is
 
 
 def route_weights(policy) -> dict[str, dict[str, float]]:
@@ -74,6 +77,17 @@ def holder(rollouts: list[dict], route: str, states=HOLDING_STATES) -> dict | No
 def rollout_weights(r: dict) -> dict[str, float]:
     """The split a rollout ``r`` (the store's dict) holds on its route: candidate and baseline."""
     return {r["candidate"]: float(r["weight"]), r["baseline"]: 100.0 - float(r["weight"])}
+
+
+def same_as_file(file: dict[str, float] | None, weights: dict[str, float]) -> bool:
+    """Whether ``weights`` (an override of one route) changes nothing in ``file`` (that route's file weights)."""
+    return file is not None and {**file, **weights} == file
+
+
+def ended_owner(rollouts: list[dict], owners: dict[str, str], route: str) -> dict | None:
+    """The rollout in ``ENDED_STATES`` whose split ``route``'s override is (``ConfigState.owners``), if any."""
+    name = owners.get(route)
+    return next((r for r in rollouts if r["name"] == name and r["state"] in ENDED_STATES), None)
 
 
 def _orphaned(r: dict, new_file: dict[str, dict[str, float]], by: str = "the file") -> str:
@@ -97,7 +111,7 @@ def orphaned(new_file: dict[str, dict[str, float]], rollouts: list[dict], by: st
 
 def reapply(old_file: dict[str, dict[str, float]], new_file: dict[str, dict[str, float]],
             overrides: dict[str, dict[str, float]], rollouts: list[dict], release: set[str],
-            abort_rollouts: bool = False) -> Layered:
+            abort_rollouts: bool = False, owners: dict[str, str] | None = None) -> Layered:
     """The layers over a newly applied file (see the module docstring).
 
     Args:
@@ -107,6 +121,9 @@ def reapply(old_file: dict[str, dict[str, float]], new_file: dict[str, dict[str,
         rollouts: every rollout (the store's dicts); those in ``HOLDING_STATES`` own their route.
         release: routes whose file section says ``release: true``.
         abort_rollouts: end the rollouts the file would orphan instead of refusing the reload.
+        owners: route -> the rollout whose split the route's override is (``ConfigState.owners``): one left by a
+            rollout that ended (aborted, rolled back) is that rollout's layer, not an operator's, and goes when the
+            file says the same weights or changes the route.
 
     Raises:
         RolloutConflict: the file would orphan a rollout and neither ``abort_rollouts`` nor ``release`` says what
@@ -131,6 +148,7 @@ def reapply(old_file: dict[str, dict[str, float]], new_file: dict[str, dict[str,
         # a paused rollout's route has the weights operators gave it since the pause (the running split at first)
         held = dict(overrides[route]) if r["state"] == "paused" and route in overrides else rollout_weights(r)
         out.overrides[route] = held
+        out.owners[route] = r["name"]
         note = ""
         if any(new_file[route].get(k) != v for k, v in held.items()):
             note = f"{route}: file says {_fmt(new_file[route])}; {what} holds {_fmt(held)}"
@@ -140,20 +158,24 @@ def reapply(old_file: dict[str, dict[str, float]], new_file: dict[str, dict[str,
     for route, weights in overrides.items():
         if route in out.overrides or route in out.routes or route not in new_file:
             continue
+        ended = ended_owner(rollouts, owners or {}, route)
+        what = "operator override" if ended is None else f"rollout {ended['name']} ({ended['state']})"
+        if ended is not None and same_as_file(new_file[route], weights):
+            continue                     # what the rollout left is what the file says: no layer above it
         if old_file.get(route) == new_file[route]:
             out.overrides[route] = dict(weights)
-            out.routes[route] = {"decided_by": "operator",
-                                 "note": f"{route}: file says {_fmt(new_file[route])}; operator override holds "
-                                         f"{_fmt(weights)}"}
+            if ended is not None:
+                out.owners[route] = ended["name"]
+            out.routes[route] = {"decided_by": "operator" if ended is None else what,
+                                 "note": f"{route}: file says {_fmt(new_file[route])}; {what} holds {_fmt(weights)}"}
         else:
             out.routes[route] = {"decided_by": "file",
-                                 "note": f"{route}: the file changed the route; operator override {_fmt(weights)} "
-                                         "dropped"}
+                                 "note": f"{route}: the file changed the route; {what} {_fmt(weights)} dropped"}
     return out
 
 
 def over_file(old_text: str, new: Compiled, overrides: dict[str, dict[str, float]], rollouts: list[dict],
-              abort_rollouts: bool = False) -> Layered:
+              abort_rollouts: bool = False, owners: dict[str, str] | None = None) -> Layered:
     """``reapply`` of config texts: the file ``new`` (compiled without overrides) over ``old_text``, the file as last
     applied (one that no longer loads here keeps no operator override), its ``release`` routes read from ``new``.
     Serves a reload, a replica started on an edited file, and the current state (``new`` the running file).
@@ -167,7 +189,7 @@ def over_file(old_text: str, new: Compiled, overrides: dict[str, dict[str, float
         old = {}
     file = route_weights(new.policy)
     out = reapply(old, file, overrides, rollouts, {n for n, r in new.config.routes.items() if r.release},
-                  abort_rollouts)
+                  abort_rollouts, owners)
     out.file = file
     return out
 

@@ -14,7 +14,9 @@ Every state carries ``file_digest``, the sha256 of the config file text last
 applied from a file (a reload, or the first start): a weights change keeps it,
 a rollback keeps the head's. The file watcher and a restarting replica apply
 the file only when its digest differs from it, so a touch or a restart never
-undoes an operator's rollback or weights change. A rollout controller's change carries a ``Guard``: it is
+undoes an operator's rollback or weights change; a change equal to the head (no new version) still records its
+``file_digest`` and ``owners`` on the head, so the digest the watcher compares is the file's last applied text and
+never an older one (an edit back to that older text was taken for a touch and never applied). A rollout controller's change carries a ``Guard``: it is
 pushed only while the rollout is still at the revision it was built on (one script over the ledger's keys and the
 rollout's revision key), so a tick that read a rollout just before an operator or a reload ended it never sets
 its split over their change. Keys:
@@ -76,6 +78,9 @@ class ConfigState:
         version: the ledger's counter when pushed (0 = not pushed yet).
         created: unix time, seconds.
         file_digest: ``text_digest`` of the file text last applied from a file ("" = unknown).
+        owners: route -> the rollout whose split its override is (set by the controller; an operator's change of
+            the route clears it): a rollout that ended is named as the layer of the override it left, and a
+            rollback does not bring its split back (``gateway.config.layers``).
     """
 
     text: str
@@ -84,6 +89,7 @@ class ConfigState:
     version: int = 0
     created: float = field(default_factory=time.time)
     file_digest: str = ""
+    owners: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Weights as floats, so the digest is the same after a JSON round trip.
@@ -110,7 +116,7 @@ class ConfigState:
         v, _, body = entry.partition("\n")
         d = json.loads(body)
         return cls(d["text"], d.get("overrides") or {}, d.get("source", ""), int(v), d.get("created", 0.0),
-                   d.get("file_digest") or "")
+                   d.get("file_digest") or "", d.get("owners") or {})
 
     def summary(self) -> dict:
         return {"version": self.version, "source": self.source, "created": self.created, "digest": self.digest[:12],
@@ -141,7 +147,10 @@ class MemoryLedger:
         if guard is not None and not guard.holds():
             raise GuardFailed(guard.key)
         if self.states and self.states[-1].digest == state.digest:
-            return self.states[-1].version
+            head = self.states[-1]
+            if state.file_digest:
+                head.file_digest, head.owners = state.file_digest, dict(state.owners)
+            return head.version
         if base is not None and base != self.counter:
             raise VersionConflict(base, self.counter)
         self.counter += 1
@@ -149,9 +158,10 @@ class MemoryLedger:
         self.states.append(state)
         return state.version
 
-    async def rollback(self, base: int | None = None) -> ConfigState:
+    async def rollback(self, base: int | None = None, replace: ConfigState | None = None) -> ConfigState:
         """Drop the head; the previous state becomes the head under a new version (keeping the head's
-        ``file_digest``: the file is still the one last applied).
+        ``file_digest``: the file is still the one last applied), or ``replace`` instead of it (the previous state
+        as the caller corrected it, read while ``base`` was the head: its ``file_digest`` already the head's).
 
         Raises:
             VersionConflict: ``base`` is not the head's version.
@@ -163,7 +173,12 @@ class MemoryLedger:
         top = self.states.pop()
         prev = self.states.pop()
         self.counter += 1
-        state = ConfigState(prev.text, prev.overrides, "rollback", self.counter, prev.created, top.file_digest)
+        if replace is not None:
+            state = ConfigState(replace.text, replace.overrides, "rollback", self.counter, replace.created,
+                                replace.file_digest, dict(replace.owners))
+        else:
+            state = ConfigState(prev.text, prev.overrides, "rollback", self.counter, prev.created, top.file_digest,
+                                dict(prev.owners))
         self.states.append(state)
         return state
 
@@ -174,13 +189,22 @@ class MemoryLedger:
         pass
 
 
-# ARGV: state json, digest, keep, ttl, base version ('' = any), guard revision ('' = none; KEYS[4] its key). Returns
-# the version, -(head version + 1) when the head is not ``base`` (a conflict), 0 when the guard does not hold
-# (nothing done either way).
+# ARGV: state json, digest, keep, ttl, base version ('' = any), guard revision ('' = none; KEYS[4] its key), its
+# file_digest and owners (json; recorded on a head of equal content when the file_digest is not ''). Returns the
+# version, -(head version + 1) when the head is not ``base`` (a conflict), 0 when the guard does not hold (nothing
+# done either way).
 _PUSH = """
 if ARGV[6] ~= '' and tonumber(redis.call('GET', KEYS[4]) or '0') ~= tonumber(ARGV[6]) then return 0 end
 local cur = tonumber(redis.call('GET', KEYS[2]) or '0')
 if redis.call('GET', KEYS[3]) == ARGV[2] then
+  local head = redis.call('LINDEX', KEYS[1], 0)
+  if ARGV[7] ~= '' and head then
+    local nl = string.find(head, "\\n", 1, true)
+    local d = cjson.decode(string.sub(head, nl + 1))
+    d['file_digest'] = ARGV[7]
+    d['owners'] = cjson.decode(ARGV[8])
+    redis.call('LSET', KEYS[1], 0, string.sub(head, 1, nl) .. cjson.encode(d))
+  end
   return cur
 end
 if ARGV[5] ~= '' and tonumber(ARGV[5]) ~= cur then return -cur - 1 end
@@ -192,8 +216,9 @@ for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
 return v
 """
 
-# ARGV: ttl, base version ('' = any). Returns the new head's entry, false (nothing to roll back to), or
-# -(head version + 1) when the head is not ``base``.
+# ARGV: ttl, base version ('' = any), the replacing state's json and digest ('' = none: the previous state as
+# stored). Returns the new head's entry, false (nothing to roll back to), or -(head version + 1) when the head is
+# not ``base``.
 _ROLLBACK = """
 local cur = tonumber(redis.call('GET', KEYS[2]) or '0')
 if ARGV[2] ~= '' and tonumber(ARGV[2]) ~= cur then return -cur - 1 end
@@ -203,9 +228,11 @@ local top_d = cjson.decode(string.sub(top, string.find(top, "\\n", 1, true) + 1)
 local prev = redis.call('LINDEX', KEYS[1], 0)
 local nl = string.find(prev, "\\n", 1, true)
 local body = string.sub(prev, nl + 1)
+if ARGV[3] ~= '' then body = ARGV[3] end
 local d = cjson.decode(body)
 d['source'] = 'rollback'
-d['file_digest'] = top_d['file_digest'] or ''
+if ARGV[3] == '' then d['file_digest'] = top_d['file_digest'] or '' end
+if ARGV[4] ~= '' then d['digest'] = ARGV[4] end
 body = cjson.encode(d)
 local v = redis.call('INCR', KEYS[2])
 redis.call('LSET', KEYS[1], 0, v .. "\\n" .. body)
@@ -243,7 +270,8 @@ class RedisLedger:
         """As ``MemoryLedger.push``, atomically on Redis."""
         keys = self.keys + ([guard.key] if guard is not None else [])
         v = int(await self._push(keys=keys, args=[state.to_json(), state.digest, self.keep, KEY_TTL_S,
-                                                  "" if base is None else base, "" if guard is None else guard.rev]))
+                                                  "" if base is None else base, "" if guard is None else guard.rev,
+                                                  state.file_digest, json.dumps(state.owners)]))
         if v == 0:
             raise GuardFailed(guard.key)
         if v < 0:
@@ -251,9 +279,12 @@ class RedisLedger:
         state.version = v
         return v
 
-    async def rollback(self, base: int | None = None) -> ConfigState:
+    async def rollback(self, base: int | None = None, replace: ConfigState | None = None) -> ConfigState:
         """As ``MemoryLedger.rollback``, atomically on Redis."""
-        entry = await self._rollback(keys=self.keys, args=[KEY_TTL_S, "" if base is None else base])
+        args = [KEY_TTL_S, "" if base is None else base, "", ""]
+        if replace is not None:
+            args[2:] = [replace.to_json(), replace.digest]
+        entry = await self._rollback(keys=self.keys, args=args)
         if isinstance(entry, int) and entry < 0:
             raise VersionConflict(base, -entry - 1)
         if not entry:

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.billing.prices import NANO
 from gateway.billing.usage import Budget, tenant_label
 from gateway.config.layers import RolloutConflict
+from gateway.config.status import describe
 from gateway.config.versions import VersionConflict
 from gateway.errors import ClientError
 from gateway.http.transport import read_body
@@ -116,7 +117,7 @@ async def admin_drain(request: Request) -> Response:
 
 @get("/admin/config")
 async def admin_config(request: Request) -> Response:
-    return _json(await _gw(request).describe())
+    return _json(await describe(_gw(request)))
 
 
 @get("/admin/usage", include_in_schema=False)

@@ -38,7 +38,7 @@ import logging
 import time
 import uuid
 
-from gateway.config.layers import holder
+from gateway.config.layers import ENDED_STATES, holder
 from gateway.config.schema import ConfigError, RolloutConfig
 from gateway.config.versions import GuardFailed, VersionConflict
 from gateway.rollouts.gates import all_hold, failing, judge
@@ -232,7 +232,8 @@ class RolloutController:
         return new
 
     async def _apply_weight(self, r: dict, force: bool = False) -> None:
-        """Set the route's candidate and baseline weights to the rollout's (when ``force`` or they differ)."""
+        """Set the route's candidate and baseline weights to the rollout's (when ``force`` or they differ); a rollout
+        that ended (aborted, rolled back) leaves no override where its split is the file's."""
         route = self.gw.snapshot.compiled.policy.routes.get(r["route"])
         if route is None:
             return
@@ -244,7 +245,8 @@ class RolloutController:
         for _ in range(3):
             try:
                 await self.gw.set_weights(r["route"], want, rebase=True, rollout=r["name"],
-                                          guard=self.store.guard(r["name"], r["rev"]))
+                                          guard=self.store.guard(r["name"], r["rev"]),
+                                          ended=r["state"] in ENDED_STATES)
                 return
             except VersionConflict:
                 continue

@@ -5,6 +5,7 @@ route cards. A backend without its key got "50 %" and a closed breaker on the ca
 from __future__ import annotations
 
 from gateway.config.compile import load_config_text
+from gateway.config.status import describe
 from gateway.runtime import Gateway
 
 TEXT = """reload: {watch: false}
@@ -38,7 +39,7 @@ async def test_an_unavailable_backends_share_goes_to_the_routes_other_targets(mo
     gw = Gateway(None, load_config_text(TEXT), start_engine=False)
     await gw.start()
     try:
-        routes = (await gw.describe())["routes"]
+        routes = (await describe(gw))["routes"]
     finally:
         await gw.stop()
     main = {t["id"]: t for t in routes["main"]["targets"]}

@@ -1,0 +1,64 @@
+"""What a version rollback returns to: the previous version, less the splits of rollouts that have ended.
+
+A rollback undoes a config change (the file's, an operator's), not a rollout (docs/operators/desired-state.md). The
+previous version may hold, on a route, the split of a rollout that has ended since (aborted, rolled back by its
+gates): returned to as stored, its candidate would get traffic again although its rollout is over. Such a route
+keeps the weights it has now (the head's override of it, or none), and the rollback's answer says so.
+"""
+
+from __future__ import annotations
+
+from gateway.config.compile import load_config_text
+from gateway.config.layers import RolloutConflict, ended_owner, orphaned, route_weights
+from gateway.config.versions import ConfigState
+
+
+def _fmt(weights: dict[str, float] | None) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in weights.items()) if weights else "the file's weights"
+
+
+def without_ended(head: ConfigState, prev: ConfigState, rollouts: list[dict]) -> tuple[ConfigState | None, list[str]]:
+    """The state a rollback from ``head`` to ``prev`` installs, and one warning per route it kept.
+
+    Args:
+        head: the version the rollback undoes (the ledger's head).
+        prev: the version before it.
+        rollouts: every rollout (the store's dicts).
+
+    Returns:
+        (None, []) when ``prev`` holds no ended rollout's split (the ledger installs it as stored); else
+        ``prev`` with those routes' overrides and owners taken from ``head`` (``file_digest``: the head's, the file
+        last applied), and a warning naming each route and rollout.
+    """
+    overrides, owners = {r: dict(w) for r, w in prev.overrides.items()}, dict(prev.owners)
+    warnings = []
+    for route in sorted(prev.owners):
+        r = ended_owner(rollouts, prev.owners, route)
+        if r is None or prev.overrides.get(route) == head.overrides.get(route):
+            continue
+        overrides.pop(route, None)
+        owners.pop(route, None)
+        if route in head.overrides:
+            overrides[route] = dict(head.overrides[route])
+        if route in head.owners:
+            owners[route] = head.owners[route]
+        warnings.append(f"route {route}: the version rolled back to holds rollout {r['name']}'s split "
+                        f"({_fmt(prev.overrides.get(route))}), which is not brought back: the rollout is "
+                        f"{r['state']}; the route keeps {_fmt(head.overrides.get(route))}")
+    if not warnings:
+        return None, []
+    return ConfigState(prev.text, overrides, "rollback", created=prev.created, file_digest=head.file_digest,
+                       owners=owners), warnings
+
+
+def returns_to(head: ConfigState, prev: ConfigState, rollouts: list[dict]) -> tuple[ConfigState | None, list[str]]:
+    """``without_ended`` of a rollback from ``head`` to ``prev``, after checking that ``prev`` orphans no rollout
+    (removes a target one in ``HOLDING_STATES`` steers: refused, as such a reload is; the rollout is ended first).
+
+    Raises:
+        RolloutConflict: ``prev`` would orphan a rollout (naming it)."""
+    problems = orphaned(route_weights(load_config_text(prev.text, {}).policy), rollouts, "the version it returns to")
+    if problems:
+        raise RolloutConflict(problems, ". End it first (tandem ctl rollout abort NAME, or release NAME when "
+                                        "promoted), then roll back")
+    return without_ended(head, prev, rollouts)

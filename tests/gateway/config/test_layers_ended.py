@@ -1,0 +1,154 @@
+"""What a rollout leaves when it ends, and the file digest the watcher compares (a new user's trial on
+config.example.yaml, each reproduced there 2-3 times): an aborted rollout's weights shown as an operator's override
+that a reload kept; a ``ctl rollback`` after an abort bringing the aborted canary back; a saved edit never applied
+by the watcher after a no-change reload and a rollout; a no-change reload relabelling the running version. Real
+parts: gateways in this process reading a config file on disk, the admin API over HTTP, the versions in process and
+on a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+
+import pytest
+
+from gateway.config.layers import reapply
+from gateway.config.versions import text_digest
+from tests.gateway.config.test_layers import served, text, weights
+from tests.gateway.fault_upstream import FaultUpstream
+from tests.gateway.rollouts.conftest import ADMIN_TOKEN
+
+START = {"name": "r1", "route": "ro", "candidate": "cand", "steps": [5, 100], "hold_s": 30,
+         "check_interval_s": 0.05, "gates": {"min_compared": 1000}}
+
+
+@pytest.fixture(autouse=True)
+def _token(monkeypatch):
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", ADMIN_TOKEN)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def state(request) -> str:
+    """The config lines that put the versions and rollouts in process, or on a real Redis (a fresh prefix)."""
+    if request.param == "memory":
+        return ""
+    url = request.getfixturevalue("redis_url")
+    return f"state: {{redis_url: '{url}', key_prefix: e{uuid.uuid4().hex[:8]}, sync_interval_s: 0.05}}\n"
+
+
+@contextlib.contextmanager
+def upstreams():
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        yield stable, cand
+
+
+async def eventually(pred, timeout: float = 20.0) -> bool:
+    """Whether ``pred()`` turns true within ``timeout`` seconds (the file watcher polls every 0.05 s)."""
+    end = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        if asyncio.get_running_loop().time() > end:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def test_an_aborted_rollout_leaves_the_file_deciding_its_route(tmp_path, state):
+    """Abort put the route back at the file's weights, but as an override shown ``[operator]`` (no operator set
+    it), which a reload with the same file kept: the route is the file's again, no override left."""
+    with upstreams() as (stable, cand):
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand, rollout=state))
+        async with served(path) as (gw, c):
+            assert (await c.post("/admin/rollouts", json=START)).status_code == 201
+            assert weights(gw) == {"stable": 95.0, "cand": 5.0}
+            assert (await c.post("/admin/rollouts/r1/abort")).status_code == 200
+            after_abort = (await c.get("/admin/config")).json()
+            reload = (await c.post("/admin/reload")).json()
+    assert weights(gw) == {"stable": 100.0, "cand": 0.0}
+    assert after_abort["layers"]["ro"]["decided_by"] == "file", after_abort["layers"]["ro"]
+    assert "ro" not in after_abort["overrides"] and after_abort["file"]["status"] == "in sync"
+    assert reload["layers"]["ro"]["decided_by"] == "file", reload["layers"]["ro"]
+
+
+def test_a_split_an_ended_rollout_left_is_labelled_as_its_own_and_goes_when_the_file_says_the_same():
+    """A gate rollback to 5 % leaves an override that is the rollout's (``owners``), not an operator's; a reload
+    whose file says 95/5 drops it, one that left the route alone keeps it under the rollout's name."""
+    file = {"ro": {"A": 100.0, "B": 0.0}}
+    left = {"ro": {"B": 5.0, "A": 95.0}}
+    rolled_back = {"name": "r1", "route": "ro", "candidate": "B", "baseline": "A", "state": "rolled_back",
+                   "weight": 5.0}
+    kept = reapply(file, file, left, [rolled_back], set(), owners={"ro": "r1"})
+    same = reapply(file, {"ro": {"A": 95.0, "B": 5.0}}, left, [rolled_back], set(), owners={"ro": "r1"})
+    assert kept.routes["ro"]["decided_by"] == "rollout r1 (rolled_back)" and kept.overrides == left
+    assert "rollout r1 (rolled_back) holds B 5, A 95" in kept.routes["ro"]["note"] and kept.owners == {"ro": "r1"}
+    assert same.overrides == {} and same.routes.get("ro", {}).get("decided_by", "file") == "file"
+    operator = reapply(file, file, left, [rolled_back], set())          # set by hand: still the operator's
+    assert operator.routes["ro"]["decided_by"] == "operator"
+
+
+async def test_a_rollback_after_an_abort_does_not_bring_the_canary_back(tmp_path, state):
+    """``ctl rollback`` right after an abort returned to the version with the aborted rollout's 5 % split: its
+    candidate got traffic again. The rollback undoes config changes, not the rollout's end: the route keeps the
+    weights it has, and the answer says so."""
+    with upstreams() as (stable, cand):
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand, rollout=state))
+        async with served(path) as (gw, c):
+            assert (await c.post("/admin/rollouts", json=START)).status_code == 201
+            assert (await c.post("/admin/rollouts/r1/abort")).status_code == 200
+            back = await c.post("/admin/rollback", json={})
+            layer = (await c.get("/admin/config")).json()["layers"]["ro"]
+            head = await gw.ledger.head()
+    assert back.status_code == 200, back.text
+    assert weights(gw) == {"stable": 100.0, "cand": 0.0} and head.overrides.get("ro") is None
+    assert any("rollout r1's split (cand 5, stable 95), which is not brought back: the rollout is aborted" in w
+               for w in back.json()["warnings"]), back.json()["warnings"]
+    assert layer["decided_by"] != "operator", layer
+
+
+async def test_an_edit_back_to_the_text_last_applied_is_applied_after_a_rollback_and_a_rollout(tmp_path, state):
+    """The trial's sequence: the file applied at 100/0 (its text ``b``), ``ctl rollback`` (to ``a``, 95/5), the
+    file put back to ``a`` (the watcher: no change), ``ctl reload``, a rollout started and paused, the file edited to
+    ``b``: never applied. The no-change pushes left ``b``'s digest on the shared head, the rollout's push carried
+    it back, and the watcher took the edit for a touch."""
+    with upstreams() as (stable, cand):
+        path = tmp_path / "c.yaml"
+        watch = "reload: {watch: true, poll_interval_s: 0.05}\n"
+        a = text(stable, cand, rollout=state).replace("reload: {watch: false}\n", watch)
+        a = a.replace("weight: 100}, {backend: cand, weight: 0}", "weight: 95}, {backend: cand, weight: 5}")
+        b = text(stable, cand, rollout=state).replace("reload: {watch: false}\n", watch)
+        path.write_text(a)
+        async with served(path) as (gw, c):
+            path.write_text(b)
+            assert await eventually(lambda: gw.snapshot.compiled.text == b)
+            assert (await c.post("/admin/rollback", json={})).status_code == 200
+            path.write_text(a)                                            # git checkout
+            version = gw.snapshot.version
+            assert await eventually(lambda: gw.file_digest == text_digest(a))   # the watcher read it
+            assert (await c.post("/admin/reload")).status_code == 200
+            assert gw.snapshot.version == version
+            assert (await c.post("/admin/rollouts", json=START)).status_code == 201
+            assert (await c.post("/admin/rollouts/r1/pause")).status_code == 200
+            path.write_text(b)                                            # the README's sed
+            applied = await eventually(lambda: gw.snapshot.compiled.text == b)
+            status = (await c.get("/admin/config")).json()["file"]["status"]
+    assert applied, f"the edit was not applied: file {status!r}"
+
+
+async def test_a_reload_that_changes_nothing_keeps_the_versions_source(tmp_path, state):
+    """``ctl reload`` with nothing changed answered the same version with a new source ("11 (file)" became
+    "11 (admin)"): nothing was applied, so the running version's source stays."""
+    with upstreams() as (stable, cand):
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand, rollout=state))
+        async with served(path) as (gw, c):
+            await c.post("/admin/weights", json={"route": "other", "weights": {"stable": 50}})
+            before = (await c.get("/admin/config")).json()
+            again = (await c.post("/admin/weights", json={"route": "other", "weights": {"stable": 50}})).json()
+            reload = (await c.post("/admin/reload")).json()
+            path.write_text(path.read_text())
+            reload2 = (await c.post("/admin/reload")).json()
+    assert (before["version"], before["source"]) == (2, "weights")
+    for answer in (again, reload, reload2):
+        assert (answer["version"], answer["source"]) == (2, "weights"), answer
