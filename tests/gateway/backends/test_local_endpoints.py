@@ -67,7 +67,7 @@ async def test_local_embeddings_and_messages(tiny_model):
         with pytest.raises(anthropic.BadRequestError) as e:   # the local engine takes no images
             await claude.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": [
                 {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
-        assert "image_url" in e.value.body["error"]["message"]
+        assert "messages.0.content.0: content block type 'image' is not supported" in e.value.body["error"]["message"]
         recs = await records(gw, 4)
         assert all(not x.estimated for x in recs.values())
         assert sorted(x.completion_tokens for x in recs.values()) == [0, 0, 6, 6]
