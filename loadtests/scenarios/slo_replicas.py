@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     figures = judge(sent, probes, args.slo_ms / 1000.0, prices)
     rows = [[k, f["requests"], ", ".join(f"{b} {n}" for b, n in sorted(f["to"].items())), fmt(f["slo_met_pct"], ".1f"),
              fmt(f["usd_per_1000"], ".4f"), f["a_replica_met"], f["right_replica"], fmt(f["right_replica_pct"], ".1f"),
-             f["missed_saving"]] for k, f in figures.items()]
+             f["missed_saving"]] for k, f in sorted(figures.items(), key=lambda kv: kv[0] == "all")]
     table = md_table(["phase", "requests", "sent to", f"TTFT <= {args.slo_ms:g} ms %", "USD / 1,000",
                       "a replica met it", "sent to one that did", "%", "upstream although one met"], rows)
     note = (f"{len(probes)} probes ({sum(p.ttft is not None and p.ttft <= args.slo_ms / 1000 for p in probes)} "
