@@ -44,6 +44,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self._sampling_params(req, len(r.prompts[0][1]), max_tokens=max_tokens, logprobs=logprobs,
                                        prompt_logprobs=req.prompt_logprobs, prompt_field="messages",
                                        structured_outputs=plan.structured_outputs)
+        _resume(req, plan, self.engine.tokenizer.vocab_size)   # refused here, so /v1/ttft refuses it too
         spec = await self._compile_grammar(plan)
         if spec is not None:
             params = dataclasses.replace(params, structured_outputs=spec)

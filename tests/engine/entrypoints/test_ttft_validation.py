@@ -1,7 +1,7 @@
 """``POST /v1/ttft`` validates a body with the function its endpoint uses (``prepare_chat`` /
 ``prepare_completion``): every body the endpoint refuses gets the same status and error here (issue 49: a 9,000-
 token prompt, prompt + max_tokens over the context, an unknown model, an invalid schema and ``logit_bias`` were
-answered 200 with a prediction)."""
+answered 200 with a prediction; a new-user trial: ``resume_token_ids`` chat refuses, too)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def tiny_model(tmp_path_factory):
     return save_byte_level_llama(tmp_path_factory.mktemp("tiny-ttft-validation"))
 
 
-def _refused_bodies(max_model_len: int) -> list[tuple[str, dict]]:
+def _refused_bodies(max_model_len: int, vocab: int) -> list[tuple[str, dict]]:
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
     comp = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
     schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nope"}}}
@@ -30,6 +30,9 @@ def _refused_bodies(max_model_len: int) -> list[tuple[str, dict]]:
         ("chat", {**chat, "model": "other"}),                                          # unknown model: 404
         ("chat", {**chat, "response_format": schema}),                                 # invalid schema
         ("chat", {**chat, "logit_bias": {"5": 1}}),
+        ("chat", {**chat, "stream": True, "resume_token_ids": [[-1]]}),                 # not a token id
+        ("chat", {**chat, "stream": True, "resume_token_ids": [[vocab]]}),              # past the vocabulary
+        ("chat", {**chat, "stream": True, "resume_token_ids": [[1], [2]]}),             # two lists, n=1
         ("completion", {**comp, "prompt": "x" * 9000}),
         ("completion", {**comp, "max_tokens": max_model_len}),
         ("completion", {**comp, "model": "other"}),
@@ -55,7 +58,7 @@ async def test_ttft_refuses_what_its_endpoint_refuses_with_the_same_error(tiny_m
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
             ok = await client.post("/v1/ttft", json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
             assert ok.status_code == 200 and ok.json()["ttft_s"] > 0
-            for kind, body in _refused_bodies(engine.max_model_len):
+            for kind, body in _refused_bodies(engine.max_model_len, engine.tokenizer.vocab_size):
                 path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
                 endpoint = await client.post(path, json=body)
                 predicted = await client.post("/v1/ttft", json=body)
