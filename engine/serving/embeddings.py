@@ -73,8 +73,13 @@ class OpenAIServingEmbedding(OpenAIServing):
         tok = self.engine.tokenizer
         prompts = [tok.encode(x, add_special_tokens=True) if isinstance(x, str) else x
                    for x in _inputs(body.get("input"))]
-        limit = self.engine.max_model_len
+        limit, vocab = self.engine.max_model_len, tok.vocab_size
         for i, ids in enumerate(prompts):
+            bad = next((t for t in ids if t >= vocab), None)   # _inputs took only ids >= 0
+            if bad is not None:   # past int64 the core's msgpack cannot even carry it
+                where = "input" if len(prompts) == 1 else f"input[{i}]"
+                raise ServingError(400, f"{where}: {bad} is not a token id of this model (ids are in [0, {vocab}))",
+                                   param="input")
             if len(ids) > limit:   # the core refuses it too, with no parameter named
                 where = "input" if len(prompts) == 1 else f"input[{i}]"
                 raise ServingError(400, f"This model's maximum context length is {limit} tokens. However, your "
