@@ -20,8 +20,10 @@ def may_end(spec) -> Callable[[str], bool] | None:
     An EBNF grammar's end cannot be told from the text here: its stop strings are always content."""
     if spec is None:
         return None
-    if spec.json is not None or spec.json_object:
-        return is_json
+    if spec.json is not None:
+        return _schema_valid(spec.json)
+    if spec.json_object:
+        return lambda text: isinstance(_value(text), dict)
     if spec.regex is not None:
         return lambda text: _fullmatch(spec.regex, text)
     if spec.choice is not None:
@@ -41,6 +43,34 @@ def is_json(text: str) -> bool:
     return True
 
 
+_NOT_JSON = object()
+
+
+def _value(text: str):
+    """The JSON value ``text`` holds whole, or ``_NOT_JSON``."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return _NOT_JSON
+
+
+def _schema_valid(schema) -> Callable[[str], bool]:
+    """A JSON schema's grammar may end where the text is one whole JSON value that the schema accepts (the subset
+    check, ``engine/worker/json_schema_subset.py``, lets through only schemas the grammar enforces exactly): a
+    valid-JSON prefix such as ``1`` of ``123`` under ``{"enum": [123, 456]}`` is not an end."""
+    import jsonschema  # lazy: only constrained requests with stop strings reach here
+
+    try:
+        validator = jsonschema.Draft202012Validator(json.loads(schema) if isinstance(schema, str) else schema)
+    except (ValueError, jsonschema.SchemaError):
+        return is_json
+
+    def ends(text: str) -> bool:
+        value = _value(text)
+        return value is not _NOT_JSON and validator.is_valid(value)
+    return ends
+
+
 def _fullmatch(regex: str, text: str) -> bool:
     try:
         return re.fullmatch(regex, text) is not None
@@ -49,15 +79,39 @@ def _fullmatch(regex: str, text: str) -> bool:
 
 
 def _tags_closed(fmt: dict) -> Callable[[str], bool]:
-    """Tool calls (``chat_structured._tool_grammar``): the text may end outside a call, after at least one
-    call unless calls are optional (``triggered_tags``, tool_choice auto)."""
+    """Tool calls (``chat_structured._tool_grammar``): the text may end after whole calls only (each a tag's
+    begin, one whole JSON value, its end), at least one unless calls are optional (``triggered_tags``, tool_choice
+    auto), and not inside a call's begin: free text after the last call (``triggered_tags`` only) holds no
+    trigger, and a separator or a named call allows nothing after its calls. Counting begins and ends instead
+    let ``stop: [","]`` cut a second call inside its begin (``{"name": "f"`` before ``", "arguments"``)."""
     tags = fmt.get("tags") or [fmt]
-    begins = sorted({t["begin"] for t in tags})
-    ends = sorted({t["end"] for t in tags})
-    optional = fmt.get("type") == "triggered_tags" and not fmt.get("at_least_one")
+    ends = {t["begin"]: t["end"] for t in tags}
+    free = fmt.get("type") == "triggered_tags"
+    triggers = fmt.get("triggers") or []
+    optional = free and not fmt.get("at_least_one")
+    decoder = json.JSONDecoder()
 
     def closed(text: str) -> bool:
-        opened = sum(text.count(b) for b in begins)
-        done = sum(text.count(e) for e in ends)
-        return opened == done and (optional or done > 0)
+        pos, calls = 0, 0
+        while True:
+            found = [(i, b) for b in ends if (i := text.find(b, pos)) >= 0]
+            if not found:
+                break
+            i, begin = min(found)
+            if not free and text[pos:i].strip(fmt.get("separator") or "") and calls:
+                return False
+            try:
+                _, end = decoder.raw_decode(text, i + len(begin))
+            except ValueError:
+                return False            # inside a call's arguments
+            if not text.startswith(ends[begin], end):
+                return False            # the arguments whole, the call not closed yet
+            pos, calls = end + len(ends[begin]), calls + 1
+        tail = text[pos:]
+        if free:
+            if any(t in tail for t in triggers):
+                return False            # a call begun, its begin not whole yet
+        elif tail:
+            return False                # only another call may follow a separator; nothing a named call
+        return optional or calls > 0
     return closed

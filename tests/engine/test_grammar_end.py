@@ -44,6 +44,17 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "uni
     (StructuredOutputsParams(structural_tag=_tool_grammar(TOOLS, "auto", True)), "Hi: " + CALL, [":"],
      ("Hi", ":")),
     (None, '{"a": {"b": 1}}', ["}"], ('{"a": {"b": 1', "}")),
+    # a valid-JSON prefix the schema refuses is no end (a trial: "1" of 123, finish "length", schema_violation)
+    (StructuredOutputsParams(json={"enum": [123, 456]}), "123", ["2", "5"], ("123", None)),
+    (StructuredOutputsParams(json={"type": "integer", "minimum": 10, "maximum": 99}), "42 ", list("0123456789 "),
+     ("42", " ")),
+    (StructuredOutputsParams(json='{"type": "number", "minimum": 1.5, "maximum": 2}'), "1.75", ["."], ("1.75", None)),
+    (StructuredOutputsParams(json_object=True), '{"a": 1}', ["1"], ('{"a": 1}', None)),
+    # inside a second call's begin (before '", "arguments"'): not an end (a trial: the second call emptied)
+    (StructuredOutputsParams(structural_tag=_tool_grammar(TOOLS, "required", True)), CALL + "\n" + CALL, [","],
+     (CALL + "\n" + CALL, None)),
+    (StructuredOutputsParams(structural_tag=_tool_grammar(TOOLS, "auto", True)), "ok " + CALL + "\nmore, " + CALL,
+     [","], ("ok " + CALL + "\nmore", ",")),
 ])
 def test_a_stop_string_counts_only_where_the_grammar_may_end(spec, text, stop, expected):
     assert run(text, stop, spec) == expected
