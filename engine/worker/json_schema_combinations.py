@@ -16,6 +16,17 @@ and validates every sampled answer with ``jsonschema``):
 * number bounds with more than 6 decimals: xgrammar's numeric ranges stop at 6 decimals
   (``minimum: 1e-7`` wrote ``""``); exclusive number bounds past 1e9 (``exclusiveMinimum: 1e16`` wrote
   ``10000000000000000.000001``, which reads back as 1e16);
+* integer bounds the grammar cannot take (xgrammar refuses them with its own message, naming no path):
+  a fractional bound on ``type: integer`` is refused with the whole bound of the same meaning to write
+  instead (``minimum: 0.5`` is ``minimum: 1``, ``exclusiveMinimum: 2.5`` is ``minimum: 3``, ``maximum: 1.5``
+  is ``maximum: 1``; refused, not rewritten, so the grammar always enforces the schema as sent); beside
+  ``number`` in a type list, refused (split it with ``anyOf``); a bound on an integer beyond +-2^63 (int64:
+  the grammar cannot enforce it); bounds that leave no value (``minimum 0, exclusiveMaximum 0``), refused
+  as unsatisfiable;
+* ``pattern`` beside ``format``: the grammar applies one (``^[a-c]{1,3}$`` with ``email`` wrote an email);
+* ``minItems`` above the ``prefixItems`` count where ``items`` is absent or false: the grammar writes no
+  other item (strict, as absent ``additionalProperties``) and refuses the schema;
+* ``minProperties`` above the number of ``properties`` where no other key is allowed: unsatisfiable;
 * ``minProperties`` above the required count where keys outside ``properties`` are allowed: the grammar
   may repeat a key, so it cannot count distinct keys (``{"k1": 1, "k1": 2, "k1": 3}``);
 * a ``patternProperties`` regex that matches a name of ``properties`` (that key must satisfy both, the
@@ -26,6 +37,7 @@ and validates every sampled answer with ``jsonschema``):
 from __future__ import annotations
 
 import decimal
+import math
 import re
 
 APPLICATORS = ("$ref", "anyOf", "oneOf", "allOf")
@@ -43,6 +55,7 @@ MAX_DECIMALS = 6   # xgrammar's number ranges: a bound needing more digits is no
 # An exclusive number bound this large: the least value the grammar writes past it (bound + 1e-6) reads back
 # as the bound itself (a double's spacing there is over 2e-6), so the bound is not enforced.
 MAX_EXCLUSIVE_NUMBER = 1e9
+INT64_BOUND = 2 ** 63   # an integer bound outside [-2^63, 2^63): past xgrammar's int64
 
 
 def check_node_combination(node: dict, path: str, asserted: frozenset[str]) -> None:
@@ -61,9 +74,15 @@ def check_node_combination(node: dict, path: str, asserted: frozenset[str]) -> N
     _check_typed_keywords(node, path)
     _check_values_against_siblings(node, path)
     _check_number_precision(node, path)
+    _check_integer_bounds(node, path)
+    _check_empty_range(node, path)
     _check_key_counting(node, path)
+    _check_item_counting(node, path)
     _check_pattern_properties(node, path)
     _check_one_of(node, path)
+    if "pattern" in node and "format" in node:
+        raise ValueError(f"{path}.pattern: unsupported schema feature 'pattern' beside 'format' (the grammar "
+                         "applies only one of them)")
 
 
 def _check_applicators(node: dict, path: str, asserted: frozenset[str]) -> None:
@@ -135,15 +154,81 @@ def _check_number_precision(node: dict, path: str) -> None:
                                  "bound: use minimum/maximum)")
 
 
+def _whole_equivalent(key: str, value: float) -> str:
+    """The whole integer bound of the same meaning as a fractional ``key: value`` (e.g. ``minimum 3``)."""
+    low = key in ("minimum", "exclusiveMinimum")
+    return f"{'minimum' if low else 'maximum'} {math.ceil(value) if low else math.floor(value)}"
+
+
+def _check_integer_bounds(node: dict, path: str) -> None:
+    types = _types(node) or set()
+    if "integer" not in types:
+        return
+    for key in _BOUNDS:
+        if key not in node:
+            continue
+        value = node[key]
+        if not -INT64_BOUND <= value < INT64_BOUND:
+            raise ValueError(f"{path}.{key}: unsupported schema feature '{key}' {value!r} on an integer beyond "
+                             "+-2^63 (the grammar's integers are int64: it cannot enforce the bound)")
+        if float(value).is_integer():
+            continue
+        if "number" in types:
+            raise ValueError(f"{path}.{key}: unsupported schema feature '{key}' {value!r} (not whole) with both "
+                             "integer and number in type (the grammar takes only whole bounds on integers: "
+                             "split the types with anyOf)")
+        raise ValueError(f"{path}.{key}: unsupported schema feature '{key}' {value!r} (not whole) on an integer "
+                         f"(the grammar takes only whole bounds on integers: write {_whole_equivalent(key, value)}, "
+                         "the same meaning)")
+
+
+def _check_empty_range(node: dict, path: str) -> None:
+    """Bounds that leave no number (``minimum 0, exclusiveMaximum 0``) or no integer (``exclusiveMinimum 1,
+    exclusiveMaximum 2``): unsatisfiable (xgrammar refuses them as "Invalid range: empty range", no path)."""
+    lows = [k for k in ("minimum", "exclusiveMinimum") if k in node]
+    highs = [k for k in ("maximum", "exclusiveMaximum") if k in node]
+    types = _types(node) or set()
+    integer = "integer" in types and "number" not in types
+    for low in lows:
+        for high in highs:
+            lo, hi = node[low], node[high]
+            empty = lo > hi or (lo == hi and (low, high) != ("minimum", "maximum"))
+            if integer and float(lo).is_integer() and float(hi).is_integer():
+                whole_lo = int(lo) + (low == "exclusiveMinimum")
+                whole_hi = int(hi) - (high == "exclusiveMaximum")
+                empty = empty or whole_lo > whole_hi
+            if empty:
+                raise ValueError(f"{path}.{low}: invalid JSON schema: {low} {lo!r} and {high} {hi!r} leave no "
+                                 f"{'integer' if integer else 'number'} (no value can match)")
+
+
 def _extra_keys_allowed(node: dict) -> bool:
     """Keys outside ``properties`` may be written (absent ``additionalProperties`` means false: strict)."""
     extra = node.get("additionalProperties", False)
     return bool(node.get("patternProperties")) or extra is not False
 
 
+def _check_item_counting(node: dict, path: str) -> None:
+    low = node.get("minItems")
+    if low is None or node.get("items", False) is not False:
+        return
+    listed = len(node.get("prefixItems") or [])
+    if low > listed:
+        raise ValueError(f"{path}.minItems: unsupported schema feature 'minItems' {low} above the {listed} "
+                         "prefixItems where 'items' is absent or false (the grammar then writes no other item, "
+                         "as absent additionalProperties: give 'items' a schema)")
+
+
 def _check_key_counting(node: dict, path: str) -> None:
     low = node.get("minProperties")
-    if low is None or not _extra_keys_allowed(node):
+    if low is None:
+        return
+    if not _extra_keys_allowed(node):
+        listed = len(node.get("properties") or {})
+        if low > listed:
+            raise ValueError(f"{path}.minProperties: invalid JSON schema: minProperties {low} is more than the "
+                             f"{listed} properties an object may have (additionalProperties is false or absent: "
+                             "no value can match)")
         return
     required = len(set(node.get("required") or []))
     if low > required:

@@ -8,6 +8,12 @@ schema), ``ANNOTATIONS`` the keywords that constrain nothing. Validation
 (``check_json_schema``) and the docs' table (``markdown_table``, pinned by
 a test) both read these, so the promise and the check cannot drift apart.
 
+Integer bounds: a fractional bound on ``type: integer`` is refused, naming the whole bound of the same
+meaning to write instead (``minimum: 0.5`` is ``minimum: 1``; ``exclusiveMinimum: 2.5`` is ``minimum: 3``;
+``maximum: 1.5`` is ``maximum: 1``), not rewritten, so the grammar enforces the schema as sent; beside
+``number`` in a type list it is refused too, and a bound on an integer outside [-2^63, 2^63) (xgrammar's
+int64) likewise (``json_schema_combinations``).
+
 Anything outside the subset is refused with the keyword and its path
 (``response_format.json_schema.schema.properties.tags: unsupported schema
 feature 'contains' ...``) before any compile; anything inside is enforced
@@ -67,17 +73,19 @@ KEYWORDS: tuple[Keyword, ...] = (
     Keyword("patternProperties", "schema map", "object", "one regex, matching no name of properties; no lookaround, "
             "no backreference"),
     Keyword("minProperties", "count", "object", "at most the required count where other keys are allowed"),
-    Keyword("maxProperties", "count", "object"),
+    Keyword("maxProperties", "count", "object", "at least the required count"),
     Keyword("items", "schema or bool", "array"),
     Keyword("prefixItems", "schemas", "array"),
-    Keyword("minItems", "count", "array"),
+    Keyword("minItems", "count", "array", "at most the prefixItems count where items is absent or false"),
     Keyword("maxItems", "count", "array"),
     Keyword("minLength", "count", "string", "not beside pattern or format; string keywords need a type"),
     Keyword("maxLength", "count", "string", "not beside pattern or format"),
-    Keyword("pattern", "regex", "string", "no lookaround, no backreference; matched as a whole"),
+    Keyword("pattern", "regex", "string", "no lookaround, no backreference; matched as a whole; not beside "
+            "format"),
     Keyword("format", "format", "string", "email, uuid, ipv6 (xgrammar's date admits Sep 31, its ipv4 leading "
             "zeros: use a pattern)"),
-    Keyword("minimum", "number", "number", "number keywords need a type; bounds at most 6 decimals"),
+    Keyword("minimum", "number", "number", "number keywords need a type; bounds at most 6 decimals; on an integer "
+            "whole, within +-2^63"),
     Keyword("maximum", "number", "number"),
     Keyword("exclusiveMinimum", "number", "number"),
     Keyword("exclusiveMaximum", "number", "number"),
@@ -165,9 +173,24 @@ def _keyword_values(node: object, path: str, form: str, name: str | None = None)
 
 def _check_ref(root: object, ref: str, path: str) -> None:
     """A local ``$ref`` must point into the schema: ``#`` or a JSON pointer ``#/...`` (RFC 6901: ``~1`` is
-    ``/``, ``~0`` is ``~``; percent-escapes of the URI fragment decoded) that resolves."""
+    ``/``, ``~0`` is ``~``; percent-escapes of the URI fragment decoded) that resolves, and not only to
+    references that come back to it (``{"$ref": "#"}``: no schema content; a ``$ref`` has no sibling
+    assertion, ``check_node_combination``)."""
+    seen = []
+    node = _resolve(root, ref, path)
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str):
+        if ref in seen:
+            raise _invalid(path, f"reference {seen[0]!r} leads only to references back to itself "
+                                 f"({' -> '.join(seen + [ref])}): no schema content")
+        seen.append(ref)
+        ref = node["$ref"]
+        node = _resolve(root, ref, path)
+
+
+def _resolve(root: object, ref: str, path: str) -> object:
+    """The subschema ``ref`` points to (checked as ``_check_ref`` says)."""
     if ref == "#":
-        return
+        return root
     if not ref.startswith("#/"):
         raise ValueError(f"{path}: unsupported schema feature: reference {ref!r} (only '#' and JSON pointers "
                          "'#/...' into this schema)")
@@ -182,6 +205,7 @@ def _check_ref(root: object, ref: str, path: str) -> None:
             raise _invalid(path, f"reference {ref!r} points to nothing in this schema (no {part!r})")
     if not isinstance(node, (dict, bool)):
         raise _invalid(path, f"reference {ref!r} points to a {type(node).__name__}, not a schema")
+    return node
 
 
 def _invalid(path: str, problem: str) -> ValueError:
@@ -284,6 +308,9 @@ def _check_combination(node: dict, path: str) -> None:
             raise _invalid(f"{path}.{low}", f"{low} {node[low]!r} is greater than {high} {node[high]!r} "
                                             "(no value can match)")
     required = node.get("required") or []
+    if "maxProperties" in node and node["maxProperties"] < len(set(required)):
+        raise _invalid(f"{path}.maxProperties", f"maxProperties {node['maxProperties']!r} is less than the "
+                                               f"{len(set(required))} required properties (no value can match)")
     props = node.get("properties") or {}
     for name in required:
         if name not in props:

@@ -43,6 +43,24 @@ REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "app-teams" / "struct
     ({"type": "string", "format": "date"}, "schema.format", "format"),
     ({"type": "integer", "multipleOf": 3, "maximum": 30}, "schema.multipleOf", "maximum"),
     ({"type": "object", "nullable": True}, "schema", "nullable"),
+    # a new-user trial: xgrammar's own message, no keyword or path ("Integer constraint must be a whole number",
+    # "Integer exceeds maximum limit", "maxProperties is less than the number of required properties")
+    ({"type": "integer", "minimum": 0.5, "maximum": 1.5}, "schema.minimum", "write minimum 1"),
+    ({"type": "integer", "exclusiveMinimum": 2.5}, "schema.exclusiveMinimum", "write minimum 3"),
+    ({"type": "integer", "maximum": 1.5}, "schema.maximum", "write maximum 1"),
+    ({"type": ["integer", "number"], "minimum": 2.5}, "schema.minimum", "'minimum'"),
+    ({"type": "integer", "maximum": 1e20}, "schema.maximum", "'maximum'"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": -2 ** 64}}},
+     "schema.properties.n.minimum", "'minimum'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+      "maxProperties": 1}, "schema.maxProperties", "maxProperties 1 is less than the 2 required properties"),
+    # found by the property test once a compile refusal had to name a keyword: xgrammar's messages, no path
+    ({"type": "number", "minimum": 0, "exclusiveMaximum": 0}, "schema.minimum", "no value can match"),
+    ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "schema.exclusiveMinimum", "no integer"),
+    ({"type": "object", "minProperties": 1}, "schema.minProperties", "no value can match"),
+    ({"type": "array", "minItems": 1}, "schema.minItems", "'minItems'"),
+    ({"type": "string", "pattern": "^[a-c]{1,3}$", "format": "email"}, "schema.pattern", "'format'"),
+    ({"$ref": "#"}, "schema.$ref", "no schema content"),
 ])
 def test_outside_the_subset_is_refused_naming_the_keyword_and_its_path(schema, path, keyword):
     """Each of these got 200 and an output that broke the schema (``contains``, ``dependentSchemas``, a lookahead

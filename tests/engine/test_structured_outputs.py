@@ -92,7 +92,8 @@ def test_a_lower_bound_over_its_upper_bound_is_named_by_its_path(low, high, type
     with pytest.raises(ValueError, match=rf"^schema\.properties\.x\.{low}: invalid JSON schema: {low} 5 is "
                                          rf"greater than {high} 2"):
         check_json_schema({"type": "object", "properties": {"x": {"type": type_, low: 5, high: 2}}})
-    check_json_schema({"type": "object", "properties": {"x": {"type": type_, low: 2, high: 2}}})
+    room = {"array": {"items": {"type": "integer"}}, "object": {"properties": {"a": {}, "b": {}}}}.get(type_, {})
+    check_json_schema({"type": "object", "properties": {"x": {"type": type_, low: 2, high: 2, **room}}})
 
 
 def test_a_regex_the_compile_refuses_is_named_by_its_path():
