@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 import urllib.parse
 from dataclasses import dataclass
+from fractions import Fraction
 
 from engine.worker.json_schema_combinations import check_node_combination
 
@@ -298,6 +299,14 @@ def _check_combination(node: dict, path: str) -> None:
     if "multipleOf" in node and node.get("type") != "integer":
         raise ValueError(f"{path}.multipleOf: unsupported schema feature 'multipleOf' on a non-integer "
                          "(needs type: integer)")
+    step = node.get("multipleOf")
+    if isinstance(step, float) and not step.is_integer() and step > 0:
+        # the grammar ignores a fractional step on an integer: harmless when every integer is a multiple
+        # (0.5, 1e-7: p/q with p = 1), else the integers it allows are the multiples of p (1.5 = 3/2: of 3)
+        whole = Fraction(repr(step)).numerator
+        if whole != 1:
+            raise ValueError(f"{path}.multipleOf: unsupported schema feature 'multipleOf' {step!r} on an integer "
+                             f"(the grammar ignores a fractional step; write multipleOf {whole}, the same meaning)")
     bound = next((k for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in node), None)
     if "multipleOf" in node and bound is not None:
         raise ValueError(f"{path}.multipleOf: unsupported schema feature 'multipleOf' beside '{bound}' "

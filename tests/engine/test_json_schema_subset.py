@@ -42,6 +42,8 @@ REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "app-teams" / "struct
     ({"type": "string", "format": "credit-card"}, "schema.format", "format"),
     ({"type": "string", "format": "date"}, "schema.format", "format"),
     ({"type": "integer", "multipleOf": 3, "maximum": 30}, "schema.multipleOf", "maximum"),
+    # the grammar ignores a fractional step on an integer: 1.5 allows only the multiples of 3
+    ({"type": "integer", "multipleOf": 1.5}, "schema.multipleOf", "write multipleOf 3"),
     ({"type": "object", "nullable": True}, "schema", "nullable"),
     # a new-user trial: xgrammar's own message, no keyword or path ("Integer constraint must be a whole number",
     # "Integer exceeds maximum limit", "maxProperties is less than the number of required properties")
@@ -75,6 +77,7 @@ def test_inside_the_subset_passes_and_values_are_checked():
     check_json_schema(json.loads((Path(__file__).resolve().parents[1] / "data" / "json_schemas.json")
                                  .read_text())["nested_company"])
     check_json_schema({"type": "array", "uniqueItems": False, "title": "t", "description": "d"})
+    check_json_schema({"type": "integer", "multipleOf": 0.5})     # every integer is a multiple: harmless
     with pytest.raises(ValueError, match=r"^schema\.properties\.a\.minLength: invalid JSON schema"):
         check_json_schema({"properties": {"a": {"type": "string", "minLength": -1}}})
     with pytest.raises(ValueError, match=r"^schema\.type: invalid JSON schema"):
