@@ -9,29 +9,16 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.gateway.support import FaultInjectorUpstream, gateway_on, upstream_config
+from tests.gateway.support import gateway_on, upstream_config
 
 ROUTES = "  main:\n    targets: [{backend: a}]\n"
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def upstream():
-    a = FaultInjectorUpstream("a").start()
-    yield a
-    a.stop()
-
-
-@pytest.fixture(scope="module")
 def gateway(upstream, tmp_path_factory):
     yield from gateway_on(tmp_path_factory, "refused-before-routing", upstream_config({"a": upstream}, ROUTES),
                           env={"TEST_UPSTREAM_KEY": "k"})
-
-
-@pytest.fixture()
-def client(gateway, upstream):
-    upstream.calls.clear()
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
 
 
 def _refused(call, param: str) -> dict:

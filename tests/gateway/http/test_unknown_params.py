@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.gateway.support import FaultInjectorUpstream, gateway_on, upstream_config
+from tests.gateway.support import gateway_on, upstream_config
 
 ROUTES = """  main:
     targets: [{backend: a}]
@@ -24,23 +24,10 @@ ENV = {"TEST_UPSTREAM_KEY": "k"}
 
 
 @pytest.fixture(scope="module")
-def upstream():
-    a = FaultInjectorUpstream("a").start()
-    yield a
-    a.stop()
-
-
-@pytest.fixture(scope="module")
 def gateway(upstream, tmp_path_factory):
     text = upstream_config({"a": upstream}, ROUTES, rules_yaml=RULES).replace(
         "  - name: m1\n    aliases: [alias1]\n", "  - name: m1\n    aliases: [alias1]\n    default_max_tokens: 9\n")
     yield from gateway_on(tmp_path_factory, "unknown-params", text, env=ENV)
-
-
-@pytest.fixture()
-def client(gateway, upstream):
-    upstream.calls.clear()
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
 
 
 MESSAGES = [{"role": "user", "content": "hi"}]
