@@ -315,14 +315,9 @@ class Gateway:
             raise self._unreachable(what, e) from None
 
     async def _down_warnings(self, snap: Snapshot) -> list[str]:
-        """Warnings for weight on backends the health probes or breakers find down now (``weights.down_share``);
-        none when that state cannot be read (the change is applied either way)."""
-        try:
-            status, _ = await self.resilience.status(snap.compiled.policy.routes, snap.backends)
-        except Exception as e:  # noqa: BLE001 -- Redis slow or down: a warning is not worth failing the change
-            log.info("backend health not read for the change's warnings: %s", e)
-            return []
-        down = {n: v["reason"] for n, v in status.items() if not v["available"]}
+        """Warnings for weight on backends the health probes or breakers find down now (``weights.down_share``)."""
+        found = await self.resilience.down_backends(snap.compiled.policy.routes, snap.backends) or {}
+        down = {n: why for n, (why, _) in found.items()}
         tried = frozenset(n for n, why in down.items() if why.startswith("last probe failed"))  # still routed to
         return [w for name, r in snap.compiled.policy.routes.items()
                 if (w := down_share(name, r, down, tried)) is not None and w not in snap.warnings]

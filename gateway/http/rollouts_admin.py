@@ -4,8 +4,6 @@ promote, abort), GET /admin/parity. The controller is ``gateway/rollouts/control
 
 from __future__ import annotations
 
-import logging
-
 import msgspec
 import pydantic
 from litestar import Request, Response, get, post
@@ -17,7 +15,6 @@ from gateway.rollouts.controller import ACTIONS, IllegalAction, RouteBusy
 from gateway.rollouts.spec import name_problem
 from gateway.rollouts.store import Conflict
 
-log = logging.getLogger("tandem.gateway.rollouts")
 
 
 @get("/admin/rollouts")
@@ -70,20 +67,15 @@ def name_taken(name: str, state: str | None) -> str:
 
 async def candidate_down(gw, name: str, spec: RolloutConfig) -> list[str]:
     """The warning for a rollout started onto a candidate whose backend the health probes or breakers find down
-    now (``ResilienceLayer.status``): its first step sends traffic there. [] when it is up or that state cannot be
+    now (``Resilience.down_backends``): its first step sends traffic there. [] when it is up or that state cannot be
     read (Redis slow or down: the rollout is started either way)."""
     snap = gw.snapshot
-    try:
-        backends, targets = await gw.resilience.status(snap.compiled.policy.routes, snap.backends)
-    except Exception as e:  # noqa: BLE001 -- a warning is not worth failing the start
-        log.info("backend health not read for rollout %s's warnings: %s", name, e)
-        return []
-    backend = (targets.get(spec.candidate) or {}).get("backend")
-    state = backends.get(backend) if backend else None
-    if state is None or state["available"]:
+    down = await gw.resilience.down_backends(snap.compiled.policy.routes, snap.backends) or {}
+    backend, reason = next(((b, why) for b, (why, ids) in down.items() if spec.candidate in ids), (None, None))
+    if backend is None:
         return []
     return [f"rollouts.{name}: its candidate {spec.candidate!r} is on backend {backend!r}, found down now "
-            f"({state['reason']}); the first step sends {spec.steps[0]:g} % of route {spec.route!r} there: those "
+            f"({reason}); the first step sends {spec.steps[0]:g} % of route {spec.route!r} there: those "
             "requests fail over while it stays down, and the gates judge the candidate on those failures"]
 
 

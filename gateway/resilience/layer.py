@@ -136,6 +136,17 @@ class Resilience:
             out[name] = {"available": b.available and reason == b.unavailable_reason, "reason": reason}
         return out, targets
 
+    async def down_backends(self, routes: dict, backends: dict) -> dict[str, tuple[str, tuple[str, ...]]] | None:
+        """The backends ``status`` finds unavailable now: name -> (why, the target ids on it); None when that
+        state cannot be read (Redis slow or down: a change's warnings are not worth failing it)."""
+        try:
+            status, targets = await self.status(routes, backends)
+        except Exception as e:  # noqa: BLE001
+            log.info("backend health not read for a change's warnings: %s", e)
+            return None
+        return {n: (v["reason"], tuple(t for t, tv in targets.items() if tv["backend"] == n))
+                for n, v in status.items() if not v["available"]}
+
     @staticmethod
     def routes_serving(routes: dict, backends: dict, targets: dict) -> list[str]:
         """The routes that can serve now, from ``status``'s answer: those with a target or fallback whose backend
