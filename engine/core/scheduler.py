@@ -19,10 +19,7 @@ request its next ``num_new_tokens`` (1 for a decode, a chunk for a prefill):
 A pooling request (an embedding) is a prompt like any other: prefilled in
 chunks under the same budget, in steps shared with decoding rows, so that no
 request's forward pass is longer than a step; it samples nothing and finishes
-when its prompt is computed. Beside generation work its chunks are sized by
-their cost, attention over their context included (``engine/core/step_cost.py``),
-and deep in a long input carried through part of the layers per step
-(``ScheduledRequest.layers``; preempted by recompute, such a chunk starts over).
+when its prompt is computed. How chunks are sized: ``engine/core/chunking.py``.
 
 Parallel sampling (vLLM v0's ``SequenceGroup`` fork): the leader of a
 ``ForkGroup`` (its first unfinished member) prefills ``prompt_len - 1``
@@ -38,21 +35,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from engine.core.chunking import drop_layer_chunk, layer_pass_midway, next_chunk, spec_tokens
 from engine.core.kv_cache_manager import KVCacheManager, cdiv
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.core.step_cost import PoolingBudget, StepAllowance
-
-
-def chunk_tokens(num_new: int, budget: int, max_num_batched_tokens: int, enable_chunked_prefill: bool) -> int:
-    """Tokens a step schedules of a request's ``num_new`` next tokens with ``budget`` tokens of the step left:
-    all, a chunk (chunked prefill, or a sequence that could never fit in one step), or 0 (wait). The one rule
-    both the scheduler and the TTFT simulation (``engine/core/ttft_sim.py``) follow."""
-    if num_new <= budget:
-        return num_new
-    if enable_chunked_prefill or num_new > max_num_batched_tokens:
-        return budget
-    return 0
+from engine.core.stop_check import check_stop
 
 
 class Scheduler:
@@ -217,13 +205,7 @@ class Scheduler:
         req.finished_time = time.monotonic()
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
-        self._drop_layer_chunk(req)
-
-    def _drop_layer_chunk(self, req: Request) -> None:
-        """Forget ``req``'s chunk in flight through part of the layers (finished, or preempted by recompute)."""
-        if req.num_computed_layers:
-            self._dropped.add(req.request_id)
-        req.num_computed_layers = req.layer_chunk_tokens = 0
+        drop_layer_chunk(req, self._dropped)
 
     # -- helpers ------------------------------------------------------------
     def _key(self, req: Request) -> tuple:
@@ -248,16 +230,9 @@ class Scheduler:
         return sum(1 for m in req.group.members if not m.is_finished) if self._unforked(req) else 1
 
     def _chunk(self, req: Request, computed: int, budget: int) -> tuple[int, tuple[int, int] | None]:
-        """(tokens to schedule of ``req`` past ``computed`` under ``budget`` and, for a pooling chunk, the step's
-        allowance, the layers they run through: None for all) (``chunk_tokens``, ``StepAllowance``)."""
-        need = self._target_len(req) - computed
-        pooling = req.pooling_params is not None
-        split = self._allowance.split(pooling, computed, min(budget, need), req.num_computed_layers,
-                                      req.layer_chunk_tokens)
-        if split is not None:
-            return split
-        budget = self._allowance.limit(pooling, computed, budget)
-        return chunk_tokens(need, budget, self.max_num_batched_tokens, self.enable_chunked_prefill), None
+        """(tokens of ``req`` past ``computed`` to schedule under ``budget``, their layers) (``next_chunk``)."""
+        return next_chunk(self._allowance, req, computed, self._target_len(req) - computed, budget,
+                          self.max_num_batched_tokens, self.enable_chunked_prefill)
 
     def _fork(self, leader: Request) -> None:
         """Share the leader's block table with every unfinished sibling and
@@ -288,19 +263,10 @@ class Scheduler:
         else:
             kv.free(victim)
             victim.num_computed_tokens = 0
-            self._drop_layer_chunk(victim)
+            drop_layer_chunk(victim, self._dropped)
             victim.status = RequestStatus.PREEMPTED
             self.waiting.insert(0, victim)
         out.preempted.append(victim)
-
-    def _spec_tokens(self, req: Request, num_new: int, budget: int) -> list[int]:
-        """The request's proposals that ride along this step (speculative
-        decoding): only after a whole decode of its known tokens, as many as
-        the budget and ``max_model_len`` leave room for."""
-        if not req.spec_token_ids or req.num_computed_tokens + num_new != req.num_tokens:
-            return []
-        room = min(budget - num_new, self.max_model_len - req.num_tokens)
-        return req.spec_token_ids[:max(room, 0)]
 
     def _schedule_one(self, out: SchedulerOutput, req: Request, num_new: int, spec: list[int] | None = None,
                       layers: tuple[int, int] | None = None) -> None:
@@ -353,9 +319,8 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             if fork_now:
-                # The leader holds exactly prompt_len - 1 tokens (all
-                # cached, or none for a 1-token prompt): fork now; every
-                # member computes its last prompt token from next step.
+                # The leader holds exactly prompt_len - 1 tokens (all cached, or none for a 1-token prompt):
+                # fork now; every member computes its last prompt token from next step.
                 self._fork(req)
                 continue
             self._schedule_one(out, req, num_new, layers=layers)
@@ -389,7 +354,7 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            spec = self._spec_tokens(req, num_new, budget)
+            spec = spec_tokens(req, num_new, budget, self.max_model_len)
             if spec and kv.allocate_slots(req, num_new + len(spec)):
                 self._schedule_one(out, req, num_new + len(spec), spec)
                 budget -= num_new + len(spec)
@@ -474,12 +439,8 @@ class Scheduler:
             if req.is_finished or req.status != RequestStatus.RUNNING:
                 continue  # aborted after schedule()
             assert req.num_computed_tokens == sr.num_computed_tokens, req.request_id
-            if sr.layers is not None:   # a chunk through part of the layers: computed after its last one
-                midway = sr.layers[1] < self.pooling_budget.num_layers
-                req.num_computed_layers = sr.layers[1] if midway else 0
-                req.layer_chunk_tokens = sr.num_new_tokens if midway else 0
-                if midway:
-                    continue
+            if sr.layers is not None and layer_pass_midway(req, sr, self.pooling_budget.num_layers):
+                continue   # a chunk through part of the layers: computed after its last one
             tokens: list[int] = []
             if sr.sample:
                 if req.request_id not in sampled:
@@ -491,7 +452,7 @@ class Scheduler:
             status = reason = None
             for token in tokens:
                 req.append_output_token_ids(token)
-                status, reason = self._check_stop(req, token, req.request_id in not_stops)
+                status, reason = check_stop(req, token, self.max_model_len, req.request_id in not_stops)
                 if status is not None:
                     break
             # a stop among accepted proposals: what follows it is not the request's
@@ -512,17 +473,6 @@ class Scheduler:
                 self._finish(req, status, reason)
                 finished.append(req)
         return finished
-
-    def _check_stop(self, req: Request, token: int, content: bool = False) -> tuple[RequestStatus | None, int | None]:
-        params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED, None
-            if token in params.stop_token_ids and not content:
-                return RequestStatus.FINISHED_STOPPED, token
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH, None
-        return None, None
 
     # -- checks -------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.core.scheduler import chunk_tokens
+from engine.core.chunking import chunk_tokens
 from engine.core.step_cost import PoolingBudget, StepAllowance, attention_pairs
 
 # The kinds of a published sequence (``TTFTState.running_seqs`` / ``waiting_seqs``)
