@@ -13,88 +13,35 @@ vLLM v1's ``EngineCore`` / ``OutputProcessor`` split).
 It is driven by ``LLMEngine`` (offline, same thread) or by
 ``engine/core/core_loop.py`` (in a thread or in its own process, for
 ``AsyncEngine``). Not thread-safe, except ``compile_grammar`` and
-``submit_grammar``.
+``submit_grammar``. Its start-up (loading, KV pool and budget sizing) is
+``engine/core/core_setup.py``.
 """
 
 from __future__ import annotations
 
 import gc
-import logging
-import threading
 import time
 from collections.abc import Iterable
 
-from engine.config import DEFAULT_MODEL, EngineArgs, default_model_path
+from engine.config import EngineArgs
 from engine.core.core_messages import EngineCoreOutput, EngineStats
-from engine.worker.device import configure_core_threads, omp_places, omp_wait_policy, resolve_device, resolve_dtype
-from engine.worker.malloc_tuning import malloc_tuning
-from engine.fingerprint import numerics_of, system_fingerprint
 from engine.worker.grammar_compiler import grammar_limits
-from engine.model_loader import import_loader_modules, load_model
-from engine.worker.model_runner import ModelRunner, resident_bytes
-from engine.executor.multiproc_executor import rank_threads, start_driver
 from engine.distributed.parallel_state import RankFailure
 from engine.worker.step_inputs import STOP
 from engine.outputs import Logprob
 from engine.pooling import PoolingParams, model_pooling_params
-from engine.core.embed_calls import EmbedCalls
+from engine.core.core_setup import start_core
 from engine.core.request import ForkGroup, Request, RequestStatus
-from engine.worker.sampler import Sampler, prompt_logprobs
+from engine.worker.sampler import prompt_logprobs
 from engine.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
-from engine.core.step_cost import device_pairs_per_token, pooling_budget
 from engine.core.step_work import step_work
 from engine.worker.structured_outputs import StructuredOutputManager
 from engine.core.ttft import predict_waiting, state_of
-from engine.core import ttft_log
-from engine.core.ttft_calibration import TTFTCalibration
-from engine.kv_events import KVEventsConfig, ZmqEventPublisher, take_batch
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.draft_model import DraftModelProposer, load_draft_model
-from engine.spec_decode.ngram_proposer import NgramProposer
-from engine.spec_decode.proposing import SpecDecoder
+from engine.kv_events import take_batch
 from engine.spec_decode.rejection import sample_with_drafts
-
-logger = logging.getLogger("tandem.engine")
 
 # what a pooling request's sampling parameters are read for (prompt logprobs: none; nothing is sampled)
 _POOLING_SAMPLING = SamplingParams(max_tokens=1)
-
-# Token budget of one step with chunked prefill, by device. vLLM's online default (2048) on CUDA. On CPU a
-# 2048-token step of SmolLM2 takes ~1 s on 2 cores and holds every running stream and every prompt queued behind
-# it: at 512, MT-Bench at 32 streams (tandem loadtest run, 96 requests, 128 tokens) had TTFT p50 0.29-0.32x
-# that of 2048 (428-454 vs 1347-1564 ms) at the same output tok/s (1.02-1.08x), offline 64 x (100, 128) tok/s
-# 0.98-1.14x and a 2000-token prompt's prefill 0.98-1.00x the time (interleaved runs, 2-core box).
-_DEFAULT_CHUNKED_BUDGET = {"cpu": 512, "cuda": 2048}
-
-
-def _is_default_model(path: str) -> bool:
-    try:
-        return path == default_model_path()
-    except FileNotFoundError:
-        return False
-
-
-def _resolve_max_model_len(requested: int | None, model_max: int, kv_capacity: int) -> int:
-    """The context limit, tokens: the model's, capped by what the KV pool holds.
-
-    Raises:
-        ValueError: an explicit ``max_model_len`` larger than the model's or
-            than the KV pool (vLLM refuses to start in the same case).
-    """
-    if requested is None:
-        if kv_capacity < model_max:
-            logger.warning("max_model_len capped from %d to %d tokens: the KV pool holds no more "
-                           "(raise kv_cache_memory / gpu_memory_utilization for longer contexts)",
-                           model_max, kv_capacity)
-        return min(model_max, kv_capacity)
-    if requested > model_max:
-        raise ValueError(f"max_model_len {requested} exceeds the model's context of {model_max} tokens")
-    if requested > kv_capacity:
-        raise ValueError(
-            f"max_model_len {requested} needs more KV cache than the pool holds ({kv_capacity} tokens): "
-            "raise kv_cache_memory (CPU) or gpu_memory_utilization (CUDA), or lower max_model_len")
-    return requested
 
 
 class EngineCore:
@@ -109,112 +56,7 @@ class EngineCore:
     """
 
     def __init__(self, args: EngineArgs) -> None:
-        self.args = args
-        self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype)
-        self.executor, tp = None, None
-        if args.tensor_parallel_size > 1:
-            self.executor, tp = start_driver(args, self.device)
-            self.device = tp.device
-        if args.device != "cuda":
-            configure_core_threads(args.num_threads or rank_threads(args))
-        try:
-            self._load(args, tp)
-        except BaseException:
-            if self.executor is not None:
-                self.executor.kill()
-                tp.close()
-            raise
-
-    def _load(self, args: EngineArgs, tp) -> None:
-        """Load the model (this rank's part over several ranks), size the KV pool, build the runner; the
-        rest of ``__init__``."""
-        import_loader_modules()
-        rss = resident_bytes()
-        model, self.tokenizer, self.model_config = load_model(args, tp)
-        self.served_model_name = args.served_model_name or (
-            DEFAULT_MODEL if _is_default_model(args.model) else self.model_config.name)
-        self.system_fingerprint = system_fingerprint(args.model, numerics_of(args, self.device, self.dtype))
-        spec = SpeculativeConfig.parse(args.speculative_config)
-        draft = (load_draft_model(args, spec.model, self.tokenizer, self.model_config)
-                 if spec is not None and spec.method == "draft_model" else None)
-        num_blocks, num_cpu_blocks = ModelRunner.determine_num_blocks(
-            args, self.model_config, self.device, self.dtype, model.shard.num_kv_heads,
-            extra_block_bytes=0 if draft is None else ModelRunner.block_bytes(args, draft.config, self.dtype))
-        if tp is not None:  # every rank's pool has as many blocks: the fewest any rank has room for
-            num_blocks, num_cpu_blocks = tp.min_int(num_blocks), tp.min_int(num_cpu_blocks)
-        self.max_model_len = _resolve_max_model_len(
-            args.max_model_len, self.model_config.max_position_embeddings, (num_blocks - 1) * args.block_size)
-        self.model_runner = ModelRunner(args, model, self.model_config, self.device, self.dtype,
-                                        num_blocks, num_cpu_blocks, tp=tp)
-        # per rank: the loader's weight bytes, the KV pool, resident growth while loading (docs/engine/tensor-parallel.md)
-        self.rank_memory = tp.gather_object(self.model_runner.memory_report(rss)) if tp is not None else \
-            [self.model_runner.memory_report(rss)]
-        if tp is not None:
-            logger.info("tensor parallelism: per rank %s", ", ".join(
-                f"rank {m['rank']}: weights {m['weight_bytes'] / 2**20:.0f} MiB (resident "
-                f"{m['rss_weights_bytes'] / 2**20:.0f} MiB), KV pool {m['kv_bytes'] / 2**20:.0f} MiB"
-                for m in self.rank_memory))
-        if args.max_num_batched_tokens is not None:
-            budget = args.max_num_batched_tokens
-        elif args.enable_chunked_prefill:
-            # never below max_num_seqs: a step must hold one decode token of every running sequence
-            budget = max(_DEFAULT_CHUNKED_BUDGET.get(self.device.type, 2048), args.max_num_seqs)
-        else:
-            budget = max(self.max_model_len, 2048)
-        self.max_num_batched_tokens = budget
-        self.scheduler = Scheduler(
-            block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=budget, max_model_len=self.max_model_len,
-            enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-            scheduling_policy=args.scheduling_policy, num_cpu_blocks=num_cpu_blocks,
-            pooling_budget=pooling_budget(self.model_config, self.device.type, budget, split_layers=tp is None),
-        )
-        self.sampler = Sampler(self.model_config.vocab_size, self.device, seed=args.seed)
-        self.spec_decoder = None
-        if spec is not None:
-            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if draft is None else \
-                DraftModelProposer(ModelRunner(draft.args, draft.model, draft.config, self.device, self.dtype,
-                                               num_blocks), self.scheduler.kv_cache_manager)
-            self.spec_decoder = SpecDecoder(spec, self.max_model_len, proposer)
-        self._structured_outputs: StructuredOutputManager | None = None  # built on first use, or by the core process once ready
-        self._structured_outputs_lock = threading.Lock()
-        self.num_blocks = num_blocks
-        self._seqs: dict[str, Request] = {}  # sequence id -> its request
-        self._groups: dict[str, list[Request]] = {}  # client request id -> its sequences
-        self._prompt_logprobs: dict[str, list] = {}  # client request id -> prompt logprobs not yet sent
-        self.embed_calls = EmbedCalls()                 # add_embed calls: pooling requests, kept rows, vectors
-        self._prompt_tokens_total = 0
-        self._generation_tokens_total = 0
-        # step costs for TTFT predictions (engine/core/ttft.py), attention priced in token-equivalents as the
-        # scheduler prices pooling chunks
-        self.ttft_calibration = TTFTCalibration(
-            pairs_per_token=device_pairs_per_token(self.model_config, self.device.type))
-        self._requests_added = 0                     # add_request/add_embed calls, accepted or refused (engine/core/ttft.py)
-        self._last_step: tuple | None = None   # (start, prefill tokens, decode rows, quad_of its rows, chunks)
-        self._ttft_log = ttft_log.from_env()   # the steps timed, for replays ($TANDEM_TTFT_LOG_DIR; None: off)
-        self.scheduler.kv_cache_manager.block_pool.kv_events = []
-        kv_events = KVEventsConfig.parse(args.kv_events_config)   # vLLM's KV events for routers (engine/kv_events.py)
-        self.kv_event_publisher = ZmqEventPublisher(kv_events) if kv_events is not None else None
-        if self.kv_event_publisher is not None:
-            self.scheduler.kv_cache_manager.block_pool.kv_cache_events = []
-        # The objects built so far (the model, the tokenizer, torch's modules) live as long as the
-        # engine: freezing them keeps the cyclic GC from walking them on every collection during
-        # serving (4 % of a single stream's time in a profile; vLLM freezes its start-up heap too).
-        gc.collect()
-        gc.freeze()
-        self._log_ready(num_blocks, budget, spec)
-
-    def _log_ready(self, num_blocks: int, budget: int, spec) -> None:
-        """The start-up line operators read (and tests check): what was loaded and how it will run."""
-        logger.info(
-            "engine ready: model=%s device=%s dtype=%s blocks=%d block_size=%d max_model_len=%d "
-            "max_num_batched_tokens=%d tensor_parallel_size=%d speculative=%s omp_wait=%s omp_places=%s malloc=%s",
-            self.served_model_name, self.device, self.dtype, num_blocks, self.args.block_size, self.max_model_len,
-            budget, self.args.tensor_parallel_size,
-            "off" if spec is None else f"{spec.method} k={spec.num_speculative_tokens}",
-            omp_wait_policy(), omp_places(), malloc_tuning(),
-        )
+        start_core(self, args)
 
     # ------------------------------------------------------------------ input
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
