@@ -65,7 +65,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.min_tokens = params.min_tokens
         # A constrained answer's stop strings count only where its grammar may end (engine/grammar_end.py).
-        self._may_end = may_end(params.structured_outputs)
+        self._may_end = may_end(params.structured_outputs) if self.stop else None   # read only at a stop string
         self._num_tokens = 0  # output tokens decoded so far
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._ids: list[int] = context

@@ -98,8 +98,6 @@ def _tags_closed(fmt: dict) -> Callable[[str], bool]:
             if not found:
                 break
             i, begin = min(found)
-            if not free and text[pos:i].strip(fmt.get("separator") or "") and calls:
-                return False
             try:
                 _, end = decoder.raw_decode(text, i + len(begin))
             except ValueError:
