@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.resilience.attempts import _answer_head
 from tests.gateway.script_upstream import chunk, data, upstream  # noqa: F401 -- upstream: the module-scoped fixture
 from tests.gateway.support import GatewayProcess, gateway_on
 
@@ -150,3 +151,26 @@ def test_the_sdk_does_not_retry_what_the_gateway_already_retried(gateway, upstre
         client.chat.completions.create(model="m1", messages=MSG)
     assert exc.value.status_code == 502 and exc.value.response.headers["x-should-retry"] == "false"
     assert upstream.calls == 3
+
+
+@pytest.mark.parametrize("body", [
+    b'{"id":"a","usage":{"prompt_tokens":3,"completion_tokens":2},"choices":[]}',
+    b'{"error":{"message":"overloaded","code":503}}', b'{"error":null,"usage":null}', b'{"error":"",  "x":1}',
+    b'{"error":1,"error":0}', b'{"usage":{"n":123456789012345678901234567890}}', b'{"usage":{"t":NaN}}',
+    '{"usage":{"t":1}}'.encode("utf-16"), b'{"usage":"\xed\xa0\x80"}', b'[1]', b'"s"', b'{"a":', b'',
+    b'{"a":1} x', b'\xef\xbb\xbf{"a":1}',
+])
+def test_answer_head_reads_what_json_loads_reads(body):
+    """The attempt loop's fast read of a 2xx answer (msgspec, ``json.loads`` for what msgspec refuses) accepts
+    exactly what ``json.loads`` does and finds the same ``error`` and ``usage``."""
+    try:
+        obj = json.loads(body)
+        want = (obj.get("error"), obj.get("usage")) if isinstance(obj, dict) else ValueError
+    except ValueError:
+        want = ValueError
+    try:
+        head = _answer_head(body)
+        got = (head.error, head.usage)
+    except ValueError:
+        got = ValueError
+    assert repr(got) == repr(want)
