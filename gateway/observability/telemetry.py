@@ -229,23 +229,42 @@ class Observability:
 
     # -- the answer ------------------------------------------------------------------------------------------------
     async def finish(self, rec: RequestRecord, backend: str, status: int, content: bytes) -> bytes:
-        """A whole (non-streamed) answer is ready: account, log, end the span.
+        """A whole (non-streamed) answer is ready: read it (``_read_answer``), account, log, end the span.
+        Without a budget the accounting runs in a task, once the caller has sent the answer (nothing the client
+        sees next depends on it; ``stop`` waits for it); a budget's settle releases a reservation that the
+        tenant's next request is admitted against, so it is done before the answer is sent. The record is ended
+        here either way, so the HTTP layer's ``abandon`` leaves it alone.
         Returns ``content`` with any secret removed (error bodies may echo one)."""
         rec.backend = backend
         if status >= 400:
             content = self.redactor().bytes(content, [rec.client_token] if rec.client_token else [])
             rec.error = _error_code(content)
-        elif content:
-            try:
-                ans = decode_answer(content)
-                rec.usage, rec.response_model = ans.usage, ans.model
-                rec.finish_reasons = [c.finish_reason for c in ans.choices if c.finish_reason]
-                for c in ans.choices:    # counted when the backend gave no usage; logged with include_prompts
-                    rec.texts.setdefault(c.index, []).extend(choice_pieces(c))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                pass
-        await self._complete(rec, status)
+        if self._end(rec):
+            account = self._account_answer(rec, status, time.perf_counter() - rec.t0, content)
+            if rec.reservation is None and rec.budget is None:
+                self._spawn(account)
+            else:
+                await account
         return content
+
+    async def _account_answer(self, rec: RequestRecord, status: int, latency: float, content: bytes) -> None:
+        if status < 400 and content:
+            self._read_answer(rec, content)
+        await self._account(rec, status, latency)
+
+    @staticmethod
+    def _read_answer(rec: RequestRecord, content: bytes) -> None:
+        """Usage, model and finish reasons of a whole answer into ``rec``; its text too when the accounting
+        counts it (no usable usage) or the log line carries it (``include_prompts``)."""
+        try:
+            ans = decode_answer(content)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        rec.usage, rec.response_model = ans.usage, ans.model
+        rec.finish_reasons = [c.finish_reason for c in ans.choices if c.finish_reason]
+        if usage_tokens(ans.usage) is None or include_prompts(rec.snap):
+            for c in ans.choices:
+                rec.texts.setdefault(c.index, []).extend(choice_pieces(c))
 
     def stream(self, rec: RequestRecord, backend: str, it: ChatStream) -> ChatStream:
         """Wrap a committed stream: TTFT, usage and finish reasons from its events, redaction of error events;
@@ -352,13 +371,22 @@ class Observability:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 pass
 
-    async def _complete(self, rec: RequestRecord, status: int) -> None:
-        """The request ended with ``status``: settle its cost, meter, end its span, write its log line."""
+    def _end(self, rec: RequestRecord) -> bool:
+        """Mark ``rec`` ended; False when it already was (it is accounted once)."""
         if rec.finished:
-            return
+            return False
         rec.finished = True
         self._active.pop(rec.request_id, None)
-        latency = time.perf_counter() - rec.t0
+        return True
+
+    async def _complete(self, rec: RequestRecord, status: int) -> None:
+        """The request ended with ``status``: account it (``_account``) unless it already was."""
+        if self._end(rec):
+            await self._account(rec, status, time.perf_counter() - rec.t0)
+
+    async def _account(self, rec: RequestRecord, status: int, latency: float) -> None:
+        """Settle the cost of the request that ended with ``status`` after ``latency`` seconds, meter it, end its
+        span, write its log line."""
         # Billed: every answer a backend gave, and a request its client left while a backend worked on it.
         answered = rec.backend != "" and (status < 400 or rec.disconnected)
         tokens, estimated = usage_tokens(rec.usage), False

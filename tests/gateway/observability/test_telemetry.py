@@ -111,3 +111,23 @@ async def test_a_client_gone_after_a_failed_call_is_not_billed(gw):
     gw.obs.abandon(rec)
     await asyncio.wait(set(gw.obs._tasks))
     assert await gw.usage.records("t1") == {}
+
+
+async def test_a_whole_answer_is_accounted_once_after_its_finish(gw):
+    """Without a budget, ``finish`` ends the record at once and accounts it in a task (the answer is sent
+    meanwhile): the HTTP layer's ``abandon`` that follows (its ``finally``, before the send) neither bills it
+    again nor marks it disconnected, and the one record is the answer's own usage."""
+    rec, hook = _routed(gw, "whole")
+    body = json.dumps({"model": "m1", "choices": [], "usage": USAGE}).encode()
+
+    async def answered(_c):
+        return UpstreamResponse(200, {}, body)
+
+    await hook(answered)(CANDIDATE)
+    assert await gw.obs.finish(rec, "up", 200, body) == body
+    gw.obs.abandon(rec)
+    got = await _one_record(gw)
+    assert (got.backend, got.prompt_tokens, got.completion_tokens, got.estimated, got.disconnected) == (
+        "up", 20, 300, False, False)
+    await asyncio.wait(set(gw.obs._tasks) or {asyncio.ensure_future(asyncio.sleep(0))})
+    assert len(await gw.usage.records("t1")) == 1
