@@ -11,8 +11,11 @@ may answer differently: it changes with
   kernels' sources (``engine/``, ``kernels/``: ``.py``, ``.c``, ``.h``);
 - the numerics: device type, dtype, quantization, attention backend, batch
   invariance, torch's version, and on CPU the kernels' body (AVX512-BF16,
-  AVX2 or portable: ``kernels.cpu_linear.isa``; the AVX2 body's integer dots
-  on GGUF copies give other bits).
+  AVX2 or portable: ``kernels.cpu_linear.isa``: the bfloat16 linear layers
+  and attention give other bits on each) and the quantized copies'
+  arithmetic (integer dots on every x86 build, the same bits on AVX2 and
+  AVX-512; the dequantized bfloat16 values on the portable one:
+  ``kernels.cpu_linear.integer_copies``).
 
 Computed once by the engine core at start-up (``EngineCore.system_fingerprint``).
 """
@@ -89,5 +92,9 @@ def numerics_of(args, device, dtype) -> dict[str, object]:
             "load_format": args.load_format, "torch": torch.__version__,
             # the row-parallel sums are cut by the rank count: other N, other bits
             **({"tensor_parallel_size": args.tensor_parallel_size} if args.tensor_parallel_size > 1 else {}),
-            # the CPU kernels' body: the AVX2 body's integer dots on GGUF copies give other bits than AVX512-BF16's
-            "cpu_isa": cpu_linear.isa() if device.type == "cpu" else None}
+            # the CPU kernels' body: its bfloat16 linear layers and attention give their own bits
+            "cpu_isa": cpu_linear.isa() if device.type == "cpu" else None,
+            # the quantized copies' arithmetic: integer dots (one rule, the same bits on AVX2 and AVX-512) or
+            # the dequantized weights' bfloat16 bits (portable)
+            "cpu_quant": ("integer-dots" if cpu_linear.integer_copies() else "dequantized")
+            if device.type == "cpu" else None}

@@ -54,10 +54,11 @@ class LayerWeights:
             ``cpu_linear.PackedLinear`` or None.
         q4: per projection, its ``cpu_linear.PackedQ4Linear`` (4-bit GGUF or
             checkpoint, with its group size and input order) or None. A
-            projection needs one of the two; with both, calls of up to two
-            rows (``cpu_linear.COPY_MAX_ROWS``) read the 4-bit panels and
-            larger ones the bfloat16 panels (the same bits, fewer bytes or
-            less arithmetic).
+            projection needs one of the two; with both, the x86 builds read
+            the 4-bit panels for every call (integer dots:
+            ``cpu_linear.integer_copies``), the portable one for calls of up
+            to two rows (``cpu_linear.COPY_MAX_ROWS``; larger ones read the
+            bfloat16 panels: the same bits, fewer bytes or less arithmetic).
         qkv_bias: [q + 2 kv] float32, or None.
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads,
             head_dim] bfloat16, contiguous.

@@ -96,14 +96,15 @@ class PackedQ4Linear(_QuantPanels):
     """A 4-bit weight, w = d q + m per ``group`` inputs (GGUF Q4_0/Q4_1: 32;
     a GPTQ/AWQ/compressed-tensors checkpoint's own group): 4 bits per weight
     plus 4 bytes of scales per group (GGUF: 5 bits per weight; groups of 128:
-    4.25); the kernel computes with the bfloat16 values bf16((d * q) + m)
-    (Q4_0: bf16(d * (q - 8))), bitwise. codes: uint8 [ceil(out / 64) * 64 *
-    in / 2], two per byte; scales: float16 [ceil(out / 64), in / group, 2, 64]
-    (per panel of 64 outputs and group, d then m; Q4_0's m is -8 d). ``perm``
-    (int32 [in], or None): the codes' input j is the activations' column
-    perm[j] (GPTQ's act-order, gathered by the kernel). On the AVX2 body
-    (another code layout, the same sizes) it runs integer dot products on
-    8-bit-rounded inputs instead: its own bits (csrc/quant_int.h)."""
+    4.25). On x86 builds (:func:`integer_copies`) the kernel runs integer
+    dot products on 8-bit-rounded inputs (csrc/quant_int.h: the same bits on
+    AVX2 and AVX-512); on the portable build it computes with the bfloat16
+    values bf16((d * q) + m) (Q4_0: bf16(d * (q - 8))), bitwise. codes: uint8
+    [ceil(out / 64) * 64 * in / 2], two per byte, in the build's layout;
+    scales: float16 [ceil(out / 64), in / group, 2, 64] (per panel of 64
+    outputs and group, d then m; Q4_0's m is -8 d). ``perm`` (int32 [in], or
+    None): the codes' input j is the activations' column perm[j] (GPTQ's
+    act-order, gathered by the kernel)."""
 
     perm: torch.Tensor | None = None
 
@@ -116,12 +117,12 @@ class PackedQ4Linear(_QuantPanels):
 class PackedQ8Linear(_QuantPanels):
     """An 8-bit weight w = d q, q int8, one float32 d per output row and
     ``group`` inputs: a GGUF Q8_0 head's copy (float16 d per 32 inputs, read
-    by decode steps of up to :data:`COPY_MAX_ROWS` rows) or a compressed-tensors
-    W8A16 layer (its group, or a whole row per channel; any row count):
-    bitwise the bfloat16 kernel's results on bf16(d q), from 8-9 bits per
-    weight instead of 16. codes: int8 [ceil(out / 64) * 64 * in]; scales:
-    float32 [ceil(out / 64) * in / group * 64]. On the AVX2 body: integer dot
-    products on 8-bit-rounded inputs (csrc/quant_int.h)."""
+    by calls of up to :func:`copy_max_rows` rows) or a compressed-tensors
+    W8A16 layer (its group, or a whole row per channel; any row count), from
+    8-9 bits per weight instead of 16: integer dot products on 8-bit-rounded
+    inputs on x86 builds (csrc/quant_int.h), bitwise the bfloat16 kernel's
+    results on bf16(d q) on the portable one. codes: int8 [ceil(out / 64) *
+    64 * in]; scales: float32 [ceil(out / 64) * in / group * 64]."""
 
 
 @dataclass(frozen=True)
@@ -159,21 +160,45 @@ class PackedFP8Linear(_QuantPanels):
     [ceil(out / 64) * in / group * 64]."""
 
 
-# QUANT_COPY_MAX_ROWS of csrc/kernels.h: calls of up to this many rows read a weight's quantized copy
-# rather than its bfloat16 panels (faster where reading the weights bounds the call; the same bits)
+# QUANT_COPY_MAX_ROWS of csrc/kernels.h: on a build without integer copies, calls of up to this many rows read
+# a weight's quantized copy rather than its bfloat16 panels (faster where reading the weights bounds the call;
+# the same bits)
 COPY_MAX_ROWS = 2
+# linear_quant_int()'s 0, 1, 2 in csrc/linear_q4_cpu.c: the arithmetic of the 4-bit and int8 kernels
+QUANT_BODIES = ("dequantized", "int8-avx2", "int8-avx512vnni")
+
+
+def quant_body(march: str | None = None) -> str | None:
+    """The arithmetic the 4-bit and int8 kernels (:class:`PackedQ4Linear`, :class:`PackedQ8Linear`) run in
+    this build (:data:`QUANT_BODIES`), or None when the library does not build here: "dequantized" (the
+    portable build: the bfloat16 kernel's bits on the dequantized weights) or integer dot products on
+    8-bit-rounded inputs (``csrc/quant_int.h``; its AVX2 and AVX512-VNNI bodies give the same bits);
+    ``march`` as :func:`kernels.cpu_build.load_library`."""
+    return _quant_body(march or default_march())
+
+
+@functools.lru_cache(maxsize=8)
+def _quant_body(march: str) -> str | None:
+    return None if why_unavailable(march) else QUANT_BODIES[load_library(march).linear_quant_int()]
+
+
+def integer_copies(march: str | None = None) -> bool:
+    """Whether this build's quantized copies run integer dots (every x86 build with AVX2, AVX-512 included:
+    ``QUANT_COPY_EVERY_ROW`` of ``csrc/kernels.h``): their own bits, not the bfloat16 panels', the same on
+    every such machine. The one question every caller asks (:func:`copy_max_rows`, the loader's log, the
+    tests)."""
+    return quant_body(march) in ("int8-avx2", "int8-avx512vnni")
 
 
 def copy_max_rows(march: str | None = None) -> float:
     """The most rows a call may have to read a weight's quantized copy
     (:class:`PackedQ4Linear`, :class:`PackedQ8Linear`) rather than its
-    bfloat16 panels: :data:`COPY_MAX_ROWS` where the copy gives the panels'
-    bits (AVX512-BF16), every row count (``math.inf``) on the AVX2 body,
-    whose copies run integer dot products (``csrc/quant_int.h``: other bits,
-    so a row's bits would otherwise depend on the batch; QUANT_COPY_EVERY_ROW
-    of ``csrc/kernels.h``). The model's linear and head methods ask once,
-    when they are chosen (``engine.layers.linear``)."""
-    return math.inf if isa(march) == "avx2" else COPY_MAX_ROWS
+    bfloat16 panels: every row count (``math.inf``) where the copies run
+    integer dots (:func:`integer_copies`: other bits, so a row's bits would
+    otherwise depend on the batch; QUANT_COPY_EVERY_ROW of ``csrc/kernels.h``),
+    else :data:`COPY_MAX_ROWS` (the copy gives the panels' bits). The model's
+    linear and head methods ask once, when they are chosen (``engine.layers.linear``)."""
+    return math.inf if integer_copies(march) else COPY_MAX_ROWS
 
 
 def _check_group(k: int, group: int, where: str) -> None:

@@ -219,13 +219,15 @@ def test_4bit_projections_give_the_bfloat16_bits(linear_build):
     4-bit copy the stack reads for calls of up to two rows, and kept in 4
     bits only (quantization gguf): hidden states and caches equal bit for bit
     on prefills and on decodes of 1, 2, 3 and 5 rows, per-operation or one call,
-    and a decode row's bits the same in each of those batches. On the AVX2
-    body, whose copies run integer dots at every row count (csrc/quant_int.h),
-    the copy and 4-bit-only models equal each other, not the dequantized one."""
+    and a decode row's bits the same in each of those batches. On the integer
+    builds (every x86 build with AVX2, AVX-512 included: cpu_linear.integer_copies),
+    whose copies run integer dots at every row count (csrc/quant_int.h), the
+    copy and 4-bit-only models equal each other, not the dequantized one."""
     from kernels import cpu_linear
 
     if not cpu_linear.q4_available():
         pytest.skip("no 4-bit C kernel")
+    integer = cpu_linear.integer_copies()
     config = _config(layers=2)
     models = {mode: _gguf_model(config, mode) for mode in ("dense", "copy", "int4")}
     assert models["copy"].layers[0].q4_copy and not models["dense"].layers[0].q4_copy
@@ -234,14 +236,14 @@ def test_4bit_projections_give_the_bfloat16_bits(linear_build):
              [(20, 1, [1, 2]), (7, 1, [3]), (0, 1, [4])],
              [(20, 1, [1, 2]), (7, 1, [3]), (0, 1, [4]), (0, 1, [5]), (0, 1, [6])]]
     runs = {(mode, c): _caches(config) for mode in models for c in (True, False)}
-    # the run each must equal: on the AVX2 body the 4-bit ones have their own (integer-dot) bits
-    ref_of = {key: ("int4" if linear_build == "avx2" and key[0] != "dense" else "dense", False) for key in runs}
+    # the run each must equal: on the integer builds the 4-bit ones have their own (integer-dot) bits
+    ref_of = {key: ("int4" if integer and key[0] != "dense" else "dense", False) for key in runs}
     for i, seqs in enumerate(steps[:2]):
         step = _step(seqs, config.vocab_size, seed=i)
         outs = {key: _forward(models[key[0]], caches, step, c_decoder=key[1]) for key, caches in runs.items()}
         wrong = [k for k, o in outs.items() if not torch.equal(o, outs[ref_of[k]])]
         assert not wrong, wrong
-        assert torch.equal(outs[("int4", False)], outs[("dense", False)]) == (linear_build != "avx2")
+        assert torch.equal(outs[("int4", False)], outs[("dense", False)]) == (not integer)
     first_rows = []
     for seqs in steps[2:]:  # 2, 3 and 5 decode rows, from fresh caches
         step = _step(seqs, config.vocab_size, seed=9)

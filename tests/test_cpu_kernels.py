@@ -197,13 +197,13 @@ def test_the_portable_build_of_rms_norm_and_silu_mul(march):
     assert torch.equal(alone.view(torch.int16), silu.view(torch.int16))  # bitwise, NaNs included
 
 
-def test_q8_head_gives_the_bfloat16_bits(linear_build):
-    """The 8-bit (GGUF Q8_0) output-head kernel: bitwise the bfloat16 kernel on
-    bf16(d * q), for 1-3 rows (in registers) and 9 (a scratch panel: compressed-tensors W8A16
-    layers take any row count), bfloat16 and float32 outputs.
-    (The AVX2 body runs integer dots instead: tests/test_quant_int.py.)"""
-    if linear_build == "avx2":
-        pytest.skip("the AVX2 body's 8-bit kernel runs integer dots (tests/test_quant_int.py)")
+def test_q8_head_gives_the_bfloat16_bits(monkeypatch):
+    """The portable build's 8-bit (GGUF Q8_0) output-head kernel: bitwise the bfloat16 kernel on
+    bf16(d * q), for 1-3 rows and 9 (compressed-tensors W8A16 layers take any row count), bfloat16
+    and float32 outputs. (The x86 builds run integer dots instead: tests/test_quant_int.py.)"""
+    monkeypatch.setenv(MARCH_ENV, "x86-64")
+    if cpu_linear.quant_body() != "dequantized":
+        pytest.skip("no portable C build here")
     g = torch.Generator().manual_seed(8)
     n, k = 300, 192
     codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int32).to(torch.int8)
@@ -256,7 +256,7 @@ def test_the_avx2_body_gives_the_portable_bodys_bits(monkeypatch):
     the same order (one fmaf per input, in input order; bias, residual, one
     rounding): the same bits, bfloat16 and float32 outputs, 1-2 rows (whole
     panels) and more (16-column tiles), a partial last group of 8 columns.
-    (The 4-bit and 8-bit kernels' AVX2 body runs integer dots, not the
+    (The 4-bit and 8-bit kernels' x86 bodies run integer dots, not the
     portable body's dequantized panels: tests/test_quant_int.py.)"""
     if cpu_linear.isa("x86-64-v3") != "avx2" or cpu_linear.isa("x86-64") != "portable":
         pytest.skip("no x86-64 AVX2 CPU")

@@ -1,10 +1,13 @@
-"""The AVX2 body of the 4-bit and 8-bit GGUF kernels (kernels/csrc/quant_int.h:
-integer dot products on per-row Q8_1-quantized inputs), built with
-``-march=x86-64-v3`` so that an AVX-512 CPU runs it too: its arithmetic
-against a float64 model of it, its error against the float64 product on the
-dequantized weights within the bound its input rounding allows, rows whose
-bits do not depend on the row count or the thread count, Q4_0 and Q4_1, bias,
-residual and both output dtypes, and the 8-bit head taking any row count."""
+"""The integer bodies of the 4-bit and 8-bit kernels (kernels/csrc/quant_int.h:
+integer dot products on per-row Q8_1-quantized inputs): the AVX2 body, built
+with ``-march=x86-64-v3`` so that an AVX-512 CPU runs it too, and this CPU's
+own (the AVX512-VNNI body, quant_int512.h, on an AVX-512 machine). Each
+against a float64 model of the arithmetic, its error against the float64
+product on the dequantized weights within the bound its input rounding
+allows, rows whose bits do not depend on the row count or the thread count,
+Q4_0 and Q4_1, bias, residual and both output dtypes, and the 8-bit head
+taking any row count; and the two bodies against each other, bit for bit
+(tests/test_quant_int_isa.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +20,13 @@ from kernels import cpu_linear
 from kernels.cpu_build import MARCH_ENV
 
 
-@pytest.fixture
-def avx2(monkeypatch):
-    """The AVX2 build for the test (skipped where this CPU cannot run it)."""
-    monkeypatch.setenv(MARCH_ENV, "x86-64-v3")
-    if cpu_linear.isa() != "avx2":
-        pytest.skip(f"no AVX2 body here ({cpu_linear.isa()})")
+@pytest.fixture(params=["x86-64-v3", "native"])
+def int_build(request, monkeypatch) -> str:
+    """An integer build for the test (its quant_body; skipped where this CPU has none of that build)."""
+    monkeypatch.setenv(MARCH_ENV, request.param)
+    if not cpu_linear.integer_copies():
+        pytest.skip(f"no integer body in the {request.param} build here ({cpu_linear.quant_body()})")
+    return cpu_linear.quant_body()
 
 
 def _quantize_rows(x: torch.Tensor):
@@ -60,7 +64,7 @@ def _weights(n: int, k: int, seed: int, bits: int):
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8_0"])
-def test_the_integer_dots_match_their_float64_model_and_the_float64_product(avx2, kind):
+def test_the_integer_dots_match_their_float64_model_and_the_float64_product(int_build, kind):
     """Outputs within float32 rounding of the float64 model of the kernel's
     arithmetic, and within the inputs' 8-bit rounding (|x - dx qx| <= dx / 2
     per input) of the float64 product on the dequantized weights; a partial
@@ -86,10 +90,10 @@ def test_the_integer_dots_match_their_float64_model_and_the_float64_product(avx2
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_a_row_has_the_same_bits_for_every_row_count_and_thread_count(avx2, kind):
+def test_a_row_has_the_same_bits_for_every_row_count_and_thread_count(int_build, kind):
     """Each row alone, in batches of 2-9 rows, and on one or two threads:
     the same bits, with bias and residual, bfloat16 and float32 outputs; the
-    8-bit kernel takes more rows than the AVX512-BF16 body's three."""
+    8-bit kernel takes any row count."""
     n, k = 150, 96
     codes, d, m = _weights(n, k, seed=5, bits=8 if kind == "q8_0" else 4)
     packed = cpu_linear.pack_q8(codes, d) if kind == "q8_0" else cpu_linear.pack_q4(codes, d, m)
@@ -110,16 +114,19 @@ def test_a_row_has_the_same_bits_for_every_row_count_and_thread_count(avx2, kind
         torch.set_num_threads(threads)
 
 
-def test_the_model_reads_its_copies_at_every_row_count_on_avx2(avx2):
-    """cpu_linear.copy_max_rows: the AVX2 body's copies serve every call (their
-    bits are not the bfloat16 panels'), elsewhere calls of up to COPY_MAX_ROWS."""
+def test_the_model_reads_its_copies_at_every_row_count_on_integer_builds(int_build):
+    """cpu_linear.copy_max_rows: an integer build's copies serve every call (their bits are not the
+    bfloat16 panels'); the portable build's calls of up to COPY_MAX_ROWS. Every x86 build with AVX2 is an
+    integer build, the AVX-512 one included."""
     assert cpu_linear.copy_max_rows() == math.inf
-    native = cpu_linear.copy_max_rows(march="native")
-    assert native == (math.inf if cpu_linear.isa("native") == "avx2" else cpu_linear.COPY_MAX_ROWS)
+    assert cpu_linear.copy_max_rows(march="x86-64") == cpu_linear.COPY_MAX_ROWS
+    assert not cpu_linear.integer_copies("x86-64") and cpu_linear.quant_body("x86-64") == "dequantized"
+    if cpu_linear.isa("native") == "avx512bf16":
+        assert cpu_linear.integer_copies("native")
 
 
 @pytest.mark.parametrize("group, act_order", [(64, False), (128, True), (256, False)])
-def test_checkpoint_groups_and_act_order_follow_the_model(avx2, group, act_order):
+def test_checkpoint_groups_and_act_order_follow_the_model(int_build, group, act_order):
     """A checkpoint's group size (one d, m per group of 64-256 inputs, not per 32) and GPTQ's
     act-order (codes in another input order, the kernel gathering the activations' columns): the
     same float64 model of the arithmetic, on the gathered inputs and each block's group scales, and

@@ -1,11 +1,11 @@
 """int8 linear weights (compressed-tensors W8A16 and W8A8) kept in 8 bits.
 
 * W8A16 (bfloat16 activations): on CPU in bfloat16, the C 8-bit kernel
-  (``kernels/csrc/linear_q4_cpu.c``, ``linear_q8``) rebuilds the bfloat16
-  weights bf16(code * scale) in registers and runs the bfloat16 arithmetic:
-  the bfloat16 kernel's bits on the dequantized weights (its AVX2 body runs
-  integer dots on 8-bit-rounded inputs, as for GGUF). Elsewhere (float32,
-  other devices) the loader dequantizes them (exact in float32).
+  (``kernels/csrc/linear_q4_cpu.c``, ``linear_q8``): on x86 builds integer
+  dots on 8-bit-rounded inputs, as for GGUF (``csrc/quant_int.h``, the same
+  bits on AVX2 and AVX-512); on the portable build the bfloat16 weights
+  bf16(code * scale) rebuilt and run by the bfloat16 arithmetic. Elsewhere
+  (float32, other devices) the loader dequantizes them (exact in float32).
 * W8A8 (int8 activations quantized per token at run time, vLLM's
   CompressedTensorsW8A8Int8): always an :class:`Int8Linear`, the activations
   quantized on every path, never run as W8A16: on CPU in bfloat16 the C

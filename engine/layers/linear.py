@@ -59,9 +59,9 @@ def linear_method(module: nn.Linear, name: str, packed: PackedWeights, int4: Int
             None (chosen with the method: a weight changed in place after
             that needs the kernels chosen again). It is read by calls of up to
             :func:`kernels.cpu_linear.copy_max_rows` rows, asked once here (as
-            the C stack's ``project`` chooses: few rows on AVX512-BF16, the
-            panels' bits; every row on the AVX2 body, integer dots with their
-            own bits, so a row's bits never depend on the batch).
+            the C stack's ``project`` chooses: every row on x86 builds, integer
+            dots with their own bits, so a row's bits never depend on the
+            batch; few rows on the portable build, the panels' bits).
     """
     if int4 is not None:
         return lambda x, residual=None: int4(x, module.bias, residual)
@@ -93,8 +93,9 @@ def head_method(module: nn.Module, packed: PackedWeights, q8: cpu_linear.PackedQ
 
     bfloat16 on a CPU with the C linear kernel: the unrounded float32 sums of
     its panels, or of the 8-bit copy of a Q8_0 head (about half the bytes)
-    for calls of up to ``cpu_linear.copy_max_rows`` rows (few rows and the
-    same bits on AVX512-BF16; every call on the AVX2 body, its own bits);
+    for calls of up to ``cpu_linear.copy_max_rows`` rows (every call on x86
+    builds, integer dots with their own bits; few rows and the same bits on
+    the portable build);
     elsewhere the dense method's model-dtype logits, cast.
 
     Args:

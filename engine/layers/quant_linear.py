@@ -167,8 +167,8 @@ class Int4Linear:
         self.group = pieces[0].group_size
         self.perm = pieces[0].perm  # codes' input j is x's column perm[j], or None
         self.packed = self.scales_and_zeros = None
-        # bfloat16 on an AVX512-BF16 or AVX2 CPU: the C kernel (kernels/csrc/linear_q4_cpu.c), bitwise the
-        # dequantized bfloat16 weights' results; one type per projection (Q4_1 keeps its min).
+        # bfloat16 on an AVX512-BF16 or AVX2 CPU: the C kernel (kernels/csrc/linear_q4_cpu.c: integer dots on
+        # 8-bit-rounded inputs, the same bits on both ISAs); one type per projection (Q4_1 keeps its min).
         kinds = {p.qtype for p in pieces}
         self.c_packed = None
         if dtype == torch.bfloat16 and len(kinds) == 1 and cpu_linear.q4_available():

@@ -141,8 +141,8 @@ def _log_quantized(model, quantization: str, dtype: torch.dtype) -> None:
     if copies or model.lm_head_q8 is not None:
         mib = sum(packed.nbytes for layer in model.layers for packed, _, _ in layer.q4_copy.values()) / 2**20
         head = model.lm_head_q8
-        when = "for every step (integer dots on this AVX2 body: outputs within the inputs' 8-bit rounding, " \
-            "the same for any batch)" if cpu_linear.copy_max_rows() > cpu_linear.COPY_MAX_ROWS else \
+        when = f"for every step (integer dots, {cpu_linear.quant_body()}: outputs within the inputs' 8-bit " \
+            "rounding, the same for any batch and on AVX2 and AVX-512 machines)" if cpu_linear.integer_copies() else \
             f"for decode steps of up to {cpu_linear.COPY_MAX_ROWS} sequences (same outputs, fewer bytes)"
         logger.info("weights in %s (quantization %s); the engine also keeps the GGUF's 4-bit codes of %d "
                     "projections (+%.0f MiB)%s and reads them instead %s", dtype, quantization, copies, mib,
@@ -155,9 +155,10 @@ def _linear_path() -> str:
 
     isa = cpu_linear.isa()
     if cpu_linear.available():
-        return (f"C (kernels/csrc, {isa} body: bfloat16 weights widened to float32 in registers; GGUF 4-bit/8-bit "
-                "weights by integer dot products on 8-bit-rounded inputs, as llama.cpp)") \
-            if isa == "avx2" else f"C (kernels/csrc, {isa} body)"
+        widened = "bfloat16 weights widened to float32 in registers; " if isa == "avx2" else ""
+        return f"C (kernels/csrc, {isa} body: {widened}GGUF 4-bit/8-bit weights by integer dot products on " \
+            f"8-bit-rounded inputs, as llama.cpp, {cpu_linear.quant_body()})" if cpu_linear.integer_copies() else \
+            f"C (kernels/csrc, {isa} body)"
     why = "the C library does not build here" if isa is None else \
         "this CPU has neither AVX512-BF16 nor AVX2/FMA; the portable C body is slower"
     return f"oneDNN ({why})"

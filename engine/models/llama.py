@@ -102,9 +102,10 @@ class LlamaDecoderLayer(nn.Module):
         self.packed = PackedWeights(row_checks)
         # projections kept packed: 4-bit (quantization="gguf", 4-bit checkpoints) or FP8 (FP8 checkpoints)
         self.int4: dict[str, Int4Linear | FP8Linear | Int8Linear | TritonPackedLinear] = {}
-        # quantization="none" from a 4-bit GGUF: a 4-bit copy beside the bfloat16 weight, read by the C
-        # decoder stack for steps of up to cpu_linear.COPY_MAX_ROWS rows (the same bits from 5 bits per
-        # weight instead of 16): name -> (copy, the weight it was made from, that weight's version)
+        # quantization="none" from a 4-bit GGUF: a 4-bit copy beside the bfloat16 weight, read for calls of up
+        # to cpu_linear.copy_max_rows() rows (every call on x86: integer dots; the portable build's few-row
+        # steps, the same bits from 5 bits per weight instead of 16): name -> (copy, the weight it was made
+        # from, that weight's version)
         self.q4_copy: dict[str, tuple[cpu_linear.PackedQ4Linear, torch.Tensor, int]] = {}
         self.choose_kernels()
 

@@ -99,6 +99,18 @@ static inline __mmask16 tail_mask(int64_t n) {
 static inline __m512 bf16x16_to_f32(__m256i raw) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+
+/* f32_to_bf16 on 16 lanes (the same integer arithmetic, not VCVTNEPS2BF16, which flushes subnormals), packed
+ * to 16 uint16. */
+static inline __m256i f32x16_to_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                     _mm512_set1_epi32(0x7f800000));
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, quiet_nan));
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -81,11 +81,11 @@ static int reads_q4(const decoder_layer *w, int i, int64_t m) {
 #endif
 }
 
-/* Projection i of layer w: its int8 (W8A8, W8A16) or FP8 panels when it has them; else, with both
- * forms, calls of at most QUANT_COPY_MAX_ROWS rows read the 4-bit panels (bound by reading the
- * weights: fewer bytes) and larger ones the bfloat16 panels (bound by
- * arithmetic: no dequantization); both give the same bits. The AVX2 build
- * reads the copy for every row count (QUANT_COPY_EVERY_ROW, kernels.h). */
+/* Projection i of layer w: its int8 (W8A8, W8A16) or FP8 panels when it has them; else its 4-bit
+ * panels for every row count on the x86 builds (integer dots: QUANT_COPY_EVERY_ROW, kernels.h); on
+ * the portable build, with both forms, calls of at most QUANT_COPY_MAX_ROWS rows read the 4-bit
+ * panels (bound by reading the weights: fewer bytes) and larger ones the bfloat16 panels (bound by
+ * arithmetic: no dequantization), both with the same bits. */
 static int project(const decoder_layer *w, int i, const uint16_t *x, int64_t ldx, const float *bias,
                    const uint16_t *residual, int64_t ldr, uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
                    int num_threads) {
@@ -106,11 +106,11 @@ static int project(const decoder_layer *w, int i, const uint16_t *x, int64_t ldx
 
 /* Whether a step of t rows runs in one parallel region (decode_team): t decode rows, one per sequence
  * (query_start_loc [s] = s), at most LINEAR_Q4_DIRECT_ROWS of them, every projection read from its 4-bit
- * panels in their input order (linear_q4_team), on the AVX512-BF16 or AVX2 build, attention shapes that
- * paged_attention_bf16 takes. */
+ * panels in their input order (linear_q4_team), on an integer build (QUANT_COPY_EVERY_ROW), attention
+ * shapes that paged_attention_bf16 takes. */
 static int team_step(const decoder_shape *shape, const decoder_layer *layers, int64_t t,
                      const int32_t *query_start_loc, int64_t num_seqs) {
-#if defined(__AVX512BF16__) || defined(QUANT_COPY_EVERY_ROW)
+#if defined(QUANT_COPY_EVERY_ROW)
     if (t > LINEAR_Q4_DIRECT_ROWS || num_seqs != t || shape->head_dim % 16 || shape->num_kv_heads <= 0
         || shape->num_heads % shape->num_kv_heads)
         return 0;

@@ -58,10 +58,11 @@ static inline void f32_store_one(float v, int64_t r, int64_t c, const float *bia
         ((uint16_t *)y)[r * ldy + c] = f32_to_bf16(v);
 }
 
-#if defined(F32_PANEL_AVX2)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* Rows' accumulators acc[r][g], g < NG (lane l = column col0 + 8 g + l) plus
  * bias and residual, rounded once or stored as float32 when y_f32; columns
- * from n on are not written. */
+ * from n on are not written. (Also quant_int.h's AVX2 body's, on AVX-512
+ * builds without VNNI.) */
 static inline __attribute__((always_inline)) void f32_store_rows(
     const int MR, const int NG, __m256 acc[][8], int64_t col0, int64_t n, const float *bias, const uint16_t *residual,
     int64_t ldr, void *y, int64_t ldy, int y_f32) {
@@ -87,7 +88,9 @@ static inline __attribute__((always_inline)) void f32_store_rows(
                 _mm_storeu_si128((__m128i *)((uint16_t *)y + r * ldy + c), f32x8_to_bf16(v));
         }
 }
+#endif
 
+#if defined(F32_PANEL_AVX2)
 /* MR rows x NG groups of 8 columns (MR, NG literals at each call), the tile's
  * first column col0 (absolute) and its weights at panel (already offset to
  * the tile's first column); xf: the rows as float32, ldxf apart. */

@@ -10,22 +10,30 @@
 
 #include <stdint.h>
 
-/* linear_q4 dequantizes in registers up to this many rows per work item,
- * into a bfloat16 scratch panel for more. */
+/* The most rows of a decode step run in one parallel region
+ * (linear_q4_team, decoder_cpu.c); linear_fp8 dequantizes in registers up
+ * to this many rows, into a bfloat16 scratch panel for more. */
 #define LINEAR_Q4_DIRECT_ROWS 3
-/* Calls of up to this many rows read a projection's 4-bit copy rather than
- * its bfloat16 panels (loadtests/bench/kernels_cpu.py, a 30-layer pass of
- * SmolLM2's shapes called from Python, 4-bit/bf16 time: 0.92x at 1 row,
- * 0.94-0.95x at 2, 0.99-1.03x at 3; in the one-call stack a single stream
- * runs 1.28x faster with the copies). */
+/* On a build without integer copies (the portable one; QUANT_COPY_EVERY_ROW
+ * below), calls of up to this many rows read a projection's 4-bit copy
+ * rather than its bfloat16 panels: the same bits, fewer bytes. (Measured when
+ * the AVX-512 build still dequantized its copies: loadtests/bench/kernels_cpu.py,
+ * 4-bit/bf16 time 0.92x at 1 row, 0.94-0.95x at 2, 0.99-1.03x at 3.) */
 #define QUANT_COPY_MAX_ROWS 2
-/* The AVX2/FMA/F16C build (no AVX512-BF16) runs the quantized copies with
- * integer dot products (quant_int.h): other bits than the bfloat16 panels,
- * so there every call reads a weight's copy when it has one, whatever its
- * row count (else a row's bits would depend on the batch), and the 8-bit
- * kernel takes any row count. */
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512BF16__)
+/* Every x86 build with AVX2/FMA/F16C (the AVX2 build and the AVX-512 one)
+ * runs the quantized copies (4-bit, 8-bit int) with integer dot products
+ * (quant_int.h, whose top states the arithmetic): other bits than the
+ * bfloat16 panels, the same on both ISAs, so every call reads a weight's
+ * copy when it has one, whatever its row count (else a row's bits would
+ * depend on the batch), and the 8-bit kernel takes any row count. Builds
+ * with AVX512-VNNI and BW run it 16 columns a vector (VPDPBUSD:
+ * quant_int512.h), the others 8 (quant_int.h). linear_quant_int() says
+ * which (kernels/cpu_linear.py asks it, nothing else decides). */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QUANT_COPY_EVERY_ROW 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QUANT_INT_VNNI512 1
+#endif
 #endif
 
 /* paged_attention_cpu.c */
@@ -50,6 +58,7 @@ int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const fl
                 int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32, int num_threads);
 
 /* linear_q4_cpu.c */
+int linear_quant_int(void);
 void linear_q4_pack(const uint8_t *codes, int64_t n, int64_t k, uint8_t *codes_out);
 int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales, int64_t group,
               const int32_t *perm, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,

@@ -1,10 +1,13 @@
-/* The AVX2 bodies of the 4-bit and 8-bit GGUF kernels (linear_q4_cpu.c,
- * whose header describes the formats): integer dot products, as llama.cpp's
- * ggml-cpu runs Q4_0/Q4_1/Q8_0 on AVX2 (ggml_vec_dot_q4_1_q8_1 /
- * ggml_vec_dot_q8_0_q8_0 with _mm256_maddubs_epi16), instead of rebuilding
- * bfloat16 weights and running float32 FMAs (quant_f32.h: ~40 vector
- * operations per 32 weights per row, so a decode step was bound by that
- * arithmetic, not by reading the weights; these take ~10).
+/* The integer bodies of the 4-bit and 8-bit GGUF kernels (linear_q4_cpu.c,
+ * whose header describes the formats), on every x86 build with AVX2
+ * (QUANT_COPY_EVERY_ROW, kernels.h): integer dot products, as llama.cpp's
+ * ggml-cpu runs Q4_0/Q4_1/Q8_0 (ggml_vec_dot_q4_1_q8_1 /
+ * ggml_vec_dot_q8_0_q8_0), instead of rebuilding bfloat16 weights and
+ * running float FMAs on them (~19-40 vector operations per 32 weights per
+ * row, so a decode step was bound by that arithmetic, not by reading the
+ * weights). This file states the arithmetic and holds the AVX2 body
+ * (VPMADDUBSW, 8 columns a vector); quant_int512.h the AVX512-VNNI one
+ * (VPDPBUSD, 16 columns a vector): the same bits on both, for every shape.
  *
  * Arithmetic, per row, fixed: the row's bfloat16 inputs, widened to float32
  * (exact), are quantized per block of 32 inputs as llama.cpp's Q8_1:
@@ -19,22 +22,23 @@
  * min of the group holding block b (Q4_0: m = -8 d, codes 0..15; Q8_0: codes
  * -128..127). Bias and
  * residual are added after the last block and the sum is rounded once
- * (f32_store_rows). A row's bits so depend only on that row and the weight,
- * never on the row count, the tiling or the threads (batch-invariant for
- * every row count); they are not the bfloat16 kernel's bits on the
+ * (f32_to_bf16's arithmetic). A row's bits so depend only on that row and the weight,
+ * never on the row count, the tiling, the threads or the ISA (batch-invariant for
+ * every row count, and the same on AVX2 and AVX-512 machines); they are not the bfloat16 kernel's bits on the
  * dequantized weights (the inputs are rounded to 8 bits per block), so the
- * callers read the quantized copy for every row count of this build
+ * callers read the quantized copy for every row count of these builds
  * (QUANT_COPY_EVERY_ROW, kernels.h) and the float32 parity path never runs
  * here (these kernels take bfloat16 inputs only).
  *
- * Packed layouts (this build's linear_q4_pack / linear_q8_pack; the scales
- * as for the other bodies): per panel of 64 columns, per group g of 8
- * columns, per block of 32 inputs, 4-bit: 4 vectors of 32 bytes, byte
- * 4 c + i of vector v holding column 8 g + c's code at input 8 v + i (low
- * nibble) and 8 v + 4 + i (high); 8-bit: 8 vectors, byte 4 c + i of vector v
- * column 8 g + c's code at input 4 v + i. A 32-bit lane so holds one
- * column's four consecutive inputs, whose products _mm256_maddubs_epi16 and
- * _mm256_madd_epi16 sum against four broadcast activation bytes: no
+ * Packed layouts (linear_q4_pack / linear_q8_pack on these builds: qi_pack_q4,
+ * qi_pack_w8; the scales as for the other bodies): per panel of 64 columns,
+ * per group g of QI_COLS columns (8 on AVX2, 16 with VNNI), per block of 32
+ * inputs, 4-bit: 4 vectors of 4 QI_COLS bytes, byte 4 c + i of vector v
+ * holding column QI_COLS g + c's code at input 8 v + i (low nibble) and
+ * 8 v + 4 + i (high); 8-bit: 8 vectors, byte 4 c + i of vector v column
+ * QI_COLS g + c's code at input 4 v + i. A 32-bit lane so holds one
+ * column's four consecutive inputs, whose products VPMADDUBSW + VPMADDWD
+ * (AVX2) or VPDPBUSD sum against four broadcast input bytes: no
  * horizontal sums. Included by linear_q4_cpu.c only (QBLOCK is its). */
 #ifndef TANDEM_QUANT_INT_H
 #define TANDEM_QUANT_INT_H
@@ -46,7 +50,44 @@
 #include "kernels.h"
 
 #if defined(QUANT_COPY_EVERY_ROW)
-#define QI_TILE 4 /* rows x groups of 8 columns per register tile */
+#if defined(QUANT_INT_VNNI512)
+#define QI_COLS 16 /* columns per vector (a group of the packed layout) */
+#else
+#define QI_COLS 8
+#endif
+#define QI_TILE 4 /* AVX2: rows x groups of 8 columns per register tile */
+
+/* 4-bit codes [n, k] (0..15) into the layout at the top of this file; padded columns get code 0. */
+static void qi_pack_q4(const uint8_t *codes, int64_t n, int64_t k, uint8_t *codes_out) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, blocks = k / QBLOCK;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t g = 0; g < PANEL / QI_COLS; g++)
+            for (int64_t b = 0; b < blocks; b++) {
+                uint8_t *dst = codes_out + ((p * (PANEL / QI_COLS) + g) * blocks + b) * (QBLOCK / 2 * QI_COLS);
+                for (int64_t v = 0; v < 4; v++)
+                    for (int64_t c = 0; c < QI_COLS; c++)
+                        for (int64_t i = 0; i < 4; i++) {
+                            const int64_t row = p * PANEL + QI_COLS * g + c, in = b * QBLOCK + 8 * v + i;
+                            const uint8_t lo = row < n ? codes[row * k + in] : 0, hi = row < n ? codes[row * k + in + 4] : 0;
+                            dst[4 * QI_COLS * v + 4 * c + i] = (uint8_t)((lo & 15) | (hi & 15) << 4);
+                        }
+            }
+}
+
+/* 8-bit codes [n, k] into the layout at the top of this file; padded columns get code 0. */
+static void qi_pack_w8(const uint8_t *codes, int64_t n, int64_t k, uint8_t *codes_out) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, blocks = k / QBLOCK;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int64_t c = 0; c < PANEL; c++) {
+                const int64_t row = p * PANEL + c;
+                const uint8_t *src = codes + row * k + b * QBLOCK;
+                uint8_t *dst = codes_out + ((p * (PANEL / QI_COLS) + c / QI_COLS) * blocks + b) * (QBLOCK * QI_COLS)
+                               + 4 * (c % QI_COLS);
+                for (int64_t v = 0; v < 8; v++)
+                    for (int64_t i = 0; i < 4; i++) dst[4 * QI_COLS * v + i] = row < n ? src[4 * v + i] : 0;
+            }
+}
 
 /* One row's bfloat16 inputs [k] quantized per block of 32 (see the top of
  * this file): q [k] int8, dx, sx [k / 32]. */
@@ -82,6 +123,7 @@ static inline void qi_quantize_row(const uint16_t *x, int64_t k, int8_t *q, floa
     }
 }
 
+#if !defined(QUANT_INT_VNNI512)
 /* Four consecutive activation bytes broadcast to every 32-bit lane. */
 static inline __m256i qi_bcast4(const int8_t *q) {
     int32_t v;
@@ -215,6 +257,36 @@ static int quant_int_avx2(const int Q8, const uint16_t *x, int64_t ldx, const vo
         }
     }
     return failed;
+}
+#else
+#include "quant_int512.h"
+#endif
+
+/* y [m, n] = x [m, k] @ W.T (+ bias) (+ residual) for any m over a 4-bit or (Q8) 8-bit weight in this
+ * file's layout, on this build's body, over a team of num_threads threads of its own. Returns 0, or 2 when
+ * out of memory. */
+static int quant_int(const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
+                     int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
+                     int64_t m, int64_t n, int64_t k, int y_f32, int num_threads) {
+#if defined(QUANT_INT_VNNI512)
+    return qv_linear(Q8, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32, num_threads);
+#else
+    return quant_int_avx2(Q8, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
+                          num_threads);
+#endif
+}
+
+/* quant_int's work shared by the threads of the enclosing parallel region (every thread calls it with the
+ * same arguments; each returns once all the outputs are written). Returns 0, or 2 in a thread whose scratch
+ * could not be allocated (its items skipped). */
+static int quant_int_team(const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
+                          int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y,
+                          int64_t ldy, int64_t m, int64_t n, int64_t k, int y_f32) {
+#if defined(QUANT_INT_VNNI512)
+    return qv_team(Q8, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32);
+#else
+    return quant_int_items(Q8, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32);
+#endif
 }
 #endif
 

@@ -172,8 +172,6 @@ def test_readme_example_answers_the_same_five_times():
     finally:
         gateway.stop()
     assert len(set(answers)) == 1, answers
-    # The README's answer is the AVX512-BF16 body's: AVX2's bfloat16 roundings swap this prompt's two close
-    # first candidates (README, the quick start), so there the answer is only required to repeat.
-    from kernels import cpu_linear
-    if cpu_linear.isa() == "avx512bf16":
-        assert "Paris" in answers[0], answers[0]
+    # The README's answer: this prompt's two first candidates are close (0.08 apart in float32), and each
+    # build's roundings (its attention's, the quantized copies' 8-bit inputs) pick one (README, the quick start)
+    assert "Paris" in answers[0] or "Étoile" in answers[0], answers[0]

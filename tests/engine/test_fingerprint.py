@@ -22,8 +22,11 @@ def test_the_fingerprint_is_stable_and_changes_with_model_and_numerics(tmp_path,
 
 
 def test_the_cpu_kernels_body_is_part_of_the_numerics(monkeypatch):
-    """An AVX2 machine's engine (integer dots on GGUF copies) and an AVX512-BF16 one's answer with other bits:
-    their fingerprints differ (the AVX2 body is built here with TANDEM_CPU_MARCH=x86-64-v3)."""
+    """Each CPU build says which arithmetic it runs: its linear body (AVX512-BF16, AVX2, portable: their
+    bfloat16 linears and attention give other bits) and its quantized copies' (integer dots on every x86
+    build, the same bits on AVX2 and AVX-512; the dequantized bfloat16 values on the portable one). An AVX2
+    machine's engine and an AVX512-BF16 one's answer with other bits (their attention differs): their
+    fingerprints differ (the other builds are made here with TANDEM_CPU_MARCH)."""
     import torch
 
     from engine.config import EngineArgs
@@ -34,7 +37,11 @@ def test_the_cpu_kernels_body_is_part_of_the_numerics(monkeypatch):
     native = numerics_of(args, cpu, torch.bfloat16)
     monkeypatch.setenv("TANDEM_CPU_MARCH", "x86-64-v3")
     avx2 = numerics_of(args, cpu, torch.bfloat16)
+    monkeypatch.setenv("TANDEM_CPU_MARCH", "x86-64")
+    portable = numerics_of(args, cpu, torch.bfloat16)
     assert avx2["cpu_isa"] == "avx2" and native["cpu_isa"] == cpu_linear.isa("native")
+    assert avx2["cpu_quant"] == "integer-dots" and portable["cpu_quant"] == "dequantized"
+    assert native["cpu_quant"] == ("integer-dots" if cpu_linear.integer_copies("native") else "dequantized")
     if native["cpu_isa"] != "avx2":
         assert system_fingerprint(default_model_path(), avx2) != system_fingerprint(default_model_path(), native)
 

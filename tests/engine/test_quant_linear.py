@@ -93,30 +93,34 @@ def test_quantization_gguf_needs_a_gguf_on_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-def test_c_kernel_gives_the_dequantized_bfloat16_weights_bits(qtype):
-    """bfloat16 on an AVX512-BF16 CPU: Int4Linear runs kernels/csrc/linear_q4_cpu.c,
-    whose results equal, bit for bit, the bfloat16 kernel's on the weights the
-    loader dequantizes (gguf's float32 dequantization rounded to bfloat16) for
-    every row count: the in-register path (1-3 rows) and the scratch path
-    (4+), with bias, residual and float32 output."""
+def test_c_kernel_gives_the_dequantized_bfloat16_weights_bits(monkeypatch, qtype):
+    """The portable build's 4-bit kernel (kernels/csrc/linear_q4_cpu.c, quant_f32.h) on Int4Linear's
+    packing of GGUF blocks: its results equal, bit for bit, the bfloat16 kernel's on the weights the
+    loader dequantizes (gguf's float32 dequantization rounded to bfloat16) for every row count, with
+    bias, residual and float32 output. (The x86 builds run integer dots instead, with their own bits:
+    tests/test_quant_int.py.) 5 bits a weight where this CPU packs them."""
     from kernels import cpu_linear
+    from kernels.cpu_build import MARCH_ENV
 
-    if cpu_linear.isa() != "avx512bf16":  # the AVX2 body runs integer dots: tests/test_quant_int.py
-        pytest.skip("no AVX512-BF16 C kernel in this build")
     (a, wa), (b, wb) = _blocks(qtype, 96, 576, 4), _blocks(qtype, 64, 576, 5)
     lin = Int4Linear([a, b], torch.bfloat16)
-    assert lin.c_packed is not None
-    # 5 bits per weight (codes + float16 d, m per 32), 160 outputs padded to 3 panels of 64: 0.375x of bf16
-    assert lin.nbytes == 192 * 576 // 2 + 192 * (576 // 32) * 2 * 2 < 0.4 * 160 * 576 * 2
+    if lin.c_packed is not None:
+        # 5 bits per weight (codes + float16 d, m per 32), 160 outputs padded to 3 panels of 64: 0.375x of bf16
+        assert lin.nbytes == 192 * 576 // 2 + 192 * (576 // 32) * 2 * 2 < 0.4 * 160 * 576 * 2
+    monkeypatch.setenv(MARCH_ENV, "x86-64")
+    if cpu_linear.quant_body() != "dequantized":
+        pytest.skip("no portable C build here")
+    codes, d, m = (torch.cat(t) for t in zip(a.codes_d_m(), b.codes_d_m()))
+    packed = cpu_linear.pack_q4(codes, d, m.half().float() if qtype == "Q4_1" else None)
     dense = cpu_linear.pack(torch.cat([wa, wb]).bfloat16())
     gen = torch.Generator().manual_seed(3)
     bias = torch.randn(160, generator=gen).bfloat16()
     for rows in (1, 2, 3, 4, 7, 50, 130):
         x = torch.randn(rows, 576, generator=gen).bfloat16()
         residual = torch.randn(rows, 160, generator=gen).bfloat16()
-        assert torch.equal(lin(x), cpu_linear.linear(x, dense))
-        assert torch.equal(lin(x, bias, residual), cpu_linear.linear(x, dense, bias, residual))
-        assert torch.equal(cpu_linear.linear(x, lin.c_packed, out_dtype=torch.float32),
+        assert torch.equal(cpu_linear.linear(x, packed), cpu_linear.linear(x, dense))
+        assert torch.equal(cpu_linear.linear(x, packed, bias, residual), cpu_linear.linear(x, dense, bias, residual))
+        assert torch.equal(cpu_linear.linear(x, packed, out_dtype=torch.float32),
                            cpu_linear.linear(x, dense, out_dtype=torch.float32))
     with pytest.raises(ValueError, match="pack_q4 takes"):
         cpu_linear.pack_q4(torch.zeros(4, 48, dtype=torch.int32), torch.zeros(4, 1), None)
@@ -152,16 +156,16 @@ def test_checkpoint_groups_and_act_order_give_the_dequantized_bfloat16_bits(monk
     """The 4-bit kernel at a checkpoint's group size (one float16 d, m per group, not per 32 inputs)
     and with GPTQ's act-order (the codes sorted by group, the kernel gathering the activations'
     columns to match): bitwise the bfloat16 kernel's results on the dequantized weights in the
-    codes' input order and the activations' columns gathered, in this CPU's build (AVX512-BF16 here:
-    registers up to 3 rows, scratch panels above) and the portable one, two pieces stacked as a fused
-    projection; the scales cost 4 bytes per group and 64 outputs, not per 32 inputs. The AVX2 body
-    (integer dots) is pinned to its model in tests/test_quant_int.py."""
+    codes' input order and the activations' columns gathered, in the portable build (this CPU's own
+    where its copies dequantize), two pieces stacked as a fused projection; the scales cost 4 bytes
+    per group and 64 outputs, not per 32 inputs. The integer builds (every x86 build with AVX2) are
+    pinned to their model in tests/test_quant_int.py."""
     from kernels import cpu_linear
     from kernels.cpu_build import MARCH_ENV
 
     monkeypatch.setenv(MARCH_ENV, march)
-    if cpu_linear.isa() not in ("avx512bf16", "portable"):
-        pytest.skip(f"the {cpu_linear.isa()} body runs integer dots: tests/test_quant_int.py")
+    if cpu_linear.quant_body() != "dequantized":
+        pytest.skip(f"the {march} build runs integer dots ({cpu_linear.quant_body()}): tests/test_quant_int.py")
     k = 640
     g_idx = None
     if act_order:  # one order for the fused pieces: q/k/v (gate/up) read one input, GPTQ gives them one
