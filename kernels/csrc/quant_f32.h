@@ -1,13 +1,16 @@
 /* The float32 bodies of the 4-bit and 8-bit kernels (linear_q4_cpu.c,
  * whose header describes the formats and packed layouts) for CPUs without
- * AVX512-BF16: they rebuild the bfloat16 weights the loader would have made
+ * AVX512-BF16: the portable build's 4-bit, int8 and FP8 weights, the AVX2
+ * build's FP8 ones (its 4-bit and int8 weights run integer dots,
+ * quant_int.h). They rebuild the bfloat16 weights the loader would have made
  * (bf16(d * q + m), bf16(d * q): one float32 operation, d * q exact, one
- * rounding to nearest even; FP8: bf16(v * d), one rounding) and run f32_panel.h's arithmetic on them in its
- * order, so each gives linear_bf16's bits (that build's) on the dequantized
- * weights, for any row count. Up to LINEAR_Q4_DIRECT_ROWS rows (kernels.h)
- * the AVX2 body dequantizes each input pair in registers; larger calls, and
- * the portable body, dequantize a panel at a time into a bfloat16 scratch.
- * Included by linear_q4_cpu.c only (QBLOCK, MR_Q4 are its). */
+ * rounding to nearest even; FP8: bf16(v * d), one rounding) and run
+ * f32_panel.h's arithmetic on them in its order, so each gives linear_bf16's
+ * bits (that build's) on the dequantized weights, for any row count. Up to
+ * LINEAR_Q4_DIRECT_ROWS rows (kernels.h) the AVX2 body dequantizes each input
+ * pair in registers; larger calls, and the portable body, dequantize a panel
+ * at a time into a bfloat16 scratch. Included by linear_q4_cpu.c only
+ * (QBLOCK, MR_Q4 are its). */
 #ifndef TANDEM_QUANT_F32_H
 #define TANDEM_QUANT_F32_H
 
@@ -94,68 +97,31 @@ static inline __m256 fp8x8_to_f32(__m128i bytes) {
     return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
 }
 
-/* Input pair kp's weights of one group of 16 columns, as float32 rounded as
- * dequant_q4_panel / dequant_w8_panel round them: w[0], w[1] columns 0-7 and
- * 8-15 at input 2 kp, w[2], w[3] at 2 kp + 1. 4-bit: codes, the group's 16
- * bytes (linear_q4_pack: the even bytes hold input 2 kp, low nibble columns
- * 0-7, high 8-15; the odd bytes input 2 kp + 1); d, mn: the 16 columns' float32
- * scale and min. 8-bit: 16 bytes of input 2 kp, then 16 of 2 kp + 1. */
-static inline __attribute__((always_inline)) void dequant16x2_f32(const int W8, const void *codes, const float *d,
-                                                                  const float *mn, __m256 w[4]) {
-    if (W8) {
-        for (int i = 0; i < 4; i++) {
-            const __m128i c = _mm_loadl_epi64((const __m128i *)((const int8_t *)codes + 8 * i));
-            const __m256 q = W8 == W8_FP8 ? fp8x8_to_f32(c) : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
-            w[i] = round_bf16x8(_mm256_mul_ps(_mm256_loadu_ps(d + 8 * (i % 2)), q));
-        }
-        return;
-    }
-    const __m128i bytes = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)codes),
-                                           _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
-    for (int odd = 0; odd < 2; odd++) {
-        const __m256i c = _mm256_cvtepu8_epi32(odd ? _mm_srli_si128(bytes, 8) : bytes);
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(15)));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
-        w[2 * odd] = round_bf16x8(_mm256_fmadd_ps(_mm256_loadu_ps(d), lo, _mm256_loadu_ps(mn)));
-        w[2 * odd + 1] = round_bf16x8(_mm256_fmadd_ps(_mm256_loadu_ps(d + 8), hi, _mm256_loadu_ps(mn + 8)));
-    }
-}
-
-/* The 4-bit panel's scales and mins (float16 [k / 32][2][64]) of input pair
- * kp's block for group g's 16 columns, as float32 d[16], mn[16]. */
-static inline __attribute__((always_inline)) void block_scales(const void *scales, int64_t group, int64_t kp, int g,
-                                                               float *d, float *mn) {
-    const uint16_t *sb = (const uint16_t *)scales + kp / (group / 2) * 2 * PANEL + 16 * g;
-    for (int i = 0; i < 2; i++) {
-        _mm256_storeu_ps(d + 8 * i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 8 * i))));
-        _mm256_storeu_ps(mn + 8 * i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + PANEL + 8 * i))));
+/* Input pair kp's FP8 weights of one group of 16 columns (16 bytes of input 2 kp, then 16 of 2 kp + 1;
+ * d: the 16 columns' float32 scales), as float32 rounded as dequant_w8_panel rounds them: w[0], w[1]
+ * columns 0-7 and 8-15 at input 2 kp, w[2], w[3] at 2 kp + 1. */
+static inline __attribute__((always_inline)) void dequant_fp8_16x2_f32(const uint8_t *codes, const float *d,
+                                                                       __m256 w[4]) {
+    for (int i = 0; i < 4; i++) {
+        const __m256 q = fp8x8_to_f32(_mm_loadl_epi64((const __m128i *)(codes + 8 * i)));
+        w[i] = round_bf16x8(_mm256_mul_ps(_mm256_loadu_ps(d + 8 * (i % 2)), q));
     }
 }
 
 /* MR (<= 3, a literal at each call) rows (xf: float32, k apart) x one group
- * of 16 columns (g of the panel at codes / scales, first column col0 of the
- * panel), each input pair dequantized in registers: f32_tile's operations on
- * the same weight values, in the same order, so linear_bf16's bits. */
-static inline __attribute__((always_inline)) void quant_group_rows(
-    const int W8, const int MR, const float *xf, const void *codes, const void *scales, int64_t group, int g, int64_t k,
+ * of 16 columns (g of the FP8 panel at codes / scales, first column col0 of
+ * the panel), each input pair dequantized in registers: f32_tile's
+ * operations on the same weight values, in the same order, so linear_bf16's
+ * bits. */
+static inline __attribute__((always_inline)) void fp8_group_rows(
+    const int MR, const float *xf, const uint8_t *codes, const float *scales, int64_t group, int g, int64_t k,
     int64_t col0, int64_t n, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
     int y_f32) {
     __m256 acc[MR_Q4][8];
     for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    float d[16] = {0}, mn[16] = {0}; /* (set at kp 0; zeroed for the compiler) */
     for (int64_t kp = 0; kp < k / 2; kp++) {
-        const float *dp = d;
-        const void *cp;
-        if (W8) {
-            dp = (const float *)scales + kp / (group / 2) * PANEL + 16 * g;
-            cp = (const int8_t *)codes + kp * 128 + 32 * g;
-        } else {
-            if (kp % (group / 2) == 0) /* a new group */
-                block_scales(scales, group, kp, g, d, mn);
-            cp = (const uint8_t *)codes + kp * PANEL + 16 * g;
-        }
         __m256 w[4];
-        dequant16x2_f32(W8, cp, dp, mn, w);
+        dequant_fp8_16x2_f32(codes + kp * 128 + 32 * g, scales + kp / (group / 2) * PANEL + 16 * g, w);
         for (int odd = 0; odd < 2; odd++)
             for (int r = 0; r < MR; r++) {
                 const __m256 xb = _mm256_broadcast_ss(xf + r * k + 2 * kp + odd);
@@ -166,14 +132,13 @@ static inline __attribute__((always_inline)) void quant_group_rows(
     f32_store_rows(MR, 2, acc, col0 + 16 * g, n, bias, residual, ldr, y, ldy, y_f32);
 }
 
-/* m <= LINEAR_Q4_DIRECT_ROWS rows over a 4-bit or (W8) 8-bit weight, each
- * work item half a panel (two threads split a 576-column layer evenly).
- * Returns 0, or 2 when out of memory. */
-static int quant_direct_avx2(const int W8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
-                             int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
-                             int64_t m, int64_t n, int64_t k, int y_f32, int num_threads) {
-    const int64_t panels = (n + PANEL - 1) / PANEL;
-    const int64_t panel_codes = W8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (W8 ? 1 : 2) * PANEL;
+/* m <= LINEAR_Q4_DIRECT_ROWS rows over an FP8 weight, each work item half a
+ * panel (two threads split a 576-column layer evenly). Returns 0, or 2 when
+ * out of memory. */
+static int fp8_direct_avx2(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float *scales, int64_t group,
+                           const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m,
+                           int64_t n, int64_t k, int y_f32, int num_threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, panel_codes = k * PANEL, panel_scales = k / group * PANEL;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)") {
         float *xf = f32_scratch((size_t)(m * k));
@@ -185,12 +150,10 @@ static int quant_direct_avx2(const int W8, const uint16_t *x, int64_t ldx, const
         _Pragma("omp for schedule(static)") for (int64_t item = 0; item < panels * 2; item++) {
             const int64_t p = item / 2;
             if (!xf) continue;
-            const char *pc = (const char *)codes + p * panel_codes;
-            const void *ps = W8 ? (const void *)((const float *)scales + p * panel_scales)
-                                : (const void *)((const uint16_t *)scales + p * panel_scales);
             for (int g = 2 * (int)(item % 2); g < 2 * (int)(item % 2) + 2; g++) {
                 if (p * PANEL + 16 * g >= n) break;
-#define ROWS(MR) quant_group_rows(W8, MR, xf, pc, ps, group, g, k, p * PANEL, n, bias, residual, ldr, y, ldy, y_f32)
+#define ROWS(MR) fp8_group_rows(MR, xf, codes + p * panel_codes, scales + p * panel_scales, group, g, k, p * PANEL, \
+                                n, bias, residual, ldr, y, ldy, y_f32)
                 if (m == 3) ROWS(3);
                 else if (m == 2) ROWS(2);
                 else ROWS(1);
@@ -201,21 +164,14 @@ static int quant_direct_avx2(const int W8, const uint16_t *x, int64_t ldx, const
     return failed;
 }
 
-/* dequant_q4_panel / dequant_w8_panel (W8) with dequant16x2_f32: the same values. */
-static void dequant_panel_avx2(const int W8, const void *codes, const void *scales, int64_t group, int64_t k,
-                               uint16_t *out) {
+/* dequant_w8_panel for FP8 with dequant_fp8_16x2_f32: the same values. */
+static void dequant_fp8_panel_avx2(const uint8_t *codes, const float *scales, int64_t group, int64_t k,
+                                   uint16_t *out) {
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     for (int64_t kp = 0; kp < k / 2; kp++)
         for (int g = 0; g < 4; g++) {
-            float d[16], mn[16];
-            const float *dp = d;
-            if (W8)
-                dp = (const float *)scales + kp / (group / 2) * PANEL + 16 * g;
-            else
-                block_scales(scales, group, kp, g, d, mn);
             __m256 w[4];
-            dequant16x2_f32(W8, W8 ? (const void *)((const int8_t *)codes + kp * 128 + 32 * g)
-                                   : (const void *)((const uint8_t *)codes + kp * PANEL + 16 * g), dp, mn, w);
+            dequant_fp8_16x2_f32(codes + kp * 128 + 32 * g, scales + kp / (group / 2) * PANEL + 16 * g, w);
             for (int h = 0; h < 2; h++) { /* lane c: column c's bfloat16 pair (input 2 kp low, 2 kp + 1 high) */
                 const __m256i pair = _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(w[h]), 16),
                                                      _mm256_and_si256(_mm256_castps_si256(w[2 + h]), high));
@@ -226,18 +182,19 @@ static void dequant_panel_avx2(const int W8, const void *codes, const void *scal
 #endif
 
 #if !defined(__AVX512BF16__)
-/* The float32 bodies of linear_q4 (W8 0), linear_q8 (W8_INT) and linear_fp8 (W8_FP8): per work item
- * (panel, block of rows), the panel dequantized into this thread's bfloat16
- * scratch, then f32_panel.h's kernel over it. Returns 0, or 2 when out of memory. */
+/* The float32 bodies of linear_q4 (W8 0) and linear_q8 (W8_INT) on the portable build, and of linear_fp8
+ * (W8_FP8) on it and the AVX2 build: per work item (panel, block of rows), the panel dequantized into this
+ * thread's bfloat16 scratch, then f32_panel.h's kernel over it; on AVX2, up to LINEAR_Q4_DIRECT_ROWS rows
+ * in registers. Returns 0, or 2 when out of memory. */
 static int quant_f32(const int W8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
                      int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m,
                      int64_t n, int64_t k, int y_f32, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL, m_blocks = (m + M_BLOCK - 1) / M_BLOCK;
     const int64_t panel_codes = W8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (W8 ? 1 : 2) * PANEL;
-#if defined(F32_PANEL_AVX2)
+#if defined(F32_PANEL_AVX2) /* FP8 only: the 4-bit and int8 weights run integer dots (quant_int.h) */
     if (m <= LINEAR_Q4_DIRECT_ROWS) /* in registers */
-        return quant_direct_avx2(W8, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
-                                 num_threads);
+        return fp8_direct_avx2(x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32,
+                               num_threads);
 #endif
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)") {
@@ -258,7 +215,7 @@ static int quant_f32(const int W8, const uint16_t *x, int64_t ldx, const void *c
                 const void *ps = W8 ? (const void *)((const float *)scales + p * panel_scales)
                                     : (const void *)((const uint16_t *)scales + p * panel_scales);
 #if defined(F32_PANEL_AVX2)
-                dequant_panel_avx2(W8, pc, ps, group, k, panel);
+                dequant_fp8_panel_avx2(pc, ps, group, k, panel);
 #else
                 if (W8)
                     dequant_w8_panel(W8, pc, ps, group, k, panel);
