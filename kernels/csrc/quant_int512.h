@@ -202,13 +202,23 @@ static int qv_team(const int Q8, const uint16_t *x, int64_t ldx, const void *cod
     return buf ? 0 : 2;
 }
 
-/* y [m, n] = x [m, k] @ W.T (+ bias) (+ residual) over a team of num_threads threads of its own: the rows
- * quantized once, split among the threads, into the calling thread's scratch, then the items. Returns 0,
- * or 2 when out of memory. */
+/* y [m, n] = x [m, k] @ W.T (+ bias) (+ residual) over a team of num_threads threads of its own: up to
+ * QV_MR rows as qv_team (each thread quantizes them: no barrier before the items), more quantized once,
+ * split among the threads, into the calling thread's scratch, then the items. Returns 0, or 2 when out of
+ * memory. */
 static int qv_linear(const int Q8, const uint16_t *x, int64_t ldx, const void *codes, const void *scales,
                      int64_t group, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,
                      int64_t m, int64_t n, int64_t k, int y_f32, int num_threads) {
     const int64_t blocks = k / QBLOCK;
+    if (m <= QV_MR) {
+        int failed = 0;
+        _Pragma("omp parallel num_threads(num_threads)") {
+            if (qv_team(Q8, x, ldx, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, y_f32)) {
+                _Pragma("omp atomic write") failed = 2;
+            }
+        }
+        return failed;
+    }
     float *buf = qv_scratch(m, k);
     if (!buf) return 2;
     _Pragma("omp parallel num_threads(num_threads)") {
