@@ -1,48 +1,21 @@
-"""The HTTP edges of Anthropic's API: Anthropic's error JSON for every refusal on ``/v1/messages*`` (one exception
-table, as ``app.py``'s is for OpenAI's), the ``x-api-key`` header as a virtual key, and
-``POST /v1/messages/count_tokens``. ``POST /v1/messages`` itself is served by ``app.py``'s request path."""
+"""The HTTP edges of Anthropic's API: the ``x-api-key`` header as a virtual key, and
+``POST /v1/messages/count_tokens`` (refusals on ``/v1/messages*`` are Anthropic's error JSON:
+``gateway/http/exceptions.py``). ``POST /v1/messages`` itself is served by ``app.py``'s request path."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 import msgspec
 from litestar import Request, Response, post
-from litestar.exceptions import HTTPException
 
-from gateway.errors import ClientError, anthropic_error_body, anthropic_status, model_not_found
-from gateway.http.transport import read_body
+from gateway.errors import model_not_found
+from gateway.http.transport import read_json_body
 from gateway.request.auth import authenticate
 from gateway.request.validate import check_request, estimate_prompt_tokens, parse_json
 from gateway.translate.anthropic import messages_to_chat
-from gateway.translate.anthropic_render import messages_paths
 
-log = logging.getLogger("tandem.gateway.anthropic")
 _JSON = "application/json"
-
-
-def anthropic_error_response(status: int, message: str, headers: dict | None = None) -> Response:
-    """The one Anthropic error response of the HTTP layer (body: ``gateway.errors.anthropic_error_body``; status:
-    ``gateway.errors.anthropic_status``)."""
-    return Response(anthropic_error_body(status, message), status_code=anthropic_status(status), media_type=_JSON,
-                    headers=headers or None)
-
-
-def _on_client_error(request: Request, e: ClientError) -> Response:
-    return anthropic_error_response(e.status, messages_paths(e.message), e.headers)
-
-
-def _on_http_error(request: Request, e: Exception) -> Response:
-    if isinstance(e, HTTPException):
-        return anthropic_error_response(e.status_code, str(e.detail))
-    log.exception("unhandled error on %s", request.url.path)
-    return anthropic_error_response(500, "internal error")
-
-
-# exception -> Anthropic's error JSON, for the /v1/messages handlers (route-level: overrides the app's table)
-ANTHROPIC_EXCEPTION_HANDLERS = {ClientError: _on_client_error, HTTPException: _on_http_error,
-                                Exception: _on_http_error}
 
 
 def anthropic_headers(headers: Mapping[str, str]) -> Mapping[str, str]:
@@ -54,7 +27,7 @@ def anthropic_headers(headers: Mapping[str, str]) -> Mapping[str, str]:
     return {**headers, "authorization": f"Bearer {key}"}
 
 
-@post("/v1/messages/count_tokens", exception_handlers=ANTHROPIC_EXCEPTION_HANDLERS)
+@post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> Response:
     """Anthropic's token count of a Messages body (``{"input_tokens": n}``): the local engine's rendering (chat
     template, tools) when it is up, else the gateway's estimate. Authenticated and validated like
@@ -63,7 +36,7 @@ async def count_tokens(request: Request) -> Response:
     compiled = snap.compiled
     headers = anthropic_headers(request.headers)
     tenant = authenticate(headers.get("authorization"), compiled.key_hashes)
-    raw = await read_body(request, snap.max_body_size, compiled.config.server.body_timeout_s)
+    raw = await read_json_body(request, snap.max_body_size, compiled.config.server.body_timeout_s)
     chat = messages_to_chat(parse_json(raw), count_only=True)
     req = check_request(chat, "chat/completions", None, compiled.local_serves, tenant=tenant)
     if compiled.model_names.get(req.model) is None:

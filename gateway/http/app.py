@@ -1,6 +1,6 @@
 """The Litestar app: module-level handlers on ``request.app.state.gw`` (the ``gateway.runtime.Gateway``), one
-exception -> OpenAI error table, in-flight accounting in one middleware; the client APIs' POST endpoints also on the
-hot path (``HOT_ROUTES``, ``gateway/http/hot_path.py``), past Litestar's router. The request path itself is
+exception table (``gateway/http/exceptions.py``: OpenAI's error JSON, Anthropic's under ``/v1/messages``),
+in-flight accounting in one middleware; the client APIs' POST endpoints also on the hot path (``HOT_ROUTES``, ``gateway/http/hot_path.py``), past Litestar's router. The request path itself is
 ``gateway/request/pipeline.py``; operator endpoints are ``gateway/http/admin.py``.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/messages (Anthropic's,
@@ -13,67 +13,32 @@ the ops console at GET /admin/ui from ``console.py``. Every response carries
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 
 import msgspec
 from litestar import HttpMethod, Litestar, Request, Response, get, post, route
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
-from litestar.exceptions import HTTPException
 
 from engine.protocol.request_ids import stamp_request_id
-from gateway.config.schema import ConfigError, CorsConfig
-from gateway.errors import ClientError, error_body, model_not_found
+from gateway.config.schema import CorsConfig
+from gateway.errors import model_not_found
 from gateway.http.admin import ADMIN_HANDLERS
 from gateway.http.admin_limits import admin_limits
 from gateway.http.console import CONSOLE_HANDLERS
 from gateway.http.hot_path import HotPathApp, HotRoute
 from gateway.http.responses import RESPONSES_HANDLERS
 from gateway.http.rollouts_admin import ROLLOUT_HANDLERS
-from gateway.http.anthropic import ANTHROPIC_EXCEPTION_HANDLERS, anthropic_headers, count_tokens
+from gateway.http.anthropic import anthropic_headers, count_tokens
+from gateway.http.exceptions import EXCEPTION_HANDLERS
 from gateway.http.serving import GATEWAY_ID_PREFIX, serve_observed, streamed
 from gateway.http.transport import EventStream, unless_disconnected
 from gateway.request.auth import authenticate
 from gateway.request.pipeline import handle
 from gateway.runtime import Gateway
-from gateway.state import StateUnavailable
 from gateway.stored_responses import ResponseStore
 
-log = logging.getLogger("tandem.gateway.app")
 _JSON = "application/json"
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-
-
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict | None = None) -> Response:
-    """The one OpenAI error response of the HTTP layer (body: ``gateway.errors.error_body``)."""
-    return Response(error_body(status, message, param, code), status_code=status, media_type=_JSON,
-                    headers=headers or None)
-
-
-def _on_client_error(request: Request, e: ClientError) -> Response:
-    return error_response(e.status, e.message, e.param, e.code, e.headers)
-
-
-def _on_config_error(request: Request, e: ConfigError) -> Response:
-    return error_response(400, str(e), param=e.errors[0][0] if e.errors else None, code="invalid_config")
-
-
-def _on_state_unavailable(request: Request, e: StateUnavailable) -> Response:
-    return error_response(503, str(e), code="redis_unavailable")
-
-
-def _on_http_error(request: Request, e: Exception) -> Response:
-    if isinstance(e, HTTPException):
-        return error_response(e.status_code, str(e.detail), code=_HTTP_CODES.get(e.status_code))
-    log.exception("unhandled error on %s", request.url.path)
-    return error_response(500, "internal error", code="internal_error")
-
-
-# exception -> OpenAI error JSON, for every handler
-EXCEPTION_HANDLERS = {ClientError: _on_client_error, ConfigError: _on_config_error, HTTPException: _on_http_error,
-                      StateUnavailable: _on_state_unavailable, Exception: _on_http_error}
 
 
 def in_flight(app):
@@ -133,18 +98,19 @@ async def embeddings(request: Request) -> Response:
     return await _serve(request, "embeddings")
 
 
-@post("/v1/messages", exception_handlers=ANTHROPIC_EXCEPTION_HANDLERS)
+@post("/v1/messages")
 async def messages(request: Request) -> Response:
     """Anthropic Messages, served as its chat translation (``gateway/translate/anthropic.py``)."""
     return await _serve_messages(request)
 
 
-# The same four endpoints on the hot path (``gateway/http/hot_path.py``): the handlers' bodies and exception tables.
+# The same four endpoints on the hot path (``gateway/http/hot_path.py``): the handlers' bodies and the exception
+# table (it answers each path in its API's error format).
 HOT_ROUTES = {
     "/v1/chat/completions": HotRoute(partial(_serve, endpoint="chat/completions"), EXCEPTION_HANDLERS),
     "/v1/completions": HotRoute(partial(_serve, endpoint="completions"), EXCEPTION_HANDLERS),
     "/v1/embeddings": HotRoute(partial(_serve, endpoint="embeddings"), EXCEPTION_HANDLERS),
-    "/v1/messages": HotRoute(_serve_messages, {**EXCEPTION_HANDLERS, **ANTHROPIC_EXCEPTION_HANDLERS}),
+    "/v1/messages": HotRoute(_serve_messages, EXCEPTION_HANDLERS),
 }
 
 

@@ -10,7 +10,7 @@ from litestar import Request, Response
 
 from engine.protocol.request_ids import unique_request_id
 from gateway.errors import ClientError
-from gateway.http.transport import EventStream, read_body, stop_handed_watch
+from gateway.http.transport import EventStream, read_json_body, stop_handed_watch
 
 GATEWAY_ID_PREFIX = "gw-"   # generated x-request-id: gw-<24 hex> (engine/protocol/request_ids.py)
 
@@ -20,7 +20,7 @@ async def serve_observed(request: Request, endpoint: str, headers,
     """``answer(gw, rec, rid, raw)``'s response to ``request``, observed as ``endpoint``.
 
     Before it: 503 while the gateway drains, the request id (forwarded upstream; echoed as ``x-request-id``),
-    the record (``gw.obs.begin``: span, trace context) and the size- and time-limited body. After it: a
+    the record (``gw.obs.begin``: span, trace context) and the size- and time-limited body, declared as JSON. After it: a
     ``ClientError`` is recorded (``gw.obs.reject``) and raised on; a request that ends without a stream (499, an
     unexpected error) is still metered and logged (``gw.obs.abandon``), while an ``EventStream``'s record is
     completed by observability's stream wrapper at its end. ``answer`` completes the record of a whole answer
@@ -33,7 +33,7 @@ async def serve_observed(request: Request, endpoint: str, headers,
     rec = gw.obs.begin(rid, endpoint, headers)
     response = None
     try:
-        raw = await read_body(request, gw.snapshot.max_body_size, gw.snapshot.compiled.config.server.body_timeout_s)
+        raw = await read_json_body(request, gw.snapshot.max_body_size, gw.snapshot.compiled.config.server.body_timeout_s)
         response = await answer(gw, rec, rid, raw)
         return response
     except ClientError as e:

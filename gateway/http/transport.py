@@ -1,7 +1,7 @@
-"""The HTTP transport of one request: its body in (``read_body``, size-limited), its SSE answer out
-(``EventStream``), and client disconnects: a client that leaves cancels its upstream work, before the answer
-(``unless_disconnected``) and while a stream is relayed, with one task awaiting ``receive`` per request (handed from
-the answer to its stream) instead of an anyio task group per response."""
+"""The HTTP transport of one request: its body in (``read_body``, size-limited; ``read_json_body``: declared as
+JSON), its SSE answer out (``EventStream``), and client disconnects: a client that leaves cancels its upstream
+work, before the answer (``unless_disconnected``) and while a stream is relayed, with one task awaiting
+``receive`` per request (handed from the answer to its stream) instead of an anyio task group per response."""
 
 from __future__ import annotations
 
@@ -40,6 +40,29 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
                           headers={"connection": "close"}) from None
     encoding = request.headers.get("content-encoding")
     return raw if encoding is None else decode_content(raw, encoding, limit)
+
+
+def check_json_content_type(headers) -> None:
+    """Refuse a body declared as anything but JSON: ``Content-Type`` ``application/json`` (with any parameters, e.g.
+    ``charset=utf-8``) or a structured ``application/*+json`` type. No ``Content-Type`` at all is read as JSON
+    (clients such as ``curl --data-binary`` without ``-H`` and hand-written scripts omit it).
+
+    Raises:
+        ClientError: 400 ``unsupported_content_type`` naming the type sent (as OpenAI's API answers it)."""
+    value = headers.get("content-type")
+    if not value or not value.strip():
+        return
+    media = value.partition(";")[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise ClientError(400, f"Unsupported content type: '{value}'. This endpoint accepts JSON bodies only: send "
+                      "'Content-Type: application/json'", param="content-type", code="unsupported_content_type")
+
+
+async def read_json_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """``read_body`` of a client API's request, after ``check_json_content_type`` (refused before it is read)."""
+    check_json_content_type(request.headers)
+    return await read_body(request, limit, timeout_s)
 
 
 # content coding -> zlib's wbits (RFC 9110 8.4.1: gzip; deflate is the zlib format)
