@@ -2,8 +2,10 @@
 
 ``RequestLog`` writes one JSON object per finished request (one line) to its
 own logger ``tandem.requests`` (not propagated, so the line stays pure JSON):
-``ts``, ``request_id``, ``trace_id``, ``tenant``, ``model``, ``route``,
-``rule``, ``backend``, ``status``, ``attempts``, ``stream``,
+``ts``, ``request_id``, ``trace_id``, ``endpoint`` (the client API's path
+after ``/v1/``: ``chat/completions``, ``completions``, ``embeddings``,
+``responses``, ``messages``), ``tenant``, ``model``, ``route``, ``rule``,
+``backend``, ``status``, ``attempts``, ``stream``,
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``,
 ``usage_estimated``, ``ttft_s``, ``latency_s``, ``cost_usd``, ``error``
 and, only with ``observability.logs.include_prompts``, ``prompt`` and

@@ -115,7 +115,9 @@ class Observability:
 
     # -- the request path ----------------------------------------------------------------------------------------
     def begin(self, request_id: str, endpoint: str, headers) -> RequestRecord:
-        """A request arrived: start its SERVER span (tracing on) and its trace context."""
+        """A request arrived on ``endpoint`` (the client API's path after ``/v1/``: ``chat/completions``,
+        ``completions``, ``embeddings``, ``responses``, ``messages``; its log line's ``endpoint`` and its span's
+        ``tandem.endpoint``): start its SERVER span (tracing on) and its trace context."""
         snap = self.snap
         rec = RequestRecord(request_id, endpoint, time.perf_counter(), snap)
         auth = headers.get("authorization")
@@ -124,7 +126,7 @@ class Observability:
         if snap is not None and snap.local is not None:
             self.metrics.ensure_engine(snap.local)
         if self.tracing is not None:
-            rec.span = self.tracing.server_span(OPERATIONS.get(endpoint, endpoint), headers, f"/v1/{endpoint}")
+            rec.span = self.tracing.server_span(OPERATIONS.get(endpoint, endpoint), endpoint, headers)
             rec.trace_id = f"{rec.span.get_span_context().trace_id:032x}"
             rec.traceparent = traceparent(rec.span)
         else:
@@ -439,7 +441,7 @@ class Observability:
 
     def _log_line(self, rec: RequestRecord, status: int, latency: float, tokens, nusd: int, estimated: bool) -> None:
         fields = {"event": "request", "request_id": rec.request_id, "trace_id": rec.trace_id,
-                  "tenant": tenant_label(rec.tenant), "model": rec.model or None, "route": rec.route or None,
+                  "endpoint": rec.endpoint, "tenant": tenant_label(rec.tenant), "model": rec.model or None, "route": rec.route or None,
                   "rule": rec.rule or None, "backend": rec.backend or None, "status": status,
                   "attempts": len(rec.attempts), "stream": rec.stream,
                   "prompt_tokens": tokens[0] if tokens else None,

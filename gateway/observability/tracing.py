@@ -10,7 +10,9 @@ name), ``gen_ai.request.model``, ``gen_ai.response.model``,
 ``gen_ai.request.max_tokens``, ``gen_ai.request.temperature``,
 ``gen_ai.usage.input_tokens``, ``gen_ai.usage.output_tokens``,
 ``gen_ai.response.finish_reasons``, ``error.type``, ``server.address``,
-``tandem.route``, ``tandem.rule``, ``tandem.attempt`` (1-based call number;
+``tandem.endpoint`` (SERVER span: the client API's path after ``/v1/``,
+``chat/completions`` | ``completions`` | ``embeddings`` | ``responses`` |
+``messages``), ``tandem.route``, ``tandem.rule``, ``tandem.attempt`` (1-based call number;
 ``tandem.attempt.kind``: initial | retry | fallback). OTel metrics:
 ``gen_ai.client.token.usage`` (``gen_ai.token.type`` input | output),
 ``gen_ai.client.operation.duration`` (per upstream call, seconds),
@@ -167,11 +169,13 @@ class Tracing:
         except Exception as e:  # noqa: BLE001
             log.warning("tracing shutdown: %s", e)
 
-    def server_span(self, op: str, headers, path: str):
-        """Start the SERVER span of one request (parent: the client's ``traceparent``)."""
+    def server_span(self, op: str, endpoint: str, headers):
+        """Start the SERVER span of one request on ``endpoint`` (``chat/completions``, ``responses``, ...: the path
+        after ``/v1/``, attribute ``tandem.endpoint``) whose GenAI operation is ``op`` (parent: the client's
+        ``traceparent``)."""
         return self.tracer.start_span(op, context=self.extract(headers), kind=SpanKind.SERVER,
                                       attributes={"gen_ai.operation.name": op, "http.request.method": "POST",
-                                                  "url.path": path})
+                                                  "url.path": f"/v1/{endpoint}", "tandem.endpoint": endpoint})
 
     def client_span(self, name: str, parent, attributes: dict[str, Any]):
         """Start the CLIENT span of one upstream call under ``parent`` (the SERVER span)."""
