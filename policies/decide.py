@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from policies.features import RequestFeatures, Signals
-from policies.routes import Pick, Route, Target, home_target, pick_target, sticky_key, with_prices
+from policies.routes import Pick, Route, Target, home_target, pick_target, spares, sticky_key, with_prices
 from policies.rules import Match, match
 from policies.slo import Slo
 
@@ -75,8 +75,8 @@ class Decision:
         rule: the matched rule's name ("default" when none matched).
         route: the route's name.
         attempts: targets to try in order (the pick, the route's other live
-            targets by rank, then fallbacks),
-            unavailable ones already removed.
+            targets of weight > 0 by rank, then its targets of weight 0, then
+            fallbacks), unavailable ones already removed.
         canary_key: the string hashed for the canary arm.
         pick: the canary/cheapest pick with scores and skipped targets.
         trace: one line per rule evaluated.
@@ -102,7 +102,8 @@ class Decision:
             lines.append(f"chosen: {self.pick.target.id} ({self.pick.reason})")
         else:
             lines.append(f"chosen: no target ({self.pick.reason}); "
-                         + ("the fallbacks serve it" if self.attempts else "the gateway answers 503"))
+                         + (f"{self.attempts[0].id} serves it (weight 0 or fallback)" if self.attempts
+                            else "the gateway answers 503"))
         lines.append("attempts: " + (" -> ".join(t.id for t in self.attempts) or "(none available)"))
         return "\n".join(lines)
 
@@ -133,9 +134,10 @@ def decide(policy: Policy, f: RequestFeatures, s: Signals, explain: bool = False
     First matching rule wins (else ``default_route``). The route's first
     choice comes from ``pick_target``; the route's other live targets follow
     in ``Pick.ranked`` order (a failed or cooling-down target fails over to
-    its siblings first), then the explicit ``fallbacks``, minus unavailable
-    backends and duplicates. Targets of weight 0 get no traffic, not even
-    as a failover."""
+    its siblings first), then ``routes.spares``: the route's targets of
+    weight 0 (no share of the traffic, but the failover before any fallback),
+    then the explicit ``fallbacks``; minus unavailable backends and
+    duplicates."""
     trace: list[str] | None = [] if explain else None
     chosen_rule = None
     for rule in policy.rules:
@@ -158,17 +160,10 @@ def decide(policy: Policy, f: RequestFeatures, s: Signals, explain: bool = False
     home = home_target([t for t in route.targets if t.backend not in s.unavailable], sticky) if slo else ""
     pick = pick_target(route, key, s.unavailable, f.prefix_text, s.replica_load, slo, s.ttft, f.prompt_tokens,
                        f.max_tokens, home)
-    attempts: list[Target] = []
-    seen: set[str] = set()
-    for t in pick.ranked:
-        attempts.append(t)
-        seen.add(t.id)
-    for t in route.fallbacks:
-        if t.id in seen:
-            continue
+    attempts: list[Target] = list(pick.ranked)
+    for t in spares(route):
         if t.backend in s.unavailable:
             pick.skipped.setdefault(t.id, s.unavailable[t.backend])
-            continue
-        seen.add(t.id)
-        attempts.append(t)
+        else:
+            attempts.append(t)
     return Decision(chosen_rule.name if chosen_rule else "default", route_name, attempts, key, pick, trace or [])

@@ -165,6 +165,27 @@ def _affinity_pick(route: Route, live: list[Target], prefix: str, loads: dict[st
                 home=c.home.id, prefix_key=pkey)
 
 
+def spares(route: Route) -> list[Target]:
+    """The members of ``route`` a request tries once its weighted targets (weight > 0) have failed or were skipped
+    (breaker open, cooling down, connection refused): its targets of weight 0 in the route's order (they get no
+    share of the traffic, but serve it before any fallback), then its ``fallbacks`` in order; a target id already
+    listed, or a weighted target's, is not repeated. The one place of that order: ``decide`` appends it to the
+    pick's ranked targets; readiness (``candidates``) and the weights warnings read it too."""
+    seen = {t.id for t in route.targets if t.weight > 0}
+    out = []
+    for t in (*(t for t in route.targets if t.weight <= 0), *route.fallbacks):
+        if t.id not in seen:
+            seen.add(t.id)
+            out.append(t)
+    return out
+
+
+def candidates(route: Route) -> list[Target]:
+    """Every target a request on ``route`` may be sent to, in the route's order: its weighted targets (weight > 0;
+    a request tries them ranked by its pick), then ``spares``. A route can serve while one of them can answer."""
+    return [t for t in route.targets if t.weight > 0] + spares(route)
+
+
 def with_weights(route: Route, weights: dict[str, float]) -> Route:
     """A copy of ``route`` with target weights replaced by ``weights``
     (target id or backend name -> weight).

@@ -8,8 +8,8 @@ are 95 % and 5 %, 1 and 3 are 25 % and 75 %) or none does (equal shares); each f
 - some targets of a route with ``weight`` and others without: refused, naming the first without (``[{a, weight:
   5}, {b}]`` reads as "5 % canary" but the default weight 100 made it 4.8 %);
 - every target of a route with weight 0: refused (the route could serve nothing but its fallbacks);
-- weight on a backend that cannot be called (its ``api_key_env`` unset): a warning naming the share that moves
-  to the route's other targets;
+- weight on a backend that cannot be called (its ``api_key_env`` unset): a warning naming the share and where it
+  goes (``down_share``: the other targets of weight > 0, else the targets of weight 0, then the fallbacks);
 - weights that do not sum to 100 where percent is implied (weights given with ``tandem ctl weights``, or every
   target of the route sets ``weight`` in the file): a warning with the real shares.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import yaml
 
 from gateway.config.schema import GatewayConfig
-from policies import Policy, Route
+from policies import Policy, Route, spares
 
 
 def _unavailable(cfg: GatewayConfig, env) -> dict[str, str]:
@@ -65,22 +65,36 @@ def check_weights(cfg: GatewayConfig, routes: dict[str, Route], overrides: dict[
 def down_share(name: str, route: Route, down: dict[str, str], tried: frozenset[str] = frozenset()) -> str | None:
     """The warning for the share of route ``name``'s weight on backends in ``down`` (name -> why it cannot be
     called: an unset key at load, a failed health probe or open breakers at run time); None when there is none.
+    It says where those requests go, in the order a request tries (``policies.spares``): the route's other
+    targets of weight > 0, else its targets of weight 0, then its fallbacks, those not down themselves.
     ``tried``: those of them routing still calls (a failed probe: breakers, not probes, take a backend out), so
-    the warning says so instead of promising the other targets."""
+    the warning says each request tries them first."""
     total = sum(t.weight for t in route.targets)
     lost = [t for t in route.targets if t.weight > 0 and t.backend in down]
     if not lost or total <= 0:
         return None
     pct = 100 * sum(t.weight for t in lost) / total
     where = "; ".join(f"{t.id}: {down[t.backend]}" for t in lost)
-    rest = "the route's other targets" if pct < 100 else "the route's fallbacks only"
+    rest = "the route's other targets of weight > 0" if pct < 100 else _spares_text(route, down)
     if any(t.backend in tried for t in lost):
-        fallbacks = "its fallbacks" if route.fallbacks else "nothing: the route has no fallbacks"
-        return (f"routes.{name}: {pct:.1f} % of the weight is on backends found down ({where}); requests are still "
-                f"sent there, with retries, until failed calls open their breakers; then they go to "
-                f"{rest if pct < 100 else fallbacks}")
+        return (f"routes.{name}: {pct:.1f} % of the weight is on backends found down ({where}); each of those "
+                f"requests still tries them first (until failed calls open their breakers), then goes to {rest}")
     return (f"routes.{name}: {pct:.1f} % of the weight is on unavailable backends ({where}); those requests go to "
             f"{rest}")
+
+
+def _spares_text(route: Route, down: dict[str, str]) -> str:
+    """Where a request goes once every weighted target of ``route`` is out: its ``spares`` not in ``down``."""
+    zero = {t.id for t in route.targets if t.weight <= 0}
+    up = [t.id for t in spares(route) if t.backend not in down]
+    skipped = [t.id for t in spares(route) if t.backend in down]
+    parts = [f"{what} ({', '.join(ids)})" for what, ids in (
+        ("its targets of weight 0", [i for i in up if i in zero]), ("its fallbacks", [i for i in up if i not in zero]))
+        if ids]
+    if not parts:
+        return (f"none: the route's other targets and fallbacks ({', '.join(skipped)}) are down too, so they get 503"
+                if skipped else "none: the route has no other target and no fallbacks, so they get 503")
+    return ", then ".join(parts) + (f" ({', '.join(skipped)}: down too)" if skipped else "")
 
 
 def routes_table(policy: Policy) -> dict[str, dict]:
@@ -100,8 +114,8 @@ def routes_table(policy: Policy) -> dict[str, dict]:
 def add_effective_shares(table: dict[str, dict], backends: dict[str, dict], targets: dict[str, dict]) -> None:
     """Add to each target of ``routes_table``'s ``table`` what requests actually get now: ``effective_pct`` (its
     share among the targets that can serve: weight > 0, backend available, breaker not open; the router picks
-    among those in proportion to their weights) and ``out`` (why it gets nothing: the backend's reason or its open
-    breaker; "" when it serves). ``backends`` and ``targets``: ``Resilience.status``' answer."""
+    among those in proportion to their weights; when none can, the first target of weight 0 that can gets 100)
+    and ``out`` (why it gets nothing: the backend's reason, its open breaker or its weight 0; "" when it serves). ``backends`` and ``targets``: ``Resilience.status``' answer."""
     for route in table.values():
         def why(t: dict) -> str:
             b = backends.get(t["backend"], {})
@@ -116,6 +130,10 @@ def add_effective_shares(table: dict[str, dict], backends: dict[str, dict], targ
         total = sum(t["weight"] for t in route["targets"] if not t["out"])
         for t in route["targets"]:
             t["effective_pct"] = round(100 * t["weight"] / total, 2) if total and not t["out"] else 0.0
+        if not total:   # no weighted target serves: the first target of weight 0 that can takes it all
+            spare = next((t for t in route["targets"] if t["out"] == "weight 0"), None)   # (``policies.spares``)
+            if spare is not None:
+                spare["out"], spare["effective_pct"] = "", 100.0
 
 
 def describe_changes(old: Policy | None, new: Policy, old_text: str = "", new_text: str = "") -> str:

@@ -21,6 +21,7 @@ from gateway.resilience.health import ActiveProber, HealthTracker
 from gateway.resilience.ratelimit import Limit, RateLimiter, RateLimitResult, RateReservation
 from gateway.resilience.attempts import Candidate, Result, call_with_fallback
 from gateway.state import SharedState
+from policies import candidates
 
 log = logging.getLogger("tandem.gateway.resilience")
 
@@ -149,11 +150,12 @@ class Resilience:
 
     @staticmethod
     def routes_serving(routes: dict, backends: dict, targets: dict) -> list[str]:
-        """The routes that can serve now, from ``status``'s answer: those with a target or fallback whose backend
-        is available and whose breaker is not open (``/health/ready`` is ``degraded`` when there is none)."""
+        """The routes that can serve now, from ``status``'s answer: those with a candidate (``policies.candidates``:
+        the order a request tries, weight-0 targets included) whose backend is available and whose breaker is not
+        open (``/health/ready`` is ``degraded`` when there is none)."""
         return sorted(name for name, r in routes.items()
                       if any(backends.get(t.backend, {}).get("available") and targets.get(t.id, {}).get("breaker")
-                             != "open" for t in (*r.targets, *r.fallbacks)))
+                             != "open" for t in candidates(r)))
 
     # -- the attempt loop --------------------------------------------------------------------------------------
     def candidate(self, target: Any, backend: Any) -> Candidate:

@@ -336,11 +336,17 @@ def test_route_explain_says_when_given_predictions_have_no_slo_to_meet(tmp_path)
 
 
 def test_route_targets_fail_over_to_each_other_by_rank():
-    """The pick first, then the route's other live targets (weight > 0) by rank, then the fallbacks."""
+    """The pick first, then the route's other live targets (weight > 0) by rank, then its targets of weight 0
+    (no share, but the failover before any fallback), then the fallbacks; an unavailable one is skipped."""
     route = Route("r", (Target("a", weight=200), Target("b", weight=1), Target("z", weight=0)), (Target("f"),))
     d = decide(Policy((), {"r": route}, "r"), RequestFeatures("m1", user="u"), Signals())
-    assert [t.id for t in d.attempts][1:] in (["b", "f"], ["a", "f"]) and len(d.attempts) == 3
-    assert "z" not in [t.id for t in d.attempts]
+    assert [t.id for t in d.attempts][1:] in (["b", "z", "f"], ["a", "z", "f"]) and len(d.attempts) == 4
+    down = decide(Policy((), {"r": route}, "r"), RequestFeatures("m1", user="u"), Signals(unavailable={"a": "k"}))
+    assert [t.id for t in down.attempts] == ["b", "z", "f"]
+    promoted = Route("p", (Target("z", weight=0), Target("a", weight=100)), (Target("f"), Target("z")))
+    d = decide(Policy((), {"p": promoted}, "p"), RequestFeatures("m1"), Signals(unavailable={"a": "k"}))
+    assert d.pick.target is None and [t.id for t in d.attempts] == ["z", "f"]   # z once, before the fallback
+    assert "chosen: no target (no available target with weight > 0); z serves it" in d.explain()
     cheap = Route("c", (Target("x", input_price=3), Target("y", input_price=1), Target("w", input_price=2)),
                   select="cheapest")
     assert [t.id for t in decide(Policy((), {"c": cheap}, "c"), RequestFeatures("m1"), Signals()).attempts] == \

@@ -29,6 +29,8 @@ routes:
     targets: [{backend: keyed, weight: 50}, {backend: keyless, weight: 50}]
   three:
     targets: [{backend: keyed, weight: 60}, {backend: keyless, weight: 20}, {backend: third, weight: 20}]
+  promoted:
+    targets: [{backend: keyed, weight: 0}, {backend: keyless, weight: 100}, {backend: third, weight: 0}]
 policy:
   default_route: main
 """
@@ -48,3 +50,6 @@ async def test_an_unavailable_backends_share_goes_to_the_routes_other_targets(mo
     assert main["keyed"]["effective_pct"] == 100 and main["keyed"]["out"] == ""
     three = {t["id"]: t["effective_pct"] for t in routes["three"]["targets"]}
     assert three == {"keyed": 75.0, "keyless": 0.0, "third": 25.0}
+    # every weighted target out: requests go to the first target of weight 0 (before any fallback), not nowhere
+    promoted = {t["id"]: (t["effective_pct"], t["out"]) for t in routes["promoted"]["targets"]}
+    assert promoted == {"keyed": (100.0, ""), "keyless": (0.0, main["keyless"]["out"]), "third": (0.0, "weight 0")}

@@ -353,9 +353,11 @@ async def test_a_weights_change_warns_of_weight_on_a_backend_its_probe_finds_dow
         in warned[0], warned
     # routing still calls a backend whose probe failed (breakers, not probes, take it out): the warning says so
     # rather than promising the other targets or fallbacks (new-user trial: "fallbacks only", then a 502)
-    assert "still sent there, with retries, until failed calls open their breakers; then they go to the route's " \
-        "other targets" in warned[0]
+    assert "each of those requests still tries them first (until failed calls open their breakers), then goes to " \
+        "the route's other targets of weight > 0" in warned[0]
+    # promoted onto the down arm: the share goes to the target left at weight 0, which routing tries before any
+    # fallback (new-user trial: the warning promised the keyless fallbacks, then 502 and 503s)
     warned = [w for w in whole.json()["warnings"] if w.startswith("routes.ro:")]
-    assert len(warned) == 1 and warned[0].endswith("then they go to nothing: the route has no fallbacks"), warned
+    assert len(warned) == 1 and warned[0].endswith("then goes to its targets of weight 0 (stable)"), warned
     assert back.status_code == 200 and any(w.startswith("routes.ro: 25.0 % of the weight is on backends found down")
                                            for w in back.json()["warnings"]), back.json()
