@@ -7,7 +7,7 @@ are 95 % and 5 %, 1 and 3 are 25 % and 75 %) or none does (equal shares); each f
 
 - some targets of a route with ``weight`` and others without: refused, naming the first without (``[{a, weight:
   5}, {b}]`` reads as "5 % canary" but the default weight 100 made it 4.8 %);
-- every target of a route with weight 0: refused (the route could serve nothing but its fallbacks);
+- every target of a route with weight 0: refused (no target would get a share of the traffic: a mistake);
 - weight on a backend that cannot be called (its ``api_key_env`` unset): a warning naming the share and where it
   goes (``down_share``: the other targets of weight > 0, else the targets of weight 0, then the fallbacks);
 - weights that do not sum to 100 where percent is implied (weights given with ``tandem ctl weights``, or every
@@ -51,7 +51,8 @@ def check_weights(cfg: GatewayConfig, routes: dict[str, Route], overrides: dict[
         path = f"overrides.{name}" if name in overrides else f"routes.{name}.targets"
         total = sum(t.weight for t in route.targets)
         if total <= 0:
-            errors.append((path, "every target has weight 0, so the route serves nothing; give one a weight > 0"))
+            errors.append((path, "every target has weight 0, so none gets a share of the traffic; "
+                                 "give one a weight > 0"))
             continue
         if (lost := down_share(name, route, down)) is not None:
             warnings.append(lost)
@@ -100,7 +101,8 @@ def _spares_text(route: Route, down: dict[str, str]) -> str:
 def routes_table(policy: Policy) -> dict[str, dict]:
     """route -> ``{"select", "weights_steer", "targets": [{"id", "backend", "weight", "share_pct"}],
     "fallbacks": [ids]}``. ``weights_steer``: the weights set the traffic shares (``weighted`` and
-    ``prefix_affinity`` routes); on a ``cheapest`` or SLO route a weight only turns a target on (> 0) or off."""
+    ``prefix_affinity`` routes); on a ``cheapest`` or SLO route a weight only makes a target a choice (> 0) or a
+    spare (0: ``policies.spares``)."""
     out = {}
     for name, r in policy.routes.items():
         total = sum(t.weight for t in r.targets) or 1.0
@@ -115,7 +117,8 @@ def add_effective_shares(table: dict[str, dict], backends: dict[str, dict], targ
     """Add to each target of ``routes_table``'s ``table`` what requests actually get now: ``effective_pct`` (its
     share among the targets that can serve: weight > 0, backend available, breaker not open; the router picks
     among those in proportion to their weights; when none can, the first target of weight 0 that can gets 100)
-    and ``out`` (why it gets nothing: the backend's reason, its open breaker or its weight 0; "" when it serves). ``backends`` and ``targets``: ``Resilience.status``' answer."""
+    and ``out`` (why it gets nothing: the backend's reason, its open breaker or its weight 0; "" when it serves).
+    ``backends`` and ``targets``: ``Resilience.status``' answer."""
     for route in table.values():
         def why(t: dict) -> str:
             b = backends.get(t["backend"], {})

@@ -225,8 +225,9 @@
         : `Rollout ${r.name} is paused: the weights are yours until it resumes (then its step's weight again).`));
       if (!route.weights_steer) {
         notes.push(h("p", {class: "steer"}, `This route picks ${route.select === "cheapest" ? "the cheapest" :
-          "by its SLO, the cheapest predicted in time"} among its targets: a weight only turns a target on ` +
-          "(above 0) or off (0), so there is no canary slider."));
+          "by its SLO, the cheapest predicted in time"} among its targets: a weight only makes a target a ` +
+          "choice (above 0) or a spare (0: tried once those fail, before the fallbacks), so there is no " +
+          "canary slider."));
       }
       c.note.replaceChildren(...notes);
       c.body.replaceChildren(...route.targets.map((t, i) => {
