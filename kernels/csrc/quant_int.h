@@ -32,9 +32,9 @@
  *
  * Packed layouts (linear_q4_pack / linear_q8_pack on these builds: qi_pack_q4,
  * qi_pack_w8; the scales as for the other bodies): per panel of 64 columns,
- * per group g of QI_COLS columns (8 on AVX2, 16 with VNNI), per block of 32
- * inputs, 4-bit: 4 vectors of 4 QI_COLS bytes, byte 4 c + i of vector v
- * holding column QI_COLS g + c's code at input 8 v + i (low nibble) and
+ * per half panel, per block of 32 inputs, per group g of QI_COLS columns (8
+ * on AVX2, 16 with VNNI; qi_at), 4-bit: 4 vectors of 4 QI_COLS bytes, byte
+ * 4 c + i of vector v holding column QI_COLS g + c's code at input 8 v + i (low nibble) and
  * 8 v + 4 + i (high); 8-bit: 8 vectors, byte 4 c + i of vector v column
  * QI_COLS g + c's code at input 4 v + i. A 32-bit lane so holds one
  * column's four consecutive inputs, whose products VPMADDUBSW + VPMADDWD
@@ -56,6 +56,14 @@
 #define QI_COLS 8
 #endif
 #define QI_TILE 4 /* AVX2: rows x groups of 8 columns per register tile */
+#define QI_HALF (PANEL / 2 / QI_COLS) /* groups per half panel (a work item) */
+
+/* Where group g's block b sits in its panel, in units of one (group, block)'s codes: the half panel's
+ * groups interleaved block by block, so that a work item (half a panel) of a decode step reads one
+ * sequential stream. */
+static inline int64_t qi_at(int64_t g, int64_t b, int64_t blocks) {
+    return (g / QI_HALF * blocks + b) * QI_HALF + g % QI_HALF;
+}
 
 /* 4-bit codes [n, k] (0..15) into the layout at the top of this file; padded columns get code 0. */
 static void qi_pack_q4(const uint8_t *codes, int64_t n, int64_t k, uint8_t *codes_out) {
@@ -63,7 +71,8 @@ static void qi_pack_q4(const uint8_t *codes, int64_t n, int64_t k, uint8_t *code
     for (int64_t p = 0; p < panels; p++)
         for (int64_t g = 0; g < PANEL / QI_COLS; g++)
             for (int64_t b = 0; b < blocks; b++) {
-                uint8_t *dst = codes_out + ((p * (PANEL / QI_COLS) + g) * blocks + b) * (QBLOCK / 2 * QI_COLS);
+                uint8_t *dst =
+                    codes_out + (p * (PANEL / QI_COLS) * blocks + qi_at(g, b, blocks)) * (QBLOCK / 2 * QI_COLS);
                 for (int64_t v = 0; v < 4; v++)
                     for (int64_t c = 0; c < QI_COLS; c++)
                         for (int64_t i = 0; i < 4; i++) {
@@ -82,7 +91,7 @@ static void qi_pack_w8(const uint8_t *codes, int64_t n, int64_t k, uint8_t *code
             for (int64_t c = 0; c < PANEL; c++) {
                 const int64_t row = p * PANEL + c;
                 const uint8_t *src = codes + row * k + b * QBLOCK;
-                uint8_t *dst = codes_out + ((p * (PANEL / QI_COLS) + c / QI_COLS) * blocks + b) * (QBLOCK * QI_COLS)
+                uint8_t *dst = codes_out + (p * (PANEL / QI_COLS) * blocks + qi_at(c / QI_COLS, b, blocks)) * QBLOCK * QI_COLS
                                + 4 * (c % QI_COLS);
                 for (int64_t v = 0; v < 8; v++)
                     for (int64_t i = 0; i < 4; i++) dst[4 * QI_COLS * v + i] = row < n ? src[4 * v + i] : 0;
@@ -149,7 +158,7 @@ static inline __attribute__((always_inline)) void qi_tile(
         for (int r = 0; r < MR; r++)
             for (int g = 0; g < NG; g++) t[r][g] = _mm256_setzero_si256();
         for (int g = 0; g < NG; g++) {
-            const uint8_t *cb = (const uint8_t *)codes + ((g0 + g) * blocks + b) * gbytes;
+            const uint8_t *cb = (const uint8_t *)codes + qi_at(g0 + g, b, blocks) * gbytes;
             if (Q8) {
                 for (int v = 0; v < 8; v++) {
                     const __m256i w = _mm256_loadu_si256((const __m256i *)(cb + 32 * v)), aw = _mm256_abs_epi8(w);

@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) void qv_tile(
         for (int r = 0; r < MR; r++)
             for (int j = 0; j < NV; j++) t[r][j] = _mm512_setzero_si512();
         for (int j = 0; j < NV; j++) {
-            const uint8_t *cb = (const uint8_t *)codes + ((j0 + j) * blocks + b) * gbytes;
+            const uint8_t *cb = (const uint8_t *)codes + qi_at(j0 + j, b, blocks) * gbytes;
             if (Q8) {
                 __m512i sum = _mm512_setzero_si512();
                 for (int v = 0; v < 8; v++) {
