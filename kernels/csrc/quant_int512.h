@@ -18,8 +18,9 @@
  *
  * Work: half a panel (32 columns) per item, as the AVX2 body. One to three
  * rows (a decode step) run both 16-column groups together, the weights
- * unpacked once for the rows; more rows run each group QV_MR rows at a time,
- * the group's codes (k * 8 bytes, 4-bit) staying in L1 while the rows pass.
+ * unpacked once for the rows, read as one stream (qi_at); more rows run each
+ * group QV_MR rows at a time, the half panel's codes (k * 16 bytes, 4-bit)
+ * staying in L1 or L2 while the rows pass.
  * Included by quant_int.h only. */
 #ifndef TANDEM_QUANT_INT512_H
 #define TANDEM_QUANT_INT512_H
