@@ -1,7 +1,8 @@
 """Server-sent events (https://html.spec.whatwg.org/multipage/server-sent-events.html): the gateway's one SSE
 codec (the framing; an event's data is decoded by the codec of its wire format: ``gateway/translate/chat_events.py``
 for OpenAI's chunks, ``anthropic_answer.py`` for Anthropic's events). ``EventReader`` splits raw bytes (any split,
-CRLF or LF) into events; ``event`` / ``named_event`` / ``DONE`` write events.
+CRLF or LF) into events; ``event`` / ``named_event`` / ``DONE`` write events; ``Last`` marks the bytes that end a
+stream.
 """
 
 from __future__ import annotations
@@ -9,6 +10,15 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 DONE = b"data: [DONE]\n\n"
+
+
+class Last(bytes):
+    """The bytes that end a stream (its ``[DONE]``, with the events of the same read before it), as the client's
+    codec writes them: the transport ends the response body with them (HTTP/1.1's final chunk goes out in the
+    same write) and then lets the layers below finish (close the upstream, account) while the client, who has
+    its whole answer, moves on. Nothing may follow them."""
+
+    __slots__ = ()
 
 
 def event(payload: bytes) -> bytes:

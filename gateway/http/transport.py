@@ -16,6 +16,7 @@ from litestar.response import Stream
 from litestar.response.streaming import ASGIStreamingResponse
 
 from gateway.errors import ClientError
+from gateway.sse import Last
 
 log = logging.getLogger("tandem.gateway.app")
 
@@ -226,15 +227,22 @@ def stop_handed_watch(scope) -> None:
 async def stream_body(iterator, send, receive, encoding: str = "utf-8", watch: _DisconnectWatch | None = None) -> None:
     """Send ``iterator``'s chunks (bytes, or str in ``encoding``) as ASGI body events, then the final empty one
     (Litestar's ``ASGIStreamingResponse._stream``), cancelled when the client disconnects: ``watch`` (the paused
-    watch of the answer, ``HANDED_WATCH``) resumed, or a new ``_DisconnectWatch``."""
+    watch of the answer, ``HANDED_WATCH``) resumed, or a new ``_DisconnectWatch``. A ``gateway.sse.Last`` chunk
+    ends the body at once; the iterator is then run to its end (its layers close and account) with the watch
+    stopped: a client that has its whole answer and leaves cancels nothing."""
     if watch is None:
         watch = _DisconnectWatch(receive)
     else:
         watch.resume()
     try:
         async for chunk in iterator:
+            last = isinstance(chunk, Last)
             await send({"type": "http.response.body", "body": chunk if isinstance(chunk, bytes)
-                        else chunk.encode(encoding), "more_body": True})
+                        else chunk.encode(encoding), "more_body": not last})
+            if last:
+                watch.stop()
+                await _finish(iterator)
+                return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     except asyncio.CancelledError:
         watch.stop()
@@ -243,6 +251,12 @@ async def stream_body(iterator, send, receive, encoding: str = "utf-8", watch: _
         raise
     finally:
         watch.stop()
+
+
+async def _finish(iterator) -> None:
+    """Run ``iterator`` to its end once its ``Last`` chunk is sent; anything after it is a codec's bug, dropped."""
+    async for chunk in iterator:
+        log.error("stream chunk after its last one dropped (%d bytes)", len(chunk))
 
 
 class EventStream(Stream):

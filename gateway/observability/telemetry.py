@@ -270,7 +270,10 @@ class Observability:
 
     def stream(self, rec: RequestRecord, backend: str, it: ChatStream) -> ChatStream:
         """Wrap a committed stream: TTFT, usage and finish reasons from its events, redaction of error events;
-        accounting when it ends."""
+        accounting when it ends. The client's codec ends the response with ``[DONE]`` (``gateway.sse.Last``), so
+        the accounting of a stream that ends there runs after the client has its whole answer; with a budget, it
+        runs before ``[DONE]`` is passed on (the tenant's next request is admitted against its settle, as for a
+        whole answer in ``finish``)."""
         rec.backend = backend
         return self._relay(rec, it)
 
@@ -283,10 +286,14 @@ class Observability:
                     rec.ttft_s = time.perf_counter() - rec.t0
                 batch = self._scan(rec, batch)
                 if batch:
+                    if batch[-1].done and (rec.reservation is not None or rec.budget is not None) \
+                            and self._end(rec):
+                        await asyncio.shield(self._spawn(self._account(rec, 200, time.perf_counter() - rec.t0)))
                     yield batch
             exhausted = True             # the inner iterator has finished (and cleaned up) on its own
         except (asyncio.CancelledError, GeneratorExit):
-            status, rec.disconnected = 499, True      # billed for what it was sent (``_complete``)
+            if not rec.finished:         # (an ended record is not changed)
+                status, rec.disconnected = 499, True      # billed for what it was sent (``_complete``)
             raise
         finally:
             aclose = None if exhausted else getattr(it, "aclose", None)

@@ -45,6 +45,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Awaitable, Callable
 
 import msgspec
@@ -57,7 +58,7 @@ from gateway.resilience.outcomes import (TRANSIENT_STATUS, Attempt, Failure, NoC
                                          is_request_error, parse_retry_after)
 from gateway.resilience.backoff import RetryPolicy
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
-from gateway.resilience.streaming import GATEWAY_SHUTDOWN, Held, peek_stream, relay
+from gateway.resilience.streaming import Held, StreamEnd, peek_stream, relay
 
 log = logging.getLogger("tandem.retry")
 
@@ -212,8 +213,8 @@ class _Run:
         else:
             held: Held = result.stream  # type: ignore[assignment]
             inter = c.inter_chunk_timeout_s or self.policy.inter_chunk_timeout_s
-            result.stream = relay(result, held, inter, self.batch,
-                                  lambda ok: self._end_stream(result, c, probe, t0, ok, held), self.streams)
+            end = StreamEnd(held.resp, result, probe, t0, partial(self._record, c), self._finished)
+            result.stream = relay(result, held, inter, self.batch, end.end, self.streams, end.settle)
         return result
 
     def _exclude_not_larger(self, failed: Candidate) -> None:
@@ -281,13 +282,7 @@ class _Run:
             return Failure("context_length", "prompt too long for this target", status=status, response=resp)
         return PassThrough(resp)
 
-    async def _end_stream(self, res: Result, c: Candidate, probe: bool, t0: float, ok: bool, held: "Held") -> None:
-        await close_response(held.resp)
-        dt = time.monotonic() - t0
-        if res.error in (None, GATEWAY_SHUTDOWN):  # finished, the client went away, or a drain ended it
-            await self._record(c, True, None, None, probe, dt, res.ttft_s)
-        else:
-            await self._record(c, False, None, None, probe, dt, res.ttft_s, reason="stream_interrupted")
+    async def _finished(self, res: Result) -> None:
         if self.on_finish is not None:
             try:
                 out = self.on_finish(res)

@@ -19,7 +19,8 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import msgspec
 
-from gateway.resilience.outcomes import Failure, PassThrough, Result, UpstreamResponse, classify_error_object
+from gateway.resilience.outcomes import (Failure, PassThrough, Result, UpstreamResponse, classify_error_object,
+                                         close_response)
 from gateway.values import DONE, ChatEvent, ChatStream, error_event
 
 
@@ -157,11 +158,50 @@ def _error_json(error) -> bytes:
     return msgspec.json.encode({"error": error})
 
 
+class StreamEnd:
+    """The end of one committed stream (``relay``'s ``on_done`` and ``on_end``), in two steps. ``settle``, before
+    ``[DONE]`` goes downstream: what the client's next request must find done (``finished(res)``: its token
+    reservations reconciled; a probe's outcome, which frees the half-open breaker's probe slot). ``end(ok)``, once
+    the stream has ended (after the client has its whole answer, when it ended in ``[DONE]``): the upstream
+    response ``resp`` closed, the outcome recorded (``record(ok, status, retry_after, probe, latency_s, ttft_s,
+    reason)``), and what ``settle`` did not do."""
+
+    __slots__ = ("resp", "res", "probe", "t0", "record", "finished", "settled")
+
+    def __init__(self, resp: UpstreamResponse, res: Result, probe: bool, t0: float,
+                 record: Callable[..., Awaitable[None]], finished: Callable[[Result], Awaitable[None]]) -> None:
+        self.resp, self.res, self.probe, self.t0 = resp, res, probe, t0
+        self.record, self.finished = record, finished
+        self.settled = False
+
+    async def settle(self) -> None:
+        self.settled = True
+        if self.probe:
+            await self.record(True, None, None, True, time.monotonic() - self.t0, self.res.ttft_s)
+        await self.finished(self.res)
+
+    async def end(self, ok: bool) -> None:
+        res = self.res
+        await close_response(self.resp)
+        dt = time.monotonic() - self.t0
+        if self.settled and self.probe:
+            pass                                       # recorded by ``settle``
+        elif res.error in (None, GATEWAY_SHUTDOWN):    # finished, the client went away, or a drain ended it
+            await self.record(True, None, None, self.probe, dt, res.ttft_s)
+        else:
+            await self.record(False, None, None, self.probe, dt, res.ttft_s, reason="stream_interrupted")
+        if not self.settled:
+            await self.finished(res)
+
+
 async def relay(res: Result, held: Held, inter_s: float, batch: bool,
-                on_end: Callable[[bool], Awaitable[None]], streams: set | None = None) -> ChatStream:
+                on_end: Callable[[bool], Awaitable[None]], streams: set | None = None,
+                on_done: Callable[[], Awaitable[None]] | None = None) -> ChatStream:
     """The committed stream: held events, then the rest; a failure after content ends with an error event.
-    ``on_end(ok)`` runs once it ends (cleanly, with an error, or closed by the client). ``streams``: the
-    gateway's open streams, as their ``Watchdog``s, for a drain to interrupt (``Watchdog.interrupt``).
+    ``on_done()`` runs before ``[DONE]`` goes downstream (what the client's next request must find done: the
+    client API's codec ends the response with ``[DONE]``, ``gateway.sse.Last``); ``on_end(ok)`` once the stream
+    has ended (cleanly, with an error, or closed by the client). ``streams``: the gateway's open streams, as their
+    ``Watchdog``s, for a drain to interrupt (``Watchdog.interrupt``).
 
     ``batch``: every event of a read goes downstream in one list with the events before it (one write
     downstream per read; nothing waits for more); else one list per event."""
@@ -174,6 +214,7 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
     try:
         if held.done:
             ok = True
+            await _done(on_done)
             yield out
             return
         if not batch:
@@ -187,6 +228,7 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
                 if kind == "done":
                     out.append(DONE)
                     ok = True
+                    await _done(on_done)
                     yield out
                     return
                 if kind == "malformed":
@@ -222,6 +264,8 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
             watchdog.disarm()
         ok, last = _last_event(res, held.choices, err)    # ok set before the yield: the client may leave during it
         out.append(last)
+        if last is DONE:
+            await _done(on_done)
         yield out
     finally:
         if watchdog is not None:
@@ -229,6 +273,11 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
             if streams is not None:
                 streams.discard(watchdog)
         await asyncio.shield(on_end(ok))
+
+
+async def _done(on_done: Callable[[], Awaitable[None]] | None) -> None:
+    if on_done is not None:
+        await asyncio.shield(on_done())
 
 
 def _last_event(res: Result, choices: Choices, err: str | None) -> tuple[bool, ChatEvent]:

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from gateway.sse import DONE as DONE_BYTES
-from gateway.sse import EventReader, event
+from gateway.sse import EventReader, Last, event
 from gateway.values import DONE, MALFORMED, ChatEvent, ChatStream, ChoiceDelta, ToolCallDelta
 
 
@@ -289,8 +289,10 @@ class ChatEncoder:
         return _encode(_out_chunk(ev, self.id, self.model, self.chat, self.created))
 
     def encode(self, events: list[ChatEvent]) -> bytes:
-        """The SSE bytes of ``events`` (one read's: written downstream as one chunk)."""
-        return b"".join(DONE_BYTES if ev.done else event(self.payload(ev)) for ev in events)
+        """The SSE bytes of ``events`` (one read's: written downstream as one chunk); ``Last`` when they end in
+        ``[DONE]`` (the end of the stream: the transport ends the body with them)."""
+        data = b"".join(DONE_BYTES if ev.done else event(self.payload(ev)) for ev in events)
+        return Last(data) if events and events[-1].done else data
 
     async def stream(self, events: ChatStream) -> AsyncIterator[bytes]:
         """A ``ChatStream`` as the client's SSE bytes, one chunk per non-empty read. Closing it closes ``events``."""

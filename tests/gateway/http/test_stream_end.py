@@ -1,0 +1,105 @@
+"""The end of a streamed answer (issue 48): the response body ends with the ``[DONE]`` event (``gateway.sse.Last``:
+HTTP/1.1's final chunk in the same send), and the layers below (the upstream closed, outcomes recorded, the usage
+accounted) finish after it. Every stream still ends in one terminated body and one usage record, also when the
+client leaves as soon as it has its answer; a budget is settled before ``[DONE]`` is sent (the tenant's next
+request is admitted against it).
+
+Real parts: ``stream_body`` over ASGI callables; a gateway (the Litestar app under uvicorn, in this process) on the
+fault-injecting upstream, read by a raw HTTP/1.1 client that closes its socket at the body's end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from gateway.billing.usage import Budget
+from gateway.config.compile import load_config_text
+from gateway.http.app import create_app
+from gateway.http.transport import stream_body
+from gateway.runtime import Gateway
+from gateway.sse import DONE, Last
+from tests.gateway.fault_upstream import FaultUpstream
+from tests.gateway.http.test_messages import KEY, config, records
+from tests.gateway.support import serve_app
+
+
+async def test_the_last_chunk_ends_the_body_before_the_stream_cleans_up_and_a_leaving_client_cancels_nothing():
+    sent: list[dict] = []
+    ended = asyncio.Event()              # the body's final event was sent: the client then leaves
+    release = asyncio.Event()            # the test lets the iterator's cleanup go on
+    cleanup: list[str] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if not message["more_body"]:
+            ended.set()
+
+    async def receive() -> dict:
+        await ended.wait()
+        return {"type": "http.disconnect"}
+
+    async def chunks():
+        try:
+            yield b"data: {}\n\n"
+            yield Last(DONE)
+            cleanup.append("after the last chunk")
+        except asyncio.CancelledError:
+            cleanup.append("cancelled")
+            raise
+        finally:
+            await release.wait()         # the upstream closed, the usage accounted ...
+            cleanup.append("finally")
+
+    task = asyncio.create_task(stream_body(chunks(), send, receive))
+    await ended.wait()
+    assert [(m["body"], m["more_body"]) for m in sent] == [(b"data: {}\n\n", True), (DONE, False)]
+    assert cleanup == ["after the last chunk"]           # the body ended before the stream's cleanup ran
+    await asyncio.sleep(0.05)                            # the client's disconnect arrives meanwhile
+    release.set()
+    await task
+    assert cleanup == ["after the last chunk", "finally"] and len(sent) == 2
+
+
+async def _stream_and_leave(url: str) -> bytes:
+    """One streamed chat request over a raw HTTP/1.1 connection, read to the chunked body's end, then the socket
+    closed at once (as a client that has its answer and leaves); the raw response."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = json.dumps({"model": "m1", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                 b"authorization: Bearer " + KEY.encode() + b"\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    raw = b""
+    while not raw.endswith(b"\r\n0\r\n\r\n"):
+        more = await asyncio.wait_for(reader.read(65536), 10)
+        assert more, raw
+        raw += more
+    writer.close()
+    return raw
+
+
+@pytest.mark.parametrize("budget", [False, True])
+async def test_a_stream_ends_at_its_done_and_is_accounted_once_when_its_client_leaves_at_once(budget):
+    up = FaultUpstream().start()
+    cfg = config(up) + ("budgets:\n  tenants:\n    t1: {usd: 100, period: day}\n" if budget else "")
+    gw = Gateway(None, load_config_text(cfg), start_engine=False)
+    server, task, url = await serve_app(create_app(gw))
+    try:
+        for n in (1, 2):
+            raw = await _stream_and_leave(url)
+            assert raw.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in raw.lower()
+            assert raw.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+            if budget:   # settled before [DONE] was sent: spent, nothing still reserved, once the client has it
+                spent, reserved, _ = await gw.usage.budget_state("t1", Budget(100, "day"))
+                assert (spent > 0, reserved) == (True, 0)
+            recs = await records(gw, n)
+            await asyncio.sleep(0.1)                         # nothing accounts it a second time
+            assert len(await gw.usage.records("t1")) == n
+        assert sorted((r.prompt_tokens, r.completion_tokens, r.estimated, r.disconnected)
+                      for r in recs.values()) == [(5, 3, False, False)] * 2
+    finally:
+        server.should_exit = True
+        await task
+        up.stop()
