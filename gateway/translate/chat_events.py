@@ -266,7 +266,8 @@ def chunk_object(ev: ChatEvent, id_: str | None = None, model: str | None = None
     return msgspec.to_builtins(_out_chunk(ev, id_, model, chat, created))
 
 
-_encode = msgspec.json.Encoder().encode
+_encoder = msgspec.json.Encoder()
+_encode, _encode_into = _encoder.encode, _encoder.encode_into
 
 
 class ChatEncoder:
@@ -290,9 +291,19 @@ class ChatEncoder:
 
     def encode(self, events: list[ChatEvent]) -> bytes:
         """The SSE bytes of ``events`` (one read's: written downstream as one chunk); ``Last`` when they end in
-        ``[DONE]`` (the end of the stream: the transport ends the body with them)."""
-        data = b"".join(DONE_BYTES if ev.done else event(self.payload(ev)) for ev in events)
-        return Last(data) if events and events[-1].done else data
+        ``[DONE]`` (the end of the stream: the transport ends the body with them). A chunk's JSON is encoded
+        straight into one buffer as one ``data:`` line (msgspec's JSON has no raw newline: ``event``'s rule)."""
+        buf = bytearray()
+        for ev in events:
+            if ev.done:
+                buf += DONE_BYTES
+            elif ev.error or ev.malformed:
+                buf += event(error_payload(ev.error))
+            else:
+                buf += b"data: "
+                _encode_into(_out_chunk(ev, self.id, self.model, self.chat, self.created), buf, -1)
+                buf += b"\n\n"
+        return Last(buf) if events and events[-1].done else bytes(buf)
 
     async def stream(self, events: ChatStream) -> AsyncIterator[bytes]:
         """A ``ChatStream`` as the client's SSE bytes, one chunk per non-empty read. Closing it closes ``events``."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from gateway.sse import Last, event
 from gateway.translate.chat_events import ChatEncoder, decode_event, decode_stream
 from gateway.values import DONE, MALFORMED, ChatEvent, ChoiceDelta, ToolCallDelta, error_event
 
@@ -55,7 +56,11 @@ def test_the_encoder_writes_the_gateways_id_and_model_and_keeps_the_rest():
         "logprobs": None, "finish_reason": None, "token_ids": [5, 6]}
     assert decode_event(enc.payload(ev)) == ChatEvent(ev.choices, id="chatcmpl-gw-1", model="public", created=7,
                                                       object="chat.completion.chunk", system_fingerprint="fp")
-    assert enc.encode([DONE]) == b"data: [DONE]\n\n"
+    assert enc.encode([DONE]) == b"data: [DONE]\n\n" and isinstance(enc.encode([DONE]), Last)
+    err = error_event("boom\nline 2")     # a read's bytes: each event's payload framed as ``event`` writes it
+    batch = enc.encode([ev, err, ev])
+    assert batch == event(enc.payload(ev)) + event(enc.payload(err)) + event(enc.payload(ev))
+    assert not isinstance(batch, Last) and isinstance(enc.encode([ev, DONE]), Last)
     assert json.loads(enc.payload(error_event("boom", code="c")))["error"]["code"] == "c"
     text = ChatEncoder("cmpl-1", "m", chat=False).payload(ChatEvent((ChoiceDelta(0, content="hi"),)))
     assert json.loads(text)["choices"][0]["text"] == "hi" and json.loads(text)["object"] == "text_completion"
