@@ -4,7 +4,7 @@ accounted) finish after it. Every stream still ends in one terminated body and o
 client leaves as soon as it has its answer; a budget is settled before ``[DONE]`` is sent (the tenant's next
 request is admitted against it).
 
-Real parts: ``stream_body`` over ASGI callables; a gateway (the Litestar app under uvicorn, in this process) on the
+Real parts: ``stream_body`` over ASGI callables; the attempt loop's ``relay`` with its ``StreamEnd``; a gateway (the Litestar app under uvicorn, in this process) on the
 fault-injecting upstream, read by a raw HTTP/1.1 client that closes its socket at the body's end."""
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ from gateway.billing.usage import Budget
 from gateway.config.compile import load_config_text
 from gateway.http.app import create_app
 from gateway.http.transport import stream_body
+from gateway.resilience.outcomes import Result, UpstreamResponse
+from gateway.resilience.streaming import Held, StreamEnd, relay
 from gateway.runtime import Gateway
 from gateway.sse import DONE, Last
+from gateway.values import DONE as DONE_EVENT
+from gateway.values import ChatEvent, ChoiceDelta
 from tests.gateway.fault_upstream import FaultUpstream
 from tests.gateway.http.test_messages import KEY, config, records
 from tests.gateway.support import serve_app
@@ -60,6 +64,38 @@ async def test_the_last_chunk_ends_the_body_before_the_stream_cleans_up_and_a_le
     release.set()
     await task
     assert cleanup == ["after the last chunk", "finally"] and len(sent) == 2
+
+
+@pytest.mark.parametrize("probe", [False, True])
+async def test_a_stream_settles_before_its_done_goes_downstream_and_ends_after(probe):
+    """``StreamEnd``: the token reservations' reconcile (``finished``) and a probe's outcome before the batch with
+    ``[DONE]`` is yielded (the client's next request must find them done); the upstream closed and a plain
+    outcome recorded once the stream has ended; each once."""
+    calls: list[str] = []
+
+    async def record(ok, status, retry_after, probe_, latency_s, ttft_s, reason=""):
+        calls.append(f"record ok={ok} probe={probe_}")
+
+    async def finished(res):
+        calls.append(f"finished usage={res.usage}")
+
+    async def closed():
+        calls.append("closed")
+
+    async def rest():
+        yield [ChatEvent((ChoiceDelta(0, content="b", finish_reason="stop"),)),
+               ChatEvent(usage={"total_tokens": 3}), DONE_EVENT]
+
+    res = Result(200)
+    held = Held([ChatEvent((ChoiceDelta(0, content="a"),))], [], rest(), UpstreamResponse(200, aclose=closed), False)
+    end = StreamEnd(held.resp, res, probe, 0.0, record, finished)
+    seen = []
+    async for batch in relay(res, held, 5.0, True, end.end, None, end.settle):
+        seen.append((batch[-1].done, list(calls)))
+    settled = ["record ok=True probe=True"] if probe else []
+    settled.append("finished usage={'total_tokens': 3}")
+    assert seen == [(False, []), (True, settled)]
+    assert calls == settled + ["closed"] + ([] if probe else ["record ok=True probe=False"])
 
 
 async def _stream_and_leave(url: str) -> bytes:
