@@ -296,7 +296,21 @@ def layers_summary(data: dict) -> str:
     for name, v in (data.get("layers") or {}).items():
         eff = ", ".join(f"{k} {w:g}" for k, w in v["effective"].items())
         lines.append(f"  route {name}: {eff}  [{v['decided_by']}]" + (f"  ({v['note']})" if v["note"] else ""))
+        if now := _traffic_now(data.get("routes", {}).get(name)):
+            lines.append(f"    now: {now}")
     return "\n".join(lines)
+
+
+def _traffic_now(route: dict | None) -> str:
+    """What a route's requests get now when a target with weight is out (``add_effective_shares``'
+    ``effective_pct`` and ``out``): ``local-f32 out (breaker open); local 100 %``; "" when every weighted
+    target serves (the weights are the shares)."""
+    targets = (route or {}).get("targets", [])
+    if not any(t.get("out") and t["weight"] > 0 for t in targets):
+        return ""
+    out = [f"{t['id']} out ({t['out']})" for t in targets if t.get("out") and t["weight"] > 0]
+    serving = [f"{t['id']} {t['effective_pct']:g} %" for t in targets if t.get("effective_pct")]
+    return "; ".join(out + [", ".join(serving) or "no target serves: the fallbacks, then 503"])
 
 
 def main(argv: list[str] | None = None) -> int:

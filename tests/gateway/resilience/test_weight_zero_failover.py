@@ -99,6 +99,11 @@ def test_promote_onto_a_down_arm_is_served_by_the_weight_0_target(gw, ups):
     assert raw.headers["x-tandem-backend"] == "stay" and raw.parse().content[0].text == "hello from stay"
     r = ready(gw)
     assert r.status_code == 200 and "promo" in r.json()["routes_serving"], r.json()
+    st = subprocess.run([sys.executable, "-m", "gateway.commands", "ctl", "--url", gw.url, "status"], cwd=ROOT,
+                        env={**os.environ, **ENV}, capture_output=True, text=True, timeout=60)
+    assert st.returncode == 0, st.stderr      # the weights say arm 100; what the requests get now is stay's
+    assert "route promo: stay 0, arm 100  [operator]" in st.stdout and "    now: arm out (" in st.stdout, st.stdout
+    assert "stay 100 %" in st.stdout, st.stdout
 
 
 def test_weight_0_target_then_fallbacks_then_503_when_every_member_is_down(gw, ups):
