@@ -81,9 +81,10 @@ def analyse(results, t_kill: float, window: float) -> dict:
 async def _load_and_kill(cfg: LoadConfig, workload, kill, kill_at: float):
     load = asyncio.ensure_future(run_load(cfg, workload))
     await asyncio.sleep(kill_at)
-    t_kill = time.perf_counter()
     killed = await asyncio.to_thread(kill)
-    return (await load, t_kill), killed
+    # the moment the kill landed, not when the thread was asked for it: a request started in between could still
+    # be answered by the primary (a non-streamed answer takes ~0.5 ms through the gateway)
+    return (await load, killed.pop("t_kill")), killed
 
 
 def _kill_a_rank(server) -> dict:
@@ -92,13 +93,15 @@ def _kill_a_rank(server) -> dict:
 
     Returns:
         {"unhealthy_after_s": seconds from the kill to the first non-2xx /health (None: still healthy after
-        30 s), "engine_pids": the server's descendants before the kill (core, zygote, ranks)}.
+        30 s), "engine_pids": the server's descendants before the kill (core, zygote, ranks), "t_kill": the
+        perf_counter of the SIGKILL}.
     """
     engine = descendants(server.pid)
     ranks = tensor_parallel_ranks(server.pid)
     if not ranks:
         raise RuntimeError(f"no tensor-parallel rank under the engine server (pid {server.pid})")
     os.kill(max(ranks), signal.SIGKILL)
+    t_kill = time.perf_counter()
     t0 = time.monotonic()
     unhealthy = None
     while time.monotonic() - t0 < 30:
@@ -106,7 +109,7 @@ def _kill_a_rank(server) -> dict:
             unhealthy = time.monotonic() - t0
             break
         time.sleep(0.05)
-    return {"unhealthy_after_s": unhealthy, "engine_pids": engine}
+    return {"unhealthy_after_s": unhealthy, "engine_pids": engine, "t_kill": t_kill}
 
 
 def _start_primary(args, logs: Path):
@@ -114,7 +117,7 @@ def _start_primary(args, logs: Path):
     ranks is killed (the kill returns what it measured: ``_kill_a_rank``)."""
     if not args.primary_tp:
         primary = start_upstream("primary", logs)
-        return primary, lambda: primary.kill() or {}
+        return primary, lambda: primary.kill() or {"t_kill": time.perf_counter()}   # dead when kill() returns
     model = ["--model", args.model] if args.model else []
     primary = start_engine_server(logs, [*model, "--served-model-name", MODEL, "--tensor-parallel-size",
                                          str(args.primary_tp), *args.engine_arg], name="primary")
