@@ -182,6 +182,14 @@ def _quant_body(march: str) -> str | None:
     return None if why_unavailable(march) else QUANT_BODIES[load_library(march).linear_quant_int()]
 
 
+def uses_amx(march: str | None = None) -> bool:
+    """Whether this build's integer kernels take the block sums of calls of 16 rows or more from AMX tile
+    multiplies (``csrc/quant_amx.h``: AMX-INT8 in the CPU and the build, the tile state granted by the
+    kernel, ``$TANDEM_CPU_AMX`` not "0", read once per process); the same bits as the VNNI and AVX2 bodies.
+    ``march`` as :func:`kernels.cpu_build.load_library`."""
+    return not why_unavailable(march) and bool(load_library(march).linear_quant_amx())
+
+
 def integer_copies(march: str | None = None) -> bool:
     """Whether this build's quantized copies run integer dots (every x86 build with AVX2, AVX-512 included:
     ``QUANT_COPY_EVERY_ROW`` of ``csrc/kernels.h``): their own bits, not the bfloat16 panels', the same on

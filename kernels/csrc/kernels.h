@@ -27,8 +27,10 @@
  * copy when it has one, whatever its row count (else a row's bits would
  * depend on the batch), and the 8-bit kernel takes any row count. Builds
  * with AVX512-VNNI and BW run it 16 columns a vector (VPDPBUSD:
- * quant_int512.h), the others 8 (quant_int.h). linear_quant_int() says
- * which (kernels/cpu_linear.py asks it, nothing else decides). */
+ * quant_int512.h), the others 8 (quant_int.h); where the CPU has AMX-INT8
+ * too, calls of 16 rows or more take their block sums from tile multiplies
+ * (quant_amx.h, the same bits). linear_quant_int() says which (kernels/
+ * cpu_linear.py asks it, nothing else decides). */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QUANT_COPY_EVERY_ROW 1
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -59,6 +61,7 @@ int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const fl
 
 /* linear_q4_cpu.c */
 int linear_quant_int(void);
+int linear_quant_amx(void);
 void linear_q4_pack(const uint8_t *codes, int64_t n, int64_t k, uint8_t *codes_out);
 int linear_q4(const uint16_t *x, int64_t ldx, const uint8_t *codes, const uint16_t *scales, int64_t group,
               const int32_t *perm, const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy,

@@ -64,6 +64,17 @@ int linear_quant_int(void) {
 #endif
 }
 
+/* 1 where calls of QA_MIN_ROWS rows or more take their block sums from AMX tile multiplies (quant_amx.h: a
+ * build with AMX-INT8, the tile state granted to this process, $TANDEM_CPU_AMX not "0"), else 0; the same
+ * bits either way. Asks the kernel for the tile state the first time. */
+int linear_quant_amx(void) {
+#if defined(QUANT_INT_AMX)
+    return qa_ready();
+#else
+    return 0;
+#endif
+}
+
 /* Pack codes [n, k] (uint8, 0..15) into codes_out (k a multiple of 32; padded columns get code 0): the
  * integer builds' layout (quant_int.h), else [ceil(n / 64)][k / 32][16][4][16] (the top of this file). */
 void linear_q4_pack(const uint8_t *codes, int64_t n, int64_t k, uint8_t *codes_out) {

@@ -32,6 +32,9 @@
 #include "kernels.h"
 
 #if defined(QUANT_INT_VNNI512)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define QUANT_INT_AMX 1
+#endif
 #define QV_MR 8 /* rows per register tile for many rows: 8 accumulators, 8 block sums, 8 weight vectors */
 
 /* Four consecutive input bytes broadcast to every 32-bit lane (an embedded broadcast of VPDPBUSD). */
@@ -124,6 +127,10 @@ static inline __attribute__((always_inline)) void qv_tile(
     qv_store_rows(MR, NV, acc, col0 + 16 * j0, n, bias, residual, ldr, y, ldy, y_f32);
 }
 
+#if defined(QUANT_INT_AMX)
+#include "quant_amx.h"
+#endif
+
 /* Rows m (quantized: q [m][k], dx, sx [m][k / 32]) over every half panel of
  * a 4-bit or (Q8) 8-bit weight, the half panels shared by the threads of the
  * enclosing parallel region (an orphaned omp for: every thread of the team
@@ -135,6 +142,10 @@ static void qv_items(const int Q8, const uint8_t *q, const float *dx, const floa
     const int64_t panels = (n + PANEL - 1) / PANEL, blocks = k / QBLOCK;
     const int64_t panel_codes = Q8 ? k * PANEL : k * PANEL / 2, panel_scales = k / group * (Q8 ? 1 : 2) * PANEL;
     const size_t ysz = y_f32 ? 4 : 2;
+#if defined(QUANT_INT_AMX)
+    const int amx = m >= QA_MIN_ROWS && qa_ready();
+    if (amx) qa_configure();
+#endif
     _Pragma("omp for schedule(static)") for (int64_t item = 0; item < panels * 2; item++) {
         const int64_t p = item / 2;
         const int h = (int)(item % 2);
@@ -142,6 +153,14 @@ static void qv_items(const int Q8, const uint8_t *q, const float *dx, const floa
         const char *pc = (const char *)codes + p * panel_codes;
         const void *ps = Q8 ? (const void *)((const float *)scales + p * panel_scales)
                             : (const void *)((const uint16_t *)scales + p * panel_scales);
+#if defined(QUANT_INT_AMX)
+        if (amx) {
+            for (int j = 2 * h; j < 2 * h + 2 && p * PANEL + 16 * j < n; j++)
+                if (qa_group(Q8, q, dx, sx, pc, ps, group, j, k, p * PANEL, n, bias, residual, ldr, y, ldy, m, y_f32))
+                    break; /* out of memory: this item's outputs stay unwritten, as a VNNI thread without scratch */
+            continue;
+        }
+#endif
 #define TILE(MR, NV, J) qv_tile(Q8, MR, NV, q + r * k, dx + r * blocks, sx + r * blocks, pc, ps, group, J, k, \
                                 p * PANEL, n, bias, residual ? residual + r * ldr : 0, ldr, (char *)y + r * ldy * ysz, \
                                 ldy, y_f32)
@@ -167,13 +186,17 @@ static void qv_items(const int Q8, const uint8_t *q, const float *dx, const floa
         }
 #undef TILE
     }
+#if defined(QUANT_INT_AMX)
+    if (amx) _tile_release();
+#endif
 }
 
-/* This thread's buffer for m quantized rows of k inputs: dx [m][k / 32], sx [m][k / 32], then q [m][k]. */
+/* This thread's buffer for m quantized rows of k inputs: dx [m][k / 32], sx [m][k / 32], then q [m][k] and
+ * 16 rows of padding (the AMX body's last tile reads them). */
 static inline float *qv_scratch(int64_t m, int64_t k) {
     static __thread void *buf;
     static __thread size_t cap;
-    return scratch_grow(&buf, &cap, sizeof(float) * (size_t)(2 * m * (k / QBLOCK)) + (size_t)(m * k));
+    return scratch_grow(&buf, &cap, sizeof(float) * (size_t)(2 * m * (k / QBLOCK)) + (size_t)((m + 16) * k));
 }
 
 /* Row r of x quantized into buf (qv_scratch's layout for m rows); 8-bit (Q8): offset by 128. */
