@@ -82,6 +82,25 @@ def test_the_threads_drop_while_other_processes_run_and_come_back(monkeypatch):
     assert gov.apply() == 1 and set_to == [1, 2, 1]     # readable again: the load seen since the last sample
 
 
+def test_a_window_over_an_idle_engine_says_nothing_of_the_load_now(monkeypatch):
+    """Another process ran while the engine waited for work (a benchmark's peer between two rounds) and has
+    ended: the engine's next steps keep the count it had, and the next window, fresh, decides."""
+    monkeypatch.setattr(cpu_threads.os, "sysconf", lambda name: 100)
+    m, set_to = _Machine(), []
+    gov = LoadFollowingThreads(2, {0, 1}, read_stat=m.stat, cpu_time=lambda: m.cpu, clock=lambda: m.t,
+                               set_threads=set_to.append)
+    m.run(0.3, ours=2.0, others=0.0)
+    assert gov.apply() == 2
+    m.run(5.0, ours=0.0, others=2.0)                    # idle engine, a peer on both cores, then it exits
+    assert gov.apply() == 2 and set_to == []            # stale: kept
+    m.run(0.3, ours=2.0, others=0.0)
+    assert gov.apply() == 2 and set_to == []            # the fresh window: quiet
+    m.run(cpu_threads.STALE_S + 0.1, ours=0.0, others=1.5)
+    assert gov.apply() == 2                             # stale again
+    m.run(0.3, ours=1.0, others=1.0)
+    assert gov.apply() == 1 and set_to == [1]           # a fresh window that sees the other process: one thread
+
+
 def test_only_a_cpu_engine_without_a_fixed_count_follows_the_load(monkeypatch):
     assert isinstance(follow_load("cpu", None), LoadFollowingThreads)
     assert follow_load("cpu", None).max_threads == torch.get_num_threads()
