@@ -276,7 +276,7 @@ def _ctl(args) -> int:
 
 def _version_summary(data: dict) -> str:
     """A new config version as ``tandem ctl weights/rollback/reload`` print it: the version, each route's
-    weights and shares, then the warnings."""
+    weights and shares (and, when a weighted target is out, what its requests get now), then the warnings."""
     # propagated None: no Redis configured, nothing to share with (a change Redis cannot take is refused, 503)
     shared = "" if data.get("propagated", True) else ", this gateway only (no Redis configured)"
     lines = [f"config version {data.get('version')} ({data.get('source')})" + shared]
@@ -284,6 +284,8 @@ def _version_summary(data: dict) -> str:
         targets = ", ".join(f"{t['id']}={t['weight']:g} ({t['share_pct']:g} %)" for t in r["targets"])
         fallbacks = f"; fallbacks: {', '.join(r['fallbacks'])}" if r["fallbacks"] else ""
         lines.append(f"  route {name} [{r['select']}]: {targets}{fallbacks}")
+        if now := _traffic_now(r):
+            lines.append(f"    now: {now}")
     lines += [f"  {v['note']}" for v in (data.get("layers") or {}).values() if v["note"]]
     lines += [f"warning: {w}" for w in data.get("warnings", [])]
     return "\n".join(lines)

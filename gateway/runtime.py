@@ -39,7 +39,7 @@ from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
 from gateway.config.versions import ConfigState, Guard, GuardFailed, MemoryLedger, RedisLedger, VersionConflict, \
     text_digest
-from gateway.config.weights import describe_changes, down_share, routes_table
+from gateway.config.weights import add_effective_shares, describe_changes, down_share, routes_table
 from gateway.rollouts.controller import RolloutController
 from gateway.rollouts.metrics import ParityCollector
 from gateway.rollouts.shadow import ShadowRunner
@@ -296,7 +296,7 @@ class Gateway:
                 snap = self._apply(state, compiled)
                 snap.warnings += await self._down_warnings(snap)
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
-                    "propagated": True if self.ledger.shared else None, "routes": routes_table(compiled.policy)}
+                    "propagated": True if self.ledger.shared else None, "routes": await self._routes_now(snap)}
 
     def _unreachable(self, what: str, e: Exception) -> StateUnavailable:
         """The refusal of a change to the shared desired state while Redis is unreachable (see the module
@@ -313,6 +313,18 @@ class Gateway:
             return await self.rollouts.every()
         except StateUnavailable as e:
             raise self._unreachable(what, e) from None
+
+    async def _routes_now(self, snap: Snapshot) -> dict[str, dict]:
+        """A change's answer's routes: each target's weight and share, and what requests get now
+        (``weights.add_effective_shares``: a weighted target whose backend is down or breaker open gets none)."""
+        routes = routes_table(snap.compiled.policy)
+        try:
+            backends, targets = await self.resilience.status(snap.compiled.policy.routes, snap.backends)
+        except Exception as e:  # noqa: BLE001 -- Redis slow or down: the change stands, its answer says less
+            log.info("backend health not read for a change's answer: %s", e)
+            return routes
+        add_effective_shares(routes, backends, targets)
+        return routes
 
     async def _down_warnings(self, snap: Snapshot) -> list[str]:
         """Warnings for weight on backends the health probes or breakers find down now (``weights.down_share``)."""
@@ -433,7 +445,7 @@ class Gateway:
         await self.rollouts.reassert()
         snap = self.snapshot
         return {"version": snap.version, "source": snap.source, "warnings": snap.warnings + kept,
-                "propagated": True if self.ledger.shared else None, "routes": routes_table(snap.compiled.policy)}
+                "propagated": True if self.ledger.shared else None, "routes": await self._routes_now(snap)}
 
     # ----- background loops ------------------------------------------------------------------------------------
     def _redis_failed(self, e: Exception) -> None:

@@ -87,6 +87,8 @@ def test_promote_onto_a_down_arm_is_served_by_the_weight_0_target(gw, ups):
                        timeout=60)
     assert r.returncode == 0, r.stderr
     assert "then goes to its targets of weight 0 (stay) (nokey: down too)" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "stay=0 (0 %), arm=100 (100 %)" in r.stdout and "    now: arm out (" in r.stdout, r.stdout
+    assert "stay 100 %" in r.stdout, r.stdout     # the change's answer says what the requests get, as status does
     first = chat(gw, "promo", "u0")
     assert first.status_code == 200 and first.headers["x-tandem-backend"] == "stay", first.headers
     assert first.headers["x-tandem-attempts"] == "2"        # the arm (refused), then stay
