@@ -217,11 +217,13 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
             raise ClientError(400, "'prompt' must be a string or a non-empty array", param="prompt",
                               code="invalid_type")
         types = _COMPLETION
+    known = KNOWN_PARAMS.get(endpoint, body)
     for name, value in body.items():
         t = types.get(name)
         if t is not None:
             check_type(name, value, t)
-        check_range(name, value)
+        if name in known:   # a parameter this endpoint does not know is unknown_parameter (or passed), not ranged
+            check_range(name, value)
     if endpoint == "chat/completions" and tool_choice_without_tools(body.get("tool_choice"), body.get("tools")):
         raise ClientError(400, TOOL_CHOICE_WITHOUT_TOOLS, param="tool_choice", code="invalid_value")
     if "stream_options" in body and body.get("stream") is not True:

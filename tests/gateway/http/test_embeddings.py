@@ -61,6 +61,9 @@ async def test_an_unknown_embeddings_parameter_is_refused_as_on_chat(up):
             await client.embeddings.create(model="m1", input="x", extra_body={"foo": 1})
         assert e.value.body == {"message": "Unrecognized request argument supplied: foo",
                                 "type": "invalid_request_error", "param": "foo", "code": "unknown_parameter"}
+        with pytest.raises(openai.BadRequestError) as e:   # a chat parameter out of chat's range: still unknown here
+            await client.embeddings.create(model="m1", input="x", extra_body={"temperature": 5})
+        assert e.value.body["param"] == "temperature" and e.value.body["code"] == "unknown_parameter", e.value.body
         assert up.requests == []
         await client.embeddings.create(model="m1", input="x", encoding_format="float", dimensions=2, user="u",
                                        extra_body={"priority": "high", "metadata": {"team": "a"}})
