@@ -43,7 +43,10 @@ def check_admin(header: str | None, admin_token: str | None, token_env: str) -> 
         raise ClientError(401, f"admin API disabled: environment variable {token_env} is unset",
                           code="admin_disabled")
     token = bearer(header)
-    if token is None or not hmac.compare_digest(token.encode(), admin_token.encode()):
+    if token is None:
+        raise ClientError(401, f"missing admin token: send Authorization: Bearer <the value of {token_env}>",
+                          code="invalid_api_key")
+    if not hmac.compare_digest(token.encode(), admin_token.encode()):
         raise ClientError(401, "invalid admin token", code="invalid_api_key")
 
 

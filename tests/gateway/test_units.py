@@ -74,8 +74,10 @@ def test_authenticate_and_admin():
     check_admin("Bearer s3", "s3", "ENV")
     with pytest.raises(ClientError, match="ENV is unset"):
         check_admin("Bearer s3", None, "ENV")
-    with pytest.raises(ClientError):
+    with pytest.raises(ClientError, match="^invalid admin token$"):
         check_admin("Bearer s4", "s3", "ENV")
+    with pytest.raises(ClientError, match="missing admin token: send Authorization: Bearer <the value of ENV>"):
+        check_admin(None, "s3", "ENV")
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1")
 
