@@ -312,7 +312,9 @@ def _traffic_now(route: dict | None) -> str:
         return ""
     out = [f"{t['id']} out ({t['out']})" for t in targets if t.get("out") and t["weight"] > 0]
     serving = [f"{t['id']} {t['effective_pct']:g} %" for t in targets if t.get("effective_pct")]
-    return "; ".join(out + [", ".join(serving) or "no target serves: the fallbacks, then 503"])
+    fallbacks = ", ".join((route or {}).get("fallbacks", []))
+    none = f"no target serves: its fallbacks ({fallbacks}) in order, then 503" if fallbacks else "no target serves: 503"
+    return "; ".join(out + [", ".join(serving) or none])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,3 +134,19 @@ def test_in_range_edges_pass_and_empty_messages_is_empty_array():
     with pytest.raises(ClientError) as e:
         check_request({"model": "m", "messages": []}, "chat/completions", None)
     assert (e.value.param, e.value.code) == ("messages", "empty_array")
+
+
+def test_what_a_route_gets_now_names_its_fallbacks_when_no_target_serves():
+    """``ctl status`` / ``ctl weights``' ``now:`` line: the weighted targets that are out and what serves
+    instead; with no target left, the route's fallbacks by name (a new-user trial read "no target serves: the
+    fallbacks, then 503" on a route whose fallback ``local`` answered every request)."""
+    from gateway.commands import _traffic_now
+
+    route = {"targets": [{"id": "cheap", "weight": 100, "out": "backend unavailable: no key", "effective_pct": 0.0}],
+             "fallbacks": ["local"]}
+    assert _traffic_now(route) == ("cheap out (backend unavailable: no key); "
+                                   "no target serves: its fallbacks (local) in order, then 503")
+    assert _traffic_now({**route, "fallbacks": []}).endswith("; no target serves: 503")
+    route["targets"].append({"id": "spare", "weight": 0, "out": "", "effective_pct": 100.0})
+    assert _traffic_now(route) == "cheap out (backend unavailable: no key); spare 100 %"
+    assert _traffic_now({"targets": [{"id": "a", "weight": 1, "out": "", "effective_pct": 100.0}]}) == ""
