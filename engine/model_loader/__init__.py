@@ -156,8 +156,9 @@ def _linear_path() -> str:
     isa = cpu_linear.isa()
     if cpu_linear.available():
         widened = "bfloat16 weights widened to float32 in registers; " if isa == "avx2" else ""
+        amx = "; AMX tile multiplies for calls of 16 rows or more, the same bits" if cpu_linear.uses_amx() else ""
         return f"C (kernels/csrc, {isa} body: {widened}GGUF 4-bit/8-bit weights by integer dot products on " \
-            f"8-bit-rounded inputs, as llama.cpp, {cpu_linear.quant_body()})" if cpu_linear.integer_copies() else \
+            f"8-bit-rounded inputs, as llama.cpp, {cpu_linear.quant_body()}{amx})" if cpu_linear.integer_copies() else \
             f"C (kernels/csrc, {isa} body)"
     why = "the C library does not build here" if isa is None else \
         "this CPU has neither AVX512-BF16 nor AVX2/FMA; the portable C body is slower"
