@@ -222,7 +222,7 @@ def render_chat(tokenizer, body: dict) -> RenderedPrompt:
     try:
         plan = plan_chat(req, messages, tokenizer.chat_template)
     except RequestValidationError as exc:
-        raise ServingError(400, str(exc), param=exc.param) from None
+        raise ServingError(400, str(exc), param=exc.param, code=exc.code) from None
     messages = plan.messages
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
@@ -284,19 +284,21 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     for i, m in enumerate(messages):
         role = m.get("role")
         if not isinstance(role, str):
-            raise ServingError(400, f"messages[{i}].role: must be a string", param="messages")
+            raise ServingError(400, f"messages[{i}].role: must be a string", param=f"messages[{i}].role",
+                               code="invalid_type")
         content = m.get("content")
         if isinstance(content, list):
             parts = []
-            for part in content:
+            for j, part in enumerate(content):
                 if isinstance(part, str):
                     parts.append(part)
                 elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
                     parts.append(part["text"])
                 else:
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ServingError(400, f"messages[{i}].content: part type {kind!r} is not supported "
-                                            "(text only)", param="messages")
+                    raise ServingError(400, f"messages[{i}].content[{j}]: part type {kind!r} is not supported "
+                                            "(text only)", param=f"messages[{i}].content[{j}].type",
+                                       code="invalid_value")
             content = "\n".join(parts)
         elif content is None and not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
             # OpenAI: only an assistant message that calls tools may omit its content
@@ -304,7 +306,7 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                                     "with tool_calls)", param=f"messages[{i}].content")
         elif content is not None and not isinstance(content, str):
             raise ServingError(400, f"messages[{i}].content: must be a string or a list of parts",
-                               param="messages")
+                               param=f"messages[{i}].content", code="invalid_type")
         if role == "assistant" and m.get("tool_calls") is not None:
             check_assistant_tool_calls(i, m["tool_calls"])
         msg = dict(m)

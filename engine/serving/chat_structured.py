@@ -346,7 +346,8 @@ def _generic_tool_messages(messages: list[dict], tools: list[dict]) -> list[dict
         role = m.get("role")
         if role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
-                raise _fail("messages", f"messages[{i}].tool_call_id: required for a tool message")
+                raise RequestValidationError(f"Missing required parameter: 'messages[{i}].tool_call_id'.",
+                                             f"messages[{i}].tool_call_id", "missing_required_parameter")
             out.append({"role": "user", "content": f"<tool_response>\n{m.get('content', '')}\n</tool_response>"})
         elif role == "assistant" and m.get("tool_calls"):
             blocks = [render_tool_call((c.get("function") or {}).get("name", ""),

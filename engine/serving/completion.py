@@ -45,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
             spec, param = structured_spec(req)
             plan = ChatPlan(structured_outputs=spec, param=param)
         except RequestValidationError as exc:
-            raise ServingError(400, str(exc), param=exc.param) from None
+            raise ServingError(400, str(exc), param=exc.param, code=exc.code) from None
         spec = await self._compile_grammar(plan)
         prompts = []
         for text, ids in r.prompts:

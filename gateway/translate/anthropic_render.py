@@ -23,7 +23,7 @@ _CHAT_PATHS = ((re.compile(r"\btools(\[|\.)(\d+)(\]?)\.function\.parameters"), r
 
 
 # A target's refusal of the image part a Messages ``image`` block became (the local engine's wording: text only).
-_IMAGE_PART = re.compile(r"\bmessages\[(\d+)\]\.content: part type 'image_url'")
+_IMAGE_PART = re.compile(r"\bmessages\[(\d+)\]\.content(?:\[\d+\])?: part type 'image_url'")
 
 
 def _image_block(body: dict, k: int) -> str | None:

@@ -424,6 +424,13 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
     # trial got 200 and ~1,000 generated tokens for the first).
     r = httpx.post(url, json={"model": server.model, "messages": [{"role": "user", "content": None}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+    # A content part the engine does not take is named by its path, as OpenAI names it (a new-user trial got
+    # param "messages", code null).
+    r = httpx.post(url, json={"model": server.model, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "bogus"}]}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages[0].content[1].type", err
+    assert err["code"] == "invalid_value" and "'bogus'" in err["message"], err
     r = httpx.post(url, json={"model": server.model, "messages": [{"role": "user", "content": "hi"}],
                               "stream_options": {"include_usage": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"

@@ -267,8 +267,10 @@ def test_tool_result_round_trip(server):
     ]
     reply = chat(server, messages=history, tools=TOOLS, tool_choice="none", max_tokens=16, temperature=0)
     assert reply.choices[0].finish_reason in ("stop", "length") and reply.choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match="tool_call_id"):
+    with pytest.raises(openai.BadRequestError, match="tool_call_id") as e:
         chat(server, messages=history[:2] + [{"role": "tool", "content": "x"}], tools=TOOLS, max_tokens=4)
+    assert e.value.body["param"] == "messages[2].tool_call_id", e.value.body
+    assert e.value.body["code"] == "missing_required_parameter", e.value.body
 
 
 def test_generic_tool_prompt_renders_calls_and_results():

@@ -147,8 +147,9 @@ async def test_anthropic_beta_header_is_forwarded(monkeypatch):
 async def test_an_image_refused_by_a_text_only_target_is_named_as_the_client_sent_it(upstream):
     """A target that cannot take images refuses the chat translation's ``image_url`` part (the local engine's own
     400, scripted here); the client sent an ``image`` block, and is told which, by its Messages path."""
-    refusal = {"error": {"message": "messages[2].content: part type 'image_url' is not supported (text only)",
-                         "type": "invalid_request_error", "param": "messages", "code": None}}
+    refusal = {"error": {"message": "messages[2].content[1]: part type 'image_url' is not supported (text only)",
+                         "type": "invalid_request_error", "param": "messages[2].content[1].type",
+                         "code": "invalid_value"}}
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
              {"role": "user", "content": [{"type": "text", "text": "and this?"}, IMAGE]}]
     async with served(config(upstream.base_url)) as client:
