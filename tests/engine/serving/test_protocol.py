@@ -82,11 +82,12 @@ def test_messages_are_normalized_for_templates():
         with pytest.raises(ServingError) as exc:   # as OpenAI: content is required but on tool-calling assistant turns
             normalize_messages(bad)
         assert exc.value.status_code == 400 and exc.value.param == f"messages[{i}].content"
-    for bad in ([], [{"content": "x"}], [{"role": "user", "content": [{"type": "image_url"}]}],
-                [{"role": "user", "content": 3}]):
+    for bad, param in (([], "messages"), ([{"content": "x"}], "messages[0].role"),
+                       ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0].type"),
+                       ([{"role": "user", "content": 3}], "messages[0].content")):
         with pytest.raises(ServingError) as exc:
             normalize_messages(bad)
-        assert exc.value.status_code == 400 and exc.value.param == "messages"
+        assert exc.value.status_code == 400 and exc.value.param == param
 
 
 def test_continue_final_message_cuts_after_its_content():
