@@ -74,6 +74,10 @@ def ask(g: GatewayProcess, messages, **kw):
 
 
 def backend_of(g: GatewayProcess, i: int, turns: int = 1) -> str:
+    """Where conversation ``i`` goes when every replica is idle: after the gateway's next ``/metrics`` read
+    (every 0.1 s), so a read taken while the previous ask still ran on a replica does not count it as load (with
+    three replicas the bound is 1: that stale 1 spilled a conversation off its home in a full make test)."""
+    time.sleep(0.15)
     return ask(g, conversation(i, turns)).headers["x-tandem-backend"]
 
 
