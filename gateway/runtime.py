@@ -39,7 +39,8 @@ from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
 from gateway.config.versions import ConfigState, Guard, GuardFailed, MemoryLedger, RedisLedger, VersionConflict, \
     text_digest
-from gateway.config.weights import add_effective_shares, describe_changes, down_share, routes_table
+from gateway.config.status import down_warnings, routes_now
+from gateway.config.weights import describe_changes
 from gateway.rollouts.controller import RolloutController
 from gateway.rollouts.metrics import ParityCollector
 from gateway.rollouts.shadow import ShadowRunner
@@ -294,9 +295,9 @@ class Gateway:
                          snap.source, state.source)
             else:
                 snap = self._apply(state, compiled)
-                snap.warnings += await self._down_warnings(snap)
+                snap.warnings += await down_warnings(self.resilience, snap)
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
-                    "propagated": True if self.ledger.shared else None, "routes": await self._routes_now(snap)}
+                    "propagated": True if self.ledger.shared else None, "routes": await routes_now(self.resilience, snap)}
 
     def _unreachable(self, what: str, e: Exception) -> StateUnavailable:
         """The refusal of a change to the shared desired state while Redis is unreachable (see the module
@@ -313,26 +314,6 @@ class Gateway:
             return await self.rollouts.every()
         except StateUnavailable as e:
             raise self._unreachable(what, e) from None
-
-    async def _routes_now(self, snap: Snapshot) -> dict[str, dict]:
-        """A change's answer's routes: each target's weight and share, and what requests get now
-        (``weights.add_effective_shares``: a weighted target whose backend is down or breaker open gets none)."""
-        routes = routes_table(snap.compiled.policy)
-        try:
-            backends, targets = await self.resilience.status(snap.compiled.policy.routes, snap.backends)
-        except Exception as e:  # noqa: BLE001 -- Redis slow or down: the change stands, its answer says less
-            log.info("backend health not read for a change's answer: %s", e)
-            return routes
-        add_effective_shares(routes, backends, targets)
-        return routes
-
-    async def _down_warnings(self, snap: Snapshot) -> list[str]:
-        """Warnings for weight on backends the health probes or breakers find down now (``weights.down_share``)."""
-        found = await self.resilience.down_backends(snap.compiled.policy.routes, snap.backends) or {}
-        down = {n: why for n, (why, _) in found.items()}
-        tried = frozenset(n for n, why in down.items() if why.startswith("last probe failed"))  # still routed to
-        return [w for name, r in snap.compiled.policy.routes.items()
-                if (w := down_share(name, r, down, tried)) is not None and w not in snap.warnings]
 
     async def reload(self, source: str = "reload", abort_rollouts: bool = False) -> dict:
         """Re-read the config file and apply it under the layers above it (``gateway/config/layers.py``): operator
@@ -439,13 +420,13 @@ class Gateway:
             except Exception as e:  # noqa: BLE001 -- Redis unreachable: nothing changes
                 raise self._unreachable("config rollback", e) from None
             snap = self._apply(state)
-            snap.warnings += await self._down_warnings(snap)   # as any change does: weight landing on a down backend
+            snap.warnings += await down_warnings(self.resilience, snap)   # as any change does: weight landing on a down backend
             for w in kept:
                 log.warning("config rollback to version %d: %s", state.version, w)
         await self.rollouts.reassert()
         snap = self.snapshot
         return {"version": snap.version, "source": snap.source, "warnings": snap.warnings + kept,
-                "propagated": True if self.ledger.shared else None, "routes": await self._routes_now(snap)}
+                "propagated": True if self.ledger.shared else None, "routes": await routes_now(self.resilience, snap)}
 
     # ----- background loops ------------------------------------------------------------------------------------
     def _redis_failed(self, e: Exception) -> None:

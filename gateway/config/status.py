@@ -3,10 +3,14 @@ routes, backends, history, the file on disk, and per route the layer that decide
 
 from __future__ import annotations
 
+import logging
+
 from gateway.config.compile import load_config_text
 from gateway.config.layers import Layered, RolloutConflict, layer_view, over_file, route_weights
-from gateway.config.weights import add_effective_shares, routes_table
+from gateway.config.weights import add_effective_shares, down_share, routes_table
 from gateway.state import StateUnavailable
+
+log = logging.getLogger("tandem.gateway.runtime")
 
 
 async def describe(gw) -> dict:
@@ -47,3 +51,27 @@ async def layers(gw) -> dict:
     s = gw.snapshot    # the file on disk differs when a rollback, or another replica's file, runs instead
     return layer_view(route_weights(current.policy), layered, gw.config_file.weights_if_differs(text),
                       f"version {s.version} ({s.source})")
+
+
+async def routes_now(resilience, snap) -> dict[str, dict]:
+    """A change's answer's routes (``snap``: the ``Snapshot`` it made): each target's weight and share, and what
+    requests get now (``weights.add_effective_shares``: a weighted target whose backend is down or breaker open
+    gets none); the weights alone when the health state cannot be read (Redis slow or down: the change stands)."""
+    routes = routes_table(snap.compiled.policy)
+    try:
+        backends, targets = await resilience.status(snap.compiled.policy.routes, snap.backends)
+    except Exception as e:  # noqa: BLE001
+        log.info("backend health not read for a change's answer: %s", e)
+        return routes
+    add_effective_shares(routes, backends, targets)
+    return routes
+
+
+async def down_warnings(resilience, snap) -> list[str]:
+    """Warnings for weight on backends the health probes or breakers find down now (``weights.down_share``), not
+    already among ``snap``'s warnings."""
+    found = await resilience.down_backends(snap.compiled.policy.routes, snap.backends) or {}
+    down = {n: why for n, (why, _) in found.items()}
+    tried = frozenset(n for n, why in down.items() if why.startswith("last probe failed"))  # still routed to
+    return [w for name, r in snap.compiled.policy.routes.items()
+            if (w := down_share(name, r, down, tried)) is not None and w not in snap.warnings]

@@ -20,6 +20,7 @@ from gateway.config.status import describe
 from gateway.config.versions import VersionConflict
 from gateway.errors import ClientError
 from gateway.http.transport import read_body
+from gateway.observability.scrape import refresh_gauges
 from gateway.request.auth import check_admin
 from gateway.request.pipeline import build_request, decide_route
 from gateway.request.validate import parse_json
@@ -177,7 +178,7 @@ async def metrics(request: Request) -> Response:
     compiled = gw.snapshot.compiled
     if compiled.key_hashes and not compiled.config.admin.public_metrics:
         _gw(request)
-    await gw.obs.refresh(gw.snapshot, gw.resilience.breakers)
+    await refresh_gauges(gw.obs.metrics, gw.obs.usage, gw.snapshot, gw.resilience.breakers)
     try:
         gw.parity_metrics.reports, gw.parity_metrics.rollouts = await gw.rollouts.reports(), await gw.rollouts.list()
     except StateUnavailable:             # Redis unreachable: the parity and rollout series keep their last values

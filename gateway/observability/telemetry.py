@@ -27,7 +27,7 @@ from gateway.cache.key import cache_config
 from gateway.billing.usage import Budget, UsageLedger, UsageRecord, tenant_label
 from gateway.errors import ClientError, transport_error_kind
 from gateway.resilience.outcomes import Withdrawn
-from gateway.observability.metrics import BREAKER_VALUES, GatewayMetrics, LiveGauges
+from gateway.observability.metrics import GatewayMetrics, LiveGauges
 from gateway.observability.records import (AttemptRecord, RequestRecord, decode_answer, include_prompts,
                                            provider)
 from gateway.observability.request_log import (Redactor, RequestLog, config_secrets, install_redaction,
@@ -467,32 +467,6 @@ class Observability:
             self.request_log.write(fields, self.redactor(), [rec.client_token] if rec.client_token else [])
         except Exception as e:  # noqa: BLE001
             log.warning("request log failed: %s", e)
-
-    # -- scrape-time state -----------------------------------------------------------------------------------------
-    async def refresh(self, snap, breakers) -> None:
-        """Read breaker states and budget usage into the scrape-time gauges (``GET /metrics``)."""
-        if snap is None:
-            return
-        if snap.local is not None:
-            self.metrics.ensure_engine(snap.local)
-        states = {}
-        names = {(t.backend, t.id)     # a breaker's key is its target id (gateway/resilience/layer.py)
-                 for route in snap.compiled.policy.routes.values() for t in (*route.targets, *route.fallbacks)}
-        for backend, name in sorted(names):
-            try:
-                st = await breakers.get(name)
-                states[(backend, name)] = BREAKER_VALUES.get(str(st.state).lower(), 0)
-            except Exception as e:  # noqa: BLE001
-                log.debug("breaker %s: %s", name, e)
-        self.metrics.cache["breakers"] = states
-        out = {}
-        for tenant, b in snap.compiled.config.budgets.tenants.items():
-            try:
-                spent, reserved, limit = await self.usage.budget_state(tenant, Budget(b.usd, b.period))
-            except Exception:  # noqa: BLE001
-                continue
-            out[(tenant, b.period)] = ((spent + reserved) / NANO, limit / NANO)
-        self.metrics.cache["budgets"] = out
 
 
 def _error_code(content: bytes) -> str | None:
