@@ -130,6 +130,7 @@ class Outcome:
     backend: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0   # of the prompt, the backend's prefix cache held (usage.prompt_tokens_details)
     predicted_local: float | None = None
     predicted_engine: float | None = None
     at: float = 0.0
@@ -168,6 +169,8 @@ async def one(session: aiohttp.ClientSession, url: str, a: Arrival, max_tokens: 
                 if ev.get("usage"):
                     out.prompt_tokens = ev["usage"].get("prompt_tokens", 0)
                     out.completion_tokens = ev["usage"].get("completion_tokens", 0)
+                    out.cached_tokens = int((ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+                                            or 0)
             out.ok = out.ttft is not None
     except (aiohttp.ClientError, asyncio.TimeoutError):
         pass
@@ -217,9 +220,10 @@ def analyse(outcomes: list[Outcome], slo_s: float, prices: dict[str, dict]) -> d
             "ttft_p50_s": ttft.get("p50"), "ttft_p99_s": ttft.get("p99"),
             "local_predicted_vs_measured_s": [[round(p, 3), round(m, 3)] for p, m in pairs],
             # per request: sent at (s), backend, TTFT (s), predicted (gateway's, engine's own), prompt tokens,
-            # turn in its conversation, x-tandem-slo, completion tokens
+            # turn in its conversation, x-tandem-slo, completion tokens, prompt tokens the prefix cache held
             "requests_log": [[round(o.at, 3), o.backend, o.ttft and round(o.ttft, 3), o.predicted_local,
-                              o.predicted_engine, o.prompt_tokens, o.turn, o.explain, o.completion_tokens]
+                              o.predicted_engine, o.prompt_tokens, o.turn, o.explain, o.completion_tokens,
+                              o.cached_tokens]
                              for o in outcomes]}
 
 

@@ -5,24 +5,33 @@ times the engine's capacity and back; 180 s by default) is served, each on a gat
 the other, by the threshold rule at each setting of its knob (``waiting>N``: ``local.waiting > N`` for N = 1, 2,
 4, 8, 16, 32; ``kv>=P``: ``local.kv_usage >= P`` for P = 30, 50, 70 %; both send to the cheapest aggregator) and
 by the SLO route (``slo: {ttft_ms}`` over [local, cheap, fast]). Then the **offline oracle** is computed from the
-runs' per-request logs:
+runs' per-request logs, under what the engine was seen to do:
 
-* a request is served locally iff some run of the sweep served it locally with a TTFT within the SLO (that
-  run's measured TTFT and usage; the cheapest such run if several) and that is no dearer than the cheapest
-  aggregator whose TTFT (the fake upstream's fixed one) is within the SLO; else by that aggregator (its usage:
-  the prompt's words, as the fake counts, and ``max_tokens``). Its attainment is 100 % whenever an aggregator
-  is that fast.
-* Why it is a lower bound on the cost of 100 % attainment, for the policies measured: every run met the SLO on
-  each request either locally (the oracle then serves it locally too, at no more than that run's local
-  usage) or upstream (the oracle pays at most the cheapest aggregator's price for it, or the local one), so on
-  the requests any run met, the oracle costs no more than that run (``oracle_vs_policy``, checked per run);
-  a policy that met the SLO on all of them cannot be cheaper than the oracle.
-* What it is not: a proof that no policy can do better. It combines each request's best run, though the
-  engine's TTFTs depend on which other requests it serves (optimistic: several requests may each have been
-  fast locally in a different run, and a follow-up turn may have been fast because its conversation's earlier
-  turns were served locally, which the oracle may have sent upstream); and it prices upstream a request no
-  run served locally in time, which another schedule might have (pessimistic: few, since ``waiting>32``
-  keeps nearly every request local).
+* **Candidates.** A request may be served locally iff some run of the sweep served it locally with a TTFT
+  within the SLO; it then costs that run's local usage and takes that run's uncached prompt tokens of engine
+  work (the least of both over such runs). Every other request goes to the cheapest aggregator whose TTFT
+  (the fake upstream's fixed one) is within the SLO (its usage: the prompt's words, as the fake counts, and
+  ``max_tokens``).
+* **The engine's capacity.** Each request's best run alone would count the engine several times over: a run
+  that spilled much served its few local requests fast, the SLO route served others, and both cannot happen
+  at once (on the first quiet Intel sweeps, seed 0, the per-request best needed 1,230-1,370 uncached tokens/s
+  of prefill over 40-120 s windows of the peak; no run ever needed more than 930). So the oracle's local set must also fit
+  the fastest rate any run showed: :func:`engine_rate`, the most uncached prompt tokens of in-time local
+  requests arriving within any window of arrivals [a_j, a_k], over ``a_k - a_j + SLO`` (their prefill had to
+  be done in that time), maximised over windows and runs. Every run's own in-time local set meets it, so
+  each is a possible choice of the oracle.
+* **The choice.** The local set saving the most against the aggregator (in USD; when no aggregator is fast
+  enough, attainment first), subject to the fluid queue of its work at that rate never holding more than
+  ``rate x SLO`` (the same window condition, Lindley's recursion), solved as a linear program (HiGHS through
+  ``scipy.optimize.linprog``). Its relaxation lets a request be split between local and upstream, which
+  only lowers the cost, so it stays a lower bound.
+* Why it is a lower bound on the cost of 100 % attainment, for the policies measured: a run's in-time local
+  requests are a feasible local set, so the oracle costs no more than those at their local price plus the
+  cheapest fast-enough aggregator for all the rest (``oracle_vs_policy``, checked per run); a policy that met
+  the SLO on every request cannot cost less than that.
+* What it is not: a proof that no policy can do better (a schedule no run tried might serve a request
+  locally in time, or reach a rate no run did), nor a plan any router could follow (it knows every arrival
+  and every TTFT in advance).
 
 Reported per point: SLO attainment (% of requests with TTFT <= SLO; a failed request misses), USD per 1,000
 requests (usage x :data:`spill.PRICES`), upstream share, and for the SLO route its prediction error; the
@@ -44,8 +53,58 @@ from loadtests.stats import percentiles
 from loadtests.upstream import prompt_words
 
 # requests_log columns (spill.analyse)
-_BACKEND, _TTFT, _PREDICTED, _ENGINE_PREDICTED, _PROMPT, _COMPLETION = 1, 2, 3, 4, 5, 8
+_AT, _BACKEND, _TTFT, _PREDICTED, _ENGINE_PREDICTED, _PROMPT, _COMPLETION, _CACHED = 0, 1, 2, 3, 4, 5, 8, 9
 TARGET_PCT = 99.0   # the issue's attainment target
+
+
+def _in_time_local(row: list, slo_s: float) -> bool:
+    return row[_BACKEND] == "local" and row[_TTFT] is not None and row[_TTFT] <= slo_s
+
+
+def _uncached(row: list) -> int:
+    """Prompt tokens the engine had to prefill for a local row (prompt minus what its prefix cache held)."""
+    return max(row[_PROMPT] - row[_CACHED], 0)
+
+
+def engine_rate(at: list[float], work: list[float], slo_s: float) -> float:
+    """The least rate at which a server must work for ``work[i]`` (arriving at ``at[i]``, non-decreasing) to be
+    done by ``at[i] + slo_s`` each: max over windows of arrivals [at[j], at[k]] of
+    ``sum(work[j..k]) / (at[k] - at[j] + slo_s)`` (the deadline condition of one preemptive server, e.g.
+    Liu and Layland 1973, for equal relative deadlines). Units: work's per second; 0.0 for no work."""
+    import numpy as np
+
+    t = np.asarray(at, dtype=np.float64)
+    c = np.concatenate([[0.0], np.cumsum(np.asarray(work, dtype=np.float64))])
+    best = 0.0
+    for j in np.flatnonzero(np.asarray(work) > 0):   # a window worth checking starts at a job
+        best = max(best, float(((c[j + 1:] - c[j]) / (t[j:] - t[j] + slo_s)).max()))
+    return best
+
+
+def _max_local_gain(gain: list[float], work: list[float], at: list[float], rate: float, cap: float) -> list[float]:
+    """The fractions x_i in [0, 1] (0 where ``work`` is None: not a candidate) maximising sum(gain_i x_i)
+    subject to the fluid queue Q_k = max(Q_{k-1} - rate (at_k - at_{k-1}), 0) + x_k work_k <= cap at every
+    arrival, as the linear program (variables x, Q) Q_k >= x_k work_k, Q_k >= Q_{k-1} - rate gap_k + x_k work_k,
+    0 <= Q_k <= cap: HiGHS through ``scipy.optimize.linprog``."""
+    import numpy as np
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix
+
+    n = len(gain)
+    w = np.array([0.0 if x is None else x for x in work])
+    rows, cols, vals, b = [], [], [], []
+    for k in range(n):   # x_k w_k - Q_k <= 0
+        rows += [len(b), len(b)]; cols += [k, n + k]; vals += [w[k], -1.0]; b.append(0.0)
+        if k:            # Q_{k-1} - Q_k + x_k w_k <= rate gap_k
+            rows += [len(b)] * 3; cols += [n + k - 1, n + k, k]; vals += [1.0, -1.0, w[k]]
+            b.append(rate * (at[k] - at[k - 1]))
+    a_ub = coo_matrix((vals, (rows, cols)), shape=(len(b), 2 * n)).tocsr()
+    bounds = [(0.0, 0.0 if x is None else 1.0) for x in work] + [(0.0, cap)] * n
+    res = linprog(np.concatenate([-np.asarray(gain, dtype=np.float64), np.zeros(n)]), A_ub=a_ub, b_ub=b,
+                  bounds=bounds, method="highs")
+    if res.status != 0:
+        raise RuntimeError(f"the oracle's linear program failed: {res.message}")
+    return [min(max(float(x), 0.0), 1.0) for x in res.x[:n]]
 
 
 def oracle(schedule: list[Arrival], logs: dict[str, list[list]], slo_s: float, max_tokens: int,
@@ -60,42 +119,58 @@ def oracle(schedule: list[Arrival], logs: dict[str, list[list]], slo_s: float, m
         prices: backend -> USD per million tokens; aggregators: name -> ``{"ttft": s, ...}``.
 
     Returns:
-        ``requests``, ``slo_met_pct``, ``usd_per_1000``, ``upstream_share_pct``, ``local_from`` (policy -> how
-        many of the oracle's local requests it took from that run) and ``per_request``: ``[backend, USD, run]``
-        (``run``: the policy whose local TTFT it used, or None).
+        ``requests``, ``slo_met_pct``, ``usd_per_1000``, ``upstream_share_pct`` (a split request counts by its
+        fractions), ``engine_rate_tok_s`` and ``engine_rate_run`` (:func:`engine_rate`'s best and whose),
+        ``run_rates_tok_s`` (policy -> its rate), ``local_from`` (policy -> local requests the oracle took at
+        that run's figures) and ``per_request``: ``[backend, USD, run, local fraction, aggregator USD]`` (backend
+        "local" when the fraction is >= 0.5; ``run``: whose local usage and work it took, or None; the last:
+        what the cheapest fast-enough aggregator would charge).
     """
+    at = [a.at for a in schedule]
     in_time = [name for name, a in aggregators.items() if a["ttft"] <= slo_s]
     upstreams = in_time or [min(aggregators, key=lambda n: aggregators[n]["ttft"])]
-    per_request, met, local_from = [], 0, {}
+    rates = {p: engine_rate(at, [_uncached(r) if _in_time_local(r, slo_s) else 0 for r in log], slo_s)
+             for p, log in logs.items()}
+    rate_run = max(rates, key=rates.get) if rates else None
+    rate = rates[rate_run] if rates else 0.0
+    up, local, gain, work = [], [], [], []
     for i, a in enumerate(schedule):
-        words = prompt_words(a.messages)
-        usd, name = min((request_cost(prices, n, words, max_tokens), n) for n in upstreams)
-        local = [(request_cost(prices, "local", row[_PROMPT], row[_COMPLETION]), policy)
-                 for policy, log in logs.items() for row in [log[i]]
-                 if row[_BACKEND] == "local" and row[_TTFT] is not None and row[_TTFT] <= slo_s]
-        if local and (min(local)[0] <= usd or not in_time):
-            usd, policy = min(local)
-            per_request.append(["local", usd, policy])
-            local_from[policy] = local_from.get(policy, 0) + 1
-            met += 1
-            continue
-        per_request.append([name, usd, None])
-        met += bool(in_time)
+        up.append(min((request_cost(prices, n, prompt_words(a.messages), max_tokens), n) for n in upstreams))
+        runs = [(request_cost(prices, "local", row[_PROMPT], row[_COMPLETION]), _uncached(row), policy)
+                for policy, log in logs.items() for row in [log[i]] if _in_time_local(row, slo_s)]
+        local.append(min(runs) if runs else None)
+        work.append(min(r[1] for r in runs) if runs else None)
+        # saving against the aggregator; with none in time, attainment first (1 per request, USD are ~1e-4)
+        gain.append(0.0 if not runs else (up[i][0] - local[i][0]) + (0.0 if in_time else 1.0))
+    x = _max_local_gain(gain, work, at, rate, rate * slo_s) if rate > 0 else [0.0] * len(schedule)
+    per_request, local_from = [], {}
+    for i, xi in enumerate(x):
+        usd = up[i][0] if local[i] is None else xi * local[i][0] + (1.0 - xi) * up[i][0]
+        run = local[i][2] if local[i] is not None and xi > 0 else None
+        per_request.append(["local" if xi >= 0.5 else up[i][1], usd, run, xi, up[i][0]])
+        if run:
+            local_from[run] = local_from.get(run, 0.0) + xi
     n = len(schedule)
+    met = sum(x) + (n - sum(x) if in_time else 0.0)
     return {"requests": n, "slo_met_pct": 100.0 * met / n if n else None,
             "usd_per_1000": 1000.0 * sum(r[1] for r in per_request) / n if n else None,
-            "upstream_share_pct": 100.0 * sum(r[0] != "local" for r in per_request) / n if n else None,
-            "local_from": local_from, "per_request": per_request}
+            "upstream_share_pct": 100.0 * (n - sum(x)) / n if n else None,
+            "engine_rate_tok_s": rate, "engine_rate_run": rate_run, "run_rates_tok_s": rates,
+            "local_from": {p: round(v, 1) for p, v in local_from.items()}, "per_request": per_request}
 
 
 def oracle_vs_policy(log: list[list], orc: dict, slo_s: float, prices: dict[str, dict] = PRICES) -> dict:
-    """The oracle's cost against one run's on the requests that run met the SLO for (USD, summed): the
-    oracle's lower-bound property is ``oracle_usd <= policy_usd``."""
-    met = [i for i, row in enumerate(log) if row[_TTFT] is not None and row[_TTFT] <= slo_s]
-    return {"met": len(met),
-            "policy_usd": sum(request_cost(prices, log[i][_BACKEND], log[i][_PROMPT], log[i][_COMPLETION])
-                              for i in met),
-            "oracle_usd": sum(orc["per_request"][i][1] for i in met)}
+    """The oracle's lower-bound property against one run (USD, summed over the schedule): ``oracle_usd <=
+    bound_usd``, where ``bound_usd`` is that run's in-time local requests at their local usage and every other
+    request at the oracle's aggregator price (what that run's local set, a feasible choice of the oracle,
+    would cost it); ``policy_usd`` is what the run paid, ``met`` how many requests it served within the SLO."""
+    bound = 0.0
+    for row, (_backend, _usd, _run, _x, upstream_usd) in zip(log, orc["per_request"]):
+        bound += (request_cost(prices, "local", row[_PROMPT], row[_COMPLETION]) if _in_time_local(row, slo_s)
+                  else upstream_usd)
+    return {"met": sum(row[_TTFT] is not None and row[_TTFT] <= slo_s for row in log),
+            "policy_usd": sum(request_cost(prices, row[_BACKEND], row[_PROMPT], row[_COMPLETION]) for row in log),
+            "bound_usd": bound, "oracle_usd": sum(r[1] for r in orc["per_request"])}
 
 
 def sweep_prediction_error(figures: dict[str, dict]) -> dict:
@@ -179,11 +254,13 @@ def _table(figures: dict[str, dict], orc: dict, slo_s: float) -> str:
                      fmt(f["slo_met_pct"], ".1f"), fmt(f["usd_per_1000"], ".4f"), fmt(f["upstream_share_pct"], ".1f"),
                      fmt(f["handed_over_pct"], ".1f"), fmt(f["ttft_p50_s"], ".2f"),
                      fmt(f["prediction_error_p50_pct"], ".0f") + " / " + fmt(f["prediction_error_p90_pct"], ".0f"),
-                     fmt(vs["oracle_usd"] / vs["policy_usd"] if vs["policy_usd"] else None, ".2f")])
+                     fmt(orc["run_rates_tok_s"].get(p), ".0f"),
+                     fmt(vs["oracle_usd"] / vs["bound_usd"] if vs["bound_usd"] else None, ".2f")])
     rows.append(["oracle", orc["requests"], 0, fmt(orc["slo_met_pct"], ".1f"), fmt(orc["usd_per_1000"], ".4f"),
-                 fmt(orc["upstream_share_pct"], ".1f"), "-", "-", "-", "1.00"])
-    return md_table(["policy", "requests", "failed", f"TTFT <= SLO %", "USD / 1,000", "upstream %", "handed over %",
-                     "TTFT p50 s", "pred. err p50 / p90 %", "oracle / policy USD on the requests it met"], rows)
+                 fmt(orc["upstream_share_pct"], ".1f"), "-", "-", "-", fmt(orc["engine_rate_tok_s"], ".0f"), "1.00"])
+    return md_table(["policy", "requests", "failed", "TTFT <= SLO %", "USD / 1,000", "upstream %", "handed over %",
+                     "TTFT p50 s", "pred. err p50 / p90 %", "engine rate tok/s",
+                     "oracle / (its in-time local set + aggregator for the rest) USD"], rows)
 
 
 def _verdict_text(v: dict) -> str:
@@ -219,9 +296,12 @@ def run_sweep(args: argparse.Namespace) -> int:
                       f"Load average (1 min) before / after each run: " + "; ".join(
                           f"{p} {f['load_average_1m'][0]:.1f} / {f['load_average_1m'][1]:.1f}"
                           for p, f in figures.items()),
-                      "Oracle: a request is local iff some run served it locally within the SLO (that run's "
-                      "TTFT), else the cheapest aggregator fast enough; see loadtests/scenarios/spill_sweep.py. "
-                      f"Local requests taken from each run: {orc['local_from']}.", f"![attainment vs cost]({png.name})"])
+                      "Oracle: the cheapest choice of local requests among those some run served locally within "
+                      "the SLO whose uncached prompt tokens the engine could prefill in time at the fastest rate "
+                      f"any run showed ({orc['engine_rate_tok_s']:.0f} tok/s, {orc['engine_rate_run']}: the 'engine "
+                      "rate' column), the cheapest aggregator fast enough for the rest; see "
+                      "loadtests/scenarios/spill_sweep.py. Local requests taken from each run: "
+                      f"{orc['local_from']}.", f"![attainment vs cost]({png.name})"])
     write_report(out, "Spill sweep: SLO attainment vs cost", [],
                  {"figures": figures, "oracle": orc, "verdict": v, "prediction_error": err, "capacity_rps": capacity, "slo_ms": args.slo_ms,
                   "seed": args.seed, "duration_s": args.duration, "policies": policies}, md)
