@@ -61,6 +61,7 @@ def test_oracle_serves_locally_no_more_than_the_fastest_run_could_and_keeps_the_
     assert orc["upstream_share_pct"] == pytest.approx(27.5) and orc["slo_met_pct"] == pytest.approx(100.0)
     up, local = request_cost(PRICES_T, "cheap", 5, 4), request_cost(PRICES_T, "local", 100, 4)
     assert orc["usd_per_1000"] == pytest.approx(1000.0 * (2.9 * local + 1.1 * up) / 4)
+    assert orc["unlimited_usd_per_1000"] == pytest.approx(1000.0 * local)   # all four local, the engine counted twice
     for log in logs.values():   # each run's in-time local set is a choice the oracle had
         vs = oracle_vs_policy(log, orc, slo_s=1.0, prices=PRICES_T)
         assert vs["oracle_usd"] <= vs["bound_usd"] + 1e-15 and vs["met"] == 4
@@ -111,6 +112,7 @@ def test_sweep_end_to_end_reports_each_point_the_oracle_and_the_plot(tmp_path):
         assert 0.0 <= x <= 1.0 and (x == 0.0 or run in in_time) and backend in ("local", "cheap")
         assert usd <= upstream_usd + 1e-12 or not in_time   # local only where it saves
     assert orc["engine_rate_tok_s"] == max(orc["run_rates_tok_s"].values()) > 0
+    assert orc["unlimited_usd_per_1000"] <= orc["usd_per_1000"] + 1e-9
     for p, f in figures.items():
         vs = oracle_vs_policy(f["requests_log"], orc, slo_s)
         assert vs["oracle_usd"] <= vs["bound_usd"] + 1e-12, p

@@ -121,7 +121,8 @@ def oracle(schedule: list[Arrival], logs: dict[str, list[list]], slo_s: float, m
     Returns:
         ``requests``, ``slo_met_pct``, ``usd_per_1000``, ``upstream_share_pct`` (a split request counts by its
         fractions), ``engine_rate_tok_s`` and ``engine_rate_run`` (:func:`engine_rate`'s best and whose),
-        ``run_rates_tok_s`` (policy -> its rate), ``local_from`` (policy -> local requests the oracle took at
+        ``run_rates_tok_s`` (policy -> its rate), ``unlimited_usd_per_1000`` (each request's best run alone,
+        without the capacity limit: never more than the oracle's cost), ``local_from`` (policy -> local requests the oracle took at
         that run's figures) and ``per_request``: ``[backend, USD, run, local fraction, aggregator USD]`` (backend
         "local" when the fraction is >= 0.5; ``run``: whose local usage and work it took, or None; the last:
         what the cheapest fast-enough aggregator would charge).
@@ -152,10 +153,13 @@ def oracle(schedule: list[Arrival], logs: dict[str, list[list]], slo_s: float, m
             local_from[run] = local_from.get(run, 0.0) + xi
     n = len(schedule)
     met = sum(x) + (n - sum(x) if in_time else 0.0)
+    # each request's best run alone, no capacity limit (the oracle before b013080), for comparison
+    unlimited = sum(up[i][0] if local[i] is None or gain[i] <= 0 else local[i][0] for i in range(n))
     return {"requests": n, "slo_met_pct": 100.0 * met / n if n else None,
             "usd_per_1000": 1000.0 * sum(r[1] for r in per_request) / n if n else None,
             "upstream_share_pct": 100.0 * (n - sum(x)) / n if n else None,
             "engine_rate_tok_s": rate, "engine_rate_run": rate_run, "run_rates_tok_s": rates,
+            "unlimited_usd_per_1000": 1000.0 * unlimited / n if n else None,
             "local_from": {p: round(v, 1) for p, v in local_from.items()}, "per_request": per_request}
 
 
@@ -301,7 +305,8 @@ def run_sweep(args: argparse.Namespace) -> int:
                       f"any run showed ({orc['engine_rate_tok_s']:.0f} tok/s, {orc['engine_rate_run']}: the 'engine "
                       "rate' column), the cheapest aggregator fast enough for the rest; see "
                       "loadtests/scenarios/spill_sweep.py. Local requests taken from each run: "
-                      f"{orc['local_from']}.", f"![attainment vs cost]({png.name})"])
+                      f"{orc['local_from']}. Each request's best run alone, without the capacity limit, would "
+                      f"cost {fmt(orc['unlimited_usd_per_1000'], '.4f')} USD / 1,000.", f"![attainment vs cost]({png.name})"])
     write_report(out, "Spill sweep: SLO attainment vs cost", [],
                  {"figures": figures, "oracle": orc, "verdict": v, "prediction_error": err, "capacity_rps": capacity, "slo_ms": args.slo_ms,
                   "seed": args.seed, "duration_s": args.duration, "policies": policies}, md)
