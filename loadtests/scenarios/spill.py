@@ -65,6 +65,9 @@ def register(sub) -> None:
     p.add_argument("--sweep", action="store_true",
                    help="the threshold rule at each setting, the SLO route and the offline oracle: attainment vs "
                         "cost (loadtests/scenarios/spill_sweep.py; attainment_vs_cost.png, summary.md)")
+    p.add_argument("--from-results", default=None, metavar="RESULTS_JSON",
+                   help="with --sweep: serve nothing; recompute the oracle, verdict, plot and summary from an earlier "
+                        "sweep's results.json (into --out)")
     p.add_argument("--capacity", type=float, default=None,
                    help="the engine's capacity, requests/s, that the arrivals scale with (default: measured)")
     p.add_argument("--seed", type=int, default=0, help="seeds the arrivals and prompts")
@@ -369,6 +372,8 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep:
         from loadtests.scenarios.spill_sweep import run_sweep
         return run_sweep(args)
+    if args.from_results:
+        raise SystemExit("--from-results recomputes a sweep: add --sweep")
     args.duration = 60.0 if args.duration is None else args.duration
     policies = (args.policies or "local,threshold,slo").split(",")
     for policy in policies:

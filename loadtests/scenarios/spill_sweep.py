@@ -43,17 +43,21 @@ check (the SLO route's cost against the cheapest threshold setting at >= 99 % an
 from __future__ import annotations
 
 import argparse
+import json
+import re
 from pathlib import Path
 
 from loadtests.report import _save, write_report
 from loadtests.scenarios.common import fmt, md_table
-from loadtests.scenarios.spill import (AGGREGATORS, PRICES, SWEEP_POLICIES, Arrival, request_cost, scenario_note,
+from loadtests.scenarios.spill import (AGGREGATORS, PRICES, SWEEP_POLICIES, Arrival, arrivals, request_cost,
+                                       scenario_note,
                                        serve_policies, threshold_match)
 from loadtests.stats import percentiles
 from loadtests.upstream import prompt_words
 
 # requests_log columns (spill.analyse)
-_AT, _BACKEND, _TTFT, _PREDICTED, _ENGINE_PREDICTED, _PROMPT, _COMPLETION, _CACHED = 0, 1, 2, 3, 4, 5, 8, 9
+_BACKEND, _TTFT, _PREDICTED, _ENGINE_PREDICTED, _PROMPT, _EXPLAIN, _COMPLETION, _CACHED = 1, 2, 3, 4, 5, 7, 8, 9
+_UNCACHED = re.compile(r"(\d+) uncached of (\d+)")   # the engine's prediction in x-tandem-slo
 TARGET_PCT = 99.0   # the issue's attainment target
 
 
@@ -62,15 +66,20 @@ def _in_time_local(row: list, slo_s: float) -> bool:
 
 
 def _uncached(row: list) -> int:
-    """Prompt tokens the engine had to prefill for a local row (prompt minus what its prefix cache held)."""
-    return max(row[_PROMPT] - row[_CACHED], 0)
+    """Prompt tokens the engine had to prefill for a local row: the prompt minus what its prefix cache held
+    (the usage's ``cached_tokens``); in logs older than that column, the prediction's "N uncached of M" (what
+    the cache held when the gateway asked, just before admission), else the whole prompt."""
+    if len(row) > _CACHED:
+        return max(row[_PROMPT] - row[_CACHED], 0)
+    m = _UNCACHED.search(row[_EXPLAIN] or "")
+    return int(m.group(1)) if m else row[_PROMPT]
 
 
 def engine_rate(at: list[float], work: list[float], slo_s: float) -> float:
     """The least rate at which a server must work for ``work[i]`` (arriving at ``at[i]``, non-decreasing) to be
     done by ``at[i] + slo_s`` each: max over windows of arrivals [at[j], at[k]] of
     ``sum(work[j..k]) / (at[k] - at[j] + slo_s)`` (the deadline condition of one preemptive server, e.g.
-    Liu and Layland 1973, for equal relative deadlines). Units: work's per second; 0.0 for no work."""
+    Horn 1974, for equal relative deadlines). Units: work's per second; 0.0 for no work."""
     import numpy as np
 
     t = np.asarray(at, dtype=np.float64)
@@ -81,7 +90,7 @@ def engine_rate(at: list[float], work: list[float], slo_s: float) -> float:
     return best
 
 
-def _max_local_gain(gain: list[float], work: list[float], at: list[float], rate: float, cap: float) -> list[float]:
+def max_local_gain(gain: list[float], work: list[float], at: list[float], rate: float, cap: float) -> list[float]:
     """The fractions x_i in [0, 1] (0 where ``work`` is None: not a candidate) maximising sum(gain_i x_i)
     subject to the fluid queue Q_k = max(Q_{k-1} - rate (at_k - at_{k-1}), 0) + x_k work_k <= cap at every
     arrival, as the linear program (variables x, Q) Q_k >= x_k work_k, Q_k >= Q_{k-1} - rate gap_k + x_k work_k,
@@ -100,8 +109,9 @@ def _max_local_gain(gain: list[float], work: list[float], at: list[float], rate:
             b.append(rate * (at[k] - at[k - 1]))
     a_ub = coo_matrix((vals, (rows, cols)), shape=(len(b), 2 * n)).tocsr()
     bounds = [(0.0, 0.0 if x is None else 1.0) for x in work] + [(0.0, cap)] * n
-    res = linprog(np.concatenate([-np.asarray(gain, dtype=np.float64), np.zeros(n)]), A_ub=a_ub, b_ub=b,
-                  bounds=bounds, method="highs")
+    g = np.asarray(gain, dtype=np.float64)
+    scale = float(np.abs(g).max()) or 1.0   # USD gains are ~1e-5: to ~1 for the solver's tolerances
+    res = linprog(np.concatenate([-g / scale, np.zeros(n)]), A_ub=a_ub, b_ub=b, bounds=bounds, method="highs")
     if res.status != 0:
         raise RuntimeError(f"the oracle's linear program failed: {res.message}")
     return [min(max(float(x), 0.0), 1.0) for x in res.x[:n]]
@@ -122,12 +132,19 @@ def oracle(schedule: list[Arrival], logs: dict[str, list[list]], slo_s: float, m
         ``requests``, ``slo_met_pct``, ``usd_per_1000``, ``upstream_share_pct`` (a split request counts by its
         fractions), ``engine_rate_tok_s`` and ``engine_rate_run`` (:func:`engine_rate`'s best and whose),
         ``run_rates_tok_s`` (policy -> its rate), ``unlimited_usd_per_1000`` (each request's best run alone,
-        without the capacity limit: never more than the oracle's cost), ``local_from`` (policy -> local requests the oracle took at
+        without the capacity limit: no more than the oracle's cost when an aggregator meets the SLO), ``local_from`` (policy -> local requests the oracle took at
         that run's figures) and ``per_request``: ``[backend, USD, run, local fraction, aggregator USD]`` (backend
-        "local" when the fraction is >= 0.5; ``run``: whose local usage and work it took, or None; the last:
-        what the cheapest fast-enough aggregator would charge).
+        "local" when the fraction is >= 0.5; ``run``: of the runs that served it locally in time, the one with
+        the cheapest local usage, whose usage it took (its work: the least uncached tokens of those runs), or
+        None; the last: what the cheapest fast-enough aggregator would charge). ``aggregator_in_time``: whether
+        some aggregator meets the SLO (if none does, the oracle maximises attainment first, and its cost
+        bounds nothing).
+    Raises:
+        ValueError: if the schedule's arrival times decrease somewhere.
     """
     at = [a.at for a in schedule]
+    if any(b < a for a, b in zip(at, at[1:])):
+        raise ValueError("the schedule's arrival times must not decrease")
     in_time = [name for name, a in aggregators.items() if a["ttft"] <= slo_s]
     upstreams = in_time or [min(aggregators, key=lambda n: aggregators[n]["ttft"])]
     rates = {p: engine_rate(at, [_uncached(r) if _in_time_local(r, slo_s) else 0 for r in log], slo_s)
@@ -143,11 +160,11 @@ def oracle(schedule: list[Arrival], logs: dict[str, list[list]], slo_s: float, m
         work.append(min(r[1] for r in runs) if runs else None)
         # saving against the aggregator; with none in time, attainment first (1 per request, USD are ~1e-4)
         gain.append(0.0 if not runs else (up[i][0] - local[i][0]) + (0.0 if in_time else 1.0))
-    x = _max_local_gain(gain, work, at, rate, rate * slo_s) if rate > 0 else [0.0] * len(schedule)
+    x = max_local_gain(gain, work, at, rate, rate * slo_s)   # rate 0: only work-free requests fit
     per_request, local_from = [], {}
     for i, xi in enumerate(x):
         usd = up[i][0] if local[i] is None else xi * local[i][0] + (1.0 - xi) * up[i][0]
-        run = local[i][2] if local[i] is not None and xi > 0 else None
+        run = local[i][2] if local[i] is not None and xi > 1e-9 else None
         per_request.append(["local" if xi >= 0.5 else up[i][1], usd, run, xi, up[i][0]])
         if run:
             local_from[run] = local_from.get(run, 0.0) + xi
@@ -158,7 +175,7 @@ def oracle(schedule: list[Arrival], logs: dict[str, list[list]], slo_s: float, m
     return {"requests": n, "slo_met_pct": 100.0 * met / n if n else None,
             "usd_per_1000": 1000.0 * sum(r[1] for r in per_request) / n if n else None,
             "upstream_share_pct": 100.0 * (n - sum(x)) / n if n else None,
-            "engine_rate_tok_s": rate, "engine_rate_run": rate_run, "run_rates_tok_s": rates,
+            "aggregator_in_time": bool(in_time), "engine_rate_tok_s": rate, "engine_rate_run": rate_run, "run_rates_tok_s": rates,
             "unlimited_usd_per_1000": 1000.0 * unlimited / n if n else None,
             "local_from": {p: round(v, 1) for p, v in local_from.items()}, "per_request": per_request}
 
@@ -259,7 +276,8 @@ def _table(figures: dict[str, dict], orc: dict, slo_s: float) -> str:
                      fmt(f["handed_over_pct"], ".1f"), fmt(f["ttft_p50_s"], ".2f"),
                      fmt(f["prediction_error_p50_pct"], ".0f") + " / " + fmt(f["prediction_error_p90_pct"], ".0f"),
                      fmt(orc["run_rates_tok_s"].get(p), ".0f"),
-                     fmt(vs["oracle_usd"] / vs["bound_usd"] if vs["bound_usd"] else None, ".2f")])
+                     fmt(vs["oracle_usd"] / vs["bound_usd"] if vs["bound_usd"] and orc["aggregator_in_time"]
+                         else None, ".2f")])
     rows.append(["oracle", orc["requests"], 0, fmt(orc["slo_met_pct"], ".1f"), fmt(orc["usd_per_1000"], ".4f"),
                  fmt(orc["upstream_share_pct"], ".1f"), "-", "-", "-", fmt(orc["engine_rate_tok_s"], ".0f"), "1.00"])
     return md_table(["policy", "requests", "failed", "TTFT <= SLO %", "USD / 1,000", "upstream %", "handed over %",
@@ -279,14 +297,32 @@ def _verdict_text(v: dict) -> str:
             f"{fmt(v['slo_vs_oracle_cost'], '.2f')}x).")
 
 
+def _earlier(args: argparse.Namespace) -> tuple[float, list[Arrival], dict[str, dict], list[str]]:
+    """An earlier sweep's capacity, arrivals (regenerated from its seed: checked against its logs), figures
+    and policies from ``args.from_results`` (its results.json); its SLO, seed, duration, rates and
+    max_tokens replace ``args``' (files older than the rates and max_tokens keep ``args``')."""
+    d = json.loads(Path(args.from_results).read_text())
+    args.slo_ms, args.seed, args.duration = d["slo_ms"], d["seed"], d["duration_s"]
+    args.low, args.high, args.max_tokens = (d.get(k, getattr(args, k)) for k in ("low", "high", "max_tokens"))
+    schedule = arrivals(d["capacity_rps"], args.duration, args.low, args.high, args.seed)
+    for policy, f in d["figures"].items():
+        if [row[0] for row in f["requests_log"]] != [round(a.at, 3) for a in schedule]:
+            raise SystemExit(f"{args.from_results}: {policy}'s requests are not the arrivals its seed gives "
+                             f"(--low/--high as in that run?)")
+    return d["capacity_rps"], schedule, d["figures"], list(d["figures"])
+
+
 def run_sweep(args: argparse.Namespace) -> int:
     """``tandem loadtest spill --sweep`` (arguments of :func:`spill.register`)."""
     args.duration = 180.0 if args.duration is None else args.duration
     policies = args.policies.split(",") if args.policies else list(SWEEP_POLICIES)
     for policy in policies:
         threshold_match(policy)   # an unknown name fails before anything starts
+    if args.from_results:
+        capacity, schedule, figures, policies = _earlier(args)
+    else:
+        capacity, schedule, figures = serve_policies(args, policies)
     slo_s = args.slo_ms / 1000.0
-    capacity, schedule, figures = serve_policies(args, policies)
     orc = oracle(schedule, {p: f["requests_log"] for p, f in figures.items()}, slo_s, args.max_tokens)
     v = verdict(figures, orc)
     err = sweep_prediction_error(figures)
@@ -309,6 +345,7 @@ def run_sweep(args: argparse.Namespace) -> int:
                       f"cost {fmt(orc['unlimited_usd_per_1000'], '.4f')} USD / 1,000.", f"![attainment vs cost]({png.name})"])
     write_report(out, "Spill sweep: SLO attainment vs cost", [],
                  {"figures": figures, "oracle": orc, "verdict": v, "prediction_error": err, "capacity_rps": capacity, "slo_ms": args.slo_ms,
-                  "seed": args.seed, "duration_s": args.duration, "policies": policies}, md)
+                  "seed": args.seed, "duration_s": args.duration, "low": args.low, "high": args.high,
+                  "max_tokens": args.max_tokens, "policies": policies}, md)
     print(md)
     return 0
