@@ -4,6 +4,7 @@ read at run time from these models. Compilation: ``gateway/config/compile.py``.
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -20,8 +21,26 @@ class ConfigError(ValueError):
         super().__init__(f"{where}invalid config:\n" + "\n".join(f"  {p or '(root)'}: {m}" for p, m in errors))
 
 
+def _number_field(annotation: Any) -> bool:
+    """Whether a field's type takes a number and not a boolean (``float``, ``int | None``, ...)."""
+    args = typing.get_args(annotation) or (annotation,)
+    return bool not in args and any(a in (int, float) for a in args)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # no unknown keys; no .inf or .nan for a number; no YAML true / false where a number goes (pydantic would
+    # read them as 1 and 0: `ttft_ms: true` a 1 ms SLO)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                value = data.get(field.alias or name)
+                if isinstance(value, bool) and _number_field(field.annotation):
+                    raise ValueError(f"{field.alias or name}: a number is needed, not {str(value).lower()}")
+        return data
 
 
 class CorsConfig(_Strict):

@@ -1,0 +1,49 @@
+"""A number in the config is a finite number: YAML's true / false (which pydantic would read as 1 and 0) and
+.inf / .nan are refused at load, naming the key (gateway/config/schema.py's _Strict)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config.compile import load_config_text
+from gateway.config.schema import ConfigError
+
+BASE = """
+reload: {{watch: false}}
+models: [{{name: m}}]
+backends:
+  a: {{type: openai, base_url: 'http://127.0.0.1:9/v1'}}
+  b: {{type: openai, base_url: 'http://127.0.0.1:9/v1'}}
+routes:
+  r: {{targets: [{{backend: a, weight: {weight}}}, {{backend: b, weight: 1}}], slo: {slo}}}
+policy: {{default_route: r}}
+"""
+
+
+def load(weight: str = "1", slo: str = "{ttft_ms: 1500}"):
+    return load_config_text(BASE.format(weight=weight, slo=slo))
+
+
+def test_finite_numbers_load():
+    compiled = load(weight="2.5", slo="{ttft_ms: 1500.5, tpot_ms: 40}")
+    assert compiled is not None
+
+
+@pytest.mark.parametrize("slo,key,words", [
+    ("{ttft_ms: true}", "routes.r.slo", "ttft_ms: a number is needed, not true"),
+    ("{ttft_ms: 1500, tpot_ms: false}", "routes.r.slo", "tpot_ms: a number is needed, not false"),
+    ("{ttft_ms: .inf}", "routes.r.slo.ttft_ms", "finite"),
+    ("{ttft_ms: .nan}", "routes.r.slo.ttft_ms", "finite"),
+])
+def test_a_boolean_or_infinite_slo_is_refused_naming_its_key(slo, key, words):
+    with pytest.raises(ConfigError) as exc:
+        load(slo=slo)
+    path, problem = exc.value.errors[0]
+    assert path == key and words in problem, exc.value.errors
+
+
+def test_a_boolean_weight_is_refused():
+    with pytest.raises(ConfigError) as exc:
+        load(weight="true")
+    path, problem = exc.value.errors[0]
+    assert path == "routes.r.targets[0]" and "weight: a number is needed, not true" in problem, exc.value.errors
