@@ -133,6 +133,30 @@ def test_threshold_policies_name_one_rule_each():
         threshold_match("waiting<4")
 
 
+@pytest.mark.parametrize("argv,words", [
+    (["--sweep", "--policies", "bogus"], "unknown spill policy 'bogus'"),
+    (["--sweep", "--policies", "kv>=150"], "0 < P <= 100"),
+    (["--sweep", "--policies", "slo,slo"], "named twice"),
+    (["--sweep", "--policies", ""], "an empty name"),
+    (["--policies", "waiting>2,,slo"], "an empty name"),
+    (["--from-results", "x.json"], "add --sweep"),
+    (["--sweep", "--from-results", "/nonexistent/results.json"], "cannot read it"),
+])
+def test_bad_arguments_end_with_a_message_before_anything_starts(argv, words):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["spill", *argv, "--out", "/nonexistent/out"])
+    assert words in str(exc.value.code)
+
+
+@pytest.mark.parametrize("text,words", [("{x", "cannot read it"), ('{"a": 1}', "no 'figures' in it"),
+                                        ("[1]", "not shaped like one")])
+def test_from_results_names_a_file_that_is_no_sweeps_results(tmp_path, text, words):
+    (tmp_path / "r.json").write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["spill", "--sweep", "--from-results", str(tmp_path / "r.json"), "--out", str(tmp_path / "o")])
+    assert words in str(exc.value.code)
+
+
 @pytest.mark.slow
 def test_sweep_end_to_end_reports_each_point_the_oracle_and_the_plot(tmp_path):
     rc = cli.main(["spill", "--sweep", "--duration-s", "2", "--capacity", "1.5", "--max-tokens", "4",
@@ -173,3 +197,7 @@ def test_sweep_end_to_end_reports_each_point_the_oracle_and_the_plot(tmp_path):
     assert cli.main(["spill", "--sweep", "--from-results", str(tmp_path / "results.json"), "--out", str(again)]) == 0
     res2 = json.loads((again / "results.json").read_text())
     assert res2["oracle"] == orc and res2["verdict"] == v and res2["figures"] == figures
+    with pytest.raises(SystemExit) as exc:   # its SLO is the results' own
+        cli.main(["spill", "--sweep", "--from-results", str(tmp_path / "results.json"), "--slo-ms", "1000",
+                  "--out", str(again)])
+    assert "drop --slo-ms" in str(exc.value.code)

@@ -52,7 +52,7 @@ def register(sub) -> None:
     p = sub.add_parser("spill", help="spill to aggregators: local only vs threshold vs TTFT SLO",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help=".gguf or HF directory (default: the embedded SmolLM2)")
-    p.add_argument("--slo-ms", type=float, default=2500.0, help="the TTFT SLO, milliseconds")
+    p.add_argument("--slo-ms", type=float, default=None, help="the TTFT SLO, milliseconds (default 2500)")
     p.add_argument("--duration", "--duration-s", dest="duration", type=float, default=None,
                    help="seconds of arrivals per policy (ramp up and down; default 60, with --sweep 180)")
     p.add_argument("--low", type=float, default=0.3, help="arrival rate at start and end, x capacity")
@@ -70,7 +70,7 @@ def register(sub) -> None:
                         "sweep's results.json (into --out)")
     p.add_argument("--capacity", type=float, default=None,
                    help="the engine's capacity, requests/s, that the arrivals scale with (default: measured)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the arrivals and prompts")
+    p.add_argument("--seed", type=int, default=None, help="seeds the arrivals and prompts (default 0)")
     p.add_argument("--out", default="loadtest-results/spill", help="output directory (results.json, summary.md)")
     p.set_defaults(func=run)
 
@@ -133,13 +133,13 @@ class Outcome:
     backend: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0   # of the prompt, the backend's prefix cache held (usage.prompt_tokens_details)
     predicted_local: float | None = None
     predicted_engine: float | None = None
     at: float = 0.0
     explain: str = ""
     turn: int = 1
     attempts: int = 1
+    cached_tokens: int = 0   # of the prompt, the backend's prefix cache held (usage.prompt_tokens_details)
 
 
 # "local predicted 1.20 s <= SLO 2.5 s at ... USD [1.00 s (...) x 1.20 (p90 ...)]": the gateway's figure (the
@@ -291,12 +291,33 @@ def threshold_match(policy: str) -> dict | None:
         return None
     if policy == "threshold":
         return {"any": [{"local.waiting": {"gt": 32}}, {"local.kv_usage": {"gte": 90}}]}
-    m = re.fullmatch(r"(waiting>|kv>=)([0-9.]+)", policy)
+    m = re.fullmatch(r"(waiting>|kv>=)([0-9]+(?:\.[0-9]+)?)", policy)
     if not m:
         raise ValueError(f"unknown spill policy {policy!r}: local, slo, threshold, waiting>N or kv>=P")
+    if m.group(1) == "kv>=" and not 0 < float(m.group(2)) <= 100:
+        raise ValueError(f"spill policy {policy!r}: kv>=P takes a percent of KV blocks, 0 < P <= 100")
     if m.group(1) == "waiting>":
         return {"local.waiting": {"gt": int(m.group(2))}}
     return {"local.kv_usage": {"gte": float(m.group(2))}}
+
+
+def parse_policies(text: str | None, default: tuple[str, ...]) -> list[str]:
+    """``--policies``' comma-separated names (``default`` when not given), each checked before anything starts:
+    a name :func:`threshold_match` does not know, an empty one or a repeated one ends the command with a
+    message."""
+    if text is None:
+        return list(default)
+    names = [n.strip() for n in text.split(",")]
+    for n in names:
+        if not n:
+            raise SystemExit(f"--policies {text!r}: an empty name (names are separated by commas)")
+        try:
+            threshold_match(n)
+        except ValueError as e:
+            raise SystemExit(f"--policies: {e}") from None
+    if len(set(names)) < len(names):
+        raise SystemExit(f"--policies {text!r}: a policy named twice")
+    return names
 
 
 def _warm_up(url: str, max_tokens: int, seed: int) -> None:
@@ -364,8 +385,10 @@ def scenario_note(args: argparse.Namespace, capacity: float, schedule: list[Arri
             f"(seed {args.seed}); SLO TTFT {args.slo_ms:g} ms; aggregators: "
             + ", ".join(f"{n} TTFT {a['ttft']:g} s at {a['input']:g}/{a['output']:g} USD/M" for n, a in
                         AGGREGATORS.items()) + f"; local {LOCAL_PRICES['input']:g}/{LOCAL_PRICES['output']:g} USD/M"
-            + f"; upstream share an engine serving {fmt(capacity, '.2f')} req/s in order needs to meet the SLO: "
-            f"{fluid_upstream_share(schedule, capacity, args.slo_ms / 1000.0):.1f} %")
+            + f"; a rough reference: an engine serving every request at {fmt(capacity, '.2f')} req/s (the capacity "
+            f"burst's rate: first turns, nothing cached) in arrival order would need "
+            f"{fluid_upstream_share(schedule, capacity, args.slo_ms / 1000.0):.1f} % upstream to meet the SLO "
+            f"(cached follow-up turns cost the engine less)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -375,9 +398,8 @@ def run(args: argparse.Namespace) -> int:
     if args.from_results:
         raise SystemExit("--from-results recomputes a sweep: add --sweep")
     args.duration = 60.0 if args.duration is None else args.duration
-    policies = (args.policies or "local,threshold,slo").split(",")
-    for policy in policies:
-        threshold_match(policy)   # an unknown name fails before anything starts
+    args.slo_ms, args.seed = 2500.0 if args.slo_ms is None else args.slo_ms, args.seed or 0
+    policies = parse_policies(args.policies, ("local", "threshold", "slo"))
     capacity, schedule, figures = serve_policies(args, policies)
     rows = [[p, f["requests"], f["failed"], fmt(f["slo_met_pct"], ".1f"), fmt(f["usd_per_1000"], ".4f"),
              fmt(f["upstream_share_pct"], ".1f"), fmt(f["handed_over_pct"], ".1f"),

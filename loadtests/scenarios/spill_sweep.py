@@ -49,8 +49,8 @@ from pathlib import Path
 
 from loadtests.report import _save, write_report
 from loadtests.scenarios.common import fmt, md_table
-from loadtests.scenarios.spill import (AGGREGATORS, PRICES, SWEEP_POLICIES, Arrival, arrivals, request_cost,
-                                       scenario_note,
+from loadtests.scenarios.spill import (AGGREGATORS, PRICES, SWEEP_POLICIES, Arrival, arrivals, parse_policies,
+                                       request_cost, scenario_note,
                                        serve_policies, threshold_match)
 from loadtests.stats import percentiles
 from loadtests.upstream import prompt_words
@@ -261,7 +261,7 @@ def plot(figures: dict[str, dict], orc: dict, path: Path) -> Path:
     ax.set_ylabel("TTFT within the SLO, % of requests")
     ax.set_title("Spill: attainment vs cost")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="best")
     return _save(fig, path)
 
 
@@ -301,26 +301,42 @@ def _earlier(args: argparse.Namespace) -> tuple[float, list[Arrival], dict[str, 
     """An earlier sweep's capacity, arrivals (regenerated from its seed: checked against its logs), figures
     and policies from ``args.from_results`` (its results.json); its SLO, seed, duration, rates and
     max_tokens replace ``args``' (files older than the rates and max_tokens keep ``args``')."""
-    d = json.loads(Path(args.from_results).read_text())
-    args.slo_ms, args.seed, args.duration = d["slo_ms"], d["seed"], d["duration_s"]
+    given = [f for f, v in (("--slo-ms", args.slo_ms), ("--seed", args.seed), ("--duration-s", args.duration),
+                            ("--policies", args.policies), ("--capacity", args.capacity)) if v is not None]
+    if given:
+        raise SystemExit(f"--from-results takes the SLO, seed, duration, policies and capacity from the results: "
+                         f"drop {', '.join(given)}")
+    path = Path(args.from_results)
+    try:
+        d = json.loads(path.read_text())
+        figures = d["figures"]
+        args.slo_ms, args.seed, args.duration = float(d["slo_ms"]), int(d["seed"]), float(d["duration_s"])
+        capacity = float(d["capacity_rps"])
+        if not figures or any("requests_log" not in f for f in figures.values()):
+            raise KeyError("figures")
+    except (OSError, UnicodeDecodeError, ValueError) as e:   # json's errors are ValueErrors
+        raise SystemExit(f"--from-results {path}: cannot read it ({e})") from None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise SystemExit(f"--from-results {path}: not the results.json of a `tandem loadtest spill --sweep` "
+                         f"({f'no {e} in it' if isinstance(e, KeyError) else 'not shaped like one'})") from None
     args.low, args.high, args.max_tokens = (d.get(k, getattr(args, k)) for k in ("low", "high", "max_tokens"))
-    schedule = arrivals(d["capacity_rps"], args.duration, args.low, args.high, args.seed)
-    for policy, f in d["figures"].items():
-        if [row[0] for row in f["requests_log"]] != [round(a.at, 3) for a in schedule]:
-            raise SystemExit(f"{args.from_results}: {policy}'s requests are not the arrivals its seed gives "
+    schedule = arrivals(capacity, args.duration, args.low, args.high, args.seed)
+    for policy, f in figures.items():
+        if [row[0] if isinstance(row, list) and len(row) > _COMPLETION else None for row in f["requests_log"]] != [
+                round(a.at, 3) for a in schedule]:
+            raise SystemExit(f"--from-results {path}: {policy}'s requests are not the arrivals its seed gives "
                              f"(--low/--high as in that run?)")
-    return d["capacity_rps"], schedule, d["figures"], list(d["figures"])
+    return capacity, schedule, figures, list(figures)
 
 
 def run_sweep(args: argparse.Namespace) -> int:
     """``tandem loadtest spill --sweep`` (arguments of :func:`spill.register`)."""
-    args.duration = 180.0 if args.duration is None else args.duration
-    policies = args.policies.split(",") if args.policies else list(SWEEP_POLICIES)
-    for policy in policies:
-        threshold_match(policy)   # an unknown name fails before anything starts
     if args.from_results:
         capacity, schedule, figures, policies = _earlier(args)
     else:
+        args.duration = 180.0 if args.duration is None else args.duration
+        args.slo_ms, args.seed = 2500.0 if args.slo_ms is None else args.slo_ms, args.seed or 0
+        policies = parse_policies(args.policies, SWEEP_POLICIES)
         capacity, schedule, figures = serve_policies(args, policies)
     slo_s = args.slo_ms / 1000.0
     orc = oracle(schedule, {p: f["requests_log"] for p, f in figures.items()}, slo_s, args.max_tokens)
@@ -340,7 +356,8 @@ def run_sweep(args: argparse.Namespace) -> int:
                       "the SLO whose uncached prompt tokens the engine could prefill in time at the fastest rate "
                       f"any run showed ({orc['engine_rate_tok_s']:.0f} tok/s, {orc['engine_rate_run']}: the 'engine "
                       "rate' column), the cheapest aggregator fast enough for the rest; see "
-                      "loadtests/scenarios/spill_sweep.py. Local requests taken from each run: "
+                      "loadtests/scenarios/spill_sweep.py. Local requests taken from each run (fractional where "
+                      "the linear program split a request): "
                       f"{orc['local_from']}. Each request's best run alone, without the capacity limit, would "
                       f"cost {fmt(orc['unlimited_usd_per_1000'], '.4f')} USD / 1,000.", f"![attainment vs cost]({png.name})"])
     write_report(out, "Spill sweep: SLO attainment vs cost", [],
