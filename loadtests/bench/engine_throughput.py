@@ -34,7 +34,7 @@ from engine.sampling_params import SamplingParams
 from loadtests.bench.peer_engines import DEFAULT_VLLM_MODEL, PEERS, peer_model, peer_python, peer_workload, run_peer
 from loadtests.bench.peer_engines import salted, summarize
 from loadtests.bench.model_compare import add_compare_args, compare_models
-from loadtests.bench.roofline import decode_weight_bytes, read_bandwidth, roofline_ms
+from loadtests.bench.roofline import READ_MIB, decode_weight_bytes, read_bandwidth, roofline_ms, weights_mib
 
 ROOT = Path(__file__).resolve().parents[2]
 MT_BENCH = ROOT / "tests" / "data" / "mt_bench_questions.jsonl"
@@ -249,7 +249,8 @@ def compare_peer(engine, args, prompts: list[list[int]], params: SamplingParams)
     Returns:
         {"tandem_output_tok_per_s": [per round], "tandem_runs": [Tandem's figures per round], "runs": [the
         peer's result per round], "threads", "read_gb_per_s": [the machine's read bandwidth measured after each
-        round's Tandem run, GB/s], "round_ratios", "ratio": median Tandem / median peer}; ``{"skipped": why}`` or
+        round's Tandem run, GB/s], "read_at_weights_gb_per_s": [the same over a buffer the size of the weights,
+        which a large last-level cache may hold], "round_ratios", "ratio": median Tandem / median peer}; ``{"skipped": why}`` or
         ``{"failed": why}`` (after one round) when the peer cannot run.
     """
     from engine.config import DEFAULT_MODEL
@@ -261,13 +262,17 @@ def compare_peer(engine, args, prompts: list[list[int]], params: SamplingParams)
     except ValueError as e:
         return {"skipped": str(e)}
     threads = engine_threads(engine, args)
+    weight_bytes = _weight_bytes(engine)
     tandem_runs: list[dict] = []
     runs: list[dict] = []
     bandwidth: list[float] = []
+    at_weights: list[float] = []
     for r in range(args.peer_rounds):
         round_prompts = salted(prompts, r + 1, engine.model_config.vocab_size)
         tandem_runs.append(bench_tandem(engine, round_prompts, params, single_stream=peer.single_stream))
         bandwidth.append(read_bandwidth(threads))
+        if weight_bytes:
+            at_weights.append(read_bandwidth(threads, mib=weights_mib(weight_bytes)))
         spec = engine.core.spec_decoder.config if engine.core.spec_decoder is not None else None
         runs.append(run_peer(peer, python, peer_workload(peer, model, round_prompts, args.output_len,
                                                          args.ignore_eos, threads, speculative=spec)))
@@ -275,19 +280,25 @@ def compare_peer(engine, args, prompts: list[list[int]], params: SamplingParams)
             return runs[-1]
     tandem = [t["output_tok_per_s"] for t in tandem_runs]
     return {"tandem_output_tok_per_s": tandem, "tandem_runs": tandem_runs, "runs": runs, "threads": threads,
-            "read_gb_per_s": bandwidth, **summarize(tandem, runs)}
+            "read_gb_per_s": bandwidth, "read_at_weights_gb_per_s": at_weights, **summarize(tandem, runs)}
 
 
 def _roofline_rows(table, weight_bytes: int | None, bandwidth: list[float], tandem_runs: list[dict],
-                   label: str) -> None:
-    """The roofline rows: the bandwidth measured (per round), weights / bandwidth, Tandem's TPOT p50 over it."""
+                   label: str, at_weights: list[float] = ()) -> None:
+    """The roofline rows: the bandwidth measured (per round), weights / bandwidth, Tandem's TPOT p50 over it;
+    the same for the read of a buffer the weights' size where measured (``at_weights``: on a host whose
+    last-level cache holds the weights, the floor a step could reach, below the DRAM one)."""
     if weight_bytes is None or not bandwidth:
         return
-    roof = [roofline_ms(weight_bytes, bw) for bw in bandwidth]
-    table.add_row(f"read GB/s (sum of 512 MiB) / roofline ms ({weight_bytes / 1e6:.1f} MB of weights), {label}",
-                  ", ".join(f"{bw:.1f} / {r:.2f}" for bw, r in zip(bandwidth, roof)))
-    table.add_row(f"Tandem TPOT p50 / roofline, {label}",
-                  ", ".join(f"{t['tpot_s'][50] * 1e3 / r:.2f}x" for t, r in zip(tandem_runs, roof)))
+    for name, bws in ((f"sum of {READ_MIB} MiB", bandwidth), (f"sum of {weights_mib(weight_bytes)} MiB, the "
+                                                               "weights' size", list(at_weights))):
+        if not bws:
+            continue
+        roof = [roofline_ms(weight_bytes, bw) for bw in bws]
+        table.add_row(f"read GB/s ({name}) / roofline ms ({weight_bytes / 1e6:.1f} MB of weights), {label}",
+                      ", ".join(f"{bw:.1f} / {r:.2f}" for bw, r in zip(bws, roof)))
+        table.add_row(f"Tandem TPOT p50 / roofline ({name}), {label}",
+                      ", ".join(f"{t['tpot_s'][50] * 1e3 / r:.2f}x" for t, r in zip(tandem_runs, roof)))
 
 
 def _peer_rows(table, peer_name: str, p: dict, weight_bytes: int | None) -> None:
@@ -303,7 +314,8 @@ def _peer_rows(table, peer_name: str, p: dict, weight_bytes: int | None) -> None
                   ", ".join(f"{r['output_tok_per_s']:.1f}" for r in runs))
     table.add_row("Tandem TTFT p50 s / TPOT p50 ms, per round",
                   ", ".join(f"{t['ttft_s'][50]:.3f} / {t['tpot_s'][50] * 1e3:.1f}" for t in p["tandem_runs"]))
-    _roofline_rows(table, weight_bytes, p.get("read_gb_per_s", []), p["tandem_runs"], "per round")
+    _roofline_rows(table, weight_bytes, p.get("read_gb_per_s", []), p["tandem_runs"], "per round",
+                   p.get("read_at_weights_gb_per_s", []))
     if "prefill_s" in runs[0]:
         table.add_row(f"{peer.label} prefill s / decode tok/s, per round",
                       ", ".join(f"{r['prefill_s']:.3f} / {r['decode_tok_per_s']:.1f}" for r in runs))
@@ -329,7 +341,8 @@ def _result_table(args: argparse.Namespace, result: dict, num_prompts: int, dtyp
     for q in (50, 90, 99):
         table.add_row(f"TPOT p{q} (ms)", f"{t['tpot_s'][q] * 1e3:.1f}")
     roof = result.get("roofline", {})
-    _roofline_rows(table, roof.get("weight_bytes"), roof.get("read_gb_per_s", []), [t], "after the run")
+    _roofline_rows(table, roof.get("weight_bytes"), roof.get("read_gb_per_s", []), [t], "after the run",
+                   roof.get("read_at_weights_gb_per_s", []))
     table.add_row("peak KV usage", f"{t['peak_kv_usage']:.1%}")
     table.add_row("KV waste at peak", f"{t['kv_waste_at_peak']:.2%}")
     table.add_row("preemptions", str(t["num_preemptions"]))
@@ -370,13 +383,21 @@ def _result_table(args: argparse.Namespace, result: dict, num_prompts: int, dtyp
     return table
 
 
-def _roofline(engine, args: argparse.Namespace) -> dict:
+def _weight_bytes(engine) -> int | None:
     """The bytes of weights a one-row decode step reads (None off the C decoder stack, or with the model in
-    other processes) and the read bandwidth measured now."""
+    other processes)."""
     runner = getattr(engine, "model_runner", None)
     model = getattr(runner, "model", None)
-    weight_bytes = decode_weight_bytes(model, runner.kv_caches) if hasattr(model, "_c_decoder_weights") else None
-    return {"weight_bytes": weight_bytes, "read_gb_per_s": [read_bandwidth(engine_threads(engine, args))]}
+    return decode_weight_bytes(model, runner.kv_caches) if hasattr(model, "_c_decoder_weights") else None
+
+
+def _roofline(engine, args: argparse.Namespace) -> dict:
+    """The bytes of weights a one-row decode step reads and the read bandwidth measured now, over
+    :data:`READ_MIB` and over a buffer the weights' size."""
+    weight_bytes, threads = _weight_bytes(engine), engine_threads(engine, args)
+    return {"weight_bytes": weight_bytes, "read_gb_per_s": [read_bandwidth(threads)],
+            "read_at_weights_gb_per_s": [read_bandwidth(threads, mib=weights_mib(weight_bytes))] if weight_bytes
+            else []}
 
 
 def engine_threads(engine, args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ import torch
 
 from kernels import cpu_decoder, cpu_linear
 
-READ_MIB = 512  # well above the last-level cache (32 MiB on the benchmark machine)
+READ_MIB = 512  # above the last-level cache (32 MiB on the Zen 4 box; ~128-192 MiB usable on the Intel host)
 
 
 def read_bandwidth(num_threads: int, mib: int = READ_MIB, repeats: int = 5) -> float:
@@ -65,6 +65,13 @@ def decode_weight_bytes(model, kv_caches) -> int | None:
     head = model.lm_head_q8 if model.lm_head_q8 is not None and cpu_linear.copy_max_rows() >= 1 else \
         model.packed.get("lm_head", embed if model.lm_head is None else model.lm_head.weight)
     return total + head.nbytes + embed.shape[1] * embed.element_size()
+
+
+def weights_mib(weight_bytes: int) -> int:
+    """The MiB of a read-bandwidth buffer the size of ``weight_bytes`` (at least 1): what a decode step reads
+    again every token, which a last-level cache larger than the weights may hold between steps (the Intel
+    host of docs/benchmarks/decode-roofline.md reads <= 128 MiB at 46-50 GB/s and >= 192 MiB at 24-27)."""
+    return max(1, round(weight_bytes / 2**20))
 
 
 def roofline_ms(weight_bytes: int, bandwidth_gb_s: float) -> float:

@@ -105,6 +105,7 @@ def test_peer_table_rows_from_a_llamacpp_result():
     table.add_column("value")
     _peer_rows(table, "llamacpp", {"tandem_output_tok_per_s": [120.0, 120.0], "tandem_runs": tandem_runs,
                                    "runs": runs, "threads": 2, "read_gb_per_s": [25.0, 20.0],
+                                   "read_at_weights_gb_per_s": [50.0, 40.0],
                                    **summarize([120.0, 120.0], runs)}, weight_bytes=100_000_000)
     rows = dict(zip(table.columns[0]._cells, table.columns[1]._cells))
     assert rows["llama.cpp 0.3.36 output tok/s, interleaved"] == "100.0, 80.0"
@@ -114,7 +115,11 @@ def test_peer_table_rows_from_a_llamacpp_result():
     assert rows["ratio tandem / llama.cpp (medians, 2 threads)"] == "1.33x"
     # the roofline: 100 MB at 25 and 20 GB/s is 4 and 5 ms; a TPOT of 8 ms is 2x and 1.6x it
     assert rows["read GB/s (sum of 512 MiB) / roofline ms (100.0 MB of weights), per round"] == "25.0 / 4.00, 20.0 / 5.00"
-    assert rows["Tandem TPOT p50 / roofline, per round"] == "2.00x, 1.60x"
+    assert rows["Tandem TPOT p50 / roofline (sum of 512 MiB), per round"] == "2.00x, 1.60x"
+    # and at the weights' size (95 MiB), which a large last-level cache may hold: 2 and 2.5 ms
+    assert rows["read GB/s (sum of 95 MiB, the weights' size) / roofline ms (100.0 MB of weights), per round"] == \
+        "50.0 / 2.00, 40.0 / 2.50"
+    assert rows["Tandem TPOT p50 / roofline (sum of 95 MiB, the weights' size), per round"] == "4.00x, 3.20x"
     assert rows["Tandem decode tok/s (1 / TPOT p50) / llama.cpp's, per round"] == "1.14x, 1.39x"
 
 
@@ -132,7 +137,7 @@ def test_bench_engine_on_a_tiny_model(tmp_path, capsys):
     # padded to 320; one embedding row
     layer = (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128 + 2 * 64) * 2
     assert result["roofline"]["weight_bytes"] == 2 * layer + 64 * 2 + 320 * 64 * 2 + 64 * 2
-    assert result["roofline"]["read_gb_per_s"][0] > 0
+    assert result["roofline"]["read_gb_per_s"][0] > 0 and result["roofline"]["read_at_weights_gb_per_s"][0] > 0
     printed = capsys.readouterr()
     assert "ratio_vs_vllm" not in result and "no vLLM interpreter" in printed.out
     assert "--peer vllm gave no figure: no vLLM interpreter at" in printed.err
