@@ -23,13 +23,11 @@ class ConfigError(ValueError):
 
 def _number_field(annotation: Any) -> bool:
     """Whether a field's type takes a number and not a boolean (``float``, ``int | None``, ...)."""
-    args = typing.get_args(annotation) or (annotation,)
-    return bool not in args and any(a in (int, float) for a in args)
+    return bool not in (args := typing.get_args(annotation) or (annotation,)) and any(a in (int, float) for a in args)
 
 
 class _Strict(BaseModel):
-    # no unknown keys; no .inf or .nan for a number; no YAML true / false where a number goes (pydantic would
-    # read them as 1 and 0: `ttft_ms: true` a 1 ms SLO)
+    # no unknown keys, no .inf / .nan, no YAML true / false for a number (pydantic reads 1 / 0: `ttft_ms: true`)
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")

@@ -15,11 +15,11 @@ runs' per-request logs, under what the engine was seen to do:
 * **The engine's capacity.** Each request's best run alone would count the engine several times over: a run
   that spilled much served its few local requests fast, the SLO route served others, and both cannot happen
   at once (on the first quiet Intel sweeps, seed 0, the per-request best needed 1,230-1,370 uncached tokens/s
-  of prefill over 40-120 s windows of the peak; no run ever needed more than 930). So the oracle's local set must also fit
-  the fastest rate any run showed: :func:`engine_rate`, the most uncached prompt tokens of in-time local
-  requests arriving within any window of arrivals [a_j, a_k], over ``a_k - a_j + SLO`` (their prefill had to
-  be done in that time), maximised over windows and runs. Every run's own in-time local set meets it, so
-  each is a possible choice of the oracle.
+  of prefill over 40-120 s windows of the peak; no run ever needed more than 930). So the oracle's local set
+  must also fit the fastest rate any run showed: :func:`engine_rate`, the most uncached prompt tokens of
+  in-time local requests arriving within any window of arrivals [a_j, a_k], over ``a_k - a_j + SLO`` (their
+  prefill had to be done in that time), maximised over windows and runs. Every run's own in-time local set
+  meets it, so each is a possible choice of the oracle.
 * **The choice.** The local set saving the most against the aggregator (in USD; when no aggregator is fast
   enough, attainment first), subject to the fluid queue of its work at that rate never holding more than
   ``rate x SLO`` (the same window condition, Lindley's recursion), solved as a linear program (HiGHS through
@@ -132,7 +132,8 @@ def oracle(schedule: list[Arrival], logs: dict[str, list[list]], slo_s: float, m
         ``requests``, ``slo_met_pct``, ``usd_per_1000``, ``upstream_share_pct`` (a split request counts by its
         fractions), ``engine_rate_tok_s`` and ``engine_rate_run`` (:func:`engine_rate`'s best and whose),
         ``run_rates_tok_s`` (policy -> its rate), ``unlimited_usd_per_1000`` (each request's best run alone,
-        without the capacity limit: no more than the oracle's cost when an aggregator meets the SLO), ``local_from`` (policy -> local requests the oracle took at
+        without the capacity limit: no more than the oracle's cost when an aggregator meets the SLO),
+        ``local_from`` (policy -> local requests the oracle took at
         that run's figures) and ``per_request``: ``[backend, USD, run, local fraction, aggregator USD]`` (backend
         "local" when the fraction is >= 0.5; ``run``: of the runs that served it locally in time, the one with
         the cheapest local usage, whose usage it took (its work: the least uncached tokens of those runs), or
@@ -175,7 +176,8 @@ def oracle(schedule: list[Arrival], logs: dict[str, list[list]], slo_s: float, m
     return {"requests": n, "slo_met_pct": 100.0 * met / n if n else None,
             "usd_per_1000": 1000.0 * sum(r[1] for r in per_request) / n if n else None,
             "upstream_share_pct": 100.0 * (n - sum(x)) / n if n else None,
-            "aggregator_in_time": bool(in_time), "engine_rate_tok_s": rate, "engine_rate_run": rate_run, "run_rates_tok_s": rates,
+            "aggregator_in_time": bool(in_time), "engine_rate_tok_s": rate, "engine_rate_run": rate_run,
+            "run_rates_tok_s": rates,
             "unlimited_usd_per_1000": 1000.0 * unlimited / n if n else None,
             "local_from": {p: round(v, 1) for p, v in local_from.items()}, "per_request": per_request}
 
@@ -359,7 +361,8 @@ def run_sweep(args: argparse.Namespace) -> int:
                       "loadtests/scenarios/spill_sweep.py. Local requests taken from each run (fractional where "
                       "the linear program split a request): "
                       f"{orc['local_from']}. Each request's best run alone, without the capacity limit, would "
-                      f"cost {fmt(orc['unlimited_usd_per_1000'], '.4f')} USD / 1,000.", f"![attainment vs cost]({png.name})"])
+                      f"cost {fmt(orc['unlimited_usd_per_1000'], '.4f')} USD / 1,000.",
+                      f"![attainment vs cost]({png.name})"])
     write_report(out, "Spill sweep: SLO attainment vs cost", [],
                  {"figures": figures, "oracle": orc, "verdict": v, "prediction_error": err, "capacity_rps": capacity, "slo_ms": args.slo_ms,
                   "seed": args.seed, "duration_s": args.duration, "low": args.low, "high": args.high,

@@ -8,16 +8,10 @@ import pytest
 from gateway.config.compile import load_config_text
 from gateway.config.schema import ConfigError
 
-BASE = """
-reload: {{watch: false}}
-models: [{{name: m}}]
-backends:
-  a: {{type: openai, base_url: 'http://127.0.0.1:9/v1'}}
-  b: {{type: openai, base_url: 'http://127.0.0.1:9/v1'}}
-routes:
-  r: {{targets: [{{backend: a, weight: {weight}}}, {{backend: b, weight: 1}}], slo: {slo}}}
-policy: {{default_route: r}}
-"""
+BASE = ("{{reload: {{watch: false}}, models: [{{name: m}}], policy: {{default_route: r}}, "
+        "backends: {{a: {{type: openai, base_url: 'http://127.0.0.1:9/v1'}}, "
+        "b: {{type: openai, base_url: 'http://127.0.0.1:9/v1'}}}}, "
+        "routes: {{r: {{targets: [{{backend: a, weight: {weight}}}, {{backend: b, weight: 1}}], slo: {slo}}}}}}}")
 
 
 def load(weight: str = "1", slo: str = "{ttft_ms: 1500}"):
