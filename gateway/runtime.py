@@ -39,7 +39,7 @@ from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
 from gateway.config.versions import ConfigState, Guard, GuardFailed, MemoryLedger, RedisLedger, VersionConflict, \
     text_digest
-from gateway.config.status import down_warnings, routes_now
+from gateway.config.status import down_warnings, read_health, routes_now
 from gateway.config.weights import describe_changes
 from gateway.rollouts.controller import RolloutController
 from gateway.rollouts.metrics import ParityCollector
@@ -288,16 +288,19 @@ class Gateway:
                 if isinstance(e, (VersionConflict, GuardFailed)):
                     raise
                 raise self._unreachable(f"config change ({state.source})", e) from None
-            if state.version == self.snapshot.version:   # the running version's content: nothing to apply, and
-                snap = self.snapshot                      # its source stays (the ledger recorded the file digest)
+            same = state.version == self.snapshot.version
+            if same:   # the running version's content: nothing to apply, and its source stays (the ledger
+                snap = self.snapshot   # recorded the file digest)
                 self.file_digest, snap.owners = state.file_digest or self.file_digest, dict(state.owners)
                 log.info("config version %d (%s) stays: the %s change is the same config", snap.version,
                          snap.source, state.source)
             else:
                 snap = self._apply(state, compiled)
-                snap.warnings += await down_warnings(self.resilience, snap)
+            health = await read_health(self.resilience, snap)   # once: the warnings and the routes' shares
+            if not same:
+                snap.warnings += down_warnings(snap, health)
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
-                    "propagated": True if self.ledger.shared else None, "routes": await routes_now(self.resilience, snap)}
+                    "propagated": True if self.ledger.shared else None, "routes": routes_now(snap, health)}
 
     def _unreachable(self, what: str, e: Exception) -> StateUnavailable:
         """The refusal of a change to the shared desired state while Redis is unreachable (see the module
@@ -420,13 +423,16 @@ class Gateway:
             except Exception as e:  # noqa: BLE001 -- Redis unreachable: nothing changes
                 raise self._unreachable("config rollback", e) from None
             snap = self._apply(state)
-            snap.warnings += await down_warnings(self.resilience, snap)   # as any change does: weight landing on a down backend
+            health = await read_health(self.resilience, snap)
+            snap.warnings += down_warnings(snap, health)   # as any change does: weight landing on a down backend
             for w in kept:
                 log.warning("config rollback to version %d: %s", state.version, w)
         await self.rollouts.reassert()
-        snap = self.snapshot
+        if self.snapshot is not snap:   # a rollout reasserted its split: its routes' health is read again
+            snap = self.snapshot
+            health = await read_health(self.resilience, snap)
         return {"version": snap.version, "source": snap.source, "warnings": snap.warnings + kept,
-                "propagated": True if self.ledger.shared else None, "routes": await routes_now(self.resilience, snap)}
+                "propagated": True if self.ledger.shared else None, "routes": routes_now(snap, health)}
 
     # ----- background loops ------------------------------------------------------------------------------------
     def _redis_failed(self, e: Exception) -> None:

@@ -53,25 +53,33 @@ async def layers(gw) -> dict:
                       f"version {s.version} ({s.source})")
 
 
-async def routes_now(resilience, snap) -> dict[str, dict]:
-    """A change's answer's routes (``snap``: the ``Snapshot`` it made): each target's weight and share, and what
-    requests get now (``weights.add_effective_shares``: a weighted target whose backend is down or breaker open
-    gets none); the weights alone when the health state cannot be read (Redis slow or down: the change stands)."""
-    routes = routes_table(snap.compiled.policy)
+async def read_health(resilience, snap) -> tuple[dict, dict] | None:
+    """The backends' and targets' health now for ``snap``'s routes (``Resilience.status``: (backends,
+    targets)), read once for a change's answer; None when it cannot be read (Redis slow or down: the change
+    stands, its answer says less)."""
     try:
-        backends, targets = await resilience.status(snap.compiled.policy.routes, snap.backends)
+        return await resilience.status(snap.compiled.policy.routes, snap.backends)
     except Exception as e:  # noqa: BLE001
         log.info("backend health not read for a change's answer: %s", e)
-        return routes
-    add_effective_shares(routes, backends, targets)
+        return None
+
+
+def routes_now(snap, health: tuple[dict, dict] | None) -> dict[str, dict]:
+    """A change's answer's routes (``snap``: the ``Snapshot`` it made): each target's weight and share, and what
+    requests get now (``weights.add_effective_shares``: a weighted target whose backend is down or breaker open
+    gets none); the weights alone without ``health`` (:func:`read_health`)."""
+    routes = routes_table(snap.compiled.policy)
+    if health is not None:
+        add_effective_shares(routes, *health)
     return routes
 
 
-async def down_warnings(resilience, snap) -> list[str]:
-    """Warnings for weight on backends the health probes or breakers find down now (``weights.down_share``), not
-    already among ``snap``'s warnings."""
-    found = await resilience.down_backends(snap.compiled.policy.routes, snap.backends) or {}
-    down = {n: why for n, (why, _) in found.items()}
+def down_warnings(snap, health: tuple[dict, dict] | None) -> list[str]:
+    """Warnings for weight on backends ``health`` (:func:`read_health`) finds down (``weights.down_share``),
+    not already among ``snap``'s warnings; none without it."""
+    if health is None:
+        return []
+    down = {n: v["reason"] for n, v in health[0].items() if not v["available"]}
     tried = frozenset(n for n, why in down.items() if why.startswith("last probe failed"))  # still routed to
     return [w for name, r in snap.compiled.policy.routes.items()
             if (w := down_share(name, r, down, tried)) is not None and w not in snap.warnings]

@@ -139,11 +139,11 @@ class Resilience:
 
     async def down_backends(self, routes: dict, backends: dict) -> dict[str, tuple[str, tuple[str, ...]]] | None:
         """The backends ``status`` finds unavailable now: name -> (why, the target ids on it); None when that
-        state cannot be read (Redis slow or down: a change's warnings are not worth failing it)."""
+        state cannot be read (Redis slow or down: a warning is not worth failing the rollout start that asks)."""
         try:
             status, targets = await self.status(routes, backends)
         except Exception as e:  # noqa: BLE001
-            log.info("backend health not read for a change's warnings: %s", e)
+            log.info("backend health not read for a warning: %s", e)
             return None
         return {n: (v["reason"], tuple(t for t, tv in targets.items() if tv["backend"] == n))
                 for n, v in status.items() if not v["available"]}
