@@ -307,12 +307,12 @@ def _traffic_now(route: dict | None) -> str:
     """What a route's requests get now when a target with weight is out (``add_effective_shares``'
     ``effective_pct`` and ``out``): ``local-f32 out (breaker open); local 100 %``; "" when every weighted
     target serves (the weights are the shares)."""
-    targets = (route or {}).get("targets", [])
-    if not any(t.get("out") and t["weight"] > 0 for t in targets):
+    route = route or {}
+    out = [f"{t['id']} out ({t['out']})" for t in route.get("targets", []) if t.get("out") and t["weight"] > 0]
+    if not out:
         return ""
-    out = [f"{t['id']} out ({t['out']})" for t in targets if t.get("out") and t["weight"] > 0]
-    serving = [f"{t['id']} {t['effective_pct']:g} %" for t in targets if t.get("effective_pct")]
-    fallbacks = ", ".join((route or {}).get("fallbacks", []))
+    serving = [f"{t['id']} {t['effective_pct']:g} %" for t in route["targets"] if t.get("effective_pct")]
+    fallbacks = ", ".join(route.get("fallbacks", []))
     none = f"no target serves: its fallbacks ({fallbacks}) in order, then 503" if fallbacks else "no target serves: 503"
     return "; ".join(out + [", ".join(serving) or none])
 

@@ -217,7 +217,7 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
             raise ClientError(400, "'prompt' must be a string or a non-empty array", param="prompt",
                               code="invalid_type")
         types = _COMPLETION
-    known = KNOWN_PARAMS.get(endpoint, body)
+    known = KNOWN_PARAMS.get(endpoint, body)   # an endpoint without a list: every parameter counts as known
     for name, value in body.items():
         t = types.get(name)
         if t is not None:
@@ -254,7 +254,7 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         has_tools=any(body.get(k) for k in _TOOL_FIELDS),
         has_response_format=rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"),
         local_unsupported=unsupported,
-        unknown_params=tuple(k for k in body if k not in KNOWN_PARAMS.get(endpoint, body)), **identity)
+        unknown_params=tuple(k for k in body if k not in known), **identity)
 
 
 def with_default_max_tokens(req: GatewayRequest, route, model) -> GatewayRequest:
