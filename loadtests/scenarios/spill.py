@@ -44,6 +44,7 @@ AGGREGATORS = {"cheap": {"ttft": 0.9, "input": 0.27, "output": 1.10},
 LOCAL_PRICES = {"input": 0.02, "output": 0.02}
 PRICES = {"local": LOCAL_PRICES, **AGGREGATORS}   # backend -> USD per million tokens (input, output)
 # the threshold rule's settings a sweep runs: queue depth (local.waiting > N), KV-cache usage (local.kv_usage >= P %)
+SLO_MS = 2500.0   # the TTFT SLO a run uses unless --slo-ms
 SWEEP_POLICIES = ("waiting>1", "waiting>2", "waiting>4", "waiting>8", "waiting>16", "waiting>32",
                   "kv>=30", "kv>=50", "kv>=70", "slo")
 
@@ -52,7 +53,7 @@ def register(sub) -> None:
     p = sub.add_parser("spill", help="spill to aggregators: local only vs threshold vs TTFT SLO",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help=".gguf or HF directory (default: the embedded SmolLM2)")
-    p.add_argument("--slo-ms", type=float, default=None, help="the TTFT SLO, milliseconds (default 2500)")
+    p.add_argument("--slo-ms", type=float, default=None, help=f"the TTFT SLO, milliseconds (default {SLO_MS:g})")
     p.add_argument("--duration", "--duration-s", dest="duration", type=float, default=None,
                    help="seconds of arrivals per policy (ramp up and down; default 60, with --sweep 180)")
     p.add_argument("--low", type=float, default=0.3, help="arrival rate at start and end, x capacity")
@@ -301,6 +302,16 @@ def threshold_match(policy: str) -> dict | None:
     return {"local.kv_usage": {"gte": float(m.group(2))}}
 
 
+def with_defaults(args: argparse.Namespace, duration: float, policies: tuple[str, ...]) -> list[str]:
+    """Fill the arguments a run left unset (--duration-s: ``duration``, --slo-ms: :data:`SLO_MS`, --seed: 0;
+    they default to None so that ``--sweep --from-results`` can refuse them) and return its policies
+    (:func:`parse_policies`, ``policies`` when not given)."""
+    args.duration = duration if args.duration is None else args.duration
+    args.slo_ms = SLO_MS if args.slo_ms is None else args.slo_ms
+    args.seed = 0 if args.seed is None else args.seed
+    return parse_policies(args.policies, policies)
+
+
 def parse_policies(text: str | None, default: tuple[str, ...]) -> list[str]:
     """``--policies``' comma-separated names (``default`` when not given), each checked before anything starts:
     a name :func:`threshold_match` does not know, an empty one or a repeated one ends the command with a
@@ -397,9 +408,7 @@ def run(args: argparse.Namespace) -> int:
         return run_sweep(args)
     if args.from_results:
         raise SystemExit("--from-results recomputes a sweep: add --sweep")
-    args.duration = 60.0 if args.duration is None else args.duration
-    args.slo_ms, args.seed = 2500.0 if args.slo_ms is None else args.slo_ms, args.seed or 0
-    policies = parse_policies(args.policies, ("local", "threshold", "slo"))
+    policies = with_defaults(args, 60.0, ("local", "threshold", "slo"))
     capacity, schedule, figures = serve_policies(args, policies)
     rows = [[p, f["requests"], f["failed"], fmt(f["slo_met_pct"], ".1f"), fmt(f["usd_per_1000"], ".4f"),
              fmt(f["upstream_share_pct"], ".1f"), fmt(f["handed_over_pct"], ".1f"),

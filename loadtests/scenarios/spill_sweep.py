@@ -27,7 +27,7 @@ runs' per-request logs, under what the engine was seen to do:
   only lowers the cost, so it stays a lower bound.
 * Why it is a lower bound on the cost of 100 % attainment, for the policies measured: a run's in-time local
   requests are a feasible local set, so the oracle costs no more than those at their local price plus the
-  cheapest fast-enough aggregator for all the rest (``oracle_vs_policy``, checked per run); a policy that met
+  cheapest fast-enough aggregator for all the rest (``run_bound_usd``, checked per run); a policy that met
   the SLO on every request cannot cost less than that.
 * What it is not: a proof that no policy can do better (a schedule no run tried might serve a request
   locally in time, or reach a rate no run did), nor a plan any router could follow (it knows every arrival
@@ -49,9 +49,8 @@ from pathlib import Path
 
 from loadtests.report import _save, write_report
 from loadtests.scenarios.common import fmt, md_table
-from loadtests.scenarios.spill import (AGGREGATORS, PRICES, SWEEP_POLICIES, Arrival, arrivals, parse_policies,
-                                       request_cost, scenario_note,
-                                       serve_policies, threshold_match)
+from loadtests.scenarios.spill import (AGGREGATORS, PRICES, SWEEP_POLICIES, Arrival, arrivals, request_cost,
+                                       scenario_note, serve_policies, threshold_match, with_defaults)
 from loadtests.stats import percentiles
 from loadtests.upstream import prompt_words
 
@@ -182,18 +181,12 @@ def oracle(schedule: list[Arrival], logs: dict[str, list[list]], slo_s: float, m
             "local_from": {p: round(v, 1) for p, v in local_from.items()}, "per_request": per_request}
 
 
-def oracle_vs_policy(log: list[list], orc: dict, slo_s: float, prices: dict[str, dict] = PRICES) -> dict:
-    """The oracle's lower-bound property against one run (USD, summed over the schedule): ``oracle_usd <=
-    bound_usd``, where ``bound_usd`` is that run's in-time local requests at their local usage and every other
-    request at the oracle's aggregator price (what that run's local set, a feasible choice of the oracle,
-    would cost it); ``policy_usd`` is what the run paid, ``met`` how many requests it served within the SLO."""
-    bound = 0.0
-    for row, (_backend, _usd, _run, _x, upstream_usd) in zip(log, orc["per_request"]):
-        bound += (request_cost(prices, "local", row[_PROMPT], row[_COMPLETION]) if _in_time_local(row, slo_s)
-                  else upstream_usd)
-    return {"met": sum(row[_TTFT] is not None and row[_TTFT] <= slo_s for row in log),
-            "policy_usd": sum(request_cost(prices, row[_BACKEND], row[_PROMPT], row[_COMPLETION]) for row in log),
-            "bound_usd": bound, "oracle_usd": sum(r[1] for r in orc["per_request"])}
+def run_bound_usd(log: list[list], orc: dict, slo_s: float, prices: dict[str, dict] = PRICES) -> float:
+    """What one run's choice would cost the oracle (USD, summed over the schedule): its in-time local requests
+    at their local usage, every other request at the oracle's aggregator price. That choice is feasible for
+    the oracle, so the oracle's lower-bound property is: the sum of ``orc``'s per-request USD <= this."""
+    return sum(request_cost(prices, "local", row[_PROMPT], row[_COMPLETION]) if _in_time_local(row, slo_s)
+               else upstream_usd for row, (*_, upstream_usd) in zip(log, orc["per_request"]))
 
 
 def sweep_prediction_error(figures: dict[str, dict]) -> dict:
@@ -268,17 +261,17 @@ def plot(figures: dict[str, dict], orc: dict, path: Path) -> Path:
 
 
 def _table(figures: dict[str, dict], orc: dict, slo_s: float) -> str:
-    rows = []
+    rows, total = [], sum(r[1] for r in orc["per_request"])   # the oracle's USD over the schedule
     front = set(frontier({p: (f["usd_per_1000"], f["slo_met_pct"]) for p, f in figures.items()
                           if threshold_match(p)}))
     for p, f in figures.items():
-        vs = oracle_vs_policy(f["requests_log"], orc, slo_s)
+        bound = run_bound_usd(f["requests_log"], orc, slo_s)
         rows.append([p + (" (frontier)" if p in front else ""), f["requests"], f["failed"],
                      fmt(f["slo_met_pct"], ".1f"), fmt(f["usd_per_1000"], ".4f"), fmt(f["upstream_share_pct"], ".1f"),
                      fmt(f["handed_over_pct"], ".1f"), fmt(f["ttft_p50_s"], ".2f"),
                      fmt(f["prediction_error_p50_pct"], ".0f") + " / " + fmt(f["prediction_error_p90_pct"], ".0f"),
                      fmt(orc["run_rates_tok_s"].get(p), ".0f"),
-                     fmt(vs["oracle_usd"] / vs["bound_usd"] if vs["bound_usd"] and orc["aggregator_in_time"]
+                     fmt(total / bound if bound and orc["aggregator_in_time"]
                          else None, ".2f")])
     rows.append(["oracle", orc["requests"], 0, fmt(orc["slo_met_pct"], ".1f"), fmt(orc["usd_per_1000"], ".4f"),
                  fmt(orc["upstream_share_pct"], ".1f"), "-", "-", "-", fmt(orc["engine_rate_tok_s"], ".0f"), "1.00"])
@@ -336,9 +329,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.from_results:
         capacity, schedule, figures, policies = _earlier(args)
     else:
-        args.duration = 180.0 if args.duration is None else args.duration
-        args.slo_ms, args.seed = 2500.0 if args.slo_ms is None else args.slo_ms, args.seed or 0
-        policies = parse_policies(args.policies, SWEEP_POLICIES)
+        policies = with_defaults(args, 180.0, SWEEP_POLICIES)
         capacity, schedule, figures = serve_policies(args, policies)
     slo_s = args.slo_ms / 1000.0
     orc = oracle(schedule, {p: f["requests_log"] for p, f in figures.items()}, slo_s, args.max_tokens)

@@ -18,9 +18,10 @@ def load(weight: str = "1", slo: str = "{ttft_ms: 1500}"):
     return load_config_text(BASE.format(weight=weight, slo=slo))
 
 
-def test_finite_numbers_load():
-    compiled = load(weight="2.5", slo="{ttft_ms: 1500.5, tpot_ms: 40}")
-    assert compiled is not None
+def test_finite_numbers_load_as_written():
+    route = load(weight="2.5", slo="{ttft_ms: 1500.5, tpot_ms: 40}").policy.routes["r"]
+    assert [(t.id, t.weight) for t in route.targets] == [("a", 2.5), ("b", 1.0)]
+    assert (route.slo.ttft_ms, route.slo.tpot_ms) == (1500.5, 40.0)
 
 
 @pytest.mark.parametrize("slo,key,words", [
