@@ -65,6 +65,18 @@ static inline int64_t qi_at(int64_t g, int64_t b, int64_t blocks) {
     return (g / QI_HALF * blocks + b) * QI_HALF + g % QI_HALF;
 }
 
+/* How far ahead of a one-row tile's reads the codes are asked for (bytes). A decode step reads every weight
+ * once, from the last-level cache at best; the tile's arithmetic between its loads left the core's own
+ * prefetchers behind: 30 layers of one-row calls read ~33 GB/s where a plain read in the same pattern reaches
+ * ~51 (2-core Intel host). Asking 2 KB ahead took those calls to 0.92x the time on the VNNI body and 0.90x on
+ * the AVX2 one (1 and 3 KB: less; into L2 instead: less; docs/benchmarks/decode-roofline.md, sixth pass). */
+#define QI_PREFETCH_BYTES 2048
+
+/* Ask for `bytes` of codes QI_PREFETCH_BYTES past `at` (into L1), one request per cache line. */
+static inline __attribute__((always_inline)) void qi_prefetch(const char *at, int64_t bytes) {
+    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(at + QI_PREFETCH_BYTES + l, _MM_HINT_T0);
+}
+
 /* 4-bit codes [n, k] (0..15) into the layout at the top of this file; padded columns get code 0. */
 static void qi_pack_q4(const uint8_t *codes, int64_t n, int64_t k, uint8_t *codes_out) {
     const int64_t panels = (n + PANEL - 1) / PANEL, blocks = k / QBLOCK;
@@ -154,6 +166,7 @@ static inline __attribute__((always_inline)) void qi_tile(
     for (int r = 0; r < MR; r++)
         for (int g = 0; g < NG; g++) acc[r][g] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
+        if (MR == 1 && NG == 4) qi_prefetch((const char *)codes + qi_at(g0, b, blocks) * gbytes, 4 * gbytes);
         __m256i t[QI_TILE][QI_TILE];
         for (int r = 0; r < MR; r++)
             for (int g = 0; g < NG; g++) t[r][g] = _mm256_setzero_si256();

@@ -81,6 +81,7 @@ static inline __attribute__((always_inline)) void qv_tile(
     for (int r = 0; r < MR; r++)
         for (int j = 0; j < NV; j++) acc[r][j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
+        if (NV == 2) qi_prefetch((const char *)codes + qi_at(j0, b, blocks) * gbytes, 2 * gbytes);
         __m512i t[QV_MR][2];
         for (int r = 0; r < MR; r++)
             for (int j = 0; j < NV; j++) t[r][j] = _mm512_setzero_si512();
