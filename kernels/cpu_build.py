@@ -38,7 +38,7 @@ SOURCES = [CSRC / "paged_attention_cpu.c", CSRC / "linear_cpu.c", CSRC / "linear
            CSRC / "norm_act_cpu.c",
            CSRC / "decoder_cpu.c"]
 HEADERS = [CSRC / "common.h", CSRC / "kernels.h", CSRC / "bf16_panel.h", CSRC / "f32_panel.h", CSRC / "quant_f32.h",
-           CSRC / "quant_int.h", CSRC / "quant_int512.h", CSRC / "quant_amx.h"]
+           CSRC / "quant_int.h", CSRC / "quant_int512.h", CSRC / "quant_amx.h", CSRC / "attention_decode.h"]
 CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lm"]  # after the sources: the portable bodies' fmaf where the CPU has no FMA
 MARCH_ENV = "TANDEM_CPU_MARCH"

@@ -8,6 +8,8 @@ one (tests/test_cpu_kernels.py's ``linear_build``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -253,23 +255,31 @@ def test_4bit_projections_give_the_bfloat16_bits(linear_build):
     assert all(torch.equal(rows[key], first_rows[0][key]) for rows in first_rows for key in runs)
 
 
-def test_a_4bit_decode_step_has_the_same_bits_on_any_team(linear_build):
+@pytest.mark.parametrize("smollm_heads", [False, True])
+def test_a_4bit_decode_step_has_the_same_bits_on_any_team(linear_build, smollm_heads):
     """Decode steps of one and two rows on 4-bit weights run the layers in one parallel region
     (decoder_cpu.c's decode_team: its work items shared by the team, the norms and SwiGLU computed by every
-    thread): hidden states and caches equal the per-operation path's on 1, 2 and 3 threads (the attention's
-    items are split by query head where there are few per thread), with a context past one cache block."""
+    thread): hidden states and caches equal the per-operation path's on 1, 2 and 3 threads (where the
+    attention's items are too few to share, it runs in two rounds, scores by parts of the context, then
+    outputs by chunks of columns: attention_decode.h), with a context past one cache block; with
+    SmolLM2's attention shape (groups of 3 query heads, head_dim 64: two column chunks) and a context of
+    several blocks too."""
     from kernels import cpu_linear
 
     if not cpu_linear.q4_available():
         pytest.skip("no 4-bit C kernel")
     config = _config(layers=2)
+    if smollm_heads:
+        config = dataclasses.replace(config, hidden_size=384, num_attention_heads=6, num_key_value_heads=2,
+                                     head_dim=64)
     model = _gguf_model(config, "int4")
-    prefill = _step([(0, 20, [1, 2]), (0, 7, [3])], config.vocab_size, seed=0)
+    long = 70 if smollm_heads else 20
+    prefill = _step([(0, long, [1, 2, 5, 7, 9]), (0, 7, [3])], config.vocab_size, seed=0)
     base = _caches(config)
     _forward(model, base, prefill, c_decoder=False)
     threads = torch.get_num_threads()
     try:
-        for seqs in ([(20, 1, [1, 2])], [(20, 1, [1, 2]), (7, 1, [3])]):
+        for seqs in ([(long, 1, [1, 2, 5, 7, 9])], [(long, 1, [1, 2, 5, 7, 9]), (7, 1, [3])]):
             step = _step(seqs, config.vocab_size, seed=5)
             torch.set_num_threads(2)
             ref_caches = _copy(base)

@@ -133,13 +133,14 @@ static int team_step(const decoder_shape *shape, const decoder_layer *layers, in
  * paged_attention_bf16_team: the same items as their own regions run), RoPE and the cache write one item
  * per head (the same per-head arithmetic as rope_cache_bf16), and the RMSNorms and SwiGLU, a few microseconds each, computed by every thread into its own
  * buffer rather than by one thread while the others wait. Each operation is the same arithmetic on the
- * same inputs as in decoder_forward_bf16's loop, so the same bits; five barriers per layer, no fork. qkv,
- * attn, gate_up, x2: the step's shared scratch. Returns 0, or 2 when out of memory. */
+ * same inputs as in decoder_forward_bf16's loop, so the same bits; five barriers per layer (six where the
+ * attention runs in two rounds), no fork. qkv, attn, gate_up, x2, scores [t][num_heads][ld]: the step's
+ * shared scratch. Returns 0, or 2 when out of memory. */
 static int decode_team(const decoder_shape *shape, const decoder_layer *layers, uint16_t *x, int64_t t,
                        const int64_t *positions, const float *cos_tab, const float *sin_tab,
                        const int64_t *slot_mapping, const int32_t *block_tables, int64_t bt_stride,
                        const int32_t *seq_lens, const int32_t *query_start_loc, uint16_t *qkv, uint16_t *attn,
-                       uint16_t *gate_up, uint16_t *x2, int num_threads) {
+                       uint16_t *gate_up, uint16_t *x2, float *scores, int64_t ld, int num_threads) {
     const int64_t hd = shape->hidden, dh = shape->head_dim, q = shape->num_heads * dh;
     const int64_t kv_width = shape->num_kv_heads * dh, qkv_w = q + 2 * kv_width, inter = shape->intermediate;
     const int64_t kv = shape->num_kv_heads, rope_heads = shape->num_heads + kv;
@@ -174,7 +175,7 @@ static int decode_team(const decoder_shape *shape, const decoder_layer *layers, 
             }
             mine |= paged_attention_bf16_team(qkv, qkv_w, w->key_cache, w->value_cache, attn, block_tables,
                                               bt_stride, seq_lens, query_start_loc, t, shape->num_heads,
-                                              shape->num_kv_heads, dh, shape->block_size, shape->scale);
+                                              shape->num_kv_heads, dh, shape->block_size, shape->scale, scores, ld);
             mine |= linear_q4_team(attn, q, w->q4_codes[1], w->q4_scales[1], w->q4_group[1], 0, x, hd, x2, hd, t, hd,
                                    q);
             rms_norm_bf16(x2, hd, w->post_norm, h, hd, t, hd, eps, 1);
@@ -212,10 +213,15 @@ int decoder_forward_bf16(const decoder_shape *shape, const decoder_layer *layers
     uint16_t *act = gate_up + t * 2 * inter;
     int rc = 0;
     if (team_step(shape, layers, t, query_start_loc, num_seqs)) {
-        rc = positions_outside(positions, t, shape->max_positions)
+        int64_t ld = 1;
+        for (int64_t s = 0; s < num_seqs; s++) ld = seq_lens[s] > ld ? seq_lens[s] : ld;
+        float *scores = malloc(sizeof(float) * (size_t)(t * shape->num_heads * ld));
+        rc = !scores ? 2
+             : positions_outside(positions, t, shape->max_positions)
                  ? 1
                  : decode_team(shape, layers, x, t, positions, cos_tab, sin_tab, slot_mapping, block_tables, bt_stride,
-                               seq_lens, query_start_loc, qkv, attn, gate_up, x2, num_threads);
+                               seq_lens, query_start_loc, qkv, attn, gate_up, x2, scores, ld, num_threads);
+        free(scores);
         if (rc == 0) rms_norm_bf16(x, hd, final_norm, out, hd, t, hd, shape->rms_norm_eps, num_threads);
         free(scratch);
         return rc;

@@ -51,7 +51,7 @@ int paged_attention_bf16_team(const void *query, int64_t ldq, const void *key_ca
                               void *out, const int32_t *block_tables, int64_t block_table_stride,
                               const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                              float scale);
+                              float scale, float *shared, int64_t ld);
 
 /* linear_cpu.c */
 int linear_isa(void);

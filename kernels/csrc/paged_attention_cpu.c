@@ -100,36 +100,80 @@ static inline void qk16_bf16(const uint16_t *qb, const uint16_t *k, int64_t slot
 }
 
 /* acc[h * head_dim + d] = sum over positions i < ctx, in order, of
- * p[h * ctx + i] * v_i[d] (float32 FMAs), for the group's heads (group <= 8):
- * 32 output columns (one cache line of bfloat16 values) at a time in registers. */
-static inline void pv_bf16(const float *p, const uint16_t *value_cache, const int32_t *table, int64_t g,
-                           int64_t ctx, int64_t group, int64_t head_dim, int64_t block_size, int64_t slot_stride,
-                           float *acc) {
-    for (int64_t d = 0; d < head_dim; d += 32) {
-        __m512 lo[8], hi[8];
-        for (int64_t h = 0; h < group; h++) lo[h] = hi[h] = _mm512_setzero_ps();
+ * p[h * ctx + i] * v_i[d] (float32 FMAs), for G heads (a literal, <= 8) and
+ * NC chunks of 32 output columns per pass over the positions (a literal: all
+ * G * NC * 2 accumulators in registers, so the positions' chains of FMAs run
+ * side by side and each value row is loaded once per pass). A row's 32
+ * bfloat16 values are widened as even and odd columns (a shift and a mask,
+ * no lane crossing) and put back in order when stored; each output column
+ * gets the same FMAs in the same order whatever G and NC are. */
+static inline __attribute__((always_inline)) void pv_bf16_tile(
+    const int G, const int NC, const float *p, const uint16_t *value_cache, const int32_t *table, int64_t g,
+    int64_t ctx, int64_t d0, int64_t d1, int64_t head_dim, int64_t block_size, int64_t slot_stride, float *acc) {
+    const __m512i odd_mask = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t d = d0; d < d1; d += 32 * NC) {
+        __m512 ev[8][4], od[8][4]; /* head h, chunk c: even and odd columns */
+        for (int h = 0; h < G; h++)
+            for (int c = 0; c < NC; c++) ev[h][c] = od[h][c] = _mm512_setzero_ps();
         for (int64_t i0 = 0; i0 < ctx; i0 += block_size) {
             const uint16_t *v = value_cache + ((int64_t)table[i0 / block_size] * block_size) * slot_stride + g * head_dim + d;
             const int64_t n = ctx - i0 < block_size ? ctx - i0 : block_size;
             if (i0 + block_size < ctx)  /* the next block is elsewhere in memory: ask for it while this one runs */
                 prefetch_rows(value_cache + ((int64_t)table[i0 / block_size + 1] * block_size) * slot_stride + g * head_dim + d,
-                              slot_stride, ctx - i0 - block_size < block_size ? ctx - i0 - block_size : block_size, 64);
+                              slot_stride, ctx - i0 - block_size < block_size ? ctx - i0 - block_size : block_size, 64 * NC);
             for (int64_t o = 0; o < n; o++) {
-                __m512i raw = _mm512_loadu_si512(v + o * slot_stride);
-                const __m512 vlo = bf16x16_to_f32(_mm512_castsi512_si256(raw));
-                const __m512 vhi = bf16x16_to_f32(_mm512_extracti64x4_epi64(raw, 1));
-                for (int64_t h = 0; h < group; h++) {
-                    __m512 w = _mm512_set1_ps(p[h * ctx + i0 + o]);
-                    lo[h] = _mm512_fmadd_ps(w, vlo, lo[h]);
-                    hi[h] = _mm512_fmadd_ps(w, vhi, hi[h]);
+                __m512 ve[4], vo[4];
+                for (int c = 0; c < NC; c++) {
+                    const __m512i raw = _mm512_loadu_si512(v + o * slot_stride + 32 * c);
+                    ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+                    vo[c] = _mm512_castsi512_ps(_mm512_and_si512(raw, odd_mask));
+                }
+                for (int h = 0; h < G; h++) {
+                    const __m512 w = _mm512_set1_ps(p[h * ctx + i0 + o]);
+                    for (int c = 0; c < NC; c++) {
+                        ev[h][c] = _mm512_fmadd_ps(w, ve[c], ev[h][c]);
+                        od[h][c] = _mm512_fmadd_ps(w, vo[c], od[h][c]);
+                    }
                 }
             }
         }
-        for (int64_t h = 0; h < group; h++) {
-            _mm512_storeu_ps(acc + h * head_dim + d, lo[h]);
-            _mm512_storeu_ps(acc + h * head_dim + d + 16, hi[h]);
+        for (int h = 0; h < G; h++)
+            for (int c = 0; c < NC; c++) {
+                float *a = acc + h * head_dim + d + 32 * c;
+                _mm512_storeu_ps(a, _mm512_permutex2var_ps(ev[h][c], lo_idx, od[h][c]));
+                _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(ev[h][c], hi_idx, od[h][c]));
+            }
+    }
+}
+
+/* pv_bf16_tile for a group of 1..8 heads over output columns [d0, d1) (multiples of 32; acc's rows still
+ * head_dim apart): two 32-column chunks a pass where the range allows and the accumulators fit (group <= 4),
+ * else one. */
+static inline void pv_bf16(const float *p, const uint16_t *value_cache, const int32_t *table, int64_t g,
+                           int64_t ctx, int64_t group, int64_t d0, int64_t d1, int64_t head_dim, int64_t block_size,
+                           int64_t slot_stride, float *acc) {
+#define PV(G, NC) pv_bf16_tile(G, NC, p, value_cache, table, g, ctx, d0, d1, head_dim, block_size, slot_stride, acc)
+    if ((d1 - d0) % 64 == 0 && group <= 4) {
+        switch (group) {
+        case 1: PV(1, 2); return;
+        case 2: PV(2, 2); return;
+        case 3: PV(3, 2); return;
+        default: PV(4, 2); return;
         }
     }
+    switch (group) {
+    case 1: PV(1, 1); return;
+    case 2: PV(2, 1); return;
+    case 3: PV(3, 1); return;
+    case 4: PV(4, 1); return;
+    case 5: PV(5, 1); return;
+    case 6: PV(6, 1); return;
+    case 7: PV(7, 1); return;
+    default: PV(8, 1); return;
+    }
+#undef PV
 }
 #endif
 
@@ -191,8 +235,9 @@ static inline __attribute__((always_inline)) void pv_generic(
     }
 }
 
-/* Ask for the rows of KV head g at positions 0..ctx of one cache (keys or
- * values), ahead of their use, into L2 (x86: PREFETCHT1). A decode row reads
+/* Ask for columns [d0, d1) of KV head g's rows at positions [i0, i1) (i0 a
+ * multiple of block_size) of one cache (keys or values), ahead of their use,
+ * into L2 (x86: PREFETCHT1). A decode row reads
  * its context once per layer, in blocks scattered over the pool, from DRAM
  * (the step's weights passed through the caches since the last layer):
  * waiting on each block in turn held a 64-sequence decode batch to ~10 GB/s.
@@ -203,14 +248,15 @@ static inline __attribute__((always_inline)) void pv_generic(
  * the scores 0.86-0.88x of that; keys into L1 instead 1.24-1.38x, worse).
  * Only decode rows ask: a prompt's rows share their context, which is in
  * cache after the first. */
-static inline __attribute__((always_inline)) void prefetch_context(const char *cache, const int32_t *table, int64_t g,
-                                                                   int64_t ctx, int64_t head_dim, int64_t block_size,
-                                                                   int64_t slot_stride, int64_t elem) {
-    for (int64_t i0 = 0; i0 < ctx; i0 += block_size) {
-        const int64_t base = (((int64_t)table[i0 / block_size] * block_size) * slot_stride + g * head_dim) * elem;
-        const int64_t n = ctx - i0 < block_size ? ctx - i0 : block_size;
+static inline __attribute__((always_inline)) void prefetch_part(const char *cache, const int32_t *table, int64_t g,
+                                                                int64_t i0, int64_t i1, int64_t d0, int64_t d1,
+                                                                int64_t head_dim, int64_t block_size,
+                                                                int64_t slot_stride, int64_t elem) {
+    for (; i0 < i1; i0 += block_size) {
+        const int64_t base = (((int64_t)table[i0 / block_size] * block_size) * slot_stride + g * head_dim + d0) * elem;
+        const int64_t n = i1 - i0 < block_size ? i1 - i0 : block_size;
         for (int64_t o = 0; o < n; o++)
-            for (int64_t b = 0; b < head_dim * elem; b += 64)
+            for (int64_t b = 0; b < (d1 - d0) * elem; b += 64)
                 __builtin_prefetch(cache + base + o * slot_stride * elem + b, 0, 2);
     }
 }
@@ -234,7 +280,7 @@ static inline __attribute__((always_inline)) void attend_item(
     const int fast_qk = 0;
 #endif
     if (decode)
-        prefetch_context(key_cache, table, g, ctx, head_dim, block_size, slot_stride, elem);
+        prefetch_part(key_cache, table, g, 0, ctx, 0, head_dim, head_dim, block_size, slot_stride, elem);
     if (!fast_qk) /* the portable path reads the query in float32 */
         for (int64_t j = 0; j < group * head_dim; j++) qf[j] = LOAD(query, q0 + j);
     for (int64_t i0 = 0; i0 < ctx; i0 += block_size) {  /* one cache block at a time */
@@ -255,11 +301,12 @@ static inline __attribute__((always_inline)) void attend_item(
             qk_scores(BF16, qf, k + o * slot_stride * elem, group, head_dim, scale, scores + i0 + o, ctx);
     }
     if (decode)
-        prefetch_context(value_cache, table, g, ctx, head_dim, block_size, slot_stride, elem);
+        prefetch_part(value_cache, table, g, 0, ctx, 0, head_dim, head_dim, block_size, slot_stride, elem);
     for (int64_t h = 0; h < group; h++) softmax(scores + h * ctx, ctx);
 #if defined(__AVX512BF16__)
     if (BF16 && head_dim % 32 == 0 && num_heads / num_kv_heads <= 8) /* the whole group's size: a split item's too */
-        pv_bf16(scores, (const uint16_t *)value_cache, table, g, ctx, group, head_dim, block_size, slot_stride, acc);
+        pv_bf16(scores, (const uint16_t *)value_cache, table, g, ctx, group, 0, head_dim, head_dim, block_size,
+                slot_stride, acc);
     else
 #endif
         pv_generic(BF16, scores, value_cache, table, g, ctx, group, head_dim, block_size, slot_stride, acc);
@@ -346,18 +393,21 @@ static inline size_t attention_scratch(int64_t group, int64_t max_len, int64_t h
 DEFINE_ATTENTION(paged_attention_f32, 0)
 DEFINE_ATTENTION(paged_attention_bf16, 1)
 
+#include "attention_decode.h"
+
 /* paged_attention_bf16 for num_seqs decode rows (row s: sequence s's one new token; query_start_loc [s] = s),
  * its work items shared by the threads of the enclosing OpenMP parallel region: every thread of the team
  * calls it with the same arguments, and each returns once every output is written (decoder_cpu.c's
- * one-region decode step). The same items, so the same bits, as paged_attention_bf16; the shapes must be
- * ones it takes. Each thread's scratch is kept between calls (grown by 256 positions at a time), so a step
- * allocates nothing once its context fits. Returns 0, or 2 in a thread whose scratch could not be allocated
- * (its items are then skipped: the caller reports the failure). */
+ * one-region decode step). The same bits as paged_attention_bf16: its items, or, where they are too few to
+ * share and shared (floats [num_seqs][num_heads][ld], ld >= every seq_len) is given, decode_rounds. The
+ * shapes must be ones it takes. Each thread's scratch is kept between calls (grown by 256 positions at a
+ * time), so a step allocates nothing once its context fits. Returns 0, or 2 in a thread whose scratch could
+ * not be allocated (its items are then skipped: the caller reports the failure). */
 int paged_attention_bf16_team(const void *query, int64_t ldq, const void *key_cache, const void *value_cache,
                               void *out, const int32_t *block_tables, int64_t block_table_stride,
                               const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                              float scale) {
+                              float scale, float *shared, int64_t ld) {
     static __thread void *buf;
     static __thread size_t cap;
     const int64_t group = num_heads / num_kv_heads, threads = omp_get_num_threads();
@@ -366,6 +416,18 @@ int paged_attention_bf16_team(const void *query, int64_t ldq, const void *key_ca
     max_len = (max_len + 255) / 256 * 256;
     float *scratch = scratch_grow(&buf, &cap, sizeof(float) * attention_scratch(group, max_len, head_dim));
     const int64_t split = split_items(num_seqs, num_kv_heads, group, (int)threads);
+#if defined(__AVX512BF16__)
+    int rounds = shared && split > 1 && decode_rounds_fit(group, head_dim, block_size);
+    for (int64_t s = 0; s < num_seqs && rounds; s++) rounds = seq_lens[s] <= ld;
+    if (rounds) {
+        float *acc = scratch ? scratch + group * max_len + group * head_dim : 0;
+        decode_rounds(query, ldq, key_cache, value_cache, out, block_tables, block_table_stride, seq_lens, num_seqs,
+                      num_heads, num_kv_heads, head_dim, block_size, scale, shared, ld, scratch, acc, threads);
+        return scratch ? 0 : 2;
+    }
+#else
+    (void)shared, (void)ld;
+#endif
     const int64_t items = num_seqs * num_kv_heads * split;
     const int64_t chunk = items >= 16 * threads ? 4 : 1, chunks = (items + chunk - 1) / chunk;
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t c = 0; c < chunks; c++)
