@@ -1,5 +1,5 @@
 /* A decode step of few sequences over a team of threads, in two rounds
- * (paged_attention_bf16_team, AVX512-BF16 builds). Its work items (query row,
+ * (paged_attention_bf16_team). Its work items (query row,
  * KV head) are too few to share (one sequence of SmolLM2: 3 KV heads on 2
  * threads), and splitting them by query head made each thread widen the
  * head's keys and values for one head instead of its group's, and wait on
@@ -11,31 +11,29 @@
  *      output columns), each a copy of the group's scores, their softmax, and
  *      the weighted values of its columns.
  * Each score, softmax and output column is computed by the same functions on
- * the same operands in the same order as attend_item's (qk16_bf16, softmax,
- * pv_bf16's columns), so the bits are the one-item path's: a row's output
- * does not depend on how it was shared. Included by paged_attention_cpu.c
- * only. */
+ * the same operands in the same order as attend_item's (qk16_bf16 or
+ * qk_scores, softmax, pv_bf16's or pv_generic's columns: the build's), so the
+ * bits are the one-item path's: a row's output does not depend on how it was
+ * shared. Included by paged_attention_cpu.c only. */
 #ifndef TANDEM_ATTENTION_DECODE_H
 #define TANDEM_ATTENTION_DECODE_H
 
-#if defined(__AVX512BF16__)
-
-/* Whether decode_rounds takes these shapes (qk16_bf16's and pv_bf16's). */
-static inline int decode_rounds_fit(int64_t group, int64_t head_dim, int64_t block_size) {
-    return head_dim % 32 == 0 && block_size % 16 == 0 && group <= 8;
-}
-
 /* num_seqs decode rows (row s: sequence s's new token, its context seq_lens[s] positions) over the
  * enclosing team; every thread calls it with the same arguments. shared: floats [num_seqs][num_heads][ld]
- * (ld >= every seq_len), the team's; p [group][max seq_len] and acc [group][head_dim]: this thread's
- * scratch (p NULL: none could be allocated, the thread's second-round items are skipped). Returns after the
- * second round's barrier. */
+ * (ld >= every seq_len), the team's; p [group][max seq_len], qf and acc [group][head_dim]: this thread's
+ * scratch (p NULL: none could be allocated, the thread's items are skipped). Returns after the second
+ * round's barrier. */
 static void decode_rounds(const uint16_t *query, int64_t ldq, const uint16_t *key_cache,
                           const uint16_t *value_cache, uint16_t *out, const int32_t *block_tables, int64_t bt_stride,
                           const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t block_size, float scale, float *shared, int64_t ld, float *p,
-                          float *acc, int64_t threads) {
+                          float *qf, float *acc, int64_t threads) {
     const int64_t group = num_heads / num_kv_heads, pairs = num_seqs * num_kv_heads, ss = num_kv_heads * head_dim;
+#if defined(__AVX512BF16__) /* attend_item's choices */
+    const int fast_qk = head_dim % 32 == 0 && block_size % 16 == 0, fast_pv = head_dim % 32 == 0 && group <= 8;
+#else
+    const int fast_qk = 0, fast_pv = 0;
+#endif
     const int64_t parts = (2 * threads + pairs - 1) / pairs; /* items per (row, KV head): two a thread at least */
     _Pragma("omp for schedule(static)") for (int64_t it = 0; it < pairs * parts; it++) {
         const int64_t s = it / (num_kv_heads * parts), g = it / parts % num_kv_heads, j = it % parts;
@@ -46,19 +44,30 @@ static void decode_rounds(const uint16_t *query, int64_t ldq, const uint16_t *ke
         const uint16_t *q = query + s * ldq + g * group * head_dim;
         float *sc = shared + (s * num_heads + g * group) * ld;
         prefetch_part((const char *)key_cache, table, g, i0, i1, 0, head_dim, head_dim, block_size, ss, 2);
-        for (int64_t i = i0; i < i1; i += block_size) {
-            const uint16_t *k = key_cache + ((int64_t)table[i / block_size] * block_size) * ss + g * head_dim;
-            const int64_t n = i1 - i < block_size ? i1 - i : block_size;
-            if (i + block_size < i1)  /* the next block is elsewhere in memory: ask for it while this one runs */
-                prefetch_rows(key_cache + ((int64_t)table[i / block_size + 1] * block_size) * ss + g * head_dim, ss,
-                              i1 - i - block_size < block_size ? i1 - i - block_size : block_size, head_dim * 2);
-            for (int64_t o = 0; o < n; o += 16)
-                qk16_bf16(q, k + o * ss, ss, n - o < 16 ? n - o : 16, group, head_dim, scale, sc + i + o, ld);
+#if defined(__AVX512BF16__)
+        if (fast_qk) {
+            for (int64_t i = i0; i < i1; i += block_size) {
+                const uint16_t *k = key_cache + ((int64_t)table[i / block_size] * block_size) * ss + g * head_dim;
+                const int64_t n = i1 - i < block_size ? i1 - i : block_size;
+                if (i + block_size < i1)  /* the next block is elsewhere in memory: ask for it while this one runs */
+                    prefetch_rows(key_cache + ((int64_t)table[i / block_size + 1] * block_size) * ss + g * head_dim,
+                                  ss, i1 - i - block_size < block_size ? i1 - i - block_size : block_size, head_dim * 2);
+                for (int64_t o = 0; o < n; o += 16)
+                    qk16_bf16(q, k + o * ss, ss, n - o < 16 ? n - o : 16, group, head_dim, scale, sc + i + o, ld);
+            }
+            continue;
         }
+#endif
+        if (!p) continue; /* the query in float32 (qf): this thread's scratch */
+        for (int64_t j = 0; j < group * head_dim; j++) qf[j] = bf16_to_f32(q[j]);
+        for (int64_t i = i0; i < i1; i++)
+            qk_scores(1, qf, key_cache + ((int64_t)table[i / block_size] * block_size + i % block_size) * ss + g * head_dim,
+                      group, head_dim, scale, sc + i, ld);
     }
-    /* output columns per item: a multiple of 32, about head_dim / parts */
-    const int64_t col_blocks = head_dim / 32, per = (col_blocks + parts - 1) / parts;
-    const int64_t cols = 32 * (per < 1 ? 1 : per), chunks = (head_dim + cols - 1) / cols;
+    /* output columns per item: a multiple of pv_bf16's chunk of 32 (else of LANES), about head_dim / parts */
+    const int64_t unit = fast_pv ? 32 : LANES, col_blocks = head_dim / unit;
+    const int64_t per = (col_blocks + parts - 1) / parts, cols = unit * (per < 1 ? 1 : per);
+    const int64_t chunks = (head_dim + cols - 1) / cols;
     _Pragma("omp for schedule(static)") for (int64_t it = 0; it < pairs * chunks; it++) {
         const int64_t s = it / (num_kv_heads * chunks), g = it / chunks % num_kv_heads, c = it % chunks;
         if (!p) continue;
@@ -69,12 +78,16 @@ static void decode_rounds(const uint16_t *query, int64_t ldq, const uint16_t *ke
             memcpy(p + h * ctx, shared + (s * num_heads + g * group + h) * ld, sizeof(float) * (size_t)ctx);
             softmax(p + h * ctx, ctx);
         }
-        pv_bf16(p, value_cache, table, g, ctx, group, d0, d1, head_dim, block_size, ss, acc);
+#if defined(__AVX512BF16__)
+        if (fast_pv)
+            pv_bf16(p, value_cache, table, g, ctx, group, d0, d1, head_dim, block_size, ss, acc);
+        else
+#endif
+            pv_generic(1, p, value_cache, table, g, ctx, group, d0, d1, head_dim, block_size, ss, acc);
         uint16_t *o = out + (s * num_heads + g * group) * head_dim;
         for (int64_t h = 0; h < group; h++)
             for (int64_t d = d0; d < d1; d++) o[h * head_dim + d] = f32_to_bf16(acc[h * head_dim + d]);
     }
 }
-#endif
 
 #endif

@@ -213,23 +213,24 @@ static inline void softmax(float *sc, int64_t n) {
 }
 
 /* acc[h * head_dim + d] = sum over positions i < ctx, in order, of
- * p[h * ctx + i] * v_i[d] (float32), any dtype and shape. */
+ * p[h * ctx + i] * v_i[d] (float32) for output columns d in [d0, d1), any
+ * dtype and shape. */
 static inline __attribute__((always_inline)) void pv_generic(
     const int BF16, const float *p, const void *value_cache, const int32_t *table, int64_t g, int64_t ctx,
-    int64_t group, int64_t head_dim, int64_t block_size, int64_t slot_stride, float *acc) {
+    int64_t group, int64_t d0, int64_t d1, int64_t head_dim, int64_t block_size, int64_t slot_stride, float *acc) {
     const int64_t elem = BF16 ? 2 : 4;
-    memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
+    for (int64_t h = 0; h < group; h++) memset(acc + h * head_dim + d0, 0, sizeof(float) * (size_t)(d1 - d0));
     float vf[head_dim];
     for (int64_t i0 = 0; i0 < ctx; i0 += block_size) {
         const char *v = (const char *)value_cache + (((int64_t)table[i0 / block_size] * block_size) * slot_stride + g * head_dim) * elem;
         const int64_t n = ctx - i0 < block_size ? ctx - i0 : block_size;
         for (int64_t o = 0; o < n; o++) {
             const void *vo = v + o * slot_stride * elem;
-            for (int64_t d = 0; d < head_dim; d++) vf[d] = LOAD(vo, d);
+            for (int64_t d = d0; d < d1; d++) vf[d] = LOAD(vo, d);
             for (int64_t h = 0; h < group; h++) {
                 const float w = p[h * ctx + i0 + o];
                 float *a = acc + h * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) a[d] += w * vf[d];
+                for (int64_t d = d0; d < d1; d++) a[d] += w * vf[d];
             }
         }
     }
@@ -309,7 +310,8 @@ static inline __attribute__((always_inline)) void attend_item(
                 slot_stride, acc);
     else
 #endif
-        pv_generic(BF16, scores, value_cache, table, g, ctx, group, head_dim, block_size, slot_stride, acc);
+        pv_generic(BF16, scores, value_cache, table, g, ctx, group, 0, head_dim, head_dim, block_size, slot_stride,
+                   acc);
     for (int64_t j = 0; j < group * head_dim; j++) {
         if (BF16)
             ((uint16_t *)out)[o0 + j] = f32_to_bf16(acc[j]);
@@ -451,18 +453,14 @@ int paged_attention_bf16_team(const void *query, int64_t ldq, const void *key_ca
     max_len = (max_len + 255) / 256 * 256;
     float *scratch = scratch_grow(&buf, &cap, sizeof(float) * attention_scratch(group, max_len, head_dim));
     const int64_t split = split_items(num_seqs, num_kv_heads, group, (int)threads);
-#if defined(__AVX512BF16__)
-    int rounds = shared && split > 1 && decode_rounds_fit(group, head_dim, block_size);
+    int rounds = shared && split > 1;
     for (int64_t s = 0; s < num_seqs && rounds; s++) rounds = seq_lens[s] <= ld;
     if (rounds) {
-        float *acc = scratch ? scratch + group * max_len + group * head_dim : 0;
+        float *qf = scratch ? scratch + group * max_len : 0, *acc = scratch ? qf + group * head_dim : 0;
         decode_rounds(query, ldq, key_cache, value_cache, out, block_tables, block_table_stride, seq_lens, num_seqs,
-                      num_heads, num_kv_heads, head_dim, block_size, scale, shared, ld, scratch, acc, threads);
+                      num_heads, num_kv_heads, head_dim, block_size, scale, shared, ld, scratch, qf, acc, threads);
         return scratch ? 0 : 2;
     }
-#else
-    (void)shared, (void)ld;
-#endif
     run_items(1, num_seqs * num_kv_heads * split, 1, 0, query, ldq, key_cache, value_cache, out, block_tables,
               block_table_stride, seq_lens, query_start_loc, num_heads, num_kv_heads, split, head_dim, block_size,
               scale, scratch, max_len);
