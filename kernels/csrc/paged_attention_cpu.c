@@ -355,10 +355,10 @@ static inline size_t attention_scratch(int64_t group, int64_t max_len, int64_t h
  * a thread whose scratch is NULL skips its items. A call whose rows are all decodes (decode_only) hands each
  * thread a run of consecutive items, and with whole groups (split 1) the thread asks for the next item's
  * keys and values (prefetch_part) before it computes this one: its own requests come too late to hide the
- * fetch of a context from DRAM (64 sequences' decode: 30 layers 0.72-0.78x the time of dynamic chunks
- * without it, 0.93x of static ones; Intel host, loadtests-style sweep in docs/benchmarks/decode-roofline.md,
- * sixth pass). Other calls take chunks of items as they free up (a prompt row's cost grows with its
- * position). */
+ * fetch of a context from DRAM (64 sequences' decode over 30 layers with blocks scattered over the pool:
+ * 0.69-0.77x the time of dynamic chunks without it, libgomp spinning or sleeping; in the engine's 64-stream
+ * step ~0.95x; Intel host, docs/benchmarks/decode-roofline.md, sixth pass). Other calls take chunks of items
+ * as they free up (a prompt row's cost grows with its position). */
 static inline __attribute__((always_inline)) void run_items(
     const int BF16, int64_t items, int decode_only, const int32_t *row_seq, const void *query, int64_t ldq,
     const void *key_cache, const void *value_cache, void *out, const int32_t *block_tables, int64_t bt_stride,

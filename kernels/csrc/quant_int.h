@@ -69,7 +69,8 @@ static inline int64_t qi_at(int64_t g, int64_t b, int64_t blocks) {
  * once, from the last-level cache at best; the tile's arithmetic between its loads left the core's own
  * prefetchers behind: 30 layers of one-row calls read ~33 GB/s where a plain read in the same pattern reaches
  * ~51 (2-core Intel host). Asking 2 KB ahead took those calls to 0.92x the time on the VNNI body and 0.90x on
- * the AVX2 one (1 and 3 KB: less; into L2 instead: less; docs/benchmarks/decode-roofline.md, sixth pass). */
+ * the AVX2 one (1 and 4 KB: less, 3 KB the same, into L2 instead: less; docs/benchmarks/decode-roofline.md,
+ * sixth pass). */
 #define QI_PREFETCH_BYTES 2048
 
 /* Ask for `bytes` of codes QI_PREFETCH_BYTES past `at` (into L1), one request per cache line. */
