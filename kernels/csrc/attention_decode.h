@@ -9,7 +9,9 @@
  *      scores [num_seqs][num_heads][ld];
  *   2. (after the loop's barrier) outputs: items (row, KV head, chunk of
  *      output columns), each a copy of the group's scores, their softmax, and
- *      the weighted values of its columns.
+ *      the weighted values of its columns (the chunks of one KV head each
+ *      compute the same softmax: a few hundred exponentials, cheaper than a
+ *      third round and its barrier).
  * Each score, softmax and output column is computed by the same functions on
  * the same operands in the same order as attend_item's (qk16_bf16 or
  * qk_scores, softmax, pv_bf16's or pv_generic's columns: the build's), so the
