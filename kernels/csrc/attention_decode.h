@@ -31,11 +31,7 @@ static void decode_rounds(const uint16_t *query, int64_t ldq, const uint16_t *ke
                           int64_t head_dim, int64_t block_size, float scale, float *shared, int64_t ld, float *p,
                           float *qf, float *acc, int64_t threads) {
     const int64_t group = num_heads / num_kv_heads, pairs = num_seqs * num_kv_heads, ss = num_kv_heads * head_dim;
-#if defined(__AVX512BF16__) /* attend_item's choices */
-    const int fast_qk = head_dim % 32 == 0 && block_size % 16 == 0, fast_pv = head_dim % 32 == 0 && group <= 8;
-#else
-    const int fast_qk = 0, fast_pv = 0;
-#endif
+    const int fast_qk = qk_fast(1, head_dim, block_size), fast_pv = pv_fast(1, head_dim, group);
     const int64_t parts = (2 * threads + pairs - 1) / pairs; /* items per (row, KV head): two a thread at least */
     _Pragma("omp for schedule(static)") for (int64_t it = 0; it < pairs * parts; it++) {
         const int64_t s = it / (num_kv_heads * parts), g = it / parts % num_kv_heads, j = it % parts;

@@ -206,24 +206,26 @@ int decoder_forward_bf16(const decoder_shape *shape, const decoder_layer *layers
     const int64_t hd = shape->hidden, q = shape->num_heads * shape->head_dim;
     const int64_t qkv_w = q + 2 * shape->num_kv_heads * shape->head_dim, inter = shape->intermediate;
     if (t == 0) return 0;
-    /* Scratch: h [t, hd], x2 [t, hd], qkv [t, qkv_w], attn [t, q], gate_up [t, 2 inter], act [t, inter]. */
-    uint16_t *scratch = malloc(sizeof(uint16_t) * (size_t)(t * (2 * hd + qkv_w + q + 3 * inter)));
-    if (!scratch) return 2;
+    const int team = team_step(shape, layers, t, query_start_loc, num_seqs);
+    int64_t ld = 1; /* a team step's attention scores: [t][num_heads][ld], ld the longest context */
+    for (int64_t s = 0; team && s < num_seqs; s++) ld = seq_lens[s] > ld ? seq_lens[s] : ld;
+    const int64_t nscores = team ? t * shape->num_heads * ld : 0;
+    /* Scratch: the scores, then h [t, hd], x2 [t, hd], qkv [t, qkv_w], attn [t, q], gate_up [t, 2 inter], act
+     * [t, inter]. */
+    float *scores = malloc(sizeof(float) * (size_t)nscores
+                           + sizeof(uint16_t) * (size_t)(t * (2 * hd + qkv_w + q + 3 * inter)));
+    if (!scores) return 2;
+    uint16_t *scratch = (uint16_t *)(scores + nscores);
     uint16_t *h = scratch, *x2 = h + t * hd, *qkv = x2 + t * hd, *attn = qkv + t * qkv_w, *gate_up = attn + t * q;
     uint16_t *act = gate_up + t * 2 * inter;
     int rc = 0;
-    if (team_step(shape, layers, t, query_start_loc, num_seqs)) {
-        int64_t ld = 1;
-        for (int64_t s = 0; s < num_seqs; s++) ld = seq_lens[s] > ld ? seq_lens[s] : ld;
-        float *scores = malloc(sizeof(float) * (size_t)(t * shape->num_heads * ld));
-        rc = !scores ? 2
-             : positions_outside(positions, t, shape->max_positions)
+    if (team) {
+        rc = positions_outside(positions, t, shape->max_positions)
                  ? 1
                  : decode_team(shape, layers, x, t, positions, cos_tab, sin_tab, slot_mapping, block_tables, bt_stride,
                                seq_lens, query_start_loc, qkv, attn, gate_up, x2, scores, ld, num_threads);
-        free(scores);
         if (rc == 0) rms_norm_bf16(x, hd, final_norm, out, hd, t, hd, shape->rms_norm_eps, num_threads);
-        free(scratch);
+        free(scores);
         return rc;
     }
     for (int64_t l = 0; l < shape->num_layers && rc == 0; l++) {
@@ -248,6 +250,6 @@ int decoder_forward_bf16(const decoder_shape *shape, const decoder_layer *layers
         rc = project(w, 3, act, inter, 0, x2, hd, x, hd, t, hd, inter, num_threads);
     }
     if (rc == 0) rms_norm_bf16(x, hd, final_norm, out, hd, t, hd, shape->rms_norm_eps, num_threads);
-    free(scratch);
+    free(scores);
     return rc;
 }

@@ -262,6 +262,27 @@ static inline __attribute__((always_inline)) void prefetch_part(const char *cach
     }
 }
 
+/* Which bodies a call's attention runs (one rule for attend_item and attention_decode.h): the scores by
+ * VDPBF16PS on the raw bfloat16 query (qk16_bf16), and the weighted values in registers (pv_bf16; group: the
+ * whole group's size, a split item's too); else qk_scores and pv_generic. */
+static inline int qk_fast(const int BF16, int64_t head_dim, int64_t block_size) {
+#if defined(__AVX512BF16__)
+    return BF16 && head_dim % 32 == 0 && block_size % 16 == 0;
+#else
+    (void)BF16, (void)head_dim, (void)block_size;
+    return 0;
+#endif
+}
+
+static inline int pv_fast(const int BF16, int64_t head_dim, int64_t group) {
+#if defined(__AVX512BF16__)
+    return BF16 && head_dim % 32 == 0 && group <= 8;
+#else
+    (void)BF16, (void)head_dim, (void)group;
+    return 0;
+#endif
+}
+
 /* Everything one work item (query row t, query heads first_head ..
  * first_head + group - 1, all of KV head g) computes; BF16 is a literal at
  * each call site, so each dtype gets its own specialised copy. Every head's
@@ -275,11 +296,7 @@ static inline __attribute__((always_inline)) void attend_item(
     const int64_t q0 = t * ldq + first_head * head_dim;            /* the item's first query head */
     const int64_t o0 = (t * num_heads + first_head) * head_dim;    /* and its output row */
     const int64_t slot_stride = num_kv_heads * head_dim, elem = BF16 ? 2 : 4;
-#if defined(__AVX512BF16__)
-    const int fast_qk = BF16 && head_dim % 32 == 0 && block_size % 16 == 0; /* VDPBF16PS on the raw query */
-#else
-    const int fast_qk = 0;
-#endif
+    const int fast_qk = qk_fast(BF16, head_dim, block_size);
     if (decode)
         prefetch_part(key_cache, table, g, 0, ctx, 0, head_dim, head_dim, block_size, slot_stride, elem);
     if (!fast_qk) /* the portable path reads the query in float32 */
@@ -305,7 +322,7 @@ static inline __attribute__((always_inline)) void attend_item(
         prefetch_part(value_cache, table, g, 0, ctx, 0, head_dim, head_dim, block_size, slot_stride, elem);
     for (int64_t h = 0; h < group; h++) softmax(scores + h * ctx, ctx);
 #if defined(__AVX512BF16__)
-    if (BF16 && head_dim % 32 == 0 && num_heads / num_kv_heads <= 8) /* the whole group's size: a split item's too */
+    if (pv_fast(BF16, head_dim, num_heads / num_kv_heads))
         pv_bf16(scores, (const uint16_t *)value_cache, table, g, ctx, group, 0, head_dim, head_dim, block_size,
                 slot_stride, acc);
     else
