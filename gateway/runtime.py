@@ -39,7 +39,7 @@ from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
 from gateway.config.versions import ConfigState, Guard, GuardFailed, MemoryLedger, RedisLedger, VersionConflict, \
     text_digest
-from gateway.config.status import down_warnings, read_health, routes_now
+from gateway.config.status import down_warnings, routes_now
 from gateway.config.weights import describe_changes
 from gateway.rollouts.controller import RolloutController
 from gateway.rollouts.metrics import ParityCollector
@@ -296,7 +296,8 @@ class Gateway:
                          snap.source, state.source)
             else:
                 snap = self._apply(state, compiled)
-            health = await read_health(self.resilience, snap)   # once: the warnings and the routes' shares
+            # the backends' health, read once: the warnings and the routes' shares
+            health = await self.resilience.status_or_none(snap.compiled.policy.routes, snap.backends)
             if not same:
                 snap.warnings += down_warnings(snap, health)
             return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
@@ -423,14 +424,14 @@ class Gateway:
             except Exception as e:  # noqa: BLE001 -- Redis unreachable: nothing changes
                 raise self._unreachable("config rollback", e) from None
             snap = self._apply(state)
-            health = await read_health(self.resilience, snap)
+            health = await self.resilience.status_or_none(snap.compiled.policy.routes, snap.backends)
             snap.warnings += down_warnings(snap, health)   # as any change does: weight landing on a down backend
             for w in kept:
                 log.warning("config rollback to version %d: %s", state.version, w)
         await self.rollouts.reassert()
         if self.snapshot is not snap:   # a rollout reasserted its split: its routes' health is read again
             snap = self.snapshot
-            health = await read_health(self.resilience, snap)
+            health = await self.resilience.status_or_none(snap.compiled.policy.routes, snap.backends)
         return {"version": snap.version, "source": snap.source, "warnings": snap.warnings + kept,
                 "propagated": True if self.ledger.shared else None, "routes": routes_now(snap, health)}
 

@@ -3,14 +3,11 @@ routes, backends, history, the file on disk, and per route the layer that decide
 
 from __future__ import annotations
 
-import logging
-
 from gateway.config.compile import load_config_text
 from gateway.config.layers import Layered, RolloutConflict, layer_view, over_file, route_weights
 from gateway.config.weights import add_effective_shares, down_share, routes_table
+from gateway.resilience.layer import Resilience
 from gateway.state import StateUnavailable
-
-log = logging.getLogger("tandem.gateway.runtime")
 
 
 async def describe(gw) -> dict:
@@ -53,21 +50,10 @@ async def layers(gw) -> dict:
                       f"version {s.version} ({s.source})")
 
 
-async def read_health(resilience, snap) -> tuple[dict, dict] | None:
-    """The backends' and targets' health now for ``snap``'s routes (``Resilience.status``: (backends,
-    targets)), read once for a change's answer; None when it cannot be read (Redis slow or down: the change
-    stands, its answer says less)."""
-    try:
-        return await resilience.status(snap.compiled.policy.routes, snap.backends)
-    except Exception as e:  # noqa: BLE001
-        log.info("backend health not read for a change's answer: %s", e)
-        return None
-
-
 def routes_now(snap, health: tuple[dict, dict] | None) -> dict[str, dict]:
     """A change's answer's routes (``snap``: the ``Snapshot`` it made): each target's weight and share, and what
     requests get now (``weights.add_effective_shares``: a weighted target whose backend is down or breaker open
-    gets none); the weights alone without ``health`` (:func:`read_health`)."""
+    gets none); the weights alone without ``health`` (``Resilience.status_or_none``: (backends, targets))."""
     routes = routes_table(snap.compiled.policy)
     if health is not None:
         add_effective_shares(routes, *health)
@@ -75,11 +61,11 @@ def routes_now(snap, health: tuple[dict, dict] | None) -> dict[str, dict]:
 
 
 def down_warnings(snap, health: tuple[dict, dict] | None) -> list[str]:
-    """Warnings for weight on backends ``health`` (:func:`read_health`) finds down (``weights.down_share``),
-    not already among ``snap``'s warnings; none without it."""
+    """Warnings for weight on backends ``health`` (``Resilience.status_or_none``) finds down
+    (``Resilience.down_backends``, ``weights.down_share``), not already among ``snap``'s warnings; none without it."""
     if health is None:
         return []
-    down = {n: v["reason"] for n, v in health[0].items() if not v["available"]}
+    down = {n: why for n, (why, _) in Resilience.down_backends(health).items()}
     tried = frozenset(n for n, why in down.items() if why.startswith("last probe failed"))  # still routed to
     return [w for name, r in snap.compiled.policy.routes.items()
             if (w := down_share(name, r, down, tried)) is not None and w not in snap.warnings]

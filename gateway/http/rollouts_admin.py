@@ -70,7 +70,8 @@ async def candidate_down(gw, name: str, spec: RolloutConfig) -> list[str]:
     now (``Resilience.down_backends``): its first step sends traffic there. [] when it is up or that state cannot be
     read (Redis slow or down: the rollout is started either way)."""
     snap = gw.snapshot
-    down = await gw.resilience.down_backends(snap.compiled.policy.routes, snap.backends) or {}
+    health = await gw.resilience.status_or_none(snap.compiled.policy.routes, snap.backends)
+    down = gw.resilience.down_backends(health) if health is not None else {}
     backend, reason = next(((b, why) for b, (why, ids) in down.items() if spec.candidate in ids), (None, None))
     if backend is None:
         return []

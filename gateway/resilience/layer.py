@@ -137,14 +137,19 @@ class Resilience:
             out[name] = {"available": b.available and reason == b.unavailable_reason, "reason": reason}
         return out, targets
 
-    async def down_backends(self, routes: dict, backends: dict) -> dict[str, tuple[str, tuple[str, ...]]] | None:
-        """The backends ``status`` finds unavailable now: name -> (why, the target ids on it); None when that
-        state cannot be read (Redis slow or down: a warning is not worth failing the rollout start that asks)."""
+    async def status_or_none(self, routes: dict, backends: dict) -> tuple[dict, dict] | None:
+        """``status``, or None when it cannot be read (Redis slow or down): for the answers and warnings of a
+        change or a rollout start, which stand without it."""
         try:
-            status, targets = await self.status(routes, backends)
+            return await self.status(routes, backends)
         except Exception as e:  # noqa: BLE001
-            log.info("backend health not read for a warning: %s", e)
+            log.info("backend health not read: %s", e)
             return None
+
+    @staticmethod
+    def down_backends(health: tuple[dict, dict]) -> dict[str, tuple[str, tuple[str, ...]]]:
+        """The backends ``health`` (``status``'s answer) finds unavailable: name -> (why, the target ids on it)."""
+        status, targets = health
         return {n: (v["reason"], tuple(t for t, tv in targets.items() if tv["backend"] == n))
                 for n, v in status.items() if not v["available"]}
 
