@@ -3,18 +3,24 @@
 A rollback undoes a config change (the file's, an operator's), not a rollout (docs/operators/desired-state.md). The
 previous version may hold, on a route, the split of a rollout that has ended since (aborted, rolled back by its
 gates): returned to as stored, its candidate would get traffic again although its rollout is over. Such a route
-keeps the weights it has now (the head's override of it, or none), and the rollback's answer says so.
+keeps the weights it has now (the head's override of it, else the head's file weights for it: put over the previous
+version's file where they differ from it), and the rollback's answer says so.
 """
 
 from __future__ import annotations
 
 from gateway.config.compile import load_config_text
-from gateway.config.layers import RolloutConflict, ended_owner, orphaned, route_weights
+from gateway.config.layers import RolloutConflict, ended_owner, orphaned, route_weights, same_as_file
 from gateway.config.versions import ConfigState
 
 
 def _fmt(weights: dict[str, float] | None) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in weights.items()) if weights else "the file's weights"
+
+
+def _file_weights(state: ConfigState) -> dict[str, dict[str, float]]:
+    """route -> {target id: weight} of ``state``'s config text (no overrides)."""
+    return route_weights(load_config_text(state.text, {}).policy)
 
 
 def without_ended(head: ConfigState, prev: ConfigState, rollouts: list[dict]) -> tuple[ConfigState | None, list[str]]:
@@ -27,24 +33,30 @@ def without_ended(head: ConfigState, prev: ConfigState, rollouts: list[dict]) ->
 
     Returns:
         (None, []) when ``prev`` holds no ended rollout's split (the ledger installs it as stored); else
-        ``prev`` with those routes' overrides and owners taken from ``head`` (``file_digest``: the head's, the file
-        last applied), and a warning naming each route and rollout.
+        ``prev`` with those routes set to the weights they have at ``head`` (an override over ``prev``'s file where
+        they differ from it, owned as at ``head``; ``file_digest``: the head's, the file last applied), and a
+        warning naming each route, rollout and the weights kept.
     """
     overrides, owners = {r: dict(w) for r, w in prev.overrides.items()}, dict(prev.owners)
+    head_file, prev_file = _file_weights(head), _file_weights(prev)
     warnings = []
     for route in sorted(prev.owners):
         r = ended_owner(rollouts, prev.owners, route)
-        if r is None or prev.overrides.get(route) == head.overrides.get(route):
+        if r is None:
+            continue
+        now = {**head_file.get(route, {}), **head.overrides.get(route, {})}    # what the route has now
+        back = {**prev_file.get(route, {}), **prev.overrides.get(route, {})}   # what returning as stored gives it
+        if not now or now == back:
             continue
         overrides.pop(route, None)
         owners.pop(route, None)
-        if route in head.overrides:
-            overrides[route] = dict(head.overrides[route])
-        if route in head.owners:
-            owners[route] = head.owners[route]
+        if not same_as_file(prev_file.get(route), now):
+            overrides[route] = now
+            if route in head.owners:
+                owners[route] = head.owners[route]
         warnings.append(f"route {route}: the version rolled back to holds rollout {r['name']}'s split "
                         f"({_fmt(prev.overrides.get(route))}), which is not brought back: the rollout is "
-                        f"{r['state']}; the route keeps {_fmt(head.overrides.get(route))}")
+                        f"{r['state']}; the route keeps {_fmt(now)}")
     if not warnings:
         return None, []
     return ConfigState(prev.text, overrides, "rollback", created=prev.created, file_digest=head.file_digest,

@@ -132,13 +132,15 @@ class Model:
         prev_file, prev_stored, prev_owner = copy.deepcopy(self.versions[-2])
         if self.holds() and prev_file["cand"] is None:
             return f"rollout {self.rollout['name']}"
-        _, head_stored, head_owner = self.versions.pop()
+        head_file, head_stored, head_owner = self.versions.pop()
         gone = self.every.get(prev_owner)
-        if gone is not None and gone["state"] in ENDED and prev_stored.get("ro") != head_stored.get("ro"):
-            prev_stored.pop("ro", None)       # an ended rollout's split is not brought back: ro keeps its weights
-            if "ro" in head_stored:
-                prev_stored["ro"] = copy.deepcopy(head_stored["ro"])
-            prev_owner = head_owner
+        now = {**file_weights(head_file)["ro"], **head_stored.get("ro", {})}     # what ro has at the head
+        prev_fw = file_weights(prev_file)["ro"]
+        if gone is not None and gone["state"] in ENDED and {**prev_fw, **prev_stored.get("ro", {})} != now:
+            prev_stored.pop("ro", None)       # an ended rollout's split is not brought back: ro keeps its weights,
+            if {**prev_fw, **now} != prev_fw:  # over the old file where they differ from it
+                prev_stored["ro"] = now
+            prev_owner = head_owner if "ro" in prev_stored else None
         self.file, self.override, self.owner = prev_file, prev_stored, prev_owner
         self.record()                         # a running or promoted rollout's split is set again on top
         return ""

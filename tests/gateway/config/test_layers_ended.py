@@ -14,7 +14,8 @@ import uuid
 import pytest
 
 from gateway.config.layers import reapply
-from gateway.config.versions import text_digest
+from gateway.config.rollback import without_ended
+from gateway.config.versions import ConfigState, text_digest
 from tests.gateway.config.test_layers import served, text, weights
 from tests.gateway.fault_upstream import FaultUpstream
 from tests.gateway.rollouts.conftest import ADMIN_TOKEN
@@ -105,6 +106,65 @@ async def test_a_rollback_after_an_abort_does_not_bring_the_canary_back(tmp_path
     assert any("rollout r1's split (cand 5, stable 95), which is not brought back: the rollout is aborted" in w
                for w in back.json()["warnings"]), back.json()["warnings"]
     assert layer["decided_by"] != "operator", layer
+
+
+async def test_a_rollback_after_an_abort_and_a_file_edit_keeps_the_weights_the_route_has(tmp_path, state):
+    """README's story 3 (a new user's trial): the file says 95/5, a rollout started and aborted leaves 100/0 (its
+    own override: not the file's), the file is edited to 100/0 (that override goes), then ``ctl rollback``: it
+    returned to the version with the aborted rollout's override, dropped that override and so ran the old file's
+    95/5, the canary back at 5 %. Returned to as stored, that version gives the route what it has now (100/0, the
+    aborted rollout's own override over the old file): it stays so, and nothing is said to be kept."""
+    with upstreams() as (stable, cand):
+        path = tmp_path / "c.yaml"
+        b = text(stable, cand, rollout=state)
+        a = b.replace("weight: 100}, {backend: cand, weight: 0}", "weight: 95}, {backend: cand, weight: 5}")
+        path.write_text(a)
+        async with served(path) as (gw, c):
+            assert (await c.post("/admin/rollouts", json=START)).status_code == 201
+            assert (await c.post("/admin/rollouts/r1/abort")).status_code == 200
+            assert weights(gw) == {"stable": 100.0, "cand": 0.0}
+            path.write_text(b)                                            # the README's sed
+            assert (await c.post("/admin/reload")).status_code == 200
+            assert "ro" not in (await gw.ledger.head()).overrides
+            back = await c.post("/admin/rollback", json={})
+            after = weights(gw)
+            status = (await c.get("/admin/config")).json()
+    assert back.status_code == 200, back.text
+    assert after == {"stable": 100.0, "cand": 0.0}, (after, back.json()["warnings"])
+    assert not any("rollout r1's split" in w for w in back.json()["warnings"]), back.json()["warnings"]
+    layer = status["layers"]["ro"]
+    assert layer["effective"] == {"stable": 100.0, "cand": 0.0} and layer["decided_by"] == "rollout r1 (aborted)", layer
+
+
+def _state(text: str, overrides: dict | None = None, owners: dict | None = None) -> ConfigState:
+    return ConfigState(text, overrides or {}, "test", owners=owners or {})
+
+
+def test_a_rollback_keeps_the_weights_a_route_has_where_returning_would_bring_an_ended_split_back():
+    """Per route of the version returned to that holds an ended rollout's override: the weights the route has at
+    the head (its override, else its file weights) stay, as an override over the old file where they differ from
+    it, and the warning names them; a route whose weights returning would not change is returned as stored."""
+    with upstreams() as (stable, cand):
+        plain = text(stable, cand)                                          # ro: stable 100, cand 0
+        old = plain.replace("weight: 100}, {backend: cand, weight: 0}", "weight: 95}, {backend: cand, weight: 5}")
+        edited = plain.replace("weight: 100}, {backend: cand, weight: 0}", "weight: 90}, {backend: cand, weight: 10}")
+    aborted = [{"name": "r1", "route": "ro", "candidate": "cand", "state": "aborted"}]
+    running_split = _state(plain, {"ro": {"cand": 5.0, "stable": 95.0}}, {"ro": "r1"})   # r1 at 5 %, since aborted
+    # aborted right after: the head is the file (100/0): no override needed over the same file
+    state, warnings = without_ended(_state(plain), running_split, aborted)
+    assert state.overrides == {} and state.owners == {}
+    assert warnings == ["route ro: the version rolled back to holds rollout r1's split (cand 5, stable 95), which is "
+                        "not brought back: the rollout is aborted; the route keeps stable 100, cand 0"]
+    # the file changed the route since (90/10): kept over the old file's 95/5 as an override
+    left = _state(old, {"ro": {"cand": 0.0, "stable": 100.0}}, {"ro": "r1"})
+    state, warnings = without_ended(_state(edited), left, aborted)
+    assert state.overrides == {"ro": {"stable": 90.0, "cand": 10.0}} and state.owners == {}
+    assert warnings[0].endswith("the route keeps stable 90, cand 10")
+    # an operator's weights at the head (80/20) are kept with the head's owners (none)
+    state, _ = without_ended(_state(plain, {"ro": {"stable": 80.0, "cand": 20.0}}), running_split, aborted)
+    assert state.overrides == {"ro": {"stable": 80.0, "cand": 20.0}}
+    # the file edited to what the aborted rollout left (the README's story): returned as stored
+    assert without_ended(_state(plain), left, aborted) == (None, [])
 
 
 async def test_an_edit_back_to_the_text_last_applied_is_applied_after_a_rollback_and_a_rollout(tmp_path, state):
