@@ -200,16 +200,21 @@ def layer_view(file: dict[str, dict[str, float]], layered: Layered,
     weight}, the running version's file text): the reload's answer (``layers``), its log and ``tandem ctl status``.
     ``on_disk``: the weights of the config file on disk when its text is not the running one (a rollback, or
     another replica's file, runs instead of it); a route whose weights there differ is then decided by the running
-    version (``running``, e.g. "version 7 (rollback)"), not the file, and ``file`` is what the disk says."""
+    version (``running``, e.g. "version 7 (rollback)"), not the file, and ``file`` is what the disk says; one a
+    layer above the file decides keeps that layer, its note saying what the disk says too."""
     out = {}
     for route, weights in file.items():
         decided = layered.routes.get(route, {})
         view = {"effective": {**weights, **layered.overrides.get(route, {})}, "file": weights,
                 "decided_by": decided.get("decided_by", "file"), "note": decided.get("note", "")}
         disk = None if on_disk is None else on_disk.get(route)
-        if view["decided_by"] == "file" and on_disk is not None and disk != weights:
-            says = ", ".join(f"{k} {w:g}" for k, w in disk.items()) if disk else "no such route"
-            view.update(file=disk or {}, decided_by=running or "running version",
-                        note=f"the file on disk says {says}; `tandem ctl reload` applies it")
+        if on_disk is not None and disk != weights:
+            says = f"the file on disk says {_fmt(disk) if disk else 'no such route'}"
+            if view["decided_by"] == "file":
+                view.update(file=disk or {}, decided_by=running or "running version",
+                            note=f"{says}; `tandem ctl reload` applies it")
+            else:   # a layer above decides it: its note's "file" is the running version's
+                view["note"] = "; ".join(n for n in (view["note"], f"{says} ({running or 'running version'} runs "
+                                                                   f"another file text)") if n)
         out[route] = view
     return out

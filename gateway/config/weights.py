@@ -156,16 +156,25 @@ def describe_changes(old: Policy | None, new: Policy, old_text: str = "", new_te
                  if wa.get(t) != wb.get(t)]
         if moved:
             parts.append(f"route {name}: " + ", ".join(moved))
-    if old_text != new_text:
+    if old_text != new_text:   # the weights are the routes' part above (in effect, overrides included)
         parts += key_changes(_load(old_text), _load(new_text))
     return "; ".join(parts) or "no change"
 
 
 def _load(text: str):
+    """A config text parsed, the routes' target weights left out (``describe_changes`` reports those as they take
+    effect: a text whose weights an override replaces changes nothing there)."""
     try:
-        return yaml.safe_load(text) or {}
+        doc = yaml.safe_load(text) or {}
     except yaml.YAMLError:
         return {}
+    routes = doc.get("routes") if isinstance(doc, dict) else None
+    for route in routes.values() if isinstance(routes, dict) else ():
+        targets = route.get("targets") if isinstance(route, dict) else None
+        for t in targets if isinstance(targets, list) else ():
+            if isinstance(t, dict):
+                t.pop("weight", None)
+    return doc
 
 
 def key_changes(old, new, path: str = "", depth: int = 3) -> list[str]:

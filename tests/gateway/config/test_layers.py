@@ -276,6 +276,16 @@ def test_4_a_change_is_described_by_its_key_paths_not_as_file_text():
     line = describe_changes(old.policy, new.policy, old.text, new.text)
     assert line == "routes.other.shadow added"
     assert "file text changed" not in describe_changes(new.policy, old.policy, new.text, old.text + "\n# note\n")
+    # weights are reported as they take effect: not again as the targets' key path, nor where an override keeps
+    # them (a rollback to an older text under the same weights); a target's other keys still are
+    moved = text(FakeUrl, FakeUrl).replace("weight: 100}, {backend: cand, weight: 0}",
+                                           "weight: 95}, {backend: cand, weight: 5}")
+    assert describe_changes(old.policy, load_config_text(moved).policy, old.text, moved) == \
+        "route ro: cand 0 -> 5, stable 100 -> 95"
+    assert describe_changes(old.policy, old.policy, old.text, moved) == "no change"
+    renamed = old.text.replace("{backend: cand, weight: 0}", "{backend: cand, weight: 0, id: c2}")
+    line = describe_changes(old.policy, load_config_text(renamed).policy, old.text, renamed)
+    assert "routes.ro.targets changed" in line, line
 
 
 class FakeUrl:

@@ -108,7 +108,7 @@ async def test_a_rollback_after_an_abort_does_not_bring_the_canary_back(tmp_path
     assert layer["decided_by"] != "operator", layer
 
 
-async def test_a_rollback_after_an_abort_and_a_file_edit_keeps_the_weights_the_route_has(tmp_path, state):
+async def test_a_rollback_after_an_abort_and_a_file_edit_keeps_the_weights_the_route_has(tmp_path, state, caplog):
     """README's story 3 (a new user's trial): the file says 95/5, a rollout started and aborted leaves 100/0 (its
     own override: not the file's), the file is edited to 100/0 (that override goes), then ``ctl rollback``: it
     returned to the version with the aborted rollout's override, dropped that override and so ran the old file's
@@ -126,10 +126,15 @@ async def test_a_rollback_after_an_abort_and_a_file_edit_keeps_the_weights_the_r
             path.write_text(b)                                            # the README's sed
             assert (await c.post("/admin/reload")).status_code == 200
             assert "ro" not in (await gw.ledger.head()).overrides
-            back = await c.post("/admin/rollback", json={})
+            with caplog.at_level("INFO", logger="tandem.gateway"):
+                back = await c.post("/admin/rollback", json={})
             after = weights(gw)
             status = (await c.get("/admin/config")).json()
     assert back.status_code == 200, back.text
+    # the log says what changed in effect (nothing), not the old file's targets; status names what the disk says
+    applied = [r.getMessage() for r in caplog.records if " applied (rollback)" in r.getMessage()]
+    assert applied and applied[-1].endswith("(rollback): no change"), applied
+    assert "the file on disk says stable 100, cand 0" in status["layers"]["ro"]["note"], status["layers"]["ro"]
     assert after == {"stable": 100.0, "cand": 0.0}, (after, back.json()["warnings"])
     assert not any("rollout r1's split" in w for w in back.json()["warnings"]), back.json()["warnings"]
     layer = status["layers"]["ro"]
