@@ -20,6 +20,11 @@ waiting for a non-streamed answer) aborts its request, which frees its KV
 blocks. The HTTP layer only parses JSON and maps errors: everything else is
 ``engine/serving/chat.py`` and ``completion.py``, which the gateway's
 local backend also calls in-process.
+
+SIGINT (Ctrl-C) or SIGTERM stops it after the requests in flight are answered (uvicorn's graceful shutdown, up to
+``--drain-timeout`` + 5 s); a second signal within :data:`SIGNAL_ECHO_S` of the first is the same stop (a
+terminal's Ctrl-C reaches the whole process group, and a wrapper may forward it again), a later one quits at once.
+The exit is quiet either way (no ``KeyboardInterrupt`` traceback).
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
+import uvicorn
 from litestar import Litestar, Request, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.exceptions import HTTPException
@@ -50,6 +57,22 @@ from engine.serving.completion import OpenAIServingCompletion
 from engine.serving.embeddings import OpenAIServingEmbedding
 
 logger = logging.getLogger("tandem.server")
+# a second stop signal this soon after the first is the same stop (the process group's, forwarded again), not an
+# operator insisting (the gateway's server, gateway/http/server.py, reads the same window)
+SIGNAL_ECHO_S = 1.0
+
+
+class EngineServer(uvicorn.Server):
+    """uvicorn's ``Server`` with the echo window of :data:`SIGNAL_ECHO_S` on its stop signals."""
+
+    first_signal: float | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        now = time.monotonic()
+        if self.first_signal is not None and now - self.first_signal < SIGNAL_ECHO_S:
+            return
+        self.first_signal = self.first_signal or now
+        super().handle_exit(sig, frame)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -281,12 +304,10 @@ def run_server(args: argparse.Namespace) -> int:
     open requests finish (``--drain-timeout``), and the engine stops.
 
     Returns:
-        0 after a clean shutdown (uvicorn then re-raises the captured signal,
-        so the process may end by it), 1 when the engine failed to load
-        (the error is logged in one line).
+        0 after a clean shutdown, 130 when uvicorn re-raised the SIGINT it
+        stopped on (as a shell reports Ctrl-C), 1 when the engine failed to
+        load (the error is logged in one line).
     """
-    import uvicorn
-
     from engine.config import engine_args_from_cli
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -309,8 +330,11 @@ def run_server(args: argparse.Namespace) -> int:
                     max_request_body_bytes=args.max_request_body_bytes, on_load_failed=stop_on_load_failure)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=int(args.drain_timeout) + 5, lifespan="on")
-    server = uvicorn.Server(config)
-    server.run()
+    server = EngineServer(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:   # uvicorn re-raises the SIGINT it handled once the server has stopped
+        return 130
     return 0 if server.started and not failed else 1
 
 

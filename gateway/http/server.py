@@ -23,6 +23,7 @@ from pathlib import Path
 
 import uvicorn
 
+from engine.entrypoints.server import SIGNAL_ECHO_S
 from engine.protocol.heap import freeze_heap
 from gateway.http.app import create_app
 from gateway.http.door import DoorLimits, door_protocol
@@ -34,8 +35,8 @@ from gateway.runtime import Gateway
 
 log = logging.getLogger("tandem.gateway")
 # `make serve` forwards the terminal's signal after the process group got it: a second signal this soon after the
-# first is that echo, not an operator insisting
-_ECHO_S = 1.0
+# first is that echo, not an operator insisting (the engine server's window)
+_ECHO_S = SIGNAL_ECHO_S
 # after a drain, what uvicorn still waits for connections: the drain already waited drain_timeout_s
 _AFTER_DRAIN_S = 0.5
 

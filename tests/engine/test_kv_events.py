@@ -233,8 +233,8 @@ def test_two_served_replicas_publish_their_own_cache(tmp_path):
     cfgs = [config(tmp_path, f"r{i}") for i in range(2)]
     rng = random.Random(3)
     prompts = [[rng.randrange(100, 20000) for _ in range(70)] for _ in range(4)]
-    with cli_server("--kv-events-config", json.dumps(cfgs[0]), "--max-model-len", "512") as (_, base0), \
-            cli_server("--kv-events-config", json.dumps(cfgs[1]), "--max-model-len", "512") as (_, base1):
+    with cli_server("--kv-events-config", json.dumps(cfgs[0]), "--max-model-len", "512") as (_, base0, _out0), \
+            cli_server("--kv-events-config", json.dumps(cfgs[1]), "--max-model-len", "512") as (_, base1, _out1):
         subs = [Subscriber(c["endpoint"], c["replay_endpoint"], c["topic"]) for c in cfgs]
         try:
             time.sleep(0.3)
