@@ -427,7 +427,7 @@ class Gateway:
             health = await self.resilience.status_or_none(snap.compiled.policy.routes, snap.backends)
             snap.warnings += down_warnings(snap, health)   # as any change does: weight landing on a down backend
             for w in kept:
-                log.warning("config rollback to version %d: %s", state.version, w)
+                log.warning("config version %d (rollback): %s", state.version, w)
         await self.rollouts.reassert()
         if self.snapshot is not snap:   # a rollout reasserted its split: its routes' health is read again
             snap = self.snapshot
