@@ -51,15 +51,13 @@ from engine.metrics import EngineMetrics
 from engine.protocol.errors import ServingError
 from engine.protocol.heap import freeze_heap
 from engine.protocol.request_ids import stamp_request_id, unique_request_id
+from engine.protocol.signals import SIGNAL_ECHO_S
 from engine.serving.chat import OpenAIServingChat
 from engine.serving.chunks import sse_stream
 from engine.serving.completion import OpenAIServingCompletion
 from engine.serving.embeddings import OpenAIServingEmbedding
 
 logger = logging.getLogger("tandem.server")
-# a second stop signal this soon after the first is the same stop (the process group's, forwarded again), not an
-# operator insisting (the gateway's server, gateway/http/server.py, reads the same window)
-SIGNAL_ECHO_S = 1.0
 
 
 class EngineServer(uvicorn.Server):

@@ -6,7 +6,7 @@ not-ready, let in-flight requests and streams finish within
 ``stream_interrupted`` event), then exit; SIGINT (Ctrl-C) = the same drain.
 A second SIGTERM or SIGINT during a drain exits at once, after ending the
 streams still open with the ``stream_interrupted`` event (best effort: up to
-``_AFTER_DRAIN_S``); one within ``_ECHO_S`` of the first is the same stop,
+``_AFTER_DRAIN_S``); one within ``SIGNAL_ECHO_S`` of the first is the same stop,
 e.g. make forwarding it. uvicorn's own SIGINT handling is not used: it closes
 the listening socket at once (refused connections instead of 503 ``draining``)
 and cancels the open streams mid-write at its deadline.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import uvicorn
 
-from engine.entrypoints.server import SIGNAL_ECHO_S
+from engine.protocol.signals import SIGNAL_ECHO_S
 from engine.protocol.heap import freeze_heap
 from gateway.http.app import create_app
 from gateway.http.door import DoorLimits, door_protocol
@@ -34,9 +34,6 @@ from gateway.embedded_redis import release, start_or_join, with_redis_url
 from gateway.runtime import Gateway
 
 log = logging.getLogger("tandem.gateway")
-# `make serve` forwards the terminal's signal after the process group got it: a second signal this soon after the
-# first is that echo, not an operator insisting (the engine server's window)
-_ECHO_S = SIGNAL_ECHO_S
 # after a drain, what uvicorn still waits for connections: the drain already waited drain_timeout_s
 _AFTER_DRAIN_S = 0.5
 
@@ -87,7 +84,7 @@ class GatewayServer(uvicorn.Server):
             self.drain_started = time.monotonic()
             self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain()))
             return
-        if self.drain_started is not None and time.monotonic() - self.drain_started < _ECHO_S:
+        if self.drain_started is not None and time.monotonic() - self.drain_started < SIGNAL_ECHO_S:
             return                               # the process group's signal, forwarded again by make
         if self.exiting:
             self.force_exit = self.should_exit = True   # a third signal: no more waiting for the streams
