@@ -97,6 +97,10 @@ class EngineArgs:
         swap_space: GiB of CPU memory to swap preempted requests into (0 =
             preempt by recompute).
         scheduling_policy: "fcfs" or "priority".
+        num_scheduler_steps: most greedy decode steps one scheduler call runs in one C call, for a batch of
+            decodes whose tokens are the raw logits' argmax (vLLM's multi-step scheduling; the same tokens,
+            handed out together; fewer where the steps would take over 25 ms, none while a request waits:
+            ``engine/core/multi_step.py``); 1: one step per call.
         num_threads: torch intra-op threads on CPU (None: all cores, fewer for the steps while other
             processes use them: ``engine/worker/cpu_threads.py``).
         seed: seed of the engine's default generator.
@@ -173,6 +177,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     swap_space: float = 0.0
     scheduling_policy: str = "fcfs"
+    num_scheduler_steps: int = 8
     num_threads: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
@@ -216,6 +221,7 @@ class EngineArgs:
             (self.swap_space >= 0, "swap_space", f"must be >= 0 GiB, got {self.swap_space}"),
             (self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
              f"must be fcfs or priority, got {self.scheduling_policy!r}"),
+            (self.num_scheduler_steps >= 1, "num_scheduler_steps", f"must be >= 1, got {self.num_scheduler_steps}"),
             (self.num_threads is None or self.num_threads >= 1, "num_threads",
              f"must be >= 1, got {self.num_threads}"),
             (self.attention_backend in ("auto", "cpu", "torch", "triton"), "attention_backend",
@@ -282,6 +288,8 @@ def add_engine_cli_args(parser) -> None:
                    help="CPU memory to swap preempted requests into, GiB (0: preempt by recompute; default: 0)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs, or priority (the request's priority field; lower first)")
+    g.add_argument("--num-scheduler-steps", type=int, default=8,
+                   help="most greedy decode steps per scheduler call (multi-step scheduling; 1: off)")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of the engine core on CPU (None: one per core, fewer for the steps while "
                         "other processes use them)")

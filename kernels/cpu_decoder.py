@@ -200,6 +200,56 @@ def forward(weights: DecoderWeights, x: torch.Tensor, positions: torch.Tensor, s
     return out if end == len(weights.layers) else x
 
 
+def decode_greedy(weights: DecoderWeights, embed: torch.Tensor,
+                  head: cpu_linear.PackedQ8Linear | cpu_linear.PackedLinear, token_ids: torch.Tensor,
+                  start_positions: torch.Tensor, block_tables: torch.Tensor, steps: int) -> torch.Tensor:
+    """``steps`` greedy decode steps of a batch in one C call (``csrc/decode_steps_cpu.c``): per step the
+    tokens' embeddings, :func:`forward`, the head's float32 logits and each row's first maximum (the sampler's
+    ``argmax_rows``), fed back as the next step's input; the same kernels on the same inputs as one step at a
+    time, so the same tokens.
+
+    Args:
+        embed: [vocab, hidden] bfloat16 token embeddings, contiguous.
+        head: the output head's 8-bit copy or bfloat16 panels (what the model's head method reads for
+            ``len(token_ids)`` rows).
+        token_ids: [rows] int64, each sequence's next input token.
+        start_positions: [rows] int64, that token's position (the sequence's computed tokens).
+        block_tables: [rows, max_blocks] int32, each long enough for ``start + steps - 1``.
+
+    Returns:
+        [steps, rows] int64: the token each step chose per row.
+
+    Raises:
+        ValueError: a position outside the RoPE tables, shapes the kernels refuse, a token outside the
+            vocabulary.
+        MemoryError: the scratch could not be allocated.
+    """
+    rows = token_ids.shape[0]
+    vocab = embed.shape[0]
+    if embed.dtype != torch.bfloat16 or not embed.is_contiguous() or embed.shape[1] != weights.hidden \
+            or head.in_features != weights.hidden or head.out_features != vocab:
+        raise ValueError(f"decode_greedy takes contiguous bfloat16 embeddings [vocab, {weights.hidden}] and a "
+                         "head of the same shape")
+    tokens = torch.empty((steps + 1, rows), dtype=torch.int64)
+    tokens[0] = token_ids
+    starts = start_positions.to(torch.int64).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    q8 = isinstance(head, cpu_linear.PackedQ8Linear)
+    rc = load_library().decode_greedy_bf16(
+        ctypes.byref(weights.shape), ctypes.byref(weights._arrays), weights.final_norm.data_ptr(), embed.data_ptr(),
+        head.codes.data_ptr() if q8 else None, head.scales.data_ptr() if q8 else None, head.group if q8 else 0,
+        None if q8 else head.data.data_ptr(), vocab, tokens.data_ptr(), rows, steps, starts.data_ptr(),
+        weights.cos.data_ptr(), weights.sin.data_ptr(), tables.data_ptr(), tables.shape[1], torch.get_num_threads())
+    if rc == 2:
+        raise MemoryError("the decoder's scratch could not be allocated")
+    if rc == 3:
+        raise ValueError(f"a token id outside the vocabulary of {vocab}")
+    if rc:
+        raise ValueError(f"a position is outside the RoPE tables ({weights.cos.shape[0]} positions) or the kernels "
+                         "do not take these shapes")
+    return tokens[1:]
+
+
 def rope_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                num_kv_heads: int, head_dim: int, slot_mapping: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor) -> None:

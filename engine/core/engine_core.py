@@ -32,7 +32,8 @@ from engine.outputs import Logprob
 from engine.pooling import PoolingParams, model_pooling_params
 from engine.core.core_setup import start_core
 from engine.core.request import ForkGroup, Request, RequestStatus
-from engine.worker.sampler import prompt_logprobs
+from engine.worker.sampler import picks_raw_argmax, prompt_logprobs
+from engine.core.multi_step import steps_allowed
 from engine.sampling_params import SamplingParams
 from engine.core.step_work import step_work
 from engine.worker.structured_outputs import StructuredOutputManager
@@ -219,7 +220,7 @@ class EngineCore:
             self.spec_decoder.propose(self.scheduler.running)
         if self.failure is not None:
             raise RankFailure(self.failure)
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
         if sched.is_empty:
             return []
         try:
@@ -230,7 +231,7 @@ class EngineCore:
         sampled, row_logprobs, grammar_done, content = self._sample(sched, runner_out)
         work = step_work(sched.scheduled, self.model_config.num_hidden_layers)
         self._prompt_tokens_total += work.prompt_tokens
-        self._calibrate(started, work.prefill_tokens, work.decode_rows, work.quad, work.chunks)
+        self._calibrate(started, work.prefill_tokens, work.decode_rows, work.quad, work.chunks, sched.num_steps)
         self._collect_prompt_logprobs(sched, runner_out.prompt_logits)
         before = {sid: self._seqs[sid].num_output_tokens for sid in sampled if sid in self._seqs}
         finished = self.scheduler.update_from_output(sched, sampled, not_stops=content)
@@ -278,17 +279,26 @@ class EngineCore:
         self.executor.shutdown()
         tp.close()
 
-    def _calibrate(self, started: float, prefill_tokens: int, decode_rows: int, quad: float, chunks: int) -> None:
-        """Time the previous step from its start to this one's (perf_counter seconds): what a waiting request
-        sees, the core loop's commands and output hand-off included. A step after which nothing was left to run
-        is not timed (the loop then idled until the next request)."""
+    def _calibrate(self, started: float, prefill_tokens: int, decode_rows: int, quad: float, chunks: int,
+                   steps: int = 1) -> None:
+        """Time the previous step from its start to this one's (perf_counter seconds; several decode steps as
+        that many of their mean): what a waiting request sees, the core loop's commands and output hand-off
+        included. A step after which nothing was left to run is not timed (the loop then idled)."""
         if self._last_step is not None:
             last = self._last_step
-            self.ttft_calibration.observe(started - last[0], last[1], last[2], at=started, quad=last[3],
-                                          chunks=last[4])
+            seconds = (started - last[0]) / last[5]
+            self.ttft_calibration.observe(seconds, last[1], last[2], at=started, quad=last[3], chunks=last[4])
             if self._ttft_log is not None:
-                self._ttft_log.step(started - last[0], last[1], last[2], started, last[3], last[4])
-        self._last_step = (started, prefill_tokens, decode_rows, quad, chunks)
+                self._ttft_log.step(seconds, last[1], last[2], started, last[3], last[4])
+        self._last_step = (started, prefill_tokens, decode_rows, quad, chunks, steps)
+
+    def _schedule(self):
+        """The next batch, of several greedy decode steps where allowed (``engine/core/multi_step.py``)."""
+        steps = self.args.num_scheduler_steps
+        if steps < 2 or self.spec_decoder is not None or not self.model_runner.can_decode_greedy:
+            return self.scheduler.schedule()
+        return self.scheduler.schedule(steps_allowed(steps, self.ttft_calibration.cost(len(self.scheduler.running))),
+                                       picks_raw_argmax)
 
     def _sample(self, sched, runner_out) -> tuple[dict[str, list[int]], dict[str, list], list[str], set[str]]:
         """(sequence id -> the tokens it keeps: its accepted proposals then one sampled token, sequence id ->
@@ -300,6 +310,8 @@ class EngineCore:
         row_logprobs: dict[str, list] = {}
         grammar_done: list[str] = []
         content: set[str] = set()
+        if runner_out.step_tokens:   # several greedy steps: their tokens (multi_step.py)
+            return dict(zip((r.request_id for r in rows), runner_out.step_tokens)), {}, [], set()
         if not rows:
             return sampled, row_logprobs, grammar_done, content
         so = self._structured_outputs
@@ -479,14 +491,6 @@ class EngineCore:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, tokens_in_flight=in_flight,
             prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
-            ttft=state_of(s, self.ttft_calibration, self._requests_added), **self._spec_stats(),
+            ttft=state_of(s, self.ttft_calibration, self._requests_added),
+            **({} if self.spec_decoder is None else self.spec_decoder.stats.engine_stats()),
         )
-
-    def _spec_stats(self) -> dict:
-        if self.spec_decoder is None:
-            return {}
-        st = self.spec_decoder.stats
-        return dict(spec_method=st.method, spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
-                    spec_num_accepted_tokens=st.num_accepted_tokens,
-                    spec_num_accepted_tokens_per_pos=tuple(st.num_accepted_tokens_per_pos),
-                    spec_accepted_per_draft=tuple(st.accepted_per_draft))

@@ -14,12 +14,11 @@ request its next ``num_new_tokens`` (1 for a decode, a chunk for a prefill):
 2. unless step 1 preempted: swapped requests are swapped back in;
 3. unless step 1 preempted or requests are still swapped out: waiting
    requests are admitted (prefix-cache lookup first) under the budget and
-   ``max_num_seqs``.
+   ``max_num_seqs``;
+4. a batch of decodes alone may run several steps (``engine/core/multi_step.py``).
 
-A pooling request (an embedding) is a prompt like any other: prefilled in
-chunks under the same budget, in steps shared with decoding rows, so that no
-request's forward pass is longer than a step; it samples nothing and finishes
-when its prompt is computed. How chunks are sized: ``engine/core/chunking.py``.
+A pooling request (an embedding) is a prompt like any other, prefilled in chunks under the same budget beside
+decoding rows; it samples nothing and finishes when its prompt is computed (``engine/core/chunking.py``).
 
 Parallel sampling (vLLM v0's ``SequenceGroup`` fork): the leader of a
 ``ForkGroup`` (its first unfinished member) prefills ``prompt_len - 1``
@@ -33,10 +32,11 @@ copies the shared last block first (copy-on-write, ``blocks_to_copy``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from engine.core.chunking import drop_layer_chunk, layer_pass_midway, next_chunk, spec_tokens
 from engine.core.kv_cache_manager import KVCacheManager, cdiv
+from engine.core.multi_step import lookahead_steps
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.core.step_cost import PoolingBudget, StepAllowance
@@ -327,10 +327,13 @@ class Scheduler:
             budget -= num_new
 
     # -- the step -----------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_steps: int = 1, qualifies: Callable[[Request], bool] | None = None) -> SchedulerOutput:
         """Choose this step's batch. Does NOT advance ``num_computed_tokens``
         by the scheduled tokens (``update_from_output`` does); a request
         admitted with a prefix-cache hit gets ``num_computed_tokens`` = the hit.
+        With ``max_steps`` > 1 and nothing waiting or swapped out, a batch of
+        decodes of requests ``qualifies`` accepts may run several steps
+        (``multi_step.lookahead_steps``: ``out.num_steps``).
 
         The output may schedule nothing while requests are unfinished (e.g.
         only swap-outs, or a leader admitted exactly at its fork point); the
@@ -396,7 +399,8 @@ class Scheduler:
         # 3. Admit waiting requests (not while preempting or swapped out).
         if not preempted and not self.swapped:
             self._admit_waiting(out, budget, seats, now)
-
+        if qualifies is not None and not self.waiting and not self.swapped:
+            out.num_steps = lookahead_steps(out, kv, max_steps, self.max_model_len, qualifies)
         out.blocks_to_copy = kv.take_blocks_to_copy()
         return out
 
@@ -404,26 +408,22 @@ class Scheduler:
                            not_stops: set[str] | frozenset[str] = frozenset()) -> list[Request]:
         """Apply a step's results.
 
-        Advances ``num_computed_tokens`` of every scheduled (still unfinished)
-        request by its ``num_new_tokens`` less its rejected proposals (their
-        keys and values stay in its blocks past ``num_computed_tokens``, to be
-        overwritten), appends ``sampled[request_id]`` for entries with
-        ``sample=True`` one token at a time and finishes requests on EOS
-        (unless ``ignore_eos``), a stop token id (neither before
-        ``min_tokens`` outputs), ``max_tokens`` or ``max_model_len`` (tokens
-        after the one that finished it are dropped), offers newly full blocks
-        to the prefix cache, forks a group whose leader reached its fork
-        point, and finishes a pooling request whose prompt is computed (it
-        samples nothing); finished requests' blocks are freed.
+        Advances ``num_computed_tokens`` of every scheduled (still unfinished) request by its
+        ``num_new_tokens`` (and ``out.num_steps`` - 1) less its rejected proposals (their keys and values stay in
+        its blocks past ``num_computed_tokens``, to be overwritten), appends ``sampled[request_id]`` for entries
+        with ``sample=True`` one token at a time and finishes requests on EOS (unless ``ignore_eos``), a stop
+        token id (neither before ``min_tokens`` outputs), ``max_tokens`` or ``max_model_len`` (tokens after the
+        one that finished it are dropped), offers newly full blocks to the prefix cache, forks a group whose
+        leader reached its fork point, and finishes a pooling request whose prompt is computed (it samples
+        nothing); finished requests' blocks are freed.
 
         Args:
             out: the ``schedule()`` result this step ran.
-            sampled: request_id -> sampled token id, or the tokens kept after
-                verifying its proposals (accepted proposals, then one sampled
-                token), for entries with sample=True.
-            not_stops: requests whose sampled token, though one of their stop
-                token ids, is content of their grammar (it could go on no
-                other way: ``StructuredOutputManager.is_content``).
+            sampled: request_id -> sampled token id, or the tokens kept after verifying its proposals
+                (accepted proposals, then one sampled token) or of its ``out.num_steps`` steps, for entries
+                with sample=True.
+            not_stops: requests whose sampled token, though one of their stop token ids, is content of their
+                grammar (it could go on no other way: ``StructuredOutputManager.is_content``).
 
         Returns:
             The requests finished by this call (status and stop_reason set).
@@ -448,7 +448,7 @@ class Scheduler:
                 got = sampled[req.request_id]
                 tokens = [got] if isinstance(got, int) else list(got)
             rejected = len(sr.spec_token_ids) + 1 - len(tokens) if sr.spec_token_ids else 0
-            req.num_computed_tokens += sr.num_new_tokens - rejected
+            req.num_computed_tokens += sr.num_new_tokens - rejected + out.num_steps - 1
             status = reason = None
             for token in tokens:
                 req.append_output_token_ids(token)

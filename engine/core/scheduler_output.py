@@ -68,6 +68,8 @@ class SchedulerOutput:
             layers ended otherwise (finished, aborted or preempted by
             recompute) since the previous step: the runner drops their
             hidden states (vLLM's name).
+        num_steps: decode steps the batch runs in this call (``engine/core/multi_step.py``): each entry, a
+            decode, gets that many tokens (its table long enough for them); 1 for any other batch.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -77,6 +79,7 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:

@@ -87,6 +87,17 @@ def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y if residual is None else residual + y
 
 
+def c_head(module: nn.Module, packed: PackedWeights, q8: cpu_linear.PackedQ8Linear | None = None
+           ) -> Callable[[int], cpu_linear.PackedQ8Linear | cpu_linear.PackedLinear] | None:
+    """Which form of the output head the C linear kernel reads for a call of n rows: the 8-bit copy of a Q8_0
+    head for calls of up to ``cpu_linear.copy_max_rows`` rows (every call on x86 builds), else its bfloat16
+    panels; None where the head is not on the C kernel (``head_method``'s arguments)."""
+    if not c_panels_for(module.weight):
+        return None
+    max_rows = cpu_linear.copy_max_rows() if q8 is not None else -1
+    return lambda rows: q8 if rows <= max_rows else packed.get("lm_head", module.weight)
+
+
 def head_method(module: nn.Module, packed: PackedWeights, q8: cpu_linear.PackedQ8Linear | None = None
                 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The output head's method: [rows, hidden] -> [rows, vocab] float32 logits.
@@ -95,7 +106,7 @@ def head_method(module: nn.Module, packed: PackedWeights, q8: cpu_linear.PackedQ
     its panels, or of the 8-bit copy of a Q8_0 head (about half the bytes)
     for calls of up to ``cpu_linear.copy_max_rows`` rows (every call on x86
     builds, integer dots with their own bits; few rows and the same bits on
-    the portable build);
+    the portable build): ``c_head``;
     elsewhere the dense method's model-dtype logits, cast.
 
     Args:
@@ -104,14 +115,9 @@ def head_method(module: nn.Module, packed: PackedWeights, q8: cpu_linear.PackedQ
         q8: the head's 8-bit copy when made from the weight as it is now,
             else None (chosen with the method, as ``linear_method``'s copy).
     """
-    if c_panels_for(module.weight):
-        def panels(hidden: torch.Tensor) -> torch.Tensor:
-            return cpu_linear.linear(hidden, packed.get("lm_head", module.weight), out_dtype=torch.float32)
-        if q8 is None:
-            return panels
-        max_rows = cpu_linear.copy_max_rows()
-        return lambda hidden: cpu_linear.linear(hidden, q8, out_dtype=torch.float32) \
-            if hidden.shape[0] <= max_rows else panels(hidden)
+    pick = c_head(module, packed, q8)
+    if pick is not None:
+        return lambda hidden: cpu_linear.linear(hidden, pick(hidden.shape[0]), out_dtype=torch.float32)
     if packed.triton_linear is not None:
         kernel = packed.triton_linear
         return lambda hidden: kernel(hidden.contiguous(), module.weight, None, None).float()

@@ -32,7 +32,7 @@ from torch import nn
 
 from engine.layers.activation import gated_activation
 from engine.layers.attention import AttentionMetadata, sequence_spans, windowed_attention
-from engine.layers.linear import PROJECTIONS, head_method, linear_method, pack_projections
+from engine.layers.linear import PROJECTIONS, c_head, head_method, linear_method, pack_projections
 from engine.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.layers.parallel_linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                            RowParallelLinear, VocabParallelEmbedding, gather_vocab,
@@ -265,7 +265,9 @@ class LlamaForCausalLM(nn.Module):
     def _choose_model_kernels(self) -> None:
         self._gather_rope = not all(layer.c_rope for layer in self.layers)  # the per-op path's cos/sin rows
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        self._logits = head_method(head, self.packed, self._fresh_q8_head(head.weight))
+        q8 = self._fresh_q8_head(head.weight)
+        self._logits = head_method(head, self.packed, q8)
+        self._c_head = c_head(head, self.packed, q8) if self.final_softcap is None else None
         self._c_decoder = self._c_decoder_key = None  # rebuilt for the weights as they are now
 
     def _fresh_q8_head(self, weight: torch.Tensor) -> cpu_linear.PackedQ8Linear | None:
@@ -366,6 +368,31 @@ class LlamaForCausalLM(nn.Module):
         if key != self._c_decoder_key:
             self._c_decoder, self._c_decoder_key = c_stack_weights(self, kv_caches), key
         return self._c_decoder
+
+    def can_decode_greedy(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether :meth:`decode_greedy` runs with these caches (the C stack and the C head, no soft cap, no
+        embedding scale)."""
+        return self.use_c_decoder and self._c_head is not None and self.embed_scale is None \
+            and self._c_decoder_weights(kv_caches) is not None
+
+    def decode_greedy(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> torch.Tensor | None:
+        """``steps`` greedy decode steps of a batch in one C call (``kernels.cpu_decoder.decode_greedy``: the
+        tokens :meth:`forward`, :meth:`compute_logits` and the sampler's argmax give one step at a time), or
+        None where the model cannot: off the C stack or the C head, a soft cap or an embedding scale.
+
+        Args:
+            token_ids: [rows] int64, each sequence's next input token; positions: [rows] int64, its position.
+            block_tables: [rows, max_blocks] int32, long enough for ``positions + steps - 1``.
+
+        Returns:
+            [steps, rows] int64, the token each step chose per row.
+        """
+        if not self.can_decode_greedy(kv_caches):
+            return None
+        stack = self._c_decoder_weights(kv_caches)
+        return cpu_decoder.decode_greedy(stack, self.embed_tokens.weight, self._c_head(token_ids.shape[0]),
+                                         token_ids, positions, block_tables, steps)
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Make each row's logits independent of the rest of the batch: on

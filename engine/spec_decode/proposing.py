@@ -42,6 +42,13 @@ class SpecDecodeStats:
         """Tokens a verified proposal yields on average: 1 (the sampled token) + accepted ones (vLLM's)."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    def engine_stats(self) -> dict:
+        """These counters as ``EngineStats``' ``spec_*`` fields."""
+        return dict(spec_method=self.method, spec_num_drafts=self.num_drafts,
+                    spec_num_draft_tokens=self.num_draft_tokens, spec_num_accepted_tokens=self.num_accepted_tokens,
+                    spec_num_accepted_tokens_per_pos=tuple(self.num_accepted_tokens_per_pos),
+                    spec_accepted_per_draft=tuple(self.accepted_per_draft))
+
     def observe(self, proposed: int, accepted: int) -> None:
         """Count one verified proposal."""
         self.num_drafts += 1

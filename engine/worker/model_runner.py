@@ -53,6 +53,8 @@ class ModelRunnerOutput:
             logits at the positions before the last one of an entry with
             proposals (row j: the prediction after its known tokens and the
             first j proposals; ``logits`` holds the one after all of them).
+        step_tokens: for a step of several decode steps (``SchedulerOutput.num_steps``), per entry (in
+            ``sample_indices``' order) the token each step chose; ``logits`` is then empty.
     """
 
     logits: torch.Tensor
@@ -60,6 +62,7 @@ class ModelRunnerOutput:
     prompt_logits: dict[str, torch.Tensor] = field(default_factory=dict)
     pooled_hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     spec_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    step_tokens: list[list[int]] = field(default_factory=list)
 
 
 def _column(pairs: np.ndarray, i: int) -> torch.Tensor:
@@ -243,8 +246,12 @@ class ModelRunner:
                 raise RuntimeError("blocks_to_swap_in given but the runner has no CPU swap pool (swap_space=0)")
             src, dst = _column(inputs.swap_in, 0), _column(inputs.swap_in, 1).to(self.device)
             self.kv_pool[:, :, dst] = self.cpu_pool[:, :, src].to(self.device)
-        if len(inputs.copy):
-            src, dst = (_column(inputs.copy, i).to(self.device) for i in (0, 1))
+        self._copy_blocks(inputs.copy)
+
+    def _copy_blocks(self, pairs: np.ndarray) -> None:
+        """Copy-on-write: each (src, dst) device block pair of [n, 2] int64 ``pairs``, every layer's keys and values."""
+        if len(pairs):
+            src, dst = (_column(pairs, i).to(self.device) for i in (0, 1))
             self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
 
     # ----------------------------------------------------------------- batch
@@ -356,6 +363,8 @@ class ModelRunner:
         """
         for rid in out.finished_req_ids:
             self.layer_hidden.pop(rid, None)
+        if out.num_steps > 1:
+            return self._decode_steps(out)
         split = [s for s in out.scheduled if s.layers is not None]
         if not split:
             return self._execute_batch(out)
@@ -369,6 +378,31 @@ class ModelRunner:
         for s in split:
             result.pooled_hidden.update(self._run_layer_chunk(s))
         return result
+
+    @property
+    def can_decode_greedy(self) -> bool:
+        """Whether a step of several greedy decode steps (``SchedulerOutput.num_steps``) runs here: one rank
+        on the model's C path (``LlamaForCausalLM.decode_greedy``)."""
+        return self.tp is None and self.device.type == "cpu" and self.model.can_decode_greedy(self.kv_caches)
+
+    def _decode_steps(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """``execute_model`` for a batch of decodes that runs ``out.num_steps`` greedy steps in one call (each
+        entry's next input is its last token, at position ``num_computed_tokens``)."""
+        scheduled = out.scheduled
+        self._copy_blocks(np.array(out.blocks_to_copy, dtype=np.int64).reshape(-1, 2))
+        table = np.zeros((len(scheduled), max(len(s.block_ids) for s in scheduled)), dtype=np.int32)
+        for i, s in enumerate(scheduled):
+            table[i, :len(s.block_ids)] = s.block_ids
+        if self.cpu_threads is not None:
+            self.cpu_threads.apply()
+        tokens = self.model.decode_greedy(
+            torch.tensor([s.request.all_token_ids[s.num_computed_tokens] for s in scheduled], dtype=torch.int64),
+            torch.tensor([s.num_computed_tokens for s in scheduled], dtype=torch.int64), torch.from_numpy(table),
+            self.kv_caches, out.num_steps)
+        if tokens is None:
+            raise RuntimeError("a step of several decode steps on a model that cannot run them")
+        return ModelRunnerOutput(logits=torch.empty(0, self.config.vocab_size),
+                                 sample_indices=list(range(len(scheduled))), step_tokens=tokens.t().tolist())
 
     def _run_layer_chunk(self, s: ScheduledRequest) -> dict[str, tuple[int, torch.Tensor]]:
         """Run pooling chunk ``s`` through its ``layers`` (from its tokens' embeddings at layer 0, else from the

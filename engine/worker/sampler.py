@@ -221,6 +221,15 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(x.numpy().argmax(axis=-1))
 
 
+def picks_raw_argmax(request: Request) -> bool:
+    """Whether this sampler's next token for ``request`` is the first maximum of the model's raw logits with
+    nothing else reported: greedy, no penalties, ``min_tokens`` reached, no grammar, no logprobs (what several
+    greedy decode steps in one call may compute in its stead: ``engine/core/multi_step.py``)."""
+    p = request.sampling_params
+    return (p.temperature < _SAMPLING_EPS and p.logprobs is None and p.structured_outputs is None
+            and request.num_output_tokens >= p.min_tokens and not _has_penalty(request))
+
+
 def position_seed(seed: int, position: int) -> int:
     """The seed of output position ``position`` of a sequence seeded ``seed``: splitmix64 of both (a bijective
     mix, so neighbouring seeds and positions give unrelated streams)."""

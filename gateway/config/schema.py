@@ -241,6 +241,7 @@ class EngineConfig(_Strict):
     enable_chunked_prefill: bool | None = None
     swap_space: float | None = None
     scheduling_policy: str | None = None
+    num_scheduler_steps: int | None = None
     num_threads: int | None = None
     tensor_parallel_size: int | None = None
     seed: int | None = None

@@ -134,4 +134,11 @@ int decoder_forward_bf16(const decoder_shape *shape, const decoder_layer *layers
                          int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
                          int64_t num_seqs, int num_threads);
 
+/* decode_steps_cpu.c */
+int decode_greedy_bf16(const decoder_shape *shape, const decoder_layer *layers, const uint16_t *final_norm,
+                       const uint16_t *embed, const int8_t *head_q8_codes, const float *head_q8_scales,
+                       int64_t head_q8_group, const uint16_t *head_panels, int64_t vocab, int64_t *tokens,
+                       int64_t rows, int64_t steps, const int64_t *start_positions, const float *cos_tab,
+                       const float *sin_tab, const int32_t *block_tables, int64_t bt_stride, int num_threads);
+
 #endif
