@@ -53,7 +53,9 @@ class FakeRunner:
         self.dev = defaultdict(lambda: [None] * bs)
         self.cpu = defaultdict(lambda: [None] * bs)
 
-    def execute(self, out: SchedulerOutput) -> None:
+    def execute(self, out: SchedulerOutput, ahead: dict[str, list[int]] | None = None) -> None:
+        """Check and run ``out``; for a step of several decode steps (``out.num_steps``), ``ahead`` holds each
+        entry's tokens chosen by all but its last step (the later steps' inputs)."""
         s, bs = self.sched, self.sched.block_size
         pool = s.kv_cache_manager.block_pool
         assert out.num_batched_tokens == sum(sr.num_new_tokens for sr in out.scheduled)
@@ -62,9 +64,9 @@ class FakeRunner:
         assert len({sr.request.request_id for sr in out.scheduled}) == len(out.scheduled)
         for sr in out.scheduled:
             assert sr.num_new_tokens >= 1
-            end = sr.num_computed_tokens + sr.num_new_tokens
+            end = sr.num_computed_tokens + sr.num_new_tokens + out.num_steps - 1
             assert len(sr.block_ids) >= -(-end // bs)
-            assert sr.sample == (end == sr.request.num_tokens)
+            assert sr.sample == (sr.num_computed_tokens + sr.num_new_tokens == sr.request.num_tokens)
             # Blocks written this step are private and not in the prefix cache.
             for i in range(sr.num_computed_tokens // bs, (end - 1) // bs + 1):
                 block = pool.blocks[sr.block_ids[i]]
@@ -76,12 +78,12 @@ class FakeRunner:
         for src, dst in out.blocks_to_copy:
             self.dev[dst] = list(self.dev[src])
         for sr in out.scheduled:
-            toks = sr.request.all_token_ids
-            for p in range(sr.num_computed_tokens, sr.num_computed_tokens + sr.num_new_tokens):
+            toks = sr.request.all_token_ids + (ahead or {}).get(sr.request.request_id, [])
+            for p in range(sr.num_computed_tokens, sr.num_computed_tokens + sr.num_new_tokens + out.num_steps - 1):
                 self.dev[sr.block_ids[p // bs]][p % bs] = toks[p]
-        for sr in out.scheduled:  # attention reads every earlier token
-            toks = sr.request.all_token_ids
-            end = sr.num_computed_tokens + sr.num_new_tokens
+        for sr in out.scheduled:  # attention reads every earlier token (each step's: the last step's, all)
+            toks = sr.request.all_token_ids + (ahead or {}).get(sr.request.request_id, [])
+            end = sr.num_computed_tokens + sr.num_new_tokens + out.num_steps - 1
             seen = [self.dev[sr.block_ids[p // bs]][p % bs] for p in range(end)]
             assert seen == toks[:end], f"{sr.request.request_id} reads wrong KV"
 
@@ -475,6 +477,7 @@ configs = st.fixed_dictionaries({
     "enable_prefix_caching": st.booleans(),
     "scheduling_policy": st.sampled_from(["fcfs", "priority"]),
     "num_cpu_blocks": st.sampled_from([0, 0, 3, 16]),
+    "max_steps": st.sampled_from([1, 1, 2, 4]),
 })
 # ("add", prefix family, prompt length, max_tokens, n, priority, min_tokens, ignore_eos)
 add_op = st.tuples(st.just("add"), st.integers(0, 2), st.integers(0, 24), st.integers(1, 14), st.integers(1, 3),
@@ -519,6 +522,8 @@ def simulate(cfg: dict, ops: list[tuple], seed: int) -> set[str]:
     invariant after each op, then drain, check nothing leaked, and admit a
     request that needs the whole pool. Returns the events seen (coverage)."""
     max_model_len = 48
+    cfg = dict(cfg)
+    max_steps = cfg.pop("max_steps", 1)
     s = Scheduler(max_model_len=max_model_len, **cfg)
     runner = FakeRunner(s)
     rng = random.Random(seed)
@@ -533,17 +538,28 @@ def simulate(cfg: dict, ops: list[tuple], seed: int) -> set[str]:
 
     def checked_step():
         running_before = {q.request_id for q in s.running}
-        out = s.schedule()
+        out = s.schedule(max_steps, lambda q: q.num_output_tokens >= q.sampling_params.min_tokens)
         if out.preempted:  # no admission in a step that preempted
             assert {sr.request.request_id for sr in out.scheduled} <= running_before
-        runner.execute(out)
+        if out.num_steps > 1:   # a batch of whole decodes, nothing waiting (multi_step.py)
+            assert not s.waiting and not s.swapped and not out.preempted
+            assert all(sr.num_new_tokens == 1 and sr.num_computed_tokens >= sr.request.num_prompt_tokens
+                       and sr.request.num_output_tokens + out.num_steps <= sr.request.max_tokens
+                       for sr in out.scheduled)
+        chosen = {sr.request.request_id: [token(sr.request) for _ in range(out.num_steps)]
+                  for sr in out.scheduled if sr.sample}
+        runner.execute(out, {rid: t[:-1] for rid, t in chosen.items()})
         for name, happened in (("preempt", out.preempted), ("swap in", out.blocks_to_swap_in),
-                               ("copy-on-write", out.blocks_to_copy),
+                               ("copy-on-write", out.blocks_to_copy), ("several steps", out.num_steps > 1),
                                ("prefix hit", any(sr.request.num_cached_tokens > 0 for sr in out.scheduled))):
             if happened:
                 seen.add(name)
-        sampled = {sr.request.request_id: token(sr.request) for sr in out.scheduled if sr.sample}
+        sampled = {rid: t if out.num_steps > 1 else t[0] for rid, t in chosen.items()}
         s.update_from_output(out, sampled)
+        for sr in out.scheduled:   # every step's keys and values count as computed: none is recomputed
+            q = sr.request
+            if out.num_steps > 1 and not q.is_finished and q.status == RequestStatus.RUNNING:
+                assert q.num_computed_tokens == q.num_tokens - 1 == sr.num_computed_tokens + out.num_steps
         s.check_invariants()
 
     for k, op in enumerate(ops):
