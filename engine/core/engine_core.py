@@ -297,8 +297,8 @@ class EngineCore:
         steps = self.args.num_scheduler_steps
         if steps < 2 or self.spec_decoder is not None or not self.model_runner.can_decode_greedy:
             return self.scheduler.schedule()
-        return self.scheduler.schedule(steps_allowed(steps, self.ttft_calibration.cost(len(self.scheduler.running))),
-                                       picks_raw_argmax)
+        step_bytes = self.model_runner.decode_read_bytes(sum(r.num_tokens for r in self.scheduler.running))
+        return self.scheduler.schedule(steps_allowed(steps, step_bytes), picks_raw_argmax)
 
     def _sample(self, sched, runner_out) -> tuple[dict[str, list[int]], dict[str, list], list[str], set[str]]:
         """(sequence id -> the tokens it keeps: its accepted proposals then one sampled token, sequence id ->

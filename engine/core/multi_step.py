@@ -9,8 +9,9 @@ tokens together, as accepted proposals are: ``Scheduler.update_from_output`` app
 what follows a stop, so a request's tokens are the ones a step at a time gives.
 
 While it runs, a request arriving waits for it (its time to first token), as does an abort: the steps are
-capped so that the call takes about ``MULTI_STEP_BUDGET_S``, by the calibrated cost of one step of that many
-rows (``engine/core/ttft_calibration.py``), and none run while a request waits or is swapped out.
+capped so that the call reads about ``MULTI_STEP_BYTES`` (each step reads the weights again and every row's keys
+and values), and none run while a request waits or is swapped out. A count of bytes, not of measured seconds, so
+that the steps, and so how a stream's tokens are grouped into chunks, do not depend on the host's speed or load.
 """
 
 from __future__ import annotations
@@ -20,18 +21,18 @@ from collections.abc import Callable
 from engine.core.request import Request
 from engine.core.scheduler_output import SchedulerOutput
 
-# Seconds a step of several decode steps may take: a request arriving meanwhile waits for it. 25 ms is a
-# quarter of the inter-token gap a reader notices (~100 ms) and eight one-sequence steps of the embedded model.
-MULTI_STEP_BUDGET_S = 0.025
+# Bytes a call of several decode steps may read: a request arriving meanwhile waits for it. 1 GB is ~25 ms at
+# the 40-50 GB/s the Intel host of docs/benchmarks/decode-roofline.md reads its weights at (a quarter of the
+# ~100 ms gap between tokens a reader notices), eight one-sequence steps of the embedded model (98 MB each).
+MULTI_STEP_BYTES = 1_000_000_000
 
 
-def steps_allowed(num_scheduler_steps: int, step_seconds: float) -> int:
-    """Decode steps one scheduler call may run: ``num_scheduler_steps``, fewer where that many steps of
-    ``step_seconds`` each would take more than ``MULTI_STEP_BUDGET_S``; at least 1."""
+def steps_allowed(num_scheduler_steps: int, step_bytes: int) -> int:
+    """Decode steps one scheduler call may run: ``num_scheduler_steps``, fewer where that many steps reading
+    ``step_bytes`` each would read more than ``MULTI_STEP_BYTES``; at least 1."""
     if num_scheduler_steps <= 1:
         return 1
-    fits = int(MULTI_STEP_BUDGET_S / step_seconds) if step_seconds > 0 else num_scheduler_steps
-    return max(1, min(num_scheduler_steps, fits))
+    return max(1, min(num_scheduler_steps, MULTI_STEP_BYTES // max(step_bytes, 1)))
 
 
 def lookahead_steps(out: SchedulerOutput, kv, max_steps: int, max_model_len: int,

@@ -3,7 +3,8 @@ weights, copies and caches the one-call decoder reads, or why it cannot run.
 
 Split from ``engine/models/llama.py``: the model decides when the view is
 built (once per set of caches, again when its kernels are chosen); this
-module only builds it.
+module builds it, and counts the bytes of weights a one-row step of it reads
+(the decode roofline's, and what bounds several steps in one call).
 """
 
 from __future__ import annotations
@@ -59,3 +60,31 @@ def c_stack_weights(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -
             c.num_key_value_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps, model.layers[0].scale)
     except ValueError:
         return None
+
+
+def _projection_bytes(layer: cpu_decoder.LayerWeights, name: str) -> int:
+    """Bytes of the form ``decoder_cpu.c``'s ``project`` reads for a one-row call: int8, FP8, the 4-bit copy,
+    else the bfloat16 panels."""
+    for form in (layer.int8.get(name), layer.fp8.get(name), layer.q4.get(name), layer.bf16.get(name)):
+        if form is not None:
+            return form.nbytes
+    return 0
+
+
+def decode_weight_bytes(model, kv_caches) -> int | None:
+    """Bytes of weights one single-row decode step of ``model`` (a ``LlamaForCausalLM`` on the C decoder stack)
+    reads: each layer's projections in the form a one-row call reads, its norms and q/k/v bias, the final norm,
+    the output head (its 8-bit copy where a one-row call reads it, else its bfloat16 panels) and one embedding
+    row. The KV cache (context-dependent) is not counted. None where the model does not run on the C stack."""
+    stack = model._c_decoder_weights(kv_caches)
+    if stack is None:
+        return None
+    total = stack.final_norm.nbytes
+    for layer in stack.layers:
+        total += layer.input_norm.nbytes + layer.post_norm.nbytes
+        total += 0 if layer.qkv_bias is None else layer.qkv_bias.nbytes
+        total += sum(_projection_bytes(layer, name) for name in cpu_decoder.PROJECTIONS)
+    embed = model.embed_tokens.weight
+    head = model.lm_head_q8 if model.lm_head_q8 is not None and cpu_linear.copy_max_rows() >= 1 else \
+        model.packed.get("lm_head", embed if model.lm_head is None else model.lm_head.weight)
+    return total + head.nbytes + embed.shape[1] * embed.element_size()

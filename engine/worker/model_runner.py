@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.model_config import ModelConfig
+from engine.models.c_stack import decode_weight_bytes
 from engine.model_loader import release_freed_memory
 from engine.pooling import rows_needed
 from engine.models.llama import AttentionMetadata
@@ -150,6 +151,8 @@ class ModelRunner:
                                         pin_memory=self.device.type == "cuda")
         # request id -> [tokens, hidden_size] residual stream of its pooling chunk between two steps' layers
         self.layer_hidden: dict[str, torch.Tensor] = {}
+        self._weight_read: int | None = None   # decode_read_bytes' weights
+        self._kv_token_bytes = self.kv_pool[:, :, 0, 0].numel() * self.kv_pool.element_size()  # all layers' K and V
 
     # --------------------------------------------------------------- memory
     def memory_report(self, rss_before_load: int) -> dict:
@@ -384,6 +387,13 @@ class ModelRunner:
         """Whether a step of several greedy decode steps (``SchedulerOutput.num_steps``) runs here: one rank
         on the model's C path (``LlamaForCausalLM.decode_greedy``)."""
         return self.tp is None and self.device.type == "cpu" and self.model.can_decode_greedy(self.kv_caches)
+
+    def decode_read_bytes(self, context_tokens: int) -> int:
+        """Bytes a decode step on the C path reads: the weights a one-row step reads
+        (``c_stack.decode_weight_bytes``, counted once) and the keys and values of ``context_tokens`` tokens."""
+        if self._weight_read is None:
+            self._weight_read = decode_weight_bytes(self.model, self.kv_caches) or 0
+        return self._weight_read + context_tokens * self._kv_token_bytes
 
     def _decode_steps(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """``execute_model`` for a batch of decodes that runs ``out.num_steps`` greedy steps in one call (each

@@ -34,7 +34,8 @@ from engine.sampling_params import SamplingParams
 from loadtests.bench.peer_engines import DEFAULT_VLLM_MODEL, PEERS, peer_model, peer_python, peer_workload, run_peer
 from loadtests.bench.peer_engines import salted, summarize
 from loadtests.bench.model_compare import add_compare_args, compare_models
-from loadtests.bench.roofline import READ_MIB, decode_weight_bytes, read_bandwidth, roofline_ms, weights_mib
+from engine.models.c_stack import decode_weight_bytes
+from loadtests.bench.roofline import READ_MIB, read_bandwidth, roofline_ms, weights_mib
 
 ROOT = Path(__file__).resolve().parents[2]
 MT_BENCH = ROOT / "tests" / "data" / "mt_bench_questions.jsonl"
