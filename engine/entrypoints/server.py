@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -61,15 +62,18 @@ logger = logging.getLogger("tandem.server")
 
 
 class EngineServer(uvicorn.Server):
-    """uvicorn's ``Server`` with the echo window of :data:`SIGNAL_ECHO_S` on its stop signals."""
+    """uvicorn's ``Server`` with the echo window of :data:`SIGNAL_ECHO_S` on its stop signals; ``stop_signal``:
+    the signal it stopped on (None: none yet)."""
 
     first_signal: float | None = None
+    stop_signal: int | None = None
 
     def handle_exit(self, sig, frame) -> None:
         now = time.monotonic()
         if self.first_signal is not None and now - self.first_signal < SIGNAL_ECHO_S:
             return
         self.first_signal = self.first_signal or now
+        self.stop_signal = self.stop_signal or sig
         super().handle_exit(sig, frame)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -332,6 +336,8 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         server.run()
     except KeyboardInterrupt:   # uvicorn re-raises the SIGINT it handled once the server has stopped
+        return 130
+    if server.stop_signal == signal.SIGINT:   # the re-raise can land in asyncio's own handler and be lost
         return 130
     return 0 if server.started and not failed else 1
 
