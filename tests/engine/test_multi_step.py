@@ -6,6 +6,8 @@ and the calls of several steps do run."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from engine.core import multi_step
@@ -42,7 +44,8 @@ def _run(steps: int) -> list:
 
 
 @pytest.mark.slow
-def test_several_steps_per_call_give_the_outputs_of_one(monkeypatch):
+def test_several_steps_per_call_give_the_outputs_of_one(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="tandem.engine")
     counted: list[int] = []
     original = ModelRunner._decode_steps
 
@@ -56,6 +59,8 @@ def test_several_steps_per_call_give_the_outputs_of_one(monkeypatch):
     several = _run(8)
     assert counted and max(counted) == 8
     assert several == one
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
+    assert ["num_scheduler_steps=1" in ready[0], "num_scheduler_steps=8" in ready[1]] == [True, True]
     reasons = {r[2] for r in one}
     assert reasons == {"stop", "length"}
     assert any(r[3] == 198 for r in one) and any(r[3] in (" and", ".") for r in one)
