@@ -231,7 +231,8 @@ class ModelRunner:
             num_cpu_blocks = asked // per_block
         max_len = args.max_model_len or model_config.max_position_embeddings
         tokens = (num_blocks - 1) * args.block_size
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens) on %s, %d CPU swap blocks; "
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB; %d tokens, one block held back as the null block) "
+                    "on %s, %d CPU swap blocks; "
                     "maximum concurrency at max_model_len=%d: %.2fx", num_blocks, args.block_size,
                     num_blocks * per_block / gib, tokens, device, num_cpu_blocks, max_len, tokens / max_len)
         return num_blocks, num_cpu_blocks

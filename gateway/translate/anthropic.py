@@ -52,7 +52,10 @@ def _missing_or_wrong(body: dict, name: str, wanted: str, path: str | None = Non
     path = path or name
     if name not in body:
         return f"{path}: Field required ({wanted})"
-    return f"{path}: Input should be {wanted}, got {type(body[name]).__name__}"
+    value = body[name]
+    got = f"an empty {type(value).__name__}" if isinstance(value, (list, str, dict)) and not value \
+        else type(value).__name__
+    return f"{path}: Input should be {wanted}, got {got}"
 
 
 def _bad(message: str, param: str) -> ClientError:

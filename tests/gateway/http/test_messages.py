@@ -211,6 +211,16 @@ async def test_a_field_of_the_wrong_type_is_not_called_missing(up):
     assert up.calls == 0
 
 
+async def test_empty_messages_are_called_empty(up):
+    async with gateway(config(up)) as (gw, client, url):
+        async with httpx.AsyncClient() as h:
+            r = await h.post(url + "/v1/messages", headers={"x-api-key": KEY},
+                             json={"model": "m1", "max_tokens": 5, "messages": []})
+    assert r.status_code == 400 and r.json()["error"] == {
+        "type": "invalid_request_error", "message": "messages: Input should be a non-empty array, got an empty list"}
+    assert up.calls == 0
+
+
 async def test_errors_are_anthropics(up):
     async with gateway(config(up, rpm=3)) as (gw, client, url):
         async with httpx.AsyncClient() as h:                   # max_tokens is required
