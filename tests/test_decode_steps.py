@@ -20,15 +20,17 @@ SEQS = [(5, [3, 7]), (17, [2, 9, 12]), (30, [11, 4, 5])]
 STEPS = 6
 
 
-def _with_q8_head(model, same_rows: bool = False):
+def _with_q8_head(model, same_rows: bool = False, nan_rows: tuple[int, ...] = ()):
     """Give ``model`` an 8-bit head copy (random codes and scales, as a Q8_0 head's; ``same_rows``: one row
-    repeated, so every logit ties) that both paths read."""
+    repeated, so every logit ties; ``nan_rows``: rows whose scales are NaN, so their logits are) that both
+    paths read."""
     head = model.embed_tokens if model.lm_head is None else model.lm_head
     vocab, hidden = head.weight.shape
     g = torch.Generator().manual_seed(5)
     rows = 1 if same_rows else vocab
     codes = torch.randint(-127, 128, (rows, hidden), generator=g, dtype=torch.int8).expand(vocab, hidden)
-    scales = (torch.rand(rows, hidden // 32, generator=g) * 0.002).expand(vocab, hidden // 32)
+    scales = (torch.rand(rows, hidden // 32, generator=g) * 0.002).expand(vocab, hidden // 32).clone()
+    scales[list(nan_rows)] = float("nan")
     model.lm_head_q8 = cpu_linear.pack_q8(codes, scales)
     model._lm_head_q8_of = (head.weight, head.weight._version)
     model.choose_kernels()
@@ -97,6 +99,16 @@ def test_ties_go_to_the_first_maximum(linear_build):
     last = _prefill(model, caches, config.vocab_size)
     got = model.decode_greedy(last, torch.tensor([n - 1 for n, _ in SEQS]), _tables(), _copy(caches), STEPS)
     assert got.tolist() == _one_at_a_time(model, caches, last) == [[0] * len(SEQS)] * STEPS
+
+
+@pytest.mark.parametrize("nan_rows", [(7, 200), (299,)])
+def test_a_nan_logit_wins_as_numpys_argmax_has_it(linear_build, nan_rows):
+    config = _config(layers=1)
+    model = _with_q8_head(_model(config), nan_rows=nan_rows)
+    caches = _caches(config)
+    last = _prefill(model, caches, config.vocab_size)
+    got = model.decode_greedy(last, torch.tensor([n - 1 for n, _ in SEQS]), _tables(), _copy(caches), STEPS)
+    assert got.tolist() == _one_at_a_time(model, caches, last) == [[nan_rows[0]] * len(SEQS)] * STEPS
 
 
 def test_a_bad_token_or_position_is_refused(linear_build):

@@ -20,21 +20,55 @@
 #include "common.h"
 #include "kernels.h"
 
-/* The index of the first maximum of x [n] float32, a NaN before any number (numpy's argmax, which the
- * sampler's argmax_rows uses). */
-static int64_t first_max(const float *x, int64_t n) {
-    int64_t best = 0;
-    float v = x[0];
-    if (v != v) return 0;
-    for (int64_t i = 1; i < n; i++) {
-        const float y = x[i];
-        if (y != y) return i;
-        if (y > v) {
-            v = y;
-            best = i;
-        }
+/* The maximum of the numbers of x [n] float32 (NaNs skipped; -inf where there are none) into *m, and whether
+ * any NaN is there: 16 lanes at a time where the build has AVX-512, 8 with AVX2 (MAXPS returns its second
+ * operand when the first is a NaN, so a NaN never enters the maximum), else one at a time. */
+static int max_and_nan(const float *x, int64_t n, float *m) {
+#if defined(__AVX512F__)
+    __m512 vm = _mm512_set1_ps(-__builtin_inff());
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mask = tail_mask(n - i);
+        const __m512 v = _mm512_mask_loadu_ps(vm, mask, x + i);
+        vm = _mm512_max_ps(v, vm);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     }
-    return best;
+    *m = _mm512_reduce_max_ps(vm);
+    return nan != 0;
+#else
+    float best = -__builtin_inff();
+    int nan = 0;
+    int64_t i = 0;
+#if defined(__AVX2__)
+    __m256 vm = _mm256_set1_ps(best);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        vm = _mm256_max_ps(v, vm);
+        nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vm);
+    for (int j = 0; j < 8; j++) best = lanes[j] > best ? lanes[j] : best;
+#endif
+    for (; i < n; i++) {
+        best = x[i] > best ? x[i] : best;
+        nan |= x[i] != x[i];
+    }
+    *m = best;
+    return nan;
+#endif
+}
+
+/* The index of the first maximum of x [n] float32, a NaN before any number (numpy's argmax, which the
+ * sampler's argmax_rows uses): the maximum first (max_and_nan), then the first index holding it (the zeros
+ * -0 and +0 compare equal, as numpy's `>` sees them) or the first NaN. The serial loop with its early exit
+ * took ~60 us of a 49,152-logit row, 2 % of a one-row step. */
+static int64_t first_max(const float *x, int64_t n) {
+    float m;
+    const int nan = max_and_nan(x, n, &m);
+    for (int64_t i = 0; i < n; i++)
+        if (nan ? x[i] != x[i] : x[i] == m) return i;
+    return 0;
 }
 
 /* tokens [steps + 1, rows] int64: row 0 holds each sequence's next input token, and step k writes the token
