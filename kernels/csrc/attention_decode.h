@@ -13,7 +13,7 @@
  *      compute the same softmax: a few hundred exponentials, cheaper than a
  *      third round and its barrier).
  * Each score, softmax and output column is computed by the same functions on
- * the same operands in the same order as attend_item's (qk16_bf16 or
+ * the same operands in the same order as attend_item's (qk16_bf16, qk8_bf16 or
  * qk_scores, softmax, pv_bf16's or pv_generic's columns: the build's), so the
  * bits are the one-item path's: a row's output does not depend on how it was
  * shared. Included by paged_attention_cpu.c only. */
@@ -58,6 +58,17 @@ static void decode_rounds(const uint16_t *query, int64_t ldq, const uint16_t *ke
 #endif
         if (!p) continue; /* the query in float32 (qf): this thread's scratch */
         for (int64_t j = 0; j < group * head_dim; j++) qf[j] = bf16_to_f32(q[j]);
+#if defined(__AVX2__) && defined(__FMA__)
+        if (head_dim % 16 == 0) {
+            for (int64_t i = i0; i < i1; i += block_size) {
+                const uint16_t *k = key_cache + ((int64_t)table[i / block_size] * block_size) * ss + g * head_dim;
+                const int64_t n = i1 - i < block_size ? i1 - i : block_size;
+                for (int64_t o = 0; o < n; o += 8)
+                    qk8_bf16(qf, k + o * ss, ss, n - o < 8 ? n - o : 8, group, head_dim, scale, sc + i + o, ld);
+            }
+            continue;
+        }
+#endif
         for (int64_t i = i0; i < i1; i++)
             qk_scores(1, qf, key_cache + ((int64_t)table[i / block_size] * block_size + i % block_size) * ss + g * head_dim,
                       group, head_dim, scale, sc + i, ld);
@@ -79,6 +90,11 @@ static void decode_rounds(const uint16_t *query, int64_t ldq, const uint16_t *ke
 #if defined(__AVX512BF16__)
         if (fast_pv)
             pv_bf16(p, value_cache, table, g, ctx, group, d0, d1, head_dim, block_size, ss, acc);
+        else
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+        if ((d1 - d0) % 8 == 0)
+            pv8_bf16(p, value_cache, table, g, ctx, group, d0, d1, head_dim, block_size, ss, acc);
         else
 #endif
             pv_generic(1, p, value_cache, table, g, ctx, group, d0, d1, head_dim, block_size, ss, acc);

@@ -56,6 +56,52 @@ static inline __attribute__((always_inline)) void qk_scores(const int BF16, cons
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* qk_scores for n <= 8 consecutive positions of a bfloat16 cache (rows slot_stride elements apart), their
+ * scores of head h at scores[h * ctx + o]: the same arithmetic (per position and head, 16 lanes of FMAs in
+ * the order of d, lane l summing d = l mod 16, then lane_sum's tree: the two halves, then lanes l and l + 4,
+ * l and l + 2, 0 and 1; times scale) on 8-lane vectors, with the last three levels of the tree done for 8
+ * positions at once by a transpose instead of one position at a time in scalar code. head_dim % 16 == 0. */
+static inline void qk8_bf16(const float *qf, const uint16_t *k, int64_t slot_stride, int64_t n, int64_t group,
+                            int64_t head_dim, float scale, float *scores, int64_t ctx) {
+    float kf[8 * head_dim];
+    for (int64_t o = 0; o < n; o++)
+        for (int64_t d = 0; d < head_dim; d += 8)
+            _mm256_storeu_ps(kf + o * head_dim + d, _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(k + o * slot_stride + d))), 16)));
+    for (int64_t h = 0; h < group; h++) {
+        const float *qh = qf + h * head_dim;
+        __m128 u[8];
+        for (int64_t o = 0; o < 8; o++) {
+            if (o >= n) {
+                u[o] = _mm_setzero_ps();
+                continue;
+            }
+            __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+            for (int64_t d = 0; d < head_dim; d += 16) {
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kf + o * head_dim + d), a);
+                b = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8), _mm256_loadu_ps(kf + o * head_dim + d + 8), b);
+            }
+            const __m256 t = _mm256_add_ps(a, b); /* lane_sum's first level: lanes l and l + 8 */
+            u[o] = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)); /* l and l + 4 */
+        }
+        __m256 U[4];
+        for (int j = 0; j < 4; j++) U[j] = _mm256_insertf128_ps(_mm256_castps128_ps256(u[j]), u[j + 4], 1);
+        const __m256 t0 = _mm256_unpacklo_ps(U[0], U[1]), t1 = _mm256_unpackhi_ps(U[0], U[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(U[2], U[3]), t3 = _mm256_unpackhi_ps(U[2], U[3]);
+        const __m256 c0 = _mm256_shuffle_ps(t0, t2, 0x44), c1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 c2 = _mm256_shuffle_ps(t1, t3, 0x44), c3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        /* lane j (position j for j < 4, j + 4 ... in the high half): (u0 + u2) + (u1 + u3) */
+        const __m256 r = _mm256_mul_ps(_mm256_add_ps(_mm256_add_ps(c0, c2), _mm256_add_ps(c1, c3)),
+                                       _mm256_set1_ps(scale));
+        float out[8];
+        _mm256_storeu_ps(out, r);
+        /* out[0..3]: positions 0..3, out[4..7]: positions 4..7 */
+        for (int64_t o = 0; o < n; o++) scores[h * ctx + o] = out[o];
+    }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 /* v[o] holds 16 partial sums of position o's dot product; returns the 16
  * totals, lane o = position o. A fixed transpose-and-add tree: every
@@ -236,6 +282,42 @@ static inline __attribute__((always_inline)) void pv_generic(
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* pv_generic for a bfloat16 cache with (d1 - d0) % 8 == 0: the same sums (per head and column, over the
+ * positions in order, each an FMA from 0) with the accumulators of up to 3 heads x 32 columns held in
+ * registers across the positions instead of loaded and stored for each. */
+static inline void pv8_bf16(const float *p, const uint16_t *value_cache, const int32_t *table, int64_t g,
+                            int64_t ctx, int64_t group, int64_t d0, int64_t d1, int64_t head_dim, int64_t block_size,
+                            int64_t slot_stride, float *acc) {
+    for (int64_t c0 = d0; c0 < d1; c0 += 32) {
+        const int nv = (int)((d1 - c0 < 32 ? d1 - c0 : 32) / 8);
+        for (int64_t h0 = 0; h0 < group; h0 += 3) {
+            const int nh = (int)(group - h0 < 3 ? group - h0 : 3);
+            __m256 a[3][4];
+            for (int h = 0; h < 3; h++)
+                for (int v = 0; v < 4; v++) a[h][v] = _mm256_setzero_ps();
+            for (int64_t i0 = 0; i0 < ctx; i0 += block_size) {
+                const uint16_t *vb = value_cache + ((int64_t)table[i0 / block_size] * block_size) * slot_stride
+                                     + g * head_dim + c0;
+                const int64_t n = ctx - i0 < block_size ? ctx - i0 : block_size;
+                for (int64_t o = 0; o < n; o++) {
+                    __m256 vf[4];
+                    for (int v = 0; v < nv; v++)
+                        vf[v] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                            _mm_loadu_si128((const __m128i *)(vb + o * slot_stride + 8 * v))), 16));
+                    for (int h = 0; h < nh; h++) {
+                        const __m256 w = _mm256_set1_ps(p[(h0 + h) * ctx + i0 + o]);
+                        for (int v = 0; v < nv; v++) a[h][v] = _mm256_fmadd_ps(w, vf[v], a[h][v]);
+                    }
+                }
+            }
+            for (int h = 0; h < nh; h++)
+                for (int v = 0; v < nv; v++) _mm256_storeu_ps(acc + (h0 + h) * head_dim + c0 + 8 * v, a[h][v]);
+        }
+    }
+}
+#endif
+
 /* Ask for columns [d0, d1) of KV head g's rows at positions [i0, i1) (i0 a
  * multiple of block_size) of one cache (keys or values), ahead of their use,
  * into L2 (x86: PREFETCHT1). A decode row reads
@@ -315,6 +397,14 @@ static inline __attribute__((always_inline)) void attend_item(
             continue;
         }
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+        if (BF16 && head_dim % 16 == 0) {
+            for (int64_t o = 0; o < n; o += 8)
+                qk8_bf16(qf, (const uint16_t *)(k + o * slot_stride * elem), slot_stride, n - o < 8 ? n - o : 8,
+                         group, head_dim, scale, scores + i0 + o, ctx);
+            continue;
+        }
+#endif
         for (int64_t o = 0; o < n; o++)
             qk_scores(BF16, qf, k + o * slot_stride * elem, group, head_dim, scale, scores + i0 + o, ctx);
     }
@@ -325,6 +415,12 @@ static inline __attribute__((always_inline)) void attend_item(
     if (pv_fast(BF16, head_dim, num_heads / num_kv_heads))
         pv_bf16(scores, (const uint16_t *)value_cache, table, g, ctx, group, 0, head_dim, head_dim, block_size,
                 slot_stride, acc);
+    else
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (BF16 && head_dim % 8 == 0)
+        pv8_bf16(scores, (const uint16_t *)value_cache, table, g, ctx, group, 0, head_dim, head_dim, block_size,
+                 slot_stride, acc);
     else
 #endif
         pv_generic(BF16, scores, value_cache, table, g, ctx, group, 0, head_dim, head_dim, block_size, slot_stride,
