@@ -304,6 +304,20 @@ def add_engine_cli_args(parser) -> None:
                         "(followed anyway)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shape (benchmarks)")
+    _add_parallel_args(g)
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, vLLM\'s keys, e.g. {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt '
+                        'lookup) or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (a '
+                        "smaller model with the same tokenizer); outputs are bitwise those without it")
+    g.add_argument("--kv-events-config", default=None,
+                   help='KV-cache events for KV-aware routers, vLLM\'s JSON, e.g. {"enable_kv_cache_events": true, '
+                        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '
+                        '"topic": "kv-events"} (ZMQ PUB of msgpack KVEventBatch, as vLLM)')
+    _add_structured_outputs_args(g)
+
+def _add_parallel_args(g) -> None:
+    """The engine's flags for how it is spread: tensor-parallel ranks and hosts, the core's own process."""
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks the model is split over (tensor parallelism: heads, MLP and vocabulary split; gloo on "
                         "CPU, NCCL on CUDA); on CPU the cores are split between this host's ranks")
@@ -317,15 +331,10 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
                    help="serving: run the engine core (model, scheduler, KV cache) in its own process, so a step "
                         "never holds the HTTP event loop's GIL (--no-engine-core-process: a thread)")
-    g.add_argument("--speculative-config", default=None,
-                   help='speculative decoding as JSON, vLLM\'s keys, e.g. {"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt '
-                        'lookup) or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (a '
-                        "smaller model with the same tokenizer); outputs are bitwise those without it")
-    g.add_argument("--kv-events-config", default=None,
-                   help='KV-cache events for KV-aware routers, vLLM\'s JSON, e.g. {"enable_kv_cache_events": true, '
-                        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '
-                        '"topic": "kv-events"} (ZMQ PUB of msgpack KVEventBatch, as vLLM)')
+
+
+def _add_structured_outputs_args(g) -> None:
+    """The engine's flags for structured outputs: compile workers, time and size limits, the grammar cache."""
     g.add_argument("--structured-outputs-workers", type=int, default=4,
                    help="grammar compile threads, and as many spec-check processes (>= 2: a slow schema never holds up a quick one)")
     g.add_argument("--structured-outputs-compile-timeout-s", type=float, default=10.0,
