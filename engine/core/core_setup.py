@@ -175,18 +175,21 @@ def load_core(core, args: EngineArgs, tp) -> None:
     # serving (4 % of a single stream's time in a profile; vLLM freezes its start-up heap too).
     gc.collect()
     gc.freeze()
+    # the most decode steps one scheduler call runs (engine/core/multi_step.py): none beside proposals, and
+    # only where the runner has the one-call greedy path; fixed once the runner's kernels are chosen
+    core.max_scheduler_steps = args.num_scheduler_steps \
+        if core.spec_decoder is None and core.model_runner.can_decode_greedy else 1
     log_ready(core, num_blocks, budget, spec)
 
 def log_ready(core, num_blocks: int, budget: int, spec) -> None:
     """The start-up line operators read (and tests check): what was loaded and how it will run
-    (``num_scheduler_steps``: the most decode steps a call runs here, 1 where this model cannot run several)."""
+    (``num_scheduler_steps``: ``core.max_scheduler_steps``, 1 where this model cannot run several)."""
     logger.info(
         "engine ready: model=%s device=%s dtype=%s blocks=%d block_size=%d max_model_len=%d "
         "max_num_batched_tokens=%d num_scheduler_steps=%d tensor_parallel_size=%d speculative=%s omp_wait=%s "
         "omp_places=%s malloc=%s",
         core.served_model_name, core.device, core.dtype, num_blocks, core.args.block_size, core.max_model_len,
-        budget, core.args.num_scheduler_steps if spec is None and core.model_runner.can_decode_greedy else 1,
-        core.args.tensor_parallel_size,
+        budget, core.max_scheduler_steps, core.args.tensor_parallel_size,
         "off" if spec is None else f"{spec.method} k={spec.num_speculative_tokens}",
         omp_wait_policy(), omp_places(), malloc_tuning(),
     )

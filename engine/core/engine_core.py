@@ -294,8 +294,8 @@ class EngineCore:
 
     def _schedule(self):
         """The next batch, of several greedy decode steps where allowed (``engine/core/multi_step.py``)."""
-        steps = self.args.num_scheduler_steps
-        if steps < 2 or self.spec_decoder is not None or not self.model_runner.can_decode_greedy:
+        steps = self.max_scheduler_steps
+        if steps < 2:
             return self.scheduler.schedule()
         step_bytes = self.model_runner.decode_read_bytes(sum(r.num_tokens for r in self.scheduler.running))
         return self.scheduler.schedule(steps_allowed(steps, step_bytes), picks_raw_argmax)
@@ -306,12 +306,12 @@ class EngineCore:
         content and must not stop them)."""
         entries = [sched.scheduled[i] for i in runner_out.sample_indices]
         rows = [e.request for e in entries]
+        if runner_out.step_tokens:   # several greedy steps: their tokens (multi_step.py)
+            return dict(zip((r.request_id for r in rows), runner_out.step_tokens)), {}, [], set()
         sampled: dict[str, list[int]] = {}
         row_logprobs: dict[str, list] = {}
         grammar_done: list[str] = []
         content: set[str] = set()
-        if runner_out.step_tokens:   # several greedy steps: their tokens (multi_step.py)
-            return dict(zip((r.request_id for r in rows), runner_out.step_tokens)), {}, [], set()
         if not rows:
             return sampled, row_logprobs, grammar_done, content
         so = self._structured_outputs
