@@ -85,6 +85,6 @@ def decode_weight_bytes(model, kv_caches) -> int | None:
         total += 0 if layer.qkv_bias is None else layer.qkv_bias.nbytes
         total += sum(_projection_bytes(layer, name) for name in cpu_decoder.PROJECTIONS)
     embed = model.embed_tokens.weight
-    head = model.lm_head_q8 if model.lm_head_q8 is not None and cpu_linear.copy_max_rows() >= 1 else \
+    head = model._c_head(1) if model._c_head is not None else \
         model.packed.get("lm_head", embed if model.lm_head is None else model.lm_head.weight)
     return total + head.nbytes + embed.shape[1] * embed.element_size()

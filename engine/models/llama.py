@@ -267,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         q8 = self._fresh_q8_head(head.weight)
         self._logits = head_method(head, self.packed, q8)
-        self._c_head = c_head(head, self.packed, q8) if self.final_softcap is None else None
+        self._c_head = c_head(head, self.packed, q8)
         self._c_decoder = self._c_decoder_key = None  # rebuilt for the weights as they are now
 
     def _fresh_q8_head(self, weight: torch.Tensor) -> cpu_linear.PackedQ8Linear | None:
@@ -372,8 +372,12 @@ class LlamaForCausalLM(nn.Module):
     def can_decode_greedy(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether :meth:`decode_greedy` runs with these caches (the C stack and the C head, no soft cap, no
         embedding scale)."""
-        return self.use_c_decoder and self._c_head is not None and self.embed_scale is None \
-            and self._c_decoder_weights(kv_caches) is not None
+        return self._greedy_head_ready() and self._c_decoder_weights(kv_caches) is not None
+
+    def _greedy_head_ready(self) -> bool:
+        """The C stack asked for, the head on the C kernel, no soft cap on the logits, no embedding scale."""
+        return self.use_c_decoder and self._c_head is not None and self.final_softcap is None \
+            and self.embed_scale is None
 
     def decode_greedy(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> torch.Tensor | None:
@@ -388,9 +392,9 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             [steps, rows] int64, the token each step chose per row.
         """
-        if not self.can_decode_greedy(kv_caches):
+        stack = self._c_decoder_weights(kv_caches) if self._greedy_head_ready() else None
+        if stack is None:
             return None
-        stack = self._c_decoder_weights(kv_caches)
         return cpu_decoder.decode_greedy(stack, self.embed_tokens.weight, self._c_head(token_ids.shape[0]),
                                          token_ids, positions, block_tables, steps)
 

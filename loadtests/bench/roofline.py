@@ -1,6 +1,7 @@
 """The memory roofline of one stream's decode step: the bytes of weights a
-one-row step reads (``engine/models/c_stack.py``'s ``decode_weight_bytes``), this machine's read bandwidth measured now, and their
-quotient, the time below which no engine can produce a token (issue 56).
+one-row step reads (``engine/models/c_stack.py``'s ``decode_weight_bytes``),
+this machine's read bandwidth measured now, and their quotient, the time below
+which no engine can produce a token (issue 56).
 
 ``tandem bench engine`` prints the roofline beside Tandem's TPOT p50 (and
 per round beside the peer's decode rate), the bandwidth measured in the same
