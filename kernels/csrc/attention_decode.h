@@ -13,8 +13,8 @@
  *      compute the same softmax: a few hundred exponentials, cheaper than a
  *      third round and its barrier).
  * Each score, softmax and output column is computed by the same functions on
- * the same operands in the same order as attend_item's (qk16_bf16, qk8_bf16 or
- * qk_scores, softmax, pv_bf16's or pv_generic's columns: the build's), so the
+ * the same operands in the same order as attend_item's (qk16_bf16 or qk_block,
+ * softmax, pv_columns: the build's), so the
  * bits are the one-item path's: a row's output does not depend on how it was
  * shared. Included by paged_attention_cpu.c only. */
 #ifndef TANDEM_ATTENTION_DECODE_H
@@ -58,20 +58,11 @@ static void decode_rounds(const uint16_t *query, int64_t ldq, const uint16_t *ke
 #endif
         if (!p) continue; /* the query in float32 (qf): this thread's scratch */
         for (int64_t j = 0; j < group * head_dim; j++) qf[j] = bf16_to_f32(q[j]);
-#if defined(__AVX2__) && defined(__FMA__)
-        if (head_dim % 16 == 0) {
-            for (int64_t i = i0; i < i1; i += block_size) {
-                const uint16_t *k = key_cache + ((int64_t)table[i / block_size] * block_size) * ss + g * head_dim;
-                const int64_t n = i1 - i < block_size ? i1 - i : block_size;
-                for (int64_t o = 0; o < n; o += 8)
-                    qk8_bf16(qf, k + o * ss, ss, n - o < 8 ? n - o : 8, group, head_dim, scale, sc + i + o, ld);
-            }
-            continue;
+        for (int64_t i = i0; i < i1; i += block_size) {
+            const uint16_t *k = key_cache + ((int64_t)table[i / block_size] * block_size) * ss + g * head_dim;
+            qk_block(1, qf, (const char *)k, ss, i1 - i < block_size ? i1 - i : block_size, group, head_dim, scale,
+                     sc + i, ld);
         }
-#endif
-        for (int64_t i = i0; i < i1; i++)
-            qk_scores(1, qf, key_cache + ((int64_t)table[i / block_size] * block_size + i % block_size) * ss + g * head_dim,
-                      group, head_dim, scale, sc + i, ld);
     }
     /* output columns per item: a multiple of pv_bf16's chunk of 32 (else of LANES), about head_dim / parts */
     const int64_t unit = fast_pv ? 32 : LANES, col_blocks = head_dim / unit;
@@ -87,17 +78,7 @@ static void decode_rounds(const uint16_t *query, int64_t ldq, const uint16_t *ke
             memcpy(p + h * ctx, shared + (s * num_heads + g * group + h) * ld, sizeof(float) * (size_t)ctx);
             softmax(p + h * ctx, ctx);
         }
-#if defined(__AVX512BF16__)
-        if (fast_pv)
-            pv_bf16(p, value_cache, table, g, ctx, group, d0, d1, head_dim, block_size, ss, acc);
-        else
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-        if ((d1 - d0) % 8 == 0)
-            pv8_bf16(p, value_cache, table, g, ctx, group, d0, d1, head_dim, block_size, ss, acc);
-        else
-#endif
-            pv_generic(1, p, value_cache, table, g, ctx, group, d0, d1, head_dim, block_size, ss, acc);
+        pv_columns(1, fast_pv, p, value_cache, table, g, ctx, group, d0, d1, head_dim, block_size, ss, acc);
         uint16_t *o = out + (s * num_heads + g * group) * head_dim;
         for (int64_t h = 0; h < group; h++)
             for (int64_t d = d0; d < d1; d++) o[h * head_dim + d] = f32_to_bf16(acc[h * head_dim + d]);

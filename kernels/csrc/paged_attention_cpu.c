@@ -346,7 +346,7 @@ static inline __attribute__((always_inline)) void prefetch_part(const char *cach
 
 /* Which bodies a call's attention runs (one rule for attend_item and attention_decode.h): the scores by
  * VDPBF16PS on the raw bfloat16 query (qk16_bf16), and the weighted values in registers (pv_bf16; group: the
- * whole group's size, a split item's too); else qk_scores and pv_generic. */
+ * whole group's size, a split item's too); else the portable bodies, qk_block and pv_columns. */
 static inline int qk_fast(const int BF16, int64_t head_dim, int64_t block_size) {
 #if defined(__AVX512BF16__)
     return BF16 && head_dim % 32 == 0 && block_size % 16 == 0;
@@ -363,6 +363,51 @@ static inline int pv_fast(const int BF16, int64_t head_dim, int64_t group) {
     (void)BF16, (void)head_dim, (void)group;
     return 0;
 #endif
+}
+
+/* The portable path's scores (qk_fast false) of the n positions of one cache block at k (rows slot_stride
+ * elements apart) for the group's query heads qf [group, head_dim] float32, into scores[h * ld + o]: 8
+ * positions at a time on 8-lane vectors for a bfloat16 cache where the build has AVX2/FMA (qk8_bf16), else
+ * one at a time (qk_scores); the same bits either way. */
+static inline __attribute__((always_inline)) void qk_block(const int BF16, const float *qf, const char *k,
+                                                           int64_t slot_stride, int64_t n, int64_t group,
+                                                           int64_t head_dim, float scale, float *scores, int64_t ld) {
+    const int64_t elem = BF16 ? 2 : 4;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (BF16 && head_dim % 16 == 0) {
+        for (int64_t o = 0; o < n; o += 8)
+            qk8_bf16(qf, (const uint16_t *)(k + o * slot_stride * elem), slot_stride, n - o < 8 ? n - o : 8, group,
+                     head_dim, scale, scores + o, ld);
+        return;
+    }
+#endif
+    for (int64_t o = 0; o < n; o++)
+        qk_scores(BF16, qf, k + o * slot_stride * elem, group, head_dim, scale, scores + o, ld);
+}
+
+/* acc[h * head_dim + d] for output columns [d0, d1): the weighted values by the build's body (pv_bf16 where
+ * `fast`, pv_fast's answer; pv8_bf16 for a bfloat16 cache and whole 8-column vectors where the build has
+ * AVX2/FMA; else pv_generic); the same bits either way. */
+static inline __attribute__((always_inline)) void pv_columns(
+    const int BF16, int fast, const float *p, const void *value_cache, const int32_t *table, int64_t g, int64_t ctx,
+    int64_t group, int64_t d0, int64_t d1, int64_t head_dim, int64_t block_size, int64_t slot_stride, float *acc) {
+#if defined(__AVX512BF16__)
+    if (fast) {
+        pv_bf16(p, (const uint16_t *)value_cache, table, g, ctx, group, d0, d1, head_dim, block_size, slot_stride,
+                acc);
+        return;
+    }
+#else
+    (void)fast;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (BF16 && (d1 - d0) % 8 == 0) {
+        pv8_bf16(p, (const uint16_t *)value_cache, table, g, ctx, group, d0, d1, head_dim, block_size, slot_stride,
+                 acc);
+        return;
+    }
+#endif
+    pv_generic(BF16, p, value_cache, table, g, ctx, group, d0, d1, head_dim, block_size, slot_stride, acc);
 }
 
 /* Everything one work item (query row t, query heads first_head ..
@@ -397,34 +442,13 @@ static inline __attribute__((always_inline)) void attend_item(
             continue;
         }
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
-        if (BF16 && head_dim % 16 == 0) {
-            for (int64_t o = 0; o < n; o += 8)
-                qk8_bf16(qf, (const uint16_t *)(k + o * slot_stride * elem), slot_stride, n - o < 8 ? n - o : 8,
-                         group, head_dim, scale, scores + i0 + o, ctx);
-            continue;
-        }
-#endif
-        for (int64_t o = 0; o < n; o++)
-            qk_scores(BF16, qf, k + o * slot_stride * elem, group, head_dim, scale, scores + i0 + o, ctx);
+        qk_block(BF16, qf, k, slot_stride, n, group, head_dim, scale, scores + i0, ctx);
     }
     if (decode)
         prefetch_part(value_cache, table, g, 0, ctx, 0, head_dim, head_dim, block_size, slot_stride, elem);
     for (int64_t h = 0; h < group; h++) softmax(scores + h * ctx, ctx);
-#if defined(__AVX512BF16__)
-    if (pv_fast(BF16, head_dim, num_heads / num_kv_heads))
-        pv_bf16(scores, (const uint16_t *)value_cache, table, g, ctx, group, 0, head_dim, head_dim, block_size,
-                slot_stride, acc);
-    else
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-    if (BF16 && head_dim % 8 == 0)
-        pv8_bf16(scores, (const uint16_t *)value_cache, table, g, ctx, group, 0, head_dim, head_dim, block_size,
-                 slot_stride, acc);
-    else
-#endif
-        pv_generic(BF16, scores, value_cache, table, g, ctx, group, 0, head_dim, head_dim, block_size, slot_stride,
-                   acc);
+    pv_columns(BF16, pv_fast(BF16, head_dim, num_heads / num_kv_heads), scores, value_cache, table, g, ctx, group,
+               0, head_dim, head_dim, block_size, slot_stride, acc);
     for (int64_t j = 0; j < group * head_dim; j++) {
         if (BF16)
             ((uint16_t *)out)[o0 + j] = f32_to_bf16(acc[j]);
