@@ -306,9 +306,9 @@ def run_server(args: argparse.Namespace) -> int:
     open requests finish (``--drain-timeout``), and the engine stops.
 
     Returns:
-        0 after a clean shutdown, 130 when uvicorn re-raised the SIGINT it
-        stopped on (as a shell reports Ctrl-C), 1 when the engine failed to
-        load (the error is logged in one line).
+        0 after a clean shutdown, 130 after one a SIGINT started (as a shell
+        reports Ctrl-C; ``EngineServer.stop_signal``), 1 when the engine
+        failed to load (the error is logged in one line).
     """
     from engine.config import engine_args_from_cli
 
