@@ -115,10 +115,11 @@ class OutputProcessor:
                      for i, done in enumerate(state.finished) if not done])
 
     def process_outputs(self, outputs: list[EngineCoreOutput], now: float) -> ProcessedOutputs:
-        """Turn one step's core outputs into delta ``RequestOutput``s.
+        """Turn one step's core outputs into delta ``RequestOutput``s: one per request, or for a call of several
+        decode steps one per request and step (a choice's news again starts the next step's deltas).
 
         Args:
-            outputs: the core's news of one step.
+            outputs: the core's news of one step (of several steps: in step order).
             now: ``time.monotonic()`` of that step (the outputs' last token time).
         """
         result = ProcessedOutputs()
@@ -128,6 +129,10 @@ class OutputProcessor:
             state = self._requests.get(out.request_id)
             if state is None or state.finished[out.index]:
                 continue  # aborted, or ended by a stop string while the core ran one more step
+            if any(c.index == out.index for c in deltas.get(out.request_id, ())):   # the next of several steps
+                result.request_outputs += [self._request_output(rid, choices, last[rid], now)
+                                           for rid, choices in deltas.items()]
+                deltas = {}
             deltas.setdefault(out.request_id, []).append(self._choice(state, out, result.stops))
             last[out.request_id] = out
         for rid, choices in deltas.items():

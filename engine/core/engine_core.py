@@ -32,7 +32,7 @@ from engine.outputs import Logprob
 from engine.pooling import PoolingParams, model_pooling_params
 from engine.core.core_setup import start_core
 from engine.core.request import ForkGroup, Request, RequestStatus
-from engine.worker.sampler import picks_raw_argmax, prompt_logprobs
+from engine.worker.sampler import collect_prompt_logprobs, picks_raw_argmax
 from engine.core.multi_step import steps_allowed
 from engine.sampling_params import SamplingParams
 from engine.core.step_work import step_work
@@ -211,10 +211,9 @@ class EngineCore:
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[EngineCoreOutput]:
-        """Run one scheduling step; the news of every choice that sampled a
-        token or finished: 1. schedule, 2. run the model, 3. sample
-        (grammar-constrained rows masked), 4. advance the scheduler (EOS, stop
-        token ids, lengths), 5. report."""
+        """Run one scheduling step; the news of every choice that sampled a token or finished: 1. schedule, 2. run
+        the model, 3. sample (grammar-constrained rows masked), 4. advance the scheduler (EOS, stop token ids,
+        lengths), 5. report (several decode steps of one call: each step's news apart)."""
         started = time.perf_counter()
         if self.spec_decoder is not None:
             self.spec_decoder.propose(self.scheduler.running)
@@ -232,20 +231,16 @@ class EngineCore:
         work = step_work(sched.scheduled, self.model_config.num_hidden_layers)
         self._prompt_tokens_total += work.prompt_tokens
         self._calibrate(started, work.prefill_tokens, work.decode_rows, work.quad, work.chunks, sched.num_steps)
-        self._collect_prompt_logprobs(sched, runner_out.prompt_logits)
+        collect_prompt_logprobs(sched.scheduled, runner_out.prompt_logits, self._prompt_logprobs)
         before = {sid: self._seqs[sid].num_output_tokens for sid in sampled if sid in self._seqs}
         finished = self.scheduler.update_from_output(sched, sampled, not_stops=content)
         self.embed_calls.step(runner_out.pooled_hidden, self._seqs, finished)
         if self.spec_decoder is not None:
             self.spec_decoder.observe(sched, sampled)
         self._stop_finished_grammars(grammar_done, finished)
-        outputs = []
-        for sid, n in before.items():  # the tokens kept: up to the one that finished the sequence
-            req = self._seqs[sid]
-            tokens = req.output_token_ids[n:]
-            lps = row_logprobs.get(sid)
-            self._generation_tokens_total += len(tokens)
-            outputs.append(self._output(req, tokens, None if lps is None else lps[:len(tokens)]))
+        kept = {sid: self._seqs[sid].output_token_ids[n:] for sid, n in before.items()}  # up to a finishing one
+        self._generation_tokens_total += sum(map(len, kept.values()))
+        outputs = self._news(kept, before, row_logprobs, sched.num_steps)
         outputs += [self._output(req, [], None) for req in finished  # finished without a token (max_model_len)
                     if req.request_id not in sampled and req.request_id in self._seqs and req.pooling_params is None]
         for req in finished:
@@ -281,9 +276,9 @@ class EngineCore:
 
     def _calibrate(self, started: float, prefill_tokens: int, decode_rows: int, quad: float, chunks: int,
                    steps: int = 1) -> None:
-        """Time the previous step from its start to this one's (perf_counter seconds; several decode steps as
-        that many of their mean): what a waiting request sees, the core loop's commands and output hand-off
-        included. A step after which nothing was left to run is not timed (the loop then idled)."""
+        """Time the previous step from its start to this one's (perf_counter seconds; several decode steps as that
+        many of their mean): what a waiting request sees, hand-offs included. A step after which nothing was left
+        to run is not timed (the loop then idled)."""
         if self._last_step is not None:
             last = self._last_step
             seconds = (started - last[0]) / last[5]
@@ -294,11 +289,10 @@ class EngineCore:
 
     def _schedule(self):
         """The next batch, of several greedy decode steps where allowed (``engine/core/multi_step.py``)."""
-        steps = self.max_scheduler_steps
-        if steps < 2:
+        if self.max_scheduler_steps < 2:
             return self.scheduler.schedule()
-        step_bytes = self.model_runner.decode_read_bytes(sum(r.num_tokens for r in self.scheduler.running))
-        return self.scheduler.schedule(steps_allowed(steps, step_bytes), picks_raw_argmax)
+        read = self.model_runner.decode_read_bytes(sum(r.num_tokens for r in self.scheduler.running))
+        return self.scheduler.schedule(steps_allowed(self.max_scheduler_steps, read), picks_raw_argmax)
 
     def _sample(self, sched, runner_out) -> tuple[dict[str, list[int]], dict[str, list], list[str], set[str]]:
         """(sequence id -> the tokens it keeps: its accepted proposals then one sampled token, sequence id ->
@@ -333,18 +327,35 @@ class EngineCore:
                 grammar_done.append(req.request_id)
         return sampled, row_logprobs, grammar_done, content
 
-    def _output(self, req: Request, tokens: list[int], logprobs: list[dict[int, Logprob]] | None) -> EngineCoreOutput:
-        """One choice's news; the group's leader gives the request-level fields."""
+    def _news(self, kept: dict[str, list[int]], before: dict[str, int], row_logprobs: dict,
+              steps: int) -> list[EngineCoreOutput]:
+        """Each choice's news of a step: the tokens it kept (``before``: its output count before them) and their
+        logprobs; of a call of several decode steps, one output per step and choice, in step order, as one
+        step per call gives them (a stream's chunks do not depend on how many steps a call ran)."""
+        if steps == 1:
+            return [self._output(self._seqs[sid], t, None if (lps := row_logprobs.get(sid)) is None else lps[:len(t)])
+                    for sid, t in kept.items()]
+        news = [self._output(self._seqs[sid], [], None) for sid, t in kept.items() if not t]
+        for k in range(max(map(len, kept.values()), default=0)):
+            news += [self._output(self._seqs[sid], [t[k]], None, None if k + 1 == len(t) else before[sid] + k + 1)
+                     for sid, t in kept.items() if k < len(t)]
+        return news
+
+    def _output(self, req: Request, tokens: list[int], logprobs: list[dict[int, Logprob]] | None,
+                as_of: int | None = None) -> EngineCoreOutput:
+        """One choice's news; the group's leader gives the request-level fields; ``as_of``: as it stood after that
+        many output tokens, an earlier step of several in one call (not finished then)."""
         leader = self._groups[req.parent_id][0]
         if logprobs is not None:
             new_logprobs = list(logprobs)
         else:
             new_logprobs = None if req.sampling_params.logprobs is None or not tokens else []
-        done = req.is_finished
+        done = req.is_finished and as_of is None
         return EngineCoreOutput(
             request_id=req.parent_id, index=req.index, new_token_ids=tokens, new_logprobs=new_logprobs,
             finish_reason=req.status.finish_reason if done else None, stop_reason=req.stop_reason if done else None,
-            stop_terminated=req.status == RequestStatus.FINISHED_STOPPED, num_output_tokens=req.num_output_tokens,
+            stop_terminated=done and req.status == RequestStatus.FINISHED_STOPPED,
+            num_output_tokens=req.num_output_tokens if as_of is None else as_of,
             num_cached_tokens=max(leader.num_cached_tokens, 0), arrival_time=leader.arrival_time,
             first_scheduled_time=leader.first_scheduled_time, first_token_time=req.first_token_time,
             prompt_logprobs=self._prompt_logprobs.pop(req.parent_id, None) if tokens else None,
@@ -405,27 +416,6 @@ class EngineCore:
             if req is not None and not req.is_finished:
                 self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
                 finished.append(req)
-
-    def _collect_prompt_logprobs(self, sched, prompt_logits: dict) -> None:
-        """Store this chunk's prompt logprobs at their positions: the logits at
-        position p score token p+1. Positions already stored (a chunk
-        recomputed after preemption) keep their first value."""
-        for entry in sched.scheduled:
-            req = entry.request
-            logits = prompt_logits.get(req.request_id)
-            collected = self._prompt_logprobs.get(req.parent_id)
-            if logits is None or req.index != 0 or collected is None:
-                continue
-            start = entry.num_computed_tokens
-            end = min(start + entry.num_new_tokens, req.num_prompt_tokens)
-            targets = req.prompt_token_ids[start + 1:end + 1]
-            if start + 1 > len(collected):
-                raise RuntimeError(f"request {req.parent_id}: prompt logprobs missing before position {start + 1} "
-                                   "(a cached prefix was read)")
-            new = targets[len(collected) - start - 1:]
-            if new:
-                collected.extend(prompt_logprobs(logits[len(targets) - len(new):len(targets)], new,
-                                                 req.sampling_params.prompt_logprobs))
 
     # ------------------------------------------------------------------ stats
     def add_embed(self, call_id: int, prompts: list[list[int]], pooling_type: str | None = None,

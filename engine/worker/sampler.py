@@ -268,6 +268,34 @@ def prompt_logprobs(logits: torch.Tensor, target_ids: list[int], k: int) -> list
     return _unpack_logprobs(flat, len(target_ids), k, [k] * len(target_ids))
 
 
+def collect_prompt_logprobs(scheduled: list, prompt_logits: dict[str, torch.Tensor],
+                            collected: dict[str, list[PositionLogprobs]]) -> None:
+    """Store a step's prompt logprobs at their positions (``prompt_logprobs``; the logits at position p score
+    token p+1) into ``collected`` (parent request id -> the positions so far) for each scheduled entry (a
+    ``ScheduledRequest``) with logits in ``prompt_logits`` (request id -> [rows, vocab] float32); positions already
+    stored (a chunk recomputed after preemption) keep their first value.
+
+    Raises:
+        RuntimeError: positions before the chunk are missing (a cached prefix was read).
+    """
+    for entry in scheduled:
+        req = entry.request
+        logits = prompt_logits.get(req.request_id)
+        done = collected.get(req.parent_id)
+        if logits is None or req.index != 0 or done is None:
+            continue
+        start = entry.num_computed_tokens
+        end = min(start + entry.num_new_tokens, req.num_prompt_tokens)
+        targets = req.prompt_token_ids[start + 1:end + 1]
+        if start + 1 > len(done):
+            raise RuntimeError(f"request {req.parent_id}: prompt logprobs missing before position {start + 1} "
+                               "(a cached prefix was read)")
+        new = targets[len(done) - start - 1:]
+        if new:
+            done.extend(prompt_logprobs(logits[len(targets) - len(new):len(targets)], new,
+                                        req.sampling_params.prompt_logprobs))
+
+
 def _pack_logprobs(raw: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
     """``[n, 3 + 2k]`` float64: chosen id, its logprob, its rank (1 = most
     likely: 1 + number of tokens with a strictly larger logprob), then k top

@@ -35,12 +35,23 @@ def _requests(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def _run(steps: int) -> list:
+def _run(steps: int) -> tuple[list, list]:
+    """(every choice's final output, every delta the engine's steps reported: what a stream's chunks carry)."""
     llm = LLM(num_threads=2, num_scheduler_steps=steps, kv_cache_memory="64MiB")
+    deltas = []
+    step = llm.engine.step
+
+    def recording():
+        outs = step()
+        deltas.extend((o.request_id, [(c.index, list(c.token_ids), c.text, c.finish_reason) for c in o.outputs])
+                      for o in outs)
+        return outs
+
+    llm.engine.step = recording
     prompts, params = _requests(llm)
     outs = llm.generate(prompts, params)       # together: a batch in which some may not take several steps
     outs += [llm.generate([p], q)[0] for p, q in zip(prompts, params)]   # alone: those that may, do
-    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for o in outs for c in o.outputs]
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for o in outs for c in o.outputs], deltas
 
 
 @pytest.mark.slow
@@ -54,11 +65,12 @@ def test_several_steps_per_call_give_the_outputs_of_one(monkeypatch, caplog):
         return original(self, out)
 
     monkeypatch.setattr(ModelRunner, "_decode_steps", counting)
-    one = _run(1)
+    one, one_deltas = _run(1)
     assert not counted
-    several = _run(8)
+    several, several_deltas = _run(8)
     assert counted and max(counted) == 8
     assert several == one
+    assert several_deltas == one_deltas   # each step's token its own delta, as one step per call gives them
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
     assert ["num_scheduler_steps=1" in ready[0], "num_scheduler_steps=8" in ready[1]] == [True, True]
     reasons = {r[2] for r in one}
