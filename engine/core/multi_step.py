@@ -11,7 +11,8 @@ what follows a stop, so a request's tokens are the ones a step at a time gives.
 While it runs, a request arriving waits for it (its time to first token), as does an abort: the steps are
 capped so that the call reads about ``MULTI_STEP_BYTES`` (each step reads the weights again and every row's keys
 and values), and none run while a request waits or is swapped out. A count of bytes, not of measured seconds, so
-that the steps, and so how a stream's tokens are grouped into chunks, do not depend on the host's speed or load.
+that the steps a batch runs do not depend on the host's speed or load. Each step's tokens are still reported
+apart (``EngineCore._news``): a stream's chunks are those of one step per call.
 """
 
 from __future__ import annotations
