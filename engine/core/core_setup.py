@@ -98,6 +98,17 @@ def start_core(core, args: EngineArgs) -> None:
         raise
 
 
+def _step_budget(args: EngineArgs, device_type: str, max_model_len: int) -> int:
+    """Tokens one step may compute (``max_num_batched_tokens``): the setting, else with chunked prefill the
+    device's default (never below ``max_num_seqs``: a step holds one decode token of every running sequence),
+    else room for a whole prompt of ``max_model_len``."""
+    if args.max_num_batched_tokens is not None:
+        return args.max_num_batched_tokens
+    if args.enable_chunked_prefill:
+        return max(_DEFAULT_CHUNKED_BUDGET.get(device_type, 2048), args.max_num_seqs)
+    return max(max_model_len, 2048)
+
+
 def load_core(core, args: EngineArgs, tp) -> None:
     """Load the model (this rank's part over several ranks), size the KV pool, build the runner, scheduler,
     sampler and bookkeeping as attributes of ``core``: the rest of ``start_core``."""
@@ -127,14 +138,7 @@ def load_core(core, args: EngineArgs, tp) -> None:
             f"rank {m['rank']}: weights {m['weight_bytes'] / 2**20:.0f} MiB (resident "
             f"{m['rss_weights_bytes'] / 2**20:.0f} MiB), KV pool {m['kv_bytes'] / 2**20:.0f} MiB"
             for m in core.rank_memory))
-    if args.max_num_batched_tokens is not None:
-        budget = args.max_num_batched_tokens
-    elif args.enable_chunked_prefill:
-        # never below max_num_seqs: a step must hold one decode token of every running sequence
-        budget = max(_DEFAULT_CHUNKED_BUDGET.get(core.device.type, 2048), args.max_num_seqs)
-    else:
-        budget = max(core.max_model_len, 2048)
-    core.max_num_batched_tokens = budget
+    core.max_num_batched_tokens = budget = _step_budget(args, core.device.type, core.max_model_len)
     core.scheduler = Scheduler(
         block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=budget, max_model_len=core.max_model_len,
