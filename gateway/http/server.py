@@ -39,7 +39,10 @@ _AFTER_DRAIN_S = 0.5
 
 
 class GatewayServer(uvicorn.Server):
-    """uvicorn's server with drain on SIGTERM or SIGINT and reload on SIGHUP."""
+    """uvicorn's server with drain on SIGTERM or SIGINT and reload on SIGHUP; ``stop_signal``: the signal that
+    started the drain (None: none yet)."""
+
+    stop_signal: int | None = None
 
     def __init__(self, config: uvicorn.Config, gw: Gateway, picker=None):
         super().__init__(config)
@@ -82,6 +85,7 @@ class GatewayServer(uvicorn.Server):
         if self.drain_started is None and not self.gw.draining and not self.should_exit:
             log.info("%s: draining", signal.Signals(sig).name)
             self.drain_started = time.monotonic()
+            self.stop_signal = sig
             self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain()))
             return
         if self.drain_started is not None and time.monotonic() - self.drain_started < SIGNAL_ECHO_S:
@@ -128,7 +132,8 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
     """Run the gateway until stopped; with ``picker_port``, also as Envoy's endpoint picker (``ext_proc`` over
     gRPC on that port, its health service on ``picker_health_port`` too, ``picker_fallbacks`` endpoints after the
     primary: ``gateway/picker/``). Returns the
-    process exit status (2 = invalid config, refused bind, or a config the picker cannot serve)."""
+    process exit status: 0 after a stop SIGTERM started, 130 after one Ctrl-C's SIGINT started (as a shell reports
+    it; ``tandem engine serve`` too), 2 = invalid config, refused bind, or a config the picker cannot serve."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if (compiled := load_config_or_report(config_path, "tandem serve: ")) is None:
         return 2
@@ -167,9 +172,10 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
                             lifespan="on", access_log=False, log_level=cfg.server.log_level,
                             timeout_graceful_shutdown=cfg.server.drain_timeout_s, timeout_keep_alive=30,
                             proxy_headers=False, server_header=False)
+    server = GatewayServer(config, gw, picker)
     try:
-        GatewayServer(config, gw, picker).run()
+        server.run()
     finally:
         if embedded is not None:
             release(embedded)               # shut down when no other gateway uses it
-    return 0
+    return 130 if server.stop_signal == signal.SIGINT else 0   # as a shell reports Ctrl-C (tandem engine serve too)
