@@ -423,6 +423,8 @@ class Gateway:
                 raise
             except Exception as e:  # noqa: BLE001 -- Redis unreachable: nothing changes
                 raise self._unreachable("config rollback", e) from None
+            if len(history) >= 2 and history[0].version == base:   # which version the operator returned to
+                log.info("config rollback: version %d returns to version %d", state.version, history[1].version)
             snap = self._apply(state)
             health = await self.resilience.status_or_none(snap.compiled.policy.routes, snap.backends)
             snap.warnings += down_warnings(snap, health)   # as any change does: weight landing on a down backend

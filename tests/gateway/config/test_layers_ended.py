@@ -126,6 +126,7 @@ async def test_a_rollback_after_an_abort_and_a_file_edit_keeps_the_weights_the_r
             path.write_text(b)                                            # the README's sed
             assert (await c.post("/admin/reload")).status_code == 200
             assert "ro" not in (await gw.ledger.head()).overrides
+            edited = (await gw.ledger.head()).version
             with caplog.at_level("INFO", logger="tandem.gateway"):
                 back = await c.post("/admin/rollback", json={})
             after = weights(gw)
@@ -134,6 +135,8 @@ async def test_a_rollback_after_an_abort_and_a_file_edit_keeps_the_weights_the_r
     # the log says what changed in effect (nothing), not the old file's targets; status names what the disk says
     applied = [r.getMessage() for r in caplog.records if " applied (rollback)" in r.getMessage()]
     assert applied and applied[-1].endswith("(rollback): no change"), applied
+    said = f"config rollback: version {back.json()['version']} returns to version {edited - 1}"
+    assert said in [r.getMessage() for r in caplog.records], [r.getMessage() for r in caplog.records]
     assert "the file on disk says stable 100, cand 0" in status["layers"]["ro"]["note"], status["layers"]["ro"]
     assert after == {"stable": 100.0, "cand": 0.0}, (after, back.json()["warnings"])
     assert not any("rollout r1's split" in w for w in back.json()["warnings"]), back.json()["warnings"]
