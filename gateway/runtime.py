@@ -414,17 +414,18 @@ class Gateway:
                 history = await self.ledger.history()
             except Exception as e:  # noqa: BLE001 -- Redis unreachable: nothing changes
                 raise self._unreachable("config rollback", e) from None
-            replace, kept = None, []
+            replace, kept, returned_to = None, [], None
             if len(history) >= 2 and history[0].version == base:
                 replace, kept = returns_to(history[0], history[1], await self._every_rollout("config rollback"))
+                returned_to = history[1].version
             try:
                 state = await self.ledger.rollback(base, replace)
             except (VersionConflict, LookupError):
                 raise
             except Exception as e:  # noqa: BLE001 -- Redis unreachable: nothing changes
                 raise self._unreachable("config rollback", e) from None
-            if len(history) >= 2 and history[0].version == base:   # which version the operator returned to
-                log.info("config rollback: version %d returns to version %d", state.version, history[1].version)
+            if returned_to is not None:   # which version the operator returned to
+                log.info("config rollback: version %d returns to version %d", state.version, returned_to)
             snap = self._apply(state)
             health = await self.resilience.status_or_none(snap.compiled.policy.routes, snap.backends)
             snap.warnings += down_warnings(snap, health)   # as any change does: weight landing on a down backend

@@ -52,7 +52,7 @@ from engine.metrics import EngineMetrics
 from engine.protocol.errors import ServingError
 from engine.protocol.heap import freeze_heap
 from engine.protocol.request_ids import stamp_request_id, unique_request_id
-from engine.protocol.signals import SIGNAL_ECHO_S
+from engine.protocol.signals import SIGNAL_ECHO_S, stop_exit_status
 from engine.serving.chat import OpenAIServingChat
 from engine.serving.chunks import sse_stream
 from engine.serving.completion import OpenAIServingCompletion
@@ -336,9 +336,9 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         server.run()
     except KeyboardInterrupt:   # uvicorn re-raises the SIGINT it handled once the server has stopped
-        return 130
-    if server.stop_signal == signal.SIGINT:   # the re-raise can land in asyncio's own handler and be lost
-        return 130
+        return stop_exit_status(signal.SIGINT)
+    if status := stop_exit_status(server.stop_signal):   # the re-raise can land in asyncio's own handler and be lost
+        return status
     return 0 if server.started and not failed else 1
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import uvicorn
 
-from engine.protocol.signals import SIGNAL_ECHO_S
+from engine.protocol.signals import SIGNAL_ECHO_S, stop_exit_status
 from engine.protocol.heap import freeze_heap
 from gateway.http.app import create_app
 from gateway.http.door import DoorLimits, door_protocol
@@ -178,4 +178,4 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
     finally:
         if embedded is not None:
             release(embedded)               # shut down when no other gateway uses it
-    return 130 if server.stop_signal == signal.SIGINT else 0   # as a shell reports Ctrl-C (tandem engine serve too)
+    return stop_exit_status(server.stop_signal)
