@@ -126,9 +126,13 @@ class AsyncEngine:
 
             configure_frontend_threads()
             client = ProcessCoreClient(self.args)
-            started, tokenizer = await asyncio.gather(
-                asyncio.to_thread(client.start, self._on_step, self._on_dead),
-                asyncio.to_thread(load_tokenizer, self.args.model), return_exceptions=True)
+            try:
+                started, tokenizer = await asyncio.gather(
+                    asyncio.to_thread(client.start, self._on_step, self._on_dead),
+                    asyncio.to_thread(load_tokenizer, self.args.model), return_exceptions=True)
+            except asyncio.CancelledError:   # the server stops while the model loads: its thread goes on
+                client.abandon()             # and ends the core, which would otherwise outlive this process's exit
+                raise
             for result in (started, tokenizer):
                 if isinstance(result, BaseException):
                     if not isinstance(started, BaseException):

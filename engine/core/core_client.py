@@ -148,11 +148,26 @@ class ProcessCoreClient:
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         self._closing = False
+        self._abandoned = False           # abandon(): the caller stopped waiting for start()
+        self._lock = threading.Lock()     # abandon() against start()'s last steps
 
     @property
     def pid(self) -> int | None:
         """The core process's pid (None before start)."""
         return self._proc.pid if self._proc is not None else None
+
+    def abandon(self) -> None:
+        """The caller stops waiting for ``start`` (its server is stopping while the model loads); any thread,
+        never blocks. A core still loading is killed by ``start``'s wait, which then raises; one that has loaded
+        is asked to stop. Without this, the core (which ignores SIGINT and SIGTERM: the parent drains) outlived
+        the abandoned start, and the parent's exit waited for it forever."""
+        with self._lock:
+            self._abandoned = True
+            started = self._writer is not None
+        if started:
+            self._closing = True
+            self.send(Shutdown())
+            self._writer.close()
 
     def start(self, on_step: OnStep, on_dead: OnDead) -> CoreReady:
         """Spawn the core process and wait until it loaded the model.
@@ -169,6 +184,8 @@ class ProcessCoreClient:
         self._proc.start()
         child.close()
         while not self._conn.poll(0.2):
+            if self._abandoned:
+                self._stop_loading()
             if not self._proc.is_alive():
                 raise RuntimeError(f"the engine core process exited with code {self._proc.exitcode} "
                                    "while loading the model")
@@ -181,10 +198,20 @@ class ProcessCoreClient:
         if isinstance(first, CoreFailed):
             self._proc.join(10)
             raise rebuild_error(first.error_type, first.message)
-        self._writer = PipeWriter(self._conn)
+        with self._lock:
+            if self._abandoned:
+                self._stop_loading()
+            self._writer = PipeWriter(self._conn)
         threading.Thread(target=self._read, args=(on_step, on_dead), name="tandem-core-client",
                          daemon=True).start()
         return first
+
+    def _stop_loading(self) -> None:
+        """``start`` after ``abandon``: end the core (killed: nothing of it is in use yet) and raise."""
+        self._proc.kill()
+        self._proc.join(10)
+        self._conn.close()
+        raise RuntimeError("the engine's start was abandoned (its server is stopping)")
 
     def _read(self, on_step: OnStep, on_dead: OnDead) -> None:
         try:
@@ -207,7 +234,8 @@ class ProcessCoreClient:
         for loop, future in list(self._calls.values()):
             loop.call_soon_threadsafe(_set_exception, future, RuntimeError(reason))
         self._calls.clear()
-        on_dead(reason)
+        if not self._abandoned:   # an abandoned start has no engine to tell
+            on_dead(reason)
 
     def _resolve(self, reply: CoreReply) -> None:
         _resolve_call(self._calls, reply)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -248,3 +249,25 @@ def test_a_schema_crosses_to_the_engine_core_once(tiny_model, tmp_path):
             assert size <= read < 1.5 * size, (attempt, read, size)
     finally:
         srv.stop()
+
+
+async def test_a_start_cancelled_while_the_model_loads_leaves_no_core_process(tiny_model):
+    """A server stopped while its engine loads cancels ``start``: the core (which ignores SIGINT and SIGTERM, its
+    parent draining) was left running and the parent's exit waited for it forever (a new user's Ctrl-C during
+    ``make serve``'s load). Now it is killed while loading, or stopped if it had loaded."""
+    multiprocessing.active_children()   # reaps what earlier tests left
+    before = {p.pid for p in multiprocessing.active_children()}
+    eng = AsyncEngine(EngineArgs(model=tiny_model, kv_cache_memory="64MiB", engine_core_process=True))
+    task = asyncio.ensure_future(eng.start())
+    deadline = time.monotonic() + 60
+    while not [p for p in multiprocessing.active_children() if p.pid not in before]:   # spawned: still loading
+        assert time.monotonic() < deadline and not task.done()
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deadline = time.monotonic() + 60     # a hang bound, not a timing claim
+    while [p for p in multiprocessing.active_children() if p.pid not in before]:
+        assert time.monotonic() < deadline, "the abandoned engine core is still running"
+        await asyncio.sleep(0.05)
+    assert not eng.ready

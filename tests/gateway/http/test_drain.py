@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.gateway.script_upstream import chunk, data, upstream  # noqa: F401 -- upstream: the module-scoped fixture
+from tests.engine.test_core_process import alive, core_pid
 from tests.gateway.support import GatewayProcess
 
 CONFIG = """
@@ -118,3 +119,29 @@ def test_ctrl_c_forwarded_again_by_make_is_the_same_drain(upstream, tmp_path):
         g.proc.wait(15)
         assert "drained (0 request(s) still in flight)" in g.log()
         assert "second signal during the drain" not in g.log()
+
+
+def test_ctrl_c_while_the_local_engine_loads_exits_and_leaves_no_engine_behind(tmp_path):
+    """A new user's Ctrl-C right after ``make serve`` started (the engine still loading): the gateway drained, but
+    the engine core started meanwhile outlived the stop and the process never exited. Now it exits, 130."""
+    path = tmp_path / "local.yaml"
+    path.write_text("models: [{name: m1}]\nbackends:\n  local: {type: local, engine: {kv_cache_memory: 64MiB}}\n"
+                    "routes:\n  a: {targets: [{backend: local}]}\npolicy: {default_route: a}\n")
+    g = GatewayProcess(path).start(wait_ready=False)     # listening; the engine loads
+    try:
+        deadline = time.monotonic() + 60
+        while True:                                       # its core process is spawned: the model is loading
+            with contextlib.suppress(AssertionError):
+                core = core_pid(g.proc.pid)
+                break
+            assert time.monotonic() < deadline and g.proc.poll() is None, g.log()
+            time.sleep(0.01)
+        g.proc.send_signal(signal.SIGINT)
+        assert g.proc.wait(60) == 130, g.log()           # a hang bound, not a timing claim
+        assert "Traceback" not in g.log()
+        deadline = time.monotonic() + 10
+        while alive(core):
+            assert time.monotonic() < deadline, "the engine core outlived the gateway"
+            time.sleep(0.05)
+    finally:
+        g.stop()
