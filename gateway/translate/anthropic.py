@@ -205,6 +205,35 @@ def _tool_choice(tc: object) -> tuple[object, bool]:
     return choice, not tc.get("disable_parallel_tool_use")
 
 
+def _check_tool_results(msgs: list) -> None:
+    """Anthropic's pairing rule: each ``tool_result`` answers a ``tool_use`` of the message just before it (else
+    the backend would be shown a result of a call it never made)."""
+    asked: set = set()
+    for i, m in enumerate(msgs):
+        blocks = m.get("content") if isinstance(m.get("content"), list) else []
+        if m.get("role") == "user":
+            for j, b in enumerate(blocks):
+                if isinstance(b, dict) and b.get("type") == "tool_result" and b.get("tool_use_id") not in asked:
+                    raise _bad(f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: "
+                               f"{b.get('tool_use_id')}. Each `tool_result` block must have a corresponding "
+                               "`tool_use` block in the previous message.", f"messages.{i}.content.{j}.tool_use_id")
+        asked = {b.get("id") for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"}
+
+
+def _check_thinking(body: dict) -> None:
+    """Anthropic's bounds on an enabled ``thinking`` budget (the hint itself is dropped on translated backends):
+    an integer of at least 1024 tokens, below ``max_tokens``."""
+    th = body.get("thinking")
+    if not isinstance(th, dict) or th.get("type") != "enabled":
+        return
+    n = th.get("budget_tokens")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1024:
+        raise _bad(f"thinking.enabled.budget_tokens: Input should be an integer greater than or equal to 1024, "
+                   f"got {n!r}", "thinking.budget_tokens")
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] <= n:
+        raise _bad("`max_tokens` must be greater than `thinking.budget_tokens`", "max_tokens")
+
+
 def messages_to_chat(body: dict, count_only: bool = False) -> dict:
     """A ``/v1/messages`` body (parsed JSON object) -> the equivalent chat completions body. ``count_only``: the
     ``/v1/messages/count_tokens`` body (no ``max_tokens``). Sampling values keep their names, so the shared range
@@ -229,7 +258,9 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
         chat.append({"role": "system", "content": _text_of(body["system"], "system")})
     for i, m in enumerate(msgs):
         chat.extend(turn_to_chat(m, i))
+    _check_tool_results(msgs)
     _check_sampling(body)
+    _check_thinking(body)
     out: dict = {"model": body["model"], "messages": chat}
     for k in _SAMPLING:
         if body.get(k) is not None:

@@ -168,3 +168,17 @@ async def test_count_tokens_of_an_unknown_model_is_messages_404(upstream):
             await client.messages.create(**{**ASK, "model": "nope"})
     assert counted.value.body == created.value.body == {"type": "error", "error": {
         "type": "not_found_error", "message": "The model 'nope' does not exist; available: m1"}}
+
+
+async def test_a_tool_result_without_its_tool_use_is_refused_as_anthropic_does(upstream):
+    """A new-user trial's ``tool_result`` with no ``tool_use`` before it got a 200: the backend was shown the
+    result of a call it never made. Now Anthropic's 400, and nothing reaches the backend."""
+    turns = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "sunny"}]}]
+    async with served(config(upstream.base_url)) as client:
+        sent = len(upstream.bodies)
+        with pytest.raises(anthropic.BadRequestError) as e:
+            await client.messages.create(model="m1", max_tokens=20, messages=turns, tools=TOOLS)
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert e.value.body["error"]["message"].startswith(
+        "messages.0.content.0: unexpected `tool_use_id` found in `tool_result` blocks: toolu_9."), e.value.body
+    assert len(upstream.bodies) == sent

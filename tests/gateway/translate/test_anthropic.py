@@ -54,10 +54,33 @@ def test_request_mapping_and_refusals():
                             {"type": "tool_use", "id": "t1", "name": "f", "input": "{}"}]}]},
                          "messages.1.content.0.input"),
                         ({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [
-                            {"type": "tool_result", "content": "ok"}]}]}, "messages.0.content.0.tool_use_id")]:
+                            {"type": "tool_result", "content": "ok"}]}]}, "messages.0.content.0.tool_use_id"),
+                        # Anthropic's rules a new-user trial found accepted: a tool_result answers a tool_use of
+                        # the message just before it; an enabled thinking budget is >= 1024 and < max_tokens
+                        ({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [
+                            {"type": "tool_result", "tool_use_id": "t9", "content": "ok"}]}]},
+                         "messages.0.content.0.tool_use_id"),
+                        ({"model": "m", "max_tokens": 1, "messages": [
+                            *USER, {"role": "assistant", "content": [
+                                {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+                            {"role": "assistant", "content": "ok"},
+                            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}]},
+                         "messages.4.content.0.tool_use_id"),
+                        ({"model": "m", "max_tokens": 4000, "messages": USER,
+                          "thinking": {"type": "enabled", "budget_tokens": 10}}, "thinking.budget_tokens"),
+                        ({"model": "m", "max_tokens": 2000, "messages": USER,
+                          "thinking": {"type": "enabled", "budget_tokens": 2000}}, "max_tokens")]:
         with pytest.raises(ClientError) as e:
             messages_to_chat(body)
         assert e.value.status == 400 and e.value.param == param, body
+    # what those rules let through: a result of the call just before, a budget in bounds (dropped: a hint)
+    ok = messages_to_chat({"model": "m", "max_tokens": 3000, "thinking": {"type": "enabled", "budget_tokens": 1024},
+                           "messages": [*USER, {"role": "assistant", "content": [
+                               {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                             "content": "ok"}]}]})
+    assert ok["messages"][-1] == {"role": "tool", "tool_call_id": "t1", "content": "ok"} and "thinking" not in ok
 
 
 def test_answer_stop_reasons_and_usage():
