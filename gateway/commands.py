@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -250,12 +251,16 @@ def _ctl(args) -> int:
         for item in args.weights:
             name, sep, pct = item.partition("=")
             try:
-                weights[name] = float(pct.rstrip("%"))
+                value = float(pct.rstrip("%"))
             except ValueError:
-                sep = ""
-            if not sep:
-                print(f"tandem ctl weights: expected TARGET=PCT, got {item!r}", file=sys.stderr)
+                value = math.nan
+            if not sep or not math.isfinite(value):
+                print(f"tandem ctl weights: expected TARGET=PCT, PCT a finite number, got {item!r}", file=sys.stderr)
                 return 2
+            if name in weights:
+                print(f"tandem ctl weights: target {name!r} given twice", file=sys.stderr)
+                return 2
+            weights[name] = value
         body = {"route": args.route, "weights": weights, "rebase": args.rebase}
     if getattr(args, "abort_rollouts", False):
         body = {"abort_rollouts": True}

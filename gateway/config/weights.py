@@ -8,6 +8,7 @@ are 95 % and 5 %, 1 and 3 are 25 % and 75 %) or none does (equal shares); each f
 - some targets of a route with ``weight`` and others without: refused, naming the first without (``[{a, weight:
   5}, {b}]`` reads as "5 % canary" but the default weight 100 made it 4.8 %);
 - every target of a route with weight 0: refused (no target would get a share of the traffic: a mistake);
+- weights whose sum is not a finite number (each is, but 1e308 + 1e308 is not): refused (no shares to draw by);
 - weight on a backend that cannot be called (its ``api_key_env`` unset): a warning naming the share and where it
   goes (``down_share``: the other targets of weight > 0, else the targets of weight 0, then the fallbacks);
 - weights that do not sum to 100 where percent is implied (weights given with ``tandem ctl weights``, or every
@@ -15,6 +16,8 @@ are 95 % and 5 %, 1 and 3 are 25 % and 75 %) or none does (equal shares); each f
 """
 
 from __future__ import annotations
+
+import math
 
 import yaml
 
@@ -30,7 +33,7 @@ def _unavailable(cfg: GatewayConfig, env) -> dict[str, str]:
 
 def _shares(route: Route) -> str:
     total = sum(t.weight for t in route.targets)
-    return ", ".join(f"{t.id} {100 * t.weight / total:.1f} %" for t in route.targets)
+    return ", ".join(f"{t.id} {t.weight / total * 100:.1f} %" for t in route.targets)
 
 
 def check_weights(cfg: GatewayConfig, routes: dict[str, Route], overrides: dict[str, dict[str, float]],
@@ -54,6 +57,10 @@ def check_weights(cfg: GatewayConfig, routes: dict[str, Route], overrides: dict[
             errors.append((path, "every target has weight 0, so none gets a share of the traffic; "
                                  "give one a weight > 0"))
             continue
+        if not math.isfinite(total):
+            errors.append((path, f"the weights sum to {total:g}, so no share can be drawn; give weights whose sum "
+                                 "is a finite number (percent by convention)"))
+            continue
         if (lost := down_share(name, route, down)) is not None:
             warnings.append(lost)
         spec = cfg.routes[name].targets if name in cfg.routes else []
@@ -74,7 +81,7 @@ def down_share(name: str, route: Route, down: dict[str, str], tried: frozenset[s
     lost = [t for t in route.targets if t.weight > 0 and t.backend in down]
     if not lost or total <= 0:
         return None
-    pct = 100 * sum(t.weight for t in lost) / total
+    pct = sum(t.weight for t in lost) / total * 100
     where = "; ".join(f"{t.id}: {down[t.backend]}" for t in lost)
     rest = "the route's other targets of weight > 0" if pct < 100 else _spares_text(route, down)
     if any(t.backend in tried for t in lost):

@@ -95,8 +95,9 @@ async def admin_weights(request: Request) -> Response:
     ``base_version`` (default: the version this replica runs), or with ``rebase`` on the shared head."""
     gw = _gw(request)
     body = await _body(request)
-    if not isinstance(body.get("route"), str) or not isinstance(body.get("weights"), dict):
-        raise ClientError(400, 'expected {"route": NAME, "weights": {TARGET: PERCENT, ...}}', param="weights")
+    if not isinstance(body.get("route"), str) or not isinstance(body.get("weights"), dict) or not body["weights"]:
+        raise ClientError(400, 'expected {"route": NAME, "weights": {TARGET: PERCENT, ...}} naming at least one '
+                          'target', param="weights")
     for k, v in body["weights"].items():
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ClientError(400, f"weight of {k!r} must be a number", param=f"weights.{k}")

@@ -15,6 +15,7 @@ import logging
 import os
 from typing import Any, Callable
 
+from gateway.billing.usage import tenant_label
 from gateway.config.schema import GatewayConfig, RetrySettings
 from gateway.resilience.breaker import Breakers, iso_ms
 from gateway.resilience.health import ActiveProber, HealthTracker
@@ -94,7 +95,7 @@ class Resilience:
             lim = self.key_limits.get(hashlib.sha256(token.encode()).hexdigest())
             if lim is not None:
                 limits.append(lim)
-        if (lim := self.tenant_limits.get(tenant)) is not None:
+        if (lim := self.tenant_limits.get(tenant_label(tenant))) is not None:   # "": anonymous, as budgets
             limits.append(lim)
         return await self.limiter.acquire(limits, tokens, request_id)
 

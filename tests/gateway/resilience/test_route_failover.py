@@ -128,6 +128,15 @@ def test_cooldown_within_max_retry_after_is_waited_then_called(gw, ups):
 def test_weights_that_cannot_serve_are_refused_or_warned(gw, ups):
     r = ctl(gw, "weights", "pair", "a=0", "b=0")
     assert r.returncode == 1 and "weight 0" in r.stderr, r.stderr
+    # an operator's trial: weights of 1e308 each were taken (their sum inf: NaN shares, traffic split anyhow)
+    r = ctl(gw, "weights", "pair", "a=1e308", "b=1e308")
+    assert r.returncode == 1 and "the weights sum to inf" in r.stderr, r.stderr
+    for bad, said in ((["a=nan"], "a finite number"), (["a=inf"], "a finite number"),
+                      (["a=50", "a=20", "b=30"], "target 'a' given twice")):
+        r = ctl(gw, "weights", "pair", *bad)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = httpx.post(gw.url + "/admin/weights", headers=ADMIN, json={"route": "pair", "weights": {}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "weights", r.text
     r = ctl(gw, "weights", "pair", "a=25")
     assert r.returncode == 0, r.stderr
     assert "route pair [weighted]: a=25 (96.15 %), b=1 (3.85 %)" in r.stdout
@@ -145,6 +154,13 @@ def test_weights_that_cannot_serve_are_refused_or_warned(gw, ups):
     from gateway.config.schema import ConfigError
     with pytest.raises(ConfigError, match=r"routes.pair.targets: every target has weight 0"):
         load_config_text(bad, environ=ENV)
+    huge = text.replace("{backend: a, weight: 200}, {backend: b, weight: 1}",
+                        "{backend: a, weight: 1e308}, {backend: b, weight: 1e308}")
+    with pytest.raises(ConfigError, match=r"routes.pair.targets: the weights sum to inf"):
+        load_config_text(huge, environ=ENV)
+    shares = load_config_text(text.replace("{backend: a, weight: 200}, {backend: b, weight: 1}",
+                                           "{backend: a, weight: 1e308}, {backend: b, weight: 1}"), environ=ENV)
+    assert any("a 100.0 %, b 0.0 %" in w for w in shares.warnings), shares.warnings   # not "a inf %"
     warn = text.replace("targets: [{backend: dead}]",
                         "targets: [{backend: nokey, weight: 60}, {backend: b, weight: 40}]")
     w = load_config_text(warn, environ=ENV).warnings
