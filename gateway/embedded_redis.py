@@ -103,7 +103,8 @@ def release(server: EmbeddedRedis) -> bool:
     try:
         others = len(client.client_list()) - 1
         if others > 0:
-            log.info("leaving the embedded redis running: %d other client(s) connected", others)
+            log.info("leaving the embedded redis running: %d other connection(s) to it open (another gateway "
+                     "uses it)", others)
             return False
         try:
             client.shutdown(save=True)

@@ -11,7 +11,7 @@ from litestar import Request, Response, get, post
 from gateway.config.schema import RolloutConfig
 from gateway.errors import ClientError
 from gateway.http.admin import _body, _gw, _json
-from gateway.rollouts.controller import ACTIONS, IllegalAction, RouteBusy
+from gateway.rollouts.controller import ACTIONS, IllegalAction, RolloutSpecError, RouteBusy
 from gateway.rollouts.spec import name_problem
 from gateway.rollouts.store import Conflict
 
@@ -41,8 +41,8 @@ async def start_rollout(request: Request) -> Response:
                           param=".".join(map(str, err["loc"])) or None) from None
     try:
         view = await gw.rollouts.create(name, spec)
-    except ValueError as e:
-        raise ClientError(400, str(e), param="route") from None
+    except RolloutSpecError as e:
+        raise ClientError(400, str(e), param=e.param) from None
     except RouteBusy as e:
         raise ClientError(409, str(e), param="route", code="route_has_rollout") from None
     except Conflict:

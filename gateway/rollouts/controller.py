@@ -66,6 +66,14 @@ class RouteBusy(Exception):
     """Another live rollout steers the route (the admin API's 409)."""
 
 
+class RolloutSpecError(ValueError):
+    """A rollout's name or references are wrong (the admin API's 400); ``param``: the field at fault."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def new_rollout(name: str, spec: RolloutConfig, baseline: str, now: float) -> dict:
     """A rollout's first state: running at its first step."""
     w = float(spec.steps[0])
@@ -318,15 +326,15 @@ class RolloutController:
         """Start rollout ``name`` at its first step.
 
         Raises:
-            ValueError: its name or references are wrong (``gateway.rollouts.spec``).
+            RolloutSpecError: its name or references are wrong (``gateway.rollouts.spec``), naming the field.
             RouteBusy: another rollout is running or paused on its route (one steers a route at a time).
             Conflict: a rollout of that name exists."""
         routes = self.gw.snapshot.compiled.policy.routes
         if name_problem(name):
-            raise ValueError(name_problem(name))
+            raise RolloutSpecError(name_problem(name), "name")
         problems = rollout_problems("rollout", spec, routes)
         if problems:
-            raise ValueError("; ".join(f"{p}: {m}" for p, m in problems))
+            raise RolloutSpecError("; ".join(f"{p}: {m}" for p, m in problems), problems[0][0].split(".", 1)[1])
         for other in await self.store.live_names():
             o = await self.store.load(other)
             if o is not None and other != name and o["route"] == spec.route and o["state"] in LIVE:

@@ -170,6 +170,7 @@ async def test_operators_pause_resume_promote_abort_and_illegal_actions(redis_ur
             listed = sorted(r["name"] for r in (await c.get("/admin/rollouts")).json()["rollouts"])
     assert promoted["state"] == "promoted" and promoted["weight"] == 100
     assert bad.status_code == 400 and "ghost" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] == "candidate"      # the field at fault (an operator's trial read "route")
     assert taken.status_code == 409 and taken.json()["error"]["code"] == "rollout_exists"
     assert "'r1' exists (promoted)" in taken.json()["error"]["message"] and "another name" in taken.json()["error"]["message"]
     # a promoted rollout holds its route until released
