@@ -8,7 +8,8 @@ converts a decoded JSON object, checks every field's type and returns an
 error naming the field (``$.temperature`` -> ``temperature``), and checks every
 value range of ``engine.protocol.param_ranges.PARAM_RANGES`` (the table the gateway reads too);
 ``SamplingParams`` checks its own invariants again (its messages also start
-with the parameter's name). Unknown fields are ignored, as OpenAI and vLLM do.
+with the parameter's name). Unknown fields are ignored, as vLLM does, except vLLM's older constraint
+fields (``guided_json``...), refused rather than answered unconstrained.
 
 Sources: OpenAI API reference (``/v1/chat/completions``, ``/v1/completions``);
 vLLM ``entrypoints/openai/protocol.py`` for the extra fields' names and defaults.
@@ -65,6 +66,12 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     priority: int | None = None
     request_id: str | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM: {"json" | "regex" | "choice": ...}
+    # vLLM's older names of structured_outputs' keys: read only to be refused (engine/serving/serving.py), never
+    # ignored (the answer would be unconstrained)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -119,6 +126,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 
 T = TypeVar("T")
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")   # see _SamplingFields
 
 # The request fields whose value is a JSON schema for structured outputs, as paths of object keys.
 SCHEMA_PATHS = (("response_format", "json_schema", "schema"), ("structured_outputs", "json"))

@@ -29,7 +29,7 @@ from engine.protocol.errors import ServingError
 from engine.sampling_params import SamplingParams
 from engine.serving.chat_structured import ChatPlan
 from engine.serving.logprobs import LogprobFormatter
-from engine.serving.protocol import ChatCompletionRequest, RequestValidationError, parse_request
+from engine.serving.protocol import GUIDED_FIELDS, ChatCompletionRequest, RequestValidationError, parse_request
 
 logger = logging.getLogger("tandem.serving")
 
@@ -145,6 +145,12 @@ class OpenAIServing:
             raise ServingError(400, "logit_bias: is not supported", param="logit_bias")
         if req.allowed_token_ids is not None:   # vLLM restricts sampling to them: ignoring it would break that
             raise ServingError(400, "allowed_token_ids: is not supported", param="allowed_token_ids")
+        for name in GUIDED_FIELDS:   # vLLM's older constraint fields: ignoring one would answer unconstrained
+            if getattr(req, name) is not None:
+                key = name.removeprefix("guided_")
+                raise ServingError(400, f"{name}: vLLM's guided_* fields are not served (vLLM replaced them with "
+                                        f"structured_outputs); send \"structured_outputs\": {{\"{key}\": ...}} "
+                                        "(or response_format)", param=name)
         if req.stream_options is not None and not req.stream:
             raise ServingError(400, "stream_options: only allowed when stream is true", param="stream_options")
         policy = self.engine.args.scheduling_policy
@@ -199,11 +205,13 @@ class OpenAIServing:
                      f"{prompt_field} resulted in {num_prompt_tokens} tokens. Please reduce the length of the "
                      f"{prompt_field}.", param=prompt_field, code="context_length_exceeded")
         if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            asked = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None \
+                else "max_tokens"   # the field the client sent (chat's newer name wins, as in max_tokens above)
             raise ServingError(
                 400, f"This model's maximum context length is {limit} tokens (max_model_len). However, you "
                      f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
                      f"{prompt_field}, {max_tokens} in the completion). Please reduce the length of the "
-                     f"{prompt_field} or of max_tokens.", param="max_tokens", code="context_length_exceeded")
+                     f"{prompt_field} or of {asked}.", param=asked, code="context_length_exceeded")
         return params
 
     async def _collect(self, request_id: str, prompts: list[Prompt], priority: int):

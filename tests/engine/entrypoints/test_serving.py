@@ -442,6 +442,20 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
     r = httpx.post(url, json={"model": server.model, "messages": [{"role": "user", "content": "hi"}],
                               "stream_options": {"include_usage": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    # vLLM's older constraint fields: refused, never answered unconstrained (a trial got free text for
+    # guided_choice ["yes", "no"]); the context error names the length field the client sent
+    for name, value in (("guided_choice", ["yes", "no"]), ("guided_json", {"type": "object"}),
+                        ("guided_regex", "[0-9]{3}"), ("guided_grammar", "root ::= \"a\"")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            chat(server, messages=[{"role": "user", "content": "yes or no?"}], max_tokens=4, extra_body={name: value})
+        assert exc.value.body["param"] == name and "structured_outputs" in exc.value.message, exc.value.body
+        with pytest.raises(openai.BadRequestError) as exc:
+            server.client.completions.create(model=server.model, prompt="hi", max_tokens=4, extra_body={name: value})
+        assert exc.value.body["param"] == name, exc.value.body
+    with pytest.raises(openai.BadRequestError) as exc:
+        chat(server, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=MAX_MODEL_LEN)
+    assert exc.value.body["param"] == "max_completion_tokens" and exc.value.message.endswith(
+        "or of max_completion_tokens."), exc.value.body
     assert httpx.get(f"{server.base_url}/v1/nothing-here").status_code == 404
     assert server.client.models.retrieve(server.model).id == server.model     # OpenAI's retrieve, as the gateway
     with pytest.raises(openai.NotFoundError) as exc:
