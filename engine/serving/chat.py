@@ -39,11 +39,11 @@ class OpenAIServingChat(OpenAIServing):
         r = rendered if rendered is not None else render_chat(self.engine.tokenizer, body)
         req, plan = r.request, r.plan
         self._check_common(req, body.get("model"))
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        length_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling_params(req, len(r.prompts[0][1]), max_tokens=max_tokens, logprobs=logprobs,
-                                       prompt_logprobs=req.prompt_logprobs, prompt_field="messages",
-                                       structured_outputs=plan.structured_outputs)
+        params = self._sampling_params(req, len(r.prompts[0][1]), max_tokens=getattr(req, length_field),
+                                       logprobs=logprobs, prompt_logprobs=req.prompt_logprobs, prompt_field="messages",
+                                       structured_outputs=plan.structured_outputs, max_tokens_field=length_field)
         _resume(req, plan, self.engine.tokenizer.vocab_size)   # refused here, so /v1/ttft refuses it too
         spec = await self._compile_grammar(plan)
         if spec is not None:

@@ -127,7 +127,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 T = TypeVar("T")
 
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")   # see _SamplingFields
+# vLLM's older constraint fields (_SamplingFields), refused by the serving layer
+GUIDED_FIELDS = tuple(f for f in _SamplingFields.__struct_fields__ if f.startswith("guided_"))
 
 # The request fields whose value is a JSON schema for structured outputs, as paths of object keys.
 SCHEMA_PATHS = (("response_format", "json_schema", "schema"), ("structured_outputs", "json"))

@@ -160,9 +160,10 @@ class OpenAIServing:
                                     "request priorities", param="priority")
 
     def _sampling_params(self, req, num_prompt_tokens: int, *, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None, prompt_field: str,
-                         structured_outputs=None) -> SamplingParams:
-        """Map a request onto ``SamplingParams`` and check the context limit.
+                         prompt_logprobs: int | None, prompt_field: str, structured_outputs=None,
+                         max_tokens_field: str = "max_tokens") -> SamplingParams:
+        """Map a request onto ``SamplingParams`` and check the context limit (``max_tokens_field``: the field
+        ``max_tokens`` came from, named by the error).
 
         Raises:
             ServingError: 400 naming the bad parameter, or naming ``max_model_len``
@@ -205,13 +206,12 @@ class OpenAIServing:
                      f"{prompt_field} resulted in {num_prompt_tokens} tokens. Please reduce the length of the "
                      f"{prompt_field}.", param=prompt_field, code="context_length_exceeded")
         if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-            asked = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None \
-                else "max_tokens"   # the field the client sent (chat's newer name wins, as in max_tokens above)
             raise ServingError(
                 400, f"This model's maximum context length is {limit} tokens (max_model_len). However, you "
                      f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
                      f"{prompt_field}, {max_tokens} in the completion). Please reduce the length of the "
-                     f"{prompt_field} or of {asked}.", param=asked, code="context_length_exceeded")
+                     f"{prompt_field} or of {max_tokens_field}.", param=max_tokens_field,
+                code="context_length_exceeded")
         return params
 
     async def _collect(self, request_id: str, prompts: list[Prompt], priority: int):
