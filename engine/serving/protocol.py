@@ -66,8 +66,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     priority: int | None = None
     request_id: str | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM: {"json" | "regex" | "choice": ...}
-    # vLLM's older names of structured_outputs' keys: read only to be refused (engine/serving/serving.py), never
-    # ignored (the answer would be unconstrained)
+    # vLLM's older names of structured_outputs' keys (engine.protocol.guided.GUIDED_FIELDS): read only to be
+    # refused (engine/serving/serving.py), never ignored (the answer would be unconstrained)
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -126,9 +126,6 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 
 T = TypeVar("T")
-
-# vLLM's older constraint fields (_SamplingFields), refused by the serving layer
-GUIDED_FIELDS = tuple(f for f in _SamplingFields.__struct_fields__ if f.startswith("guided_"))
 
 # The request fields whose value is a JSON schema for structured outputs, as paths of object keys.
 SCHEMA_PATHS = (("response_format", "json_schema", "schema"), ("structured_outputs", "json"))

@@ -26,10 +26,11 @@ from typing import Any
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestWithdrawn
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol.errors import ServingError
+from engine.protocol.guided import GUIDED_FIELDS, guided_field_hint
 from engine.sampling_params import SamplingParams
 from engine.serving.chat_structured import ChatPlan
 from engine.serving.logprobs import LogprobFormatter
-from engine.serving.protocol import GUIDED_FIELDS, ChatCompletionRequest, RequestValidationError, parse_request
+from engine.serving.protocol import ChatCompletionRequest, RequestValidationError, parse_request
 
 logger = logging.getLogger("tandem.serving")
 
@@ -147,10 +148,7 @@ class OpenAIServing:
             raise ServingError(400, "allowed_token_ids: is not supported", param="allowed_token_ids")
         for name in GUIDED_FIELDS:   # vLLM's older constraint fields: ignoring one would answer unconstrained
             if getattr(req, name) is not None:
-                key = name.removeprefix("guided_")
-                raise ServingError(400, f"{name}: vLLM's guided_* fields are not served (vLLM replaced them with "
-                                        f"structured_outputs); send \"structured_outputs\": {{\"{key}\": ...}} "
-                                        "(or response_format)", param=name)
+                raise ServingError(400, f"{name}: {guided_field_hint(name)}", param=name)
         if req.stream_options is not None and not req.stream:
             raise ServingError(400, "stream_options: only allowed when stream is true", param="stream_options")
         policy = self.engine.args.scheduling_policy

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import msgspec
 
+from engine.protocol.guided import guided_field_hint
 from engine.protocol.param_ranges import check_param
 from engine.protocol.tool_choice import TOOL_CHOICE_WITHOUT_TOOLS, tool_choice_without_tools
 from gateway.errors import ClientError
@@ -274,7 +275,9 @@ def unknown_parameter_error(req: GatewayRequest, route) -> ClientError | None:
     if not req.unknown_params or (route is not None and route.extra_params == "pass"):
         return None
     name = req.unknown_params[0]
-    return ClientError(400, f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter")
+    hint = guided_field_hint(name)   # vLLM's older constraint fields: say what constrains the output here
+    message = f"Unrecognized request argument supplied: {name}" + (f"; {hint}" if hint else "")
+    return ClientError(400, message, param=name, code="unknown_parameter")
 
 
 # An image's estimated prompt tokens: Anthropic's count for an image at its largest unresized size (~1.15

@@ -548,3 +548,11 @@ def test_prompt_logprobs_and_multiple_prompts(server):
     ids = server.engine.tokenizer.encode("1, 2, 3", add_special_tokens=True)
     assert len(plp) == len(ids) and plp[0] is None
     assert all(str(t) in pos and pos[str(t)]["logprob"] <= 0 for t, pos in zip(ids[1:], plp[1:]))
+
+
+def test_the_guided_fields_the_server_reads_are_the_ones_it_refuses():
+    # the request struct declares vLLM's older fields only to refuse them: the two lists are one
+    from engine.protocol.guided import GUIDED_FIELDS
+    from engine.serving.protocol import ChatCompletionRequest, CompletionRequest
+    for struct in (ChatCompletionRequest, CompletionRequest):
+        assert tuple(f for f in struct.__struct_fields__ if f.startswith("guided_")) == GUIDED_FIELDS

@@ -49,6 +49,18 @@ def test_an_unknown_completions_parameter_is_refused_too(client, upstream):
     assert upstream.calls == []
 
 
+def test_vllms_older_guided_fields_are_refused_naming_the_structured_outputs_key(client, upstream):
+    # vLLM's guided_* were replaced by structured_outputs' keys; the refusal says which one to send, the same
+    # sentence as the engine's own server (engine.protocol.guided)
+    for name, value, key in (("guided_choice", ["yes", "no"], "choice"), ("guided_json", {"type": "object"}, "json")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="m1", messages=MESSAGES, max_tokens=5, extra_body={name: value})
+        assert err.value.code == "unknown_parameter" and err.value.param == name
+        assert err.value.body["message"].startswith(f"Unrecognized request argument supplied: {name}; ")
+        assert f'"structured_outputs": {{"{key}": ...}}' in err.value.body["message"]
+    assert upstream.calls == []
+
+
 def test_vendor_extensions_and_openais_own_parameters_are_forwarded(client, upstream):
     extras = {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": False, "min_tokens": 1,
               "skip_special_tokens": True, "chat_template_kwargs": {"enable_thinking": False}}
