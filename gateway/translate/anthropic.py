@@ -303,6 +303,13 @@ def _stop_of(finish, matched, stop_sequences: list | None) -> tuple[str | None, 
     return (_FINISH.get(finish, "end_turn") if finish else None), None
 
 
+def _with_tool_use(stop_reason: str | None, has_calls: bool) -> str | None:
+    """The stop reason of a reply with tool calls (``has_calls``): ``tool_use`` where the reply ended on its own
+    (chat's ``tool_calls``, ``stop``, or no reason yet), else ``stop_reason`` as it is: a reply cut by
+    ``max_tokens`` inside a call stays ``max_tokens`` (its last call is partial: a client must not run it)."""
+    return "tool_use" if has_calls and stop_reason in (None, "end_turn") else stop_reason
+
+
 def _usage(u: dict | None) -> dict:
     """Chat ``usage`` -> Anthropic's. Chat's ``prompt_tokens`` counts the cached prefix too; Anthropic's
     ``input_tokens`` does not (the whole input is ``input_tokens + cache_read_input_tokens +
@@ -338,8 +345,7 @@ def chat_to_message(chat: dict, message_id: str, model: str, stop_sequences: lis
         content.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
                         "input": _tool_input(fn.get("arguments"))})
     stop_reason, stop_sequence = _stop(choice, stop_sequences)
-    if msg.get("tool_calls"):
-        stop_reason = "tool_use"
+    stop_reason = _with_tool_use(stop_reason, bool(msg.get("tool_calls")))
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": _usage(chat.get("usage"))}
 
@@ -433,8 +439,7 @@ class MessageEvents:
         """The closing events (after the last chunk)."""
         out = ([] if self.started else self._start()) + self._close() + self._calls(self.tools.flush())
         usage = _usage(self.usage) if self.usage else {"input_tokens": self.input_tokens, "output_tokens": 0}
-        if self.tool_calls and self.stop_reason in (None, "end_turn"):
-            self.stop_reason = "tool_use"
+        self.stop_reason = _with_tool_use(self.stop_reason, self.tool_calls > 0)
         out.append(("message_delta", {"type": "message_delta",
                                       "delta": {"stop_reason": self.stop_reason or "end_turn",
                                                 "stop_sequence": self.stop_sequence}, "usage": usage}))

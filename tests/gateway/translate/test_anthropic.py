@@ -98,6 +98,14 @@ def test_answer_stop_reasons_and_usage():
     assert chat_to_message(chat, "msg_1", "m", None)["stop_reason"] == "end_turn"
     chat["choices"][0]["finish_reason"] = "length"
     assert chat_to_message(chat, "msg_1", "m")["stop_reason"] == "max_tokens"
+    # tool calls make tool_use where the reply ended on its own; one cut by max_tokens inside a call stays
+    # max_tokens (a trial got tool_use with the half-written name "get_": an agent would run it), as streamed
+    call = {"id": "c1", "type": "function", "function": {"name": "get_", "arguments": ""}}
+    chat["choices"][0]["message"] = {"content": None, "tool_calls": [call]}
+    assert chat_to_message(chat, "msg_1", "m")["stop_reason"] == "max_tokens"
+    for finish in ("tool_calls", "stop"):
+        chat["choices"][0]["finish_reason"] = finish
+        assert chat_to_message(chat, "msg_1", "m")["stop_reason"] == "tool_use"
     # a native answer read as chat and rendered back keeps its blocks, stop reason and usage
     native = {"id": "x", "model": "c", "content": [{"type": "text", "text": "a"}, {
         "type": "tool_use", "id": "t1", "name": "f", "input": {"k": 1}}], "stop_reason": "tool_use",
