@@ -393,7 +393,7 @@ def from_chat(chat: dict, ctx: ResponseContext) -> dict:
     """A chat completion (the first choice) -> the Responses object: its reasoning as a reasoning item, its text
     as one message item, each tool
     call as a ``function_call`` item; ``finish_reason`` ``length`` -> status ``incomplete``
-    (``max_output_tokens``)."""
+    (``max_output_tokens``), and so the items the cut ended (OpenAI's item ``status``)."""
     choice = (chat.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
     output = []
@@ -405,5 +405,9 @@ def from_chat(chat: dict, ctx: ResponseContext) -> dict:
         fn = call.get("function") or {}
         output.append(function_call_item(ctx, k, call.get("id"), fn.get("name", ""), fn.get("arguments") or ""))
     incomplete = FINISH_TO_INCOMPLETE.get(choice.get("finish_reason"))
+    if incomplete:    # the cut ended the last item, and the reasoning when it left no text nor call after it
+        output[-1]["status"] = "incomplete"
+        if output[0]["type"] == "reasoning" and output[-1]["type"] == "message" and not msg.get("content"):
+            output[0]["status"] = "incomplete"
     return response_object(ctx, "incomplete" if incomplete else "completed", output, usage_of(chat.get("usage")),
                            incomplete=incomplete)

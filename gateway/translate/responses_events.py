@@ -36,6 +36,7 @@ class ResponsesEvents:
         self.usage: dict | None = None
         self.final: dict | None = None
         self.ended = False
+        self.closing = "completed"          # the status of the items closed from now on ("incomplete": the cut)
 
     def _ev(self, type_: str, **fields) -> dict:
         ev = {"type": type_, "sequence_number": self.seq, **fields}
@@ -75,14 +76,14 @@ class ResponsesEvents:
         item, text, i = self.open["item"], self.open["text"], len(self.output)
         self.open = None
         if item["type"] == "message":
-            done = {**message_item(self.ctx, text), "id": item["id"]}
+            done = {**message_item(self.ctx, text, status=self.closing), "id": item["id"]}
             part = done["content"][0]
             events = [self._ev("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
                                text=text, logprobs=[]),
                       self._ev("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
                                part=part)]
         else:
-            done = {**item, "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+            done = {**item, "content": [{"type": "reasoning_text", "text": text}], "status": self.closing}
             events = [self._ev("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
                                text=text)]
         self.output.append(done)
@@ -101,7 +102,7 @@ class ResponsesEvents:
                                        output_index=i, delta=piece[0]))
             else:
                 item, self.call_item = self.call_item, None
-                done = {**item, "name": call.name, "arguments": call.arguments, "status": "completed"}
+                done = {**item, "name": call.name, "arguments": call.arguments, "status": self.closing}
                 self.output.append(done)
                 events += [self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=i,
                                     name=call.name, arguments=call.arguments),
@@ -155,16 +156,19 @@ class ResponsesEvents:
 
     def finish(self) -> list[dict]:
         """The chat stream ended: close the open item and answer ``response.completed`` (``response.incomplete``
-        when stopped by the token limit); ``response.failed`` when no ``finish_reason`` came."""
+        when stopped by the token limit, the items it closes then ``incomplete``, as ``from_chat`` marks them);
+        ``response.failed`` when no ``finish_reason`` came."""
         if self.ended:
             return []
         if self.finish_reason is None:
             return self.error({"code": "stream_interrupted", "message": "the stream ended before the answer did"})
         self.ended = True
+        incomplete = FINISH_TO_INCOMPLETE.get(self.finish_reason)
+        if incomplete:           # the items still open are the ones the cut ended: OpenAI marks them incomplete
+            self.closing = "incomplete"
         events = self._close()
         if not any(o["type"] != "reasoning" for o in self.output):   # an empty answer is still one (empty)
             events += self._open_message() + self._close()                # message, as the whole answer has
-        incomplete = FINISH_TO_INCOMPLETE.get(self.finish_reason)
         self.final = response_object(self.ctx, "incomplete" if incomplete else "completed", self.output,
                                      usage_of(self.usage), incomplete=incomplete)
         kind = "response.incomplete" if incomplete else "response.completed"

@@ -87,6 +87,46 @@ def test_named_tool_choice_and_length_stop():
     assert (r["status"], r["incomplete_details"], r["usage"]) == ("incomplete", {"reason": "max_output_tokens"}, None)
 
 
+@pytest.mark.parametrize("deltas, statuses", [
+    # cut in the text: the message is incomplete
+    ([{"content": "Count: 1, 2"}], [("message", "incomplete")]),
+    # a call finished, the next cut in its arguments: only the cut one is incomplete
+    ([{"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{}"}}]},
+      {"tool_calls": [{"index": 1, "id": "c2", "function": {"name": "g", "arguments": ""}}]}],
+     [("function_call", "completed"), ("function_call", "incomplete")]),
+    # text, then a call cut: the text ended before the cut
+    ([{"content": "Let me check."}, {"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "get_"}}]}],
+     [("message", "completed"), ("function_call", "incomplete")]),
+    # cut in the reasoning: it and the (empty) answer are incomplete
+    ([{"reasoning_content": "Hmm, the"}], [("reasoning", "incomplete"), ("message", "incomplete")]),
+    # reasoning done, text cut
+    ([{"reasoning_content": "ok"}, {"content": "Par"}], [("reasoning", "completed"), ("message", "incomplete")]),
+])
+def test_items_a_length_cut_ends_are_incomplete_streamed_and_not(deltas, statuses):
+    # OpenAI marks the output items max_output_tokens cut as incomplete (a trial saw them all "completed")
+    ctx = new_context({"model": "m"}, "r", "m")
+    ev = ResponsesEvents(ctx)
+    events = ev.start()
+    for d in deltas:
+        events += ev.feed(_chunk(d))
+    events += ev.feed(_chunk(finish="length")) + ev.finish()
+    streamed = events[-1]["response"]
+    assert streamed["status"] == "incomplete"
+    assert [(o["type"], o["status"]) for o in streamed["output"]] == statuses
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(o["type"], o["status"]) for o in done] == statuses
+    # the same reply as one chat completion
+    message: dict = {"content": "".join(d.get("content", "") for d in deltas) or None}
+    if reasoning := "".join(d.get("reasoning_content", "") for d in deltas):
+        message["reasoning_content"] = reasoning
+    calls = [c for d in deltas for c in d.get("tool_calls", ())]
+    if calls:
+        message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+            "name": c["function"]["name"], "arguments": c["function"].get("arguments", "")}} for c in calls]
+    plain = from_chat({"choices": [{"message": message, "finish_reason": "length"}]}, ctx)
+    assert [(o["type"], o["status"]) for o in plain["output"]] == statuses
+
+
 def test_stream_text_then_two_calls_then_usage():
     ev = ResponsesEvents(new_context({"model": "m"}, "r", "m"))
     out = ev.start()
