@@ -9,7 +9,10 @@ What is translated: ``input`` (a string, or items: messages with text and image 
 ``function_call_output``; ``reasoning`` items are dropped, chat has no place for them), ``instructions`` (a
 system message first), function ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``text.format``
 (``json_schema`` / ``json_object`` -> ``response_format``), ``max_output_tokens`` -> ``max_tokens``,
-``temperature``, ``top_p``, ``user``, ``metadata``, ``stream`` (and the gateway's own ``priority``, ``seed``).
+``temperature``, ``top_p``, ``user``, ``metadata``, ``stream`` (and the gateway's own ``priority``, ``seed``),
+``include: ["message.output_text.logprobs"]`` and ``top_logprobs`` -> chat's ``logprobs`` and ``top_logprobs``
+(the message's ``output_text`` then carries them, as chat's ``logprobs.content``). ``max_tool_calls`` is echoed:
+it bounds built-in tools' calls (OpenAI's), and only function tools are served.
 Every parameter is checked first, as OpenAI checks it (``PARAMS``: unknown, type, range). Refused with a 400
 naming the field: built-in OpenAI tools (``web_search``, ``file_search``, ``computer_use_preview``...),
 ``background``, ``conversation``, ``prompt`` (stored prompts) and input items chat cannot express.
@@ -47,6 +50,8 @@ _SAME = ("temperature", "top_p", "user", "metadata", "priority", "seed")
 # Parameters copied into the chat body under another name.
 _RENAMED = {"max_output_tokens": "max_tokens"}
 FINISH_TO_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+# The ``include`` value asking for the output text's token logprobs (OpenAI's).
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +281,8 @@ def to_chat(body: dict, history: list[dict], items: list[dict]) -> dict:
         chat["tool_choice"] = _tool_choice(choice)
     if (rf := _response_format(body.get("text"))) is not None:
         chat["response_format"] = rf
+    if LOGPROBS_INCLUDE in (body.get("include") or ()) or body.get("top_logprobs") is not None:
+        chat["logprobs"], chat["top_logprobs"] = True, body.get("top_logprobs") or 0
     if body.get("stream"):
         # the Responses stream ends with its usage: ask the backend for it whatever the client said
         chat["stream"], chat["stream_options"] = True, {"include_usage": True}
@@ -343,10 +350,12 @@ def usage_of(chat_usage: dict | None) -> dict | None:
             "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": inp + out}
 
 
-def message_item(ctx: ResponseContext, text: str, status: str = "completed", refusal: str | None = None) -> dict:
-    """The assistant message output item of ``ctx``'s response."""
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text or not refusal \
-        else []
+def message_item(ctx: ResponseContext, text: str, status: str = "completed", refusal: str | None = None,
+                 logprobs: list | None = None) -> dict:
+    """The assistant message output item of ``ctx``'s response; ``logprobs``: its text's tokens, chat's
+    ``logprobs.content`` items (``token``, ``logprob``, ``bytes``, ``top_logprobs``), empty when not asked for."""
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}] \
+        if text or not refusal else []
     if refusal:
         content.append({"type": "refusal", "refusal": refusal})
     return {"type": "message", "id": f"msg_{ctx.request_id}", "status": status, "role": "assistant",
@@ -384,6 +393,7 @@ def response_object(ctx: ResponseContext, status: str, output: list[dict], usage
         "previous_response_id": b.get("previous_response_id"), "reasoning": {"effort": None, "summary": None},
         "store": b.get("store", True), "temperature": b.get("temperature", 1.0),
         "text": {"format": (text or {}).get("format") or {"type": "text"}},
+        "top_logprobs": b.get("top_logprobs"), "max_tool_calls": b.get("max_tool_calls"),
         "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [], "top_p": b.get("top_p", 1.0),
         "truncation": "disabled", "usage": usage, "user": b.get("user"), "metadata": b.get("metadata") or {},
     }
@@ -400,7 +410,8 @@ def from_chat(chat: dict, ctx: ResponseContext) -> dict:
     if reasoning := reasoning_of(msg):
         output.append(reasoning_item(ctx, reasoning))
     if msg.get("content") or msg.get("refusal") or not msg.get("tool_calls"):
-        output.append(message_item(ctx, msg.get("content") or "", refusal=msg.get("refusal")))
+        output.append(message_item(ctx, msg.get("content") or "", refusal=msg.get("refusal"),
+                                   logprobs=(choice.get("logprobs") or {}).get("content")))
     for k, call in enumerate(msg.get("tool_calls") or []):
         fn = call.get("function") or {}
         output.append(function_call_item(ctx, k, call.get("id"), fn.get("name", ""), fn.get("arguments") or ""))

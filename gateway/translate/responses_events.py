@@ -55,7 +55,7 @@ class ResponsesEvents:
         if n:                     # text after a call: another message, with an id of its own (the SDK checks)
             item["id"] += f"_{n}"
         item["content"] = []
-        self.open = {"item": item, "text": ""}
+        self.open = {"item": item, "text": "", "logprobs": []}
         i = len(self.output)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [self._ev("response.output_item.added", output_index=i, item=item),
@@ -66,20 +66,20 @@ class ResponsesEvents:
         n = sum(o["type"] == "reasoning" for o in self.output)
         item = reasoning_item(self.ctx, "", n, status="in_progress")
         item["content"] = []
-        self.open = {"item": item, "text": ""}
+        self.open = {"item": item, "text": "", "logprobs": []}
         return [self._ev("response.output_item.added", output_index=len(self.output), item=item)]
 
     def _close_open(self) -> list[dict]:
         """Finish the open message or reasoning item: its ``.done`` events, then it joins ``output``."""
         if self.open is None:
             return []
-        item, text, i = self.open["item"], self.open["text"], len(self.output)
+        item, text, logprobs, i = self.open["item"], self.open["text"], self.open["logprobs"], len(self.output)
         self.open = None
         if item["type"] == "message":
-            done = {**message_item(self.ctx, text, status=self.closing), "id": item["id"]}
+            done = {**message_item(self.ctx, text, status=self.closing, logprobs=logprobs), "id": item["id"]}
             part = done["content"][0]
             events = [self._ev("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
-                               text=text, logprobs=[]),
+                               text=text, logprobs=logprobs),
                       self._ev("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
                                part=part)]
         else:
@@ -114,15 +114,16 @@ class ResponsesEvents:
         return self._close_open() + self._calls(self.tools.flush())
 
     # -- input -------------------------------------------------------------------------------------------------
-    def _text(self, kind: str, text: str) -> list[dict]:
+    def _text(self, kind: str, text: str, logprobs: list | None = None) -> list[dict]:
         events: list[dict] = []
         if self.open is None or self.open["item"]["type"] != kind:
             events += self._close() + (self._open_message() if kind == "message" else self._open_reasoning())
         self.open["text"] += text
+        self.open["logprobs"] += logprobs or []
         item_id, i = self.open["item"]["id"], len(self.output)
         if kind == "message":
             return events + [self._ev("response.output_text.delta", item_id=item_id, output_index=i,
-                                      content_index=0, delta=text, logprobs=[])]
+                                      content_index=0, delta=text, logprobs=logprobs or [])]
         return events + [self._ev("response.reasoning_text.delta", item_id=item_id, output_index=i,
                                   content_index=0, delta=text)]
 
@@ -137,7 +138,8 @@ class ResponsesEvents:
         if choice.reasoning:
             events += self._text("reasoning", choice.reasoning)
         if choice.content:
-            events += self._text("message", choice.content)
+            lps = choice.logprobs.get("content") if isinstance(choice.logprobs, dict) else None
+            events += self._text("message", choice.content, lps)
         for call in choice.tool_calls:
             events += self._close_open() + self._calls(self.tools.feed(call))
         if choice.finish_reason:

@@ -229,6 +229,31 @@ def test_responses_api_on_the_local_engine_and_the_aggregator(gateway):
     assert isinstance(json.loads(raw.parse().output_text)["ok"], bool)
 
 
+def test_responses_logprobs_are_chats_streamed_or_not(gateway):
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` gives the output text's token logprobs
+    (a trial got ``[]``, the fields silently dropped): the same as chat's for the same greedy request, streamed
+    (the deltas' and the done event's) as not; ``top_logprobs`` and ``max_tool_calls`` are echoed."""
+    c = client(gateway)
+    chat = c.chat.completions.create(model="smollm2", messages=MSG, max_tokens=6,
+                                     temperature=0, logprobs=True, top_logprobs=2)
+    def flat(lps):
+        return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in lps]
+
+    want = flat(chat.choices[0].logprobs.content)
+    kw = dict(model="smollm2", input=MSG, max_output_tokens=6, temperature=0, top_logprobs=2, max_tool_calls=3,
+              include=["message.output_text.logprobs"])
+    r = c.responses.create(**kw)
+    assert flat(r.output[0].content[0].logprobs) == want and len(want) == 6
+    assert (r.top_logprobs, r.max_tool_calls) == (2, 3)
+    events = list(c.responses.create(**kw, stream=True))
+    deltas = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    for lps in (deltas, done.logprobs, events[-1].response.output[0].content[0].logprobs):
+        assert flat(lps) == want
+    plain = c.responses.create(model="smollm2", input=MSG, max_output_tokens=6, temperature=0)
+    assert plain.output[0].content[0].logprobs == []                     # not asked for: none
+
+
 def test_engine_validation_errors_pass_through(gateway):
     """A rule only the engine checks (min_tokens <= max_tokens) comes back as the engine's 400 after one call;
     a range (top_p, top_k: engine/protocol/param_ranges.py, the table both read) is refused before routing,
