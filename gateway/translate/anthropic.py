@@ -262,6 +262,9 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
     _check_sampling(body)
     _check_thinking(body)
     out: dict = {"model": body["model"], "messages": chat}
+    if chat[-1]["role"] == "assistant" and not chat[-1].get("tool_calls"):
+        # a prefill: Anthropic continues the last assistant turn; vLLM's chat fields for the same
+        out["continue_final_message"], out["add_generation_prompt"] = True, False
     for k in _SAMPLING:
         if body.get(k) is not None:
             out[k] = body[k]

@@ -71,3 +71,16 @@ async def test_local_embeddings_and_messages(tiny_model):
         recs = await records(gw, 4)
         assert all(not x.estimated for x in recs.values())
         assert sorted(x.completion_tokens for x in recs.values()) == [0, 0, 6, 6]
+        # an assistant last turn is a prefill Anthropic continues (a trial got a new turn): the chat request
+        # with vLLM's continue_final_message, the same prompt and text
+        turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": '{"a": "'}]
+        msg = await claude.messages.create(model="m1", max_tokens=6, extra_body={"temperature": 0}, messages=turns)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        chat = await client.chat.completions.create(model="m1", max_tokens=6, temperature=0, messages=turns,
+                                                    extra_body={"continue_final_message": True,
+                                                                "add_generation_prompt": False})
+        new_turn = await client.chat.completions.create(model="m1", max_tokens=6, temperature=0, messages=turns)
+        await client.close()
+        assert msg.content[0].text == chat.choices[0].message.content
+        assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+        assert chat.usage.prompt_tokens < new_turn.usage.prompt_tokens    # no end of turn, no generation prompt
