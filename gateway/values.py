@@ -158,6 +158,15 @@ class GatewayRequest:
     unknown_params: tuple[str, ...] = ()
 
     @property
+    def sequences(self) -> int:
+        """How many completions the request generates, each up to ``max_tokens``: ``n`` (default 1), and for
+        completions ``best_of`` when larger (it generates that many and returns the best ``n``)."""
+        n = self.body.get("n")
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+        best_of = self.body.get("best_of") if self.endpoint == "completions" else None
+        return max(n, best_of) if isinstance(best_of, int) and not isinstance(best_of, bool) else n
+
+    @property
     def anthropic_body(self) -> dict | None:
         """/v1/messages: the client's Anthropic Messages body (``source``), which a ``type: anthropic`` backend
         receives as it is (``body`` is its chat translation, ``gateway/translate/anthropic.py``, which every other

@@ -28,10 +28,11 @@ class Admission:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-def estimate_nusd(cfg, targets, prompt_tokens: int, max_tokens: int | None) -> int:
-    """Upper estimate of a request's cost, nano-USD: its prompt tokens and ``max_tokens`` (else
-    ``limits.default_completion_tokens``) at the highest input and output prices among ``targets``."""
-    completion = max_tokens if max_tokens is not None else cfg.limits.default_completion_tokens
+def estimate_nusd(cfg, targets, prompt_tokens: int, max_tokens: int | None, sequences: int = 1) -> int:
+    """Upper estimate of a request's cost, nano-USD: its prompt tokens and ``sequences`` (the completions it
+    generates: ``n``) x ``max_tokens`` (else ``limits.default_completion_tokens``) at the highest input and output
+    prices among ``targets``."""
+    completion = (max_tokens if max_tokens is not None else cfg.limits.default_completion_tokens) * sequences
     best = Price()
     for t in targets:
         b = cfg.backends.get(t.backend)
@@ -53,7 +54,7 @@ async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: Usa
         ClientError: 429 ``rate_limit_exceeded`` (503 ``rate_limiter_unavailable`` fail-closed) or 429
             ``budget_exceeded``, with ``Retry-After``.
     """
-    tokens = resilience.estimate_tokens(req.prompt_tokens, req.max_tokens)
+    tokens = resilience.estimate_tokens(req.prompt_tokens, req.max_tokens, req.sequences)
     # Rate limits before the budget: a request they reject must not hold a budget reservation.
     rl = await resilience.admit(req.tenant, bearer(req.headers.get("authorization")), tokens, req.request_id)
     if not rl.allowed:
@@ -62,7 +63,7 @@ async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: Usa
     if bcfg is None:
         return Admission(tokens, rl.reservation, headers=rl.headers())
     budget = Budget(bcfg.usd, bcfg.period)
-    est = estimate_nusd(cfg, targets, req.prompt_tokens, req.max_tokens)
+    est = estimate_nusd(cfg, targets, req.prompt_tokens, req.max_tokens, req.sequences)
     check = await usage.reserve(req.tenant, req.request_id, est, budget)
     if check.unavailable:
         raise ClientError(503, "Budget unavailable: shared state is unreachable and budgets fail closed "

@@ -84,9 +84,11 @@ class Resilience:
         return self.state.degraded
 
     # -- admission ---------------------------------------------------------------------------------------------
-    def estimate_tokens(self, prompt_tokens: int | None, max_tokens: int | None) -> int:
-        """Tokens reserved at admission: estimated prompt + max_tokens (or the configured default)."""
-        return int(prompt_tokens or 0) + int(max_tokens if max_tokens is not None else self.default_completion_tokens)
+    def estimate_tokens(self, prompt_tokens: int | None, max_tokens: int | None, sequences: int = 1) -> int:
+        """Tokens reserved at admission: estimated prompt + ``sequences`` (the completions generated: ``n``)
+        x max_tokens (or the configured default)."""
+        completion = max_tokens if max_tokens is not None else self.default_completion_tokens
+        return int(prompt_tokens or 0) + int(completion) * sequences
 
     async def admit(self, tenant: str, token: str | None, tokens: int, request_id: str) -> RateLimitResult:
         """Check and record the RPM/TPM limits of the request's virtual key and tenant."""

@@ -121,6 +121,9 @@ def test_503_falls_back_and_headers(gw, ups):
     raw2 = client(gw).chat.completions.with_raw_response.create(model="s503", messages=MSG, max_tokens=1000)
     assert int(raw2.headers["x-ratelimit-remaining-tokens"]) == 100_000_000 - 8 - (prompt_estimate + 1000)
     assert raw2.headers["x-ratelimit-reset-tokens"].endswith("s")
+    # n completions of max_tokens each are reserved (a trial's n=32 reserved one: its budget overspent 4x)
+    raw3 = client(gw).chat.completions.with_raw_response.create(model="s503", messages=MSG, max_tokens=100, n=3)
+    assert int(raw3.headers["x-ratelimit-remaining-tokens"]) == 100_000_000 - 16 - (prompt_estimate + 300)
 
 
 @pytest.mark.parametrize("status,exc", [(400, openai.BadRequestError), (404, openai.NotFoundError)])

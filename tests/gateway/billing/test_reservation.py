@@ -1,0 +1,40 @@
+"""What admission reserves of a tenant's budget before a request runs (``gateway/request/admission.py``): its
+prompt and every completion it may generate, ``n`` (and completions' ``best_of``) times ``max_tokens``, at its
+targets' highest prices; a trial's ``n: 32`` reserved one completion and overspent a budget 4x."""
+
+from __future__ import annotations
+
+from gateway.config.compile import load_config_text
+from gateway.request.admission import estimate_nusd
+from gateway.values import GatewayRequest
+
+CONFIG = """reload: {watch: false}
+models:
+  - name: m1
+backends:
+  up:
+    type: openai
+    base_url: http://127.0.0.1:9/v1
+    prices: {input: 1, output: 2}
+routes:
+  r1:
+    targets: [{backend: up}]
+policy:
+  default_route: r1
+"""
+
+
+def _req(endpoint: str, body: dict) -> GatewayRequest:
+    return GatewayRequest(endpoint, body, "m1", False, 0, "", {}, body.get("max_tokens"), False, False, None)
+
+
+def test_the_reservation_counts_every_completion_the_request_may_generate():
+    cfg = load_config_text(CONFIG).config
+    targets = load_config_text(CONFIG).policy.routes["r1"].targets
+    assert [_req("chat/completions", b).sequences for b in ({}, {"n": 32}, {"n": 1, "best_of": 5})] == [1, 32, 1]
+    assert [_req("completions", b).sequences for b in ({"n": 2}, {"n": 2, "best_of": 5}, {"best_of": 3})] == [2, 5, 3]
+    one = estimate_nusd(cfg, targets, 10, 60)
+    assert estimate_nusd(cfg, targets, 10, 60, sequences=32) == one + 31 * 60 * 2 * 1000   # 2 USD / 1M output
+    # without max_tokens: the configured default completion, times n too
+    default = cfg.limits.default_completion_tokens
+    assert estimate_nusd(cfg, targets, 0, None, sequences=4) == 4 * default * 2 * 1000
