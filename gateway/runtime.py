@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
@@ -45,38 +44,14 @@ from gateway.rollouts.controller import RolloutController
 from gateway.rollouts.metrics import ParityCollector
 from gateway.rollouts.shadow import ShadowRunner
 from gateway.rollouts.store import RolloutStore
+from gateway.request.auth import NO_KEYS, exposed_without_keys
+from gateway.snapshot import Snapshot
 from gateway.state import StateUnavailable
 from gateway.tasks import cancel_task
-from policies import Signals
 
 log = logging.getLogger("tandem.gateway")
 # how long before a drain's deadline the streams still open are interrupted (at most a quarter of the drain)
 _INTERRUPT_LEAD_S = 1.0
-
-
-@dataclass
-class Snapshot:
-    """One immutable config generation as the hot path uses it."""
-
-    compiled: Compiled
-    backends: dict
-    version: int
-    source: str
-    needs_prompt_tokens: bool
-    max_body_size: int
-    local: LocalBackend | None = None
-    warnings: list[str] = field(default_factory=list)
-    needs_local_signals: bool = False
-    owners: dict[str, str] = field(default_factory=dict)   # ``ConfigState.owners`` of the running version
-
-    def signals(self) -> Signals:
-        """Live signals for the policy: local engine load (only when a rule
-        looks at it) and the backends that cannot be used now."""
-        unavailable = {n: b.unavailable_reason for n, b in self.backends.items() if not b.available}
-        if self.needs_local_signals and self.local is not None:
-            waiting, running, kv = self.local.stats()
-            return Signals(waiting, running, kv, unavailable)
-        return Signals(unavailable=unavailable)
 
 
 class Gateway:
@@ -102,6 +77,7 @@ class Gateway:
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self.engine_start: asyncio.Task | None = None   # the co-located engine's load, once started
+        self.listen: tuple[str, bool] | None = None   # (host, --insecure) of the server this gateway answers on
         self.config_file = ConfigFile(config_path)   # the file on disk: reloads and the watcher read it
         self.file_digest = ""            # the applied state's: digest of the file text last applied from a file
         cfg = initial.config
@@ -251,6 +227,9 @@ class Gateway:
         snap = Snapshot(compiled, backends, state.version, state.source, "prompt_tokens" in policy_fields,
                         compiled.config.server.max_body_size, local, list(compiled.warnings),
                         any(f.startswith("local.") for f in policy_fields), dict(state.owners))
+        if self.listen is not None and exposed_without_keys(compiled, *self.listen):
+            snap.closed = True           # fail closed: the warning tells the operator (the log, `tandem ctl`)
+            snap.warnings.append(NO_KEYS)
         self.resilience.configure(compiled.config)
         self.replicas.configure(compiled, backends)
         self.file_digest = state.file_digest or self.file_digest

@@ -177,7 +177,7 @@ async def metrics(request: Request) -> Response:
     must not read every tenant's usage and spend; ``admin.public_metrics`` opens it."""
     gw = request.app.state.gw
     compiled = gw.snapshot.compiled
-    if compiled.key_hashes and not compiled.config.admin.public_metrics:
+    if (compiled.key_hashes or gw.snapshot.closed) and not compiled.config.admin.public_metrics:
         _gw(request)
     await refresh_gauges(gw.obs.metrics, gw.obs.usage, gw.snapshot, gw.resilience.breakers)
     try:

@@ -11,7 +11,6 @@ from litestar import Request, Response, post
 
 from gateway.errors import model_not_found
 from gateway.http.transport import read_json_body
-from gateway.request.auth import authenticate
 from gateway.request.validate import check_request, estimate_prompt_tokens, parse_json
 from gateway.translate.anthropic import messages_to_chat
 
@@ -35,7 +34,7 @@ async def count_tokens(request: Request) -> Response:
     snap = request.app.state.gw.snapshot
     compiled = snap.compiled
     headers = anthropic_headers(request.headers)
-    tenant = authenticate(headers.get("authorization"), compiled.key_hashes)
+    tenant = snap.authenticate(headers.get("authorization"))
     raw = await read_json_body(request, snap.max_body_size, compiled.config.server.body_timeout_s)
     chat = messages_to_chat(parse_json(raw), count_only=True)
     req = check_request(chat, "chat/completions", None, compiled.local_serves, tenant=tenant)

@@ -33,7 +33,6 @@ from gateway.http.anthropic import anthropic_headers, count_tokens
 from gateway.http.exceptions import EXCEPTION_HANDLERS
 from gateway.http.serving import GATEWAY_ID_PREFIX, serve_observed, streamed
 from gateway.http.transport import EventStream, unless_disconnected
-from gateway.request.auth import authenticate
 from gateway.request.pipeline import handle
 from gateway.runtime import Gateway
 from gateway.stored_responses import ResponseStore
@@ -125,8 +124,9 @@ def _model_object(name: str) -> dict:
 
 @get("/v1/models")
 async def models(request: Request) -> Response:
-    compiled = request.app.state.gw.snapshot.compiled
-    authenticate(request.headers.get("authorization"), compiled.key_hashes)
+    snap = request.app.state.gw.snapshot
+    compiled = snap.compiled
+    snap.authenticate(request.headers.get("authorization"))
     data = [_model_object(m) for m in compiled.public_models]
     return Response(msgspec.json.encode({"object": "list", "data": data}), media_type=_JSON)
 
@@ -135,8 +135,9 @@ async def models(request: Request) -> Response:
 async def model(request: Request) -> Response:
     """One model object (OpenAI's ``GET /v1/models/{model}``), for a public name or an alias (its ``id`` is the
     name asked for). Raises ClientError 404 ``model_not_found`` for any other name."""
-    compiled = request.app.state.gw.snapshot.compiled
-    authenticate(request.headers.get("authorization"), compiled.key_hashes)
+    snap = request.app.state.gw.snapshot
+    compiled = snap.compiled
+    snap.authenticate(request.headers.get("authorization"))
     name = request.path_params["model"].lstrip("/")   # a path parameter keeps its leading slash; names may hold /
     if name not in compiled.model_names:
         raise model_not_found(name, compiled.public_models)

@@ -22,7 +22,6 @@ from litestar import Request, Response, delete, get, post
 from gateway.errors import ClientError
 from gateway.http.serving import serve_observed, streamed
 from gateway.http.transport import EventStream, unless_disconnected
-from gateway.request.auth import authenticate
 from gateway.request.pipeline import handle
 from gateway.request.validate import parse_json
 from gateway.sse import named_event
@@ -46,7 +45,7 @@ async def _prepare(gw, store: ResponseStore, raw: bytes, headers, rid: str):
 
     Raises:
         ClientError: 400/401, 404 for an unknown ``previous_response_id`` (as OpenAI answers)."""
-    tenant = authenticate(headers.get("authorization"), gw.snapshot.compiled.key_hashes)   # before the body
+    tenant = gw.snapshot.authenticate(headers.get("authorization"))   # before the body
     body = {k: v for k, v in parse_json(raw).items() if v is not None}
     check_body(body)
     history: list = []
@@ -153,7 +152,7 @@ async def responses_sse(chat: ChatStream, events: ResponsesEvents,
 
 async def _stored(request: Request) -> tuple[ResponseStore, str, str]:
     gw = request.app.state.gw
-    tenant = authenticate(request.headers.get("authorization"), gw.snapshot.compiled.key_hashes)
+    tenant = gw.snapshot.authenticate(request.headers.get("authorization"))
     return request.app.state.responses, tenant, request.path_params["response_id"]
 
 

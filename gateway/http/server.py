@@ -27,7 +27,7 @@ from engine.protocol.signals import SIGNAL_ECHO_S, stop_exit_status
 from engine.protocol.heap import freeze_heap
 from gateway.http.app import create_app
 from gateway.http.door import DoorLimits, door_protocol
-from gateway.request.auth import is_loopback
+from gateway.request.auth import exposed_without_keys
 from gateway.config.compile import load_config_or_report
 from gateway.config.schema import ConfigError
 from gateway.embedded_redis import release, start_or_join, with_redis_url
@@ -120,7 +120,7 @@ def bind_refusal(compiled, host: str, insecure: bool = False) -> str | None:
     """Why ``tandem serve`` refuses to bind ``host`` with ``compiled`` (a ``CompiledConfig``), or None: a
     non-loopback address with no virtual key loaded (``auth.keys``; a key from an unset environment variable is
     not loaded) is open to anyone unless ``--insecure`` or ``server.insecure`` says that is meant."""
-    if compiled.key_hashes or is_loopback(host) or insecure or compiled.config.server.insecure:
+    if not exposed_without_keys(compiled, host, insecure):
         return None
     return (f"refusing to bind {host}: no virtual API keys are configured (auth.keys), so the gateway would be "
             "open to anyone. Bind 127.0.0.1, configure keys, or pass --insecure.")
@@ -164,6 +164,7 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
             print(f"tandem serve --picker-port: {why}", file=sys.stderr)
             return 2
     gw = Gateway(config_path, compiled, start_engine=start_engine)
+    gw.listen = (host, insecure)     # a later config without keys closes it (``exposed_without_keys``)
     if picker_port is not None:
         picker = PickerServer(gw, host, picker_port, picker_health_port, picker_fallbacks)
     door = DoorLimits(cfg.server.max_header_bytes, cfg.server.max_headers, cfg.server.header_timeout_s)

@@ -50,7 +50,7 @@ class RequestRecord:
     request_id: str
     endpoint: str
     t0: float                              # time.perf_counter() at arrival
-    snap: Any = None                       # the config generation current at arrival (gateway.runtime.Snapshot)
+    snap: Any = None                       # the config generation current at arrival (gateway.snapshot.Snapshot)
     trace_id: str = ""
     traceparent: str | None = None
     span: Any = None                       # the SERVER span (None: tracing off)

@@ -82,7 +82,7 @@ class Observability:
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def configure(self, snap) -> None:
-        """A config generation was applied (``gateway.runtime.Snapshot``): requests arriving from now see it."""
+        """A config generation was applied (``gateway.snapshot.Snapshot``): requests arriving from now see it."""
         self.snap = snap
 
     async def start(self) -> None:

@@ -19,13 +19,30 @@ def bearer(header: str | None) -> str | None:
     return token.strip()
 
 
-def authenticate(header: str | None, key_hashes: dict[str, str]) -> str:
-    """The tenant of the request's virtual key ("" when no keys are
-    configured: anonymous mode, loopback only).
+# The 401 of a gateway left open by its config (``exposed_without_keys``): fail closed, never open to anyone.
+NO_KEYS = ("no virtual API key is configured (auth.keys), and this gateway listens on a non-loopback address: "
+           "every request is refused until a key is configured (or server.insecure says an open gateway is meant)")
+
+
+def exposed_without_keys(compiled, host: str | None, insecure: bool = False) -> bool:
+    """Whether ``compiled`` (a ``Compiled`` config) leaves a gateway listening on ``host`` open to anyone: no
+    virtual key loaded (a key from an unset environment variable is not loaded), a non-loopback address, and
+    neither ``--insecure`` (``insecure``) nor ``server.insecure`` saying that is meant. ``host`` None: not
+    listening (an in-process gateway)."""
+    return bool(host) and not compiled.key_hashes and not is_loopback(host) and not insecure \
+        and not compiled.config.server.insecure
+
+
+def authenticate(header: str | None, key_hashes: dict[str, str], closed: bool = False) -> str:
+    """The tenant of the request's virtual key ("" when no keys are configured: anonymous mode, loopback only).
+    ``closed``: the running config left the gateway ``exposed_without_keys`` (a reload, a rollback or another
+    replica's change took its keys away): every request is refused rather than served to anyone.
 
     Raises:
-        ClientError: 401 for a missing or unknown key."""
+        ClientError: 401 for a missing or unknown key, or ``closed``."""
     if not key_hashes:
+        if closed:
+            raise ClientError(401, NO_KEYS, code="invalid_api_key")
         return ""
     token = bearer(header)
     if token is None:

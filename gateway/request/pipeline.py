@@ -17,7 +17,6 @@ from gateway.backends.relabel import answer_id
 from gateway.billing.local_cost import local_price
 from gateway.errors import ClientError, model_not_found
 from gateway.request.admission import admit
-from gateway.request.auth import authenticate
 from gateway.request.validate import (check_request, counted_exactly, estimate_prompt_tokens, parse_json,
                                       unknown_parameter_error, with_default_max_tokens)
 from gateway.resilience.resume import prepare as prepare_resume
@@ -38,7 +37,7 @@ OFFLOAD_BYTES = 16 * 1024
 def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str,
                   tenant: str | None = None, body: dict | None = None,
                   source: tuple[str, dict] | None = None) -> GatewayRequest:
-    """The request value of ``raw`` on config generation ``snap`` (``gateway.runtime.Snapshot``): its tenant,
+    """The request value of ``raw`` on config generation ``snap`` (``gateway.snapshot.Snapshot``): its tenant,
     checked body, public model and prompt length (the local engine's rendering, kept for the engine, when a rule
     reads ``prompt_tokens`` and the engine is up; else the estimate). ``tenant``: given by an operator (``tandem
     route explain``) instead of authenticated from ``headers``. ``body``: ``raw`` already decoded (a request
@@ -50,7 +49,7 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     """
     compiled = snap.compiled
     if tenant is None:
-        tenant = authenticate(headers.get("authorization"), compiled.key_hashes)
+        tenant = snap.authenticate(headers.get("authorization"))
     if body is None:
         body = parse_json(raw)
     if endpoint == "messages":      # Anthropic Messages: served as its chat translation

@@ -323,6 +323,37 @@ def test_public_bind_without_keys_is_refused(upstreams, tmp_path):
     assert r.returncode == 2 and "refusing to bind 0.0.0.0" in r.stderr
 
 
+def test_a_change_that_removes_every_key_closes_an_exposed_gateway(upstreams, tmp_path):
+    # Started on 0.0.0.0 with one key, then a reload to no key (a trial: every request was then served to
+    # anyone, /metrics too): the gateway fails closed, 401 for every request, until a key is configured again.
+    a, b = upstreams
+    key = "sk-team-a-0123456789"
+    keyed = f"auth:\n  keys:\n    - {{tenant: team-a, sha256: {hashlib.sha256(key.encode()).hexdigest()}}}\n"
+    path = tmp_path / "exposed.yaml"
+    path.write_text(upstream_config({"a": a, "b": b}, ROUTES, extra=keyed))
+    g = GatewayProcess(path, env=KEY_ENV, extra_args=["--host", "0.0.0.0"]).start()
+    try:
+        msgs = [{"role": "user", "content": "x"}]
+        assert client(g, key).chat.completions.create(model="m1", messages=msgs).choices[0].message.content
+        path.write_text(upstream_config({"a": a, "b": b}, ROUTES, extra="auth: {keys: []}\n"))
+        _wait_for(lambda: "no virtual API key" in httpx.get(g.url + "/v1/models").text)   # the watcher applied it
+        calls = len(a.calls) + len(b.calls)
+        for k in (key, "anything"):
+            with pytest.raises(openai.AuthenticationError) as e:
+                client(g, k).chat.completions.create(model="m1", messages=msgs)
+            assert "no virtual API key is configured" in e.value.body["message"]
+        assert len(a.calls) + len(b.calls) == calls                          # nothing reached an upstream
+        assert httpx.get(g.url + "/metrics").status_code == 401               # the admin token, as with keys
+        assert httpx.get(g.url + "/metrics", headers={"authorization": "Bearer admin-tok"}).status_code == 200
+        assert "no virtual API key is configured" in g.log()                  # the operator is told
+        path.write_text(upstream_config({"a": a, "b": b}, ROUTES, extra=keyed))
+        _wait_for(lambda: httpx.get(g.url + "/v1/models", headers={"authorization": f"Bearer {key}"}).status_code
+                  == 200)
+        assert httpx.get(g.url + "/v1/models").status_code == 401
+    finally:
+        g.stop()
+
+
 def _wait_for(condition, guard_s: float = 60.0) -> None:
     """Poll ``condition()`` until true (``guard_s``: a liveness bound, not a timing claim)."""
     deadline = time.monotonic() + guard_s

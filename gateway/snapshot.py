@@ -1,0 +1,43 @@
+"""One config generation as the request path reads it (``Gateway.snapshot``, swapped whole by
+``gateway/runtime.py``): the compiled config, its backends, its version, and what the hot path derives from them
+once (who may call it, which signals the policy reads)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.backends.local import LocalBackend
+from gateway.config.compile import Compiled
+from gateway.request.auth import authenticate
+from policies import Signals
+
+
+@dataclass
+class Snapshot:
+    """One immutable config generation as the hot path uses it."""
+
+    compiled: Compiled
+    backends: dict
+    version: int
+    source: str
+    needs_prompt_tokens: bool
+    max_body_size: int
+    local: LocalBackend | None = None
+    warnings: list[str] = field(default_factory=list)
+    needs_local_signals: bool = False
+    owners: dict[str, str] = field(default_factory=dict)   # ``ConfigState.owners`` of the running version
+    closed: bool = False     # no key left on an exposed listener: every request refused (``exposed_without_keys``)
+
+    def authenticate(self, header: str | None) -> str:
+        """The tenant of a request's ``Authorization`` header under this generation's keys (``authenticate``).
+        Raises ClientError 401."""
+        return authenticate(header, self.compiled.key_hashes, self.closed)
+
+    def signals(self) -> Signals:
+        """Live signals for the policy: local engine load (only when a rule
+        looks at it) and the backends that cannot be used now."""
+        unavailable = {n: b.unavailable_reason for n, b in self.backends.items() if not b.available}
+        if self.needs_local_signals and self.local is not None:
+            waiting, running, kv = self.local.stats()
+            return Signals(waiting, running, kv, unavailable)
+        return Signals(unavailable=unavailable)
