@@ -69,6 +69,8 @@ def register(subparsers) -> None:
         func=_ctl, path="/admin/config", status=True)
     rb = sub.add_parser("rollback", help="return to the previous config version")
     rb.add_argument("--base-version", type=int, help="the version to undo (409 when the head is another one)")
+    rb.add_argument("--restore-keys", action="store_true",
+                    help="let virtual keys the undone change removed come back (else the rollback is refused)")
     rb.set_defaults(func=_ctl, path="/admin/rollback")
     sub.add_parser("drain", help="stop accepting, finish in-flight requests, exit").set_defaults(
         func=_ctl, path="/admin/drain")
@@ -264,6 +266,8 @@ def _ctl(args) -> int:
         body = {"route": args.route, "weights": weights, "rebase": args.rebase}
     if getattr(args, "abort_rollouts", False):
         body = {"abort_rollouts": True}
+    if getattr(args, "restore_keys", False):
+        body = {"restore_keys": True}
     if getattr(args, "base_version", None) is not None:
         body = {**(body or {}), "base_version": args.base_version}
     method = "GET" if args.path == "/admin/config" else "POST"

@@ -21,7 +21,7 @@ from prometheus_client import Counter
 from gateway.config.compile import Compiled, load_config_text
 from gateway.config.config_file import ConfigFile
 from gateway.config.layers import RolloutConflict, holder, layer_view, over_file, route_weights, same_as_file
-from gateway.config.rollback import returns_to
+from gateway.config.rollback import check_keys, returns_to
 from gateway.config.schema import ConfigError
 from gateway.config.sync import sync_versions, watch_file
 from gateway.backends.build import build_backends
@@ -374,15 +374,17 @@ class Gateway:
         return await self._commit(ConfigState(text, overrides, "weights", file_digest=digest, owners=owners),
                                   version, guard)
 
-    async def rollback(self, base: int | None = None) -> dict:
+    async def rollback(self, base: int | None = None, restore_keys: bool = False) -> dict:
         """Return to the previous version (all replicas follow), as built on ``base`` (default: the version
         this replica runs). The file watcher leaves it in place until the file itself changes.
 
         A rollback undoes a config change, not a rollout (``gateway/config/rollback.py``): a promoted rollout's
         split is set again on top (``RolloutController.reassert``; a running one's by the next tick), an ended one's
-        is not brought back (the answer's warnings say so), and one that would be orphaned refuses it.
+        is not brought back (the answer's warnings say so), and one that would be orphaned refuses it. Virtual keys
+        the undone change removed come back only with ``restore_keys``.
 
         Raises:
+            KeysRestored: the previous version has keys the head removed, and not ``restore_keys``.
             LookupError: no previous version.
             VersionConflict: the head is not ``base``.
             RolloutConflict: the previous version would orphan a rollout (nothing changes).
@@ -395,6 +397,7 @@ class Gateway:
                 raise self._unreachable("config rollback", e) from None
             replace, kept, returned_to = None, [], None
             if len(history) >= 2 and history[0].version == base:
+                check_keys(history[0], history[1], restore_keys)
                 replace, kept = returns_to(history[0], history[1], await self._every_rollout("config rollback"))
                 returned_to = history[1].version
             try:

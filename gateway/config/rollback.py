@@ -5,6 +5,10 @@ previous version may hold, on a route, the split of a rollout that has ended sin
 gates): returned to as stored, its candidate would get traffic again although its rollout is over. Such a route
 keeps the weights it has now (the head's override of it, else the head's file weights for it: put over the previous
 version's file where they differ from it), and the rollback's answer says so.
+
+Nor does a rollback bring back, unasked, a virtual key the change it undoes removed (a revoked key working again
+would be a security incident): it is refused naming the tenants (``KeysRestored``) unless the operator says
+``restore_keys``.
 """
 
 from __future__ import annotations
@@ -74,3 +78,25 @@ def returns_to(head: ConfigState, prev: ConfigState, rollouts: list[dict]) -> tu
         raise RolloutConflict(problems, ". End it first (tandem ctl rollout abort NAME, or release NAME when "
                                         "promoted), then roll back")
     return without_ended(head, prev, rollouts)
+
+
+class KeysRestored(Exception):
+    """A rollback would bring back virtual keys (``auth.keys``) the version it undoes does not have."""
+
+
+def keys_brought_back(head: ConfigState, prev: ConfigState) -> list[str]:
+    """The tenants (sorted, once each) of the virtual keys ``prev``'s config loads and ``head``'s does not (compared
+    by their sha256; keys from environment variables as this process sees them)."""
+    now = load_config_text(head.text, {}).key_hashes
+    return sorted({tenant for digest, tenant in load_config_text(prev.text, {}).key_hashes.items() if digest not in now})
+
+
+def check_keys(head: ConfigState, prev: ConfigState, restore_keys: bool) -> None:
+    """Refuse a rollback from ``head`` to ``prev`` that brings back removed keys, unless ``restore_keys``.
+
+    Raises:
+        KeysRestored: naming the tenants and how to roll back anyway."""
+    if not restore_keys and (tenants := keys_brought_back(head, prev)):
+        raise KeysRestored(f"the version it returns to has virtual keys (auth.keys) that version {head.version} "
+                           f"removed, of tenant(s) {', '.join(tenants)}: a revoked key would work again. Roll back "
+                           "anyway with restore_keys (tandem ctl rollback --restore-keys), or edit the file")

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.billing.prices import NANO
 from gateway.billing.usage import Budget, tenant_label
 from gateway.config.layers import RolloutConflict
+from gateway.config.rollback import KeysRestored
 from gateway.config.status import describe
 from gateway.config.versions import VersionConflict
 from gateway.errors import ClientError
@@ -75,12 +76,18 @@ async def admin_reload(request: Request) -> Response:
 
 @post("/admin/rollback")
 async def admin_rollback(request: Request) -> Response:
-    """Body (optional): ``{"base_version": N}``, the version the rollback is meant to undo. 409
-    ``rollout_conflict`` when the version it returns to would orphan a rollout (naming it)."""
+    """Body (optional): ``{"base_version": N, "restore_keys": bool}``: the version the rollback is meant to
+    undo; whether virtual keys that version removed may come back. 409 ``rollout_conflict`` when the version it
+    returns to would orphan a rollout (naming it), 409 ``keys_restored`` when it has keys the head removed."""
     gw = _gw(request)
     body = await _body(request)
+    restore = body.get("restore_keys", False)
+    if not isinstance(restore, bool):
+        raise ClientError(400, "restore_keys must be a boolean", param="restore_keys")
     try:
-        return _json(await gw.rollback(body.get("base_version")))
+        return _json(await gw.rollback(body.get("base_version"), restore_keys=restore))
+    except KeysRestored as e:
+        raise ClientError(409, str(e), code="keys_restored") from None
     except VersionConflict as e:
         raise _conflict(e) from None
     except RolloutConflict as e:

@@ -116,6 +116,52 @@ def test_unchanged_reload_keeps_the_version(upstreams, tmp_path):
         g.stop()
 
 
+def test_a_rollback_brings_back_a_removed_key_only_when_told(upstreams, tmp_path):
+    """A key removed by a reload is revoked; a rollback of that reload would make it work again (a security
+    trial's team-d key did): refused with 409 ``keys_restored`` naming the tenant, nothing changed, unless
+    ``restore_keys`` (``tandem ctl rollback --restore-keys``)."""
+    import hashlib
+
+    import openai
+
+    a, b = upstreams
+    keys = {"team-a": "sk-a-0123456789", "team-d": "sk-d-0123456789"}
+
+    def text(tenants):
+        auth = "".join(f"    - {{tenant: {t}, sha256: {hashlib.sha256(keys[t].encode()).hexdigest()}}}\n"
+                       for t in tenants)
+        return upstream_config({"a": a, "b": b}, ROUTES, extra=f"auth:\n  keys:\n{auth}").replace(
+            "watch: true", "watch: false")
+
+    def chat(tenant):
+        c = openai.OpenAI(base_url=g.url + "/v1", api_key=keys[tenant], max_retries=0)
+        return c.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}])
+
+    path = tmp_path / "config.yaml"
+    path.write_text(text(["team-a", "team-d"]))
+    g = GatewayProcess(path, env=ENV).start()
+    try:
+        assert chat("team-d").choices[0].message.content
+        path.write_text(text(["team-a"]))
+        assert httpx.post(g.url + "/admin/reload", headers=ADMIN).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            chat("team-d")
+        revoked = admin_config(g)["version"]
+        r = httpx.post(g.url + "/admin/rollback", headers=ADMIN)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "keys_restored"
+        assert "team-d" in r.json()["error"]["message"] and "--restore-keys" in r.json()["error"]["message"]
+        assert admin_config(g)["version"] == revoked
+        with pytest.raises(openai.AuthenticationError):
+            chat("team-d")
+        ctl = subprocess.run([sys.executable, "-m", "gateway.commands", "ctl", "--url", g.url, "rollback",
+                              "--restore-keys"], cwd=ROOT, env={**ENV, "PATH": "/usr/bin:/bin"},
+                             capture_output=True, text=True, timeout=60)
+        assert ctl.returncode == 0, ctl.stderr
+        assert chat("team-d").choices[0].message.content                 # the operator said so
+    finally:
+        g.stop()
+
+
 def test_two_replicas_share_config_through_redis(upstreams, tmp_path, redis_url):
     a, b = upstreams
     prefix = f"t{uuid.uuid4().hex[:8]}"
