@@ -20,7 +20,8 @@ async def serve_observed(request: Request, endpoint: str, headers,
     """``answer(gw, rec, rid, raw)``'s response to ``request``, observed as ``endpoint``.
 
     Before it: 503 while the gateway drains, the request id (forwarded upstream; echoed as ``x-request-id``),
-    the record (``gw.obs.begin``: span, trace context) and the size- and time-limited body, declared as JSON. After it: a
+    the record (``gw.obs.begin``: span, trace context), the key's tenant (401) and the size- and time-limited
+    body, declared as JSON. After it: a
     ``ClientError`` is recorded (``gw.obs.reject``) and raised on; a request that ends without a stream (499, an
     unexpected error) is still metered and logged (``gw.obs.abandon``), while an ``EventStream``'s record is
     completed by observability's stream wrapper at its end. ``answer`` completes the record of a whole answer
@@ -33,6 +34,9 @@ async def serve_observed(request: Request, endpoint: str, headers,
     rec = gw.obs.begin(rid, endpoint, headers)
     response = None
     try:
+        # the key first (a 401 reads no body); a later refusal (a bad body, an unknown model) is logged and
+        # counted under the tenant that sent it
+        rec.tenant = gw.snapshot.authenticate(headers.get("authorization"))
         raw = await read_json_body(request, gw.snapshot.max_body_size, gw.snapshot.compiled.config.server.body_timeout_s)
         response = await answer(gw, rec, rid, raw)
         return response

@@ -509,6 +509,28 @@ def test_redactor_masks_known_secrets_and_patterns():
     assert red.text("plain text, no secret") == "plain text, no secret"
 
 
+def test_a_refusal_before_routing_is_logged_under_its_tenant(gw):
+    """A keyed request refused by validation (an unknown model, a bad body) is logged under its key's tenant (a
+    security trial saw every such 400/404 logged as anonymous); a request without a valid key is logged anonymous."""
+    auth = {"authorization": f"Bearer {KEY_T1}"}
+    for rid, body in (("tenant-log-404", {"model": "nope", "messages": HELLO}),
+                      ("tenant-log-400", {"model": "m3", "messages": HELLO, "temperature": 9})):
+        r = httpx.post(gw.url + "/v1/chat/completions", headers={**auth, "x-request-id": rid}, json=body, timeout=10)
+        assert r.status_code in (400, 404)
+    r = httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": "Bearer wrong", "x-request-id":
+                   "tenant-log-401"}, json={"model": "m3", "messages": HELLO}, timeout=10)
+    assert r.status_code == 401
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = {x["request_id"].rsplit("-", 1)[0]: x for x in log_lines(gw)    # the client's id + a unique suffix
+                 if x.get("request_id", "").startswith("tenant-log-")}
+        if len(lines) == 3:
+            break
+        time.sleep(0.05)
+    assert {rid: x["tenant"] for rid, x in lines.items()} == {
+        "tenant-log-404": "t1", "tenant-log-400": "t1", "tenant-log-401": "anonymous"}
+
+
 def test_client_disconnect_is_metered_and_logged(gw):
     """A client that hangs up while the upstream works: the request still gets its log line (499) and metric, and
     is billed (issue 26) for its prompt, estimated (what the upstream generated before the cancel is unknown)."""
