@@ -14,11 +14,31 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           502: "upstream_error", 503: "service_unavailable", 504: "timeout_error"}
 
 
+# An error echoes parts of the request (a model name, a parameter, an id): at most this many characters of its
+# message and its param, so that a megabyte sent is not a megabyte answered (and logged).
+MESSAGE_CHARS, PARAM_CHARS = 4096, 256
+
+
+def clip(text: str | None, limit: int) -> str | None:
+    """``text`` cut to ``limit`` characters, saying how many were left out; None stays None."""
+    if text is None or len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def _error_type(status: int, types: dict[int, str], client: str, server: str) -> str:
+    """The error ``type`` of ``status``: its entry in ``types``, else ``client`` for any other 4xx (408, 415,
+    431...: the client's request) and ``server`` for the rest."""
+    return types.get(status) or (client if 400 <= status < 500 else server)
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
                type_: str | None = None) -> bytes:
-    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}`` as bytes."""
-    return msgspec.json.encode({"error": {"message": message, "type": type_ or _TYPES.get(status, "server_error"),
-                                          "param": param, "code": code}})
+    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}`` as bytes (message and param
+    ``clip``-ped)."""
+    return msgspec.json.encode({"error": {
+        "message": clip(message, MESSAGE_CHARS), "param": clip(param, PARAM_CHARS), "code": code,
+        "type": type_ or _error_type(status, _TYPES, "invalid_request_error", "server_error")}})
 
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); 529 is its "overloaded".
@@ -35,16 +55,20 @@ def anthropic_status(status: int) -> int:
 
 
 def anthropic_error_body(status: int, message: str, type_: str | None = None) -> bytes:
-    """Anthropic's error JSON (``/v1/messages``): ``{"type": "error", "error": {"type", "message"}}`` as bytes."""
-    return msgspec.json.encode({"type": "error", "error": {"type": type_ or _ANTHROPIC_TYPES.get(status, "api_error"),
-                                                           "message": message}})
+    """Anthropic's error JSON (``/v1/messages``): ``{"type": "error", "error": {"type", "message"}}`` as bytes
+    (the message ``clip``-ped)."""
+    return msgspec.json.encode({"type": "error", "error": {
+        "type": type_ or _error_type(status, _ANTHROPIC_TYPES, "invalid_request_error", "api_error"),
+        "message": clip(message, MESSAGE_CHARS)}})
 
 
 class ClientError(Exception):
-    """A request the gateway refuses; becomes an OpenAI error response."""
+    """A request the gateway refuses; becomes an OpenAI error response. Its message and param are ``clip``-ped
+    where they are made, so the log line and the answer carry the same bounded text."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
+        message, param = clip(message, MESSAGE_CHARS), clip(param, PARAM_CHARS)
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}

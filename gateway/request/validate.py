@@ -227,9 +227,8 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
             check_range(name, value)
     if endpoint == "chat/completions" and tool_choice_without_tools(body.get("tool_choice"), body.get("tools")):
         raise ClientError(400, TOOL_CHOICE_WITHOUT_TOOLS, param="tool_choice", code="invalid_value")
-    if "stream_options" in body and body.get("stream") is not True:
-        raise ClientError(400, "The 'stream_options' parameter is only allowed when 'stream' is true",
-                          param="stream_options", code="invalid_value")
+    if "stream_options" in body:
+        _check_stream_options(body)
     raw_priority = body.get("priority")
     if raw_priority is None:
         raw_priority = x_priority
@@ -256,6 +255,24 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         has_response_format=rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"),
         local_unsupported=unsupported,
         unknown_params=tuple(k for k in body if k not in known), **identity)
+
+
+# stream_options' fields and their type: OpenAI's, and vLLM's continuous_usage_stats (usage on every chunk).
+STREAM_OPTIONS = {"include_usage": bool, "include_obfuscation": bool, "continuous_usage_stats": bool}
+
+
+def _check_stream_options(body: dict) -> None:
+    """OpenAI's 400s for ``stream_options``: only with ``stream: true``, only its known fields, each a boolean."""
+    if body.get("stream") is not True:
+        raise ClientError(400, "The 'stream_options' parameter is only allowed when 'stream' is true",
+                          param="stream_options", code="invalid_value")
+    for name, value in body["stream_options"].items():
+        if name not in STREAM_OPTIONS:
+            raise ClientError(400, f"Unrecognized request argument supplied: stream_options.{name}",
+                              param=f"stream_options.{name}", code="unknown_parameter")
+        if value is not None and not isinstance(value, STREAM_OPTIONS[name]):
+            raise ClientError(400, f"'stream_options.{name}' must be a boolean, got {type(value).__name__}",
+                              param=f"stream_options.{name}", code="invalid_type")
 
 
 def with_default_max_tokens(req: GatewayRequest, route, model) -> GatewayRequest:

@@ -85,6 +85,9 @@ def test_null_fields_are_not_forwarded(gateway, upstreams):
     ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content"),
     ({"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": MSG, "stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+    # a field stream_options does not have, or not a boolean (a trial's "maybe" and "foo" were ignored)
+    ({"messages": MSG, "stream": True, "stream_options": {"include_usage": True, "foo": 1}}, "stream_options.foo"),
+    ({"messages": MSG, "stream": True, "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
 ])
 def test_invalid_messages_and_stream_options_are_400(gateway, upstreams, body, param):
     r = post(gateway, {"model": "m1", **body})

@@ -114,7 +114,8 @@ def test_slow_headers_are_408(gateway):
 def test_slow_body_is_408(gateway):
     answer = exchange(gateway, [head(length=100) + b"\r\n" + b'{"model": "m1"'])
     assert status_of(answer) == 408
-    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert (error["code"], error["type"]) == ("request_timeout", "invalid_request_error")   # the client's, a 4xx
 
 
 @pytest.mark.parametrize("depth", [65, 50_000])
@@ -156,5 +157,19 @@ def test_unknown_content_encoding_is_415_naming_it(gateway, upstream):
     before = upstream.calls
     r = post_encoded(gateway, b"\x1b\x00\x00", "br")
     assert r.status_code == 415 and "'br'" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"       # a trial saw server_error on this 4xx
     assert r.headers["accept-encoding"] == "gzip, deflate, identity"
     assert upstream.calls == before
+
+
+def test_an_error_echoing_a_huge_value_is_bounded(gateway, upstream):
+    # a 1 MB model name was answered (and logged) in full in its 404 (a security trial): the message is clipped
+    r = httpx.post(gateway.url + "/v1/chat/completions", timeout=10, headers={"authorization": f"Bearer {KEY}"},
+                   json={"model": "m" * 1_000_000, "messages": [{"role": "user", "content": "hi"}]})
+    error = r.json()["error"]
+    assert r.status_code == 404 and error["code"] == "model_not_found"
+    assert len(r.content) < 5000 and error["message"].endswith("more characters)")
+    # Anthropic's type for a 4xx it has no own type for (415): invalid_request_error, not api_error
+    r = httpx.post(gateway.url + "/v1/messages", timeout=10, content=b"\x1b\x00\x00", headers={
+        "x-api-key": KEY, "content-type": "application/json", "content-encoding": "br"})
+    assert r.status_code == 415 and r.json()["error"]["type"] == "invalid_request_error"
