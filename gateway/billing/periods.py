@@ -50,8 +50,8 @@ def parse_since(since: str | None, now_s: float | None = None) -> _dt.date:
     if not since:
         return now.date()
     s = since.strip()
-    if s.endswith("d") and s[:-1].isdigit():
-        return (now - _dt.timedelta(days=int(s[:-1]))).date()
+    if s.endswith("d") and s[:-1].isdigit():   # further back than the calendar goes: its first day
+        return now.date() - _dt.timedelta(days=min(int(s[:-1]), (now.date() - _dt.date.min).days))
     try:
         return _dt.date.fromisoformat(s[:10])
     except ValueError:

@@ -189,6 +189,13 @@ def test_metrics_count_known_traffic(gw, ups):
                                                      "cached_tokens": 0, "cost_usd": 47e-6}
     assert rep["tenants"]["t1"]["backends"]["b"]["cost_usd"] == 29e-6
     assert httpx.get(gw.url + "/admin/usage", timeout=10).status_code == 401
+    # further back than the calendar goes is from its start (a trial's since=3000000d was a 500), not a date is a 400
+    far = httpx.get(gw.url + "/admin/usage", params={"tenant": "t1", "since": "3000000d"},
+                    headers={"authorization": f"Bearer {ADMIN}"}, timeout=10)
+    assert far.status_code == 200 and far.json()["tenants"]["t1"] == rep["tenants"]["t1"]
+    bad = httpx.get(gw.url + "/admin/usage", params={"since": "yesterday"},
+                    headers={"authorization": f"Bearer {ADMIN}"}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "since"
     out = subprocess.run([sys.executable, "-m", "gateway.commands", "usage", "--url", gw.url, "--tenant", "t1",
                           "--json"], cwd=ROOT, env={**gw.env}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
