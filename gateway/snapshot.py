@@ -28,6 +28,12 @@ class Snapshot:
     owners: dict[str, str] = field(default_factory=dict)   # ``ConfigState.owners`` of the running version
     closed: bool = False     # no key left on an exposed listener: every request refused (``exposed_without_keys``)
 
+    @property
+    def keyed(self) -> bool:
+        """Whether callers are told apart (virtual keys, or none left on an exposed listener): the operational
+        details (``/metrics``, ``/health/ready``'s backends) are then the admin token's, not every caller's."""
+        return bool(self.compiled.key_hashes) or self.closed
+
     def authenticate(self, header: str | None) -> str:
         """The tenant of a request's ``Authorization`` header under this generation's keys (``authenticate``).
         Raises ClientError 401."""

@@ -38,6 +38,18 @@ def _gw(request: Request):
     return gw
 
 
+def operator_view(request: Request) -> bool:
+    """Whether ``request`` may see the operational details: the gateway does not tell callers apart
+    (``Snapshot.keyed``), or the caller showed the admin token."""
+    if not request.app.state.gw.snapshot.keyed:
+        return True
+    try:
+        _gw(request)
+    except ClientError:
+        return False
+    return True
+
+
 def _json(result) -> Response:
     return Response(msgspec.json.encode(result), status_code=200, media_type=_JSON)
 
@@ -184,7 +196,7 @@ async def metrics(request: Request) -> Response:
     must not read every tenant's usage and spend; ``admin.public_metrics`` opens it."""
     gw = request.app.state.gw
     compiled = gw.snapshot.compiled
-    if (compiled.key_hashes or gw.snapshot.closed) and not compiled.config.admin.public_metrics:
+    if gw.snapshot.keyed and not compiled.config.admin.public_metrics:
         _gw(request)
     await refresh_gauges(gw.obs.metrics, gw.obs.usage, gw.snapshot, gw.resilience.breakers)
     try:

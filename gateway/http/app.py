@@ -23,7 +23,7 @@ from litestar.datastructures import State
 from engine.protocol.request_ids import stamp_request_id
 from gateway.config.schema import CorsConfig
 from gateway.errors import model_not_found
-from gateway.http.admin import ADMIN_HANDLERS
+from gateway.http.admin import ADMIN_HANDLERS, operator_view
 from gateway.http.admin_limits import admin_limits
 from gateway.http.console import CONSOLE_HANDLERS
 from gateway.http.hot_path import HotPathApp, HotRoute
@@ -153,16 +153,19 @@ async def live() -> Response:
 async def ready(request: Request) -> Response:
     """Readiness: 200 ``ready``; 503 ``not_ready`` (config or local engine loading), ``draining``, or
     ``degraded`` (no route has a target that can serve now: every backend unavailable or breaker-open), with
-    the backends' and targets' states."""
+    the backends' and targets' states where the caller may see them (``operator_view``: names, addresses and
+    unset keys are the operators'; a probe reads the status)."""
     gw = request.app.state.gw
     snap = gw.snapshot
     routes = snap.compiled.policy.routes if snap else {}
     backends, targets = await gw.resilience.status(routes, snap.backends) if snap else ({}, {})
     serving = gw.resilience.routes_serving(routes, backends, targets)
     status = "draining" if gw.draining else "not_ready" if not gw.ready else "ready" if serving else "degraded"
-    body = {"status": status, "ready": status == "ready", "draining": gw.draining,
-            "config_version": snap.version if snap else None, "routes_serving": serving,
-            "redis_degraded": gw.redis_degraded or gw.resilience.degraded, "backends": backends, "targets": targets}
+    body = {"status": status, "ready": status == "ready", "draining": gw.draining}
+    if snap is None or operator_view(request):
+        body.update({"config_version": snap.version if snap else None, "routes_serving": serving,
+                     "redis_degraded": gw.redis_degraded or gw.resilience.degraded, "backends": backends,
+                     "targets": targets})
     return Response(msgspec.json.encode(body), status_code=200 if status == "ready" else 503, media_type=_JSON)
 
 

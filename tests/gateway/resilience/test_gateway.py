@@ -20,6 +20,7 @@ from tests.gateway.support import GatewayProcess, sha, wait_until
 
 KEY, LIMITED_KEY = "sk-tandem-main", "sk-tandem-limited"
 ENV = {"TEST_UPSTREAM_KEY": "upstream-secret", "TANDEM_ADMIN_TOKEN": "admin-tok"}
+ADMIN_AUTH = {"authorization": "Bearer admin-tok"}
 SCENARIOS = ["s503", "s400", "scut", "sboth", "serrfirst", "sstall", "s429", "shung", "shealthy", "sshared",
              "sdisc", "soutage"]
 
@@ -282,14 +283,16 @@ def test_redis_outage_keeps_serving_then_resumes(ups, redis_server, tmp_path):
         redis_server.stop()
         for _ in range(5):  # requests keep succeeding, on in-process state
             assert c.chat.completions.create(model="soutage", messages=MSG).choices
-        ready = httpx.get(g.url + "/health/ready").json()
+        # the details are the operators' on a gateway with keys: the admin token shows them, a probe gets the status
+        assert set(httpx.get(g.url + "/health/ready").json()) == {"status", "ready", "draining"}
+        ready = httpx.get(g.url + "/health/ready", headers=ADMIN_AUTH).json()
         assert ready["redis_degraded"] is True
         redis_server.start()
         for _ in range(200):
-            if not httpx.get(g.url + "/health/ready").json()["redis_degraded"]:
+            if not httpx.get(g.url + "/health/ready", headers=ADMIN_AUTH).json()["redis_degraded"]:
                 break
             time.sleep(0.05)
-        assert httpx.get(g.url + "/health/ready").json()["redis_degraded"] is False
+        assert httpx.get(g.url + "/health/ready", headers=ADMIN_AUTH).json()["redis_degraded"] is False
         # shared state resumes: a breaker opened now is in Redis, and the limiter counts there again
         ups["primary"].push({"status": 429})
         assert client(g).chat.completions.create(model="soutage", messages=MSG).choices
