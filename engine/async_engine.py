@@ -263,7 +263,8 @@ class AsyncEngine:
         return withdrawn, seconds
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0, resume: dict[int, list[int]] | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, resume: dict[int, list[int]] | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its DELTA outputs until it finishes.
 
         Args:
@@ -273,6 +274,7 @@ class AsyncEngine:
             priority: lower = served first under ``scheduling_policy="priority"``.
             resume: continue the request from the tokens each of these choices had generated elsewhere
                 (``EngineCore.add_request``); the outputs then hold only what follows them.
+            cache_salt: vLLM's: the request shares prefix-cache blocks only with requests of the same salt.
 
         Yields:
             ``RequestOutput`` deltas (new text/tokens per choice); the last
@@ -299,7 +301,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
             state = self._stats.ttft if self._stats is not None else None
             if state is not None:   # counted as queued by TTFT predictions until the core's state counts it
-                cached = self._prefix_mirror.cached_tokens(token_ids, state.block_size)
+                cached = self._prefix_mirror.cached_tokens(token_ids, state.block_size, cache_salt)
                 left = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
                 self._pending.note_sent(priority, len(token_ids) - cached, time.monotonic(), cached, left)
         finished = False
@@ -308,7 +310,7 @@ class AsyncEngine:
                 finished = True
                 raise self._dead
             self._client.send(AddRequest(request_id, token_ids, params_to_wire(params), priority, time.monotonic(),
-                                         resume))
+                                         resume, cache_salt))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -355,14 +357,15 @@ class AsyncEngine:
         """One more finished structured answer that broke its schema (``tandem:structured_output_invalid``)."""
         self.structured_output_invalid += 1
 
-    def predict_ttft(self, prompt_token_ids: list[int], priority: int = 0) -> TTFTPrediction | None:
+    def predict_ttft(self, prompt_token_ids: list[int], priority: int = 0,
+                     cache_salt: str | None = None) -> TTFTPrediction | None:
         """Predicted seconds to the first token of this prompt if it were added now (``engine/core/ttft.py``):
-        the core's state after its last step and its prefix cache as mirrored here. None before the core
-        published a state."""
+        the core's state after its last step and its prefix cache as mirrored here (what it holds for
+        ``cache_salt``). None before the core published a state."""
         state = self._stats.ttft if self._stats is not None else None
         if state is None:
             return None
-        cached = self._prefix_mirror.cached_tokens(prompt_token_ids, state.block_size)
+        cached = self._prefix_mirror.cached_tokens(prompt_token_ids, state.block_size, cache_salt)
         now = time.monotonic()
         state, elapsed, arrivals = self._pending.with_pending(state), max(now - self._stats_at, 0.0), \
             self._pending.arrival_tok_s(now)

@@ -59,6 +59,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for all prompts, submitted at once.
 
@@ -67,6 +68,7 @@ class LLM:
             sampling_params: one for all prompts or one per prompt (default:
                 ``SamplingParams()``).
             priority: per-prompt priority (``scheduling_policy="priority"``).
+            cache_salt: vLLM's; these prompts share prefix-cache blocks only with requests of the same salt.
 
         Returns:
             One final ``RequestOutput`` per prompt, in input order, with
@@ -86,7 +88,8 @@ class LLM:
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
             for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
-                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0,
+                                        cache_salt=cache_salt)
         except ValueError:
             self.engine.abort_request(ids)
             raise

@@ -50,9 +50,11 @@ class LLMEngine:
         self.scheduler, self.model_runner, self.sampler = core.scheduler, core.model_runner, core.sampler
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None, resume: dict[int, list[int]] | None = None) -> None:
+                    arrival_time: float | None = None, resume: dict[int, list[int]] | None = None,
+                    cache_salt: str | None = None) -> None:
         """Queue a request (``params.n`` sequences); ``resume``: continue it from the tokens each choice had
-        generated (``EngineCore.add_request``).
+        generated; ``cache_salt``: share prefix-cache blocks only with requests of the same salt
+        (``EngineCore.add_request``).
 
         A text prompt is tokenized with the tokenizer's special tokens (BOS
         where the model adds one); token ids are taken as they are.
@@ -66,7 +68,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
         self.core.add_request(request_id, token_ids, params, priority=priority, arrival_time=arrival_time,
-                              resume=resume)
+                              resume=resume, cache_salt=cache_salt)
         self.output_processor.add_request(request_id, text, token_ids, params, resume)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:

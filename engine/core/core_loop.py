@@ -52,7 +52,8 @@ def run_core_loop(core, take_commands: Callable[[bool], list[Command]], emit: Ca
             if isinstance(cmd, AddRequest):
                 try:
                     core.add_request(cmd.request_id, cmd.prompt_token_ids, params_from_wire(cmd.params),
-                                     priority=cmd.priority, arrival_time=cmd.arrival_time, resume=cmd.resume)
+                                     priority=cmd.priority, arrival_time=cmd.arrival_time, resume=cmd.resume,
+                                     cache_salt=cmd.cache_salt)
                 except Exception as exc:  # noqa: BLE001 - goes to that request only
                     rejected.append((cmd.request_id, type(exc).__name__, str(exc)))
             elif isinstance(cmd, AbortRequests):

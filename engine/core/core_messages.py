@@ -39,6 +39,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     priority: int
     arrival_time: float
     resume: dict[int, list[int]] | None = None   # a continuation: choice -> tokens generated before
+    cache_salt: str | None = None                # vLLM's: salts the prompt's prefix-cache hashes
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

@@ -61,8 +61,12 @@ class EngineCore:
 
     # ------------------------------------------------------------------ input
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None, resume: dict[int, list[int]] | None = None) -> None:
+                    arrival_time: float | None = None, resume: dict[int, list[int]] | None = None,
+                    cache_salt: str | None = None) -> None:
         """Queue a tokenized request (``params.n`` sequences).
+
+        ``cache_salt``: vLLM's; mixed into the hash of the prompt's first block, so the request reads and
+        leaves prefix-cache blocks only for requests with the same salt (tenants kept apart).
 
         ``resume``: a continuation of this request after another engine stopped it: choice index -> the tokens
         that choice had generated (only these choices run). Each is re-prefilled (prompt + its tokens, as after
@@ -92,6 +96,7 @@ class EngineCore:
                 request_id=f"{request_id}-{index}" if n > 1 else request_id, prompt_token_ids=token_ids,
                 sampling_params=params, eos_token_id=self.tokenizer.eos_token_id, max_tokens=max_tokens,
                 arrival_time=arrival, priority=priority, parent_id=request_id, index=index, group=group,
+                cache_salt=cache_salt,
             )
             if resume is not None:
                 req.append_output_token_ids(list(resume[index]))

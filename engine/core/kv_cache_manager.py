@@ -9,7 +9,9 @@ Block hash (prefix caching, vLLM's "automatic prefix caching"):
     of block i), extra_keys)))`` as a 32-byte digest. sha256 over a pickle of
     ints/bytes/None is stable across processes and Python runs (unlike
     ``hash()`` of str) and collision-resistant, so a hit really means "same
-    prefix". Only FULL blocks are hashed and cached.
+    prefix". Only FULL blocks are hashed and cached. A request's
+    ``cache_salt`` (vLLM's) is the first block's extra key: every later hash
+    chains from it, so requests with different salts share no block.
 
 Invariants (checked in tests through ``check_invariants``):
     * ref_cnt >= 0 for every block; a block is in the free queue iff
@@ -46,6 +48,12 @@ def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[i
     """
     payload = pickle.dumps((parent_block_hash, tuple(token_ids), extra_keys), protocol=4)
     return hashlib.sha256(payload).digest()
+
+
+def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple | None:
+    """The extra keys of a sequence's block ``block_index``: its ``cache_salt`` on the first block (vLLM's rule:
+    the chain carries it to every later block), else None."""
+    return (cache_salt,) if block_index == 0 and cache_salt else None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -114,14 +122,16 @@ class KVCacheManager:
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
         """The request's block-hash chain, extended to ``num_full_blocks``.
         A block's key is its tokens and its parent's key, whether the tokens
-        were prompt or generated: a follow-up turn reads the earlier answer."""
+        were prompt or generated: a follow-up turn reads the earlier answer;
+        the first block's also the request's ``cache_salt``."""
         hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
         tokens = request.all_token_ids
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs],
+                                            block_extra_keys(i, request.cache_salt)))
         return hashes
 
     # -- prefix cache -------------------------------------------------------

@@ -93,6 +93,8 @@ class Request:
             ``engine/core/step_cost.py``); its hidden state waits in the
             model runner, its tokens count as computed after its last layer.
         layer_chunk_tokens: that chunk's tokens (after ``num_computed_tokens``).
+        cache_salt: mixed into the hash of the prompt's first block (vLLM's ``cache_salt``): requests share
+            prefix-cache blocks only when their salts are equal (None: the unsalted cache).
     """
 
     request_id: str
@@ -106,6 +108,7 @@ class Request:
     index: int = 0
     group: ForkGroup | None = None
     pooling_params: PoolingParams | None = None
+    cache_salt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

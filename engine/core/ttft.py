@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engine.core.kv_cache_manager import hash_block_tokens
+from engine.core.kv_cache_manager import block_extra_keys, hash_block_tokens
 from engine.core.step_cost import attention_pairs
 from engine.core.ttft_calibration import CALIBRATION_TAU_S, TTFTCalibration, prefill_seconds
 from engine.core.ttft_sim import DECODING, POOLING, PREFILL, simulate_ttft
@@ -186,14 +186,15 @@ def quad_of(rows) -> float:
     return float(sum(attention_pairs(n, ctx) for ctx, n in rows))
 
 
-def cached_prefix_tokens(token_ids: list[int], block_size: int, is_cached) -> int:
+def cached_prefix_tokens(token_ids: list[int], block_size: int, is_cached, cache_salt: str | None = None) -> int:
     """Tokens of ``token_ids`` the prefix cache would serve: full blocks whose hash chain ``is_cached(hash)``
     holds, at most ``(len - 1) // block_size`` blocks (the last token is always computed), as
-    ``KVCacheManager.get_computed_blocks`` finds them."""
+    ``KVCacheManager.get_computed_blocks`` finds them for a request salted ``cache_salt``."""
     parent = None
     hit = 0
     for i in range((len(token_ids) - 1) // block_size):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size],
+                                   block_extra_keys(i, cache_salt))
         if not is_cached(parent):
             break
         hit += 1
@@ -265,9 +266,10 @@ class PrefixMirror:
         self.hashes.difference_update(state.removed)
         self.hashes.update(state.stored)
 
-    def cached_tokens(self, token_ids: list[int], block_size: int) -> int:
-        """Tokens of ``token_ids`` the core's prefix cache holds (``cached_prefix_tokens``)."""
-        return cached_prefix_tokens(token_ids, block_size, self.hashes.__contains__)
+    def cached_tokens(self, token_ids: list[int], block_size: int, cache_salt: str | None = None) -> int:
+        """Tokens of ``token_ids`` the core's prefix cache holds for a request salted ``cache_salt``
+        (``cached_prefix_tokens``)."""
+        return cached_prefix_tokens(token_ids, block_size, self.hashes.__contains__, cache_salt)
 
 
 def drain_kv_events(pool) -> tuple[list[bytes], list[bytes], list[bytes] | None]:

@@ -28,7 +28,7 @@ async def ttft(request: Request) -> Response:
         rendered, _ = await serving_of(request, "completion").prepare_completion(body)
     token_ids = rendered.prompts[0][1]
     priority = getattr(rendered.request, "priority", None) or 0
-    p = engine.predict_ttft(token_ids, priority)
+    p = engine.predict_ttft(token_ids, priority, getattr(rendered.request, "cache_salt", None))
     if p is None:
         raise ServingError(503, "the engine has not published its state yet; retry", type="server_error",
                            code="engine_loading")

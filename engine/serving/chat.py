@@ -79,7 +79,7 @@ class OpenAIServingChat(OpenAIServing):
         echo = ""
         if req.echo and messages and messages[-1].get("role") == "assistant":
             echo = messages[-1].get("content") or ""
-        prompt = Prompt(token_ids, None, params)
+        prompt = Prompt(token_ids, None, params, req.cache_salt)
         prio = req.priority if req.priority is not None else priority
         top = req.top_logprobs or 0
         model = response_model or self.served_model_name
@@ -155,7 +155,8 @@ class OpenAIServingChat(OpenAIServing):
             if resume is None:
                 yield [chunk(ChatChoiceChunk(i, Delta(role="assistant", content=echo))) for i in range(n)]
             async with contextlib.aclosing(self.engine.generate(
-                    prompt.token_ids, prompt.params, request_id, priority, resume=resume)) as stream:
+                    prompt.token_ids, prompt.params, request_id, priority, resume=resume,
+                    cache_salt=prompt.cache_salt)) as stream:
                 async for out in stream:
                     cached = out.num_cached_tokens
                     batch = []

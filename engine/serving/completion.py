@@ -52,7 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params = self._sampling_params(req, len(ids), max_tokens=req.max_tokens, logprobs=req.logprobs,
                                            prompt_logprobs=prompt_logprobs, prompt_field="prompt",
                                            structured_outputs=spec)
-            prompts.append(Prompt(ids, text, params))
+            prompts.append(Prompt(ids, text, params, req.cache_salt))
         return r, prompts
 
     async def create_completion(self, body: dict, request_id: str, priority: int = 0,
@@ -148,8 +148,8 @@ class OpenAIServingCompletion(OpenAIServing):
             return Chunk(request_id, "text_completion", created, model, fingerprint, choices,
                          usage(num_prompt, sum(generated.values()), sum(cached)) if continuous or final else UNSET)
 
-        streams = [self.engine.generate(p.token_ids, p.params, engine_id(request_id, i, len(prompts)), priority)
-                   for i, p in enumerate(prompts)]
+        streams = [self.engine.generate(p.token_ids, p.params, engine_id(request_id, i, len(prompts)), priority,
+                                        cache_salt=p.cache_salt) for i, p in enumerate(prompts)]
         try:
             async with contextlib.aclosing(merge_streams(streams)) as merged:
                 async for p_idx, out in merged:

@@ -65,6 +65,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None
     priority: int | None = None
     request_id: str | None = None
+    cache_salt: str | None = None   # vLLM's: prefix-cache blocks are shared only by requests of the same salt
     structured_outputs: dict[str, Any] | None = None  # vLLM: {"json" | "regex" | "choice": ...}
     # vLLM's older names of structured_outputs' keys (engine.protocol.guided.GUIDED_FIELDS): read only to be
     # refused (engine/serving/serving.py), never ignored (the answer would be unconstrained)

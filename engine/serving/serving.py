@@ -36,11 +36,12 @@ logger = logging.getLogger("tandem.serving")
 
 @dataclass
 class Prompt:
-    """One prompt ready for the engine."""
+    """One prompt ready for the engine; ``cache_salt``: the request's (``AsyncEngine.generate``)."""
 
     token_ids: list[int]
     text: str | None
     params: SamplingParams
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,8 @@ class OpenAIServing:
         for name in GUIDED_FIELDS:   # vLLM's older constraint fields: ignoring one would answer unconstrained
             if getattr(req, name) is not None:
                 raise ServingError(400, f"{name}: {guided_field_hint(name)}", param=name)
+        if req.cache_salt is not None and not req.cache_salt:   # vLLM refuses it too
+            raise ServingError(400, "cache_salt: must be a non-empty string if provided", param="cache_salt")
         if req.stream_options is not None and not req.stream:
             raise ServingError(400, "stream_options: only allowed when stream is true", param="stream_options")
         policy = self.engine.args.scheduling_policy
@@ -222,8 +225,8 @@ class OpenAIServing:
         choices: list[dict[int, CompletionOutput]] = [{} for _ in prompts]
         cached = [0] * len(prompts)
         prompt_lps: list[list] = [[] for _ in prompts]
-        streams = [self.engine.generate(p.token_ids, p.params, engine_id(request_id, i, len(prompts)), priority)
-                   for i, p in enumerate(prompts)]
+        streams = [self.engine.generate(p.token_ids, p.params, engine_id(request_id, i, len(prompts)), priority,
+                                        cache_salt=p.cache_salt) for i, p in enumerate(prompts)]
         try:
             async with contextlib.aclosing(merge_streams(streams)) as merged:
                 async for p_idx, out in merged:

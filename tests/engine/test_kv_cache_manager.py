@@ -40,6 +40,28 @@ def test_hash_is_stable_and_chained():
     assert digests == {hash_block_tokens(hash_block_tokens(None, [1, 2]), [3], ("x",)).hex()}
 
 
+def test_cache_salt_separates_prefix_caches():
+    """vLLM's ``cache_salt``: only requests with the same salt share blocks; the salt is in the first block's
+    hash, and every later block's hash chains from it."""
+    kv = KVCacheManager(block_size=BS, num_blocks=20)
+    prefix = list(range(100, 148))
+
+    def salted(rid, salt):
+        r = req(rid, prefix + [1, 2])
+        r.cache_salt = salt
+        return r
+
+    assert run_prefill(kv, salted("a", "tenant-a")) == 0
+    assert kv.get_computed_blocks(salted("b", "tenant-b"))[1] == 0
+    assert kv.get_computed_blocks(req("unsalted", prefix + [1, 2]))[1] == 0
+    assert kv.get_computed_blocks(salted("a2", "tenant-a"))[1] == 48
+    a, b = kv.req_to_block_hashes["a"], kv.req_to_block_hashes["b"]
+    assert all(x != y for x, y in zip(a, b))
+    assert a[0] == hash_block_tokens(None, prefix[:BS], ("tenant-a",))
+    assert a[1] == hash_block_tokens(a[0], prefix[BS:2 * BS])   # later blocks: no extra key, the chain carries it
+    kv.check_invariants()
+
+
 def test_shared_48_token_prefix_hits_three_blocks():
     kv = KVCacheManager(block_size=BS, num_blocks=20)
     prefix = list(range(100, 148))

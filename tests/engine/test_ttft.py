@@ -176,6 +176,21 @@ def test_prefix_cache_hits_shorten_the_prediction_and_the_mirror_agrees_with_the
     assert eng.predict(turn2) < eng.predict(tokens(rng, len(turn2))) - 0.5
 
 
+def test_the_mirror_counts_only_the_blocks_of_the_requests_salt():
+    """A salted request's blocks count for predictions of its own salt only, as the cache finds them."""
+    rng = random.Random(41)
+    eng = ScriptedEngine()
+    prompt = tokens(rng, 200)
+    first = Request("salted", prompt + tokens(rng, 10), SamplingParams(max_tokens=2), max_tokens=2,
+                    cache_salt="tenant-a")
+    eng.sched.add_request(first)
+    eng.run()
+    for salt, want in ((None, 0), ("tenant-b", 0), ("tenant-a", 192)):
+        probe = Request(f"probe-{salt}", prompt, SamplingParams(max_tokens=2), max_tokens=2, cache_salt=salt)
+        assert eng.mirror.cached_tokens(prompt, 16, salt) == eng.sched.kv_cache_manager.get_computed_blocks(
+            probe)[1] == want
+
+
 def test_fcfs_and_seat_wait():
     """With every seat taken, a new request waits for the shortest remaining decode first."""
     rng = random.Random(5)
