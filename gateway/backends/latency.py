@@ -33,6 +33,7 @@ from collections import deque
 import httpx
 import msgspec
 
+from gateway.backends.local import tenant_cache_salt
 from gateway.resilience.outcomes import UpstreamResponse, Withdrawn
 from gateway.values import ChatEvent
 from policies import TTFTEstimate
@@ -134,7 +135,7 @@ class UpstreamLatency:
         local = snap.local
         if local is not None and local.engine is not None and req.rendered is not None:
             token_ids = req.rendered.prompts[0][1]
-            p = local.engine.predict_ttft(token_ids, req.priority)
+            p = local.engine.predict_ttft(token_ids, req.priority, tenant_cache_salt(req))
             if p is not None:
                 self._local = local.name
                 e = self._predicted_estimate(req.request_id, local.name, p.seconds, p.describe(),

@@ -6,6 +6,7 @@ as ``tandem engine serve``."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ import msgspec
 
 from gateway.backends.dispatch import GATEWAY_ONLY_FIELDS
 from gateway.backends.relabel import answer_id
+from gateway.billing.usage import tenant_label
 from gateway.config.schema import LocalBackendConfig
 from gateway.errors import BackendError
 from gateway.resilience.outcomes import UpstreamResponse, Withdrawn
@@ -34,6 +36,23 @@ def _with_stream_options(rendered, options: dict):
 
     opts = msgspec.convert(options, StreamOptions)
     return dataclasses.replace(rendered, request=msgspec.structs.replace(rendered.request, stream_options=opts))
+
+
+def tenant_cache_salt(req: GatewayRequest) -> str:
+    """The engine's ``cache_salt`` for ``req``: a hash of its tenant's label ("anonymous" without a key) and of
+    the client's own ``cache_salt`` if it sent one, so that two tenants never share prefix-cache blocks (a
+    tenant's ``cached_tokens`` would tell it what another sent) and a client's salt only splits its own tenant's
+    cache further: it can never name another tenant's."""
+    client = req.body.get("cache_salt")
+    key = msgspec.json.encode([tenant_label(req.tenant), client if isinstance(client, str) else ""])
+    return "tenant-" + hashlib.sha256(key).hexdigest()
+
+
+def _salted(rendered, salt: str):
+    """Routing's rendering (parsed from the client's body) with the engine's ``cache_salt``."""
+    import dataclasses
+
+    return dataclasses.replace(rendered, request=msgspec.structs.replace(rendered.request, cache_salt=salt))
 
 
 def render_prompt(tokenizer, endpoint: str, body: dict):
@@ -187,6 +206,10 @@ class LocalBackend:
         rendered = req.rendered
         if rendered is not None and body.get("stream_options") != req.body.get("stream_options"):
             rendered = _with_stream_options(rendered, body["stream_options"])   # the gateway asks for usage
+        if req.endpoint != "embeddings":   # the tenant's prefix cache (the client's salt only splits it further)
+            salt = tenant_cache_salt(req)
+            body = {**body, "cache_salt": salt}
+            rendered = _salted(rendered, salt) if rendered is not None else None
         try:   # the engine labels the answer as the gateway reports it: no relabelling pass over its events
             return await self.serving[req.endpoint](body, answer_id(req.endpoint, req.request_id), req.priority,
                                                     rendered, response_model=req.public_model or None)

@@ -25,7 +25,7 @@ _COMMON = {
     "stop": (str, list), "presence_penalty": _NUM, "frequency_penalty": _NUM, "seed": (int,),
     "user": (str,), "metadata": (dict,), "stream_options": (dict,), "priority": (str, int),
     "top_k": (int,), "min_p": _NUM, "repetition_penalty": _NUM, "min_tokens": (int,),
-    "ignore_eos": (bool,), "stop_token_ids": (list,), "logit_bias": (dict,),
+    "ignore_eos": (bool,), "stop_token_ids": (list,), "logit_bias": (dict,), "cache_salt": (str,),
 }
 _CHAT = {**_COMMON, "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,)}
 # Value ranges are checked before routing, from the table the engine's own server reads
@@ -50,7 +50,8 @@ _OPENAI_COMPLETION = ("model", "prompt", "best_of", "echo", "frequency_penalty",
 VENDOR_EXTENSIONS = ("priority", "best_of", "top_k", "min_p", "repetition_penalty", "use_beam_search",
                      "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
                      "skip_special_tokens", "spaces_between_special_tokens", "prompt_logprobs", "request_id",
-                     "structured_outputs", "response_format", "add_special_tokens", "return_token_ids")
+                     "structured_outputs", "response_format", "add_special_tokens", "return_token_ids",
+                     "cache_salt")
 _VENDOR_CHAT = ("echo", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
                 "resume_token_ids")
 KNOWN_PARAMS = {"chat/completions": frozenset(_OPENAI_CHAT + VENDOR_EXTENSIONS + _VENDOR_CHAT),
