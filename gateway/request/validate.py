@@ -147,7 +147,8 @@ def _unsupported(body: dict, local_serves: frozenset[str]) -> str | None:
         v = body.get(name)
         if v is None or v is False or v == [] or v == {} or _SERVED_BY.get(name) in local_serves:
             continue
-        if name == "response_format" and isinstance(v, dict) and v.get("type") == "text":
+        if (name == "response_format" and isinstance(v, dict) and v.get("type") == "text") \
+                or (name == "modalities" and v == ["text"]):   # the defaults: plain text, what every backend gives
             continue
         return name
     return None

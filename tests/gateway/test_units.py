@@ -17,6 +17,10 @@ def test_local_unsupported_fields_are_named():
     assert check_request(dict(base), "chat/completions", None).local_unsupported is None
     assert check_request({**base, "response_format": {"type": "text"}}, "chat/completions", None) \
         .local_unsupported is None
+    # OpenAI's default modalities, text only, is what the engine gives (a trial's ["text"] got 503 no backend)
+    assert check_request({**base, "modalities": ["text"]}, "chat/completions", None).local_unsupported is None
+    assert check_request({**base, "modalities": ["text", "audio"]}, "chat/completions", None) \
+        .local_unsupported == "modalities"
     p = check_request({**base, "response_format": {"type": "json_object"}}, "chat/completions", None)
     assert p.local_unsupported == "response_format" and p.has_response_format and not p.has_tools
     p = check_request({**base, "tools": [{"type": "function"}]}, "chat/completions", None)
