@@ -184,6 +184,38 @@ def _check_messages(messages: object) -> None:
         if not isinstance(content, (str, list)):
             raise ClientError(400, f"'messages[{i}].content' must be a string or an array of content parts, got "
                               f"{type(content).__name__}", param=f"messages[{i}].content", code="invalid_type")
+    _check_tool_messages(messages)
+
+
+def _check_tool_messages(messages: list[dict]) -> None:
+    """OpenAI's pairing of calls and results: a ``tool`` message answers a call (its ``tool_call_id``) of the
+    assistant message the run of tool messages it is in follows, and every call of an assistant message is
+    answered before the next other message (a model shown a result without its call, or a call without its
+    result, answers as if the conversation were another)."""
+    calls: set = set()       # the ids of the calls being answered
+    pending: dict = {}       # those not answered yet -> the index of the assistant message that made them
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":
+            if m.get("tool_call_id") not in calls:
+                raise ClientError(400, f"Invalid parameter: messages with role 'tool' must be a response to a "
+                                  f"preceding message with 'tool_calls' (messages[{i}].tool_call_id "
+                                  f"{m.get('tool_call_id')!r} answers none).", param=f"messages[{i}].role",
+                                  code="invalid_value")
+            pending.pop(m["tool_call_id"], None)
+            continue
+        _no_call_unanswered(pending)
+        made = m.get("tool_calls") if m["role"] == "assistant" and isinstance(m.get("tool_calls"), list) else []
+        pending = dict.fromkeys((c.get("id") for c in made if isinstance(c, dict)), i)   # in the calls' order
+        calls = set(pending)
+    _no_call_unanswered(pending)
+
+
+def _no_call_unanswered(pending: dict) -> None:
+    if pending:
+        at = min(pending.values())
+        raise ClientError(400, "An assistant message with 'tool_calls' must be followed by tool messages responding "
+                          "to each 'tool_call_id'. The following tool_call_ids did not have response messages: "
+                          f"{', '.join(map(str, pending))}", param=f"messages[{at}].role", code="invalid_value")
 
 
 def check_request(body: dict, endpoint: str, x_priority: str | None,

@@ -28,8 +28,10 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from gateway.errors import ClientError, anthropic_error_body
+from gateway.errors import anthropic_error_body
 from gateway.sse import named_event
+from gateway.translate.anthropic_checks import (bad_request, check_sampling, check_thinking, check_tool_results,
+                                                missing_or_wrong)
 from gateway.translate.chat import reasoning_of
 from gateway.translate.tool_calls import ToolCallOrder
 from gateway.values import ChatEvent, ChatStream
@@ -46,32 +48,16 @@ _DROPPED = frozenset({"service_tier", "cache_control", "container", "diagnostics
                       "thinking", "user_profile_id", "workspace_id", "context_management", "mcp_servers"})
 
 
-def _missing_or_wrong(body: dict, name: str, wanted: str, path: str | None = None) -> str:
-    """The message for a field of ``body`` that is absent or of the wrong type (Anthropic's wording), named by
-    its ``path`` in the request (default: ``name``, a top-level field)."""
-    path = path or name
-    if name not in body:
-        return f"{path}: Field required ({wanted})"
-    value = body[name]
-    got = f"an empty {type(value).__name__}" if isinstance(value, (list, str, dict)) and not value \
-        else type(value).__name__
-    return f"{path}: Input should be {wanted}, got {got}"
-
-
-def _bad(message: str, param: str) -> ClientError:
-    return ClientError(400, message, param=param, code="invalid_request_error")
-
-
 def _text_of(blocks: object, param: str) -> str:
     """The text of ``system`` or a ``tool_result``'s content: a string, or text blocks joined by newlines."""
     if isinstance(blocks, str):
         return blocks
     if not isinstance(blocks, list):
-        raise _bad(f"{param}: must be a string or an array of text blocks", param)
+        raise bad_request(f"{param}: must be a string or an array of text blocks", param)
     out = []
     for i, b in enumerate(blocks):
         if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise _bad(f"{param}.{i}: only text blocks are supported here", f"{param}.{i}")
+            raise bad_request(f"{param}.{i}: only text blocks are supported here", f"{param}.{i}")
         out.append(b["text"])
     return "\n".join(out)
 
@@ -83,7 +69,7 @@ def _tool_result(content: object, param: str) -> tuple[str, list[dict]]:
     if isinstance(content, str):
         return content, []
     if not isinstance(content, list):
-        raise _bad(f"{param}: must be a string or an array of text and image blocks", param)
+        raise bad_request(f"{param}: must be a string or an array of text and image blocks", param)
     texts, images = [], []
     for i, b in enumerate(content):
         if isinstance(b, dict) and b.get("type") == "image":
@@ -91,19 +77,19 @@ def _tool_result(content: object, param: str) -> tuple[str, list[dict]]:
         elif isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str):
             texts.append(b["text"])
         else:
-            raise _bad(f"{param}.{i}: only text and image blocks are supported here", f"{param}.{i}")
+            raise bad_request(f"{param}.{i}: only text and image blocks are supported here", f"{param}.{i}")
     return "\n".join(texts), images
 
 
 def _image_part(block: dict, param: str) -> dict:
     src = block.get("source")
     if not isinstance(src, dict):
-        raise _bad(f"{param}.source: Field required", f"{param}.source")
+        raise bad_request(f"{param}.source: Field required", f"{param}.source")
     if src.get("type") == "base64":
         return {"type": "image_url", "image_url": {"url": f"data:{src.get('media_type')};base64,{src.get('data')}"}}
     if src.get("type") == "url":
         return {"type": "image_url", "image_url": {"url": src.get("url")}}
-    raise _bad(f"{param}.source.type: must be 'base64' or 'url'", f"{param}.source.type")
+    raise bad_request(f"{param}.source.type: must be 'base64' or 'url'", f"{param}.source.type")
 
 
 def turn_to_chat(m: object, i: int) -> list[dict]:
@@ -111,12 +97,12 @@ def turn_to_chat(m: object, i: int) -> list[dict]:
     one). Raises ClientError(400) naming the block (``messages.i.content.j``) chat cannot take."""
     p = f"messages.{i}"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-        raise _bad(f"{p}.role: Input should be 'user' or 'assistant'", f"{p}.role")
+        raise bad_request(f"{p}.role: Input should be 'user' or 'assistant'", f"{p}.role")
     role, content = m["role"], m.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
-        raise _bad(f"{p}.content: must be a string or an array of content blocks", f"{p}.content")
+        raise bad_request(f"{p}.content: must be a string or an array of content blocks", f"{p}.content")
     parts: list[dict] = []
     calls: list[dict] = []
     results: list[dict] = []
@@ -131,14 +117,14 @@ def turn_to_chat(m: object, i: int) -> list[dict]:
         elif kind == "tool_use" and role == "assistant":
             for field, wanted in (("id", "a string"), ("name", "a string")):
                 if not isinstance(b.get(field), str) or not b[field]:
-                    raise _bad(_missing_or_wrong(b, field, wanted, f"{bp}.{field}"), f"{bp}.{field}")
+                    raise bad_request(missing_or_wrong(b, field, wanted, f"{bp}.{field}"), f"{bp}.{field}")
             if not isinstance(b.get("input"), dict):
-                raise _bad(_missing_or_wrong(b, "input", "an object", f"{bp}.input"), f"{bp}.input")
+                raise bad_request(missing_or_wrong(b, "input", "an object", f"{bp}.input"), f"{bp}.input")
             calls.append({"id": b["id"], "type": "function", "function": {
                 "name": b["name"], "arguments": json.dumps(b["input"], separators=(",", ":"))}})
         elif kind == "tool_result" and role == "user":
             if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
-                raise _bad(_missing_or_wrong(b, "tool_use_id", "a string", f"{bp}.tool_use_id"),
+                raise bad_request(missing_or_wrong(b, "tool_use_id", "a string", f"{bp}.tool_use_id"),
                            f"{bp}.tool_use_id")
             text, images = _tool_result(b.get("content") or "", f"{bp}.content")
             results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
@@ -147,7 +133,7 @@ def turn_to_chat(m: object, i: int) -> list[dict]:
         elif kind in ("thinking", "redacted_thinking"):
             continue                       # the previous turn's reasoning: no chat counterpart, dropped
         else:
-            raise _bad(f"{bp}: content block type {kind!r} is not supported in a {role} message", f"{bp}.type")
+            raise bad_request(f"{bp}: content block type {kind!r} is not supported in a {role} message", f"{bp}.type")
     out = list(results)
     parts = result_images + parts
     if role == "assistant":
@@ -163,30 +149,18 @@ def turn_to_chat(m: object, i: int) -> list[dict]:
     return out
 
 
-def _check_sampling(body: dict) -> None:
-    """Anthropic's own ranges, narrower than chat's (which the translation's chat checks apply after):
-    ``temperature`` and ``top_p`` in [0, 1], ``top_k`` an integer >= 0."""
-    for name in ("temperature", "top_p"):
-        v = body.get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
-            raise _bad(f"{name}: Input should be a number between 0 and 1, got {v!r}", name)
-    k = body.get("top_k")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-        raise _bad(f"top_k: Input should be an integer greater than or equal to 0, got {k!r}", "top_k")
-
-
 def _tools(tools: object) -> list[dict]:
     if not isinstance(tools, list):
-        raise _bad("tools: must be an array", "tools")
+        raise bad_request("tools: must be an array", "tools")
     out = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-            raise _bad(f"tools.{i}.name: Field required", f"tools.{i}.name")
+            raise bad_request(f"tools.{i}.name: Field required", f"tools.{i}.name")
         if t.get("type") not in (None, "custom"):
-            raise _bad(f"tools.{i}: server tool {t.get('type')!r} is not supported; only client tools with an "
+            raise bad_request(f"tools.{i}: server tool {t.get('type')!r} is not supported; only client tools with an "
                        "input_schema", f"tools.{i}.type")
         if not isinstance(t.get("input_schema"), dict):
-            raise _bad(_missing_or_wrong(t, "input_schema", "an object", f"tools.{i}.input_schema"),
+            raise bad_request(missing_or_wrong(t, "input_schema", "an object", f"tools.{i}.input_schema"),
                        f"tools.{i}.input_schema")
         fn = {"name": t["name"], "parameters": t["input_schema"]}
         if t.get("description"):
@@ -198,40 +172,11 @@ def _tools(tools: object) -> list[dict]:
 def _tool_choice(tc: object) -> tuple[object, bool]:
     """``tool_choice`` -> (chat tool_choice, parallel tool calls allowed)."""
     if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):
-        raise _bad("tool_choice.type: must be one of 'auto', 'any', 'tool', 'none'", "tool_choice")
+        raise bad_request("tool_choice.type: must be one of 'auto', 'any', 'tool', 'none'", "tool_choice")
     kind = tc["type"]
     choice = ({"type": "function", "function": {"name": tc.get("name")}} if kind == "tool"
               else {"auto": "auto", "any": "required", "none": "none"}[kind])
     return choice, not tc.get("disable_parallel_tool_use")
-
-
-def _check_tool_results(msgs: list) -> None:
-    """Anthropic's pairing rule: each ``tool_result`` answers a ``tool_use`` of the message just before it (else
-    the backend would be shown a result of a call it never made)."""
-    asked: set = set()
-    for i, m in enumerate(msgs):
-        blocks = m.get("content") if isinstance(m.get("content"), list) else []
-        if m.get("role") == "user":
-            for j, b in enumerate(blocks):
-                if isinstance(b, dict) and b.get("type") == "tool_result" and b.get("tool_use_id") not in asked:
-                    raise _bad(f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: "
-                               f"{b.get('tool_use_id')}. Each `tool_result` block must have a corresponding "
-                               "`tool_use` block in the previous message.", f"messages.{i}.content.{j}.tool_use_id")
-        asked = {b.get("id") for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"}
-
-
-def _check_thinking(body: dict) -> None:
-    """Anthropic's bounds on an enabled ``thinking`` budget (the hint itself is dropped on translated backends):
-    an integer of at least 1024 tokens, below ``max_tokens``."""
-    th = body.get("thinking")
-    if not isinstance(th, dict) or th.get("type") != "enabled":
-        return
-    n = th.get("budget_tokens")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1024:
-        raise _bad(f"thinking.enabled.budget_tokens: Input should be an integer greater than or equal to 1024, "
-                   f"got {n!r}", "thinking.budget_tokens")
-    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] <= n:
-        raise _bad("`max_tokens` must be greater than `thinking.budget_tokens`", "max_tokens")
 
 
 def messages_to_chat(body: dict, count_only: bool = False) -> dict:
@@ -244,23 +189,23 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
     """
     for name in body:
         if name not in _KNOWN and name not in _DROPPED:
-            raise _bad(f"{name}: Extra inputs are not permitted", name)
+            raise bad_request(f"{name}: Extra inputs are not permitted", name)
     if not isinstance(body.get("model"), str):
-        raise _bad(_missing_or_wrong(body, "model", "a string"), "model")
+        raise bad_request(missing_or_wrong(body, "model", "a string"), "model")
     mt = body.get("max_tokens")
     if not count_only and (not isinstance(mt, int) or isinstance(mt, bool)):
-        raise _bad(_missing_or_wrong(body, "max_tokens", "an integer"), "max_tokens")
+        raise bad_request(missing_or_wrong(body, "max_tokens", "an integer"), "max_tokens")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise _bad(_missing_or_wrong(body, "messages", "a non-empty array"), "messages")
+        raise bad_request(missing_or_wrong(body, "messages", "a non-empty array"), "messages")
     chat: list[dict] = []
     if body.get("system"):
         chat.append({"role": "system", "content": _text_of(body["system"], "system")})
     for i, m in enumerate(msgs):
         chat.extend(turn_to_chat(m, i))
-    _check_tool_results(msgs)
-    _check_sampling(body)
-    _check_thinking(body)
+    check_tool_results(msgs)
+    check_sampling(body)
+    check_thinking(body)
     out: dict = {"model": body["model"], "messages": chat}
     if chat[-1]["role"] == "assistant" and not chat[-1].get("tool_calls"):
         # a prefill: Anthropic continues the last assistant turn; vLLM's chat fields for the same
@@ -272,7 +217,7 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
         out.pop("max_tokens", None)
     if body.get("stop_sequences"):
         if not isinstance(body["stop_sequences"], list):
-            raise _bad("stop_sequences: must be an array of strings", "stop_sequences")
+            raise bad_request("stop_sequences: must be an array of strings", "stop_sequences")
         out["stop"] = body["stop_sequences"]
     meta = body.get("metadata")
     if isinstance(meta, dict) and isinstance(meta.get("user_id") or meta.get("user"), str):

@@ -196,8 +196,9 @@ def to_messages(items: list[dict]) -> list[dict]:
     them (one turn, parallel calls); ``function_call_output`` is a ``tool`` message; ``reasoning`` is dropped.
 
     Raises:
-        ClientError: 400 naming an item chat cannot express, or a ``function_call_output`` whose ``call_id`` no
-        ``function_call`` of ``items`` has (OpenAI's 400, param ``input``)."""
+        ClientError: 400 naming an item chat cannot express, a ``function_call_output`` whose ``call_id`` no
+        ``function_call`` of ``items`` has, or a ``function_call`` no output answers (OpenAI's 400s, param
+        ``input``)."""
     messages: list[dict] = []
     calls = {item.get("call_id") for item in items if item.get("type") == "function_call"}
     for i, item in enumerate(items):
@@ -236,6 +237,9 @@ def to_messages(items: list[dict]) -> list[dict]:
             continue       # chat has no place for a model's reasoning; the model reasons afresh
         else:
             raise _bad(f"input item type '{kind}' is not supported", f"input[{i}].type")
+    answered = {item.get("call_id") for item in items if item.get("type") == "function_call_output"}
+    for call_id in calls - answered:   # OpenAI's: a call the conversation never answers
+        raise _bad(f"No tool output found for function call {call_id}.", "input")
     return messages
 
 

@@ -98,6 +98,28 @@ def test_invalid_messages_and_stream_options_are_400(gateway, upstreams, body, p
     assert upstreams[0].calls == []
 
 
+CALL = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+    {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+
+@pytest.mark.parametrize("messages, param, says", [
+    # a tool message answering no call (an app trial's got a 200)
+    ([*MSG, {"role": "tool", "tool_call_id": "zzz", "content": "x"}], "messages[1].role", "'zzz' answers none"),
+    ([*MSG, CALL, {"role": "tool", "tool_call_id": "c1", "content": "1"},
+      {"role": "tool", "tool_call_id": "c3", "content": "3"}], "messages[3].role", "'c3' answers none"),
+    # a call no tool message answers before the next message, or by the end
+    ([*MSG, CALL, {"role": "tool", "tool_call_id": "c1", "content": "1"}, *MSG], "messages[1].role",
+     "did not have response messages: c2"),
+    ([*MSG, CALL], "messages[1].role", "did not have response messages: c1, c2"),
+])
+def test_tool_calls_and_results_pair_as_openai_requires(gateway, upstreams, messages, param, says):
+    r = post(gateway, {"model": "m1", "messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert says in r.json()["error"]["message"]
+    assert upstreams[0].calls == []
+
+
 def test_assistant_tool_call_without_content_is_accepted(gateway):
     msgs = [*MSG, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},

@@ -68,8 +68,10 @@ def test_a_function_call_output_without_its_call_is_openais_400(client, upstream
         {"type": "function_call_output", "call_id": "nope", "output": "x"}]), "input")
     assert body["message"] == "No tool call found for function call output with call_id nope."
     assert upstream.calls == []
+    # and the reverse: a call no output answers (a trial's was sent on)
     call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
-    first = client.responses.create(model="m1", input=[call])                   # stored: its items continue
-    later = client.responses.create(model="m1", previous_response_id=first.id, input=[
-        {"type": "function_call_output", "call_id": "c1", "output": "x"}])
-    assert later.status == "completed" and upstream.calls[-1]["body"]["messages"][-1]["tool_call_id"] == "c1"
+    body = _refused(lambda: client.responses.create(model="m1", input=[
+        {"role": "user", "content": "hi"}, call, {**call, "call_id": "c2"},
+        {"type": "function_call_output", "call_id": "c1", "output": "x"}]), "input")
+    assert body["message"] == "No tool output found for function call c2."
+    assert upstream.calls == []

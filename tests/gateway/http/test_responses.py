@@ -101,8 +101,13 @@ async def test_function_call_round_trip(up):
             input=[{"role": "user", "content": "weather in Paris?"},
                    {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
                    {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "sunny"}'}])
+        # the call stored with the first response is answered by a later request's output alone
+        up.push({"content": "Sunny."})
+        third = await client.responses.create(model="m1", tools=[WEATHER], previous_response_id=first.id, input=[
+            {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "sunny"}'}])
+        assert third.output_text == "Sunny." and up.requests[-1][2]["messages"][-1]["tool_call_id"] == call.call_id
     assert second.output_text == "It is sunny in Paris."
-    sent_first, sent_second = up.requests[-2][2], up.requests[-1][2]
+    sent_first, sent_second = up.requests[-3][2], up.requests[-2][2]
     assert sent_first["tools"] == [{"type": "function", "function": {k: WEATHER[k] for k in
                                                                       ("name", "description", "parameters")}}]
     assert sent_first["tool_choice"] == "auto" and sent_first["parallel_tool_calls"] is False

@@ -67,6 +67,13 @@ def test_request_mapping_and_refusals():
                             {"role": "assistant", "content": "ok"},
                             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}]},
                          "messages.4.content.0.tool_use_id"),
+                        # and each tool_use is answered in the message just after it (an app trial's was not)
+                        ({"model": "m", "max_tokens": 1, "messages": [
+                            *USER, {"role": "assistant", "content": [
+                                {"type": "tool_use", "id": "t1", "name": "f", "input": {}},
+                                {"type": "tool_use", "id": "t2", "name": "f", "input": {}}]},
+                            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}]},
+                         "messages.1.content"),
                         ({"model": "m", "max_tokens": 4000, "messages": USER,
                           "thinking": {"type": "enabled", "budget_tokens": 10}}, "thinking.budget_tokens"),
                         ({"model": "m", "max_tokens": 2000, "messages": USER,

@@ -29,6 +29,7 @@ def test_items_to_messages_parallel_calls_join_one_assistant_turn_and_reasoning_
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
         {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"x\": 1}"},
         {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"type": "function_call_output", "call_id": "c2", "output": "2"},
         {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]}, "r")
     assert items[0]["id"] == "msg_r_0" and items[2]["content"] == [{"type": "output_text", "text": "thinking"}]
     assert to_messages(items) == [
@@ -37,6 +38,7 @@ def test_items_to_messages_parallel_calls_join_one_assistant_turn_and_reasoning_
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{\"x\": 1}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        {"role": "tool", "tool_call_id": "c2", "content": "2"},
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA",
                                                                          "detail": "auto"}}]}]
 

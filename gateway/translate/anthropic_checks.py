@@ -1,0 +1,81 @@
+"""The checks of a ``/v1/messages`` body Anthropic makes and chat validation would not (or would name in chat's
+paths): its sampling ranges, the pairing of ``tool_use`` and ``tool_result`` blocks, an enabled ``thinking``
+budget. Each refusal is Anthropic's 400, naming the field by its dotted path; read by
+``gateway/translate/anthropic.py``'s ``messages_to_chat``."""
+
+from __future__ import annotations
+
+from gateway.errors import ClientError
+
+
+def missing_or_wrong(body: dict, name: str, wanted: str, path: str | None = None) -> str:
+    """The message for a field of ``body`` that is absent or of the wrong type (Anthropic's wording), named by
+    its ``path`` in the request (default: ``name``, a top-level field)."""
+    path = path or name
+    if name not in body:
+        return f"{path}: Field required ({wanted})"
+    value = body[name]
+    got = f"an empty {type(value).__name__}" if isinstance(value, (list, str, dict)) and not value \
+        else type(value).__name__
+    return f"{path}: Input should be {wanted}, got {got}"
+
+
+def bad_request(message: str, param: str) -> ClientError:
+    """Anthropic's 400 (``invalid_request_error``) with ``message``; ``param``: the field's dotted path."""
+    return ClientError(400, message, param=param, code="invalid_request_error")
+
+
+def check_sampling(body: dict) -> None:
+    """Anthropic's own ranges, narrower than chat's (which the translation's chat checks apply after):
+    ``temperature`` and ``top_p`` in [0, 1], ``top_k`` an integer >= 0."""
+    for name in ("temperature", "top_p"):
+        v = body.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
+            raise bad_request(f"{name}: Input should be a number between 0 and 1, got {v!r}", name)
+    k = body.get("top_k")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise bad_request(f"top_k: Input should be an integer greater than or equal to 0, got {k!r}", "top_k")
+
+
+def check_tool_results(msgs: list) -> None:
+    """Anthropic's pairing rules: each ``tool_result`` answers a ``tool_use`` of the message just before it, and
+    each ``tool_use`` is answered by a ``tool_result`` in the message just after it (else the backend would be
+    shown a result of a call it never made, or a call without its result)."""
+    asked: dict = {}         # the tool_use ids of the message before -> its index
+    for i, m in enumerate(msgs):
+        blocks = m.get("content") if isinstance(m.get("content"), list) else []
+        answered = set()
+        if m.get("role") == "user":
+            for j, b in enumerate(blocks):
+                if isinstance(b, dict) and b.get("type") == "tool_result":
+                    if b.get("tool_use_id") not in asked:
+                        raise bad_request(f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` "
+                                   f"blocks: {b.get('tool_use_id')}. Each `tool_result` block must have a "
+                                   "corresponding `tool_use` block in the previous message.",
+                                   f"messages.{i}.content.{j}.tool_use_id")
+                    answered.add(b["tool_use_id"])
+        _no_use_unanswered(asked, answered)
+        asked = {b.get("id"): i for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"}
+    _no_use_unanswered(asked, set())
+
+
+def _no_use_unanswered(asked: dict, answered: set) -> None:
+    if missing := [k for k in asked if k not in answered]:
+        i = asked[missing[0]]
+        raise bad_request(f"messages.{i}: `tool_use` ids were found without `tool_result` blocks immediately after: "
+                   f"{', '.join(map(str, missing))}. Each `tool_use` block must have a corresponding `tool_result` "
+                   f"block in the next message.", f"messages.{i}.content")
+
+
+def check_thinking(body: dict) -> None:
+    """Anthropic's bounds on an enabled ``thinking`` budget (the hint itself is dropped on translated backends):
+    an integer of at least 1024 tokens, below ``max_tokens``."""
+    th = body.get("thinking")
+    if not isinstance(th, dict) or th.get("type") != "enabled":
+        return
+    n = th.get("budget_tokens")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1024:
+        raise bad_request(f"thinking.enabled.budget_tokens: Input should be an integer greater than or equal to 1024, "
+                   f"got {n!r}", "thinking.budget_tokens")
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] <= n:
+        raise bad_request("`max_tokens` must be greater than `thinking.budget_tokens`", "max_tokens")
