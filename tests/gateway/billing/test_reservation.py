@@ -7,21 +7,8 @@ from __future__ import annotations
 from gateway.config.compile import load_config_text
 from gateway.request.admission import estimate_nusd
 from gateway.values import GatewayRequest
+from tests.gateway.observability.test_telemetry import CONFIG   # one upstream at 1 / 2 USD per 1M tokens
 
-CONFIG = """reload: {watch: false}
-models:
-  - name: m1
-backends:
-  up:
-    type: openai
-    base_url: http://127.0.0.1:9/v1
-    prices: {input: 1, output: 2}
-routes:
-  r1:
-    targets: [{backend: up}]
-policy:
-  default_route: r1
-"""
 
 
 def _req(endpoint: str, body: dict) -> GatewayRequest:
