@@ -311,7 +311,8 @@ class RolloutController:
                                  "hold_s", "step_since", "reason", "history")}
         out["held_since"] = r.get("held_since")
         gates = r["final_gates"] if r["state"] not in LIVE and "final_gates" in r else judge(spec.gates, step)
-        return {**out, "gates": gates, "parity": parity}
+        actions = [a for a, (sources, _) in ACTIONS.items() if r["state"] in sources]   # what it may do now
+        return {**out, "gates": gates, "parity": parity, "actions": actions}
 
     async def list(self) -> list[dict]:
         out = []

@@ -33,6 +33,8 @@
     return data;
   }
   const optional = (p) => p.catch((e) => (e.status === 404 || e.status === 405 ? null : Promise.reject(e)));
+  // the rollouts and parity live in Redis: while it is unreachable (503) their panel says so, the rest renders
+  const shared = (p) => optional(p).catch((e) => (e.status === 503 ? {unavailable: e.message} : Promise.reject(e)));
 
   function notice(text, kind = "info") {
     const n = $("notice");
@@ -89,7 +91,7 @@
     try {
       const [config, usage, limits, rollouts, parity] = await Promise.all([
         api("GET", "/admin/config"), api("GET", "/admin/usage"), optional(api("GET", "/admin/limits")),
-        optional(api("GET", "/admin/rollouts")), optional(api("GET", "/admin/parity"))]);
+        shared(api("GET", "/admin/rollouts")), shared(api("GET", "/admin/parity"))]);
       if (seq !== ui.seq || !ui.token) return;     // a newer read (after an action) supersedes this one
       ui.data = {config, usage, limits, rollouts, parity};
       render();
@@ -127,7 +129,7 @@
     renderRoutes(config);
     renderHealth(config);
     renderRollouts(ui.data.rollouts, ui.data.parity);
-    $("start-rollout").hidden = ui.data.rollouts === null;
+    $("start-rollout").hidden = ui.data.rollouts === null || Boolean(ui.data.rollouts.unavailable);
     syncRolloutForm(config);
     renderTenants(ui.data.usage, ui.data.limits);
     const req = $("explain-request");
@@ -272,7 +274,6 @@
   }
 
   // ---- rollouts and shadows --------------------------------------------------------------------------------
-  const ACTIONS = {running: ["pause", "promote", "abort"], paused: ["resume", "promote", "abort"]};
 
   function parityTable(p) {
     if (!p) return h("p", {class: "muted"}, "No parity report yet.");
@@ -315,8 +316,10 @@
 
   function renderRollouts(rollouts, parity) {
     const box = $("rollouts");
-    if (rollouts === null) {
-      box.replaceChildren(h("p", {class: "muted"}, "This gateway has no rollout controller."));
+    if (rollouts === null || rollouts.unavailable) {
+      box.replaceChildren(h("p", {class: rollouts ? "reason" : "muted"}, rollouts
+        ? `Rollouts cannot be read now: ${rollouts.unavailable}`
+        : "This gateway has no rollout controller."));
       ui.rolloutCards = {};
       return;
     }
@@ -346,8 +349,7 @@
         h("figure", {}, h("figcaption", {}, "Candidate weight"), weightChart(r.history || [], r.steps, r.weight, now)),
         h("figure", {}, h("figcaption", {}, "Gates"), gatesChart(r.gates)),
         h("figure", {class: "wide"}, h("figcaption", {}, "Parity"), parityTable(r.parity)));
-      const allowed = ACTIONS[r.state] || [];
-      for (const [a, b] of Object.entries(c.buttons)) b.disabled = !allowed.includes(a);
+      for (const [a, b] of Object.entries(c.buttons)) b.disabled = !(r.actions || []).includes(a);   // the server's
     }
     const names = new Set(list.map((r) => r.name));
     for (const name of Object.keys(ui.rolloutCards)) {

@@ -407,5 +407,35 @@ def test_console_shows_a_failing_candidate_rolled_back(browser, rollout_gateway)
     card.locator(".rollout-weight", has_text=f"{r['weight']:g} %").wait_for()
     assert weights_of(g)["cand"] == r["weight"]           # the route's live weight is the rollout's
     assert card.locator(".ladder li.current").count() == (r["weight"] in r["steps"])
+    # the actions the server allows a rolled-back rollout, from its own list (the page had its own table, which
+    # left Resume and Abort disabled: a trial could not try again or end it from the page)
+    assert set(r["actions"]) == {"resume", "promote", "abort"}
+    for name in ("Resume", "Promote", "Abort"):
+        assert card.get_by_role("button", name=name).is_enabled()
+    assert card.get_by_role("button", name="Pause").is_disabled()
     shoot(page, "rollout-rolled-back")
     page.close()
+
+
+def test_the_console_keeps_showing_routes_while_redis_is_unreachable(browser, redis_server, tmp_path_factory):
+    # rollouts live in Redis and answer 503 meanwhile; the page read them with everything else in one go, so a
+    # trial's console went blank (routes, health, tenants) and then froze for the whole outage
+    a = FaultInjectorUpstream("a").start()
+    text = upstream_config({"a": a}, "  main:\n    targets: [{backend: a}]\n",
+                           extra=f"state: {{redis_url: '{redis_server.url}', socket_timeout_s: 0.5}}\n")
+    try:
+        for g in gateway_on(tmp_path_factory, "console-redis", text, env=ENV):
+            page = browser.new_page()
+            page.goto(g.url + "/admin/ui")
+            sign_in(page)
+            table = page.get_by_role("table", name="Targets of route main")
+            table.wait_for()
+            redis_server.stop()
+            wait_until(lambda: httpx.get(g.url + "/admin/rollouts", headers=ADMIN, timeout=10).status_code == 503)
+            page.get_by_text("Rollouts cannot be read now").wait_for(timeout=30_000)
+            assert table.is_visible() and page.locator("#live").inner_text() == "live"   # the rest still renders
+            before = page.locator("#updated").inner_text()
+            wait_until(lambda: page.locator("#updated").inner_text() != before)   # and keeps being read
+            page.close()
+    finally:
+        a.stop()
