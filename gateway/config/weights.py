@@ -105,15 +105,19 @@ def _spares_text(route: Route, down: dict[str, str]) -> str:
     return ", then ".join(parts) + (f" ({', '.join(skipped)}: down too)" if skipped else "")
 
 
+def weights_steer(route: Route) -> bool:
+    """Whether ``route``'s weights set its traffic shares (``weighted`` and ``prefix_affinity`` routes); on a
+    ``cheapest`` or SLO route a weight only makes a target a choice (> 0) or a spare (0: ``policies.spares``)."""
+    return route.select != "cheapest" and route.slo is None
+
+
 def routes_table(policy: Policy) -> dict[str, dict]:
     """route -> ``{"select", "weights_steer", "targets": [{"id", "backend", "weight", "share_pct"}],
-    "fallbacks": [ids]}``. ``weights_steer``: the weights set the traffic shares (``weighted`` and
-    ``prefix_affinity`` routes); on a ``cheapest`` or SLO route a weight only makes a target a choice (> 0) or a
-    spare (0: ``policies.spares``)."""
+    "fallbacks": [ids]}`` (``weights_steer``: ``weights_steer``'s)."""
     out = {}
     for name, r in policy.routes.items():
         total = sum(t.weight for t in r.targets) or 1.0
-        out[name] = {"select": r.select, "weights_steer": r.select != "cheapest" and r.slo is None,
+        out[name] = {"select": r.select, "weights_steer": weights_steer(r),
                      "fallbacks": [t.id for t in r.fallbacks],
                      "targets": [{"id": t.id, "backend": t.backend, "weight": t.weight,
                                   "share_pct": round(100 * t.weight / total, 2)} for t in r.targets]}

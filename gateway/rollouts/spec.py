@@ -1,5 +1,5 @@
 """A rollout's checked references, one rule for the config file (``rollouts:``) and ``POST /admin/rollouts``: its
-route exists, its candidate is one of the route's targets, its baseline another one (default: the route's first
+route exists and its weights steer it (not ``cheapest`` nor SLO), its candidate is one of the route's targets, its baseline another one (default: the route's first
 target that is not the candidate)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from gateway.config.schema import GatewayConfig, RolloutConfig
+from gateway.config.weights import weights_steer
 
 SHADOW_TENANT = "shadow"    # the ledger line of shadow and parity calls: no tenant's usage
 # a rollout's name is one URL path segment (/admin/rollouts/{name}/{action}) and never a shadow's report key
@@ -34,6 +35,10 @@ def rollout_problems(path: str, spec: RolloutConfig, routes: dict) -> list[tuple
     route = routes.get(spec.route)
     if route is None:
         return [(f"{path}.route", f"unknown route {spec.route!r}; defined: {', '.join(routes)}")]
+    if not weights_steer(route):
+        how = "by predicted TTFT and cost (slo)" if route.slo is not None else f"by {route.select}"
+        return [(f"{path}.route", f"route {spec.route!r} picks its target {how}: its weights do not set the traffic "
+                 "shares, so a rollout's steps could not steer it; roll out on a weighted route")]
     ids = [t.id for t in route.targets]
     if spec.candidate not in ids:
         return [(f"{path}.candidate", f"{spec.candidate!r} is not a target of route {spec.route!r}; "

@@ -284,3 +284,20 @@ async def test_a_rollout_started_onto_a_down_candidate_says_so():
     assert "warning: rollouts.r8: its candidate 'cand' is on backend 'cand', found down now (last probe failed" \
         in out and "the first step sends 10 % of route 'main' there" in out, out
     assert [r["name"] for r in listed] == ["r8"]
+
+
+def test_a_rollout_is_refused_where_weights_do_not_steer_the_route():
+    # a trial's rollout on a select: cheapest route was accepted: "fb 5 %" while every request went to the
+    # cheaper target, and its abort left the candidate a spare (weight 0)
+    from gateway.config.compile import load_config_text
+    from gateway.config.schema import RolloutConfig
+    from gateway.rollouts.spec import rollout_problems
+
+    class Up:
+        base_url = "http://127.0.0.1:9/v1"
+
+    cheap = "  cheap:\n    select: cheapest\n    targets: [{backend: stable}, {backend: cand}]\n"
+    routes = load_config_text(two_upstreams(Up, Up, route_extra=cheap)).policy.routes
+    problems = rollout_problems("rollout", RolloutConfig(route="cheap", candidate="cand"), routes)
+    assert [p for p, _ in problems] == ["rollout.route"] and "picks its target by cheapest" in problems[0][1]
+    assert rollout_problems("rollout", RolloutConfig(route="main", candidate="cand"), routes) == []
