@@ -24,6 +24,10 @@ key's tenant, ``backend`` = the backend that answered or ``none``):
   that differed from their recomputation: the key space is switched off).
 - ``tandem_rate_limit_rejections_total{tenant, code}`` (code
   ``rate_limit_exceeded``, ``budget_exceeded``, ...).
+- ``tandem_stream_errors_total{model, backend}``: streams that ended with an
+  error event after their 200 (the backend failed or cut mid-stream: the
+  client got ``stream_interrupted``); ``tandem_requests_total`` counts them
+  under 200, the status they were answered with.
 - ``tandem_usage_estimated_total{backend, tenant}``: usage records the
   gateway counted itself (no usage from the backend, or a client gone
   mid-stream).
@@ -141,6 +145,8 @@ class GatewayMetrics:
         self.input_tokens = Counter("tandem_input_tokens", "Prompt tokens.", ["backend", "tenant"], registry=r)
         self.output_tokens = Counter("tandem_output_tokens", "Completion tokens.", ["backend", "tenant"], registry=r)
         self.cost = Counter("tandem_cost_usd", "Cost in USD (backend prices).", ["backend", "tenant"], registry=r)
+        self.stream_errors = Counter("tandem_stream_errors", "Streams that ended with an error event after their "
+                                     "200 (the backend failed mid-stream).", ["model", "backend"], registry=r)
         self.usage_estimated = Counter("tandem_usage_estimated", "Usage records counted by the gateway (the backend "
                                        "gave none, or the client left mid-stream).", ["backend", "tenant"],
                                        registry=r)

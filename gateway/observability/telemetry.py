@@ -437,6 +437,8 @@ class Observability:
         backend, model, route = rec.backend or "none", rec.model or "unknown", rec.route or "none"
         kind = rec.attempts[-1].kind if rec.attempts else ("initial" if rec.backend else "none")
         m.child(m.requests, model, route, backend, str(status), kind).inc()
+        if rec.error == "stream_error" and status < 400:     # answered 200, then cut: not a success either
+            m.child(m.stream_errors, model, backend).inc()
         m.child(m.duration, model, route, backend).observe(latency)
         if rec.ttft_s is not None:
             m.child(m.ttft, model, backend).observe(rec.ttft_s)

@@ -19,10 +19,11 @@ from decimal import Decimal
 from types import SimpleNamespace
 
 import httpx
+import openai
 import pytest
 import yaml
 from aiohttp import web
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.observability.metrics import GatewayMetrics, LiveGauges
@@ -588,3 +589,27 @@ def test_breaker_state_and_retries_exported(gw):
     assert sum(v for lab, v in fams["tandem_upstream_attempts_total"] if lab["backend"] == "dead") >= 5
     assert value(fams, "tandem_requests_total", model="m4", route="r4", backend="none", status=503,
                  attempt="none") == 1
+
+
+async def test_a_stream_cut_after_its_200_is_counted_as_a_stream_error():
+    """A backend that fails mid-stream: the request was answered 200 (``tandem_requests_total`` says so) and the
+    client got ``stream_interrupted``; ``tandem_stream_errors_total`` counts it, so the error ratio sees a backend
+    that cuts every stream (a trial's metrics showed only successes)."""
+    from tests.gateway.fault_upstream import FaultUpstream
+    from tests.gateway.http.test_responses import config, gateway
+
+    with FaultUpstream("up") as up:
+        up.push({"error_after": 2}, {})
+        async with gateway(config(up)) as (gw, client):
+            with pytest.raises(openai.APIError):                # the stream's error event
+                async for _ in await client.chat.completions.create(model="m1", stream=True, messages=HELLO):
+                    pass
+            async for _ in await client.chat.completions.create(model="m1", stream=True, messages=HELLO):
+                pass                                   # a whole stream: not counted
+            for _ in range(100):
+                fams = families(generate_latest(gw.obs.registry).decode())
+                if sum(v for _, v in fams.get("tandem_requests_total", [])) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+    assert value(fams, "tandem_stream_errors_total", model="m1", backend="up") == 1
+    assert sum(v for lab, v in fams["tandem_requests_total"] if lab["status"] == "200") == 2
