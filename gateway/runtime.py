@@ -94,7 +94,8 @@ class Gateway:
         self.rollouts = RolloutController(self, store)
         self.shadows = ShadowRunner(store, self.usage, Counter(
             "tandem_shadow_requests", "Shadow and parity pairs, sent or dropped over max_concurrency.",
-            ["rollout", "outcome"], registry=self.obs.registry), local_price=self.local_billing_price)
+            ["rollout", "outcome"], registry=self.obs.registry), local_price=self.local_billing_price,
+            spent=self.obs.metrics.spent)
         self.parity_metrics = ParityCollector()
         self.obs.registry.register(self.parity_metrics)
         if cfg.state.redis_url:

@@ -50,6 +50,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from engine.metrics import EngineMetrics
+from gateway.billing.prices import NANO
 
 # Seconds. End-to-end and upstream latency of LLM calls span milliseconds to minutes.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -159,6 +160,13 @@ class GatewayMetrics:
         self.engine = None          # engine.metrics.EngineMetrics once the local engine is up
         self._engine_obj = None
         self._children: dict[tuple, object] = {}
+
+    def spent(self, backend: str, tenant: str, tokens, nusd: int) -> None:
+        """A billed call: ``tokens`` (prompt, completion, ...) and ``nusd`` (nano-USD) added to the token and cost
+        counters of ``backend`` and ``tenant`` (a label: ``anonymous``, ``shadow``)."""
+        self.child(self.input_tokens, backend, tenant).inc(tokens[0])
+        self.child(self.output_tokens, backend, tenant).inc(tokens[1])
+        self.child(self.cost, backend, tenant).inc(nusd / NANO)
 
     def child(self, metric, *labels: str):
         """``metric.labels(*labels)``, cached: prometheus_client's ``labels()`` costs ~4 us a call, a dict

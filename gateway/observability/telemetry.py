@@ -443,10 +443,7 @@ class Observability:
         if rec.ttft_s is not None:
             m.child(m.ttft, model, backend).observe(rec.ttft_s)
         if tokens is not None:
-            tenant = tenant_label(rec.tenant)
-            m.child(m.input_tokens, backend, tenant).inc(tokens[0])
-            m.child(m.output_tokens, backend, tenant).inc(tokens[1])
-            m.child(m.cost, backend, tenant).inc(nusd / NANO)
+            m.spent(backend, tenant_label(rec.tenant), tokens, nusd)
 
     def _log_line(self, rec: RequestRecord, status: int, latency: float, tokens, nusd: int, estimated: bool) -> None:
         fields = {"event": "request", "request_id": rec.request_id, "trace_id": rec.trace_id,

@@ -121,12 +121,14 @@ class ShadowRunner:
     owns; ``stop`` cancels them. ``store``: ``gateway.rollouts.store.RolloutStore``; ``usage``: the ledger;
     ``counter``: ``tandem_shadow_requests_total`` (labels rollout, outcome); ``local_price``: backend name -> the
     price the ledger bills it at instead of its configured ``prices`` (``Gateway.local_billing_price``: the local
-    engine's from ``local.cost``), so a shadow call costs what the same call from a client would."""
+    engine's from ``local.cost``), so a shadow call costs what the same call from a client would; ``spent``:
+    ``GatewayMetrics.spent``, the tokens and cost metrics every billed call adds to (the ``shadow`` tenant's
+    here)."""
 
     def __init__(self, store, usage, counter, rng: random.Random | None = None,
-                 local_price=lambda backend: None):
+                 local_price=lambda backend: None, spent=lambda backend, tenant, tokens, nusd: None):
         self.store, self.usage, self.counter = store, usage, counter
-        self.local_price = local_price
+        self.local_price, self.spent = local_price, spent
         self.rng = rng or random.Random()
         self.in_flight: dict[str, int] = {}
         self.tasks: set[asyncio.Task] = set()
@@ -202,6 +204,7 @@ class ShadowRunner:
         backend = snap.backends.get(target.backend)
         price = self.local_price(target.backend) or Price.of(getattr(backend.cfg, "prices", None))
         nusd = cost_nusd(price, *tokens)
+        self.spent(target.backend, SHADOW_TENANT, tokens, nusd)
         await self.usage.settle(UsageRecord(f"{req.request_id}:{plan.name}:{side}", SHADOW_TENANT, target.backend,
                                             *tokens, nusd))
 
