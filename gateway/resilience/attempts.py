@@ -186,7 +186,8 @@ class _Run:
             f = result
             f.candidate = c
             self.failures.append(f)
-            self.attempts.append(Attempt(c.name, f.kind, f.status, duration_s=dt))
+            self.attempts.append(Attempt(c.name, _reason(f) if f.kind == "status" else f.kind, f.status,
+                                         duration_s=dt))   # "status 500": which status, in logs and the 502
             if f.kind == "context_length":
                 self.excluded.add(c.name)
                 self._exclude_not_larger(c)

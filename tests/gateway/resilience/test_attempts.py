@@ -113,7 +113,7 @@ async def test_503_falls_back_to_200(client, state, primary, fallback):
                                    breakers=Breakers(state), policy=FAST)
     assert res.status == 200 and res.candidate.name == "fallback"
     assert json.loads(res.body)["choices"][0]["message"]["content"] == "hello from fallback"
-    assert [a.outcome for a in res.attempts] == ["status", "ok"] and res.num_calls == 2
+    assert [a.outcome for a in res.attempts] == ["status 503", "ok"] and res.num_calls == 2  # the status said
     assert primary.calls == 1 and fallback.calls == 1
     assert res.usage["total_tokens"] == 8
 
