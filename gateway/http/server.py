@@ -30,7 +30,7 @@ from gateway.http.door import DoorLimits, door_protocol
 from gateway.request.auth import exposed_without_keys
 from gateway.config.compile import load_config_or_report
 from gateway.config.schema import ConfigError
-from gateway.embedded_redis import release, start_or_join, with_redis_url
+from gateway.embedded_redis import Supervisor, release, start_or_join, with_redis_url
 from gateway.runtime import Gateway
 
 log = logging.getLogger("tandem.gateway")
@@ -174,9 +174,12 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
                             timeout_graceful_shutdown=cfg.server.drain_timeout_s, timeout_keep_alive=30,
                             proxy_headers=False, server_header=False)
     server = GatewayServer(config, gw, picker)
+    supervisor = Supervisor(embedded) if embedded is not None else None
+    if supervisor is not None:
+        supervisor.start()                  # a server that dies is started again
     try:
         server.run()
     finally:
-        if embedded is not None:
-            release(embedded)               # shut down when no other gateway uses it
+        if supervisor is not None:
+            release(supervisor.stop())      # shut down when no other gateway uses it
     return stop_exit_status(server.stop_signal)

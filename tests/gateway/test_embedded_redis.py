@@ -71,3 +71,35 @@ def test_a_second_gateway_joins_the_embedded_redis_and_the_last_one_stops_it(ups
     finally:
         third.stop()
     assert not _answers(socket)
+
+
+def test_an_embedded_redis_that_dies_is_started_again_from_its_data(upstreams, tmp_path):
+    # a trial killed the embedded redis: every desired-state change was refused (503) until the gateway restarted
+    import os
+    import signal
+    import time
+
+    data = tmp_path / "data"
+    path = tmp_path / "config.yaml"
+    path.write_text(upstream_config(dict(zip("ab", upstreams)), ROUTES,
+                                    extra=f"state: {{redis: embedded, data_dir: {data}, sync_interval_s: 0.2}}"))
+    admin = {"authorization": "Bearer admin-tok"}
+    g = GatewayProcess(path, env=ENV).start()
+    try:
+        assert httpx.post(g.url + "/admin/weights", headers=admin, timeout=10,
+                          json={"route": "main", "weights": {"a": 40, "b": 60}}).status_code == 200
+        pid = int((data / "redis" / "redis.pid").read_text())
+        os.kill(pid, signal.SIGSTOP)            # alive and not answering: left alone (a second server would
+        time.sleep(3)                           # write the same files)
+        assert "starting it again" not in g.log()
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGKILL)            # gone: started again, from its data
+        wait_until(lambda: "starting it again" in g.log(), timeout=30)
+        wait_until(lambda: httpx.post(g.url + "/admin/weights", headers=admin, timeout=10, json={
+            "route": "main", "weights": {"a": 30, "b": 70}}).status_code == 200, timeout=30)
+        assert int((data / "redis" / "redis.pid").read_text()) != pid
+        history = httpx.get(g.url + "/admin/config", headers=admin, timeout=5).json()["history"]
+        assert [h["source"] for h in history[:3]] == ["weights", "weights", "file"]   # those before the kill too
+    finally:
+        g.stop()
+    assert not _answers(data / "redis" / "redis.sock")            # and the gateway still shuts it down at the end
