@@ -2,7 +2,8 @@
 
 A rollback undoes a config change (the file's, an operator's), not a rollout (docs/operators/desired-state.md). The
 previous version may hold, on a route, the split of a rollout that has ended since (aborted, rolled back by its
-gates): returned to as stored, its candidate would get traffic again although its rollout is over. Such a route
+gates), taken while it ran: returned to as stored, its candidate would get traffic again although its rollout is
+over. (The split it left when it ended is not such a split: returning to it undoes what came after.) Such a route
 keeps the weights it has now (the head's override of it, else the head's file weights for it: put over the previous
 version's file where they differ from it), and the rollback's answer says so.
 
@@ -14,7 +15,8 @@ would be a security incident): it is refused naming the tenants (``KeysRestored`
 from __future__ import annotations
 
 from gateway.config.compile import load_config_text
-from gateway.config.layers import RolloutConflict, ended_owner, orphaned, route_weights, same_as_file
+from gateway.config.layers import (RolloutConflict, ended_owner, orphaned, rollout_weights, route_weights,
+                                   same_as_file)
 from gateway.config.versions import ConfigState
 
 
@@ -25,6 +27,13 @@ def _fmt(weights: dict[str, float] | None) -> str:
 def _file_weights(state: ConfigState) -> dict[str, dict[str, float]]:
     """route -> {target id: weight} of ``state``'s config text (no overrides)."""
     return route_weights(load_config_text(state.text, {}).policy)
+
+
+def _left_by(r: dict, weights: dict[str, float]) -> bool:
+    """Whether ``weights`` (a route's) are the split rollout ``r`` left when it ended (0 % after an abort, the last
+    good step after its gates rolled it back): returning to them undoes what came after, it brings nothing of the
+    rollout back (a trial's rollback after abort -> operator weights could not undo the operator's change)."""
+    return all(weights.get(k) == v for k, v in rollout_weights(r).items())
 
 
 def without_ended(head: ConfigState, prev: ConfigState, rollouts: list[dict]) -> tuple[ConfigState | None, list[str]]:
@@ -50,7 +59,7 @@ def without_ended(head: ConfigState, prev: ConfigState, rollouts: list[dict]) ->
             continue
         now = {**head_file.get(route, {}), **head.overrides.get(route, {})}    # what the route has now
         back = {**prev_file.get(route, {}), **prev.overrides.get(route, {})}   # what returning as stored gives it
-        if not now or now == back:
+        if not now or now == back or _left_by(r, back):
             continue
         overrides.pop(route, None)
         owners.pop(route, None)

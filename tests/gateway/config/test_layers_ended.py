@@ -144,6 +144,26 @@ async def test_a_rollback_after_an_abort_and_a_file_edit_keeps_the_weights_the_r
     assert layer["effective"] == {"stable": 100.0, "cand": 0.0} and layer["decided_by"] == "rollout r1 (aborted)", layer
 
 
+async def test_a_rollback_undoes_an_operators_change_made_after_an_abort(tmp_path, state):
+    """An ops trial: weights, a rollout started and aborted (its 0 % split: not the file's), then an operator's
+    40/60, then ``ctl rollback``: it kept 40/60, saying the aborted rollout's split is not brought back, though that
+    split is what the abort left. It returns to it now."""
+    with upstreams() as (stable, cand):
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand, rollout=state).replace("weight: 100}, {backend: cand, weight: 0}",
+                                                                  "weight: 95}, {backend: cand, weight: 5}"))
+        async with served(path) as (gw, c):
+            assert (await c.post("/admin/rollouts", json=START)).status_code == 201
+            assert (await c.post("/admin/rollouts/r1/abort")).status_code == 200
+            assert weights(gw) == {"stable": 100.0, "cand": 0.0}                # what the abort left
+            changed = await c.post("/admin/weights", json={"route": "ro", "weights": {"stable": 40, "cand": 60}})
+            assert changed.status_code == 200, changed.text
+            back = await c.post("/admin/rollback", json={})
+    assert back.status_code == 200, back.text
+    assert weights(gw) == {"stable": 100.0, "cand": 0.0}, back.json()
+    assert not any("not brought back" in w for w in back.json()["warnings"]), back.json()["warnings"]
+
+
 def _state(text: str, overrides: dict | None = None, owners: dict | None = None) -> ConfigState:
     return ConfigState(text, overrides or {}, "test", owners=owners or {})
 
@@ -156,7 +176,8 @@ def test_a_rollback_keeps_the_weights_a_route_has_where_returning_would_bring_an
         plain = text(stable, cand)                                          # ro: stable 100, cand 0
         old = plain.replace("weight: 100}, {backend: cand, weight: 0}", "weight: 95}, {backend: cand, weight: 5}")
         edited = plain.replace("weight: 100}, {backend: cand, weight: 0}", "weight: 90}, {backend: cand, weight: 10}")
-    aborted = [{"name": "r1", "route": "ro", "candidate": "cand", "state": "aborted"}]
+    aborted = [{"name": "r1", "route": "ro", "candidate": "cand", "baseline": "stable", "state": "aborted",
+                "weight": 0.0}]                                      # an abort leaves the candidate at 0 %
     running_split = _state(plain, {"ro": {"cand": 5.0, "stable": 95.0}}, {"ro": "r1"})   # r1 at 5 %, since aborted
     # aborted right after: the head is the file (100/0): no override needed over the same file
     state, warnings = without_ended(_state(plain), running_split, aborted)
@@ -164,10 +185,16 @@ def test_a_rollback_keeps_the_weights_a_route_has_where_returning_would_bring_an
     assert warnings == ["route ro: the version rolled back to holds rollout r1's split (cand 5, stable 95), which is "
                         "not brought back: the rollout is aborted; the route keeps stable 100, cand 0"]
     # the file changed the route since (90/10): kept over the old file's 95/5 as an override
-    left = _state(old, {"ro": {"cand": 0.0, "stable": 100.0}}, {"ro": "r1"})
-    state, warnings = without_ended(_state(edited), left, aborted)
+    running_old = _state(old, {"ro": {"cand": 25.0, "stable": 75.0}}, {"ro": "r1"})
+    state, warnings = without_ended(_state(edited), running_old, aborted)
     assert state.overrides == {"ro": {"stable": 90.0, "cand": 10.0}} and state.owners == {}
     assert warnings[0].endswith("the route keeps stable 90, cand 10")
+    # the version returned to holds what the abort left (0/100): returning to it undoes the change after it (a
+    # file edit, an operator's 40/60: an ops trial's rollback kept 40/60, saying the abort's split is not brought
+    # back)
+    left = _state(old, {"ro": {"cand": 0.0, "stable": 100.0}}, {"ro": "r1"})
+    assert without_ended(_state(edited), left, aborted) == (None, [])
+    assert without_ended(_state(plain, {"ro": {"stable": 60.0, "cand": 40.0}}), left, aborted) == (None, [])
     # an operator's weights at the head (80/20) are kept with the head's owners (none)
     state, _ = without_ended(_state(plain, {"ro": {"stable": 80.0, "cand": 20.0}}), running_split, aborted)
     assert state.overrides == {"ro": {"stable": 80.0, "cand": 20.0}}
