@@ -26,6 +26,7 @@ async def describe(gw) -> dict:
         "public_models": s.compiled.public_models,
         "routes": routes,
         "backends": {n: {"type": b.kind, **backends[n]} for n, b in s.backends.items()}, "targets": targets,
+        "routes_serving": gw.resilience.routes_serving(s.compiled.policy.routes, backends, targets),   # /health/ready's
         "history": history, "warnings": s.warnings, "redis_degraded": gw.redis_degraded,
         "file": gw.config_file.status(s.compiled.text, s.compiled.overrides), "layers": await layers(gw),
         "usage_journal": len(gw.usage.journal),   # settles waiting for Redis (replayed on rejoin)

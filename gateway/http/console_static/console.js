@@ -125,7 +125,8 @@
   function render() {
     const {config} = ui.data;
     $("version").textContent = `config v${config.version} · ${config.source}` +
-      (config.redis_degraded ? " · Redis unreachable" : "") + (config.draining ? " · draining" : "");
+      (config.redis_degraded ? " · Redis unreachable" : "") + (config.draining ? " · draining" : "") +
+      (config.routes_serving && !config.routes_serving.length ? " · degraded: no route can serve" : "");
     renderRoutes(config);
     renderHealth(config);
     renderRollouts(ui.data.rollouts, ui.data.parity);

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.support import FaultInjectorUpstream, gateway_on, sha, upstream_config, wait_until
+from tests.gateway.support import FaultInjectorUpstream, GatewayProcess, gateway_on, sha, upstream_config, wait_until
 
 TOKEN = "adm-console-0123"
 ADMIN = {"authorization": f"Bearer {TOKEN}"}
@@ -441,4 +441,22 @@ def test_the_console_keeps_showing_routes_while_redis_is_unreachable(browser, re
             wait_until(lambda: page.locator("#updated").inner_text() != before)   # and keeps being read
             page.close()
     finally:
+        a.stop()
+
+
+def test_the_header_says_when_no_route_can_serve(browser, tmp_path_factory):
+    # /health/ready said degraded while the console's header stayed a green "live" and nothing else said so
+    a = FaultInjectorUpstream("a").start()
+    path = tmp_path_factory.mktemp("console-degraded") / "config.yaml"
+    path.write_text(upstream_config({"a": a}, "  main:\n    targets: [{backend: a}]\n", key_env="A_KEY_UNSET"))
+    g = GatewayProcess(path, env=ENV).start(wait_ready=False)     # never ready: its one backend has no key
+    try:
+        wait_until(lambda: httpx.get(g.url + "/health/ready", timeout=10).json()["status"] == "degraded")
+        page = browser.new_page()
+        page.goto(g.url + "/admin/ui")
+        sign_in(page)
+        page.locator("#version", has_text="degraded: no route can serve").wait_for()
+        page.close()
+    finally:
+        g.stop()
         a.stop()
