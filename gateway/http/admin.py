@@ -17,6 +17,7 @@ from gateway.billing.prices import NANO
 from gateway.billing.usage import Budget, tenant_label
 from gateway.config.layers import RolloutConflict
 from gateway.config.rollback import KeysRestored
+from gateway.config.schema import ConfigError
 from gateway.config.status import describe
 from gateway.config.versions import VersionConflict
 from gateway.errors import ClientError
@@ -127,6 +128,11 @@ async def admin_weights(request: Request) -> Response:
         raise _conflict(e) from None
     except RolloutConflict as e:
         raise ClientError(409, str(e), code="rollout_conflict", param="route") from None
+    except ConfigError as e:
+        if all(path.startswith("overrides.") for path, _ in e.errors):   # the weights asked for, not the file
+            raise ClientError(400, "; ".join(f"route {body['route']!r}: {m}" for _, m in e.errors),
+                              param="weights", code="invalid_value") from None
+        raise
 
 
 @post("/admin/drain")

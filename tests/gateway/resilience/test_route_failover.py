@@ -131,6 +131,10 @@ def test_weights_that_cannot_serve_are_refused_or_warned(gw, ups):
     # an operator's trial: weights of 1e308 each were taken (their sum inf: NaN shares, traffic split anyhow)
     r = ctl(gw, "weights", "pair", "a=1e308", "b=1e308")
     assert r.returncode == 1 and "the weights sum to inf" in r.stderr, r.stderr
+    # the weights asked for are at fault, not the file (an ops trial read "<file>: invalid config: overrides...")
+    r = httpx.post(gw.url + "/admin/weights", headers=ADMIN, json={"route": "pair", "weights": {"a": -5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "weights", r.text
+    assert r.json()["error"]["message"].startswith("route 'pair': ") and ".yaml" not in r.text, r.text
     for bad, said in ((["a=nan"], "a finite number"), (["a=inf"], "a finite number"),
                       (["a=50", "a=20", "b=30"], "target 'a' given twice")):
         r = ctl(gw, "weights", "pair", *bad)
