@@ -276,6 +276,9 @@ def _ctl(args) -> int:
         return code
     if getattr(args, "status", False):
         print(layers_summary(data))
+    elif args.path == "/admin/drain":
+        print(f"draining: {data['in_flight']} request(s) in flight are answered first, new ones get 503; the gateway "
+              "exits when they are done")
     elif isinstance(data, dict) and "routes" in data and args.path != "/admin/config":
         print(_version_summary(data))
     else:

@@ -235,8 +235,10 @@ def test_admin_drain_then_exit(upstreams, tmp_path):
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             stream = pool.submit(httpx.post, g.url + "/v1/chat/completions", json=body, timeout=30)
             time.sleep(0.4)
-            r = httpx.post(g.url + "/admin/drain", headers=ADMIN)
-            assert r.status_code == 200 and r.json()["draining"] is True
+            ctl = subprocess.run([sys.executable, "-m", "gateway.commands", "ctl", "--url", g.url, "drain"], cwd=ROOT,
+                                 env={**ENV, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
+            assert ctl.returncode == 0, ctl.stderr                  # a sentence, as every ctl command prints
+            assert ctl.stdout.startswith("draining: 1 request(s) in flight are answered first"), ctl.stdout
             assert httpx.get(g.url + "/health/ready").status_code == 503
             done = stream.result()
         assert done.status_code == 200 and done.text.rstrip().endswith("data: [DONE]")
