@@ -55,6 +55,12 @@ class Compiled:
                          for f in b.structured_outputs)
 
 
+def validation_problems(e: ValidationError) -> list[tuple[str, str]]:
+    """(key path, problem) of each error of a pydantic validation, its message without pydantic's "Value error, "
+    prefix (a validator's own sentence)."""
+    return [(_loc(err["loc"]), err["msg"].removeprefix("Value error, ")) for err in e.errors()]
+
+
 def _loc(loc: tuple) -> str:
     out = ""
     for part in loc:
@@ -246,7 +252,7 @@ def load_config_text(text: str, overrides: dict[str, dict[str, float]] | None = 
         cfg = GatewayConfig.model_validate(raw)
         compiled = compile_config(cfg, overrides, environ)
     except ValidationError as e:
-        raise ConfigError([(_loc(err["loc"]), err["msg"]) for err in e.errors()], source) from None
+        raise ConfigError(validation_problems(e), source) from None
     except ConfigError as e:
         raise ConfigError(e.errors, source) from None
     compiled.text = text

@@ -8,6 +8,7 @@ import msgspec
 import pydantic
 from litestar import Request, Response, get, post
 
+from gateway.config.compile import validation_problems
 from gateway.config.schema import RolloutConfig
 from gateway.errors import ClientError
 from gateway.http.admin import _body, _gw, _json
@@ -36,9 +37,8 @@ async def start_rollout(request: Request) -> Response:
     try:
         spec = RolloutConfig(**body)
     except pydantic.ValidationError as e:
-        err = e.errors()[0]
-        raise ClientError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}",
-                          param=".".join(map(str, err["loc"])) or None) from None
+        path, problem = validation_problems(e)[0]
+        raise ClientError(400, f"{path}: {problem}", param=path or None) from None
     try:
         view = await gw.rollouts.create(name, spec)
     except RolloutSpecError as e:

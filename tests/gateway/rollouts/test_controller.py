@@ -301,3 +301,13 @@ def test_a_rollout_is_refused_where_weights_do_not_steer_the_route():
     problems = rollout_problems("rollout", RolloutConfig(route="cheap", candidate="cand"), routes)
     assert [p for p, _ in problems] == ["rollout.route"] and "picks its target by cheapest" in problems[0][1]
     assert rollout_problems("rollout", RolloutConfig(route="main", candidate="cand"), routes) == []
+
+
+async def test_a_refused_rollout_body_says_the_validators_sentence():
+    # the console's form showed pydantic's "Value error, steps must be ..." (an ops trial)
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        async with gateway(two_upstreams(stable, cand)) as (gw, url, c):
+            r = await c.post("/admin/rollouts", json={"name": "r9", "route": "main", "candidate": "cand",
+                                                      "steps": [50, 20]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "steps", r.text
+    assert r.json()["error"]["message"] == "steps: steps must be increasing percentages in (0, 100]", r.text
