@@ -73,6 +73,11 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # vLLM's fields this engine does not implement (UNSERVED_FIELDS): read only to be refused, never ignored
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    logits_processors: Any = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -127,6 +132,15 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 
 T = TypeVar("T")
+
+# vLLM request fields this engine does not implement -> why a request carrying one is refused (ignoring it would
+# answer something else than what vLLM answers: words it bans, a prompt it truncates, token ids it names)
+UNSERVED_FIELDS = {
+    "bad_words": "banning words is not implemented (a structured_outputs regex can exclude them)",
+    "truncate_prompt_tokens": "prompt truncation is not implemented: send the tokens to keep",
+    "return_tokens_as_token_ids": "tokens are returned as strings only",
+    "logits_processors": "custom logits processors are not supported",
+}
 
 # The request fields whose value is a JSON schema for structured outputs, as paths of object keys.
 SCHEMA_PATHS = (("response_format", "json_schema", "schema"), ("structured_outputs", "json"))

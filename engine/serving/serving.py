@@ -30,7 +30,7 @@ from engine.protocol.guided import GUIDED_FIELDS, guided_field_hint
 from engine.sampling_params import SamplingParams
 from engine.serving.chat_structured import ChatPlan
 from engine.serving.logprobs import LogprobFormatter
-from engine.serving.protocol import ChatCompletionRequest, RequestValidationError, parse_request
+from engine.serving.protocol import UNSERVED_FIELDS, ChatCompletionRequest, RequestValidationError, parse_request
 
 logger = logging.getLogger("tandem.serving")
 
@@ -147,6 +147,9 @@ class OpenAIServing:
             raise ServingError(400, "logit_bias: is not supported", param="logit_bias")
         if req.allowed_token_ids is not None:   # vLLM restricts sampling to them: ignoring it would break that
             raise ServingError(400, "allowed_token_ids: is not supported", param="allowed_token_ids")
+        for name, why in UNSERVED_FIELDS.items():
+            if getattr(req, name) not in (None, False):
+                raise ServingError(400, f"{name}: {why}", param=name)
         for name in GUIDED_FIELDS:   # vLLM's older constraint fields: ignoring one would answer unconstrained
             if getattr(req, name) is not None:
                 raise ServingError(400, f"{name}: {guided_field_hint(name)}", param=name)
