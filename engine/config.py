@@ -43,6 +43,39 @@ def default_model_path() -> str:
     raise FileNotFoundError(f"no .gguf file in {list(spec.submodule_search_locations)}")
 
 
+def parse_token_count(value: int | str) -> int:
+    """A token count as vLLM's flags take it (``human_readable_int``): ``4096``, ``4k`` (x 1000), ``4K`` (x 1024),
+    also ``m``/``M`` and ``g``/``G``; ``25.6k`` = 25,600.
+
+    Raises:
+        ValueError: unparseable, or not a whole number of tokens."""
+    text = str(value).strip()
+    mult = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    number = text[:-1] if mult != 1 else text
+    try:
+        count = float(number) * mult
+    except ValueError:
+        raise ValueError(f"cannot parse a token count from {value!r} (e.g. 4096, 4k, 4K)") from None
+    if not count.is_integer():
+        raise ValueError(f"a token count must be a whole number, got {value!r}")
+    return int(count)
+
+
+def tcp_port(value: str) -> int:
+    """A ``--port`` flag's value: 0 (any free port) to 65535.
+
+    Raises:
+        ValueError: not an integer in that range (a larger one would be taken modulo 65536 by the socket)."""
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"a TCP port is 0-65535, got {port}")
+    return port
+
+
+# vLLM's other spellings of --dtype
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
 def parse_size(value: int | float | str) -> int:
     """Parse a memory size into bytes: ``1073741824``, ``"512MiB"``, ``"2GiB"``,
     ``"1.5G"`` (binary units: K/M/G = KiB/MiB/GiB).
@@ -252,8 +285,20 @@ class EngineArgs:
                 raise ValueError(f"{name} {msg}")
         SpeculativeConfig.parse(self.speculative_config)
         KVEventsConfig.parse(self.kv_events_config)
-        if not os.path.exists(self.model):
-            raise FileNotFoundError(f"model {self.model!r}: no such file or directory")
+        if not os.path.exists(self.model):   # nothing is downloaded: a Hub id names no local directory
+            raise FileNotFoundError(f"model {self.model!r}: no such file or directory (give a local directory or "
+                                    "GGUF file: weights are never downloaded)")
+
+
+def flag_type(parse):
+    """``parse`` as an ``argparse`` type: its ValueError's message becomes the flag's error."""
+    def typed(value: str):
+        try:
+            return parse(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    typed.__name__ = parse.__name__
+    return typed
 
 
 def add_engine_cli_args(parser) -> None:
@@ -265,7 +310,8 @@ def add_engine_cli_args(parser) -> None:
                    help="a .gguf file or HF directory (None: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", default=None, help="the model name clients use (None: the model's name)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations dtype (auto: bfloat16)")
+                   type=lambda v: _DTYPE_ALIASES.get(v, v),
+                   help="weights and activations dtype (auto: bfloat16; half and float as vLLM's aliases)")
     g.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (a power of two)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
@@ -273,8 +319,9 @@ def add_engine_cli_args(parser) -> None:
                    help="most tokens one engine step computes: running decodes first, then prompt chunks "
                         "(chunked prefill). Default: 512 on CPU, 2048 on CUDA, never below --max-num-seqs; "
                         "with chunked prefill off, at least max_model_len")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + completion limit, tokens (None: the model's, capped by the KV pool)")
+    g.add_argument("--max-model-len", type=flag_type(parse_token_count), default=None,
+                   help="prompt + completion limit, tokens, e.g. 4096, 4k (4000), 4K (4096) (None: the model's, "
+                        "capped by the KV pool)")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache pool size on CPU, bytes or e.g. 2GiB, 512MiB")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction (0-1] of GPU memory for weights + KV cache (CUDA)")

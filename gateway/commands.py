@@ -16,7 +16,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="run the gateway (with the in-process engine)")
     p.add_argument("--config", required=True, help="YAML config file (see config.example.yaml)")
     p.add_argument("--host", default=None, help="bind address (default: server.host)")
-    p.add_argument("--port", type=int, default=None, help="TCP port (default: server.port)")
+    p.add_argument("--port", type=_port, default=None, help="TCP port, 0-65535 (default: server.port)")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback bind without virtual keys (default: server.insecure)")
     p.add_argument("--no-engine", action="store_true",
@@ -327,6 +327,13 @@ def _traffic_now(route: dict | None) -> str:
     fallbacks = ", ".join(route.get("fallbacks", []))
     none = f"no target serves: its fallbacks ({fallbacks}) in order, then 503" if fallbacks else "no target serves: 503"
     return "; ".join(out + [", ".join(serving) or none])
+
+
+def _port(value: str) -> int:
+    """``--port``'s type: ``engine.config.tcp_port`` (imported when a port is given: ``tandem`` starts fast)."""
+    from engine.config import flag_type, tcp_port
+
+    return flag_type(tcp_port)(value)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -287,12 +287,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``tandem engine serve``: the engine's (vLLM names, from
     ``engine.config.add_engine_cli_args``) plus ``--host``, ``--port``,
     ``--uvicorn-log-level``, ``--drain-timeout``."""
-    from engine.config import add_engine_cli_args, parse_size
+    from engine.config import add_engine_cli_args, flag_type, parse_size, tcp_port
 
     add_engine_cli_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    g.add_argument("--port", type=flag_type(tcp_port), default=8000, help="TCP port to listen on (0-65535)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     g.add_argument("--drain-timeout", type=float, default=30.0,

@@ -30,3 +30,22 @@ def test_every_flag_has_help_with_its_default(path):
                 argparse.ArgumentDefaultsHelpFormatter("x")._get_help_string(action) % vars(action))
             assert "default" in rendered, f"{action.option_strings}: the help does not show the default"
     assert "(default: " in text
+
+
+def test_flags_take_vllms_spellings_and_refuse_what_cannot_be_meant(capsys):
+    # a trial: --dtype half, --max-model-len 4k refused (vLLM takes them); --port 73856 listened on 8320
+    serve = subcommand(build_parser(), "engine", "serve")
+    args = serve.parse_args(["--dtype", "half", "--max-model-len", "4k"])
+    assert (args.dtype, args.max_model_len) == ("float16", 4000)
+    args = serve.parse_args(["--dtype", "float", "--max-model-len", "25.6k"])
+    assert (args.dtype, args.max_model_len) == ("float32", 25600)
+    assert serve.parse_args(["--max-model-len", "4K", "--port", "0"]).max_model_len == 4096
+    for argv, said in ((["--port", "73856"], "a TCP port is 0-65535, got 73856"),
+                       (["--max-model-len", "4.5"], "a token count must be a whole number"),
+                       (["--max-model-len", "lots"], "cannot parse a token count")):
+        with pytest.raises(SystemExit):
+            serve.parse_args(argv)
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--port", "99999"])   # the gateway's too
+    assert "a TCP port is 0-65535, got 99999" in capsys.readouterr().err
