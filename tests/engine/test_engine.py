@@ -109,3 +109,8 @@ def test_default_step_budget_by_device(tmp_path):
     assert budget(max_num_seqs=600) == 600
     assert budget(max_num_batched_tokens=64) == 64
     assert budget(enable_chunked_prefill=False, max_model_len=256) == 2048
+    assert budget(enable_chunked_prefill=False, max_model_len=256, max_num_batched_tokens=256) == 256
+    # set below max_model_len with chunked prefill off: refused at start, as vLLM does (a trial's 64-token budget
+    # advertised 8192 and refused every longer prompt)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) is smaller than max_model_len \(256\)"):
+        budget(enable_chunked_prefill=False, max_model_len=256, max_num_batched_tokens=64)
