@@ -35,6 +35,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The engine's tokenizer (vLLM's ``LLM.get_tokenizer``)."""
+        return self.engine.tokenizer
+
     def shutdown(self) -> None:
         """Stop the engine's other tensor-parallel ranks (they also end with this process) and what else
         outlives a step (``EngineCore.close``)."""
@@ -60,15 +64,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate completions for all prompts, submitted at once.
 
         Args:
-            prompts: a text, a list of texts, one token-id list, or a list of them.
+            prompts: a text, a list of texts, one token-id list, or a list of them; or vLLM's prompt dicts,
+                ``{"prompt": text}`` / ``{"prompt_token_ids": [ids]}`` (with an optional ``cache_salt``).
             sampling_params: one for all prompts or one per prompt (default:
                 ``SamplingParams()``).
             priority: per-prompt priority (``scheduling_policy="priority"``).
             cache_salt: vLLM's; these prompts share prefix-cache blocks only with requests of the same salt.
+            use_tqdm: vLLM's progress-bar switch, taken for its callers: this engine draws no progress bar.
 
         Returns:
             One final ``RequestOutput`` per prompt, in input order, with
@@ -77,9 +84,9 @@ class LLM:
         Raises:
             ValueError: a prompt is invalid (nothing is left queued).
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts, salts = zip(*(_prompt(p, cache_salt) for p in prompts)) if prompts else ((), ())
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
@@ -87,9 +94,8 @@ class LLM:
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
-            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
-                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0,
-                                        cache_salt=cache_salt)
+            for i, (rid, prompt, p, salt) in enumerate(zip(ids, prompts, params, salts)):
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0, cache_salt=salt)
         except ValueError:
             self.engine.abort_request(ids)
             raise
@@ -111,6 +117,23 @@ class LLM:
             self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
             for c in conversations]
         return self.generate(prompts, sampling_params)
+
+
+def _prompt(prompt, cache_salt: str | None) -> tuple[Prompt, str | None]:
+    """(text or token ids, cache salt) of one ``generate`` prompt: as given, or from vLLM's prompt dict (its own
+    ``cache_salt`` wins).
+
+    Raises:
+        ValueError: a dict with neither ``prompt`` nor ``prompt_token_ids``, or a key this engine does not take
+            (``multi_modal_data``...)."""
+    if not isinstance(prompt, dict):
+        return prompt, cache_salt
+    if other := sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}):
+        raise ValueError(f"prompt dict: {', '.join(other)} not supported (prompt, prompt_token_ids and cache_salt "
+                         "are)")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("prompt dict: give one of prompt (a text) or prompt_token_ids (token ids)")
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), prompt.get("cache_salt", cache_salt)
 
 
 def merge_delta(finals: dict[str, RequestOutput], delta: RequestOutput) -> None:

@@ -51,6 +51,14 @@ class CompletionOutput:
     num_generated_tokens: int = 0
 
     @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the logprobs of ``token_ids`` (natural log, in order), None when logprobs were not
+        asked for (``SamplingParams.logprobs``)."""
+        if self.logprobs is None:
+            return None
+        return sum(pos[t].logprob for t, pos in zip(self.token_ids, self.logprobs))
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -114,3 +114,22 @@ def test_default_step_budget_by_device(tmp_path):
     # advertised 8192 and refused every longer prompt)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) is smaller than max_model_len \(256\)"):
         budget(enable_chunked_prefill=False, max_model_len=256, max_num_batched_tokens=64)
+
+
+def test_vllms_offline_spellings(tmp_path):
+    """A vLLM user's offline code runs as written (a trial: use_tqdm, get_tokenizer, prompt dicts and
+    cumulative_logprob were missing): the prompt dicts give what the plain prompts give, and cumulative_logprob
+    is the sum of the sampled tokens' logprobs."""
+    llm = LLM(model=save_byte_level_llama(tmp_path), dtype="float32", kv_cache_memory="4MiB")
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=1)
+    ids = llm.get_tokenizer().encode("hello", add_special_tokens=True)
+    plain = llm.generate(["hello", ids], params)
+    dicts = llm.generate([{"prompt": "hello"}, {"prompt_token_ids": ids, "cache_salt": "t1"}], params,
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    out = plain[0].outputs[0]
+    assert out.cumulative_logprob == sum(pos[t].logprob for t, pos in zip(out.token_ids, out.logprobs))
+    assert llm.generate("hello", SamplingParams(max_tokens=2))[0].outputs[0].cumulative_logprob is None
+    for bad in ({"prompt": "a", "prompt_token_ids": [1]}, {"text": "a"}, {"prompt": "a", "multi_modal_data": {}}):
+        with pytest.raises(ValueError, match="prompt dict"):
+            llm.generate(bad, params)
