@@ -15,6 +15,9 @@ Names (all with label ``model_name``), as in vLLM ``v1/metrics/loggers.py``:
 ``vllm:request_success_total`` (+ ``finished_reason``),
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
 ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
+``vllm:request_prefill_time_seconds``, ``vllm:request_decode_time_seconds``,
+``vllm:request_inference_time_seconds``, ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``,
+``vllm:request_params_n``,
 ``vllm:cache_config_info``, ``vllm:lora_requests_info`` (the inference extension's model-server protocol reads
 it; no adapters here); with speculative decoding on, ``vllm:spec_decode_num_drafts``,
 ``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens`` and
@@ -40,6 +43,20 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0]
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+# vLLM's ``request_params_n`` buckets
+N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def token_buckets(max_model_len: int) -> list[int]:
+    """vLLM's bucket boundaries for a token count (``build_1_2_5_buckets``): 1, 2, 5, 10, 20, 50, ... up to
+    ``max_model_len``."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 def _spec_decode_families(stats, model_name: str):
@@ -157,6 +174,19 @@ class EngineMetrics:
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.", label,
                                     buckets=REQUEST_LATENCY_BUCKETS, registry=registry).labels(model_name)
+        tokens = token_buckets(int(getattr(engine, "max_model_len", 0) or 8192))
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               label, buckets=tokens, registry=registry).labels(model_name)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", label, buckets=tokens,
+            registry=registry).labels(model_name)
+        self.request_params_n = Histogram("vllm:request_params_n", "Histogram of the n request parameter.", label,
+                                          buckets=N_BUCKETS, registry=registry).labels(model_name)
+        self.phase = {name: Histogram(f"vllm:request_{name}_time_seconds", help_, label,
+                                      buckets=REQUEST_LATENCY_BUCKETS, registry=registry).labels(model_name)
+                      for name, help_ in (("prefill", "Histogram of time spent in PREFILL phase for request."),
+                                          ("decode", "Histogram of time spent in DECODE phase for request."),
+                                          ("inference", "Histogram of time spent in RUNNING phase for request."))}
         # Listener state: requests that produced a token; request id -> {index: last token time}.
         self._first_seen: set[str] = set()
         self._last_token: dict[str, dict[int, float]] = {}
@@ -196,5 +226,17 @@ class EngineMetrics:
                 if m is not None and rid in self._first_seen:
                     end = m.finished_time or now
                     self.e2e.observe(max(end - m.arrival_time, 0.0))
+                    self._finished(out, m, end)
                 self._first_seen.discard(rid)
                 self._last_token.pop(rid, None)
+
+    def _finished(self, out: RequestOutput, m, end: float) -> None:
+        """The per-request histograms of a finished request that produced tokens (vLLM's names and phases: prefill
+        from first scheduled to first token, decode from first token to the end, inference both)."""
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(sum(c.num_generated_tokens for c in out.outputs))
+        self.request_params_n.observe(len(out.outputs))
+        if m.first_scheduled_time is not None and m.first_token_time is not None:
+            self.phase["prefill"].observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
+            self.phase["decode"].observe(max(end - m.first_token_time, 0.0))
+            self.phase["inference"].observe(max(end - m.first_scheduled_time, 0.0))

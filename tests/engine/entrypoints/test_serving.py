@@ -517,6 +517,11 @@ def test_metrics_use_vllm_names(server):
     assert m["vllm:prompt_tokens_total"] > 0 and m["vllm:generation_tokens_total"] > 0
     assert m["vllm:request_success_total{length}"] > 0 and m["vllm:request_success_total{stop}"] > 0
     assert m["vllm:time_to_first_token_seconds_count"] > 0 and m["vllm:prefix_cache_hits_total"] > 0
+    # vLLM's per-request histograms too (a trial's vLLM dashboards had empty panels without them)
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_params_n",
+                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds"):
+        assert m[f"vllm:{name}_count"] >= 2, name
+    assert m["vllm:request_generation_tokens_sum"] >= 2 + 1 and m["vllm:request_params_n_sum"] >= 2
 
 
 # A copy of the metrics table of the Gateway API Inference Extension's model-server protocol (kubernetes-sigs/
