@@ -293,7 +293,10 @@ def _version_summary(data: dict) -> str:
     shared = "" if data.get("propagated", True) else ", this gateway only (no Redis configured)"
     lines = [f"config version {data.get('version')} ({data.get('source')})" + shared]
     for name, r in data["routes"].items():
-        targets = ", ".join(f"{t['id']}={t['weight']:g} ({t['share_pct']:g} %)" for t in r["targets"])
+        # a share only where the weights set the traffic; elsewhere (cheapest, slo) a weight makes a choice or a spare
+        targets = ", ".join(f"{t['id']}={t['weight']:g} ({t['share_pct']:g} %)" if r.get("weights_steer", True)
+                            else f"{t['id']}={t['weight']:g} ({'choice' if t['weight'] > 0 else 'spare'})"
+                            for t in r["targets"])
         fallbacks = f"; fallbacks: {', '.join(r['fallbacks'])}" if r["fallbacks"] else ""
         lines.append(f"  route {name} [{r['select']}]: {targets}{fallbacks}")
         if now := _traffic_now(r):

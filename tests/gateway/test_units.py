@@ -154,3 +154,16 @@ def test_what_a_route_gets_now_names_its_fallbacks_when_no_target_serves():
     route["targets"].append({"id": "spare", "weight": 0, "out": "", "effective_pct": 100.0})
     assert _traffic_now(route) == "cheap out (backend unavailable: no key); spare 100 %"
     assert _traffic_now({"targets": [{"id": "a", "weight": 1, "out": "", "effective_pct": 100.0}]}) == ""
+
+
+def test_ctl_prints_shares_only_where_weights_set_them():
+    # an ops trial read "a=1 (50 %), b=1 (50 %)" on a select: cheapest route whose cheaper target took everything
+    from gateway.commands import _version_summary
+
+    targets = [{"id": "a", "weight": 1.0, "share_pct": 50.0}, {"id": "b", "weight": 0.0, "share_pct": 0.0}]
+    data = {"version": 3, "source": "weights", "routes": {
+        "cheap": {"select": "cheapest", "weights_steer": False, "fallbacks": [], "targets": targets},
+        "main": {"select": "weighted", "weights_steer": True, "fallbacks": [], "targets": targets}}}
+    text = _version_summary(data)
+    assert "route cheap [cheapest]: a=1 (choice), b=0 (spare)" in text
+    assert "route main [weighted]: a=1 (50 %), b=0 (0 %)" in text

@@ -220,7 +220,7 @@
       if (!c) { c = ui.routeCards[name] = routeCard(name); box.appendChild(c.el); }
       c.head.replaceChildren(name, " ", h("span", {class: "muted small"}, `select: ${route.select}`),
         route.fallbacks.length ? h("span", {class: "muted small"}, ` · fallbacks: ${route.fallbacks.join(", ")}`) : "");
-      c.bar.replaceChildren(shareBar(route.targets));
+      c.bar.replaceChildren(...(route.weights_steer ? [shareBar(route.targets)] : []));   // shares only where weights set them
       const steering = ((ui.data.rollouts && ui.data.rollouts.rollouts) || []).filter(
         (r) => r.route === name && (r.state === "running" || r.state === "paused"));
       const notes = steering.map((r) => h("p", {class: "steer"}, r.state === "running"
@@ -236,7 +236,7 @@
       c.body.replaceChildren(...route.targets.map((t, i) => {
         const br = config.targets[t.id] || {};
         return h("tr", {}, h("th", {scope: "row"}, h("span", {class: `swatch c${i % 6}`, "aria-hidden": "true"}), t.id),
-          h("td", {}, t.backend), h("td", {class: "num"}, fmt(t.weight)), h("td", {class: "num"}, `${fmt(t.share_pct)} %`),
+          h("td", {}, t.backend), h("td", {class: "num"}, fmt(t.weight)), h("td", {class: "num"}, route.weights_steer ? `${fmt(t.share_pct)} %` : (t.weight > 0 ? "choice" : "spare")),
           h("td", {class: "num", title: t.out || "serving"}, route.weights_steer ? `${fmt(t.effective_pct)} %` : "–",
             t.out ? h("span", {class: "muted small"}, ` (${t.out})`) : ""),
           h("td", {}, badge(t.out.startsWith("backend unavailable") ? "unavailable" : (br.breaker || "unknown"))));

@@ -218,6 +218,9 @@ def test_no_canary_slider_where_weights_do_not_steer(page):
     card = page.get_by_role("article").filter(has=page.get_by_role("table", name="Targets of route cheap"))
     card.get_by_text("picks the cheapest among its targets").wait_for()
     assert page.locator("#canary-cheap").is_hidden() and page.locator("#canary-main").is_visible()
+    # no share there: the cheaper target takes the traffic (an ops trial read the 50 % shown as a split)
+    table = page.get_by_role("table", name="Targets of route cheap")
+    assert table.get_by_text("choice").count() == 2 and table.get_by_text("50 %").count() == 0
 
 
 def test_explain_shows_the_live_decision_and_the_refusal(page, gateway):
