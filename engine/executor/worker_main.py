@@ -73,12 +73,27 @@ def run_node(args) -> int:
     executor = MultiprocExecutor(args, device_type)
     try:
         run_worker(executor.first_rank, args.tensor_parallel_size, 0, device_type)
-    except Exception:  # noqa: BLE001 - a lost driver or rank ends this host's part
-        logger.exception("tensor-parallel rank %d failed", executor.first_rank)
+    except Exception as e:  # noqa: BLE001 - a lost driver or rank ends this host's part
+        code = rank_failed(executor.first_rank, e)
         executor.kill()
-        return 1
+        return code
     executor.shutdown()
     return 0
+
+
+def rank_failed(rank: int, e: Exception) -> int:
+    """Log why tensor-parallel rank ``rank`` ended on ``e``, once, and its exit status: the driver gone (its
+    process ended without stopping the ranks: the collective's peer closed) is an end, 0; the model or its
+    settings refused (a ValueError, a missing file: rank 0 says the same to the user) one line, 1; anything else
+    its traceback, 1."""
+    if isinstance(e, RuntimeError) and "Connection closed by peer" in str(e):
+        logger.info("tensor-parallel rank %d: the driver ended; stopping", rank)
+        return 0
+    if isinstance(e, (ValueError, FileNotFoundError)):
+        logger.error("tensor-parallel rank %d failed: %s", rank, e)
+    else:
+        logger.exception("tensor-parallel rank %d failed", rank)
+    return 1
 
 
 def serve() -> None:
@@ -99,7 +114,6 @@ def serve() -> None:
     torch.set_num_threads(len(cpus) if cpus else 1)
     try:
         run_worker(rank, world, local, os.environ.get("TANDEM_TP_DEVICE", "cpu"))
-    except Exception:  # noqa: BLE001 - logged; the driver sees this rank end
-        logger.exception("tensor-parallel rank %d failed", rank)
-        os._exit(1)
+    except Exception as e:  # noqa: BLE001 - logged; the driver sees this rank end
+        os._exit(rank_failed(rank, e))
     os._exit(0)   # at once: the interpreter's own teardown of torch takes seconds

@@ -102,9 +102,12 @@ class Int4Weight:
         if dim == 0:
             return Int4Weight(self.codes.narrow(0, start, length), self.zeros.narrow(0, start, length),
                               self.scales.narrow(0, start, length), self.group_size, self.perm)
-        if self.perm is not None or start % self.group_size or length % self.group_size:
+        if self.perm is not None:
+            raise ValueError("a 4-bit weight with act-order (GPTQ desc_act) cannot be split by its inputs: its groups "
+                             "are not runs of the inputs; use a checkpoint without desc_act, or fewer ranks")
+        if start % self.group_size or length % self.group_size:
             raise ValueError(f"inputs [{start}, {start + length}) of a 4-bit weight in groups of {self.group_size}"
-                             f"{' with act-order' if self.perm is not None else ''} do not split at group boundaries")
+                             " do not split at group boundaries")
         g0, groups = start // self.group_size, length // self.group_size
         return Int4Weight(self.codes.narrow(1, start, length), self.zeros.narrow(1, g0, groups),
                           self.scales.narrow(1, g0, groups), self.group_size)
