@@ -179,6 +179,7 @@
     c.promote = h("button", {type: "button", class: "primary", "aria-label": `Promote canary of route ${name}`,
                              onclick: async () => {
       const target = c.select.value;
+      if (!window.confirm(`Send all of route ${name}'s traffic to ${target} (100 %)?`)) return;
       delete ui.edits[name];
       await act(`Route ${name}: promote ${target} to 100 %`, "POST", "/admin/weights",
                 {route: name, weights: canaryWeights(weightsOf(), target, 100), base_version: ui.data.config.version});
@@ -306,8 +307,11 @@
       const label = action[0].toUpperCase() + action.slice(1);
       c.buttons[action] = h("button", {type: "button", "aria-label": `${label} rollout ${name}`,
         class: action === "abort" ? "danger" : action === "promote" ? "primary" : "",
-        onclick: () => act(`Rollout ${name}: ${action}`, "POST",
-                           `/admin/rollouts/${encodeURIComponent(name)}/${action}`)},
+        onclick: () => {   // the two that end it ask first; pause and resume are undone by each other
+          if ((action === "promote" || action === "abort") &&
+              !window.confirm(`${label} rollout ${name}? It ends the rollout.`)) return;
+          act(`Rollout ${name}: ${action}`, "POST", `/admin/rollouts/${encodeURIComponent(name)}/${action}`);
+        }},
         label);
       bar.appendChild(c.buttons[action]);
     }
@@ -465,8 +469,12 @@
       $("pause").textContent = ui.paused ? "Resume updates" : "Pause updates";
       refresh();
     });
-    $("rollback").addEventListener("click", () => act("Roll back", "POST", "/admin/rollback",
-                                                       {base_version: ui.data.config.version}));
+    $("rollback").addEventListener("click", () => {
+      const v = ui.data.config.version;
+      if (window.confirm(`Roll config version ${v} back to the version before it, on every replica?`)) {
+        act("Roll back", "POST", "/admin/rollback", {base_version: v});
+      }
+    });
     $("explain-form").addEventListener("submit", explain);
     $("rollout-form").addEventListener("submit", startRollout);
     $("ro-route").addEventListener("change", () => syncRolloutForm(ui.data.config));

@@ -205,6 +205,12 @@ def test_canary_slider_sets_the_weight_then_rollback_restores_it(page, gateway):
     page.get_by_role("status").filter(has_text="b to 25 %: done").wait_for()
     page.get_by_role("table", name="Targets of route main").get_by_text("75 %").first.wait_for()
 
+    asked: list[str] = []
+    page.once("dialog", lambda d: (asked.append(d.message), d.dismiss()))   # asked first: dismissed, nothing done
+    page.get_by_role("button", name="Roll back to previous version").click()
+    wait_until(lambda: asked)
+    assert "Roll config version" in asked[0] and weights_of(gateway) == {"a": 75, "b": 25}
+    page.once("dialog", lambda d: d.accept())
     page.get_by_role("button", name="Roll back to previous version").click()
     wait_until(lambda: weights_of(gateway) == {"a": 95, "b": 5})
     page.get_by_role("status").filter(has_text="Roll back: done").wait_for()
