@@ -42,8 +42,9 @@ install: $(STAMP)
 
 install-test: $(TEST_STAMP)
 
+# a stop by Ctrl-C (exit 130: the drain finished) is how serve ends, not a failure of make's
 serve: install
-	$(BIN)/tandem serve --config $(CONFIG) $(SERVE_ARGS)
+	$(BIN)/tandem serve --config $(CONFIG) $(SERVE_ARGS) || test $$? -eq 130
 
 # Test files run in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, so its
 # module fixtures are built once): many tests wait on servers and sockets, so two workers on two cores

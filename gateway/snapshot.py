@@ -34,10 +34,10 @@ class Snapshot:
         details (``/metrics``, ``/health/ready``'s backends) are then the admin token's, not every caller's."""
         return bool(self.compiled.key_hashes) or self.closed
 
-    def authenticate(self, header: str | None) -> str:
-        """The tenant of a request's ``Authorization`` header under this generation's keys (``authenticate``).
-        Raises ClientError 401."""
-        return authenticate(header, self.compiled.key_hashes, self.closed)
+    def authenticate(self, header: str | None, api: str = "openai") -> str:
+        """The tenant of a request's ``Authorization`` header under this generation's keys (``authenticate``;
+        ``api``: whose header its 401 names). Raises ClientError 401."""
+        return authenticate(header, self.compiled.key_hashes, self.closed, api)
 
     def signals(self) -> Signals:
         """Live signals for the policy: local engine load (only when a rule

@@ -222,6 +222,9 @@ def _response_format(fmt: dict | None) -> StructuredOutputsParams | None:
     if not isinstance(spec, dict):
         raise _fail("response_format", "response_format.json_schema: must be an object with name and schema")
     name = spec.get("name")
+    if name is None:   # OpenAI's message for a schema without its name
+        raise _fail("response_format", "response_format.json_schema.name: missing required parameter (1-64 "
+                                       "letters, digits, '_' or '-')")
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise _fail("response_format", f"response_format.json_schema.name: must be 1-64 letters, digits, '_' or "
                                        f"'-', got {name!r}")

@@ -34,7 +34,7 @@ async def count_tokens(request: Request) -> Response:
     snap = request.app.state.gw.snapshot
     compiled = snap.compiled
     headers = anthropic_headers(request.headers)
-    tenant = snap.authenticate(headers.get("authorization"))
+    tenant = snap.authenticate(headers.get("authorization"), "anthropic")
     raw = await read_json_body(request, snap.max_body_size, compiled.config.server.body_timeout_s)
     chat = messages_to_chat(parse_json(raw), count_only=True)
     req = check_request(chat, "chat/completions", None, compiled.local_serves, tenant=tenant)

@@ -25,7 +25,7 @@ from gateway.billing.counting import (choice_pieces, client_wants_usage, count_c
 from gateway.billing.prices import NANO, Price, cost_nusd, usage_tokens
 from gateway.cache.key import cache_config
 from gateway.billing.usage import Budget, UsageLedger, UsageRecord, tenant_label
-from gateway.errors import ClientError, transport_error_kind
+from gateway.errors import ClientError, anthropic_status, transport_error_kind
 from gateway.resilience.outcomes import Withdrawn
 from gateway.observability.metrics import GatewayMetrics, LiveGauges
 from gateway.observability.records import (AttemptRecord, RequestRecord, decode_answer, include_prompts,
@@ -396,6 +396,8 @@ class Observability:
     async def _account(self, rec: RequestRecord, status: int, latency: float) -> None:
         """Settle the cost of the request that ended with ``status`` after ``latency`` seconds, meter it, end its
         span, write its log line."""
+        if rec.endpoint == "messages":   # the status the client got: Anthropic's 529 for the gateway's 503
+            status = anthropic_status(status)
         # Billed: every answer a backend gave, and a request its client left while a backend worked on it.
         answered = rec.backend != "" and (status < 400 or rec.disconnected)
         tokens, estimated = usage_tokens(rec.usage), False

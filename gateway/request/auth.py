@@ -33,10 +33,15 @@ def exposed_without_keys(compiled, host: str | None, insecure: bool = False) -> 
         and not compiled.config.server.insecure
 
 
-def authenticate(header: str | None, key_hashes: dict[str, str], closed: bool = False) -> str:
+# How a request sends its key, named by a 401: OpenAI's header, and Anthropic's on /v1/messages
+SEND_KEY = {"openai": "Authorization: Bearer <key>", "anthropic": "x-api-key: <key> (or Authorization: Bearer <key>)"}
+
+
+def authenticate(header: str | None, key_hashes: dict[str, str], closed: bool = False, api: str = "openai") -> str:
     """The tenant of the request's virtual key ("" when no keys are configured: anonymous mode, loopback only).
     ``closed``: the running config left the gateway ``exposed_without_keys`` (a reload, a rollback or another
-    replica's change took its keys away): every request is refused rather than served to anyone.
+    replica's change took its keys away): every request is refused rather than served to anyone. ``api``: whose
+    header the 401 names (``SEND_KEY``).
 
     Raises:
         ClientError: 401 for a missing or unknown key, or ``closed``."""
@@ -46,7 +51,7 @@ def authenticate(header: str | None, key_hashes: dict[str, str], closed: bool = 
         return ""
     token = bearer(header)
     if token is None:
-        raise ClientError(401, "missing API key: send Authorization: Bearer <key>", code="invalid_api_key")
+        raise ClientError(401, f"missing API key: send {SEND_KEY[api]}", code="invalid_api_key")
     tenant = key_hashes.get(hashlib.sha256(token.encode()).hexdigest())
     if tenant is None:
         raise ClientError(401, "invalid API key", code="invalid_api_key")

@@ -30,8 +30,8 @@ import msgspec
 
 from gateway.errors import anthropic_error_body
 from gateway.sse import named_event
-from gateway.translate.anthropic_checks import (bad_request, check_sampling, check_thinking, check_tool_results,
-                                                missing_or_wrong)
+from gateway.translate.anthropic_checks import (bad_request, check_metadata, check_sampling, check_thinking,
+                                                check_tool_results, missing_or_wrong)
 from gateway.translate.chat import reasoning_of
 from gateway.translate.tool_calls import ToolCallOrder
 from gateway.values import ChatEvent, ChatStream
@@ -206,6 +206,7 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
     check_tool_results(msgs)
     check_sampling(body)
     check_thinking(body)
+    check_metadata(body)
     out: dict = {"model": body["model"], "messages": chat}
     if chat[-1]["role"] == "assistant" and not chat[-1].get("tool_calls"):
         # a prefill: Anthropic continues the last assistant turn; vLLM's chat fields for the same

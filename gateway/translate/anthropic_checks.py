@@ -79,3 +79,15 @@ def check_thinking(body: dict) -> None:
                    f"got {n!r}", "thinking.budget_tokens")
     if isinstance(body.get("max_tokens"), int) and body["max_tokens"] <= n:
         raise bad_request("`max_tokens` must be greater than `thinking.budget_tokens`", "max_tokens")
+
+
+def check_metadata(body: dict) -> None:
+    """Anthropic's ``metadata``: an object whose ``user_id`` (the gateway's canary key) is a string."""
+    meta = body.get("metadata")
+    if meta is None:
+        return
+    if not isinstance(meta, dict):
+        raise bad_request(f"metadata: Input should be a valid dictionary, got {type(meta).__name__}", "metadata")
+    if meta.get("user_id") is not None and not isinstance(meta["user_id"], str):
+        raise bad_request(f"metadata.user_id: Input should be a valid string, got {type(meta['user_id']).__name__}",
+                          "metadata.user_id")

@@ -171,7 +171,7 @@ def test_a_refused_schema_is_named_by_each_senders_own_path(server):
         "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}},
      "response_format", "response_format.json_schema.schema.properties.tags: unsupported schema feature 'uniqueItems'"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
-     "response_format", "response_format.json_schema.name"),
+     "response_format", "response_format.json_schema.name: missing required parameter"),   # not "got None"
     ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"if": {"type": "string"}}}}}}]}, "tools", "tools[0].function.parameters.properties.a: unsupported"),

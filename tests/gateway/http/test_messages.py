@@ -232,6 +232,10 @@ async def test_errors_are_anthropics(up):
             await client.with_options(api_key="sk-wrong").messages.create(
                 model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
         assert e.value.body["error"]["type"] == "authentication_error"
+        async with httpx.AsyncClient() as h:                   # no key: Anthropic's header is the one named
+            r = await h.post(url + "/v1/messages", json={"model": "m1", "max_tokens": 5, "messages": [
+                {"role": "user", "content": "x"}]})
+        assert r.status_code == 401 and "send x-api-key: <key>" in r.json()["error"]["message"], r.text
         with pytest.raises(anthropic.NotFoundError) as e:
             await client.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "x"}])
         assert e.value.body["error"]["type"] == "not_found_error"
@@ -243,6 +247,13 @@ async def test_errors_are_anthropics(up):
         with pytest.raises(anthropic.OverloadedError) as e:      # overloaded: Anthropic's 529, not a 503
             await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
         assert e.value.body["error"]["type"] == "overloaded_error"
+        from prometheus_client import generate_latest           # counted as the client got it (a trial's log said 503)
+        for _ in range(500):                                   # accounted once the request ended (a task)
+            if 'status="529"' in generate_latest(gw.obs.registry).decode():
+                break
+            await asyncio.sleep(0.02)
+        assert 'status="529"' in generate_latest(gw.obs.registry).decode(), [
+            x for x in generate_latest(gw.obs.registry).decode().splitlines() if x.startswith("tandem_requests_total")]
         await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
         with pytest.raises(anthropic.RateLimitError) as e:       # rpm 3: the fourth admitted request is refused
             await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
