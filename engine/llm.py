@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import weakref
 from collections.abc import Sequence
 
 from engine.config import EngineArgs
@@ -30,6 +32,9 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
+        if self.engine.core.executor is not None:   # other ranks: stopped at exit if the script did not (their
+            ref = weakref.ref(self)                  # collective would fail as the process ends, logged)
+            atexit.register(lambda: (llm := ref()) is not None and llm.shutdown())
 
     @property
     def tokenizer(self):
@@ -40,7 +45,7 @@ class LLM:
         return self.engine.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the engine's other tensor-parallel ranks (they also end with this process) and what else
+        """Stop the engine's other tensor-parallel ranks (done at exit too, when a script did not) and what else
         outlives a step (``EngineCore.close``)."""
         self.engine.core.close()
 

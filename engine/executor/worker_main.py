@@ -82,13 +82,14 @@ def run_node(args) -> int:
 
 
 def rank_failed(rank: int, e: Exception) -> int:
-    """Log why tensor-parallel rank ``rank`` ended on ``e``, once, and its exit status: the driver gone (its
-    process ended without stopping the ranks: the collective's peer closed) is an end, 0; the model or its
-    settings refused (a ValueError, a missing file: rank 0 says the same to the user) one line, 1; anything else
-    its traceback, 1."""
+    """Log why tensor-parallel rank ``rank`` ended on ``e``, once, and its exit status (1: it did not end by
+    being stopped; a host's supervisor sees that): the driver gone (its process ended or was killed without
+    stopping the ranks: the collective's peer closed) one warning line; the model or its settings refused (a
+    ValueError, a missing file: rank 0 says the same to the user) one error line; anything else its traceback."""
     if isinstance(e, RuntimeError) and "Connection closed by peer" in str(e):
-        logger.info("tensor-parallel rank %d: the driver ended; stopping", rank)
-        return 0
+        logger.warning("tensor-parallel rank %d: its driver is gone (it ended without stopping the ranks); "
+                       "stopping", rank)
+        return 1
     if isinstance(e, (ValueError, FileNotFoundError)):
         logger.error("tensor-parallel rank %d failed: %s", rank, e)
     else:
