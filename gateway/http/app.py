@@ -63,7 +63,7 @@ async def _serve(request: Request, endpoint: str, headers=None) -> Response:
     headers = request.headers if headers is None else headers
 
     async def answer_(gw: Gateway, rec, rid: str, raw: bytes) -> Response:
-        answer = await unless_disconnected(request, handle(gw, endpoint, raw, headers, rid), streamed)
+        answer = await unless_disconnected(request, handle(gw, endpoint, raw, headers, rid, rec.tenant), streamed)
         if answer is None:                  # the client left: its upstream call was cancelled
             return Response(b"", status_code=499)
         render = answer.render               # the client API's codec (OpenAI's, Anthropic's), after observability

@@ -39,13 +39,13 @@ def _not_found(response_id: str, param: str = "response_id") -> ClientError:
     return ClientError(404, f"Response with id '{response_id}' not found.", param=param, code="response_not_found")
 
 
-async def _prepare(gw, store: ResponseStore, raw: bytes, headers, rid: str):
-    """The client's body (nulls dropped) checked and translated: (body, tenant, this turn's items, the
-    conversation before them, the chat body, the body for an upstream speaking the Responses API).
+async def _prepare(store: ResponseStore, raw: bytes, tenant: str, rid: str):
+    """The client's body (nulls dropped) checked and translated for ``tenant`` (authenticated before the body was
+    read): (body, this turn's items, the conversation before them, the chat body, the body for an upstream
+    speaking the Responses API).
 
     Raises:
-        ClientError: 400/401, 404 for an unknown ``previous_response_id`` (as OpenAI answers)."""
-    tenant = gw.snapshot.authenticate(headers.get("authorization"))   # before the body
+        ClientError: 400, 404 for an unknown ``previous_response_id`` (as OpenAI answers)."""
     body = {k: v for k, v in parse_json(raw).items() if v is not None}
     check_body(body)
     history: list = []
@@ -56,7 +56,7 @@ async def _prepare(gw, store: ResponseStore, raw: bytes, headers, rid: str):
             raise _not_found(str(prev_id), "previous_response_id")
         history = prev.conversation()
     items = input_items(body, rid)
-    return body, tenant, items, history, to_chat(body, history, items), native_body(body, history, items)
+    return body, items, history, to_chat(body, history, items), native_body(body, history, items)
 
 
 @post("/v1/responses")
@@ -66,7 +66,8 @@ async def create_response(request: Request) -> Response:
     headers = request.headers
 
     async def answer_(gw, rec, rid: str, raw: bytes) -> Response:
-        body, tenant, items, history, chat, native = await _prepare(gw, store, raw, headers, rid)
+        tenant = rec.tenant
+        body, items, history, chat, native = await _prepare(store, raw, tenant, rid)
         ctx = new_context(body, rid, gw.snapshot.compiled.model_names.get(body["model"], body["model"]))
 
         async def keep(final: dict) -> None:
@@ -74,7 +75,7 @@ async def create_response(request: Request) -> Response:
                 await store.put(StoredResponse(tenant, final, items, history))
 
         try:
-            answer = await unless_disconnected(request, handle(gw, "chat/completions", raw, headers, rid,
+            answer = await unless_disconnected(request, handle(gw, "chat/completions", raw, headers, rid, tenant,
                                                                body=chat, source=("responses", native)),
                                           streamed)
         except ClientError as e:

@@ -39,8 +39,8 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
                   source: tuple[str, dict] | None = None) -> GatewayRequest:
     """The request value of ``raw`` on config generation ``snap`` (``gateway.snapshot.Snapshot``): its tenant,
     checked body, public model and prompt length (the local engine's rendering, kept for the engine, when a rule
-    reads ``prompt_tokens`` and the engine is up; else the estimate). ``tenant``: given by an operator (``tandem
-    route explain``) instead of authenticated from ``headers``. ``body``: ``raw`` already decoded (a request
+    reads ``prompt_tokens`` and the engine is up; else the estimate). ``tenant``: already authenticated (the
+    HTTP layer's), or given by an operator (``tandem route explain``); None: authenticated from ``headers``. ``body``: ``raw`` already decoded (a request
     translated onto chat, ``gateway/http/responses.py``), not decoded again; ``source``: what it was translated
     from (``GatewayRequest.source``).
 
@@ -117,7 +117,7 @@ async def decide_route(gw, req: GatewayRequest, explain: bool = False):
     return decide(snap.compiled.policy, features(req, prefix), signals, explain=explain), affinity
 
 
-async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str,
+async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str, tenant: str,
                  body: dict | None = None, source: tuple[str, dict] | None = None) -> Answer:
     """Serve one request on the config generation current at its arrival.
 
@@ -128,6 +128,7 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         raw: the request body, bytes.
         headers: lower-case header names -> values.
         request_id: the gateway's id for this request.
+        tenant: the request's, authenticated once by the HTTP layer (``serve_observed``) before the body was read.
         body: the chat body already decoded from ``raw`` (the Responses API's translation), or None.
         source: (API, body) the chat body was translated from, for upstreams that speak it natively.
 
@@ -137,9 +138,9 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     """
     snap = gw.snapshot
     if len(raw) < OFFLOAD_BYTES:
-        req = build_request(snap, endpoint, raw, headers, request_id, body=body, source=source)
+        req = build_request(snap, endpoint, raw, headers, request_id, tenant, body, source)
     else:
-        req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id, None, body, source)
+        req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id, tenant, body, source)
     admitted = time.monotonic()   # a hand-over's checkpoint and deadline count from here
     decision, affinity = await decide_route(gw, req)
     route_cfg = snap.compiled.config.routes.get(decision.route)
