@@ -28,18 +28,23 @@ class Admission:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-def estimate_nusd(cfg, targets, prompt_tokens: int, max_tokens: int | None, sequences: int = 1) -> int:
-    """Upper estimate of a request's cost, nano-USD: its prompt tokens and ``sequences`` (the completions it
-    generates: ``n``) x ``max_tokens`` (else ``limits.default_completion_tokens``) at the highest input and output
-    prices among ``targets``."""
-    completion = (max_tokens if max_tokens is not None else cfg.limits.default_completion_tokens) * sequences
+def reserved_completion_tokens(req: GatewayRequest, cfg) -> int:
+    """The completion tokens admission reserves for ``req``: ``max_tokens`` (else
+    ``limits.default_completion_tokens``) for each completion it generates (``GatewayRequest.sequences``: ``n``,
+    completions' ``best_of``); the TPM limits and the budget reserve the same count."""
+    return (req.max_tokens if req.max_tokens is not None else cfg.limits.default_completion_tokens) * req.sequences
+
+
+def estimate_nusd(cfg, targets, prompt_tokens: int, completion_tokens: int) -> int:
+    """Upper estimate of a request's cost, nano-USD: ``prompt_tokens`` and ``completion_tokens``
+    (``reserved_completion_tokens``) at the highest input and output prices among ``targets``."""
     best = Price()
     for t in targets:
         b = cfg.backends.get(t.backend)
         if b is not None:
             p = Price.of(b.prices)
             best = Price(max(best.input, p.input), max(best.output, p.output))
-    return cost_nusd(best, prompt_tokens, completion)
+    return cost_nusd(best, prompt_tokens, completion_tokens)
 
 
 async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: UsageLedger, cfg) -> Admission:
@@ -54,7 +59,8 @@ async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: Usa
         ClientError: 429 ``rate_limit_exceeded`` (503 ``rate_limiter_unavailable`` fail-closed) or 429
             ``budget_exceeded``, with ``Retry-After``.
     """
-    tokens = resilience.estimate_tokens(req.prompt_tokens, req.max_tokens, req.sequences)
+    completion = reserved_completion_tokens(req, cfg)
+    tokens = int(req.prompt_tokens or 0) + completion
     # Rate limits before the budget: a request they reject must not hold a budget reservation.
     rl = await resilience.admit(req.tenant, bearer(req.headers.get("authorization")), tokens, req.request_id)
     if not rl.allowed:
@@ -63,7 +69,7 @@ async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: Usa
     if bcfg is None:
         return Admission(tokens, rl.reservation, headers=rl.headers())
     budget = Budget(bcfg.usd, bcfg.period)
-    est = estimate_nusd(cfg, targets, req.prompt_tokens, req.max_tokens, req.sequences)
+    est = estimate_nusd(cfg, targets, req.prompt_tokens, completion)
     check = await usage.reserve(req.tenant, req.request_id, est, budget)
     if check.unavailable:
         raise ClientError(503, "Budget unavailable: shared state is unreachable and budgets fail closed "

@@ -51,7 +51,6 @@ class Resilience:
         self.health.config = cfg.resilience.health
         limits = cfg.limits
         self.limiter.window_ms = int(limits.window_s * 1000)
-        self.default_completion_tokens = limits.default_completion_tokens
         self.tenant_limits = {t: Limit("tenant", t, v.rpm, v.tpm) for t, v in limits.tenants.items()}
         self.key_limits: dict[str, Limit] = {}
         for k in cfg.auth.keys:
@@ -84,12 +83,6 @@ class Resilience:
         return self.state.degraded
 
     # -- admission ---------------------------------------------------------------------------------------------
-    def estimate_tokens(self, prompt_tokens: int | None, max_tokens: int | None, sequences: int = 1) -> int:
-        """Tokens reserved at admission: estimated prompt + ``sequences`` (the completions generated: ``n``)
-        x max_tokens (or the configured default)."""
-        completion = max_tokens if max_tokens is not None else self.default_completion_tokens
-        return int(prompt_tokens or 0) + int(completion) * sequences
-
     async def admit(self, tenant: str, token: str | None, tokens: int, request_id: str) -> RateLimitResult:
         """Check and record the RPM/TPM limits of the request's virtual key and tenant."""
         limits = []

@@ -5,10 +5,9 @@ targets' highest prices; a trial's ``n: 32`` reserved one completion and overspe
 from __future__ import annotations
 
 from gateway.config.compile import load_config_text
-from gateway.request.admission import estimate_nusd
+from gateway.request.admission import estimate_nusd, reserved_completion_tokens
 from gateway.values import GatewayRequest
 from tests.gateway.observability.test_telemetry import CONFIG   # one upstream at 1 / 2 USD per 1M tokens
-
 
 
 def _req(endpoint: str, body: dict) -> GatewayRequest:
@@ -20,8 +19,9 @@ def test_the_reservation_counts_every_completion_the_request_may_generate():
     targets = load_config_text(CONFIG).policy.routes["r1"].targets
     assert [_req("chat/completions", b).sequences for b in ({}, {"n": 32}, {"n": 1, "best_of": 5})] == [1, 32, 1]
     assert [_req("completions", b).sequences for b in ({"n": 2}, {"n": 2, "best_of": 5}, {"best_of": 3})] == [2, 5, 3]
-    one = estimate_nusd(cfg, targets, 10, 60)
-    assert estimate_nusd(cfg, targets, 10, 60, sequences=32) == one + 31 * 60 * 2 * 1000   # 2 USD / 1M output
+    n32 = _req("chat/completions", {"n": 32, "max_tokens": 60})
+    assert reserved_completion_tokens(n32, cfg) == 32 * 60
+    assert estimate_nusd(cfg, targets, 10, 32 * 60) == 10 * 1000 + 32 * 60 * 2 * 1000   # 1 / 2 USD per 1M tokens
     # without max_tokens: the configured default completion, times n too
     default = cfg.limits.default_completion_tokens
-    assert estimate_nusd(cfg, targets, 0, None, sequences=4) == 4 * default * 2 * 1000
+    assert reserved_completion_tokens(_req("chat/completions", {"n": 4}), cfg) == 4 * default
