@@ -27,15 +27,16 @@ from policies.slo import Handover
 log = logging.getLogger("tandem.gateway.local")
 
 
-def _with_stream_options(rendered, options: dict):
-    """Routing's rendering (parsed from the client's body) with the ``stream_options`` the gateway sends the
-    engine instead (``include_usage``: the ledger bills the engine's own count)."""
-    import dataclasses
-
+def _as_sent(rendered, body: dict, client_body: dict):
+    """Routing's rendering (parsed from the client's body, ``client_body``) with the fields the gateway sends the
+    engine instead in ``body``: ``stream_options`` (``include_usage``: the ledger bills the engine's own count)
+    and ``cache_salt`` (the tenant's); one replace of its request."""
     from engine.serving.protocol import StreamOptions   # loaded already: a rendering needs the engine
 
-    opts = msgspec.convert(options, StreamOptions)
-    return dataclasses.replace(rendered, request=msgspec.structs.replace(rendered.request, stream_options=opts))
+    fields = {"cache_salt": body["cache_salt"]} if "cache_salt" in body else {}
+    if body.get("stream_options") != client_body.get("stream_options"):
+        fields["stream_options"] = msgspec.convert(body["stream_options"], StreamOptions)
+    return replace(rendered, request=msgspec.structs.replace(rendered.request, **fields)) if fields else rendered
 
 
 def tenant_cache_salt(req: GatewayRequest) -> str:
@@ -46,13 +47,6 @@ def tenant_cache_salt(req: GatewayRequest) -> str:
     client = req.body.get("cache_salt")
     key = msgspec.json.encode([tenant_label(req.tenant), client if isinstance(client, str) else ""])
     return "tenant-" + hashlib.sha256(key).hexdigest()
-
-
-def _salted(rendered, salt: str):
-    """Routing's rendering (parsed from the client's body) with the engine's ``cache_salt``."""
-    import dataclasses
-
-    return dataclasses.replace(rendered, request=msgspec.structs.replace(rendered.request, cache_salt=salt))
 
 
 def render_prompt(tokenizer, endpoint: str, body: dict):
@@ -203,13 +197,9 @@ class LocalBackend:
     async def _call(self, req: GatewayRequest, body: dict):
         if self.serving is None:
             raise BackendError("unavailable", f"{self.name}: {self.unavailable_reason}", 503)
-        rendered = req.rendered
-        if rendered is not None and body.get("stream_options") != req.body.get("stream_options"):
-            rendered = _with_stream_options(rendered, body["stream_options"])   # the gateway asks for usage
         if req.endpoint != "embeddings":   # the tenant's prefix cache (the client's salt only splits it further)
-            salt = tenant_cache_salt(req)
-            body = {**body, "cache_salt": salt}
-            rendered = _salted(rendered, salt) if rendered is not None else None
+            body = {**body, "cache_salt": tenant_cache_salt(req)}
+        rendered = _as_sent(req.rendered, body, req.body) if req.rendered is not None else None
         try:   # the engine labels the answer as the gateway reports it: no relabelling pass over its events
             return await self.serving[req.endpoint](body, answer_id(req.endpoint, req.request_id), req.priority,
                                                     rendered, response_model=req.public_model or None)
