@@ -56,7 +56,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     use_beam_search: bool = False
     stop_token_ids: list[int] | None = None
-    allowed_token_ids: list[int] | None = None   # vLLM's; refused (not enforced here), never ignored
+    allowed_token_ids: list[int] | None = None   # vLLM's; refused (UNSERVED_FIELDS), never ignored
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -136,6 +136,9 @@ T = TypeVar("T")
 # vLLM request fields this engine does not implement -> why a request carrying one is refused (ignoring it would
 # answer something else than what vLLM answers: words it bans, a prompt it truncates, token ids it names)
 UNSERVED_FIELDS = {
+    "use_beam_search": "beam search is not supported",
+    "logit_bias": "is not supported",
+    "allowed_token_ids": "is not supported",   # vLLM restricts sampling to them
     "bad_words": "banning words is not implemented (a structured_outputs regex can exclude them)",
     "truncate_prompt_tokens": "prompt truncation is not implemented: send the tokens to keep",
     "return_tokens_as_token_ids": "tokens are returned as strings only",

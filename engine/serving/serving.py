@@ -139,17 +139,12 @@ class OpenAIServing:
         if model is not None and model != self.served_model_name:
             raise ServingError(404, f"The model `{model}` does not exist. Available: {self.served_model_name}",
                                type="invalid_request_error", param="model", code="model_not_found")
-        if req.use_beam_search:
-            raise ServingError(400, "use_beam_search: beam search is not supported", param="use_beam_search")
+        for name, why in UNSERVED_FIELDS.items():   # ignoring one would answer otherwise than vLLM does
+            value = getattr(req, name)
+            if value is not None and value is not False and value != {}:   # {}: a logit_bias biasing nothing
+                raise ServingError(400, f"{name}: {why}", param=name)
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise ServingError(400, f"best_of: only best_of == n is supported, got {req.best_of}", param="best_of")
-        if req.logit_bias:
-            raise ServingError(400, "logit_bias: is not supported", param="logit_bias")
-        if req.allowed_token_ids is not None:   # vLLM restricts sampling to them: ignoring it would break that
-            raise ServingError(400, "allowed_token_ids: is not supported", param="allowed_token_ids")
-        for name, why in UNSERVED_FIELDS.items():
-            if getattr(req, name) not in (None, False):
-                raise ServingError(400, f"{name}: {why}", param=name)
         for name in GUIDED_FIELDS:   # vLLM's older constraint fields: ignoring one would answer unconstrained
             if getattr(req, name) is not None:
                 raise ServingError(400, f"{name}: {guided_field_hint(name)}", param=name)

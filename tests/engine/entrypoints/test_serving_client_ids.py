@@ -47,6 +47,12 @@ def test_every_other_client_id_is_checked_before_the_200(server):
                "logit_bias", "Invalid key in 'logit_bias': '-1'")      # the shared range table's, as the gateway's
     assert_400(post(server, "/v1/chat/completions", {"messages": ASK, "logit_bias": {"1": 5}}),
                "logit_bias", "not supported")
+    assert_400(post(server, "/v1/chat/completions", {"messages": ASK, "use_beam_search": True}),
+               "use_beam_search", "beam search is not supported")
+    # what refuses nothing: an empty logit_bias (OpenAI clients send {}), use_beam_search false
+    r = post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 1, "logit_bias": {},
+                                              "use_beam_search": False})
+    assert r.status_code == 200, r.text
     assert_400(post(server, "/v1/chat/completions", {"messages": ASK, "stream": True, "stop_token_ids": [-1]}),
                "stop_token_ids", "stop_token_ids[0]")
     assert_400(post(server, "/v1/chat/completions", {"messages": ASK, "stream": True, "stop_token_ids": [10 ** 9]}),
