@@ -125,7 +125,7 @@ def turn_to_chat(m: object, i: int) -> list[dict]:
         elif kind == "tool_result" and role == "user":
             if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
                 raise bad_request(missing_or_wrong(b, "tool_use_id", "a string", f"{bp}.tool_use_id"),
-                           f"{bp}.tool_use_id")
+                                  f"{bp}.tool_use_id")
             text, images = _tool_result(b.get("content") or "", f"{bp}.content")
             results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
                             "content": f"Error: {text}" if b.get("is_error") else text})
@@ -158,10 +158,10 @@ def _tools(tools: object) -> list[dict]:
             raise bad_request(f"tools.{i}.name: Field required", f"tools.{i}.name")
         if t.get("type") not in (None, "custom"):
             raise bad_request(f"tools.{i}: server tool {t.get('type')!r} is not supported; only client tools with an "
-                       "input_schema", f"tools.{i}.type")
+                              "input_schema", f"tools.{i}.type")
         if not isinstance(t.get("input_schema"), dict):
             raise bad_request(missing_or_wrong(t, "input_schema", "an object", f"tools.{i}.input_schema"),
-                       f"tools.{i}.input_schema")
+                              f"tools.{i}.input_schema")
         fn = {"name": t["name"], "parameters": t["input_schema"]}
         if t.get("description"):
             fn["description"] = t["description"]

@@ -50,9 +50,9 @@ def check_tool_results(msgs: list) -> None:
                 if isinstance(b, dict) and b.get("type") == "tool_result":
                     if b.get("tool_use_id") not in asked:
                         raise bad_request(f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` "
-                                   f"blocks: {b.get('tool_use_id')}. Each `tool_result` block must have a "
-                                   "corresponding `tool_use` block in the previous message.",
-                                   f"messages.{i}.content.{j}.tool_use_id")
+                                          f"blocks: {b.get('tool_use_id')}. Each `tool_result` block must have a "
+                                          "corresponding `tool_use` block in the previous message.",
+                                          f"messages.{i}.content.{j}.tool_use_id")
                     answered.add(b["tool_use_id"])
         _no_use_unanswered(asked, answered)
         asked = {b.get("id"): i for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"}
@@ -63,8 +63,8 @@ def _no_use_unanswered(asked: dict, answered: set) -> None:
     if missing := [k for k in asked if k not in answered]:
         i = asked[missing[0]]
         raise bad_request(f"messages.{i}: `tool_use` ids were found without `tool_result` blocks immediately after: "
-                   f"{', '.join(map(str, missing))}. Each `tool_use` block must have a corresponding `tool_result` "
-                   f"block in the next message.", f"messages.{i}.content")
+                          f"{', '.join(map(str, missing))}. Each `tool_use` block must have a corresponding "
+                          "`tool_result` block in the next message.", f"messages.{i}.content")
 
 
 def check_thinking(body: dict) -> None:
@@ -76,7 +76,7 @@ def check_thinking(body: dict) -> None:
     n = th.get("budget_tokens")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1024:
         raise bad_request(f"thinking.enabled.budget_tokens: Input should be an integer greater than or equal to 1024, "
-                   f"got {n!r}", "thinking.budget_tokens")
+                          f"got {n!r}", "thinking.budget_tokens")
     if isinstance(body.get("max_tokens"), int) and body["max_tokens"] <= n:
         raise bad_request("`max_tokens` must be greater than `thinking.budget_tokens`", "max_tokens")
 

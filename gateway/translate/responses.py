@@ -200,7 +200,7 @@ def to_messages(items: list[dict]) -> list[dict]:
         ``function_call`` of ``items`` has, or a ``function_call`` no output answers (OpenAI's 400s, param
         ``input``)."""
     messages: list[dict] = []
-    calls = {item.get("call_id") for item in items if item.get("type") == "function_call"}
+    calls = dict.fromkeys(item.get("call_id") for item in items if item.get("type") == "function_call")   # in order
     for i, item in enumerate(items):
         kind = item.get("type")
         if kind == "message":
@@ -238,8 +238,8 @@ def to_messages(items: list[dict]) -> list[dict]:
         else:
             raise _bad(f"input item type '{kind}' is not supported", f"input[{i}].type")
     answered = {item.get("call_id") for item in items if item.get("type") == "function_call_output"}
-    for call_id in calls - answered:   # OpenAI's: a call the conversation never answers
-        raise _bad(f"No tool output found for function call {call_id}.", "input")
+    if unanswered := [c for c in calls if c not in answered]:   # OpenAI's: a call the conversation never answers
+        raise _bad(f"No tool output found for function call {unanswered[0]}.", "input")
     return messages
 
 

@@ -194,3 +194,12 @@ def test_a_malformed_call_item_is_refused_naming_its_own_index(bad, param):
     with pytest.raises(ClientError) as e:
         to_chat(body, [], input_items(body, "r"))
     assert (e.value.status, e.value.param) == (400, param) and param in e.value.message
+
+
+def test_the_first_call_no_output_answers_is_named():
+    # a set difference named an arbitrary one of several unanswered calls
+    calls = [{"type": "function_call", "call_id": c, "name": "f", "arguments": "{}"} for c in ("c3", "c1", "c2")]
+    items = input_items({"input": [{"role": "user", "content": "hi"}, *calls,
+                                   {"type": "function_call_output", "call_id": "c3", "output": "x"}]}, "r")
+    with pytest.raises(ClientError, match="No tool output found for function call c1"):
+        to_messages(items)
