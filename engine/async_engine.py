@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from engine.config import EngineArgs
+from engine.config import EngineArgs, served_model_names
 from engine.core.core_client import ProcessCoreClient, ThreadCoreClient
 from engine.core.core_messages import (AbortRequests, AddRequest, CoreStep, EngineCoreError, EngineStats,
                                   FinishSequences, params_to_wire, rebuild_error)
@@ -76,6 +76,8 @@ class AsyncEngine:
         ready: True once the model is loaded and the core loop runs.
         tokenizer, max_model_len, served_model_name, num_blocks: the loaded
             engine's (available after ``start()``).
+        served_model_names: every name a request may use (``served_model_name``
+            first, then the aliases ``args.served_model_name`` lists).
         system_fingerprint: the core's ``engine/fingerprint.py`` value (model,
             engine build, numerics), sent with every answer.
         engine: the ``EngineCore`` in the thread mode (None in the process mode).
@@ -89,7 +91,8 @@ class AsyncEngine:
         self.tokenizer = None
         self.max_model_len = 0
         self.num_blocks = 0
-        self.served_model_name = args.served_model_name or ""
+        self.served_model_name = next(iter(served_model_names(args.served_model_name)), "")
+        self.served_model_names: tuple[str, ...] = tuple(served_model_names(args.served_model_name))
         self.system_fingerprint = ""
         self._client: ProcessCoreClient | ThreadCoreClient | None = None
         self._processor: OutputProcessor | None = None
@@ -149,6 +152,7 @@ class AsyncEngine:
         self._processor = OutputProcessor(tokenizer)
         self.max_model_len, self.num_blocks = ready.max_model_len, ready.num_blocks
         self.served_model_name = ready.served_model_name
+        self.served_model_names = (ready.served_model_name, *served_model_names(self.args.served_model_name)[1:])
         self.system_fingerprint = ready.system_fingerprint
         self._stats = ready.stats
         self.ready = True

@@ -112,7 +112,10 @@ class EngineArgs:
     Attributes:
         model: a ``.gguf`` file or a Hugging Face directory (``config.json`` +
             safetensors + ``tokenizer.json``); None = the embedded SmolLM2.
-        served_model_name: the name clients use (default: the model's name).
+        served_model_name: the name clients use (default: the model's name), or
+            several (vLLM's aliases, ``--served-model-name a b``): each is taken
+            in a request's ``model`` and listed by ``/v1/models``; the first is
+            the one the metrics and a request without ``model`` report.
         dtype: "float32", "bfloat16", "float16" or "auto" (bfloat16 on CPU and
             CUDA: 2-3x faster than float32 on this CPU).
         device: "auto" (CUDA when available), "cpu" or "cuda".
@@ -196,7 +199,7 @@ class EngineArgs:
     """
 
     model: str | None = None
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None
     dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
@@ -290,6 +293,14 @@ class EngineArgs:
                                     "GGUF file: weights are never downloaded)")
 
 
+def served_model_names(value: str | list[str] | None) -> list[str]:
+    """``EngineArgs.served_model_name`` as a list (empty: the model's own name), as vLLM's ``ModelConfig``
+    reads its ``served_model_name``: one string or several, the first being the one reported."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
 def flag_type(parse):
     """``parse`` as an ``argparse`` type: its ValueError's message becomes the flag's error."""
     def typed(value: str):
@@ -308,7 +319,9 @@ def add_engine_cli_args(parser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="a .gguf file or HF directory (None: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--served-model-name", default=None, help="the model name clients use (None: the model's name)")
+    g.add_argument("--served-model-name", default=None, nargs="+",
+                   help="the model name(s) clients use; several are aliases, the first is the one metrics "
+                        "report (None: the model's name)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    type=lambda v: _DTYPE_ALIASES.get(v, v),
                    help="weights and activations dtype (auto: bfloat16; half and float as vLLM's aliases)")

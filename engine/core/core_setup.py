@@ -11,7 +11,7 @@ import gc
 import logging
 import threading
 
-from engine.config import DEFAULT_MODEL, EngineArgs, default_model_path
+from engine.config import DEFAULT_MODEL, EngineArgs, default_model_path, served_model_names
 from engine.worker.device import configure_core_threads, omp_places, omp_wait_policy, resolve_device, resolve_dtype
 from engine.executor.multiproc_executor import rank_threads, start_driver
 from engine.worker.malloc_tuning import malloc_tuning
@@ -120,7 +120,7 @@ def load_core(core, args: EngineArgs, tp) -> None:
     import_loader_modules()
     rss = resident_bytes()
     model, core.tokenizer, core.model_config = load_model(args, tp)
-    core.served_model_name = args.served_model_name or (
+    core.served_model_name = next(iter(served_model_names(args.served_model_name)), None) or (
         DEFAULT_MODEL if _is_default_model(args.model) else core.model_config.name)
     core.system_fingerprint = system_fingerprint(args.model, numerics_of(args, core.device, core.dtype))
     spec = SpeculativeConfig.parse(args.speculative_config)

@@ -165,7 +165,7 @@ async def embeddings(request: Request) -> Response:
 
 @get("/v1/models")
 async def models(request: Request) -> Response:
-    """The served model."""
+    """The served model's names (one entry per ``--served-model-name``, as vLLM's)."""
     return Response(content=serving_of(request, "chat").models(), media_type="application/json")
 
 
@@ -173,12 +173,10 @@ async def models(request: Request) -> Response:
 async def model(request: Request) -> Response:
     """One served model (OpenAI's retrieve); 404 ``model_not_found`` for any other name."""
     model = request.path_params["model"].lstrip("/")   # names may hold "/" (HF ids)
-    data = serving_of(request, "chat").models()["data"]
-    for m in data:
-        if m["id"] == model:
-            return Response(content=m, media_type="application/json")
-    raise ServingError(404, f"The model `{model}` does not exist. Available: {data[0]['id']}",
-                       param="model", code="model_not_found")
+    serving = serving_of(request, "chat")
+    serving.check_model(model)
+    return Response(content=next(m for m in serving.models()["data"] if m["id"] == model),
+                    media_type="application/json")
 
 
 @get("/health")
@@ -251,9 +249,9 @@ def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_b
                 on_load_failed()
             return
         EngineMetrics(registry, engine, engine.served_model_name).attach()
-        app.state.completion = OpenAIServingCompletion(engine, engine.served_model_name)
-        app.state.chat = OpenAIServingChat(engine, engine.served_model_name)
-        app.state.embedding = OpenAIServingEmbedding(engine, engine.served_model_name)
+        app.state.completion = OpenAIServingCompletion(engine, engine.served_model_names)
+        app.state.chat = OpenAIServingChat(engine, engine.served_model_names)
+        app.state.embedding = OpenAIServingEmbedding(engine, engine.served_model_names)
         freeze_heap()
 
     async def on_startup(app: Litestar) -> None:

@@ -82,7 +82,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = Prompt(token_ids, None, params, req.cache_salt)
         prio = req.priority if req.priority is not None else priority
         top = req.top_logprobs or 0
-        model = response_model or self.served_model_name
+        model = response_model or self.reported_model(body.get("model"))
         resume = _resume(req, plan, self.engine.tokenizer.vocab_size)
         check = AnswerCheck.of(params.structured_outputs, req.tools, plan.parse_tool_calls)
         if req.stream:

@@ -83,7 +83,7 @@ class OpenAIServingCompletion(OpenAIServing):
         req = r.request
         echo = bool(req.echo)
         prio = req.priority if req.priority is not None else priority
-        model = response_model or self.served_model_name
+        model = response_model or self.reported_model(body.get("model"))
         check = AnswerCheck.of(prompts[0].params.structured_outputs, None, False)
         if req.stream:
             include_usage, continuous = usage_options(req)

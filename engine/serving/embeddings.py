@@ -60,9 +60,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         if not self.engine.ready:
             raise ServingError(503, "the engine is not ready", type="server_error", code="engine_not_ready")
         model = body.get("model")
-        if model is not None and model != self.served_model_name:
-            raise ServingError(404, f"The model `{model}` does not exist. Available: {self.served_model_name}",
-                               param="model", code="model_not_found")
+        self.check_model(model)
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):
             raise ServingError(400, f"encoding_format: must be 'float' or 'base64', got {fmt!r}",
@@ -90,7 +88,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         except Exception as exc:  # noqa: BLE001 -- mapped onto the client's error
             raise error_from_engine(exc) from None
         n = sum(len(p) for p in prompts)
-        return {"object": "list", "model": response_model or self.served_model_name,
+        return {"object": "list", "model": response_model or self.reported_model(model),
                 "data": [{"object": "embedding", "index": i, "embedding": encode_embedding(v, fmt)}
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": n, "total_tokens": n}}

@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,13 +86,15 @@ class OpenAIServing:
 
     Args:
         engine: a started ``AsyncEngine`` (its tokenizer and max_model_len are used).
-        served_model_name: the only model name accepted (404 otherwise); a
-            request without ``model`` gets it too.
+        served_model_name: the model name accepted (404 otherwise), or several
+            (vLLM's aliases): each is accepted and an answer reports the one its
+            request named; a request without ``model`` gets the first.
     """
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str | Sequence[str]) -> None:
         self.engine = engine
-        self.served_model_name = served_model_name
+        names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
+        self.served_model_name, self.served_model_names = names[0], names
         self.created = int(time.time())
         self.logprobs = LogprobFormatter(engine.tokenizer)
 
@@ -100,9 +102,21 @@ class OpenAIServing:
     def models(self) -> dict:
         """Body of ``GET /v1/models``."""
         return {"object": "list", "data": [{
-            "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "tandem",
+            "id": name, "object": "model", "created": self.created, "owned_by": "tandem",
             "root": self.served_model_name, "parent": None, "max_model_len": self.engine.max_model_len,
-        }]}
+        } for name in self.served_model_names]}
+
+    def reported_model(self, model: str | None) -> str:
+        """The ``model`` an answer reports: the body's when it is one of the served names (vLLM echoes it),
+        else the first served name."""
+        return model if model in self.served_model_names else self.served_model_name
+
+    def check_model(self, model: str | None) -> None:
+        """404 ``model_not_found`` (OpenAI's) unless ``model`` is None or one of the served names."""
+        if model is not None and model not in self.served_model_names:
+            raise ServingError(404, f"The model `{model}` does not exist. Available: "
+                                    f"{', '.join(self.served_model_names)}",
+                               type="invalid_request_error", param="model", code="model_not_found")
 
 
     async def _compile_grammar(self, plan: ChatPlan):
@@ -136,9 +150,7 @@ class OpenAIServing:
             raise ServingError(503, "the engine is not ready", type="server_error", code="engine_not_ready")
         if not self.engine.accepting:
             raise ServingError(503, "the engine is shutting down", type="server_error", code="engine_draining")
-        if model is not None and model != self.served_model_name:
-            raise ServingError(404, f"The model `{model}` does not exist. Available: {self.served_model_name}",
-                               type="invalid_request_error", param="model", code="model_not_found")
+        self.check_model(model)
         for name, why in UNSERVED_FIELDS.items():   # ignoring one would answer otherwise than vLLM does
             value = getattr(req, name)
             if value is not None and value is not False and value != {}:   # {}: a logit_bias biasing nothing

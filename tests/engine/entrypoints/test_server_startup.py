@@ -107,22 +107,57 @@ def test_the_loaded_front_end_is_frozen_out_of_full_collections(tiny_model):
         thread.join(60)
 
 
-def test_body_limit_gives_413_and_the_load_is_logged(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def cli_server(tiny_model, tmp_path_factory):
+    """A real ``tandem engine serve`` with two served names (vLLM's aliases) and a 2 KiB body limit."""
     port = free_port()
     srv = Server([*tandem_cmd("engine", "serve"), "--model", tiny_model, "--port", str(port), "--served-model-name",
-                  "tiny", "--kv-cache-memory", "64MiB", "--max-request-body-bytes", "2KiB"],
-                 f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}", log_dir=tmp_path).wait_ready(120)
-    try:
-        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
-        with pytest.raises(openai.APIStatusError) as info:
-            client.completions.create(model="tiny", prompt="x" * 4096, max_tokens=2)
-        assert info.value.status_code == 413
-        err = info.value.response.json()["error"]
-        assert err["code"] == "request_too_large" and "2048 bytes" in err["message"]
-        assert set(err) == {"message", "type", "param", "code"}
-        small = client.completions.create(model="tiny", prompt="x" * 100, max_tokens=2)  # under the limit: served
-        assert small.choices[0].finish_reason == "length"
-        log = srv.log_tail(100_000)
-        assert "loading model" in log and " MB " in log and "weights read" in log
-    finally:
-        srv.stop()
+                  "tiny", "tiny-alias", "--kv-cache-memory", "64MiB", "--max-request-body-bytes", "2KiB"],
+                 f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}",
+                 log_dir=tmp_path_factory.mktemp("serve")).wait_ready(120)
+    yield srv
+    srv.stop()
+
+
+def test_body_limit_gives_413_and_the_load_is_logged(cli_server):
+    srv = cli_server
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model="tiny", prompt="x" * 4096, max_tokens=2)
+    assert info.value.status_code == 413
+    err = info.value.response.json()["error"]
+    assert err["code"] == "request_too_large" and "2048 bytes" in err["message"]
+    assert set(err) == {"message", "type", "param", "code"}
+    small = client.completions.create(model="tiny", prompt="x" * 100, max_tokens=2)  # under the limit: served
+    assert small.choices[0].finish_reason == "length"
+    log = srv.log_tail(100_000)
+    assert "loading model" in log and " MB " in log and "weights read" in log
+
+
+def test_several_served_model_names_are_aliases(cli_server):
+    """vLLM's ``--served-model-name a b``: both listed and taken, each answer reports the name its request
+    used, a request without one reports the first, and the metrics carry the first."""
+    base = cli_server.base_url
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
+    assert {m.root for m in client.models.list().data} == {"tiny"}
+    assert client.models.retrieve("tiny-alias").id == "tiny-alias"
+    plain = client.completions.create(model="tiny", prompt="abc", max_tokens=3, temperature=0)
+    alias = client.completions.create(model="tiny-alias", prompt="abc", max_tokens=3, temperature=0)
+    assert (plain.model, alias.model) == ("tiny", "tiny-alias")
+    assert alias.choices[0].text == plain.choices[0].text
+    chat = client.chat.completions.create(model="tiny-alias", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2)
+    assert chat.model == "tiny-alias"
+    assert client.embeddings.create(model="tiny-alias", input="abc").model == "tiny-alias"
+    r = httpx.post(base + "/v1/completions", json={"prompt": "abc", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "tiny"
+    for url, body in (("/v1/completions", {"model": "other", "prompt": "abc", "max_tokens": 2}),
+                      ("/v1/embeddings", {"model": "other", "input": "abc"})):
+        r = httpx.post(base + url, json=body, timeout=60)
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["code"] == "model_not_found"
+        assert "tiny, tiny-alias" in r.json()["error"]["message"]
+    assert httpx.get(base + "/v1/models/other", timeout=10).status_code == 404
+    metrics = httpx.get(base + "/metrics", timeout=10).text
+    assert 'model_name="tiny"' in metrics and 'model_name="tiny-alias"' not in metrics

@@ -155,7 +155,7 @@ def test_serve_args_use_vllm_flag_names():
     assert (args.port, args.host) == (8123, "0.0.0.0")
     ea = engine_args_from_cli(args)
     assert ea.max_num_batched_tokens == 512 and not ea.enable_prefix_caching and not ea.enable_chunked_prefill
-    assert ea.kv_cache_memory == 256 * 2**20 and ea.max_num_seqs == 4 and ea.served_model_name == "smol"
+    assert ea.kv_cache_memory == 256 * 2**20 and ea.max_num_seqs == 4 and ea.served_model_name == ["smol"]
     assert ea.scheduling_policy == "priority"
 
 
