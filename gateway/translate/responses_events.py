@@ -1,16 +1,19 @@
 """A chat completions stream as the Responses API's typed events, as a pure state machine (no I/O).
 
-``ResponsesEvents`` is fed the chat stream's events (``gateway.values.ChatEvent``) one by one and answers the Responses events each one makes,
-in OpenAI's order: ``response.created``, ``response.in_progress``; per output item ``response.output_item.added``,
-then for a message ``response.content_part.added``, ``response.output_text.delta``..., ``response.output_text.done``,
-``response.content_part.done``, for reasoning (the chat deltas' ``reasoning_content``)
-``response.reasoning_text.delta``..., ``response.reasoning_text.done``, or for a function call ``response.function_call_arguments.delta``...,
-``response.function_call_arguments.done``; ``response.output_item.done``; and last ``response.completed`` (with
-the usage of the chat stream's usage chunk), ``response.incomplete`` (stopped by ``max_output_tokens``) or
-``response.failed`` (an error event, or a stream that ended before its ``finish_reason``). Every event carries
-its ``sequence_number``. Function calls come one after another even when the chat stream interleaves their
-argument pieces (``gateway/translate/tool_calls.py``). The item ids and the final object are those of ``gateway/translate/responses.py``, so
-the streamed response and the stored one are the same.
+``ResponsesEvents`` is fed the chat stream's events (``gateway.values.ChatEvent``) one by one and answers the
+Responses events each one makes, in OpenAI's order: ``response.created``, ``response.in_progress``; per output item
+``response.output_item.added``, then for a message per content part ``response.content_part.added``, its deltas
+(``response.output_text.delta``... for the text, ``response.refusal.delta``... for the chat deltas' ``refusal``)
+and, when the message ends, each part's ``response.output_text.done`` or ``response.refusal.done`` and
+``response.content_part.done``; for reasoning (the chat deltas' ``reasoning_content``)
+``response.reasoning_text.delta``..., ``response.reasoning_text.done``; for a function call
+``response.function_call_arguments.delta``..., ``response.function_call_arguments.done``;
+``response.output_item.done``; and last ``response.completed`` (with the usage of the chat stream's usage chunk),
+``response.incomplete`` (stopped by ``max_output_tokens``) or ``response.failed`` (an error event, or a stream
+that ended before its ``finish_reason``). Every event carries its ``sequence_number``. Function calls come one
+after another even when the chat stream interleaves their argument pieces (``gateway/translate/tool_calls.py``).
+The item ids and the final object are those of ``gateway/translate/responses.py``, so the streamed response and
+the stored one are the same.
 """
 
 from __future__ import annotations
@@ -50,44 +53,72 @@ class ResponsesEvents:
 
     # -- items -------------------------------------------------------------------------------------------------
     def _open_message(self) -> list[dict]:
+        """``response.output_item.added`` of a message; its content parts open with their first delta."""
         item = message_item(self.ctx, "", status="in_progress")
         n = sum(o["type"] == "message" for o in self.output)
         if n:                     # text after a call: another message, with an id of its own (the SDK checks)
             item["id"] += f"_{n}"
         item["content"] = []
-        self.open = {"item": item, "text": "", "logprobs": []}
-        i = len(self.output)
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [self._ev("response.output_item.added", output_index=i, item=item),
-                self._ev("response.content_part.added", item_id=item["id"], output_index=i, content_index=0,
-                         part=part)]
+        self.open = {"item": item, "text": "", "logprobs": [], "refusal": "", "parts": []}
+        return [self._ev("response.output_item.added", output_index=len(self.output), item=item)]
+
+    def _part(self, kind: str) -> tuple[int, list[dict]]:
+        """The content index of the open message's ``kind`` part (``output_text`` or ``refusal``), and its
+        ``response.content_part.added`` when it opens now."""
+        parts = self.open["parts"]
+        if kind in parts:
+            return parts.index(kind), []
+        parts.append(kind)
+        item_id, i, k = self.open["item"]["id"], len(self.output), len(parts) - 1
+        return k, [self._ev("response.content_part.added", item_id=item_id, output_index=i, content_index=k,
+                            part=self._part_object(kind, "", []))]
+
+    @staticmethod
+    def _part_object(kind: str, text: str, logprobs: list) -> dict:
+        if kind == "refusal":
+            return {"type": "refusal", "refusal": text}
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
     def _open_reasoning(self) -> list[dict]:
         n = sum(o["type"] == "reasoning" for o in self.output)
         item = reasoning_item(self.ctx, "", n, status="in_progress")
         item["content"] = []
-        self.open = {"item": item, "text": "", "logprobs": []}
+        self.open = {"item": item, "text": ""}
         return [self._ev("response.output_item.added", output_index=len(self.output), item=item)]
 
     def _close_open(self) -> list[dict]:
         """Finish the open message or reasoning item: its ``.done`` events, then it joins ``output``."""
         if self.open is None:
             return []
-        item, text, logprobs, i = self.open["item"], self.open["text"], self.open["logprobs"], len(self.output)
-        self.open = None
+        item, text, i = self.open["item"], self.open["text"], len(self.output)
         if item["type"] == "message":
-            done = {**message_item(self.ctx, text, status=self.closing, logprobs=logprobs), "id": item["id"]}
-            part = done["content"][0]
-            events = [self._ev("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
-                               text=text, logprobs=logprobs),
-                      self._ev("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
-                               part=part)]
+            done, events = self._message_done(i)
         else:
             done = {**item, "content": [{"type": "reasoning_text", "text": text}], "status": self.closing}
             events = [self._ev("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
                                text=text)]
+        self.open = None
         self.output.append(done)
         return events + [self._ev("response.output_item.done", output_index=i, item=done)]
+
+    def _message_done(self, i: int) -> tuple[dict, list[dict]]:
+        """The open message (output index ``i``) finished: the item, and each content part's ``.done`` events in
+        the parts' order (a message with no part has one empty ``output_text``, as ``from_chat``'s has)."""
+        events = [] if self.open["parts"] else self._part("output_text")[1]
+        state, item_id, content = self.open, self.open["item"]["id"], []
+        for k, kind in enumerate(state["parts"]):
+            if kind == "refusal":
+                part = self._part_object(kind, state["refusal"], [])
+                events.append(self._ev("response.refusal.done", item_id=item_id, output_index=i, content_index=k,
+                                       refusal=state["refusal"]))
+            else:
+                part = self._part_object(kind, state["text"], state["logprobs"])
+                events.append(self._ev("response.output_text.done", item_id=item_id, output_index=i,
+                                       content_index=k, text=state["text"], logprobs=state["logprobs"]))
+            events.append(self._ev("response.content_part.done", item_id=item_id, output_index=i, content_index=k,
+                                   part=part))
+            content.append(part)
+        return {**state["item"], "status": self.closing, "content": content}, events
 
     def _calls(self, actions: list[tuple]) -> list[dict]:
         """The events of ``ToolCallOrder``'s actions: one function call item opened, streamed, closed."""
@@ -115,17 +146,26 @@ class ResponsesEvents:
 
     # -- input -------------------------------------------------------------------------------------------------
     def _text(self, kind: str, text: str, logprobs: list | None = None) -> list[dict]:
+        """The events of a text delta of ``kind``: ``reasoning`` (a reasoning item), or the message's
+        ``output_text`` or ``refusal`` content part; an item of another type open before it is finished first."""
+        item_type = "reasoning" if kind == "reasoning" else "message"
         events: list[dict] = []
-        if self.open is None or self.open["item"]["type"] != kind:
-            events += self._close() + (self._open_message() if kind == "message" else self._open_reasoning())
+        if self.open is None or self.open["item"]["type"] != item_type:
+            events += self._close() + (self._open_message() if item_type == "message" else self._open_reasoning())
+        item_id, i = self.open["item"]["id"], len(self.output)
+        if kind == "reasoning":
+            self.open["text"] += text
+            return events + [self._ev("response.reasoning_text.delta", item_id=item_id, output_index=i,
+                                      content_index=0, delta=text)]
+        k, opened = self._part(kind)
+        if kind == "refusal":
+            self.open["refusal"] += text
+            return events + opened + [self._ev("response.refusal.delta", item_id=item_id, output_index=i,
+                                               content_index=k, delta=text)]
         self.open["text"] += text
         self.open["logprobs"] += logprobs or []
-        item_id, i = self.open["item"]["id"], len(self.output)
-        if kind == "message":
-            return events + [self._ev("response.output_text.delta", item_id=item_id, output_index=i,
-                                      content_index=0, delta=text, logprobs=logprobs or [])]
-        return events + [self._ev("response.reasoning_text.delta", item_id=item_id, output_index=i,
-                                  content_index=0, delta=text)]
+        return events + opened + [self._ev("response.output_text.delta", item_id=item_id, output_index=i,
+                                           content_index=k, delta=text, logprobs=logprobs or [])]
 
     def feed(self, chunk: ChatEvent) -> list[dict]:
         """The events of one chat stream event (its first choice; a usage event is kept for the end)."""
@@ -139,7 +179,9 @@ class ResponsesEvents:
             events += self._text("reasoning", choice.reasoning)
         if choice.content:
             lps = choice.logprobs.get("content") if isinstance(choice.logprobs, dict) else None
-            events += self._text("message", choice.content, lps)
+            events += self._text("output_text", choice.content, lps)
+        if choice.refusal:
+            events += self._text("refusal", choice.refusal)
         for call in choice.tool_calls:
             events += self._close_open() + self._calls(self.tools.feed(call))
         if choice.finish_reason:

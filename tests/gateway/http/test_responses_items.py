@@ -117,6 +117,34 @@ async def test_reasoning_becomes_a_reasoning_item_streamed_and_whole(upstream):
         assert r.usage.output_tokens_details.reasoning_tokens == 4
 
 
+async def test_a_refusal_streamed_is_the_refusal_part_the_whole_answer_has(upstream):
+    # a trial's stream carried delta.refusal (content null) and the Responses events lost it
+    upstream.push(stream(chunk({"role": "assistant", "content": None, "refusal": ""}),
+                         chunk({"refusal": "I can't help"}), chunk({"refusal": " with that."}), chunk({}, "stop")))
+    whole = {"id": "up-1", "object": "chat.completion", "created": 0, "model": "up-model", "choices": [{
+        "index": 0, "finish_reason": "stop",
+        "message": {"role": "assistant", "content": None, "refusal": "I can't help with that."}}]}
+    upstream.push({"body": json.dumps(whole).encode()})
+    async with served(upstream) as client:
+        async with client.responses.stream(model="m1", input="hi") as s:
+            events = [e async for e in s]
+            final = await s.get_final_response()
+        stored = await client.responses.retrieve(final.id)
+        plain = await client.responses.create(model="m1", input="hi")
+    assert [e.type for e in events][2:] == [
+        "response.output_item.added", "response.content_part.added", "response.refusal.delta",
+        "response.refusal.delta", "response.refusal.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+    assert events[3].part.type == "refusal" and events[3].part.refusal == ""
+    assert [e.delta for e in events[4:6]] == ["I can't help", " with that."]
+    assert events[6].refusal == "I can't help with that." and events[7].part.refusal == events[6].refusal
+    for r in (final, stored, plain):
+        (message,) = r.output
+        assert [(p.type, p.refusal) for p in message.content] == [("refusal", "I can't help with that.")]
+        assert r.status == message.status == "completed" and r.output_text == ""
+    assert final.output[0].model_dump() == {**plain.output[0].model_dump(), "id": final.output[0].id}
+
+
 async def test_input_items_auto_pagination_returns_every_item(upstream):
     items: list[dict] = [{"role": "user", "content": "start"}]
     for i in range(12):
