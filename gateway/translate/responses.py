@@ -8,12 +8,13 @@ request; the chat answer becomes the Responses object (``from_chat``); a chat st
 What is translated: ``input`` (a string, or items: messages with text and image parts, ``function_call``,
 ``function_call_output``; ``reasoning`` items are dropped, chat has no place for them), ``instructions`` (a
 system message first), function ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``text.format``
-(``json_schema`` / ``json_object`` -> ``response_format``), ``max_output_tokens`` -> ``max_tokens``,
-``temperature``, ``top_p``, ``user``, ``metadata``, ``stream`` (and the gateway's own ``priority``, ``seed``),
-``include: ["message.output_text.logprobs"]`` and ``top_logprobs`` -> chat's ``logprobs`` and ``top_logprobs``
-(the message's ``output_text`` then carries them, as chat's ``logprobs.content``). ``max_tool_calls`` is echoed:
-it bounds built-in tools' calls (OpenAI's), and only function tools are served.
-Every parameter is checked first, as OpenAI checks it (``PARAMS``: unknown, type, range). Refused with a 400
+(``json_schema`` / ``json_object`` -> ``response_format``), ``text.verbosity`` -> ``verbosity``,
+``max_output_tokens`` -> ``max_tokens``, ``temperature``, ``top_p``, ``user``, ``metadata``, ``stream`` (and the
+gateway's own ``priority``, ``seed``), ``include: ["message.output_text.logprobs"]`` and ``top_logprobs`` ->
+chat's ``logprobs`` and ``top_logprobs`` (the message's ``output_text`` then carries them, as chat's
+``logprobs.content``). ``max_tool_calls`` is echoed: it bounds built-in tools' calls (OpenAI's), and only function
+tools are served. Every parameter is checked first, as OpenAI checks it (``PARAMS``: unknown, type, range; the
+keys of ``text``, ``tools`` and ``tool_choice`` in ``gateway/translate/responses_checks.py``). Refused with a 400
 naming the field: built-in OpenAI tools (``web_search``, ``file_search``, ``computer_use_preview``...),
 ``background``, ``conversation``, ``prompt`` (stored prompts) and input items chat cannot express.
 """
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from gateway.errors import ClientError
 from gateway.request.validate import check_range, check_type
 from gateway.translate.chat import reasoning_of
+from gateway.translate.responses_checks import (bad_request, check_parallel_tool_calls, check_text, check_tool_choice,
+                                                check_tools)
 
 # Fields the gateway cannot serve on any backend: refused with a 400 naming them.
 REFUSED_FIELDS = ("background", "conversation", "prompt")
@@ -73,51 +76,35 @@ def new_context(body: dict, request_id: str, model: str) -> ResponseContext:
     return ResponseContext(f"resp_{rid}", int(time.time()), body, model, rid)
 
 
-def _bad(message: str, param: str, code: str = "invalid_value") -> ClientError:
-    return ClientError(400, message, param=param, code=code)
-
-
 def check_body(body: dict) -> None:
     """The Responses checks, before translation: ``model``, every parameter known (``PARAMS``), of its type and in
-    its range, ``input``, ``tools`` (function tools only), refused fields. Chat's own checks run later, on the chat
-    body, in ``validate.py``.
+    its range, ``input``, refused fields, and the nested objects (``gateway/translate/responses_checks.py``:
+    ``tools``, function tools only, ``tool_choice``, ``parallel_tool_calls``, ``text``). Chat's own checks run
+    later, on the chat body, in ``validate.py``.
 
     Raises:
         ClientError: 400 naming the parameter (a built-in tool by its type)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad("missing required parameter 'model'" if model is None else "'model' must be a non-empty string",
-                   "model", "missing_required_parameter" if model is None else "invalid_type")
+        raise bad_request("missing required parameter 'model'" if model is None
+                          else "'model' must be a non-empty string",
+                          "model", "missing_required_parameter" if model is None else "invalid_type")
     _check_params(body)
     for name in REFUSED_FIELDS:
         if body.get(name) not in (None, False):
-            raise _bad(f"'{name}' is not supported by this gateway", name, "unsupported_parameter")
+            raise bad_request(f"'{name}' is not supported by this gateway", name, "unsupported_parameter")
     inp = body.get("input")
     if inp is None:
-        raise _bad("missing required parameter 'input'", "input", "missing_required_parameter")
+        raise bad_request("missing required parameter 'input'", "input", "missing_required_parameter")
     if not isinstance(inp, (str, list)):
-        raise _bad(f"'input' must be a string or an array of input items, got {type(inp).__name__}", "input",
-                   "invalid_type")
+        raise bad_request(f"'input' must be a string or an array of input items, got {type(inp).__name__}",
+                          "input", "invalid_type")
     tools = body.get("tools") or []
-    if not isinstance(tools, list):
-        raise _bad("'tools' must be an array", "tools", "invalid_type")
-    for i, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise _bad(f"Tool type '{kind}' is not supported: only function tools are served (built-in OpenAI "
-                       f"tools such as web_search, file_search and computer_use are not)", f"tools[{i}].type",
-                       "unsupported_tool")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise _bad(f"missing required parameter 'tools[{i}].name'", f"tools[{i}].name",
-                       "missing_required_parameter")
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") != "function":
-        raise _bad(f"tool_choice type '{choice.get('type')}' is not supported: only function tools are served",
-                   "tool_choice.type", "unsupported_tool")
-    text_format = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if text_format is not None and (not isinstance(text_format, dict)
-                                    or text_format.get("type") not in ("text", "json_object", "json_schema")):
-        raise _bad("'text.format.type' must be one of text, json_object, json_schema", "text.format.type")
+    check_tools(tools)
+    check_tool_choice(body.get("tool_choice"), tools)
+    check_parallel_tool_calls(body)
+    if body.get("text") is not None:
+        check_text(body["text"])
 
 
 def _check_params(body: dict) -> None:
@@ -126,7 +113,7 @@ def _check_params(body: dict) -> None:
     for name, value in body.items():
         types = PARAMS.get(name)
         if types is None:
-            raise _bad(f"Unknown parameter: '{name}'.", name, "unknown_parameter")
+            raise bad_request(f"Unknown parameter: '{name}'.", name, "unknown_parameter")
         check_type(name, value, types)
         try:
             check_range(_RENAMED.get(name, name), value)
@@ -147,7 +134,7 @@ def input_items(body: dict, request_id: str) -> list[dict]:
     items = []
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
-            raise _bad(f"'input[{i}]' must be an object", f"input[{i}]", "invalid_type")
+            raise bad_request(f"'input[{i}]' must be an object", f"input[{i}]", "invalid_type")
         item = dict(item)
         item.setdefault("type", "message")
         if item["type"] == "message":
@@ -173,7 +160,7 @@ def _text_of(parts: list, where: str) -> str | list:
         elif kind == "input_image" and p.get("image_url"):
             out.append({"type": "image_url", "image_url": {"url": p["image_url"], "detail": p.get("detail", "auto")}})
         else:
-            raise _bad(f"content part type '{kind}' is not supported", f"{where}[{j}].type")
+            raise bad_request(f"content part type '{kind}' is not supported", f"{where}[{j}].type")
     if all(p["type"] == "text" for p in out):
         return "".join(p["text"] for p in out)
     return out
@@ -185,10 +172,11 @@ def _require_strings(item: dict, i: int, names: tuple[str, ...]) -> None:
     for name in names:
         value = item.get(name)
         if value is None:
-            raise _bad(f"missing required parameter 'input[{i}].{name}'", f"input[{i}].{name}",
-                       "missing_required_parameter")
+            raise bad_request(f"missing required parameter 'input[{i}].{name}'", f"input[{i}].{name}",
+                              "missing_required_parameter")
         if not isinstance(value, str) or not value:
-            raise _bad(f"'input[{i}].{name}' must be a non-empty string", f"input[{i}].{name}", "invalid_type")
+            raise bad_request(f"'input[{i}].{name}' must be a non-empty string", f"input[{i}].{name}",
+                              "invalid_type")
 
 
 def to_messages(items: list[dict]) -> list[dict]:
@@ -206,15 +194,16 @@ def to_messages(items: list[dict]) -> list[dict]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise _bad(f"'input[{i}].role' must be one of user, assistant, system, developer", f"input[{i}].role")
+                raise bad_request(f"'input[{i}].role' must be one of user, assistant, system, developer",
+                                  f"input[{i}].role")
             content = item.get("content")
             content = _text_of(content, f"input[{i}].content") if isinstance(content, list) else content
             messages.append({"role": role, "content": content})
         elif kind == "function_call":
             _require_strings(item, i, ("call_id", "name"))
             if not isinstance(item.get("arguments", ""), str):
-                raise _bad(f"'input[{i}].arguments' must be a string (the call's JSON arguments)",
-                           f"input[{i}].arguments", "invalid_type")
+                raise bad_request(f"'input[{i}].arguments' must be a string (the call's JSON arguments)",
+                                  f"input[{i}].arguments", "invalid_type")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
             last = messages[-1] if messages else None
@@ -225,10 +214,11 @@ def to_messages(items: list[dict]) -> list[dict]:
         elif kind == "function_call_output":
             _require_strings(item, i, ("call_id",))
             if "output" not in item:
-                raise _bad(f"missing required parameter 'input[{i}].output'", f"input[{i}].output",
-                           "missing_required_parameter")
+                raise bad_request(f"missing required parameter 'input[{i}].output'", f"input[{i}].output",
+                                  "missing_required_parameter")
             if item["call_id"] not in calls:
-                raise _bad(f"No tool call found for function call output with call_id {item['call_id']}.", "input")
+                raise bad_request(f"No tool call found for function call output with call_id {item['call_id']}.",
+                                  "input")
             out = item.get("output")
             if isinstance(out, list):
                 out = _text_of(out, f"input[{i}].output")
@@ -236,10 +226,10 @@ def to_messages(items: list[dict]) -> list[dict]:
         elif kind == "reasoning":
             continue       # chat has no place for a model's reasoning; the model reasons afresh
         else:
-            raise _bad(f"input item type '{kind}' is not supported", f"input[{i}].type")
+            raise bad_request(f"input item type '{kind}' is not supported", f"input[{i}].type")
     answered = {item.get("call_id") for item in items if item.get("type") == "function_call_output"}
     if unanswered := [c for c in calls if c not in answered]:   # OpenAI's: a call the conversation never answers
-        raise _bad(f"No tool output found for function call {unanswered[0]}.", "input")
+        raise bad_request(f"No tool output found for function call {unanswered[0]}.", "input")
     return messages
 
 
@@ -285,6 +275,8 @@ def to_chat(body: dict, history: list[dict], items: list[dict]) -> dict:
         chat["tool_choice"] = _tool_choice(choice)
     if (rf := _response_format(body.get("text"))) is not None:
         chat["response_format"] = rf
+    if (verbosity := (body.get("text") or {}).get("verbosity")) is not None:
+        chat["verbosity"] = verbosity
     if LOGPROBS_INCLUDE in (body.get("include") or ()) or body.get("top_logprobs") is not None:
         chat["logprobs"], chat["top_logprobs"] = True, body.get("top_logprobs") or 0
     if body.get("stream"):
@@ -302,6 +294,7 @@ _CHAT_PATHS = (
     (re.compile(r"(?<![\w.\]])response_format(\.json_schema)?\b"), "text.format"),
     (re.compile(r"(?<![\w.\]])max_tokens\b"), "max_output_tokens"),
     (re.compile(r"(?<![\w.\]])tools\[(\d+)\]\.function\b"), r"tools[\1]"),
+    (re.compile(r"(?<![\w.\]])tool_choice\.function\b"), "tool_choice"),
     (re.compile(r"(?<![\w.\]])messages(\[\d+\](\.\w+)*)?"), "input"),
 )
 
@@ -396,7 +389,8 @@ def response_object(ctx: ResponseContext, status: str, output: list[dict], usage
         "model": ctx.model, "output": output, "parallel_tool_calls": b.get("parallel_tool_calls", True),
         "previous_response_id": b.get("previous_response_id"), "reasoning": {"effort": None, "summary": None},
         "store": b.get("store", True), "temperature": b.get("temperature", 1.0),
-        "text": {"format": (text or {}).get("format") or {"type": "text"}},
+        "text": {"format": (text or {}).get("format") or {"type": "text"},
+                 "verbosity": (text or {}).get("verbosity") or "medium"},
         "top_logprobs": b.get("top_logprobs"), "max_tool_calls": b.get("max_tool_calls"),
         "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [], "top_p": b.get("top_p", 1.0),
         "truncation": "disabled", "usage": usage, "user": b.get("user"), "metadata": b.get("metadata") or {},

@@ -235,6 +235,45 @@ async def test_parameters_checked_as_openai_does_unknown_type_and_range(up):
     assert up.requests[-1][2]["seed"] == 7
 
 
+async def test_text_keys_are_checked_not_dropped_and_verbosity_reaches_chat(up):
+    # a user trial: chat's json_schema level inside text.format was dropped, the answer a 200 unconstrained
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    cases = [({"format": {"type": "json_schema", "name": "x", "json_schema": schema}}, "text.format.json_schema"),
+             ({"format": {"type": "json_object", "schema": schema}}, "text.format.schema"),
+             ({"fromat": {"type": "json_object"}}, "text.fromat")]
+    async with gateway(config(up)) as (gw, client):
+        for text, param in cases:
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.responses.create(model="m1", input="Say hello.", max_output_tokens=30, temperature=0,
+                                              text=text)
+            assert (e.value.body["param"], e.value.body["code"]) == (param, "unknown_parameter"), text
+            assert param in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.responses.create(model="m1", input="hi", text={"format": {"type": "json_schema",
+                                                                                   "schema": schema}})
+        assert (e.value.body["param"], e.value.body["code"]) == ("text.format.name", "missing_required_parameter")
+        assert up.calls == 0
+        r = await client.responses.create(model="m1", input="hi", text={"verbosity": "low"})
+    assert up.requests[-1][2]["verbosity"] == "low" and r.text.verbosity == "low"
+
+
+async def test_tool_refusals_name_the_responses_paths(up):
+    # (extra, param, code): a trial saw chat's tool_choice.function.name and "None is not one of the tools"
+    cases = [({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice.name",
+              "invalid_value"),
+             ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.name",
+              "missing_required_parameter"),
+             ({"tools": [{**WEATHER, "description": 3}]}, "tools[0].description", "invalid_type"),
+             ({"parallel_tool_calls": True}, "parallel_tool_calls", "invalid_value")]
+    async with gateway(config(up)) as (gw, client):
+        for extra, param, code in cases:
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.responses.create(model="m1", input="hi", extra_body=extra)
+            assert (e.value.body["param"], e.value.body["code"]) == (param, code), extra
+            assert param in e.value.body["message"] and ".function" not in e.value.body["message"]
+    assert up.calls == 0
+
+
 async def test_a_backends_schema_refusal_names_text_format_whole_and_streamed(up):
     # the local engine's refusal of an unsupported schema keyword, as it names the translated chat body
     refusal = {"status": 400, "param": "response_format",

@@ -67,6 +67,9 @@ def test_refusals_name_the_parameter(body, param):
      "Invalid 'max_output_tokens': integer below minimum value."),
     ("messages[3].content", "Invalid value for 'messages[3].content': expected a string", "input",
      "Invalid value for 'input': expected a string"),
+    # a tool_choice has no `function` level on the Responses API
+    ("tool_choice", "tool_choice.function.name: 'g' is not one of the tools", "tool_choice",
+     "tool_choice.name: 'g' is not one of the tools"),
 ])
 def test_chat_errors_name_the_responses_parameter(chat_param, message, param, expected):
     e = responses_error(ClientError(400, message, param=chat_param, code="invalid_value"))
@@ -203,3 +206,86 @@ def test_the_first_call_no_output_answers_is_named():
                                    {"type": "function_call_output", "call_id": "c3", "output": "x"}]}, "r")
     with pytest.raises(ClientError, match="No tool output found for function call c1"):
         to_messages(items)
+
+
+_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+_F = {"type": "function", "name": "f"}
+
+
+@pytest.mark.parametrize("extra, param, code", [
+    # a user trial's body: chat's json_schema level inside text.format went unenforced (200, unconstrained)
+    ({"text": {"format": {"type": "json_schema", "name": "x", "json_schema": _SCHEMA}}}, "text.format.json_schema",
+     "unknown_parameter"),
+    ({"text": {"format": {"type": "json_object", "schema": _SCHEMA}}}, "text.format.schema", "unknown_parameter"),
+    ({"text": {"format": {"type": "text", "name": "x"}}}, "text.format.name", "unknown_parameter"),
+    ({"text": {"fromat": {"type": "json_object"}}}, "text.fromat", "unknown_parameter"),
+    ({"text": {"format": {"type": "json_schema", "schema": _SCHEMA}}}, "text.format.name",
+     "missing_required_parameter"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "missing_required_parameter"),
+    ({"text": {"format": {"name": "x"}}}, "text.format.type", "missing_required_parameter"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type", "invalid_value"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": _SCHEMA, "strict": "yes"}}},
+     "text.format.strict", "invalid_type"),
+    ({"text": {"verbosity": "loud"}}, "text.verbosity", "invalid_value"),
+    ({"text": {"format": "json_object"}}, "text.format", "invalid_type"),
+    # tool_choice in the Responses shape (no `function` level), named as the client wrote it
+    ({"tools": [_F], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice.name", "invalid_value"),
+    ({"tools": [_F], "tool_choice": {"type": "function"}}, "tool_choice.name", "missing_required_parameter"),
+    ({"tools": [_F], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice.function",
+     "unknown_parameter"),
+    ({"tools": [_F], "tool_choice": "any"}, "tool_choice", "invalid_value"),
+    ({"tools": [{**_F, "description": 5}]}, "tools[0].description", "invalid_type"),
+    ({"tools": [{**_F, "parameters": "{}"}]}, "tools[0].parameters", "invalid_type"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls", "invalid_value"),
+])
+def test_nested_objects_are_checked_as_openai_checks_them(extra, param, code):
+    with pytest.raises(ClientError) as e:
+        check_body({"model": "m", "input": "x", **extra})
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, code)
+    assert param in e.value.message
+
+
+def test_well_formed_nested_objects_pass_and_verbosity_becomes_chats():
+    body = {"model": "m", "input": "x", "tools": [{**_F, "description": "d", "parameters": {}, "strict": True}],
+            "tool_choice": {"type": "function", "name": "f"}, "parallel_tool_calls": False,
+            "text": {"verbosity": "low", "format": {"type": "json_schema", "name": "x", "schema": _SCHEMA,
+                                                    "strict": None, "description": "n"}}}
+    check_body(body)
+    check_body({"model": "m", "input": "x", "tool_choice": {"type": "function", "name": "f"}})   # chat's rule next
+    chat = to_chat(body, [], input_items(body, "r"))
+    assert chat["verbosity"] == "low" and chat["response_format"]["json_schema"]["name"] == "x"
+    r = from_chat({"choices": [{"message": {"content": "{}"}, "finish_reason": "stop"}]}, new_context(body, "r", "m"))
+    assert r["text"]["verbosity"] == "low"
+
+
+def _stream_of(deltas: list[dict]) -> list[dict]:
+    ev = ResponsesEvents(new_context({"model": "m"}, "r", "m"))
+    events = ev.start()
+    for d in deltas:
+        events += ev.feed(_chunk(d))
+    return events + ev.feed(_chunk(finish="stop")) + ev.finish()
+
+
+@pytest.mark.parametrize("deltas, parts", [
+    ([{"role": "assistant", "content": None, "refusal": ""}, {"refusal": "I can't"}, {"refusal": " help."}],
+     [("refusal", "I can't help.")]),
+    ([{"content": "Well"}, {"refusal": "no."}], [("output_text", "Well"), ("refusal", "no.")]),
+])
+def test_a_streamed_refusal_is_a_refusal_part_as_the_whole_answer_has(deltas, parts):
+    events = _stream_of(deltas)
+    added = [(e["content_index"], e["part"]["type"]) for e in events if e["type"] == "response.content_part.added"]
+    assert added == [(k, kind) for k, (kind, _) in enumerate(parts)]
+    refusal = [e for e in events if e["type"].startswith("response.refusal.")]
+    assert [e["type"] for e in refusal[:-1]] == ["response.refusal.delta"] * (len(refusal) - 1)
+    assert refusal[-1]["type"] == "response.refusal.done" and refusal[-1]["refusal"] == parts[-1][1]
+    assert "".join(e["delta"] for e in refusal[:-1]) == parts[-1][1]
+    done = [(e["content_index"], e["part"]) for e in events if e["type"] == "response.content_part.done"]
+    assert [(k, p["type"], p.get("text", p.get("refusal"))) for k, p in done] == [
+        (k, kind, text) for k, (kind, text) in enumerate(parts)]
+    # the same output as the whole answer's (the chat message with content and refusal)
+    text = "".join(d.get("content") or "" for d in deltas)
+    whole = from_chat({"choices": [{"message": {"content": text or None, "refusal": parts[-1][1]},
+                                    "finish_reason": "stop"}]}, new_context({"model": "m"}, "r", "m"))
+    assert events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["output"] == whole["output"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))

@@ -1,0 +1,126 @@
+"""The checks of a ``POST /v1/responses`` body's nested objects that OpenAI makes and the chat translation would
+not (or would name in chat's paths): ``text`` (``format``, ``verbosity``), function ``tools``, ``tool_choice`` and
+``parallel_tool_calls``. Each refusal is OpenAI's 400 naming the parameter by the dotted path the client wrote
+(``text.format.json_schema``, ``tool_choice.name``); read by ``gateway/translate/responses.py``'s ``check_body``.
+
+An unknown key of ``text`` or ``text.format`` is refused, never dropped: a schema sent in another API's shape
+(chat's ``json_schema`` object, a ``schema`` beside ``json_object``) would go unenforced. The chat side has the
+same rule for ``response_format`` (``engine/serving/chat_structured.py``); Responses' json_schema keys are flat
+in ``text.format``.
+"""
+
+from __future__ import annotations
+
+from gateway.errors import ClientError
+from gateway.request.validate import check_type
+
+# The keys of ``text`` and of each ``text.format`` type, with their JSON types (OpenAI's Responses API).
+TEXT_KEYS = {"format": (dict,), "verbosity": (str,)}
+FORMAT_KEYS = {
+    "text": {"type": (str,)},
+    "json_object": {"type": (str,)},
+    "json_schema": {"type": (str,), "name": (str,), "schema": (dict,), "strict": (bool,), "description": (str,)},
+}
+FORMAT_REQUIRED = {"json_schema": ("name", "schema")}
+VERBOSITY = ("low", "medium", "high")
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+# The keys of a function ``tool_choice`` (``{"type": "function", "name": ...}``: no ``function`` level as on chat).
+_FUNCTION_CHOICE_KEYS = {"type": (str,), "name": (str,)}
+# A function tool's fields the translation carries onto chat, with their JSON types.
+_TOOL_TYPES = {"name": (str,), "description": (str,), "parameters": (dict,), "strict": (bool,)}
+
+
+def bad_request(message: str, param: str, code: str = "invalid_value") -> ClientError:
+    """OpenAI's 400 (``invalid_request_error``) with ``message``; ``param``: the parameter's dotted path."""
+    return ClientError(400, message, param=param, code=code)
+
+
+def _missing(param: str) -> ClientError:
+    return bad_request(f"missing required parameter '{param}'", param, "missing_required_parameter")
+
+
+def _one_of(value: object, allowed: tuple[str, ...], param: str) -> None:
+    if value not in allowed:
+        listed = ", ".join(f"'{a}'" for a in allowed[:-1]) + f", and '{allowed[-1]}'"
+        raise bad_request(f"Invalid value for '{param}': {value!r}. Supported values are: {listed}.", param)
+
+
+def _check_keys(obj: dict, keys: dict[str, tuple], where: str) -> None:
+    """Each key of ``obj`` (found at ``where``) is one of ``keys`` and of its JSON type (null: not given)."""
+    for key, value in obj.items():
+        types = keys.get(key)
+        if types is None:
+            raise bad_request(f"Unknown parameter: '{where}.{key}'.", f"{where}.{key}", "unknown_parameter")
+        check_type(f"{where}.{key}", value, types)
+
+
+def check_text(text: dict) -> None:
+    """``text``: known keys only (``format``, ``verbosity`` low/medium/high); ``format.type`` one of text,
+    json_object, json_schema, each with its own keys; a json_schema format's ``name`` and ``schema`` given.
+
+    Raises:
+        ClientError: 400 naming the key (``text.fromat``, ``text.format.json_schema``...)."""
+    _check_keys(text, TEXT_KEYS, "text")
+    if text.get("verbosity") is not None:
+        _one_of(text["verbosity"], VERBOSITY, "text.verbosity")
+    fmt = text.get("format")
+    if fmt is None:
+        return
+    kind = fmt.get("type")
+    if kind is None:
+        raise _missing("text.format.type")
+    _one_of(kind, tuple(FORMAT_KEYS), "text.format.type")
+    _check_keys(fmt, FORMAT_KEYS[kind], "text.format")
+    for name in FORMAT_REQUIRED.get(kind, ()):
+        if fmt.get(name) is None:
+            raise _missing(f"text.format.{name}")
+
+
+def check_tools(tools: list) -> None:
+    """Function tools only (a built-in OpenAI tool is refused by its type), each with a ``name`` and its other
+    fields of their JSON types (``description`` a string, ``parameters`` an object, ``strict`` a boolean).
+
+    Raises:
+        ClientError: 400 naming ``tools[i].<field>``."""
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise bad_request(f"Tool type '{kind}' is not supported: only function tools are served (built-in "
+                              f"OpenAI tools such as web_search, file_search and computer_use are not)",
+                              f"tools[{i}].type", "unsupported_tool")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise _missing(f"tools[{i}].name")
+        for name, types in _TOOL_TYPES.items():
+            check_type(f"tools[{i}].{name}", tool.get(name), types)
+
+
+def check_tool_choice(choice: str | dict | None, tools: list) -> None:
+    """``tool_choice``: none, auto, required, or ``{"type": "function", "name": ...}`` naming one of ``tools``
+    (without tools, chat's rule refuses any choice but none, naming ``tool_choice``).
+
+    Raises:
+        ClientError: 400 naming ``tool_choice`` or its key (``tool_choice.name``, ``tool_choice.type``)."""
+    if isinstance(choice, str):
+        _one_of(choice, TOOL_CHOICE_MODES, "tool_choice")
+    if not isinstance(choice, dict):
+        return
+    if choice.get("type") != "function":
+        raise bad_request(f"tool_choice type '{choice.get('type')}' is not supported: only function tools are "
+                          "served", "tool_choice.type", "unsupported_tool")
+    _check_keys(choice, _FUNCTION_CHOICE_KEYS, "tool_choice")
+    name = choice.get("name")
+    if name is None:
+        raise _missing("tool_choice.name")
+    if tools and name not in {t["name"] for t in tools}:
+        raise bad_request(f"Invalid value for 'tool_choice.name': {name!r} is not one of the function tools.",
+                          "tool_choice.name")
+
+
+def check_parallel_tool_calls(body: dict) -> None:
+    """``parallel_tool_calls`` only with ``tools`` (OpenAI's rule).
+
+    Raises:
+        ClientError: 400 naming ``parallel_tool_calls``."""
+    if body.get("parallel_tool_calls") is not None and not body.get("tools"):
+        raise bad_request("Invalid value for 'parallel_tool_calls': 'parallel_tool_calls' is only allowed when "
+                          "'tools' are specified.", "parallel_tool_calls")
