@@ -9,7 +9,7 @@ Mapping (https://docs.anthropic.com/en/api/messages):
   ``top_k`` as they are; ``tools[].input_schema`` -> function ``parameters``; ``tool_choice`` auto/any/tool/none ->
   "auto"/"required"/{function}/"none"; ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``;
   ``output_config.format`` json_schema -> ``response_format`` json_schema; service hints (``cache_control``,
-  ``service_tier``, ``thinking``, ...) dropped.
+  ``service_tier``, ``thinking``, ``output_config.effort``, ...) dropped once checked.
 - content blocks: ``text`` -> text parts; ``image`` -> ``image_url`` parts (a base64 source as a data URL): a
   target that cannot take images refuses them with its 400; ``tool_use`` (assistant) -> ``tool_calls``;
   ``tool_result`` (user) -> ``tool`` messages, before the user's other content, in block order; a tool result's
@@ -30,8 +30,9 @@ import msgspec
 
 from gateway.errors import anthropic_error_body
 from gateway.sse import named_event
-from gateway.translate.anthropic_checks import (bad_request, check_metadata, check_sampling, check_thinking,
-                                                check_tool_results, missing_or_wrong)
+from gateway.translate.anthropic_checks import (bad_request, check_metadata, check_output_config, check_sampling,
+                                                check_thinking, check_tool_results, check_tool_schema,
+                                                missing_or_wrong)
 from gateway.translate.chat import reasoning_of
 from gateway.translate.tool_calls import ToolCallOrder
 from gateway.values import ChatEvent, ChatStream
@@ -126,6 +127,9 @@ def turn_to_chat(m: object, i: int) -> list[dict]:
             if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
                 raise bad_request(missing_or_wrong(b, "tool_use_id", "a string", f"{bp}.tool_use_id"),
                                   f"{bp}.tool_use_id")
+            if b.get("is_error") is not None and not isinstance(b["is_error"], bool):
+                raise bad_request(f"{bp}.is_error: Input should be a valid boolean, got {b['is_error']!r}",
+                                  f"{bp}.is_error")
             text, images = _tool_result(b.get("content") or "", f"{bp}.content")
             results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
                             "content": f"Error: {text}" if b.get("is_error") else text})
@@ -159,9 +163,7 @@ def _tools(tools: object) -> list[dict]:
         if t.get("type") not in (None, "custom"):
             raise bad_request(f"tools.{i}: server tool {t.get('type')!r} is not supported; only client tools with an "
                               "input_schema", f"tools.{i}.type")
-        if not isinstance(t.get("input_schema"), dict):
-            raise bad_request(missing_or_wrong(t, "input_schema", "an object", f"tools.{i}.input_schema"),
-                              f"tools.{i}.input_schema")
+        check_tool_schema(t, i)
         fn = {"name": t["name"], "parameters": t["input_schema"]}
         if t.get("description"):
             fn["description"] = t["description"]
@@ -174,6 +176,8 @@ def _tool_choice(tc: object) -> tuple[object, bool]:
     if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):
         raise bad_request("tool_choice.type: must be one of 'auto', 'any', 'tool', 'none'", "tool_choice")
     kind = tc["type"]
+    if kind == "tool" and (not isinstance(tc.get("name"), str) or not tc["name"]):
+        raise bad_request(missing_or_wrong(tc, "name", "a string", "tool_choice.name"), "tool_choice.name")
     choice = ({"type": "function", "function": {"name": tc.get("name")}} if kind == "tool"
               else {"auto": "auto", "any": "required", "none": "none"}[kind])
     return choice, not tc.get("disable_parallel_tool_use")
@@ -231,10 +235,9 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
         out["tool_choice"], parallel = _tool_choice(body["tool_choice"])
         if not parallel:
             out["parallel_tool_calls"] = False
-    fmt = (body.get("output_config") or {}).get("format") if isinstance(body.get("output_config"), dict) else None
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+    if (schema := check_output_config(body)) is not None:
         out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "strict": True,
-                                                                          "schema": fmt.get("schema") or {}}}
+                                                                          "schema": schema}}
     if body.get("stream"):
         out["stream_options"] = {"include_usage": True}   # message_delta reports the usage
     return out

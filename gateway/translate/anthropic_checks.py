@@ -1,6 +1,7 @@
 """The checks of a ``/v1/messages`` body Anthropic makes and chat validation would not (or would name in chat's
-paths): its sampling ranges, the pairing of ``tool_use`` and ``tool_result`` blocks, an enabled ``thinking``
-budget. Each refusal is Anthropic's 400, naming the field by its dotted path; read by
+paths): its sampling ranges, the pairing of ``tool_use`` and ``tool_result`` blocks (and unique ``tool_use`` ids),
+an enabled ``thinking`` budget, ``output_config`` (its format's shape; not with a prefill), the tools' ``input_schema``
+type. Each refusal is Anthropic's 400, naming the field by its dotted path; read by
 ``gateway/translate/anthropic.py``'s ``messages_to_chat``."""
 
 from __future__ import annotations
@@ -55,7 +56,13 @@ def check_tool_results(msgs: list) -> None:
                                           f"messages.{i}.content.{j}.tool_use_id")
                     answered.add(b["tool_use_id"])
         _no_use_unanswered(asked, answered)
-        asked = {b.get("id"): i for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"}
+        asked = {}
+        for j, b in enumerate(blocks):
+            if isinstance(b, dict) and b.get("type") == "tool_use":
+                if b.get("id") in asked:
+                    raise bad_request(f"messages.{i}.content.{j}: `tool_use` ids must be unique; {b.get('id')} is "
+                                      "used twice in this message", f"messages.{i}.content.{j}.id")
+                asked[b.get("id")] = i
     _no_use_unanswered(asked, set())
 
 
@@ -91,3 +98,69 @@ def check_metadata(body: dict) -> None:
     if meta.get("user_id") is not None and not isinstance(meta["user_id"], str):
         raise bad_request(f"metadata.user_id: Input should be a valid string, got {type(meta['user_id']).__name__}",
                           "metadata.user_id")
+
+
+def _type_name(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def check_tool_schema(tool: dict, i: int) -> None:
+    """Anthropic's ``tools[i].input_schema``: an object schema, ``type`` ``"object"`` (a tool's input is an object;
+    an array schema's arguments would come back as something the tool's own schema refuses)."""
+    schema, path = tool.get("input_schema"), f"tools.{i}.input_schema"
+    if not isinstance(schema, dict):
+        raise bad_request(missing_or_wrong(tool, "input_schema", "a valid dictionary", path), path)
+    if "type" not in schema:
+        raise bad_request(f"{path}.type: Field required", f"{path}.type")
+    if schema["type"] != "object":
+        raise bad_request(f"{path}.type: Input should be 'object', got {schema['type']!r}", f"{path}.type")
+
+
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
+def check_output_config(body: dict) -> dict | None:
+    """Anthropic's ``output_config``: an object of ``format`` and ``effort`` (both may be null; any other key is
+    refused). ``effort`` is a service hint: its value is checked, then it is dropped. ``format`` is
+    ``{"type": "json_schema", "schema": {...}}`` exactly: a schema under another key would otherwise go
+    unenforced. A format with a prefill (the last message's role ``assistant``) is refused, as Anthropic documents
+    prefilling as incompatible with structured outputs (the grammar would start over after the prefill).
+
+    Returns:
+        The format's JSON schema; None when there is no format.
+    """
+    oc = body.get("output_config")
+    if oc is None:
+        return None
+    if not isinstance(oc, dict):
+        raise bad_request(f"output_config: Input should be a valid dictionary, got {_type_name(oc)}", "output_config")
+    _no_extra(oc, ("format", "effort"), "output_config")
+    if oc.get("effort") is not None and oc["effort"] not in _EFFORTS:
+        raise bad_request("output_config.effort: Input should be 'low', 'medium', 'high', 'xhigh' or 'max', "
+                          f"got {oc['effort']!r}", "output_config.effort")
+    fmt = oc.get("format")
+    if fmt is None:
+        return None
+    path = "output_config.format"
+    if not isinstance(fmt, dict):
+        raise bad_request(f"{path}: Input should be a valid dictionary, got {_type_name(fmt)}", path)
+    errors = [] if fmt.get("type") == "json_schema" else [
+        (f"{path}.type", "Field required" if "type" not in fmt else
+         f"Input should be 'json_schema', got {fmt['type']!r}")]
+    if not isinstance(fmt.get("schema"), dict):
+        errors.append((f"{path}.schema", "Field required" if "schema" not in fmt else
+                       f"Input should be a valid dictionary, got {_type_name(fmt['schema'])}"))
+    errors += [(f"{path}.{k}", "Extra inputs are not permitted") for k in fmt if k not in ("type", "schema")]
+    if errors:       # all of the format's errors: a schema under another key is told both what is missing and why
+        raise bad_request("; ".join(f"{p}: {why}" for p, why in errors), errors[0][0])
+    msgs = body.get("messages")
+    if isinstance(msgs, list) and msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant":
+        raise bad_request(f"{path}: prefilling the assistant message cannot be combined with structured outputs "
+                          f"(the last message, messages.{len(msgs) - 1}, has role 'assistant')", path)
+    return fmt["schema"]
+
+
+def _no_extra(obj: dict, allowed: tuple, path: str) -> None:
+    for k in obj:
+        if k not in allowed:
+            raise bad_request(f"{path}.{k}: Extra inputs are not permitted", f"{path}.{k}")

@@ -19,7 +19,9 @@ _JSON = "application/json"
 _CHAT_PATHS = ((re.compile(r"\btools(\[|\.)(\d+)(\]?)\.function\.parameters"), r"tools\1\2\3.input_schema"),
                (re.compile(r"\btools(\[|\.)(\d+)(\]?)\.function\."), r"tools\1\2\3."),
                (re.compile(r"\bresponse_format\.json_schema\.schema"), "output_config.format.schema"),
-               (re.compile(r"\bresponse_format\b"), "output_config.format"))
+               (re.compile(r"\bresponse_format\b"), "output_config.format"),
+               (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
+               (re.compile(r"\bparallel_tool_calls\b"), "tool_choice.disable_parallel_tool_use"))
 
 
 # A target's refusal of the image part a Messages ``image`` block became (the local engine's wording: text only).
@@ -50,7 +52,7 @@ def _image_block(body: dict, k: int) -> str | None:
 def messages_paths(text: str, body: dict | None = None) -> str:
     """``text`` (a refusal's message) with the chat body's field paths it names written as the Messages body's:
     ``tools[0].function.parameters.x`` -> ``tools[0].input_schema.x``, ``response_format.json_schema.schema``
-    -> ``output_config.format.schema``, and with the Messages ``body`` at hand a refused ``image_url`` part of
+    -> ``output_config.format.schema``, ``tool_choice.function.name`` -> ``tool_choice.name``, and with the Messages ``body`` at hand a refused ``image_url`` part of
     ``messages[k]`` -> the ``image`` block it came from (``messages.0.content.1: content block type 'image'``):
     the client sent the Messages body and looks there."""
     for pattern, repl in _CHAT_PATHS:

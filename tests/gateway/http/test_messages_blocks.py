@@ -2,7 +2,7 @@
 against a real gateway on 127.0.0.1: over a scripted chat upstream (``tests/gateway/script_upstream.py``),
 parallel tool calls whose argument pieces interleave by ``index`` come as blocks one after another, the
 backend's reasoning as a ``thinking`` block, a ``tool_result``'s image reaches the backend, ``count_tokens``
-counts tools and images; over a fake Anthropic upstream (``tests/gateway/anthropic_upstream.py``) the client's
+counts tools and images, a malformed ``output_config`` or tool definition is refused before the backend; over a fake Anthropic upstream (``tests/gateway/anthropic_upstream.py``) the client's
 ``anthropic-beta`` header is forwarded.
 """
 
@@ -182,3 +182,55 @@ async def test_a_tool_result_without_its_tool_use_is_refused_as_anthropic_does(u
     assert e.value.body["error"]["message"].startswith(
         "messages.0.content.0: unexpected `tool_use_id` found in `tool_result` blocks: toolu_9."), e.value.body
     assert len(upstream.bodies) == sent
+
+
+async def test_malformed_output_config_and_tools_are_refused_before_the_backend(upstream):
+    """A user trial's ``output_config`` of the wrong shape got 200s with its schema unenforced (under
+    ``json_schema``: any JSON); an array ``input_schema``, a prefill with a format, a string ``is_error`` and
+    duplicate ``tool_use`` ids were taken too. Each is Anthropic's 400 naming the path; the backend is not called."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
+    refused = [
+        ({"output_config": {"format": {"type": "json_schema", "json_schema": {"schema": schema}}}},
+         "output_config.format.schema: Field required; "
+         "output_config.format.json_schema: Extra inputs are not permitted"),
+        ({"output_config": {"format": {"type": "xml"}}}, "output_config.format.type: Input should be 'json_schema'"),
+        ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema: Field required"),
+        ({"output_config": {"formt": {"type": "json_schema", "schema": schema}}},
+         "output_config.formt: Extra inputs are not permitted"),
+        ({"tools": [{"name": "f", "input_schema": {"type": "array", "items": {"type": "integer"}}}]},
+         "tools.0.input_schema.type: Input should be 'object'"),
+        ({"output_config": {"format": {"type": "json_schema", "schema": schema}},
+          "messages": [*ASK["messages"], {"role": "assistant", "content": '{"a": '}]},
+         "output_config.format: prefilling the assistant message cannot be combined with structured outputs"),
+        ({"tools": TOOLS, "messages": [*ASK["messages"], {"role": "assistant", "content": [use]}, {
+            "role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "is_error": "yes"}]}]},
+         "messages.2.content.0.is_error: Input should be a valid boolean"),
+        ({"tools": TOOLS, "messages": [*ASK["messages"], {"role": "assistant", "content": [use, use]}, {
+            "role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1"}]}]},
+         "messages.1.content.1: `tool_use` ids must be unique")]
+    async with served(config(upstream.base_url)) as client:
+        calls = upstream.calls
+        for body, message in refused:
+            with pytest.raises(anthropic.BadRequestError) as e:
+                await client.messages.create(**{**ASK, **body})
+            assert e.value.body["error"]["type"] == "invalid_request_error"
+            assert e.value.body["error"]["message"].startswith(message), (body, e.value.body)
+        assert upstream.calls == calls
+        await client.messages.create(**ASK, output_config={"format": {"type": "json_schema", "schema": schema},
+                                                           "effort": "low"})
+    assert upstream.bodies[-1]["response_format"]["json_schema"]["schema"] == schema
+    assert "effort" not in json.dumps(upstream.bodies[-1])
+
+
+async def test_a_forced_tool_that_is_not_among_the_tools_is_named_as_messages_names_it(upstream):
+    """The local engine refuses ``tool_choice`` naming a missing tool in chat's path (its 400, scripted here): the
+    client sent ``tool_choice.name``, and is told that."""
+    refusal = {"error": {"message": "tool_choice.function.name: 'g' is not one of the tools",
+                         "type": "invalid_request_error", "param": "tool_choice", "code": None}}
+    async with served(config(upstream.base_url)) as client:
+        upstream.push({"status": 400, "body": json.dumps(refusal).encode()})
+        with pytest.raises(anthropic.BadRequestError) as e:
+            await client.messages.create(**ASK, tools=TOOLS, tool_choice={"type": "tool", "name": "g"})
+    assert e.value.body["error"] == {"type": "invalid_request_error",
+                                     "message": "tool_choice.name: 'g' is not one of the tools"}

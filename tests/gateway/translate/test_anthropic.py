@@ -225,3 +225,89 @@ def test_a_refusal_names_the_messages_bodys_paths():
     assert body == {"type": "error", "error": {"type": "invalid_request_error", "message":
                     "tools[1].input_schema.properties.x.minimum: 1e-07 cannot be enforced; "
                     "output_config.format.schema.enum: [1, 2] is not of type string"}}
+
+
+def _refused(body: dict) -> ClientError:
+    with pytest.raises(ClientError) as e:
+        messages_to_chat({"model": "m", "max_tokens": 9, "messages": USER, **body})
+    assert e.value.status == 400 and e.value.code == "invalid_request_error", body
+    return e.value
+
+
+def test_output_config_is_checked_as_anthropic_checks_it():
+    """A user trial's schema under the wrong key, an unknown format type, a format without a schema and a misspelt
+    key all got 200s, the schema unenforced: each is Anthropic's 400 naming the path."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for oc, param, message in [
+            ({"format": {"type": "json_schema", "json_schema": {"schema": schema}}}, "output_config.format.schema",
+             "output_config.format.schema: Field required; "
+             "output_config.format.json_schema: Extra inputs are not permitted"),
+            ({"format": {"type": "xml"}}, "output_config.format.type",
+             "output_config.format.type: Input should be 'json_schema', got 'xml'; "
+             "output_config.format.schema: Field required"),
+            ({"format": {"type": "json_schema"}}, "output_config.format.schema",
+             "output_config.format.schema: Field required"),
+            ({"format": {"schema": schema}}, "output_config.format.type", "output_config.format.type: Field required"),
+            ({"format": {"type": "json_schema", "schema": "{}"}}, "output_config.format.schema",
+             "output_config.format.schema: Input should be a valid dictionary, got str"),
+            ({"format": "json"}, "output_config.format",
+             "output_config.format: Input should be a valid dictionary, got str"),
+            ({"formt": {"type": "json_schema", "schema": schema}}, "output_config.formt",
+             "output_config.formt: Extra inputs are not permitted"),
+            ({"effort": "extreme"}, "output_config.effort",
+             "output_config.effort: Input should be 'low', 'medium', 'high', 'xhigh' or 'max', got 'extreme'"),
+            ("json", "output_config", "output_config: Input should be a valid dictionary, got str")]:
+        e = _refused({"output_config": oc})
+        assert (e.param, e.message) == (param, message), oc
+    # what passes: a well-formed format (enforced), effort (a service hint, dropped), nulls
+    chat = messages_to_chat({"model": "m", "max_tokens": 9, "messages": USER, "output_config": {
+        "effort": "high", "format": {"type": "json_schema", "schema": schema}}})
+    assert chat["response_format"]["json_schema"]["schema"] == schema and "effort" not in json.dumps(chat)
+    for oc in ({"effort": "low"}, {"format": None, "effort": None}, None, {}):
+        assert "response_format" not in messages_to_chat({"model": "m", "max_tokens": 9, "messages": USER,
+                                                          "output_config": oc})
+
+
+def test_a_prefill_with_structured_outputs_is_refused():
+    """A prefill is continued (``continue_final_message``) and the format's grammar started over after it: the
+    whole was not JSON. Anthropic documents the two as incompatible."""
+    fmt = {"format": {"type": "json_schema", "schema": {"type": "object"}}}
+    turns = [*USER, {"role": "assistant", "content": '{"a":'}]
+    e = _refused({"messages": turns, "output_config": fmt})
+    assert e.param == "output_config.format" and "prefill" in e.message and "structured outputs" in e.message
+    assert messages_to_chat({"model": "m", "max_tokens": 9, "messages": turns})["continue_final_message"] is True
+
+
+def test_tool_definitions_results_and_calls_are_checked():
+    """An array ``input_schema`` was taken and its arguments came back as ``{"_value": [...]}``; a string
+    ``is_error`` and a ``tool_use`` id used twice in one message were taken too."""
+    e = _refused({"tools": [{"name": "f", "input_schema": {"type": "object"}},
+                            {"name": "g", "input_schema": {"type": "array", "items": {"type": "integer"}}}]})
+    assert (e.param, e.message) == ("tools.1.input_schema.type", "tools.1.input_schema.type: Input should be "
+                                                                 "'object', got 'array'")
+    e = _refused({"tools": [{"name": "f", "input_schema": {"properties": {}}}]})
+    assert (e.param, e.message) == ("tools.0.input_schema.type", "tools.0.input_schema.type: Field required")
+    use = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+    e = _refused({"messages": [*USER, {"role": "assistant", "content": [use]}, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "no", "is_error": "yes"}]}]})
+    assert (e.param, e.message) == ("messages.2.content.0.is_error",
+                                    "messages.2.content.0.is_error: Input should be a valid boolean, got 'yes'")
+    e = _refused({"messages": [*USER, {"role": "assistant", "content": [use, {**use, "input": {"x": 1}}]},
+                               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}]})
+    assert e.param == "messages.1.content.1.id" and "`tool_use` ids must be unique" in e.message
+    e = _refused({"tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool"}})
+    assert (e.param, e.message) == ("tool_choice.name", "tool_choice.name: Field required (a string)")
+    ok = messages_to_chat({"model": "m", "max_tokens": 9, "messages": [*USER, {"role": "assistant", "content": [
+        use]}, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "no",
+                                             "is_error": True}]}]})
+    assert ok["messages"][-1] == {"role": "tool", "tool_call_id": "t1", "content": "Error: no"}
+
+
+def test_a_chat_refusal_names_tool_choice_as_messages_does():
+    """The local engine refuses a forced tool that is not among the tools in chat's path; the client sent
+    ``tool_choice.name``."""
+    body = json.loads(anthropic_error(400, json.dumps({"error": {
+        "message": "tool_choice.function.name: 'g' is not one of the tools", "type": "invalid_request_error",
+        "param": "tool_choice"}}).encode()))
+    assert body["error"]["message"] == "tool_choice.name: 'g' is not one of the tools"
+
