@@ -15,10 +15,11 @@ Mapping (https://docs.anthropic.com/en/api/messages):
   ``tool_result`` (user) -> ``tool`` messages, before the user's other content, in block order; a tool result's
   images -> ``image_url`` parts of the user message after them (chat's tool messages take text only).
 - answer: ``finish_reason`` stop/length/tool_calls -> ``stop_reason`` end_turn (stop_sequence when the backend
-  names the stop string it matched)/max_tokens/tool_use; usage prompt/completion -> input/output tokens, the
-  cached prompt tokens as ``cache_read_input_tokens`` and out of ``input_tokens`` (Anthropic's convention). A
-  stream's ``message_start`` carries the gateway's prompt count (the backend's split is not known yet); its
-  ``message_delta`` the backend's usage, which the SDKs' final message takes.
+  names the stop string it matched)/max_tokens/tool_use; a refusal (chat's ``refusal`` text, its
+  ``content_filter`` finish) -> a text block of that text and ``stop_reason`` ``refusal``; usage prompt/completion
+  -> input/output tokens, the cached prompt tokens as ``cache_read_input_tokens`` and out of ``input_tokens``
+  (Anthropic's convention). A stream's ``message_start`` carries the gateway's prompt count (the backend's split is
+  not known yet); its ``message_delta`` the backend's usage, which the SDKs' final message takes.
 """
 
 from __future__ import annotations
@@ -255,11 +256,14 @@ def _stop_of(finish, matched, stop_sequences: list | None) -> tuple[str | None, 
     return (_FINISH.get(finish, "end_turn") if finish else None), None
 
 
-def _with_tool_use(stop_reason: str | None, has_calls: bool) -> str | None:
-    """The stop reason of a reply with tool calls (``has_calls``): ``tool_use`` where the reply ended on its own
-    (chat's ``tool_calls``, ``stop``, or no reason yet), else ``stop_reason`` as it is: a reply cut by
+def _final_stop(stop_reason: str | None, has_calls: bool, refused: bool) -> str | None:
+    """The stop reason of a reply that ended on its own (chat's ``stop``, ``tool_calls``, or no reason yet):
+    ``refusal`` when the backend refused (chat's ``refusal`` text; its ``content_filter`` finish is ``refusal``
+    already), else ``tool_use`` with tool calls (``has_calls``). Any other reason stays as it is: a reply cut by
     ``max_tokens`` inside a call stays ``max_tokens`` (its last call is partial: a client must not run it)."""
-    return "tool_use" if has_calls and stop_reason in (None, "end_turn") else stop_reason
+    if stop_reason not in (None, "end_turn"):
+        return stop_reason
+    return "refusal" if refused else "tool_use" if has_calls else stop_reason
 
 
 def _usage(u: dict | None) -> dict:
@@ -292,12 +296,14 @@ def chat_to_message(chat: dict, message_id: str, model: str, stop_sequences: lis
         content.append({"type": "thinking", "thinking": thinking, "signature": ""})
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
+    if refusal := msg.get("refusal"):     # its own text block, as the stream has it (MessageEvents)
+        content.append({"type": "text", "text": str(refusal)})
     for call in msg.get("tool_calls") or ():
         fn = call.get("function") or {}
         content.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
                         "input": _tool_input(fn.get("arguments"))})
     stop_reason, stop_sequence = _stop(choice, stop_sequences)
-    stop_reason = _with_tool_use(stop_reason, bool(msg.get("tool_calls")))
+    stop_reason = _final_stop(stop_reason, bool(msg.get("tool_calls")), bool(refusal))
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": _usage(chat.get("usage"))}
 
@@ -305,9 +311,10 @@ def chat_to_message(chat: dict, message_id: str, model: str, stop_sequences: lis
 class MessageEvents:
     """Chat completion chunks (parsed JSON, in order) -> Anthropic's stream events as (event name, data) pairs:
     ``message_start`` and a ``ping`` first, then per content block ``content_block_start``, its
-    ``content_block_delta`` events (``thinking_delta`` for the chat deltas' ``reasoning_content``, ``text_delta``,
-    ``input_json_delta``) and ``content_block_stop``, one block after another (tool calls whose argument pieces
-    interleave are put in order by ``gateway/translate/tool_calls.py``); ``finish()``
+    ``content_block_delta`` events (``thinking_delta`` for the chat deltas' ``reasoning_content``, ``text_delta``
+    for ``content`` and, in a text block of its own, ``refusal``, ``input_json_delta``) and ``content_block_stop``,
+    one block after another (tool calls whose argument pieces interleave are put in order by
+    ``gateway/translate/tool_calls.py``); ``finish()``
     gives the final ``message_delta`` (stop reason, usage) and ``message_stop``."""
 
     def __init__(self, message_id: str, model: str, input_tokens: int, stop_sequences: list | None = None):
@@ -315,8 +322,9 @@ class MessageEvents:
         self.input_tokens = input_tokens
         self.started = False
         self.block = -1                  # index of the open block (-1: none yet)
-        self.open_kind: str | None = None      # the open text or thinking block's type
+        self.open_kind: str | None = None      # the open block's kind: "text", "refusal" (a text block), "thinking"
         self.tools = ToolCallOrder()           # the tool_use blocks, one open at a time, in order
+        self.refused = False
         self.tool_calls = 0
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
@@ -362,12 +370,13 @@ class MessageEvents:
         return out
 
     def _delta(self, kind: str, delta: dict) -> list[tuple[str, dict]]:
-        """A text or thinking delta, in a block of its kind (opened when another kind is open)."""
+        """A text, refusal or thinking delta, in a block of its kind (opened when another kind is open)."""
         out: list[tuple[str, dict]] = []
         if self.open_kind != kind:
-            empty = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
-                                                                         "signature": ""}
+            empty = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" \
+                else {"type": "text", "text": ""}
             out += self._open(empty)
+            self.open_kind = kind
         return out + [("content_block_delta", {"type": "content_block_delta", "index": self.block, "delta": delta})]
 
     def chunk(self, ev: ChatEvent) -> list[tuple[str, dict]]:
@@ -380,6 +389,9 @@ class MessageEvents:
                 out += self._delta("thinking", {"type": "thinking_delta", "thinking": choice.reasoning})
             if choice.content:
                 out += self._delta("text", {"type": "text_delta", "text": choice.content})
+            if choice.refusal:
+                self.refused = True
+                out += self._delta("refusal", {"type": "text_delta", "text": choice.refusal})
             for call in choice.tool_calls:
                 out += self._close() + self._calls(self.tools.feed(call))
             if choice.finish_reason:
@@ -391,7 +403,7 @@ class MessageEvents:
         """The closing events (after the last chunk)."""
         out = ([] if self.started else self._start()) + self._close() + self._calls(self.tools.flush())
         usage = _usage(self.usage) if self.usage else {"input_tokens": self.input_tokens, "output_tokens": 0}
-        self.stop_reason = _with_tool_use(self.stop_reason, self.tool_calls > 0)
+        self.stop_reason = _final_stop(self.stop_reason, self.tool_calls > 0, self.refused)
         out.append(("message_delta", {"type": "message_delta",
                                       "delta": {"stop_reason": self.stop_reason or "end_turn",
                                                 "stop_sequence": self.stop_sequence}, "usage": usage}))

@@ -2,7 +2,8 @@
 against a real gateway on 127.0.0.1: over a scripted chat upstream (``tests/gateway/script_upstream.py``),
 parallel tool calls whose argument pieces interleave by ``index`` come as blocks one after another, the
 backend's reasoning as a ``thinking`` block, a ``tool_result``'s image reaches the backend, ``count_tokens``
-counts tools and images, a malformed ``output_config`` or tool definition is refused before the backend; over a fake Anthropic upstream (``tests/gateway/anthropic_upstream.py``) the client's
+counts tools and images, a refusal gives the same Message streamed or not, a
+malformed ``output_config`` or tool definition is refused before the backend; over a fake Anthropic upstream (``tests/gateway/anthropic_upstream.py``) the client's
 ``anthropic-beta`` header is forwarded.
 """
 
@@ -182,6 +183,37 @@ async def test_a_tool_result_without_its_tool_use_is_refused_as_anthropic_does(u
     assert e.value.body["error"]["message"].startswith(
         "messages.0.content.0: unexpected `tool_use_id` found in `tool_result` blocks: toolu_9."), e.value.body
     assert len(upstream.bodies) == sent
+
+
+def whole(message: dict, finish: str) -> dict:
+    """A ScriptUpstream script: a whole chat completion of ``message`` (usage as ``stream``'s)."""
+    return {"body": json.dumps({"id": "up-1", "object": "chat.completion", "created": 0, "model": "up-model",
+                                "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14},
+                                "choices": [{"index": 0, "finish_reason": finish, "message": {
+                                    "role": "assistant", "content": None, **message}}]}).encode()}
+
+
+async def both_ways(client: anthropic.AsyncAnthropic, **kwargs) -> tuple[dict, dict]:
+    """The Message of one request streamed (the SDK's stream helper's final message) and then whole, as dicts
+    without their ids (each request has its own)."""
+    async with client.messages.stream(**{**ASK, **kwargs}) as s:
+        streamed = await s.get_final_message()
+    plain = await client.messages.create(**{**ASK, **kwargs})
+    return streamed.model_dump(exclude={"id"}), plain.model_dump(exclude={"id"})
+
+
+async def test_a_refusal_is_kept_and_is_the_same_message_streamed_or_not(upstream):
+    """A user trial's refusal (chat's ``refusal``, content null) came back as ``content: []`` and ``end_turn``,
+    streamed or not: the refusal text was lost and the client could not tell it was refused."""
+    text = "I can't help with that."
+    upstream.push(stream(chunk({"role": "assistant", "refusal": ""}), chunk({"refusal": "I can't "}),
+                         chunk({"refusal": "help with that."}), chunk({}, "stop")),
+                  whole({"refusal": text}, "stop"))
+    async with served(config(upstream.base_url)) as client:
+        streamed, plain = await both_ways(client)
+    assert streamed == plain
+    assert [(b["type"], b["text"]) for b in plain["content"]] == [("text", text)]
+    assert plain["stop_reason"] == "refusal"
 
 
 async def test_malformed_output_config_and_tools_are_refused_before_the_backend(upstream):

@@ -311,3 +311,50 @@ def test_a_chat_refusal_names_tool_choice_as_messages_does():
         "param": "tool_choice"}}).encode()))
     assert body["error"]["message"] == "tool_choice.name: 'g' is not one of the tools"
 
+
+def _stream_message(chunks: list[bytes]) -> dict:
+    """The Message the events of chat ``chunks`` build, read as the anthropic SDK's stream helper reads them: text
+    deltas joined, a ``tool_use`` block's ``partial_json`` joined and parsed by the SDK's partial JSON parser (jiter),
+    the stop reason of ``message_delta`` (the helper itself, over HTTP: ``tests/gateway/http/test_messages_blocks.py``).
+    """
+    from jiter import from_json
+
+    async def run():
+        return b"".join([c async for c in message_events(decode_stream(_aiter(chunks)),
+                                                         MessageEvents("msg_1", "m", 5))])
+
+    message, partial = None, {}
+    for name, data in _events(asyncio.run(run())):
+        if name == "message_start":
+            message = {k: v for k, v in data["message"].items() if k != "usage"}
+        elif name == "content_block_start":
+            message["content"].append(dict(data["content_block"]))
+        elif name == "content_block_delta" and data["delta"]["type"] == "text_delta":
+            message["content"][data["index"]]["text"] += data["delta"]["text"]
+        elif name == "content_block_delta" and data["delta"]["type"] == "input_json_delta":
+            partial[data["index"]] = partial.get(data["index"], "") + data["delta"]["partial_json"]
+            message["content"][data["index"]]["input"] = from_json(partial[data["index"]].encode(),
+                                                                   partial_mode=True)
+        elif name == "message_delta":
+            message.update(data["delta"])
+    return message
+
+
+def test_a_refusal_is_a_text_block_and_stop_reason_refusal_streamed_or_not():
+    """A user trial's refusal (chat's ``message.refusal``, content null) came back as ``content: []``,
+    ``end_turn``; streamed, its ``delta.refusal`` was dropped the same way."""
+    whole = chat_to_message({"choices": [{"message": {"content": None, "refusal": "I can't help with that."},
+                                          "finish_reason": "stop"}]}, "msg_1", "m")
+    assert whole["content"] == [{"type": "text", "text": "I can't help with that."}]
+    assert whole["stop_reason"] == "refusal"
+    streamed = _stream_message([_chunk({"role": "assistant", "refusal": ""}), _chunk({"refusal": "I can't "}),
+                                _chunk({"refusal": "help with that."}), _chunk({}, "stop"), b"data: [DONE]\n\n"])
+    assert streamed == {k: v for k, v in whole.items() if k != "usage"}
+    # text, then a refusal: two text blocks both ways; content_filter is a refusal too
+    both = chat_to_message({"choices": [{"message": {"content": "Well.", "refusal": "No."},
+                                         "finish_reason": "content_filter"}]}, "msg_1", "m")
+    assert [b["text"] for b in both["content"]] == ["Well.", "No."] and both["stop_reason"] == "refusal"
+    streamed = _stream_message([_chunk({"content": "Well."}), _chunk({"refusal": "No."}),
+                                _chunk({}, "content_filter"), b"data: [DONE]\n\n"])
+    assert [b["text"] for b in streamed["content"]] == ["Well.", "No."] and streamed["stop_reason"] == "refusal"
+
