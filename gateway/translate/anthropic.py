@@ -16,10 +16,11 @@ Mapping (https://docs.anthropic.com/en/api/messages):
   images -> ``image_url`` parts of the user message after them (chat's tool messages take text only).
 - answer: ``finish_reason`` stop/length/tool_calls -> ``stop_reason`` end_turn (stop_sequence when the backend
   names the stop string it matched)/max_tokens/tool_use; a refusal (chat's ``refusal`` text, its
-  ``content_filter`` finish) -> a text block of that text and ``stop_reason`` ``refusal``; usage prompt/completion
-  -> input/output tokens, the cached prompt tokens as ``cache_read_input_tokens`` and out of ``input_tokens``
-  (Anthropic's convention). A stream's ``message_start`` carries the gateway's prompt count (the backend's split is
-  not known yet); its ``message_delta`` the backend's usage, which the SDKs' final message takes.
+  ``content_filter`` finish) -> a text block of that text and ``stop_reason`` ``refusal``; tool call arguments ->
+  ``input`` as far as they begin a JSON object (``anthropic_json.py``); usage prompt/completion -> input/output
+  tokens, the cached prompt tokens as ``cache_read_input_tokens`` and out of ``input_tokens`` (Anthropic's
+  convention). A stream's ``message_start`` carries the gateway's prompt count (the backend's split is not known
+  yet); its ``message_delta`` the backend's usage, which the SDKs' final message takes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from gateway.sse import named_event
 from gateway.translate.anthropic_checks import (bad_request, check_metadata, check_output_config, check_sampling,
                                                 check_thinking, check_tool_results, check_tool_schema,
                                                 missing_or_wrong)
+from gateway.translate.anthropic_json import ObjectPrefix, tool_input
 from gateway.translate.chat import reasoning_of
 from gateway.translate.tool_calls import ToolCallOrder
 from gateway.values import ChatEvent, ChatStream
@@ -279,14 +281,6 @@ def _usage(u: dict | None) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-def _tool_input(arguments: object) -> dict:
-    try:
-        value = json.loads(arguments) if isinstance(arguments, str) and arguments else {}
-    except ValueError:
-        return {"_raw_arguments": arguments}     # an upstream's malformed arguments, kept visible
-    return value if isinstance(value, dict) else {"_value": value}
-
-
 def chat_to_message(chat: dict, message_id: str, model: str, stop_sequences: list | None = None) -> dict:
     """A chat completion (parsed JSON, first choice) -> Anthropic's Message object."""
     choice = (chat.get("choices") or [{}])[0]
@@ -301,7 +295,7 @@ def chat_to_message(chat: dict, message_id: str, model: str, stop_sequences: lis
     for call in msg.get("tool_calls") or ():
         fn = call.get("function") or {}
         content.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
-                        "input": _tool_input(fn.get("arguments"))})
+                        "input": tool_input(fn.get("arguments"))})
     stop_reason, stop_sequence = _stop(choice, stop_sequences)
     stop_reason = _final_stop(stop_reason, bool(msg.get("tool_calls")), bool(refusal))
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
@@ -314,7 +308,8 @@ class MessageEvents:
     ``content_block_delta`` events (``thinking_delta`` for the chat deltas' ``reasoning_content``, ``text_delta``
     for ``content`` and, in a text block of its own, ``refusal``, ``input_json_delta``) and ``content_block_stop``,
     one block after another (tool calls whose argument pieces interleave are put in order by
-    ``gateway/translate/tool_calls.py``); ``finish()``
+    ``gateway/translate/tool_calls.py``; their arguments as far as they can begin a JSON object:
+    ``gateway/translate/anthropic_json.py``); ``finish()``
     gives the final ``message_delta`` (stop reason, usage) and ``message_stop``."""
 
     def __init__(self, message_id: str, model: str, input_tokens: int, stop_sequences: list | None = None):
@@ -324,6 +319,7 @@ class MessageEvents:
         self.block = -1                  # index of the open block (-1: none yet)
         self.open_kind: str | None = None      # the open block's kind: "text", "refusal" (a text block), "thinking"
         self.tools = ToolCallOrder()           # the tool_use blocks, one open at a time, in order
+        self.arguments = ObjectPrefix()        # the open tool_use block's arguments, kept while valid
         self.refused = False
         self.tool_calls = 0
         self.stop_reason: str | None = None
@@ -358,13 +354,15 @@ class MessageEvents:
             if action == "open":
                 self.block += 1
                 self.tool_calls += 1
+                self.arguments = ObjectPrefix()
                 out.append(("content_block_start", {"type": "content_block_start", "index": self.block,
                                                      "content_block": {"type": "tool_use", "id": call.id,
                                                                        "name": call.name, "input": {}}}))
             elif action == "args":
-                out.append(("content_block_delta", {"type": "content_block_delta", "index": self.block,
-                                                     "delta": {"type": "input_json_delta",
-                                                               "partial_json": piece[0]}}))
+                if kept := self.arguments.feed(piece[0]):
+                    out.append(("content_block_delta", {"type": "content_block_delta", "index": self.block,
+                                                         "delta": {"type": "input_json_delta",
+                                                                   "partial_json": kept}}))
             else:
                 out.append(("content_block_stop", {"type": "content_block_stop", "index": self.block}))
         return out

@@ -2,7 +2,7 @@
 against a real gateway on 127.0.0.1: over a scripted chat upstream (``tests/gateway/script_upstream.py``),
 parallel tool calls whose argument pieces interleave by ``index`` come as blocks one after another, the
 backend's reasoning as a ``thinking`` block, a ``tool_result``'s image reaches the backend, ``count_tokens``
-counts tools and images, a refusal gives the same Message streamed or not, a
+counts tools and images, a refusal and a cut or malformed tool call give the same Message streamed or not, a
 malformed ``output_config`` or tool definition is refused before the backend; over a fake Anthropic upstream (``tests/gateway/anthropic_upstream.py``) the client's
 ``anthropic-beta`` header is forwarded.
 """
@@ -19,7 +19,7 @@ from gateway.http.app import create_app
 from gateway.request.validate import IMAGE_TOKENS_ESTIMATE
 from gateway.runtime import Gateway
 from tests.gateway.anthropic_upstream import AnthropicUpstream
-from tests.gateway.http.test_responses_items import INTERLEAVED, chunk, stream
+from tests.gateway.http.test_responses_items import INTERLEAVED, call, chunk, stream
 from tests.gateway.script_upstream import ScriptUpstream, upstream  # noqa: F401 (the fixture)
 from tests.gateway.support import serve_app, sha
 
@@ -214,6 +214,24 @@ async def test_a_refusal_is_kept_and_is_the_same_message_streamed_or_not(upstrea
     assert streamed == plain
     assert [(b["type"], b["text"]) for b in plain["content"]] == [("text", text)]
     assert plain["stop_reason"] == "refusal"
+
+
+async def test_a_cut_or_malformed_tool_call_holds_the_same_input_streamed_or_not(upstream):
+    """Arguments cut by ``max_tokens`` or malformed by an upstream were ``{"_raw_arguments": ...}`` whole (a key
+    a client could pass to its tool) and the SDK's partial parse streamed (or its ValueError, malformed): now the
+    complete members of their valid prefix, both ways."""
+    for arguments, finish, stop, expected in [('{"city": "Paris", "unit": "cel', "length", "max_tokens",
+                                               {"city": "Paris"}),
+                                              ('{"city": "Paris"}}', "tool_calls", "tool_use", {"city": "Paris"})]:
+        upstream.push(stream(call(0, "", "get_weather"), call(0, arguments[:9]), call(0, arguments[9:]),
+                             chunk({}, finish)),
+                      whole({"tool_calls": [{"id": "call_0", "type": "function", "function": {
+                          "name": "get_weather", "arguments": arguments}}]}, finish))
+        async with served(config(upstream.base_url)) as client:
+            streamed, plain = await both_ways(client, tools=TOOLS)
+        assert streamed == plain, arguments
+        assert [(b["type"], b["input"]) for b in plain["content"]] == [("tool_use", expected)]
+        assert plain["stop_reason"] == stop
 
 
 async def test_malformed_output_config_and_tools_are_refused_before_the_backend(upstream):

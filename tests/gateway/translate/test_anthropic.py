@@ -358,3 +358,38 @@ def test_a_refusal_is_a_text_block_and_stop_reason_refusal_streamed_or_not():
                                 _chunk({}, "content_filter"), b"data: [DONE]\n\n"])
     assert [b["text"] for b in streamed["content"]] == ["Well.", "No."] and streamed["stop_reason"] == "refusal"
 
+
+ARGUMENTS = ('{"city": "Paris", "n": [1, 2.5, -3e+2, {"x": null, "y": true}], "s": "a\\"b\\u00e9c", "f": false, '
+             '"o": {"k": [[], {}]}, "z": 0}')
+
+
+def test_tool_arguments_cut_or_malformed_invent_no_key_and_stream_as_they_answer():
+    """Arguments cut by ``max_tokens`` (every prefix of ``ARGUMENTS``) or malformed were ``{"_raw_arguments":
+    ...}`` whole (a key the gateway made up, which a client could pass to its tool) and something else streamed
+    (the SDK's partial parse, or its ValueError). Now both are the arguments' longest prefix that can begin a JSON
+    object, read as the SDK reads a partial block, whole or streamed in pieces."""
+    from jiter import from_json
+
+    def chat(arguments: str) -> dict:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return {"choices": [{"message": {"content": None, "tool_calls": [call]}, "finish_reason": "length"}]}
+
+    def streamed(arguments: str, size: int) -> dict:
+        pieces = [arguments[k:k + size] for k in range(0, len(arguments), size)]
+        calls = [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": ""}}]
+        return _stream_message([_chunk({"tool_calls": calls})] + [
+            _chunk({"tool_calls": [{"index": 0, "function": {"arguments": p}}]}) for p in pieces] + [
+            _chunk({}, "length"), b"data: [DONE]\n\n"])["content"][0]["input"]
+
+    for k in range(len(ARGUMENTS) + 1):
+        prefix = ARGUMENTS[:k]
+        whole = chat_to_message(chat(prefix), "msg_1", "m")
+        assert whole["stop_reason"] == "max_tokens"
+        expected = from_json(prefix.encode(), partial_mode=True) if prefix else {}
+        assert whole["content"][0]["input"] == expected, prefix
+        assert streamed(prefix, 7) == expected, prefix
+    for bad, expected in [('{"a": 1,, "b": 2}', {"a": 1}), ('{"a": 1}}', {"a": 1}), ('[1, 2, 3]', {}),
+                          ('{"a": trux}', {}), ('{"a": 12x}', {"a": 12}), ("not json", {}),
+                          ('{"a": {"b": [1, 2}', {"a": {"b": [1, 2]}})]:
+        assert chat_to_message(chat(bad), "msg_1", "m")["content"][0]["input"] == expected, bad
+        assert streamed(bad, 3) == expected == streamed(bad, 1), bad
