@@ -52,9 +52,9 @@ def _image_block(body: dict, k: int) -> str | None:
 def messages_paths(text: str, body: dict | None = None) -> str:
     """``text`` (a refusal's message) with the chat body's field paths it names written as the Messages body's:
     ``tools[0].function.parameters.x`` -> ``tools[0].input_schema.x``, ``response_format.json_schema.schema``
-    -> ``output_config.format.schema``, ``tool_choice.function.name`` -> ``tool_choice.name``, and with the Messages ``body`` at hand a refused ``image_url`` part of
-    ``messages[k]`` -> the ``image`` block it came from (``messages.0.content.1: content block type 'image'``):
-    the client sent the Messages body and looks there."""
+    -> ``output_config.format.schema``, ``tool_choice.function.name`` -> ``tool_choice.name``, and with the
+    Messages ``body`` at hand a refused ``image_url`` part of ``messages[k]`` -> the ``image`` block it came from
+    (``messages.0.content.1: content block type 'image'``): the client sent the Messages body and looks there."""
     for pattern, repl in _CHAT_PATHS:
         text = pattern.sub(repl, text)
     m = _IMAGE_PART.search(text) if body is not None else None

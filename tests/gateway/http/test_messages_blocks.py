@@ -3,8 +3,8 @@ against a real gateway on 127.0.0.1: over a scripted chat upstream (``tests/gate
 parallel tool calls whose argument pieces interleave by ``index`` come as blocks one after another, the
 backend's reasoning as a ``thinking`` block, a ``tool_result``'s image reaches the backend, ``count_tokens``
 counts tools and images, a refusal and a cut or malformed tool call give the same Message streamed or not, a
-malformed ``output_config`` or tool definition is refused before the backend; over a fake Anthropic upstream (``tests/gateway/anthropic_upstream.py``) the client's
-``anthropic-beta`` header is forwarded.
+malformed ``output_config`` or tool definition is refused before the backend; over a fake Anthropic upstream
+(``tests/gateway/anthropic_upstream.py``) the client's ``anthropic-beta`` header is forwarded.
 """
 
 from __future__ import annotations
