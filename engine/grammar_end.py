@@ -30,7 +30,7 @@ def may_end(spec) -> Callable[[str], bool] | None:
         choices = set(spec.choice)
         return lambda text: text in choices
     if spec.structural_tag is not None:
-        return _tags_closed(json.loads(spec.structural_tag)["format"])
+        return _format_closed(json.loads(spec.structural_tag)["format"])
     return lambda text: False
 
 
@@ -76,6 +76,17 @@ def _fullmatch(regex: str, text: str) -> bool:
         return re.fullmatch(regex, text) is not None
     except re.error:
         return False
+
+
+def _format_closed(fmt: dict) -> Callable[[str], bool]:
+    """A structural tag's format: an ``or`` (tool calls, or a text answer under a schema:
+    ``chat_structured._tool_grammar``) may end where one of its elements may; else ``_tags_closed``."""
+    if fmt.get("type") == "or":
+        ends = [_format_closed(element) for element in fmt["elements"]]
+        return lambda text: any(end(text) for end in ends)
+    if fmt.get("type") == "json_schema":
+        return _schema_valid(fmt["json_schema"])
+    return _tags_closed(fmt)
 
 
 def _tags_closed(fmt: dict) -> Callable[[str], bool]:

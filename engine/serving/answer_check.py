@@ -26,6 +26,14 @@ def _digest(schema_text: str) -> str:
     return hashlib.sha256(schema_text.encode()).hexdigest()[:16]
 
 
+def _schema_text(spec) -> str | None:
+    """The JSON text of a ``StructuredOutputsParams``' schema (``json_object``: any object), or None."""
+    if spec is None or (spec.json is None and not spec.json_object):
+        return None
+    return '{"type": "object"}' if spec.json_object else (
+        spec.json if isinstance(spec.json, str) else json.dumps(spec.json))
+
+
 def _validator(schema: object):
     import jsonschema  # lazy: only finished structured answers need it
 
@@ -48,18 +56,18 @@ class AnswerCheck:
     tools: dict[str, object] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, spec, tools: list[dict] | None, parse_tool_calls: bool) -> "AnswerCheck | None":
+    def of(cls, spec, tools: list[dict] | None, parse_tool_calls: bool, answer_format=None) -> "AnswerCheck | None":
         """The check of a request: ``spec`` its ``StructuredOutputsParams`` (or None), ``tools`` its tools when
-        the answer is parsed for tool calls. None when there is nothing to check."""
-        if parse_tool_calls:
-            params = {t["function"]["name"]: t["function"].get("parameters", {}) for t in tools or []
-                      if isinstance(t, dict) and isinstance(t.get("function"), dict)}
-            return cls(tools=params)
-        if spec is None or (spec.json is None and not spec.json_object):
+        the answer is parsed for tool calls, ``answer_format`` the response format a text answer beside tools
+        follows (``ChatPlan.answer_format``). None when there is nothing to check."""
+        source = answer_format if parse_tool_calls else spec
+        text = _schema_text(source)
+        if text is None and not parse_tool_calls:
             return None
-        text = '{"type": "object"}' if spec.json_object else (
-            spec.json if isinstance(spec.json, str) else json.dumps(spec.json))
-        return cls(schema=text, digest=getattr(spec, "digest", None) or _digest(text))
+        params = {t["function"]["name"]: t["function"].get("parameters", {}) for t in tools or []
+                  if isinstance(t, dict) and isinstance(t.get("function"), dict)} if parse_tool_calls else {}
+        digest = "" if text is None else getattr(source, "digest", None) or _digest(text)
+        return cls(schema=text, digest=digest, tools=params)
 
     def text_problem(self, text: str) -> str | None:
         """Why a finished response-format answer breaks its schema, or None."""
@@ -101,7 +109,7 @@ def checked_finish(engine, check: AnswerCheck | None, finish_reason: str | None,
     is counted on ``engine`` (``AsyncEngine.count_invalid_structured_output``)."""
     if check is None or finish_reason not in ("stop", "tool_calls"):
         return finish_reason, stop_reason
-    problem = check.calls_problem(calls or []) if check.tools or calls else check.text_problem(text)
+    problem = check.calls_problem(calls) if calls else check.text_problem(text)
     if problem is None:
         return finish_reason, stop_reason
     engine.count_invalid_structured_output()

@@ -17,7 +17,8 @@ from engine.outputs import CompletionOutput
 from engine.protocol.errors import ServingError
 from engine.sampling_params import SamplingParams
 from engine.serving.answer_check import AnswerCheck, checked_finish
-from engine.serving.chat_structured import ToolCallParser, parse_tool_calls, plan_chat
+from engine.serving.chat_structured import plan_chat
+from engine.serving.tool_call_parser import ToolCallParser, parse_tool_calls
 from engine.serving.chunks import ChatChoiceChunk, Chunk, Delta, StreamError, StreamItem
 from engine.serving.protocol import ChatCompletionRequest, RequestValidationError
 from engine.serving.serving import (OpenAIServing, Prompt, RenderedPrompt, error_from_engine, parse_body,
@@ -84,7 +85,7 @@ class OpenAIServingChat(OpenAIServing):
         top = req.top_logprobs or 0
         model = response_model or self.reported_model(body.get("model"))
         resume = _resume(req, plan, self.engine.tokenizer.vocab_size)
-        check = AnswerCheck.of(params.structured_outputs, req.tools, plan.parse_tool_calls)
+        check = AnswerCheck.of(params.structured_outputs, req.tools, plan.parse_tool_calls, plan.answer_format)
         if req.stream:
             include_usage, continuous = usage_options(req)
             return self._chat_stream(request_id, model, prompt, prio, bool(req.logprobs), top, echo,

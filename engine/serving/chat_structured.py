@@ -32,32 +32,25 @@ assistant's ``tool_calls`` rendered as the ``<tool_call>`` blocks above, and a
 ``role: tool`` message rendered as a user message
 ``<tool_response>\\n...\\n</tool_response>``.
 
-``ToolCallParser`` turns the generated text into OpenAI's ``tool_calls``,
-incrementally (streamed ``delta.tool_calls``: id, type and name first, then
-argument fragments) or at once (the non-streamed message is the same parser
-fed the whole text, so both agree by construction).
+``engine/serving/tool_call_parser.py`` (``ToolCallParser``) owns the wire
+format and turns the generated text into OpenAI's ``tool_calls``.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from engine.serving.chunks import Delta, FunctionPiece, ToolCallPiece
 from engine.serving.protocol import RequestValidationError
-from engine.grammar_end import is_json
-from engine.protocol.tool_choice import TOOL_CHOICE_WITHOUT_TOOLS, tool_choice_without_tools
+from engine.protocol.tool_choice import (PARALLEL_WITHOUT_TOOLS, TOOL_CHOICE_WITHOUT_TOOLS, parallel_without_tools,
+                                         tool_choice_without_tools)
 from engine.sampling_params import StructuredOutputsParams
+from engine.serving.tool_call_parser import ARGS_PREFIX, CALL_BEGIN, CALL_END, NAME_PREFIX
 
-CALL_BEGIN = "<tool_call>"
-_NAME_PREFIX = '<tool_call>\n{"name": "'
-_ARGS_PREFIX = '", "arguments": '
-_CALL_END = "}\n</tool_call>"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -82,6 +75,9 @@ class ChatPlan:
             "required" or a named function): text outside calls, such as a
             call's markup cut by ``max_tokens``, is never content.
         param: the request field the grammar comes from (for errors).
+        answer_format: the response format a text answer must follow when
+            it is combined with tools (tool_choice "auto": the output is
+            calls, or one JSON value under this spec); None otherwise.
     """
 
     structured_outputs: StructuredOutputsParams | None = None
@@ -90,6 +86,7 @@ class ChatPlan:
     parse_tool_calls: bool = False
     calls_only: bool = False
     param: str = "response_format"
+    answer_format: StructuredOutputsParams | None = None
 
 
 def _fail(param: str, message: str) -> RequestValidationError:
@@ -113,17 +110,25 @@ def plan_chat(req, messages: list[dict], template: str | None) -> ChatPlan:
             fault and ``param`` is its top-level field.
     """
     tools = _check_tools(req.tools) if req.tools else []
+    if parallel_without_tools(req.parallel_tool_calls, tools):
+        raise _fail("parallel_tool_calls", PARALLEL_WITHOUT_TOOLS)
     choice = _tool_choice(req.tool_choice, tools)
     spec, param = structured_spec(req)
-    if spec is not None and choice != "none":
-        raise _fail(param, f"{param}: cannot be combined with tools (unless tool_choice is \"none\")")
+    answer = _answer_schema(spec, param) if spec is not None and choice == "auto" else None
+    if req.continue_final_message and (spec is not None or choice not in ("none", "auto")):
+        field_ = param if spec is not None else "tool_choice"   # the constraint would restart after the prefill
+        raise _fail(field_, f"{field_}: cannot be combined with continue_final_message (an assistant prefill): the "
+                            f"constraint would hold for the continuation alone, not for the prefill and it together")
     plan = ChatPlan(structured_outputs=spec, messages=messages, param=param)
     knows_tools = bool(template) and "tools" in template
     if choice != "none":
         named = [i for i, t in enumerate(tools) if choice in ("auto", "required") or t["function"]["name"] == choice]
+        # required or named: this turn's output is calls only, a response format is for a later answer
         plan.structured_outputs = StructuredOutputsParams(
-            structural_tag=_tool_grammar(tools, choice, req.parallel_tool_calls is not False),
-            where=tuple(f"tools[{i}].function.parameters" for i in named))
+            structural_tag=_tool_grammar(tools, choice, req.parallel_tool_calls is not False, answer),
+            where=((spec.where[0] if spec.where else param,) if answer is not None else ()) + tuple(
+                f"tools[{i}].function.parameters" for i in named))
+        plan.answer_format = spec if answer is not None else None
         plan.parse_tool_calls = True
         plan.calls_only = choice != "auto"
         plan.param = "tools"
@@ -170,15 +175,32 @@ def _check_tools(tools: list) -> list[dict]:
             raise _fail("tools", f"{where}.function.{unknown[0]}: unknown parameter")
         if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
             raise _fail("tools", f"{where}.function.strict: must be a boolean, got {type(fn['strict']).__name__}")
-        params = fn.get("parameters", _EMPTY_PARAMETERS)
-        if not isinstance(params, (dict, bool)):  # the subset is checked with the compile, off the event loop
-            raise _fail("tools", f"{where}.function.parameters: must be a JSON schema (an object), "
-                                 f"got {type(params).__name__}")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise _fail("tools", f"{where}.function.description: must be a string, got "
+                                 f"{type(fn['description']).__name__}")
+        params = _object_parameters(fn.get("parameters", _EMPTY_PARAMETERS), f"{where}.function")
         out.append({"type": "function", "function": {**fn, "parameters": params}})
     names = [t["function"]["name"] for t in out]
     if len(set(names)) != len(names):
         raise _fail("tools", "tools: function names must be unique")
     return out
+
+
+def _object_parameters(params: Any, where: str) -> dict:
+    """A function's ``parameters``: a JSON schema of an object, as OpenAI requires (arguments are a JSON object);
+    one without ``type`` (``{}``: no parameters) is given ``"type": "object"``, so that its grammar makes an
+    object too. The subset is checked with the compile, off the event loop.
+
+    Raises:
+        RequestValidationError: not a JSON schema object, or of another type."""
+    if not isinstance(params, dict):
+        raise _fail("tools", f"{where}.parameters: must be a JSON schema (an object), got {type(params).__name__}")
+    if "type" not in params:
+        return {"type": "object", **params}
+    if params["type"] != "object":
+        raise _fail("tools", f"{where}.parameters: schema must be a JSON Schema of 'type: \"object\"', got "
+                             f"'type: {json.dumps(params['type'])}' (a call's arguments are a JSON object)")
+    return params
 
 
 def _tool_choice(choice: Any, tools: list[dict]) -> str:
@@ -300,15 +322,36 @@ def structured_outputs_extra(extra: dict | None) -> StructuredOutputsParams | No
 
 def _tool_tag(tool: dict) -> dict:
     fn = tool["function"]
-    return {"type": "tag", "begin": f'{_NAME_PREFIX}{fn["name"]}{_ARGS_PREFIX}',
+    return {"type": "tag", "begin": f'{NAME_PREFIX}{fn["name"]}{ARGS_PREFIX}',
             "content": {"type": "json_schema", "json_schema": fn["parameters"], "max_whitespace_cnt": 1},
-            "end": _CALL_END}
+            "end": CALL_END}
 
 
-def _tool_grammar(tools: list[dict], choice: str, parallel: bool) -> str:
-    """xgrammar structural-tag JSON for the tool choice."""
+def _answer_schema(spec: StructuredOutputsParams, param: str) -> dict | bool:
+    """The JSON schema a text answer must follow beside tools: a ``json`` spec's schema, ``json_object``'s any
+    object.
+
+    Raises:
+        RequestValidationError: a regex, choice or grammar spec (only a JSON schema combines with tools)."""
+    if spec.json_object:
+        return {"type": "object"}
+    if spec.json is None:
+        raise _fail(param, f"{param}: only a JSON schema (response_format json_schema or json_object, "
+                           f"structured_outputs.json) can be combined with tools (unless tool_choice is \"none\")")
+    return json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+
+
+def _tool_grammar(tools: list[dict], choice: str, parallel: bool, answer: dict | bool | None = None) -> str:
+    """xgrammar structural-tag JSON for the tool choice. ``answer``: the schema of a text answer beside tools
+    (tool_choice auto with a response format): the output is then one or more calls, or one JSON value under it
+    (xgrammar's ``or`` format), never free text."""
     tags = [_tool_tag(t) for t in tools]
-    if choice == "auto":
+    if choice == "auto" and answer is not None:
+        fmt = {"type": "or", "elements": [
+            {"type": "json_schema", "json_schema": answer, "max_whitespace_cnt": 1},
+            {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+             "stop_after_first": not parallel}]}
+    elif choice == "auto":
         fmt = {"type": "triggered_tags", "triggers": [CALL_BEGIN], "tags": tags, "at_least_one": False,
                "stop_after_first": not parallel}
     elif choice == "required":
@@ -339,7 +382,7 @@ def _arguments_as_objects(message: dict) -> dict:
 def render_tool_call(name: str, arguments: Any) -> str:
     """One call in the wire format (``arguments``: object or JSON text)."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments)
-    return f"{_NAME_PREFIX}{name}{_ARGS_PREFIX}{args}{_CALL_END}"
+    return f"{NAME_PREFIX}{name}{ARGS_PREFIX}{args}{CALL_END}"
 
 
 def _generic_tool_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
@@ -366,132 +409,3 @@ def _generic_tool_messages(messages: list[dict], tools: list[dict]) -> list[dict
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
-
-
-class ToolCallParser:
-    """Splits generated text into content and OpenAI tool calls, incrementally.
-
-    ``feed(text)`` returns the deltas the new text completes (``chunks.Delta``:
-    a ``content`` piece, or one ``tool_calls`` piece: a call's index, id, type and
-    name first, then pieces of its arguments); ``finish()`` returns the rest. Content is the text outside calls with leading and
-    trailing whitespace removed; a call whose output was cut (``length``)
-    keeps the arguments generated so far, and one cut inside its markup
-    (``<tool_call>\n{"name": "get_w``) the name so far, with no content.
-
-    Args:
-        calls_only: the grammar admits only calls (``ChatPlan.calls_only``):
-            no text is ever content, even the start of a call's markup.
-    """
-
-    def __init__(self, calls_only: bool = False) -> None:
-        self.calls_only = calls_only
-        self._buf = ""
-        self._mode = "text"  # "text" | "name" | "args"
-        self._pending_ws = ""
-        self._started = False
-        self.calls: list[dict] = []
-
-    def feed(self, text: str) -> list[Delta]:
-        """Deltas completed by ``text`` (may be empty)."""
-        self._buf += text
-        out: list[Delta] = []
-        while True:
-            if self._mode == "text":
-                at = self._buf.find(CALL_BEGIN)
-                if at < 0:
-                    keep = _partial_suffix(self._buf, CALL_BEGIN)
-                    self._content(self._buf[: len(self._buf) - keep], out)
-                    self._buf = self._buf[len(self._buf) - keep:]
-                    return out
-                self._content(self._buf[:at], out)
-                self._buf = self._buf[at:]
-                self._mode = "name"
-            elif self._mode == "name":
-                end = self._buf.find(_ARGS_PREFIX)
-                if not (_NAME_PREFIX.startswith(self._buf) if len(self._buf) < len(_NAME_PREFIX)
-                        else self._buf.startswith(_NAME_PREFIX)):
-                    self._mode = "text"  # not our format after all: plain text
-                    self._content(self._buf[: len(CALL_BEGIN)], out)
-                    self._buf = self._buf[len(CALL_BEGIN):]
-                    continue
-                if end < 0:
-                    return out
-                self._start_call(self._buf[len(_NAME_PREFIX):end], out)
-                self._buf = self._buf[end + len(_ARGS_PREFIX):]
-                self._mode = "args"
-            else:
-                end = self._buf.find(_CALL_END)
-                upto = end if end >= 0 else len(self._buf) - _partial_suffix(self._buf, _CALL_END)
-                self._args(self._buf[:upto], out)
-                if end < 0:
-                    self._buf = self._buf[upto:]
-                    return out
-                self._buf = self._buf[end + len(_CALL_END):]
-                self._mode = "text"
-
-    def finish(self) -> list[Delta]:
-        """Deltas for the text held back at the end of the output."""
-        out: list[Delta] = []
-        if self._mode == "args":
-            held = self._buf
-            if held and _CALL_END.startswith(held) and is_json(self.calls[-1]["function"]["arguments"]):
-                held = ""   # the call's own closing ("}\n</tool_call>") began when the output was cut
-            self._args(held, out)
-        elif self._mode == "name" and len(self._buf) > len(_NAME_PREFIX):
-            name = self._buf[len(_NAME_PREFIX):]  # cut inside the name, or the markup after it: the call so far
-            name = name[: len(name) - _partial_suffix(name, _ARGS_PREFIX)]
-            if name:
-                self._start_call(name, out)
-        elif self._buf and not (self.calls_only or self._is_markup_start(self._buf)):
-            self._content(self._buf, out)
-        self._buf = ""
-        return out
-
-    def _start_call(self, name: str, out: list[Delta]) -> None:
-        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": ""}}
-        self.calls.append(call)
-        out.append(Delta(tool_calls=[ToolCallPiece(len(self.calls) - 1, call["id"], "function",
-                                                   FunctionPiece(name, ""))]))
-
-    def _is_markup_start(self, held: str) -> bool:
-        """``held`` (the text kept back at the end) is a call's markup cut short:
-        a prefix of ``<tool_call>\n{"name": "``, which the grammar forced once
-        ``<tool_call>`` was written."""
-        return self._mode == "name"
-
-    def _content(self, text: str, out: list[Delta]) -> None:
-        if not text or self.calls_only:
-            return
-        stripped = text.rstrip()
-        if not stripped:
-            if self._started:
-                self._pending_ws += text
-            return
-        if not self._started:
-            stripped = stripped.lstrip()
-            self._started = True
-            out.append(Delta(content=stripped))
-        else:
-            out.append(Delta(content=self._pending_ws + stripped))
-        self._pending_ws = text[len(text.rstrip()):]
-
-    def _args(self, text: str, out: list[Delta]) -> None:
-        if text:
-            self.calls[-1]["function"]["arguments"] += text
-            out.append(Delta(tool_calls=[ToolCallPiece(len(self.calls) - 1, function=FunctionPiece(arguments=text))]))
-
-
-def parse_tool_calls(text: str, calls_only: bool = False) -> tuple[str | None, list[dict]]:
-    """The whole output as (content or None, tool calls) (``calls_only``: ``ToolCallParser``'s)."""
-    parser = ToolCallParser(calls_only)
-    deltas = parser.feed(text) + parser.finish()
-    content = "".join(d.content for d in deltas if isinstance(d.content, str))
-    return content or None, parser.calls
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0

@@ -317,11 +317,25 @@ def _schemas_of(params: StructuredOutputsParams):
     except json.JSONDecodeError:
         return
     fmt = tag.get("format", {}) if isinstance(tag, dict) else {}
-    tags = fmt.get("tags", [fmt]) if isinstance(fmt, dict) else []
-    for i, t in enumerate(tags):
-        content = t.get("content") if isinstance(t, dict) else None
-        if isinstance(content, dict) and content.get("type") == "json_schema":
-            yield content.get("json_schema"), params.where[i] if i < len(params.where) else f"structural_tag.tags[{i}]"
+    for i, schema in enumerate(_format_schemas(fmt)):
+        yield schema, params.where[i] if i < len(params.where) else f"structural_tag.tags[{i}]"
+
+
+def _format_schemas(fmt: object):
+    """The JSON schemas of a structural tag's format, in order: an ``or``'s elements (a text answer's schema,
+    then the tool calls'), a ``json_schema`` element's, each tag's content."""
+    if not isinstance(fmt, dict):
+        return
+    if fmt.get("type") == "or":
+        for element in fmt.get("elements") or []:
+            yield from _format_schemas(element)
+    elif fmt.get("type") == "json_schema":
+        yield fmt.get("json_schema")
+    else:
+        for t in fmt.get("tags", [fmt]):
+            content = t.get("content") if isinstance(t, dict) else None
+            if isinstance(content, dict) and content.get("type") == "json_schema":
+                yield content.get("json_schema")
 
 
 def _get_bit(row, token: int) -> bool:

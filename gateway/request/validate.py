@@ -10,7 +10,8 @@ import msgspec
 
 from engine.protocol.guided import guided_field_hint
 from engine.protocol.param_ranges import check_param
-from engine.protocol.tool_choice import TOOL_CHOICE_WITHOUT_TOOLS, tool_choice_without_tools
+from engine.protocol.tool_choice import (PARALLEL_WITHOUT_TOOLS, TOOL_CHOICE_WITHOUT_TOOLS, parallel_without_tools,
+                                         tool_choice_without_tools)
 from gateway.errors import ClientError
 from gateway.request.embeddings import EMBEDDINGS_PARAMS, EMBEDDINGS_TYPES, check_embeddings, estimate_input_tokens
 from gateway.values import GatewayRequest
@@ -205,7 +206,13 @@ def _check_tool_messages(messages: list[dict]) -> None:
             continue
         _no_call_unanswered(pending)
         made = m.get("tool_calls") if m["role"] == "assistant" and isinstance(m.get("tool_calls"), list) else []
-        pending = dict.fromkeys((c.get("id") for c in made if isinstance(c, dict)), i)   # in the calls' order
+        ids = [c.get("id") if isinstance(c, dict) else None for c in made]
+        pending = dict.fromkeys((x for x in ids if x is not None), i)   # in the calls' order
+        if len(pending) < sum(x is not None for x in ids):   # two calls under one id: which would a result answer?
+            j = next(j for j, x in enumerate(ids) if x is not None and x in ids[:j])
+            raise ClientError(400, f"Invalid parameter: messages[{i}].tool_calls[{j}].id {ids[j]!r} is the id of an "
+                              f"earlier call of the message; each call needs its own id.",
+                              param=f"messages[{i}].tool_calls[{j}].id", code="invalid_value")
         calls = set(pending)
     _no_call_unanswered(pending)
 
@@ -261,6 +268,8 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
             check_range(name, value)
     if endpoint == "chat/completions" and tool_choice_without_tools(body.get("tool_choice"), body.get("tools")):
         raise ClientError(400, TOOL_CHOICE_WITHOUT_TOOLS, param="tool_choice", code="invalid_value")
+    if endpoint == "chat/completions" and parallel_without_tools(body.get("parallel_tool_calls"), body.get("tools")):
+        raise ClientError(400, PARALLEL_WITHOUT_TOOLS, param="parallel_tool_calls", code="invalid_value")
     if "stream_options" in body:
         _check_stream_options(body)
     raw_priority = body.get("priority")

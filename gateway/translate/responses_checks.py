@@ -11,6 +11,7 @@ in ``text.format``.
 
 from __future__ import annotations
 
+from engine.protocol.tool_choice import PARALLEL_WITHOUT_TOOLS, parallel_without_tools
 from gateway.errors import ClientError
 from gateway.request.validate import check_type
 
@@ -121,6 +122,5 @@ def check_parallel_tool_calls(body: dict) -> None:
 
     Raises:
         ClientError: 400 naming ``parallel_tool_calls``."""
-    if body.get("parallel_tool_calls") is not None and not body.get("tools"):
-        raise bad_request("Invalid value for 'parallel_tool_calls': 'parallel_tool_calls' is only allowed when "
-                          "'tools' are specified.", "parallel_tool_calls")
+    if parallel_without_tools(body.get("parallel_tool_calls"), body.get("tools")):
+        raise bad_request(PARALLEL_WITHOUT_TOOLS, "parallel_tool_calls")

@@ -29,6 +29,7 @@ def run(text: str, stop: list[str], spec) -> tuple[str, str | None]:
     return out + d.flush(), None
 
 
+ANSWER = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
 
 
@@ -55,6 +56,11 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "uni
      (CALL + "\n" + CALL, None)),
     (StructuredOutputsParams(structural_tag=_tool_grammar(TOOLS, "auto", True)), "ok " + CALL + "\nmore, " + CALL,
      [","], ("ok " + CALL + "\nmore", ",")),
+    # tools beside a response format (tool_choice auto): the answer's JSON or whole calls may end, nothing inside
+    (StructuredOutputsParams(structural_tag=_tool_grammar(TOOLS, "auto", True, ANSWER)), '{"n": 1} x', [" ", "}"],
+     ('{"n": 1}', " ")),
+    (StructuredOutputsParams(structural_tag=_tool_grammar(TOOLS, "auto", True, ANSWER)), CALL + "\nx", ["}", "\n"],
+     (CALL, "\n")),
 ])
 def test_a_stop_string_counts_only_where_the_grammar_may_end(spec, text, stop, expected):
     assert run(text, stop, spec) == expected
@@ -63,3 +69,18 @@ def test_a_stop_string_counts_only_where_the_grammar_may_end(spec, text, stop, e
 def test_the_tool_grammar_tags_are_what_the_rule_reads():
     fmt = json.loads(_tool_grammar(TOOLS, "required", True))["format"]
     assert fmt["type"] == "tags_with_separator" and all({"begin", "end"} <= set(t) for t in fmt["tags"])
+
+
+@pytest.mark.parametrize("text, takes", [
+    ('{"n": 1}', True), (CALL, True), (CALL + "\n" + CALL, True),
+    ('{"n": "one"}', False), ('{"m": 1}', False), ("Hello", False), ('Sure: {"n": 1}', False),
+    ('{"n": 1}' + CALL, False),
+])
+def test_tools_beside_a_response_format_admit_calls_or_one_answer_under_its_schema(text, takes):
+    """tool_choice auto with a response format: whole calls, or the answer's JSON, never free text."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo([chr(c) for c in range(1, 128)] + ["</s>"], stop_token_ids=[127])
+    compiled = xgr.GrammarCompiler(info).compile_structural_tag(_tool_grammar(TOOLS, "auto", True, ANSWER))
+    matcher = xgr.GrammarMatcher(compiled)
+    assert (matcher.accept_string(text) and matcher.is_completed()) == takes

@@ -21,7 +21,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from engine.serving.chat_structured import GENERIC_TOOL_PROMPT, ToolCallParser, parse_tool_calls, plan_chat
+from engine.serving.chat_structured import GENERIC_TOOL_PROMPT, plan_chat
+from engine.serving.tool_call_parser import ToolCallParser, parse_tool_calls
 from engine.serving.protocol import ChatCompletionRequest, parse_request
 from engine.tokenizer import _compile_template
 from tests.engine.entrypoints.test_serving import LiveServer, start_server
@@ -203,6 +204,21 @@ def test_a_refused_schema_is_named_by_each_senders_own_path(server):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"type": "string", "pattern": "[c-"}}}}}], "tool_choice": "required"},
      "tools", "tools[0].function.parameters.properties.a.pattern: invalid JSON schema: Regex"),
+    # a user trial: non-object parameters were taken (arguments "[1, 2, 3]"), a description of any type, and a
+    # constraint beside a prefill restarted after it (the prefill and the continuation together not JSON)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+     "tools", "tools[0].function.parameters: schema must be a JSON Schema of 'type: \"object\"', got 'type: \"array\"'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": 5}}]},
+     "tools", "tools[0].function.description: must be a string"),
+    ({"messages": ASK_WEATHER + [{"role": "assistant", "content": '{"city": "'}],
+      "extra": {"continue_final_message": True, "add_generation_prompt": False},
+      "response_format": {"type": "json_object"}}, "response_format", "cannot be combined with continue_final_message"),
+    ({"messages": ASK_WEATHER + [{"role": "assistant", "content": "<tool_call>"}], "tools": TOOLS,
+      "tool_choice": "required", "extra": {"continue_final_message": True, "add_generation_prompt": False}},
+     "tool_choice", "tool_choice: cannot be combined with continue_final_message"),
+    ({"tools": TOOLS, "extra": {"structured_outputs": {"regex": "[a-z]+"}}}, "structured_outputs",
+     "only a JSON schema"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls", "only allowed when 'tools' are specified"),
 ])
 def test_bad_structured_requests_get_400_naming_the_part(server, body, param, needle):
     body = {"model": server.model, "messages": ASK_WEATHER, "max_tokens": 4, **body}
@@ -256,6 +272,49 @@ def test_auto_tool_choice_yields_text_or_a_valid_call(server):
                 _check_call({"name": c.function.name, "arguments": c.function.arguments})
         else:
             assert choice.finish_reason in ("stop", "length") and choice.message.content
+
+
+ANSWER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "sunny": {"type": "boolean"}},
+                 "required": ["city", "sunny"], "additionalProperties": False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_schema", "json_schema": {"name": "forecast", "schema": ANSWER_SCHEMA, "strict": True}},
+    {"type": "json_object"}])
+def test_tools_beside_a_response_format_answer_with_calls_or_the_formats_json(server, response_format):
+    """OpenAI takes tools with a response format (the Agents SDK sends both for an agent with an output type):
+    each answer is valid tool calls, or content under the format; greedy streamed equals non-streamed."""
+    kw = dict(messages=ASK_WEATHER, tools=TOOLS, response_format=response_format, max_tokens=120)
+    replies = [chat(server, **kw, temperature=0)] + [chat(server, **kw, temperature=1.0, seed=seed, n=3)
+                                                     for seed in (1, 2)]
+    for choice in (c for r in replies for c in r.choices):
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and not choice.message.content
+            for c in choice.message.tool_calls:
+                _check_call({"name": c.function.name, "arguments": c.function.arguments})
+        elif choice.finish_reason == "stop":
+            value = json.loads(choice.message.content)
+            jsonschema.validate(value, ANSWER_SCHEMA if response_format["type"] == "json_schema" else
+                                {"type": "object"})
+        else:
+            assert choice.finish_reason == "length"
+    message = replies[0].choices[0].message
+    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls or []]
+    assert reassemble(chat_stream(server, **kw, temperature=0))[:2] == (message.content, calls)
+
+
+@pytest.mark.slow
+def test_parameters_without_a_type_make_object_arguments(server):
+    """``parameters: {}`` (a function without parameters, as OpenAI takes it): the arguments are an object."""
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": {}}}]
+    reply = chat(server, messages=ASK_WEATHER, tools=tools, tool_choice="required", parallel_tool_calls=False,
+                 max_tokens=200, temperature=1.0, seed=5, n=4)
+    finished = [c for c in reply.choices if c.finish_reason == "tool_calls"]
+    assert finished
+    for choice in finished:
+        for c in choice.message.tool_calls:
+            assert isinstance(json.loads(c.function.arguments), dict), c.function.arguments
 
 
 @pytest.mark.slow

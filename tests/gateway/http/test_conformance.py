@@ -112,11 +112,22 @@ CALL = {"role": "assistant", "content": None, "tool_calls": [
     ([*MSG, CALL, {"role": "tool", "tool_call_id": "c1", "content": "1"}, *MSG], "messages[1].role",
      "did not have response messages: c2"),
     ([*MSG, CALL], "messages[1].role", "did not have response messages: c1, c2"),
+    # two calls under one id (a user trial: taken)
+    ([*MSG, {**CALL, "tool_calls": [CALL["tool_calls"][0], CALL["tool_calls"][0]]},
+      {"role": "tool", "tool_call_id": "c1", "content": "1"}], "messages[1].tool_calls[1].id",
+     "'c1' is the id of an earlier call"),
 ])
 def test_tool_calls_and_results_pair_as_openai_requires(gateway, upstreams, messages, param, says):
     r = post(gateway, {"model": "m1", "messages": messages})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert says in r.json()["error"]["message"]
+    assert upstreams[0].calls == []
+
+
+def test_parallel_tool_calls_without_tools_is_400(gateway, upstreams):
+    r = post(gateway, {"model": "m1", "messages": MSG, "parallel_tool_calls": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "parallel_tool_calls", r.text
+    assert "only allowed when 'tools' are specified" in r.json()["error"]["message"]
     assert upstreams[0].calls == []
 
 

@@ -1,0 +1,151 @@
+"""The Hermes-style tool-call wire format of the local engine (``engine/serving/chat_structured.py`` builds its
+grammar and prompt) and ``ToolCallParser``, which turns generated text into OpenAI's ``tool_calls``::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+incrementally (streamed ``delta.tool_calls``: id, type and name first, then argument fragments) or at once (the
+non-streamed message is the same parser fed the whole text, so both agree by construction).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from engine.grammar_end import is_json
+from engine.serving.chunks import Delta, FunctionPiece, ToolCallPiece
+
+CALL_BEGIN = "<tool_call>"
+NAME_PREFIX = '<tool_call>\n{"name": "'
+ARGS_PREFIX = '", "arguments": '
+CALL_END = "}\n</tool_call>"
+
+
+class ToolCallParser:
+    """Splits generated text into content and OpenAI tool calls, incrementally.
+
+    ``feed(text)`` returns the deltas the new text completes (``chunks.Delta``:
+    a ``content`` piece, or one ``tool_calls`` piece: a call's index, id, type and
+    name first, then pieces of its arguments); ``finish()`` returns the rest. Content is the text outside calls with leading and
+    trailing whitespace removed; a call whose output was cut (``length``)
+    keeps the arguments generated so far, and one cut inside its markup
+    (``<tool_call>\n{"name": "get_w``) the name so far, with no content.
+
+    Args:
+        calls_only: the grammar admits only calls (``ChatPlan.calls_only``):
+            no text is ever content, even the start of a call's markup.
+    """
+
+    def __init__(self, calls_only: bool = False) -> None:
+        self.calls_only = calls_only
+        self._buf = ""
+        self._mode = "text"  # "text" | "name" | "args"
+        self._pending_ws = ""
+        self._started = False
+        self.calls: list[dict] = []
+
+    def feed(self, text: str) -> list[Delta]:
+        """Deltas completed by ``text`` (may be empty)."""
+        self._buf += text
+        out: list[Delta] = []
+        while True:
+            if self._mode == "text":
+                at = self._buf.find(CALL_BEGIN)
+                if at < 0:
+                    keep = _partial_suffix(self._buf, CALL_BEGIN)
+                    self._content(self._buf[: len(self._buf) - keep], out)
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return out
+                self._content(self._buf[:at], out)
+                self._buf = self._buf[at:]
+                self._mode = "name"
+            elif self._mode == "name":
+                end = self._buf.find(ARGS_PREFIX)
+                if not (NAME_PREFIX.startswith(self._buf) if len(self._buf) < len(NAME_PREFIX)
+                        else self._buf.startswith(NAME_PREFIX)):
+                    self._mode = "text"  # not our format after all: plain text
+                    self._content(self._buf[: len(CALL_BEGIN)], out)
+                    self._buf = self._buf[len(CALL_BEGIN):]
+                    continue
+                if end < 0:
+                    return out
+                self._start_call(self._buf[len(NAME_PREFIX):end], out)
+                self._buf = self._buf[end + len(ARGS_PREFIX):]
+                self._mode = "args"
+            else:
+                end = self._buf.find(CALL_END)
+                upto = end if end >= 0 else len(self._buf) - _partial_suffix(self._buf, CALL_END)
+                self._args(self._buf[:upto], out)
+                if end < 0:
+                    self._buf = self._buf[upto:]
+                    return out
+                self._buf = self._buf[end + len(CALL_END):]
+                self._mode = "text"
+
+    def finish(self) -> list[Delta]:
+        """Deltas for the text held back at the end of the output."""
+        out: list[Delta] = []
+        if self._mode == "args":
+            held = self._buf
+            if held and CALL_END.startswith(held) and is_json(self.calls[-1]["function"]["arguments"]):
+                held = ""   # the call's own closing ("}\n</tool_call>") began when the output was cut
+            self._args(held, out)
+        elif self._mode == "name" and len(self._buf) > len(NAME_PREFIX):
+            name = self._buf[len(NAME_PREFIX):]  # cut inside the name, or the markup after it: the call so far
+            name = name[: len(name) - _partial_suffix(name, ARGS_PREFIX)]
+            if name:
+                self._start_call(name, out)
+        elif self._buf and not (self.calls_only or self._is_markup_start(self._buf)):
+            self._content(self._buf, out)
+        self._buf = ""
+        return out
+
+    def _start_call(self, name: str, out: list[Delta]) -> None:
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": ""}}
+        self.calls.append(call)
+        out.append(Delta(tool_calls=[ToolCallPiece(len(self.calls) - 1, call["id"], "function",
+                                                   FunctionPiece(name, ""))]))
+
+    def _is_markup_start(self, held: str) -> bool:
+        """``held`` (the text kept back at the end) is a call's markup cut short:
+        a prefix of ``<tool_call>\n{"name": "``, which the grammar forced once
+        ``<tool_call>`` was written."""
+        return self._mode == "name"
+
+    def _content(self, text: str, out: list[Delta]) -> None:
+        if not text or self.calls_only:
+            return
+        stripped = text.rstrip()
+        if not stripped:
+            if self._started:
+                self._pending_ws += text
+            return
+        if not self._started:
+            stripped = stripped.lstrip()
+            self._started = True
+            out.append(Delta(content=stripped))
+        else:
+            out.append(Delta(content=self._pending_ws + stripped))
+        self._pending_ws = text[len(text.rstrip()):]
+
+    def _args(self, text: str, out: list[Delta]) -> None:
+        if text:
+            self.calls[-1]["function"]["arguments"] += text
+            out.append(Delta(tool_calls=[ToolCallPiece(len(self.calls) - 1, function=FunctionPiece(arguments=text))]))
+
+
+def parse_tool_calls(text: str, calls_only: bool = False) -> tuple[str | None, list[dict]]:
+    """The whole output as (content or None, tool calls) (``calls_only``: ``ToolCallParser``'s)."""
+    parser = ToolCallParser(calls_only)
+    deltas = parser.feed(text) + parser.finish()
+    content = "".join(d.content for d in deltas if isinstance(d.content, str))
+    return content or None, parser.calls
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
