@@ -27,7 +27,8 @@ call, or one round of skipped candidates:
   backend's own read timeout, not cut by the deadline).
   Then: 503 + Retry-After (soonest half-open) when every target's breaker is open, 429 when backend limits refuse,
   504 after a timeout, 503 after 429/503 upstream answers, 502 otherwise; never a 500. Every error answer
-  without ``Retry-After`` carries ``x-should-retry: false``: the SDKs' own retries would multiply the calls.
+  carries ``x-should-retry: false`` (a ``Retry-After`` stays, for the application): the SDKs' own retries would
+  multiply the calls, most of all when upstreams are overloaded.
 - Streaming: the response is committed (status 200 and SSE headers) only when the first content delta arrives
   within ``first_token_timeout_s`` of the attempt's start; earlier events are held back. Before that, failures
   are transparent retries. After it, a failure (cut, malformed event, error event, no event within
@@ -453,8 +454,9 @@ def _upstream_message(f: Failure, limit: int = 300) -> str | None:
 def _no_client_retry(res: Result) -> Result:
     """An error answer once the loop's retries and fallbacks are spent tells the SDKs not to retry it
     (``x-should-retry: false``; the official SDKs retry 408/409/429/5xx twice by default, each retry a whole new
-    loop), unless a ``Retry-After`` invites a later try."""
-    if res.status >= 400 and "retry-after" not in res.headers:
+    loop: up to 3 x ``max_attempts`` upstream calls, and most when upstreams are overloaded). A ``Retry-After``
+    stays on it, for the application to schedule a later try; the SDKs obey the header over it."""
+    if res.status >= 400:
         res.headers["x-should-retry"] = "false"
     return res
 

@@ -153,6 +153,19 @@ def test_the_sdk_does_not_retry_what_the_gateway_already_retried(gateway, upstre
     assert upstream.calls == 3
 
 
+def test_the_sdk_does_not_retry_an_overload_the_gateway_already_retried(gateway, upstream):
+    # upstreams overloaded (503, no Retry-After): the gateway's final 503 keeps a Retry-After for the application,
+    # and still tells the SDK (default max_retries 2) not to multiply the calls: one call, max_attempts (3) calls
+    failing = {"status": 503, "body": b'{"error": {"message": "overloaded", "type": "server_error"}}'}
+    upstream.push(*[failing] * 12)
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="k", timeout=20)
+    with pytest.raises(openai.InternalServerError) as exc:
+        client.chat.completions.create(model="m1", messages=MSG)
+    headers = exc.value.response.headers
+    assert exc.value.status_code == 503 and headers["x-should-retry"] == "false" and "retry-after" in headers
+    assert upstream.calls == 3
+
+
 @pytest.mark.parametrize("body", [
     b'{"id":"a","usage":{"prompt_tokens":3,"completion_tokens":2},"choices":[]}',
     b'{"error":{"message":"overloaded","code":503}}', b'{"error":null,"usage":null}', b'{"error":"",  "x":1}',
