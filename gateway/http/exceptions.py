@@ -20,6 +20,9 @@ log = logging.getLogger("tandem.gateway.app")
 _JSON = "application/json"
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 ANTHROPIC_PREFIX = "/v1/messages"
+# The official SDKs wait out a 429's Retry-After only up to a minute; without one, or with a longer one, they retry
+# after their own backoff of a second or two, which cannot pass (openai-python's ``_calculate_retry_timeout``).
+SDK_RETRY_AFTER_CAP_S = 60
 
 
 def anthropic_path(path: str) -> bool:
@@ -50,7 +53,21 @@ def _refusal(request: Request, status: int, message: str, param: str | None = No
 
 
 def _on_client_error(request: Request, e: ClientError) -> Response:
-    return _refusal(request, e.status, e.message, e.param, e.code, e.headers)
+    return _refusal(request, e.status, e.message, e.param, e.code, _with_retry_advice(e.status, e.headers))
+
+
+def _with_retry_advice(status: int, headers: dict[str, str]) -> dict[str, str]:
+    """``headers`` of a refusal, with ``x-should-retry: false`` on a 429 that an SDK's own retries cannot pass: one
+    without ``Retry-After`` (a request larger than a TPM limit) or with one beyond ``SDK_RETRY_AFTER_CAP_S`` (a
+    spent budget, a long rate-limit window). A shorter ``Retry-After`` is left to the SDK, which waits it out."""
+    if status != 429 or any(k.lower() == "x-should-retry" for k in headers):
+        return headers
+    retry_after = next((v for k, v in headers.items() if k.lower() == "retry-after"), None)
+    try:
+        waits = retry_after is not None and float(retry_after) <= SDK_RETRY_AFTER_CAP_S
+    except ValueError:
+        waits = False
+    return headers if waits else {**headers, "x-should-retry": "false"}
 
 
 def _on_config_error(request: Request, e: ConfigError) -> Response:
