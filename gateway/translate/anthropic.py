@@ -236,7 +236,7 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
         out["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
         out["tool_choice"], parallel = _tool_choice(body["tool_choice"])
-        if not parallel:
+        if not parallel and body.get("tools"):   # without tools there is nothing to run in parallel
             out["parallel_tool_calls"] = False
     if (schema := check_output_config(body)) is not None:
         out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "strict": True,

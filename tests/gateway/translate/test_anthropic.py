@@ -393,3 +393,15 @@ def test_tool_arguments_cut_or_malformed_invent_no_key_and_stream_as_they_answer
                           ('{"a": {"b": [1, 2}', {"a": {"b": [1, 2]}})]:
         assert chat_to_message(chat(bad), "msg_1", "m")["content"][0]["input"] == expected, bad
         assert streamed(bad, 3) == expected == streamed(bad, 1), bad
+
+
+def test_disable_parallel_tool_use_without_tools_asks_chat_for_nothing_it_would_refuse():
+    """Chat refuses ``parallel_tool_calls`` without ``tools`` (OpenAI's rule); a Messages ``tool_choice`` of type
+    none with ``disable_parallel_tool_use`` and no tools is no reason to send it."""
+    none = messages_to_chat({"model": "m", "max_tokens": 9, "messages": USER,
+                             "tool_choice": {"type": "none", "disable_parallel_tool_use": True}})
+    assert "parallel_tool_calls" not in none
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    one = messages_to_chat({"model": "m", "max_tokens": 9, "messages": USER, "tools": tools,
+                            "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}})
+    assert one["parallel_tool_calls"] is False
