@@ -15,8 +15,11 @@ States (Nygard, "Release It!"; the LiteLLM "cooldown" of a deployment is the ope
 
 State lives in one Redis HASH per target, ``tandem:cb:<target>``, updated by Lua; in process when there is no
 Redis, or while it is unreachable. Cooldowns opened during an outage are pushed to Redis when it returns.
-Each replica remembers Redis's last answer: "closed" for ``cache_s`` (so a breaker opened on another replica is
-honoured there within ``cache_s``), "open" until its ``open_until``; half-open is always asked.
+Each replica remembers Redis's last answer, "closed" or "open", for ``cache_s`` (an open one no longer than its
+``open_until``), so a breaker opened on another replica is honoured there within ``cache_s``, and one whose record
+left Redis (an operator's ``DEL``, eviction, a failover or flush) is closed there within ``cache_s`` too, as
+``/health/ready`` (which reads Redis) says; half-open is always asked. While a breaker stays closed or open, a
+replica's ``allow`` asks Redis about it once per ``cache_s``.
 """
 
 from __future__ import annotations
@@ -188,7 +191,7 @@ class Breakers:
         self.per_target = per_target or {}
         self._local: dict[str, dict] = {}
         self._opened_while_degraded: dict[str, int] = {}
-        self._cache: dict[str, tuple[int, int]] = {}  # target -> (0 closed | 1 open, valid until ms)
+        self._cache: dict[str, tuple[int, int, int]] = {}  # target -> (0 closed | 1 open, valid until, open until) ms
         state.on_rejoin(self._push_local_cooldowns)
 
     def _cfg(self, target: str) -> BreakerSettings:
@@ -210,35 +213,35 @@ class Breakers:
         a, st, retry, probe = (int(x) for x in raw)
         if probe:
             log.warning("breaker %s half-open: cooldown over, one probe request let through", target)
-        if st == 0:
-            self._remember(target, 0, now)
-        elif st == 1:
-            self._remember(target, 1, now + retry)
+        self._remember(target, st, now, now + retry)
         return BreakerDecision(allowed=a == 1, state=_STATES[st], retry_after_s=retry / 1000, probe=probe == 1)
 
     def _cached(self, target: str, now: int) -> BreakerDecision | None:
         """The answer from this replica's recent view of the shared state, or None to ask Redis.
 
-        Closed is trusted for ``cache_s`` after Redis said so; open until its ``open_until`` (cooldowns only
-        ever grow, and a half-open breaker is always asked). Only with a reachable Redis.
+        Closed or open is trusted for ``cache_s`` after Redis said so, open no longer than its ``open_until``
+        (a half-open breaker is always asked): a record that left Redis (deleted, evicted, flushed) is seen
+        within ``cache_s``, as ``get`` (readiness) sees it at once. Only with a reachable Redis.
         """
         c = self._cache.get(target)
         if c is None or self.state.redis is None or self.state.degraded:
             return None
-        st, until = c
-        if now >= until:
+        st, valid_until, open_until = c
+        if now >= valid_until:
             return None
         if st == 0:
             return BreakerDecision(allowed=True, state=CLOSED)
-        return BreakerDecision(allowed=False, state=OPEN, retry_after_s=(until - now) / 1000)
+        return BreakerDecision(allowed=False, state=OPEN, retry_after_s=(open_until - now) / 1000)
 
-    def _remember(self, target: str, st: int, until_or_now: int) -> None:
+    def _remember(self, target: str, st: int, now: int, open_until: int) -> None:
+        """Keep Redis's answer ``st`` (0 closed, 1 open until ``open_until``, 2 half-open: not kept) of ``now``."""
         if self.state.redis is None or self.state.degraded:
             return
+        valid_until = now + int(self.config.cache_s * 1000)
         if st == 0:
-            self._cache[target] = (0, until_or_now + int(self.config.cache_s * 1000))
+            self._cache[target] = (0, valid_until, 0)
         elif st == 1:
-            self._cache[target] = (1, until_or_now)
+            self._cache[target] = (1, min(valid_until, open_until), open_until)
         else:
             self._cache.pop(target, None)
 
@@ -283,7 +286,7 @@ class Breakers:
         key = self._key(target)
         raw = await self.state.run("cb_record", _RECORD_LUA, [key], args, lambda: self._record_local(key, args))
         st, ou, cf, prev = (int(x) for x in raw)
-        self._remember(target, st, now if st == 0 else ou)
+        self._remember(target, st, now, ou)
         if self.state.redis is not None and self.state.degraded and st == 1:  # opened in process
             self._opened_while_degraded[target] = max(ou, self._opened_while_degraded.get(target, 0))
         out = BreakerState(target=target, state=_STATES[st], open_until_ms=ou,

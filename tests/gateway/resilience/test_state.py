@@ -289,7 +289,33 @@ async def test_replica_trusts_closed_for_cache_s_only(redis_url):
         assert (await bb.allow("c/m", now=T0 + 100)).allowed      # B's view is at most cache_s old
         d = await bb.allow("c/m", now=T0 + 300)                    # then B asks Redis again
         assert not d.allowed and d.retry_after_s == pytest.approx(59.71)
-        assert not (await bb.allow("c/m", now=T0 + 30_000)).allowed  # known open: no round trip needed
+        assert not (await bb.allow("c/m", now=T0 + 30_000)).allowed  # still open in Redis
     finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_breaker_record_that_leaves_redis_closes_on_every_replica_within_cache_s(redis_url):
+    """An operator deletes an open breaker's record (``DEL tandem:cb:<id>``; an eviction, failover or flush does the
+    same): a replica that learnt "open until an hour from now" routes to the target again after ``cache_s``, as
+    its readiness (``get``) says at once, instead of skipping it for the rest of the cooldown."""
+    import redis.asyncio as aioredis
+
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    a = SharedState(StateSettings(redis_url=redis_url, key_prefix=prefix))
+    b = SharedState(StateSettings(redis_url=redis_url, key_prefix=prefix))
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        ba, bb = Breakers(a), Breakers(b, BreakerSettings(cache_s=0.25))
+        await ba.record("p/m", False, status=429, retry_after_s=3600, now=T0)   # A opens it for an hour
+        d = await bb.allow("p/m", now=T0 + 10)                                   # B learns "open" from Redis
+        assert not d.allowed and d.retry_after_s == pytest.approx(3599.99)
+        assert await r.delete(b.key("cb", "p/m")) == 1                            # the record leaves Redis
+        assert (await bb.get("p/m", now=T0 + 20)).state == "closed"               # readiness: at once
+        d = await bb.allow("p/m", now=T0 + 10 + 250)                              # routing: within cache_s
+        assert d.allowed and d.state == "closed"
+        assert (await ba.allow("p/m", now=T0 + 10 + 250)).allowed                 # and on the replica that opened it
+    finally:
+        await r.aclose()
         await a.close()
         await b.close()
