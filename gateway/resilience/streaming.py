@@ -1,7 +1,8 @@
 """A streamed answer in the attempt loop, read as ``ChatEvent`` values (``gateway/values.py``: decoded once by the
 backend): ``peek_stream`` holds events back until the first content (before it, any failure is a transparent
 retry), ``relay`` streams the committed answer, ending a failure after content with one error event (and no
-``[DONE]``); ``Watchdog`` is the inter-chunk deadline without a timer per chunk.
+``[DONE]``: an upstream's own error event after content included, its message quoted); ``Watchdog`` is the
+inter-chunk deadline without a timer per chunk.
 
 A stream is complete at ``[DONE]``, or when every choice it opened has a ``finish_reason`` (``Choices``): an
 upstream that then ends (or stalls) without ``[DONE]`` has done its part, and the client gets ``[DONE]`` from
@@ -234,15 +235,13 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
                 if kind == "malformed":
                     err = "upstream sent a malformed event"
                     break
-                if kind != "error":
-                    held.choices.note(ev)
+                if kind == "error":      # ends the stream as a cut does; its message is kept in the event's
+                    err = _error_event_reason(ev.error)
+                    break
+                held.choices.note(ev)
                 if ev.usage:
                     res.usage = ev.usage
                 out.append(ev)
-                if kind == "error":  # relayed as the final event, no [DONE]
-                    res.error = "upstream sent an error event"
-                    yield out
-                    return
                 if not batch:
                     yield out
                     out = []
@@ -275,13 +274,23 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
         await asyncio.shield(on_end(ok))
 
 
+def _error_event_reason(error, limit: int = 300) -> str:
+    """Why a stream ended at an upstream's error event after content, its ``message`` quoted (cut to ``limit``
+    characters)."""
+    message = error.get("message") if isinstance(error, dict) else error
+    if not isinstance(message, str) or not message.strip():
+        return "upstream sent an error event"
+    message = message.strip()
+    return "upstream sent an error event: " + (message if len(message) <= limit else message[:limit - 3] + "...")
+
+
 async def _done(on_done: Callable[[], Awaitable[None]] | None) -> None:
     if on_done is not None:
         await asyncio.shield(on_done())
 
 
 def _last_event(res: Result, choices: Choices, err: str | None) -> tuple[bool, ChatEvent]:
-    """How a stream that stopped without ``[DONE]`` or an error event ends (once per stream, off the per-event
+    """How a stream that stopped without ``[DONE]`` ends (once per stream, off the per-event
     path): (ok, the last event). Every choice finished: the upstream's part is done, ``[DONE]`` or not, so the
     gateway sends it. Otherwise one ``stream_interrupted`` error event naming ``err``, also recorded on ``res``."""
     if choices.complete:

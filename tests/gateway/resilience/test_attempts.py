@@ -187,11 +187,15 @@ async def test_clean_end_without_done_is_an_error_too(client, state, primary):
     assert "data: [DONE]\n\n" not in events and "error" in content_events(events)[-1]
 
 
-async def test_upstream_error_event_after_content_is_relayed(client, primary):
+async def test_upstream_error_event_after_content_ends_as_a_cut(client, primary):
     primary.push({"chunks": 10, "error_after": 3})
     res = await call_with_fallback([cand(primary)], attempt_fn(client, True), stream=True, policy=FAST)
-    objs = content_events(await collect(res.stream))
-    assert objs[-1]["error"]["message"] == "injected mid-stream error" and len(objs) == 5
+    events = await collect(res.stream)
+    objs = content_events(events)
+    assert "data: [DONE]\n\n" not in events and len(objs) == 5     # as before: the chunks, then the end
+    assert objs[-1]["error"]["code"] == "stream_interrupted" and objs[-1]["error"]["type"] == "upstream_error"
+    assert objs[-1]["error"]["message"] == "stream interrupted: upstream sent an error event: injected mid-stream error"
+    assert res.error == objs[-1]["error"]["message"].removeprefix("stream interrupted: ")
 
 
 @pytest.mark.parametrize("fault", [{"error_first": True}, {"malformed": True}, {"chunks": 5, "cut_after": 0},

@@ -13,7 +13,7 @@ import pytest
 
 from gateway.resilience.attempts import _answer_head
 from tests.gateway.script_upstream import chunk, data, upstream  # noqa: F401 -- upstream: the module-scoped fixture
-from tests.gateway.support import GatewayProcess, gateway_on
+from tests.gateway.support import GatewayProcess, gateway_on, wait_until
 
 CONFIG = """
 models:
@@ -110,6 +110,29 @@ def test_incomplete_stream_without_done_is_interrupted(gateway, upstream):
     upstream.push({"parts": [data(chunk("x"))]})           # no finish_reason, no [DONE]
     with pytest.raises(openai.APIError, match="stream interrupted"):
         stream_text(gateway)
+
+
+def test_an_error_event_after_content_ends_the_stream_as_a_cut_does(gateway, upstream):
+    # after content, an upstream's own error event is a failure like a cut: the same stream_interrupted event
+    # (its message quoted), no [DONE], and the same count of streams cut after their 200
+    event = {"error": {"message": "engine crashed", "type": "server_error"}}
+    ends, counted = {}, [stream_errors(gateway)]
+    for name, tail in (("cut", []), ("error", [data(event)])):
+        upstream.push({"parts": [data(chunk("a")), *tail]})
+        with pytest.raises(openai.APIError) as exc:
+            stream_text(gateway)
+        ends[name] = exc.value
+        counted.append(wait_until(lambda: (n := stream_errors(gateway)) > counted[-1] and n))
+    assert [(e.code, e.type) for e in ends.values()] == [("stream_interrupted", "upstream_error")] * 2
+    assert ends["error"].message == "stream interrupted: upstream sent an error event: engine crashed"
+    assert counted[2] == counted[1] + 1 == counted[0] + 2
+
+
+def stream_errors(g: GatewayProcess) -> float:
+    """``tandem_stream_errors_total`` of the gateway's backend."""
+    text = httpx.get(g.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tandem_stream_errors_total{"))
 
 
 @pytest.mark.parametrize("code", [400, "403"])
