@@ -75,6 +75,7 @@ class RequestRecord:
     texts: dict[int, list[str]] = field(default_factory=dict)   # choice index -> generated text pieces, in order
     strip_usage: bool = False              # a stream whose client did not ask for usage: its usage chunk is dropped
     disconnected: bool = False             # the client left while a backend worked on its answer (or streamed it)
+    shut_down: bool = False                # a drain ended its stream (``stream_interrupted``, service_unavailable)
     answer_body: bytes | None = None       # a whole answer's body as its backend returned it (until ``finish``)
     error: str | None = None
     finished: bool = False

@@ -27,6 +27,7 @@ from gateway.cache.key import cache_config
 from gateway.billing.usage import Budget, UsageLedger, UsageRecord, tenant_label
 from gateway.errors import ClientError, anthropic_status, transport_error_kind
 from gateway.resilience.outcomes import Withdrawn
+from gateway.resilience.streaming import SHUTDOWN_TYPE, ended_by_shutdown
 from gateway.observability.metrics import GatewayMetrics, LiveGauges
 from gateway.observability.records import (AttemptRecord, RequestRecord, decode_answer, include_prompts,
                                            provider)
@@ -292,8 +293,8 @@ class Observability:
                     yield batch
             exhausted = True             # the inner iterator has finished (and cleaned up) on its own
         except (asyncio.CancelledError, GeneratorExit):
-            if not rec.finished:         # (an ended record is not changed)
-                status, rec.disconnected = 499, True      # billed for what it was sent (``_complete``)
+            if not rec.finished and not rec.shut_down:     # (an ended record is not changed; after a drain's
+                status, rec.disconnected = 499, True      # end, the shutdown's) billed for what it was sent
             raise
         finally:
             aclose = None if exhausted else getattr(it, "aclose", None)
@@ -302,8 +303,8 @@ class Observability:
                     await asyncio.shield(aclose())
             except BaseException:  # noqa: BLE001
                 pass
-            try:
-                await asyncio.shield(self._spawn(self._complete(rec, status)))
+            try:                         # a stream a drain ended: the 503 of the shutdown (``SHUTDOWN_TYPE``)
+                await asyncio.shield(self._spawn(self._complete(rec, 503 if rec.shut_down else status)))
             except BaseException:  # noqa: BLE001 -- cancelled: the task finishes on its own
                 pass
 
@@ -315,7 +316,8 @@ class Observability:
         for i, ev in enumerate(batch):
             out: ChatEvent | None = ev
             if ev.error:
-                rec.error = "stream_error"
+                rec.shut_down = ended_by_shutdown(ev.error)
+                rec.error = SHUTDOWN_TYPE if rec.shut_down else "stream_error"
                 out = self._redacted(rec, ev)
             if ev.usage:
                 rec.usage = ev.usage
@@ -398,8 +400,9 @@ class Observability:
         span, write its log line."""
         if rec.endpoint == "messages":   # the status the client got: Anthropic's 529 for the gateway's 503
             status = anthropic_status(status)
-        # Billed: every answer a backend gave, and a request its client left while a backend worked on it.
-        answered = rec.backend != "" and (status < 400 or rec.disconnected)
+        # Billed: every answer a backend gave, and a request its client left (or a drain ended) while a backend
+        # worked on it.
+        answered = rec.backend != "" and (status < 400 or rec.disconnected or rec.shut_down)
         tokens, estimated = usage_tokens(rec.usage), False
         if tokens is None and answered and rec.body is not None:
             backend = rec.snap.backends.get(rec.backend) if rec.snap is not None else None

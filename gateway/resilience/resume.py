@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import msgspec
 
-from gateway.resilience.streaming import GATEWAY_SHUTDOWN
+from gateway.resilience.streaming import ended_by_shutdown
 from gateway.values import ChatEvent, ChatStream, GatewayRequest
 
 log = logging.getLogger("tandem.gateway.resume")
@@ -116,7 +116,7 @@ def _resumable(ev: ChatEvent, tokens: dict, finished: set) -> bool:
     err = ev.error
     if not isinstance(err, dict) or err.get("code") != "stream_interrupted":
         return False
-    return bool(tokens) and not finished and GATEWAY_SHUTDOWN not in str(err.get("message"))
+    return bool(tokens) and not finished and not ended_by_shutdown(err)
 
 
 def _note(ev: ChatEvent, tokens: dict, finished: set, client_ids: bool) -> ChatEvent:

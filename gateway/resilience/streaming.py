@@ -53,6 +53,12 @@ GATEWAY_SHUTDOWN = "the gateway is shutting down"   # why a drain ended a stream
 SHUTDOWN_TYPE = "service_unavailable"
 
 
+def ended_by_shutdown(error) -> bool:
+    """Whether an error event's object (``ChatEvent.error``) is the ``stream_interrupted`` a drain wrote (the
+    gateway's shutdown ended the stream; neither the backend nor the client did)."""
+    return isinstance(error, dict) and error.get("code") == "stream_interrupted" and error.get("type") == SHUTDOWN_TYPE
+
+
 @dataclass
 class Held:
     """The events read before the commit (``events``, the first content last), the rest of the read that

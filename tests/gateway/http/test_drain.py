@@ -5,6 +5,7 @@ comments): the stream ends with the ``stream_interrupted`` event at ``drain_time
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import threading
 import time
@@ -81,6 +82,11 @@ def test_drain_deadline_ends_open_streams_with_stream_interrupted(upstream, tmp_
         assert_interrupted(outcome)
         assert g.proc.wait(15) == 0           # a hang bound, not a timing claim; SIGTERM's stop is a clean exit
         assert "drained (0 request(s) still in flight)" in g.log()
+    # its request log line (stderr): the shutdown's 503, not a client that left (499) nor a success; billed for
+    # the prompt and the text it was sent ("a", counted: the upstream's usage never came)
+    [line] = [json.loads(x) for x in g.log().splitlines() if x.startswith("{") and '"event":"request"' in x]
+    assert (line["status"], line["error"], line["disconnected"]) == (503, "service_unavailable", False), line
+    assert line["completion_tokens"] == 1 and line["prompt_tokens"] and line["usage_estimated"], line
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])

@@ -9,7 +9,7 @@ import asyncio
 import json
 
 from gateway.resilience.resume import ResumePlan, resumable
-from gateway.resilience.streaming import GATEWAY_SHUTDOWN
+from gateway.resilience.streaming import GATEWAY_SHUTDOWN, SHUTDOWN_TYPE
 from gateway.sse import event
 from gateway.translate.chat_events import ChatEncoder, decode_stream, error_payload
 from gateway.values import Answer, GatewayRequest
@@ -35,8 +35,8 @@ def gen(*parts: bytes):
     return decode_stream(raw())
 
 
-def error_event(message: str, code: str) -> bytes:
-    return event(error_payload({"message": message, "type": "upstream_error", "param": None, "code": code}))
+def error_event(message: str, code: str, type_: str = "upstream_error") -> bytes:
+    return event(error_payload({"message": message, "type": type_, "param": None, "code": code}))
 
 
 def run(first: list[bytes], then: list[bytes] | None = None, attempts: int = 1, client_ids: bool = False):
@@ -69,8 +69,8 @@ def test_resumed_with_the_tokens_so_far_and_ids_removed():
 def test_cut_as_before_when_it_cannot_resume():
     no_ids = run([chunk("ab"), CUT])                                  # an aggregator: no token ids
     finished = run([chunk("ab", [1, 2], "stop", index=0), CUT])       # a choice had finished
-    drain = run([chunk("ab", [1, 2]), error_event(f"stream interrupted: {GATEWAY_SHUTDOWN}",
-                                                   code="stream_interrupted")])
+    drain = run([chunk("ab", [1, 2]), error_event(f"stream interrupted: {GATEWAY_SHUTDOWN}",   # as a drain writes it
+                                                   code="stream_interrupted", type_=SHUTDOWN_TYPE)])
     spent = run([chunk("ab", [1, 2]), CUT], attempts=0)
     for out, calls in (no_ids, finished, drain, spent):
         assert calls == [] and b"stream_interrupted" in out
