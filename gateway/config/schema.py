@@ -142,7 +142,7 @@ class BreakerSettings(_Strict):
     half_open_probes: int = Field(1, ge=1)
     success_to_close: int = Field(1, ge=1)   # half-open successes that close the breaker
     probe_timeout_s: float = Field(30.0, gt=0)
-    cache_s: float = Field(0.25, ge=0)   # a replica trusts a "closed" answer from Redis this long
+    cache_s: float = Field(0.25, ge=0)   # a replica trusts an answer from Redis (closed or open) this long
 
 
 class HealthSettings(_Strict):
