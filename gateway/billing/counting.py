@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import msgspec
+
 from gateway.values import ChoiceDelta
 
 # The estimator's rule: ~4 characters per token (OpenAI's rule of thumb for English BPE text), rounded up, and one
@@ -84,3 +86,33 @@ def partial_usage(cancelled: BaseException) -> dict | None:
     it (an upstream: what it generated before the connection closed is never reported)."""
     found = getattr(cancelled, "partial_usage", None)
     return found if isinstance(found, dict) else None
+
+
+def estimated_usage(prompt_tokens: int, texts: dict[int, list[str]], count: Callable[[str], int]) -> dict:
+    """OpenAI's ``usage`` object of an answer its backend did not count: ``prompt_tokens`` as counted at validation,
+    the completion as ``count_completion`` counts ``texts``. The client gets it (LiteLLM fills computed usage the
+    same way); the ledger's record of the answer says ``usage_estimated``."""
+    completion = count_completion(texts, count)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def lacks_usage(content: bytes) -> bool:
+    """Whether a whole chat or completion answer (JSON) carries no usable ``usage``: a byte search first, the JSON
+    decoded only when the search finds a ``usage`` key (null, or of another type)."""
+    if b'"usage"' not in content:
+        return True
+    try:
+        usage = msgspec.json.decode(content).get("usage")
+    except (msgspec.DecodeError, AttributeError):
+        return False                     # not an object: nothing to fill in
+    return not isinstance(usage, dict)
+
+
+def with_usage(content: bytes, usage: dict) -> bytes:
+    """``content`` (a whole answer's JSON object) with ``usage`` set; unchanged when it is not a JSON object."""
+    try:
+        answer = msgspec.json.decode(content)
+    except msgspec.DecodeError:
+        return content
+    return msgspec.json.encode({**answer, "usage": usage}) if isinstance(answer, dict) else content

@@ -20,8 +20,8 @@ from typing import Callable
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from gateway.billing.counting import (choice_pieces, client_wants_usage, count_completion, counter_for,
-                                      delta_pieces, partial_usage)
+from gateway.billing.counting import (choice_pieces, client_wants_usage, counter_for, delta_pieces,
+                                      estimated_usage, lacks_usage, partial_usage, with_usage)
 from gateway.billing.prices import NANO, Price, cost_nusd, usage_tokens
 from gateway.cache.key import cache_config
 from gateway.billing.usage import Budget, UsageLedger, UsageRecord, tenant_label
@@ -242,8 +242,13 @@ class Observability:
         if status >= 400:
             content = self.redactor().bytes(content, [rec.client_token] if rec.client_token else [])
             rec.error = _error_code(content)
+        if status < 400 and content and rec.endpoint != "embeddings" and lacks_usage(content):
+            self._read_answer(rec, content)      # the backend counted nothing: the client gets the ledger's count
+            content, read = with_usage(content, self._estimate(rec)), b""
+        else:
+            read = content
         if self._end(rec):
-            account = self._account_answer(rec, status, time.perf_counter() - rec.t0, content)
+            account = self._account_answer(rec, status, time.perf_counter() - rec.t0, read)
             if rec.reservation is None and rec.budget is None:
                 self._spawn(account)
             else:
@@ -286,6 +291,8 @@ class Observability:
                 if rec.ttft_s is None:
                     rec.ttft_s = time.perf_counter() - rec.t0
                 batch = self._scan(rec, batch)
+                if batch and batch[-1].done and rec.usage is None and not rec.strip_usage and rec.error is None:
+                    batch = [*batch[:-1], ChatEvent(usage=self._estimate(rec)), batch[-1]]   # as a whole answer's
                 if batch:
                     if batch[-1].done and (rec.reservation is not None or rec.budget is not None) \
                             and self._end(rec):
@@ -405,9 +412,7 @@ class Observability:
         answered = rec.backend != "" and (status < 400 or rec.disconnected or rec.shut_down)
         tokens, estimated = usage_tokens(rec.usage), False
         if tokens is None and answered and rec.body is not None:
-            backend = rec.snap.backends.get(rec.backend) if rec.snap is not None else None
-            tokens = (rec.prompt_estimate or 0, count_completion(rec.texts, counter_for(backend)), 0)
-            estimated = True             # the prompt as counted at validation, the answer's text as delivered
+            tokens, estimated = usage_tokens(self._estimate(rec)), True
         cfg = rec.snap.compiled.config if rec.snap is not None else None
         nusd = 0
         if tokens is not None and cfg is not None:
@@ -425,6 +430,13 @@ class Observability:
             end_request_trace(self.tracing, rec, status, counted)
         if self.request_log.active:
             self._log_line(rec, status, latency, counted, nusd, estimated)
+
+    @staticmethod
+    def _estimate(rec: RequestRecord) -> dict:
+        """The usage of an answer its backend did not count: the prompt as counted at validation, the answer's
+        text as delivered (``estimated_usage``)."""
+        backend = rec.snap.backends.get(rec.backend) if rec.snap is not None else None
+        return estimated_usage(rec.prompt_estimate or 0, rec.texts, counter_for(backend))
 
     async def _settle(self, rec: RequestRecord, tokens: tuple[int, int, int] | None, nusd: int,
                       estimated: bool) -> None:

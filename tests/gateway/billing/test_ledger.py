@@ -142,12 +142,16 @@ async def test_answer_without_usage_is_counted_and_marked_estimated(up, tmp_path
     log_path = tmp_path / "requests.jsonl"
     up.set_default({"no_usage": True})
     async with replicas(config(up, log_path=str(log_path))) as [(gw, client)]:
-        await client.chat.completions.create(model="m1", messages=HELLO)              # "hello from up"
+        whole = await client.chat.completions.create(model="m1", messages=HELLO)      # "hello from up"
         up.set_default({"no_usage": True, "tool_call": True, "chunks": 3})
         await read_stream(client)
         up.set_default({"no_usage": True, "chunks": 2})
-        await read_stream(client, n=2)
+        streamed = await read_stream(client, n=2, stream_options={"include_usage": True})
         rep = await report(gw, 3)
+        # the client gets the counts the ledger records, as OpenAI always sends usage (a trial: null, no chunk)
+        assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (6, estimate_tokens("hello from up"))
+        assert streamed[-1].usage.completion_tokens == 2 * estimate_tokens("tok0 tok1 ") and not streamed[-1].choices
+        assert streamed[-1].usage.total_tokens == 6 + 2 * estimate_tokens("tok0 tok1 ")
         tool_text = 'get_weather{"city1": "Paris"}{"city2": "Paris"}'
         assert rep["completion_tokens"] == (estimate_tokens("hello from up") + estimate_tokens(tool_text)
                                             + 2 * estimate_tokens("tok0 tok1 "))
