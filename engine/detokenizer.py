@@ -20,7 +20,9 @@ does). Text that could still be the beginning of
 a stop string (the longest suffix that is a proper prefix of some stop, so at
 most ``len(longest stop) - 1`` characters) is held back. On a match the text
 is cut before the stop string (after it with ``include_stop_str_in_output``);
-no character of a matched stop string is ever emitted otherwise.
+no character of a matched stop string is ever emitted otherwise. The same
+flag puts the text of a stop token (EOS, ``stop_token_ids``) in the output, as
+vLLM v1 does; without it that token's text is left out.
 
 Invariant: the concatenation of every delta returned by ``update`` and
 ``flush`` equals ``output_text``, whatever the chunking of tokens.
@@ -84,9 +86,11 @@ class IncrementalDetokenizer:
         Args:
             new_token_ids: tokens generated since the previous call.
             stop_terminated: the last of ``new_token_ids`` is an EOS or a
-                ``stop_token_ids`` token that finished the request: it is not
-                put in the text (vLLM's behaviour), and the held-back text is
-                flushed (the returned delta includes it).
+                ``stop_token_ids`` token that finished the request: it is put in
+                the text only with ``include_stop_str_in_output`` (vLLM v1's
+                detokenizer; a special token's text still follows
+                ``skip_special_tokens``), and the held-back text is flushed (the
+                returned delta includes it).
 
         Returns:
             The text safe to emit now, and the stop string when one matched
@@ -94,7 +98,7 @@ class IncrementalDetokenizer:
         """
         if self.finished:
             return "", None
-        ids = list(new_token_ids[:-1] if stop_terminated else new_token_ids)
+        ids = list(new_token_ids[:-1] if stop_terminated and not self.include_stop else new_token_ids)
         for token_id in ids:  # one at a time: complete text before a split char is not held
             self._ids.append(token_id)
             self._decode(final=False)

@@ -318,3 +318,19 @@ def test_real_streaming_equals_non_streaming(real_tok, text, stops, include):
     d = IncrementalDetokenizer(real_tok, [], params)
     delta, stop = d.update(ids)
     assert delta + (d.flush() if stop is None else "") == expected and stop == expected_stop
+
+
+def test_stop_token_text_is_kept_with_include_stop_str_in_output():
+    """vLLM v1: a stop token's (``stop_token_ids``, EOS) text is left out only without
+    ``include_stop_str_in_output`` (a trial's SmolLM2 with stop_token_ids [30] answered " Paris", its logprobs
+    [" Paris", "."]); a special token's text still follows ``skip_special_tokens``."""
+    tok = ByteTokenizer()
+    paris, dot = tok.add(b" Paris"), tok.add(b".")
+    for include, expected in ((False, " Paris"), (True, " Paris.")):
+        d = IncrementalDetokenizer(tok, [], SamplingParams(stop_token_ids=[dot], include_stop_str_in_output=include))
+        assert d.update([paris, dot], stop_terminated=True) == (expected, None)
+        assert d.output_text == expected and d.finished
+    for skip, expected in ((True, " Paris"), (False, " Paris<|eos|>")):
+        d = IncrementalDetokenizer(tok, [], SamplingParams(include_stop_str_in_output=True, skip_special_tokens=skip))
+        assert d.update([paris], stop_terminated=False) == (" Paris", None)
+        assert d.update([tok.EOS], stop_terminated=True) == (expected[len(" Paris"):], None)
