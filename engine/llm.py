@@ -1,4 +1,4 @@
-"""Offline API, as in vLLM: ``LLM(model=...).generate(prompts, SamplingParams)``."""
+"""Offline API, as in vLLM: ``LLM(model=...).generate(prompts, SamplingParams)``, ``embed`` and ``encode``."""
 
 from __future__ import annotations
 
@@ -6,11 +6,16 @@ import atexit
 import itertools
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput,
+                            PoolingRequestOutput, RequestOutput)
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.pooling import PoolingParams   # imports torch: only for the annotation
 
 Prompt = str | list[int]
 
@@ -50,18 +55,74 @@ class LLM:
         self.engine.core.close()
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling_type: str | None = None,
-              normalize: bool | None = None) -> list[list[float]]:
+              normalize: bool | None = None, *, use_tqdm: bool = True,
+              lora_request: object | None = None) -> list[EmbeddingRequestOutput]:
         """Embeddings of ``prompts`` (vLLM's ``LLM.embed``): each prompt's final hidden states pooled
-        (``engine/pooling.py``: LAST or MEAN or CLS, L2-normalized; None: the model's own pooling config), one
-        float32 vector of ``hidden_size`` values per prompt. Text is tokenized as ``generate`` tokenizes it.
+        (``engine/pooling.py``: LAST or MEAN or CLS, L2-normalized; None: the model's own pooling config).
+
+        Args:
+            prompts: as ``generate`` takes them (texts, token-id lists, prompt dicts); text is tokenized as
+                ``generate`` tokenizes it.
+            pooling_type, normalize: this engine's; None: the model's own.
+            use_tqdm: vLLM's progress-bar switch, taken for its callers: this engine draws no progress bar.
+            lora_request: vLLM's; only None (this engine has no LoRA).
+
+        Returns:
+            One ``EmbeddingRequestOutput`` per prompt, in input order: ``outputs.embedding`` is one float32
+            vector of ``hidden_size`` values (Python floats), ``prompt_token_ids`` the tokens pooled.
 
         Raises:
-            ValueError: an empty prompt, one over ``max_model_len``, a bad token id or pooling type.
+            ValueError: an empty prompt, one over ``max_model_len``, a bad token id or pooling type, a LoRA
+                request.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        ids = [self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompts]
-        return self.engine.core.embed(ids, pooling_type, normalize)
+        _refuse_lora(lora_request)
+        return [EmbeddingRequestOutput(request_id=rid, outputs=EmbeddingOutput(vector), prompt_token_ids=ids)
+                for rid, ids, vector in self._pool(prompts, pooling_type, normalize)]
+
+    def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, *,
+               use_tqdm: bool = True, lora_request: object | None = None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's pooling entry point: ``pooling_task="embed"`` (the one task this engine pools) gives the
+        vectors ``embed`` gives, as ``PoolingRequestOutput``s whose ``outputs.data`` is a tensor.
+
+        Args:
+            prompts: as ``embed``.
+            pooling_params: one ``engine.pooling.PoolingParams`` (``pooling_type``, ``normalize``) for every
+                prompt; None: the model's own pooling config.
+            use_tqdm: vLLM's progress-bar switch: no progress bar is drawn.
+            lora_request: vLLM's; only None.
+            pooling_task: "embed"; required, as vLLM requires it.
+
+        Returns:
+            One ``PoolingRequestOutput`` per prompt, in input order: ``outputs.data`` a float32 tensor
+            ``[hidden_size]``, the ``embed`` vector's values bit for bit.
+
+        Raises:
+            ValueError: ``pooling_task`` missing or other than "embed", a list of pooling params, a LoRA
+                request, or a prompt ``embed`` refuses.
+        """
+        _refuse_lora(lora_request)
+        if pooling_task is None:
+            raise ValueError('pooling_task: required, as in vLLM ("embed": the one task this engine pools)')
+        if pooling_task != "embed":
+            raise ValueError(f"pooling_task: {pooling_task!r} is not supported: this engine pools the \"embed\" "
+                             "task only (classify, score, token_embed and token_classify need heads it lacks)")
+        if pooling_params is not None and not hasattr(pooling_params, "pooling_type"):
+            raise ValueError("pooling_params: give one engine.pooling.PoolingParams for all prompts (or None)")
+        import torch   # loaded with the engine's core; not on this module's import
+
+        kind, normalize = (None, None) if pooling_params is None else (pooling_params.pooling_type,
+                                                                      pooling_params.normalize)
+        return [PoolingRequestOutput(request_id=rid, outputs=PoolingOutput(torch.tensor(vector, dtype=torch.float32)),
+                                     prompt_token_ids=ids) for rid, ids, vector in self._pool(prompts, kind, normalize)]
+
+    def _pool(self, prompts: Prompt | Sequence[Prompt], pooling_type: str | None,
+              normalize: bool | None) -> list[tuple[str, list[int], list[float]]]:
+        """(request id, token ids, vector) per prompt, in input order: the core's one pooling call."""
+        given = [_prompt(p, None)[0] for p in _prompt_list(prompts)]
+        ids = [self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in given]
+        vectors = self.engine.core.embed(ids, pooling_type, normalize)
+        return [(f"offline-{next(self._ids)}", i, v) for i, v in zip(ids, vectors)]
 
     def generate(
         self,
@@ -70,6 +131,7 @@ class LLM:
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
         use_tqdm: bool = True,
+        lora_request: object | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for all prompts, submitted at once.
 
@@ -81,16 +143,17 @@ class LLM:
             priority: per-prompt priority (``scheduling_policy="priority"``).
             cache_salt: vLLM's; these prompts share prefix-cache blocks only with requests of the same salt.
             use_tqdm: vLLM's progress-bar switch, taken for its callers: this engine draws no progress bar.
+            lora_request: vLLM's; only None (this engine has no LoRA).
 
         Returns:
             One final ``RequestOutput`` per prompt, in input order, with
             cumulative text and token ids per choice.
 
         Raises:
-            ValueError: a prompt is invalid (nothing is left queued).
+            ValueError: a prompt is invalid (nothing is left queued), a LoRA request.
         """
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        _refuse_lora(lora_request)
+        prompts = _prompt_list(prompts)
         prompts, salts = zip(*(_prompt(p, cache_salt) for p in prompts)) if prompts else ((), ())
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -122,6 +185,19 @@ class LLM:
             self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
             for c in conversations]
         return self.generate(prompts, sampling_params)
+
+
+def _refuse_lora(lora_request) -> None:
+    """Raises ValueError for a LoRA request: this engine serves base weights only."""
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not supported by this engine (give None)")
+
+
+def _prompt_list(prompts) -> list:
+    """``prompts`` as a list: one text, one prompt dict or one token-id list is one prompt."""
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _prompt(prompt, cache_salt: str | None) -> tuple[Prompt, str | None]:

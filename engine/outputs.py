@@ -1,8 +1,10 @@
-"""What the engine returns: vLLM's ``RequestOutput`` and ``CompletionOutput``."""
+"""What the engine returns: vLLM's ``RequestOutput`` and ``CompletionOutput``; the offline pooling API's
+``PoolingRequestOutput`` and ``EmbeddingRequestOutput``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -97,3 +99,58 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """vLLM's: one prompt's pooled hidden states.
+
+    Attributes:
+        data: ``torch.Tensor`` of float32, shape ``[hidden_size]`` (the ``embed`` task's vector).
+    """
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's answer to one pooling prompt (``LLM.encode``).
+
+    Attributes:
+        request_id: the prompt's request id (``offline-<n>``, the counter ``LLM.generate`` draws from).
+        outputs: the pooled data (``PoolingOutput``; ``EmbeddingOutput`` in an ``EmbeddingRequestOutput``).
+        prompt_token_ids: the prompt, tokens.
+        num_cached_tokens: prompt tokens served from the prefix cache (0: a pooling request reads none, its
+            pooled states may need every position).
+        finished: True (the offline API answers once the vector is pooled).
+    """
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: one prompt's embedding.
+
+    Attributes:
+        embedding: ``hidden_size`` float32 values (as Python floats, exact).
+    """
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        """The vector's length."""
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """vLLM's answer to one ``LLM.embed`` prompt: a ``PoolingRequestOutput`` whose ``outputs`` is an
+    ``EmbeddingOutput`` (``outputs.embedding``)."""
+
+    outputs: EmbeddingOutput

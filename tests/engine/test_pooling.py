@@ -17,6 +17,12 @@ from engine.llm import LLM
 from engine.pooling import PoolingParams, model_pooling_params
 from tests.tiny_models import save_byte_level_llama
 
+
+def vectors(outputs) -> list[list[float]]:
+    """The embeddings of ``LLM.embed``'s ``EmbeddingRequestOutput``s, in order."""
+    return [o.outputs.embedding for o in outputs]
+
+
 PROMPTS = ["hello world", "a", "the quick brown fox jumps over the lazy dog, twice: the quick brown fox"]
 
 
@@ -47,7 +53,7 @@ def reference(tiny_model, llm):
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_embeddings_match_transformers_hidden_states(llm, reference, pooling_type, normalize):
-    got = torch.tensor(llm.embed(PROMPTS, pooling_type, normalize))
+    got = torch.tensor(vectors(llm.embed(PROMPTS, pooling_type, normalize)))
     for i, h in enumerate(reference):
         want = h[-1] if pooling_type == "LAST" else h.mean(0)
         if normalize:
@@ -63,10 +69,10 @@ def test_embeddings_are_batch_invariant_and_leave_generation_alone(llm):
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     before = llm.generate(["hello"], params)[0].outputs[0].token_ids
-    alone = llm.embed([PROMPTS[2]])[0]
-    batched = llm.embed([PROMPTS[0], PROMPTS[2], PROMPTS[1]])[1]
+    alone = llm.embed([PROMPTS[2]])[0].outputs.embedding
+    batched = llm.embed([PROMPTS[0], PROMPTS[2], PROMPTS[1]])[1].outputs.embedding
     assert alone == batched                         # bit for bit, whatever it is pooled with
-    assert llm.embed(llm.tokenizer.encode(PROMPTS[2], add_special_tokens=True))[0] == alone   # token ids
+    assert llm.embed(llm.tokenizer.encode(PROMPTS[2], add_special_tokens=True))[0].outputs.embedding == alone  # ids
     assert llm.generate(["hello"], params)[0].outputs[0].token_ids == before
     with pytest.raises(ValueError, match="empty"):
         llm.embed([[]])
@@ -92,7 +98,7 @@ async def test_async_engine_embeds_in_its_core_process(tiny_model, llm):
     await eng.start()
     try:
         ids = [llm.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
-        assert await eng.embed(ids) == llm.embed(PROMPTS)
+        assert await eng.embed(ids) == vectors(llm.embed(PROMPTS))
         with pytest.raises(ValueError, match="max_model_len"):
             await eng.embed([[5] * (eng.max_model_len + 1)])
     finally:
@@ -118,7 +124,7 @@ async def test_engine_server_serves_embeddings(tiny_model, llm):
             await asyncio.sleep(0.02)
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         r = await client.embeddings.create(model="tiny", input=PROMPTS[:2])          # base64 on the wire
-        assert [d.embedding for d in r.data] == llm.embed(PROMPTS[:2])   # float32 values: base64 is exact
+        assert [d.embedding for d in r.data] == vectors(llm.embed(PROMPTS[:2]))   # float32 values: base64 is exact
         assert r.usage.prompt_tokens == len(PROMPTS[0]) + len(PROMPTS[1])
         with pytest.raises(openai.NotFoundError):
             await client.embeddings.create(model="other", input="x")

@@ -13,6 +13,7 @@ from engine.core.core_loop import run_core_loop
 from engine.core.core_messages import AddRequest, CoreReply, CoreStep, EmbedPrompts, Shutdown, params_to_wire
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from tests.engine.test_pooling import vectors
 from tests.tiny_models import save_byte_level_llama
 
 BUDGET = 32
@@ -46,10 +47,10 @@ def _prompts(n: int = 3) -> list[list[int]]:
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
 def test_chunked_embedding_is_bitwise_the_unchunked_one(chunked, whole, pooling_type):
     prompts = _prompts()
-    want = whole.embed(prompts, pooling_type)
-    assert chunked.embed(prompts, pooling_type) == want                      # chunked under a 32-token budget
-    assert chunked.embed([prompts[0]], pooling_type) == want[:1]            # alone
-    assert whole.embed(prompts[::-1], pooling_type) == want[::-1]           # batched otherwise
+    want = vectors(whole.embed(prompts, pooling_type))
+    assert vectors(chunked.embed(prompts, pooling_type)) == want             # chunked under a 32-token budget
+    assert vectors(chunked.embed([prompts[0]], pooling_type)) == want[:1]   # alone
+    assert vectors(whole.embed(prompts[::-1], pooling_type)) == want[::-1]  # batched otherwise
 
 
 def test_a_stream_gets_tokens_between_the_chunks_of_a_long_embedding(chunked):
@@ -74,7 +75,7 @@ def test_a_stream_gets_tokens_between_the_chunks_of_a_long_embedding(chunked):
     assert all(isinstance(m, CoreStep) for m in between)
     assert len(between) >= -(-LONG // (BUDGET - 1))       # one chunk a step, beside the stream's decode row
     assert all(any(o.request_id == "stream" and o.new_token_ids for o in m.outputs) for m in between)
-    assert log[reply].value == chunked.embed([_prompts(1)[0]], "MEAN")      # and the same vector
+    assert log[reply].value == vectors(chunked.embed([_prompts(1)[0]], "MEAN"))   # and the same vector
 
 
 def test_a_queued_embedding_counts_in_the_ttft_state(chunked):

@@ -42,7 +42,8 @@ async def until_ready(gw) -> None:
 
 
 async def test_local_embeddings_and_messages(tiny_model):
-    want = LLM(tiny_model, dtype="float32", kv_cache_memory="16MiB").embed(["hello", "two words"])
+    outs = LLM(tiny_model, dtype="float32", kv_cache_memory="16MiB").embed(["hello", "two words"])
+    want = [o.outputs.embedding for o in outs]
     async with gateway(config(tiny_model), start_engine=True) as (gw, claude, url):
         await until_ready(gw)
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
