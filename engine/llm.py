@@ -1,18 +1,25 @@
-"""Offline API, as in vLLM: ``LLM(model=...).generate(prompts, SamplingParams)``, ``embed`` and ``encode``."""
+"""Offline API, as in vLLM: ``LLM(model=...).generate(prompts, SamplingParams)``, ``chat``, ``embed`` and
+``encode``."""
 
 from __future__ import annotations
 
 import atexit
+import copy
 import itertools
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import jinja2
 
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput,
                             PoolingRequestOutput, RequestOutput)
+from engine.protocol.errors import ServingError
 from engine.sampling_params import SamplingParams
+from engine.serving.chat import render_chat
+from engine.tokenizer import _compile_template
 
 if TYPE_CHECKING:
     from engine.pooling import PoolingParams   # imports torch: only for the annotation
@@ -177,20 +184,90 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: object | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of
-        them, then ``generate``."""
+        """vLLM's ``LLM.chat``: render one conversation or a list of them as ``POST /v1/chat/completions``
+        renders a body (``engine/serving/chat.py`` ``render_chat``: the same token ids), then ``generate``.
+
+        Args:
+            messages: one conversation (a list of ``{"role", "content"}`` dicts; content a string or text
+                parts) or a list of them.
+            sampling_params: one for all conversations or one per conversation (default ``SamplingParams()``).
+            use_tqdm: vLLM's progress-bar switch: no progress bar is drawn.
+            lora_request: vLLM's; only None (this engine has no LoRA).
+            chat_template: jinja2 source rendered instead of the model's template (compiled as the model's is).
+            chat_template_content_format: "auto" or "string": content is rendered as a string (text parts
+                joined by newlines), as the chat endpoint renders it; "openai" (content as a list of parts) is
+                refused.
+            add_generation_prompt: end the prompt with the assistant turn's opening.
+            continue_final_message: end the prompt right after the last message, which the model continues
+                (needs ``add_generation_prompt=False``).
+            tools: OpenAI function tools, rendered into the prompt as the chat endpoint renders them (the
+                template's ``tools``, or the generic tool prompt for a template that knows none); as in vLLM's
+                ``LLM.chat``, the output is neither constrained nor parsed into tool calls.
+            chat_template_kwargs: extra template variables.
+            mm_processor_kwargs: vLLM's multimodal processor options; only None (no multimodal model here).
+
+        Returns:
+            One final ``RequestOutput`` per conversation, in input order.
+
+        Raises:
+            ValueError: a malformed message or tool, a template that fails, an argument this engine cannot
+                honour (named), or what ``generate`` refuses.
+        """
+        _refuse_lora(lora_request)
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: not supported (this engine serves text-only models)")
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format: {chat_template_content_format!r} is not supported: "
+                             "content is rendered as a string (\"auto\" or \"string\")")
+        tokenizer = self.tokenizer if chat_template is None else _with_chat_template(self.tokenizer, chat_template)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.tokenizer.encode(
-            self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
-            for c in conversations]
-        return self.generate(prompts, sampling_params)
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                   "tools": tools, "chat_template_kwargs": chat_template_kwargs}
+        prompts = [_render(tokenizer, c, options) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
 def _refuse_lora(lora_request) -> None:
     """Raises ValueError for a LoRA request: this engine serves base weights only."""
     if lora_request is not None:
         raise ValueError("lora_request: LoRA adapters are not supported by this engine (give None)")
+
+
+def _with_chat_template(tokenizer, source: str):
+    """``tokenizer`` rendering ``source`` (jinja2) instead of the model's chat template, compiled as
+    ``engine/tokenizer.py`` compiles the model's (sandboxed, transformers' options and helpers).
+
+    Raises:
+        ValueError: ``source`` is not a valid template."""
+    try:
+        compiled = _compile_template(source)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"chat_template: not a valid template: {exc}") from None
+    view = copy.copy(tokenizer)
+    view.chat_template, view._template = source, compiled
+    return view
+
+
+def _render(tokenizer, conversation: list[dict], options: dict[str, Any]) -> list[int]:
+    """The token ids the chat endpoint renders for ``conversation`` with ``options`` (its body's fields).
+
+    Raises:
+        ValueError: the endpoint's 400 (a malformed message or tool, the template failed...), its message."""
+    body = {"messages": conversation, **{k: v for k, v in options.items() if v is not None}}
+    try:
+        return list(render_chat(tokenizer, body).prompts[0][1])
+    except ServingError as exc:
+        raise ValueError(exc.message) from None
 
 
 def _prompt_list(prompts) -> list:

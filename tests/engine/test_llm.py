@@ -1,6 +1,7 @@
-"""The offline ``LLM`` as a vLLM user calls it (a trial at 90392f4): ``embed`` answers vLLM's
-``EmbeddingRequestOutput``s with the core's vectors bit for bit; ``encode`` is vLLM's pooling entry point for the
-"embed" task. A tiny random Llama in float32 (byte-level tokenizer)."""
+"""The offline ``LLM`` as a vLLM user calls it (a trial at 90392f4): ``chat`` takes vLLM's keyword arguments and
+renders what ``POST /v1/chat/completions`` renders for the same fields (refusing, by name, what this engine cannot
+honour); ``embed`` answers vLLM's ``EmbeddingRequestOutput``s with the core's vectors bit for bit; ``encode`` is
+vLLM's pooling entry point for the "embed" task. A tiny random Llama in float32 (byte-level tokenizer)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,68 @@ import torch
 from engine.llm import LLM
 from engine.outputs import EmbeddingRequestOutput, PoolingRequestOutput
 from engine.pooling import PoolingParams
+from engine.sampling_params import SamplingParams
+from engine.serving.chat import render_chat
 from tests.tiny_models import save_byte_level_llama
 
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+CONV = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": CITY}}]
 PROMPTS = ["hello world", "a", "the quick brown fox"]
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     return LLM(save_byte_level_llama(tmp_path_factory.mktemp("tiny-llm")), dtype="float32", kv_cache_memory="16MiB")
+
+
+def served(llm: LLM, **fields) -> list[int]:
+    """The prompt the chat endpoint renders for a body of ``fields`` (its messages default to ``CONV``)."""
+    return list(render_chat(llm.tokenizer, {"messages": CONV, **fields}).prompts[0][1])
+
+
+def text_of(llm: LLM, ids: list[int]) -> str:
+    return llm.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_chat_takes_vllms_arguments_and_renders_as_the_chat_endpoint(llm):
+    plain = llm.chat(CONV, GREEDY)[0]
+    assert plain.prompt_token_ids == served(llm)
+    same = llm.chat(CONV, GREEDY, use_tqdm=False, lora_request=None, chat_template_content_format="string",
+                    mm_processor_kwargs=None)[0]
+    assert (same.prompt_token_ids, same.outputs[0].token_ids) == (plain.prompt_token_ids, plain.outputs[0].token_ids)
+    bare = llm.chat(CONV, GREEDY, add_generation_prompt=False)[0].prompt_token_ids
+    assert bare == served(llm, add_generation_prompt=False) and text_of(llm, plain.prompt_token_ids).startswith(
+        text_of(llm, bare)) and not text_of(llm, bare).endswith("assistant\n")
+    prefill = CONV + [{"role": "assistant", "content": '{"a": "'}]
+    cont = llm.chat(prefill, GREEDY, add_generation_prompt=False, continue_final_message=True)[0].prompt_token_ids
+    assert cont == served(llm, messages=prefill, add_generation_prompt=False, continue_final_message=True)
+    assert text_of(llm, cont).endswith('assistant\n{"a": "')
+    with pytest.raises(ValueError, match="continue_final_message"):      # vLLM's rule: not with a generation prompt
+        llm.chat(prefill, GREEDY, continue_final_message=True)
+    with_tools = llm.chat(CONV, GREEDY, tools=TOOLS)[0].prompt_token_ids
+    assert with_tools == served(llm, tools=TOOLS) and "get_weather" in text_of(llm, with_tools)
+
+
+def test_chat_template_and_its_kwargs(llm):
+    template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ cue }}{% endif %}")
+    ids = llm.chat(CONV, GREEDY, chat_template=template, chat_template_kwargs={"cue": ">>"})[0].prompt_token_ids
+    assert text_of(llm, ids) == "[system]be brief[user]hi>>"
+    assert llm.chat(CONV, GREEDY)[0].prompt_token_ids == served(llm)     # the model's own template again after
+    with pytest.raises(ValueError, match="chat_template"):
+        llm.chat(CONV, GREEDY, chat_template="{% for m in messages %}")
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"lora_request": object()}, "lora_request"),
+    ({"mm_processor_kwargs": {"num_crops": 4}}, "mm_processor_kwargs"),
+    ({"chat_template_content_format": "openai"}, "chat_template_content_format"),
+])
+def test_chat_refuses_by_name_what_it_cannot_honour(llm, kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        llm.chat(CONV, GREEDY, **kwargs)
 
 
 def test_embed_answers_vllms_embedding_request_outputs(llm):
