@@ -92,11 +92,14 @@ class OpenAIServingChat(OpenAIServing):
                                      include_usage, continuous, plan.parse_tool_calls, plan.calls_only,
                                      resume=resume, return_ids=req.return_token_ids, check=check)
         return await self._chat_full(request_id, model, prompt, prio, bool(req.logprobs), top, echo,
-                                     plan.parse_tool_calls, plan.calls_only, check=check)
+                                     plan.parse_tool_calls, plan.calls_only, check=check,
+                                     return_ids=req.return_token_ids)
 
     async def _chat_full(self, request_id: str, model: str, prompt: Prompt, priority: int, want_logprobs: bool,
                          top: int, echo: str, tool_calls: bool = False, calls_only: bool = False,
-                         check: AnswerCheck | None = None) -> dict:
+                         check: AnswerCheck | None = None, return_ids: bool = False) -> dict:
+        """The ``chat.completion`` object; ``return_ids``: vLLM's ``return_token_ids`` (``prompt_token_ids``
+        top level, each choice's ``token_ids``)."""
         choices, cached, prompt_lps = await self._collect(request_id, [prompt], priority)
         out_choices = []
         completion_tokens = 0
@@ -120,6 +123,8 @@ class OpenAIServingChat(OpenAIServing):
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,
             })
+            if return_ids:
+                out_choices[-1]["token_ids"] = list(ch.token_ids)
         response = {
             "id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": out_choices,
@@ -128,6 +133,8 @@ class OpenAIServingChat(OpenAIServing):
         }
         if prompt.params.prompt_logprobs is not None:
             response["prompt_logprobs"] = self.logprobs.prompt_logprobs_vllm(prompt.token_ids, prompt_lps[0])
+        if return_ids:
+            response["prompt_token_ids"] = list(prompt.token_ids)
         return response
 
     async def _chat_stream(self, request_id: str, model: str, prompt: Prompt, priority: int, want_logprobs: bool,
@@ -138,7 +145,7 @@ class OpenAIServingChat(OpenAIServing):
         """The chunks of a streamed answer, one list per engine output (``chunks.Chunk``s of
         ``chat.completion.chunk``; a failure: ``chunks.StreamError``); ``resume``: a continuation (no role
         chunks: the client has them; counts from the tokens already generated); ``return_ids``: each choice's new
-        ``token_ids``."""
+        ``token_ids``, and the prompt's ``prompt_token_ids`` on the first chunk (vLLM's)."""
         created = int(time.time())
         fingerprint = self.engine.system_fingerprint or None
         n = prompt.params.n
@@ -154,7 +161,10 @@ class OpenAIServingChat(OpenAIServing):
 
         try:
             if resume is None:
-                yield [chunk(ChatChoiceChunk(i, Delta(role="assistant", content=echo))) for i in range(n)]
+                first = [chunk(ChatChoiceChunk(i, Delta(role="assistant", content=echo))) for i in range(n)]
+                for c in first if return_ids else ():   # vLLM: on each choice's role chunk
+                    c.prompt_token_ids = list(prompt.token_ids)
+                yield first
             async with contextlib.aclosing(self.engine.generate(
                     prompt.token_ids, prompt.params, request_id, priority, resume=resume,
                     cache_salt=prompt.cache_salt)) as stream:

@@ -65,20 +65,24 @@ class ChatChoiceChunk(msgspec.Struct, gc=False):
 
 class CompletionChoiceChunk(msgspec.Struct, gc=False):
     """One choice of a legacy completion chunk: its ``text`` piece, legacy ``logprobs`` (``tokens``,
-    ``token_logprobs``, ``top_logprobs``, ``text_offset``) or None."""
+    ``token_logprobs``, ``top_logprobs``, ``text_offset``) or None. With ``return_token_ids`` (vLLM's): the
+    prompt's ``prompt_token_ids`` on the choice's first chunk and its new ``token_ids`` on each."""
 
     index: int
     text: str
     logprobs: Any = None
     finish_reason: Union[str, None] = None
     stop_reason: Any = UNSET
+    prompt_token_ids: Union[list[int], UnsetType] = UNSET
+    token_ids: Union[list[int], UnsetType] = UNSET
 
 
 class Chunk(msgspec.Struct, gc=False):
     """One chunk of a streamed answer: ``object`` is ``chat.completion.chunk`` (``choices`` of
     ``ChatChoiceChunk``) or ``text_completion`` (of ``CompletionChoiceChunk``); ``created`` in Unix seconds;
     ``usage`` (``serving.usage``) on the final usage chunk (``choices`` empty) or on every chunk with
-    ``continuous_usage_stats``."""
+    ``continuous_usage_stats``; ``prompt_token_ids`` (vLLM's ``return_token_ids``) on each role chunk of a
+    chat stream (its first ones)."""
 
     id: str
     object: str
@@ -87,6 +91,7 @@ class Chunk(msgspec.Struct, gc=False):
     system_fingerprint: Union[str, None]
     choices: list
     usage: Union[dict, UnsetType] = UNSET
+    prompt_token_ids: Union[list[int], UnsetType] = UNSET
 
 
 class StreamError(msgspec.Struct, gc=False):

@@ -88,8 +88,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream:
             include_usage, continuous = usage_options(req)
             return self._completion_stream(request_id, model, prompts, prio, req.logprobs, echo, include_usage,
-                                           continuous, check)
-        return await self._completion_full(request_id, model, prompts, prio, req.logprobs, echo, check)
+                                           continuous, check, return_ids=req.return_token_ids)
+        return await self._completion_full(request_id, model, prompts, prio, req.logprobs, echo, check,
+                                           return_ids=req.return_token_ids)
 
     def _prompt_text(self, prompt: Prompt) -> str:
         if prompt.text is not None:
@@ -97,7 +98,10 @@ class OpenAIServingCompletion(OpenAIServing):
         return self.engine.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
     async def _completion_full(self, request_id: str, model: str, prompts: list[Prompt], priority: int,
-                               logprobs: int | None, echo: bool, check: AnswerCheck | None = None) -> dict:
+                               logprobs: int | None, echo: bool, check: AnswerCheck | None = None,
+                               return_ids: bool = False) -> dict:
+        """The ``text_completion`` object; ``return_ids``: vLLM's ``return_token_ids`` (each choice's
+        ``prompt_token_ids`` and ``token_ids``)."""
         choices, cached, prompt_lps = await self._collect(request_id, prompts, priority)
         out_choices = []
         num_prompt = completion_tokens = 0
@@ -121,6 +125,8 @@ class OpenAIServingCompletion(OpenAIServing):
                           "finish_reason": finish_reason, "stop_reason": stop_reason}
                 if prompt.params.prompt_logprobs is not None and not echo:  # vLLM: per choice
                     choice["prompt_logprobs"] = self.logprobs.prompt_logprobs_vllm(prompt.token_ids, prompt_lps[p_idx])
+                if return_ids:   # vLLM: per choice, a request may hold several prompts
+                    choice["prompt_token_ids"], choice["token_ids"] = list(prompt.token_ids), list(ch.token_ids)
                 out_choices.append(choice)
         return {
             "id": request_id, "object": "text_completion", "created": int(time.time()),
@@ -131,17 +137,18 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _completion_stream(self, request_id: str, model: str, prompts: list[Prompt], priority: int,
                                  logprobs: int | None, echo: bool, include_usage: bool,
-                                 continuous: bool, check: AnswerCheck | None = None
+                                 continuous: bool, check: AnswerCheck | None = None, return_ids: bool = False
                                  ) -> AsyncIterator[list[StreamItem]]:
         """The chunks of a streamed answer (``text_completion`` ``chunks.Chunk``s), one list per engine output;
-        a failure: ``chunks.StreamError``."""
+        a failure: ``chunks.StreamError``. ``return_ids``: each choice's first chunk carries its prompt's
+        ``prompt_token_ids``, every chunk its new ``token_ids`` (vLLM's ``return_token_ids``)."""
         created = int(time.time())
         fingerprint = self.engine.system_fingerprint or None
         num_prompt = sum(len(p.token_ids) for p in prompts)
         generated: dict[tuple[int, int], int] = {}
         cached = [0] * len(prompts)
         offsets: dict[tuple[int, int], int] = {}
-        echoed: set[tuple[int, int]] = set()
+        started: set[tuple[int, int]] = set()   # choices that sent their first chunk
         texts: dict[tuple[int, int], str] = {}   # each choice's generated text: the second line checks it
 
         def chunk(choices: list, final: bool = False) -> Chunk:
@@ -167,8 +174,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         lps = None
                         if logprobs is not None:
                             lps = empty_completion_logprobs()
-                        if echo and key not in echoed:
-                            echoed.add(key)
+                        first = key not in started
+                        started.add(key)
+                        if echo and first:
                             text = self._prompt_text(prompt) + text
                             if lps is not None:
                                 offsets[key] = self.logprobs.append_prompt_logprobs(
@@ -178,11 +186,16 @@ class OpenAIServingCompletion(OpenAIServing):
                                 lps, c.token_ids, c.logprobs or [], logprobs, offsets.get(key, 0))
                             if not lps["tokens"]:
                                 lps = None
-                        if not text and c.finish_reason is None and lps is None:
+                        ids = return_ids and (first or bool(c.token_ids))   # tokens whose text is held back, too
+                        if not text and c.finish_reason is None and lps is None and not ids:
                             continue
                         choice = CompletionChoiceChunk(p_idx * prompt.params.n + c.index, text, lps, finish_reason)
                         if finish_reason is not None:
                             choice.stop_reason = stop_reason
+                        if return_ids:
+                            choice.token_ids = list(c.token_ids)
+                            if first:
+                                choice.prompt_token_ids = list(prompt.token_ids)
                         batch.append(chunk([choice]))
                     if batch:
                         yield batch

@@ -8,6 +8,7 @@ size (no Matryoshka truncation is trained into a decoder run as an embedder).
 from __future__ import annotations
 
 import base64
+import time
 
 import numpy as np
 
@@ -46,13 +47,14 @@ class OpenAIServingEmbedding(OpenAIServing):
         """``POST /v1/embeddings``.
 
         Args:
-            body: the decoded JSON body. request_id: the answer's id (unused by OpenAI's object; logged).
+            body: the decoded JSON body. request_id: the answer's ``id`` is ``embd-<request_id>`` (vLLM's).
             priority, rendered: accepted for the gateway's uniform call; embeddings are pooled between two
                 engine steps, not scheduled.
             response_model: the ``model`` the answer reports; default the served name.
 
         Returns:
-            OpenAI's ``list`` of ``embedding`` objects with ``usage`` (prompt tokens = total tokens).
+            OpenAI's ``list`` of ``embedding`` objects with ``usage`` (prompt tokens = total tokens), and vLLM's
+            ``id`` and ``created`` (Unix seconds).
 
         Raises:
             ServingError: 400 bad input (names the parameter), 404 unknown model, 503 engine draining/dead.
@@ -88,7 +90,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         except Exception as exc:  # noqa: BLE001 -- mapped onto the client's error
             raise error_from_engine(exc) from None
         n = sum(len(p) for p in prompts)
-        return {"object": "list", "model": response_model or self.reported_model(model),
+        return {"id": f"embd-{request_id}", "object": "list", "created": int(time.time()),
+                "model": response_model or self.reported_model(model),
                 "data": [{"object": "embedding", "index": i, "embedding": encode_embedding(v, fmt)}
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": n, "total_tokens": n}}

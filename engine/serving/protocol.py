@@ -18,7 +18,7 @@ vLLM ``entrypoints/openai/protocol.py`` for the extra fields' names and defaults
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
@@ -66,6 +66,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     priority: int | None = None
     request_id: str | None = None
     cache_salt: str | None = None   # vLLM's: prefix-cache blocks are shared only by requests of the same salt
+    # vLLM's: the answer carries the prompt's token ids (``prompt_token_ids``) and each choice's (``token_ids``;
+    # streamed: each chunk's new ones, the prompt's on the first chunk)
+    return_token_ids: bool = False
     structured_outputs: dict[str, Any] | None = None  # vLLM: {"json" | "regex" | "choice": ...}
     # vLLM's older names of structured_outputs' keys (engine.protocol.guided.GUIDED_FIELDS): read only to be
     # refused (engine/serving/serving.py), never ignored (the answer would be unconstrained)
@@ -104,8 +107,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    return_token_ids: bool = False         # vLLM: each streamed choice carries its new ``token_ids``
+    chat_template_kwargs: dict[str, Any] | None = None   # extra variables of the chat template
+    chat_template: Any = None   # vLLM's request template: refused (UNSERVED_FIELDS), the model's own renders
     # Tandem: continue this request from the tokens each choice had generated (a stream resumed on another
     # replica, docs/operators/replicas.md); one list per choice
     resume_token_ids: list[list[int]] | None = None
@@ -117,9 +120,12 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     ``prompt`` is a string, a list of strings, a list of token ids or a list
     of token-id lists (one request per prompt; choice ``index`` is
     ``prompt_index * n + i``). ``logprobs`` is an int (0-20). ``max_tokens``
-    defaults to 16 (OpenAI's default); an explicit null means "up to
-    ``max_model_len``".
+    defaults to 16 (OpenAI's default) when absent; an explicit null means "up to
+    ``max_model_len``", as vLLM reads it (``explicit_null_fields``).
     """
+
+    # Fields whose explicit JSON null is kept (not read as "not given", ``parse_request``)
+    explicit_null_fields: ClassVar[tuple[str, ...]] = ("max_tokens",)
 
     prompt: str | list[Any]
     max_tokens: int | None = 16
@@ -143,6 +149,9 @@ UNSERVED_FIELDS = {
     "truncate_prompt_tokens": "prompt truncation is not implemented: send the tokens to keep",
     "return_tokens_as_token_ids": "tokens are returned as strings only",
     "logits_processors": "custom logits processors are not supported",
+    # vLLM takes one only with --trust-request-chat-template; ignoring it would render another prompt
+    "chat_template": "this server does not take request chat templates: the model's own template renders every "
+                     "request (chat_template_kwargs reach it)",
 }
 
 # The request fields whose value is a JSON schema for structured outputs, as paths of object keys.
@@ -208,8 +217,9 @@ def parse_request(body: Any, schema: type[T]) -> T:
     """Check ``body`` (a decoded JSON object) against ``schema``.
 
     A top-level JSON null means "not given", as in OpenAI's API: the field's
-    default applies (``"max_tokens": null`` on /v1/completions is 16 tokens,
-    not unlimited).
+    default applies, except for the fields a schema lists in ``explicit_null_fields``, where a null is the
+    value (``"max_tokens": null`` on /v1/completions is "up to ``max_model_len``", as vLLM reads it; absent,
+    16 tokens).
 
     Raises:
         RequestValidationError: the body is not an object, a required field
@@ -219,7 +229,8 @@ def parse_request(body: Any, schema: type[T]) -> T:
     if not isinstance(body, dict):
         raise RequestValidationError("the request body must be a JSON object", None)
     try:
-        parsed = msgspec.convert({k: v for k, v in body.items() if v is not None}, schema)
+        keep = getattr(schema, "explicit_null_fields", ())
+        parsed = msgspec.convert({k: v for k, v in body.items() if v is not None or k in keep}, schema)
     except msgspec.ValidationError as exc:
         text = str(exc)
         match = _PATH_RE.search(text)

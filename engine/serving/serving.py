@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,10 +101,12 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ models
     def models(self) -> dict:
-        """Body of ``GET /v1/models``."""
+        """Body of ``GET /v1/models``: vLLM's ``ModelCard`` per served name, with its ``permission`` list (one
+        ``model_permission``, vLLM's defaults)."""
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": self.created, "owned_by": "tandem",
             "root": self.served_model_name, "parent": None, "max_model_len": self.engine.max_model_len,
+            "permission": [model_permission(self.created)],
         } for name in self.served_model_names]}
 
     def reported_model(self, model: str | None) -> str:
@@ -152,7 +155,7 @@ class OpenAIServing:
             raise ServingError(503, "the engine is shutting down", type="server_error", code="engine_draining")
         self.check_model(model)
         for name, why in UNSERVED_FIELDS.items():   # ignoring one would answer otherwise than vLLM does
-            value = getattr(req, name)
+            value = getattr(req, name, None)   # chat_template: chat's only
             if value is not None and value is not False and value != {}:   # {}: a logit_bias biasing nothing
                 raise ServingError(400, f"{name}: {why}", param=name)
         if req.best_of is not None and req.best_of != (req.n or 1):
@@ -162,6 +165,9 @@ class OpenAIServing:
                 raise ServingError(400, f"{name}: {guided_field_hint(name)}", param=name)
         if req.cache_salt is not None and not req.cache_salt:   # vLLM refuses it too
             raise ServingError(400, "cache_salt: must be a non-empty string if provided", param="cache_salt")
+        if req.prompt_logprobs is not None and req.stream:   # vLLM's refusal, word for word
+            raise ServingError(400, "`prompt_logprobs` are not available when `stream=True`.",
+                               param="prompt_logprobs")
         if req.stream_options is not None and not req.stream:
             raise ServingError(400, "stream_options: only allowed when stream is true", param="stream_options")
         policy = self.engine.args.scheduling_policy
@@ -262,6 +268,14 @@ class OpenAIServing:
 # serving layer received before the abort (the prompt, the tokens generated so far, the cached ones). The gateway
 # bills a client that left with it (``gateway.billing.counting.partial_usage`` reads it).
 PARTIAL_USAGE = "partial_usage"
+
+
+def model_permission(created: int) -> dict:
+    """vLLM's ``ModelPermission`` with its defaults (sampling, logprobs and viewing allowed)."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
 
 
 def engine_id(request_id: str, i: int, num_prompts: int) -> str:
