@@ -72,6 +72,17 @@ def tcp_port(value: str) -> int:
     return port
 
 
+def non_negative_seconds(value: str) -> float:
+    """A duration flag's value (``--drain-timeout``): seconds, 0 or more.
+
+    Raises:
+        ValueError: not a number, or negative (a negative wait would end the drain before it starts)."""
+    seconds = float(value)
+    if not seconds >= 0:   # also refuses nan
+        raise ValueError(f"must be >= 0 seconds, got {value}")
+    return seconds
+
+
 # vLLM's other spellings of --dtype
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 

@@ -30,7 +30,7 @@ async def json_body(request: Request) -> dict:
 
 
 def serving_of(request: Request, kind: str):
-    """The app's serving object of ``kind`` ("chat", "completion" or "embedding": ``engine.serving``'s).
+    """The app's serving object of ``kind`` ("chat", "completion", "embedding" or "tokenization": ``engine.serving``'s).
 
     Raises:
         ServingError: 503 ``engine_loading`` (with ``Retry-After``) while the

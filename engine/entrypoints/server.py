@@ -2,8 +2,10 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when
 ``stream``), ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health`` (200 while the engine loop
-runs, else 503 with ``{"status": "loading" | "failed" | "unavailable"}``),
-``GET /metrics`` (Prometheus text, vLLM's metric names).
+runs, else 503 with ``{"status": "loading" | "failed" | "unavailable"}``; ``GET|POST /ping`` the same, as
+vLLM's), ``GET /metrics`` (Prometheus text, vLLM's metric names), and vLLM's ``POST /tokenize``,
+``POST /detokenize``, ``GET /version`` (``utility.py``). With ``--api-key`` every ``/v1`` path needs
+``Authorization: Bearer <key>`` (401 in OpenAI's form otherwise), as vLLM's.
 
 The server listens at once; the model loads in the background (its core
 process logs what it loads, MB and seconds). Until it is loaded every API
@@ -32,14 +34,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import logging
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import uvicorn
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, get, post, route
 from litestar.background_tasks import BackgroundTask
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
@@ -48,6 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from engine.async_engine import AsyncEngine
 from engine.entrypoints.request_state import json_body, serving_of
 from engine.entrypoints.ttft import ttft
+from engine.entrypoints.utility import detokenize, server_version, tokenize
 from engine.metrics import EngineMetrics
 from engine.protocol.errors import ServingError
 from engine.protocol.heap import freeze_heap
@@ -57,6 +62,7 @@ from engine.serving.chat import OpenAIServingChat
 from engine.serving.chunks import sse_stream
 from engine.serving.completion import OpenAIServingCompletion
 from engine.serving.embeddings import OpenAIServingEmbedding
+from engine.serving.tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("tandem.server")
 
@@ -123,10 +129,21 @@ def _respond(result: dict | AsyncIterator[list]) -> Response:
                   background=BackgroundTask(events.aclose))
 
 
+def _log_request(request: Request, rid: str, body: dict) -> None:
+    """``--enable-log-requests`` (vLLM's): one INFO line per request, its id and body (cut at
+    ``--max-log-len`` characters)."""
+    if not request.app.state.log_requests:
+        return
+    text = msgspec.json.encode(body).decode()
+    limit = request.app.state.max_log_len
+    logger.info("Received request %s: %s %s", rid, request.url.path, text if limit is None else text[:limit])
+
+
 async def _generate(request: Request, kind: str) -> Response:
     serving = serving_of(request, kind)
     body = await json_body(request)
     rid = unique_request_id(request.scope)
+    _log_request(request, rid, body)
     if kind == "chat":
         call = serving.create_chat_completion(body, request_id=f"chatcmpl-{rid}")
     else:
@@ -156,9 +173,10 @@ async def embeddings(request: Request) -> Response:
     """OpenAI embeddings: the model's final hidden states pooled (``engine/serving/embeddings.py``)."""
     serving = serving_of(request, "embedding")
     body = await json_body(request)
+    rid = unique_request_id(request.scope)
+    _log_request(request, rid, body)
     try:
-        return _respond(await _cancel_on_disconnect(request, serving.create_embedding(body, unique_request_id(
-            request.scope))))
+        return _respond(await _cancel_on_disconnect(request, serving.create_embedding(body, rid)))
     except _ClientGone:
         return Response(content=b"", status_code=499)
 
@@ -183,6 +201,16 @@ async def model(request: Request) -> Response:
 async def health(request: Request) -> Response:
     """200 while the engine loop runs; 503 while loading (``{"status": "loading"}``),
     after a failed load (``"failed"``), a crash or while draining (``"unavailable"``)."""
+    return _health(request)
+
+
+@route("/ping", http_method=["GET", "POST"])
+async def ping(request: Request) -> Response:
+    """vLLM's ``/ping`` (SageMaker's health check): ``/health``'s answer."""
+    return _health(request)
+
+
+def _health(request: Request) -> Response:
     engine: AsyncEngine = request.app.state.engine
     if engine.is_alive and engine.accepting:
         return Response(content=b"", status_code=200)
@@ -221,8 +249,32 @@ def _internal_error_handler(_: Request, exc: Exception) -> Response:
     return _error_response(ServingError(500, f"internal server error ({type(exc).__name__})", type="server_error"))
 
 
+def api_key_middleware(api_key: str):
+    """vLLM's ``--api-key`` as an ASGI middleware factory: a request to a ``/v1`` endpoint without
+    ``Authorization: Bearer <api_key>`` gets 401 in OpenAI's error form (``invalid_api_key``); other paths
+    (``/health``, ``/metrics``, ``/tokenize``...) and CORS preflights pass, as in vLLM. Litestar runs it for
+    routed paths only: an unknown ``/v1`` path is a 404 (vLLM's app-wide middleware answers 401)."""
+    expected = f"Bearer {api_key}".encode()
+    body = msgspec.json.encode(ServingError(401, "Incorrect API key provided (send Authorization: Bearer <key>, "
+                                                 "the server's --api-key).", code="invalid_api_key").to_dict())
+
+    def factory(app):
+        async def guard(scope, receive, send) -> None:
+            if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+                given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+                if not hmac.compare_digest(given, expected):
+                    await send({"type": "http.response.start", "status": 401, "headers": [
+                        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                    await send({"type": "http.response.body", "body": body})
+                    return
+            await app(scope, receive, send)
+        return guard
+    return factory
+
+
 def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_body_bytes: int = 4 * 2**20,
-              on_load_failed: Callable[[], None] | None = None) -> Litestar:
+              on_load_failed: Callable[[], None] | None = None, api_key: str | None = None,
+              log_requests: bool = False, max_log_len: int | None = None) -> Litestar:
     """The Litestar app serving ``engine``: it listens at once, loads the
     engine in the background on startup (if not started yet) and drains it on shutdown.
 
@@ -232,6 +284,9 @@ def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_b
         max_request_body_bytes: larger bodies get 413 (OpenAI error form).
         on_load_failed: called (on the event loop) when loading failed, after
             the error was logged; ``run_server`` stops the server with it.
+        api_key: required on ``/v1`` paths as ``Authorization: Bearer <key>`` (``api_key_middleware``); None: open.
+        log_requests: log each generation and embedding request (``--enable-log-requests``), its body cut at
+            ``max_log_len`` characters (None: whole).
 
     ``app.state``: ``engine``, ``chat`` and ``completion`` (once loaded),
     ``load_error`` (a failed load's message), ``registry`` (this app's own
@@ -252,6 +307,7 @@ def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_b
         app.state.completion = OpenAIServingCompletion(engine, engine.served_model_names)
         app.state.chat = OpenAIServingChat(engine, engine.served_model_names)
         app.state.embedding = OpenAIServingEmbedding(engine, engine.served_model_names)
+        app.state.tokenization = OpenAIServingTokenization(engine, engine.served_model_names)
         freeze_heap()
 
     async def on_startup(app: Litestar) -> None:
@@ -264,7 +320,9 @@ def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_b
         await engine.shutdown(drain=True, timeout=drain_timeout)
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, embeddings, models, model, health, metrics, ttft],
+        route_handlers=[chat_completions, completions, embeddings, models, model, health, ping, metrics, ttft,
+                        tokenize, detokenize, server_version],
+        middleware=[api_key_middleware(api_key)] if api_key else [],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         exception_handlers={ServingError: _serving_error_handler, HTTPException: _http_error_handler,
@@ -277,26 +335,47 @@ def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_b
     app.state.engine = engine
     app.state.registry = registry
     app.state.max_request_body_bytes = max_request_body_bytes
+    app.state.log_requests, app.state.max_log_len = log_requests, max_log_len
     return app
 
 
 # ------------------------------------------------------------------------- CLI
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``tandem engine serve``: the engine's (vLLM names, from
-    ``engine.config.add_engine_cli_args``) plus ``--host``, ``--port``,
-    ``--uvicorn-log-level``, ``--drain-timeout``."""
-    from engine.config import add_engine_cli_args, flag_type, parse_size, tcp_port
+    ``engine.config.add_engine_cli_args``), vLLM's positional ``MODEL``, plus ``--host``, ``--port``,
+    ``--uvicorn-log-level``, ``--drain-timeout``, ``--max-request-body-bytes`` and vLLM's ``--api-key``,
+    ``--enable-log-requests`` / ``--disable-log-requests``, ``--max-log-len``, ``--trust-remote-code``."""
+    from engine.config import add_engine_cli_args, flag_type, non_negative_seconds, parse_size, tcp_port
 
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as `vllm serve MODEL` takes it: the same as --model")
     add_engine_cli_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     g.add_argument("--port", type=flag_type(tcp_port), default=8000, help="TCP port to listen on (0-65535)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
-    g.add_argument("--drain-timeout", type=float, default=30.0,
+    g.add_argument("--drain-timeout", type=flag_type(non_negative_seconds), default=30.0,
                    help="seconds to let running requests finish on shutdown (SIGTERM/SIGINT)")
     g.add_argument("--max-request-body-bytes", type=parse_size, default=4 * 2**20,
                    help="largest request body, bytes (or 4MiB, 512KiB); larger ones get 413")
+    _add_vllm_server_args(g)
+
+
+def _add_vllm_server_args(g) -> None:
+    """vLLM's server flags: the API key, request logging, and ``--trust-remote-code`` (accepted, changes nothing)."""
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer <key>` on /v1 paths (401 otherwise), as vLLM's; default: "
+                        "$VLLM_API_KEY, else none")
+    g.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=False,
+                   help="log each generation and embedding request (its id and body) at INFO")
+    g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                   help="do not log requests (the default; vLLM's older flag)")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="characters of a logged request body at most (default: all)")
+    g.add_argument("--trust-remote-code", action="store_true", default=False,
+                   help="accepted for vLLM's command lines; changes nothing: this engine runs no model code of a "
+                        "checkpoint and downloads nothing")
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -311,6 +390,12 @@ def run_server(args: argparse.Namespace) -> int:
     from engine.config import engine_args_from_cli
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:   # vLLM's `serve MODEL`
+        if args.model is not None and args.model != tag:
+            logger.error("the positional MODEL %r and --model %r differ: give one", tag, args.model)
+            return 1
+        args.model = tag
     try:
         engine_args = engine_args_from_cli(args)
     except (ValueError, FileNotFoundError) as exc:
@@ -327,7 +412,9 @@ def run_server(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app = build_app(AsyncEngine(engine_args), drain_timeout=args.drain_timeout,
-                    max_request_body_bytes=args.max_request_body_bytes, on_load_failed=stop_on_load_failure)
+                    max_request_body_bytes=args.max_request_body_bytes, on_load_failed=stop_on_load_failure,
+                    api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
+                    log_requests=args.log_requests, max_log_len=args.max_log_len)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=int(args.drain_timeout) + 5, lifespan="on")
     server = EngineServer(config)

@@ -107,12 +107,19 @@ def test_the_loaded_front_end_is_frozen_out_of_full_collections(tiny_model):
         thread.join(60)
 
 
+API_KEY = "sk-engine-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
 @pytest.fixture(scope="module")
 def cli_server(tiny_model, tmp_path_factory):
-    """A real ``tandem engine serve`` with two served names (vLLM's aliases) and a 2 KiB body limit."""
+    """A real ``tandem engine serve`` with two served names (vLLM's aliases), a 2 KiB body limit, and vLLM's
+    command line: the model as its positional ``MODEL``, ``--api-key``, ``--enable-log-requests`` and
+    ``--trust-remote-code``."""
     port = free_port()
-    srv = Server([*tandem_cmd("engine", "serve"), "--model", tiny_model, "--port", str(port), "--served-model-name",
-                  "tiny", "tiny-alias", "--kv-cache-memory", "64MiB", "--max-request-body-bytes", "2KiB"],
+    srv = Server([*tandem_cmd("engine", "serve"), tiny_model, "--port", str(port), "--served-model-name",
+                  "tiny", "tiny-alias", "--kv-cache-memory", "64MiB", "--max-request-body-bytes", "2KiB",
+                  "--api-key", API_KEY, "--enable-log-requests", "--trust-remote-code"],
                  f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}",
                  log_dir=tmp_path_factory.mktemp("serve")).wait_ready(120)
     yield srv
@@ -121,7 +128,7 @@ def cli_server(tiny_model, tmp_path_factory):
 
 def test_body_limit_gives_413_and_the_load_is_logged(cli_server):
     srv = cli_server
-    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     with pytest.raises(openai.APIStatusError) as info:
         client.completions.create(model="tiny", prompt="x" * 4096, max_tokens=2)
     assert info.value.status_code == 413
@@ -138,7 +145,7 @@ def test_several_served_model_names_are_aliases(cli_server):
     """vLLM's ``--served-model-name a b``: both listed and taken, each answer reports the name its request
     used, a request without one reports the first, and the metrics carry the first."""
     base = cli_server.base_url
-    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
     assert {m.root for m in client.models.list().data} == {"tiny"}
     assert client.models.retrieve("tiny-alias").id == "tiny-alias"
@@ -150,14 +157,60 @@ def test_several_served_model_names_are_aliases(cli_server):
                                           max_tokens=2)
     assert chat.model == "tiny-alias"
     assert client.embeddings.create(model="tiny-alias", input="abc").model == "tiny-alias"
-    r = httpx.post(base + "/v1/completions", json={"prompt": "abc", "max_tokens": 2}, timeout=60)
+    r = httpx.post(base + "/v1/completions", json={"prompt": "abc", "max_tokens": 2}, headers=AUTH, timeout=60)
     assert r.status_code == 200 and r.json()["model"] == "tiny"
     for url, body in (("/v1/completions", {"model": "other", "prompt": "abc", "max_tokens": 2}),
                       ("/v1/embeddings", {"model": "other", "input": "abc"})):
-        r = httpx.post(base + url, json=body, timeout=60)
+        r = httpx.post(base + url, json=body, headers=AUTH, timeout=60)
         assert r.status_code == 404, r.text
         assert r.json()["error"]["code"] == "model_not_found"
         assert "tiny, tiny-alias" in r.json()["error"]["message"]
-    assert httpx.get(base + "/v1/models/other", timeout=10).status_code == 404
+    assert httpx.get(base + "/v1/models/other", headers=AUTH, timeout=10).status_code == 404
     metrics = httpx.get(base + "/metrics", timeout=10).text
     assert 'model_name="tiny"' in metrics and 'model_name="tiny-alias"' not in metrics
+
+
+def test_api_key_guards_the_v1_paths_and_requests_are_logged(cli_server):
+    """vLLM's ``--api-key``: every /v1 endpoint needs the bearer key (401 in OpenAI's form otherwise); /health,
+    /metrics and the utility endpoints stay open. ``--enable-log-requests`` logs each
+    request with its id; the positional MODEL served the model (``cli_server``)."""
+    base = cli_server.base_url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/v1/models/tiny")):
+            r = httpx.request(method, base + path, headers=headers, json={"prompt": "abc", "max_tokens": 1},
+                              timeout=60)
+            assert r.status_code == 401, (headers, path, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
+            assert r.headers.get("x-request-id")
+    client = openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    for path in ("/health", "/metrics", "/version", "/ping"):
+        assert httpx.get(base + path, timeout=10).status_code == 200, path
+    assert httpx.post(base + "/tokenize", json={"prompt": "abc"}, timeout=10).json()["count"] >= 1
+    r = httpx.post(base + "/v1/completions", headers={**AUTH, "x-request-id": "logged-request-1"},
+                   json={"model": "tiny", "prompt": "logged prompt", "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200
+    log = cli_server.log_tail(100_000)
+    assert "Received request" in log and "logged-request-1" in log and "logged prompt" in log
+
+
+def test_serve_flags_refuse_what_vllm_would_not_take(tmp_path, capsys):
+    """``--drain-timeout`` refuses a negative wait in one line (as the other typed flags); the positional MODEL
+    and ``--model`` must agree (vLLM's ``serve MODEL`` is ``--model``)."""
+    import argparse
+
+    from engine.entrypoints.server import add_serve_args, run_server
+
+    parser = argparse.ArgumentParser(prog="tandem engine serve")
+    add_serve_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--drain-timeout", "-1"])
+    err = capsys.readouterr().err
+    assert "--drain-timeout" in err and "must be >= 0 seconds" in err and "Traceback" not in err
+    assert parser.parse_args(["--drain-timeout", "0"]).drain_timeout == 0
+    args = parser.parse_args([str(tmp_path / "a.gguf"), "--model", str(tmp_path / "b.gguf")])
+    assert run_server(args) == 1
+    args = parser.parse_args([str(tmp_path / "a.gguf")])
+    assert args.model_tag == str(tmp_path / "a.gguf") and args.model is None

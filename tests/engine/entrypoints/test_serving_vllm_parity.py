@@ -1,0 +1,145 @@
+"""Where ``tandem engine serve`` answers as ``vllm serve`` does, found wanting by a vLLM user's trial: fields
+refused rather than ignored (``prompt_logprobs`` on a stream, a request ``chat_template``), ``return_token_ids``
+on both endpoints streamed or not, a stop token's text with ``include_stop_str_in_output``, ``"max_tokens":
+null`` on /v1/completions, the utility endpoints (``/tokenize``, ``/detokenize``, ``/version``, ``/ping``), and
+the embeddings' ``id``/``created`` and the models' ``permission``.
+
+Real HTTP against conftest.py's SmolLM2 float32 server (shared with test_serving.py), the official ``openai``
+client and httpx.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.engine.entrypoints.test_serving import (MAX_MODEL_LEN, chat, chat_stream, complete, complete_stream,
+                                                   concurrently, counting_prompt)
+
+pytestmark = pytest.mark.slow
+
+HI = [{"role": "user", "content": "Hi"}]
+DOT = 30   # SmolLM2's "."
+
+
+@pytest.fixture
+def server(float32_server):
+    return float32_server
+
+
+def test_prompt_logprobs_on_a_stream_is_refused_as_vllm_refuses_it(server):
+    """A trial's streamed request with ``prompt_logprobs`` got 200 and no prompt logprobs anywhere."""
+    for call in (lambda: complete_stream(server, prompt="hi", max_tokens=2, extra_body={"prompt_logprobs": 1}),
+                 lambda: chat_stream(server, messages=HI, max_tokens=2, extra_body={"prompt_logprobs": 1})):
+        with pytest.raises(openai.BadRequestError) as exc:
+            call()
+        assert exc.value.body["param"] == "prompt_logprobs", exc.value.body
+        assert exc.value.body["message"] == "`prompt_logprobs` are not available when `stream=True`."
+
+
+def test_a_request_chat_template_is_refused_never_ignored(server):
+    """A trial's ``chat_template`` was silently replaced by the model's; vLLM (without
+    --trust-request-chat-template) refuses it."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(openai.BadRequestError) as exc:
+        chat(server, messages=HI, max_tokens=2, extra_body={"chat_template": template})
+    assert exc.value.body["param"] == "chat_template" and "template" in exc.value.message
+    r = httpx.post(f"{server.base_url}/tokenize", json={"model": server.model, "messages": HI,
+                                                        "chat_template": template})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+
+
+def test_return_token_ids_on_both_endpoints_streamed_or_not(server):
+    """vLLM's shape: chat ``prompt_token_ids`` top level (each role chunk of a stream), completions per choice
+    (its first chunk); ``token_ids`` per choice (each chunk's new ones). A trial got them only on streamed chat."""
+    ids = {"return_token_ids": True}
+    full_c, stream_c, full_chat, stream_chat = concurrently(
+        lambda: complete(server, prompt="The capital of France is", max_tokens=5, temperature=0, extra_body=ids),
+        lambda: complete_stream(server, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                extra_body=ids),
+        lambda: chat(server, messages=HI, max_tokens=5, temperature=0, extra_body=ids),
+        lambda: chat_stream(server, messages=HI, max_tokens=5, temperature=0, extra_body=ids))
+    tok = server.engine.tokenizer
+    prompt_ids = tok.encode("The capital of France is", add_special_tokens=True)
+    choice = full_c.choices[0].model_extra
+    assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == 5
+    assert tok.decode(choice["token_ids"]) == full_c.choices[0].text
+    streamed = [c.model_extra for ch in stream_c for c in ch.choices]
+    assert streamed[0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c or c["prompt_token_ids"] is None for c in streamed[1:])
+    assert [t for c in streamed for t in c["token_ids"]] == choice["token_ids"]
+    chat_ids = full_chat.model_extra["prompt_token_ids"]
+    assert chat_ids and chat_ids[-1] != chat_ids[0] and len(full_chat.choices[0].model_extra["token_ids"]) == 5
+    assert stream_chat[0].model_extra["prompt_token_ids"] == chat_ids
+    assert [t for ch in stream_chat for c in ch.choices for t in (c.model_extra.get("token_ids") or [])] == \
+        full_chat.choices[0].model_extra["token_ids"]
+    plain = complete(server, prompt="hi", max_tokens=1).choices[0].model_extra
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain   # only when asked for
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_tokens_text_follows_include_stop_str_in_output(server, include):
+    """vLLM v1: with ``include_stop_str_in_output`` the stop token's text ends the answer (a trial got " Paris"
+    with logprobs [" Paris", "."]); without it the text stops before it. Streamed == whole."""
+    kw = dict(prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=0,
+              extra_body={"stop_token_ids": [DOT], "include_stop_str_in_output": include})
+    whole, chunks = concurrently(lambda: complete(server, **kw), lambda: complete_stream(server, **kw))
+    c = whole.choices[0]
+    assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == DOT, c
+    tokens = "".join(c.logprobs.tokens)
+    assert tokens.endswith(".") and c.text == (tokens if include else tokens[:-1])
+    assert "".join(ch.text for chunk in chunks for ch in chunk.choices) == c.text
+
+
+def test_completions_max_tokens_null_fills_the_context(server):
+    """vLLM: an explicit null is "up to max_model_len", absent is 16 (the trial got 16 for the null)."""
+    prompt, _ = counting_prompt(server.engine.tokenizer, MAX_MODEL_LEN - 24)   # a few tokens left: a quick fill
+    body = {"model": server.model, "prompt": prompt, "temperature": 0, "ignore_eos": True}
+    url = f"{server.base_url}/v1/completions"
+    null, absent = concurrently(lambda: httpx.post(url, json={**body, "max_tokens": None}, timeout=600),
+                                lambda: httpx.post(url, json=body, timeout=600))
+    assert absent.json()["usage"]["completion_tokens"] == 16
+    usage = null.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_MODEL_LEN, usage
+
+
+def test_tokenize_detokenize_version_and_ping(server):
+    base, tok = server.base_url, server.engine.tokenizer
+    r = httpx.post(f"{base}/tokenize", json={"model": server.model, "prompt": "Hello world"})
+    ids = tok.encode("Hello world", add_special_tokens=True)
+    assert r.json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids, "token_strs": None}
+    r = httpx.post(f"{base}/tokenize", json={"prompt": "Hello world", "add_special_tokens": False,
+                                             "return_token_strs": True})
+    assert r.json()["tokens"] == tok.encode("Hello world") and len(r.json()["token_strs"]) == r.json()["count"]
+    # the chat form renders as the chat endpoint does: its count is the chat answer's prompt_tokens
+    rendered = httpx.post(f"{base}/tokenize", json={"model": server.model, "messages": HI}).json()
+    assert rendered["count"] == chat(server, messages=HI, max_tokens=1).usage.prompt_tokens
+    bare = httpx.post(f"{base}/tokenize", json={"messages": HI, "add_generation_prompt": False}).json()
+    assert bare["count"] < rendered["count"] and rendered["tokens"][:bare["count"]] == bare["tokens"]
+    r = httpx.post(f"{base}/detokenize", json={"model": server.model, "tokens": rendered["tokens"]})
+    assert r.json() == {"prompt": tok.decode(rendered["tokens"], skip_special_tokens=False)}
+    assert "<|im_start|>" in r.json()["prompt"]
+    for path, body, param in (("/tokenize", {"prompt": 3}, "prompt"), ("/tokenize", {}, "prompt"),
+                              ("/detokenize", {"tokens": [tok.vocab_size]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens"),
+                              ("/tokenize", {"messages": []}, "messages")):
+        r = httpx.post(base + path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    for path, body in (("/tokenize", {"model": "other", "prompt": "x"}), ("/detokenize", {"model": "other",
+                                                                                          "tokens": [1]})):
+        r = httpx.post(base + path, json=body)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    from importlib.metadata import version
+    assert httpx.get(f"{base}/version").json() == {"version": version("tandem")}
+    assert httpx.get(f"{base}/ping").status_code == 200 and httpx.post(f"{base}/ping").status_code == 200
+
+
+def test_embeddings_have_an_id_and_created_and_models_a_permission_list(server):
+    r = httpx.post(f"{server.base_url}/v1/embeddings", json={"model": server.model, "input": "abc"}).json()
+    assert r["id"].startswith("embd-") and isinstance(r["created"], int) and r["object"] == "list"
+    card = server.client.models.list().data[0].model_extra
+    perm = card["permission"]
+    assert len(perm) == 1 and perm[0]["object"] == "model_permission" and perm[0]["id"].startswith("modelperm-")
+    assert perm[0]["allow_sampling"] and perm[0]["allow_logprobs"] and not perm[0]["allow_fine_tuning"]
