@@ -24,8 +24,9 @@ import msgspec
 
 from engine.core.core_loop import (ready_message, run_core_loop, run_engine_core_process, start_engine_core,
                                    take_all)
-from engine.core.core_messages import (Command, CompileGrammar, CoreFailed, CoreReady, CoreReply, CoreStep, EmbedPrompts,
-                                  Shutdown, Withdraw, decode_reply, encode, params_to_wire, rebuild_error)
+from engine.core.core_messages import (AbortRequests, Command, CompileGrammar, CoreFailed, CoreReady, CoreReply, CoreStep,
+                                  EmbedPrompts, Shutdown, Withdraw, decode_reply, embed_request_ids, encode,
+                                  params_to_wire, rebuild_error)
 from engine.worker.grammar_compiler import GrammarRefused
 
 logger = logging.getLogger("tandem.core_client")
@@ -325,8 +326,20 @@ class PipeWriter:
 
 async def _embed_call(client, prompts: list[list[int]], pooling_type: str | None,
                       normalize: bool | None) -> list[list[float]]:
-    """Send an ``EmbedPrompts`` through ``client`` and wait for its ``CoreReply``."""
-    return await _core_call(client, lambda call_id: EmbedPrompts(call_id, prompts, pooling_type or "", normalize))
+    """Send an ``EmbedPrompts`` through ``client`` and wait for its ``CoreReply``. A caller that leaves (the task
+    cancelled: its HTTP client disconnected) aborts the call's pooling requests, which free their KV blocks at
+    once instead of prefilling to the end for nobody (the core's reply to the aborted call is dropped)."""
+    sent: list[int] = []
+
+    def command(call_id: int) -> EmbedPrompts:
+        sent.append(call_id)
+        return EmbedPrompts(call_id, prompts, pooling_type or "", normalize)
+    try:
+        return await _core_call(client, command)
+    except asyncio.CancelledError:
+        if sent:
+            client.send(AbortRequests(embed_request_ids(sent[0], len(prompts))))
+        raise
 
 
 async def _withdraw_call(client, request_id: str, by: float, scale: float,

@@ -83,6 +83,15 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Abort whatever is left and stop the core loop."""
 
 
+EMBED_ID_PREFIX = "embed-call-"   # an embed call's pooling requests' ids: f"{prefix}{call id}-{index}"
+
+
+def embed_request_ids(call_id: int, count: int) -> list[str]:
+    """The ids of the pooling requests of embed call ``call_id`` of ``count`` prompts, in input order: the core
+    names them so (``engine/core/embed_calls.py``), and the front end aborts them by these names."""
+    return [f"{EMBED_ID_PREFIX}{call_id}-{i}" for i in range(count)]
+
+
 class EmbedPrompts(msgspec.Struct, tag=True, array_like=True):
     """Pool tokenized prompts into embeddings (``EngineCore.add_embed``: pooling requests, chunked and in steps
     shared with the running streams); answered once all are pooled by ``CoreReply(call_id, error, value)``,

@@ -7,11 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.core.core_messages import EMBED_ID_PREFIX, embed_request_ids
 from engine.core.request import Request, RequestStatus
 from engine.pooling import pool
-
-EMBED_ID_PREFIX = "embed-call-"   # pooling requests' ids: f"{prefix}{call id}-{index}"
-
 
 def embed_call_id(seq_id: str) -> int:
     """The call id in a pooling request's id."""
@@ -42,12 +40,13 @@ class EmbedCalls:
         """
         if call_id in self.calls:
             raise ValueError(f"embed call {call_id} is already running")
-        seq_ids = [f"{EMBED_ID_PREFIX}{call_id}-{i}" for i in range(count)]
+        seq_ids = embed_request_ids(call_id, count)
         self.calls[call_id] = EmbedCall(seq_ids)
         return seq_ids
 
     def abort(self, seq_id: str) -> None:
-        """Mark the call of pooling request ``seq_id`` failed (its step failed, or the engine stopped)."""
+        """Mark the call of pooling request ``seq_id`` failed (its step failed, the engine stopped, or its caller
+        left: the front end aborts the call's requests)."""
         self.calls[embed_call_id(seq_id)].error = "the embedding was aborted (engine step failed or stopped)"
 
     def forget(self, seq_id: str) -> None:
