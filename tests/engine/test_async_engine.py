@@ -180,6 +180,24 @@ async def test_stats_report_live_signals(engine):
     assert await wait_idle(engine)
 
 
+async def test_an_embed_call_its_caller_left_stops_and_frees_its_blocks(engine):
+    """A trial's client gave up on two 6,000-token embeddings: the core prefilled them to the end for nobody,
+    holding KV blocks ~85 s. Cancelling the caller's task aborts the call's pooling requests: the core goes
+    idle having computed only part of the prompts."""
+    prompts = [[100 + (i * 131 + j * 7) % 40000 for j in range(480)] for i in range(48)]   # 23,040 tokens: ~45 steps
+    before = engine.get_stats().prompt_tokens_total
+    task = asyncio.create_task(engine.embed(prompts))
+    while engine.get_stats().prompt_tokens_total == before and not task.done():   # the first chunk was computed
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await wait_idle(engine)
+    assert engine.get_stats().prompt_tokens_total - before < sum(map(len, prompts))
+    vectors = await engine.embed(prompts[:1])   # the engine serves embeddings after it
+    assert len(vectors) == 1 and len(vectors[0]) > 0
+
+
 async def test_graceful_drain_finishes_running_requests(engine):
     """Last in the module: it shuts the shared engine down."""
     params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -197,21 +215,3 @@ async def test_graceful_drain_finishes_running_requests(engine):
     assert not engine.is_alive
     with pytest.raises(EngineDeadError):
         await collect(engine, PROMPT, params, "dead")
-
-
-async def test_an_embed_call_its_caller_left_stops_and_frees_its_blocks(engine):
-    """A trial's client gave up on two 6,000-token embeddings: the core prefilled them to the end for nobody,
-    holding KV blocks ~85 s. Cancelling the caller's task aborts the call's pooling requests: the core goes
-    idle having computed only part of the prompts."""
-    prompts = [[100 + (i * 131 + j * 7) % 40000 for j in range(480)] for i in range(16)]   # 7,680 tokens
-    before = engine.get_stats().prompt_tokens_total
-    task = asyncio.create_task(engine.embed(prompts))
-    while engine.get_stats().prompt_tokens_total == before:   # the first chunk was computed
-        await asyncio.sleep(0.005)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert await wait_idle(engine)
-    assert engine.get_stats().prompt_tokens_total - before < sum(map(len, prompts))
-    vectors = await engine.embed(prompts[:1])   # the engine serves embeddings after it
-    assert len(vectors) == 1 and len(vectors[0]) > 0
