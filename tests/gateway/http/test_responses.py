@@ -217,6 +217,16 @@ async def test_builtin_tool_and_out_of_range_refused_naming_the_responses_parame
     assert up.calls == 0
 
 
+async def assert_refused(client, cases: list) -> None:
+    """Each (extra body, param, code) of ``cases`` is OpenAI's 400 naming ``param`` (in its message too, never
+    chat's ``.function`` path)."""
+    for extra, param, code in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.responses.create(model="m1", input="hi", extra_body=extra)
+        assert (e.value.body["param"], e.value.body["code"]) == (param, code), extra
+        assert param in e.value.body["message"] and ".function" not in e.value.body["message"]
+
+
 async def test_parameters_checked_as_openai_does_unknown_type_and_range(up):
     # (extra body, param, code): every refusal names what the client sent, before any upstream call
     cases = [({"seed": 2 ** 70}, "seed", "integer_above_max_value"), ({"seed": "abc"}, "seed", "invalid_type"),
@@ -225,11 +235,7 @@ async def test_parameters_checked_as_openai_does_unknown_type_and_range(up):
              ({"max_output_tokens": "4"}, "max_output_tokens", "invalid_type"),
              ({"temperature": True}, "temperature", "invalid_type")]
     async with gateway(config(up)) as (gw, client):
-        for extra, param, code in cases:
-            with pytest.raises(openai.BadRequestError) as e:
-                await client.responses.create(model="m1", input="hi", extra_body=extra)
-            assert (e.value.body["param"], e.value.body["code"]) == (param, code), extra
-            assert param in e.value.body["message"]
+        await assert_refused(client, cases)
         assert up.calls == 0
         await client.responses.create(model="m1", input="hi", extra_body={"seed": 7})    # in range: it reaches chat
     assert up.requests[-1][2]["seed"] == 7
@@ -266,11 +272,7 @@ async def test_tool_refusals_name_the_responses_paths(up):
              ({"tools": [{**WEATHER, "description": 3}]}, "tools[0].description", "invalid_type"),
              ({"parallel_tool_calls": True}, "parallel_tool_calls", "invalid_value")]
     async with gateway(config(up)) as (gw, client):
-        for extra, param, code in cases:
-            with pytest.raises(openai.BadRequestError) as e:
-                await client.responses.create(model="m1", input="hi", extra_body=extra)
-            assert (e.value.body["param"], e.value.body["code"]) == (param, code), extra
-            assert param in e.value.body["message"] and ".function" not in e.value.body["message"]
+        await assert_refused(client, cases)
     assert up.calls == 0
 
 
