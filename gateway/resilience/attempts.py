@@ -363,7 +363,8 @@ class _Run:
         res = Result(503, {"content-type": "application/json"}, attempts=self.attempts)
         called = self.failures
         ctx = [f for f in called if f.kind == "context_length"]
-        if ctx and not [f for f in called if f.kind != "context_length"]:
+        if ctx and all(f.kind == "context_length" or any(_not_larger(f.candidate, g.candidate) for g in ctx)
+                       for f in called):   # the others failed on targets the prompt would not fit either
             return self._passthrough(ctx[-1].response, ctx[-1].candidate) if ctx[-1].response else res
         if not self.candidates:
             res.body = error_body(503, "No backend of this route is available.", code="no_backend_available")
@@ -410,6 +411,13 @@ class _Run:
                               + (f" The last one said: {said}" if said else ""), code="upstream_failed",
                               type_="upstream_error")
         return res
+
+
+def _not_larger(c: Candidate | None, than: Candidate | None) -> bool:
+    """Whether ``c`` is known to take no longer context than ``than`` (both limits declared): a request too long
+    for ``than`` is too long for ``c``, whatever else ``c``'s attempt failed on."""
+    return (c is not None and than is not None and c.max_model_len is not None and than.max_model_len is not None
+            and c.max_model_len <= than.max_model_len)
 
 
 class _AnswerHead(msgspec.Struct):

@@ -285,6 +285,24 @@ async def test_context_length_moves_to_larger_target(client, state, primary, fal
     assert (await Breakers(state).get("primary")).state == "closed"
 
 
+async def test_context_length_stays_the_clients_400_when_a_no_larger_target_failed_first(client, state, primary):
+    """A new user's too-long request drew the canary whose engine was down (connect_error), then the local engine
+    said context_length: a 502 ``upstream_failed`` the SDKs retry. The down target declares no larger context, so
+    the request is the client's error: the engine's 400. One that declares a larger one keeps the 502 (a retry
+    may reach it)."""
+    body = {"status": 400, "error_code": "context_length_exceeded",
+            "message": "This model's maximum context length is 2048 tokens"}
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    for limit, status in ((2048, 400), (8192, 502)):
+        primary.push(body)
+        cands = [cand(dead, name="canary", max_model_len=limit), cand(primary, max_model_len=2048)]
+        res = await call_with_fallback(cands, attempt_fn(client, False), breakers=Breakers(state), policy=FAST)
+        assert [a.outcome for a in res.attempts][:2] == ["connect_error", "context_length"]
+        assert res.status == status, res.body
+        if status == 400:
+            assert json.loads(res.body)["error"]["code"] == "context_length_exceeded"
+
+
 async def test_candidates_too_small_are_skipped(client, primary, fallback):
     cands = [cand(primary, max_model_len=1024), cand(fallback, max_model_len=32768)]
     res = await call_with_fallback(cands, attempt_fn(client, False), required_len=4000, policy=FAST)
