@@ -67,11 +67,12 @@ class ClientError(Exception):
     where they are made, so the log line and the answer carry the same bounded text."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, native: bool = False):
         message, param = clip(message, MESSAGE_CHARS), clip(param, PARAM_CHARS)
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
+        self.native = native   # the message names the client API's own paths (not the chat translation's)
 
 
 def model_not_found(name: str, available) -> ClientError:

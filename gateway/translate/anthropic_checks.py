@@ -22,8 +22,9 @@ def missing_or_wrong(body: dict, name: str, wanted: str, path: str | None = None
 
 
 def bad_request(message: str, param: str) -> ClientError:
-    """Anthropic's 400 (``invalid_request_error``) with ``message``; ``param``: the field's dotted path."""
-    return ClientError(400, message, param=param, code="invalid_request_error")
+    """Anthropic's 400 (``invalid_request_error``) with ``message``; ``param``: the field's dotted path in the
+    Messages body (``native``: the chat translation's paths are not rewritten in it)."""
+    return ClientError(400, message, param=param, code="invalid_request_error", native=True)
 
 
 def check_sampling(body: dict) -> None:

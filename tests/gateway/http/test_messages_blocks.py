@@ -258,7 +258,10 @@ async def test_malformed_output_config_and_tools_are_refused_before_the_backend(
          "messages.2.content.0.is_error: Input should be a valid boolean"),
         ({"tools": TOOLS, "messages": [*ASK["messages"], {"role": "assistant", "content": [use, use]}, {
             "role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1"}]}]},
-         "messages.1.content.1: `tool_use` ids must be unique")]
+         "messages.1.content.1: `tool_use` ids must be unique"),
+        # a new user's chat field on /v1/messages was named as output_config.format (the chat paths' rewrite)
+        ({"extra_body": {"response_format": {"type": "json_object"}}},
+         "response_format: Extra inputs are not permitted")]
     async with served(config(upstream.base_url)) as client:
         calls = upstream.calls
         for body, message in refused:
