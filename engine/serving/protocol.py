@@ -213,6 +213,25 @@ class RequestValidationError(ValueError):
         self.code = code
 
 
+# msgspec's type names -> OpenAI's words in its "Invalid type for ..." messages.
+_TYPE_WORDS = {"object": "an object", "str": "a string", "int": "an integer", "float": "a number",
+               "array": "an array", "bool": "a boolean"}
+_TYPE_RE = re.compile(r"^Expected `([^`]+)`, got `([^`]+)` - at `\$\.?([^`]*)`$")
+
+
+def _invalid_type(text: str, param: str | None) -> str | None:
+    """OpenAI's message for a field of the wrong type ("Invalid type for 'response_format': expected an object,
+    but got a string instead."), from msgspec's (``Expected `object | null`, got `str` - at `$.response_format```);
+    None for any other error."""
+    m = _TYPE_RE.match(text)
+    if m is None or param is None:
+        return None
+    wanted = [_TYPE_WORDS.get(t.strip(), t.strip()) for t in m.group(1).split("|") if t.strip() != "null"]
+    expected = wanted[0] if len(wanted) == 1 else "one of " + " or ".join(wanted)
+    return (f"Invalid type for '{m.group(3) or param}': expected {expected}, but got "
+            f"{_TYPE_WORDS.get(m.group(2), m.group(2))} instead.")
+
+
 def parse_request(body: Any, schema: type[T]) -> T:
     """Check ``body`` (a decoded JSON object) against ``schema``.
 
@@ -238,6 +257,9 @@ def parse_request(body: Any, schema: type[T]) -> T:
         missing = re.search(r"missing required field `([^`]+)`", text)
         if param is None and missing:
             param = missing.group(1)
+        typed = _invalid_type(text, param)
+        if typed is not None:
+            raise RequestValidationError(typed, param, "invalid_type") from None
         message = f"{param}: {text}" if param else text
         raise RequestValidationError(message, param) from None
     if (bad := first_violation(body)) is not None:

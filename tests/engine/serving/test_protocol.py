@@ -57,7 +57,19 @@ def test_type_errors_name_the_field(body, param):
     with pytest.raises(RequestValidationError) as exc:
         parse_request(body, ChatCompletionRequest)
     assert exc.value.param == param
-    assert str(exc.value).startswith(param)
+    assert str(exc.value).startswith((param, f"Invalid type for '{param}"))
+
+
+def test_a_wrong_type_is_worded_as_openai_words_it():
+    """A new user's ``"response_format": "json_object"`` got msgspec's own wording (``Expected `object | null`,
+    got `str` - at `$.response_format```) and ``code: null``."""
+    with pytest.raises(RequestValidationError) as exc:
+        parse_request({"messages": [], "response_format": "json_object"}, ChatCompletionRequest)
+    assert str(exc.value) == "Invalid type for 'response_format': expected an object, but got a string instead."
+    assert (exc.value.param, exc.value.code) == ("response_format", "invalid_type")
+    with pytest.raises(RequestValidationError) as exc:
+        parse_request({"messages": [], "stop": [1]}, ChatCompletionRequest)
+    assert str(exc.value) == "Invalid type for 'stop[0]': expected a string, but got an integer instead."
 
 
 def test_body_must_be_an_object():
