@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"starting the canary arm ({CANARY}: tandem engine serve --dtype float32 on :{engine_port}) and the "
           f"gateway on :{gw_port} (config.example.yaml, embedded Redis under {work / 'data'}); logs in {work}")
     engine = Server(tandem_cmd("engine", "serve", "--port", str(engine_port), "--dtype", "float32",
-                               "--served-model-name", "smollm2", "--kv-cache-memory", "512MiB"),
+                               "--served-model-name", "smollm2", "--max-model-len", "2048",
+                               "--kv-cache-memory", "512MiB"),
                     f"http://127.0.0.1:{engine_port}/health", f"http://127.0.0.1:{engine_port}", log_dir=work,
                     name="engine-f32")
     gateway = None
