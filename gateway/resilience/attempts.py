@@ -49,14 +49,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Awaitable, Callable
 
-import msgspec
-
 from gateway.config.schema import RetrySettings
 from gateway.errors import error_body
 from gateway.resilience.outcomes import (TRANSIENT_STATUS, Attempt, Failure, NoCandidate, PassThrough, Result,
-                                         UpstreamResponse, Withdrawn, classify_error_object,
-                                         classify_exception, close_response, error_object, is_context_length_error,
-                                         is_request_error, parse_retry_after)
+                                         UpstreamResponse, Withdrawn, answer_head, classify_error_object,
+                                         classify_exception, close_response, is_context_length_error,
+                                         is_request_error, parse_retry_after, upstream_message)
 from gateway.resilience.backoff import RetryPolicy
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
 from gateway.resilience.streaming import Held, StreamEnd, peek_stream, relay
@@ -271,7 +269,7 @@ class _Run:
         ct = {"content-type": resp.headers.get("content-type", "application/json")}
         if 200 <= status < 300:
             try:
-                head = _answer_head(body)
+                head = answer_head(body)
             except ValueError:
                 return Failure("malformed", "upstream returned malformed JSON", status=502)
             if head.error:
@@ -406,7 +404,7 @@ class _Run:
         else:
             res.status, msg = 502, "The upstream failed"
         kinds = ", ".join(f"{a.target}: {a.outcome}" for a in self.attempts)
-        said = _upstream_message(f)
+        said = upstream_message(f)
         res.body = error_body(res.status, f"{msg} after {self.calls} attempt(s) ({kinds})."
                               + (f" The last one said: {said}" if said else ""), code="upstream_failed",
                               type_="upstream_error")
@@ -418,45 +416,6 @@ def _not_larger(c: Candidate | None, than: Candidate | None) -> bool:
     for ``than`` is too long for ``c``, whatever else ``c``'s attempt failed on."""
     return (c is not None and than is not None and c.max_model_len is not None and than.max_model_len is not None
             and c.max_model_len <= than.max_model_len)
-
-
-class _AnswerHead(msgspec.Struct):
-    """What the attempt loop reads of a whole 2xx answer: its ``error`` and ``usage`` members (the rest is
-    skipped unbuilt)."""
-
-    error: Any = None
-    usage: Any = None
-
-
-_decode_head = msgspec.json.Decoder(_AnswerHead).decode
-
-
-def _answer_head(body: bytes) -> _AnswerHead:
-    """``body``'s ``error`` and ``usage`` as ``json.loads(body)`` reads them. msgspec decodes what strict UTF-8
-    JSON objects are (an upstream's answers: ~8x faster than ``json``); anything it refuses (NaN, other
-    encodings, lone surrogates, a non-object) goes to ``json.loads``, so what is accepted stays the same.
-
-    Raises:
-        ValueError: not JSON, or not a JSON object."""
-    try:
-        return _decode_head(body)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        obj = json.loads(body)
-        if not isinstance(obj, dict):
-            raise ValueError("not an object") from None
-        return _AnswerHead(obj.get("error"), obj.get("usage"))
-
-
-def _upstream_message(f: Failure, limit: int = 300) -> str | None:
-    """The ``error.message`` of a failed attempt's answer (OpenAI's error format), cut to ``limit`` characters;
-    None when it has none: why the engine or provider refused (e.g. a grammar still compiling, send again) is
-    worth more to the caller than the status alone."""
-    err = error_object(f.response.body if f.response is not None else None)
-    message = err.get("message") if err is not None else None
-    if not isinstance(message, str) or not message.strip():
-        return None
-    message = message.strip()
-    return message if len(message) <= limit else message[:limit - 3] + "..."
 
 
 def _no_client_retry(res: Result) -> Result:

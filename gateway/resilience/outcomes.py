@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
+import msgspec
+
 from gateway.errors import transport_error_kind
 from gateway.resilience.ratelimit import RateReservation
 
@@ -215,3 +217,42 @@ async def close_response(resp: UpstreamResponse | None) -> None:
             await resp.aclose()
         except Exception:
             pass
+
+
+class AnswerHead(msgspec.Struct):
+    """What the attempt loop reads of a whole 2xx answer: its ``error`` and ``usage`` members (the rest is
+    skipped unbuilt)."""
+
+    error: Any = None
+    usage: Any = None
+
+
+_decode_head = msgspec.json.Decoder(AnswerHead).decode
+
+
+def answer_head(body: bytes) -> AnswerHead:
+    """``body``'s ``error`` and ``usage`` as ``json.loads(body)`` reads them. msgspec decodes what strict UTF-8
+    JSON objects are (an upstream's answers: ~8x faster than ``json``); anything it refuses (NaN, other
+    encodings, lone surrogates, a non-object) goes to ``json.loads``, so what is accepted stays the same.
+
+    Raises:
+        ValueError: not JSON, or not a JSON object."""
+    try:
+        return _decode_head(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        obj = json.loads(body)
+        if not isinstance(obj, dict):
+            raise ValueError("not an object") from None
+        return AnswerHead(obj.get("error"), obj.get("usage"))
+
+
+def upstream_message(f: Failure, limit: int = 300) -> str | None:
+    """The ``error.message`` of a failed attempt's answer (OpenAI's error format), cut to ``limit`` characters;
+    None when it has none: why the engine or provider refused (e.g. a grammar still compiling, send again) is
+    worth more to the caller than the status alone."""
+    err = error_object(f.response.body if f.response is not None else None)
+    message = err.get("message") if err is not None else None
+    if not isinstance(message, str) or not message.strip():
+        return None
+    message = message.strip()
+    return message if len(message) <= limit else message[:limit - 3] + "..."

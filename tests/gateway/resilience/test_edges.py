@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.resilience.attempts import _answer_head
+from gateway.resilience.outcomes import answer_head
 from tests.gateway.script_upstream import chunk, data, upstream  # noqa: F401 -- upstream: the module-scoped fixture
 from tests.gateway.support import GatewayProcess, gateway_on, wait_until
 
@@ -197,7 +197,7 @@ def test_answer_head_reads_what_json_loads_reads(body):
     except ValueError:
         want = ValueError
     try:
-        head = _answer_head(body)
+        head = answer_head(body)
         got = (head.error, head.usage)
     except ValueError:
         got = ValueError
