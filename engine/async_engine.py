@@ -91,7 +91,6 @@ class AsyncEngine:
         self.tokenizer = None
         self.max_model_len = 0
         self.num_blocks = 0
-        self.served_model_name = next(iter(served_model_names(args.served_model_name)), "")
         self.served_model_names: tuple[str, ...] = tuple(served_model_names(args.served_model_name))
         self.system_fingerprint = ""
         self._client: ProcessCoreClient | ThreadCoreClient | None = None
@@ -151,7 +150,6 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self._processor = OutputProcessor(tokenizer)
         self.max_model_len, self.num_blocks = ready.max_model_len, ready.num_blocks
-        self.served_model_name = ready.served_model_name
         self.served_model_names = (ready.served_model_name, *served_model_names(self.args.served_model_name)[1:])
         self.system_fingerprint = ready.system_fingerprint
         self._stats = ready.stats
@@ -190,6 +188,12 @@ class AsyncEngine:
             else:
                 self._drain_waiters.append((loop, future))
         return future
+
+    @property
+    def served_model_name(self) -> str:
+        """The name answers report and metrics carry: the first of ``served_model_names`` ("" before ``start()``
+        when none was configured)."""
+        return self.served_model_names[0] if self.served_model_names else ""
 
     @property
     def is_alive(self) -> bool:
