@@ -329,17 +329,8 @@ async def _embed_call(client, prompts: list[list[int]], pooling_type: str | None
     """Send an ``EmbedPrompts`` through ``client`` and wait for its ``CoreReply``. A caller that leaves (the task
     cancelled: its HTTP client disconnected) aborts the call's pooling requests, which free their KV blocks at
     once instead of prefilling to the end for nobody (the core's reply to the aborted call is dropped)."""
-    sent: list[int] = []
-
-    def command(call_id: int) -> EmbedPrompts:
-        sent.append(call_id)
-        return EmbedPrompts(call_id, prompts, pooling_type or "", normalize)
-    try:
-        return await _core_call(client, command)
-    except asyncio.CancelledError:
-        if sent:
-            client.send(AbortRequests(embed_request_ids(sent[0], len(prompts))))
-        raise
+    return await _core_call(client, lambda call_id: EmbedPrompts(call_id, prompts, pooling_type or "", normalize),
+                            on_cancel=lambda call_id: AbortRequests(embed_request_ids(call_id, len(prompts))))
 
 
 async def _withdraw_call(client, request_id: str, by: float, scale: float,
@@ -350,8 +341,9 @@ async def _withdraw_call(client, request_id: str, by: float, scale: float,
     return bool(withdrawn), seconds
 
 
-async def _core_call(client, command):
-    """Send ``command(call_id)`` through ``client`` and wait for its ``CoreReply``'s value."""
+async def _core_call(client, command, on_cancel=None):
+    """Send ``command(call_id)`` through ``client`` and wait for its ``CoreReply``'s value; when the caller is
+    cancelled, send ``on_cancel(call_id)`` (None: nothing) to undo what the command started."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
     call_id = next(client._call_ids)
@@ -359,6 +351,10 @@ async def _core_call(client, command):
     try:
         client.send(command(call_id))
         return await future
+    except asyncio.CancelledError:
+        if on_cancel is not None:
+            client.send(on_cancel(call_id))
+        raise
     finally:
         client._calls.pop(call_id, None)
 
