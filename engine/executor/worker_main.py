@@ -74,27 +74,25 @@ def run_node(args) -> int:
     try:
         run_worker(executor.first_rank, args.tensor_parallel_size, 0, device_type)
     except Exception as e:  # noqa: BLE001 - a lost driver or rank ends this host's part
-        code = rank_failed(executor.first_rank, e)
+        log_rank_failure(executor.first_rank, e)
         executor.kill()
-        return code
+        return 1                 # it did not end by being stopped: a host's supervisor sees that
     executor.shutdown()
     return 0
 
 
-def rank_failed(rank: int, e: Exception) -> int:
-    """Log why tensor-parallel rank ``rank`` ended on ``e``, once, and its exit status (1: it did not end by
-    being stopped; a host's supervisor sees that): the driver gone (its process ended or was killed without
-    stopping the ranks: the collective's peer closed) one warning line; the model or its settings refused (a
-    ValueError, a missing file: rank 0 says the same to the user) one error line; anything else its traceback."""
+def log_rank_failure(rank: int, e: Exception) -> None:
+    """Log why tensor-parallel rank ``rank`` ended on ``e``, once: the driver gone (its process ended or was killed
+    without stopping the ranks: the collective's peer closed) one warning line; the model or its settings refused
+    (a ValueError, a missing file: rank 0 says the same to the user) one error line; anything else its traceback.
+    The rank then exits 1 whatever the cause (it did not end by being stopped)."""
     if isinstance(e, RuntimeError) and "Connection closed by peer" in str(e):
         logger.warning("tensor-parallel rank %d: its driver is gone (it ended without stopping the ranks); "
                        "stopping", rank)
-        return 1
-    if isinstance(e, (ValueError, FileNotFoundError)):
+    elif isinstance(e, (ValueError, FileNotFoundError)):
         logger.error("tensor-parallel rank %d failed: %s", rank, e)
     else:
         logger.exception("tensor-parallel rank %d failed", rank)
-    return 1
 
 
 def serve() -> None:
@@ -116,5 +114,6 @@ def serve() -> None:
     try:
         run_worker(rank, world, local, os.environ.get("TANDEM_TP_DEVICE", "cpu"))
     except Exception as e:  # noqa: BLE001 - logged; the driver sees this rank end
-        os._exit(rank_failed(rank, e))
+        log_rank_failure(rank, e)
+        os._exit(1)
     os._exit(0)   # at once: the interpreter's own teardown of torch takes seconds

@@ -140,15 +140,16 @@ def test_memory_per_rank(tmp_path):
 
 def test_a_ranks_end_is_logged_for_what_it_is(caplog):
     # a trial: a refused checkpoint printed rank 1's whole traceback, and a script that exited without
-    # llm.shutdown() printed "rank 1 failed" with gloo's; now one line each (still exit 1: not stopped)
+    # llm.shutdown() printed "rank 1 failed" with gloo's; now one line each (the exit status stays 1: the
+    # two-host test checks a host whose driver died exits non-zero)
     import logging
 
-    from engine.executor.worker_main import rank_failed
+    from engine.executor.worker_main import log_rank_failure
 
     with caplog.at_level(logging.INFO, logger="tandem.worker"):
-        assert rank_failed(1, RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")) == 1
-        assert rank_failed(1, ValueError("a 4-bit weight with act-order cannot be split")) == 1
-        assert rank_failed(1, KeyError("x")) == 1
+        log_rank_failure(1, RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+        log_rank_failure(1, ValueError("a 4-bit weight with act-order cannot be split"))
+        log_rank_failure(1, KeyError("x"))
     lines = [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records]
     assert lines == [("WARNING", "tensor-parallel rank 1: its driver is gone (it ended without stopping the "
                                  "ranks); stopping", False),
