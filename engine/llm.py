@@ -4,13 +4,10 @@
 from __future__ import annotations
 
 import atexit
-import copy
 import itertools
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
-
-import jinja2
 
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
@@ -19,7 +16,6 @@ from engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestO
 from engine.protocol.errors import ServingError
 from engine.sampling_params import SamplingParams
 from engine.serving.chat import render_chat
-from engine.tokenizer import _compile_template
 
 if TYPE_CHECKING:
     from engine.pooling import PoolingParams   # imports torch: only for the annotation
@@ -229,7 +225,7 @@ class LLM:
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(f"chat_template_content_format: {chat_template_content_format!r} is not supported: "
                              "content is rendered as a string (\"auto\" or \"string\")")
-        tokenizer = self.tokenizer if chat_template is None else _with_chat_template(self.tokenizer, chat_template)
+        tokenizer = self.tokenizer if chat_template is None else self.tokenizer.with_chat_template(chat_template)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    "tools": tools, "chat_template_kwargs": chat_template_kwargs}
@@ -241,21 +237,6 @@ def _refuse_lora(lora_request) -> None:
     """Raises ValueError for a LoRA request: this engine serves base weights only."""
     if lora_request is not None:
         raise ValueError("lora_request: LoRA adapters are not supported by this engine (give None)")
-
-
-def _with_chat_template(tokenizer, source: str):
-    """``tokenizer`` rendering ``source`` (jinja2) instead of the model's chat template, compiled as
-    ``engine/tokenizer.py`` compiles the model's (sandboxed, transformers' options and helpers).
-
-    Raises:
-        ValueError: ``source`` is not a valid template."""
-    try:
-        compiled = _compile_template(source)
-    except jinja2.TemplateError as exc:
-        raise ValueError(f"chat_template: not a valid template: {exc}") from None
-    view = copy.copy(tokenizer)
-    view.chat_template, view._template = source, compiled
-    return view
 
 
 def _render(tokenizer, conversation: list[dict], options: dict[str, Any]) -> list[int]:

@@ -10,6 +10,7 @@ tokenizer transformers builds for such a file (token ids are checked against
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -115,6 +116,20 @@ class Tokenizer:
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.all_special_ids = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
         self._template = _compile_template(chat_template) if chat_template else None
+
+    def with_chat_template(self, source: str) -> "Tokenizer":
+        """This tokenizer rendering ``source`` (jinja2) instead of the model's chat template, compiled as the
+        model's is (vLLM's ``LLM.chat(chat_template=...)``); the encoder itself is shared.
+
+        Raises:
+            ValueError: ``source`` is not a valid template."""
+        try:
+            compiled = _compile_template(source)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat_template: not a valid template: {exc}") from None
+        view = copy.copy(self)
+        view.chat_template, view._template = source, compiled
+        return view
 
     # ----------------------------------------------------------------- loading
     @classmethod
