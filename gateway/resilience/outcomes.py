@@ -246,13 +246,18 @@ def answer_head(body: bytes) -> AnswerHead:
         return AnswerHead(obj.get("error"), obj.get("usage"))
 
 
-def upstream_message(f: Failure, limit: int = 300) -> str | None:
-    """The ``error.message`` of a failed attempt's answer (OpenAI's error format), cut to ``limit`` characters;
-    None when it has none: why the engine or provider refused (e.g. a grammar still compiling, send again) is
-    worth more to the caller than the status alone."""
-    err = error_object(f.response.body if f.response is not None else None)
-    message = err.get("message") if err is not None else None
+def quoted_message(error, limit: int = 300) -> str | None:
+    """An error object's ``message`` (OpenAI's error format; or the error itself when it is a bare string), stripped
+    and cut to ``limit`` characters; None when it has none."""
+    message = error.get("message") if isinstance(error, dict) else error
     if not isinstance(message, str) or not message.strip():
         return None
     message = message.strip()
     return message if len(message) <= limit else message[:limit - 3] + "..."
+
+
+def upstream_message(f: Failure, limit: int = 300) -> str | None:
+    """The ``error.message`` of a failed attempt's answer (``quoted_message``); None when it has none: why the
+    engine or provider refused (e.g. a grammar still compiling, send again) is worth more to the caller than the
+    status alone."""
+    return quoted_message(error_object(f.response.body if f.response is not None else None), limit)

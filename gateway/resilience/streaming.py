@@ -21,7 +21,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import msgspec
 
 from gateway.resilience.outcomes import (Failure, PassThrough, Result, UpstreamResponse, classify_error_object,
-                                         close_response)
+                                         close_response, quoted_message)
 from gateway.values import DONE, ChatEvent, ChatStream, error_event
 
 
@@ -280,14 +280,10 @@ async def relay(res: Result, held: Held, inter_s: float, batch: bool,
         await asyncio.shield(on_end(ok))
 
 
-def _error_event_reason(error, limit: int = 300) -> str:
-    """Why a stream ended at an upstream's error event after content, its ``message`` quoted (cut to ``limit``
-    characters)."""
-    message = error.get("message") if isinstance(error, dict) else error
-    if not isinstance(message, str) or not message.strip():
-        return "upstream sent an error event"
-    message = message.strip()
-    return "upstream sent an error event: " + (message if len(message) <= limit else message[:limit - 3] + "...")
+def _error_event_reason(error) -> str:
+    """Why a stream ended at an upstream's error event after content, its message quoted (``quoted_message``)."""
+    said = quoted_message(error)
+    return "upstream sent an error event" + (f": {said}" if said else "")
 
 
 async def _done(on_done: Callable[[], Awaitable[None]] | None) -> None:
