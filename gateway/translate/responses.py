@@ -347,14 +347,21 @@ def usage_of(chat_usage: dict | None) -> dict | None:
             "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": inp + out}
 
 
+def content_part(kind: str, text: str, logprobs: list | None = None) -> dict:
+    """A message's content part: ``output_text`` (``logprobs``: its text's tokens, chat's ``logprobs.content``
+    items, empty when not asked for) or ``refusal``."""
+    if kind == "refusal":
+        return {"type": "refusal", "refusal": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
 def message_item(ctx: ResponseContext, text: str, status: str = "completed", refusal: str | None = None,
                  logprobs: list | None = None) -> dict:
-    """The assistant message output item of ``ctx``'s response; ``logprobs``: its text's tokens, chat's
-    ``logprobs.content`` items (``token``, ``logprob``, ``bytes``, ``top_logprobs``), empty when not asked for."""
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}] \
-        if text or not refusal else []
+    """The assistant message output item of ``ctx``'s response: its text's part (``content_part``), then its
+    refusal's."""
+    content = [content_part("output_text", text, logprobs)] if text or not refusal else []
     if refusal:
-        content.append({"type": "refusal", "refusal": refusal})
+        content.append(content_part("refusal", refusal))
     return {"type": "message", "id": f"msg_{ctx.request_id}", "status": status, "role": "assistant",
             "content": content}
 

@@ -18,8 +18,8 @@ the stored one are the same.
 
 from __future__ import annotations
 
-from gateway.translate.responses import (FINISH_TO_INCOMPLETE, ResponseContext, function_call_item, message_item,
-                                         reasoning_item, response_object, usage_of)
+from gateway.translate.responses import (FINISH_TO_INCOMPLETE, ResponseContext, content_part, function_call_item,
+                                         message_item, reasoning_item, response_object, usage_of)
 from gateway.translate.tool_calls import ToolCallOrder
 from gateway.values import ChatEvent
 
@@ -71,13 +71,7 @@ class ResponsesEvents:
         parts.append(kind)
         item_id, i, k = self.open["item"]["id"], len(self.output), len(parts) - 1
         return k, [self._ev("response.content_part.added", item_id=item_id, output_index=i, content_index=k,
-                            part=self._part_object(kind, "", []))]
-
-    @staticmethod
-    def _part_object(kind: str, text: str, logprobs: list) -> dict:
-        if kind == "refusal":
-            return {"type": "refusal", "refusal": text}
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+                            part=content_part(kind, ""))]
 
     def _open_reasoning(self) -> list[dict]:
         n = sum(o["type"] == "reasoning" for o in self.output)
@@ -108,11 +102,11 @@ class ResponsesEvents:
         state, item_id, content = self.open, self.open["item"]["id"], []
         for k, kind in enumerate(state["parts"]):
             if kind == "refusal":
-                part = self._part_object(kind, state["refusal"], [])
+                part = content_part(kind, state["refusal"])
                 events.append(self._ev("response.refusal.done", item_id=item_id, output_index=i, content_index=k,
                                        refusal=state["refusal"]))
             else:
-                part = self._part_object(kind, state["text"], state["logprobs"])
+                part = content_part(kind, state["text"], state["logprobs"])
                 events.append(self._ev("response.output_text.done", item_id=item_id, output_index=i,
                                        content_index=k, text=state["text"], logprobs=state["logprobs"]))
             events.append(self._ev("response.content_part.done", item_id=item_id, output_index=i, content_index=k,
