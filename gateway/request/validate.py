@@ -197,6 +197,9 @@ def _check_tool_messages(messages: list[dict]) -> None:
     pending: dict = {}       # those not answered yet -> the index of the assistant message that made them
     for i, m in enumerate(messages):
         if m["role"] == "tool":
+            if m.get("tool_call_id") is None:
+                raise ClientError(400, f"missing required parameter 'messages[{i}].tool_call_id'",
+                                  param=f"messages[{i}].tool_call_id", code="missing_required_parameter")
             if m.get("tool_call_id") not in calls:
                 raise ClientError(400, f"Invalid parameter: messages with role 'tool' must be a response to a "
                                   f"preceding message with 'tool_calls' (messages[{i}].tool_call_id "

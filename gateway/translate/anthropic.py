@@ -226,6 +226,9 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
     if body.get("stop_sequences"):
         if not isinstance(body["stop_sequences"], list):
             raise bad_request("stop_sequences: must be an array of strings", "stop_sequences")
+        for k, s in enumerate(body["stop_sequences"]):   # named here: chat's check would name its "stop"
+            if not isinstance(s, str) or not s:
+                raise bad_request(f"stop_sequences.{k}: must be a non-empty string, got {s!r}", f"stop_sequences.{k}")
         out["stop"] = body["stop_sequences"]
     meta = body.get("metadata")
     if isinstance(meta, dict) and isinstance(meta.get("user_id") or meta.get("user"), str):

@@ -112,6 +112,8 @@ CALL = {"role": "assistant", "content": None, "tool_calls": [
     ([*MSG, CALL, {"role": "tool", "tool_call_id": "c1", "content": "1"}, *MSG], "messages[1].role",
      "did not have response messages: c2"),
     ([*MSG, CALL], "messages[1].role", "did not have response messages: c1, c2"),
+    # a tool message without its tool_call_id (a new user's read "None answers none")
+    ([*MSG, {"role": "tool", "content": "x"}], "messages[1].tool_call_id", "missing required parameter"),
     # two calls under one id (a user trial: taken)
     ([*MSG, {**CALL, "tool_calls": [CALL["tool_calls"][0], CALL["tool_calls"][0]]},
       {"role": "tool", "tool_call_id": "c1", "content": "1"}], "messages[1].tool_calls[1].id",

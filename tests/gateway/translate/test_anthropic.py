@@ -405,3 +405,12 @@ def test_disable_parallel_tool_use_without_tools_asks_chat_for_nothing_it_would_
     one = messages_to_chat({"model": "m", "max_tokens": 9, "messages": USER, "tools": tools,
                             "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}})
     assert one["parallel_tool_calls"] is False
+
+
+def test_an_empty_stop_sequence_is_named_as_the_messages_body_names_it():
+    """A new user's ``stop_sequences: [""]`` was refused naming chat's ``stop``."""
+    with pytest.raises(ClientError) as e:
+        messages_to_chat({"model": "m", "max_tokens": 9, "messages": USER, "stop_sequences": ["ok", ""]})
+    assert e.value.param == "stop_sequences.1" and e.value.message.startswith("stop_sequences.1: must be a non-empty")
+    assert messages_to_chat({"model": "m", "max_tokens": 9, "messages": USER, "stop_sequences": ["ok"]})["stop"] \
+        == ["ok"]
