@@ -7,7 +7,8 @@ million sequences).
 Ranges are OpenAI's (``temperature`` 0..2 as OpenAI refuses above 2), widened where vLLM reads more (completions'
 ``logprobs`` up to 20, ``top_k`` -1 = disabled), with 64-bit bounds on every integer (what msgpack carries to the engine core; ``seed``
 takes torch's ``manual_seed`` range, signed or unsigned 64 bits). Errors use OpenAI's codes
-(``integer_below_min_value``, ``decimal_above_max_value``, ...).
+(``integer_below_min_value``, ``decimal_above_max_value``, ...). One value outside them is taken: ``max_tokens`` 0
+with ``echo`` on /v1/completions, the prompt scoring of OpenAI's legacy API and vLLM (``echo_only``).
 """
 
 from __future__ import annotations
@@ -119,9 +120,22 @@ def check_param(name: str, value: Any) -> RangeViolation | None:
     return None
 
 
-def first_violation(body: Mapping[str, Any]) -> RangeViolation | None:
-    """The first field of a request body whose value is out of range, or None."""
+def echo_only(body: Mapping[str, Any]) -> bool:
+    """Whether a /v1/completions ``body`` asks for its prompt alone: ``echo`` true and ``max_tokens`` 0. The answer
+    is the prompt's text (and its logprobs), nothing generated: OpenAI's legacy prompt scoring, vLLM's
+    ``echo_without_generation`` (``vllm/entrypoints/openai/completion/protocol.py``), what evaluation
+    harnesses send to score a text."""
+    max_tokens = body.get("max_tokens")
+    return body.get("echo") is True and type(max_tokens) is int and max_tokens == 0
+
+
+def first_violation(body: Mapping[str, Any], *, completions: bool = False) -> RangeViolation | None:
+    """The first field of a request body whose value is out of range, or None. ``completions``: the body is a
+    /v1/completions one, whose ``max_tokens`` may be 0 with ``echo`` (``echo_only``)."""
+    scoring = completions and echo_only(body)
     for name, value in body.items():
+        if scoring and name == "max_tokens":
+            continue
         if name in PARAM_RANGES or name in ITEM_RANGES or name == "logit_bias":
             if (v := check_param(name, value)) is not None:
                 return v

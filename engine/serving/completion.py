@@ -7,12 +7,15 @@ prompts (text or token ids), ``echo``, legacy ``logprobs``; the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
 from msgspec import UNSET
 
+from engine.outputs import CompletionOutput
 from engine.protocol.errors import ServingError
+from engine.protocol.param_ranges import echo_only
 from engine.serving.answer_check import AnswerCheck, checked_finish
 from engine.serving.chat_structured import ChatPlan, structured_spec
 from engine.serving.chunks import Chunk, CompletionChoiceChunk, StreamError, StreamItem
@@ -48,8 +51,10 @@ class OpenAIServingCompletion(OpenAIServing):
             raise ServingError(400, str(exc), param=exc.param, code=exc.code) from None
         spec = await self._compile_grammar(plan)
         prompts = []
+        # the prompt alone: the engine samples one token to end the request, which the answer leaves out
+        max_tokens = 1 if echo_only(body) else req.max_tokens
         for text, ids in r.prompts:
-            params = self._sampling_params(req, len(ids), max_tokens=req.max_tokens, logprobs=req.logprobs,
+            params = self._sampling_params(req, len(ids), max_tokens=max_tokens, logprobs=req.logprobs,
                                            prompt_logprobs=prompt_logprobs, prompt_field="prompt",
                                            structured_outputs=spec)
             prompts.append(Prompt(ids, text, params, req.cache_salt))
@@ -82,15 +87,17 @@ class OpenAIServingCompletion(OpenAIServing):
         r, prompts = await self.prepare_completion(body, rendered)
         req = r.request
         echo = bool(req.echo)
+        prompt_only = echo_only(body)
         prio = req.priority if req.priority is not None else priority
         model = response_model or self.reported_model(body.get("model"))
         check = AnswerCheck.of(prompts[0].params.structured_outputs, None, False)
         if req.stream:
             include_usage, continuous = usage_options(req)
             return self._completion_stream(request_id, model, prompts, prio, req.logprobs, echo, include_usage,
-                                           continuous, check, return_ids=req.return_token_ids)
+                                           continuous, check, return_ids=req.return_token_ids,
+                                           prompt_only=prompt_only)
         return await self._completion_full(request_id, model, prompts, prio, req.logprobs, echo, check,
-                                           return_ids=req.return_token_ids)
+                                           return_ids=req.return_token_ids, prompt_only=prompt_only)
 
     def _prompt_text(self, prompt: Prompt) -> str:
         if prompt.text is not None:
@@ -99,10 +106,13 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _completion_full(self, request_id: str, model: str, prompts: list[Prompt], priority: int,
                                logprobs: int | None, echo: bool, check: AnswerCheck | None = None,
-                               return_ids: bool = False) -> dict:
+                               return_ids: bool = False, prompt_only: bool = False) -> dict:
         """The ``text_completion`` object; ``return_ids``: vLLM's ``return_token_ids`` (each choice's
-        ``prompt_token_ids`` and ``token_ids``)."""
+        ``prompt_token_ids`` and ``token_ids``); ``prompt_only``: ``echo_only``'s answer, each choice the
+        prompt alone (no generated token counted or shown)."""
         choices, cached, prompt_lps = await self._collect(request_id, prompts, priority)
+        if prompt_only:
+            choices = [{i: prompt_alone(ch) for i, ch in by_index.items()} for by_index in choices]
         out_choices = []
         num_prompt = completion_tokens = 0
         for p_idx, prompt in enumerate(prompts):
@@ -137,11 +147,12 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _completion_stream(self, request_id: str, model: str, prompts: list[Prompt], priority: int,
                                  logprobs: int | None, echo: bool, include_usage: bool,
-                                 continuous: bool, check: AnswerCheck | None = None, return_ids: bool = False
-                                 ) -> AsyncIterator[list[StreamItem]]:
+                                 continuous: bool, check: AnswerCheck | None = None, return_ids: bool = False,
+                                 prompt_only: bool = False) -> AsyncIterator[list[StreamItem]]:
         """The chunks of a streamed answer (``text_completion`` ``chunks.Chunk``s), one list per engine output;
         a failure: ``chunks.StreamError``. ``return_ids``: each choice's first chunk carries its prompt's
-        ``prompt_token_ids``, every chunk its new ``token_ids`` (vLLM's ``return_token_ids``)."""
+        ``prompt_token_ids``, every chunk its new ``token_ids`` (vLLM's ``return_token_ids``); ``prompt_only``:
+        ``echo_only``'s stream, the prompt and the end."""
         created = int(time.time())
         fingerprint = self.engine.system_fingerprint or None
         num_prompt = sum(len(p.token_ids) for p in prompts)
@@ -165,6 +176,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     batch = []
                     for c in out.outputs:
                         reject_abort(c.finish_reason)
+                        if prompt_only:
+                            c = prompt_alone(c)
                         key = (p_idx, c.index)
                         generated[key] = c.num_generated_tokens
                         text = c.text
@@ -203,6 +216,16 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield [chunk([], final=True)]
         except Exception as exc:  # noqa: BLE001 - reported to the client, never a traceback
             yield [StreamError(error_from_engine(exc).to_dict()["error"])]
+
+
+def prompt_alone(output: CompletionOutput) -> CompletionOutput:
+    """``output`` without its generated token (``echo_only``: the engine samples one to end the request; the
+    answer is the prompt alone): no text, token, logprob or count; once finished, "length" (``max_tokens`` 0
+    ended it, whatever the hidden token was)."""
+    finished = output.finish_reason is not None
+    return dataclasses.replace(output, text="", token_ids=[], logprobs=None if output.logprobs is None else [],
+                               num_generated_tokens=0, finish_reason="length" if finished else None,
+                               stop_reason=None)
 
 
 def render_completion(tokenizer, body: dict) -> RenderedPrompt:

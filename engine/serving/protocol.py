@@ -18,7 +18,7 @@ vLLM ``entrypoints/openai/protocol.py`` for the extra fields' names and defaults
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -120,12 +120,9 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     ``prompt`` is a string, a list of strings, a list of token ids or a list
     of token-id lists (one request per prompt; choice ``index`` is
     ``prompt_index * n + i``). ``logprobs`` is an int (0-20). ``max_tokens``
-    defaults to 16 (OpenAI's default) when absent; an explicit null means "up to
-    ``max_model_len``", as vLLM reads it (``explicit_null_fields``).
+    defaults to 16 (OpenAI's default), absent or null (vLLM 0.32's ``normalize_null_max_tokens``); 0 with
+    ``echo`` returns the prompt alone (``param_ranges.echo_only``).
     """
-
-    # Fields whose explicit JSON null is kept (not read as "not given", ``parse_request``)
-    explicit_null_fields: ClassVar[tuple[str, ...]] = ("max_tokens",)
 
     prompt: str | list[Any]
     max_tokens: int | None = 16
@@ -236,9 +233,7 @@ def parse_request(body: Any, schema: type[T]) -> T:
     """Check ``body`` (a decoded JSON object) against ``schema``.
 
     A top-level JSON null means "not given", as in OpenAI's API: the field's
-    default applies, except for the fields a schema lists in ``explicit_null_fields``, where a null is the
-    value (``"max_tokens": null`` on /v1/completions is "up to ``max_model_len``", as vLLM reads it; absent,
-    16 tokens).
+    default applies (``"max_tokens": null`` on /v1/completions is 16 tokens, as vLLM 0.32 reads it).
 
     Raises:
         RequestValidationError: the body is not an object, a required field
@@ -248,8 +243,7 @@ def parse_request(body: Any, schema: type[T]) -> T:
     if not isinstance(body, dict):
         raise RequestValidationError("the request body must be a JSON object", None)
     try:
-        keep = getattr(schema, "explicit_null_fields", ())
-        parsed = msgspec.convert({k: v for k, v in body.items() if v is not None or k in keep}, schema)
+        parsed = msgspec.convert({k: v for k, v in body.items() if v is not None}, schema)
     except msgspec.ValidationError as exc:
         text = str(exc)
         match = _PATH_RE.search(text)
@@ -262,6 +256,6 @@ def parse_request(body: Any, schema: type[T]) -> T:
             raise RequestValidationError(typed, param, "invalid_type") from None
         message = f"{param}: {text}" if param else text
         raise RequestValidationError(message, param) from None
-    if (bad := first_violation(body)) is not None:
+    if (bad := first_violation(body, completions=schema is CompletionRequest)) is not None:
         raise RequestValidationError(bad.message, bad.param, bad.code)
     return parsed

@@ -9,7 +9,7 @@ from dataclasses import replace
 import msgspec
 
 from engine.protocol.guided import guided_field_hint
-from engine.protocol.param_ranges import check_param
+from engine.protocol.param_ranges import check_param, first_violation
 from engine.protocol.tool_choice import (PARALLEL_WITHOUT_TOOLS, TOOL_CHOICE_WITHOUT_TOOLS, parallel_without_tools,
                                          tool_choice_without_tools)
 from gateway.errors import ClientError
@@ -267,8 +267,10 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         t = types.get(name)
         if t is not None:
             check_type(name, value, t)
-        if name in known:   # a parameter this endpoint does not know is unknown_parameter (or passed), not ranged
-            check_range(name, value)
+    # a parameter this endpoint does not know is unknown_parameter (or passed), not ranged
+    bad = first_violation({k: v for k, v in body.items() if k in known}, completions=endpoint == "completions")
+    if bad is not None:
+        raise ClientError(400, bad.message, param=bad.param, code=bad.code)
     if endpoint == "chat/completions" and tool_choice_without_tools(body.get("tool_choice"), body.get("tools")):
         raise ClientError(400, TOOL_CHOICE_WITHOUT_TOOLS, param="tool_choice", code="invalid_value")
     if endpoint == "chat/completions" and parallel_without_tools(body.get("parallel_tool_calls"), body.get("tools")):

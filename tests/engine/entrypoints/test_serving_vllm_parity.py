@@ -1,7 +1,7 @@
 """Where ``tandem engine serve`` answers as ``vllm serve`` does, found wanting by a vLLM user's trial: fields
 refused rather than ignored (``prompt_logprobs`` on a stream, a request ``chat_template``), ``return_token_ids``
 on both endpoints streamed or not, a stop token's text with ``include_stop_str_in_output``, ``"max_tokens":
-null`` on /v1/completions, the utility endpoints (``/tokenize``, ``/detokenize``, ``/version``, ``/ping``), and
+null`` and ``echo`` with ``max_tokens`` 0 on /v1/completions, the utility endpoints (``/tokenize``, ``/detokenize``, ``/version``, ``/ping``), and
 the embeddings' ``id``/``created`` and the models' ``permission``.
 
 Real HTTP against conftest.py's SmolLM2 float32 server (shared with test_serving.py), the official ``openai``
@@ -92,16 +92,46 @@ def test_a_stop_tokens_text_follows_include_stop_str_in_output(server, include):
     assert "".join(ch.text for chunk in chunks for ch in chunk.choices) == c.text
 
 
-def test_completions_max_tokens_null_fills_the_context(server):
-    """vLLM: an explicit null is "up to max_model_len", absent is 16 (the trial got 16 for the null)."""
-    prompt, _ = counting_prompt(server.engine.tokenizer, MAX_MODEL_LEN - 24)   # a few tokens left: a quick fill
-    body = {"model": server.model, "prompt": prompt, "temperature": 0, "ignore_eos": True}
+def test_completions_max_tokens_null_is_the_default_16(server):
+    """vLLM 0.32 (``normalize_null_max_tokens``) and OpenAI: an explicit null is the default, 16 tokens (an
+    earlier reading filled the context, which the gateway's reservation, 16, did not expect)."""
+    body = {"model": server.model, "prompt": "Once upon a time", "temperature": 0, "ignore_eos": True}
     url = f"{server.base_url}/v1/completions"
     null, absent = concurrently(lambda: httpx.post(url, json={**body, "max_tokens": None}, timeout=600),
                                 lambda: httpx.post(url, json=body, timeout=600))
-    assert absent.json()["usage"]["completion_tokens"] == 16
-    usage = null.json()["usage"]
-    assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_MODEL_LEN, usage
+    assert null.json()["usage"]["completion_tokens"] == absent.json()["usage"]["completion_tokens"] == 16
+    assert null.json()["choices"][0]["text"] == absent.json()["choices"][0]["text"]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server):
+    """OpenAI's legacy prompt scoring, vLLM's ``echo_without_generation`` (what evaluation harnesses send): the
+    prompt's text and logprobs, nothing generated or counted; streamed == whole. They were a 400 (max_tokens
+    below 1)."""
+    prompt = "The capital of France is Paris."
+    kw = dict(prompt=prompt, max_tokens=0, echo=True, logprobs=1, extra_body={"return_token_ids": True})
+    # the SDK's own reading (the pydantic types refuse the first token's null logprob, as OpenAI sends it)
+    whole, chunks, longer = concurrently(
+        lambda: server.client.completions.create(model=server.model, **kw), lambda: list(server.client.completions.create(model=server.model, stream=True, **kw)),
+        lambda: server.client.completions.create(model=server.model, prompt=prompt, max_tokens=1, echo=True,
+                                                 logprobs=1, temperature=0))
+    c = whole.choices[0]
+    ids = server.engine.tokenizer.encode(prompt, add_special_tokens=True)
+    assert c.text == prompt and c.finish_reason == "length" and c.model_extra["token_ids"] == []
+    assert whole.usage.completion_tokens == 0 and whole.usage.prompt_tokens == len(ids)
+    assert len(c.logprobs.tokens) == len(ids) and c.logprobs.token_logprobs[0] is None
+    # the prompt's logprobs are those an echo with one generated token shows before it
+    assert c.logprobs.token_logprobs == longer.choices[0].logprobs.token_logprobs[:len(ids)]
+    assert c.logprobs.top_logprobs == longer.choices[0].logprobs.top_logprobs[:len(ids)]
+    streamed = [ch for chunk in chunks for ch in chunk.choices]
+    assert "".join(ch.text for ch in streamed) == prompt and streamed[-1].finish_reason == "length"
+    assert [t for ch in streamed if ch.logprobs for t in ch.logprobs.token_logprobs] == c.logprobs.token_logprobs
+    assert [t for ch in streamed for t in ch.model_extra.get("token_ids") or []] == []
+    # 0 is taken only there: without echo, and on chat, it stays below the minimum
+    for call, param in ((lambda: complete(server, prompt=prompt, max_tokens=0), "max_tokens"),
+                        (lambda: chat(server, messages=HI, max_tokens=0, extra_body={"echo": True}), "max_tokens")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            call()
+        assert exc.value.body["param"] == param and exc.value.body["code"] == "integer_below_min_value"
 
 
 def test_tokenize_detokenize_version_and_ping(server):

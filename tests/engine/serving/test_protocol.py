@@ -32,12 +32,11 @@ def test_completion_request_defaults():
 
 
 def test_json_null_means_not_given():
-    """OpenAI: a null field takes its default, except ``"max_tokens": null`` on /v1/completions, which vLLM
-    reads as "up to max_model_len" (absent: 16); the gateway drops a client's nulls before the engine sees
-    them (OpenAI's reading)."""
+    """OpenAI: a null field takes its default (``"max_tokens": null`` on /v1/completions is 16, as vLLM 0.32
+    reads it); the gateway drops a client's nulls before the engine sees them (OpenAI's reading)."""
     req = parse_request({"prompt": [1, 2, 3], "max_tokens": None, "n": None, "stream": None, "echo": None,
                          "temperature": None}, CompletionRequest)
-    assert req.max_tokens is None and req.n == 1 and req.stream is False and req.echo is False
+    assert req.max_tokens == 16 and req.n == 1 and req.stream is False and req.echo is False
     assert parse_request({"prompt": [1, 2, 3]}, CompletionRequest).max_tokens == 16
     chat = parse_request({"messages": [{"role": "user", "content": "hi"}], "max_tokens": None, "logprobs": None,
                           "n": None}, ChatCompletionRequest)

@@ -161,6 +161,31 @@ def test_completions_local(gateway):
     assert r.choices[0].text
 
 
+def test_completions_prompt_scoring_through_the_gateway(gateway):
+    """``echo`` with ``max_tokens`` 0 (OpenAI's legacy prompt scoring, vLLM's): the engine's prompt-only answer,
+    billed as no completion tokens; 0 without ``echo`` is still refused before routing (the shared rule,
+    ``param_ranges.echo_only``)."""
+    prompt = "The capital of France is Paris."
+    raw = client(gateway).completions.with_raw_response.create(model="smollm2", prompt=prompt, max_tokens=0,
+                                                               echo=True, logprobs=0)
+    r = raw.parse()
+    assert raw.headers["x-tandem-backend"] == "local"
+    assert r.choices[0].text == prompt and r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "length"
+    assert len(r.choices[0].logprobs.tokens) == r.usage.prompt_tokens
+    rid = raw.headers["x-request-id"]
+    deadline = time.monotonic() + 10
+    line = None
+    while line is None and time.monotonic() < deadline:
+        lines = [json.loads(x) for x in gateway.log().splitlines() if x.startswith("{") and rid in x]
+        line = next((x for x in lines if x.get("event") == "request" and x["request_id"] == rid), None)
+        time.sleep(0.05)
+    assert line is not None and (line["prompt_tokens"], line["completion_tokens"]) == (r.usage.prompt_tokens, 0)
+    bad = httpx.post(gateway.url + "/v1/completions", timeout=60,
+                     json={"model": "smollm2", "prompt": prompt, "max_tokens": 0})
+    assert bad.status_code == 400 and "x-tandem-backend" not in bad.headers
+    assert (bad.json()["error"]["param"], bad.json()["error"]["code"]) == ("max_tokens", "integer_below_min_value")
+
+
 def test_low_priority_goes_to_the_aggregator(gateway):
     raw = client(gateway).chat.completions.with_raw_response.create(
         model="smollm2", messages=MSG, max_tokens=4, extra_headers={"x-priority": "low"})
