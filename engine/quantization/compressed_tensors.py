@@ -152,7 +152,13 @@ class CompressedTensorsConfig(QuantizationConfig):
         elif "weight_zero_point" not in parts:
             raise ValueError(f"{self.field}.symmetric = False, but layer {prefix!r} has no weight_zero_point")
         else:
-            zeros = unpack_int32(parts["weight_zero_point"], dim=0)[:out].t().to(torch.int32)  # zp + 8
+            zp = parts["weight_zero_point"]
+            packed_zp = (-(-out // 8), scale.shape[1])   # eight 4-bit points an int32, down the rows
+            if zp.dtype != torch.int32 or tuple(zp.shape) != packed_zp:
+                raise ValueError(f"compressed-tensors layer {prefix!r}: weight_zero_point is {zp.dtype} "
+                                 f"{tuple(zp.shape)}, expected int32 {packed_zp} (packed 4-bit points, eight an "
+                                 "int32 along the output rows)")
+            zeros = unpack_int32(zp, dim=0)[:out].t().to(torch.int32)  # zp + 8
         return grouped_int4(codes, zeros, scale.t(), parts.get("weight_g_idx"),
                             f"compressed-tensors layer {prefix!r}")
 

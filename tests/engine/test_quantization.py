@@ -396,3 +396,23 @@ def test_asymmetric_config_without_zero_points_names_the_field(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"weights\.symmetric = False, but layer .* has no weight_zero_point"):
         LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="4MiB")
+
+
+@pytest.mark.parametrize("layout", ["unpacked_int8", "unpacked_int32"])
+def test_zero_points_not_packed_as_compressed_tensors_packs_them_are_refused(tmp_path, layout):
+    """A trial's asymmetric W4A16 checkpoint with its zero points stored one a value ([out, groups], int8 or
+    int32) instead of eight an int32 down the rows loaded without a word and answered wrong tokens on every
+    prompt (the unpacking's slice to ``out`` rows hid the shape)."""
+    from safetensors.torch import load_file, save_file
+
+    _quantized(tmp_path, "ct_w4a16_asym_qwen2")
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("weight_zero_point")]:
+        packed = tensors[name]
+        out = int(tensors[name.rpartition(".")[0] + ".weight_shape"][0])
+        points = (packed.unsqueeze(-1) >> (torch.arange(8) * 4)) & 0xF          # [out/8, groups, 8]
+        points = points.permute(0, 2, 1).reshape(-1, packed.shape[1])[:out] - 8  # [out, groups], signed
+        tensors[name] = points.to(torch.int8 if layout == "unpacked_int8" else torch.int32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"weight_zero_point is torch\.int(8|32) \(\d+, \d+\), expected int32"):
+        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="4MiB")
