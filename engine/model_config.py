@@ -120,6 +120,12 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {arch!r} in config.json (supported: {sorted(HF_ARCHITECTURES)})"
             )
+        # transformers' Llama, Qwen3 and Gemma read attention_bias as a bias on o_proj too, mlp_bias as biases
+        # on the MLP; the layers here carry q/k/v biases only (Qwen2's, fixed by its architecture)
+        for key, where in (("attention_bias", "q/k/v and o_proj"), ("mlp_bias", "gate/up/down_proj")):
+            if cfg.get(key):
+                raise ValueError(f"config.json {key} = true ({arch}: biases on {where}) is not supported; "
+                                 "q/k/v biases are, as Qwen2ForCausalLM has them")
         try:
             heads = cfg["num_attention_heads"]
             hidden = cfg["hidden_size"]
@@ -166,7 +172,7 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", entry.attention_bias)),
+                attention_bias=entry.attention_bias,
                 hidden_act=HF_ACTIVATIONS.get(act, act),
                 sliding_window=window,
                 layer_types=layer_types,

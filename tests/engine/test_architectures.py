@@ -223,6 +223,13 @@ def test_hub_style_configs():
                                     "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8}})
     with pytest.raises(ValueError, match="unsupported architecture"):
         ModelConfig.from_hf_config({**shape, "architectures": ["Gemma3ForConditionalGeneration"]})
+    # transformers reads these as biases on o_proj / the MLP too: refused naming the key (a trial's Llama with
+    # attention_bias failed on "unexpected weight ...o_proj.bias"), false or absent taken
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM"):
+        for key in ("attention_bias", "mlp_bias"):
+            with pytest.raises(ValueError, match=rf"config.json {key} = true \({arch}: biases on"):
+                ModelConfig.from_hf_config({**shape, "architectures": [arch], key: True})
+            assert not ModelConfig.from_hf_config({**shape, "architectures": [arch], key: False}).attention_bias
 
 
 def test_dynamic_rope_scaling_raises_the_base_once():
