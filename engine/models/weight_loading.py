@@ -72,7 +72,11 @@ def _parts(module, kind: str, shard_ids, value, param: torch.Tensor, name: str) 
         span = module.input_span
         if shape != (param.shape[0], module.full_in_features):
             raise ValueError(f"weight {name!r} has shape {shape}, expected {(param.shape[0], module.full_in_features)}")
-        return [(0, _narrow(value, 1, span.start, span.size))]
+        try:
+            return [(0, _narrow(value, 1, span.start, span.size))]
+        except ValueError as exc:   # a packed weight's groups (or act order) the rank's span would cut
+            raise ValueError(f"weight {name!r} cannot be split over the tensor-parallel ranks: {exc} (another "
+                             "--tensor-parallel-size may split it)") from None
     if isinstance(module, VocabParallelEmbedding):
         span = module.vocab
         if len(shape) != 2 or shape[1] != param.shape[1] or not span.stop <= shape[0]:

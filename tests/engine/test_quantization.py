@@ -227,6 +227,27 @@ def test_packed_weights_split_as_dense_ones_at_group_boundaries():
         Int8Weight(codes8, torch.rand(48, 8), 32).narrow(1, 16, 64)
 
 
+def test_a_tensor_parallel_split_inside_a_group_names_the_layer():
+    """The loader's refusal names the checkpoint tensor and the remedy (a trial read only "inputs [0, 16) of a
+    4-bit weight in groups of 32 do not split at group boundaries", with no layer)."""
+    from engine.distributed.shard_plan import Span
+    from engine.layers.parallel_linear import RowParallelLinear
+    from engine.models.weight_loading import _parts
+    from engine.quantization.int4 import grouped_int4
+
+    gen = torch.Generator().manual_seed(0)
+    w = grouped_int4(torch.randint(0, 16, (8, 64), generator=gen), torch.randint(0, 16, (2, 8), generator=gen),
+                     torch.rand(2, 8, generator=gen).half(), None, "test")
+    name = "model.layers.1.mlp.down_proj.weight"
+    fits = RowParallelLinear(64, 8, Span(32, 32))
+    assert torch.equal(_parts(fits, "weight", None, w, fits.weight, name)[0][1].dequantize(), w.dequantize()[:, 32:])
+    cut = RowParallelLinear(64, 8, Span(16, 16))   # a third rank's span, say: inside the first group of 32
+    with pytest.raises(ValueError, match=rf"weight '{name}' cannot be split over the tensor-parallel ranks: inputs "
+                                         r"\[16, 32\) of a 4-bit weight in groups of 32 do not split at group "
+                                         r"boundaries \(another --tensor-parallel-size"):
+        _parts(cut, "weight", None, w, cut.weight, name)
+
+
 def _set_quantization_config(path, **changes) -> None:
     f = path / "config.json"
     cfg = json.loads(f.read_text())
