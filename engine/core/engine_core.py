@@ -88,10 +88,15 @@ class EngineCore:
             self._check_resume(token_ids, params, max_tokens, resume)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         n = params.n
-        # choices of a continuation have different tokens: no shared prompt to fork
-        group = ForkGroup(parent_id=request_id) if n > 1 and resume is None else None
+        # choices of a continuation have different tokens: no shared prompt to fork. A fork group runs its
+        # members at once, so choices beyond max_num_seqs form further groups, admitted as seats free (their
+        # leaders find the prompt in the prefix cache), as vLLM v1 schedules each child on its own
+        seats = self.scheduler.max_num_seqs
+        group = None
         seqs = []
         for index in (range(n) if resume is None else sorted(resume)):
+            if n > 1 and resume is None and index % seats == 0:
+                group = ForkGroup(parent_id=request_id) if n - index > 1 else None
             req = Request(
                 request_id=f"{request_id}-{index}" if n > 1 else request_id, prompt_token_ids=token_ids,
                 sampling_params=params, eos_token_id=self.tokenizer.eos_token_id, max_tokens=max_tokens,

@@ -211,9 +211,6 @@ class OpenAIServing:
             if param == "logprobs" and isinstance(req, ChatCompletionRequest):
                 param, message = "top_logprobs", "top_logprobs" + message[len("logprobs"):]
             raise ServingError(400, message, param=param) from None
-        if params.n > (most := self.engine.args.max_num_seqs):   # the scheduler's bound, named as the client's field
-            raise ServingError(400, f"n: {params.n} completions exceed max_num_seqs={most}, the most sequences this "
-                                    "engine runs at once", param="n")
         vocab = self.engine.tokenizer.vocab_size
         for i, t in enumerate(params.stop_token_ids):
             if t >= vocab:   # a token this model can never sample: a mistyped id, not a stop

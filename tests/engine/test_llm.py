@@ -98,3 +98,19 @@ def test_encode_pools_the_embed_task(llm):
     for task in (None, "classify"):
         with pytest.raises(ValueError, match="pooling_task"):
             llm.encode(PROMPTS, pooling_task=task)
+
+
+def test_n_beyond_max_num_seqs_runs_in_turns_each_child_as_its_seed_alone(tmp_path):
+    """vLLM v1 schedules each child on its own, so ``n`` above ``max_num_seqs`` is served (a trial got a 400): the
+    choices past the first ``max_num_seqs`` form further fork groups, admitted as seats free; every child is
+    still the request with seed ``seed + index`` alone, bit for bit."""
+    llm = LLM(save_byte_level_llama(tmp_path), dtype="float32", kv_cache_memory="16MiB", max_num_seqs=2)
+    sampled = dict(temperature=0.9, max_tokens=6, ignore_eos=True, logprobs=1)
+    family = llm.generate("hello world", SamplingParams(n=5, seed=7, **sampled))[0]
+    assert sorted(c.index for c in family.outputs) == list(range(5))
+    for child in family.outputs:
+        alone = llm.generate("hello world", SamplingParams(seed=7 + child.index, **sampled))[0].outputs[0]
+        assert child.token_ids == alone.token_ids and len(child.token_ids) == 6
+        assert [lp[t].logprob for t, lp in zip(child.token_ids, child.logprobs)] == \
+            [lp[t].logprob for t, lp in zip(alone.token_ids, alone.logprobs)]
+    assert len({tuple(c.token_ids) for c in family.outputs}) > 1   # sampled: the seeds differ
