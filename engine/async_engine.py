@@ -201,6 +201,11 @@ class AsyncEngine:
         return self.ready and self._dead is None and self._client is not None and self._client.is_alive()
 
     @property
+    def dead_reason(self) -> str | None:
+        """Why the core stopped (crashed, its process died), once it has; None while it runs."""
+        return None if self._dead is None else str(self._dead)
+
+    @property
     def accepting(self) -> bool:
         """False once a shutdown (drain) began."""
         return self._accepting

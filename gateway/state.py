@@ -5,7 +5,10 @@ health in process. That is exact for one replica and needs no extra process; run
 a shared Redis. We do not start an embedded Redis: a private Redis per replica would share nothing anyway.
 
 With ``redis_url`` every update is one Lua script (atomic on the server), keys are namespaced
-``<prefix>:<kind>:<id>`` (prefix ``tandem``) and carry TTLs, so nothing needs cleaning up. Times are passed in
+``<prefix>:<kind>:<id>`` (prefix ``tandem``) and carry TTLs, so nothing needs cleaning up. The state of a backend
+each replica runs for itself (its co-located engine, ``replica_scoped``) is keyed
+``<prefix>:<kind>:<replica id>@<id>``: one replica's engine crash, or a replica without an engine, never opens
+another's breaker or fails its readiness. Times are passed in
 by the caller (wall-clock milliseconds, ``time.time()``), so the Redis and in-process paths run the same
 arithmetic and tests can drive the clock; replicas on different hosts need NTP-synchronised clocks.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import Any, Awaitable, Callable, TypeVar
 
 import redis.asyncio as aioredis
@@ -57,6 +61,11 @@ class SharedState:
         self._scripts: dict[str, Any] = {}
         self._rejoin_hooks: list[Callable[[], Awaitable[None]]] = []
         self._reconnect_task: asyncio.Task | None = None
+        # this process among the replicas (budgets' peer sets, replica-scoped keys)
+        self.replica_id = uuid.uuid4().hex[:16]
+        # backends each replica runs for itself (its co-located engine): their breakers, probes and health
+        # counters are this replica's own (``key``); set by the config's owner on every apply
+        self.replica_scoped: frozenset[str] = frozenset()
         self.outages = 0   # times Redis became unreachable
         self.rejoins = 0   # times it came back (counted once the rejoin hooks have run)
         if self.config.redis_url:
@@ -76,7 +85,11 @@ class SharedState:
         return "degraded" if self.degraded else "redis"
 
     def key(self, kind: str, ident: str) -> str:
-        """Namespaced key ``<prefix>:<kind>:<id>``."""
+        """Namespaced key ``<prefix>:<kind>:<id>``; ``<prefix>:<kind>:<replica id>@<id>`` when ``ident`` names
+        a replica-scoped backend (``replica_scoped``): the backend itself, one of its targets
+        (``backend/model``) or a per-target bucket (``backend/model:minute``)."""
+        if any(ident == b or ident.startswith((b + "/", b + ":")) for b in self.replica_scoped):
+            ident = f"{self.replica_id}@{ident}"
         return f"{self.config.key_prefix}:{kind}:{ident}"
 
     def on_rejoin(self, hook: Callable[[], Awaitable[None]]) -> None:

@@ -6,6 +6,7 @@ as ``tandem engine serve``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -95,7 +96,9 @@ class Checkpoint:
 
 class LocalBackend:
     """The co-located engine. Unavailable until ``start()`` has loaded the
-    model (or for good when loading failed: ``unavailable_reason``)."""
+    model (or for good when loading failed: ``unavailable_reason``). An engine whose core died (killed, out of
+    memory) is restarted: the active probe (``probe``) finds it dead, marks the backend unavailable (routing
+    takes the fallbacks, ``/health/ready`` names why) and loads a new one (``restarts`` counts them)."""
 
     kind = "local"
     endpoints = ("chat/completions", "completions", "embeddings")   # what its OpenAI layer serves
@@ -113,6 +116,8 @@ class LocalBackend:
         self.available, self.unavailable_reason = False, "engine is loading"
         self.loading = True              # until start() ends (loaded or failed); requests get 503 engine_loading
         self.active = 0
+        self.restarts = 0                # engines started again after their core died
+        self._restart: asyncio.Task | None = None
         self._encode = msgspec.json.encode
 
     async def start(self) -> None:
@@ -159,12 +164,33 @@ class LocalBackend:
         return deadline_s, None
 
     async def probe(self) -> None:
-        """The active health probe: the engine is loaded and running.
+        """The active health probe: the engine is loaded and running. A loaded engine found dead is restarted
+        (in the background; the backend is unavailable until it is loaded again).
 
         Raises:
             RuntimeError: it is not, with the reason."""
+        if self.available and self.engine is not None and not self.engine.is_alive and self.engine.accepting:
+            self._restart_dead_engine()
         if not self.available:
             raise RuntimeError(self.unavailable_reason or "engine not ready")
+
+    def _restart_dead_engine(self) -> None:
+        """Mark the backend unavailable and load a new engine in place of the dead one."""
+        dead = self.engine
+        why = dead.dead_reason or "the engine core stopped"
+        self.engine, self.serving = None, None
+        self.available, self.unavailable_reason = False, f"engine core died ({why}); restarting"
+        self.restarts += 1
+        log.error("local backend %s: %s (restart %d)", self.name, self.unavailable_reason, self.restarts)
+
+        async def restart() -> None:
+            try:
+                await asyncio.wait_for(dead.shutdown(drain=False), 10.0)   # what is left of it
+            except Exception as e:  # noqa: BLE001 -- dead already: nothing to drain
+                log.info("dead engine shutdown: %s", e)
+            await self.start()
+
+        self._restart = asyncio.get_running_loop().create_task(restart())
 
     async def open_chat_stream(self, req: GatewayRequest, request_id: str, body: dict) -> ChatStream:
         """A stream of ``body`` for ``req`` (a ``chat/completions`` request) under ``request_id``: a shadow's side,
@@ -266,6 +292,10 @@ class LocalBackend:
             await batches.aclose()
 
     async def aclose(self) -> None:
+        if self._restart is not None and not self._restart.done():
+            self._restart.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._restart
         if self.engine is not None:
             try:
                 await asyncio.wait_for(self.engine.shutdown(drain=False), 10.0)

@@ -53,7 +53,6 @@ import asyncio
 import datetime as _dt
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from decimal import Decimal
 from gateway.billing.journal import Journal, JournalEntry
@@ -149,13 +148,13 @@ class UsageLedger:
         record_ttl_s: seconds a request's usage record is kept in Redis (the
             window in which a replayed settle is recognised).
         journal: where settles made during an outage wait for Redis.
-        replica_id: this replica's name in the budgets' peer sets (default: random per process).
+        replica_id: this replica's name in the budgets' peer sets (default: the state's ``replica_id``).
     """
 
     def __init__(self, state, reservation_ttl_s: float = 600.0, record_ttl_s: float = 8 * 86400,
                  journal: Journal | None = None, replica_id: str | None = None):
         self.state = state
-        self.replica_id = replica_id or uuid.uuid4().hex[:16]   # this replica, as budgets' peer sets name it
+        self.replica_id = replica_id or state.replica_id   # this replica, as budgets' peer sets name it
         self.reservation_ttl_s = reservation_ttl_s
         self.record_ttl_s = record_ttl_s
         self.journal = journal if journal is not None else Journal()

@@ -5,6 +5,7 @@ tiny random Llama. Official ``openai`` client, sync, async and streaming."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -433,6 +434,44 @@ async def test_a_probe_during_the_load_does_not_outlive_it(tiny_model):
         await backend.start()
         backends, _ = await layer.status(cfg.routes, {"local": backend})
         assert backends["local"] == {"available": True, "reason": ""}
+        assert await layer.prober.probe_once() == {"local": True}
+    finally:
+        await layer.stop()
+        await backend.aclose()
+
+
+async def test_an_engine_whose_core_died_is_restarted(tiny_model):
+    """An operator trial killed the engine core: the backend stayed "available" while every request failed, the
+    breaker cycled open and half-open for good and nothing brought the engine back. The next probe round finds
+    it dead, marks the backend unavailable (why, and that it restarts) and loads a new engine, which serves."""
+    import signal
+
+    cfg = GatewayConfig.model_validate({
+        "models": [{"name": "m"}], "backends": {"local": {"type": "local", "engine": {
+            "model": tiny_model, "dtype": "float32", "kv_cache_memory": "64MiB"}}},
+        "routes": {"r": {"targets": [{"backend": "local"}]}}, "policy": {"default_route": "r"}})
+    layer = Resilience(cfg)
+    backend = LocalBackend("local", cfg.backends["local"])
+    layer.start(lambda: {"local": backend})
+    try:
+        await backend.start()
+        first = backend.engine
+        os.kill(first.core_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while first.is_alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert await layer.prober.probe_once() == {"local": False}
+        backends, _ = await layer.status(cfg.routes, {"local": backend})
+        assert not backends["local"]["available"] and "engine core died" in backends["local"]["reason"]
+        assert "restarting" in backends["local"]["reason"] and backend.restarts == 1
+        with pytest.raises(BackendError) as e:       # meanwhile: unavailable, never a hang
+            await backend.send(*_request(backend, {"prompt": "one", "max_tokens": 1}, "during", rendered=False))
+        assert e.value.status == 503
+        while not backend.available and time.monotonic() < deadline + 60:
+            await asyncio.sleep(0.1)
+        assert backend.available and backend.engine is not first and backend.engine.is_alive
+        reply = json.loads((await backend.send(*_request(backend, {"prompt": "one", "max_tokens": 2}, "after"))).body)
+        assert reply["usage"]["completion_tokens"] == 2
         assert await layer.prober.probe_once() == {"local": True}
     finally:
         await layer.stop()

@@ -381,6 +381,36 @@ async def test_shared_breaker_in_redis_steers_another_replica(client, redis_url,
         await b.close()
 
 
+async def test_a_replicas_own_engine_keeps_its_breaker_and_probe_to_itself(client, redis_url, primary, fallback):
+    """A backend each replica runs for itself (its co-located engine: ``SharedState.replica_scoped``) keeps its
+    breaker, probe and health counters per replica: an operator trial saw a replica without an engine fail the
+    other's readiness every ten seconds with its own probe ("engine not started"), and one replica's engine
+    crash would have opened every replica's breaker. An upstream's stay shared."""
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    a = SharedState(StateSettings(redis_url=redis_url, key_prefix=prefix))
+    b = SharedState(StateSettings(redis_url=redis_url, key_prefix=prefix))
+    for s in (a, b):
+        s.replica_scoped = frozenset({"primary"})
+    try:
+        assert a.key("cb", "primary/m") != b.key("cb", "primary/m") and a.key("cb", "fallback") == b.key("cb", "fallback")
+        assert a.key("health", "primary:7").startswith(f"{prefix}:health:{a.replica_id}@")
+        primary.push({"status": 429})
+        r1 = await call_with_fallback([cand(primary), cand(fallback)], attempt_fn(client, False),
+                                      breakers=Breakers(a), policy=FAST)
+        r2 = await call_with_fallback([cand(primary), cand(fallback)], attempt_fn(client, False),
+                                      breakers=Breakers(b), policy=FAST)
+        assert r1.candidate.name == "fallback" and r2.candidate.name == "primary" and primary.calls == 2
+        assert (await Breakers(a).get("primary")).state == "open" and (await Breakers(b).get("primary")).state == "closed"
+        await HealthTracker(b).record_probe("primary", False, 0.01, "engine not started")
+        await HealthTracker(b).record_probe("fallback", False, 0.01, "connect error")
+        assert await HealthTracker(a).last_probe("primary") is None
+        assert (await HealthTracker(a).last_probe("fallback"))["ok"] is False
+        assert (await HealthTracker(b).last_probe("primary"))["error"] == "engine not started"
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_sse_parser_handles_any_split_and_crlf():
     raw = b'data: {"a": 1}\r\n\r\n: keep-alive\n\nevent: x\ndata: {"b":\ndata: 2}\n\ndata: [DONE]'
 
