@@ -121,6 +121,8 @@ class Gateway:
                 await self.usage.replay()
             except Exception as e:  # noqa: BLE001 -- Redis down: the next rejoin replays them
                 log.warning("usage journal replay at start failed: %s", e)
+        self._tasks.append(asyncio.create_task(   # this replica's view of the budgets, for an outage
+            self.usage.watch_budgets(lambda: self.snapshot.compiled.config.budgets.tenants)))
         self.replicas.start()
         self.rollouts.start()
         self._tasks.append(asyncio.create_task(watch_file(self)))

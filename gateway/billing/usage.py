@@ -38,7 +38,8 @@ Redis outage (``SharedState`` degraded): a settle goes to the in-process twin
 and to the local journal (``gateway/billing/journal.py``), replayed on rejoin.
 Budgets are checked in process against the last remaining budget this replica
 read from Redis (``limit - spent - reserved`` at its last reserve there, that
-reserve's own hold included), of
+reserve's own hold included, or at its last read of every budget: at start and every
+``BUDGET_READ_S``, ``read_budgets``), of
 which it spends at most its share: the remainder divided by the replicas that
 reserved on that budget in the last ``PEER_WINDOW_S`` (the reserve script
 counts them), since the others spend theirs unseen meanwhile. So the replicas
@@ -53,6 +54,7 @@ import asyncio
 import datetime as _dt
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from gateway.billing.journal import Journal, JournalEntry
@@ -63,6 +65,7 @@ from gateway.billing.scripts import RELEASE_LUA, RESERVE_LUA, SETTLE_LUA
 log = logging.getLogger("tandem.gateway.usage")
 
 PEER_WINDOW_S = 60.0               # a replica that reserved on a budget this recently shares it in an outage
+BUDGET_READ_S = 15.0               # how often a replica reads every budget's spend (``read_budgets``)
 _FIELDS = ("req", "in", "out", "cached", "nusd")
 
 
@@ -236,6 +239,39 @@ class UsageLedger:
             b.base, b.peers = spent + reserved + (est if ok == 1 else 0), max(1, peers)
         res = BudgetReservation(tenant, request_id, budget.period, pid, est) if ok else None
         return BudgetCheck(bool(ok), res, spent, reserved, limit, end - now)
+
+    async def read_budgets(self, budgets: Mapping[str, Budget], now_s: float | None = None) -> None:
+        """Take Redis's spend and holds of each budget's current period (``budgets``: tenant -> its budget) as
+        this replica's view of it (``base``), where the replica holds nothing of its own in process: a replica
+        that has not served a tenant since it started otherwise knows nothing of its spend, and a Redis outage
+        then would admit a tenant already at its budget (failures.md says it stays refused). One pipelined
+        round trip; nothing without Redis or while it is unreachable."""
+        if self.state.redis is None or self.state.degraded or not budgets:
+            return
+        now = time.time() if now_s is None else now_s
+        keys = [self._bkeys(tenant, period_id(b.period, now))[0] for tenant, b in budgets.items()]
+
+        async def read(r) -> list:
+            pipe = r.pipeline(transaction=False)
+            for k in keys:
+                pipe.hmget(k, "spent", "reserved")
+            return await pipe.execute()
+
+        rows = await self.state.call(read, lambda: None)
+        for key, (spent, reserved) in zip(keys, rows or ()):
+            b = self._budgets.setdefault(key, _MemBudget())
+            if not b.spent and not b.holds:      # an outage's own spend waits for its replay: kept as it is
+                b.base = int(spent or 0) + int(reserved or 0)
+
+    async def watch_budgets(self, budgets: Callable[[], Mapping[str, Budget]]) -> None:
+        """Run ``read_budgets`` on the current config's budgets (``budgets()``) now and every ``BUDGET_READ_S``
+        (a task of the gateway's)."""
+        while True:
+            try:
+                await self.read_budgets(budgets())
+            except Exception as e:  # noqa: BLE001 -- Redis failing mid-read: the next round reads again
+                log.info("budgets not read: %s", e)
+            await asyncio.sleep(BUDGET_READ_S)
 
     async def release(self, res: BudgetReservation) -> None:
         """Drop a reservation without spending (the request never reached a backend)."""

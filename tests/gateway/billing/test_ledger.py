@@ -377,6 +377,33 @@ async def _rejoined(state) -> bool:
     return not state.degraded and state.rejoins > 0
 
 
+async def test_a_replica_that_never_served_a_tenant_refuses_it_at_its_budget_in_an_outage(redis_server):
+    """An operator trial restarted a replica, paused Redis and was served twice as a tenant already at 98 % of its
+    budget (118.6 % after): the new replica's in-process view of a budget it had not reserved on was empty.
+    ``read_budgets`` (at start and every BUDGET_READ_S) gives it Redis's spend to start an outage from."""
+    budget, cost = Budget(100_000 / NANO, "day"), 10_000
+    settings = StateSettings(redis_url=redis_server.url, socket_timeout_s=0.5, reconnect_min_s=0.05,
+                             reconnect_max_s=0.1)
+    first, restarted = SharedState(settings), SharedState(settings)
+    spender, fresh = UsageLedger(first), UsageLedger(restarted)
+    try:
+        for k in range(10):                    # the whole budget spent, through the other replica
+            check = await spender.reserve("t1", f"spent{k}", cost, budget)
+            await spender.settle(UsageRecord(f"spent{k}", "t1", "b", 1, 1, 0, cost), check.reservation)
+        await fresh.read_budgets({"t1": budget, "t2": budget})
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            refused = await fresh.reserve("t1", "during", cost, budget)
+            other = await fresh.reserve("t2", "other", cost, budget)   # a tenant with nothing spent is served
+            assert restarted.degraded and not refused.admitted and other.admitted
+            assert refused.spent_nusd == 10 * cost
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+    finally:
+        await first.close()
+        await restarted.close()
+
+
 async def test_replicas_share_what_is_left_during_an_outage(redis_server):
     """Two replicas that both reserved on a budget lose Redis: each spends at most half of what Redis last said
     was left (they cannot see each other's spend), so together they stay within the budget. Before, each spent
