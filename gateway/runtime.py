@@ -20,7 +20,8 @@ from prometheus_client import Counter
 
 from gateway.config.compile import Compiled, load_config_text
 from gateway.config.config_file import ConfigFile
-from gateway.config.layers import RolloutConflict, holder, layer_view, over_file, route_weights, same_as_file
+from gateway.config.layers import (RolloutConflict, holder, layer_view, over_file, route_weights, same_as_file,
+                                   unchanged_split)
 from gateway.config.rollback import check_keys, returns_to
 from gateway.config.schema import ConfigError
 from gateway.config.sync import sync_versions, watch_file
@@ -367,14 +368,18 @@ class Gateway:
                 owners = head.owners
         if base is not None and base != version:
             raise VersionConflict(base, max(version, cur.version))
-        overrides, owners = {r: dict(w) for r, w in overrides.items()}, {**owners, route: rollout}
-        overrides.setdefault(route, {}).update({k: float(v) for k, v in weights.items()})
-        if not rollout or (ended and same_as_file(route_weights(load_config_text(text, {}).policy).get(route),
-                                                  overrides[route])):
-            owners.pop(route)
-            if rollout:                  # the rollout ended where the file stands: the file decides again
-                overrides.pop(route)
-        return await self._commit(ConfigState(text, overrides, "weights", file_digest=digest, owners=owners),
+        new = {r: dict(w) for r, w in overrides.items()}
+        new.setdefault(route, {}).update({k: float(v) for k, v in weights.items()})
+        file_weights = route_weights(load_config_text(text, {}).policy).get(route)
+        if not rollout and unchanged_split(file_weights, overrides.get(route, {}), new[route]):
+            new = overrides              # the split the route has now: the version and its source stay
+        else:
+            owners = {**owners, route: rollout}
+            if not rollout or (ended and same_as_file(file_weights, new[route])):
+                owners.pop(route)
+                if rollout:              # the rollout ended where the file stands: the file decides again
+                    new.pop(route)
+        return await self._commit(ConfigState(text, new, "weights", file_digest=digest, owners=owners),
                                   version, guard)
 
     async def rollback(self, base: int | None = None, restore_keys: bool = False) -> dict:

@@ -84,6 +84,12 @@ def same_as_file(file: dict[str, float] | None, weights: dict[str, float]) -> bo
     return file is not None and {**file, **weights} == file
 
 
+def unchanged_split(file: dict[str, float] | None, before: dict[str, float], after: dict[str, float]) -> bool:
+    """Whether a route's override going from ``before`` to ``after`` leaves the split it has (its ``file``
+    weights under the override) as it is: a weights change that changes nothing."""
+    return file is not None and {**file, **before} == {**file, **after}
+
+
 def ended_owner(rollouts: list[dict], owners: dict[str, str], route: str) -> dict | None:
     """The rollout in ``ENDED_STATES`` whose split ``route``'s override is (``ConfigState.owners``), if any."""
     name = owners.get(route)

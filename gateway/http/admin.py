@@ -56,8 +56,13 @@ def _json(result) -> Response:
 
 
 def _conflict(e: VersionConflict) -> ClientError:
-    """409 ``version_conflict`` naming the current version (the client re-reads it, or rebases explicitly)."""
-    return ClientError(409, str(e), code="version_conflict", headers={"x-tandem-config-version": str(e.current)})
+    """409 ``version_conflict`` naming the current version (the client re-reads it, or rebases explicitly); a
+    ``base_version`` beyond it is no version yet: 400 naming the field."""
+    headers = {"x-tandem-config-version": str(e.current)}
+    if e.base > e.current:
+        return ClientError(400, f"base_version {e.base} is not a config version yet: the current version is "
+                                f"{e.current}", param="base_version", code="invalid_value", headers=headers)
+    return ClientError(409, str(e), code="version_conflict", headers=headers)
 
 
 async def _body(request: Request) -> dict:

@@ -118,6 +118,29 @@ async def test_1b_an_operator_override_survives_an_unrelated_reload_and_yields_t
     assert "operator override stable 75, cand 25 dropped" in dropped["note"]
 
 
+async def test_weights_that_change_nothing_keep_the_version_and_its_source(tmp_path):
+    """desired-state.md: a change that changes nothing keeps the running version and its source. An operator
+    trial's ``ctl weights`` equal to the file's made version 2 (weights) and an operator override ("no change"
+    in the log); a ``base_version`` beyond the current one answered 409 "the config changed meanwhile"."""
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand))
+        async with served(path) as (gw, c):
+            first = gw.snapshot.version
+            same = (await c.post("/admin/weights", json={"route": "ro", "weights": {"stable": 100, "cand": 0}})).json()
+            layer = (await c.get("/admin/config")).json()["layers"]["ro"]
+            changed = (await c.post("/admin/weights", json={"route": "ro", "weights": {"cand": 20}})).json()
+            again = (await c.post("/admin/weights", json={"route": "ro", "weights": {"stable": 100.0, "cand": 20}}))
+            future = await c.post("/admin/weights", json={"route": "ro", "weights": {"cand": 30},
+                                                          "base_version": changed["version"] + 5})
+            final = weights(gw)
+    assert (same["version"], same["source"]) == (first, "file") and layer["decided_by"] == "file"
+    assert changed["version"] == first + 1 and again.json()["version"] == changed["version"]
+    assert again.json()["source"] == "weights"
+    assert future.status_code == 400 and future.json()["error"]["param"] == "base_version", future.text
+    assert "not a config version yet" in future.json()["error"]["message"] and final == {"stable": 100.0, "cand": 20.0}
+
+
 async def test_2_a_reload_removing_a_running_rollouts_candidate_is_refused_naming_it(tmp_path, caplog):
     with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
         path = tmp_path / "c.yaml"
