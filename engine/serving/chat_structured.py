@@ -39,20 +39,17 @@ format and turns the generated text into OpenAI's ``tool_calls``.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from engine.serving.protocol import RequestValidationError
-from engine.protocol.tool_choice import (PARALLEL_WITHOUT_TOOLS, TOOL_CHOICE_WITHOUT_TOOLS, parallel_without_tools,
-                                         tool_choice_without_tools)
+from engine.protocol.chat_shapes import ShapeError, check_response_format, check_tool_choice, check_tools
+from engine.protocol.tool_choice import PARALLEL_WITHOUT_TOOLS, parallel_without_tools
 from engine.sampling_params import StructuredOutputsParams
 from engine.serving.tool_call_parser import ARGS_PREFIX, CALL_BEGIN, CALL_END, NAME_PREFIX
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 GENERIC_TOOL_PROMPT = (
     "You can call functions. The available functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
@@ -109,10 +106,13 @@ def plan_chat(req, messages: list[dict], template: str | None) -> ChatPlan:
             uses an unsupported feature; the message starts with the path at
             fault and ``param`` is its top-level field.
     """
-    tools = _check_tools(req.tools) if req.tools else []
-    if parallel_without_tools(req.parallel_tool_calls, tools):
-        raise _fail("parallel_tool_calls", PARALLEL_WITHOUT_TOOLS)
-    choice = _tool_choice(req.tool_choice, tools)
+    try:
+        tools = check_tools(req.tools or None)
+        if parallel_without_tools(req.parallel_tool_calls, tools):
+            raise ShapeError("parallel_tool_calls", PARALLEL_WITHOUT_TOOLS)
+        choice = check_tool_choice(req.tool_choice, tools)
+    except ShapeError as e:
+        raise _fail(e.param, str(e)) from None
     spec, param = structured_spec(req)
     answer = _answer_schema(spec, param) if spec is not None and choice == "auto" else None
     if req.continue_final_message and (spec is not None or choice not in ("none", "auto")):
@@ -155,109 +155,17 @@ def structured_spec(req) -> tuple[StructuredOutputsParams | None, str]:
     return (extra, "structured_outputs") if extra is not None else (fmt, "response_format")
 
 
-_FUNCTION_KEYS = {"name", "description", "parameters", "strict"}   # OpenAI's function tool
-
-
-def _check_tools(tools: list) -> list[dict]:
-    out = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise _fail("tools", f"{where}.type: must be \"function\"")
-        fn = tool.get("function")
-        if not isinstance(fn, dict):
-            raise _fail("tools", f"{where}.function: must be an object")
-        name = fn.get("name")
-        if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise _fail("tools", f"{where}.function.name: must be 1-64 letters, digits, '_' or '-', got {name!r}")
-        unknown = sorted(set(fn) - _FUNCTION_KEYS)
-        if unknown:
-            raise _fail("tools", f"{where}.function.{unknown[0]}: unknown parameter")
-        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
-            raise _fail("tools", f"{where}.function.strict: must be a boolean, got {type(fn['strict']).__name__}")
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise _fail("tools", f"{where}.function.description: must be a string, got "
-                                 f"{type(fn['description']).__name__}")
-        params = _object_parameters(fn.get("parameters", _EMPTY_PARAMETERS), f"{where}.function")
-        out.append({"type": "function", "function": {**fn, "parameters": params}})
-    names = [t["function"]["name"] for t in out]
-    if len(set(names)) != len(names):
-        raise _fail("tools", "tools: function names must be unique")
-    return out
-
-
-def _object_parameters(params: Any, where: str) -> dict:
-    """A function's ``parameters``: a JSON schema of an object, as OpenAI requires (arguments are a JSON object);
-    one without ``type`` (``{}``: no parameters) is given ``"type": "object"``, so that its grammar makes an
-    object too. The subset is checked with the compile, off the event loop.
-
-    Raises:
-        RequestValidationError: not a JSON schema object, or of another type."""
-    if not isinstance(params, dict):
-        raise _fail("tools", f"{where}.parameters: must be a JSON schema (an object), got {type(params).__name__}")
-    if "type" not in params:
-        return {"type": "object", **params}
-    if params["type"] != "object":
-        raise _fail("tools", f"{where}.parameters: schema must be a JSON Schema of 'type: \"object\"', got "
-                             f"'type: {json.dumps(params['type'])}' (a call's arguments are a JSON object)")
-    return params
-
-
-def _tool_choice(choice: Any, tools: list[dict]) -> str:
-    """"none", "auto", "required" or the forced function's name."""
-    if choice is None:
-        return "auto" if tools else "none"
-    if tool_choice_without_tools(choice, tools):
-        raise _fail("tool_choice", TOOL_CHOICE_WITHOUT_TOOLS)
-    if choice in ("none", "auto", "required"):
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
-        name = choice["function"].get("name")
-        if name in {t["function"]["name"] for t in tools}:
-            return name
-        raise _fail("tool_choice", f"tool_choice.function.name: {name!r} is not one of the tools")
-    raise _fail("tool_choice", 'tool_choice: must be "none", "auto", "required" or '
-                               '{"type": "function", "function": {"name": ...}}')
-
-
-# The keys OpenAI's response_format takes (each kind its own); another key is refused as OpenAI refuses it, not
-# ignored (a schema put beside json_schema, as some other APIs take it, would go unenforced).
-_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
-_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
-
-
 def _response_format(fmt: dict | None) -> StructuredOutputsParams | None:
-    if fmt is None:
-        return None
-    kind = fmt.get("type")
-    unknown = sorted(set(fmt) - _FORMAT_KEYS.get(kind, set(fmt)))
-    if unknown:
-        raise _fail("response_format", f"response_format.{unknown[0]}: unknown parameter for type {kind!r}")
+    """The output constraint of a ``response_format`` (``chat_shapes.check_response_format``'s shape): None for
+    text, any JSON object for json_object, the schema's grammar for json_schema."""
+    try:
+        kind, spec = check_response_format(fmt)
+    except ShapeError as e:
+        raise _fail(e.param, str(e)) from None
     if kind == "text":
         return None
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True)
-    if kind != "json_schema":
-        raise _fail("response_format", f"response_format.type: must be text, json_object or json_schema, "
-                                       f"got {kind!r}")
-    spec = fmt.get("json_schema")
-    if not isinstance(spec, dict):
-        raise _fail("response_format", "response_format.json_schema: must be an object with name and schema")
-    name = spec.get("name")
-    if name is None:   # OpenAI's message for a schema without its name
-        raise _fail("response_format", "response_format.json_schema.name: missing required parameter (1-64 "
-                                       "letters, digits, '_' or '-')")
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise _fail("response_format", f"response_format.json_schema.name: must be 1-64 letters, digits, '_' or "
-                                       f"'-', got {name!r}")
-    unknown = sorted(set(spec) - _JSON_SCHEMA_KEYS)
-    if unknown:
-        raise _fail("response_format", f"response_format.json_schema.{unknown[0]}: unknown parameter")
-    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise _fail("response_format", f"response_format.json_schema.strict: must be a boolean, got "
-                                       f"{type(spec['strict']).__name__}")
-    if spec.get("description") is not None and not isinstance(spec["description"], str):
-        raise _fail("response_format", "response_format.json_schema.description: must be a string")
     # the subset is checked with the compile, off the event loop; no schema (absent or null, as OpenAI takes
     # it): any JSON object
     schema = spec.get("schema")

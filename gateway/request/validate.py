@@ -9,9 +9,9 @@ from dataclasses import replace
 import msgspec
 
 from engine.protocol.guided import guided_field_hint
+from engine.protocol.chat_shapes import ShapeError, check_response_format, check_tool_choice, check_tools
 from engine.protocol.param_ranges import check_param, first_violation
-from engine.protocol.tool_choice import (PARALLEL_WITHOUT_TOOLS, TOOL_CHOICE_WITHOUT_TOOLS, parallel_without_tools,
-                                         tool_choice_without_tools)
+from engine.protocol.tool_choice import PARALLEL_WITHOUT_TOOLS, parallel_without_tools
 from gateway.errors import ClientError
 from gateway.request.embeddings import EMBEDDINGS_PARAMS, EMBEDDINGS_TYPES, check_embeddings, estimate_input_tokens
 from gateway.values import GatewayRequest
@@ -28,7 +28,8 @@ _COMMON = {
     "top_k": (int,), "min_p": _NUM, "repetition_penalty": _NUM, "min_tokens": (int,),
     "ignore_eos": (bool,), "stop_token_ids": (list,), "logit_bias": (dict,), "cache_salt": (str,),
 }
-_CHAT = {**_COMMON, "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,)}
+_CHAT = {**_COMMON, "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,), "tools": (list,),
+         "tool_choice": (str, dict), "response_format": (dict,), "parallel_tool_calls": (bool,)}
 # Value ranges are checked before routing, from the table the engine's own server reads
 # (``engine/protocol/param_ranges.py``), so every backend's request gets OpenAI's error codes and no value
 # out of range reaches an engine.
@@ -141,6 +142,28 @@ def parse_json(raw: bytes) -> dict:
 def _too_deep() -> ClientError:
     return ClientError(400, f"request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
                        code="invalid_json")
+
+
+# OpenAI's newer tool kinds (custom tools, a tool_choice of allowed tools): an upstream that takes them decides
+_NEWER_TOOL_KINDS = ("custom", "allowed_tools")
+
+
+def _check_shapes(body: dict) -> None:
+    """A chat body's ``tools``, ``tool_choice`` and ``response_format`` in OpenAI's shapes
+    (``engine.protocol.chat_shapes``, the engine's own check), before routing: a malformed one never costs an
+    upstream call, whichever backend would get it. ``tools: []`` is no tools (vLLM's reading)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    newer = isinstance(choice, dict) and choice.get("type") in _NEWER_TOOL_KINDS
+    if isinstance(tools, list):
+        functions = [t for t in tools if not (isinstance(t, dict) and t.get("type") in _NEWER_TOOL_KINDS)]
+        newer, tools = newer or len(functions) < len(tools), functions or None
+    try:
+        checked = check_tools(tools)
+        if not newer:
+            check_tool_choice(choice, checked)
+        check_response_format(body.get("response_format"))
+    except ShapeError as e:
+        raise ClientError(400, str(e), param=e.path, code="invalid_value") from None
 
 
 def _unsupported(body: dict, local_serves: frozenset[str]) -> str | None:
@@ -271,8 +294,8 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
     bad = first_violation({k: v for k, v in body.items() if k in known}, completions=endpoint == "completions")
     if bad is not None:
         raise ClientError(400, bad.message, param=bad.param, code=bad.code)
-    if endpoint == "chat/completions" and tool_choice_without_tools(body.get("tool_choice"), body.get("tools")):
-        raise ClientError(400, TOOL_CHOICE_WITHOUT_TOOLS, param="tool_choice", code="invalid_value")
+    if endpoint == "chat/completions":
+        _check_shapes(body)
     if endpoint == "chat/completions" and parallel_without_tools(body.get("parallel_tool_calls"), body.get("tools")):
         raise ClientError(400, PARALLEL_WITHOUT_TOOLS, param="parallel_tool_calls", code="invalid_value")
     if "stream_options" in body:

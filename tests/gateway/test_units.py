@@ -12,6 +12,9 @@ from gateway.errors import ClientError
 from gateway.request.validate import check_request, estimate_prompt_tokens, parse_json
 
 
+TOOL = {"type": "function", "function": {"name": "f"}}
+
+
 def test_local_unsupported_fields_are_named():
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     assert check_request(dict(base), "chat/completions", None).local_unsupported is None
@@ -23,16 +26,44 @@ def test_local_unsupported_fields_are_named():
         .local_unsupported == "modalities"
     p = check_request({**base, "response_format": {"type": "json_object"}}, "chat/completions", None)
     assert p.local_unsupported == "response_format" and p.has_response_format and not p.has_tools
-    p = check_request({**base, "tools": [{"type": "function"}]}, "chat/completions", None)
+    p = check_request({**base, "tools": [TOOL]}, "chat/completions", None)
     assert p.local_unsupported == "tools" and p.has_tools
     assert check_request({**base, "logit_bias": {"1": 2}}, "chat/completions", None).local_unsupported == "logit_bias"
     assert check_request({**base, "tools": []}, "chat/completions", None).local_unsupported is None
     # A local backend configured to serve structured outputs takes them off the list, one by one.
-    tools = {**base, "tools": [{"type": "function"}], "tool_choice": "required", "response_format": {"type": "json_object"}}
+    tools = {**base, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}
     assert check_request(tools, "chat/completions", None, frozenset({"tools"})).local_unsupported == "response_format"
     assert check_request(tools, "chat/completions", None, frozenset({"response_format"})).local_unsupported == "tools"
     p = check_request(tools, "chat/completions", None, frozenset({"tools", "response_format"}))
     assert p.local_unsupported is None and p.has_tools and p.has_response_format
+
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function"}]}, "tools[0].function"), ({"tools": "f"}, "tools"),
+    ({"tools": [{"type": "bogus"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+    ({"tools": [TOOL, TOOL]}, "tools"), ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+    ({"response_format": "json"}, "response_format"), ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
+])
+def test_malformed_tools_and_formats_are_refused_before_routing(extra, param):
+    """A LiteLLM user's trial: these chat bodies went to the upstream (a permissive one answered 200), while the
+    Responses and Messages paths refused the same mistakes. The engine's shapes (``engine.protocol.chat_shapes``)
+    now refuse them at the edge, naming the path, whichever backend would get them."""
+    with pytest.raises(ClientError) as e:
+        check_request({"model": "m", "messages": [{"role": "user", "content": "x"}], **extra}, "chat/completions", None)
+    assert e.value.status == 400 and e.value.param == param, (e.value.param, str(e.value))
+
+
+def test_openais_newer_tool_kinds_are_left_to_the_upstream():
+    """Custom tools and an allowed-tools choice (OpenAI's newer chat forms) pass to a backend that takes them."""
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    check_request({**base, "tools": [{"type": "custom", "custom": {"name": "c"}}], "tool_choice": "required"},
+                  "chat/completions", None)
+    check_request({**base, "tools": [TOOL], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]}}}, "chat/completions", None)
     assert check_request({**base, "functions": [{}]}, "chat/completions", None,
                          frozenset({"tools"})).local_unsupported == "functions"  # legacy functions: never local
 

@@ -212,10 +212,18 @@ def test_response_format_routed_upstream_tools_served_locally(gateway):
     assert r.headers["x-tandem-backend"] == "agg" and r.headers["x-tandem-rule"] == "structured"
     assert r.status_code == 200 and r.headers["x-tandem-attempts"] == "1"
     assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"])["ok"], bool)
-    # Its own 400 for a bad schema is passed through after one attempt: a 4xx never falls back.
+    # A format of no known shape is refused before routing (the engine's shapes, engine/protocol/chat_shapes.py)
     r = httpx.post(gateway.url + "/v1/chat/completions", timeout=60, json={
         "model": "smollm2", "messages": MSG, "max_tokens": 2, "response_format": {"type": "yaml"}})
-    assert r.status_code == 400 and r.headers["x-tandem-attempts"] == "1"
+    assert r.status_code == 400 and "x-tandem-attempts" not in r.headers
+    assert r.json()["error"]["param"] == "response_format.type"
+    # the engine's own 400 for a schema it cannot enforce is passed through after one attempt: a 4xx never
+    # falls back
+    lookaround = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)x"}}}
+    r = httpx.post(gateway.url + "/v1/chat/completions", timeout=60, json={
+        "model": "smollm2", "messages": MSG, "max_tokens": 2, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "la", "schema": lookaround}}})
+    assert r.status_code == 400 and r.headers["x-tandem-attempts"] == "1", r.text
     assert r.json()["error"]["param"] == "response_format"
     # No rule sends tools upstream and the local backend serves them (structured_outputs defaults to
     # [response_format, tools]): a schema-valid call from the local engine.
