@@ -4,7 +4,7 @@
 Per request (label ``model`` = the public model, ``tenant`` = the virtual
 key's tenant, ``backend`` = the backend that answered or ``none``):
 
-- ``tandem_requests_total{model, route, backend, status, attempt}``: finished
+- ``tandem_requests_total{model, route, backend, status, attempt, tenant}``: finished
   requests; ``attempt`` is the kind of the call that produced the answer:
   ``initial``, ``retry`` (the same target again) or ``fallback`` (another
   target), ``none`` when no backend was called (refused, 4xx).
@@ -13,7 +13,9 @@ key's tenant, ``backend`` = the backend that answered or ``none``):
 - ``tandem_time_to_first_token_seconds{model, backend}``: streams, arrival to
   the first chunk sent to the client.
 - ``tandem_upstream_latency_seconds{backend, outcome}``: one per upstream
-  call (to the response headers; whole answer when not streaming).
+  call (a stream: to its first content, or its failure before it; else the whole
+  answer). A stream's outcome is known there: one that fails before content is
+  its failure (``timeout``, ``stream_cut``, ...), not its 200 headers.
 - ``tandem_upstream_attempts_total{backend, attempt, outcome}``; retries and
   fallbacks: ``tandem_retries_total{route, backend}``,
   ``tandem_fallbacks_total{route, backend}`` (backend = the one called).
@@ -128,14 +130,14 @@ class GatewayMetrics:
         registry.register(_Live(live, self.cache))
         r = registry
         self.requests = Counter("tandem_requests", "Finished requests.",
-                                ["model", "route", "backend", "status", "attempt"], registry=r)
+                                ["model", "route", "backend", "status", "attempt", "tenant"], registry=r)
         self.duration = Histogram("tandem_request_duration_seconds", "End-to-end request latency, seconds.",
                                   ["model", "route", "backend"], buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("tandem_time_to_first_token_seconds",
                               "Streams: arrival to the first chunk sent, seconds.", ["model", "backend"],
                               buckets=TTFT_BUCKETS, registry=r)
         self.upstream_latency = Histogram("tandem_upstream_latency_seconds",
-                                          "One upstream call (to the response headers when streaming), seconds.",
+                                          "One upstream call (a stream: to its first content), seconds.",
                                           ["backend", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
         self.attempts = Counter("tandem_upstream_attempts", "Upstream calls.", ["backend", "attempt", "outcome"],
                                 registry=r)
@@ -170,7 +172,7 @@ class GatewayMetrics:
 
     def child(self, metric, *labels: str):
         """``metric.labels(*labels)``, cached: prometheus_client's ``labels()`` costs ~4 us a call, a dict
-        lookup ~0.1 us (label sets are few: models x routes x backends x statuses)."""
+        lookup ~0.1 us (label sets are few: models x routes x backends x statuses x the configured tenants)."""
         key = (id(metric), labels)
         c = self._children.get(key)
         if c is None:

@@ -180,11 +180,18 @@ class Observability:
                 span = attempt_span(self.tracing, rec, backend, c.name, kind)
                 token = set_traceparent(traceparent(span))
             t0 = time.perf_counter()
-            outcome, status = "error", None
+            outcome, status, deferred = "error", None, False
+
+            def record(outcome: str, status: int | None) -> None:
+                self.on_attempt(rec, AttemptRecord(backend, c.name, kind, outcome, status, time.perf_counter() - t0),
+                                span)
+
             try:
                 resp = await fn(c)
                 status = resp.status
                 outcome = "ok" if status < 400 else "error_status"
+                if status < 400 and resp.events is not None:   # a stream: ok once it has content (the loop says)
+                    resp.on_outcome, deferred = record, True
                 if status < 400 and not rec.stream:
                     rec.answer_body = resp.body  # billed from it if the client leaves before ``finish`` reads it
                 if span is not None and status < 400 and resp.body:
@@ -201,8 +208,8 @@ class Observability:
             finally:
                 if token is not None:
                     reset_traceparent(token)
-                self.on_attempt(rec, AttemptRecord(backend, c.name, kind, outcome, status,
-                                                   time.perf_counter() - t0), span)
+                if not deferred:
+                    record(outcome, status)
 
         return attempt
 
@@ -453,7 +460,7 @@ class Observability:
         m = self.metrics
         backend, model, route = rec.backend or "none", rec.model or "unknown", rec.route or "none"
         kind = rec.attempts[-1].kind if rec.attempts else ("initial" if rec.backend else "none")
-        m.child(m.requests, model, route, backend, str(status), kind).inc()
+        m.child(m.requests, model, route, backend, str(status), kind, tenant_label(rec.tenant)).inc()
         if rec.error == "stream_error" and status < 400:     # answered 200, then cut: not a success either
             m.child(m.stream_errors, model, backend).inc()
         m.child(m.duration, model, route, backend).observe(latency)

@@ -54,7 +54,7 @@ from gateway.errors import error_body
 from gateway.resilience.outcomes import (TRANSIENT_STATUS, Attempt, Failure, NoCandidate, PassThrough, Result,
                                          UpstreamResponse, Withdrawn, answer_head, classify_error_object,
                                          classify_exception, close_response, is_context_length_error,
-                                         is_request_error, parse_retry_after, upstream_message)
+                                         is_request_error, parse_retry_after, settle_outcome, upstream_message)
 from gateway.resilience.backoff import RetryPolicy
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
 from gateway.resilience.streaming import Held, StreamEnd, peek_stream, relay
@@ -239,19 +239,28 @@ class _Run:
                 resp = await self.attempt_fn(c)
                 if self.stream and resp.status < 300 and resp.events is not None:
                     out = await peek_stream(resp, t0)
+                    if isinstance(out, Result):
+                        settle_outcome(resp, "ok")
+                    elif isinstance(out, PassThrough):   # an error event naming the request's own 4xx
+                        settle_outcome(resp, "error_status", out.response.status)
+                    else:
+                        settle_outcome(resp, "error_status" if out.kind == "status" else out.kind, out.status)
                     if not isinstance(out, Result):
                         await close_response(resp)
                     return out
         except asyncio.CancelledError:
+            settle_outcome(resp, "cancelled")
             await asyncio.shield(close_response(resp))
             raise
         except Withdrawn as exc:
+            settle_outcome(resp, "withdrawn")
             await close_response(resp)
             return Failure("withdrawn", str(exc))
         except Exception as exc:
             await close_response(resp)
             status = getattr(exc, "status_code", None)
             if isinstance(status, int) and hasattr(exc, "to_dict"):  # engine.protocol.errors.ServingError (local backend)
+                settle_outcome(resp, "error_status", status)
                 resp = UpstreamResponse(status, {"content-type": "application/json"},
                                         json.dumps(exc.to_dict()).encode())
             else:
@@ -260,6 +269,7 @@ class _Run:
                     f = Failure("timeout", f"no first token within {limit:.1f}s")
                 if f.kind == "error":
                     log.warning("attempt on %s raised", c.name, exc_info=exc)
+                settle_outcome(resp, f.kind)   # a stream that failed before its first content
                 return f
         return self._finish_plain(c, resp)
 

@@ -39,7 +39,9 @@ class UpstreamResponse:
 
     body: the whole body (non-streaming responses and every error). events: the ``ChatStream`` of a streaming
     2xx (the backend's events, decoded once). aclose: releases the upstream response/connection (called when the
-    loop abandons it).
+    loop abandons it). on_outcome: set by an observer of the call (telemetry) on a streaming 2xx, whose outcome
+    is known only once the loop has read to its first content: called once with it (``"ok"``, or the failure's
+    kind: ``stream_cut``, ``timeout``, ``connection_error``, ...) and its status (``settle_outcome``).
     """
 
     status: int
@@ -47,6 +49,14 @@ class UpstreamResponse:
     body: bytes = b""
     events: AsyncIterator[list] | None = None
     aclose: Callable[[], Awaitable[None]] | None = None
+    on_outcome: Callable[[str, int | None], None] | None = None
+
+
+def settle_outcome(resp: UpstreamResponse | None, outcome: str, status: int | None = None) -> None:
+    """Tell ``resp``'s observer (``UpstreamResponse.on_outcome``) the attempt's outcome, once."""
+    if resp is not None and resp.on_outcome is not None:
+        hook, resp.on_outcome = resp.on_outcome, None
+        hook(outcome, status if status is not None else resp.status)
 
 
 @dataclass

@@ -172,21 +172,48 @@ def test_both_503_before_content_is_a_real_503(gw, ups):
     assert e.value.status_code == 503
 
 
+def attempts_counted(gw, backend: str) -> dict[str, float]:
+    """``tandem_upstream_attempts_total`` of ``backend`` by outcome (summed over attempt kinds)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(gw.url + "/metrics", headers=ADMIN_AUTH, timeout=10).text):
+        for sample in fam.samples:
+            if sample.name == "tandem_upstream_attempts_total" and sample.labels["backend"] == backend:
+                out[sample.labels["outcome"]] = out.get(sample.labels["outcome"], 0) + sample.value
+    return out
+
+
+def counted_since(gw, backend: str, before: dict[str, float]) -> dict[str, float]:
+    after = attempts_counted(gw, backend)
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
 def test_error_event_first_falls_back(gw, ups):
+    """... and the primary's attempt is metered as the failure it was (a trial saw streams that failed before
+    their first token counted ``ok``: 200 headers)."""
+    before = attempts_counted(gw, "primary")
     ups["primary"].push({"error_first": True})
     text = "".join(c.choices[0].delta.content or "" for c in
                    client(gw).chat.completions.create(model="serrfirst", messages=MSG, stream=True) if c.choices)
     assert text == "tok0 tok1 tok2 " and ups["fallback"].calls == 1
+    assert counted_since(gw, "primary", before) == {"error_event": 1}
 
 
 def test_first_token_timeout_falls_back(gw, ups):
-    """Headers at once, first token after 10 s, first-token timeout 2 s: served by the fallback."""
+    """Headers at once, first token after 10 s, first-token timeout 2 s: served by the fallback; the primary's
+    attempt is metered ``timeout``, a stream cut before content ``stream_cut``."""
+    before = attempts_counted(gw, "primary")
     ups["primary"].push({"stall_first": 10})
     raw = client(gw).chat.completions.with_raw_response.create(model="sstall", messages=MSG, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
     assert text == "tok0 tok1 tok2 " and raw.headers["x-tandem-backend"] == "fallback"
     assert ups["primary"].calls == 1
     assert wait_until(lambda: ups["primary"].disconnects == 1)  # the stalled call was closed
+    ups["primary"].push({"end_after": 0})
+    raw = client(gw).chat.completions.with_raw_response.create(model="sstall", messages=MSG, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == "tok0 tok1 tok2 "
+    assert counted_since(gw, "primary", before) == {"timeout": 1, "stream_cut": 1}
 
 
 def test_429_retry_after_then_429_keeps_backend_out_60s(gw, ups, rds, prefix):
