@@ -157,7 +157,8 @@ def test_metrics_count_known_traffic(gw, ups):
     code = r.json()["error"]["code"]
 
     fams = families(httpx.get(gw.url + "/metrics", timeout=10, headers=ADMIN_AUTH).text)
-    assert value(fams, "tandem_requests_total", model="m1", route="r1", backend="a", status=200, attempt="initial") == 4
+    assert value(fams, "tandem_requests_total", model="m1", route="r1", backend="a", status=200, attempt="initial",
+                 tenant="t1") == 4                      # per tenant (a LiteLLM user's trial found no tenant label)
     assert value(fams, "tandem_requests_total", model="m1", route="r1", backend="b", status=200,
                  attempt="fallback") == 1
     assert value(fams, "tandem_fallbacks_total", route="r1", backend="b") == 1
