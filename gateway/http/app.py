@@ -73,7 +73,10 @@ async def _serve(request: Request, endpoint: str, headers=None) -> Response:
                                headers={**answer.headers, "cache-control": "no-cache"})
         content = await gw.obs.finish(rec, answer.backend, answer.status, answer.content)   # secrets redacted
         status, content, media_type = render.content(answer.status, content, answer.content_type)
-        return Response(content, status_code=status, media_type=media_type, headers=answer.headers)
+        sent = answer.headers
+        if "charset=" in media_type:         # an upstream's own type, kept whole (Litestar would add another)
+            sent = {**sent, "content-type": media_type}
+        return Response(content, status_code=status, media_type=media_type, headers=sent)
 
     return await serve_observed(request, endpoint, headers, answer_)
 

@@ -8,7 +8,8 @@ the queue filled by ``push()`` / ``POST /_fault/push`` (one fault per request), 
 ``set_default()`` / ``POST /_fault/default``. ``{}`` is a healthy answer. Keys (all optional):
 
     delay: float           seconds before the response headers
-    status: int            answer this HTTP status with an OpenAI error body (429, 500, 503, 400, 404, ...)
+    status: int            answer this HTTP status with an OpenAI error body (429, 500, 503, 400, 404, ...);
+                           with ``plain`` (embeddings): a text/plain body instead
     retry_after: str|num   Retry-After header for that status
     error_code: str        error.code in that body (e.g. "context_length_exceeded"); message: str; param: str
     reset: bool            reset the TCP connection (RST) instead of answering
@@ -169,6 +170,8 @@ class FaultUpstream:
             self.calls_by_path[request.path] = self.calls_by_path.get(request.path, 0) + 1
             self.requests.append((request.path, dict(request.headers), body))
         fault = self._take(request)
+        if fault.get("status") and fault.get("plain"):   # a plain-text error page (a proxy's, a framework's)
+            return web.Response(text=f"{fault['status']}: Not Found", status=int(fault["status"]))
         if fault.get("status"):
             return web.json_response({"error": {"message": "injected", "type": "server_error", "param": None,
                                                 "code": None}}, status=int(fault["status"]))
