@@ -93,7 +93,8 @@ async def test_create_is_translated_onto_a_chat_upstream_and_billed_once(up):
         (rec,) = (await records(gw, 1)).values()
         assert (rec.prompt_tokens, rec.completion_tokens, rec.estimated) == (5, 3, False)
         assert rec.nusd == 5 * 1000 + 3 * 2000        # USD 1 / 2 per million tokens, in nano-USD
-        labels = {"model": "m1", "route": "r1", "backend": "up", "status": "200", "attempt": "initial"}
+        labels = {"model": "m1", "route": "r1", "backend": "up", "status": "200", "attempt": "initial",
+                  "tenant": "t1"}
         assert gw.obs.registry.get_sample_value("tandem_requests_total", labels) == 1       # counted like chat
         assert gw.obs.registry.get_sample_value("tandem_input_tokens_total", {"backend": "up", "tenant": "t1"}) == 5
 
