@@ -6,7 +6,9 @@
   {rollout}``, ``tandem_parity_length_ratio{rollout}``, ``tandem_parity_first_divergence_p50{rollout}``;
 - ``tandem_parity_error_rate{rollout, side}``, ``tandem_parity_ttft_p95_seconds{rollout, side}``,
   ``tandem_parity_tpot_p50_seconds{rollout, side}`` (side: primary, candidate);
-- ``tandem_rollout_weight{rollout, route, candidate}`` (percent) and ``tandem_rollout_state{rollout, state}`` (1);
+- ``tandem_rollout_weight{rollout, route, candidate}`` (percent; only while the rollout holds its route: running,
+  paused, promoted, since an ended one's route is the file's or an operator's) and ``tandem_rollout_state{rollout,
+  state}`` (1);
 - ``tandem_shadow_requests_total{rollout, outcome}`` (sent, dropped): a counter of this process, in
   ``gateway/rollouts/shadow.py``.
 """
@@ -14,6 +16,8 @@
 from __future__ import annotations
 
 from prometheus_client.core import GaugeMetricFamily
+
+from gateway.config.layers import HOLDING_STATES
 
 _FIGURES = (("exact_share", "exact_share", "Share of compared pairs with bitwise identical token ids."),
             ("token_agreement", "token_agreement", "Positions where both sides chose the same token."),
@@ -62,6 +66,7 @@ class ParityCollector:
                               labels=["rollout", "route", "candidate"])
         st = GaugeMetricFamily("tandem_rollout_state", "The rollout's state (1).", labels=["rollout", "state"])
         for r in self.rollouts:
-            w.add_metric([r["name"], r["route"], r["candidate"]], r["weight"])
+            if r["state"] in HOLDING_STATES:   # an ended rollout's last weight is no longer the route's
+                w.add_metric([r["name"], r["route"], r["candidate"]], r["weight"])
             st.add_metric([r["name"], r["state"]], 1)
         yield from (w, st)

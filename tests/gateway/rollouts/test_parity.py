@@ -88,3 +88,20 @@ def test_config_refuses_wrong_shadow_and_rollout_references_and_the_shadow_tenan
         with pytest.raises(ConfigError) as e:
             load_config_text(text(shadow, extra))
         assert path in str(e.value), (path, str(e.value))
+
+
+def test_the_rollout_weight_series_is_the_routes_only_while_the_rollout_holds_it():
+    """An operator trial promoted a rollout, released it and set the route's weights by hand: the gauge still said
+    the candidate had 100 %. A rollout that no longer holds its route (released, aborted, rolled back) has its state
+    series and no weight series."""
+    from gateway.rollouts.metrics import ParityCollector
+
+    c = ParityCollector()
+    c.rollouts = [{"name": n, "route": "r", "candidate": "cand", "state": state, "weight": w}
+                  for n, state, w in (("a", "running", 25.0), ("b", "promoted", 100.0), ("c", "released", 100.0),
+                                      ("d", "rolled_back", 5.0), ("e", "paused", 25.0))]
+    fams = {f.name: f for f in c.collect()}
+    assert {s.labels["rollout"]: s.value for s in fams["tandem_rollout_weight"].samples} == {
+        "a": 25.0, "b": 100.0, "e": 25.0}
+    assert {s.labels["rollout"]: s.labels["state"] for s in fams["tandem_rollout_state"].samples} == {
+        "a": "running", "b": "promoted", "c": "released", "d": "rolled_back", "e": "paused"}
