@@ -111,8 +111,8 @@ def plan_chat(req, messages: list[dict], template: str | None) -> ChatPlan:
         if parallel_without_tools(req.parallel_tool_calls, tools):
             raise ShapeError("parallel_tool_calls", PARALLEL_WITHOUT_TOOLS)
         choice = check_tool_choice(req.tool_choice, tools)
-    except ShapeError as e:
-        raise _fail(e.param, str(e)) from None
+    except ShapeError as e:   # OpenAI's code for a malformed value, as the gateway's edge names it
+        raise RequestValidationError(str(e), e.param, "invalid_value") from None
     spec, param = structured_spec(req)
     answer = _answer_schema(spec, param) if spec is not None and choice == "auto" else None
     if req.continue_final_message and (spec is not None or choice not in ("none", "auto")):
@@ -160,8 +160,8 @@ def _response_format(fmt: dict | None) -> StructuredOutputsParams | None:
     text, any JSON object for json_object, the schema's grammar for json_schema."""
     try:
         kind, spec = check_response_format(fmt)
-    except ShapeError as e:
-        raise _fail(e.param, str(e)) from None
+    except ShapeError as e:   # OpenAI's code for a malformed value, as the gateway's edge names it
+        raise RequestValidationError(str(e), e.param, "invalid_value") from None
     if kind == "text":
         return None
     if kind == "json_object":
