@@ -28,7 +28,7 @@ TOOL_CHOICE_MODES = ("none", "auto", "required")
 # The keys of a function ``tool_choice`` (``{"type": "function", "name": ...}``: no ``function`` level as on chat).
 _FUNCTION_CHOICE_KEYS = {"type": (str,), "name": (str,)}
 # A function tool's fields the translation carries onto chat, with their JSON types.
-_TOOL_TYPES = {"name": (str,), "description": (str,), "parameters": (dict,), "strict": (bool,)}
+_TOOL_TYPES = {"type": (str,), "name": (str,), "description": (str,), "parameters": (dict,), "strict": (bool,)}
 
 
 def bad_request(message: str, param: str, code: str = "invalid_value") -> ClientError:
@@ -79,7 +79,8 @@ def check_text(text: dict) -> None:
 
 def check_tools(tools: list) -> None:
     """Function tools only (a built-in OpenAI tool is refused by its type), each with a ``name`` and its other
-    fields of their JSON types (``description`` a string, ``parameters`` an object, ``strict`` a boolean).
+    fields of their JSON types (``description`` a string, ``parameters`` an object, ``strict`` a boolean); any
+    other key is refused (``unknown_parameter``), as OpenAI refuses it.
 
     Raises:
         ClientError: 400 naming ``tools[i].<field>``."""
@@ -91,8 +92,7 @@ def check_tools(tools: list) -> None:
                               f"tools[{i}].type", "unsupported_tool")
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise _missing(f"tools[{i}].name")
-        for name, types in _TOOL_TYPES.items():
-            check_type(f"tools[{i}].{name}", tool.get(name), types)
+        _check_keys(tool, _TOOL_TYPES, f"tools[{i}]")   # another key is OpenAI's 400, not dropped
 
 
 def check_tool_choice(choice: str | dict | None, tools: list) -> None:

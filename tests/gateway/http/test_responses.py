@@ -270,6 +270,9 @@ async def test_tool_refusals_name_the_responses_paths(up):
              ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.name",
               "missing_required_parameter"),
              ({"tools": [{**WEATHER, "description": 3}]}, "tools[0].description", "invalid_type"),
+             # a key a Responses function tool does not have was dropped (a misspelling, another API's key)
+             ({"tools": [{**WEATHER, "paramters": {}}]}, "tools[0].paramters", "unknown_parameter"),
+             ({"tools": [{**WEATHER, "input_schema": {}}]}, "tools[0].input_schema", "unknown_parameter"),
              ({"parallel_tool_calls": True}, "parallel_tool_calls", "invalid_value")]
     async with gateway(config(up)) as (gw, client):
         await assert_refused(client, cases)
