@@ -54,19 +54,7 @@ def check_tools(tools: Any) -> list[dict]:
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise ShapeError("tools", f"{where}.function: must be an object")
-        name = fn.get("name")
-        if not isinstance(name, str) or not NAME_RE.match(name):
-            raise ShapeError("tools", f"{where}.function.name: must be 1-64 letters, digits, '_' or '-', got "
-                                      f"{name!r}")
-        unknown = sorted(set(fn) - _FUNCTION_KEYS)
-        if unknown:
-            raise ShapeError("tools", f"{where}.function.{unknown[0]}: unknown parameter")
-        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
-            raise ShapeError("tools", f"{where}.function.strict: must be a boolean, got "
-                                      f"{type(fn['strict']).__name__}")
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise ShapeError("tools", f"{where}.function.description: must be a string, got "
-                                      f"{type(fn['description']).__name__}")
+        _check_named(fn, _FUNCTION_KEYS, f"{where}.function", "tools")
         params = _object_parameters(fn.get("parameters", _EMPTY_PARAMETERS), f"{where}.function")
         out.append({"type": "function", "function": {**fn, "parameters": params}})
     names = [t["function"]["name"] for t in out]
@@ -141,15 +129,19 @@ def check_response_format(fmt: Any) -> tuple[str, dict | None]:
     if name is None:   # OpenAI's message for a schema without its name
         raise ShapeError("response_format", "response_format.json_schema.name: missing required parameter (1-64 "
                                             "letters, digits, '_' or '-')")
-    if not isinstance(name, str) or not NAME_RE.match(name):
-        raise ShapeError("response_format", f"response_format.json_schema.name: must be 1-64 letters, digits, '_' "
-                                            f"or '-', got {name!r}")
-    unknown = sorted(set(spec) - _JSON_SCHEMA_KEYS)
-    if unknown:
-        raise ShapeError("response_format", f"response_format.json_schema.{unknown[0]}: unknown parameter")
-    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise ShapeError("response_format", f"response_format.json_schema.strict: must be a boolean, got "
-                                            f"{type(spec['strict']).__name__}")
-    if spec.get("description") is not None and not isinstance(spec["description"], str):
-        raise ShapeError("response_format", "response_format.json_schema.description: must be a string")
+    _check_named(spec, _JSON_SCHEMA_KEYS, "response_format.json_schema", "response_format")
     return kind, spec
+
+
+def _check_named(obj: dict, keys: set[str], where: str, param: str) -> None:
+    """A function's or a schema's object at ``where``: its ``name`` 1-64 letters, digits, ``_`` or ``-``, no key
+    outside ``keys``, ``strict`` a boolean and ``description`` a string where given. Raises ShapeError."""
+    name = obj.get("name")
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise ShapeError(param, f"{where}.name: must be 1-64 letters, digits, '_' or '-', got {name!r}")
+    unknown = sorted(set(obj) - keys)
+    if unknown:
+        raise ShapeError(param, f"{where}.{unknown[0]}: unknown parameter")
+    for key, kind, word in (("strict", bool, "a boolean"), ("description", str, "a string")):
+        if obj.get(key) is not None and not isinstance(obj[key], kind):
+            raise ShapeError(param, f"{where}.{key}: must be {word}, got {type(obj[key]).__name__}")

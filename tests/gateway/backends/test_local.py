@@ -424,10 +424,9 @@ async def test_the_engine_runs_routings_rendering(tiny_backend):
     assert e.value.status == 404
 
 
-async def test_a_probe_during_the_load_does_not_outlive_it(tiny_model):
-    """The active prober runs from gateway start, while the local engine is loading. Loading is no failure:
-    once the engine is up, ``/health/ready``'s view (``Resilience.status``) says available at once, not
-    after the next probe round (a failed probe counted for three rounds, 30 s by default)."""
+def _probed_local(tiny_model) -> tuple[GatewayConfig, Resilience, LocalBackend]:
+    """A config with one local backend on the tiny model, its resilience layer probing it, and the (unstarted)
+    backend."""
     cfg = GatewayConfig.model_validate({
         "models": [{"name": "m"}], "backends": {"local": {"type": "local", "engine": {
             "model": tiny_model, "dtype": "float32", "kv_cache_memory": "64MiB"}}},
@@ -435,6 +434,14 @@ async def test_a_probe_during_the_load_does_not_outlive_it(tiny_model):
     layer = Resilience(cfg)
     backend = LocalBackend("local", cfg.backends["local"])
     layer.start(lambda: {"local": backend})
+    return cfg, layer, backend
+
+
+async def test_a_probe_during_the_load_does_not_outlive_it(tiny_model):
+    """The active prober runs from gateway start, while the local engine is loading. Loading is no failure:
+    once the engine is up, ``/health/ready``'s view (``Resilience.status``) says available at once, not
+    after the next probe round (a failed probe counted for three rounds, 30 s by default)."""
+    cfg, layer, backend = _probed_local(tiny_model)
     try:
         await layer.prober.probe_once()                     # a round during the load
         backends, _ = await layer.status(cfg.routes, {"local": backend})
@@ -454,13 +461,7 @@ async def test_an_engine_whose_core_died_is_restarted(tiny_model):
     it dead, marks the backend unavailable (why, and that it restarts) and loads a new engine, which serves."""
     import signal
 
-    cfg = GatewayConfig.model_validate({
-        "models": [{"name": "m"}], "backends": {"local": {"type": "local", "engine": {
-            "model": tiny_model, "dtype": "float32", "kv_cache_memory": "64MiB"}}},
-        "routes": {"r": {"targets": [{"backend": "local"}]}}, "policy": {"default_route": "r"}})
-    layer = Resilience(cfg)
-    backend = LocalBackend("local", cfg.backends["local"])
-    layer.start(lambda: {"local": backend})
+    cfg, layer, backend = _probed_local(tiny_model)
     try:
         await backend.start()
         first = backend.engine
