@@ -1,5 +1,5 @@
 """What observability knows about one request while it runs (``RequestRecord``, one ``AttemptRecord`` per
-upstream call), and the fields of an OpenAI answer it reads (``decode_answer``)."""
+upstream call), and the fields of an OpenAI answer it reads (``read_answer``)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,15 @@ class AnswerFields(msgspec.Struct):
     usage: dict | None = None
 
 
-decode_answer = msgspec.json.Decoder(AnswerFields).decode
+_decode_answer = msgspec.json.Decoder(AnswerFields).decode
+
+
+def read_answer(body: bytes) -> AnswerFields | None:
+    """The fields of a whole OpenAI answer ``body`` (None: not one, e.g. an upstream's malformed JSON)."""
+    try:
+        return _decode_answer(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 @dataclass

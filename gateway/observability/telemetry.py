@@ -29,8 +29,7 @@ from gateway.errors import ClientError, anthropic_status, transport_error_kind
 from gateway.resilience.outcomes import Withdrawn
 from gateway.resilience.streaming import SHUTDOWN_TYPE, ended_by_shutdown
 from gateway.observability.metrics import GatewayMetrics, LiveGauges
-from gateway.observability.records import (AttemptRecord, RequestRecord, decode_answer, include_prompts,
-                                           provider)
+from gateway.observability.records import AttemptRecord, RequestRecord, include_prompts, provider, read_answer
 from gateway.observability.request_log import (Redactor, RequestLog, config_secrets, install_redaction,
                                                remove_redaction)
 from gateway.observability.tracing import (OPERATIONS, Tracing, attempt_span, end_request_trace, mark_error,
@@ -194,11 +193,8 @@ class Observability:
                     resp.on_outcome, deferred = record, True
                 if status < 400 and not rec.stream:
                     rec.answer_body = resp.body  # billed from it if the client leaves before ``finish`` reads it
-                if span is not None and status < 400 and resp.body:
-                    try:
-                        span_answer(span, decode_answer(resp.body))
-                    except (msgspec.DecodeError, msgspec.ValidationError):
-                        pass
+                if span is not None and status < 400 and resp.body and (ans := read_answer(resp.body)) is not None:
+                    span_answer(span, ans)
                 return resp
             except BaseException as e:
                 outcome = _error_type(e)
@@ -271,9 +267,7 @@ class Observability:
     def _read_answer(rec: RequestRecord, content: bytes) -> None:
         """Usage, model and finish reasons of a whole answer into ``rec``; its text too when the accounting
         counts it (no usable usage) or the log line carries it (``include_prompts``)."""
-        try:
-            ans = decode_answer(content)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        if (ans := read_answer(content)) is None:
             return
         rec.usage, rec.response_model = ans.usage, ans.model
         rec.finish_reasons = [c.finish_reason for c in ans.choices if c.finish_reason]
@@ -390,11 +384,9 @@ class Observability:
         if last is None or last.outcome not in ("ok", "cancelled"):
             return                       # no backend call in flight: nothing was generated, nothing is billed
         rec.backend, rec.disconnected = last.backend, True
-        if rec.usage is None and last.outcome == "ok" and rec.answer_body:
-            try:
-                rec.usage = decode_answer(rec.answer_body).usage
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                pass
+        if rec.usage is None and last.outcome == "ok" and rec.answer_body \
+                and (ans := read_answer(rec.answer_body)) is not None:
+            rec.usage = ans.usage
 
     def _end(self, rec: RequestRecord) -> bool:
         """Mark ``rec`` ended; False when it already was (it is accounted once)."""
