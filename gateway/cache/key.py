@@ -80,8 +80,9 @@ def is_sampled(temperature: float | None) -> bool:
 
 def tokens_of(events: list[dict]) -> dict[int, dict[str, Any]]:
     """What a spot-check compares, per choice index, from the decoded JSON answer (one element) or the decoded
-    events of a stream: the text, tool calls, finish reason, the per-token logprobs and the usage counts. A
-    stream's chunking and the ids and timestamps are left out."""
+    events of a stream: the text, each tool call's name and arguments (by its index), finish reason, the
+    per-token logprobs and the usage counts. A stream's chunking and the ids (a tool call's is drawn anew for
+    each answer) and timestamps are left out."""
     out: dict[int, dict[str, Any]] = {}
     usage = None
     for ev in events:
@@ -91,10 +92,13 @@ def tokens_of(events: list[dict]) -> dict[int, dict[str, Any]]:
             u = ev["usage"]
             usage = (u.get("prompt_tokens"), u.get("completion_tokens"))
         for c in ev.get("choices") or []:
-            ch = out.setdefault(c.get("index", 0), {"text": "", "tools": [], "finish": None, "logprobs": []})
+            ch = out.setdefault(c.get("index", 0), {"text": "", "tools": {}, "finish": None, "logprobs": []})
             part = c.get("message") or c.get("delta") or {}
             ch["text"] += part.get("content") or c.get("text") or ""
-            ch["tools"] += part.get("tool_calls") or []
+            for pos, call in enumerate(part.get("tool_calls") or []):   # a stream's pieces carry their index
+                fn = call.get("function") or {}
+                name, args = ch["tools"].get(call.get("index", pos), ("", ""))
+                ch["tools"][call.get("index", pos)] = (name + (fn.get("name") or ""), args + (fn.get("arguments") or ""))
             ch["finish"] = c.get("finish_reason") or ch["finish"]
             lp = c.get("logprobs") or {}
             if isinstance(lp, dict):

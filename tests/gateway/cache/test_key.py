@@ -35,3 +35,26 @@ def test_key_covers_output_changing_fields_only():
     assert key != cache_key("chat/completions", "m2", False, body, [[1, 2, 3]])     # another public model
     same = {**body, "user": "u", "metadata": {"a": "b"}, "stream_options": {"include_usage": True}, "model": "x"}
     assert key == cache_key("chat/completions", "m", False, same, [[1, 2, 3]])
+
+
+def test_a_spot_check_compares_tool_calls_by_name_and_arguments_not_their_ids():
+    """A trial's exact hit on a tool-call answer was found a mismatch (the call ids are drawn anew for each answer)
+    and switched the route's cache off for every tenant. The calls are compared by index, name and arguments,
+    streamed pieces assembled; another name or argument still differs."""
+    from gateway.cache.key import tokens_of
+
+    def whole(call_id: str, args: str = '{"city": "Paris"}') -> list[dict]:
+        return [{"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": args}}]}}],
+                 "usage": {"prompt_tokens": 5, "completion_tokens": 9}}]
+
+    def streamed(call_id: str) -> list[dict]:
+        pieces = [{"index": 0, "id": call_id, "type": "function", "function": {"name": "get_", "arguments": ""}},
+                  {"index": 0, "function": {"name": "weather", "arguments": '{"city": '}},
+                  {"index": 0, "function": {"arguments": '"Paris"}'}}]
+        return [{"choices": [{"index": 0, "delta": {"tool_calls": [p]}, "finish_reason": None}]} for p in pieces] + [
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+            {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9}}]
+
+    assert tokens_of(whole("call_1")) == tokens_of(whole("call_2")) == tokens_of(streamed("call_3"))
+    assert tokens_of(whole("call_1")) != tokens_of(whole("call_1", '{"city": "Lyon"}'))
