@@ -366,7 +366,9 @@ class EngineCore:
             finish_reason=req.status.finish_reason if done else None, stop_reason=req.stop_reason if done else None,
             stop_terminated=done and req.status == RequestStatus.FINISHED_STOPPED,
             num_output_tokens=req.num_output_tokens if as_of is None else as_of,
-            num_cached_tokens=max(leader.num_cached_tokens, 0), arrival_time=leader.arrival_time,
+            # prompt tokens: a continuation's (resume) or a recomputed request's cache hits may cover output tokens
+            num_cached_tokens=min(max(leader.num_cached_tokens, 0), leader.num_prompt_tokens),
+            arrival_time=leader.arrival_time,
             first_scheduled_time=leader.first_scheduled_time, first_token_time=req.first_token_time,
             prompt_logprobs=self._prompt_logprobs.pop(req.parent_id, None) if tokens else None,
         )

@@ -69,6 +69,10 @@ def test_continuation_from_every_position_equals_uninterrupted(llm):
     n2 = [c.token_ids for c in full["n2"].outputs]
     requests |= {f"n2-{k}": (ids, seeded2, {0: n2[0][:k], 1: n2[1][:LENGTH - 1 - k]}) for k in range(0, LENGTH, 9)}
     resumed = _run(llm, requests)
+    # usage's cached tokens are prompt tokens: a continuation re-prefills its own earlier output from the cache
+    # too (a trial's resumed stream reported 80 cached of 51 prompt tokens)
+    cached = [r.num_cached_tokens for r in resumed.values()]
+    assert max(cached) == len(ids) and min(cached) >= 0
 
     for name, params in {**cases, "stop": stopped_params}.items():
         whole = stopped if name == "stop" else full[name].outputs[0]
