@@ -42,6 +42,11 @@ log = logging.getLogger("tandem.state")
 T = TypeVar("T")
 
 
+# The kinds of key that hold a backend's state (breakers, probes, health counters): a replica-scoped backend's are
+# this replica's own; every other kind (budgets, limits, usage, the cache) is shared whatever its id spells
+BACKEND_KINDS = frozenset({"cb", "probe", "health"})
+
+
 class StateUnavailable(Exception):
     """Redis is configured but unreachable, and the state asked for has no in-process stand-in (``local_only``)."""
 
@@ -85,10 +90,11 @@ class SharedState:
         return "degraded" if self.degraded else "redis"
 
     def key(self, kind: str, ident: str) -> str:
-        """Namespaced key ``<prefix>:<kind>:<id>``; ``<prefix>:<kind>:<replica id>@<id>`` when ``ident`` names
-        a replica-scoped backend (``replica_scoped``): the backend itself, one of its targets
-        (``backend/model``) or a per-target bucket (``backend/model:minute``)."""
-        if any(ident == b or ident.startswith((b + "/", b + ":")) for b in self.replica_scoped):
+        """Namespaced key ``<prefix>:<kind>:<id>``; ``<prefix>:<kind>:<replica id>@<id>`` for a backend's state
+        (``BACKEND_KINDS``) when ``ident`` names a replica-scoped backend (``replica_scoped``): the backend
+        itself, one of its targets (``backend/model``) or a per-target bucket (``backend/model:minute``)."""
+        if kind in BACKEND_KINDS and any(ident == b or ident.startswith((b + "/", b + ":"))
+                                         for b in self.replica_scoped):
             ident = f"{self.replica_id}@{ident}"
         return f"{self.config.key_prefix}:{kind}:{ident}"
 

@@ -394,6 +394,7 @@ async def test_a_replicas_own_engine_keeps_its_breaker_and_probe_to_itself(clien
     try:
         assert a.key("cb", "primary/m") != b.key("cb", "primary/m") and a.key("cb", "fallback") == b.key("cb", "fallback")
         assert a.key("health", "primary:7").startswith(f"{prefix}:health:{a.replica_id}@")
+        assert a.key("budget", "primary:2026-12") == b.key("budget", "primary:2026-12")   # a tenant of that name
         primary.push({"status": 429})
         r1 = await call_with_fallback([cand(primary), cand(fallback)], attempt_fn(client, False),
                                       breakers=Breakers(a), policy=FAST)
