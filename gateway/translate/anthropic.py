@@ -96,13 +96,18 @@ def _image_part(block: dict, param: str) -> dict:
     raise bad_request(f"{param}.source.type: must be 'base64' or 'url'", f"{param}.source.type")
 
 
-def turn_to_chat(m: object, i: int) -> list[dict]:
-    """Messages turn ``i`` (``m``) -> its chat messages (a user turn with tool results becomes tool messages + a user
-    one). Raises ClientError(400) naming the block (``messages.i.content.j``) chat cannot take."""
+def turn_to_chat(m: object, i: int, last: bool = False) -> list[dict]:
+    """Messages turn ``i`` (``m``; ``last``: the final turn) -> its chat messages (a user turn with tool results
+    becomes tool messages + a user one). Raises ClientError(400) naming the block (``messages.i.content.j``) chat
+    cannot take, or an empty turn or text block (Anthropic's rule: every turn but a final assistant one, a prefill
+    to continue, has content, and a text block has text)."""
     p = f"messages.{i}"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
         raise bad_request(f"{p}.role: Input should be 'user' or 'assistant'", f"{p}.role")
     role, content = m["role"], m.get("content")
+    if content in ("", []) and not (last and role == "assistant"):
+        raise bad_request(f"{p}: all messages must have non-empty content except for the optional final assistant "
+                          "message", f"{p}.content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
@@ -115,6 +120,8 @@ def turn_to_chat(m: object, i: int) -> list[dict]:
         bp = f"{p}.content.{j}"
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text" and isinstance(b.get("text"), str):
+            if not b["text"]:
+                raise bad_request(f"{bp}.text: text content blocks must be non-empty", f"{bp}.text")
             parts.append({"type": "text", "text": b["text"]})
         elif kind == "image" and role == "user":
             parts.append(_image_part(b, bp))
@@ -209,7 +216,7 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
     if body.get("system"):
         chat.append({"role": "system", "content": _text_of(body["system"], "system")})
     for i, m in enumerate(msgs):
-        chat.extend(turn_to_chat(m, i))
+        chat.extend(turn_to_chat(m, i, last=i == len(msgs) - 1))
     check_tool_results(msgs)
     check_sampling(body)
     check_thinking(body)

@@ -32,9 +32,10 @@ def _image_block(body: dict, k: int) -> str | None:
     """The Messages path of the first ``image`` block (in the turn, or in one of its tool results) of the turn that
     chat message ``k`` of ``body``'s translation came from; None when that is no such turn."""
     turns = [None] if body.get("system") else []
-    for i, m in enumerate(body.get("messages") or ()):
+    msgs = body.get("messages") or ()
+    for i, m in enumerate(msgs):
         try:
-            turns += [i] * len(turn_to_chat(m, i))
+            turns += [i] * len(turn_to_chat(m, i, last=i == len(msgs) - 1))
         except ClientError:
             return None
     i = turns[k] if k < len(turns) else None

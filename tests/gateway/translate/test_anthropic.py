@@ -414,3 +414,21 @@ def test_an_empty_stop_sequence_is_named_as_the_messages_body_names_it():
     assert e.value.param == "stop_sequences.1" and e.value.message.startswith("stop_sequences.1: must be a non-empty")
     assert messages_to_chat({"model": "m", "max_tokens": 9, "messages": USER, "stop_sequences": ["ok"]})["stop"] \
         == ["ok"]
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user", "content": []}], "messages.0.content"),            # a new user's 500 (IndexError)
+    ([{"role": "user", "content": ""}], "messages.0.content"),
+    ([{"role": "user", "content": [{"type": "text", "text": ""}]}], "messages.0.content.0.text"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": []}, {"role": "user", "content": "x"}],
+     "messages.1.content"),
+])
+def test_empty_content_is_refused_as_anthropic_refuses_it(messages, param):
+    """Every turn has content and every text block text, but a final assistant turn (a prefill to continue)."""
+    for count_only in (False, True):
+        with pytest.raises(ClientError) as e:
+            messages_to_chat({"model": "m", "max_tokens": 9, "messages": messages}, count_only=count_only)
+        assert e.value.status == 400 and e.value.param == param, (messages, e.value.message)
+    prefill = messages_to_chat({"model": "m", "max_tokens": 9, "messages": USER + [{"role": "assistant",
+                                                                                     "content": ""}]})
+    assert prefill["messages"][-1] == {"role": "assistant", "content": ""} and prefill["continue_final_message"]
