@@ -224,7 +224,8 @@ def render_chat(tokenizer, body: dict) -> RenderedPrompt:
         raise ServingError(400, "continue_final_message: cannot be used with add_generation_prompt=true",
                            param="continue_final_message")
     if req.top_logprobs is not None and not req.logprobs:
-        raise ServingError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+        raise ServingError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs",
+                           code="invalid_value")
     if req.top_logprobs is not None and not (0 <= req.top_logprobs <= 20):
         raise ServingError(400, f"top_logprobs: must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:

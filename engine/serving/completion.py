@@ -252,7 +252,7 @@ def render_completion(tokenizer, body: dict) -> RenderedPrompt:
     else:
         items = list(p)
     if not items:
-        raise ServingError(400, "prompt: must not be empty", param="prompt")
+        raise ServingError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
     out = []
     for item in items:
         if isinstance(item, str):
@@ -260,11 +260,12 @@ def render_completion(tokenizer, body: dict) -> RenderedPrompt:
             out.append((item, ids))
         elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
             if any(t < 0 or t >= vocab for t in item):
-                raise ServingError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+                raise ServingError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt",
+                                   code="invalid_value")
             out.append((None, list(item)))
         else:
             raise ServingError(400, "prompt: must be a string, a list of strings, a list of token ids "
                                     "or a list of token-id lists", param="prompt")
         if not out[-1][1]:
-            raise ServingError(400, "prompt: must not be empty", param="prompt")
+            raise ServingError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
     return RenderedPrompt(req, tuple(out))

@@ -173,3 +173,15 @@ def test_embeddings_have_an_id_and_created_and_models_a_permission_list(server):
     perm = card["permission"]
     assert len(perm) == 1 and perm[0]["object"] == "model_permission" and perm[0]["id"].startswith("modelperm-")
     assert perm[0]["allow_sampling"] and perm[0]["allow_logprobs"] and not perm[0]["allow_fine_tuning"]
+
+
+def test_malformed_values_carry_openais_code(server):
+    """A new user's trial found these 400s with ``code: null`` where their neighbours had OpenAI's code."""
+    base = server.base_url
+    for path, body, param in (
+            ("/v1/completions", {"prompt": ""}, "prompt"),
+            ("/v1/completions", {"prompt": [server.engine.tokenizer.vocab_size]}, "prompt"),
+            ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, "top_logprobs")):
+        r = httpx.post(base + path, json={"model": server.model, "max_tokens": 1, **body}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and (err["param"], err["code"]) == (param, "invalid_value"), (body, err)
