@@ -470,8 +470,9 @@ class Gateway:
         interrupt_at = end - min(_INTERRUPT_LEAD_S, deadline / 4)
         while self.in_flight > 0 and loop.time() < interrupt_at:
             await asyncio.sleep(0.05)
-        left = await self.interrupt_streams(end - loop.time()) if self.in_flight else 0
-        log.info("drained (%d request(s) still in flight)", left)
+        cut = self.in_flight
+        left = await self.interrupt_streams(end - loop.time()) if cut else 0
+        log.info("drained: %d request(s) cut at the deadline with stream_interrupted, %d still in flight", cut, left)
         if self.on_drained is not None:
             self.on_drained()
         return left
