@@ -3,7 +3,6 @@ or wrongly typed parameters become 400 errors naming the parameter."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 
 import msgspec

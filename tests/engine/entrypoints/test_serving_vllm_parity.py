@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.engine.entrypoints.test_serving import (MAX_MODEL_LEN, chat, chat_stream, complete, complete_stream,
-                                                   concurrently, counting_prompt)
+                                                   concurrently)
 
 pytestmark = pytest.mark.slow
 
