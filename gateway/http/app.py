@@ -16,7 +16,7 @@ from __future__ import annotations
 from functools import partial
 
 import msgspec
-from litestar import HttpMethod, Litestar, Request, Response, get, post, route
+from litestar import HttpMethod, Litestar, Request, Response, post, route
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 
@@ -125,7 +125,7 @@ def _model_object(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "tandem", "endpoints": list(MODEL_ENDPOINTS)}
 
 
-@get("/v1/models")
+@route("/v1/models", http_method=[HttpMethod.GET, HttpMethod.HEAD])   # HEAD wherever GET (RFC 9110)
 async def models(request: Request) -> Response:
     snap = request.app.state.gw.snapshot
     compiled = snap.compiled
@@ -134,7 +134,7 @@ async def models(request: Request) -> Response:
     return Response(msgspec.json.encode({"object": "list", "data": data}), media_type=_JSON)
 
 
-@get("/v1/models/{model:path}")
+@route("/v1/models/{model:path}", http_method=[HttpMethod.GET, HttpMethod.HEAD])
 async def model(request: Request) -> Response:
     """One model object (OpenAI's ``GET /v1/models/{model}``), for a public name or an alias (its ``id`` is the
     name asked for). Raises ClientError 404 ``model_not_found`` for any other name."""

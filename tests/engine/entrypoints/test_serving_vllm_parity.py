@@ -181,7 +181,8 @@ def test_malformed_values_carry_openais_code(server):
     for path, body, param in (
             ("/v1/completions", {"prompt": ""}, "prompt"),
             ("/v1/completions", {"prompt": [server.engine.tokenizer.vocab_size]}, "prompt"),
-            ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, "top_logprobs")):
+            ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, "top_logprobs"),
+            ("/v1/embeddings", {"input": [server.engine.tokenizer.vocab_size]}, "input")):
         r = httpx.post(base + path, json={"model": server.model, "max_tokens": 1, **body}, timeout=60)
         err = r.json()["error"]
         assert r.status_code == 400 and (err["param"], err["code"]) == (param, "invalid_value"), (body, err)

@@ -117,6 +117,11 @@ def test_completions_sync_and_stream(gateway):
 
 def test_models_lists_public_names(gateway):
     assert [m.id for m in client(gateway).models.list()] == ["m1"]
+    # HEAD wherever GET is (RFC 9110; a trial's uptime check got 405 here and 200 on /health/ready)
+    for path in ("/v1/models", "/v1/models/m1"):
+        r = httpx.head(gateway.url + path)
+        assert r.status_code == 200 and r.content == b"" and r.headers["content-type"] == "application/json", path
+    assert httpx.head(gateway.url + "/v1/models/nope").status_code == 404
 
 
 @pytest.mark.parametrize("body,status,param", [
