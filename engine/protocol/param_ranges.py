@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import re
-from typing import Any, Mapping
+from typing import Any, Container, Mapping
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 UINT64_MAX = 2 ** 64 - 1
@@ -129,12 +129,14 @@ def echo_only(body: Mapping[str, Any]) -> bool:
     return body.get("echo") is True and type(max_tokens) is int and max_tokens == 0
 
 
-def first_violation(body: Mapping[str, Any], *, completions: bool = False) -> RangeViolation | None:
+def first_violation(body: Mapping[str, Any], *, completions: bool = False,
+                    known: Container[str] | None = None) -> RangeViolation | None:
     """The first field of a request body whose value is out of range, or None. ``completions``: the body is a
-    /v1/completions one, whose ``max_tokens`` may be 0 with ``echo`` (``echo_only``)."""
+    /v1/completions one, whose ``max_tokens`` may be 0 with ``echo`` (``echo_only``); ``known``: the fields to
+    check (None: all; the gateway leaves a field its endpoint does not know to the unknown-parameter rule)."""
     scoring = completions and echo_only(body)
     for name, value in body.items():
-        if scoring and name == "max_tokens":
+        if (scoring and name == "max_tokens") or (known is not None and name not in known):
             continue
         if name in PARAM_RANGES or name in ITEM_RANGES or name == "logit_bias":
             if (v := check_param(name, value)) is not None:

@@ -290,7 +290,7 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         if t is not None:
             check_type(name, value, t)
     # a parameter this endpoint does not know is unknown_parameter (or passed), not ranged
-    bad = first_violation({k: v for k, v in body.items() if k in known}, completions=endpoint == "completions")
+    bad = first_violation(body, completions=endpoint == "completions", known=known)
     if bad is not None:
         raise ClientError(400, bad.message, param=bad.param, code=bad.code)
     if endpoint == "chat/completions":
