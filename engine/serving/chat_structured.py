@@ -108,11 +108,11 @@ def plan_chat(req, messages: list[dict], template: str | None) -> ChatPlan:
     """
     try:
         tools = check_tools(req.tools or None)
-        if parallel_without_tools(req.parallel_tool_calls, tools):
-            raise ShapeError("parallel_tool_calls", PARALLEL_WITHOUT_TOOLS)
         choice = check_tool_choice(req.tool_choice, tools)
     except ShapeError as e:   # OpenAI's code for a malformed value, as the gateway's edge names it
         raise RequestValidationError(str(e), e.param, "invalid_value") from None
+    if parallel_without_tools(req.parallel_tool_calls, tools):
+        raise RequestValidationError(PARALLEL_WITHOUT_TOOLS, "parallel_tool_calls", "invalid_value")
     spec, param = structured_spec(req)
     answer = _answer_schema(spec, param) if spec is not None and choice == "auto" else None
     if req.continue_final_message and (spec is not None or choice not in ("none", "auto")):
