@@ -189,7 +189,7 @@ class Observability:
                 resp = await fn(c)
                 status = resp.status
                 outcome = "ok" if status < 400 else "error_status"
-                if status < 400 and resp.events is not None:   # a stream: ok once it has content (the loop says)
+                if rec.stream and status < 300 and resp.events is not None:   # the loop peeks it, then says
                     resp.on_outcome, deferred = record, True
                 if status < 400 and not rec.stream:
                     rec.answer_body = resp.body  # billed from it if the client leaves before ``finish`` reads it

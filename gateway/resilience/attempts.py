@@ -241,12 +241,12 @@ class _Run:
                     out = await peek_stream(resp, t0)
                     if isinstance(out, Result):
                         settle_outcome(resp, "ok")
-                    elif isinstance(out, PassThrough):   # an error event naming the request's own 4xx
+                        return out
+                    if isinstance(out, PassThrough):   # an error event naming the request's own 4xx
                         settle_outcome(resp, "error_status", out.response.status)
                     else:
                         settle_outcome(resp, "error_status" if out.kind == "status" else out.kind, out.status)
-                    if not isinstance(out, Result):
-                        await close_response(resp)
+                    await close_response(resp)
                     return out
         except asyncio.CancelledError:
             settle_outcome(resp, "cancelled")
