@@ -20,8 +20,7 @@ from prometheus_client import Counter
 
 from gateway.config.compile import Compiled, load_config_text
 from gateway.config.config_file import ConfigFile
-from gateway.config.layers import (RolloutConflict, holder, layer_view, over_file, route_weights, same_as_file,
-                                   unchanged_split)
+from gateway.config.layers import RolloutConflict, holder, layer_view, over_file, route_weights, same_as_file
 from gateway.config.rollback import check_keys, returns_to
 from gateway.config.schema import ConfigError
 from gateway.config.sync import sync_versions, watch_file
@@ -370,8 +369,9 @@ class Gateway:
             raise VersionConflict(base, max(version, cur.version))
         new = {r: dict(w) for r, w in overrides.items()}
         new.setdefault(route, {}).update({k: float(v) for k, v in weights.items()})
-        file_weights = route_weights(load_config_text(text, {}).policy).get(route)
-        if not rollout and unchanged_split(file_weights, overrides.get(route, {}), new[route]):
+        # the route's file weights: read only where a rule below asks for them (not on a rollout's own steps)
+        file_weights = route_weights(load_config_text(text, {}).policy).get(route) if not rollout or ended else None
+        if not rollout and same_as_file(file_weights, new[route], over=overrides.get(route)):
             new = overrides              # the split the route has now: the version and its source stay
         else:
             owners = {**owners, route: rollout}

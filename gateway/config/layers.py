@@ -79,15 +79,14 @@ def rollout_weights(r: dict) -> dict[str, float]:
     return {r["candidate"]: float(r["weight"]), r["baseline"]: 100.0 - float(r["weight"])}
 
 
-def same_as_file(file: dict[str, float] | None, weights: dict[str, float]) -> bool:
-    """Whether ``weights`` (an override of one route) changes nothing in ``file`` (that route's file weights)."""
-    return file is not None and {**file, **weights} == file
-
-
-def unchanged_split(file: dict[str, float] | None, before: dict[str, float], after: dict[str, float]) -> bool:
-    """Whether a route's override going from ``before`` to ``after`` leaves the split it has (its ``file``
-    weights under the override) as it is: a weights change that changes nothing."""
-    return file is not None and {**file, **before} == {**file, **after}
+def same_as_file(file: dict[str, float] | None, weights: dict[str, float],
+                 over: dict[str, float] | None = None) -> bool:
+    """Whether ``weights`` (an override of one route) changes nothing in ``file`` (that route's file weights) under
+    ``over``, the override the route has already (None: none; a weights change that changes nothing)."""
+    if file is None:
+        return False
+    now = {**file, **(over or {})}
+    return {**now, **weights} == now
 
 
 def ended_owner(rollouts: list[dict], owners: dict[str, str], route: str) -> dict | None:
