@@ -110,10 +110,10 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(server):
     prompt = "The capital of France is Paris."
     kw = dict(prompt=prompt, max_tokens=0, echo=True, logprobs=1, extra_body={"return_token_ids": True})
     # the SDK's own reading (the pydantic types refuse the first token's null logprob, as OpenAI sends it)
+    create = server.client.completions.create
     whole, chunks, longer = concurrently(
-        lambda: server.client.completions.create(model=server.model, **kw), lambda: list(server.client.completions.create(model=server.model, stream=True, **kw)),
-        lambda: server.client.completions.create(model=server.model, prompt=prompt, max_tokens=1, echo=True,
-                                                 logprobs=1, temperature=0))
+        lambda: create(model=server.model, **kw), lambda: list(create(model=server.model, stream=True, **kw)),
+        lambda: create(model=server.model, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0))
     c = whole.choices[0]
     ids = server.engine.tokenizer.encode(prompt, add_special_tokens=True)
     assert c.text == prompt and c.finish_reason == "length" and c.model_extra["token_ids"] == []

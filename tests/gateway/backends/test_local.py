@@ -108,6 +108,17 @@ def client(g) -> openai.OpenAI:
 MSG = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+def request_line(gateway, rid: str, timeout: float = 10.0) -> dict | None:
+    """Request ``rid``'s JSON request-log line in ``gateway``'s log (None if it is not there within ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [json.loads(x) for x in gateway.log().splitlines() if x.startswith("{") and rid in x]
+        line = next((x for x in lines if x.get("event") == "request" and x["request_id"] == rid), None)
+        if line is not None or time.monotonic() >= deadline:
+            return line
+        time.sleep(0.05)
+
+
 def test_sync_chat_from_local_smollm2(gateway):
     raw = client(gateway).chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=MSG, max_tokens=8,
                                                                     temperature=0)
@@ -144,14 +155,7 @@ def test_local_stream_is_billed_from_the_engines_own_count(gateway):
     asked = list(c.chat.completions.create(model="smollm2", messages=MSG, max_tokens=8, temperature=0, stream=True,
                                            stream_options={"include_usage": True}))
     usage = asked[-1].usage
-    rid = raw.headers["x-request-id"]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        lines = [json.loads(x) for x in gateway.log().splitlines() if x.startswith("{") and rid in x]
-        line = next((x for x in lines if x.get("event") == "request" and x["request_id"] == rid), None)
-        if line is not None:
-            break
-        time.sleep(0.05)
+    line = request_line(gateway, raw.headers["x-request-id"])
     assert line is not None and line["usage_estimated"] is False
     assert (line["prompt_tokens"], line["completion_tokens"]) == (usage.prompt_tokens, usage.completion_tokens)
 
@@ -173,13 +177,7 @@ def test_completions_prompt_scoring_through_the_gateway(gateway):
     assert raw.headers["x-tandem-backend"] == "local"
     assert r.choices[0].text == prompt and r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "length"
     assert len(r.choices[0].logprobs.tokens) == r.usage.prompt_tokens
-    rid = raw.headers["x-request-id"]
-    deadline = time.monotonic() + 10
-    line = None
-    while line is None and time.monotonic() < deadline:
-        lines = [json.loads(x) for x in gateway.log().splitlines() if x.startswith("{") and rid in x]
-        line = next((x for x in lines if x.get("event") == "request" and x["request_id"] == rid), None)
-        time.sleep(0.05)
+    line = request_line(gateway, raw.headers["x-request-id"])
     assert line is not None and (line["prompt_tokens"], line["completion_tokens"]) == (r.usage.prompt_tokens, 0)
     bad = httpx.post(gateway.url + "/v1/completions", timeout=60,
                      json={"model": "smollm2", "prompt": prompt, "max_tokens": 0})
