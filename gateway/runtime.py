@@ -68,6 +68,7 @@ class Gateway:
         self.start_engine = start_engine
         self.snapshot: Snapshot | None = None
         self.in_flight = 0
+        self.streams_cut = 0               # streams a shutdown ended with stream_interrupted (interrupt_streams)
         self.draining = False
         self.on_drained = None           # callback set by the server: exit the process
         self.retired: list = []          # (time retired, backend) of older generations, closed when idle
@@ -470,9 +471,9 @@ class Gateway:
         interrupt_at = end - min(_INTERRUPT_LEAD_S, deadline / 4)
         while self.in_flight > 0 and loop.time() < interrupt_at:
             await asyncio.sleep(0.05)
-        cut = self.in_flight
-        left = await self.interrupt_streams(end - loop.time()) if cut else 0
-        log.info("drained: %d request(s) cut at the deadline with stream_interrupted, %d still in flight", cut, left)
+        left = await self.interrupt_streams(end - loop.time()) if self.in_flight else 0
+        log.info("drained: %d stream(s) cut with stream_interrupted, %d request(s) still in flight", self.streams_cut,
+                 left)
         if self.on_drained is not None:
             self.on_drained()
         return left
@@ -482,7 +483,7 @@ class Gateway:
         wait up to ``grace_s`` for the requests in flight to finish writing; returns those still in flight. A
         drain's deadline calls it, and so does a second signal that exits at once: either way a client reads why
         its stream ended instead of a cut connection."""
-        self.resilience.interrupt_streams(GATEWAY_SHUTDOWN)
+        self.streams_cut += self.resilience.interrupt_streams(GATEWAY_SHUTDOWN)
         loop = asyncio.get_running_loop()
         end = loop.time() + grace_s
         while self.in_flight > 0 and loop.time() < end:

@@ -388,7 +388,7 @@ def test_drain_on_sigterm_finishes_in_flight(upstreams, tmp_path):
             assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
             assert [f.result().status_code for f in slow] == [200, 200, 200]
         g.proc.wait(20)
-        assert "drained: 0 request(s) cut at the deadline with stream_interrupted, 0 still in flight" in g.log()
+        assert "drained: 0 stream(s) cut with stream_interrupted, 0 request(s) still in flight" in g.log()
     finally:
         g.stop()
 
