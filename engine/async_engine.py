@@ -250,8 +250,8 @@ class AsyncEngine:
             state = self._stats.ttft if self._stats is not None else None
             if state is not None:
                 cached = [self._prefix_mirror.cached_tokens(ids, state.block_size) for ids in prompts]
-                self._pending.note_sent_many([(0, c, len(ids) - c, 0, POOLING) for ids, c in zip(prompts, cached)],
-                                             time.monotonic())
+                self._pending.note_sent_many([(0, i, c, len(ids) - c, 0, POOLING)
+                                              for i, (ids, c) in enumerate(zip(prompts, cached))], time.monotonic())
         return await self._client.embed(prompts, pooling_type, normalize)
 
     async def withdraw(self, request_id: str, by: float, scale: float = 1.0) -> tuple[bool, float | None]:

@@ -454,9 +454,9 @@ class EngineCore:
                 raise ValueError(f"input {i}: token ids must be in [0, {vocab})")
         seq_ids = self.embed_calls.start(call_id, len(prompts))
         now = time.monotonic()
-        for sid, ids in zip(seq_ids, prompts):
+        for i, (sid, ids) in enumerate(zip(seq_ids, prompts)):
             req = Request(request_id=sid, prompt_token_ids=list(ids), sampling_params=_POOLING_SAMPLING,
-                          max_tokens=0, arrival_time=now, pooling_params=params)
+                          max_tokens=0, arrival_time=now, pooling_params=params, input_index=i)
             self.scheduler.add_request(req)
             self._seqs[sid] = req
             self._groups[sid] = [req]

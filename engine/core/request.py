@@ -95,6 +95,9 @@ class Request:
         layer_chunk_tokens: that chunk's tokens (after ``num_computed_tokens``).
         cache_salt: mixed into the hash of the prompt's first block (vLLM's ``cache_salt``): requests share
             prefix-cache blocks only when their salts are equal (None: the unsalted cache).
+        input_index: a pooling request's place among its embedding call's inputs (OpenAI's ``data[].index``;
+            0 for every other request): the scheduler seats each call's first inputs before any call's later
+            ones (``Scheduler.seat_order``).
     """
 
     request_id: str
@@ -109,6 +112,7 @@ class Request:
     group: ForkGroup | None = None
     pooling_params: PoolingParams | None = None
     cache_salt: str | None = None
+    input_index: int = 0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

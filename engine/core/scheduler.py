@@ -6,8 +6,8 @@ are no separate prefill and decode phases; every request simply has
 ``num_computed_tokens`` and a target length, and a step hands each chosen
 request its next ``num_new_tokens`` (1 for a decode, a chunk for a prefill):
 
-1. running requests, in policy order (fcfs: arrival; priority: (priority,
-   arrival)), under the token budget ``max_num_batched_tokens``; when a
+1. running requests, in policy order (fcfs: as seated, as in vLLM v1;
+   priority: ``_key``), under the token budget ``max_num_batched_tokens``; when a
    running request cannot get blocks, the least important running request is
    preempted (swapped to CPU when swap space allows, else freed for
    recompute) until it can, or it preempts itself;
@@ -18,7 +18,10 @@ request its next ``num_new_tokens`` (1 for a decode, a chunk for a prefill):
 4. a batch of decodes alone may run several steps (``engine/core/multi_step.py``).
 
 A pooling request (an embedding) is a prompt like any other, prefilled in chunks under the same budget beside
-decoding rows; it samples nothing and finishes when its prompt is computed (``engine/core/chunking.py``).
+decoding rows; it samples nothing and finishes when its prompt is computed (``engine/core/chunking.py``). An
+embedding call's inputs are served round-robin with every other request: its input ``i`` is seated after the
+inputs ``< i`` of every call and after every generation request (``Request.input_index``; ``seat_order``), so a
+short call is not queued behind a long call's inputs.
 
 Parallel sampling (vLLM v0's ``SequenceGroup`` fork): the leader of a
 ``ForkGroup`` (its first unfinished member) prefills ``prompt_len - 1``
@@ -34,6 +37,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
+from engine.core.admission import check_admissible
 from engine.core.chunking import drop_layer_chunk, layer_pass_midway, next_chunk, spec_tokens
 from engine.core.kv_cache_manager import KVCacheManager, cdiv
 from engine.core.multi_step import lookahead_steps
@@ -145,37 +149,9 @@ class Scheduler:
         share one ``ForkGroup``).
 
         Raises:
-            ValueError: empty prompt; a duplicate request_id; prompt +
-                max_tokens above ``max_model_len``; without chunked prefill a
-                prompt above ``max_num_batched_tokens``; a sequence that could
-                never fit in the KV cache; n above ``max_num_seqs``.
+            ValueError: a request that could never run under this scheduler's limits (``check_admissible``).
         """
-        n_prompt = request.num_prompt_tokens
-        if n_prompt == 0:
-            raise ValueError("prompt must contain at least one token")
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        pooling = request.pooling_params is not None
-        if request.max_tokens < 1 and not pooling:
-            raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
-        if pooling and (request.max_tokens != 0 or request.group is not None):
-            raise ValueError("a pooling request samples nothing: max_tokens 0, no n > 1")
-        if n_prompt > self.max_model_len:
-            raise ValueError(f"prompt has {n_prompt} tokens, more than max_model_len={self.max_model_len}")
-        if n_prompt + request.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({request.max_tokens}) = "
-                             f"{n_prompt + request.max_tokens} tokens exceeds max_model_len={self.max_model_len}")
-        if not self.enable_chunked_prefill and n_prompt > self.max_num_batched_tokens:
-            raise ValueError(f"prompt has {n_prompt} tokens, more than max_num_batched_tokens="
-                             f"{self.max_num_batched_tokens} (enable chunked prefill or raise the limit)")
-        # The last sampled token is never written to the cache (a pooling request's last prompt token is).
-        capacity = (self.num_blocks - 1) * self.block_size
-        if n_prompt + max(request.max_tokens - 1, 0) > capacity:
-            raise ValueError(f"prompt + max_tokens - 1 = {n_prompt + request.max_tokens - 1} tokens do not fit in the KV "
-                             f"cache ({self.num_blocks - 1} blocks of {self.block_size} = {capacity} tokens); "
-                             f"lower max_tokens or give the KV cache more memory")
-        if request.group is not None and len(request.group.members) > self.max_num_seqs:
-            raise ValueError(f"n={len(request.group.members)} exceeds max_num_seqs={self.max_num_seqs}")
+        check_admissible(request, self)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -209,7 +185,26 @@ class Scheduler:
 
     # -- helpers ------------------------------------------------------------
     def _key(self, req: Request) -> tuple:
-        return (req.priority, req.arrival_time) if self.scheduling_policy == "priority" else (req.arrival_time,)
+        """A request's place: (priority under the priority policy, place among its embedding call's inputs,
+        arrival). Orders the swapped requests, and under the priority policy the running and waiting ones too."""
+        rank = (req.input_index, req.arrival_time)
+        return (req.priority, *rank) if self.scheduling_policy == "priority" else rank
+
+    def _sort_waiting(self) -> list[Request]:
+        """Sort the waiting queue into the order admission seats it (in place; a copy returned): by ``_key``
+        under the priority policy; under fcfs as queued (a preempted request first, then arrival), an embedding
+        call's input ``i`` after every waiting request of a smaller ``input_index`` (a stable sort)."""
+        if self.scheduling_policy == "priority":
+            self.waiting.sort(key=self._key)
+        else:
+            self.waiting.sort(key=lambda r: r.input_index)
+        return list(self.waiting)
+
+    def seat_order(self) -> list[Request]:
+        """The swapped and waiting requests in the order the next step gives them seats: the swapped first
+        (phase 2), by ``_key``, then the waiting (``_sort_waiting``). Sorts both queues in place."""
+        self.swapped.sort(key=self._key)
+        return [*self.swapped, *self._sort_waiting()]
 
     @staticmethod
     def _leader(req: Request) -> Request:
@@ -286,9 +281,7 @@ class Scheduler:
         ``max_num_seqs`` seats last; a leader whose prompt is cached up to its
         fork point forks at once."""
         kv = self.kv_cache_manager
-        if self.scheduling_policy == "priority":
-            self.waiting.sort(key=self._key)
-        for req in list(self.waiting):
+        for req in self._sort_waiting():
             if budget <= 0 or seats >= self.max_num_seqs:
                 break
             if req.status == RequestStatus.RUNNING:
@@ -348,8 +341,9 @@ class Scheduler:
             r.pooling_params is None for r in self.requests.values()))
         out.finished_req_ids, self._dropped = self._dropped, set()
 
-        # 1. Running requests (most important first; victims from the end).
-        self.running.sort(key=self._key)
+        # 1. Running requests (most important first; victims from the end): fcfs keeps them as seated (vLLM v1).
+        if self.scheduling_policy == "priority":
+            self.running.sort(key=self._key)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -378,7 +372,7 @@ class Scheduler:
 
         # 2. Swap in (not in a step that preempted).
         if not preempted:
-            self.swapped.sort(key=self._key)
+            self.swapped.sort(key=self._key)   # as seat_order gives them
             while self.swapped and budget > 0:
                 req = self.swapped[0]
                 if seats + self._seats_needed(req) > self.max_num_seqs:

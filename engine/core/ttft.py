@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engine.core.kv_cache_manager import block_extra_keys, hash_block_tokens
+from engine.core.request import RequestStatus
 from engine.core.step_cost import attention_pairs
 from engine.core.ttft_calibration import CALIBRATION_TAU_S, TTFTCalibration, prefill_seconds
 from engine.core.ttft_sim import DECODING, POOLING, PREFILL, simulate_ttft
@@ -35,7 +36,7 @@ class TTFTState(msgspec.Struct, array_like=True):
             requests.
         running_prefill: prompt tokens not yet computed of running requests (any priority: a step serves the
             running set first).
-        fcfs: the scheduler ignores priorities (every queued request is ahead of a new request).
+        fcfs: the scheduler ignores priorities (a new request is seated after every queued request of rank 0).
         free_blocks: device blocks free or evictable.
         typical_decode: the mean ``max_tokens`` of the running sequences (how many steps a request's decode
             shares with the prefill queued: ``predict_tpot``).
@@ -54,8 +55,10 @@ class TTFTState(msgspec.Struct, array_like=True):
         running_seqs: (computed tokens, tokens to its next sample or, pooling, to its end, tokens left to
             generate, kind: ``ttft_sim.PREFILL`` / ``DECODING`` / ``POOLING``) of each running request, in the order
             a step serves them.
-        waiting_seqs: (priority, tokens computed or in the prefix cache for it, tokens to its next sample, tokens
-            left to generate, kind) of the first waiting (and swapped) requests, in the order they get seats.
+        waiting_seqs: (priority, rank, tokens computed or in the prefix cache for it, tokens to its next sample,
+            tokens left to generate, kind) of the first waiting (and swapped) requests, in the order they get seats;
+            rank: a waiting embedding input's ``Request.input_index`` (a new request of its priority is seated
+            before it: ``Scheduler.seat_order``), else 0.
         pending_seqs: as ``waiting_seqs``, requests a front end sent that the core's state does not count yet
             (``PendingAdds.with_pending``; the core publishes none).
         chunked: the scheduler splits a prompt across steps (``enable_chunked_prefill``).
@@ -88,8 +91,8 @@ class TTFTState(msgspec.Struct, array_like=True):
     chunk_s: float = 0.0
     running_prefill_reqs: int = 0
     running_seqs: list[tuple[int, int, int, int]] = []
-    waiting_seqs: list[tuple[int, int, int, int, int]] = []
-    pending_seqs: list[tuple[int, int, int, int, int]] = []
+    waiting_seqs: list[tuple[int, int, int, int, int, int]] = []
+    pending_seqs: list[tuple[int, int, int, int, int, int]] = []
     chunked: bool = True
     speed: float = 1.0
     pooling_budget: tuple[float, float, float] | None = None
@@ -207,8 +210,8 @@ class PendingAdds:
 
     def __init__(self) -> None:
         self.sent = 0
-        # (send index, [(priority, cached tokens, uncached tokens, max_tokens, kind), ...]): a send's requests
-        self._queue: list[tuple[int, list[tuple[int, int, int, int, int]]]] = []
+        # (send index, [(priority, rank, cached tokens, uncached tokens, max_tokens, kind), ...]): a send's requests
+        self._queue: list[tuple[int, list[tuple[int, int, int, int, int, int]]]] = []
         self._tokens = 0.0                  # uncached tokens sent, each weighted by exp(-age / CALIBRATION_TAU_S)
         self._at: float | None = None       # when the last was sent (monotonic seconds)
 
@@ -216,16 +219,16 @@ class PendingAdds:
                   max_tokens: int = 16, pooling: bool = False) -> None:
         """One request sent to the core (call in send order) at ``now`` (monotonic seconds; None: not timed),
         ``max_tokens`` to generate, or an embedding (``pooling``)."""
-        self.note_sent_many([(priority, cached_tokens, uncached_tokens, 0 if pooling else max_tokens,
+        self.note_sent_many([(priority, 0, cached_tokens, uncached_tokens, 0 if pooling else max_tokens,
                               POOLING if pooling else PREFILL)], now)
 
-    def note_sent_many(self, seqs: list[tuple[int, int, int, int, int]], now: float | None = None) -> None:
-        """One command sent to the core with several requests (an embedding call's inputs): (priority, cached
-        tokens, uncached tokens, max_tokens, kind) each, as ``TTFTState.waiting_seqs``."""
+    def note_sent_many(self, seqs: list[tuple[int, int, int, int, int, int]], now: float | None = None) -> None:
+        """One command sent to the core with several requests (an embedding call's inputs): (priority, rank,
+        cached tokens, uncached tokens, max_tokens, kind) each, as ``TTFTState.waiting_seqs``."""
         self.sent += 1
         self._queue.append((self.sent, seqs))
         if now is not None:
-            self._tokens = self.arrival_tok_s(now) * CALIBRATION_TAU_S + sum(s[2] for s in seqs)
+            self._tokens = self.arrival_tok_s(now) * CALIBRATION_TAU_S + sum(s[3] for s in seqs)
             self._at = now
 
     def arrival_tok_s(self, now: float) -> float:
@@ -245,12 +248,12 @@ class PendingAdds:
         if not seqs:
             return state
         classes = {p: [t, n] for p, t, n in state.queued_prefill}
-        for priority, _, tokens, _, _ in seqs:
+        for priority, _, _, tokens, _, _ in seqs:
             c = classes.setdefault(priority, [0, 0])
             c[0] += tokens
             c[1] += 1
         return msgspec.structs.replace(state, queued_prefill=sorted((p, t, n) for p, (t, n) in classes.items()),
-                                       pending_seqs=[(p, c, t, m, k) for p, c, t, m, k in seqs])
+                                       pending_seqs=seqs)
 
 
 class PrefixMirror:
@@ -288,15 +291,6 @@ def drain_kv_events(pool) -> tuple[list[bytes], list[bytes], list[bytes] | None]
     return [h for h, c in last.items() if c], [h for h, c in last.items() if not c], None
 
 
-def _seat_order(scheduler) -> list:
-    """The waiting and swapped requests in the order the scheduler gives them seats (swapped first; by
-    (priority, arrival) under the priority policy)."""
-    queue = [*scheduler.swapped, *scheduler.waiting]
-    if scheduler.scheduling_policy == "priority":
-        return sorted(queue, key=lambda r: (r.priority, r.arrival_time))
-    return queue
-
-
 def _to_compute(kv, req, ahead: set) -> int:
     """Prompt tokens ``req`` (waiting or swapped) still has to compute: a waiting request that holds no blocks
     yet less the prefix its admission will find cached: blocks in the cache now (``get_computed_blocks``: dict
@@ -319,8 +313,8 @@ def _to_compute(kv, req, ahead: set) -> int:
 def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTState:
     """The ``TTFTState`` of ``scheduler`` (an ``engine.core.scheduler.Scheduler``) now, with ``calibration``'s step
     costs, ``added`` requests taken so far and the prefix cache's events since the last call."""
-    state, _ = _queue_state(scheduler, calibration, [*scheduler.swapped, *scheduler.waiting],
-                            _seat_order(scheduler), added,
+    order = scheduler.seat_order()
+    state, _ = _queue_state(scheduler, calibration, order, order, added,
                             drain_kv_events(scheduler.kv_cache_manager.block_pool))
     return state
 
@@ -329,7 +323,7 @@ def predict_waiting(scheduler, calibration: TTFTCalibration, request_id: str,
                     arrival_tok_s: float = 0.0) -> TTFTPrediction | None:
     """Predicted seconds from now (between two steps) to the first token of ``request_id``, a request still
     waiting in ``scheduler`` with nothing computed: ``predict_ttft`` of it as if it arrived now behind only the
-    requests the scheduler seats before it (``_seat_order``) and the running set, its prompt less the prefix the
+    requests the scheduler seats before it (``Scheduler.seat_order``) and the running set, its prompt less the prefix the
     cache holds or those requests will have computed. None when it is not waiting so (running, swapped, computed
     in part, finished or unknown). ``arrival_tok_s``: uncached prompt tokens arriving per second lately (they
     queue behind it, and fill the room its last step leaves). Re-predicted late in its wait, less is left to
@@ -337,21 +331,20 @@ def predict_waiting(scheduler, calibration: TTFTCalibration, request_id: str,
     req = scheduler.requests.get(request_id)
     if req is None or req.num_computed_tokens or req not in scheduler.waiting:
         return None
-    order = _seat_order(scheduler)
+    order = scheduler.seat_order()
     ahead_reqs = order[:order.index(req)]
-    state, ahead = _queue_state(scheduler, calibration, ahead_reqs, ahead_reqs,
-                                fcfs=True)   # every request in this queue is ahead of it
+    state, ahead = _queue_state(scheduler, calibration, ahead_reqs, ahead_reqs, all_ahead=True)
     todo = _to_compute(scheduler.kv_cache_manager, req, ahead)
     return predict_ttft(state, req.num_prompt_tokens, req.num_prompt_tokens - todo, req.priority,
                         arrival_tok_s=arrival_tok_s)
 
 
 def _queue_state(scheduler, calibration: TTFTCalibration, queue: list, seat_order: list, added: int = 0,
-                 events: tuple | None = None, fcfs: bool | None = None) -> tuple[TTFTState, set]:
+                 events: tuple | None = None, all_ahead: bool = False) -> tuple[TTFTState, set]:
     """The ``TTFTState`` of ``scheduler``'s running set with ``queue`` (waiting and swapped requests, in the
     order their cached prefixes are counted) as its waiting requests, ``seat_order`` the first of them in the
-    order they get seats, ``events`` the prefix cache's (stored, removed, resync; None: none) and ``fcfs`` (None: the
-    scheduler's policy) whether every queued request counts as ahead. Also the block hashes the running set and
+    order they get seats, ``events`` the prefix cache's (stored, removed, resync; None: none) and ``all_ahead``
+    whether every queued request counts as ahead of a new one (``predict_waiting``'s queue: ranks 0, fcfs). Also the block hashes the running set and
     ``queue`` have or will have cached (``_to_compute``'s ``ahead``)."""
     kv = scheduler.kv_cache_manager
     stored, removed, resync = events if events is not None else ([], [], None)   # new lists per call
@@ -374,12 +367,13 @@ def _queue_state(scheduler, calibration: TTFTCalibration, queue: list, seat_orde
     waiting_seqs = []
     for r in seat_order:   # computed (swapped) or cached for it; to its next sample (a preempted one's outputs too)
         ctx = max(r.num_computed_tokens, r.num_prompt_tokens - todo_of[r.request_id])
-        waiting_seqs.append((r.priority, ctx, *_seq(r, ctx)))
+        rank = 0 if all_ahead or r.status == RequestStatus.SWAPPED else r.input_index
+        waiting_seqs.append((r.priority, rank, ctx, *_seq(r, ctx)))
     return TTFTState(
         block_size=scheduler.block_size, budget=scheduler.max_num_batched_tokens,
         max_num_seqs=scheduler.max_num_seqs, num_running=len(scheduler.running), decode_rows=len(decoding),
         queued_prefill=sorted((p, t, n) for p, (t, n) in queued.items()), running_prefill=running_prefill,
-        fcfs=scheduler.scheduling_policy == "fcfs" if fcfs is None else fcfs,
+        fcfs=all_ahead or scheduler.scheduling_policy == "fcfs",
         free_blocks=kv.num_free_blocks,
         typical_decode=sum(r.max_tokens for r in scheduler.running) / max(len(scheduler.running), 1),
         step_s=calibration.cost(len(decoding)), prefill_tok_s=calibration.prefill_tok_s, added=added,

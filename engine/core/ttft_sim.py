@@ -70,7 +70,7 @@ class _Sim:
         self.s, self.cost = state, cost
         self.bs = state.block_size
         self.running = [_Seq(c, n, left, kind, _cdiv(c, state.block_size)) for c, n, left, kind in state.running_seqs]
-        self.waiting = [_Seq(c, n, left, kind) for _, c, n, left, kind in state.waiting_seqs]
+        self.waiting = [_Seq(c, n, left, kind) for _, _, c, n, left, kind in state.waiting_seqs]
         self.free = state.free_blocks
         self.pooling = PoolingBudget(*state.pooling_budget) if state.pooling_budget else None
         self.t = 0.0
@@ -224,14 +224,14 @@ def simulate_ttft(state, cost, prompt_tokens: int, cached_tokens: int, priority:
     origin = sim.t - current            # now, on the simulation's clock
     uncached = max(prompt_tokens - cached_tokens, 1)   # the last prompt token is always computed
     target = _Seq(prompt_tokens - uncached, uncached, 1, PREFILL, target=True)   # its decode is past its TTFT
-    joining = [_Seq(c, n, left, kind) for _, c, n, left, kind in state.pending_seqs]
+    joining = [_Seq(c, n, left, kind) for _, _, c, n, left, kind in state.pending_seqs]
     queue = sim.waiting + joining
-    at = len(queue)
-    if not state.fcfs:   # after every request of its priority or a more urgent one, before the others
-        priorities = [p for p, *_ in state.waiting_seqs] + [p for p, *_ in state.pending_seqs]
-        order = sorted(range(len(queue)), key=lambda i: (priorities[i], i))
-        queue = [queue[i] for i in order]
-        at = sum(1 for p in priorities if p <= priority)
+    # Seated as the scheduler would (Scheduler.seat_order): by (priority unless fcfs, rank), stably; the target
+    # (rank 0) after every request it does not precede, before an embedding call's later inputs of its priority.
+    seats = [(0 if state.fcfs else p, rank) for p, rank, *_ in [*state.waiting_seqs, *state.pending_seqs]]
+    order = sorted(range(len(queue)), key=lambda i: (seats[i], i))
+    queue = [queue[i] for i in order]
+    at = sum(1 for seat in seats if seat <= (0 if state.fcfs else priority, 0))
     sim.waiting = queue[:at] + [target] + queue[at:]
     ahead = sum(q.need for q in sim.running if q.kind != DECODING) + sum(q.need for q in sim.waiting[:at])
     wait_seat = wait_kv = arrived = 0.0

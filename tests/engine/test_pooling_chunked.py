@@ -10,7 +10,8 @@ import random
 import pytest
 
 from engine.core.core_loop import run_core_loop
-from engine.core.core_messages import AddRequest, CoreReply, CoreStep, EmbedPrompts, Shutdown, params_to_wire
+from engine.core.core_messages import (AddRequest, CoreReply, CoreStep, EmbedPrompts, Shutdown, embed_request_ids,
+                                       params_to_wire)
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.test_pooling import vectors
@@ -91,3 +92,26 @@ def test_a_queued_embedding_counts_in_the_ttft_state(chunked):
     while core.has_unfinished_requests():
         core.step()
     assert [cid for cid, vectors, error in core.take_embeds() if vectors and error is None] == [11]
+
+
+def test_a_short_embedding_call_is_seated_before_a_long_calls_later_inputs(chunked):
+    """A call of eight 300-token inputs, then a call of one 17-token input a step later: the short call's input is
+    seated before every input of the long call still waiting (the calls' inputs take turns:
+    ``Scheduler.seat_order``; in arrival order it waited for all of them) and is answered first; both calls' vectors
+    are the ones each gets alone."""
+    core = chunked.engine.core
+    rng = random.Random(50)
+    long_inputs, short = [[rng.randrange(3, 250) for _ in range(LONG)] for _ in range(8)], _prompts(2)[1]
+    core.add_embed(21, long_inputs, "LAST", True)
+    core.step()
+    core.add_embed(22, [short], "LAST", True)
+    short_id = embed_request_ids(22, 1)[0]
+    order = ["short" if r.request_id == short_id else r.input_index for r in core.scheduler.seat_order()]
+    assert order[0] == "short" and len(order) > 1, order   # some of the long call's inputs wait behind it
+    answered: dict[int, list] = {}
+    while core.has_unfinished_requests():
+        core.step()
+        answered.update((cid, vecs) for cid, vecs, error in core.take_embeds() if error is None)
+    assert list(answered) == [22, 21]
+    assert answered[22] == vectors(chunked.embed([short], "LAST"))
+    assert answered[21] == vectors(chunked.embed(long_inputs, "LAST"))

@@ -66,7 +66,8 @@ class FakeRunner:
             assert sr.num_new_tokens >= 1
             end = sr.num_computed_tokens + sr.num_new_tokens + out.num_steps - 1
             assert len(sr.block_ids) >= -(-end // bs)
-            assert sr.sample == (sr.num_computed_tokens + sr.num_new_tokens == sr.request.num_tokens)
+            assert sr.sample == (sr.num_computed_tokens + sr.num_new_tokens == sr.request.num_tokens
+                                 and sr.request.pooling_params is None)
             # Blocks written this step are private and not in the prefix cache.
             for i in range(sr.num_computed_tokens // bs, (end - 1) // bs + 1):
                 block = pool.blocks[sr.block_ids[i]]
@@ -379,6 +380,45 @@ def test_fcfs_ignores_priority():
     s.add_request(make_req("second", range(2, 6), max_tokens=2, priority=0))
     _, fin = run_until_idle(s, r)
     assert [q.request_id for q in fin] == ["first", "second"]
+
+
+def make_embed(call, prompts, *, arrival, priority=0):
+    """The pooling requests of one embedding call (``EngineCore.add_embed``'s): input ``i`` has ``input_index`` i."""
+    from engine.pooling import PoolingParams
+    return [Request(f"{call}-{i}", list(p), SamplingParams(max_tokens=1), max_tokens=0, arrival_time=arrival,
+                    priority=priority, pooling_params=PoolingParams(), input_index=i) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_short_call_is_not_queued_behind_a_long_calls_inputs(policy):
+    """Four 40-token embedding inputs of one call, then a 2-token embedding and a chat prompt arriving later:
+    both are seated before the first call's second input (round-robin between calls), so each finishes before
+    it. Served in arrival order, they waited for all four inputs to be seated."""
+    s = sched_(max_num_batched_tokens=16, scheduling_policy=policy)
+    r = FakeRunner(s)
+    for req in make_embed("long", [range(100 + 40 * i, 140 + 40 * i) for i in range(4)], arrival=0.0):
+        s.add_request(req)
+    step(s, r)
+    s.add_request(make_embed("short", [range(2, 4)], arrival=1.0)[0])
+    s.add_request(make_req("chat", range(5, 9), max_tokens=2, arrival=2.0))
+    assert [q.request_id for q in s.seat_order()] == ["short-0", "chat", "long-1", "long-2", "long-3"]
+    _, fin = run_until_idle(s, r)
+    order = [q.request_id for q in fin]
+    assert order.index("short-0") < order.index("long-1") and order.index("chat") < order.index("long-1")
+    assert set(order) == {"long-0", "long-1", "long-2", "long-3", "short-0", "chat"}
+
+
+def test_embedding_calls_take_turns():
+    """Two calls of three inputs: seated input by input, the earlier call first at each (round-robin); a
+    preempted request keeps its place before later arrivals of its input index."""
+    s = sched_(max_num_seqs=1)
+    for req in [*make_embed("a", [range(2, 6)] * 3, arrival=0.0), *make_embed("b", [range(7, 11)] * 3, arrival=1.0)]:
+        s.add_request(req)
+    assert [q.request_id for q in s.seat_order()] == ["a-0", "b-0", "a-1", "b-1", "a-2", "b-2"]
+    victim = make_req("victim", range(3, 8), arrival=5.0)
+    s.waiting.insert(0, victim)   # as _preempt queues a request preempted for recompute
+    s.requests["victim"] = victim
+    assert [q.request_id for q in s.seat_order()][:3] == ["victim", "a-0", "b-0"]
 
 
 def test_priority_preempts_lowest_priority():

@@ -199,20 +199,23 @@ def test_beside_a_stream_a_deep_embeddings_chunks_run_through_part_of_the_layers
 
 
 def _deep_beside_a_stream(s: Scheduler, tokens: int) -> Request:
-    """An embedding of ``tokens`` run alone (chunks through every layer) to 4,608 tokens, then a stream that arrived
-    before it (so it is the preemption victim): its next chunk is split."""
+    """An embedding of ``tokens`` run alone (chunks through every layer) to 4,608 tokens on ``s`` (the priority
+    policy), then a stream more important than it (so it is the preemption victim): its next chunk is split."""
     emb = _pooling("emb", tokens, 0.0)
     s.add_request(emb)
     while emb.num_computed_tokens < 4608:
         assert _entry(_step(s), emb).layers is None
-    s.add_request(_generation("stream", 15, 100, -1.0))
+    stream = _generation("stream", 15, 100, 1.0)
+    stream.priority = -1
+    s.add_request(stream)
     return emb
 
 
 def test_a_chunk_preempted_or_aborted_mid_way_starts_over_and_the_runner_drops_its_hidden_state():
     """Preempted by recompute between two of its layers, a chunk starts over from layer 0 when readmitted; its id
     is in the next step's ``finished_req_ids`` (the runner's kept hidden state is dropped), as is an aborted one's."""
-    s = _scheduler(pooling_budget=SPLIT, num_blocks=292)   # the embedding's 290 blocks and the stream's first
+    s = _scheduler(pooling_budget=SPLIT, num_blocks=292,   # the embedding's 290 blocks and the stream's first
+                   scheduling_policy="priority")
     emb = _deep_beside_a_stream(s, 4640)
     midway = []
     while emb.status != RequestStatus.PREEMPTED:   # the stream's second block: the embedding's last free one
@@ -222,7 +225,7 @@ def test_a_chunk_preempted_or_aborted_mid_way_starts_over_and_the_runner_drops_i
     assert midway[:2] == [1, 2] and emb.num_computed_layers == 0 and emb.num_computed_tokens == 0
     out = _step(s)
     assert out.finished_req_ids == {"emb"} and (_entry(out, emb).layers or (0,))[0] == 0   # readmitted: layer 0
-    s = _scheduler(pooling_budget=SPLIT)
+    s = _scheduler(pooling_budget=SPLIT, scheduling_policy="priority")
     emb = _deep_beside_a_stream(s, 5000)
     _step(s)
     assert emb.num_computed_layers == 1

@@ -53,11 +53,14 @@ class ScriptedEngine:
         cached = self.mirror.cached_tokens(prompt, self.state.block_size)
         return predict_ttft(self.state, len(prompt), cached, priority).seconds
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int = 8, priority: int = 0, pooling: bool = False) -> None:
-        """Queue a generation of ``max_tokens`` tokens, or an embedding (``pooling``: nothing generated)."""
+    def add(self, rid: str, prompt: list[int], max_tokens: int = 8, priority: int = 0, pooling: bool = False,
+            input_index: int = 0) -> None:
+        """Queue a generation of ``max_tokens`` tokens, or an embedding (``pooling``: nothing generated; its call's
+        input ``input_index``)."""
         self.sched.add_request(Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens), eos_token_id=None,
                                        max_tokens=0 if pooling else max_tokens, priority=priority,
-                                       arrival_time=self.now, pooling_params=PoolingParams() if pooling else None))
+                                       arrival_time=self.now, pooling_params=PoolingParams() if pooling else None,
+                                       input_index=input_index))
         self.added[rid] = self.now
         self.publish()
 
@@ -499,7 +502,7 @@ def test_a_queue_of_follow_up_turns_is_charged_their_tails_attention_over_the_co
     eng.cal = TTFTCalibration(step_s=0.018, prefill_tok_s=2000.0, steps=1, fixed_s=0.010, row_s=0.008, quad_s=4e-6)
     queue_follow_up_turns(eng, rng, 6, 600, 40)
     # each tail is queued after its conversation (its context, attended over) and is a chunk of its own
-    assert all(ctx >= 600 - 16 and need <= 40 + 2 + 16 for _, ctx, need, _, _ in eng.state.waiting_seqs)
+    assert all(ctx >= 600 - 16 and need <= 40 + 2 + 16 for _, _, ctx, need, _, _ in eng.state.waiting_seqs)
     prompt = tokens(rng, 100)
     p, delivered = eng.predicted_and_delivered("new", prompt)
     assert abs(p - delivered) <= 0.1 * delivered, (p, delivered)

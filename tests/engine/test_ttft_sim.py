@@ -51,17 +51,18 @@ def deep_copies():
                                      (5, dict(pooling_budget=PoolingBudget(pairs_per_token=300.0, step_cost=8.0))),
                                      (6, dict(max_num_seqs=3, pooling_budget=PoolingBudget(300.0, 20.0, 300.0)))])
 def test_the_simulation_replays_the_scheduler_exactly(seed, kw, deep_copies):
-    """A mixed queue (prompts of 10 to 1,500 tokens, embeddings, short and long decodes, few seats or a small
-    budget, embeddings' chunks sized by their cost beside generation work): at each arrival, the prediction equals
-    the TTFT the scheduler delivers to that request if nothing else arrives (a copy of the engine run to its end:
-    later arrivals, unknown to any prediction, would share its steps)."""
+    """A mixed queue (prompts of 10 to 1,500 tokens, embedding calls of one to four inputs, short and long
+    decodes, few seats or a small budget, embeddings' chunks sized by their cost beside generation work): at each
+    arrival, the prediction equals the TTFT the scheduler delivers to that request if nothing else arrives (a copy
+    of the engine run to its end: later arrivals, unknown to any prediction, would share its steps)."""
     rng = random.Random(seed)
     eng = exact_engine(**kw)
     ttfts = []
     for i in range(40):
         n = round(math.exp(rng.uniform(math.log(10), math.log(1500))))
         if rng.random() < 0.2:
-            eng.add(f"e{i}", tokens(rng, n), pooling=True)
+            for k in range(rng.randrange(1, 5)):
+                eng.add(f"e{i}-{k}", tokens(rng, n), pooling=True, input_index=k)
         else:
             prompt, max_tokens = tokens(rng, n), rng.choice([2, 8, 60])
             p, delivered = copy.deepcopy(eng).predicted_and_delivered(f"r{i}", prompt, max_tokens)
@@ -89,16 +90,18 @@ def test_embeddings_queued_ahead_are_charged_their_chunks():
 
 def test_embeddings_sent_but_not_yet_in_the_cores_state_are_queued():
     """The front end counts an embedding call it sent (``PendingAdds.note_sent_many``) until the core's state
-    does: the prediction is the one the state counting it gives."""
+    does: the prediction is the one the state counting it gives. A short prompt waits for the call's first input,
+    not its second (seated after it: ``Scheduler.seat_order``)."""
     rng = random.Random(6)
     eng = exact_engine()
     pending = PendingAdds()
-    pending.note_sent_many([(0, 0, 1000, 0, POOLING), (0, 0, 800, 0, POOLING)])
+    pending.note_sent_many([(0, 0, 0, 1000, 0, POOLING), (0, 1, 0, 800, 0, POOLING)])
     with_pending = predict_ttft(pending.with_pending(eng.state), 20, 0).seconds
     eng.add("e0", tokens(rng, 1000), pooling=True)
-    eng.add("e1", tokens(rng, 800), pooling=True)
+    eng.add("e1", tokens(rng, 800), pooling=True, input_index=1)
     assert with_pending == pytest.approx(eng.predict(tokens(rng, 20)), rel=1e-9)
-    assert with_pending > predict_ttft(PendingAdds().with_pending(exact_engine().state), 20, 0).seconds + 1800 / 4000
+    alone = predict_ttft(PendingAdds().with_pending(exact_engine().state), 20, 0).seconds
+    assert alone + 1000 / 4000 < with_pending < alone + 1800 / 4000
     pending.seen(1)
     assert pending.with_pending(eng.state) is eng.state
 
@@ -157,7 +160,7 @@ def test_published_kinds_and_lengths():
     eng.add("emb", tokens(rng, 100), pooling=True)
     eng.step()
     assert eng.state.running_seqs == [(256, 344, 5, PREFILL)]
-    assert eng.state.waiting_seqs == [(0, 0, 100, 0, POOLING)]
+    assert eng.state.waiting_seqs == [(0, 0, 0, 100, 0, POOLING)]
     eng.step()
     eng.step()
     assert eng.state.running_seqs[0] == (600, 1, 4, DECODING)
