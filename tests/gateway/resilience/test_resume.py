@@ -5,7 +5,6 @@ finish reason and usage as a run without a failure, greedy and seeded, in one un
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
