@@ -80,6 +80,33 @@ def measure_embeddings_phase(streams_until, base: str, model: str, embed_tokens:
     return {"gaps": gaps, "window": (t0, t1), "sends": sends, "ttfts": ttfts, "alone": alone}
 
 
+def measure_embedding_queue(base: str, model: str, inputs: int, tokens: int, rounds: int) -> dict:
+    """A short request behind another's batch: ``rounds`` times, a 2-token embedding sent alone, then a call of
+    ``inputs`` inputs of ``tokens`` token ids each (fresh ids: nothing cached) and, 1 s after it, the same short
+    embedding. Returns each round's seconds: the short one alone, behind the batch, and the batch's."""
+    batcher, short = httpx.Client(), httpx.Client()
+    out: dict[str, list[float]] = {"short_alone_s": [], "short_behind_batch_s": [], "batch_s": []}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            for r in range(rounds):
+                out["short_alone_s"].append(send_embedding(short, base, model, embed_ids(2, -1))[1])
+                batch = [embed_ids(tokens, 1000 * (r + 1) + i) for i in range(inputs)]
+                start = time.perf_counter()
+                batch_f = pool.submit(lambda: batcher.post(f"{base}/v1/embeddings", json={
+                    "model": model, "input": batch}, timeout=7200).raise_for_status())
+                time.sleep(1.0)
+                status, seconds = send_embedding(short, base, model, embed_ids(2, -1))
+                batch_f.result()
+                out["batch_s"].append(time.perf_counter() - start)
+                out["short_behind_batch_s"].append(seconds if status == 200 else math.nan)
+                print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in out.items()), file=sys.stderr,
+                      flush=True)
+    finally:
+        batcher.close()
+        short.close()
+    return {k: [round(v, 3) for v in vs] for k, vs in out.items()} | {"inputs": inputs, "tokens": tokens}
+
+
 def _rank(values: list[float], q: float) -> float:
     """The ``q`` quantile of sorted ``values`` (nearest rank)."""
     return values[min(max(math.ceil(q * len(values)) - 1, 0), len(values) - 1)]

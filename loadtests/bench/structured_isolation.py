@@ -34,6 +34,8 @@ its own kept-alive client.
 3. Embeddings (``loadtests/bench/embedding_isolation.py``): the same streams while ``--embeds`` embeddings of
    ``--embed-tokens`` tokens arrive one after the other, and a short prompt's TTFT meanwhile; the largest gap over
    the baseline's p99 (target: <= 2x). ``--only-embeddings``: the baseline and this phase alone.
+   ``--only-embedding-queue``: instead, a 2-token embedding's seconds alone and 1 s after another client's call
+   of ``--batch-inputs`` inputs of ``--batch-tokens`` tokens, ``--queue-rounds`` times (``measure_embedding_queue``).
 4. Memory: the engine core's RSS (``/proc/<pid>/status`` VmRSS) every 100 of
    ``--schemas`` distinct small schemas (each a 1-token request), with the
    grammar cache bounded at ``--cache-entries``: flat past the bound.
@@ -57,7 +59,7 @@ from typing import NamedTuple
 
 import httpx
 
-from loadtests.bench.embedding_isolation import embeddings_figures, measure_embeddings_phase
+from loadtests.bench.embedding_isolation import embeddings_figures, measure_embedding_queue, measure_embeddings_phase
 from loadtests.procs import Server, descendants, exit_on_sigterm, free_port, tandem_cmd
 
 ASK = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
@@ -305,6 +307,10 @@ def run(args) -> dict:
     try:
         model = sender.get(f"{base}/v1/models").json()["data"][0]["id"]
         stream_gaps(streamer, base, model, 16)  # warm-up
+        if args.only_embedding_queue:
+            return {"embedding_queue": measure_embedding_queue(base, model, args.batch_inputs, args.batch_tokens,
+                                                               args.queue_rounds),
+                    "load_average_before_after": [load_before[0], os.getloadavg()[0]], "cpus": os.cpu_count()}
         if args.only_embeddings:
             alone = gap_figures([g for _ in range(args.baseline_runs)
                                  for g in stream_gaps(streamer, base, model, args.max_tokens)])
@@ -376,6 +382,11 @@ def main() -> None:
     parser.add_argument("--short-after-s", type=float, default=1.0,
                         help="seconds after each embedding is sent that the short prompt is")
     parser.add_argument("--only-embeddings", action="store_true", help="the baseline and the embeddings phase alone")
+    parser.add_argument("--only-embedding-queue", action="store_true",
+                        help="a short embedding alone and behind another call's batch, nothing else")
+    parser.add_argument("--batch-inputs", type=int, default=12, help="inputs of the batch the short one follows")
+    parser.add_argument("--batch-tokens", type=int, default=1560, help="tokens of each of the batch's inputs")
+    parser.add_argument("--queue-rounds", type=int, default=3, help="rounds of the embedding-queue measure")
     parser.add_argument("--output-json", default=None, help="also write the results here")
     args = parser.parse_args()
     exit_on_sigterm()  # stopped by `timeout`: its server stopped too
