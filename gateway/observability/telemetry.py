@@ -301,8 +301,10 @@ class Observability:
                     yield batch
             exhausted = True             # the inner iterator has finished (and cleaned up) on its own
         except (asyncio.CancelledError, GeneratorExit):
-            if not rec.finished and not rec.shut_down:     # (an ended record is not changed; after a drain's
-                status, rec.disconnected = 499, True      # end, the shutdown's) billed for what it was sent
+            # Billed for what it was sent. Not a client that left: an ended record, a drain's end (the
+            # shutdown's), or a stream whose error event it had (the SDKs close at once on it).
+            if not rec.finished and not rec.shut_down and rec.error != "stream_error":
+                status, rec.disconnected = 499, True
             raise
         finally:
             aclose = None if exhausted else getattr(it, "aclose", None)

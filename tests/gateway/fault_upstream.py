@@ -23,6 +23,7 @@ the queue filled by ``push()`` / ``POST /_fault/push`` (one fault per request), 
     end_after: int         after that many content chunks, end the body cleanly without [DONE]
     error_first: bool      the first SSE event is an error event (then the stream ends)
     error_after: int       after that many content chunks, send an error event and end
+    error_hold_s: float    with ``error_after``: keep the connection open that long after the error event
     usage: dict            the usage reported (answer, or the stream's usage chunk when asked for)
     no_usage: bool         report no usage at all (an upstream that never counts)
     tool_call: bool        a stream's content chunks are tool-call deltas (name, then argument pieces); a whole
@@ -341,6 +342,9 @@ class FaultUpstream:
                 if fault.get("error_after") is not None and i == int(fault["error_after"]):
                     err = {"error": {"message": "injected mid-stream error", "type": "server_error"}}
                     await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                    if fault.get("error_hold_s") and await self._wait_for_disconnect(
+                            request, seconds=float(fault["error_hold_s"])):
+                        return resp
                     await resp.write_eof()
                     return resp
                 await resp.write(self._chunk(chat, body, i, tool=bool(fault.get("tool_call"))))

@@ -614,3 +614,36 @@ async def test_a_stream_cut_after_its_200_is_counted_as_a_stream_error():
                 await asyncio.sleep(0.05)
     assert value(fams, "tandem_stream_errors_total", model="m1", backend="up") == 1
     assert sum(v for lab, v in fams["tandem_requests_total"] if lab["status"] == "200") == 2
+
+
+async def test_a_client_that_leaves_at_the_error_event_does_not_turn_a_stream_error_into_a_disconnect():
+    """The official SDK closes its connection as soon as it reads the error event of a cut stream; when that close
+    won the race with the end of the relay (the attempt loop still settling the failed attempt), the request was
+    logged 499 ``disconnected`` and no stream error was counted (a trial: 2 of 4 cut streams), blaming the client
+    for the upstream's fault. Here the relay's source is slow to end after its error event, so the close wins."""
+    from gateway.values import ChatEvent, ChoiceDelta
+    from tests.gateway.fault_upstream import FaultUpstream
+    from tests.gateway.http.test_responses import config, gateway
+
+    async def cut_stream():
+        yield [ChatEvent(choices=(ChoiceDelta(content="hello"),))]
+        yield [ChatEvent(error={"message": "the stream was interrupted", "type": "stream_interrupted"})]
+        await asyncio.sleep(3600)     # settling the attempt: the client has its error event meanwhile
+
+    with FaultUpstream("up") as up:
+        async with gateway(config(up)) as (gw, _):
+            rec = gw.obs.begin("cut-1", "chat/completions", {})
+            rec.model = "m1"
+            relay = gw.obs.stream(rec, "up", cut_stream())
+            async for batch in relay:
+                if batch[-1].error:
+                    break
+            await relay.aclose()      # the client left at the error event
+            for _ in range(200):
+                fams = families(generate_latest(gw.obs.registry).decode())
+                if sum(v for _, v in fams.get("tandem_requests_total", [])) >= 1:
+                    break
+                await asyncio.sleep(0.05)
+    assert value(fams, "tandem_stream_errors_total", model="m1", backend="up") == 1
+    assert [lab["status"] for lab, v in fams["tandem_requests_total"] if v] == ["200"]
+    assert not rec.disconnected
