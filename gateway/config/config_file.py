@@ -50,12 +50,18 @@ class ConfigFile:
 
     def status(self, running_text: str, overrides: dict) -> dict:
         """``{"path", "differs", "status"}`` against the running version (its file text and operator
-        ``overrides``): "in sync", "weights overrides active", or "runtime override active, file differs" (a
-        rollback, or another replica's file, runs instead of it)."""
+        ``overrides``): "in sync", "weights overrides active", "file does not load (the running version is
+        kept): <why>" (an edit a reload refused), or "runtime override active, file differs" (a rollback, or
+        another replica's file, runs instead of it)."""
         text = self.read()
         differs = text is not None and text != running_text
-        status = ("runtime override active, file differs" if differs
-                  else "weights overrides active" if overrides else "in sync")
+        status = "weights overrides active" if overrides else "in sync"
+        if differs:
+            try:
+                load_config_text(text, {}, source=self.path)
+                status = "runtime override active, file differs"
+            except ConfigError as e:
+                status = f"file does not load (the running version is kept): {e}"
         return {"path": self.path, "differs": differs, "status": status}
 
     def weights_if_differs(self, running_text: str) -> dict[str, dict[str, float]] | None:
