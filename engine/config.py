@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from engine.generation_config import default_sampling_params
 from engine.kv_events import KVEventsConfig
 from engine.spec_decode.config import SpeculativeConfig
 
@@ -202,6 +204,14 @@ class EngineArgs:
         master_addr, master_port: where the ranks meet (``env://``
             rendezvous: host 0's address and a free port on it); None: a
             free port on 127.0.0.1, one host only.
+        generation_config: where the model's sampling defaults come from (vLLM's ``--generation-config``):
+            "auto" (the model directory's ``generation_config.json``: its temperature, top_k, top_p, min_p,
+            repetition_penalty and max_new_tokens fill what a request leaves unset; ``max_new_tokens`` caps
+            max_tokens), "vllm" (none) or a directory holding a ``generation_config.json``
+            (``engine/generation_config.py``).
+        override_generation_config: generation-config keys set over it (vLLM's, a dict or its JSON text).
+        chat_template: the chat template (vLLM's ``--chat-template``): a Jinja file's path or the template
+            itself (``engine.tokenizer.load_chat_template``); None: the model's.
         engine_core_process: run the engine core (scheduler, model runner,
             KV cache) in a process of its own, as vLLM v1 does, so that a
             step never shares a GIL with the HTTP event loop (``AsyncEngine``
@@ -244,6 +254,9 @@ class EngineArgs:
     structured_outputs_max_bytes: int | str = "1MiB"
     structured_outputs_cache_memory: int | str = "256MiB"
     structured_outputs_cache_entries: int = 256
+    generation_config: str = "auto"
+    override_generation_config: dict | str | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -302,6 +315,21 @@ class EngineArgs:
         if not os.path.exists(self.model):   # nothing is downloaded: a Hub id names no local directory
             raise FileNotFoundError(f"model {self.model!r}: no such file or directory (give a local directory or "
                                     "GGUF file: weights are never downloaded)")
+        if isinstance(self.override_generation_config, str):
+            try:
+                self.override_generation_config = json.loads(self.override_generation_config)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"override_generation_config is not JSON: {e}") from None
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError("override_generation_config must be a JSON object of generation-config keys")
+        self.default_sampling_params()   # a bad file or override is refused at start, not at the first request
+        from engine.tokenizer import load_chat_template
+
+        load_chat_template(self.chat_template)   # a path that does not open is refused at start
+
+    def default_sampling_params(self) -> dict:
+        """The model's sampling defaults under ``generation_config`` (``engine.generation_config``)."""
+        return default_sampling_params(self.model, self.generation_config, self.override_generation_config)
 
 
 def served_model_names(value: str | list[str] | None) -> list[str]:
@@ -386,6 +414,15 @@ def add_engine_cli_args(parser) -> None:
                         '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '
                         '"topic": "kv-events"} (ZMQ PUB of msgpack KVEventBatch, as vLLM)')
     _add_structured_outputs_args(g)
+    g.add_argument("--generation-config", default="auto",
+                   help="the model's sampling defaults: auto (its generation_config.json: temperature, top_k, top_p, "
+                        "min_p, repetition_penalty fill what a request leaves unset; max_new_tokens caps max_tokens), "
+                        "vllm (none) or a directory holding a generation_config.json")
+    g.add_argument("--override-generation-config", default=None,
+                   help='generation-config keys over it, JSON, e.g. {"temperature": 0.5}')
+    g.add_argument("--chat-template", default=None,
+                   help="the chat template: a Jinja file's path or the template itself (None: the model's)")
+
 
 def _add_parallel_args(g) -> None:
     """The engine's flags for how it is spread: tensor-parallel ranks and hosts, the core's own process."""

@@ -52,6 +52,12 @@ class LLM:
         """The engine's tokenizer (vLLM's ``LLM.get_tokenizer``)."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: ``SamplingParams`` of the model's generation-config defaults (``EngineArgs.generation_config``;
+        ``engine/generation_config.py``), the plain defaults when it has none; what ``generate`` and ``chat`` use
+        when given no ``sampling_params``."""
+        return SamplingParams(**self.engine.args.default_sampling_params())
+
     def shutdown(self) -> None:
         """Stop the engine's other tensor-parallel ranks (done at exit too, when a script did not) and what else
         outlives a step (``EngineCore.close``)."""
@@ -159,7 +165,7 @@ class LLM:
         prompts = _prompt_list(prompts)
         prompts, salts = zip(*(_prompt(p, cache_salt) for p in prompts)) if prompts else ((), ())
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
@@ -196,7 +202,8 @@ class LLM:
         Args:
             messages: one conversation (a list of ``{"role", "content"}`` dicts; content a string or text
                 parts) or a list of them.
-            sampling_params: one for all conversations or one per conversation (default ``SamplingParams()``).
+            sampling_params: one for all conversations or one per conversation (default
+                ``get_default_sampling_params()``).
             use_tqdm: vLLM's progress-bar switch: no progress bar is drawn.
             lora_request: vLLM's; only None (this engine has no LoRA).
             chat_template: jinja2 source rendered instead of the model's template (compiled as the model's is).

@@ -249,10 +249,33 @@ class Tokenizer:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
 
 
-def load_tokenizer(path: str) -> Tokenizer:
+def load_chat_template(value: str | None) -> str | None:
+    """A ``--chat-template`` value as vLLM reads it (``load_chat_template``): the text of the file it names, or,
+    when no such file opens and it holds a Jinja character (``{``, ``}`` or a newline), the template itself with
+    its backslash escapes decoded (``\\n`` on a command line is a newline). None stays None.
+
+    Raises:
+        ValueError: it looks like a file path (no Jinja character) and does not open."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"chat_template: {value!r} looks like a file path, but it could not be opened: "
+                             f"{exc.strerror}") from None
+    import codecs
+
+    return codecs.decode(value, "unicode_escape")
+
+
+def load_tokenizer(path: str, chat_template: str | None = None) -> Tokenizer:
     """The tokenizer of a model path: a HF directory's or a ``.gguf`` file's
     (what ``engine.model_loader.load_model`` builds, without torch or weights;
-    the front end of an engine whose core runs in another process uses it).
+    the front end of an engine whose core runs in another process uses it),
+    rendering ``chat_template`` (a ``--chat-template`` value: ``load_chat_template``) instead of the model's
+    when given.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -261,7 +284,9 @@ def load_tokenizer(path: str) -> Tokenizer:
     import os
 
     if os.path.isdir(path):
-        return Tokenizer.from_hf_dir(path)
-    if os.path.isfile(path):
-        return Tokenizer.from_gguf(path)
-    raise FileNotFoundError(f"model {path!r}: no such file or directory")
+        tokenizer = Tokenizer.from_hf_dir(path)
+    elif os.path.isfile(path):
+        tokenizer = Tokenizer.from_gguf(path)
+    else:
+        raise FileNotFoundError(f"model {path!r}: no such file or directory")
+    return tokenizer.with_chat_template(load_chat_template(chat_template)) if chat_template else tokenizer

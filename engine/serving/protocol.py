@@ -81,6 +81,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: Any = None
     return_tokens_as_token_ids: Any = None
     logits_processors: Any = None
+    prompt_embeds: Any = None   # completions' (vLLM takes them only with --enable-prompt-embeds)
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -146,6 +147,7 @@ UNSERVED_FIELDS = {
     "truncate_prompt_tokens": "prompt truncation is not implemented: send the tokens to keep",
     "return_tokens_as_token_ids": "tokens are returned as strings only",
     "logits_processors": "custom logits processors are not supported",
+    "prompt_embeds": "prompt embeddings are not supported: send the prompt as text or token ids",
     # vLLM takes one only with --trust-request-chat-template; ignoring it would render another prompt
     "chat_template": "this server does not take request chat templates: the model's own template renders every "
                      "request (chat_template_kwargs reach it)",

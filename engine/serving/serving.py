@@ -98,6 +98,11 @@ class OpenAIServing:
         self.served_model_name, self.served_model_names = names[0], names
         self.created = int(time.time())
         self.logprobs = LogprobFormatter(engine.tokenizer)
+        # The model's generation config (vLLM's --generation-config auto): what a request leaves unset
+        self.default_sampling = engine.args.default_sampling_params()
+        if self.default_sampling:
+            logger.warning("sampling defaults from the model's generation config: %s (a request's own values win; "
+                        "--generation-config vllm ignores them)", self.default_sampling)
 
     # ------------------------------------------------------------------ models
     def models(self) -> dict:
@@ -186,17 +191,22 @@ class OpenAIServing:
             ServingError: 400 naming the bad parameter, or naming ``max_model_len``
                 when the prompt (plus ``max_tokens``) does not fit.
         """
-        def pick(value, default):
-            return default if value is None else value
+        defaults = self.default_sampling   # the model's generation config, under what the request sets
 
+        def pick(value, default, field: str | None = None):
+            return value if value is not None else defaults.get(field, default) if field else default
+
+        if defaults.get("max_tokens") is not None:   # vLLM's get_max_tokens: the smallest of both
+            max_tokens = defaults["max_tokens"] if max_tokens is None else min(max_tokens, defaults["max_tokens"])
         stop = req.stop
         if isinstance(stop, str):
             stop = [stop]
         kwargs = dict(
-            n=pick(req.n, 1), temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0),
-            top_k=pick(req.top_k, 0), min_p=pick(req.min_p, 0.0),
+            n=pick(req.n, 1), temperature=pick(req.temperature, 1.0, "temperature"),
+            top_p=pick(req.top_p, 1.0, "top_p"), top_k=pick(req.top_k, 0, "top_k"), min_p=pick(req.min_p, 0.0, "min_p"),
             presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
-            repetition_penalty=pick(req.repetition_penalty, 1.0), seed=req.seed, max_tokens=max_tokens,
+            repetition_penalty=pick(req.repetition_penalty, 1.0, "repetition_penalty"), seed=req.seed,
+            max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=stop or [], stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,

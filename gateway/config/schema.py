@@ -255,6 +255,9 @@ class EngineConfig(_Strict):
     structured_outputs_max_bytes: int | str | None = None
     structured_outputs_cache_memory: int | str | None = None
     structured_outputs_cache_entries: int | None = None
+    generation_config: str | None = None
+    override_generation_config: dict | None = None
+    chat_template: str | None = None
 
     def engine_kwargs(self) -> dict:
         return {k: v for k, v in self.model_dump().items() if v is not None}

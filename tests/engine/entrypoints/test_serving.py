@@ -454,7 +454,8 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
         assert exc.value.body["param"] == name, exc.value.body
     # vLLM's fields the engine does not implement: refused too (a trial's bad_words [" Paris"] gave " Paris")
     for name, value in (("bad_words", [" Paris"]), ("truncate_prompt_tokens", 2),
-                        ("return_tokens_as_token_ids", True), ("logits_processors", ["x"])):
+                        ("return_tokens_as_token_ids", True), ("logits_processors", ["x"]),
+                        ("prompt_embeds", "abc")):   # a trial's prompt_embeds: 200, generated from "hi"
         with pytest.raises(openai.BadRequestError) as exc:
             server.client.completions.create(model=server.model, prompt="hi", max_tokens=4, extra_body={name: value})
         assert exc.value.body["param"] == name, exc.value.body
