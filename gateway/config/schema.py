@@ -275,8 +275,7 @@ class LocalBackendConfig(_Strict):
 
     type: Literal["local"]
     engine: EngineConfig = EngineConfig()
-    # Structured features the engine serves (grammar-constrained decoding);
-    # a request using one left out here cannot be served locally.
+    # Structured features the engine serves (grammar-constrained decoding); a request using another is not local.
     structured_outputs: list[Literal["response_format", "tools"]] = ["response_format", "tools"]
     prices: Prices = Prices()
     cost: LocalCostConfig | None = None    # prices from usd_per_hour and the tokens served (ranking by cost)
@@ -395,8 +394,7 @@ class RouteConfig(_Strict):
     slo: SloConfig | None = None                 # route by predicted TTFT and cost (replaces select's pick)
     sticky: Literal["", "prefix", "user"] = ""   # keep a conversation on one target (its prompt cache warm)
     shadow: ShadowConfig | None = None           # mirror a sample to a candidate backend (parity report)
-    # top-level parameters neither OpenAI's nor a known vendor extension: refuse (400 unknown_parameter, as
-    # OpenAI) | pass (sent to the route's upstreams as they are, for a provider's own parameters)
+    # parameters neither OpenAI's nor a vendor's: refuse (400 unknown_parameter) | pass (sent to the upstreams)
     extra_params: Literal["refuse", "pass"] = "refuse"
     default_max_tokens: int | None = Field(None, ge=1)   # max_tokens of a chat request that sets none
     release: bool = False   # a reload takes the route's split back from a rollout holding it (docs/operators/desired-state.md)
