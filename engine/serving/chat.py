@@ -109,7 +109,7 @@ class OpenAIServingChat(OpenAIServing):
             message = {"role": "assistant", "content": echo + ch.text, "refusal": None}
             finish_reason, calls = ch.finish_reason, []
             if tool_calls:
-                message["content"], calls = parse_tool_calls(ch.text, calls_only)
+                message["content"], calls = parse_tool_calls(ch.text, calls_only, ch.finish_reason == "length")
                 if calls:
                     message["tool_calls"] = calls
                     finish_reason = tool_finish_reason(finish_reason)
@@ -280,7 +280,8 @@ def stream_deltas(parsers: list[ToolCallParser] | None, c: CompletionOutput) -> 
     if parsers is None:
         return ([Delta(content=c.text)] if c.text else []), c.finish_reason
     parser = parsers[c.index]
-    deltas = parser.feed(c.text) + (parser.finish() if c.finish_reason is not None else [])
+    deltas = parser.feed(c.text) + (parser.finish(c.finish_reason == "length") if c.finish_reason is not None
+                                     else [])
     return deltas, tool_finish_reason(c.finish_reason) if parser.calls else c.finish_reason
 
 

@@ -83,8 +83,8 @@ class ToolCallParser:
                 self._buf = self._buf[end + len(CALL_END):]
                 self._mode = "text"
 
-    def finish(self) -> list[Delta]:
-        """Deltas for the text held back at the end of the output."""
+    def finish(self, cut: bool = False) -> list[Delta]:
+        """Deltas for the text held back at the end of the output; ``cut``: the output was cut (``length``)."""
         out: list[Delta] = []
         if self._mode == "args":
             held = self._buf
@@ -96,7 +96,7 @@ class ToolCallParser:
             name = name[: len(name) - _partial_suffix(name, ARGS_PREFIX)]
             if name:
                 self._start_call(name, out)
-        elif self._buf and not (self.calls_only or self._is_markup_start(self._buf)):
+        elif self._buf and not (self.calls_only or self._is_markup_start(cut)):
             self._content(self._buf, out)
         self._buf = ""
         return out
@@ -107,11 +107,12 @@ class ToolCallParser:
         out.append(Delta(tool_calls=[ToolCallPiece(len(self.calls) - 1, call["id"], "function",
                                                    FunctionPiece(name, ""))]))
 
-    def _is_markup_start(self, held: str) -> bool:
-        """``held`` (the text kept back at the end) is a call's markup cut short:
-        a prefix of ``<tool_call>\n{"name": "``, which the grammar forced once
-        ``<tool_call>`` was written."""
-        return self._mode == "name"
+    def _is_markup_start(self, cut: bool) -> bool:
+        """The text kept back at the end is a call's markup cut short: a prefix of ``<tool_call>\n{"name": "``,
+        which the grammar forced once ``<tool_call>`` was written, or, in an output the length limit cut, of
+        ``<tool_call>`` (a trial's ``<tool_`` after two calls became content: a third call begun, never text the
+        model chose to end with)."""
+        return self._mode == "name" or cut
 
     def _content(self, text: str, out: list[Delta]) -> None:
         if not text or self.calls_only:
@@ -135,10 +136,11 @@ class ToolCallParser:
             out.append(Delta(tool_calls=[ToolCallPiece(len(self.calls) - 1, function=FunctionPiece(arguments=text))]))
 
 
-def parse_tool_calls(text: str, calls_only: bool = False) -> tuple[str | None, list[dict]]:
-    """The whole output as (content or None, tool calls) (``calls_only``: ``ToolCallParser``'s)."""
+def parse_tool_calls(text: str, calls_only: bool = False, cut: bool = False) -> tuple[str | None, list[dict]]:
+    """The whole output as (content or None, tool calls) (``calls_only``: ``ToolCallParser``'s; ``cut``: the
+    output was cut by the length limit, ``finish``'s)."""
     parser = ToolCallParser(calls_only)
-    deltas = parser.feed(text) + parser.finish()
+    deltas = parser.feed(text) + parser.finish(cut)
     content = "".join(d.content for d in deltas if isinstance(d.content, str))
     return content or None, parser.calls
 

@@ -425,6 +425,13 @@ def test_a_call_cut_inside_its_markup_is_never_content(text, name):
     assert not [d for d in deltas if d.content]
     if text.startswith("<tool_call>"):  # tool_choice "auto": the text before a call stays, its markup does not
         assert parse_tool_calls("Sure. " + text)[0] == "Sure."
+    # tool_choice "auto", cut by the length limit before "<tool_call>" was whole: a call begun, not content (a
+    # trial's '<tool_' after two calls); an output that stopped there chose to end with it: content
+    two_calls = ('<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n' * 2) + text[:6]
+    assert parse_tool_calls(two_calls, cut=True)[0] is None and len(parse_tool_calls(two_calls, cut=True)[1]) == 2
+    parser = ToolCallParser()
+    assert not [d for d in parser.feed(two_calls) + parser.finish(cut=True) if d.content]
+    assert parse_tool_calls("Sure. <tool_")[0] == "Sure. <tool_"
 
 
 def test_the_request_handler_leaves_schema_checks_to_the_compile_pool(monkeypatch):
