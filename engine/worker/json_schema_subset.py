@@ -81,8 +81,8 @@ KEYWORDS: tuple[Keyword, ...] = (
     Keyword("maxItems", "count", "array"),
     Keyword("minLength", "count", "string", "not beside pattern or format; string keywords need a type"),
     Keyword("maxLength", "count", "string", "not beside pattern or format"),
-    Keyword("pattern", "regex", "string", "no lookaround, no backreference; matched as a whole; not beside "
-            "format"),
+    Keyword("pattern", "regex", "string", "no lookaround, no backreference, no literal quote, backslash or "
+            "control character (classes and ranges over them are fine); matched as a whole; not beside format"),
     Keyword("format", "format", "string", "email, uuid, ipv6 (xgrammar's date admits Sep 31, its ipv4 leading "
             "zeros: use a pattern)"),
     Keyword("minimum", "number", "number", "number keywords need a type; bounds at most 6 decimals; on an integer "
@@ -332,6 +332,53 @@ def _check_regex(pattern: str, path: str) -> None:
     if found:
         raise ValueError(f"{path}: unsupported schema feature 'pattern' with {found.group(0)!r} (lookaround and "
                          "backreferences are not regular: a grammar cannot enforce them)")
+    if (unsafe := json_unsafe_literal(pattern)) is not None:
+        raise ValueError(f"{path}: unsupported schema feature 'pattern' with {unsafe!r}: it names a character a "
+                         "JSON string writes escaped (a quote, a backslash or a control character), which the "
+                         "grammar matches unescaped, so no valid answer could be written (a class that excludes "
+                         "it, or a range over it, is fine)")
+
+
+# Escapes that name one character (code point): a JSON string writes " \ and U+0000-U+001F escaped.
+_CHAR_ESCAPES = {'"': 0x22, "\\": 0x5C, "n": 10, "r": 13, "t": 9, "f": 12, "v": 11, "a": 7, "e": 27, "0": 0}
+_HEX_ESCAPE = re.compile(r"\\(?:x\{([0-9a-fA-F]+)\}|x([0-9a-fA-F]{2})|u\{([0-9a-fA-F]+)\}|u([0-9a-fA-F]{4})|c([A-Za-z]))")
+
+
+def json_unsafe_literal(pattern: str) -> str | None:
+    """The first piece of ``pattern`` that names, outside a negated class and not as a range's end, a character a
+    JSON string writes escaped (``"``, ``\\`` or U+0000-U+001F: a literal, or an escape such as ``\\"``,
+    ``\\n``, ``\\x01``); None when there is none. xgrammar (0.1.x) matches a pattern against the string's
+    characters as written, so such a literal is written raw (``{"a": ""b""}``: invalid JSON, a trial's pattern
+    ``^\\"[a-z]\\"$``); its ``.``, classes and ranges leave these characters out (tested in
+    ``tests/engine/test_json_schema_subset.py``)."""
+    i, n, in_class = 0, len(pattern), None   # in_class: None outside a class, else whether it is positive
+    while i < n:
+        c, size, code = pattern[i], 1, None
+        if in_class is None and c == "[":
+            negated = pattern[i + 1:i + 2] == "^"
+            i += 2 + negated if pattern[i + 1 + negated:i + 2 + negated] == "]" else 1 + negated
+            in_class = not negated
+            continue
+        if in_class is not None and c == "]":
+            in_class, i = None, i + 1
+            continue
+        if c == "\\":
+            hexed = _HEX_ESCAPE.match(pattern, i)
+            if hexed:
+                size = hexed.end() - i
+                digits = next(g for g in hexed.groups() if g)
+                code = ord(digits.upper()) % 32 if hexed.group(5) else int(digits, 16)
+            else:
+                size, code = 2, _CHAR_ESCAPES.get(pattern[i + 1:i + 2])
+        elif in_class is None and c == '"' or ord(c) < 0x20:
+            code = ord(c)
+        ranged = in_class is not None and (pattern[i + size:i + size + 1] == "-" and pattern[i + size + 1:i + size + 2]
+                                           not in ("", "]") or i > 1 and pattern[i - 1] == "-"
+                                           and pattern[i - 2] not in "[^")
+        if code is not None and (code < 0x20 or code in (0x22, 0x5C)) and in_class is not False and not ranged:
+            return pattern[i:i + size]
+        i += size
+    return None
 
 
 def _is_int(value: object) -> bool:

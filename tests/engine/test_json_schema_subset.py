@@ -174,3 +174,45 @@ def test_every_output_of_a_random_schema_of_the_subset_validates(char_manager, s
 def test_the_table_names_each_keyword_once():
     names = [k.name for k in KEYWORDS]
     assert len(names) == len(set(names))
+
+
+SAFE_PATTERNS = [r"^.+$", r"^\s+$", r"^[\x00-\x7f]+$", r"^[^a]+$", r'^["a]$', r"^[\x00-\x22]$", r"^[^\"\\]+$",
+                 r"^\d{3}-\d{4}$", r"^[\w.+-]+@[\w-]+\.[a-z]{2,}$"]
+UNSAFE_PATTERNS = {r'^\"[a-z]\"$': r'\"', r"^\\[a-z]$": r"\\", r"^\\$": r"\\", r"^a\nb$": r"\n", r"^a\x01$": r"\x01",
+                   r"^[\\]$": r"\\", r"^\x22$": r"\x22", r"^\u0022$": r"\u0022", r'^a"$': '"', r"^\t$": r"\t",
+                   r"^[\n]$": r"\n", r"^\cJ$": r"\cJ"}
+# Each character a JSON string must write escaped, as written raw (what the grammar of an unsafe pattern allowed)
+RAW = ['"', "\\", "\n", "\t", "\x01", "\x1f"]
+
+
+def _accepts(pattern: str, value: str) -> bool:
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}, "required": ["a"]}
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    return _is_grammar_accept_string(grammar, '{"a": "' + value + '"}')
+
+
+@pytest.mark.parametrize("pattern", SAFE_PATTERNS)
+def test_a_pattern_whose_classes_and_dots_span_json_escapes_passes_and_its_grammar_writes_none_raw(pattern):
+    """xgrammar leaves quotes, backslashes and control characters out of ``.``, ``\\s``, classes and ranges:
+    such a pattern passes the check, and no string with one of them written raw is accepted."""
+    check_json_schema({"type": "string", "pattern": pattern})
+    assert not any(_accepts(pattern, "a" + raw) or _accepts(pattern, raw) for raw in RAW)
+
+
+@pytest.mark.parametrize("pattern, literal", UNSAFE_PATTERNS.items())
+def test_a_pattern_naming_a_json_escaped_character_is_refused(pattern, literal):
+    """A trial's ``^\\"[a-z]\\"$`` was accepted and its grammar wrote ``{"a": ""a""}`` (invalid JSON) then
+    ``length``: a literal quote, backslash or control character is matched unescaped. Refused, naming it; the
+    grammar does accept the raw character (what the refusal prevents)."""
+    with pytest.raises(ValueError) as err:
+        check_json_schema({"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}})
+    assert str(err.value).startswith("schema.properties.a.pattern: unsupported schema feature 'pattern' with "
+                                     f"{literal!r}"), str(err.value)
+    raw = {r"\"": '"', r"\\": "\\", r"\x22": '"', r"\u0022": '"', '"': '"', r"\n": "\n", r"\t": "\t",
+           r"\x01": "\x01", r"\cJ": "\n"}[literal]
+    value = {r"^\\[a-z]$": raw + "b", r"^\"[a-z]\"$": raw + "b" + raw, r"^a\nb$": "a" + raw + "b",
+             r"^a\x01$": "a" + raw, r'^a"$': "a" + raw}.get(pattern, raw)
+    assert _accepts(pattern, value)
