@@ -23,6 +23,8 @@ and validates every sampled answer with ``jsonschema``):
   ``number`` in a type list, refused (split it with ``anyOf``); a bound on an integer beyond +-2^63 (int64:
   the grammar cannot enforce it); bounds that leave no value (``minimum 0, exclusiveMaximum 0``), refused
   as unsatisfiable;
+* ``enum``/``const`` integers beyond +-2^63 (written as rounded floats), and a number range that holds no
+  number of at most 6 decimals (exclusive 0 to 0.000001 wrote ``{"a": }``);
 * ``pattern`` beside ``format``: the grammar applies one (``^[a-c]{1,3}$`` with ``email`` wrote an email);
 * ``minItems`` above the ``prefixItems`` count where ``items`` is absent or false: the grammar writes no
   other item (strict, as absent ``additionalProperties``) and refuses the schema;
@@ -117,6 +119,11 @@ def _check_values_against_siblings(node: dict, path: str) -> None:
     values as they are."""
     import jsonschema  # lazy: only schemas with enum/const need it
 
+    for key in ("const", "enum"):
+        big = _int_past_int64(node[key]) if key in node else None
+        if big is not None:
+            raise ValueError(f"{path}.{key}: unsupported schema: integer {big} in '{key}' is beyond +-2^63 (the "
+                             "grammar writes it as a rounded float: a trial's 2^70 + 1 came back 1.18e+21)")
     if "$ref" in repr(node):
         return   # a reference inside: left to the grammar (jsonschema alone cannot resolve it here)
     for key in ("const", "enum"):
@@ -134,6 +141,14 @@ def _check_values_against_siblings(node: dict, path: str) -> None:
         if bad:
             raise ValueError(f"{path}.{key}: unsupported schema: value {bad[0]!r} of '{key}' does not pass the "
                              "other keywords (the grammar would write it): leave it out")
+
+
+def _int_past_int64(value: object) -> int | None:
+    """The first integer outside [-2^63, 2^63) in a JSON value (nested in arrays and objects too), else None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if not -INT64_BOUND <= value < INT64_BOUND else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((big for v in items if (big := _int_past_int64(v)) is not None), None)
 
 
 def _decimals(value: float | int) -> int:
@@ -200,6 +215,22 @@ def _check_empty_range(node: dict, path: str) -> None:
             if empty:
                 raise ValueError(f"{path}.{low}: invalid JSON schema: {low} {lo!r} and {high} {hi!r} leave no "
                                  f"{'integer' if integer else 'number'} (no value can match)")
+            if not integer and not _room_for_a_written_number(lo, low == "exclusiveMinimum", hi,
+                                                              high == "exclusiveMaximum"):
+                raise ValueError(f"{path}.{low}: unsupported schema: {low} {lo!r} and {high} {hi!r} leave no "
+                                 f"number of at most {MAX_DECIMALS} decimals, the most the grammar writes (a "
+                                 "trial's exclusive 0 to 0.000001 wrote {\"a\": }): widen the range")
+
+
+def _room_for_a_written_number(lo, lo_open: bool, hi, hi_open: bool) -> bool:
+    """Whether a number of at most ``MAX_DECIMALS`` decimals lies in the range from ``lo`` to ``hi`` (each end
+    open or closed)."""
+    step = decimal.Decimal(1).scaleb(-MAX_DECIMALS)
+    low, high = decimal.Decimal(repr(lo)), decimal.Decimal(repr(hi))
+    first = (low / step).to_integral_value(decimal.ROUND_CEILING) * step   # the least written number >= lo
+    if lo_open and first == low:
+        first += step
+    return first < high or (first == high and not hi_open)
 
 
 def _extra_keys_allowed(node: dict) -> bool:

@@ -63,6 +63,14 @@ REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "app-teams" / "struct
     ({"type": "array", "minItems": 1}, "schema.minItems", "'minItems'"),
     ({"type": "string", "pattern": "^[a-c]{1,3}$", "format": "email"}, "schema.pattern", "'format'"),
     ({"$ref": "#"}, "schema.$ref", "no schema content"),
+    # a trial: written as a rounded float (1.1805916207174113e+21), then length / schema_violation
+    ({"type": "object", "properties": {"a": {"const": 2 ** 70 + 1}}}, "schema.properties.a.const", "+-2^63"),
+    ({"enum": [18446744073709551617, 3]}, "schema.enum", "18446744073709551617"),
+    ({"const": {"n": [1, -2 ** 63 - 1]}}, "schema.const", "+-2^63"),
+    # a trial: no number of 6 decimals in the range, the grammar wrote {"a": }
+    ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 0.000001}, "schema.exclusiveMinimum",
+     "at most 6 decimals"),
+    ({"type": "number", "minimum": 0.0000001, "maximum": 0.0000009}, "schema.minimum", "decimals"),
 ])
 def test_outside_the_subset_is_refused_naming_the_keyword_and_its_path(schema, path, keyword):
     """Each of these got 200 and an output that broke the schema (``contains``, ``dependentSchemas``, a lookahead
@@ -78,6 +86,9 @@ def test_inside_the_subset_passes_and_values_are_checked():
                                  .read_text())["nested_company"])
     check_json_schema({"type": "array", "uniqueItems": False, "title": "t", "description": "d"})
     check_json_schema({"type": "integer", "multipleOf": 0.5})     # every integer is a multiple: harmless
+    check_json_schema({"const": 2 ** 63 - 1})                       # int64: written exactly
+    check_json_schema({"type": "number", "exclusiveMinimum": 0, "maximum": 0.000001})   # 0.000001 fits
+    check_json_schema({"type": "number", "minimum": 0.5, "exclusiveMaximum": 0.500001})  # 0.5 fits
     with pytest.raises(ValueError, match=r"^schema\.properties\.a\.minLength: invalid JSON schema"):
         check_json_schema({"properties": {"a": {"type": "string", "minLength": -1}}})
     with pytest.raises(ValueError, match=r"^schema\.type: invalid JSON schema"):
