@@ -91,7 +91,7 @@ class AsyncEngine:
         self.tokenizer = None
         self.max_model_len = 0
         self.num_blocks = 0
-        self.served_model_names: tuple[str, ...] = tuple(served_model_names(args.served_model_name))
+        self.served_model_names: tuple[str, ...] = tuple(served_model_names(args.served_model_name, args.model))
         self.system_fingerprint = ""
         self._client: ProcessCoreClient | ThreadCoreClient | None = None
         self._processor: OutputProcessor | None = None
@@ -150,7 +150,8 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self._processor = OutputProcessor(tokenizer)
         self.max_model_len, self.num_blocks = ready.max_model_len, ready.num_blocks
-        self.served_model_names = (ready.served_model_name, *served_model_names(self.args.served_model_name)[1:])
+        self.served_model_names = (ready.served_model_name,
+                                   *served_model_names(self.args.served_model_name, self.args.model)[1:])
         self.system_fingerprint = ready.system_fingerprint
         self._stats = ready.stats
         self.ready = True

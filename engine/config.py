@@ -125,7 +125,8 @@ class EngineArgs:
     Attributes:
         model: a ``.gguf`` file or a Hugging Face directory (``config.json`` +
             safetensors + ``tokenizer.json``); None = the embedded SmolLM2.
-        served_model_name: the name clients use (default: the model's name), or
+        served_model_name: the name clients use (default: the ``model`` string as given, as vLLM, and its
+            file or directory name; the embedded model: ``SmolLM2-135M-Instruct``), or
             several (vLLM's aliases, ``--served-model-name a b``): each is taken
             in a request's ``model`` and listed by ``/v1/models``; the first is
             the one the metrics and a request without ``model`` report.
@@ -332,12 +333,24 @@ class EngineArgs:
         return default_sampling_params(self.model, self.generation_config, self.override_generation_config)
 
 
-def served_model_names(value: str | list[str] | None) -> list[str]:
-    """``EngineArgs.served_model_name`` as a list (empty: the model's own name), as vLLM's ``ModelConfig``
-    reads its ``served_model_name``: one string or several, the first being the one reported."""
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else list(value)
+def served_model_names(value: str | list[str] | None, model: str | None = None) -> list[str]:
+    """``EngineArgs.served_model_name`` as a list, as vLLM's ``ModelConfig`` reads its ``served_model_name``: one
+    string or several, the first being the one reported. Unset: ``model`` as given (vLLM's default, the
+    ``--model`` string) and, as an alias, its file or directory name (``.gguf`` dropped); the embedded model
+    (or no ``model``): ``[DEFAULT_MODEL]``."""
+    if value is not None:
+        return [value] if isinstance(value, str) else list(value)
+    if model is None or _is_default_model(model):
+        return [DEFAULT_MODEL]
+    name = os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
+    return [model] if name in ("", model) else [model, name]
+
+
+def _is_default_model(path: str) -> bool:
+    try:
+        return path == default_model_path()
+    except FileNotFoundError:
+        return False
 
 
 def flag_type(parse):
@@ -360,7 +373,7 @@ def add_engine_cli_args(parser) -> None:
                    help="a .gguf file or HF directory (None: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", default=None, nargs="+",
                    help="the model name(s) clients use; several are aliases, the first is the one metrics "
-                        "report (None: the model's name)")
+                        "report (None: the --model string as given, as vLLM, and its file or directory name)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    type=lambda v: _DTYPE_ALIASES.get(v, v),
                    help="weights and activations dtype (auto: bfloat16; half and float as vLLM's aliases)")

@@ -11,7 +11,7 @@ import gc
 import logging
 import threading
 
-from engine.config import DEFAULT_MODEL, EngineArgs, default_model_path, served_model_names
+from engine.config import EngineArgs, served_model_names
 from engine.worker.device import configure_core_threads, omp_places, omp_wait_policy, resolve_device, resolve_dtype
 from engine.executor.multiproc_executor import rank_threads, start_driver
 from engine.worker.malloc_tuning import malloc_tuning
@@ -40,13 +40,6 @@ logger = logging.getLogger("tandem.engine")
 # that of 2048 (428-454 vs 1347-1564 ms) at the same output tok/s (1.02-1.08x), offline 64 x (100, 128) tok/s
 # 0.98-1.14x and a 2000-token prompt's prefill 0.98-1.00x the time (interleaved runs, 2-core box).
 _DEFAULT_CHUNKED_BUDGET = {"cpu": 512, "cuda": 2048}
-
-
-def _is_default_model(path: str) -> bool:
-    try:
-        return path == default_model_path()
-    except FileNotFoundError:
-        return False
 
 
 def _resolve_max_model_len(requested: int | None, model_max: int, kv_capacity: int) -> int:
@@ -120,8 +113,7 @@ def load_core(core, args: EngineArgs, tp) -> None:
     import_loader_modules()
     rss = resident_bytes()
     model, core.tokenizer, core.model_config = load_model(args, tp)
-    core.served_model_name = next(iter(served_model_names(args.served_model_name)), None) or (
-        DEFAULT_MODEL if _is_default_model(args.model) else core.model_config.name)
+    core.served_model_name = served_model_names(args.served_model_name, args.model)[0]
     core.system_fingerprint = system_fingerprint(args.model, numerics_of(args, core.device, core.dtype))
     spec = SpeculativeConfig.parse(args.speculative_config)
     draft = (load_draft_model(args, spec.model, core.tokenizer, core.model_config)

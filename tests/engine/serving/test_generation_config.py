@@ -58,7 +58,7 @@ async def served(model: str, **args):
     from tests.conftest import free_port
 
     engine = AsyncEngine(EngineArgs(model=model, dtype="float32", kv_cache_memory="16MiB", engine_core_process=False,
-                                    served_model_name="tiny", **args))
+                                    **{"served_model_name": "tiny", **args}))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning"))
     task = asyncio.create_task(server.serve())
@@ -131,3 +131,13 @@ def test_the_offline_llm_samples_with_them_too(tiny):
         assert len(out.token_ids) == 7 or out.finish_reason == "stop"
     finally:
         llm.shutdown()
+
+
+async def test_an_unnamed_model_is_served_under_its_path_as_vllm_and_its_directory_name(tiny):
+    """vLLM's default served name is the ``--model`` string: a vLLM client sending it got 404 "Available: tiny"."""
+    plain, _ = tiny
+    async with served(plain, served_model_name=None) as client:
+        assert [m.id for m in (await client.models.list()).data] == [plain, plain.rstrip("/").rsplit("/", 1)[1]]
+        for name in (plain, plain.rstrip("/").rsplit("/", 1)[1]):
+            r = await client.completions.create(model=name, prompt="Hi", max_tokens=2)
+            assert r.model == name
