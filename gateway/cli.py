@@ -81,13 +81,26 @@ def shadowed_packages() -> list[str]:
     return out
 
 
+def leaf_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the sub-command ``args`` chose (``tandem engine serve``'s for ``engine serve ...``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices.get(getattr(args, action.dest, None))
+            if sub is not None:
+                return leaf_parser(sub, args)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse ``argv`` and run the chosen command's ``func(args)``."""
     argv = sys.argv[1:] if argv is None else argv
     for problem in shadowed_packages():   # before anything imports the other package in its place
         print(f"tandem: {problem}", file=sys.stderr)
         return 2
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
+    parser = build_parser(argv[0] if argv else None)
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # said by the command's own parser: its usage, not the top level's
+        leaf_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:

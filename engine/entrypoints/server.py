@@ -52,6 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from engine.async_engine import AsyncEngine
 from engine.entrypoints.request_state import json_body, serving_of
 from engine.entrypoints.ttft import ttft
+from engine.entrypoints.vllm_flags import add_vllm_flags, vllm_flag_notes
 from engine.entrypoints.utility import detokenize, server_version, tokenize
 from engine.metrics import EngineMetrics
 from engine.protocol.errors import ServingError
@@ -360,6 +361,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-body-bytes", type=parse_size, default=4 * 2**20,
                    help="largest request body, bytes (or 4MiB, 512KiB); larger ones get 413")
     _add_vllm_server_args(g)
+    add_vllm_flags(parser.add_argument_group("vLLM flags without a setting here"))
 
 
 def _add_vllm_server_args(g) -> None:
@@ -396,6 +398,13 @@ def run_server(args: argparse.Namespace) -> int:
             logger.error("the positional MODEL %r and --model %r differ: give one", tag, args.model)
             return 1
         args.model = tag
+    try:
+        notes = vllm_flag_notes(args, args.model)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+    for note in notes:
+        logger.info("%s", note)
     try:
         engine_args = engine_args_from_cli(args)
     except (ValueError, FileNotFoundError) as exc:

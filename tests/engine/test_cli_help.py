@@ -49,3 +49,15 @@ def test_flags_take_vllms_spellings_and_refuse_what_cannot_be_meant(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--port", "99999"])   # the gateway's too
     assert "a TCP port is 0-65535, got 99999" in capsys.readouterr().err
+
+
+def test_an_unknown_flag_is_named_with_its_commands_usage(capsys):
+    """A trial's ``tandem engine serve --load-formatx`` printed the top level's usage (``tandem [-h] COMMAND``):
+    the command's own parser says it now."""
+    from gateway.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["engine", "serve", "--no-such-flag"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "usage: tandem engine serve" in err
+    assert "tandem engine serve: error: unrecognized arguments: --no-such-flag" in err

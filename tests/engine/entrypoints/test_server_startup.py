@@ -114,12 +114,14 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def cli_server(tiny_model, tmp_path_factory):
     """A real ``tandem engine serve`` with two served names (vLLM's aliases), a 2 KiB body limit, and vLLM's
-    command line: the model as its positional ``MODEL``, ``--api-key``, ``--enable-log-requests`` and
-    ``--trust-remote-code``."""
+    command line: the model as its positional ``MODEL``, ``--api-key``, ``--enable-log-requests``,
+    ``--trust-remote-code``, and flags of vLLM's that change nothing here (``VLLM_FLAGS``)."""
     port = free_port()
     srv = Server([*tandem_cmd("engine", "serve"), tiny_model, "--port", str(port), "--served-model-name",
                   "tiny", "tiny-alias", "--kv-cache-memory", "64MiB", "--max-request-body-bytes", "2KiB",
-                  "--api-key", API_KEY, "--enable-log-requests", "--trust-remote-code"],
+                  "--api-key", API_KEY, "--enable-log-requests", "--trust-remote-code", "--enforce-eager",
+                  "--disable-log-stats", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                  "--kv-cache-dtype", "auto", "-pp", "1", "--tokenizer", tiny_model],
                  f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}",
                  log_dir=tmp_path_factory.mktemp("serve")).wait_ready(120)
     yield srv
@@ -139,6 +141,9 @@ def test_body_limit_gives_413_and_the_load_is_logged(cli_server):
     assert small.choices[0].finish_reason == "length"
     log = srv.log_tail(100_000)
     assert "loading model" in log and " MB " in log and "weights read" in log
+    # vLLM's flags without a setting here: each said to change nothing, and why
+    assert "--enforce-eager: accepted for vLLM's command lines; changes nothing: no CUDA graph" in log
+    assert "--tool-call-parser hermes: accepted" in log and "-pp 1" not in log and "--pipeline-parallel-size 1" in log
 
 
 def test_several_served_model_names_are_aliases(cli_server):
@@ -196,7 +201,7 @@ def test_api_key_guards_the_v1_paths_and_requests_are_logged(cli_server):
     assert "Received request" in log and "logged-request-1" in log and "logged prompt" in log
 
 
-def test_serve_flags_refuse_what_vllm_would_not_take(tmp_path, capsys):
+def test_serve_flags_refuse_what_vllm_would_not_take(tmp_path, capsys, caplog):
     """``--drain-timeout`` refuses a negative wait in one line (as the other typed flags); the positional MODEL
     and ``--model`` must agree (vLLM's ``serve MODEL`` is ``--model``)."""
     import argparse
@@ -214,3 +219,12 @@ def test_serve_flags_refuse_what_vllm_would_not_take(tmp_path, capsys):
     assert run_server(args) == 1
     args = parser.parse_args([str(tmp_path / "a.gguf")])
     assert args.model_tag == str(tmp_path / "a.gguf") and args.model is None
+    # vLLM's flags this server cannot honour: one line naming the flag and why, exit 2, before any load
+    for flags, needle in ((["--pipeline-parallel-size", "2"], "tensor parallelism only"),
+                          (["--reasoning-parser", "deepseek_r1"], "reasoning is not split out"),
+                          (["--tokenizer", str(tmp_path / "other")], "the model's own"),
+                          (["--kv-cache-dtype", "fp8"], "(taken: auto)"), (["--trust-request-chat-template"], "refused")):
+        caplog.clear()
+        assert run_server(parser.parse_args([str(tmp_path / "a.gguf"), *flags])) == 2, flags
+        assert f"{flags[0]}" in caplog.text and needle in caplog.text, caplog.text
+

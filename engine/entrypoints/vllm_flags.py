@@ -1,0 +1,96 @@
+"""``vllm serve``'s flags that ``tandem engine serve`` has no setting for: each is taken, so that a vLLM command
+line starts, and either changes nothing here (said once at start, with why) or is refused at start in one line
+saying why (exit 2), never silently dropped. A trial's copied command lines had stopped at "unrecognized
+arguments" for two dozen of them."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VllmFlag:
+    """One vLLM flag: its spellings; whether it takes a value; the values that change nothing here (None: any;
+    for a flag without a value, None: given, it changes nothing; empty: given, it is refused); why."""
+
+    names: tuple[str, ...]
+    takes_value: bool
+    accepted: frozenset[str] | None
+    why: str
+
+    @property
+    def dest(self) -> str:
+        return "vllm_" + self.names[0].lstrip("-").replace("-", "_")
+
+
+def _ok(*values: str) -> frozenset[str]:
+    return frozenset(values)
+
+
+VLLM_FLAGS = (
+    VllmFlag(("--enforce-eager",), False, None, "no CUDA graph is captured: every step runs eagerly"),
+    VllmFlag(("--disable-log-stats",), False, None, "no periodic stats lines are logged (see /metrics)"),
+    VllmFlag(("--enable-prompt-tokens-details",), False, None, "usage.prompt_tokens_details is always sent"),
+    VllmFlag(("--enable-auto-tool-choice",), False, None,
+             "tool_choice auto is always served: calls are constrained to the engine's own call format"),
+    VllmFlag(("--tool-call-parser",), True, None,
+             "calls are parsed from the engine's own constrained call format, whatever the model"),
+    VllmFlag(("--enable-request-id-headers",), False, None, "x-request-id is always answered"),
+    VllmFlag(("--disable-frontend-multiprocessing",), False, None,
+             "the HTTP server and the engine core are apart already (--no-engine-core-process joins them)"),
+    VllmFlag(("--disable-fastapi-docs",), False, None, "there are no /docs pages (the app's schema is at /schema)"),
+    VllmFlag(("--revision", "--code-revision", "--tokenizer-revision"), True, None,
+             "the model is a local path: nothing is downloaded"),
+    VllmFlag(("--download-dir",), True, None, "the model is a local path: nothing is downloaded"),
+    VllmFlag(("--kv-cache-dtype",), True, _ok("auto"), "the KV cache is kept in the model's dtype"),
+    VllmFlag(("--tokenizer-mode",), True, _ok("auto", "hf"), "the model's tokenizer.json (or GGUF vocabulary) is used"),
+    VllmFlag(("--max-logprobs",), True, _ok("20"), "logprobs and top_logprobs go up to 20, OpenAI's limit"),
+    VllmFlag(("--pipeline-parallel-size", "-pp"), True, _ok("1"), "the model is split by tensor parallelism only"),
+    VllmFlag(("--data-parallel-size", "-dp"), True, _ok("1"),
+             "one engine per process: run several and route between them with the gateway"),
+    VllmFlag(("--response-role",), True, _ok("assistant"), "answers are the assistant's"),
+    VllmFlag(("--chat-template-content-format",), True, _ok("auto", "string"),
+             "message content reaches the template as a string (text parts joined)"),
+    VllmFlag(("--tokenizer",), True, _ok(), "the tokenizer is the model's own (its directory or GGUF file)"),
+    VllmFlag(("--reasoning-parser",), True, _ok(),
+             "reasoning is not split out of the content (it would stay in content, not reasoning_content)"),
+    VllmFlag(("--trust-request-chat-template",), False, _ok(),
+             "a request's chat_template is refused (--chat-template sets the server's)"),
+    VllmFlag(("--root-path",), True, _ok(), "the server is served at /; put a proxy (or the gateway) in front"),
+    VllmFlag(("--allowed-origins", "--allowed-methods", "--allowed-headers"), True, _ok(),
+             "the engine server sends no CORS headers: the gateway's server.cors does"),
+    VllmFlag(("--hf-overrides",), True, _ok(), "the model's config.json is read as it is"),
+    VllmFlag(("--compilation-config", "-O"), True, _ok(), "there is no compilation step to configure"),
+    VllmFlag(("--config",), True, _ok(), "flags are taken on the command line only"),
+)
+
+
+def add_vllm_flags(group) -> None:
+    """Add the ``VLLM_FLAGS`` to an ``argparse`` group (their help says what each does here)."""
+    for f in VLLM_FLAGS:
+        fate = "refused" if f.accepted == frozenset() else (
+            "changes nothing" if f.accepted is None else f"only {', '.join(sorted(f.accepted))}, which changes nothing")
+        kw = {"metavar": "VALUE"} if f.takes_value else {"action": "store_true"}
+        group.add_argument(*f.names, dest=f.dest, default=None, help=f"vLLM's; {fate}: {f.why}", **kw)
+
+
+def vllm_flag_notes(args: argparse.Namespace, model: str | None = None) -> list[str]:
+    """One line for each ``VLLM_FLAGS`` flag ``args`` gave, saying that it changes nothing and why (``model``:
+    the served model's path, which ``--tokenizer`` may name: the same tokenizer).
+
+    Raises:
+        ValueError: a flag (or value) this server refuses, naming it and why.
+    """
+    notes = []
+    for f in VLLM_FLAGS:
+        value = getattr(args, f.dest, None)
+        if value is None or value is False:
+            continue
+        shown = f.names[0] if value is True else f"{f.names[0]} {value}"
+        same_tokenizer = f.names[0] == "--tokenizer" and model is not None and value == model
+        if f.accepted is not None and (value is True or value not in f.accepted) and not same_tokenizer:
+            allowed = f" (taken: {', '.join(sorted(f.accepted))})" if f.accepted else ""
+            raise ValueError(f"{shown}: not supported{allowed}: {f.why}")
+        notes.append(f"{shown}: accepted for vLLM's command lines; changes nothing: {f.why}")
+    return notes
