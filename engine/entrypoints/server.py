@@ -214,7 +214,7 @@ async def ping(request: Request) -> Response:
 def _health(request: Request) -> Response:
     engine: AsyncEngine = request.app.state.engine
     if engine.is_alive and engine.accepting:
-        return Response(content=b"", status_code=200)
+        return Response(content=b"", status_code=200, media_type="text/plain")   # vLLM: an empty 200, no JSON
     if request.app.state.get("load_error") is not None:
         status = "failed"
     elif request.app.state.get("chat") is None:

@@ -71,6 +71,8 @@ def test_requests_during_the_model_load_get_503_engine_loading(tiny_model):
             time.sleep(0.05)
         out = client.completions.create(model="tiny", prompt="abc", max_tokens=3, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 3
+        ready = httpx.get(base + "/health", timeout=10)   # vLLM's: an empty 200 (it had said JSON, and sent none)
+        assert ready.content == b"" and not ready.headers["content-type"].startswith("application/json")
     finally:
         engine.gate.set()
         server.should_exit = True
