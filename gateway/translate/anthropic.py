@@ -291,6 +291,13 @@ def _usage(u: dict | None) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
+
+def tool_use_id(call_id: str | None) -> str | None:
+    """Anthropic's ``tool_use`` id for a chat tool call's: ``toolu_`` in place of OpenAI's ``call_`` (as Anthropic
+    writes them; a client may check). The id round-trips as it is: a ``tool_result`` naming it goes back as the
+    chat ``tool_call_id``, and the assistant turn's ``tool_use`` as its call's id, so the pair still matches."""
+    return "toolu_" + call_id[len("call_"):] if call_id and call_id.startswith("call_") else call_id
+
 def chat_to_message(chat: dict, message_id: str, model: str, stop_sequences: list | None = None) -> dict:
     """A chat completion (parsed JSON, first choice) -> Anthropic's Message object."""
     choice = (chat.get("choices") or [{}])[0]
@@ -304,7 +311,7 @@ def chat_to_message(chat: dict, message_id: str, model: str, stop_sequences: lis
         content.append({"type": "text", "text": str(refusal)})
     for call in msg.get("tool_calls") or ():
         fn = call.get("function") or {}
-        content.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
+        content.append({"type": "tool_use", "id": tool_use_id(call.get("id")), "name": fn.get("name"),
                         "input": tool_input(fn.get("arguments"))})
     stop_reason, stop_sequence = _stop(choice, stop_sequences)
     stop_reason = _final_stop(stop_reason, bool(msg.get("tool_calls")), bool(refusal))
@@ -366,7 +373,8 @@ class MessageEvents:
                 self.tool_calls += 1
                 self.arguments = ObjectPrefix()
                 out.append(("content_block_start", {"type": "content_block_start", "index": self.block,
-                                                     "content_block": {"type": "tool_use", "id": call.id,
+                                                     "content_block": {"type": "tool_use",
+                                                                       "id": tool_use_id(call.id),
                                                                        "name": call.name, "input": {}}}))
             elif action == "args":
                 if kept := self.arguments.feed(piece[0]):

@@ -156,7 +156,8 @@ async def test_tool_use_round_trip(up):
                                              messages=[{"role": "user", "content": "weather in Paris?"}])
         assert first.stop_reason == "tool_use"
         (call,) = [b for b in first.content if b.type == "tool_use"]
-        assert (call.id, call.name, call.input) == ("call_1", "get_weather", {"city": "Paris"})
+        # Anthropic's id form (the upstream's call_1); it round-trips as it is, the pair still matching
+        assert (call.id, call.name, call.input) == ("toolu_1", "get_weather", {"city": "Paris"})
         body = sent(up)
         assert body["tools"] == [{"type": "function", "function": {
             "name": "get_weather", "parameters": TOOLS[0]["input_schema"], "description": "The weather of a city"}}]
@@ -166,13 +167,13 @@ async def test_tool_use_round_trip(up):
                                                                  "disable_parallel_tool_use": True},
             messages=[{"role": "user", "content": "weather in Paris?"},
                       {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
                                                     "content": "sunny"}, {"type": "text", "text": "thanks"}]}])
         assert second.content[0].text == "hello from up"
         body = sent(up)
         assert body["messages"][1] == {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]}
-        assert body["messages"][2:] == [{"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]}
+        assert body["messages"][2:] == [{"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
                                         {"role": "user", "content": "thanks"}]
         assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
         assert body["parallel_tool_calls"] is False
@@ -183,6 +184,7 @@ async def test_tool_use_round_trip(up):
         (call,) = final.content
         assert call.type == "tool_use" and call.name == "get_weather" and final.stop_reason == "tool_use"
         assert call.input == {"city1": "Paris"}   # the upstream's argument pieces, joined by the SDK
+        assert call.id.startswith("toolu_")       # as the whole answer's
 
 
 async def test_count_tokens_and_image_blocks(up):
