@@ -200,6 +200,11 @@ def run_engine_core_process(args, conn) -> None:
 
     threading.Thread(target=read, name="tandem-core-reader", daemon=True).start()
     run_core_loop(core, lambda block: take_all(commands, block), emit)
+    # Ended and closed: exit now. Returning would join the grammar pool's threads (multiprocessing's
+    # threading._shutdown), and a compile xgrammar cannot interrupt held the exit: a trial's gateway took
+    # 30-45 s to stop after a schema's compile ran past its timeout.
+    logging.shutdown()
+    os._exit(0)
 
 
 def take_all(commands: queue.SimpleQueue, block: bool) -> list:

@@ -299,5 +299,7 @@ class LocalBackend:
         if self.engine is not None:
             try:
                 await asyncio.wait_for(self.engine.shutdown(drain=False), 10.0)
+            except TimeoutError:
+                log.warning("engine shutdown: not done within 10 s; its process is left to end on its own")
             except Exception as e:  # noqa: BLE001
-                log.warning("engine shutdown: %s", e)
+                log.warning("engine shutdown: %s: %s", type(e).__name__, e)
