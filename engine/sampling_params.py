@@ -123,6 +123,8 @@ class SamplingParams:
             generated tokens, in [-2, 2].
         repetition_penalty: multiplicative penalty (CTRL paper, Keskar et al.
             2019) over prompt and generated tokens, > 0; 1 disables.
+        logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling (OpenAI's and vLLM's;
+            the reported logprobs stay the model's raw ones).
         seed: seeds this request's own generator, so its output does not
             depend on what it is batched with.
         max_tokens: maximum new tokens per completion (None: up to
@@ -155,6 +157,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -195,6 +198,9 @@ class SamplingParams:
               f"must be in [-2, 2], got {self.frequency_penalty!r}")
         check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
               f"must be > 0, got {self.repetition_penalty!r}")
+        check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            _is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100 for t, b in self.logit_bias.items())),
+            "logit_bias", f"must map token ids to biases in [-100, 100], got {self.logit_bias!r}")
         check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
               f"must be at least 1, got {self.max_tokens!r}")

@@ -141,7 +141,6 @@ T = TypeVar("T")
 # answer something else than what vLLM answers: words it bans, a prompt it truncates, token ids it names)
 UNSERVED_FIELDS = {
     "use_beam_search": "beam search is not supported",
-    "logit_bias": "is not supported",
     "allowed_token_ids": "is not supported",   # vLLM restricts sampling to them
     "bad_words": "banning words is not implemented (a structured_outputs regex can exclude them)",
     "truncate_prompt_tokens": "prompt truncation is not implemented: send the tokens to keep",

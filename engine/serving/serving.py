@@ -161,7 +161,7 @@ class OpenAIServing:
         self.check_model(model)
         for name, why in UNSERVED_FIELDS.items():   # ignoring one would answer otherwise than vLLM does
             value = getattr(req, name, None)   # chat_template: chat's only
-            if value is not None and value is not False and value != {}:   # {}: a logit_bias biasing nothing
+            if value is not None and value is not False:
                 raise ServingError(400, f"{name}: {why}", param=name)
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise ServingError(400, f"best_of: only best_of == n is supported, got {req.best_of}", param="best_of")
@@ -206,6 +206,7 @@ class OpenAIServing:
             top_p=pick(req.top_p, 1.0, "top_p"), top_k=pick(req.top_k, 0, "top_k"), min_p=pick(req.min_p, 0.0, "min_p"),
             presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
             repetition_penalty=pick(req.repetition_penalty, 1.0, "repetition_penalty"), seed=req.seed,
+            logit_bias=self._logit_bias(req.logit_bias),
             max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=stop or [], stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
@@ -240,6 +241,23 @@ class OpenAIServing:
                      f"{prompt_field} or of {max_tokens_field}.", param=max_tokens_field,
                 code="context_length_exceeded")
         return params
+
+    def _logit_bias(self, bias: dict | None) -> dict[int, float] | None:
+        """A request's ``logit_bias`` (token id as a JSON key -> bias) as ``SamplingParams`` takes it.
+
+        Raises:
+            ServingError: 400 naming a key that is not a token id of this model (vLLM's refusal)."""
+        if not bias:
+            return None
+        vocab = self.engine.tokenizer.vocab_size
+        out = {}
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.isdigit() else -1
+            if not 0 <= token < vocab:
+                raise ServingError(400, f"logit_bias: {key!r} is not a token id of this model (ids are in "
+                                        f"[0, {vocab}))", param="logit_bias", code="invalid_value")
+            out[token] = value
+        return out
 
     async def _collect(self, request_id: str, prompts: list[Prompt], priority: int):
         """Run every prompt to completion; per prompt: {index: cumulative

@@ -7,7 +7,8 @@ One call of ``Sampler.sample`` handles a whole step's batch in a single pass:
    penalties, ``min_tokens``, temperature, top-k, top-p and min-p (vLLM v1's
    default ``raw_logprobs`` mode). The sampled token's logprob therefore does
    not depend on ``logprobs`` (k) nor on the sampling parameters.
-2. Penalties (rows that use them only, all rows incl. greedy ones, as vLLM):
+2. ``logit_bias`` (OpenAI's: added to the logits of its tokens), then
+   penalties (rows that use them only, all rows incl. greedy ones, as vLLM):
    repetition penalty over prompt + output tokens (CTRL, Keskar et al. 2019,
    Hugging Face semantics: a positive logit is divided by it, a negative one
    multiplied), then OpenAI's frequency and presence penalties over output
@@ -139,7 +140,7 @@ class Sampler:
             lp_idx = None if len(lp_rows) == num_rows else _to_device(lp_rows, torch.long, device)
             raw_logprobs = torch.log_softmax(logits if lp_idx is None else logits[lp_idx], dim=-1)
 
-        logits = _apply_penalties(logits, requests)
+        logits = _apply_penalties(_apply_logit_bias(logits, requests), requests)
         constrained = set(grammar_bitmask.rows) if grammar_bitmask is not None else set()
         logits = _apply_min_tokens(logits, requests, constrained)
         if grammar_bitmask is not None:
@@ -223,11 +224,11 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 def picks_raw_argmax(request: Request) -> bool:
     """Whether this sampler's next token for ``request`` is the first maximum of the model's raw logits with
-    nothing else reported: greedy, no penalties, ``min_tokens`` reached, no grammar, no logprobs (what several
-    greedy decode steps in one call may compute in its stead: ``engine/core/multi_step.py``)."""
+    nothing else reported: greedy, no penalties or logit_bias, ``min_tokens`` reached, no grammar, no logprobs
+    (what several greedy decode steps in one call may compute in its stead: ``engine/core/multi_step.py``)."""
     p = request.sampling_params
     return (p.temperature < _SAMPLING_EPS and p.logprobs is None and p.structured_outputs is None
-            and request.num_output_tokens >= p.min_tokens and not _has_penalty(request))
+            and request.num_output_tokens >= p.min_tokens and not _has_penalty(request) and not p.logit_bias)
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -355,6 +356,26 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
 def _has_penalty(r: Request) -> bool:
     p = r.sampling_params
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Each row's ``logit_bias`` added to its tokens' logits (ids past the vocabulary: none; the serving layer
+    refuses them). Out of place; one scatter for the batch, each element its own sum (batch invariant)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    vocab = logits.shape[-1]
+    for i, r in enumerate(requests):
+        for t, b in (r.sampling_params.logit_bias or {}).items():
+            if t < vocab:
+                rows.append(i)
+                cols.append(t)
+                biases.append(float(b))
+    if not rows:
+        return logits
+    device = logits.device
+    return logits.index_put((_to_device(rows, torch.long, device), _to_device(cols, torch.long, device)),
+                            _to_device(biases, torch.float32, device), accumulate=True)
 
 
 def _apply_min_tokens(logits: torch.Tensor, requests: list[Request], constrained: set[int]) -> torch.Tensor:

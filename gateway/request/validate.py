@@ -63,7 +63,7 @@ KNOWN_PARAMS = {"chat/completions": frozenset(_OPENAI_CHAT + VENDOR_EXTENSIONS +
 # features a local backend is configured to serve (``structured_outputs``:
 # response_format, tools) are taken out of this list per request.
 LOCAL_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
-                     "parallel_tool_calls", "logit_bias", "audio", "modalities", "prediction",
+                     "parallel_tool_calls", "audio", "modalities", "prediction",
                      "web_search_options")
 _TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call")
 _SERVED_BY = {"tools": "tools", "tool_choice": "tools", "parallel_tool_calls": "tools",

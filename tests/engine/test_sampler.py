@@ -146,6 +146,34 @@ def test_penalties_change_greedy_choice():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_adds_to_its_tokens_and_leaves_the_raw_logprobs(device):
+    """OpenAI's ``logit_bias`` (vLLM serves it; the engine had refused it): +100 makes a token the greedy pick,
+    -100 bans the argmax; each row only its own bias (a batch of mixed rows, and a row alone, give the same
+    tokens and logprobs); the logprobs stay the raw ones; a biased greedy request is not a raw-argmax one
+    (the multi-step decode path computes raw argmaxes)."""
+    from engine.worker.sampler import picks_raw_argmax
+
+    logits = randn(3, device=device)
+    top = int(logits[0].argmax())
+    s = Sampler(V, torch.device(device))
+    rows = [req("plain", temperature=0.0, logprobs=2), req("up", temperature=0.0, logit_bias={7: 100}, logprobs=2),
+            req("ban", temperature=0.0, logit_bias={top: -100.0})]
+    out = s.sample(logits, rows)
+    assert out.token_ids[0] == top and out.token_ids[1] == 7 and out.token_ids[2] != top
+    second = logits[2].clone()
+    second[top] = float("-inf")
+    assert out.token_ids[2] == int(second.argmax())
+    assert out.logprobs[1] == s.sample(logits[1:2], [rows[1]]).logprobs[0]                 # batch invariant
+    raw = torch.log_softmax(logits[1].float(), -1)
+    assert out.logprobs[1][7].logprob == pytest.approx(float(raw[7]))      # the model's, not the biased one
+    for i, r in enumerate(rows):
+        assert s.sample(logits[i:i + 1], [r]).token_ids == [out.token_ids[i]]
+    assert picks_raw_argmax(req("g", temperature=0.0)) and not picks_raw_argmax(rows[2])
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 101})
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_min_tokens_masks_eos_and_stop_token_ids(device):
     logits = torch.full((3, 8), -5.0, device=device)
     logits[:, 7] = 10.0  # EOS

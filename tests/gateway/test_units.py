@@ -28,7 +28,9 @@ def test_local_unsupported_fields_are_named():
     assert p.local_unsupported == "response_format" and p.has_response_format and not p.has_tools
     p = check_request({**base, "tools": [TOOL]}, "chat/completions", None)
     assert p.local_unsupported == "tools" and p.has_tools
-    assert check_request({**base, "logit_bias": {"1": 2}}, "chat/completions", None).local_unsupported == "logit_bias"
+    assert check_request({**base, "prediction": {"type": "content", "content": "x"}}, "chat/completions",
+                         None).local_unsupported == "prediction"
+    assert check_request({**base, "logit_bias": {"1": 2}}, "chat/completions", None).local_unsupported is None
     assert check_request({**base, "tools": []}, "chat/completions", None).local_unsupported is None
     # A local backend configured to serve structured outputs takes them off the list, one by one.
     tools = {**base, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}

@@ -569,3 +569,27 @@ def test_the_guided_fields_the_server_reads_are_the_ones_it_refuses():
     from engine.serving.protocol import ChatCompletionRequest, CompletionRequest
     for struct in (ChatCompletionRequest, CompletionRequest):
         assert tuple(f for f in struct.__struct_fields__ if f.startswith("guided_")) == GUIDED_FIELDS
+
+
+def test_logit_bias_steers_the_real_model_and_keeps_its_bits(server):
+    """OpenAI's ``logit_bias`` on the real model (it was a 400): +100 on a token makes it the first one, -100 on
+    the greedy answer's first token bans it; a biased request's tokens and logprobs are bitwise the same alone
+    and beside unbiased ones, streamed or not; the logprobs stay the model's own."""
+    import concurrent.futures
+
+    kw = dict(prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2)
+    plain = complete(server, **kw).choices[0]
+    first = server.engine.tokenizer.encode(plain.logprobs.tokens[0], add_special_tokens=False)[0]
+    forced_id = server.engine.tokenizer.encode(" London", add_special_tokens=False)[0]
+    forced = complete(server, **kw, logit_bias={str(forced_id): 100}).choices[0]
+    assert forced.text.startswith(" London")
+    banned = complete(server, **kw, logit_bias={str(first): -100}).choices[0]
+    assert banned.logprobs.tokens[0] != plain.logprobs.tokens[0]
+    assert banned.logprobs.token_logprobs[0] < plain.logprobs.token_logprobs[0]   # the raw logprob of its pick
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:   # beside unbiased requests, in the same steps
+        together = list(pool.map(lambda b: complete(server, **kw, logit_bias=b).choices[0],
+                                 [{str(first): -100}, None, {str(forced_id): 100}, None]))
+    assert (together[0].text, together[0].logprobs.token_logprobs) == (banned.text, banned.logprobs.token_logprobs)
+    assert together[2].text == forced.text and together[1].text == plain.text
+    streamed = "".join(c.choices[0].text for c in complete_stream(server, **kw, logit_bias={str(first): -100}))
+    assert streamed == banned.text

@@ -29,14 +29,14 @@ def _refused_bodies(max_model_len: int, vocab: int) -> list[tuple[str, dict]]:
         ("chat", {**chat, "max_tokens": max_model_len}),                               # prompt + max_tokens over
         ("chat", {**chat, "model": "other"}),                                          # unknown model: 404
         ("chat", {**chat, "response_format": schema}),                                 # invalid schema
-        ("chat", {**chat, "logit_bias": {"5": 1}}),
+        ("chat", {**chat, "logit_bias": {str(vocab): 1}}),                             # past the vocabulary
         ("chat", {**chat, "stream": True, "resume_token_ids": [[-1]]}),                 # not a token id
         ("chat", {**chat, "stream": True, "resume_token_ids": [[vocab]]}),              # past the vocabulary
         ("chat", {**chat, "stream": True, "resume_token_ids": [[1], [2]]}),             # two lists, n=1
         ("completion", {**comp, "prompt": "x" * 9000}),
         ("completion", {**comp, "max_tokens": max_model_len}),
         ("completion", {**comp, "model": "other"}),
-        ("completion", {**comp, "logit_bias": {"5": 1}}),
+        ("completion", {**comp, "logit_bias": {str(vocab): 1}}),
     ]
 
 

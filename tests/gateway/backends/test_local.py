@@ -314,15 +314,15 @@ def test_canary_is_sticky_per_user_over_http(gateway):
 
 
 def test_a_field_only_upstreams_serve(gateway, tmp_path):
-    """logit_bias, which the local engine does not serve: a route whose upstream is unavailable (key unset) gets a
+    """``prediction`` (OpenAI's predicted outputs), which the local engine does not serve: a route whose upstream is unavailable (key unset) gets a
     503 naming the route, the rule and the reason, which the openai client does not retry and `tandem route
     explain` predicts word for word; a route with no upstream a 400 naming the field; a route with a live upstream
     after the local target goes to it (no error from the gateway)."""
     body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            "logit_bias": {"42": 5}}
+            "prediction": {"type": "content", "content": "hello"}}
     r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers={"x-route-test": "keyless"}, timeout=60)
     err = r.json()["error"]
-    assert (r.status_code, err["param"], err["code"]) == (503, "logit_bias", "no_backend_available"), r.text
+    assert (r.status_code, err["param"], err["code"]) == (503, "prediction", "no_backend_available"), r.text
     assert "'keyless-first' (rule 'keyless')" in err["message"], err
     assert "keyless: environment variable TANDEM_TEST_UNSET_KEY is unset" in err["message"], err
     assert [r.headers[f"x-tandem-{h}"] for h in ("route", "rule", "backend", "attempts")] == [
@@ -341,7 +341,7 @@ def test_a_field_only_upstreams_serve(gateway, tmp_path):
     assert f"503 no_backend_available: {err['message']}" in explain.stdout, explain.stdout + explain.stderr
     r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers={"x-route-test": "alone"}, timeout=60)
     err = r.json()["error"]
-    assert (r.status_code, err["param"], err["code"]) == (400, "logit_bias", "unsupported_parameter"), r.text
+    assert (r.status_code, err["param"], err["code"]) == (400, "prediction", "unsupported_parameter"), r.text
     assert "route 'local-alone' (rule 'alone') sends the request to no upstream" in err["message"], err
     r = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=60)   # local-only, agg as fallback
     assert (r.headers["x-tandem-route"], r.headers["x-tandem-backend"]) == ("local-only", "agg"), r.text
