@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineArgs
+from engine.entrypoints.vllm_flags import split_vllm_kwargs
 from engine.llm_engine import LLMEngine
 from engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput,
                             PoolingRequestOutput, RequestOutput)
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
 
 Prompt = str | list[int]
 
+logger = logging.getLogger("tandem.llm")
+
 
 class LLM:
     """Batch inference over the continuous-batching engine.
@@ -29,7 +33,9 @@ class LLM:
     Args:
         model: a ``.gguf`` file or HF directory (None: embedded SmolLM2).
         **engine_args: any ``EngineArgs`` field (``dtype``, ``block_size``,
-            ``kv_cache_memory``, ``enable_prefix_caching``, ...).
+            ``kv_cache_memory``, ``enable_prefix_caching``, ...), or one of vLLM's arguments without a setting
+            here (``trust_remote_code``, ``enforce_eager``, ...: ``engine/entrypoints/vllm_flags.py``), logged
+            as changing nothing, or refused with a ValueError saying why.
 
     Example:
         >>> llm = LLM(dtype="float32")
@@ -38,6 +44,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
+        engine_args, notes = split_vllm_kwargs(engine_args, model)   # vLLM's that change nothing here
+        for note in notes:
+            logger.info("%s", note)
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
         if self.engine.core.executor is not None:   # other ranks: stopped at exit if the script did not (their

@@ -365,7 +365,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_vllm_server_args(g) -> None:
-    """vLLM's server flags: the API key, request logging, and ``--trust-remote-code`` (accepted, changes nothing)."""
+    """vLLM's server flags: the API key and request logging (``--trust-remote-code`` is one of ``VLLM_FLAGS``)."""
     g.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer <key>` on /v1 paths (401 otherwise), as vLLM's; default: "
                         "$VLLM_API_KEY, else none")
@@ -375,9 +375,6 @@ def _add_vllm_server_args(g) -> None:
                    help="do not log requests (the default; vLLM's older flag)")
     g.add_argument("--max-log-len", type=int, default=None,
                    help="characters of a logged request body at most (default: all)")
-    g.add_argument("--trust-remote-code", action="store_true", default=False,
-                   help="accepted for vLLM's command lines; changes nothing: this engine runs no model code of a "
-                        "checkpoint and downloads nothing")
 
 
 def run_server(args: argparse.Namespace) -> int:

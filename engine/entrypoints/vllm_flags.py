@@ -29,6 +29,8 @@ def _ok(*values: str) -> frozenset[str]:
 
 
 VLLM_FLAGS = (
+    VllmFlag(("--trust-remote-code",), False, None,
+             "this engine runs no model code of a checkpoint and downloads nothing"),
     VllmFlag(("--enforce-eager",), False, None, "no CUDA graph is captured: every step runs eagerly"),
     VllmFlag(("--disable-log-stats",), False, None, "no periodic stats lines are logged (see /metrics)"),
     VllmFlag(("--enable-prompt-tokens-details",), False, None, "usage.prompt_tokens_details is always sent"),
@@ -94,3 +96,21 @@ def vllm_flag_notes(args: argparse.Namespace, model: str | None = None) -> list[
             raise ValueError(f"{shown}: not supported{allowed}: {f.why}")
         notes.append(f"{shown}: accepted for vLLM's command lines; changes nothing: {f.why}")
     return notes
+
+
+def split_vllm_kwargs(kwargs: dict, model: str | None = None) -> tuple[dict, list[str]]:
+    """vLLM's ``LLM(...)`` keyword arguments that are ``VLLM_FLAGS`` (``trust_remote_code=True``,
+    ``enforce_eager=True``, ``tokenizer=...``) taken out of ``kwargs`` and read as the same flags on a command line
+    are (``vllm_flag_notes``): (the other keyword arguments, the notes). A false or None value is not given.
+
+    Raises:
+        ValueError: one this engine refuses, naming it and why."""
+    by_name = {f.names[0].lstrip("-").replace("-", "_"): f for f in VLLM_FLAGS}
+    given, rest = argparse.Namespace(), {}
+    for key, value in kwargs.items():
+        flag = by_name.get(key)
+        if flag is None:
+            rest[key] = value
+        elif value is not None and value is not False:
+            setattr(given, flag.dest, str(value) if flag.takes_value else True)
+    return rest, vllm_flag_notes(given, model)

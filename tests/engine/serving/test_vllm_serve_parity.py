@@ -1,7 +1,9 @@
-"""A model's ``generation_config.json`` fills what a request leaves unset, as under ``vllm serve`` (its
-``--generation-config auto`` default: ``engine/generation_config.py``), and ``--chat-template`` replaces the model's
-template. A trial found both ignored: a checkpoint recommending near-greedy sampling and 7 new tokens sampled at
-temperature 1 for 16 tokens (481 on chat), and a model without a template could not be chatted with."""
+"""What a vLLM user's setup expects of a served model (a trial's findings): a model's ``generation_config.json``
+fills what a request leaves unset, as under ``vllm serve`` (its ``--generation-config auto`` default:
+``engine/generation_config.py``); ``--chat-template`` replaces the model's template; an unnamed model answers to
+its path; the offline ``LLM`` takes vLLM's keyword arguments that change nothing here. The trial found a checkpoint
+recommending near-greedy sampling and 7 new tokens sampled at temperature 1 for 16 tokens (481 on chat), a model
+without a template that could not be chatted with, and 404 for the model's path."""
 
 from __future__ import annotations
 
@@ -141,3 +143,18 @@ async def test_an_unnamed_model_is_served_under_its_path_as_vllm_and_its_directo
         for name in (plain, plain.rstrip("/").rsplit("/", 1)[1]):
             r = await client.completions.create(model=name, prompt="Hi", max_tokens=2)
             assert r.model == name
+
+
+def test_the_offline_llm_takes_vllms_arguments_that_change_nothing_here(tiny):
+    """``LLM(model, trust_remote_code=True, enforce_eager=True, tokenizer=model)`` (a TypeError before); one it
+    cannot honour is a ValueError naming it; a misspelt one stays a TypeError."""
+    from engine.llm import LLM
+
+    plain, _ = tiny
+    llm = LLM(plain, dtype="float32", kv_cache_memory="16MiB", trust_remote_code=True, enforce_eager=True,
+              tokenizer=plain, disable_log_stats=True)
+    llm.shutdown()
+    with pytest.raises(ValueError, match="reasoning is not split out"):
+        LLM(plain, reasoning_parser="deepseek_r1")
+    with pytest.raises(TypeError):
+        LLM(plain, enforce_eagre=True)
