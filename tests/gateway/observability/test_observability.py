@@ -592,6 +592,17 @@ def test_breaker_state_and_retries_exported(gw):
                  attempt="none") == 1
 
 
+async def counted(gw, requests: int) -> dict:
+    """The gateway's metric families once ``tandem_requests_total`` counts ``requests`` (accounting runs in a task
+    after the answer), or after 10 s."""
+    for _ in range(200):
+        fams = families(generate_latest(gw.obs.registry).decode())
+        if sum(v for _, v in fams.get("tandem_requests_total", [])) >= requests:
+            break
+        await asyncio.sleep(0.05)
+    return fams
+
+
 async def test_a_stream_cut_after_its_200_is_counted_as_a_stream_error():
     """A backend that fails mid-stream: the request was answered 200 (``tandem_requests_total`` says so) and the
     client got ``stream_interrupted``; ``tandem_stream_errors_total`` counts it, so the error ratio sees a backend
@@ -607,11 +618,7 @@ async def test_a_stream_cut_after_its_200_is_counted_as_a_stream_error():
                     pass
             async for _ in await client.chat.completions.create(model="m1", stream=True, messages=HELLO):
                 pass                                   # a whole stream: not counted
-            for _ in range(100):
-                fams = families(generate_latest(gw.obs.registry).decode())
-                if sum(v for _, v in fams.get("tandem_requests_total", [])) >= 2:
-                    break
-                await asyncio.sleep(0.05)
+            fams = await counted(gw, 2)
     assert value(fams, "tandem_stream_errors_total", model="m1", backend="up") == 1
     assert sum(v for lab, v in fams["tandem_requests_total"] if lab["status"] == "200") == 2
 
@@ -639,11 +646,7 @@ async def test_a_client_that_leaves_at_the_error_event_does_not_turn_a_stream_er
                 if batch[-1].error:
                     break
             await relay.aclose()      # the client left at the error event
-            for _ in range(200):
-                fams = families(generate_latest(gw.obs.registry).decode())
-                if sum(v for _, v in fams.get("tandem_requests_total", [])) >= 1:
-                    break
-                await asyncio.sleep(0.05)
+            fams = await counted(gw, 1)
     assert value(fams, "tandem_stream_errors_total", model="m1", backend="up") == 1
     assert [lab["status"] for lab, v in fams["tandem_requests_total"] if v] == ["200"]
     assert not rec.disconnected
