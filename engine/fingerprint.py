@@ -97,4 +97,6 @@ def numerics_of(args, device, dtype) -> dict[str, object]:
             # the quantized copies' arithmetic: integer dots (one rule, the same bits on AVX2 and AVX-512) or
             # the dequantized weights' bfloat16 bits (portable)
             "cpu_quant": ("integer-dots" if cpu_linear.integer_copies() else "dequantized")
-            if device.type == "cpu" else None}
+            if device.type == "cpu" else None,
+            # the model's generation config: what a request that leaves a sampling field unset is sampled with
+            **({"sampling_defaults": defaults} if (defaults := args.default_sampling_params()) else {})}

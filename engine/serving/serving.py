@@ -102,7 +102,7 @@ class OpenAIServing:
         self.default_sampling = engine.args.default_sampling_params()
         if self.default_sampling:
             logger.warning("sampling defaults from the model's generation config: %s (a request's own values win; "
-                        "--generation-config vllm ignores them)", self.default_sampling)
+                           "--generation-config vllm ignores them)", self.default_sampling)
 
     # ------------------------------------------------------------------ models
     def models(self) -> dict:

@@ -59,3 +59,28 @@ def test_the_tensor_parallel_size_is_part_of_the_numerics():
                                                                           torch.float32)
     assert "tensor_parallel_size" not in one and two["tensor_parallel_size"] == 2
     assert system_fingerprint(default_model_path(), one) != system_fingerprint(default_model_path(), two)
+
+
+def test_a_models_sampling_defaults_are_part_of_its_fingerprint(tmp_path):
+    """A generation config's sampling defaults decide what a request that leaves a field unset samples with
+    (``engine/generation_config.py``): they change the fingerprint, which the gateway's exact cache keys on; a
+    model without them keeps the fingerprint it had."""
+    import json
+    import shutil
+
+    import torch
+
+    from engine.config import EngineArgs, default_model_path
+    from engine.fingerprint import numerics_of, system_fingerprint
+    from tests.tiny_models import save_byte_level_llama
+
+    (tmp_path / "plain").mkdir()
+    plain = save_byte_level_llama(tmp_path / "plain")
+    shutil.copytree(plain, tmp_path / "gen")
+    (tmp_path / "gen" / "generation_config.json").write_text(json.dumps({"temperature": 0.6}))
+    cpu = torch.device("cpu")
+    base = numerics_of(EngineArgs(model=plain), cpu, torch.float32)
+    assert "sampling_defaults" not in base and base == numerics_of(EngineArgs(), cpu, torch.float32)
+    with_defaults = numerics_of(EngineArgs(model=plain, generation_config=str(tmp_path / "gen")), cpu, torch.float32)
+    assert with_defaults["sampling_defaults"] == {"temperature": 0.6}
+    assert system_fingerprint(default_model_path(), base) != system_fingerprint(default_model_path(), with_defaults)
