@@ -324,9 +324,10 @@ class EngineArgs:
         if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
             raise ValueError("override_generation_config must be a JSON object of generation-config keys")
         self.default_sampling_params()   # a bad file or override is refused at start, not at the first request
-        from engine.tokenizer import load_chat_template
+        from engine.tokenizer import compile_chat_template, load_chat_template
 
-        load_chat_template(self.chat_template)   # a path that does not open is refused at start
+        if self.chat_template is not None:   # a path that does not open, or a template that does not compile,
+            compile_chat_template(load_chat_template(self.chat_template))   # is refused before the weights load
 
     def default_sampling_params(self) -> dict:
         """The model's sampling defaults under ``generation_config`` (``engine.generation_config``)."""

@@ -123,10 +123,7 @@ class Tokenizer:
 
         Raises:
             ValueError: ``source`` is not a valid template."""
-        try:
-            compiled = _compile_template(source)
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"chat_template: not a valid template: {exc}") from None
+        compiled = compile_chat_template(source)
         view = copy.copy(self)
         view.chat_template, view._template = source, compiled
         return view
@@ -268,6 +265,17 @@ def load_chat_template(value: str | None) -> str | None:
     import codecs
 
     return codecs.decode(value, "unicode_escape")
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """``source`` (jinja2) compiled as a model's chat template is (``_compile_template``).
+
+    Raises:
+        ValueError: ``chat_template: not a valid template: ...``."""
+    try:
+        return _compile_template(source)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"chat_template: not a valid template: {exc}") from None
 
 
 def load_tokenizer(path: str, chat_template: str | None = None) -> Tokenizer:

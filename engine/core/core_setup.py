@@ -114,6 +114,9 @@ def load_core(core, args: EngineArgs, tp) -> None:
     rss = resident_bytes()
     model, core.tokenizer, core.model_config = load_model(args, tp)
     core.served_model_name = served_model_names(args.served_model_name, args.model)[0]
+    if defaults := args.default_sampling_params():
+        logger.warning("sampling defaults from the model's generation config: %s: they fill what a request leaves "
+                       "unset, and max_new_tokens caps max_tokens (--generation-config vllm: none)", defaults)
     core.system_fingerprint = system_fingerprint(args.model, numerics_of(args, core.device, core.dtype))
     spec = SpeculativeConfig.parse(args.speculative_config)
     draft = (load_draft_model(args, spec.model, core.tokenizer, core.model_config)

@@ -98,11 +98,9 @@ class OpenAIServing:
         self.served_model_name, self.served_model_names = names[0], names
         self.created = int(time.time())
         self.logprobs = LogprobFormatter(engine.tokenizer)
-        # The model's generation config (vLLM's --generation-config auto): what a request leaves unset
+        # The model's generation config (vLLM's --generation-config auto): what a request leaves unset (the
+        # engine core logs them once at start)
         self.default_sampling = engine.args.default_sampling_params()
-        if self.default_sampling:
-            logger.warning("sampling defaults from the model's generation config: %s (a request's own values win; "
-                           "--generation-config vllm ignores them)", self.default_sampling)
 
     # ------------------------------------------------------------------ models
     def models(self) -> dict:

@@ -50,6 +50,8 @@ def test_the_diff_of_a_generation_config_is_read_as_vllm_reads_it(tiny, tmp_path
         EngineArgs(model=plain, override_generation_config='{"beam_width": 3}')
     with pytest.raises(ValueError, match="looks like a file path"):
         EngineArgs(model=plain, chat_template="/no/such/template.jinja")
+    with pytest.raises(ValueError, match="not a valid template"):   # before the weights load (a trial: after)
+        EngineArgs(model=plain, chat_template="{{bad")
 
 
 @asynccontextmanager
