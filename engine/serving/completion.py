@@ -253,6 +253,9 @@ def render_completion(tokenizer, body: dict) -> RenderedPrompt:
         items = list(p)
     if not items:
         raise ServingError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
+    if len({isinstance(item, str) for item in items}) > 1:   # OpenAI's and vLLM's schemas: one kind a list
+        raise ServingError(400, "prompt: a list must hold only strings or only token-id lists, not both",
+                           param="prompt", code="invalid_value")
     out = []
     for item in items:
         if isinstance(item, str):

@@ -40,6 +40,16 @@ def test_a_resume_token_outside_the_vocabulary_is_a_400_before_the_stream(server
     assert_400(r, "resume_token_ids", needle)
 
 
+def test_a_completions_prompt_list_of_strings_and_token_lists_together_is_a_400(server):
+    """OpenAI's and vLLM's schemas take a list of strings or a list of token-id lists, not both (a trial's
+    ``[[1, 2], "a"]`` got two choices); each kind alone is served."""
+    assert_400(post(server, "/v1/completions", {"prompt": [[1, 2], "a"], "max_tokens": 1}), "prompt",
+               "only strings or only token-id lists")
+    for prompt in (["a", "b"], [[1, 2], [3]]):
+        r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+
+
 def test_every_other_client_id_is_checked_before_the_200(server):
     assert_400(post(server, "/v1/chat/completions", {"messages": ASK, "allowed_token_ids": [1, 2]}),
                "allowed_token_ids", "not supported")
