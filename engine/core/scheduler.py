@@ -154,7 +154,7 @@ class Scheduler:
         check_admissible(request, self)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
         self.kv_cache_manager.refresh_prefix(request)   # its cached prefix is needed soon: evicted last
 
     def finish_requests(self, request_ids: Iterable[str] | str, status: RequestStatus,
@@ -190,14 +190,25 @@ class Scheduler:
         rank = (req.input_index, req.arrival_time)
         return (req.priority, *rank) if self.scheduling_policy == "priority" else rank
 
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        """Queue ``req`` where fcfs admission seats it, keeping ``waiting`` ordered by ``input_index`` (an
+        embedding call's input ``i`` after every waiting request of a smaller one): after every request of its
+        index or a smaller one, or, ``front`` (a preempted request), before every request of its index or a
+        larger one. The queue is then in seat order with no sort per step."""
+        w, i = self.waiting, 0 if front else len(self.waiting)
+        if front:
+            while i < len(w) and w[i].input_index < req.input_index:
+                i += 1
+        else:
+            while i > 0 and w[i - 1].input_index > req.input_index:
+                i -= 1
+        w.insert(i, req)
+
     def _sort_waiting(self) -> list[Request]:
-        """Sort the waiting queue into the order admission seats it (in place; a copy returned): by ``_key``
-        under the priority policy; under fcfs as queued (a preempted request first, then arrival), an embedding
-        call's input ``i`` after every waiting request of a smaller ``input_index`` (a stable sort)."""
+        """The waiting queue in the order admission seats it (a copy): by ``_key`` under the priority policy
+        (sorted in place); under fcfs as queued (``_enqueue`` keeps it so)."""
         if self.scheduling_policy == "priority":
             self.waiting.sort(key=self._key)
-        else:
-            self.waiting.sort(key=lambda r: r.input_index)
         return list(self.waiting)
 
     def seat_order(self) -> list[Request]:
@@ -260,7 +271,7 @@ class Scheduler:
             victim.num_computed_tokens = 0
             drop_layer_chunk(victim, self._dropped)
             victim.status = RequestStatus.PREEMPTED
-            self.waiting.insert(0, victim)
+            self._enqueue(victim, front=True)
         out.preempted.append(victim)
 
     def _schedule_one(self, out: SchedulerOutput, req: Request, num_new: int, spec: list[int] | None = None,

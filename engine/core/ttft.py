@@ -313,8 +313,7 @@ def _to_compute(kv, req, ahead: set) -> int:
 def state_of(scheduler, calibration: TTFTCalibration, added: int = 0) -> TTFTState:
     """The ``TTFTState`` of ``scheduler`` (an ``engine.core.scheduler.Scheduler``) now, with ``calibration``'s step
     costs, ``added`` requests taken so far and the prefix cache's events since the last call."""
-    order = scheduler.seat_order()
-    state, _ = _queue_state(scheduler, calibration, order, order, added,
+    state, _ = _queue_state(scheduler, calibration, scheduler.seat_order(), added,
                             drain_kv_events(scheduler.kv_cache_manager.block_pool))
     return state
 
@@ -333,19 +332,19 @@ def predict_waiting(scheduler, calibration: TTFTCalibration, request_id: str,
         return None
     order = scheduler.seat_order()
     ahead_reqs = order[:order.index(req)]
-    state, ahead = _queue_state(scheduler, calibration, ahead_reqs, ahead_reqs, all_ahead=True)
+    state, ahead = _queue_state(scheduler, calibration, ahead_reqs, all_ahead=True)
     todo = _to_compute(scheduler.kv_cache_manager, req, ahead)
     return predict_ttft(state, req.num_prompt_tokens, req.num_prompt_tokens - todo, req.priority,
                         arrival_tok_s=arrival_tok_s)
 
 
-def _queue_state(scheduler, calibration: TTFTCalibration, queue: list, seat_order: list, added: int = 0,
+def _queue_state(scheduler, calibration: TTFTCalibration, queue: list, added: int = 0,
                  events: tuple | None = None, all_ahead: bool = False) -> tuple[TTFTState, set]:
     """The ``TTFTState`` of ``scheduler``'s running set with ``queue`` (waiting and swapped requests, in the
-    order their cached prefixes are counted) as its waiting requests, ``seat_order`` the first of them in the
-    order they get seats, ``events`` the prefix cache's (stored, removed, resync; None: none) and ``all_ahead``
-    whether every queued request counts as ahead of a new one (``predict_waiting``'s queue: ranks 0, fcfs). Also the block hashes the running set and
-    ``queue`` have or will have cached (``_to_compute``'s ``ahead``)."""
+    order they get seats, which is the order their cached prefixes are counted in) as its waiting requests,
+    ``events`` the prefix cache's (stored, removed, resync; None: none) and ``all_ahead`` whether every queued
+    request counts as ahead of a new one (``predict_waiting``'s queue: ranks 0, fcfs). Also the block hashes the
+    running set and ``queue`` have or will have cached (``_to_compute``'s ``ahead``)."""
     kv = scheduler.kv_cache_manager
     stored, removed, resync = events if events is not None else ([], [], None)   # new lists per call
     queued: dict[int, list[int]] = {}
@@ -365,7 +364,7 @@ def _queue_state(scheduler, calibration: TTFTCalibration, queue: list, seat_orde
         running_prefill_reqs += todo > 0
     decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
     waiting_seqs = []
-    for r in seat_order:   # computed (swapped) or cached for it; to its next sample (a preempted one's outputs too)
+    for r in queue:   # computed (swapped) or cached for it; to its next sample (a preempted one's outputs too)
         ctx = max(r.num_computed_tokens, r.num_prompt_tokens - todo_of[r.request_id])
         rank = 0 if all_ahead or r.status == RequestStatus.SWAPPED else r.input_index
         waiting_seqs.append((r.priority, rank, ctx, *_seq(r, ctx)))

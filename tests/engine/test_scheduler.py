@@ -410,15 +410,18 @@ def test_a_short_call_is_not_queued_behind_a_long_calls_inputs(policy):
 
 def test_embedding_calls_take_turns():
     """Two calls of three inputs: seated input by input, the earlier call first at each (round-robin); a
-    preempted request keeps its place before later arrivals of its input index."""
+    request preempted for recompute goes first among the requests of its input index (``_preempt``'s
+    ``_enqueue(front=True)``), and a later arrival last among them, with no sort per step."""
     s = sched_(max_num_seqs=1)
     for req in [*make_embed("a", [range(2, 6)] * 3, arrival=0.0), *make_embed("b", [range(7, 11)] * 3, arrival=1.0)]:
         s.add_request(req)
     assert [q.request_id for q in s.seat_order()] == ["a-0", "b-0", "a-1", "b-1", "a-2", "b-2"]
-    victim = make_req("victim", range(3, 8), arrival=5.0)
-    s.waiting.insert(0, victim)   # as _preempt queues a request preempted for recompute
-    s.requests["victim"] = victim
-    assert [q.request_id for q in s.seat_order()][:3] == ["victim", "a-0", "b-0"]
+    s.add_request(make_req("chat", range(3, 8), arrival=5.0))
+    for victim in (make_req("victim", range(3, 9), arrival=6.0), make_embed("c", [[1], [2]], arrival=7.0)[1]):
+        s.requests[victim.request_id] = victim
+        s._enqueue(victim, front=True)
+    assert [q.request_id for q in s.seat_order()] == ["victim", "a-0", "b-0", "chat", "c-1", "a-1", "b-1", "a-2",
+                                                      "b-2"]
 
 
 def test_priority_preempts_lowest_priority():
