@@ -195,14 +195,9 @@ class Scheduler:
         embedding call's input ``i`` after every waiting request of a smaller one): after every request of its
         index or a smaller one, or, ``front`` (a preempted request), before every request of its index or a
         larger one. The queue is then in seat order with no sort per step."""
-        w, i = self.waiting, 0 if front else len(self.waiting)
-        if front:
-            while i < len(w) and w[i].input_index < req.input_index:
-                i += 1
-        else:
-            while i > 0 and w[i - 1].input_index > req.input_index:
-                i -= 1
-        w.insert(i, req)
+        w, k = self.waiting, req.input_index
+        w.insert(next((j for j, r in enumerate(w) if r.input_index >= k), len(w)) if front
+                 else next((j for j in range(len(w), 0, -1) if w[j - 1].input_index <= k), 0), req)
 
     def _sort_waiting(self) -> list[Request]:
         """The waiting queue in the order admission seats it (a copy): by ``_key`` under the priority policy
