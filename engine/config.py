@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 
 from engine.generation_config import default_sampling_params
+from engine.json_config import json_object
 from engine.kv_events import KVEventsConfig
 from engine.spec_decode.config import SpeculativeConfig
 
@@ -316,22 +317,30 @@ class EngineArgs:
         if not os.path.exists(self.model):   # nothing is downloaded: a Hub id names no local directory
             raise FileNotFoundError(f"model {self.model!r}: no such file or directory (give a local directory or "
                                     "GGUF file: weights are never downloaded)")
-        if isinstance(self.override_generation_config, str):
-            try:
-                self.override_generation_config = json.loads(self.override_generation_config)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"override_generation_config is not JSON: {e}") from None
-        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
-            raise ValueError("override_generation_config must be a JSON object of generation-config keys")
-        self.default_sampling_params()   # a bad file or override is refused at start, not at the first request
-        from engine.tokenizer import compile_chat_template, load_chat_template
+        if self.override_generation_config is not None:
+            self.override_generation_config = json_object(self.override_generation_config,
+                                                          "override_generation_config")
+        # Read once here, so that a bad file, override or template is refused at start, before the weights load
+        # (not at the first request), and every reader after has them at no cost.
+        if self.chat_template_source is not None:
+            from engine.tokenizer import compile_chat_template
 
-        if self.chat_template is not None:   # a path that does not open, or a template that does not compile,
-            compile_chat_template(load_chat_template(self.chat_template))   # is refused before the weights load
+            compile_chat_template(self.chat_template_source)
+        _ = self.sampling_defaults
 
-    def default_sampling_params(self) -> dict:
-        """The model's sampling defaults under ``generation_config`` (``engine.generation_config``)."""
+    @cached_property
+    def sampling_defaults(self) -> dict:
+        """The model's sampling defaults under ``generation_config`` (``SamplingParams`` field -> value:
+        ``engine.generation_config``); read once per ``EngineArgs``."""
         return default_sampling_params(self.model, self.generation_config, self.override_generation_config)
+
+    @cached_property
+    def chat_template_source(self) -> str | None:
+        """``chat_template`` (a file's path or the template) as the template's text (jinja2), or None: the
+        model's own (``engine.tokenizer.load_chat_template``); read once per ``EngineArgs``."""
+        from engine.tokenizer import load_chat_template
+
+        return load_chat_template(self.chat_template)
 
 
 def served_model_names(value: str | list[str] | None, model: str | None = None) -> list[str]:

@@ -99,4 +99,4 @@ def numerics_of(args, device, dtype) -> dict[str, object]:
             "cpu_quant": ("integer-dots" if cpu_linear.integer_copies() else "dequantized")
             if device.type == "cpu" else None,
             # the model's generation config: what a request that leaves a sampling field unset is sampled with
-            **({"sampling_defaults": defaults} if (defaults := args.default_sampling_params()) else {})}
+            **({"sampling_defaults": defaults} if (defaults := args.sampling_defaults) else {})}

@@ -1,4 +1,5 @@
-"""One reader for the engine's JSON-object options (``--speculative-config``, ``--kv-events-config``)."""
+"""One reader for the engine's JSON-object options (``--speculative-config``, ``--kv-events-config``,
+``--override-generation-config``)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ import json
 from dataclasses import fields
 
 
-def config_object(value: dict | str, name: str, cls) -> dict:
-    """``value`` (a dict or its JSON text) as the keyword arguments of dataclass ``cls``.
+def json_object(value: dict | str, name: str) -> dict:
+    """``value``, a dict or its JSON text, as a dict.
 
     Raises:
-        ValueError: not valid JSON, not an object, or a key ``cls`` does not have (each named, with ``name``).
+        ValueError: not valid JSON, or not an object (named with ``name``).
     """
     if isinstance(value, str):
         try:
@@ -19,6 +20,16 @@ def config_object(value: dict | str, name: str, cls) -> dict:
             raise ValueError(f"{name} is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def config_object(value: dict | str, name: str, cls) -> dict:
+    """``value`` (a dict or its JSON text) as the keyword arguments of dataclass ``cls``.
+
+    Raises:
+        ValueError: not valid JSON, not an object, or a key ``cls`` does not have (each named, with ``name``).
+    """
+    value = json_object(value, name)
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(value) - known)
     if unknown:

@@ -65,7 +65,7 @@ class LLM:
         """vLLM's: ``SamplingParams`` of the model's generation-config defaults (``EngineArgs.generation_config``;
         ``engine/generation_config.py``), the plain defaults when it has none; what ``generate`` and ``chat`` use
         when given no ``sampling_params``."""
-        return SamplingParams(**self.engine.args.default_sampling_params())
+        return SamplingParams(**self.engine.args.sampling_defaults)
 
     def shutdown(self) -> None:
         """Stop the engine's other tensor-parallel ranks (done at exit too, when a script did not) and what else

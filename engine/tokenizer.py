@@ -282,7 +282,7 @@ def load_tokenizer(path: str, chat_template: str | None = None) -> Tokenizer:
     """The tokenizer of a model path: a HF directory's or a ``.gguf`` file's
     (what ``engine.model_loader.load_model`` builds, without torch or weights;
     the front end of an engine whose core runs in another process uses it),
-    rendering ``chat_template`` (a ``--chat-template`` value: ``load_chat_template``) instead of the model's
+    rendering ``chat_template`` (jinja2 source: ``EngineArgs.chat_template_source``) instead of the model's
     when given.
 
     Raises:
@@ -297,4 +297,4 @@ def load_tokenizer(path: str, chat_template: str | None = None) -> Tokenizer:
         tokenizer = Tokenizer.from_gguf(path)
     else:
         raise FileNotFoundError(f"model {path!r}: no such file or directory")
-    return tokenizer.with_chat_template(load_chat_template(chat_template)) if chat_template else tokenizer
+    return tokenizer.with_chat_template(chat_template) if chat_template is not None else tokenizer

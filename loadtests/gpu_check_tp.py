@@ -67,7 +67,7 @@ def world_of_one(model_dir: str, device: str) -> dict:
         dtype = "bfloat16" if device == "cuda" else "float32"
         args = SimpleNamespace(model=model_dir, dtype=dtype, device=device, load_format="dummy", seed=0,
                                quantization="none", attention_backend="auto", batch_invariant=True, num_threads=None,
-                               chat_template=None)
+                               chat_template_source=None)
         alone, _, config = load_model(args)
         ranked, _, _ = load_model(args, tp)
         ids = torch.randint(3, config.vocab_size, (37,), generator=torch.Generator().manual_seed(0)).tolist()

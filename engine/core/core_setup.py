@@ -114,7 +114,7 @@ def load_core(core, args: EngineArgs, tp) -> None:
     rss = resident_bytes()
     model, core.tokenizer, core.model_config = load_model(args, tp)
     core.served_model_name = served_model_names(args.served_model_name, args.model)[0]
-    if defaults := args.default_sampling_params():
+    if defaults := args.sampling_defaults:
         logger.warning("sampling defaults from the model's generation config: %s: they fill what a request leaves "
                        "unset, and max_new_tokens caps max_tokens (--generation-config vllm: none)", defaults)
     core.system_fingerprint = system_fingerprint(args.model, numerics_of(args, core.device, core.dtype))

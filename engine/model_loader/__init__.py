@@ -10,7 +10,7 @@ import torch
 
 from engine.worker.device import configure_core_threads, resolve_device, resolve_dtype
 from engine.model_config import ModelConfig
-from engine.tokenizer import Tokenizer, load_chat_template
+from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -239,8 +239,8 @@ def load_model(args, tp=None) -> tuple[torch.nn.Module, Tokenizer, ModelConfig]:
         and dtype == torch.bfloat16 and cpu_linear.q4_available()
     config, tokenizer, weights = _read_model(path, dummy, keep_int4=quantization == "gguf" or q4_copy,
                                              quantization=quantization, lazy=tp is not None)
-    if args.chat_template:
-        tokenizer = tokenizer.with_chat_template(load_chat_template(args.chat_template))
+    if args.chat_template_source is not None:
+        tokenizer = tokenizer.with_chat_template(args.chat_template_source)
     from engine.distributed.shard_plan import plan_shard
 
     shard = plan_shard(config, tp.rank, tp.world_size) if tp is not None else plan_shard(config)

@@ -98,9 +98,6 @@ class OpenAIServing:
         self.served_model_name, self.served_model_names = names[0], names
         self.created = int(time.time())
         self.logprobs = LogprobFormatter(engine.tokenizer)
-        # The model's generation config (vLLM's --generation-config auto): what a request leaves unset (the
-        # engine core logs them once at start)
-        self.default_sampling = engine.args.default_sampling_params()
 
     # ------------------------------------------------------------------ models
     def models(self) -> dict:
@@ -189,10 +186,11 @@ class OpenAIServing:
             ServingError: 400 naming the bad parameter, or naming ``max_model_len``
                 when the prompt (plus ``max_tokens``) does not fit.
         """
-        defaults = self.default_sampling   # the model's generation config, under what the request sets
+        defaults = self.engine.args.sampling_defaults   # the model's generation config (vLLM's default "auto")
 
-        def pick(value, default, field: str | None = None):
-            return value if value is not None else defaults.get(field, default) if field else default
+        def pick(name: str, fallback):   # the request's value, else the model's default, else vLLM's
+            value = getattr(req, name)
+            return value if value is not None else defaults.get(name, fallback)
 
         if defaults.get("max_tokens") is not None:   # vLLM's get_max_tokens: the smallest of both
             max_tokens = defaults["max_tokens"] if max_tokens is None else min(max_tokens, defaults["max_tokens"])
@@ -200,10 +198,10 @@ class OpenAIServing:
         if isinstance(stop, str):
             stop = [stop]
         kwargs = dict(
-            n=pick(req.n, 1), temperature=pick(req.temperature, 1.0, "temperature"),
-            top_p=pick(req.top_p, 1.0, "top_p"), top_k=pick(req.top_k, 0, "top_k"), min_p=pick(req.min_p, 0.0, "min_p"),
-            presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
-            repetition_penalty=pick(req.repetition_penalty, 1.0, "repetition_penalty"), seed=req.seed,
+            n=pick("n", 1), temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0), presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
+            seed=req.seed,
             logit_bias=self._logit_bias(req.logit_bias),
             max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=stop or [], stop_token_ids=req.stop_token_ids or [],
