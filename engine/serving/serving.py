@@ -239,21 +239,18 @@ class OpenAIServing:
         return params
 
     def _logit_bias(self, bias: dict | None) -> dict[int, float] | None:
-        """A request's ``logit_bias`` (token id as a JSON key -> bias) as ``SamplingParams`` takes it.
+        """A request's ``logit_bias`` (token id as a JSON key -> bias; keys and biases checked by the shared range
+        table when the body was parsed: ``param_ranges``) as ``SamplingParams`` takes it.
 
         Raises:
-            ServingError: 400 naming a key that is not a token id of this model (vLLM's refusal)."""
+            ServingError: 400 naming a key past this model's vocabulary (vLLM's refusal)."""
         if not bias:
             return None
         vocab = self.engine.tokenizer.vocab_size
-        out = {}
-        for key, value in bias.items():
-            token = int(key) if isinstance(key, str) and key.isdigit() else -1
-            if not 0 <= token < vocab:
-                raise ServingError(400, f"logit_bias: {key!r} is not a token id of this model (ids are in "
-                                        f"[0, {vocab}))", param="logit_bias", code="invalid_value")
-            out[token] = value
-        return out
+        if (past := next((key for key in bias if int(key) >= vocab), None)) is not None:
+            raise ServingError(400, f"logit_bias: {past!r} is not a token id of this model (ids are in [0, {vocab}))",
+                               param="logit_bias", code="invalid_value")
+        return {int(key): value for key, value in bias.items()}
 
     async def _collect(self, request_id: str, prompts: list[Prompt], priority: int):
         """Run every prompt to completion; per prompt: {index: cumulative

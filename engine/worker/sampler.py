@@ -371,11 +371,8 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Te
                 rows.append(i)
                 cols.append(t)
                 biases.append(float(b))
-    if not rows:
-        return logits
-    device = logits.device
-    return logits.index_put((_to_device(rows, torch.long, device), _to_device(cols, torch.long, device)),
-                            _to_device(biases, torch.float32, device), accumulate=True)
+    return _put(logits, rows, cols, _to_device(biases, torch.float32, logits.device), accumulate=True) if rows \
+        else logits
 
 
 def _apply_min_tokens(logits: torch.Tensor, requests: list[Request], constrained: set[int]) -> torch.Tensor:
@@ -397,11 +394,15 @@ def _apply_min_tokens(logits: torch.Tensor, requests: list[Request], constrained
             if t < vocab:
                 rows.append(i)
                 cols.append(t)
-    if not rows:
-        return logits
+    return _put(logits, rows, cols, torch.tensor(float("-inf"), device=logits.device)) if rows else logits
+
+
+def _put(logits: torch.Tensor, rows: list[int], cols: list[int], values: torch.Tensor,
+         accumulate: bool = False) -> torch.Tensor:
+    """``logits`` with ``values`` put (or, ``accumulate``, added) at ``(rows[i], cols[i])``; out of place."""
     device = logits.device
-    return logits.index_put((_to_device(rows, torch.long, device), _to_device(cols, torch.long, device)),
-                            torch.tensor(float("-inf"), device=device))
+    return logits.index_put((_to_device(rows, torch.long, device), _to_device(cols, torch.long, device)), values,
+                            accumulate=accumulate)
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
