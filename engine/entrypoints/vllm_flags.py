@@ -9,10 +9,15 @@ import argparse
 from dataclasses import dataclass
 
 
+# In a flag's accepted values: the served model's path (``--tokenizer`` naming the model's own tokenizer)
+MODEL = "<the model>"
+
+
 @dataclass(frozen=True)
 class VllmFlag:
     """One vLLM flag: its spellings; whether it takes a value; the values that change nothing here (None: any;
-    for a flag without a value, None: given, it changes nothing; empty: given, it is refused); why."""
+    for a flag without a value, None: given, it changes nothing; empty: given, it is refused; ``MODEL``: the
+    model's path); why."""
 
     names: tuple[str, ...]
     takes_value: bool
@@ -20,8 +25,13 @@ class VllmFlag:
     why: str
 
     @property
+    def kwarg(self) -> str:
+        """Its name as vLLM's ``LLM(...)`` keyword argument (``--enforce-eager``: ``enforce_eager``)."""
+        return self.names[0].lstrip("-").replace("-", "_")
+
+    @property
     def dest(self) -> str:
-        return "vllm_" + self.names[0].lstrip("-").replace("-", "_")
+        return "vllm_" + self.kwarg
 
 
 def _ok(*values: str) -> frozenset[str]:
@@ -54,7 +64,7 @@ VLLM_FLAGS = (
     VllmFlag(("--response-role",), True, _ok("assistant"), "answers are the assistant's"),
     VllmFlag(("--chat-template-content-format",), True, _ok("auto", "string"),
              "message content reaches the template as a string (text parts joined)"),
-    VllmFlag(("--tokenizer",), True, _ok(), "the tokenizer is the model's own (its directory or GGUF file)"),
+    VllmFlag(("--tokenizer",), True, _ok(MODEL), "the tokenizer is the model's own (its directory or GGUF file)"),
     VllmFlag(("--reasoning-parser",), True, _ok(),
              "reasoning is not split out of the content (it would stay in content, not reasoning_content)"),
     VllmFlag(("--trust-request-chat-template",), False, _ok(),
@@ -79,7 +89,7 @@ def add_vllm_flags(group) -> None:
 
 def vllm_flag_notes(args: argparse.Namespace, model: str | None = None) -> list[str]:
     """One line for each ``VLLM_FLAGS`` flag ``args`` gave, saying that it changes nothing and why (``model``:
-    the served model's path, which ``--tokenizer`` may name: the same tokenizer).
+    the served model's path, the value ``MODEL`` stands for).
 
     Raises:
         ValueError: a flag (or value) this server refuses, naming it and why.
@@ -90,8 +100,8 @@ def vllm_flag_notes(args: argparse.Namespace, model: str | None = None) -> list[
         if value is None or value is False:
             continue
         shown = f.names[0] if value is True else f"{f.names[0]} {value}"
-        same_tokenizer = f.names[0] == "--tokenizer" and model is not None and value == model
-        if f.accepted is not None and (value is True or value not in f.accepted) and not same_tokenizer:
+        accepted = f.accepted if f.accepted is None or MODEL not in f.accepted else f.accepted | {model}
+        if accepted is not None and (value is True or value not in accepted):
             allowed = f" (taken: {', '.join(sorted(f.accepted))})" if f.accepted else ""
             raise ValueError(f"{shown}: not supported{allowed}: {f.why}")
         notes.append(f"{shown}: accepted for vLLM's command lines; changes nothing: {f.why}")
@@ -105,7 +115,7 @@ def split_vllm_kwargs(kwargs: dict, model: str | None = None) -> tuple[dict, lis
 
     Raises:
         ValueError: one this engine refuses, naming it and why."""
-    by_name = {f.names[0].lstrip("-").replace("-", "_"): f for f in VLLM_FLAGS}
+    by_name = {f.kwarg: f for f in VLLM_FLAGS}
     given, rest = argparse.Namespace(), {}
     for key, value in kwargs.items():
         flag = by_name.get(key)
