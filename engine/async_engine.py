@@ -131,7 +131,8 @@ class AsyncEngine:
             try:
                 started, tokenizer = await asyncio.gather(
                     asyncio.to_thread(client.start, self._on_step, self._on_dead),
-                    asyncio.to_thread(load_tokenizer, self.args.model, self.args.chat_template_source), return_exceptions=True)
+                    asyncio.to_thread(load_tokenizer, self.args.model, self.args.chat_template_source),
+                    return_exceptions=True)
             except asyncio.CancelledError:   # the server stops while the model loads: its thread goes on
                 client.abandon()             # and ends the core, which would otherwise outlive this process's exit
                 raise

@@ -322,8 +322,8 @@ def predict_waiting(scheduler, calibration: TTFTCalibration, request_id: str,
                     arrival_tok_s: float = 0.0) -> TTFTPrediction | None:
     """Predicted seconds from now (between two steps) to the first token of ``request_id``, a request still
     waiting in ``scheduler`` with nothing computed: ``predict_ttft`` of it as if it arrived now behind only the
-    requests the scheduler seats before it (``Scheduler.seat_order``) and the running set, its prompt less the prefix the
-    cache holds or those requests will have computed. None when it is not waiting so (running, swapped, computed
+    requests the scheduler seats before it (``Scheduler.seat_order``) and the running set, its prompt less the
+    prefix the cache holds or those requests will have computed. None when it is not waiting so (running, swapped, computed
     in part, finished or unknown). ``arrival_tok_s``: uncached prompt tokens arriving per second lately (they
     queue behind it, and fill the room its last step leaves). Re-predicted late in its wait, less is left to
     predict than at admission (``gateway/backends/local.py``'s hand-over asks it)."""

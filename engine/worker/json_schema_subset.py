@@ -341,7 +341,8 @@ def _check_regex(pattern: str, path: str) -> None:
 
 # Escapes that name one character (code point): a JSON string writes " \ and U+0000-U+001F escaped.
 _CHAR_ESCAPES = {'"': 0x22, "\\": 0x5C, "n": 10, "r": 13, "t": 9, "f": 12, "v": 11, "a": 7, "e": 27, "0": 0}
-_HEX_ESCAPE = re.compile(r"\\(?:x\{([0-9a-fA-F]+)\}|x([0-9a-fA-F]{2})|u\{([0-9a-fA-F]+)\}|u([0-9a-fA-F]{4})|c([A-Za-z]))")
+_HEX_ESCAPE = re.compile(r"\\(?:x\{([0-9a-fA-F]+)\}|x([0-9a-fA-F]{2})|u\{([0-9a-fA-F]+)\}|u([0-9a-fA-F]{4})"
+                         r"|c([A-Za-z]))")
 
 
 def json_unsafe_literal(pattern: str) -> str | None:

@@ -96,9 +96,9 @@ def tokens_of(events: list[dict]) -> dict[int, dict[str, Any]]:
             part = c.get("message") or c.get("delta") or {}
             ch["text"] += part.get("content") or c.get("text") or ""
             for pos, call in enumerate(part.get("tool_calls") or []):   # a stream's pieces carry their index
-                fn = call.get("function") or {}
-                name, args = ch["tools"].get(call.get("index", pos), ("", ""))
-                ch["tools"][call.get("index", pos)] = (name + (fn.get("name") or ""), args + (fn.get("arguments") or ""))
+                fn, at = call.get("function") or {}, call.get("index", pos)
+                name, args = ch["tools"].get(at, ("", ""))
+                ch["tools"][at] = (name + (fn.get("name") or ""), args + (fn.get("arguments") or ""))
             ch["finish"] = c.get("finish_reason") or ch["finish"]
             lp = c.get("logprobs") or {}
             if isinstance(lp, dict):

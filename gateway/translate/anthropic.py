@@ -291,12 +291,12 @@ def _usage(u: dict | None) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-
 def tool_use_id(call_id: str | None) -> str | None:
     """Anthropic's ``tool_use`` id for a chat tool call's: ``toolu_`` in place of OpenAI's ``call_`` (as Anthropic
     writes them; a client may check). The id round-trips as it is: a ``tool_result`` naming it goes back as the
     chat ``tool_call_id``, and the assistant turn's ``tool_use`` as its call's id, so the pair still matches."""
     return "toolu_" + call_id[len("call_"):] if call_id and call_id.startswith("call_") else call_id
+
 
 def chat_to_message(chat: dict, message_id: str, model: str, stop_sequences: list | None = None) -> dict:
     """A chat completion (parsed JSON, first choice) -> Anthropic's Message object."""

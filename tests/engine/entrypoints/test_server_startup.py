@@ -225,7 +225,8 @@ def test_serve_flags_refuse_what_vllm_would_not_take(tmp_path, capsys, caplog):
     for flags, needle in ((["--pipeline-parallel-size", "2"], "tensor parallelism only"),
                           (["--reasoning-parser", "deepseek_r1"], "reasoning is not split out"),
                           (["--tokenizer", str(tmp_path / "other")], "the model's own"),
-                          (["--kv-cache-dtype", "fp8"], "(taken: auto)"), (["--trust-request-chat-template"], "refused")):
+                          (["--kv-cache-dtype", "fp8"], "(taken: auto)"),
+                          (["--trust-request-chat-template"], "is refused")):
         caplog.clear()
         assert run_server(parser.parse_args([str(tmp_path / "a.gguf"), *flags])) == 2, flags
         assert f"{flags[0]}" in caplog.text and needle in caplog.text, caplog.text

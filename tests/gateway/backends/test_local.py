@@ -314,9 +314,9 @@ def test_canary_is_sticky_per_user_over_http(gateway):
 
 
 def test_a_field_only_upstreams_serve(gateway, tmp_path):
-    """``prediction`` (OpenAI's predicted outputs), which the local engine does not serve: a route whose upstream is unavailable (key unset) gets a
-    503 naming the route, the rule and the reason, which the openai client does not retry and `tandem route
-    explain` predicts word for word; a route with no upstream a 400 naming the field; a route with a live upstream
+    """``prediction`` (OpenAI's predicted outputs), which the local engine does not serve: a route whose upstream
+    is unavailable (key unset) gets a 503 naming the route, the rule and the reason, which the openai client does
+    not retry and `tandem route explain` predicts word for word; a route with no upstream a 400 naming the field; a route with a live upstream
     after the local target goes to it (no error from the gateway)."""
     body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "prediction": {"type": "content", "content": "hello"}}

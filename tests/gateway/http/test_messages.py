@@ -172,7 +172,8 @@ async def test_tool_use_round_trip(up):
         assert second.content[0].text == "hello from up"
         body = sent(up)
         assert body["messages"][1] == {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]}
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]}
         assert body["messages"][2:] == [{"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
                                         {"role": "user", "content": "thanks"}]
         assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
