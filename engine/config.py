@@ -479,6 +479,12 @@ def _add_structured_outputs_args(g) -> None:
                    help="compiled grammars kept (LRU), entries")
 
 
+def engine_kwargs_from_cli(args) -> dict:
+    """The ``EngineArgs`` fields a namespace parsed with ``add_engine_cli_args`` sets, as keyword arguments (of
+    ``EngineArgs``, or of the offline ``LLM``)."""
+    return {f.name: getattr(args, f.name) for f in fields(EngineArgs) if hasattr(args, f.name)}
+
+
 def engine_args_from_cli(args) -> EngineArgs:
     """Build ``EngineArgs`` from a namespace parsed with ``add_engine_cli_args``."""
-    return EngineArgs(**{f.name: getattr(args, f.name) for f in fields(EngineArgs) if hasattr(args, f.name)})
+    return EngineArgs(**engine_kwargs_from_cli(args))

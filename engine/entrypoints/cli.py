@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from engine.config import add_engine_cli_args, engine_args_from_cli
+from engine.config import add_engine_cli_args, engine_kwargs_from_cli
 
 
 def register(subparsers) -> None:
@@ -46,7 +46,7 @@ def _generate(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
-        llm = LLM(**vars(engine_args_from_cli(args)))
+        llm = LLM(**engine_kwargs_from_cli(args))
     except (ValueError, FileNotFoundError, MemoryError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 1
