@@ -386,7 +386,7 @@ async def test_routing_count_is_the_engines_prompt(tiny_backend):
         "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
     for i, body in enumerate([{"messages": msgs}, {"messages": msgs, "add_generation_prompt": False},
                               {"messages": msgs, "add_special_tokens": True}, {"messages": msgs, "tools": tools},
-                              {"prompt": "Hello there"}, {"prompt": ["Hello there", "Hi", [5, 6, 7]]},
+                              {"prompt": "Hello there"}, {"prompt": ["Hello there", "Hi"]}, {"prompt": [[5, 6, 7], [8]]},
                               {"prompt": "Hello there", "add_special_tokens": False}]):
         req, _ = _request(backend, {**body, "priority": "high"}, f"count-{i}")
         _, engine_body = _request(backend, {**body, "max_tokens": 1}, f"count-{i}", rendered=False)
