@@ -18,7 +18,11 @@ in bfloat16 (the float16 ``d`` has 11).
 In bfloat16 on a CPU with AVX512-BF16 or AVX2/FMA the C kernel of
 ``kernels/csrc/linear_q4_cpu.c`` runs them instead: the weights exact (d q +
 m in float32 sums, not scales rounded to bfloat16), batch-invariant, and
-part of the one-call decoder stack (``kernels/cpu_decoder.py``).
+part of the one-call decoder stack (``kernels/cpu_decoder.py``). In float32
+on those CPUs ``kernels/csrc/linear_q4_f32_cpu.c`` does (each weight the
+gguf package's float32 value, one fused-multiply-add chain per output, the
+same bits on every body and for any batch): PyTorch's int4 matmul runs scalar
+code in float32 (``loadtests/bench/kernels_cpu.py --only q4-f32``).
 
 Q8_0 (and the k-quants) have no exact counterpart among PyTorch's CPU
 kernels (``_weight_int8pack_mm`` takes one scale per output row, Q8_0 has
@@ -33,7 +37,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from kernels import cpu_linear
+from kernels import cpu_linear, cpu_linear_f32
 
 GROUP = 32  # elements per Q4_0/Q4_1 block
 INT4_TYPES = {"Q4_0": 18, "Q4_1": 20}  # GGUF type -> bytes per block
@@ -170,13 +174,15 @@ class Int4Linear:
         # bfloat16 on an AVX512-BF16 or AVX2 CPU: the C kernel (kernels/csrc/linear_q4_cpu.c: integer dots on
         # 8-bit-rounded inputs, the same bits on both ISAs); one type per projection (Q4_1 keeps its min).
         kinds = {p.qtype for p in pieces}
-        self.c_packed = None
-        if dtype == torch.bfloat16 and len(kinds) == 1 and cpu_linear.q4_available():
+        self.c_packed = self.f32_packed = None
+        if dtype == torch.float32 and cpu_linear.q4_available():
+            self.f32_packed = cpu_linear_f32.pack_q4_f32(codes, d, m, self.group)
+        elif dtype == torch.bfloat16 and len(kinds) == 1 and cpu_linear.q4_available():
             # the kernel keeps d and m as float16: GGUF's are; a GPTQ/AWQ group's m = -z s is rounded to
             # float16 here (relative error <= 2**-12, below bfloat16's rounding of the weight it adds to)
             self.c_packed = cpu_linear.pack_q4(codes, d, m.half().float() if kinds == {"Q4_1"} else None,
                                                self.group, self.perm)
-        if self.c_packed is None:
+        if self.c_packed is None and self.f32_packed is None:
             # PyTorch's kernel takes groups of 32 to 256 inputs: a larger group is given as runs of its largest
             self.torch_group = next(g for g in TORCH_GROUPS if self.group % g == 0)
             d, m = (t.repeat_interleave(self.group // self.torch_group, dim=1) for t in (d, m))
@@ -189,8 +195,11 @@ class Int4Linear:
     def nbytes(self) -> int:
         """Bytes held (codes + scales and zeros + the input order)."""
         if self.c_packed is not None:
-            return self.c_packed.nbytes
-        return self.packed.nbytes + self.scales_and_zeros.nbytes + (0 if self.perm is None else self.perm.nbytes)
+            return self.c_packed.nbytes  # its input order included
+        perm = 0 if self.perm is None else self.perm.nbytes
+        if self.f32_packed is not None:
+            return self.f32_packed.nbytes + perm
+        return self.packed.nbytes + self.scales_and_zeros.nbytes + perm
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -208,6 +217,10 @@ class Int4Linear:
         x2 = x.reshape(-1, self.in_features)
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
+        if self.f32_packed is not None:
+            y = cpu_linear_f32.linear_q4_f32(x2, self.f32_packed, bias,
+                                             None if residual is None else residual.reshape(-1, self.out_features))
+            return y.view(*lead, self.out_features)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.torch_group,
                                                        self.scales_and_zeros)
         y = y.view(*lead, self.out_features)

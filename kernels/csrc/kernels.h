@@ -80,6 +80,13 @@ int linear_fp8(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float
                const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
                int64_t k, int y_f32, int num_threads);
 
+/* linear_q4_f32_cpu.c */
+void linear_q4_f32_pack(const uint8_t *codes, const float *d, const float *m, int64_t n, int64_t k, int64_t group,
+                        uint8_t *codes_out, float *scales_out);
+int linear_q4_f32(const float *x, int64_t ldx, const uint8_t *codes, const float *scales, int64_t group,
+                  const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy, int64_t m,
+                  int64_t n, int64_t k, int num_threads);
+
 /* linear_w8a8_cpu.c */
 void linear_w8a8_pack(const int8_t *codes, int64_t n, int64_t k, int8_t *codes_out, int32_t *col_sums);
 int linear_w8a8(const uint16_t *x, int64_t ldx, const int8_t *codes, const int32_t *col_sums, const float *scales,

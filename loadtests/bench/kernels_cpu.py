@@ -1,6 +1,6 @@
 """CPU kernels: the C kernels of ``kernels/csrc/`` against the paths they replace.
 
-    python -m loadtests.bench.kernels_cpu [--repeats 20] [--threads 2]
+    python -m loadtests.bench.kernels_cpu [--repeats 20] [--threads 2] [--only q4-f32]
 
 Attention (``kernels.cpu_attention`` vs ``kernels.torch_attention``, the
 PyTorch path: gather + block-diagonal bmm), SmolLM2-135M's shapes (9 query
@@ -12,7 +12,10 @@ values coming from DRAM, as in an engine step. Linear layers (``kernels.cpu_line
 bfloat16 GEMM, ``mkldnn._linear_pointwise``) at SmolLM2's five weight shapes
 and 1, 8, 32, 64 and 256 rows. The 4-bit GGUF kernel (``cpu_linear.pack_q4``)
 against the bfloat16 one on the same weights, over a 30-layer pass (weights
-streaming from memory) at 1, 2, 3, 8 and 64 rows. Each line prints the C kernel's time over the
+streaming from memory) at 1, 2, 3, 8 and 64 rows. The float32 4-bit kernel
+(``kernels.cpu_linear_f32``) against PyTorch's int4 matmul in float32
+(``_weight_int4pack_mm_for_cpu``), one layer's four projections at 1, 2, 8 and
+64 rows. ``--only`` runs one group. Each line prints the C kernel's time over the
 baseline's (medians of ``--repeats`` calls, the two interleaved call by
 call), so < 1 means the C kernel is faster. OpenMP's pool sleeps between
 calls (``OMP_WAIT_POLICY=PASSIVE`` unless set; set below when run as a
@@ -33,7 +36,7 @@ if __name__ == "__main__":   # this program's threading policy, before torch is 
 
 import torch  # noqa: E402  (after the policy above)
 
-from kernels import cpu_attention, cpu_linear, torch_attention  # noqa: E402
+from kernels import cpu_attention, cpu_linear, cpu_linear_f32, torch_attention  # noqa: E402
 from kernels.reference import reference_paged_attention, relative_error  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -169,21 +172,52 @@ def bench_linear_q4(repeats: int) -> None:
     print("linear 4-bit/bf16, 30-layer pass  " + "  ".join(row))
 
 
+def bench_linear_q4_f32(repeats: int) -> None:
+    """The float32 4-bit kernel against PyTorch's int4 matmul in float32, on one layer of SmolLM2's
+    four projections (PyTorch's runs scalar code: a 30-layer pass would take seconds a call)."""
+    g = torch.Generator().manual_seed(2)
+    pairs = []
+    for n, k in SHAPES[:4]:
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+        d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+        m = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+        torch_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        scales_and_zeros = torch.stack([d.t(), (m + 8 * d).t()], dim=-1).contiguous()
+        pairs.append((cpu_linear_f32.pack_q4_f32(codes, d, m, 32), (torch_packed, scales_and_zeros), k))
+    row = []
+    for rows in (1, 2, 8, 64):
+        xs = {k: torch.randn((rows, k), generator=g) for k in (576, 1536)}
+        c, base = interleaved_ms(
+            lambda: [cpu_linear_f32.linear_q4_f32(xs[k], a) for a, _, k in pairs],
+            lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k], w, 32, sz) for _, (w, sz), k in pairs],
+            max(3, repeats // 4))
+        row.append(f"M={rows}: {c / base:.3f}x")
+    print("linear 4-bit float32 C/PyTorch, one layer  " + "  ".join(row))
+
+
+GROUPS = ("attention", "linear", "q4", "q4-f32")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=20, help="calls of each kernel per case")
     p.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (None: torch's default)")
+    p.add_argument("--only", choices=GROUPS, default=None, help="run one group of cases")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"threads {torch.get_num_threads()}; C kernel build: {cpu_attention.available() or 'ok'}; "
           f"C linear body: {cpu_linear.isa()} ($TANDEM_CPU_MARCH picks the build)")
-    bench_attention(args.repeats)
-    bench_attention_sweep(args.repeats)
-    if cpu_linear.available():
+    run = set(GROUPS) if args.only is None else {args.only}
+    if "attention" in run:
+        bench_attention(args.repeats)
+        bench_attention_sweep(args.repeats)
+    if "linear" in run and cpu_linear.available():
         bench_linear(args.repeats)
-    if cpu_linear.q4_available():
+    if "q4" in run and cpu_linear.q4_available():
         bench_linear_q4(args.repeats)
+    if "q4-f32" in run and cpu_linear.q4_available():
+        bench_linear_q4_f32(args.repeats)
 
 
 if __name__ == "__main__":

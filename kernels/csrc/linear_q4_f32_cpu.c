@@ -1,0 +1,165 @@
+/* 4-bit weights (GGUF Q4_0/Q4_1, GPTQ/AWQ/compressed-tensors 4-bit groups)
+ * under float32 activations: y = x @ W.T (+ bias) (+ residual), all float32.
+ * Built with the other kernels by kernels/cpu_build.py, called from
+ * kernels/cpu_linear_f32.py (engine.layers.quant_linear.Int4Linear with
+ * dtype float32, where PyTorch's _weight_int4pack_mm_for_cpu runs scalar
+ * code: ~0.6 GFLOP/s, a 135M model's decode step of 2 rows in 2.3 s).
+ *
+ * The arithmetic, one rule for every body (AVX-512, AVX2/FMA, portable), so
+ * every body gives the same bits: each weight is rebuilt as w = fmaf(d, q, m)
+ * (d, m float32 per group of `group` inputs; for float16 d and codes q < 16,
+ * d * q is exact, so w is the gguf package's float32 dequantization d * q + m
+ * bit for bit), each output is one float32 accumulator over the inputs in
+ * their packed order, acc = fmaf(x[i], w[i], acc) from 0, then (acc + bias) and
+ * then residual + that, each one float32 addition (PyTorch's order on the
+ * int4 matmul's result). A row's bits depend on that row alone: batch-
+ * invariant for any row count.
+ *
+ * Layout (linear_q4_f32_pack): per panel of 32 output columns, codes
+ * [k][16] bytes, byte j holding column j (low nibble) and column 16 + j (high
+ * nibble) at input i; scales float32 [panel][k / group][2][32]: d, then m.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "kernels.h"
+
+#define QF_PANEL 32 /* output columns per panel */
+#define QF_ROWS 3   /* rows per register tile (its accumulators: 2 zmm or 4 ymm a row) */
+#define QF_BYTES (QF_PANEL / 2)
+
+/* Pack codes [n, k] (uint8, 0..15) and d, m [n, k / group] (float32) into the layout above; padded columns
+ * get code 0 and d = m = 0. */
+void linear_q4_f32_pack(const uint8_t *codes, const float *d, const float *m, int64_t n, int64_t k, int64_t group,
+                        uint8_t *codes_out, float *scales_out) {
+    const int64_t panels = (n + QF_PANEL - 1) / QF_PANEL, groups = k / group;
+    for (int64_t p = 0; p < panels; p++) {
+        for (int64_t i = 0; i < k; i++)
+            for (int64_t j = 0; j < QF_BYTES; j++) {
+                const int64_t lo = p * QF_PANEL + j, hi = lo + QF_BYTES;
+                const uint8_t a = lo < n ? codes[lo * k + i] & 15 : 0, b = hi < n ? codes[hi * k + i] & 15 : 0;
+                codes_out[(p * k + i) * QF_BYTES + j] = (uint8_t)(a | b << 4);
+            }
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t c = 0; c < QF_PANEL; c++) {
+                const int64_t col = p * QF_PANEL + c;
+                float *s = scales_out + ((p * groups + g) * 2) * QF_PANEL;
+                s[c] = col < n ? d[col * groups + g] : 0.0f;
+                s[QF_PANEL + c] = col < n ? m[col * groups + g] : 0.0f;
+            }
+    }
+}
+
+/* Write a tile's sums: y[r][col0 + c] = residual + (acc + bias), for the columns below n. */
+static void store_tile(int rows, float acc[QF_ROWS][QF_PANEL], int64_t col0, int64_t n, const float *bias,
+                       const float *residual, int64_t ldr, float *y, int64_t ldy) {
+    const int64_t cols = n - col0 < QF_PANEL ? n - col0 : QF_PANEL;
+    for (int r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) {
+            float v = acc[r][c];
+            if (bias) v = v + bias[col0 + c];
+            if (residual) v = residual[r * ldr + col0 + c] + v;
+            y[r * ldy + col0 + c] = v;
+        }
+}
+
+#if defined(__AVX512F__)
+/* Up to QF_ROWS rows x one panel, 16 columns a vector. */
+static void panel_tile(int rows, const float *x, int64_t ldx, const uint8_t *codes, const float *scales,
+                       int64_t group, int64_t k, float out[QF_ROWS][QF_PANEL]) {
+    __m512 acc[QF_ROWS][2];
+    for (int r = 0; r < QF_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const __m128i low = _mm_set1_epi8(15);
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+        const float *s = scales + g0 / group * 2 * QF_PANEL;
+        const __m512 d0 = _mm512_loadu_ps(s), d1 = _mm512_loadu_ps(s + 16);
+        const __m512 m0 = _mm512_loadu_ps(s + 32), m1 = _mm512_loadu_ps(s + 48);
+        for (int64_t i = g0; i < g0 + group; i++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(codes + i * QF_BYTES));
+            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low)));
+            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low)));
+            const __m512 w0 = _mm512_fmadd_ps(d0, q0, m0), w1 = _mm512_fmadd_ps(d1, q1, m1);
+            for (int r = 0; r < rows; r++) {
+                const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
+                acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm512_storeu_ps(out[r], acc[r][0]);
+        _mm512_storeu_ps(out[r] + 16, acc[r][1]);
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* Up to QF_ROWS rows x one panel, 8 columns a vector. */
+static void panel_tile(int rows, const float *x, int64_t ldx, const uint8_t *codes, const float *scales,
+                       int64_t group, int64_t k, float out[QF_ROWS][QF_PANEL]) {
+    __m256 acc[QF_ROWS][4];
+    for (int r = 0; r < QF_ROWS; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+    const __m128i low = _mm_set1_epi8(15);
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+        const float *s = scales + g0 / group * 2 * QF_PANEL;
+        for (int64_t i = g0; i < g0 + group; i++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(codes + i * QF_BYTES));
+            const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+            __m256 w[4];
+            w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+            w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+            w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+            w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+            for (int j = 0; j < 4; j++)
+                w[j] = _mm256_fmadd_ps(_mm256_loadu_ps(s + 8 * j), w[j], _mm256_loadu_ps(s + QF_PANEL + 8 * j));
+            for (int r = 0; r < rows; r++) {
+                const __m256 xv = _mm256_set1_ps(x[r * ldx + i]);
+                for (int j = 0; j < 4; j++) acc[r][j] = _mm256_fmadd_ps(xv, w[j], acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out[r] + 8 * j, acc[r][j]);
+}
+#else
+/* Up to QF_ROWS rows x one panel, one column at a time (fmaf: libm's exact fused multiply-add). */
+static void panel_tile(int rows, const float *x, int64_t ldx, const uint8_t *codes, const float *scales,
+                       int64_t group, int64_t k, float out[QF_ROWS][QF_PANEL]) {
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < QF_PANEL; c++) out[r][c] = 0.0f;
+    for (int64_t i = 0; i < k; i++) {
+        const float *s = scales + i / group * 2 * QF_PANEL;
+        for (int c = 0; c < QF_PANEL; c++) {
+            const uint8_t b = codes[i * QF_BYTES + c % QF_BYTES];
+            const float w = fmaf(s[c], (float)(c < QF_BYTES ? b & 15 : b >> 4), s[QF_PANEL + c]);
+            for (int r = 0; r < rows; r++) out[r][c] = fmaf(x[r * ldx + i], w, out[r][c]);
+        }
+    }
+}
+#endif
+
+/* y [m, n] = x [m, k] @ W.T (+ bias [n]) (+ residual [m, n]), all float32, for W packed by linear_q4_f32_pack
+ * with the same group (a multiple of 32 dividing k); row strides ldx, ldr, ldy. Work items are panels, each
+ * running all m rows in tiles of QF_ROWS: a row's bits do not depend on m. Returns 0, or 1 for a group that
+ * does not fit. */
+int linear_q4_f32(const float *x, int64_t ldx, const uint8_t *codes, const float *scales, int64_t group,
+                  const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy, int64_t m,
+                  int64_t n, int64_t k, int num_threads) {
+    if (group <= 0 || group % 32 || k % group) return 1;
+    const int64_t panels = (n + QF_PANEL - 1) / QF_PANEL;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+    for (int64_t p = 0; p < panels; p++) {
+        float out[QF_ROWS][QF_PANEL];
+        for (int64_t r0 = 0; r0 < m; r0 += QF_ROWS) {
+            const int rows = m - r0 < QF_ROWS ? (int)(m - r0) : QF_ROWS;
+            panel_tile(rows, x + r0 * ldx, ldx, codes + p * k * QF_BYTES, scales + p * (k / group) * 2 * QF_PANEL,
+                       group, k, out);
+            store_tile(rows, out, p * QF_PANEL, n, bias, residual ? residual + r0 * ldr : 0, ldr, y + r0 * ldy,
+                       ldy);
+        }
+    }
+    return 0;
+}
