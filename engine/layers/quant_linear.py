@@ -62,7 +62,17 @@ class GGUFBlocks:
     perm: ClassVar[None] = None  # the inputs in order (a checkpoint's act-order weight says its own)
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [out_features, in_features] (the ``gguf`` package's dequantization)."""
+        """float32 [out_features, in_features]: the ``gguf`` package's dequantization, bit for bit
+        (Q4_0 d (q - 8), Q4_1 d q + m, Q8_0 d q: each product exact, one rounding at most), computed here
+        over whole tensors for those types (the package's numpy path takes ~0.8 s for SmolLM2's 210;
+        tests/engine/test_quant_linear.py pins the two together); other types through the package."""
+        if self.qtype in INT4_TYPES:
+            codes, d, m = self._int4_blocks()
+            n, k = self.shape
+            return (codes.float() * d[..., None] + m[..., None]).view(n, k)
+        if self.qtype == "Q8_0":
+            codes, d = q8_codes_d(self)
+            return (codes.float().view(*d.shape, GROUP) * d[..., None]).view(self.shape)
         import gguf
 
         arr = gguf.quants.dequantize(self.data, gguf.GGMLQuantizationType[self.qtype])
@@ -91,22 +101,30 @@ class GGUFBlocks:
         Raises:
             ValueError: not a Q4_0/Q4_1 tensor, or its data does not match its shape.
         """
+        codes, d, m = self._int4_blocks()
+        return codes.view(self.shape).to(torch.int32), d, m
+
+    def _int4_blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """codes uint8 [out, in // 32, 32] (byte j of a block: element j low, j + 16 high), d and m
+        float32 [out, in // 32]."""
         if self.qtype not in INT4_TYPES:
             raise ValueError(f"{self.qtype} is not a 4-bit type ({sorted(INT4_TYPES)})")
         n, k = self.shape
         nbytes = INT4_TYPES[self.qtype]
         if k % GROUP or self.data.size != n * (k // GROUP) * nbytes:
             raise ValueError(f"{self.qtype} data of {self.data.size} bytes does not encode a {n}x{k} weight")
-        blocks = np.ascontiguousarray(self.data).reshape(n, k // GROUP, nbytes)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        blocks = _tensor(self.data).view(n, k // GROUP, nbytes)
+        d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
         if self.qtype == "Q4_0":
-            m = -8 * d
-            qs = blocks[..., 2:18]
+            m, qs = -8 * d, blocks[..., 2:18]
         else:
-            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-            qs = blocks[..., 4:20]
-        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k).astype(np.int32)
-        return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m)
+            m, qs = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float(), blocks[..., 4:20]
+        return torch.cat([qs & 0x0F, qs >> 4], dim=-1), d, m
+
+
+def _tensor(data: np.ndarray) -> torch.Tensor:
+    """A GGUF tensor's bytes (often a read-only view of the memory-mapped file) as a uint8 tensor of its own."""
+    return torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
 
 
 def q8_codes_d(blocks: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,10 +137,9 @@ def q8_codes_d(blocks: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = blocks.shape
     if blocks.qtype != "Q8_0" or k % GROUP or blocks.data.size != n * (k // GROUP) * 34:
         raise ValueError(f"{blocks.qtype} data of {blocks.data.size} bytes is not a Q8_0 {n}x{k} weight")
-    raw = np.ascontiguousarray(blocks.data).reshape(n, k // GROUP, 34)
-    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    codes = raw[..., 2:].copy().view(np.int8).reshape(n, k)
-    return torch.from_numpy(codes), torch.from_numpy(d)
+    raw = _tensor(blocks.data).view(n, k // GROUP, 34)
+    d = raw[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    return raw[..., 2:].contiguous().view(torch.int8).reshape(n, k), d
 
 
 # the group sizes PyTorch's int4 CPU matmul takes (aten._weight_int4pack_mm_for_cpu's qGroupSize)

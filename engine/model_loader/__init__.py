@@ -183,7 +183,7 @@ def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
         MemoryError: the weights do not fit, naming their size.
     """
     try:
-        return model.to_empty(device=device).to(dtype)
+        return model.to(dtype).to_empty(device=device)  # converted on meta: no float32 copy is allocated
     except (torch.OutOfMemoryError, RuntimeError) as e:
         n = sum(p.numel() for p in model.parameters()) * torch.finfo(dtype).bits // 8
         raise MemoryError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -152,18 +153,56 @@ def _assert_last_logits_match(args, ours, config, model) -> None:
 def test_open_gguf_reads_what_the_gguf_package_reads():
     """engine.gguf_file's reader (a plain ndarray over the mapping) parses the same fields and tensors as
     gguf.GGUFReader itself over its np.memmap."""
-    import gguf
-    import numpy as np
-
-    from engine.config import default_model_path
     from engine.gguf_file import open_gguf
 
     ours, theirs = open_gguf(default_model_path()), gguf.GGUFReader(default_model_path())
     assert type(ours.data) is np.ndarray
-    assert list(ours.fields) == list(theirs.fields)
-    for key, field in theirs.fields.items():
-        assert ours.fields[key].contents() == field.contents(), key
+    _assert_same_fields(ours, theirs)
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     for a, b in zip(ours.tensors, theirs.tensors):
         assert (a.tensor_type, list(a.shape), a.data_offset) == (b.tensor_type, list(b.shape), b.data_offset)
         assert np.array_equal(a.data, b.data), a.name
+
+
+def _assert_same_fields(ours, theirs) -> None:
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert mine.contents() == field.contents(), key
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), key
+        assert sum(int(p.nbytes) for p in mine.parts) == sum(int(p.nbytes) for p in field.parts), key
+        if field.types[0] == gguf.GGUFValueType.ARRAY and field.data:
+            assert mine.contents(len(field.data) - 1) == field.contents(len(field.data) - 1), key
+
+
+def test_open_gguf_reads_every_kind_of_array_as_the_package_does(tmp_path):
+    """Arrays of strings (empty, multi-byte UTF-8), of each number type, of bools, empty, nested, read per
+    array by engine.gguf_file, field for field as the package reads them; a file cut inside an array is a
+    ValueError naming the file."""
+    from engine.gguf_file import open_gguf
+
+    path = str(tmp_path / "arrays.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_array("t.strings", ["", "a", "héllo wörld", "\u4e2d\u6587", "x" * 300])
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, -1.25, 3e38])
+    w.add_array("t.bools", [True, False, True])
+    w.add_array("t.empty", [])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_string("t.one", "single")
+    w.add_uint32("t.number", 7)
+    w.add_tensor("w", np.arange(32, dtype=np.float32).reshape(2, 16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = open_gguf(path), gguf.GGUFReader(path)
+    _assert_same_fields(ours, theirs)
+    assert ours.fields["t.strings"].contents() == ["", "a", "héllo wörld", "\u4e2d\u6587", "x" * 300]
+    assert np.array_equal(ours.tensors[0].data, theirs.tensors[0].data)
+    raw = open(path, "rb").read()
+    cut = str(tmp_path / "cut.gguf")
+    with open(cut, "wb") as f:
+        f.write(raw[:raw.index(b"x" * 300) + 100])
+    with pytest.raises(ValueError, match="truncated or corrupt GGUF"):
+        open_gguf(cut)

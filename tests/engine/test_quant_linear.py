@@ -32,6 +32,32 @@ def test_scale_and_zero_reproduce_dequantization(qtype):
     torch.testing.assert_close(blocks.dequantize(), ref, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_dequantize_is_the_gguf_packages_bit_for_bit(qtype):
+    """GGUFBlocks.dequantize (torch, whole tensors) against the gguf package's numpy dequantization, on rows
+    whose magnitudes span 1e-7..1e4 (subnormal float16 scales, Q4_1 mins that round) and a real checkpoint's."""
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((64, 256)) * np.logspace(-7, 4, 64)[:, None]
+         + rng.uniform(-1, 1, (64, 1)) * np.logspace(-7, 4, 64)[:, None]).astype(np.float32)
+    qt = gguf.GGMLQuantizationType[qtype]
+    blocks = GGUFBlocks(qtype, (64, 256), gguf.quants.quantize(w, qt))
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(np.array(gguf.quants.dequantize(blocks.data, qt))))
+
+
+def test_dequantize_matches_the_package_on_smollm2():
+    from engine.config import default_model_path
+    from engine.gguf_file import open_gguf
+
+    checked = set()
+    for t in open_gguf(default_model_path()).tensors[:12]:
+        if t.tensor_type.name in ("Q4_0", "Q4_1", "Q8_0"):
+            blocks = GGUFBlocks(t.tensor_type.name, tuple(int(x) for x in reversed(t.shape.tolist())), t.data)
+            ref = gguf.quants.dequantize(blocks.data, t.tensor_type).reshape(blocks.shape)
+            assert torch.equal(blocks.dequantize(), torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32)))
+            checked.add(blocks.qtype)
+    assert checked == {"Q4_1", "Q8_0"}
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 def test_int4_linear_matches_dequantized_weight(qtype):
     (a, wa), (b, wb) = _blocks(qtype, 32, 64, 1), _blocks(qtype, 16, 64, 2)
