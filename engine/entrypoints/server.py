@@ -68,6 +68,12 @@ from engine.serving.tokenization import OpenAIServingTokenization
 logger = logging.getLogger("tandem.server")
 
 
+# seconds an idle client connection is kept open: longer than the clients' own idle expiry (httpx and so the
+# openai SDK: 5 s; uvicorn's default is also 5), so that a client never sends a request on a connection the
+# server is closing at that moment (a "connection reset" the SDK retries and a client without retries sees)
+KEEP_ALIVE_S = 30
+
+
 class EngineServer(uvicorn.Server):
     """uvicorn's ``Server`` with the echo window of :data:`SIGNAL_ECHO_S` on its stop signals; ``stop_signal``:
     the signal it stopped on (None: none yet)."""
@@ -422,7 +428,8 @@ def run_server(args: argparse.Namespace) -> int:
                     api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
                     log_requests=args.log_requests, max_log_len=args.max_log_len)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=int(args.drain_timeout) + 5, lifespan="on")
+                            timeout_graceful_shutdown=int(args.drain_timeout) + 5, lifespan="on",
+                            timeout_keep_alive=KEEP_ALIVE_S)
     server = EngineServer(config)
     try:
         server.run()

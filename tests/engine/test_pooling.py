@@ -110,13 +110,14 @@ async def test_engine_server_serves_embeddings(tiny_model, llm):
     import openai
     import uvicorn
 
-    from engine.entrypoints.server import build_app
+    from engine.entrypoints.server import KEEP_ALIVE_S, build_app
     from tests.conftest import free_port
 
     engine = AsyncEngine(EngineArgs(model=tiny_model, dtype="float32", kv_cache_memory="16MiB",
                                     engine_core_process=False, served_model_name="tiny"))
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     task = asyncio.create_task(server.serve())
     try:
         while not (server.started and engine.ready):

@@ -19,7 +19,7 @@ import uvicorn
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineArgs
-from engine.entrypoints.server import build_app
+from engine.entrypoints.server import KEEP_ALIVE_S, build_app
 from loadtests.procs import Server, free_port, tandem_cmd
 from tests.tiny_models import save_byte_level_llama
 
@@ -45,7 +45,8 @@ def test_requests_during_the_model_load_get_503_engine_loading(tiny_model):
     engine = GatedEngine(EngineArgs(model=tiny_model, kv_cache_memory="64MiB", served_model_name="tiny"))
     engine.gate = threading.Event()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
@@ -231,3 +232,23 @@ def test_serve_flags_refuse_what_vllm_would_not_take(tmp_path, capsys, caplog):
         assert run_server(parser.parse_args([str(tmp_path / "a.gguf"), *flags])) == 2, flags
         assert f"{flags[0]}" in caplog.text and needle in caplog.text, caplog.text
 
+
+
+def test_serve_keeps_idle_connections_longer_than_clients_do(tmp_path, monkeypatch):
+    """``tandem engine serve`` keeps an idle connection open past the 5 s after which httpx (so the openai SDK)
+    drops it: with uvicorn's 5 s the two expire together and a request sent on a connection the server is
+    closing is reset (seen as an APIConnectionError by a client without retries)."""
+    import argparse
+
+    import httpx
+
+    from engine.entrypoints import server as server_module
+
+    seen = {}
+    monkeypatch.setattr(server_module.EngineServer, "run", lambda self: seen.setdefault("config", self.config))
+    parser = argparse.ArgumentParser(prog="tandem engine serve")
+    server_module.add_serve_args(parser)
+    path = save_byte_level_llama(tmp_path)
+    assert server_module.run_server(parser.parse_args([path])) == 1   # never started: the stub returned at once
+    assert seen["config"].timeout_keep_alive == server_module.KEEP_ALIVE_S
+    assert server_module.KEEP_ALIVE_S > httpx.Limits().keepalive_expiry

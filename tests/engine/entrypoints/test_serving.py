@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineArgs
-from engine.entrypoints.server import build_app
+from engine.entrypoints.server import KEEP_ALIVE_S, build_app
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,8 @@ def start_server(**engine_kwargs) -> LiveServer:
     """``tandem engine serve`` in a thread: build_app + uvicorn on a free port."""
     engine = AsyncEngine(EngineArgs(**engine_kwargs))
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + 300

@@ -43,13 +43,14 @@ def _refused_bodies(max_model_len: int, vocab: int) -> list[tuple[str, dict]]:
 async def test_ttft_refuses_what_its_endpoint_refuses_with_the_same_error(tiny_model):
     import uvicorn
 
-    from engine.entrypoints.server import build_app
+    from engine.entrypoints.server import KEEP_ALIVE_S, build_app
     from tests.conftest import free_port
 
     engine = AsyncEngine(EngineArgs(model=tiny_model, dtype="float32", kv_cache_memory="16MiB",
                                     engine_core_process=False, served_model_name="tiny"))
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     task = asyncio.create_task(server.serve())
     try:
         while not (server.started and engine.ready):

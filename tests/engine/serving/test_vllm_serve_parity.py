@@ -58,13 +58,14 @@ def test_the_diff_of_a_generation_config_is_read_as_vllm_reads_it(tiny, tmp_path
 async def served(model: str, **args):
     import uvicorn
 
-    from engine.entrypoints.server import build_app
+    from engine.entrypoints.server import KEEP_ALIVE_S, build_app
     from tests.conftest import free_port
 
     engine = AsyncEngine(EngineArgs(model=model, dtype="float32", kv_cache_memory="16MiB", engine_core_process=False,
                                     **{"served_model_name": "tiny", **args}))
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     task = asyncio.create_task(server.serve())
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     try:
