@@ -47,6 +47,7 @@ import torch
 from engine.outputs import Logprob, PositionLogprobs
 from engine.core.request import Request
 from engine.worker.structured_outputs import GrammarBitmask, apply_token_bitmask
+from engine.worker.top_k_top_p import apply_top_k_top_p
 
 _U64 = (1 << 64) - 1
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them
@@ -190,7 +191,7 @@ class Sampler:
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         if any(top_k) or any(p < 1.0 for p in top_p):
-            x = _apply_top_k_top_p(x, top_k, top_p)  # only these rows are sorted
+            x = apply_top_k_top_p(x, top_k, top_p)  # only these rows are ranked
         probs = torch.softmax(x, dim=-1)
         if any(min_p):
             mp = _to_device(min_p, torch.float32, device).unsqueeze(1)
@@ -403,39 +404,6 @@ def _put(logits: torch.Tensor, rows: list[int], cols: list[int], values: torch.T
     device = logits.device
     return logits.index_put((_to_device(rows, torch.long, device), _to_device(cols, torch.long, device)), values,
                             accumulate=accumulate)
-
-
-def _apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask (``-inf``) tokens outside each row's top-k (0 = off) and outside
-    its nucleus (top_p = 1: off). Out of place.
-
-    Only the rows that use either are touched. When each of them has a top-k,
-    the candidates come from one ``topk(max k)`` (cheap); otherwise from one
-    descending sort of those rows (a vocabulary-wide sort is the expensive
-    part of sampling on CPU)."""
-    device = x.device
-    vocab = x.shape[-1]
-    rows = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k or p < 1.0]
-    ks = [min(top_k[i], vocab) if top_k[i] else vocab for i in rows]
-    ps = [top_p[i] for i in rows]
-    all_rows = len(rows) == x.shape[0]
-    idx = None if all_rows else _to_device(rows, torch.long, device)
-    sub = x if all_rows else x[idx]
-    width = max(ks)
-    if width < vocab:
-        sorted_x, order = sub.topk(width, dim=-1)  # sorted, descending
-    else:
-        sorted_x, order = sub.sort(dim=-1, descending=True)
-    k = _to_device(ks, torch.long, device).unsqueeze(1)
-    mask = torch.arange(width, device=device).unsqueeze(0) >= k
-    if any(p < 1.0 for p in ps):
-        probs = torch.softmax(sorted_x.masked_fill(mask, float("-inf")), dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        p = _to_device(ps, torch.float32, device).unsqueeze(1)
-        mask |= (mass_before >= p) & (p < 1.0)
-    mask[:, 0] = False  # the most likely token always survives
-    kept = torch.full_like(sub, float("-inf")).scatter(1, order, sorted_x.masked_fill(mask, float("-inf")))
-    return kept if all_rows else x.index_copy(0, idx, kept)
 
 
 def _token_mask(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
