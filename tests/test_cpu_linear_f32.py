@@ -72,7 +72,8 @@ def test_fma_model_is_exact():
 def test_every_body_is_its_rule_bit_for_bit(build, n, k, group, rows):
     codes, d, m = _weight(n, k, group, n + k)
     g = torch.Generator().manual_seed(rows)
-    x, bias, residual = torch.randn(rows, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, n, generator=g)
+    x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    residual = torch.randn(rows, n, generator=g)
     packed = cpu_linear_f32.pack_q4_f32(codes, d, m, group)
     assert torch.equal(cpu_linear_f32.linear_q4_f32(x, packed, bias, residual),
                        _model(x, codes, d, m, group, bias, residual))

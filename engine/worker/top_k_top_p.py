@@ -3,11 +3,11 @@
 A row's tokens are ranked by logit, descending, ties by token id (its canonical order). Top-k keeps the
 first k; top-p then keeps a token when the probability mass ranked before it, over the tokens top-k kept,
 is below p (the most likely token always stays), as HF's ``TopPLogitsWarper`` and vLLM's sampler do.
-The mass is summed in ranked order in float64 (``torch.cumsum``: a sequential loop, so a position's sum does
-not depend on how many positions follow it) over the float32 ``exp(logit - max)``; the total it is compared
-with is the same prefix sum at k, or, without top-k, the same sum over the whole row in token order. Each decision reads
-only its own row, in a fixed order: a row's mask does not depend on the other rows of its batch nor on how
-many candidates were ranked.
+The mass is summed in ranked order in float64 (``torch.cumsum``: a sequential loop, so a position's sum
+does not depend on how many positions follow it) over the float32 ``exp(logit - max)``; the total it is
+compared with is the same prefix sum at k, or, without top-k, the same sum over the whole row in token
+order. Each decision reads only its own row, in a fixed order: a row's mask does not depend on the other
+rows of its batch nor on how many candidates were ranked.
 
 A vocabulary-wide sort costs ~3-5 ms a row on CPU (49,152 tokens; 180-250 ms for 64 rows, more than a
 decode step), so the rows are first ranked over their best :data:`CANDIDATES` tokens (``topk``: ~0.15 ms a
@@ -30,9 +30,10 @@ CANDIDATES = (256, 4096)
 
 def apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """``x`` [n, vocab] float32 logits with the tokens outside each row's top-k (0: off) and its nucleus
-    (``top_p`` 1: off) set to ``-inf``; out of place. Rows using neither are returned as they are."""
+    (``top_p`` 1: off; a top-k of the vocabulary or more keeps every token) set to ``-inf``; out of place.
+    Rows using neither are returned as they are."""
     vocab = x.shape[-1]
-    rows = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k or p < 1.0]
+    rows = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if 0 < k < vocab or p < 1.0]
     if not rows:
         return x
     device = x.device

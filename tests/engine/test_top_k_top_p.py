@@ -60,6 +60,7 @@ def test_rows_without_either_are_left_alone_and_the_batch_is_not_changed():
     assert torch.equal(x, before) and torch.equal(out[0], x[0])
     assert int(torch.isfinite(out[1]).sum()) == 5
     assert apply_top_k_top_p(x, [0, 0, 0], [1.0, 1.0, 1.0]) is x
+    assert apply_top_k_top_p(x, [500, 10**6, 0], [1.0, 1.0, 1.0]) is x   # a top-k of the vocabulary or more
 
 
 def test_the_nucleus_is_the_smallest_set_reaching_p():
