@@ -48,10 +48,12 @@ serve: install
 
 # Test files run in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, so its
 # module fixtures are built once): many tests wait on servers and sockets, so two workers on two cores
-# finish well before one. TEST_WORKERS=0 runs everything in this process.
+# finish well before one; they take the files in the order tests/conftest.py gives (the slow ones first).
+# TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 2
 test: install-test chromium
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=15
 
 # The documentation site (mkdocs.yml, Material for MkDocs; the `docs` extra, which `make test` installs too):
 # the configuration reference is regenerated from the schema, then the site is built with --strict (any

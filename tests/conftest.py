@@ -57,6 +57,15 @@ def _triton_interpreter_dot_in_k_order():
         yield
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Files holding a ``slow`` test first, the rest after, each file's tests in their order. Under ``make
+    test``'s ``--dist loadfile --no-loadscope-reorder`` the two workers take files in this order, so the long
+    ones start early and the many short ones even out the end (xdist's default order, by test count, left
+    files of one long test for last, one worker idle meanwhile)."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)   # stable: the files' order is kept otherwise
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -12,6 +12,8 @@ from loadtests import cli
 from loadtests.client import RequestResult
 from loadtests.scenarios.canary_gated import last_gates, observed_share
 
+pytestmark = pytest.mark.slow   # a large workload: tests/conftest.py runs these files first
+
 
 def test_observed_share_and_last_gates():
     rs = [RequestResult(ok=True, start=10.0 + 0.25 * i, e2e=0.01, backend="canary" if i % 4 == 0 else "stable")

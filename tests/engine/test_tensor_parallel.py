@@ -23,6 +23,8 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.test_architectures import _check, _prompts, _reference, _save
 
+pytestmark = pytest.mark.slow   # a large workload: tests/conftest.py runs these files first
+
 transformers = pytest.importorskip("transformers")
 
 UNEVEN = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=16, intermediate_size=96)

@@ -15,6 +15,8 @@ import pytest
 
 from tests.gateway.support import GatewayProcess, engine_replicas, free_port, wait_until
 
+pytestmark = pytest.mark.slow   # a large workload: tests/conftest.py runs these files first
+
 SLO_MS = 400
 
 

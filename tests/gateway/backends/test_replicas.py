@@ -18,6 +18,8 @@ import pytest
 
 from tests.gateway.support import GatewayProcess, engine_replicas, wait_until
 
+pytestmark = pytest.mark.slow   # a large workload: tests/conftest.py runs these files first
+
 ENV = {"TANDEM_ADMIN_TOKEN": "admin-tok"}
 ADMIN = {"authorization": "Bearer admin-tok"}
 NAMES = ("r1", "r2", "r3")

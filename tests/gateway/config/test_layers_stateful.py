@@ -50,6 +50,8 @@ from tests.conftest import RedisServer
 from tests.gateway.config.layers_model import (PAIRS, STEPS, UNREACHABLE, Changes, Model, config_text, file_weights,
                                                split)
 
+pytestmark = pytest.mark.slow   # a large workload: tests/conftest.py runs these files first
+
 
 MIX = ["rollout"] * 4 + ["reload"] * 3 + ["rollback"] * 2 + ["ctl weights"] * 2 + ["restart", "redis outage"]
 ROLLOUT_OPS = ["compared pairs", "compared pairs", *sorted(ACTIONS), "start"]

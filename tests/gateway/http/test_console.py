@@ -15,6 +15,8 @@ import pytest
 
 from tests.gateway.support import FaultInjectorUpstream, GatewayProcess, gateway_on, sha, upstream_config, wait_until
 
+pytestmark = pytest.mark.slow   # a large workload: tests/conftest.py runs these files first
+
 TOKEN = "adm-console-0123"
 ADMIN = {"authorization": f"Bearer {TOKEN}"}
 KEY = "sk-tandem-console-acme-0123456789"

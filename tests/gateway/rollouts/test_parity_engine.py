@@ -13,6 +13,8 @@ import pytest
 from tests.gateway.rollouts.conftest import ADMIN_TOKEN, gateway
 from tests.gateway.support import engine_replicas
 
+pytestmark = pytest.mark.slow   # a large workload: tests/conftest.py runs these files first
+
 PROMPTS = ["Hello there", "Count: 1 2 3", "abc"]
 
 
