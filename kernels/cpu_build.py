@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention_cpu.c", CSRC / "linear_cpu.c", CSRC / "linear_q4_cpu.c",
-           CSRC / "linear_q4_f32_cpu.c", CSRC / "linear_w8a8_cpu.c", CSRC / "norm_act_cpu.c",
+           CSRC / "linear_f32_cpu.c", CSRC / "linear_w8a8_cpu.c", CSRC / "norm_act_cpu.c",
            CSRC / "decoder_cpu.c", CSRC / "decode_steps_cpu.c"]
 HEADERS = [CSRC / "common.h", CSRC / "kernels.h", CSRC / "bf16_panel.h", CSRC / "f32_panel.h", CSRC / "quant_f32.h",
            CSRC / "quant_int.h", CSRC / "quant_int512.h", CSRC / "quant_amx.h", CSRC / "attention_decode.h"]

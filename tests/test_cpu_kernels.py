@@ -110,7 +110,13 @@ def test_the_model_packs_bfloat16_weights_for_it(linear_build):
     assert isinstance(pw.get("w", weight), cpu_linear.PackedLinear)
     assert torch.equal(pw.linear("w", x, weight, bias, residual),
                        cpu_linear.linear(x, cpu_linear.pack(weight), bias, residual))
-    assert pw.get("f", weight.float()) is None  # float32 stays on F.linear
+    # float32: the float32 kernel's panels (kernels/cpu_linear_f32.py), row-invariant, never tiled
+    from kernels import cpu_linear_f32
+
+    w32, x32 = weight.float(), x.float()
+    assert isinstance(pw.get("f", w32), cpu_linear_f32.PackedF32Linear)
+    assert torch.equal(pw.linear("f", x32, w32, bias.float()),
+                       cpu_linear_f32.linear_f32(x32, cpu_linear_f32.pack_f32(w32), bias.float()))
 
 
 def test_rms_norm_is_the_float32_norm_rounded_once():

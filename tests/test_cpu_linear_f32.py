@@ -1,8 +1,8 @@
-"""The float32 4-bit kernel (kernels/csrc/linear_q4_f32_cpu.c, kernels/cpu_linear_f32.py): each of its
-bodies (portable C, AVX2/FMA, this CPU's own) against an exact model of its rule (w = fma(d, q, m), then
-one fused multiply-add per input into a float32 accumulator, then bias and residual), bit for bit; a
-row's bits whatever the row and thread counts; and ``Int4Linear`` in float32 running it on GGUF blocks
-and on an act-order checkpoint weight, against the dense product of their dequantization."""
+"""The float32 kernels (kernels/csrc/linear_f32_cpu.c, kernels/cpu_linear_f32.py), dense and 4-bit: each
+of their bodies (portable C, AVX2/FMA, this CPU's own) against an exact model of the rule (a 4-bit weight
+rebuilt as fma(d, q, m), then one fused multiply-add per input into a float32 accumulator, then bias and
+residual), bit for bit; a row's bits whatever the row and thread counts; ``Int4Linear`` in float32 running
+it on an act-order checkpoint weight; and the model's float32 projections on the dense kernel."""
 
 from __future__ import annotations
 
@@ -41,11 +41,15 @@ def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def _model(x, codes, d, m, group, bias, residual):
-    """The kernel's rule in torch: [rows, n] float32."""
+    """The 4-bit kernel's rule in torch: [rows, n] float32."""
     dd, mm = (t.repeat_interleave(group, dim=1) for t in (d, m))
-    w = _fma32(dd, codes.float(), mm)  # [n, k]
-    acc = torch.zeros(x.shape[0], codes.shape[0], dtype=torch.float32)
-    for i in range(codes.shape[1]):
+    return _dense_model(x, _fma32(dd, codes.float(), mm), bias, residual)
+
+
+def _dense_model(x, w, bias, residual):
+    """The dense kernel's rule in torch, w [n, k]: [rows, n] float32."""
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
+    for i in range(w.shape[1]):
         acc = _fma32(x[:, i:i + 1].expand_as(acc), w[:, i][None, :].expand_as(acc), acc)
     return residual + (acc + bias)
 
@@ -75,10 +79,10 @@ def test_every_body_is_its_rule_bit_for_bit(build, n, k, group, rows):
     x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
     residual = torch.randn(rows, n, generator=g)
     packed = cpu_linear_f32.pack_q4_f32(codes, d, m, group)
-    assert torch.equal(cpu_linear_f32.linear_q4_f32(x, packed, bias, residual),
+    assert torch.equal(cpu_linear_f32.linear_f32(x, packed, bias, residual),
                        _model(x, codes, d, m, group, bias, residual))
     zero = torch.zeros(n)
-    assert torch.equal(cpu_linear_f32.linear_q4_f32(x, packed), _model(x, codes, d, m, group, zero, zero[None]))
+    assert torch.equal(cpu_linear_f32.linear_f32(x, packed), _model(x, codes, d, m, group, zero, zero[None]))
 
 
 def test_a_row_has_its_bits_for_any_row_and_thread_count(build):
@@ -86,14 +90,14 @@ def test_a_row_has_its_bits_for_any_row_and_thread_count(build):
     packed = cpu_linear_f32.pack_q4_f32(codes, d, m, 64)
     g = torch.Generator().manual_seed(0)
     row = torch.randn(1, 192, generator=g)
-    alone = cpu_linear_f32.linear_q4_f32(row, packed)[0]
+    alone = cpu_linear_f32.linear_f32(row, packed)[0]
     threads = torch.get_num_threads()
     try:
         for rows, t in [(2, 1), (3, 2), (4, 1), (17, 2), (64, 3)]:
             torch.set_num_threads(t)
             batch = torch.randn(rows, 192, generator=g)
             batch[rows // 2] = row[0]
-            assert torch.equal(cpu_linear_f32.linear_q4_f32(batch, packed)[rows // 2], alone), (rows, t)
+            assert torch.equal(cpu_linear_f32.linear_f32(batch, packed)[rows // 2], alone), (rows, t)
     finally:
         torch.set_num_threads(threads)
 
@@ -106,9 +110,9 @@ def test_bad_shapes_are_refused():
         cpu_linear_f32.pack_q4_f32(codes + 16, d, m, 32)
     packed = cpu_linear_f32.pack_q4_f32(codes, d, m, 32)
     with pytest.raises(ValueError, match="float32"):
-        cpu_linear_f32.linear_q4_f32(torch.randn(2, 64).bfloat16(), packed)
+        cpu_linear_f32.linear_f32(torch.randn(2, 64).bfloat16(), packed)
     with pytest.raises(ValueError, match="residual"):
-        cpu_linear_f32.linear_q4_f32(torch.randn(2, 64), packed, residual=torch.randn(3, 32))
+        cpu_linear_f32.linear_f32(torch.randn(2, 64), packed, residual=torch.randn(3, 32))
 
 
 @pytest.mark.skipif(not cpu_linear.q4_available(), reason="no AVX2 or AVX512-BF16 C kernels here")
@@ -128,3 +132,34 @@ def test_int4_linear_in_float32_runs_it_on_an_act_order_checkpoint_weight():
     assert y.shape == (2, 3, n) and y.dtype == torch.float32
     torch.testing.assert_close(y, residual + x @ weight.dequantize().t(), atol=1e-5, rtol=1e-5)
     assert torch.equal(lin(x[1:2, 1:2]), lin(x)[1:2, 1:2])
+
+
+@pytest.mark.parametrize("n,k,rows", [(100, 96, 7), (32, 64, 1), (33, 40, 4)])
+def test_every_dense_body_is_its_rule_bit_for_bit(build, n, k, rows):
+    g = torch.Generator().manual_seed(n * k + rows)
+    w, x, bias = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    residual = torch.randn(rows, n, generator=g)
+    packed = cpu_linear_f32.pack_f32(w)
+    assert torch.equal(cpu_linear_f32.linear_f32(x, packed, bias, residual), _dense_model(x, w, bias, residual))
+    batch = torch.randn(70, k, generator=g)
+    alone = torch.cat([cpu_linear_f32.linear_f32(batch[i:i + 1], packed) for i in range(70)])
+    assert torch.equal(cpu_linear_f32.linear_f32(batch, packed), alone)
+    torch.testing.assert_close(cpu_linear_f32.linear_f32(batch, packed), batch @ w.t(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_linear.q4_available(), reason="no AVX2 or AVX512-BF16 C kernels here")
+def test_a_float32_model_runs_its_projections_on_the_dense_kernel(tmp_path):
+    """A float32 model's projections and head are packed for it, the projections' dense weights freed
+    (the HF-parity tests, tests/engine/test_engine_parity.py, check what the model computes with them)."""
+    from engine.config import EngineArgs
+    from engine.model_loader import load_model
+    from tests.tiny_models import save_byte_level_llama
+
+    path = save_byte_level_llama(tmp_path)
+    model, _, _ = load_model(EngineArgs(model=path, device="cpu", dtype="float32"))
+    model.prepack_weights()
+    layer = model.layers[0]
+    assert isinstance(layer.packed.get("qkv_proj", layer.qkv_proj.weight), cpu_linear_f32.PackedF32Linear)
+    assert layer.qkv_proj.weight.numel() == 0
+    assert isinstance(model.packed.get("lm_head", model.embed_tokens.weight if model.lm_head is None
+                                       else model.lm_head.weight), cpu_linear_f32.PackedF32Linear)

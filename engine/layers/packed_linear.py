@@ -12,7 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_linear
+from kernels import cpu_linear, cpu_linear_f32
+
+# the C kernels' packed forms, each batch-invariant for any row count (never tiled)
+C_PANELS = (cpu_linear.PackedLinear, cpu_linear_f32.PackedF32Linear)
 
 
 def c_panels_for(weight: torch.Tensor) -> bool:
@@ -22,8 +25,9 @@ def c_panels_for(weight: torch.Tensor) -> bool:
         and cpu_linear.available()
 
 
-def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | cpu_linear.PackedLinear | None:
-    """A packed copy of a bfloat16 [out, in] CPU weight, or None.
+def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | cpu_linear.PackedLinear | cpu_linear_f32.PackedF32Linear \
+        | None:
+    """A packed copy of a bfloat16 or float32 [out, in] CPU weight, or None.
 
     On a CPU with AVX512-BF16 or AVX2/FMA (and a C compiler): the C
     kernel's panels (:mod:`kernels.cpu_linear`), batch-invariant for every
@@ -33,11 +37,16 @@ def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | cpu_linear.PackedLinea
     blocked copy: ``torch.ops.mkldnn._linear_pointwise`` on it computes
     exactly ``F.linear`` (same bits) but skips oneDNN's per-call weight
     reorder (10-20 % faster at decode and prefill sizes, ~2x at batch 1).
-    float32 stays on ``F.linear`` (MKL): oneDNN's float32 results differ in
-    the last bits. The C panels replace the dense weights once packed
-    (``LlamaForCausalLM.prepack_weights``); oneDNN's copy doubles them.
+    float32 on those CPUs: the float32 C kernel's panels (``kernels.cpu_linear_f32``: one
+    fused-multiply-add chain per output, row-invariant, so no tiles zero-padded to 32 rows as MKL
+    needs); elsewhere ``F.linear`` (MKL; oneDNN's float32 results differ in the last bits). The C panels
+    replace the dense weights once packed (``LlamaForCausalLM.prepack_weights``); oneDNN's copy doubles them.
     """
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+    if weight.device.type != "cpu":
+        return None
+    if weight.dtype == torch.float32:
+        return cpu_linear_f32.pack_f32(weight.detach()) if cpu_linear.available() else None
+    if weight.dtype != torch.bfloat16:
         return None
     if c_panels_for(weight):
         return cpu_linear.pack(weight)
@@ -95,6 +104,8 @@ def _linear_call(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | c
     """One matmul call: ``x @ weight.T + bias (+ residual)``, through the packed copy when there is one."""
     if isinstance(packed, cpu_linear.PackedLinear):
         return cpu_linear.linear(x, packed, bias, residual)
+    if isinstance(packed, cpu_linear_f32.PackedF32Linear):
+        return cpu_linear_f32.linear_f32(x, packed, bias, residual)
     if packed is None:
         y = F.linear(x, weight, bias)
         return y if residual is None else residual + y
@@ -137,7 +148,7 @@ class PackedWeights:
 
     def nbytes(self) -> int:
         """Bytes of the packed copies held (the C kernel's panels, oneDNN's blocked weights)."""
-        return sum(p.nbytes if isinstance(p, cpu_linear.PackedLinear) else p.numel() * p.element_size()
+        return sum(p.nbytes if isinstance(p, C_PANELS) else p.numel() * p.element_size()
                    for _, _, p in self._entries.values() if p is not None)
 
     def release_dense(self, name: str, module: nn.Module) -> None:
@@ -151,8 +162,8 @@ class PackedWeights:
     def _needs_padding(self, weight: torch.Tensor, packed: torch.Tensor | cpu_linear.PackedLinear | None,
                        with_residual: bool) -> bool:
         """Whether this weight's shape and call kind need full, zero-padded tiles."""
-        if isinstance(packed, cpu_linear.PackedLinear):
-            return False  # the C kernel is row-invariant by construction; it is never tiled
+        if isinstance(packed, C_PANELS):
+            return False  # the C kernels are row-invariant by construction; they are never tiled
         key = (tuple(weight.shape), weight.dtype, packed is not None, with_residual)
         if key not in self._row_checks:
             self._row_checks[key] = not check_row_invariance(weight, packed, with_residual)
@@ -177,8 +188,8 @@ class PackedWeights:
         if x.device.type != "cpu":
             y = F.linear(x, weight, bias)
             return y if residual is None else residual + y
-        packed = self.get(name, weight) if weight.dtype == torch.bfloat16 else None
-        if not self.batch_invariant or isinstance(packed, cpu_linear.PackedLinear):  # the C kernel: any row count
+        packed = self.get(name, weight)
+        if not self.batch_invariant or isinstance(packed, C_PANELS):  # the C kernels: any row count
             return _linear_call(x, weight, packed, bias, residual)
         pad = self._needs_padding(weight, packed, residual is not None)
         rows = x.shape[0]

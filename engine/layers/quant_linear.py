@@ -19,10 +19,10 @@ In bfloat16 on a CPU with AVX512-BF16 or AVX2/FMA the C kernel of
 ``kernels/csrc/linear_q4_cpu.c`` runs them instead: the weights exact (d q +
 m in float32 sums, not scales rounded to bfloat16), batch-invariant, and
 part of the one-call decoder stack (``kernels/cpu_decoder.py``). In float32
-on those CPUs ``kernels/csrc/linear_q4_f32_cpu.c`` does (each weight the
+on those CPUs ``kernels/csrc/linear_f32_cpu.c`` does (each weight the
 gguf package's float32 value, one fused-multiply-add chain per output, the
 same bits on every body and for any batch): PyTorch's int4 matmul runs scalar
-code in float32 (``loadtests/bench/kernels_cpu.py --only q4-f32``).
+code in float32 (``loadtests/bench/kernels_cpu.py --only f32``).
 
 Q8_0 (and the k-quants) have no exact counterpart among PyTorch's CPU
 kernels (``_weight_int8pack_mm`` takes one scale per output row, Q8_0 has
@@ -235,7 +235,7 @@ class Int4Linear:
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
         if self.f32_packed is not None:
-            y = cpu_linear_f32.linear_q4_f32(x2, self.f32_packed, bias,
+            y = cpu_linear_f32.linear_f32(x2, self.f32_packed, bias,
                                              None if residual is None else residual.reshape(-1, self.out_features))
             return y.view(*lead, self.out_features)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.torch_group,

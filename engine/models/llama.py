@@ -426,19 +426,18 @@ class LlamaForCausalLM(nn.Module):
             uses += [(layer.packed, name, getattr(layer, name).weight, name in ("o_proj", "down_proj"))
                      for name in PROJECTIONS if name not in layer.int4]
         for packed, name, weight, with_residual in uses:
-            packed._needs_padding(weight, packed.get(name, weight) if weight.dtype == torch.bfloat16 else None,
-                                  with_residual)
+            packed._needs_padding(weight, packed.get(name, weight), with_residual)
 
     @torch.no_grad()
     def prepack_weights(self, release_dense: bool = True) -> None:
-        """Pack the bfloat16 CPU linear weights now (:func:`_pack_for_cpu`)
+        """Pack the bfloat16 and float32 CPU linear weights now (:func:`_pack_for_cpu`)
         rather than in the first forward pass, and choose the kernels for
         them; a no-op for other dtypes and devices. Weights loaded later are
         repacked when used (changed in place: once ``choose_kernels`` runs).
 
         Args:
             release_dense: free each decoder projection's dense weight once
-                the C kernel's panels hold it (``kernels.cpu_linear``), so the
+                the C kernel's panels hold it (``kernels.cpu_linear``, ``kernels.cpu_linear_f32``), so the
                 weights are not kept twice (-212 MB for SmolLM2-135M); the
                 parameter becomes an empty tensor and the layer can no longer
                 be reloaded or repacked. The embedding (also the tied

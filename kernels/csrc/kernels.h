@@ -80,7 +80,10 @@ int linear_fp8(const uint16_t *x, int64_t ldx, const uint8_t *codes, const float
                const float *bias, const uint16_t *residual, int64_t ldr, void *y, int64_t ldy, int64_t m, int64_t n,
                int64_t k, int y_f32, int num_threads);
 
-/* linear_q4_f32_cpu.c */
+/* linear_f32_cpu.c */
+void linear_f32_pack(const float *w, int64_t n, int64_t k, float *out);
+int linear_f32(const float *x, int64_t ldx, const float *panels, const float *bias, const float *residual,
+               int64_t ldr, float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads);
 void linear_q4_f32_pack(const uint8_t *codes, const float *d, const float *m, int64_t n, int64_t k, int64_t group,
                         uint8_t *codes_out, float *scales_out);
 int linear_q4_f32(const float *x, int64_t ldx, const uint8_t *codes, const float *scales, int64_t group,

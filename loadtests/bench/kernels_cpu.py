@@ -1,6 +1,6 @@
 """CPU kernels: the C kernels of ``kernels/csrc/`` against the paths they replace.
 
-    python -m loadtests.bench.kernels_cpu [--repeats 20] [--threads 2] [--only q4-f32]
+    python -m loadtests.bench.kernels_cpu [--repeats 20] [--threads 2] [--only f32]
 
 Attention (``kernels.cpu_attention`` vs ``kernels.torch_attention``, the
 PyTorch path: gather + block-diagonal bmm), SmolLM2-135M's shapes (9 query
@@ -12,10 +12,11 @@ values coming from DRAM, as in an engine step. Linear layers (``kernels.cpu_line
 bfloat16 GEMM, ``mkldnn._linear_pointwise``) at SmolLM2's five weight shapes
 and 1, 8, 32, 64 and 256 rows. The 4-bit GGUF kernel (``cpu_linear.pack_q4``)
 against the bfloat16 one on the same weights, over a 30-layer pass (weights
-streaming from memory) at 1, 2, 3, 8 and 64 rows. The float32 4-bit kernel
-(``kernels.cpu_linear_f32``) against PyTorch's int4 matmul in float32
-(``_weight_int4pack_mm_for_cpu``), one layer's four projections at 1, 2, 8 and
-64 rows. ``--only`` runs one group. Each line prints the C kernel's time over the
+streaming from memory) at 1, 2, 3, 8 and 64 rows. The float32 kernels
+(``kernels.cpu_linear_f32``), one layer's four projections: dense against MKL's
+GEMM in row tiles zero-padded to 32 rows (the engine's batch-invariant float32
+path before them) at 1-512 rows, 4-bit against PyTorch's int4 matmul in float32
+(``_weight_int4pack_mm_for_cpu``) at 1-64 rows. ``--only`` runs one group. Each line prints the C kernel's time over the
 baseline's (medians of ``--repeats`` calls, the two interleaved call by
 call), so < 1 means the C kernel is faster. OpenMP's pool sleeps between
 calls (``OMP_WAIT_POLICY=PASSIVE`` unless set; set below when run as a
@@ -172,30 +173,50 @@ def bench_linear_q4(repeats: int) -> None:
     print("linear 4-bit/bf16, 30-layer pass  " + "  ".join(row))
 
 
-def bench_linear_q4_f32(repeats: int) -> None:
-    """The float32 4-bit kernel against PyTorch's int4 matmul in float32, on one layer of SmolLM2's
-    four projections (PyTorch's runs scalar code: a 30-layer pass would take seconds a call)."""
+def _padded_tiles(x: torch.Tensor, weight: torch.Tensor, tile: int = 32) -> torch.Tensor:
+    """``F.linear`` the way the engine ran a float32 weight in batch-invariant mode before the C kernel:
+    row tiles zero-padded to ``tile`` rows (engine.layers.packed_linear's ROW_TILE)."""
+    rows = x.shape[0]
+    out = x.new_empty(rows, weight.shape[0])
+    for i in range(0, rows, tile):
+        xi = x[i:i + tile]
+        m = xi.shape[0]
+        if m < tile:
+            xi = torch.cat([xi, xi.new_zeros(tile - m, xi.shape[1])])
+        out[i:i + m] = torch.nn.functional.linear(xi, weight)[:m]
+    return out
+
+
+def bench_linear_f32(repeats: int) -> None:
+    """The float32 kernels against what they replace, on one layer of SmolLM2's four projections: dense
+    weights against MKL's GEMM in row tiles zero-padded to 32 rows, 4-bit ones against PyTorch's int4
+    matmul in float32 (scalar code: a 30-layer pass would take seconds a call)."""
     g = torch.Generator().manual_seed(2)
-    pairs = []
+    dense, q4 = [], []
     for n, k in SHAPES[:4]:
+        weight = torch.randn((n, k), generator=g) * 0.05
+        dense.append((cpu_linear_f32.pack_f32(weight), weight, k))
         codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
         d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
         m = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
         torch_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         scales_and_zeros = torch.stack([d.t(), (m + 8 * d).t()], dim=-1).contiguous()
-        pairs.append((cpu_linear_f32.pack_q4_f32(codes, d, m, 32), (torch_packed, scales_and_zeros), k))
-    row = []
-    for rows in (1, 2, 8, 64):
-        xs = {k: torch.randn((rows, k), generator=g) for k in (576, 1536)}
-        c, base = interleaved_ms(
-            lambda: [cpu_linear_f32.linear_q4_f32(xs[k], a) for a, _, k in pairs],
-            lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k], w, 32, sz) for _, (w, sz), k in pairs],
-            max(3, repeats // 4))
-        row.append(f"M={rows}: {c / base:.3f}x")
-    print("linear 4-bit float32 C/PyTorch, one layer  " + "  ".join(row))
+        q4.append((cpu_linear_f32.pack_q4_f32(codes, d, m, 32), (torch_packed, scales_and_zeros), k))
+    for name, rows_list, pairs, base in (
+            ("dense C/MKL (padded tiles)", (1, 8, 32, 128, 512), dense,
+             lambda xs: [_padded_tiles(xs[k], w) for _, w, k in dense]),
+            ("4-bit C/PyTorch int4", (1, 2, 8, 64), q4,
+             lambda xs: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k], w, 32, sz) for _, (w, sz), k in q4])):
+        row = []
+        for rows in rows_list:
+            xs = {k: torch.randn((rows, k), generator=g) for k in (576, 1536)}
+            c, b = interleaved_ms(lambda: [cpu_linear_f32.linear_f32(xs[k], a) for a, _, k in pairs],
+                                  lambda: base(xs), max(3, repeats // 4))
+            row.append(f"M={rows}: {c / b:.3f}x")
+        print(f"linear float32 {name}, one layer  " + "  ".join(row))
 
 
-GROUPS = ("attention", "linear", "q4", "q4-f32")
+GROUPS = ("attention", "linear", "q4", "f32")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -216,8 +237,8 @@ def main(argv: list[str] | None = None) -> None:
         bench_linear(args.repeats)
     if "q4" in run and cpu_linear.q4_available():
         bench_linear_q4(args.repeats)
-    if "q4-f32" in run and cpu_linear.q4_available():
-        bench_linear_q4_f32(args.repeats)
+    if "f32" in run and cpu_linear.q4_available():
+        bench_linear_f32(args.repeats)
 
 
 if __name__ == "__main__":

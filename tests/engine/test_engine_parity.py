@@ -84,7 +84,7 @@ def test_greedy_parity_with_preemption_without_prefix_caching(hf_reference):
 
 def test_greedy_parity_native_gguf_weights(hf_reference):
     """quantization="gguf": the Q4_1 projections run in 4 bits (float32 scales
-    and offsets: kernels/csrc/linear_q4_f32_cpu.c, or PyTorch's int4 matmul
+    and offsets: kernels/csrc/linear_f32_cpu.c, or PyTorch's int4 matmul
     where it does not build), transformers runs the same file dequantized."""
     llm, outputs = _run(quantization="gguf")
     assert sorted(llm.engine.model_runner.model.layers[0].int4) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]

@@ -1,23 +1,27 @@
-/* 4-bit weights (GGUF Q4_0/Q4_1, GPTQ/AWQ/compressed-tensors 4-bit groups)
- * under float32 activations: y = x @ W.T (+ bias) (+ residual), all float32.
- * Built with the other kernels by kernels/cpu_build.py, called from
- * kernels/cpu_linear_f32.py (engine.layers.quant_linear.Int4Linear with
- * dtype float32, where PyTorch's _weight_int4pack_mm_for_cpu runs scalar
- * code: ~0.6 GFLOP/s, a 135M model's decode step of 2 rows in 2.3 s).
+/* float32 linear layers whose every output is one fused-multiply-add chain:
+ * y = x @ W.T (+ bias) (+ residual), all float32, for W held as float32
+ * panels (a dense float32 model: linear_f32) or as 4-bit codes (GGUF
+ * Q4_0/Q4_1, GPTQ/AWQ/compressed-tensors 4-bit groups: linear_q4_f32). Built
+ * with the other kernels by kernels/cpu_build.py, called from
+ * kernels/cpu_linear_f32.py. They replace, in float32, MKL's GEMM in row
+ * tiles zero-padded to 32 rows (so that a row's bits do not depend on its
+ * batch: a decode step of 8 rows paid for 32) and PyTorch's
+ * _weight_int4pack_mm_for_cpu (scalar code in float32: ~0.6 GFLOP/s).
  *
  * The arithmetic, one rule for every body (AVX-512, AVX2/FMA, portable), so
- * every body gives the same bits: each weight is rebuilt as w = fmaf(d, q, m)
- * (d, m float32 per group of `group` inputs; for float16 d and codes q < 16,
- * d * q is exact, so w is the gguf package's float32 dequantization d * q + m
- * bit for bit), each output is one float32 accumulator over the inputs in
- * their packed order, acc = fmaf(x[i], w[i], acc) from 0, then (acc + bias) and
- * then residual + that, each one float32 addition (PyTorch's order on the
- * int4 matmul's result). A row's bits depend on that row alone: batch-
- * invariant for any row count.
+ * every body gives the same bits: each output is one float32 accumulator over
+ * the inputs in their order, acc = fmaf(x[i], w[i], acc) from 0, then
+ * (acc + bias) and then residual + that, each one float32 addition (PyTorch's
+ * order on a matmul's result). A 4-bit weight is rebuilt first as w =
+ * fmaf(d, q, m) (d, m float32 per group of `group` inputs; for float16 d and
+ * codes q < 16, d * q is exact, so w is the gguf package's float32
+ * dequantization d * q + m bit for bit). A row's bits depend on that row
+ * alone: batch-invariant for any row count.
  *
- * Layout (linear_q4_f32_pack): per panel of 32 output columns, codes
- * [k][16] bytes, byte j holding column j (low nibble) and column 16 + j (high
- * nibble) at input i; scales float32 [panel][k / group][2][32]: d, then m.
+ * Layouts, per panel of 32 output columns (padded columns zero): dense
+ * (linear_f32_pack) float32 [k][32]; 4-bit (linear_q4_f32_pack) codes [k][16]
+ * bytes, byte j holding column j (low nibble) and column 16 + j (high nibble)
+ * at input i, and scales float32 [panel][k / group][2][32]: d, then m.
  */
 
 #include <math.h>
@@ -29,8 +33,25 @@
 #include "kernels.h"
 
 #define QF_PANEL 32 /* output columns per panel */
-#define QF_ROWS 3   /* rows per register tile (its accumulators: 2 zmm or 4 ymm a row) */
+/* rows per register tile, its accumulators 2 zmm a row (12 of AVX-512's 32) or 4 ymm (12 of AVX2's 16); how
+ * many rows share a tile changes no row's bits */
+#if defined(__AVX512F__)
+#define QF_ROWS 6
+#else
+#define QF_ROWS 3
+#endif
 #define QF_BYTES (QF_PANEL / 2)
+
+/* Pack a dense weight w [n, k] (float32) into panels [ceil(n / 32)][k][32]; padded columns get 0. */
+void linear_f32_pack(const float *w, int64_t n, int64_t k, float *out) {
+    const int64_t panels = (n + QF_PANEL - 1) / QF_PANEL;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t i = 0; i < k; i++)
+            for (int64_t c = 0; c < QF_PANEL; c++) {
+                const int64_t col = p * QF_PANEL + c;
+                out[(p * k + i) * QF_PANEL + c] = col < n ? w[col * k + i] : 0.0f;
+            }
+}
 
 /* Pack codes [n, k] (uint8, 0..15) and d, m [n, k / group] (float32) into the layout above; padded columns
  * get code 0 and d = m = 0. */
@@ -68,8 +89,27 @@ static void store_tile(int rows, float acc[QF_ROWS][QF_PANEL], int64_t col0, int
 }
 
 #if defined(__AVX512F__)
-/* Up to QF_ROWS rows x one panel, 16 columns a vector. */
-static void panel_tile(int rows, const float *x, int64_t ldx, const uint8_t *codes, const float *scales,
+/* Up to QF_ROWS rows x one dense panel (w [k][32]), 16 columns a vector. */
+static void dense_tile(int rows, const float *x, int64_t ldx, const float *w, int64_t k,
+                       float out[QF_ROWS][QF_PANEL]) {
+    __m512 acc[QF_ROWS][2];
+    for (int r = 0; r < QF_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        const __m512 w0 = _mm512_loadu_ps(w + i * QF_PANEL), w1 = _mm512_loadu_ps(w + i * QF_PANEL + 16);
+        for (int r = 0; r < rows; r++) {
+            const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
+            acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm512_storeu_ps(out[r], acc[r][0]);
+        _mm512_storeu_ps(out[r] + 16, acc[r][1]);
+    }
+}
+
+/* Up to QF_ROWS rows x one 4-bit panel, 16 columns a vector. */
+static void q4_tile(int rows, const float *x, int64_t ldx, const uint8_t *codes, const float *scales,
                        int64_t group, int64_t k, float out[QF_ROWS][QF_PANEL]) {
     __m512 acc[QF_ROWS][2];
     for (int r = 0; r < QF_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -96,8 +136,26 @@ static void panel_tile(int rows, const float *x, int64_t ldx, const uint8_t *cod
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-/* Up to QF_ROWS rows x one panel, 8 columns a vector. */
-static void panel_tile(int rows, const float *x, int64_t ldx, const uint8_t *codes, const float *scales,
+/* Up to QF_ROWS rows x one dense panel (w [k][32]), 8 columns a vector. */
+static void dense_tile(int rows, const float *x, int64_t ldx, const float *w, int64_t k,
+                       float out[QF_ROWS][QF_PANEL]) {
+    __m256 acc[QF_ROWS][4];
+    for (int r = 0; r < QF_ROWS; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        __m256 wv[4];
+        for (int j = 0; j < 4; j++) wv[j] = _mm256_loadu_ps(w + i * QF_PANEL + 8 * j);
+        for (int r = 0; r < rows; r++) {
+            const __m256 xv = _mm256_set1_ps(x[r * ldx + i]);
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out[r] + 8 * j, acc[r][j]);
+}
+
+/* Up to QF_ROWS rows x one 4-bit panel, 8 columns a vector. */
+static void q4_tile(int rows, const float *x, int64_t ldx, const uint8_t *codes, const float *scales,
                        int64_t group, int64_t k, float out[QF_ROWS][QF_PANEL]) {
     __m256 acc[QF_ROWS][4];
     for (int r = 0; r < QF_ROWS; r++)
@@ -125,8 +183,19 @@ static void panel_tile(int rows, const float *x, int64_t ldx, const uint8_t *cod
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(out[r] + 8 * j, acc[r][j]);
 }
 #else
-/* Up to QF_ROWS rows x one panel, one column at a time (fmaf: libm's exact fused multiply-add). */
-static void panel_tile(int rows, const float *x, int64_t ldx, const uint8_t *codes, const float *scales,
+/* Up to QF_ROWS rows x one dense panel (w [k][32]), one column at a time (fmaf: libm's exact fused
+ * multiply-add). */
+static void dense_tile(int rows, const float *x, int64_t ldx, const float *w, int64_t k,
+                       float out[QF_ROWS][QF_PANEL]) {
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < QF_PANEL; c++) out[r][c] = 0.0f;
+    for (int64_t i = 0; i < k; i++)
+        for (int c = 0; c < QF_PANEL; c++)
+            for (int r = 0; r < rows; r++) out[r][c] = fmaf(x[r * ldx + i], w[i * QF_PANEL + c], out[r][c]);
+}
+
+/* Up to QF_ROWS rows x one 4-bit panel, one column at a time (fmaf: libm's exact fused multiply-add). */
+static void q4_tile(int rows, const float *x, int64_t ldx, const uint8_t *codes, const float *scales,
                        int64_t group, int64_t k, float out[QF_ROWS][QF_PANEL]) {
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < QF_PANEL; c++) out[r][c] = 0.0f;
@@ -155,8 +224,27 @@ int linear_q4_f32(const float *x, int64_t ldx, const uint8_t *codes, const float
         float out[QF_ROWS][QF_PANEL];
         for (int64_t r0 = 0; r0 < m; r0 += QF_ROWS) {
             const int rows = m - r0 < QF_ROWS ? (int)(m - r0) : QF_ROWS;
-            panel_tile(rows, x + r0 * ldx, ldx, codes + p * k * QF_BYTES, scales + p * (k / group) * 2 * QF_PANEL,
+            q4_tile(rows, x + r0 * ldx, ldx, codes + p * k * QF_BYTES, scales + p * (k / group) * 2 * QF_PANEL,
                        group, k, out);
+            store_tile(rows, out, p * QF_PANEL, n, bias, residual ? residual + r0 * ldr : 0, ldr, y + r0 * ldy,
+                       ldy);
+        }
+    }
+    return 0;
+}
+
+/* y [m, n] = x [m, k] @ W.T (+ bias [n]) (+ residual [m, n]), all float32, for W packed by linear_f32_pack;
+ * row strides ldx, ldr, ldy. Work items are panels, each running all m rows in tiles of QF_ROWS: a row's
+ * bits do not depend on m. Returns 0. */
+int linear_f32(const float *x, int64_t ldx, const float *panels, const float *bias, const float *residual,
+               int64_t ldr, float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
+    const int64_t count = (n + QF_PANEL - 1) / QF_PANEL;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+    for (int64_t p = 0; p < count; p++) {
+        float out[QF_ROWS][QF_PANEL];
+        for (int64_t r0 = 0; r0 < m; r0 += QF_ROWS) {
+            const int rows = m - r0 < QF_ROWS ? (int)(m - r0) : QF_ROWS;
+            dense_tile(rows, x + r0 * ldx, ldx, panels + p * k * QF_PANEL, k, out);
             store_tile(rows, out, p * QF_PANEL, n, bias, residual ? residual + r0 * ldr : 0, ldr, y + r0 * ldy,
                        ldy);
         }
