@@ -23,6 +23,8 @@ import os
 import time
 from typing import Callable
 
+from engine.worker.device import process_cpus
+
 SAMPLE_S = 0.25  # the shortest window of a load sample: ~25 clock ticks per core at Linux's 100 Hz
 # The longest: a window since a sample older than this (the engine idle between steps) averages what ran while
 # it waited, not what runs now (a benchmark's peer that has just exited took the next round's first 0.25 s
@@ -75,7 +77,7 @@ class LoadFollowingThreads:
 
     Args:
         max_threads: the threads of a quiet machine (the engine core's torch threads when it starts).
-        cpus: the CPUs this process runs on (default its affinity).
+        cpus: the CPUs this process runs on (default ``device.process_cpus``).
         read_stat, cpu_time, clock, set_threads: ``/proc/stat``'s text, this process's CPU seconds,
             a monotonic clock, the setter (tests replace them).
     """
@@ -84,7 +86,8 @@ class LoadFollowingThreads:
                  read_stat: Callable[[], str] = _read_stat, cpu_time: Callable[[], float] = time.process_time,
                  clock: Callable[[], float] = time.monotonic, set_threads: Callable[[int], None] | None = None):
         self.max_threads = max_threads
-        self.cpus = set(os.sched_getaffinity(0) if cpus is None else cpus)
+        # the process's CPUs, not this thread's: once OpenMP binds the model's threads, the initial one has one
+        self.cpus = set(process_cpus() if cpus is None else cpus)
         self.threads = max_threads
         self._read_stat, self._cpu_time, self._clock = read_stat, cpu_time, clock
         if set_threads is None:

@@ -157,14 +157,21 @@ def omp_places(environ: dict | None = None) -> str:
     return env.get("OMP_PLACES", "unbound")
 
 
+def process_cpus() -> list[int]:
+    """The CPUs this process was given: those ``choose_omp_binding`` recorded before OpenMP pinned each model
+    thread to one of them (``TANDEM_CPUS``; the initial thread's own affinity is then one CPU), else the
+    calling thread's affinity."""
+    listed = os.environ.get("TANDEM_CPUS")
+    return [int(c) for c in listed.split(",")] if listed else sorted(os.sched_getaffinity(0))
+
+
 def unbind_thread() -> None:
     """Let the calling thread run on every CPU its process was given before ``choose_omp_binding`` pinned the
     model's threads (``TANDEM_CPUS``); nothing where nothing was bound. Called first by each thread of the
     engine core process that runs no model: the command reader, the grammar pool and its watcher."""
-    cpus = os.environ.get("TANDEM_CPUS")
-    if cpus:
+    if os.environ.get("TANDEM_CPUS"):
         try:
-            os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
+            os.sched_setaffinity(0, process_cpus())
         except (OSError, ValueError):   # CPUs taken away since (a cgroup's cpuset): stay where it is
             pass
 

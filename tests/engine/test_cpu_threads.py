@@ -130,6 +130,29 @@ class _Alternating:
         return torch.get_num_threads()
 
 
+def test_the_load_is_read_over_the_process_cpus_not_the_bound_thread(monkeypatch):
+    """Once OpenMP binds the model's threads (device.choose_omp_binding), the core's initial thread may run on
+    one CPU: the follower still counts every CPU the process was given (TANDEM_CPUS), else a quiet 2-core
+    machine gave a request one thread (a trial: 85 tok/s where 2 threads gave 141)."""
+    import os
+    import threading
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU here")
+    monkeypatch.setenv("TANDEM_CPUS", ",".join(map(str, cpus)))
+    seen = {}
+
+    def bound_thread():   # as libgomp leaves the initial thread: pinned to its place
+        os.sched_setaffinity(0, cpus[:1])
+        seen["cpus"] = LoadFollowingThreads(len(cpus), set_threads=lambda n: None).cpus
+
+    t = threading.Thread(target=bound_thread)
+    t.start()
+    t.join()
+    assert seen["cpus"] == set(cpus)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["none", "gguf"])
 def test_the_outputs_do_not_depend_on_the_threads_of_each_step(monkeypatch, quantization):
