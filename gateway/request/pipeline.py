@@ -87,12 +87,14 @@ def _waits_for_engine(snap, route_name: str) -> bool:
 
 
 async def _any_reachable(resilience, attempts: list) -> bool:
-    """True when one of ``attempts`` (targets) was not found down by its backend's last active probe (never
-    probed counts as reachable). While the local engine loads, a route whose other targets all failed their
-    probe (a canary arm not started yet, say) answers 503 engine_loading rather than a connect error."""
+    """True when one of ``attempts`` (targets) was not found down by its backend's last active probe, or, never
+    probed yet (the gateway has just started), by one made now (a backend without a probe counts as reachable).
+    While the local engine loads, a route whose other targets are all down (a canary arm not started yet, say)
+    answers 503 engine_loading rather than a connect error."""
     for backend in {a.backend for a in attempts}:
         probe = await resilience.health.last_probe(backend)
-        if probe is None or probe["ok"]:
+        ok = probe["ok"] if probe is not None else await resilience.prober.probe(backend)
+        if ok is None or ok:
             return True
     return False
 

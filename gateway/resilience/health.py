@@ -205,21 +205,26 @@ class ActiveProber:
 
     async def probe_once(self) -> dict[str, bool]:
         """Probe every target concurrently once; returns target -> ok."""
-
-        async def one(target: str, probe: Callable[[], Awaitable[object]]) -> bool:
-            t0 = time.monotonic()
-            try:
-                await asyncio.wait_for(probe(), self.tracker.config.timeout_s)
-                ok, err = True, ""
-            except Exception as exc:
-                ok, err = False, f"{type(exc).__name__}: {exc}"
-            await self.tracker.record_probe(target, ok, time.monotonic() - t0, err)
-            return ok
-
         probes = self.probes() if callable(self.probes) else self.probes
         names = list(probes)
-        results = await asyncio.gather(*(one(t, probes[t]) for t in names))
+        results = await asyncio.gather(*(self._probe(t, probes[t]) for t in names))
         return dict(zip(names, results))
+
+    async def probe(self, target: str) -> bool | None:
+        """Probe ``target`` now and record the result (a question that cannot wait for the next round: the
+        gateway has just started); None when it has no probe."""
+        probes = self.probes() if callable(self.probes) else self.probes
+        return None if target not in probes else await self._probe(target, probes[target])
+
+    async def _probe(self, target: str, probe: Callable[[], Awaitable[object]]) -> bool:
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(probe(), self.tracker.config.timeout_s)
+            ok, err = True, ""
+        except Exception as exc:
+            ok, err = False, f"{type(exc).__name__}: {exc}"
+        await self.tracker.record_probe(target, ok, time.monotonic() - t0, err)
+        return ok
 
     async def _loop(self) -> None:
         while True:

@@ -68,22 +68,21 @@ routes:
 
 
 def test_while_loading_a_route_whose_other_arms_are_down_gets_503_engine_loading(tmp_path):
-    """Once the canary arm's first probe found it down, the only target left while the model loads is down:
-    the answer is 503 engine_loading with Retry-After (retry soon), not the arm's connect error."""
+    """While the model loads, a route's only other target is down (a canary arm nobody started): the answer is
+    503 engine_loading with Retry-After (retry soon), not the arm's connect errors (a 502 after four attempts),
+    from the first request on, before the arm's first periodic probe (a trial's poller got that 502: the
+    gateway now probes a never-probed arm when the request asks)."""
     assert CANARY_CONFIG != CONFIG
     path = tmp_path / "config.yaml"
-    path.write_text(CANARY_CONFIG.replace("{down_port}", str(free_port())))
+    path.write_text(CANARY_CONFIG.replace("{down_port}", str(free_port()))
+                    + "resilience:\n  health: {interval_s: 0}   # no periodic probe: only one a request asks for\n")
     g = GatewayProcess(path).start(wait_ready=False, timeout=120)
     try:
-        def canary_probed() -> bool:
-            probe = httpx.get(g.url + "/health/ready", timeout=30).json()["targets"]["canary"]["last_probe"]
-            return probe is not None and probe["ok"] is False
-        wait_until(canary_probed, timeout=60)
-        assert httpx.get(g.url + "/health/ready", timeout=30).json()["backends"]["local"]["reason"] == \
-            "engine is loading"
         r = httpx.post(g.url + "/v1/chat/completions", json=SMALL, timeout=60)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_loading", r.text
         assert int(r.headers["retry-after"]) > 0
+        probe = httpx.get(g.url + "/health/ready", timeout=30).json()["targets"]["canary"]["last_probe"]
+        assert probe is not None and probe["ok"] is False
     finally:
         g.stop()
 
