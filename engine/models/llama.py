@@ -443,6 +443,8 @@ class LlamaForCausalLM(nn.Module):
                 be reloaded or repacked. The embedding (also the tied
                 output head) stays: lookups read it.
         """
+        if self.backend.name == "triton":   # its batch-invariant Triton linear reads the dense weights
+            release_dense = False
         for layer in self.layers:
             pack_projections(layer, release_dense)
         self.packed.get("lm_head", self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)

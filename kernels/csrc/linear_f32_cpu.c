@@ -89,28 +89,37 @@ static void store_tile(int rows, float acc[QF_ROWS][QF_PANEL], int64_t col0, int
 }
 
 #if defined(__AVX512F__)
-/* Up to QF_ROWS rows x one dense panel (w [k][32]), 16 columns a vector. */
-static void dense_tile(int rows, const float *x, int64_t ldx, const float *w, int64_t k,
-                       float out[QF_ROWS][QF_PANEL]) {
-    __m512 acc[QF_ROWS][2];
-    for (int r = 0; r < QF_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i++) {
-        const __m512 w0 = _mm512_loadu_ps(w + i * QF_PANEL), w1 = _mm512_loadu_ps(w + i * QF_PANEL + 16);
-        for (int r = 0; r < rows; r++) {
-            const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
-            acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
-        }
+/* acc[r] += x[r][i] * (w0, w1) for the tile's rows: input i of one panel, 16 columns a vector. */
+static inline __attribute__((always_inline)) void fma_rows(int rows, const float *x, int64_t ldx, int64_t i,
+                                                           __m512 w0, __m512 w1, __m512 acc[QF_ROWS][2]) {
+    for (int r = 0; r < rows; r++) {
+        const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
+        acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
     }
+}
+
+static inline __attribute__((always_inline)) void store_rows(int rows, __m512 acc[QF_ROWS][2],
+                                                             float out[QF_ROWS][QF_PANEL]) {
     for (int r = 0; r < rows; r++) {
         _mm512_storeu_ps(out[r], acc[r][0]);
         _mm512_storeu_ps(out[r] + 16, acc[r][1]);
     }
 }
 
+/* Up to QF_ROWS rows x one dense panel (w [k][32]). */
+static void dense_tile(int rows, const float *x, int64_t ldx, const float *w, int64_t k,
+                       float out[QF_ROWS][QF_PANEL]) {
+    __m512 acc[QF_ROWS][2];
+    for (int r = 0; r < QF_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i++)
+        fma_rows(rows, x, ldx, i, _mm512_loadu_ps(w + i * QF_PANEL), _mm512_loadu_ps(w + i * QF_PANEL + 16), acc);
+    store_rows(rows, acc, out);
+}
+
 /* Up to QF_ROWS rows x one 4-bit panel, 16 columns a vector. */
 static void q4_tile(int rows, const float *x, int64_t ldx, const uint8_t *codes, const float *scales,
-                       int64_t group, int64_t k, float out[QF_ROWS][QF_PANEL]) {
+                    int64_t group, int64_t k, float out[QF_ROWS][QF_PANEL]) {
     __m512 acc[QF_ROWS][2];
     for (int r = 0; r < QF_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const __m128i low = _mm_set1_epi8(15);
@@ -122,21 +131,28 @@ static void q4_tile(int rows, const float *x, int64_t ldx, const uint8_t *codes,
             const __m128i b = _mm_loadu_si128((const __m128i *)(codes + i * QF_BYTES));
             const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low)));
             const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low)));
-            const __m512 w0 = _mm512_fmadd_ps(d0, q0, m0), w1 = _mm512_fmadd_ps(d1, q1, m1);
-            for (int r = 0; r < rows; r++) {
-                const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
-                acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
-            }
+            fma_rows(rows, x, ldx, i, _mm512_fmadd_ps(d0, q0, m0), _mm512_fmadd_ps(d1, q1, m1), acc);
         }
     }
-    for (int r = 0; r < rows; r++) {
-        _mm512_storeu_ps(out[r], acc[r][0]);
-        _mm512_storeu_ps(out[r] + 16, acc[r][1]);
-    }
+    store_rows(rows, acc, out);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-/* Up to QF_ROWS rows x one dense panel (w [k][32]), 8 columns a vector. */
+/* acc[r] += x[r][i] * w for the tile's rows: input i of one panel, 8 columns a vector. */
+static inline __attribute__((always_inline)) void fma_rows(int rows, const float *x, int64_t ldx, int64_t i,
+                                                           const __m256 w[4], __m256 acc[QF_ROWS][4]) {
+    for (int r = 0; r < rows; r++) {
+        const __m256 xv = _mm256_set1_ps(x[r * ldx + i]);
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_fmadd_ps(xv, w[j], acc[r][j]);
+    }
+}
+
+static inline __attribute__((always_inline)) void store_rows(int rows, __m256 acc[QF_ROWS][4],
+                                                             float out[QF_ROWS][QF_PANEL]) {
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out[r] + 8 * j, acc[r][j]);
+}
+
+/* Up to QF_ROWS rows x one dense panel (w [k][32]). */
 static void dense_tile(int rows, const float *x, int64_t ldx, const float *w, int64_t k,
                        float out[QF_ROWS][QF_PANEL]) {
     __m256 acc[QF_ROWS][4];
@@ -145,18 +161,14 @@ static void dense_tile(int rows, const float *x, int64_t ldx, const float *w, in
     for (int64_t i = 0; i < k; i++) {
         __m256 wv[4];
         for (int j = 0; j < 4; j++) wv[j] = _mm256_loadu_ps(w + i * QF_PANEL + 8 * j);
-        for (int r = 0; r < rows; r++) {
-            const __m256 xv = _mm256_set1_ps(x[r * ldx + i]);
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
-        }
+        fma_rows(rows, x, ldx, i, wv, acc);
     }
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out[r] + 8 * j, acc[r][j]);
+    store_rows(rows, acc, out);
 }
 
 /* Up to QF_ROWS rows x one 4-bit panel, 8 columns a vector. */
 static void q4_tile(int rows, const float *x, int64_t ldx, const uint8_t *codes, const float *scales,
-                       int64_t group, int64_t k, float out[QF_ROWS][QF_PANEL]) {
+                    int64_t group, int64_t k, float out[QF_ROWS][QF_PANEL]) {
     __m256 acc[QF_ROWS][4];
     for (int r = 0; r < QF_ROWS; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
@@ -173,14 +185,10 @@ static void q4_tile(int rows, const float *x, int64_t ldx, const uint8_t *codes,
             w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
             for (int j = 0; j < 4; j++)
                 w[j] = _mm256_fmadd_ps(_mm256_loadu_ps(s + 8 * j), w[j], _mm256_loadu_ps(s + QF_PANEL + 8 * j));
-            for (int r = 0; r < rows; r++) {
-                const __m256 xv = _mm256_set1_ps(x[r * ldx + i]);
-                for (int j = 0; j < 4; j++) acc[r][j] = _mm256_fmadd_ps(xv, w[j], acc[r][j]);
-            }
+            fma_rows(rows, x, ldx, i, w, acc);
         }
     }
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out[r] + 8 * j, acc[r][j]);
+    store_rows(rows, acc, out);
 }
 #else
 /* Up to QF_ROWS rows x one dense panel (w [k][32]), one column at a time (fmaf: libm's exact fused
@@ -196,7 +204,7 @@ static void dense_tile(int rows, const float *x, int64_t ldx, const float *w, in
 
 /* Up to QF_ROWS rows x one 4-bit panel, one column at a time (fmaf: libm's exact fused multiply-add). */
 static void q4_tile(int rows, const float *x, int64_t ldx, const uint8_t *codes, const float *scales,
-                       int64_t group, int64_t k, float out[QF_ROWS][QF_PANEL]) {
+                    int64_t group, int64_t k, float out[QF_ROWS][QF_PANEL]) {
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < QF_PANEL; c++) out[r][c] = 0.0f;
     for (int64_t i = 0; i < k; i++) {
