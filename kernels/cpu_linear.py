@@ -209,7 +209,14 @@ def copy_max_rows(march: str | None = None) -> float:
     return math.inf if integer_copies(march) else COPY_MAX_ROWS
 
 
-def _check_group(k: int, group: int, where: str) -> None:
+def check_codes(codes: torch.Tensor) -> None:
+    """Raise ValueError unless every 4-bit code is in 0..15."""
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
+        raise ValueError("4-bit codes must be in 0..15")
+
+
+def check_group(k: int, group: int, where: str) -> None:
+    """Raise ValueError (naming ``where``) unless ``group`` is a multiple of 32 dividing ``k``."""
     if group <= 0 or group % 32 or k % group:
         raise ValueError(f"{where} takes a group size that is a multiple of 32 dividing in_features ({k}), "
                          f"got {group}")
@@ -222,7 +229,7 @@ def pack_q8(codes: torch.Tensor, d: torch.Tensor, group: int = 32) -> PackedQ8Li
         ValueError: shapes that do not match, in not a multiple of 32, a group that does not fit.
     """
     n, k = codes.shape
-    _check_group(k, group, "pack_q8")
+    check_group(k, group, "pack_q8")
     if d.shape != (n, k // group):
         raise ValueError(f"pack_q8 takes codes [n, k] (k % 32 == 0) and d [n, k / group], got {tuple(codes.shape)}, "
                          f"{tuple(d.shape)}")
@@ -244,7 +251,7 @@ def pack_fp8(codes: torch.Tensor, d: torch.Tensor, group: int) -> PackedFP8Linea
         ValueError: shapes that do not match, in not a multiple of 32, a group that does not fit.
     """
     n, k = codes.shape
-    _check_group(k, group, "pack_fp8")
+    check_group(k, group, "pack_fp8")
     if d.shape != (n, k // group) or codes.dtype not in (torch.float8_e4m3fn, torch.uint8):
         raise ValueError(f"pack_fp8 takes codes [n, k] float8_e4m3fn and d [n, k / group], got {codes.dtype} "
                          f"{tuple(codes.shape)}, {tuple(d.shape)}")
@@ -302,12 +309,11 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group:
             values, a perm that is not a permutation.
     """
     n, k = codes.shape
-    _check_group(k, group, "pack_q4")
+    check_group(k, group, "pack_q4")
     if d.shape != (n, k // group) or (m is not None and m.shape != (n, k // group)):
         raise ValueError(f"pack_q4 takes codes [n, k] (k % 32 == 0) and d, m [n, k / group], got "
                          f"{tuple(codes.shape)}, {tuple(d.shape)}, {None if m is None else tuple(m.shape)}")
-    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
-        raise ValueError("4-bit codes must be in 0..15")
+    check_codes(codes)
     if perm is not None:
         perm = perm.to(torch.int32).contiguous()
         if perm.shape != (k,) or not torch.equal(torch.sort(perm).values, torch.arange(k, dtype=torch.int32)):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu_build import load_library, rows_2d
+from kernels.cpu_linear import check_codes, check_group
 
 PANEL = 32  # output columns per packed panel (QF_PANEL of the C file)
 
@@ -91,11 +92,11 @@ def pack_q4_f32(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group: in
         ValueError: shapes that do not match, a group that does not fit, codes out of range.
     """
     n, k = codes.shape
-    if group <= 0 or group % 32 or k % group or d.shape != (n, k // group) or m.shape != (n, k // group):
-        raise ValueError(f"pack_q4_f32 takes codes [n, k], d and m [n, k / group] with a group that is a multiple "
-                         f"of 32 dividing k, got {tuple(codes.shape)}, {tuple(d.shape)}, {tuple(m.shape)}, {group}")
-    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
-        raise ValueError("4-bit codes must be in 0..15")
+    check_group(k, group, "pack_q4_f32")
+    if d.shape != (n, k // group) or m.shape != (n, k // group):
+        raise ValueError(f"pack_q4_f32 takes codes [n, k] and d, m [n, k / group], got {tuple(codes.shape)}, "
+                         f"{tuple(d.shape)}, {tuple(m.shape)}")
+    check_codes(codes)
     panels = (n + PANEL - 1) // PANEL
     out_codes = torch.empty(panels * k * PANEL // 2, dtype=torch.uint8)
     out_scales = torch.empty(panels, k // group, 2, PANEL, dtype=torch.float32)

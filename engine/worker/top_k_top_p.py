@@ -50,7 +50,7 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
         e = torch.exp(sub - sub.amax(dim=-1, keepdim=True))
         total = torch.cumsum(e, dim=-1, dtype=torch.float64)[:, -1]
         if len(tiers) > 1:   # no token is likelier than the best (exp 0 = 1): a nucleus holds p * total or more
-            for j, n in enumerate((e.sum(dim=-1) * torch.tensor(ps, device=device)).tolist()):
+            for j, n in enumerate((total * torch.tensor(ps, dtype=torch.float64, device=device)).tolist()):
                 if ks[j] == vocab:
                     first[j] = _tier_for(n, tiers, 0)
     kept: list[torch.Tensor | None] = [None] * len(rows)

@@ -218,44 +218,43 @@ static void q4_tile(int rows, const float *x, int64_t ldx, const uint8_t *codes,
 }
 #endif
 
-/* y [m, n] = x [m, k] @ W.T (+ bias [n]) (+ residual [m, n]), all float32, for W packed by linear_q4_f32_pack
- * with the same group (a multiple of 32 dividing k); row strides ldx, ldr, ldy. Work items are panels, each
- * running all m rows in tiles of QF_ROWS: a row's bits do not depend on m. Returns 0, or 1 for a group that
- * does not fit. */
-int linear_q4_f32(const float *x, int64_t ldx, const uint8_t *codes, const float *scales, int64_t group,
-                  const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy, int64_t m,
-                  int64_t n, int64_t k, int num_threads) {
-    if (group <= 0 || group % 32 || k % group) return 1;
+/* The one driver of both kernels: work items are panels, each running all m rows in tiles of QF_ROWS (a row's
+ * bits do not depend on m), from dense panels when `dense` is given, else from 4-bit codes and scales. */
+static void run_panels(const float *x, int64_t ldx, const float *dense, const uint8_t *codes, const float *scales,
+                       int64_t group, const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy,
+                       int64_t m, int64_t n, int64_t k, int num_threads) {
     const int64_t panels = (n + QF_PANEL - 1) / QF_PANEL;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
     for (int64_t p = 0; p < panels; p++) {
         float out[QF_ROWS][QF_PANEL];
         for (int64_t r0 = 0; r0 < m; r0 += QF_ROWS) {
             const int rows = m - r0 < QF_ROWS ? (int)(m - r0) : QF_ROWS;
-            q4_tile(rows, x + r0 * ldx, ldx, codes + p * k * QF_BYTES, scales + p * (k / group) * 2 * QF_PANEL,
-                       group, k, out);
+            if (dense)
+                dense_tile(rows, x + r0 * ldx, ldx, dense + p * k * QF_PANEL, k, out);
+            else
+                q4_tile(rows, x + r0 * ldx, ldx, codes + p * k * QF_BYTES, scales + p * (k / group) * 2 * QF_PANEL,
+                        group, k, out);
             store_tile(rows, out, p * QF_PANEL, n, bias, residual ? residual + r0 * ldr : 0, ldr, y + r0 * ldy,
                        ldy);
         }
     }
+}
+
+/* y [m, n] = x [m, k] @ W.T (+ bias [n]) (+ residual [m, n]), all float32, for W packed by linear_q4_f32_pack
+ * with the same group (a multiple of 32 dividing k); row strides ldx, ldr, ldy. Returns 0, or 1 for a group
+ * that does not fit. */
+int linear_q4_f32(const float *x, int64_t ldx, const uint8_t *codes, const float *scales, int64_t group,
+                  const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy, int64_t m,
+                  int64_t n, int64_t k, int num_threads) {
+    if (group <= 0 || group % 32 || k % group) return 1;
+    run_panels(x, ldx, 0, codes, scales, group, bias, residual, ldr, y, ldy, m, n, k, num_threads);
     return 0;
 }
 
 /* y [m, n] = x [m, k] @ W.T (+ bias [n]) (+ residual [m, n]), all float32, for W packed by linear_f32_pack;
- * row strides ldx, ldr, ldy. Work items are panels, each running all m rows in tiles of QF_ROWS: a row's
- * bits do not depend on m. Returns 0. */
+ * row strides ldx, ldr, ldy. Returns 0. */
 int linear_f32(const float *x, int64_t ldx, const float *panels, const float *bias, const float *residual,
                int64_t ldr, float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
-    const int64_t count = (n + QF_PANEL - 1) / QF_PANEL;
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-    for (int64_t p = 0; p < count; p++) {
-        float out[QF_ROWS][QF_PANEL];
-        for (int64_t r0 = 0; r0 < m; r0 += QF_ROWS) {
-            const int rows = m - r0 < QF_ROWS ? (int)(m - r0) : QF_ROWS;
-            dense_tile(rows, x + r0 * ldx, ldx, panels + p * k * QF_PANEL, k, out);
-            store_tile(rows, out, p * QF_PANEL, n, bias, residual ? residual + r0 * ldr : 0, ldr, y + r0 * ldy,
-                       ldy);
-        }
-    }
+    run_panels(x, ldx, panels, 0, 0, 0, bias, residual, ldr, y, ldy, m, n, k, num_threads);
     return 0;
 }
