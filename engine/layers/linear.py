@@ -34,7 +34,7 @@ from torch import nn
 from engine.layers.fp8_linear import FP8Linear, fp8_packable
 from engine.layers.int8_linear import Int8Linear, int8_packable
 from engine.layers.packed_linear import C_PANELS, PackedWeights, c_panels_for
-from engine.layers.quant_linear import GGUFBlocks, Int4Linear, int4_packable, q8_codes_d
+from engine.layers.quant_linear import GGUFBlocks, Int4Linear, int4_packable, int4_values, q8_codes_d
 from engine.layers.triton_packed_linear import TritonPackedLinear, triton_packable
 from engine.quantization.fp8 import FP8Weight
 from engine.quantization.int8 import Int8Weight
@@ -148,10 +148,12 @@ def load_int4(layer: nn.Module, name: str, pieces: list[tuple[int, GGUFBlocks]],
         return
     packable = param.device.type == "cpu" and covers_all and int4_packable(blocks)
     if q4_copy or not packable:
-        for offset, b in pieces:
-            param.data[offset:offset + b.shape[0]].copy_(b.dequantize())
-        if q4_copy and packable and param.dtype == torch.bfloat16:
-            packed = Int4Linear(blocks, param.dtype).c_packed
+        # both copies of a GGUF weight (q4_copy: GGUFBlocks only) from one decoding of its blocks
+        parts = [b.codes_d_m() for b in blocks] if q4_copy and packable and param.dtype == torch.bfloat16 else None
+        for i, (offset, b) in enumerate(pieces):
+            param.data[offset:offset + b.shape[0]].copy_(b.dequantize() if parts is None else int4_values(*parts[i]))
+        if parts is not None:
+            packed = Int4Linear(blocks, param.dtype, parts).c_packed
             if packed is not None:
                 layer.q4_copy[name] = (packed, param, param._version)
         return

@@ -68,8 +68,7 @@ class GGUFBlocks:
         tests/engine/test_quant_linear.py pins the two together); other types through the package."""
         if self.qtype in INT4_TYPES:
             codes, d, m = self._int4_blocks()
-            n, k = self.shape
-            return (codes.float() * d[..., None] + m[..., None]).view(n, k)
+            return int4_values(codes.view(self.shape), d, m)
         if self.qtype == "Q8_0":
             codes, d = q8_codes_d(self)
             return (codes.float().view(*d.shape, GROUP) * d[..., None]).view(self.shape)
@@ -122,6 +121,18 @@ class GGUFBlocks:
         return torch.cat([qs & 0x0F, qs >> 4], dim=-1), d, m
 
 
+def int4_values(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """float32 [out, in]: ``code * d + m`` per group of inputs, GGUF's 4-bit dequantization (the product
+    exact, one rounding in the sum).
+
+    Args:
+        codes: integer [out, in], 0..15.
+        d, m: float32 [out, groups]; a group is ``in // groups`` consecutive inputs.
+    """
+    n, k = codes.shape
+    return (codes.view(n, d.shape[1], -1).float() * d[..., None] + m[..., None]).view(n, k)
+
+
 def _tensor(data: np.ndarray) -> torch.Tensor:
     """A GGUF tensor's bytes (often a read-only view of the memory-mapped file) as a uint8 tensor of its own."""
     return torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
@@ -171,15 +182,16 @@ class Int4Linear:
             order (e.g. q, k, v of a fused projection); see :func:`int4_packable`.
         dtype: the activations' dtype (float32, bfloat16 or float16); the
             PyTorch kernel's scales and zeros are stored in it.
+        parts: the pieces' ``codes_d_m()`` where the caller has them already (else decoded here).
 
     Raises:
         ValueError: the pieces cannot be packed (:func:`int4_packable`).
     """
 
-    def __init__(self, pieces: list, dtype: torch.dtype) -> None:
+    def __init__(self, pieces: list, dtype: torch.dtype, parts: list | None = None) -> None:
         if not int4_packable(pieces):
             raise ValueError(f"cannot pack {[(p.qtype, p.shape, p.group_size) for p in pieces]} as int4")
-        parts = [p.codes_d_m() for p in pieces]
+        parts = parts or [p.codes_d_m() for p in pieces]
         codes = torch.cat([c for c, _, _ in parts])
         d = torch.cat([s for _, s, _ in parts])
         m = torch.cat([z for _, _, z in parts])
