@@ -291,6 +291,8 @@ def test_scenario_canary_tiny(tmp_path):
     total = res["runs"][0]["summary"]["num_requests"]
     assert sum(p["requests"] for p in res["phases"]) + res["unassigned"] == total
     assert res["runs"][0]["summary"]["num_errors"] == 0
+    # the servers' logs and the config the run wrote stay beside its report, not in a temporary folder
+    assert {"gateway.log", "gateway.yaml", "upstream-stable.log"} <= {p.name for p in (tmp_path / "logs").iterdir()}
 
 
 def test_scenario_failover_tiny(tmp_path):

@@ -17,14 +17,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from loadtests.bench.peer_engines import VLLM_MAX_MODEL_LEN, VLLM_MAX_NUM_SEQS
 from loadtests.procs import Server, descendants, exit_on_sigterm, free_port
-from loadtests.scenarios.common import measure, pct, spawn_engine_server, summary
+from loadtests.scenarios.common import logs_dir, measure, pct, spawn_engine_server, summary
 from loadtests.workloads import mt_bench_turn1
 
 MODEL = "bench"
@@ -136,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_prompts > len(every) - 2:
         p.error(f"--num-prompts at most {len(every) - 2} (two more prompts warm each server up)")
     workload, warmup = every[:args.num_prompts], every[-2:]
-    logs = Path(tempfile.mkdtemp(prefix="serve-compare-"))
+    logs = logs_dir(args.out)
     runs: dict[str, list[dict]] = {"tandem": [], "vllm": []}
     load = []
     for r in range(args.rounds):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,8 +37,8 @@ from loadtests.report import write_report
 from loadtests.runner import LoadConfig, run_async, run_load
 from loadtests.scenarios.canary_gated import add_arguments as add_gated_arguments
 from loadtests.scenarios.canary_gated import run_gated
-from loadtests.scenarios.common import (gateway_config, md_table, small_workload, start_gateway, start_upstream,
-                                        summary, upstream_backend)
+from loadtests.scenarios.common import (gateway_config, logs_dir, md_table, small_workload, start_gateway,
+                                        start_upstream, summary, upstream_backend)
 
 MODEL = "bench"
 ROUTE = "canary-route"
@@ -143,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gated:
         return run_gated(args)
     pcts = [float(x) for x in args.phases.split(",")]
-    logs = Path(tempfile.mkdtemp(prefix="lt-canary-"))
+    logs = logs_dir(args.out)
     stable = start_upstream("stable", logs)
     canary = start_upstream("canary", logs)
     try:

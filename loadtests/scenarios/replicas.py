@@ -24,7 +24,6 @@ import asyncio
 import os
 import re
 import signal
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -35,7 +34,7 @@ from loadtests.client import endpoint_url, make_session, send
 from loadtests.report import write_report
 from loadtests.runner import LoadConfig, RunResult, run_async
 from loadtests.procs import Server, free_port, tandem_cmd
-from loadtests.scenarios.common import fmt, md_table, pct, start_gateway, summary
+from loadtests.scenarios.common import fmt, logs_dir, md_table, pct, start_gateway, summary
 from loadtests.scenarios.prefix import scrape_prefix_cache
 from loadtests.scenarios.resume_phase import resume_phase
 from loadtests.stats import percentiles, ratio
@@ -271,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     model_path = args.model or default_model_path()
     questions = load_mt_bench()
     users = questions[:args.users]
-    logs = Path(tempfile.mkdtemp(prefix="lt-replicas-"))
+    logs = logs_dir(args.out)
     engine_args = ["--model", model_path, "--served-model-name", "bench", "--num-threads", str(args.num_threads),
                    "--kv-cache-memory", args.kv_cache_memory,
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens), *args.engine_arg]

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from loadtests.client import endpoint_url, make_session, send
 from loadtests.procs import Server, free_port
 from loadtests.report import write_report
 from loadtests.runner import LoadConfig, RunResult
-from loadtests.scenarios.common import fmt, md_table, spawn_engine_server
+from loadtests.scenarios.common import fmt, logs_dir, md_table, spawn_engine_server
 from loadtests.scenarios.prefix import scrape_prefix_cache
 from loadtests.workloads import load_mt_bench
 
@@ -118,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     if len(pairs) * args.conversations > len(questions):
         print(f"at most {len(questions) // len(pairs)} conversations per policy with {len(pairs)} policies")
         return 2
-    logs = Path(tempfile.mkdtemp(prefix="lt-routers-"))
+    logs = logs_dir(args.out)
     events = [(free_port(), free_port()) for _ in range(2)]
     engines = [spawn_engine_server(logs, ["--served-model-name", MODEL, "--num-threads", "1", "--kv-events-config",
                                           json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 import aiohttp
 
 from loadtests.report import write_report
-from loadtests.scenarios.common import (fmt, gateway_config, md_table, spawn_engine_server, start_gateway,
+from loadtests.scenarios.common import (fmt, gateway_config, logs_dir, md_table, spawn_engine_server, start_gateway,
                                         start_upstream, upstream_backend)
 from loadtests.scenarios.spill import AGGREGATORS, LOCAL_PRICES, MODEL, WORDS, Arrival, Outcome, one, request_cost
 
@@ -206,7 +205,7 @@ def _config(path: Path, reps: dict, agg, slo_ms: float) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    logs = Path(tempfile.mkdtemp(prefix="lt-slo-replicas-"))
+    logs = logs_dir(args.out)
     reps, agg = _servers(args, logs)
     gw = None
     try:

@@ -24,7 +24,6 @@ import asyncio
 import os
 import random
 import re
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,8 @@ import aiohttp
 import msgspec
 
 from loadtests.report import write_report
-from loadtests.scenarios.common import fmt, gateway_config, md_table, start_gateway, start_upstream, upstream_backend
+from loadtests.scenarios.common import (fmt, gateway_config, logs_dir, md_table, start_gateway, start_upstream,
+                                        upstream_backend)
 from loadtests.stats import percentiles
 
 MODEL = "bench"
@@ -355,7 +355,7 @@ def serve_policies(args: argparse.Namespace, policies: list[str]) -> tuple[float
     Returns:
         (capacity in requests/s, the arrivals, policy -> :func:`analyse` figures).
     """
-    logs = Path(tempfile.mkdtemp(prefix="lt-spill-"))
+    logs = logs_dir(args.out)
     ups = {name: start_upstream(name, logs, "--ttft", str(a["ttft"])) for name, a in AGGREGATORS.items()}
     figures: dict[str, dict] = {}
     try:
