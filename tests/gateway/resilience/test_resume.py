@@ -16,6 +16,9 @@ from tests.gateway.support import engine_replicas, serve_app
 
 pytestmark = pytest.mark.slow
 NAMES = ("r1", "r2", "r3")
+# tokens a stream asks for: the replica is killed when the client has read 40, and must still be generating then
+# (a replica makes them several times faster than the client reads them through the in-process gateway)
+TOKENS = 1500
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +72,12 @@ async def test_a_stream_survives_its_replica_sigkill(replicas, caplog):
     cases = [dict(temperature=0, extra_body={"ignore_eos": True}),
              dict(temperature=1.0, seed=11, extra_body={"ignore_eos": True})]
     try:
-        references = [await read(client, dict(model="tiny", messages=msgs, max_tokens=3000, stream=True,
+        references = [await read(client, dict(model="tiny", messages=msgs, max_tokens=TOKENS, stream=True,
                                               stream_options={"include_usage": True}, **p)) for p in cases]
         unseeded = await read(client, dict(model="tiny", messages=msgs, max_tokens=5, stream=True))
         assert int(unseeded[3]["x-tandem-seed"]) >= 0                 # sampled without a seed: one was chosen
         with caplog.at_level(logging.INFO, logger="tandem.gateway.resume"):
-            resumed = [await read(client, dict(model="tiny", messages=msgs, max_tokens=3000, stream=True,
+            resumed = [await read(client, dict(model="tiny", messages=msgs, max_tokens=TOKENS, stream=True,
                                                stream_options={"include_usage": True}, **p), kill) for p in cases]
     finally:
         server.should_exit = True
@@ -82,6 +85,6 @@ async def test_a_stream_survives_its_replica_sigkill(replicas, caplog):
     assert len(killed) == 2 and killed[0] != killed[1], (killed, [(r[1], r[2], len(r[0])) for r in resumed])
     assert caplog.text.count("stream resumed on") == 2, caplog.text
     for ref, got in zip(references, resumed):
-        assert ref[1] == "length" and ref[2].completion_tokens == 3000
+        assert ref[1] == "length" and ref[2].completion_tokens == TOKENS
         assert got[:2] == ref[:2]                                         # text, finish reason
-        assert (got[2].prompt_tokens, got[2].completion_tokens) == (ref[2].prompt_tokens, 3000)
+        assert (got[2].prompt_tokens, got[2].completion_tokens) == (ref[2].prompt_tokens, TOKENS)
