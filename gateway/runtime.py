@@ -240,8 +240,7 @@ class Gateway:
         old, self.snapshot = self.snapshot, snap     # the atomic swap: one reference assignment
         self.obs.configure(snap)
         log.info("config version %d applied (%s): %s", state.version, state.source,
-                 describe_changes(old.compiled.policy if old else None, compiled.policy,
-                                  old.compiled.text if old else "", compiled.text))
+                 describe_changes(old.compiled if old else None, compiled))
         for w in snap.warnings:
             log.warning("%s", w)
         return snap

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import redis.asyncio as aioredis
+import yaml
 
 KEY_TTL_S = 30 * 24 * 3600
 
@@ -67,6 +68,17 @@ def text_digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def document_digest(text: str) -> str:
+    """sha256 (hex) of the document a config text holds: its parsed YAML in the text's key order, so comments,
+    quoting and layout are not part of it (a comment-only edit is the same config); the text itself where it
+    does not parse."""
+    try:
+        doc = json.dumps(yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)), default=str)
+    except yaml.YAMLError:
+        doc = text
+    return hashlib.sha256(doc.encode()).hexdigest()
+
+
 @dataclass
 class ConfigState:
     """One config version.
@@ -97,10 +109,13 @@ class ConfigState:
 
     @property
     def digest(self) -> str:
-        """sha256 of text + overrides: equal digests = the same config."""
-        h = hashlib.sha256(self.text.encode())
-        h.update(json.dumps(self.overrides, sort_keys=True).encode())
-        return h.hexdigest()
+        """sha256 of the text's document (``document_digest``) + overrides: equal digests = the same config
+        (computed once: a state's text and overrides are not changed once it is made)."""
+        if "_digest" not in self.__dict__:
+            h = hashlib.sha256(document_digest(self.text).encode())
+            h.update(json.dumps(self.overrides, sort_keys=True).encode())
+            self.__dict__["_digest"] = h.hexdigest()
+        return self.__dict__["_digest"]
 
     def to_json(self) -> str:
         d = asdict(self)

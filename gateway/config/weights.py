@@ -18,11 +18,15 @@ are 95 % and 5 %, 1 and 3 are 25 % and 75 %) or none does (equal shares); each f
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import yaml
 
 from gateway.config.schema import GatewayConfig
-from policies import Policy, Route, spares
+from policies import Policy, Route, Target, spares
+
+if TYPE_CHECKING:   # compile imports this module
+    from gateway.config.compile import Compiled
 
 
 def _unavailable(cfg: GatewayConfig, env) -> dict[str, str]:
@@ -150,26 +154,40 @@ def add_effective_shares(table: dict[str, dict], backends: dict[str, dict], targ
                 spare["out"], spare["effective_pct"] = "", 100.0
 
 
-def describe_changes(old: Policy | None, new: Policy, old_text: str = "", new_text: str = "") -> str:
-    """What changed between two versions, in one line: ``route local-first: deepseek 5 -> 25, local 95 -> 75``,
+def describe_changes(old: Compiled | None, new: Compiled) -> str:
+    """What changed between two versions, in one line: ``route local-first: deepseek 5 -> 25, local 95 -> 75``
+    (the weights in effect, overrides included), a route whose weights only the file changed under an override
+    (``route chat: canary 5 -> 10, stable 95 -> 90 in the config text, not in effect (an override holds the
+    route)``),
     routes added or removed, then the config's own key paths added, removed or changed (``routes.main.shadow
     added``); ``no change`` when nothing did."""
     if old is None:
         return "first version"
     parts = []
-    for name in sorted(set(old.routes) | set(new.routes)):
-        a, b = old.routes.get(name), new.routes.get(name)
+    file_old, file_new = _file_weights(old.config), _file_weights(new.config)
+    for name in sorted(set(old.policy.routes) | set(new.policy.routes)):
+        a, b = old.policy.routes.get(name), new.policy.routes.get(name)
         if a is None or b is None:
             parts.append(f"route {name} {'added' if a is None else 'removed'}")
             continue
-        wa, wb = {t.id: t.weight for t in a.targets}, {t.id: t.weight for t in b.targets}
-        moved = [f"{t} {wa.get(t, 0):g} -> {wb.get(t, 0):g}" for t in sorted(set(wa) | set(wb))
-                 if wa.get(t) != wb.get(t)]
+        moved = _moved({t.id: t.weight for t in a.targets}, {t.id: t.weight for t in b.targets})
         if moved:
-            parts.append(f"route {name}: " + ", ".join(moved))
-    if old_text != new_text:   # the weights are the routes' part above (in effect, overrides included)
-        parts += key_changes(_load(old_text), _load(new_text))
+            parts.append(f"route {name}: {moved}")
+        elif moved := _moved(file_old.get(name, {}), file_new.get(name, {})):
+            parts.append(f"route {name}: {moved} in the config text, not in effect (an override holds the route)")
+    if old.text != new.text:   # the weights are the routes' part above
+        parts += key_changes(_load(old.text), _load(new.text))
     return "; ".join(parts) or "no change"
+
+
+def _file_weights(cfg: GatewayConfig) -> dict[str, dict[str, float]]:
+    """route -> {target id: weight} as a config's text says (under no override)."""
+    return {name: {Target(t.backend, t.model, id=t.id).id: t.weight for t in r.targets} for name, r in cfg.routes.items()}
+
+
+def _moved(a: dict[str, float], b: dict[str, float]) -> str:
+    """``cand 0 -> 5, stable 100 -> 95``: the targets whose weight differs between ``a`` and ``b``."""
+    return ", ".join(f"{t} {a.get(t, 0):g} -> {b.get(t, 0):g}" for t in sorted(set(a) | set(b)) if a.get(t) != b.get(t))
 
 
 def _load(text: str):

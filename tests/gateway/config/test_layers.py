@@ -296,18 +296,19 @@ async def test_3_the_hold_counts_from_the_first_check_every_gate_was_judged(tmp_
 def test_4_a_change_is_described_by_its_key_paths_not_as_file_text():
     old = load_config_text(text(FakeUrl, FakeUrl))
     new = load_config_text(text(FakeUrl, FakeUrl, shadow=True))
-    line = describe_changes(old.policy, new.policy, old.text, new.text)
-    assert line == "routes.other.shadow added"
-    assert "file text changed" not in describe_changes(new.policy, old.policy, new.text, old.text + "\n# note\n")
-    # weights are reported as they take effect: not again as the targets' key path, nor where an override keeps
-    # them (a rollback to an older text under the same weights); a target's other keys still are
+    assert describe_changes(old, new) == "routes.other.shadow added"
+    assert describe_changes(new, load_config_text(new.text + "\n# note\n")) == "no change"
+    # weights are reported as they take effect, not again as the targets' key path; where an override keeps them
+    # (a file edit under a rollout that holds the route), as the file's change not in effect; a target's other
+    # keys still are
     moved = text(FakeUrl, FakeUrl).replace("weight: 100}, {backend: cand, weight: 0}",
                                            "weight: 95}, {backend: cand, weight: 5}")
-    assert describe_changes(old.policy, load_config_text(moved).policy, old.text, moved) == \
-        "route ro: cand 0 -> 5, stable 100 -> 95"
-    assert describe_changes(old.policy, old.policy, old.text, moved) == "no change"
+    assert describe_changes(old, load_config_text(moved)) == "route ro: cand 0 -> 5, stable 100 -> 95"
+    held = {"ro": {"stable": 100.0, "cand": 0.0}}
+    assert describe_changes(load_config_text(old.text, held), load_config_text(moved, held)) == \
+        "route ro: cand 0 -> 5, stable 100 -> 95 in the config text, not in effect (an override holds the route)"
     renamed = old.text.replace("{backend: cand, weight: 0}", "{backend: cand, weight: 0, id: c2}")
-    line = describe_changes(old.policy, load_config_text(renamed).policy, old.text, renamed)
+    line = describe_changes(old, load_config_text(renamed))
     assert "routes.ro.targets changed" in line, line
 
 

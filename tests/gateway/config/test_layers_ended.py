@@ -132,9 +132,11 @@ async def test_a_rollback_after_an_abort_and_a_file_edit_keeps_the_weights_the_r
             after = weights(gw)
             status = (await c.get("/admin/config")).json()
     assert back.status_code == 200, back.text
-    # the log says what changed in effect (nothing), not the old file's targets; status names what the disk says
+    # the log says nothing changed in effect (the old text's weights, under the override, not in effect); status
+    # names what the disk says
     applied = [r.getMessage() for r in caplog.records if " applied (rollback)" in r.getMessage()]
-    assert applied and applied[-1].endswith("(rollback): no change"), applied
+    assert applied and applied[-1].endswith("(rollback): route ro: cand 0 -> 5, stable 100 -> 95 in the config "
+                                            "text, not in effect (an override holds the route)"), applied
     said = f"config rollback: version {back.json()['version']} returns to version {edited - 1}"
     assert said in [r.getMessage() for r in caplog.records], [r.getMessage() for r in caplog.records]
     assert "the file on disk says stable 100, cand 0" in status["layers"]["ro"]["note"], status["layers"]["ro"]

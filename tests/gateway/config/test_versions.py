@@ -136,6 +136,31 @@ async def test_a_rollback_sticks_until_the_file_changes(tmp_path, redis_url, mon
             assert weights(cfg["routes"], "one") == [100, 9] and cfg["file"]["status"] == "in sync"
 
 
+async def test_an_edit_of_comments_alone_keeps_the_version_and_the_rollback_it_would_undo(tmp_path, redis_url,
+                                                                                         monkeypatch):
+    """A new user's trial: after weights 5 then 100 % on the canary, a file edit of a comment made a new version
+    ("applied (file): no change"), and the rollback that followed returned to it: the canary stayed at 100 %. A
+    reload that changes nothing keeps the running version (desired-state.md), by the watcher, the admin API and
+    SIGHUP's path alike; the rollback then returns to 5 %."""
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", ADMIN_TOKEN)
+    prefix = f"v{uuid.uuid4().hex[:8]}"
+    with FaultUpstream("up") as up:
+        path = tmp_path / "gateway.yaml"
+        path.write_text(config(up, redis_url, prefix))
+        async with replica(path) as (gw, c):
+            for b in (5, 100):
+                r = await c.post("/admin/weights", json={"route": "one", "weights": {"a": 100 - b, "b": b}})
+                assert r.status_code == 200, r.text
+            promoted = r.json()["version"]
+            path.write_text("# the canary is promoted\n" + config(up, redis_url, prefix).replace(": ", ":  "))
+            await asyncio.sleep(0.3)                                      # several polls of the watcher
+            assert (await c.get("/admin/config")).json()["version"] == promoted
+            r = await c.post("/admin/reload")
+            assert r.status_code == 200 and r.json()["version"] == promoted, r.text
+            r = await c.post("/admin/rollback")
+            assert r.status_code == 200 and weights(r.json()["routes"], "one") == [95, 5]
+
+
 @pytest.mark.parametrize("shared", [False, True])
 async def test_push_and_rollback_refuse_a_stale_base_alike(shared, redis_url):
     """The Redis scripts and the in-process ledger (one replica) follow the same rules: a push or rollback built
@@ -149,11 +174,16 @@ async def test_push_and_rollback_refuse_a_stale_base_alike(shared, redis_url):
             await ledger.push(ConfigState("a: 1\n", {"r": {"t": 5}}, "weights"), v1)
         assert (e.value.base, e.value.current) == (v1, v2)
         assert await ledger.push(ConfigState("a: 2\n"), v1) == v2          # equal to the head: no change
+        edited = "# a note\na:   2   # the same\n"                          # comments and layout are not the config
+        assert await ledger.push(ConfigState(edited, file_digest=text_digest(edited)), v1) == v2
+        assert (await ledger.head()).text == "a: 2\n" and (await ledger.head()).file_digest == text_digest(edited)
         with pytest.raises(VersionConflict):
             await ledger.rollback(v1)
         back = await ledger.rollback(v2)
-        assert back.text == "a: 1\n" and back.file_digest == text_digest("a: 2\n") and back.version > v2
-        assert (await ledger.head()).file_digest == text_digest("a: 2\n")
+        assert back.text == "a: 1\n" and back.file_digest == text_digest(edited) and back.version > v2
+        assert (await ledger.head()).file_digest == text_digest(edited)
+        v4 = await ledger.push(ConfigState("b: 1\na: 1\n"), back.version)   # the same keys in another order: a change
+        assert v4 == back.version + 1
     finally:
         await ledger.aclose()
 
