@@ -387,8 +387,11 @@ class _Run:
                                   f"the length of the {self.prompt_param or 'prompt'}.", param=self.prompt_param,
                                   code="context_length_exceeded")
             return res
-        if (isinstance(last, NoCandidate) and not last.round_over) or not called:
-            why = [w for w, _ in self.skips.values()]
+        why = [w for w, _ in self.skips.values()]
+        # every target skipped for an open breaker after calls were made (a cooldown waited for, the half-open
+        # probes failed): the calls' failure is the answer, as when every target fails, not "unavailable"
+        failed_then_opened = bool(called) and bool(why) and all(w == "breaker_open" for w in why)
+        if ((isinstance(last, NoCandidate) and not last.round_over) or not called) and not failed_then_opened:
             ra = last.retry_after if isinstance(last, NoCandidate) else None
             if self.breakers is not None and "breaker_open" in why:
                 ra = await self.breakers.soonest_half_open([c.name for c in self.candidates
@@ -418,6 +421,9 @@ class _Run:
         res.body = error_body(res.status, f"{msg} after {self.calls} attempt(s) ({kinds})."
                               + (f" The last one said: {said}" if said else ""), code="upstream_failed",
                               type_="upstream_error")
+        if failed_then_opened and self.breakers is not None:   # when a target is tried again
+            ra = await self.breakers.soonest_half_open([c.name for c in self.candidates if c.name in self.skips])
+            res.headers["retry-after"] = str(retry_after_header(ra or 1.0))
         return res
 
 

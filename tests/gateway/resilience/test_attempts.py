@@ -257,6 +257,27 @@ async def test_all_breakers_open_gives_503_with_soonest_half_open(client, state,
     assert "primary: skipped: breaker open" in err["message"] and "fallback: skipped: breaker open" in err["message"]
 
 
+async def test_a_cooldown_waited_for_then_failed_probes_are_the_upstreams_failure(client, state, primary, fallback):
+    """A new user's trial: both targets answer 500 and their breakers opened; a request waited for the cooldown
+    (within max_retry_after_s), its half-open probes got 500 again, and it was told 503 backends_unavailable
+    ("unavailable ... status 500"). The calls failed: 502 upstream_failed as when every target fails, its
+    Retry-After when a target is tried again."""
+    br = Breakers(state, BreakerSettings(consecutive_failures=1, open_s=1))
+    primary.set_default({"status": 500})
+    fallback.set_default({"status": 500})
+    cands = [cand(primary), cand(fallback)]
+    first = await call_with_fallback(cands, attempt_fn(client, False), breakers=br,
+                                     policy=RetrySettings(max_retry_after_s=0, backoff_initial_s=0.01))
+    assert first.status == 502 and primary.calls == fallback.calls == 1
+    res = await call_with_fallback(cands, attempt_fn(client, False), breakers=br,
+                                   policy=RetrySettings(max_retry_after_s=2, deadline_s=1.8, backoff_initial_s=0.01))
+    assert primary.calls == fallback.calls == 2                # each probed once after the cooldown
+    err = json.loads(res.body)["error"]
+    assert res.status == 502 and err["code"] == "upstream_failed", (res.status, err)
+    assert "primary: status 500" in err["message"] and "fallback: status 500" in err["message"]
+    assert 1 <= int(res.headers["retry-after"]) <= 2
+
+
 async def test_dead_and_hung_upstreams_are_skipped(state, primary, third):
     dead = f"http://127.0.0.1:{free_port()}/v1"
     primary.set_default({"hang": True})
