@@ -140,8 +140,8 @@ async def test_an_edit_of_comments_alone_keeps_the_version_and_the_rollback_it_w
                                                                                          monkeypatch):
     """A new user's trial: after weights 5 then 100 % on the canary, a file edit of a comment made a new version
     ("applied (file): no change"), and the rollback that followed returned to it: the canary stayed at 100 %. A
-    reload that changes nothing keeps the running version (desired-state.md), by the watcher, the admin API and
-    SIGHUP's path alike; the rollback then returns to 5 %."""
+    reload that changes nothing keeps the running version (desired-state.md), by the watcher and the admin API
+    (SIGHUP's reload is the same call); the rollback then returns to 5 %."""
     monkeypatch.setenv("TANDEM_ADMIN_TOKEN", ADMIN_TOKEN)
     prefix = f"v{uuid.uuid4().hex[:8]}"
     with FaultUpstream("up") as up:
