@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 
+from engine.protocol.param_ranges import check_param
+
 # The generation-config keys vLLM takes as sampling defaults (``max_new_tokens`` is its ``max_tokens``).
 SAMPLING_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 # transformers' ``GenerationConfig()`` defaults: a key equal to one is not a recommendation (vLLM reads the
@@ -25,7 +27,8 @@ def default_sampling_params(model: str, generation_config: str = "auto",
     Raises:
         FileNotFoundError: ``generation_config`` names a directory without ``generation_config.json``.
         ValueError: the file is not a JSON object, a key of ``override`` is not one of ``SAMPLING_KEYS``, or a
-            value is not a number.
+            value is not a number or outside the range a request's own value must be in (``param_ranges``: a
+            default every request would be refused for, blaming its client, is refused at start instead).
     """
     config: dict = {}
     if generation_config == "auto":
@@ -45,7 +48,11 @@ def default_sampling_params(model: str, generation_config: str = "auto",
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"generation config: {key} must be a number, got {value!r}")
-        out["max_tokens" if key == "max_new_tokens" else key] = value
+        name = "max_tokens" if key == "max_new_tokens" else key
+        if (bad := check_param(name, value)) is not None:
+            source = "override_generation_config" if key in (override or {}) else "generation config"
+            raise ValueError(f"{source}: {bad.message.replace(repr(name), repr(key))}")
+        out[name] = value
     return out
 
 

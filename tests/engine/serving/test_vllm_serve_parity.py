@@ -48,6 +48,16 @@ def test_the_diff_of_a_generation_config_is_read_as_vllm_reads_it(tiny, tmp_path
         EngineArgs(model=plain, generation_config=str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="override_generation_config"):
         EngineArgs(model=plain, override_generation_config='{"beam_width": 3}')
+    # a default every request would be refused for (blaming its client: a trial) is refused at start, by the
+    # ranges a request's own value must be in
+    for bad, said in (({"temperature": -1}, "'temperature': decimal below minimum"), ({"temperature": 5}, "'temperature': decimal above"),
+                      ({"top_p": 0}, "'top_p'"), ({"top_k": -7}, "'top_k'"),
+                      ({"max_new_tokens": 0}, "'max_new_tokens': integer below minimum")):
+        with pytest.raises(ValueError, match=f"override_generation_config: Invalid {said}"):
+            EngineArgs(model=plain, override_generation_config=json.dumps(bad))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 0}))
+    with pytest.raises(ValueError, match="generation config: Invalid 'repetition_penalty'"):
+        EngineArgs(model=plain, generation_config=str(tmp_path))
     with pytest.raises(ValueError, match="looks like a file path"):
         EngineArgs(model=plain, chat_template="/no/such/template.jinja")
     with pytest.raises(ValueError, match="not a valid template"):   # before the weights load (a trial: after)
