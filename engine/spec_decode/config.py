@@ -16,6 +16,8 @@ class SpeculativeConfig:
     Attributes:
         method: "ngram" (prompt lookup: the continuation of the last n tokens' latest earlier occurrence in the
             prompt and output so far; no extra model) or "draft_model" (a smaller model's greedy continuation).
+            None (unset) is inferred from ``model`` as vLLM does: "draft_model" for a path, "ngram" for
+            ``"[ngram]"`` / ``"ngram"`` (then no model) or no model.
         num_speculative_tokens: most tokens proposed per sequence and step (k).
         prompt_lookup_max: longest n-gram matched (tried first; ngram).
         prompt_lookup_min: shortest n-gram matched (ngram).
@@ -23,13 +25,18 @@ class SpeculativeConfig:
             target's tokenizer (draft_model only).
     """
 
-    method: str = "ngram"
+    method: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None
 
     def __post_init__(self) -> None:
+        if self.method is None:   # vLLM's inference from the model named
+            ngram = self.model is None or self.model in ("ngram", "[ngram]")
+            object.__setattr__(self, "method", "ngram" if ngram else "draft_model")
+            if ngram:
+                object.__setattr__(self, "model", None)
         checks = [
             (self.method in METHODS, "method", f"must be one of {', '.join(METHODS)}, got {self.method!r}"),
             (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,

@@ -120,3 +120,15 @@ def test_lookups_that_find_nothing_back_off():
     assert [_step(decoder, req, 0) for _ in range(300)] == [0] * 300
     assert 5 < len(decoder.proposer.asked) < 30       # asked ever more rarely, not at each of the 300 steps
     assert decoder.stats.num_drafts == 0              # nothing verified, nothing counted
+
+
+def test_the_method_is_inferred_from_the_model_as_vllm_does():
+    """A vLLM command line names the draft model without ``method`` (a trial: refused here before)."""
+    import pytest
+
+    assert SpeculativeConfig.parse('{"model": "draft.gguf", "num_speculative_tokens": 3}').method == "draft_model"
+    for model in ("[ngram]", "ngram", None):
+        cfg = SpeculativeConfig(model=model, num_speculative_tokens=3)
+        assert (cfg.method, cfg.model) == ("ngram", None)
+    with pytest.raises(ValueError, match="only read by method draft_model"):
+        SpeculativeConfig(method="ngram", model="draft.gguf")
