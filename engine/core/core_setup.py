@@ -179,10 +179,10 @@ def load_core(core, args: EngineArgs, tp) -> None:
     # serving (4 % of a single stream's time in a profile; vLLM freezes its start-up heap too).
     gc.collect()
     gc.freeze()
-    # the most decode steps one scheduler call runs (engine/core/multi_step.py): none beside proposals, and
-    # only where the runner has the one-call greedy path; fixed once the runner's kernels are chosen
-    core.max_scheduler_steps = args.num_scheduler_steps \
-        if core.spec_decoder is None and core.model_runner.can_decode_greedy else 1
+    # the most decode steps one scheduler call runs (engine/core/multi_step.py), only where the runner has the
+    # one-call greedy path (fixed once the runner's kernels are chosen); with speculation, in the calls where no
+    # sequence got a proposal (multi_step.lookahead_steps)
+    core.max_scheduler_steps = args.num_scheduler_steps if core.model_runner.can_decode_greedy else 1
     log_ready(core, num_blocks, budget, spec)
 
 def log_ready(core, num_blocks: int, budget: int, spec) -> None:

@@ -134,6 +134,6 @@ class SpecDecoder:
             if acc is not None:
                 acc.observe(proposed, accepted)
         if self._started is not None and decode_only and query_tokens:
-            now = time.monotonic()
-            self.cost.observe(now - self._started, query_tokens, now)
+            now = time.monotonic()   # several decode steps of one call (nothing proposed): their mean
+            self.cost.observe((now - self._started) / sched.num_steps, query_tokens, now)
         self._started = None

@@ -117,6 +117,24 @@ def test_alone_and_batched_equal_without_speculation(reference, spec, kind):
     assert stats.spec_num_draft_tokens >= stats.spec_num_accepted_tokens == sum(stats.spec_num_accepted_tokens_per_pos)
 
 
+def test_calls_without_proposals_run_several_decode_steps(plain, spec, reference, monkeypatch):
+    """Greedy without logprobs: a call where no sequence got a proposal runs several decode steps
+    (``engine/core/multi_step.py``; a trial: with speculation on, every call ran one, and the engine was slower
+    than without it), one with proposals runs one; the outputs are the engine's without speculation."""
+    prompts = reference[0]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    core, calls = spec.engine.core, []
+    schedule = core._schedule
+    monkeypatch.setattr(core, "_schedule", lambda: calls.append(schedule()) or calls[-1])
+    key = [[(tuple(c.token_ids), c.text, c.finish_reason) for c in o.outputs] for o in plain.generate(prompts, params)]
+    for batch in (prompts, *([p] for p in prompts)):
+        assert [[(tuple(c.token_ids), c.text, c.finish_reason) for c in o.outputs]
+                for o in spec.generate(batch, params)] == (key if len(batch) > 1 else [key[prompts.index(batch[0])]])
+    several = [s for s in calls if s.num_steps > 1]
+    assert several and not any(e.spec_token_ids for s in several for e in s.scheduled)
+    assert any(e.spec_token_ids for s in calls for e in s.scheduled)
+
+
 @pytest.mark.parametrize("name, kwargs", [
     ("chunked-24", dict(max_num_batched_tokens=24)),                  # budgets cut proposals too
     ("no-prefix-cache", dict(enable_prefix_caching=False)),
