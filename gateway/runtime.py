@@ -18,6 +18,7 @@ import time
 
 from prometheus_client import Counter
 
+from gateway.config.changes import describe_changes
 from gateway.config.compile import Compiled, load_config_text
 from gateway.config.config_file import ConfigFile
 from gateway.config.layers import RolloutConflict, holder, layer_view, over_file, route_weights, same_as_file
@@ -39,7 +40,6 @@ from gateway.observability.telemetry import Observability
 from gateway.config.versions import ConfigState, Guard, GuardFailed, MemoryLedger, RedisLedger, VersionConflict, \
     text_digest
 from gateway.config.status import down_warnings, routes_now
-from gateway.config.weights import describe_changes
 from gateway.rollouts.controller import RolloutController
 from gateway.rollouts.metrics import ParityCollector
 from gateway.rollouts.shadow import ShadowRunner

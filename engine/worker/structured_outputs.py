@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -174,6 +175,9 @@ class StructuredOutputManager:
         except (RuntimeError, self._xgr.InvalidJSONError, self._xgr.InvalidStructuralTagError) as exc:
             message = _xgrammar_message(exc)
             named = self._name_bad_regex(params) if message.startswith("Regex") else None
+            if params.grammar is not None and _LARK_RULE.search(params.grammar):
+                message += ("; Lark grammars (vLLM's `?start: ...`) are not read here: write it in EBNF (GBNF), "
+                            "e.g. `root ::= \"cat\" | \"dog\"`")
             raise ValueError(named or f"{params.kind}: {message}") from None
         return out, out.memory_size_bytes
 
@@ -351,6 +355,10 @@ def _set_bit(row, token: int, value: bool) -> None:
 def _regex_escape(text: str) -> str:
     """Escape a literal for xgrammar's regex syntax (ECMAScript-like)."""
     return "".join("\\" + ch if ch in r"\^$.|?*+()[]{}/" else ch for ch in text)
+
+
+# a Lark rule's head at a line's start (``?start:``, ``value :``), which EBNF writes ``name ::=``
+_LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][A-Za-z0-9_]*\s*:(?!:)", re.MULTILINE)
 
 
 def _xgrammar_message(exc: Exception) -> str:

@@ -96,6 +96,16 @@ def test_a_lower_bound_over_its_upper_bound_is_named_by_its_path(low, high, type
     check_json_schema({"type": "object", "properties": {"x": {"type": type_, low: 2, high: 2, **room}}})
 
 
+def test_a_lark_grammar_is_refused_saying_to_write_ebnf():
+    """A trial: vLLM reads Lark grammars; here ``?start: "cat" | "dog"`` got only the EBNF lexer's error."""
+    so, _ = manager()
+    with pytest.raises(ValueError, match=r"^grammar: .*; Lark grammars .* are not read here: write it in EBNF"):
+        so.compile(StructuredOutputsParams(grammar='?start: "cat" | "dog"'))
+    with pytest.raises(ValueError) as e:                        # a broken EBNF grammar is not called Lark
+        so.compile(StructuredOutputsParams(grammar='root ::= "cat" |'))
+    assert "Lark" not in str(e.value)
+
+
 def test_a_regex_the_compile_refuses_is_named_by_its_path():
     """Found by a user trial: ``pattern: "[a-"`` came back as ``json: Regex parsing error ...``, no path."""
     so, _ = manager()

@@ -12,9 +12,9 @@ import logging
 import httpx
 import pytest
 
+from gateway.config.changes import describe_changes
 from gateway.config.compile import load_config_text
 from gateway.config.layers import RolloutConflict, reapply
-from gateway.config.weights import describe_changes
 from gateway.http.app import create_app
 from gateway.runtime import Gateway
 from tests.gateway.fault_upstream import FaultUpstream
