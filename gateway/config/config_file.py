@@ -10,6 +10,7 @@ import os
 from gateway.config.compile import load_config_text
 from gateway.config.layers import route_weights
 from gateway.config.schema import ConfigError
+from gateway.config.versions import same_document
 
 
 class ConfigFile:
@@ -50,11 +51,11 @@ class ConfigFile:
 
     def status(self, running_text: str, overrides: dict) -> dict:
         """``{"path", "differs", "status"}`` against the running version (its file text and operator
-        ``overrides``): "in sync", "weights overrides active", "file does not load (the running version is
+        ``overrides``; a file whose text differs only in comments or layout does not differ): "in sync", "weights overrides active", "file does not load (the running version is
         kept): <why>" (an edit a reload refused), or "runtime override active, file differs" (a rollback, or
         another replica's file, runs instead of it)."""
         text = self.read()
-        differs = text is not None and text != running_text
+        differs = text is not None and not same_document(text, running_text)
         status = "weights overrides active" if overrides else "in sync"
         if differs:
             try:
@@ -65,10 +66,10 @@ class ConfigFile:
         return {"path": self.path, "differs": differs, "status": status}
 
     def weights_if_differs(self, running_text: str) -> dict[str, dict[str, float]] | None:
-        """route -> {target id: weight} of the file when its text is not the running one and it loads; else
+        """route -> {target id: weight} of the file when its document is not the running one and it loads; else
         None (``layers.layer_view``'s ``on_disk``)."""
         text = self.read()
-        if text is None or text == running_text:
+        if text is None or same_document(text, running_text):
             return None
         with contextlib.suppress(ConfigError):
             return route_weights(load_config_text(text, {}).policy)

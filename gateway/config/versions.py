@@ -79,6 +79,11 @@ def document_digest(text: str) -> str:
     return hashlib.sha256(doc.encode()).hexdigest()
 
 
+def same_document(a: str, b: str) -> bool:
+    """Whether two config texts hold the same document (``document_digest``)."""
+    return a == b or document_digest(a) == document_digest(b)
+
+
 @dataclass
 class ConfigState:
     """One config version.

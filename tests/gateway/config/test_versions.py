@@ -157,8 +157,12 @@ async def test_an_edit_of_comments_alone_keeps_the_version_and_the_rollback_it_w
             assert (await c.get("/admin/config")).json()["version"] == promoted
             r = await c.post("/admin/reload")
             assert r.status_code == 200 and r.json()["version"] == promoted, r.text
+            status = (await c.get("/admin/config")).json()["file"]
+            assert (status["differs"], status["status"]) == (False, "weights overrides active"), status
             r = await c.post("/admin/rollback")
             assert r.status_code == 200 and weights(r.json()["routes"], "one") == [95, 5]
+            status = (await c.get("/admin/config")).json()["file"]   # a trial: "runtime override active, file differs"
+            assert (status["differs"], status["status"]) == (False, "weights overrides active"), status
 
 
 @pytest.mark.parametrize("shared", [False, True])
