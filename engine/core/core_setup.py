@@ -16,7 +16,8 @@ from engine.worker.device import configure_core_threads, omp_places, omp_wait_po
 from engine.executor.multiproc_executor import rank_threads, start_driver
 from engine.worker.malloc_tuning import malloc_tuning
 from engine.fingerprint import numerics_of, system_fingerprint
-from engine.model_loader import import_loader_modules, load_model
+from engine.distributed.shard_plan import plan_shard
+from engine.model_loader import import_loader_modules, load_model, read_model_config
 from engine.worker.model_runner import ModelRunner, resident_bytes
 from engine.core.embed_calls import EmbedCalls
 from engine.core.request import Request
@@ -78,6 +79,9 @@ def start_core(core, args: EngineArgs) -> None:
     core.dtype = resolve_dtype(args.dtype)
     core.executor, tp = None, None
     if args.tensor_parallel_size > 1:
+        # a split the model cannot take (more ranks than attention heads) is refused once, before any rank starts
+        # (a trial: each rank loaded, then failed with its own error line)
+        plan_shard(read_model_config(args.model), 0, args.tensor_parallel_size)
         core.executor, tp = start_driver(args, core.device)
         core.device = tp.device
     if args.device != "cuda":

@@ -127,6 +127,24 @@ def _read_model(path: str, dummy: bool, keep_int4: bool, quantization: str = "no
     return config, tokenizer, weights
 
 
+def read_model_config(path: str) -> ModelConfig:
+    """The model config of a HF directory (``config.json``) or a ``.gguf`` file (its metadata), reading no
+    weights: what a tensor-parallel driver checks its split against before it starts the other ranks.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    from engine.gguf_file import open_gguf
+    from engine.model_loader.gguf_loader import gguf_model_config
+    from engine.model_loader.hf import hf_model_config
+
+    if os.path.isdir(path):
+        return hf_model_config(path)
+    if os.path.isfile(path):
+        return gguf_model_config(open_gguf(path), path)
+    raise FileNotFoundError(f"model {path!r}: no such file or directory")
+
+
 def _log_quantized(model, quantization: str, dtype: torch.dtype) -> None:
     """Log what a GGUF's quantized weights became: projections computed from their 4-bit codes
     (quantization gguf), or bfloat16 weights with the codes kept beside them for decode steps of a few

@@ -70,3 +70,14 @@ def test_step_inputs_cross_the_wire_unchanged():
     for name in inputs.__dataclass_fields__:
         assert np.array_equal(getattr(got, name), getattr(inputs, name)), name
         assert getattr(got, name).shape == np.asarray(getattr(inputs, name)).shape, name
+
+
+def test_more_ranks_than_heads_are_refused_before_any_rank_starts(monkeypatch):
+    """A trial: ``--tensor-parallel-size 10`` on SmolLM2 (9 heads) started 10 ranks, each loaded and failed with its
+    own error line (~18 s); the driver now refuses the split from the model's config first."""
+    from engine.core import core_setup
+    from engine.llm import LLM
+
+    monkeypatch.setattr(core_setup, "start_driver", lambda *a: pytest.fail("a rank was started"))
+    with pytest.raises(ValueError, match="tensor_parallel_size 10 exceeds the model's 9 attention heads"):
+        LLM(tensor_parallel_size=10)
