@@ -11,11 +11,10 @@ from policies import Target
 
 def describe_changes(old: Compiled | None, new: Compiled) -> str:
     """What changed between two versions, in one line: ``route local-first: deepseek 5 -> 25, local 95 -> 75``
-    (the weights in effect, overrides included), a route whose weights only the file changed under an override
+    (the weights in effect, overrides included), a route whose weights only the text changed under an override
     (``route chat: canary 5 -> 10, stable 95 -> 90 in the config text, not in effect (an override holds the
-    route)``),
-    routes added or removed, then the config's own key paths added, removed or changed (``routes.main.shadow
-    added``); ``no change`` when nothing did."""
+    route)``), routes added or removed, then the config's own key paths added, removed or changed
+    (``routes.main.shadow added``); ``no change`` when nothing did."""
     if old is None:
         return "first version"
     parts = []
@@ -37,7 +36,8 @@ def describe_changes(old: Compiled | None, new: Compiled) -> str:
 
 def _file_weights(cfg: GatewayConfig) -> dict[str, dict[str, float]]:
     """route -> {target id: weight} as a config's text says (under no override)."""
-    return {name: {Target(t.backend, t.model, id=t.id).id: t.weight for t in r.targets} for name, r in cfg.routes.items()}
+    return {name: {Target(t.backend, t.model, id=t.id).id: t.weight for t in r.targets}
+            for name, r in cfg.routes.items()}
 
 
 def _moved(a: dict[str, float], b: dict[str, float]) -> str:

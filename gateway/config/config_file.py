@@ -51,9 +51,10 @@ class ConfigFile:
 
     def status(self, running_text: str, overrides: dict) -> dict:
         """``{"path", "differs", "status"}`` against the running version (its file text and operator
-        ``overrides``; a file whose text differs only in comments or layout does not differ): "in sync", "weights overrides active", "file does not load (the running version is
-        kept): <why>" (an edit a reload refused), or "runtime override active, file differs" (a rollback, or
-        another replica's file, runs instead of it)."""
+        ``overrides``; a file whose text differs only in comments or layout does not differ): "in sync",
+        "weights overrides active", "file does not load (the running version is kept): <why>" (an edit a reload
+        refused), or "runtime override active, file differs" (a rollback, or another replica's file, runs
+        instead of it)."""
         text = self.read()
         differs = text is not None and not same_document(text, running_text)
         status = "weights overrides active" if overrides else "in sync"
