@@ -57,13 +57,9 @@ def available(march: str | None = None) -> bool:
 
 
 @dataclass(frozen=True)
-class PackedLinear:
-    """A [out_features, in_features] bfloat16 weight in the kernel's layout.
-
-    Attributes:
-        data: bfloat16 [ceil(out / 64) * 64 * in] panels ([out / 64][in / 2][64][2]).
-        out_features, in_features: the weight's shape (in_features even).
-    """
+class DensePanels:
+    """A dense [out_features, in_features] weight in one of the C kernels' panel layouts (``data``); the
+    kernels dispatch on the subclass (:class:`PackedLinear`, ``cpu_linear_f32.PackedF32Linear``)."""
 
     data: torch.Tensor
     out_features: int
@@ -75,10 +71,21 @@ class PackedLinear:
 
 
 @dataclass(frozen=True)
-class _QuantPanels:
+class PackedLinear(DensePanels):
+    """A [out_features, in_features] bfloat16 weight in the kernel's layout.
+
+    Attributes:
+        data: bfloat16 [ceil(out / 64) * 64 * in] panels ([out / 64][in / 2][64][2]).
+        out_features, in_features: the weight's shape (in_features even).
+    """
+
+
+@dataclass(frozen=True)
+class QuantPanels:
     """Codes and per-group scales of a quantized [out_features, in_features]
-    weight in one of ``csrc/linear_q4_cpu.c``'s layouts (in_features a
-    multiple of 32; one scale per ``group`` inputs, a multiple of 32 dividing it)."""
+    weight in one of the C kernels' layouts (``csrc/linear_q4_cpu.c``'s, ``csrc/linear_f32_cpu.c``'s;
+    in_features a multiple of 32; one scale per ``group`` inputs, a multiple of 32 dividing it); the kernels
+    dispatch on the subclass."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -92,7 +99,7 @@ class _QuantPanels:
 
 
 @dataclass(frozen=True)
-class PackedQ4Linear(_QuantPanels):
+class PackedQ4Linear(QuantPanels):
     """A 4-bit weight, w = d q + m per ``group`` inputs (GGUF Q4_0/Q4_1: 32;
     a GPTQ/AWQ/compressed-tensors checkpoint's own group): 4 bits per weight
     plus 4 bytes of scales per group (GGUF: 5 bits per weight; groups of 128:
@@ -114,7 +121,7 @@ class PackedQ4Linear(_QuantPanels):
 
 
 @dataclass(frozen=True)
-class PackedQ8Linear(_QuantPanels):
+class PackedQ8Linear(QuantPanels):
     """An 8-bit weight w = d q, q int8, one float32 d per output row and
     ``group`` inputs: a GGUF Q8_0 head's copy (float16 d per 32 inputs, read
     by calls of up to :func:`copy_max_rows` rows) or a compressed-tensors
@@ -150,7 +157,7 @@ class PackedW8A8Linear:
 
 
 @dataclass(frozen=True)
-class PackedFP8Linear(_QuantPanels):
+class PackedFP8Linear(QuantPanels):
     """An FP8 E4M3 weight (w = v d, v an FP8 value, d float32 per output row
     and ``group`` inputs: a per-tensor or per-channel scale is one group of
     ``in``): 8 bits per weight, tiles upcast to the bfloat16 values bf16(v d)
@@ -347,7 +354,7 @@ def pack(weight: torch.Tensor) -> PackedLinear:
     return PackedLinear(data, n, k)
 
 
-def linear(x: torch.Tensor, packed: PackedLinear | _QuantPanels | PackedW8A8Linear, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, packed: PackedLinear | QuantPanels | PackedW8A8Linear, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """[..., in] @ W.T (+ bias [out], added in float32) (+ residual [..., out]) -> [..., out].
 

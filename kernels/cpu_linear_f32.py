@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu_build import load_library, rows_2d
-from kernels.cpu_linear import check_codes, check_group
+from kernels.cpu_linear import DensePanels, QuantPanels, check_codes, check_group
 
 PANEL = 32  # output columns per packed panel (QF_PANEL of the C file)
 
 
 @dataclass(frozen=True)
-class PackedF32Linear:
+class PackedF32Linear(DensePanels):
     """A dense float32 [out_features, in_features] weight in the kernel's layout.
 
     Attributes:
@@ -32,17 +32,9 @@ class PackedF32Linear:
         out_features, in_features: the weight's shape.
     """
 
-    data: torch.Tensor
-    out_features: int
-    in_features: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes
-
 
 @dataclass(frozen=True)
-class PackedQ4F32Linear:
+class PackedQ4F32Linear(QuantPanels):
     """A 4-bit weight in the float32 kernel's layout.
 
     Attributes:
@@ -52,16 +44,6 @@ class PackedQ4F32Linear:
         out_features, in_features: the weight's shape.
         group: inputs per (d, m): a multiple of 32 dividing in_features.
     """
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    out_features: int
-    in_features: int
-    group: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
 
 
 def pack_f32(weight: torch.Tensor) -> PackedF32Linear:

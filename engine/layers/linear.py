@@ -33,7 +33,7 @@ from torch import nn
 
 from engine.layers.fp8_linear import FP8Linear, fp8_packable
 from engine.layers.int8_linear import Int8Linear, int8_packable
-from engine.layers.packed_linear import C_PANELS, PackedWeights, c_panels_for
+from engine.layers.packed_linear import PackedWeights, c_panels_for
 from engine.layers.quant_linear import GGUFBlocks, Int4Linear, int4_packable, int4_values, q8_codes_d
 from engine.layers.triton_packed_linear import TritonPackedLinear, triton_packable
 from engine.quantization.fp8 import FP8Weight
@@ -228,5 +228,5 @@ def pack_projections(layer: nn.Module, release_dense: bool = True) -> None:
     for name in PROJECTIONS:
         if name not in layer.int4:
             lin = getattr(layer, name)
-            if isinstance(layer.packed.get(name, lin.weight), C_PANELS) and release_dense:
+            if isinstance(layer.packed.get(name, lin.weight), cpu_linear.DensePanels) and release_dense:
                 layer.packed.release_dense(name, lin)

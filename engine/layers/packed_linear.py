@@ -14,9 +14,6 @@ from torch import nn
 
 from kernels import cpu_linear, cpu_linear_f32
 
-# the C kernels' packed forms, each batch-invariant for any row count (never tiled)
-C_PANELS = (cpu_linear.PackedLinear, cpu_linear_f32.PackedF32Linear)
-
 
 def c_panels_for(weight: torch.Tensor) -> bool:
     """Whether a [out, in] weight runs on the C kernel's bfloat16 panels
@@ -148,7 +145,7 @@ class PackedWeights:
 
     def nbytes(self) -> int:
         """Bytes of the packed copies held (the C kernel's panels, oneDNN's blocked weights)."""
-        return sum(p.nbytes if isinstance(p, C_PANELS) else p.numel() * p.element_size()
+        return sum(p.nbytes if isinstance(p, cpu_linear.DensePanels) else p.numel() * p.element_size()
                    for _, _, p in self._entries.values() if p is not None)
 
     def release_dense(self, name: str, module: nn.Module) -> None:
@@ -162,8 +159,8 @@ class PackedWeights:
     def _needs_padding(self, weight: torch.Tensor, packed: torch.Tensor | cpu_linear.PackedLinear | None,
                        with_residual: bool) -> bool:
         """Whether this weight's shape and call kind need full, zero-padded tiles."""
-        if isinstance(packed, C_PANELS):
-            return False  # the C kernels are row-invariant by construction; they are never tiled
+        if isinstance(packed, cpu_linear.DensePanels):
+            return False  # the C kernels' panels (bfloat16, float32) are row-invariant by construction: never tiled
         key = (tuple(weight.shape), weight.dtype, packed is not None, with_residual)
         if key not in self._row_checks:
             self._row_checks[key] = not check_row_invariance(weight, packed, with_residual)
@@ -189,7 +186,7 @@ class PackedWeights:
             y = F.linear(x, weight, bias)
             return y if residual is None else residual + y
         packed = self.get(name, weight)
-        if not self.batch_invariant or isinstance(packed, C_PANELS):  # the C kernels: any row count
+        if not self.batch_invariant or isinstance(packed, cpu_linear.DensePanels):  # the C kernels: any row count
             return _linear_call(x, weight, packed, bias, residual)
         pad = self._needs_padding(weight, packed, residual is not None)
         rows = x.shape[0]
