@@ -40,6 +40,16 @@ def config(up: FaultUpstream, redis_url: str, prefix: str, b_weight: int = 0) ->
             "policy:\n  default_route: one\n  rules:\n    - {name: m2, match: {model: m2}, route: two}\n")
 
 
+@pytest.fixture
+def config_text(redis_url, monkeypatch):
+    """``config`` on a fault upstream and ``redis_url`` under a key prefix of the test's own (the admin token
+    set): ``config_text(b_weight=0)``."""
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", ADMIN_TOKEN)
+    prefix = f"v{uuid.uuid4().hex[:8]}"
+    with FaultUpstream("up") as up:
+        yield lambda b_weight=0: config(up, redis_url, prefix, b_weight)
+
+
 @contextlib.asynccontextmanager
 async def replica(path):
     """A gateway on the config file ``path``: yields (gateway, admin client)."""
@@ -58,38 +68,35 @@ def weights(routes: dict, route: str) -> list[float]:
     return [t["weight"] for t in routes[route]["targets"]]
 
 
-async def test_a_change_built_on_an_old_version_is_refused(tmp_path, redis_url, monkeypatch):
+async def test_a_change_built_on_an_old_version_is_refused(tmp_path, config_text):
     """Weights on replica 1, then another route's weights on replica 2 that has not seen them: 409 with the
     current version, the first change intact; rebased explicitly, both stand. A file reload on replica 1 is not
     reverted by a weights change built on replica 2's older version."""
-    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", ADMIN_TOKEN)
-    prefix = f"v{uuid.uuid4().hex[:8]}"
-    with FaultUpstream("up") as up:
-        p1, p2 = tmp_path / "r1.yaml", tmp_path / "r2.yaml"
-        for p in (p1, p2):
-            p.write_text(config(up, redis_url, prefix))
-        async with replica(p1) as (g1, c1), replica(p2) as (g2, c2):
-            r = await c1.post("/admin/weights", json={"route": "one", "weights": {"a": 60, "b": 40}})
-            assert r.status_code == 200 and r.json()["propagated"] is True
-            head = r.json()["version"]
-            r = await c2.post("/admin/weights", json={"route": "two", "weights": {"a": 10, "b": 90}})
-            assert r.status_code == 409 and r.json()["error"]["code"] == "version_conflict"
-            assert r.headers["x-tandem-config-version"] == str(head)
-            assert (await g2.ledger.head()).overrides == {"one": {"a": 60.0, "b": 40.0}}
-            r = await c2.post("/admin/weights", json={"route": "two", "weights": {"a": 10, "b": 90}, "rebase": True})
-            assert r.status_code == 200
-            assert weights(r.json()["routes"], "one") == [60, 40] and weights(r.json()["routes"], "two") == [10, 90]
+    p1, p2 = tmp_path / "r1.yaml", tmp_path / "r2.yaml"
+    for p in (p1, p2):
+        p.write_text(config_text())
+    async with replica(p1) as (g1, c1), replica(p2) as (g2, c2):
+        r = await c1.post("/admin/weights", json={"route": "one", "weights": {"a": 60, "b": 40}})
+        assert r.status_code == 200 and r.json()["propagated"] is True
+        head = r.json()["version"]
+        r = await c2.post("/admin/weights", json={"route": "two", "weights": {"a": 10, "b": 90}})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "version_conflict"
+        assert r.headers["x-tandem-config-version"] == str(head)
+        assert (await g2.ledger.head()).overrides == {"one": {"a": 60.0, "b": 40.0}}
+        r = await c2.post("/admin/weights", json={"route": "two", "weights": {"a": 10, "b": 90}, "rebase": True})
+        assert r.status_code == 200
+        assert weights(r.json()["routes"], "one") == [60, 40] and weights(r.json()["routes"], "two") == [10, 90]
 
-            # replica 1 reloads an edited file; replica 2 (still on the version before) changes weights
-            p1.write_text(config(up, redis_url, prefix, b_weight=7))
-            r = await c1.post("/admin/reload")
-            assert r.status_code == 409        # replica 1 has not seen the rebased change: refused, not undone
-            await _apply_head(g1)              # what its sync loop does within sync_interval_s
-            r = await c1.post("/admin/reload")
-            assert r.status_code == 200 and weights(r.json()["routes"], "one") == [100, 7]
-            r = await c2.post("/admin/weights", json={"route": "two", "weights": {"b": 50}})
-            assert r.status_code == 409
-            assert (await g1.ledger.head()).text == p1.read_text()      # the reload stands fleet-wide
+        # replica 1 reloads an edited file; replica 2 (still on the version before) changes weights
+        p1.write_text(config_text(7))
+        r = await c1.post("/admin/reload")
+        assert r.status_code == 409        # replica 1 has not seen the rebased change: refused, not undone
+        await _apply_head(g1)              # what its sync loop does within sync_interval_s
+        r = await c1.post("/admin/reload")
+        assert r.status_code == 200 and weights(r.json()["routes"], "one") == [100, 7]
+        r = await c2.post("/admin/weights", json={"route": "two", "weights": {"b": 50}})
+        assert r.status_code == 409
+        assert (await g1.ledger.head()).text == p1.read_text()      # the reload stands fleet-wide
 
 
 async def _apply_head(gw) -> None:
@@ -98,71 +105,64 @@ async def _apply_head(gw) -> None:
         gw._apply(head)
 
 
-async def test_a_rollback_sticks_until_the_file_changes(tmp_path, redis_url, monkeypatch):
+async def test_a_rollback_sticks_until_the_file_changes(tmp_path, config_text):
     """Rollback to the version before a file edit: touching the unchanged file, or restarting a replica on it,
     leaves the rollback in place, and the status says the file differs; editing the file applies it."""
-    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", ADMIN_TOKEN)
-    prefix = f"v{uuid.uuid4().hex[:8]}"
-    with FaultUpstream("up") as up:
-        path = tmp_path / "gateway.yaml"
-        path.write_text(config(up, redis_url, prefix))
-        async with replica(path) as (gw, c):
-            path.write_text(config(up, redis_url, prefix, b_weight=5))
-            assert (await c.post("/admin/reload")).status_code == 200
-            r = await c.post("/admin/rollback")
-            assert r.status_code == 200 and weights(r.json()["routes"], "one") == [100, 0]
-            rolled = r.json()["version"]
-            st = os.stat(path)
-            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))     # touch: same text
-            await asyncio.sleep(0.3)                                      # several polls of the watcher
+    path = tmp_path / "gateway.yaml"
+    path.write_text(config_text())
+    async with replica(path) as (gw, c):
+        path.write_text(config_text(5))
+        assert (await c.post("/admin/reload")).status_code == 200
+        r = await c.post("/admin/rollback")
+        assert r.status_code == 200 and weights(r.json()["routes"], "one") == [100, 0]
+        rolled = r.json()["version"]
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))     # touch: same text
+        await asyncio.sleep(0.3)                                      # several polls of the watcher
+        cfg = (await c.get("/admin/config")).json()
+        assert cfg["version"] == rolled and weights(cfg["routes"], "one") == [100, 0]
+        assert cfg["file"]["differs"] and cfg["file"]["status"] == "runtime override active, file differs"
+        assert cfg["layers"]["one"] == {          # decided by the rollback; "file" is the disk's, not the version's
+            "effective": {"a": 100, "b": 0}, "file": {"a": 100, "b": 5},
+            "decided_by": f"version {rolled} (rollback)",
+            "note": "the file on disk says a 100, b 5; `tandem ctl reload` applies it"}
+        assert cfg["layers"]["two"]["decided_by"] == "file"          # the same weights on disk and running
+        assert f"route one: a 100, b 0  [version {rolled} (rollback)]" in layers_summary(cfg)
+    async with replica(path) as (gw, c):                              # a restart on the same file
+        cfg = (await c.get("/admin/config")).json()
+        assert cfg["version"] == rolled and weights(cfg["routes"], "one") == [100, 0]
+        path.write_text(config_text(9))      # an operator edits the file
+        for _ in range(200):
             cfg = (await c.get("/admin/config")).json()
-            assert cfg["version"] == rolled and weights(cfg["routes"], "one") == [100, 0]
-            assert cfg["file"]["differs"] and cfg["file"]["status"] == "runtime override active, file differs"
-            assert cfg["layers"]["one"] == {          # decided by the rollback; "file" is the disk's, not the version's
-                "effective": {"a": 100, "b": 0}, "file": {"a": 100, "b": 5},
-                "decided_by": f"version {rolled} (rollback)",
-                "note": "the file on disk says a 100, b 5; `tandem ctl reload` applies it"}
-            assert cfg["layers"]["two"]["decided_by"] == "file"          # the same weights on disk and running
-            assert f"route one: a 100, b 0  [version {rolled} (rollback)]" in layers_summary(cfg)
-        async with replica(path) as (gw, c):                              # a restart on the same file
-            cfg = (await c.get("/admin/config")).json()
-            assert cfg["version"] == rolled and weights(cfg["routes"], "one") == [100, 0]
-            path.write_text(config(up, redis_url, prefix, b_weight=9))      # an operator edits the file
-            for _ in range(200):
-                cfg = (await c.get("/admin/config")).json()
-                if cfg["version"] > rolled:
-                    break
-                await asyncio.sleep(0.02)
-            assert weights(cfg["routes"], "one") == [100, 9] and cfg["file"]["status"] == "in sync"
+            if cfg["version"] > rolled:
+                break
+            await asyncio.sleep(0.02)
+        assert weights(cfg["routes"], "one") == [100, 9] and cfg["file"]["status"] == "in sync"
 
 
-async def test_an_edit_of_comments_alone_keeps_the_version_and_the_rollback_it_would_undo(tmp_path, redis_url,
-                                                                                         monkeypatch):
+async def test_an_edit_of_comments_alone_keeps_the_version_and_the_rollback_it_would_undo(tmp_path, config_text):
     """A new user's trial: after weights 5 then 100 % on the canary, a file edit of a comment made a new version
     ("applied (file): no change"), and the rollback that followed returned to it: the canary stayed at 100 %. A
     reload that changes nothing keeps the running version (desired-state.md), by the watcher and the admin API
     (SIGHUP's reload is the same call); the rollback then returns to 5 %."""
-    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", ADMIN_TOKEN)
-    prefix = f"v{uuid.uuid4().hex[:8]}"
-    with FaultUpstream("up") as up:
-        path = tmp_path / "gateway.yaml"
-        path.write_text(config(up, redis_url, prefix))
-        async with replica(path) as (gw, c):
-            for b in (5, 100):
-                r = await c.post("/admin/weights", json={"route": "one", "weights": {"a": 100 - b, "b": b}})
-                assert r.status_code == 200, r.text
-            promoted = r.json()["version"]
-            path.write_text("# the canary is promoted\n" + config(up, redis_url, prefix).replace(": ", ":  "))
-            await asyncio.sleep(0.3)                                      # several polls of the watcher
-            assert (await c.get("/admin/config")).json()["version"] == promoted
-            r = await c.post("/admin/reload")
-            assert r.status_code == 200 and r.json()["version"] == promoted, r.text
-            status = (await c.get("/admin/config")).json()["file"]
-            assert (status["differs"], status["status"]) == (False, "weights overrides active"), status
-            r = await c.post("/admin/rollback")
-            assert r.status_code == 200 and weights(r.json()["routes"], "one") == [95, 5]
-            status = (await c.get("/admin/config")).json()["file"]   # a trial: "runtime override active, file differs"
-            assert (status["differs"], status["status"]) == (False, "weights overrides active"), status
+    path = tmp_path / "gateway.yaml"
+    path.write_text(config_text())
+    async with replica(path) as (gw, c):
+        for b in (5, 100):
+            r = await c.post("/admin/weights", json={"route": "one", "weights": {"a": 100 - b, "b": b}})
+            assert r.status_code == 200, r.text
+        promoted = r.json()["version"]
+        path.write_text("# the canary is promoted\n" + config_text().replace(": ", ":  "))
+        await asyncio.sleep(0.3)                                      # several polls of the watcher
+        assert (await c.get("/admin/config")).json()["version"] == promoted
+        r = await c.post("/admin/reload")
+        assert r.status_code == 200 and r.json()["version"] == promoted, r.text
+        status = (await c.get("/admin/config")).json()["file"]
+        assert (status["differs"], status["status"]) == (False, "weights overrides active"), status
+        r = await c.post("/admin/rollback")
+        assert r.status_code == 200 and weights(r.json()["routes"], "one") == [95, 5]
+        status = (await c.get("/admin/config")).json()["file"]   # a trial: "runtime override active, file differs"
+        assert (status["differs"], status["status"]) == (False, "weights overrides active"), status
 
 
 @pytest.mark.parametrize("shared", [False, True])
