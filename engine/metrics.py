@@ -16,8 +16,12 @@ Names (all with label ``model_name``), as in vLLM ``v1/metrics/loggers.py``:
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
 ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
 ``vllm:request_prefill_time_seconds``, ``vllm:request_decode_time_seconds``,
-``vllm:request_inference_time_seconds``, ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``,
-``vllm:request_params_n``,
+``vllm:request_inference_time_seconds``, ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``
+(every choice's tokens), ``vllm:request_max_num_generation_tokens`` (its longest choice's),
+``vllm:request_params_n``, ``vllm:request_params_max_tokens``, ``vllm:request_prefill_kv_computed_tokens``
+(prompt tokens not read from the prefix cache), ``vllm:request_time_per_output_token_seconds`` (decode time over
+the longest choice's tokens after its first), ``vllm:iteration_tokens_total`` (tokens per engine step, from the core's
+``EngineStats``),
 ``vllm:cache_config_info``, ``vllm:lora_requests_info`` (the inference extension's model-server protocol reads
 it; no adapters here); with speculative decoding on, ``vllm:spec_decode_num_drafts``,
 ``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens`` and
@@ -29,11 +33,13 @@ that broke their schema, ``engine/serving/answer_check.py``).
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from engine.core.step_work import ITERATION_TOKEN_BUCKETS
 from engine.outputs import RequestOutput
 
 # vLLM's bucket boundaries, seconds.
@@ -45,6 +51,9 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 # vLLM's ``request_params_n`` buckets
 N_BUCKETS = [1, 2, 5, 10, 20]
+# vLLM's ``request_time_per_output_token_seconds`` buckets, seconds
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0]
 
 
 def token_buckets(max_model_len: int) -> list[int]:
@@ -84,6 +93,18 @@ def _spec_decode_families(stats, model_name: str):
     buckets.append(("+Inf", float(total)))
     hist.add_metric(labels, buckets, sum_value=float(stats.spec_num_accepted_tokens))
     yield hist
+
+
+def _iteration_tokens_family(stats, model_name: str) -> HistogramMetricFamily:
+    """vLLM's ``vllm:iteration_tokens_total`` (tokens per engine step) from the core's cumulative bucket counts
+    (``EngineStats.iteration_tokens``; zeros before the engine started)."""
+    counts = list(getattr(stats, "iteration_tokens", ()) or ()) or [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+    fam = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                labels=["model_name"])
+    bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+    fam.add_metric([model_name], list(zip(bounds, map(float, itertools.accumulate(counts)))),
+                   sum_value=float(getattr(stats, "iteration_tokens_sum", 0) or 0))
+    return fam
 
 
 class _LiveCollector:
@@ -126,6 +147,7 @@ class _LiveCollector:
         yield invalid
         if stats is not None and getattr(stats, "spec_method", ""):
             yield from _spec_decode_families(stats, self.model_name)
+        yield _iteration_tokens_family(stats, self.model_name)
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
                                  labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching",
                                          "cache_dtype", "swap_space_bytes"])
@@ -180,16 +202,31 @@ class EngineMetrics:
         self.request_generation_tokens = Histogram(
             "vllm:request_generation_tokens", "Number of generation tokens processed.", label, buckets=tokens,
             registry=registry).labels(model_name)
+        self.request_max_num_generation_tokens = Histogram(
+            "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+            label, buckets=tokens, registry=registry).labels(model_name)
         self.request_params_n = Histogram("vllm:request_params_n", "Histogram of the n request parameter.", label,
                                           buckets=N_BUCKETS, registry=registry).labels(model_name)
+        self.request_params_max_tokens = Histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", label,
+            buckets=tokens, registry=registry).labels(model_name)
+        self.request_prefill_kv_computed_tokens = Histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).", label, buckets=tokens,
+            registry=registry).labels(model_name)
+        self.request_tpot = Histogram(
+            "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+            label, buckets=TPOT_BUCKETS, registry=registry).labels(model_name)
         self.phase = {name: Histogram(f"vllm:request_{name}_time_seconds", help_, label,
                                       buckets=REQUEST_LATENCY_BUCKETS, registry=registry).labels(model_name)
                       for name, help_ in (("prefill", "Histogram of time spent in PREFILL phase for request."),
                                           ("decode", "Histogram of time spent in DECODE phase for request."),
                                           ("inference", "Histogram of time spent in RUNNING phase for request."))}
-        # Listener state: requests that produced a token; request id -> {index: last token time}.
+        # Listener state: requests that produced a token; request id -> {index: last token time}, and -> {index:
+        # its tokens so far} (a finished request's last delta holds only the choices with news).
         self._first_seen: set[str] = set()
         self._last_token: dict[str, dict[int, float]] = {}
+        self._generated: dict[str, dict[int, int]] = {}
 
     def attach(self) -> "EngineMetrics":
         """Register ``record`` as the engine's output listener."""
@@ -212,6 +249,8 @@ class EngineMetrics:
                     if m.first_scheduled_time is not None:
                         self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
             for c in out.outputs:
+                if c.token_ids or c.num_generated_tokens:
+                    self._generated.setdefault(rid, {})[c.index] = c.num_generated_tokens
                 if c.token_ids:
                     self.generation_tokens.inc(len(c.token_ids))
                     t = m.last_token_time if m is not None and m.last_token_time else now
@@ -229,14 +268,23 @@ class EngineMetrics:
                     self._finished(out, m, end)
                 self._first_seen.discard(rid)
                 self._last_token.pop(rid, None)
+                self._generated.pop(rid, None)
 
     def _finished(self, out: RequestOutput, m, end: float) -> None:
         """The per-request histograms of a finished request that produced tokens (vLLM's names and phases: prefill
         from first scheduled to first token, decode from first token to the end, inference both)."""
+        generated = list(self._generated.get(out.request_id, {}).values()) or [0]
         self.request_prompt_tokens.observe(len(out.prompt_token_ids))
-        self.request_generation_tokens.observe(sum(c.num_generated_tokens for c in out.outputs))
-        self.request_params_n.observe(len(out.outputs))
+        self.request_prefill_kv_computed_tokens.observe(max(len(out.prompt_token_ids) - out.num_cached_tokens, 0))
+        self.request_generation_tokens.observe(sum(generated))
+        self.request_max_num_generation_tokens.observe(max(generated))
+        self.request_params_n.observe(m.n_param)
+        if m.max_tokens_param is not None:
+            self.request_params_max_tokens.observe(m.max_tokens_param)
         if m.first_scheduled_time is not None and m.first_token_time is not None:
+            decode = max(end - m.first_token_time, 0.0)
             self.phase["prefill"].observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
-            self.phase["decode"].observe(max(end - m.first_token_time, 0.0))
+            self.phase["decode"].observe(decode)
             self.phase["inference"].observe(max(end - m.first_scheduled_time, 0.0))
+            longest = max(generated)  # the decode time is that of the longest choice's tokens
+            self.request_tpot.observe(decode / (longest - 1) if longest > 1 else 0.0)

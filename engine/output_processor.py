@@ -35,6 +35,7 @@ class _RequestState:
     finished: list[bool]
     prompt_logprobs: list | None = None
     first_token_time: float | None = None
+    max_tokens: int | None = None
 
 
 @dataclass
@@ -81,7 +82,8 @@ class OutputProcessor:
         if resume is not None:
             finished = [i not in resume for i in range(params.n)]
         self._requests[request_id] = _RequestState(
-            prompt=prompt, prompt_token_ids=prompt_token_ids, detokenizers=detokenizers, finished=finished)
+            prompt=prompt, prompt_token_ids=prompt_token_ids, detokenizers=detokenizers, finished=finished,
+            max_tokens=params.max_tokens)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -186,7 +188,8 @@ class OutputProcessor:
             prompt_logprobs=state.prompt_logprobs, num_cached_tokens=last.num_cached_tokens,
             metrics=RequestMetrics(arrival_time=last.arrival_time, first_scheduled_time=last.first_scheduled_time,
                                    first_token_time=state.first_token_time, last_token_time=now,
-                                   finished_time=now if all_done else None),
+                                   finished_time=now if all_done else None, max_tokens_param=state.max_tokens,
+                                   n_param=len(state.finished)),
         )
 
 

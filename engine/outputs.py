@@ -67,13 +67,16 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Timestamps, ``time.monotonic()`` seconds."""
+    """Timestamps (``time.monotonic()`` seconds) and the request's parameters that vLLM's per-request histograms
+    read (``max_tokens_param``: its ``max_tokens``, None when unset; ``n_param``: its ``n``)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    max_tokens_param: int | None = None
+    n_param: int = 1
 
 
 @dataclass

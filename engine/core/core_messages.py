@@ -164,6 +164,8 @@ class EngineStats(msgspec.Struct, array_like=True):
         spec_num_drafts, spec_num_draft_tokens, spec_num_accepted_tokens, spec_num_accepted_tokens_per_pos:
             speculative decoding's cumulative counters (``engine/spec_decode/proposing.py``; 0 when it is off).
         spec_accepted_per_draft: verified proposals by how many of their tokens were accepted (index 0..k).
+        iteration_tokens, iteration_tokens_sum: steps by their tokens (bucket counts of
+            ``engine.core.step_work.ITERATION_TOKEN_BUCKETS``, then past them) and those steps' tokens (cumulative).
     """
 
     num_running: int
@@ -182,6 +184,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     spec_accepted_per_draft: tuple[int, ...] = ()
+    iteration_tokens: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

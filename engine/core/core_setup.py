@@ -24,6 +24,7 @@ from engine.core.request import Request
 from engine.worker.sampler import Sampler
 from engine.core.scheduler import Scheduler
 from engine.core.step_cost import device_pairs_per_token, pooling_budget
+from engine.core.step_work import IterationTokens
 from engine.worker.structured_outputs import StructuredOutputManager
 from engine.core import ttft_log
 from engine.core.ttft_calibration import TTFTCalibration
@@ -166,6 +167,7 @@ def load_core(core, args: EngineArgs, tp) -> None:
     core.embed_calls = EmbedCalls()                 # add_embed calls: pooling requests, kept rows, vectors
     core._prompt_tokens_total = 0
     core._generation_tokens_total = 0
+    core.iteration_tokens = IterationTokens()  # each step's tokens, vLLM's vllm:iteration_tokens_total
     # step costs for TTFT predictions (engine/core/ttft.py), attention priced in token-equivalents as the
     # scheduler prices pooling chunks
     core.ttft_calibration = TTFTCalibration(

@@ -35,7 +35,7 @@ from engine.core.request import ForkGroup, Request, RequestStatus
 from engine.worker.sampler import collect_prompt_logprobs, picks_raw_argmax
 from engine.core.multi_step import steps_allowed
 from engine.sampling_params import SamplingParams
-from engine.core.step_work import step_work
+from engine.core.step_work import IterationTokens, step_work
 from engine.worker.structured_outputs import StructuredOutputManager
 from engine.core.ttft import predict_waiting, state_of
 from engine.kv_events import take_batch
@@ -250,6 +250,7 @@ class EngineCore:
         self._stop_finished_grammars(grammar_done, finished)
         kept = {sid: self._seqs[sid].output_token_ids[n:] for sid, n in before.items()}  # up to a finishing one
         self._generation_tokens_total += sum(map(len, kept.values()))
+        self.iteration_tokens.observe_call(work.prompt_tokens, [len(v) for v in kept.values()], sched.num_steps)
         outputs = self._news(kept, before, row_logprobs, sched.num_steps)
         outputs += [self._output(req, [], None) for req in finished  # finished without a token (max_model_len)
                     if req.request_id not in sampled and req.request_id in self._seqs and req.pooling_params is None]
@@ -494,5 +495,6 @@ class EngineCore:
             num_preemptions=s.num_preemptions, tokens_in_flight=in_flight,
             prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
             ttft=state_of(s, self.ttft_calibration, self._requests_added),
+            iteration_tokens=tuple(self.iteration_tokens.counts), iteration_tokens_sum=self.iteration_tokens.total,
             **({} if self.spec_decoder is None else self.spec_decoder.stats.engine_stats()),
         )

@@ -1,5 +1,6 @@
 """What a step computed, for the prompt-token metric and the TTFT calibration (``engine/core/ttft_calibration.py``):
-its prefill tokens, decode rows, prefill chunks and their attention pairs (``quad_of``).
+its prefill tokens, decode rows, prefill chunks and their attention pairs (``quad_of``); and the tokens of each
+step, for vLLM's ``vllm:iteration_tokens_total`` histogram (``IterationTokens``).
 
 A pooling chunk through part of the layers (``ScheduledRequest.layers``, ``engine/core/step_cost.py``) is that
 share of its work in each step it runs in: its tokens, pairs and chunk are weighed by its layers over the model's;
@@ -8,7 +9,8 @@ its tokens count as prompt tokens once, in the step of its last layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 
 from engine.core.scheduler_output import ScheduledRequest
 from engine.core.step_cost import attention_pairs
@@ -49,3 +51,34 @@ def step_work(scheduled: list[ScheduledRequest], num_layers: int) -> StepWork:
         else:
             work.decode_rows += 1
     return work
+
+
+# vLLM's bucket bounds of ``vllm:iteration_tokens_total`` (vllm/v1/metrics/loggers.py), tokens.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass
+class IterationTokens:
+    """The tokens of each engine step (prompt tokens computed plus tokens generated, as vLLM's
+    ``vllm:iteration_tokens_total``), counted since the engine started.
+
+    Attributes:
+        counts: steps per bucket: ``counts[i]`` those with at most ``ITERATION_TOKEN_BUCKETS[i]`` tokens and more
+            than the bucket before; the last entry, past every bound.
+        total: the tokens of every step counted.
+    """
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    total: int = 0
+
+    def observe_call(self, prompt_tokens: int, generated: list[int], num_steps: int) -> None:
+        """Count one call of ``num_steps`` steps: ``prompt_tokens`` computed in its first step, ``generated[i]``
+        tokens kept for sequence i over the call (a sequence adds one token a step while it runs; a call of one
+        step may add several: accepted proposals). A step that kept nothing (its sequences had finished) is not
+        counted."""
+        steps = [prompt_tokens + sum(generated)] if num_steps <= 1 else [
+            (prompt_tokens if i == 0 else 0) + sum(1 for n in generated if n > i) for i in range(num_steps)]
+        for tokens in steps:
+            if tokens > 0:
+                self.counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+                self.total += tokens

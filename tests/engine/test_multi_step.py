@@ -35,8 +35,9 @@ def _requests(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def _run(steps: int) -> tuple[list, list]:
-    """(every choice's final output, every delta the engine's steps reported: what a stream's chunks carry)."""
+def _run(steps: int) -> tuple[list, list, object]:
+    """(every choice's final output, every delta the engine's steps reported: what a stream's chunks carry, the
+    engine's ``EngineStats`` at the end)."""
     llm = LLM(num_threads=2, num_scheduler_steps=steps, kv_cache_memory="64MiB")
     deltas = []
     step = llm.engine.step
@@ -51,7 +52,8 @@ def _run(steps: int) -> tuple[list, list]:
     prompts, params = _requests(llm)
     outs = llm.generate(prompts, params)       # together: a batch in which some may not take several steps
     outs += [llm.generate([p], q)[0] for p, q in zip(prompts, params)]   # alone: those that may, do
-    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for o in outs for c in o.outputs], deltas
+    outputs = [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for o in outs for c in o.outputs]
+    return outputs, deltas, llm.engine.get_stats()
 
 
 @pytest.mark.slow
@@ -65,12 +67,17 @@ def test_several_steps_per_call_give_the_outputs_of_one(monkeypatch, caplog):
         return original(self, out)
 
     monkeypatch.setattr(ModelRunner, "_decode_steps", counting)
-    one, one_deltas = _run(1)
+    one, one_deltas, one_stats = _run(1)
     assert not counted
-    several, several_deltas = _run(8)
+    several, several_deltas, several_stats = _run(8)
     assert counted and max(counted) == 8
     assert several == one
     assert several_deltas == one_deltas   # each step's token its own delta, as one step per call gives them
+    # and each step of a call is its own sample of vllm:iteration_tokens_total: the same steps as one a call,
+    # but for a step a stop string's request may run more or less in the core (the front end ends it)
+    assert abs(sum(several_stats.iteration_tokens) - sum(one_stats.iteration_tokens)) <= 2
+    assert abs(several_stats.iteration_tokens_sum - one_stats.iteration_tokens_sum) <= 2
+    assert sum(one_stats.iteration_tokens) > 200
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
     assert ["num_scheduler_steps=1" in ready[0], "num_scheduler_steps=8" in ready[1]] == [True, True]
     reasons = {r[2] for r in one}

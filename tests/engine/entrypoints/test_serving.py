@@ -525,6 +525,36 @@ def test_metrics_use_vllm_names(server):
     assert m["vllm:request_generation_tokens_sum"] >= 2 + 1 and m["vllm:request_params_n_sum"] >= 2
 
 
+def test_request_histograms_count_every_choice_and_each_step(server):
+    """vLLM's per-request histograms of an n=3 request whose choices end at different steps (a finished
+    request's last delta holds only its last choice: its histograms counted that choice alone and n=1), and
+    vLLM's tokens-per-step histogram: every step's prompt and generated tokens."""
+    before, core_before = scrape(server), server.engine.get_stats()
+    out = complete(server, prompt="Three words about cats:", n=3, max_tokens=12, temperature=1.0, seed=11,
+                   stop=[".", ","], logprobs=1)
+    lengths = [len(c.logprobs.tokens) for c in out.choices]
+    assert len(set(lengths)) > 1, lengths    # the choices end at different steps (else the test cannot fail)
+    after, core_after = scrape(server), server.engine.get_stats()
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert delta("vllm:request_generation_tokens_sum") == out.usage.completion_tokens == sum(lengths)
+    assert delta("vllm:request_max_num_generation_tokens_sum") == max(lengths)
+    assert delta("vllm:request_params_n_sum") == 3 and delta("vllm:request_params_n_count") == 1
+    assert delta("vllm:request_params_max_tokens_sum") == 12
+    assert delta("vllm:request_prefill_kv_computed_tokens_count") == 1
+    assert 0 < delta("vllm:request_prefill_kv_computed_tokens_sum") <= out.usage.prompt_tokens
+    assert delta("vllm:request_time_per_output_token_seconds_count") == 1
+    steps, tokens = delta("vllm:iteration_tokens_total_count"), delta("vllm:iteration_tokens_total_sum")
+    # the steps' tokens are those the core computed: the prompt's less cache hits, and every generated token
+    # (one a stop string ended in the front end while the core ran a step more included)
+    computed = core_after.prompt_tokens_total - core_before.prompt_tokens_total
+    generated = core_after.generation_tokens_total - core_before.generation_tokens_total
+    assert tokens == computed + generated and generated >= delta("vllm:generation_tokens_total") > 0
+    assert max(lengths) <= steps <= tokens
+
+
 # A copy of the metrics table of the Gateway API Inference Extension's model-server protocol (kubernetes-sigs/
 # gateway-api-inference-extension, docs/proposals/003-model-server-protocol, read 2026-12-04), vLLM's column:
 # what its endpoint picker (and llm-d's router) scrape from a model server. (name, type, labels it reads)
