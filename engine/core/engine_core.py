@@ -35,7 +35,7 @@ from engine.core.request import ForkGroup, Request, RequestStatus
 from engine.worker.sampler import collect_prompt_logprobs, picks_raw_argmax
 from engine.core.multi_step import steps_allowed
 from engine.sampling_params import SamplingParams
-from engine.core.step_work import IterationTokens, step_work
+from engine.core.step_work import step_work
 from engine.worker.structured_outputs import StructuredOutputManager
 from engine.core.ttft import predict_waiting, state_of
 from engine.kv_events import take_batch
