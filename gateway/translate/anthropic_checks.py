@@ -28,8 +28,12 @@ def bad_request(message: str, param: str) -> ClientError:
 
 
 def check_sampling(body: dict) -> None:
-    """Anthropic's own ranges, narrower than chat's (which the translation's chat checks apply after):
-    ``temperature`` and ``top_p`` in [0, 1], ``top_k`` an integer >= 0."""
+    """Anthropic's own ranges, narrower than chat's (which the translation's chat checks apply after), in its
+    words: ``max_tokens`` >= 1 (when given: count_tokens has none), ``temperature`` and ``top_p`` in [0, 1],
+    ``top_k`` an integer >= 0."""
+    mt = body.get("max_tokens")
+    if isinstance(mt, int) and not isinstance(mt, bool) and mt < 1:
+        raise bad_request(f"max_tokens: Input should be greater than or equal to 1, got {mt!r}", "max_tokens")
     for name in ("temperature", "top_p"):
         v = body.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
