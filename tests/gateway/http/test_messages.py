@@ -219,8 +219,8 @@ async def test_max_tokens_below_one_is_refused_in_anthropics_words(up):
     async with gateway(config(up)) as (gw, client, url):
         async with httpx.AsyncClient() as h:
             for value in (0, -3):
-                r = await h.post(url + "/v1/messages", headers={"x-api-key": KEY},
-                                 json={"model": "m1", "max_tokens": value, "messages": [{"role": "user", "content": "x"}]})
+                body = {"model": "m1", "max_tokens": value, "messages": [{"role": "user", "content": "x"}]}
+                r = await h.post(url + "/v1/messages", headers={"x-api-key": KEY}, json=body)
                 assert r.status_code == 400 and r.json() == {"type": "error", "error": {
                     "type": "invalid_request_error",
                     "message": f"max_tokens: Input should be greater than or equal to 1, got {value}"}}
