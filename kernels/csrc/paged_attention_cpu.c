@@ -106,7 +106,7 @@ static inline void qk8_bf16(const float *qf, const uint16_t *k, int64_t slot_str
 /* v[o] holds 16 partial sums of position o's dot product; returns the 16
  * totals, lane o = position o. A fixed transpose-and-add tree: every
  * position's 16 partial sums are added in the same order. */
-static inline __m512 sum16(__m512 *v) {
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
     __m512 w[8], x[4], y[2];
     for (int k = 0; k < 8; k++)
         w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
@@ -126,23 +126,43 @@ static inline void prefetch_rows(const uint16_t *first, int64_t slot_stride, int
         for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)(first + o * slot_stride) + b, _MM_HINT_T0);
 }
 
-/* Scores of up to 16 consecutive slots (n of them, slot_stride elements
- * apart) for the group's bfloat16 query heads qb [group, head_dim]:
- * scores[h * ctx + o] for o < n. */
-static inline void qk16_bf16(const uint16_t *qb, const uint16_t *k, int64_t slot_stride, int64_t n, int64_t group,
-                             int64_t head_dim, float scale, float *scores, int64_t ctx) {
+/* qk16_bf16's body for HD32 = head_dim / 32 chunks (a literal where it is 2 or 4: the loops unroll and the 16
+ * positions' sums stay in registers; 0: head_dim read at run time, the sums on the stack). Each position's
+ * sum is VDPBF16PS over the chunks in order from zero, whatever HD32 is: the same bits. */
+static inline __attribute__((always_inline)) void qk16_bf16_body(const int HD32, const uint16_t *qb, const uint16_t *k,
+                                                                 int64_t slot_stride, int64_t n, int64_t group,
+                                                                 int64_t head_dim, float scale, float *scores,
+                                                                 int64_t ctx) {
+    const int64_t chunks = HD32 ? HD32 : head_dim / 32;
     for (int64_t h = 0; h < group; h++) {
         __m512 acc[16];
         for (int64_t o = 0; o < 16; o++) {
             acc[o] = _mm512_setzero_ps();
-            if (o < n)
-                for (int64_t d = 0; d < head_dim; d += 32)
-                    acc[o] = _mm512_dpbf16_ps(acc[o], (__m512bh)_mm512_loadu_si512(qb + h * head_dim + d),
-                                              (__m512bh)_mm512_loadu_si512(k + o * slot_stride + d));
+            if (n == 16 || o < n)  /* a whole block's 16 positions: no test */
+                for (int64_t d = 0; d < chunks; d++)
+                    acc[o] = _mm512_dpbf16_ps(acc[o], (__m512bh)_mm512_loadu_si512(qb + h * head_dim + 32 * d),
+                                              (__m512bh)_mm512_loadu_si512(k + o * slot_stride + 32 * d));
         }
         __m512 r = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
         _mm512_mask_storeu_ps(scores + h * ctx, tail_mask(n), r);
     }
+}
+
+/* Scores of up to 16 consecutive slots (n of them, slot_stride elements
+ * apart) for the group's bfloat16 query heads qb [group, head_dim]:
+ * scores[h * ctx + o] for o < n. A head_dim of 64 or 128 gets its own
+ * unrolled body (with the sums in memory, 0.43 of a 600-position verify
+ * step's attention time went here; Intel host, single thread). */
+static inline void qk16_bf16(const uint16_t *qb, const uint16_t *k, int64_t slot_stride, int64_t n, int64_t group,
+                             int64_t head_dim, float scale, float *scores, int64_t ctx) {
+    if (head_dim == 64 && n == 16)
+        qk16_bf16_body(2, qb, k, slot_stride, 16, group, head_dim, scale, scores, ctx);
+    else if (head_dim == 64)
+        qk16_bf16_body(2, qb, k, slot_stride, n, group, head_dim, scale, scores, ctx);
+    else if (head_dim == 128)
+        qk16_bf16_body(4, qb, k, slot_stride, n, group, head_dim, scale, scores, ctx);
+    else
+        qk16_bf16_body(0, qb, k, slot_stride, n, group, head_dim, scale, scores, ctx);
 }
 
 /* acc[h * head_dim + d] = sum over positions i < ctx, in order, of
