@@ -96,11 +96,11 @@ def _serve(args) -> int:
                  picker_fallbacks=args.picker_fallbacks)
 
 
-def _prompt_tokens(compiled, endpoint: str, body: dict) -> tuple[int, str]:
-    """The prompt length the gateway would route on, and how it was counted: the local engine's rendering (its
-    chat template and tokenizer) when a rule reads ``prompt_tokens`` and a local backend is configured, as
-    ``tandem serve`` counts once its engine is up; else the estimate."""
-    from gateway.request.validate import estimate_prompt_tokens
+def _prompt_tokens(compiled, endpoint: str, body: dict) -> tuple[int, int, str]:
+    """The prompt length the gateway would route on (all prompts, the longest of a batch), and how it was
+    counted: the local engine's rendering (its chat template and tokenizer) when a rule reads ``prompt_tokens``
+    and a local backend is configured, as ``tandem serve`` counts once its engine is up; else the estimate."""
+    from gateway.request.validate import estimate_prompt_lengths
 
     local = next((b for b in compiled.config.backends.values() if b.type == "local"), None)
     if local is not None and "prompt_tokens" in compiled.policy.fields():
@@ -115,15 +115,17 @@ def _prompt_tokens(compiled, endpoint: str, body: dict) -> tuple[int, str]:
         try:
             path = local.engine.model or default_model_path()
             tok = Tokenizer.from_hf_dir(path) if os.path.isdir(path) else Tokenizer.from_gguf(path)
-            n = render_prompt(tok, endpoint, body).prompt_tokens
-            return n, "the local engine's rendering, as the gateway counts"
+            rendered = render_prompt(tok, endpoint, body)
+            return (rendered.prompt_tokens, rendered.longest_prompt_tokens,
+                    "the local engine's rendering, as the gateway counts")
         except (OSError, ValueError) as e:
             print(f"note: the local engine's tokenizer could not be loaded ({e}); using the estimate",
                   file=sys.stderr)
         except ServingError as e:
             print(f"note: the local engine would refuse this body ({e.message}); using the estimate",
                   file=sys.stderr)
-    return estimate_prompt_tokens(body), "estimate: 4 chars/token"
+    lengths = estimate_prompt_lengths(body)
+    return sum(lengths), max(lengths, default=0), "estimate: 4 chars/token"
 
 
 def _read_request(path: str) -> dict | None:
@@ -200,9 +202,10 @@ def _explain(args) -> int:
     for name, b in compiled.config.backends.items():
         if b.type in ("openai", "anthropic") and b.api_key_env and not os.environ.get(b.api_key_env):
             unavailable[name] = f"environment variable {b.api_key_env} is unset"
-    prompt_tokens, counted_by = _prompt_tokens(compiled, endpoint, p.body)
+    prompt_tokens, longest, counted_by = _prompt_tokens(compiled, endpoint, p.body)
     features = RequestFeatures(
-        model=public, priority=p.priority, prompt_tokens=prompt_tokens, tenant=args.tenant,
+        model=public, priority=p.priority, prompt_tokens=prompt_tokens, longest_prompt_tokens=longest,
+        tenant=args.tenant,
         has_tools=p.has_tools, has_response_format=p.has_response_format, headers=headers, metadata=p.metadata,
         user=p.user, request_id=args.request_id, stream=p.stream, max_tokens=p.max_tokens,
         local_serves=p.local_unsupported is None, prefix_text=prefix_text(body))

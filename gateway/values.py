@@ -126,7 +126,9 @@ class GatewayRequest:
     given).
     prompt_tokens: the prompt's length in tokens, counted once (the local engine's rendering when a rule reads
     it, else ``estimate_prompt_tokens``); prompt_tokens_exact: whether that is a count (rendered, or token ids
-    given), not a guess. rendered: that rendering (``engine.serving.serving.RenderedPrompt``:
+    given), not a guess. longest_prompt_tokens: the longest of its prompts, counted or estimated alike (a
+    completions batch's prompts and an embeddings list's inputs are each a sequence of its own; otherwise the
+    prompt's length): what must fit a backend's context, and what the rules' ``prompt_tokens`` reads. rendered: that rendering (``engine.serving.serving.RenderedPrompt``:
     template applied, tokenized), handed to the local engine so it does not tokenize again; None when not
     rendered. local_unsupported: a field the local engine cannot serve. headers: lower-case names -> values.
     unknown_params: top-level parameters neither OpenAI's nor a known vendor extension (``KNOWN_PARAMS``), refused
@@ -152,6 +154,7 @@ class GatewayRequest:
     request_id: str = ""
     prompt_tokens: int | None = None
     prompt_tokens_exact: bool = False
+    longest_prompt_tokens: int | None = None
     rendered: Any = None
     headers: Mapping[str, str] = field(default_factory=dict)
     source: tuple[str, dict] | None = None

@@ -42,8 +42,13 @@ class RequestFeatures:
     Attributes:
         model: the canonical public model name (aliases already resolved).
         priority: int, smaller = more urgent (see ``PRIORITY_NAMES``).
-        prompt_tokens: estimated prompt length, tokens (None when no rule
-            needs it and the gateway did not compute it).
+        prompt_tokens: estimated prompt length, tokens, all prompts of a
+            batch together (what an SLO prices; None when no rule needs it
+            and the gateway did not compute it).
+        longest_prompt_tokens: the longest prompt of a batch (each is a
+            sequence of its own: a completions prompt list, an embeddings
+            input list); the prompt's length otherwise. The rules'
+            ``prompt_tokens`` field reads it (None: ``prompt_tokens``).
         tenant: the virtual key's tenant ("" when anonymous).
         has_tools: the body carries ``tools``/``functions``/``tool_choice``.
         has_response_format: the body carries ``response_format``.
@@ -64,6 +69,7 @@ class RequestFeatures:
     model: str
     priority: int = 0
     prompt_tokens: int | None = None
+    longest_prompt_tokens: int | None = None
     tenant: str = ""
     has_tools: bool = False
     has_response_format: bool = False

@@ -90,8 +90,8 @@ def feature_value(name: str, f: RequestFeatures, s: Signals) -> object:
         return f.model
     if name == "priority":
         return f.priority
-    if name == "prompt_tokens":
-        return f.prompt_tokens
+    if name == "prompt_tokens":   # a batch's prompts each fit a context alone: its longest is what a rule weighs
+        return f.longest_prompt_tokens if f.longest_prompt_tokens is not None else f.prompt_tokens
     if name == "tenant":
         return f.tenant
     if name == "tools":

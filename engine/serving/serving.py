@@ -67,6 +67,12 @@ class RenderedPrompt:
         """Tokens over all prompts (``usage.prompt_tokens`` of the answer)."""
         return sum(len(ids) for _, ids in self.prompts)
 
+    @property
+    def longest_prompt_tokens(self) -> int:
+        """Tokens of the longest prompt: each prompt of a batch is a sequence of its own, which must fit the
+        context alone."""
+        return max((len(ids) for _, ids in self.prompts), default=0)
+
 
 def parse_body(body: Any, schema):
     """``body`` (decoded JSON) as ``schema``.

@@ -119,7 +119,8 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
         attempt = hook(attempt)
     # a candidate is skipped as too small on a count only: an estimate (~4 characters a token) can be far over
     # (it refused 1,400-token embeddings inputs as 2,100 tokens); the engine itself refuses what does not fit
-    required_len = req.prompt_tokens if req.prompt_tokens_exact else None
+    # and each prompt of a batch must fit alone (a batch of three 900-token prompts fits a 2,048 context)
+    required_len = req.longest_prompt_tokens if req.prompt_tokens_exact else None
     res = await resilience.forward(candidates, attempt, stream=req.stream, required_len=required_len,
                                    request_id=req.request_id, tokens=reserved_tokens, on_finish=settle,
                                    prompt_param={"chat/completions": "messages", "embeddings": "input"}.get(

@@ -60,6 +60,7 @@ def inputs_of(value: object) -> list[str | list[int]]:
     return list(value)
 
 
-def estimate_input_tokens(value: object) -> int:
-    """Rough length of ``input`` in tokens: ~4 characters per token for text, token ids counted exactly."""
-    return sum((len(x) + 3) // 4 if isinstance(x, str) else len(x) for x in inputs_of(value))
+def estimate_input_lengths(value: object) -> list[int]:
+    """Rough length of each input of ``input`` in tokens: ~4 characters per token for text, token ids counted
+    exactly."""
+    return [(len(x) + 3) // 4 if isinstance(x, str) else len(x) for x in inputs_of(value)]

@@ -17,7 +17,7 @@ from gateway.backends.relabel import answer_id
 from gateway.billing.local_cost import local_price
 from gateway.errors import ClientError, model_not_found
 from gateway.request.admission import admit
-from gateway.request.validate import (check_request, counted_exactly, estimate_prompt_tokens, parse_json,
+from gateway.request.validate import (check_request, counted_exactly, estimate_prompt_lengths, parse_json,
                                       unknown_parameter_error, with_default_max_tokens)
 from gateway.resilience.resume import prepare as prepare_resume
 from gateway.resilience.resume import resumable
@@ -62,15 +62,20 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     rendered = None
     if snap.needs_prompt_tokens and snap.local is not None and snap.local.available:
         rendered = snap.local.render(endpoint, req.body)
-    prompt_tokens = rendered.prompt_tokens if rendered is not None else estimate_prompt_tokens(req.body)
-    return replace(req, public_model=public, prompt_tokens=prompt_tokens, rendered=rendered, source=source,
-                   prompt_tokens_exact=rendered is not None or counted_exactly(req.body))
+    if rendered is not None:
+        prompt_tokens, longest = rendered.prompt_tokens, rendered.longest_prompt_tokens
+    else:
+        lengths = estimate_prompt_lengths(req.body)
+        prompt_tokens, longest = sum(lengths), max(lengths, default=0)
+    return replace(req, public_model=public, prompt_tokens=prompt_tokens, longest_prompt_tokens=longest,
+                   rendered=rendered, source=source, prompt_tokens_exact=rendered is not None or counted_exactly(req.body))
 
 
 def features(req: GatewayRequest, prefix: bool = False) -> RequestFeatures:
     """The request as the policy sees it."""
     return RequestFeatures(
-        model=req.public_model, priority=req.priority, prompt_tokens=req.prompt_tokens, tenant=req.tenant,
+        model=req.public_model, priority=req.priority, prompt_tokens=req.prompt_tokens,
+        longest_prompt_tokens=req.longest_prompt_tokens, tenant=req.tenant,
         has_tools=req.has_tools, has_response_format=req.has_response_format, headers=req.headers,
         metadata=req.metadata, user=req.user, request_id=req.request_id, stream=req.stream,
         max_tokens=req.max_tokens, local_serves=req.local_unsupported is None,

@@ -12,7 +12,7 @@ from engine.protocol.chat_shapes import ShapeError, check_response_format, check
 from engine.protocol.param_ranges import check_param, first_violation
 from engine.protocol.tool_choice import PARALLEL_WITHOUT_TOOLS, parallel_without_tools
 from gateway.errors import ClientError
-from gateway.request.embeddings import EMBEDDINGS_PARAMS, EMBEDDINGS_TYPES, check_embeddings, estimate_input_tokens
+from gateway.request.embeddings import EMBEDDINGS_PARAMS, EMBEDDINGS_TYPES, check_embeddings, estimate_input_lengths
 from gateway.values import GatewayRequest
 from policies import parse_priority
 
@@ -396,13 +396,20 @@ def counted_exactly(body: dict) -> bool:
 
 
 def estimate_prompt_tokens(body: dict) -> int:
-    """Rough prompt length when no tokenizer is at hand: ~4 characters per token (OpenAI's rule of thumb for
+    """Rough prompt length when no tokenizer is at hand, all prompts together (``estimate_prompt_lengths``). It is
+    what ``count_tokens`` answers and what rate limits reserve when the local engine does not render the
+    prompt."""
+    return sum(estimate_prompt_lengths(body))
+
+
+def estimate_prompt_lengths(body: dict) -> list[int]:
+    """Rough length of each prompt of ``body`` when no tokenizer is at hand (one for chat; one per prompt of a
+    completions batch or input of an embeddings list): ~4 characters per token (OpenAI's rule of thumb for
     English BPE text) of the messages' text, their tool calls and the tool definitions (as JSON, as chat templates
     render them), + 4 tokens of chat framing per message, + ``IMAGE_TOKENS_ESTIMATE`` per image. Token-id prompts
-    (and embeddings inputs) are counted exactly. It is what ``count_tokens`` answers and what rate limits reserve
-    when the local engine does not render the prompt."""
+    (and embeddings inputs) are counted exactly."""
     if "input" in body and "messages" not in body and "prompt" not in body:
-        return estimate_input_tokens(body["input"])
+        return estimate_input_lengths(body["input"])
     if "messages" in body:
         chars, n, images = 0, 0, 0
         for m in body.get("messages") or ():
@@ -415,13 +422,12 @@ def estimate_prompt_tokens(body: dict) -> int:
                 chars += len(msgspec.json.encode(m["tool_calls"]))
         if body.get("tools"):
             chars += len(msgspec.json.encode(body["tools"]))
-        return (chars + 3) // 4 + 4 * n + IMAGE_TOKENS_ESTIMATE * images
+        return [(chars + 3) // 4 + 4 * n + IMAGE_TOKENS_ESTIMATE * images]
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return (len(prompt) + 3) // 4
+        return [(len(prompt) + 3) // 4]
     if isinstance(prompt, list):
         if prompt and all(isinstance(x, int) for x in prompt):
-            return len(prompt)
-        return sum((len(p) + 3) // 4 if isinstance(p, str) else len(p) if isinstance(p, list) else 0
-                   for p in prompt)
-    return 0
+            return [len(prompt)]
+        return [(len(p) + 3) // 4 if isinstance(p, str) else len(p) if isinstance(p, list) else 0 for p in prompt]
+    return []
