@@ -287,7 +287,8 @@ def stream_deltas(parsers: list[ToolCallParser] | None, c: CompletionOutput) -> 
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
-    """Messages with string content (text parts joined by newlines), for templates.
+    """Messages with string content (text parts joined by newlines; an assistant's ``refusal`` part is its text,
+    as vLLM reads it), for templates.
 
     Raises:
         ServingError: a message is malformed or holds a non-text part.
@@ -308,6 +309,9 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                     parts.append(part)
                 elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
                     parts.append(part["text"])
+                elif (role == "assistant" and isinstance(part, dict) and part.get("type") == "refusal"
+                      and isinstance(part.get("refusal"), str)):
+                    parts.append(part["refusal"])
                 else:
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise ServingError(400, f"messages[{i}].content[{j}]: part type {kind!r} is not supported "
@@ -321,6 +325,9 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
         elif content is not None and not isinstance(content, str):
             raise ServingError(400, f"messages[{i}].content: must be a string or a list of parts",
                                param=f"messages[{i}].content", code="invalid_type")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise ServingError(400, f"messages[{i}].name: must be a string", param=f"messages[{i}].name",
+                               code="invalid_type")
         if role == "assistant" and m.get("tool_calls") is not None:
             check_assistant_tool_calls(i, m["tool_calls"])
         msg = dict(m)

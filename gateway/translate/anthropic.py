@@ -224,6 +224,8 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
     out: dict = {"model": body["model"], "messages": chat}
     if chat[-1]["role"] == "assistant" and not chat[-1].get("tool_calls"):
         # a prefill: Anthropic continues the last assistant turn; vLLM's chat fields for the same
+        if isinstance(chat[-1].get("content"), str) and chat[-1]["content"] != chat[-1]["content"].rstrip():
+            raise bad_request("messages: final assistant content cannot end with trailing whitespace", "messages")
         out["continue_final_message"], out["add_generation_prompt"] = True, False
     for k in _SAMPLING:
         if body.get(k) is not None:

@@ -89,15 +89,20 @@ def test_messages_are_normalized_for_templates():
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
             "name": "f", "arguments": "{}"}}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},   # OpenAI's refusal part
     ])
-    assert [(m["role"], m["content"]) for m in msgs] == [("system", "be brief"), ("user", "a\nb"), ("assistant", "")]
+    assert [(m["role"], m["content"]) for m in msgs] == [("system", "be brief"), ("user", "a\nb"), ("assistant", ""),
+                                                         ("assistant", "I can't.")]
     for i, bad in ((0, [{"role": "user", "content": None}]), (1, [{"role": "user", "content": "q"}, {"role": "assistant"}])):
         with pytest.raises(ServingError) as exc:   # as OpenAI: content is required but on tool-calling assistant turns
             normalize_messages(bad)
         assert exc.value.status_code == 400 and exc.value.param == f"messages[{i}].content"
     for bad, param in (([], "messages"), ([{"content": "x"}], "messages[0].role"),
                        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0].type"),
-                       ([{"role": "user", "content": 3}], "messages[0].content")):
+                       ([{"role": "user", "content": 3}], "messages[0].content"),
+                       ([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}],  # assistants' only
+                        "messages[0].content[0].type"),
+                       ([{"role": "user", "content": "x", "name": 5}], "messages[0].name")):
         with pytest.raises(ServingError) as exc:
             normalize_messages(bad)
         assert exc.value.status_code == 400 and exc.value.param == param

@@ -251,7 +251,7 @@ async def test_malformed_output_config_and_tools_are_refused_before_the_backend(
         ({"tools": [{"name": "f", "input_schema": {"type": "array", "items": {"type": "integer"}}}]},
          "tools.0.input_schema.type: Input should be 'object'"),
         ({"output_config": {"format": {"type": "json_schema", "schema": schema}},
-          "messages": [*ASK["messages"], {"role": "assistant", "content": '{"a": '}]},
+          "messages": [*ASK["messages"], {"role": "assistant", "content": '{"a":'}]},
          "output_config.format: prefilling the assistant message cannot be combined with structured outputs"),
         ({"tools": TOOLS, "messages": [*ASK["messages"], {"role": "assistant", "content": [use]}, {
             "role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "is_error": "yes"}]}]},
@@ -261,7 +261,10 @@ async def test_malformed_output_config_and_tools_are_refused_before_the_backend(
          "messages.1.content.1: `tool_use` ids must be unique"),
         # a new user's chat field on /v1/messages was named as output_config.format (the chat paths' rewrite)
         ({"extra_body": {"response_format": {"type": "json_object"}}},
-         "response_format: Extra inputs are not permitted")]
+         "response_format: Extra inputs are not permitted"),
+        # a trial's prefill "Hello " was continued; Anthropic refuses it
+        ({"messages": [*ASK["messages"], {"role": "assistant", "content": "Hello "}]},
+         "messages: final assistant content cannot end with trailing whitespace")]
     async with served(config(upstream.base_url)) as client:
         calls = upstream.calls
         for body, message in refused:
