@@ -110,11 +110,14 @@ class CompressedTensorsConfig(QuantizationConfig):
         symmetric: no zero points are stored (zp = 0).
         group_size: inputs per scale as declared (None: one scale a row), checked against each layer.
         field: the declared weights' place in config.json, for errors.
+        actorder_group: ``actorder: group``: groups assigned in activation order, each input's group in
+            ``weight_g_idx`` (required then; ``weight``/``static`` keep the groups in order, as vLLM reads them).
     """
 
     symmetric: bool
     group_size: int | None = None
     field: str = "quantization_config.config_groups.group_0.weights"
+    actorder_group: bool = False
 
     name = "compressed-tensors"
     parts = frozenset({"weight_packed", "weight_scale", "weight_shape"})
@@ -135,7 +138,8 @@ class CompressedTensorsConfig(QuantizationConfig):
         weights = group["weights"]
         if weights["num_bits"] == 8:
             return W8A16Config(declared_group_size(weights), group["field"])
-        return cls(bool(weights.get("symmetric", True)), declared_group_size(weights), group["field"])
+        return cls(bool(weights.get("symmetric", True)), declared_group_size(weights), group["field"],
+                   weights.get("actorder") == "group")
 
     def weight(self, prefix: str, parts: dict[str, torch.Tensor]) -> Int4Weight | torch.Tensor:
         """See ``QuantizationConfig.weight``."""
@@ -159,6 +163,9 @@ class CompressedTensorsConfig(QuantizationConfig):
                                  f"{tuple(zp.shape)}, expected int32 {packed_zp} (packed 4-bit points, eight an "
                                  "int32 along the output rows)")
             zeros = unpack_int32(zp, dim=0)[:out].t().to(torch.int32)  # zp + 8
+        if self.actorder_group and "weight_g_idx" not in parts:   # out-of-order groups: only g_idx says how
+            raise ValueError(f"{self.field}.actorder = 'group', but compressed-tensors layer {prefix!r} has no "
+                             f"{prefix}.weight_g_idx (each input's group)")
         return grouped_int4(codes, zeros, scale.t(), parts.get("weight_g_idx"),
                             f"compressed-tensors layer {prefix!r}")
 

@@ -70,4 +70,7 @@ class GPTQConfig(QuantizationConfig):
         if self.group_size != -1 and scales.shape[0] * self.group_size != codes.shape[1]:
             raise ValueError(f"gptq layer {prefix!r}: {scales.shape[0]} groups of {self.group_size} do not cover "
                              f"{codes.shape[1]} inputs")
+        if self.desc_act and "g_idx" not in parts:   # its groups are out of order: only g_idx says how
+            raise ValueError(f"gptq layer {prefix!r}: quantization_config.desc_act is true, but the checkpoint has "
+                             f"no {prefix}.g_idx (each input's group)")
         return grouped_int4(codes, zeros, scales, parts.get("g_idx"), f"gptq layer {prefix!r}")

@@ -437,3 +437,22 @@ def test_zero_points_not_packed_as_compressed_tensors_packs_them_are_refused(tmp
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"weight_zero_point is torch\.int(8|32) \(\d+, \d+\), expected int32"):
         LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="4MiB")
+
+
+@pytest.mark.parametrize("case, suffix, actorder", [("gptq_desc_act_qwen2", ".g_idx", None),
+                                                    ("ct_w4a16_sym_llama", ".weight_g_idx", "group")])
+def test_an_act_order_checkpoint_without_its_group_indices_is_refused(tmp_path, case, suffix, actorder):
+    """A trial's act-order checkpoints (GPTQ ``desc_act``, compressed-tensors ``actorder: group``) with their
+    ``g_idx`` tensors left out loaded as if the groups were in input order and answered wrong tokens on every
+    prompt; only g_idx says which group each input is in, so a layer without it is refused, naming it."""
+    from safetensors.torch import load_file, save_file
+
+    _quantized(tmp_path, case)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.endswith(suffix)}, tmp_path / "model.safetensors")
+    if actorder is not None:
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = actorder
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"(desc_act is true|actorder = 'group'), but .* has no .*{suffix}"):
+        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="4MiB")
