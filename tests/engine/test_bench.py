@@ -172,6 +172,27 @@ def test_hf_baseline_of_a_gguf_without_accelerate_is_skipped_with_the_reason(mon
     assert _hf_baseline_missing("/models/hf-dir") == ""           # HF directories load without it
 
 
+def test_a_baseline_transformers_cannot_load_is_skipped_and_the_run_kept(tmp_path, capsys, monkeypatch):
+    """A trial's GPTQ directory: the engine's run finished, then transformers' load raised ImportError (it needs
+    optimum for GPTQ, compressed-tensors for its format), and the run's table and JSON were lost to a traceback.
+    The baseline is skipped with transformers' reason and the engine's figures kept."""
+    import loadtests.bench.engine_throughput as bench
+
+    def unloadable(*args, **kw):
+        raise ImportError("Loading a GPTQ quantized model requires optimum (`pip install optimum`)")
+
+    monkeypatch.setattr(bench, "bench_hf", unloadable)
+    model = save_byte_level_llama(tmp_path)
+    out = tmp_path / "r.json"
+    args = _args("--model", model, "--num-prompts", "2", "--input-len", "8", "--output-len", "5", "--ignore-eos",
+                 "--kv-cache-memory", "8MiB", "--output-json", str(out))
+    assert run_bench(args) == 0
+    result = json.loads(out.read_text())
+    assert result["tandem"]["output_tokens"] == 10 and "hf_transformers" not in result
+    printed = " ".join(capsys.readouterr().out.replace("│", " ").split())   # the table's cells, unwrapped
+    assert "skipped: transformers cannot load this checkpoint here (Loading a GPTQ" in printed
+
+
 def test_bench_engine_compare_model_runs_both_engines_interleaved(tmp_path, capsys):
     """--compare-model: the second engine (another file of the model) runs the same prompts in each round,
     single stream here; the table and JSON carry each round's figures and the ratio of the medians."""
