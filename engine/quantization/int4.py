@@ -93,7 +93,9 @@ class Int4Weight:
 
     def narrow(self, dim: int, start: int, length: int) -> Int4Weight:
         """Rows (``dim`` 0) or inputs (``dim`` 1) ``[start, start + length)``, as a tensor parallel split
-        takes a dense weight's: rows with their groups' scales and zero points; inputs at group boundaries.
+        takes a dense weight's: rows with their groups' scales and zero points; inputs at group boundaries, or
+        anywhere for one group a row (per-channel: the part keeps the row's scale and zero point, as
+        ``Int8Weight.narrow``).
 
         Raises:
             ValueError: an input split that does not start and end at group boundaries, or of an
@@ -102,6 +104,8 @@ class Int4Weight:
         if dim == 0:
             return Int4Weight(self.codes.narrow(0, start, length), self.zeros.narrow(0, start, length),
                               self.scales.narrow(0, start, length), self.group_size, self.perm)
+        if self.scales.shape[1] == 1 and self.perm is None:  # one group a row (per-channel): any split
+            return Int4Weight(self.codes.narrow(1, start, length), self.zeros, self.scales, length)
         if self.perm is not None:
             raise ValueError("a 4-bit weight with act-order (GPTQ desc_act) cannot be split by its inputs: its groups "
                              "are not runs of the inputs; use a checkpoint without desc_act, or fewer ranks")

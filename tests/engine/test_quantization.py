@@ -208,6 +208,11 @@ def test_packed_weights_split_as_dense_ones_at_group_boundaries():
     assert torch.equal(w.narrow(1, 128, 128).dequantize(), dense[:, 128:])
     with pytest.raises(ValueError, match="group boundaries"):
         w.narrow(1, 96, 160)
+    # one group a row (compressed-tensors W4A16 "channel", GPTQ group_size -1): any input split, as an int8
+    # weight's (a trial's per-channel checkpoint was refused at every --tensor-parallel-size)
+    channel = grouped_int4(codes, zeros[:1], scales[:1], None, "test")
+    assert torch.equal(channel.narrow(1, 96, 128).dequantize(), channel.dequantize()[:, 96:224])
+    assert channel.narrow(1, 96, 128).group_size == 128
     g_idx = torch.empty(256, dtype=torch.int64)
     g_idx[torch.randperm(256, generator=gen)] = torch.arange(256) // 64
     with pytest.raises(ValueError, match="with act-order .GPTQ desc_act. cannot be split by its inputs"):
@@ -456,3 +461,19 @@ def test_an_act_order_checkpoint_without_its_group_indices_is_refused(tmp_path, 
         (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=rf"(desc_act is true|actorder = 'group'), but .* has no .*{suffix}"):
         LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="4MiB")
+
+
+def test_a_per_channel_4bit_checkpoint_serves_over_two_ranks(tmp_path):
+    """compressed-tensors W4A16 ``strategy: channel`` (one scale a row) over 2 tensor-parallel ranks: a trial's
+    was refused at every size ("do not split at group boundaries" of a group that is the whole row); it now
+    splits as a per-channel int8 weight does, and greedy float32 tokens equal one rank's."""
+    _quantized(tmp_path, "ct_w4a16_channel_llama")
+    prompts = [[5, 17, 33, 60, 2 + i, 71, 9] for i in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    one = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="4MiB")
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    two = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="4MiB", tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == want
+    finally:
+        two.shutdown()
