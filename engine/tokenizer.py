@@ -185,12 +185,16 @@ class Tokenizer:
 
         Raises:
             FileNotFoundError: no ``tokenizer.json``.
+            ValueError: a ``tokenizer.json`` the tokenizers library cannot read (named, with its reason).
         """
         d = Path(path)
         tj = d / "tokenizer.json"
         if not tj.is_file():
             raise FileNotFoundError(f"{tj}: no such file (a HF model directory needs tokenizer.json)")
-        tok = HFTokenizer.from_file(str(tj))
+        try:
+            tok = HFTokenizer.from_file(str(tj))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+            raise ValueError(f"{tj}: not a tokenizer the tokenizers library reads ({e})") from None
         cfg = {}
         if (d / "tokenizer_config.json").is_file():
             cfg = json.loads((d / "tokenizer_config.json").read_text())

@@ -46,19 +46,36 @@ class SafetensorsSlice:
         return self._slice[part] if dim == 0 else self._slice[:, part]
 
 
+def _check_index(path: Path) -> None:
+    """Refuse a sharded checkpoint whose index (``model.safetensors.index.json``: tensor name -> shard file)
+    names a shard that is not in ``path``: the missing tensors would otherwise be reported by name alone."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map): {e}") from None
+    missing = sorted(s for s in shards if not (path / s).is_file())
+    if missing:
+        raise FileNotFoundError(f"{path}: {', '.join(missing)} listed in {index.name} "
+                                f"{'is' if len(missing) == 1 else 'are'} missing")
+
+
 def hf_weights(path: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | SafetensorsSlice]]:
     """Yield (name, tensor) from every ``*.safetensors`` file in ``path``; with ``lazy``, (name,
     ``SafetensorsSlice``) to be read in part before the next one is asked for.
 
     Raises:
-        FileNotFoundError: no safetensors file.
-        ValueError: an unreadable safetensors file.
+        FileNotFoundError: no safetensors file, or a shard ``model.safetensors.index.json`` lists is absent.
+        ValueError: an unreadable safetensors file or index.
     """
     from safetensors import safe_open
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weights (only safetensors are supported)")
+    _check_index(Path(path))
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:

@@ -80,7 +80,8 @@ def _parts(module, kind: str, shard_ids, value, param: torch.Tensor, name: str) 
     if isinstance(module, VocabParallelEmbedding):
         span = module.vocab
         if len(shape) != 2 or shape[1] != param.shape[1] or not span.stop <= shape[0]:
-            raise ValueError(f"weight {name!r} has shape {shape}, expected (vocab, {param.shape[1]})")
+            raise ValueError(f"weight {name!r} has shape {shape}, expected ({span.stop} rows or more, "
+                             f"{param.shape[1]}): config.json's vocab_size and hidden_size must fit it")
         param.data[span.size:].zero_()  # padding rows of the last rank
         return [(0, _narrow(value, 0, span.start, span.size))]
     return [(0, _narrow(value, 0, 0, shape[0]))]

@@ -87,6 +87,35 @@ def test_missing_files(tmp_path):
         load_model(args)
 
 
+def test_a_broken_directory_names_the_file_and_the_setting(tmp_path):
+    """A trial's broken checkpoints got errors naming neither the file nor the setting: a tokenizer.json of `{}`
+    ("Exception: Model missing. at line 1 column 2"), a config.json vocab_size past the embedding's rows
+    ("expected (vocab, 64)") and a shard the index lists that is not there (the tensors named, not the file)."""
+    from tokenizers import Tokenizer, models
+
+    model = _tiny_llama()
+    model.save_pretrained(tmp_path, max_shard_size="100KB")   # sharded, with model.safetensors.index.json
+    Tokenizer(models.WordLevel(vocab={"a": 0}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
+    args = EngineArgs(model=str(tmp_path), dtype="float32", device="cpu")
+    load_model(args)   # whole, it loads
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) > 1
+    (tmp_path / shards[-1]).rename(tmp_path / "aside")
+    with pytest.raises(FileNotFoundError, match=rf"{shards[-1]} listed in model\.safetensors\.index\.json is missing"):
+        load_model(args)
+    (tmp_path / "aside").rename(tmp_path / shards[-1])
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    with pytest.raises(ValueError, match=r"has shape \(96, 64\), expected \(100 rows or more, 64\): config\.json's "
+                                         "vocab_size"):
+        load_model(args)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    from engine.tokenizer import Tokenizer as EngineTokenizer
+
+    with pytest.raises(ValueError, match=r"tokenizer\.json: not a tokenizer the tokenizers library reads"):
+        EngineTokenizer.from_hf_dir(str(tmp_path))
+
+
 def test_unknown_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 8}))
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*config.json|config.json.*GPT2"):
