@@ -121,6 +121,15 @@ def test_peer_table_rows_from_a_llamacpp_result():
         "50.0 / 2.00, 40.0 / 2.50"
     assert rows["Tandem TPOT p50 / roofline (sum of 95 MiB, the weights' size), per round"] == "4.00x, 3.20x"
     assert rows["Tandem decode tok/s (1 / TPOT p50) / llama.cpp's, per round"] == "1.14x, 1.39x"
+    # a read slowed by other load puts the floor above the step: said so (a trial's 0.62x had no word)
+    table = Table()
+    table.add_column("metric")
+    table.add_column("value")
+    _peer_rows(table, "llamacpp", {"tandem_output_tok_per_s": [120.0], "tandem_runs": tandem_runs[:1], "runs": runs[:1],
+                                   "threads": 2, "read_gb_per_s": [5.0], **summarize([120.0], runs[:1])},
+               weight_bytes=100_000_000)
+    rows = dict(zip(table.columns[0]._cells, table.columns[1]._cells))
+    assert rows["Tandem TPOT p50 / roofline (sum of 512 MiB), per round"].startswith("0.40x (below 1: faster than")
 
 
 def test_bench_engine_on_a_tiny_model(tmp_path, capsys):
