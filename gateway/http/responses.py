@@ -96,22 +96,22 @@ async def create_response(request: Request) -> Response:
             await keep(final)
             content = _encode(final)
         elif answer.api != "responses":     # a backend refused the chat body: name what the client sent
-            content = _renamed_error(content)
+            content = _renamed_error(content, body)
         return Response(content, status_code=answer.status, media_type=_JSON, headers=answer.headers)
 
     return await serve_observed(request, "responses", headers, answer_)
 
 
-def _renamed_error(content: bytes) -> bytes:
-    """An OpenAI error body answered for the chat translation, naming the Responses parameters (any other body
-    as it is)."""
+def _renamed_error(content: bytes, body: dict) -> bytes:
+    """An OpenAI error body answered for the chat translation, naming the Responses parameters of the client's
+    ``body`` (any other error body as it is)."""
     try:
         obj = _decode(content)
     except msgspec.DecodeError:
         return content
     if not isinstance(obj, dict) or not isinstance(obj.get("error"), dict):
         return content
-    return _encode({**obj, "error": responses_error_object(obj["error"])})
+    return _encode({**obj, "error": responses_error_object(obj["error"], body)})
 
 
 def _translated(events: ResponsesEvents, ev: ChatEvent) -> list[dict]:

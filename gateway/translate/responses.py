@@ -299,20 +299,45 @@ _CHAT_PATHS = (
 )
 
 
-def responses_path(text: str) -> str:
+# A backend's refusal of an image part of the chat translation (the local engine takes text only)
+_IMAGE_PART = re.compile(r"messages\[\d+\]\.content\[\d+\]: part type 'image_url' is not supported")
+
+
+def _image_part(body: dict | None) -> str | None:
+    """The path of the first ``input_image`` part of the client's Responses ``body`` (``input[i].content[j]``),
+    or None."""
+    items = body.get("input") if isinstance(body, dict) else None
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        content = item.get("content") if isinstance(item, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") == "input_image":
+                return f"input[{i}].content[{j}]"
+    return None
+
+
+def responses_path(text: str, body: dict | None = None) -> str:
     """``text`` (a ``param`` or an error message) with each chat path named as the Responses parameter it came
     from (``max_tokens`` -> ``max_output_tokens``, ``response_format.json_schema.schema.x`` ->
-    ``text.format.schema.x``, ``tools[0].function.parameters`` -> ``tools[0].parameters``)."""
+    ``text.format.schema.x``, ``tools[0].function.parameters`` -> ``tools[0].parameters``); with the client's
+    ``body`` at hand, a refused ``image_url`` part is named as the ``input_image`` part it came from."""
+    m = _IMAGE_PART.search(text) if body is not None else None
+    if m is not None and (path := _image_part(body)) is not None:
+        return text[:m.start()] + f"{path}: content part type 'input_image' is not supported" + text[m.end():]
     for pattern, new in _CHAT_PATHS:
         text = pattern.sub(new, text)
     return text
 
 
-def responses_error_object(error: dict) -> dict:
+def responses_error_object(error: dict, body: dict | None = None) -> dict:
     """An OpenAI error object answered for the translated chat body (a backend's 400, a stream's error event),
-    its ``message`` and ``param`` naming the Responses parameters the client wrote."""
-    return {k: responses_path(v) if k in ("message", "param") and isinstance(v, str) else v
-            for k, v in error.items()}
+    its ``message`` and ``param`` naming the Responses parameters the client wrote (``body``: the client's
+    Responses body, for what only it can name: ``responses_path``)."""
+    out = {k: responses_path(v, body) if k in ("message", "param") and isinstance(v, str) else v
+           for k, v in error.items()}
+    if body is not None and isinstance(error.get("message"), str) and _IMAGE_PART.search(error["message"]) \
+            and (path := _image_part(body)) is not None:
+        out["param"] = f"{path}.type"
+    return out
 
 
 def responses_error(e: ClientError) -> ClientError:

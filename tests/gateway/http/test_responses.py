@@ -295,6 +295,24 @@ async def test_a_backends_schema_refusal_names_text_format_whole_and_streamed(up
                                               "'contains'", stream
 
 
+async def test_a_backends_image_refusal_names_the_input_image_part(up):
+    """The local engine takes text only: its refusal names the chat translation's ``image_url`` part of
+    ``messages[k]`` (a trial read "input[0]: part type 'image_url' is not supported", naming neither the part nor
+    the type it sent); it is named as the client's ``input_image`` part, whole and streamed."""
+    refusal = {"status": 400, "param": "messages[1].content[1].type",
+               "message": "messages[1].content[1]: part type 'image_url' is not supported (text only)"}
+    ask = [{"role": "user", "content": [{"type": "input_text", "text": "what is it?"},
+                                        {"type": "input_image", "image_url": "http://x/y.png"}]}]
+    async with gateway(config(up)) as (gw, client):
+        for stream in (False, True):
+            up.push(refusal)
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.responses.create(model="m1", input=ask, instructions="be brief", stream=stream)
+            assert e.value.body["param"] == "input[0].content[1].type", stream
+            assert e.value.body["message"] == "input[0].content[1]: content part type 'input_image' is not " \
+                                              "supported (text only)", stream
+
+
 async def test_rpm_refusal_is_openai_429_and_ledger_has_one_record(up):
     async with gateway(config(up, key_limits=", rpm: 1")) as (gw, client):
         r = await client.responses.create(model="m1", input="hi")
