@@ -62,8 +62,11 @@ static inline __attribute__((always_inline)) void qk_scores(const int BF16, cons
  * the order of d, lane l summing d = l mod 16, then lane_sum's tree: the two halves, then lanes l and l + 4,
  * l and l + 2, 0 and 1; times scale) on 8-lane vectors, with the last three levels of the tree done for 8
  * positions at once by a transpose instead of one position at a time in scalar code. head_dim % 16 == 0. */
-static inline void qk8_bf16(const float *qf, const uint16_t *k, int64_t slot_stride, int64_t n, int64_t group,
-                            int64_t head_dim, float scale, float *scores, int64_t ctx) {
+static inline __attribute__((always_inline)) void qk8_bf16_body(const int HD16, const float *qf, const uint16_t *k,
+                                                                int64_t slot_stride, int64_t n, int64_t group,
+                                                                int64_t head_dim, float scale, float *scores,
+                                                                int64_t ctx) {
+    head_dim = HD16 ? 16 * HD16 : head_dim;  /* a literal where it is 64 or 128: the loops below unroll */
     float kf[8 * head_dim];
     for (int64_t o = 0; o < n; o++)
         for (int64_t d = 0; d < head_dim; d += 8)
@@ -99,6 +102,18 @@ static inline void qk8_bf16(const float *qf, const uint16_t *k, int64_t slot_str
         /* out[0..3]: positions 0..3, out[4..7]: positions 4..7 */
         for (int64_t o = 0; o < n; o++) scores[h * ctx + o] = out[o];
     }
+}
+
+/* qk8_bf16_body with head_dim 64 or 128 a literal (each position's chains of FMAs unrolled, so the 8 positions'
+ * run side by side; the same operations in the same order, so the same bits), else read at run time. */
+static inline void qk8_bf16(const float *qf, const uint16_t *k, int64_t slot_stride, int64_t n, int64_t group,
+                            int64_t head_dim, float scale, float *scores, int64_t ctx) {
+    if (head_dim == 64)
+        qk8_bf16_body(4, qf, k, slot_stride, n, group, head_dim, scale, scores, ctx);
+    else if (head_dim == 128)
+        qk8_bf16_body(8, qf, k, slot_stride, n, group, head_dim, scale, scores, ctx);
+    else
+        qk8_bf16_body(0, qf, k, slot_stride, n, group, head_dim, scale, scores, ctx);
 }
 #endif
 
@@ -265,6 +280,33 @@ static inline void softmax(float *sc, int64_t n) {
         const __mmask16 mask = tail_mask(n - i);
         _mm512_mask_storeu_ps(sc + i, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, sc + i), inv));
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* the portable loop's operations on 8 lanes: exp_neg8 is exp_neg's FMAs lane by lane, and lanes[i % 16]
+     * is the two vectors' lanes (a tail's missing positions add nothing), so the same bits */
+    __m256 vmax = _mm256_set1_ps(sc[0]);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sc + i));
+    float m = sc[0], lanes[LANES];
+    _mm256_storeu_ps(lanes, vmax);
+    for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+    for (; i < n; i++) m = sc[i] > m ? sc[i] : m;
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (i = 0; i + 16 <= n; i += 16) {
+        const __m256 a = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(sc + i), vm));
+        const __m256 b = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(sc + i + 8), vm));
+        _mm256_storeu_ps(sc + i, a), _mm256_storeu_ps(sc + i + 8, b);
+        lo = _mm256_add_ps(lo, a), hi = _mm256_add_ps(hi, b);
+    }
+    _mm256_storeu_ps(lanes, lo), _mm256_storeu_ps(lanes + 8, hi);
+    for (; i < n; i++) {
+        sc[i] = exp_neg(sc[i] - m);
+        lanes[i % LANES] += sc[i];
+    }
+    const float inv = 1.0f / lane_sum(lanes);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(sc + i, _mm256_mul_ps(_mm256_loadu_ps(sc + i), vinv));
+    for (; i < n; i++) sc[i] *= inv;
 #else
     float m = sc[0];
     for (int64_t i = 1; i < n; i++) m = sc[i] > m ? sc[i] : m;
