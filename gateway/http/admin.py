@@ -187,6 +187,10 @@ async def admin_explain(request: Request) -> Response:
     spec = parse_json(raw)
     if not isinstance(spec.get("request"), dict):
         raise ClientError(400, 'expected {"request": {...}, "headers": {...}, "tenant": "..."}', param="request")
+    for name, kind, types in (("headers", "an object of header names to values", (dict,)),
+                              ("tenant", "a string", (str,)), ("request_id", "a string", (str,))):
+        if spec.get(name) is not None and not isinstance(spec[name], types):
+            raise ClientError(400, f"{name}: expected {kind}, got {type(spec[name]).__name__}", param=name)
     headers = {str(k).lower(): str(v) for k, v in (spec.get("headers") or {}).items()}
     body = spec["request"]
     endpoint = "chat/completions" if "messages" in body else "completions"

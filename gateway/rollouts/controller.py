@@ -365,7 +365,9 @@ class RolloutController:
             raise LookupError(f"no rollout {name!r}")
         allowed, state = ACTIONS[action]
         if r["state"] not in allowed:
-            raise IllegalAction(f"cannot {action} rollout {name!r}: it is {r['state']}")
+            can = [a for a, (states, _) in ACTIONS.items() if r["state"] in states]
+            raise IllegalAction(f"cannot {action} rollout {name!r}: it is {r['state']}"
+                                + (f" (it can: {', '.join(can)})" if can else " and ended"))
         missing = self._missing(r)
         if state in ("running", "promoted"):
             other = holder([x for x in await self.every() if x["name"] != name], r["route"])

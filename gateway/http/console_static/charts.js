@@ -34,7 +34,8 @@ const Tandem = (() => {
     return Number(v.toPrecision(digits)).toLocaleString("en-US", {maximumFractionDigits: 6});
   }
   const pct = (v) => (v === null || v === undefined ? "–" : `${fmt(100 * v, 4)} %`);
-  const clock = (unixS) => new Date(unixS * 1000).toLocaleTimeString("en-GB", {hour12: false});
+  // the browser's local time, its zone named (an operator elsewhere read "10:12:54" as UTC)
+  const clock = (unixS) => new Date(unixS * 1000).toLocaleTimeString("en-GB", {hour12: false, timeZoneName: "short"});
 
   // Candidate weight over time as a step line: one point per history entry, then now. steps: dashed guides.
   function weightChart(history, steps, nowWeight, nowS) {

@@ -12,7 +12,7 @@
               edits: {}, canary: {}, routeCards: {}, rolloutCards: {}};
 
   class ApiError extends Error {
-    constructor(status, message) { super(message); this.status = status; }
+    constructor(status, message, code) { super(message); this.status = status; this.code = code; }
   }
 
   // One admin API call; the gateway's error JSON becomes an ApiError with its message and status.
@@ -28,7 +28,7 @@
     try { data = text ? JSON.parse(text) : null; } catch { data = text; }
     if (!r.ok) {
       const msg = data && data.error ? data.error.message : `${r.status} ${r.statusText}`;
-      throw new ApiError(r.status, msg);
+      throw new ApiError(r.status, msg, data && data.error ? data.error.code : undefined);
     }
     return data;
   }
@@ -36,9 +36,13 @@
   // the rollouts and parity live in Redis: while it is unreachable (503) their panel says so, the rest renders
   const shared = (p) => optional(p).catch((e) => (e.status === 503 ? {unavailable: e.message} : Promise.reject(e)));
 
+  // An action's outcome, fixed at the bottom of the view (console.css); a refusal is an alert (read at once by
+  // a screen reader), an outcome a status. It stays until the next action or its close button.
   function notice(text, kind = "info") {
     const n = $("notice");
-    n.textContent = text;
+    n.setAttribute("role", kind === "bad" ? "alert" : "status");
+    n.replaceChildren(text, h("button", {type: "button", class: "close", "aria-label": "Dismiss",
+                                         onclick: () => n.replaceChildren()}, "×"));
     n.className = `notice ${kind}`;
   }
 
@@ -59,7 +63,7 @@
     $("login").hidden = true;
     $("main").hidden = false;
     $("signout").hidden = $("pause").hidden = false;
-    $("main").focus();
+    $("main").focus({preventScroll: true});
     refresh();
   }
 
@@ -114,7 +118,8 @@
              warnings.map((w) => ` Warning: ${w}`).join(""), warnings.length ? "warn" : "ok");
       return out;
     } catch (e) {
-      const hint = e.status === 409 ? " (the config moved on meanwhile: the page now shows the current one)" : "";
+      const hint = e.code === "version_conflict" ? " (the config moved on meanwhile: the page now shows the current one)"
+        : "";
       notice(`${label} refused: ${e.message}${hint}`, "bad");
       return null;
     } finally {
@@ -192,9 +197,9 @@
         h("div", {class: "slider-row"}, c.slider, c.out)),
       h("div", {class: "buttons"}, c.apply, c.promote, c.reset)]);
     append(c.el, [h("div", {class: "route-head"}, c.head), c.bar,
-      h("table", {class: "grid compact", "aria-label": `Targets of route ${name}`},
+      h("div", {class: "scroll"}, h("table", {class: "grid compact", "aria-label": `Targets of route ${name}`},
         h("thead", {}, h("tr", {}, ["Target", "Backend", "Weight", "Share", "Gets now", "Breaker"].map(
-          (t, i) => h("th", {scope: "col", class: i > 1 && i < 4 ? "num" : null}, t)))), c.body),
+          (t, i) => h("th", {scope: "col", class: i > 1 && i < 4 ? "num" : null}, t)))), c.body)),
       c.note, c.controls]);
     return c;
   }
@@ -258,7 +263,7 @@
     }
     $("history").replaceChildren(...[...config.history].reverse().map((v) => h("tr", {},
       h("td", {class: "num"}, v.version), h("td", {}, v.source),
-      h("td", {}, new Date(v.created * 1000).toLocaleString("en-GB")),
+      h("td", {}, new Date(v.created * 1000).toLocaleString("en-GB", {timeZoneName: "short"})),
       h("td", {}, Object.entries(v.overrides || {}).map(([r, w]) =>
         `${r}: ${Object.entries(w).map(([t, x]) => `${t}=${fmt(x)}`).join(", ")}`).join("; ") || "–"))));
     $("rollback").disabled = config.history.length < 2;
@@ -303,13 +308,18 @@
                head: h("div", {class: "rollout-head"}),
                body: h("div", {class: "rollout-body"}), buttons: {}};
     const bar = h("div", {class: "buttons"});
-    for (const action of ["pause", "resume", "promote", "abort"]) {
+    // release: a promoted rollout hands its route back to the file and the operators (desired-state.md)
+    for (const action of ["pause", "resume", "promote", "abort", "release"]) {
       const label = action[0].toUpperCase() + action.slice(1);
       c.buttons[action] = h("button", {type: "button", "aria-label": `${label} rollout ${name}`,
         class: action === "abort" ? "danger" : action === "promote" ? "primary" : "",
-        onclick: () => {   // the two that end it ask first; pause and resume are undone by each other
-          if ((action === "promote" || action === "abort") &&
-              !window.confirm(`${label} rollout ${name}? It ends the rollout.`)) return;
+        onclick: () => {   // the three that end it ask first; pause and resume are undone by each other
+          if (["promote", "abort", "release"].includes(action) &&
+              !window.confirm(`${label} rollout ${name}? It ends the rollout` +
+                              (action === "release" ? "; its split stays, and the route's weights are yours and the file's again."
+                                                    : "."))) {
+            return;
+          }
           act(`Rollout ${name}: ${action}`, "POST", `/admin/rollouts/${encodeURIComponent(name)}/${action}`);
         }},
         label);
@@ -449,7 +459,7 @@
         h("pre", {class: "explanation"}, d.explanation),
         Object.keys(d.breakers).length ? h("p", {class: "small"}, "Breakers: ",
           Object.entries(d.breakers).map(([t, st], i) => [i ? " · " : "", `${t} `, badge(st)])) : "",
-        Object.entries(d.unavailable).map(([b, why]) => h("p", {class: "small"}, `Unavailable ${b}: ${why}`)));
+        ...Object.entries(d.unavailable).map(([b, why]) => h("p", {class: "small"}, `Unavailable ${b}: ${why}`)));
     } catch (e) {
       // a 401 is the pasted request's own (its client key) unless the admin token itself is now refused
       if (e.status === 401 && !(await api("GET", "/admin/config").then(() => true, () => false))) {

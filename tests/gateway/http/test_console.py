@@ -164,6 +164,23 @@ def wide_gateway(tmp_path_factory):
             u.stop()
 
 
+def test_a_phone_wide_view_scrolls_its_tables_not_the_page(browser, wide_gateway):
+    """At 390 px a trial's page was 787 px wide (the tenants' and routes' tables widened every card) and the
+    explain result printed "[object HTMLParagraphElement]" for each unavailable backend."""
+    page = browser.new_page()
+    page.set_viewport_size({"width": 390, "height": 800})
+    page.goto(wide_gateway.url + "/admin/ui")
+    sign_in(page)
+    page.get_by_role("table", name="Targets of route cheapest").wait_for()
+    assert page.evaluate("document.documentElement.scrollWidth") <= 391
+    page.get_by_role("textbox", name="Tenant").fill("acme")
+    page.get_by_role("button", name="Explain").click()
+    page.locator("#explain-result .chosen").wait_for()
+    result = page.locator("#explain-result").inner_text()
+    assert "Unavailable deepseek:" in result and "[object" not in result, result
+    page.close()
+
+
 @pytest.mark.parametrize("width", [1400, 1920])
 def test_route_cards_fit_their_column_on_wide_screens(browser, wide_gateway, width):
     """Wide viewports (three grid tracks of the 420 px minimum) squeezed a route's table and slider under its
@@ -373,7 +390,32 @@ def test_console_watches_a_rollout_advance_and_steers_it(browser, rollout_gatewa
     assert card.locator(".ladder li.done").count() == 2
     chart = card.locator("svg.chart").first.get_attribute("aria-label")   # the chart's text alternative
     assert chart.startswith("Candidate weight over time: 5 %") and chart.endswith("now 100 %"), chart
-    assert card.get_by_role("button", name="Abort").is_disabled()               # over: nothing left to steer
+    assert card.get_by_role("button", name="Abort").is_disabled()               # over: only a release is left
+    # released from the page (a trial's promoted rollout had every button disabled: no Release)
+    page.on("dialog", lambda d: d.accept())
+    card.get_by_role("button", name="Release").click()
+    wait_until(lambda: rollout(g, "cand-canary")["state"] == "released")
+    page.close()
+
+
+def test_an_action_refused_far_down_the_page_is_shown_in_view(browser, rollout_gateway):
+    """A trial's refused rollout start (a bad name) put its message at the top of the page, 3,000 px above the
+    form: the start looked ignored. The outcome is shown fixed in the view, as an alert."""
+    g, _ = rollout_gateway
+    page = browser.new_page()
+    page.set_viewport_size({"width": 1280, "height": 800})
+    page.goto(g.url + "/admin/ui")
+    sign_in(page)
+    page.get_by_text("Start a rollout").click()
+    page.get_by_label("Name", exact=True).fill("bad name")
+    page.get_by_label("Route", exact=True).select_option("main")
+    page.get_by_label("Candidate target", exact=True).select_option("cand")
+    page.get_by_role("button", name="Start rollout").click()
+    alert = page.get_by_role("alert").filter(has_text="Start rollout bad name refused")
+    alert.wait_for()
+    box = alert.bounding_box()
+    assert 0 <= box["y"] and box["y"] + box["height"] <= 800, box
+    assert page.evaluate("window.scrollY") > 0          # the form is down the page: the view did not move to it
     page.close()
 
 

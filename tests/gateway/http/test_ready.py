@@ -92,6 +92,10 @@ def test_ready_is_degraded_when_no_route_can_serve(gateway, ups, tmp_path):
     for path in ("/admin/explain", "/admin/weights"):
         r = httpx.post(gateway.url + path, content=deep, timeout=10, headers={"authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 400 and "levels deep" in r.json()["error"]["message"], (path, r.text)
+    for field, value in (("headers", "str"), ("headers", [1, 2]), ("headers", 5), ("tenant", ["a"])):   # a 500 once
+        r = httpx.post(gateway.url + "/admin/explain", json={"request": MSG, field: value}, timeout=10,
+                       headers={"authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, value, r.text)
     fail_route(gateway, b, "b")                 # and up2's: nothing can serve
     r = httpx.get(gateway.url + "/health/ready", timeout=10)
     assert r.status_code == 503 and r.json()["status"] == "degraded" and r.json()["routes_serving"] == []
