@@ -132,6 +132,16 @@
     $("version").textContent = `config v${config.version} · ${config.source}` +
       (config.redis_degraded ? " · Redis unreachable" : "") + (config.draining ? " · draining" : "") +
       (config.routes_serving && !config.routes_serving.length ? " · degraded: no route can serve" : "");
+    // the config file against the running version (a refused edit, a rollback running another text), as
+    // tandem ctl status's header says it; nothing while they agree
+    const file = config.file || {}, box = $("file-status");
+    const said = file.status && !["in sync", "weights overrides active"].includes(file.status)
+      ? `Config file ${file.path || ""}: ${file.status}` : "";
+    if (box.dataset.said !== said) {   // changed only when it changes: a live region announces each change
+      box.dataset.said = said;
+      box.replaceChildren(...(said ? [h("p", {class: file.status.startsWith("file does not load") ? "error" : "steer"},
+                                        said)] : []));
+    }
     renderRoutes(config);
     renderHealth(config);
     renderRollouts(ui.data.rollouts, ui.data.parity);
@@ -237,6 +247,12 @@
           "by its SLO, the cheapest predicted in time"} among its targets: a weight only makes a target a ` +
           "choice (above 0) or a spare (0: tried once those fail, before the fallbacks), so there is no " +
           "canary slider."));
+      }
+      // which layer decides the weights (desired-state.md), as tandem ctl status says it, where not the file alone
+      const layer = (config.layers || {})[name];
+      if (layer && (layer.decided_by !== "file" || layer.note)) {
+        notes.push(h("p", {class: "muted small layer"}, `Weights decided by ${layer.decided_by}` +
+          (layer.note ? `: ${layer.note}` : "") + "."));
       }
       c.note.replaceChildren(...notes);
       c.body.replaceChildren(...route.targets.map((t, i) => {

@@ -223,6 +223,7 @@ def test_canary_slider_sets_the_weight_then_rollback_restores_it(page, gateway):
     wait_until(lambda: weights_of(gateway) == {"a": 75, "b": 25})
     page.get_by_role("status").filter(has_text="b to 25 %: done").wait_for()
     page.get_by_role("table", name="Targets of route main").get_by_text("75 %").first.wait_for()
+    page.get_by_text("Weights decided by operator").wait_for()    # the layer that decides, as tandem ctl status
 
     asked: list[str] = []
     page.once("dialog", lambda d: (asked.append(d.message), d.dismiss()))   # asked first: dismissed, nothing done
@@ -416,6 +417,16 @@ def test_an_action_refused_far_down_the_page_is_shown_in_view(browser, rollout_g
     box = alert.bounding_box()
     assert 0 <= box["y"] and box["y"] + box["height"] <= 800, box
     assert page.evaluate("window.scrollY") > 0          # the form is down the page: the view did not move to it
+    # a config file edit the gateway refuses is said on the page, as tandem ctl status says it (a trial saw
+    # nothing there while /admin/config reported it)
+    path = Path(g.config_path)
+    text = path.read_text()
+    path.write_text(text + "\nbroken: [\n")
+    try:
+        page.get_by_text("file does not load (the running version is kept)").wait_for()
+    finally:
+        path.write_text(text)
+    page.get_by_text("file does not load").wait_for(state="detached")
     page.close()
 
 
