@@ -51,8 +51,12 @@ def operator_view(request: Request) -> bool:
     return True
 
 
+# admin answers hold the config's text and the fleet's state: never kept by a browser or a proxy
+NO_STORE = {"cache-control": "no-store"}
+
+
 def _json(result) -> Response:
-    return Response(msgspec.json.encode(result), status_code=200, media_type=_JSON)
+    return Response(msgspec.json.encode(result), status_code=200, media_type=_JSON, headers=NO_STORE)
 
 
 def _conflict(e: VersionConflict) -> ClientError:
@@ -120,6 +124,10 @@ async def admin_weights(request: Request) -> Response:
     ``base_version`` (default: the version this replica runs), or with ``rebase`` on the shared head."""
     gw = _gw(request)
     body = await _body(request)
+    unknown = sorted(set(body) - {"route", "weights", "base_version", "rebase"})
+    if unknown:
+        raise ClientError(400, f"unknown field {unknown[0]!r}; the body is {{\"route\", \"weights\", "
+                          "\"base_version\"?, \"rebase\"?}", param=unknown[0])
     if not isinstance(body.get("route"), str) or not isinstance(body.get("weights"), dict) or not body["weights"]:
         raise ClientError(400, 'expected {"route": NAME, "weights": {TARGET: PERCENT, ...}} naming at least one '
                           'target', param="weights")
@@ -135,7 +143,8 @@ async def admin_weights(request: Request) -> Response:
         raise ClientError(409, str(e), code="rollout_conflict", param="route") from None
     except ConfigError as e:
         if all(path.startswith("overrides.") for path, _ in e.errors):   # the weights asked for, not the file
-            raise ClientError(400, "; ".join(f"route {body['route']!r}: {m}" for _, m in e.errors),
+            named = f"route {body['route']!r}"   # a message that names the route already is not prefixed again
+            raise ClientError(400, "; ".join(m if m.startswith(named) else f"{named}: {m}" for _, m in e.errors),
                               param="weights", code="invalid_value") from None
         raise
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 from litestar import Request, Response, get
 
-from gateway.http.admin import _gw
+from gateway.http.admin import NO_STORE, _gw
 
 
 def limits_table(cfg) -> dict:
@@ -30,4 +30,4 @@ async def admin_limits(request: Request) -> Response:
     snap = gw.snapshot
     cfg = snap.compiled.config
     body = {"config_version": snap.version, "window_s": cfg.limits.window_s, "tenants": limits_table(cfg)}
-    return Response(msgspec.json.encode(body), media_type="application/json")
+    return Response(msgspec.json.encode(body), media_type="application/json", headers=NO_STORE)

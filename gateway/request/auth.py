@@ -59,17 +59,18 @@ def authenticate(header: str | None, key_hashes: dict[str, str], closed: bool = 
 
 
 def check_admin(header: str | None, admin_token: str | None, token_env: str) -> None:
-    """Raises ClientError(401) unless the bearer token equals the admin token
-    (constant-time compare). With the token variable unset, admin is closed."""
+    """Raises ClientError(401, with ``WWW-Authenticate: Bearer`` as RFC 6750 has it) unless the bearer token
+    equals the admin token (constant-time compare). With the token variable unset, admin is closed."""
+    challenge = {"www-authenticate": 'Bearer realm="tandem-admin"'}
     if not admin_token:
         raise ClientError(401, f"admin API disabled: environment variable {token_env} is unset",
-                          code="admin_disabled")
+                          code="admin_disabled", headers=challenge)
     token = bearer(header)
     if token is None:
         raise ClientError(401, f"missing admin token: send Authorization: Bearer <the value of {token_env}>",
-                          code="invalid_api_key")
+                          code="invalid_api_key", headers=challenge)
     if not hmac.compare_digest(token.encode(), admin_token.encode()):
-        raise ClientError(401, "invalid admin token", code="invalid_api_key")
+        raise ClientError(401, "invalid admin token", code="invalid_api_key", headers=challenge)
 
 
 def is_loopback(host: str) -> bool:

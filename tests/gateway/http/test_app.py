@@ -231,8 +231,19 @@ def test_admin_requires_token(gateway):
     for path in ("/admin/reload", "/admin/rollback", "/admin/weights", "/admin/drain"):
         r = httpx.post(gateway.url + path, headers={"authorization": "Bearer wrong"})
         assert r.status_code == 401, path
-    assert httpx.get(gateway.url + "/admin/config").status_code == 401
+    r = httpx.get(gateway.url + "/admin/config")
+    assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")   # RFC 6750's challenge
     assert ctl(gateway, "config", token="nope").returncode == 1
+    admin = {"authorization": "Bearer admin-tok"}
+    # the config's text and the fleet's state are never kept by a browser or proxy (a console trial found them
+    # cacheable)
+    assert httpx.get(gateway.url + "/admin/config", headers=admin).headers["cache-control"] == "no-store"
+    r = httpx.post(gateway.url + "/admin/weights", headers=admin, json={"route": "main", "weights": {"a": 50},
+                                                                       "bogus": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"      # an unknown field is not ignored
+    r = httpx.post(gateway.url + "/admin/weights", headers=admin, json={"route": "main", "weights": {"nope": 5}})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and message.startswith("route 'main' has no target 'nope'"), message   # said once
 
 
 def test_ctl_weights_and_rollback(gateway):
