@@ -195,10 +195,12 @@ class RolloutController:
         if now - held_since >= r["hold_s"]:
             i = r["step_index"] + 1
             if i >= len(r["steps"]):
+                held = "every gate held" if gates else "no gates: each step held"   # promoted on time alone
                 return await self._transition(r, now, "promoted", r["step_index"], 100.0,
-                                              f"every gate held {r['hold_s']:g} s at each step", gates, window)
+                                              f"{held} {r['hold_s']:g} s at each step", gates, window)
+            held = "gates held" if gates else "no gates: held"
             return await self._transition(r, now, "running", i, r["steps"][i],
-                                          f"gates held {now - held_since:.1f} s at {r['weight']:g} %", window=window)
+                                          f"{held} {now - held_since:.1f} s at {r['weight']:g} %", window=window)
         return r
 
     async def _save(self, r: dict, **changes) -> dict:

@@ -74,21 +74,25 @@ const Tandem = (() => {
     const W = 420, row = 30, L = 150, R = 96, H = Math.max(1, names.length) * row + 6;
     const label = "Gates: " + names.map((n) => {
       const g = gates[n];
-      return `${n} ${fmt(g.value)} against ${fmt(g.limit)}, ${g.ok === null ? "not measured" : g.ok ? "held" : "failed"}`;
+      const judged = g.ok !== null && g.ok !== undefined;
+      return `${n} ${judged ? fmt(g.value) : "not judged yet"} against ${fmt(g.limit)}` +
+        (judged ? `, ${g.ok ? "held" : "failed"}` : "");
     }).join("; ");
     const rows = names.map((n, i) => {
       const g = gates[n], top = 4 + i * row;
       const scale = Math.max(g.limit || 0, g.value || 0) * 1.25 || 1;
-      const bw = g.value === null || g.value === undefined ? 0 : (g.value / scale) * (W - L - R);
-      const lx = L + ((g.limit || 0) / scale) * (W - L - R);
       const cls = g.ok === null || g.ok === undefined ? "unknown" : g.ok ? "ok" : "bad";
+      // a gate not judged yet (too few pairs) has no value to show: its placeholder 0 read as "0 <= 0.05"
+      const value = cls === "unknown" ? null : g.value;
+      const bw = value === null || value === undefined ? 0 : (value / scale) * (W - L - R);
+      const lx = L + ((g.limit || 0) / scale) * (W - L - R);
       const op = n.endsWith("_min") ? "≥" : "≤";
       return s("g", {},
         s("text", {x: L - 8, y: top + 16, class: "gate-name", "text-anchor": "end"}, n.replace(/_(min|max)(_ms)?$/, "")),
         s("rect", {x: L, y: top + 4, width: W - L - R, height: 16, rx: 3, class: "track"}),
         s("rect", {x: L, y: top + 4, width: Math.max(0, bw), height: 16, rx: 3, class: `bar ${cls}`}),
         s("line", {x1: lx, x2: lx, y1: top, y2: top + 24, class: "limit"}),
-        s("text", {x: W - R + 8, y: top + 16, class: `gate-val ${cls}`}, `${fmt(g.value)} ${op} ${fmt(g.limit)}`));
+        s("text", {x: W - R + 8, y: top + 16, class: `gate-val ${cls}`}, `${fmt(value)} ${op} ${fmt(g.limit)}`));
     });
     return s("svg", {class: "chart gates", viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": label},
       s("title", {}, label), names.length ? rows : s("text", {x: 8, y: 20, class: "tick"}, "no gates"));

@@ -371,10 +371,17 @@
       const ladder = h("ol", {class: "ladder", "aria-label": "Steps"}, r.steps.map((w, i) => h("li", {
         class: i < r.step_index && r.steps[i] <= r.weight ? "done" : i === at ? "current" : "",
         "aria-current": i === at ? "step" : null}, `${fmt(w)} %`)));
-      const held = r.state === "running" ? ` · held ${fmt(Math.max(0, now - r.step_since), 2)} s of ${fmt(r.hold_s)} s` : "";
+      // the hold counts from the first check at which every gate was judged and held (held_since), not the step
+      const held = r.state !== "running" ? "" : r.held_since === null || r.held_since === undefined
+        ? ` · gates not all judged and held yet (step for ${fmt(Math.max(0, now - r.step_since), 2)} s)`
+        : ` · held ${fmt(Math.max(0, now - r.held_since), 2)} s of ${fmt(r.hold_s)} s`;
+      // paused, the route's weights are the operators': say what the candidate gets now where it is not the step's
+      const live = (((ui.data.config.routes || {})[r.route] || {}).targets || []).find((t) => t.id === r.candidate);
+      const now_gets = r.state === "paused" && live && live.weight !== r.weight
+        ? ` · the route gives it ${fmt(live.weight)} now (paused: the weights are yours)` : "";
       c.head.replaceChildren(h("h3", {}, r.name), badge(r.state),
         h("span", {class: "muted"}, `route ${r.route}: ${r.baseline} → ${r.candidate} at `,
-          h("strong", {class: "rollout-weight"}, `${fmt(r.weight)} %`), held), ladder,
+          h("strong", {class: "rollout-weight"}, `${fmt(r.weight)} %`), held, now_gets), ladder,
         r.reason ? h("p", {class: "reason"}, r.reason) : "");
       c.body.replaceChildren(
         h("figure", {}, h("figcaption", {}, "Candidate weight"), weightChart(r.history || [], r.steps, r.weight, now)),

@@ -151,7 +151,9 @@ async def test_operators_pause_resume_promote_abort_and_illegal_actions(redis_ur
             assert (await c.post("/admin/rollouts/r1/resume")).json()["state"] == "running"
             assert cand_weight(gw) == 5                              # the step's weight again
             promoted = (await c.post("/admin/rollouts/r1/promote")).json()
-            assert (await c.post("/admin/rollouts/r1/abort")).status_code == 409
+            refused = await c.post("/admin/rollouts/r1/abort")
+            assert refused.status_code == 409     # and it names what the state allows (a trial read "it is promoted")
+            assert refused.json()["error"]["message"].endswith("it is promoted (it can: release)"), refused.text
             assert (await c.post("/admin/rollouts/nope/pause")).status_code == 404
             bad = await c.post("/admin/rollouts", json={"name": "r2", "route": "main", "candidate": "ghost"})
             taken = await c.post("/admin/rollouts", json={"name": "r1", "route": "main", "candidate": "cand"})
@@ -183,6 +185,28 @@ async def test_operators_pause_resume_promote_abort_and_illegal_actions(redis_ur
     # a paused rollout still steers its route: a second one is refused, naming it; names are one path segment
     assert busy.status_code == 409 and "'r1'" in busy.json()["error"]["message"]
     assert slashed.status_code == 400 and slashed.json()["error"]["param"] == "name"
+
+
+async def test_a_rollout_without_gates_says_it_was_promoted_on_time_alone(redis_url):
+    """A rollout started with no gates moves on its hold alone; a console trial read "every gate held 1 s at each
+    step" of one that judged nothing."""
+    gates = "{error_rate_max: 0.5, min_compared: 1000}"
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        async with gateway(config(stable, cand, redis_url, 60, gates)) as (gw, url, c):
+            await until_state(c, lambda r: True)
+            await c.post("/admin/rollouts/r1/abort")
+            started = await c.post("/admin/rollouts", json={"name": "bare", "route": "main", "candidate": "cand",
+                                                            "steps": [5, 50], "hold_s": 0.2, "gates": {}})
+            assert started.status_code == 201, started.text
+            for _ in range(600):
+                listed = (await admin(c, "GET", "/admin/rollouts")).json()["rollouts"]
+                r = next(x for x in listed if x["name"] == "bare")
+                if r["state"] != "running":
+                    break
+                await asyncio.sleep(0.05)
+    assert r["state"] == "promoted", r
+    assert [h["reason"] for h in r["history"]][1].startswith("no gates: held")
+    assert r["reason"] == "no gates: each step held 0.2 s at each step"
 
 
 async def ctl(url: str, *argv: str) -> tuple[int, str]:
