@@ -10,7 +10,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
 import msgspec
@@ -118,6 +118,9 @@ class LocalBackend:
         self.active = 0
         self.restarts = 0                # engines started again after their core died
         self._restart: asyncio.Task | None = None
+        # called once a restarted engine is loaded (the gateway closes its targets' breakers: their failures were
+        # the dead engine's)
+        self.on_restarted: Callable[[], Awaitable[None]] | None = None
         self._encode = msgspec.json.encode
 
     async def start(self) -> None:
@@ -189,6 +192,8 @@ class LocalBackend:
             except Exception as e:  # noqa: BLE001 -- dead already: nothing to drain
                 log.info("dead engine shutdown: %s", e)
             await self.start()
+            if self.available and self.on_restarted is not None:
+                await self.on_restarted()
 
         self._restart = asyncio.get_running_loop().create_task(restart())
 

@@ -296,6 +296,16 @@ class Breakers:
             _log_transition(out, now)
         return out
 
+    async def reset(self, target: str, reason: str) -> None:
+        """Close ``target``'s breaker now, forgetting its failures (``reason`` logged): for a backend known to be
+        new since they happened (the local engine loaded again after its core died: its failures were the dead
+        one's). The record is deleted (shared: every replica sees it at its next read, as ``_cached`` allows)."""
+        key = self._key(target)
+        await self.state.call(lambda r: r.delete(key), lambda: self._local.pop(key, None))
+        self._local.pop(key, None)
+        self._cache.pop(target, None)
+        log.warning("breaker %s closed: %s", target, reason)
+
     def _record_local(self, key: str, args: list) -> list[int]:
         """Python twin of ``_RECORD_LUA``."""
         (now, success, trip, cooldown, bms, nb, minreq, rate, consec, to_close, _ttl, probe, reason) = args

@@ -485,6 +485,52 @@ async def test_an_engine_whose_core_died_is_restarted(tiny_model):
         await backend.aclose()
 
 
+async def test_a_restarted_engine_is_served_at_once_not_after_its_breakers_cooldown(tiny_model):
+    """A stress trial killed the engine core with 8 streams open: their failures opened the local target's
+    breaker (30 s), the engine was back in ~6 s, and every request got 503 until the breaker half-opened. A
+    restarted engine is new: its targets' breakers are closed once it is loaded. Here the breaker is opened as
+    those failures open it (recorded failures) with a cooldown far past the test, then the core is killed."""
+    import signal
+
+    from gateway.config.compile import load_config_text
+    from gateway.runtime import Gateway
+    from tests.gateway.support import serve_ready
+
+    text = ("reload: {watch: false}\nobservability:\n  logs: {requests: false}\nmodels:\n  - name: m\n"
+            f"backends:\n  local:\n    type: local\n    engine: {{model: {tiny_model}, dtype: float32, "
+            "kv_cache_memory: 64MiB}\nroutes:\n  r:\n    targets: [{backend: local}]\n"
+            "resilience:\n  health: {interval_s: 0}\n  retry: {max_attempts: 1}\n"
+            "  breaker: {consecutive_failures: 3, open_s: 600}\npolicy:\n  default_route: r\n")
+    gw = Gateway(None, load_config_text(text), start_engine=True)
+    server, task, url = await serve_ready(gw)
+    try:
+        local, breakers = gw.snapshot.local, gw.resilience.breakers
+        for _ in range(3):
+            await breakers.record("local", False, status=500)
+        assert (await breakers.get("local")).state == "open"
+        first = local.engine
+        os.kill(first.core_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while first.is_alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with pytest.raises(RuntimeError):
+            await local.probe()                      # the probe finds it dead and restarts it
+        while (local.restarts == 0 or not local.available or local.engine is first) \
+                and time.monotonic() < deadline + 120:
+            await asyncio.sleep(0.1)
+        for _ in range(50):                          # the restart's last step closes the breaker
+            if (await breakers.get("local")).state == "closed":
+                break
+            await asyncio.sleep(0.1)
+        assert (await breakers.get("local")).state == "closed"
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": "one", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    finally:
+        server.should_exit = True
+        await task                                   # the app's shutdown stops the gateway and its engine
+
+
 def test_route_explain_gives_the_gateways_decision(gateway, tmp_path):
     """A prompt whose 4-chars-per-token estimate (~260) and real token count (~500) fall on both sides of the
     `long` rule (prompt_tokens > 400): `tandem route explain` counts like the gateway and names the same route."""
