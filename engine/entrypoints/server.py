@@ -23,8 +23,9 @@ blocks. The HTTP layer only parses JSON and maps errors: everything else is
 ``engine/serving/chat.py`` and ``completion.py``, which the gateway's
 local backend also calls in-process.
 
-SIGINT (Ctrl-C) or SIGTERM stops it after the requests in flight are answered (uvicorn's graceful shutdown, up to
-``--drain-timeout`` + 5 s); a second signal within :data:`SIGNAL_ECHO_S` of the first is the same stop (a
+SIGINT (Ctrl-C) or SIGTERM stops it after the requests in flight are answered (uvicorn's graceful shutdown): up to
+``--drain-timeout``, then the engine aborts those still running, whose streams end with an error event (``aborted``,
+"shutting down") and ``[DONE]``, a non-streamed one with that error; a second signal within :data:`SIGNAL_ECHO_S` of the first is the same stop (a
 terminal's Ctrl-C reaches the whole process group, and a wrapper may forward it again), a later one quits at once.
 The exit is quiet either way (no ``KeyboardInterrupt`` traceback).
 """
@@ -76,15 +77,25 @@ KEEP_ALIVE_S = 30
 
 class EngineServer(uvicorn.Server):
     """uvicorn's ``Server`` with the echo window of :data:`SIGNAL_ECHO_S` on its stop signals; ``stop_signal``:
-    the signal it stopped on (None: none yet)."""
+    the signal it stopped on (None: none yet). ``on_stop``: a coroutine function started on the server's loop at
+    the first stop signal (the engine's drain: uvicorn waits for open connections and only then runs the app's
+    shutdown, so streams still running at its deadline were cut mid-body, each with an ASGI traceback)."""
 
     first_signal: float | None = None
     stop_signal: int | None = None
+    on_stop = None
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
     def handle_exit(self, sig, frame) -> None:
         now = time.monotonic()
         if self.first_signal is not None and now - self.first_signal < SIGNAL_ECHO_S:
             return
+        if self.first_signal is None and self.on_stop is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.on_stop()))
         self.first_signal = self.first_signal or now
         self.stop_signal = self.stop_signal or sig
         super().handle_exit(sig, frame)
@@ -423,7 +434,8 @@ def run_server(args: argparse.Namespace) -> int:
         failed.append(True)
         server.should_exit = True
 
-    app = build_app(AsyncEngine(engine_args), drain_timeout=args.drain_timeout,
+    engine = AsyncEngine(engine_args)
+    app = build_app(engine, drain_timeout=args.drain_timeout,
                     max_request_body_bytes=args.max_request_body_bytes, on_load_failed=stop_on_load_failure,
                     api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
                     log_requests=args.log_requests, max_log_len=args.max_log_len)
@@ -431,6 +443,9 @@ def run_server(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=int(args.drain_timeout) + 5, lifespan="on",
                             timeout_keep_alive=KEEP_ALIVE_S)
     server = EngineServer(config)
+    # the drain starts at the signal: requests still running after --drain-timeout are aborted, so their streams
+    # end (an error event, [DONE]) before uvicorn's deadline (+5 s) cuts the connections
+    server.on_stop = lambda: engine.shutdown(drain=True, timeout=args.drain_timeout)
     try:
         server.run()
     except KeyboardInterrupt:   # uvicorn re-raises the SIGINT it handled once the server has stopped

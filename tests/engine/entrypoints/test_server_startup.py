@@ -252,3 +252,34 @@ def test_serve_keeps_idle_connections_longer_than_clients_do(tmp_path, monkeypat
     assert server_module.run_server(parser.parse_args([path])) == 1   # never started: the stub returned at once
     assert seen["config"].timeout_keep_alive == server_module.KEEP_ALIVE_S
     assert server_module.KEEP_ALIVE_S > httpx.Limits().keepalive_expiry
+
+
+def test_a_stream_still_running_at_the_drain_timeout_ends_with_an_error_event_and_done(tiny_model, tmp_path):
+    """SIGTERM with a stream longer than --drain-timeout: a stress trial's streams were cut mid-body at the
+    timeout + 5 s (no finish, no [DONE]; an ASGI traceback each in the log). The engine's drain starts at the
+    signal: at the timeout the request is aborted, and its stream ends with the engine's error event and [DONE]."""
+    import json
+    import signal
+
+    port = free_port()
+    srv = Server([*tandem_cmd("engine", "serve"), "--model", tiny_model, "--port", str(port), "--kv-cache-memory",
+                  "64MiB", "--drain-timeout", "1", "--dtype", "float32"],
+                 f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}", log_dir=tmp_path).wait_ready(120)
+    try:
+        lines = []
+        model = httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 5:
+                    srv.proc.send_signal(signal.SIGTERM)
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        last = json.loads(lines[-2][len("data: "):])      # the engine's error event, then [DONE]
+        assert last["error"]["code"] == "aborted" and "shutting down" in last["error"]["message"], last
+        assert srv.proc.wait(30) in (0, -signal.SIGTERM)   # stopped (uvicorn re-raises the signal it handled)
+    finally:
+        srv.stop()
+    log = srv.log_path.read_text(errors="replace")
+    assert "Exception in ASGI application" not in log and "Traceback" not in log, log[-3000:]
