@@ -216,24 +216,14 @@ class Gateway:
     def _build_backends(self, compiled: Compiled) -> tuple[dict, LocalBackend | None]:
         old = self.snapshot.backends if self.snapshot else {}
         backends, local = build_backends(compiled.config.backends, old, compiled.warnings)
-        if local is not None:
-            local.on_restarted = lambda: self._engine_restarted(local.name)
+        if local is not None:   # a restarted engine is new: its targets' breakers close (Resilience.backend_renewed)
+            local.on_restarted = lambda: self.resilience.backend_renewed(
+                self.snapshot.compiled.policy.routes, local.name, "the local engine restarted")
         now = time.monotonic()
         for name, b in old.items():
             if backends.get(name) is not b:
                 self.retired.append((now, b))
         return backends, local
-
-    async def _engine_restarted(self, backend: str) -> None:
-        """The local engine ``backend`` loaded again after its core died: close its targets' breakers (the
-        failures that opened them were the dead engine's; a trial's 6 s restart left the route refusing requests
-        for the rest of a 30 s cooldown)."""
-        routes = self.snapshot.compiled.policy.routes.values()
-        for target in sorted({t.id for r in routes for t in (*r.targets, *r.fallbacks) if t.backend == backend}):
-            try:
-                await self.resilience.breakers.reset(target, f"the local engine {backend} restarted")
-            except Exception as e:  # noqa: BLE001 -- Redis unreachable: the breaker half-opens on its own
-                log.warning("breaker %s not closed after the engine's restart: %s", target, e)
 
     def _apply(self, state: ConfigState, compiled: Compiled | None = None) -> Snapshot:
         """Validate ``state`` and swap it in. Raises ConfigError (nothing changes)."""

@@ -104,6 +104,14 @@ class Resilience:
             total = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
         await self.limiter.reconcile(reservation, int(total))
 
+    async def backend_renewed(self, routes: dict, backend: str, why: str) -> None:
+        """``backend`` is new since its failures (the local engine loaded again after its core died): close the
+        breakers of its targets in ``routes`` (name -> Route), ``why`` logged. A trial's 6 s restart otherwise left
+        its route refusing requests for the rest of a 30 s cooldown."""
+        ids = sorted({t.id for r in routes.values() for t in (*r.targets, *r.fallbacks) if t.backend == backend})
+        for target in ids:
+            await self.breakers.reset(target, f"{why} ({backend})")
+
     # -- status ------------------------------------------------------------------------------------------------
     async def status(self, routes: dict, backends: dict) -> tuple[dict, dict]:
         """What ``/health/ready`` and ``/admin/config`` report: (backends, targets).

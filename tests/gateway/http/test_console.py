@@ -341,6 +341,14 @@ def rollout(g, name: str) -> dict:
     return next(r for r in rs if r["name"] == name)
 
 
+def open_start_form(page, name: str) -> None:
+    """Open the page's start-a-rollout form with ``name``, route ``main`` and candidate ``cand`` filled in."""
+    page.get_by_text("Start a rollout").click()
+    page.get_by_label("Name", exact=True).fill(name)
+    page.get_by_label("Route", exact=True).select_option("main")
+    page.get_by_label("Candidate target", exact=True).select_option("cand")
+
+
 def start_rollout(g, name: str, hold_s: float) -> None:
     r = httpx.post(g.url + "/admin/rollouts", headers=ADMIN, timeout=10, json={
         "name": name, "route": "main", "candidate": "cand", "steps": [5, 25, 100], "hold_s": hold_s,
@@ -353,10 +361,7 @@ def test_console_watches_a_rollout_advance_and_steers_it(browser, rollout_gatewa
     page = browser.new_page()
     page.goto(g.url + "/admin/ui")
     sign_in(page)
-    page.get_by_text("Start a rollout").click()              # started from the page, as an operator would
-    page.get_by_label("Name", exact=True).fill("cand-canary")
-    page.get_by_label("Route", exact=True).select_option("main")
-    page.get_by_label("Candidate target", exact=True).select_option("cand")
+    open_start_form(page, "cand-canary")                     # started from the page, as an operator would
     page.get_by_label("Hold each step (s)").fill("3")
     page.get_by_label("Parity at least (0–1)").fill(str(GATES["parity_min"]))
     page.get_by_label("Error rate at most (0–1)").fill(str(GATES["error_rate_max"]))
@@ -407,10 +412,7 @@ def test_an_action_refused_far_down_the_page_is_shown_in_view(browser, rollout_g
     page.set_viewport_size({"width": 1280, "height": 800})
     page.goto(g.url + "/admin/ui")
     sign_in(page)
-    page.get_by_text("Start a rollout").click()
-    page.get_by_label("Name", exact=True).fill("bad name")
-    page.get_by_label("Route", exact=True).select_option("main")
-    page.get_by_label("Candidate target", exact=True).select_option("cand")
+    open_start_form(page, "bad name")
     page.get_by_role("button", name="Start rollout").click()
     alert = page.get_by_role("alert").filter(has_text="Start rollout bad name refused")
     alert.wait_for()
@@ -447,10 +449,7 @@ def test_a_rollout_started_onto_a_down_candidate_is_started_with_a_warning(brows
             page = browser.new_page()
             page.goto(g.url + "/admin/ui")
             sign_in(page)
-            page.get_by_text("Start a rollout").click()
-            page.get_by_label("Name", exact=True).fill("dead-canary")
-            page.get_by_label("Route", exact=True).select_option("main")
-            page.get_by_label("Candidate target", exact=True).select_option("cand")
+            open_start_form(page, "dead-canary")
             page.get_by_role("button", name="Start rollout").click()
             status = page.get_by_role("status").filter(has_text="Start rollout dead-canary: done")
             status.wait_for()
