@@ -100,7 +100,7 @@ def _prompt_tokens(compiled, endpoint: str, body: dict) -> tuple[int, int, str]:
     """The prompt length the gateway would route on (all prompts, the longest of a batch), and how it was
     counted: the local engine's rendering (its chat template and tokenizer) when a rule reads ``prompt_tokens``
     and a local backend is configured, as ``tandem serve`` counts once its engine is up; else the estimate."""
-    from gateway.request.validate import estimate_prompt_lengths
+    from gateway.request.validate import prompt_counts
 
     local = next((b for b in compiled.config.backends.values() if b.type == "local"), None)
     if local is not None and "prompt_tokens" in compiled.policy.fields():
@@ -115,8 +115,7 @@ def _prompt_tokens(compiled, endpoint: str, body: dict) -> tuple[int, int, str]:
         try:
             path = local.engine.model or default_model_path()
             tok = Tokenizer.from_hf_dir(path) if os.path.isdir(path) else Tokenizer.from_gguf(path)
-            rendered = render_prompt(tok, endpoint, body)
-            return (rendered.prompt_tokens, rendered.longest_prompt_tokens,
+            return (*prompt_counts(body, render_prompt(tok, endpoint, body)),
                     "the local engine's rendering, as the gateway counts")
         except (OSError, ValueError) as e:
             print(f"note: the local engine's tokenizer could not be loaded ({e}); using the estimate",
@@ -124,8 +123,7 @@ def _prompt_tokens(compiled, endpoint: str, body: dict) -> tuple[int, int, str]:
         except ServingError as e:
             print(f"note: the local engine would refuse this body ({e.message}); using the estimate",
                   file=sys.stderr)
-    lengths = estimate_prompt_lengths(body)
-    return sum(lengths), max(lengths, default=0), "estimate: 4 chars/token"
+    return (*prompt_counts(body), "estimate: 4 chars/token")
 
 
 def _read_request(path: str) -> dict | None:

@@ -17,7 +17,7 @@ from gateway.backends.relabel import answer_id
 from gateway.billing.local_cost import local_price
 from gateway.errors import ClientError, model_not_found
 from gateway.request.admission import admit
-from gateway.request.validate import (check_request, counted_exactly, estimate_prompt_lengths, parse_json,
+from gateway.request.validate import (check_request, counted_exactly, parse_json, prompt_counts,
                                       unknown_parameter_error, with_default_max_tokens)
 from gateway.resilience.resume import prepare as prepare_resume
 from gateway.resilience.resume import resumable
@@ -62,13 +62,10 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     rendered = None
     if snap.needs_prompt_tokens and snap.local is not None and snap.local.available:
         rendered = snap.local.render(endpoint, req.body)
-    if rendered is not None:
-        prompt_tokens, longest = rendered.prompt_tokens, rendered.longest_prompt_tokens
-    else:
-        lengths = estimate_prompt_lengths(req.body)
-        prompt_tokens, longest = sum(lengths), max(lengths, default=0)
+    prompt_tokens, longest = prompt_counts(req.body, rendered)
     return replace(req, public_model=public, prompt_tokens=prompt_tokens, longest_prompt_tokens=longest,
-                   rendered=rendered, source=source, prompt_tokens_exact=rendered is not None or counted_exactly(req.body))
+                   rendered=rendered, source=source,
+                   prompt_tokens_exact=rendered is not None or counted_exactly(req.body))
 
 
 def features(req: GatewayRequest, prefix: bool = False) -> RequestFeatures:

@@ -402,6 +402,15 @@ def estimate_prompt_tokens(body: dict) -> int:
     return sum(estimate_prompt_lengths(body))
 
 
+def prompt_counts(body: dict, rendered=None) -> tuple[int, int]:
+    """(every prompt's tokens together, the longest prompt's) of ``body``: the local engine's ``rendered`` counts
+    (``RenderedPrompt``) when given, else the estimates (``estimate_prompt_lengths``)."""
+    if rendered is not None:
+        return rendered.prompt_tokens, rendered.longest_prompt_tokens
+    lengths = estimate_prompt_lengths(body)
+    return sum(lengths), max(lengths, default=0)
+
+
 def estimate_prompt_lengths(body: dict) -> list[int]:
     """Rough length of each prompt of ``body`` when no tokenizer is at hand (one for chat; one per prompt of a
     completions batch or input of an embeddings list): ~4 characters per token (OpenAI's rule of thumb for
