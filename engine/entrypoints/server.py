@@ -98,6 +98,9 @@ class EngineServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.on_stop()))
         self.first_signal = self.first_signal or now
         self.stop_signal = self.stop_signal or sig
+        if sig == signal.SIGTERM:   # an orchestrator's normal stop: exit 0 (stop_exit_status), not re-raised by
+            self.should_exit = True  # uvicorn once the server stopped (the process then died by it: status -15)
+            return
         super().handle_exit(sig, frame)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -278,7 +278,7 @@ def test_a_stream_still_running_at_the_drain_timeout_ends_with_an_error_event_an
         assert lines[-1] == "data: [DONE]", lines[-3:]
         last = json.loads(lines[-2][len("data: "):])      # the engine's error event, then [DONE]
         assert last["error"]["code"] == "aborted" and "shutting down" in last["error"]["message"], last
-        assert srv.proc.wait(30) in (0, -signal.SIGTERM)   # stopped (uvicorn re-raises the signal it handled)
+        assert srv.proc.wait(30) == 0     # an orchestrator's normal stop (it died by the re-raised SIGTERM: -15)
     finally:
         srv.stop()
     log = srv.log_path.read_text(errors="replace")
