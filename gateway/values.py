@@ -128,9 +128,10 @@ class GatewayRequest:
     it, else ``estimate_prompt_tokens``); prompt_tokens_exact: whether that is a count (rendered, or token ids
     given), not a guess. longest_prompt_tokens: the longest of its prompts, counted or estimated alike (a
     completions batch's prompts and an embeddings list's inputs are each a sequence of its own; otherwise the
-    prompt's length): what must fit a backend's context, and what the rules' ``prompt_tokens`` reads. rendered: that rendering (``engine.serving.serving.RenderedPrompt``:
-    template applied, tokenized), handed to the local engine so it does not tokenize again; None when not
-    rendered. local_unsupported: a field the local engine cannot serve. headers: lower-case names -> values.
+    prompt's length): what must fit a backend's context, and what the rules' ``prompt_tokens`` reads. rendered:
+    that rendering (``engine.serving.serving.RenderedPrompt``: template applied, tokenized), handed to the local
+    engine so it does not tokenize again; None when not rendered. local_unsupported: a field the local engine
+    cannot serve. headers: lower-case names -> values.
     unknown_params: top-level parameters neither OpenAI's nor a known vendor extension (``KNOWN_PARAMS``), refused
     unless the request's route passes them on (``unknown_parameter_error``).
     source: (API, body) of a request that came on another API and was translated onto chat (the Responses

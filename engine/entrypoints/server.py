@@ -24,10 +24,11 @@ blocks. The HTTP layer only parses JSON and maps errors: everything else is
 local backend also calls in-process.
 
 SIGINT (Ctrl-C) or SIGTERM stops it after the requests in flight are answered (uvicorn's graceful shutdown): up to
-``--drain-timeout``, then the engine aborts those still running, whose streams end with an error event (``aborted``,
-"shutting down") and ``[DONE]``, a non-streamed one with that error; a second signal within :data:`SIGNAL_ECHO_S` of the first is the same stop (a
-terminal's Ctrl-C reaches the whole process group, and a wrapper may forward it again), a later one quits at once.
-The exit is quiet either way (no ``KeyboardInterrupt`` traceback).
+``--drain-timeout``, then the engine aborts those still running, whose streams end with an error event
+(``aborted``, "shutting down") and ``[DONE]``, a non-streamed one with that error; a second signal within
+:data:`SIGNAL_ECHO_S` of the first is the same stop (a terminal's Ctrl-C reaches the whole process group, and a
+wrapper may forward it again), a later one quits at once. The exit is quiet either way (no ``KeyboardInterrupt``
+traceback); its status is ``stop_exit_status``'s (0 after SIGTERM, 130 after SIGINT).
 """
 
 from __future__ import annotations

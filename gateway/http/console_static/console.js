@@ -118,8 +118,8 @@
              warnings.map((w) => ` Warning: ${w}`).join(""), warnings.length ? "warn" : "ok");
       return out;
     } catch (e) {
-      const hint = e.code === "version_conflict" ? " (the config moved on meanwhile: the page now shows the current one)"
-        : "";
+      const hint = e.code === "version_conflict"
+        ? " (the config moved on meanwhile: the page now shows the current one)" : "";
       notice(`${label} refused: ${e.message}${hint}`, "bad");
       return null;
     } finally {
@@ -331,9 +331,8 @@
         class: action === "abort" ? "danger" : action === "promote" ? "primary" : "",
         onclick: () => {   // the three that end it ask first; pause and resume are undone by each other
           if (["promote", "abort", "release"].includes(action) &&
-              !window.confirm(`${label} rollout ${name}? It ends the rollout` +
-                              (action === "release" ? "; its split stays, and the route's weights are yours and the file's again."
-                                                    : "."))) {
+              !window.confirm(`${label} rollout ${name}? It ends the rollout` + (action === "release"
+                ? "; its split stays, and the route's weights are yours and the file's again." : "."))) {
             return;
           }
           act(`Rollout ${name}: ${action}`, "POST", `/admin/rollouts/${encodeURIComponent(name)}/${action}`);
