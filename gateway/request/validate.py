@@ -3,6 +3,7 @@ or wrongly typed parameters become 400 errors naming the parameter."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import msgspec
@@ -120,6 +121,21 @@ def _deeper_than(obj: object, limit: int) -> bool:
     return False
 
 
+# A \\uD800-\\uDBFF escape not followed by a \\uDC00-\\uDFFF one, or the latter not after the former: JSON text whose
+# string would not be Unicode (RFC 8259 8.2), which msgspec reports as "Input data was truncated"
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def _json_error(raw: bytes, e: msgspec.DecodeError) -> str:
+    """The 400's message for a body msgspec refused: its own, but for a lone surrogate escape in a body that is not
+    truncated, named as such."""
+    if "truncated" in str(e) and raw.rstrip()[-1:] in (b"}", b"]") and (m := _LONE_SURROGATE.search(raw)):
+        return (f"request body is not valid JSON: a lone UTF-16 surrogate escape {m.group().decode()} at byte "
+                f"{m.start()} (a \\ud800-\\udbff escape must be followed by a \\udc00-\\udfff one)")
+    return f"request body is not valid JSON: {e}"
+
+
 def parse_json(raw: bytes) -> dict:
     """Decode a JSON object nested at most ``MAX_JSON_DEPTH`` levels. Raises ClientError(400) otherwise."""
     if not raw:
@@ -127,7 +143,7 @@ def parse_json(raw: bytes) -> dict:
     try:
         body = _decode(raw)
     except msgspec.DecodeError as e:
-        raise ClientError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        raise ClientError(400, _json_error(raw, e), code="invalid_json") from None
     except RecursionError:       # msgspec's own nesting limit, above ours
         raise _too_deep() from None
     # the bracket count bounds the depth from above: ordinary bodies skip the walk

@@ -89,6 +89,14 @@ def test_parse_json_errors():
         with pytest.raises(ClientError) as e:
             parse_json(raw)
         assert e.value.status == 400
+    # a lone surrogate escape (msgspec: "Input data was truncated", which a trial read on /v1/messages) is named
+    for raw, at in ((b'{"a": "x\\ud800y"}', 8), (b'{"messages": [{"content": "\\ud800"}]}', 27)):
+        with pytest.raises(ClientError) as e:
+            parse_json(raw)
+        assert f"a lone UTF-16 surrogate escape \\ud800 at byte {at}" in e.value.message, e.value.message
+    with pytest.raises(ClientError, match="truncated"):          # a truncated body is still called one
+        parse_json(b'{"a": "x')
+    assert parse_json(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001f600"}     # a pair is a character
 
 
 def test_estimate_prompt_tokens():
