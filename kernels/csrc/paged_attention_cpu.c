@@ -153,7 +153,7 @@ static inline __attribute__((always_inline)) void qk16_bf16_body(const int HD32,
         __m512 acc[16];
         for (int64_t o = 0; o < 16; o++) {
             acc[o] = _mm512_setzero_ps();
-            if (n == 16 || o < n)  /* a whole block's 16 positions: no test */
+            if (o < n)
                 for (int64_t d = 0; d < chunks; d++)
                     acc[o] = _mm512_dpbf16_ps(acc[o], (__m512bh)_mm512_loadu_si512(qb + h * head_dim + 32 * d),
                                               (__m512bh)_mm512_loadu_si512(k + o * slot_stride + 32 * d));
@@ -170,9 +170,7 @@ static inline __attribute__((always_inline)) void qk16_bf16_body(const int HD32,
  * step's attention time went here; Intel host, single thread). */
 static inline void qk16_bf16(const uint16_t *qb, const uint16_t *k, int64_t slot_stride, int64_t n, int64_t group,
                              int64_t head_dim, float scale, float *scores, int64_t ctx) {
-    if (head_dim == 64 && n == 16)
-        qk16_bf16_body(2, qb, k, slot_stride, 16, group, head_dim, scale, scores, ctx);
-    else if (head_dim == 64)
+    if (head_dim == 64)
         qk16_bf16_body(2, qb, k, slot_stride, n, group, head_dim, scale, scores, ctx);
     else if (head_dim == 128)
         qk16_bf16_body(4, qb, k, slot_stride, n, group, head_dim, scale, scores, ctx);
