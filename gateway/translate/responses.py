@@ -315,14 +315,10 @@ def _image_part(body: dict | None) -> str | None:
     return None
 
 
-def responses_path(text: str, body: dict | None = None) -> str:
+def responses_path(text: str) -> str:
     """``text`` (a ``param`` or an error message) with each chat path named as the Responses parameter it came
     from (``max_tokens`` -> ``max_output_tokens``, ``response_format.json_schema.schema.x`` ->
-    ``text.format.schema.x``, ``tools[0].function.parameters`` -> ``tools[0].parameters``); with the client's
-    ``body`` at hand, a refused ``image_url`` part is named as the ``input_image`` part it came from."""
-    m = _IMAGE_PART.search(text) if body is not None else None
-    if m is not None and (path := _image_part(body)) is not None:
-        return text[:m.start()] + f"{path}: content part type 'input_image' is not supported" + text[m.end():]
+    ``text.format.schema.x``, ``tools[0].function.parameters`` -> ``tools[0].parameters``)."""
     for pattern, new in _CHAT_PATHS:
         text = pattern.sub(new, text)
     return text
@@ -330,12 +326,16 @@ def responses_path(text: str, body: dict | None = None) -> str:
 
 def responses_error_object(error: dict, body: dict | None = None) -> dict:
     """An OpenAI error object answered for the translated chat body (a backend's 400, a stream's error event),
-    its ``message`` and ``param`` naming the Responses parameters the client wrote (``body``: the client's
-    Responses body, for what only it can name: ``responses_path``)."""
-    out = {k: responses_path(v, body) if k in ("message", "param") and isinstance(v, str) else v
+    its ``message`` and ``param`` naming the Responses parameters the client wrote; with the client's Responses
+    ``body`` at hand, a refused ``image_url`` part is named as the ``input_image`` part it came from (a chat
+    message index is not the client's: only the body says which item held it)."""
+    out = {k: responses_path(v) if k in ("message", "param") and isinstance(v, str) else v
            for k, v in error.items()}
-    if body is not None and isinstance(error.get("message"), str) and _IMAGE_PART.search(error["message"]) \
-            and (path := _image_part(body)) is not None:
+    message = error.get("message")
+    m = _IMAGE_PART.search(message) if body is not None and isinstance(message, str) else None
+    if m is not None and (path := _image_part(body)) is not None:
+        out["message"] = (message[:m.start()] + f"{path}: content part type 'input_image' is not supported"
+                          + responses_path(message[m.end():]))
         out["param"] = f"{path}.type"
     return out
 
