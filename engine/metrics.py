@@ -98,12 +98,13 @@ def _spec_decode_families(stats, model_name: str):
 def _iteration_tokens_family(stats, model_name: str) -> HistogramMetricFamily:
     """vLLM's ``vllm:iteration_tokens_total`` (tokens per engine step) from the core's cumulative bucket counts
     (``EngineStats.iteration_tokens``; zeros before the engine started)."""
-    counts = list(getattr(stats, "iteration_tokens", ()) or ()) or [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+    counts = list(stats.iteration_tokens) if stats is not None and stats.iteration_tokens else \
+        [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
     fam = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                 labels=["model_name"])
     bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
     fam.add_metric([model_name], list(zip(bounds, map(float, itertools.accumulate(counts)))),
-                   sum_value=float(getattr(stats, "iteration_tokens_sum", 0) or 0))
+                   sum_value=float(stats.iteration_tokens_sum if stats is not None else 0))
     return fam
 
 

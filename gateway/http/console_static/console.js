@@ -135,8 +135,7 @@
     // the config file against the running version (a refused edit, a rollback running another text), as
     // tandem ctl status's header says it; nothing while they agree
     const file = config.file || {}, box = $("file-status");
-    const said = file.status && !["in sync", "weights overrides active"].includes(file.status)
-      ? `Config file ${file.path || ""}: ${file.status}` : "";
+    const said = file.differs ? `Config file ${file.path || ""}: ${file.status}` : "";
     if (box.dataset.said !== said) {   // changed only when it changes: a live region announces each change
       box.dataset.said = said;
       box.replaceChildren(...(said ? [h("p", {class: file.status.startsWith("file does not load") ? "error" : "steer"},
