@@ -94,6 +94,17 @@ def sign_in(page, token: str = TOKEN) -> None:
     page.get_by_role("button", name="Sign in").click()
 
 
+def signed_in(browser, url: str, viewport: dict | None = None):
+    """A new page on the console of the gateway at ``url``, signed in (``viewport``: its size, else the
+    browser's)."""
+    page = browser.new_page()
+    if viewport is not None:
+        page.set_viewport_size(viewport)
+    page.goto(url + "/admin/ui")
+    sign_in(page)
+    return page
+
+
 def shoot(page, name: str, section: str | None = None) -> None:
     """Save the page (or its section titled ``section``) as ``SHOTS/name.png``, when SHOTS is set."""
     if SHOTS:
@@ -167,10 +178,7 @@ def wide_gateway(tmp_path_factory):
 def test_a_phone_wide_view_scrolls_its_tables_not_the_page(browser, wide_gateway):
     """At 390 px a trial's page was 787 px wide (the tenants' and routes' tables widened every card) and the
     explain result printed "[object HTMLParagraphElement]" for each unavailable backend."""
-    page = browser.new_page()
-    page.set_viewport_size({"width": 390, "height": 800})
-    page.goto(wide_gateway.url + "/admin/ui")
-    sign_in(page)
+    page = signed_in(browser, wide_gateway.url, {"width": 390, "height": 800})
     page.get_by_role("table", name="Targets of route cheapest").wait_for()
     assert page.evaluate("document.documentElement.scrollWidth") <= 391
     # and a table scrolls in its box with readable columns: squeezed to the screen, an unavailable target's
@@ -190,10 +198,7 @@ def test_route_cards_fit_their_column_on_wide_screens(browser, wide_gateway, wid
     """Wide viewports (three grid tracks of the 420 px minimum) squeezed a route's table and slider under its
     content's width (an unset key's variable name does not wrap): it ran into the next card. Each card holds its
     content and no two overlap."""
-    page = browser.new_page()
-    page.set_viewport_size({"width": width, "height": 900})
-    page.goto(wide_gateway.url + "/admin/ui")
-    sign_in(page)
+    page = signed_in(browser, wide_gateway.url, {"width": width, "height": 900})
     page.get_by_role("table", name="Targets of route cheapest").wait_for()
     cards = page.locator(".route")
     boxes = [cards.nth(i).bounding_box() for i in range(cards.count())]
@@ -362,9 +367,7 @@ def start_rollout(g, name: str, hold_s: float) -> None:
 
 def test_console_watches_a_rollout_advance_and_steers_it(browser, rollout_gateway):
     g, _ = rollout_gateway
-    page = browser.new_page()
-    page.goto(g.url + "/admin/ui")
-    sign_in(page)
+    page = signed_in(browser, g.url)
     open_start_form(page, "cand-canary")                     # started from the page, as an operator would
     page.get_by_label("Hold each step (s)").fill("3")
     page.get_by_label("Parity at least (0–1)").fill(str(GATES["parity_min"]))
@@ -412,10 +415,7 @@ def test_an_action_refused_far_down_the_page_is_shown_in_view(browser, rollout_g
     """A trial's refused rollout start (a bad name) put its message at the top of the page, 3,000 px above the
     form: the start looked ignored. The outcome is shown fixed in the view, as an alert."""
     g, _ = rollout_gateway
-    page = browser.new_page()
-    page.set_viewport_size({"width": 1280, "height": 800})
-    page.goto(g.url + "/admin/ui")
-    sign_in(page)
+    page = signed_in(browser, g.url, {"width": 1280, "height": 800})
     open_start_form(page, "bad name")
     page.get_by_role("button", name="Start rollout").click()
     alert = page.get_by_role("alert").filter(has_text="Start rollout bad name refused")
@@ -450,9 +450,7 @@ def test_a_rollout_started_onto_a_down_candidate_is_started_with_a_warning(brows
         for g in gateway_on(tmp_path_factory, "console-down", text, env=ENV):
             wait_until(lambda: not httpx.get(g.url + "/admin/config", headers=ADMIN, timeout=10)
                        .json()["backends"]["cand"]["available"])
-            page = browser.new_page()
-            page.goto(g.url + "/admin/ui")
-            sign_in(page)
+            page = signed_in(browser, g.url)
             open_start_form(page, "dead-canary")
             page.get_by_role("button", name="Start rollout").click()
             status = page.get_by_role("status").filter(has_text="Start rollout dead-canary: done")
@@ -466,9 +464,7 @@ def test_a_rollout_started_onto_a_down_candidate_is_started_with_a_warning(brows
 def test_console_shows_a_failing_candidate_rolled_back(browser, rollout_gateway):
     g, cand = rollout_gateway
     cand.set_default({"status": 500})
-    page = browser.new_page()
-    page.goto(g.url + "/admin/ui")
-    sign_in(page)
+    page = signed_in(browser, g.url)
     start_rollout(g, "bad-canary", hold_s=30)
     card = page.get_by_role("article", name="Rollout bad-canary")
     card.locator(".badge", has_text="rolled back").wait_for(timeout=60_000)
@@ -495,9 +491,7 @@ def test_the_console_keeps_showing_routes_while_redis_is_unreachable(browser, re
                            extra=f"state: {{redis_url: '{redis_server.url}', socket_timeout_s: 0.5}}\n")
     try:
         for g in gateway_on(tmp_path_factory, "console-redis", text, env=ENV):
-            page = browser.new_page()
-            page.goto(g.url + "/admin/ui")
-            sign_in(page)
+            page = signed_in(browser, g.url)
             table = page.get_by_role("table", name="Targets of route main")
             table.wait_for()
             redis_server.stop()
@@ -519,9 +513,7 @@ def test_the_header_says_when_no_route_can_serve(browser, tmp_path_factory):
     g = GatewayProcess(path, env=ENV).start(wait_ready=False)     # never ready: its one backend has no key
     try:
         wait_until(lambda: httpx.get(g.url + "/health/ready", timeout=10).json()["status"] == "degraded")
-        page = browser.new_page()
-        page.goto(g.url + "/admin/ui")
-        sign_in(page)
+        page = signed_in(browser, g.url)
         page.locator("#version", has_text="degraded: no route can serve").wait_for()
         page.close()
     finally:
