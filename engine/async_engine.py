@@ -99,6 +99,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._listeners: list[OutputListener] = []
         self._accepting = True
+        self._stopping: asyncio.Future | None = None   # the shutdown under way (``shutdown``)
         self._dead: EngineDeadError | None = None
         self._stats: EngineStats | None = None
         # Finished structured answers the serving layer's second line caught (engine/serving/answer_check.py)
@@ -164,8 +165,16 @@ class AsyncEngine:
     async def shutdown(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop admitting requests, let the running ones finish (``drain``, at
         most ``timeout`` seconds), abort the rest, then stop the core.
-        Aborted streams end with ``finish_reason="abort"``."""
-        self._accepting = False
+        Aborted streams end with ``finish_reason="abort"``. A call while one
+        runs (or after) waits for that one: ``tandem engine serve`` starts the
+        drain at the stop signal and its app's shutdown calls this again,
+        which must not stop the core a second time beside the first."""
+        self._accepting = False   # at once: a request after this call is refused
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._shutdown(drain, timeout))
+        await asyncio.shield(self._stopping)
+
+    async def _shutdown(self, drain: bool, timeout: float) -> None:
         if self._client is None or not self._client.is_alive():
             self.ready = False
             return
