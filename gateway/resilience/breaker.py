@@ -301,8 +301,8 @@ class Breakers:
         new since they happened (the local engine loaded again after its core died: its failures were the dead
         one's). The record is deleted (shared: every replica sees it at its next read, as ``_cached`` allows)."""
         key = self._key(target)
-        await self.state.call(lambda r: r.delete(key), lambda: self._local.pop(key, None))
-        self._local.pop(key, None)
+        await self.state.call(lambda r: r.delete(key), lambda: None)
+        self._local.pop(key, None)   # the in-process record (Redis unreachable, or none configured)
         self._cache.pop(target, None)
         log.warning("breaker %s closed: %s", target, reason)
 
