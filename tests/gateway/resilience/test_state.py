@@ -175,6 +175,18 @@ async def test_breaker_is_shared_between_replicas(redis_url):
         await b.close()
 
 
+async def test_a_reset_breaker_is_closed_with_its_failures_forgotten(state):
+    """``Breakers.reset`` (a restarted local engine's targets): an open breaker answers closed at once, and one
+    failure after it does not reopen it (the window's failures went with the record), in Redis and in process."""
+    br = Breakers(state, BreakerSettings(consecutive_failures=2, open_s=600))
+    for _ in range(2):
+        await br.record("local", False, status=500)
+    assert not (await br.allow("local")).allowed
+    await br.reset("local", "the local engine restarted")
+    assert (await br.allow("local")).allowed and (await br.get("local")).state == "closed"
+    assert (await br.record("local", False, status=500)).state == "closed"
+
+
 def _blackhole() -> tuple[int, socket.socket]:
     """A TCP port that accepts connections and never answers (a hung Redis)."""
     srv = socket.socket()
