@@ -249,8 +249,7 @@ class EngineCore:
             self.spec_decoder.observe(sched, sampled)
         self._stop_finished_grammars(grammar_done, finished)
         kept = {sid: self._seqs[sid].output_token_ids[n:] for sid, n in before.items()}  # up to a finishing one
-        generated = [len(v) for v in kept.values()]
-        self._generation_tokens_total += sum(generated)
+        self._generation_tokens_total += sum(generated := [len(v) for v in kept.values()])
         self.iteration_tokens.observe_call(work.prompt_tokens, generated, sched.num_steps)
         outputs = self._news(kept, before, row_logprobs, sched.num_steps)
         outputs += [self._output(req, [], None) for req in finished  # finished without a token (max_model_len)
