@@ -89,13 +89,12 @@ def _usage_command(args) -> int:
         print(json.dumps(data, indent=2))
         return 0
     print(f"usage {data['since']} .. {data['until']} (UTC)")
-    print(f"{'tenant':<20} {'backend':<16} {'requests':>9} {'prompt':>12} {'completion':>12} {'USD':>14}")
-    for t, row in data["tenants"].items():
-        for b, br in row["backends"].items():
-            print(f"{t:<20} {b:<16} {br['requests']:>9} {br['prompt_tokens']:>12} {br['completion_tokens']:>12} "
-                  f"{br['cost_usd']:>14.6f}")
-    print(f"{'total':<20} {'':<16} {data['requests']:>9} {data['prompt_tokens']:>12} {data['completion_tokens']:>12} "
-          f"{data['cost_usd']:>14.6f}")
+    print(f"{'tenant':<20} {'backend':<16} {'requests':>9} {'failed':>7} {'prompt':>12} {'completion':>12} "
+          f"{'USD':>14}")
+    rows = [(t, b, br) for t, row in data["tenants"].items() for b, br in row["backends"].items()]
+    for t, b, r in [*rows, ("total", "", data)]:
+        print(f"{t:<20} {b:<16} {r['requests']:>9} {r.get('failed_requests', 0):>7} {r['prompt_tokens']:>12} "
+              f"{r['completion_tokens']:>12} {r['cost_usd']:>14.6f}")
     for t, b in (data.get("budgets") or {}).items():
         used = (b["spent_usd"] + b["reserved_usd"]) / b["budget_usd"] if b["budget_usd"] else 0.0
         print(f"budget {t}: {format_usd(b['spent_usd'])} spent + {format_usd(b['reserved_usd'])} reserved of "

@@ -53,7 +53,8 @@ end
 
 # KEYS: usage day hash, tenants set, budget hash ('' slot unused when no budget), reservations zset, ledger hash.
 # ARGV: backend, requests, in, out, cached, nusd, usage ttl s, tenant, request id ('' = no reservation),
-#       budget key ttl s ('0' = no budget), request id (the record's key), record, record ttl s.
+#       budget key ttl s ('0' = no budget), request id (the record's key), record, record ttl s, failed (1: no
+#       backend answered; absent in a journal written before it: 0).
 # Returns 1, or 0 when the request's record exists already (settled before: nothing done).
 SETTLE_LUA = """
 if redis.call('HSETNX', KEYS[5], ARGV[11], ARGV[12]) == 0 then return 0 end
@@ -64,6 +65,7 @@ redis.call('HINCRBY', KEYS[1], b .. '|in', ARGV[3])
 redis.call('HINCRBY', KEYS[1], b .. '|out', ARGV[4])
 redis.call('HINCRBY', KEYS[1], b .. '|cached', ARGV[5])
 redis.call('HINCRBY', KEYS[1], b .. '|nusd', ARGV[6])
+if ARGV[14] and ARGV[14] ~= '0' then redis.call('HINCRBY', KEYS[1], b .. '|fail', ARGV[14]) end
 redis.call('EXPIRE', KEYS[1], ARGV[7])
 redis.call('SADD', KEYS[2], ARGV[8])
 redis.call('EXPIRE', KEYS[2], ARGV[7])

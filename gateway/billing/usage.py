@@ -1,5 +1,6 @@
-"""The usage ledger and per-tenant budgets: one usage record per answered
-request, and the money in Redis is the sum of those records.
+"""The usage ledger and per-tenant budgets: one usage record per accepted
+request (admitted past auth, validation, limits and budget; one no backend answered is a record of no tokens
+and no cost, flagged ``failed``), and the money in Redis is the sum of those records.
 
 Prices and a response's cost in integer nano-USD: ``gateway/billing/prices.py``;
 the Lua scripts: ``gateway/billing/scripts.py`` (their in-process twins are here); UTC days
@@ -9,7 +10,8 @@ State (``gateway.state.SharedState``: Redis when configured, in-process
 otherwise and while Redis is down), keys ``<prefix>:<kind>:<id>`` with TTLs:
 
 - ``<prefix>:usage:<tenant>:<YYYYMMDD>`` (hash, UTC day, TTL 400 days): per
-  backend ``<backend>|req``, ``|in``, ``|out``, ``|cached``, ``|nusd``.
+  backend ``<backend>|req``, ``|in``, ``|out``, ``|cached``, ``|nusd``, ``|fail`` (requests no backend
+  answered, counted in ``|req`` too).
   ``<prefix>:usage:tenants`` (set) lists the tenants seen.
 - ``<prefix>:budget:<tenant>:<period id>`` (hash: ``spent``, ``reserved``,
   ``r:<request id>`` = reserved nano-USD) and ``...:res`` (sorted set:
@@ -18,7 +20,7 @@ otherwise and while Redis is down), keys ``<prefix>:<kind>:<id>`` with TTLs:
 
 - ``<prefix>:ledger:<tenant>:<YYYYMMDD>`` (hash, TTL ``budgets.record_ttl_s``):
   request id -> its usage record ``backend|in|out|cached|nusd|flags`` (flags:
-  ``e`` usage estimated, ``d`` client disconnected). One record per request:
+  ``e`` usage estimated, ``d`` client disconnected, ``f`` failed: no backend answered). One record per request:
   the settle script writes it first (``HSETNX``) and does nothing else when it
   exists, so a settle replayed or run twice counts once.
 
@@ -66,7 +68,7 @@ log = logging.getLogger("tandem.gateway.usage")
 
 PEER_WINDOW_S = 60.0               # a replica that reserved on a budget this recently shares it in an outage
 BUDGET_READ_S = 15.0               # how often a replica reads every budget's spend (``read_budgets``)
-_FIELDS = ("req", "in", "out", "cached", "nusd")
+_FIELDS = ("req", "in", "out", "cached", "nusd", "fail")
 
 
 PERIOD_ADJECTIVE = {"day": "daily", "month": "monthly"}
@@ -106,9 +108,11 @@ class BudgetCheck:
 
 @dataclass(frozen=True)
 class UsageRecord:
-    """The one usage record of an answered request: tokens (OpenAI's names) and cost ``nusd`` (nano-USD) of
+    """The one usage record of an accepted request: tokens (OpenAI's names) and cost ``nusd`` (nano-USD) of
     ``backend``'s answer to ``tenant``; ``estimated``: counted by the gateway (the backend gave no usage);
-    ``disconnected``: the client left a stream before its end (billed for what it was sent)."""
+    ``disconnected``: the client left a stream before its end (billed for what it was sent); ``failed``: no
+    backend answered (every attempt failed, or the client left before one answered): no tokens, no cost,
+    ``backend`` the last one tried ("none" when none was)."""
 
     request_id: str
     tenant: str
@@ -119,10 +123,11 @@ class UsageRecord:
     nusd: int
     estimated: bool = False
     disconnected: bool = False
+    failed: bool = False
 
     def encode(self) -> str:
         """``backend|in|out|cached|nusd|flags``, as the ledger hash stores it."""
-        flags = ("e" if self.estimated else "") + ("d" if self.disconnected else "")
+        flags = ("e" if self.estimated else "") + ("d" if self.disconnected else "") + ("f" if self.failed else "")
         return (f"{self.backend}|{int(self.prompt_tokens)}|{int(self.completion_tokens)}|{int(self.cached_tokens)}"
                 f"|{int(self.nusd)}|{flags}")
 
@@ -327,10 +332,11 @@ class UsageLedger:
         else:
             bkey, rkey, bttl = ukey, tkey, 0          # unused slots (the script ignores them)
         rid = reservation.request_id if reservation is not None else ""
-        vals = [1, int(record.prompt_tokens), int(record.completion_tokens), int(record.cached_tokens), int(nusd)]
+        vals = [1, int(record.prompt_tokens), int(record.completion_tokens), int(record.cached_tokens), int(nusd),
+                int(record.failed)]
         keys = [ukey, tkey, bkey, rkey, lkey]
-        args = [backend, *vals, USAGE_TTL_S, t, rid, bttl, record.request_id, record.encode(),
-                int(self.record_ttl_s)]
+        args = [backend, *vals[:5], USAGE_TTL_S, t, rid, bttl, record.request_id, record.encode(),
+                int(self.record_ttl_s), vals[5]]
 
         def local() -> int:
             records = self._records.get(lkey)
@@ -342,7 +348,8 @@ class UsageLedger:
             records[record.request_id] = record.encode()
             u = self._usage.setdefault((t, day), {})
             for f, v in zip(_FIELDS, vals):
-                u[f"{backend}|{f}"] = u.get(f"{backend}|{f}", 0) + v
+                if v or f != "fail":       # as the script: no ``|fail`` field until one failed
+                    u[f"{backend}|{f}"] = u.get(f"{backend}|{f}", 0) + v
             if bttl:
                 b = self._budgets.setdefault(bkey, _MemBudget())
                 if rid and rid in b.holds:
@@ -472,9 +479,9 @@ def decode_record(request_id: str, tenant: str, value: str) -> UsageRecord:
     """A ledger hash value (``UsageRecord.encode``) back into the record."""
     backend, p, c, cached, nusd, flags = value.rsplit("|", 5)
     return UsageRecord(request_id, tenant, backend, int(p), int(c), int(cached), int(nusd), "e" in flags,
-                       "d" in flags)
+                       "d" in flags, "f" in flags)
 
 
 def _row(r: dict[str, int]) -> dict:
-    return {"requests": r["req"], "prompt_tokens": r["in"], "completion_tokens": r["out"],
-            "cached_tokens": r["cached"], "cost_usd": r["nusd"] / NANO}
+    return {"requests": r["req"], "failed_requests": r["fail"], "prompt_tokens": r["in"],
+            "completion_tokens": r["out"], "cached_tokens": r["cached"], "cost_usd": r["nusd"] / NANO}

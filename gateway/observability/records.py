@@ -74,6 +74,7 @@ class RequestRecord:
     prompt_estimate: int | None = None
     reservation: Any = None
     budget: Budget | None = None
+    admitted: bool = False                 # past admission: it ends in one usage record (``failed`` if unanswered)
     attempts: list[AttemptRecord] = field(default_factory=list)
     backend: str = ""
     ttft_s: float | None = None

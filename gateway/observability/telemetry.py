@@ -164,7 +164,7 @@ class Observability:
         rec = self._active.get(request_id)
         if rec is None:
             return None
-        rec.reservation, rec.budget = reservation, budget
+        rec.reservation, rec.budget, rec.admitted = reservation, budget, True
         return lambda fn: self._observed(rec, fn)
 
     def _observed(self, rec: RequestRecord, fn):
@@ -423,7 +423,7 @@ class Observability:
             price = self.local_price(rec.backend) or Price.of(bcfg.prices if bcfg is not None else None)
             nusd = cost_nusd(price, *tokens)
         counted = tokens if answered else None
-        await self._settle(rec, counted, nusd, estimated)
+        await self._settle(rec, counted, nusd, estimated, rec.admitted and not answered, status)
         self._meter(rec, status, latency, counted, nusd)
         if estimated and counted is not None:
             self.metrics.child(self.metrics.usage_estimated, rec.backend, tenant_label(rec.tenant)).inc()
@@ -440,9 +440,17 @@ class Observability:
         return estimated_usage(rec.prompt_estimate or 0, rec.texts, counter_for(backend))
 
     async def _settle(self, rec: RequestRecord, tokens: tuple[int, int, int] | None, nusd: int,
-                      estimated: bool) -> None:
+                      estimated: bool, failed: bool, status: int) -> None:
+        """Write the request's usage record: its tokens and cost, or (``failed``: admitted, no backend answered)
+        a record of none, to the last backend tried (disconnected: the client left first, 499); a refused
+        request's reservation is only released."""
         try:
-            if tokens is not None:
+            if failed:
+                last = rec.attempts[-1].backend if rec.attempts else "none"
+                await self.usage.settle(UsageRecord(rec.request_id, rec.tenant, rec.backend or last, 0, 0, 0, 0,
+                                                    disconnected=rec.disconnected or status == 499, failed=True),
+                                        rec.reservation, rec.budget)
+            elif tokens is not None:
                 await self.usage.settle(UsageRecord(rec.request_id, rec.tenant, rec.backend, *tokens, nusd,
                                                     estimated, rec.disconnected), rec.reservation, rec.budget)
             elif rec.reservation is not None:

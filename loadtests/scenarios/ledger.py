@@ -10,6 +10,7 @@ callers gave up), and killed and restarted. Then, once both replicas are back on
 it reads Redis and prints:
 
 * served requests (a 200, counted by the clients by request id) against usage records, missing and extra;
+  records flagged ``failed`` (accepted, no backend answered) only for requests the clients saw fail;
 * the money: spend in the usage hashes and in the budgets against the sum of the records (nano-USD);
 * records with estimated usage and with a disconnect;
 * reservations left in Redis; ``t2``'s spend against its budget (overspend, and its bound: the requests in
@@ -98,7 +99,8 @@ class RedisProc:
 
 # ----- the system under test -------------------------------------------------------------------------------------
 def gateway_yaml(upstream_url: str, redis_url: str) -> str:
-    """Two models on one fake upstream: ``m`` (reports usage) and ``m-nousage`` (never does)."""
+    """Two models on one fake upstream: ``m`` (reports usage) and ``m-nousage`` (never does); ``m-down`` on a
+    port nothing listens on (every request accepted, none answered: a failed record each)."""
     from hashlib import sha256
     keys = "".join(f"    - {{tenant: {t}, sha256: {sha256(k.encode()).hexdigest()}}}\n"
                    for t, (k, _) in TENANTS.items())
@@ -111,26 +113,32 @@ def gateway_yaml(upstream_url: str, redis_url: str) -> str:
             "resilience:\n  retry: {max_attempts: 1}\n  health: {interval_s: 0}\n"
             "observability:\n  logs: {requests: false}\n"
             f"budgets:\n  tenants:\n{budgets}"
-            "models:\n  - name: m\n  - name: m-nousage\n"
+            "models:\n  - name: m\n  - name: m-nousage\n  - name: m-down\n"
             f"backends:\n  up:\n{backend}  nocount:\n{backend}    headers: {{x-usage: none}}\n"
+            f"  down:\n{backend.replace(upstream_url, f'http://127.0.0.1:{free_port()}/v1')}"
             "routes:\n  counted:\n    targets: [{backend: up}]\n  uncounted:\n    targets: [{backend: nocount}]\n"
+            "  unanswered:\n    targets: [{backend: down}]\n"
             "policy:\n  default_route: counted\n  rules:\n"
-            "    - {name: nousage, match: {model: m-nousage}, route: uncounted}\n")
+            "    - {name: nousage, match: {model: m-nousage}, route: uncounted}\n"
+            "    - {name: down, match: {model: m-down}, route: unanswered}\n")
 
 
 @dataclass
 class Traffic:
-    """What the clients saw: request ids answered 200 (served) per tenant, and refusals by status."""
+    """What the clients saw: request ids answered 200 (served) or not (unserved) per tenant, and refusals by
+    status."""
 
     served: dict[str, set[str]] = field(default_factory=lambda: {t: set() for t in TENANTS})
+    unserved: dict[str, set[str]] = field(default_factory=lambda: {t: set() for t in TENANTS})
     refused: dict[int, int] = field(default_factory=dict)
     kinds: dict[str, int] = field(default_factory=dict)
 
 
 async def _one(client: httpx.AsyncClient, rng: random.Random, traffic: Traffic) -> None:
     tenant = "t2" if rng.random() < 0.25 else "t1"
-    kind = rng.choice(["whole", "stream", "disconnect", "nousage-whole", "nousage-stream"])
-    body = {"model": "m-nousage" if kind.startswith("nousage") else "m", "max_tokens": MAX_TOKENS,
+    kind = rng.choice(["whole", "stream", "disconnect", "nousage-whole", "nousage-stream", "unanswered"])
+    model = "m-nousage" if kind.startswith("nousage") else "m-down" if kind == "unanswered" else "m"
+    body = {"model": model, "max_tokens": MAX_TOKENS,
             "messages": [{"role": "user", "content": "count the ledger"}], "stream": kind != "whole" and
             kind != "nousage-whole"}
     headers = {"authorization": f"Bearer {TENANTS[tenant][0]}"}
@@ -140,6 +148,7 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, traffic: Traffic) 
             if r.status_code != 200:
                 await r.aread()
                 traffic.refused[r.status_code] = traffic.refused.get(r.status_code, 0) + 1
+                traffic.unserved[tenant].add(r.headers.get("x-request-id", ""))
                 return
             traffic.served[tenant].add(r.headers["x-request-id"])    # committed: it must be billed
             async for _ in r.aiter_raw():
@@ -289,15 +298,20 @@ async def _audit_tenants(ledger, traffic: Traffic, concurrency: int, out: dict) 
         held = [k async for k in r.scan_iter(match=ledger.state.key("budget", f"{t}:*:res"))]
         left = sum([await r.zcard(k) for k in held])
         total = sum(x.nusd for x in recs.values())
-        row = {"served": len(served), "records": len(recs), "missing": len(served - set(recs)),
-               "extra": len(set(recs) - served), "estimated": sum(x.estimated for x in recs.values()),
+        failed = {rid for rid, x in recs.items() if x.failed}
+        answered = set(recs) - failed
+        row = {"served": len(served), "records": len(recs), "missing": len(served - answered),
+               "extra": len(answered - served), "failed": len(failed),
+               "failed_unseen": len(failed - traffic.unserved[t]), "estimated": sum(x.estimated for x in recs.values()),
                "disconnected": sum(x.disconnected for x in recs.values()), "records_nusd": total,
                "usage_nusd": round(report["cost_usd"] * NANO), "budget_spent_nusd": spent,
                "budget_nusd": limit, "reserved_nusd": reserved, "reservations_left": left,
                "overspend_nusd": max(0, spent - limit)}
         out["tenants"][t] = row
         if row["missing"] or row["extra"]:
-            out["violations"].append(f"{t}: served {len(served)} != records {len(recs)}")
+            out["violations"].append(f"{t}: served {len(served)} != answered records {len(answered)}")
+        if row["failed_unseen"] > traffic.refused.get(0, 0):   # a transport error hides its request id
+            out["violations"].append(f"{t}: {row['failed_unseen']} failed records of requests no client saw fail")
         if not total == row["usage_nusd"] == spent:
             out["violations"].append(f"{t}: records {total} / usage {row['usage_nusd']} / budget {spent} nUSD")
         if reserved or left:
@@ -312,11 +326,11 @@ def report(out: dict) -> str:
              f"traffic: {out.get('kinds')} refused by status: {out.get('refused')}",
              f"redis outages seen by the replicas: {out.get('outages')}, "
              f"journal entries replayed: {out.get('replays')}",
-             "tenant  served  records  missing  extra  estimated  disconnected  records_nUSD  usage_nUSD  "
+             "tenant  served  records  missing  extra  failed  estimated  disconnected  records_nUSD  usage_nUSD  "
              "budget_spent_nUSD  budget_nUSD  reserved_left  overspend_nUSD"]
     for t, r in out["tenants"].items():
         lines.append(f"{t:<7} {r['served']:>6} {r['records']:>8} {r['missing']:>8} {r['extra']:>6} "
-                     f"{r['estimated']:>10} {r['disconnected']:>13} {r['records_nusd']:>13} {r['usage_nusd']:>11} "
+                     f"{r['failed']:>7} {r['estimated']:>10} {r['disconnected']:>13} {r['records_nusd']:>13} {r['usage_nusd']:>11} "
                      f"{r['budget_spent_nusd']:>18} {r['budget_nusd']:>12} {r['reservations_left']:>14} "
                      f"{r['overspend_nusd']:>15}")
     lines.append("invariants: " + ("all hold" if not out["violations"] else "; ".join(out["violations"])))

@@ -449,7 +449,8 @@
       const limitText = l ? [per(l) || "no tenant limit", keys.length ? `per key: ${keys.join("; ")}` : "",
                              `${l.keys.length} key${l.keys.length === 1 ? "" : "s"}`].filter(Boolean).join(" · ") : "–";
       const windowText = l && (l.rpm || l.tpm || keys.length) ? ` (${fmt(limits.window_s)} s window)` : "";
-      return h("tr", {}, h("th", {scope: "row"}, t), h("td", {class: "num"}, fmt(u.requests || 0)),
+      const failed = u.failed_requests ? ` (${fmt(u.failed_requests)} failed)` : "";
+      return h("tr", {}, h("th", {scope: "row"}, t), h("td", {class: "num"}, fmt(u.requests || 0) + failed),
         h("td", {class: "num"}, `${fmt(u.prompt_tokens || 0)} / ${fmt(u.completion_tokens || 0)}`),
         h("td", {class: "num"}, `$${fmt(u.cost_usd || 0, 4)}`), h("td", {}, budget),
         h("td", {class: "small"}, limitText + windowText));

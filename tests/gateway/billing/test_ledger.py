@@ -14,7 +14,7 @@ import signal
 
 import pytest
 import redis.asyncio as aioredis
-from openai import AsyncOpenAI, RateLimitError, InternalServerError
+from openai import AsyncOpenAI, BadRequestError, InternalServerError, RateLimitError
 
 from gateway.billing.counting import estimate_tokens
 from gateway.billing.prices import NANO, Price, cost_nusd
@@ -209,6 +209,29 @@ async def test_client_disconnect_before_a_whole_answer_is_billed(up, redis_url):
     assert (rec.prompt_tokens, rec.completion_tokens, rec.disconnected, rec.estimated) == (6, 0, True, True)
     assert rec.nusd == cost_nusd(PRICE, 6, 0) > 0
     assert (spent, reserved) == (rec.nusd, 0)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["redis", "in-process"])
+async def test_an_accepted_request_no_backend_answered_has_one_failed_record(up, redis_url, shared):
+    """Accepted (past auth, validation and the budget) but every attempt failed: the client gets the error, and
+    the ledger one record of no tokens and no cost, flagged failed, on the backend tried; the reservation is
+    gone and the report counts it among ``requests`` and ``failed_requests``. A request refused at validation
+    (400) has none. On Redis and in process alike (the settle script and its twin)."""
+    up.set_default({"status": 500})
+    cfg = config(up, redis_url if shared else None, budget_usd=1.0)
+    if shared:
+        cfg = cfg.replace("state: {", "state: {key_prefix: 'failedrec', ")
+    async with replicas(cfg) as [(gw, client)]:
+        with pytest.raises(BadRequestError):
+            await client.chat.completions.create(model="m1", messages=[])
+        with pytest.raises(InternalServerError):
+            await client.chat.completions.create(model="m1", messages=HELLO)
+        [(rid, rec)] = (await records(gw, 1)).items()
+        rep = await report(gw, 1)
+        spent, reserved, _ = await gw.usage.budget_state("t1", Budget(1.0, "day"))
+    assert rec == UsageRecord(rid, "t1", "up", 0, 0, 0, 0, failed=True)
+    assert (rep["requests"], rep["failed_requests"], rep["cost_usd"], spent, reserved) == (1, 1, 0, 0, 0)
+    assert rep["tenants"]["t1"]["backends"]["up"]["failed_requests"] == 1
 
 
 async def _upstream_has(up: FaultUpstream, n: int) -> bool:
@@ -447,14 +470,15 @@ async def test_replicas_share_what_is_left_during_an_outage(redis_server):
 # ----- the conformance run: everything at once ------------------------------------------------------------------
 async def test_ledger_conformance_under_chaos():
     """Two replicas, one Redis paused, stalled, killed and restarted under mixed stream / whole / disconnect /
-    usage-less traffic (``tandem loadtest ledger``, short): served requests == records (by request id), the
+    usage-less traffic and requests no backend answers (``tandem loadtest ledger``, short): served requests ==
+    answered records (by request id), a failed record only for a request its client saw fail, the
     money in Redis == the sum of the records, no budget past its bound, no reservation left."""
     from loadtests.scenarios.ledger import run_chaos
 
     out = await run_chaos(duration=3.0, concurrency=4, pause=0.8, seed=1)
     assert out["violations"] == [], out
     t1 = out["tenants"]["t1"]
-    assert t1["records"] > 0 and t1["estimated"] > 0 and t1["disconnected"] > 0
+    assert t1["records"] > 0 and t1["estimated"] > 0 and t1["disconnected"] > 0 and t1["failed"] > 0
     assert out["outages"] >= 2 and out["replays"] > 0            # the chaos did reach the ledger
 
 

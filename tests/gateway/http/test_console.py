@@ -50,8 +50,10 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 def gateway(tmp_path_factory):
     a, b = FaultInjectorUpstream("a").start(), FaultInjectorUpstream("b").start()
     try:
-        yield from gateway_on(tmp_path_factory, "console", upstream_config({"a": a, "b": b}, ROUTES, extra=EXTRA),
-                              env=ENV)
+        for g in gateway_on(tmp_path_factory, "console", upstream_config({"a": a, "b": b}, ROUTES, extra=EXTRA),
+                            env=ENV):
+            g.upstreams = {"a": a, "b": b}
+            yield g
     finally:
         a.stop()
         b.stop()
@@ -286,10 +288,22 @@ def test_tenants_spend_budget_and_limits(page, gateway):
         r = httpx.post(gateway.url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"}, timeout=10,
                        json={"model": "m1", "messages": [{"role": "user", "content": "hello"}]})
         assert r.status_code == 200, r.text
+    for up in gateway.upstreams.values():          # beta's one request: accepted, no backend answers it
+        up.set_mode(status=500)
+    try:
+        r = httpx.post(gateway.url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}-beta"},
+                       timeout=10, json={"model": "m1", "messages": [{"role": "user", "content": "hello"}]})
+        assert r.status_code >= 500, r.text
+    finally:
+        for up in gateway.upstreams.values():
+            up.set_mode()
     sign_in(page)
-    row = page.get_by_role("table", name="Spend and limits per tenant").get_by_role("row", name="acme")
+    table = page.get_by_role("table", name="Spend and limits per tenant")
+    row = table.get_by_role("row", name="acme")
     row.wait_for()
     wait_until(lambda: row.locator("td").first.inner_text() == "3")
+    beta = table.get_by_role("row", name="beta")
+    wait_until(lambda: beta.locator("td").first.inner_text() == "1 (1 failed)")
     text = row.inner_text()
     assert "600 rpm" in text and "200,000 tpm" in text and "per key: 120 rpm" in text and "/ day" in text
     shoot(page, "tenants", "Spend and limits per tenant")

@@ -280,8 +280,9 @@ async def test_errors_are_anthropics(up):
             await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
         assert e.value.body["error"]["type"] == "overloaded_error" and "draining" in e.value.message
         gw.draining = False
-        (rec,) = (await records(gw, 1)).values()                # only the answered request is billed
-        assert rec.completion_tokens == 3
+        recs = sorted((await records(gw, 3)).values(), key=lambda r: r.failed)   # the admitted ones: 1 answered
+        assert [(r.completion_tokens, r.nusd, r.failed) for r in recs] == [(3, recs[0].nusd, False), (0, 0, True),
+                                                                          (0, 0, True)]
 
 
 # ----- type: anthropic -- native pass-through ----------------------------------------------------------------------

@@ -187,8 +187,8 @@ def test_metrics_count_known_traffic(gw, ups):
     # the same numbers through GET /admin/usage and `tandem usage`
     rep = httpx.get(gw.url + "/admin/usage", params={"tenant": "t1"},
                     headers={"authorization": f"Bearer {ADMIN}"}, timeout=10).json()
-    assert rep["tenants"]["t1"]["backends"]["a"] == {"requests": 4, "prompt_tokens": 15, "completion_tokens": 16,
-                                                     "cached_tokens": 0, "cost_usd": 47e-6}
+    assert rep["tenants"]["t1"]["backends"]["a"] == {"requests": 4, "failed_requests": 0, "prompt_tokens": 15,
+                                                     "completion_tokens": 16, "cached_tokens": 0, "cost_usd": 47e-6}
     assert rep["tenants"]["t1"]["backends"]["b"]["cost_usd"] == 29e-6
     assert httpx.get(gw.url + "/admin/usage", timeout=10).status_code == 401
     # further back than the calendar goes is from its start (a trial's since=3000000d was a 500), not a date is a 400
@@ -202,6 +202,10 @@ def test_metrics_count_known_traffic(gw, ups):
                           "--json"], cwd=ROOT, env={**gw.env}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["cost_usd"] == rep["cost_usd"] == 76e-6
+    table = subprocess.run([sys.executable, "-m", "gateway.commands", "usage", "--url", gw.url, "--tenant", "t1"],
+                           cwd=ROOT, env={**gw.env}, capture_output=True, text=True, timeout=60).stdout.splitlines()
+    assert table[1].split() == ["tenant", "backend", "requests", "failed", "prompt", "completion", "USD"]
+    assert table[2].split() == ["t1", "a", "4", "0", "15", "16", "0.000047"], table
 
 
 def test_request_log_line_and_traceparent(gw, ups):

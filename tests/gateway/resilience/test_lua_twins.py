@@ -104,7 +104,9 @@ def test_budget_reservation_lua_and_python_twins_agree(redis_url, ops):
                 out.append((check.admitted, check.spent_nusd, check.reserved_nusd))
             elif op == "settle":
                 res = held.pop(0)
-                rec = UsageRecord(res.request_id, "t", "b", 1, 1, 0, nusd, estimated=nusd % 2 == 1)
+                failed = nusd % 3 == 0           # accepted, unanswered: no tokens, no cost, the ``|fail`` count
+                rec = UsageRecord(res.request_id, "t", "b", 0 if failed else 1, 0 if failed else 1, 0,
+                                  0 if failed else nusd, estimated=nusd % 2 == 1, failed=failed)
                 # a settle repeated (a journal replay, a late script) is a no-op in both twins
                 out.append((await ledger.settle(rec, res, budget, now_s=now),
                             await ledger.settle(rec, res, budget, now_s=now)))
@@ -112,6 +114,7 @@ def test_budget_reservation_lua_and_python_twins_agree(redis_url, ops):
                 await ledger.release(held.pop())
             out.append(await ledger.budget_state("t", budget, now_s=now))
         out.append(sorted((await ledger.records("t", now_s=now)).items()))
+        out.append(await ledger.report("t", now_s=now))
         return out
 
     run_twins(redis_url, scenario)
