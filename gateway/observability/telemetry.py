@@ -416,7 +416,7 @@ class Observability:
             tokens, estimated = usage_tokens(self._estimate(rec)), True
         cfg = rec.snap.compiled.config if rec.snap is not None else None
         nusd = 0
-        if tokens is not None and cfg is not None:
+        if answered and tokens is not None and cfg is not None:
             bcfg = cfg.backends.get(rec.backend)
             if bcfg is None and rec.backend == "cache":      # a cache hit: the cache's price (gateway/cache/)
                 bcfg = cache_config(cfg, rec.route, rec.model)
@@ -442,17 +442,13 @@ class Observability:
     async def _settle(self, rec: RequestRecord, tokens: tuple[int, int, int] | None, nusd: int,
                       estimated: bool, failed: bool, status: int) -> None:
         """Write the request's usage record: its tokens and cost, or (``failed``: admitted, no backend answered)
-        a record of none, to the last backend tried (disconnected: the client left first, 499); a refused
-        request's reservation is only released."""
+        one of none on the last backend tried; a refused request's reservation is only released."""
         try:
-            if failed:
-                last = rec.attempts[-1].backend if rec.attempts else "none"
-                await self.usage.settle(UsageRecord(rec.request_id, rec.tenant, rec.backend or last, 0, 0, 0, 0,
-                                                    disconnected=rec.disconnected or status == 499, failed=True),
+            if tokens is not None or failed:
+                backend = rec.backend or (rec.attempts[-1].backend if rec.attempts else "none")
+                await self.usage.settle(UsageRecord(rec.request_id, rec.tenant, backend, *(tokens or (0, 0, 0)),
+                                                    nusd, estimated, rec.disconnected or status == 499, failed),
                                         rec.reservation, rec.budget)
-            elif tokens is not None:
-                await self.usage.settle(UsageRecord(rec.request_id, rec.tenant, rec.backend, *tokens, nusd,
-                                                    estimated, rec.disconnected), rec.reservation, rec.budget)
             elif rec.reservation is not None:
                 await self.usage.release(rec.reservation)
         except Exception as e:  # noqa: BLE001 -- accounting must never break a response
