@@ -487,7 +487,9 @@
       if (e.status === 401 && !(await api("GET", "/admin/config").then(() => true, () => false))) {
         return signOut(`Signed out: ${e.message}.`);
       }
-      out.replaceChildren(h("p", {class: "error", role: "alert"}, `Refused (${e.status}): ${e.message}`));
+      const hint = e.status === 401 && !$("explain-tenant").value
+        ? " Fill in Tenant to explain it as that tenant's request, or add its key to Headers." : "";
+      out.replaceChildren(h("p", {class: "error", role: "alert"}, `Refused (${e.status}): ${e.message.replace(/\.$/, "")}.${hint}`));
     }
   }
 

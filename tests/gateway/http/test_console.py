@@ -266,7 +266,9 @@ def test_explain_shows_the_live_decision_and_the_refusal(page, gateway):
     box = page.get_by_label("Request body (JSON)")
     wait_until(lambda: '"m1"' in box.input_value())             # prefilled with a public model
     page.get_by_role("button", name="Explain").click()            # no key, no tenant: what such a request gets
-    page.get_by_role("alert").filter(has_text="Refused (401)").wait_for()
+    refused = page.get_by_role("alert").filter(has_text="Refused (401)")
+    refused.wait_for()
+    assert "Fill in Tenant" in refused.inner_text()               # what to do about it (an ops trial was stuck)
     page.get_by_role("textbox", name="Tenant").fill("acme")
     page.get_by_role("button", name="Explain").click()
     decision = page.locator("#explain-result .chosen")
