@@ -489,7 +489,8 @@
       }
       const hint = e.status === 401 && !$("explain-tenant").value
         ? " Fill in Tenant to explain it as that tenant's request, or add its key to Headers." : "";
-      out.replaceChildren(h("p", {class: "error", role: "alert"}, `Refused (${e.status}): ${e.message.replace(/\.$/, "")}.${hint}`));
+      const said = e.message.replace(/\.$/, "");
+      out.replaceChildren(h("p", {class: "error", role: "alert"}, `Refused (${e.status}): ${said}.${hint}`));
     }
   }
 
