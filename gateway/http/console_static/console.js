@@ -112,10 +112,16 @@
   // An action through the admin API: a notice with its outcome, then a fresh read.
   async function act(label, method, path, body) {
     try {
+      const before = new Set(ui.data ? ui.data.config.warnings : []);
       const out = await api(method, path, body);
-      const warnings = (out && out.warnings) || [];   // applied, with what the operator should know (a down backend)
+      // applied, with what the operator should know: the warnings this change brought (a down backend); those
+      // that stood before it are listed under the routes, not repeated with every change
+      const all = (out && out.warnings) || [], warnings = all.filter((w) => !before.has(w));
+      const standing = all.length - warnings.length;
       notice(`${label}: done${out && out.version !== undefined ? `, config version ${out.version}` : ""}.` +
-             warnings.map((w) => ` Warning: ${w}`).join(""), warnings.length ? "warn" : "ok");
+             warnings.map((w) => ` Warning: ${w}`).join("") +
+             (standing ? ` (${standing} standing config warning${standing === 1 ? "" : "s"}: under Routes.)` : ""),
+             warnings.length ? "warn" : "ok");
       return out;
     } catch (e) {
       const hint = e.code === "version_conflict"
@@ -140,6 +146,13 @@
       box.dataset.said = said;
       box.replaceChildren(...(said ? [h("p", {class: file.status.startsWith("file does not load") ? "error" : "steer"},
                                         said)] : []));
+    }
+    const warned = JSON.stringify(config.warnings), list = $("config-warnings");
+    if (list.dataset.said !== warned) {   // kept while the same: an operator's open list stays open
+      list.dataset.said = warned;
+      list.replaceChildren(...(config.warnings.length ? [h("details", {class: "small"},
+        h("summary", {}, `${config.warnings.length} config warning${config.warnings.length === 1 ? "" : "s"}`),
+        h("ul", {}, ...config.warnings.map((w) => h("li", {}, w))))] : []));
     }
     renderRoutes(config);
     renderHealth(config);

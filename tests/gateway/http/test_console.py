@@ -452,6 +452,32 @@ def test_an_action_refused_far_down_the_page_is_shown_in_view(browser, rollout_g
     page.close()
 
 
+def test_a_change_names_its_own_warnings_not_the_standing_ones(browser, wide_gateway):
+    """Without keys (as config.example.yaml ships) the aggregator routes' weight on keyless backends is a standing
+    warning; a trial saw it repeated in the notice of every change. The page lists the standing warnings once;
+    a change's notice names only the warnings it brought (here its own route's weight on a down backend)."""
+    page = signed_in(browser, wide_gateway.url)
+    summary = page.locator("#config-warnings summary")
+    summary.wait_for()
+    summary.click()
+    assert "routes.aggregator:" in page.locator("#config-warnings").inner_text()
+    page.locator("#canary-target-local-first").select_option("holysheep")
+    slider = page.locator("#canary-local-first")
+    slider.focus()
+    for _ in range(5):                            # 5 -> 10 % onto the keyless backend
+        page.keyboard.press("ArrowRight")
+    page.get_by_role("button", name="Apply canary weight to route local-first").click()
+    status = page.get_by_role("status").filter(has_text="holysheep to 10 %: done")
+    status.wait_for()
+    text = status.inner_text()
+    assert "Warning: routes.local-first: 10.0 %" in text and "routes.aggregator" not in text, text
+    assert "standing config warning" in text, text
+    page.once("dialog", lambda d: d.accept())     # the module's gateway as it was
+    page.get_by_role("button", name="Roll back to previous version").click()
+    page.get_by_role("status").filter(has_text="Roll back: done").wait_for()
+    page.close()
+
+
 def test_a_rollout_started_onto_a_down_candidate_is_started_with_a_warning(browser, tmp_path_factory):
     """The candidate's backend refuses connections (its health probe found it down): the page's start says so."""
     import socket
