@@ -79,6 +79,13 @@ def rollout_weights(r: dict) -> dict[str, float]:
     return {r["candidate"]: float(r["weight"]), r["baseline"]: 100.0 - float(r["weight"])}
 
 
+def holds_split(weights: dict[str, float], want: dict[str, float]) -> bool:
+    """Whether a route's ``weights`` (target id -> weight, any total) give each target of ``want`` (a rollout's
+    split, ``rollout_weights``: percent) its share."""
+    total = sum(weights.values()) or 1.0
+    return all(abs(100 * weights.get(k, 0.0) / total - v) < 1e-6 for k, v in want.items())
+
+
 def same_as_file(file: dict[str, float] | None, weights: dict[str, float],
                  over: dict[str, float] | None = None) -> bool:
     """Whether ``weights`` (an override of one route) changes nothing in ``file`` (that route's file weights) under

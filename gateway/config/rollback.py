@@ -15,8 +15,8 @@ would be a security incident): it is refused naming the tenants (``KeysRestored`
 from __future__ import annotations
 
 from gateway.config.compile import load_config_text
-from gateway.config.layers import (RolloutConflict, ended_owner, orphaned, rollout_weights, route_weights,
-                                   same_as_file)
+from gateway.config.layers import (RolloutConflict, ended_owner, holds_split, orphaned, rollout_weights,
+                                   route_weights, same_as_file)
 from gateway.config.versions import ConfigState
 
 
@@ -76,9 +76,30 @@ def without_ended(head: ConfigState, prev: ConfigState, rollouts: list[dict]) ->
                        owners=owners), warnings
 
 
+def with_promoted(head: ConfigState, state: ConfigState, rollouts: list[dict]) -> ConfigState | None:
+    """``state`` (what a rollback from ``head`` installs) with each promoted rollout's split on its route where it
+    holds another (the version returned to is from before the promotion), owned by the rollout: the one version a
+    rollback installs routes as the rollout says at once (an ops trial saw the older split served ~0.3 s, until
+    ``RolloutController.reassert`` set it again in a version of its own). None when no route changes."""
+    file = _file_weights(state)
+    overrides, owners = {r: dict(w) for r, w in state.overrides.items()}, dict(state.owners)
+    for r in rollouts:
+        route = r["route"]
+        if r["state"] != "promoted" or route not in file \
+                or holds_split({**file[route], **overrides.get(route, {})}, rollout_weights(r)):
+            continue
+        overrides.setdefault(route, {}).update(rollout_weights(r))
+        owners[route] = r["name"]
+    if overrides == state.overrides:
+        return None
+    return ConfigState(state.text, overrides, "rollback", created=state.created, file_digest=head.file_digest,
+                       owners=owners)
+
+
 def returns_to(head: ConfigState, prev: ConfigState, rollouts: list[dict]) -> tuple[ConfigState | None, list[str]]:
-    """``without_ended`` of a rollback from ``head`` to ``prev``, after checking that ``prev`` orphans no rollout
-    (removes a target one in ``HOLDING_STATES`` steers: refused, as such a reload is; the rollout is ended first).
+    """What a rollback from ``head`` to ``prev`` installs (None: ``prev`` as stored) and its warnings:
+    ``without_ended``, then ``with_promoted``, after checking that ``prev`` orphans no rollout (removes a target one
+    in ``HOLDING_STATES`` steers: refused, as such a reload is; the rollout is ended first).
 
     Raises:
         RolloutConflict: ``prev`` would orphan a rollout (naming it)."""
@@ -86,7 +107,8 @@ def returns_to(head: ConfigState, prev: ConfigState, rollouts: list[dict]) -> tu
     if problems:
         raise RolloutConflict(problems, ". End it first (tandem ctl rollout abort NAME, or release NAME when "
                                         "promoted), then roll back")
-    return without_ended(head, prev, rollouts)
+    state, warnings = without_ended(head, prev, rollouts)
+    return with_promoted(head, state or prev, rollouts) or state, warnings
 
 
 class KeysRestored(Exception):

@@ -38,7 +38,7 @@ import logging
 import time
 import uuid
 
-from gateway.config.layers import ENDED_STATES, holder
+from gateway.config.layers import ENDED_STATES, holder, holds_split, rollout_weights
 from gateway.config.schema import ConfigError, RolloutConfig
 from gateway.config.versions import GuardFailed, VersionConflict
 from gateway.rollouts.gates import all_hold, failing, judge
@@ -247,10 +247,8 @@ class RolloutController:
         route = self.gw.snapshot.compiled.policy.routes.get(r["route"])
         if route is None:
             return
-        live = {t.id: t.weight for t in route.targets}
-        total = sum(live.values()) or 1.0
-        want = {r["candidate"]: r["weight"], r["baseline"]: 100.0 - r["weight"]}
-        if not force and all(abs(100 * live.get(k, 0.0) / total - v) < 1e-6 for k, v in want.items()):
+        want = rollout_weights(r)
+        if not force and holds_split({t.id: t.weight for t in route.targets}, want):
             return
         for _ in range(3):
             try:

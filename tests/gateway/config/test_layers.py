@@ -192,8 +192,13 @@ async def test_a_version_rollback_keeps_a_promoted_rollouts_split(tmp_path):
             back = await c.post("/admin/rollback", json={})
             r = await r1(c)
             after = weights(gw)
+            head = (await gw.ledger.history())[0]
     assert back.status_code == 200, back.text
     assert r["state"] == "promoted" and after == {"stable": 0.0, "cand": 100.0}
+    # in the rollback's own version: it served the step before's 50 % until the split was set again in a version
+    # of its own (~0.3 s in an ops trial)
+    assert (head.version, head.source) == (back.json()["version"], "rollback")
+    assert head.overrides["ro"] == {"stable": 0.0, "cand": 100.0} and head.owners["ro"] == "r1"
 
 
 async def test_2b_a_rollback_that_would_orphan_a_rollout_is_refused_naming_it(tmp_path):
