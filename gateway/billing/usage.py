@@ -112,7 +112,7 @@ class UsageRecord:
     ``backend``'s answer to ``tenant``; ``estimated``: counted by the gateway (the backend gave no usage);
     ``disconnected``: the client left a stream before its end (billed for what it was sent); ``failed``: no
     backend answered (every attempt failed, or the client left before one answered): no tokens, no cost,
-    ``backend`` the last one tried ("none" when none was)."""
+    ``backend`` "none" (or the one whose error the client got)."""
 
     request_id: str
     tenant: str

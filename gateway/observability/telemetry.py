@@ -442,11 +442,12 @@ class Observability:
     async def _settle(self, rec: RequestRecord, tokens: tuple[int, int, int] | None, nusd: int,
                       estimated: bool, failed: bool, status: int) -> None:
         """Write the request's usage record: its tokens and cost, or (``failed``: admitted, no backend answered)
-        one of none on the last backend tried; a refused request's reservation is only released."""
+        one of none, on the backend whose error the client got, else "none" (as the metrics and the log line
+        label it); a refused request's reservation is only released."""
         try:
             if tokens is not None or failed:
-                backend = rec.backend or (rec.attempts[-1].backend if rec.attempts else "none")
-                await self.usage.settle(UsageRecord(rec.request_id, rec.tenant, backend, *(tokens or (0, 0, 0)),
+                await self.usage.settle(UsageRecord(rec.request_id, rec.tenant, rec.backend or "none",
+                                                    *(tokens or (0, 0, 0)),
                                                     nusd, estimated, rec.disconnected or status == 499, failed),
                                         rec.reservation, rec.budget)
             elif rec.reservation is not None:

@@ -214,8 +214,8 @@ async def test_client_disconnect_before_a_whole_answer_is_billed(up, redis_url):
 @pytest.mark.parametrize("shared", [True, False], ids=["redis", "in-process"])
 async def test_an_accepted_request_no_backend_answered_has_one_failed_record(up, redis_url, shared):
     """Accepted (past auth, validation and the budget) but every attempt failed: the client gets the error, and
-    the ledger one record of no tokens and no cost, flagged failed, on the backend tried; the reservation is
-    gone and the report counts it among ``requests`` and ``failed_requests``. A request refused at validation
+    the ledger one record of no tokens and no cost, flagged failed, on backend "none" (as the request metrics and
+    log line label it: no backend answered); the reservation is gone and the report counts it among ``requests`` and ``failed_requests``. A request refused at validation
     (400) has none. On Redis and in process alike (the settle script and its twin)."""
     up.set_default({"status": 500})
     cfg = config(up, redis_url if shared else None, budget_usd=1.0)
@@ -229,9 +229,12 @@ async def test_an_accepted_request_no_backend_answered_has_one_failed_record(up,
         [(rid, rec)] = (await records(gw, 1)).items()
         rep = await report(gw, 1)
         spent, reserved, _ = await gw.usage.budget_state("t1", Budget(1.0, "day"))
-    assert rec == UsageRecord(rid, "t1", "up", 0, 0, 0, 0, failed=True)
+        served = {(s.labels["backend"], s.labels["status"]) for m in gw.obs.registry.collect()
+                  if m.name == "tandem_requests" for s in m.samples if s.name == "tandem_requests_total"}
+    assert rec == UsageRecord(rid, "t1", "none", 0, 0, 0, 0, failed=True)
+    assert ("none", "502") in served, served        # one attribution: the metrics label it as the ledger does
     assert (rep["requests"], rep["failed_requests"], rep["cost_usd"], spent, reserved) == (1, 1, 0, 0, 0)
-    assert rep["tenants"]["t1"]["backends"]["up"]["failed_requests"] == 1
+    assert rep["tenants"]["t1"]["backends"]["none"]["failed_requests"] == 1
 
 
 async def _upstream_has(up: FaultUpstream, n: int) -> bool:

@@ -112,7 +112,7 @@ async def test_a_client_gone_after_a_failed_call_is_not_billed(gw):
     await hook(failed)(CANDIDATE)
     gw.obs.abandon(rec)
     got = await _one_record(gw)
-    assert got == UsageRecord("failed", "t1", "up", 0, 0, 0, 0, disconnected=True, failed=True)
+    assert got == UsageRecord("failed", "t1", "none", 0, 0, 0, 0, disconnected=True, failed=True)
 
 
 async def test_a_whole_answer_is_accounted_once_after_its_finish(gw):
