@@ -232,6 +232,24 @@ def _key_hashes(cfg: GatewayConfig, env, warnings: list[str]) -> dict[str, str]:
     return hashes
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a key given twice in one mapping: PyYAML keeps the last one silently, so
+    a second ``policy:`` block pasted at the end of a file dropped every rule of the first (an ops trial)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, (list, dict)) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"found duplicate key {key!r} (first given on line {seen[key].line + 1})",
+                        key_node.start_mark)
+                if not isinstance(key, (list, dict)):
+                    seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
 def load_config_text(text: str, overrides: dict[str, dict[str, float]] | None = None,
                      environ: dict[str, str] | None = None, source: str | None = None) -> Compiled:
     """Parse, validate and compile a YAML config; ``source`` (the file's path) is named in errors.
@@ -243,7 +261,7 @@ def load_config_text(text: str, overrides: dict[str, dict[str, float]] | None = 
     stream = io.StringIO(text)
     stream.name = source or "<config>"      # PyYAML names it in "in <file>, line L, column C"
     try:
-        raw = yaml.safe_load(stream)
+        raw = yaml.load(stream, Loader=UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise ConfigError([("", f"not valid YAML: {e}")], source) from None
     if not isinstance(raw, dict):

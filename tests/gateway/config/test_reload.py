@@ -282,6 +282,29 @@ def test_redis_outage_keeps_serving_and_reseeds(upstreams, tmp_path, redis_serve
         g.stop()
 
 
+def test_a_key_given_twice_is_refused_not_half_applied(upstreams, tmp_path):
+    """A second ``policy:`` block pasted at the end of the file was applied, PyYAML keeping the last: the first
+    block's rules were dropped without a word (an ops trial). The reload is refused naming both lines; the
+    running version stays."""
+    a, b = upstreams
+    path = tmp_path / "config.yaml"
+    good = upstream_config({"a": a, "b": b}, ROUTES).replace("watch: true", "watch: false")
+    path.write_text(good)
+    g = GatewayProcess(path, env=ENV).start()
+    try:
+        version = admin_config(g)["version"]
+        path.write_text(good + "policy:\n  default_route: main\n")
+        r = httpx.post(g.url + "/admin/reload", headers=ADMIN, timeout=30)
+        first = next(i for i, line in enumerate(good.splitlines(), 1) if line.startswith("policy:"))
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert f"found duplicate key 'policy' (first given on line {first})" in message, message
+        assert f'in "{path}", line {len(good.splitlines()) + 1}' in message, message
+        assert admin_config(g)["version"] == version
+    finally:
+        g.stop()
+
+
 def test_yaml_errors_name_the_file(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("server:\n  port: [1\n")
