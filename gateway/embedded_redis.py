@@ -143,7 +143,32 @@ class Supervisor(threading.Thread):
 
 def release(server: EmbeddedRedis) -> bool:
     """This gateway stops using ``server``: shut it down (its data saved) when no other client is connected,
-    else leave it to the gateways still using it. True when it was shut down."""
+    else leave it to the gateways still using it. True when it was shut down. Under the lock file, one gateway at
+    a time: two stopping at once each saw the other's release connection and both left it running (an ops
+    trial); the second finds it stopped."""
+    with open(server.socket.parent / "redis.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # released when the file closes
+        if not _answers(server.socket):           # another gateway, stopping with this one, shut it down
+            _reap(server)
+            return False
+        if not _shut_down_if_alone(server):
+            return False
+    _reap(server)
+    log.info("stopped the embedded redis at %s", server.socket)
+    return True
+
+
+def _reap(server: EmbeddedRedis) -> None:
+    """Wait for this gateway's own server process once it is told to exit (killed after 10 s)."""
+    if server.process is not None:
+        try:
+            server.process.wait(10)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+
+
+def _shut_down_if_alone(server: EmbeddedRedis) -> bool:
+    """SHUTDOWN SAVE the server unless another client is connected to it; True when it was told to."""
     client = _client(server.socket, timeout=5)
     try:
         others = len(client.client_list()) - 1
@@ -160,12 +185,6 @@ def release(server: EmbeddedRedis) -> bool:
         return False
     finally:
         client.close()
-    if server.process is not None:
-        try:
-            server.process.wait(10)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-    log.info("stopped the embedded redis at %s", server.socket)
     return True
 
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import httpx
 import openai
 import pytest
 
-from gateway.embedded_redis import _answers
+from gateway.embedded_redis import _answers, release, start_or_join
 from tests.gateway.support import ROOT, FaultInjectorUpstream, GatewayProcess, upstream_config, wait_until
 
 ENV = {"TEST_UPSTREAM_KEY": "k", "TANDEM_ADMIN_TOKEN": "admin-tok"}
@@ -71,6 +72,29 @@ def test_a_second_gateway_joins_the_embedded_redis_and_the_last_one_stops_it(ups
     finally:
         third.stop()
     assert not _answers(socket)
+
+
+def test_two_gateways_released_at_once_leave_no_redis_running(tmp_path):
+    """Two gateways stopping at the same moment: each saw the other's release connection and left the server
+    running with no gateway using it (an ops trial). Their releases (two threads here, started together by a
+    barrier; 7 of 10 rounds were left running before) take turns: the server is shut down every round."""
+    for i in range(5):
+        server = start_or_join(tmp_path / str(i))
+        joined = start_or_join(tmp_path / str(i))
+        barrier = threading.Barrier(2)
+        done: list[bool] = []
+        threads = [threading.Thread(target=lambda s=s: (barrier.wait(), done.append(release(s)))) for s in
+                   (server, joined)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        try:
+            assert not _answers(server.socket) and sorted(done) == [False, True], (i, done)
+        finally:
+            if server.process.poll() is None:
+                server.process.kill()
+                server.process.wait()
 
 
 def test_an_embedded_redis_that_dies_is_started_again_from_its_data(upstreams, tmp_path):
