@@ -329,6 +329,8 @@ class Gateway:
                                                  owners=layered.owners), self.snapshot.version, takes=layered.takes)
         except (ConfigError, RolloutConflict, StateUnavailable) as e:
             log.error("config reload (%s) refused, keeping version %d: %s", source, self.snapshot.version, e)
+            if not isinstance(e, ConfigError):     # it loads: the file status says why it does not run
+                self.config_file.refused(text, str(e))
             raise
         out["layers"] = layer_view(layered.file, layered)
         for route, v in out["layers"].items():

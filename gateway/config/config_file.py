@@ -22,6 +22,12 @@ class ConfigFile:
     def __init__(self, path: str | None) -> None:
         self.path = path
         self._mark = self._stat()
+        self._refused: tuple[str, str] | None = None   # (a text that loads, why a reload refused to apply it)
+
+    def refused(self, text: str, why: str) -> None:
+        """A reload refused to apply the file's ``text`` although it loads (it would orphan a rollout, Redis was
+        unreachable): ``status`` says so while the file holds that text."""
+        self._refused = (text, why)
 
     def read(self) -> str | None:
         """The file's text; None without a file or when it cannot be read."""
@@ -53,8 +59,9 @@ class ConfigFile:
         """``{"path", "differs", "status"}`` against the running version (its file text and operator
         ``overrides``; a file whose text differs only in comments or layout does not differ): "in sync",
         "weights overrides active", "file does not load (the running version is kept): <why>" (an edit a reload
-        refused), or "runtime override active, file differs" (a rollback, or another replica's file, runs
-        instead of it)."""
+        refused), "file not applied (the running version is kept): <why>" (an edit that loads, refused by the
+        reload: ``refused``), or "runtime override active, file differs" (a rollback, or another replica's file,
+        runs instead of it)."""
         text = self.read()
         differs = text is not None and not same_document(text, running_text)
         status = "weights overrides active" if overrides else "in sync"
@@ -62,6 +69,8 @@ class ConfigFile:
             try:
                 load_config_text(text, {}, source=self.path)
                 status = "runtime override active, file differs"
+                if self._refused is not None and self._refused[0] == text:
+                    status = f"file not applied (the running version is kept): {self._refused[1]}"
             except ConfigError as e:
                 status = f"file does not load (the running version is kept): {e}"
         return {"path": self.path, "differs": differs, "status": status}

@@ -442,8 +442,7 @@ class Observability:
     async def _settle(self, rec: RequestRecord, tokens: tuple[int, int, int] | None, nusd: int,
                       estimated: bool, failed: bool, status: int) -> None:
         """Write the request's usage record: its tokens and cost, or (``failed``: admitted, no backend answered)
-        one of none, on the backend whose error the client got, else "none" (as the metrics and the log line
-        label it); a refused request's reservation is only released."""
+        one of none, on its backend as the metrics label it; a refused request's reservation is only released."""
         try:
             if tokens is not None or failed:
                 await self.usage.settle(UsageRecord(rec.request_id, rec.tenant, rec.backend or "none",

@@ -150,6 +150,7 @@ async def test_2_a_reload_removing_a_running_rollouts_candidate_is_refused_namin
             path.write_text(text(stable, cand, cand_in_file=False))
             refused = await c.post("/admin/reload")
             still = (await r1(c))["state"], weights(gw)
+            file = (await c.get("/admin/config")).json()["file"]    # it said "runtime override active" (a trial)
             aborted = await c.post("/admin/reload", json={"abort_rollouts": True})
             await asyncio.sleep(0.3)                 # a few controller ticks: nothing may loop on the new config
             r = await r1(c)
@@ -157,6 +158,8 @@ async def test_2_a_reload_removing_a_running_rollouts_candidate_is_refused_namin
     assert "rollout r1 (running)" in refused.json()["error"]["message"]
     assert "removes its candidate 'cand'" in refused.json()["error"]["message"]
     assert still == ("running", {"stable": 50.0, "cand": 50.0})
+    assert file["differs"] and file["status"].startswith("file not applied (the running version is kept): "), file
+    assert "removes its candidate 'cand'" in file["status"]
     assert aborted.status_code == 200 and weights(gw) == {"stable": 100.0}
     assert r["state"] == "aborted" and "abort_rollouts" in r["reason"]
     assert not [rec for rec in caplog.records if "tick failed" in rec.getMessage()]
