@@ -14,9 +14,10 @@ def describe_changes(old: Compiled | None, new: Compiled) -> str:
     (the weights in effect, overrides included), a route whose weights only the text changed under an override
     (``route chat: canary 5 -> 10, stable 95 -> 90 in the config text, not in effect (an override holds the
     route)``), routes added or removed, then the config's own key paths added, removed or changed
-    (``routes.main.shadow added``); ``no change`` when nothing did."""
+    (``routes.main.shadow added``); ``no change`` when nothing did (``old`` None: a start, which may adopt a
+    version the shared state already had)."""
     if old is None:
-        return "first version"
+        return "the first version this process runs"
     parts = []
     file_old, file_new = _file_weights(old.config), _file_weights(new.config)
     for name in sorted(set(old.policy.routes) | set(new.policy.routes)):
