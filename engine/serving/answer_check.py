@@ -90,13 +90,24 @@ class AnswerCheck:
 
 
 def _problem(schema: object, text: str, digest: str) -> str | None:
+    """Why ``text`` is not a JSON value valid under ``schema``, or None. A check that cannot finish (an answer
+    nested past Python's recursion limit, a schema ``jsonschema`` cannot read) is a problem too: the answer is
+    not vouched for, and the request must end in an answer, not in the server's error (a trial's 500s opened
+    the gateway's breaker)."""
     try:
         value = json.loads(text)
     except ValueError as exc:
         problem = f"not JSON: {exc}"
+    except RecursionError:
+        problem = "not checked: the answer nests deeper than the checker reads"
     else:
-        error = next(iter(_validator(schema).iter_errors(value)), None)
-        problem = None if error is None else f"{error.json_path}: {error.message}"
+        try:
+            error = next(iter(_validator(schema).iter_errors(value)), None)
+            problem = None if error is None else f"{error.json_path}: {error.message}"
+        except RecursionError:
+            problem = "not checked: the answer nests deeper than the checker reads"
+        except Exception as exc:  # noqa: BLE001 -- the checker failing must not fail the request
+            problem = f"not checked: the checker failed ({type(exc).__name__}: {exc})"
     if problem is not None:
         logger.warning("a finished structured answer breaks its schema (digest %s): %s", digest, problem)
     return problem

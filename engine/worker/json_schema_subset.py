@@ -82,7 +82,9 @@ KEYWORDS: tuple[Keyword, ...] = (
     Keyword("minLength", "count", "string", "not beside pattern or format; string keywords need a type"),
     Keyword("maxLength", "count", "string", "not beside pattern or format"),
     Keyword("pattern", "regex", "string", "no lookaround, no backreference, no literal quote, backslash or "
-            "control character (classes and ranges over them are fine); matched as a whole; not beside format"),
+            "control character (classes and ranges over them are fine); matched as a whole (^ and $ only at its "
+            "ends or beside a top-level alternation; no \\A, \\Z, \\b, \\B); read by Python's re too; not "
+            "beside format"),
     Keyword("format", "format", "string", "email, uuid, ipv6 (xgrammar's date admits Sep 31, its ipv4 leading "
             "zeros: use a pattern)"),
     Keyword("minimum", "number", "number", "number keywords need a type; bounds at most 6 decimals; on an integer "
@@ -337,6 +339,47 @@ def _check_regex(pattern: str, path: str) -> None:
                          "JSON string writes escaped (a quote, a backslash or a control character), which the "
                          "grammar matches unescaped, so no valid answer could be written (a class that excludes "
                          "it, or a range over it, is fine)")
+    try:       # the answer check (engine/serving/answer_check.py) reads it with Python's re: it crashed on \z
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise ValueError(f"{path}: pattern {pattern!r} is not a regex Python's re reads ({e}), which checks each "
+                         "finished answer") from None
+    if (anchor := misplaced_anchor(pattern)) is not None:
+        raise ValueError(f"{path}: unsupported schema feature 'pattern' with {anchor!r} there: the grammar matches "
+                         "the pattern as a whole and reads no anchor inside it (^ only at its start and $ only at "
+                         "its end, or beside a top-level |; no \\A, \\Z, \\b, \\B), so the answer check would "
+                         "refuse every answer")
+
+
+def misplaced_anchor(pattern: str) -> str | None:
+    """The first anchor of ``pattern`` the grammar cannot enforce: ``\\A``, ``\\Z``, ``\\b``, ``\\B`` anywhere
+    (xgrammar reads the letters), a ``^`` other than at the start or after a top-level ``|``, a ``$`` other than
+    at the end or before one (xgrammar drops them; Python's re, which checks the answer, does not: ``ab$c`` matches
+    nothing there). Inside a class or escaped they are characters. None when there is none."""
+    i, n, depth, in_class = 0, len(pattern), 0, False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            if not in_class and pattern[i + 1:i + 2] in ("A", "Z", "b", "B"):
+                return pattern[i:i + 2]
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class, i = True, i + 1 + (pattern[i + 1:i + 2] == "^")
+            i += pattern[i:i + 1] == "]"          # a ] first in a class is a character
+            continue
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "^" and not (i == 0 or depth == 0 and pattern[i - 1] == "|"):
+            return "^"
+        elif c == "$" and not (i == n - 1 or depth == 0 and pattern[i + 1:i + 2] == "|"):
+            return "$"
+        i += 1
+    return None
 
 
 # Escapes that name one character (code point): a JSON string writes " \ and U+0000-U+001F escaped.

@@ -227,3 +227,28 @@ def test_a_pattern_naming_a_json_escaped_character_is_refused(pattern, literal):
     value = {r"^\\[a-z]$": raw + "b", r"^\"[a-z]\"$": raw + "b" + raw, r"^a\nb$": "a" + raw + "b",
              r"^a\x01$": "a" + raw, r'^a"$': "a" + raw}.get(pattern, raw)
     assert _accepts(pattern, value)
+
+
+@pytest.mark.parametrize("pattern, named", [
+    ("a\\z", "not a regex Python's re reads"), ("a\\q", "not a regex Python's re reads"),
+    ("ab$c", "with '$' there"), ("a^", "with '^' there"), ("$a", "with '$' there"), ("^a$b", "with '$' there"),
+    ("(a$)b", "with '$' there"), ("[a-c]$d", "with '$' there"), ("a\\Z", "with '\\\\Z' there"),
+    ("a\\Ab", "with '\\\\A' there")])
+def test_a_pattern_the_answer_check_reads_otherwise_is_refused(pattern, named):
+    """A trial's ``a\\z`` passed, then the answer check (Python's re, through jsonschema) raised on it: a 500 per
+    request, the gateway's breaker opened. Its ``ab$c`` and ``a\\Z`` passed, the grammar read them otherwise
+    (dropping the anchor, taking the letter) and every answer ended ``schema_violation``. Each is a 400 now."""
+    with pytest.raises(ValueError) as err:
+        check_json_schema({"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}})
+    assert str(err.value).startswith("schema.properties.a.pattern: ") and named in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("pattern, value", [("^a|^b", "b"), ("[$^]", "$"), ("\\$a\\^", "$a^"), ("^(a|b)$", "a"),
+                                            ("[^\\]a]$", "b"), ("a$|b", "a")])
+def test_anchors_where_the_grammar_and_python_agree_pass(pattern, value):
+    """Anchors at the ends or beside a top-level alternation, and ^ $ as characters (in a class, escaped): passed;
+    what the grammar writes, Python's re accepts too."""
+    import re
+
+    check_json_schema({"type": "string", "pattern": pattern})
+    assert _accepts(pattern, value) and re.search(pattern, value)

@@ -47,3 +47,19 @@ def test_tool_call_arguments_are_checked_against_their_tool():
     for bad in ([call('{"n": "x"}')], [call('{"n": 1}'), call('{ "n": 2 ')], [call('{"n": 1}', name="g")]):
         assert checked_finish(engine, check, "tool_calls", None, "", bad) == ("length", "schema_violation")
     assert engine.structured_output_invalid == 3
+
+
+def test_a_check_that_cannot_finish_ends_the_answer_not_the_request():
+    """A trial's answer nested ~300 levels (a recursive schema) made jsonschema raise RecursionError, and a
+    pattern Python's re cannot read (``\\z``) raised re.error: each a 500 (the gateway's breaker opened). Such an
+    answer is not vouched for: ``length`` and ``schema_violation``, the request answered."""
+    engine = Engine()
+    nested = {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}
+    deep = AnswerCheck.of(StructuredOutputsParams(json=nested), None, False)
+    assert checked_finish(engine, deep, "stop", None, "[" * 400 + "]" * 400) == ("length", "schema_violation")
+    assert checked_finish(engine, deep, "stop", None, "[" * 5000 + "]" * 5000) == ("length", "schema_violation")
+    assert checked_finish(engine, deep, "stop", None, "[[[]]]") == ("stop", None)
+    unread = {"type": "string", "pattern": "a\\z"}       # refused at validation; here as if it slipped through
+    bad = AnswerCheck.of(StructuredOutputsParams(json=unread), None, False)
+    assert checked_finish(engine, bad, "stop", None, '"az"') == ("length", "schema_violation")
+    assert engine.structured_output_invalid == 3
