@@ -33,7 +33,8 @@ and validates every sampled answer with ``jsonschema``):
   may repeat a key, so it cannot count distinct keys (``{"k1": 1, "k1": 2, "k1": 3}``);
 * a ``patternProperties`` regex that matches a name of ``properties`` (that key must satisfy both, the
   grammar applies one), or several ``patternProperties`` (a key matching two must satisfy both);
-* ``oneOf`` whose branches are not disjoint by type or by value: the grammar enforces it as ``anyOf``.
+* ``oneOf`` whose branches are not disjoint by type, by value or by a required property's values (a
+  discriminated union): the grammar enforces it as ``anyOf``.
 """
 
 from __future__ import annotations
@@ -322,11 +323,40 @@ def _disjoint_values(branches: list) -> bool:
     return True
 
 
+def _required_values(branch: object) -> dict[str, list] | None:
+    """An object branch's required properties that take listed values: name -> its ``const`` or ``enum``
+    values; None when the branch is not ``type: object`` (a non-object value could match two branches)."""
+    if not isinstance(branch, dict) or _types(branch) != {"object"}:
+        return None
+    props, required = branch.get("properties") or {}, branch.get("required") or []
+    return {name: [props[name]["const"]] if "const" in props[name] else list(props[name]["enum"])
+            for name in required if isinstance(props.get(name), dict)
+            and ("const" in props[name] or isinstance(props[name].get("enum"), list))}
+
+
+def _disjoint_by_property(branches: list) -> bool:
+    """Whether every branch is an object requiring one property whose values no two branches share (a
+    discriminated union: Pydantic's ``Field(discriminator=...)``, OpenAPI's ``discriminator``)."""
+    maps = [_required_values(b) for b in branches]
+    if any(m is None for m in maps):
+        return False
+    return any(_disjoint_values([{"enum": m[name]} for m in maps])
+               for name in set.intersection(*(set(m) for m in maps)))
+
+
+def check_one_of(branches: list, path: str) -> None:
+    """Refuse a ``oneOf`` (at ``path``, its branches with their local ``$ref`` resolved) whose branches are not
+    disjoint by type, by value, or by a required property's values: the grammar enforces it as anyOf."""
+    if len(branches) < 2 or _disjoint_types(branches) or _disjoint_values(branches) \
+            or _disjoint_by_property(branches):
+        return
+    raise ValueError(f"{path}: unsupported schema feature 'oneOf' with branches not disjoint by type, by value "
+                     "or by a required property's const/enum values (the grammar enforces it as anyOf: a value "
+                     "could match two); use anyOf or give each branch its own type")
+
+
 def _check_one_of(node: dict, path: str) -> None:
     branches = node.get("oneOf")
-    if not branches or len(branches) < 2:
-        return
-    if not (_disjoint_types(branches) or _disjoint_values(branches)):
-        raise ValueError(f"{path}.oneOf: unsupported schema feature 'oneOf' with branches not disjoint by type "
-                         "or by value (the grammar enforces it as anyOf: a value could match two); use anyOf "
-                         "or give each branch its own type")
+    if not branches or any(isinstance(b, dict) and "$ref" in b for b in branches):
+        return   # a branch by reference: checked once the references are (json_schema_subset.check_json_schema)
+    check_one_of(branches, f"{path}.oneOf")

@@ -33,7 +33,7 @@ import urllib.parse
 from dataclasses import dataclass
 from fractions import Fraction
 
-from engine.worker.json_schema_combinations import check_node_combination
+from engine.worker.json_schema_combinations import check_node_combination, check_one_of
 
 MAX_DEPTH = 64  # nesting of subschemas; deeper is refused (the walk and xgrammar's compiler recurse)
 
@@ -62,7 +62,8 @@ KEYWORDS: tuple[Keyword, ...] = (
     Keyword("enum", "values", "any", "every value passes the node's other keywords"),
     Keyword("const", "any", "any", "passes the node's other keywords"),
     Keyword("anyOf", "schemas", "any"),
-    Keyword("oneOf", "schemas", "any", "branches disjoint by type or by const/enum values (else it would be anyOf)"),
+    Keyword("oneOf", "schemas", "any", "branches disjoint by type, by const/enum values, or by a required "
+            "property's const/enum values (a discriminated union; else it would be anyOf)"),
     Keyword("allOf", "schemas", "any", "one schema only"),
     Keyword("$ref", "local ref", "any", "# or a pointer #/... that resolves (no $anchor names); $ref, anyOf, "
             "oneOf, allOf: no other assertion beside them"),
@@ -114,7 +115,8 @@ UNSUPPORTED: dict[str, str] = {
 
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$anchor", "$comment",
                          "deprecated", "readOnly", "writeOnly", "$vocabulary", "$dynamicAnchor",
-                         "$recursiveAnchor"})
+                         "$recursiveAnchor",
+                         "discriminator"})   # OpenAPI's (Pydantic writes it beside oneOf); the oneOf validates
 
 TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 # The formats whose grammar matches the format exactly (checked against jsonschema's format checker).
@@ -141,6 +143,16 @@ def check_json_schema(schema: object, where: str = "schema") -> None:
     _check_node(schema, where, 0)
     for path, ref in _keyword_values(schema, where, "local ref"):
         _check_ref(schema, ref, path)
+    for path, branches in _keyword_values(schema, where, "schemas", "oneOf"):
+        if any(isinstance(b, dict) and "$ref" in b for b in branches):
+            check_one_of([_dereferenced(schema, b, path) for b in branches], path)
+
+
+def _dereferenced(root: object, node: object, path: str) -> object:
+    """``node`` with its chain of ``$ref`` followed (each checked by ``_check_ref``)."""
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str):
+        node = _resolve(root, node["$ref"], path)
+    return node
 
 
 def regex_values(schema: object, where: str = "schema"):

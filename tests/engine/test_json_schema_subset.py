@@ -252,3 +252,36 @@ def test_anchors_where_the_grammar_and_python_agree_pass(pattern, value):
 
     check_json_schema({"type": "string", "pattern": pattern})
     assert _accepts(pattern, value) and re.search(pattern, value)
+
+
+def test_a_pydantic_discriminated_union_passes_and_its_grammar_keeps_the_branches_apart():
+    """A trial's ``Annotated[Union[Cat, Dog], Field(discriminator="type")]`` (what ``chat.completions.parse``
+    sends) was refused for its ``discriminator`` (OpenAPI's annotation) and its ``oneOf`` of ``$ref`` branches
+    told apart only by a required property's ``const``. Both pass; the same union with one ``const`` twice is
+    still refused (a value could match both branches)."""
+    from typing import Annotated, Literal, Union
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        type: Literal["cat"]
+        meows: int
+
+    class Dog(BaseModel):
+        type: Literal["dog"]
+        barks: int
+
+    class Pet(BaseModel):
+        pet: Annotated[Union[Cat, Dog], Field(discriminator="type")]
+
+    schema = Pet.model_json_schema()
+    check_json_schema(schema)
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    assert _is_grammar_accept_string(grammar, '{"pet": {"type": "cat", "meows": 1}}')
+    assert not _is_grammar_accept_string(grammar, '{"pet": {"type": "dog", "meows": 1}}')
+    schema["$defs"]["Dog"]["properties"]["type"]["const"] = "cat"
+    with pytest.raises(ValueError, match=r"^schema\.properties\.pet\.oneOf: unsupported schema feature 'oneOf'"):
+        check_json_schema(schema)
