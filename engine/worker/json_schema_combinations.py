@@ -27,7 +27,8 @@ and validates every sampled answer with ``jsonschema``):
   number of at most 6 decimals (exclusive 0 to 0.000001 wrote ``{"a": }``);
 * ``pattern`` beside ``format``: the grammar applies one (``^[a-c]{1,3}$`` with ``email`` wrote an email);
 * ``minItems`` above the ``prefixItems`` count where ``items`` is absent or false: the grammar writes no
-  other item (strict, as absent ``additionalProperties``) and refuses the schema;
+  other item (strict, as absent ``additionalProperties``) and refuses the schema; ``maxItems`` below that
+  count: the grammar refuses it;
 * ``minProperties`` above the number of ``properties`` where no other key is allowed: unsatisfiable;
 * ``minProperties`` above the required count where keys outside ``properties`` are allowed: the grammar
   may repeat a key, so it cannot count distinct keys (``{"k1": 1, "k1": 2, "k1": 3}``);
@@ -241,10 +242,14 @@ def _extra_keys_allowed(node: dict) -> bool:
 
 
 def _check_item_counting(node: dict, path: str) -> None:
+    listed = len(node.get("prefixItems") or [])
+    high = node.get("maxItems")
+    if high is not None and high < listed:     # xgrammar refused it with its own words, naming no path
+        raise ValueError(f"{path}.maxItems: unsupported schema feature 'maxItems' {high} below the {listed} "
+                         "prefixItems (the grammar writes each prefix item: list at most maxItems of them)")
     low = node.get("minItems")
     if low is None or node.get("items", False) is not False:
         return
-    listed = len(node.get("prefixItems") or [])
     if low > listed:
         raise ValueError(f"{path}.minItems: unsupported schema feature 'minItems' {low} above the {listed} "
                          "prefixItems where 'items' is absent or false (the grammar then writes no other item, "

@@ -28,6 +28,7 @@ validation: the value checks below cover the supported keywords), so that a
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.parse
 from dataclasses import dataclass
@@ -140,6 +141,8 @@ def check_json_schema(schema: object, where: str = "schema") -> None:
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"{where}: invalid JSON schema: must be an object or a boolean, "
                          f"got {type(schema).__name__}")
+    if schema is False:
+        raise _invalid(where, "the schema false admits no value")
     _check_node(schema, where, 0)
     for path, ref in _keyword_values(schema, where, "local ref"):
         _check_ref(schema, ref, path)
@@ -251,6 +254,15 @@ def _check_node(node: object, path: str, depth: int) -> None:
     check_node_combination(node, path, frozenset(asserted))
 
 
+def _check_boolean(sub: object, path: str, any_bool: bool = False) -> None:
+    """A boolean schema where the grammar takes none (xgrammar refused it naming no path): ``false`` anywhere but
+    ``items`` and ``additionalProperties`` (and at the root), either boolean as a ``prefixItems`` entry."""
+    if sub is False or any_bool and isinstance(sub, bool):
+        raise ValueError(f"{path}: unsupported schema feature: the boolean schema {json.dumps(sub)} here (the "
+                         "grammar takes false only as items or additionalProperties; leave the property or branch "
+                         "out, or write {} for any value)")
+
+
 def _check_value(kw: Keyword, value: object, path: str, depth: int) -> None:  # noqa: C901 - one case per form
     form = kw.value
     if form == "schema or bool" or form == "schema":
@@ -261,6 +273,7 @@ def _check_value(kw: Keyword, value: object, path: str, depth: int) -> None:  # 
         if kw.name == "allOf" and len(value) > 1:
             raise ValueError(f"{path}: unsupported schema feature 'allOf' with more than one schema")
         for i, sub in enumerate(value):
+            _check_boolean(sub, f"{path}[{i}]", kw.name == "prefixItems")
             _check_node(sub, f"{path}[{i}]", depth + 1)
     elif form == "schema map":
         if not isinstance(value, dict):
@@ -268,6 +281,7 @@ def _check_value(kw: Keyword, value: object, path: str, depth: int) -> None:  # 
         for name, sub in value.items():
             if kw.name == "patternProperties":
                 _check_regex(name, f"{path}.{name}")
+            _check_boolean(sub, f"{path}.{name}")
             _check_node(sub, f"{path}.{name}", depth + 1)
     elif form == "count":
         if not _is_int(value) or value < 0:

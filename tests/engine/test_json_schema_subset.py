@@ -285,3 +285,17 @@ def test_a_pydantic_discriminated_union_passes_and_its_grammar_keeps_the_branche
     schema["$defs"]["Dog"]["properties"]["type"]["const"] = "cat"
     with pytest.raises(ValueError, match=r"^schema\.properties\.pet\.oneOf: unsupported schema feature 'oneOf'"):
         check_json_schema(schema)
+
+
+@pytest.mark.parametrize("schema, path", [
+    ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "schema.properties.a"),
+    ({"anyOf": [False, {"type": "integer"}]}, "schema.anyOf[0]"),
+    ({"type": "array", "prefixItems": [True]}, "schema.prefixItems[0]"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}] * 2, "items": False, "maxItems": 1}, "schema.maxItems"),
+    (False, "schema")])
+def test_what_the_grammar_refuses_without_a_path_is_refused_naming_it(schema, path):
+    """A trial got xgrammar's own words with no path (``json: Schema 'false' cannot accept any value``,
+    ``maxItems is less than the number of prefixItems``): each is refused naming where."""
+    with pytest.raises(ValueError) as err:
+        check_json_schema(schema)
+    assert str(err.value).startswith(path + ": "), str(err.value)
