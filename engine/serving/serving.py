@@ -242,6 +242,10 @@ class OpenAIServing:
                      f"{prompt_field}, {max_tokens} in the completion). Please reduce the length of the "
                      f"{prompt_field} or of {max_tokens_field}.", param=max_tokens_field,
                 code="context_length_exceeded")
+        if max_tokens is None and params.min_tokens > limit - num_prompt_tokens:   # vLLM sets max_tokens to that room
+            raise ServingError(400, f"min_tokens must be <= max_tokens={limit - num_prompt_tokens} (the room the "
+                                    f"context leaves after the {num_prompt_tokens}-token {prompt_field}), got "
+                                    f"{params.min_tokens}", param="min_tokens")
         return params
 
     def _logit_bias(self, bias: dict | None) -> dict[int, float] | None:

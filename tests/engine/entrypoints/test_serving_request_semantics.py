@@ -98,6 +98,23 @@ def test_min_tokens_holds_back_stop_strings_in_chat(server):
     assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["stop"]
 
 
+def test_min_tokens_past_the_room_the_context_leaves_is_refused_without_max_tokens(server):
+    """A trial's chat ``min_tokens: 100000`` without ``max_tokens`` ran to the whole context (minutes on a CPU,
+    a seat held), while with ``max_tokens`` it was a 400: vLLM sets max_tokens to the context's room first, so
+    the same check refuses it. Refused the same way; the room itself is taken."""
+    import httpx
+
+    body = {"model": server.model, "messages": COLORS_CHAT, "min_tokens": 100000}
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "min_tokens", r.text
+    assert err["message"].startswith("min_tokens must be <= max_tokens=") and err["message"].endswith("got 100000")
+    room = int(err["message"].split("max_tokens=")[1].split(" ")[0])
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"model": server.model, "prompt": "0, 1, 2",
+                                                               "min_tokens": room + 1, "max_tokens": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+
+
 # --------------------------------------------------------------------- priority
 @pytest.mark.parametrize("stream", [False, True])
 def test_priority_is_refused_without_priority_scheduling(server, stream):
