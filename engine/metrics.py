@@ -17,10 +17,11 @@ Names (all with label ``model_name``), as in vLLM ``v1/metrics/loggers.py``:
 ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
 ``vllm:request_prefill_time_seconds``, ``vllm:request_decode_time_seconds``,
 ``vllm:request_inference_time_seconds``, ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``
-(every choice's tokens), ``vllm:request_max_num_generation_tokens`` (its longest choice's),
+(one sample per choice, as vLLM v1's child requests), ``vllm:request_max_num_generation_tokens`` (per request: its
+longest choice's),
 ``vllm:request_params_n``, ``vllm:request_params_max_tokens``, ``vllm:request_prefill_kv_computed_tokens``
-(prompt tokens not read from the prefix cache), ``vllm:request_time_per_output_token_seconds`` (decode time over
-the longest choice's tokens after its first), ``vllm:iteration_tokens_total`` (tokens per engine step, from the core's
+(prompt tokens not read from the prefix cache), ``vllm:request_time_per_output_token_seconds`` (a choice's decode
+time over its tokens after its first), ``vllm:iteration_tokens_total`` (tokens per engine step, from the core's
 ``EngineStats``),
 ``vllm:cache_config_info``, ``vllm:lora_requests_info`` (the inference extension's model-server protocol reads
 it; no adapters here); with speculative decoding on, ``vllm:spec_decode_num_drafts``,
@@ -236,7 +237,10 @@ class EngineMetrics:
 
     def record(self, outputs: list[RequestOutput], now: float) -> None:
         """Update counters and histograms from one step's delta outputs
-        (``now``: ``time.monotonic()`` seconds)."""
+        (``now``: ``time.monotonic()`` seconds). Each choice of an n > 1 request counts as vLLM v1 counts its
+        child requests: one sample per choice in ``request_success``, TTFT, queue time, e2e latency, the phases
+        and the per-request token histograms; ``request_params_n`` and ``request_max_num_generation_tokens`` once
+        per request (vLLM's ``ParentRequest``)."""
         for out in outputs:
             rid = out.request_id
             m = out.metrics
@@ -246,12 +250,14 @@ class EngineMetrics:
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
                 if m is not None:
                     first = m.first_token_time or now
-                    self.ttft.observe(max(first - m.arrival_time, 0.0))
-                    if m.first_scheduled_time is not None:
-                        self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+                    for _ in range(m.n_param):          # every choice's first token comes in this step
+                        self.ttft.observe(max(first - m.arrival_time, 0.0))
+                        if m.first_scheduled_time is not None:
+                            self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+            generated = self._generated.setdefault(rid, {})
             for c in out.outputs:
                 if c.token_ids or c.num_generated_tokens:
-                    self._generated.setdefault(rid, {})[c.index] = c.num_generated_tokens
+                    generated[c.index] = c.num_generated_tokens
                 if c.token_ids:
                     self.generation_tokens.inc(len(c.token_ids))
                     t = m.last_token_time if m is not None and m.last_token_time else now
@@ -262,24 +268,25 @@ class EngineMetrics:
                     last[c.index] = t
                 if c.finish_reason is not None:
                     self.request_success.labels(self.model_name, c.finish_reason).inc()
+                    if m is not None and rid in self._first_seen:
+                        self._choice_finished(out, m, generated.get(c.index, 0),
+                                              (m.finished_time if out.finished else None) or now)
             if out.finished:
                 if m is not None and rid in self._first_seen:
-                    end = m.finished_time or now
-                    self.e2e.observe(max(end - m.arrival_time, 0.0))
-                    self._finished(out, m, end)
+                    self.request_params_n.observe(m.n_param)
+                    self.request_max_num_generation_tokens.observe(max(generated.values(), default=0))
                 self._first_seen.discard(rid)
                 self._last_token.pop(rid, None)
                 self._generated.pop(rid, None)
 
-    def _finished(self, out: RequestOutput, m, end: float) -> None:
-        """The per-request histograms of a finished request that produced tokens (vLLM's names and phases: prefill
-        from first scheduled to first token, decode from first token to the end, inference both)."""
-        generated = list(self._generated.get(out.request_id, {}).values()) or [0]
+    def _choice_finished(self, out: RequestOutput, m, tokens: int, end: float) -> None:
+        """The per-request histograms of one finished choice (vLLM's child request) of a request that produced
+        tokens, ``tokens`` of them, ended at ``end``: vLLM's names and phases (prefill from first scheduled to
+        first token, decode from first token to the end, inference both)."""
+        self.e2e.observe(max(end - m.arrival_time, 0.0))
         self.request_prompt_tokens.observe(len(out.prompt_token_ids))
         self.request_prefill_kv_computed_tokens.observe(max(len(out.prompt_token_ids) - out.num_cached_tokens, 0))
-        self.request_generation_tokens.observe(sum(generated))
-        self.request_max_num_generation_tokens.observe(max(generated))
-        self.request_params_n.observe(m.n_param)
+        self.request_generation_tokens.observe(tokens)
         if m.max_tokens_param is not None:
             self.request_params_max_tokens.observe(m.max_tokens_param)
         if m.first_scheduled_time is not None and m.first_token_time is not None:
@@ -287,5 +294,4 @@ class EngineMetrics:
             self.phase["prefill"].observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
             self.phase["decode"].observe(decode)
             self.phase["inference"].observe(max(end - m.first_scheduled_time, 0.0))
-            longest = max(generated)  # the decode time is that of the longest choice's tokens
-            self.request_tpot.observe(decode / (longest - 1) if longest > 1 else 0.0)
+            self.request_tpot.observe(decode / (tokens - 1) if tokens > 1 else 0.0)

@@ -527,8 +527,10 @@ def test_metrics_use_vllm_names(server):
 
 def test_request_histograms_count_every_choice_and_each_step(server):
     """vLLM's per-request histograms of an n=3 request whose choices end at different steps (a finished
-    request's last delta holds only its last choice: its histograms counted that choice alone and n=1), and
-    vLLM's tokens-per-step histogram: every step's prompt and generated tokens."""
+    request's last delta holds only its last choice: its histograms counted that choice alone and n=1): one
+    sample per choice, as vLLM v1 counts its child requests (a trial found request_success counting choices and
+    the latency histograms requests), n and the longest choice once; and vLLM's tokens-per-step histogram: every
+    step's prompt and generated tokens."""
     before, core_before = scrape(server), server.engine.get_stats()
     out = complete(server, prompt="Three words about cats:", n=3, max_tokens=12, temperature=1.0, seed=11,
                    stop=[".", ","], logprobs=1)
@@ -540,12 +542,17 @@ def test_request_histograms_count_every_choice_and_each_step(server):
         return after[name] - before.get(name, 0.0)
 
     assert delta("vllm:request_generation_tokens_sum") == out.usage.completion_tokens == sum(lengths)
+    assert delta("vllm:request_generation_tokens_count") == 3
     assert delta("vllm:request_max_num_generation_tokens_sum") == max(lengths)
+    assert delta("vllm:request_max_num_generation_tokens_count") == 1
     assert delta("vllm:request_params_n_sum") == 3 and delta("vllm:request_params_n_count") == 1
-    assert delta("vllm:request_params_max_tokens_sum") == 12
-    assert delta("vllm:request_prefill_kv_computed_tokens_count") == 1
-    assert 0 < delta("vllm:request_prefill_kv_computed_tokens_sum") <= out.usage.prompt_tokens
-    assert delta("vllm:request_time_per_output_token_seconds_count") == 1
+    assert delta("vllm:request_params_max_tokens_sum") == 3 * 12
+    per_choice = [delta(f"vllm:{name}_count") for name in (
+        "request_prefill_kv_computed_tokens", "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
+        "time_to_first_token_seconds", "request_queue_time_seconds", "request_prompt_tokens",
+        "request_decode_time_seconds")]
+    assert per_choice == [3] * 7 and sum(delta(k) for k in after if k.startswith("vllm:request_success_total")) == 3
+    assert 0 < delta("vllm:request_prefill_kv_computed_tokens_sum") <= 3 * out.usage.prompt_tokens
     steps, tokens = delta("vllm:iteration_tokens_total_count"), delta("vllm:iteration_tokens_total_sum")
     # the steps' tokens are those the core computed: the prompt's less cache hits, and every generated token
     # (one a stop string ended in the front end while the core ran a step more included)
