@@ -57,7 +57,6 @@ VLLM_FLAGS = (
     VllmFlag(("--download-dir",), True, None, "the model is a local path: nothing is downloaded"),
     VllmFlag(("--kv-cache-dtype",), True, _ok("auto"), "the KV cache is kept in the model's dtype"),
     VllmFlag(("--tokenizer-mode",), True, _ok("auto", "hf"), "the model's tokenizer.json (or GGUF vocabulary) is used"),
-    VllmFlag(("--max-logprobs",), True, _ok("20"), "logprobs and top_logprobs go up to 20, OpenAI's limit"),
     VllmFlag(("--pipeline-parallel-size", "-pp"), True, _ok("1"), "the model is split by tensor parallelism only"),
     VllmFlag(("--data-parallel-size", "-dp"), True, _ok("1"),
              "one engine per process: run several and route between them with the gateway"),
@@ -75,6 +74,19 @@ VLLM_FLAGS = (
     VllmFlag(("--hf-overrides",), True, _ok(), "the model's config.json is read as it is"),
     VllmFlag(("--compilation-config", "-O"), True, _ok(), "there is no compilation step to configure"),
     VllmFlag(("--config",), True, _ok(), "flags are taken on the command line only"),
+    VllmFlag(("--disable-custom-all-reduce",), False, None,
+             "tensor parallelism's all-reduce is torch.distributed's (gloo on CPU, NCCL on CUDA)"),
+    VllmFlag(("--distributed-executor-backend",), True, _ok("mp"),
+             "tensor-parallel ranks are processes of this machine (or of --nnodes machines), as vLLM's mp"),
+    VllmFlag(("--max-seq-len-to-capture",), True, None, "no CUDA graph is captured: every step runs eagerly"),
+    VllmFlag(("--preemption-mode",), True, _ok("recompute"),
+             "a preempted request is recomputed, or swapped to CPU memory with --swap-space"),
+    VllmFlag(("--async-scheduling",), False, None,
+             "the engine core (its own process) runs apart from the front end's detokenizing and streaming"),
+    VllmFlag(("--logprobs-mode",), True, _ok("raw_logprobs"),
+             "logprobs are the model's raw log-softmax, before any sampling parameter"),
+    VllmFlag(("--max-num-partial-prefills",), True, None,
+             "prompts are chunked under --max-num-batched-tokens, with no separate count of partial prefills"),
 )
 
 

@@ -212,6 +212,9 @@ class ModelRunner:
                     f"already used (weights), {free / gib:.2f} GiB free; raise gpu_memory_utilization or use a "
                     "smaller model/dtype")
         else:
+            if args.gpu_memory_utilization != 0.9:    # a vLLM command line's (its default is 0.9): said, not dropped
+                logger.info("gpu_memory_utilization=%s changes nothing on CPU: the KV cache is kv_cache_memory "
+                            "(--kv-cache-memory, %.2f GiB)", args.gpu_memory_utilization, args.kv_cache_memory / gib)
             asked = int(args.kv_cache_memory)
             free = _available_host_memory()
             if asked > free:

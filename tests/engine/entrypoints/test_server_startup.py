@@ -124,7 +124,12 @@ def cli_server(tiny_model, tmp_path_factory):
                   "tiny", "tiny-alias", "--kv-cache-memory", "64MiB", "--max-request-body-bytes", "2KiB",
                   "--api-key", API_KEY, "--enable-log-requests", "--trust-remote-code", "--enforce-eager",
                   "--disable-log-stats", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                  "--kv-cache-dtype", "auto", "-pp", "1", "--tokenizer", tiny_model],
+                  "--kv-cache-dtype", "auto", "-pp", "1", "--tokenizer", tiny_model,
+                  # a trial's production command line's (each stopped the server at "unrecognized arguments")
+                  "--disable-custom-all-reduce", "--distributed-executor-backend", "mp",
+                  "--max-seq-len-to-capture", "8192", "--preemption-mode", "recompute", "--async-scheduling",
+                  "--logprobs-mode", "raw_logprobs", "--max-num-partial-prefills", "1", "--max-logprobs", "5",
+                  "--gpu-memory-utilization", "0.5"],
                  f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}",
                  log_dir=tmp_path_factory.mktemp("serve")).wait_ready(120)
     yield srv
@@ -147,6 +152,24 @@ def test_body_limit_gives_413_and_the_load_is_logged(cli_server):
     # vLLM's flags without a setting here: each said to change nothing, and why
     assert "--enforce-eager: accepted for vLLM's command lines; changes nothing: no CUDA graph" in log
     assert "--tool-call-parser hermes: accepted" in log and "-pp 1" not in log and "--pipeline-parallel-size 1" in log
+    assert "--async-scheduling: accepted" in log and "--preemption-mode recompute: accepted" in log
+    assert "gpu_memory_utilization=0.5 changes nothing on CPU" in log
+
+
+def test_max_logprobs_caps_what_a_request_may_ask(cli_server):
+    """vLLM's ``--max-logprobs 5`` stopped the server at start (a trial): it is the cap, in vLLM's words."""
+    auth, base = AUTH, cli_server.base_url
+    for path, body, param in (
+            ("/v1/completions", {"prompt": "abc", "max_tokens": 1, "logprobs": 6}, "logprobs"),
+            ("/v1/completions", {"prompt": "abc", "max_tokens": 1, "prompt_logprobs": 6}, "prompt_logprobs"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                      "logprobs": True, "top_logprobs": 6}, "top_logprobs")):
+        r = httpx.post(base + path, json={"model": "tiny", **body}, headers=auth, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "greater than max allowed: 5" in r.json()["error"]["message"]
+    ok = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 1,
+                                                     "logprobs": 5}, headers=auth, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 5
 
 
 def test_several_served_model_names_are_aliases(cli_server):
