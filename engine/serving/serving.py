@@ -262,12 +262,6 @@ class OpenAIServing:
             ServingError: 400 naming a key past this model's vocabulary (vLLM's refusal)."""
         if not bias:
             return None
-        cap = self.engine.args.max_logprobs     # vLLM's --max-logprobs, in its words
-        for kind, asked, field in (("sample", params.logprobs, "top_logprobs" if isinstance(
-                req, ChatCompletionRequest) else "logprobs"), ("prompt", params.prompt_logprobs, "prompt_logprobs")):
-            if asked is not None and asked > cap:
-                raise ServingError(400, f"Requested {kind} logprobs of {asked}, which is greater than max allowed: "
-                                        f"{cap} (--max-logprobs)", param=field)
         vocab = self.engine.tokenizer.vocab_size
         if (past := next((key for key in bias if int(key) >= vocab), None)) is not None:
             raise ServingError(400, f"logit_bias: {past!r} is not a token id of this model (ids are in [0, {vocab}))",

@@ -69,9 +69,10 @@ async def test_local_embeddings_and_messages(tiny_model):
             await claude.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": [
                 {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
         assert "messages.0.content.0: content block type 'image' is not supported" in e.value.body["error"]["message"]
-        recs = await records(gw, 4)
+        recs = await records(gw, 5)      # and the engine's own 400, passed on: a failed record on it
         assert all(not x.estimated for x in recs.values())
-        assert sorted(x.completion_tokens for x in recs.values()) == [0, 0, 6, 6]
+        assert sorted((x.completion_tokens, x.failed) for x in recs.values()) == [
+            (0, False), (0, False), (0, True), (6, False), (6, False)]
         # an assistant last turn is a prefill Anthropic continues (a trial got a new turn): the chat request
         # with vLLM's continue_final_message, the same prompt and text
         turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": '{"a": "'}]
