@@ -146,9 +146,14 @@ class OpenAIServing:
         except ValueError as exc:
             status = getattr(exc, "status", 400)
             message = str(exc) if str(exc).startswith(plan.param) else f"{plan.param}: {exc}"
+            spec, code = plan.structured_outputs, None
+            if status == 408:
+                code = "grammar_compile_timeout"
+            elif status < 500:      # a refused JSON schema (a response format's, tools' parameters): OpenAI's code
+                code = "invalid_json_schema" if spec.json is not None or spec.structural_tag else "invalid_value"
             raise ServingError(status, message, param=plan.param,
                                type="server_error" if status >= 500 else "invalid_request_error",
-                               code="grammar_compile_timeout" if status == 408 else None) from None
+                               code=code) from None
         return dataclasses.replace(plan.structured_outputs, digest=digest)
 
     # ---------------------------------------------------------------- helpers
