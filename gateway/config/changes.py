@@ -28,8 +28,11 @@ def describe_changes(old: Compiled | None, new: Compiled) -> str:
         moved = _moved({t.id: t.weight for t in a.targets}, {t.id: t.weight for t in b.targets})
         if moved:
             parts.append(f"route {name}: {moved}")
-        elif moved := _moved(file_old.get(name, {}), file_new.get(name, {})):
+        elif (moved := _moved(file_old.get(name, {}), file_new.get(name, {}))) and name in new.overrides:
             parts.append(f"route {name}: {moved} in the config text, not in effect (an override holds the route)")
+        elif moved:     # the file now decides, with the weights the override it replaced had (a trial's log
+            parts.append(f"route {name}: {moved} in the config text, which now decides it (the same weights "
+                         "as the override it replaces)")   # said an override held it while ctl status said [file])
     if old.text != new.text:   # the weights are the routes' part above
         parts += key_changes(_load(old.text), _load(new.text))
     return "; ".join(parts) or "no change"

@@ -315,6 +315,12 @@ def test_4_a_change_is_described_by_its_key_paths_not_as_file_text():
     held = {"ro": {"stable": 100.0, "cand": 0.0}}
     assert describe_changes(load_config_text(old.text, held), load_config_text(moved, held)) == \
         "route ro: cand 0 -> 5, stable 100 -> 95 in the config text, not in effect (an override holds the route)"
+    # the file's edit replaced an override that had the same weights (a trial's log said an override held the route
+    # while tandem ctl status said [file])
+    took = {"ro": {"stable": 95.0, "cand": 5.0}}
+    assert describe_changes(load_config_text(old.text, took), load_config_text(moved)) == (
+        "route ro: cand 0 -> 5, stable 100 -> 95 in the config text, which now decides it (the same weights as the "
+        "override it replaces)")
     renamed = old.text.replace("{backend: cand, weight: 0}", "{backend: cand, weight: 0, id: c2}")
     line = describe_changes(old, load_config_text(renamed))
     assert "routes.ro.targets changed" in line, line
