@@ -197,6 +197,12 @@ def to_messages(items: list[dict]) -> list[dict]:
                 raise bad_request(f"'input[{i}].role' must be one of user, assistant, system, developer",
                                   f"input[{i}].role")
             content = item.get("content")
+            if content is None:     # chat's check would name messages[k].content, a field the client never sent
+                raise bad_request(f"missing required parameter 'input[{i}].content'", f"input[{i}].content",
+                                  "missing_required_parameter")
+            if not isinstance(content, (str, list)):
+                raise bad_request(f"'input[{i}].content' must be a string or an array of content parts, got "
+                                  f"{type(content).__name__}", f"input[{i}].content", "invalid_type")
             content = _text_of(content, f"input[{i}].content") if isinstance(content, list) else content
             messages.append({"role": role, "content": content})
         elif kind == "function_call":

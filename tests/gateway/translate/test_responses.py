@@ -184,6 +184,8 @@ def test_stream_text_after_a_call_is_a_second_message_with_its_own_id():
 
 
 @pytest.mark.parametrize("bad, param", [
+    ({"role": "user"}, "input[2].content"),           # a new-user trial: param 'input', "got null"
+    ({"role": "user", "content": 3}, "input[2].content"),
     ({"type": "function_call", "call_id": "c1", "arguments": "{}"}, "input[2].name"),
     ({"type": "function_call", "name": "f", "arguments": "{}"}, "input[2].call_id"),
     ({"type": "function_call", "call_id": "c1", "name": "f", "arguments": {"x": 1}}, "input[2].arguments"),
