@@ -223,7 +223,25 @@ def _check_messages(messages: object) -> None:
         if not isinstance(content, (str, list)):
             raise ClientError(400, f"'messages[{i}].content' must be a string or an array of content parts, got "
                               f"{type(content).__name__}", param=f"messages[{i}].content", code="invalid_type")
+        if isinstance(content, list):
+            _check_text_parts(content, f"messages[{i}].content")
     _check_tool_messages(messages)
+
+
+def _check_text_parts(parts: list, where: str) -> None:
+    """A ``text`` (or ``refusal``) content part carries its string, as OpenAI requires: a missing or non-string
+    one named by its own path (the local engine blamed the part's type, an upstream got it as sent; a trial)."""
+    for j, part in enumerate(parts):
+        field = {"text": "text", "refusal": "refusal"}.get(part.get("type")) if isinstance(part, dict) else None
+        if field is None or isinstance(part.get(field), str):
+            continue
+        path = f"{where}[{j}].{field}"
+        if field not in part:
+            raise ClientError(400, f"missing required parameter '{path}'", param=path,
+                              code="missing_required_parameter")
+        got = "null" if part[field] is None else type(part[field]).__name__
+        raise ClientError(400, f"Invalid type for '{path}': expected a string, but got {got} instead.",
+                          param=path, code="invalid_type")
 
 
 def _check_tool_messages(messages: list[dict]) -> None:

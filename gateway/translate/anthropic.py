@@ -119,7 +119,9 @@ def turn_to_chat(m: object, i: int, last: bool = False) -> list[dict]:
     for j, b in enumerate(content):
         bp = f"{p}.content.{j}"
         kind = b.get("type") if isinstance(b, dict) else None
-        if kind == "text" and isinstance(b.get("text"), str):
+        if kind == "text":
+            if not isinstance(b.get("text"), str):   # it blamed the block's type (a trial)
+                raise bad_request(missing_or_wrong(b, "text", "a valid string", f"{bp}.text"), f"{bp}.text")
             if not b["text"]:
                 raise bad_request(f"{bp}.text: text content blocks must be non-empty", f"{bp}.text")
             parts.append({"type": "text", "text": b["text"]})

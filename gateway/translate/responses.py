@@ -153,10 +153,10 @@ def _text_of(parts: list, where: str) -> str | list:
     out = []
     for j, p in enumerate(parts):
         kind = p.get("type") if isinstance(p, dict) else None
-        if kind in ("input_text", "output_text", "text"):
-            out.append({"type": "text", "text": p.get("text", "")})
-        elif kind == "refusal":
-            out.append({"type": "text", "text": p.get("refusal", "")})
+        if kind in ("input_text", "output_text", "text", "refusal"):
+            field = "refusal" if kind == "refusal" else "text"
+            _require_string(p, field, f"{where}[{j}].{field}")     # a non-string was a 500 (a trial)
+            out.append({"type": "text", "text": p[field]})
         elif kind == "input_image" and p.get("image_url"):
             out.append({"type": "image_url", "image_url": {"url": p["image_url"], "detail": p.get("detail", "auto")}})
         else:
@@ -166,17 +166,24 @@ def _text_of(parts: list, where: str) -> str | list:
     return out
 
 
+def _require_string(obj: dict, name: str, path: str) -> None:
+    """Refuse ``obj`` (at ``path`` less its last key) without the string ``name``, naming ``path``."""
+    if name not in obj:
+        raise bad_request(f"missing required parameter '{path}'", path, "missing_required_parameter")
+    if not isinstance(obj[name], str):
+        got = "null" if obj[name] is None else type(obj[name]).__name__
+        raise bad_request(f"Invalid type for '{path}': expected a string, but got {got} instead.", path,
+                          "invalid_type")
+
+
 def _require_strings(item: dict, i: int, names: tuple[str, ...]) -> None:
     """Refuse input item ``i`` when one of ``names`` is absent or not a non-empty string, naming
     ``input[i].<name>`` (the chat translation would name ``messages[k].tool_calls[0]...`` of its own body)."""
     for name in names:
-        value = item.get(name)
-        if value is None:
-            raise bad_request(f"missing required parameter 'input[{i}].{name}'", f"input[{i}].{name}",
-                              "missing_required_parameter")
-        if not isinstance(value, str) or not value:
+        _require_string(item, name, f"input[{i}].{name}")
+        if not item[name]:
             raise bad_request(f"'input[{i}].{name}' must be a non-empty string", f"input[{i}].{name}",
-                              "invalid_type")
+                              "invalid_value")
 
 
 def to_messages(items: list[dict]) -> list[dict]:
@@ -207,9 +214,7 @@ def to_messages(items: list[dict]) -> list[dict]:
             messages.append({"role": role, "content": content})
         elif kind == "function_call":
             _require_strings(item, i, ("call_id", "name"))
-            if not isinstance(item.get("arguments", ""), str):
-                raise bad_request(f"'input[{i}].arguments' must be a string (the call's JSON arguments)",
-                                  f"input[{i}].arguments", "invalid_type")
+            _require_string(item, "arguments", f"input[{i}].arguments")     # the call's JSON text, as OpenAI's
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
             last = messages[-1] if messages else None

@@ -420,6 +420,9 @@ def test_an_empty_stop_sequence_is_named_as_the_messages_body_names_it():
     ([{"role": "user", "content": []}], "messages.0.content"),            # a new user's 500 (IndexError)
     ([{"role": "user", "content": ""}], "messages.0.content"),
     ([{"role": "user", "content": [{"type": "text", "text": ""}]}], "messages.0.content.0.text"),
+    # a missing or non-string text blamed the block's type (a trial)
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages.0.content.0.text"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages.0.content.0.text"),
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": []}, {"role": "user", "content": "x"}],
      "messages.1.content"),
 ])

@@ -186,6 +186,12 @@ def test_stream_text_after_a_call_is_a_second_message_with_its_own_id():
 @pytest.mark.parametrize("bad, param", [
     ({"role": "user"}, "input[2].content"),           # a new-user trial: param 'input', "got null"
     ({"role": "user", "content": 3}, "input[2].content"),
+    # a part's text not a string was a 500 (a trial), a missing one taken as empty; arguments are required
+    ({"role": "user", "content": [{"type": "input_text", "text": 5}]}, "input[2].content[0].text"),
+    ({"role": "user", "content": [{"type": "input_text", "text": None}]}, "input[2].content[0].text"),
+    ({"role": "user", "content": [{"type": "input_text"}]}, "input[2].content[0].text"),
+    ({"role": "assistant", "content": [{"type": "output_text", "text": ["a"]}]}, "input[2].content[0].text"),
+    ({"type": "function_call", "call_id": "c1", "name": "f"}, "input[2].arguments"),
     ({"type": "function_call", "call_id": "c1", "arguments": "{}"}, "input[2].name"),
     ({"type": "function_call", "name": "f", "arguments": "{}"}, "input[2].call_id"),
     ({"type": "function_call", "call_id": "c1", "name": "f", "arguments": {"x": 1}}, "input[2].arguments"),
