@@ -312,7 +312,8 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                 elif (role == "assistant" and isinstance(part, dict) and part.get("type") == "refusal"
                       and isinstance(part.get("refusal"), str)):
                     parts.append(part["refusal"])
-                elif isinstance(part, dict) and part.get("type") in ("text", "refusal"):   # its string missing
+                elif (isinstance(part, dict) and part.get("type") in ("text", "refusal")
+                      and not isinstance(part.get(part["type"]), str)):                 # its string missing
                     field = part["type"]
                     raise ServingError(400, f"messages[{i}].content[{j}].{field}: must be a string, got "
                                             f"{type(part.get(field)).__name__ if field in part else 'nothing'}",
