@@ -330,7 +330,8 @@ def report(out: dict) -> str:
              "budget_spent_nUSD  budget_nUSD  reserved_left  overspend_nUSD"]
     for t, r in out["tenants"].items():
         lines.append(f"{t:<7} {r['served']:>6} {r['records']:>8} {r['missing']:>8} {r['extra']:>6} "
-                     f"{r['failed']:>7} {r['estimated']:>10} {r['disconnected']:>13} {r['records_nusd']:>13} {r['usage_nusd']:>11} "
+                     f"{r['failed']:>7} {r['estimated']:>10} {r['disconnected']:>13} {r['records_nusd']:>13} "
+                     f"{r['usage_nusd']:>11} "
                      f"{r['budget_spent_nusd']:>18} {r['budget_nusd']:>12} {r['reservations_left']:>14} "
                      f"{r['overspend_nusd']:>15}")
     lines.append("invariants: " + ("all hold" if not out["violations"] else "; ".join(out["violations"])))

@@ -144,7 +144,8 @@
     const said = file.differs ? `Config file ${file.path || ""}: ${file.status}` : "";
     if (box.dataset.said !== said) {   // changed only when it changes: a live region announces each change
       box.dataset.said = said;
-      box.replaceChildren(...(said ? [h("p", {class: /^file (does not load|not applied)/.test(file.status) ? "error" : "steer"},
+      const refused = /^file (does not load|not applied)/.test(file.status);
+      box.replaceChildren(...(said ? [h("p", {class: refused ? "error" : "steer"},
                                         said)] : []));
     }
     const warned = JSON.stringify(config.warnings), list = $("config-warnings");

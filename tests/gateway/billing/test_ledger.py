@@ -215,8 +215,9 @@ async def test_client_disconnect_before_a_whole_answer_is_billed(up, redis_url):
 async def test_an_accepted_request_no_backend_answered_has_one_failed_record(up, redis_url, shared):
     """Accepted (past auth, validation and the budget) but every attempt failed: the client gets the error, and
     the ledger one record of no tokens and no cost, flagged failed, on backend "none" (as the request metrics and
-    log line label it: no backend answered); the reservation is gone and the report counts it among ``requests`` and ``failed_requests``. A request refused at validation
-    (400) has none. On Redis and in process alike (the settle script and its twin)."""
+    log line label it: no backend answered); the reservation is gone and the report counts it among
+    ``requests`` and ``failed_requests``. A request refused at validation (400) has none. On Redis and in process
+    alike (the settle script and its twin)."""
     up.set_default({"status": 500})
     cfg = config(up, redis_url if shared else None, budget_usd=1.0)
     if shared:
