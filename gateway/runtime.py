@@ -382,8 +382,8 @@ class Gateway:
             owners = {**owners, route: rollout}
             if not rollout or (ended and same_as_file(file_weights, new[route])):
                 owners.pop(route)
-                if rollout:              # the rollout ended where the file stands: the file decides again
-                    new.pop(route)
+                if rollout or same_as_file(file_weights, new[route]):   # where the file stands (a rollout ended
+                    new.pop(route)       # there, an operator set the file's split): the file decides again
         return await self._commit(ConfigState(text, new, "weights", file_digest=digest, owners=owners),
                                   version, guard)
 

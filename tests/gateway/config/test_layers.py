@@ -134,11 +134,17 @@ async def test_weights_that_change_nothing_keep_the_version_and_its_source(tmp_p
             future = await c.post("/admin/weights", json={"route": "ro", "weights": {"cand": 30},
                                                           "base_version": changed["version"] + 5})
             final = weights(gw)
+            # back to the file's split: no override is left (a new user's README story 3 ended [operator])
+            back = (await c.post("/admin/weights", json={"route": "ro", "weights": {"cand": 0}})).json()
+            back_layer = (await c.get("/admin/config")).json()["layers"]["ro"]
+            back_overrides = gw.snapshot.compiled.overrides
     assert (same["version"], same["source"]) == (first, "file") and layer["decided_by"] == "file"
     assert changed["version"] == first + 1 and again.json()["version"] == changed["version"]
     assert again.json()["source"] == "weights"
     assert future.status_code == 400 and future.json()["error"]["param"] == "base_version", future.text
     assert "not a config version yet" in future.json()["error"]["message"] and final == {"stable": 100.0, "cand": 20.0}
+    assert back["version"] == changed["version"] + 1 and back_layer["decided_by"] == "file", back_layer
+    assert "ro" not in back_overrides
 
 
 async def test_2_a_reload_removing_a_running_rollouts_candidate_is_refused_naming_it(tmp_path, caplog):

@@ -266,6 +266,8 @@ class LayersMachine(RuleBasedStateMachine):
             file, now = file_weights(self.model.file)[route], self.model.override.get(route, {})
             if {**file, **now} != {**file, **now, **weights}:   # weights that change nothing change no layer
                 self.model.override[route] = {**now, **weights}
+                if {**file, **self.model.override[route]} == file:   # the file's split: no override is left
+                    del self.model.override[route]
                 if route == "ro":
                     self.model.owner = None       # an operator's weights from now on
                 self.model.record()
