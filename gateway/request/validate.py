@@ -224,6 +224,10 @@ def _check_messages(messages: object) -> None:
             raise ClientError(400, f"'messages[{i}].content' must be a string or an array of content parts, got "
                               f"{type(content).__name__}", param=f"messages[{i}].content", code="invalid_type")
         if isinstance(content, list):
+            if not content and m["role"] in ("user", "system", "developer"):    # OpenAI's 400 (a trial's got a 200)
+                raise ClientError(400, f"Invalid 'messages[{i}].content': empty array. Expected an array with "
+                                  "minimum length 1, but got an empty array instead.", param=f"messages[{i}].content",
+                                  code="empty_array")
             _check_text_parts(content, f"messages[{i}].content")
     _check_tool_messages(messages)
 

@@ -83,7 +83,14 @@ def check_thinking(body: dict) -> None:
     """Anthropic's bounds on an enabled ``thinking`` budget (the hint itself is dropped on translated backends):
     an integer of at least 1024 tokens, below ``max_tokens``."""
     th = body.get("thinking")
-    if not isinstance(th, dict) or th.get("type") != "enabled":
+    if th is None:
+        return
+    if not isinstance(th, dict):       # a trial's thinking: 5 was taken
+        raise bad_request(missing_or_wrong(body, "thinking", "a valid dictionary"), "thinking")
+    if th.get("type") not in ("enabled", "disabled", "adaptive"):
+        raise bad_request(f"thinking.type: Input tag {th.get('type')!r} found using 'type' does not match any of the "
+                          "expected tags: 'enabled', 'disabled', 'adaptive'", "thinking.type")
+    if th["type"] != "enabled":
         return
     n = th.get("budget_tokens")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1024:

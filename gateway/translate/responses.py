@@ -152,7 +152,10 @@ def _text_of(parts: list, where: str) -> str | list:
     best), else chat's parts (images as ``image_url``)."""
     out = []
     for j, p in enumerate(parts):
-        kind = p.get("type") if isinstance(p, dict) else None
+        if not isinstance(p, dict):    # it said "part type 'None'" (a trial)
+            raise bad_request(f"'{where}[{j}]' must be a content part object, got {type(p).__name__}", f"{where}[{j}]",
+                              "invalid_type")
+        kind = p.get("type")
         if kind in ("input_text", "output_text", "text", "refusal"):
             field = "refusal" if kind == "refusal" else "text"
             _require_string(p, field, f"{where}[{j}].{field}")     # a non-string was a 500 (a trial)
@@ -210,6 +213,9 @@ def to_messages(items: list[dict]) -> list[dict]:
             if not isinstance(content, (str, list)):
                 raise bad_request(f"'input[{i}].content' must be a string or an array of content parts, got "
                                   f"{type(content).__name__}", f"input[{i}].content", "invalid_type")
+            if isinstance(content, list) and not content and role != "assistant":
+                raise bad_request(f"Invalid 'input[{i}].content': empty array. Expected an array with minimum length "
+                                  "1, but got an empty array instead.", f"input[{i}].content", "empty_array")
             content = _text_of(content, f"input[{i}].content") if isinstance(content, list) else content
             messages.append({"role": role, "content": content})
         elif kind == "function_call":

@@ -85,6 +85,7 @@ def test_null_fields_are_not_forwarded(gateway, upstreams):
     ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content"),
     # a text part without its string (a trial: the local engine blamed the part's type, an upstream got it as sent)
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),     # OpenAI's 400 (a trial's 200)
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
     ({"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": MSG, "stream": False, "stream_options": {"include_usage": True}}, "stream_options"),

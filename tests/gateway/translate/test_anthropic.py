@@ -76,6 +76,10 @@ def test_request_mapping_and_refusals():
                          "messages.1.content"),
                         ({"model": "m", "max_tokens": 4000, "messages": USER,
                           "thinking": {"type": "enabled", "budget_tokens": 10}}, "thinking.budget_tokens"),
+                        # thinking not an object, or of no known type (a new user's thinking: 5 was taken)
+                        ({"model": "m", "max_tokens": 1, "messages": USER, "thinking": 5}, "thinking"),
+                        ({"model": "m", "max_tokens": 1, "messages": USER, "thinking": {"type": "on"}},
+                         "thinking.type"),
                         # the canary key is a string (a trial's user_id 5 was taken)
                         ({"model": "m", "max_tokens": 1, "messages": USER, "metadata": {"user_id": 5}},
                          "metadata.user_id"),

@@ -186,6 +186,8 @@ def test_stream_text_after_a_call_is_a_second_message_with_its_own_id():
 @pytest.mark.parametrize("bad, param", [
     ({"role": "user"}, "input[2].content"),           # a new-user trial: param 'input', "got null"
     ({"role": "user", "content": 3}, "input[2].content"),
+    ({"role": "user", "content": []}, "input[2].content"),             # answered "incomplete" (a trial)
+    ({"role": "user", "content": [5]}, "input[2].content[0]"),         # said "part type 'None'"
     # a part's text not a string was a 500 (a trial), a missing one taken as empty; arguments are required
     ({"role": "user", "content": [{"type": "input_text", "text": 5}]}, "input[2].content[0].text"),
     ({"role": "user", "content": [{"type": "input_text", "text": None}]}, "input[2].content[0].text"),
