@@ -484,10 +484,11 @@ def test_a_rollout_started_onto_a_down_candidate_is_started_with_a_warning(brows
 
     from tests.gateway.fault_upstream import FaultUpstream
 
-    with socket.socket() as s:
+    # the port stays bound, never listening: connections are refused and no other test's server can take it (a
+    # full run's candidate answered: the port had been freed and reused)
+    with socket.socket() as s, FaultUpstream("stable") as stable:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
-    with FaultUpstream("stable") as stable:
         text = ROLLOUT_CONFIG.format(stable=stable.base_url, cand=dead).replace("interval_s: 0}", "interval_s: 0.2}")
         for g in gateway_on(tmp_path_factory, "console-down", text, env=ENV):
             wait_until(lambda: not httpx.get(g.url + "/admin/config", headers=ADMIN, timeout=10)

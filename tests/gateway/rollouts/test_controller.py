@@ -289,10 +289,11 @@ async def test_a_rollout_started_onto_a_down_candidate_says_so():
     sends traffic there; an up candidate gets no warning (the ctl test above)."""
     import socket
 
-    with socket.socket() as s:                         # a port nothing listens on: the candidate is down
+    # a port bound, never listening, for the whole test: the candidate is down, and no other test's server can
+    # take the port (freed, it can be reused)
+    with socket.socket() as s, FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
-    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
         text = two_upstreams(stable, cand).replace(cand.base_url, dead).replace(
             "health: {interval_s: 0}", "health: {interval_s: 0.1}")
         async with gateway(text) as (gw, url, c):
