@@ -1,6 +1,7 @@
-"""OpenAI's shapes of a chat request's ``tools``, ``tool_choice`` and ``response_format``: read by the gateway's edge
-validation (before routing: a malformed tool list never costs an upstream call) and by the engine's own chat server
-(``engine/serving/chat_structured.py``, which then compiles what they describe), so the request gets the same 400
+"""OpenAI's shapes of a chat request's ``tools``, ``tool_choice``, ``response_format`` and text parts: read by the
+gateway's edge validation (before routing: a malformed tool list never costs an upstream call) and by the engine's
+own chat server (``engine/serving/chat_structured.py``, which then compiles what they describe;
+``engine/serving/chat.py`` its messages), so the request gets the same 400
 wherever it enters. The JSON schemas they carry are checked where they are compiled (the engine), not here.
 """
 
@@ -145,3 +146,25 @@ def _check_named(obj: dict, keys: set[str], where: str, param: str) -> None:
     for key, kind, word in (("strict", bool, "a boolean"), ("description", str, "a string")):
         if obj.get(key) is not None and not isinstance(obj[key], kind):
             raise ShapeError(param, f"{where}.{key}: must be {word}, got {type(obj[key]).__name__}")
+
+
+def string_field_problem(obj: dict, name: str, path: str) -> tuple[str, str] | None:
+    """OpenAI's 400 for ``obj`` (the object at ``path`` less its last key) without the string ``name``: (message,
+    code); None when it has one. The gateway's chat and Responses checks and the engine's chat server say it in
+    these words (a text part's ``text`` of 5 was a 500 on Responses, blamed on the part's type on chat)."""
+    if name not in obj:
+        return f"missing required parameter '{path}'", "missing_required_parameter"
+    if isinstance(obj[name], str):
+        return None
+    got = "null" if obj[name] is None else type(obj[name]).__name__
+    return f"Invalid type for '{path}': expected a string, but got {got} instead.", "invalid_type"
+
+
+def text_part_problem(part: object, path: str) -> tuple[str, str, str] | None:
+    """A chat ``text`` (or ``refusal``) content part at ``path`` without its string: (the field's path, message,
+    code); None for any other part or one that has it."""
+    field = part.get("type") if isinstance(part, dict) else None
+    if field not in ("text", "refusal"):
+        return None
+    problem = string_field_problem(part, field, f"{path}.{field}")
+    return None if problem is None else (f"{path}.{field}", *problem)

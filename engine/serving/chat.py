@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from msgspec import UNSET
 
 from engine.outputs import CompletionOutput
+from engine.protocol.chat_shapes import text_part_problem
 from engine.protocol.errors import ServingError
 from engine.sampling_params import SamplingParams
 from engine.serving.answer_check import AnswerCheck, checked_finish
@@ -312,12 +313,9 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                 elif (role == "assistant" and isinstance(part, dict) and part.get("type") == "refusal"
                       and isinstance(part.get("refusal"), str)):
                     parts.append(part["refusal"])
-                elif (isinstance(part, dict) and part.get("type") in ("text", "refusal")
-                      and not isinstance(part.get(part["type"]), str)):                 # its string missing
-                    field = part["type"]
-                    raise ServingError(400, f"messages[{i}].content[{j}].{field}: must be a string, got "
-                                            f"{type(part.get(field)).__name__ if field in part else 'nothing'}",
-                                       param=f"messages[{i}].content[{j}].{field}", code="invalid_type")
+                elif (problem := text_part_problem(part, f"messages[{i}].content[{j}]")) is not None:
+                    path, message, code = problem            # its string missing: in the gateway's words
+                    raise ServingError(400, message, param=path, code=code)
                 else:
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise ServingError(400, f"messages[{i}].content[{j}]: part type {kind!r} is not supported "

@@ -9,7 +9,8 @@ from dataclasses import replace
 import msgspec
 
 from engine.protocol.guided import guided_field_hint
-from engine.protocol.chat_shapes import ShapeError, check_response_format, check_tool_choice, check_tools
+from engine.protocol.chat_shapes import (ShapeError, check_response_format, check_tool_choice, check_tools,
+                                         text_part_problem)
 from engine.protocol.param_ranges import check_param, first_violation
 from engine.protocol.tool_choice import PARALLEL_WITHOUT_TOOLS, parallel_without_tools
 from gateway.errors import ClientError
@@ -233,19 +234,11 @@ def _check_messages(messages: object) -> None:
 
 
 def _check_text_parts(parts: list, where: str) -> None:
-    """A ``text`` (or ``refusal``) content part carries its string, as OpenAI requires: a missing or non-string
-    one named by its own path (the local engine blamed the part's type, an upstream got it as sent; a trial)."""
+    """A ``text`` (or ``refusal``) content part carries its string, as OpenAI requires (``text_part_problem``)."""
     for j, part in enumerate(parts):
-        field = {"text": "text", "refusal": "refusal"}.get(part.get("type")) if isinstance(part, dict) else None
-        if field is None or isinstance(part.get(field), str):
-            continue
-        path = f"{where}[{j}].{field}"
-        if field not in part:
-            raise ClientError(400, f"missing required parameter '{path}'", param=path,
-                              code="missing_required_parameter")
-        got = "null" if part[field] is None else type(part[field]).__name__
-        raise ClientError(400, f"Invalid type for '{path}': expected a string, but got {got} instead.",
-                          param=path, code="invalid_type")
+        if (problem := text_part_problem(part, f"{where}[{j}]")) is not None:
+            path, message, code = problem
+            raise ClientError(400, message, param=path, code=code)
 
 
 def _check_tool_messages(messages: list[dict]) -> None:

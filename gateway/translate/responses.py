@@ -25,6 +25,7 @@ import re
 import time
 from dataclasses import dataclass
 
+from engine.protocol.chat_shapes import string_field_problem
 from gateway.errors import ClientError
 from gateway.request.validate import check_range, check_type
 from gateway.translate.chat import reasoning_of
@@ -170,13 +171,10 @@ def _text_of(parts: list, where: str) -> str | list:
 
 
 def _require_string(obj: dict, name: str, path: str) -> None:
-    """Refuse ``obj`` (at ``path`` less its last key) without the string ``name``, naming ``path``."""
-    if name not in obj:
-        raise bad_request(f"missing required parameter '{path}'", path, "missing_required_parameter")
-    if not isinstance(obj[name], str):
-        got = "null" if obj[name] is None else type(obj[name]).__name__
-        raise bad_request(f"Invalid type for '{path}': expected a string, but got {got} instead.", path,
-                          "invalid_type")
+    """Refuse ``obj`` (at ``path`` less its last key) without the string ``name``, naming ``path``
+    (``string_field_problem``'s words)."""
+    if (problem := string_field_problem(obj, name, path)) is not None:
+        raise bad_request(problem[0], path, problem[1])
 
 
 def _require_strings(item: dict, i: int, names: tuple[str, ...]) -> None:
