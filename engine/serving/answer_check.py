@@ -95,19 +95,15 @@ def _problem(schema: object, text: str, digest: str) -> str | None:
     not vouched for, and the request must end in an answer, not in the server's error (a trial's 500s opened
     the gateway's breaker)."""
     try:
-        value = json.loads(text)
-    except ValueError as exc:
+        error = next(iter(_validator(schema).iter_errors(json.loads(text))), None)
+    except json.JSONDecodeError as exc:
         problem = f"not JSON: {exc}"
-    except RecursionError:
+    except RecursionError:       # json.loads or the validator, past Python's recursion limit
         problem = "not checked: the answer nests deeper than the checker reads"
+    except Exception as exc:  # noqa: BLE001 -- the checker failing must not fail the request
+        problem = f"not checked: the checker failed ({type(exc).__name__}: {exc})"
     else:
-        try:
-            error = next(iter(_validator(schema).iter_errors(value)), None)
-            problem = None if error is None else f"{error.json_path}: {error.message}"
-        except RecursionError:
-            problem = "not checked: the answer nests deeper than the checker reads"
-        except Exception as exc:  # noqa: BLE001 -- the checker failing must not fail the request
-            problem = f"not checked: the checker failed ({type(exc).__name__}: {exc})"
+        problem = None if error is None else f"{error.json_path}: {error.message}"
     if problem is not None:
         logger.warning("a finished structured answer breaks its schema (digest %s): %s", digest, problem)
     return problem

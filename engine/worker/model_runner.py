@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.config import EngineArgs
 from engine.model_config import ModelConfig
 from engine.models.c_stack import decode_weight_bytes
 from engine.model_loader import release_freed_memory
@@ -212,7 +213,7 @@ class ModelRunner:
                     f"already used (weights), {free / gib:.2f} GiB free; raise gpu_memory_utilization or use a "
                     "smaller model/dtype")
         else:
-            if args.gpu_memory_utilization != 0.9:    # a vLLM command line's (its default is 0.9): said, not dropped
+            if args.gpu_memory_utilization != EngineArgs.gpu_memory_utilization:   # a vLLM line's: said, not dropped
                 logger.info("gpu_memory_utilization=%s changes nothing on CPU: the KV cache is kv_cache_memory "
                             "(--kv-cache-memory, %.2f GiB)", args.gpu_memory_utilization, args.kv_cache_memory / gib)
             asked = int(args.kv_cache_memory)
