@@ -56,24 +56,24 @@ class ConfigFile:
         return True
 
     def status(self, running_text: str, overrides: dict) -> dict:
-        """``{"path", "differs", "status"}`` against the running version (its file text and operator
+        """``{"path", "differs", "refused", "status"}`` against the running version (its file text and operator
         ``overrides``; a file whose text differs only in comments or layout does not differ): "in sync",
         "weights overrides active", "file does not load (the running version is kept): <why>" (an edit a reload
         refused), "file not applied (the running version is kept): <why>" (an edit that loads, refused by the
         reload: ``refused``), or "runtime override active, file differs" (a rollback, or another replica's file,
-        runs instead of it)."""
+        runs instead of it); ``refused``: True with either "file ..." status (the file's edit does not run)."""
         text = self.read()
         differs = text is not None and not same_document(text, running_text)
-        status = "weights overrides active" if overrides else "in sync"
+        status, refused = "weights overrides active" if overrides else "in sync", False
         if differs:
             try:
                 load_config_text(text, {}, source=self.path)
                 status = "runtime override active, file differs"
-                if self._refused is not None and self._refused[0] == text:
+                if refused := self._refused is not None and self._refused[0] == text:
                     status = f"file not applied (the running version is kept): {self._refused[1]}"
             except ConfigError as e:
-                status = f"file does not load (the running version is kept): {e}"
-        return {"path": self.path, "differs": differs, "status": status}
+                status, refused = f"file does not load (the running version is kept): {e}", True
+        return {"path": self.path, "differs": differs, "refused": refused, "status": status}
 
     def weights_if_differs(self, running_text: str) -> dict[str, dict[str, float]] | None:
         """route -> {target id: weight} of the file when its document is not the running one and it loads; else

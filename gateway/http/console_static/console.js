@@ -144,8 +144,7 @@
     const said = file.differs ? `Config file ${file.path || ""}: ${file.status}` : "";
     if (box.dataset.said !== said) {   // changed only when it changes: a live region announces each change
       box.dataset.said = said;
-      const refused = /^file (does not load|not applied)/.test(file.status);
-      box.replaceChildren(...(said ? [h("p", {class: refused ? "error" : "steer"},
+      box.replaceChildren(...(said ? [h("p", {class: file.refused ? "error" : "steer"},
                                         said)] : []));
     }
     const warned = JSON.stringify(config.warnings), list = $("config-warnings");

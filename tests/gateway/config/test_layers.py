@@ -164,7 +164,8 @@ async def test_2_a_reload_removing_a_running_rollouts_candidate_is_refused_namin
     assert "rollout r1 (running)" in refused.json()["error"]["message"]
     assert "removes its candidate 'cand'" in refused.json()["error"]["message"]
     assert still == ("running", {"stable": 50.0, "cand": 50.0})
-    assert file["differs"] and file["status"].startswith("file not applied (the running version is kept): "), file
+    assert file["differs"] and file["refused"] and file["status"].startswith("file not applied (the running "
+                                                                           "version is kept): "), file
     assert "removes its candidate 'cand'" in file["status"]
     assert aborted.status_code == 200 and weights(gw) == {"stable": 100.0}
     assert r["state"] == "aborted" and "abort_rollouts" in r["reason"]

@@ -71,6 +71,7 @@ async def test_reload_under_load_drops_nothing_and_refuses_invalid_file(upstream
         # The status says so (it had said "runtime override active, file differs", and there was none).
         status = cfg["file"]["status"]
         assert status.startswith("file does not load (the running version is kept): ") and cfg["file"]["differs"]
+        assert cfg["file"]["refused"]
         assert "routes.main.targets[0].weight" in status
         # A valid edit is picked up by the watcher (weights from the file again).
         path.write_text(good.replace("{backend: b, weight: 0}", "{backend: b, weight: 1}"))

@@ -446,6 +446,7 @@ def test_an_action_refused_far_down_the_page_is_shown_in_view(browser, rollout_g
     path.write_text(text + "\nbroken: [\n")
     try:
         page.get_by_text("file does not load (the running version is kept)").wait_for()
+        assert page.locator("#file-status p").get_attribute("class") == "error"     # the file's refused flag
     finally:
         path.write_text(text)
     page.get_by_text("file does not load").wait_for(state="detached")
