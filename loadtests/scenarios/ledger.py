@@ -26,6 +26,7 @@ import asyncio
 import json
 import random
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -98,9 +99,9 @@ class RedisProc:
 
 
 # ----- the system under test -------------------------------------------------------------------------------------
-def gateway_yaml(upstream_url: str, redis_url: str) -> str:
-    """Two models on one fake upstream: ``m`` (reports usage) and ``m-nousage`` (never does); ``m-down`` on a
-    port nothing listens on (every request accepted, none answered: a failed record each)."""
+def gateway_yaml(upstream_url: str, redis_url: str, down_url: str) -> str:
+    """Two models on one fake upstream: ``m`` (reports usage) and ``m-nousage`` (never does); ``m-down`` on
+    ``down_url``, a port bound and never listening (every request accepted, none answered: a failed record each)."""
     from hashlib import sha256
     keys = "".join(f"    - {{tenant: {t}, sha256: {sha256(k.encode()).hexdigest()}}}\n"
                    for t, (k, _) in TENANTS.items())
@@ -115,7 +116,7 @@ def gateway_yaml(upstream_url: str, redis_url: str) -> str:
             f"budgets:\n  tenants:\n{budgets}"
             "models:\n  - name: m\n  - name: m-nousage\n  - name: m-down\n"
             f"backends:\n  up:\n{backend}  nocount:\n{backend}    headers: {{x-usage: none}}\n"
-            f"  down:\n{backend.replace(upstream_url, f'http://127.0.0.1:{free_port()}/v1')}"
+            f"  down:\n{backend.replace(upstream_url, down_url)}"
             "routes:\n  counted:\n    targets: [{backend: up}]\n  uncounted:\n    targets: [{backend: nocount}]\n"
             "  unanswered:\n    targets: [{backend: down}]\n"
             "policy:\n  default_route: counted\n  rules:\n"
@@ -210,14 +211,17 @@ async def run_chaos(duration: float = 20.0, concurrency: int = 8, pause: float =
     from gateway.runtime import Gateway
     from loadtests.upstream import UpstreamConfig, make_app
 
-    with tempfile.TemporaryDirectory(prefix="tandem-ledger-") as work:
+    # the dead backend's port stays bound, never listening, for the whole run: refused, and no other server's
+    with tempfile.TemporaryDirectory(prefix="tandem-ledger-") as work, socket.socket() as dead:
+        dead.bind(("127.0.0.1", 0))
         redis = RedisProc(work).start()
         # 5 ms between streamed tokens: a client that leaves after the first chunk leaves mid-stream
         runner = web.AppRunner(make_app(UpstreamConfig("up", output_tokens=MAX_TOKENS, itl=0.005)))
         await runner.setup()
         up_port = free_port()
         await web.TCPSite(runner, "127.0.0.1", up_port).start()
-        cfg = gateway_yaml(f"http://127.0.0.1:{up_port}/v1", redis.url)
+        cfg = gateway_yaml(f"http://127.0.0.1:{up_port}/v1", redis.url,
+                           f"http://127.0.0.1:{dead.getsockname()[1]}/v1")
         gws, servers, urls = [], [], []
         try:
             for _ in range(2):
