@@ -4,6 +4,7 @@ through a real Redis server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
@@ -82,21 +83,28 @@ async def test_reload_under_load_drops_nothing_and_refuses_invalid_file(upstream
         g.stop()
 
 
-def test_sighup_reloads(upstreams, tmp_path):
+@contextlib.contextmanager
+def unwatched(upstreams, tmp_path):
+    """A gateway process on a config file it does not watch: yields (the file, its text, the gateway)."""
     a, b = upstreams
     path = tmp_path / "config.yaml"
     good = upstream_config({"a": a, "b": b}, ROUTES).replace("watch: true", "watch: false")
     path.write_text(good)
     g = GatewayProcess(path, env=ENV).start()
     try:
+        yield path, good, g
+    finally:
+        g.stop()
+
+
+def test_sighup_reloads(upstreams, tmp_path):
+    with unwatched(upstreams, tmp_path) as (path, good, g):
         path.write_text(good.replace("{backend: b, weight: 0}", "{backend: b, weight: 3}"))
         time.sleep(0.5)
         assert admin_config(g)["routes"]["main"]["targets"][1]["weight"] == 0   # not watched
         g.proc.send_signal(__import__("signal").SIGHUP)
         wait_until(lambda: admin_config(g)["routes"]["main"]["targets"][1]["weight"] == 3)
         assert admin_config(g)["history"][0]["source"] == "sighup"
-    finally:
-        g.stop()
 
 
 def test_unchanged_reload_keeps_the_version(upstreams, tmp_path):
@@ -287,12 +295,7 @@ def test_a_key_given_twice_is_refused_not_half_applied(upstreams, tmp_path):
     """A second ``policy:`` block pasted at the end of the file was applied, PyYAML keeping the last: the first
     block's rules were dropped without a word (an ops trial). The reload is refused naming both lines; the
     running version stays."""
-    a, b = upstreams
-    path = tmp_path / "config.yaml"
-    good = upstream_config({"a": a, "b": b}, ROUTES).replace("watch: true", "watch: false")
-    path.write_text(good)
-    g = GatewayProcess(path, env=ENV).start()
-    try:
+    with unwatched(upstreams, tmp_path) as (path, good, g):
         version = admin_config(g)["version"]
         path.write_text(good + "policy:\n  default_route: main\n")
         r = httpx.post(g.url + "/admin/reload", headers=ADMIN, timeout=30)
@@ -302,8 +305,6 @@ def test_a_key_given_twice_is_refused_not_half_applied(upstreams, tmp_path):
         assert f"found duplicate key 'policy' (first given on line {first})" in message, message
         assert f'in "{path}", line {len(good.splitlines()) + 1}' in message, message
         assert admin_config(g)["version"] == version
-    finally:
-        g.stop()
 
 
 def test_yaml_errors_name_the_file(tmp_path):
