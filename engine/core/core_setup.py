@@ -99,13 +99,19 @@ def start_core(core, args: EngineArgs) -> None:
 def _step_budget(args: EngineArgs, device_type: str, max_model_len: int) -> int:
     """Tokens one step may compute (``max_num_batched_tokens``): the setting, else with chunked prefill the
     device's default (never below ``max_num_seqs``: a step holds one decode token of every running sequence),
-    else room for a whole prompt of ``max_model_len``. Raises ValueError for a setting below ``max_model_len``
+    else room for a whole prompt of ``max_model_len``. A setting below ``max_num_seqs`` is logged (it caps how
+    many sequences run at once). Raises ValueError for a setting below ``max_model_len``
     with chunked prefill off (a prompt it could not hold would be refused, though ``max_model_len`` says it fits)."""
     if args.max_num_batched_tokens is not None:
         if not args.enable_chunked_prefill and args.max_num_batched_tokens < max_model_len:   # vLLM refuses it too
             raise ValueError(f"max_num_batched_tokens ({args.max_num_batched_tokens}) is smaller than max_model_len "
                              f"({max_model_len}) with chunked prefill off: every longer prompt would be refused; "
                              "raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill")
+        if args.max_num_batched_tokens < args.max_num_seqs:   # vLLM refuses it; here it caps the decode batch
+            logger.warning("max_num_batched_tokens (%d) is below max_num_seqs (%d): a step holds one token of each "
+                           "sequence it runs, so at most %d sequences run at once; raise max_num_batched_tokens or "
+                           "lower max_num_seqs to match", args.max_num_batched_tokens, args.max_num_seqs,
+                           args.max_num_batched_tokens)
         return args.max_num_batched_tokens
     if args.enable_chunked_prefill:
         return max(_DEFAULT_CHUNKED_BUDGET.get(device_type, 2048), args.max_num_seqs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -99,15 +100,20 @@ def test_a_follow_up_reads_the_cached_answer(tmp_path, batch_invariant):
     assert cached == 48  # 59 of the 60 tokens were computed: 3 full blocks
 
 
-def test_default_step_budget_by_device(tmp_path):
+def test_default_step_budget_by_device(tmp_path, caplog):
     """Unset, the step's token budget is 512 on CPU (a step's length bounds
     TTFT there), never below max_num_seqs, and at least max_model_len
-    without chunked prefill."""
+    without chunked prefill. Set below max_num_seqs, it is logged (it caps how many sequences run at once)."""
     model = save_byte_level_llama(tmp_path)
     budget = lambda **kw: LLM(model=model, dtype="float32", kv_cache_memory="4MiB", **kw).engine.max_num_batched_tokens  # noqa: E731
     assert budget() == 512
     assert budget(max_num_seqs=600) == 600
+    caplog.set_level(logging.WARNING, logger="tandem.engine")
+    assert budget(max_num_batched_tokens=64, max_num_seqs=64) == 64
+    assert "below max_num_seqs" not in caplog.text
     assert budget(max_num_batched_tokens=64) == 64
+    assert "max_num_batched_tokens (64) is below max_num_seqs (256): " in caplog.text
+    assert "at most 64 sequences run at once" in caplog.text
     assert budget(enable_chunked_prefill=False, max_model_len=256) == 2048
     assert budget(enable_chunked_prefill=False, max_model_len=256, max_num_batched_tokens=256) == 256
     # set below max_model_len with chunked prefill off: refused at start, as vLLM does (a trial's 64-token budget
