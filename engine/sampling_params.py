@@ -144,6 +144,13 @@ class SamplingParams:
         spaces_between_special_tokens: kept for vLLM compatibility.
         structured_outputs: a grammar the completion must follow
             (engine/worker/structured_outputs.py), or None.
+        allowed_token_ids: sampling is restricted to these token ids (vLLM's; the reported logprobs stay the
+            model's raw ones).
+        bad_words: words the completion never generates (vLLM's): each word's last token is banned wherever
+            the output ends with its other tokens, the word tokenized as it is and after a space
+            (``engine/worker/bad_words.py``).
+        bad_words_token_ids: ``bad_words`` tokenized (vLLM's ``_bad_words_token_ids``): set by the engine core
+            from its tokenizer when ``bad_words`` is; None otherwise.
 
     Raises:
         ValueError: a parameter is out of range; the message names it.
@@ -170,12 +177,19 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
@@ -216,6 +230,16 @@ class SamplingParams:
             v = getattr(self, name)
             check(v is None or (_is_int(v) and 0 <= v <= _MAX_LOGPROBS), name,
                   f"must be an integer in [0, {_MAX_LOGPROBS}], got {v!r}")
+        ids = self.allowed_token_ids
+        check(ids is None or (isinstance(ids, list) and ids and all(_is_int(t) and t >= 0 for t in ids)),
+              "allowed_token_ids", f"must be a non-empty list of token ids (integers >= 0), got {ids!r}")
+        words = self.bad_words
+        check(words is None or (isinstance(words, list) and all(isinstance(w, str) and w.strip() for w in words)),
+              "bad_words", f"must be a list of words (strings with a non-space character), got {words!r}")
+        tokenized = self.bad_words_token_ids
+        check(tokenized is None or (isinstance(tokenized, list) and all(
+            isinstance(w, list) and w and all(_is_int(t) and t >= 0 for t in w) for w in tokenized)),
+            "bad_words_token_ids", "must be a list of non-empty token-id lists")
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 
 from engine.config import EngineArgs
 from engine.core.core_messages import EngineCoreOutput, EngineStats
+from engine.worker.token_restrictions import resolved_for_model
 from engine.worker.grammar_compiler import grammar_limits
 from engine.distributed.parallel_state import RankFailure
 from engine.worker.step_inputs import STOP
@@ -75,8 +76,8 @@ class EngineCore:
         original start and its usage's prompt is the original prompt.
 
         Raises:
-            ValueError: duplicate id, empty prompt, token id out of the
-                vocabulary, prompt + ``max_tokens`` over ``max_model_len``; a
+            ValueError: duplicate id, empty prompt, token id (of the prompt, of
+                ``allowed_token_ids``) out of the vocabulary, prompt + ``max_tokens`` over ``max_model_len``; a
                 continuation of a choice out of range, with no tokens left to
                 generate, or of a request with a grammar or prompt logprobs.
         """
@@ -84,6 +85,7 @@ class EngineCore:
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self._check_prompt(token_ids, params)
+        params = resolved_for_model(params, self.tokenizer, self.model_config.vocab_size)
         if resume is not None:
             self._check_resume(token_ids, params, max_tokens, resume)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -133,11 +135,8 @@ class EngineCore:
                 raise ValueError(f"resume: choice {index} has no tokens left to generate or a token out of range")
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
-        """The resolved ``max_tokens`` of a valid prompt.
-
-        Raises:
-            ValueError: empty, a token id out of the vocabulary, or over ``max_model_len``.
-        """
+        """The resolved ``max_tokens`` of a valid prompt. Raises ValueError: empty, a token id out of the
+        vocabulary, or over ``max_model_len``."""
         if not token_ids:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
@@ -149,10 +148,9 @@ class EngineCore:
                              f"but the prompt has {num_prompt} tokens (max_model_len)")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
         if num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} "
-                f"for the completion) (max_model_len)")
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                             f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} "
+                             f"for the completion) (max_model_len)")
         return max_tokens
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

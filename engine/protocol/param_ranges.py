@@ -51,9 +51,11 @@ PARAM_RANGES: Mapping[str, Range] = {
     "logprobs": Range(0, 20, integer=True),       # completions' integer (vLLM's max_logprobs); chat's is a bool
     "prompt_logprobs": Range(0, 20, integer=True),
     "priority": Range(INT64_MIN, INT64_MAX, integer=True),
+    "truncate_prompt_tokens": Range(-1, INT64_MAX, integer=True),   # vLLM's; -1: the model's context (0: refused)
 }
 # Fields holding an array of numbers: the range of each item.
-ITEM_RANGES: Mapping[str, Range] = {"stop_token_ids": Range(0, INT64_MAX, integer=True)}
+ITEM_RANGES: Mapping[str, Range] = {"stop_token_ids": Range(0, INT64_MAX, integer=True),
+                                    "allowed_token_ids": Range(0, INT64_MAX, integer=True)}
 # ``logit_bias``: token id (a JSON key: a string of decimal digits) -> a bias in -100..100 (OpenAI's).
 LOGIT_BIAS = Range(-100, 100)
 _TOKEN_ID = re.compile(r"[0-9]{1,19}")

@@ -23,7 +23,7 @@ from engine.serving.tool_call_parser import ToolCallParser, parse_tool_calls
 from engine.serving.chunks import ChatChoiceChunk, Chunk, Delta, StreamError, StreamItem
 from engine.serving.protocol import ChatCompletionRequest, RequestValidationError
 from engine.serving.serving import (OpenAIServing, Prompt, RenderedPrompt, error_from_engine, parse_body,
-                                    reject_abort, usage, usage_options)
+                                    reject_abort, truncate_prompt, usage, usage_options)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -38,7 +38,7 @@ class OpenAIServingChat(OpenAIServing):
         Raises:
             ServingError: as ``create_chat_completion``.
         """
-        r = rendered if rendered is not None else render_chat(self.engine.tokenizer, body)
+        r = self.truncated(rendered if rendered is not None else render_chat(self.engine.tokenizer, body))
         req, plan = r.request, r.plan
         self._check_common(req, body.get("model"))
         length_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -81,7 +81,7 @@ class OpenAIServingChat(OpenAIServing):
         echo = ""
         if req.echo and messages and messages[-1].get("role") == "assistant":
             echo = messages[-1].get("content") or ""
-        prompt = Prompt(token_ids, None, params, req.cache_salt)
+        prompt = Prompt(token_ids, None, params, req.cache_salt, bool(req.return_tokens_as_token_ids))
         prio = req.priority if req.priority is not None else priority
         top = req.top_logprobs or 0
         model = response_model or self.reported_model(body.get("model"))
@@ -119,7 +119,7 @@ class OpenAIServingChat(OpenAIServing):
             out_choices.append({
                 "index": index,
                 "message": message,
-                "logprobs": {"content": self.logprobs.chat_logprobs(ch.token_ids, ch.logprobs or [], top),
+                "logprobs": {"content": self.logprobs_of(prompt).chat_logprobs(ch.token_ids, ch.logprobs or [], top),
                              "refusal": None} if want_logprobs else None,
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,
@@ -177,7 +177,8 @@ class OpenAIServingChat(OpenAIServing):
                         generated[c.index] = c.num_generated_tokens
                         lps = None
                         if want_logprobs and c.token_ids:
-                            lps = {"content": self.logprobs.chat_logprobs(c.token_ids, c.logprobs or [], top),
+                            lps = {"content": self.logprobs_of(prompt).chat_logprobs(c.token_ids, c.logprobs or [],
+                                                                                     top),
                                    "refusal": None}
                         deltas, finish_reason = stream_deltas(parsers, c)
                         stop_reason = c.stop_reason
@@ -245,7 +246,8 @@ def render_chat(tokenizer, body: dict) -> RenderedPrompt:
         raise ServingError(400, f"messages: the chat template failed: {exc}", param="messages") from None
     if req.continue_final_message:
         text = cut_after_final_message(text, messages)
-    token_ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    token_ids = truncate_prompt(tokenizer.encode(text, add_special_tokens=req.add_special_tokens),
+                                req.truncate_prompt_tokens)
     return RenderedPrompt(req, ((None, token_ids),), plan=plan)
 
 

@@ -22,7 +22,7 @@ from engine.serving.chunks import Chunk, CompletionChoiceChunk, StreamError, Str
 from engine.serving.logprobs import empty_completion_logprobs
 from engine.serving.protocol import CompletionRequest, RequestValidationError
 from engine.serving.serving import (OpenAIServing, Prompt, RenderedPrompt, engine_id, error_from_engine,
-                                    merge_streams, parse_body, reject_abort, usage, usage_options)
+                                    merge_streams, parse_body, reject_abort, truncate_prompt, usage, usage_options)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -38,7 +38,7 @@ class OpenAIServingCompletion(OpenAIServing):
         Raises:
             ServingError: as ``create_completion``.
         """
-        r = rendered if rendered is not None else render_completion(self.engine.tokenizer, body)
+        r = self.truncated(rendered if rendered is not None else render_completion(self.engine.tokenizer, body))
         req = r.request
         self._check_common(req, body.get("model"))
         prompt_logprobs = req.prompt_logprobs
@@ -57,7 +57,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params = self._sampling_params(req, len(ids), max_tokens=max_tokens, logprobs=req.logprobs,
                                            prompt_logprobs=prompt_logprobs, prompt_field="prompt",
                                            structured_outputs=spec)
-            prompts.append(Prompt(ids, text, params, req.cache_salt))
+            prompts.append(Prompt(ids, text, params, req.cache_salt, bool(req.return_tokens_as_token_ids)))
         return r, prompts
 
     async def create_completion(self, body: dict, request_id: str, priority: int = 0,
@@ -126,9 +126,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 if logprobs is not None:
                     lps = empty_completion_logprobs()
                     offset = 0
+                    fmt = self.logprobs_of(prompt)
                     if echo:
-                        offset = self.logprobs.append_prompt_logprobs(lps, prompt.token_ids, prompt_lps[p_idx], logprobs)
-                    self.logprobs.append_completion_logprobs(lps, ch.token_ids, ch.logprobs or [], logprobs, offset)
+                        offset = fmt.append_prompt_logprobs(lps, prompt.token_ids, prompt_lps[p_idx], logprobs)
+                    fmt.append_completion_logprobs(lps, ch.token_ids, ch.logprobs or [], logprobs, offset)
                 finish_reason, stop_reason = checked_finish(self.engine, check, ch.finish_reason, ch.stop_reason,
                                                             ch.text)
                 choice = {"index": p_idx * n + index, "text": prefix + ch.text, "logprobs": lps,
@@ -192,10 +193,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         if echo and first:
                             text = self._prompt_text(prompt) + text
                             if lps is not None:
-                                offsets[key] = self.logprobs.append_prompt_logprobs(
+                                offsets[key] = self.logprobs_of(prompt).append_prompt_logprobs(
                                     lps, prompt.token_ids, out.prompt_logprobs or [], logprobs)
                         if lps is not None:
-                            offsets[key] = self.logprobs.append_completion_logprobs(
+                            offsets[key] = self.logprobs_of(prompt).append_completion_logprobs(
                                 lps, c.token_ids, c.logprobs or [], logprobs, offsets.get(key, 0))
                             if not lps["tokens"]:
                                 lps = None
@@ -257,15 +258,17 @@ def render_completion(tokenizer, body: dict) -> RenderedPrompt:
         raise ServingError(400, "prompt: a list must hold only strings or only token-id lists, not both",
                            param="prompt", code="invalid_value")
     out = []
+    keep = req.truncate_prompt_tokens
     for item in items:
         if isinstance(item, str):
             ids = tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
-            out.append((item, ids))
+            cut = truncate_prompt(ids, keep)
+            out.append((item if len(cut) == len(ids) else None, cut))   # an echo shows the prompt as truncated
         elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
             if any(t < 0 or t >= vocab for t in item):
                 raise ServingError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt",
                                    code="invalid_value")
-            out.append((None, list(item)))
+            out.append((None, truncate_prompt(list(item), keep)))
         else:
             raise ServingError(400, "prompt: must be a string, a list of strings, a list of token ids "
                                     "or a list of token-id lists", param="prompt")

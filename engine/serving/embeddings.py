@@ -2,7 +2,9 @@
 as a string, strings, token ids or token-id arrays; each embedded by pooling the model's final hidden states
 (``engine/pooling.py``: the model's own pooling config, else last token, normalized); ``encoding_format`` float or
 base64 (little-endian float32, as OpenAI encodes it). ``dimensions`` is refused: the vector has the model's hidden
-size (no Matryoshka truncation is trained into a decoder run as an embedder).
+size (no Matryoshka truncation is trained into a decoder run as an embedder). vLLM's extras: ``normalize`` (None:
+the model's pooling config), ``add_special_tokens`` (default true) and ``truncate_prompt_tokens`` (each input's last
+N tokens; -1: what fits ``max_model_len``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import time
 
 import numpy as np
 
-from engine.serving.serving import OpenAIServing, error_from_engine
+from engine.protocol.param_ranges import check_param
+from engine.serving.serving import OpenAIServing, error_from_engine, truncate_prompt
 from engine.protocol.errors import ServingError
 
 
@@ -30,6 +33,27 @@ def _inputs(value: object) -> list[str | list[int]]:
             return [list(x) for x in value]
     raise ServingError(400, "input: must be a non-empty string, an array of non-empty strings, an array of token "
                             "ids, or an array of non-empty token-id arrays", param="input")
+
+
+def _extras(body: dict, limit: int) -> tuple[bool | None, bool, int | None]:
+    """vLLM's ``normalize``, ``add_special_tokens`` and ``truncate_prompt_tokens`` of an embeddings body (-1 as
+    ``limit``). Raises ServingError(400) naming a value of the wrong type or out of range."""
+    for name in ("normalize", "add_special_tokens"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise ServingError(400, f"{name}: must be a boolean, got {type(body[name]).__name__}", param=name,
+                               code="invalid_type")
+    keep = body.get("truncate_prompt_tokens")
+    if keep is not None:
+        if not isinstance(keep, int) or isinstance(keep, bool):
+            raise ServingError(400, f"truncate_prompt_tokens: must be an integer, got {type(keep).__name__}",
+                               param="truncate_prompt_tokens", code="invalid_type")
+        if (v := check_param("truncate_prompt_tokens", keep)) is not None:
+            raise ServingError(400, v.message, param=v.param, code=v.code)
+        if keep > limit:
+            raise ServingError(400, f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({limit})."
+                                    " Please, select a smaller truncation size.", param="truncate_prompt_tokens")
+    add = body.get("add_special_tokens")
+    return body.get("normalize"), add is not False, limit if keep == -1 else keep
 
 
 def encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -71,9 +95,10 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise ServingError(400, "dimensions: this model does not support a reduced embedding size",
                                param="dimensions")
         tok = self.engine.tokenizer
-        prompts = [tok.encode(x, add_special_tokens=True) if isinstance(x, str) else x
-                   for x in _inputs(body.get("input"))]
         limit, vocab = self.engine.max_model_len, tok.vocab_size
+        normalize, special, keep = _extras(body, limit)
+        prompts = [truncate_prompt(tok.encode(x, add_special_tokens=special) if isinstance(x, str) else x, keep)
+                   for x in _inputs(body.get("input"))]
         for i, ids in enumerate(prompts):
             bad = next((t for t in ids if t >= vocab), None)   # _inputs took only ids >= 0
             if bad is not None:   # past int64 the core's msgpack cannot even carry it
@@ -86,7 +111,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                                         f"{where} resulted in {len(ids)} tokens. Please reduce the length of the "
                                         f"input.", param="input", code="context_length_exceeded")
         try:
-            vectors = await self.engine.embed(prompts)
+            vectors = await self.engine.embed(prompts, normalize=normalize)
         except Exception as exc:  # noqa: BLE001 -- mapped onto the client's error
             raise error_from_engine(exc) from None
         n = sum(len(p) for p in prompts)

@@ -50,6 +50,13 @@ class _TokenTexts:
         self._cache[token_id] = (text, raw)
         return text, raw
 
+class _TokenIdTexts:
+    """vLLM's ``return_tokens_as_token_ids``: each token named ``token_id:<id>`` (bytes: that name's UTF-8), so a
+    token that is not a whole character stays tellable from another."""
+
+    def get(self, token_id: int, decoded: str = "") -> tuple[str, list[int]]:
+        name = f"token_id:{token_id}"
+        return name, list(name.encode())
 
 
 class LogprobFormatter:
@@ -57,13 +64,15 @@ class LogprobFormatter:
 
     Args:
         tokenizer: the engine's tokenizer (token texts and bytes are cached).
+        as_token_ids: name the tokens of chat and completions logprobs ``token_id:<id>`` (vLLM's
+            ``return_tokens_as_token_ids``); vLLM's ``prompt_logprobs`` keep the decoded tokens.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, as_token_ids: bool = False) -> None:
         self._tokenizer = tokenizer
-        self._texts: _TokenTexts | None = None
+        self._texts: _TokenTexts | _TokenIdTexts | None = _TokenIdTexts() if as_token_ids else None
 
-    def _token_texts(self) -> _TokenTexts:
+    def _token_texts(self) -> _TokenTexts | _TokenIdTexts:
         if self._texts is None:
             self._texts = _TokenTexts(self._tokenizer)
         return self._texts

@@ -56,7 +56,12 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     use_beam_search: bool = False
     stop_token_ids: list[int] | None = None
-    allowed_token_ids: list[int] | None = None   # vLLM's; refused (UNSERVED_FIELDS), never ignored
+    allowed_token_ids: list[int] | None = None   # vLLM's: sampling restricted to them
+    bad_words: list[str] | None = None   # vLLM's: words never generated (engine/worker/token_restrictions.py)
+    truncate_prompt_tokens: int | None = None   # vLLM's: keep the prompt's last N tokens (-1: max_model_len)
+    return_tokens_as_token_ids: bool | None = None   # vLLM's: logprobs name tokens "token_id:<id>"
+    length_penalty: float = 1.0   # vLLM's beam-search knob: without beam search (refused) it changes nothing
+    vllm_xargs: dict[str, Any] | None = None   # vLLM's arguments of custom logits processors (none here): unread
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -77,9 +82,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_choice: Any = None
     guided_grammar: Any = None
     # vLLM's fields this engine does not implement (UNSERVED_FIELDS): read only to be refused, never ignored
-    bad_words: Any = None
-    truncate_prompt_tokens: Any = None
-    return_tokens_as_token_ids: Any = None
     logits_processors: Any = None
     prompt_embeds: Any = None   # completions' (vLLM takes them only with --enable-prompt-embeds)
 
@@ -110,6 +112,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None   # extra variables of the chat template
     chat_template: Any = None   # vLLM's request template: refused (UNSERVED_FIELDS), the model's own renders
+    mm_processor_kwargs: Any = None   # vLLM's multimodal processor options: refused (UNSERVED_FIELDS), as LLM.chat
     # Tandem: continue this request from the tokens each choice had generated (a stream resumed on another
     # replica, docs/operators/replicas.md); one list per choice
     resume_token_ids: list[list[int]] | None = None
@@ -141,12 +144,9 @@ T = TypeVar("T")
 # answer something else than what vLLM answers: words it bans, a prompt it truncates, token ids it names)
 UNSERVED_FIELDS = {
     "use_beam_search": "beam search is not supported",
-    "allowed_token_ids": "is not supported",   # vLLM restricts sampling to them
-    "bad_words": "banning words is not implemented (a structured_outputs regex can exclude them)",
-    "truncate_prompt_tokens": "prompt truncation is not implemented: send the tokens to keep",
-    "return_tokens_as_token_ids": "tokens are returned as strings only",
     "logits_processors": "custom logits processors are not supported",
     "prompt_embeds": "prompt embeddings are not supported: send the prompt as text or token ids",
+    "mm_processor_kwargs": "this engine serves no multimodal model",
     # vLLM takes one only with --trust-request-chat-template; ignoring it would render another prompt
     "chat_template": "this server does not take request chat templates: the model's own template renders every "
                      "request (chat_template_kwargs reach it)",

@@ -37,12 +37,14 @@ logger = logging.getLogger("tandem.serving")
 
 @dataclass
 class Prompt:
-    """One prompt ready for the engine; ``cache_salt``: the request's (``AsyncEngine.generate``)."""
+    """One prompt ready for the engine; ``cache_salt``: the request's (``AsyncEngine.generate``);
+    ``return_tokens_as_token_ids``: its answer's logprobs name tokens ``token_id:<id>`` (vLLM's)."""
 
     token_ids: list[int]
     text: str | None
     params: SamplingParams
     cache_salt: str | None = None
+    return_tokens_as_token_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class OpenAIServing:
         self.served_model_name, self.served_model_names = names[0], names
         self.created = int(time.time())
         self.logprobs = LogprobFormatter(engine.tokenizer)
+        self._logprobs_by_id = LogprobFormatter(engine.tokenizer, as_token_ids=True)
 
     # ------------------------------------------------------------------ models
     def models(self) -> dict:
@@ -219,7 +222,7 @@ class OpenAIServing:
             ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
-            structured_outputs=structured_outputs,
+            structured_outputs=structured_outputs, allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
         )
         try:
             params = SamplingParams(**kwargs)
@@ -236,10 +239,11 @@ class OpenAIServing:
                 raise ServingError(400, f"Requested {kind} logprobs of {asked}, which is greater than max allowed: "
                                         f"{cap} (--max-logprobs)", param=field)
         vocab = self.engine.tokenizer.vocab_size
-        for i, t in enumerate(params.stop_token_ids):
-            if t >= vocab:   # a token this model can never sample: a mistyped id, not a stop
-                raise ServingError(400, f"stop_token_ids[{i}]: {t} is not a token id of this model (ids are in "
-                                        f"[0, {vocab}))", param="stop_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):   # a token this model can never sample: a mistyped id
+            for i, t in enumerate(getattr(params, name) or ()):
+                if t >= vocab:
+                    raise ServingError(400, f"{name}[{i}]: {t} is not a token id of this model (ids are in "
+                                            f"[0, {vocab}))", param=name)
         limit = self.engine.max_model_len
         if num_prompt_tokens >= limit:
             raise ServingError(
@@ -272,6 +276,25 @@ class OpenAIServing:
             raise ServingError(400, f"logit_bias: {past!r} is not a token id of this model (ids are in [0, {vocab}))",
                                param="logit_bias", code="invalid_value")
         return {int(key): value for key, value in bias.items()}
+
+    def logprobs_of(self, prompt: Prompt) -> LogprobFormatter:
+        """The formatter of ``prompt``'s answer logprobs (tokens named by id when it asks)."""
+        return self._logprobs_by_id if prompt.return_tokens_as_token_ids else self.logprobs
+
+    def truncated(self, r: RenderedPrompt) -> RenderedPrompt:
+        """``r`` with vLLM's ``truncate_prompt_tokens`` of -1 applied (each prompt's last ``max_model_len`` tokens;
+        a positive value was applied when it was rendered: ``truncate_prompt``).
+
+        Raises:
+            ServingError: 400 when the value is above ``max_model_len`` (vLLM's refusal)."""
+        keep, limit = r.request.truncate_prompt_tokens, self.engine.max_model_len
+        if keep is not None and keep > limit:
+            raise ServingError(400, f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({limit})."
+                                    " Please, select a smaller truncation size.", param="truncate_prompt_tokens")
+        if keep != -1:
+            return r
+        return dataclasses.replace(r, prompts=tuple((text if len(ids) <= limit else None, ids[-limit:])
+                                                    for text, ids in r.prompts))
 
     async def _collect(self, request_id: str, prompts: list[Prompt], priority: int):
         """Run every prompt to completion; per prompt: {index: cumulative
@@ -315,6 +338,18 @@ def model_permission(created: int) -> dict:
             "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
             "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
             "group": None, "is_blocking": False}
+
+
+def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens`` where a prompt is rendered: its last ``keep`` token ids when ``keep`` >= 1
+    (-1, the whole context, is applied by ``OpenAIServing.truncated``; None: all).
+
+    Raises:
+        ServingError: 400 for 0 (no prompt would be left)."""
+    if keep == 0:
+        raise ServingError(400, "truncate_prompt_tokens: must be -1 (the model's context) or at least 1, got 0",
+                           param="truncate_prompt_tokens", code="invalid_value")
+    return ids[-keep:] if keep is not None and keep > 0 else ids
 
 
 def engine_id(request_id: str, i: int, num_prompts: int) -> str:

@@ -7,7 +7,9 @@ One call of ``Sampler.sample`` handles a whole step's batch in a single pass:
    penalties, ``min_tokens``, temperature, top-k, top-p and min-p (vLLM v1's
    default ``raw_logprobs`` mode). The sampled token's logprob therefore does
    not depend on ``logprobs`` (k) nor on the sampling parameters.
-2. ``logit_bias`` (OpenAI's: added to the logits of its tokens), then
+2. ``allowed_token_ids`` (every other token gets ``-inf``) and ``bad_words``
+   (the tokens that would complete one get ``-inf``): vLLM's, ``engine/worker/token_restrictions.py``; then
+   ``logit_bias`` (OpenAI's: added to the logits of its tokens), then
    penalties (rows that use them only, all rows incl. greedy ones, as vLLM):
    repetition penalty over prompt + output tokens (CTRL, Keskar et al. 2019,
    Hugging Face semantics: a positive logit is divided by it, a negative one
@@ -46,6 +48,7 @@ import torch
 
 from engine.outputs import Logprob, PositionLogprobs
 from engine.core.request import Request
+from engine.worker.token_restrictions import banned_next_tokens
 from engine.worker.structured_outputs import GrammarBitmask, apply_token_bitmask
 from engine.worker.top_k_top_p import apply_top_k_top_p
 
@@ -141,7 +144,7 @@ class Sampler:
             lp_idx = None if len(lp_rows) == num_rows else _to_device(lp_rows, torch.long, device)
             raw_logprobs = torch.log_softmax(logits if lp_idx is None else logits[lp_idx], dim=-1)
 
-        logits = _apply_penalties(_apply_logit_bias(logits, requests), requests)
+        logits = _apply_penalties(_apply_logit_bias(_apply_token_restrictions(logits, requests), requests), requests)
         constrained = set(grammar_bitmask.rows) if grammar_bitmask is not None else set()
         logits = _apply_min_tokens(logits, requests, constrained)
         if grammar_bitmask is not None:
@@ -225,11 +228,13 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 def picks_raw_argmax(request: Request) -> bool:
     """Whether this sampler's next token for ``request`` is the first maximum of the model's raw logits with
-    nothing else reported: greedy, no penalties or logit_bias, ``min_tokens`` reached, no grammar, no logprobs
-    (what several greedy decode steps in one call may compute in its stead: ``engine/core/multi_step.py``)."""
+    nothing else reported: greedy, no penalties, logit_bias, allowed_token_ids or bad_words, ``min_tokens``
+    reached, no grammar, no logprobs (what several greedy decode steps in one call may compute in its stead:
+    ``engine/core/multi_step.py``)."""
     p = request.sampling_params
     return (p.temperature < _SAMPLING_EPS and p.logprobs is None and p.structured_outputs is None
-            and request.num_output_tokens >= p.min_tokens and not _has_penalty(request) and not p.logit_bias)
+            and request.num_output_tokens >= p.min_tokens and not _has_penalty(request) and not p.logit_bias
+            and not p.allowed_token_ids and not p.bad_words_token_ids)
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -357,6 +362,30 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
 def _has_penalty(r: Request) -> bool:
     p = r.sampling_params
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _apply_token_restrictions(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """``-inf`` on every token outside a row's ``allowed_token_ids`` and on the tokens its ``bad_words`` ban
+    after its output so far (ids past the vocabulary: none). Out of place; each row on its own (batch
+    invariant)."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    restricted = [i for i, r in enumerate(requests) if r.sampling_params.allowed_token_ids]
+    if restricted:
+        keep = torch.zeros((len(restricted), vocab), dtype=torch.bool)
+        for j, i in enumerate(restricted):
+            keep[j, [t for t in requests[i].sampling_params.allowed_token_ids if t < vocab]] = True
+        idx = _to_device(restricted, torch.long, device)
+        logits = logits.index_copy(0, idx, logits[idx].masked_fill(~keep.to(device), float("-inf")))
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, r in enumerate(requests):
+        if sequences := r.sampling_params.bad_words_token_ids:
+            for t in banned_next_tokens(sequences, r.output_token_ids):
+                if t < vocab:
+                    rows.append(i)
+                    cols.append(t)
+    return _put(logits, rows, cols, torch.tensor(float("-inf"), device=device)) if rows else logits
 
 
 def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -8,9 +8,11 @@ from gateway.errors import ClientError
 
 # Optional parameters and the JSON types they may have (None is always allowed).
 EMBEDDINGS_TYPES = {"encoding_format": (str,), "dimensions": (int,), "user": (str,), "priority": (str, int),
-                    "metadata": (dict,)}
-# Every top-level parameter an embeddings request may carry: OpenAI's (its API reference) and the gateway's own
-# (``priority``, ``metadata``); any other is refused as on chat (``validate.KNOWN_PARAMS``).
+                    "metadata": (dict,), "normalize": (bool,), "add_special_tokens": (bool,),
+                    "truncate_prompt_tokens": (int,)}
+# Every top-level parameter an embeddings request may carry: OpenAI's (its API reference), the gateway's own
+# (``priority``, ``metadata``) and vLLM's that the engine reads (``normalize``, ``add_special_tokens``,
+# ``truncate_prompt_tokens``); any other is refused as on chat (``validate.KNOWN_PARAMS``).
 EMBEDDINGS_PARAMS = frozenset(("model", "input", *EMBEDDINGS_TYPES))
 ENCODING_FORMATS = ("float", "base64")
 # OpenAI's bound on the number of inputs of one request.

@@ -28,9 +28,12 @@ _COMMON = {
     "user": (str,), "metadata": (dict,), "stream_options": (dict,), "priority": (str, int),
     "top_k": (int,), "min_p": _NUM, "repetition_penalty": _NUM, "min_tokens": (int,),
     "ignore_eos": (bool,), "stop_token_ids": (list,), "logit_bias": (dict,), "cache_salt": (str,),
+    "allowed_token_ids": (list,), "bad_words": (list,), "truncate_prompt_tokens": (int,),
+    "return_tokens_as_token_ids": (bool,), "length_penalty": _NUM, "vllm_xargs": (dict,),
 }
 _CHAT = {**_COMMON, "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,), "tools": (list,),
-         "tool_choice": (str, dict), "response_format": (dict,), "parallel_tool_calls": (bool,)}
+         "tool_choice": (str, dict), "response_format": (dict,), "parallel_tool_calls": (bool,),
+         "mm_processor_kwargs": (dict,)}
 # Value ranges are checked before routing, from the table the engine's own server reads
 # (``engine/protocol/param_ranges.py``), so every backend's request gets OpenAI's error codes and no value
 # out of range reaches an engine.
@@ -54,9 +57,10 @@ VENDOR_EXTENSIONS = ("priority", "best_of", "top_k", "min_p", "repetition_penalt
                      "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
                      "skip_special_tokens", "spaces_between_special_tokens", "prompt_logprobs", "request_id",
                      "structured_outputs", "response_format", "add_special_tokens", "return_token_ids",
-                     "cache_salt")
+                     "cache_salt", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                     "return_tokens_as_token_ids", "length_penalty", "vllm_xargs")
 _VENDOR_CHAT = ("echo", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-                "resume_token_ids")
+                "resume_token_ids", "mm_processor_kwargs")
 KNOWN_PARAMS = {"chat/completions": frozenset(_OPENAI_CHAT + VENDOR_EXTENSIONS + _VENDOR_CHAT),
                 "completions": frozenset(_OPENAI_COMPLETION + VENDOR_EXTENSIONS), "embeddings": EMBEDDINGS_PARAMS}
 
@@ -439,6 +443,9 @@ def prompt_counts(body: dict, rendered=None) -> tuple[int, int]:
     if rendered is not None:
         return rendered.prompt_tokens, rendered.longest_prompt_tokens
     lengths = estimate_prompt_lengths(body)
+    keep = body.get("truncate_prompt_tokens")   # vLLM's: each prompt's last N tokens run
+    if type(keep) is int and keep > 0:
+        lengths = [min(n, keep) for n in lengths]
     return sum(lengths), max(lengths, default=0)
 
 

@@ -174,6 +174,63 @@ def test_logit_bias_adds_to_its_tokens_and_leaves_the_raw_logprobs(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_allowed_token_ids_and_bad_words_restrict_each_row_alone(device):
+    """vLLM's ``allowed_token_ids`` (sampling among them only) and ``bad_words`` (a word's last token banned where
+    the output ends with its other tokens; a one-token word always): each row only its own restriction, the
+    same tokens and logprobs alone as batched, the logprobs the raw ones, and not a raw-argmax request."""
+    from engine.worker.sampler import picks_raw_argmax
+
+    logits = randn(5, device=device)
+    s = Sampler(V, torch.device(device), seed=0)
+    top = logits.argmax(-1).tolist()
+    allowed = [3, 9, 40]
+    rows = [req("plain", temperature=0.0, logprobs=2),
+            req("allowed", temperature=0.0, allowed_token_ids=allowed, logprobs=2),
+            req("allowed-random", temperature=1.5, seed=4, allowed_token_ids=allowed),
+            req("one-token-word", temperature=0.0, bad_words=["x"], bad_words_token_ids=[[top[3]]]),
+            req("two-token-word", temperature=0.0, output=(5, 11), bad_words=["xy"],
+                bad_words_token_ids=[[11, top[4]], [12, 13]])]
+    out = s.sample(logits, rows)
+    assert out.token_ids[0] == top[0]
+    assert out.token_ids[1] == allowed[int(logits[1, allowed].argmax())]
+    assert all(s.sample(logits[2:3], [rows[2]]).token_ids[0] in allowed for _ in range(20))
+    banned = logits[3].clone()
+    banned[top[3]] = float("-inf")
+    assert out.token_ids[3] == int(banned.argmax()) != top[3]
+    assert out.token_ids[4] != top[4]                               # the output ends with 11: its last token banned
+    elsewhere = req("two-token-word", temperature=0.0, output=(5, 12), bad_words=["xy"],
+                    bad_words_token_ids=[[11, top[4]], [12, 13]])
+    assert s.sample(logits[4:5], [elsewhere]).token_ids == [top[4]]  # not after another token
+    for i, r in enumerate(rows):
+        if r.sampling_params.seed is not None or r.sampling_params.temperature == 0.0:
+            alone = s.sample(logits[i:i + 1], [r])
+            assert alone.token_ids == [out.token_ids[i]] and alone.logprobs[0] == out.logprobs[i]   # batch invariant
+    raw = torch.log_softmax(logits[1].float(), -1)
+    assert out.logprobs[1][top[1]].logprob == pytest.approx(float(raw[top[1]]))   # the model's own distribution
+    assert not any(picks_raw_argmax(r) for r in rows[1:])
+    for bad in ({"allowed_token_ids": []}, {"allowed_token_ids": [-1]}, {"bad_words": [" "]},
+                {"bad_words": [3]}, {"bad_words_token_ids": [[]]}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+def test_bad_words_are_tokenized_as_a_word_and_after_a_space():
+    """vLLM's tokenization of ``bad_words``: the word as it is, and after a space when that is another first
+    token of the same length (SmolLM2's byte-level BPE: "Paris" and " Paris" differ); leading spaces stripped."""
+    from engine.tokenizer import Tokenizer
+    from engine.worker.token_restrictions import bad_words_token_ids, banned_next_tokens
+    from engine.config import default_model_path
+
+    tok = Tokenizer.from_gguf(default_model_path())
+    seqs = bad_words_token_ids(tok, ["  Paris", "New York"])
+    assert seqs[0] == tok.encode("Paris") and seqs[1] == tok.encode(" Paris") and seqs[0] != seqs[1]
+    assert tok.encode(" New York") in seqs and tok.encode("New York") in seqs
+    ny = tok.encode(" New York")
+    assert set(banned_next_tokens(seqs, [1, 2] + ny[:-1])) == {ny[-1]} | {s[0] for s in seqs if len(s) == 1}
+    assert banned_next_tokens([[4, 5, 6]], [4]) == [] and banned_next_tokens([[4, 5, 6]], [4, 5]) == [6]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_min_tokens_masks_eos_and_stop_token_ids(device):
     logits = torch.full((3, 8), -5.0, device=device)
     logits[:, 7] = 10.0  # EOS

@@ -151,12 +151,19 @@ def test_chunked_cached_preempted_equal_without_speculation(reference, name, kwa
         assert llm.engine.core.scheduler.num_preemptions > 0
 
 
-def test_n_stop_strings_penalties_equal_without_speculation(plain, spec, reference):
+def test_n_stop_strings_penalties_restrictions_equal_without_speculation(plain, spec, reference):
     prompts = reference[0]
     cases = [SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=40, logprobs=1),
              SamplingParams(temperature=0.0, max_tokens=60, stop=["pictures or"], logprobs=0),
              SamplingParams(temperature=0.7, seed=3, max_tokens=40, repetition_penalty=1.1,
                             frequency_penalty=0.2, min_tokens=20, logprobs=0)]
+    # vLLM's token restrictions: the bad words are two of the greedy answer's own (so they bite), the allowed ids
+    # a range; each depth's restriction sees the drafts before it as output
+    words = plain.generate(prompts[0], GREEDY)[0].outputs[0].text.split()[2:4]
+    banned = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, bad_words=words, logprobs=0)
+    assert _key(plain.generate(prompts[0], banned)[0]) != _key(plain.generate(prompts[0], GREEDY)[0])
+    cases += [banned, SamplingParams(temperature=0.8, seed=9, max_tokens=30, allowed_token_ids=list(range(100, 3000)),
+                                        logprobs=0)]
     for params in cases:
         assert [_key(o) for o in spec.generate(prompts, params)] == [_key(o) for o in plain.generate(prompts, params)]
 

@@ -2,7 +2,8 @@
 OpenAI checks them (issue #49 items 5 and 6), on a live ``tandem engine serve`` (SmolLM2, real HTTP).
 
 A negative ``resume_token_ids`` entry was ``internal engine error (OverflowError)`` inside a 200 stream,
-an id past the vocabulary failed only after the 200 too; ``allowed_token_ids`` was ignored; an assistant
+an id past the vocabulary failed only after the 200 too; ``allowed_token_ids`` was ignored (then refused; now
+served, its ids checked); an assistant
 message ``tool_calls: [{"id": "a", "type": "function"}]`` (no ``function``) was accepted.
 """
 
@@ -51,8 +52,12 @@ def test_a_completions_prompt_list_of_strings_and_token_lists_together_is_a_400(
 
 
 def test_every_other_client_id_is_checked_before_the_200(server):
-    assert_400(post(server, "/v1/chat/completions", {"messages": ASK, "allowed_token_ids": [1, 2]}),
-               "allowed_token_ids", "not supported")
+    assert_400(post(server, "/v1/chat/completions", {"messages": ASK, "allowed_token_ids": [1, 10 ** 9]}),
+               "allowed_token_ids", "allowed_token_ids[1]: 1000000000 is not a token id of this model")
+    assert_400(post(server, "/v1/chat/completions", {"messages": ASK, "allowed_token_ids": [-1]}),
+               "allowed_token_ids", "allowed_token_ids[0]")      # the shared range table's
+    assert_400(post(server, "/v1/chat/completions", {"messages": ASK, "allowed_token_ids": []}),
+               "allowed_token_ids", "non-empty list")
     assert_400(post(server, "/v1/chat/completions", {"messages": ASK, "logit_bias": {"-1": 5}}),
                "logit_bias", "Invalid key in 'logit_bias': '-1'")      # the shared range table's, as the gateway's
     assert_400(post(server, "/v1/chat/completions", {"messages": ASK, "logit_bias": {"99999999": 5}}),

@@ -186,3 +186,110 @@ def test_malformed_values_carry_openais_code(server):
         r = httpx.post(base + path, json={"model": server.model, "max_tokens": 1, **body}, timeout=60)
         err = r.json()["error"]
         assert r.status_code == 400 and (err["param"], err["code"]) == (param, "invalid_value"), (body, err)
+
+
+FRANCE = "The capital of France is"
+
+
+def test_bad_words_and_allowed_token_ids_restrict_the_answer(server):
+    """vLLM's ``bad_words`` and ``allowed_token_ids`` (a trial: refused as unknown through the gateway; the engine
+    had refused them): the greedy answer without the banned word, streamed as whole; sampling among the allowed
+    ids only, their logprobs the model's own."""
+    tok = server.engine.tokenizer
+    plain = complete(server, prompt=FRANCE, max_tokens=8, temperature=0).choices[0].text
+    assert plain.startswith(" Paris")
+    banned = complete(server, prompt=FRANCE, max_tokens=8, temperature=0, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in banned.choices[0].text and banned.choices[0].text != plain
+    streamed = "".join(c.choices[0].text for c in server.client.completions.create(
+        model=server.model, prompt=FRANCE, max_tokens=8, temperature=0, stream=True,
+        extra_body={"bad_words": ["Paris"]}) if c.choices)
+    assert streamed == banned.choices[0].text
+    allowed = [tok.encode(" yes")[0], tok.encode(" no")[0]]
+    for seed in (1, 2):
+        r = chat(server, messages=[{"role": "user", "content": "Is Paris in France?"}], max_tokens=5, seed=seed,
+                 logprobs=True, top_logprobs=2, extra_body={"allowed_token_ids": allowed})
+        assert r.choices[0].message.content.split() and set(r.choices[0].message.content.split()) <= {"yes", "no"}
+        assert all(t.token in (" yes", " no") for t in r.choices[0].logprobs.content)
+
+
+def test_return_tokens_as_token_ids_names_the_logprobs_tokens(server):
+    """vLLM's ``return_tokens_as_token_ids``: every token of chat and completions logprobs (the top ones and an
+    echoed prompt's too) is ``token_id:<id>``, its bytes that name's; the text and the values stay."""
+    named = chat(server, messages=HI, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                 extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    plain = chat(server, messages=HI, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    assert named.choices[0].message.content == plain.choices[0].message.content
+    ids = named.choices[0].model_extra["token_ids"]
+    got = named.choices[0].logprobs.content
+    assert [t.token for t in got] == [f"token_id:{i}" for i in ids]
+    assert [t.logprob for t in got] == [t.logprob for t in plain.choices[0].logprobs.content]
+    assert all(t.bytes == list(t.token.encode()) and all(a.token.startswith("token_id:") for a in t.top_logprobs)
+               for t in got)
+    r = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
+        "model": server.model, "prompt": FRANCE, "max_tokens": 3, "temperature": 0, "logprobs": 1, "echo": True,
+        "return_tokens_as_token_ids": True}).json()   # the echo's first token has no logprob (the SDK's type: one)
+    lp = r["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in lp["tokens"]) and len(lp["tokens"]) > 3
+    assert all(all(k.startswith("token_id:") for k in top) for top in lp["top_logprobs"] if top)
+    assert r["choices"][0]["text"].startswith(FRANCE)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server):
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last N tokens run (the answer and usage as for those alone;
+    an echo shows them); -1 keeps what fits ``max_model_len``; above it, 0 or below -1: a 400."""
+    tok = server.engine.tokenizer
+    ids = tok.encode("One two three four five six seven eight " + FRANCE, add_special_tokens=True)
+    cut = complete(server, prompt=ids, max_tokens=4, temperature=0, extra_body={"truncate_prompt_tokens": 6})
+    alone = complete(server, prompt=ids[-6:], max_tokens=4, temperature=0)
+    assert cut.usage.prompt_tokens == 6 and cut.choices[0].text == alone.choices[0].text
+    text = "One two three four five six seven eight " + FRANCE
+    echoed = complete(server, prompt=text, max_tokens=1, temperature=0, echo=True,
+                      extra_body={"truncate_prompt_tokens": 5})
+    assert echoed.choices[0].text.startswith(tok.decode(tok.encode(text, add_special_tokens=True)[-5:],
+                                                        skip_special_tokens=False))
+    assert not echoed.choices[0].text.startswith("One")
+    whole = chat(server, messages=HI, max_tokens=2, temperature=0, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == chat(server, messages=HI, max_tokens=2, temperature=0).usage.prompt_tokens
+    assert chat(server, messages=HI, max_tokens=2, temperature=0,
+                extra_body={"truncate_prompt_tokens": 3}).usage.prompt_tokens == 3
+    for value, needle in ((MAX_MODEL_LEN + 1, "is greater than max_model_len"), (0, "at least 1"),
+                          (-2, "below minimum value")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            complete(server, prompt="hi", max_tokens=2, extra_body={"truncate_prompt_tokens": value})
+        assert exc.value.body["param"] == "truncate_prompt_tokens" and needle in exc.value.message, exc.value.body
+
+
+def test_vllms_knobs_that_change_nothing_here_are_taken(server):
+    """``length_penalty`` (beam search's; beam search is refused) and ``vllm_xargs`` (custom logits processors'
+    arguments; none run here) change nothing in vLLM either without those: taken, the answer the same."""
+    plain = chat(server, messages=HI, max_tokens=4, temperature=0).choices[0].message.content
+    extras = {"length_penalty": 0.5, "vllm_xargs": {"k": 1}}
+    assert chat(server, messages=HI, max_tokens=4, temperature=0, extra_body=extras).choices[0].message.content \
+        == plain
+
+
+def test_embeddings_take_vllms_normalize_add_special_tokens_and_truncation(server):
+    """vLLM's embeddings extras (a trial: refused as unknown through the gateway): ``normalize`` false gives the
+    pooled vector as it is (its direction the normalized one's), ``add_special_tokens`` false embeds the text's
+    tokens alone, ``truncate_prompt_tokens`` the last N tokens; bad values a 400 naming them."""
+    tok, url = server.engine.tokenizer, f"{server.base_url}/v1/embeddings"
+
+    def embed(**body) -> list[float]:
+        r = httpx.post(url, json={"model": server.model, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["data"][0]["embedding"]
+
+    text = "One two three four five six seven eight " + FRANCE
+    unit, raw = embed(input=text), embed(input=text, normalize=False)
+    norm = sum(x * x for x in raw) ** 0.5
+    assert abs(sum(x * x for x in unit) - 1) < 1e-4 and abs(norm - 1) > 1e-3
+    assert max(abs(a - b / norm) for a, b in zip(unit, raw)) < 1e-5
+    assert embed(input=text, add_special_tokens=False) == embed(input=tok.encode(text, add_special_tokens=False))
+    ids = tok.encode(text, add_special_tokens=True)
+    assert embed(input=text, truncate_prompt_tokens=5) == embed(input=ids[-5:])
+    assert embed(input=ids, truncate_prompt_tokens=-1) == embed(input=ids)
+    for body, param in (({"normalize": "yes"}, "normalize"), ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                        ({"truncate_prompt_tokens": MAX_MODEL_LEN + 1}, "truncate_prompt_tokens"),
+                        ({"add_special_tokens": 1}, "add_special_tokens")):
+        r = httpx.post(url, json={"model": server.model, "input": text, **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -166,6 +166,17 @@ def test_completions_local(gateway):
     assert r.choices[0].text
 
 
+def test_vllms_token_restrictions_reach_the_local_engine(gateway):
+    """vLLM's ``bad_words`` and ``return_tokens_as_token_ids`` through the gateway (a trial: refused as unknown
+    parameters)."""
+    c = client(gateway)
+    ask = dict(model="smollm2", prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=0)
+    assert c.completions.create(**ask).choices[0].text.startswith(" Paris")
+    banned = c.completions.create(**ask, extra_body={"bad_words": ["Paris"], "return_tokens_as_token_ids": True})
+    assert "Paris" not in banned.choices[0].text
+    assert all(t.startswith("token_id:") for t in banned.choices[0].logprobs.tokens)
+
+
 def test_completions_prompt_scoring_through_the_gateway(gateway):
     """``echo`` with ``max_tokens`` 0 (OpenAI's legacy prompt scoring, vLLM's): the engine's prompt-only answer,
     billed as no completion tokens; 0 without ``echo`` is still refused before routing (the shared rule,
@@ -387,7 +398,9 @@ async def test_routing_count_is_the_engines_prompt(tiny_backend):
     for i, body in enumerate([{"messages": msgs}, {"messages": msgs, "add_generation_prompt": False},
                               {"messages": msgs, "add_special_tokens": True}, {"messages": msgs, "tools": tools},
                               {"prompt": "Hello there"}, {"prompt": ["Hello there", "Hi"]}, {"prompt": [[5, 6, 7], [8]]},
-                              {"prompt": "Hello there", "add_special_tokens": False}]):
+                              {"prompt": "Hello there", "add_special_tokens": False},
+                              {"prompt": "Hello there, how are you", "truncate_prompt_tokens": 4},
+                              {"messages": msgs, "truncate_prompt_tokens": 6}]):
         req, _ = _request(backend, {**body, "priority": "high"}, f"count-{i}")
         _, engine_body = _request(backend, {**body, "max_tokens": 1}, f"count-{i}", rendered=False)
         reply = await backend.send(replace(req, rendered=None), engine_body)   # the engine renders it itself

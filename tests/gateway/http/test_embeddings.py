@@ -54,7 +54,7 @@ async def test_embeddings_routed_limited_and_billed(up):
 
 async def test_an_unknown_embeddings_parameter_is_refused_as_on_chat(up):
     """An unknown field is OpenAI's 400 ``unknown_parameter`` naming it, as on chat and Responses; OpenAI's own
-    fields and the gateway's ``priority`` and ``metadata`` go on."""
+    fields, the gateway's ``priority`` and ``metadata`` and vLLM's extras go on."""
     async with gateway(config(up)) as (_, _, url):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         with pytest.raises(openai.BadRequestError) as e:
@@ -65,7 +65,13 @@ async def test_an_unknown_embeddings_parameter_is_refused_as_on_chat(up):
             await client.embeddings.create(model="m1", input="x", extra_body={"temperature": 5})
         assert e.value.body["param"] == "temperature" and e.value.body["code"] == "unknown_parameter", e.value.body
         assert up.requests == []
+        with pytest.raises(openai.BadRequestError) as e:   # vLLM's extras are typed and range-checked here too
+            await client.embeddings.create(model="m1", input="x", extra_body={"truncate_prompt_tokens": -2})
+        assert e.value.body["param"] == "truncate_prompt_tokens", e.value.body
+        assert up.requests == []
+        vllms = {"normalize": False, "add_special_tokens": True, "truncate_prompt_tokens": 8}
         await client.embeddings.create(model="m1", input="x", encoding_format="float", dimensions=2, user="u",
-                                       extra_body={"priority": "high", "metadata": {"team": "a"}})
+                                       extra_body={"priority": "high", "metadata": {"team": "a"}, **vllms})
         await client.close()
     assert up.requests[-1][2]["user"] == "u" and up.requests[-1][2]["dimensions"] == 2
+    assert {k: up.requests[-1][2][k] for k in vllms} == vllms

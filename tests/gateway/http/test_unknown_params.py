@@ -63,7 +63,11 @@ def test_vllms_older_guided_fields_are_refused_naming_the_structured_outputs_key
 
 def test_vendor_extensions_and_openais_own_parameters_are_forwarded(client, upstream):
     extras = {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": False, "min_tokens": 1,
-              "skip_special_tokens": True, "chat_template_kwargs": {"enable_thinking": False}}
+              "skip_special_tokens": True, "chat_template_kwargs": {"enable_thinking": False},
+              # vLLM's that a trial found refused as unknown
+              "bad_words": ["x"], "allowed_token_ids": [1, 2], "truncate_prompt_tokens": 8,
+              "return_tokens_as_token_ids": True, "length_penalty": 1.0, "vllm_xargs": {"a": 1},
+              "mm_processor_kwargs": {}}
     reply = client.chat.completions.create(model="m1", messages=MESSAGES, max_tokens=5, service_tier="auto",
                                            reasoning_effort="low", extra_body=extras)
     assert reply.choices[0].message.content == "hello from a"
