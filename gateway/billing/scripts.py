@@ -51,10 +51,13 @@ end
 """
 
 
-# KEYS: usage day hash, tenants set, budget hash ('' slot unused when no budget), reservations zset, ledger hash.
+# KEYS: usage day hash, tenants set, budget hash ('' slot unused when no budget), reservations zset, ledger hash,
+#       the tenant's day and month budget hashes (their ``spent`` counts every settle of the period, with a budget
+#       or none, so a budget set mid-period starts from what the tenant spent; absent in a journal written before
+#       them: the spend then goes to the budget hash only).
 # ARGV: backend, requests, in, out, cached, nusd, usage ttl s, tenant, request id ('' = no reservation),
 #       budget key ttl s ('0' = no budget), request id (the record's key), record, record ttl s, failed (1: no
-#       backend answered; absent in a journal written before it: 0).
+#       backend answered; absent in a journal written before it: 0), the day and month hashes' ttl s.
 # Returns 1, or 0 when the request's record exists already (settled before: nothing done).
 SETTLE_LUA = """
 if redis.call('HSETNX', KEYS[5], ARGV[11], ARGV[12]) == 0 then return 0 end
@@ -73,9 +76,17 @@ if ARGV[10] ~= '0' then
   if ARGV[9] ~= '' then
 """ + _drop_reservation_lua("KEYS[3]", "KEYS[4]", "ARGV[9]") + """
   end
-  redis.call('HINCRBY', KEYS[3], 'spent', ARGV[6])
-  redis.call('EXPIRE', KEYS[3], ARGV[10])
+  if #KEYS < 7 then
+    redis.call('HINCRBY', KEYS[3], 'spent', ARGV[6])
+    redis.call('EXPIRE', KEYS[3], ARGV[10])
+  end
   redis.call('EXPIRE', KEYS[4], ARGV[10])
+end
+if #KEYS >= 7 then
+  for i = 6, 7 do
+    redis.call('HINCRBY', KEYS[i], 'spent', ARGV[6])
+    redis.call('EXPIRE', KEYS[i], ARGV[9 + i])
+  end
 end
 return 1
 """

@@ -16,7 +16,9 @@ otherwise and while Redis is down), keys ``<prefix>:<kind>:<id>`` with TTLs:
 - ``<prefix>:budget:<tenant>:<period id>`` (hash: ``spent``, ``reserved``,
   ``r:<request id>`` = reserved nano-USD) and ``...:res`` (sorted set:
   request id -> expiry ms). Period ids: ``d20261129`` (day) or ``m202611``
-  (month), UTC.
+  (month), UTC. Every settle adds its cost to the ``spent`` of its tenant's day and month, with a budget or none,
+  so a budget set (or set again) mid-period counts what the tenant spent in it before (as LiteLLM checks a
+  budget against the spend so far).
 
 - ``<prefix>:ledger:<tenant>:<YYYYMMDD>`` (hash, TTL ``budgets.record_ttl_s``):
   request id -> its usage record ``backend|in|out|cached|nusd|flags`` (flags:
@@ -334,9 +336,10 @@ class UsageLedger:
         rid = reservation.request_id if reservation is not None else ""
         vals = [1, int(record.prompt_tokens), int(record.completion_tokens), int(record.cached_tokens), int(nusd),
                 int(record.failed)]
-        keys = [ukey, tkey, bkey, rkey, lkey]
+        spends = [self._bkeys(tenant, period_id(p, now))[0] for p in ("day", "month")]   # the periods' spent
+        keys = [ukey, tkey, bkey, rkey, lkey, *spends]
         args = [backend, *vals[:5], USAGE_TTL_S, t, rid, bttl, record.request_id, record.encode(),
-                int(self.record_ttl_s), vals[5]]
+                int(self.record_ttl_s), vals[5], *(int(period_end_s(p, now) - now) + 3600 for p in ("day", "month"))]
 
         def local() -> int:
             records = self._records.get(lkey)
@@ -354,7 +357,10 @@ class UsageLedger:
                 b = self._budgets.setdefault(bkey, _MemBudget())
                 if rid and rid in b.holds:
                     b.reserved -= b.holds.pop(rid)[0]
-                b.spent += int(nusd)
+            if spends[0] not in self._budgets:
+                self._prune_budgets({period_id(p, now) for p in ("day", "month")})
+            for key in spends:
+                self._budgets.setdefault(key, _MemBudget()).spent += int(nusd)
             if self.state.redis is not None:   # degraded: Redis gets it on rejoin
                 self.journal.append(JournalEntry(record.request_id, keys, args, int(nusd)))
             return 1
@@ -372,6 +378,12 @@ class UsageLedger:
                             // 86400) - 1)
         for k in [k for k in self._records if k.rpartition(":")[2] not in (day, prev)]:
             del self._records[k]
+
+    def _prune_budgets(self, current: set[str]) -> None:
+        """In process, drop the budgets of past periods (``current``: today's and this month's period ids) that
+        hold nothing: every tenant's day and month get one."""
+        for k in [k for k, b in self._budgets.items() if k.rpartition(":")[2] not in current and not b.holds]:
+            del self._budgets[k]
 
     async def replay(self) -> int:
         """Push the journal onto Redis (the state's rejoin hook; also run at start): each entry through the
@@ -406,11 +418,11 @@ class UsageLedger:
         for e in replayed:
             if e.script != "settle":
                 continue
-            bkey, bttl = e.keys[2], int(e.args[9])
-            b = self._budgets.get(bkey) if bttl else None
-            if b is not None:
-                b.spent -= e.nusd
-                b.base += e.nusd
+            spends = e.keys[5:7] if len(e.keys) >= 7 else e.keys[2:3] if int(e.args[9]) else []   # as the script
+            for key in spends:
+                if (b := self._budgets.get(key)) is not None:
+                    b.spent -= e.nusd
+                    b.base += e.nusd
 
     async def records(self, tenant: str, now_s: float | None = None) -> dict[str, UsageRecord]:
         """The usage records of ``tenant``'s UTC day of ``now_s``: request id -> record (Redis, or in process)."""

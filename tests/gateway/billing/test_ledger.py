@@ -431,6 +431,44 @@ async def test_a_replica_that_never_served_a_tenant_refuses_it_at_its_budget_in_
         await restarted.close()
 
 
+@pytest.mark.parametrize("shared", [True, False])
+async def test_a_budget_set_mid_period_counts_what_was_spent_before_it(redis_server, shared):
+    """An operator trial set a day budget below what a tenant had spent that day: every request was still
+    admitted (the budget counted from when it was set) and the tenant ended at 2.4x its budget. The spend of the
+    period counts whether a budget was set or not (day and month alike, as LiteLLM checks a budget against the
+    spend so far), and a budget removed and set again counts what was spent in between; on Redis, a journal
+    entry written before the period hashes replays as it did."""
+    state = SharedState(StateSettings(redis_url=redis_server.url, socket_timeout_s=0.5) if shared else StateSettings())
+    ledger, cost = UsageLedger(state), 10_000
+    day, month = Budget(25_000 / NANO, "day"), Budget(45_000 / NANO, "month")
+    try:
+        for k in range(3):                                        # no budget: 30,000 spent
+            await ledger.settle(UsageRecord(f"free{k}", "t1", "b", 1, 1, 0, cost))
+        refused = await ledger.reserve("t1", "after", 1, day)      # a budget set now: spent already past it
+        assert not refused.admitted and refused.spent_nusd == 3 * cost
+        assert (await ledger.budget_state("t1", month))[0] == 3 * cost
+        check = await ledger.reserve("t1", "m1", cost, month)
+        assert check.admitted and check.spent_nusd == 3 * cost
+        await ledger.settle(UsageRecord("m1", "t1", "b", 1, 1, 0, cost), check.reservation)
+        await ledger.settle(UsageRecord("free3", "t1", "b", 1, 1, 0, cost))   # the budget removed again
+        assert not (await ledger.reserve("t1", "m2", 1, month)).admitted        # set again: 50,000 > 45,000
+        assert (await ledger.budget_state("t1", day))[0] == (await ledger.budget_state("t1", month))[0] == 5 * cost
+        if shared:                                                  # a journal entry of the older script's shape
+            r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+            try:
+                old = ledger._bkeys("t2", check.reservation.period_id)
+                keys = [state.key("usage", "t2:old"), state.key("usage", "tenants"), *old,
+                        state.key("ledger", "t2:old")]
+                args = ["b", 1, 1, 1, 0, cost, 60, "t2", "", 60, "old1", "b|1|1|0|10000|", 60, 0]
+                from gateway.billing.scripts import SETTLE_LUA
+                assert await state.redis_script("usage_settle", SETTLE_LUA, keys, args) == 1
+                assert int(await r.hget(old[0], "spent")) == cost
+            finally:
+                await r.aclose()
+    finally:
+        await state.close()
+
+
 async def test_replicas_share_what_is_left_during_an_outage(redis_server):
     """Two replicas that both reserved on a budget lose Redis: each spends at most half of what Redis last said
     was left (they cannot see each other's spend), so together they stay within the budget. Before, each spent

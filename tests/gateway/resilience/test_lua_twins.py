@@ -88,16 +88,19 @@ def test_rate_limit_lua_and_python_twins_agree(redis_url, ops):
 
 
 @TWINS
-@given(st.lists(st.tuples(st.integers(0, 400), st.sampled_from(["reserve", "reserve", "settle", "release"]),
+@given(st.lists(st.tuples(st.integers(0, 400), st.sampled_from(["reserve", "reserve", "settle", "release", "spend"]),
                           st.one_of(st.just(0), st.integers(0, 30_000))), min_size=1, max_size=25))
 def test_budget_reservation_lua_and_python_twins_agree(redis_url, ops):
     budget = Budget(0.0001, "day")              # 100_000 nano-USD
+    monthly = Budget(0.0001, "month")           # never reserved on: its spend is every settle's too
 
     async def scenario(state, t0):
         ledger, now, out, held = UsageLedger(state, reservation_ttl_s=1), t0 / 1000, [], []
         for i, (dt, op, nusd) in enumerate(ops):
             now += dt / 1000
-            if op == "reserve" or not held:
+            if op == "spend":                    # a settle with no budget (before one was set)
+                out.append(await ledger.settle(UsageRecord(f"s{i}", "t", "b", 1, 1, 0, nusd), now_s=now))
+            elif op == "reserve" or not held:
                 check = await ledger.reserve("t", f"r{i}", nusd, budget, now_s=now)
                 if check.reservation is not None:
                     held.append(check.reservation)
@@ -113,6 +116,7 @@ def test_budget_reservation_lua_and_python_twins_agree(redis_url, ops):
             else:
                 await ledger.release(held.pop())
             out.append(await ledger.budget_state("t", budget, now_s=now))
+            out.append(await ledger.budget_state("t", monthly, now_s=now))
         out.append(sorted((await ledger.records("t", now_s=now)).items()))
         out.append(await ledger.report("t", now_s=now))
         return out
