@@ -19,7 +19,7 @@ from gateway.backends.dispatch import GATEWAY_ONLY_FIELDS
 from gateway.backends.relabel import answer_id
 from gateway.billing.usage import tenant_label
 from gateway.config.schema import LocalBackendConfig
-from gateway.errors import BackendError
+from gateway.errors import BackendError, ClientError
 from gateway.resilience.outcomes import UpstreamResponse, Withdrawn
 from gateway.translate.chat_events import event_from_object
 from gateway.values import DONE, ChatStream, GatewayRequest
@@ -111,6 +111,7 @@ class LocalBackend:
         self.name, self.cfg = name, cfg
         self.engine = None
         self.serving = None
+        self.tokenizing = None           # the engine's /tokenize and /detokenize (OpenAIServingTokenization)
         self.served_model_name = cfg.engine.served_model_name or ""
         self.max_model_len = cfg.engine.max_model_len
         self.available, self.unavailable_reason = False, "engine is loading"
@@ -132,6 +133,7 @@ class LocalBackend:
             from engine.serving.chat import OpenAIServingChat
             from engine.serving.completion import OpenAIServingCompletion
             from engine.serving.embeddings import OpenAIServingEmbedding
+            from engine.serving.tokenization import OpenAIServingTokenization
             from engine.protocol.errors import ServingError
 
             args = EngineArgs(**self.cfg.engine.engine_kwargs())
@@ -143,6 +145,7 @@ class LocalBackend:
             self.serving = {"chat/completions": OpenAIServingChat(engine, engine.served_model_name).create_chat_completion,
                             "completions": OpenAIServingCompletion(engine, engine.served_model_name).create_completion,
                             "embeddings": OpenAIServingEmbedding(engine, engine.served_model_name).create_embedding}
+            self.tokenizing = OpenAIServingTokenization(engine, engine.served_model_name)
             self.serving_error = ServingError
             self.available, self.unavailable_reason = True, ""
             log.info("local engine ready: %s (max_model_len %s)", self.served_model_name, self.max_model_len)
@@ -181,7 +184,7 @@ class LocalBackend:
         """Mark the backend unavailable and load a new engine in place of the dead one."""
         dead = self.engine
         why = dead.dead_reason or "the engine core stopped"
-        self.engine, self.serving = None, None
+        self.engine, self.serving, self.tokenizing = None, None, None
         self.available, self.unavailable_reason = False, f"engine core died ({why}); restarting"
         self.restarts += 1
         log.error("local backend %s: %s (restart %d)", self.name, self.unavailable_reason, self.restarts)
@@ -224,6 +227,21 @@ class LocalBackend:
             return render_prompt(self.engine.tokenizer, endpoint, body)
         except Exception:  # noqa: BLE001 -- refused or odd content: the estimate decides, the engine answers
             return None
+
+    def tokenization(self, path: str, body: dict) -> dict:
+        """vLLM's ``/tokenize`` or ``/detokenize`` (``path``) of ``body`` (no ``model``) by the engine's own handler:
+        its tokenizer only, nothing queued.
+
+        Raises:
+            ClientError: 503 when the engine is not loaded; the handler's 4xx (naming the field)."""
+        if self.tokenizing is None:
+            raise ClientError(503, f"{self.name}: {self.unavailable_reason}", code="engine_not_ready")
+        try:
+            if path == "/tokenize":
+                return self.tokenizing.create_tokenize(body)
+            return self.tokenizing.create_detokenize(body)
+        except self.serving_error as e:
+            raise ClientError(e.status_code, e.message, param=e.param, code=e.code) from None
 
     async def _call(self, req: GatewayRequest, body: dict):
         if self.serving is None:

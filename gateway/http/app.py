@@ -5,7 +5,7 @@ in-flight accounting in one middleware; the client APIs' POST endpoints also on 
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/messages (Anthropic's,
 with ``gateway/http/anthropic.py``), the Responses API (``gateway/http/responses.py``), GET /v1/models,
-GET /v1/models/{model},
+GET /v1/models/{model}, vLLM's POST /tokenize and /detokenize (``gateway/http/tokenization.py``),
 GET /health/live, GET /health/ready; the admin API and GET /metrics from ``admin.py`` (and ``admin_limits.py``);
 the ops console at GET /admin/ui from ``console.py``. Every response carries
 ``x-request-id``; ``server.cors`` adds CORS.
@@ -13,6 +13,7 @@ the ops console at GET /admin/ui from ``console.py``. Every response carries
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import msgspec
@@ -32,6 +33,7 @@ from gateway.http.rollouts_admin import ROLLOUT_HANDLERS
 from gateway.http.anthropic import anthropic_headers, count_tokens
 from gateway.http.exceptions import EXCEPTION_HANDLERS
 from gateway.http.serving import GATEWAY_ID_PREFIX, serve_observed, streamed
+from gateway.http.tokenization import TOKENIZATION_HANDLERS
 from gateway.http.transport import EventStream, unless_disconnected
 from gateway.request.pipeline import handle
 from gateway.runtime import Gateway
@@ -122,7 +124,10 @@ MODEL_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "
 
 
 def _model_object(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "tandem", "endpoints": list(MODEL_ENDPOINTS)}
+    """A model as OpenAI lists it, with vLLM's ``root`` (its name here) and ``created`` the time of the answer
+    (vLLM's ``ModelCard``; a gateway's public model has no creation date of its own)."""
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "tandem", "root": name,
+            "parent": None, "endpoints": list(MODEL_ENDPOINTS)}
 
 
 @route("/v1/models", http_method=[HttpMethod.GET, HttpMethod.HEAD])   # HEAD wherever GET (RFC 9110)
@@ -180,7 +185,7 @@ def create_app(gw: Gateway, cors: CorsConfig | None = None, hot_path: bool = Tru
         hot_routes=HOT_ROUTES if hot_path and cors is None else {},
         cors_config=CORSConfig(**cors.model_dump()) if cors is not None else None,
         route_handlers=[chat_completions, completions, models, model, live, ready, messages, count_tokens, embeddings,
-                        *RESPONSES_HANDLERS, *ADMIN_HANDLERS, *ROLLOUT_HANDLERS, admin_limits, *CONSOLE_HANDLERS],
+                        *RESPONSES_HANDLERS, *TOKENIZATION_HANDLERS, *ADMIN_HANDLERS, *ROLLOUT_HANDLERS, admin_limits, *CONSOLE_HANDLERS],
         state=State({"gw": gw, "responses": ResponseStore(gw.resilience.state)}),   # stored Responses
         middleware=[in_flight], before_send=[stamp_request_id(GATEWAY_ID_PREFIX)],
         on_startup=[gw.start, gw.obs.start], on_shutdown=[gw.obs.stop, gw.stop],

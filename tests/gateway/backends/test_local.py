@@ -177,6 +177,27 @@ def test_vllms_token_restrictions_reach_the_local_engine(gateway):
     assert all(t.startswith("token_id:") for t in banned.choices[0].logprobs.tokens)
 
 
+def test_tokenize_and_detokenize_on_the_gateway(gateway):
+    """vLLM's /tokenize and /detokenize on the gateway's base_url (a trial got 404 there: only ``tandem engine
+    serve`` had them), by the local engine's tokenizer: a chat form counts what the chat answer's
+    ``prompt_tokens`` says, an alias names the model, bad input is a 400 naming the field."""
+    url = gateway.url
+    r = httpx.post(url + "/tokenize", json={"model": "gpt-4o-mini", "prompt": "Hello world",
+                                            "return_token_strs": True})
+    assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) == len(r.json()["token_strs"]) > 0
+    assert r.json()["max_model_len"] == 512
+    chat = client(gateway).chat.completions.create(model="smollm2", messages=MSG, max_tokens=1)
+    counted = httpx.post(url + "/tokenize", json={"model": "smollm2", "messages": MSG}).json()
+    assert counted["count"] == chat.usage.prompt_tokens
+    back = httpx.post(url + "/detokenize", json={"tokens": counted["tokens"]}).json()
+    assert "What is the capital of France?" in back["prompt"]
+    for path, body, status, param in (("/tokenize", {"prompt": 3}, 400, "prompt"),
+                                      ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens"),
+                                      ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model")):
+        r = httpx.post(url + path, json=body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (path, r.text)
+
+
 def test_completions_prompt_scoring_through_the_gateway(gateway):
     """``echo`` with ``max_tokens`` 0 (OpenAI's legacy prompt scoring, vLLM's): the engine's prompt-only answer,
     billed as no completion tokens; 0 without ``echo`` is still refused before routing (the shared rule,

@@ -122,6 +122,17 @@ def test_models_lists_public_names(gateway):
         r = httpx.head(gateway.url + path)
         assert r.status_code == 200 and r.content == b"" and r.headers["content-type"] == "application/json", path
     assert httpx.head(gateway.url + "/v1/models/nope").status_code == 404
+    card = httpx.get(gateway.url + "/v1/models").json()["data"][0]   # vLLM's ModelCard fields: a real time
+    assert card["root"] == "m1" and abs(card["created"] - time.time()) < 600
+
+
+def test_tokenize_without_a_local_engine_says_why(gateway):
+    """vLLM's /tokenize and /detokenize need the local engine's tokenizer: a gateway of upstreams only answers a
+    404 saying so, in OpenAI's format (an unknown model: model_not_found first)."""
+    r = httpx.post(gateway.url + "/tokenize", json={"model": "m1", "prompt": "hi"})
+    assert r.status_code == 404 and "no local backend" in r.json()["error"]["message"], r.text
+    r = httpx.post(gateway.url + "/detokenize", json={"model": "nope", "tokens": [1]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
 
 
 @pytest.mark.parametrize("body,status,param", [
