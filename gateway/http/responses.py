@@ -176,6 +176,16 @@ async def delete_response(request: Request) -> Response:
     return Response(_encode({"id": rid, "object": "response", "deleted": True}), media_type=_JSON)
 
 
+@post("/v1/responses/{response_id:str}/cancel")
+async def cancel_response(request: Request) -> Response:
+    """``POST /v1/responses/{id}/cancel``: OpenAI cancels background responses only, and this gateway creates none
+    (``background`` is refused): a stored response is a 400 as OpenAI's for a synchronous one; 404 otherwise."""
+    store, tenant, rid = await _stored(request)
+    if await store.get(rid, tenant) is None:
+        raise _not_found(rid)
+    raise ClientError(400, "Cannot cancel a synchronous response.")
+
+
 @get("/v1/responses/{response_id:str}/input_items")
 async def list_input_items(request: Request) -> Response:
     """``GET /v1/responses/{id}/input_items``: the response's input items as OpenAI lists them (``order``
@@ -205,4 +215,4 @@ async def list_input_items(request: Request) -> Response:
     return Response(_encode(body), media_type=_JSON)
 
 
-RESPONSES_HANDLERS = [create_response, retrieve_response, delete_response, list_input_items]
+RESPONSES_HANDLERS = [create_response, retrieve_response, delete_response, cancel_response, list_input_items]

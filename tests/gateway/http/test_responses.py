@@ -152,6 +152,11 @@ async def test_previous_response_id_over_three_turns_then_retrieve_list_delete(u
         unstored = await client.responses.create(model="m1", input="x", store=False)
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(unstored.id)
+        with pytest.raises(openai.BadRequestError) as e:   # OpenAI cancels background responses only
+            await client.responses.cancel(r2.id)
+        assert e.value.body["message"] == "Cannot cancel a synchronous response."
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.cancel(unstored.id)
     # instructions do not carry over (OpenAI's rule); each turn's input and output do
     assert up.requests[2][2]["messages"] == [
         {"role": "system", "content": "sys"}, {"role": "user", "content": "one"},
