@@ -153,11 +153,28 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
     if not (key in ("user", "request_id") or (key.startswith("header:") and len(key) > 7)):
         errors.append(("policy.canary_key", f"must be user, request_id or header:<name>, got {key!r}"))
     errors += config_problems(cfg, routes)
+    warnings += _cache_warnings(cfg)
     hashes = _key_hashes(cfg, env, warnings)
     if errors:
         raise ConfigError(errors)
     policy = Policy(tuple(rules), routes, cfg.policy.default_route, cfg.policy.canary_key)
     return Compiled(cfg, policy, names, hashes, warnings, overrides=dict(overrides or {}))
+
+
+def _cache_warnings(cfg: GatewayConfig) -> list[str]:
+    """A route (or a model) whose cache is ``exact`` where no answer can be exact: exact mode keeps only the local
+    engine's answers as a route's first target, so a route without the local backend among its targets (a config
+    without one, for a model) bypasses the cache on every request (an ops trial saw only "cache changed" logged
+    and ``x-tandem-cache: bypass`` for good)."""
+    local = next((n for n, b in cfg.backends.items() if b.type == "local"), None)
+    hint = "exact mode caches only the local engine's answers; every request bypasses the cache (mode: best_effort " \
+           "caches any backend's)"
+    out = [f"routes.{name}.cache: the route has no local target: {hint}" for name, r in cfg.routes.items()
+           if r.cache.mode == "exact" and local not in {t.backend for t in r.targets}]
+    if local is None:
+        out += [f"models[{i}].cache: no local backend is configured: {hint}" for i, m in enumerate(cfg.models)
+                if m.cache is not None and m.cache.mode == "exact"]
+    return out
 
 
 def _model_names(cfg: GatewayConfig, errors: list) -> dict[str, str]:

@@ -142,7 +142,7 @@ async def test_assigned_seed_and_redis_store(tiny_model, redis_url):  # noqa: F8
 
 async def test_best_effort_caches_an_upstream_answer_labelled():
     """``mode: best_effort``: an upstream's answer is cached (keyed by the body), labelled as such; ``exact``
-    never caches an upstream's."""
+    never caches an upstream's, and a route that has no local target is warned of."""
     from gateway.config.compile import load_config_text
     from gateway.http.app import create_app
     from gateway.runtime import Gateway
@@ -154,7 +154,12 @@ async def test_best_effort_caches_an_upstream_answer_labelled():
            "routes:\n  be:\n    targets: [{backend: up}]\n    cache: {mode: best_effort}\n"
            "  ex:\n    targets: [{backend: up}]\n    cache: {mode: exact}\n"
            "policy:\n  default_route: be\n  rules: [{name: ex, match: {model: e}, route: ex}]\n")
-    gw = Gateway(None, load_config_text(cfg), start_engine=False)
+    compiled = load_config_text(cfg)
+    # an ops trial: exact on a route with no local target was accepted silently, every request a bypass
+    assert compiled.warnings == ["routes.ex.cache: the route has no local target: exact mode caches only the local "
+                                 "engine's answers; every request bypasses the cache (mode: best_effort caches any "
+                                 "backend's)"]
+    gw = Gateway(None, compiled, start_engine=False)
     server, task, url = await serve_app(create_app(gw))
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     try:
