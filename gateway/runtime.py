@@ -384,8 +384,8 @@ class Gateway:
                 owners.pop(route)
                 if rollout or same_as_file(file_weights, new[route]):   # where the file stands (a rollout ended
                     new.pop(route)       # there, an operator set the file's split): the file decides again
-        return await self._commit(ConfigState(text, new, "weights", file_digest=digest, owners=owners),
-                                  version, guard)
+        source = f"rollout {rollout}" if rollout else "weights"   # the log, the history and config_info say who
+        return await self._commit(ConfigState(text, new, source, file_digest=digest, owners=owners), version, guard)
 
     async def rollback(self, base: int | None = None, restore_keys: bool = False) -> dict:
         """Return to the previous version (all replicas follow), as built on ``base`` (default: the version

@@ -94,7 +94,8 @@ class ConfigState:
     Attributes:
         text: the YAML document.
         overrides: route -> {target id: weight} applied on top of it.
-        source: what made it ("file", "reload", "weights", "rollback", ...).
+        source: what made it ("file", "reload", "weights" (an operator's), "rollout <name>" (its step),
+            "rollback", ...).
         version: the ledger's counter when pushed (0 = not pushed yet).
         created: unix time, seconds.
         file_digest: ``text_digest`` of the file text last applied from a file ("" = unknown).

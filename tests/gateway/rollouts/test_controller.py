@@ -111,7 +111,7 @@ async def test_a_healthy_candidate_is_promoted_by_two_replicas_one_restarted(red
                                                                   (100, "promoted")]
     assert weights == (100.0, 100.0)
     # one config version per step: the weights changes were made once each, by one replica
-    assert [h["overrides"]["main"]["cand"] for h in reversed(history) if h["source"] == "weights"] == [5, 25, 100]
+    assert [h["overrides"]["main"]["cand"] for h in reversed(history) if h["source"] == "rollout r1"] == [5, 25, 100]
     assert r["parity"]["exact_share"] == 1.0 and r["parity"]["candidate"]["error_rate"] == 0
 
 
