@@ -26,6 +26,16 @@ def anthropic_headers(headers: Mapping[str, str]) -> Mapping[str, str]:
     return {**headers, "authorization": f"Bearer {key}"}
 
 
+async def anthropic_request_id(message, scope) -> None:
+    """A ``before_send`` hook after ``stamp_request_id``: responses on ``/v1/messages*`` carry the request id as
+    Anthropic's ``request-id`` header too (the ``anthropic`` SDK reads it for ``_request_id``)."""
+    if message["type"] == "http.response.start" and scope.get("path", "").startswith("/v1/messages"):
+        headers = message.get("headers", ())
+        rid = next((v for k, v in headers if k.lower() == b"x-request-id"), None)
+        if rid is not None:
+            message["headers"] = [*headers, (b"request-id", rid)]
+
+
 @post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> Response:
     """Anthropic's token count of a Messages body (``{"input_tokens": n}``): the local engine's rendering (chat

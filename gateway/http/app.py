@@ -30,7 +30,7 @@ from gateway.http.console import CONSOLE_HANDLERS
 from gateway.http.hot_path import HotPathApp, HotRoute
 from gateway.http.responses import RESPONSES_HANDLERS
 from gateway.http.rollouts_admin import ROLLOUT_HANDLERS
-from gateway.http.anthropic import anthropic_headers, count_tokens
+from gateway.http.anthropic import anthropic_headers, anthropic_request_id, count_tokens
 from gateway.http.exceptions import EXCEPTION_HANDLERS
 from gateway.http.serving import GATEWAY_ID_PREFIX, serve_observed, streamed
 from gateway.http.tokenization import TOKENIZATION_HANDLERS
@@ -187,7 +187,7 @@ def create_app(gw: Gateway, cors: CorsConfig | None = None, hot_path: bool = Tru
         route_handlers=[chat_completions, completions, models, model, live, ready, messages, count_tokens, embeddings,
                         *RESPONSES_HANDLERS, *TOKENIZATION_HANDLERS, *ADMIN_HANDLERS, *ROLLOUT_HANDLERS, admin_limits, *CONSOLE_HANDLERS],
         state=State({"gw": gw, "responses": ResponseStore(gw.resilience.state)}),   # stored Responses
-        middleware=[in_flight], before_send=[stamp_request_id(GATEWAY_ID_PREFIX)],
+        middleware=[in_flight], before_send=[stamp_request_id(GATEWAY_ID_PREFIX), anthropic_request_id],
         on_startup=[gw.start, gw.obs.start], on_shutdown=[gw.obs.stop, gw.stop],
         exception_handlers=EXCEPTION_HANDLERS, openapi_config=None, request_max_body_size=None, logging_config=None,
     )

@@ -82,6 +82,7 @@ async def test_create_is_translated_onto_a_chat_upstream_and_billed_once(up):
             messages=[{"role": "user", "content": [{"type": "text", "text": "hello"}]}])
         assert msg.type == "message" and msg.role == "assistant" and msg.model == "m1"
         assert msg.id.startswith("msg_gw-")
+        assert msg._request_id and msg._request_id.startswith("gw-")   # Anthropic's request-id header (the SDK's)
         assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == "hello from up"
         assert msg.stop_reason == "end_turn" and msg.stop_sequence is None
         assert (msg.usage.input_tokens, msg.usage.output_tokens) == (5, 3)   # the upstream's own usage
@@ -255,6 +256,7 @@ async def test_errors_are_anthropics(up):
         with pytest.raises(anthropic.NotFoundError) as e:
             await client.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "x"}])
         assert e.value.body["error"]["type"] == "not_found_error"
+        assert e.value.request_id == e.value.response.headers["x-request-id"]   # on refusals too
         up.push({"status": 500})
         with pytest.raises(anthropic.APIStatusError) as e:       # the upstream's failure, after the attempts
             await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
