@@ -11,6 +11,10 @@ a fork, preemption, swap) makes the draft compute the whole sequence again.
 
 Guesses are the draft's argmax, a point-mass draft distribution: the verification rule
 (``rejection.py``) is the standard one for it, and the outputs are the target's alone, bit for bit.
+
+A draft of a shorter context than the target's (its ``max_position_embeddings``) guesses only while its guesses
+fit in it: a sequence past it gets no proposal (as vLLM caps the draft's ``max_model_len``), never a position
+outside the draft's RoPE tables (a trial's 321-token prompt on a 128-position draft failed the whole step).
 """
 
 from __future__ import annotations
@@ -67,6 +71,11 @@ def load_draft_model(args, path: str, tokenizer, model_config) -> DraftModel:
                          "or EOS): a draft model needs the target's tokenizer")
     logger.info("draft model %s: %s, %d layers, hidden %d", path, config.name, config.num_hidden_layers,
                 config.hidden_size)
+    limit = args.max_model_len or model_config.max_position_embeddings
+    if config.max_position_embeddings < limit:
+        logger.warning("draft model %s has a context of %d tokens, the target up to %d: sequences past %d tokens "
+                       "are not speculated", path, config.max_position_embeddings, limit,
+                       config.max_position_embeddings)
     return DraftModel(model=model, config=config, args=draft_args)
 
 
@@ -97,11 +106,14 @@ class DraftModelProposer:
     Args:
         runner: the draft's ``ModelRunner`` (its own pool tensor, the target's number of blocks).
         kv_cache_manager: the target's (block tables; the slots the guesses need).
+        max_len: the draft's context in tokens (its ``max_position_embeddings``): a sequence's tokens and guesses
+            stay within it.
     """
 
-    def __init__(self, runner, kv_cache_manager) -> None:
+    def __init__(self, runner, kv_cache_manager, max_len: int) -> None:
         self.runner = runner
         self.kv = kv_cache_manager
+        self.max_len = max_len
         self._state: dict[str, _DraftState] = {}
 
     def forget(self, request_ids: list[str]) -> None:
@@ -122,10 +134,12 @@ class DraftModelProposer:
         return n
 
     def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
-        """Each request's ``k`` greedy guesses (empty where its blocks cannot hold them)."""
+        """Each request's ``k`` greedy guesses, fewer where the draft's context ends first (empty where its blocks
+        cannot hold them, or the sequence fills the draft's context)."""
         drafts: list[list[int]] = [[] for _ in requests]
         live = []   # (index, request, k, draft computed tokens, block ids)
         for i, (req, k) in enumerate(zip(requests, ks)):
+            k = min(k, self.max_len - req.num_tokens)   # the last guess's position is num_tokens + k - 2
             if k <= 0 or not self.kv.allocate_slots(req, k):
                 continue
             block_ids = self.kv.get_block_ids(req.request_id)

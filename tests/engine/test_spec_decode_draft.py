@@ -59,6 +59,25 @@ def test_tiny_draft_of_another_architecture_equal_without_speculation(tiny, one_
         assert llm.engine.core.scheduler.num_preemptions > 0
 
 
+def test_a_draft_of_a_shorter_context_proposes_only_within_it(tiny, tmp_path, one_thread, caplog):
+    """A trial's draft of 128 positions failed the whole step (every request of it a 500) on a 321-token prompt:
+    sequences past the draft's context get no proposal, their outputs still the target's, and the start says so."""
+    import json
+    import shutil
+
+    target, draft, ref = tiny
+    short = tmp_path / "short-draft"
+    shutil.copytree(draft, short)
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 30}))
+    llm = speculating(target, dtype="bfloat16", kv_cache_memory="64MiB",
+                      speculative_config={"method": "draft_model", "model": str(short), "num_speculative_tokens": 4})
+    assert "has a context of 30 tokens" in caplog.text
+    for expected, params in zip(ref, TINY_PARAMS):   # prompts of 18-38 tokens, 24-40 generated: past 30
+        assert [_key(o) for o in llm.generate(TINY_PROMPTS, params)] == expected, params
+    assert llm.engine.core.spec_decoder.stats.num_draft_tokens > 0     # proposed while they fit
+
+
 def test_draft_kv_shares_the_block_ids_and_is_counted_in_the_pool(tiny):
     target, draft, _ = tiny
     plain = LLM(target, dtype="bfloat16", kv_cache_memory="64MiB")
