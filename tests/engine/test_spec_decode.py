@@ -83,6 +83,19 @@ def _record_rows(llm: LLM) -> dict:
     return seen
 
 
+def test_prompt_lookup_takes_the_earliest_match_of_the_longest_suffix_as_vllm():
+    """vLLM's rule: the longest n first, then its earliest occurrence (a trial's repeating output got one token a
+    step at k = 4 from the latest match, one period back)."""
+    from engine.spec_decode.ngram_proposer import NgramProposer
+
+    p = NgramProposer(2, 4)
+    assert p.lookup([5, 7] + [9] * 10, 4) == [9, 9, 9, 9]
+    assert p.lookup([1, 2, 3] * 5, 4) == [1, 2, 3, 1]
+    # the 3-gram (4, 5, 6) matches at 0 and the 2-gram (5, 6) later: the longest wins
+    assert p.lookup([4, 5, 6, 7, 8, 5, 6, 1, 4, 5, 6], 2) == [7, 8]
+    assert p.lookup([1, 2, 3, 4], 3) == [] and p.lookup([1, 2, 1, 2], 0) == []
+
+
 def test_verify_rows_equal_decode_rows_bitwise(reference):
     """The logits of depth j of a (k+1)-token verify pass are bitwise those of a one-token decode step at that
     output position (the precondition of everything else)."""
