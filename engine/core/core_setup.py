@@ -130,7 +130,7 @@ def load_core(core, args: EngineArgs, tp) -> None:
                        "unset, and max_new_tokens caps max_tokens (--generation-config vllm: none)", defaults)
     core.system_fingerprint = system_fingerprint(args.model, numerics_of(args, core.device, core.dtype))
     spec = SpeculativeConfig.parse(args.speculative_config)
-    draft = (load_draft_model(args, spec.model, core.tokenizer, core.model_config)
+    draft = (load_draft_model(args, spec, core.tokenizer, core.model_config)
              if spec is not None and spec.method == "draft_model" else None)
     num_blocks, num_cpu_blocks = ModelRunner.determine_num_blocks(
         args, core.model_config, core.device, core.dtype, model.shard.num_kv_heads,
@@ -163,7 +163,7 @@ def load_core(core, args: EngineArgs, tp) -> None:
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if draft is None else \
             DraftModelProposer(ModelRunner(draft.args, draft.model, draft.config, core.device, core.dtype,
                                            num_blocks), core.scheduler.kv_cache_manager,
-                               draft.config.max_position_embeddings)
+                               draft.max_len)
         core.spec_decoder = SpecDecoder(spec, core.max_model_len, proposer)
     core._structured_outputs: StructuredOutputManager | None = None  # built on first use, or by the core process once ready
     core._structured_outputs_lock = threading.Lock()

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-from engine.json_config import config_object
+from engine.json_config import config_object, json_object
+
+logger = logging.getLogger("tandem.engine")
 
 METHODS = ("ngram", "draft_model")
+# vLLM's keys that change nothing here (speculation never changes an output bit; these tune only its speed or
+# memory in vLLM): taken and logged, so a vLLM config runs as written.
+UNUSED_KEYS = {
+    "draft_tensor_parallel_size": "the draft model runs beside the target's ranks",
+    "disable_by_batch_size": "a cost model decides per step whether proposals pay (speculative-decoding.md)",
+    "revision": "models are local paths", "code_revision": "models are local paths",
+    "enforce_eager": "there is no graph capture on this engine's CPU path",
+    "disable_logprobs": "logprobs are the target's own either way",
+    "disable_padded_drafter_batch": "drafts are batched unpadded",
+}
 
 
 @dataclass(frozen=True)
@@ -14,24 +27,31 @@ class SpeculativeConfig:
     """Speculative decoding settings (vLLM's ``SpeculativeConfig`` keys).
 
     Attributes:
-        method: "ngram" (prompt lookup: the continuation of the last n tokens' latest earlier occurrence in the
+        method: "ngram" (prompt lookup: the continuation of the last n tokens' earliest occurrence in the
             prompt and output so far; no extra model) or "draft_model" (a smaller model's greedy continuation).
             None (unset) is inferred from ``model`` as vLLM does: "draft_model" for a path, "ngram" for
             ``"[ngram]"`` / ``"ngram"`` (then no model) or no model.
         num_speculative_tokens: most tokens proposed per sequence and step (k).
-        prompt_lookup_max: longest n-gram matched (tried first; ngram).
+        prompt_lookup_max: longest n-gram matched (tried first; ngram). One bound given alone is the other too
+            (vLLM's rule); neither: 4 and 2.
         prompt_lookup_min: shortest n-gram matched (ngram).
         model: the draft model, a ``.gguf`` file or HF directory of any registered architecture with the
             target's tokenizer (draft_model only).
+        max_model_len: the draft's context, tokens (draft_model; default and cap: its ``max_position_embeddings``):
+            a sequence past it gets no proposal.
     """
 
     method: str | None = None
     num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
     model: str | None = None
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max   # vLLM's: one bound alone is the other too
+        object.__setattr__(self, "prompt_lookup_min", lo if lo is not None else hi if hi is not None else 2)
+        object.__setattr__(self, "prompt_lookup_max", hi if hi is not None else lo if lo is not None else 4)
         if self.method is None:   # vLLM's inference from the model named
             ngram = self.model is None or self.model in ("ngram", "[ngram]")
             object.__setattr__(self, "method", "ngram" if ngram else "draft_model")
@@ -50,6 +70,8 @@ class SpeculativeConfig:
              else f"is only read by method draft_model, got it with method {self.method!r}"),
             (self.model is None or (isinstance(self.model, str) and self.model), "model",
              f"must be a path, got {self.model!r}"),
+            (self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
+             "max_model_len", f"must be an integer >= 1, got {self.max_model_len!r}"),
         ]
         for ok, name, msg in checks:
             if not ok:
@@ -64,5 +86,8 @@ class SpeculativeConfig:
         """
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        value = config_object(value, "speculative_config", cls)
+        value = json_object(value, "speculative_config")
+        for key in sorted(set(value) & set(UNUSED_KEYS)):
+            logger.info("speculative_config.%s=%r taken, not used: %s", key, value[key], UNUSED_KEYS[key])
+        value = config_object({k: v for k, v in value.items() if k not in UNUSED_KEYS}, "speculative_config", cls)
         return cls(**value)

@@ -42,15 +42,18 @@ class DraftModel:
         model: the model (eval mode, the target's device and dtype).
         config: its ``ModelConfig``.
         args: the engine args it was loaded with (the target's, with ``model`` the draft's path).
+        max_len: its context, tokens: its ``max_position_embeddings``, or the config's ``max_model_len`` below it.
     """
 
     model: torch.nn.Module
     config: object
     args: object
+    max_len: int
 
 
-def load_draft_model(args, path: str, tokenizer, model_config) -> DraftModel:
-    """Load the draft model at ``path`` with the target's engine args (device, dtype, threads).
+def load_draft_model(args, spec, tokenizer, model_config) -> DraftModel:
+    """Load the draft model of ``spec`` (``SpeculativeConfig``: its ``model`` path, its ``max_model_len``) with the
+    target's engine args (device, dtype, threads).
 
     Raises:
         ValueError: its tokenizer or vocabulary differs from the target's (``tokenizer``, ``model_config``).
@@ -58,6 +61,7 @@ def load_draft_model(args, path: str, tokenizer, model_config) -> DraftModel:
     """
     from engine.model_loader import load_model
 
+    path = spec.model
     draft_args = dataclasses.replace(args, model=path, speculative_config=None, quantization="none")
     model, draft_tokenizer, config = load_model(draft_args)
     if config.vocab_size != model_config.vocab_size or draft_tokenizer.vocab_size != tokenizer.vocab_size:
@@ -71,12 +75,12 @@ def load_draft_model(args, path: str, tokenizer, model_config) -> DraftModel:
                          "or EOS): a draft model needs the target's tokenizer")
     logger.info("draft model %s: %s, %d layers, hidden %d", path, config.name, config.num_hidden_layers,
                 config.hidden_size)
+    max_len = min(config.max_position_embeddings, spec.max_model_len or config.max_position_embeddings)
     limit = args.max_model_len or model_config.max_position_embeddings
-    if config.max_position_embeddings < limit:
+    if max_len < limit:
         logger.warning("draft model %s has a context of %d tokens, the target up to %d: sequences past %d tokens "
-                       "are not speculated", path, config.max_position_embeddings, limit,
-                       config.max_position_embeddings)
-    return DraftModel(model=model, config=config, args=draft_args)
+                       "are not speculated", path, max_len, limit, max_len)
+    return DraftModel(model=model, config=config, args=draft_args, max_len=max_len)
 
 
 class _Extended:

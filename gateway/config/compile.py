@@ -120,7 +120,7 @@ def _check_engine(name: str, engine: EngineConfig, errors: list[tuple[str, str]]
     except FileNotFoundError as e:
         warnings.append(f"backends.{name}.engine.model: {e}")
     except ValueError as e:
-        field_name = str(e).split(" ", 1)[0]
+        field_name = str(e).split(" ", 1)[0].split(".", 1)[0].rstrip(":")   # speculative_config.k: its own
         path = f"backends.{name}.engine" + (f".{field_name}" if field_name in EngineConfig.model_fields else "")
         errors.append((path, str(e)))
 

@@ -248,6 +248,7 @@ class EngineConfig(_Strict):
     attention_backend: str | None = None
     batch_invariant: bool | None = None
     quantization: str | None = None
+    speculative_config: dict | None = None
     load_format: str | None = None
     engine_core_process: bool | None = None
     structured_outputs_workers: int | None = None

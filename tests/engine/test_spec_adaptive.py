@@ -132,3 +132,26 @@ def test_the_method_is_inferred_from_the_model_as_vllm_does():
         assert (cfg.method, cfg.model) == ("ngram", None)
     with pytest.raises(ValueError, match="only read by method draft_model"):
         SpeculativeConfig(method="ngram", model="draft.gguf")
+
+
+def test_vllms_config_runs_as_written(caplog):
+    """A trial: ``prompt_lookup_min`` 5 alone was refused against a maximum the user never set, and vLLM's
+    ``draft_tensor_parallel_size`` refused as unknown. One bound alone is the other too (vLLM's rule); vLLM's keys
+    that change nothing here are taken and logged; a key of neither is still refused."""
+    import logging
+
+    import pytest
+
+    caplog.set_level(logging.INFO, logger="tandem.engine")
+    assert (SpeculativeConfig(prompt_lookup_min=5).prompt_lookup_max, SpeculativeConfig(
+        prompt_lookup_max=1).prompt_lookup_min) == (5, 1)
+    assert (SpeculativeConfig().prompt_lookup_min, SpeculativeConfig().prompt_lookup_max) == (2, 4)
+    cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, '
+                                  '"draft_tensor_parallel_size": 1, "disable_by_batch_size": 8}')
+    assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max) == (5, 4)
+    assert "speculative_config.draft_tensor_parallel_size=1 taken, not used" in caplog.text
+    assert "speculative_config.disable_by_batch_size=8 taken, not used" in caplog.text
+    with pytest.raises(ValueError, match="unknown key.*frobnicate"):
+        SpeculativeConfig.parse({"frobnicate": 1})
+    with pytest.raises(ValueError, match="max_model_len"):
+        SpeculativeConfig.parse({"model": "d.gguf", "max_model_len": 0})

@@ -76,6 +76,10 @@ def test_a_draft_of_a_shorter_context_proposes_only_within_it(tiny, tmp_path, on
     for expected, params in zip(ref, TINY_PARAMS):   # prompts of 18-38 tokens, 24-40 generated: past 30
         assert [_key(o) for o in llm.generate(TINY_PROMPTS, params)] == expected, params
     assert llm.engine.core.spec_decoder.stats.num_draft_tokens > 0     # proposed while they fit
+    capped = speculating(target, dtype="bfloat16", kv_cache_memory="64MiB", speculative_config={
+        "method": "draft_model", "model": draft, "num_speculative_tokens": 4, "max_model_len": 30})
+    assert capped.engine.core.spec_decoder.proposer.max_len == 30     # vLLM's cap of the draft's context
+    assert [_key(o) for o in capped.generate(TINY_PROMPTS, TINY_PARAMS[0])] == ref[0]
 
 
 def test_draft_kv_shares_the_block_ids_and_is_counted_in_the_pool(tiny):

@@ -1,0 +1,29 @@
+"""The local backend's ``engine:`` block takes what ``tandem engine serve`` takes for a deployment (a trial:
+``speculative_config`` was "Extra inputs are not permitted" while ``tensor_parallel_size`` and ``quantization``
+were there), checked by the engine's own rules at load, a bad value named by its key."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config.compile import load_config_text
+from gateway.config.schema import ConfigError
+
+BASE = ("{{reload: {{watch: false}}, models: [{{name: m}}], policy: {{default_route: r}}, "
+        "backends: {{local: {{type: local, engine: {{speculative_config: {spec}}}}}}}, "
+        "routes: {{r: {{targets: [{{backend: local}}]}}}}}}")
+
+
+def test_speculative_config_reaches_the_engine_args():
+    compiled = load_config_text(BASE.format(spec="{method: ngram, num_speculative_tokens: 3}"))
+    kwargs = compiled.config.backends["local"].engine.engine_kwargs()
+    assert kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("spec, words", [("{num_speculative_tokens: 0}", "must be an integer >= 1"),
+                                         ("{frobnicate: 1}", "unknown key(s) frobnicate")])
+def test_a_bad_speculative_config_is_refused_naming_it(spec, words):
+    with pytest.raises(ConfigError) as e:
+        load_config_text(BASE.format(spec=spec))
+    assert [p for p, m in e.value.errors if words in m] == ["backends.local.engine.speculative_config"], \
+        e.value.errors
