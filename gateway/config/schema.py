@@ -4,8 +4,7 @@ read at run time from these models. Compilation: ``gateway/config/compile.py``.
 
 from __future__ import annotations
 
-import typing
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -23,7 +22,7 @@ class ConfigError(ValueError):
 
 def _number_field(annotation: Any) -> bool:
     """Whether a field's type takes a number and not a boolean (``float``, ``int | None``, ...)."""
-    return bool not in (args := typing.get_args(annotation) or (annotation,)) and any(a in (int, float) for a in args)
+    return bool not in (args := get_args(annotation) or (annotation,)) and any(a in (int, float) for a in args)
 
 
 class _Strict(BaseModel):
