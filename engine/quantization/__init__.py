@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from engine.config import KNOWN_UNSUPPORTED_QUANTIZATION
 from engine.quantization.awq import AWQConfig
 from engine.quantization.base import QuantizationConfig, UnsupportedQuantization
 from engine.quantization.compressed_tensors import CompressedTensorsConfig
@@ -16,9 +17,6 @@ from engine.quantization.gptq import GPTQConfig
 
 QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
     "gptq": GPTQConfig, "awq": AWQConfig, "compressed-tensors": CompressedTensorsConfig}
-# quant_method values vLLM reads that the engine does not (yet): refused by name, never loaded as dense
-KNOWN_UNSUPPORTED = ("fp8", "bitsandbytes", "gptq_marlin", "awq_marlin", "marlin", "hqq",
-                     "aqlm", "exl2", "quark", "modelopt", "torchao")
 # older GPTQ/AWQ repositories keep the settings in a file of their own (vLLM's get_quant_config looks there too)
 _SIDE_FILES = ("quantize_config.json", "quant_config.json")
 
@@ -64,7 +62,7 @@ def get_quantization_config(path: str, requested: str = "none") -> QuantizationC
         return None
     method = str(qc.get("quant_method", "")).lower()
     if method not in QUANTIZATION_METHODS:
-        known = " (known to vLLM, not implemented here)" if method in KNOWN_UNSUPPORTED else ""
+        known = " (known to vLLM, not implemented here)" if method in KNOWN_UNSUPPORTED_QUANTIZATION else ""
         raise UnsupportedQuantization(f"quantization_config.quant_method = {method!r} is not supported{known} "
                                       f"(supported: {', '.join(QUANTIZATION_METHODS)})")
     if requested not in ("none", method):

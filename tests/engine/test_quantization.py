@@ -370,6 +370,24 @@ def test_quantization_choices_name_every_method():
     assert QUANTIZATION_CHOICES == ("none", "gguf", *QUANTIZATION_METHODS)
 
 
+def test_vllms_quantization_values_are_taken_or_refused_in_one_line():
+    """A trial's ``--quantization fp8`` / ``gptq_marlin`` got argparse's usage and exit 2: vLLM's kernel names
+    (``gptq_marlin``, ``awq_marlin``) are the method they read, vLLM's other methods a one-line refusal saying
+    so, before anything loads (the engine's own CLI, as a vLLM user types it)."""
+    import subprocess
+    import sys
+
+    from engine.config import EngineArgs
+
+    assert EngineArgs(quantization="gptq_marlin").quantization == "gptq"
+    assert EngineArgs(quantization="awq_marlin").quantization == "awq"
+    with pytest.raises(ValueError, match="'bitsandbytes' is vLLM's and not implemented here"):
+        EngineArgs(quantization="bitsandbytes")
+    r = subprocess.run([sys.executable, "-m", "gateway.cli", "generate", "-q", "fp8", "--prompt", "hi"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "usage:" not in r.stderr and "'fp8' is vLLM's and not implemented here" in r.stderr
+
+
 def test_settings_in_a_side_file_are_read(tmp_path):
     """Older AutoAWQ/auto-gptq repositories keep the settings in quant_config.json / quantize_config.json
     (AutoAWQ's own key names, no quant_method), as vLLM's get_quant_config reads them."""
