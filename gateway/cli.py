@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     for problem in shadowed_packages():   # before anything imports the other package in its place
         print(f"tandem: {problem}", file=sys.stderr)
         return 2
+    if argv and argv[0] in ("engine", "generate"):   # vLLM's spellings (--tensor_parallel_size, --x.key v)
+        from engine.entrypoints.vllm_flags import vllm_argv
+        argv = vllm_argv(argv)
     parser = build_parser(argv[0] if argv else None)
     args, extra = parser.parse_known_args(argv)
     if extra:   # said by the command's own parser: its usage, not the top level's

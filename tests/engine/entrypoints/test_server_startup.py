@@ -257,6 +257,22 @@ def test_serve_flags_refuse_what_vllm_would_not_take(tmp_path, capsys, caplog):
 
 
 
+def test_vllms_other_spellings_of_the_flags_are_read():
+    """vLLM's FlexibleArgumentParser reads ``--tensor_parallel_size`` and a JSON option key by key
+    (``--speculative-config.method ngram``); a trial got "unrecognized arguments" for both."""
+    import json
+
+    from engine.entrypoints.vllm_flags import vllm_argv
+    from gateway.cli import build_parser
+
+    argv = vllm_argv(["engine", "serve", "m.gguf", "--tensor_parallel_size", "2", "--speculative-config.method",
+                      "ngram", "--speculative_config.num_speculative_tokens=3", "--served-model-name", "a_b"])
+    args, extra = build_parser("engine").parse_known_args(argv)
+    assert not extra and args.tensor_parallel_size == 2 and args.served_model_name == ["a_b"]
+    assert json.loads(args.speculative_config) == {"method": "ngram", "num_speculative_tokens": 3}
+    assert vllm_argv(["generate", "--max_tokens=4", "--", "--a_b"]) == ["generate", "--max-tokens=4", "--", "--a_b"]
+
+
 def test_serve_keeps_idle_connections_longer_than_clients_do(tmp_path, monkeypatch):
     """``tandem engine serve`` keeps an idle connection open past the 5 s after which httpx (so the openai SDK)
     drops it: with uvicorn's 5 s the two expire together and a request sent on a connection the server is
