@@ -234,7 +234,7 @@ async def ping(request: Request) -> Response:
 
 def _health(request: Request) -> Response:
     engine: AsyncEngine = request.app.state.engine
-    if engine.is_alive and engine.accepting:
+    if engine.is_alive and engine.accepting and request.app.state.get("chat") is not None:
         return Response(content=b"", status_code=200, media_type="text/plain")   # vLLM: an empty 200, no JSON
     if request.app.state.get("load_error") is not None:
         status = "failed"
@@ -317,19 +317,22 @@ def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_b
     registry = CollectorRegistry()
 
     async def load(app: Litestar) -> None:
-        try:
+        try:   # the front end too: a failure building it after the engine started also stops the server (a
+            # trial's server said healthy and answered every request 503 "loading", its error lost in a task)
             await engine.start()
+            EngineMetrics(registry, engine, engine.served_model_name).attach()
+            names = engine.served_model_names
+            handlers = {"completion": OpenAIServingCompletion(engine, names), "chat": OpenAIServingChat(engine, names),
+                        "embedding": OpenAIServingEmbedding(engine, names),
+                        "tokenization": OpenAIServingTokenization(engine, names)}
         except Exception as exc:  # noqa: BLE001 - one clear line, then the server stops
             app.state.load_error = f"{type(exc).__name__}: {exc}"
             logger.error("the engine failed to load: %s", app.state.load_error)
             if on_load_failed is not None:
                 on_load_failed()
             return
-        EngineMetrics(registry, engine, engine.served_model_name).attach()
-        app.state.completion = OpenAIServingCompletion(engine, engine.served_model_names)
-        app.state.chat = OpenAIServingChat(engine, engine.served_model_names)
-        app.state.embedding = OpenAIServingEmbedding(engine, engine.served_model_names)
-        app.state.tokenization = OpenAIServingTokenization(engine, engine.served_model_names)
+        for name, handler in handlers.items():   # all at once: /health's 200 says every one is there
+            setattr(app.state, name, handler)
         freeze_heap()
 
     async def on_startup(app: Litestar) -> None:

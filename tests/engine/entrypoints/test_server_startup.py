@@ -80,6 +80,33 @@ def test_requests_during_the_model_load_get_503_engine_loading(tiny_model):
         thread.join(60)
 
 
+def test_a_front_end_that_fails_to_build_stops_the_server_as_a_failed_load(tiny_model, monkeypatch, caplog):
+    """A trial's server whose request handlers failed to build after the engine started said healthy for good
+    and answered every request 503 "loading" (the error surfaced at shutdown only): it is the failed load's one
+    line, ``/health`` says failed, and the server is told to stop."""
+    import engine.entrypoints.server as server_module
+
+    def broken(*_args, **_kwargs):
+        raise TypeError("a broken front end")
+
+    monkeypatch.setattr(server_module, "OpenAIServingCompletion", broken)
+    engine = AsyncEngine(EngineArgs(model=tiny_model, kv_cache_memory="64MiB", served_model_name="tiny"))
+    stopped = threading.Event()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, on_load_failed=stopped.set), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert stopped.wait(120)
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+        assert health.status_code == 503 and health.json() == {"status": "failed"}
+        assert "the engine failed to load: TypeError: a broken front end" in caplog.text
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
 def test_the_loaded_front_end_is_frozen_out_of_full_collections(tiny_model):
     """Issue #34: a full collection in the serving process walked everything loaded (~77,000 objects with
     SmolLM2's tokenizer, ~200 ms on a busy 2-core box) with the GIL held, no stream getting an event meanwhile.
