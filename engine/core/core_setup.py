@@ -124,6 +124,8 @@ def load_core(core, args: EngineArgs, tp) -> None:
     import_loader_modules()
     rss = resident_bytes()
     model, core.tokenizer, core.model_config = load_model(args, tp)
+    if tp is not None:
+        tp.check_loaded(None)   # a rank that could not load its part: its reason, not a broken collective's
     core.served_model_name = served_model_names(args.served_model_name, args.model)[0]
     if defaults := args.sampling_defaults:
         logger.warning("sampling defaults from the model's generation config: %s: they fill what a request leaves "

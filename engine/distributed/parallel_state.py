@@ -129,6 +129,17 @@ class TensorParallelGroup:
         dist.gather_object(obj, out, dst=0, group=self.cpu_group)
         return out
 
+    def check_loaded(self, problem: str | None) -> None:
+        """Every rank says whether its part of the model loaded (``problem``: why not, else None), so that the
+        driver fails on the rank's own reason, not on a later collective's "Connection closed by peer" (a trial's
+        rank 2 refused its shard and the driver said only that gloo's peer had closed).
+
+        Raises:
+            ValueError: on the driver, naming the first rank that failed and its reason."""
+        said = self.gather_object(problem)
+        if said is not None and (failed := next(((r, p) for r, p in enumerate(said) if p), None)) is not None:
+            raise ValueError(f"tensor-parallel rank {failed[0]} could not load its part: {failed[1]}")
+
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value``."""
         t = torch.tensor([value], dtype=torch.int64)

@@ -38,7 +38,12 @@ def run_worker(rank: int, world_size: int, local_rank: int, device_type: str) ->
         dtype = resolve_dtype(args.dtype)
         import_loader_modules()
         rss = resident_bytes()
-        model, _, config = load_model(args, tp)
+        try:
+            model, _, config = load_model(args, tp)
+        except Exception as e:
+            tp.check_loaded(f"{type(e).__name__}: {e}")   # the driver fails on this reason
+            raise
+        tp.check_loaded(None)
         blocks, cpu_blocks = ModelRunner.determine_num_blocks(args, config, device, dtype, model.shard.num_kv_heads)
         blocks, cpu_blocks = tp.min_int(blocks), tp.min_int(cpu_blocks)
         runner = ModelRunner(args, model, config, device, dtype, blocks, cpu_blocks, tp=tp)

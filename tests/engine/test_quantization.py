@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 
 
 def _model(tmp_path, arch: str):
-    """A tiny random float32 transformers model of ``arch`` ("llama", "llama128": intermediate size
-    128 for groups of 64, or "qwen2", q/k/v biases) saved with a word-level tokenizer in
+    """A tiny random float32 transformers model of ``arch`` ("llama", "llama128" / "llama192": intermediate size
+    128 / 192 for groups of 64, or "qwen2", q/k/v biases) saved with a word-level tokenizer in
     ``tmp_path``; norms perturbed so that they matter."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -32,7 +32,8 @@ def _model(tmp_path, arch: str):
     if arch == "qwen2":
         model = t.Qwen2ForCausalLM(t.Qwen2Config(**COMMON))
     else:
-        model = t.LlamaForCausalLM(t.LlamaConfig(**{**COMMON, "intermediate_size": 128 if arch == "llama128" else 96}))
+        model = t.LlamaForCausalLM(t.LlamaConfig(**{**COMMON, "intermediate_size": {"llama128": 128, "llama192": 192}.get(
+            arch, 96)}))
     model.config._attn_implementation = "eager"
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -495,3 +496,14 @@ def test_a_per_channel_4bit_checkpoint_serves_over_two_ranks(tmp_path):
         assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == want
     finally:
         two.shutdown()
+
+
+def test_a_rank_that_cannot_load_its_part_is_the_engines_one_error(tmp_path):
+    """A trial's GPTQ checkpoint in groups of 64 over 4 ranks: ranks 2 and 3 refused their shard of the MLP's 192
+    inputs, and the engine's error was gloo's "Connection closed by peer" (the reason logged in the middle by the
+    ranks). The driver fails on the first failing rank's own reason."""
+    tmp_path.mkdir(exist_ok=True)
+    write_gptq(tmp_path, _model(tmp_path, "llama192"), 64, sym=True)
+    with pytest.raises(ValueError, match=r"tensor-parallel rank 2 could not load its part: ValueError: weight "
+                                         r"'model\.layers\.0\.mlp\.down_proj\.weight' cannot be split"):
+        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="4MiB", tensor_parallel_size=4)
