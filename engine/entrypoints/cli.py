@@ -50,9 +50,12 @@ def _generate(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, MemoryError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 1
-    if args.raw:
-        out = llm.generate(args.prompt, params)[0]
-    else:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    try:
+        if args.raw:
+            out = llm.generate(args.prompt, params)[0]
+        else:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    finally:   # its tensor-parallel ranks stopped, not left to find their driver gone (a trial's warning)
+        llm.shutdown()
     sys.stdout.write(out.outputs[0].text + "\n")
     return 0
