@@ -87,7 +87,11 @@ def numerics_of(args, device, dtype) -> dict[str, object]:
     import torch  # loaded already by whoever resolved the device
 
     from kernels import cpu_linear
-    return {"device": device.type, "dtype": dtype, "quantization": args.quantization,
+    # a HF checkpoint's method named (gptq, awq, compressed-tensors) is the checkpoint's own, which "none" follows
+    # anyway (a mismatch is refused at load): the same numerics, the same fingerprint (a trial's differed); gguf
+    # (4-bit kept) is other arithmetic than none (dequantized)
+    quantization = args.quantization if args.quantization in ("none", "gguf") else "none"
+    return {"device": device.type, "dtype": dtype, "quantization": quantization,
             "attention_backend": args.attention_backend, "batch_invariant": args.batch_invariant,
             "load_format": args.load_format, "torch": torch.__version__,
             # the row-parallel sums are cut by the rank count: other N, other bits

@@ -84,3 +84,19 @@ def test_a_models_sampling_defaults_are_part_of_its_fingerprint(tmp_path):
     with_defaults = numerics_of(EngineArgs(model=plain, generation_config=str(tmp_path / "gen")), cpu, torch.float32)
     assert with_defaults["sampling_defaults"] == {"temperature": 0.6}
     assert system_fingerprint(default_model_path(), base) != system_fingerprint(default_model_path(), with_defaults)
+
+
+def test_naming_the_checkpoints_own_method_keeps_the_fingerprint():
+    """A trial: ``--quantization gptq`` on a GPTQ checkpoint changed ``system_fingerprint`` though its outputs were
+    bitwise those of auto-detection (which follows the checkpoint, and a mismatch is refused); ``gguf`` (4-bit
+    kept instead of dequantized) is other arithmetic, and another fingerprint."""
+    import torch
+
+    from engine.config import EngineArgs
+    from engine.fingerprint import numerics_of
+
+    cpu = torch.device("cpu")
+    auto = numerics_of(EngineArgs(), cpu, torch.bfloat16)
+    for method in ("gptq", "awq", "compressed-tensors", "gptq_marlin"):
+        assert numerics_of(EngineArgs(quantization=method), cpu, torch.bfloat16) == auto, method
+    assert numerics_of(EngineArgs(quantization="gguf"), cpu, torch.bfloat16) != auto
