@@ -243,7 +243,7 @@ def render_completion(tokenizer, body: dict) -> RenderedPrompt:
     """
     req = parse_body(body, CompletionRequest)
     if req.suffix:
-        raise ServingError(400, "suffix: is not supported", param="suffix")
+        raise ServingError(400, "suffix: is not supported", param="suffix", code="unsupported_parameter")
     p = req.prompt
     vocab = tokenizer.vocab_size
     if isinstance(p, str):

@@ -171,12 +171,13 @@ class OpenAIServing:
         for name, why in UNSERVED_FIELDS.items():   # ignoring one would answer otherwise than vLLM does
             value = getattr(req, name, None)   # chat_template: chat's only
             if value is not None and value is not False:
-                raise ServingError(400, f"{name}: {why}", param=name)
+                raise ServingError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
         if req.best_of is not None and req.best_of != (req.n or 1):
-            raise ServingError(400, f"best_of: only best_of == n is supported, got {req.best_of}", param="best_of")
+            raise ServingError(400, f"best_of: only best_of == n is supported, got {req.best_of}", param="best_of",
+                               code="unsupported_value")
         for name in GUIDED_FIELDS:   # vLLM's older constraint fields: ignoring one would answer unconstrained
             if getattr(req, name) is not None:
-                raise ServingError(400, f"{name}: {guided_field_hint(name)}", param=name)
+                raise ServingError(400, f"{name}: {guided_field_hint(name)}", param=name, code="unsupported_parameter")
         if req.cache_salt is not None and not req.cache_salt:   # vLLM refuses it too
             raise ServingError(400, "cache_salt: must be a non-empty string if provided", param="cache_salt")
         if req.prompt_logprobs is not None and req.stream:   # vLLM's refusal, word for word
@@ -231,7 +232,7 @@ class OpenAIServing:
             param = message.split(" ", 1)[0]
             if param == "logprobs" and isinstance(req, ChatCompletionRequest):
                 param, message = "top_logprobs", "top_logprobs" + message[len("logprobs"):]
-            raise ServingError(400, message, param=param) from None
+            raise ServingError(400, message, param=param, code="invalid_value") from None
         cap = self.engine.args.max_logprobs     # vLLM's --max-logprobs, in its words
         for kind, asked, field in (("sample", params.logprobs, "top_logprobs" if isinstance(
                 req, ChatCompletionRequest) else "logprobs"), ("prompt", params.prompt_logprobs, "prompt_logprobs")):
@@ -260,7 +261,7 @@ class OpenAIServing:
         if max_tokens is None and params.min_tokens > limit - num_prompt_tokens:   # vLLM sets max_tokens to that room
             raise ServingError(400, f"min_tokens must be <= max_tokens={limit - num_prompt_tokens} (the room the "
                                     f"context leaves after the {num_prompt_tokens}-token {prompt_field}), got "
-                                    f"{params.min_tokens}", param="min_tokens")
+                                    f"{params.min_tokens}", param="min_tokens", code="invalid_value")
         return params
 
     def _logit_bias(self, bias: dict | None) -> dict[int, float] | None:

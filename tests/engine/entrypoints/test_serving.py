@@ -457,10 +457,14 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
             server.client.completions.create(model=server.model, prompt="hi", max_tokens=4, extra_body={name: value})
         assert exc.value.body["param"] == name, exc.value.body
     # vLLM's fields the engine does not implement: refused too (a trial's prompt_embeds: 200, generated from "hi")
-    for name, value in (("logits_processors", ["x"]), ("prompt_embeds", "abc"), ("mm_processor_kwargs", {"a": 1})):
+    for name, value in (("logits_processors", ["x"]), ("prompt_embeds", "abc")):
         with pytest.raises(openai.BadRequestError) as exc:
             server.client.completions.create(model=server.model, prompt="hi", max_tokens=4, extra_body={name: value})
         assert exc.value.body["param"] == name, exc.value.body
+    with pytest.raises(openai.BadRequestError) as exc:   # chat's (vLLM's): this engine serves no multimodal model
+        chat(server, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+             extra_body={"mm_processor_kwargs": {"num_crops": 4}})
+    assert exc.value.body["param"] == "mm_processor_kwargs", exc.value.body
     with pytest.raises(openai.BadRequestError) as exc:
         chat(server, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=MAX_MODEL_LEN)
     assert exc.value.body["param"] == "max_completion_tokens" and exc.value.message.endswith(

@@ -178,14 +178,21 @@ def test_embeddings_have_an_id_and_created_and_models_a_permission_list(server):
 def test_malformed_values_carry_openais_code(server):
     """A new user's trial found these 400s with ``code: null`` where their neighbours had OpenAI's code."""
     base = server.base_url
-    for path, body, param in (
-            ("/v1/completions", {"prompt": ""}, "prompt"),
-            ("/v1/completions", {"prompt": [server.engine.tokenizer.vocab_size]}, "prompt"),
-            ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, "top_logprobs"),
-            ("/v1/embeddings", {"input": [server.engine.tokenizer.vocab_size]}, "input")):
+    for path, body, param, code in (
+            ("/v1/completions", {"prompt": ""}, "prompt", "invalid_value"),
+            ("/v1/completions", {"prompt": [server.engine.tokenizer.vocab_size]}, "prompt", "invalid_value"),
+            ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+            ("/v1/embeddings", {"input": [server.engine.tokenizer.vocab_size]}, "input", "invalid_value"),
+            # and these (an API trial, through the gateway)
+            ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of", "unsupported_value"),
+            ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix", "unsupported_parameter"),
+            ("/v1/completions", {"prompt": "hi", "min_tokens": 5}, "min_tokens", "invalid_value"),
+            ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop", "invalid_value"),
+            ("/v1/completions", {"prompt": "hi", "logits_processors": ["x"]}, "logits_processors",
+             "unsupported_parameter")):
         r = httpx.post(base + path, json={"model": server.model, "max_tokens": 1, **body}, timeout=60)
         err = r.json()["error"]
-        assert r.status_code == 400 and (err["param"], err["code"]) == (param, "invalid_value"), (body, err)
+        assert r.status_code == 400 and (err["param"], err["code"]) == (param, code), (body, err)
 
 
 FRANCE = "The capital of France is"
