@@ -334,6 +334,8 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         raise ClientError(400, PARALLEL_WITHOUT_TOOLS, param="parallel_tool_calls", code="invalid_value")
     if "stream_options" in body:
         _check_stream_options(body)
+    if isinstance(body.get("metadata"), dict):
+        _check_metadata(body["metadata"])
     raw_priority = body.get("priority")
     if raw_priority is None:
         raw_priority = x_priority
@@ -378,6 +380,26 @@ def _check_stream_options(body: dict) -> None:
         if value is not None and not isinstance(value, STREAM_OPTIONS[name]):
             raise ClientError(400, f"'stream_options.{name}' must be a boolean, got {type(value).__name__}",
                               param=f"stream_options.{name}", code="invalid_type")
+
+
+def _check_metadata(metadata: dict) -> None:
+    """OpenAI's 400s for ``metadata``: at most 16 pairs, keys of at most 64 characters, string values of at most 512
+    (policy rules match ``metadata.<key>`` as strings; an upstream would refuse the others after routing)."""
+    if len(metadata) > 16:
+        raise ClientError(400, f"Invalid 'metadata': too many properties. Expected an object with at most 16 "
+                          f"properties, but got an object with {len(metadata)} properties instead.",
+                          param="metadata", code="object_above_max_properties")
+    for key, value in metadata.items():
+        if len(key) > 64:
+            raise ClientError(400, f"Invalid 'metadata': a key of {len(key)} characters; at most 64.",
+                              param="metadata", code="string_above_max_length")
+        if not isinstance(value, str):
+            raise ClientError(400, f"'metadata.{key}' must be a string, got {type(value).__name__}",
+                              param=f"metadata.{key}", code="invalid_type")
+        if len(value) > 512:
+            raise ClientError(400, f"Invalid 'metadata.{key}': string too long. Expected a string with maximum "
+                              f"length 512, but got a string with length {len(value)} instead.",
+                              param=f"metadata.{key}", code="string_above_max_length")
 
 
 def with_default_max_tokens(req: GatewayRequest, route, model) -> GatewayRequest:

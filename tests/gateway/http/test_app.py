@@ -155,6 +155,13 @@ def test_tokenize_without_a_local_engine_says_why(gateway):
      400, "priority"),
     (json.dumps({"model": 5, "messages": [{"role": "user", "content": "x"}]}).encode(), 400, "model"),
     (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "model"),
+    # OpenAI's metadata: string values (an API trial's {"a": 1} was forwarded), at most 16 pairs
+    (json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x"}], "metadata": {"a": 1}}).encode(),
+     400, "metadata.a"),
+    (json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x"}],
+                 "metadata": {f"k{i}": "v" for i in range(17)}}).encode(), 400, "metadata"),
+    (json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x"}],
+                 "metadata": {"a": "v" * 513}}).encode(), 400, "metadata.a"),
 ])
 def test_bad_input_gets_openai_errors(gateway, upstreams, body, status, param):
     r = httpx.post(gateway.url + "/v1/chat/completions", content=body,
