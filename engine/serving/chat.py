@@ -161,16 +161,26 @@ class OpenAIServingChat(OpenAIServing):
                          usage(num_prompt, sum(generated), cached) if continuous else UNSET)
 
         try:
-            if resume is None:
+            def role_chunks() -> list[Chunk]:
                 first = [chunk(ChatChoiceChunk(i, Delta(role="assistant", content=echo))) for i in range(n)]
                 for c in first if return_ids else ():   # vLLM: on each choice's role chunk
                     c.prompt_token_ids = list(prompt.token_ids)
-                yield first
+                return first
+
+            # the role chunks at once; with continuous usage after the first output, as vLLM's, so that their
+            # usage says the cached prompt tokens as every later chunk does (an API trial's went 0, then 16)
+            roles_due = resume is None
+            if roles_due and not continuous:
+                roles_due = False
+                yield role_chunks()
             async with contextlib.aclosing(self.engine.generate(
                     prompt.token_ids, prompt.params, request_id, priority, resume=resume,
                     cache_salt=prompt.cache_salt)) as stream:
                 async for out in stream:
                     cached = out.num_cached_tokens
+                    if roles_due:
+                        roles_due = False
+                        yield role_chunks()
                     batch = []
                     for c in out.outputs:
                         reject_abort(c.finish_reason)

@@ -300,3 +300,18 @@ def test_embeddings_take_vllms_normalize_add_special_tokens_and_truncation(serve
                         ({"add_special_tokens": 1}, "add_special_tokens")):
         r = httpx.post(url, json={"model": server.model, "input": text, **body}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_continuous_usage_says_the_cached_prompt_on_every_chunk(server):
+    """vLLM's ``continuous_usage_stats``: every chunk's usage, the role chunk's too, says the prompt's cached
+    tokens (an API trial's role chunk said 0 and the later ones 16: it went out before the engine's first output);
+    without it the role chunk still comes first."""
+    messages = [{"role": "user", "content": "Count from one to twenty, please, in words."}]
+    chat(server, messages=messages, max_tokens=2, temperature=0)          # the prompt is cached now
+    chunks = list(server.client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}}))
+    cached = {c.usage.prompt_tokens_details.cached_tokens for c in chunks if c.usage is not None}
+    assert len(cached) == 1 and cached.pop() > 0, [c.usage for c in chunks]
+    assert chunks[0].choices[0].delta.role == "assistant"
