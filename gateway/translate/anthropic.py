@@ -351,7 +351,8 @@ class MessageEvents:
         self.started = True
         message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
                    "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}
+                   "usage": {"input_tokens": self.input_tokens, "output_tokens": 0,   # Anthropic's fields, all
+                             "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
         return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]
 
     def _close(self) -> list[tuple[str, dict]]:

@@ -165,7 +165,9 @@ def test_stream_events_text_then_tool_call_then_usage():
     assert [n for n, _ in events] == ["message_start", "ping", "content_block_start", "content_block_delta",
                                       "content_block_stop", "content_block_start", "content_block_delta",
                                       "content_block_stop", "message_delta", "message_stop"]
-    assert events[0][1]["message"]["usage"] == {"input_tokens": 9, "output_tokens": 0}   # the estimate, first
+    assert events[0][1]["message"]["usage"] == {"input_tokens": 9, "output_tokens": 0,    # the estimate, first,
+                                                 "cache_creation_input_tokens": 0,       # with every field
+                                                 "cache_read_input_tokens": 0}           # Anthropic's has
     assert events[5][1]["content_block"] == {"type": "tool_use", "id": "c1", "name": "f", "input": {}}
     assert events[6][1]["delta"] == {"type": "input_json_delta", "partial_json": '{"a": 1}'}
     assert events[8][1]["delta"]["stop_reason"] == "tool_use"
