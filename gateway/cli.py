@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem: {problem}", file=sys.stderr)
         return 2
     if argv and argv[0] in ("engine", "generate"):   # vLLM's spellings (--tensor_parallel_size, --x.key v)
-        from engine.entrypoints.vllm_flags import vllm_argv
+        from engine.protocol.cli_spellings import vllm_argv
         argv = vllm_argv(argv)
     parser = build_parser(argv[0] if argv else None)
     args, extra = parser.parse_known_args(argv)

@@ -289,7 +289,7 @@ def test_vllms_other_spellings_of_the_flags_are_read():
     (``--speculative-config.method ngram``); a trial got "unrecognized arguments" for both."""
     import json
 
-    from engine.entrypoints.vllm_flags import vllm_argv
+    from engine.protocol.cli_spellings import vllm_argv
     from gateway.cli import build_parser
 
     argv = vllm_argv(["engine", "serve", "m.gguf", "--tensor_parallel_size", "2", "--speculative-config.method",
