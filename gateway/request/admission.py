@@ -62,7 +62,8 @@ async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: Usa
     completion = reserved_completion_tokens(req, cfg)
     tokens = int(req.prompt_tokens or 0) + completion
     # Rate limits before the budget: a request they reject must not hold a budget reservation.
-    rl = await resilience.admit(req.tenant, bearer(req.headers.get("authorization")), tokens, req.request_id)
+    rl = await resilience.admit(req.tenant, bearer(req.headers.get("authorization")), tokens, req.request_id,
+                                guessed=completion if req.max_tokens is None else 0)
     if not rl.allowed:
         raise rl.error()
     bcfg = cfg.budgets.tenants.get(tenant_label(req.tenant))

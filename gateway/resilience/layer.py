@@ -84,8 +84,12 @@ class Resilience:
         return self.state.degraded
 
     # -- admission ---------------------------------------------------------------------------------------------
-    async def admit(self, tenant: str, token: str | None, tokens: int, request_id: str) -> RateLimitResult:
-        """Check and record the RPM/TPM limits of the request's virtual key and tenant."""
+    async def admit(self, tenant: str, token: str | None, tokens: int, request_id: str,
+                    guessed: int = 0) -> RateLimitResult:
+        """Check and record the RPM/TPM limits of the request's virtual key and tenant. ``guessed``: the part of
+        ``tokens`` that is the gateway's default completion (a request without ``max_tokens``), held to the smallest
+        TPM limit: such a request is never "too large" for a length it did not ask for (an ops trial's
+        ``tpm: 300`` key refused every chat without max_tokens for good); its settle counts what it used."""
         limits = []
         if token and self.key_limits:       # hash the key only when some key has limits
             lim = self.key_limits.get(hashlib.sha256(token.encode()).hexdigest())
@@ -93,6 +97,8 @@ class Resilience:
                 limits.append(lim)
         if (lim := self.tenant_limits.get(tenant_label(tenant))) is not None:   # "": anonymous, as budgets
             limits.append(lim)
+        if guessed and (tpms := [lim.tpm for lim in limits if lim.tpm is not None]):
+            tokens = max(tokens - guessed, min(tokens, min(tpms)))
         return await self.limiter.acquire(limits, tokens, request_id)
 
     async def settle(self, reservation: RateReservation | None, usage: dict | None) -> None:

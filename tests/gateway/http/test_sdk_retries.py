@@ -77,6 +77,16 @@ async def test_a_429_the_sdk_cannot_pass_is_sent_once(up, key, max_tokens, code)
         assert int(exc.value.response.headers["retry-after"]) > 60
 
 
+async def test_a_request_without_max_tokens_is_never_too_large_for_its_default(up):
+    """An ops trial's ``tpm: 300`` key got a permanent 429 "Request too large" on every chat without
+    ``max_tokens`` (the 512 completion tokens admission reserves then): the guess is held to the TPM limit, and the
+    real usage is what is counted after."""
+    async with gateway(up) as (url, sent):
+        async with sdk(url, BIG, sent) as client:
+            reply = await client.chat.completions.create(model="m1", messages=HELLO)    # tpm 100, no max_tokens
+    assert reply.choices and up.calls == 1
+
+
 async def test_a_rate_limit_freed_within_the_sdks_cap_is_left_to_the_sdk(up):
     async with gateway(up) as (url, _):
         async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {BUSY}"}, timeout=20) as c:
