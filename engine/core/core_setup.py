@@ -164,8 +164,7 @@ def load_core(core, args: EngineArgs, tp) -> None:
     if spec is not None:
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if draft is None else \
             DraftModelProposer(ModelRunner(draft.args, draft.model, draft.config, core.device, core.dtype,
-                                           num_blocks), core.scheduler.kv_cache_manager,
-                               draft.max_len)
+                                           num_blocks), core.scheduler.kv_cache_manager, draft.max_len)
         core.spec_decoder = SpecDecoder(spec, core.max_model_len, proposer)
     core._structured_outputs: StructuredOutputManager | None = None  # built on first use, or by the core process once ready
     core._structured_outputs_lock = threading.Lock()

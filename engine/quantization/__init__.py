@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.config import KNOWN_UNSUPPORTED_QUANTIZATION
+from engine.quantization_names import KNOWN_UNSUPPORTED_QUANTIZATION
 from engine.quantization.awq import AWQConfig
 from engine.quantization.base import QuantizationConfig, UnsupportedQuantization
 from engine.quantization.compressed_tensors import CompressedTensorsConfig

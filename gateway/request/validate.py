@@ -14,6 +14,7 @@ from engine.protocol.chat_shapes import (ShapeError, check_response_format, chec
 from engine.protocol.param_ranges import check_param, first_violation
 from engine.protocol.tool_choice import PARALLEL_WITHOUT_TOOLS, parallel_without_tools
 from gateway.errors import ClientError
+from gateway.request.param_objects import check_objects
 from gateway.request.embeddings import EMBEDDINGS_PARAMS, EMBEDDINGS_TYPES, check_embeddings, estimate_input_lengths
 from gateway.values import GatewayRequest
 from policies import parse_priority
@@ -332,10 +333,7 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         _check_shapes(body)
     if endpoint == "chat/completions" and parallel_without_tools(body.get("parallel_tool_calls"), body.get("tools")):
         raise ClientError(400, PARALLEL_WITHOUT_TOOLS, param="parallel_tool_calls", code="invalid_value")
-    if "stream_options" in body:
-        _check_stream_options(body)
-    if isinstance(body.get("metadata"), dict):
-        _check_metadata(body["metadata"])
+    check_objects(body)
     raw_priority = body.get("priority")
     if raw_priority is None:
         raw_priority = x_priority
@@ -362,44 +360,6 @@ def check_request(body: dict, endpoint: str, x_priority: str | None,
         has_response_format=rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"),
         local_unsupported=unsupported,
         unknown_params=tuple(k for k in body if k not in known), **identity)
-
-
-# stream_options' fields and their type: OpenAI's, and vLLM's continuous_usage_stats (usage on every chunk).
-STREAM_OPTIONS = {"include_usage": bool, "include_obfuscation": bool, "continuous_usage_stats": bool}
-
-
-def _check_stream_options(body: dict) -> None:
-    """OpenAI's 400s for ``stream_options``: only with ``stream: true``, only its known fields, each a boolean."""
-    if body.get("stream") is not True:
-        raise ClientError(400, "The 'stream_options' parameter is only allowed when 'stream' is true",
-                          param="stream_options", code="invalid_value")
-    for name, value in body["stream_options"].items():
-        if name not in STREAM_OPTIONS:
-            raise ClientError(400, f"Unrecognized request argument supplied: stream_options.{name}",
-                              param=f"stream_options.{name}", code="unknown_parameter")
-        if value is not None and not isinstance(value, STREAM_OPTIONS[name]):
-            raise ClientError(400, f"'stream_options.{name}' must be a boolean, got {type(value).__name__}",
-                              param=f"stream_options.{name}", code="invalid_type")
-
-
-def _check_metadata(metadata: dict) -> None:
-    """OpenAI's 400s for ``metadata``: at most 16 pairs, keys of at most 64 characters, string values of at most 512
-    (policy rules match ``metadata.<key>`` as strings; an upstream would refuse the others after routing)."""
-    if len(metadata) > 16:
-        raise ClientError(400, f"Invalid 'metadata': too many properties. Expected an object with at most 16 "
-                          f"properties, but got an object with {len(metadata)} properties instead.",
-                          param="metadata", code="object_above_max_properties")
-    for key, value in metadata.items():
-        if len(key) > 64:
-            raise ClientError(400, f"Invalid 'metadata': a key of {len(key)} characters; at most 64.",
-                              param="metadata", code="string_above_max_length")
-        if not isinstance(value, str):
-            raise ClientError(400, f"'metadata.{key}' must be a string, got {type(value).__name__}",
-                              param=f"metadata.{key}", code="invalid_type")
-        if len(value) > 512:
-            raise ClientError(400, f"Invalid 'metadata.{key}': string too long. Expected a string with maximum "
-                              f"length 512, but got a string with length {len(value)} instead.",
-                              param=f"metadata.{key}", code="string_above_max_length")
 
 
 def with_default_max_tokens(req: GatewayRequest, route, model) -> GatewayRequest:

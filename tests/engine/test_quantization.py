@@ -365,7 +365,7 @@ def test_requested_method_refused_for_a_full_precision_checkpoint(tmp_path):
 
 
 def test_quantization_choices_name_every_method():
-    from engine.config import QUANTIZATION_CHOICES
+    from engine.quantization_names import QUANTIZATION_CHOICES
     from engine.quantization import QUANTIZATION_METHODS
 
     assert QUANTIZATION_CHOICES == ("none", "gguf", *QUANTIZATION_METHODS)
