@@ -307,7 +307,7 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
         ServingError: a message is malformed or holds a non-text part.
     """
     if not messages:
-        raise ServingError(400, "messages: must be a non-empty list", param="messages")
+        raise ServingError(400, "messages: must be a non-empty list", param="messages", code="empty_array")
     out = []
     for i, m in enumerate(messages):
         role = m.get("role")

@@ -61,7 +61,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None   # vLLM's: keep the prompt's last N tokens (-1: max_model_len)
     return_tokens_as_token_ids: bool | None = None   # vLLM's: logprobs name tokens "token_id:<id>"
     length_penalty: float = 1.0   # vLLM's beam-search knob: without beam search (refused) it changes nothing
-    vllm_xargs: dict[str, Any] | None = None   # vLLM's arguments of custom logits processors (none here): unread
+    # vLLM's arguments of custom logits processors (none run here): unread, typed as vLLM types them
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -255,8 +256,11 @@ def parse_request(body: Any, schema: type[T]) -> T:
         typed = _invalid_type(text, param)
         if typed is not None:
             raise RequestValidationError(typed, param, "invalid_type") from None
+        if missing:   # OpenAI's words and code
+            raise RequestValidationError(f"Missing required parameter: '{missing.group(1)}'.", param,
+                                         "missing_required_parameter") from None
         message = f"{param}: {text}" if param else text
-        raise RequestValidationError(message, param) from None
+        raise RequestValidationError(message, param, "invalid_value") from None
     if (bad := first_violation(body, completions=schema is CompletionRequest)) is not None:
         raise RequestValidationError(bad.message, bad.param, bad.code)
     return parsed

@@ -244,7 +244,7 @@ class OpenAIServing:
             for i, t in enumerate(getattr(params, name) or ()):
                 if t >= vocab:
                     raise ServingError(400, f"{name}[{i}]: {t} is not a token id of this model (ids are in "
-                                            f"[0, {vocab}))", param=name)
+                                            f"[0, {vocab}))", param=name, code="invalid_value")
         limit = self.engine.max_model_len
         if num_prompt_tokens >= limit:
             raise ServingError(

@@ -47,6 +47,11 @@ class OpenAIServingTokenization(OpenAIServing):
         """
         self.check_model(body.get("model"))
         strs = body.get("return_token_strs") is True
+        if ("messages" in body) == ("prompt" in body):   # one form: a body of both would answer one silently
+            raise ServingError(400, "give either 'prompt' (a text) or 'messages' (a conversation, rendered as "
+                                    "/v1/chat/completions renders it)" + (", not both" if "prompt" in body else ""),
+                               param="prompt", code="missing_required_parameter" if "prompt" not in body
+                               else "invalid_value")
         if "messages" in body:
             rendered = render_chat(self.engine.tokenizer, body)
             if rendered.request.chat_template is not None:   # as the chat endpoint: refused, never ignored
@@ -70,5 +75,5 @@ class OpenAIServingTokenization(OpenAIServing):
         for i, t in enumerate(req.tokens):
             if not 0 <= t < vocab:
                 raise ServingError(400, f"tokens[{i}]: {t} is not a token id of this model (ids are in [0, "
-                                        f"{vocab}))", param="tokens")
+                                        f"{vocab}))", param="tokens", code="invalid_value")
         return {"prompt": self.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}

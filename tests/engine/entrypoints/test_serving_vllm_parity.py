@@ -151,12 +151,13 @@ def test_tokenize_detokenize_version_and_ping(server):
     assert r.json() == {"prompt": tok.decode(rendered["tokens"], skip_special_tokens=False)}
     assert "<|im_start|>" in r.json()["prompt"]
     for path, body, param in (("/tokenize", {"prompt": 3}, "prompt"), ("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "x", "messages": HI}, "prompt"),   # one form, not both
                               ("/detokenize", {"tokens": [tok.vocab_size]}, "tokens"),
                               ("/detokenize", {"tokens": "abc"}, "tokens"),
                               ("/tokenize", {"messages": []}, "messages")):
         r = httpx.post(base + path, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
-        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["code"], r.text
     for path, body in (("/tokenize", {"model": "other", "prompt": "x"}), ("/detokenize", {"model": "other",
                                                                                           "tokens": [1]})):
         r = httpx.post(base + path, json=body)
@@ -270,9 +271,12 @@ def test_vllms_knobs_that_change_nothing_here_are_taken(server):
     """``length_penalty`` (beam search's; beam search is refused) and ``vllm_xargs`` (custom logits processors'
     arguments; none run here) change nothing in vLLM either without those: taken, the answer the same."""
     plain = chat(server, messages=HI, max_tokens=4, temperature=0).choices[0].message.content
-    extras = {"length_penalty": 0.5, "vllm_xargs": {"k": 1}}
+    extras = {"length_penalty": 0.5, "vllm_xargs": {"k": 1, "s": "a", "l": [1, "b"]}}
     assert chat(server, messages=HI, max_tokens=4, temperature=0, extra_body=extras).choices[0].message.content \
         == plain
+    with pytest.raises(openai.BadRequestError) as exc:   # vLLM's type: strings, numbers or lists of them
+        chat(server, messages=HI, max_tokens=4, extra_body={"vllm_xargs": {"a": {"b": 1}}})
+    assert exc.value.body["param"].startswith("vllm_xargs"), exc.value.body
 
 
 def test_embeddings_take_vllms_normalize_add_special_tokens_and_truncation(server):

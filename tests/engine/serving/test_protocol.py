@@ -56,7 +56,10 @@ def test_type_errors_name_the_field(body, param):
     with pytest.raises(RequestValidationError) as exc:
         parse_request(body, ChatCompletionRequest)
     assert exc.value.param == param
-    assert str(exc.value).startswith((param, f"Invalid type for '{param}"))
+    missing = param not in body          # OpenAI's words and code for a missing field
+    assert str(exc.value).startswith(f"Missing required parameter: '{param}'" if missing else (
+        param, f"Invalid type for '{param}"))
+    assert exc.value.code == ("missing_required_parameter" if missing else "invalid_type"), exc.value.code
 
 
 def test_a_wrong_type_is_worded_as_openai_words_it():
