@@ -167,8 +167,9 @@ class ShadowRunner:
                 log.info("shadow %s of %s: primary %s; candidate %s", plan.name, req.request_id,
                          p.error or "ok", c.error or "ok")
             await self.store.push_record(plan.name, {**compare(p, c), "at": time.time()})
-            for side, target, usage in (("primary", plan.primary, pu), ("candidate", plan.candidate, cu)):
-                await self._bill(snap, req, plan, side, target, usage)
+            for side, target, result, usage in (("primary", plan.primary, p, pu),
+                                                ("candidate", plan.candidate, c, cu)):
+                await self._bill(snap, req, plan, side, target, usage, failed=not result.ok)
         except Exception:  # noqa: BLE001 -- a shadow never fails anything but itself
             log.exception("shadow pair %s of %s failed", plan.name, req.request_id)
         finally:
@@ -197,9 +198,16 @@ class ShadowRunner:
         except Exception as e:  # noqa: BLE001 -- any failure of the side is its error, counted in the report
             return Side(False, error=f"{type(e).__name__}: {e}"), None
 
-    async def _bill(self, snap, req, plan: Plan, side: str, target: Target, usage: dict | None) -> None:
+    async def _bill(self, snap, req, plan: Plan, side: str, target: Target, usage: dict | None,
+                    failed: bool = False) -> None:
+        """One usage record of a shadow side (the ``shadow`` tenant's): its tokens at its price, or, a side that
+        failed before its usage, a failed record of no cost (an ops trial counted 480 canary records to 520
+        primary ones, its 40 failed calls in none)."""
         tokens = usage_tokens(usage)
         if tokens is None:
+            if failed:
+                await self.usage.settle(UsageRecord(f"{req.request_id}:{plan.name}:{side}", SHADOW_TENANT,
+                                                    target.backend, 0, 0, 0, 0, failed=True))
             return
         backend = snap.backends.get(target.backend)
         price = self.local_price(target.backend) or Price.of(getattr(backend.cfg, "prices", None))

@@ -94,6 +94,21 @@ async def test_shadow_calls_are_in_no_tenant_usage_and_have_their_own_line():
             b: round(r["cost_usd"], 12) for b, r in rows.items()}
 
 
+async def test_a_failed_shadow_side_has_its_failed_record():
+    """An ops trial counted 480 canary shadow records to 520 primary ones: the 40 failed candidate calls had none.
+    Each side of a pair has one record; a failed side's is flagged failed, no tokens, no cost."""
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        cand.set_default({"status": 500})
+        async with gateway(two_upstreams(stable, cand, route_extra=shadow_route())) as (gw, url, c):
+            for _ in range(2):
+                await ask(url, False)
+            await until(lambda: _compared(c, 2))
+            usage = (await c.get("/admin/usage")).json()
+    rows = usage["tenants"]["shadow"]["backends"]
+    assert {b: (r["requests"], r["failed_requests"]) for b, r in rows.items()} == {"stable": (2, 0), "cand": (2, 2)}
+    assert rows["cand"]["cost_usd"] == 0 and rows["cand"]["prompt_tokens"] == 0
+
+
 def _requests(usage: dict, tenant: str) -> dict:
     """backend -> requests of ``tenant`` in an /admin/usage answer."""
     rows = usage["tenants"][tenant]
