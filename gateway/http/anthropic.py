@@ -4,7 +4,10 @@
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Mapping
+from datetime import datetime, timezone
 
 import msgspec
 from litestar import Request, Response, post
@@ -26,14 +29,36 @@ def anthropic_headers(headers: Mapping[str, str]) -> Mapping[str, str]:
     return {**headers, "authorization": f"Bearer {key}"}
 
 
+_DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+)s)?(?:(\d+)ms)?$")
+
+
+def _reset_time(duration: bytes, now_s: float) -> bytes:
+    """An ``x-ratelimit-reset-*`` duration (``"6m0s"``, ``"250ms"``) as Anthropic's reset: an RFC 3339 UTC time."""
+    m = _DURATION.match(duration.decode("latin-1"))
+    h, mi, s, ms = (int(x or 0) for x in m.groups()) if m else (0, 0, 0, 0)
+    at = datetime.fromtimestamp(now_s + h * 3600 + mi * 60 + s + ms / 1000, timezone.utc)
+    return at.strftime("%Y-%m-%dT%H:%M:%SZ").encode()
+
+
 async def anthropic_request_id(message, scope) -> None:
     """A ``before_send`` hook after ``stamp_request_id``: responses on ``/v1/messages*`` carry the request id as
-    Anthropic's ``request-id`` header too (the ``anthropic`` SDK reads it for ``_request_id``)."""
+    Anthropic's ``request-id`` header too (the ``anthropic`` SDK reads it for ``_request_id``), and the rate limits
+    as Anthropic's ``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`` beside OpenAI's
+    ``x-ratelimit-*`` (an ops trial's clients read Anthropic's names)."""
     if message["type"] == "http.response.start" and scope.get("path", "").startswith("/v1/messages"):
-        headers = message.get("headers", ())
-        rid = next((v for k, v in headers if k.lower() == b"x-request-id"), None)
-        if rid is not None:
-            message["headers"] = [*headers, (b"request-id", rid)]
+        headers = list(message.get("headers", ()))
+        extra = []
+        for k, v in headers:
+            name = k.lower()
+            if name == b"x-request-id":
+                extra.append((b"request-id", v))
+            elif name.startswith(b"x-ratelimit-"):
+                kind, _, unit = name[len(b"x-ratelimit-"):].partition(b"-")   # limit / remaining / reset
+                if kind == b"reset":
+                    v = _reset_time(v, time.time())
+                extra.append((b"anthropic-ratelimit-" + unit + b"-" + kind, v))
+        if extra:
+            message["headers"] = headers + extra
 
 
 @post("/v1/messages/count_tokens")

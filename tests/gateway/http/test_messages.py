@@ -7,6 +7,7 @@ translation (``gateway/translate/anthropic.py``), limited and billed like chat, 
 from __future__ import annotations
 
 import asyncio
+import re
 import contextlib
 
 import anthropic
@@ -272,11 +273,17 @@ async def test_errors_are_anthropics(up):
             await asyncio.sleep(0.02)
         assert 'status="529"' in generate_latest(gw.obs.registry).decode(), [
             x for x in generate_latest(gw.obs.registry).decode().splitlines() if x.startswith("tandem_requests_total")]
-        await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+        raw = await client.messages.with_raw_response.create(model="m1", max_tokens=5,
+                                                             messages=[{"role": "user", "content": "x"}])
+        # Anthropic's rate-limit headers beside OpenAI's (an ops trial's clients read Anthropic's names)
+        assert raw.headers["anthropic-ratelimit-requests-limit"] == raw.headers["x-ratelimit-limit-requests"] == "3"
+        assert raw.headers["anthropic-ratelimit-requests-remaining"] == raw.headers["x-ratelimit-remaining-requests"]
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", raw.headers["anthropic-ratelimit-requests-reset"])
         with pytest.raises(anthropic.RateLimitError) as e:       # rpm 3: the fourth admitted request is refused
             await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
         assert e.value.body["error"]["type"] == "rate_limit_error"
         assert e.value.response.headers.get("retry-after")
+        assert e.value.response.headers["anthropic-ratelimit-requests-remaining"] == "0"
         gw.draining = True                                     # refused before routing: the same 529
         with pytest.raises(anthropic.OverloadedError) as e:
             await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
