@@ -4,7 +4,7 @@ background (a mismatch switches the key space off, raises ``tandem_cache_mismatc
 answers). Entries live in ``gateway/cache/store.py`` (Redis when ``state.redis_url`` is set, else in process).
 
 A hit is an ``Answer`` from backend ``cache`` (the ledger charges the route's ``cache.prices``, default 0), its
-``id`` and ``model`` those of the request it answers; a stream is replayed event by event as it was recorded (its
+``id``, ``model`` and tool call ids those of the request it answers; a stream is replayed event by event as it was recorded (its
 ``ChatEvent`` values, stored as they were read: the usage event included, which observability drops when the client
 did not ask for it).
 """
@@ -12,6 +12,7 @@ did not ask for it).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
@@ -234,13 +235,35 @@ def _tokens(entry: Entry) -> dict:
     return tokens_of([chunk_object(e) for e in entry.events if not e.done])
 
 
+def fresh_call_id(request_id: str, call_id: str) -> str:
+    """A cached answer's tool call id as the id of request ``request_id``'s own call: OpenAI's call ids are unique
+    per call (an ops trial's hits replayed the first answer's), and every piece of one call keeps one id."""
+    return "call_" + hashlib.sha256(f"{request_id}:{call_id}".encode()).hexdigest()[:24]
+
+
+def _fresh_ids(ev: ChatEvent, request_id: str) -> ChatEvent:
+    """``ev`` with its tool calls' ids made ``request_id``'s (``fresh_call_id``); unchanged without one."""
+    if not any(t.id for c in ev.choices for t in c.tool_calls):
+        return ev
+    put = msgspec.structs.replace
+    return put(ev, choices=tuple(put(c, tool_calls=tuple(put(t, id=fresh_call_id(request_id, t.id)) if t.id else t
+                                                         for t in c.tool_calls)) for c in ev.choices))
+
+
 def _replay(entry: Entry, req: GatewayRequest) -> Answer:
     if entry.kind == "json":
         content = relabel_json(entry.body.encode(), answer_id(req.endpoint, req.request_id), req.public_model)
+        if b'"tool_calls"' in content:
+            body = _decode(content)
+            for choice in body.get("choices") or ():
+                for call in (choice.get("message") or {}).get("tool_calls") or ():
+                    if call.get("id"):
+                        call["id"] = fresh_call_id(req.request_id, call["id"])
+            content = _encode(body)
         return Answer(200, content, backend=CACHE_BACKEND)
 
     async def events():
         for ev in entry.events:
-            yield [ev]
+            yield [_fresh_ids(ev, req.request_id)]
 
     return Answer(200, stream=events(), content_type="text/event-stream", backend=CACHE_BACKEND)

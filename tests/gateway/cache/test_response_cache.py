@@ -173,3 +173,40 @@ async def test_best_effort_caches_an_upstream_answer_labelled():
     assert [g[0] for g in got] == ["miss", "hit"] and got[0][1] == got[1][1]
     assert got[1][2].headers["x-tandem-cache-mode"] == "best_effort" and len(up.calls) == 3
     assert exact == ["bypass", "bypass"]              # exact mode: the local engine's answers only
+
+
+async def test_a_hit_has_tool_call_ids_of_its_own():
+    """OpenAI's tool call ids are unique per call: an ops trial's cache hits replayed the first answer's ``call_…``
+    ids (and, translated, its ``toolu_…`` ids). A hit's calls are the recorded ones under ids of its own request,
+    each call's one id on every streamed piece."""
+    from gateway.config.compile import load_config_text
+    from gateway.http.app import create_app
+    from gateway.runtime import Gateway
+    from tests.gateway.fault_upstream import FaultUpstream
+
+    with FaultUpstream("up") as up:
+        up.set_default({"tool_call": True})
+        cfg = ("reload: {watch: false}\nresilience:\n  health: {interval_s: 0}\nobservability:\n  logs: {requests: "
+               f"false}}\nmodels:\n  - name: m\nbackends:\n  up:\n    type: openai\n    base_url: {up.base_url}\n"
+               "routes:\n  be:\n    targets: [{backend: up}]\n    cache: {mode: best_effort}\npolicy:\n"
+               "  default_route: be\n")
+        gw = Gateway(None, load_config_text(cfg), start_engine=False)
+        server, task, url = await serve_app(create_app(gw))
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        try:
+            runs = {stream: [await ask(client, gw, dict(model="m", messages=MSGS, max_tokens=5, stream=stream))
+                             for _ in range(2)] for stream in (False, True)}
+        finally:
+            server.should_exit = True
+            await task
+    for stream, (first, hit) in runs.items():
+        assert (first[0], hit[0]) == ("miss", "hit"), stream
+
+        def calls(events):
+            return [(c.get("id"), c["function"]) for e in events for ch in e["choices"]
+                    for c in (ch.get("delta") or ch.get("message") or {}).get("tool_calls") or ()]
+
+        was, now = calls(first[3]), calls(hit[3])
+        assert [f for _, f in was] == [f for _, f in now] and was, stream        # the same calls
+        ids = {i for i, _ in now if i}
+        assert len(ids) == 1 and ids.isdisjoint({i for i, _ in was}), (stream, was, now)   # one id, a new one
