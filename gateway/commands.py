@@ -236,7 +236,7 @@ def _explain(args) -> int:
             upstreams = {name: unavailable.get(name, "") for name, b in compiled.config.backends.items()
                          if b.type != "local"}
             refusal = upstream_only_error(p.local_unsupported, decision, compiled.policy.routes.get(decision.route),
-                                          upstreams)
+                                          upstreams, keyless=unavailable)   # every one of them: its key unset
             print(f"note: '{p.local_unsupported}' is not served by the local engine: " + (
                 f"{refusal.status} {refusal.code}: {refusal.message}" if refusal else "the local targets are skipped"))
         elif p.has_tools or p.has_response_format:

@@ -115,6 +115,7 @@ class LocalBackend:
         self.served_model_name = cfg.engine.served_model_name or ""
         self.max_model_len = cfg.engine.max_model_len
         self.available, self.unavailable_reason = False, "engine is loading"
+        self.key_missing = False         # it needs no key (UpstreamBackend's)
         self.loading = True              # until start() ends (loaded or failed); requests get 503 engine_loading
         self.active = 0
         self.restarts = 0                # engines started again after their core died

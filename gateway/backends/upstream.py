@@ -83,11 +83,12 @@ class UpstreamBackend:
         self.name, self.cfg = name, cfg
         self.max_model_len = cfg.max_model_len
         self.available, self.unavailable_reason = True, ""
+        self.key_missing = False         # its API key variable is unset: never callable in this config generation
         headers = {"content-type": "application/json", **self.api_headers(), **cfg.headers}
         if cfg.api_key_env:
             key = env.get(cfg.api_key_env)
             if not key:
-                self.available = False
+                self.available, self.key_missing = False, True
                 self.unavailable_reason = f"environment variable {cfg.api_key_env} is unset"
             else:
                 headers.update(self.auth_headers(key))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 
 from engine.protocol.errors import ENGINE_LOADING_RETRY_AFTER_S
@@ -161,8 +161,9 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     gw.obs.note(req, decision)   # labels and trace facts, before admission may refuse
     if req.local_unsupported:
         upstreams = {name: b.unavailable_reason for name, b in snap.backends.items() if b.serves(req)}
+        keyless = {name for name in upstreams if snap.backends[name].key_missing}
         route = snap.compiled.policy.routes.get(decision.route)
-        if (error := upstream_only_error(req.local_unsupported, decision, route, upstreams)) is not None:
+        if (error := upstream_only_error(req.local_unsupported, decision, route, upstreams, keyless)) is not None:
             raise error
     cache = gw.cache.plan(snap, req, decision.route, decision.attempts, headers)   # None: the route does not cache
     if cache is not None:
@@ -210,16 +211,20 @@ def client_codec(req: GatewayRequest):
     return ChatRender(answer_id(req.endpoint, req.request_id), req.public_model, req.endpoint == "chat/completions")
 
 
-def upstream_only_error(field: str, decision, route, upstreams: Mapping[str, str]) -> ClientError | None:
+def upstream_only_error(field: str, decision, route, upstreams: Mapping[str, str],
+                        keyless: Collection[str] = ()) -> ClientError | None:
     """The refusal of a request carrying ``field``, which only an upstream serves
     (``GatewayRequest.local_unsupported``), when every target ``decision`` left is the local engine (the attempt
     loop would skip them all); None when an upstream can take it. 400 ``unsupported_parameter`` when the route
-    (``policies.Route`` or None) names no upstream; 503 ``no_backend_available`` naming the route, the rule and each
-    upstream's reason when it names some but none is available (with ``x-should-retry: false``, which the openai
-    SDKs obey: retrying does not set a key). Shared by the gateway and ``tandem route explain``.
+    (``policies.Route`` or None) names no upstream, or names only upstreams without an API key (no retry serves
+    it until the config gives one: two trials' ``dimensions`` on the shipped config read a 503 as "retry"); 503
+    ``no_backend_available`` naming the route, the rule and each upstream's reason when it names some but none is
+    available now (with ``x-should-retry: false``, which the openai SDKs obey). Shared by the gateway and
+    ``tandem route explain``.
 
     Args:
         upstreams: every configured upstream (non-local) backend's name -> why it is unavailable ("" if it is not).
+        keyless: those of them whose API key variable is unset.
     """
     if not decision.attempts or any(a.backend in upstreams for a in decision.attempts):
         return None
@@ -233,6 +238,10 @@ def upstream_only_error(field: str, decision, route, upstreams: Mapping[str, str
                            f"requests upstream (e.g. match local.serves: false)", param=field,
                            code="unsupported_parameter", headers=headers)
     reasons = "; ".join(f"{b}: {upstreams[b] or 'unavailable'}" for b in named)
+    if all(b in keyless for b in named):
+        return ClientError(400, f"'{field}' is not supported by the local engine, and no upstream of route "
+                           f"'{decision.route}' (rule '{decision.rule}') that could serve it has an API key "
+                           f"({reasons})", param=field, code="unsupported_parameter", headers=headers)
     return ClientError(503, f"'{field}' is not supported by the local engine, and no upstream of route "
                        f"'{decision.route}' (rule '{decision.rule}') is available ({reasons})", param=field,
                        code="no_backend_available", headers={**headers, "x-should-retry": "false"})

@@ -208,3 +208,22 @@ def test_ctl_prints_shares_only_where_weights_set_them():
     text = _version_summary(data)
     assert "route cheap [cheapest]: a=1 (choice), b=0 (spare)" in text
     assert "route main [weighted]: a=1 (50 %), b=0 (0 %)" in text
+
+
+def test_a_field_only_upstreams_serve_is_a_400_without_a_key_and_a_503_while_one_is_down():
+    """``upstream_only_error``: every upstream of the route keyless (its variable unset: no retry can help) is the
+    client's 400 ``unsupported_parameter``; one with a key that is down now (breakers, probe) is the 503."""
+    from types import SimpleNamespace as NS
+
+    from gateway.request.pipeline import upstream_only_error
+
+    decision = NS(attempts=[NS(backend="local")], route="r", rule="default")
+    route = NS(targets=[NS(backend="local")], fallbacks=[NS(backend="a"), NS(backend="b")])
+    reasons = {"a": "environment variable A_KEY is unset", "b": "breaker open"}
+    keyless = upstream_only_error("dimensions", decision, route, reasons, keyless={"a", "b"})
+    assert (keyless.status, keyless.code, keyless.param) == (400, "unsupported_parameter", "dimensions")
+    assert "a: environment variable A_KEY is unset" in keyless.message
+    down = upstream_only_error("dimensions", decision, route, reasons, keyless={"a"})
+    assert (down.status, down.code) == (503, "no_backend_available") and down.headers["x-should-retry"] == "false"
+    assert upstream_only_error("dimensions", NS(attempts=[NS(backend="a")], route="r", rule="x"), route,
+                               reasons) is None   # an upstream is among the targets: the attempt loop decides

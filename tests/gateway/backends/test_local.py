@@ -346,31 +346,32 @@ def test_canary_is_sticky_per_user_over_http(gateway):
 
 
 def test_a_field_only_upstreams_serve(gateway, tmp_path):
-    """``prediction`` (OpenAI's predicted outputs), which the local engine does not serve: a route whose upstream
-    is unavailable (key unset) gets a 503 naming the route, the rule and the reason, which the openai client does
-    not retry and `tandem route explain` predicts word for word; a route with no upstream a 400 naming the field; a route with a live upstream
-    after the local target goes to it (no error from the gateway)."""
+    """``prediction`` (OpenAI's predicted outputs), which the local engine does not serve: a route whose only
+    upstream has no key (its variable unset) gets a 400 ``unsupported_parameter`` naming the route, the rule and
+    the reason (no retry serves it until the config gives a key: two trials read the 503 it was as "retry"),
+    which `tandem route explain` predicts word for word; a route with no upstream a 400 naming the field; a route
+    with a live upstream after the local target goes to it (no error from the gateway)."""
     body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "prediction": {"type": "content", "content": "hello"}}
     r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers={"x-route-test": "keyless"}, timeout=60)
     err = r.json()["error"]
-    assert (r.status_code, err["param"], err["code"]) == (503, "prediction", "no_backend_available"), r.text
-    assert "'keyless-first' (rule 'keyless')" in err["message"], err
+    assert (r.status_code, err["param"], err["code"]) == (400, "prediction", "unsupported_parameter"), r.text
+    assert "'keyless-first' (rule 'keyless') that could serve it has an API key" in err["message"], err
     assert "keyless: environment variable TANDEM_TEST_UNSET_KEY is unset" in err["message"], err
     assert [r.headers[f"x-tandem-{h}"] for h in ("route", "rule", "backend", "attempts")] == [
         "keyless-first", "keyless", "none", "0"]
     calls = []
     retrying = openai.OpenAI(base_url=gateway.url + "/v1", api_key="client", max_retries=2, http_client=httpx.Client(
         event_hooks={"request": [calls.append]}))
-    with pytest.raises(openai.InternalServerError):
+    with pytest.raises(openai.BadRequestError):
         retrying.chat.completions.create(**body, extra_headers={"x-route-test": "keyless"})
-    assert len(calls) == 1                                          # x-should-retry: false
+    assert len(calls) == 1
     path = tmp_path / "req.json"
     path.write_text(json.dumps(body))
     explain = subprocess.run([sys.executable, "-m", "gateway.commands", "route", "explain", "--config",
                               gateway.config_path, "--request", str(path), "--header", "x-route-test=keyless"],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert f"503 no_backend_available: {err['message']}" in explain.stdout, explain.stdout + explain.stderr
+    assert f"400 unsupported_parameter: {err['message']}" in explain.stdout, explain.stdout + explain.stderr
     r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers={"x-route-test": "alone"}, timeout=60)
     err = r.json()["error"]
     assert (r.status_code, err["param"], err["code"]) == (400, "prediction", "unsupported_parameter"), r.text
