@@ -159,6 +159,8 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         raise ClientError(503, "The local engine is still loading its model; retry in a few seconds.",
                           code="engine_loading", headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)})
     gw.obs.note(req, decision)   # labels and trace facts, before admission may refuse
+    if (error := endpoint_error(req, decision, snap.backends)) is not None:
+        raise error
     if req.local_unsupported:
         upstreams = {name: b.unavailable_reason for name, b in snap.backends.items() if b.serves(req)}
         keyless = {name for name in upstreams if snap.backends[name].key_missing}
@@ -209,6 +211,23 @@ def client_codec(req: GatewayRequest):
     if req.anthropic_body is not None:
         return MessagesRender.of(req)
     return ChatRender(answer_id(req.endpoint, req.request_id), req.public_model, req.endpoint == "chat/completions")
+
+
+def endpoint_error(req: GatewayRequest, decision, backends: Mapping) -> ClientError | None:
+    """OpenAI's 404 for a model its endpoint cannot reach: every target ``decision`` left is a backend that speaks
+    another API only (a ``type: anthropic`` backend takes ``/v1/messages`` alone). A trial's chat and Responses
+    requests for such a model got a bare 503 "No backend of this route is available" (the reason in the log)."""
+    if req.anthropic_body is not None or not decision.attempts:
+        return None
+    names = list(dict.fromkeys(a.backend for a in decision.attempts))
+    only = [n for n in names if (b := backends.get(n)) is not None and tuple(b.endpoints) == ("messages",)]
+    if len(only) < len(names):
+        return None
+    return ClientError(404, f"model '{req.public_model or req.model}' is served on route '{decision.route}' only by "
+                       f"backends that speak Anthropic's Messages API ({', '.join(only)}): send it to /v1/messages",
+                       param="model", code="model_not_found",
+                       headers={"x-tandem-route": decision.route, "x-tandem-rule": decision.rule,
+                                "x-tandem-backend": "none", "x-tandem-attempts": "0"})
 
 
 def upstream_only_error(field: str, decision, route, upstreams: Mapping[str, str],

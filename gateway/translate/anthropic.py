@@ -35,6 +35,7 @@ from gateway.sse import named_event
 from gateway.translate.anthropic_checks import (bad_request, check_metadata, check_output_config, check_sampling,
                                                 check_thinking, check_tool_results, check_tool_schema,
                                                 missing_or_wrong)
+from gateway.translate.anthropic_answer import NATIVE
 from gateway.translate.anthropic_json import ObjectPrefix, tool_input
 from gateway.translate.chat import reasoning_of
 from gateway.translate.tool_calls import ToolCallOrder
@@ -302,8 +303,23 @@ def tool_use_id(call_id: str | None) -> str | None:
     return "toolu_" + call_id[len("call_"):] if call_id and call_id.startswith("call_") else call_id
 
 
+def _native_message(native: dict, chat: dict, message_id: str, model: str) -> dict:
+    """The Message of a ``type: anthropic`` upstream's answer (``anthropic_answer.NATIVE``) under this request's id
+    and model: its blocks, stop and usage as it sent them, its ``tool_use`` ids those of the chat answer's calls in
+    order (a cache hit's are its own: ``gateway/cache/response_cache.py``)."""
+    calls = iter(((chat.get("choices") or [{}])[0].get("message") or {}).get("tool_calls") or ())
+    content = [{**b, "id": tool_use_id(next(calls, {}).get("id") or b.get("id"))} if b.get("type") == "tool_use"
+               else b for b in native.get("content") or () if isinstance(b, dict)]
+    usage = {"cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, **(native.get("usage") or {})}
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": native.get("stop_reason"), "stop_sequence": native.get("stop_sequence"), "usage": usage}
+
+
 def chat_to_message(chat: dict, message_id: str, model: str, stop_sequences: list | None = None) -> dict:
-    """A chat completion (parsed JSON, first choice) -> Anthropic's Message object."""
+    """A chat completion (parsed JSON, first choice) -> Anthropic's Message object; an Anthropic upstream's own
+    Message, when the answer carries it (``NATIVE``), as it was (``_native_message``)."""
+    if isinstance(native := chat.get(NATIVE), dict):
+        return _native_message(native, chat, message_id, model)
     choice = (chat.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
     content: list[dict] = []

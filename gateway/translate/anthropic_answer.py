@@ -1,7 +1,10 @@
 """An Anthropic backend's answer as chat completions, so that the attempt loop, the ledger and observability read one
 format whoever answered (``gateway/backends/anthropic.py``); the HTTP layer renders it back as Anthropic's
 (``gateway/translate/anthropic.py``). Text, tool calls, stop reasons, the stop sequence matched and usage survive
-the round trip; a streamed ``thinking`` block becomes the chat deltas' reasoning.
+the round trip; a streamed ``thinking`` block becomes the chat deltas' reasoning. A whole answer also keeps the
+upstream's own content blocks and usage (``NATIVE``), which a ``/v1/messages`` client gets as they were: thinking
+blocks with their signatures (Anthropic refuses a tool-use turn without them), redacted thinking, the blocks'
+order, the cache-write count.
 """
 
 from __future__ import annotations
@@ -29,8 +32,14 @@ def _usage(u: dict | None) -> dict:
     return out
 
 
+# The key of a chat answer that holds its Anthropic upstream's own Message (``content``, ``usage``, ``stop_reason``,
+# ``stop_sequence``): rendered back as they were for a ``/v1/messages`` client (``anthropic.chat_to_message``).
+NATIVE = "anthropic_message"
+
+
 def message_to_chat(msg: dict) -> dict:
-    """Anthropic's Message object (parsed JSON) -> a chat completion with one choice."""
+    """Anthropic's Message object (parsed JSON) -> a chat completion with one choice (and the Message's own blocks
+    and usage under ``NATIVE``)."""
     text = "".join(b.get("text", "") for b in msg.get("content") or () if b.get("type") == "text")
     calls = [{"id": b.get("id"), "type": "function", "function": {
         "name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, separators=(",", ":"))}}
@@ -40,8 +49,9 @@ def message_to_chat(msg: dict) -> dict:
         message["tool_calls"] = calls
     choice = {"index": 0, "message": message, "finish_reason": _FINISH.get(msg.get("stop_reason"), "stop"),
               "stop_reason": msg.get("stop_sequence")}
+    native = {k: msg.get(k) for k in ("content", "usage", "stop_reason", "stop_sequence")}
     return {"id": msg.get("id"), "object": "chat.completion", "created": 0, "model": msg.get("model"),
-            "choices": [choice], "usage": _usage(msg.get("usage"))}
+            "choices": [choice], "usage": _usage(msg.get("usage")), NATIVE: native}
 
 
 class ChatChunks:

@@ -22,6 +22,8 @@ class AnthropicUpstream:
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.requests: list[tuple[str, dict, dict]] = []
         self.status = 200
+        self.content: list[dict] | None = None   # a whole answer's blocks, when set (else text, or text + tool_use)
+        self.usage: dict | None = None            # a whole answer's usage, when set
         self._loop = None
 
     def __enter__(self) -> "AnthropicUpstream":
@@ -49,6 +51,8 @@ class AnthropicUpstream:
         self._thread.join(5)
 
     def _content(self, body: dict) -> list[dict]:
+        if self.content is not None:
+            return self.content
         if body.get("tools"):
             return [{"type": "text", "text": "checking"},
                     {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]
@@ -66,7 +70,7 @@ class AnthropicUpstream:
         content = self._content(body)
         stop = "tool_use" if body.get("tools") else "end_turn"
         msg = {"id": "msg_up", "type": "message", "role": "assistant", "model": body["model"], "content": content,
-               "stop_reason": stop, "stop_sequence": None, "usage": USAGE}
+               "stop_reason": stop, "stop_sequence": None, "usage": self.usage or USAGE}
         if not body.get("stream"):
             return web.json_response(msg)
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})

@@ -338,3 +338,29 @@ async def test_anthropic_backend_gets_the_messages_body_natively(up, monkeypatch
                                  json={"model": "m1", "messages": [{"role": "user", "content": "x"}]})
             assert r.status_code == 200 and r.headers["x-tandem-backend"] == "up"
             assert len(claude.requests) == 3
+
+
+async def test_an_anthropic_upstreams_whole_answer_reaches_the_client_as_it_was(up, monkeypatch):
+    """A trial's ``type: anthropic`` answers lost their thinking blocks (Anthropic refuses a tool-use turn sent
+    back without them, signatures intact), merged text blocks around a tool_use, and folded the cache-write
+    tokens into ``input_tokens``: a whole answer's blocks, stop and usage reach a /v1/messages client as the
+    upstream sent them, under the gateway's id and model; the ledger counts every input token."""
+    monkeypatch.setenv("TEST_ANTHROPIC_KEY", "sk-ant-upstream")
+    blocks = [{"type": "thinking", "thinking": "let me see", "signature": "sig_abc123"},
+              {"type": "redacted_thinking", "data": "opaque"},
+              {"type": "text", "text": "first"},
+              {"type": "tool_use", "id": "toolu_9", "name": "get_weather", "input": {"city": "Paris"}},
+              {"type": "text", "text": "second"}]
+    usage = {"input_tokens": 11, "output_tokens": 4, "cache_read_input_tokens": 100, "cache_creation_input_tokens": 20}
+    with AnthropicUpstream() as claude:
+        claude.content, claude.usage = blocks, usage
+        async with gateway(anthropic_config(claude, up)) as (gw, client, _):
+            raw = await client.messages.with_raw_response.create(
+                model="m1", max_tokens=2000, tools=TOOLS, thinking={"type": "enabled", "budget_tokens": 1024},
+                messages=[{"role": "user", "content": "weather?"}])
+            msg = await raw.parse()
+            (rec,) = (await records(gw, 1)).values()
+    assert [b.model_dump(exclude_none=True) for b in msg.content] == blocks
+    assert msg.usage.model_dump(exclude_none=True) == usage and msg.stop_reason == "tool_use"
+    assert msg.id.startswith("msg_gw-") and msg.model == "m1"
+    assert (rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens) == (131, 100, 4)
