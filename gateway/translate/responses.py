@@ -302,15 +302,16 @@ def to_chat(body: dict, history: list[dict], items: list[dict]) -> dict:
 
 # Paths of the chat body a 400 of the chat pipeline names (validation, ranges, the engine's schema check) -> the
 # Responses paths they came from, most specific first. A path is renamed only where it starts (after a quote,
-# a space or the message's start): a schema property called ``messages`` is the client's own name. A message
+# a space or the message's start; not in a URL path such as ``/v1/messages``): a schema property called
+# ``messages`` is the client's own name. A message
 # index of the chat body is not the client's (instructions and history come first): ``input`` alone.
 _CHAT_PATHS = (
-    (re.compile(r"(?<![\w.\]])response_format\.json_schema\.schema\b"), "text.format.schema"),
-    (re.compile(r"(?<![\w.\]])response_format(\.json_schema)?\b"), "text.format"),
-    (re.compile(r"(?<![\w.\]])max_tokens\b"), "max_output_tokens"),
-    (re.compile(r"(?<![\w.\]])tools\[(\d+)\]\.function\b"), r"tools[\1]"),
-    (re.compile(r"(?<![\w.\]])tool_choice\.function\b"), "tool_choice"),
-    (re.compile(r"(?<![\w.\]])messages(\[\d+\](\.\w+)*)?"), "input"),
+    (re.compile(r"(?<![\w.\]/])response_format\.json_schema\.schema\b"), "text.format.schema"),
+    (re.compile(r"(?<![\w.\]/])response_format(\.json_schema)?\b"), "text.format"),
+    (re.compile(r"(?<![\w.\]/])max_tokens\b"), "max_output_tokens"),
+    (re.compile(r"(?<![\w.\]/])tools\[(\d+)\]\.function\b"), r"tools[\1]"),
+    (re.compile(r"(?<![\w.\]/])tool_choice\.function\b"), "tool_choice"),
+    (re.compile(r"(?<![\w.\]/])messages(\[\d+\](\.\w+)*)?"), "input"),
 )
 
 

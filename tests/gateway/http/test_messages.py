@@ -7,11 +7,12 @@ translation (``gateway/translate/anthropic.py``), limited and billed like chat, 
 from __future__ import annotations
 
 import asyncio
-import re
 import contextlib
+import re
 
 import anthropic
 import httpx
+import openai
 import pytest
 
 from gateway.config.compile import load_config_text
@@ -364,3 +365,21 @@ async def test_an_anthropic_upstreams_whole_answer_reaches_the_client_as_it_was(
     assert msg.usage.model_dump(exclude_none=True) == usage and msg.stop_reason == "tool_use"
     assert msg.id.startswith("msg_gw-") and msg.model == "m1"
     assert (rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens) == (131, 100, 4)
+
+
+async def test_a_chat_request_for_a_model_only_anthropic_backends_serve_is_a_404_saying_why(up, monkeypatch):
+    """A trial's chat and Responses requests for such a model got 503 "No backend of this route is available"
+    (the reason only in the log): OpenAI's 404 for a model its endpoint cannot reach, naming /v1/messages."""
+    monkeypatch.setenv("TEST_ANTHROPIC_KEY", "sk-ant-upstream")
+    with AnthropicUpstream() as claude:
+        cfg = anthropic_config(claude, up).replace("    fallbacks: [{backend: up}]\n", "")
+        async with gateway(cfg) as (gw, client, url):
+            oai = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+            for call in (lambda: oai.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}]),
+                         lambda: oai.responses.create(model="m1", input="x")):
+                with pytest.raises(openai.NotFoundError) as e:
+                    await call()
+                assert e.value.body["param"] == "model" and "send it to /v1/messages" in e.value.body["message"]
+            msg = await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+            await oai.close()
+    assert msg.content[0].text == "hello from claude" and up.calls == 0
