@@ -26,7 +26,7 @@ call, or one round of skipped candidates:
   also bounds a stream's wait for its first token; a non-streamed answer in progress is bounded by the
   backend's own read timeout, not cut by the deadline).
   Then: 503 + Retry-After (soonest half-open) when every target's breaker is open, 429 when backend limits refuse,
-  504 after a timeout, 503 after 429/503 upstream answers, 502 otherwise; never a 500. Every error answer
+  504 after a timeout, 503 after 429/503/529 (Anthropic's overloaded) upstream answers, 502 otherwise; never a 500. Every error answer
   carries ``x-should-retry: false`` (a ``Retry-After`` stays, for the application): the SDKs' own retries would
   multiply the calls, most of all when upstreams are overloaded.
 - Streaming: the response is committed (status 200 and SSE headers) only when the first content delta arrives
@@ -410,7 +410,7 @@ class _Run:
         f = called[-1]
         if f.kind == "timeout":
             res.status, msg = 504, "The upstream timed out"
-        elif f.status in (429, 503):
+        elif f.status in (429, 503, 529):   # 529: Anthropic's overloaded_error
             res.status, msg = 503, "The upstream is overloaded or rate limited"
             ras = [x.retry_after for x in called if x.retry_after is not None]
             res.headers["retry-after"] = str(retry_after_header(min(ras) if ras else 1.0))

@@ -383,3 +383,17 @@ async def test_a_chat_request_for_a_model_only_anthropic_backends_serve_is_a_404
             msg = await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
             await oai.close()
     assert msg.content[0].text == "hello from claude" and up.calls == 0
+
+
+async def test_an_overloaded_anthropic_upstream_is_the_clients_529(up, monkeypatch):
+    """A trial's upstream 529 ``overloaded_error`` reached the client as 502 ``api_error`` after the retries:
+    Anthropic's overloaded status is an overloaded answer here too, 529 on /v1/messages."""
+    monkeypatch.setenv("TEST_ANTHROPIC_KEY", "sk-ant-upstream")
+    with AnthropicUpstream() as claude:
+        claude.status = 529
+        cfg = anthropic_config(claude, up).replace("    fallbacks: [{backend: up}]\n", "")
+        async with gateway(cfg) as (gw, client, _):
+            with pytest.raises(anthropic.OverloadedError) as e:
+                await client.with_options(max_retries=0).messages.create(
+                    model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"
