@@ -27,8 +27,8 @@ call, or one round of skipped candidates:
   backend's own read timeout, not cut by the deadline).
   Then: 503 + Retry-After (soonest half-open) when every target's breaker is open, 429 when backend limits refuse,
   504 after a timeout, 503 after 429/503/529 (Anthropic's overloaded) upstream answers, 502 otherwise; never a
-  500. Every error answer carries ``x-should-retry: false`` (a ``Retry-After`` stays, for the application): the SDKs' own retries would
-  multiply the calls, most of all when upstreams are overloaded.
+  500. Every error answer carries ``x-should-retry: false`` (a ``Retry-After`` stays, for the application): the
+  SDKs' own retries would multiply the calls, most of all when upstreams are overloaded.
 - Streaming: the response is committed (status 200 and SSE headers) only when the first content delta arrives
   within ``first_token_timeout_s`` of the attempt's start; earlier events are held back. Before that, failures
   are transparent retries. After it, a failure (cut, malformed event, error event, no event within
