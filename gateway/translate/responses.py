@@ -231,10 +231,13 @@ def to_messages(items: list[dict]) -> list[dict]:
             if "output" not in item:
                 raise bad_request(f"missing required parameter 'input[{i}].output'", f"input[{i}].output",
                                   "missing_required_parameter")
+            out = item.get("output")
+            if not isinstance(out, (str, list)):   # chat's check would name the whole input
+                raise bad_request(f"'input[{i}].output' must be a string or an array of content parts, got "
+                                  f"{type(out).__name__}", f"input[{i}].output", "invalid_type")
             if item["call_id"] not in calls:
                 raise bad_request(f"No tool call found for function call output with call_id {item['call_id']}.",
                                   "input")
-            out = item.get("output")
             if isinstance(out, list):
                 out = _text_of(out, f"input[{i}].output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": out})

@@ -199,6 +199,8 @@ def test_stream_text_after_a_call_is_a_second_message_with_its_own_id():
     ({"type": "function_call", "call_id": "c1", "name": "f", "arguments": {"x": 1}}, "input[2].arguments"),
     ({"type": "function_call_output", "output": "1"}, "input[2].call_id"),
     ({"type": "function_call_output", "call_id": "c1"}, "input[2].output"),
+    # an object output named only 'input' (an agents trial)
+    ({"type": "function_call_output", "call_id": "c1", "output": {"sky": "sunny"}}, "input[2].output"),
 ])
 def test_a_malformed_call_item_is_refused_naming_its_own_index(bad, param):
     """The item's own path: the chat translation's check named input[0].function.name (the chat body's
