@@ -41,7 +41,10 @@ class ChoiceDelta(msgspec.Struct, frozen=True, gc=False):
     object as sent (chat: ``{"content": [{"token", "logprob", "top_logprobs"}...]}``). finish_reason: set on
     the choice's last event. stop_reason: vLLM's (the stop string or token id matched; ``msgspec.UNSET`` when the event did not carry it, so
     a client codec writes it as sent). token_ids: the token
-    ids of this delta (vLLM's ``return_token_ids``; the resume path needs them)."""
+    ids of this delta (vLLM's ``return_token_ids``; the resume path needs them). reasoning_signature: the signature
+    that closes a thinking block, redacted_reasoning: a redacted thinking block's opaque data (an Anthropic
+    upstream's ``signature_delta`` and ``redacted_thinking``: a Messages client sends them back on its next turn;
+    chat has no place for them)."""
 
     index: int = 0
     role: str | None = None
@@ -54,12 +57,14 @@ class ChoiceDelta(msgspec.Struct, frozen=True, gc=False):
     finish_reason: str | None = None
     stop_reason: Any = None
     token_ids: tuple[int, ...] | None = None
+    reasoning_signature: str | None = None
+    redacted_reasoning: str | None = None
 
     @property
     def has_content(self) -> bool:
         """Whether this delta carries output (text, reasoning, refusal, a tool call) or the choice's finish."""
         return bool(self.content or self.finish_reason or self.tool_calls or self.reasoning or self.refusal
-                    or self.function_call)
+                    or self.function_call or self.reasoning_signature or self.redacted_reasoning is not None)
 
 
 class ChatEvent(msgspec.Struct, frozen=True, gc=False):

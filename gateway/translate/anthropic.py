@@ -424,6 +424,10 @@ class MessageEvents:
         for choice in ev.choices[:1]:
             if choice.reasoning:
                 out += self._delta("thinking", {"type": "thinking_delta", "thinking": choice.reasoning})
+            if choice.reasoning_signature:   # an Anthropic upstream's: closes its thinking block
+                out += self._delta("thinking", {"type": "signature_delta", "signature": choice.reasoning_signature})
+            if choice.redacted_reasoning is not None:
+                out += self._open({"type": "redacted_thinking", "data": choice.redacted_reasoning}) + self._close()
             if choice.content:
                 out += self._delta("text", {"type": "text_delta", "text": choice.content})
             if choice.refusal:

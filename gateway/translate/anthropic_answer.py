@@ -1,7 +1,8 @@
 """An Anthropic backend's answer as chat completions, so that the attempt loop, the ledger and observability read one
 format whoever answered (``gateway/backends/anthropic.py``); the HTTP layer renders it back as Anthropic's
 (``gateway/translate/anthropic.py``). Text, tool calls, stop reasons, the stop sequence matched and usage survive
-the round trip; a streamed ``thinking`` block becomes the chat deltas' reasoning. A whole answer also keeps the
+the round trip; a streamed ``thinking`` block becomes the chat deltas' reasoning (its signature and a
+``redacted_thinking`` block: ``ChoiceDelta``'s own fields for them). A whole answer also keeps the
 upstream's own content blocks and usage (``NATIVE``), which a ``/v1/messages`` client gets as they were: thinking
 blocks with their signatures (Anthropic refuses a tool-use turn without them), redacted thinking, the blocks'
 order, the cache-write count.
@@ -81,6 +82,8 @@ class ChatChunks:
                 return [self._event(ChoiceDelta(0, tool_calls=(call,)))]
             if block.get("type") == "text" and block.get("text"):
                 return [self._event(ChoiceDelta(0, content=block["text"]))]
+            if block.get("type") == "redacted_thinking":
+                return [self._event(ChoiceDelta(0, redacted_reasoning=block.get("data") or ""))]
             return []
         if kind == "content_block_delta":
             d = ev.get("delta") or {}
@@ -88,6 +91,8 @@ class ChatChunks:
                 return [self._event(ChoiceDelta(0, content=d.get("text", "")))]
             if d.get("type") == "thinking_delta" and d.get("thinking"):
                 return [self._event(ChoiceDelta(0, reasoning=d["thinking"]))]
+            if d.get("type") == "signature_delta" and d.get("signature"):
+                return [self._event(ChoiceDelta(0, reasoning_signature=d["signature"]))]
             if d.get("type") == "input_json_delta" and ev.get("index") in self.tools:
                 call = ToolCallDelta(self.tools[ev["index"]], arguments=d.get("partial_json", ""))
                 return [self._event(ChoiceDelta(0, tool_calls=(call,)))]

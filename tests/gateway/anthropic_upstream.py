@@ -83,7 +83,18 @@ class AnthropicUpstream:
             **msg, "content": [], "stop_reason": None, "usage": {"input_tokens": 7, "output_tokens": 1}}})
         await send("ping", {"type": "ping"})
         for i, block in enumerate(content):
-            if block["type"] == "text":
+            if block["type"] == "thinking":
+                await send("content_block_start", {"type": "content_block_start", "index": i,
+                                                   "content_block": {"type": "thinking", "thinking": "",
+                                                                     "signature": ""}})
+                await send("content_block_delta", {"type": "content_block_delta", "index": i,
+                                                   "delta": {"type": "thinking_delta", "thinking": block["thinking"]}})
+                await send("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
+                    "type": "signature_delta", "signature": block["signature"]}})
+            elif block["type"] == "redacted_thinking":
+                await send("content_block_start", {"type": "content_block_start", "index": i,
+                                                   "content_block": block})
+            elif block["type"] == "text":
                 await send("content_block_start", {"type": "content_block_start", "index": i,
                                                    "content_block": {"type": "text", "text": ""}})
                 for piece in (block["text"][:5], block["text"][5:]):

@@ -361,7 +361,12 @@ async def test_an_anthropic_upstreams_whole_answer_reaches_the_client_as_it_was(
                 messages=[{"role": "user", "content": "weather?"}])
             msg = await raw.parse()
             (rec,) = (await records(gw, 1)).values()
+            async with client.messages.stream(model="m1", max_tokens=2000, tools=TOOLS,
+                                              thinking={"type": "enabled", "budget_tokens": 1024},
+                                              messages=[{"role": "user", "content": "weather?"}]) as stream:
+                streamed = await stream.get_final_message()
     assert [b.model_dump(exclude_none=True) for b in msg.content] == blocks
+    assert [b.model_dump(exclude_none=True) for b in streamed.content] == blocks   # streamed: the same blocks
     assert msg.usage.model_dump(exclude_none=True) == usage and msg.stop_reason == "tool_use"
     assert msg.id.startswith("msg_gw-") and msg.model == "m1"
     assert (rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens) == (131, 100, 4)
