@@ -159,14 +159,8 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         raise ClientError(503, "The local engine is still loading its model; retry in a few seconds.",
                           code="engine_loading", headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)})
     gw.obs.note(req, decision)   # labels and trace facts, before admission may refuse
-    if (error := endpoint_error(req, decision, snap.backends)) is not None:
+    if (error := _unreachable(snap, req, decision)) is not None:
         raise error
-    if req.local_unsupported:
-        upstreams = {name: b.unavailable_reason for name, b in snap.backends.items() if b.serves(req)}
-        keyless = {name for name in upstreams if snap.backends[name].key_missing}
-        route = snap.compiled.policy.routes.get(decision.route)
-        if (error := upstream_only_error(req.local_unsupported, decision, route, upstreams, keyless)) is not None:
-            raise error
     cache = gw.cache.plan(snap, req, decision.route, decision.attempts, headers)   # None: the route does not cache
     if cache is not None:
         req = cache.req                  # with the seed the gateway chose, if it chose one
@@ -211,6 +205,17 @@ def client_codec(req: GatewayRequest):
     if req.anthropic_body is not None:
         return MessagesRender.of(req)
     return ChatRender(answer_id(req.endpoint, req.request_id), req.public_model, req.endpoint == "chat/completions")
+
+
+def _unreachable(snap, req: GatewayRequest, decision) -> ClientError | None:
+    """The refusal of a request no target of ``decision`` can take (``endpoint_error``, ``upstream_only_error``),
+    or None."""
+    if (error := endpoint_error(req, decision, snap.backends)) is not None or not req.local_unsupported:
+        return error
+    upstreams = {name: b.unavailable_reason for name, b in snap.backends.items() if b.serves(req)}
+    keyless = {name for name in upstreams if snap.backends[name].key_missing}
+    return upstream_only_error(req.local_unsupported, decision, snap.compiled.policy.routes.get(decision.route),
+                               upstreams, keyless)
 
 
 def endpoint_error(req: GatewayRequest, decision, backends: Mapping) -> ClientError | None:
