@@ -101,7 +101,7 @@ def check_thinking(body: dict) -> None:
 
 
 def check_metadata(body: dict) -> None:
-    """Anthropic's ``metadata``: an object whose ``user_id`` (the gateway's canary key) is a string."""
+    """Anthropic's ``metadata``: an object of ``user_id`` alone (the gateway's canary key), a string."""
     meta = body.get("metadata")
     if meta is None:
         return
@@ -110,6 +110,8 @@ def check_metadata(body: dict) -> None:
     if meta.get("user_id") is not None and not isinstance(meta["user_id"], str):
         raise bad_request(f"metadata.user_id: Input should be a valid string, got {type(meta['user_id']).__name__}",
                           "metadata.user_id")
+    if extra := sorted(set(meta) - {"user_id"}):   # Anthropic's schema has user_id alone (a trial's {"a": 1} passed)
+        raise bad_request(f"metadata.{extra[0]}: Extra inputs are not permitted", f"metadata.{extra[0]}")
 
 
 def _type_name(value: object) -> str:

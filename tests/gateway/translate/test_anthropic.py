@@ -84,6 +84,8 @@ def test_request_mapping_and_refusals():
                         ({"model": "m", "max_tokens": 1, "messages": USER, "metadata": {"user_id": 5}},
                          "metadata.user_id"),
                         ({"model": "m", "max_tokens": 1, "messages": USER, "metadata": "u"}, "metadata"),
+                        # Anthropic's metadata is user_id alone (a new-user trial's {"a": 1} was a 200)
+                        ({"model": "m", "max_tokens": 1, "messages": USER, "metadata": {"a": 1}}, "metadata.a"),
                         ({"model": "m", "max_tokens": 2000, "messages": USER,
                           "thinking": {"type": "enabled", "budget_tokens": 2000}}, "max_tokens")]:
         with pytest.raises(ClientError) as e:
