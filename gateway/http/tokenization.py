@@ -11,7 +11,7 @@ from litestar import Request, Response, post
 
 from gateway.errors import ClientError, model_not_found
 from gateway.http.transport import read_json_body
-from gateway.request.pipeline import ENGINE_LOADING_RETRY_AFTER_S
+from gateway.request.pipeline import engine_loading
 from gateway.request.validate import parse_json
 
 _JSON = "application/json"
@@ -30,8 +30,7 @@ async def _tokenization(request: Request, path: str) -> Response:
         raise ClientError(404, f"{path} needs the local engine's tokenizer, and this gateway has no local backend",
                           code="not_found")
     if local.loading:
-        raise ClientError(503, "The local engine is still loading its model; retry in a few seconds.",
-                          code="engine_loading", headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)})
+        raise engine_loading()
     return Response(msgspec.json.encode(local.tokenization(path, body)), status_code=200, media_type=_JSON)
 
 

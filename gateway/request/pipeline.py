@@ -156,8 +156,7 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     if affinity:
         gw.replicas.note(decision.route, decision.pick)
     if _waits_for_engine(snap, decision.route) and not await _any_reachable(gw.resilience, decision.attempts):
-        raise ClientError(503, "The local engine is still loading its model; retry in a few seconds.",
-                          code="engine_loading", headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)})
+        raise engine_loading()
     gw.obs.note(req, decision)   # labels and trace facts, before admission may refuse
     if (error := _unreachable(snap, req, decision)) is not None:
         raise error
@@ -205,6 +204,13 @@ def client_codec(req: GatewayRequest):
     if req.anthropic_body is not None:
         return MessagesRender.of(req)
     return ChatRender(answer_id(req.endpoint, req.request_id), req.public_model, req.endpoint == "chat/completions")
+
+
+def engine_loading() -> ClientError:
+    """The 503 ``engine_loading`` of a request only the local engine, still loading its model, can serve (with a
+    ``Retry-After``: an SDK's retries are how a client waits for it)."""
+    return ClientError(503, "The local engine is still loading its model; retry in a few seconds.",
+                       code="engine_loading", headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)})
 
 
 def _unreachable(snap, req: GatewayRequest, decision) -> ClientError | None:
