@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from engine.protocol.param_ranges import check_param
-from engine.serving.serving import OpenAIServing, error_from_engine, truncate_prompt
+from engine.serving.serving import OpenAIServing, error_from_engine, truncate_prompt, truncation
 from engine.protocol.errors import ServingError
 
 
@@ -49,11 +49,7 @@ def _extras(body: dict, limit: int) -> tuple[bool | None, bool, int | None]:
                                param="truncate_prompt_tokens", code="invalid_type")
         if (v := check_param("truncate_prompt_tokens", keep)) is not None:
             raise ServingError(400, v.message, param=v.param, code=v.code)
-        if keep > limit:
-            raise ServingError(400, f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({limit})."
-                                    " Please, select a smaller truncation size.", param="truncate_prompt_tokens")
-    add = body.get("add_special_tokens")
-    return body.get("normalize"), add is not False, limit if keep == -1 else keep
+    return body.get("normalize"), body.get("add_special_tokens") is not False, truncation(keep, limit)
 
 
 def encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:

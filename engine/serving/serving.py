@@ -288,13 +288,10 @@ class OpenAIServing:
 
         Raises:
             ServingError: 400 when the value is above ``max_model_len`` (vLLM's refusal)."""
-        keep, limit = r.request.truncate_prompt_tokens, self.engine.max_model_len
-        if keep is not None and keep > limit:
-            raise ServingError(400, f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({limit})."
-                                    " Please, select a smaller truncation size.", param="truncate_prompt_tokens")
-        if keep != -1:
+        keep = truncation(r.request.truncate_prompt_tokens, self.engine.max_model_len)   # refused above it
+        if r.request.truncate_prompt_tokens != -1:
             return r
-        return dataclasses.replace(r, prompts=tuple((text if len(ids) <= limit else None, ids[-limit:])
+        return dataclasses.replace(r, prompts=tuple((text if len(ids) <= keep else None, ids[-keep:])
                                                     for text, ids in r.prompts))
 
     async def _collect(self, request_id: str, prompts: list[Prompt], priority: int):
@@ -339,6 +336,19 @@ def model_permission(created: int) -> dict:
             "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
             "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
             "group": None, "is_blocking": False}
+
+
+def truncation(keep: int | None, limit: int) -> int | None:
+    """vLLM's ``truncate_prompt_tokens`` against ``max_model_len`` ``limit``: the tokens a prompt keeps (-1: ``limit``;
+    None: all).
+
+    Raises:
+        ServingError: 400 above ``limit`` (vLLM's refusal, in its words)."""
+    if keep is not None and keep > limit:
+        raise ServingError(400, f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({limit}). "
+                                "Please, select a smaller truncation size.", param="truncate_prompt_tokens",
+                           code="invalid_value")
+    return limit if keep == -1 else keep
 
 
 def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
