@@ -148,7 +148,7 @@ class SamplingParams:
             model's raw ones).
         bad_words: words the completion never generates (vLLM's): each word's last token is banned wherever
             the output ends with its other tokens, the word tokenized as it is and after a space
-            (``engine/worker/bad_words.py``).
+            (``engine/worker/token_restrictions.py``).
         bad_words_token_ids: ``bad_words`` tokenized (vLLM's ``_bad_words_token_ids``): set by the engine core
             from its tokenizer when ``bad_words`` is; None otherwise.
 

@@ -110,8 +110,8 @@ class DraftModelProposer:
     Args:
         runner: the draft's ``ModelRunner`` (its own pool tensor, the target's number of blocks).
         kv_cache_manager: the target's (block tables; the slots the guesses need).
-        max_len: the draft's context in tokens (its ``max_position_embeddings``): a sequence's tokens and guesses
-            stay within it.
+        max_len: the draft's context in tokens (``DraftModel.max_len``): a sequence's tokens and guesses stay
+            within it.
     """
 
     def __init__(self, runner, kv_cache_manager, max_len: int) -> None:
