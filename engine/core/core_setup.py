@@ -29,7 +29,7 @@ from engine.worker.structured_outputs import StructuredOutputManager
 from engine.core import ttft_log
 from engine.core.ttft_calibration import TTFTCalibration
 from engine.kv_events import KVEventsConfig, ZmqEventPublisher
-from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.config import SpeculativeConfig, unused_keys
 from engine.spec_decode.draft_model import DraftModelProposer, load_draft_model
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.spec_decode.proposing import SpecDecoder
@@ -132,6 +132,8 @@ def load_core(core, args: EngineArgs, tp) -> None:
                        "unset, and max_new_tokens caps max_tokens (--generation-config vllm: none)", defaults)
     core.system_fingerprint = system_fingerprint(args.model, numerics_of(args, core.device, core.dtype))
     spec = SpeculativeConfig.parse(args.speculative_config)
+    for note in unused_keys(args.speculative_config):
+        logger.info(note)
     draft = (load_draft_model(args, spec, core.tokenizer, core.model_config)
              if spec is not None and spec.method == "draft_model" else None)
     num_blocks, num_cpu_blocks = ModelRunner.determine_num_blocks(

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from engine.json_config import config_object, json_object
 
-logger = logging.getLogger("tandem.engine")
-
 METHODS = ("ngram", "draft_model")
 # vLLM's keys that change nothing here (speculation never changes an output bit; these tune only its speed or
-# memory in vLLM): taken and logged, so a vLLM config runs as written.
+# memory in vLLM): taken (``SpeculativeConfig.parse``) and said once at start (``unused_keys``), so a vLLM config
+# runs as written.
 UNUSED_KEYS = {
     "draft_tensor_parallel_size": "the draft model runs beside the target's ranks",
     "disable_by_batch_size": "a cost model decides per step whether proposals pay (speculative-decoding.md)",
@@ -87,7 +85,15 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         value = json_object(value, "speculative_config")
-        for key in sorted(set(value) & set(UNUSED_KEYS)):
-            logger.info("speculative_config.%s=%r taken, not used: %s", key, value[key], UNUSED_KEYS[key])
         value = config_object({k: v for k, v in value.items() if k not in UNUSED_KEYS}, "speculative_config", cls)
         return cls(**value)
+
+
+def unused_keys(value: "SpeculativeConfig | dict | str | None") -> list[str]:
+    """One line per vLLM key of ``value`` (``--speculative-config``) that changes nothing here (``UNUSED_KEYS``),
+    for the engine's start to log once (``parse`` is also read where a config is only checked)."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return []
+    value = json_object(value, "speculative_config")
+    return [f"speculative_config.{key}={value[key]!r} taken, not used: {UNUSED_KEYS[key]}"
+            for key in sorted(set(value) & set(UNUSED_KEYS))]

@@ -134,23 +134,26 @@ def test_the_method_is_inferred_from_the_model_as_vllm_does():
         SpeculativeConfig(method="ngram", model="draft.gguf")
 
 
-def test_vllms_config_runs_as_written(caplog):
+def test_vllms_config_runs_as_written():
     """A trial: ``prompt_lookup_min`` 5 alone was refused against a maximum the user never set, and vLLM's
     ``draft_tensor_parallel_size`` refused as unknown. One bound alone is the other too (vLLM's rule); vLLM's keys
-    that change nothing here are taken and logged; a key of neither is still refused."""
-    import logging
-
+    that change nothing here are taken, and said (once, by the engine's start: ``unused_keys``); a key of neither
+    is still refused."""
     import pytest
 
-    caplog.set_level(logging.INFO, logger="tandem.engine")
+    from engine.spec_decode.config import unused_keys
+
     assert (SpeculativeConfig(prompt_lookup_min=5).prompt_lookup_max, SpeculativeConfig(
         prompt_lookup_max=1).prompt_lookup_min) == (5, 1)
     assert (SpeculativeConfig().prompt_lookup_min, SpeculativeConfig().prompt_lookup_max) == (2, 4)
-    cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, '
-                                  '"draft_tensor_parallel_size": 1, "disable_by_batch_size": 8}')
+    text = ('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, '
+            '"draft_tensor_parallel_size": 1, "disable_by_batch_size": 8}')
+    cfg = SpeculativeConfig.parse(text)
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max) == (5, 4)
-    assert "speculative_config.draft_tensor_parallel_size=1 taken, not used" in caplog.text
-    assert "speculative_config.disable_by_batch_size=8 taken, not used" in caplog.text
+    notes = unused_keys(text)
+    assert [n.split(" taken")[0] for n in notes] == ["speculative_config.disable_by_batch_size=8",
+                                                      "speculative_config.draft_tensor_parallel_size=1"]
+    assert unused_keys(None) == [] and unused_keys({"method": "ngram"}) == []
     with pytest.raises(ValueError, match="unknown key.*frobnicate"):
         SpeculativeConfig.parse({"frobnicate": 1})
     with pytest.raises(ValueError, match="max_model_len"):
