@@ -118,6 +118,17 @@ def _step_budget(args: EngineArgs, device_type: str, max_model_len: int) -> int:
     return max(max_model_len, 2048)
 
 
+def _speculation(args: EngineArgs, core):
+    """(the ``SpeculativeConfig``, its draft model): (None, None) without speculation; vLLM's keys that change
+    nothing here said once."""
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    for note in unused_keys(args.speculative_config):
+        logger.info(note)
+    draft = (load_draft_model(args, spec, core.tokenizer, core.model_config)
+             if spec is not None and spec.method == "draft_model" else None)
+    return spec, draft
+
+
 def load_core(core, args: EngineArgs, tp) -> None:
     """Load the model (this rank's part over several ranks), size the KV pool, build the runner, scheduler,
     sampler and bookkeeping as attributes of ``core``: the rest of ``start_core``."""
@@ -131,11 +142,7 @@ def load_core(core, args: EngineArgs, tp) -> None:
         logger.warning("sampling defaults from the model's generation config: %s: they fill what a request leaves "
                        "unset, and max_new_tokens caps max_tokens (--generation-config vllm: none)", defaults)
     core.system_fingerprint = system_fingerprint(args.model, numerics_of(args, core.device, core.dtype))
-    spec = SpeculativeConfig.parse(args.speculative_config)
-    for note in unused_keys(args.speculative_config):
-        logger.info(note)
-    draft = (load_draft_model(args, spec, core.tokenizer, core.model_config)
-             if spec is not None and spec.method == "draft_model" else None)
+    spec, draft = _speculation(args, core)
     num_blocks, num_cpu_blocks = ModelRunner.determine_num_blocks(
         args, core.model_config, core.device, core.dtype, model.shard.num_kv_heads,
         extra_block_bytes=0 if draft is None else ModelRunner.block_bytes(args, draft.config, core.dtype))
