@@ -224,6 +224,12 @@ def _unreachable(snap, req: GatewayRequest, decision) -> ClientError | None:
                                upstreams, keyless)
 
 
+def _uncalled(decision) -> dict[str, str]:
+    """The ``x-tandem-*`` headers of a refusal after routing, before any backend was called."""
+    return {"x-tandem-route": decision.route, "x-tandem-rule": decision.rule, "x-tandem-backend": "none",
+            "x-tandem-attempts": "0"}
+
+
 def endpoint_error(req: GatewayRequest, decision, backends: Mapping) -> ClientError | None:
     """OpenAI's 404 for a model its endpoint cannot reach: every target ``decision`` left is a backend that speaks
     another API only (a ``type: anthropic`` backend takes ``/v1/messages`` alone). A trial's chat and Responses
@@ -236,9 +242,7 @@ def endpoint_error(req: GatewayRequest, decision, backends: Mapping) -> ClientEr
         return None
     return ClientError(404, f"model '{req.public_model or req.model}' is served on route '{decision.route}' only by "
                        f"backends that speak Anthropic's Messages API ({', '.join(only)}): send it to /v1/messages",
-                       param="model", code="model_not_found",
-                       headers={"x-tandem-route": decision.route, "x-tandem-rule": decision.rule,
-                                "x-tandem-backend": "none", "x-tandem-attempts": "0"})
+                       param="model", code="model_not_found", headers=_uncalled(decision))
 
 
 def upstream_only_error(field: str, decision, route, upstreams: Mapping[str, str],
@@ -258,8 +262,7 @@ def upstream_only_error(field: str, decision, route, upstreams: Mapping[str, str
     """
     if not decision.attempts or any(a.backend in upstreams for a in decision.attempts):
         return None
-    headers = {"x-tandem-route": decision.route, "x-tandem-rule": decision.rule, "x-tandem-backend": "none",
-               "x-tandem-attempts": "0"}
+    headers = _uncalled(decision)
     named = [] if route is None else list(dict.fromkeys(
         t.backend for t in (*route.targets, *route.fallbacks) if t.backend in upstreams))
     if not named:
