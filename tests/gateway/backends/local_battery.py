@@ -82,6 +82,26 @@ def _again(call, *args, **kw):
     return call(*args, **kw)
 
 
+def first_difference(a, b, path: str = "") -> str | None:
+    """Where two scrubbed answers first part, as ``path: a != b`` (None when equal): a failing comparison's message
+    names the field and both values, which pytest's truncated repr of two whole answers hides."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(a.keys() | b.keys()):
+            if k not in a or k not in b:
+                return f"{path}.{k}: only in {'the first' if k in a else 'the second'}"
+            found = first_difference(a[k], b[k], f"{path}.{k}")
+            if found:
+                return found
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            found = first_difference(x, y, f"{path}[{i}]")
+            if found:
+                return found
+        return None if len(a) == len(b) else f"{path}: {len(a)} items != {len(b)}"
+    return None if a == b else f"{path}: {a!r} != {b!r}"
+
+
 def run_battery(base_url: str, model: str, headers: dict | None = None) -> dict:
     """Every request of the battery against ``base_url`` (an OpenAI ``/v1`` base), whole and streamed (with
     ``include_usage``; the greedy one also with vLLM's ``continuous_usage_stats``): name -> scrubbed answer

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gateway.backends.local_battery import run_battery
+from tests.gateway.backends.local_battery import first_difference, run_battery
 from tests.gateway.support import GatewayProcess, engine_serve
 
 pytestmark = pytest.mark.slow
@@ -46,8 +46,10 @@ def test_the_local_backend_answers_as_the_engines_own_server(gateway, engine_ser
     through_gateway = run_battery(gateway.url + "/v1", "smollm2")
     direct = run_battery(engine_server + "/v1", "smollm2")
     assert through_gateway.keys() == direct.keys()
-    differ = [name for name in direct if through_gateway[name] != direct[name]]
-    assert differ == [], {name: (through_gateway[name], direct[name]) for name in differ[:2]}
+    differ = {name: first_difference(through_gateway[name], direct[name]) for name in direct
+              if through_gateway[name] != direct[name]}
+    assert differ == {}, f"gateway != engine in {len(differ)} answers: " + "; ".join(
+        f"{name}{where}" for name, where in differ.items())
     # the battery exercised what it names
     calls = direct["chat/tool_required"]["choices"][0]["message"]["tool_calls"]
     assert calls and calls[0]["function"]["name"] == "get_weather"
