@@ -238,10 +238,22 @@ async def test_429_retry_after_then_429_keeps_backend_out_60s(client, state, pri
     br = Breakers(state, BreakerSettings(rate_limit_cooldown_s=60))
     primary.push({"status": 429, "retry_after": "1"}, {"status": 429})
     res = await call_with_fallback([cand(primary)], attempt_fn(client, False), breakers=br, policy=FAST)
-    assert res.status == 503 and primary.calls == 2
+    # every call a 429: the client's 429 (LiteLLM passes the provider's RateLimitError), not a 503 "down"
+    err = json.loads(res.body)["error"]
+    assert res.status == 429 and primary.calls == 2
+    assert (err["code"], err["type"]) == ("rate_limit_exceeded", "rate_limit_error")
+    assert err["message"].startswith("The upstream is rate limited after 2 attempt(s)")
     st = await br.get("primary")
     assert st.state == "open" and 58 < st.retry_after_s <= 60
     assert 58 <= int(res.headers["retry-after"]) <= 60
+
+
+async def test_a_429_then_a_503_is_the_clients_503(client, state, primary, fallback):
+    primary.set_default({"status": 429})
+    fallback.set_default({"status": 503})
+    res = await call_with_fallback([cand(primary), cand(fallback)], attempt_fn(client, False),
+                                   breakers=Breakers(state), policy=FAST)
+    assert res.status == 503 and json.loads(res.body)["error"]["code"] == "upstream_failed"
 
 
 async def test_all_breakers_open_gives_503_with_soonest_half_open(client, state, primary, fallback):
