@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 
 from engine.protocol.signals import SIGNAL_ECHO_S, stop_exit_status
 from engine.protocol.heap import freeze_heap
@@ -60,6 +62,10 @@ class GatewayServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        for server in self.servers:   # uvicorn says where only for a socket it bound itself
+            for sock in server.sockets:
+                host, port = sock.getsockname()[:2]
+                log.info("listening on http://%s:%d (Ctrl-C to stop)", f"[{host}]" if ":" in host else host, port)
         if self.picker is not None and not self.should_exit:
             await self.picker.start()
         freeze_heap()       # the loaded gateway; its co-located engine's objects once it has loaded
@@ -126,6 +132,27 @@ def bind_refusal(compiled, host: str, insecure: bool = False) -> str | None:
             "open to anyone. Bind 127.0.0.1, configure keys, or pass --insecure.")
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (IPv6 where ``host`` has a colon; ``SO_REUSEADDR`` as uvicorn sets
+    it), not inherited by the processes the gateway starts (its engine core, an embedded redis-server).
+    ``tandem serve`` binds it before anything else runs: the app's startup publishes the config file to the
+    replicas' shared state, which a process that then finds its port taken had already done (an SRE's trial: a
+    second ``tandem serve`` on a busy port changed the running replicas' config, then exited 3).
+
+    Raises:
+        OSError: the address is taken, or not this host's."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
+
+
 def serve(config_path: str, host: str | None = None, port: int | None = None, insecure: bool = False,
           start_engine: bool = True, picker_port: int | None = None, picker_health_port: int | None = None,
           picker_fallbacks: int = 0) -> int:
@@ -133,7 +160,8 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
     gRPC on that port, its health service on ``picker_health_port`` too, ``picker_fallbacks`` endpoints after the
     primary: ``gateway/picker/``). Returns the
     process exit status: 0 after a stop SIGTERM started, 130 after one Ctrl-C's SIGINT started (as a shell reports
-    it; ``tandem engine serve`` too), 2 = invalid config, refused bind, or a config the picker cannot serve."""
+    it; ``tandem engine serve`` too), 2 = invalid config, refused bind, or a config the picker cannot serve, 3 =
+    the address taken (uvicorn's ``STARTUP_FAILURE``), found before anything is started or published."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if (compiled := load_config_or_report(config_path, "tandem serve: ")) is None:
         return 2
@@ -143,14 +171,6 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
     if why := bind_refusal(compiled, host, insecure):
         print(f"tandem serve: {why}", file=sys.stderr)
         return 2
-    embedded = None
-    if cfg.state.redis == "embedded":       # the one-machine default: start or join a private redis-server
-        try:
-            embedded = start_or_join(Path(cfg.state.data_dir) / "redis")
-        except RuntimeError as e:
-            print(f"tandem serve: {e}", file=sys.stderr)
-            return 2
-        compiled = with_redis_url(compiled, embedded.url)
     picker = None
     if picker_port is not None:
         try:
@@ -163,6 +183,20 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
         if why := check_config(compiled):
             print(f"tandem serve --picker-port: {why}", file=sys.stderr)
             return 2
+    try:
+        sock = listen(host, port)
+    except OSError as e:
+        print(f"tandem serve: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
+        return STARTUP_FAILURE
+    embedded = None
+    if cfg.state.redis == "embedded":       # the one-machine default: start or join a private redis-server
+        try:
+            embedded = start_or_join(Path(cfg.state.data_dir) / "redis")
+        except RuntimeError as e:
+            print(f"tandem serve: {e}", file=sys.stderr)
+            sock.close()
+            return 2
+        compiled = with_redis_url(compiled, embedded.url)
     gw = Gateway(config_path, compiled, start_engine=start_engine)
     gw.listen = (host, insecure)     # a later config without keys closes it (``exposed_without_keys``)
     if picker_port is not None:
@@ -178,8 +212,9 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, in
     if supervisor is not None:
         supervisor.start()                  # a server that dies is started again
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         if supervisor is not None:
             release(supervisor.stop())      # shut down when no other gateway uses it
     return stop_exit_status(server.stop_signal)

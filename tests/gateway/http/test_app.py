@@ -462,3 +462,29 @@ def test_the_docs_list_the_model_endpoints_that_models_returns():
     text = (ROOT / "docs" / "app-teams" / "embeddings.md").read_text()
     listed = re.search(r"the endpoints it is served on \(`endpoints`: (.*?)\)\.", text, re.S)
     assert listed is not None and re.findall(r"`([^`]+)`", listed.group(1)) == list(MODEL_ENDPOINTS)
+
+
+def test_a_serve_that_finds_its_port_taken_changes_nothing_shared(upstreams, tmp_path, redis_url):
+    """An SRE's trial: a second ``tandem serve`` on a busy port published its config file to the replicas'
+    shared state (the app's startup ran before uvicorn bound the port), so the running replica took it, then the
+    second process exited 3. The port is bound first now: exit 3, the reason said, nothing published."""
+    a, b = upstreams
+    state = f"state: {{redis_url: '{redis_url}', key_prefix: busy{os.getpid()}, sync_interval_s: 0.2}}\n"
+    path = tmp_path / "running.yaml"
+    path.write_text(upstream_config({"a": a, "b": b}, ROUTES, extra=state))
+    g = GatewayProcess(path, env=KEY_ENV).start()
+    try:
+        version, applied = httpx.get(g.url + "/health/ready").json()["config_version"], g.log().count("applied")
+        other = tmp_path / "other.yaml"
+        other.write_text(path.read_text().replace("weight: 100}, {backend: b, weight: 0}",
+                                                  "weight: 0}, {backend: b, weight: 100}"))
+        r = subprocess.run([sys.executable, "-m", "gateway.commands", "serve", "--config", str(other),
+                            "--port", str(g.port)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, **KEY_ENV})
+        assert r.returncode == 3 and f"cannot listen on 127.0.0.1:{g.port}: " in r.stderr, r.stderr
+        assert "applied" not in r.stderr, r.stderr
+        time.sleep(1.0)   # five of the running replica's syncs: a published change would have been taken
+        assert httpx.get(g.url + "/health/ready").json()["config_version"] == version
+        assert g.log().count("applied") == applied, g.log()
+    finally:
+        g.stop()
