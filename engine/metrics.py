@@ -181,7 +181,8 @@ class EngineMetrics:
     def __init__(self, registry: CollectorRegistry, engine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
-        registry.register(_LiveCollector(engine, model_name))
+        self._live = _LiveCollector(engine, model_name)
+        registry.register(self._live)
         label = ["model_name"]
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", label,
                                      registry=registry).labels(model_name)
@@ -234,6 +235,14 @@ class EngineMetrics:
         """Register ``record`` as the engine's output listener."""
         self.engine.add_output_listener(self.record)
         return self
+
+    def follow(self, engine) -> None:
+        """Count ``engine`` from now on in place of the one given (the same backend's next engine: its core
+        died and was started again, or a reload started another): the scrape-time gauges read it and its outputs
+        feed the counters and histograms, which go on from their totals (a registry takes each name once, so
+        new ones cannot be registered; without this they stayed flat after a restart, an SRE's trial found)."""
+        self.engine = self._live.engine = engine
+        self.attach()
 
     def record(self, outputs: list[RequestOutput], now: float) -> None:
         """Update counters and histograms from one step's delta outputs

@@ -202,7 +202,7 @@ class Gateway:
         s = self.snapshot
         return LiveGauges(self.in_flight, self.redis_degraded or self.resilience.degraded,
                           s.version if s is not None else None, s.source if s is not None else "",
-                          len(self.usage.journal))
+                          len(self.usage.journal), s.local.restarts if s is not None and s.local is not None else None)
 
     @property
     def ready(self) -> bool:

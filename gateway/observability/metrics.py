@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.metrics import EngineMetrics
 from gateway.billing.prices import NANO
@@ -70,6 +70,7 @@ class LiveGauges:
     config_version: int | None = None
     config_source: str = ""
     usage_journal: int = 0                 # settles made during a Redis outage, not replayed yet
+    engine_restarts: int | None = None     # the local engine's restarts after its core died (None: no local one)
 
 
 class _Live:
@@ -96,6 +97,11 @@ class _Live:
                                                               "replayed onto Redis.")
         g.add_metric([], float(now.usage_journal))
         yield g
+        if now.engine_restarts is not None:
+            c = CounterMetricFamily("tandem_engine_restarts", "Times the local engine was started again after its "
+                                                              "core process died.")
+            c.add_metric([], float(now.engine_restarts))
+            yield c
         g = GaugeMetricFamily("tandem_config_info", "The active config version (value 1).",
                               labels=["version", "source"])
         if now.config_version is not None:
@@ -180,12 +186,14 @@ class GatewayMetrics:
         return c
 
     def ensure_engine(self, local) -> None:
-        """Register the co-located engine's vLLM metrics once it is loaded
-        (cheap when done: one identity check)."""
+        """Register the co-located engine's vLLM metrics once it is loaded, and have them follow the next engine
+        (a restart, a reload's new one: ``EngineMetrics.follow``). Cheap when done: one identity check."""
         engine = getattr(local, "engine", None) if local is not None else None
         if engine is None or engine is self._engine_obj:
             return
-        if self._engine_obj is not None:      # a new engine (restart): its metrics cannot be re-registered
+        if self._engine_obj is not None:
+            self._engine_obj = engine
+            self.engine.follow(engine)
             return
         self._engine_obj = engine
         self.engine = EngineMetrics(self.registry, engine, local.served_model_name or engine.served_model_name)

@@ -26,7 +26,7 @@ from gateway.billing.prices import NANO, Price, cost_nusd, usage_tokens
 from gateway.cache.key import cache_config
 from gateway.billing.usage import Budget, UsageLedger, UsageRecord, tenant_label
 from gateway.errors import ClientError, anthropic_status, transport_error_kind
-from gateway.resilience.outcomes import Withdrawn
+from gateway.resilience.outcomes import Withdrawn, cancelled_by_timeout
 from gateway.resilience.streaming import SHUTDOWN_TYPE, ended_by_shutdown
 from gateway.observability.metrics import GatewayMetrics, LiveGauges
 from gateway.observability.records import AttemptRecord, RequestRecord, include_prompts, provider, read_answer
@@ -41,8 +41,8 @@ log = logging.getLogger("tandem.gateway.telemetry")
 
 
 def _error_type(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.CancelledError):
-        return "cancelled"
+    if isinstance(exc, asyncio.CancelledError):   # the stream's first-token timeout, or the client left
+        return "timeout" if cancelled_by_timeout() else "cancelled"
     if isinstance(exc, Withdrawn):   # an engine's hand-over: the next target answers
         return "withdrawn"
     kind = transport_error_kind(exc)

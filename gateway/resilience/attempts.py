@@ -51,8 +51,9 @@ from typing import Any, Awaitable, Callable
 
 from gateway.config.schema import RetrySettings
 from gateway.errors import error_body
-from gateway.resilience.outcomes import (TRANSIENT_STATUS, Attempt, Failure, NoCandidate, PassThrough, Result,
-                                         UpstreamResponse, Withdrawn, answer_head, classify_error_object,
+from gateway.resilience.outcomes import (ATTEMPT_TIMEOUT, TRANSIENT_STATUS, Attempt, Failure, NoCandidate,
+                                         PassThrough, Result, UpstreamResponse, Withdrawn, answer_head,
+                                         classify_error_object,
                                          classify_exception, close_response, is_context_length_error,
                                          is_request_error, parse_retry_after, settle_outcome, upstream_message)
 from gateway.resilience.backoff import RetryPolicy
@@ -235,8 +236,12 @@ class _Run:
         t0 = time.monotonic()
         resp: UpstreamResponse | None = None
         try:
-            async with asyncio.timeout(limit):
-                resp = await self.attempt_fn(c)
+            async with asyncio.timeout(limit) as timeout:
+                bound = ATTEMPT_TIMEOUT.set(timeout)   # the observer's "timeout", not "cancelled"
+                try:
+                    resp = await self.attempt_fn(c)
+                finally:
+                    ATTEMPT_TIMEOUT.reset(bound)
                 if self.stream and resp.status < 300 and resp.events is not None:
                     out = await peek_stream(resp, t0)
                     if isinstance(out, Result):

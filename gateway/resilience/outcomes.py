@@ -7,9 +7,11 @@ rules that classify them (transient statuses, context-length errors, ``Retry-Aft
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
@@ -50,6 +52,18 @@ class UpstreamResponse:
     events: AsyncIterator[list] | None = None
     aclose: Callable[[], Awaitable[None]] | None = None
     on_outcome: Callable[[str, int | None], None] | None = None
+
+
+# The first-token timeout of the attempt this task runs (``AttemptLoop._call`` sets it): the attempt's observer
+# tells a call that timeout cancelled (a stream whose upstream sent no headers in time: "timeout") from one the
+# client's leaving cancelled ("cancelled"); both reach it as a CancelledError.
+ATTEMPT_TIMEOUT: ContextVar[asyncio.Timeout | None] = ContextVar("tandem_attempt_timeout", default=None)
+
+
+def cancelled_by_timeout() -> bool:
+    """Whether the attempt running in this task was cancelled by its first-token timeout (``ATTEMPT_TIMEOUT``)."""
+    timeout = ATTEMPT_TIMEOUT.get()
+    return timeout is not None and timeout.expired()
 
 
 def settle_outcome(resp: UpstreamResponse | None, outcome: str, status: int | None = None) -> None:

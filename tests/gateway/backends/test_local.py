@@ -524,7 +524,9 @@ async def test_a_restarted_engine_is_served_at_once_not_after_its_breakers_coold
     """A stress trial killed the engine core with 8 streams open: their failures opened the local target's
     breaker (30 s), the engine was back in ~6 s, and every request got 503 until the breaker half-opened. A
     restarted engine is new: its targets' breakers are closed once it is loaded. Here the breaker is opened as
-    those failures open it (recorded failures) with a cooldown far past the test, then the core is killed."""
+    those failures open it (recorded failures) with a cooldown far past the test, then the core is killed.
+    The vLLM metrics follow the new engine (an SRE's trial: they stayed flat after a restart) and the restart
+    is counted."""
     import signal
 
     from gateway.config.compile import load_config_text
@@ -540,6 +542,11 @@ async def test_a_restarted_engine_is_served_at_once_not_after_its_breakers_coold
     server, task, url = await serve_ready(gw)
     try:
         local, breakers = gw.snapshot.local, gw.resilience.breakers
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": "one", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            before = _scraped(await c.get("/metrics"))
+        assert before["vllm:generation_tokens_total"] == 2 and before["tandem_engine_restarts_total"] == 0
         for _ in range(3):
             await breakers.record("local", False, status=500)
         assert (await breakers.get("local")).state == "open"
@@ -560,10 +567,25 @@ async def test_a_restarted_engine_is_served_at_once_not_after_its_breakers_coold
         assert (await breakers.get("local")).state == "closed"
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
             r = await c.post("/v1/completions", json={"model": "m", "prompt": "one", "max_tokens": 2})
-        assert r.status_code == 200, r.text
+            assert r.status_code == 200, r.text
+            after = _scraped(await c.get("/metrics"))
+        assert after["vllm:generation_tokens_total"] == 4 and after["tandem_engine_restarts_total"] == 1
+        assert after["vllm:request_success_total"] == before["vllm:request_success_total"] + 1
     finally:
         server.should_exit = True
         await task                                   # the app's shutdown stops the gateway and its engine
+
+
+def _scraped(r: httpx.Response) -> dict[str, float]:
+    """A /metrics answer's samples summed per name (labels dropped)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert r.status_code == 200, r.text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
 
 
 def test_route_explain_gives_the_gateways_decision(gateway, tmp_path):

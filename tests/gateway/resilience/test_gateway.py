@@ -22,7 +22,7 @@ KEY, LIMITED_KEY = "sk-tandem-main", "sk-tandem-limited"
 ENV = {"TEST_UPSTREAM_KEY": "upstream-secret", "TANDEM_ADMIN_TOKEN": "admin-tok"}
 ADMIN_AUTH = {"authorization": "Bearer admin-tok"}
 SCENARIOS = ["s503", "s400", "scut", "sboth", "serrfirst", "sstall", "s429", "shung", "shealthy", "sshared",
-             "sdisc", "soutage"]
+             "sdisc", "soutage", "shead"]
 
 
 def gateway_config(ups: dict[str, FaultUpstream], redis_url: str | None, prefix: str, dead_port: int) -> str:
@@ -31,7 +31,10 @@ def gateway_config(ups: dict[str, FaultUpstream], redis_url: str | None, prefix:
         f"    timeouts: {{connect_s: 1, read_s: 1.5, first_token_s: 2, inter_chunk_s: 5}}\n"
         for name, u in ups.items())
     backends += (f"  dead:\n    type: openai\n    base_url: http://127.0.0.1:{dead_port}/v1\n"
-                 f"    timeouts: {{connect_s: 1, read_s: 1.5, first_token_s: 2}}\n")
+                 f"    timeouts: {{connect_s: 1, read_s: 1.5, first_token_s: 2}}\n"
+                 # the primary again, its headers awaited past the first-token timeout (the loop's, not httpx's)
+                 f"  slowhead:\n    type: openai\n    base_url: {ups['primary'].base_url}\n"
+                 f"    api_key_env: TEST_UPSTREAM_KEY\n    timeouts: {{connect_s: 1, read_s: 10, first_token_s: 1}}\n")
     routes, rules, models = "", "", ""
     for s in SCENARIOS:
         models += f"  - name: {s}\n"
@@ -40,6 +43,8 @@ def gateway_config(ups: dict[str, FaultUpstream], redis_url: str | None, prefix:
             first, then = "dead", ["hung", "fallback"]
         elif s == "shealthy":
             first, then = "fallback", []
+        elif s == "shead":
+            first, then = "slowhead", ["fallback"]
         else:
             first, then = "primary", ["fallback"]
         fallbacks = ", ".join(f"{{backend: {b}, model: {s}}}" for b in then)
@@ -214,6 +219,13 @@ def test_first_token_timeout_falls_back(gw, ups):
     raw = client(gw).chat.completions.with_raw_response.create(model="sstall", messages=MSG, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == "tok0 tok1 tok2 "
     assert counted_since(gw, "primary", before) == {"timeout": 1, "stream_cut": 1}
+    # no headers within the first-token timeout either: a timeout too (an SRE's trial saw "cancelled", the label
+    # of a client that left, so alerts on timeouts missed hung streaming upstreams)
+    before = attempts_counted(gw, "slowhead")
+    ups["primary"].push({"hang": True})
+    raw = client(gw).chat.completions.with_raw_response.create(model="shead", messages=MSG, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == "tok0 tok1 tok2 "
+    assert raw.headers["x-tandem-backend"] == "fallback" and counted_since(gw, "slowhead", before) == {"timeout": 1}
 
 
 def test_429_retry_after_then_429_keeps_backend_out_60s(gw, ups, rds, prefix):
