@@ -26,6 +26,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# xds-protos (the picker's Envoy protos) ships an older copy of opentelemetry-proto's files over the real
+	# ones, which breaks the OTLP exporter: put them back (gateway/observability/otlp.py)
+	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps \
+		"opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	touch $(TEST_STAMP)
 
 # The console's browser tests drive Debian's chromium through Playwright (never a downloaded browser): installed
