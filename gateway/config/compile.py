@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from engine.config import EngineArgs
 from gateway.config.schema import ConfigError, EngineConfig, GatewayConfig, TargetConfig
 from gateway.config.weights import check_weights
+from gateway.observability.otlp import otlp_unavailable
 from gateway.rollouts.spec import config_problems
 from policies import Affinity, Condition, Match, Policy, Route, Rule, Slo, Target, check_field, with_weights
 from policies.rules import OPERATORS
@@ -152,6 +153,8 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
     key = cfg.policy.canary_key
     if not (key in ("user", "request_id") or (key.startswith("header:") and len(key) > 7)):
         errors.append(("policy.canary_key", f"must be user, request_id or header:<name>, got {key!r}"))
+    if cfg.observability.tracing.exporter == "otlp" and (why := otlp_unavailable()):
+        errors.append(("observability.tracing.exporter", why))
     errors += config_problems(cfg, routes)
     warnings += _cache_warnings(cfg)
     hashes = _key_hashes(cfg, env, warnings)

@@ -421,16 +421,6 @@ class TracingConfig(_Strict):
     service_name: str = "tandem-gateway"
     sample_ratio: float = Field(1.0, ge=0, le=1)
 
-    @field_validator("exporter")
-    @classmethod
-    def _exporter_loads(cls, v: str) -> str:
-        if v == "otlp":
-            from gateway.observability.otlp import otlp_unavailable   # lazy: the exporters load only when named
-
-            if why := otlp_unavailable():
-                raise ValueError(why)
-        return v
-
 
 class LogsConfig(_Strict):
     requests: bool = True                  # one JSON line per request (logger tandem.requests)

@@ -8,14 +8,15 @@ it (an SRE's trial: ``ImportError: cannot import name 'InstrumentationScope'``);
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 
 
 def otlp_unavailable() -> str | None:
     """None when the OTLP/HTTP span and metric exporters import, else why not and the command that mends it."""
     try:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter  # noqa: F401
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # noqa: F401
+        for module in ("metric_exporter", "trace_exporter"):
+            importlib.import_module(f"opentelemetry.exporter.otlp.proto.http.{module}")
     except ImportError as e:
         try:
             pin = f"=={importlib.metadata.version('opentelemetry-proto')}"
@@ -24,3 +25,4 @@ def otlp_unavailable() -> str | None:
         return (f"the OTLP exporter does not load ({e}); if xds-protos (the picker extra) overwrote "
                 f"opentelemetry-proto's files, run: pip install --force-reinstall --no-deps opentelemetry-proto{pin}")
     return None
+
