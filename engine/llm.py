@@ -158,7 +158,8 @@ class LLM:
                 ``{"prompt": text}`` / ``{"prompt_token_ids": [ids]}`` (with an optional ``cache_salt``).
             sampling_params: one for all prompts or one per prompt (default:
                 ``SamplingParams()``).
-            priority: per-prompt priority (``scheduling_policy="priority"``).
+            priority: one priority per prompt (lower first; a non-zero one needs ``scheduling_policy="priority"``,
+                as in vLLM).
             cache_salt: vLLM's; these prompts share prefix-cache blocks only with requests of the same salt.
             use_tqdm: vLLM's progress-bar switch, taken for its callers: this engine draws no progress bar.
             lora_request: vLLM's; only None (this engine has no LoRA).
@@ -168,7 +169,9 @@ class LLM:
             cumulative text and token ids per choice.
 
         Raises:
-            ValueError: a prompt is invalid (nothing is left queued), a LoRA request.
+            ValueError: a prompt is invalid (nothing is left queued), a LoRA request, ``priority`` not one per
+                prompt or non-zero under ``scheduling_policy="fcfs"``, what ``engine/input_checks.py`` refuses
+                (``logprobs`` above ``max_logprobs``, a ``logit_bias`` id past the vocabulary).
         """
         _refuse_lora(lora_request)
         prompts = _prompt_list(prompts)
@@ -178,6 +181,9 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        if priority is not None and len(priority) != len(prompts):   # vLLM's words
+            raise ValueError(f"priority: The lengths of prompts ({len(prompts)}) and priority ({len(priority)}) "
+                             "must be the same.")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
             for i, (rid, prompt, p, salt) in enumerate(zip(ids, prompts, params, salts)):

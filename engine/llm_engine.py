@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from engine.config import EngineArgs
 from engine.core.core_loop import start_engine_core
 from engine.core.core_messages import EngineStats  # noqa: F401 - re-exported: the engine's stats type
+from engine.input_checks import check_input
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -61,10 +62,14 @@ class LLMEngine:
 
         Raises:
             ValueError: duplicate id, empty prompt, token id out of the
-                vocabulary, prompt + ``max_tokens`` over ``max_model_len``.
+                vocabulary, prompt + ``max_tokens`` over ``max_model_len``; what the OpenAI server refuses of the
+                engine's settings (``engine/input_checks.py``: ``max_logprobs``, a priority without
+                ``scheduling_policy="priority"``, a token id of ``logit_bias``... past the vocabulary).
         """
         if request_id in self.output_processor:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        check_input(params, priority, vocab_size=self.tokenizer.vocab_size, max_logprobs=self.args.max_logprobs,
+                    scheduling_policy=self.args.scheduling_policy)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
         self.core.add_request(request_id, token_ids, params, priority=priority, arrival_time=arrival_time,

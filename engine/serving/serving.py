@@ -25,6 +25,7 @@ from typing import Any
 
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestWithdrawn
+from engine.input_checks import logprobs_problem, priority_problem, token_id_problem
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol.errors import ServingError
 from engine.protocol.guided import GUIDED_FIELDS, guided_field_hint
@@ -185,11 +186,8 @@ class OpenAIServing:
                                param="prompt_logprobs")
         if req.stream_options is not None and not req.stream:
             raise ServingError(400, "stream_options: only allowed when stream is true", param="stream_options")
-        policy = self.engine.args.scheduling_policy
-        if req.priority not in (None, 0) and policy != "priority":  # vLLM refuses it too
-            raise ServingError(400, f"priority: got {req.priority}, but this engine schedules {policy}; start it "
-                                    "with --scheduling-policy priority (scheduling_policy: priority) to use "
-                                    "request priorities", param="priority")
+        if (problem := priority_problem(req.priority or 0, self.engine.args.scheduling_policy)) is not None:
+            raise ServingError(400, problem.message, param="priority")   # vLLM refuses it too
 
     def _sampling_params(self, req, num_prompt_tokens: int, *, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None, prompt_field: str, structured_outputs=None,
@@ -233,18 +231,13 @@ class OpenAIServing:
             if param == "logprobs" and isinstance(req, ChatCompletionRequest):
                 param, message = "top_logprobs", "top_logprobs" + message[len("logprobs"):]
             raise ServingError(400, message, param=param, code="invalid_value") from None
-        cap = self.engine.args.max_logprobs     # vLLM's --max-logprobs, in its words
-        for kind, asked, field in (("sample", params.logprobs, "top_logprobs" if isinstance(
-                req, ChatCompletionRequest) else "logprobs"), ("prompt", params.prompt_logprobs, "prompt_logprobs")):
-            if asked is not None and asked > cap:
-                raise ServingError(400, f"Requested {kind} logprobs of {asked}, which is greater than max allowed: "
-                                        f"{cap} (--max-logprobs)", param=field)
-        vocab = self.engine.tokenizer.vocab_size
-        for name in ("stop_token_ids", "allowed_token_ids"):   # a token this model can never sample: a mistyped id
-            for i, t in enumerate(getattr(params, name) or ()):
-                if t >= vocab:
-                    raise ServingError(400, f"{name}[{i}]: {t} is not a token id of this model (ids are in "
-                                            f"[0, {vocab}))", param=name, code="invalid_value")
+        if (problem := logprobs_problem(params, self.engine.args.max_logprobs)) is not None:
+            field = problem.field
+            if field == "logprobs" and isinstance(req, ChatCompletionRequest):
+                field = "top_logprobs"
+            raise ServingError(400, problem.message, param=field)
+        if (problem := token_id_problem(params, self.engine.tokenizer.vocab_size)) is not None:
+            raise ServingError(400, problem.message, param=problem.field, code="invalid_value")
         limit = self.engine.max_model_len
         if num_prompt_tokens >= limit:
             raise ServingError(
@@ -264,19 +257,12 @@ class OpenAIServing:
                                     f"{params.min_tokens}", param="min_tokens", code="invalid_value")
         return params
 
-    def _logit_bias(self, bias: dict | None) -> dict[int, float] | None:
+    @staticmethod
+    def _logit_bias(bias: dict | None) -> dict[int, float] | None:
         """A request's ``logit_bias`` (token id as a JSON key -> bias; keys and biases checked by the shared range
-        table when the body was parsed: ``param_ranges``) as ``SamplingParams`` takes it.
-
-        Raises:
-            ServingError: 400 naming a key past this model's vocabulary (vLLM's refusal)."""
-        if not bias:
-            return None
-        vocab = self.engine.tokenizer.vocab_size
-        if (past := next((key for key in bias if int(key) >= vocab), None)) is not None:
-            raise ServingError(400, f"logit_bias: {past!r} is not a token id of this model (ids are in [0, {vocab}))",
-                               param="logit_bias", code="invalid_value")
-        return {int(key): value for key, value in bias.items()}
+        table when the body was parsed: ``param_ranges``; ids past the vocabulary by ``token_id_problem``) as
+        ``SamplingParams`` takes it."""
+        return {int(key): value for key, value in bias.items()} if bias else None
 
     def logprobs_of(self, prompt: Prompt) -> LogprobFormatter:
         """The formatter of ``prompt``'s answer logprobs (tokens named by id when it asks)."""

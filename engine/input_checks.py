@@ -1,0 +1,66 @@
+"""What a front end checks of a request against the engine's settings before the core sees it (vLLM V1's input
+processor): the OpenAI server (``engine/serving/serving.py``, each problem a 400 naming its field) and the offline
+``LLM`` (``LLMEngine.add_request``, a ``ValueError``) read the same rules here, so a request refused by one is
+refused by the other in the same words. Rules that need no engine setting live in ``SamplingParams`` itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class InputProblem:
+    """Why a request is refused: ``field`` (the ``SamplingParams`` field or ``priority``) and a one-line
+    ``message``."""
+
+    field: str
+    message: str
+
+
+def logprobs_problem(params: SamplingParams, max_logprobs: int) -> InputProblem | None:
+    """``logprobs`` or ``prompt_logprobs`` above the engine's ``max_logprobs`` (vLLM's ``--max-logprobs``), in
+    vLLM's words; None when both fit."""
+    for kind, field in (("sample", "logprobs"), ("prompt", "prompt_logprobs")):
+        asked = getattr(params, field)
+        if asked is not None and asked > max_logprobs:
+            return InputProblem(field, f"Requested {kind} logprobs of {asked}, which is greater than max allowed: "
+                                       f"{max_logprobs} (max_logprobs, --max-logprobs)")
+    return None
+
+
+def priority_problem(priority: int, scheduling_policy: str) -> InputProblem | None:
+    """A non-zero ``priority`` on an engine that does not schedule by priority (vLLM refuses it: it would be
+    silently ignored); None otherwise."""
+    if priority != 0 and scheduling_policy != "priority":
+        return InputProblem("priority", f"priority: got {priority}, but Priority scheduling is not enabled: this "
+                                        f"engine schedules {scheduling_policy} (start it with --scheduling-policy "
+                                        "priority, or LLM(scheduling_policy=\"priority\"), to use request priorities)")
+    return None
+
+
+def token_id_problem(params: SamplingParams, vocab_size: int) -> InputProblem | None:
+    """The first id of ``stop_token_ids``, ``allowed_token_ids`` or ``logit_bias``'s keys outside
+    ``[0, vocab_size)``: a token this model can never sample, a mistyped id (vLLM refuses out-of-vocab ids of
+    ``allowed_token_ids`` and ``logit_bias``); None when all are the model's."""
+    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+        ids = getattr(params, name) or ()
+        for i, t in enumerate(ids):
+            if t >= vocab_size:
+                where = name if isinstance(ids, dict) else f"{name}[{i}]"
+                return InputProblem(name, f"{where}: {t} is not a token id of this model (ids are in "
+                                          f"[0, {vocab_size}))")
+    return None
+
+
+def check_input(params: SamplingParams, priority: int, *, vocab_size: int, max_logprobs: int,
+                scheduling_policy: str) -> None:
+    """Every rule above for one offline request.
+
+    Raises:
+        ValueError: the first problem's message (it names the field)."""
+    for problem in (priority_problem(priority, scheduling_policy), logprobs_problem(params, max_logprobs),
+                    token_id_problem(params, vocab_size)):
+        if problem is not None:
+            raise ValueError(problem.message)

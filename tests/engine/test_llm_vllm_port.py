@@ -1,0 +1,49 @@
+"""The offline ``LLM`` as a script ported from vLLM (``from vllm import LLM, SamplingParams``) meets it: a trial
+(2026-12) found engine settings ignored offline that the OpenAI server enforces, and arguments refused or read
+otherwise than vLLM reads them. On the real SmolLM2 (``LLM()``: the embedded default)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_logprobs=2, max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB")
+
+
+@pytest.mark.parametrize("field, kind", [("logprobs", "sample"), ("prompt_logprobs", "prompt")])
+def test_max_logprobs_caps_offline_requests_as_the_server_does(llm, field, kind):
+    """``LLM(max_logprobs=2)`` was ignored offline: ``logprobs=5`` returned 5 per token (vLLM: ValueError)."""
+    with pytest.raises(ValueError, match=f"Requested {kind} logprobs of 5, which is greater than max allowed: 2"):
+        llm.generate("Hello", SamplingParams(max_tokens=2, **{field: 5}))
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate("Hello there, world", SamplingParams(max_tokens=2, **{field: 2}))[0]
+    lps = out.outputs[0].logprobs if field == "logprobs" else out.prompt_logprobs[1:]
+    assert lps and all(len(pos) >= 2 for pos in lps)
+
+
+def test_priority_needs_priority_scheduling_and_one_per_prompt(llm):
+    """A non-zero priority under fcfs was silently ignored offline (vLLM and the server refuse it), and
+    ``priority=[1]`` for two prompts was a bare IndexError."""
+    with pytest.raises(ValueError, match="priority: got 1, but Priority scheduling is not enabled"):
+        llm.generate(["Hello"], GREEDY, priority=[1])
+    with pytest.raises(ValueError, match=r"The lengths of prompts \(2\) and priority \(1\) must be the same"):
+        llm.generate(["Hello", "Hi"], GREEDY, priority=[0])
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate(["Hello", "Hi"], GREEDY, priority=[0, 0])) == 2
+
+
+def test_logit_bias_past_the_vocabulary_is_refused_offline(llm):
+    """``logit_bias={10**6: 5}`` was accepted offline (the server answers 400; vLLM V1 raises ValueError)."""
+    vocab = llm.get_tokenizer().vocab_size
+    with pytest.raises(ValueError, match=rf"logit_bias: 1000000 is not a token id of this model .*\[0, {vocab}\)"):
+        llm.generate("Hello", SamplingParams(max_tokens=2, logit_bias={10**6: 5}))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate("Hello", SamplingParams(max_tokens=2, logit_bias={vocab - 1: 5}))[0].outputs[0].token_ids
