@@ -62,7 +62,8 @@ class LLMEngine:
 
         Raises:
             ValueError: duplicate id, empty prompt, token id out of the
-                vocabulary, prompt + ``max_tokens`` over ``max_model_len``; what the OpenAI server refuses of the
+                vocabulary, a prompt of ``max_model_len`` tokens or more (a completion stops at
+                ``max_model_len``, finish_reason "length", as in vLLM); what the OpenAI server refuses of the
                 engine's settings (``engine/input_checks.py``: ``max_logprobs``, a priority without
                 ``scheduling_policy="priority"``, a token id of ``logit_bias``... past the vocabulary).
         """

@@ -77,7 +77,7 @@ class EngineCore:
 
         Raises:
             ValueError: duplicate id, empty prompt, token id (of the prompt, of
-                ``allowed_token_ids``) out of the vocabulary, prompt + ``max_tokens`` over ``max_model_len``; a
+                ``allowed_token_ids``) out of the vocabulary, a prompt of ``max_model_len`` tokens or more; a
                 continuation of a choice out of range, with no tokens left to
                 generate, or of a request with a grammar or prompt logprobs.
         """
@@ -135,8 +135,10 @@ class EngineCore:
                 raise ValueError(f"resume: choice {index} has no tokens left to generate or a token out of range")
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
-        """The resolved ``max_tokens`` of a valid prompt. Raises ValueError: empty, a token id out of the
-        vocabulary, or over ``max_model_len``."""
+        """The resolved ``max_tokens`` of a valid prompt: at most the room ``max_model_len`` leaves after it, so a
+        completion asked for more stops there with finish_reason "length", as vLLM's engine stops it (the OpenAI
+        server refuses such a request before, as vLLM's server does: ``serving.py``). Raises ValueError: empty, a
+        token id out of the vocabulary, or a prompt that leaves no room under ``max_model_len``."""
         if not token_ids:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
@@ -146,12 +148,8 @@ class EngineCore:
         if num_prompt >= self.max_model_len:
             raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, "
                              f"but the prompt has {num_prompt} tokens (max_model_len)")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
-        if num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                             f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} "
-                             f"for the completion) (max_model_len)")
-        return max_tokens
+        room = self.max_model_len - num_prompt
+        return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort client requests (all their sequences) and free their blocks now."""

@@ -52,7 +52,6 @@ def test_prompt_of_exactly_three_full_blocks(llm):
     [
         ("", GREEDY, "prompt"),
         ("hello " * 9000, GREEDY, "max_model_len"),
-        ("hello", SamplingParams(max_tokens=9000), "max_model_len"),
         ([10**9], GREEDY, "token ids"),
     ],
 )

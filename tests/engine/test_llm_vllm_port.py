@@ -47,3 +47,16 @@ def test_logit_bias_past_the_vocabulary_is_refused_offline(llm):
         llm.generate("Hello", SamplingParams(max_tokens=2, logit_bias={10**6: 5}))
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate("Hello", SamplingParams(max_tokens=2, logit_bias={vocab - 1: 5}))[0].outputs[0].token_ids
+
+
+def test_a_completion_past_max_model_len_stops_there_for_length(llm):
+    """``prompt + max_tokens > max_model_len`` failed the whole offline batch ("This model's maximum context
+    length is ..."); vLLM's engine only needs the prompt to fit and stops the completion at ``max_model_len``
+    (its OpenAI server, as ours, still refuses such a request). The batch's other prompt is served as asked."""
+    long_ask = SamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN, ignore_eos=True)
+    capped, short = llm.generate(["Hello there, world", "Hi"], [long_ask, GREEDY])
+    assert len(capped.prompt_token_ids) + len(capped.outputs[0].token_ids) == MAX_MODEL_LEN
+    assert capped.outputs[0].finish_reason == "length" and capped.finished
+    assert len(short.outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="maximum context length"):     # the prompt itself must leave room
+        llm.generate([0] * MAX_MODEL_LEN, GREEDY)
