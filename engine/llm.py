@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from engine.config import EngineArgs
 from engine.entrypoints.vllm_flags import split_vllm_kwargs
 from engine.llm_engine import LLMEngine
+from engine.llm_prompts import Prompt, parse_prompt, prompt_list
 from engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput,
                             PoolingRequestOutput, RequestOutput)
 from engine.protocol.errors import ServingError
@@ -22,7 +23,6 @@ from engine.serving.chat import render_chat
 if TYPE_CHECKING:
     from engine.pooling import PoolingParams   # imports torch: only for the annotation
 
-Prompt = str | list[int]
 
 logger = logging.getLogger("tandem.llm")
 
@@ -137,7 +137,7 @@ class LLM:
     def _pool(self, prompts: Prompt | Sequence[Prompt], pooling_type: str | None,
               normalize: bool | None) -> list[tuple[str, list[int], list[float]]]:
         """(request id, token ids, vector) per prompt, in input order: the core's one pooling call."""
-        given = [_prompt(p, None)[0] for p in _prompt_list(prompts)]
+        given = [parse_prompt(p, None)[0] for p in prompt_list(prompts)]
         ids = [self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in given]
         vectors = self.engine.core.embed(ids, pooling_type, normalize)
         return [(f"offline-{next(self._ids)}", i, v) for i, v in zip(ids, vectors)]
@@ -174,8 +174,8 @@ class LLM:
                 (``logprobs`` above ``max_logprobs``, a ``logit_bias`` id past the vocabulary).
         """
         _refuse_lora(lora_request)
-        prompts = _prompt_list(prompts)
-        prompts, salts = zip(*(_prompt(p, cache_salt) for p in prompts)) if prompts else ((), ())
+        prompts = prompt_list(prompts)
+        prompts, salts = zip(*(parse_prompt(p, cache_salt) for p in prompts)) if prompts else ((), ())
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
@@ -271,30 +271,6 @@ def _render(tokenizer, conversation: list[dict], options: dict[str, Any]) -> lis
         return list(render_chat(tokenizer, body).prompts[0][1])
     except ServingError as exc:
         raise ValueError(exc.message) from None
-
-
-def _prompt_list(prompts) -> list:
-    """``prompts`` as a list: one text, one prompt dict or one token-id list is one prompt."""
-    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-        return [prompts]
-    return list(prompts)
-
-
-def _prompt(prompt, cache_salt: str | None) -> tuple[Prompt, str | None]:
-    """(text or token ids, cache salt) of one ``generate`` prompt: as given, or from vLLM's prompt dict (its own
-    ``cache_salt`` wins).
-
-    Raises:
-        ValueError: a dict with neither ``prompt`` nor ``prompt_token_ids``, or a key this engine does not take
-            (``multi_modal_data``...)."""
-    if not isinstance(prompt, dict):
-        return prompt, cache_salt
-    if other := sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}):
-        raise ValueError(f"prompt dict: {', '.join(other)} not supported (prompt, prompt_token_ids and cache_salt "
-                         "are)")
-    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
-        raise ValueError("prompt dict: give one of prompt (a text) or prompt_token_ids (token ids)")
-    return prompt.get("prompt", prompt.get("prompt_token_ids")), prompt.get("cache_salt", cache_salt)
 
 
 def merge_delta(finals: dict[str, RequestOutput], delta: RequestOutput) -> None:

@@ -95,7 +95,7 @@ class Tokenizer:
     """Text <-> token ids, and chat-template rendering.
 
     Attributes:
-        bos_token_id, eos_token_id: special ids (None when the model has none).
+        bos_token_id, eos_token_id, pad_token_id: special ids (None when the model has none).
         bos_token, eos_token: their strings ("" when absent), for templates.
         vocab_size: number of token ids (including added tokens).
         all_special_ids: ids of special (control) tokens, skipped by
@@ -105,10 +105,11 @@ class Tokenizer:
     """
 
     def __init__(self, tok: HFTokenizer, *, bos_token_id: int | None, eos_token_id: int | None,
-                 chat_template: str | None, add_bos_token: bool) -> None:
+                 chat_template: str | None, add_bos_token: bool, pad_token_id: int | None = None) -> None:
         self._tok = tok
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
         self.bos_token = tok.id_to_token(bos_token_id) if bos_token_id is not None else ""
         self.eos_token = tok.id_to_token(eos_token_id) if eos_token_id is not None else ""
         self.chat_template = chat_template
@@ -175,8 +176,10 @@ class Tokenizer:
             tok.post_processor = processors.TemplateProcessing(
                 single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
                 special_tokens=[(tokens[bos], int(bos))])
+        pad = get("tokenizer.ggml.padding_token_id")
         return cls(tok, bos_token_id=None if bos is None else int(bos), eos_token_id=None if eos is None else int(eos),
-                   chat_template=get("tokenizer.chat_template"), add_bos_token=add_bos)
+                   chat_template=get("tokenizer.chat_template"), add_bos_token=add_bos,
+                   pad_token_id=None if pad is None else int(pad))
 
     @classmethod
     def from_hf_dir(cls, path: str) -> "Tokenizer":
@@ -215,7 +218,8 @@ class Tokenizer:
         if (d / "chat_template.jinja").is_file():
             template = (d / "chat_template.jinja").read_text()
         return cls(tok, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
-                   chat_template=template, add_bos_token=bool(cfg.get("add_bos_token", False)))
+                   chat_template=template, add_bos_token=bool(cfg.get("add_bos_token", False)),
+                   pad_token_id=token_id("pad_token"))
 
     # -------------------------------------------------------------- encoding
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -227,17 +231,35 @@ class Tokenizer:
         seconds), so a worker thread that tokenizes never stalls the event loop; same ids, same cost."""
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> dict:
+        """transformers' ``tokenizer(text)``: ``{"input_ids": ids, "attention_mask": ones}`` for one text, or
+        one list of each per text of a list (``add_special_tokens`` as in ``encode``; transformers' default
+        True)."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens=add_special_tokens)
+            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        rows = [e.ids for e in self._tok.encode_batch(list(text), add_special_tokens=add_special_tokens)]
+        return {"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; invalid UTF-8 (a split multi-byte char) becomes U+FFFD."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        """transformers' ``batch_decode``: ``decode`` of each token-id list (its ``skip_special_tokens`` default,
+        True, is ``decode``'s here)."""
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """Vocabulary strings (byte-level spelling, e.g. "Ġthe") of ``ids``."""
         return [self._tok.id_to_token(int(i)) for i in ids]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = True,
+                            **kw) -> str | list[int]:
         """Render ``messages`` ([{"role", "content"}, ...]) with the model's
-        chat template, as transformers' ``apply_chat_template(tokenize=False)``.
+        chat template, as transformers' ``apply_chat_template``: the text with ``tokenize=False``, its token ids
+        (``encode`` without special tokens: the template writes them) with ``tokenize=True``, transformers'
+        default.
 
         Raises:
             ValueError: the model has no chat template.
@@ -247,7 +269,8 @@ class Tokenizer:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         context = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         context.update(kw)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+        return self.encode(text) if tokenize else text
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -34,7 +34,7 @@ def load_tokenizer(model_path: str):
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a chat prompt rendered with the model's template (as the engine server does)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

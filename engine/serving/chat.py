@@ -251,7 +251,8 @@ def render_chat(tokenizer, body: dict) -> RenderedPrompt:
     messages = plan.messages
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                             **plan.template_kwargs, **(req.chat_template_kwargs or {}))
+                                             tokenize=False, **plan.template_kwargs,
+                                             **(req.chat_template_kwargs or {}))
     except Exception as exc:  # jinja2.TemplateError, ValueError (no template)
         raise ServingError(400, f"messages: the chat template failed: {exc}", param="messages") from None
     if req.continue_final_message:

@@ -109,7 +109,8 @@ def build_workload(args, tokenizer, vocab_size: int) -> list[list[int]]:
     if args.workload == "mtbench":
         questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
         questions = questions[: args.num_prompts] if args.num_prompts < len(questions) else questions
-        return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}]),
+        return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
+                                                                  tokenize=False),
                                  add_special_tokens=False) for q in questions]
     rng = random.Random(0)
     special = set(tokenizer.all_special_ids)

@@ -29,7 +29,7 @@ def edit_workload(tokenizer, num_prompts: int) -> list[list[int]]:
     for i in range(num_prompts):
         item = items[i % len(items)]
         chat = [{"role": "user", "content": item["instruction"] + item["text"]}]
-        prompts.append(tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True),
+        prompts.append(tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
                                         add_special_tokens=False))
     return prompts
 

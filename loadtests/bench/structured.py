@@ -99,7 +99,7 @@ def run_structured_bench(args: argparse.Namespace) -> int:
 
     picks = [names[i % len(names)] for i in range(args.concurrency)]
     prompts = [tok.encode(tok.apply_chat_template(
-        [{"role": "user", "content": f"Give an example of a {n.replace('_', ' ')} as JSON."}]),
+        [{"role": "user", "content": f"Give an example of a {n.replace('_', ' ')} as JSON."}], tokenize=False),
         add_special_tokens=False) for n in picks]
     constrained = [SamplingParams(temperature=0, max_tokens=args.max_tokens,
                                   structured_outputs=StructuredOutputsParams(json=schemas[n])) for n in picks]

@@ -50,7 +50,7 @@ def conversations(num_prompts: int) -> list[list[dict]]:
 
 def prompt_ids(tok, num_prompts: int) -> list[list[int]]:
     """The chat-templated prompts as token ids by ``tok`` (the engine's tokenizer, as ``LLM.chat`` makes them)."""
-    return [tok.encode(tok.apply_chat_template(conv, add_generation_prompt=True), add_special_tokens=False)
+    return [tok.apply_chat_template(conv, add_generation_prompt=True)
             for conv in conversations(num_prompts)]
 
 

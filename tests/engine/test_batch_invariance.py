@@ -35,7 +35,7 @@ def _questions() -> list[str]:
 
 def _chat_ids(llm: LLM, question: str) -> list[int]:
     tok = llm.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
     return tok.encode(text, add_special_tokens=False)
 
 

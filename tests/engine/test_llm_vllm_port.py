@@ -60,3 +60,22 @@ def test_a_completion_past_max_model_len_stops_there_for_length(llm):
     assert len(short.outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="maximum context length"):     # the prompt itself must leave room
         llm.generate([0] * MAX_MODEL_LEN, GREEDY)
+
+
+def test_token_ids_are_integers_of_any_kind_and_never_a_text(llm):
+    """``{"prompt_token_ids": "Hello"}`` was silently run as a text, and a numpy array of ids was refused with a
+    misleading "must be integers in [0, V)"; the template's ids (``tokenize=True``) go in as vLLM's do."""
+    import numpy as np
+
+    ids = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True)
+    want = llm.generate({"prompt_token_ids": ids}, GREEDY)[0]
+    for given in (np.array(ids), np.array(ids, dtype=np.int32), tuple(ids)):
+        out = llm.generate({"prompt_token_ids": given}, GREEDY)[0]
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want.outputs[0].token_ids
+        assert all(type(t) is int for t in out.prompt_token_ids)
+    assert llm.generate(np.array(ids), GREEDY)[0].outputs[0].token_ids == want.outputs[0].token_ids
+    with pytest.raises(TypeError, match="prompt_token_ids: must be a list of token ids .* got str"):
+        llm.generate({"prompt_token_ids": "Hello"}, GREEDY)
+    with pytest.raises(TypeError, match=r"prompt_token_ids\[1\]: must be an integer token id, got bool"):
+        llm.generate({"prompt_token_ids": [1, True]}, GREEDY)
+    assert not llm.engine.has_unfinished_requests()

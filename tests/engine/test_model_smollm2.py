@@ -46,7 +46,8 @@ def test_smollm2_greedy_matches_transformers(request):
     model, tokenizer, config = load_model(args)
     assert (config.num_hidden_layers, config.num_key_value_heads, config.tie_word_embeddings) == (30, 3, True)
     runner = ModelRunner(args, model, config, torch.device("cpu"), torch.float32, num_blocks=16)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         tokenize=False)
     prompt = tokenizer.encode(text)
     ours, our_logits = _greedy(runner, prompt, 20, 16)
 
@@ -77,7 +78,7 @@ def test_smollm2_bfloat16_reads_its_quantized_copies_at_every_step(linear_build)
     model, tokenizer, config = load_model(args)
     runner = ModelRunner(args, model, config, torch.device("cpu"), torch.bfloat16, num_blocks=16)
     assert all(len(layer.q4_copy) == 4 for layer in model.layers) and model.lm_head_q8 is not None
-    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     with_copies, logits = _greedy(runner, prompt, 8, 16)
     assert re.search("Paris|Étoile", tokenizer.decode(with_copies)), tokenizer.decode(with_copies)
     model.lm_head_q8 = None
@@ -106,7 +107,7 @@ def test_smollm2_bfloat16_answers_alike_on_avx2_and_avx512(monkeypatch):
         args = EngineArgs(model=default_model_path(), dtype="bfloat16", device="cpu", block_size=16)
         model, tokenizer, config = load_model(args)
         runner = ModelRunner(args, model, config, torch.device("cpu"), torch.bfloat16, num_blocks=16)
-        prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
         runs[march] = _greedy(runner, prompt, 12, 16)
     (ids, logits), (ids_v3, logits_v3) = runs["native"], runs["x86-64-v3"]
     assert ids == ids_v3

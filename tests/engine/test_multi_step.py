@@ -21,8 +21,7 @@ QUESTIONS = ["What is the capital of France?", "Name three colours.", "Count fro
 
 def _requests(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
     tok = llm.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True),
-                          add_special_tokens=False) for q in QUESTIONS]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
     prompts += prompts[:3]
     params = [SamplingParams(temperature=0, max_tokens=80),                      # ends by EOS
               SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),     # by max_tokens

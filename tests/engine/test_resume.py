@@ -52,8 +52,7 @@ def llm():
 def test_continuation_from_every_position_equals_uninterrupted(llm):
     question = json.loads((Path(__file__).parents[1] / "data" / "mt_bench_questions.jsonl").read_text()
                           .splitlines()[0])["turns"][0]
-    ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                                                 add_generation_prompt=True), add_special_tokens=False)
+    ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
     seeded2 = SamplingParams(**{**SEEDED.__dict__, "n": 2})
     full = _run(llm, {"greedy": (ids, GREEDY, None), "seeded": (ids, SEEDED, None), "n2": (ids, seeded2, None)})
     text = full["greedy"].outputs[0].text

@@ -32,8 +32,7 @@ def _prompts(llm: LLM) -> list[list[int]]:
     asks = [f"Repeat this text exactly:\n{PASSAGE}", f"Rewrite this text in the present tense:\n{PASSAGE}",
             "Count from 1 to 40, separated by commas."] + [json.loads(line)["turns"][0] for line in lines[:2]]
     tok = llm.tokenizer
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True),
-                       add_special_tokens=False) for a in asks]
+    return [tok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True) for a in asks]
 
 
 def _key(out) -> list[tuple]:

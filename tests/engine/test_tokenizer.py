@@ -72,8 +72,28 @@ def test_ids_match_transformers(smollm2, hf_smollm2):
 def test_chat_template_matches_transformers(smollm2, hf_smollm2):
     for conv in CONVERSATIONS:
         for gen in (True, False):
-            assert smollm2.apply_chat_template(conv, add_generation_prompt=gen) == hf_smollm2.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=gen)
+            ours = smollm2.apply_chat_template(conv, add_generation_prompt=gen, tokenize=False)
+            assert ours == hf_smollm2.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+
+
+@pytest.mark.slow
+def test_the_transformers_calls_a_vllm_script_makes(smollm2, hf_smollm2):
+    """What a vLLM script calls on ``llm.get_tokenizer()`` (a transformers tokenizer there), as transformers
+    answers it: a trial's ``apply_chat_template(msgs, tokenize=True)`` got a str (transformers: token ids, its
+    default), and ``tok(text)``, ``batch_decode`` and ``pad_token_id`` were missing."""
+    for conv in CONVERSATIONS:
+        want = hf_smollm2.apply_chat_template(conv, add_generation_prompt=True, return_dict=False)
+        assert smollm2.apply_chat_template(conv) == want
+        assert smollm2.apply_chat_template(conv, tokenize=True) == want
+    texts = TRICKY[2:6]
+    for text in texts:
+        assert smollm2(text)["input_ids"] == hf_smollm2(text)["input_ids"]
+    assert smollm2(texts) == {k: hf_smollm2(texts)[k] for k in ("input_ids", "attention_mask")}
+    rows = [smollm2.encode(t) for t in TRICKY]
+    for skip in (True, False):
+        assert smollm2.batch_decode(rows, skip_special_tokens=skip) == hf_smollm2.batch_decode(
+            rows, skip_special_tokens=skip)
+    assert smollm2.pad_token_id == hf_smollm2.pad_token_id == 2
 
 
 def test_hf_dir_and_template_helpers(tmp_path):
@@ -91,7 +111,7 @@ def test_hf_dir_and_template_helpers(tmp_path):
         {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": template}))
     t = Tokenizer.from_hf_dir(str(tmp_path))
     assert (t.bos_token_id, t.eos_token_id, t.all_special_ids) == (0, 1, {0, 1})
-    assert t.apply_chat_template([{"role": "user", "content": "hé"}]) == '<s>"hé"</s>4'
+    assert t.apply_chat_template([{"role": "user", "content": "hé"}], tokenize=False) == '<s>"hé"</s>4'
     with pytest.raises(jinja2.TemplateError, match="no tools"):
         t.apply_chat_template([{"role": "tool", "content": "x"}])
     assert t.decode([0, 2, 1]) == "hi"
