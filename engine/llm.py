@@ -35,7 +35,8 @@ class LLM:
         **engine_args: any ``EngineArgs`` field (``dtype``, ``block_size``,
             ``kv_cache_memory``, ``enable_prefix_caching``, ...), or one of vLLM's arguments without a setting
             here (``trust_remote_code``, ``enforce_eager``, ...: ``engine/entrypoints/vllm_flags.py``), logged
-            as changing nothing, or refused with a ValueError saying why.
+            as a warning that it changes nothing (on stderr even where the script configured no logging), or
+            refused with a ValueError saying why.
 
     Example:
         >>> llm = LLM(dtype="float32")
@@ -45,8 +46,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         engine_args, notes = split_vllm_kwargs(engine_args, model)   # vLLM's that change nothing here
-        for note in notes:
-            logger.info("%s", note)
+        for note in notes:   # a warning: seen on stderr though the script configured no logging, as "max_model_len
+            logger.warning("%s", note)   # capped" is (logging's last-resort handler); never configured on import
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
         if self.engine.core.executor is not None:   # other ranks: stopped at exit if the script did not (their

@@ -214,8 +214,9 @@ class ModelRunner:
                     "smaller model/dtype")
         else:
             if args.gpu_memory_utilization != EngineArgs.gpu_memory_utilization:   # a vLLM line's: said, not dropped
-                logger.info("gpu_memory_utilization=%s changes nothing on CPU: the KV cache is kv_cache_memory "
-                            "(--kv-cache-memory, %.2f GiB)", args.gpu_memory_utilization, args.kv_cache_memory / gib)
+                logger.warning("gpu_memory_utilization=%s changes nothing on CPU: the KV cache is kv_cache_memory "
+                               "(--kv-cache-memory, %.2f GiB)", args.gpu_memory_utilization,
+                               args.kv_cache_memory / gib)   # a warning: seen where a script configured no logging
             asked = int(args.kv_cache_memory)
             free = _available_host_memory()
             if asked > free:

@@ -79,3 +79,19 @@ def test_token_ids_are_integers_of_any_kind_and_never_a_text(llm):
     with pytest.raises(TypeError, match=r"prompt_token_ids\[1\]: must be an integer token id, got bool"):
         llm.generate({"prompt_token_ids": [1, True]}, GREEDY)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_vllm_arguments_that_change_nothing_are_said_where_the_script_sees_them():
+    """``gpu_memory_utilization``, ``enforce_eager``, ``trust_remote_code`` were noted at INFO, unseen by a script
+    that configures no logging (the docs say "logged, never ignored"): said as warnings, as "max_model_len capped"
+    is, on stderr through logging's last-resort handler; importing the engine configures no logging."""
+    import subprocess
+    import sys
+
+    script = ("import logging; from engine.llm import LLM; assert not logging.getLogger().handlers; "
+              "LLM(gpu_memory_utilization=0.5, enforce_eager=True, trust_remote_code=True, kv_cache_memory='64MiB')")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    for said in ("gpu_memory_utilization=0.5 changes nothing on CPU", "--enforce-eager: accepted",
+                 "--trust-remote-code: accepted"):
+        assert said in run.stderr, run.stderr
