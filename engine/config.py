@@ -88,6 +88,16 @@ def non_negative_seconds(value: str) -> float:
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
+def dtype_name(value) -> str:
+    """A ``dtype`` as vLLM takes it, as this engine's name: "half" is "float16", "float" "float32" (the CLI's and
+    ``LLM(dtype=...)``'s aliases), a ``torch.dtype`` (``torch.bfloat16``) its name; other values as given (then
+    checked by ``EngineArgs``). Reads a torch dtype without importing torch."""
+    text = str(value)
+    if text.startswith("torch."):   # torch.bfloat16, torch.float16 (torch.half), torch.float32 (torch.float)
+        text = text.removeprefix("torch.")
+    return _DTYPE_ALIASES.get(text, text)
+
+
 def parse_size(value: int | float | str) -> int:
     """Parse a memory size into bytes: ``1073741824``, ``"512MiB"``, ``"2GiB"``,
     ``"1.5G"`` (binary units: K/M/G = KiB/MiB/GiB).
@@ -130,7 +140,8 @@ class EngineArgs:
             in a request's ``model`` and listed by ``/v1/models``; the first is
             the one the metrics and a request without ``model`` report.
         dtype: "float32", "bfloat16", "float16" or "auto" (bfloat16 on CPU and
-            CUDA: 2-3x faster than float32 on this CPU).
+            CUDA: 2-3x faster than float32 on this CPU); vLLM's "half", "float" and a ``torch.dtype`` are read as
+            these (``dtype_name``).
         device: "auto" (CUDA when available), "cpu" or "cuda".
         block_size: tokens per KV block (power of two >= 16 for Triton).
         max_num_seqs: most sequences in one step.
@@ -161,7 +172,7 @@ class EngineArgs:
             False trades that for throughput on CPU (oneDNN's AMX kernels for
             large batches and long prompts; ``tandem bench engine
             --compare-batch-invariant`` measures it).
-        quantization: "none" (a GGUF's weights dequantized to ``dtype``; a
+        quantization: "none" or None (vLLM's default) (a GGUF's weights dequantized to ``dtype``; a
             HF checkpoint's ``quantization_config`` followed), "gguf" (a
             GGUF's Q4_0/Q4_1 linear weights stay 4-bit and run through the
             4-bit kernels; CPU only, see ``engine/layers/quant_linear.py``),
@@ -241,7 +252,7 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "auto"
     batch_invariant: bool = True
-    quantization: str = "none"
+    quantization: str | None = "none"
     load_format: str = "auto"
     tensor_parallel_size: int = 1
     nnodes: int = 1
@@ -264,6 +275,9 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = default_model_path()
+        self.dtype = dtype_name(self.dtype)
+        if self.quantization is None:   # vLLM's default: as the checkpoint says, which "none" means here
+            self.quantization = "none"
         self.quantization = QUANTIZATION_ALIASES.get(self.quantization, self.quantization)   # vLLM's kernel names
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         self.structured_outputs_max_bytes = parse_size(self.structured_outputs_max_bytes)
@@ -388,7 +402,7 @@ def add_engine_cli_args(parser) -> None:
                    help="the model name(s) clients use; several are aliases, the first is the one metrics "
                         "report (None: the --model string as given, as vLLM, and its file or directory name)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   type=lambda v: _DTYPE_ALIASES.get(v, v),
+                   type=dtype_name,
                    help="weights and activations dtype (auto: bfloat16; half and float as vLLM's aliases)")
     g.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (a power of two)")

@@ -27,7 +27,13 @@ class VllmFlag:
     @property
     def kwarg(self) -> str:
         """Its name as vLLM's ``LLM(...)`` keyword argument (``--enforce-eager``: ``enforce_eager``)."""
-        return self.names[0].lstrip("-").replace("-", "_")
+        return self.kwargs[0]
+
+    @property
+    def kwargs(self) -> tuple[str, ...]:
+        """Every long spelling as vLLM's keyword argument (``--revision``, ``--code-revision``,
+        ``--tokenizer-revision``: ``revision``, ``code_revision``, ``tokenizer_revision``)."""
+        return tuple(n.lstrip("-").replace("-", "_") for n in self.names if n.startswith("--"))
 
     @property
     def dest(self) -> str:
@@ -87,6 +93,14 @@ VLLM_FLAGS = (
              "logprobs are the model's raw log-softmax, before any sampling parameter"),
     VllmFlag(("--max-num-partial-prefills",), True, None,
              "prompts are chunked under --max-num-batched-tokens, with no separate count of partial prefills"),
+    VllmFlag(("--task",), True, _ok("auto", "generate", "embed", "embedding"),
+             "the engine serves both generation and embeddings (LLM.generate, LLM.chat and LLM.embed; chat, "
+             "completions and embeddings); classify, score, reward and transcription need heads it lacks"),
+    VllmFlag(("--runner",), True, _ok("auto", "generate", "pooling"),
+             "the engine serves both generation and pooling (embeddings); a draft runner is speculative_config's"),
+    VllmFlag(("--skip-tokenizer-init",), False, _ok(),
+             "the model's tokenizer is always loaded: outputs are detokenized and stop strings need it"),
+    VllmFlag(("--enable-lora",), False, _ok(), "LoRA adapters are not supported: the engine serves base weights"),
 )
 
 
@@ -127,12 +141,12 @@ def split_vllm_kwargs(kwargs: dict, model: str | None = None) -> tuple[dict, lis
 
     Raises:
         ValueError: one this engine refuses, naming it and why."""
-    by_name = {f.kwarg: f for f in VLLM_FLAGS}
+    by_name = {kwarg: f for f in VLLM_FLAGS for kwarg in f.kwargs}
     given, rest = argparse.Namespace(), {}
     for key, value in kwargs.items():
         flag = by_name.get(key)
         if flag is None:
             rest[key] = value
-        elif value is not None and value is not False:
+        elif value is not None and value is not False:   # revision and its aliases: one flag, any of them
             setattr(given, flag.dest, str(value) if flag.takes_value else True)
     return rest, vllm_flag_notes(given, model)

@@ -95,3 +95,32 @@ def test_vllm_arguments_that_change_nothing_are_said_where_the_script_sees_them(
     for said in ("gpu_memory_utilization=0.5 changes nothing on CPU", "--enforce-eager: accepted",
                  "--trust-remote-code: accepted"):
         assert said in run.stderr, run.stderr
+
+
+def test_constructor_values_vllm_takes():
+    """vLLM's ``dtype="half"``/``"float"``/``torch.bfloat16``, ``quantization=None``, ``tokenizer_revision``,
+    ``task``/``runner`` naming what this engine serves were refused (ValueError, TypeError); what it cannot serve
+    (``task="classify"``, ``skip_tokenizer_init=True``, ``enable_lora=True``) is a one-line ValueError saying so."""
+    import torch
+
+    from engine.config import EngineArgs
+    from engine.entrypoints.vllm_flags import split_vllm_kwargs
+
+    for given, want in (("half", "float16"), ("float", "float32"), (torch.bfloat16, "bfloat16"),
+                        (torch.float16, "float16"), (torch.float32, "float32"), ("auto", "auto")):
+        assert EngineArgs(dtype=given).dtype == want
+    assert EngineArgs(quantization=None).quantization == "none"
+    kept, notes = split_vllm_kwargs({"tokenizer_revision": "main", "code_revision": "v1", "task": "embed",
+                                     "runner": "pooling", "enable_lora": False, "skip_tokenizer_init": False,
+                                     "dtype": "half"})
+    assert kept == {"dtype": "half"} and len(notes) == 3 and all("changes nothing" in n for n in notes)
+    for bad, named in (({"task": "classify"}, "--task classify: not supported"),
+                       ({"runner": "draft"}, "--runner draft: not supported"),
+                       ({"skip_tokenizer_init": True}, "--skip-tokenizer-init: not supported"),
+                       ({"enable_lora": True}, "--enable-lora: not supported")):
+        with pytest.raises(ValueError, match=named):
+            split_vllm_kwargs(bad)
+    llm = LLM(dtype=torch.float32, quantization=None, task="generate", runner="auto", tokenizer_revision="main",
+              kv_cache_memory="64MiB")
+    assert llm.engine.dtype == torch.float32
+    assert llm.generate("Hi", GREEDY)[0].outputs[0].token_ids
