@@ -1,7 +1,8 @@
 """What a front end checks of a request against the engine's settings before the core sees it (vLLM V1's input
 processor): the OpenAI server (``engine/serving/serving.py``, each problem a 400 naming its field) and the offline
 ``LLM`` (``LLMEngine.add_request``, a ``ValueError``) read the same rules here, so a request refused by one is
-refused by the other in the same words. Rules that need no engine setting live in ``SamplingParams`` itself."""
+refused by the other in the same words (``dimensions_problem``: the embeddings endpoint and ``LLM.embed``). Rules
+that need no engine setting live in ``SamplingParams`` itself. Imports no torch (the serving process loads none)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,16 @@ def token_id_problem(params: SamplingParams, vocab_size: int) -> InputProblem | 
                 return InputProblem(name, f"{where}: {t} is not a token id of this model (ids are in "
                                           f"[0, {vocab_size}))")
     return None
+
+
+def dimensions_problem(dimensions: int | None, model_name: str) -> str | None:
+    """Why ``dimensions`` (OpenAI's and vLLM's reduced embedding size) is refused, in vLLM's words, or None when it
+    is not given: this engine reads no matryoshka config (``is_matryoshka``), so every model pools its full
+    ``hidden_size``."""
+    if dimensions is None:
+        return None
+    return (f'dimensions: Model "{model_name}" does not support matryoshka representation, changing output '
+            "dimensions will lead to poor results.")
 
 
 def check_input(params: SamplingParams, priority: int, *, vocab_size: int, max_logprobs: int,

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineArgs
 from engine.entrypoints.vllm_flags import split_vllm_kwargs
+from engine.input_checks import dimensions_problem
 from engine.llm_engine import LLMEngine
-from engine.llm_prompts import Prompt, parse_prompt, prompt_list
+from engine.llm_prompts import Prompt, parse_prompt, prompt_list, truncated_prompts
 from engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput,
                             PoolingRequestOutput, RequestOutput)
 from engine.protocol.errors import ServingError
@@ -73,41 +74,53 @@ class LLM:
         outlives a step (``EngineCore.close``)."""
         self.engine.core.close()
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_type: str | None = None,
-              normalize: bool | None = None, *, use_tqdm: bool = True,
-              lora_request: object | None = None) -> list[EmbeddingRequestOutput]:
-        """Embeddings of ``prompts`` (vLLM's ``LLM.embed``): each prompt's final hidden states pooled
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, lora_request: object | None = None,
+              pooling_type: str | None = None, normalize: bool | None = None) -> list[EmbeddingRequestOutput]:
+        """Embeddings of ``prompts`` (vLLM's ``LLM.embed``, its signature): each prompt's final hidden states pooled
         (``engine/pooling.py``: LAST or MEAN or CLS, L2-normalized; None: the model's own pooling config).
 
         Args:
             prompts: as ``generate`` takes them (texts, token-id lists, prompt dicts); text is tokenized as
                 ``generate`` tokenizes it.
-            pooling_type, normalize: this engine's; None: the model's own.
+            pooling_params: one ``engine.pooling.PoolingParams`` for every prompt or one per prompt (its
+                ``pooling_type`` and ``normalize``, None: the model's own; ``dimensions`` is refused: no model
+                here is matryoshka); None: the model's own pooling config.
+            truncate_prompt_tokens: vLLM's: keep each prompt's last N tokens (-1: what fits ``max_model_len``),
+                the embeddings endpoint's rule.
             use_tqdm: vLLM's progress-bar switch, taken for its callers: this engine draws no progress bar.
             lora_request: vLLM's; only None (this engine has no LoRA).
+            pooling_type, normalize: this engine's shorthand for ``PoolingParams(pooling_type, normalize)`` (not
+                with ``pooling_params``).
 
         Returns:
             One ``EmbeddingRequestOutput`` per prompt, in input order: ``outputs.embedding`` is one float32
             vector of ``hidden_size`` values (Python floats), ``prompt_token_ids`` the tokens pooled.
 
         Raises:
-            ValueError: an empty prompt, one over ``max_model_len``, a bad token id or pooling type, a LoRA
-                request.
+            ValueError: an empty prompt, one over ``max_model_len``, a bad token id, pooling type,
+                ``dimensions`` or truncation, pooling params not one per prompt, a LoRA request.
         """
         _refuse_lora(lora_request)
-        return [EmbeddingRequestOutput(request_id=rid, outputs=EmbeddingOutput(vector), prompt_token_ids=ids)
-                for rid, ids, vector in self._pool(prompts, pooling_type, normalize)]
+        if pooling_type is not None or normalize is not None:
+            if pooling_params is not None:
+                raise ValueError("pooling_type, normalize: give them in pooling_params, not beside it")
+            from engine.pooling import PoolingParams   # imports torch: loaded with the engine's core already
 
-    def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, *,
-               use_tqdm: bool = True, lora_request: object | None = None,
+            pooling_params = PoolingParams(pooling_type, normalize)
+        return [EmbeddingRequestOutput(request_id=rid, outputs=EmbeddingOutput(vector), prompt_token_ids=ids)
+                for rid, ids, vector in self._pool(prompts, pooling_params, truncate_prompt_tokens)]
+
+    def encode(self, prompts: Prompt | Sequence[Prompt],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, lora_request: object | None = None,
                pooling_task: str | None = None) -> list[PoolingRequestOutput]:
         """vLLM's pooling entry point: ``pooling_task="embed"`` (the one task this engine pools) gives the
         vectors ``embed`` gives, as ``PoolingRequestOutput``s whose ``outputs.data`` is a tensor.
 
         Args:
-            prompts: as ``embed``.
-            pooling_params: one ``engine.pooling.PoolingParams`` (``pooling_type``, ``normalize``) for every
-                prompt; None: the model's own pooling config.
+            prompts, pooling_params, truncate_prompt_tokens: as ``embed``.
             use_tqdm: vLLM's progress-bar switch: no progress bar is drawn.
             lora_request: vLLM's; only None.
             pooling_task: "embed"; required, as vLLM requires it.
@@ -117,8 +130,8 @@ class LLM:
             ``[hidden_size]``, the ``embed`` vector's values bit for bit.
 
         Raises:
-            ValueError: ``pooling_task`` missing or other than "embed", a list of pooling params, a LoRA
-                request, or a prompt ``embed`` refuses.
+            ValueError: ``pooling_task`` missing or other than "embed", a LoRA request, or what ``embed``
+                refuses.
         """
         _refuse_lora(lora_request)
         if pooling_task is None:
@@ -126,21 +139,35 @@ class LLM:
         if pooling_task != "embed":
             raise ValueError(f"pooling_task: {pooling_task!r} is not supported: this engine pools the \"embed\" "
                              "task only (classify, score, token_embed and token_classify need heads it lacks)")
-        if pooling_params is not None and not hasattr(pooling_params, "pooling_type"):
-            raise ValueError("pooling_params: give one engine.pooling.PoolingParams for all prompts (or None)")
         import torch   # loaded with the engine's core; not on this module's import
 
-        kind, normalize = (None, None) if pooling_params is None else (pooling_params.pooling_type,
-                                                                      pooling_params.normalize)
         return [PoolingRequestOutput(request_id=rid, outputs=PoolingOutput(torch.tensor(vector, dtype=torch.float32)),
-                                     prompt_token_ids=ids) for rid, ids, vector in self._pool(prompts, kind, normalize)]
+                                     prompt_token_ids=ids)
+                for rid, ids, vector in self._pool(prompts, pooling_params, truncate_prompt_tokens)]
 
-    def _pool(self, prompts: Prompt | Sequence[Prompt], pooling_type: str | None,
-              normalize: bool | None) -> list[tuple[str, list[int], list[float]]]:
-        """(request id, token ids, vector) per prompt, in input order: the core's one pooling call."""
+    def _pool(self, prompts: Prompt | Sequence[Prompt], pooling_params, truncate_prompt_tokens: int | None,
+              ) -> list[tuple[str, list[int], list[float]]]:
+        """(request id, token ids, vector) per prompt, in input order: one core pooling call per distinct
+        (pooling type, normalize) of ``pooling_params`` (one, one per prompt, or None)."""
         given = [parse_prompt(p, None)[0] for p in prompt_list(prompts)]
-        ids = [self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in given]
-        vectors = self.engine.core.embed(ids, pooling_type, normalize)
+        ids = [self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in given]
+        ids = truncated_prompts(ids, truncate_prompt_tokens, self.engine.max_model_len)
+        params = list(pooling_params) if isinstance(pooling_params, (list, tuple)) else [pooling_params] * len(ids)
+        if len(params) != len(ids):
+            raise ValueError(f"pooling_params: give one for all prompts or one per prompt ({len(ids)}), got "
+                             f"{len(params)}")
+        keys = []
+        for p in params:
+            if p is not None and not hasattr(p, "pooling_type"):
+                raise ValueError(f"pooling_params: must be engine.pooling.PoolingParams, got {type(p).__name__}")
+            if (problem := dimensions_problem(getattr(p, "dimensions", None), self.engine.served_model_name)):
+                raise ValueError(problem)
+            keys.append((None, None) if p is None else (p.pooling_type, p.normalize))
+        vectors: list = [None] * len(ids)
+        for key in dict.fromkeys(keys):
+            rows = [i for i, k in enumerate(keys) if k == key]
+            for i, v in zip(rows, self.engine.core.embed([ids[i] for i in rows], *key)):
+                vectors[i] = v
         return [(f"offline-{next(self._ids)}", i, v) for i, v in zip(ids, vectors)]
 
     def generate(

@@ -34,28 +34,39 @@ _ST_MODES = (("pooling_mode_lasttoken", "LAST"), ("pooling_mode_mean_tokens", "M
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """How a prompt's hidden states become its embedding: ``pooling_type`` (``POOLING_TYPES``) and ``normalize``
-    (L2, to unit length)."""
+    """How a prompt's hidden states become its embedding (vLLM's ``PoolingParams``, as ``LLM.embed`` and
+    ``LLM.encode`` take it): ``pooling_type`` (``POOLING_TYPES``) and ``normalize`` (L2, to unit length), each None
+    for the model's own (``model_pooling_params``; what the engine pools with is always resolved); vLLM's
+    ``dimensions`` (a matryoshka model's shorter vector: refused by ``engine.input_checks.dimensions_problem``,
+    no model here is one).
 
-    pooling_type: str = "LAST"
-    normalize: bool = True
+    Raises:
+        ValueError: an unknown ``pooling_type``."""
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+    dimensions: int | None = None
 
     def __post_init__(self) -> None:
-        if self.pooling_type not in POOLING_TYPES:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+
+
+# the default of a model without a pooling config: vLLM's for a *ForCausalLM model run as an embedder
+_DEFAULT = PoolingParams("LAST", True)
 
 
 def model_pooling_params(model_dir: str | None) -> PoolingParams:
     """The model's own pooling config (sentence-transformers ``modules.json`` -> ``<Pooling path>/config.json``
     and a ``Normalize`` module), else the default (``LAST``, normalized). ``model_dir``: an HF directory (a
-    ``.gguf`` file or None has no such config)."""
+    ``.gguf`` file or None has no such config). Both fields are set."""
     if not model_dir or not Path(model_dir).is_dir():
-        return PoolingParams()
+        return _DEFAULT
     root = Path(model_dir)
     try:
         modules = json.loads((root / "modules.json").read_text())
     except (OSError, ValueError):
-        return PoolingParams()
+        return _DEFAULT
     types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
     normalize = any(t.endswith("Normalize") for t in types)
     for m in modules:
@@ -68,7 +79,7 @@ def model_pooling_params(model_dir: str | None) -> PoolingParams:
                 if cfg.get(key):
                     return PoolingParams(kind, normalize)
             break
-    return PoolingParams(normalize=normalize) if normalize else PoolingParams()
+    return PoolingParams("LAST", normalize) if normalize else _DEFAULT
 
 
 def rows_needed(params: PoolingParams, start: int, end: int, num_tokens: int) -> tuple[int, int]:

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from engine.input_checks import dimensions_problem
 from engine.protocol.param_ranges import check_param
 from engine.serving.serving import OpenAIServing, error_from_engine, truncate_prompt, truncation
 from engine.protocol.errors import ServingError
@@ -87,9 +88,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         if fmt not in ("float", "base64"):
             raise ServingError(400, f"encoding_format: must be 'float' or 'base64', got {fmt!r}",
                                param="encoding_format")
-        if body.get("dimensions") is not None:
-            raise ServingError(400, "dimensions: this model does not support a reduced embedding size",
-                               param="dimensions")
+        if (problem := dimensions_problem(body.get("dimensions"), self.served_model_name)) is not None:
+            raise ServingError(400, problem, param="dimensions")
         tok = self.engine.tokenizer
         limit, vocab = self.engine.max_model_len, tok.vocab_size
         normalize, special, keep = _extras(body, limit)

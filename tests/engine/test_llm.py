@@ -94,7 +94,7 @@ def test_encode_pools_the_embed_task(llm):
     assert all(o.outputs.data.dtype == torch.float32 and o.outputs.data.shape == (64,) for o in outs)
     assert [o.outputs.data.tolist() for o in outs] == [o.outputs.embedding for o in llm.embed(PROMPTS)]
     mean = llm.encode(PROMPTS[:1], PoolingParams("MEAN", False), pooling_task="embed")[0].outputs.data.tolist()
-    assert mean == llm.embed(PROMPTS[:1], "MEAN", False)[0].outputs.embedding
+    assert mean == llm.embed(PROMPTS[:1], pooling_type="MEAN", normalize=False)[0].outputs.embedding
     for task in (None, "classify"):
         with pytest.raises(ValueError, match="pooling_task"):
             llm.encode(PROMPTS, pooling_task=task)

@@ -124,3 +124,30 @@ def test_constructor_values_vllm_takes():
               kv_cache_memory="64MiB")
     assert llm.engine.dtype == torch.float32
     assert llm.generate("Hi", GREEDY)[0].outputs[0].token_ids
+
+
+def test_embed_takes_vllms_pooling_params(llm):
+    """``llm.embed(prompts, PoolingParams(normalize=False))`` failed: the second positional argument was this
+    engine's ``pooling_type``. vLLM's signature now: one ``PoolingParams`` or one per prompt (None fields: the
+    model's own), ``truncate_prompt_tokens``; ``dimensions`` is vLLM's ValueError for a non-matryoshka model."""
+    import math
+
+    from engine.pooling import PoolingParams
+
+    prompts = ["Hello there, world", "Hi"]
+    unit = [o.outputs.embedding for o in llm.embed(prompts)]
+    raw = [o.outputs.embedding for o in llm.embed(prompts, PoolingParams(normalize=False))]
+    for u, r in zip(unit, raw):
+        norm = math.sqrt(sum(x * x for x in r))
+        assert norm != pytest.approx(1.0) and [x / norm for x in r] == pytest.approx(u, abs=1e-6)
+    mixed = llm.embed(prompts, [PoolingParams(normalize=False), PoolingParams()], use_tqdm=False)
+    assert [o.outputs.embedding for o in mixed] == [raw[0], unit[1]]
+    assert llm.embed(prompts, pooling_type="LAST", normalize=False)[0].outputs.embedding == raw[0]
+    cut = llm.embed(prompts[:1], truncate_prompt_tokens=2)[0]
+    assert cut.prompt_token_ids == llm.get_tokenizer().encode(prompts[0], add_special_tokens=True)[-2:]
+    with pytest.raises(ValueError, match=r'dimensions: Model "SmolLM2-135M-Instruct" does not support matryoshka'):
+        llm.embed(prompts, PoolingParams(dimensions=64))
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.embed(prompts, truncate_prompt_tokens=MAX_MODEL_LEN + 1)
+    with pytest.raises(ValueError, match=r"pooling_params: give one for all prompts or one per prompt \(2\), got 1"):
+        llm.embed(prompts, [PoolingParams()])

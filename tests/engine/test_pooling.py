@@ -53,7 +53,7 @@ def reference(tiny_model, llm):
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_embeddings_match_transformers_hidden_states(llm, reference, pooling_type, normalize):
-    got = torch.tensor(vectors(llm.embed(PROMPTS, pooling_type, normalize)))
+    got = torch.tensor(vectors(llm.embed(PROMPTS, pooling_type=pooling_type, normalize=normalize)))
     for i, h in enumerate(reference):
         want = h[-1] if pooling_type == "LAST" else h.mean(0)
         if normalize:

@@ -48,10 +48,10 @@ def _prompts(n: int = 3) -> list[list[int]]:
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
 def test_chunked_embedding_is_bitwise_the_unchunked_one(chunked, whole, pooling_type):
     prompts = _prompts()
-    want = vectors(whole.embed(prompts, pooling_type))
-    assert vectors(chunked.embed(prompts, pooling_type)) == want             # chunked under a 32-token budget
-    assert vectors(chunked.embed([prompts[0]], pooling_type)) == want[:1]   # alone
-    assert vectors(whole.embed(prompts[::-1], pooling_type)) == want[::-1]  # batched otherwise
+    want = vectors(whole.embed(prompts, pooling_type=pooling_type))
+    assert vectors(chunked.embed(prompts, pooling_type=pooling_type)) == want   # chunked under a 32-token budget
+    assert vectors(chunked.embed([prompts[0]], pooling_type=pooling_type)) == want[:1]   # alone
+    assert vectors(whole.embed(prompts[::-1], pooling_type=pooling_type)) == want[::-1]   # batched otherwise
 
 
 def test_a_stream_gets_tokens_between_the_chunks_of_a_long_embedding(chunked):
@@ -76,7 +76,7 @@ def test_a_stream_gets_tokens_between_the_chunks_of_a_long_embedding(chunked):
     assert all(isinstance(m, CoreStep) for m in between)
     assert len(between) >= -(-LONG // (BUDGET - 1))       # one chunk a step, beside the stream's decode row
     assert all(any(o.request_id == "stream" and o.new_token_ids for o in m.outputs) for m in between)
-    assert log[reply].value == vectors(chunked.embed([_prompts(1)[0]], "MEAN"))   # and the same vector
+    assert log[reply].value == vectors(chunked.embed([_prompts(1)[0]], pooling_type="MEAN"))   # and the same vector
 
 
 def test_a_queued_embedding_counts_in_the_ttft_state(chunked):
@@ -113,5 +113,5 @@ def test_a_short_embedding_call_is_seated_before_a_long_calls_later_inputs(chunk
         core.step()
         answered.update((cid, vecs) for cid, vecs, error in core.take_embeds() if error is None)
     assert list(answered) == [22, 21]
-    assert answered[22] == vectors(chunked.embed([short], "LAST"))
-    assert answered[21] == vectors(chunked.embed(long_inputs, "LAST"))
+    assert answered[22] == vectors(chunked.embed([short], pooling_type="LAST"))
+    assert answered[21] == vectors(chunked.embed(long_inputs, pooling_type="LAST"))

@@ -71,13 +71,13 @@ def _run(core, outputs: list) -> None:
 def test_a_split_embedding_beside_a_stream_has_the_bits_of_one_pass(tiny_model, dtype):
     whole = _llm(tiny_model, dtype, 1024)
     prompts = _prompts()
-    want = embeddings(whole.embed(prompts, "MEAN"))
+    want = embeddings(whole.embed(prompts, pooling_type="MEAN"))
     alone: list = []
     _stream(whole.engine.core, "stream")
     _run(whole.engine.core, alone)
     split, seen = _split_llm(tiny_model, dtype)
     core = split.engine.core
-    assert embeddings(split.embed(prompts, "MEAN")) == want                    # alone: split past 86 tokens
+    assert embeddings(split.embed(prompts, pooling_type="MEAN")) == want   # alone: split past 86 tokens
     beside: list = []
     _stream(core, "stream")
     _step(core, beside)
