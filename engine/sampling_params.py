@@ -200,6 +200,9 @@ class SamplingParams:
                 raise ValueError(f"{name} {msg}")
 
         check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        for name in _FLOAT_FIELDS:   # a string ("0.5") is no number: say so, not which range it missed
+            value = getattr(self, name)
+            check(_is_num(value), name, f"must be a number, got {type(value).__name__} {value!r}")
         check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
               f"must be >= 0, got {self.temperature!r}")
         check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
@@ -245,6 +248,9 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the next token is the argmax (temperature 0)."""
         return self.temperature == 0.0
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def _is_int(v: object) -> bool:

@@ -151,3 +151,11 @@ def test_embed_takes_vllms_pooling_params(llm):
         llm.embed(prompts, truncate_prompt_tokens=MAX_MODEL_LEN + 1)
     with pytest.raises(ValueError, match=r"pooling_params: give one for all prompts or one per prompt \(2\), got 1"):
         llm.embed(prompts, [PoolingParams()])
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty"])
+def test_a_number_given_as_text_is_said_to_be_no_number(field):
+    """``SamplingParams(temperature="0.5")`` said "must be >= 0", as if the value were out of range."""
+    with pytest.raises(ValueError, match=f"^{field} must be a number, got str '0.5'$"):
+        SamplingParams(**{field: "0.5"})
