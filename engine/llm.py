@@ -59,6 +59,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name of the engine under this ``LLM``: ``engine``."""
+        return self.engine
+
     def get_tokenizer(self):
         """The engine's tokenizer (vLLM's ``LLM.get_tokenizer``)."""
         return self.engine.tokenizer
@@ -263,7 +268,8 @@ class LLM:
             mm_processor_kwargs: vLLM's multimodal processor options; only None (no multimodal model here).
 
         Returns:
-            One final ``RequestOutput`` per conversation, in input order.
+            One final ``RequestOutput`` per conversation, in input order; its ``prompt`` is the rendered
+            conversation (vLLM's).
 
         Raises:
             ValueError: a malformed message or tool, a template that fails, an argument this engine cannot
@@ -280,7 +286,10 @@ class LLM:
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    "tools": tools, "chat_template_kwargs": chat_template_kwargs}
         prompts = [_render(tokenizer, c, options) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for out in outputs:   # vLLM's: the conversation as the template rendered it (the ids round-trip to it)
+            out.prompt = self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+        return outputs
 
 
 def _refuse_lora(lora_request) -> None:

@@ -60,8 +60,8 @@ class CompletionOutput:
             return None
         return sum(pos[t].logprob for t, pos in zip(self.token_ids, self.logprobs))
 
-    @property
     def finished(self) -> bool:
+        """vLLM's (a method, as there): whether this choice has ended (``finish_reason`` set)."""
         return self.finish_reason is not None
 
 

@@ -159,3 +159,14 @@ def test_a_number_given_as_text_is_said_to_be_no_number(field):
     """``SamplingParams(temperature="0.5")`` said "must be >= 0", as if the value were out of range."""
     with pytest.raises(ValueError, match=f"^{field} must be a number, got str '0.5'$"):
         SamplingParams(**{field: "0.5"})
+
+
+def test_outputs_and_names_as_vllm_has_them(llm):
+    """vLLM's ``CompletionOutput.finished()`` is a method (a property here made a script's call a TypeError),
+    ``llm.chat(...)[0].prompt`` the rendered conversation (None here), ``llm.llm_engine`` the engine."""
+    conv = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(conv, GREEDY)[0]
+    assert out.outputs[0].finished() is True
+    assert out.prompt == llm.get_tokenizer().apply_chat_template(conv, tokenize=False)
+    assert out.prompt.endswith("<|im_start|>assistant\n")
+    assert llm.llm_engine is llm.engine
