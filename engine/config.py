@@ -12,6 +12,7 @@ from pathlib import Path
 from engine.generation_config import default_sampling_params
 from engine.json_config import json_object
 from engine.kv_events import KVEventsConfig
+from engine.dtype_names import dtype_name
 from engine.quantization_names import QUANTIZATION_ALIASES, QUANTIZATION_CHOICES, quantization_problem
 from engine.spec_decode.config import SpeculativeConfig
 
@@ -82,20 +83,6 @@ def non_negative_seconds(value: str) -> float:
     if not seconds >= 0:   # also refuses nan
         raise ValueError(f"must be >= 0 seconds, got {value}")
     return seconds
-
-
-# vLLM's other spellings of --dtype
-_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-
-
-def dtype_name(value) -> str:
-    """A ``dtype`` as vLLM takes it, as this engine's name: "half" is "float16", "float" "float32" (the CLI's and
-    ``LLM(dtype=...)``'s aliases), a ``torch.dtype`` (``torch.bfloat16``) its name; other values as given (then
-    checked by ``EngineArgs``). Reads a torch dtype without importing torch."""
-    text = str(value)
-    if text.startswith("torch."):   # torch.bfloat16, torch.float16 (torch.half), torch.float32 (torch.float)
-        text = text.removeprefix("torch.")
-    return _DTYPE_ALIASES.get(text, text)
 
 
 def parse_size(value: int | float | str) -> int:
