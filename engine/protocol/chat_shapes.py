@@ -52,6 +52,8 @@ def check_tools(tools: Any) -> list[dict]:
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise ShapeError("tools", f"{where}.type: must be \"function\"")
+        if unknown := sorted(set(tool) - {"type", "function"}):   # a schema put beside the function, unenforced
+            raise ShapeError("tools", f"{where}.{unknown[0]}: unknown parameter")
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise ShapeError("tools", f"{where}.function: must be an object")
@@ -92,6 +94,10 @@ def check_tool_choice(choice: Any, tools: list[dict]) -> str:
     if choice in ("none", "auto", "required"):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        for obj, keys, where in ((choice, {"type", "function"}, "tool_choice"),
+                                 (choice["function"], {"name"}, "tool_choice.function")):
+            if unknown := sorted(set(obj) - keys):
+                raise ShapeError("tool_choice", f"{where}.{unknown[0]}: unknown parameter")
         name = choice["function"].get("name")
         if name in {t["function"]["name"] for t in tools}:
             return name

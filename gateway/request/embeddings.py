@@ -34,8 +34,8 @@ def check_embeddings(body: dict) -> None:
             raise _bad("'input' cannot be an empty string")
     elif not isinstance(value, list) or not value:
         raise _bad("'input' must be a non-empty string or a non-empty array", "invalid_type")
-    elif len(value) > MAX_INPUTS:
-        raise _bad(f"'input' has {len(value)} items; at most {MAX_INPUTS}")
+    elif len(value) > MAX_INPUTS and not all(_is_token(x) for x in value):   # token ids: one input, its length
+        raise _bad(f"'input' has {len(value)} items; at most {MAX_INPUTS}")    # the backend's context bounds
     elif not (all(isinstance(x, str) and x for x in value) or all(_is_token(x) for x in value)
               or all(isinstance(x, list) and x and all(_is_token(t) for t in x) for x in value)):
         raise _bad("'input' must be a string, an array of non-empty strings, an array of token ids (integers "

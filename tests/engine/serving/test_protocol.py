@@ -343,3 +343,20 @@ def test_a_tools_function_refuses_what_openai_refuses(function, message):
     ok = {"name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True}
     _plan(json.dumps({"messages": [{"role": "user", "content": "hi"}],
                       "tools": [{"type": "function", "function": ok}]}).encode())
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}, "parameters": {"type": "object"}}]},
+     "tools[0].parameters: unknown parameter"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}, "name": "f"}]}, "tools[0].name: unknown parameter"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f", "x": 1}}}, "tool_choice.function.x: unknown"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}, "x": 1}}, "tool_choice.x: unknown parameter"),
+])
+def test_a_tool_or_tool_choice_with_a_key_openai_does_not_take_is_refused(extra, message):
+    """A RAG developer's trial: a function's ``parameters`` put one level too high (beside ``function``) was
+    answered 200 with the schema ignored (arguments ``{}``); Responses refused the same mistake."""
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], **extra}).encode()
+    with pytest.raises(RequestValidationError, match=re.escape(message)):
+        _plan(body)

@@ -75,3 +75,16 @@ async def test_an_unknown_embeddings_parameter_is_refused_as_on_chat(up):
         await client.close()
     assert up.requests[-1][2]["user"] == "u" and up.requests[-1][2]["dimensions"] == 2
     assert {k: up.requests[-1][2][k] for k in vllms} == vllms
+
+
+async def test_one_input_of_many_token_ids_is_one_input_and_many_inputs_are_bounded(up):
+    """OpenAI bounds the inputs of one request at 2048; a flat array of token ids is one input, bounded by the
+    model's context (a RAG trial's 3,000 ids were refused as "3000 items", while ``[ids]`` was served)."""
+    async with gateway(config(up)) as (_, _, url):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        await client.embeddings.create(model="m1", input=list(range(3000)), encoding_format="float")
+        assert up.requests[-1][2]["input"] == list(range(3000))
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.embeddings.create(model="m1", input=["x"] * 2049)
+        assert e.value.body["param"] == "input" and "2049 items; at most 2048" in e.value.body["message"]
+        await client.close()
