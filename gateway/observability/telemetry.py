@@ -24,6 +24,7 @@ from gateway.billing.counting import (choice_pieces, client_wants_usage, counter
                                       estimated_usage, lacks_usage, partial_usage, with_usage)
 from gateway.billing.prices import NANO, Price, cost_nusd, usage_tokens
 from gateway.cache.key import cache_config
+from gateway.cache.response_cache import CACHE_BACKEND
 from gateway.billing.usage import Budget, UsageLedger, UsageRecord, tenant_label
 from gateway.errors import ClientError, anthropic_status, transport_error_kind
 from gateway.resilience.outcomes import Withdrawn, cancelled_by_timeout
@@ -418,7 +419,7 @@ class Observability:
         nusd = 0
         if answered and tokens is not None and cfg is not None:
             bcfg = cfg.backends.get(rec.backend)
-            if bcfg is None and rec.backend == "cache":      # a cache hit: the cache's price (gateway/cache/)
+            if bcfg is None and rec.backend == CACHE_BACKEND:   # a cache hit: the cache's price (gateway/cache/)
                 bcfg = cache_config(cfg, rec.route, rec.model)
             price = self.local_price(rec.backend) or Price.of(bcfg.prices if bcfg is not None else None)
             nusd = cost_nusd(price, *tokens)
@@ -457,7 +458,9 @@ class Observability:
     def _meter(self, rec: RequestRecord, status: int, latency: float, tokens, nusd: int) -> None:
         m = self.metrics
         backend, model, route = rec.backend or "none", rec.model or "unknown", rec.route or "none"
-        kind = rec.attempts[-1].kind if rec.attempts else ("initial" if rec.backend else "none")
+        # none: no backend called (a refusal, a cache hit: an SRE's trial read a hit as an "initial" attempt)
+        kind = rec.attempts[-1].kind if rec.attempts else (
+            "initial" if rec.backend and rec.backend != CACHE_BACKEND else "none")
         m.child(m.requests, model, route, backend, str(status), kind, tenant_label(rec.tenant)).inc()
         if rec.error == "stream_error" and status < 400:     # answered 200, then cut: not a success either
             m.child(m.stream_errors, model, backend).inc()

@@ -173,6 +173,10 @@ async def test_best_effort_caches_an_upstream_answer_labelled():
     assert [g[0] for g in got] == ["miss", "hit"] and got[0][1] == got[1][1]
     assert got[1][2].headers["x-tandem-cache-mode"] == "best_effort" and len(up.calls) == 3
     assert exact == ["bypass", "bypass"]              # exact mode: the local engine's answers only
+    # a hit called no backend: attempt "none" (an SRE's trial read a hit as an "initial" attempt)
+    hit = {"model": "m", "route": "be", "backend": "cache", "status": "200", "tenant": "anonymous"}
+    assert gw.obs.registry.get_sample_value("tandem_requests_total", {**hit, "attempt": "none"}) == 1
+    assert gw.obs.registry.get_sample_value("tandem_requests_total", {**hit, "attempt": "initial"}) is None
 
 
 async def test_a_hit_has_tool_call_ids_of_its_own():
