@@ -6,11 +6,10 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version as package_version
-
 from litestar import Request, Response, get, post
 
 from engine.entrypoints.request_state import json_body, serving_of
+from engine.protocol.version import tandem_version
 
 
 @post("/tokenize", status_code=200)
@@ -32,8 +31,4 @@ async def detokenize(request: Request) -> Response:
 @get("/version")
 async def server_version() -> Response:
     """``{"version": ...}``: the ``tandem`` package's version (vLLM answers its own)."""
-    try:
-        value = package_version("tandem")
-    except PackageNotFoundError:   # run from a source tree that was never installed
-        value = "unknown"
-    return Response(content={"version": value}, media_type="application/json")
+    return Response(content={"version": tandem_version()}, media_type="application/json")

@@ -6,7 +6,7 @@ in-flight accounting in one middleware; the client APIs' POST endpoints also on 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/messages (Anthropic's,
 with ``gateway/http/anthropic.py``), the Responses API (``gateway/http/responses.py``), GET /v1/models,
 GET /v1/models/{model}, vLLM's POST /tokenize and /detokenize (``gateway/http/tokenization.py``),
-GET /health/live, GET /health/ready; the admin API and GET /metrics from ``admin.py`` (and ``admin_limits.py``);
+GET /health/live and /health/ready (with LiteLLM's and vLLM's names for them), GET /version; the admin API and GET /metrics from ``admin.py`` (and ``admin_limits.py``);
 the ops console at GET /admin/ui from ``console.py``. Every response carries
 ``x-request-id``; ``server.cors`` adds CORS.
 """
@@ -22,6 +22,7 @@ from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 
 from engine.protocol.request_ids import stamp_request_id
+from engine.protocol.version import tandem_version
 from gateway.config.schema import CorsConfig
 from gateway.errors import model_not_found
 from gateway.http.admin import ADMIN_HANDLERS, operator_view
@@ -152,12 +153,20 @@ async def model(request: Request) -> Response:
     return Response(msgspec.json.encode(_model_object(name)), media_type=_JSON)
 
 
-@route("/health/live", http_method=[HttpMethod.GET, HttpMethod.HEAD])   # HEAD: uptime checkers
+# HEAD: uptime checkers; LiteLLM's /health/liveliness and /health/readiness and vLLM's /ping and /health (503
+# while its engine cannot serve) name the same two probes
+@route(["/health/live", "/health/liveliness", "/ping"], http_method=[HttpMethod.GET, HttpMethod.HEAD])
 async def live() -> Response:
     return Response(b'{"status":"ok"}', media_type=_JSON)
 
 
-@route("/health/ready", http_method=[HttpMethod.GET, HttpMethod.HEAD])
+@route("/version", http_method=[HttpMethod.GET])
+async def server_version() -> Response:
+    """``{"version"}``: the ``tandem`` package's (vLLM's route, as ``tandem engine serve`` answers it)."""
+    return Response(msgspec.json.encode({"version": tandem_version()}), media_type=_JSON)
+
+
+@route(["/health/ready", "/health/readiness", "/health"], http_method=[HttpMethod.GET, HttpMethod.HEAD])
 async def ready(request: Request) -> Response:
     """Readiness: 200 ``ready``; 503 ``not_ready`` (config or local engine loading), ``draining``, or
     ``degraded`` (no route has a target that can serve now: every backend unavailable or breaker-open), with
@@ -184,8 +193,9 @@ def create_app(gw: Gateway, cors: CorsConfig | None = None, hot_path: bool = Tru
     return HotPathApp(
         hot_routes=HOT_ROUTES if hot_path and cors is None else {},
         cors_config=CORSConfig(**cors.model_dump()) if cors is not None else None,
-        route_handlers=[chat_completions, completions, models, model, live, ready, messages, count_tokens, embeddings,
-                        *RESPONSES_HANDLERS, *TOKENIZATION_HANDLERS, *ADMIN_HANDLERS, *ROLLOUT_HANDLERS, admin_limits, *CONSOLE_HANDLERS],
+        route_handlers=[chat_completions, completions, models, model, live, ready, server_version, messages,
+                        count_tokens, embeddings, *RESPONSES_HANDLERS, *TOKENIZATION_HANDLERS, *ADMIN_HANDLERS,
+                        *ROLLOUT_HANDLERS, admin_limits, *CONSOLE_HANDLERS],
         state=State({"gw": gw, "responses": ResponseStore(gw.resilience.state)}),   # stored Responses
         middleware=[in_flight], before_send=[stamp_request_id(GATEWAY_ID_PREFIX), anthropic_request_id],
         on_startup=[gw.start, gw.obs.start], on_shutdown=[gw.obs.stop, gw.stop],

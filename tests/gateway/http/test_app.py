@@ -237,6 +237,14 @@ def test_health(gateway):
     assert httpx.get(gateway.url + "/health/live").status_code == 200
     r = httpx.get(gateway.url + "/health/ready")
     assert r.status_code == 200 and r.json()["backends"]["a"]["available"]
+    # the names LiteLLM's and vLLM's probes use (an SRE's trial got 404 on each), and vLLM's /version
+    for path in ("/health/liveliness", "/ping"):
+        assert httpx.get(gateway.url + path).json() == {"status": "ok"}
+    for path in ("/health/readiness", "/health"):
+        assert httpx.get(gateway.url + path).json()["status"] == "ready"
+    from engine.protocol.version import tandem_version
+
+    assert httpx.get(gateway.url + "/version").json() == {"version": tandem_version()} != {"version": "unknown"}
 
 
 def ctl(g: GatewayProcess, *args: str, token: str | None = "admin-tok") -> subprocess.CompletedProcess:
