@@ -188,6 +188,9 @@ class HealthTracker:
         await self.state.call(write, lambda: None)
 
 
+FAILING_ROUNDS = 2   # probes failed in a row before the log says so (ActiveProber._say)
+
+
 class ActiveProber:
     """Runs ``probes[target]()`` for every target each ``config.interval_s`` seconds and records the results.
 
@@ -202,6 +205,7 @@ class ActiveProber:
         self.tracker = tracker
         self.probes = probes  # or a function returning them, called each round
         self._task: asyncio.Task | None = None
+        self._failing: dict[str, int] = {}   # target -> probes failed in a row
 
     async def probe_once(self) -> dict[str, bool]:
         """Probe every target concurrently once; returns target -> ok."""
@@ -224,7 +228,20 @@ class ActiveProber:
         except Exception as exc:
             ok, err = False, f"{type(exc).__name__}: {exc}"
         await self.tracker.record_probe(target, ok, time.monotonic() - t0, err)
+        self._say(target, ok, err)
         return ok
+
+    def _say(self, target: str, ok: bool, err: str) -> None:
+        """Log a target whose probe failed ``FAILING_ROUNDS`` times in a row (once), and its first pass after:
+        a new user's trial saw nothing in the log of a canary backend that could not be reached, only in
+        ``/health/ready``. One failed round is not said: a blip (one timeout, a connection reset) is not news."""
+        failed = 0 if ok else self._failing.get(target, 0) + 1
+        if failed == FAILING_ROUNDS:
+            log.warning("health probe of %s failed %d times in a row: %s (/health/ready lists it unavailable)",
+                        target, failed, err)
+        elif ok and self._failing.get(target, 0) >= FAILING_ROUNDS:
+            log.info("health probe of %s passes again", target)
+        self._failing[target] = failed
 
     async def _loop(self) -> None:
         while True:

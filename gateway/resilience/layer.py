@@ -68,9 +68,10 @@ class Resilience:
         """Start active probes (``resilience.health.interval_s``; 0 = off) of the backends the current config
         has (``backends()``, read each round): ``GET /models`` upstream, engine readiness locally. A local
         engine still loading is not probed: loading is not a failure (``/health/ready`` says ``engine is
-        loading`` already), and a failed probe recorded then would outlive the load by up to three rounds."""
+        loading`` already), and a failed probe recorded then would outlive the load by up to three rounds; nor is
+        an upstream whose key is unset (never callable in this config generation: its warning said so)."""
         self.prober = ActiveProber(self.health, lambda: {name: b.probe for name, b in backends().items()
-                                                         if not b.loading})
+                                                         if not (b.loading or b.key_missing)})
         self.prober.start()
 
     async def stop(self) -> None:

@@ -290,6 +290,29 @@ async def test_health_passive_and_active(state):
     assert bad_stats.probe_ok is False and "down" in bad_stats.probe_error and not bad_stats.healthy(h.config)
 
 
+async def test_a_target_failing_its_probes_is_said_once_and_its_return_too(state, caplog):
+    """A new user's trial: a canary backend nobody listened for was unavailable in /health/ready only. Two
+    failed rounds in a row are logged once (one may be a blip), and the first pass after them."""
+    import logging
+
+    results = [False, False, False, True, False, True]
+
+    async def flaky():
+        if not results.pop(0):
+            raise ConnectionRefusedError("refused")
+
+    prober = ActiveProber(HealthTracker(state), {"canary/x": flaky})
+    said = []
+    with caplog.at_level(logging.INFO, logger="tandem.health"):
+        for _ in range(6):
+            await prober.probe_once()
+            said.append([r.getMessage() for r in caplog.records])
+            caplog.clear()
+    assert said == [[], ["health probe of canary/x failed 2 times in a row: ConnectionRefusedError: refused "
+                         "(/health/ready lists it unavailable)"], [], ["health probe of canary/x passes again"],
+                    [], []]
+
+
 async def test_replica_trusts_closed_for_cache_s_only(redis_url):
     prefix = f"t{uuid.uuid4().hex[:8]}"
     a = SharedState(StateSettings(redis_url=redis_url, key_prefix=prefix))
