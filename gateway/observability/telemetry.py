@@ -24,8 +24,8 @@ from gateway.billing.counting import (choice_pieces, client_wants_usage, counter
                                       estimated_usage, lacks_usage, partial_usage, with_usage)
 from gateway.billing.prices import NANO, Price, cost_nusd, usage_tokens
 from gateway.cache.key import cache_config
-from gateway.cache.response_cache import CACHE_BACKEND
 from gateway.billing.usage import Budget, UsageLedger, UsageRecord, tenant_label
+from gateway.cache.response_cache import CACHE_BACKEND
 from gateway.errors import ClientError, anthropic_status, transport_error_kind
 from gateway.resilience.outcomes import Withdrawn, cancelled_by_timeout
 from gateway.resilience.streaming import SHUTDOWN_TYPE, ended_by_shutdown
@@ -456,11 +456,8 @@ class Observability:
             log.warning("usage accounting of %s failed: %s: %s", rec.request_id, type(e).__name__, e)
 
     def _meter(self, rec: RequestRecord, status: int, latency: float, tokens, nusd: int) -> None:
-        m = self.metrics
-        backend, model, route = rec.backend or "none", rec.model or "unknown", rec.route or "none"
-        # none: no backend called (a refusal, a cache hit: an SRE's trial read a hit as an "initial" attempt)
-        kind = rec.attempts[-1].kind if rec.attempts else (
-            "initial" if rec.backend and rec.backend != CACHE_BACKEND else "none")
+        m, backend, model, route = self.metrics, rec.backend or "none", rec.model or "unknown", rec.route or "none"
+        kind = rec.attempts[-1].kind if rec.attempts else ("none" if rec.backend in ("", CACHE_BACKEND) else "initial")
         m.child(m.requests, model, route, backend, str(status), kind, tenant_label(rec.tenant)).inc()
         if rec.error == "stream_error" and status < 400:     # answered 200, then cut: not a success either
             m.child(m.stream_errors, model, backend).inc()
