@@ -18,6 +18,7 @@ from engine.config import EngineArgs
 from engine.core.core_loop import start_engine_core
 from engine.core.core_messages import EngineStats  # noqa: F401 - re-exported: the engine's stats type
 from engine.input_checks import check_input
+from engine.llm_prompts import truncated_prompts
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -58,7 +59,8 @@ class LLMEngine:
         (``EngineCore.add_request``).
 
         A text prompt is tokenized with the tokenizer's special tokens (BOS
-        where the model adds one); token ids are taken as they are.
+        where the model adds one); token ids are taken as they are; either is cut to its last
+        ``params.truncate_prompt_tokens`` tokens when set (vLLM's).
 
         Raises:
             ValueError: duplicate id, empty prompt, token id out of the
@@ -73,6 +75,8 @@ class LLMEngine:
                     scheduling_policy=self.args.scheduling_policy)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
+        if params.truncate_prompt_tokens is not None:   # vLLM's: the prompt's last N tokens (-1: what fits)
+            token_ids = truncated_prompts([token_ids], params.truncate_prompt_tokens, self.max_model_len)[0]
         self.core.add_request(request_id, token_ids, params, priority=priority, arrival_time=arrival_time,
                               resume=resume, cache_salt=cache_salt)
         self.output_processor.add_request(request_id, text, token_ids, params, resume)

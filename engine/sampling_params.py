@@ -151,6 +151,9 @@ class SamplingParams:
             (``engine/worker/token_restrictions.py``).
         bad_words_token_ids: ``bad_words`` tokenized (vLLM's ``_bad_words_token_ids``): set by the engine core
             from its tokenizer when ``bad_words`` is; None otherwise.
+        truncate_prompt_tokens: vLLM's: the prompt's last N tokens only (left truncation; -1: the last
+            ``max_model_len``), applied where the prompt is tokenized (``LLMEngine.add_request``), which refuses
+            0, values below -1 or above ``max_model_len`` in the OpenAI server's words; None: as given.
 
     Raises:
         ValueError: a parameter is out of range; the message names it.
@@ -180,6 +183,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -243,6 +247,8 @@ class SamplingParams:
         check(tokenized is None or (isinstance(tokenized, list) and all(
             isinstance(w, list) and w and all(_is_int(t) and t >= 0 for t in w) for w in tokenized)),
             "bad_words_token_ids", "must be a list of non-empty token-id lists")
+        keep = self.truncate_prompt_tokens   # its range is the server's rule, applied with it (llm_prompts.py)
+        check(keep is None or _is_int(keep), "truncate_prompt_tokens", f"must be an integer, got {keep!r}")
 
     @property
     def greedy(self) -> bool:

@@ -170,3 +170,25 @@ def test_outputs_and_names_as_vllm_has_them(llm):
     assert out.prompt == llm.get_tokenizer().apply_chat_template(conv, tokenize=False)
     assert out.prompt.endswith("<|im_start|>assistant\n")
     assert llm.llm_engine is llm.engine
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    """vLLM's ``SamplingParams(truncate_prompt_tokens=N)`` (a trial's ported script: a TypeError here): the
+    prompt's last N tokens, bitwise the answer to those tokens alone; -1 keeps what fits; 0, -2, more than
+    ``max_model_len`` or a string refused as the OpenAI server refuses them."""
+    text = "The quick brown fox jumps over the lazy dog near the river bank"
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=True)
+    cut = llm.generate(text, SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=5, logprobs=1))[0]
+    alone = llm.generate({"prompt_token_ids": ids[-5:]}, SamplingParams(temperature=0, max_tokens=6, logprobs=1))[0]
+    assert cut.prompt_token_ids == ids[-5:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert cut.outputs[0].logprobs == alone.outputs[0].logprobs
+    long = llm.generate({"prompt_token_ids": [ids[0]] * (MAX_MODEL_LEN + 40)},
+                        SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=MAX_MODEL_LEN - 1))[0]
+    assert len(long.prompt_token_ids) == MAX_MODEL_LEN - 1
+    for keep, said in ((0, "at least 1, got 0"), (-2, "below minimum value"),
+                       (MAX_MODEL_LEN + 1, "is greater than max_model_len")):
+        with pytest.raises(ValueError, match=said):
+            llm.generate(text, SamplingParams(max_tokens=1, truncate_prompt_tokens=keep))
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer"):
+        SamplingParams(truncate_prompt_tokens="5")
+    assert not llm.engine.has_unfinished_requests()
