@@ -6,9 +6,9 @@ in-flight accounting in one middleware; the client APIs' POST endpoints also on 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/messages (Anthropic's,
 with ``gateway/http/anthropic.py``), the Responses API (``gateway/http/responses.py``), GET /v1/models,
 GET /v1/models/{model}, vLLM's POST /tokenize and /detokenize (``gateway/http/tokenization.py``),
-GET /health/live and /health/ready (with LiteLLM's and vLLM's names for them), GET /version; the admin API and GET /metrics from ``admin.py`` (and ``admin_limits.py``);
-the ops console at GET /admin/ui from ``console.py``. Every response carries
-``x-request-id``; ``server.cors`` adds CORS.
+GET /health/live and /health/ready (with LiteLLM's and vLLM's names for them), GET /version; the admin API and
+GET /metrics from ``admin.py`` (and ``admin_limits.py``); the ops console at GET /admin/ui from ``console.py``.
+Every response carries ``x-request-id``; ``server.cors`` adds CORS.
 """
 
 from __future__ import annotations

@@ -25,4 +25,3 @@ def otlp_unavailable() -> str | None:
         return (f"the OTLP exporter does not load ({e}); if xds-protos (the picker extra) overwrote "
                 f"opentelemetry-proto's files, run: pip install --force-reinstall --no-deps opentelemetry-proto{pin}")
     return None
-

@@ -27,8 +27,9 @@ call, or one round of skipped candidates:
   backend's own read timeout, not cut by the deadline).
   Then: 503 + Retry-After (soonest half-open) when every target's breaker is open, 429 when backend limits refuse,
   504 after a timeout, 429 when every call was refused with 429, 503 after a mix of 429/503/529 (Anthropic's
-  overloaded) upstream answers, 502 otherwise; never a 500. Every error answer carries ``x-should-retry: false`` (a ``Retry-After`` stays, for the application): the
-  SDKs' own retries would multiply the calls, most of all when upstreams are overloaded.
+  overloaded) upstream answers, 502 otherwise; never a 500. Every error answer carries ``x-should-retry: false``
+  (a ``Retry-After`` stays, for the application): the SDKs' own retries would multiply the calls, most of all
+  when upstreams are overloaded.
 - Streaming: the response is committed (status 200 and SSE headers) only when the first content delta arrives
   within ``first_token_timeout_s`` of the attempt's start; earlier events are held back. Before that, failures
   are transparent retries. After it, a failure (cut, malformed event, error event, no event within
@@ -53,9 +54,9 @@ from gateway.config.schema import RetrySettings
 from gateway.errors import error_body
 from gateway.resilience.outcomes import (ATTEMPT_TIMEOUT, TRANSIENT_STATUS, Attempt, Failure, NoCandidate,
                                          PassThrough, Result, UpstreamResponse, Withdrawn, answer_head,
-                                         classify_error_object,
-                                         classify_exception, close_response, is_context_length_error,
-                                         is_request_error, parse_retry_after, settle_outcome, upstream_message)
+                                         classify_error_object, classify_exception, close_response,
+                                         is_context_length_error, is_request_error, parse_retry_after,
+                                         settle_outcome, upstream_message)
 from gateway.resilience.backoff import RetryPolicy
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
 from gateway.resilience.streaming import Held, StreamEnd, peek_stream, relay
@@ -413,14 +414,15 @@ class _Run:
             res.headers["retry-after"] = str(retry_after_header(ra or 1.0))
             return res
         f = called[-1]
+        code, type_ = "upstream_failed", "upstream_error"
         if f.kind == "timeout":
             res.status, msg = 504, "The upstream timed out"
         elif f.status in (429, 503, 529):   # 529: Anthropic's overloaded_error
-            # every call refused for the upstreams' rate limits: their 429, as LiteLLM answers (a 503 told the
-            # app's dashboards "down"); /v1/messages says rate_limit_error, not 529 overloaded_error
-            limited = all(x.status == 429 for x in called)
-            res.status, msg = (429, "The upstream is rate limited") if limited else (
-                503, "The upstream is overloaded or rate limited")
+            if all(x.status == 429 for x in called):   # rate limits alone: their 429, as LiteLLM answers (a 503
+                # told the app's dashboards "down"); /v1/messages says rate_limit_error, not 529 overloaded_error
+                res.status, msg, code, type_ = 429, "The upstream is rate limited", "rate_limit_exceeded", None
+            else:
+                res.status, msg = 503, "The upstream is overloaded or rate limited"
             ras = [x.retry_after for x in called if x.retry_after is not None]
             res.headers["retry-after"] = str(retry_after_header(min(ras) if ras else 1.0))
         else:
@@ -428,9 +430,7 @@ class _Run:
         kinds = ", ".join(f"{a.target}: {a.outcome}" for a in self.attempts)
         said = upstream_message(f)
         res.body = error_body(res.status, f"{msg} after {self.calls} attempt(s) ({kinds})."
-                              + (f" The last one said: {said}" if said else ""),
-                              code="rate_limit_exceeded" if res.status == 429 else "upstream_failed",
-                              type_=None if res.status == 429 else "upstream_error")
+                              + (f" The last one said: {said}" if said else ""), code=code, type_=type_)
         if failed_then_opened and self.breakers is not None:   # when a target is tried again
             ra = await self.breakers.soonest_half_open([c.name for c in self.candidates if c.name in self.skips])
             res.headers["retry-after"] = str(retry_after_header(ra or 1.0))

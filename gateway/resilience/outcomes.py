@@ -54,7 +54,7 @@ class UpstreamResponse:
     on_outcome: Callable[[str, int | None], None] | None = None
 
 
-# The first-token timeout of the attempt this task runs (``AttemptLoop._call`` sets it): the attempt's observer
+# The first-token timeout of the attempt this task runs (``attempts._Run._call`` sets it): the attempt's observer
 # tells a call that timeout cancelled (a stream whose upstream sent no headers in time: "timeout") from one the
 # client's leaving cancelled ("cancelled"); both reach it as a CancelledError.
 ATTEMPT_TIMEOUT: ContextVar[asyncio.Timeout | None] = ContextVar("tandem_attempt_timeout", default=None)
