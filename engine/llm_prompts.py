@@ -7,7 +7,6 @@ from __future__ import annotations
 import numbers
 
 from engine.protocol.errors import ServingError
-from engine.protocol.param_ranges import check_param
 from engine.serving.serving import truncate_prompt, truncation
 
 Prompt = str | list[int]
@@ -65,16 +64,14 @@ def _is_token_id(value) -> bool:
 
 
 def truncated_prompts(prompts: list[list[int]], keep: int | None, max_model_len: int) -> list[list[int]]:
-    """vLLM's ``truncate_prompt_tokens`` applied as the OpenAI server applies it (the shared range table, then
-    ``engine.serving.serving.truncation`` and ``truncate_prompt``): each prompt's last ``keep`` tokens, -1: the
-    last ``max_model_len``; None: as given.
+    """vLLM's ``truncate_prompt_tokens`` applied as the OpenAI server applies it (``engine.serving.serving``'s
+    ``truncation`` and ``truncate_prompt``): each prompt's last ``keep`` tokens, -1: the last ``max_model_len``;
+    None: as given.
 
     Raises:
         ValueError: the server's 400 in its words (not an integer, 0, below -1, above ``max_model_len``)."""
     if keep is None:
         return prompts
-    if (violation := check_param("truncate_prompt_tokens", keep)) is not None:
-        raise ValueError(violation.message)
     try:
         limit = truncation(keep, max_model_len)
         return [truncate_prompt(ids, limit) for ids in prompts]

@@ -15,7 +15,6 @@ import time
 import numpy as np
 
 from engine.input_checks import dimensions_problem
-from engine.protocol.param_ranges import check_param
 from engine.serving.serving import OpenAIServing, error_from_engine, truncate_prompt, truncation
 from engine.protocol.errors import ServingError
 
@@ -48,8 +47,6 @@ def _extras(body: dict, limit: int) -> tuple[bool | None, bool, int | None]:
         if not isinstance(keep, int) or isinstance(keep, bool):
             raise ServingError(400, f"truncate_prompt_tokens: must be an integer, got {type(keep).__name__}",
                                param="truncate_prompt_tokens", code="invalid_type")
-        if (v := check_param("truncate_prompt_tokens", keep)) is not None:
-            raise ServingError(400, v.message, param=v.param, code=v.code)
     return body.get("normalize"), body.get("add_special_tokens") is not False, truncation(keep, limit)
 
 

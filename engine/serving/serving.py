@@ -29,6 +29,7 @@ from engine.input_checks import logprobs_problem, priority_problem, token_id_pro
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol.errors import ServingError
 from engine.protocol.guided import GUIDED_FIELDS, guided_field_hint
+from engine.protocol.param_ranges import check_param
 from engine.sampling_params import SamplingParams
 from engine.serving.chat_structured import ChatPlan
 from engine.serving.logprobs import LogprobFormatter
@@ -329,7 +330,10 @@ def truncation(keep: int | None, limit: int) -> int | None:
     None: all).
 
     Raises:
-        ServingError: 400 above ``limit`` (vLLM's refusal, in its words)."""
+        ServingError: 400 out of the shared range table's range (below -1: ``param_ranges``), or above ``limit``
+            (vLLM's refusal, in its words)."""
+    if keep is not None and (v := check_param("truncate_prompt_tokens", keep)) is not None:
+        raise ServingError(400, v.message, param=v.param, code=v.code)
     if keep is not None and keep > limit:
         raise ServingError(400, f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({limit}). "
                                 "Please, select a smaller truncation size.", param="truncate_prompt_tokens",
