@@ -24,11 +24,12 @@ _JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 
 class ShapeError(ValueError):
     """A malformed ``tools``, ``tool_choice`` or ``response_format``: the message starts with the path at fault
-    (``tools[0].function.name: ...``); ``param`` is the top-level field, ``path`` the path."""
+    (``tools[0].function.name: ...``); ``param`` is the top-level field, ``path`` the path, ``code`` OpenAI's
+    (``unknown_parameter`` for a key it does not take, as at the top level; else ``invalid_value``)."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
         self.path = message.split(":", 1)[0]
 
 
@@ -53,7 +54,7 @@ def check_tools(tools: Any) -> list[dict]:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise ShapeError("tools", f"{where}.type: must be \"function\"")
         if unknown := sorted(set(tool) - {"type", "function"}):   # a schema put beside the function, unenforced
-            raise ShapeError("tools", f"{where}.{unknown[0]}: unknown parameter")
+            raise ShapeError("tools", f"{where}.{unknown[0]}: unknown parameter", "unknown_parameter")
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise ShapeError("tools", f"{where}.function: must be an object")
@@ -97,7 +98,7 @@ def check_tool_choice(choice: Any, tools: list[dict]) -> str:
         for obj, keys, where in ((choice, {"type", "function"}, "tool_choice"),
                                  (choice["function"], {"name"}, "tool_choice.function")):
             if unknown := sorted(set(obj) - keys):
-                raise ShapeError("tool_choice", f"{where}.{unknown[0]}: unknown parameter")
+                raise ShapeError("tool_choice", f"{where}.{unknown[0]}: unknown parameter", "unknown_parameter")
         name = choice["function"].get("name")
         if name in {t["function"]["name"] for t in tools}:
             return name
@@ -123,7 +124,8 @@ def check_response_format(fmt: Any) -> tuple[str, dict | None]:
     kind = fmt.get("type")
     unknown = sorted(set(fmt) - _FORMAT_KEYS.get(kind, set(fmt)))
     if unknown:
-        raise ShapeError("response_format", f"response_format.{unknown[0]}: unknown parameter for type {kind!r}")
+        raise ShapeError("response_format", f"response_format.{unknown[0]}: unknown parameter for type {kind!r}",
+                         "unknown_parameter")
     if kind in ("text", "json_object"):
         return kind, None
     if kind != "json_schema":
@@ -148,7 +150,7 @@ def _check_named(obj: dict, keys: set[str], where: str, param: str) -> None:
         raise ShapeError(param, f"{where}.name: must be 1-64 letters, digits, '_' or '-', got {name!r}")
     unknown = sorted(set(obj) - keys)
     if unknown:
-        raise ShapeError(param, f"{where}.{unknown[0]}: unknown parameter")
+        raise ShapeError(param, f"{where}.{unknown[0]}: unknown parameter", "unknown_parameter")
     for key, kind, word in (("strict", bool, "a boolean"), ("description", str, "a string")):
         if obj.get(key) is not None and not isinstance(obj[key], kind):
             raise ShapeError(param, f"{where}.{key}: must be {word}, got {type(obj[key]).__name__}")

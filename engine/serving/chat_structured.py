@@ -109,8 +109,8 @@ def plan_chat(req, messages: list[dict], template: str | None) -> ChatPlan:
     try:
         tools = check_tools(req.tools or None)
         choice = check_tool_choice(req.tool_choice, tools)
-    except ShapeError as e:   # OpenAI's code for a malformed value, as the gateway's edge names it
-        raise RequestValidationError(str(e), e.param, "invalid_value") from None
+    except ShapeError as e:   # OpenAI's code, as the gateway's edge names it
+        raise RequestValidationError(str(e), e.param, e.code) from None
     if parallel_without_tools(req.parallel_tool_calls, tools):
         raise RequestValidationError(PARALLEL_WITHOUT_TOOLS, "parallel_tool_calls", "invalid_value")
     spec, param = structured_spec(req)
@@ -160,8 +160,8 @@ def _response_format(fmt: dict | None) -> StructuredOutputsParams | None:
     text, any JSON object for json_object, the schema's grammar for json_schema."""
     try:
         kind, spec = check_response_format(fmt)
-    except ShapeError as e:   # OpenAI's code for a malformed value, as the gateway's edge names it
-        raise RequestValidationError(str(e), e.param, "invalid_value") from None
+    except ShapeError as e:   # OpenAI's code, as the gateway's edge names it
+        raise RequestValidationError(str(e), e.param, e.code) from None
     if kind == "text":
         return None
     if kind == "json_object":

@@ -184,7 +184,7 @@ def _check_shapes(body: dict) -> None:
             check_tool_choice(choice, checked)
         check_response_format(body.get("response_format"))
     except ShapeError as e:
-        raise ClientError(400, str(e), param=e.path, code="invalid_value") from None
+        raise ClientError(400, str(e), param=e.path, code=e.code) from None
 
 
 def _unsupported(body: dict, local_serves: frozenset[str]) -> str | None:

@@ -356,7 +356,16 @@ def test_a_tools_function_refuses_what_openai_refuses(function, message):
 ])
 def test_a_tool_or_tool_choice_with_a_key_openai_does_not_take_is_refused(extra, message):
     """A RAG developer's trial: a function's ``parameters`` put one level too high (beside ``function``) was
-    answered 200 with the schema ignored (arguments ``{}``); Responses refused the same mistake."""
-    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], **extra}).encode()
-    with pytest.raises(RequestValidationError, match=re.escape(message)):
-        _plan(body)
+    answered 200 with the schema ignored (arguments ``{}``); Responses refused the same mistake. OpenAI's code for
+    a key it does not take, as at the top level (a new user's trial read ``invalid_value`` here): the engine's and
+    the gateway's edge say it alike."""
+    from gateway.errors import ClientError
+    from gateway.request.validate import check_request
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    with pytest.raises(RequestValidationError, match=re.escape(message)) as e:
+        _plan(json.dumps(body).encode())
+    assert e.value.code == "unknown_parameter"
+    with pytest.raises(ClientError, match=re.escape(message)) as gw:
+        check_request(body, "chat/completions", None, frozenset({"tools"}))
+    assert (gw.value.status, gw.value.code, gw.value.param) == (400, "unknown_parameter", message.split(":")[0])
