@@ -153,9 +153,9 @@ async def model(request: Request) -> Response:
     return Response(msgspec.json.encode(_model_object(name)), media_type=_JSON)
 
 
-# HEAD: uptime checkers; LiteLLM's /health/liveliness and /health/readiness and vLLM's /ping and /health (503
-# while its engine cannot serve) name the same two probes
-@route(["/health/live", "/health/liveliness", "/ping"], http_method=[HttpMethod.GET, HttpMethod.HEAD])
+# HEAD: uptime checkers; LiteLLM's /health/liveliness and /health/readiness and vLLM's /health and /ping (GET or
+# POST, SageMaker's; both 503 while its engine cannot serve) name the same two probes
+@route(["/health/live", "/health/liveliness"], http_method=[HttpMethod.GET, HttpMethod.HEAD])
 async def live() -> Response:
     return Response(b'{"status":"ok"}', media_type=_JSON)
 
@@ -166,7 +166,8 @@ async def server_version() -> Response:
     return Response(msgspec.json.encode({"version": tandem_version()}), media_type=_JSON)
 
 
-@route(["/health/ready", "/health/readiness", "/health"], http_method=[HttpMethod.GET, HttpMethod.HEAD])
+@route(["/health/ready", "/health/readiness", "/health", "/ping"],
+       http_method=[HttpMethod.GET, HttpMethod.HEAD, HttpMethod.POST])
 async def ready(request: Request) -> Response:
     """Readiness: 200 ``ready``; 503 ``not_ready`` (config or local engine loading), ``draining``, or
     ``degraded`` (no route has a target that can serve now: every backend unavailable or breaker-open), with

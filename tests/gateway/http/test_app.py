@@ -238,10 +238,10 @@ def test_health(gateway):
     r = httpx.get(gateway.url + "/health/ready")
     assert r.status_code == 200 and r.json()["backends"]["a"]["available"]
     # the names LiteLLM's and vLLM's probes use (an SRE's trial got 404 on each), and vLLM's /version
-    for path in ("/health/liveliness", "/ping"):
-        assert httpx.get(gateway.url + path).json() == {"status": "ok"}
-    for path in ("/health/readiness", "/health"):
+    assert httpx.get(gateway.url + "/health/liveliness").json() == {"status": "ok"}
+    for path in ("/health/readiness", "/health", "/ping"):
         assert httpx.get(gateway.url + path).json()["status"] == "ready"
+    assert httpx.post(gateway.url + "/ping").json()["status"] == "ready"   # vLLM's (SageMaker's) POST too
     from engine.protocol.version import tandem_version
 
     assert httpx.get(gateway.url + "/version").json() == {"version": tandem_version()} != {"version": "unknown"}
