@@ -19,7 +19,7 @@ from engine.protocol.errors import ServingError
 from engine.sampling_params import SamplingParams
 from engine.serving.answer_check import AnswerCheck, checked_finish
 from engine.serving.chat_structured import plan_chat
-from engine.serving.tool_call_parser import ToolCallParser, parse_tool_calls
+from engine.serving.tool_call_parser import ToolCallFormat, ToolCallParser, parse_tool_calls
 from engine.serving.chunks import ChatChoiceChunk, Chunk, Delta, StreamError, StreamItem
 from engine.serving.protocol import ChatCompletionRequest, RequestValidationError
 from engine.serving.serving import (OpenAIServing, Prompt, RenderedPrompt, error_from_engine, parse_body,
@@ -86,18 +86,18 @@ class OpenAIServingChat(OpenAIServing):
         top = req.top_logprobs or 0
         model = response_model or self.reported_model(body.get("model"))
         resume = _resume(req, plan, self.engine.tokenizer.vocab_size)
-        check = AnswerCheck.of(params.structured_outputs, req.tools, plan.parse_tool_calls, plan.answer_format)
+        check = AnswerCheck.of(params.structured_outputs, req.tools, plan.tool_calls is not None, plan.answer_format)
         if req.stream:
             include_usage, continuous = usage_options(req)
             return self._chat_stream(request_id, model, prompt, prio, bool(req.logprobs), top, echo,
-                                     include_usage, continuous, plan.parse_tool_calls, plan.calls_only,
+                                     include_usage, continuous, plan.tool_calls,
                                      resume=resume, return_ids=req.return_token_ids, check=check)
         return await self._chat_full(request_id, model, prompt, prio, bool(req.logprobs), top, echo,
-                                     plan.parse_tool_calls, plan.calls_only, check=check,
+                                     plan.tool_calls, check=check,
                                      return_ids=req.return_token_ids)
 
     async def _chat_full(self, request_id: str, model: str, prompt: Prompt, priority: int, want_logprobs: bool,
-                         top: int, echo: str, tool_calls: bool = False, calls_only: bool = False,
+                         top: int, echo: str, tool_calls: ToolCallFormat | None = None,
                          check: AnswerCheck | None = None, return_ids: bool = False) -> dict:
         """The ``chat.completion`` object; ``return_ids``: vLLM's ``return_token_ids`` (``prompt_token_ids``
         top level, each choice's ``token_ids``)."""
@@ -109,8 +109,8 @@ class OpenAIServingChat(OpenAIServing):
             completion_tokens += ch.num_generated_tokens
             message = {"role": "assistant", "content": echo + ch.text, "refusal": None}
             finish_reason, calls = ch.finish_reason, []
-            if tool_calls:
-                message["content"], calls = parse_tool_calls(ch.text, calls_only, ch.finish_reason == "length")
+            if tool_calls is not None:
+                message["content"], calls = parse_tool_calls(ch.text, tool_calls, ch.finish_reason == "length")
                 if calls:
                     message["tool_calls"] = calls
                     finish_reason = tool_finish_reason(finish_reason)
@@ -140,7 +140,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _chat_stream(self, request_id: str, model: str, prompt: Prompt, priority: int, want_logprobs: bool,
                            top: int, echo: str, include_usage: bool, continuous: bool,
-                           tool_calls: bool = False, calls_only: bool = False, resume: dict | None = None,
+                           tool_calls: ToolCallFormat | None = None, resume: dict | None = None,
                            return_ids: bool = False, check: AnswerCheck | None = None
                            ) -> AsyncIterator[list[StreamItem]]:
         """The chunks of a streamed answer, one list per engine output (``chunks.Chunk``s of
@@ -150,7 +150,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         fingerprint = self.engine.system_fingerprint or None
         n = prompt.params.n
-        parsers = [ToolCallParser(calls_only) for _ in range(n)] if tool_calls else None
+        parsers = [ToolCallParser(tool_calls) for _ in range(n)] if tool_calls is not None else None
         num_prompt = len(prompt.token_ids)
         generated = [len((resume or {}).get(i, ())) for i in range(n)]
         cached = 0
@@ -271,7 +271,7 @@ def _resume(req, plan, vocab: int) -> dict[int, list[int]] | None:
     """
     if req.resume_token_ids is None:
         return None
-    if not req.stream or len(req.resume_token_ids) != (req.n or 1) or plan.parse_tool_calls \
+    if not req.stream or len(req.resume_token_ids) != (req.n or 1) or plan.tool_calls is not None \
             or plan.structured_outputs is not None or req.echo:
         raise ServingError(400, "resume_token_ids: only a streamed request without tools, a response format or "
                                 "echo can be resumed, with one list of token ids per choice",

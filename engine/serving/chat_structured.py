@@ -48,7 +48,7 @@ from engine.serving.protocol import RequestValidationError
 from engine.protocol.chat_shapes import ShapeError, check_response_format, check_tool_choice, check_tools
 from engine.protocol.tool_choice import PARALLEL_WITHOUT_TOOLS, parallel_without_tools
 from engine.sampling_params import StructuredOutputsParams
-from engine.serving.tool_call_parser import ARGS_PREFIX, CALL_BEGIN, CALL_END, NAME_PREFIX
+from engine.serving.tool_call_parser import ARGS_PREFIX, CALL_BEGIN, CALL_END, NAME_PREFIX, ToolCallFormat
 
 
 GENERIC_TOOL_PROMPT = (
@@ -67,10 +67,9 @@ class ChatPlan:
         messages: the messages to render (rewritten for the generic tool
             prompt when the template does not know tools).
         template_kwargs: extra chat-template variables (``tools``).
-        parse_tool_calls: parse ``<tool_call>`` blocks out of the output.
-        calls_only: the grammar admits only tool calls (``tool_choice``
-            "required" or a named function): text outside calls, such as a
-            call's markup cut by ``max_tokens``, is never content.
+        tool_calls: parse ``<tool_call>`` blocks out of the output, as
+            this grammar admits them (``tool_call_parser.ToolCallFormat``);
+            None: no tools.
         param: the request field the grammar comes from (for errors).
         answer_format: the response format a text answer must follow when
             it is combined with tools (tool_choice "auto": the output is
@@ -80,8 +79,7 @@ class ChatPlan:
     structured_outputs: StructuredOutputsParams | None = None
     messages: list[dict] = field(default_factory=list)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
-    parse_tool_calls: bool = False
-    calls_only: bool = False
+    tool_calls: ToolCallFormat | None = None
     param: str = "response_format"
     answer_format: StructuredOutputsParams | None = None
 
@@ -129,8 +127,7 @@ def plan_chat(req, messages: list[dict], template: str | None) -> ChatPlan:
             where=((spec.where[0] if spec.where else param,) if answer is not None else ()) + tuple(
                 f"tools[{i}].function.parameters" for i in named))
         plan.answer_format = spec if answer is not None else None
-        plan.parse_tool_calls = True
-        plan.calls_only = choice != "auto"
+        plan.tool_calls = ToolCallFormat(choice != "auto", tuple(tools[i]["function"]["name"] for i in named))
         plan.param = "tools"
     if knows_tools:
         plan.messages = [_arguments_as_objects(m) for m in messages]

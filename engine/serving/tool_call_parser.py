@@ -12,6 +12,7 @@ non-streamed message is the same parser fed the whole text, so both agree by con
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 
 from engine.grammar_end import is_json
 from engine.serving.chunks import Delta, FunctionPiece, ToolCallPiece
@@ -22,6 +23,21 @@ ARGS_PREFIX = '", "arguments": '
 CALL_END = "}\n</tool_call>"
 
 
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """What the grammar of a chat request with tools admits (``chat_structured.plan_chat``).
+
+    Attributes:
+        calls_only: only calls (``tool_choice`` "required" or a named function): no text is ever content, even
+            the start of a call's markup.
+        names: the function names a call may have (the named one, else every tool's): the grammar writes each
+            call's name whole, so a cut inside it is completed when its prefix fits one name.
+    """
+
+    calls_only: bool = False
+    names: tuple[str, ...] = ()
+
+
 class ToolCallParser:
     """Splits generated text into content and OpenAI tool calls, incrementally.
 
@@ -29,16 +45,18 @@ class ToolCallParser:
     a ``content`` piece, or one ``tool_calls`` piece: a call's index, id, type and
     name first, then pieces of its arguments); ``finish()`` returns the rest. Content is the text outside calls with leading and
     trailing whitespace removed; a call whose output was cut (``length``)
-    keeps the arguments generated so far, and one cut inside its markup
-    (``<tool_call>\n{"name": "get_w``) the name so far, with no content.
+    keeps the arguments generated so far, and one cut inside its name
+    (``<tool_call>\n{"name": "get_w``) is that call with empty arguments
+    when the name so far is the prefix of one admitted name (the grammar
+    would have written the rest), else no call; never content.
 
     Args:
-        calls_only: the grammar admits only calls (``ChatPlan.calls_only``):
-            no text is ever content, even the start of a call's markup.
+        fmt: what the grammar admits (``ToolCallFormat``).
     """
 
-    def __init__(self, calls_only: bool = False) -> None:
-        self.calls_only = calls_only
+    def __init__(self, fmt: ToolCallFormat = ToolCallFormat()) -> None:
+        self.calls_only = fmt.calls_only
+        self.names = fmt.names
         self._buf = ""
         self._mode = "text"  # "text" | "name" | "args"
         self._pending_ws = ""
@@ -92,9 +110,7 @@ class ToolCallParser:
                 held = ""   # the call's own closing ("}\n</tool_call>") began when the output was cut
             self._args(held, out)
         elif self._mode == "name" and len(self._buf) > len(NAME_PREFIX):
-            name = self._buf[len(NAME_PREFIX):]  # cut inside the name, or the markup after it: the call so far
-            name = name[: len(name) - _partial_suffix(name, ARGS_PREFIX)]
-            if name:
+            if name := self._cut_name(self._buf[len(NAME_PREFIX):]):
                 self._start_call(name, out)
         elif self._buf and not (self.calls_only or self._is_markup_start(cut)):
             self._content(self._buf, out)
@@ -106,6 +122,17 @@ class ToolCallParser:
         self.calls.append(call)
         out.append(Delta(tool_calls=[ToolCallPiece(len(self.calls) - 1, call["id"], "function",
                                                    FunctionPiece(name, ""))]))
+
+    def _cut_name(self, text: str) -> str | None:
+        """The name of a call cut inside its markup, ``text`` being what followed ``{"name": "``: the name
+        whole when its closing quote was written, else the one admitted name it begins (a trial's tool_use named
+        ``get_`` with two tools ``get_*``: an agent looks tools up by name, so a name that fits several is no
+        call)."""
+        held = _partial_suffix(text, ARGS_PREFIX)
+        if held:
+            return text[: len(text) - held]
+        fits = [n for n in self.names if n.startswith(text)]
+        return fits[0] if len(fits) == 1 else None
 
     def _is_markup_start(self, cut: bool) -> bool:
         """The text kept back at the end is a call's markup cut short: a prefix of ``<tool_call>\n{"name": "``,
@@ -136,10 +163,11 @@ class ToolCallParser:
             out.append(Delta(tool_calls=[ToolCallPiece(len(self.calls) - 1, function=FunctionPiece(arguments=text))]))
 
 
-def parse_tool_calls(text: str, calls_only: bool = False, cut: bool = False) -> tuple[str | None, list[dict]]:
-    """The whole output as (content or None, tool calls) (``calls_only``: ``ToolCallParser``'s; ``cut``: the
-    output was cut by the length limit, ``finish``'s)."""
-    parser = ToolCallParser(calls_only)
+def parse_tool_calls(text: str, fmt: ToolCallFormat = ToolCallFormat(),
+                     cut: bool = False) -> tuple[str | None, list[dict]]:
+    """The whole output as (content or None, tool calls) (``fmt``: ``ToolCallParser``'s; ``cut``: the output was
+    cut by the length limit, ``finish``'s)."""
+    parser = ToolCallParser(fmt)
     deltas = parser.feed(text) + parser.finish(cut)
     content = "".join(d.content for d in deltas if isinstance(d.content, str))
     return content or None, parser.calls

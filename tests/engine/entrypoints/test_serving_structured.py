@@ -22,7 +22,7 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from engine.serving.chat_structured import GENERIC_TOOL_PROMPT, plan_chat
-from engine.serving.tool_call_parser import ToolCallParser, parse_tool_calls
+from engine.serving.tool_call_parser import ToolCallFormat, ToolCallParser, parse_tool_calls
 from engine.serving.protocol import ChatCompletionRequest, parse_request
 from engine.tokenizer import _compile_template
 from tests.engine.entrypoints.test_serving import LiveServer, start_server
@@ -362,7 +362,7 @@ def test_generic_tool_prompt_renders_calls_and_results():
     assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
             '{"city": "Paris", "unit": "celsius"}}\n</tool_call><|im_end|>') in text
     assert "<|im_start|>user\n<tool_response>\n22 degrees\n</tool_response><|im_end|>" in text
-    assert plan.parse_tool_calls and plan.structured_outputs.structural_tag
+    assert plan.tool_calls == ToolCallFormat(False, ("get_weather", "get_time")) and plan.structured_outputs.structural_tag
     # a template that knows tools gets them as a variable, and the messages as they are
     aware = "{{ tools | length }}" + chatml
     plan = plan_chat(req, messages, aware)
@@ -402,7 +402,7 @@ def test_a_required_tool_call_cut_by_max_tokens_is_a_partial_call_without_markup
     calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls or []]
     assert all("<tool_call>" not in c["name"] + c["arguments"] for c in calls)
     assert len(calls) == (max_tokens > 10)
-    assert not calls or calls[0]["name"] and "get_weather".startswith(calls[0]["name"])
+    assert all(c["name"] == "get_weather" for c in calls)   # a cut inside the name: the one it begins
     assert max_tokens < 24 or calls[0]["name"] == "get_weather" and "city" in calls[0]["arguments"]
     assert reassemble(chat_stream(server, **kw)) == (None, calls, "length")
 
@@ -420,15 +420,16 @@ def test_every_answer_carries_the_system_fingerprint(server):
 
 @pytest.mark.parametrize("text, name", [
     ("<tool", None), ("<tool_call>", None), ('<tool_call>\n{"name": "', None),
-    ('<tool_call>\n{"name": "get_w', "get_w"), ('<tool_call>\n{"name": "get_weather', "get_weather"),
+    ('<tool_call>\n{"name": "get_w', "get_weather"), ('<tool_call>\n{"name": "get_weather', "get_weather"),
     ('<tool_call>\n{"name": "get_weather",', "get_weather"), ('<tool_call>\n{"name": "get_weather", "', "get_weather"),
 ])
 def test_a_call_cut_inside_its_markup_is_never_content(text, name):
-    """Failure 8, at the parser: a cut inside the call's markup gives the call so far (or none), no content;
-    streamed deltas agree."""
-    content, calls = parse_tool_calls(text, calls_only=True)
+    """Failure 8, at the parser: a cut inside the call's markup gives the call with its whole name (or none), no
+    content; streamed deltas agree."""
+    fmt = ToolCallFormat(True, ("get_weather",))
+    content, calls = parse_tool_calls(text, fmt)
     assert content is None and [c["function"]["name"] for c in calls] == ([name] if name else [])
-    parser = ToolCallParser(calls_only=True)
+    parser = ToolCallParser(fmt)
     deltas = [d for ch in text for d in parser.feed(ch)] + parser.finish()
     assert not [d for d in deltas if d.content]
     if text.startswith("<tool_call>"):  # tool_choice "auto": the text before a call stays, its markup does not
@@ -440,6 +441,27 @@ def test_a_call_cut_inside_its_markup_is_never_content(text, name):
     parser = ToolCallParser()
     assert not [d for d in parser.feed(two_calls) + parser.finish(cut=True) if d.content]
     assert parse_tool_calls("Sure. <tool_")[0] == "Sure. <tool_"
+
+
+@pytest.mark.parametrize("cut, name", [
+    ("get_", None), ("get_t", "get_time"), ("get_weather", "get_weather"), ('get_weather"', "get_weather"),
+    ('get_weather", "argu', "get_weather"), ("set", None),
+])
+def test_a_name_cut_by_length_is_a_whole_admitted_name_or_no_call(cut, name):
+    """A trial's Messages answer cut by max_tokens was a ``tool_use`` named ``get_`` (tools get_weather and
+    get_time): a name cut short is the one admitted name it begins (the grammar would have written the rest) with
+    empty arguments, or, when it begins several, no call; streamed deltas agree."""
+    text = '<tool_call>\n{"name": "' + cut
+    for fmt in (ToolCallFormat(True, ("get_weather", "get_time")), ToolCallFormat(False, ("get_weather", "get_time"))):
+        content, calls = parse_tool_calls(text, fmt, cut=True)
+        assert content is None
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == ([(name, "")] if name else [])
+        parser = ToolCallParser(fmt)
+        deltas = [d for ch in text for d in parser.feed(ch)] + parser.finish(cut=True)
+        assert [d.tool_calls[0].function.name for d in deltas if d.tool_calls] == ([name] if name else [])
+    # a named tool_choice admits one name: any prefix of it is that call
+    assert parse_tool_calls('<tool_call>\n{"name": "get_', ToolCallFormat(True, ("get_time",)), cut=True)[1][0][
+        "function"]["name"] == "get_time"
 
 
 def test_the_request_handler_leaves_schema_checks_to_the_compile_pool(monkeypatch):
