@@ -71,6 +71,9 @@ class SharedState:
         # backends each replica runs for itself (its co-located engine): their breakers, probes and health
         # counters are this replica's own (``key``); set by the config's owner on every apply
         self.replica_scoped: frozenset[str] = frozenset()
+        # Redis unreachable: refuse limited and budgeted requests (the config's state.fail_closed_limits, the one
+        # state key a reload changes: set by the config's owner on every apply; the others shape the connection)
+        self.fail_closed_limits = self.config.fail_closed_limits
         self.outages = 0   # times Redis became unreachable
         self.rejoins = 0   # times it came back (counted once the rejoin hooks have run)
         if self.config.redis_url:

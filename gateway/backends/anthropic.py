@@ -18,7 +18,7 @@ from gateway.values import ChatStream
 
 
 class AnthropicBackend(UpstreamBackend):
-    """An upstream of ``type: anthropic`` (``gateway.config.schema.AnthropicBackendConfig``)."""
+    """An upstream of ``type: anthropic`` (``gateway.config.backend_schema.AnthropicBackendConfig``)."""
 
     kind = "anthropic"
     endpoints = ("messages",)

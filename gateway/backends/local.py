@@ -18,7 +18,7 @@ import msgspec
 from gateway.backends.dispatch import GATEWAY_ONLY_FIELDS
 from gateway.backends.relabel import answer_id
 from gateway.billing.usage import tenant_label
-from gateway.config.schema import LocalBackendConfig
+from gateway.config.backend_schema import LocalBackendConfig
 from gateway.errors import BackendError, ClientError
 from gateway.resilience.outcomes import UpstreamResponse, Withdrawn
 from gateway.translate.chat_events import event_from_object

@@ -23,7 +23,7 @@ import msgspec
 from httpx_aiohttp import AiohttpTransport
 
 from gateway.backends.h1 import Pool, Response
-from gateway.config.schema import OpenAIBackendConfig
+from gateway.config.backend_schema import OpenAIBackendConfig
 from gateway.errors import BackendError, transport_error_kind
 from gateway.observability.tracing import current_traceparent
 from gateway.resilience.outcomes import UpstreamResponse, parse_retry_after

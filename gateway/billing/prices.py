@@ -25,7 +25,7 @@ class Price:
 
     @classmethod
     def of(cls, prices: Any) -> "Price":
-        """From a ``gateway.config.schema.Prices`` (or anything with those attributes)."""
+        """From a ``gateway.config.backend_schema.Prices`` (or anything with those attributes)."""
         if prices is None:
             return cls()
         return cls(float(prices.input), float(prices.output),

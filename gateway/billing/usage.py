@@ -207,7 +207,7 @@ class UsageLedger:
         est = max(0, int(estimate_nusd))
         now_ms = int(now * 1000)
         shared = self.state.redis is not None
-        fail_closed = shared and self.state.config.fail_closed_limits
+        fail_closed = shared and self.state.fail_closed_limits
         in_process = []                # set when the decision was taken here, not by Redis
 
         def local() -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 
 from gateway.config.compile import Compiled
-from gateway.config.schema import GatewayConfig
+from gateway.config.schema import READ_AT_START, GatewayConfig
 from policies import Target
 
 
@@ -67,7 +67,9 @@ def _load(text: str):
 
 def key_changes(old, new, path: str = "", depth: int = 3) -> list[str]:
     """Key paths (``routes.main.shadow``) added, removed or changed between two parsed configs, followed to
-    ``depth`` levels (a change deeper is reported at that level); comments and formatting are not changes."""
+    ``depth`` levels (a change deeper is reported at that level); comments and formatting are not changes. A key
+    the gateway reads at start (``schema.READ_AT_START``) says so: ``state.redis_url changed (read at start: a
+    restart applies it)`` (a trial's fail_closed_limits change was logged as applied, and was not)."""
     if old == new:
         return []
     if not (isinstance(old, dict) and isinstance(new, dict)) or depth == 0:
@@ -76,9 +78,15 @@ def key_changes(old, new, path: str = "", depth: int = 3) -> list[str]:
     for k in list(old) + [k for k in new if k not in old]:
         sub = f"{path}.{k}" if path else str(k)
         if k not in new:
-            out.append(f"{sub} removed")
+            out.append(f"{sub} removed{_at_start(sub)}")
         elif k not in old:
-            out.append(f"{sub} added")
+            out.append(f"{sub} added{_at_start(sub)}")
+        elif sub in READ_AT_START and old[k] != new[k]:
+            out.append(f"{sub} changed{_at_start(sub)}")
         else:
             out += key_changes(old[k], new[k], sub, depth - 1)
     return out
+
+
+def _at_start(path: str) -> str:
+    return " (read at start: a restart applies it)" if path in READ_AT_START else ""

@@ -16,7 +16,8 @@ import yaml
 from pydantic import ValidationError
 
 from engine.config import EngineArgs
-from gateway.config.schema import ConfigError, EngineConfig, GatewayConfig, TargetConfig
+from gateway.config.backend_schema import EngineConfig
+from gateway.config.schema import ConfigError, GatewayConfig, TargetConfig
 from gateway.config.weights import check_weights
 from gateway.observability.otlp import otlp_unavailable
 from gateway.rollouts.spec import config_problems

@@ -25,7 +25,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from gateway.config.schema import GatewayConfig
+from gateway.config.schema import READ_AT_START, GatewayConfig
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "config.example.yaml"
 
@@ -72,7 +72,7 @@ def _container(annotation: Any) -> tuple[str, list[type[BaseModel]]] | None:
 
 
 def _type_name(annotation: Any) -> str:
-    text = str(annotation).replace("typing.", "").replace("gateway.config.schema.", "")
+    text = re.sub(r"gateway\.config\.\w+\.", "", str(annotation).replace("typing.", ""))
     text = re.sub(r"<class '([\w.]+)'>", r"\1", text)
     return re.sub(r"Annotated\[(.*), FieldInfo\(.*\)\]", r"\1", text)
 
@@ -117,18 +117,15 @@ def _model_doc(model: type[BaseModel]) -> str:
 
 def _node(models: list[type[BaseModel]]) -> Node:
     """The settings of a model, or of a union of models discriminated by ``type`` (each key once, with the
-    types that read it when not all do)."""
+    types that read it when not all do, and per type where the types differ in its type, default or meaning)."""
     node = Node("model")
-    readers: dict[str, list[str]] = {}
+    variants: dict[str, list[tuple[str, Node]]] = {}
     for model in models:
         comments = _field_comments(model)
         hints = typing.get_type_hints(model, include_extras=True)   # forward references resolved
+        kind = typing.get_args(model.model_fields["type"].annotation)[0] if len(models) > 1 else ""
         for name, info in model.model_fields.items():
             annotation = hints.get(name, info.annotation)
-            readers.setdefault(name, []).append(typing.get_args(model.model_fields["type"].annotation)[0]
-                                                if len(models) > 1 else "")
-            if name in node.children:
-                continue
             child = Node("leaf", owner=model.__name__, name=name, type=_type_name(annotation),
                          default=_default(info), bounds=_bounds(info), doc=comments.get(name, ""))
             container, sub = _container(annotation), _models_in(annotation)
@@ -137,11 +134,35 @@ def _node(models: list[type[BaseModel]]) -> Node:
             elif sub:
                 child.kind, child.children = "model", _node(sub).children
                 child.doc = child.doc or _model_doc(sub[0])
-            node.children[name] = child
-    for name, kinds in readers.items():
-        if len(models) > 1 and len(kinds) < len(models):
-            _mark(node.children[name], tuple(kinds))
+            variants.setdefault(name, []).append((kind, child))
+            node.children.setdefault(name, child)
+    for name, read_by in variants.items():
+        if len(read_by) > 1 and node.children[name].kind == "leaf":
+            node.children[name] = _merged(read_by)
+        if len(models) > 1 and len(read_by) < len(models):
+            _mark(node.children[name], tuple(k for k, _ in read_by))
     return node
+
+
+def _merged(read_by: list[tuple[str, Node]]) -> Node:
+    """One key several backend types read (``backends.<name>.base_url``): its type the union of theirs (a
+    ``Literal``'s values joined), and its default, bounds and meaning each one value, or per type where they differ
+    (``required (openai); https://api.anthropic.com/v1 (anthropic)``)."""
+    literals = [re.fullmatch(r"Literal\[(.*)\]", leaf.type) for _, leaf in read_by]
+    kind = (f"Literal[{', '.join(m.group(1) for m in literals)}]" if all(literals)
+            else " | ".join(dict.fromkeys(leaf.type for _, leaf in read_by)))
+
+    def per_type(attr: str) -> str:
+        groups: dict[str, list[str]] = {}
+        for k, leaf in read_by:
+            groups.setdefault(getattr(leaf, attr), []).append(k)
+        if len(groups) == 1:
+            return next(iter(groups))
+        return "; ".join(f"{value} ({', '.join(kinds)})" for value, kinds in groups.items() if value)
+
+    first = read_by[0][1]
+    return Node("leaf", owner=first.owner, name=first.name, type=kind, default=per_type("default"),
+                bounds=per_type("bounds"), doc=per_type("doc"))
 
 
 def _mark(node: Node, kinds: tuple[str, ...]) -> None:
@@ -320,6 +341,8 @@ def markdown() -> str:
         doc = node.doc or examples.get((node.owner, node.name), "")
         if node.only_for:
             doc += f" (backends of type {', '.join(node.only_for)})"
+        if path in READ_AT_START:
+            doc += " (read at start: a reload keeps the running value)"
         default = f"`{_cell(node.default)}`" if node.default else ""
         lines.append(f"| `{path}` | `{_cell(node.type)}` | {default} | {_cell(node.bounds)} | {_cell(doc.strip())} |")
     return "\n".join(lines) + "\n"

@@ -4,11 +4,13 @@ read at run time from these models. Compilation: ``gateway/config/compile.py``.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union, get_args
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from engine.config import parse_size
+from gateway.config.backend_schema import Backend, Prices
+from gateway.config.strict import StrictModel
 
 class ConfigError(ValueError):
     """An invalid config. ``errors`` holds (key path, problem) pairs; the
@@ -20,29 +22,19 @@ class ConfigError(ValueError):
         super().__init__(f"{where}invalid config:\n" + "\n".join(f"  {p or '(root)'}: {m}" for p, m in errors))
 
 
-def _number_field(annotation: Any) -> bool:
-    """Whether a field's type takes a number and not a boolean (``float``, ``int | None``, ...)."""
-    return bool not in (args := get_args(annotation) or (annotation,)) and any(a in (int, float) for a in args)
+# Keys a running gateway reads once, at start (the listener, its door limits, the Redis connection, the tracer):
+# a reload records a change of one and its log line says a restart applies it (``changes.describe_changes``); the
+# reference page marks them (``reference.py``). Every other key takes effect on the reload.
+READ_AT_START = ("server.host", "server.port", "server.max_header_bytes", "server.max_headers",
+                 "server.header_timeout_s", "server.log_level", "server.cors", "state.redis_url", "state.redis",
+                 "state.data_dir", "state.key_prefix", "state.socket_timeout_s", "state.max_connections",
+                 "state.reconnect_min_s", "state.reconnect_max_s", "observability.tracing",
+                 "observability.logs.requests", "observability.logs.destination")
 
 
-class _Strict(BaseModel):
-    # no unknown keys, no .inf / .nan, no YAML true / false for a number (pydantic reads 1 / 0: `ttft_ms: true`)
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_boolean_numbers(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, field in cls.model_fields.items():
-                value = data.get(field.alias or name)
-                if isinstance(value, bool) and _number_field(field.annotation):
-                    raise ValueError(f"{field.alias or name}: a number is needed, not {str(value).lower()}")
-        return data
-
-
-class CorsConfig(_Strict):
+class CorsConfig(StrictModel):
     """Cross-origin requests from browsers (Litestar's ``CORSConfig``); preflights are answered with these
-    ``Access-Control-Allow-*`` values. Read at start (a reload does not change it)."""
+    ``Access-Control-Allow-*`` values."""
 
     allow_origins: list[str] = Field(min_length=1)     # e.g. ["https://app.example.com"]; "*" = any
     allow_methods: list[str] = ["GET", "POST", "OPTIONS"]   # methods a preflight allows
@@ -55,7 +47,7 @@ class CorsConfig(_Strict):
     max_age: int = Field(600, ge=0)        # seconds a browser may cache a preflight answer
 
 
-class ServerConfig(_Strict):
+class ServerConfig(StrictModel):
     """Listening address and request limits."""
 
     host: str = "127.0.0.1"
@@ -63,9 +55,9 @@ class ServerConfig(_Strict):
     insecure: bool = False                 # allow a non-loopback bind with no virtual keys
     max_body_size: int = 4 * 2**20         # bytes ("4MiB" accepted)
     body_timeout_s: float = Field(30.0, gt=0)        # a body not complete by then: 408
-    max_header_bytes: int = 64 * 2**10               # request line + headers; more: 431 (read at start)
-    max_headers: int = Field(100, ge=1)              # header fields; more: 431 (read at start)
-    header_timeout_s: float = Field(10.0, gt=0)      # a head not complete by then: 408 (read at start)
+    max_header_bytes: int = 64 * 2**10               # request line + headers; more: 431
+    max_headers: int = Field(100, ge=1)              # header fields; more: 431
+    header_timeout_s: float = Field(10.0, gt=0)      # a head not complete by then: 408
     drain_timeout_s: float = Field(30.0, gt=0)
     log_level: str = "info"
     cors: CorsConfig | None = None         # off by default
@@ -76,7 +68,7 @@ class ServerConfig(_Strict):
         return parse_size(v)
 
 
-class AdminConfig(_Strict):
+class AdminConfig(StrictModel):
     """The admin API's bearer token comes from this environment variable;
     unset = the admin API answers 401 to everyone."""
 
@@ -86,16 +78,16 @@ class AdminConfig(_Strict):
     public_metrics: bool = False
 
 
-class ReloadConfig(_Strict):
+class ReloadConfig(StrictModel):
     watch: bool = True                     # poll the file's mtime and reload on change
     poll_interval_s: float = Field(1.0, gt=0)
     keep_versions: int = Field(10, ge=2)   # versions kept for rollback
 
 
-class StateSettings(_Strict):
+class StateSettings(StrictModel):
     redis_url: str | None = None           # shared state for several replicas; None = in-process
     # embedded: a private redis-server on this machine, started (or joined) by the gateway and persisted under
-    # data_dir (gateway/embedded_redis.py); read at start
+    # data_dir (gateway/embedded_redis.py)
     redis: Literal["embedded"] | None = None
     data_dir: str = ".tandem"              # the gateway's own files (the embedded redis's: <data_dir>/redis)
     key_prefix: str = "tandem"
@@ -113,7 +105,7 @@ class StateSettings(_Strict):
         return self
 
 
-class RetrySettings(_Strict):
+class RetrySettings(StrictModel):
     """The attempt loop's limits (``gateway/resilience/attempts.py``), seconds. ``deadline_s`` bounds everything
     before the response is committed."""
 
@@ -127,7 +119,7 @@ class RetrySettings(_Strict):
     inter_chunk_timeout_s: float = Field(60.0, gt=0)
 
 
-class BreakerSettings(_Strict):
+class BreakerSettings(StrictModel):
     """Circuit-breaker thresholds (``gateway/resilience/breaker.py``), seconds."""
 
     failure_rate: float = Field(0.5, gt=0, le=1)
@@ -144,7 +136,7 @@ class BreakerSettings(_Strict):
     cache_s: float = Field(0.25, ge=0)   # a replica trusts an answer from Redis (closed or open) this long
 
 
-class HealthSettings(_Strict):
+class HealthSettings(StrictModel):
     """Health tracking (``gateway/resilience/health.py``): ``interval_s`` active probe period (0 disables
     probing), ``timeout_s`` one probe's limit; seconds."""
 
@@ -154,24 +146,24 @@ class HealthSettings(_Strict):
     max_error_rate: float = Field(0.5, gt=0, le=1)   # at or above this error rate a backend is reported unhealthy
 
 
-class ResilienceConfig(_Strict):
+class ResilienceConfig(StrictModel):
     retry: RetrySettings = RetrySettings()
     breaker: BreakerSettings = BreakerSettings()
     health: HealthSettings = HealthSettings()
 
 
-class TenantLimit(_Strict):
+class TenantLimit(StrictModel):
     rpm: int | None = Field(None, ge=1)    # requests per window
     tpm: int | None = Field(None, ge=1)    # tokens per window
 
 
-class LimitsConfig(_Strict):
+class LimitsConfig(StrictModel):
     window_s: float = Field(60.0, gt=0)
     default_completion_tokens: int = Field(512, ge=1)   # reserved when a request sets no max_tokens
     tenants: dict[str, TenantLimit] = {}
 
 
-class VirtualKey(_Strict):
+class VirtualKey(StrictModel):
     """One client key: its sha256 (hex) or the env var holding it."""
 
     tenant: str   # the tenant this key's requests are billed and limited as
@@ -192,12 +184,12 @@ class VirtualKey(_Strict):
         return self
 
 
-class AuthConfig(_Strict):
+class AuthConfig(StrictModel):
     # virtual API keys (Authorization: Bearer <key>) -> tenants; none: anonymous, loopback only
     keys: list[VirtualKey] = []
 
 
-class ModelConfig(_Strict):
+class ModelConfig(StrictModel):
     """A public model name clients may ask for, and its aliases."""
 
     name: str   # the public name clients put in `model`
@@ -208,125 +200,7 @@ class ModelConfig(_Strict):
     default_max_tokens: int | None = Field(None, ge=1)
 
 
-class Prices(_Strict):
-    input: float = Field(0.0, ge=0)        # USD per million prompt tokens
-    output: float = Field(0.0, ge=0)       # USD per million completion tokens
-    # USD per million prompt tokens served from the upstream's prompt cache (None: input)
-    cached_input: float | None = Field(None, ge=0)
-
-
-class Timeouts(_Strict):
-    connect_s: float = Field(5.0, gt=0)
-    read_s: float = Field(120.0, gt=0)     # between bytes of a response
-    first_token_s: float = Field(30.0, gt=0)  # until the first streamed chunk
-    inter_chunk_s: float | None = Field(None, gt=0)  # between streamed chunks (None: read_s)
-
-
-class EngineConfig(_Strict):
-    """``engine.config.EngineArgs`` fields (vLLM names); unset = its default."""
-
-    model: str | None = None
-    served_model_name: str | None = None
-    dtype: str | None = None
-    device: str | None = None
-    block_size: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    kv_cache_memory: int | str | None = None
-    gpu_memory_utilization: float | None = None
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool | None = None
-    enable_chunked_prefill: bool | None = None
-    swap_space: float | None = None
-    scheduling_policy: str | None = None
-    num_scheduler_steps: int | None = None
-    num_threads: int | None = None
-    tensor_parallel_size: int | None = None
-    seed: int | None = None
-    attention_backend: str | None = None
-    batch_invariant: bool | None = None
-    quantization: str | None = None
-    speculative_config: dict | None = None
-    load_format: str | None = None
-    engine_core_process: bool | None = None
-    structured_outputs_workers: int | None = None
-    structured_outputs_compile_timeout_s: float | None = None
-    structured_outputs_max_bytes: int | str | None = None
-    structured_outputs_cache_memory: int | str | None = None
-    structured_outputs_cache_entries: int | None = None
-    generation_config: str | None = None
-    override_generation_config: dict | None = None
-    chat_template: str | None = None
-
-    def engine_kwargs(self) -> dict:
-        return {k: v for k, v in self.model_dump().items() if v is not None}
-
-
-class LocalCostConfig(_Strict):
-    """The local engine's price from its machine's (``gateway/billing/local_cost.py``)."""
-
-    usd_per_hour: float = Field(gt=0)            # what the machine costs, USD per hour
-    interval_s: float = Field(60.0, gt=0)        # spread over the tokens served in each interval of this many seconds
-
-
-class LocalBackendConfig(_Strict):
-    """The in-process engine."""
-
-    type: Literal["local"]
-    engine: EngineConfig = EngineConfig()
-    # Structured features the engine serves (grammar-constrained decoding); a request using another is not local.
-    structured_outputs: list[Literal["response_format", "tools"]] = ["response_format", "tools"]
-    prices: Prices = Prices()
-    cost: LocalCostConfig | None = None    # prices from usd_per_hour and the tokens served (ranking by cost)
-    rpm: int | None = Field(None, ge=1)
-    tpm: int | None = Field(None, ge=1)
-
-
-class OpenAIBackendConfig(_Strict):
-    """Any OpenAI-compatible upstream."""
-
-    type: Literal["openai"]
-    base_url: str
-    api_key_env: str | None = None         # None = no Authorization header upstream
-    models: dict[str, str] = {}            # public model name -> upstream model name
-    max_model_len: int | None = Field(None, ge=1)
-    prices: Prices = Prices()
-    timeouts: Timeouts = Timeouts()
-    headers: dict[str, str] = {}
-    max_connections: int = Field(256, ge=1)
-    rpm: int | None = Field(None, ge=1)    # the upstream's quota (per limits.window_s)
-    tpm: int | None = Field(None, ge=1)
-    stream_usage: bool = True              # ask streams for usage (stream_options.include_usage); false: estimated
-    # APIs this upstream speaks natively besides chat/completions and completions: a whole (non-streamed)
-    # request on one is passed through as it is; otherwise (and streamed) it is translated onto chat
-    apis: list[Literal["responses"]] = []
-    # A ``tandem engine serve`` replica: slo routes ask its POST /v1/ttft for each request's predicted TTFT
-    # (gateway/backends/latency.py) instead of ranking it by its measured TTFT alone
-    predicts_ttft: bool = False
-
-    @field_validator("base_url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
-        return v.rstrip("/")
-
-
-class AnthropicBackendConfig(OpenAIBackendConfig):
-    """An upstream speaking Anthropic's Messages API (``POST base_url/messages``, key in ``x-api-key``): Messages
-    requests are passed through natively; chat and completions requests are not sent to it."""
-
-    type: Literal["anthropic"]
-    base_url: str = "https://api.anthropic.com/v1"
-    anthropic_version: str = "2023-06-01"  # the anthropic-version header sent
-
-
-Backend = Annotated[Union[LocalBackendConfig, OpenAIBackendConfig, AnthropicBackendConfig],
-                    Field(discriminator="type")]
-
-
-class TargetConfig(_Strict):
+class TargetConfig(StrictModel):
     backend: str   # a backend's name
     model: str = ""                        # upstream model; "" = the backend's mapping
     # relative share (percent by convention); all targets of a route set it or none does
@@ -334,7 +208,7 @@ class TargetConfig(_Strict):
     id: str = ""                           # default: backend (or backend/model)
 
 
-class AffinityConfig(_Strict):
+class AffinityConfig(StrictModel):
     """``select: prefix_affinity`` settings (``policies/affinity.py``): the prefix hashed (text blocks), the load
     bound, and how often the replicas' ``/metrics`` are read (seconds)."""
 
@@ -345,7 +219,7 @@ class AffinityConfig(_Strict):
     metrics_interval_s: float = Field(0.5, gt=0)    # replicas' /metrics read this often
 
 
-class CacheConfig(_Strict):
+class CacheConfig(StrictModel):
     """A route's response cache (``gateway/cache/``). ``exact``: local-engine answers of greedy or seeded
     requests, keyed by the engine's ``system_fingerprint`` and the rendered prompt's token ids; ``best_effort``:
     any backend's answer, keyed by the body (labelled ``x-tandem-cache-mode: best_effort``)."""
@@ -362,14 +236,14 @@ class CacheConfig(_Strict):
     scope: Literal["tenant", "route"] = "tenant"
 
 
-class SloConfig(_Strict):
+class SloConfig(StrictModel):
     """A TTFT objective (``policies/slo.py``): the cheapest target predicted to meet it, else the fastest."""
 
     ttft_ms: float = Field(gt=0)                 # time to first token, milliseconds
     tpot_ms: float | None = Field(None, gt=0)    # time per output token, milliseconds (None: no TPOT objective)
 
 
-class ShadowConfig(_Strict):
+class ShadowConfig(StrictModel):
     """A route's shadow traffic (``gateway/rollouts/shadow.py``): a sample of its chat requests is sent in the
     background to ``target`` (a backend of the config) and, for the parity report, again to the target that served
     it, both asked for logprobs; the client's answer never waits for them. Billed to the ``shadow`` ledger line."""
@@ -381,7 +255,7 @@ class ShadowConfig(_Strict):
     top_logprobs: int = Field(5, ge=0, le=20)    # asked of both sides, for the KL of the statistical report
 
 
-class RouteConfig(_Strict):
+class RouteConfig(StrictModel):
     # weighted targets; a failed one fails over to the others of weight > 0
     targets: list[TargetConfig] = Field(min_length=1)
     fallbacks: list[TargetConfig] = []   # tried in order once the targets failed
@@ -400,21 +274,21 @@ class RouteConfig(_Strict):
     release: bool = False   # a reload takes the route's split back from a rollout holding it (docs/operators/desired-state.md)
 
 
-class RuleConfig(_Strict):
+class RuleConfig(StrictModel):
     name: str   # the rule's name (x-tandem-rule)
     match: dict[str, Any] = {}   # fields and operators, ANDed (any: [...] ORs); {} matches every request
     route: str   # the route a matching request takes
     slo: SloConfig | None = None                 # this rule's SLO (a tenant's, a priority's): replaces the route's
 
 
-class PolicyConfig(_Strict):
+class PolicyConfig(StrictModel):
     canary_key: str = "user"               # user | header:<name> | request_id
     default_route: str
     rules: list[RuleConfig] = []   # first match wins
 
 
-class TracingConfig(_Strict):
-    """OpenTelemetry traces and GenAI metrics (``gateway/observability/telemetry.py``); fixed until restart."""
+class TracingConfig(StrictModel):
+    """OpenTelemetry traces and GenAI metrics (``gateway/observability/telemetry.py``)."""
 
     exporter: Literal["none", "console", "otlp"] = "none"
     endpoint: str | None = None            # OTLP/HTTP collector, e.g. http://127.0.0.1:4318
@@ -422,30 +296,30 @@ class TracingConfig(_Strict):
     sample_ratio: float = Field(1.0, ge=0, le=1)
 
 
-class LogsConfig(_Strict):
+class LogsConfig(StrictModel):
     requests: bool = True                  # one JSON line per request (logger tandem.requests)
     destination: str = "stderr"            # stderr | stdout | a file path
     include_prompts: bool = False          # add prompts and completions to the line
 
 
-class ObservabilityConfig(_Strict):
+class ObservabilityConfig(StrictModel):
     tracing: TracingConfig = TracingConfig()
     logs: LogsConfig = LogsConfig()        # the JSON request log
 
 
-class TenantBudget(_Strict):
+class TenantBudget(StrictModel):
     usd: float = Field(ge=0)               # USD per period
     period: Literal["day", "month"] = "month"   # UTC calendar day / month
 
 
-class BudgetsConfig(_Strict):
+class BudgetsConfig(StrictModel):
     reservation_ttl_s: float = Field(600.0, gt=0)   # an unsettled reservation lapses after this long
     record_ttl_s: float = Field(8 * 86400.0, gt=0)  # a request's usage record stays in Redis this long (dedupe)
     journal_path: str | None = None        # file keeping the settles of a Redis outage across a restart
     tenants: dict[str, TenantBudget] = {}
 
 
-class GatesConfig(_Strict):
+class GatesConfig(StrictModel):
     """A rollout's gates, judged on the pairs compared since its current step began (``gateway/rollouts/gates.py``);
     an unset gate is not checked."""
 
@@ -459,7 +333,7 @@ class GatesConfig(_Strict):
     min_compared: int = Field(5, ge=1)                    # pairs needed at a step before the gates judge it
 
 
-class RolloutConfig(_Strict):
+class RolloutConfig(StrictModel):
     """A progressive rollout (``gateway/rollouts/controller.py``): the candidate target's weight on ``route`` goes
     through ``steps`` (percent) while every gate holds for ``hold_s`` at a step; a failing gate rolls it back to
     the last good step."""
@@ -483,7 +357,7 @@ class RolloutConfig(_Strict):
         return v
 
 
-class GatewayConfig(_Strict):
+class GatewayConfig(StrictModel):
     server: ServerConfig = ServerConfig()
     admin: AdminConfig = AdminConfig()
     reload: ReloadConfig = ReloadConfig()   # the file watcher and the versions kept

@@ -47,6 +47,7 @@ class Resilience:
     def configure(self, cfg: GatewayConfig) -> None:
         """(Re)read limits, retry, breaker and health settings from a config generation."""
         self.state.replica_scoped = frozenset(n for n, b in cfg.backends.items() if b.type == "local")
+        self.state.fail_closed_limits = cfg.state.fail_closed_limits
         self.policy: RetrySettings = cfg.resilience.retry
         self.breakers.config = cfg.resilience.breaker
         self.health.config = cfg.resilience.health

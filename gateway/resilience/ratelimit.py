@@ -259,7 +259,7 @@ class RateLimiter:
         for lim in limits:
             keys.extend(self._keys(lim))
             args.extend([-1 if lim.rpm is None else lim.rpm, -1 if lim.tpm is None else lim.tpm])
-        fail_closed = self.state.config.fail_closed_limits and self.state.redis is not None
+        fail_closed = self.state.fail_closed_limits and self.state.redis is not None
 
         def fallback() -> list[int]:
             if fail_closed:

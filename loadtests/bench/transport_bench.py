@@ -20,7 +20,7 @@ import httpx
 from aiohttp import web
 
 from gateway.backends.upstream import UpstreamBackend, make_client
-from gateway.config.schema import OpenAIBackendConfig
+from gateway.config.backend_schema import OpenAIBackendConfig
 
 _BODY = b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"ok"}}]}'
 

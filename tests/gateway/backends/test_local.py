@@ -20,7 +20,8 @@ import pytest
 import pytest_asyncio
 
 from gateway.backends.local import LocalBackend
-from gateway.config.schema import EngineConfig, GatewayConfig, LocalBackendConfig
+from gateway.config.backend_schema import EngineConfig, LocalBackendConfig
+from gateway.config.schema import GatewayConfig
 from gateway.errors import BackendError
 from gateway.request.validate import check_request
 from gateway.values import GatewayRequest

@@ -1,5 +1,5 @@
 """A number in the config is a finite number: YAML's true / false (which pydantic would read as 1 and 0) and
-.inf / .nan are refused at load, naming the key (gateway/config/schema.py's _Strict)."""
+.inf / .nan are refused at load, naming the key (gateway/config/strict.py's StrictModel)."""
 
 from __future__ import annotations
 

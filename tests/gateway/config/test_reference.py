@@ -65,3 +65,13 @@ def test_every_config_key_the_docs_name_exists():
     assert resolve(tree, "state.no_such_key") is None and resolve(tree, "backends.local.engine.dtype") is not None
     wrong = sorted({(p, f) for p, f in named if resolve(tree, p) is None})
     assert wrong == [], f"key paths the docs name that the schema does not have: {wrong}"
+
+
+def test_a_key_of_several_backend_types_is_told_per_type():
+    """A docs trial: ``backends.<name>.type`` read ``Literal['local']``, "the engine in this process", and
+    ``base_url`` "required", "POST base_url/messages", for every type: the first type's row stood for all."""
+    rows = {line.split("|")[1].strip(" `"): line for line in markdown().splitlines() if line.startswith("| `")}
+    assert "`Literal['local', 'openai', 'anthropic']`" in rows["backends.<name>.type"]
+    assert "required (openai); https://api.anthropic.com/v1 (anthropic)" in rows["backends.<name>.base_url"]
+    assert "(local);" in rows["backends.<name>.rpm"] and "(openai, anthropic)" in rows["backends.<name>.rpm"]
+    assert "(read at start" in rows["state.redis_url"] and "(read at start" not in rows["state.fail_closed_limits"]

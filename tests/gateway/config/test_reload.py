@@ -291,6 +291,35 @@ def test_redis_outage_keeps_serving_and_reseeds(upstreams, tmp_path, redis_serve
         g.stop()
 
 
+def test_fail_closed_limits_takes_effect_on_reload(upstreams, tmp_path, redis_server):
+    """A docs trial: state.fail_closed_limits changed by a reload was logged as applied, and a limited request
+    was still admitted in process once Redis went away (the limiter kept the start's value). Now the reload
+    applies it; a key read at start says so in the reload's answer."""
+    a, b = upstreams
+    state = (f"state: {{redis_url: '{redis_server.url}', key_prefix: failclosed, sync_interval_s: 0.3, "
+             "socket_timeout_s: 0.3, fail_closed_limits: false}\nlimits: {tenants: {anonymous: {rpm: 100}}}")
+    path = tmp_path / "config.yaml"
+    path.write_text(upstream_config({"a": a, "b": b}, ROUTES, extra=state))
+    g = GatewayProcess(path, env=ENV).start()
+    try:
+        body = {"model": "m1", "messages": [{"role": "user", "content": "x"}]}
+        assert httpx.post(g.url + "/v1/chat/completions", json=body).status_code == 200
+        path.write_text(path.read_text().replace("fail_closed_limits: false", "fail_closed_limits: true")
+                        .replace("key_prefix: failclosed", "key_prefix: other"))
+        r = httpx.post(g.url + "/admin/reload", headers=ADMIN, timeout=10)
+        assert r.status_code == 200, r.text
+        line = next(x for x in g.log().splitlines() if "config version 2 applied" in x)
+        assert "state.fail_closed_limits changed;" in line or line.endswith("state.fail_closed_limits changed")
+        assert "state.key_prefix changed (read at start: a restart applies it)" in line
+        redis_server.stop()
+        assert wait_until(lambda: admin_config(g)["redis_degraded"])
+        r = httpx.post(g.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "rate_limiter_unavailable", r.text
+    finally:
+        redis_server.start()
+        g.stop()
+
+
 def test_a_key_given_twice_is_refused_not_half_applied(upstreams, tmp_path):
     """A second ``policy:`` block pasted at the end of the file was applied, PyYAML keeping the last: the first
     block's rules were dropped without a word (an ops trial). The reload is refused naming both lines; the
