@@ -32,8 +32,9 @@ import msgspec
 
 from gateway.errors import anthropic_error_body
 from gateway.sse import named_event
-from gateway.translate.anthropic_checks import (bad_request, check_metadata, check_output_config, check_sampling,
-                                                check_thinking, check_tool_results, check_tool_schema,
+from gateway.translate.anthropic_checks import (bad_request, check_block, check_hints, check_keys, check_message,
+                                                check_metadata, check_output_config, check_sampling, check_thinking,
+                                                check_tool, check_tool_choice, check_tool_results,
                                                 missing_or_wrong)
 from gateway.translate.anthropic_answer import NATIVE
 from gateway.translate.anthropic_json import ObjectPrefix, tool_input
@@ -63,6 +64,7 @@ def _text_of(blocks: object, param: str) -> str:
     for i, b in enumerate(blocks):
         if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
             raise bad_request(f"{param}.{i}: only text blocks are supported here", f"{param}.{i}")
+        check_keys(b, "text", f"{param}.{i}")
         out.append(b["text"])
     return "\n".join(out)
 
@@ -77,12 +79,14 @@ def _tool_result(content: object, param: str) -> tuple[str, list[dict]]:
         raise bad_request(f"{param}: must be a string or an array of text and image blocks", param)
     texts, images = [], []
     for i, b in enumerate(content):
-        if isinstance(b, dict) and b.get("type") == "image":
-            images.append(_image_part(b, f"{param}.{i}"))
-        elif isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str):
-            texts.append(b["text"])
-        else:
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind not in ("text", "image") or kind == "text" and not isinstance(b.get("text"), str):
             raise bad_request(f"{param}.{i}: only text and image blocks are supported here", f"{param}.{i}")
+        check_keys(b, kind, f"{param}.{i}")
+        if kind == "image":
+            images.append(_image_part(b, f"{param}.{i}"))
+        else:
+            texts.append(b["text"])
     return "\n".join(texts), images
 
 
@@ -103,8 +107,7 @@ def turn_to_chat(m: object, i: int, last: bool = False) -> list[dict]:
     cannot take, or an empty turn or text block (Anthropic's rule: every turn but a final assistant one, a prefill
     to continue, has content, and a text block has text)."""
     p = f"messages.{i}"
-    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-        raise bad_request(f"{p}.role: Input should be 'user' or 'assistant'", f"{p}.role")
+    check_message(m, i)
     role, content = m["role"], m.get("content")
     if content in ("", []) and not (last and role == "assistant"):
         raise bad_request(f"{p}: all messages must have non-empty content except for the optional final assistant "
@@ -119,38 +122,20 @@ def turn_to_chat(m: object, i: int, last: bool = False) -> list[dict]:
     result_images: list[dict] = []        # images of tool results: the user message after the tool messages
     for j, b in enumerate(content):
         bp = f"{p}.content.{j}"
-        kind = b.get("type") if isinstance(b, dict) else None
+        kind = check_block(b, bp, role)     # a type this role's message takes, of Anthropic's shape
         if kind == "text":
-            if not isinstance(b.get("text"), str):   # it blamed the block's type (a trial)
-                raise bad_request(missing_or_wrong(b, "text", "a valid string", f"{bp}.text"), f"{bp}.text")
-            if not b["text"]:
-                raise bad_request(f"{bp}.text: text content blocks must be non-empty", f"{bp}.text")
             parts.append({"type": "text", "text": b["text"]})
-        elif kind == "image" and role == "user":
+        elif kind == "image":
             parts.append(_image_part(b, bp))
-        elif kind == "tool_use" and role == "assistant":
-            for field, wanted in (("id", "a string"), ("name", "a string")):
-                if not isinstance(b.get(field), str) or not b[field]:
-                    raise bad_request(missing_or_wrong(b, field, wanted, f"{bp}.{field}"), f"{bp}.{field}")
-            if not isinstance(b.get("input"), dict):
-                raise bad_request(missing_or_wrong(b, "input", "an object", f"{bp}.input"), f"{bp}.input")
+        elif kind == "tool_use":
             calls.append({"id": b["id"], "type": "function", "function": {
                 "name": b["name"], "arguments": json.dumps(b["input"], separators=(",", ":"))}})
-        elif kind == "tool_result" and role == "user":
-            if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
-                raise bad_request(missing_or_wrong(b, "tool_use_id", "a string", f"{bp}.tool_use_id"),
-                                  f"{bp}.tool_use_id")
-            if b.get("is_error") is not None and not isinstance(b["is_error"], bool):
-                raise bad_request(f"{bp}.is_error: Input should be a valid boolean, got {b['is_error']!r}",
-                                  f"{bp}.is_error")
+        elif kind == "tool_result":
             text, images = _tool_result(b.get("content") or "", f"{bp}.content")
             results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
                             "content": f"Error: {text}" if b.get("is_error") else text})
             result_images += images
-        elif kind in ("thinking", "redacted_thinking"):
-            continue                       # the previous turn's reasoning: no chat counterpart, dropped
-        else:
-            raise bad_request(f"{bp}: content block type {kind!r} is not supported in a {role} message", f"{bp}.type")
+        # thinking, redacted_thinking: the previous turn's reasoning, no chat counterpart: dropped
     out = list(results)
     parts = result_images + parts
     if role == "assistant":
@@ -171,12 +156,7 @@ def _tools(tools: object) -> list[dict]:
         raise bad_request("tools: must be an array", "tools")
     out = []
     for i, t in enumerate(tools):
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-            raise bad_request(f"tools.{i}.name: Field required", f"tools.{i}.name")
-        if t.get("type") not in (None, "custom"):
-            raise bad_request(f"tools.{i}: server tool {t.get('type')!r} is not supported; only client tools with an "
-                              "input_schema", f"tools.{i}.type")
-        check_tool_schema(t, i)
+        check_tool(t, i)
         fn = {"name": t["name"], "parameters": t["input_schema"]}
         if t.get("description"):
             fn["description"] = t["description"]
@@ -186,11 +166,8 @@ def _tools(tools: object) -> list[dict]:
 
 def _tool_choice(tc: object) -> tuple[object, bool]:
     """``tool_choice`` -> (chat tool_choice, parallel tool calls allowed)."""
-    if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):
-        raise bad_request("tool_choice.type: must be one of 'auto', 'any', 'tool', 'none'", "tool_choice")
+    check_tool_choice(tc)
     kind = tc["type"]
-    if kind == "tool" and (not isinstance(tc.get("name"), str) or not tc["name"]):
-        raise bad_request(missing_or_wrong(tc, "name", "a string", "tool_choice.name"), "tool_choice.name")
     choice = ({"type": "function", "function": {"name": tc.get("name")}} if kind == "tool"
               else {"auto": "auto", "any": "required", "none": "none"}[kind])
     return choice, not tc.get("disable_parallel_tool_use")
@@ -207,6 +184,7 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
     for name in body:
         if name not in _KNOWN and name not in _DROPPED:
             raise bad_request(f"{name}: Extra inputs are not permitted", name)
+    check_hints(body)
     if not isinstance(body.get("model"), str):
         raise bad_request(missing_or_wrong(body, "model", "a string"), "model")
     mt = body.get("max_tokens")

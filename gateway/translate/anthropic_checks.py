@@ -1,8 +1,10 @@
 """The checks of a ``/v1/messages`` body Anthropic makes and chat validation would not (or would name in chat's
-paths): its sampling ranges, the pairing of ``tool_use`` and ``tool_result`` blocks (and unique ``tool_use`` ids),
-an enabled ``thinking`` budget, ``output_config`` (its format's shape; not with a prefill), the tools' ``input_schema``
-type. Each refusal is Anthropic's 400, naming the field by its dotted path; read by
-``gateway/translate/anthropic.py``'s ``messages_to_chat``."""
+paths): its sampling ranges, the shape of each message, content block, tool, ``tool_choice`` and ``cache_control``
+(the keys Anthropic documents, and their types), the pairing of ``tool_use`` and ``tool_result`` blocks (unique
+``tool_use`` ids, results first in their message, tools defined), an enabled ``thinking`` budget, ``output_config``
+(its format's shape; not with a prefill), the tools' ``input_schema`` type, the service hints' values. Each refusal is
+Anthropic's 400, naming the field by its dotted path; read by ``gateway/translate/anthropic.py``'s
+``messages_to_chat``."""
 
 from __future__ import annotations
 
@@ -110,8 +112,7 @@ def check_metadata(body: dict) -> None:
     if meta.get("user_id") is not None and not isinstance(meta["user_id"], str):
         raise bad_request(f"metadata.user_id: Input should be a valid string, got {type(meta['user_id']).__name__}",
                           "metadata.user_id")
-    if extra := sorted(set(meta) - {"user_id"}):   # Anthropic's schema has user_id alone (a trial's {"a": 1} passed)
-        raise bad_request(f"metadata.{extra[0]}: Extra inputs are not permitted", f"metadata.{extra[0]}")
+    _no_extra(meta, ("user_id",), "metadata")   # Anthropic's schema has user_id alone (a trial's {"a": 1} passed)
 
 
 def _type_name(value: object) -> str:
@@ -178,3 +179,154 @@ def _no_extra(obj: dict, allowed: tuple, path: str) -> None:
     for k in obj:
         if k not in allowed:
             raise bad_request(f"{path}.{k}: Extra inputs are not permitted", f"{path}.{k}")
+
+
+def _wrong_type(path: str, wanted: str, value: object) -> ClientError:
+    return bad_request(f"{path}: Input should be {wanted}, got {_type_name(value)}", path)
+
+
+# The keys Anthropic documents (its SDK's params: tests/gateway/translate/test_anthropic_checks.py) for each content
+# block type a Messages body may carry; any other is its "Extra inputs are not permitted" (a trial's text block with
+# "foo": 1 was a 200). Those the translation has no use for are dropped.
+_BLOCK_KEYS = {"text": ("type", "text", "cache_control", "citations"),
+               "image": ("type", "source", "cache_control", "transformations"),
+               "document": ("type", "source", "title", "context", "citations", "cache_control"),
+               "tool_use": ("type", "id", "name", "input", "cache_control", "caller", "toolset_name"),
+               "tool_result": ("type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"),
+               "thinking": ("type", "thinking", "signature"),
+               "redacted_thinking": ("type", "data")}
+# The block types the translation takes in each role's message (``document`` and server tools' blocks have no chat
+# counterpart; a tool's result is the user's, its call the assistant's).
+_ROLE_BLOCKS = {"user": ("text", "image", "tool_result"),
+                "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+_CACHE_CONTROL_KEYS = ("type", "ttl")
+_TTLS = ("5m", "1h")
+
+
+def check_cache_control(obj: dict, path: str) -> None:
+    """Anthropic's ``cache_control`` of ``obj`` (at ``path``; "" for the body itself), when present and not null:
+    ``{"type": "ephemeral"}`` with an optional ``ttl`` of ``"5m"`` or ``"1h"``. A hint the translation drops,
+    checked as Anthropic checks it (a trial's ``"yes"`` and ``{"type": "bogus"}`` were 200s)."""
+    cc = obj.get("cache_control")
+    if cc is None:
+        return
+    path = f"{path}.cache_control" if path else "cache_control"
+    if not isinstance(cc, dict):
+        raise _wrong_type(path, "a valid dictionary", cc)
+    if cc.get("type") != "ephemeral":
+        raise bad_request(f"{path}.type: Field required" if "type" not in cc else
+                          f"{path}.type: Input should be 'ephemeral', got {cc['type']!r}", f"{path}.type")
+    _no_extra(cc, _CACHE_CONTROL_KEYS, path)
+    if cc.get("ttl") is not None and cc["ttl"] not in _TTLS:
+        raise bad_request(f"{path}.ttl: Input should be '5m' or '1h', got {cc['ttl']!r}", f"{path}.ttl")
+
+
+def check_keys(block: dict, kind: str, path: str) -> None:
+    """A ``kind`` block's keys are those Anthropic documents for it, and its ``cache_control`` (where it may have
+    one) is well formed."""
+    _no_extra(block, _BLOCK_KEYS[kind], path)
+    check_cache_control(block, path)
+
+
+def check_message(m: object, i: int) -> None:
+    """Messages turn ``i``: an object of ``role`` (``user`` or ``assistant``) and ``content`` alone (a trial's
+    ``"name": "bob"`` was a 200)."""
+    p = f"messages.{i}"
+    if not isinstance(m, dict) or m.get("role") not in _ROLE_BLOCKS:
+        raise bad_request(f"{p}.role: Input should be 'user' or 'assistant'", f"{p}.role")
+    _no_extra(m, ("role", "content"), p)
+
+
+def check_block(b: object, path: str, role: str) -> str:
+    """Content block ``b`` at ``path`` of a ``role`` message: its type one the translation takes there, its keys
+    Anthropic's, its fields of their types (text: non-empty; tool_use: an id, a name, an
+    input object; tool_result: the id it answers, a boolean ``is_error``). Returns its type."""
+    if not isinstance(b, dict):
+        raise _wrong_type(path, "a valid dictionary", b)
+    if not isinstance(b.get("type"), str):
+        raise bad_request(missing_or_wrong(b, "type", "a string", f"{path}.type"), f"{path}.type")
+    kind, allowed = b["type"], _ROLE_BLOCKS[role]
+    if kind not in allowed:
+        raise bad_request(f"{path}: content block type {kind!r} is not supported in a {role} message", f"{path}.type")
+    check_keys(b, kind, path)
+    if kind == "text":
+        if not isinstance(b.get("text"), str):
+            raise bad_request(missing_or_wrong(b, "text", "a valid string", f"{path}.text"), f"{path}.text")
+        check_text(b["text"], f"{path}.text")
+    elif kind == "tool_use":
+        for field, wanted in (("id", "a string"), ("name", "a string")):
+            if not isinstance(b.get(field), str) or not b[field]:
+                raise bad_request(missing_or_wrong(b, field, wanted, f"{path}.{field}"), f"{path}.{field}")
+        if not isinstance(b.get("input"), dict):
+            raise bad_request(missing_or_wrong(b, "input", "an object", f"{path}.input"), f"{path}.input")
+    elif kind == "tool_result":
+        if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
+            raise bad_request(missing_or_wrong(b, "tool_use_id", "a string", f"{path}.tool_use_id"),
+                              f"{path}.tool_use_id")
+        if b.get("is_error") is not None and not isinstance(b["is_error"], bool):
+            raise bad_request(f"{path}.is_error: Input should be a valid boolean, got {b['is_error']!r}",
+                              f"{path}.is_error")
+    return kind
+
+
+def check_text(text: str, path: str) -> None:
+    """Anthropic's rule for a text block's text at ``path``: not empty."""
+    if not text:
+        raise bad_request(f"{path}: text content blocks must be non-empty", path)
+
+
+_TOOL_KEYS = ("name", "description", "input_schema", "cache_control", "type", "strict", "input_examples",
+              "allowed_callers", "defer_loading", "eager_input_streaming")
+_TOOL_FIELDS = (("description", str, "a valid string"), ("strict", bool, "a valid boolean"),
+                ("input_examples", list, "a valid list"))
+
+
+def check_tool(t: object, i: int) -> None:
+    """``tools[i]``: a client tool (``type`` absent or ``"custom"``; a server tool has no chat counterpart) of the
+    keys Anthropic documents, a string ``name``, its optional fields of their types, an object ``input_schema``."""
+    path = f"tools.{i}"
+    if not isinstance(t, dict):
+        raise _wrong_type(path, "a valid dictionary", t)
+    if t.get("type") not in (None, "custom"):
+        raise bad_request(f"{path}: server tool {t.get('type')!r} is not supported; only client tools with an "
+                          "input_schema", f"{path}.type")
+    if not isinstance(t.get("name"), str):
+        raise bad_request(missing_or_wrong(t, "name", "a valid string", f"{path}.name"), f"{path}.name")
+    _no_extra(t, _TOOL_KEYS, path)
+    for field, kind, wanted in _TOOL_FIELDS:
+        if t.get(field) is not None and not isinstance(t[field], kind):
+            raise _wrong_type(f"{path}.{field}", wanted, t[field])
+    check_cache_control(t, path)
+    check_tool_schema(t, i)
+
+
+# Each tool_choice type's keys (``disable_parallel_tool_use`` taken with ``none`` too: it asks nothing there).
+_TOOL_CHOICE_KEYS = {"auto": ("type", "disable_parallel_tool_use"), "any": ("type", "disable_parallel_tool_use"),
+                     "tool": ("type", "name", "disable_parallel_tool_use"),
+                     "none": ("type", "disable_parallel_tool_use")}
+
+
+def check_tool_choice(tc: object) -> None:
+    """``tool_choice``: a known type, its keys alone, the forced tool's ``name`` (type ``tool``), a boolean
+    ``disable_parallel_tool_use`` (a trial's ``"yes"`` was a 200)."""
+    if not isinstance(tc, dict) or tc.get("type") not in _TOOL_CHOICE_KEYS:
+        raise bad_request("tool_choice.type: must be one of 'auto', 'any', 'tool', 'none'", "tool_choice")
+    _no_extra(tc, _TOOL_CHOICE_KEYS[tc["type"]], "tool_choice")
+    if tc["type"] == "tool" and (not isinstance(tc.get("name"), str) or not tc["name"]):
+        raise bad_request(missing_or_wrong(tc, "name", "a string", "tool_choice.name"), "tool_choice.name")
+    flag = tc.get("disable_parallel_tool_use")
+    if flag is not None and not isinstance(flag, bool):
+        raise bad_request(f"tool_choice.disable_parallel_tool_use: Input should be a valid boolean, got {flag!r}",
+                          "tool_choice.disable_parallel_tool_use")
+
+
+_SERVICE_TIERS = ("auto", "standard_only")
+
+
+def check_hints(body: dict) -> None:
+    """The service hints the translation drops, checked first as Anthropic checks them: ``service_tier`` one of
+    its tiers, the body's own ``cache_control`` (automatic caching) well formed."""
+    tier = body.get("service_tier")
+    if tier is not None and tier not in _SERVICE_TIERS:
+        raise bad_request(f"service_tier: Input should be 'auto' or 'standard_only', got {tier!r}", "service_tier")
+    check_cache_control(body, "")
