@@ -12,8 +12,8 @@ Mapping (https://docs.anthropic.com/en/api/messages):
   ``service_tier``, ``thinking``, ``output_config.effort``, ...) dropped once checked.
 - content blocks: ``text`` -> text parts; ``image`` -> ``image_url`` parts (a base64 source as a data URL): a
   target that cannot take images refuses them with its 400; ``tool_use`` (assistant) -> ``tool_calls``;
-  ``tool_result`` (user) -> ``tool`` messages, before the user's other content, in block order; a tool result's
-  images -> ``image_url`` parts of the user message after them (chat's tool messages take text only).
+  ``tool_result`` (user; first in its message, as Anthropic requires) -> ``tool`` messages, in block order; a
+  tool result's images -> ``image_url`` parts of the user message after them (chat's tool messages take text only).
 - answer: ``finish_reason`` stop/length/tool_calls -> ``stop_reason`` end_turn (stop_sequence when the backend
   names the stop string it matched)/max_tokens/tool_use; a refusal (chat's ``refusal`` text, its
   ``content_filter`` finish) -> a text block of that text and ``stop_reason`` ``refusal``; tool call arguments ->
@@ -34,8 +34,8 @@ from gateway.errors import anthropic_error_body
 from gateway.sse import named_event
 from gateway.translate.anthropic_checks import (bad_request, check_block, check_hints, check_keys, check_message,
                                                 check_metadata, check_output_config, check_sampling, check_thinking,
-                                                check_tool, check_tool_choice, check_tool_results,
-                                                missing_or_wrong)
+                                                check_text, check_tool, check_tool_choice, check_tool_results,
+                                                check_tools_defined, missing_or_wrong)
 from gateway.translate.anthropic_answer import NATIVE
 from gateway.translate.anthropic_json import ObjectPrefix, tool_input
 from gateway.translate.chat import reasoning_of
@@ -104,8 +104,8 @@ def _image_part(block: dict, param: str) -> dict:
 def turn_to_chat(m: object, i: int, last: bool = False) -> list[dict]:
     """Messages turn ``i`` (``m``; ``last``: the final turn) -> its chat messages (a user turn with tool results
     becomes tool messages + a user one). Raises ClientError(400) naming the block (``messages.i.content.j``) chat
-    cannot take, or an empty turn or text block (Anthropic's rule: every turn but a final assistant one, a prefill
-    to continue, has content, and a text block has text)."""
+    cannot take or of another shape than Anthropic's, or an empty turn or text (Anthropic's rule: every turn but a
+    final assistant one, a prefill to continue, has content, and text is not empty or whitespace alone)."""
     p = f"messages.{i}"
     check_message(m, i)
     role, content = m["role"], m.get("content")
@@ -113,6 +113,8 @@ def turn_to_chat(m: object, i: int, last: bool = False) -> list[dict]:
         raise bad_request(f"{p}: all messages must have non-empty content except for the optional final assistant "
                           "message", f"{p}.content")
     if isinstance(content, str):
+        if content:                        # "" only as the final assistant turn's (checked above)
+            check_text(content, f"{p}.content")
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise bad_request(f"{p}.content: must be a string or an array of content blocks", f"{p}.content")
@@ -199,6 +201,7 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
     for i, m in enumerate(msgs):
         chat.extend(turn_to_chat(m, i, last=i == len(msgs) - 1))
     check_tool_results(msgs)
+    check_tools_defined(body)
     check_sampling(body)
     check_thinking(body)
     check_metadata(body)

@@ -48,20 +48,27 @@ def check_sampling(body: dict) -> None:
 def check_tool_results(msgs: list) -> None:
     """Anthropic's pairing rules: each ``tool_result`` answers a ``tool_use`` of the message just before it, and
     each ``tool_use`` is answered by a ``tool_result`` in the message just after it (else the backend would be
-    shown a result of a call it never made, or a call without its result)."""
+    shown a result of a call it never made, or a call without its result); the results come first in their
+    message (a trial's text before its result was a 200: the translation had moved the result first)."""
     asked: dict = {}         # the tool_use ids of the message before -> its index
     for i, m in enumerate(msgs):
         blocks = m.get("content") if isinstance(m.get("content"), list) else []
         answered = set()
-        if m.get("role") == "user":
-            for j, b in enumerate(blocks):
-                if isinstance(b, dict) and b.get("type") == "tool_result":
-                    if b.get("tool_use_id") not in asked:
-                        raise bad_request(f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` "
-                                          f"blocks: {b.get('tool_use_id')}. Each `tool_result` block must have a "
-                                          "corresponding `tool_use` block in the previous message.",
-                                          f"messages.{i}.content.{j}.tool_use_id")
-                    answered.add(b["tool_use_id"])
+        other = False        # a block other than a tool_result came before
+        for j, b in enumerate(blocks if m.get("role") == "user" else ()):
+            if not isinstance(b, dict) or b.get("type") != "tool_result":
+                other = True
+                continue
+            if b.get("tool_use_id") not in asked:
+                raise bad_request(f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` "
+                                  f"blocks: {b.get('tool_use_id')}. Each `tool_result` block must have a "
+                                  "corresponding `tool_use` block in the previous message.",
+                                  f"messages.{i}.content.{j}.tool_use_id")
+            if other:
+                raise bad_request(f"messages.{i}: Did not find {len(asked)} `tool_result` block(s) at the beginning of "
+                                  "this message. Messages following `tool_use` blocks must begin with a matching "
+                                  "number of `tool_result` blocks.", f"messages.{i}.content.{j}")
+            answered.add(b["tool_use_id"])
         _no_use_unanswered(asked, answered)
         asked = {}
         for j, b in enumerate(blocks):
@@ -71,6 +78,18 @@ def check_tool_results(msgs: list) -> None:
                                       "used twice in this message", f"messages.{i}.content.{j}.id")
                 asked[b.get("id")] = i
     _no_use_unanswered(asked, set())
+
+
+def check_tools_defined(body: dict) -> None:
+    """Anthropic's rule: a conversation with ``tool_use`` or ``tool_result`` blocks defines ``tools`` (a trial's
+    history of calls without them was a 200)."""
+    if body.get("tools"):
+        return
+    for m in body["messages"]:
+        for b in m["content"] if isinstance(m.get("content"), list) else ():
+            if isinstance(b, dict) and b.get("type") in ("tool_use", "tool_result"):
+                raise bad_request("Requests which include `tool_use` or `tool_result` blocks must define tools.",
+                                  "tools")
 
 
 def _no_use_unanswered(asked: dict, answered: set) -> None:
@@ -239,7 +258,7 @@ def check_message(m: object, i: int) -> None:
 
 def check_block(b: object, path: str, role: str) -> str:
     """Content block ``b`` at ``path`` of a ``role`` message: its type one the translation takes there, its keys
-    Anthropic's, its fields of their types (text: non-empty; tool_use: an id, a name, an
+    Anthropic's, its fields of their types (text: ``check_text``; tool_use: an id, a name, an
     input object; tool_result: the id it answers, a boolean ``is_error``). Returns its type."""
     if not isinstance(b, dict):
         raise _wrong_type(path, "a valid dictionary", b)
@@ -270,9 +289,12 @@ def check_block(b: object, path: str, role: str) -> str:
 
 
 def check_text(text: str, path: str) -> None:
-    """Anthropic's rule for a text block's text at ``path``: not empty."""
+    """Anthropic's rule for a text block's text (or a turn's string content) at ``path``: not empty, and not
+    whitespace alone (a trial's ``"   "`` was a 200)."""
     if not text:
         raise bad_request(f"{path}: text content blocks must be non-empty", path)
+    if not text.strip():
+        raise bad_request(f"{path}: text content blocks must contain non-whitespace text", path)
 
 
 _TOOL_KEYS = ("name", "description", "input_schema", "cache_control", "type", "strict", "input_examples",

@@ -93,6 +93,7 @@ def test_request_mapping_and_refusals():
         assert e.value.status == 400 and e.value.param == param, body
     # what those rules let through: a result of the call just before, a budget in bounds (dropped: a hint)
     ok = messages_to_chat({"model": "m", "max_tokens": 3000, "thinking": {"type": "enabled", "budget_tokens": 1024},
+                           "tools": [{"name": "f", "input_schema": {"type": "object"}}],
                            "messages": [*USER, {"role": "assistant", "content": [
                                {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
                                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
@@ -305,9 +306,9 @@ def test_tool_definitions_results_and_calls_are_checked():
     assert e.param == "messages.1.content.1.id" and "`tool_use` ids must be unique" in e.message
     e = _refused({"tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool"}})
     assert (e.param, e.message) == ("tool_choice.name", "tool_choice.name: Field required (a string)")
-    ok = messages_to_chat({"model": "m", "max_tokens": 9, "messages": [*USER, {"role": "assistant", "content": [
-        use]}, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "no",
-                                             "is_error": True}]}]})
+    ok = messages_to_chat({"model": "m", "max_tokens": 9, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                           "messages": [*USER, {"role": "assistant", "content": [use]}, {"role": "user", "content": [
+                               {"type": "tool_result", "tool_use_id": "t1", "content": "no", "is_error": True}]}]})
     assert ok["messages"][-1] == {"role": "tool", "tool_call_id": "t1", "content": "Error: no"}
 
 

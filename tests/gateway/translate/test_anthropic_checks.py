@@ -49,7 +49,8 @@ def text(**extra) -> list:
      "tool_choice.foo: Extra inputs are not permitted"),
     ({"tools": [TOOL], "tool_choice": {"type": "any", "name": "f"}}, "tool_choice.name",
      "tool_choice.name: Extra inputs are not permitted"),
-    ({"tools": [{**TOOL, "strict": "yes"}]}, "tools.0.strict", "tools.0.strict: Input should be a valid boolean, got str"),
+    ({"tools": [{**TOOL, "strict": "yes"}]}, "tools.0.strict",
+     "tools.0.strict: Input should be a valid boolean, got str"),
     ({"tools": [{**TOOL, "description": 5}]}, "tools.0.description",
      "tools.0.description: Input should be a valid string, got int"),
     ({"tools": ["f"]}, "tools.0", "tools.0: Input should be a valid dictionary, got str"),
@@ -108,7 +109,8 @@ def test_every_key_the_anthropic_sdk_sends_is_taken(table, params):
 
     for kind, name in params.items():
         typed = getattr(anthropic.types, name)
-        assert set(typed.__required_keys__ | typed.__optional_keys__) <= set(getattr(anthropic_checks, table)[kind]), name
+        taken = set(getattr(anthropic_checks, table)[kind])
+        assert set(typed.__required_keys__ | typed.__optional_keys__) <= taken, name
 
 
 def test_every_tool_and_cache_control_key_the_anthropic_sdk_sends_is_taken():
@@ -117,3 +119,39 @@ def test_every_tool_and_cache_control_key_the_anthropic_sdk_sends_is_taken():
     for typed, keys in ((anthropic.types.ToolParam, anthropic_checks._TOOL_KEYS),
                         (anthropic.types.CacheControlEphemeralParam, anthropic_checks._CACHE_CONTROL_KEYS)):
         assert set(typed.__required_keys__ | typed.__optional_keys__) <= set(keys), typed
+
+
+USE = [*USER, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}]
+RESULT = {"type": "tool_result", "tool_use_id": "t1", "content": "ok"}
+
+
+@pytest.mark.parametrize("body, param, message", [
+    # a new user's trial: each of these was a 200
+    ({"messages": [{"role": "user", "content": "   "}]}, "messages.0.content",
+     "messages.0.content: text content blocks must contain non-whitespace text"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "  "}]}]}, "messages.0.content.0.text",
+     "messages.0.content.0.text: text content blocks must contain non-whitespace text"),
+    ({"tools": [TOOL], "messages": [*USE, {"role": "user", "content": [{"type": "text", "text": "here"}, RESULT]}]},
+     "messages.2.content.1", "messages.2: Did not find 1 `tool_result` block(s) at the beginning of this message. "
+                             "Messages following `tool_use` blocks must begin with a matching number of `tool_result` "
+                             "blocks."),
+    ({"messages": [*USE, {"role": "user", "content": [RESULT]}]}, "tools",
+     "Requests which include `tool_use` or `tool_result` blocks must define tools."),
+    ({"tools": [], "messages": [*USE, {"role": "user", "content": [RESULT]}]}, "tools",
+     "Requests which include `tool_use` or `tool_result` blocks must define tools."),
+    # the prefill's own rule stays
+    ({"messages": [*USER, {"role": "assistant", "content": "ok "}]}, "messages",
+     "messages: final assistant content cannot end with trailing whitespace"),
+])
+def test_anthropics_rules_on_text_and_tool_blocks(body, param, message):
+    for count_only in (False, True):       # count_tokens refuses what create refuses
+        with pytest.raises(ClientError) as e:
+            messages_to_chat({"model": "m", "max_tokens": 9, "messages": USER, **body}, count_only=count_only)
+        assert (e.value.status, e.value.param, e.value.message) == (400, param, message)
+
+
+def test_results_first_then_text_passes():
+    chat = messages_to_chat({"model": "m", "max_tokens": 9, "tools": [TOOL], "messages": [
+        *USE, {"role": "user", "content": [RESULT, {"type": "text", "text": " thanks "}]}]})
+    assert chat["messages"][-2:] == [{"role": "tool", "tool_call_id": "t1", "content": "ok"},
+                                     {"role": "user", "content": " thanks "}]
