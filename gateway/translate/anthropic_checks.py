@@ -256,6 +256,10 @@ def check_message(m: object, i: int) -> None:
     _no_extra(m, ("role", "content"), p)
 
 
+def _some(names: tuple) -> str:
+    return ", ".join(names[:-1]) + " and " + names[-1]
+
+
 def check_block(b: object, path: str, role: str) -> str:
     """Content block ``b`` at ``path`` of a ``role`` message: its type one the translation takes there, its keys
     Anthropic's, its fields of their types (text: ``check_text``; tool_use: an id, a name, an
@@ -265,8 +269,13 @@ def check_block(b: object, path: str, role: str) -> str:
     if not isinstance(b.get("type"), str):
         raise bad_request(missing_or_wrong(b, "type", "a string", f"{path}.type"), f"{path}.type")
     kind, allowed = b["type"], _ROLE_BLOCKS[role]
-    if kind not in allowed:
-        raise bad_request(f"{path}: content block type {kind!r} is not supported in a {role} message", f"{path}.type")
+    if kind not in allowed:      # said as such: a trial read "type 'document' ... in a user message" as misplaced
+        message = ("an " if role == "assistant" else "a ") + f"{role} message"
+        if any(kind in kinds for kinds in _ROLE_BLOCKS.values()):     # taken, in the other role's message
+            why = f"in {message} (it takes {_some(allowed)} blocks)"
+        else:
+            why = f"({message} takes {_some(allowed)} blocks)"
+        raise bad_request(f"{path}: {kind!r} blocks are not supported {why}", f"{path}.type")
     check_keys(b, kind, path)
     if kind == "text":
         if not isinstance(b.get("text"), str):

@@ -155,3 +155,22 @@ def test_results_first_then_text_passes():
         *USE, {"role": "user", "content": [RESULT, {"type": "text", "text": " thanks "}]}]})
     assert chat["messages"][-2:] == [{"role": "tool", "tool_call_id": "t1", "content": "ok"},
                                      {"role": "user", "content": " thanks "}]
+
+
+@pytest.mark.parametrize("turns, message", [
+    # a new user's trial read "content block type 'document' is not supported in a user message" as a block in the
+    # wrong place, and "in a assistant message"
+    ([{"role": "user", "content": [{"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                                                    "data": "x"}}]}],
+     "messages.0.content.0: 'document' blocks are not supported (a user message takes text, image and tool_result "
+     "blocks)"),
+    ([*USER, {"role": "assistant", "content": [RESULT]}],
+     "messages.1.content.0: 'tool_result' blocks are not supported in an assistant message (it takes text, tool_use, "
+     "thinking and redacted_thinking blocks)"),
+    ([{"role": "user", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}],
+     "messages.0.content.0: 'tool_use' blocks are not supported in a user message (it takes text, image and "
+     "tool_result blocks)"),
+])
+def test_a_block_the_translation_does_not_take_is_said_so(turns, message):
+    e = refused({"messages": turns})
+    assert (e.param, e.message) == (message.split(":")[0] + ".type", message)
