@@ -50,7 +50,12 @@ def _payload(backend, target: Target, req: GatewayRequest):
     # The ledger bills a stream from the backend's own count: ask for it (observability drops the usage chunk
     # when the client did not ask for it too). The local engine always can; an upstream unless told it cannot.
     if req.stream and getattr(backend.cfg, "stream_usage", True):
-        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        options = {**(body.get("stream_options") or {}), "include_usage": True}
+        if req.anthropic_body is not None and getattr(backend, "continuous_usage", False):
+            # on every chunk (vLLM's): a Messages stream's message_start, made at the first, splits the prompt's
+            # cached tokens as the final usage does
+            options["continuous_usage_stats"] = True
+        body["stream_options"] = options
     elif req.anthropic_body is not None:     # the translation asked for usage; this upstream refuses the field
         body.pop("stream_options", None)
     return body if backend.kind == "local" else msgspec.json.encode(body)

@@ -102,6 +102,7 @@ class LocalBackend:
 
     kind = "local"
     endpoints = ("chat/completions", "completions", "embeddings")   # what its OpenAI layer serves
+    continuous_usage = True    # takes vLLM's stream_options.continuous_usage_stats (usage on every chunk)
 
     def endpoint(self) -> None:
         """The co-located engine has no address an endpoint picker could hand a data plane."""

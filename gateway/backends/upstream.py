@@ -77,6 +77,7 @@ class UpstreamBackend:
     kind = "openai"
     endpoints = ("chat/completions", "completions", "embeddings")   # the paths under base_url it is sent requests on
     client_headers: tuple[str, ...] = ()   # the client's request headers it is sent along (lower-case names)
+    continuous_usage = False   # vLLM's stream_options.continuous_usage_stats: OpenAI's API refuses it, not asked
 
     def __init__(self, name: str, cfg: OpenAIBackendConfig, environ: dict[str, str] | None = None):
         env = os.environ if environ is None else environ

@@ -19,8 +19,10 @@ Mapping (https://docs.anthropic.com/en/api/messages):
   ``content_filter`` finish) -> a text block of that text and ``stop_reason`` ``refusal``; tool call arguments ->
   ``input`` as far as they begin a JSON object (``anthropic_json.py``); usage prompt/completion -> input/output
   tokens, the cached prompt tokens as ``cache_read_input_tokens`` and out of ``input_tokens`` (Anthropic's
-  convention). A stream's ``message_start`` carries the gateway's prompt count (the backend's split is not known
-  yet); its ``message_delta`` the backend's usage, which the SDKs' final message takes.
+  convention). A stream's ``message_start`` carries the usage of the backend's first chunk when it has one (the
+  local engine's, asked for ``continuous_usage_stats`` by ``gateway/backends/dispatch.py``: the split of the final
+  usage), else the gateway's prompt count, all of it ``input_tokens``; its ``message_delta`` the backend's usage,
+  which the SDKs' final message takes.
 """
 
 from __future__ import annotations
@@ -345,11 +347,14 @@ class MessageEvents:
         self.usage: dict | None = None
 
     def _start(self) -> list[tuple[str, dict]]:
+        """``message_start`` (and a ``ping``): its usage the first chunk's when it carries one (a backend asked for
+        usage on every chunk: the prompt's cached tokens as the final usage splits them), else the gateway's count."""
         self.started = True
+        usage = _usage(self.usage) if self.usage else {           # Anthropic's fields, all
+            "input_tokens": self.input_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0}
         message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
-                   "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": self.input_tokens, "output_tokens": 0,   # Anthropic's fields, all
-                             "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
         return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]
 
     def _close(self) -> list[tuple[str, dict]]:
@@ -399,9 +404,9 @@ class MessageEvents:
 
     def chunk(self, ev: ChatEvent) -> list[tuple[str, dict]]:
         """The events one chat stream event makes (its first choice)."""
-        out = [] if self.started else self._start()
         if ev.usage:
             self.usage = ev.usage
+        out = [] if self.started else self._start()
         for choice in ev.choices[:1]:
             if choice.reasoning:
                 out += self._delta("thinking", {"type": "thinking_delta", "thinking": choice.reasoning})

@@ -5,6 +5,8 @@ billed once from the engine's own usage."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import openai
 import pytest
@@ -86,3 +88,31 @@ async def test_local_embeddings_and_messages(tiny_model):
         assert msg.content[0].text == chat.choices[0].message.content
         assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens
         assert chat.usage.prompt_tokens < new_turn.usage.prompt_tokens    # no end of turn, no generation prompt
+
+
+async def test_a_messages_stream_starts_with_the_usage_it_ends_with(tiny_model):
+    """A new user's stream of a cached prompt said ``input_tokens: 31, cache_read_input_tokens: 0`` in
+    ``message_start`` (the gateway's count) and ``15`` / ``16`` in ``message_delta``: the engine is asked for usage
+    on every chunk, and ``message_start`` takes the first's."""
+    import httpx
+
+    body = {"model": "m1", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "Hi there, a prompt long enough that a block of sixteen tokens is cached."}]}
+    async with gateway(config(tiny_model), start_engine=True) as (gw, claude, url):
+        await until_ready(gw)
+        whole = await claude.messages.create(**body)              # the prompt's blocks are cached now
+        assert whole.usage.cache_read_input_tokens == 0
+        async with httpx.AsyncClient(timeout=60) as h:
+            r = await h.post(url + "/v1/messages", headers={"x-api-key": KEY}, json={**body, "stream": True})
+    usages = {}
+    for block in r.text.strip().split("\n\n"):
+        name, data = (line.split(": ", 1)[1] for line in block.split("\n"))
+        if name in ("message_start", "message_delta"):
+            obj = json.loads(data)
+            usages[name] = (obj.get("message") or obj)["usage"]
+    start, end = usages["message_start"], usages["message_delta"]
+    assert end["cache_read_input_tokens"] > 0, end
+    assert {k: start[k] for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")} == \
+        {k: end[k] for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")}
+    assert start["input_tokens"] + start["cache_read_input_tokens"] == \
+        whole.usage.input_tokens + whole.usage.cache_read_input_tokens

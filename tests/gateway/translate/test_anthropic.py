@@ -178,6 +178,32 @@ def test_stream_events_text_then_tool_call_then_usage():
                                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
 
 
+def test_message_start_splits_the_prompt_as_the_final_usage_does():
+    """A new user's stream said ``input_tokens: 31, cache_read_input_tokens: 0`` in ``message_start`` (the gateway's
+    count) and ``15`` / ``16`` in ``message_delta``; a backend's first chunk that carries usage (vLLM's
+    ``continuous_usage_stats``) now makes ``message_start`` say the split the final usage says."""
+    def usage(completion: int) -> dict:
+        return {"prompt_tokens": 31, "completion_tokens": completion, "total_tokens": 31 + completion,
+                "prompt_tokens_details": {"cached_tokens": 16}}
+
+    def chunk(delta: dict, completion: int, finish: str | None = None) -> bytes:
+        return b"data: " + json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                                       "usage": usage(completion)}).encode() + b"\n\n"
+
+    chunks = [chunk({"role": "assistant", "content": ""}, 0), chunk({"content": "Hel"}, 1),
+              chunk({"content": "lo"}, 2, "length"),
+              b"data: " + json.dumps({"choices": [], "usage": usage(2)}).encode() + b"\n\n", b"data: [DONE]\n\n"]
+
+    async def run():
+        return b"".join([c async for c in message_events(decode_stream(_aiter(chunks)),
+                                                         MessageEvents("msg_1", "m", 31))])
+
+    events = dict(_events(asyncio.run(run())))
+    split = {"input_tokens": 15, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 16}
+    assert events["message_start"]["message"]["usage"] == {**split, "output_tokens": 0}
+    assert events["message_delta"]["usage"] == {**split, "output_tokens": 2}
+
+
 def test_stream_failure_becomes_an_error_event():
     chunks = [_chunk({"content": "a"}), b'data: {"error": {"message": "boom", "type": "upstream_error"}}\n\n']
 
