@@ -217,18 +217,31 @@ class LocalBackend:
         s = self.engine.get_stats()
         return int(s.num_waiting), int(s.num_running), float(s.kv_cache_usage) * 100.0
 
-    def render(self, endpoint: str, body: dict):
+    def render(self, endpoint: str, body: dict, refuse: bool = False):
         """The engine's rendering of ``body`` (``engine.serving.serving.RenderedPrompt``: parsed, chat
         template applied, tokenized): its ``prompt_tokens`` is the prompt length routing reads, and ``send`` /
         ``open_stream`` hand it to the engine, which then does not tokenize again. None before the engine is
         loaded, or when the engine refuses the body (it refuses it again, with its error, if the request
-        reaches it). The gateway-only fields and ``model`` (rewritten per target) are left out."""
+        reaches it). The gateway-only fields and ``model`` (rewritten per target) are left out.
+
+        Raises:
+            ClientError: with ``refuse``, the engine's refusal (its 4xx, naming the field), the one a request
+                of ``body`` would get from it (``/v1/messages/count_tokens``, which calls no model)."""
         if self.serving is None:
             return None
         try:
             return render_prompt(self.engine.tokenizer, endpoint, body)
-        except Exception:  # noqa: BLE001 -- refused or odd content: the estimate decides, the engine answers
+        except self.serving_error as e:
+            if refuse:
+                raise self._refusal(e) from None
             return None
+        except Exception:  # noqa: BLE001 -- odd content: the estimate decides, the engine answers
+            return None
+
+    @staticmethod
+    def _refusal(e) -> ClientError:
+        """The engine's ``ServingError`` ``e`` as the gateway's client error."""
+        return ClientError(e.status_code, e.message, param=e.param, code=e.code)
 
     def tokenization(self, path: str, body: dict) -> dict:
         """vLLM's ``/tokenize`` or ``/detokenize`` (``path``) of ``body`` (no ``model``) by the engine's own handler:
@@ -243,7 +256,7 @@ class LocalBackend:
                 return self.tokenizing.create_tokenize(body)
             return self.tokenizing.create_detokenize(body)
         except self.serving_error as e:
-            raise ClientError(e.status_code, e.message, param=e.param, code=e.code) from None
+            raise self._refusal(e) from None
 
     async def _call(self, req: GatewayRequest, body: dict):
         if self.serving is None:

@@ -7,15 +7,18 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import datetime, timezone
 
 import msgspec
 from litestar import Request, Response, post
 
-from gateway.errors import model_not_found
+from gateway.errors import ClientError, model_not_found
 from gateway.http.transport import read_json_body
+from gateway.request.pipeline import served_by_engine
 from gateway.request.validate import check_request, estimate_prompt_tokens, parse_json
 from gateway.translate.anthropic import messages_to_chat
+from gateway.translate.anthropic_render import messages_paths
 
 _JSON = "application/json"
 
@@ -65,18 +68,26 @@ async def anthropic_request_id(message, scope) -> None:
 async def count_tokens(request: Request) -> Response:
     """Anthropic's token count of a Messages body (``{"input_tokens": n}``): the local engine's rendering (chat
     template, tools) when it is up, else the gateway's estimate. Authenticated and validated like
-    ``/v1/messages``; not routed, limited or billed (no model is called)."""
+    ``/v1/messages``, and refused as it would be where the policy would send it to the local engine and the engine
+    refuses it (an image on a text-only model: a trial's count was a 200 of 1605 tokens, its create a 400); not
+    routed, limited or billed (no model is called)."""
     snap = request.app.state.gw.snapshot
     compiled = snap.compiled
     headers = anthropic_headers(request.headers)
     tenant = snap.authenticate(headers.get("authorization"), "anthropic")
     raw = await read_json_body(request, snap.max_body_size, compiled.config.server.body_timeout_s)
-    chat = messages_to_chat(parse_json(raw), count_only=True)
-    req = check_request(chat, "chat/completions", None, compiled.local_serves, tenant=tenant)
-    if compiled.model_names.get(req.model) is None:
+    body = parse_json(raw)
+    req = check_request(messages_to_chat(body, count_only=True), "chat/completions", None, compiled.local_serves,
+                        tenant=tenant)
+    if (public := compiled.model_names.get(req.model)) is None:
         raise model_not_found(req.model, compiled.public_models)
     rendered = None
     if snap.local is not None and snap.local.available:
-        rendered = snap.local.render("chat/completions", req.body)
+        refuse = served_by_engine(snap, replace(req, public_model=public,
+                                                prompt_tokens=estimate_prompt_tokens(req.body)))
+        try:
+            rendered = snap.local.render("chat/completions", req.body, refuse=refuse)
+        except ClientError as e:    # in the Messages body's paths, as create's (anthropic_render.anthropic_error)
+            raise ClientError(e.status, messages_paths(e.message, body), code=e.code, native=True) from None
     n = rendered.prompt_tokens if rendered is not None else estimate_prompt_tokens(req.body)
     return Response(msgspec.json.encode({"input_tokens": n}), status_code=200, media_type=_JSON)

@@ -88,6 +88,16 @@ def _waits_for_engine(snap, route_name: str) -> bool:
     return any(t.backend == local.name for t in (*route.targets, *route.fallbacks))
 
 
+def served_by_engine(snap, req: GatewayRequest) -> bool:
+    """Whether ``req``'s first attempt would be the local engine's now: the policy's decision on ``snap``'s signals,
+    the engine passed over for a feature it does not serve (as ``forward`` passes it over). For an endpoint that
+    answers for a request without serving it (``/v1/messages/count_tokens``)."""
+    if snap.local is None or req.local_unsupported is not None:
+        return False
+    attempts = decide(snap.compiled.policy, features(req), snap.signals()).attempts
+    return bool(attempts) and attempts[0].backend == snap.local.name
+
+
 async def _any_reachable(resilience, attempts: list) -> bool:
     """True when one of ``attempts`` (targets) was not found down by its backend's last active probe, or, never
     probed yet (the gateway has just started), by one made now (a backend without a probe counts as reachable).

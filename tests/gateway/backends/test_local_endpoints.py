@@ -116,3 +116,32 @@ async def test_a_messages_stream_starts_with_the_usage_it_ends_with(tiny_model):
         {k: end[k] for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")}
     assert start["input_tokens"] + start["cache_read_input_tokens"] == \
         whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+
+
+async def test_count_tokens_refuses_what_the_engine_serving_it_refuses(tiny_model):
+    """A new user's ``count_tokens`` of a base64 image on the local engine (text only) was a 200 of 1605 tokens, its
+    ``create`` a 400: the count is refused as the create is. A model the policy sends elsewhere (an upstream, which
+    may take images) is still counted."""
+    from tests.gateway.fault_upstream import FaultUpstream
+
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    messages = [{"role": "user", "content": [image, {"type": "text", "text": "what is it?"}]}]
+    with FaultUpstream("up") as up:
+        cfg = config(tiny_model).replace("models:\n  - name: m1\n", "models:\n  - name: m1\n  - name: m2\n")
+        cfg = cfg.replace("routes:\n", f"  up:\n    type: openai\n    base_url: {up.base_url}\n"
+                                       "    models: {m2: up-model}\nroutes:\n  r2:\n    targets: [{backend: up}]\n")
+        cfg = cfg.replace("default_route: r1\n", "default_route: r1\n  rules: [{name: m2, match: {model: m2}, "
+                                                 "route: r2}]\n")
+        async with gateway(cfg, start_engine=True) as (gw, claude, url):
+            await until_ready(gw)
+            with pytest.raises(anthropic.BadRequestError) as created:
+                await claude.messages.create(model="m1", max_tokens=5, messages=messages)
+            with pytest.raises(anthropic.BadRequestError) as counted:
+                await claude.messages.count_tokens(model="m1", messages=messages)
+            other = await claude.messages.count_tokens(model="m2", messages=messages)
+            text = await claude.messages.count_tokens(model="m1", messages=[{"role": "user", "content": "hi"}])
+    assert counted.value.body == created.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error",
+        "message": "messages.0.content.0: content block type 'image' is not supported (text only)"}}
+    assert other.input_tokens > 1600 and text.input_tokens > 0     # counted: the image by the gateway's estimate
+    assert up.calls == 0
