@@ -127,15 +127,19 @@ def check_metadata(body: dict) -> None:
     if meta is None:
         return
     if not isinstance(meta, dict):
-        raise bad_request(f"metadata: Input should be a valid dictionary, got {type(meta).__name__}", "metadata")
+        raise _wrong_type("metadata", "a valid dictionary", meta)
     if meta.get("user_id") is not None and not isinstance(meta["user_id"], str):
-        raise bad_request(f"metadata.user_id: Input should be a valid string, got {type(meta['user_id']).__name__}",
-                          "metadata.user_id")
+        raise _wrong_type("metadata.user_id", "a valid string", meta["user_id"])
     _no_extra(meta, ("user_id",), "metadata")   # Anthropic's schema has user_id alone (a trial's {"a": 1} passed)
 
 
 def _type_name(value: object) -> str:
     return "null" if value is None else type(value).__name__
+
+
+def _wrong_type(path: str, wanted: str, value: object) -> ClientError:
+    """Anthropic's 400 for a field at ``path`` whose ``value`` is not ``wanted`` (its type named)."""
+    return bad_request(f"{path}: Input should be {wanted}, got {_type_name(value)}", path)
 
 
 def check_tool_schema(tool: dict, i: int) -> None:
@@ -167,7 +171,7 @@ def check_output_config(body: dict) -> dict | None:
     if oc is None:
         return None
     if not isinstance(oc, dict):
-        raise bad_request(f"output_config: Input should be a valid dictionary, got {_type_name(oc)}", "output_config")
+        raise _wrong_type("output_config", "a valid dictionary", oc)
     _no_extra(oc, ("format", "effort"), "output_config")
     if oc.get("effort") is not None and oc["effort"] not in _EFFORTS:
         raise bad_request("output_config.effort: Input should be 'low', 'medium', 'high', 'xhigh' or 'max', "
@@ -177,7 +181,7 @@ def check_output_config(body: dict) -> dict | None:
         return None
     path = "output_config.format"
     if not isinstance(fmt, dict):
-        raise bad_request(f"{path}: Input should be a valid dictionary, got {_type_name(fmt)}", path)
+        raise _wrong_type(path, "a valid dictionary", fmt)
     errors = [] if fmt.get("type") == "json_schema" else [
         (f"{path}.type", "Field required" if "type" not in fmt else
          f"Input should be 'json_schema', got {fmt['type']!r}")]
@@ -198,10 +202,6 @@ def _no_extra(obj: dict, allowed: tuple, path: str) -> None:
     for k in obj:
         if k not in allowed:
             raise bad_request(f"{path}.{k}: Extra inputs are not permitted", f"{path}.{k}")
-
-
-def _wrong_type(path: str, wanted: str, value: object) -> ClientError:
-    return bad_request(f"{path}: Input should be {wanted}, got {_type_name(value)}", path)
 
 
 # The keys Anthropic documents (its SDK's params: tests/gateway/translate/test_anthropic_checks.py) for each content
