@@ -142,6 +142,14 @@ def _wrong_type(path: str, wanted: str, value: object) -> ClientError:
     return bad_request(f"{path}: Input should be {wanted}, got {_type_name(value)}", path)
 
 
+def _check_bool(obj: dict, key: str, path: str) -> None:
+    """``obj[key]`` (``obj`` at ``path``), when given, a boolean; the refusal names the value (a trial's
+    ``"yes"``)."""
+    value = obj.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(f"{path}.{key}: Input should be a valid boolean, got {value!r}", f"{path}.{key}")
+
+
 def check_tool_schema(tool: dict, i: int) -> None:
     """Anthropic's ``tools[i].input_schema``: an object schema, ``type`` ``"object"`` (a tool's input is an object;
     an array schema's arguments would come back as something the tool's own schema refuses)."""
@@ -291,9 +299,7 @@ def check_block(b: object, path: str, role: str) -> str:
         if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
             raise bad_request(missing_or_wrong(b, "tool_use_id", "a string", f"{path}.tool_use_id"),
                               f"{path}.tool_use_id")
-        if b.get("is_error") is not None and not isinstance(b["is_error"], bool):
-            raise bad_request(f"{path}.is_error: Input should be a valid boolean, got {b['is_error']!r}",
-                              f"{path}.is_error")
+        _check_bool(b, "is_error", path)
     return kind
 
 
@@ -308,8 +314,7 @@ def check_text(text: str, path: str) -> None:
 
 _TOOL_KEYS = ("name", "description", "input_schema", "cache_control", "type", "strict", "input_examples",
               "allowed_callers", "defer_loading", "eager_input_streaming")
-_TOOL_FIELDS = (("description", str, "a valid string"), ("strict", bool, "a valid boolean"),
-                ("input_examples", list, "a valid list"))
+_TOOL_FIELDS = (("description", str, "a valid string"), ("input_examples", list, "a valid list"))
 
 
 def check_tool(t: object, i: int) -> None:
@@ -327,6 +332,7 @@ def check_tool(t: object, i: int) -> None:
     for field, kind, wanted in _TOOL_FIELDS:
         if t.get(field) is not None and not isinstance(t[field], kind):
             raise _wrong_type(f"{path}.{field}", wanted, t[field])
+    _check_bool(t, "strict", path)
     check_cache_control(t, path)
     check_tool_schema(t, i)
 
@@ -345,10 +351,7 @@ def check_tool_choice(tc: object) -> None:
     _no_extra(tc, _TOOL_CHOICE_KEYS[tc["type"]], "tool_choice")
     if tc["type"] == "tool" and (not isinstance(tc.get("name"), str) or not tc["name"]):
         raise bad_request(missing_or_wrong(tc, "name", "a string", "tool_choice.name"), "tool_choice.name")
-    flag = tc.get("disable_parallel_tool_use")
-    if flag is not None and not isinstance(flag, bool):
-        raise bad_request(f"tool_choice.disable_parallel_tool_use: Input should be a valid boolean, got {flag!r}",
-                          "tool_choice.disable_parallel_tool_use")
+    _check_bool(tc, "disable_parallel_tool_use", "tool_choice")
 
 
 _SERVICE_TIERS = ("auto", "standard_only")

@@ -50,7 +50,7 @@ def text(**extra) -> list:
     ({"tools": [TOOL], "tool_choice": {"type": "any", "name": "f"}}, "tool_choice.name",
      "tool_choice.name: Extra inputs are not permitted"),
     ({"tools": [{**TOOL, "strict": "yes"}]}, "tools.0.strict",
-     "tools.0.strict: Input should be a valid boolean, got str"),
+     "tools.0.strict: Input should be a valid boolean, got 'yes'"),
     ({"tools": [{**TOOL, "description": 5}]}, "tools.0.description",
      "tools.0.description: Input should be a valid string, got int"),
     ({"tools": ["f"]}, "tools.0", "tools.0: Input should be a valid dictionary, got str"),
