@@ -26,9 +26,11 @@ from gateway.request.pipeline import handle
 from gateway.request.validate import parse_json
 from gateway.sse import named_event
 from gateway.stored_responses import ResponseStore, StoredResponse
-from gateway.translate.responses import (check_body, from_chat, input_items, native_body, new_context,
-                                         responses_error, responses_error_object, to_chat)
+from gateway.translate.responses import from_chat, native_body, new_context, to_chat
+from gateway.translate.responses_checks import check_body
+from gateway.translate.responses_errors import responses_error, responses_error_object
 from gateway.translate.responses_events import ResponsesEvents
+from gateway.translate.responses_items import input_items
 from gateway.values import ChatEvent, ChatStream
 
 _JSON = "application/json"

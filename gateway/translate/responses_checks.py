@@ -1,7 +1,8 @@
-"""The checks of a ``POST /v1/responses`` body's nested objects that OpenAI makes and the chat translation would
-not (or would name in chat's paths): ``text`` (``format``, ``verbosity``), function ``tools``, ``tool_choice`` and
-``parallel_tool_calls``. Each refusal is OpenAI's 400 naming the parameter by the dotted path the client wrote
-(``text.format.json_schema``, ``tool_choice.name``); read by ``gateway/translate/responses.py``'s ``check_body``.
+"""The checks of a ``POST /v1/responses`` body that OpenAI makes and the chat translation would not (or would name
+in chat's paths), before translation (``check_body``): every top-level parameter known (``PARAMS``), of its type
+and in its range, and the nested objects: ``text`` (``format``, ``verbosity``), function ``tools``,
+``tool_choice`` and ``parallel_tool_calls``. Each refusal is OpenAI's 400 naming the parameter by the dotted path
+the client wrote (``text.format.json_schema``, ``tool_choice.name``).
 
 An unknown key of ``text`` or ``text.format`` is refused, never dropped: a schema sent in another API's shape
 (chat's ``json_schema`` object, a ``schema`` beside ``json_object``) would go unenforced. The chat side has the
@@ -13,7 +14,28 @@ from __future__ import annotations
 
 from engine.protocol.tool_choice import PARALLEL_WITHOUT_TOOLS, parallel_without_tools
 from gateway.errors import ClientError
-from gateway.request.validate import check_type
+from gateway.request.validate import check_range, check_type
+from gateway.translate.responses_errors import responses_error
+
+# Fields the gateway cannot serve on any backend: refused with a 400 naming them.
+REFUSED_FIELDS = ("background", "conversation", "prompt")
+_NUM = (int, float)
+# Every top-level parameter of OpenAI's Responses API (``responses.create``) and its JSON types; any other is
+# refused as OpenAI refuses it (400 ``unknown_parameter``). ``priority`` and ``seed`` are the gateway's own, as on
+# chat. Value ranges are chat's (``engine/protocol/param_ranges.py``), read under the chat name (``CHAT_NAMES``).
+PARAMS = {
+    "model": (str,), "input": (str, list), "instructions": (str,), "max_output_tokens": (int,),
+    "max_tool_calls": (int,), "metadata": (dict,), "parallel_tool_calls": (bool,), "previous_response_id": (str,),
+    "reasoning": (dict,), "store": (bool,), "stream": (bool,), "stream_options": (dict,), "temperature": _NUM,
+    "text": (dict,), "tool_choice": (str, dict), "tools": (list,), "top_p": _NUM, "top_logprobs": (int,),
+    "truncation": (str,), "user": (str,), "include": (list,), "background": (bool,), "conversation": (str, dict),
+    "prompt": (dict,), "prompt_cache_key": (str,), "prompt_cache_retention": (str,), "prompt_cache_options": (dict,),
+    "safety_identifier": (str,), "service_tier": (str,), "background_options": (dict,),
+    "context_management": (list,), "image": (dict,), "moderation": (dict,), "access_programs": (dict,),
+    "priority": (str, int), "seed": (int,),
+}
+# Parameters whose chat name differs: their ranges are chat's under that name, and ``to_chat`` copies them under it.
+CHAT_NAMES = {"max_output_tokens": "max_tokens"}
 
 # The keys of ``text`` and of each ``text.format`` type, with their JSON types (OpenAI's Responses API).
 TEXT_KEYS = {"format": (dict,), "verbosity": (str,)}
@@ -34,6 +56,52 @@ _TOOL_TYPES = {"type": (str,), "name": (str,), "description": (str,), "parameter
 def bad_request(message: str, param: str, code: str = "invalid_value") -> ClientError:
     """OpenAI's 400 (``invalid_request_error``) with ``message``; ``param``: the parameter's dotted path."""
     return ClientError(400, message, param=param, code=code)
+
+
+def check_body(body: dict) -> None:
+    """The Responses checks, before translation: ``model``, every parameter known (``PARAMS``), of its type and in
+    its range, ``input``, refused fields, and the nested objects (``tools``, function tools only,
+    ``tool_choice``, ``parallel_tool_calls``, ``text``). The input items are checked as they are translated
+    (``gateway/translate/responses_items.py``); chat's own checks run later, on the chat body, in
+    ``validate.py``.
+
+    Raises:
+        ClientError: 400 naming the parameter (a built-in tool by its type)."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("missing required parameter 'model'" if model is None
+                          else "'model' must be a non-empty string",
+                          "model", "missing_required_parameter" if model is None else "invalid_type")
+    _check_params(body)
+    for name in REFUSED_FIELDS:
+        if body.get(name) not in (None, False):
+            raise bad_request(f"'{name}' is not supported by this gateway", name, "unsupported_parameter")
+    inp = body.get("input")
+    if inp is None:
+        raise bad_request("missing required parameter 'input'", "input", "missing_required_parameter")
+    if not isinstance(inp, (str, list)):
+        raise bad_request(f"'input' must be a string or an array of input items, got {type(inp).__name__}",
+                          "input", "invalid_type")
+    tools = body.get("tools") or []
+    check_tools(tools)
+    check_tool_choice(body.get("tool_choice"), tools)
+    check_parallel_tool_calls(body)
+    if body.get("text") is not None:
+        check_text(body["text"])
+
+
+def _check_params(body: dict) -> None:
+    """Each parameter of ``body`` is a Responses parameter, of its type, in the range chat's table gives its chat
+    name; a 400 names the parameter as the client wrote it."""
+    for name, value in body.items():
+        types = PARAMS.get(name)
+        if types is None:
+            raise bad_request(f"Unknown parameter: '{name}'.", name, "unknown_parameter")
+        check_type(name, value, types)
+        try:
+            check_range(CHAT_NAMES.get(name, name), value)
+        except ClientError as e:
+            raise responses_error(e) from None
 
 
 def _missing(param: str) -> ClientError:

@@ -9,9 +9,11 @@ import pytest
 
 from gateway.errors import ClientError
 from gateway.translate.chat_events import decode_event
-from gateway.translate.responses import (check_body, from_chat, input_items, new_context, responses_error, to_chat,
-                                         to_messages)
+from gateway.translate.responses import from_chat, new_context, to_chat
+from gateway.translate.responses_checks import check_body
+from gateway.translate.responses_errors import responses_error
 from gateway.translate.responses_events import ResponsesEvents
+from gateway.translate.responses_items import input_items, to_messages
 from gateway.values import ChatEvent
 
 

@@ -1,0 +1,138 @@
+"""A ``POST /v1/responses`` body's ``input`` items as pure functions: listed with their ids (what ``input_items``
+lists and a follow-up continues from) and translated into chat messages (``to_messages``), each refusal OpenAI's
+400 naming the item's own path (``input[i].content[j].text``).
+"""
+
+from __future__ import annotations
+
+from engine.protocol.chat_shapes import string_field_problem
+from gateway.translate.responses_checks import bad_request
+
+# The id prefix of an input item the client sent without an id, by type (OpenAI's prefixes).
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items(body: dict, request_id: str) -> list[dict]:
+    """``body['input']`` as a list of items, each with a ``type`` and an ``id`` (the client's, else one made from
+    the request id and the item's position; a string input: one user message), as
+    ``GET /v1/responses/{id}/input_items`` lists and pages them."""
+    inp = body["input"]
+    raw = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
+    items = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise bad_request(f"'input[{i}]' must be an object", f"input[{i}]", "invalid_type")
+        item = dict(item)
+        item.setdefault("type", "message")
+        if item["type"] == "message":
+            content = item.get("content")
+            if isinstance(content, str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": content}]
+        item.setdefault("id", f"{_ITEM_PREFIX.get(item['type'], 'item')}_{request_id}_{i}")
+        items.append(item)
+    return items
+
+
+def _text_of(parts: list, where: str) -> str | list:
+    """Message content parts -> chat content: one string when every part is text (what chat templates read
+    best), else chat's parts (images as ``image_url``)."""
+    out = []
+    for j, p in enumerate(parts):
+        if not isinstance(p, dict):    # it said "part type 'None'" (a trial)
+            raise bad_request(f"'{where}[{j}]' must be a content part object, got {type(p).__name__}", f"{where}[{j}]",
+                              "invalid_type")
+        kind = p.get("type")
+        if kind in ("input_text", "output_text", "text", "refusal"):
+            field = "refusal" if kind == "refusal" else "text"
+            _require_string(p, field, f"{where}[{j}].{field}")     # a non-string was a 500 (a trial)
+            out.append({"type": "text", "text": p[field]})
+        elif kind == "input_image" and p.get("image_url"):
+            out.append({"type": "image_url", "image_url": {"url": p["image_url"], "detail": p.get("detail", "auto")}})
+        else:
+            raise bad_request(f"content part type '{kind}' is not supported", f"{where}[{j}].type")
+    if all(p["type"] == "text" for p in out):
+        return "".join(p["text"] for p in out)
+    return out
+
+
+def _require_string(obj: dict, name: str, path: str) -> None:
+    """Refuse ``obj`` (at ``path`` less its last key) without the string ``name``, naming ``path``
+    (``string_field_problem``'s words)."""
+    if (problem := string_field_problem(obj, name, path)) is not None:
+        raise bad_request(problem[0], path, problem[1])
+
+
+def _require_strings(item: dict, i: int, names: tuple[str, ...]) -> None:
+    """Refuse input item ``i`` when one of ``names`` is absent or not a non-empty string, naming
+    ``input[i].<name>`` (the chat translation would name ``messages[k].tool_calls[0]...`` of its own body)."""
+    for name in names:
+        _require_string(item, name, f"input[{i}].{name}")
+        if not item[name]:
+            raise bad_request(f"'input[{i}].{name}' must be a non-empty string", f"input[{i}].{name}",
+                              "invalid_value")
+
+
+def to_messages(items: list[dict]) -> list[dict]:
+    """Responses items -> chat messages. Consecutive ``function_call`` items join the assistant message before
+    them (one turn, parallel calls); ``function_call_output`` is a ``tool`` message; ``reasoning`` is dropped.
+
+    Raises:
+        ClientError: 400 naming an item chat cannot express, a ``function_call_output`` whose ``call_id`` no
+        ``function_call`` of ``items`` has, or a ``function_call`` no output answers (OpenAI's 400s, param
+        ``input``)."""
+    messages: list[dict] = []
+    calls = dict.fromkeys(item.get("call_id") for item in items if item.get("type") == "function_call")   # in order
+    for i, item in enumerate(items):
+        kind = item.get("type")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise bad_request(f"'input[{i}].role' must be one of user, assistant, system, developer",
+                                  f"input[{i}].role")
+            content = item.get("content")
+            if content is None:     # chat's check would name messages[k].content, a field the client never sent
+                raise bad_request(f"missing required parameter 'input[{i}].content'", f"input[{i}].content",
+                                  "missing_required_parameter")
+            if not isinstance(content, (str, list)):
+                raise bad_request(f"'input[{i}].content' must be a string or an array of content parts, got "
+                                  f"{type(content).__name__}", f"input[{i}].content", "invalid_type")
+            if isinstance(content, list) and not content and role != "assistant":
+                raise bad_request(f"Invalid 'input[{i}].content': empty array. Expected an array with minimum length "
+                                  "1, but got an empty array instead.", f"input[{i}].content", "empty_array")
+            content = _text_of(content, f"input[{i}].content") if isinstance(content, list) else content
+            messages.append({"role": role, "content": content})
+        elif kind == "function_call":
+            _require_strings(item, i, ("call_id", "name"))
+            _require_string(item, "arguments", f"input[{i}].arguments")     # the call's JSON text, as OpenAI's
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            _require_strings(item, i, ("call_id",))
+            if "output" not in item:
+                raise bad_request(f"missing required parameter 'input[{i}].output'", f"input[{i}].output",
+                                  "missing_required_parameter")
+            out = item.get("output")
+            if not isinstance(out, (str, list)):   # chat's check would name the whole input
+                raise bad_request(f"'input[{i}].output' must be a string or an array of content parts, got "
+                                  f"{type(out).__name__}", f"input[{i}].output", "invalid_type")
+            if item["call_id"] not in calls:
+                raise bad_request(f"No tool call found for function call output with call_id {item['call_id']}.",
+                                  "input")
+            if isinstance(out, list):
+                out = _text_of(out, f"input[{i}].output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": out})
+        elif kind == "reasoning":
+            continue       # chat has no place for a model's reasoning; the model reasons afresh
+        else:
+            raise bad_request(f"input item type '{kind}' is not supported", f"input[{i}].type")
+    answered = {item.get("call_id") for item in items if item.get("type") == "function_call_output"}
+    if unanswered := [c for c in calls if c not in answered]:   # OpenAI's: a call the conversation never answers
+        raise bad_request(f"No tool output found for function call {unanswered[0]}.", "input")
+    return messages
+
