@@ -9,25 +9,26 @@ from gateway.errors import ClientError
 def check_objects(body: dict) -> None:
     """Raises ClientError(400) naming the field unless ``stream_options`` and ``metadata`` are what OpenAI takes."""
     if "stream_options" in body:
-        _check_stream_options(body)
+        check_stream_options(body)
     if isinstance(body.get("metadata"), dict):
         _check_metadata(body["metadata"])
 
 
-# stream_options' fields and their type: OpenAI's, and vLLM's continuous_usage_stats (usage on every chunk).
-STREAM_OPTIONS = {"include_usage": bool, "include_obfuscation": bool, "continuous_usage_stats": bool}
+# stream_options' fields, each a boolean: OpenAI's, and vLLM's continuous_usage_stats (usage on every chunk).
+STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
 
 
-def _check_stream_options(body: dict) -> None:
-    """OpenAI's 400s for ``stream_options``: only with ``stream: true``, only its known fields, each a boolean."""
+def check_stream_options(body: dict, fields: tuple[str, ...] = STREAM_OPTIONS) -> None:
+    """OpenAI's 400s for ``stream_options``: only with ``stream: true``, only its known ``fields`` (chat's
+    ``STREAM_OPTIONS``; the Responses API knows ``include_obfuscation`` alone), each a boolean."""
     if body.get("stream") is not True:
         raise ClientError(400, "The 'stream_options' parameter is only allowed when 'stream' is true",
                           param="stream_options", code="invalid_value")
     for name, value in body["stream_options"].items():
-        if name not in STREAM_OPTIONS:
+        if name not in fields:
             raise ClientError(400, f"Unrecognized request argument supplied: stream_options.{name}",
                               param=f"stream_options.{name}", code="unknown_parameter")
-        if value is not None and not isinstance(value, STREAM_OPTIONS[name]):
+        if value is not None and not isinstance(value, bool):
             raise ClientError(400, f"'stream_options.{name}' must be a boolean, got {type(value).__name__}",
                               param=f"stream_options.{name}", code="invalid_type")
 

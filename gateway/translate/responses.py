@@ -172,7 +172,8 @@ def function_call_item(ctx: ResponseContext, k: int, call_id: str | None, name: 
 def response_object(ctx: ResponseContext, status: str, output: list[dict], usage: dict | None = None,
                     error: dict | None = None, incomplete: str | None = None) -> dict:
     """The Responses object (``object: "response"``) of ``ctx`` in ``status`` (in_progress, completed,
-    incomplete, failed), echoing the request's parameters as OpenAI does."""
+    incomplete, failed), echoing the request's parameters as OpenAI does (``service_tier`` ``auto`` or not given:
+    ``default``, the tier OpenAI reports serving it on)."""
     b = ctx.body
     text = b.get("text") if isinstance(b.get("text"), dict) else {}
     return {
@@ -181,13 +182,18 @@ def response_object(ctx: ResponseContext, status: str, output: list[dict], usage
         "incomplete_details": {"reason": incomplete} if incomplete else None,
         "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
         "model": ctx.model, "output": output, "parallel_tool_calls": b.get("parallel_tool_calls", True),
-        "previous_response_id": b.get("previous_response_id"), "reasoning": {"effort": None, "summary": None},
+        "previous_response_id": b.get("previous_response_id"),
+        "reasoning": {"effort": None, "summary": None, **(b.get("reasoning") or {})},
+        "service_tier": "default" if b.get("service_tier") in (None, "auto") else b["service_tier"],
+        "prompt_cache_key": b.get("prompt_cache_key"), "prompt_cache_retention": b.get("prompt_cache_retention"),
+        "safety_identifier": b.get("safety_identifier"),
         "store": b.get("store", True), "temperature": b.get("temperature", 1.0),
         "text": {"format": (text or {}).get("format") or {"type": "text"},
                  "verbosity": (text or {}).get("verbosity") or "medium"},
         "top_logprobs": b.get("top_logprobs"), "max_tool_calls": b.get("max_tool_calls"),
         "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [], "top_p": b.get("top_p", 1.0),
-        "truncation": "disabled", "usage": usage, "user": b.get("user"), "metadata": b.get("metadata") or {},
+        "truncation": b.get("truncation") or "disabled", "usage": usage, "user": b.get("user"),
+        "metadata": b.get("metadata") or {},
     }
 
 

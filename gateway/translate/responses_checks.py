@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from engine.protocol.tool_choice import PARALLEL_WITHOUT_TOOLS, parallel_without_tools
 from gateway.errors import ClientError
+from gateway.request.param_objects import check_stream_options
 from gateway.request.validate import check_range, check_type
 from gateway.translate.responses_errors import responses_error
 
@@ -36,6 +37,27 @@ PARAMS = {
 }
 # Parameters whose chat name differs: their ranges are chat's under that name, and ``to_chat`` copies them under it.
 CHAT_NAMES = {"max_output_tokens": "max_tokens"}
+# The values OpenAI's SDK types (``openai.types.responses``) give a string parameter; any other is a 400
+# ``invalid_value`` naming it.
+VALUES = {
+    "truncation": ("auto", "disabled"),
+    "service_tier": ("auto", "default", "flex", "scale", "priority", "fast", "ultrafast"),
+    "prompt_cache_retention": ("in_memory", "24h"),
+}
+# ``include``'s values (the SDK's ``ResponseIncludable``). ``message.output_text.logprobs`` asks for logprobs; the
+# others are taken as no-ops: they ask for parts of items this gateway never makes (built-in tools' calls and
+# results, encrypted reasoning) or always gives (an input image's URL).
+INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+              "message.input_image.image_url", "computer_call_output.output.image_url",
+              "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs")
+_SUMMARY = ("auto", "concise", "detailed")
+# ``reasoning``'s keys (the SDK's ``Reasoning``) and the values of each (None: any string).
+REASONING = {"effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"), "summary": _SUMMARY,
+             "generate_summary": _SUMMARY, "context": ("auto", "current_turn", "all_turns"), "mode": None}
+# ``stream_options``' fields on the Responses API (the SDK's ``StreamOptions``).
+STREAM_OPTIONS = ("include_obfuscation",)
+# The least value of an integer parameter chat does not have (OpenAI's: ``max_tool_calls`` 0 is a 400).
+MINIMUMS = {"max_tool_calls": 1}
 
 # The keys of ``text`` and of each ``text.format`` type, with their JSON types (OpenAI's Responses API).
 TEXT_KEYS = {"format": (dict,), "verbosity": (str,)}
@@ -73,6 +95,7 @@ def check_body(body: dict) -> None:
                           else "'model' must be a non-empty string",
                           "model", "missing_required_parameter" if model is None else "invalid_type")
     _check_params(body)
+    _check_values(body)
     for name in REFUSED_FIELDS:
         if body.get(name) not in (None, False):
             raise bad_request(f"'{name}' is not supported by this gateway", name, "unsupported_parameter")
@@ -104,13 +127,46 @@ def _check_params(body: dict) -> None:
             raise responses_error(e) from None
 
 
+def _check_values(body: dict) -> None:
+    """The values of the parameters chat has no check for: ``VALUES``, ``include``, ``reasoning``,
+    ``stream_options`` (only with ``stream: true``, as chat's) and ``MINIMUMS``."""
+    for name, allowed in VALUES.items():
+        if body.get(name) is not None:
+            _one_of(body[name], allowed, name)
+    if body.get("include") is not None:
+        check_include(body["include"])
+    if body.get("reasoning") is not None:
+        _check_keys(body["reasoning"], dict.fromkeys(REASONING, (str,)), "reasoning")
+        for key, allowed in REASONING.items():
+            if allowed is not None and body["reasoning"].get(key) is not None:
+                _one_of(body["reasoning"][key], allowed, f"reasoning.{key}")
+    if body.get("stream_options") is not None:
+        check_stream_options(body, STREAM_OPTIONS)
+    for name, least in MINIMUMS.items():
+        if body.get(name) is not None and body[name] < least:
+            raise bad_request(f"Invalid '{name}': integer below minimum value. Expected a value >= {least}, but "
+                              f"got {body[name]} instead.", name, "integer_below_min_value")
+
+
+def check_include(values: list) -> None:
+    """``include`` (of ``POST /v1/responses`` or ``GET /v1/responses/{id}/input_items``): each value one of
+    ``INCLUDABLE``.
+
+    Raises:
+        ClientError: 400 naming ``include[i]``."""
+    for i, value in enumerate(values):
+        check_type(f"include[{i}]", value, (str,))
+        _one_of(value, INCLUDABLE, f"include[{i}]")
+
+
 def _missing(param: str) -> ClientError:
     return bad_request(f"missing required parameter '{param}'", param, "missing_required_parameter")
 
 
 def _one_of(value: object, allowed: tuple[str, ...], param: str) -> None:
     if value not in allowed:
-        listed = ", ".join(f"'{a}'" for a in allowed[:-1]) + f", and '{allowed[-1]}'"
+        listed = ", ".join(f"'{a}'" for a in allowed[:-1]) + ("," if len(allowed) > 2 else "") + \
+            f" and '{allowed[-1]}'"
         raise bad_request(f"Invalid value for '{param}': {value!r}. Supported values are: {listed}.", param)
 
 

@@ -303,3 +303,48 @@ def test_a_streamed_refusal_is_a_refusal_part_as_the_whole_answer_has(deltas, pa
     assert events[-1]["type"] == "response.completed"
     assert events[-1]["response"]["output"] == whole["output"]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+@pytest.mark.parametrize("extra, param, code", [
+    # a new user's trial got 200 for each (any string, any include, any effort or tier)
+    ({"truncation": "sometimes"}, "truncation", "invalid_value"),
+    ({"include": ["bogus.thing"]}, "include[0]", "invalid_value"),
+    ({"include": ["message.output_text.logprobs", 3]}, "include[1]", "invalid_type"),
+    ({"reasoning": {"effort": "maximum"}}, "reasoning.effort", "invalid_value"),
+    ({"reasoning": {"summary": "short"}}, "reasoning.summary", "invalid_value"),
+    ({"reasoning": {"budget": 3}}, "reasoning.budget", "unknown_parameter"),
+    ({"service_tier": "gold"}, "service_tier", "invalid_value"),
+    ({"prompt_cache_retention": "forever"}, "prompt_cache_retention", "invalid_value"),
+    ({"max_tool_calls": -3}, "max_tool_calls", "integer_below_min_value"),
+    ({"max_tool_calls": 0}, "max_tool_calls", "integer_below_min_value"),
+    ({"stream": True, "stream_options": {"foo": True}}, "stream_options.foo", "unknown_parameter"),
+    ({"stream": True, "stream_options": {"include_usage": True}}, "stream_options.include_usage",
+     "unknown_parameter"),                                   # chat's, not the Responses API's
+    ({"stream": True, "stream_options": {"include_obfuscation": 1}}, "stream_options.include_obfuscation",
+     "invalid_type"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options", "invalid_value"),   # chat refuses it
+])
+def test_parameter_values_are_checked_as_the_sdk_types_allow(extra, param, code):
+    with pytest.raises(ClientError) as e:
+        check_body({"model": "m", "input": "x", **extra})
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, code)
+    assert param in e.value.message
+
+
+def test_values_sent_are_echoed_and_valid_ones_pass():
+    body = {"model": "m", "input": "x", "truncation": "disabled", "service_tier": "flex",
+            "reasoning": {"effort": "low", "summary": "auto"}, "prompt_cache_key": "k", "safety_identifier": "u1",
+            "prompt_cache_retention": "24h", "include": ["reasoning.encrypted_content", "file_search_call.results"],
+            "max_tool_calls": 2, "stream": True, "stream_options": {"include_obfuscation": False}}
+    check_body(body)
+    r = from_chat({"choices": [{"message": {"content": "a"}, "finish_reason": "stop"}]}, new_context(body, "r", "m"))
+    assert (r["truncation"], r["service_tier"], r["reasoning"]) == ("disabled", "flex",
+                                                                    {"effort": "low", "summary": "auto"})
+    assert (r["prompt_cache_key"], r["safety_identifier"], r["prompt_cache_retention"]) == ("k", "u1", "24h")
+    plain = from_chat({"choices": [{"message": {"content": "a"}, "finish_reason": "stop"}]},
+                      new_context({"model": "m", "input": "x"}, "r", "m"))
+    assert (plain["truncation"], plain["service_tier"], plain["reasoning"]) == (
+        "disabled", "default", {"effort": None, "summary": None})
+    auto = new_context({"model": "m", "input": "x", "truncation": "auto", "service_tier": "auto"}, "r", "m")
+    assert from_chat({"choices": [{"message": {"content": "a"}, "finish_reason": "stop"}]}, auto)["truncation"] \
+        == "auto"
