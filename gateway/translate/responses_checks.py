@@ -132,14 +132,14 @@ def _check_values(body: dict) -> None:
     ``stream_options`` (only with ``stream: true``, as chat's) and ``MINIMUMS``."""
     for name, allowed in VALUES.items():
         if body.get(name) is not None:
-            _one_of(body[name], allowed, name)
+            one_of(body[name], allowed, name)
     if body.get("include") is not None:
         check_include(body["include"])
     if body.get("reasoning") is not None:
-        _check_keys(body["reasoning"], dict.fromkeys(REASONING, (str,)), "reasoning")
+        check_keys(body["reasoning"], dict.fromkeys(REASONING, (str,)), "reasoning")
         for key, allowed in REASONING.items():
             if allowed is not None and body["reasoning"].get(key) is not None:
-                _one_of(body["reasoning"][key], allowed, f"reasoning.{key}")
+                one_of(body["reasoning"][key], allowed, f"reasoning.{key}")
     if body.get("stream_options") is not None:
         check_stream_options(body, STREAM_OPTIONS)
     for name, least in MINIMUMS.items():
@@ -156,22 +156,26 @@ def check_include(values: list) -> None:
         ClientError: 400 naming ``include[i]``."""
     for i, value in enumerate(values):
         check_type(f"include[{i}]", value, (str,))
-        _one_of(value, INCLUDABLE, f"include[{i}]")
+        one_of(value, INCLUDABLE, f"include[{i}]")
 
 
 def _missing(param: str) -> ClientError:
     return bad_request(f"missing required parameter '{param}'", param, "missing_required_parameter")
 
 
-def _one_of(value: object, allowed: tuple[str, ...], param: str) -> None:
+def one_of(value: object, allowed: tuple[str, ...], param: str) -> None:
+    """Refuse ``value`` (of ``param``) unless it is one of ``allowed``: 400 ``invalid_value`` listing them."""
     if value not in allowed:
         listed = ", ".join(f"'{a}'" for a in allowed[:-1]) + ("," if len(allowed) > 2 else "") + \
             f" and '{allowed[-1]}'"
         raise bad_request(f"Invalid value for '{param}': {value!r}. Supported values are: {listed}.", param)
 
 
-def _check_keys(obj: dict, keys: dict[str, tuple], where: str) -> None:
-    """Each key of ``obj`` (found at ``where``) is one of ``keys`` and of its JSON type (null: not given)."""
+def check_keys(obj: dict, keys: dict[str, tuple], where: str) -> None:
+    """Each key of ``obj`` (found at ``where``) is one of ``keys`` and of its JSON type (null: not given).
+
+    Raises:
+        ClientError: 400 ``unknown_parameter`` or ``invalid_type`` naming ``<where>.<key>``."""
     for key, value in obj.items():
         types = keys.get(key)
         if types is None:
@@ -185,17 +189,17 @@ def check_text(text: dict) -> None:
 
     Raises:
         ClientError: 400 naming the key (``text.fromat``, ``text.format.json_schema``...)."""
-    _check_keys(text, TEXT_KEYS, "text")
+    check_keys(text, TEXT_KEYS, "text")
     if text.get("verbosity") is not None:
-        _one_of(text["verbosity"], VERBOSITY, "text.verbosity")
+        one_of(text["verbosity"], VERBOSITY, "text.verbosity")
     fmt = text.get("format")
     if fmt is None:
         return
     kind = fmt.get("type")
     if kind is None:
         raise _missing("text.format.type")
-    _one_of(kind, tuple(FORMAT_KEYS), "text.format.type")
-    _check_keys(fmt, FORMAT_KEYS[kind], "text.format")
+    one_of(kind, tuple(FORMAT_KEYS), "text.format.type")
+    check_keys(fmt, FORMAT_KEYS[kind], "text.format")
     for name in FORMAT_REQUIRED.get(kind, ()):
         if fmt.get(name) is None:
             raise _missing(f"text.format.{name}")
@@ -216,7 +220,7 @@ def check_tools(tools: list) -> None:
                               f"tools[{i}].type", "unsupported_tool")
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise _missing(f"tools[{i}].name")
-        _check_keys(tool, _TOOL_TYPES, f"tools[{i}]")   # another key is OpenAI's 400, not dropped
+        check_keys(tool, _TOOL_TYPES, f"tools[{i}]")   # another key is OpenAI's 400, not dropped
 
 
 def check_tool_choice(choice: str | dict | None, tools: list) -> None:
@@ -226,13 +230,13 @@ def check_tool_choice(choice: str | dict | None, tools: list) -> None:
     Raises:
         ClientError: 400 naming ``tool_choice`` or its key (``tool_choice.name``, ``tool_choice.type``)."""
     if isinstance(choice, str):
-        _one_of(choice, TOOL_CHOICE_MODES, "tool_choice")
+        one_of(choice, TOOL_CHOICE_MODES, "tool_choice")
     if not isinstance(choice, dict):
         return
     if choice.get("type") != "function":
         raise bad_request(f"tool_choice type '{choice.get('type')}' is not supported: only function tools are "
                           "served", "tool_choice.type", "unsupported_tool")
-    _check_keys(choice, _FUNCTION_CHOICE_KEYS, "tool_choice")
+    check_keys(choice, _FUNCTION_CHOICE_KEYS, "tool_choice")
     name = choice.get("name")
     if name is None:
         raise _missing("tool_choice.name")

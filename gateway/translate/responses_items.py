@@ -1,20 +1,72 @@
-"""A ``POST /v1/responses`` body's ``input`` items as pure functions: listed with their ids (what ``input_items``
-lists and a follow-up continues from) and translated into chat messages (``to_messages``), each refusal OpenAI's
-400 naming the item's own path (``input[i].content[j].text``).
+"""A ``POST /v1/responses`` body's ``input`` items as pure functions: checked and listed with their ids (what
+``input_items`` lists and a follow-up continues from) and translated into chat messages (``to_messages``), each
+refusal OpenAI's 400 naming the item's own path (``input[i].content[j].text``).
+
+An item's or a content part's key OpenAI does not know is refused (``unknown_parameter``), never dropped, as a
+tool's is (``responses_checks.check_tools``); so is a content part in a message whose role does not hold it
+(OpenAI's: what the model said is ``output_text`` or ``refusal``, the rest ``input_*``; chat's ``text`` is
+neither).
 """
 
 from __future__ import annotations
 
 from engine.protocol.chat_shapes import string_field_problem
-from gateway.translate.responses_checks import bad_request
+from gateway.translate.responses_checks import bad_request, check_keys, one_of
 
 # The id prefix of an input item the client sent without an id, by type (OpenAI's prefixes).
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+_S = (str,)
+# The keys of each input item type and of each content part type, with their JSON types (the openai SDK's param
+# types). ``phase`` (an assistant message's) and ``prompt_cache_breakpoint`` are hints, taken as no-ops.
+ITEM_KEYS = {
+    "message": {"type": _S, "id": _S, "role": _S, "content": (str, list), "status": _S, "phase": _S},
+    "function_call": {"type": _S, "id": _S, "call_id": _S, "name": _S, "arguments": _S, "status": _S},
+    "function_call_output": {"type": _S, "id": _S, "call_id": _S, "output": (str, list), "status": _S},
+    "reasoning": {"type": _S, "id": _S, "summary": (list,), "content": (list,), "encrypted_content": _S,
+                  "status": _S},
+}
+PART_KEYS = {
+    "input_text": {"type": _S, "text": _S, "prompt_cache_breakpoint": (dict,)},
+    "input_image": {"type": _S, "image_url": _S, "file_id": _S, "detail": _S, "prompt_cache_breakpoint": (dict,)},
+    "output_text": {"type": _S, "text": _S, "annotations": (list,), "logprobs": (list,)},
+    "refusal": {"type": _S, "refusal": _S},
+}
+# The content part types of a message by its role, and of a function call's output (``input_file`` is OpenAI's,
+# refused by the translation as not supported).
+_INPUT_PARTS = ("input_text", "input_image", "input_file")
+PART_TYPES = {"user": _INPUT_PARTS, "system": _INPUT_PARTS, "developer": _INPUT_PARTS,
+              "assistant": ("output_text", "refusal")}
+
+
+def check_item(item: dict, i: int) -> None:
+    """The client's input item ``i``: its keys (``ITEM_KEYS``) and, in a message or a function call's output, each
+    content part's type (``PART_TYPES``) and keys (``PART_KEYS``). An item type, role or content ``to_messages``
+    cannot translate is left for it to name.
+
+    Raises:
+        ClientError: 400 naming ``input[i].<key>`` or ``input[i].content[j]...``."""
+    kind = item.get("type", "message")
+    if kind not in ITEM_KEYS:
+        return
+    check_keys(item, ITEM_KEYS[kind], f"input[{i}]")
+    if kind == "message":
+        parts, allowed, where = item.get("content"), PART_TYPES.get(item.get("role")), f"input[{i}].content"
+    elif kind == "function_call_output":
+        parts, allowed, where = item.get("output"), _INPUT_PARTS, f"input[{i}].output"
+    else:
+        return
+    if not isinstance(parts, list) or allowed is None:
+        return
+    for j, part in enumerate(parts):
+        if isinstance(part, dict):
+            one_of(part.get("type"), allowed, f"{where}[{j}].type")
+            if part["type"] in PART_KEYS:
+                check_keys(part, PART_KEYS[part["type"]], f"{where}[{j}]")
 
 
 def input_items(body: dict, request_id: str) -> list[dict]:
-    """``body['input']`` as a list of items, each with a ``type`` and an ``id`` (the client's, else one made from
-    the request id and the item's position; a string input: one user message), as
+    """``body['input']`` as a list of items, each checked (``check_item``) and with a ``type`` and an ``id`` (the
+    client's, else one made from the request id and the item's position; a string input: one user message), as
     ``GET /v1/responses/{id}/input_items`` lists and pages them."""
     inp = body["input"]
     raw = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
@@ -22,6 +74,7 @@ def input_items(body: dict, request_id: str) -> list[dict]:
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
             raise bad_request(f"'input[{i}]' must be an object", f"input[{i}]", "invalid_type")
+        check_item(item, i)
         item = dict(item)
         item.setdefault("type", "message")
         if item["type"] == "message":
@@ -43,6 +96,7 @@ def _text_of(parts: list, where: str) -> str | list:
             raise bad_request(f"'{where}[{j}]' must be a content part object, got {type(p).__name__}", f"{where}[{j}]",
                               "invalid_type")
         kind = p.get("type")
+        # chat's "text" part: check_item refuses it in a request, but a conversation stored before may hold one
         if kind in ("input_text", "output_text", "text", "refusal"):
             field = "refusal" if kind == "refusal" else "text"
             _require_string(p, field, f"{where}[{j}].{field}")     # a non-string was a 500 (a trial)

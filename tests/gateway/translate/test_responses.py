@@ -348,3 +348,57 @@ def test_values_sent_are_echoed_and_valid_ones_pass():
     auto = new_context({"model": "m", "input": "x", "truncation": "auto", "service_tier": "auto"}, "r", "m")
     assert from_chat({"choices": [{"message": {"content": "a"}, "finish_reason": "stop"}]}, auto)["truncation"] \
         == "auto"
+
+
+@pytest.mark.parametrize("item, param, code", [
+    # a new user's trial got 200 for each: the unknown key was dropped, the misplaced part taken as text
+    ({"role": "user", "content": "x", "foo": 1}, "input[0].foo", "unknown_parameter"),
+    ({"role": "user", "content": [{"type": "input_text", "text": "x", "foo": 1}]}, "input[0].content[0].foo",
+     "unknown_parameter"),
+    ({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "function": {}}, "input[0].function",
+     "unknown_parameter"),
+    ({"type": "function_call_output", "call_id": "c", "output": "1", "tool_call_id": "c"},
+     "input[0].tool_call_id", "unknown_parameter"),
+    ({"type": "reasoning", "id": "rs", "summary": [], "text": "x"}, "input[0].text", "unknown_parameter"),
+    ({"role": "assistant", "content": [{"type": "output_text", "text": "x", "extra": 1}]},
+     "input[0].content[0].extra", "unknown_parameter"),
+    ({"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png", "url": "u"}]},
+     "input[0].content[0].url", "unknown_parameter"),
+    ({"role": "assistant", "content": [{"type": "refusal", "refusal": "no", "text": "no"}]},
+     "input[0].content[0].text", "unknown_parameter"),
+    ({"role": "user", "content": "x", "status": 3}, "input[0].status", "invalid_type"),
+    # chat's text part, and parts of the other side of the conversation
+    ({"role": "user", "content": [{"type": "text", "text": "x"}]}, "input[0].content[0].type", "invalid_value"),
+    ({"role": "user", "content": [{"type": "output_text", "text": "x"}]}, "input[0].content[0].type",
+     "invalid_value"),
+    ({"role": "developer", "content": [{"type": "refusal", "refusal": "x"}]}, "input[0].content[0].type",
+     "invalid_value"),
+    ({"role": "assistant", "content": [{"type": "input_text", "text": "x"}]}, "input[0].content[0].type",
+     "invalid_value"),
+    ({"type": "function_call_output", "call_id": "c", "output": [{"type": "output_text", "text": "1"}]},
+     "input[0].output[0].type", "invalid_value"),
+])
+def test_unknown_keys_and_misplaced_parts_of_items_are_refused(item, param, code):
+    body = {"model": "m", "input": [item]}
+    with pytest.raises(ClientError) as e:
+        input_items(body, "r")
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, code)
+    assert param in e.value.message
+
+
+def test_items_with_every_key_the_sdk_gives_pass():
+    items = [{"type": "message", "id": "m0", "role": "user", "status": "completed", "content": [
+                {"type": "input_text", "text": "a", "prompt_cache_breakpoint": {"mode": "explicit"}},
+                {"type": "input_image", "image_url": "data:image/png;base64,AA", "file_id": None, "detail": "low"}]},
+             {"type": "reasoning", "id": "rs", "summary": [], "content": [], "encrypted_content": None,
+              "status": "completed"},
+             {"type": "message", "id": "m1", "role": "assistant", "status": "completed", "phase": "final_answer",
+              "content": [{"type": "output_text", "text": "b", "annotations": [], "logprobs": []},
+                          {"type": "refusal", "refusal": "c"}]},
+             {"type": "function_call", "id": "fc", "call_id": "c1", "name": "f", "arguments": "{}",
+              "status": "completed"},
+             {"type": "function_call_output", "id": "fco", "call_id": "c1", "status": "completed",
+              "output": [{"type": "input_text", "text": "1"}]}]
+    messages = to_messages(input_items({"input": items}, "r"))
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["content"] == "bc" and messages[2]["content"] == "1"
