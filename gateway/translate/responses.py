@@ -199,24 +199,23 @@ def response_object(ctx: ResponseContext, status: str, output: list[dict], usage
 
 def from_chat(chat: dict, ctx: ResponseContext) -> dict:
     """A chat completion (the first choice) -> the Responses object: its reasoning as a reasoning item, its text
-    as one message item, each tool
-    call as a ``function_call`` item; ``finish_reason`` ``length`` -> status ``incomplete``
-    (``max_output_tokens``), and so the items the cut ended (OpenAI's item ``status``)."""
+    as one message item, each tool call as a ``function_call`` item; ``finish_reason`` ``length`` -> status
+    ``incomplete`` (``max_output_tokens``), and so the last item, which the cut ended (OpenAI's item
+    ``status``). A whole answer with nothing said is one empty message; a cut one is no message (OpenAI's
+    ``output: []``, or the reasoning alone), not an invented empty one."""
     choice = (chat.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
+    incomplete = FINISH_TO_INCOMPLETE.get(choice.get("finish_reason"))
     output = []
     if reasoning := reasoning_of(msg):
         output.append(reasoning_item(ctx, reasoning))
-    if msg.get("content") or msg.get("refusal") or not msg.get("tool_calls"):
+    if msg.get("content") or msg.get("refusal") or not (msg.get("tool_calls") or incomplete):
         output.append(message_item(ctx, msg.get("content") or "", refusal=msg.get("refusal"),
                                    logprobs=(choice.get("logprobs") or {}).get("content")))
     for k, call in enumerate(msg.get("tool_calls") or []):
         fn = call.get("function") or {}
         output.append(function_call_item(ctx, k, call.get("id"), fn.get("name", ""), fn.get("arguments") or ""))
-    incomplete = FINISH_TO_INCOMPLETE.get(choice.get("finish_reason"))
-    if incomplete:    # the cut ended the last item, and the reasoning when it left no text nor call after it
+    if incomplete and output:
         output[-1]["status"] = "incomplete"
-        if output[0]["type"] == "reasoning" and output[-1]["type"] == "message" and not msg.get("content"):
-            output[0]["status"] = "incomplete"
     return response_object(ctx, "incomplete" if incomplete else "completed", output, usage_of(chat.get("usage")),
                            incomplete=incomplete)

@@ -194,8 +194,9 @@ class ResponsesEvents:
 
     def finish(self) -> list[dict]:
         """The chat stream ended: close the open item and answer ``response.completed`` (``response.incomplete``
-        when stopped by the token limit, the items it closes then ``incomplete``, as ``from_chat`` marks them);
-        ``response.failed`` when no ``finish_reason`` came."""
+        when stopped by the token limit, the items it closes then ``incomplete``, and no empty message made up
+        when it left nothing said, as ``from_chat`` answers); ``response.failed`` when no ``finish_reason``
+        came."""
         if self.ended:
             return []
         if self.finish_reason is None:
@@ -205,8 +206,8 @@ class ResponsesEvents:
         if incomplete:           # the items still open are the ones the cut ended: OpenAI marks them incomplete
             self.closing = "incomplete"
         events = self._close()
-        if not any(o["type"] != "reasoning" for o in self.output):   # an empty answer is still one (empty)
-            events += self._open_message() + self._close()                # message, as the whole answer has
+        if not incomplete and not any(o["type"] != "reasoning" for o in self.output):
+            events += self._open_message() + self._close()   # an empty answer is one empty message (from_chat's)
         self.final = response_object(self.ctx, "incomplete" if incomplete else "completed", self.output,
                                      usage_of(self.usage), incomplete=incomplete)
         kind = "response.incomplete" if incomplete else "response.completed"

@@ -104,8 +104,10 @@ def test_named_tool_choice_and_length_stop():
     # text, then a call cut: the text ended before the cut
     ([{"content": "Let me check."}, {"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "get_"}}]}],
      [("message", "completed"), ("function_call", "incomplete")]),
-    # cut in the reasoning: it and the (empty) answer are incomplete
-    ([{"reasoning_content": "Hmm, the"}], [("reasoning", "incomplete"), ("message", "incomplete")]),
+    # cut in the reasoning: it is incomplete, and no empty message is made up after it (a trial's was)
+    ([{"reasoning_content": "Hmm, the"}], [("reasoning", "incomplete")]),
+    # cut before anything was said (a call cut inside its name, dropped): no output at all, as OpenAI's
+    ([{"role": "assistant", "content": ""}], []),
     # reasoning done, text cut
     ([{"reasoning_content": "ok"}, {"content": "Par"}], [("reasoning", "completed"), ("message", "incomplete")]),
 ])
