@@ -27,7 +27,7 @@ from gateway.request.validate import parse_json
 from gateway.sse import named_event
 from gateway.stored_responses import ResponseStore, StoredResponse
 from gateway.translate.responses import from_chat, native_body, new_context, to_chat
-from gateway.translate.responses_checks import check_body
+from gateway.translate.responses_checks import check_body, check_include
 from gateway.translate.responses_errors import responses_error, responses_error_object
 from gateway.translate.responses_events import ResponsesEvents
 from gateway.translate.responses_items import input_items
@@ -159,10 +159,27 @@ async def _stored(request: Request) -> tuple[ResponseStore, str, str]:
     return request.app.state.responses, tenant, request.path_params["response_id"]
 
 
+def _check_include(request: Request) -> None:
+    """The query's ``include`` values (``include`` or ``include[]``, repeated) are OpenAI's (no-ops here but
+    logprobs, which a stored response has or has not).
+
+    Raises:
+        ClientError: 400 naming ``include[i]``."""
+    q = request.query_params
+    check_include(q.getall("include", []) + q.getall("include[]", []))
+
+
 @get("/v1/responses/{response_id:str}")
 async def retrieve_response(request: Request) -> Response:
-    """``GET /v1/responses/{id}``: a stored response of the caller's tenant; 404 otherwise."""
+    """``GET /v1/responses/{id}``: a stored response of the caller's tenant; 404 otherwise. ``stream=true``
+    (OpenAI's replay of a background response's events) is a 400: ``background`` is refused, so no response
+    has events to replay."""
     store, tenant, rid = await _stored(request)
+    _check_include(request)
+    if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+        raise ClientError(400, "Only background responses can be streamed when retrieved, and this gateway "
+                          "creates none ('background' is refused): retrieve it without 'stream'.",
+                          param="stream", code="invalid_value")
     record = await store.get(rid, tenant)
     if record is None:
         raise _not_found(rid)
@@ -191,8 +208,9 @@ async def cancel_response(request: Request) -> Response:
 @get("/v1/responses/{response_id:str}/input_items")
 async def list_input_items(request: Request) -> Response:
     """``GET /v1/responses/{id}/input_items``: the response's input items as OpenAI lists them (``order``
-    ``desc`` by default, ``limit`` 1..100, default 20, ``after`` an item id)."""
+    ``desc`` by default, ``limit`` 1..100, default 20, ``after`` an item id, ``include`` OpenAI's values)."""
     store, tenant, rid = await _stored(request)
+    _check_include(request)
     record = await store.get(rid, tenant)
     if record is None:
         raise _not_found(rid)

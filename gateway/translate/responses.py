@@ -112,11 +112,11 @@ def to_chat(body: dict, history: list[dict], items: list[dict]) -> dict:
 def native_body(body: dict, history: list[dict], items: list[dict]) -> dict:
     """``body`` as an upstream that speaks the Responses API natively is sent it: the conversation the gateway
     stored (``history``, without the gateway's item ids and statuses) and this turn's ``items`` as its
-    ``input`` (without the ids the gateway gave them), no ``previous_response_id`` (the upstream never saw the
-    gateway's ids)."""
+    ``input`` (without the ids and statuses the gateway gave them), no ``previous_response_id`` (the upstream
+    never saw the gateway's ids)."""
     past = [{k: v for k, v in item.items() if k not in ("id", "status")} for item in history]
     raw = body["input"] if isinstance(body["input"], list) else [{}]
-    own = [{k: v for k, v in item.items() if k != "id" or "id" in sent} for item, sent in zip(items, raw)]
+    own = [{k: v for k, v in item.items() if k not in ("id", "status") or k in sent} for item, sent in zip(items, raw)]
     native = {k: v for k, v in body.items() if k != "previous_response_id"}
     native["input"] = past + own
     return native
@@ -173,12 +173,13 @@ def response_object(ctx: ResponseContext, status: str, output: list[dict], usage
                     error: dict | None = None, incomplete: str | None = None) -> dict:
     """The Responses object (``object: "response"``) of ``ctx`` in ``status`` (in_progress, completed,
     incomplete, failed), echoing the request's parameters as OpenAI does (``service_tier`` ``auto`` or not given:
-    ``default``, the tier OpenAI reports serving it on)."""
+    ``default``, the tier OpenAI reports serving it on); ``completed_at`` (epoch seconds, now) only when
+    completed."""
     b = ctx.body
     text = b.get("text") if isinstance(b.get("text"), dict) else {}
     return {
         "id": ctx.id, "object": "response", "created_at": ctx.created_at, "status": status,
-        "background": False, "error": error,
+        "completed_at": int(time.time()) if status == "completed" else None, "background": False, "error": error,
         "incomplete_details": {"reason": incomplete} if incomplete else None,
         "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
         "model": ctx.model, "output": output, "parallel_tool_calls": b.get("parallel_tool_calls", True),

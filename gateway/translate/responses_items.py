@@ -65,8 +65,9 @@ def check_item(item: dict, i: int) -> None:
 
 
 def input_items(body: dict, request_id: str) -> list[dict]:
-    """``body['input']`` as a list of items, each checked (``check_item``) and with a ``type`` and an ``id`` (the
-    client's, else one made from the request id and the item's position; a string input: one user message), as
+    """``body['input']`` as a list of items, each checked (``check_item``) and with a ``type``, an ``id`` (the
+    client's, else one made from the request id and the item's position; a string input: one user message) and
+    a ``status`` (the client's, else ``completed``, as OpenAI lists input items), as
     ``GET /v1/responses/{id}/input_items`` lists and pages them."""
     inp = body["input"]
     raw = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
@@ -83,6 +84,7 @@ def input_items(body: dict, request_id: str) -> list[dict]:
                 part = "output_text" if item.get("role") == "assistant" else "input_text"
                 item["content"] = [{"type": part, "text": content}]
         item.setdefault("id", f"{_ITEM_PREFIX.get(item['type'], 'item')}_{request_id}_{i}")
+        item.setdefault("status", "completed")
         items.append(item)
     return items
 

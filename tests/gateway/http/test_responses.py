@@ -164,6 +164,29 @@ async def test_previous_response_id_over_three_turns_then_retrieve_list_delete(u
         {"role": "assistant", "content": "B"}, {"role": "user", "content": "three"}]
 
 
+async def test_stored_fields_a_trial_missed_and_the_queries_it_got_200_for(up):
+    """A new user's trial: no ``completed_at``, input items without ``status``, ``GET ...?stream=true`` answered
+    JSON, and ``include=bogus`` on ``input_items`` answered 200."""
+    async with gateway(config(up)) as (gw, client):
+        r = await client.responses.create(model="m1", input=[
+            {"role": "user", "content": "hi"}, {"role": "user", "content": "again", "status": "completed"}])
+        got = await client.responses.retrieve(r.id)
+        items = await client.responses.input_items.list(r.id, order="asc")
+        with pytest.raises(openai.BadRequestError) as streamed:
+            await client.responses.retrieve(r.id, stream=True)
+        with pytest.raises(openai.BadRequestError) as listed:
+            await client.responses.input_items.list(r.id, include=["bogus.thing"])
+        with pytest.raises(openai.BadRequestError) as retrieved:
+            await client.responses.retrieve(r.id, include=["message.output_text.logprobs", "bogus.thing"])
+        ok = await client.responses.input_items.list(r.id, include=["message.input_image.image_url"])
+    assert r.status == "completed" and r.completed_at is not None and r.completed_at >= r.created_at
+    assert got.completed_at == r.completed_at
+    assert [(i.type, i.status) for i in items.data] == [("message", "completed"), ("message", "completed")]
+    assert (streamed.value.body["param"], streamed.value.body["code"]) == ("stream", "invalid_value")
+    assert listed.value.body["param"] == "include[0]" and retrieved.value.body["param"] == "include[1]"
+    assert len(ok.data) == 2
+
+
 async def test_previous_response_id_in_redis_is_seen_by_another_replica(up, redis_url):
     up.push({"content": "A"}, {"content": "B"})
     cfg = config(up, redis_url=redis_url)
@@ -348,6 +371,7 @@ async def test_native_pass_through_to_an_upstream_that_declares_responses(up):
     assert r2.previous_response_id == r1.id and r2.model == "m1"
     path, _, sent = up.requests[-1]
     assert path == "/v1/responses" and "previous_response_id" not in sent and sent["model"] == "m1"
+    assert not any("status" in i or "id" in i for i in sent["input"])   # the gateway's own, not the client's
     assert sent["instructions"] == "s" and [i["content"][0]["text"] for i in sent["input"]] == [
         "one", "tok0 tok1 tok2 ", "two"]
     assert (r2.usage.input_tokens, r2.usage.output_tokens) == (11, 7)

@@ -92,6 +92,7 @@ def test_named_tool_choice_and_length_stop():
     r = from_chat({"choices": [{"message": {"content": "abc"}, "finish_reason": "length"}]},
                   new_context({"model": "m"}, "r", "m"))
     assert (r["status"], r["incomplete_details"], r["usage"]) == ("incomplete", {"reason": "max_output_tokens"}, None)
+    assert r["completed_at"] is None      # OpenAI's: set only when completed (a trial found it missing)
 
 
 @pytest.mark.parametrize("deltas, statuses", [
