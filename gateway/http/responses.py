@@ -9,12 +9,15 @@ translated: a whole answer into the Responses object, a stream into the typed ev
 (``gateway/translate/responses_events.py``), written with the SSE codec (``gateway/sse.py``). An upstream that
 declares the Responses API (``apis: [responses]``) is sent a whole request natively instead
 (``GatewayRequest.source``; ``gateway/backends/dispatch.py``) and its answer is kept as it is, under the
-gateway's id. Errors are OpenAI's error JSON, as on chat. Stored responses: ``gateway/stored_responses.py``.
+gateway's id. ``truncation: auto`` hands the pipeline the way to shorten the conversation
+(``gateway/translate/responses_truncation.py``), which it applies when the prompt exceeds the targets' context.
+Errors are OpenAI's error JSON, as on chat. Stored responses: ``gateway/stored_responses.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 
 import msgspec
 from litestar import Request, Response, delete, get, post
@@ -31,6 +34,7 @@ from gateway.translate.responses_checks import check_body, check_include
 from gateway.translate.responses_errors import responses_error, responses_error_object
 from gateway.translate.responses_events import ResponsesEvents
 from gateway.translate.responses_items import input_items
+from gateway.translate.responses_truncation import fit_conversation
 from gateway.values import ChatEvent, ChatStream
 
 _JSON = "application/json"
@@ -76,9 +80,10 @@ async def create_response(request: Request) -> Response:
             if body.get("store", True):
                 await store.put(StoredResponse(tenant, final, items, history))
 
+        fit = partial(fit_conversation, body, history + items) if body.get("truncation") == "auto" else None
         try:
             answer = await unless_disconnected(request, handle(gw, "chat/completions", raw, headers, rid, tenant,
-                                                               body=chat, source=("responses", native)),
+                                                               body=chat, source=("responses", native), fit=fit),
                                           streamed)
         except ClientError as e:
             raise responses_error(e) from None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 
 from engine.protocol.errors import ENGINE_LOADING_RETRY_AFTER_S
@@ -32,6 +32,10 @@ from policies import RequestFeatures, decide, prefix_text
 # (``engine.tokenizer.Tokenizer.encode``). Smaller bodies stay on the loop, where a thread hop would cost more
 # than the work.
 OFFLOAD_BYTES = 16 * 1024
+
+# How a request's chat body is made to fit a context: (the prompt's token budget, a counter of a chat body's prompt
+# tokens, None when it cannot count it) -> a shorter chat body, or None to leave the request as it is.
+Fit = Callable[[int, Callable[[dict], int | None]], dict | None]
 
 
 def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str,
@@ -132,7 +136,7 @@ async def decide_route(gw, req: GatewayRequest, explain: bool = False):
 
 
 async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str, tenant: str,
-                 body: dict | None = None, source: tuple[str, dict] | None = None) -> Answer:
+                 body: dict | None = None, source: tuple[str, dict] | None = None, fit: Fit | None = None) -> Answer:
     """Serve one request on the config generation current at its arrival.
 
     Args:
@@ -145,6 +149,8 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         tenant: the request's, authenticated once by the HTTP layer (``serve_observed``) before the body was read.
         body: the chat body already decoded from ``raw`` (the Responses API's translation), or None.
         source: (API, body) the chat body was translated from, for upstreams that speak it natively.
+        fit: how to shorten the chat body to fit the targets' context (``_fitted``; the Responses API's
+            ``truncation: auto``), or None.
 
     Raises:
         ClientError: 400/401/404, 503 ``engine_loading`` (nothing else can serve it while the local engine loads),
@@ -160,9 +166,9 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     route_cfg = snap.compiled.config.routes.get(decision.route)
     if (error := unknown_parameter_error(req, route_cfg)) is not None:
         raise error
-    if req.max_tokens is None:          # a route's or model's default_max_tokens
-        req = with_default_max_tokens(req, route_cfg, next(
-            (m for m in snap.compiled.config.models if m.name == req.public_model), None))
+    req = _defaulted(snap, req, route_cfg)
+    if fit is not None:
+        req = _defaulted(snap, await _fitted(snap, req, decision, fit, headers), route_cfg)
     if affinity:
         gw.replicas.note(decision.route, decision.pick)
     if _waits_for_engine(snap, decision.route) and not await _any_reachable(gw.resilience, decision.attempts):
@@ -205,6 +211,34 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     if decision.pick.reason.startswith("SLO"):   # the numbers the SLO decision was made on
         answer.headers["x-tandem-slo"] = decision.pick.reason
     return answer
+
+
+def _defaulted(snap, req: GatewayRequest, route_cfg) -> GatewayRequest:
+    """``req`` with its route's or model's ``default_max_tokens`` when it sets no ``max_tokens``."""
+    if req.max_tokens is not None:
+        return req
+    return with_default_max_tokens(req, route_cfg, next(
+        (m for m in snap.compiled.config.models if m.name == req.public_model), None))
+
+
+async def _fitted(snap, req: GatewayRequest, decision, fit: Fit, headers: Mapping[str, str]) -> GatewayRequest:
+    """``req`` rebuilt on ``fit``'s shorter chat body when its prompt exceeds the smallest context window the
+    decision's targets declare (``max_model_len``, less the ``max_tokens`` the answer may take), counted by the
+    local engine's tokenizer (in a worker thread: one rendering per try). Unchanged when no target declares a
+    window, the local engine is not loaded (nothing counts exactly), or ``fit`` leaves it."""
+    windows = [w for a in decision.attempts if (w := getattr(snap.backends.get(a.backend), "max_model_len", None))]
+    local = snap.local
+    if not windows or local is None or not local.available:
+        return req
+
+    def count(body: dict) -> int | None:
+        rendered = local.render(req.endpoint, body)
+        return None if rendered is None else rendered.prompt_tokens
+
+    body = await asyncio.to_thread(fit, min(windows) - (req.max_tokens or 1), count)
+    if body is None:
+        return req
+    return build_request(snap, req.endpoint, b"", headers, req.request_id, req.tenant, body, req.source)
 
 
 def client_codec(req: GatewayRequest):
