@@ -78,7 +78,7 @@ def to_chat(body: dict, history: list[dict], items: list[dict]) -> dict:
     messages = []
     if body.get("instructions"):
         messages.append({"role": "system", "content": body["instructions"]})
-    messages += to_messages(history + items)
+    messages += to_messages(history + items, len(history))
     chat: dict = {"model": body["model"], "messages": messages}
     for name in _SAME:
         if body.get(name) is not None:

@@ -119,19 +119,21 @@ def _require_string(obj: dict, name: str, path: str) -> None:
         raise bad_request(problem[0], path, problem[1])
 
 
-def _require_strings(item: dict, i: int, names: tuple[str, ...]) -> None:
-    """Refuse input item ``i`` when one of ``names`` is absent or not a non-empty string, naming
-    ``input[i].<name>`` (the chat translation would name ``messages[k].tool_calls[0]...`` of its own body)."""
+def _require_strings(item: dict, where: str, names: tuple[str, ...]) -> None:
+    """Refuse the input item at ``where`` (``input[i]``) when one of ``names`` is absent or not a non-empty
+    string, naming ``input[i].<name>`` (the chat translation would name ``messages[k].tool_calls[0]...`` of its
+    own body)."""
     for name in names:
-        _require_string(item, name, f"input[{i}].{name}")
+        _require_string(item, name, f"{where}.{name}")
         if not item[name]:
-            raise bad_request(f"'input[{i}].{name}' must be a non-empty string", f"input[{i}].{name}",
-                              "invalid_value")
+            raise bad_request(f"'{where}.{name}' must be a non-empty string", f"{where}.{name}", "invalid_value")
 
 
-def to_messages(items: list[dict]) -> list[dict]:
+def to_messages(items: list[dict], first: int = 0) -> list[dict]:
     """Responses items -> chat messages. Consecutive ``function_call`` items join the assistant message before
     them (one turn, parallel calls); ``function_call_output`` is a ``tool`` message; ``reasoning`` is dropped.
+    ``items[first:]`` are the client's ``input`` (a refusal names ``input[i - first]``), the items before them
+    a stored conversation (named ``previous_response_id``).
 
     Raises:
         ClientError: 400 naming an item chat cannot express, a ``function_call_output`` whose ``call_id`` no
@@ -140,27 +142,27 @@ def to_messages(items: list[dict]) -> list[dict]:
     messages: list[dict] = []
     calls = dict.fromkeys(item.get("call_id") for item in items if item.get("type") == "function_call")   # in order
     for i, item in enumerate(items):
-        kind = item.get("type")
+        kind, where = item.get("type"), f"input[{i - first}]" if i >= first else "previous_response_id"
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise bad_request(f"'input[{i}].role' must be one of user, assistant, system, developer",
-                                  f"input[{i}].role")
+                raise bad_request(f"'{where}.role' must be one of user, assistant, system, developer",
+                                  f"{where}.role")
             content = item.get("content")
             if content is None:     # chat's check would name messages[k].content, a field the client never sent
-                raise bad_request(f"missing required parameter 'input[{i}].content'", f"input[{i}].content",
+                raise bad_request(f"missing required parameter '{where}.content'", f"{where}.content",
                                   "missing_required_parameter")
             if not isinstance(content, (str, list)):
-                raise bad_request(f"'input[{i}].content' must be a string or an array of content parts, got "
-                                  f"{type(content).__name__}", f"input[{i}].content", "invalid_type")
+                raise bad_request(f"'{where}.content' must be a string or an array of content parts, got "
+                                  f"{type(content).__name__}", f"{where}.content", "invalid_type")
             if isinstance(content, list) and not content and role != "assistant":
-                raise bad_request(f"Invalid 'input[{i}].content': empty array. Expected an array with minimum length "
-                                  "1, but got an empty array instead.", f"input[{i}].content", "empty_array")
-            content = _text_of(content, f"input[{i}].content") if isinstance(content, list) else content
+                raise bad_request(f"Invalid '{where}.content': empty array. Expected an array with minimum length "
+                                  "1, but got an empty array instead.", f"{where}.content", "empty_array")
+            content = _text_of(content, f"{where}.content") if isinstance(content, list) else content
             messages.append({"role": role, "content": content})
         elif kind == "function_call":
-            _require_strings(item, i, ("call_id", "name"))
-            _require_string(item, "arguments", f"input[{i}].arguments")     # the call's JSON text, as OpenAI's
+            _require_strings(item, where, ("call_id", "name"))
+            _require_string(item, "arguments", f"{where}.arguments")     # the call's JSON text, as OpenAI's
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
             last = messages[-1] if messages else None
@@ -169,24 +171,24 @@ def to_messages(items: list[dict]) -> list[dict]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            _require_strings(item, i, ("call_id",))
+            _require_strings(item, where, ("call_id",))
             if "output" not in item:
-                raise bad_request(f"missing required parameter 'input[{i}].output'", f"input[{i}].output",
+                raise bad_request(f"missing required parameter '{where}.output'", f"{where}.output",
                                   "missing_required_parameter")
             out = item.get("output")
             if not isinstance(out, (str, list)):   # chat's check would name the whole input
-                raise bad_request(f"'input[{i}].output' must be a string or an array of content parts, got "
-                                  f"{type(out).__name__}", f"input[{i}].output", "invalid_type")
+                raise bad_request(f"'{where}.output' must be a string or an array of content parts, got "
+                                  f"{type(out).__name__}", f"{where}.output", "invalid_type")
             if item["call_id"] not in calls:
                 raise bad_request(f"No tool call found for function call output with call_id {item['call_id']}.",
                                   "input")
             if isinstance(out, list):
-                out = _text_of(out, f"input[{i}].output")
+                out = _text_of(out, f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": out})
         elif kind == "reasoning":
             continue       # chat has no place for a model's reasoning; the model reasons afresh
         else:
-            raise bad_request(f"input item type '{kind}' is not supported", f"input[{i}].type")
+            raise bad_request(f"input item type '{kind}' is not supported", f"{where}.type")
     answered = {item.get("call_id") for item in items if item.get("type") == "function_call_output"}
     if unanswered := [c for c in calls if c not in answered]:   # OpenAI's: a call the conversation never answers
         raise bad_request(f"No tool output found for function call {unanswered[0]}.", "input")

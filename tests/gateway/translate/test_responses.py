@@ -405,3 +405,15 @@ def test_items_with_every_key_the_sdk_gives_pass():
     messages = to_messages(input_items({"input": items}, "r"))
     assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
     assert messages[1]["content"] == "bc" and messages[2]["content"] == "1"
+
+
+def test_a_follow_ups_item_is_named_by_its_own_index_not_the_conversations():
+    # the stored conversation comes first in the translation: its items were counted in the index (input[2])
+    history = input_items({"input": "hi"}, "a") + [
+        {"type": "message", "id": "m", "status": "completed", "role": "assistant",
+         "content": [{"type": "output_text", "text": "x", "annotations": [], "logprobs": []}]}]
+    body = {"model": "m", "input": [{"role": "user", "content": "ok"},
+                                    {"role": "user", "content": [{"type": "input_text"}]}]}
+    with pytest.raises(ClientError) as e:
+        to_chat(body, history, input_items(body, "b"))
+    assert e.value.param == "input[1].content[0].text" and "input[1]" in e.value.message
