@@ -18,7 +18,9 @@ unknown, type, range; the keys of ``text``, ``tools`` and ``tool_choice``). Refu
 built-in OpenAI tools (``web_search``, ``file_search``, ``computer_use_preview``...), ``background``,
 ``conversation``, ``prompt`` (stored prompts) and input items chat cannot express. The input items' translation
 is ``gateway/translate/responses_items.py``; a refusal of the chat translation is named back as the Responses
-parameter (``gateway/translate/responses_errors.py``).
+parameter (``gateway/translate/responses_errors.py``); ``truncation: "auto"`` shortens the conversation
+(``gateway/translate/responses_truncation.py``). Other parameters OpenAI takes (``reasoning``,
+``service_tier``, ``prompt_cache_key``, ``safety_identifier``...) are checked and echoed, not sent on.
 """
 
 from __future__ import annotations
