@@ -83,8 +83,8 @@ def bad_request(message: str, param: str, code: str = "invalid_value") -> Client
 def check_body(body: dict) -> None:
     """The Responses checks, before translation: ``model``, every parameter known (``PARAMS``), of its type and in
     its range, ``input``, refused fields, and the nested objects (``tools``, function tools only,
-    ``tool_choice``, ``parallel_tool_calls``, ``text``). The input items are checked as they are translated
-    (``gateway/translate/responses_items.py``); chat's own checks run later, on the chat body, in
+    ``tool_choice``, ``parallel_tool_calls``, ``text``). The input items are checked as they are listed and
+    translated (``gateway/translate/responses_items.py``); chat's own checks run later, on the chat body, in
     ``validate.py``.
 
     Raises:
