@@ -260,15 +260,21 @@ def test_admin_drain_then_exit(upstreams, tmp_path):
         g.stop()
 
 
+def _on_redis(upstreams, tmp_path, redis_server, state: str, extra: str = ""):
+    """A started gateway (and its config file's path) on ``upstreams`` sharing state in ``redis_server``, with the
+    ``state`` keys given and quick sync and timeouts, and ``extra`` top-level config."""
+    a, b = upstreams
+    text = (f"state: {{redis_url: '{redis_server.url}', sync_interval_s: 0.3, socket_timeout_s: 0.3, {state}}}\n"
+            f"{extra}")
+    path = tmp_path / "config.yaml"
+    path.write_text(upstream_config({"a": a, "b": b}, ROUTES, extra=text))
+    return GatewayProcess(path, env=ENV).start(), path
+
+
 def test_redis_outage_keeps_serving_and_reseeds(upstreams, tmp_path, redis_server):
     import redis
 
-    a, b = upstreams
-    extra = (f"state: {{redis_url: '{redis_server.url}', key_prefix: outage, sync_interval_s: 0.3, "
-             "socket_timeout_s: 0.3}")
-    path = tmp_path / "config.yaml"
-    path.write_text(upstream_config({"a": a, "b": b}, ROUTES, extra=extra))
-    g = GatewayProcess(path, env=ENV).start()
+    g = _on_redis(upstreams, tmp_path, redis_server, "key_prefix: outage")[0]
     try:
         redis_server.stop()
         time.sleep(0.5)
@@ -295,12 +301,8 @@ def test_fail_closed_limits_takes_effect_on_reload(upstreams, tmp_path, redis_se
     """A docs trial: state.fail_closed_limits changed by a reload was logged as applied, and a limited request
     was still admitted in process once Redis went away (the limiter kept the start's value). Now the reload
     applies it; a key read at start says so in the reload's answer."""
-    a, b = upstreams
-    state = (f"state: {{redis_url: '{redis_server.url}', key_prefix: failclosed, sync_interval_s: 0.3, "
-             "socket_timeout_s: 0.3, fail_closed_limits: false}\nlimits: {tenants: {anonymous: {rpm: 100}}}")
-    path = tmp_path / "config.yaml"
-    path.write_text(upstream_config({"a": a, "b": b}, ROUTES, extra=state))
-    g = GatewayProcess(path, env=ENV).start()
+    g, path = _on_redis(upstreams, tmp_path, redis_server, "key_prefix: failclosed, fail_closed_limits: false",
+                        "limits: {tenants: {anonymous: {rpm: 100}}}")
     try:
         body = {"model": "m1", "messages": [{"role": "user", "content": "x"}]}
         assert httpx.post(g.url + "/v1/chat/completions", json=body).status_code == 200
