@@ -271,7 +271,7 @@ def render_completion(tokenizer, body: dict) -> RenderedPrompt:
             out.append((None, truncate_prompt(list(item), keep)))
         else:
             raise ServingError(400, "prompt: must be a string, a list of strings, a list of token ids "
-                                    "or a list of token-id lists", param="prompt")
+                                    "or a list of token-id lists", param="prompt", code="invalid_type")
         if not out[-1][1]:
             raise ServingError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
     return RenderedPrompt(req, tuple(out))

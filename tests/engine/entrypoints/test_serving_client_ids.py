@@ -46,6 +46,9 @@ def test_a_completions_prompt_list_of_strings_and_token_lists_together_is_a_400(
     ``[[1, 2], "a"]`` got two choices); each kind alone is served."""
     assert_400(post(server, "/v1/completions", {"prompt": [[1, 2], "a"], "max_tokens": 1}), "prompt",
                "only strings or only token-id lists")
+    r = post(server, "/v1/completions", {"prompt": [[1, "a"]], "max_tokens": 1})   # a new user's trial: code null
+    assert_400(r, "prompt", "a list of token-id lists")
+    assert r.json()["error"]["code"] == "invalid_type"
     for prompt in (["a", "b"], [[1, 2], [3]]):
         r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
         assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
