@@ -199,23 +199,26 @@ def load_core(core, args: EngineArgs, tp) -> None:
     core.kv_event_publisher = ZmqEventPublisher(kv_events) if kv_events is not None else None
     if core.kv_event_publisher is not None:
         core.scheduler.kv_cache_manager.block_pool.kv_cache_events = []
-    # The objects built so far (the model, the tokenizer, torch's modules) live as long as the
-    # engine: freezing them keeps the cyclic GC from walking them on every collection during
-    # serving (4 % of a single stream's time in a profile; vLLM freezes its start-up heap too).
-    gc.collect()
-    gc.freeze()
-    # Frozen objects in reference cycles (the model's layers: their bound kernels) are never collected: each engine
-    # built and dropped in one process (an offline LLM made twice, a core restarted in a thread, the test suite's
-    # engines) kept its weights and KV pool, ~470 MB for SmolLM2 in bfloat16 with a 192 MiB pool (the suite's two
-    # workers reached 13.5 and 6 GB resident). Once this core is gone the heap goes back to the collector: the next
-    # full collection frees what it left (a start collects first, below; whatever still serves is frozen again by
-    # the next freeze).
-    weakref.finalize(core, gc.unfreeze).atexit = False
+    _freeze_start_up_heap(core)
     # the most decode steps one scheduler call runs (engine/core/multi_step.py), only where the runner has the
     # one-call greedy path (fixed once the runner's kernels are chosen); with speculation, in the calls where no
     # sequence got a proposal (multi_step.lookahead_steps)
     core.max_scheduler_steps = args.num_scheduler_steps if core.model_runner.can_decode_greedy else 1
     log_ready(core, num_blocks, budget, spec)
+
+def _freeze_start_up_heap(core) -> None:
+    """Collect, then freeze the objects built so far (the model, the tokenizer, torch's modules), which live as long
+    as the engine: the cyclic GC then never walks them during serving (4 % of a single stream's time in a profile;
+    vLLM freezes its start-up heap too). Frozen objects in reference cycles (the model's layers: their bound
+    kernels) are never collected, though: each engine built and dropped in one process (an offline LLM made twice,
+    a core restarted in a thread, the test suite's engines) kept its weights and KV pool, ~470 MB for SmolLM2 in
+    bfloat16 with a 192 MiB pool (the suite's two workers reached 13.5 and 6 GB resident). So once ``core`` is
+    gone the heap goes back to the collector: the next full collection frees what it left (``load_core`` collects
+    first; whatever still serves is frozen again by the next freeze)."""
+    gc.collect()
+    gc.freeze()
+    weakref.finalize(core, gc.unfreeze).atexit = False
+
 
 def log_ready(core, num_blocks: int, budget: int, spec) -> None:
     """The start-up line operators read (and tests check): what was loaded and how it will run
