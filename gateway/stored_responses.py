@@ -7,7 +7,9 @@ history, input and output), so a turn's whole context is one read however long t
 
 With ``state.redis_url`` the records live in Redis (``<prefix>:response:<id>``, expiring after ``TTL_S``) and
 every replica reads them; without it, or while Redis is unreachable (``gateway/state.py``'s fallback), in this
-process: at most ``MAX_IN_PROCESS`` records, the least recently stored dropped first, each for ``TTL_S``.
+process, each for ``TTL_S``, and per tenant: at most ``MAX_IN_PROCESS`` records and ``MAX_BYTES_IN_PROCESS`` bytes
+of records, the tenant's least recently stored dropped first (its newest is always kept). One tenant's records never
+push out another's (a security trial's tenant evicted another's conversations with 10,050 cached answers).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import msgspec
 from gateway.state import SharedState
 
 TTL_S = 30 * 24 * 3600          # OpenAI keeps stored responses 30 days
-MAX_IN_PROCESS = 10_000         # bounds the memory of a gateway without Redis (a record holds a conversation)
+# bound the memory of a gateway without Redis, per tenant (a record holds a conversation)
+MAX_IN_PROCESS = 10_000
+MAX_BYTES_IN_PROCESS = 256 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,39 +46,52 @@ class StoredResponse:
 class ResponseStore:
     """Stored responses on ``state`` (Redis, or in process as described above)."""
 
-    def __init__(self, state: SharedState, ttl_s: float = TTL_S, max_in_process: int = MAX_IN_PROCESS):
-        self.state, self.ttl_s, self.max_in_process = state, ttl_s, max_in_process
-        self._memory: OrderedDict[str, tuple[float, bytes]] = OrderedDict()   # id -> (expiry, record JSON)
+    def __init__(self, state: SharedState, ttl_s: float = TTL_S, max_in_process: int = MAX_IN_PROCESS,
+                 max_bytes_in_process: int = MAX_BYTES_IN_PROCESS):
+        self.state, self.ttl_s = state, ttl_s
+        self.max_in_process, self.max_bytes_in_process = max_in_process, max_bytes_in_process
+        self._memory: dict[str, bytes] = {}      # id -> record JSON (in process)
+        # tenant -> (its ids, least recently stored first, -> expiry), and the bytes of its records
+        self._tenants: dict[str, OrderedDict[str, float]] = {}
+        self._bytes: dict[str, int] = {}
 
     def _key(self, response_id: str) -> str:
         return self.state.key("response", response_id)
 
-    def _put_memory(self, response_id: str, data: bytes) -> None:
-        self._memory.pop(response_id, None)
-        self._memory[response_id] = (time.monotonic() + self.ttl_s, data)
-        while len(self._memory) > self.max_in_process:
-            self._memory.popitem(last=False)
+    def _put_memory(self, tenant: str, response_id: str, data: bytes) -> None:
+        self._drop_memory(tenant, response_id)
+        ids = self._tenants.setdefault(tenant, OrderedDict())
+        ids[response_id] = time.monotonic() + self.ttl_s
+        self._memory[response_id] = data
+        self._bytes[tenant] = self._bytes.get(tenant, 0) + len(data)
+        while len(ids) > 1 and (len(ids) > self.max_in_process or self._bytes[tenant] > self.max_bytes_in_process):
+            self._drop_memory(tenant, next(iter(ids)))
 
-    def _get_memory(self, response_id: str) -> bytes | None:
-        entry = self._memory.get(response_id)
-        if entry is None:
+    def _drop_memory(self, tenant: str, response_id: str) -> None:
+        ids = self._tenants.get(tenant)
+        if ids is not None and ids.pop(response_id, None) is not None:
+            self._bytes[tenant] -= len(self._memory.pop(response_id))
+
+    def _get_memory(self, response_id: str, tenant: str) -> bytes | None:
+        expiry = self._tenants.get(tenant, {}).get(response_id)
+        if expiry is None:
             return None
-        if entry[0] <= time.monotonic():
-            del self._memory[response_id]
+        if expiry <= time.monotonic():
+            self._drop_memory(tenant, response_id)
             return None
-        return entry[1]
+        return self._memory[response_id]
 
     async def put(self, record: StoredResponse) -> None:
         """Store ``record`` under its response's id."""
         rid, data = record.response["id"], msgspec.json.encode(record)
         await self.state.call(lambda r: r.set(self._key(rid), data.decode(), ex=int(self.ttl_s)),
-                              lambda: self._put_memory(rid, data))
+                              lambda: self._put_memory(record.tenant, rid, data))
 
     async def get(self, response_id: str, tenant: str) -> StoredResponse | None:
         """The record of ``response_id`` made by ``tenant``; None when there is none (expired, deleted, never
         stored, or another tenant's)."""
         data = await self.state.call(lambda r: r.get(self._key(response_id)),
-                                     lambda: self._get_memory(response_id))
+                                     lambda: self._get_memory(response_id, tenant))
         if data is None:
             return None
         record = msgspec.json.decode(data, type=StoredResponse)
@@ -85,5 +102,5 @@ class ResponseStore:
         if await self.get(response_id, tenant) is None:
             return False
         await self.state.call(lambda r: r.delete(self._key(response_id)),
-                              lambda: self._memory.pop(response_id, None))
+                              lambda: self._drop_memory(tenant, response_id))
         return True
