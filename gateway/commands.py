@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import replace
 
 
 def register(subparsers) -> None:
@@ -168,7 +169,7 @@ def _explain_live(args, body: dict, headers: dict) -> int:
 def _explain(args) -> int:
     from gateway.config.compile import load_config_or_report
     from gateway.errors import ClientError
-    from gateway.request.pipeline import upstream_only_error
+    from gateway.request.pipeline import tenant_priority, upstream_only_error
     from gateway.request.validate import check_request
     from policies import ReplicaLoad, RequestFeatures, Signals, TTFTEstimate, decide, prefix_text
 
@@ -189,6 +190,7 @@ def _explain(args) -> int:
     endpoint = "chat/completions" if "messages" in body else "completions"
     try:
         p = check_request(body, endpoint, headers.get("x-priority"), compiled.local_serves)
+        p = replace(p, priority=tenant_priority(p.priority, args.tenant, compiled.config.limits))
     except ClientError as e:
         print(f"request rejected: {e.status} {e.message}", file=sys.stderr)
         return 1

@@ -155,6 +155,9 @@ class ResilienceConfig(StrictModel):
 class TenantLimit(StrictModel):
     rpm: int | None = Field(None, ge=1)    # requests per window
     tpm: int | None = Field(None, ge=1)    # tokens per window
+    # the most urgent priority its requests may ask for (lower = sooner; "high" = -1): one below it is raised to
+    # it, for routing rules and the engine's queue alike (null: any, as vLLM takes any)
+    min_priority: int | None = None
 
 
 class LimitsConfig(StrictModel):

@@ -496,3 +496,31 @@ def test_a_serve_that_finds_its_port_taken_changes_nothing_shared(upstreams, tmp
         assert g.log().count("applied") == applied, g.log()
     finally:
         g.stop()
+
+
+def test_a_tenants_min_priority_raises_what_its_requests_ask_for(upstreams, tmp_path):
+    """A security trial's tenant sent ``x-priority: -9223372036854775808`` and jumped every other tenant's queue on
+    the engine's priority scheduling. ``limits.tenants.<t>.min_priority`` raises a more urgent ask to it, for
+    routing and the engine alike, on the live path and ``tandem route explain --config``; others keep theirs."""
+    a, b = upstreams
+    keys = ("auth:\n  keys:\n    - {tenant: alpha, env: ALPHA_KEY}\n    - {tenant: beta, env: BETA_KEY}\n"
+            "limits:\n  tenants:\n    beta: {min_priority: 0}\n")
+    path = tmp_path / "floor.yaml"
+    path.write_text(upstream_config({"a": a, "b": b}, ROUTES, extra=keys))
+    g = GatewayProcess(path, env={**KEY_ENV, "ALPHA_KEY": "sk-alpha", "BETA_KEY": "sk-beta"}).start()
+    try:
+        body = {"model": "m1", "messages": [{"role": "user", "content": "x"}]}
+        admin = {"authorization": "Bearer admin-tok"}
+        asked = {"alpha": -9223372036854775808, "beta": 0}
+        for tenant, priority in asked.items():
+            r = httpx.post(g.url + "/admin/explain", headers=admin, json={
+                "request": body, "headers": {"x-priority": "-9223372036854775808"}, "tenant": tenant})
+            assert r.status_code == 200 and r.json()["priority"] == priority, r.text
+        req = tmp_path / "req.json"
+        req.write_text(json.dumps({**body, "priority": "high"}))
+        r = subprocess.run([sys.executable, "-m", "gateway.commands", "route", "explain", "--config", str(path),
+                            "--request", str(req), "--tenant", "beta"], cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, **KEY_ENV}, timeout=60)
+        assert r.returncode == 0 and "priority 0;" in r.stdout, r.stdout + r.stderr
+    finally:
+        g.stop()
