@@ -35,8 +35,9 @@ from policies import RequestFeatures, decide, prefix_text
 OFFLOAD_BYTES = 16 * 1024
 
 # How a request's chat body is made to fit a context: (the prompt's token budget, a counter of a chat body's prompt
-# tokens, None when it cannot count it) -> a shorter chat body, or None to leave the request as it is.
-Fit = Callable[[int, Callable[[dict], int | None]], dict | None]
+# tokens, None when it cannot count it, the whole body's count when known) -> a shorter chat body, or None to leave
+# the request as it is.
+Fit = Callable[[int, Callable[[dict], int | None], int | None], dict | None]
 
 
 def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], request_id: str,
@@ -61,7 +62,6 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
         source, body, endpoint = ("messages", body), messages_to_chat(body), "chat/completions"
     req = check_request(body, endpoint, headers.get("x-priority"), compiled.local_serves, tenant=tenant,
                         request_id=request_id, headers=headers)
-    req = replace(req, priority=tenant_priority(req.priority, tenant, compiled.config.limits))
     public = compiled.model_names.get(req.model)
     if public is None:
         raise model_not_found(req.model, compiled.public_models)
@@ -69,7 +69,8 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     if snap.needs_prompt_tokens and snap.local is not None and snap.local.available:
         rendered = snap.local.render(endpoint, req.body)
     prompt_tokens, longest = prompt_counts(req.body, rendered)
-    return replace(req, public_model=public, prompt_tokens=prompt_tokens, longest_prompt_tokens=longest,
+    return replace(req, priority=tenant_priority(req.priority, tenant, compiled.config.limits),
+                   public_model=public, prompt_tokens=prompt_tokens, longest_prompt_tokens=longest,
                    rendered=rendered, source=source,
                    prompt_tokens_exact=rendered is not None or counted_exactly(req.body))
 
@@ -234,8 +235,9 @@ def _defaulted(snap, req: GatewayRequest, route_cfg) -> GatewayRequest:
 async def _fitted(snap, req: GatewayRequest, decision, fit: Fit, headers: Mapping[str, str]) -> GatewayRequest:
     """``req`` rebuilt on ``fit``'s shorter chat body when its prompt exceeds the smallest context window the
     decision's targets declare (``max_model_len``, less the ``max_tokens`` the answer may take), counted by the
-    local engine's tokenizer (in a worker thread: one rendering per try). Unchanged when no target declares a
-    window, the local engine is not loaded (nothing counts exactly), or ``fit`` leaves it."""
+    local engine's tokenizer (in a worker thread: one rendering per try; none when routing's rendering of the whole
+    body already fits). Unchanged when no target declares a window, the local engine is not loaded (nothing counts
+    exactly), or ``fit`` leaves it."""
     windows = [w for a in decision.attempts if (w := getattr(snap.backends.get(a.backend), "max_model_len", None))]
     local = snap.local
     if not windows or local is None or not local.available:
@@ -245,7 +247,10 @@ async def _fitted(snap, req: GatewayRequest, decision, fit: Fit, headers: Mappin
         rendered = local.render(req.endpoint, body)
         return None if rendered is None else rendered.prompt_tokens
 
-    body = await asyncio.to_thread(fit, min(windows) - (req.max_tokens or 1), count)
+    budget, whole = min(windows) - (req.max_tokens or 1), req.prompt_tokens if req.rendered is not None else None
+    if whole is not None and whole <= budget:
+        return req
+    body = await asyncio.to_thread(fit, budget, count, whole)
     if body is None:
         return req
     return build_request(snap, req.endpoint, b"", headers, req.request_id, req.tenant, body, req.source)

@@ -37,10 +37,11 @@ def _units(conversation: list[dict]) -> list[list[int]]:
 
 
 def fit_conversation(body: dict, conversation: list[dict], budget: int,
-                     count: Callable[[dict], int | None]) -> dict | None:
+                     count: Callable[[dict], int | None], whole: int | None = None) -> dict | None:
     """The chat body of ``body`` (a Responses body, ``to_chat``) on ``conversation`` less its fewest oldest units
     that bring the prompt to at most ``budget`` tokens (``count``: a chat body's prompt tokens, None when it cannot
-    be counted); found by bisection, a count per try. None when the whole conversation fits already, when it
+    be counted; ``whole``: the whole conversation's, when the caller counted it already); found by bisection, a
+    count per try. None when the whole conversation fits already, when it
     cannot be counted, or when no drop makes it fit: the request then goes as it is (and a backend answers its
     ``context_length_exceeded``)."""
     units = _units(conversation)
@@ -53,7 +54,8 @@ def fit_conversation(body: dict, conversation: list[dict], budget: int,
         n = count(chat(k))
         return n is not None and n <= budget
 
-    whole = count(chat(0))
+    if whole is None:
+        whole = count(chat(0))
     if whole is None or whole <= budget or len(units) < 2 or not fits(len(units) - 1):
         return None
     lo, hi = 1, len(units) - 1          # fits(hi); the fewest units dropped that fit lie in lo..hi

@@ -70,3 +70,18 @@ def test_the_search_counts_a_logarithmic_number_of_times():
     budget = size(to_chat(body, [], items[200:]))
     assert fit_conversation(body, items, budget, count) == to_chat(body, [], items[200:])
     assert len(counted) <= 2 + 8
+
+
+def test_a_count_the_caller_made_of_the_whole_conversation_is_not_made_again():
+    """The pipeline passes routing's rendering count of the whole body (``whole``): the whole conversation is then
+    never rendered again, and the answer is the one counting it would give."""
+    counted = []
+
+    def counting(chat: dict) -> int:
+        counted.append(len(chat["messages"]))
+        return size(chat)
+
+    budget = size(kept(*range(1, 8))) - 1
+    assert fit_conversation(BODY, ITEMS, budget, counting, whole=size(kept(*range(8)))) == \
+        fit_conversation(BODY, ITEMS, budget, size)
+    assert len(kept(*range(8))["messages"]) not in counted
