@@ -50,9 +50,8 @@ class ResponseStore:
                  max_bytes_in_process: int = MAX_BYTES_IN_PROCESS):
         self.state, self.ttl_s = state, ttl_s
         self.max_in_process, self.max_bytes_in_process = max_in_process, max_bytes_in_process
-        self._memory: dict[str, bytes] = {}      # id -> record JSON (in process)
-        # tenant -> (its ids, least recently stored first, -> expiry), and the bytes of its records
-        self._tenants: dict[str, OrderedDict[str, float]] = {}
+        # in process: tenant -> (id -> (expiry, record JSON), least recently stored first), and its records' bytes
+        self._tenants: dict[str, OrderedDict[str, tuple[float, bytes]]] = {}
         self._bytes: dict[str, int] = {}
 
     def _key(self, response_id: str) -> str:
@@ -61,25 +60,24 @@ class ResponseStore:
     def _put_memory(self, tenant: str, response_id: str, data: bytes) -> None:
         self._drop_memory(tenant, response_id)
         ids = self._tenants.setdefault(tenant, OrderedDict())
-        ids[response_id] = time.monotonic() + self.ttl_s
-        self._memory[response_id] = data
+        ids[response_id] = (time.monotonic() + self.ttl_s, data)
         self._bytes[tenant] = self._bytes.get(tenant, 0) + len(data)
         while len(ids) > 1 and (len(ids) > self.max_in_process or self._bytes[tenant] > self.max_bytes_in_process):
             self._drop_memory(tenant, next(iter(ids)))
 
     def _drop_memory(self, tenant: str, response_id: str) -> None:
-        ids = self._tenants.get(tenant)
-        if ids is not None and ids.pop(response_id, None) is not None:
-            self._bytes[tenant] -= len(self._memory.pop(response_id))
+        entry = self._tenants.get(tenant, {}).pop(response_id, None)
+        if entry is not None:
+            self._bytes[tenant] -= len(entry[1])
 
     def _get_memory(self, response_id: str, tenant: str) -> bytes | None:
-        expiry = self._tenants.get(tenant, {}).get(response_id)
-        if expiry is None:
+        entry = self._tenants.get(tenant, {}).get(response_id)
+        if entry is None:
             return None
-        if expiry <= time.monotonic():
+        if entry[0] <= time.monotonic():
             self._drop_memory(tenant, response_id)
             return None
-        return self._memory[response_id]
+        return entry[1]
 
     async def put(self, record: StoredResponse) -> None:
         """Store ``record`` under its response's id."""
