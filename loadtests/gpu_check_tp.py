@@ -48,7 +48,7 @@ def world_of_one(model_dir: str, device: str) -> dict:
     """Rank 0 of a world of one (NCCL on CUDA, gloo on CPU): the collectives, and the model's logits with and
     without the group (see the module's docstring)."""
     from engine.distributed.parallel_state import TensorParallelGroup
-    from engine.executor.multiproc_executor import free_port
+    from engine.executor.ports import free_port
     from engine.model_loader import load_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,6 +12,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from engine.executor.ports import free_port  # noqa: F401 -- re-exported for the scenarios and tests
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -24,13 +25,6 @@ def cpu_set(cpus: str) -> set[int]:
         lo, _, hi = part.strip().partition("-")
         out.update(range(int(lo), int(hi or lo) + 1))
     return out
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.executor.ports import free_port  # noqa: F401 -- re-exported for the tests
 from gateway.embedded_redis import redis_server_binary
 
 
@@ -64,13 +65,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     files of one long test for last, one worker idle meanwhile)."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)   # stable: the files' order is kept otherwise
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> None:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
+
+from engine.executor.ports import free_port
 
 logger = logging.getLogger("tandem.executor")
 
@@ -74,13 +75,6 @@ class RankProcess:
                 return False
             time.sleep(0.02)
         return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class MultiprocExecutor:

@@ -1,0 +1,73 @@
+"""Free TCP ports for the servers a process is about to start (tensor-parallel rendezvous, load tests, tests).
+
+A port the kernel hands out for ``bind(port=0)`` comes from its ephemeral range
+(``/proc/sys/net/ipv4/ip_local_port_range``, 32768-60999 by default), the same range every outgoing
+connection takes its source port from. Between picking such a port and the server binding it, any client on
+the machine may take it for a connection, and the server then fails with "Address already in use" (a CI run
+lost a test to exactly that while the other test worker made thousands of connections). So ports here come
+from the 16,384 below the ephemeral range, where no outgoing connection lands; each process walks them from
+a random start, so two processes picking at once meet only if their walks cross within the moment between
+a pick and its bind, and one process never hands out the same port twice in a walk (16,384 picks).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import random
+import socket
+from pathlib import Path
+
+_SPAN = 16384
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+class _Walk:
+    """The per-process walk over the ports below the ephemeral range (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.low = max(1024, _ephemeral_low() - _SPAN)
+        self.span = max(1, _ephemeral_low() - self.low)
+        self.steps = itertools.count(random.randrange(self.span))
+
+    def next(self) -> int:
+        return self.low + next(self.steps) % self.span
+
+
+@functools.cache
+def _process_walk(pid: int) -> _Walk:
+    """This process's walk, built on first use (importing this module reads nothing); keyed by pid so that a
+    forked child starts a walk of its own instead of repeating its parent's."""
+    return _Walk()
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether ``host:port`` can be bound right now (nothing listens on it nor holds it)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that can be bound now, below the kernel's ephemeral range so that no outgoing
+    connection takes it before the caller's server binds it; the OS's pick (``bind(port=0)``) after 64 ports
+    in a row are taken."""
+    walk = _process_walk(os.getpid())
+    for _ in range(64):
+        port = walk.next()
+        if _bindable(host, port):
+            return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
