@@ -10,7 +10,7 @@ import random
 import pytest
 
 from loadtests import cli
-from loadtests.scenarios.spill import PRICES, Arrival, request_cost, threshold_match
+from loadtests.scenarios.spill import Arrival, request_cost, threshold_match
 from loadtests.scenarios.spill_sweep import (_uncached, engine_rate, frontier, max_local_gain, oracle, run_bound_usd,
                                              sweep_prediction_error)
 

@@ -53,7 +53,7 @@ class ServerConfig(StrictModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     insecure: bool = False                 # allow a non-loopback bind with no virtual keys
-    max_body_size: int = 4 * 2**20         # bytes ("4MiB" accepted)
+    max_body_size: int = 4 * 2**20         # bytes ("4MiB" accepted); bounds a chained Responses conversation too
     body_timeout_s: float = Field(30.0, gt=0)        # a body not complete by then: 408
     max_header_bytes: int = 64 * 2**10               # request line + headers; more: 431
     max_headers: int = Field(100, ge=1)              # header fields; more: 431

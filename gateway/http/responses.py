@@ -34,7 +34,7 @@ from gateway.translate.responses_checks import check_body, check_include
 from gateway.translate.responses_errors import responses_error, responses_error_object
 from gateway.translate.responses_events import ResponsesEvents
 from gateway.translate.responses_items import input_items
-from gateway.translate.responses_truncation import fit_conversation
+from gateway.translate.responses_truncation import fit_conversation, history_within
 from gateway.values import ChatEvent, ChatStream
 
 _JSON = "application/json"
@@ -45,13 +45,14 @@ def _not_found(response_id: str, param: str = "response_id") -> ClientError:
     return ClientError(404, f"Response with id '{response_id}' not found.", param=param, code="response_not_found")
 
 
-async def _prepare(store: ResponseStore, raw: bytes, tenant: str, rid: str):
+async def _prepare(store: ResponseStore, raw: bytes, tenant: str, rid: str, limit: int):
     """The client's body (nulls dropped) checked and translated for ``tenant`` (authenticated before the body was
-    read): (body, this turn's items, the conversation before them, the chat body, the body for an upstream
-    speaking the Responses API).
+    read): (body, this turn's items, the conversation before them, within ``limit`` bytes with them
+    (``history_within``), the chat body, the body for an upstream speaking the Responses API).
 
     Raises:
-        ClientError: 400, 404 for an unknown ``previous_response_id`` (as OpenAI answers)."""
+        ClientError: 400 (``context_length_exceeded`` for a conversation over ``limit``), 404 for an unknown
+            ``previous_response_id`` (as OpenAI answers)."""
     body = {k: v for k, v in parse_json(raw).items() if v is not None}
     check_body(body)
     history: list = []
@@ -62,6 +63,7 @@ async def _prepare(store: ResponseStore, raw: bytes, tenant: str, rid: str):
             raise _not_found(str(prev_id), "previous_response_id")
         history = prev.conversation()
     items = input_items(body, rid)
+    history = history_within(history, items, limit, body.get("truncation") == "auto")
     return body, items, history, to_chat(body, history, items), native_body(body, history, items)
 
 
@@ -73,7 +75,7 @@ async def create_response(request: Request) -> Response:
 
     async def answer_(gw, rec, rid: str, raw: bytes) -> Response:
         tenant = rec.tenant
-        body, items, history, chat, native = await _prepare(store, raw, tenant, rid)
+        body, items, history, chat, native = await _prepare(store, raw, tenant, rid, gw.snapshot.max_body_size)
         ctx = new_context(body, rid, gw.snapshot.compiled.model_names.get(body["model"], body["model"]))
 
         async def keep(final: dict) -> None:

@@ -71,3 +71,34 @@ async def test_auto_leaves_a_conversation_whose_context_is_unknown_whole():
                                           tools=[WEATHER], truncation="auto")
         sent = up.requests[-1][2]["messages"]
     assert len(sent) == 4 and sent[0]["content"] == "a" * 150    # the tool call joined the assistant's message
+
+
+async def test_a_chained_conversation_is_bounded_like_a_body_sent_whole():
+    """Past ``server.max_body_size`` (4 KiB here) of JSON, a chained conversation is a 400 with ``disabled``,
+    nothing sent upstream, and with ``auto`` continues with its oldest items dropped; what is stored for the
+    next turn is the bounded conversation, so a long chain costs each turn the same."""
+    from tests.gateway.fault_upstream import FaultUpstream
+
+    turn = [{"role": "user", "content": "a" * 600}, {"role": "assistant", "content": "b" * 600}]
+    with FaultUpstream("up") as up:
+        text = upstream_config(up).replace("reload:", "server: {max_body_size: 4KiB}\nreload:", 1)
+        async with upstream_gateway(text) as (gw, client):
+            first = await client.responses.create(model="m1", input=turn + [{"role": "user", "content": "1"}])
+            second = await client.responses.create(model="m1", input=turn + [{"role": "user", "content": "2"}],
+                                                   previous_response_id=first.id, truncation="auto")
+            sent = [len(up.requests[-1][2]["messages"])]
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.responses.create(model="m1", input=turn + [{"role": "user", "content": "3"}],
+                                              previous_response_id=second.id)
+            refused_upstream = len(up.requests)
+            for n in range(3, 6):
+                second = await client.responses.create(
+                    model="m1", input=turn + [{"role": "user", "content": str(n)}],
+                    previous_response_id=second.id, truncation="auto")
+                sent.append(len(up.requests[-1][2]["messages"]))
+            assert len(up.requests) == refused_upstream + 3
+    assert (e.value.status_code, e.value.body["code"], e.value.body["param"]) == (400, "context_length_exceeded",
+                                                                                     "input")
+    assert "server.max_body_size" in e.value.body["message"]
+    # 3 items and an answer per turn: the whole chain would be 8, 12, .. 24 messages; bounded, it stays put
+    assert sent[0] < 8 and len(set(sent[1:])) == 1 and sent[-1] < 12, sent
