@@ -7,6 +7,9 @@ What is dropped: whole units from the oldest on, a unit being one item, or a ``f
 ``instructions`` (not an item), ``system`` and ``developer`` messages, and the last unit (the turn being
 answered). The budget and the token count come from the request pipeline (``gateway/request/pipeline.py``:
 the smallest context window its targets declare, counted by the local engine's tokenizer).
+
+Before that, whatever ``truncation`` says, a stored history is held to the bytes a request may carry
+(``history_within``): past them ``auto`` drops its oldest units the same way and ``disabled`` is a 400.
 """
 
 from __future__ import annotations
