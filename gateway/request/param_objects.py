@@ -6,8 +6,32 @@ from __future__ import annotations
 from gateway.errors import ClientError
 
 
+# The values OpenAI's SDK types (``openai.types.chat.completion_create_params``) give chat's string parameters;
+# any other is a 400 ``invalid_value`` naming it (OpenAI's answer; a backend would refuse it after routing).
+CHAT_VALUES = {
+    "service_tier": ("auto", "default", "flex", "scale", "priority", "fast"),
+    "reasoning_effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"),
+    "verbosity": ("low", "medium", "high"),
+    "prompt_cache_retention": ("in_memory", "24h"),
+}
+
+
+def one_of(value: object, allowed: tuple[str, ...], param: str) -> None:
+    """Refuse ``value`` (of ``param``) unless it is one of ``allowed``: 400 ``invalid_value`` listing them, in
+    OpenAI's words."""
+    if value not in allowed:
+        listed = ", ".join(f"'{a}'" for a in allowed[:-1]) + ("," if len(allowed) > 2 else "") + \
+            f" and '{allowed[-1]}'"
+        raise ClientError(400, f"Invalid value for '{param}': {value!r}. Supported values are: {listed}.",
+                          param=param, code="invalid_value")
+
+
 def check_objects(body: dict) -> None:
-    """Raises ClientError(400) naming the field unless ``stream_options`` and ``metadata`` are what OpenAI takes."""
+    """Raises ClientError(400) naming the field unless ``CHAT_VALUES``' parameters, ``stream_options`` and
+    ``metadata`` are what OpenAI takes."""
+    for name, allowed in CHAT_VALUES.items():
+        if isinstance(body.get(name), str):     # another type: the type check names it
+            one_of(body[name], allowed, name)
     if "stream_options" in body:
         check_stream_options(body)
     if isinstance(body.get("metadata"), dict):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from engine.protocol.tool_choice import PARALLEL_WITHOUT_TOOLS, parallel_without_tools
 from gateway.errors import ClientError
-from gateway.request.param_objects import check_stream_options
+from gateway.request.param_objects import check_stream_options, one_of
 from gateway.request.validate import check_range, check_type
 from gateway.translate.responses_errors import responses_error
 
@@ -161,14 +161,6 @@ def check_include(values: list) -> None:
 
 def _missing(param: str) -> ClientError:
     return bad_request(f"missing required parameter '{param}'", param, "missing_required_parameter")
-
-
-def one_of(value: object, allowed: tuple[str, ...], param: str) -> None:
-    """Refuse ``value`` (of ``param``) unless it is one of ``allowed``: 400 ``invalid_value`` listing them."""
-    if value not in allowed:
-        listed = ", ".join(f"'{a}'" for a in allowed[:-1]) + ("," if len(allowed) > 2 else "") + \
-            f" and '{allowed[-1]}'"
-        raise bad_request(f"Invalid value for '{param}': {value!r}. Supported values are: {listed}.", param)
 
 
 def check_keys(obj: dict, keys: dict[str, tuple], where: str) -> None:

@@ -11,7 +11,8 @@ neither).
 from __future__ import annotations
 
 from engine.protocol.chat_shapes import string_field_problem
-from gateway.translate.responses_checks import bad_request, check_keys, one_of
+from gateway.request.param_objects import one_of
+from gateway.translate.responses_checks import bad_request, check_keys
 
 # The id prefix of an input item the client sent without an id, by type (OpenAI's prefixes).
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}

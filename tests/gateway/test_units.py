@@ -9,6 +9,7 @@ import pytest
 
 from gateway.request.auth import authenticate, bearer, check_admin, is_loopback
 from gateway.errors import ClientError
+from gateway.request.param_objects import CHAT_VALUES
 from gateway.request.validate import check_request, estimate_prompt_tokens, parse_json
 
 
@@ -170,6 +171,26 @@ def test_completions_logprobs_out_of_range_gets_openai_code(value, code):
     assert check_request({"model": "m", "prompt": "hi", "logprobs": 20}, "completions", None)
     assert check_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
                          "chat/completions", None)
+
+
+@pytest.mark.parametrize("field", ["service_tier", "reasoning_effort", "verbosity", "prompt_cache_retention"])
+def test_chat_string_parameters_take_openais_values_alone(field):
+    """A trial's ``service_tier: "bogus"`` was a 200; OpenAI answers 400 ``invalid_value``. Each value the SDK
+    types list passes."""
+    import typing
+
+    from openai.types.chat import completion_create_params
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: "bogus"}
+    with pytest.raises(ClientError) as e:
+        check_request(body, "chat/completions", None)
+    assert (e.value.status, e.value.param, e.value.code) == (400, field, "invalid_value")
+    assert "'bogus'" in e.value.message
+    hint = typing.get_type_hints(completion_create_params.CompletionCreateParamsBase)[field]
+    sdk = next(typing.get_args(a) for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal)
+    assert CHAT_VALUES[field] == sdk
+    for value in sdk:
+        assert check_request({**body, field: value}, "chat/completions", None).body[field] == value
 
 
 def test_in_range_edges_pass_and_empty_messages_is_empty_array():
