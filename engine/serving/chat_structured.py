@@ -84,8 +84,9 @@ class ChatPlan:
     answer_format: StructuredOutputsParams | None = None
 
 
-def _fail(param: str, message: str) -> RequestValidationError:
-    return RequestValidationError(message, param)
+def _fail(param: str, message: str, code: str = "invalid_value") -> RequestValidationError:
+    """The request's 400 naming ``param``, with OpenAI's ``code`` (a trial found one with none)."""
+    return RequestValidationError(message, param, code)
 
 
 def plan_chat(req, messages: list[dict], template: str | None) -> ChatPlan:
@@ -190,7 +191,7 @@ def schema_value(value: Any, param: str, where: str) -> dict | bool | str:
             return text.decode()
         value = msgspec.json.decode(text)
     if not isinstance(value, (dict, bool)):
-        raise _fail(param, f"{where}: must be a JSON schema (an object), got {type(value).__name__}")
+        raise _fail(param, f"{where}: must be a JSON schema (an object), got {type(value).__name__}", "invalid_type")
     return value
 
 
@@ -206,11 +207,11 @@ def structured_outputs_extra(extra: dict | None) -> StructuredOutputsParams | No
     if extra is None:
         return None
     if not isinstance(extra, dict):
-        raise _fail("structured_outputs", "structured_outputs: must be an object")
+        raise _fail("structured_outputs", "structured_outputs: must be an object", "invalid_type")
     unknown = sorted(k for k in extra if k not in ("json", "regex", "choice", "grammar"))
     if unknown:
         raise _fail("structured_outputs", f"structured_outputs.{unknown[0]}: unknown parameter (one of json, "
-                                          f"regex, choice, grammar is supported)")
+                                          f"regex, choice, grammar is supported)", "unknown_parameter")
     known = {k: v for k, v in extra.items() if v is not None}
     if len(known) != 1:
         raise _fail("structured_outputs", "structured_outputs: exactly one of json, regex, choice, grammar is "
@@ -218,7 +219,8 @@ def structured_outputs_extra(extra: dict | None) -> StructuredOutputsParams | No
     if "json" in known:
         known["json"] = schema_value(known["json"], "structured_outputs", "structured_outputs.json")
     if isinstance(known.get("choice"), str):  # vLLM would split it into characters
-        raise _fail("structured_outputs", "structured_outputs.choice: must be a non-empty list of strings, got str")
+        raise _fail("structured_outputs", "structured_outputs.choice: must be a non-empty list of strings, got str",
+                    "invalid_type")
     try:
         return StructuredOutputsParams(**known, where=("structured_outputs.json",) if "json" in known else ())
     except ValueError as exc:

@@ -75,7 +75,7 @@ async def _body(request: Request) -> dict:
     base = body.get("base_version")
     if base is not None and (isinstance(base, bool) or not isinstance(base, int)):
         raise ClientError(400, "base_version must be an integer (the config version the change is built on)",
-                          param="base_version")
+                          param="base_version", code="invalid_type")
     return body
 
 
@@ -87,7 +87,7 @@ async def admin_reload(request: Request) -> Response:
     body = await _body(request)
     abort = body.get("abort_rollouts", False)
     if not isinstance(abort, bool):
-        raise ClientError(400, "abort_rollouts must be a boolean", param="abort_rollouts")
+        raise ClientError(400, "abort_rollouts must be a boolean", param="abort_rollouts", code="invalid_type")
     try:
         return _json(await gw.reload("admin", abort_rollouts=abort))
     except VersionConflict as e:
@@ -105,7 +105,7 @@ async def admin_rollback(request: Request) -> Response:
     body = await _body(request)
     restore = body.get("restore_keys", False)
     if not isinstance(restore, bool):
-        raise ClientError(400, "restore_keys must be a boolean", param="restore_keys")
+        raise ClientError(400, "restore_keys must be a boolean", param="restore_keys", code="invalid_type")
     try:
         return _json(await gw.rollback(body.get("base_version"), restore_keys=restore))
     except KeysRestored as e:
@@ -127,13 +127,13 @@ async def admin_weights(request: Request) -> Response:
     unknown = sorted(set(body) - {"route", "weights", "base_version", "rebase"})
     if unknown:
         raise ClientError(400, f"unknown field {unknown[0]!r}; the body is {{\"route\", \"weights\", "
-                          "\"base_version\"?, \"rebase\"?}", param=unknown[0])
+                          "\"base_version\"?, \"rebase\"?}", param=unknown[0], code="unknown_parameter")
     if not isinstance(body.get("route"), str) or not isinstance(body.get("weights"), dict) or not body["weights"]:
         raise ClientError(400, 'expected {"route": NAME, "weights": {TARGET: PERCENT, ...}} naming at least one '
-                          'target', param="weights")
+                          'target', param="weights", code="invalid_value")
     for k, v in body["weights"].items():
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ClientError(400, f"weight of {k!r} must be a number", param=f"weights.{k}")
+            raise ClientError(400, f"weight of {k!r} must be a number", param=f"weights.{k}", code="invalid_type")
     try:
         return _json(await gw.set_weights(body["route"], body["weights"], body.get("base_version"),
                                           body.get("rebase") is True))
@@ -169,7 +169,7 @@ async def admin_usage(request: Request) -> Response:
     try:
         report = await gw.usage.report(tenant, request.query_params.get("since"))
     except ValueError as e:
-        raise ClientError(400, str(e), param="since") from None
+        raise ClientError(400, str(e), param="since", code="invalid_value") from None
     budgets = gw.snapshot.compiled.config.budgets
     report["budgets"] = {}
     for t, b in budgets.tenants.items():
@@ -195,11 +195,13 @@ async def admin_explain(request: Request) -> Response:
     raw = await read_body(request, snap.max_body_size)
     spec = parse_json(raw)
     if not isinstance(spec.get("request"), dict):
-        raise ClientError(400, 'expected {"request": {...}, "headers": {...}, "tenant": "..."}', param="request")
+        raise ClientError(400, 'expected {"request": {...}, "headers": {...}, "tenant": "..."}', param="request",
+                          code="invalid_type")
     for name, kind, types in (("headers", "an object of header names to values", (dict,)),
                               ("tenant", "a string", (str,)), ("request_id", "a string", (str,))):
         if spec.get(name) is not None and not isinstance(spec[name], types):
-            raise ClientError(400, f"{name}: expected {kind}, got {type(spec[name]).__name__}", param=name)
+            raise ClientError(400, f"{name}: expected {kind}, got {type(spec[name]).__name__}", param=name,
+                              code="invalid_type")
     headers = {str(k).lower(): str(v) for k, v in (spec.get("headers") or {}).items()}
     body = spec["request"]
     endpoint = "chat/completions" if "messages" in body else "completions"

@@ -268,8 +268,18 @@ def test_structured_outputs_field_names_what_is_wrong(extra, message):
      "structured_outputs.json: must be a JSON schema (an object), got str"),
 ])
 def test_a_raw_schema_that_is_not_one_is_refused_as_a_decoded_one_was(raw, message):
-    with pytest.raises(RequestValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(RequestValidationError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
         _plan(raw)
+    assert e.value.code == "invalid_type"     # a trial's answer had code null
+
+
+@pytest.mark.parametrize("extra, code", [(b'"x"', "invalid_type"), (b'{"bogus": 1}', "unknown_parameter"),
+                                         (b'{"choice": "ab"}', "invalid_type"),
+                                         (b'{"regex": "a", "choice": ["b"]}', "invalid_value")])
+def test_structured_outputs_refusals_carry_a_code(extra, code):
+    with pytest.raises(RequestValidationError) as e:
+        _plan(b'{"messages": [], "structured_outputs": ' + extra + b'}')
+    assert (e.value.param, e.value.code) == ("structured_outputs", code)
 
 
 def test_decode_body_decodes_everything_but_the_schemas():

@@ -516,6 +516,10 @@ def test_a_tenants_min_priority_raises_what_its_requests_ask_for(upstreams, tmp_
             r = httpx.post(g.url + "/admin/explain", headers=admin, json={
                 "request": body, "headers": {"x-priority": "-9223372036854775808"}, "tenant": tenant})
             assert r.status_code == 200 and r.json()["priority"] == priority, r.text
+        for bad, param in (({"request": "x"}, "request"), ({"request": body, "tenant": 5}, "tenant")):
+            r = httpx.post(g.url + "/admin/explain", headers=admin, json=bad)   # a trial's had code null
+            assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]) == (400, param,
+                                                                                          "invalid_type")
         req = tmp_path / "req.json"
         req.write_text(json.dumps({**body, "priority": "high"}))
         r = subprocess.run([sys.executable, "-m", "gateway.commands", "route", "explain", "--config", str(path),
