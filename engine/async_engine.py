@@ -42,6 +42,9 @@ logger = logging.getLogger("tandem.async_engine")
 
 # A listener sees every batch of outputs: (outputs, time.monotonic() of the step).
 OutputListener = Callable[[list[RequestOutput], float], None]
+# A pooling listener sees every embedding call answered: (each prompt's tokens, time.monotonic() of the call and of
+# its answer).
+PoolingListener = Callable[[list[int], float, float], None]
 
 
 class EngineDrainingError(RuntimeError):
@@ -98,6 +101,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards _processor, _streams and the listeners' calls
         self._streams: dict[str, _Stream] = {}
         self._listeners: list[OutputListener] = []
+        self._pooling_listeners: list[PoolingListener] = []
         self._accepting = True
         self._stopping: asyncio.Future | None = None   # the shutdown under way (``shutdown``)
         self._dead: EngineDeadError | None = None
@@ -226,6 +230,11 @@ class AsyncEngine:
         thread that processes outputs. It must be quick and must not raise."""
         self._listeners.append(listener)
 
+    def add_pooling_listener(self, listener: PoolingListener) -> None:
+        """Call ``listener(prompt_lens, arrival, now)`` when an ``embed`` call is answered (metrics: vLLM counts
+        pooling requests as it counts generation). It must be quick and must not raise."""
+        self._pooling_listeners.append(listener)
+
     # ---------------------------------------------------------------- requests
     async def compile_grammar(self, params) -> str:
         """Validate and compile a structured-output grammar
@@ -257,13 +266,21 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         if not self._accepting:
             raise EngineDrainingError("the engine is shutting down and admits no new requests")
+        arrival = time.monotonic()
         with self._lock:   # queued prefill for TTFT predictions until the core's state counts the call
             state = self._stats.ttft if self._stats is not None else None
             if state is not None:
                 cached = [self._prefix_mirror.cached_tokens(ids, state.block_size) for ids in prompts]
                 self._pending.note_sent_many([(0, i, c, len(ids) - c, 0, POOLING)
                                               for i, (ids, c) in enumerate(zip(prompts, cached))], time.monotonic())
-        return await self._client.embed(prompts, pooling_type, normalize)
+        vectors = await self._client.embed(prompts, pooling_type, normalize)
+        now = time.monotonic()
+        for listener in self._pooling_listeners:
+            try:
+                listener([len(ids) for ids in prompts], arrival, now)
+            except Exception:  # noqa: BLE001
+                logger.exception("pooling listener failed")
+        return vectors
 
     async def withdraw(self, request_id: str, by: float, scale: float = 1.0) -> tuple[bool, float | None]:
         """Withdraw ``request_id`` if it still waits with nothing computed and its first token, re-predicted by

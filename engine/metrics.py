@@ -3,7 +3,7 @@
 Gauges and the scheduler's cumulative counters are read from
 ``AsyncEngine.get_stats()`` at scrape time; per-request counters and
 histograms are fed by an output listener that runs where outputs are
-processed (the engine's front end).
+processed (the engine's front end), and embedding calls by a pooling listener (``record_pooled``).
 Everything lives in the ``CollectorRegistry`` given to ``EngineMetrics``
 (one per app; no global registry).
 
@@ -232,8 +232,9 @@ class EngineMetrics:
         self._generated: dict[str, dict[int, int]] = {}
 
     def attach(self) -> "EngineMetrics":
-        """Register ``record`` as the engine's output listener."""
+        """Register ``record`` as the engine's output listener, ``record_pooled`` as its pooling listener."""
         self.engine.add_output_listener(self.record)
+        self.engine.add_pooling_listener(self.record_pooled)
         return self
 
     def follow(self, engine) -> None:
@@ -287,6 +288,18 @@ class EngineMetrics:
                 self._first_seen.discard(rid)
                 self._last_token.pop(rid, None)
                 self._generated.pop(rid, None)
+
+    def record_pooled(self, prompt_lens: list[int], arrival: float, now: float) -> None:
+        """One answered embedding call (``time.monotonic()`` seconds of the call and its answer): each prompt
+        counts as vLLM v1 counts a finished pooling request (its ``OutputProcessor`` sends pooling outputs through
+        the same stats as generation): its tokens in ``prompt_tokens`` and ``request_prompt_tokens``, one
+        ``request_success`` (``finished_reason`` ``stop``), the call's time in ``e2e_request_latency``. A trial
+        found embedding traffic missing from all four."""
+        for tokens in prompt_lens:
+            self.prompt_tokens.inc(tokens)
+            self.request_prompt_tokens.observe(tokens)
+            self.request_success.labels(self.model_name, "stop").inc()
+            self.e2e.observe(max(now - arrival, 0.0))
 
     def _choice_finished(self, out: RequestOutput, m, tokens: int, end: float) -> None:
         """The per-request histograms of one finished choice (vLLM's child request) of a request that produced

@@ -39,6 +39,10 @@ async def test_colocated_engine_metrics_and_spans(tiny_model):  # noqa: F811
             assert r.status_code == 200, r.text
             usage = r.json()["usage"]
             fams = families((await c.get("/metrics")).text)
+            r = await c.post("/v1/embeddings", json={"model": "tiny", "input": ["a cat sat", "on the mat today"]})
+            assert r.status_code == 200, r.text
+            embedded = r.json()["usage"]["prompt_tokens"]
+            after = families((await c.get("/metrics")).text)
     finally:
         server.should_exit = True
         await task
@@ -48,11 +52,18 @@ async def test_colocated_engine_metrics_and_spans(tiny_model):  # noqa: F811
     assert value(fams, "vllm:e2e_request_latency_seconds_count", model_name="tiny") == 1
     assert value(fams, "vllm:num_requests_running", model_name="tiny") == 0
     assert "vllm:kv_cache_usage_perc" in fams and "vllm:cache_config_info" in fams
+    # embeddings count as vLLM counts pooling requests (a trial found them missing): per input, its tokens, one
+    # success ("stop"), one latency
+    assert value(after, "vllm:prompt_tokens_total", model_name="tiny") == usage["prompt_tokens"] + embedded
+    assert value(after, "vllm:request_success_total", model_name="tiny", finished_reason="stop") == 2
+    assert value(after, "vllm:e2e_request_latency_seconds_count", model_name="tiny") == 3
+    assert value(after, "vllm:request_prompt_tokens_sum", model_name="tiny") == usage["prompt_tokens"] + embedded
+    assert value(after, "vllm:generation_tokens_total", model_name="tiny") == 5
     assert value(fams, "tandem_requests_total", model="tiny", route="main", backend="local", status=200,
                  attempt="initial") == 1
     assert value(fams, "tandem_input_tokens_total", backend="local", tenant="anonymous") == usage["prompt_tokens"]
     assert value(fams, "tandem_cost_usd_total", backend="local", tenant="anonymous") == pytest.approx(
         (usage["prompt_tokens"] * 0.5 + 5 * 1.5) / 1e6, abs=1e-12)
     client = [s for s in spans.get_finished_spans() if s.kind == SpanKind.CLIENT]
-    assert [s.attributes["gen_ai.provider.name"] for s in client] == ["tandem"]
-    assert client[0].name == "text_completion tiny"
+    assert [s.attributes["gen_ai.provider.name"] for s in client] == ["tandem", "tandem"]
+    assert [s.name for s in client] == ["text_completion tiny", "embeddings tiny"]
