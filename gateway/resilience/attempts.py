@@ -20,8 +20,9 @@ call, or one round of skipped candidates:
   ``max_model_len`` and never retries the same target.
 - Nothing callable now (every remaining target cooling down, breaker-open or at its backend limit): when the
   soonest of them may be called within ``max_retry_after_s`` and before the deadline, the loop waits for it and
-  asks those targets again (a cooled-down one is then called as the half-open probe); otherwise it answers at
-  once, with no upstream call, 503 (429 for limits) and ``Retry-After`` = the soonest end of a cooldown.
+  asks those targets again (a cooled-down one is then called as the half-open probe), once per request: when
+  everything is cooling down again after that, the calls' failure is the answer; otherwise it answers at once,
+  with no upstream call, 503 (429 for limits) and ``Retry-After`` = the soonest end of a cooldown.
 - Stops at ``max_attempts`` upstream calls or when the next wait would pass the overall ``deadline_s`` (which
   also bounds a stream's wait for its first token; a non-streamed answer in progress is bounded by the
   backend's own read timeout, not cut by the deadline).
@@ -103,6 +104,7 @@ class _Run:
         self.tried_round: set[str] = set()     # called or skipped in this round
         self.called_round = False
         self.last_wait = 0.0                   # the wait slept before this attempt
+        self.cooled = False                    # waited once for a cooldown / limit: never again in this request
         self.excluded: set[str] = set()       # too small / context-length: never again in this request
         self.calls = 0
         self.failures: list[Failure] = []
@@ -338,7 +340,9 @@ class _Run:
 
     def _stop(self, exc: Failure | NoCandidate, wait: float) -> bool:
         if isinstance(exc, NoCandidate) and not exc.round_over:
-            if exc.retry_after is None or exc.retry_after > self.policy.max_retry_after_s:
+            # one wait for a cooldown per request: when the probes after it fail, their failure is the answer
+            # (waiting again held a trial's requests 16 s through two more cooldowns, with no Retry-After)
+            if self.cooled or exc.retry_after is None or exc.retry_after > self.policy.max_retry_after_s:
                 return True
         elif isinstance(exc, Failure) and not exc.transient:
             return True
@@ -363,6 +367,7 @@ class _Run:
                 # waited for a cooldown / limit to pass: the candidates skipped for it are asked again
                 self.tried_round -= set(self.skips)
                 self.skips = {}
+                self.cooled = True
 
     def _passthrough(self, resp: UpstreamResponse, candidate: Candidate | None) -> Result:
         """An upstream's own error answer, unchanged (``candidate``: who gave it)."""

@@ -292,6 +292,27 @@ async def test_a_cooldown_waited_for_then_failed_probes_are_the_upstreams_failur
     assert 1 <= int(res.headers["retry-after"]) <= 2
 
 
+async def test_a_request_waits_for_one_cooldown_only(client, state, primary, fallback):
+    """An ops trial (``open_s`` 8 within ``max_retry_after_s`` 10, both upstreams failing): a request waited for a
+    cooldown, its probes failed, and it waited for the next cooldown too, and the next (16 s, then a 502 with no
+    Retry-After). Once is enough: the probes' failure is the answer, with the next half-open time."""
+    br = Breakers(state, BreakerSettings(consecutive_failures=1, open_s=0.5))
+    primary.set_default({"status": 500})
+    fallback.set_default({"status": 500})
+    cands = [cand(primary), cand(fallback)]
+    slow = RetrySettings(max_retry_after_s=10, deadline_s=60, max_attempts=10, backoff_initial_s=0.01)
+    first = await call_with_fallback(cands, attempt_fn(client, False), breakers=br, policy=slow)
+    assert first.status == 502
+    calls = primary.calls, fallback.calls
+    res = await call_with_fallback(cands, attempt_fn(client, False), breakers=br, policy=slow)
+    # one cooldown waited for (the soonest): a probe of the primary, and of the fallback if its own cooldown (begun
+    # a call later) ended by then; never a second wait and more probes
+    assert primary.calls - calls[0] == 1 and fallback.calls - calls[1] in (0, 1)
+    err = json.loads(res.body)["error"]
+    assert res.status == 502 and err["code"] == "upstream_failed", (res.status, err)
+    assert int(res.headers["retry-after"]) >= 1
+
+
 async def test_dead_and_hung_upstreams_are_skipped(state, primary, third):
     dead = f"http://127.0.0.1:{free_port()}/v1"
     primary.set_default({"hang": True})
