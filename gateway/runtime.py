@@ -13,6 +13,7 @@ during an outage serves its file alone (logged) and joins as a start would once 
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import time
 
@@ -39,6 +40,7 @@ from gateway.observability.metrics import LiveGauges
 from gateway.observability.telemetry import Observability
 from gateway.config.versions import ConfigState, Guard, GuardFailed, MemoryLedger, RedisLedger, VersionConflict, \
     text_digest
+from gateway.config.weights import newly_keyless
 from gateway.config.status import down_warnings, routes_now
 from gateway.rollouts.controller import RolloutController
 from gateway.rollouts.metrics import ParityCollector
@@ -322,7 +324,10 @@ class Gateway:
             raise ConfigError([("", f"cannot read it: {e.strerror}")], self.config_path) from None
         self.config_file.mark()
         try:   # built on the version this replica runs: a newer one it has not seen yet is refused, not undone
-            layered = over_file(self.snapshot.compiled.text, load_config_text(text, {}, source=self.config_path),
+            new = load_config_text(text, {}, source=self.config_path)
+            if keyless := newly_keyless(self.snapshot.compiled.config, new.config, os.environ):
+                raise ConfigError(keyless, self.config_path)
+            layered = over_file(self.snapshot.compiled.text, new,
                                 self.snapshot.compiled.overrides, await self._every_rollout(f"config reload ({source})"),
                                 abort_rollouts, self.snapshot.owners)
             out = await self._commit(ConfigState(text, layered.overrides, source, file_digest=text_digest(text),

@@ -29,6 +29,19 @@ def _unavailable(cfg: GatewayConfig, env) -> dict[str, str]:
             if b.type in ("openai", "anthropic") and b.api_key_env and not env.get(b.api_key_env)}
 
 
+def newly_keyless(running: GatewayConfig, new: GatewayConfig, env) -> list[tuple[str, str]]:
+    """A reload's errors (key path, problem): backends of ``new`` whose API key variable is unset in ``env`` (the
+    environment the gateway started with) where ``running`` had the backend callable, or had none of that name.
+    At start such a backend is reported and skipped; by a reload it would take the backend out of its routes and
+    move its traffic to the other targets (an ops trial's typo in a variable name sent all of a route to its 5 %
+    canary, the reload answered as applied)."""
+    before = _unavailable(running, env)
+    return [(f"backends.{name}.api_key_env",
+             f"{why} in the gateway's environment (read at start): the reload would take {name} out of its routes; "
+             "correct the name, or set the variable and restart")
+            for name, why in _unavailable(new, env).items() if before.get(name) != why]
+
+
 def _shares(route: Route) -> str:
     total = sum(t.weight for t in route.targets)
     return ", ".join(f"{t.id} {t.weight / total * 100:.1f} %" for t in route.targets)

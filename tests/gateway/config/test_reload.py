@@ -345,3 +345,35 @@ def test_yaml_errors_name_the_file(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert f'in "{path}", line 2' in r.stderr and "<unicode string>" not in r.stderr, r.stderr
+
+
+def test_a_reload_that_would_leave_a_backend_keyless_is_refused(upstreams, tmp_path):
+    """An ops trial: a reload naming an unset ``api_key_env`` (a typo) was applied, its backend left out and all
+    of the route's traffic moved to the 5 % canary, the reload answered as applied. It is refused, naming the
+    key; a backend keyless since the start is not a reason to refuse an unrelated change."""
+    a, b = upstreams
+    path = tmp_path / "config.yaml"
+    good = upstream_config({"a": a, "b": b}, ROUTES).replace("watch: true", "watch: false")
+    path.write_text(good)
+    g = GatewayProcess(path, env=ENV).start()
+    try:
+        version = admin_config(g)["version"]
+        typo = good.replace("api_key_env: TEST_UPSTREAM_KEY", "api_key_env: TEST_UPSTREAM_KEYY", 1)
+        path.write_text(typo)
+        r = httpx.post(g.url + "/admin/reload", headers=ADMIN)
+        assert r.status_code == 400, r.text
+        assert "backends.a.api_key_env" in r.text and "TEST_UPSTREAM_KEYY is unset" in r.text
+        assert admin_config(g)["version"] == version
+        rsp = httpx.post(g.url + "/v1/chat/completions", headers={"authorization": "Bearer x"},
+                         json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]})
+        assert rsp.headers["x-tandem-backend"] == "a"
+    finally:
+        g.stop()
+    path.write_text(typo)            # keyless from the start: reported, and an unrelated edit is applied
+    g = GatewayProcess(path, env=ENV).start()
+    try:
+        path.write_text(typo.replace("{backend: b, weight: 0}", "{backend: b, weight: 3}"))
+        r = httpx.post(g.url + "/admin/reload", headers=ADMIN)
+        assert r.status_code == 200, r.text
+    finally:
+        g.stop()
