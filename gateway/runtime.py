@@ -336,6 +336,8 @@ class Gateway:
             log.error("config reload (%s) refused, keeping version %d: %s", source, self.snapshot.version, e)
             if not isinstance(e, ConfigError):     # it loads: the file status says why it does not run
                 self.config_file.refused(text, str(e))
+            if isinstance(e, StateUnavailable):    # a watched file is applied once Redis answers (the poll retries)
+                self.config_file.unmark()
             raise
         out["layers"] = layer_view(layered.file, layered)
         for route, v in out["layers"].items():

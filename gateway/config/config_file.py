@@ -24,10 +24,13 @@ class ConfigFile:
         self._mark = self._stat()
         self._refused: tuple[str, str] | None = None   # (a text that loads, why a reload refused to apply it)
 
-    def refused(self, text: str, why: str) -> None:
+    def refused(self, text: str, why: str) -> bool:
         """A reload refused to apply the file's ``text`` although it loads (it would orphan a rollout, Redis was
-        unreachable): ``status`` says so while the file holds that text."""
+        unreachable): ``status`` says so while the file holds that text. Whether the text is news (not the one
+        refused last)."""
+        news = self._refused is None or self._refused[0] != text
         self._refused = (text, why)
+        return news
 
     def read(self) -> str | None:
         """The file's text; None without a file or when it cannot be read."""
@@ -46,6 +49,11 @@ class ConfigFile:
     def unmark(self) -> None:
         """The next ``changed`` is True while the file exists."""
         self._mark = None
+
+    def moved(self) -> bool:
+        """Whether the file's (mtime, size) moved since the last mark, leaving the mark as it is."""
+        m = self._stat()
+        return m is not None and m != self._mark
 
     def changed(self) -> bool:
         """Whether the file's (mtime, size) moved since the last mark (it is then marked)."""

@@ -20,7 +20,9 @@ async def watch_file(gw) -> None:
         gw._close_idle_retired()
         if not gw.snapshot.compiled.config.reload.watch:
             continue
-        if not gw.redis_degraded and gw.config_file.changed():
+        if gw.redis_degraded:
+            _note_waiting(gw)
+        elif gw.config_file.changed():
             text = gw.config_file.read()
             if text is None or text_digest(text) == gw.file_digest:
                 continue   # touched, not changed: what operators did since stands
@@ -29,12 +31,27 @@ async def watch_file(gw) -> None:
             except ConfigError:
                 pass       # logged by reload(); the running config stays
             except StateUnavailable:
-                gw.config_file.unmark()   # applied once Redis answers (the poll tries again; skipped while degraded)
+                pass       # reload() unmarked the file: applied once Redis answers (skipped while degraded)
             except VersionConflict as e:
                 gw.config_file.unmark()   # apply the shared head first (sync loop), then this file
                 log.warning("file change not applied yet: %s", e)
             except Exception:  # noqa: BLE001
                 log.exception("reload on file change failed")
+
+
+def _note_waiting(gw) -> None:
+    """While Redis is unreachable a file edit waits (it is applied once Redis answers: the file stays unmarked):
+    ``tandem ctl status`` says so, and the log once per edit (an ops trial read "runtime override active, file
+    differs", and nothing in the log)."""
+    if not gw.config_file.moved():
+        return
+    text = gw.config_file.read()
+    if text is None or text_digest(text) == gw.file_digest:
+        return
+    why = "Redis is unreachable; the edit is applied once it answers"
+    if gw.config_file.refused(text, why):
+        log.warning("config file changed while Redis is unreachable: not applied yet, the running version %d is "
+                    "kept (applied once Redis answers)", gw.snapshot.version)
 
 
 async def sync_versions(gw) -> None:

@@ -31,9 +31,11 @@ from gateway.http.app import create_app
 from gateway.http.door import DoorLimits, door_protocol
 from gateway.request.auth import exposed_without_keys
 from gateway.config.compile import load_config_or_report
+from gateway.config.layers import RolloutConflict
 from gateway.config.schema import ConfigError
 from gateway.embedded_redis import Supervisor, release, start_or_join, with_redis_url
 from gateway.runtime import Gateway
+from gateway.state import StateUnavailable
 
 log = logging.getLogger("tandem.gateway")
 # after a drain, what uvicorn still waits for connections: the drain already waited drain_timeout_s
@@ -80,8 +82,8 @@ class GatewayServer(uvicorn.Server):
         async def reload() -> None:
             try:
                 await self.gw.reload("sighup")
-            except ConfigError:
-                pass   # logged; the running config stays
+            except (ConfigError, RolloutConflict, StateUnavailable):
+                pass   # logged by reload (an ops trial's SIGHUP while Redis was away also logged a traceback)
         self.loop.create_task(reload())
 
     def handle_exit(self, sig: int, frame) -> None:

@@ -377,3 +377,28 @@ def test_a_reload_that_would_leave_a_backend_keyless_is_refused(upstreams, tmp_p
         assert r.status_code == 200, r.text
     finally:
         g.stop()
+
+
+def test_a_file_edit_while_redis_is_away_waits_and_says_so(upstreams, tmp_path, redis_server):
+    """An ops trial, Redis away: a watched edit showed "runtime override active, file differs" and nothing in the
+    log, and a SIGHUP logged "Task exception was never retrieved" with a traceback. The edit waits, says why in
+    the status and once in the log, and is applied when Redis answers."""
+    import signal
+
+    g, path = _on_redis(upstreams, tmp_path, redis_server, "key_prefix: waits")
+    try:
+        redis_server.stop()
+        assert wait_until(lambda: admin_config(g)["redis_degraded"])
+        path.write_text(path.read_text().replace("{backend: b, weight: 0}", "{backend: b, weight: 7}"))
+        assert wait_until(lambda: admin_config(g)["file"]["status"].startswith(
+            "file not applied (the running version is kept): Redis is unreachable"))
+        g.proc.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: "config reload (sighup) refused" in g.log())
+        time.sleep(1.0)                                       # a few polls of the watcher
+        assert g.log().count("config file changed while Redis is unreachable") == 1
+        assert "Task exception was never retrieved" not in g.log() and "Traceback" not in g.log()
+        redis_server.start()
+        assert wait_until(lambda: admin_config(g)["routes"]["main"]["targets"][1]["weight"] == 7, timeout=30)
+        assert admin_config(g)["file"]["status"] == "in sync"
+    finally:
+        g.stop()
