@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,8 +60,32 @@ class Compiled:
 
 def validation_problems(e: ValidationError) -> list[tuple[str, str]]:
     """(key path, problem) of each error of a pydantic validation, its message without pydantic's "Value error, "
-    prefix (a validator's own sentence)."""
-    return [(_loc(err["loc"]), err["msg"].removeprefix("Value error, ")) for err in e.errors()]
+    prefix (a validator's own sentence); an unknown key's says which keys its place takes (``unknown_key``)."""
+    out = []
+    for err in e.errors():
+        path = _loc(err["loc"])
+        out.append((path, unknown_key(path) if err["type"] == "extra_forbidden" else
+                    err["msg"].removeprefix("Value error, ")))
+    return out
+
+
+def unknown_key(path: str) -> str:
+    """The problem of the unknown key at ``path``: the key it is closest to ("did you mean"; ``difflib``'s ratio
+    of at least 0.6), else the keys its place takes (an ops trial's ``max_attemps`` read "Extra inputs are not
+    permitted", nothing to act on)."""
+    import difflib
+
+    from gateway.config.reference import resolve, schema_tree   # the schema's tree: built only on an error
+
+    parent, _, key = re.sub(r"\[\d+\]", "[]", path).rpartition(".")
+    node = resolve(schema_tree(), parent) if parent else schema_tree()
+    known = list(node.children) if node is not None else []
+    if not known:
+        return "unknown key"
+    close = difflib.get_close_matches(key, known, n=1)
+    if close:
+        return f"unknown key: did you mean '{close[0]}'?"
+    return "unknown key; " + (f"{parent} takes " if parent else "the top level takes ") + ", ".join(known)
 
 
 def _loc(loc: tuple) -> str:

@@ -75,3 +75,22 @@ def test_a_key_of_several_backend_types_is_told_per_type():
     assert "required (openai); https://api.anthropic.com/v1 (anthropic)" in rows["backends.<name>.base_url"]
     assert "(local);" in rows["backends.<name>.rpm"] and "(openai, anthropic)" in rows["backends.<name>.rpm"]
     assert "(read at start" in rows["state.redis_url"] and "(read at start" not in rows["state.fail_closed_limits"]
+
+
+def test_an_unknown_key_is_told_the_key_it_is_closest_to_or_what_its_place_takes():
+    """An ops trial's ``resilience.retry.max_attemps`` read "Extra inputs are not permitted": nothing to act on."""
+    import pytest
+
+    from gateway.config.compile import load_config_text
+    from gateway.config.schema import ConfigError
+
+    text = ("resilience:\n  retry: {max_attemps: 3}\nmodels: [{name: m, bogus: 1}]\n"
+            "backends:\n  a: {type: openai, base_url: 'http://x/v1', api_kye_env: K}\n"
+            "routes: {r: {targets: [{backend: a}]}}\npolicy: {default_route: r}\nserverr: {}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config_text(text)
+    problems = dict(e.value.errors)
+    assert problems["resilience.retry.max_attemps"] == "unknown key: did you mean 'max_attempts'?"
+    assert problems["backends.a.api_kye_env"] == "unknown key: did you mean 'api_key_env'?"
+    assert problems["serverr"] == "unknown key: did you mean 'server'?"
+    assert problems["models[0].bogus"] == "unknown key; models[] takes name, aliases, cache, default_max_tokens"
