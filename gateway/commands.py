@@ -295,6 +295,8 @@ def _version_summary(data: dict) -> str:
     # propagated None: no Redis configured, nothing to share with (a change Redis cannot take is refused, 503)
     shared = "" if data.get("propagated", True) else ", this gateway only (no Redis configured)"
     lines = [f"config version {data.get('version')} ({data.get('source')})" + shared]
+    if data.get("returned_to") is not None:     # a rollback says what it undid (an ops trial read only the number)
+        lines.append(f"  returns to version {data['returned_to']}: {data.get('changes') or 'no change'}")
     for name, r in data["routes"].items():
         # a share only where the weights set the traffic; elsewhere (cheapest, slo) a weight makes a choice or a spare
         targets = ", ".join(f"{t['id']}={t['weight']:g} ({t['share_pct']:g} %)" if r.get("weights_steer", True)

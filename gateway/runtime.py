@@ -428,6 +428,7 @@ class Gateway:
                 raise self._unreachable("config rollback", e) from None
             if returned_to is not None:   # which version the operator returned to
                 log.info("config rollback: version %d returns to version %d", state.version, returned_to)
+            before = self.snapshot.compiled
             snap = self._apply(state)
             health = await self.resilience.status_or_none(snap.compiled.policy.routes, snap.backends)
             snap.warnings += down_warnings(snap, health)   # as any change does: weight landing on a down backend
@@ -438,7 +439,8 @@ class Gateway:
             snap = self.snapshot
             health = await self.resilience.status_or_none(snap.compiled.policy.routes, snap.backends)
         return {"version": snap.version, "source": snap.source, "warnings": snap.warnings + kept,
-                "propagated": True if self.ledger.shared else None, "routes": routes_now(snap, health)}
+                "propagated": True if self.ledger.shared else None, "routes": routes_now(snap, health),
+                "returned_to": returned_to, "changes": describe_changes(before, snap.compiled)}
 
     # ----- background loops ------------------------------------------------------------------------------------
     def _redis_failed(self, e: Exception) -> None:

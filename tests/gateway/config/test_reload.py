@@ -170,6 +170,8 @@ def test_a_rollback_brings_back_a_removed_key_only_when_told(upstreams, tmp_path
                               "--restore-keys"], cwd=ROOT, env={**ENV, "PATH": "/usr/bin:/bin"},
                              capture_output=True, text=True, timeout=60)
         assert ctl.returncode == 0, ctl.stderr
+        # it says what it undid (an ops trial read only the new version's number)
+        assert f"returns to version {revoked - 1}: auth.keys changed" in ctl.stdout, ctl.stdout
         assert chat("team-d").choices[0].message.content                 # the operator said so
     finally:
         g.stop()
