@@ -85,6 +85,7 @@ class RequestRecord:
     strip_usage: bool = False              # a stream whose client did not ask for usage: its usage chunk is dropped
     disconnected: bool = False             # the client left while a backend worked on its answer (or streamed it)
     shut_down: bool = False                # a drain ended its stream (``stream_interrupted``, service_unavailable)
+    stream_failed: bool = False            # an error event ended its stream (``error``: the event's code)
     answer_body: bytes | None = None       # a whole answer's body as its backend returned it (until ``finish``)
     error: str | None = None
     finished: bool = False

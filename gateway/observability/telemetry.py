@@ -304,7 +304,7 @@ class Observability:
         except (asyncio.CancelledError, GeneratorExit):
             # Billed for what it was sent. Not a client that left: an ended record, a drain's end (the
             # shutdown's), or a stream whose error event it had (the SDKs close at once on it).
-            if not rec.finished and not rec.shut_down and rec.error != "stream_error":
+            if not rec.finished and not rec.shut_down and not rec.stream_failed:
                 status, rec.disconnected = 499, True
             raise
         finally:
@@ -328,7 +328,12 @@ class Observability:
             out: ChatEvent | None = ev
             if ev.error:
                 rec.shut_down = ended_by_shutdown(ev.error)
-                rec.error = SHUTDOWN_TYPE if rec.shut_down else "stream_error"
+                rec.stream_failed = not rec.shut_down
+                # the log line names the code the client's event carries (an ops trial read "stream_error" in the
+                # log beside the client's stream_interrupted)
+                code = ev.error.get("code") if isinstance(ev.error, dict) else None
+                rec.error = SHUTDOWN_TYPE if rec.shut_down else (code if isinstance(code, str) and code else
+                                                                 "stream_error")
                 out = self._redacted(rec, ev)
             if ev.usage:
                 rec.usage = ev.usage
@@ -459,7 +464,7 @@ class Observability:
         m, backend, model, route = self.metrics, rec.backend or "none", rec.model or "unknown", rec.route or "none"
         kind = rec.attempts[-1].kind if rec.attempts else ("none" if rec.backend in ("", CACHE_BACKEND) else "initial")
         m.child(m.requests, model, route, backend, str(status), kind, tenant_label(rec.tenant)).inc()
-        if rec.error == "stream_error" and status < 400:     # answered 200, then cut: not a success either
+        if rec.stream_failed and status < 400:     # answered 200, then cut: not a success either
             m.child(m.stream_errors, model, backend).inc()
         m.child(m.duration, model, route, backend).observe(latency)
         if rec.ttft_s is not None:

@@ -638,7 +638,8 @@ async def test_a_client_that_leaves_at_the_error_event_does_not_turn_a_stream_er
 
     async def cut_stream():
         yield [ChatEvent(choices=(ChoiceDelta(content="hello"),))]
-        yield [ChatEvent(error={"message": "the stream was interrupted", "type": "stream_interrupted"})]
+        yield [ChatEvent(error={"message": "the stream was interrupted", "type": "upstream_error",
+                                "code": "stream_interrupted"})]
         await asyncio.sleep(3600)     # settling the attempt: the client has its error event meanwhile
 
     with FaultUpstream("up") as up:
@@ -654,3 +655,4 @@ async def test_a_client_that_leaves_at_the_error_event_does_not_turn_a_stream_er
     assert value(fams, "tandem_stream_errors_total", model="m1", backend="up") == 1
     assert [lab["status"] for lab, v in fams["tandem_requests_total"] if v] == ["200"]
     assert not rec.disconnected
+    assert rec.error == "stream_interrupted"      # the log line names the client's code (it said "stream_error")
