@@ -115,3 +115,19 @@ def test_the_offline_engine_loads_torch_only_when_it_starts_a_core():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "False"
+
+
+def test_vllms_top_level_names_import_from_engine_and_importing_it_loads_nothing():
+    """A vLLM user's first line, ``from engine import LLM, SamplingParams`` (``from vllm import ...``), was an
+    ImportError; the names load on first use, so ``import engine`` still loads nothing (torch included)."""
+    code = ("import sys, engine; bare = 'torch' in sys.modules or 'engine.llm' in sys.modules\n"
+            "from engine import LLM, SamplingParams, RequestOutput, PoolingParams, EngineArgs\n"
+            "from engine.llm import LLM as L; from engine.sampling_params import SamplingParams as S\n"
+            "print(bare, LLM is L and SamplingParams is S, sorted(engine.__all__) == engine.__all__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "True", "True"]
+    import engine
+
+    for name in engine.__all__:
+        assert getattr(engine, name).__name__ == name
