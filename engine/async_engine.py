@@ -24,13 +24,14 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.config import EngineArgs, served_model_names
 from engine.core.core_client import ProcessCoreClient, ThreadCoreClient
 from engine.core.core_messages import (AbortRequests, AddRequest, CoreStep, EngineCoreError, EngineStats,
                                   FinishSequences, params_to_wire, rebuild_error)
+from engine.output_listeners import Listeners, OutputListener, PoolingListener
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -39,12 +40,6 @@ from engine.core.ttft import PendingAdds, PrefixMirror, TTFTPrediction, predict_
 from engine.core.ttft_sim import POOLING
 
 logger = logging.getLogger("tandem.async_engine")
-
-# A listener sees every batch of outputs: (outputs, time.monotonic() of the step).
-OutputListener = Callable[[list[RequestOutput], float], None]
-# A pooling listener sees every embedding call answered: (each prompt's tokens, time.monotonic() of the call and of
-# its answer).
-PoolingListener = Callable[[list[int], float, float], None]
 
 
 class EngineDrainingError(RuntimeError):
@@ -100,8 +95,7 @@ class AsyncEngine:
         self._processor: OutputProcessor | None = None
         self._lock = threading.Lock()  # guards _processor, _streams and the listeners' calls
         self._streams: dict[str, _Stream] = {}
-        self._listeners: list[OutputListener] = []
-        self._pooling_listeners: list[PoolingListener] = []
+        self._listeners = Listeners()
         self._accepting = True
         self._stopping: asyncio.Future | None = None   # the shutdown under way (``shutdown``)
         self._dead: EngineDeadError | None = None
@@ -228,12 +222,12 @@ class AsyncEngine:
     def add_output_listener(self, listener: OutputListener) -> None:
         """Call ``listener(outputs, now)`` after every step (metrics), in the
         thread that processes outputs. It must be quick and must not raise."""
-        self._listeners.append(listener)
+        self._listeners.outputs.append(listener)
 
     def add_pooling_listener(self, listener: PoolingListener) -> None:
         """Call ``listener(prompt_lens, arrival, now)`` when an ``embed`` call is answered (metrics: vLLM counts
         pooling requests as it counts generation). It must be quick and must not raise."""
-        self._pooling_listeners.append(listener)
+        self._listeners.pooling.append(listener)
 
     # ---------------------------------------------------------------- requests
     async def compile_grammar(self, params) -> str:
@@ -274,12 +268,7 @@ class AsyncEngine:
                 self._pending.note_sent_many([(0, i, c, len(ids) - c, 0, POOLING)
                                               for i, (ids, c) in enumerate(zip(prompts, cached))], time.monotonic())
         vectors = await self._client.embed(prompts, pooling_type, normalize)
-        now = time.monotonic()
-        for listener in self._pooling_listeners:
-            try:
-                listener([len(ids) for ids in prompts], arrival, now)
-            except Exception:  # noqa: BLE001
-                logger.exception("pooling listener failed")
+        self._listeners.pooled([len(ids) for ids in prompts], arrival, time.monotonic())
         return vectors
 
     async def withdraw(self, request_id: str, by: float, scale: float = 1.0) -> tuple[bool, float | None]:
@@ -424,7 +413,7 @@ class AsyncEngine:
             out = self._processor.abort_request(rid)
             if out is None:
                 return
-            self._notify([out], time.monotonic())
+            self._listeners.stepped([out], time.monotonic())
             self._deliver([(rid, out)])
             self._check_drained()
 
@@ -449,7 +438,7 @@ class AsyncEngine:
                 self._prefix_mirror.apply(step.stats.ttft)
                 self._pending.seen(step.stats.ttft.added)
             if processed.request_outputs:
-                self._notify(processed.request_outputs, step.timestamp)
+                self._listeners.stepped(processed.request_outputs, step.timestamp)
             self._deliver(deliveries)
             self._check_drained()
         if processed.stops:
@@ -472,13 +461,6 @@ class AsyncEngine:
         for loop, future in list(self._acks.values()):
             _call_soon(loop, _set_result, future)
         self._acks.clear()
-
-    def _notify(self, outputs: list[RequestOutput], now: float) -> None:
-        for listener in self._listeners:
-            try:
-                listener(outputs, now)
-            except Exception:  # noqa: BLE001
-                logger.exception("output listener failed")
 
     def _deliver(self, deliveries: list[tuple[str, object]]) -> None:
         """Put each item into its request's queue, one callback per event loop (under the lock)."""

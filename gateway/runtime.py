@@ -448,22 +448,6 @@ class Gateway:
             log.warning("redis unavailable (%s: %s); serving on local config state", type(e).__name__, e)
         self.redis_degraded = True
 
-    def _close_idle_retired(self) -> None:
-        """Close backends no generation uses once idle and retired for longer
-        than the drain timeout (a request may still fall back onto them)."""
-        live = self.snapshot.backends.values()
-        grace = self.snapshot.compiled.config.server.drain_timeout_s
-        now = time.monotonic()
-        keep = []
-        for since, b in self.retired:
-            if any(b is x for x in live):
-                continue
-            if b.active == 0 and now - since > grace:
-                asyncio.get_running_loop().create_task(b.aclose())
-            else:
-                keep.append((since, b))
-        self.retired = keep
-
     # ----- drain -----------------------------------------------------------------------------------------------
     async def drain(self, timeout: float | None = None) -> int:
         """Stop accepting (new requests get 503, /health/ready says not

@@ -234,15 +234,16 @@ def render_chat(tokenizer, body: dict) -> RenderedPrompt:
     req = parse_body(body, ChatCompletionRequest)
     if req.continue_final_message and req.add_generation_prompt:
         raise ServingError(400, "continue_final_message: cannot be used with add_generation_prompt=true",
-                           param="continue_final_message")
+                           param="continue_final_message", code="invalid_value")
     if req.top_logprobs is not None and not req.logprobs:
         raise ServingError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs",
                            code="invalid_value")
     if req.top_logprobs is not None and not (0 <= req.top_logprobs <= 20):
-        raise ServingError(400, f"top_logprobs: must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
+        raise ServingError(400, f"top_logprobs: must be in [0, 20], got {req.top_logprobs}", param="top_logprobs",
+                           code="invalid_value")
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
         raise ServingError(400, f"max_completion_tokens: must be at least 1, got {req.max_completion_tokens}",
-                           param="max_completion_tokens")
+                           param="max_completion_tokens", code="integer_below_min_value")
     messages = normalize_messages(req.messages)
     try:
         plan = plan_chat(req, messages, tokenizer.chat_template)
@@ -254,7 +255,8 @@ def render_chat(tokenizer, body: dict) -> RenderedPrompt:
                                              tokenize=False, **plan.template_kwargs,
                                              **(req.chat_template_kwargs or {}))
     except Exception as exc:  # jinja2.TemplateError, ValueError (no template)
-        raise ServingError(400, f"messages: the chat template failed: {exc}", param="messages") from None
+        raise ServingError(400, f"messages: the chat template failed: {exc}", param="messages",
+                           code="invalid_value") from None
     if req.continue_final_message:
         text = cut_after_final_message(text, messages)
     token_ids = truncate_prompt(tokenizer.encode(text, add_special_tokens=req.add_special_tokens),
@@ -275,12 +277,12 @@ def _resume(req, plan, vocab: int) -> dict[int, list[int]] | None:
             or plan.structured_outputs is not None or req.echo:
         raise ServingError(400, "resume_token_ids: only a streamed request without tools, a response format or "
                                 "echo can be resumed, with one list of token ids per choice",
-                           param="resume_token_ids")
+                           param="resume_token_ids", code="invalid_value")
     for i, ids in enumerate(req.resume_token_ids):
         for j, t in enumerate(ids):
             if not 0 <= t < vocab:
                 raise ServingError(400, f"resume_token_ids[{i}][{j}]: {t} is not a token id of this model (ids "
-                                        f"are in [0, {vocab}))", param="resume_token_ids")
+                                        f"are in [0, {vocab}))", param="resume_token_ids", code="invalid_value")
     return dict(enumerate(req.resume_token_ids))
 
 
@@ -338,7 +340,7 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
         elif content is None and not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
             # OpenAI: only an assistant message that calls tools may omit its content
             raise ServingError(400, f"messages[{i}].content: is required (null only on an assistant message "
-                                    "with tool_calls)", param=f"messages[{i}].content")
+                                    "with tool_calls)", param=f"messages[{i}].content", code="invalid_value")
         elif content is not None and not isinstance(content, str):
             raise ServingError(400, f"messages[{i}].content: must be a string or a list of parts",
                                param=f"messages[{i}].content", code="invalid_type")
@@ -363,11 +365,11 @@ def check_assistant_tool_calls(i: int, calls: object) -> None:
     """
     where = f"messages[{i}].tool_calls"
     if not isinstance(calls, list):
-        raise ServingError(400, f"{where}: must be an array of tool calls", param=where)
+        raise ServingError(400, f"{where}: must be an array of tool calls", param=where, code="invalid_type")
     for j, call in enumerate(calls):
         at = f"{where}[{j}]"
         if not isinstance(call, dict):
-            raise ServingError(400, f"{at}: must be an object", param=at)
+            raise ServingError(400, f"{at}: must be an object", param=at, code="invalid_type")
         fn = call.get("function")
         for part, value, ok in (("id", call.get("id"), isinstance(call.get("id"), str)),
                                 ("type", call.get("type"), call.get("type") == "function"),
@@ -382,7 +384,8 @@ def check_assistant_tool_calls(i: int, calls: object) -> None:
                 raise ServingError(400, f"Missing required parameter: '{at}.{part}'.", param=f"{at}.{part}",
                                    code="missing_required_parameter")
             wanted = "'function'" if part == "type" else ("an object" if part == "function" else "a string")
-            raise ServingError(400, f"{at}.{part}: must be {wanted}, got {value!r}", param=f"{at}.{part}")
+            raise ServingError(400, f"{at}.{part}: must be {wanted}, got {value!r}", param=f"{at}.{part}",
+                               code="invalid_type")
 
 
 def cut_after_final_message(text: str, messages: list[dict]) -> str:
@@ -392,6 +395,6 @@ def cut_after_final_message(text: str, messages: list[dict]) -> str:
     idx = text.rfind(final) if final else -1
     if idx < 0:
         raise ServingError(400, "continue_final_message: the final message was not found in the rendered prompt",
-                           param="continue_final_message")
+                           param="continue_final_message", code="invalid_value")
     return text[: idx + len(final)]
 

@@ -32,7 +32,7 @@ def _inputs(value: object) -> list[str | list[int]]:
         if all(isinstance(x, list) and x and all(is_token(t) for t in x) for x in value):
             return [list(x) for x in value]
     raise ServingError(400, "input: must be a non-empty string, an array of non-empty strings, an array of token "
-                            "ids, or an array of non-empty token-id arrays", param="input")
+                            "ids, or an array of non-empty token-id arrays", param="input", code="invalid_value")
 
 
 def _extras(body: dict, limit: int) -> tuple[bool | None, bool, int | None]:
@@ -84,9 +84,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):
             raise ServingError(400, f"encoding_format: must be 'float' or 'base64', got {fmt!r}",
-                               param="encoding_format")
+                               param="encoding_format", code="invalid_value")
         if (problem := dimensions_problem(body.get("dimensions"), self.served_model_name)) is not None:
-            raise ServingError(400, problem, param="dimensions")
+            raise ServingError(400, problem, param="dimensions", code="invalid_value")
         tok = self.engine.tokenizer
         limit, vocab = self.engine.max_model_len, tok.vocab_size
         normalize, special, keep = _extras(body, limit)

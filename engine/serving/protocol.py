@@ -243,7 +243,7 @@ def parse_request(body: Any, schema: type[T]) -> T:
             (``param_ranges``); ``param`` names it.
     """
     if not isinstance(body, dict):
-        raise RequestValidationError("the request body must be a JSON object", None)
+        raise RequestValidationError("the request body must be a JSON object", None, "invalid_type")
     try:
         parsed = msgspec.convert({k: v for k, v in body.items() if v is not None}, schema)
     except msgspec.ValidationError as exc:

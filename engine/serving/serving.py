@@ -181,14 +181,16 @@ class OpenAIServing:
             if getattr(req, name) is not None:
                 raise ServingError(400, f"{name}: {guided_field_hint(name)}", param=name, code="unsupported_parameter")
         if req.cache_salt is not None and not req.cache_salt:   # vLLM refuses it too
-            raise ServingError(400, "cache_salt: must be a non-empty string if provided", param="cache_salt")
+            raise ServingError(400, "cache_salt: must be a non-empty string if provided", param="cache_salt",
+                               code="invalid_value")
         if req.prompt_logprobs is not None and req.stream:   # vLLM's refusal, word for word
             raise ServingError(400, "`prompt_logprobs` are not available when `stream=True`.",
-                               param="prompt_logprobs")
+                               param="prompt_logprobs", code="invalid_value")
         if req.stream_options is not None and not req.stream:
-            raise ServingError(400, "stream_options: only allowed when stream is true", param="stream_options")
+            raise ServingError(400, "stream_options: only allowed when stream is true", param="stream_options",
+                               code="invalid_value")
         if (problem := priority_problem(req.priority or 0, self.engine.args.scheduling_policy)) is not None:
-            raise ServingError(400, problem.message, param="priority")   # vLLM refuses it too
+            raise ServingError(400, problem.message, param="priority", code="invalid_value")   # vLLM refuses it too
 
     def _sampling_params(self, req, num_prompt_tokens: int, *, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None, prompt_field: str, structured_outputs=None,
@@ -236,7 +238,7 @@ class OpenAIServing:
             field = problem.field
             if field == "logprobs" and isinstance(req, ChatCompletionRequest):
                 field = "top_logprobs"
-            raise ServingError(400, problem.message, param=field)
+            raise ServingError(400, problem.message, param=field, code="invalid_value")
         if (problem := token_id_problem(params, self.engine.tokenizer.vocab_size)) is not None:
             raise ServingError(400, problem.message, param=problem.field, code="invalid_value")
         limit = self.engine.max_model_len
@@ -406,7 +408,7 @@ def error_from_engine(exc: BaseException) -> ServingError:
         status = getattr(exc, "status", 400)   # a core call's reply may carry a server-side status (an aborted embed)
         if status >= 500:
             return ServingError(status, str(exc), type="server_error")
-        return ServingError(400, str(exc))
+        return ServingError(400, str(exc), code="invalid_value")
     logger.error("request failed in the engine", exc_info=exc)
     return ServingError(500, f"internal engine error ({type(exc).__name__})", type="server_error")
 

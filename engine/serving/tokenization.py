@@ -55,7 +55,8 @@ class OpenAIServingTokenization(OpenAIServing):
         if "messages" in body:
             rendered = render_chat(self.engine.tokenizer, body)
             if rendered.request.chat_template is not None:   # as the chat endpoint: refused, never ignored
-                raise ServingError(400, f"chat_template: {UNSERVED_FIELDS['chat_template']}", param="chat_template")
+                raise ServingError(400, f"chat_template: {UNSERVED_FIELDS['chat_template']}", param="chat_template",
+                                   code="unsupported_parameter")
             ids = rendered.prompts[0][1]
         else:
             req = parse_body(body, TokenizeCompletionRequest)

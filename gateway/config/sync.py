@@ -1,9 +1,11 @@
-"""The gateway's two config loops: the file watcher and the shared-version sync (``Gateway.start`` runs them)."""
+"""The gateway's two config loops, the file watcher (which also closes retired backends once idle) and the
+shared-version sync (``Gateway.start`` runs them)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from gateway.config.schema import ConfigError
 from gateway.config.versions import ConfigState, VersionConflict, text_digest
@@ -12,12 +14,29 @@ from gateway.state import StateUnavailable
 log = logging.getLogger("tandem.gateway")
 
 
+def close_idle_retired(gw) -> None:
+    """Close ``gw``'s backends no generation uses once idle and retired for longer than the drain timeout (a
+    request may still fall back onto them)."""
+    live = gw.snapshot.backends.values()
+    grace = gw.snapshot.compiled.config.server.drain_timeout_s
+    now = time.monotonic()
+    keep = []
+    for since, b in gw.retired:
+        if any(b is x for x in live):
+            continue
+        if b.active == 0 and now - since > grace:
+            asyncio.get_running_loop().create_task(b.aclose())
+        else:
+            keep.append((since, b))
+    gw.retired = keep
+
+
 async def watch_file(gw) -> None:
     """The file watcher: every ``reload.poll_interval_s``, apply the config file when its text is not the one last
     applied from a file (``Gateway.file_digest``; a touch changes nothing), and close retired backends."""
     while True:
         await asyncio.sleep(gw.snapshot.compiled.config.reload.poll_interval_s)
-        gw._close_idle_retired()
+        close_idle_retired(gw)
         if not gw.snapshot.compiled.config.reload.watch:
             continue
         if gw.redis_degraded:

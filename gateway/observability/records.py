@@ -105,3 +105,23 @@ def server_address(snap, backend: str) -> str | None:
 
 def include_prompts(snap) -> bool:
     return snap is not None and snap.compiled.config.observability.logs.include_prompts
+
+
+def answer_error_code(content: bytes) -> str:
+    """The ``error`` of a request's log line for an error answer's body: its ``code``, else its ``type``, else
+    "error"."""
+    try:
+        err = msgspec.json.decode(content).get("error")
+    except Exception:  # noqa: BLE001
+        return "error"
+    if isinstance(err, dict):
+        return str(err.get("code") or err.get("type") or "error")
+    return "error"
+
+
+def event_error_code(error: object) -> str:
+    """The ``error`` of a request's log line for a stream an error event ended: the code the client's event
+    carries (``stream_interrupted``, or an upstream event's own; an ops trial read "stream_error" in the log
+    beside the client's ``stream_interrupted``), "stream_error" when it has none."""
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) and code else "stream_error"

@@ -30,7 +30,8 @@ from gateway.errors import ClientError, anthropic_status, transport_error_kind
 from gateway.resilience.outcomes import Withdrawn, cancelled_by_timeout
 from gateway.resilience.streaming import SHUTDOWN_TYPE, ended_by_shutdown
 from gateway.observability.metrics import GatewayMetrics, LiveGauges
-from gateway.observability.records import AttemptRecord, RequestRecord, include_prompts, provider, read_answer
+from gateway.observability.records import (AttemptRecord, RequestRecord, answer_error_code, event_error_code,
+                                           include_prompts, provider, read_answer)
 from gateway.observability.request_log import (Redactor, RequestLog, config_secrets, install_redaction,
                                                remove_redaction)
 from gateway.observability.tracing import (OPERATIONS, Tracing, attempt_span, end_request_trace, mark_error,
@@ -245,7 +246,7 @@ class Observability:
         rec.backend = backend
         if status >= 400:
             content = self.redactor().bytes(content, [rec.client_token] if rec.client_token else [])
-            rec.error = _error_code(content)
+            rec.error = answer_error_code(content)
         if status < 400 and content and rec.endpoint != "embeddings" and lacks_usage(content):
             self._read_answer(rec, content)      # the backend counted nothing: the client gets the ledger's count
             content, read = with_usage(content, self._estimate(rec)), b""
@@ -329,11 +330,7 @@ class Observability:
             if ev.error:
                 rec.shut_down = ended_by_shutdown(ev.error)
                 rec.stream_failed = not rec.shut_down
-                # the log line names the code the client's event carries (an ops trial read "stream_error" in the
-                # log beside the client's stream_interrupted)
-                code = ev.error.get("code") if isinstance(ev.error, dict) else None
-                rec.error = SHUTDOWN_TYPE if rec.shut_down else (code if isinstance(code, str) and code else
-                                                                 "stream_error")
+                rec.error = SHUTDOWN_TYPE if rec.shut_down else event_error_code(ev.error)
                 out = self._redacted(rec, ev)
             if ev.usage:
                 rec.usage = ev.usage
@@ -493,13 +490,3 @@ class Observability:
             self.request_log.write(fields, self.redactor(), [rec.client_token] if rec.client_token else [])
         except Exception as e:  # noqa: BLE001
             log.warning("request log failed: %s", e)
-
-
-def _error_code(content: bytes) -> str | None:
-    try:
-        err = msgspec.json.decode(content).get("error")
-    except Exception:  # noqa: BLE001
-        return "error"
-    if isinstance(err, dict):
-        return str(err.get("code") or err.get("type") or "error")
-    return "error"

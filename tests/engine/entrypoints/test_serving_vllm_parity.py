@@ -36,6 +36,10 @@ def test_prompt_logprobs_on_a_stream_is_refused_as_vllm_refuses_it(server):
             call()
         assert exc.value.body["param"] == "prompt_logprobs", exc.value.body
         assert exc.value.body["message"] == "`prompt_logprobs` are not available when `stream=True`."
+        assert exc.value.body["code"] == "invalid_value"        # a trial's had code null
+    with pytest.raises(openai.BadRequestError) as exc:          # fcfs here: a priority is refused, with a code too
+        chat(server, messages=HI, max_tokens=2, extra_body={"priority": 5})
+    assert (exc.value.body["param"], exc.value.body["code"]) == ("priority", "invalid_value")
 
 
 def test_a_request_chat_template_is_refused_never_ignored(server):
