@@ -353,12 +353,7 @@ def test_a_reload_that_would_leave_a_backend_keyless_is_refused(upstreams, tmp_p
     """An ops trial: a reload naming an unset ``api_key_env`` (a typo) was applied, its backend left out and all
     of the route's traffic moved to the 5 % canary, the reload answered as applied. It is refused, naming the
     key; a backend keyless since the start is not a reason to refuse an unrelated change."""
-    a, b = upstreams
-    path = tmp_path / "config.yaml"
-    good = upstream_config({"a": a, "b": b}, ROUTES).replace("watch: true", "watch: false")
-    path.write_text(good)
-    g = GatewayProcess(path, env=ENV).start()
-    try:
+    with unwatched(upstreams, tmp_path) as (path, good, g):
         version = admin_config(g)["version"]
         typo = good.replace("api_key_env: TEST_UPSTREAM_KEY", "api_key_env: TEST_UPSTREAM_KEYY", 1)
         path.write_text(typo)
@@ -369,8 +364,6 @@ def test_a_reload_that_would_leave_a_backend_keyless_is_refused(upstreams, tmp_p
         rsp = httpx.post(g.url + "/v1/chat/completions", headers={"authorization": "Bearer x"},
                          json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]})
         assert rsp.headers["x-tandem-backend"] == "a"
-    finally:
-        g.stop()
     path.write_text(typo)            # keyless from the start: reported, and an unrelated edit is applied
     g = GatewayProcess(path, env=ENV).start()
     try:
