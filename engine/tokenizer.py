@@ -241,13 +241,14 @@ class Tokenizer:
         rows = [e.ids for e in self._tok.encode_batch(list(text), add_special_tokens=add_special_tokens)]
         return {"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``; invalid UTF-8 (a split multi-byte char) becomes U+FFFD."""
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; invalid UTF-8 (a split multi-byte char) becomes U+FFFD. Special tokens are kept
+        unless ``skip_special_tokens`` (transformers' default, False, so vLLM's ``get_tokenizer()`` reads alike)."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
-        """transformers' ``batch_decode``: ``decode`` of each token-id list (its ``skip_special_tokens`` default,
-        True, is ``decode``'s here)."""
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False) -> list[str]:
+        """transformers' ``batch_decode``: ``decode`` of each token-id list (``skip_special_tokens``: transformers'
+        default, False, as ``decode``'s)."""
         return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:

@@ -54,7 +54,7 @@ async def test_deltas_concatenate_to_the_completion(engine):
     tokens = [t for o in outs for c in o.outputs for t in c.token_ids]
     assert len(tokens) == 6 and outs[-1].outputs[-1].finish_reason == "length"
     text = "".join(c.text for o in outs for c in o.outputs)
-    assert text == engine.tokenizer.decode(tokens)
+    assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
     # Same prompt as token ids, greedy: same tokens.
     ids = engine.tokenizer.encode(PROMPT, add_special_tokens=True)
     again = await collect(engine, ids, params, "delta-2")

@@ -55,7 +55,17 @@ def test_roundtrip(smollm2):
         assert smollm2.decode(ids, skip_special_tokens=False) == text
     ids = smollm2.encode("<|im_start|>user\nhi<|im_end|>")
     assert ids[0] == 1 and ids[-1] == 2
-    assert smollm2.decode(ids) == "user\nhi"
+    assert smollm2.decode(ids, skip_special_tokens=True) == "user\nhi"
+
+
+def test_decode_keeps_special_tokens_by_default_as_transformers_does(smollm2, hf_smollm2):
+    """transformers' ``decode`` and ``batch_decode`` (and so vLLM's tokenizer) keep special tokens unless told
+    to skip them; a vLLM user's ``tok.decode([1, 9690, 198])`` got 'system\\n' (the default was True here)."""
+    ids = [1, 9690, 198]
+    assert smollm2.decode(ids) == hf_smollm2.decode(ids) == "<|im_start|>system\n"
+    rows = [smollm2.encode(t) for t in TRICKY]
+    assert smollm2.batch_decode(rows) == hf_smollm2.batch_decode(rows)
+    assert smollm2.batch_decode([ids]) == ["<|im_start|>system\n"]
 
 
 @pytest.mark.slow
@@ -114,7 +124,7 @@ def test_hf_dir_and_template_helpers(tmp_path):
     assert t.apply_chat_template([{"role": "user", "content": "hé"}], tokenize=False) == '<s>"hé"</s>4'
     with pytest.raises(jinja2.TemplateError, match="no tools"):
         t.apply_chat_template([{"role": "tool", "content": "x"}])
-    assert t.decode([0, 2, 1]) == "hi"
+    assert t.decode([0, 2, 1], skip_special_tokens=True) == "hi"
     (tmp_path / "tokenizer.json").unlink()
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_hf_dir(str(tmp_path))
