@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -154,9 +155,14 @@ class SamplingParams:
         truncate_prompt_tokens: vLLM's: the prompt's last N tokens only (left truncation; -1: the last
             ``max_model_len``), applied where the prompt is tokenized (``LLMEngine.add_request``), which refuses
             0, values below -1 or above ``max_model_len`` in the OpenAI server's words; None: as given.
+        extra_args: vLLM's free-form arguments for custom plugins (a dict, kept as given; nothing here reads
+            it).
+
+    vLLM's ``guided_decoding`` (renamed ``structured_outputs``) and per-request ``logits_processors`` are taken
+    only as None (or no processors) and refused otherwise, saying what to use instead.
 
     Raises:
-        ValueError: a parameter is out of range; the message names it.
+        ValueError: a parameter is out of range or of the wrong type; the message names it.
     """
 
     n: int = 1
@@ -184,19 +190,37 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     truncate_prompt_tokens: int | None = None
+    extra_args: dict[str, Any] | None = None
+    guided_decoding: InitVar[Any] = None     # refused unless None: vLLM's older name of structured_outputs
+    logits_processors: InitVar[Any] = None   # refused unless None or empty
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding: Any, logits_processors: Any) -> None:
+        _refuse_unsupported(guided_decoding, logits_processors)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _listed(self.stop, "stop", "a string or a list of strings")
+        self.stop_token_ids = _listed(self.stop_token_ids, "stop_token_ids", "a list of token ids")
         if isinstance(self.allowed_token_ids, tuple):
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        self._verify_types()
         self._verify()
+
+    def _verify_types(self) -> None:
+        """The types of the fields that are no numbers."""
+        for name in _BOOL_FIELDS:   # "no" is truthy: a string here would silently read as True
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+        spec = self.structured_outputs
+        if spec is not None and not isinstance(spec, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams (engine.sampling_params) or "
+                             f"None, got {type(spec).__name__}: e.g. StructuredOutputsParams(json=schema)")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
 
     def _verify(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:
@@ -257,6 +281,30 @@ class SamplingParams:
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
+
+
+def _refuse_unsupported(guided_decoding: Any, logits_processors: Any) -> None:
+    """ValueError for vLLM's fields this engine does not serve, naming what to use instead."""
+    if guided_decoding is not None:
+        raise ValueError("guided_decoding is not supported: vLLM renamed it structured_outputs; pass "
+                         "structured_outputs=StructuredOutputsParams(json=..., regex=..., choice=..., grammar=...) "
+                         "(engine.sampling_params)")
+    if logits_processors is not None and not (isinstance(logits_processors, (list, tuple)) and not logits_processors):
+        raise ValueError("logits_processors are not supported: a request's parameters reach the engine core as "
+                         "data (msgpack, to its own process under AsyncEngine and the servers), which a Python "
+                         "callable is not, and the sampler treats a step's batch in one pass (vLLM V1 refuses "
+                         "per-request logits processors too); restrict the output with logit_bias, "
+                         "allowed_token_ids, bad_words or structured_outputs")
+
+
+def _listed(value: Any, name: str, what: str) -> list:
+    """``value`` (None, a list or a tuple) as a new list; ValueError naming ``name`` for anything else."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise ValueError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
 
 
 def _is_int(v: object) -> bool:
