@@ -193,6 +193,32 @@ class IncrementalDetokenizer:
         return hold
 
 
+class NoDetokenizer:
+    """The detokenizer of a request with ``detokenize=False`` (vLLM's base ``IncrementalDetokenizer``): its
+    outputs carry token ids and no text. Stop strings need text: ``SamplingParams`` refuses them with it."""
+
+    output_text = ""
+    stop_reason: str | None = None
+    finished = False
+
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> tuple[str, str | None]:
+        """No text, no stop string: ``("", None)``."""
+        return "", None
+
+    def flush(self) -> str:
+        """No text: ""."""
+        return ""
+
+
+def detokenizer_for(tokenizer: Any, prompt_token_ids: Sequence[int],
+                    params: SamplingParams) -> IncrementalDetokenizer | NoDetokenizer:
+    """A choice's detokenizer: an ``IncrementalDetokenizer``, or with ``params.detokenize`` False a
+    ``NoDetokenizer`` (no tokenizer call at all)."""
+    if not params.detokenize:
+        return NoDetokenizer()
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+
+
 def decode_token(tokenizer: Any, token_id: int) -> str:
     """Text of one token for ``Logprob.decoded_token`` (special tokens kept;
     a token holding part of a multi-byte character renders as U+FFFD)."""
@@ -201,8 +227,8 @@ def decode_token(tokenizer: Any, token_id: int) -> str:
 
 def fill_decoded_tokens(tokenizer: Any, logprobs: dict | None) -> None:
     """Set ``decoded_token`` of every ``Logprob`` in one position's
-    ``{token_id: Logprob}`` (in place); None is a no-op."""
-    if not logprobs:
+    ``{token_id: Logprob}`` (in place); None logprobs, or no tokenizer (``detokenize=False``), is a no-op."""
+    if not logprobs or tokenizer is None:
         return
     for token_id, lp in logprobs.items():
         lp.decoded_token = decode_token(tokenizer, token_id)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.core_messages import EngineCoreOutput
-from engine.detokenizer import IncrementalDetokenizer, fill_decoded_tokens
+from engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, detokenizer_for, fill_decoded_tokens
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -31,8 +31,9 @@ class _RequestState:
 
     prompt: str | None
     prompt_token_ids: list[int]
-    detokenizers: list[IncrementalDetokenizer]
+    detokenizers: list[IncrementalDetokenizer | NoDetokenizer]
     finished: list[bool]
+    detokenize: bool = True   # False: token ids only (no text, logprobs without decoded tokens)
     prompt_logprobs: list | None = None
     first_token_time: float | None = None
     max_tokens: int | None = None
@@ -75,7 +76,7 @@ class OutputProcessor:
         """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        detokenizers = [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in range(params.n)]
+        detokenizers = [detokenizer_for(self.tokenizer, prompt_token_ids, params) for _ in range(params.n)]
         finished = [False] * params.n
         for index, done in (resume or {}).items():
             detokenizers[index].update(done)
@@ -83,7 +84,7 @@ class OutputProcessor:
             finished = [i not in resume for i in range(params.n)]
         self._requests[request_id] = _RequestState(
             prompt=prompt, prompt_token_ids=prompt_token_ids, detokenizers=detokenizers, finished=finished,
-            max_tokens=params.max_tokens)
+            detokenize=params.detokenize, max_tokens=params.max_tokens)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -147,12 +148,13 @@ class OutputProcessor:
         if out.first_token_time is not None:
             first = state.first_token_time
             state.first_token_time = out.first_token_time if first is None else min(first, out.first_token_time)
+        decode = self.tokenizer if state.detokenize else None   # None: logprobs without decoded tokens (vLLM's)
         if out.prompt_logprobs is not None:
             for position in out.prompt_logprobs:
-                fill_decoded_tokens(self.tokenizer, position)
+                fill_decoded_tokens(decode, position)
             state.prompt_logprobs = out.prompt_logprobs
         for position in out.new_logprobs or []:
-            fill_decoded_tokens(self.tokenizer, position)
+            fill_decoded_tokens(decode, position)
         detok = state.detokenizers[out.index]
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         text, stop = "", None

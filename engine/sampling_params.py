@@ -141,6 +141,8 @@ class SamplingParams:
         logprobs: number of top log-probabilities per generated token (0-20;
             the sampled token's is always returned when not None).
         prompt_logprobs: number of top log-probabilities per prompt token.
+        detokenize: False: the outputs carry token ids and no text (``text`` and the logprobs'
+            ``decoded_token`` empty), as in vLLM; stop strings need the text, so ``stop`` is refused with it.
         skip_special_tokens: drop special tokens from the text.
         spaces_between_special_tokens: kept for vLLM compatibility.
         structured_outputs: a grammar the completion must follow
@@ -190,6 +192,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
     extra_args: dict[str, Any] | None = None
     guided_decoding: InitVar[Any] = None     # refused unless None: vLLM's older name of structured_outputs
     logits_processors: InitVar[Any] = None   # refused unless None or empty
@@ -210,7 +213,7 @@ class SamplingParams:
         self._verify()
 
     def _verify_types(self) -> None:
-        """The types of the fields that are no numbers."""
+        """The fields that are no numbers: their types, and what ``detokenize=False`` cannot serve."""
         for name in _BOOL_FIELDS:   # "no" is truthy: a string here would silently read as True
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -221,6 +224,9 @@ class SamplingParams:
                              f"None, got {type(spec).__name__}: e.g. StructuredOutputsParams(json=schema)")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
+        if self.stop and not self.detokenize:   # vLLM's words
+            raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use "
+                             "stop.")
 
     def _verify(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:
@@ -281,7 +287,8 @@ class SamplingParams:
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                "detokenize")
 
 
 def _refuse_unsupported(guided_decoding: Any, logits_processors: Any) -> None:

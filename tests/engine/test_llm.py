@@ -103,6 +103,29 @@ def test_encode_pools_the_embed_task(llm):
             llm.encode(PROMPTS, pooling_task=task)
 
 
+def test_detokenize_false_answers_token_ids_and_no_text(llm):
+    """vLLM's ``SamplingParams(detokenize=False)`` (a trial's "unexpected keyword argument"): the same tokens and
+    logprobs as with text, ``text`` empty and no decoded tokens; the text path itself unchanged."""
+    params = dict(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=1, n=2)
+    with_text = llm.generate(PROMPTS, SamplingParams(**params))
+    ids_only = llm.generate(PROMPTS, SamplingParams(detokenize=False, **params))
+    for a, b in zip(with_text, ids_only):
+        assert [c.token_ids for c in b.outputs] == [c.token_ids for c in a.outputs]
+        assert [(c.finish_reason, c.num_generated_tokens) for c in b.outputs] == \
+            [(c.finish_reason, c.num_generated_tokens) for c in a.outputs]
+        assert all(c.text == "" for c in b.outputs)
+        assert [c.text for c in a.outputs] == [llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                                              for c in a.outputs] and any(c.text for c in a.outputs)
+        for x, y in zip(a.outputs, b.outputs):
+            assert [{t: lp.logprob for t, lp in p.items()} for p in y.logprobs] == \
+                [{t: lp.logprob for t, lp in p.items()} for p in x.logprobs]
+            assert all(lp.decoded_token for p in x.logprobs for lp in p.values())
+            assert not any(lp.decoded_token for p in y.logprobs for lp in p.values())
+        assert not any(lp.decoded_token for p in b.prompt_logprobs[1:] for lp in p.values())
+    with pytest.raises(ValueError, match="stop strings are only supported when detokenize is True"):
+        llm.generate(PROMPTS, SamplingParams(detokenize=False, stop=["x"]))
+
+
 def test_n_beyond_max_num_seqs_runs_in_turns_each_child_as_its_seed_alone(tmp_path):
     """vLLM v1 schedules each child on its own, so ``n`` above ``max_num_seqs`` is served (a trial got a 400): the
     choices past the first ``max_num_seqs`` form further fork groups, admitted as seats free; every child is

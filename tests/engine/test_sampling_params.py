@@ -15,7 +15,7 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @pytest.mark.parametrize("name", ["ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                                  "spaces_between_special_tokens"])
+                                  "spaces_between_special_tokens", "detokenize"])
 @pytest.mark.parametrize("value", ["no", 1, None])
 def test_a_flag_must_be_a_bool(name, value):
     with pytest.raises(ValueError, match=f"^{name} must be a bool"):
@@ -40,6 +40,13 @@ def test_stop_is_a_string_or_a_list_of_strings():
         SamplingParams(stop=["a", 5])
     assert SamplingParams(stop="a").stop == ["a"] and SamplingParams(stop=("a", "b")).stop == ["a", "b"]
     assert SamplingParams(stop=None).stop == [] and SamplingParams(stop_token_ids=(2,)).stop_token_ids == [2]
+
+
+def test_detokenize_false_refuses_stop_strings_as_vllm_does():
+    with pytest.raises(ValueError, match=r"^stop strings are only supported when detokenize is True\. Set "
+                                         r"detokenize=True to use stop\.$"):
+        SamplingParams(detokenize=False, stop="x")
+    assert SamplingParams(detokenize=False, stop_token_ids=[2]).detokenize is False
 
 
 def test_extra_args_are_kept_as_vllm_keeps_them_and_cross_to_the_core():
