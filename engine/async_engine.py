@@ -295,7 +295,7 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0, resume: dict[int, list[int]] | None = None,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its DELTA outputs until it finishes.
+        """Submit a request and yield its outputs until it finishes: deltas, or what ``params.output_kind`` asks.
 
         Args:
             prompt: text (tokenized with the model's special tokens) or token ids.
@@ -307,8 +307,8 @@ class AsyncEngine:
             cache_salt: vLLM's: the request shares prefix-cache blocks only with requests of the same salt.
 
         Yields:
-            ``RequestOutput`` deltas (new text/tokens per choice); the last
-            has ``finished=True``.
+            ``RequestOutput`` deltas (new text/tokens per choice; CUMULATIVE: each choice whole so far;
+            FINAL_ONLY: one output, every choice whole); the last has ``finished=True``.
 
         Raises:
             ValueError: duplicate id, or the engine rejected the request
@@ -414,7 +414,7 @@ class AsyncEngine:
             if out is None:
                 return
             self._listeners.stepped([out], time.monotonic())
-            self._deliver([(rid, out)])
+            self._deliver([(rid, o) for o in self._processor.as_asked([out])])
             self._check_drained()
 
     def _on_step(self, step: CoreStep) -> None:
@@ -431,7 +431,7 @@ class AsyncEngine:
                     proc.forget(rid)
                     deliveries.append((rid, error))
             processed = proc.process_outputs(step.outputs, step.timestamp)
-            deliveries += [(out.request_id, out) for out in processed.request_outputs]
+            deliveries += [(out.request_id, out) for out in proc.as_asked(processed.request_outputs)]
             self._stats = step.stats
             self._stats_at = time.monotonic()
             if step.stats.ttft is not None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import weakref
@@ -15,10 +16,9 @@ from engine.entrypoints.vllm_flags import split_vllm_kwargs
 from engine.input_checks import dimensions_problem
 from engine.llm_engine import LLMEngine
 from engine.llm_prompts import Prompt, parse_prompt, prompt_list, truncated_prompts
-from engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput,
-                            PoolingRequestOutput, RequestOutput)
+from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from engine.protocol.errors import ServingError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.serving.chat import render_chat
 
 if TYPE_CHECKING:
@@ -199,7 +199,8 @@ class LLM:
 
         Returns:
             One final ``RequestOutput`` per prompt, in input order, with
-            cumulative text and token ids per choice.
+            cumulative text and token ids per choice, whatever the params' ``output_kind`` (vLLM's: run as
+            FINAL_ONLY).
 
         Raises:
             ValueError: a prompt is invalid (nothing is left queued), a LoRA request, ``priority`` not one per
@@ -214,6 +215,7 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        params = _final_only(params)
         if priority is not None and len(priority) != len(prompts):   # vLLM's words
             raise ValueError(f"priority: The lengths of prompts ({len(prompts)}) and priority ({len(priority)}) "
                              "must be the same.")
@@ -226,8 +228,8 @@ class LLM:
             raise
         finals: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
-            for delta in self.engine.step():
-                merge_delta(finals, delta)
+            for final in self.engine.step():
+                finals[final.request_id] = final
         return [finals[rid] for rid in ids]
 
     def chat(
@@ -298,6 +300,17 @@ def _refuse_lora(lora_request) -> None:
         raise ValueError("lora_request: LoRA adapters are not supported by this engine (give None)")
 
 
+def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """``params`` asking for FINAL_ONLY outputs: a copy of each distinct one that asks otherwise (vLLM's ``LLM``
+    sets it on the caller's own)."""
+    copies: dict[int, SamplingParams] = {}
+    for p in params:
+        if id(p) not in copies:
+            asks_other = isinstance(p, SamplingParams) and p.output_kind != RequestOutputKind.FINAL_ONLY
+            copies[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) if asks_other else p
+    return [copies[id(p)] for p in params]
+
+
 def _render(tokenizer, conversation: list[dict], options: dict[str, Any]) -> list[int]:
     """The token ids the chat endpoint renders for ``conversation`` with ``options`` (its body's fields).
 
@@ -309,26 +322,3 @@ def _render(tokenizer, conversation: list[dict], options: dict[str, Any]) -> lis
     except ServingError as exc:
         raise ValueError(exc.message) from None
 
-
-def merge_delta(finals: dict[str, RequestOutput], delta: RequestOutput) -> None:
-    """Fold a delta ``RequestOutput`` into the cumulative one in ``finals``."""
-    final = finals.get(delta.request_id)
-    if final is None:
-        final = finals[delta.request_id] = RequestOutput(
-            request_id=delta.request_id, prompt=delta.prompt, prompt_token_ids=delta.prompt_token_ids, outputs=[])
-    by_index = {o.index: o for o in final.outputs}
-    for d in delta.outputs:
-        c = by_index.get(d.index)
-        if c is None:
-            c = by_index[d.index] = CompletionOutput(index=d.index, logprobs=None if d.logprobs is None else [])
-        c.text += d.text
-        c.token_ids.extend(d.token_ids)
-        if d.logprobs is not None:
-            c.logprobs = (c.logprobs or []) + d.logprobs
-        c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-        c.num_generated_tokens = d.num_generated_tokens
-    final.outputs = [by_index[i] for i in sorted(by_index)]
-    final.finished = delta.finished
-    final.prompt_logprobs = delta.prompt_logprobs
-    final.num_cached_tokens = delta.num_cached_tokens
-    final.metrics = delta.metrics

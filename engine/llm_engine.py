@@ -1,7 +1,7 @@
 """The synchronous engine: the engine core plus tokenization and output
 processing in one thread, for the offline ``LLM`` API and benchmarks.
 
-    add_request ─► tokenize ─► EngineCore.step() ─► OutputProcessor ─► RequestOutput deltas
+    add_request ─► tokenize ─► EngineCore.step() ─► OutputProcessor ─► RequestOutputs (deltas by default)
                                       ▲                    │
                                       └── stop strings ────┘  (finish_sequences)
 
@@ -92,15 +92,16 @@ class LLMEngine:
         return self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Run one core step and return the delta of every request with news;
-        choices a stop string ended are finished in the core before the next step."""
+        """Run one core step and return the output of every request with news, as its ``output_kind`` asks
+        (deltas by default; a FINAL_ONLY request's only when it finished); choices a stop string ended are
+        finished in the core before the next step."""
         core_outputs = self.core.step()
         if not core_outputs:
             return []
         processed = self.output_processor.process_outputs(core_outputs, time.monotonic())
         if processed.stops:
             self.core.finish_sequences(processed.stops)
-        return processed.request_outputs
+        return self.output_processor.as_asked(processed.request_outputs)
 
     @property
     def structured_outputs(self):

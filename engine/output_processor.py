@@ -10,19 +10,22 @@ request are assembled into one ``RequestOutput`` with its metrics. A stop
 string that ends a choice is returned in ``ProcessedOutputs.stops`` and the
 caller tells the core (``EngineCore.finish_sequences``), which frees its
 blocks. Output the core produced for a choice after that (the core in
-another process may have run one more step) is dropped.
+another process may have run one more step) is dropped. The outputs are
+deltas (what metrics count); ``as_asked`` gives each request's consumer
+what its ``output_kind`` asks (vLLM's ``RequestOutputKind``).
 
 Not thread-safe: one owner (``LLMEngine``, or ``AsyncEngine`` under its lock).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from engine.core.core_messages import EngineCoreOutput
 from engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, detokenizer_for, fill_decoded_tokens
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -63,6 +66,8 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._requests: dict[str, _RequestState] = {}
+        self._kinds: dict[str, RequestOutputKind] = {}   # the live requests whose consumers want no deltas
+        self._so_far: dict[str, RequestOutput] = {}      # their outputs so far, merged
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, resume: dict[int, list[int]] | None = None) -> None:
@@ -82,6 +87,8 @@ class OutputProcessor:
             detokenizers[index].update(done)
         if resume is not None:
             finished = [i not in resume for i in range(params.n)]
+        if params.output_kind != RequestOutputKind.DELTA:
+            self._kinds[request_id] = params.output_kind
         self._requests[request_id] = _RequestState(
             prompt=prompt, prompt_token_ids=prompt_token_ids, detokenizers=detokenizers, finished=finished,
             detokenize=params.detokenize, max_tokens=params.max_tokens)
@@ -105,6 +112,8 @@ class OutputProcessor:
     def forget(self, request_id: str) -> None:
         """Stop tracking a request (the core refused or failed it)."""
         self._requests.pop(request_id, None)
+        self._kinds.pop(request_id, None)
+        self._so_far.pop(request_id, None)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Forget a request; its final output with ``finish_reason="abort"``
@@ -116,6 +125,26 @@ class OutputProcessor:
             request_id=request_id, prompt=None, prompt_token_ids=[], finished=True,
             outputs=[CompletionOutput(index=i, finish_reason="abort")
                      for i, done in enumerate(state.finished) if not done])
+
+    def as_asked(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The delta outputs of ``process_outputs`` or ``abort_request`` (in order) as each request's
+        ``output_kind`` asks: DELTA ones as they are; CUMULATIVE ones with each choice of the delta whole so far
+        (a copy: later outputs do not change it); FINAL_ONLY ones only once the request finished, with every
+        choice whole."""
+        asked = []
+        for delta in outputs:
+            kind = self._kinds.get(delta.request_id)
+            if kind is None:
+                asked.append(delta)
+                continue
+            so_far = merge_delta(self._so_far, delta)
+            if delta.finished:
+                del self._kinds[delta.request_id], self._so_far[delta.request_id]
+            if kind == RequestOutputKind.CUMULATIVE:
+                asked.append(_copy_of_choices(so_far, {c.index for c in delta.outputs}))
+            elif delta.finished:
+                asked.append(so_far)
+        return asked
 
     def process_outputs(self, outputs: list[EngineCoreOutput], now: float) -> ProcessedOutputs:
         """Turn one step's core outputs into delta ``RequestOutput``s: one per request, or for a call of several
@@ -193,6 +222,40 @@ class OutputProcessor:
                                    finished_time=now if all_done else None, max_tokens_param=state.max_tokens,
                                    n_param=len(state.finished)),
         )
+
+
+def merge_delta(finals: dict[str, RequestOutput], delta: RequestOutput) -> RequestOutput:
+    """Fold a delta ``RequestOutput`` into the cumulative one in ``finals`` (created on its first delta); return
+    that one."""
+    final = finals.get(delta.request_id)
+    if final is None:
+        final = finals[delta.request_id] = RequestOutput(
+            request_id=delta.request_id, prompt=delta.prompt, prompt_token_ids=delta.prompt_token_ids, outputs=[])
+    by_index = {o.index: o for o in final.outputs}
+    for d in delta.outputs:
+        c = by_index.get(d.index)
+        if c is None:
+            c = by_index[d.index] = CompletionOutput(index=d.index, logprobs=None if d.logprobs is None else [])
+        c.text += d.text
+        c.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            c.logprobs = (c.logprobs or []) + d.logprobs
+        c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        c.num_generated_tokens = d.num_generated_tokens
+    final.outputs = [by_index[i] for i in sorted(by_index)]
+    final.finished = delta.finished
+    final.prompt_logprobs = delta.prompt_logprobs
+    final.num_cached_tokens = delta.num_cached_tokens
+    final.metrics = delta.metrics
+    return final
+
+
+def _copy_of_choices(so_far: RequestOutput, indices: set[int]) -> RequestOutput:
+    """``so_far`` holding copies of its choices of ``indices`` (vLLM's cumulative outputs name the choices with
+    news)."""
+    choices = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else
+                                   list(c.logprobs)) for c in so_far.outputs if c.index in indices]
+    return dataclasses.replace(so_far, outputs=choices)
 
 
 def _detokenize(detok, out: EngineCoreOutput) -> tuple[str, str | None, int]:

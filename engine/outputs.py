@@ -29,9 +29,11 @@ PositionLogprobs = dict[int, Logprob]
 class CompletionOutput:
     """One choice (``index``) of a request.
 
-    In delta mode (``AsyncEngine.generate``) ``text``, ``token_ids`` and
-    ``logprobs`` hold only what is new since the previous output for this
-    index; in final mode (``LLM.generate``) they are cumulative.
+    In delta mode (``AsyncEngine.generate`` and ``LLMEngine.step`` under the
+    default ``output_kind``, DELTA) ``text``, ``token_ids`` and ``logprobs``
+    hold only what is new since the previous output for this index; in final
+    mode (``LLM.generate``, or ``output_kind`` CUMULATIVE or FINAL_ONLY) they
+    are cumulative.
 
     Attributes:
         index: OpenAI choice index, 0..n-1.
@@ -88,7 +90,7 @@ class RequestOutput:
         prompt: the prompt text when it was given as text.
         prompt_token_ids: the prompt, tokens.
         prompt_logprobs: per prompt position (None for the first) when requested.
-        outputs: the choices with news (delta mode) or all choices (final mode).
+        outputs: the choices with news (DELTA and CUMULATIVE outputs) or all choices (final ones).
         finished: True once every choice has finished.
         num_cached_tokens: prompt tokens served from the prefix cache.
         metrics: timestamps.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import InitVar, dataclass, field
+from enum import IntEnum
 from typing import Any
 
 import msgspec
@@ -104,6 +105,20 @@ class StructuredOutputsParams:
 _SPECS = ("json", "regex", "choice", "grammar", "structural_tag")
 
 
+class RequestOutputKind(IntEnum):
+    """What each ``RequestOutput`` of a request holds (vLLM's names and values).
+
+    ``CUMULATIVE``: each choice's text, token ids and logprobs so far (an output names the choices with news);
+    ``DELTA``: only what is new since the request's previous output; ``FINAL_ONLY``: one output, once every
+    choice finished, holding all of them whole. ``LLM.generate`` returns final outputs whatever the kind, as
+    vLLM's does.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's completion(s).
@@ -157,6 +172,9 @@ class SamplingParams:
         truncate_prompt_tokens: vLLM's: the prompt's last N tokens only (left truncation; -1: the last
             ``max_model_len``), applied where the prompt is tokenized (``LLMEngine.add_request``), which refuses
             0, values below -1 or above ``max_model_len`` in the OpenAI server's words; None: as given.
+        output_kind: a ``RequestOutputKind``: what the outputs of ``AsyncEngine.generate`` and
+            ``LLMEngine.step`` hold for this request. The default is DELTA (vLLM's is CUMULATIVE): this engine's
+            streams have always carried deltas, and its servers read them.
         extra_args: vLLM's free-form arguments for custom plugins (a dict, kept as given; nothing here reads
             it).
 
@@ -193,6 +211,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
     extra_args: dict[str, Any] | None = None
     guided_decoding: InitVar[Any] = None     # refused unless None: vLLM's older name of structured_outputs
     logits_processors: InitVar[Any] = None   # refused unless None or empty
@@ -209,6 +228,8 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if _is_int(self.output_kind) and self.output_kind in _OUTPUT_KINDS:   # its value, off the core's wire
+            self.output_kind = RequestOutputKind(self.output_kind)
         self._verify_types()
         self._verify()
 
@@ -222,6 +243,9 @@ class SamplingParams:
         if spec is not None and not isinstance(spec, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams (engine.sampling_params) or "
                              f"None, got {type(spec).__name__}: e.g. StructuredOutputsParams(json=schema)")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got "
+                             f"{type(self.output_kind).__name__} {self.output_kind!r}")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
         if self.stop and not self.detokenize:   # vLLM's words
@@ -287,6 +311,7 @@ class SamplingParams:
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_OUTPUT_KINDS = frozenset(RequestOutputKind)
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
                 "detokenize")
 

@@ -13,7 +13,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError
 from engine.config import EngineArgs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +59,30 @@ async def test_deltas_concatenate_to_the_completion(engine):
     ids = engine.tokenizer.encode(PROMPT, add_special_tokens=True)
     again = await collect(engine, ids, params, "delta-2")
     assert [t for o in again for c in o.outputs for t in c.token_ids] == tokens
+    assert await wait_idle(engine)
+
+
+async def test_streams_carry_what_output_kind_asks(engine):
+    """vLLM's ``output_kind`` (a trial's "unexpected keyword argument"): FINAL_ONLY streams one output, every
+    choice whole; CUMULATIVE each choice whole so far; DELTA, the default, what is new."""
+    params = dict(max_tokens=6, temperature=0, ignore_eos=True, n=2)
+    deltas = await collect(engine, PROMPT, SamplingParams(**params), "kind-delta")
+    text = {i: "".join(c.text for o in deltas for c in o.outputs if c.index == i) for i in (0, 1)}
+    tokens = {i: [t for o in deltas for c in o.outputs if c.index == i for t in c.token_ids] for i in (0, 1)}
+    (final,) = await collect(engine, PROMPT, SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **params),
+                             "kind-final")
+    assert final.finished and [(c.index, c.text, c.token_ids) for c in final.outputs] == [
+        (i, text[i], tokens[i]) for i in (0, 1)]
+    cumulative = await collect(engine, PROMPT, SamplingParams(output_kind=RequestOutputKind.CUMULATIVE, **params),
+                               "kind-cumulative")
+    assert len(cumulative) > 1 and cumulative[-1].finished
+    last = {}
+    for out in cumulative:
+        for c in out.outputs:
+            assert tokens[c.index][:len(c.token_ids)] == c.token_ids and text[c.index].startswith(c.text)
+            assert len(c.token_ids) > len(last.get(c.index, ()))
+            last[c.index] = c.token_ids
+    assert last == tokens
     assert await wait_idle(engine)
 
 

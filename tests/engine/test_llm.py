@@ -14,7 +14,8 @@ import torch
 from engine.llm import LLM
 from engine.outputs import EmbeddingRequestOutput, PoolingRequestOutput
 from engine.pooling import PoolingParams
-from engine.sampling_params import SamplingParams
+from engine.output_processor import merge_delta
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.serving.chat import render_chat
 from tests.tiny_models import save_byte_level_llama
 
@@ -124,6 +125,37 @@ def test_detokenize_false_answers_token_ids_and_no_text(llm):
         assert not any(lp.decoded_token for p in b.prompt_logprobs[1:] for lp in p.values())
     with pytest.raises(ValueError, match="stop strings are only supported when detokenize is True"):
         llm.generate(PROMPTS, SamplingParams(detokenize=False, stop=["x"]))
+
+
+def choices(outputs) -> list:
+    return [[(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason) for c in o.outputs] for o in outputs]
+
+
+def test_output_kind_generate_answers_final_outputs_and_step_what_the_kind_asks(llm):
+    """vLLM's ``output_kind`` (a trial's "unexpected keyword argument"): ``LLM.generate`` runs every request as
+    FINAL_ONLY, as vLLM's does, so each kind answers the same (the caller's params left as given); the engine's
+    step loop (vLLM's ``llm_engine.step()``) hands a request's outputs as its kind asks."""
+    params = dict(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1, n=2)
+    want = llm.generate(PROMPTS, SamplingParams(**params))
+    for kind in RequestOutputKind:
+        given = SamplingParams(output_kind=kind, **params)
+        assert choices(llm.generate(PROMPTS, given)) == choices(want) and given.output_kind is kind
+    engine = llm.llm_engine
+    for kind in RequestOutputKind:
+        engine.add_request(f"step-{kind.name}", PROMPTS[0], SamplingParams(output_kind=kind, **params))
+    got: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(out)
+    deltas, cumulative, (final,) = got["step-DELTA"], got["step-CUMULATIVE"], got["step-FINAL_ONLY"]
+    assert choices([final]) == choices(want[:1]) and final.finished
+    assert len(cumulative) == len(deltas) > 1 and [o.finished for o in cumulative] == [o.finished for o in deltas]
+    for i, out in enumerate(cumulative):   # each choice with news: the deltas so far, merged
+        so_far = {}
+        for delta in deltas[:i + 1]:
+            merge_delta(so_far, delta)
+        news = {c.index for c in deltas[i].outputs}
+        assert choices([out]) == [[c for c in choices(so_far.values())[0] if c[0] in news]]
 
 
 def test_n_beyond_max_num_seqs_runs_in_turns_each_child_as_its_seed_alone(tmp_path):

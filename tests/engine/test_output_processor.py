@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from engine.core.core_messages import EngineCoreOutput
 from engine.output_processor import OutputProcessor
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class CharTokenizer:
@@ -52,3 +52,42 @@ def test_abort_reports_only_unfinished_choices():
     out = proc.abort_request("r")
     assert out.finished and [(c.index, c.finish_reason) for c in out.outputs] == [(0, "abort")]
     assert proc.abort_request("r") is None and proc.num_requests == 0
+
+
+def kinds_run(kind: RequestOutputKind) -> tuple[list, OutputProcessor]:
+    """Two choices over three steps (the last two in one call, as a multi-step core sends them); what
+    ``as_asked`` hands the request's consumer under ``kind``, and the processor."""
+    proc = OutputProcessor(CharTokenizer())
+    proc.add_request("r", "p", [ord("p")], SamplingParams(n=2, max_tokens=3, output_kind=kind))
+    asked = proc.as_asked(proc.process_outputs([core_output("r", 0, "a", 1), core_output("r", 1, "b", 1)],
+                                               1.0).request_outputs)
+    asked += proc.as_asked(proc.process_outputs([core_output("r", 0, "c", 2), core_output("r", 0, "e", 3, "length"),
+                                                 core_output("r", 1, "d", 2, "length")], 2.0).request_outputs)
+    return asked, proc
+
+
+def test_output_kind_shapes_what_the_consumer_gets_as_vllm_does():
+    """vLLM's ``RequestOutputKind`` (a trial's "unexpected keyword argument"): DELTA as the processor makes them;
+    CUMULATIVE each choice with news whole so far; FINAL_ONLY one output, every choice whole."""
+    deltas, _ = kinds_run(RequestOutputKind.DELTA)
+    assert [[(c.index, c.text) for c in o.outputs] for o in deltas] == [[(0, "a"), (1, "b")], [(0, "c")],
+                                                                      [(0, "e"), (1, "d")]]
+    cumulative, proc = kinds_run(RequestOutputKind.CUMULATIVE)
+    assert [[(c.index, c.text, c.token_ids) for c in o.outputs] for o in cumulative] == [
+        [(0, "a", [97]), (1, "b", [98])], [(0, "ac", [97, 99])], [(0, "ace", [97, 99, 101]), (1, "bd", [98, 100])]]
+    assert [o.finished for o in cumulative] == [False, False, True] and not proc._kinds and not proc._so_far
+    (final,), proc = kinds_run(RequestOutputKind.FINAL_ONLY)
+    assert final.finished and [(c.text, c.finish_reason) for c in final.outputs] == [("ace", "length"),
+                                                                                 ("bd", "length")]
+    assert final.prompt == "p" and not proc._kinds and not proc._so_far
+
+
+def test_an_aborted_request_ends_as_its_kind_asks_and_a_forgotten_one_leaves_nothing():
+    proc = OutputProcessor(CharTokenizer())
+    for rid in ("final", "forgotten"):
+        proc.add_request(rid, None, [ord("p")], SamplingParams(max_tokens=5, output_kind=RequestOutputKind.FINAL_ONLY))
+    assert proc.as_asked(proc.process_outputs([core_output("final", 0, "ab", 2)], 1.0).request_outputs) == []
+    (out,) = proc.as_asked([proc.abort_request("final")])
+    assert out.finished and [(c.text, c.finish_reason) for c in out.outputs] == [("ab", "abort")]
+    proc.forget("forgotten")
+    assert not proc._kinds and not proc._so_far

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.llm import LLM, merge_delta
+from engine.llm import LLM
+from engine.output_processor import merge_delta
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

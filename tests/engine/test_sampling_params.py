@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from engine.core.core_messages import params_from_wire, params_to_wire
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 @pytest.mark.parametrize("name", ["ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
@@ -71,3 +71,15 @@ def test_per_request_logits_processors_are_refused_saying_why():
     params = SamplingParams(logits_processors=None)
     assert params.logits_processors is None and params.guided_decoding is None   # vLLM's attributes, read
     assert dataclasses.replace(params, n=2).n == 2
+
+
+def test_output_kind_takes_vllms_values_and_crosses_to_the_core():
+    assert SamplingParams().output_kind is RequestOutputKind.DELTA   # what this engine's streams carry
+    for kind in RequestOutputKind:
+        params = SamplingParams(output_kind=kind)
+        assert params_from_wire(params_to_wire(params)).output_kind is kind
+        assert SamplingParams(output_kind=int(kind)).output_kind is kind   # an IntEnum, as vLLM's
+    for bad in ("delta", 3, None, True):
+        with pytest.raises(ValueError, match=r"^output_kind must be a RequestOutputKind \(CUMULATIVE, DELTA or "
+                                             r"FINAL_ONLY\)"):
+            SamplingParams(output_kind=bad)
