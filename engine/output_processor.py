@@ -131,6 +131,8 @@ class OutputProcessor:
         ``output_kind`` asks: DELTA ones as they are; CUMULATIVE ones with each choice of the delta whole so far
         (a copy: later outputs do not change it); FINAL_ONLY ones only once the request finished, with every
         choice whole."""
+        if not self._kinds:             # every live request reads deltas (the default): nothing to shape
+            return outputs
         asked = []
         for delta in outputs:
             kind = self._kinds.get(delta.request_id)
@@ -238,8 +240,10 @@ def merge_delta(finals: dict[str, RequestOutput], delta: RequestOutput) -> Reque
             c = by_index[d.index] = CompletionOutput(index=d.index, logprobs=None if d.logprobs is None else [])
         c.text += d.text
         c.token_ids.extend(d.token_ids)
-        if d.logprobs is not None:
-            c.logprobs = (c.logprobs or []) + d.logprobs
+        if d.logprobs is not None:      # in place: a new list per delta copied every position so far, per step
+            if c.logprobs is None:
+                c.logprobs = []
+            c.logprobs.extend(d.logprobs)
         c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
         c.num_generated_tokens = d.num_generated_tokens
     final.outputs = [by_index[i] for i in sorted(by_index)]
