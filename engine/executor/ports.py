@@ -34,8 +34,9 @@ class _Walk:
     """The per-process walk over the ports below the ephemeral range (see the module's docstring)."""
 
     def __init__(self) -> None:
-        self.low = max(1024, _ephemeral_low() - _SPAN)
-        self.span = max(1, _ephemeral_low() - self.low)
+        high = _ephemeral_low()
+        self.low = max(1024, high - _SPAN)
+        self.span = max(1, high - self.low)
         self.steps = itertools.count(random.randrange(self.span))
 
     def next(self) -> int:
