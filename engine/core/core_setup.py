@@ -206,6 +206,7 @@ def load_core(core, args: EngineArgs, tp) -> None:
     core.max_scheduler_steps = args.num_scheduler_steps if core.model_runner.can_decode_greedy else 1
     log_ready(core, num_blocks, budget, spec)
 
+
 def _freeze_start_up_heap(core) -> None:
     """Collect, then freeze the objects built so far (the model, the tokenizer, torch's modules), which live as long
     as the engine: the cyclic GC then never walks them during serving (4 % of a single stream's time in a profile;
