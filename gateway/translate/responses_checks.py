@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from engine.protocol.tool_choice import PARALLEL_WITHOUT_TOOLS, parallel_without_tools
 from gateway.errors import ClientError
-from gateway.request.param_objects import check_stream_options, one_of
+from gateway.request.param_objects import CHAT_VALUES, check_stream_options, one_of
 from gateway.request.validate import check_range, check_type
 from gateway.translate.responses_errors import responses_error
 
@@ -42,7 +42,7 @@ CHAT_NAMES = {"max_output_tokens": "max_tokens"}
 VALUES = {
     "truncation": ("auto", "disabled"),
     "service_tier": ("auto", "default", "flex", "scale", "priority", "fast", "ultrafast"),
-    "prompt_cache_retention": ("in_memory", "24h"),
+    "prompt_cache_retention": CHAT_VALUES["prompt_cache_retention"],   # the same values as chat's
 }
 # ``include``'s values (the SDK's ``ResponseIncludable``). ``message.output_text.logprobs`` asks for logprobs; the
 # others are taken as no-ops: they ask for parts of items this gateway never makes (built-in tools' calls and
@@ -52,7 +52,7 @@ INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search
               "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs")
 _SUMMARY = ("auto", "concise", "detailed")
 # ``reasoning``'s keys (the SDK's ``Reasoning``) and the values of each (None: any string).
-REASONING = {"effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"), "summary": _SUMMARY,
+REASONING = {"effort": CHAT_VALUES["reasoning_effort"], "summary": _SUMMARY,
              "generate_summary": _SUMMARY, "context": ("auto", "current_turn", "all_turns"), "mode": None}
 # ``stream_options``' fields on the Responses API (the SDK's ``StreamOptions``).
 STREAM_OPTIONS = ("include_obfuscation",)
@@ -67,7 +67,7 @@ FORMAT_KEYS = {
     "json_schema": {"type": (str,), "name": (str,), "schema": (dict,), "strict": (bool,), "description": (str,)},
 }
 FORMAT_REQUIRED = {"json_schema": ("name", "schema")}
-VERBOSITY = ("low", "medium", "high")
+VERBOSITY = CHAT_VALUES["verbosity"]
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 # The keys of a function ``tool_choice`` (``{"type": "function", "name": ...}``: no ``function`` level as on chat).
 _FUNCTION_CHOICE_KEYS = {"type": (str,), "name": (str,)}
