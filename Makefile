@@ -46,7 +46,8 @@ install: $(STAMP)
 
 install-test: $(TEST_STAMP)
 
-# a stop by Ctrl-C (exit 130: the drain finished) is how serve ends, not a failure of make's
+# the server's exit 130 (SIGINT: the drain finished) is how serve ends, not a failure of make's; a terminal's
+# Ctrl-C reaches make too, which then prints its own "Interrupt" line after the server's clean drain
 serve: install
 	$(BIN)/python -m gateway.cli serve --config $(CONFIG) $(SERVE_ARGS) || test $$? -eq 130
 
