@@ -117,12 +117,14 @@ class OutputProcessor:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Forget a request; its final output with ``finish_reason="abort"``
-        for every unfinished choice (None when it was not live)."""
+        for every unfinished choice (None when it was not live): its prompt, prompt ids and prompt logprobs as
+        the earlier outputs had them, no metrics (a CUMULATIVE or FINAL_ONLY consumer keeps the last ones)."""
         state = self._requests.pop(request_id, None)
         if state is None:
             return None
         return RequestOutput(
-            request_id=request_id, prompt=None, prompt_token_ids=[], finished=True,
+            request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids, finished=True,
+            prompt_logprobs=state.prompt_logprobs,
             outputs=[CompletionOutput(index=i, finish_reason="abort")
                      for i, done in enumerate(state.finished) if not done])
 
@@ -249,8 +251,8 @@ def merge_delta(finals: dict[str, RequestOutput], delta: RequestOutput) -> Reque
     final.outputs = [by_index[i] for i in sorted(by_index)]
     final.finished = delta.finished
     final.prompt_logprobs = delta.prompt_logprobs
-    final.num_cached_tokens = delta.num_cached_tokens
-    final.metrics = delta.metrics
+    if delta.metrics is not None:       # an abort's output has none: the last step's stay
+        final.num_cached_tokens, final.metrics = delta.num_cached_tokens, delta.metrics
     return final
 
 

@@ -7,8 +7,11 @@ must be reported once, and the request must finish exactly once.
 
 from __future__ import annotations
 
+import msgspec
+
 from engine.core.core_messages import EngineCoreOutput
 from engine.output_processor import OutputProcessor
+from engine.outputs import Logprob
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -89,5 +92,21 @@ def test_an_aborted_request_ends_as_its_kind_asks_and_a_forgotten_one_leaves_not
     assert proc.as_asked(proc.process_outputs([core_output("final", 0, "ab", 2)], 1.0).request_outputs) == []
     (out,) = proc.as_asked([proc.abort_request("final")])
     assert out.finished and [(c.text, c.finish_reason) for c in out.outputs] == [("ab", "abort")]
+    # what the earlier outputs said of the request stays (a trial's aborted FINAL_ONLY request had lost them)
+    assert out.prompt_token_ids == [ord("p")] and out.metrics.first_token_time == 1.0
     proc.forget("forgotten")
     assert not proc._kinds and not proc._so_far
+
+
+def test_an_aborted_requests_last_output_keeps_its_prompt_logprobs_under_every_kind():
+    """The abort's output is the last a CUMULATIVE or FINAL_ONLY consumer reads whole: the prompt's logprobs the
+    first step carried must not turn into None there (nor in a DELTA consumer's final output)."""
+    position = {ord("q"): Logprob(logprob=-0.5, rank=1)}
+    for kind in RequestOutputKind:
+        proc = OutputProcessor(CharTokenizer())
+        proc.add_request("r", "pq", [ord("p"), ord("q")], SamplingParams(max_tokens=5, output_kind=kind,
+                                                                          prompt_logprobs=0))
+        first = msgspec.structs.replace(core_output("r", 0, "a", 1), prompt_logprobs=[None, position])
+        proc.as_asked(proc.process_outputs([first], 1.0).request_outputs)
+        (out,) = proc.as_asked([proc.abort_request("r")])
+        assert out.prompt_logprobs == [None, position] and out.prompt == "pq", kind
