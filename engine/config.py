@@ -211,7 +211,8 @@ class EngineArgs:
         chat_template: the chat template (vLLM's ``--chat-template``): a Jinja file's path or the template
             itself (``engine.tokenizer.load_chat_template``); None: the model's.
         max_logprobs: the most ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` a request may ask (vLLM's
-            ``--max-logprobs``; 0-20: past 20, OpenAI's limit, every request is refused anyway).
+            ``--max-logprobs``; -1: no cap, up to the whole vocabulary). HTTP requests are held to OpenAI's 20
+            whatever it is; the offline ``LLM`` takes more (``SamplingParams(logprobs=-1)``: every token).
         engine_core_process: run the engine core (scheduler, model runner,
             KV cache) in a process of its own, as vLLM v1 does, so that a
             step never shares a GIL with the HTTP event loop (``AsyncEngine``
@@ -277,8 +278,8 @@ class EngineArgs:
             (self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
              f"must be a power of two, got {self.block_size}"),
             (self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}"),
-            (0 <= self.max_logprobs <= 20, "max_logprobs",
-             f"must be in [0, 20] (20: OpenAI's limit, which requests are held to anyway), got {self.max_logprobs}"),
+            (self.max_logprobs >= -1, "max_logprobs",
+             f"must be -1 (no cap, as vLLM's) or >= 0, got {self.max_logprobs}"),
             (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
              f"must be >= 1, got {self.max_num_batched_tokens}"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
@@ -450,7 +451,8 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--chat-template", default=None,
                    help="the chat template: a Jinja file's path or the template itself (None: the model's)")
     g.add_argument("--max-logprobs", type=int, default=20,
-                   help="the most logprobs, top_logprobs or prompt_logprobs a request may ask (0-20; default: 20)")
+                   help="the most logprobs, top_logprobs or prompt_logprobs a request may ask (default: 20; -1: no cap; "
+                        "HTTP requests are held to OpenAI's 20 besides)")
 
 
 def _add_parallel_args(g) -> None:

@@ -6,6 +6,7 @@ that need no engine setting live in ``SamplingParams`` itself. Imports no torch 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
@@ -20,15 +21,27 @@ class InputProblem:
     message: str
 
 
-def logprobs_problem(params: SamplingParams, max_logprobs: int) -> InputProblem | None:
-    """``logprobs`` or ``prompt_logprobs`` above the engine's ``max_logprobs`` (vLLM's ``--max-logprobs``), in
-    vLLM's words; None when both fit."""
+def logprobs_problem(params: SamplingParams, max_logprobs: int, vocab_size: int) -> InputProblem | None:
+    """``logprobs`` or ``prompt_logprobs`` above the engine's ``max_logprobs`` (vLLM's ``--max-logprobs``; -1, in
+    either, counts as ``vocab_size``), in vLLM's words (vllm/v1/engine/processor.py ``_validate_logprobs``); None
+    when both fit."""
+    cap = vocab_size if max_logprobs == -1 else max_logprobs
     for kind, field in (("sample", "logprobs"), ("prompt", "prompt_logprobs")):
         asked = getattr(params, field)
-        if asked is not None and asked > max_logprobs:
+        asked = vocab_size if asked == -1 else asked
+        if asked is not None and asked > cap:
             return InputProblem(field, f"Requested {kind} logprobs of {asked}, which is greater than max allowed: "
-                                       f"{max_logprobs} (max_logprobs, --max-logprobs)")
+                                       f"{cap} (max_logprobs, --max-logprobs)")
     return None
+
+
+def with_vocab_logprobs(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """``params`` with a ``logprobs`` / ``prompt_logprobs`` of -1 (vLLM's "every token") as ``vocab_size``, the
+    count the sampler computes; ``params`` itself when neither is -1."""
+    if params.logprobs != -1 and params.prompt_logprobs != -1:
+        return params
+    whole = {f: vocab_size for f in ("logprobs", "prompt_logprobs") if getattr(params, f) == -1}
+    return dataclasses.replace(params, **whole)
 
 
 def priority_problem(priority: int, scheduling_policy: str) -> InputProblem | None:
@@ -71,7 +84,7 @@ def check_input(params: SamplingParams, priority: int, *, vocab_size: int, max_l
 
     Raises:
         ValueError: the first problem's message (it names the field)."""
-    for problem in (priority_problem(priority, scheduling_policy), logprobs_problem(params, max_logprobs),
+    for problem in (priority_problem(priority, scheduling_policy), logprobs_problem(params, max_logprobs, vocab_size),
                     token_id_problem(params, vocab_size)):
         if problem is not None:
             raise ValueError(problem.message)

@@ -8,8 +8,6 @@ from typing import Any
 
 import msgspec
 
-_MAX_LOGPROBS = 20
-
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
@@ -153,9 +151,10 @@ class SamplingParams:
         stop_token_ids: token ids that end the completion (kept in token ids,
             not in the text).
         ignore_eos: keep generating past EOS.
-        logprobs: number of top log-probabilities per generated token (0-20;
-            the sampled token's is always returned when not None).
-        prompt_logprobs: number of top log-probabilities per prompt token.
+        logprobs: number of top log-probabilities per generated token (the sampled token's is always
+            returned when not None; -1: every token of the vocabulary, as vLLM's); the engine's
+            ``max_logprobs`` (20 by default, OpenAI's limit) caps it.
+        prompt_logprobs: number of top log-probabilities per prompt token (-1: every token).
         detokenize: False: the outputs carry token ids and no text (``text`` and the logprobs'
             ``decoded_token`` empty), as in vLLM; stop strings need the text, so ``stop`` is refused with it.
         skip_special_tokens: drop special tokens from the text.
@@ -289,8 +288,8 @@ class SamplingParams:
               "must be non-negative integers")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            check(v is None or (_is_int(v) and 0 <= v <= _MAX_LOGPROBS), name,
-                  f"must be an integer in [0, {_MAX_LOGPROBS}], got {v!r}")
+            check(v is None or (_is_int(v) and v >= -1), name,
+                  f"must be an integer >= 0, or -1 (every token of the vocabulary), got {v!r}")
         ids = self.allowed_token_ids
         check(ids is None or (isinstance(ids, list) and ids and all(_is_int(t) and t >= 0 for t in ids)),
               "allowed_token_ids", f"must be a non-empty list of token ids (integers >= 0), got {ids!r}")

@@ -234,7 +234,8 @@ class OpenAIServing:
             if param == "logprobs" and isinstance(req, ChatCompletionRequest):
                 param, message = "top_logprobs", "top_logprobs" + message[len("logprobs"):]
             raise ServingError(400, message, param=param, code="invalid_value") from None
-        if (problem := logprobs_problem(params, self.engine.args.max_logprobs)) is not None:
+        if (problem := logprobs_problem(params, self.engine.args.max_logprobs,
+                                        self.engine.tokenizer.vocab_size)) is not None:
             field = problem.field
             if field == "logprobs" and isinstance(req, ChatCompletionRequest):
                 field = "top_logprobs"

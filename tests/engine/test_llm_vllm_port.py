@@ -29,6 +29,27 @@ def test_max_logprobs_caps_offline_requests_as_the_server_does(llm, field, kind)
     assert lps and all(len(pos) >= 2 for pos in lps)
 
 
+def test_logprobs_of_minus_one_are_the_whole_vocabulary_where_max_logprobs_allows(llm):
+    """vLLM's ``logprobs=-1`` (every token) with ``max_logprobs=-1``: SamplingParams refused it (0-20), and the
+    engine refused any ``max_logprobs`` past 20. Under a cap, -1 counts as the vocabulary (vLLM's words)."""
+    vocab = llm.get_tokenizer().vocab_size
+    with pytest.raises(ValueError, match=f"Requested sample logprobs of {vocab}, which is greater than max allowed: 2"):
+        llm.generate("Hello", SamplingParams(max_tokens=2, logprobs=-1))
+    whole = LLM(max_logprobs=-1, max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB")
+    out = whole.generate("Hello there", SamplingParams(temperature=0, max_tokens=2, logprobs=-1,
+                                                       prompt_logprobs=-1))[0]
+    greedy = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=2, logprobs=1))[0]
+    positions = out.outputs[0].logprobs
+    assert [len(p) for p in positions] == [vocab, vocab] and len(out.prompt_logprobs[1]) == vocab
+    assert out.outputs[0].token_ids == greedy.outputs[0].token_ids
+    for step, (p, g) in enumerate(zip(positions, greedy.outputs[0].logprobs)):
+        token = out.outputs[0].token_ids[step]
+        assert p[token].logprob == g[token].logprob and p[token].rank == 1
+        assert sorted(q.rank for q in p.values()) == list(range(1, vocab + 1))
+    with pytest.raises(ValueError, match="logprobs must be an integer >= 0, or -1"):
+        SamplingParams(logprobs=-2)
+
+
 def test_priority_needs_priority_scheduling_and_one_per_prompt(llm):
     """A non-zero priority under fcfs was silently ignored offline (vLLM and the server refuse it), and
     ``priority=[1]`` for two prompts was a bare IndexError."""
