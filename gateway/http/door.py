@@ -53,6 +53,7 @@ class DoorProtocol(HttpToolsProtocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.head_open = True          # the next bytes are a request head
+        self.body_open = False         # the parser is inside a request's body (it may outlive its answer)
         self.head_bytes = 0            # bytes received since the head began (it may be incomplete)
         self.head_parsed = 0           # bytes of request target and header fields the parser handed us
         self.head_fields = 0
@@ -118,7 +119,7 @@ class DoorProtocol(HttpToolsProtocol):
         raise _Refused(message)
 
     def on_headers_complete(self) -> None:
-        self.head_open = False
+        self.head_open, self.body_open = False, True
         self.head_bytes = 0
         self._disarm_head_timer()
         super().on_headers_complete()
@@ -126,10 +127,19 @@ class DoorProtocol(HttpToolsProtocol):
         if cycle is not None and cycle.transport is self.transport:   # not a new cycle: an upgrade returned early
             cycle.transport = HeadHeld(self.transport, cycle)           # a whole answer's head and body: one write
 
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self.body_open = False
+        if self.cycle is not None and self.cycle.response_complete:   # answered before its body ended
+            self.head_open, self.head_bytes = True, 0
+
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        # the next head is timed from its first byte (on_message_begin); idle keep-alive is uvicorn's
-        self.head_open, self.head_bytes = True, 0
+        # the next head is timed from its first byte (on_message_begin); idle keep-alive is uvicorn's. An answer
+        # sent before its request's body ended (a 401 or 413 from the head) leaves the parser reading past that
+        # body: its bytes are no head's (on_message_complete opens the next one then)
+        if not self.body_open:
+            self.head_open, self.head_bytes = True, 0
 
     def refuse(self, status: int, message: str) -> None:
         """Answer ``status`` with ``message`` as plain text and close the connection."""
