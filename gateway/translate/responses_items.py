@@ -18,11 +18,16 @@ from gateway.translate.responses_checks import bad_request, check_keys
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 _S = (str,)
 # The keys of each input item type and of each content part type, with their JSON types (the openai SDK's param
-# types). ``phase`` (an assistant message's) and ``prompt_cache_breakpoint`` are hints, taken as no-ops.
+# types, pinned by tests/gateway/translate/test_responses.py). ``phase`` (an assistant message's),
+# ``prompt_cache_breakpoint`` and a function call's (or its output's) ``caller``, ``namespace`` and ``async`` are
+# hints chat has no place for, taken as no-ops.
+_CALL_HINTS = {"caller": (dict,), "namespace": _S}
 ITEM_KEYS = {
     "message": {"type": _S, "id": _S, "role": _S, "content": (str, list), "status": _S, "phase": _S},
-    "function_call": {"type": _S, "id": _S, "call_id": _S, "name": _S, "arguments": _S, "status": _S},
-    "function_call_output": {"type": _S, "id": _S, "call_id": _S, "output": (str, list), "status": _S},
+    "function_call": {"type": _S, "id": _S, "call_id": _S, "name": _S, "arguments": _S, "status": _S,
+                      "async": (bool,), **_CALL_HINTS},
+    "function_call_output": {"type": _S, "id": _S, "call_id": _S, "output": (str, list), "status": _S, "name": _S,
+                             **_CALL_HINTS},
     "reasoning": {"type": _S, "id": _S, "summary": (list,), "content": (list,), "encrypted_content": _S,
                   "status": _S},
 }

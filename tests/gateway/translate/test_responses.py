@@ -401,12 +401,34 @@ def test_items_with_every_key_the_sdk_gives_pass():
               "content": [{"type": "output_text", "text": "b", "annotations": [], "logprobs": []},
                           {"type": "refusal", "refusal": "c"}]},
              {"type": "function_call", "id": "fc", "call_id": "c1", "name": "f", "arguments": "{}",
-              "status": "completed"},
-             {"type": "function_call_output", "id": "fco", "call_id": "c1", "status": "completed",
-              "output": [{"type": "input_text", "text": "1"}]}]
+              "status": "completed", "caller": {"type": "direct"}, "namespace": "default", "async": False},
+             {"type": "function_call_output", "id": "fco", "call_id": "c1", "status": "completed", "name": "f",
+              "caller": None, "namespace": None, "output": [{"type": "input_text", "text": "1"}]}]
     messages = to_messages(input_items({"input": items}, "r"))
     assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
     assert messages[1]["content"] == "bc" and messages[2]["content"] == "1"
+
+
+def test_every_key_the_openai_sdk_sends_in_an_input_item_is_taken():
+    """The tables against the installed ``openai`` SDK's param types: a key it documents is never refused (an
+    agent trial's history saved with ``model_dump(by_alias=True)`` was refused on ``input[1].async``, a key the
+    SDK's ``ResponseFunctionToolCallParam`` gained with ``caller`` and ``namespace``)."""
+    from openai.types import responses as t
+    from openai.types.responses import response_input_item_param as items
+
+    from gateway.translate.responses_items import ITEM_KEYS, PART_KEYS
+
+    def keys(typed) -> set[str]:
+        return set(typed.__required_keys__ | typed.__optional_keys__)
+
+    for kind, typed in (("message", t.EasyInputMessageParam), ("message", items.Message),
+                        ("message", t.ResponseOutputMessageParam), ("function_call", t.ResponseFunctionToolCallParam),
+                        ("function_call_output", items.FunctionCallOutput),
+                        ("reasoning", t.ResponseReasoningItemParam)):
+        assert keys(typed) <= set(ITEM_KEYS[kind]), (kind, keys(typed) - set(ITEM_KEYS[kind]))
+    for kind, typed in (("input_text", t.ResponseInputTextParam), ("input_image", t.ResponseInputImageParam),
+                        ("output_text", t.ResponseOutputTextParam), ("refusal", t.ResponseOutputRefusalParam)):
+        assert keys(typed) <= set(PART_KEYS[kind]), (kind, keys(typed) - set(PART_KEYS[kind]))
 
 
 def test_a_follow_ups_item_is_named_by_its_own_index_not_the_conversations():
