@@ -150,13 +150,14 @@ class OpenAIServing:
             digest = await self.engine.compile_grammar(plan.structured_outputs)
         except ValueError as exc:
             status = getattr(exc, "status", 400)
-            message = str(exc) if str(exc).startswith(plan.param) else f"{plan.param}: {exc}"
+            param = _faulty_field(str(exc), plan.structured_outputs.where, plan.param)
+            message = str(exc) if str(exc).startswith(param) else f"{param}: {exc}"
             spec, code = plan.structured_outputs, None
             if status == 408:
                 code = "grammar_compile_timeout"
             elif status < 500:      # a refused JSON schema (a response format's, tools' parameters): OpenAI's code
                 code = "invalid_json_schema" if spec.json is not None or spec.structural_tag else "invalid_value"
-            raise ServingError(status, message, param=plan.param,
+            raise ServingError(status, message, param=param,
                                type="server_error" if status >= 500 else "invalid_request_error",
                                code=code) from None
         return dataclasses.replace(plan.structured_outputs, digest=digest)
@@ -453,3 +454,12 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIte
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+
+def _faulty_field(message: str, where: tuple[str, ...], param: str) -> str:
+    """The top-level field a refused grammar's ``message`` names: that of the spec's schema path (``where``) it
+    starts with (``tools`` for ``tools[i].function.parameters...``, ``response_format``), else ``param``, the
+    plan's (a trial's bad response format sent beside tools was blamed on ``tools``)."""
+    for path in where:
+        if message.startswith(path):
+            return path.split(".", 1)[0].split("[", 1)[0]
+    return param

@@ -208,6 +208,10 @@ def test_a_refused_schema_is_named_by_each_senders_own_path(server):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"type": "string", "pattern": "c{,4}"}}}}}], "tool_choice": "required"},
      "tools", "tools[0].function.parameters.properties.a.pattern: invalid JSON schema: Regex"),
+    # an agent trial: a bad response format beside good tools was "tools: response_format..." (param tools)
+    ({"tools": TOOLS, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"not": {}}}}}}},
+     "response_format", "response_format.json_schema.schema.properties.a: unsupported schema feature 'not'"),
     # a user trial: non-object parameters were taken (arguments "[1, 2, 3]"), a description of any type, and a
     # constraint beside a prefill restarted after it (the prefill and the continuation together not JSON)
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
