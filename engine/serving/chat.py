@@ -162,7 +162,9 @@ class OpenAIServingChat(OpenAIServing):
 
         try:
             def role_chunks() -> list[Chunk]:
-                first = [chunk(ChatChoiceChunk(i, Delta(role="assistant", content=echo))) for i in range(n)]
+                calls_only = tool_calls is not None and tool_calls.calls_only and not echo
+                first = [chunk(ChatChoiceChunk(i, Delta(role="assistant", content=None if calls_only else echo)))
+                         for i in range(n)]
                 for c in first if return_ids else ():   # vLLM: on each choice's role chunk
                     c.prompt_token_ids = list(prompt.token_ids)
                 return first

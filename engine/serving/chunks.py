@@ -43,10 +43,11 @@ class ToolCallPiece(msgspec.Struct, gc=False):
 
 class Delta(msgspec.Struct, gc=False):
     """A chat choice's ``delta``: the ``role`` (first chunk), a ``content`` text piece or ``tool_calls`` pieces;
-    ``{}`` (all unset) on a chunk that only finishes the choice or carries its logprobs."""
+    ``{}`` (all unset) on a chunk that only finishes the choice or carries its logprobs. The role chunk's
+    ``content`` is null where the answer can only be calls (``tool_choice`` required or named), as OpenAI's."""
 
     role: Union[str, UnsetType] = UNSET
-    content: Union[str, UnsetType] = UNSET
+    content: Union[str, None, UnsetType] = UNSET
     tool_calls: Union[list[ToolCallPiece], UnsetType] = UNSET
 
 

@@ -262,8 +262,12 @@ def test_required_and_named_tool_choice_yield_valid_calls_streamed_like_non_stre
         assert raw.type == "function" and raw.id.startswith("call_")
     if isinstance(tool_choice, dict):
         assert [c["name"] for c in calls] == ["get_time"]
-    content, streamed, finish = reassemble(chat_stream(server, **kw))
+    chunks = chat_stream(server, **kw)
+    content, streamed, finish = reassemble(chunks)
     assert (content, streamed, finish) == (message.content, calls, "tool_calls")
+    # the role chunk's content is null, as OpenAI's for calls only: an agent trial's SDK stream helper built a
+    # message with content "" where the same request not streamed had None
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is None
 
     # Sampled tokens differ with the CPU's kernels (AVX-512 vs AVX2 numerics): one sample on an AVX2 host made
     # three calls in 110 tokens; the room lets every sample end its calls, whichever host draws them.
