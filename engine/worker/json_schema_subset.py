@@ -72,7 +72,9 @@ KEYWORDS: tuple[Keyword, ...] = (
     Keyword("definitions", "schema map", "any"),
     Keyword("properties", "schema map", "object"),
     Keyword("required", "names", "object", "every name must be in properties"),
-    Keyword("additionalProperties", "schema or bool", "object", "absent means false (strict, as OpenAI)"),
+    Keyword("additionalProperties", "schema or bool", "object",
+            "absent means false where `properties` is given (strict, as OpenAI); an object with no `properties` "
+            "(`{}`, `{\"type\": \"object\"}`) takes any keys, as json_object"),
     Keyword("patternProperties", "schema map", "object", "one regex, matching no name of properties; no lookaround, "
             "no backreference"),
     Keyword("minProperties", "count", "object", "at most the required count where other keys are allowed"),

@@ -299,3 +299,32 @@ def test_what_the_grammar_refuses_without_a_path_is_refused_naming_it(schema, pa
     with pytest.raises(ValueError) as err:
         check_json_schema(schema)
     assert str(err.value).startswith(path + ": "), str(err.value)
+
+
+def test_an_object_without_properties_is_open_in_both_compiles_as_the_table_says():
+    """The table's ``additionalProperties`` line, held to what xgrammar enforces: closed where ``properties`` is
+    given, open (any key) where it is not, as a response format's schema (the engine's strict compile) and as a
+    tool's parameters (a structural tag) alike (an agent trial read "absent means false" and got a forced call
+    of a ``parameters: {}`` tool with arguments ``{"type": "object", "default": "red"}``)."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from engine.serving.chat_structured import plan_chat
+    from engine.serving.protocol import ChatCompletionRequest, parse_request
+
+    def grammars(parameters: dict):
+        body = {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]}
+        tag = plan_chat(parse_request(body, ChatCompletionRequest), body["messages"], None).structured_outputs
+        tools = xgr.Grammar.from_structural_tag(tag.structural_tag)
+        fmt = xgr.Grammar.from_json_schema(json.dumps(parameters), any_whitespace=False, strict_mode=True)
+        return (lambda args: _is_grammar_accept_string(tools, '<tool_call>\n{"name": "f", "arguments": ' + args
+                                                        + "}\n</tool_call>")), \
+               (lambda args: _is_grammar_accept_string(fmt, args))
+
+    for parameters, open_ in (({"type": "object"}, True), ({"type": "object", "properties": {}}, False),
+                              ({"type": "object", "properties": {"b": {"type": "integer"}}}, False)):
+        for accepts in grammars(parameters):
+            assert accepts("{}")
+            assert accepts('{"a": 1}') is open_, parameters
+    assert "absent means false where `properties` is given" in REFERENCE.read_text()
