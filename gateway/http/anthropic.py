@@ -15,6 +15,7 @@ from litestar import Request, Response, post
 
 from gateway.errors import ClientError, model_not_found
 from gateway.http.transport import read_json_body
+from gateway.request.auth import bearer
 from gateway.request.pipeline import served_by_engine
 from gateway.request.validate import check_request, estimate_prompt_tokens, parse_json
 from gateway.translate.anthropic import messages_to_chat
@@ -23,13 +24,25 @@ from gateway.translate.anthropic_render import messages_paths
 _JSON = "application/json"
 
 
-def anthropic_headers(headers: Mapping[str, str]) -> Mapping[str, str]:
+def anthropic_headers(request: Request) -> Mapping[str, str]:
     """The request's headers with Anthropic's ``x-api-key`` read as the bearer key (a virtual key), when the client
-    sent no ``Authorization`` header (the ``anthropic`` SDK sends only ``x-api-key``)."""
+    sent no ``Authorization`` header (the ``anthropic`` SDK sends only ``x-api-key``).
+
+    Raises:
+        ClientError: 401 when virtual keys are configured and ``x-api-key`` and ``Authorization: Bearer`` name
+            different keys (a security trial's bad ``x-api-key`` beside another tenant's good bearer key was
+            served, billed to the bearer's tenant: neither may be picked silently)."""
+    headers = request.headers
     key = headers.get("x-api-key")
-    if not key or headers.get("authorization"):
+    auth = headers.get("authorization")
+    if not key:
         return headers
-    return {**headers, "authorization": f"Bearer {key}"}
+    if not auth:
+        return {**headers, "authorization": f"Bearer {key}"}
+    if request.app.state.gw.snapshot.compiled.key_hashes and bearer(auth) != key.strip():
+        raise ClientError(401, "x-api-key and Authorization: Bearer name different keys: send one of them",
+                          code="invalid_api_key")
+    return headers
 
 
 _DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+)s)?(?:(\d+)ms)?$")
@@ -73,7 +86,7 @@ async def count_tokens(request: Request) -> Response:
     routed, limited or billed (no model is called)."""
     snap = request.app.state.gw.snapshot
     compiled = snap.compiled
-    headers = anthropic_headers(request.headers)
+    headers = anthropic_headers(request)
     tenant = snap.authenticate(headers.get("authorization"), "anthropic")
     raw = await read_json_body(request, snap.max_body_size, compiled.config.server.body_timeout_s)
     body = parse_json(raw)

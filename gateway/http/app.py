@@ -85,7 +85,7 @@ async def _serve(request: Request, endpoint: str, headers=None) -> Response:
 
 
 async def _serve_messages(request: Request) -> Response:
-    return await _serve(request, "messages", anthropic_headers(request.headers))
+    return await _serve(request, "messages", anthropic_headers(request))
 
 
 @post("/v1/chat/completions")

@@ -402,3 +402,18 @@ async def test_an_overloaded_anthropic_upstream_is_the_clients_529(up, monkeypat
                 await client.with_options(max_retries=0).messages.create(
                     model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
     assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"
+
+
+async def test_x_api_key_and_a_bearer_key_that_differ_are_a_401(up):
+    """A security trial: a bad ``x-api-key`` beside a good bearer key was served (billed to the bearer's tenant),
+    and two tenants' keys were resolved silently. Both the same key, or either alone, is served."""
+    async with gateway(config(up)) as (gw, client, url):
+        body = {"model": "m1", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+        async with httpx.AsyncClient() as h:
+            both = [await h.post(url + path, json=body, headers={"x-api-key": key, "authorization": f"Bearer {KEY}"})
+                    for key in ("sk-not-a-key", KEY) for path in ("/v1/messages", "/v1/messages/count_tokens")]
+            alone = await h.post(url + "/v1/messages", json=body, headers={"authorization": f"Bearer {KEY}"})
+    assert [r.status_code for r in both] == [401, 401, 200, 200] and alone.status_code == 200
+    assert both[0].json() == {"type": "error", "error": {
+        "type": "authentication_error",
+        "message": "x-api-key and Authorization: Bearer name different keys: send one of them"}}
