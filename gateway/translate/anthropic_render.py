@@ -21,7 +21,8 @@ _CHAT_PATHS = ((re.compile(r"\btools(\[|\.)(\d+)(\]?)\.function\.parameters"), r
                (re.compile(r"\bresponse_format\.json_schema\.schema"), "output_config.format.schema"),
                (re.compile(r"\bresponse_format\b"), "output_config.format"),
                (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
-               (re.compile(r"\bparallel_tool_calls\b"), "tool_choice.disable_parallel_tool_use"))
+               (re.compile(r"\bparallel_tool_calls\b"), "tool_choice.disable_parallel_tool_use"),
+               (re.compile(r"(?<![\w.])stop(?!\w)"), "stop_sequences"))
 
 
 # A target's refusal of the image part a Messages ``image`` block became (the local engine's wording: text only).

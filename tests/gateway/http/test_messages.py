@@ -417,3 +417,14 @@ async def test_x_api_key_and_a_bearer_key_that_differ_are_a_401(up):
     assert both[0].json() == {"type": "error", "error": {
         "type": "authentication_error",
         "message": "x-api-key and Authorization: Bearer name different keys: send one of them"}}
+
+
+async def test_too_many_stop_sequences_are_named_as_anthropic_names_them(up):
+    async with gateway(config(up)) as (gw, client, url):
+        async with httpx.AsyncClient() as h:
+            r = await h.post(url + "/v1/messages", headers={"x-api-key": KEY}, json={
+                "model": "m1", "max_tokens": 5, "stop_sequences": ["a"] * 300,
+                "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and up.calls == 0
+    assert r.json()["error"]["message"] == ("Invalid 'stop_sequences': array too long. Expected an array with maximum "
+                                            "length 256, but got an array with length 300 instead.")
