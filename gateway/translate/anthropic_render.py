@@ -25,6 +25,10 @@ _CHAT_PATHS = ((re.compile(r"\btools(\[|\.)(\d+)(\]?)\.function\.parameters"), r
                (re.compile(r"(?<![\w.])stop(?!\w)"), "stop_sequences"))
 
 
+# An index in a path as Anthropic writes it: ``tools.0.name``, ``messages.1.content.0`` (an agent trial saw both
+# ``tools[0].name`` and ``tools.0.input_schema.type`` on /v1/messages).
+_INDEX = re.compile(r"(\w)\[(\d+)\]")
+
 # A target's refusal of the image part a Messages ``image`` block became (the local engine's wording: text only).
 _IMAGE_PART = re.compile(r"\bmessages\[(\d+)\]\.content(?:\[\d+\])?: part type 'image_url'")
 
@@ -53,7 +57,8 @@ def _image_block(body: dict, k: int) -> str | None:
 
 def messages_paths(text: str, body: dict | None = None) -> str:
     """``text`` (a refusal's message) with the chat body's field paths it names written as the Messages body's:
-    ``tools[0].function.parameters.x`` -> ``tools[0].input_schema.x``, ``response_format.json_schema.schema``
+    ``tools[0].function.parameters.x`` -> ``tools.0.input_schema.x`` (indices as Anthropic writes them),
+    ``response_format.json_schema.schema``
     -> ``output_config.format.schema``, ``tool_choice.function.name`` -> ``tool_choice.name``, and with the
     Messages ``body`` at hand a refused ``image_url`` part of ``messages[k]`` -> the ``image`` block it came from
     (``messages.0.content.1: content block type 'image'``): the client sent the Messages body and looks there."""
@@ -62,7 +67,7 @@ def messages_paths(text: str, body: dict | None = None) -> str:
     m = _IMAGE_PART.search(text) if body is not None else None
     if m is not None and (path := _image_block(body, int(m.group(1)))) is not None:
         text = text[:m.start()] + f"{path}: content block type 'image'" + text[m.end():]
-    return text
+    return _INDEX.sub(r"\1.\2", text)
 
 
 def anthropic_error(status: int, content: bytes, body: dict | None = None) -> bytes:

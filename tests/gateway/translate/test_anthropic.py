@@ -252,13 +252,14 @@ def test_error_bodies_in_anthropics_format():
 
 
 def test_a_refusal_names_the_messages_bodys_paths():
-    """A backend's refusal of the translated chat body names its fields as the Messages body the client sent."""
+    """A backend's refusal of the translated chat body names its fields as the Messages body the client sent, its
+    indices as Anthropic writes them (``tools.1``: an agent trial saw both forms on one endpoint)."""
     body = json.loads(anthropic_error(400, json.dumps({"error": {
         "message": "tools[1].function.parameters.properties.x.minimum: 1e-07 cannot be enforced; "
                    "response_format.json_schema.schema.enum: [1, 2] is not of type string",
         "type": "invalid_request_error"}}).encode()))
     assert body == {"type": "error", "error": {"type": "invalid_request_error", "message":
-                    "tools[1].input_schema.properties.x.minimum: 1e-07 cannot be enforced; "
+                    "tools.1.input_schema.properties.x.minimum: 1e-07 cannot be enforced; "
                     "output_config.format.schema.enum: [1, 2] is not of type string"}}
 
 
