@@ -74,6 +74,10 @@ class ChatPlan:
         answer_format: the response format a text answer must follow when
             it is combined with tools (tool_choice "auto": the output is
             calls, or one JSON value under this spec); None otherwise.
+        unused_tools: the tools' grammar where tool_choice "none" leaves
+            them out of this turn: compiled for its checks alone, so that a
+            schema refused under another tool_choice is refused under "none"
+            too (an agent trial's turns got a 400 or a 200 by tool_choice).
     """
 
     structured_outputs: StructuredOutputsParams | None = None
@@ -82,6 +86,7 @@ class ChatPlan:
     tool_calls: ToolCallFormat | None = None
     param: str = "response_format"
     answer_format: StructuredOutputsParams | None = None
+    unused_tools: StructuredOutputsParams | None = None
 
 
 def _fail(param: str, message: str, code: str = "invalid_value") -> RequestValidationError:
@@ -130,6 +135,10 @@ def plan_chat(req, messages: list[dict], template: str | None) -> ChatPlan:
         plan.answer_format = spec if answer is not None else None
         plan.tool_calls = ToolCallFormat(choice != "auto", tuple(tools[i]["function"]["name"] for i in named))
         plan.param = "tools"
+    elif tools:
+        plan.unused_tools = StructuredOutputsParams(structural_tag=_tool_grammar(tools, "auto", True),
+                                                    where=tuple(f"tools[{i}].function.parameters"
+                                                                for i in range(len(tools))))
     if knows_tools:
         plan.messages = [_arguments_as_objects(m) for m in messages]
         if choice != "none":

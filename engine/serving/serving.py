@@ -142,17 +142,26 @@ class OpenAIServing:
             ServingError: 400 when the spec is refused (invalid, outside the
                 supported subset, over ``structured_outputs_max_bytes``), 408
                 when its compile ran past ``structured_outputs_compile_timeout_s``,
-                500 when the compile failed inside.
+                500 when the compile failed inside; the same for the tools
+                ``tool_choice: "none"`` leaves unused (``plan.unused_tools``).
         """
+        if plan.unused_tools is not None:
+            await self._compiled(plan.unused_tools, "tools")
         if plan.structured_outputs is None:
             return None
+        digest = await self._compiled(plan.structured_outputs, plan.param)
+        return dataclasses.replace(plan.structured_outputs, digest=digest)
+
+    async def _compiled(self, spec, field: str) -> str:
+        """``spec``'s digest once compiled (``AsyncEngine.compile_grammar``); ``field``: the request's field it
+        comes from, where its message names no other. Raises ServingError as ``_compile_grammar`` says."""
         try:
-            digest = await self.engine.compile_grammar(plan.structured_outputs)
+            return await self.engine.compile_grammar(spec)
         except ValueError as exc:
             status = getattr(exc, "status", 400)
-            param = _faulty_field(str(exc), plan.structured_outputs.where, plan.param)
+            param = _faulty_field(str(exc), spec.where, field)
             message = str(exc) if str(exc).startswith(param) else f"{param}: {exc}"
-            spec, code = plan.structured_outputs, None
+            code = None
             if status == 408:
                 code = "grammar_compile_timeout"
             elif status < 500:      # a refused JSON schema (a response format's, tools' parameters): OpenAI's code
@@ -160,7 +169,6 @@ class OpenAIServing:
             raise ServingError(status, message, param=param,
                                type="server_error" if status >= 500 else "invalid_request_error",
                                code=code) from None
-        return dataclasses.replace(plan.structured_outputs, digest=digest)
 
     # ---------------------------------------------------------------- helpers
     def _check_common(self, req, model: str | None) -> None:

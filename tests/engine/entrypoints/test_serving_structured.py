@@ -208,6 +208,10 @@ def test_a_refused_schema_is_named_by_each_senders_own_path(server):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"type": "string", "pattern": "c{,4}"}}}}}], "tool_choice": "required"},
      "tools", "tools[0].function.parameters.properties.a.pattern: invalid JSON schema: Regex"),
+    # an agent trial: tool_choice "none" let a schema through that "auto" refuses (a 400 or a 200 by turn)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "array", "contains": {"const": 1}}}}}}], "tool_choice": "none"},
+     "tools", "tools[0].function.parameters.properties.a: unsupported schema feature 'contains'"),
     # an agent trial: a bad response format beside good tools was "tools: response_format..." (param tools)
     ({"tools": TOOLS, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"not": {}}}}}}},
