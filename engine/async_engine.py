@@ -31,7 +31,7 @@ from engine.config import EngineArgs, served_model_names
 from engine.core.core_client import ProcessCoreClient, ThreadCoreClient
 from engine.core.core_messages import (AbortRequests, AddRequest, CoreStep, EngineCoreError, EngineStats,
                                   FinishSequences, params_to_wire, rebuild_error)
-from engine.input_checks import logprobs_problem, with_vocab_logprobs
+from engine.input_checks import with_vocab_logprobs
 from engine.output_listeners import Listeners, OutputListener, PoolingListener
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -312,9 +312,8 @@ class AsyncEngine:
             FINAL_ONLY: one output, every choice whole); the last has ``finished=True``.
 
         Raises:
-            ValueError: duplicate id, logprobs over ``max_logprobs`` (``engine/input_checks.py``; a
-                ``priority`` is not checked here: the gateway passes its tenants' to any engine), or the engine
-                rejected the request (empty prompt, over ``max_model_len``).
+            ValueError: duplicate id, logprobs over ``max_logprobs`` (not ``priority``: the gateway passes its
+                tenants' to any engine), or the engine rejected the request (empty prompt, over ``max_model_len``).
             EngineDrainingError: shutting down. EngineDeadError: not started, crashed or its process died.
             EngineCoreError: a step failed while this request ran (the core survives).
 
@@ -325,10 +324,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         if not self._accepting:
             raise EngineDrainingError("the engine is shutting down and admits no new requests")
-        vocab = self.tokenizer.vocab_size
-        if (problem := logprobs_problem(params, self.args.max_logprobs, vocab)) is not None:
-            raise ValueError(problem.message)
-        params = with_vocab_logprobs(params, vocab)
+        params = with_vocab_logprobs(params, self.tokenizer.vocab_size, self.args.max_logprobs)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())

@@ -35,9 +35,14 @@ def logprobs_problem(params: SamplingParams, max_logprobs: int, vocab_size: int)
     return None
 
 
-def with_vocab_logprobs(params: SamplingParams, vocab_size: int) -> SamplingParams:
+def with_vocab_logprobs(params: SamplingParams, vocab_size: int, max_logprobs: int) -> SamplingParams:
     """``params`` with a ``logprobs`` / ``prompt_logprobs`` of -1 (vLLM's "every token") as ``vocab_size``, the
-    count the sampler computes; ``params`` itself when neither is -1."""
+    count the sampler computes; ``params`` itself when neither is -1.
+
+    Raises:
+        ValueError: either over ``max_logprobs`` (``logprobs_problem``'s message)."""
+    if (problem := logprobs_problem(params, max_logprobs, vocab_size)) is not None:
+        raise ValueError(problem.message)
     if params.logprobs != -1 and params.prompt_logprobs != -1:
         return params
     whole = {f: vocab_size for f in ("logprobs", "prompt_logprobs") if getattr(params, f) == -1}

@@ -73,7 +73,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_input(params, priority, vocab_size=self.tokenizer.vocab_size, max_logprobs=self.args.max_logprobs,
                     scheduling_policy=self.args.scheduling_policy)
-        params = with_vocab_logprobs(params, self.tokenizer.vocab_size)
+        params = with_vocab_logprobs(params, self.tokenizer.vocab_size, self.args.max_logprobs)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
         if params.truncate_prompt_tokens is not None:   # vLLM's: the prompt's last N tokens (-1: what fits)

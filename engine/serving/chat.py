@@ -162,9 +162,8 @@ class OpenAIServingChat(OpenAIServing):
 
         try:
             def role_chunks() -> list[Chunk]:
-                calls_only = tool_calls is not None and tool_calls.calls_only and not echo
-                first = [chunk(ChatChoiceChunk(i, Delta(role="assistant", content=None if calls_only else echo)))
-                         for i in range(n)]
+                content = None if tool_calls and tool_calls.calls_only and not echo else echo   # OpenAI's null
+                first = [chunk(ChatChoiceChunk(i, Delta(role="assistant", content=content))) for i in range(n)]
                 for c in first if return_ids else ():   # vLLM: on each choice's role chunk
                     c.prompt_token_ids = list(prompt.token_ids)
                 return first
