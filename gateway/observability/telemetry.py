@@ -191,7 +191,7 @@ class Observability:
                 resp = await fn(c)
                 status = resp.status
                 outcome = "ok" if status < 400 else "error_status"
-                if rec.stream and status < 300 and resp.events is not None:   # the loop peeks it, then says
+                if status < 300 and (resp.events is not None or not rec.stream):   # the loop reads it, then says
                     resp.on_outcome, deferred = record, True
                 if status < 400 and not rec.stream:
                     rec.answer_body = resp.body  # billed from it if the client leaves before ``finish`` reads it

@@ -22,7 +22,9 @@ call, or one round of skipped candidates:
   soonest of them may be called within ``max_retry_after_s`` and before the deadline, the loop waits for it and
   asks those targets again (a cooled-down one is then called as the half-open probe), once per request: when
   everything is cooling down again after that, the calls' failure is the answer; otherwise it answers at once,
-  with no upstream call, 503 (429 for limits) and ``Retry-After`` = the soonest end of a cooldown.
+  with no upstream call, 503 (429 for limits) and ``Retry-After`` = the soonest end of a cooldown. A backoff
+  set by an upstream's ``Retry-After`` is such a wait too: one per request, the next failure asking for
+  another is the answer.
 - Stops at ``max_attempts`` upstream calls or when the next wait would pass the overall ``deadline_s`` (which
   also bounds a stream's wait for its first token; a non-streamed answer in progress is bounded by the
   backend's own read timeout, not cut by the deadline).
@@ -282,16 +284,23 @@ class _Run:
         return self._finish_plain(c, resp)
 
     def _finish_plain(self, c: Candidate, resp: UpstreamResponse) -> Result | Failure | PassThrough:
-        """A whole (non-streamed) upstream response: success, pass-through, or a Failure."""
+        """A whole (non-streamed) upstream response: success, pass-through, or a Failure; a 2xx one's outcome
+        told to its observer (``settle_outcome``: an observability trial's malformed 200 was metered ``ok``)."""
         status, body = resp.status, resp.body or b""
         ct = {"content-type": resp.headers.get("content-type", "application/json")}
         if 200 <= status < 300:
             try:
                 head = answer_head(body)
             except ValueError:
+                settle_outcome(resp, "malformed")
                 return Failure("malformed", "upstream returned malformed JSON", status=502)
             if head.error:
-                return classify_error_object(head.error, body, "object in a 2xx body")
+                out = classify_error_object(head.error, body, "object in a 2xx body")
+                failed = isinstance(out, Failure) and out.kind != "status"
+                settle_outcome(resp, out.kind if failed else "error_status",
+                               out.status if isinstance(out, Failure) else out.response.status)
+                return out
+            settle_outcome(resp, "ok")
             return Result(status, ct, body=body, usage=head.usage)
         ra = parse_retry_after(resp.headers)
         if (status in TRANSIENT_STATUS and not is_request_error(body)) or 520 <= status <= 529:
@@ -338,7 +347,17 @@ class _Run:
             backoff = max(backoff, hint)
         return backoff
 
+    def _waits_retry_after(self, exc: Failure | NoCandidate, wait: float) -> bool:
+        """Whether ``wait`` (``_wait_for``'s) is an upstream's ``Retry-After``: a cooldown, as a breaker's is."""
+        if isinstance(exc, NoCandidate):
+            hint = self.failures[-1].retry_after if exc.round_over and self.failures else None
+        else:
+            hint = exc.retry_after
+        return hint is not None and wait >= hint > 0
+
     def _stop(self, exc: Failure | NoCandidate, wait: float) -> bool:
+        if self.cooled and self._waits_retry_after(exc, wait):
+            return True   # a second Retry-After: one cooldown per request (an SRE trial's 429s held one 14 s)
         if isinstance(exc, NoCandidate) and not exc.round_over:
             # one wait for a cooldown per request: when the probes after it fail, their failure is the answer
             # (waiting again held a trial's requests 16 s through two more cooldowns, with no Retry-After)
@@ -363,6 +382,7 @@ class _Run:
             if self._stop(out, self.last_wait):
                 return _no_client_retry(await self._exhausted(out))
             await asyncio.sleep(self.last_wait)
+            self.cooled = self.cooled or self._waits_retry_after(out, self.last_wait)
             if isinstance(out, NoCandidate) and not out.round_over:
                 # waited for a cooldown / limit to pass: the candidates skipped for it are asked again
                 self.tried_round -= set(self.skips)
@@ -460,8 +480,9 @@ def _no_client_retry(res: Result) -> Result:
 
 
 def _reason(f: Failure) -> str:
-    """A failure as a breaker's reason: ``connect_error``, ``timeout``, ``status 429 (Retry-After 30s)``..."""
-    if f.status is None:
+    """A failure as a breaker's reason: ``connect_error``, ``timeout``, ``malformed``, ``status 429 (Retry-After
+    30s)``... (a malformed answer's 502 is the gateway's, not the upstream's status)."""
+    if f.status is None or f.kind == "malformed":
         return f.kind
     return f"status {f.status}" + (f" (Retry-After {f.retry_after:g}s)" if f.retry_after is not None else "")
 

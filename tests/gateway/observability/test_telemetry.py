@@ -14,7 +14,7 @@ import pytest
 from gateway.billing.prices import Price, cost_nusd
 from gateway.billing.usage import UsageRecord
 from gateway.config.compile import load_config_text
-from gateway.resilience.outcomes import UpstreamResponse
+from gateway.resilience.outcomes import UpstreamResponse, settle_outcome
 from gateway.runtime import Gateway
 
 CONFIG = """reload: {watch: false}
@@ -73,7 +73,7 @@ async def test_a_cancel_that_races_the_answer_bills_the_answer_once(gw):
     async def answered(_c):
         return UpstreamResponse(200, {}, json.dumps({"choices": [], "usage": USAGE}).encode())
 
-    await hook(answered)(CANDIDATE)
+    settle_outcome(await hook(answered)(CANDIDATE), "ok")   # as the attempt loop does once it read the answer
     gw.obs.abandon(rec)
     gw.obs.abandon(rec)
     got = await _one_record(gw)

@@ -22,7 +22,7 @@ KEY, LIMITED_KEY = "sk-tandem-main", "sk-tandem-limited"
 ENV = {"TEST_UPSTREAM_KEY": "upstream-secret", "TANDEM_ADMIN_TOKEN": "admin-tok"}
 ADMIN_AUTH = {"authorization": "Bearer admin-tok"}
 SCENARIOS = ["s503", "s400", "scut", "sboth", "serrfirst", "sstall", "s429", "shung", "shealthy", "sshared",
-             "sdisc", "soutage", "shead"]
+             "sdisc", "soutage", "shead", "s429one"]
 
 
 def gateway_config(ups: dict[str, FaultUpstream], redis_url: str | None, prefix: str, dead_port: int) -> str:
@@ -41,7 +41,7 @@ def gateway_config(ups: dict[str, FaultUpstream], redis_url: str | None, prefix:
         rules += f"    - {{name: r-{s}, match: {{model: {s}}}, route: {s}}}\n"
         if s == "shung":
             first, then = "dead", ["hung", "fallback"]
-        elif s == "shealthy":
+        elif s in ("shealthy", "s429one"):
             first, then = "fallback", []
         elif s == "shead":
             first, then = "slowhead", ["fallback"]
@@ -205,6 +205,17 @@ def test_error_event_first_falls_back(gw, ups):
     assert counted_since(gw, "primary", before) == {"error_event": 1}
 
 
+def test_a_malformed_whole_answer_is_metered_malformed_not_ok(gw, ups):
+    """An observability trial: a 200 with invalid JSON (not streamed) was served by the fallback while the
+    primary's attempt counted ``ok`` and its breaker's reason said ``status 502``, a status it never sent."""
+    before = {b: attempts_counted(gw, b) for b in ("primary", "fallback")}
+    ups["primary"].push({"malformed": True})
+    raw = client(gw).chat.completions.with_raw_response.create(model="s503", messages=MSG)
+    assert raw.parse().choices[0].message.content == "hello from fallback"
+    assert counted_since(gw, "primary", before["primary"]) == {"malformed": 1}
+    assert counted_since(gw, "fallback", before["fallback"]) == {"ok": 1}
+
+
 def test_first_token_timeout_falls_back(gw, ups):
     """Headers at once, first token after 10 s, first-token timeout 2 s: served by the fallback; the primary's
     attempt is metered ``timeout``, a stream cut before content ``stream_cut``."""
@@ -226,6 +237,16 @@ def test_first_token_timeout_falls_back(gw, ups):
     raw = client(gw).chat.completions.with_raw_response.create(model="shead", messages=MSG, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == "tok0 tok1 tok2 "
     assert raw.headers["x-tandem-backend"] == "fallback" and counted_since(gw, "slowhead", before) == {"timeout": 1}
+
+
+def test_one_retry_after_wait_per_request(gw, ups):
+    """A single-target route whose upstream answers 429 with ``Retry-After: 1`` every time: the request waits out
+    one Retry-After, and the next 429 is its answer (an SRE trial's waited 7 s twice, 3 calls in 14 s; the
+    docs say one cooldown per request)."""
+    ups["fallback"].set_default({"status": 429, "retry_after": "1"})
+    with pytest.raises(openai.RateLimitError) as e:
+        client(gw).chat.completions.create(model="s429one", messages=MSG)
+    assert ups["fallback"].calls == 2 and e.value.response.headers["retry-after"] == "1"
 
 
 def test_429_retry_after_then_429_keeps_backend_out_60s(gw, ups, rds, prefix):
