@@ -27,13 +27,13 @@ async def serve_observed(request: Request, endpoint: str, headers,
     completed by observability's stream wrapper at its end. ``answer`` completes the record of a whole answer
     itself (``gw.obs.finish``)."""
     gw = request.app.state.gw
-    if gw.draining:
-        raise ClientError(503, "the gateway is draining; retry on another replica", code="draining",
-                          headers={"retry-after": "1", "connection": "close"})
     rid = unique_request_id(request.scope, GATEWAY_ID_PREFIX)
     rec = gw.obs.begin(rid, endpoint, headers)
     response = None
     try:
+        if gw.draining:   # logged and counted as any refusal (an SRE trial's rolling deploy showed none of them)
+            raise ClientError(503, "the gateway is draining; retry on another replica", code="draining",
+                              headers={"retry-after": "1", "connection": "close"})
         # the key first (a 401 reads no body); a later refusal (a bad body, an unknown model) is logged and
         # counted under the tenant that sent it
         rec.tenant = gw.snapshot.authenticate(headers.get("authorization"),

@@ -423,9 +423,12 @@ def test_drain_on_sigterm_finishes_in_flight(upstreams, tmp_path):
             assert r.status_code == 503 and r.json()["draining"] is True
             r = httpx.post(g.url + "/v1/chat/completions", json={**body, "metadata": {}})
             assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+            # counted and logged as any refusal (an SRE trial: a rolling deploy's 503s left no trace)
+            assert 'status="503"' in httpx.get(g.url + "/metrics").text
             assert [f.result().status_code for f in slow] == [200, 200, 200]
         g.proc.wait(20)
         assert "drained: 0 stream(s) cut with stream_interrupted, 0 request(s) still in flight" in g.log()
+        assert '"status":503' in g.log() and '"error":"draining"' in g.log()
     finally:
         g.stop()
 
