@@ -51,9 +51,10 @@ def _payload(backend, target: Target, req: GatewayRequest):
     # when the client did not ask for it too). The local engine always can; an upstream unless told it cannot.
     if req.stream and getattr(backend.cfg, "stream_usage", True):
         options = {**(body.get("stream_options") or {}), "include_usage": True}
-        if req.anthropic_body is not None and getattr(backend, "continuous_usage", False):
-            # on every chunk (vLLM's): a Messages stream's message_start, made at the first, splits the prompt's
-            # cached tokens as the final usage does
+        if getattr(backend, "continuous_usage", False):
+            # on every chunk (vLLM's): a stream its client cuts is billed the engine's count so far, not an
+            # estimate (an SRE trial's cut streams billed a 42-token prompt as 16); a Messages stream's
+            # message_start, made at the first, splits the prompt's cached tokens as the final usage does
             options["continuous_usage_stats"] = True
         body["stream_options"] = options
     elif req.anthropic_body is not None:     # the translation asked for usage; this upstream refuses the field

@@ -149,6 +149,8 @@ class Observability:
                                                                      req.max_tokens, body)
         rec.prompt_estimate = req.prompt_tokens
         rec.strip_usage = req.stream and not client_wants_usage(body)   # the gateway asked for it, not the client
+        rec.strip_chunk_usage = (req.stream and rec.endpoint in ("chat/completions", "completions")
+                                 and not client_wants_usage(body, "continuous_usage_stats"))
         if rec.span is not None:
             rec.span.update_name(f"{OPERATIONS.get(rec.endpoint, rec.endpoint)} {req.model}")
             attrs = {"gen_ai.request.model": req.model, "tandem.route": decision.route,
@@ -323,7 +325,8 @@ class Observability:
     def _scan(self, rec: RequestRecord, batch: list[ChatEvent]) -> list[ChatEvent]:
         """Read the events of one read: usage, text per choice, finish reasons, errors. Returns them as the
         client gets them: an error event with secrets redacted; with ``rec.strip_usage``, without the usage-only
-        event (``usage`` and no choices) the gateway asked for."""
+        event (``usage`` and no choices) the gateway asked for; with ``rec.strip_chunk_usage``, content events
+        without the usage the gateway asked the local engine to put on each."""
         kept: list[ChatEvent] | None = None        # a new list once an event is changed or dropped
         for i, ev in enumerate(batch):
             out: ChatEvent | None = ev
@@ -336,6 +339,8 @@ class Observability:
                 rec.usage = ev.usage
                 if rec.strip_usage and not ev.choices:
                     out = None               # the usage-only event, dropped
+                elif rec.strip_chunk_usage and ev.choices:
+                    out = msgspec.structs.replace(ev, usage=None)   # the local engine's count on every chunk
             if ev.model and rec.response_model is None:
                 rec.response_model = rec.model or ev.model   # the name the client sees (the codec writes it)
             for c in ev.choices:            # each choice of an n > 1 stream apart; tool calls count too

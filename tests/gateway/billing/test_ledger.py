@@ -289,6 +289,29 @@ async def test_client_disconnect_mid_generation_bills_the_engines_count(tmp_path
     assert rec.nusd == cost_nusd(PRICE, rec.prompt_tokens, rec.completion_tokens)
 
 
+async def test_a_local_stream_its_client_cuts_is_billed_the_engines_prompt_count(tmp_path):
+    """An SRE trial: local streams dropped after two chunks were billed a 16-token estimate of a 42-token prompt
+    (the metrics' input tokens then lagged vllm:prompt_tokens_total). The gateway asks the engine for usage on
+    every chunk, bills the last it saw, and keeps it out of the client's chunks, which did not ask for it."""
+    model = save_byte_level_llama(tmp_path, max_position_embeddings=4096)
+    async with replicas(LOCAL.format(sha=sha(KEY), model=model), start_engine=True) as [(gw, client)]:
+        local = await until(lambda: _engine_ready(gw), timeout=120)
+        seen: list = []
+        local.engine.add_output_listener(lambda outs, _now: seen.extend(outs))
+        chunks = []
+        async with await client.chat.completions.create(
+                model="m1", messages=HELLO, max_tokens=4000, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}) as stream:
+            async for chunk in stream:
+                chunks.append(chunk)
+                if sum(bool(c.choices and c.choices[0].delta.content) for c in chunks) == 3:
+                    break
+        [rec] = (await records(gw, 1)).values()
+    assert all(c.usage is None for c in chunks)
+    assert (rec.disconnected, rec.estimated, rec.prompt_tokens) == (True, False, len(seen[0].prompt_token_ids))
+    assert 3 <= rec.completion_tokens < 4000
+
+
 async def _engine_ready(gw):
     local = gw.snapshot.local
     return local if local is not None and local.available else None
