@@ -487,6 +487,9 @@ class Observability:
                   "latency_s": round(latency, 6), "cost_usd": nusd / NANO, "error": rec.error}
         if rec.finish_reasons:
             fields["finish_reasons"] = list(dict.fromkeys(rec.finish_reasons))
+        if failed := [{"backend": a.backend, "outcome": a.outcome, "status": a.status}
+                      for a in rec.attempts if a.outcome != "ok"]:   # what a fallback or retry went past
+            fields["failed_attempts"] = failed
         if include_prompts(rec.snap) and rec.body is not None:
             fields["prompt"] = rec.body.get("messages", rec.body.get("prompt"))
             texts = ["".join(rec.texts[i]) for i in sorted(rec.texts)]

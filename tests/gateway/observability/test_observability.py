@@ -151,6 +151,13 @@ def test_metrics_count_known_traffic(gw, ups):
     finally:
         ups["a"].set_mode()
     assert r.status_code == 200 and r.headers["x-tandem-backend"] == "b"
+    # its log line says what the fallback went past (an SRE trial found it only in a plain-text INFO line)
+    rid = r.headers["x-request-id"]
+    deadline = time.monotonic() + 10
+    while not (line := [x for x in log_lines(gw) if x.get("request_id") == rid]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert line[0]["failed_attempts"] == [{"backend": "a", "outcome": "error_status", "status": 500}]
+    assert all("failed_attempts" not in x for x in log_lines(gw) if x.get("request_id") != rid)
     assert chat(gw, KEY_T2, "m3").status_code == 200
     r = chat(gw, KEY_T2, "m3")
     assert r.status_code == 429
