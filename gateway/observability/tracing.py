@@ -225,7 +225,9 @@ def end_request_trace(tr: Tracing, rec, status: int, tokens) -> None:
         attrs["gen_ai.response.finish_reasons"] = list(dict.fromkeys(rec.finish_reasons))
     if status >= 400 or rec.error:
         attrs["error.type"] = rec.error or str(status)
-        if status >= 500 or status == 499 or rec.error:
+        # ERROR for the server's failures: a 5xx, a stream that failed after its 200; a 4xx (499: the client
+        # left) stays UNSET, as OTel's HTTP conventions have server spans (an SRE trial's error rates counted them)
+        if status >= 500 or (status < 400 and rec.error):
             mark_error(span, attrs["error.type"])
     if not rec.request_model:
         span.update_name(OPERATIONS.get(rec.endpoint, rec.endpoint))

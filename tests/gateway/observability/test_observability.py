@@ -303,6 +303,8 @@ async def test_genai_spans_and_metrics(ups, monkeypatch):
                                 json={"model": "m1", "messages": HELLO, "stream": True}) as s:
                 assert s.status_code == 200
                 await s.aread()
+            bad = await c.post("/v1/chat/completions", json={"model": "m1", "messages": HELLO, "temperature": 9})
+            assert bad.status_code == 400
     finally:
         server.should_exit = True
         await task
@@ -310,7 +312,13 @@ async def test_genai_spans_and_metrics(ups, monkeypatch):
     by_trace: dict[int, list] = {}
     for s in got:
         by_trace.setdefault(s.context.trace_id, []).append(s)
-    assert len(by_trace) == 3
+    assert len(by_trace) == 4
+    # the client's error: error.type on an UNSET server span, as OTel's HTTP conventions have it (an SRE trial's
+    # span-based error rates counted every 4xx)
+    from opentelemetry.trace import StatusCode
+    (refused,) = [s for s in got if s.kind == SpanKind.SERVER and s.attributes["http.response.status_code"] == 400]
+    assert refused.attributes["error.type"] == "decimal_above_max_value"
+    assert refused.status.status_code == StatusCode.UNSET
 
     first = by_trace[int(TRACE_ID, 16)]
     server_span = next(s for s in first if s.kind == SpanKind.SERVER)
