@@ -315,6 +315,10 @@ def layers_summary(data: dict) -> str:
     """``tandem ctl status``: per route its effective weights, the layer that decides them and what it
     overrides (``gateway/config/layers.py``)."""
     lines = [f"config version {data.get('version')} ({data.get('source')}), file: {data['file']['status']}"]
+    if data.get("draining"):   # an SRE trial's `ctl status` during a drain looked like any other moment
+        lines.append(f"  draining: {data.get('in_flight', 0)} request(s) in flight, new ones get 503")
+    if data.get("redis_degraded"):
+        lines.append("  redis unreachable: serving on in-process state; config changes wait for it")
     for name, v in (data.get("layers") or {}).items():
         eff = ", ".join(f"{k} {w:g}" for k, w in v["effective"].items())
         lines.append(f"  route {name}: {eff}  [{v['decided_by']}]" + (f"  ({v['note']})" if v["note"] else ""))

@@ -221,3 +221,13 @@ async def test_a_guarded_push_waits_on_the_rollouts_revision_alike(shared, redis
     finally:
         await ledger.aclose()
         await state.close()
+
+
+def test_ctl_status_says_when_the_gateway_drains_or_redis_is_away():
+    """An SRE trial's ``tandem ctl status`` during a drain printed the usual view: nothing said new requests got
+    503. The status now says so, and that config changes wait while Redis is unreachable."""
+    data = {"version": 3, "source": "file", "file": {"status": "applied"}, "layers": {}, "routes": {}}
+    assert layers_summary(data) == "config version 3 (file), file: applied"
+    text = layers_summary({**data, "draining": True, "in_flight": 2, "redis_degraded": True})
+    assert text.splitlines()[1:] == ["  draining: 2 request(s) in flight, new ones get 503",
+                                     "  redis unreachable: serving on in-process state; config changes wait for it"]
