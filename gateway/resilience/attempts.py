@@ -57,9 +57,9 @@ from gateway.config.schema import RetrySettings
 from gateway.errors import error_body
 from gateway.resilience.outcomes import (ATTEMPT_TIMEOUT, TRANSIENT_STATUS, Attempt, Failure, NoCandidate,
                                          PassThrough, Result, UpstreamResponse, Withdrawn, answer_head,
-                                         classify_error_object, classify_exception, close_response,
-                                         is_context_length_error, is_request_error, parse_retry_after,
-                                         settle_outcome, upstream_message)
+                                         breaker_reason, classify_error_object, classify_exception, close_response,
+                                         is_context_length_error, is_request_error, no_client_retry, not_larger,
+                                         parse_retry_after, settle_outcome, upstream_message)
 from gateway.resilience.backoff import RetryPolicy
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
 from gateway.resilience.streaming import Held, StreamEnd, peek_stream, relay
@@ -191,17 +191,17 @@ class _Run:
             f = result
             f.candidate = c
             self.failures.append(f)
-            self.attempts.append(Attempt(c.name, _reason(f) if f.kind == "status" else f.kind, f.status,
+            self.attempts.append(Attempt(c.name, breaker_reason(f) if f.kind == "status" else f.kind, f.status,
                                          duration_s=dt))   # "status 500": which status, in logs and the 502
             if f.kind == "context_length":
                 self.excluded.add(c.name)
-                self._exclude_not_larger(c)
+                self._excludenot_larger(c)
                 await self._record(c, True, None, None, probe, dt, None)
             elif f.kind == "withdrawn":   # not the engine's failure: nothing to record but a probe's slot
                 if probe:
                     await self.breakers.record(c.name, True, probe=True, reason="probe not used")
             else:
-                await self._record(c, False, f.status, f.retry_after, probe, dt, None, reason=_reason(f))
+                await self._record(c, False, f.status, f.retry_after, probe, dt, None, reason=breaker_reason(f))
             if reservation is not None:
                 await self.limiter.release(reservation)
             return f
@@ -223,7 +223,7 @@ class _Run:
             result.stream = relay(result, held, inter, self.batch, end.end, self.streams, end.settle)
         return result
 
-    def _exclude_not_larger(self, failed: Candidate) -> None:
+    def _excludenot_larger(self, failed: Candidate) -> None:
         """After a context-length error: drop candidates that are not known to be larger than ``failed``."""
         if failed.max_model_len is None:
             return
@@ -375,12 +375,12 @@ class _Run:
             step += 1
             out = await self._once()
             if isinstance(out, Result):
-                return _no_client_retry(out)
+                return no_client_retry(out)
             if isinstance(out, PassThrough):
-                return _no_client_retry(self._passthrough(out.response, out.candidate))
+                return no_client_retry(self._passthrough(out.response, out.candidate))
             self.last_wait = self._wait_for(out, step)    # _pick starts a new round only after a backoff
             if self._stop(out, self.last_wait):
-                return _no_client_retry(await self._exhausted(out))
+                return no_client_retry(await self._exhausted(out))
             await asyncio.sleep(self.last_wait)
             self.cooled = self.cooled or self._waits_retry_after(out, self.last_wait)
             if isinstance(out, NoCandidate) and not out.round_over:
@@ -402,7 +402,7 @@ class _Run:
         res = Result(503, {"content-type": "application/json"}, attempts=self.attempts)
         called = self.failures
         ctx = [f for f in called if f.kind == "context_length"]
-        if ctx and all(f.kind == "context_length" or any(_not_larger(f.candidate, g.candidate) for g in ctx)
+        if ctx and all(f.kind == "context_length" or any(not_larger(f.candidate, g.candidate) for g in ctx)
                        for f in called):   # the others failed on targets the prompt would not fit either
             return self._passthrough(ctx[-1].response, ctx[-1].candidate) if ctx[-1].response else res
         if not self.candidates:
@@ -462,29 +462,10 @@ class _Run:
         return res
 
 
-def _not_larger(c: Candidate | None, than: Candidate | None) -> bool:
-    """Whether ``c`` is known to take no longer context than ``than`` (both limits declared): a request too long
-    for ``than`` is too long for ``c``, whatever else ``c``'s attempt failed on."""
-    return (c is not None and than is not None and c.max_model_len is not None and than.max_model_len is not None
-            and c.max_model_len <= than.max_model_len)
 
 
-def _no_client_retry(res: Result) -> Result:
-    """An error answer once the loop's retries and fallbacks are spent tells the SDKs not to retry it
-    (``x-should-retry: false``; the official SDKs retry 408/409/429/5xx twice by default, each retry a whole new
-    loop: up to 3 x ``max_attempts`` upstream calls, and most when upstreams are overloaded). A ``Retry-After``
-    stays on it, for the application to schedule a later try; the SDKs obey the header over it."""
-    if res.status >= 400:
-        res.headers["x-should-retry"] = "false"
-    return res
 
 
-def _reason(f: Failure) -> str:
-    """A failure as a breaker's reason: ``connect_error``, ``timeout``, ``malformed``, ``status 429 (Retry-After
-    30s)``... (a malformed answer's 502 is the gateway's, not the upstream's status)."""
-    if f.status is None or f.kind == "malformed":
-        return f.kind
-    return f"status {f.status}" + (f" (Retry-After {f.retry_after:g}s)" if f.retry_after is not None else "")
 
 
 async def call_with_fallback(candidates: list[Candidate],

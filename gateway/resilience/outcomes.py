@@ -285,3 +285,28 @@ def upstream_message(f: Failure, limit: int = 300) -> str | None:
     engine or provider refused (e.g. a grammar still compiling, send again) is worth more to the caller than the
     status alone."""
     return quoted_message(error_object(f.response.body if f.response is not None else None), limit)
+
+
+def breaker_reason(f: Failure) -> str:
+    """A failure as a breaker's reason: ``connect_error``, ``timeout``, ``malformed``, ``status 429 (Retry-After
+    30s)``... (a malformed answer's 502 is the gateway's, not the upstream's status)."""
+    if f.status is None or f.kind == "malformed":
+        return f.kind
+    return f"status {f.status}" + (f" (Retry-After {f.retry_after:g}s)" if f.retry_after is not None else "")
+
+
+def not_larger(c, than) -> bool:
+    """Whether ``c`` is known to take no longer context than ``than`` (``Candidate``s, both limits declared): a
+    request too long for ``than`` is too long for ``c``, whatever else ``c``'s attempt failed on."""
+    return (c is not None and than is not None and c.max_model_len is not None and than.max_model_len is not None
+            and c.max_model_len <= than.max_model_len)
+
+
+def no_client_retry(res: Result) -> Result:
+    """An error answer once the loop's retries and fallbacks are spent tells the SDKs not to retry it
+    (``x-should-retry: false``; the official SDKs retry 408/409/429/5xx twice by default, each retry a whole new
+    loop: up to 3 x ``max_attempts`` upstream calls, and most when upstreams are overloaded). A ``Retry-After``
+    stays on it, for the application to schedule a later try; the SDKs obey the header over it."""
+    if res.status >= 400:
+        res.headers["x-should-retry"] = "false"
+    return res
