@@ -21,10 +21,9 @@ call, or one round of skipped candidates:
 - Nothing callable now (every remaining target cooling down, breaker-open or at its backend limit): when the
   soonest of them may be called within ``max_retry_after_s`` and before the deadline, the loop waits for it and
   asks those targets again (a cooled-down one is then called as the half-open probe), once per request: when
-  everything is cooling down again after that, the calls' failure is the answer; otherwise it answers at once,
-  with no upstream call, 503 (429 for limits) and ``Retry-After`` = the soonest end of a cooldown. A backoff
-  set by an upstream's ``Retry-After`` is such a wait too: one per request, the next failure asking for
-  another is the answer.
+  those calls fail, their failure is the answer; otherwise it answers at once, with no upstream call, 503 (429
+  for limits) and ``Retry-After`` = the soonest end of a cooldown. A backoff set by an upstream's
+  ``Retry-After`` is such a wait too: one per request, the next failure asking for another is the answer.
 - Stops at ``max_attempts`` upstream calls or when the next wait would pass the overall ``deadline_s`` (which
   also bounds a stream's wait for its first token; a non-streamed answer in progress is bounded by the
   backend's own read timeout, not cut by the deadline).
@@ -65,6 +64,7 @@ from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_hea
 from gateway.resilience.streaming import Held, StreamEnd, peek_stream, relay
 
 log = logging.getLogger("tandem.retry")
+_CLOCK_MARGIN_S = 0.005   # breakers count whole ms: a wait ending on a cooldown's last one found it still open
 
 
 @dataclass
@@ -344,7 +344,7 @@ class _Run:
         else:
             hint = exc.retry_after
         if hint is not None and hint <= p.max_retry_after_s:
-            backoff = max(backoff, hint)
+            backoff = max(backoff, hint + _CLOCK_MARGIN_S)
         return backoff
 
     def _waits_retry_after(self, exc: Failure | NoCandidate, wait: float) -> bool:
@@ -356,8 +356,9 @@ class _Run:
         return hint is not None and wait >= hint > 0
 
     def _stop(self, exc: Failure | NoCandidate, wait: float) -> bool:
-        if self.cooled and self._waits_retry_after(exc, wait):
-            return True   # a second Retry-After: one cooldown per request (an SRE trial's 429s held one 14 s)
+        round_failed = isinstance(exc, NoCandidate) and exc.round_over
+        if self.cooled and (round_failed or self._waits_retry_after(exc, wait)):
+            return True   # after its one cooldown, failures are the answer (an SRE trial's 429s held one 14 s)
         if isinstance(exc, NoCandidate) and not exc.round_over:
             # one wait for a cooldown per request: when the probes after it fail, their failure is the answer
             # (waiting again held a trial's requests 16 s through two more cooldowns, with no Retry-After)
