@@ -83,8 +83,12 @@ def _on_state_unavailable(request: Request, e: StateUnavailable) -> Response:
 
 def _on_http_error(request: Request, e: Exception) -> Response:
     if isinstance(e, HTTPException):      # the router's 404 / 405 (with its ``Allow`` header) among them
-        return _refusal(request, e.status_code, str(e.detail), code=_HTTP_CODES.get(e.status_code),
-                        headers=e.headers)
+        message = str(e.detail)
+        if e.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):   # the router's own
+            # OpenAI's words, naming what was asked (a new user's /v1/chat/completion got a bare "Not Found")
+            message = f"Invalid URL ({request.method} {request.scope['path']})" if e.status_code == 404 else \
+                f"Method {request.method} is not allowed on {request.scope['path']}"
+        return _refusal(request, e.status_code, message, code=_HTTP_CODES.get(e.status_code), headers=e.headers)
     log.exception("unhandled error on %s", request.scope["path"])
     return _refusal(request, 500, "internal error", code="internal_error")
 

@@ -113,3 +113,8 @@ async def test_every_other_path_answers_openais_errors_with_the_routers_headers(
         openai_error(await client.post("/v1/messagesx", content=MESSAGES), 404, "not_found")
         openai_error(await client.post("/v1/chat/completions/foo", content=CHAT), 404, "not_found")
         openai_error(await client.post("/v1/nope", content=CHAT), 404, "not_found")
+        # naming what was asked, in OpenAI's words (a new user's /v1/chat/completion got a bare "Not Found")
+        r = await client.post("/v1/chat/completion", content=CHAT)
+        assert r.json()["error"]["message"] == "Invalid URL (POST /v1/chat/completion)"
+        r = await client.get("/v1/chat/completions")
+        assert r.json()["error"]["message"] == "Method GET is not allowed on /v1/chat/completions"
