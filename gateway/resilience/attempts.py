@@ -65,6 +65,7 @@ from gateway.resilience.streaming import Held, StreamEnd, peek_stream, relay
 
 log = logging.getLogger("tandem.retry")
 _CLOCK_MARGIN_S = 0.005   # breakers count whole ms: a wait ending on a cooldown's last one found it still open
+_TOGETHER_S = 0.25
 
 
 @dataclass
@@ -163,7 +164,9 @@ class _Run:
                 return c, probe, reservation
         waits = [ra for name, (why, ra) in self.skips.items() if why != "too_small" and ra is not None
                  and name not in self.excluded]
-        return NoCandidate(min(waits) if waits else None)
+        # the soonest cooldown, and those ending within _TOGETHER_S of it: one request's failed round opens its
+        # targets' breakers a call apart, and its one wait should let each be probed (under load one was not)
+        return NoCandidate(max(w for w in waits if w <= min(waits) + _TOGETHER_S) if waits else None)
 
     # -- one attempt -----------------------------------------------------------------------------------------
     async def _once(self) -> Result | Failure | NoCandidate | PassThrough:
