@@ -451,8 +451,8 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--chat-template", default=None,
                    help="the chat template: a Jinja file's path or the template itself (None: the model's)")
     g.add_argument("--max-logprobs", type=int, default=20,
-                   help="the most logprobs, top_logprobs or prompt_logprobs a request may ask (default: 20; -1: no cap; "
-                        "HTTP requests are held to OpenAI's 20 besides)")
+                   help="the most logprobs, top_logprobs or prompt_logprobs a request may ask (default: 20; "
+                        "-1: no cap; HTTP requests are held to OpenAI's 20 besides)")
 
 
 def _add_parallel_args(g) -> None:

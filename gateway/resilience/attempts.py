@@ -198,7 +198,7 @@ class _Run:
                                          duration_s=dt))   # "status 500": which status, in logs and the 502
             if f.kind == "context_length":
                 self.excluded.add(c.name)
-                self._excludenot_larger(c)
+                self._exclude_not_larger(c)
                 await self._record(c, True, None, None, probe, dt, None)
             elif f.kind == "withdrawn":   # not the engine's failure: nothing to record but a probe's slot
                 if probe:
@@ -226,7 +226,7 @@ class _Run:
             result.stream = relay(result, held, inter, self.batch, end.end, self.streams, end.settle)
         return result
 
-    def _excludenot_larger(self, failed: Candidate) -> None:
+    def _exclude_not_larger(self, failed: Candidate) -> None:
         """After a context-length error: drop candidates that are not known to be larger than ``failed``."""
         if failed.max_model_len is None:
             return
