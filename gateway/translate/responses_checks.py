@@ -56,8 +56,9 @@ REASONING = {"effort": CHAT_VALUES["reasoning_effort"], "summary": _SUMMARY,
              "generate_summary": _SUMMARY, "context": ("auto", "current_turn", "all_turns"), "mode": None}
 # ``stream_options``' fields on the Responses API (the SDK's ``StreamOptions``).
 STREAM_OPTIONS = ("include_obfuscation",)
-# The least value of an integer parameter chat does not have (OpenAI's: ``max_tool_calls`` 0 is a 400).
-MINIMUMS = {"max_tool_calls": 1}
+# The least value of an integer parameter where the Responses API's is not chat's (OpenAI's: ``max_tool_calls`` 0
+# is a 400, and so is ``max_output_tokens`` below 16, where chat's ``max_tokens`` takes 1).
+MINIMUMS = {"max_tool_calls": 1, "max_output_tokens": 16}
 
 # The keys of ``text`` and of each ``text.format`` type, with their JSON types (OpenAI's Responses API).
 TEXT_KEYS = {"format": (dict,), "verbosity": (str,)}
@@ -114,13 +115,17 @@ def check_body(body: dict) -> None:
 
 
 def _check_params(body: dict) -> None:
-    """Each parameter of ``body`` is a Responses parameter, of its type, in the range chat's table gives its chat
-    name; a 400 names the parameter as the client wrote it."""
+    """Each parameter of ``body`` is a Responses parameter, of its type, at least its ``MINIMUMS`` and in the range
+    chat's table gives its chat name; a 400 names the parameter as the client wrote it."""
     for name, value in body.items():
         types = PARAMS.get(name)
         if types is None:
             raise bad_request(f"Unknown parameter: '{name}'.", name, "unknown_parameter")
         check_type(name, value, types)
+        least = MINIMUMS.get(name)
+        if least is not None and value is not None and value < least:
+            raise bad_request(f"Invalid '{name}': integer below minimum value. Expected a value >= {least}, but "
+                              f"got {value} instead.", name, "integer_below_min_value")
         try:
             check_range(CHAT_NAMES.get(name, name), value)
         except ClientError as e:
@@ -128,8 +133,8 @@ def _check_params(body: dict) -> None:
 
 
 def _check_values(body: dict) -> None:
-    """The values of the parameters chat has no check for: ``VALUES``, ``include``, ``reasoning``,
-    ``stream_options`` (only with ``stream: true``, as chat's) and ``MINIMUMS``."""
+    """The values of the parameters chat has no check for: ``VALUES``, ``include``, ``reasoning`` and
+    ``stream_options`` (only with ``stream: true``, as chat's)."""
     for name, allowed in VALUES.items():
         if body.get(name) is not None:
             one_of(body[name], allowed, name)
@@ -142,10 +147,6 @@ def _check_values(body: dict) -> None:
                 one_of(body["reasoning"][key], allowed, f"reasoning.{key}")
     if body.get("stream_options") is not None:
         check_stream_options(body, STREAM_OPTIONS)
-    for name, least in MINIMUMS.items():
-        if body.get(name) is not None and body[name] < least:
-            raise bad_request(f"Invalid '{name}': integer below minimum value. Expected a value >= {least}, but "
-                              f"got {body[name]} instead.", name, "integer_below_min_value")
 
 
 def check_include(values: list) -> None:

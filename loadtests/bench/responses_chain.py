@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             items = _turn(rng, args.items, args.words)
             row = {"turn": t, "body_kib": len(json.dumps({"input": items})) // 1024}
             for name, server in gateways.items():      # the same turn on each, one after the other
-                body = {"model": "m", "input": items, "truncation": "auto", "max_output_tokens": 8, "temperature": 0}
+                body = {"model": "m", "input": items, "truncation": "auto", "max_output_tokens": 16, "temperature": 0}
                 if prev[name]:
                     body["previous_response_id"] = prev[name]
                 t0 = time.monotonic()

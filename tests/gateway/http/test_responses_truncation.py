@@ -43,7 +43,7 @@ async def test_auto_drops_the_oldest_items_where_disabled_is_refused(tiny_model)
     async with gateway(config(tiny_model), start_engine=True) as (gw, _, url):
         await until_ready(gw)
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        ask = dict(model="m1", max_output_tokens=8, temperature=0, tools=[WEATHER], instructions="be brief")
+        ask = dict(model="m1", max_output_tokens=16, temperature=0, tools=[WEATHER], instructions="be brief")
         first = await client.responses.create(input=TURNS, truncation="auto", **ask)    # fits: nothing dropped
         again = [{"role": "user", "content": "c" * 200}, {"role": "user", "content": "and now?"}]
         with pytest.raises(openai.BadRequestError) as e:

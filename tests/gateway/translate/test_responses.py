@@ -325,6 +325,9 @@ def test_a_streamed_refusal_is_a_refusal_part_as_the_whole_answer_has(deltas, pa
     ({"prompt_cache_retention": "forever"}, "prompt_cache_retention", "invalid_value"),
     ({"max_tool_calls": -3}, "max_tool_calls", "integer_below_min_value"),
     ({"max_tool_calls": 0}, "max_tool_calls", "integer_below_min_value"),
+    # OpenAI's floor (chat's max_tokens takes 1): a Responses trial's 1-15 were taken
+    ({"max_output_tokens": 15}, "max_output_tokens", "integer_below_min_value"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "integer_below_min_value"),
     ({"stream": True, "stream_options": {"foo": True}}, "stream_options.foo", "unknown_parameter"),
     ({"stream": True, "stream_options": {"include_usage": True}}, "stream_options.include_usage",
      "unknown_parameter"),                                   # chat's, not the Responses API's
@@ -334,6 +337,14 @@ def test_a_streamed_refusal_is_a_refusal_part_as_the_whole_answer_has(deltas, pa
 ])
 def test_parameter_values_are_checked_as_the_sdk_types_allow(extra, param, code):
     _assert_refused(extra, param, code)
+
+
+def test_max_output_tokens_below_16_is_openais_400():
+    with pytest.raises(ClientError) as e:
+        check_body({"model": "m", "input": "x", "max_output_tokens": 0})
+    assert e.value.message == ("Invalid 'max_output_tokens': integer below minimum value. Expected a value >= 16, "
+                               "but got 0 instead.")
+    check_body({"model": "m", "input": "x", "max_output_tokens": 16})
 
 
 def test_values_sent_are_echoed_and_valid_ones_pass():
