@@ -359,13 +359,12 @@ class _Run:
         return hint is not None and wait >= hint > 0
 
     def _stop(self, exc: Failure | NoCandidate, wait: float) -> bool:
-        round_failed = isinstance(exc, NoCandidate) and exc.round_over
-        if self.cooled and (round_failed or self._waits_retry_after(exc, wait)):
-            return True   # after its one cooldown, failures are the answer (an SRE trial's 429s held one 14 s)
+        if self.cooled and (isinstance(exc, NoCandidate) or self._waits_retry_after(exc, wait)):
+            # one cooldown per request: after it, failures are the answer (waiting again held a trial's requests
+            # 16 s through two more cooldowns, and an SRE trial's 429s one 14 s)
+            return True
         if isinstance(exc, NoCandidate) and not exc.round_over:
-            # one wait for a cooldown per request: when the probes after it fail, their failure is the answer
-            # (waiting again held a trial's requests 16 s through two more cooldowns, with no Retry-After)
-            if self.cooled or exc.retry_after is None or exc.retry_after > self.policy.max_retry_after_s:
+            if exc.retry_after is None or exc.retry_after > self.policy.max_retry_after_s:
                 return True
         elif isinstance(exc, Failure) and not exc.transient:
             return True
@@ -464,12 +463,6 @@ class _Run:
             ra = await self.breakers.soonest_half_open([c.name for c in self.candidates if c.name in self.skips])
             res.headers["retry-after"] = str(retry_after_header(ra or 1.0))
         return res
-
-
-
-
-
-
 
 
 async def call_with_fallback(candidates: list[Candidate],
