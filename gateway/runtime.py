@@ -13,8 +13,8 @@ during an outage serves its file alone (logged) and joins as a start would once 
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
+import os
 import time
 
 from prometheus_client import Counter

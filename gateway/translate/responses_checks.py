@@ -41,7 +41,7 @@ CHAT_NAMES = {"max_output_tokens": "max_tokens"}
 # ``invalid_value`` naming it.
 VALUES = {
     "truncation": ("auto", "disabled"),
-    "service_tier": ("auto", "default", "flex", "scale", "priority", "fast", "ultrafast"),
+    "service_tier": (*CHAT_VALUES["service_tier"], "ultrafast"),   # chat's, and the Responses types' own
     "prompt_cache_retention": CHAT_VALUES["prompt_cache_retention"],   # the same values as chat's
 }
 # ``include``'s values (the SDK's ``ResponseIncludable``). ``message.output_text.logprobs`` asks for logprobs; the
