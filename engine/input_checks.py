@@ -84,12 +84,14 @@ def dimensions_problem(dimensions: int | None, model_name: str) -> str | None:
 
 
 def check_input(params: SamplingParams, priority: int, *, vocab_size: int, max_logprobs: int,
-                scheduling_policy: str) -> None:
-    """Every rule above for one offline request.
+                scheduling_policy: str) -> SamplingParams:
+    """Every rule above for one offline request; ``params`` as the core takes them (``with_vocab_logprobs``).
 
     Raises:
         ValueError: the first problem's message (it names the field)."""
-    for problem in (priority_problem(priority, scheduling_policy), logprobs_problem(params, max_logprobs, vocab_size),
-                    token_id_problem(params, vocab_size)):
-        if problem is not None:
-            raise ValueError(problem.message)
+    if (problem := priority_problem(priority, scheduling_policy)) is not None:
+        raise ValueError(problem.message)
+    params = with_vocab_logprobs(params, vocab_size, max_logprobs)   # the logprobs rule, checked there
+    if (problem := token_id_problem(params, vocab_size)) is not None:
+        raise ValueError(problem.message)
+    return params

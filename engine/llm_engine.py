@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from engine.config import EngineArgs
 from engine.core.core_loop import start_engine_core
 from engine.core.core_messages import EngineStats  # noqa: F401 - re-exported: the engine's stats type
-from engine.input_checks import check_input, with_vocab_logprobs
+from engine.input_checks import check_input
 from engine.llm_prompts import truncated_prompts
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -71,9 +71,8 @@ class LLMEngine:
         """
         if request_id in self.output_processor:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        check_input(params, priority, vocab_size=self.tokenizer.vocab_size, max_logprobs=self.args.max_logprobs,
-                    scheduling_policy=self.args.scheduling_policy)
-        params = with_vocab_logprobs(params, self.tokenizer.vocab_size, self.args.max_logprobs)
+        params = check_input(params, priority, vocab_size=self.tokenizer.vocab_size,
+                             max_logprobs=self.args.max_logprobs, scheduling_policy=self.args.scheduling_policy)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
         if params.truncate_prompt_tokens is not None:   # vLLM's: the prompt's last N tokens (-1: what fits)
