@@ -44,7 +44,7 @@ from gateway.config.versions import GuardFailed, VersionConflict
 from gateway.rollouts.gates import all_hold, failing, judge
 from gateway.rollouts.parity import report
 from gateway.rollouts.spec import baseline_of, name_problem, rollout_problems
-from gateway.rollouts.store import LIVE, Conflict, RolloutStore
+from gateway.rollouts.store import LIVE, Conflict, RolloutStore, RouteHeld
 from gateway.state import StateUnavailable
 from gateway.tasks import cancel_task
 
@@ -101,6 +101,7 @@ class RolloutController:
         self.active: dict[str, list[dict]] = {}   # route -> running/paused rollouts (the shadow runner reads it)
         self._task: asyncio.Task | None = None
         self._indexed = False                   # the live set checked against every rollout (first tick)
+        self._held: set[str] = set()            # rollouts whose route another holds (warned about once)
 
     # ----- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -162,6 +163,11 @@ class RolloutController:
                 try:
                     r = await self._judge(r, now)
                 except Conflict:              # an operator changed it meanwhile: judged again next tick
+                    continue
+                except RouteHeld as e:        # two holders, started before saves claimed routes: said once
+                    if name not in self._held:
+                        self._held.add(name)
+                        log.warning("rollout %s not judged: %s; abort one of them", name, e)
                     continue
             if r["state"] in LIVE:
                 active.setdefault(r["route"], []).append(r)
@@ -346,7 +352,11 @@ class RolloutController:
             raise RouteBusy(f"route {spec.route!r} is held by rollout {done['name']!r} (promoted): release it "
                             f"first (tandem ctl rollout release {done['name']})")
         r = new_rollout(name, spec, baseline_of(spec, routes[spec.route]), time.time() if now is None else now)
-        await self.store.save(name, r, 0)
+        try:
+            await self.store.save(name, r, 0)
+        except RouteHeld as e:       # started meanwhile on another replica or by another request: the save decides
+            raise RouteBusy(f"route {spec.route!r} already has rollout {e.holder!r}: one rollout steers a route at "
+                            f"a time; abort it or let it finish first") from None
         self._note(r)
         log.info("rollout %s started: %s %s -> %s", name, spec.route, spec.candidate, spec.steps)
         await self._apply_weight(r, force=True)
@@ -382,8 +392,11 @@ class RolloutController:
             weight = 0.0
         elif action == "resume":      # from the last good step (the first, after a rollback from it)
             weight = r["steps"][index]
-        return await self.view(await self._transition(r, now, state, index, weight, f"operator: {action}",
-                                                      apply=not missing))
+        try:
+            new = await self._transition(r, now, state, index, weight, f"operator: {action}", apply=not missing)
+        except RouteHeld as e:         # taken meanwhile (the check above read before another replica saved)
+            raise IllegalAction(f"cannot {action} rollout {name!r}: {e}") from None
+        return await self.view(new)
 
     def _missing(self, r: dict) -> str:
         """Why the live config cannot take rollout ``r``'s split ("" when it can): its route or a target gone."""

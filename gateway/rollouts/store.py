@@ -7,6 +7,9 @@ Keys (prefix ``tandem``, TTL ``KEY_TTL_S`` refreshed on every write):
 - ``<prefix>:rollout:<name>`` (JSON of the rollout, with its ``rev``) and ``<prefix>:rollout-rev:<name>``: a
   change names the revision it was built on and is refused when another replica wrote meanwhile (``save``'s
   compare-and-set, one Lua script);
+- ``<prefix>:rollout-route:<route>``: the rollout that holds the route (running, paused or promoted), set and
+  cleared by the same script, which refuses a save that would make a second holder (``RouteHeld``): two
+  operators starting rollouts on one route at once get one rollout and one refusal, not two;
 - ``<prefix>:rollouts`` (set): the rollout names; ``<prefix>:rollouts-live`` (set): those running or paused,
   the only ones the controller loads each tick (a finished rollout stays readable until its key expires, and
   its name is dropped from the set by the first read that finds the key gone);
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 
+from gateway.config.layers import HOLDING_STATES
 from gateway.config.versions import Guard
 
 KEY_TTL_S = 7 * 24 * 3600
@@ -28,12 +32,15 @@ MAX_RECORDS = 2000
 
 LIVE = ("running", "paused")       # the states the controller acts on (and whose pairs are compared)
 
-# KEYS: state, rev, names set, live set. ARGV: json (holding the new rev: expected + 1), expected rev, name, ttl,
-# live (1/0). Returns the new rev, or -(rev + 1) on conflict. The JSON is stored as Python wrote it (cjson would
-# re-encode its floats to 14 significant digits).
+# KEYS: state, rev, names set, live set, route claim. ARGV: json (holding the new rev: expected + 1), expected rev,
+# name, ttl, live (1/0), holds the route (1/0). Returns {new rev, ''}, {-(rev + 1), ''} on a revision conflict, or
+# {0, holder} when another rollout holds the route. The JSON is stored as Python wrote it (cjson would re-encode
+# its floats to 14 significant digits).
 _SAVE = """
 local rev = tonumber(redis.call('GET', KEYS[2]) or '0')
-if rev ~= tonumber(ARGV[2]) then return -rev - 1 end
+if rev ~= tonumber(ARGV[2]) then return {-rev - 1, ''} end
+local owner = redis.call('GET', KEYS[5])
+if ARGV[6] == '1' and owner and owner ~= ARGV[3] then return {0, owner} end
 rev = rev + 1
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[4])
 redis.call('SET', KEYS[2], rev, 'EX', ARGV[4])
@@ -45,7 +52,12 @@ if ARGV[5] == '1' then
 else
   redis.call('SREM', KEYS[4], ARGV[3])
 end
-return rev
+if ARGV[6] == '1' then
+  redis.call('SET', KEYS[5], ARGV[3], 'EX', ARGV[4])
+elseif owner == ARGV[3] then
+  redis.call('DEL', KEYS[5])
+end
+return {rev, ''}
 """
 
 # KEYS: lease. ARGV: holder, ttl ms. Returns 1 when the caller holds it now.
@@ -87,12 +99,21 @@ class Conflict(Exception):
         self.rev = rev
 
 
+class RouteHeld(Exception):
+    """Another rollout (``holder``) holds the route a save would make this one hold."""
+
+    def __init__(self, route: str, holder: str):
+        super().__init__(f"route {route!r} is held by rollout {holder!r}")
+        self.route, self.holder = route, holder
+
+
 class RolloutStore:
     """Reads and compare-and-set writes of rollouts and parity records on a ``SharedState``."""
 
     def __init__(self, state):
         self.state = state
-        self.mem = state.memory.setdefault("rollouts", {"states": {}, "lease": None, "parity": {}, "dropped": {}})
+        self.mem = state.memory.setdefault("rollouts", {"states": {}, "lease": None, "parity": {}, "dropped": {},
+                                                        "routes": {}})
 
     def _local(self, fallback):
         """The in-process twin of a rollout or lease operation: used without Redis; with Redis configured and
@@ -134,26 +155,41 @@ class RolloutStore:
         return None
 
     async def save(self, name: str, data: dict, rev: int) -> int:
-        """Write ``data`` as built on revision ``rev`` (0: a new rollout); returns the new revision.
+        """Write ``data`` as built on revision ``rev`` (0: a new rollout); returns the new revision. A rollout in a
+        holding state (running, paused, promoted) claims its route in the same step; one that leaves them frees it.
 
         Raises:
-            Conflict: the stored revision is not ``rev``."""
+            Conflict: the stored revision is not ``rev``.
+            RouteHeld: ``data`` holds its route and another rollout holds it already."""
         raw = json.dumps({**data, "rev": rev + 1})
+        route, holds = data["route"], data["state"] in HOLDING_STATES
 
-        def local() -> int:
+        def local() -> list:
             cur = self.mem["states"].get(name)
             have = json.loads(cur)["rev"] if cur else 0
             if have != rev:
-                return -have - 1
+                return [-have - 1, ""]
+            owner = self.mem["routes"].get(route)
+            if holds and owner not in (None, name):
+                return [0, owner]
             self.mem["states"][name] = raw
-            return rev + 1
+            if holds:
+                self.mem["routes"][route] = name
+            elif owner == name:
+                del self.mem["routes"][route]
+            return [rev + 1, ""]
 
-        keys = [self._k("rollout", name), self._k("rollout-rev", name), self._k("rollouts"), self._k("rollouts-live")]
+        keys = [self._k("rollout", name), self._k("rollout-rev", name), self._k("rollouts"), self._k("rollouts-live"),
+                self._k("rollout-route", route)]
         live = "1" if data["state"] in LIVE else "0"
-        new = int(await self.state.run("rollout_save", _SAVE, keys, [raw, rev, name, KEY_TTL_S, live],
-                                       self._local(local)))
+        new, owner = await self.state.run("rollout_save", _SAVE, keys,
+                                          [raw, rev, name, KEY_TTL_S, live, "1" if holds else "0"],
+                                          self._local(local))
+        new = int(new)
         if new < 0:
             raise Conflict(name, -new - 1)
+        if new == 0:
+            raise RouteHeld(route, owner)
         data["rev"] = new
         return new
 

@@ -336,3 +336,29 @@ async def test_a_refused_rollout_body_says_the_validators_sentence():
                                                       "steps": [50, 20]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "steps", r.text
     assert r.json()["error"]["message"] == "steps: steps must be increasing percentages in (0, 100]", r.text
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["redis", "in-process"])
+async def test_rollouts_started_at_once_on_one_route_give_one_rollout(redis_url, shared):
+    # an ops trial: six concurrent POST /admin/rollouts on one route over two replicas all got 201, and six
+    # controllers fought over the split (the busy check read the live rollouts, then saved by name only)
+    state = (f"state: {{redis_url: '{redis_url}', key_prefix: r{uuid.uuid4().hex[:8]}, sync_interval_s: 0.1}}\n"
+             if shared else "")
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        text = two_upstreams(stable, cand, extra=state)
+        async with gateway(text) as (gw_a, url_a, ca), gateway(text) as (gw_b, url_b, cb):
+            clients = [ca, cb] if shared else [ca]
+            answers = await asyncio.gather(*(
+                clients[i % len(clients)].post("/admin/rollouts", json={
+                    "name": f"race{i}", "route": "main", "candidate": "cand", "steps": [5, 50], "hold_s": 60})
+                for i in range(6)))
+            listed = (await ca.get("/admin/rollouts")).json()["rollouts"]
+            winner = next(r["name"] for r in listed)
+            aborted = await ca.post(f"/admin/rollouts/{winner}/abort")
+            again = await clients[-1].post("/admin/rollouts", json={"name": "after", "route": "main",
+                                                                     "candidate": "cand"})
+    assert sorted(a.status_code for a in answers) == [201] + [409] * 5, [a.text for a in answers]
+    assert {a.json()["error"]["code"] for a in answers if a.status_code == 409} == {"route_has_rollout"}
+    assert [r["state"] for r in listed] == ["running"]
+    # the route is free again once the one rollout ends
+    assert aborted.json()["state"] == "aborted" and again.status_code == 201, again.text
