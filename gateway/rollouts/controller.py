@@ -239,7 +239,9 @@ class RolloutController:
             new["final_gates"] = gates
         await self.store.save(r["name"], new, r["rev"])
         self._note(new)
-        log.info("rollout %s: %s (%s)", r["name"], state, reason)
+        # a rollback is news an operator alerts on (as a breaker opening is): a warning; other steps are info
+        log.log(logging.WARNING if state == "rolled_back" else logging.INFO, "rollout %s: %s (%s)", r["name"], state,
+                reason)
         if apply and state not in ("released",):
             try:
                 await self._apply_weight(new, force=True)

@@ -120,7 +120,7 @@ async def test_a_healthy_candidate_is_promoted_by_two_replicas_one_restarted(red
 @pytest.mark.parametrize("fault,gate,limit", [({"status": 500}, "error_rate_max", 0.2),
                                               ({"delay": 0.5}, "ttft_p95_max_ms", 200),
                                               ({"chunks": 6}, "parity_min", 0.99)])
-async def test_a_failing_candidate_is_rolled_back_naming_the_gate(redis_url, fault, gate, limit):
+async def test_a_failing_candidate_is_rolled_back_naming_the_gate(redis_url, fault, gate, limit, caplog):
     gates = f"{{{gate}: {limit}, min_compared: 3}}"
     with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
         cand.set_default(fault)
@@ -133,6 +133,8 @@ async def test_a_failing_candidate_is_rolled_back_naming_the_gate(redis_url, fau
     assert [h["weight"] for h in r["history"]] == [5, 0]
     # the gates shown are the judgement that rolled it back, not an empty judgement of the step it fell back to
     assert r["gates"][gate]["ok"] is False and r["gates"][gate]["value"] is not None
+    # an unattended rollback is a warning, for log-based alerts (an ops trial found it at INFO)
+    assert [x.levelname for x in caplog.records if "r1: rolled_back" in x.getMessage()] == ["WARNING"]
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["redis", "in-process"])
