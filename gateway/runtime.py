@@ -323,6 +323,7 @@ class Gateway:
         except OSError as e:
             raise ConfigError([("", f"cannot read it: {e.strerror}")], self.config_path) from None
         self.config_file.mark()
+        new = None
         try:   # built on the version this replica runs: a newer one it has not seen yet is refused, not undone
             new = load_config_text(text, {}, source=self.config_path)
             if keyless := newly_keyless(self.snapshot.compiled.config, new.config, os.environ):
@@ -334,7 +335,7 @@ class Gateway:
                                                  owners=layered.owners), self.snapshot.version, takes=layered.takes)
         except (ConfigError, RolloutConflict, StateUnavailable) as e:
             log.error("config reload (%s) refused, keeping version %d: %s", source, self.snapshot.version, e)
-            if not isinstance(e, ConfigError):     # it loads: the file status says why it does not run
+            if new is not None:     # it loads (an unset key, a rollout, Redis): the file status says why it waits
                 self.config_file.refused(text, str(e))
             if isinstance(e, StateUnavailable):    # a watched file is applied once Redis answers (the poll retries)
                 self.config_file.unmark()

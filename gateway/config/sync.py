@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 
+from gateway.config.layers import RolloutConflict
 from gateway.config.schema import ConfigError
 from gateway.config.versions import ConfigState, VersionConflict, text_digest
 from gateway.state import StateUnavailable
@@ -47,8 +48,8 @@ async def watch_file(gw) -> None:
                 continue   # touched, not changed: what operators did since stands
             try:
                 await gw.reload("file")
-            except ConfigError:
-                pass       # logged by reload(); the running config stays
+            except (ConfigError, RolloutConflict):
+                pass       # logged by reload(); the running config stays (the file status says why)
             except StateUnavailable:
                 pass       # reload() unmarked the file: applied once Redis answers (skipped while degraded)
             except VersionConflict as e:

@@ -249,3 +249,26 @@ async def test_a_reload_that_changes_nothing_keeps_the_versions_source(tmp_path,
     assert (before["version"], before["source"]) == (2, "weights")
     for answer in (again, reload, reload2):
         assert (answer["version"], answer["source"]) == (2, "weights"), answer
+
+
+async def test_a_watched_edit_that_would_orphan_a_rollout_is_refused_without_a_traceback(tmp_path, caplog):
+    """An ops trial: the watcher's reload refused an edit that took a promoted rollout's candidate out (right),
+    then logged "reload on file change failed" with a RolloutConflict traceback, where SIGHUP and the admin API
+    log the one refusal line."""
+    with upstreams() as (stable, cand):
+        path = tmp_path / "c.yaml"
+        watch = "reload: {watch: true, poll_interval_s: 0.05}\n"
+        path.write_text(text(stable, cand).replace("reload: {watch: false}\n", watch))
+        async with served(path) as (gw, c):
+            assert (await c.post("/admin/rollouts", json=START)).status_code == 201
+            assert (await c.post("/admin/rollouts/r1/promote")).status_code == 200
+            caplog.clear()
+            path.write_text(text(stable, cand, cand_in_file=False).replace("reload: {watch: false}\n", watch))
+            status = ""
+            while not status.startswith("file not applied"):
+                await asyncio.sleep(0.05)
+                status = (await c.get("/admin/config")).json()["file"]["status"]
+    assert "rollout r1" in status, status
+    refusals = [r for r in caplog.records if "refused, keeping version" in r.getMessage()]
+    assert len(refusals) == 1 and refusals[0].exc_info is None
+    assert not [r for r in caplog.records if r.exc_info is not None], [r.getMessage() for r in caplog.records]

@@ -360,7 +360,12 @@ def test_a_reload_that_would_leave_a_backend_keyless_is_refused(upstreams, tmp_p
         r = httpx.post(g.url + "/admin/reload", headers=ADMIN)
         assert r.status_code == 400, r.text
         assert "backends.a.api_key_env" in r.text and "TEST_UPSTREAM_KEYY is unset" in r.text
-        assert admin_config(g)["version"] == version
+        info = admin_config(g)
+        assert info["version"] == version
+        # the file's status says why it does not run (an ops trial read "runtime override active, file differs")
+        assert info["file"]["refused"] is True and info["file"]["status"].startswith(
+            "file not applied (the running version is kept): ") and "TEST_UPSTREAM_KEYY is unset" in \
+            info["file"]["status"], info["file"]
         rsp = httpx.post(g.url + "/v1/chat/completions", headers={"authorization": "Bearer x"},
                          json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]})
         assert rsp.headers["x-tandem-backend"] == "a"
