@@ -271,12 +271,14 @@ def _usage(u: dict | None) -> dict:
     ``input_tokens`` does not (the whole input is ``input_tokens + cache_read_input_tokens +
     cache_creation_input_tokens``), so the cached tokens move from one to the other, never counted twice. Both
     cache fields are always present, 0 when nothing was cached or written, as Anthropic's own answers carry them
-    (clients add them up: ``None`` would break that)."""
+    (clients add them up: ``None`` would break that); the writes are an Anthropic upstream's
+    (``anthropic_answer._usage``: ``cache_creation_input_tokens``, LiteLLM's name in a chat usage)."""
     u = u or {}
     cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    return {"input_tokens": max(int(u.get("prompt_tokens") or 0) - cached, 0),
+    written = int(u.get("cache_creation_input_tokens") or 0)
+    return {"input_tokens": max(int(u.get("prompt_tokens") or 0) - cached - written, 0),
             "output_tokens": int(u.get("completion_tokens") or 0),
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+            "cache_creation_input_tokens": written, "cache_read_input_tokens": cached}
 
 
 def tool_use_id(call_id: str | None) -> str | None:
@@ -289,11 +291,15 @@ def tool_use_id(call_id: str | None) -> str | None:
 def _native_message(native: dict, chat: dict, message_id: str, model: str) -> dict:
     """The Message of a ``type: anthropic`` upstream's answer (``anthropic_answer.NATIVE``) under this request's id
     and model: its blocks, stop and usage as it sent them, its ``tool_use`` ids those of the chat answer's calls in
-    order (a cache hit's are its own: ``gateway/cache/response_cache.py``)."""
+    order (a cache hit's are its own: ``gateway/cache/response_cache.py``); the usage the chat answer's (the gateway's
+    count, estimated) where the upstream's counted nothing."""
     calls = iter(((chat.get("choices") or [{}])[0].get("message") or {}).get("tool_calls") or ())
     content = [{**b, "id": tool_use_id(next(calls, {}).get("id") or b.get("id"))} if b.get("type") == "tool_use"
                else b for b in native.get("content") or () if isinstance(b, dict)]
-    usage = {"cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, **(native.get("usage") or {})}
+    usage = native.get("usage") or {}
+    if usage.get("input_tokens") is None and usage.get("output_tokens") is None:
+        usage = _usage(chat.get("usage"))
+    usage = {"cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, **usage}
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": native.get("stop_reason"), "stop_sequence": native.get("stop_sequence"), "usage": usage}
 

@@ -22,14 +22,23 @@ _FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", 
            "pause_turn": "stop", "refusal": "content_filter"}
 
 
-def _usage(u: dict | None) -> dict:
+def _usage(u: dict | None) -> dict | None:
+    """Anthropic's ``usage`` -> chat's: ``prompt_tokens`` the whole input (``input_tokens`` plus the cache reads and
+    writes), the reads as ``prompt_tokens_details.cached_tokens``, the writes as ``cache_creation_input_tokens``
+    (LiteLLM's name for them in a chat usage; ``anthropic._usage`` gives them back). None when the upstream counted
+    nothing (no ``input_tokens`` or ``output_tokens``): the gateway then counts the answer and marks its record
+    estimated, as for any backend that gives no usage (0 tokens would bill nothing)."""
     u = u or {}
-    prompt = int(u.get("input_tokens") or 0) + int(u.get("cache_read_input_tokens") or 0) \
-        + int(u.get("cache_creation_input_tokens") or 0)
+    if u.get("input_tokens") is None and u.get("output_tokens") is None:
+        return None
+    written = int(u.get("cache_creation_input_tokens") or 0)
+    prompt = int(u.get("input_tokens") or 0) + int(u.get("cache_read_input_tokens") or 0) + written
     out = {"prompt_tokens": prompt, "completion_tokens": int(u.get("output_tokens") or 0)}
     out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
     if u.get("cache_read_input_tokens"):
         out["prompt_tokens_details"] = {"cached_tokens": int(u["cache_read_input_tokens"])}
+    if written:
+        out["cache_creation_input_tokens"] = written
     return out
 
 
@@ -102,9 +111,10 @@ class ChatChunks:
             self.usage.update({k: v for k, v in (ev.get("usage") or {}).items() if v is not None})
             finish = self._event(ChoiceDelta(0, finish_reason=_FINISH.get(d.get("stop_reason"), "stop"),
                                              stop_reason=d.get("stop_sequence")))
-            usage = ChatEvent((), _usage(self.usage), id=self.id, model=self.model, created=0,
-                              object="chat.completion.chunk")
-            return [finish, usage]
+            if (usage := _usage(self.usage)) is None:     # counted by the gateway at the stream's end
+                return [finish]
+            return [finish, ChatEvent((), usage, id=self.id, model=self.model, created=0,
+                                      object="chat.completion.chunk")]
         return []
 
 

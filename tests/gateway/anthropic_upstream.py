@@ -23,7 +23,7 @@ class AnthropicUpstream:
         self.requests: list[tuple[str, dict, dict]] = []
         self.status = 200
         self.content: list[dict] | None = None   # a whole answer's blocks, when set (else text, or text + tool_use)
-        self.usage: dict | None = None            # a whole answer's usage, when set
+        self.usage: dict | None = None            # the answer's usage, when set ({}: none, as a proxy may drop it)
         self._loop = None
 
     def __enter__(self) -> "AnthropicUpstream":
@@ -70,7 +70,7 @@ class AnthropicUpstream:
         content = self._content(body)
         stop = "tool_use" if body.get("tools") else "end_turn"
         msg = {"id": "msg_up", "type": "message", "role": "assistant", "model": body["model"], "content": content,
-               "stop_reason": stop, "stop_sequence": None, "usage": self.usage or USAGE}
+               "stop_reason": stop, "stop_sequence": None, "usage": USAGE if self.usage is None else self.usage}
         if not body.get("stream"):
             return web.json_response(msg)
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -79,8 +79,11 @@ class AnthropicUpstream:
         async def send(name: str, data: dict) -> None:
             await resp.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
 
+        # as Anthropic's: the input (and cache) counts in message_start, the output's in message_delta
+        usage = msg["usage"]
+        start = {**{k: v for k, v in usage.items() if k != "output_tokens"}, "output_tokens": 1} if usage else {}
         await send("message_start", {"type": "message_start", "message": {
-            **msg, "content": [], "stop_reason": None, "usage": {"input_tokens": 7, "output_tokens": 1}}})
+            **msg, "content": [], "stop_reason": None, "usage": start}})
         await send("ping", {"type": "ping"})
         for i, block in enumerate(content):
             if block["type"] == "thinking":
@@ -108,7 +111,7 @@ class AnthropicUpstream:
                                                        "delta": {"type": "input_json_delta", "partial_json": piece}})
             await send("content_block_stop", {"type": "content_block_stop", "index": i})
         await send("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
-                                     "usage": {"output_tokens": 2}})
+                                     "usage": {"output_tokens": usage["output_tokens"]} if usage else {}})
         await send("message_stop", {"type": "message_stop"})
         await resp.write_eof()
         return resp

@@ -367,9 +367,31 @@ async def test_an_anthropic_upstreams_whole_answer_reaches_the_client_as_it_was(
                 streamed = await stream.get_final_message()
     assert [b.model_dump(exclude_none=True) for b in msg.content] == blocks
     assert [b.model_dump(exclude_none=True) for b in streamed.content] == blocks   # streamed: the same blocks
+    # and the same usage (a trial's stream folded the cache writes into input_tokens, and said 0 of them)
+    assert streamed.usage.model_dump(exclude_none=True) == usage
     assert msg.usage.model_dump(exclude_none=True) == usage and msg.stop_reason == "tool_use"
     assert msg.id.startswith("msg_gw-") and msg.model == "m1"
     assert (rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens) == (131, 100, 4)
+
+
+async def test_an_anthropic_upstream_that_counts_nothing_is_billed_the_gateways_count(up, monkeypatch):
+    """A migration trial: an Anthropic upstream answering without ``usage`` (a proxy that drops it) was billed 0
+    tokens, $0, not marked estimated, so a tenant's budget never moved; as for an OpenAI upstream that gives no
+    usage, the gateway counts the prompt and the answer, the record says estimated, and the client gets the count."""
+    monkeypatch.setenv("TEST_ANTHROPIC_KEY", "sk-ant-upstream")
+    with AnthropicUpstream() as claude:
+        claude.usage = {}
+        async with gateway(anthropic_config(claude, up)) as (gw, client, _):
+            req = {"model": "m1", "max_tokens": 30, "messages": [{"role": "user", "content": "say hello to claude"}]}
+            msg = await client.messages.create(**req)
+            async with client.messages.stream(**req) as stream:
+                streamed = await stream.get_final_message()
+            recs = await records(gw, 2)
+    assert {(r.backend, r.estimated) for r in recs.values()} == {("claude", True)}
+    assert all(r.prompt_tokens > 0 and r.completion_tokens > 0 and r.nusd > 0 for r in recs.values()), recs
+    counts = {(r.prompt_tokens, r.completion_tokens) for r in recs.values()}
+    assert counts == {(msg.usage.input_tokens, msg.usage.output_tokens)}, (counts, msg.usage)
+    assert streamed.usage.output_tokens == msg.usage.output_tokens > 0
 
 
 async def test_a_chat_request_for_a_model_only_anthropic_backends_serve_is_a_404_saying_why(up, monkeypatch):
