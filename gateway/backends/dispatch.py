@@ -15,6 +15,7 @@ from gateway.errors import BackendError
 from gateway.resilience.attempts import Candidate, Result, UpstreamResponse
 from gateway.resilience.layer import Resilience
 from gateway.resilience.ratelimit import RateReservation
+from gateway.translate.chat_to_anthropic import chat_to_messages
 from gateway.values import Answer, ChatStream, GatewayRequest
 from policies import Target
 
@@ -41,8 +42,6 @@ def passthrough_body(backend, target: Target, req: GatewayRequest, body: dict) -
 
 
 def _payload(backend, target: Target, req: GatewayRequest):
-    if backend.kind == "anthropic":     # Anthropic's own API: the client's Messages body, passed through
-        return passthrough_body(backend, target, req, req.anthropic_body)
     body = dict(req.body)
     body["model"] = backend.upstream_model(req.public_model, target.model)
     for k in GATEWAY_ONLY_FIELDS:       # the local engine gets the priority as an argument
@@ -70,11 +69,17 @@ def _client_headers(backend, req: GatewayRequest) -> dict[str, str]:
 async def _attempt(backend, target: Target, req: GatewayRequest, handover=None):
     if api := native_api(backend, req):          # the client's own request, on the API it was made on
         return await backend.send(api, passthrough_body(backend, target, req, req.source[1]), req.request_id)
-    payload = _payload(backend, target, req)
-    # the local engine takes the request value (priority, routing's rendering, the answer's id and model) and
-    # the hand-over's checkpoint
-    args = (req, payload, handover) if backend.kind == "local" else (req.endpoint, payload, req.request_id,
-                                                                      _client_headers(backend, req))
+    if backend.kind == "anthropic":    # Anthropic's API: the client's Messages body, or its chat body translated
+        if req.anthropic_body is not None:
+            api, payload = "messages", passthrough_body(backend, target, req, req.anthropic_body)
+        else:
+            model = backend.upstream_model(req.public_model, target.model)
+            api, payload = "chat/completions", msgspec.json.encode(chat_to_messages(req.body, model))
+        args = (api, payload, req.request_id, _client_headers(backend, req))
+    elif backend.kind == "local":      # the request value (priority, routing's rendering, the answer's id and
+        args = (req, _payload(backend, target, req), handover)   # model) and the hand-over's checkpoint
+    else:
+        args = (req.endpoint, _payload(backend, target, req), req.request_id, _client_headers(backend, req))
     return await (backend.open_stream if req.stream else backend.send)(*args)
 
 
@@ -110,8 +115,8 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
             skipped.append(f"{target.id}: {backend.unavailable_reason if backend else 'unknown backend'}")
         elif backend.kind == "local" and req.local_unsupported:
             skipped.append(f"{target.id}: local engine does not support {req.local_unsupported}")
-        elif backend.kind == "anthropic" and req.anthropic_body is None:
-            skipped.append(f"{target.id}: an anthropic backend serves only /v1/messages")
+        elif backend.kind == "anthropic" and (refusal := backend.refusal(req)) is not None:
+            skipped.append(f"{target.id}: {refusal[1]}")
         else:
             candidates.append(resilience.candidate(target, backend))
 

@@ -161,6 +161,11 @@ class LocalBackend:
         """The provider label of records and metrics: ``tandem``, whatever the backend's name."""
         return "tandem"
 
+    def refusal(self, req: GatewayRequest) -> tuple[str, str] | None:
+        """None: the engine takes every endpoint; a field it does not serve (``serves``) is refused by
+        ``pipeline.upstream_only_error``, which knows whether an upstream of the route would take it."""
+        return None
+
     def serves(self, req: GatewayRequest) -> bool:
         """Whether the engine can serve ``req``: not when it carries a field the engine does not serve
         (``GatewayRequest.local_unsupported``)."""

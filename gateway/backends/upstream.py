@@ -228,6 +228,11 @@ class UpstreamBackend:
         """Whether this backend can serve ``req`` (a ``GatewayRequest``): an upstream takes every field."""
         return True
 
+    def refusal(self, req) -> tuple[str, str] | None:
+        """Why this backend cannot take ``req`` at all, as ``(param, reason)`` (None: it can; an OpenAI-compatible
+        upstream takes every endpoint and field)."""
+        return None
+
     def stream_timeouts(self, deadline_s: float) -> tuple[float | None, float | None]:
         """(first token, between chunks) timeouts in seconds: the configured ones (``deadline_s`` unused)."""
         t = self.cfg.timeouts

@@ -290,18 +290,24 @@ def _uncalled(decision) -> dict[str, str]:
 
 
 def endpoint_error(req: GatewayRequest, decision, backends: Mapping) -> ClientError | None:
-    """OpenAI's 404 for a model its endpoint cannot reach: every target ``decision`` left is a backend that speaks
-    another API only (a ``type: anthropic`` backend takes ``/v1/messages`` alone). A trial's chat and Responses
-    requests for such a model got a bare 503 "No backend of this route is available" (the reason in the log)."""
-    if req.anthropic_body is not None or not decision.attempts:
+    """The refusal of a request every target ``decision`` left is a backend that cannot take (``refusal``): a
+    ``type: anthropic`` backend takes chat completions (translated) and ``/v1/messages``, so a ``/v1/completions``
+    request is OpenAI's 404 for a model its endpoint cannot reach (a trial's requests for such a model got a bare
+    503 "No backend of this route is available", the reason in the log), and a chat request asking for what
+    Anthropic's API cannot give (``n`` > 1, ``logprobs``...) a 400 naming that field. None when a target can."""
+    if not decision.attempts:
         return None
     names = list(dict.fromkeys(a.backend for a in decision.attempts))
-    only = [n for n in names if (b := backends.get(n)) is not None and tuple(b.endpoints) == ("messages",)]
-    if len(only) < len(names):
+    refusals = [r for n in names if (b := backends.get(n)) is not None and (r := b.refusal(req)) is not None]
+    if len(refusals) < len(names):
         return None
-    return ClientError(404, f"model '{req.public_model or req.model}' is served on route '{decision.route}' only by "
-                       f"backends that speak Anthropic's Messages API ({', '.join(only)}): send it to /v1/messages",
-                       param="model", code="model_not_found", headers=_uncalled(decision))
+    param, reason = refusals[0]
+    where = f"model '{req.public_model or req.model}' is served on route '{decision.route}' only by {', '.join(names)}"
+    if req.endpoint not in backends[names[0]].endpoints:
+        return ClientError(404, f"{where}, which speak Anthropic's Messages API: {reason}", param="model",
+                           code="model_not_found", headers=_uncalled(decision))
+    return ClientError(400, f"{where}: {reason}", param=param, code="unsupported_parameter",
+                       headers=_uncalled(decision))
 
 
 def upstream_only_error(field: str, decision, route, upstreams: Mapping[str, str],

@@ -332,13 +332,18 @@ async def test_anthropic_backend_gets_the_messages_body_natively(up, monkeypatch
             msg = await client.messages.create(**req)
             assert msg.content[0].text == "hello from up"
             assert up.calls == 1
-        # a chat request is never sent to an anthropic backend
+        # a chat request is translated for it (tests/gateway/http/test_chat_on_anthropic.py), one it cannot take
+        # (n > 1) goes to the fallback
+        claude.status = 200
         async with gateway(anthropic_config(claude, up)) as (gw, _, url):
             async with httpx.AsyncClient() as h:
                 r = await h.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
                                  json={"model": "m1", "messages": [{"role": "user", "content": "x"}]})
-            assert r.status_code == 200 and r.headers["x-tandem-backend"] == "up"
-            assert len(claude.requests) == 3
+                two = await h.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
+                                   json={"model": "m1", "n": 2, "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 200 and r.headers["x-tandem-backend"] == "claude"
+            assert two.status_code == 200 and two.headers["x-tandem-backend"] == "up"
+            assert len(claude.requests) == 4
 
 
 async def test_an_anthropic_upstreams_whole_answer_reaches_the_client_as_it_was(up, monkeypatch):
@@ -394,19 +399,19 @@ async def test_an_anthropic_upstream_that_counts_nothing_is_billed_the_gateways_
     assert streamed.usage.output_tokens == msg.usage.output_tokens > 0
 
 
-async def test_a_chat_request_for_a_model_only_anthropic_backends_serve_is_a_404_saying_why(up, monkeypatch):
-    """A trial's chat and Responses requests for such a model got 503 "No backend of this route is available"
-    (the reason only in the log): OpenAI's 404 for a model its endpoint cannot reach, naming /v1/messages."""
+async def test_a_completions_request_for_a_model_only_anthropic_backends_serve_is_a_404_saying_why(up, monkeypatch):
+    """A trial's requests for such a model got 503 "No backend of this route is available" (the reason only in the
+    log): OpenAI's 404 for a model its endpoint cannot reach, naming what the backend takes (chat completions and
+    /v1/messages, not /v1/completions)."""
     monkeypatch.setenv("TEST_ANTHROPIC_KEY", "sk-ant-upstream")
     with AnthropicUpstream() as claude:
         cfg = anthropic_config(claude, up).replace("    fallbacks: [{backend: up}]\n", "")
         async with gateway(cfg) as (gw, client, url):
             oai = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
-            for call in (lambda: oai.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}]),
-                         lambda: oai.responses.create(model="m1", input="x")):
-                with pytest.raises(openai.NotFoundError) as e:
-                    await call()
-                assert e.value.body["param"] == "model" and "send it to /v1/messages" in e.value.body["message"]
+            with pytest.raises(openai.NotFoundError) as e:
+                await oai.completions.create(model="m1", prompt="x")
+            assert e.value.body["param"] == "model" and "serves chat completions and /v1/messages, not " \
+                "/v1/completions" in e.value.body["message"], e.value.body
             msg = await client.messages.create(model="m1", max_tokens=5, messages=[{"role": "user", "content": "x"}])
             await oai.close()
     assert msg.content[0].text == "hello from claude" and up.calls == 0

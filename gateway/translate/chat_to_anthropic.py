@@ -1,0 +1,191 @@
+"""Chat completions -> Anthropic's Messages API: a chat request (or a Responses one, which the gateway translates
+onto chat) sent to a ``type: anthropic`` backend, as LiteLLM translates one for Claude
+(https://docs.litellm.ai/docs/providers/anthropic). The answer comes back through the backend's own reading of
+Anthropic's answers (``anthropic_answer.py``), as for a ``/v1/messages`` request.
+
+- ``system`` and ``developer`` messages -> ``system`` (their texts joined by a blank line, wherever they stand);
+  ``user`` text and ``image_url`` parts -> text and image blocks (a ``data:`` URL as a base64 source, another as
+  a ``url`` source); an assistant's text and ``tool_calls`` -> text and ``tool_use`` blocks (the arguments parsed
+  into ``input``); ``tool`` messages -> one user turn of ``tool_result`` blocks; turns of one role in a row are
+  joined into one, as Anthropic's turns alternate.
+- ``tools`` -> ``{name, description, input_schema}``; ``tool_choice`` auto / none / required / a named function
+  -> ``auto`` / ``none`` / ``any`` / ``tool``; ``parallel_tool_calls: false`` -> ``disable_parallel_tool_use``.
+- ``max_completion_tokens`` or ``max_tokens`` -> ``max_tokens`` (Anthropic requires one: ``DEFAULT_MAX_TOKENS``
+  when the request and its route set none); ``stop`` -> ``stop_sequences``; ``user`` -> ``metadata.user_id``;
+  ``temperature``, ``top_p``, ``top_k`` and ``stream`` as they are; a ``json_schema`` ``response_format`` ->
+  ``output_config.format``.
+- OpenAI-platform hints that change nothing the upstream answers (``metadata``, ``store``, ``service_tier``,
+  ``stream_options``: Anthropic's stream always counts) are dropped, and so is a field at its "not asked" value
+  (``n: 1``, ``logprobs: false``, a penalty of 0, ``modalities: ["text"]``). Anything else (``n`` > 1,
+  ``logprobs``, ``seed``, penalties, ``logit_bias``, audio, a ``json_object`` format, a part other than text or
+  an image, the legacy ``functions``) is ``untranslatable``: the backend is skipped for that request, and a route
+  with no other target answers 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+
+from gateway.errors import error_body
+
+# Anthropic requires max_tokens; a chat request may set none (LiteLLM's default for Anthropic models).
+DEFAULT_MAX_TOKENS = 4096
+
+_MAPPED = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+                     "stop", "stream", "tools", "tool_choice", "parallel_tool_calls", "user", "response_format"})
+_DROPPED = frozenset({"metadata", "store", "service_tier", "stream_options", "prompt_cache_key",
+                      "safety_identifier", "priority"})   # priority: the gateway's own (dispatch.GATEWAY_ONLY_FIELDS)
+_NOT_ASKED = {"n": (1,), "logprobs": (False,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+              "modalities": (["text"],)}
+_CHOICE = {"auto": {"type": "auto"}, "none": {"type": "none"}, "required": {"type": "any"}}
+
+
+def untranslatable(body: dict) -> tuple[str, str] | None:
+    """The first thing of a chat ``body`` (parsed, validated) that Anthropic's Messages API cannot take, as
+    ``(param, reason)``; None when the whole body translates."""
+    for k, v in body.items():
+        if k not in _MAPPED and k not in _DROPPED and v not in _NOT_ASKED.get(k, ()):
+            return k, f"Anthropic's Messages API has no counterpart of {k!r}"
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") not in ("text", "json_schema"):
+        return "response_format", f"Anthropic's Messages API takes a json_schema format, not {rf.get('type')!r}"
+    for i, m in enumerate(body.get("messages") or ()):
+        if m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            return f"messages[{i}].role", f"Anthropic's Messages API has no {m.get('role')!r} messages"
+        if isinstance(m.get("content"), list):
+            for j, part in enumerate(m["content"]):
+                if part.get("type") not in ("text", "refusal", "image_url"):
+                    return (f"messages[{i}].content[{j}].type",
+                            f"Anthropic's Messages API takes text and image parts, not {part.get('type')!r}")
+    for i, t in enumerate(body.get("tools") or ()):
+        if t.get("type") != "function":
+            return f"tools[{i}].type", f"Anthropic's Messages API takes function tools, not {t.get('type')!r}"
+    tc = body.get("tool_choice")
+    if isinstance(tc, dict) and tc.get("type") != "function":
+        return "tool_choice", f"Anthropic's Messages API has no tool_choice of type {tc.get('type')!r}"
+    return None
+
+
+def _text(content) -> str:
+    """The text of a message's ``content`` (a string, or parts whose text ones count)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text") or p.get("refusal") or "" for p in content or () if p.get("type") != "image_url")
+
+
+def _image(url: str) -> dict:
+    """An ``image_url`` part's URL -> Anthropic's image block: a ``data:`` URL's base64 data, else the URL."""
+    if url.startswith("data:") and "," in url:
+        head, data = url[5:].split(",", 1)
+        return {"type": "image", "source": {"type": "base64", "media_type": head.split(";")[0], "data": data}}
+    return {"type": "image", "source": {"type": "url", "url": url}}
+
+
+def _blocks(content) -> list[dict]:
+    """A user or assistant message's ``content`` -> Anthropic's content blocks (empty text left out: Anthropic
+    refuses it)."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if content else []
+    out = []
+    for p in content or ():
+        if p.get("type") == "image_url":
+            out.append(_image((p.get("image_url") or {}).get("url") or ""))
+        elif text := p.get("text") or p.get("refusal"):
+            out.append({"type": "text", "text": text})
+    return out
+
+
+def _input(arguments) -> dict:
+    """A tool call's ``arguments`` (a JSON string) -> the ``tool_use`` block's ``input`` object ({} when they are
+    not an object: Anthropic requires one)."""
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) and arguments else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _turns(messages: list[dict]) -> tuple[list[str], list[dict]]:
+    """Chat messages -> (system texts, Anthropic turns: user and assistant alternating)."""
+    system: list[str] = []
+    turns: list[dict] = []
+    for m in messages:
+        role = m.get("role")
+        if role in ("system", "developer"):
+            if text := _text(m.get("content")):
+                system.append(text)
+            continue
+        if role == "tool":
+            blocks = [{"type": "tool_result", "tool_use_id": m.get("tool_call_id"), "content": _text(m.get("content"))}]
+            role = "user"
+        else:
+            blocks = _blocks(m.get("content"))
+            for call in m.get("tool_calls") or () if role == "assistant" else ():
+                fn = call.get("function") or {}
+                blocks.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
+                               "input": _input(fn.get("arguments"))})
+        if not blocks:
+            continue
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"].extend(blocks)
+        else:
+            turns.append({"role": role, "content": blocks})
+    return system, turns
+
+
+def _tool_choice(body: dict) -> dict | None:
+    tc, parallel = body.get("tool_choice"), body.get("parallel_tool_calls")
+    if isinstance(tc, dict):
+        out = {"type": "tool", "name": (tc.get("function") or {}).get("name")}
+    elif isinstance(tc, str):
+        out = dict(_CHOICE[tc])
+    elif parallel is False and body.get("tools"):
+        out = {"type": "auto"}
+    else:
+        return None
+    if parallel is False and out["type"] != "none":
+        out["disable_parallel_tool_use"] = True
+    return out
+
+
+def chat_to_messages(body: dict, model: str) -> dict:
+    """A chat completions body (parsed, validated, ``untranslatable`` None) -> the Messages body for ``model`` (the
+    upstream's name), as the module's docstring maps it."""
+    system, turns = _turns(body["messages"])
+    out: dict = {"model": model, "messages": turns,
+                 "max_tokens": body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS}
+    if system:
+        out["system"] = "\n\n".join(system)
+    for k in ("temperature", "top_p", "top_k", "stream"):
+        if body.get(k) is not None:
+            out[k] = body[k]
+    if (stop := body.get("stop")) is not None:
+        out["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+    if isinstance(body.get("user"), str):
+        out["metadata"] = {"user_id": body["user"]}
+    if body.get("tools"):
+        out["tools"] = [{"name": fn.get("name"), "input_schema": fn.get("parameters") or {"type": "object"},
+                         **({"description": fn["description"]} if fn.get("description") else {})}
+                        for fn in (t.get("function") or {} for t in body["tools"])]
+    if (tc := _tool_choice(body)) is not None:
+        out["tool_choice"] = tc
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") == "json_schema":
+        out["output_config"] = {"format": {"type": "json_schema",
+                                           "schema": (rf.get("json_schema") or {}).get("schema") or {}}}
+    return out
+
+
+def openai_error(status: int, content: bytes) -> bytes:
+    """An Anthropic upstream's error body (``{"type": "error", "error": {"type", "message"}}``) as OpenAI's error
+    JSON for a chat client (its message kept, its type as OpenAI names the status's); another body as it is."""
+    try:
+        obj = msgspec.json.decode(content)
+    except msgspec.DecodeError:
+        return content
+    err = obj.get("error") if isinstance(obj, dict) and obj.get("type") == "error" else None
+    if not isinstance(err, dict) or not isinstance(err.get("message"), str):
+        return content
+    return error_body(status, err["message"], code=err.get("type") if isinstance(err.get("type"), str) else None)
