@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import itertools
 import logging
@@ -51,9 +50,10 @@ class LLM:
             logger.warning("%s", note)   # capped" is (logging's last-resort handler); never configured on import
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
-        if self.engine.core.executor is not None:   # other ranks: stopped at exit if the script did not (their
-            ref = weakref.ref(self)                  # collective would fail as the process ends, logged)
-            atexit.register(lambda: (llm := ref()) is not None and llm.shutdown())
+        if self.engine.core.executor is not None:   # other ranks: stopped when this LLM is dropped or at exit,
+            # if the script did not (their collective would fail as the process ends, logged; a second
+            # tensor-parallel LLM in a notebook after `del llm` found the first one's group, vLLM's frees it)
+            weakref.finalize(self, self.engine.core.close)
 
     @property
     def tokenizer(self):

@@ -28,7 +28,6 @@ from engine.core.core_messages import EngineCoreOutput, EngineStats
 from engine.worker.token_restrictions import resolved_for_model
 from engine.worker.grammar_compiler import grammar_limits
 from engine.distributed.parallel_state import RankFailure
-from engine.worker.step_inputs import STOP
 from engine.outputs import Logprob
 from engine.pooling import PoolingParams, model_pooling_params
 from engine.core.core_setup import start_core
@@ -225,6 +224,9 @@ class EngineCore:
             self.spec_decoder.propose(self.scheduler.running)
         if self.failure is not None:
             raise RankFailure(self.failure)
+        if self.executor is not None and self.executor.closed:
+            raise RuntimeError("this engine was shut down (LLM.shutdown()): its tensor-parallel ranks are gone; "
+                               "create a new LLM")
         sched = self._schedule()
         if sched.is_empty:
             return []
@@ -266,20 +268,12 @@ class EngineCore:
 
     def close(self) -> None:
         """Release what outlives a step: the KV events publisher's thread and sockets, and the other
-        tensor-parallel ranks (stopped; the group left). Once done, a no-op."""
+        tensor-parallel ranks (``MultiprocExecutor.stop``: the group left). Once done, a no-op."""
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.shutdown()
             self.kv_event_publisher = None
-        if self.executor is None or self.executor.closed:
-            return
-        tp = self.model_runner.tp
-        if self.executor.failure is None:
-            try:
-                tp.broadcast_ints(STOP)
-            except Exception:  # noqa: BLE001 - a rank gone already: the executor kills the rest
-                pass
-        self.executor.shutdown()
-        tp.close()
+        if self.executor is not None:
+            self.executor.stop(self.model_runner.tp)
 
     def _calibrate(self, started: float, prefill_tokens: int, decode_rows: int, quad: float, chunks: int,
                    steps: int = 1) -> None:

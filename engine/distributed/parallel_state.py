@@ -47,6 +47,8 @@ class TensorParallelGroup:
             waits ``COLLECTIVE_TIMEOUT_S`` for a rank.
         cpu_group: a gloo group for the step inputs the driver broadcasts, which waits as long as the
             engine idles (a group's timeout bounds every wait in it, a rank's wait for the next step too).
+        interrupted: the driver left a step's collectives in the middle (a KeyboardInterrupt, Ctrl-C in a
+            script): the other ranks wait in them, never for another broadcast, so the group cannot step again.
     """
 
     rank: int
@@ -55,6 +57,8 @@ class TensorParallelGroup:
     device: torch.device
     device_group: object
     cpu_group: object
+    interrupted: bool = False     # the driver left a step in the middle (KeyboardInterrupt): see ``EngineCore.close``
+    left: bool = False            # ``close`` done
 
     @classmethod
     def join(cls, rank: int, world_size: int, local_rank: int, device: torch.device,
@@ -147,6 +151,8 @@ class TensorParallelGroup:
         return int(t.item())
 
     def close(self) -> None:
-        """Leave the world (a no-op once left)."""
-        if dist.is_initialized():
+        """Leave the world (a no-op once left: a dropped engine's finalizer must not end the world a newer engine
+        of this process formed since)."""
+        if not self.left and dist.is_initialized():
             dist.destroy_process_group()
+        self.left = True

@@ -146,6 +146,23 @@ class MultiprocExecutor:
         for proc in self.procs.values():
             proc.wait()
 
+    def stop(self, tp) -> None:
+        """Stop the ranks and leave the group ``tp`` (``TensorParallelGroup``; a no-op once left, so a new engine
+        may form one): after clean steps they are told to stop and waited for (``shutdown``); failed ranks, or
+        ranks a step was interrupted in (``tp.interrupted``), are killed at once: they wait in that step's
+        collectives, never for the stop (an engine trial's Ctrl-C in a script hung 300 s, gloo's timeout)."""
+        from engine.worker.step_inputs import STOP
+
+        if not self.closed and self.failure is None and not tp.interrupted:
+            try:
+                tp.broadcast_ints(STOP)
+            except Exception:  # noqa: BLE001 - a rank gone already: shutdown kills the rest
+                pass
+            self.shutdown()
+        elif not self.closed:
+            self.kill()
+        tp.close()
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Wait up to ``timeout_s`` for the ranks to leave (the driver told them to stop), then kill the rest."""
         self.closed = True
@@ -163,9 +180,13 @@ def start_driver(args, device):
         RuntimeError, ValueError: the group could not be formed (the ranks started are killed).
     """
     import torch
+    import torch.distributed as dist
 
     from engine.distributed.parallel_state import TensorParallelGroup
 
+    if dist.is_initialized():     # torch.distributed's one world per process ("initialize ... twice" otherwise)
+        raise RuntimeError("another tensor-parallel engine is alive in this process: shut it down first "
+                           "(LLM.shutdown(), or drop every reference to that LLM)")
     if args.node_rank != 0:
         raise ValueError("only host 0 (node_rank 0) drives the engine; the others run `tandem engine serve "
                          "--node-rank k`, which serves no requests")

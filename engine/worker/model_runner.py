@@ -440,11 +440,17 @@ class ModelRunner:
         if self.tp is None:
             hidden, logits = self.run(inputs)
         else:
+            if self.tp.interrupted:
+                raise RankFailure("an earlier tensor-parallel step was interrupted (KeyboardInterrupt): the ranks "
+                                  "stopped inside it; start a new engine")
             try:
                 self.tp.broadcast_ints(STEP, *inputs.to_wire())
                 hidden, logits = self.run(inputs)
             except Exception as exc:
                 raise RankFailure(f"tensor-parallel step failed: {type(exc).__name__}: {exc}") from exc
+            except BaseException:     # Ctrl-C mid-step: the other ranks wait in its collectives from now on
+                self.tp.interrupted = True
+                raise
         if hidden is None:
             return ModelRunnerOutput(logits=torch.empty(0, self.config.vocab_size, dtype=torch.float32,
                                                         device=self.device))

@@ -157,3 +157,40 @@ def test_a_ranks_end_is_logged_for_what_it_is(caplog):
                                  "ranks); stopping", False),
                      ("ERROR", "tensor-parallel rank 1 failed: a 4-bit weight with act-order cannot be split", False),
                      ("ERROR", "tensor-parallel rank 1 failed", True)]
+
+
+def test_an_interrupted_step_frees_its_ranks_and_a_dropped_engine_its_group(tmp_path):
+    """An engine trial: Ctrl-C in a script's tensor-parallel ``generate`` hung its exit 300 s (the stop waited for
+    rank 1, which waited in the interrupted step's all-reduce until gloo's timeout), ``del llm`` kept the ranks
+    and the process group (a second tensor-parallel LLM: "initialize the default process group twice"), and
+    ``generate`` after ``shutdown()`` met torch's "Group ... is not registered"."""
+    from engine.distributed.parallel_state import RankFailure
+
+    _save(tmp_path, "llama_llama3")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = _llm(tmp_path, 2)
+    expected = llm.generate(["hello there"], params)[0].outputs[0].token_ids
+    runner = llm.engine.model_runner
+    real_run = runner.run
+
+    def interrupted(inputs):      # the ranks entered the step (its inputs broadcast); the driver leaves it
+        raise KeyboardInterrupt
+
+    runner.run = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["hello there"], params)
+    runner.run = real_run
+    with pytest.raises(RankFailure, match="interrupted"):      # said at once, never a wait in a collective
+        llm.generate(["again"], params)
+    procs = list(llm.engine.core.executor.procs.values())
+    del llm, runner, real_run                                 # the finalizer leaves the group
+    two = _llm(tmp_path, 2)                                   # so a new engine forms its own
+    try:
+        again = two.generate(["hello there"], params)[0].outputs[0].token_ids
+        two.shutdown()
+        with pytest.raises(RuntimeError, match="was shut down"):
+            two.generate(["hello there"], params)
+    finally:
+        two.shutdown()
+    assert again == expected
+    assert all(p.poll() is not None for p in procs)          # the interrupted engine's ranks were killed
