@@ -208,10 +208,10 @@ async def test_a_guarded_push_waits_on_the_rollouts_revision_alike(shared, redis
     ledger = RedisLedger(redis_url, prefix) if shared else MemoryLedger()
     try:
         v1 = await ledger.push(ConfigState("a: 1\n"), None)
-        rev = await store.save("r1", {"state": "running"}, 0)
+        rev = await store.save("r1", {"state": "running", "route": "ro"}, 0)
         split = ConfigState("a: 1\n", {"ro": {"cand": 25.0, "stable": 75.0}}, "weights")
         assert await ledger.push(split, v1, store.guard("r1", rev)) == v1 + 1
-        await store.save("r1", {"state": "aborted"}, rev)                  # ended meanwhile
+        await store.save("r1", {"state": "aborted", "route": "ro"}, rev)   # ended meanwhile
         with pytest.raises(GuardFailed):
             await ledger.push(ConfigState("a: 1\n", {"ro": {"cand": 50.0, "stable": 50.0}}, "weights"), v1 + 1,
                               store.guard("r1", rev))

@@ -129,11 +129,12 @@ def test_budget_reservation_lua_and_python_twins_agree(redis_url, ops):
                           st.sampled_from(["running", "running", "paused", "promoted", "rolled_back", "aborted"]),
                           st.sampled_from([0, 0, 0, -1, 1]), st.floats(0, 1)), min_size=1, max_size=25))
 def test_rollout_save_lua_and_python_twins_agree(redis_url, ops):
-    """The rollout store's compare-and-set save (``_SAVE``): revisions, conflicts, the names and live sets, and the
-    rollout read back exactly as written (times in microseconds, a gate's value at full float precision)."""
+    """The rollout store's compare-and-set save (``_SAVE``): revisions, conflicts, the route's one holder (both
+    rollouts are on one route), the names and live sets, and the rollout read back exactly as written (times in
+    microseconds, a gate's value at full float precision)."""
     from gateway.config.schema import RolloutConfig
     from gateway.rollouts.controller import _moved, new_rollout
-    from gateway.rollouts.store import Conflict, RolloutStore
+    from gateway.rollouts.store import Conflict, RolloutStore, RouteHeld
 
     spec = RolloutConfig(route="main", candidate="cand", steps=[5, 50, 100], hold_s=1)
 
@@ -151,6 +152,8 @@ def test_rollout_save_lua_and_python_twins_agree(redis_url, ops):
                 out.append(await store.save(name, data, max(rev + rev_off, 0)))
             except Conflict as e:
                 out.append(("conflict", e.rev))
+            except RouteHeld as e:
+                out.append(("held", e.holder))
             out.append((await store.load(name), await store.names(), await store.live_names()))
         return out
 
