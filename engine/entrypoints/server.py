@@ -370,7 +370,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     ``engine.config.add_engine_cli_args``), vLLM's positional ``MODEL``, plus ``--host``, ``--port``,
     ``--uvicorn-log-level``, ``--drain-timeout``, ``--max-request-body-bytes`` and vLLM's ``--api-key``,
     ``--enable-log-requests`` / ``--disable-log-requests``, ``--max-log-len``, ``--trust-remote-code``."""
-    from engine.config import add_engine_cli_args, flag_type, non_negative_seconds, parse_size, tcp_port
+    from engine.arg_values import flag_type, non_negative_seconds, parse_size, tcp_port
+    from engine.config import add_engine_cli_args
 
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model, as `vllm serve MODEL` takes it: the same as --model")

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from engine.config import parse_size
+from engine.arg_values import parse_size
 from gateway.config.backend_schema import Backend, Prices
 from gateway.config.strict import StrictModel
 

@@ -182,6 +182,17 @@ def test_a_number_given_as_text_is_said_to_be_no_number(field):
         SamplingParams(**{field: "0.5"})
 
 
+@pytest.mark.parametrize("field,value,said", [("tensor_parallel_size", "2", "an integer"),
+                                              ("max_num_seqs", True, "an integer"),
+                                              ("gpu_memory_utilization", "0.5", "a number")])
+def test_an_engine_argument_of_another_type_is_named(field, value, said):
+    """``LLM(tensor_parallel_size="2")`` (an engine trial) met ``'>=' not supported between 'str' and 'int'``."""
+    from engine.config import EngineArgs
+
+    with pytest.raises(ValueError, match=f"^{field} must be {said}, got {value!r}$"):
+        EngineArgs(**{field: value})
+
+
 def test_outputs_and_names_as_vllm_has_them(llm):
     """vLLM's ``CompletionOutput.finished()`` is a method (a property here made a script's call a TypeError),
     ``llm.chat(...)[0].prompt`` the rendered conversation (None here), ``llm.llm_engine`` the engine."""
@@ -195,8 +206,9 @@ def test_outputs_and_names_as_vllm_has_them(llm):
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     """vLLM's ``SamplingParams(truncate_prompt_tokens=N)`` (a trial's ported script: a TypeError here): the
-    prompt's last N tokens, bitwise the answer to those tokens alone; -1 keeps what fits; 0, -2, more than
-    ``max_model_len`` or a string refused as the OpenAI server refuses them."""
+    prompt's last N tokens, bitwise the answer to those tokens alone; -1 keeps what fits; 0, -2 or a string refused
+    by ``SamplingParams`` itself, as vLLM's refuses them (an engine trial: taken until ``generate``), more than
+    ``max_model_len`` as the OpenAI server refuses it."""
     text = "The quick brown fox jumps over the lazy dog near the river bank"
     ids = llm.get_tokenizer().encode(text, add_special_tokens=True)
     cut = llm.generate(text, SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=5, logprobs=1))[0]
@@ -206,10 +218,11 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     long = llm.generate({"prompt_token_ids": [ids[0]] * (MAX_MODEL_LEN + 40)},
                         SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=MAX_MODEL_LEN - 1))[0]
     assert len(long.prompt_token_ids) == MAX_MODEL_LEN - 1
-    for keep, said in ((0, "at least 1, got 0"), (-2, "below minimum value"),
-                       (MAX_MODEL_LEN + 1, "is greater than max_model_len")):
-        with pytest.raises(ValueError, match=said):
-            llm.generate(text, SamplingParams(max_tokens=1, truncate_prompt_tokens=keep))
-    with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer"):
-        SamplingParams(truncate_prompt_tokens="5")
+    with pytest.raises(ValueError, match="is greater than max_model_len"):
+        llm.generate(text, SamplingParams(max_tokens=1, truncate_prompt_tokens=MAX_MODEL_LEN + 1))
+    for keep in (0, -2, "5"):
+        with pytest.raises(ValueError, match=r"truncate_prompt_tokens must be an integer >= 1, or -1 .*got"):
+            SamplingParams(max_tokens=1, truncate_prompt_tokens=keep)
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[-2\*\*63, 2\*\*64 - 1\]"):
+        SamplingParams(seed=2 ** 64)           # the server's range (an engine trial: taken offline)
     assert not llm.engine.has_unfinished_requests()
