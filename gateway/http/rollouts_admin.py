@@ -17,7 +17,6 @@ from gateway.rollouts.spec import name_problem
 from gateway.rollouts.store import Conflict
 
 
-
 @get("/admin/rollouts")
 async def list_rollouts(request: Request) -> Response:
     return _json({"rollouts": await _gw(request).rollouts.list()})
@@ -39,6 +38,7 @@ async def start_rollout(request: Request) -> Response:
     except pydantic.ValidationError as e:
         path, problem = validation_problems(e)[0]
         raise ClientError(400, f"{path}: {problem}", param=path or None) from None
+    lowered = share_lowered(gw, name, spec)      # the split before the rollout sets its first step
     try:
         view = await gw.rollouts.create(name, spec)
     except RolloutSpecError as e:
@@ -49,7 +49,7 @@ async def start_rollout(request: Request) -> Response:
         existing = await gw.rollouts.store.load(name)
         raise ClientError(409, name_taken(name, existing["state"] if existing else None), param="name",
                           code="rollout_exists") from None
-    view = {**view, "warnings": await candidate_down(gw, name, spec)}
+    view = {**view, "warnings": lowered + await candidate_down(gw, name, spec)}
     return Response(msgspec.json.encode(view), status_code=201, media_type="application/json")
 
 
@@ -63,6 +63,20 @@ def name_taken(name: str, state: str | None) -> str:
     else:
         todo = f"a name stays with its rollout's record: {other}"
     return f"a rollout named {name!r} exists{f' ({state})' if state else ''}; {todo}"
+
+
+def share_lowered(gw, name: str, spec: RolloutConfig) -> list[str]:
+    """The warning for a rollout that starts its candidate below the share it has now (an ops trial's canary at
+    100 % went to 50 % without a word): the first step sets the split, whatever it was. [] when it does not lower
+    it (or the route is unknown: the create refuses that)."""
+    route = gw.snapshot.compiled.policy.routes.get(spec.route)
+    weights = {t.id: t.weight for t in route.targets} if route is not None else {}
+    total = sum(weights.values())
+    share = 100 * weights.get(spec.candidate, 0.0) / total if total else 0.0
+    if share <= spec.steps[0] + 1e-9:
+        return []
+    return [f"rollouts.{name}: its candidate {spec.candidate!r} had {share:g} % of route {spec.route!r}; the rollout "
+            f"starts it at its first step, {spec.steps[0]:g} %"]
 
 
 async def candidate_down(gw, name: str, spec: RolloutConfig) -> list[str]:

@@ -364,3 +364,19 @@ async def test_rollouts_started_at_once_on_one_route_give_one_rollout(redis_url,
     assert [r["state"] for r in listed] == ["running"]
     # the route is free again once the one rollout ends
     assert aborted.json()["state"] == "aborted" and again.status_code == 201, again.text
+
+
+async def test_a_rollout_that_starts_its_candidate_lower_says_so():
+    # an ops trial: a rollout started on a canary an operator had at 12 % (and another at 100 %) set it to the first
+    # step's 5 % without a word; the split is the rollout's from its first step, and its answer now says so
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        async with gateway(two_upstreams(stable, cand)) as (gw, url, c):
+            await c.post("/admin/weights", json={"route": "main", "weights": {"cand": 12, "stable": 88}})
+            lowered = await c.post("/admin/rollouts", json={"name": "r1", "route": "main", "candidate": "cand",
+                                                            "steps": [5, 100], "hold_s": 60})
+            await c.post("/admin/rollouts/r1/abort")
+            raised = await c.post("/admin/rollouts", json={"name": "r2", "route": "main", "candidate": "cand",
+                                                           "steps": [50, 100], "hold_s": 60})
+    assert lowered.status_code == 201 and lowered.json()["warnings"] == [
+        "rollouts.r1: its candidate 'cand' had 12 % of route 'main'; the rollout starts it at its first step, 5 %"]
+    assert raised.status_code == 201 and raised.json()["warnings"] == []
