@@ -36,8 +36,10 @@ def reserved_completion_tokens(req: GatewayRequest, cfg) -> int:
 
 
 def estimate_nusd(cfg, targets, prompt_tokens: int, completion_tokens: int) -> int:
-    """Upper estimate of a request's cost, nano-USD: ``prompt_tokens`` and ``completion_tokens``
-    (``reserved_completion_tokens``) at the highest input and output prices among ``targets``."""
+    """Estimate of a request's cost, nano-USD: ``prompt_tokens`` and ``completion_tokens``
+    (``reserved_completion_tokens``) at the highest input and output prices among ``targets``. Not a bound: an
+    estimated prompt (~4 characters a token) can be shorter than an upstream's count with its template (an ops
+    trial: 10 reserved, 15 billed); the settle after the answer bills the real count."""
     best = Price()
     for t in targets:
         b = cfg.backends.get(t.backend)
@@ -80,7 +82,8 @@ async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: Usa
         spent = (check.spent_nusd + check.reserved_nusd) / NANO
         raise ClientError(
             429, f"Budget exceeded: tenant '{tenant_label(req.tenant)}' has used {format_usd(spent)} of its "
-                 f"{format_usd(budget.usd)} {PERIOD_ADJECTIVE[budget.period]} budget (this request may cost up to "
-                 f"{format_usd(est / NANO)}).",
+                 f"{format_usd(budget.usd)} {PERIOD_ADJECTIVE[budget.period]} budget (this request is estimated "
+                 f"at {format_usd(est / NANO)}: its prompt counted roughly, its max_tokens in full, at its targets' "
+                 "highest prices).",
             code="budget_exceeded", headers={"retry-after": str(int(check.resets_in_s) + 1)})
     return Admission(tokens, rl.reservation, check.reservation, budget, rl.headers())
