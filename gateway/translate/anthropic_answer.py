@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from gateway.sse import EventReader
-from gateway.values import DONE, ChatEvent, ChatStream, ChoiceDelta, ToolCallDelta
+from gateway.values import DONE, MALFORMED, ChatEvent, ChatStream, ChoiceDelta, ToolCallDelta
 
 _FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls",
            "pause_turn": "stop", "refusal": "content_filter"}
@@ -71,12 +71,14 @@ class ChatChunks:
         self.id, self.model = "", ""
         self.usage: dict = {}
         self.tools: dict[int, int] = {}      # content block index -> tool call index
+        self.argued: set[int] = set()        # tool blocks whose arguments have had a character
 
     def _event(self, choice: ChoiceDelta) -> ChatEvent:
         return ChatEvent((choice,), id=self.id, model=self.model, created=0, object="chat.completion.chunk")
 
     def event(self, ev: dict) -> list[ChatEvent]:
-        """The events one Anthropic event makes (none for ``ping``, block ends and ``message_stop``)."""
+        """The events one Anthropic event makes (none for ``ping``, ``message_stop`` and block ends, but that of a
+        tool call which streamed no input: its ``"{}"``)."""
         kind = ev.get("type")
         if kind == "message_start":
             msg = ev.get("message") or {}
@@ -103,9 +105,16 @@ class ChatChunks:
             if d.get("type") == "signature_delta" and d.get("signature"):
                 return [self._event(ChoiceDelta(0, reasoning_signature=d["signature"]))]
             if d.get("type") == "input_json_delta" and ev.get("index") in self.tools:
+                if d.get("partial_json"):
+                    self.argued.add(ev["index"])
                 call = ToolCallDelta(self.tools[ev["index"]], arguments=d.get("partial_json", ""))
                 return [self._event(ChoiceDelta(0, tool_calls=(call,)))]
             return []
+        if kind == "content_block_stop" and ev.get("index") in self.tools and ev["index"] not in self.argued:
+            # a call without input streams no JSON: its arguments are "{}", as OpenAI's and the whole answer's
+            self.argued.add(ev["index"])
+            call = ToolCallDelta(self.tools[ev["index"]], arguments="{}")
+            return [self._event(ChoiceDelta(0, tool_calls=(call,)))]
         if kind == "message_delta":
             d = ev.get("delta") or {}
             self.usage.update({k: v for k, v in (ev.get("usage") or {}).items() if v is not None})
@@ -131,8 +140,9 @@ async def chat_events(events: AsyncIterator[bytes]) -> ChatStream:
                 try:
                     ev = msgspec.json.decode(item[1])
                 except msgspec.DecodeError:
-                    continue
-                if not isinstance(ev, dict):
+                    ev = None
+                if not isinstance(ev, dict):     # judged as an OpenAI upstream's is (a trial's was dropped silently)
+                    out.append(MALFORMED)
                     continue
                 if ev.get("type") == "error":
                     err = ev.get("error") or {}

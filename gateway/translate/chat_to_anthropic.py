@@ -7,19 +7,23 @@ Anthropic's answers (``anthropic_answer.py``), as for a ``/v1/messages`` request
   ``user`` text and ``image_url`` parts -> text and image blocks (a ``data:`` URL as a base64 source, another as
   a ``url`` source); an assistant's text and ``tool_calls`` -> text and ``tool_use`` blocks (the arguments parsed
   into ``input``); ``tool`` messages -> one user turn of ``tool_result`` blocks; turns of one role in a row are
-  joined into one, as Anthropic's turns alternate.
+  joined into one, as Anthropic's turns alternate; a conversation opening with the assistant gets a placeholder
+  user turn first (``PLACEHOLDER_TURN``), and a final assistant text (a prefill) loses its trailing whitespace
+  (Anthropic refuses both as they are).
 - ``tools`` -> ``{name, description, input_schema}``; ``tool_choice`` auto / none / required / a named function
   -> ``auto`` / ``none`` / ``any`` / ``tool``; ``parallel_tool_calls: false`` -> ``disable_parallel_tool_use``.
 - ``max_completion_tokens`` or ``max_tokens`` -> ``max_tokens`` (Anthropic requires one: ``DEFAULT_MAX_TOKENS``
-  when the request and its route set none); ``stop`` -> ``stop_sequences``; ``user`` -> ``metadata.user_id``;
+  when the request and its route set none); ``stop`` -> ``stop_sequences`` (those of whitespace alone left out:
+  Anthropic refuses them, LiteLLM drops them); ``user`` -> ``metadata.user_id``;
   ``temperature``, ``top_p``, ``top_k`` and ``stream`` as they are; a ``json_schema`` ``response_format`` ->
   ``output_config.format``.
 - OpenAI-platform hints that change nothing the upstream answers (``metadata``, ``store``, ``service_tier``,
   ``stream_options``: Anthropic's stream always counts) are dropped, and so is a field at its "not asked" value
-  (``n: 1``, ``logprobs: false``, a penalty of 0, ``modalities: ["text"]``). Anything else (``n`` > 1,
-  ``logprobs``, ``seed``, penalties, ``logit_bias``, audio, a ``json_object`` format, a part other than text or
-  an image, the legacy ``functions``) is ``untranslatable``: the backend is skipped for that request, and a route
-  with no other target answers 400 naming the field.
+  (``n: 1``, ``logprobs: false``, ``top_logprobs: 0``, a penalty of 0, ``logit_bias: {}``, ``modalities:
+  ["text"]``). Anything else (``n`` > 1, ``logprobs``, ``seed``, penalties, ``logit_bias``, ``reasoning_effort``,
+  audio, a ``json_object`` format, a part other than text or an image, the legacy ``functions``, a
+  ``temperature`` above Anthropic's 1, a conversation with no user or assistant content) is ``untranslatable``:
+  the backend is skipped for that request, and a route with no other target answers 400 naming the field.
 """
 
 from __future__ import annotations
@@ -37,8 +41,11 @@ _MAPPED = frozenset({"model", "messages", "max_tokens", "max_completion_tokens",
                      "stop", "stream", "tools", "tool_choice", "parallel_tool_calls", "user", "response_format"})
 _DROPPED = frozenset({"metadata", "store", "service_tier", "stream_options", "prompt_cache_key",
                       "safety_identifier", "priority"})   # priority: the gateway's own (dispatch.GATEWAY_ONLY_FIELDS)
-_NOT_ASKED = {"n": (1,), "logprobs": (False,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-              "modalities": (["text"],)}
+_NOT_ASKED = {"n": (1,), "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0),
+              "frequency_penalty": (0, 0.0), "logit_bias": ({},), "modalities": (["text"],)}
+# a conversation that opens with the assistant (a greeting shown before the user spoke) gets this user turn first:
+# Anthropic's turns begin with the user's (LiteLLM's modify_params placeholder)
+PLACEHOLDER_TURN = {"role": "user", "content": [{"type": "text", "text": "."}]}
 _CHOICE = {"auto": {"type": "auto"}, "none": {"type": "none"}, "required": {"type": "any"}}
 
 
@@ -48,6 +55,8 @@ def untranslatable(body: dict) -> tuple[str, str] | None:
     for k, v in body.items():
         if k not in _MAPPED and k not in _DROPPED and v not in _NOT_ASKED.get(k, ()):
             return k, f"Anthropic's Messages API has no counterpart of {k!r}"
+    if isinstance(t := body.get("temperature"), (int, float)) and t > 1:
+        return "temperature", f"Anthropic's temperature is at most 1, got {t}"
     rf = body.get("response_format")
     if isinstance(rf, dict) and rf.get("type") not in ("text", "json_schema"):
         return "response_format", f"Anthropic's Messages API takes a json_schema format, not {rf.get('type')!r}"
@@ -65,6 +74,8 @@ def untranslatable(body: dict) -> tuple[str, str] | None:
     tc = body.get("tool_choice")
     if isinstance(tc, dict) and tc.get("type") != "function":
         return "tool_choice", f"Anthropic's Messages API has no tool_choice of type {tc.get('type')!r}"
+    if not _turns(body.get("messages") or [])[1]:
+        return "messages", "Anthropic's Messages API needs a user or assistant message with content"
     return None
 
 
@@ -76,10 +87,13 @@ def _text(content) -> str:
 
 
 def _image(url: str) -> dict:
-    """An ``image_url`` part's URL -> Anthropic's image block: a ``data:`` URL's base64 data, else the URL."""
+    """An ``image_url`` part's URL -> Anthropic's image block: a ``data:`` URL's base64 data (``image/jpg``, which
+    browsers write, as Anthropic's ``image/jpeg``), else the URL."""
     if url.startswith("data:") and "," in url:
         head, data = url[5:].split(",", 1)
-        return {"type": "image", "source": {"type": "base64", "media_type": head.split(";")[0], "data": data}}
+        media = head.split(";")[0]
+        return {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg" if media == "image/jpg"
+                                            else media, "data": data}}
     return {"type": "image", "source": {"type": "url", "url": url}}
 
 
@@ -132,6 +146,15 @@ def _turns(messages: list[dict]) -> tuple[list[str], list[dict]]:
             turns[-1]["content"].extend(blocks)
         else:
             turns.append({"role": role, "content": blocks})
+    if turns and turns[0]["role"] == "assistant":
+        turns.insert(0, PLACEHOLDER_TURN)
+    if turns and turns[-1]["role"] == "assistant" and turns[-1]["content"][-1]["type"] == "text":
+        last = turns[-1]["content"][-1]      # a prefill: Anthropic refuses one ending in whitespace
+        last["text"] = last["text"].rstrip()
+        if not last["text"]:
+            turns[-1]["content"].pop()
+            if not turns[-1]["content"]:
+                turns.pop()
     return system, turns
 
 
@@ -161,12 +184,14 @@ def chat_to_messages(body: dict, model: str) -> dict:
     for k in ("temperature", "top_p", "top_k", "stream"):
         if body.get(k) is not None:
             out[k] = body[k]
-    if (stop := body.get("stop")) is not None:
-        out["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+    # Anthropic refuses a stop sequence of whitespace alone ("\n", common with OpenAI's): left out, as LiteLLM does
+    if stops := [s for s in ([body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or ())
+                 if s.strip()]:
+        out["stop_sequences"] = stops
     if isinstance(body.get("user"), str):
         out["metadata"] = {"user_id": body["user"]}
     if body.get("tools"):
-        out["tools"] = [{"name": fn.get("name"), "input_schema": fn.get("parameters") or {"type": "object"},
+        out["tools"] = [{"name": fn.get("name"), "input_schema": {"type": "object", **(fn.get("parameters") or {})},
                          **({"description": fn["description"]} if fn.get("description") else {})}
                         for fn in (t.get("function") or {} for t in body["tools"])]
     if (tc := _tool_choice(body)) is not None:

@@ -106,8 +106,9 @@ class AnthropicUpstream:
             else:
                 await send("content_block_start", {"type": "content_block_start", "index": i, "content_block": {
                     "type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}})
-                args = json.dumps(block["input"])
-                for piece in (args[:len(args) // 2], args[len(args) // 2:]):
+                # a call without input streams one empty piece, as Anthropic's does
+                args = json.dumps(block["input"]) if block["input"] else ""
+                for piece in (args[:len(args) // 2], args[len(args) // 2:]) if args else ("",):
                     await send("content_block_delta", {"type": "content_block_delta", "index": i,
                                                        "delta": {"type": "input_json_delta", "partial_json": piece}})
             await send("content_block_stop", {"type": "content_block_stop", "index": i})

@@ -173,3 +173,56 @@ async def test_an_anthropic_error_reaches_a_chat_client_in_openais_format(claude
             await client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}])
         await client.close()
     assert e.value.body["message"] == "injected" and e.value.body["type"] == "invalid_request_error", e.value.body
+
+
+async def test_conversations_openai_takes_become_bodies_claude_takes(claude, up):
+    # a second trial against a strict fake Messages API: stop=["\n"] (common with OpenAI's) and a greeting before
+    # the user spoke reached Claude as they were and were refused; a prefill's trailing space too; a tool without
+    # "type" in its parameters; a data:image/jpg URL
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "string"}}}}}
+    async with gateway(only_claude(claude, up)) as (gw, _, url):
+        client = oai(url)
+        await client.chat.completions.create(
+            model="m1", max_tokens=10, stop=["\n", " ", "END"], tools=[tool], messages=[
+                {"role": "system", "content": "s"}, {"role": "assistant", "content": "Hi, how can I help?"},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/jpg;base64,{PNG}"}}]},
+                {"role": "assistant", "content": "Sure: "}])
+        sent = claude.requests[-1][2]
+        await client.chat.completions.create(model="m1", max_tokens=10, stop="\n",
+                                             messages=[{"role": "user", "content": "x"}])
+        no_stops = claude.requests[-1][2]
+        calls = len(claude.requests)
+        refused = {}
+        for name, extra in {"temperature": {"temperature": 1.5, "messages": [{"role": "user", "content": "x"}]},
+                            "messages": {"messages": [{"role": "system", "content": "only a system prompt"}]}}.items():
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(model="m1", **extra)
+            refused[name] = e.value.body
+        taken = await client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}],
+                                                     top_logprobs=0, logit_bias={})
+        await client.close()
+    assert sent["stop_sequences"] == ["END"] and "stop_sequences" not in no_stops
+    assert [t["role"] for t in sent["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert sent["messages"][0] == {"role": "user", "content": [{"type": "text", "text": "."}]}
+    assert sent["messages"][2]["content"][0]["source"]["media_type"] == "image/jpeg"
+    assert sent["messages"][3]["content"] == [{"type": "text", "text": "Sure:"}]
+    assert sent["tools"][0]["input_schema"] == {"type": "object", "properties": {"a": {"type": "string"}}}
+    assert len(claude.requests) == calls + 1 and taken.choices[0].message.content == "hello from claude"
+    assert {k: (b["param"], b["code"]) for k, b in refused.items()} == {
+        "temperature": ("temperature", "unsupported_parameter"), "messages": ("messages", "unsupported_parameter")}
+
+
+async def test_a_streamed_call_without_input_has_empty_object_arguments(claude, up):
+    # the trial's streamed call of a tool without parameters ended with arguments "" (json.loads fails on it);
+    # the whole answer and OpenAI's say "{}"
+    claude.content = [{"type": "tool_use", "id": "toolu_p", "name": "ping", "input": {}}]
+    ping = {"type": "function", "function": {"name": "ping"}}
+    async with gateway(only_claude(claude, up)) as (gw, _, url):
+        client = oai(url)
+        async with client.chat.completions.stream(model="m1", tools=[ping],
+                                                  messages=[{"role": "user", "content": "ping"}]) as s:
+            streamed = (await s.get_final_completion()).choices[0].message.tool_calls
+        whole = (await client.chat.completions.create(model="m1", tools=[ping], messages=[
+            {"role": "user", "content": "ping"}])).choices[0].message.tool_calls
+        await client.close()
+    assert [c.function.arguments for c in streamed] == [c.function.arguments for c in whole] == ["{}"]

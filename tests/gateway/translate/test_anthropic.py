@@ -16,6 +16,7 @@ from gateway.translate.anthropic import MessageEvents, chat_to_message, message_
 from gateway.translate.anthropic_render import anthropic_error
 from gateway.translate.anthropic_answer import chat_events, message_to_chat
 from gateway.translate.chat_events import ChatEncoder, decode_stream
+from gateway.values import MALFORMED
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -241,6 +242,18 @@ def test_native_events_read_as_chat_chunks():
     assert objs[1]["choices"][0]["delta"] == {"content": "hi"}
     assert objs[2]["choices"][0]["finish_reason"] == "stop" and objs[2]["choices"][0]["stop_reason"] == "END"
     assert objs[3]["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+
+
+def test_a_malformed_native_event_is_judged_not_dropped():
+    # a trial's upstream sent `data: {not json` mid-stream: the text it carried was lost and the stream ended
+    # "stop" with [DONE]; an OpenAI upstream's malformed event is judged by the attempt loop (an error event)
+    raw = [b'event: message_start\ndata: {"type": "message_start", "message": {"id": "x", "model": "c"}}\n\n',
+           b"event: content_block_delta\ndata: {not json\n\n"]
+
+    async def run():
+        return [ev for batch in [b async for b in chat_events(_aiter(raw))] for ev in batch]
+
+    assert asyncio.run(run())[-1] is MALFORMED
 
 
 def test_error_bodies_in_anthropics_format():
