@@ -6,8 +6,10 @@ States (Nygard, "Release It!"; the LiteLLM "cooldown" of a deployment is the ope
   buckets). It opens when the failure rate reaches ``failure_rate`` over at least ``min_requests`` outcomes,
   or after ``consecutive_failures`` failures in a row, or at once on an upstream 429 / a 503 with Retry-After.
 - open: requests are refused until ``open_until``. The cooldown is ``open_s``, or the upstream's ``Retry-After``
-  when that is longer; a 429 without Retry-After cools down ``rate_limit_cooldown_s``; a 429 with Retry-After
-  cools down exactly that long. ``open_until`` only ever moves later: a later, shorter cooldown never cuts a
+  when that is longer; a 429 without Retry-After cools down ``rate_limit_cooldown_s``; a 429 or a 503 with
+  Retry-After cools down exactly that long (the upstream said when it is back: a Tandem engine replica restarting
+  answers 503 ``engine_loading`` with ``Retry-After: 5``, and a scale-out trial's replica got no traffic for the
+  30 s of ``open_s`` after it had loaded). ``open_until`` only ever moves later: a later, shorter cooldown never cuts a
   longer one short. Retry-After is capped at ``max_cooldown_s``.
 - half-open: after ``open_until`` at most ``half_open_probes`` probe requests are let through at a time (a probe
   that never reports is forgotten after ``probe_timeout_s``); ``success_to_close`` successes close the breaker,
@@ -274,7 +276,7 @@ class Breakers:
         cfg = self._cfg(target)
         now = now_ms() if now is None else now
         trip = (not success) and (status == 429 or (status == 503 and retry_after_s is not None))
-        if status == 429:
+        if trip:
             cooldown = retry_after_s if retry_after_s is not None else cfg.rate_limit_cooldown_s
         else:
             cooldown = max(cfg.open_s, retry_after_s or 0.0)

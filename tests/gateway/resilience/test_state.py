@@ -157,6 +157,10 @@ async def test_429_cooldowns_only_move_later(state):
     # a 503 with a long Retry-After extends it
     s = await br.record(t, False, status=503, retry_after_s=120, now=T0 + 6000)
     assert s.open_until_ms == T0 + 126_000
+    # a 503 with a short one (a restarting engine replica's engine_loading: Retry-After 5) cools down that long, not
+    # open_s (a scale-out trial's replica got no traffic for 30 s after it had loaded)
+    s = await Breakers(state, BreakerSettings(open_s=30)).record("rep/m", False, status=503, retry_after_s=5, now=T0)
+    assert s.state == "open" and s.open_until_ms == T0 + 5000
 
 
 async def test_breaker_is_shared_between_replicas(redis_url):
