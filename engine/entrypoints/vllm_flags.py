@@ -62,6 +62,10 @@ VLLM_FLAGS = (
              "the model is a local path: nothing is downloaded"),
     VllmFlag(("--download-dir",), True, None, "the model is a local path: nothing is downloaded"),
     VllmFlag(("--kv-cache-dtype",), True, _ok("auto"), "the KV cache is kept in the model's dtype"),
+    VllmFlag(("--prefix-caching-hash-algo",), True, _ok("sha256"),
+             "a block's hash is this engine's sha256 chain (engine/core/kv_cache_manager.py), which its KV events "
+             "carry; vLLM's other algorithms (sha256_cbor, xxhash: for an indexer that hashes tokens itself, as "
+             "llm-d's precise prefix cache does) are not made here"),
     VllmFlag(("--tokenizer-mode",), True, _ok("auto", "hf"), "the model's tokenizer.json (or GGUF vocabulary) is used"),
     VllmFlag(("--pipeline-parallel-size", "-pp"), True, _ok("1"), "the model is split by tensor parallelism only"),
     VllmFlag(("--data-parallel-size", "-dp"), True, _ok("1"),

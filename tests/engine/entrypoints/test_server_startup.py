@@ -152,6 +152,7 @@ def cli_server(tiny_model, tmp_path_factory):
                   "--api-key", API_KEY, "--enable-log-requests", "--trust-remote-code", "--enforce-eager",
                   "--disable-log-stats", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                   "--kv-cache-dtype", "auto", "-pp", "1", "--tokenizer", tiny_model,
+                  "--prefix-caching-hash-algo", "sha256",   # vLLM's default (a scale-out trial's command line)
                   # a trial's production command line's (each stopped the server at "unrecognized arguments")
                   "--disable-custom-all-reduce", "--distributed-executor-backend", "mp",
                   "--max-seq-len-to-capture", "8192", "--preemption-mode", "recompute", "--async-scheduling",
@@ -277,6 +278,7 @@ def test_serve_flags_refuse_what_vllm_would_not_take(tmp_path, capsys, caplog):
                           (["--reasoning-parser", "deepseek_r1"], "reasoning is not split out"),
                           (["--tokenizer", str(tmp_path / "other")], "the model's own"),
                           (["--kv-cache-dtype", "fp8"], "(taken: auto)"),
+                          (["--prefix-caching-hash-algo", "sha256_cbor"], "are not made here"),
                           (["--trust-request-chat-template"], "is refused")):
         caplog.clear()
         assert run_server(parser.parse_args([str(tmp_path / "a.gguf"), *flags])) == 2, flags
