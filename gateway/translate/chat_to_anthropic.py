@@ -80,10 +80,11 @@ def untranslatable(body: dict) -> tuple[str, str] | None:
 
 
 def _text(content) -> str:
-    """The text of a message's ``content`` (a string, or parts whose text ones count)."""
+    """The text of a message's ``content`` (a string, or its text parts joined by a newline, as the engine's chat
+    rendering and vLLM's join them)."""
     if isinstance(content, str):
         return content
-    return "".join(p.get("text") or p.get("refusal") or "" for p in content or () if p.get("type") != "image_url")
+    return "\n".join(p.get("text") or p.get("refusal") or "" for p in content or () if p.get("type") != "image_url")
 
 
 def _image(url: str) -> dict:

@@ -184,7 +184,8 @@ async def test_conversations_openai_takes_become_bodies_claude_takes(claude, up)
         client = oai(url)
         await client.chat.completions.create(
             model="m1", max_tokens=10, stop=["\n", " ", "END"], tools=[tool], messages=[
-                {"role": "system", "content": "s"}, {"role": "assistant", "content": "Hi, how can I help?"},
+                {"role": "system", "content": [{"type": "text", "text": "s1"}, {"type": "text", "text": "s2"}]},
+                {"role": "assistant", "content": "Hi, how can I help?"},
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/jpg;base64,{PNG}"}}]},
                 {"role": "assistant", "content": "Sure: "}])
         sent = claude.requests[-1][2]
@@ -202,6 +203,7 @@ async def test_conversations_openai_takes_become_bodies_claude_takes(claude, up)
                                                      top_logprobs=0, logit_bias={})
         await client.close()
     assert sent["stop_sequences"] == ["END"] and "stop_sequences" not in no_stops
+    assert sent["system"] == "s1\ns2"                # parts joined as the engine's rendering joins them
     assert [t["role"] for t in sent["messages"]] == ["user", "assistant", "user", "assistant"]
     assert sent["messages"][0] == {"role": "user", "content": [{"type": "text", "text": "."}]}
     assert sent["messages"][2]["content"][0]["source"]["media_type"] == "image/jpeg"
