@@ -213,6 +213,22 @@ class Observability:
 
         return attempt
 
+    def resumed(self, request_id: str, failed: str, backend: str) -> None:
+        """Request ``request_id``'s stream, cut on backend ``failed``, goes on from ``backend``
+        (``gateway/resilience/resume.py``): that call's attempt is a ``stream_interrupted`` one in the log line's
+        ``failed_attempts``, the cut counts in ``tandem_stream_errors_total`` of ``failed``, and the request is
+        ``backend``'s (which finished it) in its record and metrics. A scale-out trial's replica died mid-stream with
+        every count saying ``ok`` and the request credited to it."""
+        rec = self._active.get(request_id)
+        if rec is None:
+            return
+        for i in range(len(rec.attempts) - 1, -1, -1):
+            if rec.attempts[i].backend == failed and rec.attempts[i].outcome == "ok":
+                rec.attempts[i].outcome = "stream_interrupted"
+                break
+        self.metrics.child(self.metrics.stream_errors, rec.model or "unknown", failed).inc()
+        rec.backend = backend
+
     def on_attempt(self, rec: RequestRecord, a: AttemptRecord, span=None) -> None:
         """One upstream call ended: record it, meter it, end its CLIENT span."""
         rec.attempts.append(a)

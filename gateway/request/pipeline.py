@@ -210,7 +210,8 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
                                handover)
         if resume is not None and answer.stream is not None:
             again = _continuation(snap, gw.resilience, decision.attempts, hook)
-            answer.stream = resumable(answer.stream, answer.backend, resume, req, again)
+            answer.stream = resumable(answer.stream, answer.backend, resume, req, again,
+                                      lambda failed, backend: gw.obs.resumed(request_id, failed, backend))
         if cache is not None:
             answer = gw.cache.keep(cache, answer)
     answer.headers = {"x-tandem-route": decision.route, "x-tandem-rule": decision.rule,

@@ -68,10 +68,12 @@ def _with(req: GatewayRequest, updates: dict) -> GatewayRequest:
 
 
 async def resumable(stream: ChatStream, backend: str, plan: ResumePlan, req: GatewayRequest,
-                    call: Callable[[GatewayRequest, list[str]], Awaitable]) -> ChatStream:
+                    call: Callable[[GatewayRequest, list[str]], Awaitable],
+                    on_resumed: Callable[[str, str], None] = lambda failed, backend: None) -> ChatStream:
     """``stream`` (a committed answer from ``backend``) as the client sees it, resumed after an interruption by
     ``call(continuation, backends that failed)`` (the dispatch's ``forward`` on the route's other targets) at most
-    ``plan.attempts`` times."""
+    ``plan.attempts`` times; ``on_resumed(the backend cut, the one going on)`` is told each time (observability's
+    ``resumed``)."""
     tokens: dict[int, list[int]] = {}
     finished: set[int] = set()
     failed, left = [backend], plan.attempts
@@ -106,6 +108,7 @@ async def resumable(stream: ChatStream, backend: str, plan: ResumePlan, req: Gat
             return
         log.info("request %s: stream resumed on %s after %s tokens (%s failed)", req.request_id, answer.backend,
                  sum(len(t) for t in tokens.values()), ", ".join(failed))
+        on_resumed(failed[-1], answer.backend)
         failed.append(answer.backend)
         stream = answer.stream
 

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 
+import httpx
 import openai
 import pytest
 
@@ -26,10 +27,11 @@ def replicas(tmp_path_factory):
     yield from engine_replicas(tmp_path_factory, NAMES)
 
 
-def config(replicas) -> str:
+def config(replicas, log_path=None) -> str:
     backends = "".join(f"  {n}:\n    type: openai\n    base_url: {s.base_url}/v1\n    models: {{tiny: bench}}\n"
                        f"    max_model_len: 4096\n" for n, s in replicas.items())
-    return ("reload: {watch: false}\nobservability:\n  logs: {requests: false}\n"
+    logs = f"{{destination: '{log_path}'}}" if log_path else "{requests: false}"
+    return (f"reload: {{watch: false}}\nobservability:\n  logs: {logs}\n"
             "resilience:\n  breaker: {consecutive_failures: 1, open_s: 60}\n  health: {interval_s: 0}\n"
             f"models:\n  - name: tiny\nbackends:\n{backends}"
             "routes:\n  replicas:\n    select: prefix_affinity\n    resume: true\n    resume_attempts: 2\n"
@@ -54,12 +56,15 @@ async def read(client, body: dict, kill=None):
         return text, finish, usage, resp.headers
 
 
-async def test_a_stream_survives_its_replica_sigkill(replicas, caplog):
+async def test_a_stream_survives_its_replica_sigkill(replicas, caplog, tmp_path):
+    import json
+
     from gateway.config.compile import load_config_text
     from gateway.http.app import create_app
     from gateway.runtime import Gateway
 
-    gw = Gateway(None, load_config_text(config(replicas)), start_engine=False)
+    log_path = tmp_path / "requests.jsonl"
+    gw = Gateway(None, load_config_text(config(replicas, log_path)), start_engine=False)
     server, task, url = await serve_app(create_app(gw))
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     killed: list[str] = []
@@ -79,10 +84,19 @@ async def test_a_stream_survives_its_replica_sigkill(replicas, caplog):
         with caplog.at_level(logging.INFO, logger="tandem.gateway.resume"):
             resumed = [await read(client, dict(model="tiny", messages=msgs, max_tokens=TOKENS, stream=True,
                                                stream_options={"include_usage": True}, **p), kill) for p in cases]
+        async with httpx.AsyncClient() as h:
+            metrics = (await h.get(url + "/metrics")).text
     finally:
         server.should_exit = True
         await task
     assert len(killed) == 2 and killed[0] != killed[1], (killed, [(r[1], r[2], len(r[0])) for r in resumed])
+    # the request log and metrics say a replica died under each (a scale-out trial: "ok", credited to the dead one)
+    lines = {x["request_id"]: x for x in map(json.loads, log_path.read_text().splitlines())}
+    for (*_, headers), dead in zip(resumed, killed):
+        line = lines[headers["x-request-id"]]
+        assert line["backend"] != dead and line["failed_attempts"] == [
+            {"backend": dead, "outcome": "stream_interrupted", "status": 200}], line
+        assert f'tandem_stream_errors_total{{backend="{dead}",model="tiny"}} 1.0' in metrics, metrics
     assert caplog.text.count("stream resumed on") == 2, caplog.text
     for ref, got in zip(references, resumed):
         assert ref[1] == "length" and ref[2].completion_tokens == TOKENS
