@@ -166,6 +166,10 @@ class _LiveCollector:
         yield lora
 
 
+# vLLM v1's FinishReason values (vllm/v1/engine/__init__.py), whose request_success series exist from the start
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+
+
 class EngineMetrics:
     """vLLM-named metrics of one ``AsyncEngine``, in ``registry``.
 
@@ -190,6 +194,8 @@ class EngineMetrics:
                                          label, registry=registry).labels(model_name)
         self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                        ["model_name", "finished_reason"], registry=registry)
+        for reason in FINISHED_REASONS:   # at 0 from the start, as vLLM's: a panel on one reason shows 0, not no data
+            self.request_success.labels(model_name, reason)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               label, buckets=TTFT_BUCKETS, registry=registry).labels(model_name)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",

@@ -49,6 +49,9 @@ async def test_colocated_engine_metrics_and_spans(tiny_model):  # noqa: F811
     assert value(fams, "vllm:prompt_tokens_total", model_name="tiny") == usage["prompt_tokens"]
     assert value(fams, "vllm:generation_tokens_total", model_name="tiny") == usage["completion_tokens"] == 5
     assert value(fams, "vllm:request_success_total", model_name="tiny", finished_reason="length") == 1
+    # every reason of vLLM's has its series from the start, at 0 until used (a scale-out trial's "No data")
+    assert [value(fams, "vllm:request_success_total", model_name="tiny", finished_reason=r)
+            for r in ("stop", "abort", "error", "repetition")] == [0, 0, 0, 0]
     assert value(fams, "vllm:e2e_request_latency_seconds_count", model_name="tiny") == 1
     assert value(fams, "vllm:num_requests_running", model_name="tiny") == 0
     assert "vllm:kv_cache_usage_perc" in fams and "vllm:cache_config_info" in fams
