@@ -296,6 +296,11 @@ class SamplingParams:
         ids = self.allowed_token_ids
         check(ids is None or (isinstance(ids, list) and ids and all(_is_int(t) and t >= 0 for t in ids)),
               "allowed_token_ids", f"must be a non-empty list of token ids (integers >= 0), got {ids!r}")
+        # a trial: the grammar's next tokens and these had none in common, and each answer ended at once as a
+        # "length" schema violation (at temperature 0 a retry loops): refused, as nothing can enforce both
+        check(ids is None or self.structured_outputs is None, "allowed_token_ids",
+              "cannot be combined with structured outputs or tools: the grammar's next tokens may all lie outside "
+              "the allowed ones, and no answer could then be written")
         words = self.bad_words
         check(words is None or (isinstance(words, list) and all(isinstance(w, str) and w.strip() for w in words)),
               "bad_words", f"must be a list of words (strings with a non-space character), got {words!r}")

@@ -27,7 +27,11 @@ A spec (``StructuredOutputsParams``) goes through ``GrammarCompilePool.submit``:
    good schema forever whenever a busy engine starved its idle-class
    compile; seen in CI). A check worker past it is killed (and replaced on
    the next check); a compile cannot be interrupted (xgrammar has no
-   cancellation), so its result is dropped when it ends. A request that has
+   cancellation), so its result is dropped when it ends, and its slot is
+   given back at once: ``workers`` slots bound the specs being compiled,
+   and as many more threads carry compiles past their budget to their end
+   (a trial's four slow schemas held all four threads ~18 s past their 408,
+   and every new schema waited 38-50 s). A request that has
    waited ``wait_s`` (wall) for a compile still within its budget gets 503,
    not remembered: the compile goes on, and the request sent again finds it
    compiling or compiled.
@@ -184,6 +188,7 @@ class _InFlight:
     waiters: list[tuple[Callable[[str, GrammarRefused | None], None], float]] = field(default_factory=list)
     meter: CpuMeter = field(default_factory=CpuMeter)
     done: bool = False
+    slot_freed: bool = False    # its compile slot was given back when it ran out of budget (``_time_out``)
 
 
 Done = Callable[[str, "GrammarRefused | None"], None]
@@ -216,7 +221,10 @@ class GrammarCompilePool:
         self._watch = threading.Condition(self._lock)  # notified when a flight starts or the pool shuts down
         self._watcher: threading.Thread | None = None
         self._closed = False
-        self._executor = ThreadPoolExecutor(limits.workers, thread_name_prefix="tandem-grammar",
+        # ``workers`` slots for specs within their budget; as many more threads for compiles past it, which
+        # cannot be stopped (their slots are given back at the 408)
+        self._slots = threading.Semaphore(limits.workers)
+        self._executor = ThreadPoolExecutor(2 * limits.workers, thread_name_prefix="tandem-grammar",
                                             initializer=_lower_priority)
         # the latest compiles' wall times (a benchmark reads them); bounded, as a serving engine compiles forever
         self.compile_seconds: deque[float] = deque(maxlen=COMPILE_TIMES_KEPT)
@@ -318,6 +326,16 @@ class GrammarCompilePool:
 
     # ------------------------------------------------------------------ worker
     def _compile_job(self, params: StructuredOutputsParams, digest: str, flight: _InFlight) -> None:
+        self._slots.acquire()
+        try:
+            self._check_and_compile(params, digest, flight)
+        finally:
+            with self._lock:
+                freed, flight.slot_freed = flight.slot_freed, True
+            if not freed:
+                self._slots.release()
+
+    def _check_and_compile(self, params: StructuredOutputsParams, digest: str, flight: _InFlight) -> None:
         grammar, nbytes, error = None, 0, None
         try:
             params = as_text(params)  # one text for the check worker and for xgrammar
@@ -397,6 +415,9 @@ class GrammarCompilePool:
             flight.done = True
             self._in_flight.pop(digest, None)
             self._remember(digest, error)
+            freed, flight.slot_freed = flight.slot_freed, True
+        if not freed:                  # its thread goes on past its budget; the next spec need not wait for it
+            self._slots.release()
         flight.meter.cancel()  # a check worker is killed; a compile cannot be stopped, its grammar is dropped
         for waiter, _ in flight.waiters:
             waiter(digest, error)

@@ -236,8 +236,10 @@ def _room_for_a_written_number(lo, lo_open: bool, hi, hi_open: bool) -> bool:
 
 
 def _extra_keys_allowed(node: dict) -> bool:
-    """Keys outside ``properties`` may be written (absent ``additionalProperties`` means false: strict)."""
-    extra = node.get("additionalProperties", False)
+    """Keys outside ``properties`` may be written: absent ``additionalProperties`` means false (strict) where
+    ``properties`` is given; an object without ``properties`` takes any keys, as xgrammar compiles it (a trial's
+    ``{"minProperties": 1, "maxProperties": 2}`` object was called one "no value can match")."""
+    extra = node.get("additionalProperties", False if "properties" in node else True)
     return bool(node.get("patternProperties")) or extra is not False
 
 

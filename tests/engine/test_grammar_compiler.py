@@ -114,6 +114,21 @@ def test_a_compile_past_the_timeout_is_a_408_naming_the_setting_and_is_refused_a
     assert [r for r, _ in calls] == ["burn2"]
 
 
+def test_compiles_past_their_budget_give_their_slots_to_the_next_specs():
+    """A trial: four slow schemas at once held the four compile threads ~18 s past their 408 (xgrammar cannot be
+    stopped) and every new schema waited 38-50 s behind them; a timed-out compile's slot is given back at once."""
+    pool, release, calls = _blocking_pool(workers=2, timeout_s=0.01)
+    answers = Answers()
+    for i in range(2):                                   # both slots: compiles that burn past their budget
+        pool.submit(StructuredOutputsParams(regex=f"burn{i}"), answers.done(f"burn{i}"))
+    assert all(answers.wait(f"burn{i}")[1].status == 408 for i in range(2))
+    pool.submit(StructuredOutputsParams(regex="quick"), answers.done("quick"))
+    digest, error = answers.wait("quick")                # while both burners still run
+    assert error is None and pool.cache.get(digest) is not None
+    assert not release.is_set() and [r for r, _ in calls] == ["burn0", "burn1", "quick"]
+    release.set()
+
+
 def test_a_compile_starved_of_cpu_is_a_503_not_remembered_and_its_grammar_is_kept():
     """CI refused a schema for good (408 "from now on") because a busy host starved its idle-class compile
     of wall time. The budget counts the compile's CPU seconds: a request that waits too long gets a 503,

@@ -59,7 +59,10 @@ REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "app-teams" / "struct
     # found by the property test once a compile refusal had to name a keyword: xgrammar's messages, no path
     ({"type": "number", "minimum": 0, "exclusiveMaximum": 0}, "schema.minimum", "no value can match"),
     ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "schema.exclusiveMinimum", "no integer"),
-    ({"type": "object", "minProperties": 1}, "schema.minProperties", "no value can match"),
+    # an object without properties takes any keys: refused as unsupported, not as impossible (a trial)
+    ({"type": "object", "minProperties": 1}, "schema.minProperties", "unsupported schema feature 'minProperties'"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "minProperties": 2}, "schema.minProperties",
+     "no value can match"),
     ({"type": "array", "minItems": 1}, "schema.minItems", "'minItems'"),
     ({"type": "string", "pattern": "^[a-c]{1,3}$", "format": "email"}, "schema.pattern", "'format'"),
     ({"$ref": "#"}, "schema.$ref", "no schema content"),

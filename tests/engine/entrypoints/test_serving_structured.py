@@ -231,6 +231,11 @@ def test_a_refused_schema_is_named_by_each_senders_own_path(server):
     ({"tools": TOOLS, "extra": {"structured_outputs": {"regex": "[a-z]+"}}}, "structured_outputs",
      "only a JSON schema"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls", "only allowed when 'tools' are specified"),
+    # a structured-outputs trial: every answer ended at once, "length" / schema_violation, for good at temperature 0
+    ({"response_format": {"type": "json_object"}, "extra": {"allowed_token_ids": [90, 91, 92]}},
+     "allowed_token_ids", "cannot be combined with structured outputs or tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "extra": {"allowed_token_ids": [90, 91]}},
+     "allowed_token_ids", "cannot be combined with structured outputs or tools"),
 ])
 def test_bad_structured_requests_get_400_naming_the_part(server, body, param, needle):
     body = {"model": server.model, "messages": ASK_WEATHER, "max_tokens": 4, **body}
