@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.billing.usage import Budget
+from gateway.billing.usage import Budget, tenant_label
 
 
 class _Choice(msgspec.Struct):
@@ -102,6 +102,32 @@ def server_address(snap, backend: str) -> str | None:
     url = getattr(getattr(b, "cfg", None), "base_url", None)
     m = re.match(r"^[a-z]+://([^/:]+)", url) if url else None
     return m.group(1) if m else None
+
+
+def log_fields(rec: RequestRecord, status: int, latency: float, tokens, cost_usd: float, estimated: bool) -> dict:
+    """The request log line of ``rec`` (docs/operators/metrics.md lists its fields): ended with ``status`` after
+    ``latency`` seconds, billed ``tokens`` (prompt, completion, cached; None: nothing) at ``cost_usd``
+    (``estimated``: counted by the gateway); the prompt and completion only with ``logs.include_prompts``."""
+    fields = {"event": "request", "request_id": rec.request_id, "trace_id": rec.trace_id,
+              "endpoint": rec.endpoint, "tenant": tenant_label(rec.tenant), "model": rec.model or None,
+              "route": rec.route or None, "rule": rec.rule or None, "backend": rec.backend or None, "status": status,
+              "attempts": len(rec.attempts), "stream": rec.stream,
+              "prompt_tokens": tokens[0] if tokens else None,
+              "completion_tokens": tokens[1] if tokens else None,
+              "cached_tokens": tokens[2] if tokens else None, "usage_estimated": estimated,
+              "disconnected": rec.disconnected,
+              "ttft_s": round(rec.ttft_s, 6) if rec.ttft_s is not None else None,
+              "latency_s": round(latency, 6), "cost_usd": cost_usd, "error": rec.error}
+    if rec.finish_reasons:
+        fields["finish_reasons"] = list(dict.fromkeys(rec.finish_reasons))
+    if failed := [{"backend": a.backend, "outcome": a.outcome, "status": a.status}
+                  for a in rec.attempts if a.outcome != "ok"]:   # what a fallback or retry went past
+        fields["failed_attempts"] = failed
+    if include_prompts(rec.snap) and rec.body is not None:
+        fields["prompt"] = rec.body.get("messages", rec.body.get("prompt"))
+        texts = ["".join(rec.texts[i]) for i in sorted(rec.texts)]
+        fields["completion"] = texts if len(texts) > 1 else (texts[0] if texts else "")   # n > 1: one per choice
+    return fields
 
 
 def include_prompts(snap) -> bool:

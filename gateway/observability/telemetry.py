@@ -31,7 +31,7 @@ from gateway.resilience.outcomes import Withdrawn, cancelled_by_timeout
 from gateway.resilience.streaming import SHUTDOWN_TYPE, ended_by_shutdown
 from gateway.observability.metrics import GatewayMetrics, LiveGauges
 from gateway.observability.records import (AttemptRecord, RequestRecord, answer_error_code, event_error_code,
-                                           include_prompts, provider, read_answer)
+                                           include_prompts, log_fields, provider, read_answer)
 from gateway.observability.request_log import (Redactor, RequestLog, config_secrets, install_redaction,
                                                remove_redaction)
 from gateway.observability.tracing import (OPERATIONS, Tracing, attempt_span, end_request_trace, mark_error,
@@ -491,25 +491,7 @@ class Observability:
             m.spent(backend, tenant_label(rec.tenant), tokens, nusd)
 
     def _log_line(self, rec: RequestRecord, status: int, latency: float, tokens, nusd: int, estimated: bool) -> None:
-        fields = {"event": "request", "request_id": rec.request_id, "trace_id": rec.trace_id,
-                  "endpoint": rec.endpoint, "tenant": tenant_label(rec.tenant), "model": rec.model or None, "route": rec.route or None,
-                  "rule": rec.rule or None, "backend": rec.backend or None, "status": status,
-                  "attempts": len(rec.attempts), "stream": rec.stream,
-                  "prompt_tokens": tokens[0] if tokens else None,
-                  "completion_tokens": tokens[1] if tokens else None,
-                  "cached_tokens": tokens[2] if tokens else None, "usage_estimated": estimated,
-                  "disconnected": rec.disconnected,
-                  "ttft_s": round(rec.ttft_s, 6) if rec.ttft_s is not None else None,
-                  "latency_s": round(latency, 6), "cost_usd": nusd / NANO, "error": rec.error}
-        if rec.finish_reasons:
-            fields["finish_reasons"] = list(dict.fromkeys(rec.finish_reasons))
-        if failed := [{"backend": a.backend, "outcome": a.outcome, "status": a.status}
-                      for a in rec.attempts if a.outcome != "ok"]:   # what a fallback or retry went past
-            fields["failed_attempts"] = failed
-        if include_prompts(rec.snap) and rec.body is not None:
-            fields["prompt"] = rec.body.get("messages", rec.body.get("prompt"))
-            texts = ["".join(rec.texts[i]) for i in sorted(rec.texts)]
-            fields["completion"] = texts if len(texts) > 1 else (texts[0] if texts else "")   # n > 1: one per choice
+        fields = log_fields(rec, status, latency, tokens, nusd / NANO, estimated)
         try:
             self.request_log.write(fields, self.redactor(), [rec.client_token] if rec.client_token else [])
         except Exception as e:  # noqa: BLE001
