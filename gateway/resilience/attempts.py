@@ -61,7 +61,7 @@ from gateway.resilience.outcomes import (ATTEMPT_TIMEOUT, TRANSIENT_STATUS, Atte
                                          parse_retry_after, settle_outcome, upstream_message)
 from gateway.resilience.backoff import RetryPolicy
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
-from gateway.resilience.streaming import Held, StreamEnd, peek_stream, relay
+from gateway.resilience.streaming import Held, OpenStreams, StreamEnd, peek_stream, relay
 
 log = logging.getLogger("tandem.retry")
 _CLOCK_MARGIN_S = 0.005   # breakers count whole ms: a wait ending on a cooldown's last one found it still open
@@ -471,7 +471,7 @@ async def call_with_fallback(candidates: list[Candidate],
                              limiter=None, required_len: int | None = None, request_id: str = "", tokens: int = 0,
                              on_finish: Callable[[Result], Any] | None = None,
                              batch_events: bool = False, prompt_param: str | None = None,
-                             streams: set | None = None) -> Result:
+                             streams: OpenStreams | None = None) -> Result:
     """Run one request across ``candidates`` (route order) and return what the client should get.
 
     attempt(candidate) performs one upstream call and returns an ``UpstreamResponse`` for ANY status (raising only

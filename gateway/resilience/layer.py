@@ -20,6 +20,7 @@ from gateway.config.schema import GatewayConfig, RetrySettings
 from gateway.resilience.breaker import Breakers, iso_ms
 from gateway.resilience.health import ActiveProber, HealthTracker
 from gateway.resilience.ratelimit import Limit, RateLimiter, RateLimitResult, RateReservation
+from gateway.resilience.streaming import OpenStreams
 from gateway.resilience.attempts import Candidate, Result, call_with_fallback
 from gateway.state import SharedState
 from policies import candidates
@@ -41,7 +42,7 @@ class Resilience:
         self.breakers = Breakers(self.state)
         self.health = HealthTracker(self.state)
         self.prober: ActiveProber | None = None
-        self.streams: set = set()       # the relayed streams' watchdogs, for a drain to interrupt
+        self.streams = OpenStreams()     # the relayed streams' watchdogs, for a drain to interrupt
         self.configure(cfg)
 
     def configure(self, cfg: GatewayConfig) -> None:
@@ -199,8 +200,7 @@ class Resilience:
                                         streams=self.streams)
 
     def interrupt_streams(self, reason: str) -> int:
-        """End every stream still relayed with the ``stream_interrupted`` event naming ``reason``; how many."""
-        for watchdog in list(self.streams):
-            watchdog.interrupt(reason)
-        return len(self.streams)
+        """End every stream still relayed with the ``stream_interrupted`` event naming ``reason``, and each
+        committed from now on (``OpenStreams``); how many are open now."""
+        return self.streams.interrupt(reason)
 

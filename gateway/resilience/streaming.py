@@ -132,6 +132,34 @@ class Watchdog:
             self.handle = None
 
 
+class OpenStreams:
+    """The gateway's committed streams (their ``Watchdog``s), for a shutdown to end with ``stream_interrupted``:
+    ``interrupt`` ends those open now and, from then on, each stream committed later at its first read (a load
+    trial's drain swept the open streams once; ten streams, queued in the engine under preemption, got their
+    first token after it and ran on until the server's exit cancelled them: no event, no usage record)."""
+
+    __slots__ = ("_open", "reason")
+
+    def __init__(self) -> None:
+        self._open: set[Watchdog] = set()
+        self.reason: str | None = None
+
+    def add(self, watchdog: Watchdog) -> None:
+        self._open.add(watchdog)
+        if self.reason is not None:
+            watchdog.interrupt(self.reason)
+
+    def discard(self, watchdog: Watchdog) -> None:
+        self._open.discard(watchdog)
+
+    def interrupt(self, reason: str) -> int:
+        """End every open stream, and each committed from now on, naming ``reason``; how many are open now."""
+        self.reason = reason
+        for watchdog in list(self._open):
+            watchdog.interrupt(reason)
+        return len(self._open)
+
+
 async def peek_stream(resp: UpstreamResponse, t0: float) -> Result | Failure | PassThrough:
     """Read events until the first content; hold them back. Returns a ``Failure`` on anything before content,
     or a ``PassThrough`` for an error event naming a request-specific 4xx."""
@@ -202,13 +230,13 @@ class StreamEnd:
 
 
 async def relay(res: Result, held: Held, inter_s: float, batch: bool,
-                on_end: Callable[[bool], Awaitable[None]], streams: set | None = None,
+                on_end: Callable[[bool], Awaitable[None]], streams: OpenStreams | None = None,
                 on_done: Callable[[], Awaitable[None]] | None = None) -> ChatStream:
     """The committed stream: held events, then the rest; a failure after content ends with an error event.
     ``on_done()`` runs before ``[DONE]`` goes downstream (what the client's next request must find done: the
     client API's codec ends the response with ``[DONE]``, ``gateway.sse.Last``); ``on_end(ok)`` once the stream
     has ended (cleanly, with an error, or closed by the client). ``streams``: the gateway's open streams, as their
-    ``Watchdog``s, for a drain to interrupt (``Watchdog.interrupt``).
+    ``Watchdog``s, for a drain to interrupt (``OpenStreams.interrupt``).
 
     ``batch``: every event of a read goes downstream in one list with the events before it (one write
     downstream per read; nothing waits for more); else one list per event."""

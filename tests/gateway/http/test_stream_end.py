@@ -139,3 +139,29 @@ async def test_a_stream_ends_at_its_done_and_is_accounted_once_when_its_client_l
         server.should_exit = True
         await task
         up.stop()
+
+
+async def test_a_stream_committed_after_a_drains_sweep_ends_at_its_first_read():
+    """A load trial: the drain ended the streams open at its sweep; ten streams queued in the engine under
+    preemption got their first token after it and ran on until the server's exit cancelled them (no event, no
+    usage record). A stream committed after the sweep ends at its first read with the shutdown's event."""
+    from gateway.resilience.streaming import GATEWAY_SHUTDOWN, OpenStreams
+
+    streams = OpenStreams()
+    assert streams.interrupt(GATEWAY_SHUTDOWN) == 0          # nothing open at the sweep
+    never = asyncio.Event()
+
+    async def rest():                                         # an engine that would not answer again in time
+        await never.wait()
+        yield []
+
+    async def nothing(*args, **kw):
+        return None
+
+    res = Result(200)
+    held = Held([ChatEvent((ChoiceDelta(0, content="a"),))], [], rest(), UpstreamResponse(200), False)
+    batches = [b async for b in relay(res, held, 60.0, True, nothing, streams, None)]
+    last = batches[-1][-1]
+    assert len(batches) == 2 and [e.choices[0].content for e in batches[0]] == ["a"]   # what it had, then the event
+    assert last.error["code"] == "stream_interrupted" and GATEWAY_SHUTDOWN in last.error["message"], last
+    assert res.error == GATEWAY_SHUTDOWN and not never.is_set()
