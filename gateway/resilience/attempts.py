@@ -36,10 +36,11 @@ call, or one round of skipped candidates:
   within ``first_token_timeout_s`` of the attempt's start; earlier events are held back. Before that, failures
   are transparent retries. After it, a failure (cut, malformed event, error event, no event within
   ``inter_chunk_timeout_s``) ends the stream with one ``data: {"error": ...}`` event and no ``[DONE]``.
-  Closing the returned iterator (client disconnect) closes the upstream response at once.
+  Closing the returned iterator (client disconnect) closes the upstream response at once. A shutdown ends the
+  committed streams and the waits for a first token (``streaming.OpenStreams``: the latter answered 503).
   Hot path: the loop reads the backend's ``ChatEvent`` values (decoded once, by the backend; it decodes
-  nothing), the inter-chunk deadline is one re-armed ``loop.call_at`` handle per
-  stream, and with ``batch_events`` every event already read goes downstream as one chunk (nothing waits).
+  nothing), the inter-chunk deadline is one re-armed ``loop.call_at`` handle per stream, and with
+  ``batch_events`` every event already read goes downstream as one chunk (nothing waits).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from gateway.resilience.outcomes import (ATTEMPT_TIMEOUT, TRANSIENT_STATUS, Atte
                                          parse_retry_after, settle_outcome, upstream_message)
 from gateway.resilience.backoff import RetryPolicy
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
-from gateway.resilience.streaming import Held, OpenStreams, StreamEnd, peek_stream, relay
+from gateway.resilience.streaming import Held, OpenStreams, StreamEnd, peek_stream, relay, shutdown_answer
 
 log = logging.getLogger("tandem.retry")
 _CLOCK_MARGIN_S = 0.005   # breakers count whole ms: a wait ending on a cooldown's last one found it still open
@@ -243,8 +244,11 @@ class _Run:
         limit = max(0.001, min(remaining, first_token)) if self.stream else None
         t0 = time.monotonic()
         resp: UpstreamResponse | None = None
+        timeout = None
         try:
             async with asyncio.timeout(limit) as timeout:
+                if self.stream and self.streams is not None:   # a shutdown ends the wait for the first token
+                    self.streams.waiting(timeout)
                 bound = ATTEMPT_TIMEOUT.set(timeout)   # the observer's "timeout", not "cancelled"
                 try:
                     resp = await self.attempt_fn(c)
@@ -284,6 +288,9 @@ class _Run:
                     log.warning("attempt on %s raised", c.name, exc_info=exc)
                 settle_outcome(resp, f.kind)   # a stream that failed before its first content
                 return f
+        finally:
+            if timeout is not None and self.streams is not None:
+                self.streams.wait_over(timeout)
         return self._finish_plain(c, resp)
 
     def _finish_plain(self, c: Candidate, resp: UpstreamResponse) -> Result | Failure | PassThrough:
@@ -379,6 +386,8 @@ class _Run:
             out = await self._once()
             if isinstance(out, Result):
                 return no_client_retry(out)
+            if self.stream and self.streams is not None and self.streams.reason is not None:
+                return no_client_retry(shutdown_answer())     # ended by the shutdown before its first token
             if isinstance(out, PassThrough):
                 return no_client_retry(self._passthrough(out.response, out.candidate))
             self.last_wait = self._wait_for(out, step)    # _pick starts a new round only after a backoff
@@ -480,12 +489,10 @@ async def call_with_fallback(candidates: list[Candidate],
     limiter: ``gateway.resilience.ratelimit.RateLimiter`` for ``Candidate.limits`` (tokens reserved: ``tokens``).
     required_len: prompt tokens + max_tokens, to skip candidates with a smaller ``max_model_len``.
     on_finish(result): called once a committed stream has ended (cleanly, with an error, or by a disconnect).
-    batch_events: a committed stream yields every event of a read as one list (one write downstream per
-    upstream read) instead of one list per event; the events are the same.
-    prompt_param: the body field that holds the prompt ("messages" or "prompt"), named by the 400 when no
-    candidate's context fits ``required_len``, as OpenAI's ``context_length_exceeded`` does.
-    streams: the gateway's set of open streams (their watchdogs), which a drain interrupts at its deadline.
-    Never raises for upstream failures; a cancelled caller cancels the upstream call.
+    batch_events: a committed stream yields every event of a read as one list (one write downstream per read).
+    prompt_param: the body field holding the prompt ("messages" or "prompt"), named by the 400 when no candidate
+    fits ``required_len`` (OpenAI's ``context_length_exceeded``). streams: the gateway's ``OpenStreams``, which a
+    shutdown ends. Never raises for upstream failures; a cancelled caller cancels the upstream call.
     """
     run = _Run(candidates, attempt, stream=stream, policy=policy or RetrySettings(), breakers=breakers, health=health,
                limiter=limiter, required_len=required_len, request_id=request_id, tokens=tokens, on_finish=on_finish,

@@ -20,6 +20,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import msgspec
 
+from gateway.errors import error_body
 from gateway.resilience.outcomes import (Failure, PassThrough, Result, UpstreamResponse, classify_error_object,
                                          close_response, quoted_message)
 from gateway.values import DONE, ChatEvent, ChatStream, error_event
@@ -133,15 +134,18 @@ class Watchdog:
 
 
 class OpenStreams:
-    """The gateway's committed streams (their ``Watchdog``s), for a shutdown to end with ``stream_interrupted``:
-    ``interrupt`` ends those open now and, from then on, each stream committed later at its first read (a load
-    trial's drain swept the open streams once; ten streams, queued in the engine under preemption, got their
-    first token after it and ran on until the server's exit cancelled them: no event, no usage record)."""
+    """The gateway's streams, for a shutdown to end: the committed ones (their ``Watchdog``s), which ``interrupt``
+    ends with ``stream_interrupted``, those open now and from then on each committed later at its first read; and
+    those still waiting for their first token (their attempt's ``asyncio.Timeout``), which it ends at once, the
+    attempt loop then answering the shutdown's 503 (``shutdown_answer``). A load trial's drain swept the committed
+    streams once: requests queued in the engine under preemption got their first token after it and ran on, or
+    none before the exit, until the server's exit cancelled them (no event, no usage record, or a 499)."""
 
-    __slots__ = ("_open", "reason")
+    __slots__ = ("_open", "_waiting", "reason")
 
     def __init__(self) -> None:
         self._open: set[Watchdog] = set()
+        self._waiting: set[asyncio.Timeout] = set()
         self.reason: str | None = None
 
     def add(self, watchdog: Watchdog) -> None:
@@ -152,12 +156,33 @@ class OpenStreams:
     def discard(self, watchdog: Watchdog) -> None:
         self._open.discard(watchdog)
 
+    def waiting(self, timeout: asyncio.Timeout) -> None:
+        """``timeout`` bounds a stream's wait for its first token: a shutdown ends it now (``wait_over``)."""
+        self._waiting.add(timeout)
+        if self.reason is not None:
+            timeout.reschedule(asyncio.get_running_loop().time())
+
+    def wait_over(self, timeout: asyncio.Timeout) -> None:
+        self._waiting.discard(timeout)
+
     def interrupt(self, reason: str) -> int:
-        """End every open stream, and each committed from now on, naming ``reason``; how many are open now."""
+        """End every open stream, and each committed from now on, naming ``reason``, and every wait for a first
+        token; how many streams are open now."""
         self.reason = reason
         for watchdog in list(self._open):
             watchdog.interrupt(reason)
+        now = asyncio.get_running_loop().time()
+        for timeout in list(self._waiting):
+            timeout.reschedule(now)
         return len(self._open)
+
+
+def shutdown_answer() -> Result:
+    """The answer to a request whose stream a shutdown ended before its first token: the 503 ``draining`` a new
+    request gets then (with ``Retry-After``: another replica may serve it)."""
+    return Result(503, {"content-type": "application/json", "retry-after": "1"},
+                  body=error_body(503, f"{GATEWAY_SHUTDOWN} before this stream's first token; send the request "
+                                       "again (to another replica)", code="draining", type_=SHUTDOWN_TYPE))
 
 
 async def peek_stream(resp: UpstreamResponse, t0: float) -> Result | Failure | PassThrough:

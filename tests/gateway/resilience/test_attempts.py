@@ -521,3 +521,30 @@ async def test_serving_error_of_local_engine_is_an_http_answer():
     res = await call_with_fallback([Candidate("local"), Candidate("up")], attempt, policy=FAST)
     assert res.status == 400 and calls == ["local"]
     assert json.loads(res.body)["error"]["param"] == "max_tokens"
+
+
+async def test_a_shutdown_answers_a_stream_still_waiting_for_its_first_token_with_503():
+    """A load trial's drain: requests queued in the engine under preemption had no first token when the server
+    exited, and uvicorn cancelled them (499, the client's connection dropped). A shutdown ends their wait: the
+    503 ``draining`` a new request gets then, and no other target is tried."""
+    from gateway.resilience.streaming import GATEWAY_SHUTDOWN, OpenStreams
+
+    streams, calls, waiting = OpenStreams(), [], asyncio.Event()
+
+    async def never():                       # an engine that queues the request past the shutdown
+        waiting.set()
+        await asyncio.Event().wait()
+        yield []
+
+    async def attempt(c):
+        calls.append(c.name)
+        return UpstreamResponse(200, {"content-type": "text/event-stream"}, events=never())
+
+    task = asyncio.create_task(call_with_fallback([Candidate("local"), Candidate("up")], attempt, stream=True,
+                                                  policy=FAST, streams=streams))
+    await waiting.wait()
+    assert streams.interrupt(GATEWAY_SHUTDOWN) == 0              # no stream committed yet
+    res = await task
+    err = json.loads(res.body)["error"]
+    assert res.status == 503 and err["code"] == "draining" and err["type"] == "service_unavailable", res.body
+    assert res.headers["retry-after"] == "1" and calls == ["local"]
