@@ -208,11 +208,13 @@ class Gateway:
 
     @property
     def ready(self) -> bool:
-        """Config valid, not draining, and the local engine (if any) loaded."""
+        """Config valid, not draining, and the local engine (if any) done loading: loaded, or failed for good (the
+        readiness then says ``degraded`` where no route serves without it; a load trial's engine refused its
+        too-small KV cache and the gateway said ``not_ready``, "loading", for ever)."""
         s = self.snapshot
         if s is None or self.draining:
             return False
-        return s.local is None or s.local.available or not self.start_engine
+        return s.local is None or s.local.available or not s.local.loading or not self.start_engine
 
     # ----- config generations ----------------------------------------------------------------------------------
     def _build_backends(self, compiled: Compiled) -> tuple[dict, LocalBackend | None]:

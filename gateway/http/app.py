@@ -170,7 +170,8 @@ async def server_version() -> Response:
        http_method=[HttpMethod.GET, HttpMethod.HEAD, HttpMethod.POST])
 async def ready(request: Request) -> Response:
     """Readiness: 200 ``ready``; 503 ``not_ready`` (config or local engine loading), ``draining``, or
-    ``degraded`` (no route has a target that can serve now: every backend unavailable or breaker-open), with
+    ``degraded`` (no route has a target that can serve now: every backend unavailable, a local engine that failed
+    to start among them, or breaker-open), with
     the backends' and targets' states where the caller may see them (``operator_view``: names, addresses and
     unset keys are the operators'; a probe reads the status)."""
     gw = request.app.state.gw

@@ -143,3 +143,31 @@ def test_null_max_tokens_on_completions_is_16(started):
                    timeout=300)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 16
+
+
+async def test_an_engine_that_failed_to_start_makes_the_gateway_degraded_not_loading():
+    """A load trial: the local engine refused a KV cache too small for max_model_len (as vLLM does) and the
+    gateway's /health/ready said ``not_ready`` (loading) for ever; it says ``degraded``, naming why."""
+    import asyncio
+
+    from gateway.config.compile import load_config_text
+    from gateway.http.app import create_app
+    from gateway.runtime import Gateway
+    from tests.gateway.support import serve_app
+
+    cfg = ("reload: {watch: false}\nresilience: {health: {interval_s: 0}}\nmodels:\n  - name: m1\n"
+           "backends:\n  local: {type: local, engine: {kv_cache_memory: 1MiB, max_model_len: 2048}}\n"
+           "routes:\n  r: {targets: [{backend: local}]}\npolicy: {default_route: r}\n")
+    gw = Gateway(None, load_config_text(cfg), start_engine=True)
+    server, task, url = await serve_app(create_app(gw))
+    try:
+        async with httpx.AsyncClient(timeout=60) as c:
+            while gw.snapshot.local.loading:                   # a hang bound: the test's own timeout
+                await asyncio.sleep(0.1)
+            r = await c.get(url + "/health/ready")
+    finally:
+        server.should_exit = True
+        await task
+    body = r.json()
+    assert r.status_code == 503 and body["status"] == "degraded" and body["routes_serving"] == [], body
+    assert "needs more KV cache than the pool holds" in body["backends"]["local"]["reason"], body
