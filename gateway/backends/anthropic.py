@@ -8,9 +8,8 @@ observability read one format, and the HTTP layer renders it as the client's API
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import time
+from collections.abc import Mapping
 
 import msgspec
 

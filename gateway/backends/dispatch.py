@@ -115,7 +115,7 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
             skipped.append(f"{target.id}: {backend.unavailable_reason if backend else 'unknown backend'}")
         elif backend.kind == "local" and req.local_unsupported:
             skipped.append(f"{target.id}: local engine does not support {req.local_unsupported}")
-        elif backend.kind == "anthropic" and (refusal := backend.refusal(req)) is not None:
+        elif (refusal := backend.refusal(req)) is not None:     # e.g. what Anthropic's API cannot give
             skipped.append(f"{target.id}: {refusal[1]}")
         else:
             candidates.append(resilience.candidate(target, backend))
