@@ -57,7 +57,7 @@ class TensorParallelGroup:
     device: torch.device
     device_group: object
     cpu_group: object
-    interrupted: bool = False     # the driver left a step in the middle (KeyboardInterrupt): see ``EngineCore.close``
+    interrupted: bool = False     # the driver left a step in the middle (KeyboardInterrupt): ``MultiprocExecutor.stop``
     left: bool = False            # ``close`` done
 
     @classmethod
