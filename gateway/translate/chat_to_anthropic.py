@@ -8,7 +8,7 @@ Anthropic's answers (``anthropic_answer.py``), as for a ``/v1/messages`` request
   a ``url`` source); an assistant's text and ``tool_calls`` -> text and ``tool_use`` blocks (the arguments parsed
   into ``input``); ``tool`` messages -> one user turn of ``tool_result`` blocks; turns of one role in a row are
   joined into one, as Anthropic's turns alternate; a conversation opening with the assistant gets a placeholder
-  user turn first (``PLACEHOLDER_TURN``), and a final assistant text (a prefill) loses its trailing whitespace
+  user turn first (``PLACEHOLDER_TEXT``), and a final assistant text (a prefill) loses its trailing whitespace
   (Anthropic refuses both as they are).
 - ``tools`` -> ``{name, description, input_schema}``; ``tool_choice`` auto / none / required / a named function
   -> ``auto`` / ``none`` / ``any`` / ``tool``; ``parallel_tool_calls: false`` -> ``disable_parallel_tool_use``.
@@ -43,9 +43,9 @@ _DROPPED = frozenset({"metadata", "store", "service_tier", "stream_options", "pr
                       "safety_identifier", "priority"})   # priority: the gateway's own (dispatch.GATEWAY_ONLY_FIELDS)
 _NOT_ASKED = {"n": (1,), "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0),
               "frequency_penalty": (0, 0.0), "logit_bias": ({},), "modalities": (["text"],)}
-# a conversation that opens with the assistant (a greeting shown before the user spoke) gets this user turn first:
-# Anthropic's turns begin with the user's (LiteLLM's modify_params placeholder)
-PLACEHOLDER_TURN = {"role": "user", "content": [{"type": "text", "text": "."}]}
+# a conversation that opens with the assistant (a greeting shown before the user spoke) gets a user turn of this
+# text first: Anthropic's turns begin with the user's (LiteLLM's modify_params placeholder)
+PLACEHOLDER_TEXT = "."
 _CHOICE = {"auto": {"type": "auto"}, "none": {"type": "none"}, "required": {"type": "any"}}
 
 
@@ -148,7 +148,7 @@ def _turns(messages: list[dict]) -> tuple[list[str], list[dict]]:
         else:
             turns.append({"role": role, "content": blocks})
     if turns and turns[0]["role"] == "assistant":
-        turns.insert(0, PLACEHOLDER_TURN)
+        turns.insert(0, {"role": "user", "content": [{"type": "text", "text": PLACEHOLDER_TEXT}]})
     if turns and turns[-1]["role"] == "assistant" and turns[-1]["content"][-1]["type"] == "text":
         last = turns[-1]["content"][-1]      # a prefill: Anthropic refuses one ending in whitespace
         last["text"] = last["text"].rstrip()
