@@ -14,6 +14,7 @@ deadline, one that carried no event (an SSE comment, ``: keep-alive``) too; such
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
@@ -173,7 +174,8 @@ class OpenStreams:
             watchdog.interrupt(reason)
         now = asyncio.get_running_loop().time()
         for timeout in list(self._waiting):
-            timeout.reschedule(now)
+            with contextlib.suppress(RuntimeError):   # one whose attempt just left it (it is dropped next)
+                timeout.reschedule(now)
         return len(self._open)
 
 

@@ -548,3 +548,15 @@ async def test_a_shutdown_answers_a_stream_still_waiting_for_its_first_token_wit
     err = json.loads(res.body)["error"]
     assert res.status == 503 and err["code"] == "draining" and err["type"] == "service_unavailable", res.body
     assert res.headers["retry-after"] == "1" and calls == ["local"]
+
+
+async def test_a_shutdown_passes_over_a_first_token_wait_that_just_ended():
+    """An attempt leaves its first-token timeout, then awaits its response's close before dropping it from the
+    waits: a shutdown in between must not fail the drain (asyncio refuses to reschedule a finished Timeout)."""
+    from gateway.resilience.streaming import GATEWAY_SHUTDOWN, OpenStreams
+
+    streams = OpenStreams()
+    async with asyncio.timeout(5) as timeout:
+        streams.waiting(timeout)
+    assert streams.interrupt(GATEWAY_SHUTDOWN) == 0
+    streams.wait_over(timeout)
