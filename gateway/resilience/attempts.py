@@ -92,15 +92,10 @@ class _Run:
     def __init__(self, candidates, attempt, *, stream, policy, breakers, health, limiter, required_len, request_id,
                  tokens, on_finish, batch_events, prompt_param=None, streams=None):
         self.candidates: list[Candidate] = list(candidates)
-        self.attempt_fn = attempt
-        self.stream = stream
-        self.policy = policy
+        self.attempt_fn, self.stream, self.policy = attempt, stream, policy
         self.breakers, self.health, self.limiter = breakers, health, limiter
         self.required_len, self.request_id, self.tokens = required_len, request_id, tokens
-        self.prompt_param = prompt_param
-        self.on_finish = on_finish
-        self.batch = batch_events
-        self.streams = streams
+        self.prompt_param, self.on_finish, self.batch, self.streams = prompt_param, on_finish, batch_events, streams
         self.start = time.monotonic()
         self.deadline = self.start + policy.deadline_s
         self._retry: RetryPolicy | None = None      # made by the first failure (``retry``)
@@ -418,7 +413,9 @@ class _Run:
                        for f in called):   # the others failed on targets the prompt would not fit either
             return self._passthrough(ctx[-1].response, ctx[-1].candidate) if ctx[-1].response else res
         if not self.candidates:
-            res.body = error_body(503, "No backend of this route is available.", code="no_backend_available")
+            res.body = error_body(503, "No backend of this route is available: each is down, unconfigured (an API "
+                                  "key unset) or cannot take this request; /health/ready tells operators which.",
+                                  code="no_backend_available")   # which is theirs: key names, addresses
             res.headers["retry-after"] = "1"
             return res
         if not called and self.skips and all(why == "too_small" for why, _ in self.skips.values()):

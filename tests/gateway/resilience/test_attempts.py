@@ -560,3 +560,15 @@ async def test_a_shutdown_passes_over_a_first_token_wait_that_just_ended():
         streams.waiting(timeout)
     assert streams.interrupt(GATEWAY_SHUTDOWN) == 0
     streams.wait_over(timeout)
+
+
+async def test_no_callable_backend_says_where_operators_read_why():
+    """A new user's route over a keyless backend answered "No backend of this route is available." and nothing
+    more; why (an unset key's name) is the operators', so the answer says where they read it."""
+    async def attempt(c):
+        raise AssertionError("nothing is called")
+
+    res = await call_with_fallback([], attempt, policy=FAST)
+    err = json.loads(res.body)["error"]
+    assert res.status == 503 and err["code"] == "no_backend_available", err
+    assert "unconfigured (an API key unset)" in err["message"] and "/health/ready" in err["message"], err
