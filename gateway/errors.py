@@ -48,6 +48,14 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     529: "overloaded_error"}
 
 
+# Anthropic's error types -> the HTTP status each is sent with (https://docs.anthropic.com/en/api/errors): what an
+# error event in its stream, which carries no status, is judged as (an overloaded_error event before content is
+# the 529 a whole answer would have been)
+ANTHROPIC_TYPE_STATUS = {"invalid_request_error": 400, "authentication_error": 401, "permission_error": 403,
+                         "not_found_error": 404, "request_too_large": 413, "rate_limit_error": 429,
+                         "api_error": 500, "overloaded_error": 529}
+
+
 def anthropic_status(status: int) -> int:
     """The HTTP status ``/v1/messages`` answers for the gateway's ``status``: 529 (Anthropic's ``overloaded_error``)
     for 503 (engine loading, draining, no backend available), which Anthropic's API never sends; else ``status``."""

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
+from gateway.errors import ANTHROPIC_TYPE_STATUS
 from gateway.sse import EventReader
 from gateway.values import DONE, MALFORMED, ChatEvent, ChatStream, ChoiceDelta, ToolCallDelta
 
@@ -144,10 +145,11 @@ async def chat_events(events: AsyncIterator[bytes]) -> ChatStream:
                 if not isinstance(ev, dict):     # judged as an OpenAI upstream's is (a trial's was dropped silently)
                     out.append(MALFORMED)
                     continue
-                if ev.get("type") == "error":
+                if ev.get("type") == "error":   # its status by its type: judged as that status's answer would be
                     err = ev.get("error") or {}
-                    out.append(ChatEvent(error={"message": err.get("message", "upstream error"),
-                                                "type": err.get("type", "api_error"), "param": None, "code": None}))
+                    kind = err.get("type", "api_error")
+                    out.append(ChatEvent(error={"message": err.get("message", "upstream error"), "type": kind,
+                                                "param": None, "code": ANTHROPIC_TYPE_STATUS.get(kind)}))
                     continue
                 out += state.event(ev)
                 if ev.get("type") == "message_stop":

@@ -256,6 +256,24 @@ def test_a_malformed_native_event_is_judged_not_dropped():
     assert asyncio.run(run())[-1] is MALFORMED
 
 
+def test_a_native_error_event_is_judged_as_its_types_status():
+    # a trial: an overloaded_error event before any content ended as 502 upstream_failed after four tries, where
+    # the same upstream's whole 529 answer is a 503 overloaded; the event now carries the status its type is sent
+    # with, and the attempt loop classifies it as it classifies that status
+    from gateway.resilience.outcomes import classify_error_object
+
+    raw = [b'event: message_start\ndata: {"type": "message_start", "message": {"id": "x", "model": "c"}}\n\n',
+           b'event: error\ndata: {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}\n\n']
+
+    async def run():
+        return [ev for batch in [b async for b in chat_events(_aiter(raw))] for ev in batch]
+
+    err = asyncio.run(run())[-1].error
+    assert err["code"] == 529 and err["type"] == "overloaded_error"
+    failure = classify_error_object(err, b"", "event before content")
+    assert (failure.kind, failure.status) == ("error_event", 529)
+
+
 def test_error_bodies_in_anthropics_format():
     assert json.loads(anthropic_error(429, b'{"error": {"message": "slow down", "type": "rate_limit_error"}}')) == \
         {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
