@@ -294,7 +294,8 @@ def _version_summary(data: dict) -> str:
     weights and shares (and, when a weighted target is out, what its requests get now), then the warnings."""
     # propagated None: no Redis configured, nothing to share with (a change Redis cannot take is refused, 503)
     shared = "" if data.get("propagated", True) else ", this gateway only (no Redis configured)"
-    lines = [f"config version {data.get('version')} ({data.get('source')})" + shared]
+    lines = [f"config version {data.get('version')} ({data.get('source')})" + shared
+             + (": unchanged, the change is the config it runs" if data.get("unchanged") else "")]
     if data.get("returned_to") is not None:     # a rollback says what it undid (an ops trial read only the number)
         lines.append(f"  returns to version {data['returned_to']}: {data.get('changes') or 'no change'}")
     for name, r in data["routes"].items():

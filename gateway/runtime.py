@@ -289,7 +289,7 @@ class Gateway:
             health = await self.resilience.status_or_none(snap.compiled.policy.routes, snap.backends)
             if not same:
                 snap.warnings += down_warnings(snap, health)
-            return {"version": snap.version, "source": snap.source, "warnings": snap.warnings,
+            return {"version": snap.version, "source": snap.source, "warnings": snap.warnings, "unchanged": same,
                     "propagated": True if self.ledger.shared else None, "routes": routes_now(snap, health)}
 
     def _unreachable(self, what: str, e: Exception) -> StateUnavailable:

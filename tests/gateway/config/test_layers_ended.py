@@ -15,6 +15,7 @@ import pytest
 
 from gateway.config.layers import reapply
 from gateway.config.rollback import without_ended
+from gateway.commands import _version_summary
 from gateway.config.versions import ConfigState, text_digest
 from tests.gateway.config.test_layers import served, text, weights
 from tests.gateway.fault_upstream import FaultUpstream
@@ -249,6 +250,10 @@ async def test_a_reload_that_changes_nothing_keeps_the_versions_source(tmp_path,
     assert (before["version"], before["source"]) == (2, "weights")
     for answer in (again, reload, reload2):
         assert (answer["version"], answer["source"]) == (2, "weights"), answer
+        # and ctl says so (a new user read the previous version's header as a new one)
+        head = _version_summary(answer).splitlines()[0]
+        assert answer["unchanged"] is True and head.startswith("config version 2 (weights)") and head.endswith(
+            ": unchanged, the change is the config it runs"), head
 
 
 async def test_a_watched_edit_that_would_orphan_a_rollout_is_refused_without_a_traceback(tmp_path, caplog):
