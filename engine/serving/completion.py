@@ -19,7 +19,7 @@ from engine.protocol.param_ranges import echo_only
 from engine.serving.answer_check import AnswerCheck, checked_finish
 from engine.serving.chat_structured import ChatPlan, structured_spec
 from engine.serving.chunks import Chunk, CompletionChoiceChunk, StreamError, StreamItem
-from engine.serving.logprobs import empty_completion_logprobs
+from engine.serving.logprobs import TextCursor, empty_completion_logprobs
 from engine.serving.protocol import CompletionRequest, RequestValidationError
 from engine.serving.serving import (OpenAIServing, Prompt, RenderedPrompt, engine_id, error_from_engine,
                                     merge_streams, parse_body, reject_abort, truncate_prompt, usage, usage_options)
@@ -125,11 +125,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 lps = None
                 if logprobs is not None:
                     lps = empty_completion_logprobs()
-                    offset = 0
+                    cursor = TextCursor()
                     fmt = self.logprobs_of(prompt)
                     if echo:
-                        offset = fmt.append_prompt_logprobs(lps, prompt.token_ids, prompt_lps[p_idx], logprobs)
-                    fmt.append_completion_logprobs(lps, ch.token_ids, ch.logprobs or [], logprobs, offset)
+                        cursor = fmt.append_prompt_logprobs(lps, prompt.token_ids, prompt_lps[p_idx], logprobs)
+                    fmt.append_completion_logprobs(lps, ch.token_ids, ch.logprobs or [], logprobs, cursor)
                 finish_reason, stop_reason = checked_finish(self.engine, check, ch.finish_reason, ch.stop_reason,
                                                             ch.text)
                 choice = {"index": p_idx * n + index, "text": prefix + ch.text, "logprobs": lps,
@@ -159,7 +159,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt = sum(len(p.token_ids) for p in prompts)
         generated: dict[tuple[int, int], int] = {}
         cached = [0] * len(prompts)
-        offsets: dict[tuple[int, int], int] = {}
+        offsets: dict[tuple[int, int], TextCursor] = {}   # each choice's text_offset cursor
         started: set[tuple[int, int]] = set()   # choices that sent their first chunk
         texts: dict[tuple[int, int], str] = {}   # each choice's generated text: the second line checks it
 
@@ -197,7 +197,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                     lps, prompt.token_ids, out.prompt_logprobs or [], logprobs)
                         if lps is not None:
                             offsets[key] = self.logprobs_of(prompt).append_completion_logprobs(
-                                lps, c.token_ids, c.logprobs or [], logprobs, offsets.get(key, 0))
+                                lps, c.token_ids, c.logprobs or [], logprobs, offsets.get(key) or TextCursor())
                             if not lps["tokens"]:
                                 lps = None
                         ids = return_ids and (first or bool(c.token_ids))   # tokens whose text is held back, too

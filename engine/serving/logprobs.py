@@ -9,6 +9,7 @@ are clamped to -9999.0 so that -inf stays valid JSON.
 
 from __future__ import annotations
 
+import codecs
 import math
 
 from engine.outputs import PositionLogprobs
@@ -59,6 +60,38 @@ class _TokenIdTexts:
         return name, list(name.encode())
 
 
+def legacy_name(text: str, raw: list[int]) -> str:
+    """A token's name in legacy completions ``logprobs`` (``tokens``, the keys of ``top_logprobs``): its text, or,
+    for a token holding part of a character (its bytes no UTF-8 text alone), ``bytes:\\xNN...`` as OpenAI names
+    it, so that two such tokens are told apart (an engine trial's CJK tokens all read "\ufffd": one key for them
+    all, the sampled token's logprob overwritten by another's)."""
+    if "\ufffd" not in text:
+        return text
+    try:
+        bytes(raw).decode("utf-8")
+        return text
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+class TextCursor:
+    """Where the next token's text starts in an answer's text (characters; ``text_offset``): each token advances it
+    by the characters its bytes complete, a character begun by one token and ended by the next counted once (an
+    engine trial's offsets ran past the end of a text with CJK and emoji, one character counted per token)."""
+
+    __slots__ = ("chars", "_decoder")
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, raw: list[int]) -> int:
+        """The offset of the token of bytes ``raw``; the cursor moves past it."""
+        start = self.chars
+        self.chars += len(self._decoder.decode(bytes(raw)))
+        return start
+
+
 class LogprobFormatter:
     """Renders a model's ``PositionLogprobs`` in the API's formats.
 
@@ -96,41 +129,40 @@ class LogprobFormatter:
         return content
 
     def append_completion_logprobs(self, lps: dict, token_ids: list[int], positions: list[PositionLogprobs],
-                                    k: int, offset: int) -> int:
-        """Append generated tokens to legacy completions logprobs; returns
-        the text offset after them. ``top_logprobs`` holds the top ``k`` plus
-        the sampled token (OpenAI: up to logprobs+1 entries)."""
+                                    k: int, cursor: TextCursor) -> TextCursor:
+        """Append generated tokens to legacy completions logprobs, their ``text_offset`` from ``cursor`` (moved
+        past them; returned). ``top_logprobs`` holds the top ``k`` plus the sampled token (OpenAI: up to
+        logprobs+1 entries); tokens are named by ``legacy_name``."""
         texts = self._token_texts()
         for tok, pos in zip(token_ids, positions):
             lp = pos.get(tok)
-            text, _ = texts.get(tok, lp.decoded_token if lp else "")
-            lps["tokens"].append(text)
+            text, raw = texts.get(tok, lp.decoded_token if lp else "")
+            lps["tokens"].append(legacy_name(text, raw))
             lps["token_logprobs"].append(_clamp(lp.logprob) if lp else _MIN_LOGPROB)
             lps["top_logprobs"].append(self.top_dict(pos, k, tok))
-            lps["text_offset"].append(offset)
-            offset += len(text)
-        return offset
+            lps["text_offset"].append(cursor.advance(raw))
+        return cursor
 
-    def append_prompt_logprobs(self, lps: dict, token_ids: list[int], positions: list, k: int) -> int:
+    def append_prompt_logprobs(self, lps: dict, token_ids: list[int], positions: list, k: int) -> TextCursor:
+        """Append an echoed prompt's tokens (the first has no logprob); returns the cursor after them."""
         texts = self._token_texts()
-        offset = 0
+        cursor = TextCursor()
         for i, tok in enumerate(token_ids):
             pos = positions[i] if i < len(positions) else None
             lp = pos.get(tok) if pos else None
-            text, _ = texts.get(tok, lp.decoded_token if lp else "")
-            lps["tokens"].append(text)
+            text, raw = texts.get(tok, lp.decoded_token if lp else "")
+            lps["tokens"].append(legacy_name(text, raw))
             lps["token_logprobs"].append(_clamp(lp.logprob) if lp else None)
             lps["top_logprobs"].append(self.top_dict(pos, k, tok) if pos else None)
-            lps["text_offset"].append(offset)
-            offset += len(text)
-        return offset
+            lps["text_offset"].append(cursor.advance(raw))
+        return cursor
 
     def top_dict(self, pos: PositionLogprobs, k: int, sampled: int) -> dict[str, float]:
         texts = self._token_texts()
         out: dict[str, float] = {}
         for t, l in sorted(pos.items(), key=lambda kv: kv[1].rank):
             if l.rank <= k or t == sampled:
-                out[texts.get(t, l.decoded_token)[0]] = _clamp(l.logprob)
+                out[legacy_name(*texts.get(t, l.decoded_token))] = _clamp(l.logprob)
         return out
 
     def prompt_logprobs_vllm(self, token_ids: list[int], positions: list) -> list:
