@@ -51,10 +51,6 @@ class AnthropicBackend(UpstreamBackend):
                              f"/v1/{req.endpoint}")
         return untranslatable(req.body)
 
-    def serves(self, req) -> bool:
-        """Whether this backend can serve ``req`` (``refusal`` is None)."""
-        return self.refusal(req) is None
-
     async def send(self, endpoint: str, payload: bytes, request_id: str,
                    extra_headers: Mapping[str, str] | None = None) -> UpstreamResponse:
         """POST the Messages body ``payload``; the answer as a chat completion (JSON bytes). ``endpoint``: the

@@ -225,8 +225,8 @@ class UpstreamBackend:
         return self.name
 
     def serves(self, req) -> bool:
-        """Whether this backend can serve ``req`` (a ``GatewayRequest``): an upstream takes every field."""
-        return True
+        """Whether this backend can serve ``req`` (a ``GatewayRequest``): it has no ``refusal`` of it."""
+        return self.refusal(req) is None
 
     def refusal(self, req) -> tuple[str, str] | None:
         """Why this backend cannot take ``req`` at all, as ``(param, reason)`` (None: it can; an OpenAI-compatible

@@ -303,12 +303,11 @@ def endpoint_error(req: GatewayRequest, decision, backends: Mapping) -> ClientEr
     if len(refusals) < len(names):
         return None
     param, reason = refusals[0]
-    where = f"model '{req.public_model or req.model}' is served on route '{decision.route}' only by {', '.join(names)}"
-    if req.endpoint not in backends[names[0]].endpoints:
-        return ClientError(404, f"{where}, which speak Anthropic's Messages API: {reason}", param="model",
-                           code="model_not_found", headers=_uncalled(decision))
-    return ClientError(400, f"{where}: {reason}", param=param, code="unsupported_parameter",
-                       headers=_uncalled(decision))
+    message = f"model '{req.public_model or req.model}' is served on route '{decision.route}' only by " \
+              f"{', '.join(names)}: {reason}"
+    if req.endpoint not in backends[names[0]].endpoints:      # the reason names the endpoints they take
+        return ClientError(404, message, param="model", code="model_not_found", headers=_uncalled(decision))
+    return ClientError(400, message, param=param, code="unsupported_parameter", headers=_uncalled(decision))
 
 
 def upstream_only_error(field: str, decision, route, upstreams: Mapping[str, str],
