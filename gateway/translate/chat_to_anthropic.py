@@ -74,7 +74,7 @@ def untranslatable(body: dict) -> tuple[str, str] | None:
     tc = body.get("tool_choice")
     if isinstance(tc, dict) and tc.get("type") != "function":
         return "tool_choice", f"Anthropic's Messages API has no tool_choice of type {tc.get('type')!r}"
-    if not _turns(body.get("messages") or [])[1]:
+    if not any(_turn_blocks(m) for m in body.get("messages") or ()):   # every other message is system text
         return "messages", "Anthropic's Messages API needs a user or assistant message with content"
     return None
 
@@ -122,6 +122,22 @@ def _input(arguments) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _turn_blocks(m: dict) -> list[dict]:
+    """A user, assistant or tool message's Anthropic content blocks ([] for a system one or an empty one): a tool
+    result, or its text and images and an assistant's ``tool_use`` calls."""
+    role = m.get("role")
+    if role == "tool":
+        return [{"type": "tool_result", "tool_use_id": m.get("tool_call_id"), "content": _text(m.get("content"))}]
+    if role not in ("user", "assistant"):
+        return []
+    blocks = _blocks(m.get("content"))
+    for call in m.get("tool_calls") or () if role == "assistant" else ():
+        fn = call.get("function") or {}
+        blocks.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
+                       "input": _input(fn.get("arguments"))})
+    return blocks
+
+
 def _turns(messages: list[dict]) -> tuple[list[str], list[dict]]:
     """Chat messages -> (system texts, Anthropic turns: user and assistant alternating)."""
     system: list[str] = []
@@ -132,15 +148,8 @@ def _turns(messages: list[dict]) -> tuple[list[str], list[dict]]:
             if text := _text(m.get("content")):
                 system.append(text)
             continue
-        if role == "tool":
-            blocks = [{"type": "tool_result", "tool_use_id": m.get("tool_call_id"), "content": _text(m.get("content"))}]
-            role = "user"
-        else:
-            blocks = _blocks(m.get("content"))
-            for call in m.get("tool_calls") or () if role == "assistant" else ():
-                fn = call.get("function") or {}
-                blocks.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
-                               "input": _input(fn.get("arguments"))})
+        blocks = _turn_blocks(m)
+        role = "user" if role == "tool" else role
         if not blocks:
             continue
         if turns and turns[-1]["role"] == role:
