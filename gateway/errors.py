@@ -41,19 +41,16 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
         "type": type_ or _error_type(status, _TYPES, "invalid_request_error", "server_error")}})
 
 
-# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); 529 is its "overloaded".
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-                    422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
-                    529: "overloaded_error"}
-
-
-# Anthropic's error types -> the HTTP status each is sent with (https://docs.anthropic.com/en/api/errors): what an
-# error event in its stream, which carries no status, is judged as (an overloaded_error event before content is
-# the 529 a whole answer would have been)
+# Anthropic's error types and the HTTP status each is sent with (https://docs.anthropic.com/en/api/errors; 529 is
+# its "overloaded"): an error event in its stream, which carries no status, is judged as that status (an
+# overloaded_error event before content is the 529 a whole answer would have been).
 ANTHROPIC_TYPE_STATUS = {"invalid_request_error": 400, "authentication_error": 401, "permission_error": 403,
                          "not_found_error": 404, "request_too_large": 413, "rate_limit_error": 429,
                          "api_error": 500, "overloaded_error": 529}
+# The type /v1/messages answers for the gateway's status: Anthropic's own pairs, and the gateway's statuses its API
+# has none for (405, 422: the request's; 503: the gateway's overloaded, answered 529 by ``anthropic_status``).
+_ANTHROPIC_TYPES = {**{s: t for t, s in ANTHROPIC_TYPE_STATUS.items() if s < 500}, 405: "invalid_request_error",
+                    422: "invalid_request_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
 def anthropic_status(status: int) -> int:

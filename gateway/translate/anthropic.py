@@ -38,7 +38,7 @@ from gateway.translate.anthropic_checks import (bad_request, check_block, check_
                                                 check_metadata, check_output_config, check_sampling, check_thinking,
                                                 check_text, check_tool, check_tool_choice, check_tool_results,
                                                 check_tools_defined, missing_or_wrong)
-from gateway.translate.anthropic_answer import NATIVE
+from gateway.translate.anthropic_answer import NATIVE, counted
 from gateway.translate.anthropic_json import ObjectPrefix, tool_input
 from gateway.translate.chat import reasoning_of
 from gateway.translate.tool_calls import ToolCallOrder
@@ -296,9 +296,7 @@ def _native_message(native: dict, chat: dict, message_id: str, model: str) -> di
     calls = iter(((chat.get("choices") or [{}])[0].get("message") or {}).get("tool_calls") or ())
     content = [{**b, "id": tool_use_id(next(calls, {}).get("id") or b.get("id"))} if b.get("type") == "tool_use"
                else b for b in native.get("content") or () if isinstance(b, dict)]
-    usage = native.get("usage") or {}
-    if usage.get("input_tokens") is None and usage.get("output_tokens") is None:
-        usage = _usage(chat.get("usage"))
+    usage = native.get("usage") if counted(native.get("usage")) else _usage(chat.get("usage"))
     usage = {"cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, **usage}
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": native.get("stop_reason"), "stop_sequence": native.get("stop_sequence"), "usage": usage}

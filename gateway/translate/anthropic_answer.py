@@ -23,14 +23,19 @@ _FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", 
            "pause_turn": "stop", "refusal": "content_filter"}
 
 
+def counted(u: dict | None) -> bool:
+    """Whether Anthropic's ``usage`` ``u`` holds a count (``input_tokens`` or ``output_tokens``; a proxy may drop
+    them, and 0 tokens would bill nothing)."""
+    return bool(u) and (u.get("input_tokens") is not None or u.get("output_tokens") is not None)
+
+
 def _usage(u: dict | None) -> dict | None:
     """Anthropic's ``usage`` -> chat's: ``prompt_tokens`` the whole input (``input_tokens`` plus the cache reads and
     writes), the reads as ``prompt_tokens_details.cached_tokens``, the writes as ``cache_creation_input_tokens``
     (LiteLLM's name for them in a chat usage; ``anthropic._usage`` gives them back). None when the upstream counted
     nothing (no ``input_tokens`` or ``output_tokens``): the gateway then counts the answer and marks its record
     estimated, as for any backend that gives no usage (0 tokens would bill nothing)."""
-    u = u or {}
-    if u.get("input_tokens") is None and u.get("output_tokens") is None:
+    if not counted(u):
         return None
     written = int(u.get("cache_creation_input_tokens") or 0)
     prompt = int(u.get("input_tokens") or 0) + int(u.get("cache_read_input_tokens") or 0) + written
