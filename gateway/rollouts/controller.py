@@ -66,6 +66,15 @@ class RouteBusy(Exception):
     """Another live rollout steers the route (the admin API's 409)."""
 
 
+def _busy(route: str, other: str, state: str | None) -> RouteBusy:
+    """The refusal of a rollout on ``route``, which rollout ``other`` holds (in ``state``; None: not read)."""
+    if state == "promoted":                              # its split stands until released
+        return RouteBusy(f"route {route!r} is held by rollout {other!r} (promoted): release it first "
+                         f"(tandem ctl rollout release {other})")
+    return RouteBusy(f"route {route!r} already has rollout {other!r}{f' ({state})' if state else ''}: one rollout "
+                     "steers a route at a time; abort it or let it finish first")
+
+
 class RolloutSpecError(ValueError):
     """A rollout's name or references are wrong (the admin API's 400); ``param``: the field at fault."""
 
@@ -344,21 +353,15 @@ class RolloutController:
         problems = rollout_problems("rollout", spec, routes)
         if problems:
             raise RolloutSpecError("; ".join(f"{p}: {m}" for p, m in problems), problems[0][0].split(".", 1)[1])
-        for other in await self.store.live_names():
-            o = await self.store.load(other)
-            if o is not None and other != name and o["route"] == spec.route and o["state"] in LIVE:
-                raise RouteBusy(f"route {spec.route!r} already has rollout {other!r} ({o['state']}): one rollout "
-                                f"steers a route at a time; abort it or let it finish first")
-        done = holder(await self.every(), spec.route, ("promoted",))
-        if done is not None and done["name"] != name:    # its split stands until released
-            raise RouteBusy(f"route {spec.route!r} is held by rollout {done['name']!r} (promoted): release it "
-                            f"first (tandem ctl rollout release {done['name']})")
+        # read first, for the holder's state in the answer (and rollouts saved before routes were claimed)
+        other = holder(await self.every(), spec.route)
+        if other is not None and other["name"] != name:
+            raise _busy(spec.route, other["name"], other["state"])
         r = new_rollout(name, spec, baseline_of(spec, routes[spec.route]), time.time() if now is None else now)
         try:
             await self.store.save(name, r, 0)
         except RouteHeld as e:       # started meanwhile on another replica or by another request: the save decides
-            raise RouteBusy(f"route {spec.route!r} already has rollout {e.holder!r}: one rollout steers a route at "
-                            f"a time; abort it or let it finish first") from None
+            raise _busy(spec.route, e.holder, None) from None
         self._note(r)
         log.info("rollout %s started: %s %s -> %s", name, spec.route, spec.candidate, spec.steps)
         await self._apply_weight(r, force=True)
