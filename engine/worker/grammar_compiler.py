@@ -188,7 +188,7 @@ class _InFlight:
     waiters: list[tuple[Callable[[str, GrammarRefused | None], None], float]] = field(default_factory=list)
     meter: CpuMeter = field(default_factory=CpuMeter)
     done: bool = False
-    slot_freed: bool = False    # its compile slot was given back when it ran out of budget (``_time_out``)
+    slot_freed: bool = False    # its compile slot was given back (``GrammarCompilePool._free_slot``)
 
 
 Done = Callable[[str, "GrammarRefused | None"], None]
@@ -330,10 +330,15 @@ class GrammarCompilePool:
         try:
             self._check_and_compile(params, digest, flight)
         finally:
-            with self._lock:
-                freed, flight.slot_freed = flight.slot_freed, True
-            if not freed:
-                self._slots.release()
+            self._free_slot(flight)
+
+    def _free_slot(self, flight: _InFlight) -> None:
+        """Give ``flight``'s compile slot back, once: when its job ends, or at its 408 (its thread goes on past its
+        budget; the next spec need not wait for it)."""
+        with self._lock:
+            freed, flight.slot_freed = flight.slot_freed, True
+        if not freed:
+            self._slots.release()
 
     def _check_and_compile(self, params: StructuredOutputsParams, digest: str, flight: _InFlight) -> None:
         grammar, nbytes, error = None, 0, None
@@ -415,9 +420,7 @@ class GrammarCompilePool:
             flight.done = True
             self._in_flight.pop(digest, None)
             self._remember(digest, error)
-            freed, flight.slot_freed = flight.slot_freed, True
-        if not freed:                  # its thread goes on past its budget; the next spec need not wait for it
-            self._slots.release()
+        self._free_slot(flight)
         flight.meter.cancel()  # a check worker is killed; a compile cannot be stopped, its grammar is dropped
         for waiter, _ in flight.waiters:
             waiter(digest, error)
