@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from engine.protocol.param_ranges import INT64_MIN, UINT64_MAX
+from engine.protocol.param_ranges import PARAM_RANGES
 
 
 @dataclass(frozen=True)
@@ -277,7 +277,8 @@ class SamplingParams:
         check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             _is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100 for t, b in self.logit_bias.items())),
             "logit_bias", f"must map token ids to biases in [-100, 100], got {self.logit_bias!r}")
-        check(self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= UINT64_MAX), "seed",
+        seeds = PARAM_RANGES["seed"]         # the server's range (torch's manual_seed's): one table
+        check(self.seed is None or (_is_int(self.seed) and seeds.lo <= self.seed <= seeds.hi), "seed",
               f"must be an integer in [-2**63, 2**64 - 1] (torch's manual_seed range, the server's), got {self.seed!r}")
         check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
               f"must be at least 1, got {self.max_tokens!r}")
@@ -308,9 +309,9 @@ class SamplingParams:
         check(tokenized is None or (isinstance(tokenized, list) and all(
             isinstance(w, list) and w and all(_is_int(t) and t >= 0 for t in w) for w in tokenized)),
             "bad_words_token_ids", "must be a list of non-empty token-id lists")
-        keep = self.truncate_prompt_tokens   # its upper bound is max_model_len, checked with it (llm_prompts.py)
-        check(keep is None or (_is_int(keep) and (keep >= 1 or keep == -1)), "truncate_prompt_tokens",
-              f"must be an integer >= 1, or -1 (what fits max_model_len), got {keep!r}")
+        keep = self.truncate_prompt_tokens   # the server's range, 0 refused; max_model_len bounds it (llm_prompts.py)
+        check(keep is None or (_is_int(keep) and keep >= PARAM_RANGES["truncate_prompt_tokens"].lo and keep != 0),
+              "truncate_prompt_tokens", f"must be an integer >= 1, or -1 (what fits max_model_len), got {keep!r}")
 
     @property
     def greedy(self) -> bool:
