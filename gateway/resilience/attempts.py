@@ -381,10 +381,10 @@ class _Run:
             out = await self._once()
             if isinstance(out, Result):
                 return no_client_retry(out)
-            if self.stream and self.streams is not None and self.streams.reason is not None:
-                return no_client_retry(shutdown_answer())     # ended by the shutdown before its first token
             if isinstance(out, PassThrough):
                 return no_client_retry(self._passthrough(out.response, out.candidate))
+            if self.stream and self.streams is not None and self.streams.reason is not None:
+                return no_client_retry(shutdown_answer())     # ended by the shutdown before its first token
             self.last_wait = self._wait_for(out, step)    # _pick starts a new round only after a backoff
             if self._stop(out, self.last_wait):
                 return no_client_retry(await self._exhausted(out))

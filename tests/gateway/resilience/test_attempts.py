@@ -572,3 +572,24 @@ async def test_no_callable_backend_says_where_operators_read_why():
     err = json.loads(res.body)["error"]
     assert res.status == 503 and err["code"] == "no_backend_available", err
     assert "unconfigured (an API key unset)" in err["message"] and "/health/ready" in err["message"], err
+
+
+async def test_an_upstreams_own_4xx_during_a_shutdown_is_its_answer_not_the_shutdowns():
+    """A request-specific 4xx an upstream answered (an error event naming it) is passed through as it is, a
+    shutdown meanwhile or not: only a stream the shutdown ended is answered its 503."""
+    from gateway.resilience.streaming import GATEWAY_SHUTDOWN, OpenStreams
+    from gateway.values import ChatEvent
+
+    streams = OpenStreams()
+
+    async def refused():
+        yield [ChatEvent(error={"message": "max_tokens too large", "type": "invalid_request_error",
+                                "param": "max_tokens", "code": 400})]
+
+    async def attempt(c):
+        streams.interrupt(GATEWAY_SHUTDOWN)          # the drain's deadline comes during the call
+        return UpstreamResponse(200, {"content-type": "text/event-stream"}, events=refused())
+
+    res = await call_with_fallback([Candidate("local"), Candidate("up")], attempt, stream=True, policy=FAST,
+                                   streams=streams)
+    assert res.status == 400 and json.loads(res.body)["error"]["param"] == "max_tokens", res.body
