@@ -119,6 +119,11 @@ def error_event(message: str, type_: str = "upstream_error", code: str | None = 
 ChatStream = AsyncIterator[list[ChatEvent]]
 
 
+# Request fields that only the gateway understands: never sent to a backend as they are (the local engine takes the
+# priority as an argument), nor translated for one.
+GATEWAY_ONLY_FIELDS = ("priority",)
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayRequest:
     """One request, built once by validation and read (never re-parsed) by every later step: routing features,

@@ -16,13 +16,10 @@ from gateway.resilience.attempts import Candidate, Result, UpstreamResponse
 from gateway.resilience.layer import Resilience
 from gateway.resilience.ratelimit import RateReservation
 from gateway.translate.chat_to_anthropic import chat_to_messages
-from gateway.values import Answer, ChatStream, GatewayRequest
+from gateway.values import GATEWAY_ONLY_FIELDS, Answer, ChatStream, GatewayRequest
 from policies import Target
 
 log = logging.getLogger("tandem.gateway.dispatch")
-
-# Request fields that only the gateway understands: never sent upstream.
-GATEWAY_ONLY_FIELDS = ("priority",)
 
 
 def native_api(backend, req: GatewayRequest) -> str:

@@ -33,6 +33,7 @@ import json
 import msgspec
 
 from gateway.errors import error_body
+from gateway.values import GATEWAY_ONLY_FIELDS
 
 # Anthropic requires max_tokens; a chat request may set none (LiteLLM's default for Anthropic models).
 DEFAULT_MAX_TOKENS = 4096
@@ -40,7 +41,7 @@ DEFAULT_MAX_TOKENS = 4096
 _MAPPED = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
                      "stop", "stream", "tools", "tool_choice", "parallel_tool_calls", "user", "response_format"})
 _DROPPED = frozenset({"metadata", "store", "service_tier", "stream_options", "prompt_cache_key",
-                      "safety_identifier", "priority"})   # priority: the gateway's own (dispatch.GATEWAY_ONLY_FIELDS)
+                      "safety_identifier", *GATEWAY_ONLY_FIELDS})
 _NOT_ASKED = {"n": (1,), "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0),
               "frequency_penalty": (0, 0.0), "logit_bias": ({},), "modalities": (["text"],)}
 # a conversation that opens with the assistant (a greeting shown before the user spoke) gets a user turn of this
