@@ -214,7 +214,7 @@ class Gateway:
         s = self.snapshot
         if s is None or self.draining:
             return False
-        return s.local is None or s.local.available or not s.local.loading or not self.start_engine
+        return s.local is None or not s.local.loading or not self.start_engine   # loaded means not loading
 
     # ----- config generations ----------------------------------------------------------------------------------
     def _build_backends(self, compiled: Compiled) -> tuple[dict, LocalBackend | None]:
