@@ -42,7 +42,7 @@ class Resilience:
         self.breakers = Breakers(self.state)
         self.health = HealthTracker(self.state)
         self.prober: ActiveProber | None = None
-        self.streams = OpenStreams()     # the relayed streams' watchdogs, for a drain to interrupt
+        self.streams = OpenStreams()     # the streams relayed or awaiting a first token, for a drain to end
         self.configure(cfg)
 
     def configure(self, cfg: GatewayConfig) -> None:
