@@ -14,6 +14,7 @@ from importlib import resources
 
 from litestar import HttpMethod, Response, route
 from litestar.exceptions import NotFoundException
+from litestar.params import FromPath
 
 # asset name -> media type; the only files served (no path from the request reaches the filesystem)
 _ASSETS = {"index.html": "text/html", "charts.js": "text/javascript", "console.js": "text/javascript",
@@ -40,7 +41,7 @@ async def console_page() -> Response:
 
 
 @route("/admin/ui/{name:str}", http_method=[HttpMethod.GET, HttpMethod.HEAD], include_in_schema=False)
-async def console_asset(name: str) -> Response:
+async def console_asset(name: FromPath[str]) -> Response:
     """``charts.js``, ``console.js`` and ``console.css``; 404 for any other name."""
     return _asset(name)
 

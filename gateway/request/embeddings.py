@@ -38,8 +38,7 @@ def check_embeddings(body: dict) -> None:
         raise _bad(f"'input' has {len(value)} items; at most {MAX_INPUTS}")    # the backend's context bounds
     elif not (all(isinstance(x, str) and x for x in value) or all(_is_token(x) for x in value)
               or all(isinstance(x, list) and x and all(_is_token(t) for t in x) for x in value)):
-        raise _bad("'input' must be a string, an array of non-empty strings, an array of token ids (integers "
-                   ">= 0), or an array of non-empty token-id arrays", "invalid_type")
+        raise _bad_item(value)
     fmt = body.get("encoding_format")
     if fmt is not None and fmt not in ENCODING_FORMATS:
         raise _bad(f"'encoding_format' must be one of {', '.join(ENCODING_FORMATS)}, got {fmt!r}",
@@ -47,6 +46,23 @@ def check_embeddings(body: dict) -> None:
     dims = body.get("dimensions")
     if isinstance(dims, int) and not isinstance(dims, bool) and dims < 1:
         raise _bad(f"'dimensions' must be at least 1, got {dims}", "integer_below_min_value", "dimensions")
+
+
+def _bad_item(value: list) -> ClientError:
+    """The 400 for an ``input`` array whose items are not all of one accepted kind, naming the first item that
+    differs from the kind of ``input[0]`` (strings, token ids or token-id arrays)."""
+    first = value[0]
+    kind = ("a non-empty string" if isinstance(first, str) else "a token id (an integer >= 0)" if _is_token(first)
+            else "a non-empty array of token ids (integers >= 0)")
+    ok = {"a non-empty string": lambda x: isinstance(x, str) and bool(x),
+          "a token id (an integer >= 0)": _is_token}.get(
+        kind, lambda x: isinstance(x, list) and bool(x) and all(_is_token(t) for t in x))
+    i = next(i for i, x in enumerate(value) if not ok(x))
+    got = "an empty string" if value[i] == "" else "an empty array" if value[i] == [] else f"{value[i]!r:.40}"
+    expected = f"{kind} like input[0]" if i else "a non-empty string, a token id or a non-empty token-id array"
+    return ClientError(400, f"Invalid 'input[{i}]': expected {expected}, got {got}. 'input' must be a "
+                       "string, an array of non-empty strings, an array of token ids, or an array of non-empty "
+                       "token-id arrays", param=f"input[{i}]", code="invalid_type")
 
 
 def _is_token(x: object) -> bool:

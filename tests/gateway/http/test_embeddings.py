@@ -88,3 +88,27 @@ async def test_one_input_of_many_token_ids_is_one_input_and_many_inputs_are_boun
             await client.embeddings.create(model="m1", input=["x"] * 2049)
         assert e.value.body["param"] == "input" and "2049 items; at most 2048" in e.value.body["message"]
         await client.close()
+
+
+async def test_a_bad_item_of_input_is_named(up):
+    """A list with one bad item names that item (an embeddings trial's ``["a", ""]`` was refused naming only
+    ``input``), through the SDK; the upstream is never asked."""
+    async with gateway(config(up)) as (_, _, url):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.embeddings.create(model="m1", input=["a", ""])
+        assert e.value.body["param"] == "input[1]" and "an empty string" in e.value.body["message"], e.value.body
+        await client.close()
+    assert up.requests == []
+
+
+@pytest.mark.parametrize("value, param, got", [
+    (["a", "b", 3], "input[2]", "got 3"), ([[1, 2], []], "input[1]", "an empty array"),
+    ([[1], [2, -1]], "input[1]", "[2, -1]"), ([1, 2, "x"], "input[2]", "'x'"), ([None, "a"], "input[0]", "None"),
+    ([{"text": "a"}], "input[0]", "{'text': 'a'}")])
+def test_the_first_bad_item_is_named(value, param, got):
+    from gateway.errors import ClientError
+    from gateway.request.embeddings import check_embeddings
+    with pytest.raises(ClientError) as e:
+        check_embeddings({"input": value})
+    assert e.value.param == param and got in e.value.message, e.value.message
