@@ -1,6 +1,7 @@
 """Admission: what a routed request must pass before any backend is called. First the RPM/TPM limits of its
 virtual key and tenant (``gateway/resilience/ratelimit.py``), then its tenant's budget (``gateway/billing/
-usage.py``): a 429 is an admission decision, taken here, never by observability.
+usage.py``), which gives the rate limits' admission back when it refuses: a 429 is an admission decision, taken
+here, never by observability.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: Usa
     budget = Budget(bcfg.usd, bcfg.period)
     est = estimate_nusd(cfg, targets, req.prompt_tokens, completion)
     check = await usage.reserve(req.tenant, req.request_id, est, budget)
+    if check.unavailable or not check.admitted:    # refused: it reaches no backend, so it uses no rate limit
+        await resilience.release(rl.reservation)
     if check.unavailable:
         raise ClientError(503, "Budget unavailable: shared state is unreachable and budgets fail closed "
                                "(state.fail_closed_limits); retry later.", code="budget_unavailable",

@@ -104,6 +104,10 @@ class Resilience:
             tokens = max(tokens - guessed, min(tokens, min(tpms)))
         return await self.limiter.acquire(limits, tokens, request_id)
 
+    async def release(self, reservation: RateReservation | None) -> None:
+        """Undo an admission of ``admit`` entirely: the request is refused before any backend (its budget)."""
+        await self.limiter.release(reservation)
+
     async def settle(self, reservation: RateReservation | None, usage: dict | None) -> None:
         """Replace a reservation with the real usage (prompt + completion tokens) when the upstream reported it."""
         if reservation is None or not usage:

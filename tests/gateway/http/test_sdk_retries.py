@@ -20,6 +20,7 @@ from tests.gateway.fault_upstream import FaultUpstream
 from tests.gateway.support import serve_app, sha
 
 BIG, BROKE, BUSY = "sk-tandem-big-0123456789abcdef", "sk-tandem-broke-0123456789abcd", "sk-tandem-busy-0123456789abcde"
+POOR = "sk-tandem-poor-0123456789abcde"
 HELLO = [{"role": "user", "content": "hello"}]
 
 
@@ -28,8 +29,9 @@ def config(up: FaultUpstream) -> str:
             f"    - {{tenant: big, sha256: {sha(BIG)}, tpm: 100}}\n"
             f"    - {{tenant: broke, sha256: {sha(BROKE)}}}\n"
             f"    - {{tenant: busy, sha256: {sha(BUSY)}, rpm: 1}}\n"
+            f"    - {{tenant: poor, sha256: {sha(POOR)}, rpm: 1}}\n"
             "limits: {window_s: 2}\n"
-            "budgets:\n  tenants: {broke: {usd: 0.000001, period: day}}\n"
+            "budgets:\n  tenants: {broke: {usd: 0.000001, period: day}, poor: {usd: 0.0001, period: day}}\n"
             "resilience:\n  health: {interval_s: 0}\nobservability:\n  logs: {requests: false}\n"
             "models:\n  - name: m1\n"
             f"backends:\n  up:\n    type: openai\n    base_url: {up.base_url}\n    prices: {{input: 1, output: 2}}\n"
@@ -94,3 +96,18 @@ async def test_a_rate_limit_freed_within_the_sdks_cap_is_left_to_the_sdk(up):
             assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
             r = await c.post("/v1/chat/completions", json=body)
     assert r.status_code == 429 and int(r.headers["retry-after"]) <= 2 and "x-should-retry" not in r.headers
+
+
+async def test_a_request_the_budget_refuses_uses_none_of_the_rate_limit(up):
+    """Admission takes the rate limits first; a request its tenant's budget then refuses never reached a backend
+    and gives its RPM/TPM admission back (before, a budget 429 used up an ``rpm: 1`` key's minute, so the cheap
+    request after it was refused too)."""
+    async with gateway(up) as (url, _):
+        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {POOR}"}, timeout=20) as c:
+            r = await c.post("/v1/chat/completions", json={"model": "m1", "messages": HELLO, "max_tokens": 500})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded", r.text
+            r = await c.post("/v1/chat/completions", json={"model": "m1", "messages": HELLO, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            r = await c.post("/v1/chat/completions", json={"model": "m1", "messages": HELLO, "max_tokens": 1})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text   # rpm 1 holds
+    assert up.calls == 1
