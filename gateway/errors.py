@@ -59,12 +59,15 @@ def anthropic_status(status: int) -> int:
     return 529 if status == 503 else status
 
 
-def anthropic_error_body(status: int, message: str, type_: str | None = None) -> bytes:
+def anthropic_error_body(status: int, message: str, type_: str | None = None, details: dict | None = None) -> bytes:
     """Anthropic's error JSON (``/v1/messages``): ``{"type": "error", "error": {"type", "message"}}`` as bytes
-    (the message ``clip``-ped)."""
-    return msgspec.json.encode({"type": "error", "error": {
-        "type": type_ or _error_type(status, _ANTHROPIC_TYPES, "invalid_request_error", "api_error"),
-        "message": clip(message, MESSAGE_CHARS)}})
+    (the message ``clip``-ped), with ``error.details`` when given (its ``error_code`` is what the SDK branches on,
+    e.g. ``thread_unsupported_request``)."""
+    error = {"type": type_ or _error_type(status, _ANTHROPIC_TYPES, "invalid_request_error", "api_error"),
+             "message": clip(message, MESSAGE_CHARS)}
+    if details:
+        error["details"] = details
+    return msgspec.json.encode({"type": "error", "error": error})
 
 
 class ClientError(Exception):
@@ -72,12 +75,13 @@ class ClientError(Exception):
     where they are made, so the log line and the answer carry the same bounded text."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None, native: bool = False):
+                 headers: dict[str, str] | None = None, native: bool = False, details: dict | None = None):
         message, param = clip(message, MESSAGE_CHARS), clip(param, PARAM_CHARS)
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
         self.native = native   # the message names the client API's own paths (not the chat translation's)
+        self.details = details  # Anthropic's ``error.details`` (the Messages API's answer only)
 
 
 def model_not_found(name: str, available) -> ClientError:

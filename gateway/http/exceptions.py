@@ -38,25 +38,25 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 def anthropic_error_response(status: int, message: str, headers: dict | None = None,
-                             native: bool = False) -> Response:
+                             native: bool = False, details: dict | None = None) -> Response:
     """Anthropic's error response (body: ``gateway.errors.anthropic_error_body``; status:
     ``gateway.errors.anthropic_status``); the chat translation's field paths in ``message`` are written as the
     Messages body's (``messages_paths``), unless ``native`` (a Messages check named the Messages body's own)."""
     text = message if native else messages_paths(message)
-    return Response(anthropic_error_body(status, text), status_code=anthropic_status(status),
+    return Response(anthropic_error_body(status, text, details=details), status_code=anthropic_status(status),
                     media_type=_JSON, headers=headers or None)
 
 
 def _refusal(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
-             headers: dict | None = None, native: bool = False) -> Response:
+             headers: dict | None = None, native: bool = False, details: dict | None = None) -> Response:
     if anthropic_path(request.scope["path"]):
-        return anthropic_error_response(status, message, headers, native)
+        return anthropic_error_response(status, message, headers, native, details)
     return error_response(status, message, param, code, headers)
 
 
 def _on_client_error(request: Request, e: ClientError) -> Response:
     return _refusal(request, e.status, e.message, e.param, e.code, _with_retry_advice(e.status, e.headers),
-                    e.native)
+                    e.native, e.details)
 
 
 def _with_retry_advice(status: int, headers: dict[str, str]) -> dict[str, str]:

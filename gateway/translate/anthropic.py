@@ -37,7 +37,7 @@ from gateway.sse import named_event
 from gateway.translate.anthropic_checks import (bad_request, check_block, check_hints, check_keys, check_message,
                                                 check_metadata, check_output_config, check_sampling, check_thinking,
                                                 check_text, check_tool, check_tool_choice, check_tool_results,
-                                                check_tools_defined, missing_or_wrong)
+                                                check_thread, check_tools_defined, missing_or_wrong)
 from gateway.translate.anthropic_answer import NATIVE, counted
 from gateway.translate.anthropic_json import ObjectPrefix, tool_input
 from gateway.translate.chat import reasoning_of
@@ -185,6 +185,7 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
     Raises:
         ClientError: 400 naming the field (Anthropic's dotted path) for a missing or malformed one.
     """
+    check_thread(body)
     for name in body:
         if name not in _KNOWN and name not in _DROPPED:
             raise bad_request(f"{name}: Extra inputs are not permitted", name)

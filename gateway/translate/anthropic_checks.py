@@ -29,6 +29,20 @@ def bad_request(message: str, param: str) -> ClientError:
     return ClientError(400, message, param=param, code="invalid_request_error", native=True)
 
 
+def check_thread(body: dict) -> None:
+    """Refuses Anthropic's Threads (``thread``: server-held conversation state, the ``message-threads`` beta) with
+    the error the SDK recovers from: ``error.details.error_code`` ``thread_unsupported_request``, on which its
+    thread helpers and ``tool_runner`` (threaded by default) send the whole conversation again without ``thread``.
+    The gateway holds no Messages conversation (its message ids are its own, and a conversation's turns may go to
+    different backends), so it takes none, whatever the route (an agents trial's ``tool_runner`` got an "Extra
+    inputs" 400 that the SDK cannot recover from)."""
+    if "thread" in body:
+        raise ClientError(400, "thread: this gateway holds no conversation state (Threads are not supported); send "
+                               "the whole conversation in `messages` without `thread`", param="thread",
+                          code="invalid_request_error", native=True,
+                          details={"error_code": "thread_unsupported_request"})
+
+
 def check_sampling(body: dict) -> None:
     """Anthropic's own ranges, narrower than chat's (which the translation's chat checks apply after), in its
     words: ``max_tokens`` >= 1 (when given: count_tokens has none), ``temperature`` and ``top_p`` in [0, 1],

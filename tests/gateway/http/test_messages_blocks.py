@@ -290,3 +290,38 @@ async def test_a_forced_tool_that_is_not_among_the_tools_is_named_as_messages_na
             await client.messages.create(**ASK, tools=TOOLS, tool_choice={"type": "tool", "name": "g"})
     assert e.value.body["error"] == {"type": "invalid_request_error",
                                      "message": "tool_choice.name: 'g' is not one of the tools"}
+
+
+async def test_the_sdks_threaded_tool_runner_continues_without_a_thread(upstream):
+    """The SDK's ``tool_runner`` asks for a server-held Thread by default (``thread: {"type": "create"}``); the
+    gateway holds none and says so with the code the SDK recovers from, so the runner sends the whole conversation
+    again without ``thread`` and the tool loop runs (an agents trial's runner got an "Extra inputs" 400 it could
+    not recover from). The refusal reaches no backend."""
+    from anthropic import beta_async_tool
+
+    @beta_async_tool
+    async def get_weather(city: str) -> str:
+        """The weather of a city.
+
+        Args:
+            city: the city
+        """
+        return f"sunny in {city}"
+
+    called = {"id": "up-1", "object": "chat.completion", "created": 0, "model": "up-model", "choices": [{
+        "index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+        ]}}]}
+    upstream.reset()                              # the module's upstream: no script of another test left
+    upstream.push({"body": json.dumps(called).encode()})
+    async with served(config(upstream.base_url)) as client:
+        with pytest.raises(anthropic.BadRequestError) as e:
+            await client.beta.messages.create(**ASK, extra_body={"thread": {"type": "create"}})
+        assert e.value.body["error"]["details"] == {"error_code": "thread_unsupported_request"}, e.value.body
+        assert e.value.body["error"]["type"] == "invalid_request_error" and upstream.calls == 0
+        runner = client.beta.messages.tool_runner(**ASK, tools=[get_weather])
+        replies = [m async for m in runner]
+    assert [m.stop_reason for m in replies] == ["tool_use", "end_turn"] and replies[-1].content[0].text == "ok"
+    assert upstream.calls == 2 and all("thread" not in b for b in upstream.bodies)
+    assert upstream.bodies[-1]["messages"][-1] == {"role": "tool", "tool_call_id": "toolu_1",    # ids as Anthropic's
+                                                  "content": "sunny in Paris"}
