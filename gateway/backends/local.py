@@ -96,8 +96,9 @@ class Checkpoint:
 class LocalBackend:
     """The co-located engine. Unavailable until ``start()`` has loaded the
     model (or for good when loading failed: ``unavailable_reason``). An engine whose core died (killed, out of
-    memory) is restarted: the active probe (``probe``) finds it dead, marks the backend unavailable (routing
-    takes the fallbacks, ``/health/ready`` names why) and loads a new one (``restarts`` counts them)."""
+    memory) is restarted: the active probe (``probe``) or the first request to meet it finds it dead, marks the
+    backend unavailable (routing takes the fallbacks, ``/health/ready`` names why) and loads a new one
+    (``restarts`` counts them)."""
 
     kind = "local"
     endpoints = ("chat/completions", "completions", "embeddings")   # what its OpenAI layer serves
@@ -181,10 +182,15 @@ class LocalBackend:
 
         Raises:
             RuntimeError: it is not, with the reason."""
-        if self.available and self.engine is not None and not self.engine.is_alive and self.engine.accepting:
-            self._restart_dead_engine()
+        self._restart_if_dead()
         if not self.available:
             raise RuntimeError(self.unavailable_reason or "engine not ready")
+
+    def _restart_if_dead(self) -> None:
+        """A loaded engine whose core died (not one shutting down) is replaced: the probe's check, and each
+        request's, so that a gateway probing nothing (``resilience.health.interval_s: 0``) restarts it too."""
+        if self.available and self.engine is not None and not self.engine.is_alive and self.engine.accepting:
+            self._restart_dead_engine()
 
     def _restart_dead_engine(self) -> None:
         """Mark the backend unavailable and load a new engine in place of the dead one."""
@@ -263,6 +269,7 @@ class LocalBackend:
             raise self._refusal(e) from None
 
     async def _call(self, req: GatewayRequest, body: dict):
+        self._restart_if_dead()
         if self.serving is None:
             raise BackendError("unavailable", f"{self.name}: {self.unavailable_reason}", 503)
         if req.endpoint != "embeddings":   # the tenant's prefix cache (the client's salt only splits it further)

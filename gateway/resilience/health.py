@@ -189,6 +189,7 @@ class HealthTracker:
 
 
 FAILING_ROUNDS = 2   # probes failed in a row before the log says so (ActiveProber._say)
+OFF_RECHECK_S = 1.0  # while probing is off (interval_s 0), how often the loop looks whether a reload turned it on
 
 
 class ActiveProber:
@@ -197,7 +198,9 @@ class ActiveProber:
     ``probes`` is a dict or a function returning one (read each round, e.g. after a config reload).
 
     A probe is any coroutine function that raises (or times out after ``config.timeout_s``) when the backend
-    is not healthy. ``start`` launches a background task; ``stop`` cancels it.
+    is not healthy. ``start`` launches a background task; ``stop`` cancels it. The period is read each round, so
+    a reload that sets ``interval_s`` to 0 stops probing and one that sets it above 0 starts it (an observability
+    trial's reload to 0 probed every upstream ~470 times a second, and one from 0 never started).
     """
 
     def __init__(self, tracker: HealthTracker, probes: dict[str, Callable[[], Awaitable[object]]]
@@ -245,14 +248,18 @@ class ActiveProber:
 
     async def _loop(self) -> None:
         while True:
+            interval = self.tracker.config.interval_s
+            if interval <= 0:                  # off: look again later (a reload may turn it on)
+                await asyncio.sleep(OFF_RECHECK_S)
+                continue
             try:
                 await self.probe_once()
             except Exception:
                 log.exception("active health probe round failed")
-            await asyncio.sleep(self.tracker.config.interval_s)
+            await asyncio.sleep(interval)
 
     def start(self) -> None:
-        if self.tracker.config.interval_s > 0 and self._task is None:
+        if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:

@@ -458,13 +458,18 @@ async def test_the_engine_runs_routings_rendering(tiny_backend):
     assert e.value.status == 404
 
 
-def _probed_local(tiny_model) -> tuple[GatewayConfig, Resilience, LocalBackend]:
-    """A config with one local backend on the tiny model, its resilience layer probing it, and the (unstarted)
-    backend."""
-    cfg = GatewayConfig.model_validate({
+def _local_config(tiny_model) -> GatewayConfig:
+    """A config with one local backend on the tiny model."""
+    return GatewayConfig.model_validate({
         "models": [{"name": "m"}], "backends": {"local": {"type": "local", "engine": {
             "model": tiny_model, "dtype": "float32", "kv_cache_memory": "64MiB"}}},
         "routes": {"r": {"targets": [{"backend": "local"}]}}, "policy": {"default_route": "r"}})
+
+
+def _probed_local(tiny_model) -> tuple[GatewayConfig, Resilience, LocalBackend]:
+    """A config with one local backend on the tiny model, its resilience layer probing it, and the (unstarted)
+    backend."""
+    cfg = _local_config(tiny_model)
     layer = Resilience(cfg)
     backend = LocalBackend("local", cfg.backends["local"])
     layer.start(lambda: {"local": backend})
@@ -518,6 +523,32 @@ async def test_an_engine_whose_core_died_is_restarted(tiny_model):
         assert await layer.prober.probe_once() == {"local": True}
     finally:
         await layer.stop()
+        await backend.aclose()
+
+
+async def test_a_dead_engine_is_restarted_by_the_request_that_meets_it_with_probing_off(tiny_model):
+    """With ``resilience.health.interval_s: 0`` nothing probed the engine, so a killed core was never restarted (an
+    observability trial: 40 s and counting, every request a 503 before its fallback). The first request to meet
+    the dead engine marks it unavailable and starts a new one; it gets the 503 (its fallbacks serve it)."""
+    import signal
+
+    backend = LocalBackend("local", _local_config(tiny_model).backends["local"])     # no prober at all
+    try:
+        await backend.start()
+        first = backend.engine
+        os.kill(first.core_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while first.is_alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with pytest.raises(BackendError) as e:
+            await backend.send(*_request(backend, {"prompt": "one", "max_tokens": 1}, "meets", rendered=False))
+        assert e.value.status == 503 and "engine core died" in e.value.message and backend.restarts == 1
+        while not backend.available and time.monotonic() < deadline + 60:
+            await asyncio.sleep(0.1)
+        assert backend.engine is not first and backend.engine.is_alive
+        reply = json.loads((await backend.send(*_request(backend, {"prompt": "one", "max_tokens": 2}, "after"))).body)
+        assert reply["usage"]["completion_tokens"] == 2 and backend.restarts == 1
+    finally:
         await backend.aclose()
 
 

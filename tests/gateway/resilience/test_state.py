@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 import uuid
 
 import pytest
 
-from gateway.config.schema import BreakerSettings, StateSettings
+from gateway.config.schema import BreakerSettings, HealthSettings, StateSettings
 from gateway.resilience.breaker import Breakers
 from gateway.resilience.health import ActiveProber, HealthTracker
 from gateway.resilience.ratelimit import Limit, RateLimiter, format_duration
@@ -315,6 +316,38 @@ async def test_a_target_failing_its_probes_is_said_once_and_its_return_too(state
     assert said == [[], ["health probe of canary/x failed 2 times in a row: ConnectionRefusedError: refused "
                          "(/health/ready lists it unavailable)"], [], ["health probe of canary/x passes again"],
                     [], []]
+
+
+async def test_a_reload_turns_probing_off_and_on(state, monkeypatch):
+    """``interval_s`` is read each round: a reload to 0 stops probing (an observability trial's reload to 0 probed
+    each upstream ~470 times a second), one from 0 starts it (it never started)."""
+    from gateway.resilience import health
+
+    monkeypatch.setattr(health, "OFF_RECHECK_S", 0.01)
+    calls: list[float] = []
+
+    async def probe():
+        calls.append(time.monotonic())
+
+    tracker = HealthTracker(state, HealthSettings(interval_s=0))
+    prober = ActiveProber(tracker, {"up/x": probe})
+    prober.start()
+    try:
+        await asyncio.sleep(0.1)
+        assert calls == []                                   # off from the start
+        tracker.config = HealthSettings(interval_s=0.02)     # what a reload does (Resilience.apply)
+        for _ in range(500):
+            if len(calls) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        assert len(calls) >= 3
+        tracker.config = HealthSettings(interval_s=0)
+        await asyncio.sleep(0.1)
+        n = len(calls)
+        await asyncio.sleep(0.2)
+        assert len(calls) == n                               # off again: no round at all, let alone a tight loop
+    finally:
+        await prober.stop()
 
 
 async def test_replica_trusts_closed_for_cache_s_only(redis_url):
