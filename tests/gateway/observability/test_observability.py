@@ -527,6 +527,40 @@ def test_dashboard_and_alerts_query_exported_metrics():
     assert _queried("rate(tandem_no_such_metric_total[5m])") - exported      # the check can fail
 
 
+def _added_terms(expr: str) -> list[str]:
+    """The operands of every ``+`` of a PromQL expression (at any depth), stripped."""
+    terms, stack, starts = [], [], [0]          # starts: where the current operand began, one per depth
+    for i, ch in enumerate(expr):
+        if ch == "(":
+            stack.append(i)
+            starts.append(i + 1)
+        elif ch == ")":
+            stack.pop()
+            starts.pop()
+        elif ch == "+":
+            terms.append(expr[starts[-1]:i])
+            starts[-1] = i + 1
+            end, depth = i + 1, 0
+            while end < len(expr) and not (depth == 0 and expr[end] in "+)"):
+                depth += {"(": 1, ")": -1}.get(expr[end], 0)
+                end += 1
+            terms.append(expr[i + 1:end])
+    return [t.strip() for t in terms]
+
+
+def test_an_alerts_sums_survive_a_series_that_does_not_exist_yet():
+    """In PromQL a sum over no series is empty, and empty + anything is empty: the error-rate alert summed 5xx
+    answers and stream errors, so a replica whose only failures were streams cut after their 200 (no 5xx series
+    yet) never alerted (an observability trial). Every added term is ``(... or vector(0))``."""
+    rules = yaml.safe_load((ROOT / "gateway/dashboards/tandem-alerts.yaml").read_text())
+    terms = [t for g in rules["groups"] for r in g["rules"] for t in _added_terms(r["expr"])]
+    def guarded(term: str) -> bool:
+        return (term[1:-1] if term.startswith("(") and term.endswith(")") else term).endswith(" or vector(0)")
+
+    assert len(terms) >= 2 and all(map(guarded, terms)), terms
+    assert [guarded(t) for t in _added_terms("(sum(rate(a[5m])) + (sum(b) or vector(0)))")] == [False, True]
+
+
 def test_redactor_masks_known_secrets_and_patterns():
     from gateway.observability.request_log import Redactor
 
