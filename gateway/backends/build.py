@@ -30,7 +30,7 @@ def build_backends(configs: Mapping[str, object], old: Mapping[str, object],
         prev = old.get(name)
         if cfg.type == "local":
             if isinstance(prev, LocalBackend):
-                if prev.cfg != cfg:
+                if prev.cfg.engine != cfg.engine:   # its prices, cost and limits are read from each generation
                     warnings.append(f"backends.{name}: engine settings changed; restart to apply them")
                 backends[name] = prev       # the engine is never reloaded in place
             else:
