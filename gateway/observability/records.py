@@ -104,6 +104,13 @@ def server_address(snap, backend: str) -> str | None:
     return m.group(1) if m else None
 
 
+def client_left(rec: RequestRecord, status: int) -> bool:
+    """Whether the client of ``rec`` (ended with ``status``) left before its answer: while a backend worked on it
+    (``rec.disconnected``) or while none did (499: waiting for a retry, a Retry-After, a queue). The log line's and
+    the usage record's ``disconnected`` (an observability trial saw the record say so and the log line not)."""
+    return rec.disconnected or status == 499
+
+
 def log_fields(rec: RequestRecord, status: int, latency: float, tokens, cost_usd: float, estimated: bool) -> dict:
     """The request log line of ``rec`` (docs/operators/metrics.md lists its fields): ended with ``status`` after
     ``latency`` seconds, billed ``tokens`` (prompt, completion, cached; None: nothing) at ``cost_usd``
@@ -115,7 +122,7 @@ def log_fields(rec: RequestRecord, status: int, latency: float, tokens, cost_usd
               "prompt_tokens": tokens[0] if tokens else None,
               "completion_tokens": tokens[1] if tokens else None,
               "cached_tokens": tokens[2] if tokens else None, "usage_estimated": estimated,
-              "disconnected": rec.disconnected,
+              "disconnected": client_left(rec, status),
               "ttft_s": round(rec.ttft_s, 6) if rec.ttft_s is not None else None,
               "latency_s": round(latency, 6), "cost_usd": cost_usd, "error": rec.error}
     if rec.finish_reasons:

@@ -30,8 +30,8 @@ from gateway.errors import ClientError, anthropic_status, transport_error_kind
 from gateway.resilience.outcomes import Withdrawn, cancelled_by_timeout
 from gateway.resilience.streaming import SHUTDOWN_TYPE, ended_by_shutdown
 from gateway.observability.metrics import GatewayMetrics, LiveGauges
-from gateway.observability.records import (AttemptRecord, RequestRecord, answer_error_code, event_error_code,
-                                           include_prompts, log_fields, provider, read_answer)
+from gateway.observability.records import (AttemptRecord, RequestRecord, answer_error_code, client_left,
+                                           event_error_code, include_prompts, log_fields, provider, read_answer)
 from gateway.observability.request_log import (Redactor, RequestLog, config_secrets, install_redaction,
                                                remove_redaction)
 from gateway.observability.tracing import (OPERATIONS, Tracing, attempt_span, end_request_trace, mark_error,
@@ -471,7 +471,7 @@ class Observability:
             if tokens is not None or failed:
                 await self.usage.settle(UsageRecord(rec.request_id, rec.tenant, rec.backend or "none",
                                                     *(tokens or (0, 0, 0)),
-                                                    nusd, estimated, rec.disconnected or status == 499, failed),
+                                                    nusd, estimated, client_left(rec, status), failed),
                                         rec.reservation, rec.budget)
             elif rec.reservation is not None:
                 await self.usage.release(rec.reservation)

@@ -554,6 +554,7 @@ def test_an_alerts_sums_survive_a_series_that_does_not_exist_yet():
     yet) never alerted (an observability trial). Every added term is ``(... or vector(0))``."""
     rules = yaml.safe_load((ROOT / "gateway/dashboards/tandem-alerts.yaml").read_text())
     terms = [t for g in rules["groups"] for r in g["rules"] for t in _added_terms(r["expr"])]
+
     def guarded(term: str) -> bool:
         return (term[1:-1] if term.startswith("(") and term.endswith(")") else term).endswith(" or vector(0)")
 
@@ -614,6 +615,17 @@ def test_client_disconnect_is_metered_and_logged(gw):
     after = families(httpx.get(gw.url + "/metrics", timeout=10, headers=ADMIN_AUTH).text)
     labels = dict(model="m3", route="r3", backend="a", status=499)
     assert value(after, "tandem_requests_total", **labels) - value(before, "tandem_requests_total", **labels) == 1
+
+
+def test_a_client_that_left_while_no_backend_worked_is_logged_disconnected():
+    """The log line's ``disconnected`` is the usage record's: a client that left while the gateway waited (a
+    Retry-After, a backoff; no backend working, so nothing billed) was ``df`` in the ledger and
+    ``"disconnected": false`` in the log line (an observability trial)."""
+    from gateway.observability.records import RequestRecord, log_fields
+
+    rec = RequestRecord("r-1", "chat/completions", 0.0)
+    assert log_fields(rec, 499, 1.0, None, 0.0, False)["disconnected"] is True
+    assert log_fields(rec, 502, 1.0, None, 0.0, False)["disconnected"] is False
 
 
 def test_scrape_time_gauges_follow_the_gateway():
