@@ -140,7 +140,8 @@ class GatewayMetrics:
         self.duration = Histogram("tandem_request_duration_seconds", "End-to-end request latency, seconds.",
                                   ["model", "route", "backend"], buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("tandem_time_to_first_token_seconds",
-                              "Streams: arrival to the first chunk sent, seconds.", ["model", "backend"],
+                              "Streams: arrival to the first chunk sent, seconds (the client's wait, earlier "
+                              "attempts included; backend: the one that answered).", ["model", "backend"],
                               buckets=TTFT_BUCKETS, registry=r)
         self.upstream_latency = Histogram("tandem_upstream_latency_seconds",
                                           "One upstream call (a stream: to its first content), seconds.",
