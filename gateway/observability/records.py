@@ -62,6 +62,7 @@ class RequestRecord:
     trace_id: str = ""
     traceparent: str | None = None
     span: Any = None                       # the SERVER span (None: tracing off)
+    stream_span: Any = None                # the CLIENT span of the call streaming the answer: ended with the stream
     client_token: str | None = None        # only to redact it
     tenant: str = ""
     model: str = ""                        # public model

@@ -688,6 +688,44 @@ async def test_a_stream_cut_after_its_200_is_counted_as_a_stream_error():
     assert sum(v for lab, v in fams["tandem_requests_total"] if lab["status"] == "200") == 2
 
 
+async def test_a_streams_client_span_lasts_as_long_as_the_stream():
+    """The CLIENT span of the call that streams an answer ends with the stream, not at its first content: a cut
+    stream's span is an error (an observability trial's ended OK after 1 ms while the SERVER span said
+    ``stream_interrupted``), a whole one carries the stream's usage and finish reasons."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    from gateway.observability.tracing import Tracing
+    from tests.gateway.fault_upstream import FaultUpstream
+    from tests.gateway.http.test_responses import config, gateway
+
+    spans = InMemorySpanExporter()
+    with FaultUpstream("up") as up:
+        up.push({"error_after": 2, "chunk_delay": 0.05}, {"usage": {"prompt_tokens": 7, "completion_tokens": 3,
+                                                                    "total_tokens": 10}})
+        async with gateway(config(up)) as (gw, client):
+            gw.obs.tracing = Tracing(span_exporter=spans)
+            with pytest.raises(openai.APIError):                # the stream's error event
+                async for _ in await client.chat.completions.create(model="m1", stream=True, messages=HELLO):
+                    pass
+            async for _ in await client.chat.completions.create(model="m1", stream=True, messages=HELLO,
+                                                                stream_options={"include_usage": True}):
+                pass
+            await counted(gw, 2)
+    by_trace: dict[int, dict] = {}
+    for sp in spans.get_finished_spans():
+        by_trace.setdefault(sp.context.trace_id, {})[sp.kind] = sp
+    cut, whole = sorted(by_trace.values(), key=lambda t: t[SpanKind.SERVER].start_time)
+    call, server = cut[SpanKind.CLIENT], cut[SpanKind.SERVER]
+    assert call.status.status_code == StatusCode.ERROR and call.attributes["error.type"] == server.attributes[
+        "error.type"], (call.attributes, server.attributes)
+    assert call.end_time - call.start_time >= 0.05e9          # chunks 50 ms apart, then the error: not 1 ms
+    a = whole[SpanKind.CLIENT].attributes
+    assert whole[SpanKind.CLIENT].status.status_code == StatusCode.UNSET
+    assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"], tuple(
+        a["gen_ai.response.finish_reasons"])) == (7, 3, ("stop",))
+
+
 async def test_a_client_that_leaves_at_the_error_event_does_not_turn_a_stream_error_into_a_disconnect():
     """The official SDK closes its connection as soon as it reads the error event of a cut stream; when that close
     won the race with the end of the relay (the attempt loop still settling the failed attempt), the request was
