@@ -386,7 +386,7 @@ class AsyncEngine:
         return self._stats
 
     def count_invalid_structured_output(self) -> None:
-        """One more finished structured answer that broke its schema (``tandem:structured_output_invalid``)."""
+        """One more finished structured answer that broke its schema (``tandem_structured_output_invalid``)."""
         self.structured_output_invalid += 1
 
     def predict_ttft(self, prompt_token_ids: list[int], priority: int = 0,

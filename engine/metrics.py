@@ -28,7 +28,7 @@ it; no adapters here); with speculative decoding on, ``vllm:spec_decode_num_draf
 ``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens`` and
 ``vllm:spec_decode_num_accepted_tokens_per_pos`` (+ ``position``), all with Tandem's label ``method`` (the
 proposer), and Tandem's histogram ``tandem:spec_decode_accepted_tokens_per_draft`` (verified drafts by accepted
-tokens: buckets ``le`` 0..k); Tandem's ``tandem:structured_output_invalid_total`` (finished structured answers
+tokens: buckets ``le`` 0..k); Tandem's ``tandem_structured_output_invalid_total`` (finished structured answers
 that broke their schema, ``engine/serving/answer_check.py``).
 """
 
@@ -142,7 +142,7 @@ class _LiveCollector:
             fam = cls(name, doc, labels=["model_name"])
             fam.add_metric(labels, float(getattr(stats, attr)) if stats is not None else 0.0)
             yield fam
-        invalid = CounterMetricFamily("tandem:structured_output_invalid",
+        invalid = CounterMetricFamily("tandem_structured_output_invalid",
                                       "Finished structured answers that broke their schema (returned as length).",
                                       labels=["model_name"])
         invalid.add_metric(labels, float(getattr(self.engine, "structured_output_invalid", 0)))

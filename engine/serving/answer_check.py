@@ -5,7 +5,7 @@ this one catches whatever still slips through. An answer that would end with ``f
 ``json_schema`` / ``json_object`` response format) or ``"tool_calls"`` (arguments against their tool's
 ``parameters``) but does not validate is never returned as such: it ends with ``finish_reason: "length"``
 (the answer is incomplete for the client's purpose, as a cut one is) and ``stop_reason: "schema_violation"``;
-it is counted (``tandem:structured_output_invalid_total``) and logged with its schema's digest, never its
+it is counted (``tandem_structured_output_invalid_total``) and logged with its schema's digest, never its
 text. ``docs/app-teams/structured-outputs-reference.md`` says so to clients.
 """
 

@@ -145,8 +145,9 @@ class Observability:
             return
         body = req.body
         rec.tenant, rec.model, rec.request_model = req.tenant, req.public_model, req.model
+        max_tokens = None if rec.endpoint == "embeddings" else req.max_tokens   # embeddings generate nothing
         rec.route, rec.rule, rec.stream, rec.max_tokens, rec.body = (decision.route, decision.rule, req.stream,
-                                                                     req.max_tokens, body)
+                                                                     max_tokens, body)
         rec.prompt_estimate = req.prompt_tokens
         rec.strip_usage = req.stream and not client_wants_usage(body)   # the gateway asked for it, not the client
         rec.strip_chunk_usage = (req.stream and rec.endpoint in ("chat/completions", "completions")
@@ -155,8 +156,8 @@ class Observability:
             rec.span.update_name(f"{OPERATIONS.get(rec.endpoint, rec.endpoint)} {req.model}")
             attrs = {"gen_ai.request.model": req.model, "tandem.route": decision.route,
                      "tandem.rule": decision.rule, "tandem.tenant": tenant_label(req.tenant)}
-            if req.max_tokens is not None:
-                attrs["gen_ai.request.max_tokens"] = req.max_tokens
+            if max_tokens is not None:
+                attrs["gen_ai.request.max_tokens"] = max_tokens
             temp = body.get("temperature")
             if isinstance(temp, (int, float)) and not isinstance(temp, bool):
                 attrs["gen_ai.request.temperature"] = float(temp)

@@ -55,6 +55,10 @@ async def test_colocated_engine_metrics_and_spans(tiny_model):  # noqa: F811
     assert value(fams, "vllm:e2e_request_latency_seconds_count", model_name="tiny") == 1
     assert value(fams, "vllm:num_requests_running", model_name="tiny") == 0
     assert "vllm:kv_cache_usage_perc" in fams and "vllm:cache_config_info" in fams
+    # Prometheus keeps colons for recording rules: only vLLM's own names have them (an observability trial found
+    # tandem:structured_output_invalid_total)
+    assert "tandem_structured_output_invalid_total" in fams
+    assert [n for n in fams if ":" in n and not n.startswith("vllm:")] == []
     # embeddings count as vLLM counts pooling requests (a trial found them missing): per input, its tokens, one
     # success ("stop"), one latency
     assert value(after, "vllm:prompt_tokens_total", model_name="tiny") == usage["prompt_tokens"] + embedded
@@ -70,3 +74,4 @@ async def test_colocated_engine_metrics_and_spans(tiny_model):  # noqa: F811
     client = [s for s in spans.get_finished_spans() if s.kind == SpanKind.CLIENT]
     assert [s.attributes["gen_ai.provider.name"] for s in client] == ["tandem", "tandem"]
     assert [s.name for s in client] == ["text_completion tiny", "embeddings tiny"]
+    assert [s.attributes.get("gen_ai.request.max_tokens") for s in client] == [5, None]   # embeddings: none
