@@ -95,8 +95,12 @@ def usage_tokens(usage: dict | None) -> tuple[int, int, int] | None:
 
 
 def format_usd(x: float) -> str:
-    """Money as money: ``$1,234.50``, ``$0.05``; an amount under a cent keeps 6 decimals (``$0.000001``, never
-    ``$1e-06``)."""
-    if x == 0 or abs(x) >= 0.01:
+    """Money as money: ``$1,234.50``, ``$0.05``; an amount under a dollar keeps up to 4 decimals (``$0.0429``: an
+    observability trial's budget refusal said "$0.04 of its $0.04" for $0.0429 of $0.0435), one under a cent 6
+    (``$0.000001``, never ``$1e-06``)."""
+    if x == 0 or abs(x) >= 1:
         return f"${x:,.2f}"
-    return f"${x:.6f}"
+    if abs(x) < 0.01:
+        return f"${x:.6f}"
+    whole, frac = f"{x:.4f}".split(".")
+    return f"${whole}.{frac.rstrip('0').ljust(2, '0')}"

@@ -130,8 +130,8 @@ def test_authenticate_and_admin():
 
 def test_money_is_formatted_as_money():
     from gateway.billing.prices import format_usd
-    assert [format_usd(x) for x in (0, 1e-06, 0.000022, 0.05, 50, 1234.5)] == [
-        "$0.00", "$0.000001", "$0.000022", "$0.05", "$50.00", "$1,234.50"]
+    assert [format_usd(x) for x in (0, 1e-06, 0.000022, 0.05, 0.042901, 0.0435, 0.5, 50, 1234.5)] == [
+        "$0.00", "$0.000001", "$0.000022", "$0.05", "$0.0429", "$0.0435", "$0.50", "$50.00", "$1,234.50"]
 
 
 def test_ctl_version_summary_says_why_a_version_is_not_shared():
