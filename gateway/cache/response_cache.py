@@ -24,6 +24,7 @@ from gateway.backends.relabel import answer_id, relabel_json
 from gateway.cache.key import cache_config, cache_key, exact_space, is_sampled, tokens_of
 from gateway.cache.store import Bounds, CacheStore
 from gateway.config.schema import CacheConfig
+from gateway.offload import off_loop
 from gateway.state import now_ms
 from gateway.translate.chat_events import chunk_object
 from gateway.values import Answer, ChatEvent, ChatStream, GatewayRequest
@@ -60,12 +61,14 @@ class ResponseCache:
         self.metrics = metrics
         self._tasks: set[asyncio.Task] = set()
 
-    def plan(self, snap, req: GatewayRequest, route: str, attempts: list,
-             headers: Mapping[str, str]) -> CachePlan | None:
+    async def plan(self, snap, req: GatewayRequest, route: str, attempts: list, headers: Mapping[str, str],
+                   size: int = 0) -> CachePlan | None:
         """How ``req``, routed to ``route`` whose first target is ``attempts[0]``, uses the route's cache; None
         when the route does not cache. Exact mode needs the co-located engine as the first target and a greedy or
         seeded request (or ``assign_seed``: the gateway then chooses the seed, a hash of the request, and says it
-        in ``x-tandem-seed``)."""
+        in ``x-tandem-seed``); its key is of the engine's rendering of the prompt, made off the event loop for a
+        body of ``size`` bytes from ``gateway.offload.OFFLOAD_BYTES`` on (a security trial's 4 MB bodies held
+        the loop 2.5 s each)."""
         cfg = cache_config(snap.compiled.config, route, req.public_model)
         if cfg is None:
             return None
@@ -82,7 +85,9 @@ class ResponseCache:
             local = snap.local
             if local is None or not local.available or not attempts or attempts[0].backend != local.name:
                 return p
-            rendered = req.rendered if req.rendered is not None else local.render(req.endpoint, req.body)
+            rendered = req.rendered
+            if rendered is None:
+                rendered = await off_loop(size, local.render, req.endpoint, req.body)
             if rendered is None:
                 return p
             body = req.body

@@ -34,9 +34,9 @@ from gateway.observability.records import (AttemptRecord, RequestRecord, answer_
                                            event_error_code, include_prompts, log_fields, provider, read_answer)
 from gateway.observability.request_log import (Redactor, RequestLog, config_secrets, install_redaction,
                                                remove_redaction)
-from gateway.observability.tracing import (OPERATIONS, Tracing, attempt_span, end_request_trace, mark_error,
-                                           reset_traceparent, set_traceparent, span_answer, traceparent,
-                                           untraced_context)
+from gateway.observability.tracing import (OPERATIONS, Tracing, attempt_span, end_attempt_span, end_request_trace,
+                                           end_stream_span, reset_traceparent, set_traceparent, span_answer,
+                                           traceparent, untraced_context)
 from gateway.values import ChatEvent, ChatStream
 
 log = logging.getLogger("tandem.gateway.telemetry")
@@ -228,7 +228,7 @@ class Observability:
                 rec.attempts[i].outcome = "stream_interrupted"
                 break
         self.metrics.child(self.metrics.stream_errors, rec.model or "unknown", failed).inc()
-        self._end_stream_span(rec, None, "stream_interrupted")
+        end_stream_span(rec, None, "stream_interrupted")
         rec.backend = backend
 
     def on_attempt(self, rec: RequestRecord, a: AttemptRecord, span=None) -> None:
@@ -249,31 +249,7 @@ class Observability:
                 eattrs["error.type"] = error
             self.tracing.operation_duration.record(a.duration_s, eattrs)
         if span is not None:
-            if a.status is not None:
-                span.set_attribute("http.response.status_code", a.status)
-            if error is not None:
-                mark_error(span, error)
-            if error is None and rec.stream:     # its stream goes on: the span ends with it (``_end_stream_span``)
-                self._end_stream_span(rec, None, "stream_interrupted")   # a resumed stream's cut call
-                rec.stream_span = span
-            else:
-                span.end()
-
-    @staticmethod
-    def _end_stream_span(rec: RequestRecord, tokens: tuple[int, int, int] | None, error: str | None) -> None:
-        """End the CLIENT span of the call that streamed ``rec``'s answer, if one is open: with the stream's
-        ``tokens`` (input, output, cached) and finish reasons, marked ``error`` when it did not end well (an
-        observability trial's span of a stream cut after 3 chunks ended at the first, OK, with no usage)."""
-        span, rec.stream_span = rec.stream_span, None
-        if span is None:
-            return
-        if tokens is not None:
-            span.set_attributes({"gen_ai.usage.input_tokens": tokens[0], "gen_ai.usage.output_tokens": tokens[1]})
-        if rec.finish_reasons:
-            span.set_attribute("gen_ai.response.finish_reasons", list(dict.fromkeys(rec.finish_reasons)))
-        if error is not None:
-            mark_error(span, error)
-        span.end()
+            end_attempt_span(rec, span, a.status, error)
 
     # -- the answer ------------------------------------------------------------------------------------------------
     async def finish(self, rec: RequestRecord, backend: str, status: int, content: bytes) -> bytes:
@@ -474,8 +450,6 @@ class Observability:
         if estimated and counted is not None:
             self.metrics.child(self.metrics.usage_estimated, rec.backend, tenant_label(rec.tenant)).inc()
         if self.tracing is not None:
-            self._end_stream_span(rec, counted, rec.error if rec.stream_failed or rec.shut_down
-                                  else "cancelled" if status == 499 else None)
             end_request_trace(self.tracing, rec, status, counted)
         if self.request_log.active:
             self._log_line(rec, status, latency, counted, nusd, estimated)

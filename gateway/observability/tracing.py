@@ -197,8 +197,27 @@ def attempt_span(tracing: Tracing, rec, backend: str, name: str, kind: str):
     return tracing.client_span(f"{op} {rec.request_model}", rec.span, attrs)
 
 
+def end_attempt_span(rec, span, status: int | None, error: str | None) -> None:
+    """End the CLIENT span of one upstream call of ``rec`` (``status``: its HTTP status; ``error``: its outcome
+    when not ok), unless it streams ``rec``'s answer: that one ends with the stream (``end_stream_span``), and a
+    span still open from an earlier call is a resumed stream's cut one."""
+    if status is not None:
+        span.set_attribute("http.response.status_code", status)
+    if error is not None:
+        mark_error(span, error)
+        span.end()
+    elif rec.stream:
+        end_stream_span(rec, None, "stream_interrupted")
+        rec.stream_span = span
+    else:
+        span.end()
+
+
 def end_request_trace(tr: Tracing, rec, status: int, tokens) -> None:
-    """Record ``rec``'s GenAI metrics and end its SERVER span; ``tokens``: (input, output, cached) when answered."""
+    """Record ``rec``'s GenAI metrics, end its open stream's CLIENT span and its SERVER span; ``tokens``: (input,
+    output, cached) when answered."""
+    end_stream_span(rec, tokens, rec.error if rec.stream_failed or rec.shut_down
+                    else "cancelled" if status == 499 else None)
     backend = rec.backend or "none"
     mattrs = {"gen_ai.operation.name": OPERATIONS.get(rec.endpoint, rec.endpoint),
               "gen_ai.provider.name": provider(rec.snap, backend),
@@ -232,6 +251,23 @@ def end_request_trace(tr: Tracing, rec, status: int, tokens) -> None:
     if not rec.request_model:
         span.update_name(OPERATIONS.get(rec.endpoint, rec.endpoint))
     span.set_attributes(attrs)
+    span.end()
+
+
+def end_stream_span(rec, tokens: tuple[int, int, int] | None, error: str | None) -> None:
+    """End the CLIENT span of the call that streamed the answer of ``rec`` (a ``records.RequestRecord``), if one
+    is open: with the stream's ``tokens`` (input, output, cached) and finish reasons, marked ``error`` when it did
+    not end well (an observability trial's span of a stream cut after 3 chunks ended at the first, OK, with no
+    usage)."""
+    span, rec.stream_span = rec.stream_span, None
+    if span is None:
+        return
+    if tokens is not None:
+        span.set_attributes({"gen_ai.usage.input_tokens": tokens[0], "gen_ai.usage.output_tokens": tokens[1]})
+    if rec.finish_reasons:
+        span.set_attribute("gen_ai.response.finish_reasons", list(dict.fromkeys(rec.finish_reasons)))
+    if error is not None:
+        mark_error(span, error)
     span.end()
 
 

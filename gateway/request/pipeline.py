@@ -17,6 +17,7 @@ from gateway.backends.relabel import answer_id
 from gateway.billing.local_cost import local_price
 from gateway.billing.usage import tenant_label
 from gateway.errors import ClientError, model_not_found
+from gateway.offload import off_loop
 from gateway.request.admission import admit
 from gateway.request.validate import (check_request, counted_exactly, parse_json, prompt_counts,
                                       unknown_parameter_error, with_default_max_tokens)
@@ -28,11 +29,6 @@ from gateway.translate.chat_events import ChatRender
 from gateway.values import Answer, GatewayRequest
 from policies import RequestFeatures, decide, prefix_text
 
-# Bodies from this size on are decoded, templated and tokenized in a worker thread (``asyncio.to_thread``), off
-# the event loop: a 4 MB chat body takes seconds to tokenize. The engine's tokenizer releases the GIL meanwhile
-# (``engine.tokenizer.Tokenizer.encode``). Smaller bodies stay on the loop, where a thread hop would cost more
-# than the work.
-OFFLOAD_BYTES = 16 * 1024
 
 # How a request's chat body is made to fit a context: (the prompt's token budget, a counter of a chat body's prompt
 # tokens, None when it cannot count it, the whole body's count when known) -> a shorter chat body, or None to leave
@@ -168,10 +164,7 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
             or 429 (503 fail-closed) from admission, before any backend is called.
     """
     snap = gw.snapshot
-    if len(raw) < OFFLOAD_BYTES:
-        req = build_request(snap, endpoint, raw, headers, request_id, tenant, body, source)
-    else:
-        req = await asyncio.to_thread(build_request, snap, endpoint, raw, headers, request_id, tenant, body, source)
+    req = await off_loop(len(raw), build_request, snap, endpoint, raw, headers, request_id, tenant, body, source)
     admitted = time.monotonic()   # a hand-over's checkpoint and deadline count from here
     decision, affinity = await decide_route(gw, req)
     route_cfg = snap.compiled.config.routes.get(decision.route)
@@ -187,11 +180,12 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     gw.obs.note(req, decision)   # labels and trace facts, before admission may refuse
     if (error := _unreachable(snap, req, decision)) is not None:
         raise error
-    cache = gw.cache.plan(snap, req, decision.route, decision.attempts, headers)   # None: the route does not cache
+    # admission first: a request its limits or budget refuse costs no exact cache key (the prompt rendered)
+    adm = await admit(req, decision.attempts, gw.resilience, gw.usage, snap.compiled.config)
+    cache = await gw.cache.plan(snap, req, decision.route, decision.attempts, headers, len(raw))   # None: no cache
     if cache is not None:
         req = cache.req                  # with the seed the gateway chose, if it chose one
     req, resume = prepare_resume(req, snap.compiled.config.routes.get(decision.route))   # None: cut on failure
-    adm = await admit(req, decision.attempts, gw.resilience, gw.usage, snap.compiled.config)
     hook = gw.obs.admitted(request_id, adm.budget, adm.budget_spec)
     if affinity:
         hook = _then(gw.replicas.track, hook)

@@ -140,6 +140,41 @@ async def test_assigned_seed_and_redis_store(tiny_model, redis_url):  # noqa: F8
     assert t1 == t2 == explicit
 
 
+async def test_a_big_bodys_exact_key_is_rendered_off_the_event_loop(tiny_model):  # noqa: F811
+    """An exact key is of the engine's rendering of the prompt; with no rule reading ``prompt_tokens`` the request
+    was not rendered for routing, and the cache rendered it on the event loop (a security trial's 4 MB bodies held
+    it 2.5 s each, every tenant waiting). A body from ``OFFLOAD_BYTES`` on is rendered in a worker thread, after
+    admission; the answer is the same miss, then hit."""
+    import threading
+
+    import httpx
+
+    from gateway.offload import OFFLOAD_BYTES
+
+    gw, server, task, client = await started(tiny_model)
+    local = gw.snapshot.local
+    threads: list[int] = []
+    render = local.render
+
+    def recorded(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return render(*args, **kwargs)
+
+    local.render = recorded
+    body = msgspec.json.encode(dict(model="tiny", messages=MSGS, max_tokens=3, temperature=0))
+    raw = body[:-1] + b" " * OFFLOAD_BYTES + b"}"           # big in bytes, short in tokens
+    try:
+        async with httpx.AsyncClient(base_url=str(client.base_url), timeout=60) as c:
+            got = [await c.post("chat/completions", content=raw, headers={"content-type": "application/json"})
+                   for _ in range(2)]
+            await gw.cache.drain()
+    finally:
+        server.should_exit = True
+        await task
+    assert [r.headers.get("x-tandem-cache") for r in got] == ["miss", "hit"], [r.text for r in got]
+    assert len(threads) == 2 and threading.get_ident() not in threads
+
+
 async def test_best_effort_caches_an_upstream_answer_labelled():
     """``mode: best_effort``: an upstream's answer is cached (keyed by the body), labelled as such; ``exact``
     never caches an upstream's, and a route that has no local target is warned of."""
