@@ -36,6 +36,38 @@ _PATTERNS = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]{4,}|\bsk-[A-Za-z0-9_-
 _PATTERNS_B = re.compile(rb"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]{4,}|\bsk-[A-Za-z0-9_-]{8,}")
 
 
+# In an upstream's error, a run of this many characters of a secret (one of at least twice as many) is masked too:
+# an upstream may echo part of its key (a security trial's echoed all but its first 3 characters).
+FRAGMENT_CHARS = 8
+
+
+def _without_fragments(s, secret, mask):
+    """``s`` (str or bytes, as ``secret`` and ``mask``) with every run of ``FRAGMENT_CHARS`` or more characters of
+    ``secret`` replaced by ``mask``."""
+    n, k = len(secret), FRAGMENT_CHARS
+    if n < 2 * k:
+        return s
+    spans = []
+    for j in range(n - k + 1):
+        p = s.find(secret[j:j + k])
+        while p != -1:
+            a, b, e, f = p, j, p + k, j + k        # grow the run to the left and right while it follows the secret
+            while a > 0 and b > 0 and s[a - 1:a] == secret[b - 1:b]:
+                a, b = a - 1, b - 1
+            while e < len(s) and f < n and s[e:e + 1] == secret[f:f + 1]:
+                e, f = e + 1, f + 1
+            spans.append((a, e))
+            p = s.find(secret[j:j + k], p + 1)
+    if not spans:
+        return s
+    out, at = [], 0
+    for a, e in sorted(spans):
+        if e > at:
+            out += [s[at:max(a, at)], mask] if a >= at else []
+            at = e
+    return s[:0].join(out) + s[at:]
+
+
 def _sub(m: re.Match) -> str:
     return (m.group(1) or "") + MASK
 
@@ -56,21 +88,26 @@ class Redactor:
         self.secrets = sorted({s for s in secrets if s and len(s) >= 4}, key=len, reverse=True)
         self._secrets_b = [s.encode() for s in self.secrets]
 
-    def text(self, s: str, extra: Iterable[str] = ()) -> str:
-        """``s`` without secrets (``extra``: per-request secrets, e.g. the client's key)."""
+    def text(self, s: str, extra: Iterable[str] = (), fragments: bool = False) -> str:
+        """``s`` without secrets (``extra``: per-request secrets, e.g. the client's key; ``fragments``: runs of
+        ``FRAGMENT_CHARS`` characters of one too, for an upstream's error)."""
         for secret in (*self.secrets, *extra):
             if secret and len(secret) >= 4 and secret in s:
                 s = s.replace(secret, MASK)
+            if fragments and secret:
+                s = _without_fragments(s, secret, MASK)
         low = s.lower()
         if "bearer" not in low and "sk-" not in low:      # the regex costs ~15 us on a log line; this ~1 us
             return s
         return _PATTERNS.sub(_sub, s)
 
-    def bytes(self, b: bytes, extra: Iterable[str] = ()) -> bytes:
+    def bytes(self, b: bytes, extra: Iterable[str] = (), fragments: bool = False) -> bytes:
         """``b`` without secrets (same rules as ``text``)."""
         for secret in (*self._secrets_b, *(e.encode() for e in extra if e)):
             if len(secret) >= 4 and secret in b:
                 b = b.replace(secret, MASK.encode())
+            if fragments:
+                b = _without_fragments(b, secret, MASK.encode())
         low = b.lower()
         if b"bearer" not in low and b"sk-" not in low:
             return b

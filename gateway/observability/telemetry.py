@@ -261,7 +261,7 @@ class Observability:
         Returns ``content`` with any secret removed (error bodies may echo one)."""
         rec.backend = backend
         if status >= 400:
-            content = self.redactor().bytes(content, [rec.client_token] if rec.client_token else [])
+            content = self.redactor().bytes(content, [rec.client_token] if rec.client_token else [], fragments=True)
             rec.error = answer_error_code(content)
         if status < 400 and content and rec.endpoint != "embeddings" and lacks_usage(content):
             self._read_answer(rec, content)      # the backend counted nothing: the client gets the ledger's count
@@ -374,7 +374,8 @@ class Observability:
         err = ev.error
         if not isinstance(err, dict) or not isinstance(err.get("message"), str):
             return ev
-        message = self.redactor().text(err["message"], [rec.client_token] if rec.client_token else [])
+        message = self.redactor().text(err["message"], [rec.client_token] if rec.client_token else [],
+                                       fragments=True)
         if message == err["message"]:
             return ev
         return msgspec.structs.replace(ev, error={**err, "message": message})

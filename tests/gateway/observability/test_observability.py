@@ -41,13 +41,15 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
 class EchoUpstream(FaultInjectorUpstream):
-    """A failing upstream whose error body echoes the Authorization header it received (a leak to contain)."""
+    """A failing upstream whose error body echoes the Authorization header it received, and its key but its first
+    3 characters (leaks to contain)."""
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.calls.append({"path": request.path, "headers": dict(request.headers), "body": body})
         status = int(self.mode.get("status", 401))
-        msg = f"Incorrect API key provided: {request.headers.get('Authorization')}"
+        auth = request.headers.get("Authorization") or ""
+        msg = f"Incorrect API key provided: {auth} (key ...{auth.removeprefix('Bearer ')[3:]})"
         return web.json_response({"error": {"message": msg, "type": "invalid_request_error", "param": None,
                                             "code": "invalid_api_key"}}, status=status)
 
@@ -234,8 +236,9 @@ def test_request_log_line_and_traceparent(gw, ups):
 
 
 def test_secrets_never_leak(gw, ups):
-    """An upstream that echoes its API key in an error body, and a bad client key: neither secret reaches a
-    response, an error message or a log line."""
+    """An upstream that echoes its API key in an error body (whole, and all but its first 3 characters: a
+    security trial's partial echo got through), and a bad client key: neither secret reaches a response, an error
+    message or a log line."""
     bad_key = "sk-client-WRONG-0123456789abcdef"
     n = len(ups["echo"].calls)
     bodies = []
@@ -256,7 +259,7 @@ def test_secrets_never_leak(gw, ups):
     assert ups["echo"].calls[n]["headers"]["Authorization"] == f"Bearer {UPSTREAM_SECRET}"
     assert "[REDACTED]" in bodies[0]
     logs = gw.log() + gw.request_log.read_text()
-    for secret in (UPSTREAM_SECRET, bad_key, KEY_T1, KEY_T2):
+    for secret in (UPSTREAM_SECRET, UPSTREAM_SECRET[3:], bad_key, KEY_T1, KEY_T2):
         for text in (*bodies, logs):
             assert secret not in text
 
@@ -570,6 +573,10 @@ def test_redactor_masks_known_secrets_and_patterns():
     assert red.text("Authorization: Bearer abcdefgh12345") == "Authorization: Bearer [REDACTED]"
     assert red.bytes(b'{"m": "sk-proj-abcdefghijkl"}') == b'{"m": "[REDACTED]"}'
     assert red.text("plain text, no secret") == "plain text, no secret"
+    # an upstream's error: runs of 8 characters of a secret too, both ways (a partial echo of a key)
+    assert red.text("3cr3t-value-x and s3cr3t-v, s3cr3t", fragments=True) == "[REDACTED] and [REDACTED], s3cr3t"
+    assert red.bytes(b"id 3cr3t-value-xyz!", fragments=True) == b"id [REDACTED]!"
+    assert red.text("3cr3t-value-x") == "3cr3t-value-x"             # log lines: whole values only
 
 
 def test_a_refusal_before_routing_is_logged_under_its_tenant(gw):
