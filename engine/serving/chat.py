@@ -251,6 +251,11 @@ def render_chat(tokenizer, body: dict) -> RenderedPrompt:
     except RequestValidationError as exc:
         raise ServingError(400, str(exc), param=exc.param, code=exc.code) from None
     messages = plan.messages
+    for key in req.chat_template_kwargs or ():
+        if key in ("messages", "add_generation_prompt", "tokenize", *plan.template_kwargs):
+            raise ServingError(400, f"chat_template_kwargs.{key}: set by the server from the request (send it as "
+                                    "the request's own field, where it has one)",
+                               param=f"chat_template_kwargs.{key}", code="invalid_value")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                              tokenize=False, **plan.template_kwargs,
