@@ -36,16 +36,18 @@ _PATTERNS = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]{4,}|\bsk-[A-Za-z0-9_-
 _PATTERNS_B = re.compile(rb"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]{4,}|\bsk-[A-Za-z0-9_-]{8,}")
 
 
-# In an upstream's error, a run of this many characters of a secret (one of at least twice as many) is masked too:
-# an upstream may echo part of its key (a security trial's echoed all but its first 3 characters).
-FRAGMENT_CHARS = 8
+# In an upstream's error, a run of half a secret's characters (at least this many) is masked too: an upstream may
+# echo part of its key (a security trial's echoed all but its first 3 characters). Shorter runs are not: a key
+# may hold words ("sk-tandem-responses-..." and an error's "response_format").
+FRAGMENT_CHARS = 12
 
 
 def _without_fragments(s, secret, mask):
-    """``s`` (str or bytes, as ``secret`` and ``mask``) with every run of ``FRAGMENT_CHARS`` or more characters of
-    ``secret`` replaced by ``mask``."""
-    n, k = len(secret), FRAGMENT_CHARS
-    if n < 2 * k:
+    """``s`` (str or bytes, as ``secret`` and ``mask``) with every run of half of ``secret``'s characters or more
+    (at least ``FRAGMENT_CHARS``) replaced by ``mask``."""
+    n = len(secret)
+    k = max(FRAGMENT_CHARS, n // 2)
+    if n <= k:
         return s
     spans = []
     for j in range(n - k + 1):
