@@ -30,14 +30,15 @@ _IMAGE_PART = re.compile(r"messages\[\d+\]\.content\[\d+\]: part type 'image_url
 
 
 def _image_part(body: dict | None) -> str | None:
-    """The path of the first ``input_image`` part of the client's Responses ``body`` (``input[i].content[j]``),
-    or None."""
+    """The path of the first ``input_image`` part of the client's Responses ``body`` (``input[i].content[j]``, or
+    ``input[i].output[j]`` of a ``function_call_output``), or None."""
     items = body.get("input") if isinstance(body, dict) else None
     for i, item in enumerate(items if isinstance(items, list) else ()):
-        content = item.get("content") if isinstance(item, dict) else None
-        for j, part in enumerate(content if isinstance(content, list) else ()):
-            if isinstance(part, dict) and part.get("type") == "input_image":
-                return f"input[{i}].content[{j}]"
+        for key in ("content", "output"):
+            parts = item.get(key) if isinstance(item, dict) else None
+            for j, part in enumerate(parts if isinstance(parts, list) else ()):
+                if isinstance(part, dict) and part.get("type") == "input_image":
+                    return f"input[{i}].{key}[{j}]"
     return None
 
 

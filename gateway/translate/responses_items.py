@@ -137,7 +137,8 @@ def _require_strings(item: dict, where: str, names: tuple[str, ...]) -> None:
 
 def to_messages(items: list[dict], first: int = 0) -> list[dict]:
     """Responses items -> chat messages. Consecutive ``function_call`` items join the assistant message before
-    them (one turn, parallel calls); ``function_call_output`` is a ``tool`` message; ``reasoning`` is dropped.
+    them (one turn, parallel calls); ``function_call_output`` is a ``tool`` message (its images in a user message
+    after the turn's tool messages); ``reasoning`` is dropped.
     ``items[first:]`` are the client's ``input`` (a refusal names ``input[i - first]``), the items before them
     a stored conversation (named ``previous_response_id``).
 
@@ -147,6 +148,7 @@ def to_messages(items: list[dict], first: int = 0) -> list[dict]:
         ``input``)."""
     messages: list[dict] = []
     calls = dict.fromkeys(item.get("call_id") for item in items if item.get("type") == "function_call")   # in order
+    images: list[dict] = []       # of the function_call_outputs of the turn so far
     for i, item in enumerate(items):
         kind, where = item.get("type"), f"input[{i - first}]" if i >= first else "previous_response_id"
         if kind == "message":
@@ -188,9 +190,15 @@ def to_messages(items: list[dict], first: int = 0) -> list[dict]:
             if item["call_id"] not in calls:
                 raise bad_request(f"No tool call found for function call output with call_id {item['call_id']}.",
                                   "input")
-            if isinstance(out, list):
-                out = _text_of(out, f"{where}.output")
+            if isinstance(out, list) and not isinstance(out := _text_of(out, f"{where}.output"), str):
+                # chat's tool messages carry text only (OpenAI's API refuses other parts there): the images go to
+                # a user message after this turn's tool messages, as a Messages tool_result's do
+                images += [p for p in out if p["type"] != "text"]
+                out = "".join(p["text"] for p in out if p["type"] == "text")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": out})
+            if images and (i + 1 == len(items) or items[i + 1].get("type") != "function_call_output"):
+                messages.append({"role": "user", "content": images})
+                images = []
         elif kind == "reasoning":
             continue       # chat has no place for a model's reasoning; the model reasons afresh
         else:

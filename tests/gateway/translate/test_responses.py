@@ -45,6 +45,42 @@ def test_items_to_messages_parallel_calls_join_one_assistant_turn_and_reasoning_
                                                                          "detail": "auto"}}]}]
 
 
+def test_a_function_outputs_images_go_to_a_user_message_after_the_turns_tool_messages():
+    """Chat's tool messages carry text only (OpenAI's API refuses image parts there): an agents trial's image in a
+    ``function_call_output`` reached an OpenAI upstream inside the tool message. Its images now follow the turn's
+    tool messages in a user message, as a Messages ``tool_result``'s do."""
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AA"}
+    items = input_items({"input": [
+        {"role": "user", "content": "look"},
+        {"type": "function_call", "call_id": "c1", "name": "snap", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "snap", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "see"}, image]},
+        {"type": "function_call_output", "call_id": "c2", "output": [image]},
+        {"role": "user", "content": "and?"}]}, "r")
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA", "detail": "auto"}}
+    assert to_messages(items)[2:] == [
+        {"role": "tool", "tool_call_id": "c1", "content": "see"},
+        {"role": "tool", "tool_call_id": "c2", "content": ""},
+        {"role": "user", "content": [part, part]},
+        {"role": "user", "content": "and?"}]
+
+
+def test_a_refused_image_of_a_function_output_is_named_as_the_clients_part():
+    """The local engine takes text only; its refusal of the user message the translation put the image in is named
+    as the ``function_call_output``'s own part (an agents trial's named ``input[1]``, another item)."""
+    from gateway.translate.responses_errors import responses_error_object
+
+    body = {"input": [{"role": "user", "content": "look"},
+                      {"type": "function_call", "call_id": "c1", "name": "snap", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": [
+                          {"type": "input_text", "text": "see"},
+                          {"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]}
+    err = responses_error_object({"message": "messages[3].content[0]: part type 'image_url' is not supported "
+                                             "(text only)", "param": "messages[3].content[0].type"}, body)
+    assert (err["param"], err["message"]) == ("input[2].output[1].type", "input[2].output[1]: content part type "
+                                              "'input_image' is not supported (text only)")
+
+
 @pytest.mark.parametrize("body, param", [
     ({"model": "m", "input": "x", "tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0].type"),
     ({"model": "m", "input": "x", "tool_choice": {"type": "web_search_preview"}}, "tool_choice.type"),
