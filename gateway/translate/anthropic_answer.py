@@ -57,8 +57,10 @@ def message_to_chat(msg: dict) -> dict:
     """Anthropic's Message object (parsed JSON) -> a chat completion with one choice (and the Message's own blocks
     and usage under ``NATIVE``)."""
     text = "".join(b.get("text", "") for b in msg.get("content") or () if b.get("type") == "text")
+    # the arguments keep their characters, as a stream's partial_json gives them (not \u escapes)
     calls = [{"id": b.get("id"), "type": "function", "function": {
-        "name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, separators=(",", ":"))}}
+        "name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, separators=(",", ":"),
+                                                       ensure_ascii=False)}}
         for b in msg.get("content") or () if b.get("type") == "tool_use"]
     message: dict = {"role": "assistant", "content": text or None}
     if calls:

@@ -69,6 +69,10 @@ def untranslatable(body: dict) -> tuple[str, str] | None:
                 if part.get("type") not in ("text", "refusal", "image_url"):
                     return (f"messages[{i}].content[{j}].type",
                             f"Anthropic's Messages API takes text and image parts, not {part.get('type')!r}")
+        for j, call in enumerate(m.get("tool_calls") or () if m.get("role") == "assistant" else ()):
+            if _input((call.get("function") or {}).get("arguments")) is None:   # an agents trial's became {}
+                return (f"messages[{i}].tool_calls[{j}].function.arguments",
+                        "Anthropic's tool_use input is a JSON object; these arguments are not one")
     for i, t in enumerate(body.get("tools") or ()):
         if t.get("type") != "function":
             return f"tools[{i}].type", f"Anthropic's Messages API takes function tools, not {t.get('type')!r}"
@@ -113,14 +117,16 @@ def _blocks(content) -> list[dict]:
     return out
 
 
-def _input(arguments) -> dict:
-    """A tool call's ``arguments`` (a JSON string) -> the ``tool_use`` block's ``input`` object ({} when they are
-    not an object: Anthropic requires one)."""
-    try:
-        value = json.loads(arguments) if isinstance(arguments, str) and arguments else {}
-    except ValueError:
+def _input(arguments) -> dict | None:
+    """A tool call's ``arguments`` (a JSON string) -> the ``tool_use`` block's ``input`` object: {} for none (""),
+    None when they are not a JSON object (``untranslatable`` refuses those: Anthropic requires an object)."""
+    if arguments is None or arguments == "":
         return {}
-    return value if isinstance(value, dict) else {}
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _turn_blocks(m: dict) -> list[dict]:

@@ -194,13 +194,21 @@ async def test_conversations_openai_takes_become_bodies_claude_takes(claude, up)
         no_stops = claude.requests[-1][2]
         calls = len(claude.requests)
         refused = {}
+        def called(arguments: str) -> dict:          # a past tool call whose arguments are not a JSON object
+            return {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "done"}], "tools": [tool]}
+
         for name, extra in {"temperature": {"temperature": 1.5, "messages": [{"role": "user", "content": "x"}]},
-                            "messages": {"messages": [{"role": "system", "content": "only a system prompt"}]}}.items():
+                            "messages": {"messages": [{"role": "system", "content": "only a system prompt"}]},
+                            "bad json": called("{bad json"), "not an object": called("[1]")}.items():
             with pytest.raises(openai.BadRequestError) as e:
                 await client.chat.completions.create(model="m1", **extra)
             refused[name] = e.value.body
         taken = await client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}],
                                                      top_logprobs=0, logit_bias={})
+        await client.chat.completions.create(model="m1", **called(""))       # no arguments: {}
+        no_args = claude.requests[-1][2]["messages"][1]["content"][0]
         await client.close()
     assert sent["stop_sequences"] == ["END"] and "stop_sequences" not in no_stops
     assert sent["system"] == "s1\ns2"                # parts joined as the engine's rendering joins them
@@ -209,9 +217,13 @@ async def test_conversations_openai_takes_become_bodies_claude_takes(claude, up)
     assert sent["messages"][2]["content"][0]["source"]["media_type"] == "image/jpeg"
     assert sent["messages"][3]["content"] == [{"type": "text", "text": "Sure:"}]
     assert sent["tools"][0]["input_schema"] == {"type": "object", "properties": {"a": {"type": "string"}}}
-    assert len(claude.requests) == calls + 1 and taken.choices[0].message.content == "hello from claude"
+    assert len(claude.requests) == calls + 2 and taken.choices[0].message.content == "hello from claude"
+    # malformed arguments of a past call were sent as input {} (an agents trial): refused naming them
+    args = ("messages[1].tool_calls[0].function.arguments", "unsupported_parameter")
     assert {k: (b["param"], b["code"]) for k, b in refused.items()} == {
-        "temperature": ("temperature", "unsupported_parameter"), "messages": ("messages", "unsupported_parameter")}
+        "temperature": ("temperature", "unsupported_parameter"), "messages": ("messages", "unsupported_parameter"),
+        "bad json": args, "not an object": args}
+    assert no_args["type"] == "tool_use" and no_args["input"] == {}
 
 
 async def test_a_streamed_call_without_input_has_empty_object_arguments(claude, up):

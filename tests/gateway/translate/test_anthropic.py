@@ -502,3 +502,10 @@ def test_empty_content_is_refused_as_anthropic_refuses_it(messages, param):
     prefill = messages_to_chat({"model": "m", "max_tokens": 9, "messages": USER + [{"role": "assistant",
                                                                                      "content": ""}]})
     assert prefill["messages"][-1] == {"role": "assistant", "content": ""} and prefill["continue_final_message"]
+
+
+def test_a_whole_answers_tool_arguments_keep_their_characters():
+    """An agents trial's non-streamed call gave ``{"city":"\\u6771\\u4eac"}``, its streamed twin ``東京``."""
+    chat = message_to_chat({"id": "msg_1", "model": "c", "stop_reason": "tool_use", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"city": "東京 🌸"}}]})
+    assert chat["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"city":"東京 🌸"}'
