@@ -164,6 +164,8 @@ def _tools(tools: object) -> list[dict]:
         fn = {"name": t["name"], "parameters": t["input_schema"]}
         if t.get("description"):
             fn["description"] = t["description"]
+        if isinstance(t.get("strict"), bool):     # both APIs' strict tool use: the arguments follow the schema
+            fn["strict"] = t["strict"]
         out.append({"type": "function", "function": fn})
     return out
 

@@ -10,7 +10,7 @@ Anthropic's answers (``anthropic_answer.py``), as for a ``/v1/messages`` request
   joined into one, as Anthropic's turns alternate; a conversation opening with the assistant gets a placeholder
   user turn first (``PLACEHOLDER_TEXT``), and a final assistant text (a prefill) loses its trailing whitespace
   (Anthropic refuses both as they are).
-- ``tools`` -> ``{name, description, input_schema}``; ``tool_choice`` auto / none / required / a named function
+- ``tools`` -> ``{name, description, input_schema, strict}``; ``tool_choice`` auto / none / required / a named function
   -> ``auto`` / ``none`` / ``any`` / ``tool``; ``parallel_tool_calls: false`` -> ``disable_parallel_tool_use``.
 - ``max_completion_tokens`` or ``max_tokens`` -> ``max_tokens`` (Anthropic requires one: ``DEFAULT_MAX_TOKENS``
   when the request and its route set none); ``stop`` -> ``stop_sequences`` (those of whitespace alone left out:
@@ -209,7 +209,8 @@ def chat_to_messages(body: dict, model: str) -> dict:
         out["metadata"] = {"user_id": body["user"]}
     if body.get("tools"):
         out["tools"] = [{"name": fn.get("name"), "input_schema": {"type": "object", **(fn.get("parameters") or {})},
-                         **({"description": fn["description"]} if fn.get("description") else {})}
+                         **({"description": fn["description"]} if fn.get("description") else {}),
+                         **({"strict": fn["strict"]} if isinstance(fn.get("strict"), bool) else {})}
                         for fn in (t.get("function") or {} for t in body["tools"])]
     if (tc := _tool_choice(body)) is not None:
         out["tool_choice"] = tc

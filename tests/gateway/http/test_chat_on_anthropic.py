@@ -89,8 +89,9 @@ async def test_parallel_tool_calls_and_their_results_round_trip(claude, up, stre
         calls = message.message.tool_calls
         turn = message.message.model_dump(exclude_none=True)
         claude.content = None
-        again = await client.chat.completions.create(**{**ask, "tool_choice": {"type": "function", "function": {
-            "name": "get_weather"}}, "parallel_tool_calls": False, "messages": [
+        strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}   # passed on (it was dropped)
+        again = await client.chat.completions.create(**{**ask, "tools": [strict], "tool_choice": {
+            "type": "function", "function": {"name": "get_weather"}}, "parallel_tool_calls": False, "messages": [
             *ask["messages"], turn, *({"role": "tool", "tool_call_id": c.id, "content": f"sunny {i}"}
                                       for i, c in enumerate(calls))]})
         await client.close()
@@ -102,6 +103,7 @@ async def test_parallel_tool_calls_and_their_results_round_trip(claude, up, stre
                                "input_schema": WEATHER["function"]["parameters"]}]
     assert first["tool_choice"] == {"type": "any"} and first.get("stream", False) is stream
     assert second["tool_choice"] == {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
+    assert second["tools"][0]["strict"] is True and "strict" not in first["tools"][0]
     assert second["messages"][1:] == [
         {"role": "assistant", "content": [{"type": "text", "text": "checking both"}, *TWO_CALLS[1:]]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a", "content": "sunny 0"},

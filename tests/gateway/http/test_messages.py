@@ -165,9 +165,9 @@ async def test_tool_use_round_trip(up):
         assert body["tools"] == [{"type": "function", "function": {
             "name": "get_weather", "parameters": TOOLS[0]["input_schema"], "description": "The weather of a city"}}]
         assert body["tool_choice"] == "required"
-        second = await client.messages.create(
-            model="m1", max_tokens=50, tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather",
-                                                                 "disable_parallel_tool_use": True},
+        second = await client.messages.create(     # a strict tool: the function's strict (an agents trial's dropped)
+            model="m1", max_tokens=50, tools=[{**TOOLS[0], "strict": True}],
+            tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
             messages=[{"role": "user", "content": "weather in Paris?"},
                       {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
@@ -180,7 +180,7 @@ async def test_tool_use_round_trip(up):
         assert body["messages"][2:] == [{"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
                                         {"role": "user", "content": "thanks"}]
         assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
-        assert body["parallel_tool_calls"] is False
+        assert body["parallel_tool_calls"] is False and body["tools"][0]["function"]["strict"] is True
         up.push({"tool_call": True})             # streamed: a tool_use block of input_json_delta pieces
         async with client.messages.stream(model="m1", max_tokens=50, tools=TOOLS,
                                           messages=[{"role": "user", "content": "weather?"}]) as stream:

@@ -92,7 +92,7 @@ def test_what_anthropic_documents_passes_and_is_dropped():
     chat = messages_to_chat(body)
     assert chat["messages"][0] == {"role": "system", "content": "s"}
     assert chat["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
-                                                               "description": "d"}}]
+                                                               "description": "d", "strict": True}}]
     assert "cache_control" not in str(chat) and "service_tier" not in chat
 
 
