@@ -476,6 +476,19 @@ def _probed_local(tiny_model) -> tuple[GatewayConfig, Resilience, LocalBackend]:
     return cfg, layer, backend
 
 
+async def _started_then_killed(backend: LocalBackend):
+    """Start ``backend``'s engine and SIGKILL its core: (the dead engine, a deadline 30 s on, monotonic)."""
+    import signal
+
+    await backend.start()
+    first = backend.engine
+    os.kill(first.core_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while first.is_alive and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return first, deadline
+
+
 async def test_a_probe_during_the_load_does_not_outlive_it(tiny_model):
     """The active prober runs from gateway start, while the local engine is loading. Loading is no failure:
     once the engine is up, ``/health/ready``'s view (``Resilience.status``) says available at once, not
@@ -498,16 +511,9 @@ async def test_an_engine_whose_core_died_is_restarted(tiny_model):
     """An operator trial killed the engine core: the backend stayed "available" while every request failed, the
     breaker cycled open and half-open for good and nothing brought the engine back. The next probe round finds
     it dead, marks the backend unavailable (why, and that it restarts) and loads a new engine, which serves."""
-    import signal
-
     cfg, layer, backend = _probed_local(tiny_model)
     try:
-        await backend.start()
-        first = backend.engine
-        os.kill(first.core_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while first.is_alive and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        first, deadline = await _started_then_killed(backend)
         assert await layer.prober.probe_once() == {"local": False}
         backends, _ = await layer.status(cfg.routes, {"local": backend})
         assert not backends["local"]["available"] and "engine core died" in backends["local"]["reason"]
@@ -530,16 +536,9 @@ async def test_a_dead_engine_is_restarted_by_the_request_that_meets_it_with_prob
     """With ``resilience.health.interval_s: 0`` nothing probed the engine, so a killed core was never restarted (an
     observability trial: 40 s and counting, every request a 503 before its fallback). The first request to meet
     the dead engine marks it unavailable and starts a new one; it gets the 503 (its fallbacks serve it)."""
-    import signal
-
     backend = LocalBackend("local", _local_config(tiny_model).backends["local"])     # no prober at all
     try:
-        await backend.start()
-        first = backend.engine
-        os.kill(first.core_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while first.is_alive and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        first, deadline = await _started_then_killed(backend)
         with pytest.raises(BackendError) as e:
             await backend.send(*_request(backend, {"prompt": "one", "max_tokens": 1}, "meets", rendered=False))
         assert e.value.status == 503 and "engine core died" in e.value.message and backend.restarts == 1
