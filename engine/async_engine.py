@@ -429,9 +429,10 @@ class AsyncEngine:
                 deliveries.append((rid, rebuild_error(type_name, message)))
             if step.error is not None:
                 error = EngineCoreError(step.error)
-                for rid in step.failed:
-                    proc.forget(rid)
-                    deliveries.append((rid, error))
+                failed = [out for rid in step.failed if (out := proc.fail_request(rid)) is not None]
+                deliveries += [(rid, error) for rid in step.failed]
+                if failed:
+                    self._listeners.stepped(failed, step.timestamp)
             processed = proc.process_outputs(step.outputs, step.timestamp)
             deliveries += [(out.request_id, out) for out in proc.as_asked(processed.request_outputs)]
             self._stats = step.stats
@@ -455,8 +456,9 @@ class AsyncEngine:
         self._dead = EngineDeadError(reason)
         with self._lock:
             streams = list(self._streams.items())
-            for rid, _ in streams:
-                self._processor.forget(rid)
+            failed = [out for rid, _ in streams if (out := self._processor.fail_request(rid)) is not None]
+            if failed:     # vllm:request_success_total{finished_reason="error"}, as the streams' errors say
+                self._listeners.stepped(failed, time.monotonic())
             self._check_drained()
         for _, stream in streams:
             _call_soon(stream.loop, stream.queue.put_nowait, self._dead)

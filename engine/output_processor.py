@@ -115,6 +115,17 @@ class OutputProcessor:
         self._kinds.pop(request_id, None)
         self._so_far.pop(request_id, None)
 
+    def fail_request(self, request_id: str) -> RequestOutput | None:
+        """Forget a request the engine failed (its core died, a step raised): its final output with
+        ``finish_reason="error"`` for every unfinished choice, for the metrics (vLLM's ``FinishReason.ERROR``), or
+        None when it was not live. Its stream gets the error itself."""
+        out = self.abort_request(request_id)
+        self.forget(request_id)
+        if out is not None:
+            for c in out.outputs:
+                c.finish_reason = "error"
+        return out
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Forget a request; its final output with ``finish_reason="abort"``
         for every unfinished choice (None when it was not live): its prompt, prompt ids and prompt logprobs as
