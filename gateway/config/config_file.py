@@ -69,11 +69,20 @@ class ConfigFile:
         "weights overrides active", "file does not load (the running version is kept): <why>" (an edit a reload
         refused), "file not applied (the running version is kept): <why>" (an edit that loads, refused by the
         reload: ``refused``), or "runtime override active, file differs" (a rollback, or another replica's file,
-        runs instead of it); ``refused``: True with either "file ..." status (the file's edit does not run)."""
+        runs instead of it), or "file cannot be read (the running version is kept): <why>" (deleted, unreadable: a
+        trial's deleted file read "in sync"); ``refused``: True with any "file ..." status (the file's edit does
+        not run)."""
         text = self.read()
         differs = text is not None and not same_document(text, running_text)
         status, refused = "weights overrides active" if overrides else "in sync", False
-        if differs:
+        if text is None and self.path:
+            try:
+                open(self.path, encoding="utf-8").close()
+                why = "it changed while read"
+            except OSError as e:
+                why = e.strerror or type(e).__name__
+            status, refused = f"file cannot be read (the running version is kept): {why}", True
+        elif differs:
             try:
                 load_config_text(text, {}, source=self.path)
                 status = "runtime override active, file differs"

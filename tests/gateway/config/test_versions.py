@@ -231,3 +231,21 @@ def test_ctl_status_says_when_the_gateway_drains_or_redis_is_away():
     text = layers_summary({**data, "draining": True, "in_flight": 2, "redis_degraded": True})
     assert text.splitlines()[1:] == ["  draining: 2 request(s) in flight, new ones get 503",
                                      "  redis unreachable: serving on in-process state; config changes wait for it"]
+
+
+def test_ctl_status_says_when_the_file_cannot_be_read(tmp_path):
+    """A CLI trial deleted the config file under a running gateway: ``ctl status`` said "in sync" (a missing file
+    read as no file). It says the file cannot be read and the running version is kept."""
+    from gateway.config.config_file import ConfigFile
+
+    path = tmp_path / "gateway.yaml"
+    text = "models: [{name: m}]\nbackends: {up: {type: openai, base_url: 'http://127.0.0.1:9/v1'}}\n" \
+           "routes: {r: {targets: [{backend: up}]}}\npolicy: {default_route: r}\n"
+    path.write_text(text)
+    f = ConfigFile(str(path))
+    assert f.status(text, {})["status"] == "in sync"
+    path.unlink()
+    st = f.status(text, {})
+    assert st["refused"] and st["status"] == ("file cannot be read (the running version is kept): No such file or "
+                                              "directory"), st
+    assert ConfigFile(None).status(text, {})["status"] == "in sync"       # a config given without a file
