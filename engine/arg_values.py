@@ -49,7 +49,7 @@ def non_negative_seconds(value: str) -> float:
 
 def parse_size(value: int | float | str) -> int:
     """Parse a memory size into bytes: ``1073741824``, ``"512MiB"``, ``"2GiB"``,
-    ``"1.5G"`` (binary units: K/M/G = KiB/MiB/GiB).
+    ``"1.5G"`` (binary units: K/M/G/T and KB/MB/GB/TB = KiB/MiB/GiB/TiB, as vLLM's sizes).
 
     Raises:
         ValueError: unparseable or negative.
@@ -59,7 +59,7 @@ def parse_size(value: int | float | str) -> int:
             raise ValueError(f"memory size must be >= 0, got {value}")
         return int(value)
     text = str(value).strip().lower().replace(" ", "")
-    units = {"tib": 2**40, "t": 2**40, "gib": 2**30, "gb": 2**30, "g": 2**30,
+    units = {"tib": 2**40, "tb": 2**40, "t": 2**40, "gib": 2**30, "gb": 2**30, "g": 2**30,
              "mib": 2**20, "mb": 2**20, "m": 2**20, "kib": 2**10, "kb": 2**10, "k": 2**10, "b": 1}
     for suffix, mult in units.items():
         if text.endswith(suffix):

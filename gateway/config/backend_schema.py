@@ -8,6 +8,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator
 
+from engine.arg_values import parse_size
 from gateway.config.strict import StrictModel
 
 
@@ -61,6 +62,14 @@ class EngineConfig(StrictModel):
     generation_config: str | None = None
     override_generation_config: dict | None = None
     chat_template: str | None = None
+
+    @field_validator("kv_cache_memory", "structured_outputs_max_bytes", "structured_outputs_cache_memory",
+                     mode="before")
+    @classmethod
+    def _size(cls, v):
+        """A size in bytes or with a unit (``2GiB``), checked here so that a bad one names its own key (a CLI
+        trial's ``kv_cache_memory: 1TB`` was refused as ``backends.local.engine``)."""
+        return None if v is None else parse_size(v)
 
     def engine_kwargs(self) -> dict:
         return {k: v for k, v in self.model_dump().items() if v is not None}
