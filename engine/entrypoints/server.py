@@ -54,7 +54,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from engine.async_engine import AsyncEngine
 from engine.entrypoints.request_state import json_body, serving_of
 from engine.entrypoints.ttft import ttft
-from engine.entrypoints.vllm_flags import add_vllm_flags, vllm_flag_notes
+from engine.entrypoints.vllm_flags import add_vllm_flags, kv_cache_from_vllm_env, vllm_env_notes, vllm_flag_notes
 from engine.entrypoints.utility import detokenize, server_version, tokenize
 from engine.metrics import EngineMetrics
 from engine.protocol.errors import ServingError
@@ -411,7 +411,7 @@ def run_server(args: argparse.Namespace) -> int:
         reports Ctrl-C; ``EngineServer.stop_signal``), 1 when the engine
         failed to load (the error is logged in one line).
     """
-    from engine.config import engine_args_from_cli
+    from engine.config import KV_CACHE_MEMORY_DEFAULT, engine_args_from_cli
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tag = getattr(args, "model_tag", None)
@@ -426,6 +426,11 @@ def run_server(args: argparse.Namespace) -> int:
         logger.error("%s", e)
         return 2
     for note in notes:
+        logger.info("%s", note)
+    for note in vllm_env_notes(os.environ):
+        logger.warning("%s", note)
+    args.kv_cache_memory, note = kv_cache_from_vllm_env(args.kv_cache_memory, KV_CACHE_MEMORY_DEFAULT, os.environ)
+    if note is not None:
         logger.info("%s", note)
     try:
         engine_args = engine_args_from_cli(args)

@@ -138,6 +138,33 @@ def vllm_flag_notes(args: argparse.Namespace, model: str | None = None) -> list[
     return notes
 
 
+# vLLM's environment variables this server reads, and what for; any other ``VLLM_*`` one set is said not to be read
+# (a CLI trial's VLLM_CPU_KVCACHE_SPACE changed nothing without a word), with the flag to use where there is one.
+VLLM_ENV_READ = {"VLLM_API_KEY": "--api-key", "VLLM_CPU_KVCACHE_SPACE": "--kv-cache-memory (GiB)"}
+VLLM_ENV_FLAGS = {"VLLM_CPU_OMP_THREADS_BIND": "--num-threads", "VLLM_CPU_NUM_OF_RESERVED_CPU": "--num-threads",
+                  "VLLM_HOST_IP": "--host", "VLLM_PORT": "--port", "VLLM_LOGGING_LEVEL": "--uvicorn-log-level",
+                  "VLLM_ATTENTION_BACKEND": "--attention-backend", "VLLM_USE_V1": None}
+
+
+def vllm_env_notes(environ) -> list[str]:
+    """One line for each ``VLLM_*`` variable of ``environ`` this server does not read (``VLLM_ENV_READ``), with
+    the flag that sets the same thing here where there is one."""
+    notes = []
+    for name in sorted(k for k in environ if k.startswith("VLLM_") and k not in VLLM_ENV_READ):
+        flag = VLLM_ENV_FLAGS.get(name)
+        notes.append(f"${name}: vLLM's; not read here" + (f" (its setting here: {flag})" if flag else ""))
+    return notes
+
+
+def kv_cache_from_vllm_env(kv_cache_memory: str, default: str, environ) -> tuple[str, str | None]:
+    """(the KV-cache size to use, a note or None): vLLM-CPU's ``VLLM_CPU_KVCACHE_SPACE`` (GiB; 0: its default)
+    when ``--kv-cache-memory`` was left at its ``default``, as vLLM-CPU reads it."""
+    space = environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if kv_cache_memory != default or not space or space == "0":
+        return kv_cache_memory, None
+    return f"{space}GiB", f"$VLLM_CPU_KVCACHE_SPACE={space}: a KV cache of {space} GiB (--kv-cache-memory)"
+
+
 def split_vllm_kwargs(kwargs: dict, model: str | None = None) -> tuple[dict, list[str]]:
     """vLLM's ``LLM(...)`` keyword arguments that are ``VLLM_FLAGS`` (``trust_remote_code=True``,
     ``enforce_eager=True``, ``tokenizer=...``) taken out of ``kwargs`` and read as the same flags on a command line

@@ -159,6 +159,8 @@ def cli_server(tiny_model, tmp_path_factory):
                   "--logprobs-mode", "raw_logprobs", "--max-num-partial-prefills", "1", "--max-logprobs", "5",
                   "--gpu-memory-utilization", "0.5"],
                  f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}",
+                 # vLLM-CPU's environment: its KV cache size yields to the flag; the others are said not read
+                 env={"VLLM_CPU_KVCACHE_SPACE": "40", "VLLM_CPU_OMP_THREADS_BIND": "auto"},
                  log_dir=tmp_path_factory.mktemp("serve")).wait_ready(120)
     yield srv
     srv.stop()
@@ -182,6 +184,20 @@ def test_body_limit_gives_413_and_the_load_is_logged(cli_server):
     assert "--tool-call-parser hermes: accepted" in log and "-pp 1" not in log and "--pipeline-parallel-size 1" in log
     assert "--async-scheduling: accepted" in log and "--preemption-mode recompute: accepted" in log
     assert "gpu_memory_utilization=0.5 changes nothing on CPU" in log
+    # a CLI trial's VLLM_* variables changed nothing without a word
+    assert "$VLLM_CPU_OMP_THREADS_BIND: vLLM's; not read here (its setting here: --num-threads)" in log
+    assert "(0.06 GiB;" in log and "VLLM_CPU_KVCACHE_SPACE=40" not in log      # --kv-cache-memory 64MiB wins
+
+
+def test_vllm_cpus_kv_cache_variable_sizes_the_cache_when_the_flag_is_left_alone():
+    from engine.config import KV_CACHE_MEMORY_DEFAULT
+    from engine.entrypoints.vllm_flags import kv_cache_from_vllm_env
+
+    default = KV_CACHE_MEMORY_DEFAULT
+    assert kv_cache_from_vllm_env(default, default, {"VLLM_CPU_KVCACHE_SPACE": "40"}) == (
+        "40GiB", "$VLLM_CPU_KVCACHE_SPACE=40: a KV cache of 40 GiB (--kv-cache-memory)")
+    assert kv_cache_from_vllm_env(default, default, {"VLLM_CPU_KVCACHE_SPACE": "0"}) == (default, None)  # auto
+    assert kv_cache_from_vllm_env("64MiB", default, {"VLLM_CPU_KVCACHE_SPACE": "40"}) == ("64MiB", None)
 
 
 def test_max_logprobs_caps_what_a_request_may_ask(cli_server):
