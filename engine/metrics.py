@@ -27,7 +27,7 @@ time over its tokens after its first), ``vllm:iteration_tokens_total`` (tokens p
 it; no adapters here); with speculative decoding on, ``vllm:spec_decode_num_drafts``,
 ``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens`` and
 ``vllm:spec_decode_num_accepted_tokens_per_pos`` (+ ``position``), all with Tandem's label ``method`` (the
-proposer), and Tandem's histogram ``tandem:spec_decode_accepted_tokens_per_draft`` (verified drafts by accepted
+proposer), and Tandem's histogram ``tandem_spec_decode_accepted_tokens_per_draft`` (verified drafts by accepted
 tokens: buckets ``le`` 0..k); Tandem's ``tandem_structured_output_invalid_total`` (finished structured answers
 that broke their schema, ``engine/serving/answer_check.py``).
 """
@@ -85,7 +85,7 @@ def _spec_decode_families(stats, model_name: str):
     for pos, n in enumerate(stats.spec_num_accepted_tokens_per_pos):
         per_pos.add_metric(labels + [str(pos)], float(n))
     yield per_pos
-    hist = HistogramMetricFamily("tandem:spec_decode_accepted_tokens_per_draft",
+    hist = HistogramMetricFamily("tandem_spec_decode_accepted_tokens_per_draft",
                                  "Verified drafts by their number of accepted tokens.", labels=["model_name", "method"])
     buckets, total = [], 0
     for accepted, n in enumerate(stats.spec_accepted_per_draft):

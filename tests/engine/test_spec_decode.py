@@ -210,6 +210,7 @@ def test_metrics_name_the_method_and_give_the_acceptance_histogram(spec, referen
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{method="ngram",model_name="m",position="3"}' in text
     hist = stats.spec_accepted_per_draft
     assert len(hist) == SPEC["num_speculative_tokens"] + 1 and sum(hist) == stats.spec_num_drafts
-    assert (f'tandem:spec_decode_accepted_tokens_per_draft_bucket{{le="1",method="ngram",model_name="m"}} '
+    assert (f'tandem_spec_decode_accepted_tokens_per_draft_bucket{{le="1",method="ngram",model_name="m"}} '
             f'{float(hist[0] + hist[1])}') in text
-    assert f'tandem:spec_decode_accepted_tokens_per_draft_count{{method="ngram",model_name="m"}} {float(sum(hist))}' in text
+    assert (f'tandem_spec_decode_accepted_tokens_per_draft_count{{method="ngram",model_name="m"}} '
+            f'{float(sum(hist))}') in text

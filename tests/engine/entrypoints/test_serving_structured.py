@@ -550,7 +550,7 @@ def test_an_answer_that_breaks_its_schema_never_ends_with_stop_or_tool_calls(ser
     from tests.engine.entrypoints.test_serving import scrape
 
     monkeypatch.setattr("engine.detokenizer.may_end", lambda spec: None)
-    before = scrape(server).get("tandem:structured_output_invalid_total", 0)
+    before = scrape(server).get("tandem_structured_output_invalid_total", 0)
     kw = dict(messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", max_tokens=96, temperature=0, stop=["}"])
     reply = chat(server, **kw)
     assert reply.choices[0].finish_reason == "length", reply
@@ -566,4 +566,4 @@ def test_an_answer_that_breaks_its_schema_never_ends_with_stop_or_tool_calls(ser
             "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
             "required": ["name", "age"]}}}})
     assert completion.choices[0].finish_reason == "length", completion
-    assert scrape(server)["tandem:structured_output_invalid_total"] == before + 5
+    assert scrape(server)["tandem_structured_output_invalid_total"] == before + 5

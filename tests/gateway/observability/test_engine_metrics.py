@@ -56,7 +56,7 @@ async def test_colocated_engine_metrics_and_spans(tiny_model):  # noqa: F811
     assert value(fams, "vllm:num_requests_running", model_name="tiny") == 0
     assert "vllm:kv_cache_usage_perc" in fams and "vllm:cache_config_info" in fams
     # Prometheus keeps colons for recording rules: only vLLM's own names have them (an observability trial found
-    # tandem:structured_output_invalid_total)
+    # tandem:structured_output_invalid_total, now tandem_structured_output_invalid_total)
     assert "tandem_structured_output_invalid_total" in fams
     assert [n for n in fams if ":" in n and not n.startswith("vllm:")] == []
     # embeddings count as vLLM counts pooling requests (a trial found them missing): per input, its tokens, one
