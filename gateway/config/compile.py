@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import re
 import sys
@@ -182,7 +183,7 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
     if cfg.observability.tracing.exporter == "otlp" and (why := otlp_unavailable()):
         errors.append(("observability.tracing.exporter", why))
     errors += config_problems(cfg, routes)
-    warnings += _cache_warnings(cfg)
+    warnings += _cache_warnings(cfg) + _unserved_model_warnings(cfg)
     hashes = _key_hashes(cfg, env, warnings)
     if errors:
         raise ConfigError(errors)
@@ -203,6 +204,32 @@ def _cache_warnings(cfg: GatewayConfig) -> list[str]:
     if local is None:
         out += [f"models[{i}].cache: no local backend is configured: {hint}" for i, m in enumerate(cfg.models)
                 if m.cache is not None and m.cache.mode == "exact"]
+    return out
+
+
+def _unserved_model_warnings(cfg: GatewayConfig) -> list[str]:
+    """A public model no rule names, whose default route sends it to a backend that does not know it: the local
+    engine serving another model (it answers any name), or an upstream with a ``models`` mapping without it (the
+    name is sent as it is). A CLI trial's ``- name: llama3`` was answered by SmolLM2 under that name, silently."""
+    route = cfg.routes.get(cfg.policy.default_route)
+    named = json.dumps([r.match for r in cfg.policy.rules], default=str)
+    out = []
+    for i, m in enumerate(cfg.models):
+        if route is None or any(f'"{n}"' in named for n in (m.name, *m.aliases)):
+            continue                            # a rule routes it: the operator chose where it goes
+        for t in route.targets:
+            b = cfg.backends.get(t.backend)
+            if b is None or t.model:
+                continue
+            if b.type == "local":
+                served = b.engine.served_model_name
+                if served and served not in (m.name, *m.aliases):
+                    out.append(f"models[{i}] ({m.name}): the default route {cfg.policy.default_route!r} sends it to "
+                               f"backend {t.backend!r}, the local engine serving {served!r} (under any name it is "
+                               f"sent); add a rule routing it, or make it an alias of {served!r}")
+            elif getattr(b, "models", None) and m.name not in b.models:
+                out.append(f"models[{i}] ({m.name}): the default route {cfg.policy.default_route!r} sends it to "
+                           f"backend {t.backend!r}, whose models mapping has no entry for it (sent as it is)")
     return out
 
 
