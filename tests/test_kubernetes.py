@@ -159,7 +159,10 @@ def test_the_gateway_pods_would_bind_with_the_environment_they_get(kind, name, b
     compiled = load_config_text(text, environ=env)
     host = args.host or compiled.config.server.host
     assert host == "0.0.0.0" and bind_refusal(compiled, host, args.insecure) is None
-    assert "refusing to bind" in bind_refusal(load_config_text(text, environ={}), host, args.insecure)
+    refusal = bind_refusal(load_config_text(text, environ={}), host, args.insecure)
+    # the keys are configured, their variables unset: said so (a CLI trial read "no virtual API keys are configured")
+    unset = [k.env for k in compiled.config.auth.keys if k.env]
+    assert "refusing to bind" in refusal and unset and all(name in refusal for name in unset), refusal
 
 
 def test_the_engine_arguments_are_valid_engine_arguments():

@@ -130,8 +130,11 @@ def bind_refusal(compiled, host: str, insecure: bool = False) -> str | None:
     not loaded) is open to anyone unless ``--insecure`` or ``server.insecure`` says that is meant."""
     if not exposed_without_keys(compiled, host, insecure):
         return None
-    return (f"refusing to bind {host}: no virtual API keys are configured (auth.keys), so the gateway would be "
-            "open to anyone. Bind 127.0.0.1, configure keys, or pass --insecure.")
+    unset = [k.env for k in compiled.config.auth.keys if k.env]
+    why = (f"no virtual API key is loaded (auth.keys: environment variable{'s' if len(unset) > 1 else ''} "
+           f"{', '.join(unset)} unset)" if unset else "no virtual API keys are configured (auth.keys)")
+    return (f"refusing to bind {host}: {why}, so the gateway would be open to anyone. Bind 127.0.0.1, configure "
+            "keys, or pass --insecure.")
 
 
 def listen(host: str, port: int) -> socket.socket:
