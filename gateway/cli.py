@@ -53,7 +53,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``tandem`` parser; every ``--help`` shows the defaults. With ``command`` (a top-level command of
     ``COMMAND_MODULES``) only its module registers, so a quick command such as ``route explain --url`` does not
     import the engine's server or the load tests first; otherwise every area's sub-commands."""
+    from engine.protocol.version import tandem_version   # after shadowed_packages: not at this module's import
+
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: the LLM gateway and its co-located engine.")
+    parser.add_argument("--version", action="version", version=f"tandem {tandem_version()}",
+                        help="print the version and exit (as vllm --version, litellm --version)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     owner = [name for name, commands in COMMAND_MODULES.items() if command in commands]
     for name in owner or COMMAND_MODULES:

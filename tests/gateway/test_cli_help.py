@@ -131,3 +131,16 @@ def test_a_package_that_hides_one_of_ours_stops_tandem_with_what_to_do(tmp_path)
     assert f"`import kernels` loads {tmp_path / 'kernels' / '__init__.py'}, not this project's" in hidden.stderr
     assert "pip uninstall kernels" in hidden.stderr
     assert tandem_help(repo).returncode == 0
+
+
+def test_tandem_version_prints_the_packages_version():
+    """``vllm --version`` and ``litellm --version`` exist; ``tandem --version`` answered "required: COMMAND" (a CLI
+    trial)."""
+    import subprocess
+    import sys
+
+    from engine.protocol.version import tandem_version
+
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", "--version"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"tandem {tandem_version()}", (out.stdout, out.stderr)
