@@ -394,6 +394,8 @@ def _add_vllm_server_args(g) -> None:
     g.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer <key>` on /v1 paths (401 otherwise), as vLLM's; default: "
                         "$VLLM_API_KEY, else none")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", default=False,
+                   help="no access line per HTTP request (uvicorn's), as vLLM's")
     g.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=False,
                    help="log each generation and embedding request (its id and body) at INFO")
     g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
@@ -453,6 +455,7 @@ def run_server(args: argparse.Namespace) -> int:
                     api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
                     log_requests=args.log_requests, max_log_len=args.max_log_len)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=int(args.drain_timeout) + 5, lifespan="on",
                             timeout_keep_alive=KEEP_ALIVE_S)
     server = EngineServer(config)

