@@ -91,8 +91,8 @@ class Redactor:
         self._secrets_b = [s.encode() for s in self.secrets]
 
     def text(self, s: str, extra: Iterable[str] = (), fragments: bool = False) -> str:
-        """``s`` without secrets (``extra``: per-request secrets, e.g. the client's key; ``fragments``: runs of
-        ``FRAGMENT_CHARS`` characters of one too, for an upstream's error)."""
+        """``s`` without secrets (``extra``: per-request secrets, e.g. the client's key; ``fragments``: runs of half
+        a secret's characters too, ``_without_fragments``, for an upstream's error)."""
         for secret in (*self.secrets, *extra):
             if secret and len(secret) >= 4 and secret in s:
                 s = s.replace(secret, MASK)
