@@ -469,8 +469,9 @@ def test_a_loadtest_stopped_by_sigterm_stops_its_servers(tmp_path, handled):
         "def scenario(args):\n"
         "    s = Server([sys.executable, '-c', 'import time; time.sleep(600)'], 'http://127.0.0.1:9/', '', "
         f"log_dir={str(tmp_path)!r})\n"
-        f"    open({str(pid_file)!r}, 'w').write(str(s.pid))\n"
-        "    try:\n        time.sleep(600)\n    finally:\n        s.stop()\n"
+        "    try:\n"     # the pid is written inside the try: a SIGTERM right after it still reaches the finally
+        f"        open({str(pid_file)!r}, 'w').write(str(s.pid))\n"
+        "        time.sleep(600)\n    finally:\n        s.stop()\n"
         f"{'_stopping_servers_on_sigterm(scenario, None)' if handled else 'scenario(None)'}\n")
     proc = subprocess.Popen([sys.executable, "-c", program], cwd=str(Path(__file__).resolve().parents[1]))
     server_pid = None
