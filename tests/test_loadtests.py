@@ -507,3 +507,17 @@ def test_every_loadtest_sub_command_stops_its_servers_on_sigterm():
     funcs = {name: p.get_default("func") for name, p in sub.choices.items()}
     assert {"run", "spill", "failover", "replicas"} <= set(funcs)
     assert all(getattr(f, "func", None) is _stopping_servers_on_sigterm for f in funcs.values()), funcs
+
+
+@pytest.mark.parametrize("steps", [1, 8])
+def test_the_kv_pool_bench_counts_decode_steps_of_any_number_of_tokens(steps):
+    """``--kv-pool-cycle-tokens``' decode rate counts the steps where the whole batch decodes; with several steps
+    per call (the default 8) a step gives each request several tokens, and a trial's runs counted none (nan)."""
+    import math
+
+    from engine.config import EngineArgs
+    from engine.llm_engine import LLMEngine
+    from loadtests.bench.kv_pool import decode_tok_per_s
+    engine = LLMEngine(EngineArgs(kv_cache_memory="16MiB", num_scheduler_steps=steps))   # SmolLM2: C decode steps
+    rate, table = decode_tok_per_s(engine, [[5, 6, 7], [8, 9, 10]], 24, "t")
+    assert math.isfinite(rate) and rate > 0 and table

@@ -78,7 +78,10 @@ def decode_tok_per_s(engine, prompts: list[list[int]], output_len: int, tag: str
         if not table:
             table = engine.scheduler.kv_cache_manager.get_block_ids(f"{tag}-0")
         decoded = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        if decoded == len(prompts) and engine.get_stats().prompt_tokens_total == prefilled:  # a pure decode step
+        stepped = {o.request_id for o in outs if any(c.token_ids for c in o.outputs)}
+        # a pure decode step of the whole batch: every request got tokens (several with --num-scheduler-steps > 1:
+        # a trial's runs at the default 8 counted no step and printed nan) and no prompt token was prefilled
+        if len(stepped) == len(prompts) and engine.get_stats().prompt_tokens_total == prefilled:
             tokens += decoded
             seconds += elapsed
     return tokens / seconds if seconds else float("nan"), table
