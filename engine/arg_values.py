@@ -36,6 +36,39 @@ def tcp_port(value: str) -> int:
     return port
 
 
+def positive_count(value: str) -> int:
+    """A count flag's value (``--num-prompts``, ``--rounds``): an integer, 1 or more.
+
+    Raises:
+        ValueError: not an integer, or below 1 (a benchmark of no prompts or rounds printed nan and exited 0)."""
+    count = int(value)
+    if count < 1:
+        raise ValueError(f"must be at least 1, got {count}")
+    return count
+
+
+def non_negative_count(value: str) -> int:
+    """A count flag whose 0 means off (``--compare-batch-invariant ROUNDS``): an integer, 0 or more.
+
+    Raises:
+        ValueError: not an integer, or negative."""
+    count = int(value)
+    if count < 0:
+        raise ValueError(f"must be 0 (off) or more, got {count}")
+    return count
+
+
+def positive_seconds(value: str) -> float:
+    """A duration flag that must pass (``--duration``): seconds, more than 0.
+
+    Raises:
+        ValueError: not a number, or 0 or less."""
+    seconds = float(value)
+    if not seconds > 0:   # also refuses nan
+        raise ValueError(f"must be > 0 seconds, got {value}")
+    return seconds
+
+
 def non_negative_seconds(value: str) -> float:
     """A duration flag's value (``--drain-timeout``): seconds, 0 or more.
 

@@ -24,6 +24,7 @@ import argparse
 import functools
 import sys
 
+from engine.arg_values import flag_type, positive_count, positive_seconds
 from loadtests import upstream
 from loadtests.procs import exit_on_sigterm
 
@@ -63,8 +64,10 @@ def _add_run(sub) -> None:
                    help="closed loop: requests in flight (default 1); a list (1,8,32) sweeps and plots. "
                         "Open loop: the cap on requests in flight and the pool size (default 256)")
     p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals, requests/s")
-    p.add_argument("--num-requests", type=int, default=None, help="stop after this many requests")
-    p.add_argument("--duration", type=float, default=None, help="stop issuing after this many seconds")
+    p.add_argument("--num-requests", type=flag_type(positive_count), default=None,
+                   help="stop after this many requests")
+    p.add_argument("--duration", type=flag_type(positive_seconds), default=None,
+                   help="stop issuing after this many seconds")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
     p.add_argument("--header", action="append", default=[], metavar="NAME:VALUE", help="extra header (repeatable)")
@@ -113,6 +116,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
                          runs, sweep={args.model: sweep} if len(sweep) > 1 else None)
     print((files["markdown"]).read_text())
     print("files: " + ", ".join(str(p) for p in files.values()))
+    if not any(s["num_ok"] for _, s in sweep):      # a run with no answer is no measurement (a trial's exit 0)
+        print("error: no request was answered (see errors_by_kind above)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -521,3 +521,50 @@ def test_the_kv_pool_bench_counts_decode_steps_of_any_number_of_tokens(steps):
     engine = LLMEngine(EngineArgs(kv_cache_memory="16MiB", num_scheduler_steps=steps))   # SmolLM2: C decode steps
     rate, table = decode_tok_per_s(engine, [[5, 6, 7], [8, 9, 10]], 24, "t")
     assert math.isfinite(rate) and rate > 0 and table
+
+
+def _tandem(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True, timeout=120,
+                          cwd=str(Path(__file__).resolve().parents[1]))
+
+
+@pytest.mark.parametrize("args, said", [
+    (("bench", "engine", "--num-prompts", "0"), "--num-prompts: must be at least 1, got 0"),
+    (("bench", "engine", "--peer-rounds", "-1"), "--peer-rounds: must be at least 1, got -1"),
+    (("bench", "engine", "--compare-batch-invariant", "-1"), "--compare-batch-invariant: must be 0 (off) or more"),
+    (("bench", "engine", "--compare-rounds", "0"), "--compare-rounds: must be at least 1, got 0"),
+    (("loadtest", "run", "--url", "http://127.0.0.1:9/v1", "--model", "m", "--duration", "0"),
+     "--duration: must be > 0 seconds"),
+])
+def test_benchmark_counts_are_checked_before_anything_runs(args, said):
+    """A benchmark trial's ``--num-prompts 0`` printed a table of nan and exited 0, ``--peer-rounds 0`` crashed
+    after the whole run: every count is argparse's error (exit 2) naming the flag."""
+    out = _tandem(*args)
+    assert out.returncode == 2 and said in out.stderr, out.stderr[-500:]
+
+
+def test_a_missing_peer_or_an_unanswered_load_is_a_failure_said_first(tmp_path):
+    """A peer's missing interpreter is said before the Tandem run (it was said after minutes of it), LiteLLM's as
+    vLLM's and llama.cpp's (a traceback before), an unknown ``--modes`` is refused, and a load test no request of
+    which was answered exits 1 (it exited 0)."""
+    out = _tandem("bench", "engine", "--peer", "vllm", "--peer-python", str(tmp_path / "none" / "python"),
+                  "--num-prompts", "1")
+    assert out.returncode == 1 and "no vLLM interpreter at" in out.stderr and "output tok/s" not in out.stdout
+    out = _tandem("loadtest", "overhead", "--peer-litellm", str(tmp_path / "none" / "python"))
+    assert out.returncode == 2 and "--peer-litellm: no Python at" in out.stderr and "Traceback" not in out.stderr
+    out = _tandem("loadtest", "overhead", "--modes", "bogus")
+    assert out.returncode == 2 and "--modes: non-stream, stream or both" in out.stderr
+    from tests.conftest import free_port
+    out = _tandem("loadtest", "run", "--url", f"http://127.0.0.1:{free_port()}/v1", "--model", "m",
+                  "--num-requests", "2", "--no-progress", "--out", str(tmp_path / "out"))
+    assert out.returncode == 1 and "no request was answered" in out.stderr, out.stderr[-500:]
+
+
+def test_a_peers_failure_is_shown_by_its_end():
+    """A trial's vLLM failure showed the first 500 characters of its stderr's last 2000: the exception line, last,
+    was cut off."""
+    from loadtests.bench.engine_throughput import _tail
+
+    why = "Traceback ...\n" + "x" * 3000 + "\nOSError: Repo id must be in the form 'repo_name'"
+    assert _tail(why, 200).endswith("OSError: Repo id must be in the form 'repo_name'") and len(_tail(why, 200)) == 203
+    assert _tail("short", 200) == "short"

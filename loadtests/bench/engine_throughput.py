@@ -29,9 +29,11 @@ import sys
 import time
 from pathlib import Path
 
+from engine.arg_values import flag_type, non_negative_count, positive_count
 from engine.config import engine_args_from_cli
 from engine.sampling_params import SamplingParams
-from loadtests.bench.peer_engines import DEFAULT_VLLM_MODEL, PEERS, peer_model, peer_python, peer_workload, run_peer
+from loadtests.bench.peer_engines import (DEFAULT_VLLM_MODEL, PEERS, peer_missing, peer_model, peer_python,
+                                          peer_workload, run_peer)
 from loadtests.bench.peer_engines import salted, summarize
 from loadtests.bench.model_compare import add_compare_args, compare_models
 from engine.models.c_stack import decode_weight_bytes
@@ -41,42 +43,45 @@ ROOT = Path(__file__).resolve().parents[2]
 MT_BENCH = ROOT / "tests" / "data" / "mt_bench_questions.jsonl"
 
 
+COUNT, OFF_OR_COUNT = flag_type(positive_count), flag_type(non_negative_count)   # argparse types of counts
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``tandem bench engine``."""
     parser.add_argument("--workload", choices=["mtbench", "synthetic", "edit"], default="synthetic",
                         help="mtbench (MT-Bench turn 1), synthetic (random tokens of --input-len) or edit "
                              "(edit a given 350-450-token text or code and write it out whole: outputs that "
                              "copy their prompt; tests/data/edit_texts.json)")
-    parser.add_argument("--num-prompts", type=int, default=64, help="requests, submitted at once")
-    parser.add_argument("--input-len", type=int, default=100, help="synthetic prompt length, tokens")
-    parser.add_argument("--output-len", type=int, default=128, help="new tokens per request")
+    parser.add_argument("--num-prompts", type=COUNT, default=64, help="requests, submitted at once")
+    parser.add_argument("--input-len", type=COUNT, default=100, help="synthetic prompt length, tokens")
+    parser.add_argument("--output-len", type=COUNT, default=128, help="new tokens per request")
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="Tandem's sampling temperature (0: greedy); above 0 each request is seeded (seed 0, "
                              "draws keyed by output position), so runs with and without speculation sample the "
                              "same tokens; the HF baseline and the peers stay greedy")
-    parser.add_argument("--hf-batch-size", type=int, default=8, help="batch size of the HF generate baseline")
+    parser.add_argument("--hf-batch-size", type=COUNT, default=8, help="batch size of the HF generate baseline")
     parser.add_argument("--no-baseline", action="store_true", help="skip the HF transformers baseline")
     parser.add_argument("--output-json", default=None, help="write the results to this file (None: print only)")
-    parser.add_argument("--compare-batch-invariant", type=int, default=0, metavar="ROUNDS",
+    parser.add_argument("--compare-batch-invariant", type=OFF_OR_COUNT, default=0, metavar="ROUNDS",
                         help="also run the workload ROUNDS times each with batch-invariant linears on and off, "
                              "interleaved, and print the throughput ratio (0: skip)")
-    parser.add_argument("--kv-pool-cycle-tokens", type=int, default=0,
+    parser.add_argument("--kv-pool-cycle-tokens", type=OFF_OR_COUNT, default=0,
                         help="instead: decode tok/s of an engine whose KV pool first served this many distinct "
                              "prompt tokens vs a fresh one, same process, tokens (e.g. 60000; 0: off; see "
                              "loadtests/bench/kv_pool.py)")
-    parser.add_argument("--compare-speculative", type=int, default=0, metavar="ROUNDS",
+    parser.add_argument("--compare-speculative", type=OFF_OR_COUNT, default=0, metavar="ROUNDS",
                         help="also run the engine without its --speculative-config and with it, interleaved for "
                              "ROUNDS rounds, the prompts one at a time (single stream; --spec-concurrent: all at "
                              "once); reports the ratio, acceptance rate and mean accepted length")
     parser.add_argument("--spec-concurrent", action="store_true",
                         help="--compare-speculative submits all prompts at once instead of one at a time")
-    parser.add_argument("--compare-tensor-parallel", type=int, default=0, metavar="SIZE",
+    parser.add_argument("--compare-tensor-parallel", type=OFF_OR_COUNT, default=0, metavar="SIZE",
                         help="also build the engine over SIZE tensor-parallel ranks (the cores split between them) "
                              "and run both interleaved for --tp-rounds rounds; reports the ratio and each rank's "
                              "memory (0: skip; the engine itself must be --tensor-parallel-size 1)")
-    parser.add_argument("--tp-rounds", type=int, default=3, help="rounds of --compare-tensor-parallel")
-    parser.add_argument("--rounds", type=int, default=6, help="fresh/cycled rounds with --kv-pool-cycle-tokens")
+    parser.add_argument("--tp-rounds", type=COUNT, default=3, help="rounds of --compare-tensor-parallel")
+    parser.add_argument("--rounds", type=COUNT, default=6, help="fresh/cycled rounds with --kv-pool-cycle-tokens")
     parser.add_argument("--peer", choices=sorted(PEERS), default=None,
                         help="also run this peer engine on the same prompts (None: no peer)")
     parser.add_argument("--peer-python", default=None,
@@ -85,7 +90,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-model", default=None,
                         help=f"model the peer loads (None: vLLM {DEFAULT_VLLM_MODEL} for the embedded model, "
                              "else --model; llama.cpp: Tandem's .gguf)")
-    parser.add_argument("--peer-rounds", type=int, default=1,
+    parser.add_argument("--peer-rounds", type=COUNT, default=1,
                         help="rounds of (fresh Tandem run, peer run), interleaved, on the same prompts")
     add_compare_args(parser)
 
@@ -305,11 +310,17 @@ def _roofline_rows(table, weight_bytes: int | None, bandwidth: list[float], tand
             if any(x < 1 for x in ratios) else ""))
 
 
+def _tail(why: str, chars: int) -> str:
+    """The end of a peer's ``why`` (its stderr's last lines hold the exception: a trial's vLLM failure was cut
+    before it), at most ``chars`` characters."""
+    return why if len(why) <= chars else "..." + why[-chars:]
+
+
 def _peer_rows(table, peer_name: str, p: dict, weight_bytes: int | None) -> None:
     """The peer comparison's rows of the result table."""
     peer = PEERS[peer_name]
     if "ratio" not in p:
-        table.add_row(peer.label, next(iter(p.items()))[0] + ": " + next(iter(p.values()))[:200])
+        table.add_row(peer.label, next(iter(p.items()))[0] + ": " + _tail(next(iter(p.values())), 200))
         return
     runs = p["runs"]
     table.add_row(f"Tandem output tok/s, {len(runs)} rounds",
@@ -422,6 +433,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine
 
     logging.basicConfig(level=logging.WARNING)
+    if args.peer and (why := peer_missing(PEERS[args.peer], peer_python(PEERS[args.peer], args.peer_python))):
+        print(f"--peer {args.peer}: {why}", file=sys.stderr)   # before the Tandem run, not after it (a trial)
+        return 1
     if args.kv_pool_cycle_tokens:
         from loadtests.bench.kv_pool import run_pool_bench
 
@@ -469,7 +483,8 @@ def run_bench(args: argparse.Namespace) -> int:
         Path(args.output_json).write_text(json.dumps(result, indent=2, default=str))
     if args.peer and "ratio" not in result[args.peer]:
         # Asked for a comparison and got none: say so and fail, so no script takes the run for a comparison.
-        print(f"--peer {args.peer} gave no figure: {next(iter(result[args.peer].values()))[:500]}", file=sys.stderr)
+        print(f"--peer {args.peer} gave no figure: {_tail(next(iter(result[args.peer].values())), 1000)}",
+              file=sys.stderr)
         return 1
     return 0
 

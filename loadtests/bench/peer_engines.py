@@ -91,12 +91,19 @@ def peer_command(peer: Peer, python: Path, workload: Path, result: Path) -> list
     return [str(python), str(peer.script), str(workload), str(result)]
 
 
+def peer_missing(peer: Peer, python: Path) -> str | None:
+    """Why ``peer`` cannot run under ``python`` (no such interpreter, and how to make one), or None."""
+    if python.exists():
+        return None
+    return (f"no {peer.label} interpreter at {python} (create its venv as loadtests/peers/README.md says, or "
+            f"pass --peer-python / set {peer.python_env})")
+
+
 def run_peer(peer: Peer, python: Path, workload: dict, timeout_s: float = 3600) -> dict:
     """Run ``peer``'s script under ``python`` on ``workload``; its result dict, or ``{"skipped": why}`` when
     that python is missing or lacks the peer's package (exit 3), or ``{"failed": why}``."""
-    if not python.exists():
-        return {"skipped": f"no {peer.label} interpreter at {python} (create its venv as "
-                           f"loadtests/peers/README.md says, or pass --peer-python / set {peer.python_env})"}
+    if (why := peer_missing(peer, python)) is not None:
+        return {"skipped": why}
     with tempfile.TemporaryDirectory(prefix="tandem-peer-") as tmp:
         workload_path, result_path = Path(tmp) / "workload.json", Path(tmp) / "result.json"
         workload_path.write_text(json.dumps(workload))

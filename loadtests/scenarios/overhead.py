@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 from pathlib import Path
 
 import yaml
@@ -141,10 +142,17 @@ def _gateway_view(f: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.peer_litellm and not Path(args.peer_litellm).exists():   # said before anything starts (a trial's traceback)
+        print(f"--peer-litellm: no Python at {args.peer_litellm} (create a venv with litellm[proxy] as "
+              "loadtests/peers/README.md says, or set it to one)", file=sys.stderr)
+        return 2
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("non-stream", "stream") for m in modes):
+        print(f"--modes: non-stream, stream or both, got {args.modes!r}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     logs = logs_dir(args.out)
     workload = small_workload(max_tokens=args.max_tokens)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     proxy_cpus, rest = _pinning(args.pin)
     if rest is not None:
         os.sched_setaffinity(0, cpu_set(rest))      # the load client
