@@ -36,26 +36,20 @@ def tcp_port(value: str) -> int:
     return port
 
 
-def positive_count(value: str) -> int:
-    """A count flag's value (``--num-prompts``, ``--rounds``): an integer, 1 or more.
-
-    Raises:
-        ValueError: not an integer, or below 1 (a benchmark of no prompts or rounds printed nan and exited 0)."""
-    count = int(value)
-    if count < 1:
-        raise ValueError(f"must be at least 1, got {count}")
+def _count_from(low: int, word: str):
+    def count(value: str) -> int:
+        n = int(value)
+        if n < low:
+            raise ValueError(f"must be {word}, got {n}")
+        return n
     return count
 
 
-def non_negative_count(value: str) -> int:
-    """A count flag whose 0 means off (``--compare-batch-invariant ROUNDS``): an integer, 0 or more.
-
-    Raises:
-        ValueError: not an integer, or negative."""
-    count = int(value)
-    if count < 0:
-        raise ValueError(f"must be 0 (off) or more, got {count}")
-    return count
+# A count flag's value (``--num-prompts``, ``--rounds``): an integer, 1 or more (a benchmark of no prompts or
+# rounds printed nan and exited 0). Raises ValueError: not an integer, or below 1.
+positive_count = _count_from(1, "at least 1")
+# A count flag whose 0 means off (``--compare-batch-invariant ROUNDS``): an integer, 0 or more. Raises ValueError.
+non_negative_count = _count_from(0, "0 (off) or more")
 
 
 def positive_seconds(value: str) -> float:
