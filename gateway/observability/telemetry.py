@@ -35,8 +35,8 @@ from gateway.observability.records import (AttemptRecord, RequestRecord, answer_
 from gateway.observability.request_log import (Redactor, RequestLog, config_secrets, install_redaction,
                                                remove_redaction)
 from gateway.observability.tracing import (OPERATIONS, Tracing, attempt_span, end_attempt_span, end_request_trace,
-                                           end_stream_span, reset_traceparent, set_traceparent, span_answer,
-                                           traceparent, untraced_context)
+                                           reset_traceparent, set_traceparent, span_answer, traceparent,
+                                           untraced_context)
 from gateway.values import ChatEvent, ChatStream
 
 log = logging.getLogger("tandem.gateway.telemetry")
@@ -228,8 +228,7 @@ class Observability:
                 rec.attempts[i].outcome = "stream_interrupted"
                 break
         self.metrics.child(self.metrics.stream_errors, rec.model or "unknown", failed).inc()
-        end_stream_span(rec, None, "stream_interrupted")
-        rec.backend = backend
+        rec.backend = backend          # the cut call's span ended when the resuming call's began (end_attempt_span)
 
     def on_attempt(self, rec: RequestRecord, a: AttemptRecord, span=None) -> None:
         """One upstream call ended: record it, meter it, end its CLIENT span."""

@@ -765,3 +765,46 @@ async def test_a_client_that_leaves_at_the_error_event_does_not_turn_a_stream_er
     assert [lab["status"] for lab, v in fams["tandem_requests_total"] if v] == ["200"]
     assert not rec.disconnected
     assert rec.error == "stream_interrupted"      # the log line names the client's code (it said "stream_error")
+
+
+async def test_a_resumed_streams_client_spans_the_cut_call_and_the_call_that_finished_it():
+    """A stream cut on one target and resumed on another: the cut call's CLIENT span is the error
+    (``stream_interrupted``), the resuming call's lasts to the stream's end with its usage. (The resume's own note
+    ended the resuming call's span at once, marked interrupted, found in review.)"""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    from gateway.config.compile import load_config_text
+    from gateway.http.app import create_app
+    from gateway.observability.tracing import Tracing
+    from gateway.runtime import Gateway
+    from tests.gateway.fault_upstream import FaultUpstream
+
+    with FaultUpstream("a") as a, FaultUpstream("b") as b:
+        a.set_default({"token_ids": True, "chunks": 4, "cut_after": 2})
+        b.set_default({"token_ids": True, "chunks": 2, "usage": {"prompt_tokens": 3, "completion_tokens": 4,
+                                                                  "total_tokens": 7}})
+        backends = "".join(f"  {u.name}:\n    type: openai\n    base_url: {u.base_url}\n" for u in (a, b))
+        gw = Gateway(None, load_config_text(
+            "reload: {watch: false}\nresilience:\n  health: {interval_s: 0}\nobservability:\n  logs: "
+            f"{{requests: false}}\nmodels:\n  - name: m1\nbackends:\n{backends}routes:\n  main:\n"
+            "    targets: [{backend: a}]\n    fallbacks: [{backend: b}]\n    resume: true\n"
+            "policy:\n  default_route: main\n"))
+        spans = InMemorySpanExporter()
+        gw.obs.tracing = Tracing(span_exporter=spans)
+        server, task, url = await serve_app(create_app(gw))
+        try:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            text = "".join([c.choices[0].delta.content or "" async for c in await client.chat.completions.create(
+                model="m1", messages=HELLO, stream=True) if c.choices])
+            await client.close()
+            await counted(gw, 1)
+        finally:
+            server.should_exit = True
+            await task
+    assert text == "tok0 tok1 tok0 tok1 ", text                      # a's two tokens, then b's continuation
+    calls = {s.attributes["gen_ai.provider.name"]: s for s in spans.get_finished_spans() if s.kind == SpanKind.CLIENT}
+    assert calls["a"].status.status_code == StatusCode.ERROR and calls["a"].attributes["error.type"] == \
+        "stream_interrupted"
+    assert calls["b"].status.status_code == StatusCode.UNSET, calls["b"].attributes
+    assert calls["b"].attributes["gen_ai.usage.output_tokens"] == 4 and calls["b"].end_time >= calls["a"].end_time
