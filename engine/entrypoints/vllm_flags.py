@@ -52,6 +52,9 @@ VLLM_FLAGS = (
     VllmFlag(("--enable-prompt-tokens-details",), False, None, "usage.prompt_tokens_details is always sent"),
     VllmFlag(("--enable-auto-tool-choice",), False, None,
              "tool_choice auto is always served: calls are constrained to the engine's own call format"),
+    VllmFlag(("--exclude-tools-when-tool-choice-none",), False, _ok(),
+             "a template that knows tools gets them under tool_choice none too (vLLM's default); a template that "
+             "does not gets the generic tool prompt only when calls are asked for"),
     VllmFlag(("--tool-call-parser",), True, None,
              "calls are parsed from the engine's own constrained call format, whatever the model"),
     VllmFlag(("--enable-request-id-headers",), False, None, "x-request-id is always answered"),

@@ -22,11 +22,12 @@ Tool calls use one wire format, Hermes-style (Qwen2.5, Hermes 2/3)::
 - ``"auto"``: free text, and once the model writes ``<tool_call>`` the grammar
   forces a well-formed call of a known tool with arguments valid under its
   ``parameters`` schema (xgrammar's triggered structural tags);
-- ``"none"``: no tool is offered and nothing is constrained.
+- ``"none"``: nothing is constrained and no call is parsed.
 
 Templates that know tools (their source mentions ``tools``) get
-``tools=[...]`` and the messages as they are (tool-call arguments as objects,
-as transformers passes them). Other templates (SmolLM2's) get the generic
+``tools=[...]`` (under ``"none"`` too, as vLLM's default: the model knows the
+tools of earlier calls but is not asked for one) and the messages as they are
+(tool-call arguments as objects, as transformers passes them). Other templates (SmolLM2's) get the generic
 tool prompt: ``GENERIC_TOOL_PROMPT`` appended to the system message, an
 assistant's ``tool_calls`` rendered as the ``<tool_call>`` blocks above, and a
 ``role: tool`` message rendered as a user message
@@ -141,7 +142,7 @@ def plan_chat(req, messages: list[dict], template: str | None) -> ChatPlan:
                                                                 for i in range(len(tools))))
     if knows_tools:
         plan.messages = [_arguments_as_objects(m) for m in messages]
-        if choice != "none":
+        if tools:   # under "none" too, as vLLM (unless --exclude-tools-when-tool-choice-none) and OpenAI do
             plan.template_kwargs["tools"] = tools
     elif choice != "none" or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
         plan.messages = _generic_tool_messages(messages, tools if choice != "none" else [])

@@ -385,6 +385,13 @@ def test_generic_tool_prompt_renders_calls_and_results():
     plan = plan_chat(req, messages, aware)
     assert plan.template_kwargs["tools"] == TOOLS and plan.messages[2]["role"] == "tool"
     assert plan.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "celsius"}
+    # tool_choice none: the tools stay in a tool-aware template's prompt (vLLM's default), nothing is constrained;
+    # the generic prompt (our own) offers none then
+    none = parse_request({"messages": messages, "tools": TOOLS, "tool_choice": "none"}, ChatCompletionRequest)
+    plan = plan_chat(none, messages, aware)
+    assert plan.template_kwargs["tools"] == TOOLS and plan.structured_outputs is None and plan.tool_calls is None
+    plan = plan_chat(none, messages, chatml)
+    assert "tools" not in plan.template_kwargs and '"name": "get_time"' not in str(plan.messages)
 
 
 @pytest.mark.parametrize("cut, arguments", [
