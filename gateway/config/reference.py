@@ -112,7 +112,7 @@ def _field_comments(model: type[BaseModel]) -> dict[str, str]:
 
 
 def _model_doc(model: type[BaseModel]) -> str:
-    return (model.__dict__.get("__doc__") or "").split("\n\n")[0].replace("\n", " ").strip()
+    return " ".join((model.__dict__.get("__doc__") or "").split("\n\n")[0].split())
 
 
 def _node(models: list[type[BaseModel]]) -> Node:
@@ -220,6 +220,17 @@ def _split_comment(rest: str) -> tuple[str, str]:
     return (rest[:m.start()].strip(), m.group(2).strip()) if m else (rest.strip(), "")
 
 
+def _comment_continued(key_line: str, line: str) -> str | None:
+    """The text of ``line`` when it only goes on with ``key_line``'s comment: its ``#`` in the same column, with
+    nothing but blanks (or, in a commented-out block, the block's ``#``) before it; else None."""
+    m = re.compile(r"\s#").search(key_line, key_line.find(":"))
+    if m is None:
+        return None
+    column = m.end() - 1
+    head, hash_, text = line[:column], line[column:column + 1], line[column + 1:]
+    return text.strip() if hash_ == "#" and head.strip() in ("", "#") else None
+
+
 @dataclass
 class ExampleKey:
     path: str
@@ -237,6 +248,9 @@ def example_keys(text: str | None = None) -> list[ExampleKey]:
     stack: list[tuple[int, str, Node]] = [(-1, "", tree)]      # (indent, path, node) of the enclosing keys
     out: list[ExampleKey] = []
     for number, line in enumerate(lines, 1):
+        if out and out[-1].comment and (more := _comment_continued(lines[out[-1].line - 1], line)) is not None:
+            out[-1].comment += " " + more          # a comment wrapped onto the next line, aligned under its "#"
+            continue
         m, c = _REAL.match(line), _COMMENTED.match(line)
         flow_item = re.match(r"^(\s*)(#\s+)?- (\{.*)$", line)
         if m and not line.lstrip().startswith("#"):

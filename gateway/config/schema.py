@@ -238,6 +238,13 @@ class CacheConfig(StrictModel):
     # tells a tenant that another sent the same request, by its header and its latency)
     scope: Literal["tenant", "route"] = "tenant"
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _off(cls, value: object) -> object:
+        """``mode: off`` as written: YAML 1.1 (PyYAML's) reads a bare ``off`` as false, which the documented
+        value's user got refused with "Input should be 'off', ..." (a docs trial)."""
+        return "off" if value is False else value
+
 
 class SloConfig(StrictModel):
     """A TTFT objective (``policies/slo.py``): the cheapest target predicted to meet it, else the fastest."""

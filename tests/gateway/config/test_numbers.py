@@ -42,3 +42,13 @@ def test_a_boolean_weight_is_refused():
         load(weight="true")
     path, problem = exc.value.errors[0]
     assert path == "routes.r.targets[0]" and "weight: a number is needed, not true" in problem, exc.value.errors
+
+
+def test_a_cache_mode_written_off_loads_as_off():
+    """``mode: off``, as the docs write it: PyYAML (YAML 1.1) reads a bare ``off`` as false, which was refused with
+    "Input should be 'off', 'exact' or 'best_effort'" (a docs trial); ``true`` is still refused."""
+    text = BASE.format(weight="1", slo="{ttft_ms: 1500}").replace("slo: {ttft_ms: 1500}", "cache: {mode: %s}")
+    assert load_config_text(text % "off").config.routes["r"].cache.mode == "off"
+    with pytest.raises(ConfigError) as exc:
+        load_config_text(text % "on")
+    assert exc.value.errors[0][0] == "routes.r.cache.mode", exc.value.errors

@@ -43,6 +43,25 @@ def test_a_key_outside_the_schema_or_one_left_out_is_caught():
     assert missing == ["RouteConfig.resume_attempts (routes.<name>.resume_attempts)"]
 
 
+def test_a_comment_wrapped_under_its_hash_is_the_keys_whole_comment():
+    """A key's comment goes on, aligned under its ``#``, in force and in a commented-out block (a docs trial read
+    "off | exact (local engine: greedy or seeded answers, keyed by the engine's" and nothing of ``best_effort``);
+    a commented-out key or a comment at another column starts anew."""
+    text = ("routes:\n  r:\n    select: weighted   # weighted |\n                       # cheapest\n"
+            "    # cache:            # off by default\n    #   mode: exact     # off | exact\n"
+            "    #                   # | best_effort\n    #   ttl_s: 60       # an entry expires\n"
+            "    # a note of its own\n")
+    comments = {k.path: k.comment for k in example_keys(text)}
+    assert comments["routes.<name>.select"] == "weighted | cheapest"
+    assert comments["routes.<name>.cache"] == "off by default"
+    assert comments["routes.<name>.cache.mode"] == "off | exact | best_effort"
+    assert comments["routes.<name>.cache.ttl_s"] == "an entry expires"
+    page = PAGE.read_text()
+    assert "prefix_affinity (engine replicas by prefix-cache affinity and load, below)" in page
+    assert "| best_effort (any backend) |" in page
+    assert not re.findall(r"\w {2,}\w", page), "a docstring's indentation in a cell"
+
+
 def _named_paths() -> list[tuple[str, str]]:
     """Config key paths in backticks in the README, ARCHITECTURE.md and docs/ (`state.redis_url`,
     `routes.<name>.shadow: {...}`), with the file naming each."""
