@@ -46,7 +46,7 @@ from gateway.rollouts.controller import RolloutController
 from gateway.rollouts.metrics import ParityCollector
 from gateway.rollouts.shadow import ShadowRunner
 from gateway.rollouts.store import RolloutStore
-from gateway.request.auth import NO_KEYS, exposed_without_keys
+from gateway.request.auth import NO_KEYS, exposed_without_keys, serves_this_machine_only
 from gateway.snapshot import Snapshot
 from gateway.state import StateUnavailable
 from gateway.tasks import cancel_task
@@ -241,6 +241,7 @@ class Gateway:
         if self.listen is not None and exposed_without_keys(compiled, *self.listen):
             snap.closed = True           # fail closed: the warning tells the operator (the log, `tandem ctl`)
             snap.warnings.append(NO_KEYS)
+        snap.this_machine_only = self.listen is not None and serves_this_machine_only(compiled, *self.listen)
         self.resilience.configure(compiled.config)
         self.replicas.configure(compiled, backends)
         self.file_digest = state.file_digest or self.file_digest

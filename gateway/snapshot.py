@@ -4,11 +4,13 @@ once (who may call it, which signals the policy reads)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gateway.backends.local import LocalBackend
 from gateway.config.compile import Compiled
-from gateway.request.auth import authenticate
+from gateway.errors import ClientError
+from gateway.request.auth import authenticate, foreign_caller
 from policies import Signals
 
 
@@ -27,6 +29,7 @@ class Snapshot:
     needs_local_signals: bool = False
     owners: dict[str, str] = field(default_factory=dict)   # ``ConfigState.owners`` of the running version
     closed: bool = False     # no key left on an exposed listener: every request refused (``exposed_without_keys``)
+    this_machine_only: bool = False   # keyless on loopback: browsers' foreign calls refused (``foreign_caller``)
 
     @property
     def keyed(self) -> bool:
@@ -34,10 +37,19 @@ class Snapshot:
         details (``/metrics``, ``/health/ready``'s backends) are then the admin token's, not every caller's."""
         return bool(self.compiled.key_hashes) or self.closed
 
-    def authenticate(self, header: str | None, api: str = "openai") -> str:
-        """The tenant of a request's ``Authorization`` header under this generation's keys (``authenticate``;
-        ``api``: whose header its 401 names). Raises ClientError 401."""
-        return authenticate(header, self.compiled.key_hashes, self.closed, api)
+    def authenticate(self, headers: Mapping[str, str], api: str = "openai") -> str:
+        """The tenant of a request (its lower-case ``headers``) under this generation's keys: its
+        ``Authorization`` header's (``authenticate``; ``api``: whose header its 401 names), and on a keyless
+        loopback gateway only a local caller's (``foreign_caller``). Raises ClientError 401, or 403."""
+        if self.this_machine_only and (why := foreign_caller(headers.get("host"), headers.get("origin"),
+                                                             self.cors_origins)):
+            raise ClientError(403, why, code="foreign_origin")
+        return authenticate(headers.get("authorization"), self.compiled.key_hashes, self.closed, api)
+
+    @property
+    def cors_origins(self) -> tuple[str, ...]:
+        cors = self.compiled.config.server.cors
+        return tuple(cors.allow_origins) if cors is not None else ()
 
     def signals(self) -> Signals:
         """Live signals for the policy: local engine load (only when a rule

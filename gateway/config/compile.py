@@ -184,7 +184,7 @@ def compile_config(cfg: GatewayConfig, overrides: dict[str, dict[str, float]] | 
         errors.append(("observability.tracing.exporter", why))
     errors += config_problems(cfg, routes)
     warnings += _cache_warnings(cfg) + _unserved_model_warnings(cfg)
-    hashes = _key_hashes(cfg, env, warnings)
+    hashes = _key_hashes(cfg, env, warnings, errors)
     if errors:
         raise ConfigError(errors)
     policy = Policy(tuple(rules), routes, cfg.policy.default_route, cfg.policy.canary_key)
@@ -291,17 +291,26 @@ def _rules(cfg: GatewayConfig, names: dict[str, str], errors: list) -> list[Rule
     return rules
 
 
-def _key_hashes(cfg: GatewayConfig, env, warnings: list[str]) -> dict[str, str]:
-    """SHA-256 of each virtual key -> its tenant (a key whose environment variable is unset is disabled)."""
+def _key_hashes(cfg: GatewayConfig, env, warnings: list[str], errors: list[tuple[str, str]]) -> dict[str, str]:
+    """SHA-256 of each virtual key -> its tenant (a key whose environment variable is unset, or blank, is
+    disabled; a variable's value is read without the blanks around it, as a secret file's trailing newline). One
+    key under two tenants is an error: it was given to the last silently (a security trial)."""
     hashes: dict[str, str] = {}
+    where: dict[str, int] = {}
     for i, k in enumerate(cfg.auth.keys):
         if k.sha256:
-            hashes[k.sha256] = k.tenant
-        elif env.get(k.env or ""):
-            hashes[hashlib.sha256(env[k.env].encode()).hexdigest()] = k.tenant
+            digest = k.sha256
+        elif value := env.get(k.env or "", "").strip():
+            digest = hashlib.sha256(value.encode()).hexdigest()
         else:
             warnings.append(f"auth.keys[{i}]: environment variable {k.env} is unset; "
                             f"key of tenant {k.tenant!r} disabled")
+            continue
+        if hashes.get(digest, k.tenant) != k.tenant:
+            errors.append((f"auth.keys[{i}]", f"the same key as auth.keys[{where[digest]}], of tenant "
+                                              f"{hashes[digest]!r}: a key names one tenant"))
+            continue
+        hashes[digest], where[digest] = k.tenant, i
     return hashes
 
 

@@ -20,7 +20,7 @@ def admin_call(command: str, url: str, token_env: str, method: str, path: str, *
     """
     import httpx   # lazy: only these commands need it, every other `tandem` command starts without it
 
-    token = os.environ.get(token_env)
+    token = os.environ.get(token_env, "").strip()   # as the gateway reads it (a secret file's newline)
     if not token:
         print(f"{command}: set {token_env} to the gateway's admin token", file=sys.stderr)
         return 2, None

@@ -88,7 +88,7 @@ async def count_tokens(request: Request) -> Response:
     snap = request.app.state.gw.snapshot
     compiled = snap.compiled
     headers = anthropic_headers(request)
-    tenant = snap.authenticate(headers.get("authorization"), "anthropic")
+    tenant = snap.authenticate(headers, "anthropic")
     raw = await read_json_body(request, snap.max_body_size, compiled.config.server.body_timeout_s)
     n = await off_loop(len(raw), _count, snap, raw, tenant)   # a 4 MB body: seconds, off the loop
     return Response(msgspec.json.encode({"input_tokens": n}), status_code=200, media_type=_JSON)

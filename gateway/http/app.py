@@ -135,7 +135,7 @@ def _model_object(name: str) -> dict:
 async def models(request: Request) -> Response:
     snap = request.app.state.gw.snapshot
     compiled = snap.compiled
-    snap.authenticate(request.headers.get("authorization"))
+    snap.authenticate(request.headers)
     data = [_model_object(m) for m in compiled.public_models]
     return Response(msgspec.json.encode({"object": "list", "data": data}), media_type=_JSON)
 
@@ -146,7 +146,7 @@ async def model(request: Request) -> Response:
     name asked for). Raises ClientError 404 ``model_not_found`` for any other name."""
     snap = request.app.state.gw.snapshot
     compiled = snap.compiled
-    snap.authenticate(request.headers.get("authorization"))
+    snap.authenticate(request.headers)
     name = request.path_params["model"].lstrip("/")   # a path parameter keeps its leading slash; names may hold /
     if name not in compiled.model_names:
         raise model_not_found(name, compiled.public_models)

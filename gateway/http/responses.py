@@ -162,7 +162,7 @@ async def responses_sse(chat: ChatStream, events: ResponsesEvents,
 
 async def _stored(request: Request) -> tuple[ResponseStore, str, str]:
     gw = request.app.state.gw
-    tenant = gw.snapshot.authenticate(request.headers.get("authorization"))
+    tenant = gw.snapshot.authenticate(request.headers)
     return request.app.state.responses, tenant, request.path_params["response_id"]
 
 

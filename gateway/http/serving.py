@@ -36,7 +36,7 @@ async def serve_observed(request: Request, endpoint: str, headers,
                               headers={"retry-after": "1", "connection": "close"})
         # the key first (a 401 reads no body); a later refusal (a bad body, an unknown model) is logged and
         # counted under the tenant that sent it
-        rec.tenant = gw.snapshot.authenticate(headers.get("authorization"),
+        rec.tenant = gw.snapshot.authenticate(headers,
                                               "anthropic" if endpoint == "messages" else "openai")
         raw = await read_json_body(request, gw.snapshot.max_body_size, gw.snapshot.compiled.config.server.body_timeout_s)
         response = await answer(gw, rec, rid, raw)

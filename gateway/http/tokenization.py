@@ -21,7 +21,7 @@ _JSON = "application/json"
 async def _tokenization(request: Request, path: str) -> Response:
     snap = request.app.state.gw.snapshot
     compiled = snap.compiled
-    snap.authenticate(request.headers.get("authorization"))
+    snap.authenticate(request.headers)
     raw = await read_json_body(request, snap.max_body_size, compiled.config.server.body_timeout_s)
     answer = await off_loop(len(raw), _answer, snap, path, raw)   # a 4 MB prompt: seconds, off the loop (one hop)
     return Response(msgspec.json.encode(answer), status_code=200, media_type=_JSON)

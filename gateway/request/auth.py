@@ -33,6 +33,38 @@ def exposed_without_keys(compiled, host: str | None, insecure: bool = False) -> 
         and not compiled.config.server.insecure
 
 
+def serves_this_machine_only(compiled, host: str | None, insecure: bool = False) -> bool:
+    """Whether a gateway listening on ``host`` serves anyone on this machine without a key: no virtual key loaded,
+    a loopback address, and no ``--insecure`` / ``server.insecure``. Browsers reach such a gateway too, so
+    ``foreign_caller`` judges its requests."""
+    return bool(host) and not compiled.key_hashes and is_loopback(host) and not insecure \
+        and not compiled.config.server.insecure
+
+
+def foreign_caller(host: str | None, origin: str | None, cors_origins: tuple[str, ...]) -> str | None:
+    """Why a gateway that ``serves_this_machine_only`` refuses a request (None: it may serve it). ``host`` and
+    ``origin``: the request's ``Host`` and ``Origin`` headers (None: not sent); ``cors_origins``: the origins
+    ``server.cors`` allows. Without keys any local caller is served, so two callers that are not local are told
+    apart by what browsers send (the attacks that Ollama's CVE-2024-28224 fix closes):
+
+    - a ``Host`` that is no loopback name (``localhost``, ``*.localhost`` (RFC 6761), ``127.0.0.0/8``, ``::1``):
+      a page of another site that reached the port by DNS rebinding, and reads the answers;
+    - an ``Origin`` other than the gateway's own (``http://<Host>``) and not allowed by ``server.cors``: a page of
+      another site posting to it blind (a request a browser sends without a preflight), spending the upstreams'
+      keys. Clients other than browsers send no ``Origin``."""
+    if host:
+        name = host.rpartition(":")[0] if not host.endswith("]") and ":" in host else host
+        name = name.strip("[]").lower()
+        if not (is_loopback(name) or name.endswith(".localhost")):
+            return (f"Host {host!r} is not a loopback name: this gateway has no virtual keys (auth.keys) and serves "
+                    "this machine only (a page of another site can reach it through DNS rebinding)")
+    if origin is not None and origin.partition("://")[2] != host and origin not in cors_origins \
+            and "*" not in cors_origins:
+        return (f"a page of {origin} may not call this gateway: it has no virtual keys (auth.keys), so another "
+                "site's page would spend its upstreams' keys; allow the origin in server.cors.allow_origins")
+    return None
+
+
 # How a request sends its key, named by a 401: OpenAI's header, and Anthropic's on /v1/messages
 SEND_KEY = {"openai": "Authorization: Bearer <key>", "anthropic": "x-api-key: <key> (or Authorization: Bearer <key>)"}
 
@@ -62,6 +94,7 @@ def check_admin(header: str | None, admin_token: str | None, token_env: str) -> 
     """Raises ClientError(401, with ``WWW-Authenticate: Bearer`` as RFC 6750 has it) unless the bearer token
     equals the admin token (constant-time compare). With the token variable unset, admin is closed."""
     challenge = {"www-authenticate": 'Bearer realm="tandem-admin"'}
+    admin_token = (admin_token or "").strip()   # a secret file's trailing newline made the token unusable
     if not admin_token:
         raise ClientError(401, f"admin API disabled: environment variable {token_env} is unset",
                           code="admin_disabled", headers=challenge)

@@ -51,7 +51,7 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     """
     compiled = snap.compiled
     if tenant is None:
-        tenant = snap.authenticate(headers.get("authorization"))
+        tenant = snap.authenticate(headers)
     if body is None:
         body = parse_json(raw)
     if endpoint == "messages":      # Anthropic Messages: served as its chat translation

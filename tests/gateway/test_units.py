@@ -126,6 +126,28 @@ def test_authenticate_and_admin():
         check_admin(None, "s3", "ENV")
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1")
+    # a token from a secret file (Kubernetes --from-file, echo > file) ends in a newline: it was never usable
+    check_admin("Bearer s3", "s3\n", "ENV")
+    with pytest.raises(ClientError, match="ENV is unset"):
+        check_admin("Bearer s3", " \n", "ENV")
+
+
+def test_a_virtual_key_reads_as_its_secret_file_and_names_one_tenant():
+    """A key's variable is read without its blanks (a file's newline disabled the key silently); one key under two
+    tenants is refused naming both entries (it was given to the last, moving the first's traffic and budget)."""
+    from gateway.config.compile import load_config_text
+    from gateway.config.schema import ConfigError
+
+    text = ("{{reload: {{watch: false}}, models: [{{name: m}}], policy: {{default_route: r}}, "
+            "backends: {{a: {{type: openai, base_url: 'http://127.0.0.1:9/v1'}}}}, "
+            "routes: {{r: {{targets: [{{backend: a}}]}}}}, auth: {{keys: [{keys}]}}}}")
+    one = text.format(keys="{tenant: alpha, env: K1}, {tenant: alpha, sha256: %s}" % hashlib.sha256(b"k").hexdigest())
+    compiled = load_config_text(one, environ={"K1": "sk-alpha\n"})
+    assert authenticate("Bearer sk-alpha", compiled.key_hashes) == "alpha" == authenticate("Bearer k", compiled.key_hashes)
+    two = text.format(keys="{tenant: alpha, env: K1}, {tenant: beta, env: K2}")
+    with pytest.raises(ConfigError) as e:
+        load_config_text(two, environ={"K1": "sk-same", "K2": " sk-same "})
+    assert e.value.errors == [("auth.keys[1]", "the same key as auth.keys[0], of tenant 'alpha': a key names one tenant")]
 
 
 def test_money_is_formatted_as_money():
