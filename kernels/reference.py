@@ -39,10 +39,14 @@ def reference_paged_attention(
     seq_lens: list[int] | torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention computed in float64.
 
-    Args: as :func:`kernels.torch_attention.paged_attention`.
+    Args: as :func:`kernels.torch_attention.paged_attention` (``window``:
+    keys ``pos - window < k <= pos``; ``softcap``: ``cap * tanh(s / cap)``
+    of the scaled scores).
 
     Returns:
         [num_query_tokens, num_heads, head_dim] float64. Rows of sequences
@@ -65,8 +69,10 @@ def reference_paged_attention(
             pos = seq_len - q_len + j  # absolute position of this query token
             for h in range(num_heads):
                 q = query[qsl[i] + j, h].double().cpu()
-                kh, vh = k[: pos + 1, h // group], v[: pos + 1, h // group]
-                w = torch.softmax((kh @ q) * scale, dim=0)
+                first = 0 if window is None else max(0, pos - window + 1)
+                kh, vh = k[first: pos + 1, h // group], v[first: pos + 1, h // group]
+                s = (kh @ q) * scale
+                w = torch.softmax(s if softcap is None else torch.tanh(s / softcap) * softcap, dim=0)
                 out[qsl[i] + j, h] = w @ vh
     return out
 

@@ -100,6 +100,7 @@ def plan_attention(
     query_start_loc: list[int] | torch.Tensor,
     seq_lens: list[int] | torch.Tensor,
     block_tables: torch.Tensor,
+    window: int | None = None,
 ) -> AttentionPlan:
     """Precompute the per-step part of :func:`paged_attention`.
 
@@ -108,6 +109,9 @@ def plan_attention(
             layer's; only its shape, dtype and device are read).
         num_heads: query heads.
         query_start_loc, seq_lens, block_tables: as :func:`paged_attention`.
+        window: a sliding window (Mistral, Gemma 2/3's local layers): a
+            query at position ``p`` sees keys ``p - window < k <= p``
+            (transformers' ``sliding_window_overlay``); None: every earlier key.
 
     Returns:
         An :class:`AttentionPlan` to pass to every layer's ``paged_attention``.
@@ -131,7 +135,7 @@ def plan_attention(
             # Entries past the sequence's last block may be anything (padding): read block 0 there.
             pos = torch.arange(nb, device=device) * block_size
             plan.prefills.append(_Prefill(qsl[i], q_len, seq_len, nb, torch.where(pos < seq_len, blocks, 0),
-                                          _causal_masks(seq_len - q_len, q_len, nb * block_size, device)))
+                                          _causal_masks(seq_len - q_len, q_len, nb * block_size, device, window)))
     group = num_heads // num_kv_heads
     max_prefill_blocks = max((p.num_blocks for p in plan.prefills), default=0)
     max_blocks = max_prefill_blocks
@@ -165,14 +169,18 @@ def plan_attention(
         blocks = torch.where(pos[None, :nb] * block_size < seq_len[:, None], blocks, 0).reshape(-1)
         mask = torch.zeros((n, 1, nb * block_size), dtype=torch.float32, device=device)
         mask.masked_fill_(pos[None, None, : nb * block_size] >= seq_len[:, None, None], float("-inf"))
+        if window is not None:  # keys the window has left behind: the first ones, in every chunk alike
+            mask.masked_fill_(pos[None, None, : nb * block_size] <= seq_len[:, None, None] - 1 - window, float("-inf"))
         plan.decode_chunks.append(_DecodeChunk(rows, n, nb, blocks, mask))
     return plan
 
 
-def _causal_masks(first: int, q_len: int, ctx: int, device: torch.device) -> list[torch.Tensor]:
+def _causal_masks(first: int, q_len: int, ctx: int, device: torch.device,
+                  window: int | None = None) -> list[torch.Tensor]:
     """Additive masks of a prefill chunk whose first query sits at position
     ``first``, one per ``QUERY_TILE`` rows: [rows, 1, ctx_t] float32, 0 where
-    the key position is <= the query's, -inf elsewhere (padding included).
+    the key position is <= the query's (and, with a ``window``, > the query's
+    minus the window), -inf elsewhere (padding included).
     A tile's context ``ctx_t`` stops at its last query's position rounded up
     to ``KV_PAD`` tokens (causal: later keys are all masked), so a long
     prompt's early tiles skip the keys they cannot see; the padding argument
@@ -185,7 +193,10 @@ def _causal_masks(first: int, q_len: int, ctx: int, device: torch.device) -> lis
         q_pos = torch.arange(first + r0, last, device=device)
         pos = torch.arange(ctx_t, device=device)
         mask = torch.zeros((q_pos.numel(), 1, ctx_t), dtype=torch.float32, device=device)
-        masks.append(mask.masked_fill_(pos[None, None, :] > q_pos[:, None, None], float("-inf")))
+        mask.masked_fill_(pos[None, None, :] > q_pos[:, None, None], float("-inf"))
+        if window is not None:
+            mask.masked_fill_(pos[None, None, :] <= q_pos[:, None, None] - window, float("-inf"))
+        masks.append(mask)
     return masks
 
 
@@ -206,6 +217,7 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over paged keys and values.
 
@@ -244,7 +256,11 @@ def paged_attention(
         scale: softmax scale, usually head_dim ** -0.5.
         out: optional [num_query_tokens, num_heads, head_dim] output buffer.
         plan: optional :func:`plan_attention` result for these metadata,
-            shared by the layers of one step; computed here when None.
+            shared by the layers of one step; computed here when None (a
+            sliding window is the plan's: ``plan_attention(window=...)``).
+        softcap: logit soft-capping (Gemma 2): ``cap * tanh(s / cap)`` of the
+            scaled scores ``s``, before the mask (transformers'
+            ``eager_attention_forward`` of ``modeling_gemma2``); None: none.
 
     Returns:
         [num_query_tokens, num_heads, head_dim], query's dtype.
@@ -254,14 +270,14 @@ def paged_attention(
     if plan is None:
         plan = plan_attention(key_cache, query.shape[1], query_start_loc, seq_lens, block_tables)
     for p in plan.prefills:
-        _prefill_one(query, key_cache, value_cache, p, plan, scale, out)
+        _prefill_one(query, key_cache, value_cache, p, plan, scale, out, softcap)
     for chunk in plan.decode_chunks:
-        _decode_chunk(query, key_cache, value_cache, chunk, plan, scale, out)
+        _decode_chunk(query, key_cache, value_cache, chunk, plan, scale, out, softcap)
     return out
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, q_buf: torch.Tensor,
-            scale: float) -> torch.Tensor:
+            scale: float, softcap: float | None = None) -> torch.Tensor:
     """The arithmetic every query row goes through.
 
     Args:
@@ -279,7 +295,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     qb = q_buf[: b * r]
     torch.diagonal(qb, dim1=1, dim2=3).copy_(q.reshape(b * r, num_kv_heads, group, head_dim).permute(0, 2, 3, 1))
     scores = torch.bmm(qb.view(b, r * num_heads, width), k.transpose(1, 2))  # [b, r * H, ctx]
-    scores = torch.add(mask, scores.view(b, r, num_heads, ctx), alpha=scale)
+    if softcap is None:
+        scores = torch.add(mask, scores.view(b, r, num_heads, ctx), alpha=scale)
+    else:  # elementwise: each score's bits are still its own
+        scores = torch.tanh(scores.view(b, r, num_heads, ctx).float() * scale / softcap) * softcap + mask
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, r * num_heads, ctx)
     if ctx <= KV_TILE:
         o = torch.bmm(probs, v)
@@ -292,7 +311,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.diagonal(o, dim1=1, dim2=3)  # [b * r, G, D, kvh]
 
 
-def _prefill_one(query, key_cache, value_cache, p: _Prefill, plan: AttentionPlan, scale, out) -> None:
+def _prefill_one(query, key_cache, value_cache, p: _Prefill, plan: AttentionPlan, scale, out, softcap=None) -> None:
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_heads = query.shape[1]
     ctx, width = p.num_blocks * block_size, num_kv_heads * head_dim
@@ -301,11 +320,13 @@ def _prefill_one(query, key_cache, value_cache, p: _Prefill, plan: AttentionPlan
     for t, mask in enumerate(p.masks):
         r0, r, ctx_t = t * QUERY_TILE, mask.shape[0], mask.shape[-1]
         rows = slice(p.start + r0, p.start + r0 + r)
-        o = _attend(query[rows].unsqueeze(0), k[:, :ctx_t], v[:, :ctx_t], mask.unsqueeze(0), plan.q_buf, scale)
+        o = _attend(query[rows].unsqueeze(0), k[:, :ctx_t], v[:, :ctx_t], mask.unsqueeze(0), plan.q_buf, scale,
+                    softcap)
         out[rows].view(r, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(0, 2, 3, 1).copy_(o)
 
 
-def _decode_chunk(query, key_cache, value_cache, c: _DecodeChunk, plan: AttentionPlan, scale, out) -> None:
+def _decode_chunk(query, key_cache, value_cache, c: _DecodeChunk, plan: AttentionPlan, scale, out,
+                  softcap=None) -> None:
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
@@ -316,7 +337,7 @@ def _decode_chunk(query, key_cache, value_cache, c: _DecodeChunk, plan: Attentio
         q = query[c.rows : c.rows + n]
     else:
         q = query.index_select(0, c.rows)
-    o = _attend(q.unsqueeze(1), k, v, c.mask.unsqueeze(1), plan.q_buf, scale)  # [n, G, D, kvh]
+    o = _attend(q.unsqueeze(1), k, v, c.mask.unsqueeze(1), plan.q_buf, scale, softcap)  # [n, G, D, kvh]
     if isinstance(c.rows, int):
         out[c.rows : c.rows + n].view(n, num_kv_heads, group, head_dim).permute(0, 2, 3, 1).copy_(o)
     else:

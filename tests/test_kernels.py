@@ -154,6 +154,22 @@ def test_sequence_without_queries_is_skipped(backend):
     check_attention(backend.paged_attention, case)
 
 
+@pytest.mark.parametrize("window, softcap", [(8, None), (20, None), (None, 1.5), (8, 1.5)])
+def test_torch_path_window_and_softcap(window, softcap):
+    """The PyTorch kernel's sliding window and soft-capped scores (what engine/layers/attention.py takes from it
+    for Mistral and Gemma) against the float64 reference: decodes and prefill chunks, windows shorter than some
+    contexts and longer than others."""
+    from kernels import torch_attention
+
+    case = make_case(31, [53, 16, 7, 1, 200, 15], [23, 1, 7, 1, 2, 1], num_heads=9, num_kv_heads=3)
+    ref = reference_paged_attention(**case, window=window, softcap=softcap)
+    plan = torch_attention.plan_attention(case["key_cache"], 9, case["query_start_loc"], case["seq_lens"],
+                                          case["block_tables"], window)
+    out = torch_attention.paged_attention(**case, plan=plan, softcap=softcap)
+    assert relative_error(out, ref) < TOL
+    assert relative_error(out, reference_paged_attention(**case)) > 1e-3    # the window or the cap mattered
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_torch_path_half_precision(dtype):
     """The CPU path in 16-bit caches: same result as the float64 reference within 1e-2."""

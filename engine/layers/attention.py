@@ -1,11 +1,18 @@
-"""Attention metadata of one step, and the PyTorch path for what the paged
-kernels (``kernels``: C, PyTorch, Triton) lack: a sliding window (Mistral,
-Gemma 2/3's local layers) and logit soft-capping (Gemma 2).
+"""Attention metadata of one step, and the path for what the C and Triton
+paged kernels lack: a sliding window (Mistral, Gemma 2/3's local layers) and
+logit soft-capping (Gemma 2), given by the PyTorch paged kernel
+(``kernels/torch_attention.py``), which has both.
 
 Semantics follow transformers: a query at position ``p`` sees keys at
 positions ``p - window < k <= p`` (``masking_utils.sliding_window_overlay``);
 soft-capping is ``cap * tanh(scores / cap)`` on the scaled scores, before
 the mask (``eager_attention_forward`` of ``modeling_gemma2``).
+
+Which kernel gives a row depends on the row alone, never on its chunk: a
+trial found a Gemma 3 prompt's logprobs changed with the batch, the chunk
+size and preemption, when a whole chunk went to a per-sequence einsum as soon
+as its context passed the window (the einsum's shapes, and so its rounding,
+were the chunk's).
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kernels import torch_attention
 
 
 @dataclass
@@ -29,9 +38,9 @@ class AttentionMetadata:
         attn_plan: the attention backend's per-step index work
             (``AttentionBackend.plan``), built once by the model's forward
             and shared by its layers; None when the backend has none.
-        spans: per sequence (first query row, query count, context length),
-            read once per step by models with :func:`windowed_attention`
-            layers; None until then.
+        windowed: per window (None: none), the PyTorch kernel's plan of
+            the step and the rows :func:`windowed_attention` takes from it,
+            made by the first layer that asks.
     """
 
     slot_mapping: torch.Tensor
@@ -39,65 +48,54 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     attn_plan: object | None = None
-    spans: list[tuple[int, int, int]] | None = None
-
-
-def sequence_spans(md: AttentionMetadata) -> list[tuple[int, int, int]]:
-    """(first query row, query count, context length) of each sequence of the step (one host read)."""
-    qsl, lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
-    return [(qsl[i], qsl[i + 1] - qsl[i], lens[i]) for i in range(len(lens))]
-
-
-def needs_windowed(seq_len: int, window: int | None, softcap: float | None) -> bool:
-    """Whether a sequence's attention differs from plain causal attention: soft-capping, or a window its
-    context exceeds (a window of ``seq_len`` or more covers every key a causal query sees)."""
-    return softcap is not None or (window is not None and seq_len > window)
+    windowed: dict | None = None
 
 
 def windowed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        md: AttentionMetadata, scale: float, window: int | None, softcap: float | None,
-                       out: torch.Tensor) -> torch.Tensor:
-    """Causal attention with a sliding window and/or soft-capped logits, per
-    sequence, over the paged caches; writes the rows of the sequences
-    :func:`needs_windowed` selects into ``out`` (the others keep the paged
-    kernel's result, which is the same attention for them).
+                       out: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention with a sliding window and/or soft-capped logits over
+    the paged caches.
 
-    Scores and softmax run in float32, probabilities are rounded to the
-    value dtype before ``probs @ values`` (transformers' eager numerics).
-    Each sequence is computed alone, so a row never depends on the rest of
-    the batch.
+    With ``softcap`` every row is the PyTorch paged kernel's (``out`` may be
+    None). With a window alone, ``out`` holds the paged kernel's attention of
+    every row, right for a query at a position below ``window`` (its window
+    holds every key it sees causally); the rows at ``window`` or later are
+    replaced by the PyTorch kernel's. Both kernels are batch-invariant, and a
+    row's kernel is chosen by its position alone, so its bits depend only on
+    the query and its context (tests/engine/test_windowed_invariance.py).
 
     Args:
         query: [num_tokens, num_heads, head_dim].
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim].
-        md: the step's metadata, with ``spans`` set (:func:`sequence_spans`).
+        md: the step's metadata.
         scale: softmax scale; window: keys per query (None: unbounded);
         softcap: the logit cap (None: none).
-        out: [num_tokens, num_heads, head_dim], written in place.
+        out: [num_tokens, num_heads, head_dim], written in place (None: a
+            new tensor, with ``softcap``).
 
     Returns:
         ``out``.
     """
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    group = query.shape[1] // num_kv_heads
-    for i, (start, q_len, seq_len) in enumerate(md.spans):
-        if q_len == 0 or not needs_windowed(seq_len, window, softcap):
-            continue
-        nb = (seq_len + block_size - 1) // block_size
-        blocks = md.block_tables[i, :nb].long()
-        k = key_cache[blocks].reshape(nb * block_size, num_kv_heads, head_dim)[:seq_len]
-        v = value_cache[blocks].reshape(nb * block_size, num_kv_heads, head_dim)[:seq_len]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [S, H, D]
-        q = query[start:start + q_len]
-        scores = torch.einsum("lhd,shd->hls", q.float(), k.float()) * scale
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        hidden = k_pos > q_pos
-        if window is not None:
-            hidden |= k_pos <= q_pos - window
-        scores.masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        out[start:start + q_len] = torch.einsum("hls,shd->lhd", probs, v)
+    plan, later = _windowed_plan(md, key_cache, query.shape[1], window)
+    args = (query, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.block_tables, scale)
+    if softcap is not None:
+        return torch_attention.paged_attention(*args, out=out, plan=plan, softcap=softcap)
+    if later.numel():
+        full = torch_attention.paged_attention(*args, plan=plan)
+        out.index_copy_(0, later, full.index_select(0, later))
     return out
+
+
+def _windowed_plan(md: AttentionMetadata, key_cache: torch.Tensor, num_heads: int,
+                   window: int | None) -> tuple[torch_attention.AttentionPlan, torch.Tensor]:
+    """The PyTorch kernel's plan of the step for ``window``, and the query rows (int64) at a position of
+    ``window`` or later (none without a window), made once a step per window."""
+    md.windowed = md.windowed if md.windowed is not None else {}
+    if window not in md.windowed:
+        qsl, lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
+        later = [qsl[i] + j for i in range(len(lens)) for j in range(qsl[i + 1] - qsl[i])
+                 if window is not None and lens[i] - (qsl[i + 1] - qsl[i]) + j >= window]
+        plan = torch_attention.plan_attention(key_cache, num_heads, qsl, lens, md.block_tables, window)
+        md.windowed[window] = (plan, torch.tensor(later, dtype=torch.int64, device=key_cache.device))
+    return md.windowed[window]

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from engine.layers.activation import gated_activation
-from engine.layers.attention import AttentionMetadata, sequence_spans, windowed_attention
+from engine.layers.attention import AttentionMetadata, windowed_attention
 from engine.layers.linear import PROJECTIONS, c_head, head_method, linear_method, pack_projections
 from engine.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.layers.parallel_linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
@@ -154,11 +154,13 @@ class LlamaDecoderLayer(nn.Module):
         t = x.shape[0]
         key_cache, value_cache = kv_cache
         q = self._qkv_to_cache(self.proj["qkv_proj"](self.input_layernorm(x)), rope, md, key_cache, value_cache)
-        extra = {} if md.attn_plan is None else {"plan": md.attn_plan}
-        o = self.backend.paged_attention(q, key_cache, value_cache, md.query_start_loc, md.seq_lens,
-                                         md.block_tables, self.scale, **extra)
+        o = None
+        if self.softcap is None:    # soft-capped scores: every row is windowed_attention's
+            extra = {} if md.attn_plan is None else {"plan": md.attn_plan}
+            o = self.backend.paged_attention(q, key_cache, value_cache, md.query_start_loc, md.seq_lens,
+                                             md.block_tables, self.scale, **extra)
         if self.windowed:  # the rows whose attention the paged kernel cannot give
-            windowed_attention(q, key_cache, value_cache, md, self.scale, self.window, self.softcap, o)
+            o = windowed_attention(q, key_cache, value_cache, md, self.scale, self.window, self.softcap, o)
         return self._attention_out_and_mlp(x, o.reshape(t, self.q_size))
 
     def _rope_cache_c(self, qkv, rope, md, key_cache, value_cache) -> torch.Tensor:
@@ -228,7 +230,6 @@ class LlamaForCausalLM(nn.Module):
         # the whole stack in one call, with no place for the row-parallel projections' all-reduce
         self.c_stack_refusal = cpu_decoder.unimplemented(stack_features(config, self.spec)) | \
             ({"tensor_parallel"} if tp is not None else set())
-        self.any_windowed = any(layer.windowed for layer in self.layers)
         self.embed_scale = config.hidden_size ** 0.5 if self.spec.embed_scale else None
         self.final_softcap = config.final_logit_softcapping
         self.rope_local_cos: torch.Tensor | None = None  # Gemma 3's sliding-window layers' tables
@@ -331,8 +332,6 @@ class LlamaForCausalLM(nn.Module):
             plan = attn_metadata.attn_plan
             return cpu_decoder.forward(stack, x, positions, attn_metadata.slot_mapping, plan.block_tables,
                                        plan.seq_lens, plan.query_start_loc, (first, end))
-        if self.any_windowed:
-            attn_metadata.spans = sequence_spans(attn_metadata)
         rope = RopeInputs(positions, self.rope_cos, self.rope_sin)
         local = RopeInputs(positions, self.rope_local_cos, self.rope_local_sin)
         if self._gather_rope:
