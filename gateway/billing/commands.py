@@ -88,7 +88,9 @@ def _usage_command(args) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    print(f"usage {data['since']} .. {data['until']} (UTC)")
+    if data.get("partial"):
+        print(f"tandem usage: partial: {data['partial']}", file=sys.stderr)
+    print(f"usage {data['since']} .. {data['until']} (UTC)" + (" (partial)" if data.get("partial") else ""))
     print(f"{'tenant':<20} {'backend':<16} {'requests':>9} {'failed':>7} {'prompt':>12} {'completion':>12} "
           f"{'USD':>14}")
     rows = [(t, b, br) for t, row in data["tenants"].items() for b, br in row["backends"].items()]

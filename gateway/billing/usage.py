@@ -440,7 +440,8 @@ class UsageLedger:
                      now_s: float | None = None) -> dict:
         """Usage per tenant and backend from the UTC day ``since`` (see
         ``parse_since``) through today: requests, prompt/completion/cached
-        tokens, cost USD, plus totals.
+        tokens, cost USD, plus totals; ``partial`` (why) when Redis is
+        configured and unreachable (this replica's in-process counts only).
 
         Raises:
             ValueError: a bad ``since``."""
@@ -462,7 +463,10 @@ class UsageLedger:
                 i += len(days)
             return out
 
+        partial = []
+
         def local() -> dict[str, list[dict]]:
+            partial.append(self.state.redis is not None)     # Redis configured but unreachable
             tenants = [tenant_label(tenant)] if tenant is not None else sorted({t for t, _ in self._usage})
             return {t: [self._usage.get((t, d), {}) for d in days] for t in tenants}
 
@@ -484,7 +488,11 @@ class UsageLedger:
                 total[f] += tsum[f]
             tenants[t] = {"backends": {b: _row(row) for b, row in sorted(backends.items())}, **_row(tsum)}
         until = _dt.datetime.fromtimestamp(now, _dt.timezone.utc).date()
-        return {"since": start.isoformat(), "until": until.isoformat(), "tenants": tenants, **_row(total)}
+        report = {"since": start.isoformat(), "until": until.isoformat(), "tenants": tenants, **_row(total)}
+        if any(partial):   # a security trial read zeros while Redis was down, without a word
+            report["partial"] = ("Redis is unreachable: these counts are only what this replica served while it "
+                                 "could not reach Redis; the whole usage is read again once it answers")
+        return report
 
 
 def decode_record(request_id: str, tenant: str, value: str) -> UsageRecord:

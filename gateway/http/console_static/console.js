@@ -442,8 +442,8 @@
   function renderTenants(usage, limits) {
     const lim = (limits && limits.tenants) || {}, budgets = usage.budgets || {};
     const names = [...new Set([...Object.keys(usage.tenants), ...Object.keys(budgets), ...Object.keys(lim)])].sort();
-    $("usage-span").textContent = usage.since === usage.until ? `today (${usage.until}, UTC)`
-      : `${usage.since} – ${usage.until}`;
+    $("usage-span").textContent = (usage.since === usage.until ? `today (${usage.until}, UTC)`
+      : `${usage.since} – ${usage.until}`) + (usage.partial ? ` — partial: ${usage.partial}` : "");
     const per = (l) => [l.rpm ? `${fmt(l.rpm)} rpm` : "", l.tpm ? `${fmt(l.tpm)} tpm` : ""].filter(Boolean).join(" · ");
     $("tenants").replaceChildren(...names.map((t) => {
       const u = usage.tenants[t] || {}, b = budgets[t], l = lim[t];

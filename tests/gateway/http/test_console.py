@@ -542,6 +542,10 @@ def test_the_console_keeps_showing_routes_while_redis_is_unreachable(browser, re
             wait_until(lambda: httpx.get(g.url + "/admin/rollouts", headers=ADMIN, timeout=10).status_code == 503)
             page.get_by_text("Rollouts cannot be read now").wait_for(timeout=30_000)
             assert table.is_visible() and page.locator("#live").inner_text() == "live"   # the rest still renders
+            # the usage is this replica's in-process counts meanwhile, and says so (a trial read $0 without a word)
+            usage = httpx.get(g.url + "/admin/usage", headers=ADMIN, timeout=10).json()
+            assert usage["partial"].startswith("Redis is unreachable"), usage
+            page.locator("#usage-span", has_text="partial: Redis is unreachable").wait_for(timeout=30_000)
             before = page.locator("#updated").inner_text()
             wait_until(lambda: page.locator("#updated").inner_text() != before)   # and keeps being read
             page.close()
