@@ -145,7 +145,7 @@ class UpstreamBackend:
                 raise self._transport_error(e) from None
             finally:
                 r.release()
-            if r.status >= 400:
+            if not 200 <= r.status < 300:
                 raise self._http_error(r, body)
             return UpstreamResponse(r.status, {"content-type": r.headers.get("content-type", "application/json")},
                                     body=body)
@@ -173,7 +173,7 @@ class UpstreamBackend:
         self.active += 1
         try:
             r = await self._post(endpoint, True, extra_headers, payload, request_id)
-            if r.status >= 400:
+            if not 200 <= r.status < 300:
                 try:
                     body = await r.read()
                 except _TRANSPORT_ERRORS:
@@ -257,6 +257,14 @@ class UpstreamBackend:
             raise BackendError("http", f"{self.name}: GET /models: HTTP {r.status_code}", r.status_code)
 
     def _http_error(self, r: Response, body: bytes) -> BackendError:
+        """An error status's BackendError; a redirect (3xx, never followed: the client's body and the key would
+        go where the upstream says) is the backend's failure, a 502, as any answer that is not the API's (a
+        security trial's 307 reached the client as an empty success, billed)."""
+        if r.status < 400:
+            said = (f"HTTP {r.status} redirect, not followed: set the backend's base_url to the address it "
+                    "redirects to")
+            return BackendError("http", f"{self.name}: {said} ({r.headers.get('location')!r})", 502,
+                                msgspec.json.encode({"error": {"message": said, "type": "upstream_error"}}))
         return BackendError("http", f"{self.name}: HTTP {r.status}", r.status, body,
                             parse_retry_after(r.headers),
                             r.headers.get("content-type", "application/json"))
