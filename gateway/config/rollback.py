@@ -108,7 +108,21 @@ def returns_to(head: ConfigState, prev: ConfigState, rollouts: list[dict]) -> tu
         raise RolloutConflict(problems, ". End it first (tandem ctl rollout abort NAME, or release NAME when "
                                         "promoted), then roll back")
     state, warnings = without_ended(head, prev, rollouts)
-    return with_promoted(head, state or prev, rollouts) or state, warnings
+    return with_promoted(head, state or prev, rollouts) or state, warnings + running_warnings(head, prev, rollouts)
+
+
+def running_warnings(head: ConfigState, prev: ConfigState, rollouts: list[dict]) -> list[str]:
+    """One warning per running rollout whose route's split the rollback from ``head`` to ``prev`` changes: its
+    controller sets its step's split again at its next tick (a security trial's console said "Roll back: done" and
+    the split came back a second later, without a word)."""
+    running = [r for r in rollouts if r["state"] == "running"]
+    if not running:
+        return []
+    before = route_weights(load_config_text(head.text, head.overrides).policy)
+    after = route_weights(load_config_text(prev.text, prev.overrides).policy)
+    return [f"rollout {r['name']} (running) steers route {r['route']!r}: its controller sets its step's split "
+            f"again at its next tick; to return the route to its baseline, abort it (tandem ctl rollout abort "
+            f"{r['name']})" for r in running if before.get(r["route"]) != after.get(r["route"])]
 
 
 class KeysRestored(Exception):

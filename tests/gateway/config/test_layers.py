@@ -211,6 +211,22 @@ async def test_a_version_rollback_keeps_a_promoted_rollouts_split(tmp_path):
     assert head.overrides["ro"] == {"stable": 0.0, "cand": 100.0} and head.owners["ro"] == "r1"
 
 
+async def test_a_rollback_under_a_running_rollout_says_its_controller_sets_the_split_again(tmp_path):
+    """The console's "Roll back" during a running rollout answered done, with no warning, and the controller set
+    the step's split again a second later (as desired-state.md says): the answer says so, naming the rollout."""
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand, rollout=ROLLOUT.format(hold=30, n=1000)))
+        async with served(path) as (gw, c):
+            await until(c, lambda r: r["state"] == "running" and weights(gw)["cand"] == 50)
+            back = await c.post("/admin/rollback", json={})
+            await until(c, lambda r: weights(gw)["cand"] == 50)
+    assert back.status_code == 200, back.text
+    assert back.json()["warnings"] == [
+        "rollout r1 (running) steers route 'ro': its controller sets its step's split again at its next tick; to "
+        "return the route to its baseline, abort it (tandem ctl rollout abort r1)"]
+
+
 async def test_2b_a_rollback_that_would_orphan_a_rollout_is_refused_naming_it(tmp_path):
     """A version rollback to the config before the candidate was in the route: it was accepted, leaving the
     rollout (paused here; running, its controller failed on it every tick; promoted, it kept saying promoted over a
