@@ -352,12 +352,12 @@ class RolloutConfig(StrictModel):
     candidate: str                               # a target id of the route
     baseline: str = ""                           # the target that gives up the weight; "" = the route's first other
     steps: list[float] = Field([5.0, 25.0, 100.0], min_length=1)
-    hold_s: float = Field(300.0, gt=0)
+    hold_s: float = Field(300.0, gt=0, le=2_592_000)   # seconds every gate must hold at a step, at most 30 days
     gates: GatesConfig = GatesConfig()
     sample_percent: float = Field(100.0, ge=0, le=100)   # the route's chat requests mirrored to both sides
     max_concurrency: int = Field(4, ge=1)        # compared pairs in flight at most; more are dropped (and counted)
     top_logprobs: int = Field(5, ge=0, le=20)   # alternatives asked of both sides (the KL of a statistical report)
-    check_interval_s: float = Field(1.0, gt=0)   # how often the controller judges the gates
+    check_interval_s: float = Field(1.0, gt=0, le=3600)   # how often the controller judges the gates
 
     @field_validator("steps")
     @classmethod

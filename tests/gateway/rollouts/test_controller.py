@@ -336,8 +336,12 @@ async def test_a_refused_rollout_body_says_the_validators_sentence():
         async with gateway(two_upstreams(stable, cand)) as (gw, url, c):
             r = await c.post("/admin/rollouts", json={"name": "r9", "route": "main", "candidate": "cand",
                                                       "steps": [50, 20]})
+            huge = await c.post("/admin/rollouts", json={"name": "r9", "route": "main", "candidate": "cand",
+                                                         "hold_s": 1e308})
     assert r.status_code == 400 and r.json()["error"]["param"] == "steps", r.text
     assert r.json()["error"]["message"] == "steps: steps must be increasing percentages in (0, 100]", r.text
+    # a hold of 1e308 s was taken, and the console printed its 300 digits (a security trial)
+    assert huge.status_code == 400 and huge.json()["error"]["param"] == "hold_s", huge.text
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["redis", "in-process"])
