@@ -64,13 +64,13 @@ from decimal import Decimal
 from gateway.billing.journal import Journal, JournalEntry
 from gateway.billing.periods import USAGE_TTL_S, days_since, parse_since, period_end_s, period_id, utc_day
 from gateway.billing.prices import NANO
+from gateway.billing.report import FIELDS as _FIELDS, usage_rows
 from gateway.billing.scripts import RELEASE_LUA, RESERVE_LUA, SETTLE_LUA
 
 log = logging.getLogger("tandem.gateway.usage")
 
 PEER_WINDOW_S = 60.0               # a replica that reserved on a budget this recently shares it in an outage
 BUDGET_READ_S = 15.0               # how often a replica reads every budget's spend (``read_budgets``)
-_FIELDS = ("req", "in", "out", "cached", "nusd", "fail")
 
 
 PERIOD_ADJECTIVE = {"day": "daily", "month": "monthly"}
@@ -470,25 +470,9 @@ class UsageLedger:
             tenants = [tenant_label(tenant)] if tenant is not None else sorted({t for t, _ in self._usage})
             return {t: [self._usage.get((t, d), {}) for d in days] for t in tenants}
 
-        raw = await self.state.call(read, local)
-        tenants: dict[str, dict] = {}
-        total = {f: 0 for f in _FIELDS}
-        for t, hashes in raw.items():
-            backends: dict[str, dict[str, int]] = {}
-            for h in hashes:
-                for k, v in h.items():
-                    b, _, f = k.rpartition("|")
-                    if f in _FIELDS:
-                        row = backends.setdefault(b, {x: 0 for x in _FIELDS})
-                        row[f] += int(v)
-            if not backends:
-                continue
-            tsum = {f: sum(row[f] for row in backends.values()) for f in _FIELDS}
-            for f in _FIELDS:
-                total[f] += tsum[f]
-            tenants[t] = {"backends": {b: _row(row) for b, row in sorted(backends.items())}, **_row(tsum)}
+        tenants, total = usage_rows(await self.state.call(read, local))
         until = _dt.datetime.fromtimestamp(now, _dt.timezone.utc).date()
-        report = {"since": start.isoformat(), "until": until.isoformat(), "tenants": tenants, **_row(total)}
+        report = {"since": start.isoformat(), "until": until.isoformat(), "tenants": tenants, **total}
         if any(partial):   # a security trial read zeros while Redis was down, without a word
             report["partial"] = ("Redis is unreachable: these counts are only what this replica served while it "
                                  "could not reach Redis; the whole usage is read again once it answers")
@@ -501,7 +485,3 @@ def decode_record(request_id: str, tenant: str, value: str) -> UsageRecord:
     return UsageRecord(request_id, tenant, backend, int(p), int(c), int(cached), int(nusd), "e" in flags,
                        "d" in flags, "f" in flags)
 
-
-def _row(r: dict[str, int]) -> dict:
-    return {"requests": r["req"], "failed_requests": r["fail"], "prompt_tokens": r["in"],
-            "completion_tokens": r["out"], "cached_tokens": r["cached"], "cost_usd": r["nusd"] / NANO}

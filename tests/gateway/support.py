@@ -231,6 +231,14 @@ def upstream_config(upstreams: dict[str, FaultInjectorUpstream], routes_yaml: st
             f"policy:\n  default_route: {default_route}\n  rules:\n{rules_yaml or '    []'}\n")
 
 
+def one_upstream_config(url: str, extra: str = "", resilience: str = "health: {interval_s: 0}") -> str:
+    """The smallest gateway config: public model m1 on route main, over one OpenAI-compatible upstream ``up`` at
+    ``url``; ``extra``: more top-level YAML; ``resilience``: the body of its ``resilience: {...}`` mapping."""
+    return (f"{extra}models:\n  - name: m1\nbackends:\n  up: {{type: openai, base_url: '{url}'}}\n"
+            f"routes:\n  main: {{targets: [{{backend: up}}]}}\npolicy: {{default_route: main}}\n"
+            f"resilience: {{{resilience}}}\n")
+
+
 def gateway_on(tmp_path_factory, name: str, config_text: str, env: dict | None = None):
     """A ``tandem serve`` process on ``config_text`` (written in a fresh temp dir ``name``), for a fixture to
     ``yield from``: yields the started GatewayProcess, stops it at the end."""

@@ -8,25 +8,15 @@ import httpx
 import pytest
 
 from tests.gateway.script_upstream import upstream  # noqa: F401 -- the module-scoped fixture
-from tests.gateway.support import gateway_on
+from tests.gateway.support import gateway_on, one_upstream_config
 
-CONFIG = """
-models:
-  - name: m1
-backends:
-  up: {{type: openai, base_url: '{url}'}}
-routes:
-  main: {{targets: [{{backend: up}}]}}
-policy: {{default_route: main}}
-resilience: {{health: {{interval_s: 0}}, retry: {{max_attempts: 1}}}}
-observability: {{logs: {{requests: true}}}}
-"""
 REDIRECT = {"status": 307, "headers": {"location": "http://127.0.0.1:9/v1/chat/completions"}, "body": b""}
 
 
 @pytest.fixture(scope="module")
 def gateway(upstream, tmp_path_factory):
-    yield from gateway_on(tmp_path_factory, "redirect", CONFIG.format(url=upstream.base_url))
+    yield from gateway_on(tmp_path_factory, "redirect", one_upstream_config(
+        upstream.base_url, resilience="health: {interval_s: 0}, retry: {max_attempts: 1}"))
 
 
 @pytest.mark.parametrize("stream", [False, True])

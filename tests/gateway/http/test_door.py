@@ -11,28 +11,20 @@ import httpx
 import pytest
 
 from tests.gateway.script_upstream import upstream  # noqa: F401 -- the module-scoped fixture
-from tests.gateway.support import GatewayProcess, gateway_on, sha
+from tests.gateway.support import GatewayProcess, gateway_on, one_upstream_config, sha
 
 KEY, ADMIN = "sk-door-client", "door-admin-token"
-CONFIG = """
+HEAD = """
 server: {{max_header_bytes: 8KiB, max_headers: 20, header_timeout_s: 0.5, body_timeout_s: 0.5}}
 auth:
   keys:
     - {{tenant: t1, sha256: {sha}}}
-models:
-  - name: m1
-backends:
-  up: {{type: openai, base_url: '{url}'}}
-routes:
-  main: {{targets: [{{backend: up}}]}}
-policy: {{default_route: main}}
-resilience: {{health: {{interval_s: 0}}}}
 """
 
 
 @pytest.fixture(scope="module")
 def gateway(upstream, tmp_path_factory):
-    yield from gateway_on(tmp_path_factory, "door", CONFIG.format(sha=sha(KEY), url=upstream.base_url),
+    yield from gateway_on(tmp_path_factory, "door", one_upstream_config(upstream.base_url, HEAD.format(sha=sha(KEY))),
                           env={"TANDEM_ADMIN_TOKEN": ADMIN})
 
 

@@ -16,24 +16,14 @@ from gateway.request.auth import foreign_caller, serves_this_machine_only
 from tests.conftest import free_port
 from tests.gateway.http.test_console import browser  # noqa: F401 -- its module-scoped chromium
 from tests.gateway.script_upstream import upstream  # noqa: F401 -- the module-scoped fixture
-from tests.gateway.support import gateway_on, wait_until
+from tests.gateway.support import gateway_on, one_upstream_config, wait_until
 
-CONFIG = """
-models:
-  - name: m1
-backends:
-  up: {{type: openai, base_url: '{url}'}}
-routes:
-  main: {{targets: [{{backend: up}}]}}
-policy: {{default_route: main}}
-resilience: {{health: {{interval_s: 0}}}}
-"""
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 
 
 @pytest.fixture(scope="module")
 def gateway(upstream, tmp_path_factory):
-    yield from gateway_on(tmp_path_factory, "foreign", CONFIG.format(url=upstream.base_url))
+    yield from gateway_on(tmp_path_factory, "foreign", one_upstream_config(upstream.base_url))
 
 
 def post(gateway, path: str, **headers) -> httpx.Response:
@@ -76,7 +66,7 @@ def test_the_rule_holds_only_for_a_keyless_gateway_on_loopback():
     or refused at start) turn it off; ``server.cors``' origins may call."""
     from gateway.config.compile import load_config_text
 
-    text = CONFIG.format(url="http://127.0.0.1:9/v1")
+    text = one_upstream_config("http://127.0.0.1:9/v1")
     keyless, keyed = load_config_text(text), load_config_text(text + "auth: {keys: [{tenant: t, env: K}]}",
                                                                environ={"K": "sk"})
     assert serves_this_machine_only(keyless, "127.0.0.1") and serves_this_machine_only(keyless, "::1")
