@@ -29,16 +29,19 @@ def exposed_without_keys(compiled, host: str | None, insecure: bool = False) -> 
     virtual key loaded (a key from an unset environment variable is not loaded), a non-loopback address, and
     neither ``--insecure`` (``insecure``) nor ``server.insecure`` saying that is meant. ``host`` None: not
     listening (an in-process gateway)."""
-    return bool(host) and not compiled.key_hashes and not is_loopback(host) and not insecure \
-        and not compiled.config.server.insecure
+    return bool(host) and not is_loopback(host) and _keyless(compiled, insecure)
 
 
 def serves_this_machine_only(compiled, host: str | None, insecure: bool = False) -> bool:
-    """Whether a gateway listening on ``host`` serves anyone on this machine without a key: no virtual key loaded,
-    a loopback address, and no ``--insecure`` / ``server.insecure``. Browsers reach such a gateway too, so
-    ``foreign_caller`` judges its requests."""
-    return bool(host) and not compiled.key_hashes and is_loopback(host) and not insecure \
-        and not compiled.config.server.insecure
+    """Whether a gateway listening on ``host`` serves anyone on this machine without a key: as
+    ``exposed_without_keys`` but on a loopback address. Browsers reach such a gateway too, so ``foreign_caller``
+    judges its requests."""
+    return bool(host) and is_loopback(host) and _keyless(compiled, insecure)
+
+
+def _keyless(compiled, insecure: bool) -> bool:
+    """No virtual key loaded, and no ``--insecure`` nor ``server.insecure`` saying an open gateway is meant."""
+    return not compiled.key_hashes and not insecure and not compiled.config.server.insecure
 
 
 def foreign_caller(host: str | None, origin: str | None, cors_origins: tuple[str, ...]) -> str | None:
