@@ -3,7 +3,7 @@ tokens, logprobs and prompt logprobs are the same bits alone, batched with other
 budget and served from the prefix cache. A trial found Mistral (window), Gemma 2 (soft-capping) and Gemma 3
 (local layers) logprobs moved by up to 0.02 with the batch and the chunk size: a whole chunk went to a
 per-sequence einsum once its context passed the window. Tiny random models from transformers configs, windows
-of 8 tokens under prompts of 70 (the window binds in every chunk), bfloat16 on the CPU kernels."""
+of 8 tokens under prompts of 70 (the window binds in every chunk), on the CPU kernels."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ def _bits(out) -> tuple:
     return tuple(o.token_ids), tuple(lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)), tuple(prompt)
 
 
-@pytest.mark.parametrize("kind", ["mistral_window", "gemma2", "gemma3"])
-def test_a_windowed_models_bits_are_the_requests_own(tmp_path, kind):
+@pytest.mark.parametrize("kind, dtype", [("mistral_window", "bfloat16"), ("gemma2", "bfloat16"),
+                                         ("gemma3", "bfloat16"), ("gemma3", "float32")])
+def test_a_windowed_models_bits_are_the_requests_own(tmp_path, kind, dtype):
     _save(tmp_path, kind)
     rng = random.Random(kind)
     prompt = [rng.randrange(3, 97) for _ in range(70)]
@@ -35,7 +36,7 @@ def test_a_windowed_models_bits_are_the_requests_own(tmp_path, kind):
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, prompt_logprobs=1, ignore_eos=True)
 
     def engine(budget: int, **kw) -> LLM:
-        return LLM(model=str(tmp_path), dtype="bfloat16", device="cpu", kv_cache_memory="16MiB",
+        return LLM(model=str(tmp_path), dtype=dtype, device="cpu", kv_cache_memory="16MiB",
                    enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=budget, **kw)
 
     llm = engine(32)
