@@ -4,10 +4,17 @@ is a ledger script's name, keys and arguments (``gateway/billing/usage.py``), ke
 outage still has them. On rejoin (and at
 start) the ledger replays every entry through the same script; the script records the request id first
 (``HSETNX``), so an entry replayed twice, or one whose late script already ran when Redis woke, counts once.
+
+Replicas may share the file (the config is one for all, so they do): each write holds a lock (``<path>.lock``,
+``flock``), a replay takes the file's entries of every replica too (a dead one's are replayed by the next to
+rejoin), and a compaction drops only the lines replayed. A replica that rewrote the file with its own entries
+had erased another's (a trial billed 4 of 8 answers).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -46,50 +53,70 @@ class Journal:
 
     def __init__(self, path: str | None = None):
         self.path = path
-        self.entries: list[JournalEntry] = []
-        if path and os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        try:
-                            self.entries.append(JournalEntry.from_line(line))
-                        except (ValueError, KeyError, TypeError):   # a torn last line of a crash: skipped, said
-                            log.warning("usage journal %s line %d unreadable: skipped", path, n)
+        self.entries: list[JournalEntry] = self._read()   # this process's (and the file's at start), not replayed
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """The file's lock, held by one process (a replica) at a time."""
+        with open(self.path + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def _read(self) -> list[JournalEntry]:
+        """The file's entries (none without a file); a torn line (a crash mid-write) is skipped, and said."""
+        if not self.path or not os.path.exists(self.path):
+            return []
+        entries = []
+        with open(self.path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        entries.append(JournalEntry.from_line(line))
+                    except (ValueError, KeyError, TypeError):
+                        log.warning("usage journal %s line %d unreadable: skipped", self.path, n)
+        return entries
 
     def append(self, entry: JournalEntry) -> None:
         """Keep ``entry`` (and write it to the file, flushed, when there is one)."""
         self.entries.append(entry)
         if self.path:
             try:
-                with open(self.path, "a", encoding="utf-8") as f:
+                with self._locked(), open(self.path, "a", encoding="utf-8") as f:
                     f.write(entry.to_line() + "\n")
             except OSError as e:          # the in-process copy is still replayed
                 log.warning("usage journal %s: cannot append: %s", self.path, e)
 
-    def take(self) -> list[JournalEntry]:
-        """The entries kept so far (the caller replays them and gives back those it could not: ``put_back``)."""
-        out, self.entries = self.entries, []
-        return out
-
-    def put_back(self, entries: list[JournalEntry]) -> None:
-        """Entries not replayed (Redis went away again), ahead of any added meanwhile; rewrites the file."""
-        self.entries = entries + self.entries
-        self._rewrite()
-
-    def _rewrite(self) -> None:
+    def take(self) -> tuple[list[JournalEntry], int]:
+        """Every entry waiting, to replay in order: this process's, then those only the file holds (other
+        replicas'); and how many are this process's. The caller gives the outcome to ``finished``."""
+        own, self.entries = self.entries, []
         if not self.path:
-            return
-        tmp = self.path + ".tmp"
+            return own, len(own)
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(e.to_line() + "\n" for e in self.entries)
-            os.replace(tmp, self.path)
+            with self._locked():
+                on_file = self._read()
+        except OSError as e:
+            log.warning("usage journal %s: cannot read: %s", self.path, e)
+            on_file = []
+        mine = {(e.request_id, e.script) for e in own}
+        return own + [e for e in on_file if (e.request_id, e.script) not in mine], len(own)
+
+    def finished(self, entries: list[JournalEntry], done: int, own: int) -> None:
+        """After a replay of ``take``'s ``entries`` that went through for the first ``done``: this process's
+        others wait again (ahead of any added meanwhile), and the file keeps every line but the replayed ones."""
+        self.entries = entries[done:own] + self.entries
+        if not self.path or not done:
+            return
+        replayed = {(e.request_id, e.script) for e in entries[:done]}
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with self._locked():
+                kept = [e for e in self._read() if (e.request_id, e.script) not in replayed]
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.writelines(e.to_line() + "\n" for e in kept)
+                os.replace(tmp, self.path)
         except OSError as e:
             log.warning("usage journal %s: cannot rewrite: %s", self.path, e)
-
-    def compact(self) -> None:
-        """Write the file anew with only the entries still waiting (after a replay)."""
-        self._rewrite()

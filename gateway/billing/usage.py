@@ -392,7 +392,7 @@ class UsageLedger:
         if self.state.redis is None:
             return 0
         async with self._replaying:
-            entries = self.journal.take()
+            entries, own = self.journal.take()
             done = 0
             try:
                 for e in entries:
@@ -403,11 +403,9 @@ class UsageLedger:
                     done += 1
             except Exception as exc:  # noqa: BLE001 -- Redis gone again: the rest waits for the next rejoin
                 log.warning("usage journal replay stopped after %d of %d: %s", done, len(entries), exc)
-                self.journal.put_back(entries[done:])
-            else:
-                self.journal.compact()
+            self.journal.finished(entries, done, own)
             self.replays += done
-            self._rebase(entries[:done])
+            self._rebase(entries[:min(done, own)])      # another replica's spend is not in this one's budgets
             if done:
                 log.warning("usage journal: %d settles made during the outage replayed onto redis", done)
             return done

@@ -29,7 +29,8 @@ READ_AT_START = ("server.host", "server.port", "server.max_header_bytes", "serve
                  "server.header_timeout_s", "server.log_level", "server.cors", "state.redis_url", "state.redis",
                  "state.data_dir", "state.key_prefix", "state.socket_timeout_s", "state.max_connections",
                  "state.reconnect_min_s", "state.reconnect_max_s", "observability.tracing",
-                 "observability.logs.requests", "observability.logs.destination")
+                 "observability.logs.requests", "observability.logs.destination", "budgets.reservation_ttl_s",
+                 "budgets.record_ttl_s", "budgets.journal_path")
 
 
 class CorsConfig(StrictModel):

@@ -329,6 +329,11 @@ def test_4_a_change_is_described_by_its_key_paths_not_as_file_text():
     new = load_config_text(text(FakeUrl, FakeUrl, shadow=True))
     assert describe_changes(old, new) == "routes.other.shadow added"
     assert describe_changes(new, load_config_text(new.text + "\n# note\n")) == "no change"
+    # the usage ledger's settings are its start's (a trial's reload logged a journal_path "added" never used)
+    before = load_config_text(new.text + "budgets: {record_ttl_s: 30}\n")
+    journaled = load_config_text(new.text + "budgets: {journal_path: j.jsonl, record_ttl_s: 60}\n")
+    assert describe_changes(before, journaled) == ("budgets.record_ttl_s changed (read at start: a restart applies it); "
+                                                "budgets.journal_path added (read at start: a restart applies it)")
     # weights are reported as they take effect, not again as the targets' key path; where an override keeps them
     # (a file edit under a rollout that holds the route), as the file's change not in effect; a target's other
     # keys still are
