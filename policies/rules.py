@@ -62,6 +62,8 @@ class Condition:
             object.__setattr__(self, "value", value)
         elif self.field == "priority" and self.op in ("eq", "ne"):
             object.__setattr__(self, "value", parse_priority(self.value))
+        elif self.op == "exists" and not isinstance(self.value, bool):   # "no" was truthy: exists true
+            raise ValueError(f"operator exists needs true or false, got {self.value!r}")
 
     def describe(self) -> str:
         return f"{self.field} {self.op} {self.value!r}"
@@ -92,8 +94,8 @@ def feature_value(name: str, f: RequestFeatures, s: Signals) -> object:
         return f.priority
     if name == "prompt_tokens":   # a batch's prompts each fit a context alone: its longest is what a rule weighs
         return f.longest_prompt_tokens if f.longest_prompt_tokens is not None else f.prompt_tokens
-    if name == "tenant":
-        return f.tenant
+    if name == "tenant":     # a request without a key: "anonymous", as limits, budgets and the logs name it
+        return f.tenant or "anonymous"
     if name == "tools":
         return f.has_tools
     if name == "response_format":
@@ -102,8 +104,8 @@ def feature_value(name: str, f: RequestFeatures, s: Signals) -> object:
         return f.stream
     if name == "max_tokens":
         return f.max_tokens
-    if name == "user":
-        return f.user
+    if name == "user":       # absent or empty: None (exists false), as OpenAI reads an empty user
+        return f.user or None
     if name == "local.serves":
         return f.local_serves
     if name == "local.waiting":

@@ -120,6 +120,9 @@ def _parse_match(raw: Any, path: str, errors: list[tuple[str, str]]) -> Match:
         except ValueError as e:
             errors.append((kpath, str(e)))
             continue
+        if isinstance(spec, dict) and not spec:      # no condition: it matched every request
+            errors.append((kpath, "an empty operator map; give one, e.g. {eq: VALUE} or {exists: true}"))
+            continue
         ops = spec if isinstance(spec, dict) else {"in" if isinstance(spec, list) else "eq": spec}
         for op, value in ops.items():
             try:
@@ -281,14 +284,31 @@ def _rules(cfg: GatewayConfig, names: dict[str, str], errors: list) -> list[Rule
         path = f"policy.rules[{i}]"
         if r.route not in cfg.routes:
             errors.append((f"{path}.route", f"unknown route {r.route!r}; defined: {', '.join(cfg.routes)}"))
-        m = _parse_match(r.match, f"{path}.match", errors)
-        for c in m.all:
-            if c.field == "model" and c.op in ("eq", "ne", "in", "not_in"):
-                for v in (c.value if isinstance(c.value, tuple) else (c.value,)):
-                    if v not in names:
-                        errors.append((f"{path}.match.model", f"unknown model {v!r}; defined: {', '.join(names)}"))
+        m = _public_models(_parse_match(r.match, f"{path}.match", errors), names, f"{path}.match", errors)
+        if r.name in [x.name for x in rules]:     # x-tandem-rule and explain name the rule that matched
+            errors.append((f"{path}.name", f"rule name {r.name!r} is given twice: each rule names itself"))
+        if rules and not rules[-1].match.all and not rules[-1].match.any:
+            errors.append((path, f"unreachable: rule {rules[-1].name!r} before it matches every request"))
         rules.append(Rule(r.name, r.route, m, Slo(r.slo.ttft_ms, r.slo.tpot_ms) if r.slo else None))
     return rules
+
+
+def _public_models(m: Match, names: dict[str, str], path: str, errors: list) -> Match:
+    """``m`` with each model condition's aliases read as their public model (a request's ``model`` feature is
+    its public name: a rule naming an alias loaded and never matched, a policy trial), in ``any`` groups too; a
+    name that is no model's is an error."""
+    conds = []
+    for c in m.all:
+        if c.field == "model" and c.op in ("eq", "ne", "in", "not_in"):
+            values = c.value if isinstance(c.value, tuple) else (c.value,)
+            for v in values:
+                if v not in names:
+                    errors.append((f"{path}.model", f"unknown model {v!r}; defined: {', '.join(names)}"))
+            public = tuple(names.get(v, v) for v in values)
+            c = Condition(c.field, c.op, public if isinstance(c.value, tuple) else public[0])
+        conds.append(c)
+    return Match(tuple(conds), tuple(tuple(_public_models(g, names, f"{path}.any", errors) for g in group)
+                                     for group in m.any))
 
 
 def _key_hashes(cfg: GatewayConfig, env, warnings: list[str], errors: list[tuple[str, str]]) -> dict[str, str]:

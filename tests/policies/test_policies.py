@@ -64,6 +64,11 @@ def route_of(p: Policy, f: RequestFeatures, s: Signals | None = None) -> str:
     ("stream", "eq", True, dict(stream=True), {}, True),
     ("max_tokens", "lte", 16, dict(max_tokens=8), {}, True),
     ("user", "ne", "bob", dict(user="alice"), {}, True),
+    # a policy trial: user exists held for every request (an absent user is ""), and "anonymous" never matched
+    ("user", "exists", True, dict(user=""), {}, False),
+    ("user", "exists", False, dict(), {}, True),
+    ("user", "exists", True, dict(user="u-12"), {}, True),
+    ("tenant", "eq", "anonymous", dict(tenant=""), {}, True),
 ])
 def test_each_match_kind(field, op, value, features, signals, expected):
     f = RequestFeatures(**{"model": "m1", **features})
@@ -218,6 +223,10 @@ policy:
 def test_config_compiles_to_policy():
     c = load_config_text(BASE, environ={})
     assert c.model_names == {"m1": "m1", "a1": "m1"}
+    # a rule naming an alias matches the model's requests (a request's model is its public name)
+    aliased = load_config_text(BASE.replace("match: {priority: low}", "match: {model: a1}"), environ={})
+    assert decide(aliased.policy, RequestFeatures(model="m1"), Signals()).rule == "low"
+    assert aliased.policy.rules[0].match.all[0].value == "m1"
     route = c.policy.routes["main"]
     assert [t.weight for t in route.targets] == [90, 10]
     assert route.targets[1].input_price == 1 and route.targets[1].output_price == 2
@@ -241,6 +250,16 @@ def test_config_compiles_to_policy():
     ("models: [{name: m1, aliases: [a1]}]", "models: [{name: m1, alias: [a1]}]", "models[0].alias"),
     ("main: {targets:", "main: {select: prefix_affinity, targets:", "routes.main.targets[0].backend"),
     ("weight: 90}, {backend: up, weight: 10}", "weight: 0}, {backend: up, weight: 0}", "routes.main.targets"),
+    # a policy trial's mistakes that loaded and matched every request, or none
+    ("match: {priority: low}", "match: {tenant: {}}", "policy.rules[0].match.tenant"),
+    ("match: {priority: low}", "match: {user: {exists: 'no'}}", "policy.rules[0].match.user.exists"),
+    ("match: {priority: low}", "match: {any: [{model: gpt-4o}, {priority: low}]}", "policy.rules[0].match.any.model"),
+    ("- {name: low, match: {priority: low}, route: main}",
+     "- {name: low, match: {priority: low}, route: main}\n    - {name: low, match: {stream: true}, route: main}",
+     "policy.rules[1].name"),
+    ("- {name: low, match: {priority: low}, route: main}",
+     "- {name: all, match: {}, route: main}\n    - {name: low, match: {priority: low}, route: main}",
+     "policy.rules[1]"),
 ])
 def test_config_errors_name_the_key_path(old, new, path):
     assert old in BASE
