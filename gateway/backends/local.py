@@ -50,8 +50,8 @@ def tenant_cache_salt(req: GatewayRequest) -> str:
 
 
 def render_prompt(tokenizer, endpoint: str, body: dict):
-    """``body`` as the local engine runs it (``engine.serving.chat.render_chat`` or
-    ``completion.render_completion`` on ``endpoint``), without the gateway-only fields and ``model`` (rewritten per
+    """``body`` as the local engine runs it (``engine.serving.chat.render_chat``,
+    ``embeddings.render_embeddings`` or ``completion.render_completion`` on ``endpoint``), without the gateway-only fields and ``model`` (rewritten per
     target). Used by ``LocalBackend.render`` and ``tandem route explain``.
 
     Raises:
@@ -59,8 +59,9 @@ def render_prompt(tokenizer, endpoint: str, body: dict):
     """
     from engine.serving.chat import render_chat   # lazy: the engine loads only with a local backend or explain
     from engine.serving.completion import render_completion
+    from engine.serving.embeddings import render_embeddings
 
-    render = render_chat if endpoint == "chat/completions" else render_completion
+    render = {"chat/completions": render_chat, "embeddings": render_embeddings}.get(endpoint, render_completion)
     return render(tokenizer, {k: v for k, v in body.items() if k not in GATEWAY_ONLY_FIELDS and k != "model"})
 
 

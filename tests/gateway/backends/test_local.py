@@ -390,7 +390,7 @@ def test_ready_and_models(gateway):
 def _request(backend, body: dict, request_id: str, rendered: bool = True) -> tuple[GatewayRequest, dict]:
     """The gateway's request value for ``body`` (public model "public", rendered as routing renders it when
     ``rendered``) and the body the local backend receives."""
-    endpoint = "chat/completions" if "messages" in body else "completions"
+    endpoint = "chat/completions" if "messages" in body else "embeddings" if "input" in body else "completions"
     req = replace(check_request({"model": "public", **body}, endpoint, None, request_id=request_id),
                   public_model="public")
     if rendered:
@@ -423,11 +423,19 @@ async def test_routing_count_is_the_engines_prompt(tiny_backend):
                               {"prompt": "Hello there"}, {"prompt": ["Hello there", "Hi"]}, {"prompt": [[5, 6, 7], [8]]},
                               {"prompt": "Hello there", "add_special_tokens": False},
                               {"prompt": "Hello there, how are you", "truncate_prompt_tokens": 4},
-                              {"messages": msgs, "truncate_prompt_tokens": 6}]):
+                              {"messages": msgs, "truncate_prompt_tokens": 6},
+                              # embeddings were counted by the ~4-characters estimate (a policy trial)
+                              {"input": "Hello there"}, {"input": ["Hello", "Hi there, you"]}, {"input": [[5, 6, 7]]},
+                              {"input": "Hello there, how are you", "truncate_prompt_tokens": 3},
+                              {"input": "Hello there", "add_special_tokens": False}]):
         req, _ = _request(backend, {**body, "priority": "high"}, f"count-{i}")
-        _, engine_body = _request(backend, {**body, "max_tokens": 1}, f"count-{i}", rendered=False)
+        extra = {} if "input" in body else {"max_tokens": 1}
+        _, engine_body = _request(backend, {**body, **extra}, f"count-{i}", rendered=False)
         reply = await backend.send(replace(req, rendered=None), engine_body)   # the engine renders it itself
         assert req.rendered.prompt_tokens == json.loads(reply.body)["usage"]["prompt_tokens"], body
+    longest = backend.render("embeddings", {"input": ["Hi", "Hello there, how are you today"]})
+    assert longest.longest_prompt_tokens == backend.render("embeddings", {"input": "Hello there, how are you today"}
+                                                           ).prompt_tokens
     assert backend.render("completions", {"prompt": ""}) is None    # refused: the estimate counts
 
 
