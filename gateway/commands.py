@@ -40,9 +40,14 @@ def register(subparsers) -> None:
                                  "breakers, keys and engine load, through the admin API)")
     e.add_argument("--token-env", default="TANDEM_ADMIN_TOKEN",
                    help="with --url: environment variable holding the admin token (default: TANDEM_ADMIN_TOKEN)")
-    e.add_argument("--request", required=True, help="JSON file with the request body (chat or completion)")
+    e.add_argument("--request", required=True, help="JSON file with the request body")
+    e.add_argument("--endpoint", default=None, choices=("chat/completions", "completions", "embeddings", "messages",
+                                                         "responses"),
+                   help="the endpoint the body is for (default: chat with messages, completions with prompt, "
+                        "embeddings with input); messages and responses are routed as their chat translations")
     e.add_argument("--header", action="append", default=[], metavar="NAME=VALUE", help="request header (repeat)")
-    e.add_argument("--tenant", default="", help="tenant of the virtual key (default: anonymous)")
+    e.add_argument("--tenant", default="", help="tenant of the virtual key (default: the one of the key in "
+                                                "--header authorization=..., else anonymous)")
     e.add_argument("--waiting", type=int, default=0, help="local engine signal: waiting requests, count")
     e.add_argument("--running", type=int, default=0, help="local engine signal: running requests, count")
     e.add_argument("--kv-usage", type=float, default=0.0, help="local engine signal: KV-cache usage, percent (0-100)")
@@ -148,7 +153,8 @@ def _explain_live(args, body: dict, headers: dict) -> int:
     """``route explain --url``: the running gateway's decision now (``POST /admin/explain``)."""
     from gateway.http.admin_client import admin_call
 
-    spec = {"request": body, "headers": headers, "tenant": args.tenant, "request_id": args.request_id}
+    spec = {"request": body, "headers": headers, "tenant": args.tenant, "request_id": args.request_id,
+            "endpoint": args.endpoint}
     code, data = admin_call("tandem route explain", args.url, args.token_env, "POST", "/admin/explain", body=spec)
     if code:
         return code
@@ -169,7 +175,8 @@ def _explain_live(args, body: dict, headers: dict) -> int:
 def _explain(args) -> int:
     from gateway.config.compile import load_config_or_report
     from gateway.errors import ClientError
-    from gateway.request.pipeline import tenant_priority, upstream_only_error
+    from gateway.request.auth import authenticate
+    from gateway.request.pipeline import explained_form, tenant_priority, upstream_only_error
     from gateway.request.validate import check_request
     from policies import ReplicaLoad, RequestFeatures, Signals, TTFTEstimate, decide, prefix_text
 
@@ -187,10 +194,13 @@ def _explain(args) -> int:
         return _explain_live(args, body, headers)
     if (compiled := load_config_or_report(args.config)) is None:
         return 2
-    endpoint = "chat/completions" if "messages" in body else "completions"
     try:
+        endpoint, body, _ = explained_form(body, args.endpoint)
+        # the key's tenant, as the gateway reads it (a policy trial's --header authorization=... was unread)
+        tenant = args.tenant or (authenticate(headers["authorization"], compiled.key_hashes)
+                                 if headers.get("authorization") and compiled.key_hashes else "")
         p = check_request(body, endpoint, headers.get("x-priority"), compiled.local_serves)
-        p = replace(p, priority=tenant_priority(p.priority, args.tenant, compiled.config.limits))
+        p = replace(p, priority=tenant_priority(p.priority, tenant, compiled.config.limits))
     except ClientError as e:
         print(f"request rejected: {e.status} {e.message}", file=sys.stderr)
         return 1
@@ -205,7 +215,7 @@ def _explain(args) -> int:
     prompt_tokens, longest, counted_by = _prompt_tokens(compiled, endpoint, p.body)
     features = RequestFeatures(
         model=public, priority=p.priority, prompt_tokens=prompt_tokens, longest_prompt_tokens=longest,
-        tenant=args.tenant,
+        tenant=tenant,
         has_tools=p.has_tools, has_response_format=p.has_response_format, headers=headers, metadata=p.metadata,
         user=p.user, request_id=args.request_id, stream=p.stream, max_tokens=p.max_tokens,
         local_serves=p.local_unsupported is None, prefix_text=prefix_text(body))

@@ -24,7 +24,7 @@ from gateway.errors import ClientError
 from gateway.http.transport import read_body
 from gateway.observability.scrape import refresh_gauges
 from gateway.request.auth import check_admin
-from gateway.request.pipeline import build_request, decide_route
+from gateway.request.pipeline import build_request, decide_route, explained_form
 from gateway.request.validate import parse_json
 from gateway.state import StateUnavailable
 
@@ -185,8 +185,9 @@ async def admin_usage(request: Request) -> Response:
 async def admin_explain(request: Request) -> Response:
     """The routing decision the gateway would make now for a request, sending nothing (``tandem route explain
     --url``): on the live config version (runtime weights included), engine signals, backends' keys and breakers.
-    Body: ``{"request": {...}, "headers": {...}, "tenant": "...", "request_id": "..."}``; a client key in
-    ``headers.authorization`` names the tenant as the gateway would.
+    Body: ``{"request": {...}, "headers": {...}, "tenant": "...", "request_id": "...", "endpoint": "..."}``
+    (``endpoint``: ``explained_form``'s); a client key in ``headers.authorization`` names the tenant as the
+    gateway would.
 
     Raises:
         ClientError: 400 for a malformed body, and the request's own 400/401/404 as the gateway would answer."""
@@ -198,18 +199,18 @@ async def admin_explain(request: Request) -> Response:
         raise ClientError(400, 'expected {"request": {...}, "headers": {...}, "tenant": "..."}', param="request",
                           code="invalid_type")
     for name, kind, types in (("headers", "an object of header names to values", (dict,)),
-                              ("tenant", "a string", (str,)), ("request_id", "a string", (str,))):
+                              ("tenant", "a string", (str,)), ("request_id", "a string", (str,)),
+                              ("endpoint", "a string", (str,))):
         if spec.get(name) is not None and not isinstance(spec[name], types):
             raise ClientError(400, f"{name}: expected {kind}, got {type(spec[name]).__name__}", param=name,
                               code="invalid_type")
     headers = {str(k).lower(): str(v) for k, v in (spec.get("headers") or {}).items()}
-    body = spec["request"]
-    endpoint = "chat/completions" if "messages" in body else "completions"
+    endpoint, body, source = explained_form(spec["request"], spec.get("endpoint"))
     # a client key names the tenant as the gateway would; else the tenant given; neither: the key the request
     # lacks, refused as the gateway would refuse it (401 where keys exist: an ops trial's explain said "routed")
     tenant = None if "authorization" in headers or not spec.get("tenant") else str(spec["tenant"])
-    req = build_request(snap, endpoint, msgspec.json.encode(body), headers, str(spec.get("request_id") or "explain"),
-                        tenant=tenant)
+    req = build_request(snap, endpoint, b"", headers, str(spec.get("request_id") or "explain"), tenant=tenant,
+                        body=body, source=source)
     decision, _ = await decide_route(gw, req, explain=True)
     breakers = {t.id: (await gw.resilience.breakers.get(t.id)).state for t in decision.attempts}
     return _json({"config_version": snap.version, "model": req.model, "public_model": req.public_model,

@@ -26,6 +26,9 @@ from gateway.resilience.resume import resumable
 from gateway.translate.anthropic import messages_to_chat
 from gateway.translate.anthropic_render import MessagesRender
 from gateway.translate.chat_events import ChatRender
+from gateway.translate.responses import to_chat
+from gateway.translate.responses_checks import check_body
+from gateway.translate.responses_items import input_items
 from gateway.values import Answer, GatewayRequest
 from policies import RequestFeatures, decide, prefix_text
 
@@ -69,6 +72,31 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
                    public_model=public, prompt_tokens=prompt_tokens, longest_prompt_tokens=longest,
                    rendered=rendered, source=source,
                    prompt_tokens_exact=rendered is not None or counted_exactly(req.body))
+
+
+EXPLAINED_ENDPOINTS = ("chat/completions", "completions", "embeddings", "messages", "responses")
+
+
+def explained_form(body: dict, endpoint: str | None = None) -> tuple[str, dict, tuple[str, dict] | None]:
+    """A request to explain (``tandem route explain``, ``POST /admin/explain``) in the form the gateway routes:
+    (endpoint, body, what it was translated from). ``endpoint`` None: read off the body (``messages``: chat,
+    ``prompt``: completions, ``input``: embeddings); Anthropic Messages and Responses bodies are routed as their
+    chat translations (a Responses ``previous_response_id``'s earlier turns are not read), as the gateway serves
+    them (a policy trial's Messages body was explained as chat, its ``metadata.user_id`` canary key unread).
+
+    Raises:
+        ClientError: 400 for an unknown endpoint or a Responses body the gateway would refuse."""
+    endpoint = endpoint or ("chat/completions" if "messages" in body else "completions" if "prompt" in body
+                            else "embeddings" if "input" in body else "chat/completions")
+    if endpoint not in EXPLAINED_ENDPOINTS:
+        raise ClientError(400, f"endpoint: expected one of {', '.join(EXPLAINED_ENDPOINTS)}, got {endpoint!r}",
+                          param="endpoint", code="invalid_value")
+    if endpoint == "messages":
+        return "chat/completions", messages_to_chat(body), ("messages", body)
+    if endpoint == "responses":
+        check_body(body)
+        return "chat/completions", to_chat(body, [], input_items(body, "explain")), ("responses", body)
+    return endpoint, body, None
 
 
 def tenant_priority(priority: int, tenant: str, limits) -> int:

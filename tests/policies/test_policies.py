@@ -370,3 +370,36 @@ def test_route_targets_fail_over_to_each_other_by_rank():
                   select="cheapest")
     assert [t.id for t in decide(Policy((), {"c": cheap}, "c"), RequestFeatures("m1"), Signals()).attempts] == \
         ["y", "w", "x"]
+
+
+EXPLAINED = BASE.replace("routes:\n", "auth: {keys: [{tenant: gold, sha256: %s}]}\nroutes:\n" % (
+    __import__("hashlib").sha256(b"sk-gold").hexdigest())).replace(
+    "    - {name: low, match: {priority: low}, route: main}",
+    "    - {name: gold, match: {tenant: gold}, route: main}\n"
+    "    - {name: identified, match: {user: {exists: true}}, route: main}\n"
+    "    - {name: long, match: {prompt_tokens: {gt: 100}}, route: main}")
+
+
+@pytest.mark.parametrize("endpoint, body, args, rule", [
+    # a policy trial: embeddings and Responses bodies were refused ("missing required parameter 'prompt'"),
+    # a Messages body explained as chat (its metadata.user_id unread), the key in --header unread
+    (None, {"model": "m1", "input": "x" * 800}, [], "long"),
+    ("responses", {"model": "m1", "input": "x" * 800}, [], "long"),
+    ("messages", {"model": "m1", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                  "metadata": {"user_id": "u-12"}}, [], "identified"),
+    (None, {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}, ["--header", "authorization=Bearer sk-gold"],
+     "gold"),
+    (None, {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}, [], "default"),
+])
+def test_route_explain_reads_each_endpoints_body_as_the_gateway_routes_it(tmp_path, capsys, endpoint, body, args,
+                                                                          rule):
+    import json
+
+    from gateway.cli import main
+
+    (tmp_path / "c.yaml").write_text(EXPLAINED)
+    (tmp_path / "req.json").write_text(json.dumps(body))
+    argv = ["route", "explain", "--config", str(tmp_path / "c.yaml"), "--request", str(tmp_path / "req.json"),
+            "--json", *args] + (["--endpoint", endpoint] if endpoint else [])
+    assert main(argv) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["rule"] == rule

@@ -523,6 +523,18 @@ def test_a_tenants_min_priority_raises_what_its_requests_ask_for(upstreams, tmp_
             r = httpx.post(g.url + "/admin/explain", headers=admin, json=bad)   # a trial's had code null
             assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]) == (400, param,
                                                                                           "invalid_type")
+        # each endpoint's body as the gateway routes it (a policy trial: embeddings and Responses bodies were
+        # refused, a Messages body explained as chat with its metadata.user_id canary key unread)
+        messages = {"model": "m1", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
+                    "metadata": {"user_id": "u-12"}}
+        for spec in ({"request": messages, "endpoint": "messages"}, {"request": {"model": "m1", "input": "x"}},
+                     {"request": {"model": "m1", "input": "x"}, "endpoint": "responses"}):
+            r = httpx.post(g.url + "/admin/explain", headers=admin, json={**spec, "tenant": "alpha"})
+            assert r.status_code == 200 and r.json()["public_model"] == "m1", r.text
+        assert "u-12" in httpx.post(g.url + "/admin/explain", headers=admin, json={
+            "request": messages, "endpoint": "messages", "tenant": "alpha"}).json()["decision"]["canary_key"]
+        r = httpx.post(g.url + "/admin/explain", headers=admin, json={"request": body, "endpoint": "audio"})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "endpoint"), r.text
         req = tmp_path / "req.json"
         req.write_text(json.dumps({**body, "priority": "high"}))
         r = subprocess.run([sys.executable, "-m", "gateway.commands", "route", "explain", "--config", str(path),
