@@ -12,16 +12,12 @@ from typing import Any, Callable
 
 import msgspec
 
+from gateway.request.estimate import estimate_text_tokens
 from gateway.values import ChoiceDelta
 
-# The estimator's rule: ~4 characters per token (OpenAI's rule of thumb for English BPE text), rounded up, and one
-# token at least for any non-empty text; it is the rule ``estimate_prompt_tokens`` uses for prompts.
-CHARS_PER_TOKEN = 4
-
-
-def estimate_tokens(text: str) -> int:
-    """Estimated tokens of ``text``: ceil(characters / 4); 0 for ""."""
-    return (len(text) + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
+# The estimator's rule is the prompts' (``gateway/request/estimate.py``): ~4 characters a token, a non-ASCII
+# character one, rounded up (one token at least for any non-empty text; 0 for "").
+estimate_tokens = estimate_text_tokens
 
 
 def counter_for(backend: Any) -> Callable[[str], int]:

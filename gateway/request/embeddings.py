@@ -5,6 +5,7 @@ positive integer. Read by ``gateway/request/validate.py`` ``check_request``."""
 from __future__ import annotations
 
 from gateway.errors import ClientError
+from gateway.request.estimate import estimate_text_tokens
 
 # Optional parameters and the JSON types they may have (None is always allowed).
 EMBEDDINGS_TYPES = {"encoding_format": (str,), "dimensions": (int,), "user": (str,), "priority": (str, int),
@@ -79,6 +80,6 @@ def inputs_of(value: object) -> list[str | list[int]]:
 
 
 def estimate_input_lengths(value: object) -> list[int]:
-    """Rough length of each input of ``input`` in tokens: ~4 characters per token for text, token ids counted
+    """Rough length of each input of ``input`` in tokens: text by ``estimate_text_tokens``, token ids counted
     exactly."""
-    return [(len(x) + 3) // 4 if isinstance(x, str) else len(x) for x in inputs_of(value)]
+    return [estimate_text_tokens(x) if isinstance(x, str) else len(x) for x in inputs_of(value)]

@@ -15,6 +15,7 @@ from engine.protocol.param_ranges import check_param, first_violation
 from engine.protocol.tool_choice import PARALLEL_WITHOUT_TOOLS, parallel_without_tools
 from gateway.errors import ClientError
 from gateway.request.param_objects import check_objects
+from gateway.request.estimate import CHARS_PER_TOKEN, estimate_text_tokens, text_weight
 from gateway.request.embeddings import EMBEDDINGS_PARAMS, EMBEDDINGS_TYPES, check_embeddings, estimate_input_lengths
 from gateway.values import GatewayRequest
 from policies import parse_priority
@@ -390,13 +391,13 @@ IMAGE_TOKENS_ESTIMATE = 1600
 
 
 def _content_chars(content: object) -> tuple[int, int]:
-    """(characters of text, images) of a chat message's ``content``."""
+    """(``text_weight`` of its text, images) of a chat message's ``content``."""
     if isinstance(content, str):
-        return len(content), 0
+        return text_weight(content), 0
     chars = images = 0
     for p in content if isinstance(content, list) else ():
         if isinstance(p, dict):
-            chars += len(p.get("text") or "") if isinstance(p.get("text"), str) else 0
+            chars += text_weight(p["text"]) if isinstance(p.get("text"), str) else 0
             images += p.get("type") in ("image_url", "input_image", "image")
     return chars, images
 
@@ -433,9 +434,9 @@ def prompt_counts(body: dict, rendered=None) -> tuple[int, int]:
 
 def estimate_prompt_lengths(body: dict) -> list[int]:
     """Rough length of each prompt of ``body`` when no tokenizer is at hand (one for chat; one per prompt of a
-    completions batch or input of an embeddings list): ~4 characters per token (OpenAI's rule of thumb for
-    English BPE text) of the messages' text, their tool calls and the tool definitions (as JSON, as chat templates
-    render them), + 4 tokens of chat framing per message, + ``IMAGE_TOKENS_ESTIMATE`` per image. Token-id prompts
+    completions batch or input of an embeddings list): ``gateway/request/estimate.py``'s (~4 characters a
+    token, a non-ASCII character one) of the messages' text, their tool calls and the tool definitions (as JSON,
+    as chat templates render them), + 4 tokens of chat framing per message, + ``IMAGE_TOKENS_ESTIMATE`` per image. Token-id prompts
     (and embeddings inputs) are counted exactly."""
     if "input" in body and "messages" not in body and "prompt" not in body:
         return estimate_input_lengths(body["input"])
@@ -451,12 +452,13 @@ def estimate_prompt_lengths(body: dict) -> list[int]:
                 chars += len(msgspec.json.encode(m["tool_calls"]))
         if body.get("tools"):
             chars += len(msgspec.json.encode(body["tools"]))
-        return [(chars + 3) // 4 + 4 * n + IMAGE_TOKENS_ESTIMATE * images]
+        return [-(-chars // CHARS_PER_TOKEN) + 4 * n + IMAGE_TOKENS_ESTIMATE * images]
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return [(len(prompt) + 3) // 4]
+        return [estimate_text_tokens(prompt)]
     if isinstance(prompt, list):
         if prompt and all(isinstance(x, int) for x in prompt):
             return [len(prompt)]
-        return [(len(p) + 3) // 4 if isinstance(p, str) else len(p) if isinstance(p, list) else 0 for p in prompt]
+        return [estimate_text_tokens(p) if isinstance(p, str) else len(p) if isinstance(p, list) else 0
+                for p in prompt]
     return []

@@ -102,6 +102,9 @@ def test_parse_json_errors():
 
 def test_estimate_prompt_tokens():
     assert estimate_prompt_tokens({"prompt": "abcdefgh"}) == 2
+    # a character outside ASCII is a token (1,000 Chinese characters were 254 tokens: SmolLM2 counts 2,280)
+    assert estimate_prompt_tokens({"prompt": "东京" * 500}) == 1000 == estimate_prompt_tokens({"input": "🙂" * 1000})
+    assert estimate_prompt_tokens({"messages": [{"role": "user", "content": "ab东京"}]}) == 3 + 4
     assert estimate_prompt_tokens({"prompt": [1, 2, 3]}) == 3
     assert estimate_prompt_tokens({"messages": [{"role": "user", "content": "a" * 40}]}) == 10 + 4
     assert estimate_prompt_tokens({"messages": [{"role": "user", "content": [{"type": "text", "text": "abcd"}]}]}) \
