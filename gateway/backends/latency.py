@@ -15,9 +15,11 @@
   corrected by that replica's own ratios; one that does not answer within ``REPLICA_TIMEOUT_S`` is ranked by its
   rolling estimate (below) for this request.
 - An upstream: a rolling estimate from this gateway's own calls to it (``UpstreamLatency.track`` wraps the
-  attempt loop's calls): the 90th percentile TTFT of its last ``WINDOW`` answers (time to the first streamed
-  chunk, or to the whole body), and the share of those calls that failed (transport error, 429, 5xx). A high
-  percentile, not the mean: an SLO is met per request. Its TPOT likewise: the 90th percentile of its last
+  attempt loop's calls): the 90th percentile TTFT of its last ``WINDOW`` answers within ``RATIO_WINDOW_S``
+  (time to the first streamed chunk, or to the whole body), and the share of those calls that failed (transport
+  error, 429, 5xx). A high percentile, not the mean: an SLO is met per request. A window in time too: an
+  upstream seen slow once, then no longer sent anything, would be kept away for good (a policy trial's cheapest
+  upstream after one cold start); once its samples expire it has no estimate and is tried again. Its TPOT likewise: the 90th percentile of its last
   streamed answers' seconds per content event after the first (an event carries a token, or a few).
 - TPOT of the engines (``slo.tpot_ms``): their own prediction (``engine/core/ttft.py`` ``predict_tpot``: the step
   cost at the batch the request would decode in), not corrected.
@@ -42,7 +44,7 @@ from policies import TTFTEstimate
 WINDOW = 50
 PERCENTILE = 0.9
 # Answers of the local engine before its measured / predicted ratio corrects its predictions, and how long
-# one counts (seconds).
+# one counts (seconds); an upstream's calls count as long.
 MIN_RATIOS = 10
 RATIO_WINDOW_S = 60.0
 # Local predictions remembered until their request's attempt reads them back (requests explained, never sent).
@@ -65,38 +67,45 @@ LOCAL_PROBE_AFTER_S = 30.0
 REPLICA_TIMEOUT_S = 0.25
 
 
+def _now(now: float | None) -> float:
+    return time.monotonic() if now is None else now
+
+
 class UpstreamLatency:
     """Rolling TTFT and error share per upstream backend name (state of the ``Gateway`` object)."""
 
     def __init__(self) -> None:
-        self._calls: dict[str, deque] = {}    # backend -> (ttft seconds or None on failure)
-        self._tpots: dict[str, deque] = {}    # backend -> seconds per output token of its streamed answers
+        self._calls: dict[str, deque] = {}    # backend -> (monotonic s, ttft seconds or None on failure)
+        self._tpots: dict[str, deque] = {}    # backend -> (monotonic s, seconds per output token of a stream)
         self._ratios: dict[str, deque] = {}   # predicting backend -> (monotonic s, measured / predicted TTFT)
         self._predicted: dict[str, dict[str, float]] = {}   # request id -> backend -> its own prediction, s
         self._local = ""
         self._local_probed_at = time.monotonic()   # the last answer of the local engine, or probe sent to it
 
-    def observe(self, backend: str, ttft_s: float | None) -> None:
-        """One call to ``backend``: its TTFT in seconds, or None when it failed."""
-        self._calls.setdefault(backend, deque(maxlen=WINDOW)).append(ttft_s)
+    def observe(self, backend: str, ttft_s: float | None, now: float | None = None) -> None:
+        """One call to ``backend`` (at monotonic ``now``): its TTFT in seconds, or None when it failed."""
+        self._calls.setdefault(backend, deque(maxlen=WINDOW)).append((_now(now), ttft_s))
 
-    def estimate(self, backend: str) -> TTFTEstimate:
-        """The backend's rolling estimate (seconds None: no successful call yet)."""
-        calls = self._calls.get(backend)
+    def estimate(self, backend: str, now: float | None = None) -> TTFTEstimate:
+        """The backend's rolling estimate (seconds None: no successful call in the window)."""
+        since = _now(now) - RATIO_WINDOW_S
+        calls = [c for t, c in self._calls.get(backend, ()) if t >= since]
         if not calls:
-            return TTFTEstimate(None, "no calls yet")
+            return TTFTEstimate(None, "no calls yet" if backend not in self._calls else
+                                f"no calls in the last {RATIO_WINDOW_S:g} s")
         ok = sorted(c for c in calls if c is not None)
         errors = (len(calls) - len(ok)) / len(calls)
         if not ok:
             return TTFTEstimate(None, f"{len(calls)} calls, all failed", errors)
         p = ok[min(int(PERCENTILE * len(ok)), len(ok) - 1)]
-        tpots = sorted(self._tpots.get(backend, ()))
+        tpots = sorted(x for t, x in self._tpots.get(backend, ()) if t >= since)
         tpot = tpots[min(int(PERCENTILE * len(tpots)), len(tpots) - 1)] if tpots else None
         return TTFTEstimate(p, f"p90 of its last {len(ok)} answers", errors, tpot=tpot)
 
-    def observe_tpot(self, backend: str, tpot_s: float) -> None:
-        """One streamed answer of ``backend``: its seconds per output token after the first."""
-        self._tpots.setdefault(backend, deque(maxlen=WINDOW)).append(tpot_s)
+    def observe_tpot(self, backend: str, tpot_s: float, now: float | None = None) -> None:
+        """One streamed answer of ``backend`` (at monotonic ``now``): its seconds per output token after the
+        first."""
+        self._tpots.setdefault(backend, deque(maxlen=WINDOW)).append((_now(now), tpot_s))
 
     async def ask_replicas(self, snap, req, skip=()) -> dict[str, tuple[float, str, float | None]]:
         """Backend name -> (predicted seconds, the replica's explanation, its predicted TPOT or None) of ``req``

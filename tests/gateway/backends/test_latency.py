@@ -32,6 +32,13 @@ def test_rolling_estimate_is_the_p90_of_recent_answers_and_counts_errors():
         lat.observe("a", 0.2)
     e = lat.estimate("a")
     assert e.seconds == pytest.approx(0.2) and e.error_rate == 0   # the window forgot the old calls
+    # and so does time: a policy trial's cheap upstream, slow once, was kept away for good (nothing sent it a call)
+    t0 = 1000.0
+    lat.observe("slow", 1.0, now=t0)
+    lat.observe_tpot("slow", 0.5, now=t0)
+    assert (lat.estimate("slow", now=t0 + 1).seconds, lat.estimate("slow", now=t0 + 1).tpot) == (1.0, 0.5)
+    gone = lat.estimate("slow", now=t0 + RATIO_WINDOW_S + 1)
+    assert (gone.seconds, gone.tpot, gone.error_rate) == (None, None, 0) and "no calls in the last" in gone.basis
 
 
 def test_local_predictions_are_corrected_by_what_the_engine_delivered():
