@@ -172,13 +172,36 @@ def _explain_live(args, body: dict, headers: dict) -> int:
     return 0
 
 
+def _given_signals(args, unavailable: dict[str, str]):
+    """``route explain --config``'s live signals as its flags give them (``policies.Signals``); None after saying
+    which ``--replica-load`` or ``--ttft`` value is malformed."""
+    from policies import ReplicaLoad, Signals, TTFTEstimate
+
+    signals = Signals(args.waiting, args.running, args.kv_usage, unavailable)
+    for item in args.replica_load:
+        name, _, n = item.partition("=")
+        try:
+            signals.replica_load[name] = ReplicaLoad(alive=False) if n == "dead" else ReplicaLoad(running=float(n))
+        except ValueError:
+            print(f"--replica-load: expected TARGET=N or TARGET=dead, got {item!r}", file=sys.stderr)
+            return None
+    for item in args.ttft:
+        name, _, sec = item.partition("=")
+        try:
+            signals.ttft[name] = TTFTEstimate(float(sec), "given with --ttft")
+        except ValueError:
+            print(f"--ttft: expected BACKEND=SECONDS, got {item!r}", file=sys.stderr)
+            return None
+    return signals
+
+
 def _explain(args) -> int:
     from gateway.config.compile import load_config_or_report
     from gateway.errors import ClientError
     from gateway.request.auth import authenticate
     from gateway.request.pipeline import explained_form, tenant_priority, upstream_only_error
     from gateway.request.validate import check_request
-    from policies import ReplicaLoad, RequestFeatures, Signals, TTFTEstimate, decide, prefix_text
+    from policies import RequestFeatures, decide, prefix_text
 
     if bool(args.config) == bool(args.url):
         print("tandem route explain: give --config FILE (the decision at start) or --url URL (the running "
@@ -219,21 +242,8 @@ def _explain(args) -> int:
         has_tools=p.has_tools, has_response_format=p.has_response_format, headers=headers, metadata=p.metadata,
         user=p.user, request_id=args.request_id, stream=p.stream, max_tokens=p.max_tokens,
         local_serves=p.local_unsupported is None, prefix_text=prefix_text(body))
-    signals = Signals(args.waiting, args.running, args.kv_usage, unavailable)
-    for item in args.replica_load:
-        name, _, n = item.partition("=")
-        try:
-            signals.replica_load[name] = ReplicaLoad(alive=False) if n == "dead" else ReplicaLoad(running=float(n))
-        except ValueError:
-            print(f"--replica-load: expected TARGET=N or TARGET=dead, got {item!r}", file=sys.stderr)
-            return 2
-    for item in args.ttft:
-        name, _, sec = item.partition("=")
-        try:
-            signals.ttft[name] = TTFTEstimate(float(sec), "given with --ttft")
-        except ValueError:
-            print(f"--ttft: expected BACKEND=SECONDS, got {item!r}", file=sys.stderr)
-            return 2
+    if (signals := _given_signals(args, unavailable)) is None:
+        return 2
     if args.ttft and not compiled.policy.has_slo():
         print("note: --ttft is read by routes and rules with `slo:` only, and this config has none "
               "(config.example.yaml's `local-slo` route is commented out)", file=sys.stderr)
