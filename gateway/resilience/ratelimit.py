@@ -17,6 +17,7 @@ seconds, rounded up.
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -115,11 +116,17 @@ def retry_after_header(seconds: float) -> int:
 
 
 # KEYS: per limit i: ZSET log (2i-1), HASH tokens (2i). ARGV: now_ms, window_ms, request_id, tokens, n,
-# then per limit: rpm, tpm (-1 = unlimited). Returns {allowed, failed_index, retry_ms, then per limit:
-# count, used_tokens, reset_req_ms, reset_tok_ms}; retry_ms = -1 when the request can never fit.
+# then per limit: rpm, tpm (-1 = unlimited), then the caller's deadline (wall-clock ms; past it on Redis's clock
+# the caller has given up: {-1}, nothing recorded: a trial's fail-closed 503 still took a slot when the script ran
+# as Redis woke). Returns {allowed, failed_index, retry_ms, then per limit: count, used_tokens, reset_req_ms,
+# reset_tok_ms}; retry_ms = -1 when the request can never fit.
 _ACQUIRE_LUA = r"""
 local now = tonumber(ARGV[1]); local window = tonumber(ARGV[2]); local rid = ARGV[3]
 local tokens = tonumber(ARGV[4]); local n = tonumber(ARGV[5])
+local clock = redis.call('TIME')
+if tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) > tonumber(ARGV[6 + 2*n]) then
+  return {-1}
+end
 local out = {}
 local allowed = 1; local failed = 0; local retry = 0
 for i = 1, n do
@@ -259,6 +266,7 @@ class RateLimiter:
         for lim in limits:
             keys.extend(self._keys(lim))
             args.extend([-1 if lim.rpm is None else lim.rpm, -1 if lim.tpm is None else lim.tpm])
+        args.append(int(time.time() * 1000 + self.state.config.socket_timeout_s * 1000))   # Redis's clock
         fail_closed = self.state.fail_closed_limits and self.state.redis is not None
 
         def fallback() -> list[int]:
@@ -267,6 +275,8 @@ class RateLimiter:
             return self._acquire_local(keys, args)
 
         raw = await self.state.run("rl_acquire", _ACQUIRE_LUA, keys, args, fallback)
+        if raw and int(raw[0]) == -1:   # run past the deadline (a stall, or this host's clock behind Redis's)
+            raw = fallback()
         if not raw:
             return RateLimitResult(allowed=False, status=503, retry_after_s=self.state.config.reconnect_max_s,
                                    message="rate limiter unavailable (shared state unreachable); retry later")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import threading
 import time
@@ -239,6 +240,33 @@ async def test_fail_closed_limits_reject_while_redis_is_down():
         r = await RateLimiter(st).acquire([Limit("key", "k", rpm=10)], 1, "a")
         assert not r.allowed and r.status == 503 and "retry-after" in r.headers()
         assert r.error().code == "rate_limiter_unavailable"
+    finally:
+        await st.close()
+
+
+async def test_a_late_admission_script_records_nothing(redis_server):
+    """Fail-closed limits with Redis stalled past the caller's timeout: the caller answers 503; the queued script,
+    run when Redis wakes, finds its deadline passed and takes no slot (a replicas trial's next request saw
+    remaining 8 of 10 after one 503 and no admission)."""
+    st = SharedState(StateSettings(redis_url=redis_server.url, socket_timeout_s=0.3, fail_closed_limits=True,
+                                   reconnect_min_s=0.05, reconnect_max_s=0.1))
+    limit = Limit("tenant", f"late-{uuid.uuid4().hex}", rpm=10)
+    try:
+        rl = RateLimiter(st)
+        warm = await rl.acquire([Limit("tenant", f"warm-{uuid.uuid4().hex}", rpm=10)], 1, "warm")   # script loaded
+        assert warm.allowed and not st.degraded
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            refused = await rl.acquire([limit], 1, "stalled")
+            assert refused.status == 503
+            await asyncio.sleep(0.5)                      # the caller is long gone when Redis wakes
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while st.degraded and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        served = await rl.acquire([limit], 1, "next")
+        assert served.allowed and served.remaining_requests == 9, served
     finally:
         await st.close()
 
