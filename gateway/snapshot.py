@@ -41,10 +41,15 @@ class Snapshot:
         """The tenant of a request (its lower-case ``headers``) under this generation's keys: its
         ``Authorization`` header's (``authenticate``; ``api``: whose header its 401 names), and on a keyless
         loopback gateway only a local caller's (``foreign_caller``). Raises ClientError 401, or 403."""
+        self.check_local(headers)
+        return authenticate(headers.get("authorization"), self.compiled.key_hashes, self.closed, api)
+
+    def check_local(self, headers: Mapping[str, str]) -> None:
+        """On a keyless loopback gateway (``this_machine_only``), refuse a caller that is not this machine's: a
+        browser page of another site (``foreign_caller``). Raises ClientError 403 ``foreign_origin``."""
         if self.this_machine_only and (why := foreign_caller(headers.get("host"), headers.get("origin"),
                                                              self.cors_origins)):
             raise ClientError(403, why, code="foreign_origin")
-        return authenticate(headers.get("authorization"), self.compiled.key_hashes, self.closed, api)
 
     @property
     def cors_origins(self) -> tuple[str, ...]:

@@ -41,8 +41,14 @@ def _gw(request: Request):
 
 def operator_view(request: Request) -> bool:
     """Whether ``request`` may see the operational details: the gateway does not tell callers apart
-    (``Snapshot.keyed``), or the caller showed the admin token."""
-    if not request.app.state.gw.snapshot.keyed:
+    (``Snapshot.keyed``) and the caller is not another site's page (``Snapshot.check_local``: a trial read
+    ``/health/ready``'s backends through a rebound Host), or the caller showed the admin token."""
+    snap = request.app.state.gw.snapshot
+    if not snap.keyed:
+        try:
+            snap.check_local(request.headers)
+        except ClientError:
+            return False
         return True
     try:
         _gw(request)
@@ -227,6 +233,7 @@ async def metrics(request: Request) -> Response:
     compiled = gw.snapshot.compiled
     if gw.snapshot.keyed and not compiled.config.admin.public_metrics:
         _gw(request)
+    gw.snapshot.check_local(request.headers)     # a page of another site, by DNS rebinding: 403
     await refresh_gauges(gw.obs.metrics, gw.obs.usage, gw.snapshot, gw.resilience.breakers)
     try:
         gw.parity_metrics.reports, gw.parity_metrics.rollouts = await gw.rollouts.reports(), await gw.rollouts.list()

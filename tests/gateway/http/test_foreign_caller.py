@@ -59,6 +59,13 @@ def test_another_sites_page_is_refused_before_any_upstream_call(gateway, upstrea
     assert m.json()["error"]["type"] == "permission_error" and words in m.json()["error"]["message"]
     assert httpx.get(gateway.url + "/v1/models", headers=headers).status_code == 403
     assert upstream.calls == calls
+    # the operational details too (the README trial read /health/ready's backends and /metrics through a rebound
+    # Host): readiness answers its status only, /metrics is refused
+    ready = httpx.get(gateway.url + "/health/ready", headers=headers).json()
+    assert ready["status"] == "ready" and "backends" not in ready, ready
+    assert "backends" in httpx.get(gateway.url + "/health/ready").json()
+    assert httpx.get(gateway.url + "/metrics", headers=headers).status_code == 403
+    assert httpx.get(gateway.url + "/metrics").status_code == 200
 
 
 def test_the_rule_holds_only_for_a_keyless_gateway_on_loopback():
