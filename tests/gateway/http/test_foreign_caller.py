@@ -85,14 +85,14 @@ def test_the_rule_holds_only_for_a_keyless_gateway_on_loopback():
     assert foreign_caller(None, None, ()) is None and foreign_caller("[::1]", None, ()) is None
 
 
-class _Page(http.server.BaseHTTPRequestHandler):
-    html = b""
+class _OtherSite(http.server.BaseHTTPRequestHandler):
+    """A page of another site (another origin than the gateway's)."""
 
     def do_GET(self):
         self.send_response(200)
         self.send_header("content-type", "text/html")
         self.end_headers()
-        self.wfile.write(self.html)
+        self.wfile.write(b"<p>a page of another site</p>")
 
     def log_message(self, *args):
         pass
@@ -104,14 +104,16 @@ def test_a_real_cross_site_page_cannot_post_blind_but_the_gateways_own_origin_ca
     gateway's own origin is served."""
     script = ("fetch('%s/v1/chat/completions', {method: 'POST', mode: 'no-cors', body: new Blob([%r])})"
               % (gateway.url, json.dumps(CHAT)))
-    page_server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()),
-                                                  type("Evil", (_Page,), {"html": b"<p>a page of another site</p>"}))
+    page_server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), _OtherSite)
     threading.Thread(target=page_server.serve_forever, daemon=True).start()
     page = browser.new_page()
     try:
         calls = upstream.calls
         page.goto(f"http://localhost:{page_server.server_address[1]}/")
-        page.evaluate(f"{script}.then(() => 'sent', e => String(e))")
+        refused = gateway.log().count("foreign_origin")
+        # sent (an opaque answer: the browser let it out) and refused by the gateway, not blocked on the way
+        assert page.evaluate(f"{script}.then(() => 'sent', e => String(e))") == "sent"
+        wait_until(lambda: gateway.log().count("foreign_origin") > refused)
         assert upstream.calls == calls
         page.goto(gateway.url + "/v1/models")                 # a page of the gateway's own origin
         assert page.evaluate(f"{script}.then(() => 'sent', e => String(e))") == "sent"
