@@ -38,8 +38,8 @@ class AttentionMetadata:
         attn_plan: the attention backend's per-step index work
             (``AttentionBackend.plan``), built once by the model's forward
             and shared by its layers; None when the backend has none.
-        windowed: per window (None: none), the PyTorch kernel's plan of
-            the step and the rows :func:`windowed_attention` takes from it,
+        windowed: what :func:`windowed_attention` derives once a step per
+            window (the PyTorch kernel's plans, the rows past the window),
             made by the first layer that asks.
     """
 
@@ -60,10 +60,11 @@ def windowed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache
     With ``softcap`` every row is the PyTorch paged kernel's (``out`` may be
     None). With a window alone, ``out`` holds the paged kernel's attention of
     every row, right for a query at a position below ``window`` (its window
-    holds every key it sees causally); the rows at ``window`` or later are
-    replaced by the PyTorch kernel's. Both kernels are batch-invariant, and a
-    row's kernel is chosen by its position alone, so its bits depend only on
-    the query and its context (tests/engine/test_windowed_invariance.py).
+    holds every key it sees causally); the rows at ``window`` or later, and
+    only they, are computed by the PyTorch kernel and replace theirs. Both
+    kernels are batch-invariant, and a row's kernel is chosen by its position
+    alone, so its bits depend only on the query and its context
+    (tests/engine/test_windowed_invariance.py).
 
     Args:
         query: [num_tokens, num_heads, head_dim].
@@ -77,25 +78,39 @@ def windowed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache
     Returns:
         ``out``.
     """
-    plan, later = _windowed_plan(md, key_cache, query.shape[1], window)
-    args = (query, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.block_tables, scale)
+    num_heads = query.shape[1]
     if softcap is not None:
-        return torch_attention.paged_attention(*args, out=out, plan=plan, softcap=softcap)
-    if later.numel():
-        full = torch_attention.paged_attention(*args, plan=plan)
-        out.index_copy_(0, later, full.index_select(0, later))
+        plan = _per_step(md, (window, "every row"), lambda: torch_attention.plan_attention(
+            key_cache, num_heads, md.query_start_loc, md.seq_lens, md.block_tables, window))
+        return torch_attention.paged_attention(query, key_cache, value_cache, md.query_start_loc, md.seq_lens,
+                                               md.block_tables, scale, out=out, plan=plan, softcap=softcap)
+    later, start_loc, plan = _per_step(md, (window, "past it"), lambda: _past_window(md, key_cache, num_heads,
+                                                                                     window))
+    if later.numel():   # those rows alone, each sequence's as the last rows of its chunk (any chunk: same bits)
+        attended = torch_attention.paged_attention(query.index_select(0, later), key_cache, value_cache, start_loc,
+                                                   md.seq_lens, md.block_tables, scale, plan=plan)
+        out.index_copy_(0, later, attended)
     return out
 
 
-def _windowed_plan(md: AttentionMetadata, key_cache: torch.Tensor, num_heads: int,
-                   window: int | None) -> tuple[torch_attention.AttentionPlan, torch.Tensor]:
-    """The PyTorch kernel's plan of the step for ``window``, and the query rows (int64) at a position of
-    ``window`` or later (none without a window), made once a step per window."""
+def _per_step(md: AttentionMetadata, key: tuple, make):
+    """``make()``, made by the step's first layer that asks for ``key`` and kept in ``md.windowed``."""
     md.windowed = md.windowed if md.windowed is not None else {}
-    if window not in md.windowed:
-        qsl, lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
-        later = [qsl[i] + j for i in range(len(lens)) for j in range(qsl[i + 1] - qsl[i])
-                 if window is not None and lens[i] - (qsl[i + 1] - qsl[i]) + j >= window]
-        plan = torch_attention.plan_attention(key_cache, num_heads, qsl, lens, md.block_tables, window)
-        md.windowed[window] = (plan, torch.tensor(later, dtype=torch.int64, device=key_cache.device))
-    return md.windowed[window]
+    if key not in md.windowed:
+        md.windowed[key] = make()
+    return md.windowed[key]
+
+
+def _past_window(md: AttentionMetadata, key_cache: torch.Tensor, num_heads: int,
+                 window: int) -> tuple[torch.Tensor, list[int], torch_attention.AttentionPlan]:
+    """The step's query rows at a position of ``window`` or later (int64, in order: of each sequence the last
+    rows of its chunk), their cumulative count per sequence (the ``query_start_loc`` of those rows alone), and
+    the PyTorch kernel's plan over them."""
+    qsl, lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
+    past = [max(0, min(qsl[i + 1] - qsl[i], lens[i] - window)) for i in range(len(lens))]
+    later = [r for i, k in enumerate(past) for r in range(qsl[i + 1] - k, qsl[i + 1])]
+    start_loc = [0]
+    for k in past:
+        start_loc.append(start_loc[-1] + k)
+    plan = torch_attention.plan_attention(key_cache, num_heads, start_loc, lens, md.block_tables, window)
+    return torch.tensor(later, dtype=torch.int64, device=key_cache.device), start_loc, plan
