@@ -51,20 +51,26 @@ def _extras(body: dict, limit: int) -> tuple[bool | None, bool, int | None]:
     return body.get("normalize"), body.get("add_special_tokens") is not False, truncation(keep, limit)
 
 
+def _tokenized(tokenizer, body: dict, limit: int) -> tuple[bool | None, list[tuple[str | None, list[int]]]]:
+    """An embeddings body's ``normalize`` and its inputs, each (its text or None, its token ids): tokenized with
+    ``add_special_tokens``, cut to ``truncate_prompt_tokens`` (-1: ``limit``). Raises ServingError(400) naming
+    a malformed ``input`` or extra."""
+    normalize, special, keep = _extras(body, limit)
+    return normalize, [(x if isinstance(x, str) else None,
+                        truncate_prompt(tokenizer.encode(x, add_special_tokens=special) if isinstance(x, str) else x,
+                                        keep))
+                       for x in _inputs(body.get("input"))]
+
+
 def render_embeddings(tokenizer, body: dict) -> RenderedPrompt:
-    """An embeddings body's inputs tokenized as ``create_embedding`` tokenizes them (``add_special_tokens``, a
-    positive ``truncate_prompt_tokens``), for the gateway's routing: ``prompt_tokens`` and the longest input (a
-    policy trial's 600 Chinese characters, 1,350 tokens, were routed on the ~4-characters estimate, 150).
-    ``request`` is None: the serving call reads the body.
+    """An embeddings body's inputs tokenized as ``create_embedding`` tokenizes them, for the gateway's routing:
+    ``prompt_tokens`` and the longest input (a policy trial's 600 Chinese characters, 1,350 tokens, were routed on
+    the ~4-characters estimate, 150); ``create_embedding`` takes the token ids from it. ``request`` is None: the
+    serving call reads the rest of the body.
 
     Raises:
         ServingError: 400 for a malformed ``input`` or extra, naming it."""
-    _, special, keep = _extras(body, sys.maxsize)    # -1 (the model's context) is the serving call's to apply
-    keep = None if keep == sys.maxsize else keep
-    return RenderedPrompt(None, tuple(
-        (x if isinstance(x, str) else None,
-         truncate_prompt(tokenizer.encode(x, add_special_tokens=special) if isinstance(x, str) else x, keep))
-        for x in _inputs(body.get("input"))))
+    return RenderedPrompt(None, tuple(_tokenized(tokenizer, body, sys.maxsize)[1]))   # -1: the serving call's
 
 
 def encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -83,8 +89,10 @@ class OpenAIServingEmbedding(OpenAIServing):
 
         Args:
             body: the decoded JSON body. request_id: the answer's ``id`` is ``embd-<request_id>`` (vLLM's).
-            priority, rendered: accepted for the gateway's uniform call; embeddings are pooled between two
-                engine steps, not scheduled.
+            priority: accepted for the gateway's uniform call; embeddings are pooled between two engine steps,
+                not scheduled.
+            rendered: the gateway's ``render_embeddings`` of this body, when its routing made one: its token ids
+                are used (tokenized once).
             response_model: the ``model`` the answer reports; default the served name.
 
         Returns:
@@ -106,9 +114,12 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise ServingError(400, problem, param="dimensions", code="invalid_value")
         tok = self.engine.tokenizer
         limit, vocab = self.engine.max_model_len, tok.vocab_size
-        normalize, special, keep = _extras(body, limit)
-        prompts = [truncate_prompt(tok.encode(x, add_special_tokens=special) if isinstance(x, str) else x, keep)
-                   for x in _inputs(body.get("input"))]
+        if rendered is None:
+            normalize, inputs = _tokenized(tok, body, limit)
+            prompts = [ids for _, ids in inputs]
+        else:   # a positive truncate_prompt_tokens is applied already; -1 (the context) is this call's
+            normalize, _, keep = _extras(body, limit)
+            prompts = [truncate_prompt(ids, keep) for _, ids in rendered.prompts]
         for i, ids in enumerate(prompts):
             bad = next((t for t in ids if t >= vocab), None)   # _inputs took only ids >= 0
             if bad is not None:   # past int64 the core's msgpack cannot even carry it

@@ -464,6 +464,11 @@ async def test_the_engine_runs_routings_rendering(tiny_backend):
     with pytest.raises(BackendError) as e:
         await backend.send(long, {**short_body, "model": "nope"})
     assert e.value.status == 404
+    # embeddings: the rendering's token ids are embedded (tokenized once), -1 truncation applied by the call
+    long_embed, _ = _request(backend, {"input": long_body["prompt"]}, "long-embed")
+    short_embed, body = _request(backend, {"input": "one"}, "short-embed")
+    reply = json.loads((await backend.send(replace(short_embed, rendered=long_embed.rendered), body)).body)
+    assert reply["usage"]["prompt_tokens"] == long_embed.rendered.prompt_tokens > 1
 
 
 def _local_config(tiny_model) -> GatewayConfig:
