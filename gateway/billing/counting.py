@@ -1,6 +1,7 @@
 """Token counts of an answer the backend did not count (no ``usage``, or a stream the client left before its usage
 chunk): the text of each choice as the client saw it, counted with the model's tokenizer when the local engine
-answered, else with the documented estimator (``estimate_tokens``). Such a record is marked ``usage_estimated``.
+answered, else with the prompts' estimator (``gateway/request/estimate.py``). Such a record is marked
+``usage_estimated``.
 
 What counts as completion text: ``content`` / ``text``, ``reasoning_content``, ``refusal``, and a tool call's
 function ``name`` and ``arguments`` (the tokens the model generated for it), per choice ``index``.
@@ -15,17 +16,12 @@ import msgspec
 from gateway.request.estimate import estimate_text_tokens
 from gateway.values import ChoiceDelta
 
-# The estimator's rule is the prompts' (``gateway/request/estimate.py``): ~4 characters a token, a non-ASCII
-# character one, rounded up (one token at least for any non-empty text; 0 for "").
-estimate_tokens = estimate_text_tokens
-
-
 def counter_for(backend: Any) -> Callable[[str], int]:
     """The token counter of ``backend``'s answers: the local engine's tokenizer when it has one (exact for the
-    text delivered), else ``estimate_tokens``."""
+    text delivered), else ``estimate_text_tokens``."""
     tokenizer = getattr(getattr(backend, "engine", None), "tokenizer", None)
     if tokenizer is None or not hasattr(tokenizer, "encode"):
-        return estimate_tokens
+        return estimate_text_tokens
     return lambda text: len(tokenizer.encode(text)) if text else 0
 
 

@@ -34,6 +34,11 @@ class JournalEntry:
     nusd: int
     script: str = "settle"
 
+    @property
+    def key(self) -> tuple[str, str]:
+        """What replaying it records once: its request id and script."""
+        return self.request_id, self.script
+
     def to_line(self) -> str:
         return json.dumps({"rid": self.request_id, "keys": self.keys, "args": self.args, "nusd": self.nusd,
                            "script": self.script})
@@ -101,8 +106,8 @@ class Journal:
         except OSError as e:
             log.warning("usage journal %s: cannot read: %s", self.path, e)
             on_file = []
-        mine = {(e.request_id, e.script) for e in own}
-        return own + [e for e in on_file if (e.request_id, e.script) not in mine], len(own)
+        mine = {e.key for e in own}
+        return own + [e for e in on_file if e.key not in mine], len(own)
 
     def finished(self, entries: list[JournalEntry], done: int, own: int) -> None:
         """After a replay of ``take``'s ``entries`` that went through for the first ``done``: this process's
@@ -110,11 +115,11 @@ class Journal:
         self.entries = entries[done:own] + self.entries
         if not self.path or not done:
             return
-        replayed = {(e.request_id, e.script) for e in entries[:done]}
+        replayed = {e.key for e in entries[:done]}
         tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
             with self._locked():
-                kept = [e for e in self._read() if (e.request_id, e.script) not in replayed]
+                kept = [e for e in self._read() if e.key not in replayed]
                 with open(tmp, "w", encoding="utf-8") as f:
                     f.writelines(e.to_line() + "\n" for e in kept)
                 os.replace(tmp, self.path)

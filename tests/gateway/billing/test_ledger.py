@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 from openai import AsyncOpenAI, BadRequestError, InternalServerError, RateLimitError
 
-from gateway.billing.counting import estimate_tokens
+from gateway.request.estimate import estimate_text_tokens as estimate_tokens
 from gateway.billing.prices import NANO, Price, cost_nusd
 from gateway.billing.usage import Budget, UsageLedger, UsageRecord
 from gateway.config.compile import load_config_text
