@@ -4,7 +4,7 @@ policy) -> ordered targets, with an explanation. No I/O; imports nothing from
 
 from policies.affinity import Affinity, ReplicaLoad, prefix_text
 from policies.decide import Decision, Policy, Rule, canary_key, decide
-from policies.features import PRIORITY_NAMES, RequestFeatures, Signals, parse_priority
+from policies.features import PRIORITY_NAMES, RequestFeatures, Signals, parse_priority, tenant_label
 from policies.routes import Pick, Route, Target, candidates, hash_unit, pick_target, spares, with_weights
 from policies.slo import Slo, TTFTEstimate
 from policies.rules import OPERATORS, Condition, Match, check_field, evaluate, match

@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 PRIORITY_NAMES = {"high": -1, "normal": 0, "low": 1}
 
 
+def tenant_label(tenant: str) -> str:
+    """The tenant as rules match it and limits, budgets, the ledger and the logs name it: "anonymous" for a
+    request without a key (``tenant`` "")."""
+    return tenant or "anonymous"
+
+
 def parse_priority(value: object) -> int:
     """Map a priority (``"high"``/``"normal"``/``"low"``, an int, or an int in
     a string) to an int (vLLM's convention: smaller = more urgent).

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from policies.features import RequestFeatures, Signals, parse_priority
+from policies.features import RequestFeatures, Signals, parse_priority, tenant_label
 
 OPERATORS = ("eq", "ne", "in", "not_in", "gt", "gte", "lt", "lte", "exists")
 SIMPLE_FIELDS = ("model", "priority", "prompt_tokens", "tenant", "tools", "response_format",
@@ -94,8 +94,8 @@ def feature_value(name: str, f: RequestFeatures, s: Signals) -> object:
         return f.priority
     if name == "prompt_tokens":   # a batch's prompts each fit a context alone: its longest is what a rule weighs
         return f.longest_prompt_tokens if f.longest_prompt_tokens is not None else f.prompt_tokens
-    if name == "tenant":     # a request without a key: "anonymous", as limits, budgets and the logs name it
-        return f.tenant or "anonymous"
+    if name == "tenant":
+        return tenant_label(f.tenant)
     if name == "tools":
         return f.has_tools
     if name == "response_format":

@@ -16,12 +16,12 @@ from dataclasses import replace
 import msgspec
 
 from gateway.backends.relabel import answer_id
-from gateway.billing.usage import tenant_label
 from gateway.config.backend_schema import LocalBackendConfig
 from gateway.errors import BackendError, ClientError
 from gateway.resilience.outcomes import UpstreamResponse, Withdrawn
 from gateway.translate.chat_events import event_from_object
 from gateway.values import DONE, GATEWAY_ONLY_FIELDS, ChatStream, GatewayRequest
+from policies import tenant_label
 from policies.slo import Handover
 
 log = logging.getLogger("tandem.gateway.local")

@@ -66,6 +66,7 @@ from gateway.billing.periods import USAGE_TTL_S, days_since, parse_since, period
 from gateway.billing.prices import NANO
 from gateway.billing.report import FIELDS as _FIELDS, usage_rows
 from gateway.billing.scripts import RELEASE_LUA, RESERVE_LUA, SETTLE_LUA
+from policies import tenant_label
 
 log = logging.getLogger("tandem.gateway.usage")
 
@@ -141,11 +142,6 @@ class _MemBudget:
     holds: dict[str, tuple[int, int]] = field(default_factory=dict)   # request id -> (nusd, expiry ms)
     base: int = 0                  # spent + reserved in Redis at this replica's last reserve there (0: no Redis)
     peers: int = 1                 # replicas that reserved on this budget recently, at that reserve
-
-
-def tenant_label(tenant: str) -> str:
-    """The tenant as stored and labelled (anonymous mode has no tenant)."""
-    return tenant or "anonymous"
 
 
 class UsageLedger:
@@ -461,17 +457,14 @@ class UsageLedger:
                 i += len(days)
             return out
 
-        partial = []
-
         def local() -> dict[str, list[dict]]:
-            partial.append(self.state.redis is not None)     # Redis configured but unreachable
             tenants = [tenant_label(tenant)] if tenant is not None else sorted({t for t, _ in self._usage})
             return {t: [self._usage.get((t, d), {}) for d in days] for t in tenants}
 
         tenants, total = usage_rows(await self.state.call(read, local))
         until = _dt.datetime.fromtimestamp(now, _dt.timezone.utc).date()
         report = {"since": start.isoformat(), "until": until.isoformat(), "tenants": tenants, **total}
-        if any(partial):   # a security trial read zeros while Redis was down, without a word
+        if self.state.mode == "degraded":   # in-process counts: said (a security trial read zeros, without a word)
             report["partial"] = ("Redis is unreachable: these counts are only what this replica served while it "
                                  "could not reach Redis; the whole usage is read again once it answers")
         return report

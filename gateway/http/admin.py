@@ -14,7 +14,7 @@ from litestar import Request, Response, get, post
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.billing.prices import NANO
-from gateway.billing.usage import Budget, tenant_label
+from gateway.billing.usage import Budget
 from gateway.config.layers import RolloutConflict
 from gateway.config.rollback import KeysRestored
 from gateway.config.schema import ConfigError
@@ -27,6 +27,7 @@ from gateway.request.auth import check_admin
 from gateway.request.pipeline import build_request, decide_route, explained_form
 from gateway.request.validate import parse_json
 from gateway.state import StateUnavailable
+from policies import tenant_label
 
 _JSON = "application/json"
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import msgspec
 
-from gateway.billing.usage import Budget, tenant_label
+from gateway.billing.usage import Budget
+from policies import tenant_label
 
 
 class _Choice(msgspec.Struct):

@@ -24,7 +24,7 @@ from gateway.billing.counting import (choice_pieces, client_wants_usage, counter
                                       estimated_usage, lacks_usage, partial_usage, with_usage)
 from gateway.billing.prices import NANO, Price, cost_nusd, usage_tokens
 from gateway.cache.key import cache_config
-from gateway.billing.usage import Budget, UsageLedger, UsageRecord, tenant_label
+from gateway.billing.usage import Budget, UsageLedger, UsageRecord
 from gateway.cache.response_cache import CACHE_BACKEND
 from gateway.errors import ClientError, anthropic_status, transport_error_kind
 from gateway.resilience.outcomes import Withdrawn, cancelled_by_timeout
@@ -38,6 +38,7 @@ from gateway.observability.tracing import (OPERATIONS, Tracing, attempt_span, en
                                            reset_traceparent, set_traceparent, span_answer, traceparent,
                                            untraced_context)
 from gateway.values import ChatEvent, ChatStream
+from policies import tenant_label
 
 log = logging.getLogger("tandem.gateway.telemetry")
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.billing.prices import NANO, Price, cost_nusd, format_usd
-from gateway.billing.usage import PERIOD_ADJECTIVE, Budget, BudgetReservation, UsageLedger, tenant_label
+from gateway.billing.usage import PERIOD_ADJECTIVE, Budget, BudgetReservation, UsageLedger
 from gateway.errors import ClientError
 from gateway.request.auth import bearer
 from gateway.resilience.layer import Resilience
 from gateway.resilience.ratelimit import RateReservation
 from gateway.values import GatewayRequest
+from policies import tenant_label
 
 
 @dataclass(frozen=True)

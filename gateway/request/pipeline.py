@@ -15,7 +15,6 @@ from engine.protocol.errors import ENGINE_LOADING_RETRY_AFTER_S
 from gateway.backends.dispatch import forward
 from gateway.backends.relabel import answer_id
 from gateway.billing.local_cost import local_price
-from gateway.billing.usage import tenant_label
 from gateway.errors import ClientError, model_not_found
 from gateway.offload import off_loop
 from gateway.request.admission import admit
@@ -30,7 +29,7 @@ from gateway.translate.responses import to_chat
 from gateway.translate.responses_checks import check_body
 from gateway.translate.responses_items import input_items
 from gateway.values import Answer, GatewayRequest
-from policies import RequestFeatures, decide, prefix_text
+from policies import RequestFeatures, decide, prefix_text, tenant_label
 
 
 # How a request's chat body is made to fit a context: (the prompt's token budget, a counter of a chat body's prompt

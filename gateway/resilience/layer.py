@@ -15,7 +15,6 @@ import logging
 import os
 from typing import Any, Callable
 
-from gateway.billing.usage import tenant_label
 from gateway.config.schema import GatewayConfig, RetrySettings
 from gateway.resilience.breaker import Breakers, iso_ms
 from gateway.resilience.health import ActiveProber, HealthTracker
@@ -23,7 +22,7 @@ from gateway.resilience.ratelimit import Limit, RateLimiter, RateLimitResult, Ra
 from gateway.resilience.streaming import OpenStreams
 from gateway.resilience.attempts import Candidate, Result, call_with_fallback
 from gateway.state import SharedState
-from policies import candidates
+from policies import candidates, tenant_label
 
 log = logging.getLogger("tandem.gateway.resilience")
 
