@@ -4,6 +4,7 @@ once (who may call it, which signals the policy reads)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -51,8 +52,9 @@ class Snapshot:
                                                              self.cors_origins)):
             raise ClientError(403, why, code="foreign_origin")
 
-    @property
+    @functools.cached_property
     def cors_origins(self) -> tuple[str, ...]:
+        """The origins ``server.cors`` allows (read once per generation, not per request)."""
         cors = self.compiled.config.server.cors
         return tuple(cors.allow_origins) if cors is not None else ()
 

@@ -10,7 +10,10 @@ CHARS_PER_TOKEN = 4
 
 
 def text_weight(text: str) -> int:
-    """``text``'s length in estimate characters: an ASCII character 1, any other ``CHARS_PER_TOKEN`` (a token)."""
+    """``text``'s length in estimate characters: an ASCII character 1, any other ``CHARS_PER_TOKEN`` (a token).
+    ASCII text (most requests) is not copied: ``str.isascii`` reads a flag of the string."""
+    if text.isascii():
+        return len(text)
     return len(text) + (CHARS_PER_TOKEN - 1) * (len(text) - len(text.encode("ascii", "ignore")))
 
 
