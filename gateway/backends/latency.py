@@ -19,8 +19,9 @@
   (time to the first streamed chunk, or to the whole body), and the share of those calls that failed (transport
   error, 429, 5xx). A high percentile, not the mean: an SLO is met per request. A window in time too: an
   upstream seen slow once, then no longer sent anything, would be kept away for good (a policy trial's cheapest
-  upstream after one cold start); once its samples expire it has no estimate and is tried again. Its TPOT likewise: the 90th percentile of its last
-  streamed answers' seconds per content event after the first (an event carries a token, or a few).
+  upstream after one cold start); once its samples expire it has no estimate and is tried again. Its TPOT
+  likewise: the 90th percentile of its last streamed answers' seconds per content event after the first (an
+  event carries a token, or a few).
 - TPOT of the engines (``slo.tpot_ms``): their own prediction (``engine/core/ttft.py`` ``predict_tpot``: the step
   cost at the batch the request would decode in), not corrected.
 """

@@ -220,10 +220,13 @@ def _split_comment(rest: str) -> tuple[str, str]:
     return (rest[:m.start()].strip(), m.group(2).strip()) if m else (rest.strip(), "")
 
 
+_INLINE_HASH = re.compile(r"\s#")     # the ``#`` of a line's trailing comment
+
+
 def _comment_continued(key_line: str, line: str) -> str | None:
     """The text of ``line`` when it only goes on with ``key_line``'s comment: its ``#`` in the same column, with
     nothing but blanks (or, in a commented-out block, the block's ``#``) before it; else None."""
-    m = re.compile(r"\s#").search(key_line, key_line.find(":"))
+    m = _INLINE_HASH.search(key_line, key_line.find(":"))
     if m is None:
         return None
     column = m.end() - 1

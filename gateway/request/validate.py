@@ -436,8 +436,8 @@ def estimate_prompt_lengths(body: dict) -> list[int]:
     """Rough length of each prompt of ``body`` when no tokenizer is at hand (one for chat; one per prompt of a
     completions batch or input of an embeddings list): ``gateway/request/estimate.py``'s (~4 characters a
     token, a non-ASCII character one) of the messages' text, their tool calls and the tool definitions (as JSON,
-    as chat templates render them), + 4 tokens of chat framing per message, + ``IMAGE_TOKENS_ESTIMATE`` per image. Token-id prompts
-    (and embeddings inputs) are counted exactly."""
+    as chat templates render them), + 4 tokens of chat framing per message, + ``IMAGE_TOKENS_ESTIMATE`` per
+    image. Token-id prompts (and embeddings inputs) are counted exactly."""
     if "input" in body and "messages" not in body and "prompt" not in body:
         return estimate_input_lengths(body["input"])
     if "messages" in body:

@@ -28,7 +28,8 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
                         help="also run the engine on this model (same shape, another format), interleaved")
     parser.add_argument("--compare-quantization", default="none",
                         help="--quantization of the --compare-model engine (gguf for a GGUF kept in 4 bits)")
-    parser.add_argument("--compare-rounds", type=flag_type(positive_count), default=3, help="rounds of (this engine, the other)")
+    parser.add_argument("--compare-rounds", type=flag_type(positive_count), default=3,
+                        help="rounds of (this engine, the other)")
     parser.add_argument("--compare-single-stream", action="store_true",
                         help="--compare-model runs the prompts one at a time instead of all at once")
 
