@@ -68,9 +68,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def shadowed_packages() -> list[str]:
     """This project's top-level packages that another installed package of the same name hides (``import``
-    would load the other one), each as a sentence saying which and what to do; empty when none is. Seen: from
-    transformers 5.25 on, HuggingFace's ``kernels`` package in site-packages comes before an editable install's
-    ``kernels/`` (whose finder Python consults last), and the engine failed to start with an ImportError."""
+    would load the other one) or has written over, each as a sentence saying which and what to do; empty when
+    none is. Seen: from transformers 5.25 on, HuggingFace's ``kernels`` package in site-packages comes before an
+    editable install's ``kernels/`` (whose finder Python consults last), and the engine failed to start with an
+    ImportError; installed from a wheel, both share site-packages' ``kernels/`` and the other's files replace
+    ours (a packaging trial), which only the other distribution's ``kernels-*.dist-info`` shows."""
+    import glob
     import importlib.util
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the directory holding gateway/
@@ -78,10 +81,19 @@ def shadowed_packages() -> list[str]:
     for name in ("engine", "kernels", "policies", "loadtests"):
         spec = importlib.util.find_spec(name)
         origin = spec.origin if spec is not None else None
+        fix = (f"(`pip uninstall {name}`, then `pip install --force-reinstall --no-deps tandem` where tandem was "
+               f"installed from a wheel; HuggingFace's `kernels` comes with transformers >= 5.25, which this "
+               f"project keeps below)")
         if origin is not None and not os.path.abspath(origin).startswith(os.path.join(root, name) + os.sep):
             out.append(f"`import {name}` loads {origin}, not this project's {os.path.join(root, name)}: another "
-                       f"installed package is named {name!r} (`pip uninstall {name}`; HuggingFace's `kernels` "
-                       f"comes with transformers >= 5.25, which this project keeps below)")
+                       f"installed package is named {name!r} {fix}")
+            continue
+        # a distribution's metadata directory is its normalized name, then "-" and the version (PEP 491)
+        other = next((hit for d in sys.path if d and os.path.isdir(d)
+                      for hit in glob.glob(os.path.join(d, f"{name}-*.dist-info"))), None)
+        if other is not None:
+            out.append(f"another installed package is named {name!r} ({other}): it shares or replaces this "
+                       f"project's {name}/ {fix}")
     return out
 
 

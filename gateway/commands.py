@@ -11,11 +11,14 @@ import os
 import sys
 from dataclasses import replace
 
+from gateway.config import EXAMPLE_CONFIG
 
-def register(subparsers) -> None:
-    """Add ``serve``, ``route`` and ``ctl`` to the ``tandem`` parser."""
+
+def _register_serve(subparsers) -> None:
+    """``tandem serve`` and its flags."""
     p = subparsers.add_parser("serve", help="run the gateway (with the in-process engine)")
-    p.add_argument("--config", required=True, help="YAML config file (see config.example.yaml)")
+    p.add_argument("--config", default=EXAMPLE_CONFIG, help="YAML config file (default: the shipped example, "
+                   "the repository's config.example.yaml, as `make serve`: copy it to change it)")
     p.add_argument("--host", default=None, help="bind address (default: server.host)")
     p.add_argument("--port", type=_port, default=None, help="TCP port, 0-65535 (default: server.port)")
     p.add_argument("--insecure", action="store_true",
@@ -31,6 +34,11 @@ def register(subparsers) -> None:
                    help="with --picker-port: endpoints sent after the primary, comma-separated (default 0: Envoy's "
                         "ORIGINAL_DST cluster reads one address; a list needs e.g. its override_host policy)")
     p.set_defaults(func=_serve)
+
+
+def register(subparsers) -> None:
+    """Add ``serve``, ``route`` and ``ctl`` to the ``tandem`` parser."""
+    _register_serve(subparsers)
 
     p = subparsers.add_parser("route", help="routing policy tools")
     sub = p.add_subparsers(dest="route_command", required=True)

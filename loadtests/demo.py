@@ -23,9 +23,9 @@ from pathlib import Path
 
 import httpx
 
+from gateway.config import EXAMPLE_CONFIG
 from loadtests.procs import Server, free_port, tandem_cmd
 
-ROOT = Path(__file__).resolve().parents[1]
 ROUTE, STABLE, CANARY = "local-first", "local", "local-f32"
 TOKEN = "demo-admin-token"
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="tandem-demo-"))
     engine_port, gw_port = free_port(), args.port or free_port()
     config = work / "config.yaml"
-    config.write_text(demo_config((ROOT / "config.example.yaml").read_text(), engine_port, work / "data"))
+    config.write_text(demo_config(Path(EXAMPLE_CONFIG).read_text(), engine_port, work / "data"))
     print(f"starting the canary arm ({CANARY}: tandem engine serve --dtype float32 on :{engine_port}) and the "
           f"gateway on :{gw_port} (config.example.yaml, embedded Redis under {work / 'data'}); logs in {work}")
     engine = Server(tandem_cmd("engine", "serve", "--port", str(engine_port), "--dtype", "float32",

@@ -3,7 +3,7 @@
 A workload is a list of :class:`RequestSpec` (one OpenAI request body each);
 the runner cycles through it. Two sources:
 
-* MT-Bench (``tests/data/mt_bench_questions.jsonl``, 80 two-turn questions from
+* MT-Bench (``loadtests/data/mt_bench_questions.jsonl``, 80 two-turn questions from
   lm-sys/FastChat): turn 1 alone, or turn 1 + an assistant answer + turn 2,
   which shares the turn-1 prefix (the prefix-caching workload).
 * Synthetic prompts of a configurable input length in words (~1 token each
@@ -18,7 +18,12 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MT_BENCH_PATH = Path(__file__).resolve().parent.parent / "tests" / "data" / "mt_bench_questions.jsonl"
+# The prompt data of the load tests and benchmarks (loadtests/data/README.md says where each is from); shipped in
+# the wheel (pyproject's package-data), so an installed `tandem loadtest` / `tandem bench` finds it
+DATA = Path(__file__).resolve().parent / "data"
+MT_BENCH_PATH = DATA / "mt_bench_questions.jsonl"
+EDIT_TEXTS_PATH = DATA / "edit_texts.json"
+JSON_SCHEMAS_PATH = DATA / "json_schemas.json"
 
 # Short, frequent English words: each is one token in GPT-2/Llama-style BPE
 # vocabularies (with its leading space), so a prompt of N words is ~N tokens.

@@ -8,6 +8,7 @@ import os
 import sys
 
 from gateway.billing.prices import Price, format_usd, monthly_cost_usd
+from gateway.config import EXAMPLE_CONFIG
 from gateway.http.admin_client import admin_call
 
 
@@ -26,7 +27,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("cost", help="cost tools")
     sub = p.add_subparsers(dest="cost_command", required=True)
     e = sub.add_parser("estimate", help="monthly cost of a workload on each configured target")
-    e.add_argument("--config", default="config.example.yaml", help="gateway YAML config (its backends' prices)")
+    e.add_argument("--config", default=EXAMPLE_CONFIG,
+                   help="gateway YAML config (its backends' prices) (default: the example config, config.example.yaml)")
     e.add_argument("--tokens-per-month", type=float, required=True,
                    help="prompt + completion tokens per month (e.g. 1e9)")
     e.add_argument("--input-share", type=float, default=0.75, help="fraction of the tokens that are prompt tokens, 0-1")

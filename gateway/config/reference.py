@@ -25,9 +25,10 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from gateway.config import EXAMPLE_CONFIG
 from gateway.config.schema import READ_AT_START, GatewayConfig
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "config.example.yaml"
+EXAMPLE = Path(EXAMPLE_CONFIG)
 
 
 @dataclass

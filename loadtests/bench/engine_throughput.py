@@ -38,9 +38,8 @@ from loadtests.bench.peer_engines import salted, summarize
 from loadtests.bench.model_compare import add_compare_args, compare_models
 from engine.models.c_stack import decode_weight_bytes
 from loadtests.bench.roofline import READ_MIB, read_bandwidth, roofline_ms, weights_mib
+from loadtests.workloads import MT_BENCH_PATH
 
-ROOT = Path(__file__).resolve().parents[2]
-MT_BENCH = ROOT / "tests" / "data" / "mt_bench_questions.jsonl"
 
 
 COUNT, OFF_OR_COUNT = flag_type(positive_count), flag_type(non_negative_count)   # argparse types of counts
@@ -51,7 +50,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=["mtbench", "synthetic", "edit"], default="synthetic",
                         help="mtbench (MT-Bench turn 1), synthetic (random tokens of --input-len) or edit "
                              "(edit a given 350-450-token text or code and write it out whole: outputs that "
-                             "copy their prompt; tests/data/edit_texts.json)")
+                             "copy their prompt; loadtests/data/edit_texts.json)")
     parser.add_argument("--num-prompts", type=COUNT, default=64, help="requests, submitted at once")
     parser.add_argument("--input-len", type=COUNT, default=100, help="synthetic prompt length, tokens")
     parser.add_argument("--output-len", type=COUNT, default=128, help="new tokens per request")
@@ -112,7 +111,7 @@ def build_workload(args, tokenizer, vocab_size: int) -> list[list[int]]:
 
         return edit_workload(tokenizer, args.num_prompts)
     if args.workload == "mtbench":
-        questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
+        questions = [json.loads(line) for line in MT_BENCH_PATH.read_text().splitlines() if line.strip()]
         questions = questions[: args.num_prompts] if args.num_prompts < len(questions) else questions
         return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
                                                                   tokenize=False),

@@ -12,19 +12,18 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
 from engine.sampling_params import SamplingParams
 from loadtests.bench.peer_engines import median
+from loadtests.workloads import EDIT_TEXTS_PATH
 
-EDIT_TEXTS = Path(__file__).resolve().parents[2] / "tests" / "data" / "edit_texts.json"
 
 
 def edit_workload(tokenizer, num_prompts: int) -> list[list[int]]:
     """Chat prompts asking to edit a given text of 350-450 tokens and write it out whole (spelling corrections
-    of prose, a rename and added docstrings in Python code: ``tests/data/edit_texts.json``), cycling through
+    of prose, a rename and added docstrings in Python code: ``loadtests/data/edit_texts.json``), cycling through
     the texts: outputs that copy long spans of their prompt."""
-    items = json.loads(EDIT_TEXTS.read_text())
+    items = json.loads(EDIT_TEXTS_PATH.read_text())
     prompts = []
     for i in range(num_prompts):
         item = items[i % len(items)]

@@ -4,7 +4,7 @@ Same run, same engine, interleaved rounds (constrained, unconstrained,
 constrained, ...):
 
 - constrained: ``--concurrency`` json_schema requests at once (the 20 schemas
-  of ``tests/data/json_schemas.json``, cycled), greedy;
+  of ``loadtests/data/json_schemas.json``, cycled), greedy;
 - unconstrained: the same prompts, each generating exactly as many tokens as
   its constrained twin did in that round (``ignore_eos`` + ``max_tokens``), so
   both sides run the same batch shapes and only the grammar differs.
@@ -28,8 +28,8 @@ from pathlib import Path
 from loadtests.bench.engine_throughput import percentile
 from engine.config import engine_args_from_cli
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from loadtests.workloads import JSON_SCHEMAS_PATH
 
-SCHEMAS = Path(__file__).resolve().parents[2] / "tests" / "data" / "json_schemas.json"
 
 
 def add_structured_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +88,7 @@ def run_structured_bench(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     engine = LLMEngine(engine_args_from_cli(args))
     tok = engine.tokenizer
-    schemas = json.loads(SCHEMAS.read_text())
+    schemas = json.loads(JSON_SCHEMAS_PATH.read_text())
     names = list(schemas)
 
     manager = engine.structured_outputs

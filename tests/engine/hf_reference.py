@@ -24,10 +24,11 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from loadtests.workloads import MT_BENCH_PATH
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CACHE = DATA / "smollm2_hf_greedy.json"
-MT_BENCH = DATA / "mt_bench_questions.jsonl"
+MT_BENCH = MT_BENCH_PATH
 
 
 @dataclass

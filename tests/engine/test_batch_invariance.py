@@ -10,7 +10,6 @@ output differs (tests/invariance_probe.py)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import openai
@@ -20,6 +19,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.invariance_probe import first_difference, probe
 from tests.gateway.support import ROOT, GatewayProcess
+from loadtests.workloads import MT_BENCH_PATH
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ BASE = dict(dtype="bfloat16", kv_cache_memory="192MiB")
 
 
 def _questions() -> list[str]:
-    lines = (Path(__file__).resolve().parents[1] / "data" / "mt_bench_questions.jsonl").read_text().splitlines()
+    lines = MT_BENCH_PATH.read_text().splitlines()
     return [json.loads(line)["turns"][0] for line in lines[:NUM_PROMPTS]]
 
 

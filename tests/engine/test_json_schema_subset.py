@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from engine.worker.json_schema_subset import KEYWORDS, check_json_schema, markdown_table
 from engine.sampling_params import StructuredOutputsParams
 from tests.engine.grammar_helpers import manager, walk
+from loadtests.workloads import JSON_SCHEMAS_PATH
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "app-teams" / "structured-outputs-reference.md"
 
@@ -85,7 +86,7 @@ def test_outside_the_subset_is_refused_naming_the_keyword_and_its_path(schema, p
 
 
 def test_inside_the_subset_passes_and_values_are_checked():
-    check_json_schema(json.loads((Path(__file__).resolve().parents[1] / "data" / "json_schemas.json")
+    check_json_schema(json.loads(JSON_SCHEMAS_PATH
                                  .read_text())["nested_company"])
     check_json_schema({"type": "array", "uniqueItems": False, "title": "t", "description": "d"})
     check_json_schema({"type": "integer", "multipleOf": 0.5})     # every integer is a multiple: harmless

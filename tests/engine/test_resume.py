@@ -7,7 +7,6 @@ sampler's draw for position k depends only on the seed, the choice and k), acros
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -15,6 +14,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.llm import LLM
 from engine.output_processor import merge_delta
 from engine.sampling_params import SamplingParams
+from loadtests.workloads import MT_BENCH_PATH
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def llm():
 
 
 def test_continuation_from_every_position_equals_uninterrupted(llm):
-    question = json.loads((Path(__file__).parents[1] / "data" / "mt_bench_questions.jsonl").read_text()
+    question = json.loads(MT_BENCH_PATH.read_text()
                           .splitlines()[0])["turns"][0]
     ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
     seeded2 = SamplingParams(**{**SEEDED.__dict__, "n": 2})

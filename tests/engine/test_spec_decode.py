@@ -6,7 +6,6 @@ prefill, preemption, ``n > 1`` and stop strings; on SmolLM2 and on a tiny random
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -14,6 +13,7 @@ from engine.llm import LLM
 from engine.metrics import EngineMetrics
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import save_byte_level_llama
+from loadtests.workloads import MT_BENCH_PATH
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ PASSAGE = ("Alice was beginning to get very tired of sitting by her sister on th
 
 def _prompts(llm: LLM) -> list[list[int]]:
     """Prompts that invite copying (the speculation's case) and MT-Bench questions (little to copy)."""
-    lines = (Path(__file__).resolve().parents[1] / "data" / "mt_bench_questions.jsonl").read_text().splitlines()
+    lines = MT_BENCH_PATH.read_text().splitlines()
     asks = [f"Repeat this text exactly:\n{PASSAGE}", f"Rewrite this text in the present tense:\n{PASSAGE}",
             "Count from 1 to 40, separated by commas."] + [json.loads(line)["turns"][0] for line in lines[:2]]
     tok = llm.tokenizer

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jinja2
 import pytest
 
 from engine.tokenizer import Tokenizer
+from loadtests.workloads import MT_BENCH_PATH
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "mt_bench_questions.jsonl"
+DATA = MT_BENCH_PATH
 TRICKY = [
     "", " ", "Hello world 12345 and 3.14159", " hi  there\n\n  x", "안녕하세요 세계 😀 café", "日本語のテキスト、中文。",
     "<|im_start|>user\nhi<|im_end|>\n", "x<|endoftext|>y<|im_end|>", "naïve façade — “quotes” ½ ² ³ ١٢٣ 𝟘𝟙",

@@ -131,6 +131,15 @@ def test_a_package_that_hides_one_of_ours_stops_tandem_with_what_to_do(tmp_path)
     assert f"`import kernels` loads {tmp_path / 'kernels' / '__init__.py'}, not this project's" in hidden.stderr
     assert "pip uninstall kernels" in hidden.stderr
     assert tandem_help(repo).returncode == 0
+    # installed from a wheel, HuggingFace's `kernels` writes its files over ours in site-packages: only its
+    # metadata directory tells (a packaging trial: the guard missed it and `tandem generate` failed on import)
+    (tmp_path / "kernels" / "__init__.py").unlink()
+    (tmp_path / "kernels").rmdir()
+    (tmp_path / "kernels-0.19.1.dist-info").mkdir()
+    merged = tandem_help(f"{repo}{os.pathsep}{tmp_path}")
+    assert merged.returncode == 2
+    assert f"another installed package is named 'kernels' ({tmp_path / 'kernels-0.19.1.dist-info'})" in merged.stderr
+    assert "--force-reinstall" in merged.stderr
 
 
 def test_tandem_version_prints_the_packages_version():

@@ -1,7 +1,7 @@
 """Structured outputs and tool calls on ``tandem engine serve``, end to end
 through the official ``openai`` client against a live server (SmolLM2).
 
-The 20 schemas of ``tests/data/json_schemas.json`` are real shapes (nested
+The 20 schemas of ``loadtests/data/json_schemas.json`` are real shapes (nested
 objects, arrays with min/max items, enums, required/optional fields, bounded
 numbers, patterned strings, ``$ref``, ``anyOf``, nullable, a top-level array);
 each one is asked greedy and sampled, streamed and not, all at once (the
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -26,8 +25,9 @@ from engine.serving.tool_call_parser import ToolCallFormat, ToolCallParser, pars
 from engine.serving.protocol import ChatCompletionRequest, parse_request
 from engine.tokenizer import _compile_template
 from tests.engine.entrypoints.test_serving import LiveServer, start_server
+from loadtests.workloads import JSON_SCHEMAS_PATH
 
-SCHEMAS = json.loads((Path(__file__).resolve().parents[2] / "data" / "json_schemas.json").read_text())
+SCHEMAS = json.loads(JSON_SCHEMAS_PATH.read_text())
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {
