@@ -56,6 +56,7 @@ _U64 = (1 << 64) - 1
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them
 # would overflow the logits.
 _SAMPLING_EPS = 1e-5
+_F32 = torch.finfo(torch.float32)
 
 
 @dataclass
@@ -188,7 +189,10 @@ class Sampler:
         device = logits.device
         n, vocab = logits.shape
         params = [r.sampling_params for r in requests]
-        x = logits / _to_device([p.temperature for p in params], torch.float32, device).unsqueeze(1)
+        # finite: a logit near float32's largest (an extreme repetition_penalty) over a temperature below 1
+        # would be +inf, and the softmax of a row holding +inf is NaN
+        x = (logits / _to_device([p.temperature for p in params], torch.float32, device).unsqueeze(1)).clamp_(
+            max=_F32.max)
 
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
@@ -345,8 +349,11 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     rep = [r.sampling_params.repetition_penalty for r in reqs]
     if any(p != 1.0 for p in rep):
         seen = _token_mask([r.all_token_ids for r in reqs], vocab, device)
+        # in float32's normal range, and the results finite: a penalty of 1e-300 (taken: vLLM's rule is > 0)
+        # was 0 in float32, its logits +inf, and a sampled row's softmax NaN: token 0 every step (a trial)
+        rep = [min(max(p, _F32.tiny), _F32.max) for p in rep]
         rp = _to_device(rep, torch.float32, device).unsqueeze(1).expand_as(x)
-        penalised = torch.where(x > 0, x / rp, x * rp)
+        penalised = torch.where(x > 0, x / rp, x * rp).clamp_(max=_F32.max)
         x = torch.where(seen, penalised, x)
 
     freq = [r.sampling_params.frequency_penalty for r in reqs]

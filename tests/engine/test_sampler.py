@@ -36,6 +36,9 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy(device):
     assert greedy.logprobs == [None] * 6
     topk1 = s.sample(logits, [req(f"k{i}", temperature=1.3, top_k=1) for i in range(6)])
     assert topk1.token_ids == greedy.token_ids
+    # top_p 0, which OpenAI takes (vLLM refuses it; a trial): the smallest nucleus, the likeliest token alone
+    top_p0 = s.sample(logits, [req(f"p{i}", temperature=1.3, top_p=0.0, seed=i) for i in range(6)])
+    assert top_p0.token_ids == greedy.token_ids
     mixed = s.sample(logits, [req("a", temperature=0.0), req("b", top_k=1), req("c", temperature=0.0),
                               req("d", top_k=1, seed=3), req("e", temperature=0.0), req("f", top_k=1)])
     assert mixed.token_ids == greedy.token_ids
@@ -134,6 +137,25 @@ def test_penalties_exact(device):
     torch.testing.assert_close(got2[0], logits[0])
     torch.testing.assert_close(got2[1], expected[0])
     assert two[1].equal(logits[0])
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-40, 1e300])
+def test_an_extreme_repetition_penalty_still_samples_a_real_token(penalty):
+    """A trial: ``repetition_penalty=1e-300`` passes the check (vLLM's rule: > 0) but was 0 in float32, the seen
+    tokens' logits +inf and a sampled row's softmax NaN: ``<|endoftext|>`` (token 0) every step. The penalty now
+    stays in float32's range and the logits finite: a tiny one makes the seen token of largest positive logit
+    certain, a huge one brings the seen ones to ~0 (positive) or float32's lowest (negative)."""
+    logits = torch.tensor([[1.0, 2.0, -1.0, 3.0, 0.5, 0.0]] * 2)
+    s = Sampler(6, torch.device("cpu"), seed=0)
+    seen = (1, 2, 4)   # token 0 unseen: a NaN row would pick it
+    drawn = set()
+    for draw in range(20):
+        rows = [req(f"t{draw}", prompt=seen, repetition_penalty=penalty, temperature=t, seed=draw)
+                for t in (0.5, 1.0)]
+        drawn.update(s.sample(logits, rows).token_ids)
+    assert drawn == {1} if penalty < 1 else 2 not in drawn and len(drawn) > 1
+    greedy = s.sample(logits[:1], [req("g", prompt=seen, repetition_penalty=penalty, temperature=0.0)]).token_ids
+    assert greedy == ([1] if penalty < 1 else [3])
 
 
 def test_penalties_change_greedy_choice():
