@@ -62,10 +62,12 @@ def delta_pieces(c: ChoiceDelta) -> list[str]:
 
 def client_wants_usage(body: dict, option: str = "include_usage") -> bool:
     """True when a stream's client asked for the usage chunk itself (``stream_options.include_usage``; ``option``
-    ``continuous_usage_stats``: vLLM's usage on every chunk); else the gateway, which always asks its backends
-    for it (the local engine for both), drops it from the client's stream."""
+    ``continuous_usage_stats``: vLLM's usage on every chunk, which vLLM gives only with ``include_usage`` too);
+    else the gateway, which always asks its backends for it (the local engine for both), drops it from the
+    client's stream."""
     opts = body.get("stream_options")
-    return isinstance(opts, dict) and opts.get(option) is True
+    return (isinstance(opts, dict) and opts.get(option) is True
+            and (option == "include_usage" or opts.get("include_usage") is True))
 
 
 def count_completion(texts: dict[int, list[str]], count: Callable[[str], int]) -> int:

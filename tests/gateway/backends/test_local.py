@@ -156,6 +156,13 @@ def test_local_stream_is_billed_from_the_engines_own_count(gateway):
     asked = list(c.chat.completions.create(model="smollm2", messages=MSG, max_tokens=8, temperature=0, stream=True,
                                            stream_options={"include_usage": True}))
     usage = asked[-1].usage
+    # vLLM's continuous_usage_stats puts usage on every chunk only with include_usage (a trial: alone it did)
+    alone = list(c.completions.create(model="smollm2", prompt="Hi", max_tokens=3, temperature=0, stream=True,
+                                      stream_options={"continuous_usage_stats": True}))
+    assert alone and all(ch.usage is None for ch in alone)
+    both = list(c.completions.create(model="smollm2", prompt="Hi", max_tokens=3, temperature=0, stream=True,
+                                     stream_options={"continuous_usage_stats": True, "include_usage": True}))
+    assert all(ch.usage is not None for ch in both) and both[-1].usage.completion_tokens == 3
     line = request_line(gateway, raw.headers["x-request-id"])
     assert line is not None and line["usage_estimated"] is False
     assert (line["prompt_tokens"], line["completion_tokens"]) == (usage.prompt_tokens, usage.completion_tokens)
