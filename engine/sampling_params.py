@@ -131,7 +131,8 @@ class SamplingParams:
         n: number of completions (choices) for the prompt, >= 1. Children share
             the prompt's KV blocks (copy-on-write).
         temperature: 0 means greedy (argmax); otherwise logits are divided by it.
-        top_p: nucleus sampling mass in (0, 1].
+        top_p: nucleus sampling mass in [0, 1] (OpenAI's range; 0: the likeliest token alone, as the smallest
+            nucleus holds it; vLLM refuses 0).
         top_k: keep the k most likely tokens; 0 or -1 disables.
         min_p: drop tokens whose probability is below ``min_p`` times the top
             token's probability; in [0, 1].
@@ -264,7 +265,7 @@ class SamplingParams:
             check(_is_num(value), name, f"must be a number, got {type(value).__name__} {value!r}")
         check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
               f"must be >= 0, got {self.temperature!r}")
-        check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        check(_is_num(self.top_p) and 0 <= self.top_p <= 1, "top_p", f"must be in [0, 1], got {self.top_p!r}")
         check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
               f"must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
         check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")

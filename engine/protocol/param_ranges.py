@@ -35,7 +35,7 @@ class Range:
 _COUNT = Range(1, INT64_MAX, integer=True)
 PARAM_RANGES: Mapping[str, Range] = {
     "temperature": Range(0, 2),             # OpenAI's: 2.0001 is a 400
-    "top_p": Range(0, 1, lo_inclusive=False),
+    "top_p": Range(0, 1),   # OpenAI's (and Anthropic's): 0 keeps the likeliest token alone; vLLM refuses 0
     "presence_penalty": Range(-2, 2),
     "frequency_penalty": Range(-2, 2),
     "repetition_penalty": Range(0, None, lo_inclusive=False),
@@ -62,6 +62,9 @@ ITEM_RANGES: Mapping[str, Range] = {"stop_token_ids": Range(0, INT64_MAX, intege
 ITEM_COUNTS: Mapping[str, int] = {"stop": 256}
 # ``logit_bias``: token id (a JSON key: a string of decimal digits) -> a bias in -100..100 (OpenAI's).
 LOGIT_BIAS = Range(-100, 100)
+# String fields that may not be empty (vLLM's ``cache_salt``: "must be a non-empty string if provided"; the
+# gateway took "" and passed it on, a trial).
+NON_EMPTY: frozenset[str] = frozenset({"cache_salt"})
 _TOKEN_ID = re.compile(r"[0-9]{1,19}")
 
 
@@ -113,9 +116,12 @@ def _logit_bias_violation(value: Any) -> RangeViolation | None:
 def check_param(name: str, value: Any) -> RangeViolation | None:
     """The violation of ``name``'s range by ``value`` (None: in range, not a number, or a field without a
     range). Array fields of ``ITEM_COUNTS`` are checked for their length, of ``ITEM_RANGES`` item by item;
-    ``logit_bias`` key by key."""
+    ``logit_bias`` key by key; ``NON_EMPTY`` strings for the empty string."""
     if name == "logit_bias":
         return _logit_bias_violation(value)
+    if name in NON_EMPTY and value == "":
+        return RangeViolation(name, f"Invalid '{name}': string too short. Expected a string with minimum length 1, "
+                                    f"but got an empty string instead.", "string_below_min_length")
     r = PARAM_RANGES.get(name)
     if r is not None:
         return _violation(name, value, r)
@@ -150,7 +156,8 @@ def first_violation(body: Mapping[str, Any], *, completions: bool = False,
     for name, value in body.items():
         if (scoring and name == "max_tokens") or (known is not None and name not in known):
             continue
-        if name in PARAM_RANGES or name in ITEM_RANGES or name in ITEM_COUNTS or name == "logit_bias":
+        if (name in PARAM_RANGES or name in ITEM_RANGES or name in ITEM_COUNTS or name in NON_EMPTY
+                or name == "logit_bias"):
             if (v := check_param(name, value)) is not None:
                 return v
     return None

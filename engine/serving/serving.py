@@ -189,9 +189,6 @@ class OpenAIServing:
         for name in GUIDED_FIELDS:   # vLLM's older constraint fields: ignoring one would answer unconstrained
             if getattr(req, name) is not None:
                 raise ServingError(400, f"{name}: {guided_field_hint(name)}", param=name, code="unsupported_parameter")
-        if req.cache_salt is not None and not req.cache_salt:   # vLLM refuses it too
-            raise ServingError(400, "cache_salt: must be a non-empty string if provided", param="cache_salt",
-                               code="invalid_value")
         if req.prompt_logprobs is not None and req.stream:   # vLLM's refusal, word for word
             raise ServingError(400, "`prompt_logprobs` are not available when `stream=True`.",
                                param="prompt_logprobs", code="invalid_value")

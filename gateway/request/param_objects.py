@@ -16,6 +16,22 @@ CHAT_VALUES = {
 }
 
 
+# JSON's types as OpenAI's "Invalid type for ..." messages name them (the engine's server words msgspec's the same).
+_JSON_WORDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+               dict: "an object"}
+
+
+def invalid_type(param: str, types: tuple, value: object) -> ClientError:
+    """OpenAI's 400 (``invalid_type``) for ``param`` whose ``value`` is none of the JSON ``types`` (int and float
+    together: a number): "Invalid type for 'temperature': expected a number, but got a string instead.", as the
+    engine's own server words it (``engine.serving.protocol``; tests/engine/serving/test_protocol.py pins both)."""
+    words = ["a number"] if set(types) == {int, float} else [_JSON_WORDS[t] for t in types]
+    want = words[0] if len(words) == 1 else "one of " + " or ".join(words)
+    got = _JSON_WORDS.get(type(value), type(value).__name__)
+    return ClientError(400, f"Invalid type for '{param}': expected {want}, but got {got} instead.", param=param,
+                       code="invalid_type")
+
+
 def one_of(value: object, allowed: tuple[str, ...], param: str) -> None:
     """Refuse ``value`` (of ``param``) unless it is one of ``allowed``: 400 ``invalid_value`` listing them, in
     OpenAI's words."""
@@ -53,8 +69,7 @@ def check_stream_options(body: dict, fields: tuple[str, ...] = STREAM_OPTIONS) -
             raise ClientError(400, f"Unrecognized request argument supplied: stream_options.{name}",
                               param=f"stream_options.{name}", code="unknown_parameter")
         if value is not None and not isinstance(value, bool):
-            raise ClientError(400, f"'stream_options.{name}' must be a boolean, got {type(value).__name__}",
-                              param=f"stream_options.{name}", code="invalid_type")
+            raise invalid_type(f"stream_options.{name}", (bool,), value)
 
 
 def _check_metadata(metadata: dict) -> None:
@@ -69,8 +84,7 @@ def _check_metadata(metadata: dict) -> None:
             raise ClientError(400, f"Invalid 'metadata': a key of {len(key)} characters; at most 64.",
                               param="metadata", code="string_above_max_length")
         if not isinstance(value, str):
-            raise ClientError(400, f"'metadata.{key}' must be a string, got {type(value).__name__}",
-                              param=f"metadata.{key}", code="invalid_type")
+            raise invalid_type(f"metadata.{key}", (str,), value)
         if len(value) > 512:
             raise ClientError(400, f"Invalid 'metadata.{key}': string too long. Expected a string with maximum "
                               f"length 512, but got a string with length {len(value)} instead.",

@@ -14,7 +14,7 @@ from engine.protocol.chat_shapes import (ShapeError, check_response_format, chec
 from engine.protocol.param_ranges import check_param, first_violation
 from engine.protocol.tool_choice import PARALLEL_WITHOUT_TOOLS, parallel_without_tools
 from gateway.errors import ClientError
-from gateway.request.param_objects import check_objects
+from gateway.request.param_objects import check_objects, invalid_type
 from gateway.request.estimate import CHARS_PER_TOKEN, estimate_text_tokens, text_weight
 from gateway.request.embeddings import EMBEDDINGS_PARAMS, EMBEDDINGS_TYPES, check_embeddings, estimate_input_lengths
 from gateway.values import GatewayRequest
@@ -83,13 +83,6 @@ _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "functio
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
-def _type_name(types: tuple) -> str:
-    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
-    if types == _NUM:
-        return "number"
-    return " or ".join(names[t] for t in types)
-
-
 def check_type(name: str, value: object, types: tuple) -> None:
     """A 400 (``invalid_type``) naming ``name`` unless ``value`` is null or one of the JSON ``types`` (a boolean
     is not a number)."""
@@ -97,8 +90,7 @@ def check_type(name: str, value: object, types: tuple) -> None:
         return
     ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
     if not ok:
-        raise ClientError(400, f"'{name}' must be {_type_name(types)}, got {type(value).__name__}",
-                          param=name, code="invalid_type")
+        raise invalid_type(name, types, value)
 
 
 def check_range(name: str, value: object) -> None:

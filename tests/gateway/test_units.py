@@ -172,7 +172,7 @@ def test_ctl_version_summary_says_why_a_version_is_not_shared():
 @pytest.mark.parametrize("field, value, code", [
     ("top_p", 7, "decimal_above_max_value"),     # the parameter's type, not the value's (OpenAI)
     ("top_p", 1.5, "decimal_above_max_value"),
-    ("top_p", 0, "decimal_below_min_value"),
+    ("top_p", -0.1, "decimal_below_min_value"),   # 0 is taken, as OpenAI takes it (a trial)
     ("temperature", -0.5, "decimal_below_min_value"),
     ("max_tokens", -1, "integer_below_min_value"),
     ("max_completion_tokens", 0, "integer_below_min_value"),

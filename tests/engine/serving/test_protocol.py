@@ -186,6 +186,7 @@ def test_serve_args_use_vllm_flag_names():
     ("temperature", 2 ** 64, "decimal_above_max_value"), ("temperature", 2.0001, "decimal_above_max_value"),
     ("stop_token_ids", [3, 2 ** 64], "integer_above_max_value"),
     ("stop", ["a"] * 257, "array_above_max_length"),   # a security trial sent 100,000: 85 ms a token
+    ("cache_salt", "", "string_below_min_length"),      # vLLM refuses it; the gateway passed it on (a trial)
 ])
 def test_values_out_of_range_name_the_field_as_the_gateway_does(field, value, code):
     """``tandem engine serve`` and the gateway read one table (engine/protocol/param_ranges.py): the same
@@ -199,8 +200,24 @@ def test_values_out_of_range_name_the_field_as_the_gateway_does(field, value, co
     with pytest.raises(ClientError) as gw:
         check_request(body, "chat/completions", None)
     assert (gw.value.param, gw.value.code, gw.value.message) == (exc.value.param, code, str(exc.value))
-    assert parse_request({**body, field: {"stop_token_ids": [1], "stop": ["a"] * 256}.get(field, 1)},
+    assert parse_request({**body, field: {"stop_token_ids": [1], "stop": ["a"] * 256, "cache_salt": "s"}.get(field, 1)},
                          ChatCompletionRequest)
+
+
+@pytest.mark.parametrize("field,value", [("temperature", "hot"), ("n", 1.5), ("stop", 5), ("seed", True),
+                                         ("logit_bias", [1]), ("ignore_eos", "yes"), ("cache_salt", 3)])
+def test_a_wrong_type_gets_the_same_words_from_the_gateway_and_the_engine(field, value):
+    """A trial: the gateway said "'temperature' must be number, got str" where the engine's server says OpenAI's
+    "Invalid type for 'temperature': expected a number, but got a string instead."; one wording now."""
+    from gateway.errors import ClientError
+    from gateway.request.validate import check_request
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+    with pytest.raises(RequestValidationError) as exc:
+        parse_request(body, ChatCompletionRequest)
+    with pytest.raises(ClientError) as gw:
+        check_request(body, "chat/completions", None)
+    assert (gw.value.param, gw.value.code, gw.value.message) == (exc.value.param, "invalid_type", str(exc.value))
+    assert str(exc.value).startswith(f"Invalid type for '{field}': expected ")
 
 
 # ------------------------------------------------------- schemas kept raw (issue #34)

@@ -52,7 +52,7 @@ def test_the_diff_of_a_generation_config_is_read_as_vllm_reads_it(tiny, tmp_path
     # ranges a request's own value must be in
     for bad, said in (({"temperature": -1}, "'temperature': decimal below minimum"),
                       ({"temperature": 5}, "'temperature': decimal above"),
-                      ({"top_p": 0}, "'top_p'"), ({"top_k": -7}, "'top_k'"),
+                      ({"top_p": -0.5}, "'top_p'"), ({"top_k": -7}, "'top_k'"),
                       ({"max_new_tokens": 0}, "'max_new_tokens': integer below minimum")):
         with pytest.raises(ValueError, match=f"override_generation_config: Invalid {said}"):
             EngineArgs(model=plain, override_generation_config=json.dumps(bad))
