@@ -128,8 +128,13 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
     # a candidate is skipped as too small on a count only: an estimate (~4 characters a token) can be far over
     # (it refused 1,400-token embeddings inputs as 2,100 tokens); the engine itself refuses what does not fit
     # and each prompt of a batch must fit alone (a batch of three 900-token prompts fits a 2,048 context)
-    required_len = req.longest_prompt_tokens if req.prompt_tokens_exact else None
+    # and with room for the answer: max_tokens, one token where it is unset (chat then fills the context), none for
+    # embeddings and a completions prompt scored alone (0); a capacity trial's prompt of exactly the window, or
+    # 246 tokens + 100 in 256, went to an engine that refuses them, never to the larger target
+    answer_len = 1 if req.max_tokens is None else req.max_tokens
+    required_len = req.longest_prompt_tokens + answer_len if req.prompt_tokens_exact else None
     res = await resilience.forward(candidates, attempt, stream=req.stream, required_len=required_len,
+                                   answer_len=answer_len if req.max_tokens else 0,
                                    request_id=req.request_id, tokens=reserved_tokens, on_finish=settle,
                                    prompt_param={"chat/completions": "messages", "embeddings": "input"}.get(
                                        req.endpoint, "prompt"))

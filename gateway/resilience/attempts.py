@@ -17,7 +17,8 @@ call, or one round of skipped candidates:
   through unchanged after one upstream call, and never count against the target's breaker; so is an error
   object inside a 2xx (a stream's error event before content, a JSON body's ``error``) naming such a status in
   its ``code`` (``outcomes.classify_error_object``). A context-length error moves on to a target with a larger
-  ``max_model_len`` and never retries the same target.
+  ``max_model_len`` and never retries the same target; each larger one is tried once, at once (no backoff, no
+  wait for a cooldown), and when none answers the refusal is the answer (the client's 400), not their failures.
 - Nothing callable now (every remaining target cooling down, breaker-open or at its backend limit): when the
   soonest of them may be called within ``max_retry_after_s`` and before the deadline, the loop waits for it and
   asks those targets again (a cooled-down one is then called as the half-open probe), once per request: when
@@ -59,7 +60,7 @@ from gateway.resilience.outcomes import (ATTEMPT_TIMEOUT, TRANSIENT_STATUS, Atte
                                          PassThrough, Result, UpstreamResponse, Withdrawn, answer_head,
                                          breaker_reason, classify_error_object, classify_exception, close_response,
                                          is_context_length_error, is_request_error, no_client_retry, not_larger,
-                                         parse_retry_after, settle_outcome, upstream_message)
+                                         parse_retry_after, settle_outcome, too_long_body, upstream_message)
 from gateway.resilience.backoff import RetryPolicy
 from gateway.resilience.ratelimit import Limit, RateReservation, retry_after_header
 from gateway.resilience.streaming import Held, OpenStreams, StreamEnd, peek_stream, relay, shutdown_answer
@@ -90,12 +91,13 @@ class _Run:
     """State of one request's attempt loop (see the module docstring)."""
 
     def __init__(self, candidates, attempt, *, stream, policy, breakers, health, limiter, required_len, request_id,
-                 tokens, on_finish, batch_events, prompt_param=None, streams=None):
+                 tokens, on_finish, batch_events, prompt_param=None, streams=None, answer_len=0):
         self.candidates: list[Candidate] = list(candidates)
         self.attempt_fn, self.stream, self.policy = attempt, stream, policy
         self.breakers, self.health, self.limiter = breakers, health, limiter
         self.required_len, self.request_id, self.tokens = required_len, request_id, tokens
         self.prompt_param, self.on_finish, self.batch, self.streams = prompt_param, on_finish, batch_events, streams
+        self.answer_len = answer_len   # of required_len, the tokens the answer may take (max_tokens)
         self.start = time.monotonic()
         self.deadline = self.start + policy.deadline_s
         self._retry: RetryPolicy | None = None      # made by the first failure (``retry``)
@@ -224,11 +226,7 @@ class _Run:
 
     def _exclude_not_larger(self, failed: Candidate) -> None:
         """After a context-length error: drop candidates that are not known to be larger than ``failed``."""
-        if failed.max_model_len is None:
-            return
-        for c in self.candidates:
-            if c.max_model_len is not None and c.max_model_len <= failed.max_model_len:
-                self.excluded.add(c.name)
+        self.excluded.update(c.name for c in self.candidates if not_larger(c, failed))
 
     async def _call(self, c: Candidate, remaining: float) -> Result | Failure | PassThrough:
         """One upstream call: a committed Result, or why it does not answer the client."""
@@ -361,6 +359,11 @@ class _Run:
         return hint is not None and wait >= hint > 0
 
     def _stop(self, exc: Failure | NoCandidate, wait: float) -> bool:
+        if wait > 0 and any(f.kind == "context_length" for f in self.failures):
+            # a target refused the prompt as too long: each larger one is tried once, at once; waiting for one
+            # cooling down or retrying one that failed held a capacity trial's requests ~9 s for a 502 where the
+            # refusal (a 400 the client can act on, as vLLM's and OpenAI's) is the answer
+            return True
         if self.cooled and (isinstance(exc, NoCandidate) or self._waits_retry_after(exc, wait)):
             # one cooldown per request: after it, failures are the answer (waiting again held a trial's requests
             # 16 s through two more cooldowns, and an SRE trial's 429s one 14 s)
@@ -409,9 +412,8 @@ class _Run:
         res = Result(503, {"content-type": "application/json"}, attempts=self.attempts)
         called = self.failures
         ctx = [f for f in called if f.kind == "context_length"]
-        if ctx and all(f.kind == "context_length" or any(not_larger(f.candidate, g.candidate) for g in ctx)
-                       for f in called):   # the others failed on targets the prompt would not fit either
-            return self._passthrough(ctx[-1].response, ctx[-1].candidate) if ctx[-1].response else res
+        if ctx and ctx[-1].response:   # no larger target answered: the refusal is the answer, not their failures
+            return self._passthrough(ctx[-1].response, ctx[-1].candidate)
         if not self.candidates:
             res.body = error_body(503, "No backend of this route is available: each is down, unconfigured (an API "
                                   "key unset) or cannot take this request; /health/ready tells operators which.",
@@ -421,11 +423,7 @@ class _Run:
         if not called and self.skips and all(why == "too_small" for why, _ in self.skips.values()):
             res.status = 400
             largest = max((c.max_model_len for c in self.candidates if c.max_model_len is not None), default=None)
-            limit = f"This model's maximum context length is {largest} tokens. However, " if largest else ""
-            res.body = error_body(400, f"{limit}your {self.prompt_param or 'prompt'} resulted in {self.required_len} "
-                                  f"tokens, and no available backend of this route takes that many. Please reduce "
-                                  f"the length of the {self.prompt_param or 'prompt'}.", param=self.prompt_param,
-                                  code="context_length_exceeded")
+            res.body = too_long_body(largest, self.required_len, self.answer_len, self.prompt_param)
             return res
         why = [w for w, _ in self.skips.values()]
         # every target skipped for an open breaker after calls were made (a cooldown waited for, the half-open
@@ -477,14 +475,15 @@ async def call_with_fallback(candidates: list[Candidate],
                              limiter=None, required_len: int | None = None, request_id: str = "", tokens: int = 0,
                              on_finish: Callable[[Result], Any] | None = None,
                              batch_events: bool = False, prompt_param: str | None = None,
-                             streams: OpenStreams | None = None) -> Result:
+                             streams: OpenStreams | None = None, answer_len: int = 0) -> Result:
     """Run one request across ``candidates`` (route order) and return what the client should get.
 
     attempt(candidate) performs one upstream call and returns an ``UpstreamResponse`` for ANY status (raising only
     for transport errors; an exception with ``status_code`` and ``to_dict()``, like ``engine.protocol.errors.ServingError``,
     counts as that HTTP answer). breakers: ``gateway.resilience.breaker.Breakers``; health: ``gateway.resilience.health.HealthTracker``;
     limiter: ``gateway.resilience.ratelimit.RateLimiter`` for ``Candidate.limits`` (tokens reserved: ``tokens``).
-    required_len: prompt tokens + max_tokens, to skip candidates with a smaller ``max_model_len``.
+    required_len: prompt tokens + max_tokens, to skip candidates with a smaller ``max_model_len``; answer_len:
+    its max_tokens part (named by the 400 when no candidate takes it).
     on_finish(result): called once a committed stream has ended (cleanly, with an error, or by a disconnect).
     batch_events: a committed stream yields every event of a read as one list (one write downstream per read).
     prompt_param: the body field holding the prompt ("messages" or "prompt"), named by the 400 when no candidate
@@ -493,5 +492,5 @@ async def call_with_fallback(candidates: list[Candidate],
     """
     run = _Run(candidates, attempt, stream=stream, policy=policy or RetrySettings(), breakers=breakers, health=health,
                limiter=limiter, required_len=required_len, request_id=request_id, tokens=tokens, on_finish=on_finish,
-               batch_events=batch_events, prompt_param=prompt_param, streams=streams)
+               batch_events=batch_events, prompt_param=prompt_param, streams=streams, answer_len=answer_len)
     return await run.execute()

@@ -194,13 +194,14 @@ class Resilience:
             limits=lims)
 
     async def forward(self, candidates: list[Candidate], attempt, *, stream: bool, required_len: int | None,
-                      request_id: str, tokens: int, on_finish=None, prompt_param: str | None = None) -> Result:
+                      request_id: str, tokens: int, on_finish=None, prompt_param: str | None = None,
+                      answer_len: int = 0) -> Result:
         """``call_with_fallback`` with this gateway's breakers, health, limiter and retry policy."""
         return await call_with_fallback(candidates, attempt, stream=stream, policy=self.policy,
                                         breakers=self.breakers, health=self.health, limiter=self.limiter,
                                         required_len=required_len, request_id=request_id, tokens=tokens,
                                         on_finish=on_finish, batch_events=True, prompt_param=prompt_param,
-                                        streams=self.streams)
+                                        streams=self.streams, answer_len=answer_len)
 
     def interrupt_streams(self, reason: str) -> int:
         """End every stream still relayed with the ``stream_interrupted`` event naming ``reason``, and each

@@ -72,7 +72,15 @@ async def test_a_prompt_longer_than_every_context_is_still_refused(ups):
     small.reset(), big.reset()
     cfg = config(small, big).replace("route: far", "route: near")   # nothing larger on the route
     async with gateway(cfg) as h:
+        # the answer needs room too (a capacity trial: a prompt of exactly the context was sent to the engine)
+        for prompt, max_tokens in (([7] * 1024, 1), ([7] * 1000, 25)):
+            r = await h.post("/v1/completions", json={"model": "m1", "prompt": prompt, "max_tokens": max_tokens})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert small.calls == 0
+        r = await h.post("/v1/completions", json={"model": "m1", "prompt": [7] * 1000, "max_tokens": 24})
+        assert r.status_code == 200 and small.calls == 1   # 1,024 in all: fits
+        small.reset()
         r = await h.post("/v1/completions", json={"model": "m1", "prompt": [[7] * 20, [7] * 1100], "max_tokens": 4})
     error = r.json()["error"]
     assert r.status_code == 400 and error["code"] == "context_length_exceeded", r.text
-    assert "resulted in 1100 tokens" in error["message"] and small.calls == 0
+    assert "requested 1104 tokens (1100 in the prompt, 4 in the completion)" in error["message"] and small.calls == 0

@@ -343,20 +343,45 @@ async def test_context_length_moves_to_larger_target(client, state, primary, fal
 
 async def test_context_length_stays_the_clients_400_when_a_no_larger_target_failed_first(client, state, primary):
     """A new user's too-long request drew the canary whose engine was down (connect_error), then the local engine
-    said context_length: a 502 ``upstream_failed`` the SDKs retry. The down target declares no larger context, so
-    the request is the client's error: the engine's 400. One that declares a larger one keeps the 502 (a retry
-    may reach it)."""
+    said context_length: a 502 ``upstream_failed`` the SDKs retry. The request is the client's error: the engine's
+    400, whether the down target declares no larger context or a larger one (a capacity trial: the 502 after a
+    retry of the larger one; vLLM and OpenAI answer the 400, which the client can act on)."""
     body = {"status": 400, "error_code": "context_length_exceeded",
             "message": "This model's maximum context length is 2048 tokens"}
     dead = f"http://127.0.0.1:{free_port()}/v1"
-    for limit, status in ((2048, 400), (8192, 502)):
+    for limit in (2048, 8192):
         primary.push(body)
         cands = [cand(dead, name="canary", max_model_len=limit), cand(primary, max_model_len=2048)]
         res = await call_with_fallback(cands, attempt_fn(client, False), breakers=Breakers(state), policy=FAST)
-        assert [a.outcome for a in res.attempts][:2] == ["connect_error", "context_length"]
-        assert res.status == status, res.body
-        if status == 400:
-            assert json.loads(res.body)["error"]["code"] == "context_length_exceeded"
+        assert [a.outcome for a in res.attempts] == ["connect_error", "context_length"]
+        assert res.status == 400, res.body
+        assert json.loads(res.body)["error"]["code"] == "context_length_exceeded"
+
+
+async def test_after_a_context_length_refusal_a_larger_target_is_tried_once_and_never_waited_for(
+        client, state, primary, fallback):
+    """A capacity trial: the local engine refused a prompt as too long, the larger canary's breaker was open, and
+    the request waited ~9 s for its cooldown to probe it (or retried it after a connect error, four calls), then
+    answered a retryable 502/503. Each larger target is now tried once, at once, and the refusal is the answer
+    when none answers; a larger one that answers serves it."""
+    body = {"status": 400, "error_code": "context_length_exceeded",
+            "message": "This model's maximum context length is 256 tokens"}
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    patient = RetrySettings(max_retry_after_s=30, deadline_s=60, max_attempts=10, backoff_initial_s=0.01)
+    br = Breakers(state, BreakerSettings(consecutive_failures=1, open_s=5))
+    await br.record("canary", False)   # cooling down 5 s: a wait for it is within max_retry_after_s
+    primary.push(body)
+    cands = [cand(primary, max_model_len=256), cand(dead, name="canary", max_model_len=2048)]
+    res = await call_with_fallback(cands, attempt_fn(client, False), breakers=br, policy=patient)
+    assert res.status == 400 and json.loads(res.body)["error"]["code"] == "context_length_exceeded"
+    assert [a.outcome for a in res.attempts] == ["context_length", "skipped: breaker open"]
+    primary.push(body)   # the larger one callable but down: called once, not again after a backoff
+    res = await call_with_fallback(cands, attempt_fn(client, False), policy=patient)
+    assert res.status == 400 and [a.outcome for a in res.attempts] == ["context_length", "connect_error"]
+    primary.push(body)   # the larger one up: it answers
+    res = await call_with_fallback([cand(primary, max_model_len=256), cand(fallback, max_model_len=2048)],
+                                   attempt_fn(client, False), policy=patient)
+    assert res.status == 200 and res.candidate.name == "fallback"
 
 
 async def test_candidates_too_small_are_skipped(client, primary, fallback):
@@ -369,6 +394,10 @@ async def test_candidates_too_small_are_skipped(client, primary, fallback):
     assert res.status == 400 and error["code"] == "context_length_exceeded" and error["param"] == "messages"
     assert "maximum context length is 32768 tokens" in error["message"]
     assert "messages resulted in 40000 tokens" in error["message"]
+    res = await call_with_fallback(cands, attempt_fn(client, False), required_len=40000, answer_len=1000,
+                                   policy=FAST, prompt_param="messages")   # OpenAI's words with max_tokens
+    assert "you requested 40000 tokens (39000 in the messages, 1000 in the completion)" in \
+        json.loads(res.body)["error"]["message"]
 
 
 async def test_malformed_json_falls_back(client, primary, fallback):
