@@ -226,8 +226,9 @@ class AsyncEngine:
         self._listeners.outputs.append(listener)
 
     def add_pooling_listener(self, listener: PoolingListener) -> None:
-        """Call ``listener(prompt_lens, arrival, now)`` when an ``embed`` call is answered (metrics: vLLM counts
-        pooling requests as it counts generation). It must be quick and must not raise."""
+        """Call ``listener(prompt_lens, arrival, now, reason)`` when an ``embed`` call ends ("stop": answered,
+        "abort": its caller left; metrics: vLLM counts pooling requests as it counts generation). It must be quick
+        and must not raise."""
         self._listeners.pooling.append(listener)
 
     # ---------------------------------------------------------------- requests
@@ -268,8 +269,13 @@ class AsyncEngine:
                 cached = [self._prefix_mirror.cached_tokens(ids, state.block_size) for ids in prompts]
                 self._pending.note_sent_many([(0, i, c, len(ids) - c, 0, POOLING)
                                               for i, (ids, c) in enumerate(zip(prompts, cached))], time.monotonic())
-        vectors = await self._client.embed(prompts, pooling_type, normalize)
-        self._listeners.pooled([len(ids) for ids in prompts], arrival, time.monotonic())
+        lens = [len(ids) for ids in prompts]
+        try:
+            vectors = await self._client.embed(prompts, pooling_type, normalize)
+        except asyncio.CancelledError:   # its caller left: the core aborts the call's requests
+            self._listeners.pooled(lens, arrival, time.monotonic(), "abort")
+            raise
+        self._listeners.pooled(lens, arrival, time.monotonic())
         return vectors
 
     async def withdraw(self, request_id: str, by: float, scale: float = 1.0) -> tuple[bool, float | None]:

@@ -295,12 +295,17 @@ class EngineMetrics:
                 self._last_token.pop(rid, None)
                 self._generated.pop(rid, None)
 
-    def record_pooled(self, prompt_lens: list[int], arrival: float, now: float) -> None:
-        """One answered embedding call (``time.monotonic()`` seconds of the call and its answer): each prompt
-        counts as vLLM v1 counts a finished pooling request (its ``OutputProcessor`` sends pooling outputs through
-        the same stats as generation): its tokens in ``prompt_tokens`` and ``request_prompt_tokens``, one
-        ``request_success`` (``finished_reason`` ``stop``), the call's time in ``e2e_request_latency``. A trial
-        found embedding traffic missing from all four."""
+    def record_pooled(self, prompt_lens: list[int], arrival: float, now: float, reason: str = "stop") -> None:
+        """One ended embedding call (``time.monotonic()`` seconds of the call and its end): each prompt of an
+        answered one (``reason`` "stop") counts as vLLM v1 counts a finished pooling request (its
+        ``OutputProcessor`` sends pooling outputs through the same stats as generation): its tokens in
+        ``prompt_tokens`` and ``request_prompt_tokens``, one ``request_success`` (``finished_reason`` ``stop``), the
+        call's time in ``e2e_request_latency``. A trial found embedding traffic missing from all four. Each prompt
+        of a call its caller left (``reason`` "abort") is one ``request_success`` with ``finished_reason`` ``abort``,
+        as vLLM counts an aborted request (a capacity trial found no trace of it)."""
+        if reason != "stop":
+            self.request_success.labels(self.model_name, reason).inc(len(prompt_lens))
+            return
         for tokens in prompt_lens:
             self.prompt_tokens.inc(tokens)
             self.request_prompt_tokens.observe(tokens)

@@ -14,9 +14,9 @@ logger = logging.getLogger("tandem.async_engine")
 
 # A listener sees every batch of outputs: (outputs, time.monotonic() of the step).
 OutputListener = Callable[[list[RequestOutput], float], None]
-# A pooling listener sees every embedding call answered: (each prompt's tokens, time.monotonic() of the call and of
-# its answer).
-PoolingListener = Callable[[list[int], float, float], None]
+# A pooling listener sees every embedding call ended: (each prompt's tokens, time.monotonic() of the call and of
+# its end, "stop" when answered or "abort" when its caller left first).
+PoolingListener = Callable[[list[int], float, float, str], None]
 
 
 class Listeners:
@@ -34,11 +34,11 @@ class Listeners:
             except Exception:  # noqa: BLE001
                 logger.exception("output listener failed")
 
-    def pooled(self, prompt_lens: list[int], arrival: float, now: float) -> None:
-        """One answered embedding call (each prompt's tokens; ``time.monotonic()`` of the call and of its answer)
-        to every pooling listener."""
+    def pooled(self, prompt_lens: list[int], arrival: float, now: float, reason: str = "stop") -> None:
+        """One ended embedding call (each prompt's tokens; ``time.monotonic()`` of the call and of its end;
+        ``reason``: "stop" answered, "abort" its caller left) to every pooling listener."""
         for listener in self.pooling:
             try:
-                listener(prompt_lens, arrival, now)
+                listener(prompt_lens, arrival, now, reason)
             except Exception:  # noqa: BLE001
                 logger.exception("pooling listener failed")

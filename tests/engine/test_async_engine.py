@@ -207,7 +207,17 @@ async def test_stats_report_live_signals(engine):
 async def test_an_embed_call_its_caller_left_stops_and_frees_its_blocks(engine):
     """A trial's client gave up on two 6,000-token embeddings: the core prefilled them to the end for nobody,
     holding KV blocks ~85 s. Cancelling the caller's task aborts the call's pooling requests: the core goes
-    idle having computed only part of the prompts."""
+    idle having computed only part of the prompts; vLLM's metrics count each prompt as an aborted request (a
+    capacity trial: no trace of it)."""
+    from prometheus_client import CollectorRegistry
+
+    from engine.metrics import EngineMetrics
+    registry = CollectorRegistry()
+    EngineMetrics(registry, engine, "m").attach()
+
+    def finished(reason: str) -> float:
+        return registry.get_sample_value("vllm:request_success_total", {"model_name": "m", "finished_reason": reason})
+
     prompts = [[100 + (i * 131 + j * 7) % 40000 for j in range(480)] for i in range(48)]   # 23,040 tokens: ~45 steps
     before = engine.get_stats().prompt_tokens_total
     task = asyncio.create_task(engine.embed(prompts))
@@ -218,8 +228,10 @@ async def test_an_embed_call_its_caller_left_stops_and_frees_its_blocks(engine):
         await task
     assert await wait_idle(engine)
     assert engine.get_stats().prompt_tokens_total - before < sum(map(len, prompts))
+    assert (finished("abort"), finished("stop")) == (48, 0)
     vectors = await engine.embed(prompts[:1])   # the engine serves embeddings after it
     assert len(vectors) == 1 and len(vectors[0]) > 0
+    assert (finished("abort"), finished("stop")) == (48, 1)
 
 
 async def test_graceful_drain_finishes_running_requests(engine):
