@@ -61,6 +61,7 @@ from engine.protocol.errors import ServingError
 from engine.protocol.heap import freeze_heap
 from engine.protocol.request_ids import stamp_request_id, unique_request_id
 from engine.protocol.signals import SIGNAL_ECHO_S, stop_exit_status
+from engine.serving.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields
 from engine.serving.chat import OpenAIServingChat
 from engine.serving.chunks import sse_stream
 from engine.serving.completion import OpenAIServingCompletion
@@ -166,6 +167,9 @@ async def _generate(request: Request, kind: str) -> Response:
     body = await json_body(request)
     rid = unique_request_id(request.scope)
     _log_request(request, rid, body)
+    if isinstance(body, dict) and (ignored := ignored_fields(body, ChatCompletionRequest if kind == "chat"
+                                                              else CompletionRequest)):
+        logger.warning("The following fields were present in the request but ignored: %s", ignored)   # vLLM's words
     if kind == "chat":
         call = serving.create_chat_completion(body, request_id=f"chatcmpl-{rid}")
     else:

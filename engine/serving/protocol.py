@@ -17,6 +17,7 @@ vLLM ``entrypoints/openai/protocol.py`` for the extra fields' names and defaults
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, TypeVar
 
@@ -264,3 +265,14 @@ def parse_request(body: Any, schema: type[T]) -> T:
     if (bad := first_violation(body, completions=schema is CompletionRequest)) is not None:
         raise RequestValidationError(bad.message, bad.param, bad.code)
     return parsed
+
+
+def ignored_fields(body: dict, schema: type) -> list[str]:
+    """The top-level fields of ``body`` that a request ``schema`` (a msgspec Struct) does not read, sorted: taken
+    and ignored, as vLLM's server takes them (and logs them)."""
+    return sorted(body.keys() - _field_names(schema))
+
+
+@functools.cache
+def _field_names(schema: type) -> frozenset[str]:
+    return frozenset(f.encode_name for f in msgspec.structs.fields(schema))

@@ -174,6 +174,18 @@ def test_models_health_and_plain_chat(server):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 6
 
 
+def test_fields_the_server_does_not_read_are_taken_and_logged_as_vllm_does(server, caplog):
+    """vLLM's server serves a request with fields it does not know and logs them; a sampling trial: taken
+    without a word."""
+    with caplog.at_level("WARNING", logger="tandem.server"):
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+            "model": server.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+            "store": True, "not_a_field": 1})
+    assert r.status_code == 200, r.text
+    said = [rec.getMessage() for rec in caplog.records if rec.name == "tandem.server"]
+    assert "The following fields were present in the request but ignored: ['not_a_field', 'store']" in said
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
 def test_a_body_nested_past_the_decoders_limit_is_a_400(server, path):
     """msgspec raises RecursionError past ~1,000 levels: a client's 400, never a 500 with a traceback."""
