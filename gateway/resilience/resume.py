@@ -12,7 +12,10 @@ carries its token ids; they are removed again when the client did not ask for th
 without a seed, a seed the gateway chooses (``x-tandem-seed``). Only Tandem engines (the co-located one,
 ``tandem engine serve`` replicas) understand both: a route that resumes lists only them. A stream whose events
 carried no token ids (an aggregator answered), one with a finished choice, tools, a response format or
-``echo``, and a drain's end are cut as before.
+``echo``, and a drain's end are cut as before. So is a continuation whose ``system_fingerprint`` is not the
+stream's: a replica of another build (an AVX2 host beside AVX-512 ones, another dtype or version) computes
+other bits, and would join two answers (a trial's, on a mixed pool); it is closed before any of its events
+is sent, and the next target is asked while attempts are left.
 """
 
 from __future__ import annotations
@@ -77,27 +80,45 @@ async def resumable(stream: ChatStream, backend: str, plan: ResumePlan, req: Gat
     tokens: dict[int, list[int]] = {}
     finished: set[int] = set()
     failed, left = [backend], plan.attempts
+    fingerprint: str | None = None   # the stream's build, from the first event that names one
+    cut = None                       # the interruption a continuation replaces
+    announce = None                  # (cut, going on): told on_resumed at the continuation's first event taken
     while True:
-        cut = None
+        interrupted = foreign = None
         exhausted = False
         try:
             async for batch in stream:
                 out = []
                 for ev in batch:
+                    if fingerprint and ev.system_fingerprint and ev.system_fingerprint != fingerprint:
+                        foreign = ev.system_fingerprint   # another build's bits: none of its events is sent
+                        break
+                    fingerprint = fingerprint or ev.system_fingerprint
+                    if announce is not None:
+                        on_resumed(*announce)
+                        announce = None
                     if left > 0 and _resumable(ev, tokens, finished):
-                        cut = ev
+                        interrupted = ev
                         break
                     out.append(_note(ev, tokens, finished, plan.client_ids))
                 if out:
                     yield out
-                if cut is not None:
+                if interrupted is not None or foreign is not None:
                     break
-            exhausted = True
+            exhausted = foreign is None
         finally:
             if not exhausted:
                 await stream.aclose()
-        if cut is None:
+        if foreign is not None:
+            log.warning("request %s: stream not resumed on %s: its system_fingerprint %s is not the stream's %s "
+                        "(another build computes other bits)", req.request_id, failed[-1], foreign, fingerprint)
+            if left <= 0:
+                yield [cut]
+                return
+        elif interrupted is None:
             return
+        else:
+            cut = interrupted
         left -= 1
         body = {"resume_token_ids": [list(tokens.get(i, ())) for i in range(plan.choices)]}   # copies: they grow on
         answer = await call(_with(req, body), failed)
@@ -108,7 +129,7 @@ async def resumable(stream: ChatStream, backend: str, plan: ResumePlan, req: Gat
             return
         log.info("request %s: stream resumed on %s after %s tokens (%s failed)", req.request_id, answer.backend,
                  sum(len(t) for t in tokens.values()), ", ".join(failed))
-        on_resumed(failed[-1], answer.backend)
+        announce = (failed[-1], answer.backend)
         failed.append(answer.backend)
         stream = answer.stream
 

@@ -19,11 +19,12 @@ REQ = GatewayRequest(endpoint="chat/completions", body={"messages": [], "stream"
                      has_response_format=False, local_unsupported=None)
 
 
-def chunk(text: str, ids: list[int] | None = None, finish: str | None = None, index: int = 0) -> bytes:
+def chunk(text: str, ids: list[int] | None = None, finish: str | None = None, index: int = 0,
+          fingerprint: str | None = None) -> bytes:
     choice = {"index": index, "delta": {"content": text}, "finish_reason": finish}
     if ids is not None:
         choice["token_ids"] = ids
-    return event(json.dumps({"id": "x", "choices": [choice]}).encode())
+    return event(json.dumps({"id": "x", "choices": [choice], "system_fingerprint": fingerprint}).encode())
 
 
 def gen(*parts: bytes):
@@ -93,3 +94,31 @@ def test_cut_when_the_continuation_fails_and_when_resumes_run_out():
     out = asyncio.run(main())
     assert calls == [["r1"], ["r1", "r2"]]
     assert out.count(b"stream_interrupted") == 1 and out.endswith(b'"code":"stream_interrupted"}}\n\n')
+
+
+def test_a_continuation_of_another_build_is_never_joined_to_the_stream():
+    """A trial resumed a native (AVX-512) replica's answer on an AVX2 replica: another build computes other bits,
+    and the client got two answers joined. A continuation whose system_fingerprint is not the stream's is closed
+    before any of its events is sent and the next target asked; none left: the cut, as before."""
+    calls, resumed = [], []
+
+    async def call(req, failed):
+        calls.append(list(failed))
+        if len(calls) == 1:
+            return Answer(200, stream=gen(chunk("X", [9], fingerprint="fp_avx2")), backend="r2")
+        return Answer(200, stream=gen(chunk("c", [3], "stop", fingerprint="fp_native"), b"data: [DONE]\n\n"),
+                      backend="r3")
+
+    async def main(attempts):
+        plan = ResumePlan(attempts, False, 1)
+        out = resumable(gen(chunk("ab", [1, 2], fingerprint="fp_native"), CUT), "r1", plan, REQ, call,
+                        on_resumed=lambda cut, on: resumed.append((cut, on)))
+        return b"".join([c async for c in ChatEncoder("x", "m").stream(out)])
+
+    out = asyncio.run(main(2))
+    assert calls == [["r1"], ["r1", "r2"]] and resumed == [("r2", "r3")]
+    assert b'"X"' not in out and b"stream_interrupted" not in out and out.endswith(b"data: [DONE]\n\n")
+    calls.clear(), resumed.clear()
+    out = asyncio.run(main(1))   # one resume only: the foreign continuation is dropped, the stream cut
+    assert calls == [["r1"]] and resumed == []
+    assert b'"X"' not in out and out.count(b"stream_interrupted") == 1
