@@ -34,6 +34,7 @@ def test_the_cpu_kernels_body_is_part_of_the_numerics(monkeypatch):
     from kernels import cpu_linear
 
     args, cpu = EngineArgs(), torch.device("cpu")
+    monkeypatch.delenv("TANDEM_CPU_MARCH", raising=False)   # the native build, also in a run that sets it
     native = numerics_of(args, cpu, torch.bfloat16)
     monkeypatch.setenv("TANDEM_CPU_MARCH", "x86-64-v3")
     avx2 = numerics_of(args, cpu, torch.bfloat16)
