@@ -159,10 +159,10 @@ def _log_quantized(model, quantization: str, dtype: torch.dtype) -> None:
     if copies or model.lm_head_q8 is not None:
         mib = sum(packed.nbytes for layer in model.layers for packed, _, _ in layer.q4_copy.values()) / 2**20
         head = model.lm_head_q8
-        when = f"for every step (integer dots, {cpu_linear.quant_body()}: outputs within the inputs' 8-bit " \
-            "rounding, the same for any batch; these layers' bits are the same on AVX2 and AVX-512 machines, the "
-            "model's answers not: its attention and bfloat16 layers differ)" if cpu_linear.integer_copies() else \
-            f"for decode steps of up to {cpu_linear.COPY_MAX_ROWS} sequences (same outputs, fewer bytes)"
+        when = (f"for every step (integer dots, {cpu_linear.quant_body()}: outputs within the inputs' 8-bit "
+                "rounding, the same for any batch; these layers' bits are the same on AVX2 and AVX-512 machines, "
+                "the model's answers not: its attention and bfloat16 layers differ)" if cpu_linear.integer_copies()
+                else f"for decode steps of up to {cpu_linear.COPY_MAX_ROWS} sequences (same outputs, fewer bytes)")
         logger.info("weights in %s (quantization %s); the engine also keeps the GGUF's 4-bit codes of %d "
                     "projections (+%.0f MiB)%s and reads them instead %s", dtype, quantization, copies, mib,
                     "" if head is None else f" and the 8-bit output head (+{head.nbytes / 2**20:.0f} MiB)", when)
