@@ -134,7 +134,7 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
     answer_len = 1 if req.max_tokens is None else req.max_tokens
     required_len = req.longest_prompt_tokens + answer_len if req.prompt_tokens_exact else None
     res = await resilience.forward(candidates, attempt, stream=req.stream, required_len=required_len,
-                                   answer_len=answer_len,
+                                   answer_len=req.max_tokens,
                                    request_id=req.request_id, tokens=reserved_tokens, on_finish=settle,
                                    prompt_param={"chat/completions": "messages", "embeddings": "input"}.get(
                                        req.endpoint, "prompt"))

@@ -91,13 +91,13 @@ class _Run:
     """State of one request's attempt loop (see the module docstring)."""
 
     def __init__(self, candidates, attempt, *, stream, policy, breakers, health, limiter, required_len, request_id,
-                 tokens, on_finish, batch_events, prompt_param=None, streams=None, answer_len=0):
+                 tokens, on_finish, batch_events, prompt_param=None, streams=None, answer_len: int | None = 0):
         self.candidates: list[Candidate] = list(candidates)
         self.attempt_fn, self.stream, self.policy = attempt, stream, policy
         self.breakers, self.health, self.limiter = breakers, health, limiter
         self.required_len, self.request_id, self.tokens = required_len, request_id, tokens
         self.prompt_param, self.on_finish, self.batch, self.streams = prompt_param, on_finish, batch_events, streams
-        self.answer_len = answer_len   # of required_len, the tokens the answer may take (max_tokens)
+        self.answer_len = answer_len   # of required_len, the answer's max_tokens (None: unset, one token counted)
         self.start = time.monotonic()
         self.deadline = self.start + policy.deadline_s
         self._retry: RetryPolicy | None = None      # made by the first failure (``retry``)
@@ -475,7 +475,7 @@ async def call_with_fallback(candidates: list[Candidate],
                              limiter=None, required_len: int | None = None, request_id: str = "", tokens: int = 0,
                              on_finish: Callable[[Result], Any] | None = None,
                              batch_events: bool = False, prompt_param: str | None = None,
-                             streams: OpenStreams | None = None, answer_len: int = 0) -> Result:
+                             streams: OpenStreams | None = None, answer_len: int | None = 0) -> Result:
     """Run one request across ``candidates`` (route order) and return what the client should get.
 
     attempt(candidate) performs one upstream call and returns an ``UpstreamResponse`` for ANY status (raising only
@@ -483,7 +483,7 @@ async def call_with_fallback(candidates: list[Candidate],
     counts as that HTTP answer). breakers: ``gateway.resilience.breaker.Breakers``; health: ``gateway.resilience.health.HealthTracker``;
     limiter: ``gateway.resilience.ratelimit.RateLimiter`` for ``Candidate.limits`` (tokens reserved: ``tokens``).
     required_len: prompt tokens + max_tokens, to skip candidates with a smaller ``max_model_len``; answer_len:
-    its max_tokens part (named by the 400 when no candidate takes it).
+    its max_tokens part (None: unset, one token counted; named by the 400 when no candidate takes it).
     on_finish(result): called once a committed stream has ended (cleanly, with an error, or by a disconnect).
     batch_events: a committed stream yields every event of a read as one list (one write downstream per read).
     prompt_param: the body field holding the prompt ("messages" or "prompt"), named by the 400 when no candidate

@@ -195,7 +195,7 @@ class Resilience:
 
     async def forward(self, candidates: list[Candidate], attempt, *, stream: bool, required_len: int | None,
                       request_id: str, tokens: int, on_finish=None, prompt_param: str | None = None,
-                      answer_len: int = 0) -> Result:
+                      answer_len: int | None = 0) -> Result:
         """``call_with_fallback`` with this gateway's breakers, health, limiter and retry policy."""
         return await call_with_fallback(candidates, attempt, stream=stream, policy=self.policy,
                                         breakers=self.breakers, health=self.health, limiter=self.limiter,

@@ -312,16 +312,20 @@ def no_client_retry(res: Result) -> Result:
     return res
 
 
-def too_long_body(largest: int | None, required_len: int, answer_len: int, param: str | None) -> bytes:
+def too_long_body(largest: int | None, required_len: int, answer_len: int | None, param: str | None) -> bytes:
     """OpenAI's 400 ``context_length_exceeded`` when no target of the route takes ``required_len`` tokens (of which
-    ``answer_len`` are the completion's ``max_tokens``, 0: the prompt alone); ``largest``: the route's largest
-    ``max_model_len`` (None: unknown); ``param``: the prompt's field ("messages", "prompt", "input")."""
+    ``answer_len`` are the completion's ``max_tokens``; 0: the prompt alone, as an embedding's; None: unset, the
+    answer's one token counted); ``largest``: the route's largest ``max_model_len`` (None: unknown); ``param``: the
+    prompt's field ("messages", "prompt", "input")."""
     limit = f"This model's maximum context length is {largest} tokens. However, " if largest else ""
     field = param or "prompt"
     if answer_len:   # OpenAI's words when the completion's tokens count too
         asked = (f"you requested {required_len} tokens ({required_len - answer_len} in the {field}, {answer_len} in "
                  f"the completion)")
         fix = f"the length of the {field} or completion"
+    elif answer_len is None:   # no max_tokens: the prompt, with room for one token of answer
+        asked = f"your {field} resulted in {required_len - 1} tokens, with no room left for the answer"
+        fix = f"the length of the {field}"
     else:
         asked, fix = f"your {field} resulted in {required_len} tokens", f"the length of the {field}"
     return error_body(400, f"{limit}{asked}, and no available backend of this route takes that many. Please reduce "

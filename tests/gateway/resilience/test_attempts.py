@@ -398,6 +398,10 @@ async def test_candidates_too_small_are_skipped(client, primary, fallback):
                                    policy=FAST, prompt_param="messages")   # OpenAI's words with max_tokens
     assert "you requested 40000 tokens (39000 in the messages, 1000 in the completion)" in \
         json.loads(res.body)["error"]["message"]
+    res = await call_with_fallback(cands, attempt_fn(client, False), required_len=40000, answer_len=None,
+                                   policy=FAST, prompt_param="messages")   # no max_tokens: one answer token counted
+    assert "your messages resulted in 39999 tokens, with no room left for the answer" in \
+        json.loads(res.body)["error"]["message"]   # a new-user trial: "(..., 1 in the completion)" was never asked
 
 
 async def test_malformed_json_falls_back(client, primary, fallback):
