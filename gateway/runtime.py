@@ -247,7 +247,8 @@ class Gateway:
         self.file_digest = state.file_digest or self.file_digest
         old, self.snapshot = self.snapshot, snap     # the atomic swap: one reference assignment
         self.obs.configure(snap)
-        log.info("config version %d applied (%s): %s", state.version, state.source,
+        log.info("config version %d applied (%s%s): %s", state.version, state.source,
+                 f" {self.config_path}" if state.source == "file" and self.config_path else "",
                  describe_changes(old.compiled if old else None, compiled))
         for w in snap.warnings:
             log.warning("%s", w)
