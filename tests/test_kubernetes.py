@@ -124,6 +124,20 @@ def test_the_pool_selects_the_engine_pods_and_its_picker_is_tandem_on_the_gatewa
     assert volume["configMap"]["name"] == "tandem-gateway"     # the config the gateway test checks names the pods
 
 
+def test_redis_keeps_what_only_it_holds_and_refuses_writes_before_its_memory_limit():
+    """A soak trial: the shipped Redis ran unpersisted with a 512Mi limit and no maxmemory, so its keys (~0.35 MB
+    a 1,000 requests: the ledger, stored Responses) would get it OOM-killed, and it came back empty: the usage
+    history, stored responses and rollouts lost. It is persisted on a volume and capped below its limit."""
+    redis = by_kind("StatefulSet", "tandem-redis")["spec"]
+    container = redis["template"]["spec"]["containers"][0]
+    args = dict(zip(container["args"][::2], container["args"][1::2]))
+    assert args["--appendonly"] == "yes" and args["--maxmemory-policy"] == "noeviction"
+    mount = container["volumeMounts"][0]
+    assert args["--dir"] == mount["mountPath"] and mount["name"] == redis["volumeClaimTemplates"][0]["metadata"]["name"]
+    cap, limit = args["--maxmemory"], container["resources"]["limits"]["memory"]
+    assert cap.endswith("mb") and limit.endswith("Gi") and int(cap[:-2]) * 2**20 < 0.85 * int(limit[:-2]) * 2**30
+
+
 def test_a_wrong_field_is_caught():
     bad = by_kind("StatefulSet", "tandem-engine")
     bad["spec"]["template"]["spec"]["containers"][0]["readinessProb"] = {}
