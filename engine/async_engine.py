@@ -1,20 +1,16 @@
-"""The asynchronous engine: the engine core runs in its own process (or a
-thread), and each request's delta outputs reach its asyncio consumer through
-a queue.
+"""The asynchronous engine: the engine core runs in its own process (or a thread), and each request's delta
+outputs reach its asyncio consumer through a queue.
 
     generate() ─ tokenize ─► AddRequest ──(pipe, msgpack)──► engine core process: run_core_loop
         ▲                                                          │ one CoreStep per step
         └── per-request asyncio.Queue ◄── OutputProcessor ◄── reader thread
                                          (detokenize, stop strings; a stop string ─► FinishSequences)
 
-As vLLM v1's ``AsyncLLM`` + ``EngineCoreProc``: the front end (this object,
-on the event loop, plus one reader thread) keeps tokenization and output
-processing; the core (scheduler, model runner, KV cache) runs the model in
-another process, so a step never holds the event loop's GIL. With
-``engine_core_process=False`` the same core loop runs in a thread of this
-process (tests that patch the core use it). A consumer that stops iterating
-(client gone, task cancelled) aborts its request, which frees its KV blocks
-before the core's next step.
+As vLLM v1's ``AsyncLLM`` + ``EngineCoreProc``: the front end (this object, on the event loop, plus one reader
+thread) keeps tokenization and output processing; the core (scheduler, model runner, KV cache) runs the model in
+another process, so a step never holds the event loop's GIL. With ``engine_core_process=False`` the same core loop
+runs in a thread of this process (tests that patch the core use it). A consumer that stops iterating (client gone,
+task cancelled) aborts its request, which frees its KV blocks before the core's next step.
 """
 
 from __future__ import annotations
@@ -226,9 +222,8 @@ class AsyncEngine:
         self._listeners.outputs.append(listener)
 
     def add_pooling_listener(self, listener: PoolingListener) -> None:
-        """Call ``listener(prompt_lens, arrival, now, reason)`` when an ``embed`` call ends ("stop": answered,
-        "abort": its caller left; metrics: vLLM counts pooling requests as it counts generation). It must be quick
-        and must not raise."""
+        """Call ``listener(prompt_lens, arrival, now, reason)`` when an ``embed`` call ends ("stop" answered, "abort"
+        its caller left; metrics: vLLM counts pooling requests as generation). Quick; it must not raise."""
         self._listeners.pooling.append(listener)
 
     # ---------------------------------------------------------------- requests
@@ -269,13 +264,12 @@ class AsyncEngine:
                 cached = [self._prefix_mirror.cached_tokens(ids, state.block_size) for ids in prompts]
                 self._pending.note_sent_many([(0, i, c, len(ids) - c, 0, POOLING)
                                               for i, (ids, c) in enumerate(zip(prompts, cached))], time.monotonic())
-        lens = [len(ids) for ids in prompts]
         try:
             vectors = await self._client.embed(prompts, pooling_type, normalize)
         except asyncio.CancelledError:   # its caller left: the core aborts the call's requests
-            self._listeners.pooled(lens, arrival, time.monotonic(), "abort")
+            self._listeners.pooled([len(ids) for ids in prompts], arrival, time.monotonic(), "abort")
             raise
-        self._listeners.pooled(lens, arrival, time.monotonic())
+        self._listeners.pooled([len(ids) for ids in prompts], arrival, time.monotonic())
         return vectors
 
     async def withdraw(self, request_id: str, by: float, scale: float = 1.0) -> tuple[bool, float | None]:
