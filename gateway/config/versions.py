@@ -22,7 +22,8 @@ rollout's revision key), so a tick that read a rollout just before an operator o
 its split over their change. Keys:
 ``<prefix>:config:history`` (list, newest first, ``keep_versions`` long),
 ``<prefix>:config:version`` (counter), ``<prefix>:config:digest`` (head's
-digest); all carry a 30-day TTL refreshed on every write.
+digest); none expires (the history is ``keep_versions`` long: a soak trial found the 30-day TTL they had, refreshed
+only by a write, would drop a stable config's history, the rollbacks, after a month without a change).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from dataclasses import asdict, dataclass, field
 import redis.asyncio as aioredis
 import yaml
 
-KEY_TTL_S = 30 * 24 * 3600
 
 
 class VersionConflict(Exception):
@@ -213,55 +213,55 @@ class MemoryLedger:
         pass
 
 
-# ARGV: state json, digest, keep, ttl, base version ('' = any), guard revision ('' = none; KEYS[4] its key), its
+# ARGV: state json, digest, keep, base version ('' = any), guard revision ('' = none; KEYS[4] its key), its
 # file_digest and owners (json; recorded on a head of equal content when the file_digest is not ''). Returns the
 # version, -(head version + 1) when the head is not ``base`` (a conflict), 0 when the guard does not hold (nothing
 # done either way).
 _PUSH = """
-if ARGV[6] ~= '' and tonumber(redis.call('GET', KEYS[4]) or '0') ~= tonumber(ARGV[6]) then return 0 end
+if ARGV[5] ~= '' and tonumber(redis.call('GET', KEYS[4]) or '0') ~= tonumber(ARGV[5]) then return 0 end
 local cur = tonumber(redis.call('GET', KEYS[2]) or '0')
 if redis.call('GET', KEYS[3]) == ARGV[2] then
   local head = redis.call('LINDEX', KEYS[1], 0)
-  if ARGV[7] ~= '' and head then
+  if ARGV[6] ~= '' and head then
     local nl = string.find(head, "\\n", 1, true)
     local d = cjson.decode(string.sub(head, nl + 1))
-    d['file_digest'] = ARGV[7]
-    d['owners'] = cjson.decode(ARGV[8])
+    d['file_digest'] = ARGV[6]
+    d['owners'] = cjson.decode(ARGV[7])
     redis.call('LSET', KEYS[1], 0, string.sub(head, 1, nl) .. cjson.encode(d))
   end
   return cur
 end
-if ARGV[5] ~= '' and tonumber(ARGV[5]) ~= cur then return -cur - 1 end
+if ARGV[4] ~= '' and tonumber(ARGV[4]) ~= cur then return -cur - 1 end
 local v = redis.call('INCR', KEYS[2])
 redis.call('LPUSH', KEYS[1], v .. "\\n" .. ARGV[1])
 redis.call('LTRIM', KEYS[1], 0, tonumber(ARGV[3]) - 1)
 redis.call('SET', KEYS[3], ARGV[2])
-for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
+for i = 1, 3 do redis.call('PERSIST', KEYS[i]) end
 return v
 """
 
-# ARGV: ttl, base version ('' = any), the replacing state's json and digest ('' = none: the previous state as
+# ARGV: base version ('' = any), the replacing state's json and digest ('' = none: the previous state as
 # stored). Returns the new head's entry, false (nothing to roll back to), or -(head version + 1) when the head is
 # not ``base``.
 _ROLLBACK = """
 local cur = tonumber(redis.call('GET', KEYS[2]) or '0')
-if ARGV[2] ~= '' and tonumber(ARGV[2]) ~= cur then return -cur - 1 end
+if ARGV[1] ~= '' and tonumber(ARGV[1]) ~= cur then return -cur - 1 end
 if redis.call('LLEN', KEYS[1]) < 2 then return false end
 local top = redis.call('LPOP', KEYS[1])
 local top_d = cjson.decode(string.sub(top, string.find(top, "\\n", 1, true) + 1))
 local prev = redis.call('LINDEX', KEYS[1], 0)
 local nl = string.find(prev, "\\n", 1, true)
 local body = string.sub(prev, nl + 1)
-if ARGV[3] ~= '' then body = ARGV[3] end
+if ARGV[2] ~= '' then body = ARGV[2] end
 local d = cjson.decode(body)
 d['source'] = 'rollback'
-if ARGV[3] == '' then d['file_digest'] = top_d['file_digest'] or '' end
-if ARGV[4] ~= '' then d['digest'] = ARGV[4] end
+if ARGV[2] == '' then d['file_digest'] = top_d['file_digest'] or '' end
+if ARGV[3] ~= '' then d['digest'] = ARGV[3] end
 body = cjson.encode(d)
 local v = redis.call('INCR', KEYS[2])
 redis.call('LSET', KEYS[1], 0, v .. "\\n" .. body)
 redis.call('SET', KEYS[3], d['digest'])
-for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+for i = 1, 3 do redis.call('PERSIST', KEYS[i]) end
 return v .. "\\n" .. body
 """
 
@@ -293,7 +293,7 @@ class RedisLedger:
     async def push(self, state: ConfigState, base: int | None = None, guard: Guard | None = None) -> int:
         """As ``MemoryLedger.push``, atomically on Redis."""
         keys = self.keys + ([guard.key] if guard is not None else [])
-        v = int(await self._push(keys=keys, args=[state.to_json(), state.digest, self.keep, KEY_TTL_S,
+        v = int(await self._push(keys=keys, args=[state.to_json(), state.digest, self.keep,
                                                   "" if base is None else base, "" if guard is None else guard.rev,
                                                   state.file_digest, json.dumps(state.owners)]))
         if v == 0:
@@ -305,9 +305,9 @@ class RedisLedger:
 
     async def rollback(self, base: int | None = None, replace: ConfigState | None = None) -> ConfigState:
         """As ``MemoryLedger.rollback``, atomically on Redis."""
-        args = [KEY_TTL_S, "" if base is None else base, "", ""]
+        args = ["" if base is None else base, "", ""]
         if replace is not None:
-            args[2:] = [replace.to_json(), replace.digest]
+            args[1:] = [replace.to_json(), replace.digest]
         entry = await self._rollback(keys=self.keys, args=args)
         if isinstance(entry, int) and entry < 0:
             raise VersionConflict(base, -entry - 1)

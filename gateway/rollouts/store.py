@@ -2,7 +2,11 @@
 process otherwise), so every replica reads the same rollout and report and a restarted gateway resumes where it
 was.
 
-Keys (prefix ``tandem``, TTL ``KEY_TTL_S`` refreshed on every write):
+Keys (prefix ``tandem``): a rollout that holds its route (running, paused, promoted) never expires, nor do the
+name sets (a name whose key is gone is dropped by the read that finds it so); an ended one, its record and the
+parity records expire ``KEY_TTL_S`` after their last write. (A soak trial: every key expired a week after its last
+write, and a promoted rollout, which nothing writes, would then have stopped holding its route: the next reload
+would set the file's split over the promotion.)
 
 - ``<prefix>:rollout:<name>`` (JSON of the rollout, with its ``rev``) and ``<prefix>:rollout-rev:<name>``: a
   change names the revision it was built on and is refused when another replica wrote meanwhile (``save``'s
@@ -42,18 +46,23 @@ if rev ~= tonumber(ARGV[2]) then return {-rev - 1, ''} end
 local owner = redis.call('GET', KEYS[5])
 if ARGV[6] == '1' and owner and owner ~= ARGV[3] then return {0, owner} end
 rev = rev + 1
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[4])
-redis.call('SET', KEYS[2], rev, 'EX', ARGV[4])
+if ARGV[6] == '1' then
+  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', KEYS[2], rev)
+else
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[4])
+  redis.call('SET', KEYS[2], rev, 'EX', ARGV[4])
+end
 redis.call('SADD', KEYS[3], ARGV[3])
-redis.call('EXPIRE', KEYS[3], ARGV[4])
+redis.call('PERSIST', KEYS[3])
 if ARGV[5] == '1' then
   redis.call('SADD', KEYS[4], ARGV[3])
-  redis.call('EXPIRE', KEYS[4], ARGV[4])
+  redis.call('PERSIST', KEYS[4])
 else
   redis.call('SREM', KEYS[4], ARGV[3])
 end
 if ARGV[6] == '1' then
-  redis.call('SET', KEYS[5], ARGV[3], 'EX', ARGV[4])
+  redis.call('SET', KEYS[5], ARGV[3])
 elseif owner == ARGV[3] then
   redis.call('DEL', KEYS[5])
 end

@@ -223,6 +223,39 @@ async def test_a_guarded_push_waits_on_the_rollouts_revision_alike(shared, redis
         await state.close()
 
 
+async def test_what_holds_a_split_never_expires_and_what_ended_does(redis_url):
+    """A soak trial: every config and rollout key expired some time after its last write (30 days, 7 days), and a
+    promoted rollout or a stable config is written by nothing: a week on, the promotion would stop holding its
+    route (the next reload setting the file's split over it), a month on, the rollback history would be gone.
+    The config history (``keep_versions`` long) and a holding rollout's keys never expire; an ended rollout's do."""
+    import redis.asyncio as aioredis
+
+    from gateway.config.schema import StateSettings
+    from gateway.rollouts.store import KEY_TTL_S, RolloutStore
+    from gateway.state import SharedState
+
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    state = SharedState(StateSettings(redis_url=redis_url, key_prefix=prefix))
+    store, ledger, r = RolloutStore(state), RedisLedger(redis_url, prefix), aioredis.Redis.from_url(redis_url)
+    try:
+        for k in ledger.keys:                       # keys an older version left with a TTL are made lasting
+            await r.set(k, "0", ex=60) if k.endswith("version") else None
+        v1 = await ledger.push(ConfigState("a: 1\n"), None)
+        await ledger.push(ConfigState("a: 2\n"), v1)
+        await ledger.rollback()
+        assert [await r.ttl(k) for k in ledger.keys] == [-1, -1, -1]
+        rev = await store.save("r1", {"state": "promoted", "route": "ro"}, 0)
+        held = [f"{prefix}:rollout:r1", f"{prefix}:rollout-rev:r1", f"{prefix}:rollout-route:ro", f"{prefix}:rollouts"]
+        assert [await r.ttl(k) for k in held] == [-1, -1, -1, -1]
+        await store.save("r1", {"state": "aborted", "route": "ro"}, rev)
+        assert 0 < await r.ttl(held[0]) <= KEY_TTL_S and await r.exists(held[2]) == 0
+        assert await r.ttl(held[3]) == -1 and await store.names() == ["r1"]
+    finally:
+        await r.aclose()
+        await ledger.aclose()
+        await state.close()
+
+
 def test_ctl_status_says_when_the_gateway_drains_or_redis_is_away():
     """An SRE trial's ``tandem ctl status`` during a drain printed the usual view: nothing said new requests got
     503. The status now says so, and that config changes wait while Redis is unreachable."""
