@@ -6,8 +6,11 @@ connection takes its source port from. Between picking such a port and the serve
 the machine may take it for a connection, and the server then fails with "Address already in use" (a CI run
 lost a test to exactly that while the other test worker made thousands of connections). So ports here come
 from the 16,384 below the ephemeral range, where no outgoing connection lands; each process walks them from
-a random start, so two processes picking at once meet only if their walks cross within the moment between
-a pick and its bind, and one process never hands out the same port twice in a walk (16,384 picks).
+a random start, and one process never hands out the same port twice in a walk (16,384 picks). Two processes
+whose walks cross could still hand out one port twice before either server bound it (an engine binds after its
+model loads, seconds later: a three-worker test run lost six servers to that), so a pick is also claimed for
+``HOLD_S`` seconds among this machine's processes: a file per port under ``$TMPDIR/tandem-ports``, created
+exclusively; a port another process claimed within the hold is passed over.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ import itertools
 import os
 import random
 import socket
+import tempfile
+import time
 from pathlib import Path
 
 _SPAN = 16384
+HOLD_S = 120.0   # how long a pick stays claimed: a server that binds later than this (a slow model load) may lose it
 
 
 def _ephemeral_low() -> int:
@@ -60,14 +66,35 @@ def _bindable(host: str, port: int) -> bool:
         return True
 
 
+def _claim(port: int) -> bool:
+    """Claim ``port`` for ``HOLD_S`` seconds among this machine's processes (see the module's docstring): False
+    when another process claimed it within the hold; True also where the claims cannot be written (no shared
+    temporary directory: the walk alone then)."""
+    claims = Path(tempfile.gettempdir()) / "tandem-ports"
+    path = claims / str(port)
+    try:
+        claims.mkdir(mode=0o1777, exist_ok=True)
+        for _ in range(2):
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+                return True
+            except FileExistsError:
+                if time.time() - path.stat().st_mtime < HOLD_S:
+                    return False
+                path.unlink(missing_ok=True)   # an older claim: its server bound the port or never will
+        return False
+    except OSError:
+        return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that can be bound now, below the kernel's ephemeral range so that no outgoing
-    connection takes it before the caller's server binds it; the OS's pick (``bind(port=0)``) after 64 ports
-    in a row are taken."""
+    connection takes it before the caller's server binds it, and that no other process of this machine was
+    handed in the last ``HOLD_S`` seconds; the OS's pick (``bind(port=0)``) after 64 ports in a row are taken."""
     walk = _process_walk(os.getpid())
     for _ in range(64):
         port = walk.next()
-        if _bindable(host, port):
+        if _bindable(host, port) and _claim(port):
             return port
     with socket.socket() as s:
         s.bind((host, 0))

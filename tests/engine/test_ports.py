@@ -43,3 +43,20 @@ def test_a_forked_child_walks_its_own_ports():
     child = [int(p) for p in os.read(read, 1000).decode().split(",")]
     os.close(read)
     assert len(child) == 20 and child != [free_port() for _ in range(20)]
+
+
+def test_a_port_another_process_was_handed_is_passed_over(tmp_path, monkeypatch):
+    """A three-worker test run lost six servers to "Address already in use": two workers' walks crossed, and
+    each handed out a port the other's server had not bound yet (an engine binds after its model loads). A
+    pick is claimed among the machine's processes for HOLD_S seconds; a claim older than that is taken over."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(ports.tempfile, "tempdir", None)   # gettempdir reads TMPDIR again
+    walk = ports._process_walk(os.getpid())
+    nxt = walk.low + (free_port() + 1 - walk.low) % walk.span   # the walk's next port
+    claims = tmp_path / "tandem-ports"
+    (claims / str(nxt)).touch()                               # another process was handed it just now
+    assert free_port() != nxt
+    stale = walk.low + (free_port() + 1 - walk.low) % walk.span
+    (claims / str(stale)).touch()
+    os.utime(claims / str(stale), (0, 0))                     # handed out long ago: taken over
+    assert free_port() == stale
