@@ -189,10 +189,11 @@ class Sampler:
         device = logits.device
         n, vocab = logits.shape
         params = [r.sampling_params for r in requests]
-        # finite: a logit near float32's largest (an extreme repetition_penalty) over a temperature below 1
-        # would be +inf, and the softmax of a row holding +inf is NaN
-        x = (logits / _to_device([p.temperature for p in params], torch.float32, device).unsqueeze(1)).clamp_(
-            max=_F32.max)
+        x = logits / _to_device([p.temperature for p in params], torch.float32, device).unsqueeze(1)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            # finite: a penalised logit near float32's largest (an extreme repetition_penalty; no other logit
+            # comes near it) over a temperature below 1 would be +inf, and a row holding +inf has a NaN softmax
+            x.clamp_(max=_F32.max)
 
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
