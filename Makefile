@@ -52,10 +52,11 @@ serve: install
 	$(BIN)/python -m gateway.cli serve --config $(CONFIG) $(SERVE_ARGS) || test $$? -eq 130
 
 # Test files run in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, so its
-# module fixtures are built once): many tests wait on servers and sockets, so two workers on two cores
-# finish well before one; they take the files in the order tests/conftest.py gives (the slow ones first).
+# module fixtures are built once): many tests wait on servers, sockets and subprocesses, so three workers on
+# two cores finish before two (docs/contributors/tests.md has the figures), and two well before one; they take
+# the files in the order tests/conftest.py gives (the slow ones first).
 # TEST_WORKERS=0 runs everything in this process.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: install-test chromium
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--durations=15
