@@ -248,7 +248,7 @@ class Gateway:
         old, self.snapshot = self.snapshot, snap     # the atomic swap: one reference assignment
         self.obs.configure(snap)
         log.info("config version %d applied (%s%s): %s", state.version, state.source,
-                 f" {self.config_path}" if state.source == "file" and self.config_path else "",
+                 f" {os.path.realpath(self.config_path)}" if state.source == "file" and self.config_path else "",
                  describe_changes(old.compiled if old else None, compiled))
         for w in snap.warnings:
             log.warning("%s", w)
