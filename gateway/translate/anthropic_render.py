@@ -28,6 +28,11 @@ _CHAT_PATHS = ((re.compile(r"\btools(\[|\.)(\d+)(\]?)\.function\.parameters"), r
 # An index in a path as Anthropic writes it: ``tools.0.name``, ``messages.1.content.0`` (an agent trial saw both
 # ``tools[0].name`` and ``tools.0.input_schema.type`` on /v1/messages).
 _INDEX = re.compile(r"(\w)\[(\d+)\]")
+# An OpenAI context-length 400's counts (the gateway's and vLLM's words): the window, and the prompt's tokens with
+# or without the completion's
+_WINDOW = re.compile(r"maximum context length is (\d+) tokens")
+_PROMPT_AND_ANSWER = re.compile(r"\((\d+) in the \w+, (\d+) in the completion\)")
+_PROMPT_ONLY = re.compile(r"resulted in (\d+) tokens")
 
 # A target's refusal of the image part a Messages ``image`` block became (the local engine's wording: text only).
 _IMAGE_PART = re.compile(r"\bmessages\[(\d+)\]\.content(?:\[\d+\])?: part type 'image_url'")
@@ -82,7 +87,24 @@ def anthropic_error(status: int, content: bytes, body: dict | None = None) -> by
     err = obj.get("error") if isinstance(obj, dict) else None
     message = (err.get("message") if isinstance(err, dict) else None) or content.decode("utf-8", "replace") \
         or f"HTTP {status}"
+    if isinstance(err, dict) and err.get("code") == "context_length_exceeded":
+        message = _too_long(str(message))
     return anthropic_error_body(status, messages_paths(str(message), body))
+
+
+def _too_long(message: str) -> str:
+    """An OpenAI context-length message in Anthropic's words ("prompt is too long: 3090 tokens > 2048 maximum";
+    with ``max_tokens``: "input length and `max_tokens` exceed context limit: 3090 + 32 > 2048, ..."); as it is
+    when its counts cannot be read (a new-user trial read OpenAI's "completion" on /v1/messages)."""
+    window = _WINDOW.search(message)
+    if window is None:
+        return message
+    if (both := _PROMPT_AND_ANSWER.search(message)) is not None:
+        return (f"input length and `max_tokens` exceed context limit: {both.group(1)} + {both.group(2)} > "
+                f"{window.group(1)}, decrease input length or `max_tokens` and try again")
+    if (prompt := _PROMPT_ONLY.search(message)) is not None:
+        return f"prompt is too long: {prompt.group(1)} tokens > {window.group(1)} maximum"
+    return message
 
 
 class MessagesRender:
