@@ -280,17 +280,21 @@ def test_error_bodies_in_anthropics_format():
     native = b'{"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}'
     assert anthropic_error(529, native) == native
     assert json.loads(anthropic_error(502, b"Bad Gateway"))["error"] == {"type": "api_error", "message": "Bad Gateway"}
-    # a context-length 400 in Anthropic's words (a new-user trial read OpenAI's "completion" on /v1/messages)
-    for said, want in (("you requested 3122 tokens (3090 in the messages, 32 in the completion)",
-                        "input length and `max_tokens` exceed context limit: 3090 + 32 > 2048, decrease input "
-                        "length or `max_tokens` and try again"),
-                       ("your messages resulted in 3090 tokens, with no room left for the answer",
-                        "prompt is too long: 3090 tokens > 2048 maximum")):
-        openai = json.dumps({"error": {"message": f"This model's maximum context length is 2048 tokens. However, "
-                                       f"{said}. Please reduce the length of the messages.",
-                                       "type": "invalid_request_error", "code": "context_length_exceeded"}})
-        assert json.loads(anthropic_error(400, openai.encode()))["error"] == {"type": "invalid_request_error",
-                                                                             "message": want}
+    # a context-length 400 in Anthropic's words (a new-user trial read OpenAI's "completion" on /v1/messages),
+    # read from the gateway's own 400 (gateway.resilience.outcomes.too_long_body: its wording and this reading stay
+    # together) and from the local engine's (engine/serving/serving.py, vLLM's words) as the gateway passes it on
+    from gateway.resilience.outcomes import too_long_body
+    both = ("input length and `max_tokens` exceed context limit: 3090 + 32 > 2048, decrease input length or "
+            "`max_tokens` and try again")
+    alone = "prompt is too long: 3091 tokens > 2048 maximum"
+    vllm = json.dumps({"error": {"message": "This model's maximum context length is 2048 tokens (max_model_len). "
+                                 "However, you requested 3122 tokens (3090 in the messages, 32 in the completion). "
+                                 "Please reduce the length of the messages or of max_tokens.", "type": "BadRequestError",
+                                 "code": "context_length_exceeded"}}).encode()
+    for openai, want in ((too_long_body(2048, 3122, 32, "messages"), both), (vllm, both),
+                         (too_long_body(2048, 3092, None, "messages"), alone),
+                         (too_long_body(2048, 3091, 0, "messages"), alone)):
+        assert json.loads(anthropic_error(400, openai))["error"] == {"type": "invalid_request_error", "message": want}
 
 
 def test_a_refusal_names_the_messages_bodys_paths():
