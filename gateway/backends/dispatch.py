@@ -131,8 +131,8 @@ async def forward(req: GatewayRequest, targets: list[Target], backends: dict, re
     # and with room for the answer: max_tokens, one token where it is unset (chat then fills the context), none for
     # embeddings and a completions prompt scored alone (0); a capacity trial's prompt of exactly the window, or
     # 246 tokens + 100 in 256, went to an engine that refuses them, never to the larger target
-    answer_len = 1 if req.max_tokens is None else req.max_tokens
-    required_len = req.longest_prompt_tokens + answer_len if req.prompt_tokens_exact else None
+    room = 1 if req.max_tokens is None else req.max_tokens
+    required_len = req.longest_prompt_tokens + room if req.prompt_tokens_exact else None
     res = await resilience.forward(candidates, attempt, stream=req.stream, required_len=required_len,
                                    answer_len=req.max_tokens,
                                    request_id=req.request_id, tokens=reserved_tokens, on_finish=settle,

@@ -52,7 +52,8 @@ def tenant_cache_salt(req: GatewayRequest) -> str:
 def render_prompt(tokenizer, endpoint: str, body: dict):
     """``body`` as the local engine runs it (``engine.serving.chat.render_chat``,
     ``embeddings.render_embeddings`` or ``completion.render_completion`` on ``endpoint``), without the
-    gateway-only fields and ``model`` (rewritten per target). Used by ``LocalBackend.render`` and ``tandem route explain``.
+    gateway-only fields and ``model`` (rewritten per target). Used by ``LocalBackend.render`` and ``tandem route
+    explain``.
 
     Raises:
         engine.protocol.errors.ServingError: 400, the engine refuses the body.
