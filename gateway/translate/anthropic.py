@@ -48,12 +48,18 @@ _FINISH = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
            "content_filter": "refusal"}
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "stream")
 # Messages fields the translation reads (``priority``: the gateway's own), and those it drops because they
-# are hints about Anthropic's service (caching, tiers, geography, reasoning effort) that do not change what a
-# chat backend must answer; any other field is refused, as Anthropic refuses extra inputs.
+# are hints about Anthropic's service (caching, tiers, geography, reasoning effort, when to clear old tool
+# results) that do not change what a chat backend must answer; any other field is refused, as Anthropic refuses
+# extra inputs.
 _KNOWN = frozenset({"model", "messages", "system", "max_tokens", "metadata", "stop_sequences", "stream",
                     "temperature", "top_p", "top_k", "tools", "tool_choice", "output_config", "priority"})
-_DROPPED = frozenset({"service_tier", "cache_control", "container", "diagnostics", "inference_geo", "speed",
-                      "thinking", "user_profile_id", "workspace_id", "context_management", "mcp_servers"})
+_DROPPED = frozenset({"service_tier", "cache_control", "diagnostics", "inference_geo", "speed", "thinking",
+                      "user_profile_id", "workspace_id", "context_management"})
+# Fields that give the model tools run on Anthropic's side, which no chat backend runs (as server tools in
+# ``tools``): refused when they ask for any, since dropping them would answer as if the tools had been offered.
+_SERVER_SIDE = {"mcp_servers": "MCP servers are not supported (the gateway runs no MCP client); define their tools "
+                               "in `tools` and run them in the client",
+                "container": "containers are not supported (no code execution or skills run here)"}
 
 
 def _text_of(blocks: object, param: str) -> str:
@@ -189,7 +195,10 @@ def messages_to_chat(body: dict, count_only: bool = False) -> dict:
     """
     check_thread(body)
     for name in body:
-        if name not in _KNOWN and name not in _DROPPED:
+        if name in _SERVER_SIDE:
+            if body[name]:
+                raise bad_request(f"{name}: {_SERVER_SIDE[name]}", name)
+        elif name not in _KNOWN and name not in _DROPPED:
             raise bad_request(f"{name}: Extra inputs are not permitted", name)
     check_hints(body)
     if not isinstance(body.get("model"), str):

@@ -30,6 +30,9 @@ def test_request_mapping_and_refusals():
                     "response_format": {"type": "json_schema", "json_schema": {"name": "output", "strict": True,
                                                                                "schema": {"type": "object"}}}}
     assert "max_tokens" not in messages_to_chat({"model": "m", "messages": USER}, count_only=True)
+    assert messages_to_chat({"model": "m", "max_tokens": 1, "messages": USER, "mcp_servers": [], "container": None,
+                             "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}) == {
+        "model": "m", "messages": USER, "max_tokens": 1}
     for body, param in [({"model": "m", "messages": USER}, "max_tokens"),
                         ({"model": "m", "max_tokens": 1, "messages": []}, "messages"),
                         ({"model": "m", "max_tokens": 1, "messages": USER, "frobnicate": 1}, "frobnicate"),
@@ -39,6 +42,13 @@ def test_request_mapping_and_refusals():
                             {"type": "document"}]}]}, "messages.0.content.0.type"),
                         ({"model": "m", "max_tokens": 1, "messages": USER,
                           "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+                        # tools run on Anthropic's side by other fields (an SDK trial's were dropped: 200s as if
+                        # the tools had been offered)
+                        ({"model": "m", "max_tokens": 1, "messages": USER, "mcp_servers": [
+                            {"type": "url", "url": "https://mcp.example.com/sse", "name": "ex"}]}, "mcp_servers"),
+                        ({"model": "m", "max_tokens": 1, "messages": USER, "container": {
+                            "skills": [{"type": "anthropic", "skill_id": "pptx", "version": "latest"}]}}, "container"),
+                        ({"model": "m", "max_tokens": 1, "messages": USER, "container": "container_01"}, "container"),
                         ({"model": "m", "max_tokens": 1, "messages": USER, "tool_choice": {"type": "some"}},
                          "tool_choice"),
                         # Anthropic's own ranges and required fields (the chat checks after the translation are
