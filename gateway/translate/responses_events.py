@@ -171,9 +171,10 @@ class ResponsesEvents:
         events: list[dict] = []
         if choice.reasoning:
             events += self._text("reasoning", choice.reasoning)
-        if choice.content:
-            lps = choice.logprobs.get("content") if isinstance(choice.logprobs, dict) else None
-            events += self._text("output_text", choice.content, lps)
+        lps = choice.logprobs.get("content") if isinstance(choice.logprobs, dict) else None
+        if choice.content or lps and not (choice.reasoning or choice.tool_calls or self.tools.count):
+            # a token with no text (the end of the turn) keeps its logprob, as ``from_chat``'s message does
+            events += self._text("output_text", choice.content or "", lps)
         if choice.refusal:
             events += self._text("refusal", choice.refusal)
         for call in choice.tool_calls:

@@ -324,6 +324,16 @@ def test_responses_logprobs_are_chats_streamed_or_not(gateway):
         assert flat(lps) == want
     plain = c.responses.create(model="smollm2", input=MSG, max_output_tokens=16, temperature=0)
     assert plain.output[0].content[0].logprobs == []                     # not asked for: none
+    # an answer that ends its turn: the end token (no text) keeps its logprob streamed too (an SDK trial's
+    # stream lost it)
+    kw = dict(kw, input="Capital of Japan? One word.", max_output_tokens=40)
+    whole = c.responses.create(**kw)
+    assert whole.status == "completed" and len(whole.output[0].content[0].logprobs) == whole.usage.output_tokens
+    events = list(c.responses.create(**kw, stream=True))
+    deltas = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    for lps in (deltas, done.logprobs, events[-1].response.output[0].content[0].logprobs):
+        assert flat(lps) == flat(whole.output[0].content[0].logprobs)
 
 
 def test_engine_validation_errors_pass_through(gateway):
