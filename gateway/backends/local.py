@@ -119,7 +119,7 @@ class LocalBackend:
         self.max_model_len = cfg.engine.max_model_len
         self.available, self.unavailable_reason = False, "engine is loading"
         self.key_missing = False         # it needs no key (UpstreamBackend's)
-        self.loading = True              # until start() ends (loaded or failed); requests get 503 engine_loading
+        self.loading = True              # until start() ends (loaded or failed; a restart's too): 503 engine_loading
         self.active = 0
         self.restarts = 0                # engines started again after their core died
         self._restart: asyncio.Task | None = None
@@ -200,6 +200,7 @@ class LocalBackend:
         why = dead.dead_reason or "the engine core stopped"
         self.engine, self.serving, self.tokenizing = None, None, None
         self.available, self.unavailable_reason = False, f"engine core died ({why}); restarting"
+        self.loading = True              # as at start: not ready, and requests only it serves get engine_loading
         self.restarts += 1
         log.error("local backend %s: %s (restart %d)", self.name, self.unavailable_reason, self.restarts)
 

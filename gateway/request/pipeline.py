@@ -15,7 +15,7 @@ from engine.protocol.errors import ENGINE_LOADING_RETRY_AFTER_S
 from gateway.backends.dispatch import forward
 from gateway.backends.relabel import answer_id
 from gateway.billing.local_cost import local_price
-from gateway.errors import ClientError, model_not_found
+from gateway.errors import ClientError, error_body, model_not_found
 from gateway.offload import off_loop
 from gateway.request.admission import admit
 from gateway.request.validate import (check_request, counted_exactly, parse_json, prompt_counts,
@@ -229,6 +229,8 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
         handover = (decision.pick.handover, admitted) if decision.pick.handover is not None else None
         answer = await forward(req, decision.attempts, snap.backends, gw.resilience, adm.rate, hook, adm.tokens,
                                handover)
+        if answer.status >= 500 and answer.stream is None and _waits_for_engine(snap, decision.route):
+            answer = _as_engine_loading(answer)    # the engine's core died under this request: it is loading again
         if resume is not None and answer.stream is not None:
             again = _continuation(snap, gw.resilience, decision.attempts, hook)
             answer.stream = resumable(answer.stream, answer.backend, resume, req, again,
@@ -292,6 +294,17 @@ def engine_loading() -> ClientError:
     ``Retry-After``: an SDK's retries are how a client waits for it)."""
     return ClientError(503, "The local engine is still loading its model; retry in a few seconds.",
                        code="engine_loading", headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)})
+
+
+def _as_engine_loading(answer: Answer) -> Answer:
+    """``answer``, every attempt's failure, as ``engine_loading``'s 503 (``Retry-After``, no ``x-should-retry:
+    false``): the local engine of the route is loading again after its core died, and a retry in a few seconds is
+    served (an SRE trial's clients got a 502 and then 503s telling the SDKs not to retry, for the ~10 s of the
+    restart)."""
+    e = engine_loading()
+    headers = {k: v for k, v in answer.headers.items() if k not in ("x-should-retry", "retry-after")}
+    return replace(answer, status=e.status, content=error_body(e.status, e.message, code=e.code),
+                   headers={**headers, **e.headers})
 
 
 def _unreachable(snap, req: GatewayRequest, decision) -> ClientError | None:

@@ -627,6 +627,9 @@ async def test_a_restarted_engine_is_served_at_once_not_after_its_breakers_coold
         assert any('"error"' in line for line in rest), rest[-3:]
         with pytest.raises(RuntimeError):
             await local.probe()                      # the probe finds it dead and restarts it
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:   # loading again: as at start (an SRE
+            # trial's gateway said ready, and its clients got 502 / 503s the SDKs must not retry)
+            await _answers_engine_loading(c)
         while (local.restarts == 0 or not local.available or local.engine is first) \
                 and time.monotonic() < deadline + 120:
             await asyncio.sleep(0.1)
@@ -643,9 +646,26 @@ async def test_a_restarted_engine_is_served_at_once_not_after_its_breakers_coold
         # the stream the core took with it finished as an "error" (an observability trial's was never counted)
         assert after["vllm:request_success_total"] == before["vllm:request_success_total"] + 2
         assert after['vllm:request_success_total{finished_reason="error"}'] == 1
+        # killed again, with nothing probing: the request that meets the dead engine gets the same 503
+        second = local.engine
+        os.kill(second.core_pid, signal.SIGKILL)
+        while second.is_alive and time.monotonic() < deadline + 180:
+            await asyncio.sleep(0.05)
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            await _answers_engine_loading(c)
     finally:
         server.should_exit = True
         await task                                   # the app's shutdown stops the gateway and its engine
+
+
+async def _answers_engine_loading(c: httpx.AsyncClient) -> None:
+    """A completion on a gateway whose only engine is restarting: 503 ``engine_loading`` with ``Retry-After``, which
+    the SDKs retry (no ``x-should-retry: false``), and ``/health/ready`` 503 ``not_ready``."""
+    r = await c.post("/v1/completions", json={"model": "m", "prompt": "one", "max_tokens": 2})
+    assert (r.status_code, r.json()["error"]["code"]) == (503, "engine_loading"), r.text
+    assert r.headers["retry-after"] == "5" and "x-should-retry" not in r.headers
+    r = await c.get("/health/ready")
+    assert (r.status_code, r.json()["status"]) == (503, "not_ready"), r.text
 
 
 def _scraped(r: httpx.Response) -> dict[str, float]:
