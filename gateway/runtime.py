@@ -13,6 +13,7 @@ during an outage serves its file alone (logged) and joins as a start would once 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -111,8 +112,9 @@ class Gateway:
     async def start(self) -> None:
         """Apply the initial config (or the shared head when it is the same
         file), start the engine, the file watcher and the Redis sync loop."""
-        state = await self._initial_state()
-        self._apply(state, compiled=self._initial if state.text == self._initial.text and not state.overrides else None)
+        state, since = await self._initial_state()
+        self._apply(state, compiled=self._initial if state.text == self._initial.text and not state.overrides else None,
+                    since=since)
         if self.snapshot.local is not None and self.start_engine:
             self.engine_start = asyncio.create_task(self.snapshot.local.start())
             self._tasks.append(self.engine_start)
@@ -132,9 +134,9 @@ class Gateway:
         if self.ledger.shared:
             self._tasks.append(asyncio.create_task(sync_versions(self)))
 
-    async def _initial_state(self) -> ConfigState:
-        """The state this replica starts on (``_join``). With Redis unreachable: this file alone, and
-        ``_unjoined`` set (the sync loop joins once Redis answers)."""
+    async def _initial_state(self) -> tuple[ConfigState, Compiled | str | None]:
+        """The state this replica starts on and what it follows (``_join``'s). With Redis unreachable: this file
+        alone, and ``_unjoined`` set (the sync loop joins once Redis answers)."""
         state = ConfigState(self._initial.text, {}, "file", file_digest=text_digest(self._initial.text))
         for _ in range(3):               # another replica may push between our read and our push
             try:
@@ -150,30 +152,34 @@ class Gateway:
             log.warning("the shared config is unreachable: serving on the config file alone (operators' overrides "
                         "and rollouts not applied) until Redis answers")
         self._unjoined = True
-        return state
+        return state, None
 
-    async def _join(self, state: ConfigState) -> ConfigState:
+    async def _join(self, state: ConfigState) -> tuple[ConfigState, Compiled | str | None]:
         """The shared head when this file (``state``) is the one last applied from a file (whatever operators did
         since, weights or a rollback, stands: a restart never undoes it); else this file, pushed as a new version
         under the layers above the head's file (as a reload; one that would orphan a rollout is not applied: the
-        head, logged). Raises VersionConflict (the head moved meanwhile) and Redis' errors."""
+        head, logged, and ``config_file`` says why). With it, for the log line: the head this file was pushed over
+        (its changes are said), why the file was not applied, or None. Raises VersionConflict and Redis' errors."""
         head = await self.ledger.head()
         if head is not None and (head.file_digest == state.file_digest
                                  or (not head.file_digest and head.text == state.text)):
             log.info("adopting shared config version %d (%s)", head.version, head.source)
-            return head
-        takes = []
+            return head, None
+        takes, since = [], None
         if head is not None:
             try:
                 layered = over_file(head.text, self._initial, head.overrides, await self.rollouts.every(),
                                     owners=head.owners)
             except RolloutConflict as e:
                 log.error("config file not applied at start, adopting shared version %d: %s", head.version, e)
-                return head
+                self.config_file.refused(self._initial.text, str(e))
+                return head, f"the shared version, not the file {os.path.realpath(self.config_path or '')} (see above)"
             state.overrides, state.owners, takes = layered.overrides, layered.owners, layered.takes
+            with contextlib.suppress(ConfigError):   # a head this version cannot read: "the first version"
+                since = load_config_text(head.text, head.overrides)
         await self.rollouts.take_back(takes)      # before the push: see ``_commit``
         state.version = await self.ledger.push(state, None if head is None else head.version)
-        return state
+        return state, since
 
     async def stop(self) -> None:
         await self.rollouts.stop()
@@ -229,8 +235,9 @@ class Gateway:
                 self.retired.append((now, b))
         return backends, local
 
-    def _apply(self, state: ConfigState, compiled: Compiled | None = None) -> Snapshot:
-        """Validate ``state`` and swap it in. Raises ConfigError (nothing changes)."""
+    def _apply(self, state: ConfigState, compiled: Compiled | None = None,
+               since: Compiled | str | None = None) -> Snapshot:
+        """Validate ``state`` and swap it in; ``since``: ``_join``'s. Raises ConfigError (nothing changes)."""
         if compiled is None:
             compiled = load_config_text(state.text, state.overrides)
         backends, local = self._build_backends(compiled)
@@ -247,9 +254,10 @@ class Gateway:
         self.file_digest = state.file_digest or self.file_digest
         old, self.snapshot = self.snapshot, snap     # the atomic swap: one reference assignment
         self.obs.configure(snap)
+        ours = state.source == "file" and self.config_path and not isinstance(since, str)   # this replica's file
         log.info("config version %d applied (%s%s): %s", state.version, state.source,
-                 f" {os.path.realpath(self.config_path)}" if state.source == "file" and self.config_path else "",
-                 describe_changes(old.compiled if old else None, compiled))
+                 f" {os.path.realpath(self.config_path)}" if ours else "",
+                 since if isinstance(since, str) else describe_changes(old.compiled if old else since, compiled))
         for w in snap.warnings:
             log.warning("%s", w)
         return snap

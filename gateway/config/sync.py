@@ -86,10 +86,10 @@ async def sync_versions(gw) -> None:
                 gw.redis_degraded = False
             if gw._unjoined:   # started during an outage: join as a start would (its file's digest)
                 async with gw._lock:
-                    state = await gw._initial_state()
+                    state, since = await gw._initial_state()
                     try:
                         if not gw._unjoined:
-                            gw._apply(state)
+                            gw._apply(state, since=since)
                     except ConfigError as e:
                         log.error("shared config version %d is invalid here, keeping the file: %s",
                                   state.version, e)

@@ -390,24 +390,60 @@ def test_an_orphaning_file_is_refused_unless_told():
 logging.getLogger("tandem.rollouts").setLevel(logging.INFO)
 
 
-async def test_a_replica_started_on_an_edited_file_keeps_the_layers_above_it(tmp_path, redis_url):
-    """A replica (re)started on a file that changed since the shared head was applied pushes that file under the
-    layers above the head's file, as a reload would: an operator's override of a route the edit left alone stays
-    (it was pushed without them: the override was lost on every replica)."""
+def _shared_state(redis_url: str) -> str:
     import uuid
 
-    state = f"state: {{redis_url: '{redis_url}', key_prefix: l{uuid.uuid4().hex[:8]}, sync_interval_s: 0.1}}\n"
+    return f"state: {{redis_url: '{redis_url}', key_prefix: l{uuid.uuid4().hex[:8]}, sync_interval_s: 0.1}}\n"
+
+
+def _applied_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("config version ")]
+
+
+async def test_a_replica_started_on_an_edited_file_keeps_the_layers_above_it(tmp_path, redis_url, caplog):
+    """A replica (re)started on a file that changed since the shared head was applied pushes that file under the
+    layers above the head's file, as a reload would: an operator's override of a route the edit left alone stays
+    (it was pushed without them: the override was lost on every replica). Its log line says what the edit changed
+    from the shared version (an SRE trial's said only "the first version this process runs")."""
+    state = _shared_state(redis_url)
     with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
         path = tmp_path / "c.yaml"
         path.write_text(text(stable, cand, rollout=state))
         async with served(path) as (gw, c):
             await c.post("/admin/weights", json={"route": "ro", "weights": {"stable": 75, "cand": 25}})
         path.write_text(text(stable, cand, other_weight=50, rollout=state))
-        async with served(path) as (gw2, c2):
-            layer = (await c2.get("/admin/config")).json()["layers"]["ro"]
-            other = weights(gw2, "other")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tandem.gateway"):
+            async with served(path) as (gw2, c2):
+                layer = (await c2.get("/admin/config")).json()["layers"]["ro"]
+                other = weights(gw2, "other")
     assert weights(gw2) == {"stable": 75.0, "cand": 25.0} and layer["decided_by"] == "operator"
     assert other == {"stable": 50.0}
+    assert _applied_lines(caplog)[0].endswith("route other: stable 100 -> 50"), _applied_lines(caplog)
+
+
+async def test_a_replica_started_on_a_file_that_would_orphan_a_rollout_says_it_runs_the_shared_version(
+        tmp_path, redis_url, caplog):
+    """A replica restarted on a file that removes a running rollout's candidate runs the shared version, as a
+    reload refuses the file: ``/admin/config`` says why the file is not applied, and the log line does not say the
+    file was (an SRE trial's read "applied (file ...)" and then "runtime override active, file differs")."""
+    state = _shared_state(redis_url)
+    with FaultUpstream("stable") as stable, FaultUpstream("cand") as cand:
+        path = tmp_path / "c.yaml"
+        path.write_text(text(stable, cand, rollout=state + ROLLOUT.format(hold=30, n=1000)))
+        async with served(path) as (gw, c):
+            await until(c, lambda r: r["state"] == "running")
+        path.write_text(text(stable, cand, cand_in_file=False, rollout=state))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tandem.gateway"):
+            async with served(path) as (gw2, c2):
+                file = (await c2.get("/admin/config")).json()["file"]
+                running = weights(gw2)
+    assert running == {"stable": 50.0, "cand": 50.0}
+    assert file["refused"] and file["status"].startswith("file not applied (the running version is kept): "), file
+    assert "removes its candidate 'cand'" in file["status"]
+    line = _applied_lines(caplog)[0]
+    assert "the shared version, not the file" in line and "(file" not in line, line
 
 
 async def test_a_weights_change_warns_of_weight_on_a_backend_its_probe_finds_down(tmp_path):
