@@ -69,12 +69,10 @@ class AsyncEngine:
 
     Attributes:
         ready: True once the model is loaded and the core loop runs.
-        tokenizer, max_model_len, served_model_name, num_blocks: the loaded
-            engine's (available after ``start()``).
-        served_model_names: every name a request may use (``served_model_name``
-            first, then the aliases ``args.served_model_name`` lists).
-        system_fingerprint: the core's ``engine/fingerprint.py`` value (model,
-            engine build, numerics), sent with every answer.
+        tokenizer, max_model_len, served_model_name, num_blocks: the loaded engine's (after ``start()``).
+        served_model_names: every name a request may use (``served_model_name`` first, then the aliases).
+        system_fingerprint: the core's ``engine/fingerprint.py`` value (model, engine build, numerics), sent with
+            every answer.
         engine: the ``EngineCore`` in the thread mode (None in the process mode).
         core_pid: the core process's pid (None in the thread mode).
     """
@@ -158,15 +156,16 @@ class AsyncEngine:
         return getattr(self._client, "pid", None)
 
     async def shutdown(self, drain: bool = True, timeout: float = 30.0) -> None:
-        """Stop admitting requests, let the running ones finish (``drain``, at
-        most ``timeout`` seconds), abort the rest, then stop the core.
-        Aborted streams end with ``finish_reason="abort"``. A call while one
-        runs (or after) waits for that one: ``tandem engine serve`` starts the
-        drain at the stop signal and its app's shutdown calls this again,
-        which must not stop the core a second time beside the first."""
+        """Stop admitting requests, let the running ones finish (``drain``, at most ``timeout`` seconds), abort the
+        rest (their streams end with ``finish_reason="abort"``), then stop the core. A call while one runs (or
+        after) waits for that one (``tandem engine serve`` starts the drain at the stop signal and its app's shutdown
+        calls this again); one with ``drain=False`` ends that one's drain now (an operator's second signal)."""
         self._accepting = False   # at once: a request after this call is refused
         if self._stopping is None:
             self._stopping = asyncio.ensure_future(self._shutdown(drain, timeout))
+        elif not drain and self._processor is not None:
+            with self._lock:
+                self._check_drained(now=True)
         await asyncio.shield(self._stopping)
 
     async def _shutdown(self, drain: bool, timeout: float) -> None:
@@ -476,8 +475,9 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             _call_soon(loop, _put_all, items)
 
-    def _check_drained(self) -> None:
-        if self._drain_waiters and (self._processor.num_requests == 0 or self._dead is not None):
+    def _check_drained(self, now: bool = False) -> None:
+        """Resolve the drain's waiters once nothing runs (or the core died), or ``now`` (under ``_lock``)."""
+        if self._drain_waiters and (now or self._processor.num_requests == 0 or self._dead is not None):
             for loop, future in self._drain_waiters:
                 _call_soon(loop, _set_result, future)
             self._drain_waiters.clear()

@@ -81,11 +81,13 @@ class EngineServer(uvicorn.Server):
     """uvicorn's ``Server`` with the echo window of :data:`SIGNAL_ECHO_S` on its stop signals; ``stop_signal``:
     the signal it stopped on (None: none yet). ``on_stop``: a coroutine function started on the server's loop at
     the first stop signal (the engine's drain: uvicorn waits for open connections and only then runs the app's
-    shutdown, so streams still running at its deadline were cut mid-body, each with an ASGI traceback)."""
+    shutdown, so streams still running at its deadline were cut mid-body, each with an ASGI traceback);
+    ``on_insist``: one started at each later signal past the echo window (the drain's end)."""
 
     first_signal: float | None = None
     stop_signal: int | None = None
     on_stop = None
+    on_insist = None
     _loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets=None) -> None:
@@ -94,9 +96,14 @@ class EngineServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         now = time.monotonic()
-        if self.first_signal is not None and now - self.first_signal < SIGNAL_ECHO_S:
+        if self.first_signal is not None:
+            # a later signal quits at once: the drain ends now (what still runs is aborted, its streams end with
+            # their error event) and the server stops as after it. Not uvicorn's force_exit, which cancels the
+            # app's shutdown mid-drain: a trial's server hung for good, its engine core alive
+            if now - self.first_signal >= SIGNAL_ECHO_S and self.on_insist is not None and self._loop is not None:
+                self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.on_insist()))
             return
-        if self.first_signal is None and self.on_stop is not None and self._loop is not None:
+        if self.on_stop is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.on_stop()))
         self.first_signal = self.first_signal or now
         self.stop_signal = self.stop_signal or sig
@@ -466,6 +473,7 @@ def run_server(args: argparse.Namespace) -> int:
     # the drain starts at the signal: requests still running after --drain-timeout are aborted, so their streams
     # end (an error event, [DONE]) before uvicorn's deadline (+5 s) cuts the connections
     server.on_stop = lambda: engine.shutdown(drain=True, timeout=args.drain_timeout)
+    server.on_insist = lambda: engine.shutdown(drain=False)
     try:
         server.run()
     except KeyboardInterrupt:   # uvicorn re-raises the SIGINT it handled once the server has stopped

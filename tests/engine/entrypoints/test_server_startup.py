@@ -341,6 +341,45 @@ def test_serve_keeps_idle_connections_longer_than_clients_do(tmp_path, monkeypat
     assert server_module.KEEP_ALIVE_S > httpx.Limits().keepalive_expiry
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_second_signal_past_the_echo_window_ends_the_drain_at_once(tiny_model, tmp_path, sig):
+    """A second Ctrl-C (or SIGTERM) past the echo window quits at once, as serve.md says: the stream still running
+    ends with the engine's error event and [DONE], and the process exits with the first signal's status. A vLLM
+    operator's trial: after a second SIGINT uvicorn's force-exit cancelled the app's shutdown mid-drain and the
+    server hung for good (its engine core alive); a second SIGTERM did nothing until the stream finished."""
+    import json
+    import signal
+
+    port = free_port()
+    srv = Server([*tandem_cmd("engine", "serve"), "--model", tiny_model, "--port", str(port), "--kv-cache-memory",
+                  "64MiB", "--drain-timeout", "600", "--dtype", "float32"],
+                 f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}", log_dir=tmp_path).wait_ready(120)
+    try:
+        lines, signum = [], getattr(signal, sig)
+        card = httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"][0]
+        body = {"model": card["id"], "prompt": "hi", "max_tokens": card["max_model_len"] - 8, "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 5:
+                    srv.proc.send_signal(signum)
+                    first = time.monotonic()
+                elif len(lines) > 5 and time.monotonic() - first > 1.5 and signum is not None:
+                    srv.proc.send_signal(signum)     # past the echo window: the operator insists
+                    signum = None
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        last = json.loads(lines[-2][len("data: "):])
+        assert last["error"]["code"] == "aborted" and "shutting down" in last["error"]["message"], last
+        assert srv.proc.wait(30) == (130 if sig == "SIGINT" else 0)
+    finally:
+        srv.stop()
+    log = srv.log_path.read_text(errors="replace")
+    assert "Exception in ASGI application" not in log and "Traceback" not in log, log[-3000:]
+
+
 def test_a_stream_still_running_at_the_drain_timeout_ends_with_an_error_event_and_done(tiny_model, tmp_path):
     """SIGTERM with a stream longer than --drain-timeout: a stress trial's streams were cut mid-body at the
     timeout + 5 s (no finish, no [DONE]; an ASGI traceback each in the log). The engine's drain starts at the
