@@ -336,9 +336,10 @@ def add_engine_cli_args(parser) -> None:
     g.add_argument("--max-model-len", type=flag_type(parse_token_count), default=None,
                    help="prompt + completion limit, tokens, e.g. 4096, 4k (4000), 4K (4096) (None: the model's, "
                         "capped by the KV pool)")
-    g.add_argument("--kv-cache-memory", default=KV_CACHE_MEMORY_DEFAULT,
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory",
+                   default=KV_CACHE_MEMORY_DEFAULT,
                    help="KV-cache pool size on CPU, bytes or e.g. 2GiB, 512MiB (tandem engine serve: default "
-                        "$VLLM_CPU_KVCACHE_SPACE GiB when set, as vLLM-CPU's)")
+                        "$VLLM_CPU_KVCACHE_SPACE GiB when set, as vLLM-CPU's; vLLM's --kv-cache-memory-bytes too)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction (0-1] of GPU memory for weights + KV cache (CUDA)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
@@ -365,8 +366,9 @@ def add_engine_cli_args(parser) -> None:
                    help="gguf: run a GGUF's Q4_0/Q4_1 linear weights in 4 bits (CPU) instead of dequantizing them; "
                         "gptq/awq/compressed-tensors: must match a HF checkpoint's quantization_config "
                         "(followed anyway); vLLM's gptq_marlin/awq_marlin are gptq/awq")
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: random weights of the model's shape (benchmarks)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"], type=_load_format,
+                   help="dummy: random weights of the model's shape (benchmarks); vLLM's safetensors and gguf are "
+                        "auto (it reads the checkpoint's own format)")
     _add_parallel_args(g)
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, vLLM\'s keys, e.g. {"method": "ngram", '
@@ -421,6 +423,12 @@ def _add_structured_outputs_args(g) -> None:
                    help="compiled grammars kept (LRU), bytes or e.g. 64MiB: the bound on grammar memory")
     g.add_argument("--structured-outputs-cache-entries", type=int, default=256,
                    help="compiled grammars kept (LRU), entries")
+
+
+def _load_format(value: str) -> str:
+    """``--load-format``: vLLM's names of the formats ``auto`` reads (a checkpoint's safetensors, a GGUF file)
+    are ``auto``."""
+    return "auto" if value in ("safetensors", "gguf") else value
 
 
 def engine_kwargs_from_cli(args) -> dict:

@@ -172,7 +172,7 @@ def _log_request(request: Request, rid: str, body: dict) -> None:
 async def _generate(request: Request, kind: str) -> Response:
     serving = serving_of(request, kind)
     body = await json_body(request)
-    rid = unique_request_id(request.scope)
+    rid = unique_request_id(request.scope, body_id=body.get("request_id"))   # the header's, else the body's
     _log_request(request, rid, body)
     if isinstance(body, dict) and (ignored := ignored_fields(body, ChatCompletionRequest if kind == "chat"
                                                               else CompletionRequest)):
@@ -307,7 +307,8 @@ def api_key_middleware(api_key: str):
 
 def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_body_bytes: int = 4 * 2**20,
               on_load_failed: Callable[[], None] | None = None, api_key: str | None = None,
-              log_requests: bool = False, max_log_len: int | None = None) -> Litestar:
+              log_requests: bool = False, max_log_len: int | None = None,
+              return_tokens_as_token_ids: bool = False) -> Litestar:
     """The Litestar app serving ``engine``: it listens at once, loads the
     engine in the background on startup (if not started yet) and drains it on shutdown.
 
@@ -320,6 +321,7 @@ def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_b
         api_key: required on ``/v1`` paths as ``Authorization: Bearer <key>`` (``api_key_middleware``); None: open.
         log_requests: log each generation and embedding request (``--enable-log-requests``), its body cut at
             ``max_log_len`` characters (None: whole).
+        return_tokens_as_token_ids: the requests' default of that field (``--return-tokens-as-token-ids``).
 
     ``app.state``: ``engine``, ``chat`` and ``completion`` (once loaded),
     ``load_error`` (a failed load's message), ``registry`` (this app's own
@@ -333,7 +335,9 @@ def build_app(engine: AsyncEngine, *, drain_timeout: float = 30.0, max_request_b
             await engine.start()
             EngineMetrics(registry, engine, engine.served_model_name).attach()
             names = engine.served_model_names
-            handlers = {"completion": OpenAIServingCompletion(engine, names), "chat": OpenAIServingChat(engine, names),
+            as_ids = return_tokens_as_token_ids
+            handlers = {"completion": OpenAIServingCompletion(engine, names, as_ids),
+                        "chat": OpenAIServingChat(engine, names, as_ids),
                         "embedding": OpenAIServingEmbedding(engine, names),
                         "tokenization": OpenAIServingTokenization(engine, names)}
         except Exception as exc:  # noqa: BLE001 - one clear line, then the server stops
@@ -401,7 +405,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_vllm_server_args(g) -> None:
-    """vLLM's server flags: the API key and request logging (``--trust-remote-code`` is one of ``VLLM_FLAGS``)."""
+    """vLLM's server flags: the API key, request logging, the answers' token names (``--trust-remote-code`` is one
+    of ``VLLM_FLAGS``)."""
     g.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer <key>` on /v1 paths (401 otherwise), as vLLM's; default: "
                         "$VLLM_API_KEY, else none")
@@ -413,6 +418,8 @@ def _add_vllm_server_args(g) -> None:
                    help="do not log requests (the default; vLLM's older flag)")
     g.add_argument("--max-log-len", type=int, default=None,
                    help="characters of a logged request body at most (default: all)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true", default=False,
+                   help="logprobs name tokens 'token_id:<id>' unless a request's return_tokens_as_token_ids says no")
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -464,7 +471,8 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(engine, drain_timeout=args.drain_timeout,
                     max_request_body_bytes=args.max_request_body_bytes, on_load_failed=stop_on_load_failure,
                     api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
-                    log_requests=args.log_requests, max_log_len=args.max_log_len)
+                    log_requests=args.log_requests, max_log_len=args.max_log_len,
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=int(args.drain_timeout) + 5, lifespan="on",

@@ -113,8 +113,6 @@ VLLM_FLAGS = (
              "structured outputs are compiled by xgrammar (engine/worker/structured_outputs.py)"),
     VllmFlag(("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"), True, _ok(),
              "the server speaks plain HTTP: end TLS at a proxy or ingress in front of it"),
-    VllmFlag(("--return-tokens-as-token-ids",), False, _ok(),
-             "logprobs name tokens by their text (bytes:... where a token holds part of a character)"),
     VllmFlag(("--enable-server-load-tracking",), False, _ok(),
              "there is no /load endpoint: /metrics' vllm:num_requests_running and vllm:num_requests_waiting give "
              "the load"),

@@ -28,10 +28,13 @@ def request_id(scope, prefix: str = "") -> tuple[str, bool]:
     return known
 
 
-def unique_request_id(scope, prefix: str = "") -> str:
+def unique_request_id(scope, prefix: str = "", body_id: object = None) -> str:
     """The id to give the request inside the server: its ``x-request-id``, with ``-<8 hex>`` appended when
-    the client chose it (clients may reuse theirs; ids must be unique)."""
+    the client chose it (clients may reuse theirs; ids must be unique). ``body_id``: the body's ``request_id``
+    (vLLM's field), the client's choice when the header made none (then also the answered ``x-request-id``)."""
     rid, chosen = request_id(scope, prefix)
+    if not chosen and isinstance(body_id, str) and _CLIENT_ID.fullmatch(body_id.encode()):
+        rid, chosen = scope[_SCOPE_KEY] = (body_id, True)
     return f"{rid}-{secrets.token_hex(4)}" if chosen else rid
 
 

@@ -81,7 +81,7 @@ class OpenAIServingChat(OpenAIServing):
         echo = ""
         if req.echo and messages and messages[-1].get("role") == "assistant":
             echo = messages[-1].get("content") or ""
-        prompt = Prompt(token_ids, None, params, req.cache_salt, bool(req.return_tokens_as_token_ids))
+        prompt = Prompt(token_ids, None, params, req.cache_salt, self.token_ids_named(req))
         prio = req.priority if req.priority is not None else priority
         top = req.top_logprobs or 0
         model = response_model or self.reported_model(body.get("model"))

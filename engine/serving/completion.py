@@ -57,7 +57,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params = self._sampling_params(req, len(ids), max_tokens=max_tokens, logprobs=req.logprobs,
                                            prompt_logprobs=prompt_logprobs, prompt_field="prompt",
                                            structured_outputs=spec)
-            prompts.append(Prompt(ids, text, params, req.cache_salt, bool(req.return_tokens_as_token_ids)))
+            prompts.append(Prompt(ids, text, params, req.cache_salt, self.token_ids_named(req)))
         return r, prompts
 
     async def create_completion(self, body: dict, request_id: str, priority: int = 0,

@@ -25,6 +25,7 @@ from typing import Any
 
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestWithdrawn
+from engine.config import default_model_path
 from engine.input_checks import logprobs_problem, priority_problem, token_id_problem
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol.errors import ServingError
@@ -100,10 +101,14 @@ class OpenAIServing:
         served_model_name: the model name accepted (404 otherwise), or several
             (vLLM's aliases): each is accepted and an answer reports the one its
             request named; a request without ``model`` gets the first.
+        return_tokens_as_token_ids: the default of requests' ``return_tokens_as_token_ids`` (vLLM's
+            ``--return-tokens-as-token-ids``).
     """
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str | Sequence[str]) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str | Sequence[str],
+                 return_tokens_as_token_ids: bool = False) -> None:
         self.engine = engine
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
         self.served_model_name, self.served_model_names = names[0], names
         self.created = int(time.time())
@@ -112,13 +117,20 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ models
     def models(self) -> dict:
-        """Body of ``GET /v1/models``: vLLM's ``ModelCard`` per served name, with its ``permission`` list (one
-        ``model_permission``, vLLM's defaults)."""
+        """Body of ``GET /v1/models``: vLLM's ``ModelCard`` per served name (``root``: the model's path, as given),
+        with its ``permission`` list (one ``model_permission``, vLLM's defaults)."""
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": self.created, "owned_by": "tandem",
-            "root": self.served_model_name, "parent": None, "max_model_len": self.engine.max_model_len,
+            "root": self.engine.args.model or default_model_path(), "parent": None,
+            "max_model_len": self.engine.max_model_len,
             "permission": [model_permission(self.created)],
         } for name in self.served_model_names]}
+
+    def token_ids_named(self, req) -> bool:
+        """Whether ``req``'s logprobs name tokens ``token_id:<id>``: its ``return_tokens_as_token_ids``, else the
+        server's default."""
+        asked = req.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if asked is None else asked
 
     def reported_model(self, model: str | None) -> str:
         """The ``model`` an answer reports: the body's when it is one of the served names (vLLM echoes it),

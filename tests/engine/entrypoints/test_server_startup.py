@@ -148,7 +148,7 @@ def cli_server(tiny_model, tmp_path_factory):
     ``--trust-remote-code``, and flags of vLLM's that change nothing here (``VLLM_FLAGS``)."""
     port = free_port()
     srv = Server([*tandem_cmd("engine", "serve"), tiny_model, "--port", str(port), "--served-model-name",
-                  "tiny", "tiny-alias", "--kv-cache-memory", "64MiB", "--max-request-body-bytes", "2KiB",
+                  "tiny", "tiny-alias", "--kv-cache-memory-bytes", str(64 * 2**20), "--max-request-body-bytes", "2KiB",
                   "--api-key", API_KEY, "--enable-log-requests", "--trust-remote-code", "--enforce-eager",
                   "--disable-log-stats", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                   "--kv-cache-dtype", "auto", "-pp", "1", "--tokenizer", tiny_model,
@@ -159,7 +159,9 @@ def cli_server(tiny_model, tmp_path_factory):
                   "--logprobs-mode", "raw_logprobs", "--max-num-partial-prefills", "1", "--max-logprobs", "5",
                   "--gpu-memory-utilization", "0.5",
                   # a CLI trial's (unrecognized arguments before)
-                  "--guided-decoding-backend", "xgrammar", "--disable-uvicorn-access-log"],
+                  "--guided-decoding-backend", "xgrammar", "--disable-uvicorn-access-log",
+                  # a vLLM operator's trial's (refused at start, or "unrecognized arguments")
+                  "--return-tokens-as-token-ids", "--load-format", "safetensors"],
                  f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}",
                  # vLLM-CPU's environment: its KV cache size yields to the flag; the others are said not read
                  env={"VLLM_CPU_KVCACHE_SPACE": "40", "VLLM_CPU_OMP_THREADS_BIND": "auto"},
@@ -217,15 +219,20 @@ def test_max_logprobs_caps_what_a_request_may_ask(cli_server):
     ok = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 1,
                                                      "logprobs": 5}, headers=auth, timeout=60)
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 5
+    # --return-tokens-as-token-ids: the default of the request's field, which may say no
+    assert all(t.startswith("token_id:") for t in ok.json()["choices"][0]["logprobs"]["top_logprobs"][0])
+    text = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 1, "logprobs": 5,
+                                                      "return_tokens_as_token_ids": False}, headers=auth, timeout=60)
+    assert not any(t.startswith("token_id:") for t in text.json()["choices"][0]["logprobs"]["top_logprobs"][0])
 
 
-def test_several_served_model_names_are_aliases(cli_server):
+def test_several_served_model_names_are_aliases(cli_server, tiny_model):
     """vLLM's ``--served-model-name a b``: both listed and taken, each answer reports the name its request
     used, a request without one reports the first, and the metrics carry the first."""
     base = cli_server.base_url
     client = openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
-    assert {m.root for m in client.models.list().data} == {"tiny"}
+    assert {m.root for m in client.models.list().data} == {tiny_model}     # vLLM's: the model as given
     assert client.models.retrieve("tiny-alias").id == "tiny-alias"
     plain = client.completions.create(model="tiny", prompt="abc", max_tokens=3, temperature=0)
     alias = client.completions.create(model="tiny-alias", prompt="abc", max_tokens=3, temperature=0)
@@ -272,6 +279,12 @@ def test_api_key_guards_the_v1_paths_and_requests_are_logged(cli_server):
     assert r.status_code == 200
     log = cli_server.log_tail(100_000)
     assert "Received request" in log and "logged-request-1" in log and "logged prompt" in log
+    # vLLM's body field request_id names the answer when no x-request-id header does (a trial's was dropped)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "request_id": "abc-123"}
+    r = httpx.post(base + "/v1/chat/completions", headers=AUTH, json=chat, timeout=60)
+    assert r.json()["id"].startswith("chatcmpl-abc-123-") and r.headers["x-request-id"] == "abc-123", r.text
+    r = httpx.post(base + "/v1/chat/completions", headers={**AUTH, "x-request-id": "hdr-1"}, json=chat, timeout=60)
+    assert r.json()["id"].startswith("chatcmpl-hdr-1-") and r.headers["x-request-id"] == "hdr-1", r.text
 
 
 def test_serve_flags_refuse_what_vllm_would_not_take(tmp_path, capsys, caplog):
