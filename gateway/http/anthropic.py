@@ -1,6 +1,7 @@
-"""The HTTP edges of Anthropic's API: the ``x-api-key`` header as a virtual key, and
+"""The HTTP edges of Anthropic's API: the ``x-api-key`` header as a virtual key,
 ``POST /v1/messages/count_tokens`` (refusals on ``/v1/messages*`` are Anthropic's error JSON:
-``gateway/http/exceptions.py``). ``POST /v1/messages`` itself is served by ``app.py``'s request path."""
+``gateway/http/exceptions.py``), and Anthropic's model objects, which ``app.py``'s ``GET /v1/models`` answers the
+``anthropic`` SDK. ``POST /v1/messages`` itself is served by ``app.py``'s request path."""
 
 from __future__ import annotations
 
@@ -44,6 +45,42 @@ def anthropic_headers(request: Request) -> Mapping[str, str]:
         raise ClientError(401, "x-api-key and Authorization: Bearer name different keys: send one of them",
                           code="invalid_api_key")
     return headers
+
+
+def wants_anthropic(request: Request) -> bool:
+    """Whether a request off ``/v1/messages`` is Anthropic's API (the ``anthropic`` SDK sends ``anthropic-version``
+    with every request): ``GET /v1/models`` answers it Anthropic's model objects (an SDK trial's ``created_at`` and
+    ``display_name`` were None in OpenAI's list)."""
+    return "anthropic-version" in request.headers
+
+
+def anthropic_model(name: str) -> dict:
+    """Anthropic's model object for a public model (``created_at``: the answer's time, as OpenAI's ``created``:
+    a gateway's public model has no creation date of its own)."""
+    created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"type": "model", "id": name, "display_name": name, "created_at": created}
+
+
+def anthropic_model_page(names: list[str], query: Mapping[str, str]) -> dict:
+    """Anthropic's ``GET /v1/models`` page of ``names`` (in order): ``limit`` of them (1-1000, default 20) after
+    ``after_id`` or before ``before_id``, with ``has_more``, ``first_id`` and ``last_id``.
+
+    Raises:
+        ClientError: 400 naming a ``limit`` out of range or not an integer."""
+    try:
+        limit = int(query.get("limit", 20))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 1000:
+        raise ClientError(400, "limit: Input should be an integer from 1 to 1000", param="limit")
+    after, before = query.get("after_id"), query.get("before_id")
+    lo = 0 if after is None else names.index(after) + 1 if after in names else len(names)
+    hi = len(names) if before is None else names.index(before) if before in names else 0
+    window = names[lo:hi]
+    page = window[-limit:] if before is not None and after is None else window[:limit]   # the ones next to it
+    more = len(window) > len(page)
+    return {"data": [anthropic_model(n) for n in page], "has_more": more,
+            "first_id": page[0] if page else None, "last_id": page[-1] if page else None}
 
 
 _DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+)s)?(?:(\d+)ms)?$")

@@ -31,7 +31,8 @@ from gateway.http.console import CONSOLE_HANDLERS
 from gateway.http.hot_path import HotPathApp, HotRoute
 from gateway.http.responses import RESPONSES_HANDLERS
 from gateway.http.rollouts_admin import ROLLOUT_HANDLERS
-from gateway.http.anthropic import anthropic_headers, anthropic_request_id, count_tokens
+from gateway.http.anthropic import (anthropic_headers, anthropic_model, anthropic_model_page, anthropic_request_id,
+                                    count_tokens, wants_anthropic)
 from gateway.http.exceptions import EXCEPTION_HANDLERS
 from gateway.http.serving import GATEWAY_ID_PREFIX, serve_observed, streamed
 from gateway.http.tokenization import TOKENIZATION_HANDLERS
@@ -133,8 +134,13 @@ def _model_object(name: str) -> dict:
 
 @route("/v1/models", http_method=[HttpMethod.GET, HttpMethod.HEAD])   # HEAD wherever GET (RFC 9110)
 async def models(request: Request) -> Response:
+    """OpenAI's model list, or Anthropic's page of model objects for the ``anthropic`` SDK (``wants_anthropic``)."""
     snap = request.app.state.gw.snapshot
     compiled = snap.compiled
+    if wants_anthropic(request):
+        snap.authenticate(anthropic_headers(request), "anthropic")
+        page = anthropic_model_page(list(compiled.public_models), request.query_params)
+        return Response(msgspec.json.encode(page), media_type=_JSON)
     snap.authenticate(request.headers)
     data = [_model_object(m) for m in compiled.public_models]
     return Response(msgspec.json.encode({"object": "list", "data": data}), media_type=_JSON)
@@ -142,15 +148,19 @@ async def models(request: Request) -> Response:
 
 @route("/v1/models/{model:path}", http_method=[HttpMethod.GET, HttpMethod.HEAD])
 async def model(request: Request) -> Response:
-    """One model object (OpenAI's ``GET /v1/models/{model}``), for a public name or an alias (its ``id`` is the
-    name asked for). Raises ClientError 404 ``model_not_found`` for any other name."""
+    """One model object (OpenAI's ``GET /v1/models/{model}``; Anthropic's for the ``anthropic`` SDK), for a public
+    name or an alias (its ``id`` is the name asked for). Raises ClientError 404 ``model_not_found`` for any other
+    name."""
     snap = request.app.state.gw.snapshot
     compiled = snap.compiled
-    snap.authenticate(request.headers)
+    anthropic = wants_anthropic(request)
+    snap.authenticate(anthropic_headers(request) if anthropic else request.headers,
+                      "anthropic" if anthropic else "openai")
     name = request.path_params["model"].lstrip("/")   # a path parameter keeps its leading slash; names may hold /
     if name not in compiled.model_names:
         raise model_not_found(name, compiled.public_models)
-    return Response(msgspec.json.encode(_model_object(name)), media_type=_JSON)
+    body = anthropic_model(name) if anthropic else _model_object(name)
+    return Response(msgspec.json.encode(body), media_type=_JSON)
 
 
 # HEAD: uptime checkers; LiteLLM's /health/liveliness and /health/readiness and vLLM's /health and /ping (GET or

@@ -455,3 +455,25 @@ async def test_too_many_stop_sequences_are_named_as_anthropic_names_them(up):
     assert r.status_code == 400 and up.calls == 0
     assert r.json()["error"]["message"] == ("Invalid 'stop_sequences': array too long. Expected an array with maximum "
                                             "length 256, but got an array with length 300 instead.")
+
+
+async def test_the_anthropic_sdk_lists_and_retrieves_anthropics_model_objects(up):
+    """``GET /v1/models`` with Anthropic's headers (``x-api-key``, ``anthropic-version``) answers Anthropic's model
+    objects and pages (an SDK trial's ``created_at`` and ``display_name`` were None in OpenAI's list); OpenAI's
+    clients still get OpenAI's list."""
+    cfg = config(up).replace("models:\n  - name: m1\n", "models:\n  - name: m1\n  - name: m2\n  - name: m3\n")
+    cfg = cfg.replace("models: {m1: up-model}", "models: {m1: up-model, m2: up-model, m3: up-model}")
+    async with gateway(cfg) as (gw, client, url):
+        listed = [m async for m in client.models.list(limit=2)]      # the SDK pages on has_more and last_id
+        first = await client.models.list(limit=2)
+        before = await client.models.list(before_id="m3", limit=1)
+        one = await client.models.retrieve("m2")
+        async with httpx.AsyncClient() as h:
+            openai_list = (await h.get(url + "/v1/models", headers={"authorization": f"Bearer {KEY}"})).json()
+            bad = await h.get(url + "/v1/models?limit=0", headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"})
+    assert [m.id for m in listed] == ["m1", "m2", "m3"]
+    assert (first.has_more, first.first_id, first.last_id) == (True, "m1", "m2")
+    assert [m.id for m in before.data] == ["m2"] and before.has_more
+    assert (one.type, one.id, one.display_name) == ("model", "m2", "m2") and one.created_at.tzinfo is not None
+    assert openai_list["object"] == "list" and [m["id"] for m in openai_list["data"]] == ["m1", "m2", "m3"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
