@@ -110,8 +110,7 @@ class Gateway:
 
     # ----- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Apply the initial config (or the shared head when it is the same
-        file), start the engine, the file watcher and the Redis sync loop."""
+        """Apply the initial config (or the shared head: ``_join``), start the engine, the watcher and the sync loop."""
         state, since = await self._initial_state()
         self._apply(state, compiled=self._initial if state.text == self._initial.text and not state.overrides else None,
                     since=since)
