@@ -64,8 +64,11 @@ def test_each_replica_is_ranked_by_its_own_prediction(replicas, gateway):
     replica that does not answer is ranked by its rolling estimate ("no estimate yet"), not dropped."""
     for replica in replicas.values():   # its first /v1/ttft runs cold code: on a loaded host past the gateway's
         predicted(replica.base_url, "hello there")   # 0.25 s bound (a full make test saw "cheap no estimate yet")
-    r = ask(gateway.url, "hello there")
-    slo = r.headers["x-tandem-slo"]
+    for _ in range(5):                  # a host loaded past that bound (load 7 on 2 cores) may miss an answer
+        r = ask(gateway.url, "hello there")
+        slo = r.headers["x-tandem-slo"]
+        if "cheap predicted" in slo:
+            break
     assert r.headers["x-tandem-backend"] == "cheap", slo
     assert f"cheap predicted" in slo and f"<= SLO {SLO_MS / 1000:g} s" in slo, slo
     assert "prefill tokens ahead" in slo, slo                   # the replica's own explanation
