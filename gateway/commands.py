@@ -129,7 +129,7 @@ def _prompt_tokens(compiled, endpoint: str, body: dict) -> tuple[int, int, str]:
         try:
             path = local.engine.model or default_model_path()
             tok = Tokenizer.from_hf_dir(path) if os.path.isdir(path) else Tokenizer.from_gguf(path)
-            return (*prompt_counts(body, render_prompt(tok, endpoint, body)),
+            return (*prompt_counts(body, render_prompt(tok, endpoint, body), local.engine.max_model_len),
                     "the local engine's rendering, as the gateway counts")
         except (OSError, ValueError) as e:
             print(f"note: the local engine's tokenizer could not be loaded ({e}); using the estimate",

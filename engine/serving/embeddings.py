@@ -125,12 +125,12 @@ class OpenAIServingEmbedding(OpenAIServing):
             if bad is not None:   # past int64 the core's msgpack cannot even carry it
                 where = "input" if len(prompts) == 1 else f"input[{i}]"
                 raise ServingError(400, f"{where}: {bad} is not a token id of this model (ids are in [0, {vocab}))",
-                                   param="input", code="invalid_value")
+                                   param=where, code="invalid_value")
             if len(ids) > limit:   # the core refuses it too, with no parameter named
                 where = "input" if len(prompts) == 1 else f"input[{i}]"
                 raise ServingError(400, f"This model's maximum context length is {limit} tokens. However, your "
                                         f"{where} resulted in {len(ids)} tokens. Please reduce the length of the "
-                                        f"input.", param="input", code="context_length_exceeded")
+                                        f"input.", param=where, code="context_length_exceeded")
         try:
             vectors = await self.engine.embed(prompts, normalize=normalize)
         except Exception as exc:  # noqa: BLE001 -- mapped onto the client's error

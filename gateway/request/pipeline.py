@@ -66,7 +66,7 @@ def build_request(snap, endpoint: str, raw: bytes, headers: Mapping[str, str], r
     rendered = None
     if snap.needs_prompt_tokens and snap.local is not None and snap.local.available:
         rendered = snap.local.render(endpoint, req.body)
-    prompt_tokens, longest = prompt_counts(req.body, rendered)
+    prompt_tokens, longest = prompt_counts(req.body, rendered, snap.local.max_model_len if snap.local else None)
     return replace(req, priority=tenant_priority(req.priority, tenant, compiled.config.limits),
                    public_model=public, prompt_tokens=prompt_tokens, longest_prompt_tokens=longest,
                    rendered=rendered, source=source,

@@ -412,13 +412,18 @@ def estimate_prompt_tokens(body: dict) -> int:
     return sum(estimate_prompt_lengths(body))
 
 
-def prompt_counts(body: dict, rendered=None) -> tuple[int, int]:
+def prompt_counts(body: dict, rendered=None, context: int | None = None) -> tuple[int, int]:
     """(every prompt's tokens together, the longest prompt's) of ``body``: the local engine's ``rendered`` counts
-    (``RenderedPrompt``) when given, else the estimates (``estimate_prompt_lengths``)."""
+    (``RenderedPrompt``) when given, else the estimates (``estimate_prompt_lengths``); each cut as vLLM's
+    ``truncate_prompt_tokens`` cuts it: to N, or with -1 to ``context`` (the local engine's ``max_model_len``;
+    None: unknown, not cut: a RAG trial's -1 inputs were routed on their whole length, to a route that refused
+    them)."""
     if rendered is not None:
-        return rendered.prompt_tokens, rendered.longest_prompt_tokens
-    lengths = estimate_prompt_lengths(body)
+        lengths = [len(ids) for _, ids in rendered.prompts]
+    else:
+        lengths = estimate_prompt_lengths(body)
     keep = body.get("truncate_prompt_tokens")   # vLLM's: each prompt's last N tokens run
+    keep = context if keep == -1 else keep
     if type(keep) is int and keep > 0:
         lengths = [min(n, keep) for n in lengths]
     return sum(lengths), max(lengths, default=0)

@@ -135,7 +135,7 @@ async def test_engine_server_serves_embeddings(tiny_model, llm):
         for ids, where in (([1, 99999999999999999999], "input"), ([[1], [2, vocab]], "input[1]")):
             with pytest.raises(openai.BadRequestError) as e:   # past int64, past the vocabulary
                 await client.embeddings.create(model="tiny", input=ids)
-            assert e.value.body["param"] == "input", e.value.body
+            assert e.value.body["param"] == where, e.value.body        # the item, as the message names it
             assert e.value.body["message"].startswith(f"{where}: {ids[-1] if where == 'input' else vocab} is not "
                                                       f"a token id of this model"), e.value.body
         await client.close()

@@ -336,6 +336,15 @@ def test_responses_logprobs_are_chats_streamed_or_not(gateway):
         assert flat(lps) == flat(whole.output[0].content[0].logprobs)
 
 
+def test_truncate_prompt_tokens_minus_one_is_routed_on_what_the_engine_keeps(gateway):
+    """vLLM's ``truncate_prompt_tokens: -1`` keeps what fits the context: a RAG trial's over-long inputs were routed
+    on their whole length and refused (400 context_length_exceeded) by a route the engine serves whole."""
+    r = httpx.post(gateway.url + "/v1/embeddings", timeout=120, headers={"x-route-test": "alone"},
+                   json={"model": "smollm2", "truncate_prompt_tokens": -1, "input": ["word " * 1000, "word"]})
+    assert r.status_code == 200 and r.headers["x-tandem-backend"] == "local", r.text
+    assert r.json()["usage"]["prompt_tokens"] == 512 + 1, r.json()["usage"]
+
+
 def test_engine_validation_errors_pass_through(gateway):
     """A rule only the engine checks (min_tokens <= max_tokens) comes back as the engine's 400 after one call;
     a range (top_p, top_k: engine/protocol/param_ranges.py, the table both read) is refused before routing,
