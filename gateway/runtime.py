@@ -198,11 +198,11 @@ class Gateway:
 
     def local_billing_price(self, backend: str):
         """The ``Price`` the ledger bills ``backend``'s answers at when it is the local engine with ``local.cost``
-        set (its price from the machine's cost and the tokens it served, as routing sees it); None otherwise."""
+        set (the price of the interval its tokens were computed in: ``LocalCost.billed``); None otherwise."""
         local, lc = self.snapshot.local if self.snapshot is not None else None, self.local_cost
-        if lc is None or local is None or local.name != backend or local.cfg.cost is None:
+        if lc is None or local is None or local.name != backend or local.cfg.cost is None or local.engine is None:
             return None
-        return lc.price
+        return lc.billed(local.engine.get_stats(), time.monotonic())
 
     def live_gauges(self) -> LiveGauges:
         """What ``GET /metrics`` reads at scrape time."""

@@ -5,7 +5,13 @@ the engine computed in the interval, a prompt (prefill) token and a generated (d
 time each takes as the engine measures it (``engine/core/ttft.py``: seconds per prefill token = 1 / prefill rate; per
 decode token = a decode step's seconds / the rows a decode step carries). A busy engine is cheap per token, an
 idle one dear; an interval that served nothing keeps the last prices. Until the first interval ends the
-configured ``prices`` hold. The prices are USD per million tokens, as every backend's.
+configured ``prices`` hold for routing. The prices are USD per million tokens, as every backend's.
+
+An interval is closed when the gateway next looks (a request's routing) after ``interval_s``: one looked at late
+is charged ``interval_s`` (the idle rest served nothing), not all the time since. An answer is billed at the
+price of the interval its tokens were computed in, as it stands when the answer ends (``billed``), not at the
+last closed interval's: a FinOps trial's answers after an idle interval were billed at its price, 74 times their
+machine time (the ledger 3.7 times the machine's cost).
 """
 
 from __future__ import annotations
@@ -59,14 +65,27 @@ class LocalCost:
             return self.price
         if now - iv.start < self.interval_s:
             return self.price
-        usd = self.usd_per_hour * (now - iv.start) / 3600.0
+        self.price = self._interval_price(iv, stats, now) or self.price
+        self._interval = _Interval(now, stats.prompt_tokens_total, stats.generation_tokens_total)
+        return self.price
+
+    def billed(self, stats, now: float) -> Price:
+        """The price an answer of the local engine ending at ``now`` is billed at: the open interval's so far (its
+        seconds, at most ``interval_s``, over the tokens computed in it by ``now``, the answer's among them); the
+        last prices when it computed nothing or none is open."""
+        iv = self._interval
+        if iv is None or stats.ttft is None:
+            return self.price
+        return self._interval_price(iv, stats, now) or self.price
+
+    def _interval_price(self, iv: _Interval, stats, now: float) -> Price | None:
+        """The price of interval ``iv`` up to ``now`` (charged at most ``interval_s``); None: no tokens in it."""
+        state = stats.ttft
+        usd = self.usd_per_hour * min(now - iv.start, self.interval_s) / 3600.0
         prices = token_prices(usd, stats.prompt_tokens_total - iv.prompt_total,
                               stats.generation_tokens_total - iv.generation_total, 1.0 / state.prefill_tok_s,
                               state.step_s / max(self._rows, 1.0))
-        if prices is not None:
-            self.price = Price(prices[0], prices[1], None)
-        self._interval = _Interval(now, stats.prompt_tokens_total, stats.generation_tokens_total)
-        return self.price
+        return None if prices is None else Price(prices[0], prices[1], None)
 
 
 def local_price(gw, local, now: float) -> Price:

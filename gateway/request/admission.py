@@ -6,6 +6,7 @@ here, never by observability.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gateway.billing.prices import NANO, Price, cost_nusd, format_usd
@@ -37,27 +38,31 @@ def reserved_completion_tokens(req: GatewayRequest, cfg) -> int:
     return (req.max_tokens if req.max_tokens is not None else cfg.limits.default_completion_tokens) * req.sequences
 
 
-def estimate_nusd(cfg, targets, prompt_tokens: int, completion_tokens: int) -> int:
+def estimate_nusd(cfg, targets, prompt_tokens: int, completion_tokens: int,
+                  live: Mapping[str, Price] | None = None) -> int:
     """Estimate of a request's cost, nano-USD: ``prompt_tokens`` and ``completion_tokens``
-    (``reserved_completion_tokens``) at the highest input and output prices among ``targets``. Not a bound: an
-    estimated prompt (~4 characters a token) can be shorter than an upstream's count with its template (an ops
-    trial: 10 reserved, 15 billed); the settle after the answer bills the real count."""
+    (``reserved_completion_tokens``) at the highest input and output prices among ``targets`` (``live``: backend ->
+    the price it is billed at now, the local engine's from ``local.cost``, instead of its configured one). Not a
+    bound: an estimated prompt (~4 characters a token) can be shorter than an upstream's count with its template
+    (an ops trial: 10 reserved, 15 billed); the settle after the answer bills the real count."""
     best = Price()
     for t in targets:
         b = cfg.backends.get(t.backend)
         if b is not None:
-            p = Price.of(b.prices)
+            p = (live or {}).get(t.backend) or Price.of(b.prices)
             best = Price(max(best.input, p.input), max(best.output, p.output))
     return cost_nusd(best, prompt_tokens, completion_tokens)
 
 
-async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: UsageLedger, cfg) -> Admission:
+async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: UsageLedger, cfg,
+                live: Mapping[str, Price] | None = None) -> Admission:
     """Check and record the request's rate limits, then reserve its estimated cost in its tenant's budget.
 
     Args:
         req: the request (``prompt_tokens`` and ``max_tokens`` size the reservations).
         targets: the decision's targets (their highest prices bound the cost).
         cfg: the ``GatewayConfig`` of the request's config generation.
+        live: ``estimate_nusd``'s (a budget trial's local answers were reserved at the configured prices).
 
     Raises:
         ClientError: 429 ``rate_limit_exceeded`` (503 ``rate_limiter_unavailable`` fail-closed) or 429
@@ -74,7 +79,7 @@ async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: Usa
     if bcfg is None:
         return Admission(tokens, rl.reservation, headers=rl.headers())
     budget = Budget(bcfg.usd, bcfg.period)
-    est = estimate_nusd(cfg, targets, req.prompt_tokens, completion)
+    est = estimate_nusd(cfg, targets, req.prompt_tokens, completion, live)
     check = await usage.reserve(req.tenant, req.request_id, est, budget)
     if check.unavailable or not check.admitted:    # refused: it reaches no backend, so it uses no rate limit
         await resilience.release(rl.reservation)

@@ -208,7 +208,9 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     if (error := _unreachable(snap, req, decision)) is not None:
         raise error
     # admission first: a request its limits or budget refuse costs no exact cache key (the prompt rendered)
-    adm = await admit(req, decision.attempts, gw.resilience, gw.usage, snap.compiled.config)
+    local_cost = gw.local_cost if snap.local is not None and snap.local.cfg.cost is not None else None
+    live = {snap.local.name: local_cost.price} if local_cost is not None else None   # the budget's estimate
+    adm = await admit(req, decision.attempts, gw.resilience, gw.usage, snap.compiled.config, live)
     cache = await gw.cache.plan(snap, req, decision.route, decision.attempts, headers, len(raw))   # None: no cache
     if cache is not None:
         req = cache.req                  # with the seed the gateway chose, if it chose one
