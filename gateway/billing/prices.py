@@ -79,19 +79,35 @@ def monthly_cost_usd(price: Price, tokens_per_month: int, input_share: float = 0
     return cost_usd(price, prompt, tokens_per_month - prompt)
 
 
+# Token counts a backend's ``usage`` may report: a larger one is a fault (a FinOps trial's upstream said 10**15
+# tokens: 10 billion USD against a 0.05 USD budget, the tenant locked out for the month).
+MAX_REPORTED_TOKENS = 10**9
+
+
+def _reported_count(value: object) -> int | None:
+    """A token count as a backend reports it: a whole number in [0, ``MAX_REPORTED_TOKENS``) (a JSON integer, or a
+    float with nothing after the point); None for anything else (negative, fractional, a string, NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < MAX_REPORTED_TOKENS:
+        return None
+    return int(value) if int(value) == value else None
+
+
 def usage_tokens(usage: dict | None) -> tuple[int, int, int] | None:
     """(prompt, completion, cached prompt) tokens of an OpenAI ``usage`` object (chat's names, or the Responses
-    API's: ``input_tokens``, ``output_tokens``, ``input_tokens_details``); None if absent/odd."""
+    API's: ``input_tokens``, ``output_tokens``, ``input_tokens_details``); None when it is absent or counts nothing
+    billable (``{}``, ``total_tokens`` alone) or a count is not one (``_reported_count``): the gateway then counts
+    the answer itself (``usage_estimated``). A FinOps trial's ``{}`` was billed 0 USD, unflagged, and a negative
+    count gave the client a 500 after the ledger took it."""
     if not isinstance(usage, dict):
         return None
-    try:
-        p = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
-        c = int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
-        det = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-        cached = int(det.get("cached_tokens") or 0) if isinstance(det, dict) else 0
-    except (TypeError, ValueError):
+    p = usage.get("prompt_tokens", usage.get("input_tokens"))
+    c = usage.get("completion_tokens", usage.get("output_tokens"))
+    if p is None and c is None:
         return None
-    return p, c, cached
+    det = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    cached = det.get("cached_tokens") if isinstance(det, dict) else None
+    counts = tuple(_reported_count(0 if v is None else v) for v in (p, c, cached))
+    return None if None in counts else counts
 
 
 def format_usd(x: float) -> str:

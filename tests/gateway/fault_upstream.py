@@ -234,7 +234,7 @@ class FaultUpstream:
             full = self._full(chat, body or {}, fault)
             if fault.get("no_usage"):
                 full.pop("usage")
-            elif fault.get("usage"):
+            elif "usage" in fault:
                 full["usage"] = fault["usage"]
             return web.json_response(full)
         return await self._stream(request, fault, chat, body or {})

@@ -168,6 +168,22 @@ async def test_answer_without_usage_is_counted_and_marked_estimated(up, tmp_path
     assert all(x["usage_estimated"] for x in lines)
 
 
+async def test_an_answer_whose_usage_counts_nothing_or_is_not_a_count_is_counted_and_marked_estimated(up):
+    """A FinOps trial: ``usage: {}`` and ``{"total_tokens": 1500}`` were billed 0 USD, unflagged; a negative count
+    gave the client a 500 after the ledger took it (no log line, the metrics a request short); 10**15 tokens put 10
+    billion USD on the tenant. Each is the gateway's own count of the answer, marked estimated, and a 200."""
+    async with replicas(config(up)) as [(gw, client)]:
+        for usage in ({}, {"total_tokens": 1500}, {"prompt_tokens": -100000, "completion_tokens": 50},
+                      {"prompt_tokens": 10**15, "completion_tokens": 1}, {"prompt_tokens": 3.5, "completion_tokens": 1}):
+            up.set_default({"usage": usage})
+            await client.chat.completions.create(model="m1", messages=HELLO)      # a 200, never a 500
+        recs = await records(gw, 5)
+        estimated = gw.obs.registry.get_sample_value("tandem_usage_estimated_total", {"backend": "up", "tenant": "t1"})
+    want = (6, estimate_tokens("hello from up"), True)
+    assert [(r.prompt_tokens, r.completion_tokens, r.estimated) for r in recs.values()] == [want] * 5
+    assert all(r.nusd == cost_nusd(PRICE, *want[:2]) for r in recs.values()) and estimated == 5
+
+
 # ----- 3: a client that leaves a stream is billed for what it was sent --------------------------------------------
 async def test_client_disconnect_mid_stream_is_billed(up, redis_url):
     """The client reads 3 chunks of 10 and closes: one record, marked disconnected and estimated, for the
