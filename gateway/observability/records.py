@@ -86,6 +86,7 @@ class RequestRecord:
     texts: dict[int, list[str]] = field(default_factory=dict)   # choice index -> generated text pieces, in order
     strip_usage: bool = False              # a stream whose client did not ask for usage: its usage chunk is dropped
     strip_chunk_usage: bool = False        # an OpenAI stream whose client did not ask for usage on every chunk
+    usage_sent: bool = False               # the stream's usage-only event (``choices: []``) went to the client
     disconnected: bool = False             # the client left while a backend worked on its answer (or streamed it)
     shut_down: bool = False                # a drain ended its stream (``stream_interrupted``, service_unavailable)
     stream_failed: bool = False            # an error event ended its stream (``error``: the event's code)

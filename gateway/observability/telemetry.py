@@ -310,8 +310,9 @@ class Observability:
                 if rec.ttft_s is None:
                     rec.ttft_s = time.perf_counter() - rec.t0
                 batch = self._scan(rec, batch)
-                if batch and batch[-1].done and rec.usage is None and not rec.strip_usage and rec.error is None:
-                    batch = [*batch[:-1], ChatEvent(usage=self._estimate(rec)), batch[-1]]   # as a whole answer's
+                if batch and batch[-1].done and not rec.usage_sent and not rec.strip_usage and rec.error is None:
+                    # the usage chunk asked for: the backend's from a content chunk (Mistral's, DeepSeek's), or ours
+                    batch = [*batch[:-1], ChatEvent(usage=rec.usage or self._estimate(rec)), batch[-1]]
                 if batch:
                     if batch[-1].done and (rec.reservation is not None or rec.budget is not None) \
                             and self._end(rec):
@@ -351,6 +352,8 @@ class Observability:
                 out = self._redacted(rec, ev)
             if ev.usage:
                 rec.usage = ev.usage
+                if not ev.choices:
+                    rec.usage_sent = not rec.strip_usage
                 if rec.strip_usage and not ev.choices:
                     out = None               # the usage-only event, dropped
                 elif rec.strip_chunk_usage and ev.choices:

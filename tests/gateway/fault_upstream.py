@@ -26,6 +26,7 @@ the queue filled by ``push()`` / ``POST /_fault/push`` (one fault per request), 
     error_hold_s: float    with ``error_after``: keep the connection open that long after the error event
     usage: dict            the usage reported (answer, or the stream's usage chunk when asked for)
     no_usage: bool         report no usage at all (an upstream that never counts)
+    usage_on_finish: bool  a stream's usage comes on its finish_reason chunk (Mistral's, DeepSeek's), no usage chunk
     tool_call: bool        a stream's content chunks are tool-call deltas (name, then argument pieces); a whole
                            answer calls ``get_weather`` with {"city": "Paris"} (finish_reason tool_calls)
     content: str           a whole answer's text (default "hello from <name>")
@@ -348,9 +349,13 @@ class FaultUpstream:
                     await resp.write_eof()
                     return resp
                 await resp.write(self._chunk(chat, body, i, tool=bool(fault.get("tool_call"))))
-            await resp.write(self._chunk(chat, body, n, finish="stop"))
-            if (body.get("stream_options") or {}).get("include_usage") and not fault.get("no_usage"):
-                usage = fault.get("usage") or {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+            usage = fault.get("usage") or {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+            finish = self._chunk(chat, body, n, finish="stop")
+            if fault.get("usage_on_finish"):
+                finish = finish[:-3] + b', "usage": ' + json.dumps(usage).encode() + b"}\n\n"
+            await resp.write(finish)
+            if (body.get("stream_options") or {}).get("include_usage") and not fault.get("no_usage") \
+                    and not fault.get("usage_on_finish"):
                 await resp.write(b"data: " + json.dumps({"id": body.get("_id", "chatcmpl-fault"),
                                                          "object": "chat.completion.chunk",
                                                          "choices": [], "usage": usage}).encode() + b"\n\n")

@@ -135,6 +135,22 @@ async def test_stream_is_billed_from_the_upstreams_usage_not_its_events(up):
         [(20, 1000, want, False)] * 3
 
 
+async def test_usage_on_the_finish_chunk_reaches_a_client_that_asked_for_it(up):
+    """Mistral's, DeepSeek's and Gemini's OpenAI-compatible APIs put the usage on the finish_reason chunk: a FinOps
+    trial's client that asked for it (``include_usage``) got no usage at all. It gets OpenAI's usage chunk
+    (``choices: []``) with the upstream's counts, which the ledger bills; a client that did not ask gets none."""
+    usage = {"prompt_tokens": 20, "completion_tokens": 1000, "total_tokens": 1020}
+    up.set_default({"chunks": 3, "usage": usage, "usage_on_finish": True})
+    async with replicas(config(up)) as [(gw, client)]:
+        asked = await read_stream(client, stream_options={"include_usage": True})
+        plain = await read_stream(client)
+        recs = await records(gw, 2)
+    assert not asked[-1].choices and asked[-1].usage.completion_tokens == 1000
+    assert [c for c in asked if c.usage is not None] == [asked[-1]]
+    assert all(c.usage is None for c in plain)
+    assert [(r.prompt_tokens, r.completion_tokens, r.estimated) for r in recs.values()] == [(20, 1000, False)] * 2
+
+
 # ----- 2: an answer without usage is counted, and marked estimated ----------------------------------------------
 async def test_answer_without_usage_is_counted_and_marked_estimated(up, tmp_path):
     """No usage from the upstream: the answer's text is counted (estimator: ceil(chars / 4)) and the record is
