@@ -41,8 +41,9 @@ def period_end_s(period: str, now_s: float) -> float:
 
 
 def parse_since(since: str | None, now_s: float | None = None) -> _dt.date:
-    """The first UTC day of a report: ``YYYY-MM-DD``, an ISO datetime, ``Nd``
-    (N days back, ``0d`` = today), or None (today).
+    """The first UTC day of a report: ``YYYY-MM-DD``, an ISO datetime (its UTC day: usage is kept per UTC day, so a
+    report counts whole days; a FinOps trial's ``...T00:00:00+05:00`` was read as the next day), ``Nd`` (N days back,
+    ``0d`` = today), or None (today).
 
     Raises:
         ValueError: anything else."""
@@ -53,9 +54,11 @@ def parse_since(since: str | None, now_s: float | None = None) -> _dt.date:
     if s.endswith("d") and s[:-1].isdigit():   # further back than the calendar goes: its first day
         return now.date() - _dt.timedelta(days=min(int(s[:-1]), (now.date() - _dt.date.min).days))
     try:
-        return _dt.date.fromisoformat(s[:10])
+        at = _dt.datetime.fromisoformat(s)
     except ValueError:
-        raise ValueError(f"since must be YYYY-MM-DD, an ISO datetime or Nd (days back), got {since!r}") from None
+        raise ValueError(f"since must be YYYY-MM-DD, an ISO datetime (its UTC day: usage is counted in whole UTC "
+                         f"days) or Nd (days back), got {since!r}") from None
+    return at.astimezone(_dt.timezone.utc).date() if at.tzinfo is not None else at.date()
 
 
 def days_since(since: _dt.date, now_s: float) -> list[str]:
