@@ -264,9 +264,10 @@ def test_admin_drain_then_exit(upstreams, tmp_path):
 
 def _on_redis(upstreams, tmp_path, redis_server, state: str, extra: str = ""):
     """A started gateway (and its config file's path) on ``upstreams`` sharing state in ``redis_server``, with the
-    ``state`` keys given and quick sync and timeouts, and ``extra`` top-level config."""
+    ``state`` keys given and quick sync and timeouts (1 s: a full suite's load once took 0.3 s for a reload's
+    Redis calls, refused as "Redis is unreachable"), and ``extra`` top-level config."""
     a, b = upstreams
-    text = (f"state: {{redis_url: '{redis_server.url}', sync_interval_s: 0.3, socket_timeout_s: 0.3, {state}}}\n"
+    text = (f"state: {{redis_url: '{redis_server.url}', sync_interval_s: 0.3, socket_timeout_s: 1.0, {state}}}\n"
             f"{extra}")
     path = tmp_path / "config.yaml"
     path.write_text(upstream_config({"a": a, "b": b}, ROUTES, extra=text))
