@@ -36,9 +36,14 @@ def register(subparsers) -> None:
     e.set_defaults(func=_cost_estimate_command)
 
 
+HOURS_PER_MONTH = 730            # 8,760 hours a year / 12
+
+
 def cost_table(config, tokens_per_month: int, input_share: float = 0.75) -> list[dict]:
     """One row per distinct target (backend, upstream model) of the config's
-    routes, cheapest first: prices (USD per million tokens) and monthly USD."""
+    routes, cheapest first: prices (USD per million tokens) and monthly USD; a local engine with ``cost`` its
+    machine's month (``usd_per_hour`` x ``HOURS_PER_MONTH``) whatever it serves, its prices None (they follow its
+    load: a FinOps trial's estimate priced a 36 USD/h machine by its placeholder ``prices``)."""
     seen: dict[tuple[str, str], dict] = {}
     for route in config.routes.values():
         for t in (*route.targets, *route.fallbacks):
@@ -52,9 +57,12 @@ def cost_table(config, tokens_per_month: int, input_share: float = 0.75) -> list
             if key in seen:
                 continue
             price = Price.of(b.prices)
+            machine = getattr(b, "cost", None)
             seen[key] = {"target": t.id or (f"{t.backend}/{t.model}" if t.model else t.backend), "backend": t.backend,
-                         "model": model, "input_usd_per_mtok": price.input, "output_usd_per_mtok": price.output,
-                         "monthly_usd": monthly_cost_usd(price, tokens_per_month, input_share)}
+                         "model": model, "input_usd_per_mtok": None if machine else price.input,
+                         "output_usd_per_mtok": None if machine else price.output,
+                         "monthly_usd": machine.usd_per_hour * HOURS_PER_MONTH if machine
+                         else monthly_cost_usd(price, tokens_per_month, input_share)}
     return sorted(seen.values(), key=lambda r: (r["monthly_usd"], r["target"]))
 
 
@@ -77,8 +85,9 @@ def _cost_estimate_command(args) -> int:
     wm = max([len("model")] + [len(r["model"]) for r in rows])
     print(f"{'target':<{w}}  {'model':<{wm}}  {'input':>8}  {'output':>8}  {'USD/month':>14}")
     for r in rows:
-        print(f"{r['target']:<{w}}  {r['model']:<{wm}}  {r['input_usd_per_mtok']:>8.4g}  "
-              f"{r['output_usd_per_mtok']:>8.4g}  {r['monthly_usd']:>14,.2f}")
+        prices = [f"{p:>8.4g}" if p is not None else f"{'machine':>8}"
+                  for p in (r["input_usd_per_mtok"], r["output_usd_per_mtok"])]
+        print(f"{r['target']:<{w}}  {r['model']:<{wm}}  {prices[0]}  {prices[1]}  {r['monthly_usd']:>14,.2f}")
     return 0
 
 

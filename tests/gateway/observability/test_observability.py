@@ -385,6 +385,16 @@ def test_cost_estimate_command():
                           str(ROOT / "config.example.yaml"), "--tokens-per-month", "2e6", "--input-share", "0.5"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and re.search(r"holysheep\s+gpt-4o-mini\s+0\.15\s+0\.6\s+0\.75\b", out.stdout)
+    # a local engine with local.cost: its machine's month, whatever it serves (a FinOps trial's 36 USD/h machine was
+    # priced by its placeholder prices)
+    from gateway.billing.commands import cost_table
+    from gateway.config.compile import load_config_text
+
+    text = (ROOT / "config.example.yaml").read_text().replace(
+        "    # cost: {usd_per_hour: 2.5, interval_s: 60}", "    cost: {usd_per_hour: 36, interval_s: 60}", 1)
+    assert "usd_per_hour: 36" in text
+    rows = {r["target"]: r for r in cost_table(load_config_text(text).config, 10**9)}
+    assert rows["local"]["monthly_usd"] == 36 * 730 and rows["local"]["input_usd_per_mtok"] is None
 
 
 @pytest.mark.parametrize("backend", ["memory", "redis"])
