@@ -105,6 +105,10 @@ class RedisServer:
         self.data_dir = data_dir
 
     def start(self) -> "RedisServer":
+        """Start it; a running one is left as it is (a test's ``finally: start()`` after a failure before its
+        ``stop()`` started a second server, which could not bind, and lost the first: it outlived the suite)."""
+        if self.running:
+            return self
         durable = (["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.data_dir)] if self.data_dir
                    else ["--appendonly", "no"])
         cmd = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *durable,
