@@ -54,6 +54,20 @@ def estimate_nusd(cfg, targets, prompt_tokens: int, completion_tokens: int,
     return cost_nusd(best, prompt_tokens, completion_tokens)
 
 
+def _budget_exceeded(req: GatewayRequest, budget: Budget, check, est: int) -> ClientError:
+    """The 429 ``budget_exceeded`` of a request its tenant's budget refused: what was spent and what requests in
+    flight hold, and the request's estimate; one estimated above the whole budget says so, as no later period admits
+    it (a budget trial read "has used $0.0095" with nothing spent, and a retry-after for a request that never fits)."""
+    held = f" (and {format_usd(check.reserved_nusd / NANO)} held by requests in flight)" if check.reserved_nusd else ""
+    why = (f"this request alone is estimated at {format_usd(est / NANO)}, more than the whole budget: lower its "
+           "max_tokens" if est > budget.usd * NANO else f"this request is estimated at {format_usd(est / NANO)}")
+    return ClientError(
+        429, f"Budget exceeded: tenant '{tenant_label(req.tenant)}' has used {format_usd(check.spent_nusd / NANO)}"
+             f"{held} of its {format_usd(budget.usd)} {PERIOD_ADJECTIVE[budget.period]} budget ({why}: its prompt "
+             "counted roughly, its max_tokens in full, at its targets' highest prices).",
+        code="budget_exceeded", headers={"retry-after": str(int(check.resets_in_s) + 1)})
+
+
 async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: UsageLedger, cfg,
                 live: Mapping[str, Price] | None = None) -> Admission:
     """Check and record the request's rate limits, then reserve its estimated cost in its tenant's budget.
@@ -88,11 +102,5 @@ async def admit(req: GatewayRequest, targets, resilience: Resilience, usage: Usa
                                "(state.fail_closed_limits); retry later.", code="budget_unavailable",
                           headers={"retry-after": str(int(check.resets_in_s) + 1)})
     if not check.admitted:
-        spent = (check.spent_nusd + check.reserved_nusd) / NANO
-        raise ClientError(
-            429, f"Budget exceeded: tenant '{tenant_label(req.tenant)}' has used {format_usd(spent)} of its "
-                 f"{format_usd(budget.usd)} {PERIOD_ADJECTIVE[budget.period]} budget (this request is estimated "
-                 f"at {format_usd(est / NANO)}: its prompt counted roughly, its max_tokens in full, at its targets' "
-                 "highest prices).",
-            code="budget_exceeded", headers={"retry-after": str(int(check.resets_in_s) + 1)})
+        raise _budget_exceeded(req, budget, check, est)
     return Admission(tokens, rl.reservation, check.reservation, budget, rl.headers())

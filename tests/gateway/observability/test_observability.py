@@ -490,6 +490,8 @@ def test_budget_race_through_gateway(ups, redis_url, tmp_path):
         assert value(fams, "tandem_rate_limit_rejections_total", tenant="t1", code="budget_exceeded") == 8
         assert value(fams, "tandem_budget_spent_usd", tenant="t1", period="day") == pytest.approx(22e-6, abs=1e-12)
         assert value(fams, "tandem_budget_usd", tenant="t1", period="day") == pytest.approx(4e-05)
+        r = chat(gwp, KEY_T1, "m1", max_tokens=1000)              # never fits: it says so
+        assert r.status_code == 429 and "more than the whole budget: lower its max_tokens" in r.json()["error"]["message"]
     finally:
         gwp.stop()
         up.stop()
