@@ -40,7 +40,6 @@ import redis.asyncio as aioredis
 import yaml
 
 
-
 class VersionConflict(Exception):
     """A change built on version ``base`` while the head is ``current`` (another replica changed the config)."""
 

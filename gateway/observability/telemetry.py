@@ -352,11 +352,10 @@ class Observability:
                 out = self._redacted(rec, ev)
             if ev.usage:
                 rec.usage = ev.usage
-                if not ev.choices:
+                if not ev.choices:           # the usage-only event: the client's when it asked, else dropped
                     rec.usage_sent = not rec.strip_usage
-                if rec.strip_usage and not ev.choices:
-                    out = None               # the usage-only event, dropped
-                elif rec.strip_chunk_usage and ev.choices:
+                    out = None if rec.strip_usage else out
+                elif rec.strip_chunk_usage:
                     out = msgspec.structs.replace(ev, usage=None)   # the local engine's count on every chunk
             if ev.model and rec.response_model is None:
                 rec.response_model = rec.model or ev.model   # the name the client sees (the codec writes it)
