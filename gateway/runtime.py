@@ -35,6 +35,7 @@ from gateway.cache.response_cache import ResponseCache
 from gateway.cache.store import CacheStore
 from gateway.resilience.layer import Resilience
 from gateway.billing.journal import Journal
+from gateway.billing.local_cost import running_cost
 from gateway.resilience.streaming import GATEWAY_SHUTDOWN
 from gateway.billing.usage import UsageLedger
 from gateway.observability.metrics import LiveGauges
@@ -197,12 +198,11 @@ class Gateway:
         await self.ledger.aclose()
 
     def local_billing_price(self, backend: str):
-        """The ``Price`` the ledger bills ``backend``'s answers at when it is the local engine with ``local.cost``
-        set (the price of the interval its tokens were computed in: ``LocalCost.billed``); None otherwise."""
-        local, lc = self.snapshot.local if self.snapshot is not None else None, self.local_cost
-        if lc is None or local is None or local.name != backend or local.cfg.cost is None or local.engine is None:
+        """The ``Price`` the ledger bills ``backend``'s answers at: ``LocalCost.billed`` (``running_cost``), or None."""
+        running = running_cost(self, self.snapshot)
+        if running is None or running[1].name != backend or running[1].engine is None:
             return None
-        return lc.billed(local.engine.get_stats(), time.monotonic())
+        return running[0].billed(running[1].engine.get_stats(), time.monotonic())
 
     def live_gauges(self) -> LiveGauges:
         """What ``GET /metrics`` reads at scrape time."""

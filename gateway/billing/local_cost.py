@@ -88,6 +88,16 @@ class LocalCost:
         return None if prices is None else Price(prices[0], prices[1], None)
 
 
+def running_cost(gw, snap) -> tuple[LocalCost, object] | None:
+    """(``gw.local_cost``, the local backend) while the local engine of config generation ``snap`` has
+    ``local.cost``; None otherwise (a reload may have removed the setting, leaving the object behind). The ledger's
+    price (``Gateway.local_billing_price``) and the budget's estimate (``pipeline.handle``) follow this one rule."""
+    local = snap.local if snap is not None else None
+    if gw.local_cost is None or local is None or local.cfg.cost is None:
+        return None
+    return gw.local_cost, local
+
+
 def local_price(gw, local, now: float) -> Price:
     """The co-located engine's current price for routing: ``gw.local_cost`` (created, or replaced when the
     backend's ``cost`` settings changed with a reload) observing ``local``'s (a ``LocalBackend``) engine."""

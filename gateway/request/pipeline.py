@@ -14,7 +14,7 @@ from dataclasses import replace
 from engine.protocol.errors import ENGINE_LOADING_RETRY_AFTER_S
 from gateway.backends.dispatch import forward
 from gateway.backends.relabel import answer_id
-from gateway.billing.local_cost import local_price
+from gateway.billing.local_cost import local_price, running_cost
 from gateway.errors import ClientError, error_body, model_not_found
 from gateway.offload import off_loop
 from gateway.request.admission import admit
@@ -208,8 +208,8 @@ async def handle(gw, endpoint: str, raw: bytes, headers: Mapping[str, str], requ
     if (error := _unreachable(snap, req, decision)) is not None:
         raise error
     # admission first: a request its limits or budget refuse costs no exact cache key (the prompt rendered)
-    local_cost = gw.local_cost if snap.local is not None and snap.local.cfg.cost is not None else None
-    live = {snap.local.name: local_cost.price} if local_cost is not None else None   # the budget's estimate
+    running = running_cost(gw, snap)
+    live = {running[1].name: running[0].price} if running is not None else None   # the budget's estimate
     adm = await admit(req, decision.attempts, gw.resilience, gw.usage, snap.compiled.config, live)
     cache = await gw.cache.plan(snap, req, decision.route, decision.attempts, headers, len(raw))   # None: no cache
     if cache is not None:
