@@ -132,16 +132,23 @@ def _model_object(name: str) -> dict:
             "parent": None, "endpoints": list(MODEL_ENDPOINTS)}
 
 
+def _authenticated(request: Request, snap) -> bool:
+    """Authenticate a model listing's caller; whether it is the ``anthropic`` SDK (``wants_anthropic``: its
+    ``x-api-key`` is its key, its 401 names that header, and it gets Anthropic's model objects)."""
+    anthropic = wants_anthropic(request)
+    snap.authenticate(anthropic_headers(request) if anthropic else request.headers,
+                      "anthropic" if anthropic else "openai")
+    return anthropic
+
+
 @route("/v1/models", http_method=[HttpMethod.GET, HttpMethod.HEAD])   # HEAD wherever GET (RFC 9110)
 async def models(request: Request) -> Response:
     """OpenAI's model list, or Anthropic's page of model objects for the ``anthropic`` SDK (``wants_anthropic``)."""
     snap = request.app.state.gw.snapshot
     compiled = snap.compiled
-    if wants_anthropic(request):
-        snap.authenticate(anthropic_headers(request), "anthropic")
+    if _authenticated(request, snap):
         page = anthropic_model_page(list(compiled.public_models), request.query_params)
         return Response(msgspec.json.encode(page), media_type=_JSON)
-    snap.authenticate(request.headers)
     data = [_model_object(m) for m in compiled.public_models]
     return Response(msgspec.json.encode({"object": "list", "data": data}), media_type=_JSON)
 
@@ -153,9 +160,7 @@ async def model(request: Request) -> Response:
     name."""
     snap = request.app.state.gw.snapshot
     compiled = snap.compiled
-    anthropic = wants_anthropic(request)
-    snap.authenticate(anthropic_headers(request) if anthropic else request.headers,
-                      "anthropic" if anthropic else "openai")
+    anthropic = _authenticated(request, snap)
     name = request.path_params["model"].lstrip("/")   # a path parameter keeps its leading slash; names may hold /
     if name not in compiled.model_names:
         raise model_not_found(name, compiled.public_models)
