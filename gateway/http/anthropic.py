@@ -57,8 +57,7 @@ def wants_anthropic(request: Request) -> bool:
 def anthropic_model(name: str) -> dict:
     """Anthropic's model object for a public model (``created_at``: the answer's time, as OpenAI's ``created``:
     a gateway's public model has no creation date of its own)."""
-    created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {"type": "model", "id": name, "display_name": name, "created_at": created}
+    return {"type": "model", "id": name, "display_name": name, "created_at": _rfc3339(time.time())}
 
 
 def anthropic_model_page(names: list[str], query: Mapping[str, str]) -> dict:
@@ -90,8 +89,12 @@ def _reset_time(duration: bytes, now_s: float) -> bytes:
     """An ``x-ratelimit-reset-*`` duration (``"6m0s"``, ``"250ms"``) as Anthropic's reset: an RFC 3339 UTC time."""
     m = _DURATION.match(duration.decode("latin-1"))
     h, mi, s, ms = (int(x or 0) for x in m.groups()) if m else (0, 0, 0, 0)
-    at = datetime.fromtimestamp(now_s + h * 3600 + mi * 60 + s + ms / 1000, timezone.utc)
-    return at.strftime("%Y-%m-%dT%H:%M:%SZ").encode()
+    return _rfc3339(now_s + h * 3600 + mi * 60 + s + ms / 1000).encode()
+
+
+def _rfc3339(at_s: float) -> str:
+    """Unix seconds as Anthropic writes a time: RFC 3339, UTC, whole seconds (``2026-12-08T01:15:46Z``)."""
+    return datetime.fromtimestamp(at_s, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 async def anthropic_request_id(message, scope) -> None:
